@@ -1,0 +1,34 @@
+"""stalewise: asynchronous distributed training with parameter servers and model averaging.
+
+Example:
+    >>> import numpy as np, stalewise as sw
+    >>> job = sw.Job({"w": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1),
+    ...              consistency=sw.SSP(2), staleness=sw.staleness.inverse())
+"""
+
+from __future__ import annotations
+
+import logging
+
+from stalewise import consistency, optim, staleness, strategies, tree
+from stalewise.api import Job
+from stalewise.consistency import ASP, BSP, SSP
+from stalewise.runtime.base import TrainResult, WorkerError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ASP",
+    "BSP",
+    "SSP",
+    "Job",
+    "TrainResult",
+    "WorkerError",
+    "consistency",
+    "optim",
+    "staleness",
+    "strategies",
+    "tree",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

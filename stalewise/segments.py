@@ -1,0 +1,82 @@
+"""The segment table: which slice of a flat parameter vector belongs to which leaf.
+
+Optimizers that work per leaf (LAMB and LARS trust ratios, weight-decay masks)
+and the sharding of parameters across server shards both need to know where one
+leaf ends and the next begins. A :class:`Segments` table says so with three
+parallel sequences: a name (the leaf's dotted key path, e.g. ``"layer1.w"``), an
+offset into the flat vector and a size.
+
+Example:
+    >>> seg = Segments.from_sizes(["w", "b"], [6, 3])
+    >>> seg.total, list(seg.offsets)
+    (9, [0, 6])
+    >>> seg.slice(4, 9).names
+    ('w', 'b')
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Segments(NamedTuple):
+    """A table of contiguous, non-overlapping segments covering ``[0, total)``."""
+
+    names: tuple[str, ...]  # dotted key path of each leaf (a leaf split across shards keeps its name)
+    offsets: np.ndarray  # int64 start of each segment in the flat vector
+    sizes: np.ndarray  # int64 number of elements of each segment
+
+    @classmethod
+    def from_sizes(cls, names: Sequence[str], sizes: Sequence[int]) -> Segments:
+        """Builds a table of back-to-back segments starting at offset 0."""
+        sizes_arr = np.asarray(sizes, dtype=np.int64).reshape(-1)
+        if len(names) != len(sizes_arr):
+            raise ValueError(f"{len(names)} names for {len(sizes_arr)} sizes")
+        if (sizes_arr < 0).any():
+            bad = int(np.flatnonzero(sizes_arr < 0)[0])
+            raise ValueError(f"segment {names[bad]!r}: negative size {int(sizes_arr[bad])}")
+        offsets = np.zeros(len(sizes_arr), dtype=np.int64)
+        if len(sizes_arr):
+            np.cumsum(sizes_arr[:-1], out=offsets[1:])
+        return cls(tuple(names), offsets, sizes_arr)
+
+    @classmethod
+    def single(cls, size: int, name: str = "params") -> Segments:
+        """One segment covering a whole vector (the table for an unstructured vector)."""
+        return cls.from_sizes([name], [size])
+
+    @property
+    def total(self) -> int:
+        """Number of elements covered (end of the last segment)."""
+        if not len(self.sizes):
+            return 0
+        return int(self.offsets[-1] + self.sizes[-1])
+
+    def __len__(self) -> int:  # type: ignore[override]
+        return len(self.names)
+
+    def slice(self, start: int, stop: int) -> Segments:
+        """The part of the table inside ``[start, stop)``, re-based to offset 0.
+
+        A segment cut by the boundary keeps its name; its size is the part inside.
+        """
+        if not 0 <= start <= stop <= self.total:
+            raise ValueError(f"slice [{start}, {stop}) outside [0, {self.total})")
+        ends = self.offsets + self.sizes
+        keep = (ends > start) & (self.offsets < stop) | ((self.sizes == 0) & (self.offsets >= start) & (self.offsets < stop))
+        idx = np.flatnonzero(keep)
+        lo = np.maximum(self.offsets[idx], start)
+        hi = np.minimum(ends[idx], stop)
+        return Segments(tuple(self.names[i] for i in idx), lo - start, hi - lo)
+
+    def mask(self, patterns: Iterable[str] | None) -> np.ndarray:
+        """A boolean per segment: True where the name matches any regex in ``patterns``.
+
+        Matching uses :func:`re.search`, so ``"bias"`` matches ``"layer1.bias"``.
+        """
+        pats = [re.compile(p) for p in (patterns or ())]
+        return np.array([any(p.search(n) for p in pats) for n in self.names], dtype=np.bool_)

@@ -1,0 +1,67 @@
+"""Built-in tasks for the demo, the tests and the benchmarks.
+
+A task (see :class:`~stalewise.tasks.base.Task`) owns a model, its data and
+its loss: ``init_params``, ``loss_and_grad``, ``batches`` (one disjoint shard
+per worker) and ``evaluate``. Build one by name with :func:`get`; backends
+(torch, jax) are imported only when their task is requested.
+
+| name            | backend | model                          | evaluate keys        |
+| --------------- | ------- | ------------------------------ | -------------------- |
+| `digits`        | NumPy   | MLP 64-hidden-10 on 8x8 digits | loss, accuracy       |
+| `digits-torch`  | PyTorch | same numbers as `digits`       | loss, accuracy       |
+| `digits-jax`    | JAX     | same numbers as `digits`       | loss, accuracy       |
+| `least-squares` | NumPy   | synthetic linear regression    | loss, distance       |
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from stalewise.tasks.base import Task, shard_batches, shard_indices
+
+__all__ = ["Task", "get", "names", "shard_batches", "shard_indices"]
+
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "digits": ("stalewise.tasks.digits", "Digits"),
+    "digits-torch": ("stalewise.tasks.digits_torch", "DigitsTorch"),
+    "digits-jax": ("stalewise.tasks.digits_jax", "DigitsJax"),
+    "least-squares": ("stalewise.tasks.least_squares", "LeastSquares"),
+}
+
+
+def names() -> list[str]:
+    """Returns the names accepted by :func:`get`.
+
+    Example:
+        >>> names()
+        ['digits', 'digits-jax', 'digits-torch', 'least-squares']
+    """
+    return sorted(_REGISTRY)
+
+
+def get(name: str, **kwargs: Any) -> Task:
+    """Builds a built-in task by name.
+
+    Args:
+        name: one of :func:`names`.
+        **kwargs: constructor arguments of the task class, e.g. ``hidden=32``
+            for the digits tasks or ``d=10_000`` for ``least-squares``.
+
+    Returns:
+        A new task object.
+
+    Raises:
+        ValueError: if ``name`` is unknown (the message lists the known names).
+
+    Example:
+        >>> task = get("digits", hidden=16, batch_size=8)
+        >>> task.name, task.hidden
+        ('digits', 16)
+    """
+    try:
+        module_name, class_name = _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(names())}") from None
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(**kwargs)

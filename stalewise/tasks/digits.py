@@ -1,0 +1,258 @@
+"""Handwritten digits: a small MLP classifier on scikit-learn's bundled digits.
+
+The data are the 1797 8x8 images of ``sklearn.datasets.load_digits`` (read
+from the scikit-learn wheel, no network). A fixed stratified split keeps
+``test_fraction`` of every class for evaluation; features are standardised
+with the training-set mean and standard deviation. The model is
+
+    64 -> hidden (tanh or relu) -> 10, softmax cross-entropy (mean over the batch)
+
+with parameters ``{"layer1": {"w", "b"}, "layer2": {"w", "b"}}``, weights
+stored ``(fan_in, fan_out)``, Glorot-uniform init for tanh, He-normal for
+relu, zero biases, float32. This module holds the NumPy version (manual
+backprop); ``digits_torch`` and ``digits_jax`` reuse its data and init, so
+the three backends start from the same numbers for the same seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from stalewise.tasks.base import shard_batches
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Digits", "DigitsData", "init_mlp", "load_digits_split"]
+
+NUM_FEATURES = 64
+NUM_CLASSES = 10
+_ACTIVATIONS = ("tanh", "relu")
+
+
+class DigitsData(NamedTuple):
+    """A standardised, split copy of the digits data (arrays are read-only)."""
+
+    x_train: np.ndarray  # (n_train, 64) float32, standardised, in random order
+    y_train: np.ndarray  # (n_train,) int64 class labels
+    x_test: np.ndarray  # (n_test, 64) float32, standardised with training statistics
+    y_test: np.ndarray  # (n_test,) int64 class labels
+
+
+@functools.lru_cache(maxsize=8)
+def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
+    """Loads the digits and splits them, stratified by class.
+
+    Cached per process: the tasks of one worker process share one copy.
+
+    Args:
+        seed: seed of the split and of the order of the training examples.
+        test_fraction: share of each class held out for evaluation.
+
+    Returns:
+        The split as read-only arrays.
+
+    Example:
+        >>> data = load_digits_split(seed=0)
+        >>> data.x_train.shape, data.x_test.shape
+        ((1438, 64), (359, 64))
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    x, y = raw.data.astype(np.float64), raw.target.astype(np.int64)
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for c in range(NUM_CLASSES):
+        members = rng.permutation(np.flatnonzero(y == c))
+        n_test = round(test_fraction * len(members))
+        test.append(members[:n_test])
+        train.append(members[n_test:])
+    train_idx = rng.permutation(np.concatenate(train))
+    test_idx = np.sort(np.concatenate(test))
+    mean = x[train_idx].mean(axis=0)
+    std = x[train_idx].std(axis=0)
+    std[std == 0.0] = 1.0  # border pixels that are blank in every training image
+    arrays = (
+        ((x[train_idx] - mean) / std).astype(np.float32),
+        y[train_idx],
+        ((x[test_idx] - mean) / std).astype(np.float32),
+        y[test_idx],
+    )
+    for a in arrays:
+        a.setflags(write=False)
+    logger.debug("digits split seed=%d: %d train, %d test", seed, len(train_idx), len(test_idx))
+    return DigitsData(*arrays)
+
+
+def init_mlp(hidden: int = 64, activation: str = "tanh", seed: int = 0) -> dict:
+    """Returns NumPy float32 parameters of the digits MLP.
+
+    Args:
+        hidden: width of the hidden layer.
+        activation: ``"tanh"`` (Glorot-uniform weights) or ``"relu"`` (He-normal).
+        seed: initialisation seed.
+
+    Returns:
+        ``{"layer1": {"w": (64, hidden), "b": (hidden,)},
+        "layer2": {"w": (hidden, 10), "b": (10,)}}`` (shapes shown).
+
+    Example:
+        >>> p = init_mlp(hidden=16, seed=0)
+        >>> p["layer1"]["w"].shape, p["layer2"]["b"].tolist() == [0.0] * 10
+        ((64, 16), True)
+    """
+    _check_activation(activation)
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, (fan_in, fan_out) in {
+        "layer1": (NUM_FEATURES, hidden),
+        "layer2": (hidden, NUM_CLASSES),
+    }.items():
+        if activation == "relu":
+            w = rng.normal(0.0, np.sqrt(2.0 / fan_in), size=(fan_in, fan_out))
+        else:
+            limit = np.sqrt(6.0 / (fan_in + fan_out))
+            w = rng.uniform(-limit, limit, size=(fan_in, fan_out))
+        params[name] = {"w": w.astype(np.float32), "b": np.zeros(fan_out, np.float32)}
+    return params
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+
+
+def _forward(params: dict, x: np.ndarray, activation: str) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (hidden activations, logits)."""
+    l1, l2 = params["layer1"], params["layer2"]
+    z = x @ l1["w"] + l1["b"]
+    h = np.tanh(z) if activation == "tanh" else np.maximum(z, 0)
+    return h, h @ l2["w"] + l2["b"]
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+class Digits:
+    """Digits MLP classifier with NumPy arrays and manual backprop.
+
+    Batches are ``(x, y)`` pairs: ``x`` float32 ``(batch_size, 64)``, ``y`` int64.
+    The computation runs in the dtype of the parameters (float32 unless the
+    caller passes float64 parameters, e.g. for a finite-difference check).
+
+    Args:
+        hidden: width of the hidden layer.
+        activation: ``"tanh"`` or ``"relu"``.
+        batch_size: minibatch size of :meth:`batches`.
+        test_fraction: held-out share of each class.
+        split_seed: seed of the train/test split (fixed for a task, unlike the
+            init and shuffling seeds, which are per call).
+
+    Example:
+        >>> task = Digits(hidden=32)
+        >>> params = task.init_params(seed=0)
+        >>> loss, grads = task.loss_and_grad(params, next(task.batches(0, 4)))
+        >>> grads["layer1"]["w"].shape, grads["layer1"]["w"].dtype
+        ((64, 32), dtype('float32'))
+        >>> sorted(task.evaluate(params))
+        ['accuracy', 'loss']
+    """
+
+    name = "digits"
+
+    def __init__(
+        self,
+        hidden: int = 64,
+        activation: str = "tanh",
+        batch_size: int = 32,
+        test_fraction: float = 0.2,
+        split_seed: int = 0,
+    ) -> None:
+        _check_activation(activation)
+        if hidden < 1 or batch_size < 1:
+            raise ValueError(f"hidden and batch_size must be positive: {hidden}, {batch_size}")
+        self.hidden = hidden
+        self.activation = activation
+        self.batch_size = batch_size
+        self.test_fraction = test_fraction
+        self.split_seed = split_seed
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(hidden={self.hidden}, activation={self.activation!r}, "
+            f"batch_size={self.batch_size}, test_fraction={self.test_fraction}, "
+            f"split_seed={self.split_seed})"
+        )
+
+    @property
+    def data(self) -> DigitsData:
+        """The split data (loaded on first use, cached per process, never pickled)."""
+        return load_digits_split(self.split_seed, self.test_fraction)
+
+    @property
+    def num_train(self) -> int:
+        """Number of training examples shared among the workers."""
+        return len(self.data.y_train)
+
+    def init_params(self, seed: int = 0) -> Any:
+        """Returns fresh parameters in this task's backend, deterministic by ``seed``."""
+        return self._from_numpy(init_mlp(self.hidden, self.activation, seed))
+
+    def batches(self, worker: int, workers: int, seed: int = 0) -> Iterator[Any]:
+        """Yields ``worker``'s ``(x, y)`` minibatches forever.
+
+        See :func:`~stalewise.tasks.base.shard_batches` for sharding and shuffling.
+        """
+        data = self.data
+        for idx in shard_batches(len(data.y_train), self.batch_size, worker, workers, seed):
+            yield self._batch(data.x_train[idx], data.y_train[idx])
+
+    def evaluate(self, params: Any) -> dict[str, float]:
+        """Returns the held-out ``loss`` (mean cross-entropy) and ``accuracy``."""
+        p = self._to_numpy(params)
+        data = self.data
+        _, logits = _forward(p, data.x_test.astype(p["layer1"]["w"].dtype), self.activation)
+        logp = _log_softmax(logits)
+        loss = -logp[np.arange(len(data.y_test)), data.y_test].mean()
+        accuracy = (logits.argmax(axis=1) == data.y_test).mean()
+        return {"loss": float(loss), "accuracy": float(accuracy)}
+
+    def loss_and_grad(self, params: dict, batch: tuple[np.ndarray, np.ndarray]) -> tuple:
+        """Returns the mean cross-entropy of ``batch`` and its gradient."""
+        x, y = batch
+        dtype = params["layer1"]["w"].dtype
+        x = np.asarray(x, dtype=dtype)
+        h, logits = _forward(params, x, self.activation)
+        logp = _log_softmax(logits)
+        rows = np.arange(len(y))
+        loss = -logp[rows, y].mean()
+        dlogits = np.exp(logp)
+        dlogits[rows, y] -= 1.0
+        dlogits /= len(y)
+        w2 = params["layer2"]["w"]
+        dh = dlogits @ w2.T
+        dz = dh * (1.0 - h * h) if self.activation == "tanh" else dh * (h > 0)
+        grads = {
+            "layer1": {"w": x.T @ dz, "b": dz.sum(axis=0)},
+            "layer2": {"w": h.T @ dlogits, "b": dlogits.sum(axis=0)},
+        }
+        return float(loss), grads
+
+    # Backend hooks, overridden by the torch and jax variants.
+    def _from_numpy(self, tree: dict) -> Any:
+        return tree
+
+    def _to_numpy(self, tree: Any) -> dict:
+        return tree
+
+    def _batch(self, x: np.ndarray, y: np.ndarray) -> Any:
+        return x, y

@@ -1,0 +1,213 @@
+"""Synthetic linear least squares with a known solution.
+
+``A`` is an ``(n, d)`` float32 Gaussian matrix drawn from a seeded generator
+(columns optionally rescaled to reach a target condition number of the
+Hessian), ``x*`` a Gaussian vector and ``b = A x* + noise * N(0, 1)``. The
+loss of a set of rows ``B`` is ``0.5 * mean((A_B x - b_B) ** 2)``, whose
+Hessian over the full data is ``A^T A / n``, close to the identity for
+well-conditioned problems with ``n >> d``.
+
+Two gradient modes:
+
+* minibatch (default): workers own disjoint row shards and batches are
+  ``(A_rows, b_rows)`` pairs, as for any data-parallel task;
+* ``exact=True``: batches are ``None`` and the gradient is the full-data one.
+  When ``d <= min(n, 2048)`` it costs one ``d x d`` matrix-vector product with
+  a precomputed Gram matrix, so a simulator can afford thousands of workers
+  (every worker sees all data; there is no shard to run out of).
+
+The data are generated on first use and never pickled: a task sent to a
+worker process regenerates the same numbers from its seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from stalewise.tasks.base import shard_batches
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LeastSquares"]
+
+_MAX_GRAM_DIM = 2048
+
+
+class LeastSquares:
+    """Linear regression ``min_x 0.5 * mean((A x - b) ** 2)`` with known ``x*``.
+
+    Args:
+        n: number of rows (examples).
+        d: number of unknowns; ``d = 10_000`` with ``n = 2048`` is a 80 MB problem.
+        noise: standard deviation of the Gaussian noise added to ``b``.
+        condition: target condition number of ``A^T A`` (1 keeps the columns
+            as drawn; larger values scale column ``j`` by
+            ``condition ** (-j / (2 (d - 1)))``).
+        batch_size: rows per minibatch.
+        exact: if True, batches are ``None`` and gradients are full-data ones.
+        seed: seed of ``A``, ``x*`` and the noise.
+
+    Example:
+        >>> task = LeastSquares(n=256, d=8)
+        >>> params = task.init_params()
+        >>> loss, grads = task.loss_and_grad(params, next(task.batches(0, 2)))
+        >>> grads["x"].shape, grads["x"].dtype
+        ((8,), dtype('float32'))
+        >>> task.evaluate(task.init_params())["distance"]
+        1.0
+        >>> task.evaluate({"x": task.optimum()})["loss"] < 1e-10
+        True
+    """
+
+    name = "least-squares"
+
+    def __init__(
+        self,
+        n: int = 2048,
+        d: int = 64,
+        noise: float = 0.0,
+        condition: float = 1.0,
+        batch_size: int = 32,
+        exact: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if n < 1 or d < 1 or batch_size < 1:
+            raise ValueError(f"n, d and batch_size must be positive: {n}, {d}, {batch_size}")
+        if noise < 0 or condition < 1:
+            raise ValueError(f"need noise >= 0 and condition >= 1: {noise}, {condition}")
+        self.n, self.d = n, d
+        self.noise = noise
+        self.condition = condition
+        self.batch_size = batch_size
+        self.exact = exact
+        self.seed = seed
+        self._cache: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"LeastSquares(n={self.n}, d={self.d}, noise={self.noise}, "
+            f"condition={self.condition}, batch_size={self.batch_size}, "
+            f"exact={self.exact}, seed={self.seed})"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cache"] = {}
+        return state
+
+    def _data(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Returns ``(A, b, x*)``, generating them on first use."""
+        if "A" not in self._cache:
+            rng = np.random.default_rng(self.seed)
+            a = rng.standard_normal((self.n, self.d), dtype=np.float32)
+            if self.condition > 1 and self.d > 1:
+                exponents = np.arange(self.d) / (2.0 * (self.d - 1))
+                a *= (self.condition**-exponents).astype(np.float32)
+            x_star = rng.standard_normal(self.d, dtype=np.float32)
+            b = a @ x_star
+            if self.noise > 0:
+                b += (self.noise * rng.standard_normal(self.n)).astype(np.float32)
+            for arr in (a, b, x_star):
+                arr.setflags(write=False)
+            self._cache.update(A=a, b=b, x_star=x_star)
+            logger.debug("generated least-squares data n=%d d=%d", self.n, self.d)
+        return self._cache["A"], self._cache["b"], self._cache["x_star"]
+
+    @property
+    def x_star(self) -> np.ndarray:
+        """The planted solution ``x*`` (``b = A x* + noise``)."""
+        return self._data()[2]
+
+    def optimum(self) -> np.ndarray:
+        """Returns a minimiser of the full-data loss, as float32.
+
+        That is ``x*`` when there is no noise and ``n >= d``; otherwise the
+        minimum-norm least-squares solution (computed once, in float64).
+
+        Example:
+            >>> task = LeastSquares(n=64, d=4)
+            >>> bool((task.optimum() == task.x_star).all())
+            True
+        """
+        if "optimum" not in self._cache:
+            a, b, x_star = self._data()
+            if self.noise == 0 and self.n >= self.d:
+                x_opt = x_star
+            else:
+                x64 = np.linalg.lstsq(a.astype(np.float64), b.astype(np.float64), rcond=None)[0]
+                x_opt = x64.astype(np.float32)
+                x_opt.setflags(write=False)
+            self._cache["optimum"] = x_opt
+        return self._cache["optimum"]
+
+    @property
+    def optimal_loss(self) -> float:
+        """The full-data loss at :meth:`optimum` (0 without noise when ``n >= d``)."""
+        if "optimal_loss" not in self._cache:
+            if self.noise == 0 and self.n >= self.d:
+                self._cache["optimal_loss"] = 0.0
+            else:
+                a, b, _ = self._data()
+                x_opt = self.optimum().astype(np.float64)
+                r = a.astype(np.float64) @ x_opt - b
+                self._cache["optimal_loss"] = float(0.5 * np.mean(r * r))
+        return self._cache["optimal_loss"]
+
+    def init_params(self, seed: int = 0) -> dict[str, np.ndarray]:
+        """Returns ``{"x": zeros(d)}`` (``seed`` is accepted for the interface and unused)."""
+        del seed
+        return {"x": np.zeros(self.d, np.float32)}
+
+    def batches(self, worker: int, workers: int, seed: int = 0) -> Iterator[Any]:
+        """Yields ``(A_rows, b_rows)`` minibatches of ``worker``'s row shard forever.
+
+        With ``exact=True`` yields ``None`` forever (any number of workers).
+        """
+        if self.exact:
+            if workers < 1 or not 0 <= worker < workers:
+                raise ValueError(f"need 0 <= worker < workers, got {worker}, {workers}")
+            return itertools.repeat(None)
+        return self._minibatches(worker, workers, seed)
+
+    def _minibatches(self, worker: int, workers: int, seed: int) -> Iterator[Any]:
+        a, b, _ = self._data()
+        for idx in shard_batches(self.n, self.batch_size, worker, workers, seed):
+            yield a[idx], b[idx]
+
+    def loss_and_grad(self, params: dict[str, np.ndarray], batch: Any) -> tuple:
+        """Returns the loss and gradient on ``batch`` (``None`` = all the data)."""
+        x = params["x"]
+        if batch is None:
+            return self._full_loss_and_grad(x)
+        a, b = batch
+        r = a @ x - b
+        return float(0.5 * np.mean(np.square(r, dtype=np.float64))), {"x": (a.T @ r) / len(b)}
+
+    def _full_loss_and_grad(self, x: np.ndarray) -> tuple:
+        if self.d > min(self.n, _MAX_GRAM_DIM):
+            a, b, _ = self._data()
+            r = a @ x.astype(np.float32) - b
+            g = (a.T @ r) / self.n
+            return float(0.5 * np.mean(np.square(r, dtype=np.float64))), {"x": g.astype(x.dtype)}
+        if "gram" not in self._cache:
+            a, _, _ = self._data()
+            self._cache["gram"] = (a.T @ a) / np.float32(self.n)
+        # grad = A^T (A x - b) / n = G (x - x_opt) because A^T (A x_opt - b) = 0.
+        e = x - self.optimum()
+        g = self._cache["gram"] @ e
+        loss = 0.5 * float(np.dot(e.astype(np.float64), g)) + self.optimal_loss
+        return loss, {"x": g.astype(x.dtype, copy=False)}
+
+    def evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]:
+        """Returns the full-data ``loss`` and ``distance = ||x - x*|| / ||x*||``."""
+        a, b, x_star = self._data()
+        x = np.asarray(params["x"], dtype=np.float32)
+        r = a @ x - b
+        loss = 0.5 * np.mean(np.square(r, dtype=np.float64))
+        distance = np.linalg.norm(x - x_star) / np.linalg.norm(x_star)
+        return {"loss": float(loss), "distance": float(distance)}
