@@ -1,0 +1,54 @@
+"""The NumPy backend: ``np.ndarray`` leaves (and NumPy scalars, as 0-d leaves).
+
+Example:
+    >>> import numpy as np
+    >>> from stalewise.backends import get_backend
+    >>> b = get_backend("numpy")
+    >>> flat = np.arange(4, dtype=np.float32)
+    >>> np.shares_memory(b.from_numpy(flat, "float32", copy=False), flat)
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from stalewise.backends import Backend, numpy_dtype
+
+
+class NumpyBackend(Backend):
+    """``np.ndarray`` and ``np.generic`` leaves; new leaves are arrays (0-d for scalars)."""
+
+    name = "numpy"
+    roots = ("numpy",)
+
+    def is_leaf(self, x: Any) -> bool:
+        return isinstance(x, np.ndarray | np.generic)
+
+    def shape(self, x: Any) -> tuple[int, ...]:
+        return tuple(np.shape(x))
+
+    def dtype(self, x: Any) -> str:
+        return x.dtype.name
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+    def copy_into(self, x: Any, out: np.ndarray) -> None:
+        np.copyto(out, x, casting="unsafe")
+
+    def from_numpy(self, a: np.ndarray, dtype: str, like: Any = None, *, copy: bool = True) -> Any:
+        target = numpy_dtype(dtype)
+        if a.dtype != target:
+            return a.astype(target)
+        return a.copy() if copy else a
+
+    def is_writable(self, x: Any) -> bool:
+        return isinstance(x, np.ndarray) and x.flags.writeable
+
+    def assign(self, x: Any, a: np.ndarray) -> None:
+        if not self.is_writable(x):
+            raise TypeError("read-only NumPy array or NumPy scalar cannot be written in place")
+        np.copyto(x, a, casting="unsafe")

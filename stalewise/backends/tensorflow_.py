@@ -1,0 +1,97 @@
+"""The TensorFlow backend: ``tf.Tensor`` / ``tf.Variable`` / Keras variable leaves and models.
+
+Models are Keras models and layers (their ``trainable_variables``, named by
+variable path without the model's own name, e.g. ``"dense/kernel"``) and
+``tf.Module`` objects (named by attribute path, e.g. ``"layers.0.w"``). Keras
+layer names come from a global counter unless given: name the layers when the
+same model is built in several processes so that the names agree.
+
+Example:
+    >>> import numpy as np
+    >>> from stalewise.backends import get_backend
+    >>> b = get_backend("tensorflow")
+    >>> b.from_numpy(np.ones(3, np.float32), "float16").dtype.name
+    'float16'
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from stalewise.backends import Backend
+
+
+def _tf() -> Any:
+    import tensorflow as tf
+
+    return tf
+
+
+def _is_keras_variable(x: Any) -> bool:
+    import sys
+
+    keras = sys.modules.get("keras")
+    return keras is not None and isinstance(x, keras.Variable)
+
+
+class TensorFlowBackend(Backend):
+    """``tf.Tensor``, ``tf.Variable`` and Keras variable leaves; Keras and ``tf.Module`` models."""
+
+    name = "tensorflow"
+    roots = ("tensorflow", "keras", "tf_keras")
+
+    def is_leaf(self, x: Any) -> bool:
+        tf = _tf()
+        return isinstance(x, tf.Tensor | tf.Variable) or _is_keras_variable(x)
+
+    def dtype(self, x: Any) -> str:
+        d = x.dtype
+        return d if isinstance(d, str) else d.name
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x.numpy())
+
+    def from_numpy(self, a: np.ndarray, dtype: str, like: Any = None, *, copy: bool = True) -> Any:
+        tf = _tf()
+        target = tf.as_dtype(dtype)
+        t = tf.constant(a.copy())  # a private copy: tf may alias the NumPy memory it is given
+        return t if t.dtype == target else tf.cast(t, target)
+
+    def is_writable(self, x: Any) -> bool:
+        return isinstance(x, _tf().Variable) or _is_keras_variable(x)
+
+    def assign(self, x: Any, a: np.ndarray) -> None:
+        if not self.is_writable(x):
+            raise TypeError("tf.Tensor leaves are immutable")
+        x.assign(self.from_numpy(a, self.dtype(x)))
+
+    def named_params(self, x: Any) -> dict[str, Any] | None:
+        tf = _tf()
+        if _is_keras(x) and hasattr(x, "trainable_variables"):
+            prefix = f"{getattr(x, 'name', '')}/"
+            pairs = [(_variable_name(v).removeprefix(prefix), v) for v in x.trainable_variables]
+        elif isinstance(x, tf.Module):
+            found = x._flatten(predicate=_is_trainable, with_path=True)
+            pairs = [(".".join(str(p) for p in path), v) for path, v in found]
+        else:
+            return None
+        named = dict(pairs)
+        if len(named) != len(pairs):
+            dupes = sorted({n for n, _ in pairs if sum(m == n for m, _ in pairs) > 1})
+            raise ValueError(f"variables with the same name {dupes}; give them unique names")
+        return named
+
+
+def _is_keras(x: Any) -> bool:
+    return any(k.__module__.partition(".")[0] in ("keras", "tf_keras") for k in type(x).__mro__)
+
+
+def _is_trainable(v: Any) -> bool:
+    return isinstance(v, _tf().Variable) and v.trainable
+
+
+def _variable_name(v: Any) -> str:
+    return getattr(v, "path", None) or re.sub(r":\d+$", "", v.name)

@@ -1,0 +1,98 @@
+"""The PyTorch backend: ``torch.Tensor`` leaves (incl. ``nn.Parameter``) and ``nn.Module`` models.
+
+Tensors that require grad are detached, tensors on another device are copied
+to the CPU. New tensors live on the CPU unless ``like`` says otherwise. A
+module's leaves are its parameters that require grad, by their
+``named_parameters()`` names.
+
+Example:
+    >>> import numpy as np, torch
+    >>> from stalewise.backends import get_backend
+    >>> b = get_backend("torch")
+    >>> flat = np.arange(4, dtype=np.float32)
+    >>> t = b.from_numpy(flat, "float32", copy=False)
+    >>> t.data_ptr() == flat.ctypes.data
+    True
+    >>> b.from_numpy(flat, "bfloat16").dtype
+    torch.bfloat16
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from stalewise.backends import Backend
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _as_source(a: np.ndarray) -> Any:
+    """A CPU tensor over ``a`` (shared memory unless ``a`` is read-only or has no torch dtype)."""
+    torch = _torch()
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
+    if not a.flags.writeable:
+        a = a.copy()  # torch.from_numpy warns on read-only arrays
+    return torch.from_numpy(a)
+
+
+class TorchBackend(Backend):
+    """``torch.Tensor`` leaves and ``torch.nn.Module`` models."""
+
+    name = "torch"
+    roots = ("torch",)
+
+    def is_leaf(self, x: Any) -> bool:
+        return isinstance(x, _torch().Tensor)
+
+    def dtype(self, x: Any) -> str:
+        return str(x.dtype).removeprefix("torch.")
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        torch = _torch()
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype == torch.bfloat16:
+            try:
+                import ml_dtypes
+            except ImportError:  # pragma: no cover - ml_dtypes ships with jax and tensorflow
+                return t.float().numpy()
+            return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+
+    def copy_into(self, x: Any, out: np.ndarray) -> None:
+        # copy_ casts and moves across devices without a temporary on our side.
+        _torch().from_numpy(out).copy_(x.detach())
+
+    def from_numpy(self, a: np.ndarray, dtype: str, like: Any = None, *, copy: bool = True) -> Any:
+        torch = _torch()
+        target = getattr(torch, dtype)
+        shared = a.flags.writeable and a.dtype.name != "bfloat16"
+        t = _as_source(a)
+        if t.dtype != target:
+            t = t.to(target)
+        elif copy and shared:
+            t = t.clone()
+        if like is not None and like.device != t.device:
+            t = t.to(like.device)
+        return t
+
+    def is_writable(self, x: Any) -> bool:
+        return True
+
+    def assign(self, x: Any, a: np.ndarray) -> None:
+        torch = _torch()
+        with torch.no_grad():
+            x.copy_(_as_source(a))
+
+    def named_params(self, x: Any) -> dict[str, Any] | None:
+        if not isinstance(x, _torch().nn.Module):
+            return None
+        return {n: p for n, p in x.named_parameters() if p.requires_grad}
