@@ -1,0 +1,127 @@
+"""How much a stale push counts.
+
+The staleness ``tau`` of a push is the shard's version when the push is applied
+minus the version the worker pulled. A :class:`Staleness` rule turns ``tau`` into
+a weight that scales the server optimizer's step for that push, may reject pushes
+older than ``max_staleness``, and may switch on DC-ASGD delay compensation
+(Zheng et al. 2017): ``g + dc_lambda * g * g * (w_now - w_pulled)``.
+
+Rules:
+
+=============  ==============================  ================================
+rule           weight(tau)                     source
+=============  ==============================  ================================
+constant       1                               plain ASGD
+inverse        1 / max(1, tau)                 Zhang et al. 2016 (lr / tau)
+exponential    base ** tau                     exponential discounting
+polynomial     (1 + tau) ** -power             1/sqrt(1+tau) for power=0.5
+=============  ==============================  ================================
+
+Example:
+    >>> from stalewise import staleness
+    >>> rule = staleness.inverse(max_staleness=8)
+    >>> rule.weight(0), rule.weight(4)
+    (1.0, 0.25)
+    >>> rule.accepts(9)
+    False
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+_KINDS = ("constant", "inverse", "exponential", "polynomial")
+
+
+class Staleness(NamedTuple):
+    """A staleness rule. Build one with :func:`constant`, :func:`inverse`, ... ."""
+
+    kind: str  # one of constant, inverse, exponential, polynomial
+    param: float  # base of `exponential`, power of `polynomial`; unused otherwise
+    max_staleness: float  # pushes with tau above this are rejected (inf: never)
+    dc_lambda: float  # DC-ASGD delay-compensation strength (0: off)
+
+    def weight(self, tau: int) -> float:
+        """The step-size multiplier of a push with staleness ``tau`` (>= 0)."""
+        if tau < 0:
+            raise ValueError(f"staleness must be >= 0, got {tau}")
+        if self.kind == "inverse":
+            return 1.0 / max(1, tau)
+        if self.kind == "exponential":
+            return float(self.param**tau)
+        if self.kind == "polynomial":
+            return float((1.0 + tau) ** -self.param)
+        return 1.0
+
+    def accepts(self, tau: int) -> bool:
+        """False when the push is too stale to apply."""
+        return tau <= self.max_staleness
+
+    def compensate(self, grads: np.ndarray, w_now: np.ndarray, w_pulled: np.ndarray) -> None:
+        """Applies DC-ASGD compensation to ``grads`` in place (no-op when dc_lambda is 0)."""
+        if self.dc_lambda:
+            _dc_kernel(grads, w_now, w_pulled, self.dc_lambda)
+
+
+def _make(kind: str, param: float, max_staleness: float | None, dc_lambda: float) -> Staleness:
+    if kind not in _KINDS:
+        raise ValueError(f"unknown staleness rule {kind!r}; known: {', '.join(_KINDS)}")
+    max_s = math.inf if max_staleness is None else float(max_staleness)
+    if max_s < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    if not (dc_lambda >= 0 and math.isfinite(dc_lambda)):
+        raise ValueError(f"dc_lambda must be a finite number >= 0, got {dc_lambda}")
+    return Staleness(kind, float(param), max_s, float(dc_lambda))
+
+
+def constant(*, max_staleness: float | None = None, dc_lambda: float = 0.0) -> Staleness:
+    """Every push counts fully (plain asynchronous SGD)."""
+    return _make("constant", 0.0, max_staleness, dc_lambda)
+
+
+def inverse(*, max_staleness: float | None = None, dc_lambda: float = 0.0) -> Staleness:
+    """Step size divided by the staleness, ``lr / max(1, tau)`` (Zhang et al. 2016)."""
+    return _make("inverse", 0.0, max_staleness, dc_lambda)
+
+
+def exponential(
+    base: float = 0.5, *, max_staleness: float | None = None, dc_lambda: float = 0.0
+) -> Staleness:
+    """Step size times ``base ** tau`` with ``0 < base <= 1``."""
+    if not 0 < base <= 1:
+        raise ValueError(f"exponential staleness base must be in (0, 1], got {base}")
+    return _make("exponential", base, max_staleness, dc_lambda)
+
+
+def polynomial(
+    power: float = 0.5, *, max_staleness: float | None = None, dc_lambda: float = 0.0
+) -> Staleness:
+    """Step size times ``(1 + tau) ** -power``; the default is ``1/sqrt(1 + tau)``."""
+    if not power >= 0:
+        raise ValueError(f"polynomial staleness power must be >= 0, got {power}")
+    return _make("polynomial", power, max_staleness, dc_lambda)
+
+
+def from_name(name: str, **kwargs: float) -> Staleness:
+    """Builds a rule by name, as the config file and the CLI spell it."""
+    makers = dict(zip(_KINDS, (constant, inverse, exponential, polynomial), strict=True))
+    if name not in makers:
+        raise ValueError(f"unknown staleness rule {name!r}; known: {', '.join(_KINDS)}")
+    return makers[name](**kwargs)
+
+
+def _dc_kernel(g: np.ndarray, w_now: np.ndarray, w_pulled: np.ndarray, lam: float) -> None:
+    # g += lam * g * g * (w_now - w_pulled), in blocks so no parameter-sized temporary is made.
+    block = 1 << 16
+    tmp = np.empty(min(block, g.size), dtype=g.dtype)
+    for start in range(0, g.size, block):
+        stop = min(start + block, g.size)
+        t = tmp[: stop - start]
+        np.subtract(w_now[start:stop], w_pulled[start:stop], out=t)
+        t *= g[start:stop]
+        t *= g[start:stop]
+        t *= lam
+        g[start:stop] += t

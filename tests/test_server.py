@@ -1,0 +1,219 @@
+"""The parameter-server shard as a state machine: consistency, staleness, exactly-once, validation."""
+
+import math
+
+import numpy as np
+import pytest
+
+from stalewise import optim, sharding
+from stalewise import staleness as st
+from stalewise.consistency import ASP, BSP, SSP
+from stalewise.segments import Segments
+from stalewise.server import PushHeader, Shard
+
+
+def make_shard(n=6, workers=3, lr=0.5, **kw):
+    params = np.arange(n, dtype=np.float32)
+    return Shard(params, Segments.from_sizes(["a", "b"], [n // 2, n - n // 2]), optim.sgd(lr), workers=workers, **kw)
+
+
+def push(shard, worker, seq, base, g):
+    return shard.push(PushHeader(worker, seq, base), np.array(g, dtype=shard.params.dtype))  # a copy: the shard uses it as scratch
+
+
+def test_asp_applies_each_push_on_arrival():
+    shard = make_shard()
+    before = shard.params.copy()
+    ack = push(shard, 0, 0, 0, np.ones(6))
+    assert ack.ok and ack.staleness == 0 and shard.version == 1
+    np.testing.assert_array_equal(shard.params, before - 0.5)
+    ack = push(shard, 1, 0, 0, np.ones(6))  # computed on version 0, applied at version 1
+    assert ack.staleness == 1 and shard.version == 2
+    assert shard.stats.staleness == {0: 1, 1: 1}
+
+
+@pytest.mark.parametrize(
+    ("rule", "tau", "weight"),
+    [
+        (st.constant(), 3, 1.0),
+        (st.inverse(), 0, 1.0),
+        (st.inverse(), 4, 0.25),
+        (st.exponential(0.5), 3, 0.125),
+        (st.polynomial(), 3, 0.5),
+        (st.polynomial(1.0), 4, 0.2),
+    ],
+)
+def test_staleness_rules_scale_the_step(rule, tau, weight):
+    assert rule.weight(tau) == pytest.approx(weight)
+    shard = make_shard(staleness=rule)
+    for i in range(tau):  # advance the version with fresh pushes of worker 1
+        push(shard, 1, i, i, np.zeros(6))
+    before = shard.params.copy()
+    ack = push(shard, 0, 0, 0, np.ones(6))
+    assert ack.staleness == tau
+    np.testing.assert_allclose(shard.params, before - 0.5 * weight, rtol=1e-6)
+
+
+def test_too_stale_push_is_rejected_and_params_unchanged():
+    shard = make_shard(staleness=st.inverse(max_staleness=1))
+    push(shard, 1, 0, 0, np.zeros(6))
+    push(shard, 1, 1, 1, np.zeros(6))
+    before = shard.params.copy()
+    ack = push(shard, 0, 0, 0, np.ones(6))
+    assert not ack.ok and "staleness 2 exceeds max_staleness 1" in ack.reason
+    np.testing.assert_array_equal(shard.params, before)
+    assert shard.stats.rejected == {"too_stale": 1}
+    assert shard.clocks[0] == 1  # the worker's step is over even though its push was refused
+
+
+def test_dc_asgd_compensation():
+    lam = 0.5
+    shard = make_shard(staleness=st.constant(dc_lambda=lam), lr=1.0)
+    shard.pull(worker=0)
+    w_pulled = shard.params.copy()
+    push(shard, 1, 0, 0, np.ones(6))  # moves w_now away from what worker 0 pulled
+    w_now = shard.params.copy()
+    g = np.linspace(-1, 1, 6).astype(np.float32)
+    push(shard, 0, 0, 0, g)
+    expected = w_now - (g + lam * g * g * (w_now - w_pulled))
+    np.testing.assert_allclose(shard.params, expected, rtol=1e-6)
+
+
+def test_replayed_push_is_acknowledged_but_not_applied():
+    shard = make_shard()
+    push(shard, 0, 0, 0, np.ones(6))
+    after_first = shard.params.copy()
+    ack = push(shard, 0, 0, 0, np.ones(6))
+    assert ack.ok and ack.duplicate and shard.version == 1
+    np.testing.assert_array_equal(shard.params, after_first)
+    assert shard.stats.duplicates == 1 and shard.clocks[0] == 1
+
+
+@pytest.mark.parametrize(
+    ("header", "payload", "kind", "message"),
+    [
+        (PushHeader(0, 0, 0), np.ones(5, np.float32), "bad_length", "shape (5,), expected (6,)"),
+        (PushHeader(0, 0, 0), np.ones(6, np.float64), "bad_dtype", "dtype float64, expected float32"),
+        (PushHeader(0, 0, 0), np.array([1, 1, math.nan, 1, 1, 1], np.float32), "not_finite", "element 2, leaf 'a'"),
+        (PushHeader(0, 0, 0), np.array([1, 1, 1, 1, -math.inf, 1], np.float32), "not_finite", "leaf 'b'"),
+        (PushHeader(0, 0, 0), [1.0] * 6, "bad_payload", "numpy array, got list"),
+        (PushHeader(7, 0, 0), np.ones(6, np.float32), "unknown_worker", "worker 7 is not in 0..2"),
+        (PushHeader(0, -1, 0), np.ones(6, np.float32), "malformed_header", "negative sequence number"),
+        (PushHeader(0, 0, 5), np.ones(6, np.float32), "malformed_header", "base_version 5 is not in 0..0"),
+        ((0, 0), np.ones(6, np.float32), "malformed_header", "expected (worker, seq, base_version)"),
+        (("0", 0, 0), np.ones(6, np.float32), "malformed_header", "must be integers"),
+        ((True, 0, 0), np.ones(6, np.float32), "malformed_header", "must be integers"),
+    ],
+)
+def test_bad_pushes_are_rejected_with_a_reason_and_change_nothing(header, payload, kind, message):
+    shard = make_shard()
+    before = shard.params.copy()
+    state_before = [np.copy(x) for x in shard.opt_state]
+    ack = shard.push(header, payload)
+    assert not ack.ok
+    assert message in ack.reason
+    assert shard.stats.rejected == {kind: 1}
+    np.testing.assert_array_equal(shard.params, before)
+    assert shard.version == 0
+    for a, b in zip(shard.opt_state, state_before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bsp_applies_one_averaged_update_per_round():
+    shard = make_shard(consistency=BSP(), lr=1.0)
+    before = shard.params.copy()
+    grads = [np.full(6, v, np.float32) for v in (1.0, 2.0, 6.0)]
+    for w in (2, 0):
+        assert push(shard, w, 0, 0, grads[w]).ok
+        assert shard.version == 0  # the round is open
+        assert not shard.may_start(w)  # and the worker waits for it to close
+    assert shard.may_start(1)
+    push(shard, 1, 0, 0, grads[1])
+    assert shard.version == 1 and shard.stats.rounds == 1
+    np.testing.assert_allclose(shard.params, before - 3.0)  # mean of 1, 2, 6
+    assert all(shard.may_start(w) for w in range(3))
+
+
+def test_bsp_round_closes_when_a_worker_leaves():
+    shard = make_shard(consistency=BSP(), lr=1.0)
+    push(shard, 0, 0, 0, np.ones(6))
+    push(shard, 1, 0, 0, np.ones(6))
+    assert shard.version == 0
+    shard.leave(2)
+    assert shard.version == 1
+    assert push(shard, 2, 1, 1, np.ones(6)).reason.endswith("has left the job")
+
+
+@pytest.mark.parametrize("bound", [0, 1, 3])
+def test_ssp_never_lets_a_worker_start_more_than_s_ahead(bound):
+    rng = np.random.default_rng(bound)
+    workers = 4
+    shard = make_shard(workers=workers, consistency=SSP(bound), lr=0.0)
+    seq = [0] * workers
+    blocked_seen = 0
+    for _ in range(400):
+        w = int(rng.integers(workers)) if rng.random() < 0.7 else 0  # worker 0 is the eager one
+        if not shard.may_start(w):
+            blocked_seen += 1
+            assert shard.clocks[w] - shard.clocks.min() > bound
+            continue
+        assert shard.clocks[w] - shard.clocks.min() <= bound
+        push(shard, w, seq[w], shard.version, np.zeros(6))
+        seq[w] += 1
+        assert shard.clocks.max() - shard.clocks.min() <= bound + 1
+    assert blocked_seen > 0
+
+
+def test_ssp_extremes_match_bsp_and_asp_gating():
+    assert SSP(0).may_start(3, 3) and not SSP(0).may_start(4, 3)
+    assert BSP().may_start(3, 3) and not BSP().may_start(4, 3)
+    assert SSP(math.inf).may_start(10**9, 0) and ASP().may_start(10**9, 0)
+    with pytest.raises(ValueError, match="SSP bound must be an integer >= 0"):
+        SSP(-1)
+    with pytest.raises(ValueError, match="SSP bound must be an integer >= 0"):
+        SSP(1.5)
+
+
+def test_rejected_staleness_rule_arguments():
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        st.inverse(max_staleness=-1)
+    with pytest.raises(ValueError, match="base must be in"):
+        st.exponential(1.5)
+    with pytest.raises(ValueError, match="unknown staleness rule 'fancy'"):
+        st.from_name("fancy")
+    assert st.from_name("polynomial", power=1.0).param == 1.0
+
+
+def test_unknown_worker_pull_raises():
+    shard = make_shard()
+    with pytest.raises(ValueError, match="unknown worker 3"):
+        shard.pull(worker=3)
+    with pytest.raises(ValueError, match="pull buffer is float32"):
+        shard.pull(worker=0, out=np.empty(5, np.float32))
+
+
+# -- sharding ---------------------------------------------------------------------------
+
+
+def test_sharding_balances_bytes_on_leaf_boundaries():
+    seg = Segments.from_sizes([f"l{i}" for i in range(8)], [100, 20, 30, 50, 100, 60, 40, 100])
+    ranges = sharding.plan(seg, 3)
+    bounds = set(seg.offsets.tolist()) | {seg.total}
+    assert all(a in bounds and b in bounds for a, b in ranges)
+    sizes = [b - a for a, b in ranges]
+    assert sum(sizes) == seg.total and max(sizes) <= 1.4 * seg.total / 3
+
+
+def test_sharding_splits_only_a_leaf_larger_than_a_share():
+    seg = Segments.from_sizes(["emb", "w", "b"], [1000, 100, 10])
+    ranges = sharding.plan(seg, 4)
+    assert ranges[0][0] == 0 and ranges[-1][1] == 1110
+    sizes = [b - a for a, b in ranges]
+    assert max(sizes) - min(sizes) <= 100  # the big leaf is cut to keep the balance
+    pieces = [seg.slice(a, b) for a, b in ranges]
+    assert pieces[0].names == ("emb",) and sum(p.total for p in pieces) == 1110
+
+
+def test_sharding_rejects_bad_counts():
+    with pytest.raises(ValueError, match="shards must be an integer >= 1, got 0"):
+        sharding.plan(Segments.single(10), 0)
