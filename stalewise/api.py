@@ -1,0 +1,145 @@
+"""The public entry point: a :class:`Job` is a pure configuration; runtimes run it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from stalewise import consistency as consistency_lib
+from stalewise import staleness as staleness_lib
+from stalewise import strategies as strategies_lib
+from stalewise import tree
+from stalewise.runtime.base import TrainResult
+from stalewise.server import ServerConfig
+
+log = logging.getLogger(__name__)
+
+RUNTIMES = ("local",)
+
+
+class Job:
+    """An asynchronous training job: parameters plus the rules the servers apply.
+
+    Args:
+        params: the initial parameters, any pytree of NumPy / PyTorch / JAX /
+            TensorFlow float arrays (or a ``torch.nn.Module``).
+        optimizer: the server optimizer, e.g. ``sw.optim.lamb(1e-3)``.
+        consistency: ``sw.ASP()`` (default), ``sw.SSP(bound)`` or ``sw.BSP()``.
+        staleness: how much a stale push counts (default ``sw.staleness.constant()``).
+        strategy: what workers push (default ``sw.strategies.gradients()``).
+        shards: number of parameter-server shards the parameters are split across.
+
+    Example:
+        >>> import numpy as np, stalewise as sw
+        >>> job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(0.1))
+        >>> job.config.spec.size
+        3
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        *,
+        optimizer: Any,
+        consistency: consistency_lib.Consistency | None = None,
+        staleness: staleness_lib.Staleness | None = None,
+        strategy: strategies_lib.Strategy | None = None,
+        shards: int = 1,
+    ):
+        if not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
+        flat, spec = tree.flatten(params)
+        if shards > max(spec.size, 1):
+            raise ValueError(f"shards={shards} is more than the {spec.size} parameters")
+        self.strategy = strategy or strategies_lib.gradients()
+        self.config = ServerConfig(
+            spec=spec,
+            init=flat.copy(),
+            optimizer=optimizer,
+            consistency=consistency or consistency_lib.ASP(),
+            staleness=staleness or staleness_lib.constant(),
+            shards=shards,
+        )
+
+    def train(
+        self,
+        loss_and_grad: Callable[[Any, Any], tuple[float, Any]],
+        *,
+        data: Callable[[int, int], Any] | Sequence[Any],
+        workers: int,
+        steps: int,
+        runtime: str = "local",
+        evaluate: Callable[[Any], Mapping[str, float]] | None = None,
+        eval_interval: float = 0.5,
+        stragglers: Mapping[int, float] | Sequence[float] | None = None,
+        delays: Mapping[int, float] | None = None,
+        stop_at: Mapping[str, float] | None = None,
+        run: str = "run",
+        on_record: Callable[[dict], None] | None = None,
+        progress: bool = False,
+        timeout: float | None = None,
+    ) -> TrainResult:
+        """Trains with ``workers`` workers until they have pushed ``steps`` updates in all.
+
+        Args:
+            loss_and_grad: ``f(params, batch) -> (loss, grads)``; ``params`` arrive in the
+                structure and backend of the job's params, ``grads`` must match them.
+                Must be picklable (a module-level function) for process runtimes.
+            data: ``data(worker, workers) -> iterable of batches`` (picklable), or one
+                sequence of batches per worker (cycled).
+            workers: number of worker processes.
+            steps: total pushes across all workers (the job's budget).
+            runtime: where to run; "local" (processes on this machine).
+            evaluate: ``f(params) -> {"loss": ..., "accuracy": ...}`` on held-out data,
+                called in the parent every ``eval_interval`` seconds.
+            stragglers: slowdown factor per worker, e.g. ``{3: 4.0}``.
+            delays: extra seconds of sleep per step for some workers.
+            stop_at: stop early once every named metric reaches its value,
+                e.g. ``{"accuracy": 0.97}``.
+            run: the run's name in metrics records.
+            on_record: called with each metrics record as it is made.
+            progress: show a progress bar (the CLI turns it on).
+            timeout: give up (TimeoutError) after this many seconds.
+
+        Returns:
+            A :class:`TrainResult` with the final params, metrics records and shard stats.
+        """
+        if runtime not in RUNTIMES:
+            raise ValueError(f"unknown runtime {runtime!r}; known: {', '.join(RUNTIMES)}")
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+        from stalewise.runtime import local_train
+
+        return local_train.train(
+            self.config,
+            loss_and_grad,
+            data=data,
+            workers=workers,
+            steps=steps,
+            strategy=self.strategy,
+            evaluate=evaluate,
+            eval_interval=eval_interval,
+            stragglers=stragglers,
+            delays=delays,
+            stop_at=stop_at,
+            run=run,
+            on_record=on_record,
+            progress=progress,
+            timeout=timeout,
+        )
+
+    def serve(self, *, workers: int):
+        """Starts the shards as local processes for a loop you own; use as a context manager.
+
+        Example:
+            >>> with job.serve(workers=2) as server:        # doctest: +SKIP
+            ...     client = server.client(worker=0)        # hand it to a worker process
+            ...     params = client.pull()
+            ...     client.push(grads)
+        """
+        from stalewise.runtime.local import LocalServer
+
+        return LocalServer(self.config, workers)

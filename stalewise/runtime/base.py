@@ -1,0 +1,79 @@
+"""What every runtime shares: the training result, worker errors, straggler settings."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class WorkerError(RuntimeError):
+    """User code raised inside a worker; the message carries the worker's traceback."""
+
+
+@dataclass
+class TrainResult:
+    """What :meth:`stalewise.Job.train` returns."""
+
+    params: Any  # final parameters, in the structure and backend the job was made with
+    flat: np.ndarray  # the same, as the flat vector
+    records: list[dict] = field(default_factory=list)  # metrics records (see stalewise.report)
+    stats: dict = field(default_factory=dict)  # shard counters merged (see merge_stats)
+    time: float = 0.0  # seconds (wall clock, or virtual in the simulator)
+    pushes: int = 0  # updates pushed by all workers
+
+    def time_to(self, key: str, target: float, mode: str = "max") -> float | None:
+        """First time at which the metric ``key`` reached ``target`` (None if never)."""
+        for r in self.records:
+            v = r.get(key)
+            if v is not None and (v >= target if mode == "max" else v <= target):
+                return float(r["time"])
+        return None
+
+
+def merge_stats(per_shard: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Merges the shards' counters: applied pushes and staleness from shard 0, bytes summed.
+
+    Every push reaches every shard, so per-push counters are the same on each
+    shard; bytes and rejections are per shard and add up.
+    """
+    if not per_shard:
+        return {}
+    first = per_shard[0]
+    rejected: Counter = Counter()
+    for s in per_shard:
+        rejected.update(s.get("rejected", {}))
+    return {
+        "applied": first["applied"],
+        "version": first.get("version", first.get("rounds", 0)),
+        "rejected": dict(rejected),
+        "duplicates": first.get("duplicates", 0),
+        "staleness_mean": first["staleness_mean"],
+        "staleness_max": first["staleness_max"],
+        "bytes_in": sum(s["bytes_in"] for s in per_shard),
+        "bytes_out": sum(s["bytes_out"] for s in per_shard),
+        "shards": len(per_shard),
+    }
+
+
+def slowdowns(stragglers: Mapping[int, float] | Sequence[float] | None, workers: int) -> list[float]:
+    """Normalises a straggler setting to one slowdown factor (>= 1) per worker.
+
+    ``{3: 4.0}`` makes worker 3 four times slower; a list gives every worker's factor.
+    """
+    factors = [1.0] * workers
+    if stragglers is None:
+        return factors
+    items = stragglers.items() if isinstance(stragglers, Mapping) else enumerate(stragglers)
+    if not isinstance(stragglers, Mapping) and len(stragglers) != workers:
+        raise ValueError(f"stragglers lists {len(stragglers)} factors for {workers} workers")
+    for w, f in items:
+        if not (isinstance(w, int) and 0 <= w < workers):
+            raise ValueError(f"stragglers: unknown worker {w!r} (workers are 0..{workers - 1})")
+        if not (isinstance(f, int | float) and f >= 1):
+            raise ValueError(f"stragglers[{w}]: slowdown factor must be a number >= 1, got {f!r}")
+        factors[w] = float(f)
+    return factors

@@ -1,0 +1,380 @@
+"""The local runtime: shards and workers as OS processes on one machine.
+
+Bytes move through one shared-memory block (see :mod:`stalewise.runtime.shm`);
+only small control tuples go through pipes. The block holds the parameters, an
+observer pull buffer, and per worker a pull buffer and a push buffer::
+
+    [ control | params | observer pull | w0 pull | w0 push | w1 pull | w1 push | ... ]
+
+A pull asks every shard (in parallel) to copy its slice into the worker's pull
+buffer; the shard does the copy itself between two pushes, so a pull is always a
+consistent snapshot of each shard. A push writes the flattened update into the
+worker's push buffer and sends ``("push", seq, base_version)`` to every shard;
+the buffer is reused only after every shard acknowledged it.
+
+Threading contract: a :class:`Client` belongs to one thread of one process.
+Every blocking call takes a ``timeout`` in seconds (None waits forever).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import signal
+from dataclasses import dataclass
+from multiprocessing import connection
+from typing import Any
+
+import numpy as np
+
+from stalewise import tree
+from stalewise.runtime.shm import SharedBlock
+from stalewise.server import Ack, PushHeader, ServerConfig
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64  # bytes; every region starts on a cache line
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets of the regions of a job's shared-memory block."""
+
+    size: int  # elements of the flat parameter vector
+    dtype: str  # "float32" or "float64"
+    workers: int
+
+    @property
+    def control_items(self) -> int:
+        # [stop flag, pushes done per worker..., last loss per worker...]
+        return 1 + 2 * self.workers
+
+    def _region_bytes(self) -> int:
+        raw = self.size * np.dtype(self.dtype).itemsize
+        return -(-raw // _ALIGN) * _ALIGN
+
+    def _offset(self, region: int) -> int:
+        control = -(-self.control_items * 8 // _ALIGN) * _ALIGN
+        return control + region * self._region_bytes()
+
+    @property
+    def nbytes(self) -> int:
+        return self._offset(2 + 2 * self.workers)
+
+    def control(self, block: SharedBlock) -> np.ndarray:
+        return block.array(np.float64, 0, self.control_items)
+
+    def params(self, block: SharedBlock) -> np.ndarray:
+        return block.array(self.dtype, self._offset(0), self.size)
+
+    def observer(self, block: SharedBlock) -> np.ndarray:
+        return block.array(self.dtype, self._offset(1), self.size)
+
+    def pull_buffer(self, block: SharedBlock, worker: int) -> np.ndarray:
+        return block.array(self.dtype, self._offset(2 + 2 * worker), self.size)
+
+    def push_buffer(self, block: SharedBlock, worker: int) -> np.ndarray:
+        return block.array(self.dtype, self._offset(3 + 2 * worker), self.size)
+
+
+class PushRejected(RuntimeError):
+    """A shard refused a push; the message says which shard and why."""
+
+
+class ServerClosed(ConnectionError):
+    """The shards have stopped (the job ended or a shard process died)."""
+
+
+def _recv(conn: connection.Connection, timeout: float | None, what: str) -> Any:
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no answer to {what} within {timeout} s")
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        raise ServerClosed(f"shard closed the connection while waiting for {what}") from None
+
+
+class Client:
+    """A worker's handle on the shards: ``pull()`` params, ``push()`` updates.
+
+    Made by :meth:`LocalServer.client`; picklable until first used, so it can be
+    handed to a ``multiprocessing`` process (spawn or fork).
+    """
+
+    def __init__(
+        self,
+        worker: int | None,
+        block_name: str,
+        layout: Layout,
+        config: ServerConfig,
+        conns: list,
+        block: SharedBlock | None = None,
+    ):
+        self.worker = worker
+        self._block_name = block_name
+        self._layout = layout
+        self._spec = config.spec
+        self._ranges = config.ranges
+        self._conns = conns
+        self._block: SharedBlock | None = None
+        if block is not None:  # the server's own observer shares its mapping
+            self._block = block
+            self._pull_buf = layout.observer(block)
+        self._seq = 0
+        self._base = [0] * len(conns)
+        self._pending_acks = 0
+        self.last_acks: list[Ack] = []
+
+    def __getstate__(self) -> dict:
+        if self._block is not None:
+            raise RuntimeError("a Client can be sent to another process only before its first use")
+        return self.__dict__.copy()
+
+    def _attach(self) -> SharedBlock:
+        if self._block is None:
+            self._block = SharedBlock.attach(self._block_name)
+            self._pull_buf = (
+                self._layout.observer(self._block)
+                if self.worker is None
+                else self._layout.pull_buffer(self._block, self.worker)
+            )
+            if self.worker is not None:
+                self._push_buf = self._layout.push_buffer(self._block, self.worker)
+        return self._block
+
+    def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = None) -> Any:
+        """Blocks until the consistency model lets this worker start, then returns the params.
+
+        Args:
+            copy: False returns leaves that view the pull buffer (valid until the next pull).
+            into: an existing tree or model (e.g. a ``torch.nn.Module``) to copy the
+                values into, in place; it is returned.
+            timeout: seconds to wait for the shards (None: forever).
+
+        Returns:
+            The parameters in the structure and backend the job was made with.
+        """
+        self.pull_flat(timeout=timeout)
+        if into is not None:
+            tree.unflatten_into(into, self._pull_buf, self._spec)
+            return into
+        return tree.unflatten(self._pull_buf, self._spec, copy=copy)
+
+    def pull_flat(self, *, timeout: float | None = None) -> np.ndarray:
+        """Like :meth:`pull` but returns the flat pull buffer itself (no copy)."""
+        self._attach()
+        self.wait(timeout=timeout)
+        for c in self._conns:
+            c.send(("pull",))
+        for k, c in enumerate(self._conns):
+            kind, version = _recv(c, timeout, f"pull from shard {k}")
+            assert kind == "pulled", kind
+            self._base[k] = version
+        return self._pull_buf
+
+    def push(self, update: Any, *, timeout: float | None = None) -> None:
+        """Sends an update (same structure as the params) to every shard; returns at once.
+
+        The previous push must have been acknowledged first; this waits for that.
+        Raises PushRejected (for the previous push) if a shard refused it.
+        """
+        if self.worker is None:
+            raise ValueError("an observer client cannot push")
+        self._attach()
+        self.wait(timeout=timeout)
+        tree.flatten(update, spec=self._spec, out=self._push_buf)
+        self.push_flat_sent()
+
+    def push_flat_sent(self) -> None:
+        """Announces the update already written into :attr:`push_buffer` to every shard."""
+        for k, c in enumerate(self._conns):
+            c.send(("push", PushHeader(self.worker, self._seq, self._base[k])))
+        self._seq += 1
+        self._pending_acks = len(self._conns)
+
+    @property
+    def push_buffer(self) -> np.ndarray:
+        """The flat push buffer (write an update here, then call :meth:`push_flat_sent`)."""
+        self._attach()
+        self.wait()
+        return self._push_buf
+
+    def wait(self, timeout: float | None = None) -> list[Ack]:
+        """Waits for the acknowledgements of the last push; raises PushRejected if refused."""
+        if not self._pending_acks:
+            return self.last_acks
+        acks = [_recv(c, timeout, f"ack from shard {k}")[1] for k, c in enumerate(self._conns)]
+        self._pending_acks = 0
+        self.last_acks = acks
+        bad = [(k, a) for k, a in enumerate(acks) if not a.ok]
+        if bad:
+            raise PushRejected("; ".join(f"shard {k} rejected push {a.seq}: {a.reason}" for k, a in bad))
+        return acks
+
+    def close(self) -> None:
+        """Leaves the job (gates stop waiting for this worker) and closes the pipes."""
+        try:
+            if self.worker is not None:
+                if self._pending_acks:
+                    self.wait(timeout=30)
+                for c in self._conns:
+                    c.send(("leave",))
+        except (OSError, ServerClosed, PushRejected, TimeoutError):
+            pass
+        for c in self._conns:
+            c.close()
+        self._pull_buf = self._push_buf = None  # type: ignore[assignment]
+        if self._block is not None:
+            self._block.close()
+
+
+def _shard_main(config: ServerConfig, k: int, block_name: str, layout: Layout, conns: list, control) -> None:
+    """Body of a shard process: serve pulls and pushes until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
+    block = SharedBlock.attach(block_name)
+    lo, hi = config.ranges[k]
+    shard = config.build_shard(k, layout.params(block)[lo:hi], layout.workers)
+    pulls = [layout.pull_buffer(block, w)[lo:hi] for w in range(layout.workers)]
+    pushes = [layout.push_buffer(block, w)[lo:hi] for w in range(layout.workers)]
+    observer = layout.observer(block)[lo:hi]
+    shard.warm_up()
+    control.send(("ready", k))
+    waiting: set[int] = set()  # workers whose pull waits on the gate
+    open_conns = {c: w for w, c in enumerate(conns)}
+    open_conns[control] = None
+    while True:
+        for c in connection.wait(list(open_conns)):
+            w = open_conns[c]
+            try:
+                msg = c.recv()
+            except (EOFError, OSError):
+                del open_conns[c]
+                if w is None:
+                    return
+                if shard.live[w]:
+                    shard.leave(w)
+                continue
+            kind = msg[0]
+            if kind == "pull" and w is not None:
+                waiting.add(w)
+            elif kind == "push":
+                c.send(("ack", shard.push(msg[1], pushes[w])))
+            elif kind == "leave":
+                shard.leave(w)
+            elif kind == "pull":  # observer
+                c.send(("pulled", shard.pull(None, observer)))
+            elif kind == "stats":
+                c.send(("stats", shard.stats.as_dict() | {"version": shard.version}))
+            elif kind == "stop":
+                c.send(("stopped", shard.stats.as_dict() | {"version": shard.version}))
+                return
+        for w in sorted(waiting):
+            if not shard.live[w] or shard.may_start(w):
+                waiting.discard(w)
+                conns[w].send(("pulled", shard.pull(w, pulls[w])))
+
+
+class LocalServer:
+    """The shards of a job, running as local processes; a context manager.
+
+    Example:
+        >>> with LocalServer(config, workers=2) as server:   # doctest: +SKIP
+        ...     client = server.client(0)
+        ...     params = client.pull()
+        ...     client.push(grads)
+    """
+
+    def __init__(self, config: ServerConfig, workers: int, *, start_timeout: float = 120.0):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.config = config
+        self.workers = workers
+        self.layout = Layout(config.spec.size, str(config.init.dtype), workers)
+        self._ctx = mp.get_context("spawn")
+        self._block = SharedBlock.create(self.layout.nbytes)
+        self._procs: list = []
+        self._clients_made: set[int] = set()
+        try:
+            self.layout.params(self._block)[:] = config.init
+            self.control = self.layout.control(self._block)
+            S = config.shards
+            # pipes[w][k]: worker w <-> shard k
+            pipes = [[self._ctx.Pipe() for _ in range(S)] for _ in range(workers)]
+            self._worker_ends = [[p[0] for p in row] for row in pipes]
+            self._controls = []
+            for k in range(S):
+                mine, theirs = self._ctx.Pipe()
+                shard_conns = [pipes[w][k][1] for w in range(workers)]
+                p = self._ctx.Process(
+                    target=_shard_main,
+                    args=(config, k, self._block.name, self.layout, shard_conns, theirs),
+                    name=f"stalewise-shard-{k}",
+                    daemon=True,
+                )
+                p.start()
+                self._procs.append(p)
+                self._controls.append(mine)
+                theirs.close()
+            for c in (end for row in pipes for p in row for end in (p[1],)):
+                c.close()  # the shard processes own their ends now
+            for k, c in enumerate(self._controls):
+                if _recv(c, start_timeout, f"start of shard {k}") != ("ready", k):
+                    raise RuntimeError(f"shard {k} failed to start")
+            self.observer = Client(None, self._block.name, self.layout, config, self._controls, self._block)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> LocalServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def client(self, worker: int) -> Client:
+        """The client for ``worker`` (0 <= worker < workers); one per worker id."""
+        if not (isinstance(worker, int) and 0 <= worker < self.workers):
+            raise ValueError(f"unknown worker {worker!r}: this server has workers 0..{self.workers - 1}")
+        if worker in self._clients_made:
+            raise ValueError(f"a client for worker {worker} was already made")
+        self._clients_made.add(worker)
+        return Client(worker, self._block.name, self.layout, self.config, self._worker_ends[worker])
+
+    def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = 60.0) -> Any:
+        """The current parameters (as an observer: never gated, not counted as a worker)."""
+        return self.observer.pull(copy=copy, into=into, timeout=timeout)
+
+    def stats(self, timeout: float | None = 60.0) -> list[dict]:
+        """Each shard's counters (applied, rejected, staleness, bytes, version)."""
+        for c in self._controls:
+            c.send(("stats",))
+        return [_recv(c, timeout, f"stats of shard {k}")[1] for k, c in enumerate(self._controls)]
+
+    def unlink(self) -> None:
+        """Removes the shared-memory name early (every process has mapped it already)."""
+        self._block.unlink()
+
+    def close(self, timeout: float = 10.0) -> list[dict]:
+        """Stops the shards and frees the shared memory; returns the shards' final stats."""
+        if self._block is None:
+            return []
+        final: list[dict] = []
+        for k, c in enumerate(getattr(self, "_controls", [])):
+            try:
+                c.send(("stop",))
+                final.append(_recv(c, timeout, f"stop of shard {k}")[1])
+            except (OSError, ServerClosed, TimeoutError):
+                pass
+        for p in self._procs:
+            p.join(timeout)
+            if p.is_alive():
+                log.warning("shard process %s did not stop; killing it", p.pid)
+                p.kill()
+                p.join()
+        self._procs = []
+        self.final_params = np.array(self.layout.params(self._block))  # copy out before unmapping
+        self._block.unlink()
+        self.control = None  # type: ignore[assignment]
+        self._block.close()
+        self._block = None  # type: ignore[assignment]
+        return final

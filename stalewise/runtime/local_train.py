@@ -1,0 +1,212 @@
+"""``Job.train`` on the local runtime: one OS process per worker, driven by the parent.
+
+The parent starts the shards (:class:`~stalewise.runtime.local.LocalServer`) and
+one spawned process per worker, releases them together, then watches: it
+evaluates the parameters every ``eval_interval`` seconds as an observer, writes
+metrics records, drives the progress bar, and stops the job at the step budget,
+the stop condition, an error in user code or Ctrl-C. Whatever happens, every
+process it started is stopped and the shared memory is freed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import pickle
+import signal
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing import connection
+from typing import Any
+
+from stalewise import tree
+from stalewise.runtime.base import TrainResult, WorkerError, merge_stats, slowdowns
+from stalewise.runtime.local import Client, LocalServer, PushRejected
+from stalewise.server import ServerConfig
+from stalewise.strategies import Strategy
+
+log = logging.getLogger(__name__)
+
+_STOP, _DONE0 = 0, 1  # control slots: stop flag, then pushes done per worker, then last loss
+
+
+def _batches(data: Any, worker: int, workers: int):
+    if callable(data):
+        return iter(data(worker, workers))
+    return itertools.cycle(data[worker])
+
+
+def _worker_main(
+    client: Client,
+    strategy: Strategy,
+    loss_and_grad: Callable,
+    data: Any,
+    steps: int,
+    slowdown: float,
+    delay: float,
+    results: connection.Connection,
+) -> None:
+    """Body of a worker process: pull, compute, push until the budget is spent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
+    w, workers = client.worker, client._layout.workers
+    try:
+        ctrl = client._layout.control(client._attach())
+        batches = _batches(data, w, workers)
+        batches = itertools.chain([next(batches)], batches)  # data loading is set-up, not training
+        results.send(("ready", w))
+        if results.recv() != "go":
+            return
+        done_slot, loss_slot = _DONE0 + w, _DONE0 + workers + w
+        while not ctrl[_STOP] and ctrl[_DONE0 : _DONE0 + workers].sum() < steps:
+            try:
+                params = client.pull(copy=False)
+            except PushRejected as e:  # counted by the shards; the step is lost, not the job
+                log.warning("worker %d: %s", w, e)
+                params = client.pull(copy=False)
+            t0 = time.perf_counter()
+            update, loss = strategy.worker_step(params, loss_and_grad, batches)
+            compute = time.perf_counter() - t0
+            emulated = (compute + delay) * slowdown - compute  # a straggler is slow at everything
+            if emulated > 0:
+                time.sleep(emulated)
+            client.push(update)
+            ctrl[done_slot] += 1
+            ctrl[loss_slot] = loss
+        try:
+            client.wait(timeout=60)
+        except PushRejected as e:
+            log.warning("worker %d: %s", w, e)
+        client.close()
+        results.send(("done", w))
+    except BaseException:
+        results.send(("error", w, traceback.format_exc()))
+
+
+def _check_picklable(name: str, obj: Any) -> None:
+    try:
+        pickle.dumps(obj)
+    except Exception as e:
+        raise TypeError(
+            f"{name} must be picklable to reach the worker processes (use a module-level "
+            f"function or object, not a lambda or closure): {e}"
+        ) from None
+
+
+def train(
+    config: ServerConfig,
+    loss_and_grad: Callable,
+    *,
+    data: Any,
+    workers: int,
+    steps: int,
+    strategy: Strategy,
+    evaluate: Callable[[Any], Mapping[str, float]] | None = None,
+    eval_interval: float = 0.5,
+    stragglers: Mapping[int, float] | Sequence[float] | None = None,
+    delays: Mapping[int, float] | None = None,
+    stop_at: Mapping[str, float] | None = None,
+    run: str = "run",
+    on_record: Callable[[dict], None] | None = None,
+    progress: bool = False,
+    timeout: float | None = None,
+) -> TrainResult:
+    """Trains with ``workers`` local processes until ``steps`` pushes in all (see Job.train)."""
+    factors = slowdowns(stragglers, workers)
+    extra = [0.0] * workers
+    for w, d in (delays or {}).items():
+        if not (isinstance(w, int) and 0 <= w < workers) or not d >= 0:
+            raise ValueError(f"delays[{w!r}] = {d!r}: need a worker id and seconds >= 0")
+        extra[w] = float(d)
+    for name, obj in (("loss_and_grad", loss_and_grad), ("data", data)):
+        _check_picklable(name, obj)
+    if not callable(data) and len(data) != workers:
+        raise ValueError(f"data has {len(data)} per-worker shards for {workers} workers")
+    records: list[dict] = []
+    bar = None
+    with LocalServer(config, workers) as server:
+        ctx, procs, results = server._ctx, [], []
+        try:
+            for w in range(workers):
+                mine, theirs = ctx.Pipe()
+                args = (server.client(w), strategy, loss_and_grad, data, steps, factors[w], extra[w], theirs)
+                p = ctx.Process(target=_worker_main, args=args, name=f"stalewise-worker-{w}", daemon=True)
+                p.start()
+                theirs.close()
+                procs.append(p)
+                results.append(mine)
+            for w, c in enumerate(results):
+                msg = c.recv() if c.poll(300) else ("error", w, "worker did not start within 300 s")
+                if msg[0] == "error":
+                    raise WorkerError(f"worker {w} failed:\n{msg[2]}")
+            server.unlink()  # every process has mapped the block: nothing can leak now
+            ctrl = server.control
+            if progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=steps, desc=run, unit="push", leave=True)
+            if evaluate is not None:
+                evaluate(server.pull())  # the first call may load data or compile: not training time
+            for c in results:
+                c.send("go")
+            t0 = time.perf_counter()
+            live = set(range(workers))
+            last_eval = -float("inf")
+            while live:
+                for c in connection.wait([results[w] for w in live], timeout=0.05):
+                    msg = c.recv()
+                    if msg[0] == "error":
+                        raise WorkerError(f"worker {msg[1]} failed:\n{msg[2]}")
+                    live.discard(msg[1])
+                now = time.perf_counter() - t0
+                pushes = int(ctrl[_DONE0 : _DONE0 + workers].sum())
+                if bar is not None:
+                    bar.update(min(pushes, steps) - bar.n)
+                if now - last_eval >= eval_interval or not live:
+                    last_eval = now
+                    rec = _record(server, evaluate, run, now, pushes, ctrl, workers)
+                    records.append(rec)
+                    if on_record:
+                        on_record(rec)
+                    if bar is not None:
+                        bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "accuracy") if k in rec})
+                    if stop_at and all(rec.get(k, -float("inf")) >= v for k, v in stop_at.items()):
+                        ctrl[_STOP] = 1
+                if timeout is not None and now > timeout:
+                    raise TimeoutError(f"training did not finish within {timeout} s")
+            elapsed = time.perf_counter() - t0
+            stats = merge_stats(server.stats())
+        finally:
+            if bar is not None:
+                bar.close()
+            if server.control is not None:
+                server.control[_STOP] = 1
+            for c in results:
+                c.close()
+            for p in procs:
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    flat = server.final_params
+    params = tree.unflatten(flat, config.spec, copy=True)
+    return TrainResult(params, flat, records, stats, elapsed, pushes)
+
+
+def _record(server: LocalServer, evaluate, run: str, now: float, pushes: int, ctrl, workers: int) -> dict:
+    stats = merge_stats(server.stats())
+    losses = ctrl[_DONE0 + workers : _DONE0 + 2 * workers]
+    rec: dict[str, Any] = {
+        "run": run,
+        "time": now,
+        "updates": stats["version"],
+        "pushes": pushes,
+        "train_loss": float(losses.mean()),
+        "staleness_mean": stats["staleness_mean"],
+        "staleness_max": stats["staleness_max"],
+    }
+    if evaluate is not None:
+        rec.update({k: float(v) for k, v in evaluate(server.pull()).items()})
+    else:
+        rec["loss"] = rec["train_loss"]
+    return rec

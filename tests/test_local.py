@@ -1,0 +1,160 @@
+"""The local runtime: real processes, real shared memory, clean shutdown."""
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import mp_helpers
+import numpy as np
+import pytest
+
+import stalewise as sw
+from stalewise.runtime.local import PushRejected
+from stalewise.runtime.shm import leaked_blocks
+
+
+def quadratic_job(**kw):
+    return sw.Job({"x": np.zeros(8, np.float32)}, optimizer=sw.optim.sgd(0.2), **kw)
+
+
+def test_serve_pull_push_in_this_process(no_leaks):
+    job = sw.Job(
+        {"a": np.zeros((2, 3), np.float32), "b": np.ones(5, np.float32)}, optimizer=sw.optim.sgd(1.0), shards=2
+    )
+    with job.serve(workers=1) as server:
+        client = server.client(0)
+        params = client.pull()
+        assert params["a"].shape == (2, 3)
+        client.push({"a": np.ones((2, 3), np.float32), "b": np.full(5, 2.0, np.float32)})
+        acks = client.wait(timeout=10)
+        assert [a.ok for a in acks] == [True, True]
+        now = server.pull()
+        np.testing.assert_array_equal(now["a"], -np.ones((2, 3)))
+        np.testing.assert_array_equal(now["b"], -np.ones(5))
+        with pytest.raises(ValueError, match=r"params\['a'\]: expected shape \(2, 3\), got \(3, 2\)"):
+            client.push({"a": np.ones((3, 2), np.float32), "b": np.ones(5, np.float32)})
+        with pytest.raises(ValueError, match="a client for worker 0 was already made"):
+            server.client(0)
+        with pytest.raises(ValueError, match="unknown worker 1"):
+            server.client(1)
+        client.push({"a": np.full((2, 3), np.nan, np.float32), "b": np.ones(5, np.float32)})
+        with pytest.raises(PushRejected, match="shard 0 rejected push 1: not_finite"):
+            client.wait(timeout=10)
+        np.testing.assert_array_equal(server.pull()["a"], now["a"])  # the bad push changed nothing
+        assert server.stats()[0]["rejected"] == {"not_finite": 1}
+        client.close()
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_pulls_are_consistent_snapshots(no_leaks, shards):
+    """A pusher moves all parameters together; a torn pull would mix two values within a shard."""
+    job = sw.Job({"x": np.zeros(200_000, np.float32)}, optimizer=sw.optim.sgd(1.0), shards=shards)
+    ctx = mp.get_context("spawn")
+    with job.serve(workers=2) as server:
+        pusher = ctx.Process(target=mp_helpers.uniform_pusher, args=(server.client(0), 300))
+        pusher.start()
+        observer = server.client(1)
+        seen = set()
+        ranges = job.config.ranges
+        while pusher.is_alive():
+            x = observer.pull(copy=False)["x"]
+            for lo, hi in ranges:
+                part = x[lo:hi]
+                assert part.min() == part.max(), "torn pull"
+                seen.add(float(part[0]))
+        pusher.join()
+        assert pusher.exitcode == 0
+        assert len(seen) > 3  # we really pulled while it pushed
+        observer.close()
+        assert float(server.pull()["x"][0]) == -300.0
+
+
+@pytest.mark.parametrize("consistency", [sw.ASP(), sw.SSP(2), sw.BSP()], ids=str)
+def test_train_converges_and_leaves_nothing_behind(no_leaks, consistency):
+    job = quadratic_job(consistency=consistency, staleness=sw.staleness.inverse(), shards=2)
+    result = job.train(
+        mp_helpers.quadratic_loss_and_grad,
+        data=mp_helpers.quadratic_data,
+        workers=3,
+        steps=240,
+        stragglers={2: 2.0},
+        delays={0: 0.001, 1: 0.001, 2: 0.001},
+        eval_interval=0.05,
+    )
+    np.testing.assert_allclose(result.params["x"], np.arange(8), atol=0.05)
+    assert 240 <= result.pushes < 240 + 3
+    assert result.records and result.records[-1]["pushes"] == result.pushes
+    if consistency.kind == "bsp":
+        assert result.stats["staleness_max"] == 0
+        assert result.stats["version"] <= result.pushes / 3 + 1  # one averaged update per round
+    else:
+        assert result.stats["version"] == result.stats["applied"] == result.pushes
+
+
+def test_error_in_user_code_shows_traceback_and_cleans_up(no_leaks):
+    job = quadratic_job()
+    with pytest.raises(sw.WorkerError, match=r"(?s)worker \d failed.*ValueError: boom at batch 3"):
+        job.train(mp_helpers.failing_loss_and_grad, data=mp_helpers.counting_data, workers=2, steps=100)
+
+
+def test_unpicklable_loss_is_refused_with_a_clear_error(no_leaks):
+    with pytest.raises(TypeError, match="loss_and_grad must be picklable"):
+        quadratic_job().train(lambda p, b: (0.0, p), data=mp_helpers.quadratic_data, workers=1, steps=1)
+    with pytest.raises(ValueError, match=r"stragglers\[5\]|unknown worker 5"):
+        quadratic_job().train(
+            mp_helpers.quadratic_loss_and_grad, data=mp_helpers.quadratic_data, workers=2, steps=1, stragglers={5: 2.0}
+        )
+
+
+def test_ctrl_c_stops_every_process_and_frees_shared_memory(tmp_path):
+    tag = f"stalewise-test-{os.getpid()}-{time.time_ns()}"
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            import numpy as np, stalewise as sw, mp_helpers
+
+            def on_record(rec):
+                print("training", flush=True)
+
+            if __name__ == "__main__":
+                job = sw.Job({{"x": np.zeros(8, np.float32)}}, optimizer=sw.optim.sgd(0.1))
+                job.train(mp_helpers.slow_loss_and_grad, data=mp_helpers.counting_data, workers=2,
+                          steps=10**6, on_record=on_record, eval_interval=0.1)
+            """
+        )
+    )
+    before = set(leaked_blocks())
+    env = dict(os.environ, STALEWISE_TEST_TAG=tag)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.readline().strip() == b"training"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert b"KeyboardInterrupt" in err
+    deadline = time.time() + 10
+    while time.time() < deadline and _tagged_pids(tag):
+        time.sleep(0.1)
+    assert _tagged_pids(tag) == []
+    assert set(leaked_blocks()) - before == set()
+
+
+def _tagged_pids(tag):
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if f"STALEWISE_TEST_TAG={tag}".encode() in f.read():
+                        pids.append(int(d))
+            except OSError:
+                pass
+    return pids
