@@ -1,0 +1,297 @@
+"""Fused numba kernels behind the in-place optimizer updates.
+
+One kernel per rule. Each makes one pass over memory (SGD, Adam) or two per leaf
+(LAMB, LARS: the trust ratio needs the leaf's norms before the step), and the
+second pass of a leaf runs while the leaf is still in cache.
+
+Conventions shared by every kernel:
+
+- ``g``, ``p`` and the state buffers are 1-D, C-contiguous, of one float dtype.
+  Element-wise maths runs in that dtype, so the coefficients (``b1``, ``eps``,
+  ...) arrive already cast to it by the caller, who also computes ``w1 = 1 - b1``
+  and ``w2 = 1 - b2`` in float64 (``1 - float32(0.999)`` is off by 1e-5).
+  Norms accumulate in float64.
+- ``lr`` is the step size already multiplied by the caller's ``scale``; it
+  stays a Python float and is cast only once it is known (after the trust
+  ratio for LAMB and LARS).
+- ``into_params``: True adds the update to ``p`` (``apply``); False leaves
+  ``p`` untouched and writes the update into ``g`` (``update``). Both paths
+  round the update to the vector dtype before the addition, so
+  ``params + updates`` equals the in-place result bit for bit.
+- ``g`` may be used as scratch: LAMB keeps each leaf's direction there between
+  its two passes.
+
+``error_model="numpy"`` lets divisions vectorize (numba otherwise checks every
+divisor for zero). ``fastmath`` stays off: results are reproducible, on any
+machine, and the norms use fixed partial sums instead of reassociation.
+``nogil``: a server may apply an update in one thread while others serve pulls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+BLOCK = 1024  # elements per block of pass 1: four float32 blocks fit in L1
+LANES = 64  # partial sums per norm (fewer do not vectorize)
+
+Vec = np.ndarray
+Num = float  # a NumPy scalar of the vectors' dtype
+
+_jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
+
+
+@_jit
+def _sumsq(x: Vec, lanes: Vec) -> float:
+    """Sum of squares of ``x`` in float64, as ``LANES`` partial sums added at the end.
+
+    ``lanes`` is float64 scratch of length ``LANES``. Independent partial sums
+    let the loop vectorize without reassociation, and fix the order of the
+    additions whatever the vector width of the machine.
+    """
+    n = x.size - x.size % LANES
+    rows = x[:n].reshape((n // LANES, LANES))
+    lanes[:] = 0.0
+    for r in range(rows.shape[0]):
+        row = rows[r]
+        for k in range(LANES):
+            lanes[k] += np.float64(row[k]) * row[k]
+    total = 0.0
+    for k in range(LANES):
+        total += lanes[k]
+    for i in range(n, x.size):
+        total += np.float64(x[i]) * x[i]
+    return total
+
+
+@_jit
+def sumsq(x: Vec) -> float:
+    """Sum of squares of ``x``, accumulated in float64."""
+    return _sumsq(x, np.empty(LANES))
+
+
+@_jit
+def scale(x: Vec, factor: float) -> None:
+    """``x *= factor`` with ``factor`` rounded to the dtype of ``x``."""
+    f = x.dtype.type(factor)
+    for i in range(x.size):
+        x[i] = x[i] * f
+
+
+@_jit
+def _step(u: Vec, p: Vec, factor: float, into_params: bool) -> None:
+    """``p += factor * u`` (into_params) or ``u = factor * u``."""
+    f = p.dtype.type(factor)
+    if into_params:
+        for i in range(u.size):
+            p[i] = p[i] + f * u[i]
+    else:
+        for i in range(u.size):
+            u[i] = f * u[i]
+
+
+@_jit
+def sgd(
+    g: Vec, buf: Vec, p: Vec, lr: float, momentum: Num, nesterov: bool, wd: Num, into_params: bool
+) -> None:
+    """SGD as torch.optim.SGD: ``g += wd*p; buf = momentum*buf + g; p -= lr*(g or buf)``.
+
+    ``buf`` is ignored when ``momentum`` is zero (it may then be empty).
+    """
+    step = p.dtype.type(-lr)
+    use_buf = momentum != 0
+    for i in range(g.size):
+        d = g[i] + wd * p[i]
+        if use_buf:
+            b = momentum * buf[i] + d
+            buf[i] = b
+            d = d + momentum * b if nesterov else b
+        d = step * d
+        if into_params:
+            p[i] = p[i] + d
+        else:
+            g[i] = d
+
+
+@_jit
+def adam(
+    g: Vec,
+    m: Vec,
+    v: Vec,
+    p: Vec,
+    lr: float,
+    b1: Num,
+    w1: Num,
+    b2: Num,
+    w2: Num,
+    inv_c1: Num,
+    inv_sqrt_c2: Num,
+    eps: Num,
+    l2: Num,
+    wd: Num,
+    into_params: bool,
+) -> None:
+    """Adam with coupled L2 (``l2``, torch Adam) and decoupled decay (``wd``, AdamW).
+
+    ``m = b1*m + w1*g'`` and ``v = b2*v + w2*g'^2`` with ``g' = g + l2*p``;
+    ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd*p)``. ``inv_c1 = 1/(1-b1^t)``
+    and ``inv_sqrt_c2 = 1/sqrt(1-b2^t)`` are the bias corrections.
+    """
+    step = p.dtype.type(-lr)
+    for i in range(g.size):
+        gi = g[i] + l2 * p[i]
+        mi = b1 * m[i] + w1 * gi
+        vi = b2 * v[i] + w2 * gi * gi
+        m[i] = mi
+        v[i] = vi
+        d = step * ((mi * inv_c1) / (math.sqrt(vi) * inv_sqrt_c2 + eps) + wd * p[i])
+        if into_params:
+            p[i] = p[i] + d
+        else:
+            g[i] = d
+
+
+@_jit
+def _lamb_direction(
+    g: Vec,
+    m: Vec,
+    v: Vec,
+    p: Vec,
+    b1: Num,
+    w1: Num,
+    b2: Num,
+    w2: Num,
+    inv_c1: Num,
+    inv_sqrt_c2: Num,
+    eps: Num,
+    wd: Num,
+) -> None:
+    """Pass 1 of LAMB on one block: update m, v and write ``u`` into ``g``."""
+    for i in range(g.size):
+        gi = g[i]
+        mi = b1 * m[i] + w1 * gi
+        vi = b2 * v[i] + w2 * gi * gi
+        m[i] = mi
+        v[i] = vi
+        g[i] = (mi * inv_c1) / (math.sqrt(vi) * inv_sqrt_c2 + eps) + wd * p[i]
+
+
+@_jit
+def lamb(
+    g: Vec,
+    m: Vec,
+    v: Vec,
+    p: Vec,
+    offsets: Vec,
+    sizes: Vec,
+    decay: Vec,
+    adapt: Vec,
+    ratios: Vec,
+    lr: float,
+    b1: Num,
+    w1: Num,
+    b2: Num,
+    w2: Num,
+    inv_c1: Num,
+    inv_sqrt_c2: Num,
+    eps: Num,
+    wd: Num,
+    min_ratio: float,
+    max_ratio: float,
+    into_params: bool,
+) -> None:
+    """LAMB, leaf by leaf: ``p -= lr * r * u`` with ``u = m_hat/(sqrt(v_hat)+eps) + wd*p``.
+
+    ``r = clip(||p|| / ||u||, min_ratio, max_ratio)`` where ``adapt[s]``, and 1
+    where not or where either norm is zero. ``decay[s]`` False drops ``wd*p``.
+    The ratio used for each leaf is written to ``ratios[s]``.
+    """
+    zero = p.dtype.type(0)
+    lanes = np.empty(LANES)
+    for s in range(offsets.size):
+        start = offsets[s]
+        stop = start + sizes[s]
+        leaf_wd = wd if decay[s] else zero
+        p_sq = 0.0
+        u_sq = 0.0
+        for lo in range(start, stop, BLOCK):
+            hi = min(lo + BLOCK, stop)
+            _lamb_direction(
+                g[lo:hi],
+                m[lo:hi],
+                v[lo:hi],
+                p[lo:hi],
+                b1,
+                w1,
+                b2,
+                w2,
+                inv_c1,
+                inv_sqrt_c2,
+                eps,
+                leaf_wd,
+            )
+            p_sq += _sumsq(p[lo:hi], lanes)
+            u_sq += _sumsq(g[lo:hi], lanes)
+        r = 1.0
+        if adapt[s] and p_sq > 0.0 and u_sq > 0.0:
+            r = min(max(math.sqrt(p_sq) / math.sqrt(u_sq), min_ratio), max_ratio)
+        ratios[s] = r
+        _step(g[start:stop], p[start:stop], -lr * r, into_params)
+
+
+@_jit
+def lars(
+    g: Vec,
+    buf: Vec,
+    p: Vec,
+    offsets: Vec,
+    sizes: Vec,
+    decay: Vec,
+    adapt: Vec,
+    ratios: Vec,
+    lr: float,
+    momentum: Num,
+    wd: Num,
+    trust_coefficient: float,
+    eps: float,
+    into_params: bool,
+) -> None:
+    """LARS, leaf by leaf: ``buf = momentum*buf + r*u; p -= lr*buf`` with ``u = g + wd*p``.
+
+    ``r = trust_coefficient * ||p|| / (||u|| + eps)`` where ``adapt[s]``, and 1
+    where not or where either norm is zero. ``decay[s]`` False drops ``wd*p``.
+    ``u`` is cheap, so pass 1 only reads (it sums ``u^2`` from a block-sized
+    buffer) and pass 2 computes ``u`` again.
+    """
+    zero = p.dtype.type(0)
+    step = p.dtype.type(-lr)
+    lanes = np.empty(LANES)
+    u = np.empty(BLOCK, dtype=p.dtype)
+    for s in range(offsets.size):
+        start = offsets[s]
+        stop = start + sizes[s]
+        leaf_wd = wd if decay[s] else zero
+        p_sq = 0.0
+        u_sq = 0.0
+        for lo in range(start, stop, BLOCK):
+            hi = min(lo + BLOCK, stop)
+            gb, pb, ub = g[lo:hi], p[lo:hi], u[: hi - lo]
+            for i in range(ub.size):
+                ub[i] = gb[i] + leaf_wd * pb[i]
+            p_sq += _sumsq(pb, lanes)
+            u_sq += _sumsq(ub, lanes)
+        r = 1.0
+        if adapt[s] and p_sq > 0.0 and u_sq > 0.0:
+            r = trust_coefficient * math.sqrt(p_sq) / (math.sqrt(u_sq) + eps)
+        ratios[s] = r
+        rr = p.dtype.type(r)
+        gs, bs, ps = g[start:stop], buf[start:stop], p[start:stop]
+        for i in range(gs.size):
+            b = momentum * bs[i] + rr * (gs[i] + leaf_wd * ps[i])
+            bs[i] = b
+            if into_params:
+                ps[i] = ps[i] + step * b
+            else:
+                gs[i] = step * b

@@ -1,0 +1,150 @@
+"""Adam and AdamW, as ``torch.optim.Adam`` and ``torch.optim.AdamW``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from stalewise.optim import _kernels
+from stalewise.optim._validate import (
+    check_buffers,
+    check_count,
+    check_learning_rate,
+    check_number,
+    check_params,
+    check_scale,
+    check_vectors,
+)
+from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
+from stalewise.segments import Segments
+
+
+class AdamState(NamedTuple):
+    count: np.ndarray  # 0-d int64: updates applied so far (drives bias correction)
+    mu: np.ndarray  # first moment of the gradient, like params
+    nu: np.ndarray  # second moment of the gradient, like params
+
+
+@dataclass(frozen=True)
+class _Adam(Rule):
+    lr: LearningRate
+    b1: float
+    b2: float
+    eps: float
+    l2: float  # coupled: added to the gradient before the moments (Adam)
+    decay: float  # decoupled: part of the step, outside the moments (AdamW)
+
+    def init(self, params: np.ndarray, segments: Segments | None = None) -> AdamState:
+        check_params(params, segments)
+        return AdamState(new_count(), np.zeros_like(params), np.zeros_like(params))
+
+    def run(
+        self,
+        grads: np.ndarray,
+        state: AdamState,
+        params: np.ndarray,
+        scale: float,
+        into_params: bool,
+    ) -> None:
+        check_vectors(grads, params, write_grads=True, write_params=into_params)
+        check_buffers("adam", params, mu=state.mu, nu=state.nu)
+        count = check_count("adam", state.count)
+        lr = learning_rate(self.lr, count) * check_scale(scale)
+        t = count + 1
+        dt = params.dtype.type
+        _kernels.adam(
+            grads,
+            state.mu,
+            state.nu,
+            params,
+            lr,
+            dt(self.b1),
+            dt(1.0 - self.b1),
+            dt(self.b2),
+            dt(1.0 - self.b2),
+            dt(1.0 / (1.0 - self.b1**t)),
+            dt(1.0 / math.sqrt(1.0 - self.b2**t)),
+            dt(self.eps),
+            dt(self.l2),
+            dt(self.decay),
+            into_params,
+        )
+        state.count[...] = t
+
+
+def _checked(where: str, lr: LearningRate, b1: float, b2: float, eps: float, wd: float) -> tuple:
+    check_learning_rate(where, lr)
+    return (
+        lr,
+        check_number(where, "b1", b1, 0.0, 1.0),
+        check_number(where, "b2", b2, 0.0, 1.0),
+        check_number(where, "eps", eps, 0.0, lo_open=True),
+        check_number(where, "weight_decay", wd, 0.0),
+    )
+
+
+def adam(
+    lr: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> Optimizer:
+    """Adam with L2 regularisation coupled to the gradient, as ``torch.optim.Adam``.
+
+    ``g' = g + weight_decay * p``; ``m = b1*m + (1-b1)*g'``;
+    ``v = b2*v + (1-b2)*g'^2``; ``p -= lr * scale * m_hat / (sqrt(v_hat) + eps)``
+    with the bias corrections ``m_hat = m / (1 - b1^t)``, ``v_hat = v / (1 - b2^t)``
+    at step ``t = count + 1``.
+
+    Args:
+        lr: learning rate, a float >= 0 or a schedule.
+        b1: decay of the first moment, in ``[0, 1)``.
+        b2: decay of the second moment, in ``[0, 1)``.
+        eps: added to ``sqrt(v_hat)``, > 0.
+        weight_decay: L2 coefficient added to the gradient, >= 0.
+
+    Example:
+        >>> opt = adam(0.1)
+        >>> params = np.array([1.0, -1.0], np.float32)
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update(np.array([0.5, -3.0], np.float32), state, params)
+        >>> [round(float(u), 6) for u in updates]  # the first step is lr * sign(g)
+        [-0.1, 0.1]
+    """
+    lr, b1, b2, eps, wd = _checked("adam", lr, b1, b2, eps, weight_decay)
+    return _Adam(lr, b1, b2, eps, l2=wd, decay=0.0).optimizer()
+
+
+def adamw(
+    lr: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> Optimizer:
+    """Adam with decoupled weight decay, as ``torch.optim.AdamW``.
+
+    As :func:`adam` without the L2 term, and the step is
+    ``p -= lr * scale * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``.
+
+    Args:
+        lr: learning rate, a float >= 0 or a schedule.
+        b1: decay of the first moment, in ``[0, 1)``.
+        b2: decay of the second moment, in ``[0, 1)``.
+        eps: added to ``sqrt(v_hat)``, > 0.
+        weight_decay: decoupled decay coefficient (multiplied by the step size), >= 0.
+
+    Example:
+        >>> opt = adamw(0.1, weight_decay=0.5)
+        >>> params = np.array([2.0], np.float32)
+        >>> state = opt.init(params)
+        >>> opt.apply(np.array([1.0], np.float32), state, params)
+        >>> round(float(params[0]), 6)  # 2 - 0.1 * (1 + 0.5 * 2)
+        1.8
+    """
+    lr, b1, b2, eps, wd = _checked("adamw", lr, b1, b2, eps, weight_decay)
+    return _Adam(lr, b1, b2, eps, l2=0.0, decay=wd).optimizer()

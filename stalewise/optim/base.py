@@ -1,0 +1,264 @@
+"""The optimizer interface, composition with :func:`chain`, and gradient clipping.
+
+An :class:`Optimizer` works on one flat parameter vector (float32 or float64)
+and the :class:`~stalewise.segments.Segments` table that says which slice is
+which leaf. It is a NamedTuple of functions, in the spirit of optax:
+
+- ``init(params, segments) -> state``: a NamedTuple of numpy arrays; the step
+  counter ``count`` is a 0-d int64 array, so a server can mutate the state in
+  place and checkpoint it as it is.
+- ``update(grads, state, params, *, scale=1.0) -> (updates, new_state)``: pure;
+  ``params + updates`` is the new parameter vector; no input is modified.
+- ``apply(grads, state, params, *, scale=1.0) -> None``: in place; ``params``
+  and ``state`` are updated, ``grads`` may be overwritten (it is used as
+  scratch), and no parameter-sized memory is allocated.
+- ``update_inplace(grads, state, params, *, scale=1.0) -> None``: ``grads``
+  becomes the updates and ``state`` is advanced; ``params`` is untouched. This is
+  what :func:`chain` uses for all but its last element.
+
+``scale`` multiplies the step size of this one update (a parameter server
+passes a staleness weight through it); it never changes what enters the
+moments. Gradient transforms such as :func:`clip_by_global_norm` ignore it.
+
+Each rule is written once, in place (a :class:`Rule`); ``update`` is derived
+from it by running it on copies, so ``update`` and ``apply`` cannot disagree.
+
+Threading: optimizers hold no mutable data; a state must not be used by two
+updates at the same time.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from stalewise.optim import _kernels
+from stalewise.optim._validate import check_number, check_params, check_scale, check_vectors
+from stalewise.segments import Segments
+
+State = Any  # a NamedTuple of numpy arrays, or a tuple of such (for chain)
+Schedule = Callable[[int], float]  # count of updates already applied -> learning rate
+LearningRate = float | Schedule
+
+
+class Optimizer(NamedTuple):
+    """An update rule on flat vectors, as four functions (see the module docstring)."""
+
+    init: Callable[..., State]  # init(params, segments=None) -> state
+    update: Callable[..., tuple[np.ndarray, State]]  # pure: -> (updates, new_state)
+    apply: Callable[..., None]  # in place on params and state; grads is scratch
+    update_inplace: Callable[..., None]  # in place: grads becomes the updates; params untouched
+
+
+class EmptyState(NamedTuple):
+    """The state of a transform that keeps none."""
+
+
+def copy_state(state: State) -> State:
+    """A deep copy of a state: every array copied, the (named) tuple structure kept.
+
+    Example:
+        >>> from stalewise.optim import sgd
+        >>> state = (EmptyState(), sgd(0.1).init(np.zeros(3, np.float32)))
+        >>> copied = copy_state(state)
+        >>> copied[1].count[...] = 5
+        >>> int(state[1].count), int(copied[1].count)
+        (0, 5)
+    """
+    if isinstance(state, np.ndarray):
+        return state.copy()
+    if isinstance(state, tuple):
+        items = [copy_state(x) for x in state]
+        return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
+    return state
+
+
+def learning_rate(lr: LearningRate, count: np.ndarray | int) -> float:
+    """The learning rate for the update that follows ``count`` applied updates.
+
+    A schedule is evaluated at the 0-based index of the step being taken, as
+    optax does and as torch does when ``scheduler.step()`` follows
+    ``optimizer.step()``: the first update uses ``lr(0)``.
+
+    Example:
+        >>> learning_rate(0.1, 7), learning_rate(lambda n: 1.0 / (n + 1), 3)
+        (0.1, 0.25)
+    """
+    value = lr(int(count)) if callable(lr) else lr
+    return check_number("schedule", f"lr at count {int(count)}", value, 0.0)
+
+
+def new_count() -> np.ndarray:
+    """A fresh step counter: a 0-d int64 array holding 0.
+
+    Example:
+        >>> count = new_count()
+        >>> count[...] += 1
+        >>> count.shape, int(count)
+        ((), 1)
+    """
+    return np.zeros((), dtype=np.int64)
+
+
+def pure_update(
+    update_inplace: Callable[..., None],
+    grads: np.ndarray,
+    state: State,
+    params: np.ndarray,
+    *,
+    scale: float = 1.0,
+) -> tuple[np.ndarray, State]:
+    """Derives a pure ``update`` from an in-place one by running it on copies.
+
+    Example:
+        >>> clip = clip_by_global_norm(1.0)
+        >>> g = np.array([0.0, 2.0], np.float32)
+        >>> updates, _ = pure_update(clip.update_inplace, g, EmptyState(), np.zeros(2, np.float32))
+        >>> updates.tolist(), g.tolist()
+        ([0.0, 1.0], [0.0, 2.0])
+    """
+    check_vectors(grads, params, write_grads=False, write_params=False)
+    updates = grads.copy()
+    new_state = copy_state(state)
+    update_inplace(updates, new_state, params, scale=scale)
+    return updates, new_state
+
+
+class Rule(abc.ABC):
+    """An update rule written once, in place; :meth:`optimizer` derives the four functions.
+
+    Subclasses are frozen dataclasses of hyperparameters (so optimizers pickle)
+    and implement :meth:`init` and :meth:`run`.
+
+    Example:
+        >>> @dataclass(frozen=True)
+        ... class SignDescent(Rule):
+        ...     lr: float
+        ...     def init(self, params, segments=None):
+        ...         return EmptyState()
+        ...     def run(self, grads, state, params, scale, into_params):
+        ...         np.sign(grads, out=grads)
+        ...         grads *= -self.lr * scale
+        ...         if into_params:
+        ...             params += grads
+        >>> opt = SignDescent(0.5).optimizer()
+        >>> params = np.zeros(2, np.float32)
+        >>> opt.apply(np.array([3.0, -0.1], np.float32), opt.init(params), params)
+        >>> params.tolist()
+        [-0.5, 0.5]
+    """
+
+    @abc.abstractmethod
+    def init(self, params: np.ndarray, segments: Segments | None = None) -> State:
+        """The state before the first update."""
+
+    @abc.abstractmethod
+    def run(
+        self, grads: np.ndarray, state: State, params: np.ndarray, scale: float, into_params: bool
+    ) -> None:
+        """One update in place: into ``params`` if ``into_params``, else into ``grads``."""
+
+    def update_inplace(
+        self, grads: np.ndarray, state: State, params: np.ndarray, *, scale: float = 1.0
+    ) -> None:
+        """``grads`` becomes the updates and ``state`` advances; ``params`` is untouched."""
+        if isinstance(params, np.ndarray) and not params.flags.writeable:
+            params = params.copy()  # the kernels are compiled for writeable arrays only
+        self.run(grads, state, params, scale, False)
+
+    def apply(
+        self, grads: np.ndarray, state: State, params: np.ndarray, *, scale: float = 1.0
+    ) -> None:
+        """``params`` and ``state`` advance in place; ``grads`` may be overwritten."""
+        self.run(grads, state, params, scale, True)
+
+    def optimizer(self) -> Optimizer:
+        """The :class:`Optimizer` of this rule."""
+        update = functools.partial(pure_update, self.update_inplace)
+        return Optimizer(self.init, update, self.apply, self.update_inplace)
+
+
+@dataclass(frozen=True)
+class _Chain(Rule):
+    parts: tuple[Optimizer, ...]
+
+    def init(self, params: np.ndarray, segments: Segments | None = None) -> State:
+        return tuple(part.init(params, segments) for part in self.parts)
+
+    def run(
+        self, grads: np.ndarray, state: State, params: np.ndarray, scale: float, into_params: bool
+    ) -> None:
+        if len(state) != len(self.parts):
+            raise ValueError(f"chain of {len(self.parts)} got a state of {len(state)} parts")
+        *firsts, last = zip(self.parts, state, strict=True)
+        for part, part_state in firsts:
+            part.update_inplace(grads, part_state, params, scale=scale)
+        finish = last[0].apply if into_params else last[0].update_inplace
+        finish(grads, last[1], params, scale=scale)
+
+
+def chain(*optimizers: Optimizer) -> Optimizer:
+    """Composes optimizers: each transforms the updates of the one before.
+
+    The state is the tuple of the parts' states. The last part usually applies
+    the learning rate; the ones before transform the gradient. ``scale`` is
+    passed to every part.
+
+    Example:
+        >>> from stalewise.optim import lamb
+        >>> opt = chain(clip_by_global_norm(1.0), lamb(1e-3))
+        >>> params = np.ones(4, np.float32)
+        >>> state = opt.init(params, Segments.single(4))
+        >>> opt.apply(np.full(4, 10.0, np.float32), state, params)
+        >>> float(params[0]) < 1.0, int(state[1].count)
+        (True, 1)
+    """
+    if not optimizers:
+        raise ValueError("chain: needs at least one optimizer")
+    return _Chain(tuple(optimizers)).optimizer()
+
+
+@dataclass(frozen=True)
+class _ClipByGlobalNorm(Rule):
+    max_norm: float
+
+    def init(self, params: np.ndarray, segments: Segments | None = None) -> State:
+        check_params(params, segments)
+        return EmptyState()
+
+    def run(
+        self, grads: np.ndarray, state: State, params: np.ndarray, scale: float, into_params: bool
+    ) -> None:
+        check_vectors(grads, params, write_grads=True, write_params=into_params)
+        check_scale(scale)
+        norm = math.sqrt(_kernels.sumsq(grads))
+        if norm > self.max_norm:
+            _kernels.scale(grads, self.max_norm / norm)
+        if into_params:
+            np.add(params, grads, out=params)
+
+
+def clip_by_global_norm(max_norm: float) -> Optimizer:
+    """Rescales the gradient to norm ``max_norm`` when its L2 norm exceeds it.
+
+    A gradient transform: put it first in a :func:`chain`. The norm is taken
+    over the whole vector (all leaves of this shard), accumulated in float64.
+
+    Args:
+        max_norm: the largest L2 norm let through, > 0.
+
+    Example:
+        >>> clip = clip_by_global_norm(1.0)
+        >>> g = np.array([3.0, 4.0], np.float32)
+        >>> updates, _ = clip.update(g, clip.init(g), np.zeros(2, np.float32))
+        >>> updates.tolist()
+        [0.6000000238418579, 0.800000011920929]
+    """
+    max_norm = check_number("clip_by_global_norm", "max_norm", max_norm, 0.0, lo_open=True)
+    return _ClipByGlobalNorm(max_norm).optimizer()

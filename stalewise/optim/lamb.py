@@ -1,0 +1,181 @@
+"""LAMB: Adam directions scaled leaf by leaf by a trust ratio (You et al., 2020).
+
+What this implementation guarantees, where well-known ones differ:
+
+- decoupled weight decay is part of the applied step, not only of the norm;
+- the trust ratio is clipped to ``[min_trust_ratio, max_trust_ratio]``
+  (default at most 10), so a tiny update norm cannot blow a leaf up;
+- the ratio is 1 when either norm is zero, so zero-initialised leaves (biases)
+  still train;
+- leaves can be excluded from weight decay and from adaptation by regex on
+  their names;
+- the step counter is in the state, so a restored optimizer continues the bias
+  correction where it stopped;
+- a staleness ``scale`` multiplies the step, never the moments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from stalewise.optim import _kernels, _leaves
+from stalewise.optim._validate import (
+    check_buffers,
+    check_count,
+    check_learning_rate,
+    check_number,
+    check_params,
+    check_scale,
+    check_vectors,
+    compile_patterns,
+)
+from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
+from stalewise.segments import Segments
+
+
+class LambState(NamedTuple):
+    count: np.ndarray  # 0-d int64: updates applied so far (drives bias correction)
+    mu: np.ndarray  # first moment of the gradient, like params
+    nu: np.ndarray  # second moment of the gradient, like params
+    offsets: np.ndarray  # int64 start of each leaf
+    sizes: np.ndarray  # int64 length of each leaf
+    decay: np.ndarray  # bool per leaf: weight decay applies
+    adapt: np.ndarray  # bool per leaf: the trust ratio applies (else it is 1)
+    trust_ratio: np.ndarray  # float64 per leaf: the ratio used by the last update
+
+
+@dataclass(frozen=True)
+class _Lamb(Rule):
+    lr: LearningRate
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    min_trust_ratio: float
+    max_trust_ratio: float
+    exclude_from_weight_decay: tuple[str, ...]
+    exclude_from_adaptation: tuple[str, ...]
+
+    def init(self, params: np.ndarray, segments: Segments | None = None) -> LambState:
+        segments = check_params(params, segments)
+        table = _leaves.build(
+            segments, self.exclude_from_weight_decay, self.exclude_from_adaptation
+        )
+        return LambState(new_count(), np.zeros_like(params), np.zeros_like(params), *table)
+
+    def run(
+        self,
+        grads: np.ndarray,
+        state: LambState,
+        params: np.ndarray,
+        scale: float,
+        into_params: bool,
+    ) -> None:
+        check_vectors(grads, params, write_grads=True, write_params=into_params)
+        check_buffers("lamb", params, mu=state.mu, nu=state.nu)
+        _leaves.check("lamb", state, params.size)
+        count = check_count("lamb", state.count)
+        lr = learning_rate(self.lr, count) * check_scale(scale)
+        t = count + 1
+        dt = params.dtype.type
+        _kernels.lamb(
+            grads,
+            state.mu,
+            state.nu,
+            params,
+            state.offsets,
+            state.sizes,
+            state.decay,
+            state.adapt,
+            state.trust_ratio,
+            lr,
+            dt(self.b1),
+            dt(1.0 - self.b1),
+            dt(self.b2),
+            dt(1.0 - self.b2),
+            dt(1.0 / (1.0 - self.b1**t)),
+            dt(1.0 / math.sqrt(1.0 - self.b2**t)),
+            dt(self.eps),
+            dt(self.weight_decay),
+            self.min_trust_ratio,
+            self.max_trust_ratio,
+            into_params,
+        )
+        state.count[...] = t
+
+
+def lamb(
+    lr: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    min_trust_ratio: float = 0.0,
+    max_trust_ratio: float = 10.0,
+    exclude_from_weight_decay: Sequence[str] = (),
+    exclude_from_adaptation: Sequence[str] = (),
+) -> Optimizer:
+    """The LAMB optimizer, leaf by leaf over the segments given to ``init``.
+
+    For each leaf, with ``t = count + 1``:
+    ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*g^2``,
+    ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * p``,
+    ``r = clip(||p|| / ||u||, min_trust_ratio, max_trust_ratio)`` (1 when either
+    norm is zero or the leaf is excluded from adaptation), and
+    ``p -= lr * scale * r * u``. The ratios of the last update are kept in
+    ``state.trust_ratio`` for monitoring.
+
+    A leaf split across server shards gets the trust ratio of its local part.
+
+    Args:
+        lr: learning rate, a float >= 0 or a schedule.
+        b1: decay of the first moment, in ``[0, 1)``.
+        b2: decay of the second moment, in ``[0, 1)``.
+        eps: added to ``sqrt(v_hat)``, > 0.
+        weight_decay: decoupled decay coefficient, part of ``u``, >= 0.
+        min_trust_ratio: lower clip of the trust ratio, >= 0.
+        max_trust_ratio: upper clip of the trust ratio, >= ``min_trust_ratio``
+            (``math.inf`` for no clip, as optax).
+        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
+            get no weight decay, e.g. ``("bias", "norm")``.
+        exclude_from_adaptation: regexes on leaf names whose trust ratio is 1.
+
+    Example:
+        >>> from stalewise.segments import Segments
+        >>> opt = lamb(0.01, weight_decay=0.01, exclude_from_weight_decay=["bias"])
+        >>> params = np.array([1.0, 2.0, 0.0], np.float32)  # weights, then a zero bias
+        >>> seg = Segments.from_sizes(["layer.weight", "layer.bias"], [2, 1])
+        >>> state = opt.init(params, seg)
+        >>> opt.apply(np.array([0.1, 0.2, 0.3], np.float32), state, params)
+        >>> float(params[2]) != 0.0, state.trust_ratio.round(3).tolist()
+        (True, [1.558, 1.0])
+    """
+    where = "lamb"
+    check_learning_rate(where, lr)
+    b1 = check_number(where, "b1", b1, 0.0, 1.0)
+    b2 = check_number(where, "b2", b2, 0.0, 1.0)
+    eps = check_number(where, "eps", eps, 0.0, lo_open=True)
+    weight_decay = check_number(where, "weight_decay", weight_decay, 0.0)
+    min_trust_ratio = check_number(where, "min_trust_ratio", min_trust_ratio, 0.0)
+    max_trust_ratio = check_number(where, "max_trust_ratio", max_trust_ratio, 0.0, hi_open=False)
+    if max_trust_ratio < min_trust_ratio:
+        raise ValueError(
+            f"{where}: max_trust_ratio must be >= min_trust_ratio={min_trust_ratio!r}, "
+            f"got {max_trust_ratio!r}"
+        )
+    return _Lamb(
+        lr,
+        b1,
+        b2,
+        eps,
+        weight_decay,
+        min_trust_ratio,
+        max_trust_ratio,
+        compile_patterns(where, "exclude_from_weight_decay", exclude_from_weight_decay),
+        compile_patterns(where, "exclude_from_adaptation", exclude_from_adaptation),
+    ).optimizer()

@@ -1,0 +1,140 @@
+"""LARS: SGD with momentum and a layer-wise trust ratio (You et al., 2017)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from stalewise.optim import _kernels, _leaves
+from stalewise.optim._validate import (
+    check_buffers,
+    check_count,
+    check_learning_rate,
+    check_number,
+    check_params,
+    check_scale,
+    check_vectors,
+    compile_patterns,
+)
+from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
+from stalewise.segments import Segments
+
+
+class LarsState(NamedTuple):
+    count: np.ndarray  # 0-d int64: updates applied so far
+    momentum: np.ndarray  # velocity, like params
+    offsets: np.ndarray  # int64 start of each leaf
+    sizes: np.ndarray  # int64 length of each leaf
+    decay: np.ndarray  # bool per leaf: weight decay applies
+    adapt: np.ndarray  # bool per leaf: the trust ratio applies (else it is 1)
+    trust_ratio: np.ndarray  # float64 per leaf: the ratio used by the last update
+
+
+@dataclass(frozen=True)
+class _Lars(Rule):
+    lr: LearningRate
+    momentum: float
+    weight_decay: float
+    trust_coefficient: float
+    eps: float
+    exclude_from_weight_decay: tuple[str, ...]
+    exclude_from_adaptation: tuple[str, ...]
+
+    def init(self, params: np.ndarray, segments: Segments | None = None) -> LarsState:
+        segments = check_params(params, segments)
+        table = _leaves.build(
+            segments, self.exclude_from_weight_decay, self.exclude_from_adaptation
+        )
+        return LarsState(new_count(), np.zeros_like(params), *table)
+
+    def run(
+        self,
+        grads: np.ndarray,
+        state: LarsState,
+        params: np.ndarray,
+        scale: float,
+        into_params: bool,
+    ) -> None:
+        check_vectors(grads, params, write_grads=True, write_params=into_params)
+        check_buffers("lars", params, momentum=state.momentum)
+        _leaves.check("lars", state, params.size)
+        count = check_count("lars", state.count)
+        lr = learning_rate(self.lr, count) * check_scale(scale)
+        dt = params.dtype.type
+        _kernels.lars(
+            grads,
+            state.momentum,
+            params,
+            state.offsets,
+            state.sizes,
+            state.decay,
+            state.adapt,
+            state.trust_ratio,
+            lr,
+            dt(self.momentum),
+            dt(self.weight_decay),
+            self.trust_coefficient,
+            self.eps,
+            into_params,
+        )
+        state.count[...] = count + 1
+
+
+def lars(
+    lr: LearningRate,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    trust_coefficient: float = 0.001,
+    eps: float = 0.0,
+    exclude_from_weight_decay: Sequence[str] = (),
+    exclude_from_adaptation: Sequence[str] = (),
+) -> Optimizer:
+    """The LARS optimizer, leaf by leaf over the segments given to ``init``.
+
+    For each leaf: ``u = g + weight_decay * p``,
+    ``r = trust_coefficient * ||p|| / (||u|| + eps)`` (1 when either norm is
+    zero or the leaf is excluded from adaptation), ``buf = momentum*buf + r*u``
+    and ``p -= lr * scale * buf``. This is optax's ``lars`` with the learning
+    rate moved outside the velocity, so that a schedule or a staleness
+    ``scale`` changes the step only; with a constant rate the two coincide.
+
+    A leaf split across server shards gets the trust ratio of its local part.
+
+    Args:
+        lr: learning rate, a float >= 0 or a schedule.
+        momentum: velocity decay, in ``[0, 1)``.
+        weight_decay: L2 coefficient added to the gradient before the ratio, >= 0.
+        trust_coefficient: multiplier of the trust ratio, > 0.
+        eps: added to ``||u||``, >= 0 (zero norms are handled without it).
+        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
+            get no weight decay, e.g. ``("bias", "bn")``.
+        exclude_from_adaptation: regexes on leaf names whose trust ratio is 1.
+
+    Example:
+        >>> opt = lars(1.0, momentum=0.0, trust_coefficient=0.1)
+        >>> params = np.array([3.0, 4.0], np.float32)  # ||p|| = 5
+        >>> state = opt.init(params)
+        >>> opt.apply(np.array([10.0, 0.0], np.float32), state, params)  # ||g|| = 10
+        >>> params.tolist()  # r = 0.1 * 5 / 10 = 0.05
+        [2.5, 4.0]
+    """
+    where = "lars"
+    check_learning_rate(where, lr)
+    momentum = check_number(where, "momentum", momentum, 0.0, 1.0)
+    weight_decay = check_number(where, "weight_decay", weight_decay, 0.0)
+    trust_coefficient = check_number(
+        where, "trust_coefficient", trust_coefficient, 0.0, lo_open=True
+    )
+    eps = check_number(where, "eps", eps, 0.0)
+    return _Lars(
+        lr,
+        momentum,
+        weight_decay,
+        trust_coefficient,
+        eps,
+        compile_patterns(where, "exclude_from_weight_decay", exclude_from_weight_decay),
+        compile_patterns(where, "exclude_from_adaptation", exclude_from_adaptation),
+    ).optimizer()

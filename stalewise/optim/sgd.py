@@ -1,0 +1,97 @@
+"""Stochastic gradient descent with momentum, as ``torch.optim.SGD``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from stalewise.optim import _kernels
+from stalewise.optim._validate import (
+    check_buffers,
+    check_count,
+    check_learning_rate,
+    check_number,
+    check_params,
+    check_scale,
+    check_vectors,
+)
+from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
+from stalewise.segments import Segments
+
+
+class SgdState(NamedTuple):
+    count: np.ndarray  # 0-d int64: updates applied so far
+    momentum: np.ndarray  # velocity, like params (empty when momentum is 0)
+
+
+@dataclass(frozen=True)
+class _Sgd(Rule):
+    lr: LearningRate
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+
+    def init(self, params: np.ndarray, segments: Segments | None = None) -> SgdState:
+        check_params(params, segments)
+        size = params.size if self.momentum else 0
+        return SgdState(new_count(), np.zeros(size, dtype=params.dtype))
+
+    def run(
+        self,
+        grads: np.ndarray,
+        state: SgdState,
+        params: np.ndarray,
+        scale: float,
+        into_params: bool,
+    ) -> None:
+        check_vectors(grads, params, write_grads=True, write_params=into_params)
+        if self.momentum:
+            check_buffers("sgd", params, momentum=state.momentum)
+        count = check_count("sgd", state.count)
+        lr = learning_rate(self.lr, count) * check_scale(scale)
+        dt = params.dtype.type
+        _kernels.sgd(
+            grads,
+            state.momentum,
+            params,
+            lr,
+            dt(self.momentum),
+            self.nesterov,
+            dt(self.weight_decay),
+            into_params,
+        )
+        state.count[...] = count + 1
+
+
+def sgd(
+    lr: LearningRate, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
+) -> Optimizer:
+    """SGD with optional (Nesterov) momentum and L2 weight decay, as ``torch.optim.SGD``.
+
+    ``g' = g + weight_decay * p``; with momentum ``buf = momentum * buf + g'``
+    and the step direction is ``buf`` (or ``g' + momentum * buf`` with
+    Nesterov); ``p -= lr * scale * direction``. The learning rate sits outside
+    the velocity, so a schedule or a staleness ``scale`` changes the step only.
+
+    Args:
+        lr: learning rate, a float >= 0 or a schedule (see :mod:`.schedules`).
+        momentum: velocity decay in ``[0, 1)``; 0 keeps no velocity buffer.
+        nesterov: use Nesterov momentum (needs ``momentum > 0``).
+        weight_decay: coefficient of the L2 term added to the gradient, >= 0.
+
+    Example:
+        >>> opt = sgd(0.1, momentum=0.9)
+        >>> params = np.array([1.0, -2.0], np.float32)
+        >>> state = opt.init(params)
+        >>> opt.apply(np.array([1.0, 1.0], np.float32), state, params)
+        >>> params.tolist(), int(state.count)
+        ([0.8999999761581421, -2.0999999046325684], 1)
+    """
+    check_learning_rate("sgd", lr)
+    momentum = check_number("sgd", "momentum", momentum, 0.0, 1.0)
+    weight_decay = check_number("sgd", "weight_decay", weight_decay, 0.0)
+    if nesterov and momentum == 0:
+        raise ValueError(f"sgd: nesterov=True needs momentum > 0, got momentum={momentum!r}")
+    return _Sgd(lr, momentum, bool(nesterov), weight_decay).optimizer()
