@@ -1,0 +1,486 @@
+"""Timing and network models of the simulator, and :class:`SimConfig` that gathers them.
+
+The models are frozen, picklable dataclasses that check their fields when they
+are made and name the bad field and value. Nothing here knows about shards or
+events: per run, :class:`WorkerTiming` answers "when does this step end",
+:class:`Links` "when is this message in" and :class:`Service` "how long does
+this request take"; :mod:`stalewise.runtime.sim` puts them on a virtual clock.
+
+Compute time of one worker step, in virtual seconds::
+
+    (compute.sample() + delays[w]) * stragglers[w] * persistent[w] / speeds[w]
+
+stretched by any transient :class:`Slowdown` active while the step runs (the
+step's work is integrated over the slowdown's piecewise-constant speed).
+
+Network: a message of ``B`` bytes leaves its sender's egress link (FIFO,
+``B / bandwidth``), travels ``latency`` seconds and enters its receiver's
+ingress link (FIFO, ``B / bandwidth``). Transfers are cut-through: a message
+is complete at ``max(ingress start + B / bw_receiver, egress end + latency)``,
+so a fast receiver cannot outrun a slow sender. Every worker and every shard
+node has its own full-duplex link. Control messages (pull requests, acks,
+leave notices) cost ``latency`` only.
+
+Example:
+    >>> cfg = SimConfig(compute=ShiftedExponential(shift=0.0, rate=1.0),
+    ...                 network=Network(latency=0.0), service=Service(time=0.0))
+    >>> cfg.network.latency, cfg.compute.mean
+    (0.0, 1.0)
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_STREAM = 0x51A1E  # separates the simulator's random streams from the tasks' data streams
+
+
+def _bad(owner: str, name: str, value: Any, need: str) -> ValueError:
+    return ValueError(f"{owner}.{name} = {value!r}: {need}")
+
+
+def _number(
+    owner: str, name: str, value: Any, low: float = 0.0, strict: bool = False, inf_ok: bool = False
+) -> float:
+    ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+    v = float(value) if ok else math.nan
+    bad = math.isnan(v) or (math.isinf(v) and not inf_ok) or v < low or (strict and v == low)
+    if bad:
+        kind, rel = ("number" if inf_ok else "finite number"), (">" if strict else ">=")
+        raise _bad(owner, name, value, f"must be a {kind} {rel} {low:g}")
+    return v
+
+
+def _worker_id(owner: str, name: str, value: Any) -> int:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
+        raise _bad(owner, name, value, "must be a worker id (an integer >= 0)")
+    return int(value)
+
+
+# -- compute-time models ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Every step takes exactly ``time`` virtual seconds (before speeds and slowdowns)."""
+
+    time: float = 0.01
+
+    def __post_init__(self) -> None:
+        _number("Fixed", "time", self.time)
+
+    @property
+    def mean(self) -> float:
+        return self.time
+
+    def sample(self, rng: np.random.Generator) -> float:
+        del rng
+        return self.time
+
+
+@dataclass(frozen=True)
+class ShiftedExponential:
+    """A step takes ``shift + Exp(rate)`` seconds, the model of Dutta et al. (2018).
+
+    ``shift`` is the smallest possible step time, ``1 / rate`` the mean of the
+    random tail; the mean step time is ``shift + 1 / rate``.
+    """
+
+    shift: float = 0.008
+    rate: float = 500.0
+
+    def __post_init__(self) -> None:
+        _number("ShiftedExponential", "shift", self.shift)
+        _number("ShiftedExponential", "rate", self.rate, strict=True)
+
+    @property
+    def mean(self) -> float:
+        return self.shift + 1.0 / self.rate
+
+    def sample(self, rng: np.random.Generator) -> float:
+        return self.shift + float(rng.exponential(1.0 / self.rate))
+
+
+@dataclass(frozen=True)
+class Stragglers:
+    """Persistent stragglers: the last ``count`` workers are ``slowdown`` times slower."""
+
+    count: int = 1
+    slowdown: float = 4.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 0:
+            raise _bad("Stragglers", "count", self.count, "must be an integer >= 0")
+        _number("Stragglers", "slowdown", self.slowdown, low=1.0)
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """A transient slowdown: ``worker`` is ``factor`` times slower during ``[start, end)``."""
+
+    worker: int
+    factor: float
+    start: float
+    end: float = math.inf
+
+    def __post_init__(self) -> None:
+        _worker_id("Slowdown", "worker", self.worker)
+        _number("Slowdown", "factor", self.factor, strict=True)
+        _number("Slowdown", "start", self.start)
+        if not (isinstance(self.end, int | float) and self.end > self.start):
+            raise _bad("Slowdown", "end", self.end, f"must be a time > start ({self.start})")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """``worker`` fails at virtual ``time``: its unfinished work is lost and the shards
+    are told (``Shard.leave``) at once."""
+
+    worker: int
+    time: float
+
+    def __post_init__(self) -> None:
+        _worker_id("Failure", "worker", self.worker)
+        _number("Failure", "time", self.time)
+
+
+@dataclass(frozen=True)
+class Join:
+    """``worker`` (re)joins at virtual ``time`` (``Shard.join``); a worker whose first
+    event is a join is absent from the start."""
+
+    worker: int
+    time: float
+
+    def __post_init__(self) -> None:
+        _worker_id("Join", "worker", self.worker)
+        _number("Join", "time", self.time)
+
+
+# -- network and server models ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Network:
+    """Per-message latency and per-link bandwidth (bytes per second; 1.25e9 is 10 Gbit/s).
+
+    ``worker_bandwidth`` and ``shard_bandwidth`` override ``bandwidth`` for the
+    links of worker nodes and of shard nodes; ``math.inf`` makes transfers free.
+    """
+
+    latency: float = 50e-6
+    bandwidth: float = 1.25e9
+    worker_bandwidth: float | None = None
+    shard_bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        _number("Network", "latency", self.latency)
+        _number("Network", "bandwidth", self.bandwidth, strict=True, inf_ok=True)
+        for name in ("worker_bandwidth", "shard_bandwidth"):
+            if getattr(self, name) is not None:
+                _number("Network", name, getattr(self, name), strict=True, inf_ok=True)
+
+    @property
+    def worker_bw(self) -> float:
+        return self.bandwidth if self.worker_bandwidth is None else float(self.worker_bandwidth)
+
+    @property
+    def shard_bw(self) -> float:
+        return self.bandwidth if self.shard_bandwidth is None else float(self.shard_bandwidth)
+
+
+@dataclass(frozen=True)
+class Service:
+    """A shard serves one request at a time, FIFO: ``time + bytes / rate`` seconds each."""
+
+    time: float = 10e-6
+    rate: float = 10e9
+
+    def __post_init__(self) -> None:
+        _number("Service", "time", self.time)
+        _number("Service", "rate", self.rate, strict=True, inf_ok=True)
+
+    def seconds(self, nbytes: float) -> float:
+        """Service time of a request that reads or writes ``nbytes`` of parameters."""
+        return self.time + nbytes / self.rate
+
+
+# -- the configuration ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How the simulator times a run. Only time is simulated; gradients are real.
+
+    Attributes:
+        compute: step-time model, :class:`Fixed` or :class:`ShiftedExponential`
+            (default: ``shift=8 ms`` + Exp with mean 2 ms).
+        speeds: optional per-worker speed (step time is divided by it), one per worker.
+        stragglers: optional persistent stragglers (the last ``count`` workers).
+        slowdowns: transient slowdowns.
+        failures: workers that fail at given virtual times.
+        joins: workers that (re)join at given virtual times.
+        network: latency and link bandwidths.
+        service: per-shard service time of a request.
+        model_bytes: pretend the full parameter vector has this many bytes on the
+            wire and at the shards (each shard's slice and each push scaled alike),
+            while computing on the real, smaller task. It changes timing only:
+            the numbers the optimizer sees are those of the real task, so the
+            loss curve is the small model's on the big model's clock.
+
+    Example:
+        >>> cfg = SimConfig(stragglers=Stragglers(count=1, slowdown=4.0),
+        ...                 failures=[Failure(worker=2, time=1.5)])
+        >>> cfg.failures
+        (Failure(worker=2, time=1.5),)
+        >>> SimConfig(model_bytes=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: SimConfig.model_bytes = -1: must be None or an integer > 0
+    """
+
+    compute: Fixed | ShiftedExponential = field(default_factory=ShiftedExponential)
+    speeds: tuple[float, ...] | None = None
+    stragglers: Stragglers | None = None
+    slowdowns: tuple[Slowdown, ...] = ()
+    failures: tuple[Failure, ...] = ()
+    joins: tuple[Join, ...] = ()
+    network: Network = field(default_factory=Network)
+    service: Service = field(default_factory=Service)
+    model_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        kinds = {"compute": (Fixed, ShiftedExponential), "network": Network, "service": Service}
+        for name, kind in kinds.items():
+            if not isinstance(getattr(self, name), kind):
+                raise _bad("SimConfig", name, getattr(self, name), f"must be a {_names(kind)}")
+        if self.stragglers is not None and not isinstance(self.stragglers, Stragglers):
+            raise _bad("SimConfig", "stragglers", self.stragglers, "must be None or a Stragglers")
+        if self.speeds is not None:
+            speeds = _tuple(self, "speeds")
+            for i, s in enumerate(speeds):
+                _number("SimConfig", f"speeds[{i}]", s, strict=True)
+        for name, kind in (("slowdowns", Slowdown), ("failures", Failure), ("joins", Join)):
+            for i, item in enumerate(_tuple(self, name)):
+                if not isinstance(item, kind):
+                    raise _bad("SimConfig", f"{name}[{i}]", item, f"must be a {kind.__name__}")
+        mb = self.model_bytes
+        bad_int = not isinstance(mb, int | np.integer) or isinstance(mb, bool)
+        if mb is not None and (bad_int or mb <= 0):
+            raise _bad("SimConfig", "model_bytes", mb, "must be None or an integer > 0")
+
+    def check_workers(self, workers: int) -> None:
+        """Checks the fields that depend on the number of workers of a run."""
+        if self.speeds is not None and len(self.speeds) != workers:
+            need = f"needs one speed per worker ({workers})"
+            raise _bad("SimConfig", "speeds", self.speeds, need)
+        if self.stragglers is not None and self.stragglers.count > workers:
+            need = f"is more than the {workers} workers"
+            raise _bad("SimConfig", "stragglers.count", self.stragglers.count, need)
+        for name in ("slowdowns", "failures", "joins"):
+            for i, item in enumerate(getattr(self, name)):
+                if item.worker >= workers:
+                    need = f"not a worker of this run (0..{workers - 1})"
+                    raise _bad("SimConfig", f"{name}[{i}].worker", item.worker, need)
+
+    def absent_at_start(self) -> set[int]:
+        """The workers whose first failure-or-join event is a join: they start absent."""
+        first: dict[int, tuple[float, int]] = {}
+        for kind, items in ((0, self.failures), (1, self.joins)):
+            for e in items:
+                if e.worker not in first or (e.time, kind) < first[e.worker]:
+                    first[e.worker] = (e.time, kind)
+        return {w for w, (_, kind) in first.items() if kind == 1}
+
+    @classmethod
+    def from_dict(cls, table: Mapping[str, Any], where: str = "sim") -> SimConfig:
+        """Builds a config from a flat table, as a TOML ``[sim]`` table spells it.
+
+        Keys: ``compute`` ("fixed" | "exponential"), ``step_time`` (fixed),
+        ``shift`` and ``rate`` (exponential), ``speeds`` (list), ``stragglers``
+        ({count, slowdown}), ``slowdowns`` (list of {worker, factor, start, end}),
+        ``failures`` and ``joins`` (lists of {worker, time}), ``latency``,
+        ``bandwidth``, ``worker_bandwidth``, ``shard_bandwidth``,
+        ``service_time``, ``service_rate``, ``model_bytes``.
+
+        Raises:
+            ValueError: naming the key (``sim.rate = -1: ...``).
+
+        Example:
+            >>> cfg = SimConfig.from_dict({"compute": "fixed", "step_time": 0.5,
+            ...                            "failures": [{"worker": 1, "time": 3.0}]})
+            >>> cfg.compute, cfg.failures[0].time
+            (Fixed(time=0.5), 3.0)
+        """
+        for key in table:
+            if key not in _TOML_KEYS:
+                known = ", ".join(sorted(_TOML_KEYS))
+                raise ValueError(f"{where}.{key}: unknown option (known: {known})")
+        t = dict(table)
+        try:
+            return cls(
+                compute=_compute_from(t),
+                speeds=tuple(t["speeds"]) if "speeds" in t else None,
+                stragglers=Stragglers(**t["stragglers"]) if "stragglers" in t else None,
+                slowdowns=tuple(Slowdown(**d) for d in t.get("slowdowns", ())),
+                failures=tuple(Failure(**d) for d in t.get("failures", ())),
+                joins=tuple(Join(**d) for d in t.get("joins", ())),
+                network=Network(**{k: t[n] for n, k in _NET_KEYS.items() if n in t}),
+                service=Service(**{k: t[n] for n, k in _SERVICE_KEYS.items() if n in t}),
+                model_bytes=t.get("model_bytes"),
+            )
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+
+_NET_KEYS = {k: k for k in ("latency", "bandwidth", "worker_bandwidth", "shard_bandwidth")}
+_SERVICE_KEYS = {"service_time": "time", "service_rate": "rate"}
+_COMPUTE_KEYS = ("compute", "step_time", "shift", "rate")
+_EVENT_KEYS = ("speeds", "stragglers", "slowdowns", "failures", "joins", "model_bytes")
+_TOML_KEYS = frozenset((*_COMPUTE_KEYS, *_EVENT_KEYS, *_NET_KEYS, *_SERVICE_KEYS))
+
+
+def _compute_from(t: dict) -> Fixed | ShiftedExponential:
+    kind = t.get("compute", "exponential")
+    if kind == "fixed":
+        if "shift" in t or "rate" in t:
+            raise ValueError("shift and rate belong to compute = 'exponential'")
+        return Fixed(**({"time": t["step_time"]} if "step_time" in t else {}))
+    if kind == "exponential":
+        if "step_time" in t:
+            raise ValueError("step_time belongs to compute = 'fixed' (exponential: shift + 1/rate)")
+        return ShiftedExponential(**{k: t[k] for k in ("shift", "rate") if k in t})
+    raise ValueError(f"compute = {kind!r}: known models are 'fixed' and 'exponential'")
+
+
+def _names(kind: Any) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _tuple(cfg: SimConfig, name: str) -> tuple:
+    value = getattr(cfg, name)
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
+        raise _bad("SimConfig", name, value, "must be a sequence")
+    value = tuple(value)
+    object.__setattr__(cfg, name, value)  # lists become tuples: the config stays hashable
+    return value
+
+
+# -- the per-run timing state ----------------------------------------------------------
+
+
+class WorkerTiming:
+    """Step durations of one run: O(1) per step (plus the worker's own transient slowdowns).
+
+    Args:
+        sim: the run's :class:`SimConfig`.
+        workers: number of workers.
+        factors: extra per-worker slowdown factors (``train(stragglers=...)``).
+        delays: extra seconds added to every step of some workers (``train(delays=...)``).
+        seed: run seed; worker ``w`` draws from ``default_rng([seed, w, _STREAM])``.
+
+    Example:
+        >>> timing = WorkerTiming(SimConfig(compute=Fixed(1.0),
+        ...     slowdowns=[Slowdown(worker=0, factor=2.0, start=0.5, end=1.0)]), workers=2)
+        >>> timing.finish(0, 0.0), timing.finish(1, 0.0)
+        (1.25, 1.0)
+    """
+
+    def __init__(
+        self,
+        sim: SimConfig,
+        workers: int,
+        *,
+        factors: Sequence[float] | None = None,
+        delays: Mapping[int, float] | None = None,
+        seed: int = 0,
+    ):
+        sim.check_workers(workers)
+        self.compute = sim.compute
+        scale = np.ones(workers)
+        if factors is not None:
+            scale *= np.asarray(factors, dtype=float)
+        if sim.speeds is not None:
+            scale /= np.asarray(sim.speeds, dtype=float)
+        if sim.stragglers is not None and sim.stragglers.count:
+            scale[workers - sim.stragglers.count :] *= sim.stragglers.slowdown
+        self.scale = scale.tolist()
+        self.delays = [0.0] * workers
+        for w, d in (delays or {}).items():
+            if not (isinstance(w, int) and 0 <= w < workers) or not d >= 0:
+                raise ValueError(f"delays[{w!r}] = {d!r}: need a worker id and seconds >= 0")
+            self.delays[w] = float(d)
+        self._random = not isinstance(sim.compute, Fixed)
+        rngs = [np.random.default_rng([seed, w, _STREAM]) for w in range(workers)]
+        self._rngs = rngs if self._random else None
+        self._transient: dict[int, tuple[list[float], list[Slowdown]]] = {}
+        for s in sim.slowdowns:
+            self._transient.setdefault(s.worker, ([], []))[1].append(s)
+        for points, items in self._transient.values():
+            points.extend(sorted({p for s in items for p in (s.start, s.end) if math.isfinite(p)}))
+
+    def finish(self, worker: int, start: float) -> float:
+        """The virtual time at which a step of ``worker`` started at ``start`` ends."""
+        base = self.compute.sample(self._rngs[worker]) if self._random else self.compute.time
+        work = (base + self.delays[worker]) * self.scale[worker]
+        spans = self._transient.get(worker)
+        if spans is None:
+            return start + work
+        points, items = spans
+        t = start
+        i = bisect.bisect_right(points, t)
+        while True:
+            f = math.prod(s.factor for s in items if s.start <= t < s.end)
+            nxt = points[i] if i < len(points) else math.inf
+            if work * f <= nxt - t:
+                return t + work * f
+            work -= (nxt - t) / f
+            t, i = nxt, i + 1
+
+
+class Links:
+    """The links of one run: when each node's egress and ingress link is next free.
+
+    Nodes ``0 .. workers-1`` are the workers, ``workers + k`` is shard ``k``'s node.
+    A transfer is :meth:`send` (FIFO on the sender's egress link) then, when its
+    head reaches the receiver, :meth:`receive` (FIFO on the receiver's ingress).
+
+    Example:
+        >>> links = Links(Network(latency=0.1, bandwidth=10.0), workers=2, shards=1)
+        >>> head, tail = links.send(0, 2, 10.0, now=0.0)   # worker 0 -> shard 0, 10 bytes
+        >>> head, tail, links.receive(2, 10.0, now=head, tail=tail)
+        (0.1, 1.1, 1.1)
+    """
+
+    def __init__(self, net: Network, workers: int, shards: int):
+        self.latency = net.latency
+        self.bw = [net.worker_bw] * workers + [net.shard_bw] * shards
+        self.egress = [0.0] * (workers + shards)
+        self.ingress = [0.0] * (workers + shards)
+
+    def send(self, src: int, dst: int, nbytes: float, now: float) -> tuple[float, float]:
+        """Queues ``nbytes`` on ``src``'s egress; returns when its head and tail reach ``dst``."""
+        del dst
+        start = max(now, self.egress[src])
+        self.egress[src] = end = start + nbytes / self.bw[src]
+        return start + self.latency, end + self.latency
+
+    def instant(self, dst: int, nbytes: float, head: float, tail: float) -> bool:
+        """True when the message takes no time at ``dst`` (free links): no ingress step needed."""
+        return tail <= head and nbytes / self.bw[dst] == 0.0 and self.ingress[dst] <= head
+
+    def receive(self, dst: int, nbytes: float, now: float, tail: float) -> float:
+        """Queues a message whose head reached ``dst`` at ``now``; returns when it is all in."""
+        start = max(now, self.ingress[dst])
+        self.ingress[dst] = done = max(start + nbytes / self.bw[dst], tail)
+        return done

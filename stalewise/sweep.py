@@ -1,0 +1,300 @@
+"""Parameter sweeps in the simulator: one job over several worker counts or consistency models.
+
+:func:`sweep` runs the same job once per value on the virtual clock (see
+:mod:`stalewise.runtime.sim`), measures the virtual time each run needs to
+reach a target metric, and draws one comparison figure: the metric against
+virtual time for every run, and time-to-target against the worker count (or
+per consistency model).
+
+Example:
+    >>> import stalewise as sw
+    >>> from stalewise import tasks
+    >>> task = tasks.get("least-squares", n=256, d=8)
+    >>> job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
+    >>> rows = sweep(job, task, over="consistency", values=["asp", "ssp:2", "bsp"],
+    ...              workers=4, steps=400, metric="loss", target=1e-3)
+    >>> [row["run"] for row in rows]
+    ['ASP', 'SSP(2)', 'BSP']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from stalewise import consistency as consistency_lib
+from stalewise import report
+from stalewise.runtime import sim as sim_runtime
+from stalewise.runtime.sim_models import SimConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["COLUMNS", "parse_consistency", "sweep"]
+
+#: Columns of a sweep's rows, in the order a table should show them.
+COLUMNS = (
+    "run",
+    "workers",
+    "consistency",
+    "time_to_target",
+    "updates_to_target",
+    "final",
+    "time",
+    "updates",
+    "staleness_mean",
+    "events",
+    "wall_s",
+)
+_REACHED = "target_reached"
+
+
+def parse_consistency(value: Any) -> consistency_lib.Consistency:
+    """A consistency model from an object or a name: "asp", "bsp", "ssp" or "ssp:4".
+
+    Example:
+        >>> str(parse_consistency("ssp:3")), str(parse_consistency("bsp"))
+        ('SSP(3)', 'BSP')
+    """
+    if isinstance(value, consistency_lib.Consistency):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(
+            f"consistency value {value!r}: expected a name like 'asp', 'bsp' or 'ssp:4'"
+        )
+    name, _, bound = value.partition(":")
+    try:
+        return consistency_lib.from_name(name.strip(), float(bound) if bound else None)
+    except ValueError as e:
+        raise ValueError(f"consistency value {value!r}: {e}") from None
+
+
+def sweep(
+    job: Any,
+    task: Any,
+    *,
+    over: Literal["workers", "consistency"],
+    values: Sequence[Any],
+    steps: int,
+    target: float,
+    metric: str = "loss",
+    mode: Literal["min", "max"] = "min",
+    workers: int = 8,
+    sim: SimConfig | None = None,
+    eval_interval: float | None = None,
+    delay: float = 0.0,
+    stop_at_target: bool = True,
+    seed: int = 0,
+    out: str | os.PathLike[str] | None = None,
+    on_record: Callable[[dict], None] | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Runs ``job`` in the simulator once per value and compares the time to a target.
+
+    Args:
+        job: a :class:`stalewise.Job` (anything with ``.config``, a ServerConfig,
+            and ``.strategy``); for ``over="consistency"`` its consistency model is
+            replaced by each value, everything else is kept.
+        task: the task (``loss_and_grad``, ``batches``, ``evaluate``), e.g. from
+            :func:`stalewise.tasks.get` or a parsed config's ``task``.
+        over: "workers" (values are worker counts) or "consistency" (values are
+            Consistency objects or names: "asp", "bsp", "ssp", "ssp:4").
+        values: the values to sweep, in plot order.
+        steps: push budget of each run.
+        target: the value of ``metric`` to reach.
+        metric: a key of ``task.evaluate``'s result.
+        mode: "min" if smaller is better (a loss), "max" otherwise (accuracy).
+        workers: the worker count when sweeping over consistency models.
+        sim: timing model of every run (default ``SimConfig()``).
+        eval_interval: virtual seconds between evaluations (the resolution of the
+            time to target); default: five mean step times of ``sim.compute``.
+        delay: extra virtual seconds per step, every worker.
+        stop_at_target: stop each run at its first evaluation that reaches ``target``.
+        seed: simulator seed of every run.
+        out: a folder; if given, ``sweep.png`` and ``metrics.jsonl`` are written there.
+        on_record: called with every metrics record of every run.
+        progress: show a progress bar per run.
+
+    Returns:
+        One row per value with the keys of :data:`COLUMNS` (``final`` is the last
+        value of ``metric``; ``time_to_target`` is None when it was never reached).
+
+    Example:
+        >>> import os, stalewise as sw, tempfile
+        >>> from stalewise import tasks
+        >>> task = tasks.get("least-squares", n=256, d=8)
+        >>> job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
+        >>> out = tempfile.mkdtemp()
+        >>> rows = sweep(job, task, over="workers", values=[1, 4], steps=400, target=1e-3, out=out)
+        >>> [(row["run"], row["time_to_target"]) for row in rows]
+        [('P=1', 0.4), ('P=4', 0.1)]
+        >>> sorted(os.listdir(out))
+        ['metrics.jsonl', 'sweep.png']
+    """
+    if over not in ("workers", "consistency"):
+        raise ValueError(f"over must be 'workers' or 'consistency', got {over!r}")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    if not values:
+        raise ValueError("values is empty: nothing to sweep")
+    if not (delay >= 0 and math.isfinite(delay)):
+        raise ValueError(f"delay must be a finite number of seconds >= 0, got {delay!r}")
+    sim = SimConfig() if sim is None else sim
+    if eval_interval is None:
+        eval_interval = 5 * (sim.compute.mean + delay) or 1.0
+    runs = []
+    for v in values:
+        if over == "workers":
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"workers value {v!r}: expected an integer >= 1")
+            runs.append((f"P={v}", v, job.config))
+        else:
+            c = parse_consistency(v)
+            runs.append((str(c), workers, dataclasses.replace(job.config, consistency=c)))
+    reached = (lambda x: x <= target) if mode == "min" else (lambda x: x >= target)
+
+    def evaluate(params: Any) -> dict[str, float]:
+        m = dict(task.evaluate(params))
+        if metric not in m:
+            raise KeyError(f"metric {metric!r} is not among the task's metrics {sorted(m)}")
+        m[_REACHED] = 1.0 if reached(m[metric]) else 0.0
+        return m
+
+    writer = report.MetricsWriter(Path(out) / "metrics.jsonl") if out is not None else None
+    rows, records = [], []
+    try:
+        for label, p, config in runs:
+
+            def emit(rec: dict, p: int = p) -> None:
+                rec["workers"] = p
+                if writer is not None:
+                    writer.write(rec)
+                if on_record is not None:
+                    on_record(rec)
+
+            result = sim_runtime.train(
+                config,
+                task.loss_and_grad,
+                data=task.batches,
+                workers=p,
+                steps=steps,
+                strategy=job.strategy,
+                evaluate=evaluate,
+                eval_interval=eval_interval,
+                delays=dict.fromkeys(range(p), delay) if delay else None,
+                stop_at={_REACHED: 1.0} if stop_at_target else None,
+                run=label,
+                on_record=emit,
+                progress=progress,
+                sim=sim,
+                seed=seed,
+            )
+            records.extend(result.records)
+            hit = next((r for r in result.records if reached(r[metric])), None)
+            rows.append(
+                {
+                    "run": label,
+                    "workers": p,
+                    "consistency": str(config.consistency),
+                    "time_to_target": hit["time"] if hit else None,
+                    "updates_to_target": hit["updates"] if hit else None,
+                    "final": result.records[-1][metric],
+                    "time": result.time,
+                    "updates": result.stats["version"],
+                    "staleness_mean": result.stats["staleness_mean"],
+                    "events": result.stats["sim"]["events"],
+                    "wall_s": result.stats["sim"]["wall_time"],
+                }
+            )
+            log.info(
+                "sweep %s: time to %s %s %g: %s",
+                label,
+                metric,
+                "<=" if mode == "min" else ">=",
+                target,
+                rows[-1]["time_to_target"],
+            )
+    finally:
+        if writer is not None:
+            writer.close()
+    if out is not None:
+        plot(rows, records, Path(out) / "sweep.png", over=over, metric=metric, target=target)
+    return rows
+
+
+def plot(
+    rows: Sequence[dict],
+    records: Sequence[dict],
+    path: str | os.PathLike[str],
+    *,
+    over: str,
+    metric: str,
+    target: float,
+) -> Path:
+    """Draws a sweep: ``metric`` against virtual time per run, and time to target per value.
+
+    Example:
+        >>> import tempfile, os
+        >>> rows = [{"run": "P=2", "workers": 2, "time_to_target": 3.0},
+        ...         {"run": "P=4", "workers": 4, "time_to_target": None}]
+        >>> recs = [{"run": r, "time": t, "loss": 1.0 / (t + 1)}
+        ...         for r in ("P=2", "P=4") for t in range(4)]
+        >>> plot(rows, recs, os.path.join(tempfile.mkdtemp(), "s.png"), over="workers",
+        ...      metric="loss", target=0.3).stat().st_size > 1000
+        True
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11.0, 4.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    curves, bars = fig.subplots(1, 2)
+    values = []
+    for row in rows:
+        pts = sorted(
+            (r["time"], r[metric])
+            for r in records
+            if r.get("run") == row["run"] and _finite(r.get(metric))
+        )
+        if pts:
+            curves.plot(*zip(*pts, strict=True), label=row["run"], linewidth=1.5)
+            values.extend(v for _, v in pts)
+    curves.axhline(target, color="0.3", linestyle="--", linewidth=1.0, label="target")
+    if values and min(values) > 0 and max(values) > 100 * min(values):
+        curves.set_yscale("log")
+    curves.set_xlabel("virtual time (s)")
+    curves.set_ylabel(metric)
+    curves.grid(True, alpha=0.3)
+    curves.legend(fontsize="small")
+
+    done = [r for r in rows if r["time_to_target"] is not None]
+    missed = [r["run"] for r in rows if r["time_to_target"] is None]
+    if over == "workers":
+        xs = [r["workers"] for r in done]
+        bars.plot(xs, [r["time_to_target"] for r in done], marker="o", linewidth=1.5)
+        bars.set_xscale("log", base=2)
+        bars.set_xticks(xs, [str(x) for x in xs])
+        bars.set_ylim(bottom=0)
+        bars.set_xlabel("workers")
+    else:
+        names = [r["run"] for r in rows]
+        heights = [r["time_to_target"] if r["time_to_target"] is not None else 0.0 for r in rows]
+        bars.bar(names, heights, color="tab:blue")
+        bars.set_xlabel("consistency model")
+    bars.set_ylabel(f"virtual time to {metric} {target:g} (s)")
+    bars.grid(True, alpha=0.3)
+    if missed:
+        bars.set_title(f"target not reached: {', '.join(missed)}", fontsize="small")
+    fig.suptitle(f"simulated time to target, over {over}")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=100)
+    return out
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)

@@ -1,0 +1,437 @@
+"""The simulator runtime: protocol on a virtual clock, queueing science, determinism, faults."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+
+import stalewise as sw
+from stalewise import report, tasks
+from stalewise import sweep as sweep_lib
+from stalewise.runtime import sim
+from stalewise.runtime.sim_models import (
+    Failure,
+    Fixed,
+    Join,
+    Network,
+    Service,
+    ShiftedExponential,
+    SimConfig,
+    Slowdown,
+    Stragglers,
+    WorkerTiming,
+)
+
+FREE = {
+    "network": Network(latency=0.0, bandwidth=math.inf),
+    "service": Service(time=0.0, rate=math.inf),
+}
+RECORD_KEYS = {"run", "time", "updates", "pushes", "train_loss", "staleness_mean", "staleness_max"}
+
+
+def _cheap_task():
+    return tasks.get("least-squares", n=64, d=4, exact=True)
+
+
+def _train(task, *, workers, steps, consistency=None, staleness=None, lr=0.1, shards=1, **kw):
+    job = sw.Job(
+        task.init_params(),
+        optimizer=sw.optim.sgd(lr),
+        consistency=consistency,
+        staleness=staleness,
+        shards=shards,
+    )
+    kw.setdefault("eval_interval", 1.0)
+    return sim.train(
+        job.config,
+        task.loss_and_grad,
+        data=task.batches,
+        workers=workers,
+        steps=steps,
+        strategy=job.strategy,
+        evaluate=task.evaluate,
+        **kw,
+    )
+
+
+# -- queueing science ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [4, 16])
+def test_bsp_round_time_grows_like_harmonic_number(workers):
+    mu, rounds = 2.0, 250
+    cfg = SimConfig(compute=ShiftedExponential(shift=0.0, rate=mu), **FREE)
+    r = _train(
+        _cheap_task(), workers=workers, steps=rounds * workers, consistency=sw.BSP(), sim=cfg
+    )
+    assert r.stats["version"] == rounds
+    harmonic = sum(1.0 / k for k in range(1, workers + 1))
+    per_round = r.time / rounds
+    print(f"BSP P={workers}: {per_round:.4f} s per round, H_P/mu = {harmonic / mu:.4f}")
+    assert per_round == pytest.approx(harmonic / mu, rel=0.10)
+
+
+@pytest.mark.parametrize("workers", [4, 16])
+def test_asp_time_per_update_is_one_over_p_mu(workers):
+    mu, steps = 2.0, 3000
+    cfg = SimConfig(compute=ShiftedExponential(shift=0.0, rate=mu), **FREE)
+    r = _train(_cheap_task(), workers=workers, steps=steps, sim=cfg, eval_interval=5.0)
+    steady = [rec for rec in r.records if rec["time"] > 0 and rec["pushes"] < steps - workers]
+    rec = steady[-1]  # before the last steps drain
+    per_update = rec["time"] / rec["updates"]
+    print(f"ASP P={workers}: {per_update:.5f} s per update, 1/(P mu) = {1 / (workers * mu):.5f}")
+    assert per_update == pytest.approx(1.0 / (workers * mu), rel=0.10)
+
+
+def test_asp_mean_staleness_is_p_minus_one():
+    workers = 8
+    cfg = SimConfig(compute=ShiftedExponential(shift=0.0, rate=1.0), **FREE)
+    r = _train(_cheap_task(), workers=workers, steps=4000, sim=cfg, eval_interval=100.0)
+    print(f"ASP P={workers}: mean staleness {r.stats['staleness_mean']:.3f}")
+    assert r.stats["staleness_mean"] == pytest.approx(workers - 1, rel=0.10)
+
+
+def test_sharding_cuts_communication_time():
+    # 10 workers, a 100M-parameter model (400 MB of float32) on 10 Gbit/s links.
+    task = tasks.get("least-squares", n=64, d=1000, exact=True)
+    cfg = SimConfig(
+        compute=Fixed(0.1),
+        network=Network(latency=50e-6, bandwidth=1.25e9),
+        model_bytes=400_000_000,
+    )
+    comm, per_update = {}, {}
+    for shards in (1, 5, 10):
+        r = _train(task, workers=10, steps=100, shards=shards, sim=cfg, eval_interval=10.0)
+        comm[shards] = r.stats["sim"]["comm_time_mean"]
+        per_update[shards] = r.time / r.stats["version"]
+    print(f"communication time per update: {comm} s; virtual time per update: {per_update}")
+    for shards in (5, 10):
+        assert comm[shards] <= 0.6 * comm[1]
+        assert per_update[shards] <= 0.6 * per_update[1]
+
+
+def test_straggler_asp_beats_ssp_beats_bsp():
+    task = tasks.get("least-squares", n=512, d=32, batch_size=16)
+    cfg = SimConfig(compute=Fixed(1.0), stragglers=Stragglers(count=1, slowdown=4.0))
+    target = 1e-3 * task.evaluate(task.init_params())["loss"]
+    times = {}
+    for cons in (sw.ASP(), sw.SSP(2), sw.BSP()):
+        times[str(cons)] = _train_until(task, cons, cfg, target)
+    print(f"virtual time to loss {target:.3g} under a 4x straggler: {times}")
+    assert times["ASP"] < times["SSP(2)"] < times["BSP"]
+
+
+def _train_until(task, consistency, cfg, target):
+    r = _train(
+        task,
+        workers=4,
+        steps=1600,
+        consistency=consistency,
+        staleness=sw.staleness.inverse(),
+        lr=0.2,
+        sim=cfg,
+    )
+    t = r.time_to("loss", target, mode="min")
+    assert t is not None, f"{consistency} never reached {target}"
+    return t
+
+
+# -- protocol on the virtual clock -----------------------------------------------------------
+
+
+def test_records_and_result_have_the_local_schema():
+    task = tasks.get("least-squares", n=128, d=8)
+    r = _train(task, workers=4, steps=200, shards=2, eval_interval=0.1, run="sim-run")
+    assert r.pushes == 200 and r.stats["applied"] == 200 and r.stats["shards"] == 2
+    assert r.records[0]["time"] == 0.0 and r.records[-1]["time"] == r.time
+    for rec in r.records:
+        assert set(rec) == RECORD_KEYS | {"loss", "distance"}
+        assert rec["run"] == "sim-run"
+    times = [rec["time"] for rec in r.records[:-1]]
+    assert times == pytest.approx([0.1 * i for i in range(len(times))])
+    assert r.records[-1]["loss"] < 0.1 * r.records[0]["loss"]
+    assert set(r.params) == {"x"} and np.array_equal(r.params["x"], r.flat)
+
+
+def test_same_seed_is_bit_identical_and_other_seed_differs():
+    task = tasks.get("least-squares", n=128, d=8)
+    runs = [
+        _train(
+            task, workers=6, steps=300, shards=2, consistency=sw.SSP(1), seed=s, eval_interval=0.05
+        )
+        for s in (7, 7, 8)
+    ]
+    a, b, c = runs
+    assert a.flat.tobytes() == b.flat.tobytes()
+    assert a.records == b.records and a.time == b.time
+    assert a.flat.tobytes() != c.flat.tobytes()
+    assert a.time != c.time
+
+
+def test_ssp_gate_bounds_the_clock_gap():
+    task = _cheap_task()
+    order = []
+
+    def loss_and_grad(params, batch):
+        order.append(batch)
+        return task.loss_and_grad(params, None)
+
+    def data(worker, workers):
+        return iter(lambda: worker, None)
+
+    def max_gap(consistency):
+        order.clear()
+        job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1), consistency=consistency)
+        cfg = SimConfig(compute=Fixed(1.0), stragglers=Stragglers(count=1, slowdown=4.0))
+        sim.train(
+            job.config,
+            loss_and_grad,
+            data=data,
+            workers=4,
+            steps=200,
+            strategy=job.strategy,
+            sim=cfg,
+        )
+        started, gap = [0] * 4, 0
+        for w in order:
+            started[w] += 1
+            gap = max(gap, max(started) - started[3])
+        return gap
+
+    assert max_gap(sw.SSP(2)) <= 3
+    assert max_gap(sw.BSP()) <= 1
+    assert max_gap(sw.ASP()) > 20
+
+
+def test_failure_under_bsp_does_not_deadlock_and_join_resumes():
+    task = _cheap_task()
+    seen = []
+
+    def loss_and_grad(params, batch):
+        seen.append(batch)
+        return task.loss_and_grad(params, None)
+
+    def data(worker, workers):
+        return iter(lambda: worker, None)
+
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1), consistency=sw.BSP())
+    cfg = SimConfig(
+        compute=Fixed(1.0),
+        failures=[Failure(worker=1, time=5.5)],
+        joins=[Join(worker=1, time=20.0), Join(worker=3, time=10.0)],
+        **FREE,
+    )
+    r = sim.train(
+        job.config, loss_and_grad, data=data, workers=4, steps=120, strategy=job.strategy, sim=cfg
+    )
+    assert r.pushes == 120 and r.stats["applied"] == 120
+    assert r.time < 60
+    first = {w: seen.index(w) for w in range(4)}
+    assert first[3] >= 20  # worker 3 was absent until its join at t=10
+    ones = [i for i, w in enumerate(seen) if w == 1]
+    assert any(i > len(seen) // 2 for i in ones)  # worker 1 works again after its join
+
+
+def test_everyone_failing_ends_the_run_with_a_warning(caplog):
+    cfg = SimConfig(compute=Fixed(1.0), failures=[Failure(w, 2.5) for w in range(3)])
+    with caplog.at_level("WARNING"):
+        r = _train(_cheap_task(), workers=3, steps=100, consistency=sw.SSP(1), sim=cfg)
+    assert r.pushes == 6 and r.time == pytest.approx(2.5)
+    assert "6 of 100 pushes" in caplog.text
+
+
+def test_stop_at_stops_at_the_first_record_that_meets_it():
+    task = tasks.get("least-squares", n=128, d=8)
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
+
+    def evaluate(params):
+        m = task.evaluate(params)
+        return m | {"progress": -m["loss"]}
+
+    r = sim.train(
+        job.config,
+        task.loss_and_grad,
+        data=task.batches,
+        workers=4,
+        steps=5000,
+        strategy=job.strategy,
+        evaluate=evaluate,
+        eval_interval=0.05,
+        stop_at={"progress": -0.1},
+    )
+    assert r.records[-1]["progress"] >= -0.1 > r.records[-2]["progress"]
+    assert r.pushes < 5000 and r.time == r.records[-1]["time"]
+
+
+def test_late_fault_events_do_not_extend_the_run():
+    cfg = SimConfig(compute=Fixed(1.0), failures=[Failure(0, 500.0)], joins=[Join(0, 900.0)])
+    r = _train(_cheap_task(), workers=2, steps=20, sim=cfg)
+    assert r.pushes == 20 and 10 < r.time < 11 and r.records[-1]["time"] == r.time
+
+
+def test_staleness_rules_run_in_the_simulator():
+    task = _cheap_task()
+    rule = sw.staleness.inverse(max_staleness=2, dc_lambda=0.1)
+    cfg = SimConfig(compute=ShiftedExponential(0.0, 1.0))
+    r = _train(task, workers=8, steps=400, staleness=rule, sim=cfg)
+    assert r.stats["rejected"]["too_stale"] > 0
+    assert r.stats["applied"] + r.stats["rejected"]["too_stale"] == 400
+    assert r.stats["staleness_max"] <= 2
+
+
+def test_timeout_is_wall_seconds():
+    with pytest.raises(TimeoutError, match="timeout"):
+        _train(_cheap_task(), workers=4, steps=2000, timeout=0.0)
+
+
+def test_user_error_becomes_worker_error():
+    task = _cheap_task()
+
+    def broken(params, batch):
+        raise ZeroDivisionError("boom")
+
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
+    with pytest.raises(sw.WorkerError, match="boom"):
+        sim.train(job.config, broken, data=task.batches, workers=2, steps=10, strategy=job.strategy)
+
+
+def test_model_bytes_scales_transfer_times():
+    task = _cheap_task()
+    base = dict(
+        compute=Fixed(0.0),
+        network=Network(latency=0.0, bandwidth=1e6),
+        service=Service(0.0, math.inf),
+    )
+    small = _train(task, workers=1, steps=10, sim=SimConfig(**base))
+    big = _train(task, workers=1, steps=10, sim=SimConfig(**base, model_bytes=1_000_000))
+    assert small.time == pytest.approx(10 * 2 * 16 / 1e6)  # a pull and a push of 16 bytes per step
+    assert big.time == pytest.approx(10 * 2 * 1.0)
+    assert np.array_equal(small.flat, big.flat)  # timing only: same updates, same order
+
+
+# -- timing models and validation -------------------------------------------------------------
+
+
+def test_worker_timing_factors_delays_and_transient_slowdowns():
+    cfg = SimConfig(
+        compute=Fixed(1.0),
+        speeds=(1.0, 2.0, 1.0, 1.0),
+        stragglers=Stragglers(count=1, slowdown=3.0),
+        slowdowns=[Slowdown(worker=0, factor=4.0, start=0.5, end=1.0)],
+    )
+    t = WorkerTiming(cfg, 4, factors=[1.0, 1.0, 2.0, 1.0], delays={2: 0.5})
+    assert t.finish(1, 0.0) == 0.5  # twice as fast
+    assert t.finish(2, 0.0) == 3.0  # (1 + 0.5) * 2
+    assert t.finish(3, 0.0) == 3.0  # the persistent straggler
+    # worker 0: 0.5 s of work before the slowdown, then 0.5 s of work at 1/4 speed would take 2 s,
+    # but the slowdown ends at 1.0 after 0.125 s of work; the remaining 0.375 s run at full speed.
+    assert t.finish(0, 0.0) == pytest.approx(1.375)
+    assert t.finish(0, 2.0) == 3.0
+
+
+def test_shifted_exponential_is_seeded_per_worker():
+    cfg = SimConfig(compute=ShiftedExponential(shift=1.0, rate=2.0))
+    a = [WorkerTiming(cfg, 3, seed=1).finish(w, 0.0) for w in range(3)]
+    b = [WorkerTiming(cfg, 3, seed=1).finish(w, 0.0) for w in range(3)]
+    c = [WorkerTiming(cfg, 3, seed=2).finish(w, 0.0) for w in range(3)]
+    assert a == b != c and min(a) >= 1.0
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Network(latency=-1.0), "Network.latency = -1.0"),
+        (lambda: Network(bandwidth=0), "Network.bandwidth = 0"),
+        (lambda: Service(rate=-5), "Service.rate = -5"),
+        (lambda: ShiftedExponential(rate=0.0), "ShiftedExponential.rate = 0.0"),
+        (lambda: Fixed(time=math.nan), "Fixed.time = nan"),
+        (lambda: Stragglers(count=-1), "Stragglers.count = -1"),
+        (lambda: Stragglers(slowdown=0.5), "Stragglers.slowdown = 0.5"),
+        (lambda: Slowdown(worker=0, factor=2.0, start=3.0, end=1.0), "Slowdown.end = 1.0"),
+        (lambda: Failure(worker=-2, time=1.0), "Failure.worker = -2"),
+        (lambda: Join(worker=1, time=-1.0), "Join.time = -1.0"),
+        (lambda: SimConfig(speeds=[1.0, 0.0]), r"SimConfig.speeds\[1\] = 0.0"),
+        (lambda: SimConfig(model_bytes=1.5), "SimConfig.model_bytes = 1.5"),
+        (lambda: SimConfig(network="fast"), "SimConfig.network = 'fast'"),
+        (lambda: SimConfig(failures=[(1, 2.0)]), r"SimConfig.failures\[0\] = \(1, 2.0\)"),
+        (lambda: SimConfig.from_dict({"rate": -1}), "sim: ShiftedExponential.rate = -1"),
+        (lambda: SimConfig.from_dict({"latncy": 0.1}), "sim.latncy: unknown option"),
+        (lambda: SimConfig.from_dict({"compute": "gamma"}), "compute = 'gamma'"),
+        (lambda: SimConfig.from_dict({"compute": "fixed", "rate": 3}), "shift and rate belong"),
+    ],
+)
+def test_validation_names_the_field_and_value(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_worker_dependent_fields_are_checked_at_train_time():
+    task = _cheap_task()
+    with pytest.raises(ValueError, match=r"SimConfig.failures\[0\].worker = 9"):
+        _train(task, workers=4, steps=10, sim=SimConfig(failures=[Failure(9, 1.0)]))
+    with pytest.raises(ValueError, match=r"SimConfig\.speeds"):
+        _train(task, workers=4, steps=10, sim=SimConfig(speeds=(1.0, 2.0)))
+    with pytest.raises(ValueError, match="eval_interval"):
+        _train(task, workers=4, steps=10, eval_interval=0.0)
+
+
+def test_sim_config_pickles_and_reads_a_toml_table():
+    cfg = SimConfig.from_dict(
+        {
+            "compute": "exponential",
+            "shift": 0.01,
+            "rate": 100.0,
+            "stragglers": {"count": 2, "slowdown": 3.0},
+            "slowdowns": [{"worker": 0, "factor": 2.0, "start": 1.0, "end": 2.0}],
+            "failures": [{"worker": 1, "time": 3.0}],
+            "joins": [{"worker": 1, "time": 4.0}],
+            "latency": 1e-4,
+            "shard_bandwidth": 2.5e9,
+            "service_time": 0.0,
+            "model_bytes": 400_000_000,
+        }
+    )
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    assert cfg.compute == ShiftedExponential(0.01, 100.0)
+    assert cfg.network.shard_bw == 2.5e9 and cfg.network.worker_bw == 1.25e9
+    assert cfg.service.time == 0.0 and cfg.joins == (Join(1, 4.0),)
+
+
+# -- sweeps --------------------------------------------------------------------------------
+
+
+def test_sweep_over_workers_and_consistency(tmp_path):
+    task = tasks.get("least-squares", n=256, d=8)
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1), staleness=sw.staleness.inverse())
+    cfg = SimConfig(compute=Fixed(0.01), stragglers=Stragglers(count=1, slowdown=4.0))
+    rows = sweep_lib.sweep(
+        job,
+        task,
+        over="consistency",
+        values=["asp", "ssp:2", sw.BSP()],
+        workers=4,
+        steps=2000,
+        target=1e-3,
+        sim=cfg,
+        out=tmp_path,
+    )
+    assert [r["run"] for r in rows] == ["ASP", "SSP(2)", "BSP"]
+    t = [r["time_to_target"] for r in rows]
+    assert t[0] < t[1] < t[2]
+    assert all(r["final"] <= 1e-3 for r in rows)  # each run stopped at its target
+    assert (tmp_path / "sweep.png").stat().st_size > 1000
+    recs = report.read_metrics(tmp_path / "metrics.jsonl")
+    assert {r["run"] for r in recs} == {"ASP", "SSP(2)", "BSP"} and all(
+        "workers" in r for r in recs
+    )
+    print(report.format_table(rows, sweep_lib.COLUMNS))
+
+    rows = sweep_lib.sweep(job, task, over="workers", values=[1, 4], steps=400, target=1e-3)
+    assert [r["workers"] for r in rows] == [1, 4] and all(r["time_to_target"] for r in rows)
+    with pytest.raises(ValueError, match="over must be"):
+        sweep_lib.sweep(job, task, over="shards", values=[1], steps=10, target=1.0)
+    with pytest.raises(ValueError, match="'ssp:x'"):
+        sweep_lib.sweep(job, task, over="consistency", values=["ssp:x"], steps=10, target=1.0)
