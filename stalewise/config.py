@@ -48,6 +48,7 @@ from stalewise import consistency as consistency_lib
 from stalewise import optim, tasks
 from stalewise import staleness as staleness_lib
 from stalewise.api import Job
+from stalewise.runtime.base import slowdowns
 
 TABLES = {
     "task": {"name", "factory", "args", "seed"},
@@ -117,6 +118,10 @@ def parse(raw: dict[str, Any]) -> RunConfig:
         except (TypeError, ValueError):
             raise ConfigError(f"run.stragglers.{w}: need a worker id and a number, got {f!r}") from None
     workers = _get(r, "run.workers", int, 4, low=1)
+    try:
+        slowdowns(stragglers, workers)
+    except ValueError as e:
+        raise ConfigError(f"run.{e}") from None
     delay = _get(r, "run.delay", float, 0.0, low=0)
     train = {
         "workers": workers,
