@@ -15,7 +15,7 @@ from stalewise.server import ServerConfig
 
 log = logging.getLogger(__name__)
 
-RUNTIMES = ("local",)
+RUNTIMES = ("local", "sim")
 
 
 class Job:
@@ -79,6 +79,8 @@ class Job:
         on_record: Callable[[dict], None] | None = None,
         progress: bool = False,
         timeout: float | None = None,
+        sim: Any = None,
+        seed: int = 0,
     ) -> TrainResult:
         """Trains with ``workers`` workers until they have pushed ``steps`` updates in all.
 
@@ -90,7 +92,9 @@ class Job:
                 sequence of batches per worker (cycled).
             workers: number of worker processes.
             steps: total pushes across all workers (the job's budget).
-            runtime: where to run; "local" (processes on this machine).
+            runtime: where to run: "local" (processes on this machine) or "sim" (the
+                deterministic simulator: same shards, virtual time; see
+                :mod:`stalewise.runtime.sim`).
             evaluate: ``f(params) -> {"loss": ..., "accuracy": ...}`` on held-out data,
                 called in the parent every ``eval_interval`` seconds.
             stragglers: slowdown factor per worker, e.g. ``{3: 4.0}``.
@@ -100,7 +104,10 @@ class Job:
             run: the run's name in metrics records.
             on_record: called with each metrics record as it is made.
             progress: show a progress bar (the CLI turns it on).
-            timeout: give up (TimeoutError) after this many seconds.
+            timeout: give up (TimeoutError) after this many (wall) seconds.
+            sim: the simulator's timing and network model, a
+                :class:`~stalewise.runtime.sim_models.SimConfig` (runtime "sim" only).
+            seed: the simulator's random seed (runtime "sim" only).
 
         Returns:
             A :class:`TrainResult` with the final params, metrics records and shard stats.
@@ -111,9 +118,17 @@ class Job:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-        from stalewise.runtime import local_train
+        kwargs: dict[str, Any] = {}
+        if runtime == "sim":
+            from stalewise.runtime import sim as runner
 
-        return local_train.train(
+            kwargs = {"sim": sim, "seed": seed}
+        else:
+            from stalewise.runtime import local_train as runner
+
+            if sim is not None:
+                raise ValueError("sim= configures the simulator; pass runtime='sim' to use it")
+        return runner.train(
             self.config,
             loss_and_grad,
             data=data,
@@ -129,6 +144,7 @@ class Job:
             on_record=on_record,
             progress=progress,
             timeout=timeout,
+            **kwargs,
         )
 
     def serve(self, *, workers: int):

@@ -29,6 +29,12 @@ its full name (``optimizer.b3: unknown option``)::
     stragglers = { 3 = 4.0 }      # worker -> slowdown factor
     eval_interval = 0.5
     stop_at = { accuracy = 0.95 }
+    runtime = "local"             # or "sim" (the simulator; see the [sim] table)
+
+    [sim]                         # the simulator's timing/network model (stalewise.runtime.sim_models)
+    compute = "exponential"       # fixed | exponential (shifted)
+    latency = 0.0005              # seconds per message
+    bandwidth = 1.25e9            # bytes/s of every link
 
 A task object needs ``init_params(seed)``, ``loss_and_grad(params, batch)``,
 ``batches(worker, workers, seed)`` and ``evaluate(params)`` (see stalewise.tasks).
@@ -36,7 +42,6 @@ A task object needs ``init_params(seed)``, ``loss_and_grad(params, batch)``,
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import tomllib
@@ -47,14 +52,24 @@ from typing import Any
 from stalewise import consistency as consistency_lib
 from stalewise import optim, tasks
 from stalewise import staleness as staleness_lib
-from stalewise.api import Job
+from stalewise.api import RUNTIMES, Job
 from stalewise.runtime.base import slowdowns
+from stalewise.runtime.sim_models import SimConfig
 
 TABLES = {
     "task": {"name", "factory", "args", "seed"},
     "optimizer": None,  # checked against the chosen optimizer's signature
-    "server": {"consistency", "bound", "staleness", "staleness_param", "max_staleness", "dc_lambda", "shards"},
+    "server": {
+        "consistency",
+        "bound",
+        "staleness",
+        "staleness_param",
+        "max_staleness",
+        "dc_lambda",
+        "shards",
+    },
     "run": {"workers", "steps", "delay", "stragglers", "eval_interval", "stop_at", "runtime"},
+    "sim": None,  # checked by SimConfig.from_dict
 }
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb", "lars")
 SCHEDULES = ("constant", "warmup_cosine", "step_decay")
@@ -72,6 +87,20 @@ class RunConfig:
     job: Job
     train: dict[str, Any] = field(default_factory=dict)  # keyword arguments of Job.train
     seed: int = 0
+    sim: SimConfig | None = None  # the [sim] table: used when the runtime is "sim"
+
+    def train_kwargs(self, runtime: str | None = None) -> dict[str, Any]:
+        """Keyword arguments for ``job.train``, for the config's runtime or ``runtime``."""
+        kwargs = dict(self.train)
+        if runtime:
+            if runtime not in RUNTIMES:
+                raise ConfigError(
+                    f"runtime: unknown runtime {runtime!r} (known: {', '.join(RUNTIMES)})"
+                )
+            kwargs["runtime"] = runtime
+        if kwargs["runtime"] == "sim":
+            kwargs |= {"sim": self.sim, "seed": self.seed}
+        return kwargs
 
 
 def load(path: str | Path) -> RunConfig:
@@ -100,8 +129,10 @@ def parse(raw: dict[str, Any]) -> RunConfig:
             raise ConfigError(f"{name}: must be a table, got {table!r}")
         for key in table if allowed is not None else ():
             if key not in allowed:
-                raise ConfigError(f"{name}.{key}: unknown option (known: {', '.join(sorted(allowed))})")
-    t, o, s, r = (raw.get(k, {}) for k in TABLES)
+                raise ConfigError(
+                    f"{name}.{key}: unknown option (known: {', '.join(sorted(allowed))})"
+                )
+    t, o, s, r, sim = (raw.get(k, {}) for k in TABLES)
     seed = _get(t, "task.seed", int, 0)
     task = _task(t)
     job = Job(
@@ -116,7 +147,9 @@ def parse(raw: dict[str, Any]) -> RunConfig:
         try:
             stragglers[int(w)] = float(f)
         except (TypeError, ValueError):
-            raise ConfigError(f"run.stragglers.{w}: need a worker id and a number, got {f!r}") from None
+            raise ConfigError(
+                f"run.stragglers.{w}: need a worker id and a number, got {f!r}"
+            ) from None
     workers = _get(r, "run.workers", int, 4, low=1)
     try:
         slowdowns(stragglers, workers)
@@ -132,7 +165,15 @@ def parse(raw: dict[str, Any]) -> RunConfig:
         "delays": dict.fromkeys(range(workers), delay) if delay else None,
         "stop_at": r.get("stop_at") or None,
     }
-    return RunConfig(task, job, train, seed)
+    try:
+        sim_config = SimConfig.from_dict(sim)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    if train["runtime"] not in RUNTIMES:
+        raise ConfigError(
+            f"run.runtime: unknown runtime {train['runtime']!r} (known: {', '.join(RUNTIMES)})"
+        )
+    return RunConfig(task, job, train, seed, sim_config)
 
 
 def _get(table: dict, name: str, kind: type, default: Any, low: float | None = None) -> Any:
@@ -150,7 +191,9 @@ def _task(t: dict) -> Any:
     if not isinstance(args, dict):
         raise ConfigError(f"task.args: must be a table, got {args!r}")
     if ("name" in t) == ("factory" in t):
-        raise ConfigError("task: give exactly one of task.name (built-in) or task.factory (module:function)")
+        raise ConfigError(
+            "task: give exactly one of task.name (built-in) or task.factory (module:function)"
+        )
     if "name" in t:
         try:
             return tasks.get(t["name"], **args)
@@ -165,7 +208,9 @@ def _task(t: dict) -> Any:
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"task.factory: cannot load {target!r}: {e}") from None
     task = factory(**args)
-    missing = [m for m in ("init_params", "loss_and_grad", "batches", "evaluate") if not hasattr(task, m)]
+    missing = [
+        m for m in ("init_params", "loss_and_grad", "batches", "evaluate") if not hasattr(task, m)
+    ]
     if missing:
         raise ConfigError(f"task.factory: {target} returned an object without {', '.join(missing)}")
     return task
@@ -176,14 +221,18 @@ def _schedule(spec: Any) -> Any:
         raise ConfigError(f"optimizer.schedule: expected a table with a name, got {spec!r}")
     kwargs = {k: v for k, v in spec.items() if k != "name"}
     if spec["name"] not in SCHEDULES:
-        raise ConfigError(f"optimizer.schedule.name: unknown schedule {spec['name']!r} (known: {', '.join(SCHEDULES)})")
+        raise ConfigError(
+            f"optimizer.schedule.name: unknown schedule {spec['name']!r} (known: {', '.join(SCHEDULES)})"
+        )
     return _call(getattr(optim, spec["name"]), kwargs, "optimizer.schedule")
 
 
 def _optimizer(o: dict) -> Any:
     name = o.get("name", "sgd")
     if name not in OPTIMIZERS:
-        raise ConfigError(f"optimizer.name: unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})")
+        raise ConfigError(
+            f"optimizer.name: unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})"
+        )
     kwargs = {k: v for k, v in o.items() if k not in ("name", "schedule")}
     if "schedule" in o:
         if "lr" in o:
@@ -199,7 +248,9 @@ def _call(fn: Any, kwargs: dict, where: str) -> Any:
     params = inspect.signature(fn).parameters
     for key in kwargs:
         if key not in params:
-            raise ConfigError(f"{where}.{key}: unknown option for {fn.__name__} (known: {', '.join(params)})")
+            raise ConfigError(
+                f"{where}.{key}: unknown option for {fn.__name__} (known: {', '.join(params)})"
+            )
     try:
         return fn(**kwargs)
     except (TypeError, ValueError) as e:
@@ -217,15 +268,10 @@ def _staleness(s: dict) -> staleness_lib.Staleness:
     kwargs = {k: s[k] for k in ("max_staleness", "dc_lambda") if k in s}
     name = s.get("staleness", "constant")
     if "staleness_param" in s:
-        kwargs[{"exponential": "base", "polynomial": "power"}.get(name, "staleness_param")] = s["staleness_param"]
+        kwargs[{"exponential": "base", "polynomial": "power"}.get(name, "staleness_param")] = s[
+            "staleness_param"
+        ]
     try:
         return staleness_lib.from_name(name, **kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"server.staleness: {e}") from None
-
-
-@functools.cache
-def example() -> str:
-    """The annotated example config from this module's docstring."""
-    doc = __doc__ or ""
-    return doc[doc.index("[task]") : doc.index("A task object")].replace("\n    ", "\n").strip() + "\n"

@@ -39,7 +39,7 @@ class Consistency(NamedTuple):
         return clock - min_clock <= self.bound
 
     def __str__(self) -> str:
-        return "SSP(%g)" % self.bound if self.kind == "ssp" else self.kind.upper()
+        return f"SSP({self.bound:g})" if self.kind == "ssp" else self.kind.upper()
 
 
 def ASP() -> Consistency:

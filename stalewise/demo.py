@@ -80,7 +80,9 @@ def run(
                     "staleness_max": result.stats["staleness_max"],
                 }
             )
-    report.plot_runs(records, out / "demo.png", title=f"digits MLP, {workers} workers, one {slowdown:g}x slower")
+    report.plot_runs(
+        records, out / "demo.png", title=f"digits MLP, {workers} workers, one {slowdown:g}x slower"
+    )
     return rows
 
 

@@ -26,7 +26,9 @@ import numpy as np
 class Segments(NamedTuple):
     """A table of contiguous, non-overlapping segments covering ``[0, total)``."""
 
-    names: tuple[str, ...]  # dotted key path of each leaf (a leaf split across shards keeps its name)
+    names: tuple[
+        str, ...
+    ]  # dotted key path of each leaf (a leaf split across shards keeps its name)
     offsets: np.ndarray  # int64 start of each segment in the flat vector
     sizes: np.ndarray  # int64 number of elements of each segment
 
@@ -67,7 +69,9 @@ class Segments(NamedTuple):
         if not 0 <= start <= stop <= self.total:
             raise ValueError(f"slice [{start}, {stop}) outside [0, {self.total})")
         ends = self.offsets + self.sizes
-        keep = (ends > start) & (self.offsets < stop) | ((self.sizes == 0) & (self.offsets >= start) & (self.offsets < stop))
+        keep = (ends > start) & (self.offsets < stop) | (
+            (self.sizes == 0) & (self.offsets >= start) & (self.offsets < stop)
+        )
         idx = np.flatnonzero(keep)
         lo = np.maximum(self.offsets[idx], start)
         hi = np.minimum(ends[idx], stop)

@@ -211,7 +211,8 @@ class Shard:
             self._check_payload(payload)
             if not self.staleness.accepts(tau):
                 raise Rejected(
-                    "too_stale", f"staleness {tau} exceeds max_staleness {self.staleness.max_staleness:g}"
+                    "too_stale",
+                    f"staleness {tau} exceeds max_staleness {self.staleness.max_staleness:g}",
                 )
         except Rejected as e:
             self._advance(worker, seq)
@@ -280,18 +281,31 @@ class Shard:
         self.stats.rejected[err.kind] += 1
         log.warning("shard %d rejected a push from worker %s: %s", self.shard_id, worker, err)
         self._maybe_close_round()
-        return Ack(-1 if worker is None else worker, -1 if seq is None else seq, False, str(err), self.version, tau)
+        return Ack(
+            -1 if worker is None else worker,
+            -1 if seq is None else seq,
+            False,
+            str(err),
+            self.version,
+            tau,
+        )
 
     def _check_worker(self, worker: int) -> None:
         if not (isinstance(worker, int | np.integer) and 0 <= worker < self.workers):
-            raise ValueError(f"unknown worker {worker!r}: this job has workers 0..{self.workers - 1}")
+            raise ValueError(
+                f"unknown worker {worker!r}: this job has workers 0..{self.workers - 1}"
+            )
 
     def _check_header(self, header: Any) -> tuple[int, int, int]:
         if not isinstance(header, tuple) or len(header) != 3:
-            raise Rejected("malformed_header", f"expected (worker, seq, base_version), got {header!r}")
+            raise Rejected(
+                "malformed_header", f"expected (worker, seq, base_version), got {header!r}"
+            )
         worker, seq, base = header
         if not all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in header):
-            raise Rejected("malformed_header", f"worker, seq and base_version must be integers, got {header!r}")
+            raise Rejected(
+                "malformed_header", f"worker, seq and base_version must be integers, got {header!r}"
+            )
         if not 0 <= worker < self.workers:
             raise Rejected("unknown_worker", f"worker {worker} is not in 0..{self.workers - 1}")
         if seq < 0:
@@ -307,9 +321,13 @@ class Shard:
 
     def _check_payload(self, payload: Any) -> None:
         if not isinstance(payload, np.ndarray):
-            raise Rejected("bad_payload", f"payload must be a numpy array, got {type(payload).__name__}")
+            raise Rejected(
+                "bad_payload", f"payload must be a numpy array, got {type(payload).__name__}"
+            )
         if payload.dtype != self.params.dtype:
-            raise Rejected("bad_dtype", f"payload dtype {payload.dtype}, expected {self.params.dtype}")
+            raise Rejected(
+                "bad_dtype", f"payload dtype {payload.dtype}, expected {self.params.dtype}"
+            )
         if payload.shape != self.params.shape:
             raise Rejected(
                 "bad_length",
@@ -322,7 +340,9 @@ class Shard:
         bad = np.flatnonzero(~np.isfinite(payload))  # slow path, only for suspicious payloads
         if bad.size:
             leaf = self._leaf_name(int(bad[0]))
-            raise Rejected("not_finite", f"payload has NaN or Inf (first at element {bad[0]}, leaf {leaf!r})")
+            raise Rejected(
+                "not_finite", f"payload has NaN or Inf (first at element {bad[0]}, leaf {leaf!r})"
+            )
 
     def _leaf_name(self, index: int) -> str:
         i = int(np.searchsorted(self.segments.offsets, index, side="right")) - 1

@@ -16,6 +16,8 @@ Example:
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from stalewise.segments import Segments
@@ -48,4 +50,4 @@ def plan(segments: Segments, shards: int) -> list[tuple[int, int]]:
             cut = lo if ideal - lo <= hi - ideal else hi
         cuts.append(min(max(cut, cuts[-1]), total))
     cuts.append(total)
-    return list(zip(cuts[:-1], cuts[1:], strict=True))
+    return list(itertools.pairwise(cuts))

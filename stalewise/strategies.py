@@ -28,7 +28,9 @@ class Strategy(NamedTuple):
 
     kind: str  # "gradients"
 
-    def worker_step(self, params: Any, loss_and_grad: LossAndGrad, batches: Iterator) -> tuple[Any, float]:
+    def worker_step(
+        self, params: Any, loss_and_grad: LossAndGrad, batches: Iterator
+    ) -> tuple[Any, float]:
         """Computes one update from ``params`` (the pulled tree); returns ``(update, loss)``."""
         loss, grads = loss_and_grad(params, next(batches))
         return grads, float(loss)

@@ -13,4 +13,3 @@ def no_leaks():
     assert set(leaked_blocks()) - before == set(), "leaked shared-memory blocks"
     alive = [p for p in mp.active_children() if p.is_alive()]
     assert not alive, f"child processes left running: {alive}"
-

@@ -61,11 +61,23 @@ def test_train_runs_a_config_and_writes_metrics_and_plot(tmp_path, capsys, no_le
         (("workers = 2", 'workers = "two"'), "run.workers: expected int, got 'two'"),
         (("workers = 2", "workers = 0"), "run.workers: must be >= 1, got 0"),
         (("shards = 2", "shards = 2\nreplicas = 3"), "server.replicas: unknown option"),
-        (('consistency = "ssp"', 'consistency = "eventual"'), "server.consistency: unknown consistency model"),
-        (('staleness = "polynomial"', 'staleness = "harmonic"'), "server.staleness: unknown staleness rule"),
-        (('name = "warmup_cosine"', 'name = "linear"'), "optimizer.schedule.name: unknown schedule 'linear'"),
+        (
+            ('consistency = "ssp"', 'consistency = "eventual"'),
+            "server.consistency: unknown consistency model",
+        ),
+        (
+            ('staleness = "polynomial"', 'staleness = "harmonic"'),
+            "server.staleness: unknown staleness rule",
+        ),
+        (
+            ('name = "warmup_cosine"', 'name = "linear"'),
+            "optimizer.schedule.name: unknown schedule 'linear'",
+        ),
         (("stragglers = { 1 = 2.0 }", "stragglers = { 7 = 2.0 }"), "stragglers: unknown worker 7"),
-        (('name = "least-squares"', 'factory = "no.such.module:make"'), "task.factory: cannot load"),
+        (
+            ('name = "least-squares"', 'factory = "no.such.module:make"'),
+            "task.factory: cannot load",
+        ),
         (('name = "least-squares"', 'name = "imagenet"'), "task.name: unknown task 'imagenet'"),
     ],
 )
@@ -89,9 +101,14 @@ def test_task_factory_from_a_user_module(tmp_path, monkeypatch):
         "from stalewise import tasks\n\ndef make(d=8):\n    return tasks.get('least-squares', n=64, d=d)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = config.parse({"task": {"factory": "myjobs:make", "args": {"d": 5}}, "optimizer": {"name": "sgd", "lr": 0.1}})
+    cfg = config.parse(
+        {
+            "task": {"factory": "myjobs:make", "args": {"d": 5}},
+            "optimizer": {"name": "sgd", "lr": 0.1},
+        }
+    )
     assert cfg.job.config.spec.size == 5
-    with pytest.raises(config.ConfigError, match="task: give exactly one of task.name"):
+    with pytest.raises(config.ConfigError, match=r"task: give exactly one of task\.name"):
         config.parse({"task": {"factory": "myjobs:make", "name": "digits"}})
 
 

@@ -23,7 +23,9 @@ def quadratic_job(**kw):
 
 def test_serve_pull_push_in_this_process(no_leaks):
     job = sw.Job(
-        {"a": np.zeros((2, 3), np.float32), "b": np.ones(5, np.float32)}, optimizer=sw.optim.sgd(1.0), shards=2
+        {"a": np.zeros((2, 3), np.float32), "b": np.ones(5, np.float32)},
+        optimizer=sw.optim.sgd(1.0),
+        shards=2,
     )
     with job.serve(workers=1) as server:
         client = server.client(0)
@@ -35,7 +37,9 @@ def test_serve_pull_push_in_this_process(no_leaks):
         now = server.pull()
         np.testing.assert_array_equal(now["a"], -np.ones((2, 3)))
         np.testing.assert_array_equal(now["b"], -np.ones(5))
-        with pytest.raises(ValueError, match=r"params\['a'\]: expected shape \(2, 3\), got \(3, 2\)"):
+        with pytest.raises(
+            ValueError, match=r"params\['a'\]: expected shape \(2, 3\), got \(3, 2\)"
+        ):
             client.push({"a": np.ones((3, 2), np.float32), "b": np.ones(5, np.float32)})
         with pytest.raises(ValueError, match="a client for worker 0 was already made"):
             server.client(0)
@@ -98,15 +102,23 @@ def test_train_converges_and_leaves_nothing_behind(no_leaks, consistency):
 def test_error_in_user_code_shows_traceback_and_cleans_up(no_leaks):
     job = quadratic_job()
     with pytest.raises(sw.WorkerError, match=r"(?s)worker \d failed.*ValueError: boom at batch 3"):
-        job.train(mp_helpers.failing_loss_and_grad, data=mp_helpers.counting_data, workers=2, steps=100)
+        job.train(
+            mp_helpers.failing_loss_and_grad, data=mp_helpers.counting_data, workers=2, steps=100
+        )
 
 
 def test_unpicklable_loss_is_refused_with_a_clear_error(no_leaks):
     with pytest.raises(TypeError, match="loss_and_grad must be picklable"):
-        quadratic_job().train(lambda p, b: (0.0, p), data=mp_helpers.quadratic_data, workers=1, steps=1)
+        quadratic_job().train(
+            lambda p, b: (0.0, p), data=mp_helpers.quadratic_data, workers=1, steps=1
+        )
     with pytest.raises(ValueError, match=r"stragglers\[5\]|unknown worker 5"):
         quadratic_job().train(
-            mp_helpers.quadratic_loss_and_grad, data=mp_helpers.quadratic_data, workers=2, steps=1, stragglers={5: 2.0}
+            mp_helpers.quadratic_loss_and_grad,
+            data=mp_helpers.quadratic_data,
+            workers=2,
+            steps=1,
+            stragglers={5: 2.0},
         )
 
 
@@ -132,7 +144,9 @@ def test_ctrl_c_stops_every_process_and_frees_shared_memory(tmp_path):
     )
     before = set(leaked_blocks())
     env = dict(os.environ, STALEWISE_TEST_TAG=tag)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
     try:
         assert proc.stdout.readline().strip() == b"training"
         proc.send_signal(signal.SIGINT)

@@ -14,11 +14,19 @@ from stalewise.server import PushHeader, Shard
 
 def make_shard(n=6, workers=3, lr=0.5, **kw):
     params = np.arange(n, dtype=np.float32)
-    return Shard(params, Segments.from_sizes(["a", "b"], [n // 2, n - n // 2]), optim.sgd(lr), workers=workers, **kw)
+    return Shard(
+        params,
+        Segments.from_sizes(["a", "b"], [n // 2, n - n // 2]),
+        optim.sgd(lr),
+        workers=workers,
+        **kw,
+    )
 
 
 def push(shard, worker, seq, base, g):
-    return shard.push(PushHeader(worker, seq, base), np.array(g, dtype=shard.params.dtype))  # a copy: the shard uses it as scratch
+    return shard.push(
+        PushHeader(worker, seq, base), np.array(g, dtype=shard.params.dtype)
+    )  # a copy: the shard uses it as scratch
 
 
 def test_asp_applies_each_push_on_arrival():
@@ -93,14 +101,44 @@ def test_replayed_push_is_acknowledged_but_not_applied():
     ("header", "payload", "kind", "message"),
     [
         (PushHeader(0, 0, 0), np.ones(5, np.float32), "bad_length", "shape (5,), expected (6,)"),
-        (PushHeader(0, 0, 0), np.ones(6, np.float64), "bad_dtype", "dtype float64, expected float32"),
-        (PushHeader(0, 0, 0), np.array([1, 1, math.nan, 1, 1, 1], np.float32), "not_finite", "element 2, leaf 'a'"),
-        (PushHeader(0, 0, 0), np.array([1, 1, 1, 1, -math.inf, 1], np.float32), "not_finite", "leaf 'b'"),
+        (
+            PushHeader(0, 0, 0),
+            np.ones(6, np.float64),
+            "bad_dtype",
+            "dtype float64, expected float32",
+        ),
+        (
+            PushHeader(0, 0, 0),
+            np.array([1, 1, math.nan, 1, 1, 1], np.float32),
+            "not_finite",
+            "element 2, leaf 'a'",
+        ),
+        (
+            PushHeader(0, 0, 0),
+            np.array([1, 1, 1, 1, -math.inf, 1], np.float32),
+            "not_finite",
+            "leaf 'b'",
+        ),
         (PushHeader(0, 0, 0), [1.0] * 6, "bad_payload", "numpy array, got list"),
         (PushHeader(7, 0, 0), np.ones(6, np.float32), "unknown_worker", "worker 7 is not in 0..2"),
-        (PushHeader(0, -1, 0), np.ones(6, np.float32), "malformed_header", "negative sequence number"),
-        (PushHeader(0, 0, 5), np.ones(6, np.float32), "malformed_header", "base_version 5 is not in 0..0"),
-        ((0, 0), np.ones(6, np.float32), "malformed_header", "expected (worker, seq, base_version)"),
+        (
+            PushHeader(0, -1, 0),
+            np.ones(6, np.float32),
+            "malformed_header",
+            "negative sequence number",
+        ),
+        (
+            PushHeader(0, 0, 5),
+            np.ones(6, np.float32),
+            "malformed_header",
+            "base_version 5 is not in 0..0",
+        ),
+        (
+            (0, 0),
+            np.ones(6, np.float32),
+            "malformed_header",
+            "expected (worker, seq, base_version)",
+        ),
         (("0", 0, 0), np.ones(6, np.float32), "malformed_header", "must be integers"),
         ((True, 0, 0), np.ones(6, np.float32), "malformed_header", "must be integers"),
     ],

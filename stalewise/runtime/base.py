@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+
+def batch_iterator(data: Any, worker: int, workers: int) -> Iterator[Any]:
+    """A worker's batches: ``data(worker, workers)`` if callable, else ``data[worker]`` cycled."""
+    if callable(data):
+        return iter(data(worker, workers))
+    return itertools.cycle(data[worker])
 
 
 class WorkerError(RuntimeError):
@@ -59,7 +67,9 @@ def merge_stats(per_shard: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def slowdowns(stragglers: Mapping[int, float] | Sequence[float] | None, workers: int) -> list[float]:
+def slowdowns(
+    stragglers: Mapping[int, float] | Sequence[float] | None, workers: int
+) -> list[float]:
     """Normalises a straggler setting to one slowdown factor (>= 1) per worker.
 
     ``{3: 4.0}`` makes worker 3 four times slower; a list gives every worker's factor.

@@ -208,7 +208,9 @@ class Client:
         self.last_acks = acks
         bad = [(k, a) for k, a in enumerate(acks) if not a.ok]
         if bad:
-            raise PushRejected("; ".join(f"shard {k} rejected push {a.seq}: {a.reason}" for k, a in bad))
+            raise PushRejected(
+                "; ".join(f"shard {k} rejected push {a.seq}: {a.reason}" for k, a in bad)
+            )
         return acks
 
     def close(self) -> None:
@@ -228,7 +230,9 @@ class Client:
             self._block.close()
 
 
-def _shard_main(config: ServerConfig, k: int, block_name: str, layout: Layout, conns: list, control) -> None:
+def _shard_main(
+    config: ServerConfig, k: int, block_name: str, layout: Layout, conns: list, control
+) -> None:
     """Body of a shard process: serve pulls and pushes until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     block = SharedBlock.attach(block_name)
@@ -320,7 +324,9 @@ class LocalServer:
             for k, c in enumerate(self._controls):
                 if _recv(c, start_timeout, f"start of shard {k}") != ("ready", k):
                     raise RuntimeError(f"shard {k} failed to start")
-            self.observer = Client(None, self._block.name, self.layout, config, self._controls, self._block)
+            self.observer = Client(
+                None, self._block.name, self.layout, config, self._controls, self._block
+            )
         except BaseException:
             self.close()
             raise
@@ -334,7 +340,9 @@ class LocalServer:
     def client(self, worker: int) -> Client:
         """The client for ``worker`` (0 <= worker < workers); one per worker id."""
         if not (isinstance(worker, int) and 0 <= worker < self.workers):
-            raise ValueError(f"unknown worker {worker!r}: this server has workers 0..{self.workers - 1}")
+            raise ValueError(
+                f"unknown worker {worker!r}: this server has workers 0..{self.workers - 1}"
+            )
         if worker in self._clients_made:
             raise ValueError(f"a client for worker {worker} was already made")
         self._clients_made.add(worker)

@@ -21,7 +21,7 @@ from multiprocessing import connection
 from typing import Any
 
 from stalewise import tree
-from stalewise.runtime.base import TrainResult, WorkerError, merge_stats, slowdowns
+from stalewise.runtime.base import TrainResult, WorkerError, batch_iterator, merge_stats, slowdowns
 from stalewise.runtime.local import Client, LocalServer, PushRejected
 from stalewise.server import ServerConfig
 from stalewise.strategies import Strategy
@@ -29,12 +29,6 @@ from stalewise.strategies import Strategy
 log = logging.getLogger(__name__)
 
 _STOP, _DONE0 = 0, 1  # control slots: stop flag, then pushes done per worker, then last loss
-
-
-def _batches(data: Any, worker: int, workers: int):
-    if callable(data):
-        return iter(data(worker, workers))
-    return itertools.cycle(data[worker])
 
 
 def _worker_main(
@@ -52,7 +46,7 @@ def _worker_main(
     w, workers = client.worker, client._layout.workers
     try:
         ctrl = client._layout.control(client._attach())
-        batches = _batches(data, w, workers)
+        batches = batch_iterator(data, w, workers)
         batches = itertools.chain([next(batches)], batches)  # data loading is set-up, not training
         results.send(("ready", w))
         if results.recv() != "go":
@@ -129,8 +123,19 @@ def train(
         try:
             for w in range(workers):
                 mine, theirs = ctx.Pipe()
-                args = (server.client(w), strategy, loss_and_grad, data, steps, factors[w], extra[w], theirs)
-                p = ctx.Process(target=_worker_main, args=args, name=f"stalewise-worker-{w}", daemon=True)
+                args = (
+                    server.client(w),
+                    strategy,
+                    loss_and_grad,
+                    data,
+                    steps,
+                    factors[w],
+                    extra[w],
+                    theirs,
+                )
+                p = ctx.Process(
+                    target=_worker_main, args=args, name=f"stalewise-worker-{w}", daemon=True
+                )
                 p.start()
                 theirs.close()
                 procs.append(p)
@@ -146,7 +151,9 @@ def train(
 
                 bar = tqdm(total=steps, desc=run, unit="push", leave=True)
             if evaluate is not None:
-                evaluate(server.pull())  # the first call may load data or compile: not training time
+                evaluate(
+                    server.pull()
+                )  # the first call may load data or compile: not training time
             for c in results:
                 c.send("go")
             t0 = time.perf_counter()
@@ -169,7 +176,9 @@ def train(
                     if on_record:
                         on_record(rec)
                     if bar is not None:
-                        bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "accuracy") if k in rec})
+                        bar.set_postfix(
+                            {k: f"{rec[k]:.3g}" for k in ("loss", "accuracy") if k in rec}
+                        )
                     if stop_at and all(rec.get(k, -float("inf")) >= v for k, v in stop_at.items()):
                         ctrl[_STOP] = 1
                 if timeout is not None and now > timeout:
@@ -193,7 +202,9 @@ def train(
     return TrainResult(params, flat, records, stats, elapsed, pushes)
 
 
-def _record(server: LocalServer, evaluate, run: str, now: float, pushes: int, ctrl, workers: int) -> dict:
+def _record(
+    server: LocalServer, evaluate, run: str, now: float, pushes: int, ctrl, workers: int
+) -> dict:
     stats = merge_stats(server.stats())
     losses = ctrl[_DONE0 + workers : _DONE0 + 2 * workers]
     rec: dict[str, Any] = {

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.runtime.base import TrainResult, WorkerError, merge_stats, slowdowns
+from stalewise.runtime.base import TrainResult, WorkerError, batch_iterator, merge_stats, slowdowns
 from stalewise.runtime.sim_models import Join, Links, SimConfig, WorkerTiming
 from stalewise.server import PushHeader, ServerConfig
 from stalewise.strategies import Strategy
@@ -204,7 +204,7 @@ class _Sim:
     def compute(self, w: int) -> None:
         self.totals["pull"] += self.now - self.t_mark[w]
         if self.batches[w] is None:
-            self.batches[w] = _batches(self.data, w, self.P)
+            self.batches[w] = batch_iterator(self.data, w, self.P)
         params = tree.unflatten(self.pull_buf[w], self.spec)
         try:
             update, loss = self.strategy.worker_step(params, self.loss_and_grad, self.batches[w])
@@ -334,12 +334,6 @@ class _Sim:
 
     def stats(self) -> dict[str, Any]:
         return merge_stats([s.stats.as_dict() | {"version": s.version} for s in self.shards])
-
-
-def _batches(data: Any, worker: int, workers: int) -> Any:
-    if callable(data):
-        return iter(data(worker, workers))
-    return itertools.cycle(data[worker])
 
 
 def train(
