@@ -1,6 +1,6 @@
 """Time to 95% held-out accuracy in the demo's setting: asynchronous vs synchronous.
 
-Runs the demo's two runs (BSP, then SSP(4) with inverse staleness and LAMB; the
+Runs the demo's two runs (BSP, then ASP with inverse staleness; LAMB on the server; the
 digits MLP, 4 local workers, the last one 4x slower) several times, alternating,
 and prints each pair's ratio and the median ratio.
 

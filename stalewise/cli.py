@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--slowdown", type=float, default=4.0, help="how many times slower the last worker is"
     )
-    d.add_argument("--delay", type=float, default=0.004, help="emulated compute seconds per step")
+    d.add_argument("--delay", type=float, default=0.008, help="emulated compute seconds per step")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     d.set_defaults(func=cmd_demo)
 

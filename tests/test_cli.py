@@ -122,7 +122,7 @@ def test_demo_runs_end_to_end(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "BSP (synchronous)" in proc.stdout and "SSP(4) + inverse staleness" in proc.stdout
+    assert "BSP (synchronous)" in proc.stdout and "ASP + inverse staleness" in proc.stdout
     assert "time_to_95%" in proc.stdout
     runs = {json.loads(line)["run"] for line in (out / "metrics.jsonl").read_text().splitlines()}
     assert len(runs) == 2
