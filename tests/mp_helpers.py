@@ -39,3 +39,48 @@ def uniform_pusher(client, pushes):
         client.push({"x": np.ones(client._spec.size, np.float32)})
     client.wait(timeout=60)
     client.close()
+
+
+# TensorFlow least squares for tests/test_backends_e2e.py: y = x @ w* + b*, no noise.
+TF_DIM = 8
+TF_W_STAR = np.linspace(-1.0, 1.0, TF_DIM).astype(np.float32)
+TF_B_STAR = np.float32(0.5)
+
+
+def tf_linear_init():
+    """The initial params: ``tf.Variable`` leaves (a vector and a 0-d bias), all zero."""
+    import tensorflow as tf
+
+    return {"w": tf.Variable(tf.zeros(TF_DIM)), "b": tf.Variable(0.0)}
+
+
+def tf_linear_loss_and_grad(params, batch):
+    """0.5 * mean((x @ w + b - y)^2) and its gradient by ``tf.GradientTape``; TF in, TF out."""
+    import tensorflow as tf
+
+    x, y = batch
+    with tf.GradientTape() as tape:
+        tape.watch(params)  # pulled params are tf.Tensor, not Variables
+        residual = tf.linalg.matvec(x, params["w"]) + params["b"] - y
+        loss = 0.5 * tf.reduce_mean(tf.square(residual))
+    return float(loss), tape.gradient(loss, params)
+
+
+def tf_linear_data(worker, workers):
+    """Endless (x, y) batches of tf tensors, a different stream per worker."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(1000 + worker)
+    while True:
+        x = rng.normal(size=(32, TF_DIM)).astype(np.float32)
+        yield tf.constant(x), tf.constant(x @ TF_W_STAR + TF_B_STAR)
+
+
+def tf_linear_evaluate(params):
+    """Held-out loss and relative distance of (w, b) to (w*, b*)."""
+    x = np.random.default_rng(7).normal(size=(256, TF_DIM)).astype(np.float32)
+    w, b = np.asarray(params["w"], np.float64), float(np.asarray(params["b"]))
+    residual = x @ w + b - (x @ TF_W_STAR + TF_B_STAR)
+    star = np.append(TF_W_STAR, TF_B_STAR).astype(np.float64)
+    distance = np.linalg.norm(np.append(w, b) - star) / np.linalg.norm(star)
+    return {"loss": float(0.5 * np.mean(residual**2)), "distance": float(distance)}
