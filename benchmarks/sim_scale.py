@@ -9,7 +9,7 @@ the number of workers, let alone its square.
 Every worker's minibatch has 2 rows, so a gradient costs the same at every
 worker count and the scaling shows the simulator's own cost. Last, SSP(4) and
 BSP at the largest worker count show what the gates cost (``Shard.min_clock``
-is O(workers) per gated pull or applied push).
+and the BSP round check are O(1) amortised per gated pull or applied push).
 
 Run: ``.venv/bin/python benchmarks/sim_scale.py [--updates 20000] [--scaling-updates 5000]``
 """
@@ -65,7 +65,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=10_000)
     args = parser.parse_args()
 
-    task = tasks.get("least-squares", n=2048, d=args.dim, batch_size=2)
+    n = max(2048, 2 * args.workers)  # every worker needs its own rows
+    task = tasks.get("least-squares", n=n, d=args.dim, batch_size=2)
     task.evaluate(task.init_params())  # generate the data outside the timings
     run_once(task, 8, 200)  # warm up the optimizer kernels
 

@@ -102,6 +102,50 @@ class Rejected(Exception):
         self.kind = kind
 
 
+class _ClockTracker:
+    """How many live workers are at each clock, and the slowest live clock.
+
+    Clocks only grow and a joining worker starts at the slowest live clock or
+    later, so the stored minimum only moves up (it is reset when the first
+    worker joins an empty job): :meth:`min` is O(1) and keeping it costs O(1)
+    amortised per push.
+    """
+
+    def __init__(self, workers: int):
+        self.live = workers  # number of live workers
+        self._count = {0: workers}  # clock -> live workers at it (no zero entries)
+        self._min = 0
+
+    def min(self) -> int:
+        """The slowest live clock (0 when no worker is live)."""
+        return self._min if self.live else 0
+
+    def add(self, clock: int) -> None:
+        """A worker becomes live at ``clock``."""
+        if not self.live or clock < self._min:
+            self._min = clock
+        self._count[clock] = self._count.get(clock, 0) + 1
+        self.live += 1
+
+    def remove(self, clock: int) -> None:
+        """A live worker at ``clock`` leaves."""
+        self.live -= 1
+        self._drop(clock)
+
+    def advance(self, clock: int) -> None:
+        """A live worker moves from ``clock`` to ``clock + 1``."""
+        self._count[clock + 1] = self._count.get(clock + 1, 0) + 1
+        self._drop(clock)
+
+    def _drop(self, clock: int) -> None:
+        n = self._count.pop(clock) - 1
+        if n:
+            self._count[clock] = n
+        elif self.live:
+            while self._min not in self._count:
+                self._min += 1
+
+
 class Shard:
     """One parameter-server shard.
 
@@ -114,6 +158,10 @@ class Shard:
         consistency: ASP, SSP or BSP (default ASP).
         staleness: how much a stale push counts (default: constant).
         shard_id: used in log and error messages.
+
+    ``clocks`` and ``live`` are read-only outside the shard: :meth:`push`,
+    :meth:`leave` and :meth:`join` keep them in step with the O(1) counts
+    behind :meth:`min_clock` and the BSP rounds.
     """
 
     def __init__(
@@ -147,6 +195,7 @@ class Shard:
         self.clocks = np.zeros(workers, dtype=np.int64)  # completed pushes per worker
         self.next_seq = np.zeros(workers, dtype=np.int64)  # lowest seq not yet handled
         self.live = np.ones(workers, dtype=bool)
+        self._clocks = _ClockTracker(workers)  # live workers per clock, slowest live clock
         self.stats = ShardStats()
         # DC-ASGD: the params each worker pulled (only kept when compensation is on).
         self._pulled: dict[int, np.ndarray] = {}
@@ -154,6 +203,7 @@ class Shard:
         self._round_sum: np.ndarray | None = None
         self._round_done = np.zeros(workers, dtype=bool)
         self._round_count = 0
+        self._round_waiting = workers  # live workers that have not pushed in this round
 
     def warm_up(self) -> None:
         """Runs the optimizer once on a scratch copy so JIT compilation happens before training."""
@@ -165,7 +215,7 @@ class Shard:
 
     def min_clock(self) -> int:
         """Clock of the slowest live worker (0 when none is live)."""
-        return int(self.clocks[self.live].min()) if self.live.any() else 0
+        return self._clocks.min()
 
     def may_start(self, worker: int) -> bool:
         """Whether ``worker`` may start its next step under the consistency model."""
@@ -233,7 +283,11 @@ class Shard:
     def leave(self, worker: int) -> None:
         """Marks a worker as gone: gates and BSP rounds stop waiting for it."""
         self._check_worker(worker)
-        self.live[worker] = False
+        if self.live[worker]:
+            self.live[worker] = False
+            self._clocks.remove(int(self.clocks[worker]))
+            if not self._round_done[worker]:
+                self._round_waiting -= 1
         self._pulled.pop(worker, None)
         self._maybe_close_round()
 
@@ -241,9 +295,11 @@ class Shard:
         """Marks a worker as live again; it starts at the slowest live clock."""
         self._check_worker(worker)
         if not self.live[worker]:
-            self.clocks[worker] = max(int(self.clocks[worker]), self.min_clock())
+            clock = self.clocks[worker] = max(int(self.clocks[worker]), self.min_clock())
             self.live[worker] = True
+            self._clocks.add(clock)
             self._round_done[worker] = False
+            self._round_waiting += 1
 
     # -- internals -------------------------------------------------------------------
 
@@ -261,8 +317,7 @@ class Shard:
     def _maybe_close_round(self) -> None:
         if not self.consistency.averages_rounds:
             return
-        live = self.live
-        if not live.any() or not self._round_done[live].all():
+        if not self._clocks.live or self._round_waiting:
             return
         if self._round_count:
             assert self._round_sum is not None
@@ -271,9 +326,14 @@ class Shard:
             self._round_sum.fill(0)
         self._round_done[:] = False
         self._round_count = 0
+        self._round_waiting = self._clocks.live
 
     def _advance(self, worker: int, seq: int) -> None:
         self.next_seq[worker] = seq + 1
+        if self.live[worker]:  # always, as pushes of gone workers are rejected earlier
+            self._clocks.advance(int(self.clocks[worker]))
+            if not self._round_done[worker]:
+                self._round_waiting -= 1
         self.clocks[worker] += 1
         self._round_done[worker] = True
 

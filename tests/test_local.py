@@ -142,7 +142,6 @@ def test_ctrl_c_stops_every_process_and_frees_shared_memory(tmp_path):
             """
         )
     )
-    before = set(leaked_blocks())
     env = dict(os.environ, STALEWISE_TEST_TAG=tag)
     proc = subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
@@ -158,7 +157,7 @@ def test_ctrl_c_stops_every_process_and_frees_shared_memory(tmp_path):
     while time.time() < deadline and _tagged_pids(tag):
         time.sleep(0.1)
     assert _tagged_pids(tag) == []
-    assert set(leaked_blocks()) - before == set()
+    assert [b for b in leaked_blocks() if b.startswith(f"stalewise-{proc.pid}-")] == []
 
 
 def _tagged_pids(tag):

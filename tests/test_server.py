@@ -202,6 +202,87 @@ def test_ssp_never_lets_a_worker_start_more_than_s_ahead(bound):
     assert blocked_seen > 0
 
 
+@pytest.mark.parametrize(
+    ("consistency", "seed"),
+    [(SSP(0), 0), (SSP(2), 1), (SSP(5), 2), (BSP(), 3), (BSP(), 4), (ASP(), 5)],
+    ids=str,
+)
+def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
+    """Random pushes (gated, ungated, rejected, replayed), leaves and joins against a model."""
+    rng = np.random.default_rng(seed)
+    workers = 6
+    shard = make_shard(workers=workers, consistency=consistency, lr=0.0)
+    clocks = [0] * workers
+    live = [True] * workers
+    seq = [0] * workers
+    done: set[int] = set()  # BSP: workers that pushed in the open round (live or not)
+    merged = 0  # BSP: pushes merged into the open round
+    version = 0
+    rounds_closed = 0
+    seen = {"nobody_live": 0, "blocked": 0}  # the test must reach these states
+
+    def brute_min():
+        return min((c for c, ok in zip(clocks, live, strict=True) if ok), default=0)
+
+    def maybe_close_round():
+        nonlocal merged, version, rounds_closed
+        alive = {w for w in range(workers) if live[w]}
+        if consistency.averages_rounds and alive and alive <= done:
+            version += merged > 0
+            rounds_closed += 1
+            done.clear()
+            merged = 0
+
+    for _ in range(3000):
+        r = rng.random()
+        w = int(rng.integers(workers))
+        if r < 0.12:
+            shard.leave(w)
+            live[w] = False
+            maybe_close_round()
+        elif r < 0.24:
+            shard.join(w)
+            if not live[w]:
+                clocks[w] = max(clocks[w], brute_min())
+                live[w] = True
+                done.discard(w)
+        elif r < 0.28:  # a replay of the worker's last push: acknowledged, nothing changes
+            ack = push(shard, w, seq[w] - 1, shard.version, np.zeros(6))
+            assert ack.ok == ack.duplicate == (live[w] and seq[w] > 0)
+        else:
+            if r < 0.85:  # a well-behaved worker: a live one its gate lets start
+                ready = [v for v in range(workers) if live[v] and shard.may_start(v)]
+                if not ready:
+                    continue
+                w = ready[int(rng.integers(len(ready)))]
+            bad = r >= 0.95  # a push the shard refuses after validation (still a step)
+            g = np.full(6, math.nan if bad else 0.0)
+            ack = push(shard, w, seq[w], shard.version, g)
+            assert ack.ok == (live[w] and not bad)
+            if live[w]:
+                seq[w] += 1
+                clocks[w] += 1
+                done.add(w)
+                if consistency.averages_rounds:
+                    merged += not bad
+                else:
+                    version += not bad
+                maybe_close_round()
+
+        assert shard.live.tolist() == live
+        assert shard.clocks.tolist() == clocks
+        assert shard.min_clock() == brute_min()
+        assert shard.version == version
+        for v in range(workers):
+            assert shard.may_start(v) == consistency.may_start(clocks[v], brute_min())
+            seen["blocked"] += live[v] and not shard.may_start(v)
+        seen["nobody_live"] += not any(live)
+    assert seen["nobody_live"] > 0
+    assert seen["blocked"] > 0 or consistency.bound == math.inf
+    if consistency.averages_rounds:
+        assert rounds_closed > 50 and version > 50
+
+
 def test_ssp_extremes_match_bsp_and_asp_gating():
     assert SSP(0).may_start(3, 3) and not SSP(0).may_start(4, 3)
     assert BSP().may_start(3, 3) and not BSP().may_start(4, 3)

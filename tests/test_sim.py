@@ -12,6 +12,7 @@ import stalewise as sw
 from stalewise import report, tasks
 from stalewise import sweep as sweep_lib
 from stalewise.runtime import sim
+from stalewise.runtime.sim_config import SimConfig
 from stalewise.runtime.sim_models import (
     Failure,
     Fixed,
@@ -19,7 +20,6 @@ from stalewise.runtime.sim_models import (
     Network,
     Service,
     ShiftedExponential,
-    SimConfig,
     Slowdown,
     Stragglers,
     WorkerTiming,

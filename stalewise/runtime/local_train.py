@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import pickle
 import signal
 import time
@@ -22,7 +23,7 @@ from typing import Any
 
 from stalewise import tree
 from stalewise.runtime.base import TrainResult, WorkerError, batch_iterator, merge_stats, slowdowns
-from stalewise.runtime.local import Client, LocalServer, PushRejected
+from stalewise.runtime.local import Client, LocalServer, PushRejected, thread_budget
 from stalewise.server import ServerConfig
 from stalewise.strategies import Strategy
 
@@ -47,7 +48,11 @@ def _worker_main(
     try:
         ctrl = client._layout.control(client._attach())
         batches = batch_iterator(data, w, workers)
-        batches = itertools.chain([next(batches)], batches)  # data loading is set-up, not training
+        first = next(batches)
+        # Set-up, not training: load the data and run one step whose result is thrown
+        # away, so a JIT compile of the user's function (JAX, numba) happens before the clock.
+        loss_and_grad(client.pull(copy=False), first)
+        batches = itertools.chain([first], batches)
         results.send(("ready", w))
         if results.recv() != "go":
             return
@@ -136,7 +141,8 @@ def train(
                 p = ctx.Process(
                     target=_worker_main, args=args, name=f"stalewise-worker-{w}", daemon=True
                 )
-                p.start()
+                with thread_budget((os.cpu_count() or 1) // workers):
+                    p.start()
                 theirs.close()
                 procs.append(p)
                 results.append(mine)

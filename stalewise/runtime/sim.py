@@ -3,337 +3,39 @@
 It hosts the same protocol objects as the local runtime (shards built by
 :meth:`ServerConfig.build_shard`, their consistency gates, staleness rules and
 optimizers, and the job's :class:`~stalewise.strategies.Strategy`); only time
-is simulated. Gradients are computed for real, on the real task, in a
-single-threaded discrete-event loop: a heap of ``(virtual time, insertion
-counter, event)`` entries, so ties are broken by the order in which events were
-scheduled and a run is deterministic.
-
-A worker's step, as in the local runtime: it sends a pull request to every
-shard; each shard checks its gate (``Shard.may_start``; a blocked pull waits at
-the shard and is re-checked after every applied push or leave), queues the pull
-behind the requests already waiting (one FIFO server per shard, service time
-from :class:`~stalewise.runtime.sim_models.Service`), copies its slice and sends
-it back over the links. With every slice in, the worker computes its update
-(for real, at once, on the snapshot it got) and pushes it after the virtual
-compute time; each shard queues, serves and applies the push and acks it. When
-every ack is back the worker starts its next step. ``steps`` counts pushes in
-all workers, as in the local runtime.
-
-Cost: O(log n) per event (heap) and O(1) per-worker state per event. Under
-SSP/BSP a shard asks ``Shard.min_clock`` (O(workers) in NumPy) once per pull
-request and once per applied push, never once per waiting worker.
+is simulated. Gradients are computed for real, on the real task, in the
+single-threaded discrete-event loop of :mod:`stalewise.runtime.sim_engine`;
+:class:`~stalewise.runtime.sim_config.SimConfig` says how long steps,
+transfers and requests take.
 
 Determinism: the event order and the virtual times depend only on the config
 and the seed (IEEE arithmetic and numpy's PCG64 streams), never on the machine.
 The parameters are then as reproducible as the user's ``loss_and_grad``: NumPy
 code on one machine gives bit-identical results run after run.
+
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import math
 import time
-import traceback
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from stalewise import tree
-from stalewise.runtime.base import TrainResult, WorkerError, batch_iterator, merge_stats, slowdowns
-from stalewise.runtime.sim_models import Join, Links, SimConfig, WorkerTiming
-from stalewise.server import PushHeader, ServerConfig
+from stalewise.runtime.base import TrainResult, slowdowns
+from stalewise.runtime.sim_config import SimConfig
+from stalewise.runtime.sim_engine import Simulation
+from stalewise.runtime.sim_models import WorkerTiming
+from stalewise.server import ServerConfig
 from stalewise.strategies import Strategy
 
 __all__ = ["SimConfig", "train"]
 
 log = logging.getLogger(__name__)
-
-# event kinds
-_PULL_REQ, _SERVED, _PULL_HEAD, _PULL_RESP, _COMPUTED, _PUSH_HEAD, _PUSH_IN = range(7)
-_ACK, _LEAVE, _FAIL, _JOIN, _EVAL = range(7, 12)
-# request kinds at a shard
-_PULL, _PUSH = 0, 1
-# worker phases
-_IDLE, _PULLING, _COMPUTING, _PUSHING, _DONE, _DEAD = range(6)
-
-
-class _Sim:
-    """The state of one simulated run; see the module docstring."""
-
-    def __init__(
-        self,
-        config: ServerConfig,
-        worker_fns: tuple,
-        workers: int,
-        steps: int,
-        sim: SimConfig,
-        timing: WorkerTiming,
-    ):
-        self.config, self.spec = config, config.spec
-        self.loss_and_grad, self.data, self.strategy = worker_fns
-        self.P, self.steps, self.sim, self.timing = workers, steps, sim, timing
-        self.params = np.array(config.init, copy=True)
-        self.ranges = config.ranges
-        self.S = S = len(self.ranges)
-        self.shards = [
-            config.build_shard(k, self.params[lo:hi], workers)
-            for k, (lo, hi) in enumerate(self.ranges)
-        ]
-        # model_bytes: every slice (and so every pull and push) scaled alike
-        self.scale = sim.model_bytes / self.spec.nbytes if sim.model_bytes else 1.0
-        self.slice_bytes = [(hi - lo) * self.params.itemsize * self.scale for lo, hi in self.ranges]
-        self.push_bytes = [[0.0] * S for _ in range(workers)]  # wire size of each push slice
-        self.links = Links(sim.network, workers, S)
-        self.lat, self.service = sim.network.latency, sim.service
-        self.gated = self.shards[0].consistency.bound != math.inf
-        self.heap: list[tuple] = []
-        self.counter = itertools.count()
-        self.now = self.end = 0.0
-        self.busy: list[tuple | None] = [None] * S  # request in service at each shard
-        self.queue: list[deque] = [deque() for _ in range(S)]
-        self.waiting: list[list] = [[] for _ in range(S)]  # gated pulls: (clock, ctr, w, inc)
-        self.inc = [0] * workers  # incarnation: events of an earlier life are dropped
-        self.phase = [_IDLE] * workers
-        self.pending = [0] * workers  # shard answers still to come
-        self.seq = [0] * workers
-        self.base = [[0] * S for _ in range(workers)]  # version pulled from each shard
-        self.pull_buf: list[np.ndarray | None] = [None] * workers
-        self.upd_buf: list[np.ndarray | None] = [None] * workers
-        self.pool: list[np.ndarray] = []  # free parameter-sized buffers
-        self.batches: list[Any] = [None] * workers
-        self.loss_next = [math.nan] * workers
-        self.last_loss = np.full(workers, np.nan)
-        self.t_mark = [0.0] * workers
-        self.started = self.pushes = self.events = self.queued = 0
-        self.totals = {"pull": 0.0, "push": 0.0, "compute": 0.0, "steps": 0}
-
-    # -- plumbing ------------------------------------------------------------------
-
-    def at(self, t: float, kind: int, w: int = -1, k: int = -1, inc: int = 0, x: float = 0.0):
-        if kind < _FAIL:
-            self.queued += 1  # work in flight (not an evaluation, failure or join)
-        heapq.heappush(self.heap, (t, next(self.counter), kind, w, k, inc, x))
-
-    def transfer(self, src: int, dst: int, nbytes: float, head_kind: int, w: int, k: int) -> None:
-        head, tail = self.links.send(src, dst, nbytes, self.now)
-        if self.links.instant(dst, nbytes, head, tail):
-            self.at(head, head_kind + 1, w, k, self.inc[w])  # skip the ingress step
-        else:
-            self.at(head, head_kind, w, k, self.inc[w], tail)
-
-    def take_buffer(self) -> np.ndarray:
-        return self.pool.pop() if self.pool else np.empty(self.spec.size, self.params.dtype)
-
-    def give_back(self, w: int) -> None:
-        for bufs in (self.pull_buf, self.upd_buf):
-            if bufs[w] is not None:
-                self.pool.append(bufs[w])
-                bufs[w] = None
-
-    # -- shards --------------------------------------------------------------------
-
-    def enqueue(self, k: int, req: tuple) -> None:
-        if self.busy[k] is None:
-            self.serve(k, req)
-        else:
-            self.queue[k].append(req)
-
-    def serve(self, k: int, req: tuple) -> None:
-        self.busy[k] = req
-        self.at(self.now + self.service.seconds(self.slice_bytes[k]), _SERVED, k=k)
-
-    def served(self, k: int) -> None:
-        kind, w, inc = self.busy[k]
-        if inc == self.inc[w]:
-            lo, hi = self.ranges[k]
-            shard = self.shards[k]
-            if kind == _PULL:
-                self.base[w][k] = shard.pull(w, self.pull_buf[w][lo:hi])
-                self.transfer(self.P + k, w, self.slice_bytes[k], _PULL_HEAD, w, k)
-            else:
-                header = PushHeader(w, self.seq[w], self.base[w][k])
-                ack = shard.push(header, self.upd_buf[w][lo:hi])
-                if not ack.ok:
-                    log.debug("sim: shard %d rejected worker %d's push: %s", k, w, ack.reason)
-                self.at(self.now + self.lat, _ACK, w, k, inc)
-                self.release(k)
-        q = self.queue[k]
-        while q:
-            req = q.popleft()
-            if req[2] == self.inc[req[1]]:
-                self.serve(k, req)
-                return
-        self.busy[k] = None
-
-    def release(self, k: int) -> None:
-        """Lets through the gated pulls shard ``k``'s gate now allows (smallest clock first)."""
-        h = self.waiting[k]
-        if not h:
-            return
-        shard = self.shards[k]
-        floor = shard.min_clock()
-        while h:
-            clock, _, w, inc = h[0]
-            if inc != self.inc[w]:
-                heapq.heappop(h)
-                continue
-            if not shard.consistency.may_start(clock, floor):
-                return
-            heapq.heappop(h)
-            self.enqueue(k, (_PULL, w, inc))
-
-    # -- workers -------------------------------------------------------------------
-
-    def start_step(self, w: int) -> None:
-        if self.started >= self.steps:
-            self.phase[w] = _DONE
-            for k in range(self.S):
-                self.at(self.now + self.lat, _LEAVE, w, k, self.inc[w])
-            return
-        self.started += 1
-        self.phase[w], self.pending[w], self.t_mark[w] = _PULLING, self.S, self.now
-        self.pull_buf[w] = self.take_buffer()
-        for k in range(self.S):
-            self.at(self.now + self.lat, _PULL_REQ, w, k, self.inc[w])
-
-    def compute(self, w: int) -> None:
-        self.totals["pull"] += self.now - self.t_mark[w]
-        if self.batches[w] is None:
-            self.batches[w] = batch_iterator(self.data, w, self.P)
-        params = tree.unflatten(self.pull_buf[w], self.spec)
-        try:
-            update, loss = self.strategy.worker_step(params, self.loss_and_grad, self.batches[w])
-            self.upd_buf[w] = out = self.take_buffer()
-            tree.flatten(update, spec=self.spec, out=out)
-        except Exception:
-            raise WorkerError(f"worker {w} failed:\n{traceback.format_exc()}") from None
-        self.pool.append(self.pull_buf[w])
-        self.pull_buf[w] = None
-        self.loss_next[w] = loss
-        self.phase[w], self.t_mark[w] = _COMPUTING, self.now
-        self.at(self.timing.finish(w, self.now), _COMPUTED, w, inc=self.inc[w])
-
-    def push(self, w: int) -> None:
-        self.totals["compute"] += self.now - self.t_mark[w]
-        self.pushes += 1
-        self.last_loss[w] = self.loss_next[w]
-        self.phase[w], self.pending[w], self.t_mark[w] = _PUSHING, self.S, self.now
-        for k, (lo, hi) in enumerate(self.ranges):
-            # the bytes the payload has; a codec will report its encoded size here
-            self.push_bytes[w][k] = nbytes = self.upd_buf[w][lo:hi].nbytes * self.scale
-            self.transfer(w, self.P + k, nbytes, _PUSH_HEAD, w, k)
-
-    def acked(self, w: int) -> None:
-        self.totals["push"] += self.now - self.t_mark[w]
-        self.totals["steps"] += 1
-        self.seq[w] += 1
-        self.pool.append(self.upd_buf[w])
-        self.upd_buf[w] = None
-        self.start_step(w)
-
-    def fail(self, w: int) -> None:
-        if self.phase[w] in (_DEAD, _DONE):
-            return
-        log.info("sim: worker %d fails at t=%.6g", w, self.now)
-        if self.phase[w] in (_PULLING, _COMPUTING):
-            self.started -= 1
-        elif self.phase[w] == _PUSHING:
-            self.seq[w] += 1  # the push may have reached some shards: never reuse its seq
-        self.phase[w] = _DEAD
-        self.inc[w] += 1
-        self.give_back(w)
-        for k, shard in enumerate(self.shards):
-            shard.leave(w)
-            self.release(k)
-
-    def join(self, w: int) -> None:
-        if self.phase[w] not in (_DEAD, _DONE):
-            log.debug("sim: worker %d joins at t=%.6g but is live; ignored", w, self.now)
-            return
-        log.info("sim: worker %d joins at t=%.6g", w, self.now)
-        self.inc[w] += 1
-        for shard in self.shards:
-            shard.join(w)
-        self.start_step(w)
-
-    # -- the loop ------------------------------------------------------------------
-
-    def run(self, record: Callable[[], bool], eval_interval: float, deadline: float) -> bool:
-        """Runs events until the work is done or ``record`` says stop; returns whether it did."""
-        absent = self.sim.absent_at_start()
-        for w in sorted(absent):
-            self.phase[w] = _DEAD
-            for shard in self.shards:
-                shard.leave(w)
-        for e in sorted(self.sim.failures + self.sim.joins, key=lambda e: e.time):
-            self.at(e.time, _JOIN if isinstance(e, Join) else _FAIL, e.worker)
-        joins_left = len(self.sim.joins)
-        for w in range(self.P):
-            if w not in absent:
-                self.start_step(w)
-        stop = record()
-        self.at(eval_interval, _EVAL, 1)
-        heap, pop, inc = self.heap, heapq.heappop, self.inc
-        while heap and not stop:
-            t, _, kind, w, k, i, x = pop(heap)
-            self.now = t
-            if kind < _FAIL:
-                self.queued -= 1
-            # with no work in flight, only a join can bring more, and only if budget is left
-            idle = not self.queued and not (joins_left and self.started < self.steps)
-            if kind == _SERVED:
-                self.served(k)
-            elif kind == _EVAL:
-                if idle:
-                    break
-                stop = record()
-                self.at((w + 1) * eval_interval, _EVAL, w + 1)  # w: the evaluation's number
-                continue
-            elif kind >= _FAIL:
-                joins_left -= kind == _JOIN
-                if idle:
-                    continue  # the job is over; this event changes nothing
-                self.join(w) if kind == _JOIN else self.fail(w)
-            elif i != inc[w]:
-                continue  # a message of (or to) an earlier life of worker w
-            elif kind == _PULL_REQ:
-                shard = self.shards[k]
-                if self.gated and not shard.may_start(w):
-                    heapq.heappush(
-                        self.waiting[k], (int(shard.clocks[w]), next(self.counter), w, i)
-                    )
-                else:
-                    self.enqueue(k, (_PULL, w, i))
-            elif kind == _PULL_HEAD:
-                self.at(self.links.receive(w, self.slice_bytes[k], t, x), _PULL_RESP, w, k, i)
-            elif kind == _PUSH_HEAD:
-                done = self.links.receive(self.P + k, self.push_bytes[w][k], t, x)
-                self.at(done, _PUSH_IN, w, k, i)
-            elif kind in (_PULL_RESP, _ACK):
-                self.pending[w] -= 1
-                if not self.pending[w]:
-                    (self.compute if kind == _PULL_RESP else self.acked)(w)
-            elif kind == _COMPUTED:
-                self.push(w)
-            elif kind == _PUSH_IN:
-                self.enqueue(k, (_PUSH, w, i))
-            elif kind == _LEAVE:
-                self.shards[k].leave(w)
-                self.release(k)
-            self.end = t
-            self.events += 1
-            if not self.events & 0xFFF and time.perf_counter() > deadline:
-                raise TimeoutError(f"simulation did not finish within the timeout (t={t:.6g})")
-        self.now = self.now if stop else self.end
-        return stop
-
-    def stats(self) -> dict[str, Any]:
-        return merge_stats([s.stats.as_dict() | {"version": s.version} for s in self.shards])
 
 
 def train(
@@ -361,7 +63,7 @@ def train(
     Differences: ``eval_interval``, the records' ``time`` and ``TrainResult.time``
     are virtual seconds; ``timeout`` is wall seconds. A step's virtual compute
     time is ``(sim.compute sample + delays[w]) * stragglers[w]`` (and the factors
-    of ``sim``, see :mod:`stalewise.runtime.sim_models`). ``seed`` drives the
+    of ``sim``, see :mod:`stalewise.runtime.sim_config`). ``seed`` drives the
     random compute times. ``stats["sim"]`` adds the event count, wall time and
     the mean pull, compute and push time of a step.
 
@@ -391,7 +93,7 @@ def train(
         raise ValueError(f"data has {len(data)} per-worker shards for {workers} workers")
     factors = slowdowns(stragglers, workers)
     timing = WorkerTiming(sim, workers, factors=factors, delays=delays, seed=seed)
-    state = _Sim(config, (loss_and_grad, data, strategy), workers, steps, sim, timing)
+    state = Simulation(config, (loss_and_grad, data, strategy), workers, steps, sim, timing)
     records: list[dict] = []
     bar = None
     if progress:
@@ -442,7 +144,7 @@ def train(
     )
 
 
-def _record(state: _Sim, evaluate: Callable | None, run: str) -> dict:
+def _record(state: Simulation, evaluate: Callable | None, run: str) -> dict:
     stats = state.stats()
     seen = state.last_loss[~np.isnan(state.last_loss)]
     rec: dict[str, Any] = {

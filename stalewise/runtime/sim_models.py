@@ -1,10 +1,11 @@
-"""Timing and network models of the simulator, and :class:`SimConfig` that gathers them.
+"""Timing, network and fault models of the simulator, and their per-run state.
 
 The models are frozen, picklable dataclasses that check their fields when they
 are made and name the bad field and value. Nothing here knows about shards or
 events: per run, :class:`WorkerTiming` answers "when does this step end",
 :class:`Links` "when is this message in" and :class:`Service` "how long does
-this request take"; :mod:`stalewise.runtime.sim` puts them on a virtual clock.
+this request take"; :class:`~stalewise.runtime.sim_config.SimConfig` gathers
+the models of a run and :mod:`stalewise.runtime.sim` puts them on a virtual clock.
 
 Compute time of one worker step, in virtual seconds::
 
@@ -22,10 +23,12 @@ node has its own full-duplex link. Control messages (pull requests, acks,
 leave notices) cost ``latency`` only.
 
 Example:
-    >>> cfg = SimConfig(compute=ShiftedExponential(shift=0.0, rate=1.0),
-    ...                 network=Network(latency=0.0), service=Service(time=0.0))
-    >>> cfg.network.latency, cfg.compute.mean
-    (0.0, 1.0)
+    >>> ShiftedExponential(shift=0.0, rate=1.0).mean, Service(time=0.5, rate=2.0).seconds(1.0)
+    (1.0, 1.0)
+    >>> Network(latency=-1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: Network.latency = -1.0: must be a finite number >= 0
 """
 
 from __future__ import annotations
@@ -34,10 +37,13 @@ import bisect
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # sim_config builds on these models; only the annotations point back
+    from stalewise.runtime.sim_config import SimConfig
 
 log = logging.getLogger(__name__)
 
@@ -214,168 +220,6 @@ class Service:
         return self.time + nbytes / self.rate
 
 
-# -- the configuration ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """How the simulator times a run. Only time is simulated; gradients are real.
-
-    Attributes:
-        compute: step-time model, :class:`Fixed` or :class:`ShiftedExponential`
-            (default: ``shift=8 ms`` + Exp with mean 2 ms).
-        speeds: optional per-worker speed (step time is divided by it), one per worker.
-        stragglers: optional persistent stragglers (the last ``count`` workers).
-        slowdowns: transient slowdowns.
-        failures: workers that fail at given virtual times.
-        joins: workers that (re)join at given virtual times.
-        network: latency and link bandwidths.
-        service: per-shard service time of a request.
-        model_bytes: pretend the full parameter vector has this many bytes on the
-            wire and at the shards (each shard's slice and each push scaled alike),
-            while computing on the real, smaller task. It changes timing only:
-            the numbers the optimizer sees are those of the real task, so the
-            loss curve is the small model's on the big model's clock.
-
-    Example:
-        >>> cfg = SimConfig(stragglers=Stragglers(count=1, slowdown=4.0),
-        ...                 failures=[Failure(worker=2, time=1.5)])
-        >>> cfg.failures
-        (Failure(worker=2, time=1.5),)
-        >>> SimConfig(model_bytes=-1)
-        Traceback (most recent call last):
-        ...
-        ValueError: SimConfig.model_bytes = -1: must be None or an integer > 0
-    """
-
-    compute: Fixed | ShiftedExponential = field(default_factory=ShiftedExponential)
-    speeds: tuple[float, ...] | None = None
-    stragglers: Stragglers | None = None
-    slowdowns: tuple[Slowdown, ...] = ()
-    failures: tuple[Failure, ...] = ()
-    joins: tuple[Join, ...] = ()
-    network: Network = field(default_factory=Network)
-    service: Service = field(default_factory=Service)
-    model_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        kinds = {"compute": (Fixed, ShiftedExponential), "network": Network, "service": Service}
-        for name, kind in kinds.items():
-            if not isinstance(getattr(self, name), kind):
-                raise _bad("SimConfig", name, getattr(self, name), f"must be a {_names(kind)}")
-        if self.stragglers is not None and not isinstance(self.stragglers, Stragglers):
-            raise _bad("SimConfig", "stragglers", self.stragglers, "must be None or a Stragglers")
-        if self.speeds is not None:
-            speeds = _tuple(self, "speeds")
-            for i, s in enumerate(speeds):
-                _number("SimConfig", f"speeds[{i}]", s, strict=True)
-        for name, kind in (("slowdowns", Slowdown), ("failures", Failure), ("joins", Join)):
-            for i, item in enumerate(_tuple(self, name)):
-                if not isinstance(item, kind):
-                    raise _bad("SimConfig", f"{name}[{i}]", item, f"must be a {kind.__name__}")
-        mb = self.model_bytes
-        bad_int = not isinstance(mb, int | np.integer) or isinstance(mb, bool)
-        if mb is not None and (bad_int or mb <= 0):
-            raise _bad("SimConfig", "model_bytes", mb, "must be None or an integer > 0")
-
-    def check_workers(self, workers: int) -> None:
-        """Checks the fields that depend on the number of workers of a run."""
-        if self.speeds is not None and len(self.speeds) != workers:
-            need = f"needs one speed per worker ({workers})"
-            raise _bad("SimConfig", "speeds", self.speeds, need)
-        if self.stragglers is not None and self.stragglers.count > workers:
-            need = f"is more than the {workers} workers"
-            raise _bad("SimConfig", "stragglers.count", self.stragglers.count, need)
-        for name in ("slowdowns", "failures", "joins"):
-            for i, item in enumerate(getattr(self, name)):
-                if item.worker >= workers:
-                    need = f"not a worker of this run (0..{workers - 1})"
-                    raise _bad("SimConfig", f"{name}[{i}].worker", item.worker, need)
-
-    def absent_at_start(self) -> set[int]:
-        """The workers whose first failure-or-join event is a join: they start absent."""
-        first: dict[int, tuple[float, int]] = {}
-        for kind, items in ((0, self.failures), (1, self.joins)):
-            for e in items:
-                if e.worker not in first or (e.time, kind) < first[e.worker]:
-                    first[e.worker] = (e.time, kind)
-        return {w for w, (_, kind) in first.items() if kind == 1}
-
-    @classmethod
-    def from_dict(cls, table: Mapping[str, Any], where: str = "sim") -> SimConfig:
-        """Builds a config from a flat table, as a TOML ``[sim]`` table spells it.
-
-        Keys: ``compute`` ("fixed" | "exponential"), ``step_time`` (fixed),
-        ``shift`` and ``rate`` (exponential), ``speeds`` (list), ``stragglers``
-        ({count, slowdown}), ``slowdowns`` (list of {worker, factor, start, end}),
-        ``failures`` and ``joins`` (lists of {worker, time}), ``latency``,
-        ``bandwidth``, ``worker_bandwidth``, ``shard_bandwidth``,
-        ``service_time``, ``service_rate``, ``model_bytes``.
-
-        Raises:
-            ValueError: naming the key (``sim.rate = -1: ...``).
-
-        Example:
-            >>> cfg = SimConfig.from_dict({"compute": "fixed", "step_time": 0.5,
-            ...                            "failures": [{"worker": 1, "time": 3.0}]})
-            >>> cfg.compute, cfg.failures[0].time
-            (Fixed(time=0.5), 3.0)
-        """
-        for key in table:
-            if key not in _TOML_KEYS:
-                known = ", ".join(sorted(_TOML_KEYS))
-                raise ValueError(f"{where}.{key}: unknown option (known: {known})")
-        t = dict(table)
-        try:
-            return cls(
-                compute=_compute_from(t),
-                speeds=tuple(t["speeds"]) if "speeds" in t else None,
-                stragglers=Stragglers(**t["stragglers"]) if "stragglers" in t else None,
-                slowdowns=tuple(Slowdown(**d) for d in t.get("slowdowns", ())),
-                failures=tuple(Failure(**d) for d in t.get("failures", ())),
-                joins=tuple(Join(**d) for d in t.get("joins", ())),
-                network=Network(**{k: t[n] for n, k in _NET_KEYS.items() if n in t}),
-                service=Service(**{k: t[n] for n, k in _SERVICE_KEYS.items() if n in t}),
-                model_bytes=t.get("model_bytes"),
-            )
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {e}") from None
-
-
-_NET_KEYS = {k: k for k in ("latency", "bandwidth", "worker_bandwidth", "shard_bandwidth")}
-_SERVICE_KEYS = {"service_time": "time", "service_rate": "rate"}
-_COMPUTE_KEYS = ("compute", "step_time", "shift", "rate")
-_EVENT_KEYS = ("speeds", "stragglers", "slowdowns", "failures", "joins", "model_bytes")
-_TOML_KEYS = frozenset((*_COMPUTE_KEYS, *_EVENT_KEYS, *_NET_KEYS, *_SERVICE_KEYS))
-
-
-def _compute_from(t: dict) -> Fixed | ShiftedExponential:
-    kind = t.get("compute", "exponential")
-    if kind == "fixed":
-        if "shift" in t or "rate" in t:
-            raise ValueError("shift and rate belong to compute = 'exponential'")
-        return Fixed(**({"time": t["step_time"]} if "step_time" in t else {}))
-    if kind == "exponential":
-        if "step_time" in t:
-            raise ValueError("step_time belongs to compute = 'fixed' (exponential: shift + 1/rate)")
-        return ShiftedExponential(**{k: t[k] for k in ("shift", "rate") if k in t})
-    raise ValueError(f"compute = {kind!r}: known models are 'fixed' and 'exponential'")
-
-
-def _names(kind: Any) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(k.__name__ for k in kinds)
-
-
-def _tuple(cfg: SimConfig, name: str) -> tuple:
-    value = getattr(cfg, name)
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
-        raise _bad("SimConfig", name, value, "must be a sequence")
-    value = tuple(value)
-    object.__setattr__(cfg, name, value)  # lists become tuples: the config stays hashable
-    return value
-
-
 # -- the per-run timing state ----------------------------------------------------------
 
 
@@ -390,6 +234,7 @@ class WorkerTiming:
         seed: run seed; worker ``w`` draws from ``default_rng([seed, w, _STREAM])``.
 
     Example:
+        >>> from stalewise.runtime.sim_config import SimConfig
         >>> timing = WorkerTiming(SimConfig(compute=Fixed(1.0),
         ...     slowdowns=[Slowdown(worker=0, factor=2.0, start=0.5, end=1.0)]), workers=2)
         >>> timing.finish(0, 0.0), timing.finish(1, 0.0)
