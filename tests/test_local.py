@@ -53,6 +53,38 @@ def test_serve_pull_push_in_this_process(no_leaks):
         client.close()
 
 
+@pytest.mark.parametrize("consistency", [sw.BSP(), sw.SSP(1)], ids=str)
+def test_a_worker_too_far_ahead_waits_for_the_slowest(no_leaks, consistency):
+    """The pull of a worker ahead of the gate blocks (and survives its timeout) until the slowest pushes."""
+    job = sw.Job(
+        {"x": np.zeros(4, np.float32)},
+        optimizer=sw.optim.sgd(1.0),
+        consistency=consistency,
+        shards=2,
+    )
+    ones = {"x": np.ones(4, np.float32)}
+    with job.serve(workers=2) as server:
+        fast, slow = server.client(0), server.client(1)
+        fast.pull(), slow.pull()
+        for _ in range(int(consistency.bound) + 1):  # BSP: 1 push ahead; SSP(1): 2 pushes ahead
+            fast.push(ones)
+            fast.wait(timeout=10)
+            if consistency.kind == "ssp" and _ == 0:
+                fast.pull(timeout=10)  # one clock ahead is still allowed
+        with pytest.raises(TimeoutError):
+            fast.pull(timeout=0.3)
+        with pytest.raises(TimeoutError):  # asking again does not send a second request
+            fast.pull(timeout=0.2)
+        slow.push(ones)
+        slow.wait(timeout=10)
+        x = fast.pull(timeout=10)["x"]
+        expected = -1.0 if consistency.kind == "bsp" else -3.0  # BSP: one averaged round
+        np.testing.assert_array_equal(x, np.full(4, expected, np.float32))
+        fast.push(ones)  # the client is still in step with the shards
+        assert [a.ok for a in fast.wait(timeout=10)] == [True, True]
+        fast.close(), slow.close()
+
+
 @pytest.mark.parametrize("shards", [1, 2])
 def test_pulls_are_consistent_snapshots(no_leaks, shards):
     """A pusher moves all parameters together; a torn pull would mix two values within a shard."""

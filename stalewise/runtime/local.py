@@ -1,16 +1,16 @@
 """The local runtime: shards and workers as OS processes on one machine.
 
-Bytes move through one shared-memory block (see :mod:`stalewise.runtime.shm`);
-only small control tuples go through pipes. The block holds the parameters, an
-observer pull buffer, and per worker a pull buffer and a push buffer::
+Bytes move through one shared-memory block (see :mod:`stalewise.runtime.layout`);
+only small control tuples go through pipes.
 
-    [ control | params | observer pull | w0 pull | w0 push | w1 pull | w1 push | ... ]
-
-A pull asks every shard (in parallel) to copy its slice into the worker's pull
-buffer; the shard does the copy itself between two pushes, so a pull is always a
-consistent snapshot of each shard. A push writes the flattened update into the
-worker's push buffer and sends ``("push", seq, base_version)`` to every shard;
-the buffer is reused only after every shard acknowledged it.
+A pull normally asks no one: the worker copies each shard's latest published
+snapshot (seqlocked, so never torn) into its pull buffer. When the worker's
+clock is too far ahead for the consistency model by the published clocks, or
+when DC-ASGD needs the shard to remember what the worker pulled, the pull is
+served: the shard answers when the gate opens, copying its slice itself. A
+push writes the flattened update into the worker's push buffer and sends
+``("push", seq, base_version)`` to every shard; the buffer is reused only
+after every shard acknowledged it.
 
 Threading contract: a :class:`Client` belongs to one thread of one process.
 Every blocking call takes a ``timeout`` in seconds (None waits forever).
@@ -23,61 +23,19 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any
 
 import numpy as np
 
 from stalewise import tree
+from stalewise.runtime.layout import Layout, Snapshots
 from stalewise.runtime.shm import SharedBlock
 from stalewise.server import Ack, PushHeader, ServerConfig
 
 log = logging.getLogger(__name__)
-
-_ALIGN = 64  # bytes; every region starts on a cache line
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Byte offsets of the regions of a job's shared-memory block."""
-
-    size: int  # elements of the flat parameter vector
-    dtype: str  # "float32" or "float64"
-    workers: int
-
-    @property
-    def control_items(self) -> int:
-        # [stop flag, pushes done per worker..., last loss per worker...]
-        return 1 + 2 * self.workers
-
-    def _region_bytes(self) -> int:
-        raw = self.size * np.dtype(self.dtype).itemsize
-        return -(-raw // _ALIGN) * _ALIGN
-
-    def _offset(self, region: int) -> int:
-        control = -(-self.control_items * 8 // _ALIGN) * _ALIGN
-        return control + region * self._region_bytes()
-
-    @property
-    def nbytes(self) -> int:
-        return self._offset(2 + 2 * self.workers)
-
-    def control(self, block: SharedBlock) -> np.ndarray:
-        return block.array(np.float64, 0, self.control_items)
-
-    def params(self, block: SharedBlock) -> np.ndarray:
-        return block.array(self.dtype, self._offset(0), self.size)
-
-    def observer(self, block: SharedBlock) -> np.ndarray:
-        return block.array(self.dtype, self._offset(1), self.size)
-
-    def pull_buffer(self, block: SharedBlock, worker: int) -> np.ndarray:
-        return block.array(self.dtype, self._offset(2 + 2 * worker), self.size)
-
-    def push_buffer(self, block: SharedBlock, worker: int) -> np.ndarray:
-        return block.array(self.dtype, self._offset(3 + 2 * worker), self.size)
 
 
 class PushRejected(RuntimeError):
@@ -140,14 +98,20 @@ class Client:
         self._layout = layout
         self._spec = config.spec
         self._ranges = config.ranges
+        self._consistency = config.consistency
+        self._direct = not config.staleness.dc_lambda  # DC-ASGD needs served pulls
         self._conns = conns
         self._block: SharedBlock | None = None
         if block is not None:  # the server's own observer shares its mapping
             self._block = block
             self._pull_buf = layout.observer(block)
+            self._snapshots = Snapshots(layout, block, self._ranges)
         self._seq = 0
         self._base = [0] * len(conns)
-        self._pending_acks = 0
+        self._acks_due = [False] * len(conns)  # shard k still owes an ack for the last push
+        self._pulls_due = [False] * len(conns)  # shard k still owes a served pull (after a timeout)
+        self._acks: list[Any] = [None] * len(conns)
+        self._inbox: list[list] = [[] for _ in conns]  # replies read while waiting for another kind
         self.last_acks: list[Ack] = []
 
     def __getstate__(self) -> dict:
@@ -165,6 +129,7 @@ class Client:
             )
             if self.worker is not None:
                 self._push_buf = self._layout.push_buffer(self._block, self.worker)
+            self._snapshots = Snapshots(self._layout, self._block, self._ranges)
         return self._block
 
     def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = None) -> Any:
@@ -188,14 +153,50 @@ class Client:
     def pull_flat(self, *, timeout: float | None = None) -> np.ndarray:
         """Like :meth:`pull` but returns the flat pull buffer itself (no copy)."""
         self._attach()
-        self.wait(timeout=timeout)
-        for c in self._conns:
-            c.send(("pull",))
-        for k, c in enumerate(self._conns):
-            kind, version = _recv(c, timeout, f"pull from shard {k}")
-            assert kind == "pulled", kind
-            self._base[k] = version
+        snaps, shards = self._snapshots, range(len(self._ranges))
+        if self.worker is None or (
+            self._direct
+            and not any(self._pulls_due)
+            and all(self._consistency.may_start(self._seq, snaps.min_clock(k)) for k in shards)
+        ):
+            for k in shards:
+                # read-your-writes: once an ack is in, wait for the snapshot that holds it
+                seen = (
+                    self._acks[k].version
+                    if self._acks[k] is not None and not self._acks_due[k]
+                    else 0
+                )
+                while (version := snaps.read(k, self._pull_buf)) < seen:
+                    time.sleep(0.0001)
+                self._base[k] = version
+            return self._pull_buf
+        if not any(self._pulls_due):
+            for c in self._conns:  # sent before reading the last push's acks: saves a round trip
+                c.send(("pull",))
+            self._pulls_due = [True] * len(self._conns)
+        rejected = None
+        try:
+            self.wait(timeout=timeout)
+        except PushRejected as e:
+            rejected = e
+        for k in shards:
+            if self._pulls_due[k]:
+                self._base[k] = self._take(k, "pulled", timeout)[1]
+                self._pulls_due[k] = False
+        if rejected is not None:  # the pull itself is complete; report the refused push
+            raise rejected
         return self._pull_buf
+
+    def _take(self, k: int, kind: str, timeout: float | None) -> Any:
+        """The next reply of ``kind`` from shard ``k``, keeping replies of other kinds."""
+        for i, msg in enumerate(self._inbox[k]):
+            if msg[0] == kind:
+                return self._inbox[k].pop(i)
+        while True:
+            msg = _recv(self._conns[k], timeout, f"{kind} from shard {k}")
+            if msg[0] == kind:
+                return msg
+            self._inbox[k].append(msg)
 
     def push(self, update: Any, *, timeout: float | None = None) -> None:
         """Sends an update (same structure as the params) to every shard; returns at once.
@@ -215,7 +216,7 @@ class Client:
         for k, c in enumerate(self._conns):
             c.send(("push", PushHeader(self.worker, self._seq, self._base[k])))
         self._seq += 1
-        self._pending_acks = len(self._conns)
+        self._acks_due = [True] * len(self._conns)
 
     @property
     def push_buffer(self) -> np.ndarray:
@@ -226,11 +227,13 @@ class Client:
 
     def wait(self, timeout: float | None = None) -> list[Ack]:
         """Waits for the acknowledgements of the last push; raises PushRejected if refused."""
-        if not self._pending_acks:
+        if not any(self._acks_due):
             return self.last_acks
-        acks = [_recv(c, timeout, f"ack from shard {k}")[1] for k, c in enumerate(self._conns)]
-        self._pending_acks = 0
-        self.last_acks = acks
+        for k, due in enumerate(self._acks_due):
+            if due:  # progress survives a timeout: the next call waits for the rest
+                self._acks[k] = self._take(k, "ack", timeout)[1]
+                self._acks_due[k] = False
+        acks = self.last_acks = list(self._acks)
         bad = [(k, a) for k, a in enumerate(acks) if not a.ok]
         if bad:
             raise PushRejected(
@@ -242,7 +245,7 @@ class Client:
         """Leaves the job (gates stop waiting for this worker) and closes the pipes."""
         try:
             if self.worker is not None:
-                if self._pending_acks:
+                if any(self._acks_due):
                     self.wait(timeout=30)
                 for c in self._conns:
                     c.send(("leave",))
@@ -265,8 +268,20 @@ def _shard_main(
     shard = config.build_shard(k, layout.params(block)[lo:hi], layout.workers)
     pulls = [layout.pull_buffer(block, w)[lo:hi] for w in range(layout.workers)]
     pushes = [layout.push_buffer(block, w)[lo:hi] for w in range(layout.workers)]
-    observer = layout.observer(block)[lo:hi]
+    snapshots = Snapshots(layout, block, config.ranges)
     shard.warm_up()
+    snapshots.publish(k, shard.params, shard.version, shard.min_clock())
+    published = (shard.version, shard.min_clock())
+
+    def publish() -> None:
+        nonlocal published
+        now = (shard.version, shard.min_clock())
+        if now[0] != published[0]:
+            snapshots.publish(k, shard.params, *now)
+        elif now[1] != published[1]:
+            snapshots.publish_clock(k, now[1])
+        published = now
+
     control.send(("ready", k))
     waiting: set[int] = set()  # workers whose pull waits on the gate
     open_conns = {c: w for w, c in enumerate(conns)}
@@ -290,13 +305,14 @@ def _shard_main(
                 c.send(("ack", shard.push(msg[1], pushes[w])))
             elif kind == "leave":
                 shard.leave(w)
-            elif kind == "pull":  # observer
-                c.send(("pulled", shard.pull(None, observer)))
             elif kind == "stats":
                 c.send(("stats", shard.stats.as_dict() | {"version": shard.version}))
             elif kind == "stop":
                 c.send(("stopped", shard.stats.as_dict() | {"version": shard.version}))
                 return
+        # Once per batch of messages, after the acks: a busy shard publishes less often,
+        # and a pusher's next pull waits for the version its ack named (read-your-writes).
+        publish()
         for w in sorted(waiting):
             if not shard.live[w] or shard.may_start(w):
                 waiting.discard(w)
@@ -318,7 +334,7 @@ class LocalServer:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.config = config
         self.workers = workers
-        self.layout = Layout(config.spec.size, str(config.init.dtype), workers)
+        self.layout = Layout(config.spec.size, str(config.init.dtype), workers, config.shards)
         self._ctx = mp.get_context("spawn")
         self._block = SharedBlock.create(self.layout.nbytes)
         self._procs: list = []

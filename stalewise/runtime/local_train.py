@@ -62,7 +62,7 @@ def _worker_main(
                 params = client.pull(copy=False)
             except PushRejected as e:  # counted by the shards; the step is lost, not the job
                 log.warning("worker %d: %s", w, e)
-                params = client.pull(copy=False)
+                params = tree.unflatten(client.pull_flat(), client._spec)
             t0 = time.perf_counter()
             update, loss = strategy.worker_step(params, loss_and_grad, batches)
             compute = time.perf_counter() - t0

@@ -1,0 +1,126 @@
+"""The local runtime's shared-memory block: its regions, and lock-free snapshots.
+
+One block holds everything a job moves between processes::
+
+    [ control | shard table | params | observer | snapshot 0 | snapshot 1 | w0 pull | w0 push | ... ]
+
+*Snapshots* let a worker pull without asking its shard. After each update a
+shard copies its slice into the snapshot buffer readers are not using, then
+flips ``cur`` (a double buffer). Each buffer has a sequence counter that is odd
+while the shard writes it (a seqlock): a reader copies the current buffer and
+keeps the copy only if the counter was even and unchanged across the copy, so a
+pull never returns a torn mix of two versions. The shard also publishes its
+slowest live clock, which lets a worker check an SSP/BSP gate locally; the
+published value can only lag behind the truth, so the local check is
+conservative, and a worker that it holds back asks the shard (which is exact).
+
+Threading contract: one writer per shard slice (the shard process), any number
+of readers. Relies on aligned 8-byte loads and stores being atomic and on the
+interpreter's calls ordering memory (true on x86-64 and on ARM with CPython,
+whose GIL operations are full barriers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from stalewise.runtime.shm import SharedBlock
+
+_ALIGN = 64  # bytes; every region starts on a cache line
+_CUR, _SEQ, _VER, _MIN_CLOCK = 0, 1, 3, 5  # shard table columns: cur, seq[2], ver[2], min clock
+_TABLE_COLUMNS = 6
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets of the regions of a job's shared-memory block."""
+
+    size: int  # elements of the flat parameter vector
+    dtype: str  # "float32" or "float64"
+    workers: int
+    shards: int = 1
+
+    @property
+    def control_items(self) -> int:
+        # [stop flag, pushes done per worker..., last loss per worker...]
+        return 1 + 2 * self.workers
+
+    def _arrays_start(self) -> int:
+        return _round_up(self.control_items * 8) + _round_up(self.shards * _TABLE_COLUMNS * 8)
+
+    def _offset(self, region: int) -> int:
+        raw = self.size * np.dtype(self.dtype).itemsize
+        return self._arrays_start() + region * _round_up(raw)
+
+    @property
+    def nbytes(self) -> int:
+        return self._offset(4 + 2 * self.workers)
+
+    def control(self, block: SharedBlock) -> np.ndarray:
+        return block.array(np.float64, 0, self.control_items)
+
+    def table(self, block: SharedBlock) -> np.ndarray:
+        offset = _round_up(self.control_items * 8)
+        return block.array(np.int64, offset, self.shards * _TABLE_COLUMNS).reshape(self.shards, -1)
+
+    def params(self, block: SharedBlock) -> np.ndarray:
+        return block.array(self.dtype, self._offset(0), self.size)
+
+    def observer(self, block: SharedBlock) -> np.ndarray:
+        return block.array(self.dtype, self._offset(1), self.size)
+
+    def snapshot(self, block: SharedBlock, i: int) -> np.ndarray:
+        return block.array(self.dtype, self._offset(2 + i), self.size)
+
+    def pull_buffer(self, block: SharedBlock, worker: int) -> np.ndarray:
+        return block.array(self.dtype, self._offset(4 + 2 * worker), self.size)
+
+    def push_buffer(self, block: SharedBlock, worker: int) -> np.ndarray:
+        return block.array(self.dtype, self._offset(5 + 2 * worker), self.size)
+
+
+class Snapshots:
+    """Seqlocked double-buffered copies of each shard's slice, in a shared block."""
+
+    def __init__(self, layout: Layout, block: SharedBlock, ranges: list[tuple[int, int]]):
+        self.table = layout.table(block)
+        self.buffers = (layout.snapshot(block, 0), layout.snapshot(block, 1))
+        self.ranges = ranges
+
+    def publish(self, k: int, params: np.ndarray, version: int, min_clock: int) -> None:
+        """Shard ``k`` (the only writer of its row) publishes its slice at ``version``."""
+        row = self.table[k]
+        lo, hi = self.ranges[k]
+        j = 1 - int(row[_CUR])
+        row[_SEQ + j] += 1  # odd: being written
+        np.copyto(self.buffers[j][lo:hi], params)
+        row[_VER + j] = version
+        row[_SEQ + j] += 1  # even: consistent
+        row[_CUR] = j
+        row[_MIN_CLOCK] = min_clock
+
+    def publish_clock(self, k: int, min_clock: int) -> None:
+        self.table[k, _MIN_CLOCK] = min_clock
+
+    def min_clock(self, k: int) -> int:
+        return int(self.table[k, _MIN_CLOCK])
+
+    def read(self, k: int, out: np.ndarray) -> int:
+        """Copies shard ``k``'s latest snapshot into ``out[lo:hi]``; returns its version."""
+        row = self.table[k]
+        lo, hi = self.ranges[k]
+        while True:
+            i = int(row[_CUR])
+            seq = int(row[_SEQ + i])
+            if seq & 1:
+                continue  # the shard is writing it; it will flip `cur` when done
+            np.copyto(out[lo:hi], self.buffers[i][lo:hi])
+            version = int(row[_VER + i])
+            if int(row[_SEQ + i]) == seq:
+                return version
