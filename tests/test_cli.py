@@ -127,3 +127,35 @@ def test_demo_runs_end_to_end(tmp_path):
     runs = {json.loads(line)["run"] for line in (out / "metrics.jsonl").read_text().splitlines()}
     assert len(runs) == 2
     assert (out / "demo.png").stat().st_size > 10_000
+
+
+def test_train_in_the_simulator_and_sweep(tmp_path, capsys):
+    cfg = write(tmp_path, LS_CONFIG + '\n[sim]\ncompute = "exponential"\nlatency = 0.0001\n')
+    assert (
+        main(["train", str(cfg), "--runtime", "sim", "--out", str(tmp_path / "simrun"), "-q"]) == 0
+    )
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "simrun" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert records[-1]["pushes"] == 300 and records[-1]["loss"] < records[0]["loss"] / 10
+    out = tmp_path / "sweep"
+    argv = [
+        "sim",
+        str(cfg),
+        "--over",
+        "consistency",
+        "--values",
+        "asp,ssp:1,bsp",
+        "--target",
+        "1e-2",
+    ]
+    assert main([*argv, "--out", str(out), "-q"]) == 0
+    table = capsys.readouterr().out
+    assert "ASP" in table and "SSP(1)" in table and "BSP" in table
+    assert (out / "sweep.png").stat().st_size > 10_000
+    assert main(["train", str(cfg), "--runtime", "cluster", "-q"]) == 2
+    assert "unknown runtime 'cluster'" in capsys.readouterr().err
+    bad = write(tmp_path, LS_CONFIG + "\n[sim]\nlatncy = 0.1\n", "bad.toml")
+    assert main(["sim", str(bad), "--values", "1,2", "--target", "1"]) == 2
+    assert "sim.latncy" in capsys.readouterr().err

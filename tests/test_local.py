@@ -34,6 +34,8 @@ def test_serve_pull_push_in_this_process(no_leaks):
         client.push({"a": np.ones((2, 3), np.float32), "b": np.full(5, 2.0, np.float32)})
         acks = client.wait(timeout=10)
         assert [a.ok for a in acks] == [True, True]
+        mine = client.pull()  # read-your-writes: an acknowledged push is in the next pull
+        np.testing.assert_array_equal(mine["a"], -np.ones((2, 3)))
         now = server.pull()
         np.testing.assert_array_equal(now["a"], -np.ones((2, 3)))
         np.testing.assert_array_equal(now["b"], -np.ones(5))
@@ -50,6 +52,18 @@ def test_serve_pull_push_in_this_process(no_leaks):
             client.wait(timeout=10)
         np.testing.assert_array_equal(server.pull()["a"], now["a"])  # the bad push changed nothing
         assert server.stats()[0]["rejected"] == {"not_finite": 1}
+        client.close()
+
+
+def test_read_your_writes_after_every_ack(no_leaks):
+    job = sw.Job({"x": np.zeros(1000, np.float32)}, optimizer=sw.optim.sgd(1.0), shards=2)
+    with job.serve(workers=1) as server:
+        client = server.client(0)
+        for i in range(1, 60):
+            client.push({"x": np.ones(1000, np.float32)})
+            client.wait(timeout=10)
+            x = client.pull(copy=False)["x"]
+            assert x[0] == x[-1] == -i
         client.close()
 
 

@@ -7,8 +7,9 @@ A pull normally asks no one: the worker copies each shard's latest published
 snapshot (seqlocked, so never torn) into its pull buffer. When the worker's
 clock is too far ahead for the consistency model by the published clocks, or
 when DC-ASGD needs the shard to remember what the worker pulled, the pull is
-served: the shard answers when the gate opens, copying its slice itself. A
-push writes the flattened update into the worker's push buffer and sends
+served: the shard answers when the gate opens, copying its slice itself. The
+server's own observer pull (evaluation, ``LocalServer.pull``) is always served,
+so it sees every acknowledged push. A push writes the flattened update into the worker's push buffer and sends
 ``("push", seq, base_version)`` to every shard; the buffer is reused only
 after every shard acknowledged it.
 
@@ -154,7 +155,7 @@ class Client:
         """Like :meth:`pull` but returns the flat pull buffer itself (no copy)."""
         self._attach()
         snaps, shards = self._snapshots, range(len(self._ranges))
-        if self.worker is None or (
+        if self.worker is not None and (
             self._direct
             and not any(self._pulls_due)
             and all(self._consistency.may_start(self._seq, snaps.min_clock(k)) for k in shards)
@@ -268,6 +269,7 @@ def _shard_main(
     shard = config.build_shard(k, layout.params(block)[lo:hi], layout.workers)
     pulls = [layout.pull_buffer(block, w)[lo:hi] for w in range(layout.workers)]
     pushes = [layout.push_buffer(block, w)[lo:hi] for w in range(layout.workers)]
+    observer = layout.observer(block)[lo:hi]
     snapshots = Snapshots(layout, block, config.ranges)
     shard.warm_up()
     snapshots.publish(k, shard.params, shard.version, shard.min_clock())
@@ -305,6 +307,8 @@ def _shard_main(
                 c.send(("ack", shard.push(msg[1], pushes[w])))
             elif kind == "leave":
                 shard.leave(w)
+            elif kind == "pull":  # the observer: exact, never gated
+                c.send(("pulled", shard.pull(None, observer)))
             elif kind == "stats":
                 c.send(("stats", shard.stats.as_dict() | {"version": shard.version}))
             elif kind == "stop":
