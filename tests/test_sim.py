@@ -322,7 +322,7 @@ def test_worker_timing_factors_delays_and_transient_slowdowns():
         stragglers=Stragglers(count=1, slowdown=3.0),
         slowdowns=[Slowdown(worker=0, factor=4.0, start=0.5, end=1.0)],
     )
-    t = WorkerTiming(cfg, 4, factors=[1.0, 1.0, 2.0, 1.0], delays={2: 0.5})
+    t = WorkerTiming(cfg, 4, factors=[1.0, 1.0, 2.0, 1.0], delays=[0.0, 0.0, 0.5, 0.0])
     assert t.finish(1, 0.0) == 0.5  # twice as fast
     assert t.finish(2, 0.0) == 3.0  # (1 + 0.5) * 2
     assert t.finish(3, 0.0) == 3.0  # the persistent straggler

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,3 +88,98 @@ def slowdowns(
             raise ValueError(f"stragglers[{w}]: slowdown factor must be a number >= 1, got {f!r}")
         factors[w] = float(f)
     return factors
+
+
+def check_run(
+    workers: Any, steps: Any, data: Any, stragglers: Any, delays: Mapping[int, float] | None
+) -> tuple[list[float], list[float]]:
+    """Checks the arguments every runtime's ``train`` shares.
+
+    Returns:
+        ``(slowdown factor per worker, extra delay in seconds per worker)``.
+    """
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if not callable(data) and len(data) != workers:
+        raise ValueError(f"data has {len(data)} per-worker shards for {workers} workers")
+    extra = [0.0] * workers
+    for w, d in (delays or {}).items():
+        if not (isinstance(w, int) and 0 <= w < workers) or not (
+            isinstance(d, int | float) and d >= 0
+        ):
+            raise ValueError(
+                f"delays[{w!r}] = {d!r}: need a worker id in 0..{workers - 1} and seconds >= 0"
+            )
+        extra[w] = float(d)
+    return slowdowns(stragglers, workers), extra
+
+
+class Recorder:
+    """A run's metrics records: builds them, shows progress, says when to stop.
+
+    Every runtime records the same schema (see :mod:`stalewise.report`), so a
+    simulated run and a real one of the same job compare line by line.
+    """
+
+    def __init__(
+        self,
+        run: str,
+        steps: int,
+        *,
+        stop_at: Mapping[str, float] | None = None,
+        on_record: Callable[[dict], None] | None = None,
+        progress: bool = False,
+    ):
+        self.run = run
+        self.steps = steps
+        self.stop_at = stop_at
+        self.on_record = on_record
+        self.records: list[dict] = []
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=steps, desc=run, unit="push", leave=True)
+
+    def progress(self, pushes: int) -> None:
+        if self.bar is not None:
+            self.bar.update(min(pushes, self.steps) - self.bar.n)
+
+    def record(
+        self,
+        time: float,
+        pushes: int,
+        stats: Mapping[str, Any],
+        train_loss: float,
+        evaluate: Callable[[Any], Mapping[str, float]] | None,
+        params: Callable[[], Any],
+    ) -> bool:
+        """Makes and keeps one record; returns True when ``stop_at`` is reached."""
+        rec: dict[str, Any] = {
+            "run": self.run,
+            "time": time,
+            "updates": stats["version"],
+            "pushes": pushes,
+            "train_loss": train_loss,
+            "staleness_mean": stats["staleness_mean"],
+            "staleness_max": stats["staleness_max"],
+        }
+        if evaluate is not None:
+            rec.update({k: float(v) for k, v in evaluate(params()).items()})
+        else:
+            rec["loss"] = train_loss
+        self.records.append(rec)
+        if self.on_record:
+            self.on_record(rec)
+        self.progress(pushes)
+        if self.bar is not None:
+            self.bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "accuracy") if k in rec})
+        return bool(self.stop_at) and all(
+            rec.get(k, -math.inf) >= v for k, v in self.stop_at.items()
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

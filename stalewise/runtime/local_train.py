@@ -22,7 +22,14 @@ from multiprocessing import connection
 from typing import Any
 
 from stalewise import tree
-from stalewise.runtime.base import TrainResult, WorkerError, batch_iterator, merge_stats, slowdowns
+from stalewise.runtime.base import (
+    Recorder,
+    TrainResult,
+    WorkerError,
+    batch_iterator,
+    check_run,
+    merge_stats,
+)
 from stalewise.runtime.local import Client, LocalServer, PushRejected, thread_budget
 from stalewise.server import ServerConfig
 from stalewise.strategies import Strategy
@@ -111,18 +118,10 @@ def train(
     timeout: float | None = None,
 ) -> TrainResult:
     """Trains with ``workers`` local processes until ``steps`` pushes in all (see Job.train)."""
-    factors = slowdowns(stragglers, workers)
-    extra = [0.0] * workers
-    for w, d in (delays or {}).items():
-        if not (isinstance(w, int) and 0 <= w < workers) or not d >= 0:
-            raise ValueError(f"delays[{w!r}] = {d!r}: need a worker id and seconds >= 0")
-        extra[w] = float(d)
+    factors, extra = check_run(workers, steps, data, stragglers, delays)
     for name, obj in (("loss_and_grad", loss_and_grad), ("data", data)):
         _check_picklable(name, obj)
-    if not callable(data) and len(data) != workers:
-        raise ValueError(f"data has {len(data)} per-worker shards for {workers} workers")
-    records: list[dict] = []
-    bar = None
+    recorder = None
     with LocalServer(config, workers) as server:
         ctx, procs, results = server._ctx, [], []
         try:
@@ -152,14 +151,10 @@ def train(
                     raise WorkerError(f"worker {w} failed:\n{msg[2]}")
             server.unlink()  # every process has mapped the block: nothing can leak now
             ctrl = server.control
-            if progress:
-                from tqdm.auto import tqdm
-
-                bar = tqdm(total=steps, desc=run, unit="push", leave=True)
-            if evaluate is not None:
-                evaluate(
-                    server.pull()
-                )  # the first call may load data or compile: not training time
+            losses = ctrl[_DONE0 + workers : _DONE0 + 2 * workers]
+            if evaluate is not None:  # the first call may load data or compile: not training time
+                evaluate(server.pull())
+            recorder = Recorder(run, steps, stop_at=stop_at, on_record=on_record, progress=progress)
             for c in results:
                 c.send("go")
             t0 = time.perf_counter()
@@ -173,27 +168,21 @@ def train(
                     live.discard(msg[1])
                 now = time.perf_counter() - t0
                 pushes = int(ctrl[_DONE0 : _DONE0 + workers].sum())
-                if bar is not None:
-                    bar.update(min(pushes, steps) - bar.n)
+                recorder.progress(pushes)
                 if now - last_eval >= eval_interval or not live:
                     last_eval = now
-                    rec = _record(server, evaluate, run, now, pushes, ctrl, workers)
-                    records.append(rec)
-                    if on_record:
-                        on_record(rec)
-                    if bar is not None:
-                        bar.set_postfix(
-                            {k: f"{rec[k]:.3g}" for k in ("loss", "accuracy") if k in rec}
-                        )
-                    if stop_at and all(rec.get(k, -float("inf")) >= v for k, v in stop_at.items()):
+                    stats = merge_stats(server.stats())
+                    if recorder.record(
+                        now, pushes, stats, float(losses.mean()), evaluate, server.pull
+                    ):
                         ctrl[_STOP] = 1
                 if timeout is not None and now > timeout:
                     raise TimeoutError(f"training did not finish within {timeout} s")
             elapsed = time.perf_counter() - t0
             stats = merge_stats(server.stats())
         finally:
-            if bar is not None:
-                bar.close()
+            if recorder is not None:
+                recorder.close()
             if server.control is not None:
                 server.control[_STOP] = 1
             for c in results:
@@ -205,25 +194,4 @@ def train(
                     p.join()
     flat = server.final_params
     params = tree.unflatten(flat, config.spec, copy=True)
-    return TrainResult(params, flat, records, stats, elapsed, pushes)
-
-
-def _record(
-    server: LocalServer, evaluate, run: str, now: float, pushes: int, ctrl, workers: int
-) -> dict:
-    stats = merge_stats(server.stats())
-    losses = ctrl[_DONE0 + workers : _DONE0 + 2 * workers]
-    rec: dict[str, Any] = {
-        "run": run,
-        "time": now,
-        "updates": stats["version"],
-        "pushes": pushes,
-        "train_loss": float(losses.mean()),
-        "staleness_mean": stats["staleness_mean"],
-        "staleness_max": stats["staleness_max"],
-    }
-    if evaluate is not None:
-        rec.update({k: float(v) for k, v in evaluate(server.pull()).items()})
-    else:
-        rec["loss"] = rec["train_loss"]
-    return rec
+    return TrainResult(params, flat, recorder.records, stats, elapsed, pushes)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.runtime.base import TrainResult, slowdowns
+from stalewise.runtime.base import Recorder, TrainResult, check_run
 from stalewise.runtime.sim_config import SimConfig
 from stalewise.runtime.sim_engine import Simulation
 from stalewise.runtime.sim_models import WorkerTiming
@@ -78,10 +78,7 @@ def train(
         >>> result.pushes, result.stats["applied"]
         (200, 200)
     """
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    factors, extra = check_run(workers, steps, data, stragglers, delays)
     if not (eval_interval > 0 and math.isfinite(eval_interval)):
         raise ValueError(
             f"eval_interval must be a finite number of virtual seconds > 0, got {eval_interval!r}"
@@ -89,37 +86,31 @@ def train(
     sim = SimConfig() if sim is None else sim
     if not isinstance(sim, SimConfig):
         raise TypeError(f"sim must be a SimConfig, got {type(sim).__name__}")
-    if not callable(data) and len(data) != workers:
-        raise ValueError(f"data has {len(data)} per-worker shards for {workers} workers")
-    factors = slowdowns(stragglers, workers)
-    timing = WorkerTiming(sim, workers, factors=factors, delays=delays, seed=seed)
+    timing = WorkerTiming(sim, workers, factors=factors, delays=extra, seed=seed)
     state = Simulation(config, (loss_and_grad, data, strategy), workers, steps, sim, timing)
-    records: list[dict] = []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    recorder = Recorder(run, steps, stop_at=stop_at, on_record=on_record, progress=progress)
 
-        bar = tqdm(total=steps, desc=run, unit="push", leave=True)
+    def observed() -> Any:  # what an observer pull returns: every shard's current slice
+        flat = np.empty_like(state.params)
+        for (lo, hi), shard in zip(state.ranges, state.shards, strict=True):
+            shard.pull(None, flat[lo:hi])
+        return tree.unflatten(flat, config.spec)
 
     def record() -> bool:
-        rec = _record(state, evaluate, run)
-        records.append(rec)
-        if on_record:
-            on_record(rec)
-        if bar is not None:
-            bar.update(min(state.pushes, steps) - bar.n)
-            bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "accuracy") if k in rec})
-        return bool(stop_at) and all(rec.get(k, -math.inf) >= v for k, v in stop_at.items())
+        seen = state.last_loss[~np.isnan(state.last_loss)]
+        train_loss = float(seen.mean()) if seen.size else math.nan
+        return recorder.record(
+            state.now, state.pushes, state.stats(), train_loss, evaluate, observed
+        )
 
     wall0 = time.perf_counter()
     try:
         deadline = math.inf if timeout is None else wall0 + timeout
         stopped = state.run(record, eval_interval, deadline)
-        if not records or records[-1]["time"] != state.now:
+        if not recorder.records or recorder.records[-1]["time"] != state.now:
             record()
     finally:
-        if bar is not None:
-            bar.close()
+        recorder.close()
     wall = time.perf_counter() - wall0
     if state.pushes < steps and not stopped:
         log.warning(
@@ -140,29 +131,10 @@ def train(
     }
     flat = state.params.copy()
     return TrainResult(
-        tree.unflatten(flat, config.spec, copy=True), flat, records, stats, state.now, state.pushes
+        tree.unflatten(flat, config.spec, copy=True),
+        flat,
+        recorder.records,
+        stats,
+        state.now,
+        state.pushes,
     )
-
-
-def _record(state: Simulation, evaluate: Callable | None, run: str) -> dict:
-    stats = state.stats()
-    seen = state.last_loss[~np.isnan(state.last_loss)]
-    rec: dict[str, Any] = {
-        "run": run,
-        "time": state.now,
-        "updates": stats["version"],
-        "pushes": state.pushes,
-        "train_loss": float(seen.mean()) if seen.size else math.nan,
-        "staleness_mean": stats["staleness_mean"],
-        "staleness_max": stats["staleness_max"],
-    }
-    if evaluate is not None:
-        observed = np.empty_like(state.params)
-        for (lo, hi), shard in zip(state.ranges, state.shards, strict=True):
-            shard.pull(None, observed[lo:hi])
-        rec.update(
-            {k: float(v) for k, v in evaluate(tree.unflatten(observed, state.config.spec)).items()}
-        )
-    else:
-        rec["loss"] = rec["train_loss"]
-    return rec

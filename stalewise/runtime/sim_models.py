@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -230,7 +230,8 @@ class WorkerTiming:
         sim: the run's :class:`SimConfig`.
         workers: number of workers.
         factors: extra per-worker slowdown factors (``train(stragglers=...)``).
-        delays: extra seconds added to every step of some workers (``train(delays=...)``).
+        delays: extra seconds added to every step, one per worker (``train(delays=...)``,
+            checked by :func:`stalewise.runtime.base.check_run`).
         seed: run seed; worker ``w`` draws from ``default_rng([seed, w, _STREAM])``.
 
     Example:
@@ -247,7 +248,7 @@ class WorkerTiming:
         workers: int,
         *,
         factors: Sequence[float] | None = None,
-        delays: Mapping[int, float] | None = None,
+        delays: Sequence[float] | None = None,
         seed: int = 0,
     ):
         sim.check_workers(workers)
@@ -260,11 +261,7 @@ class WorkerTiming:
         if sim.stragglers is not None and sim.stragglers.count:
             scale[workers - sim.stragglers.count :] *= sim.stragglers.slowdown
         self.scale = scale.tolist()
-        self.delays = [0.0] * workers
-        for w, d in (delays or {}).items():
-            if not (isinstance(w, int) and 0 <= w < workers) or not d >= 0:
-                raise ValueError(f"delays[{w!r}] = {d!r}: need a worker id and seconds >= 0")
-            self.delays[w] = float(d)
+        self.delays = [0.0] * workers if delays is None else [float(d) for d in delays]
         self._random = not isinstance(sim.compute, Fixed)
         rngs = [np.random.default_rng([seed, w, _STREAM]) for w in range(workers)]
         self._rngs = rngs if self._random else None
