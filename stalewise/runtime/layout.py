@@ -4,8 +4,9 @@ One block holds everything a job moves between processes::
 
     [ control | shard table | params | observer | snapshot 0 | snapshot 1 | w0 pull | w0 push | ... ]
 
-*Snapshots* let a worker pull without asking its shard. After each update a
-shard copies its slice into the snapshot buffer readers are not using, then
+*Snapshots* let a worker pull without asking its shard. After an update (when
+it has no other message waiting, or at least every 20 ms under load) a shard
+copies its slice into the snapshot buffer readers are not using, then
 flips ``cur`` (a double buffer). Each buffer has a sequence counter that is odd
 while the shard writes it (a seqlock): a reader copies the current buffer and
 keeps the copy only if the counter was even and unchanged across the copy, so a

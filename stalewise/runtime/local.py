@@ -259,6 +259,9 @@ class Client:
             self._block.close()
 
 
+PUBLISH_EVERY = 0.02  # seconds: the longest a busy shard defers publishing a new version
+
+
 def _shard_main(
     config: ServerConfig, k: int, block_name: str, layout: Layout, conns: list, control
 ) -> None:
@@ -273,16 +276,20 @@ def _shard_main(
     snapshots = Snapshots(layout, block, config.ranges)
     shard.warm_up()
     snapshots.publish(k, shard.params, shard.version, shard.min_clock())
-    published = (shard.version, shard.min_clock())
+    published, published_at = shard.version, time.monotonic()
 
-    def publish() -> None:
-        nonlocal published
-        now = (shard.version, shard.min_clock())
-        if now[0] != published[0]:
-            snapshots.publish(k, shard.params, *now)
-        elif now[1] != published[1]:
-            snapshots.publish_clock(k, now[1])
-        published = now
+    def publish(busy: bool) -> None:
+        """Copies the params out for pulls: when idle, or every PUBLISH_EVERY s under load.
+
+        The clock is published at once (cheap): gates must not wait on a copy.
+        """
+        nonlocal published, published_at
+        snapshots.publish_clock(k, shard.min_clock())
+        if shard.version != published and (
+            not busy or time.monotonic() - published_at > PUBLISH_EVERY
+        ):
+            snapshots.publish(k, shard.params, shard.version, shard.min_clock())
+            published, published_at = shard.version, time.monotonic()
 
     control.send(("ready", k))
     waiting: set[int] = set()  # workers whose pull waits on the gate
@@ -314,9 +321,9 @@ def _shard_main(
             elif kind == "stop":
                 c.send(("stopped", shard.stats.as_dict() | {"version": shard.version}))
                 return
-        # Once per batch of messages, after the acks: a busy shard publishes less often,
-        # and a pusher's next pull waits for the version its ack named (read-your-writes).
-        publish()
+        # After the acks: a pusher's next pull waits for the version its ack named
+        # (read-your-writes), and pushes queued behind this batch go first.
+        publish(busy=any(c.poll() for c in open_conns))
         for w in sorted(waiting):
             if not shard.live[w] or shard.may_start(w):
                 waiting.discard(w)
