@@ -103,10 +103,11 @@ class Client:
         self._direct = not config.staleness.dc_lambda  # DC-ASGD needs served pulls
         self._conns = conns
         self._block: SharedBlock | None = None
-        if block is not None:  # the server's own observer shares its mapping
+        self._snapshots: Snapshots | None = None  # set on attach (workers only)
+        if worker is None:  # the server's own observer shares its mapping
+            assert block is not None
             self._block = block
             self._pull_buf = layout.observer(block)
-            self._snapshots = Snapshots(layout, block, self._ranges)
         self._seq = 0
         self._base = [0] * len(conns)
         self._acks_due = [False] * len(conns)  # shard k still owes an ack for the last push
@@ -121,15 +122,10 @@ class Client:
         return self.__dict__.copy()
 
     def _attach(self) -> SharedBlock:
-        if self._block is None:
+        if self._block is None:  # a worker's client, first used in its own process
             self._block = SharedBlock.attach(self._block_name)
-            self._pull_buf = (
-                self._layout.observer(self._block)
-                if self.worker is None
-                else self._layout.pull_buffer(self._block, self.worker)
-            )
-            if self.worker is not None:
-                self._push_buf = self._layout.push_buffer(self._block, self.worker)
+            self._pull_buf = self._layout.pull_buffer(self._block, self.worker)
+            self._push_buf = self._layout.push_buffer(self._block, self.worker)
             self._snapshots = Snapshots(self._layout, self._block, self._ranges)
         return self._block
 
@@ -154,9 +150,11 @@ class Client:
     def pull_flat(self, *, timeout: float | None = None) -> np.ndarray:
         """Like :meth:`pull` but returns the flat pull buffer itself (no copy)."""
         self._attach()
-        snaps, shards = self._snapshots, range(len(self._ranges))
-        if self.worker is not None and (
-            self._direct
+        shards = range(len(self._ranges))
+        snaps = self._snapshots  # None for the observer: its pulls are served
+        if (
+            snaps is not None
+            and self._direct
             and not any(self._pulls_due)
             and all(self._consistency.may_start(self._seq, snaps.min_clock(k)) for k in shards)
         ):
