@@ -247,8 +247,16 @@ class Shard:
 
     # -- pushes ----------------------------------------------------------------------
 
-    def push(self, header: PushHeader, payload: Any) -> Ack:
-        """Validates and handles one push; never raises for bad input, returns an Ack."""
+    def push(
+        self, header: PushHeader, payload: Any, *, refused: tuple[str, str] | None = None
+    ) -> Ack:
+        """Validates and handles one push; never raises for bad input, returns an Ack.
+
+        ``refused`` is ``(kind, reason)`` when the sender already found the whole
+        push bad (e.g. NaN in another shard's slice): it is rejected without
+        reading the payload, but still counts as the worker's step, on every shard
+        alike, so no shard applies a push another shard refused.
+        """
         try:
             worker, seq, base = self._check_header(header)
         except Rejected as e:
@@ -258,6 +266,8 @@ class Shard:
             return Ack(worker, seq, True, None, self.version, None, duplicate=True)
         tau = self.version - base
         try:
+            if refused is not None:
+                raise Rejected(*refused)
             self._check_payload(payload)
             if not self.staleness.accepts(tau):
                 raise Rejected(

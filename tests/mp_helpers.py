@@ -84,3 +84,30 @@ def tf_linear_evaluate(params):
     star = np.append(TF_W_STAR, TF_B_STAR).astype(np.float64)
     distance = np.linalg.norm(np.append(w, b) - star) / np.linalg.norm(star)
     return {"loss": float(0.5 * np.mean(residual**2)), "distance": float(distance)}
+
+
+def push_once_and_die(client):
+    """Pushes once, then the process dies without leaving (no close, no goodbye)."""
+    import os
+
+    client.pull()
+    client.push({"x": np.ones(client._spec.size, np.float32)})
+    client.wait(timeout=30)
+    os._exit(1)
+
+
+def nan_once_loss_and_grad(params, batch):
+    """Quadratic loss whose gradient is NaN for batch 3 only."""
+    loss, grads = quadratic_loss_and_grad(params, np.zeros(8, np.float32))
+    if batch == 3:
+        grads = {"x": np.full(8, np.nan, np.float32)}
+    return loss, grads
+
+
+def dying_loss_and_grad(params, batch):
+    """The worker process vanishes at batch 3, as on a segfault or a kill."""
+    import os
+
+    if batch == 3:
+        os._exit(3)
+    return quadratic_loss_and_grad(params, np.zeros(8, np.float32))

@@ -1,5 +1,6 @@
 """The local runtime: real processes, real shared memory, clean shutdown."""
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -217,3 +218,99 @@ def _tagged_pids(tag):
             except OSError:
                 pass
     return pids
+
+
+def test_a_push_refused_by_one_shard_is_applied_by_none(no_leaks):
+    job = sw.Job(
+        {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)},
+        optimizer=sw.optim.sgd(1.0),
+        shards=2,
+    )
+    assert job.config.ranges == [(0, 4), (4, 8)]
+    with job.serve(workers=1) as server:
+        client = server.client(0)
+        client.pull()
+        client.push({"a": np.full(4, np.nan, np.float32), "b": np.ones(4, np.float32)})
+        with pytest.raises(PushRejected, match=r"shard 1 rejected push 0: not_finite.*leaf 'a'"):
+            client.wait(timeout=10)
+        np.testing.assert_array_equal(server.pull()["b"], np.zeros(4))
+        assert [s["version"] for s in server.stats()] == [0, 0]
+        client.push(
+            {"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)}
+        )  # the worker goes on
+        assert [a.ok for a in client.wait(timeout=10)] == [True, True]
+        client.close()
+
+
+def test_bsp_pulls_never_see_the_previous_round(no_leaks):
+    """The published clock never runs ahead of the published params."""
+    n = 1_000_000  # big enough that publishing a snapshot takes a while
+    job = sw.Job({"x": np.zeros(n, np.float32)}, optimizer=sw.optim.sgd(1.0), consistency=sw.BSP())
+    ones = {"x": np.ones(n, np.float32)}
+    with job.serve(workers=2) as server:
+        a, b = server.client(0), server.client(1)
+        for r in range(1, 16):
+            a.pull(timeout=10), b.pull(timeout=10)
+            a.push(ones), a.wait(timeout=10)
+            b.push(ones), b.wait(timeout=10)  # closes the round
+            x = a.pull(copy=False, timeout=10)["x"]
+            assert x[0] == x[-1] == -r, f"round {r}: pulled {x[0]}"
+        a.close(), b.close()
+
+
+def test_closing_a_client_whose_gated_pull_timed_out(no_leaks):
+    job = sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(1.0), consistency=sw.BSP())
+    ones = {"x": np.ones(4, np.float32)}
+    with job.serve(workers=2) as server:
+        c0, c1 = server.client(0), server.client(1)
+        c0.pull(), c1.pull()
+        c0.push(ones)
+        with pytest.raises(TimeoutError):
+            c0.pull(timeout=0.2)
+        c0.close()  # leaves with its pull still queued at the shard
+        c1.push(ones)
+        assert [a.ok for a in c1.wait(timeout=10)] == [True]  # the shard is alive
+        c1.pull(timeout=10)  # and does not wait for the worker that left
+        c1.close()
+
+
+def test_a_worker_that_dies_without_leaving_does_not_block_the_others(no_leaks):
+    job = sw.Job({"x": np.zeros(8, np.float32)}, optimizer=sw.optim.sgd(1.0), consistency=sw.BSP())
+    ctx = mp.get_context("spawn")
+    with job.serve(workers=2) as server:
+        c0 = server.client(0)
+        p = ctx.Process(target=mp_helpers.push_once_and_die, args=(server.client(1),))
+        p.start()
+        server.release(1)
+        p.join(60)
+        assert p.exitcode == 1
+        c0.pull(timeout=10)
+        c0.push({"x": np.ones(8, np.float32)})
+        c0.wait(timeout=10)
+        c0.pull(timeout=10)  # worker 1 is gone: the round closed without it
+        c0.close()
+
+
+def test_one_bad_batch_does_not_end_an_asynchronous_job(no_leaks):
+    result = quadratic_job().train(
+        mp_helpers.nan_once_loss_and_grad, data=mp_helpers.counting_data, workers=2, steps=40
+    )
+    assert result.stats["rejected"] == {"not_finite": 2}  # batch 3 of each worker
+    assert np.isfinite(result.params["x"]).all()
+
+
+def test_a_worker_process_that_vanishes_is_reported(no_leaks):
+    with pytest.raises(sw.WorkerError, match=r"died without a word \(exit code 3\)"):
+        quadratic_job().train(
+            mp_helpers.dying_loss_and_grad, data=mp_helpers.counting_data, workers=2, steps=100
+        )
+
+
+def test_observer_stays_in_step_after_a_timed_out_pull(no_leaks):
+    job = sw.Job({"x": np.zeros(300_000, np.float32)}, optimizer=sw.optim.sgd(1.0), shards=2)
+    with job.serve(workers=1) as server:
+        with contextlib.suppress(TimeoutError):
+            server.pull(timeout=0)
+        stats = server.stats()
+        assert all(isinstance(s, dict) and s["version"] == 0 for s in stats)
+        assert server.pull(timeout=10)["x"].shape == (300_000,)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -165,7 +166,12 @@ class Client:
                     if self._acks[k] is not None and not self._acks_due[k]
                     else 0
                 )
+                deadline = None if timeout is None else time.monotonic() + timeout
                 while (version := snaps.read(k, self._pull_buf)) < seen:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"shard {k} did not publish version {seen} within {timeout} s"
+                        )
                     time.sleep(0.0001)
                 self._base[k] = version
             return self._pull_buf
@@ -206,14 +212,28 @@ class Client:
         if self.worker is None:
             raise ValueError("an observer client cannot push")
         self._attach()
-        self.wait(timeout=timeout)
-        tree.flatten(update, spec=self._spec, out=self._push_buf)
-        self.push_flat_sent()
+        try:
+            self.wait(timeout=timeout)
+        finally:  # a refused previous push must not cost this one
+            tree.flatten(update, spec=self._spec, out=self._push_buf)
+            self.push_flat_sent()
 
     def push_flat_sent(self) -> None:
         """Announces the update already written into :attr:`push_buffer` to every shard."""
+        refusal = None
+        if len(self._conns) > 1 and not math.isfinite(np.dot(self._push_buf, self._push_buf)):
+            # Each shard sees only its slice: decide for all of them, or some would
+            # apply a push that another one refuses.
+            bad = int(np.flatnonzero(~np.isfinite(self._push_buf))[0])
+            leaf = self._spec.segments.names[
+                int(np.searchsorted(self._spec.segments.offsets, bad, "right")) - 1
+            ]
+            refusal = (
+                "not_finite",
+                f"payload has NaN or Inf (first at element {bad}, leaf {leaf!r})",
+            )
         for k, c in enumerate(self._conns):
-            c.send(("push", PushHeader(self.worker, self._seq, self._base[k])))
+            c.send(("push", PushHeader(self.worker, self._seq, self._base[k]), refusal))
         self._seq += 1
         self._acks_due = [True] * len(self._conns)
 
@@ -279,15 +299,30 @@ def _shard_main(
     def publish(busy: bool) -> None:
         """Copies the params out for pulls: when idle, or every PUBLISH_EVERY s under load.
 
-        The clock is published at once (cheap): gates must not wait on a copy.
+        The clock never gets ahead of the published params (a worker the gate lets
+        through must read the params of the round it waited for): alone only while
+        the params are unchanged, else together with them, at once when it moved.
         """
         nonlocal published, published_at
-        snapshots.publish_clock(k, shard.min_clock())
-        if shard.version != published and (
-            not busy or time.monotonic() - published_at > PUBLISH_EVERY
+        clock = shard.min_clock()
+        if shard.version == published:
+            snapshots.publish_clock(k, clock)
+        elif (
+            not busy
+            or clock != snapshots.min_clock(k)
+            or time.monotonic() - published_at > PUBLISH_EVERY
         ):
-            snapshots.publish(k, shard.params, shard.version, shard.min_clock())
+            snapshots.publish(k, shard.params, shard.version, clock)
             published, published_at = shard.version, time.monotonic()
+
+    def reply(w: int, msg: tuple) -> None:
+        try:
+            conns[w].send(msg)
+        except OSError:  # the worker is gone: stop waiting for it
+            open_conns.pop(conns[w], None)
+            waiting.discard(w)
+            if shard.live[w]:
+                shard.leave(w)
 
     control.send(("ready", k))
     waiting: set[int] = set()  # workers whose pull waits on the gate
@@ -302,6 +337,7 @@ def _shard_main(
                 del open_conns[c]
                 if w is None:
                     return
+                waiting.discard(w)
                 if shard.live[w]:
                     shard.leave(w)
                 continue
@@ -309,8 +345,9 @@ def _shard_main(
             if kind == "pull" and w is not None:
                 waiting.add(w)
             elif kind == "push":
-                c.send(("ack", shard.push(msg[1], pushes[w])))
+                reply(w, ("ack", shard.push(msg[1], pushes[w], refused=msg[2])))
             elif kind == "leave":
+                waiting.discard(w)
                 shard.leave(w)
             elif kind == "pull":  # the observer: exact, never gated
                 c.send(("pulled", shard.pull(None, observer)))
@@ -323,9 +360,9 @@ def _shard_main(
         # (read-your-writes), and pushes queued behind this batch go first.
         publish(busy=any(c.poll() for c in open_conns))
         for w in sorted(waiting):
-            if not shard.live[w] or shard.may_start(w):
+            if shard.live[w] and shard.may_start(w):
                 waiting.discard(w)
-                conns[w].send(("pulled", shard.pull(w, pulls[w])))
+                reply(w, ("pulled", shard.pull(w, pulls[w])))
 
 
 class LocalServer:
@@ -399,6 +436,15 @@ class LocalServer:
         self._clients_made.add(worker)
         return Client(worker, self._block.name, self.layout, self.config, self._worker_ends[worker])
 
+    def release(self, worker: int) -> None:
+        """Closes this process's copies of ``worker``'s pipes once its process holds them.
+
+        Call it after starting the worker's process: then, if that process dies,
+        the shards see its pipes close and stop waiting for it (gates, BSP rounds).
+        """
+        for c in self._worker_ends[worker]:
+            c.close()
+
     def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = 60.0) -> Any:
         """The current parameters (as an observer: never gated, not counted as a worker)."""
         return self.observer.pull(copy=copy, into=into, timeout=timeout)
@@ -407,7 +453,7 @@ class LocalServer:
         """Each shard's counters (applied, rejected, staleness, bytes, version)."""
         for c in self._controls:
             c.send(("stats",))
-        return [_recv(c, timeout, f"stats of shard {k}")[1] for k, c in enumerate(self._controls)]
+        return [self.observer._take(k, "stats", timeout)[1] for k in range(len(self._controls))]
 
     def unlink(self) -> None:
         """Removes the shared-memory name early (every process has mapped it already)."""
@@ -421,7 +467,7 @@ class LocalServer:
         for k, c in enumerate(getattr(self, "_controls", [])):
             try:
                 c.send(("stop",))
-                final.append(_recv(c, timeout, f"stop of shard {k}")[1])
+                final.append(self.observer._take(k, "stopped", timeout)[1])
             except (OSError, ServerClosed, TimeoutError):
                 pass
         for p in self._procs:

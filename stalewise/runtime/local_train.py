@@ -10,6 +10,7 @@ process it started is stopped and the shared memory is freed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -76,7 +77,10 @@ def _worker_main(
             emulated = (compute + delay) * slowdown - compute  # a straggler is slow at everything
             if emulated > 0:
                 time.sleep(emulated)
-            client.push(update)
+            try:
+                client.push(update)  # sent even if the previous push was refused
+            except PushRejected as e:
+                log.warning("worker %d: %s", w, e)
             ctrl[done_slot] += 1
             ctrl[loss_slot] = loss
         try:
@@ -86,7 +90,19 @@ def _worker_main(
         client.close()
         results.send(("done", w))
     except BaseException:
-        results.send(("error", w, traceback.format_exc()))
+        with contextlib.suppress(OSError):  # the parent may be gone already
+            results.send(("error", w, traceback.format_exc()))
+
+
+def _result(conn: connection.Connection, proc: Any, w: int, timeout: float | None = None) -> tuple:
+    """A worker's next message; a worker that died without one reads as an error."""
+    if timeout is not None and not conn.poll(timeout):
+        return ("error", w, f"worker did not start within {timeout} s")
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        proc.join(1)
+        return ("error", w, f"worker process died without a word (exit code {proc.exitcode})")
 
 
 def _check_picklable(name: str, obj: Any) -> None:
@@ -142,11 +158,12 @@ def train(
                 )
                 with thread_budget((os.cpu_count() or 1) // workers):
                     p.start()
+                server.release(w)  # if the worker dies, its shards now see its pipes close
                 theirs.close()
                 procs.append(p)
                 results.append(mine)
             for w, c in enumerate(results):
-                msg = c.recv() if c.poll(300) else ("error", w, "worker did not start within 300 s")
+                msg = _result(c, procs[w], w, timeout=300)
                 if msg[0] == "error":
                     raise WorkerError(f"worker {w} failed:\n{msg[2]}")
             server.unlink()  # every process has mapped the block: nothing can leak now
@@ -162,7 +179,8 @@ def train(
             last_eval = -float("inf")
             while live:
                 for c in connection.wait([results[w] for w in live], timeout=0.05):
-                    msg = c.recv()
+                    w = results.index(c)
+                    msg = _result(c, procs[w], w)
                     if msg[0] == "error":
                         raise WorkerError(f"worker {msg[1]} failed:\n{msg[2]}")
                     live.discard(msg[1])
