@@ -91,7 +91,8 @@ class Job:
             data: ``data(worker, workers) -> iterable of batches`` (picklable), or one
                 sequence of batches per worker (cycled).
             workers: number of worker processes.
-            steps: total pushes across all workers (the job's budget).
+            steps: total pushes across all workers (the job's budget; workers check it
+                before each step, so up to ``workers - 1`` pushes in flight may overshoot it).
             runtime: where to run: "local" (processes on this machine) or "sim" (the
                 deterministic simulator: same shards, virtual time; see
                 :mod:`stalewise.runtime.sim`).
@@ -149,6 +150,10 @@ class Job:
 
     def serve(self, *, workers: int):
         """Starts the shards as local processes for a loop you own; use as a context manager.
+
+        Hand ``server.client(w)`` to worker ``w``'s process, then call
+        ``server.release(w)`` once that process has started, so that the shards
+        notice if it dies. The shared memory is freed when the block exits.
 
         Example:
             >>> with job.serve(workers=2) as server:        # doctest: +SKIP
