@@ -69,8 +69,9 @@ def train_async():
     with job.serve(workers=WORKERS) as server:  # stalewise
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=worker, args=(server.client(r), r)) for r in range(WORKERS)]
-        for p in procs:
+        for r, p in enumerate(procs):
             p.start()
+            server.release(r)  # stalewise: the shards now notice if this worker dies
         for p in procs:
             p.join()
         server.pull(into=model)  # stalewise: the trained weights
