@@ -143,6 +143,10 @@ class Client:
             The parameters in the structure and backend the job was made with.
         """
         self.pull_flat(timeout=timeout)
+        return self.last_pull(copy=copy, into=into)
+
+    def last_pull(self, *, copy: bool = True, into: Any = None) -> Any:
+        """The parameters of the last completed pull, as :meth:`pull` returns them."""
         if into is not None:
             tree.unflatten_into(into, self._pull_buf, self._spec)
             return into

@@ -67,10 +67,10 @@ def _worker_main(
         done_slot, loss_slot = _DONE0 + w, _DONE0 + workers + w
         while not ctrl[_STOP] and ctrl[_DONE0 : _DONE0 + workers].sum() < steps:
             try:
-                params = client.pull(copy=False)
-            except PushRejected as e:  # counted by the shards; the step is lost, not the job
+                client.pull_flat()
+            except PushRejected as e:  # the pull is complete; the refused push is counted
                 log.warning("worker %d: %s", w, e)
-                params = tree.unflatten(client.pull_flat(), client._spec)
+            params = client.last_pull(copy=False)
             t0 = time.perf_counter()
             update, loss = strategy.worker_step(params, loss_and_grad, batches)
             compute = time.perf_counter() - t0
