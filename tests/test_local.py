@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import stalewise as sw
-from stalewise.runtime.local import PushRejected
+from stalewise.runtime.client import PushRejected
 from stalewise.runtime.shm import leaked_blocks
 
 

@@ -31,7 +31,8 @@ from stalewise.runtime.base import (
     check_run,
     merge_stats,
 )
-from stalewise.runtime.local import Client, LocalServer, PushRejected, thread_budget
+from stalewise.runtime.client import Client, PushRejected
+from stalewise.runtime.local import LocalServer, thread_budget
 from stalewise.server import ServerConfig
 from stalewise.strategies import Strategy
 
