@@ -74,7 +74,7 @@ def run(
             rows.append(
                 {
                     "run": name,
-                    "time_to_95%_s": result.time_to("accuracy", TARGET),
+                    "time_to_95%_s": report.time_to_target(result.records, "accuracy", TARGET),
                     "final_accuracy": last.get("accuracy"),
                     "wall_s": result.time,
                     "updates/s": result.stats["version"] / result.time,

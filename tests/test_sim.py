@@ -134,7 +134,7 @@ def _train_until(task, consistency, cfg, target):
         lr=0.2,
         sim=cfg,
     )
-    t = r.time_to("loss", target, mode="min")
+    t = report.time_to_target(r.records, "loss", target, mode="min")
     assert t is not None, f"{consistency} never reached {target}"
     return t
 

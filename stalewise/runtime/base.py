@@ -34,14 +34,6 @@ class TrainResult:
     time: float = 0.0  # seconds (wall clock, or virtual in the simulator)
     pushes: int = 0  # updates pushed by all workers
 
-    def time_to(self, key: str, target: float, mode: str = "max") -> float | None:
-        """First time at which the metric ``key`` reached ``target`` (None if never)."""
-        for r in self.records:
-            v = r.get(key)
-            if v is not None and (v >= target if mode == "max" else v <= target):
-                return float(r["time"])
-        return None
-
 
 def merge_stats(per_shard: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Merges the shards' counters: applied pushes and staleness from shard 0, bytes summed.
