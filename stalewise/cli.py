@@ -82,7 +82,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         mode=args.mode,
         workers=cfg.train["workers"],
         sim=cfg.sim,
-        delay=(cfg.train["delays"] or {0: 0.0})[0],
+        delay=cfg.delay,
         seed=cfg.seed,
         out=out,
         progress=not args.quiet,

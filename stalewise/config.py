@@ -88,6 +88,7 @@ class RunConfig:
     train: dict[str, Any] = field(default_factory=dict)  # keyword arguments of Job.train
     seed: int = 0
     sim: SimConfig | None = None  # the [sim] table: used when the runtime is "sim"
+    delay: float = 0.0  # run.delay: emulated compute seconds per step, every worker
 
     def train_kwargs(self, runtime: str | None = None) -> dict[str, Any]:
         """Keyword arguments for ``job.train``, for the config's runtime or ``runtime``."""
@@ -173,7 +174,7 @@ def parse(raw: dict[str, Any]) -> RunConfig:
         raise ConfigError(
             f"run.runtime: unknown runtime {train['runtime']!r} (known: {', '.join(RUNTIMES)})"
         )
-    return RunConfig(task, job, train, seed, sim_config)
+    return RunConfig(task, job, train, seed, sim_config, delay)
 
 
 def _get(table: dict, name: str, kind: type, default: Any, low: float | None = None) -> Any:
