@@ -174,11 +174,15 @@ class Client:
         if self.worker is None:
             raise ValueError("an observer client cannot push")
         self._attach()
+        rejected = None
         try:
-            self.wait(timeout=timeout)
-        finally:  # a refused previous push must not cost this one
-            tree.flatten(update, spec=self._spec, out=self._push_buf)
-            self.push_flat_sent()
+            self.wait(timeout=timeout)  # a timeout propagates: the shards may still read the buffer
+        except PushRejected as e:  # a refused previous push must not cost this one
+            rejected = e
+        tree.flatten(update, spec=self._spec, out=self._push_buf)
+        self.push_flat_sent()
+        if rejected is not None:
+            raise rejected
 
     def push_flat_sent(self) -> None:
         """Announces the update already written into :attr:`push_buffer` to every shard."""
