@@ -10,8 +10,8 @@ from stalewise import consistency as consistency_lib
 from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
 from stalewise import tree
+from stalewise.protocol import ServerConfig
 from stalewise.runtime.base import TrainResult
-from stalewise.server import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Job:
             progress: show a progress bar (the CLI turns it on).
             timeout: give up (TimeoutError) after this many (wall) seconds.
             sim: the simulator's timing and network model, a
-                :class:`~stalewise.runtime.sim_models.SimConfig` (runtime "sim" only).
+                :class:`~stalewise.runtime.sim.models.SimConfig` (runtime "sim" only).
             seed: the simulator's random seed (runtime "sim" only).
 
         Returns:
@@ -125,7 +125,7 @@ class Job:
 
             kwargs = {"sim": sim, "seed": seed}
         else:
-            from stalewise.runtime import local_train as runner
+            from stalewise.runtime.local import train as runner
 
             if sim is not None:
                 raise ValueError("sim= configures the simulator; pass runtime='sim' to use it")
@@ -161,6 +161,6 @@ class Job:
             ...     params = client.pull()
             ...     client.push(grads)
         """
-        from stalewise.runtime.local import LocalServer
+        from stalewise.runtime.local.server import LocalServer
 
         return LocalServer(self.config, workers)

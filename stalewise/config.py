@@ -31,7 +31,7 @@ its full name (``optimizer.b3: unknown option``)::
     stop_at = { accuracy = 0.95 }
     runtime = "local"             # or "sim" (the simulator; see the [sim] table)
 
-    [sim]                         # the simulator's timing/network model (stalewise.runtime.sim_config)
+    [sim]                         # the simulator's timing/network model (stalewise.runtime.sim.config)
     compute = "exponential"       # fixed | exponential (shifted)
     latency = 0.0005              # seconds per message
     bandwidth = 1.25e9            # bytes/s of every link
@@ -54,7 +54,7 @@ from stalewise import optim, tasks
 from stalewise import staleness as staleness_lib
 from stalewise.api import RUNTIMES, Job
 from stalewise.runtime.base import slowdowns
-from stalewise.runtime.sim_config import SimConfig
+from stalewise.runtime.sim.config import SimConfig
 
 TABLES = {
     "task": {"name", "factory", "args", "seed"},

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from stalewise import consistency as consistency_lib
 from stalewise import report
 from stalewise.runtime import sim as sim_runtime
-from stalewise.runtime.sim_config import SimConfig
+from stalewise.runtime.sim.config import SimConfig
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from stalewise.runtime.shm import leaked_blocks
+from stalewise.runtime.local.shm import leaked_blocks
 
 
 @pytest.fixture

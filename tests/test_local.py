@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import stalewise as sw
-from stalewise.runtime.client import PushRejected
-from stalewise.runtime.shm import leaked_blocks
+from stalewise.runtime.local.client import PushRejected
+from stalewise.runtime.local.shm import leaked_blocks
 
 
 def quadratic_job(**kw):

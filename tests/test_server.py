@@ -8,8 +8,8 @@ import pytest
 from stalewise import optim, sharding
 from stalewise import staleness as st
 from stalewise.consistency import ASP, BSP, SSP
+from stalewise.protocol import PushHeader, Shard
 from stalewise.segments import Segments
-from stalewise.server import PushHeader, Shard
 
 
 def make_shard(n=6, workers=3, lr=0.5, **kw):

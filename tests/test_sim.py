@@ -12,8 +12,8 @@ import stalewise as sw
 from stalewise import report, tasks
 from stalewise import sweep as sweep_lib
 from stalewise.runtime import sim
-from stalewise.runtime.sim_config import SimConfig
-from stalewise.runtime.sim_models import (
+from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.sim.models import (
     Failure,
     Fixed,
     Join,

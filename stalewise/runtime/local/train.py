@@ -23,6 +23,7 @@ from multiprocessing import connection
 from typing import Any
 
 from stalewise import tree
+from stalewise.protocol import ServerConfig
 from stalewise.runtime.base import (
     Recorder,
     TrainResult,
@@ -31,9 +32,8 @@ from stalewise.runtime.base import (
     check_run,
     merge_stats,
 )
-from stalewise.runtime.client import Client, PushRejected
-from stalewise.runtime.local import LocalServer, thread_budget
-from stalewise.server import ServerConfig
+from stalewise.runtime.local.client import Client, PushRejected
+from stalewise.runtime.local.server import LocalServer, thread_budget
 from stalewise.strategies import Strategy
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stalewise.runtime.shm import SharedBlock
+from stalewise.runtime.local.shm import SharedBlock
 
 _ALIGN = 64  # bytes; every region starts on a cache line
 _CUR, _SEQ, _VER, _MIN_CLOCK = 0, 1, 3, 5  # shard table columns: cur, seq[2], ver[2], min clock

@@ -4,7 +4,7 @@ The models are frozen, picklable dataclasses that check their fields when they
 are made and name the bad field and value. Nothing here knows about shards or
 events: per run, :class:`WorkerTiming` answers "when does this step end",
 :class:`Links` "when is this message in" and :class:`Service` "how long does
-this request take"; :class:`~stalewise.runtime.sim_config.SimConfig` gathers
+this request take"; :class:`~stalewise.runtime.sim.config.SimConfig` gathers
 the models of a run and :mod:`stalewise.runtime.sim` puts them on a virtual clock.
 
 Compute time of one worker step, in virtual seconds::
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # sim_config builds on these models; only the annotations point back
-    from stalewise.runtime.sim_config import SimConfig
+    from stalewise.runtime.sim.config import SimConfig
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ class WorkerTiming:
         seed: run seed; worker ``w`` draws from ``default_rng([seed, w, _STREAM])``.
 
     Example:
-        >>> from stalewise.runtime.sim_config import SimConfig
+        >>> from stalewise.runtime.sim.config import SimConfig
         >>> timing = WorkerTiming(SimConfig(compute=Fixed(1.0),
         ...     slowdowns=[Slowdown(worker=0, factor=2.0, start=0.5, end=1.0)]), workers=2)
         >>> timing.finish(0, 0.0), timing.finish(1, 0.0)

@@ -9,7 +9,7 @@ A worker's step, as in the local runtime: it sends a pull request to every
 shard; each shard checks its gate (``Shard.may_start``; a blocked pull waits at
 the shard and is re-checked after every applied push or leave), queues the pull
 behind the requests already waiting (one FIFO server per shard, service time
-from :class:`~stalewise.runtime.sim_models.Service`), copies its slice and sends
+from :class:`~stalewise.runtime.sim.models.Service`), copies its slice and sends
 it back over the links. With every slice in, the worker computes its update
 (for real, at once, on the snapshot it got) and pushes it after the virtual
 compute time; each shard queues, serves and applies the push and acks it. When
@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
+from stalewise.protocol import PushHeader, ServerConfig
 from stalewise.runtime.base import WorkerError, batch_iterator, merge_stats
-from stalewise.runtime.sim_config import SimConfig
-from stalewise.runtime.sim_models import Join, Links, WorkerTiming
-from stalewise.server import PushHeader, ServerConfig
+from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.sim.models import Join, Links, WorkerTiming
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The local runtime: shards and workers as OS processes on one machine.
 
-Bytes move through one shared-memory block (see :mod:`stalewise.runtime.layout`);
+Bytes move through one shared-memory block (see :mod:`stalewise.runtime.local.layout`);
 only small control tuples go through pipes.
 
 A pull normally asks no one: the worker copies each shard's latest published
@@ -12,7 +12,7 @@ server's own observer pull (evaluation, ``LocalServer.pull``) is always served,
 so it sees every acknowledged push. A push writes the flattened update into
 the worker's push buffer and sends ``("push", seq, base_version)`` to every
 shard; the buffer is reused only after every shard acknowledged it. The
-worker's side is :class:`stalewise.runtime.client.Client`; this module holds the
+worker's side is :class:`stalewise.runtime.local.client.Client`; this module holds the
 shard processes and :class:`LocalServer`, which starts and stops them.
 """
 
@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.runtime.client import Client, ServerClosed, recv_reply
-from stalewise.runtime.layout import Layout, Snapshots
-from stalewise.runtime.shm import SharedBlock
-from stalewise.server import ServerConfig
+from stalewise.protocol import ServerConfig
+from stalewise.runtime.local.client import Client, ServerClosed, recv_reply
+from stalewise.runtime.local.layout import Layout, Snapshots
+from stalewise.runtime.local.shm import SharedBlock
 
 log = logging.getLogger(__name__)
 

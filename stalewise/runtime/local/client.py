@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.runtime.layout import Layout, Snapshots
-from stalewise.runtime.shm import SharedBlock
-from stalewise.server import Ack, PushHeader, ServerConfig
+from stalewise.protocol import Ack, PushHeader, ServerConfig
+from stalewise.runtime.local.layout import Layout, Snapshots
+from stalewise.runtime.local.shm import SharedBlock
 
 
 class PushRejected(RuntimeError):

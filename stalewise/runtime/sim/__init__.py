@@ -4,8 +4,8 @@ It hosts the same protocol objects as the local runtime (shards built by
 :meth:`ServerConfig.build_shard`, their consistency gates, staleness rules and
 optimizers, and the job's :class:`~stalewise.strategies.Strategy`); only time
 is simulated. Gradients are computed for real, on the real task, in the
-single-threaded discrete-event loop of :mod:`stalewise.runtime.sim_engine`;
-:class:`~stalewise.runtime.sim_config.SimConfig` says how long steps,
+single-threaded discrete-event loop of :mod:`stalewise.runtime.sim.engine`;
+:class:`~stalewise.runtime.sim.config.SimConfig` says how long steps,
 transfers and requests take.
 
 Determinism: the event order and the virtual times depend only on the config
@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
+from stalewise.protocol import ServerConfig
 from stalewise.runtime.base import Recorder, TrainResult, check_run
-from stalewise.runtime.sim_config import SimConfig
-from stalewise.runtime.sim_engine import Simulation
-from stalewise.runtime.sim_models import WorkerTiming
-from stalewise.server import ServerConfig
+from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.sim.engine import Simulation
+from stalewise.runtime.sim.models import WorkerTiming
 from stalewise.strategies import Strategy
 
 __all__ = ["SimConfig", "train"]
@@ -63,7 +63,7 @@ def train(
     Differences: ``eval_interval``, the records' ``time`` and ``TrainResult.time``
     are virtual seconds; ``timeout`` is wall seconds. A step's virtual compute
     time is ``(sim.compute sample + delays[w]) * stragglers[w]`` (and the factors
-    of ``sim``, see :mod:`stalewise.runtime.sim_config`). ``seed`` drives the
+    of ``sim``, see :mod:`stalewise.runtime.sim.config`). ``seed`` drives the
     random compute times. ``stats["sim"]`` adds the event count, wall time and
     the mean pull, compute and push time of a step.
 

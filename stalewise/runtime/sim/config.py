@@ -1,7 +1,7 @@
 """The simulator's configuration: :class:`SimConfig` and its TOML ``[sim]`` table.
 
 A :class:`SimConfig` gathers the timing, network and fault models of
-:mod:`stalewise.runtime.sim_models` into one frozen, picklable, hashable value
+:mod:`stalewise.runtime.sim.models` into one frozen, picklable, hashable value
 that checks its fields when it is made and names the bad field and value.
 :meth:`SimConfig.from_dict` reads the flat table a TOML ``[sim]`` section
 spells; :mod:`stalewise.runtime.sim` runs a job on it.
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.runtime.sim_models import (
+from stalewise.runtime.sim.models import (
     Failure,
     Fixed,
     Join,

@@ -1,0 +1,1 @@
+"""The local runtime: shards and workers as OS processes on one machine."""
