@@ -7,15 +7,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from stalewise import consistency as consistency_lib
+from stalewise import optim, tree
+from stalewise import runtime as runtime_lib
 from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
-from stalewise import tree
 from stalewise.protocol import ServerConfig
 from stalewise.runtime.base import TrainResult
+from stalewise.runtime.options import RunOptions
 
 log = logging.getLogger(__name__)
 
-RUNTIMES = ("local", "sim")
+RUNTIMES = runtime_lib.names()  # the built-in runtimes
 
 
 class Job:
@@ -47,7 +49,18 @@ class Job:
         strategy: strategies_lib.Strategy | None = None,
         shards: int = 1,
     ):
-        if not isinstance(shards, int) or shards < 1:
+        _check_arg("optimizer", optimizer, optim.Optimizer, "e.g. sw.optim.sgd(0.1)")
+        if consistency is not None:
+            _check_arg("consistency", consistency, consistency_lib.Consistency, "e.g. sw.SSP(4)")
+        if staleness is not None:
+            _check_arg(
+                "staleness", staleness, staleness_lib.Staleness, "e.g. sw.staleness.inverse()"
+            )
+        if strategy is not None:
+            _check_arg(
+                "strategy", strategy, strategies_lib.Strategy, "e.g. sw.strategies.gradients()"
+            )
+        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
         flat, spec = tree.flatten(params)
         if shards > max(spec.size, 1):
@@ -74,13 +87,14 @@ class Job:
         eval_interval: float = 0.5,
         stragglers: Mapping[int, float] | Sequence[float] | None = None,
         delays: Mapping[int, float] | None = None,
-        stop_at: Mapping[str, float] | None = None,
+        stop_at: Any = None,
         run: str = "run",
         on_record: Callable[[dict], None] | None = None,
         progress: bool = False,
         timeout: float | None = None,
         sim: Any = None,
         seed: int = 0,
+        **timeouts: float,
     ) -> TrainResult:
         """Trains with ``workers`` workers until they have pushed ``steps`` updates in all.
 
@@ -100,8 +114,9 @@ class Job:
                 called in the parent every ``eval_interval`` seconds.
             stragglers: slowdown factor per worker, e.g. ``{3: 4.0}``.
             delays: extra seconds of sleep per step for some workers.
-            stop_at: stop early once every named metric reaches its value,
-                e.g. ``{"accuracy": 0.97}``.
+            stop_at: stop early once every target is reached, e.g. ``{"accuracy": 0.97}``
+                or ``{"loss": 1e-3}`` (the direction follows the metric's name; pass a
+                :class:`stalewise.targets.Target` to set it).
             run: the run's name in metrics records.
             on_record: called with each metrics record as it is made.
             progress: show a progress bar (the CLI turns it on).
@@ -109,33 +124,20 @@ class Job:
             sim: the simulator's timing and network model, a
                 :class:`~stalewise.runtime.sim.models.SimConfig` (runtime "sim" only).
             seed: the simulator's random seed (runtime "sim" only).
+            **timeouts: the named timeouts of :class:`~stalewise.runtime.options.RunOptions`
+                (``start_timeout``, ``join_timeout``, ``ack_timeout``, ...).
 
         Returns:
             A :class:`TrainResult` with the final params, metrics records and shard stats.
         """
-        if runtime not in RUNTIMES:
-            raise ValueError(f"unknown runtime {runtime!r}; known: {', '.join(RUNTIMES)}")
-        if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-        kwargs: dict[str, Any] = {}
-        if runtime == "sim":
-            from stalewise.runtime import sim as runner
-
-            kwargs = {"sim": sim, "seed": seed}
-        else:
-            from stalewise.runtime.local import train as runner
-
-            if sim is not None:
-                raise ValueError("sim= configures the simulator; pass runtime='sim' to use it")
-        return runner.train(
-            self.config,
-            loss_and_grad,
+        runner = runtime_lib.get(runtime)
+        if sim is not None and runtime != "sim":
+            raise ValueError("sim= configures the simulator; pass runtime='sim' to use it")
+        options = RunOptions(
+            loss_and_grad=loss_and_grad,
             data=data,
             workers=workers,
             steps=steps,
-            strategy=self.strategy,
             evaluate=evaluate,
             eval_interval=eval_interval,
             stragglers=stragglers,
@@ -145,8 +147,11 @@ class Job:
             on_record=on_record,
             progress=progress,
             timeout=timeout,
-            **kwargs,
+            sim=sim,
+            seed=seed,
+            **timeouts,
         )
+        return runner(self.config, self.strategy, options)
 
     def serve(self, *, workers: int):
         """Starts the shards as local processes for a loop you own; use as a context manager.
@@ -164,3 +169,14 @@ class Job:
         from stalewise.runtime.local.server import LocalServer
 
         return LocalServer(self.config, workers)
+
+
+def _check_arg(name: str, value: Any, kind: type, example: str) -> None:
+    if isinstance(value, kind):
+        return
+    what = (
+        f"the function {value.__name__}, not what it returns"
+        if callable(value) and hasattr(value, "__name__")
+        else f"{type(value).__name__} {value!r}"
+    )
+    raise TypeError(f"{name} must be a {kind.__name__} ({example}), got {what}")

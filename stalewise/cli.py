@@ -61,8 +61,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from stalewise import config, report, sweep
+    from stalewise import config, report, sweep, targets
 
+    try:
+        goal = targets.Target(args.metric, args.target, args.mode)
+    except ValueError as e:
+        raise config.ConfigError(f"--metric/--target/--mode: {e}") from None
     cfg = config.load(args.config)
     try:
         values = [int(v) if args.over == "workers" else v for v in args.values.split(",")]
@@ -77,9 +81,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
         over=args.over,
         values=values,
         steps=cfg.train["steps"],
-        target=args.target,
-        metric=args.metric,
-        mode=args.mode,
+        target=goal.value,
+        metric=goal.metric,
+        mode=goal.mode,
         workers=cfg.train["workers"],
         sim=cfg.sim,
         delay=cfg.delay,
@@ -125,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metric", default="loss", help="metric of the task's evaluate() to reach")
     s.add_argument("--target", type=float, required=True, help="value of the metric to reach")
     s.add_argument(
-        "--mode", choices=("min", "max"), default="min", help="min for a loss, max for accuracy"
+        "--mode",
+        choices=("min", "max"),
+        default=None,
+        help="min for a loss, max for accuracy (default: inferred from --metric's name)",
     )
     s.add_argument("--out", help="run folder (default: runs/sim-CONFIG-TIMESTAMP)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")

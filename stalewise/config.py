@@ -28,7 +28,7 @@ its full name (``optimizer.b3: unknown option``)::
     delay = 0.005                 # emulated compute seconds per step, every worker
     stragglers = { 3 = 4.0 }      # worker -> slowdown factor
     eval_interval = 0.5
-    stop_at = { accuracy = 0.95 }
+    stop_at = { accuracy = 0.95 } # a loss stops at <= (stalewise.targets); or { x = [0.9, "max"] }
     runtime = "local"             # or "sim" (the simulator; see the [sim] table)
 
     [sim]                         # the simulator's timing/network model (stalewise.runtime.sim.config)
@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from stalewise import consistency as consistency_lib
-from stalewise import optim, tasks
+from stalewise import optim, targets, tasks
 from stalewise import staleness as staleness_lib
 from stalewise.api import RUNTIMES, Job
 from stalewise.runtime.base import slowdowns
@@ -164,7 +164,7 @@ def parse(raw: dict[str, Any]) -> RunConfig:
         "eval_interval": _get(r, "run.eval_interval", float, 0.5, low=0),
         "stragglers": stragglers,
         "delays": dict.fromkeys(range(workers), delay) if delay else None,
-        "stop_at": r.get("stop_at") or None,
+        "stop_at": _stop_at(r.get("stop_at")),
     }
     try:
         sim_config = SimConfig.from_dict(sim)
@@ -185,6 +185,14 @@ def _get(table: dict, name: str, kind: type, default: Any, low: float | None = N
     if low is not None and value < low:
         raise ConfigError(f"{name}: must be >= {low}, got {value!r}")
     return kind(value)
+
+
+def _stop_at(spec: Any) -> tuple[targets.Target, ...] | None:
+    """run.stop_at as Targets (None if absent or empty); a bad entry names its key."""
+    try:
+        return targets.parse(spec, where="run.stop_at") or None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def _task(t: dict) -> Any:

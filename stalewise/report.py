@@ -36,6 +36,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+from stalewise import targets
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MetricsWriter", "format_table", "plot_runs", "read_metrics", "time_to_target"]
@@ -169,19 +171,23 @@ def time_to_target(
     records: Iterable[Mapping[str, Any]],
     key: str,
     target: float,
-    mode: Literal["max", "min"] = "max",
+    mode: Literal["max", "min"] | None = None,
     *,
     run: str | None = None,
     x: str = "time",
 ) -> float | None:
     """Returns the first ``x`` at which a run's metric reaches ``target``.
 
+    A shorthand for :func:`stalewise.targets.time_to_target` with
+    ``Target(key, target, mode)``.
+
     Args:
         records: metric records (see the module docstring).
         key: the metric, e.g. ``"accuracy"``.
         target: the value to reach.
         mode: ``"max"`` if larger is better (reached when ``value >= target``),
-            ``"min"`` if smaller is better (reached when ``value <= target``).
+            ``"min"`` if smaller is better (reached when ``value <= target``);
+            None (default) infers it from ``key`` (see :func:`stalewise.targets.infer_mode`).
         run: the run to look at; may be omitted when the records hold one run.
         x: the clock to report, ``"time"`` (default) or e.g. ``"updates"``.
 
@@ -190,33 +196,18 @@ def time_to_target(
         None if the target is never reached.
 
     Raises:
-        ValueError: on a bad ``mode``, or if ``run`` is None but the records hold
-            several runs, or ``run`` is not among them.
+        ValueError: on a bad ``mode``, or none given for a ``key`` whose name tells
+            no direction, or if ``run`` is None but the records hold several runs,
+            or ``run`` is not among them.
 
     Example:
         >>> recs = [{"run": "a", "time": t, "loss": 1 / (1 + t)} for t in range(10)]
-        >>> time_to_target(recs, "loss", 0.2, mode="min")
+        >>> time_to_target(recs, "loss", 0.2)
         4
         >>> time_to_target(recs, "loss", 0.01, mode="min") is None
         True
     """
-    if mode not in ("max", "min"):
-        raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
-    runs = _runs(records)
-    if run is None:
-        if len(runs) > 1:
-            raise ValueError(f"records hold several runs, pass run= one of {list(runs)}")
-        selected = next(iter(runs.values()), [])
-    elif run in runs:
-        selected = runs[run]
-    else:
-        raise ValueError(f"no run {run!r} in the records; runs: {list(runs)}")
-    ordered = sorted((r for r in selected if _finite(r.get(x))), key=lambda r: r[x])
-    for r in ordered:
-        value = r.get(key)
-        if _finite(value) and (value >= target if mode == "max" else value <= target):
-            return r[x]
-    return None
+    return targets.time_to_target(records, targets.Target(key, target, mode), run, x=x)
 
 
 def plot_runs(

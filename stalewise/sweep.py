@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stalewise import consistency as consistency_lib
-from stalewise import report
+from stalewise import report, targets
 from stalewise.runtime import sim as sim_runtime
 from stalewise.runtime.sim.config import SimConfig
 
@@ -50,7 +50,6 @@ COLUMNS = (
     "events",
     "wall_s",
 )
-_REACHED = "target_reached"
 
 
 def parse_consistency(value: Any) -> consistency_lib.Consistency:
@@ -82,7 +81,7 @@ def sweep(
     steps: int,
     target: float,
     metric: str = "loss",
-    mode: Literal["min", "max"] = "min",
+    mode: Literal["min", "max"] | None = None,
     workers: int = 8,
     sim: SimConfig | None = None,
     eval_interval: float | None = None,
@@ -107,7 +106,8 @@ def sweep(
         steps: push budget of each run.
         target: the value of ``metric`` to reach.
         metric: a key of ``task.evaluate``'s result.
-        mode: "min" if smaller is better (a loss), "max" otherwise (accuracy).
+        mode: "min" if smaller is better (a loss), "max" if larger is (accuracy);
+            None (default) infers it from ``metric`` (see :func:`stalewise.targets.infer_mode`).
         workers: the worker count when sweeping over consistency models.
         sim: timing model of every run (default ``SimConfig()``).
         eval_interval: virtual seconds between evaluations (the resolution of the
@@ -137,8 +137,7 @@ def sweep(
     """
     if over not in ("workers", "consistency"):
         raise ValueError(f"over must be 'workers' or 'consistency', got {over!r}")
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    goal = targets.Target(metric, target, mode)
     if not values:
         raise ValueError("values is empty: nothing to sweep")
     if not (delay >= 0 and math.isfinite(delay)):
@@ -155,13 +154,11 @@ def sweep(
         else:
             c = parse_consistency(v)
             runs.append((str(c), workers, dataclasses.replace(job.config, consistency=c)))
-    reached = (lambda x: x <= target) if mode == "min" else (lambda x: x >= target)
 
     def evaluate(params: Any) -> dict[str, float]:
         m = dict(task.evaluate(params))
         if metric not in m:
             raise KeyError(f"metric {metric!r} is not among the task's metrics {sorted(m)}")
-        m[_REACHED] = 1.0 if reached(m[metric]) else 0.0
         return m
 
     writer = report.MetricsWriter(Path(out) / "metrics.jsonl") if out is not None else None
@@ -186,7 +183,7 @@ def sweep(
                 evaluate=evaluate,
                 eval_interval=eval_interval,
                 delays=dict.fromkeys(range(p), delay) if delay else None,
-                stop_at={_REACHED: 1.0} if stop_at_target else None,
+                stop_at=goal if stop_at_target else None,
                 run=label,
                 on_record=emit,
                 progress=progress,
@@ -194,14 +191,15 @@ def sweep(
                 seed=seed,
             )
             records.extend(result.records)
-            hit = next((r for r in result.records if reached(r[metric])), None)
+            time_to = targets.time_to_target(result.records, goal)
+            updates_to = targets.time_to_target(result.records, goal, x="updates")
             rows.append(
                 {
                     "run": label,
                     "workers": p,
                     "consistency": str(config.consistency),
-                    "time_to_target": hit["time"] if hit else None,
-                    "updates_to_target": hit["updates"] if hit else None,
+                    "time_to_target": time_to,
+                    "updates_to_target": updates_to,
                     "final": result.records[-1][metric],
                     "time": result.time,
                     "updates": result.stats["version"],
@@ -210,14 +208,7 @@ def sweep(
                     "wall_s": result.stats["sim"]["wall_time"],
                 }
             )
-            log.info(
-                "sweep %s: time to %s %s %g: %s",
-                label,
-                metric,
-                "<=" if mode == "min" else ">=",
-                target,
-                rows[-1]["time_to_target"],
-            )
+            log.info("sweep %s: time to %s: %s", label, goal, time_to)
     finally:
         if writer is not None:
             writer.close()

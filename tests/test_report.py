@@ -91,7 +91,7 @@ def test_time_to_target_max_and_min():
     assert t_loss == next(r["time"] for r in records if r["loss"] <= 0.1)
     assert time_to_target(records, "loss", 0.1, mode="min", x="updates") == 20 * t_loss
     assert time_to_target(records, "accuracy", 0.999) is None
-    assert time_to_target(records, "missing", 0.5) is None
+    assert time_to_target(records, "missing", 0.5, mode="max") is None
     assert time_to_target([], "loss", 0.5) is None
 
 

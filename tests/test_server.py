@@ -12,20 +12,25 @@ from stalewise.protocol import PushHeader, Shard
 from stalewise.segments import Segments
 
 
-def make_shard(n=6, workers=3, lr=0.5, **kw):
+def make_shard(n=6, workers=3, lr=0.5, join=True, **kw):
     params = np.arange(n, dtype=np.float32)
-    return Shard(
+    shard = Shard(
         params,
         Segments.from_sizes(["a", "b"], [n // 2, n - n // 2]),
         optim.sgd(lr),
         workers=workers,
         **kw,
     )
+    for w in range(workers if join else 0):
+        shard.join(w, 1)  # every worker's first incarnation
+    return shard
 
 
-def push(shard, worker, seq, base, g):
+def push(shard, worker, seq, base, g, incarnation=None):
+    if incarnation is None:
+        incarnation = int(shard.incarnation[worker])
     return shard.push(
-        PushHeader(worker, seq, base), np.array(g, dtype=shard.params.dtype)
+        PushHeader(worker, seq, base, incarnation), np.array(g, dtype=shard.params.dtype)
     )  # a copy: the shard uses it as scratch
 
 
@@ -100,35 +105,40 @@ def test_replayed_push_is_acknowledged_but_not_applied():
 @pytest.mark.parametrize(
     ("header", "payload", "kind", "message"),
     [
-        (PushHeader(0, 0, 0), np.ones(5, np.float32), "bad_length", "shape (5,), expected (6,)"),
+        (PushHeader(0, 0, 0, 1), np.ones(5, np.float32), "bad_length", "shape (5,), expected (6,)"),
         (
-            PushHeader(0, 0, 0),
+            PushHeader(0, 0, 0, 1),
             np.ones(6, np.float64),
             "bad_dtype",
             "dtype float64, expected float32",
         ),
         (
-            PushHeader(0, 0, 0),
+            PushHeader(0, 0, 0, 1),
             np.array([1, 1, math.nan, 1, 1, 1], np.float32),
             "not_finite",
             "element 2, leaf 'a'",
         ),
         (
-            PushHeader(0, 0, 0),
+            PushHeader(0, 0, 0, 1),
             np.array([1, 1, 1, 1, -math.inf, 1], np.float32),
             "not_finite",
             "leaf 'b'",
         ),
-        (PushHeader(0, 0, 0), [1.0] * 6, "bad_payload", "numpy array, got list"),
-        (PushHeader(7, 0, 0), np.ones(6, np.float32), "unknown_worker", "worker 7 is not in 0..2"),
+        (PushHeader(0, 0, 0, 1), [1.0] * 6, "bad_payload", "numpy array, got list"),
         (
-            PushHeader(0, -1, 0),
+            PushHeader(7, 0, 0, 1),
+            np.ones(6, np.float32),
+            "unknown_worker",
+            "worker 7 is not in 0..2",
+        ),
+        (
+            PushHeader(0, -1, 0, 1),
             np.ones(6, np.float32),
             "malformed_header",
             "negative sequence number",
         ),
         (
-            PushHeader(0, 0, 5),
+            PushHeader(0, 0, 5, 1),
             np.ones(6, np.float32),
             "malformed_header",
             "base_version 5 is not in 0..0",
@@ -137,10 +147,10 @@ def test_replayed_push_is_acknowledged_but_not_applied():
             (0, 0),
             np.ones(6, np.float32),
             "malformed_header",
-            "expected (worker, seq, base_version)",
+            "expected (worker, seq, base_version, incarnation)",
         ),
-        (("0", 0, 0), np.ones(6, np.float32), "malformed_header", "must be integers"),
-        ((True, 0, 0), np.ones(6, np.float32), "malformed_header", "must be integers"),
+        (("0", 0, 0, 1), np.ones(6, np.float32), "malformed_header", "must be integers"),
+        ((True, 0, 0, 1), np.ones(6, np.float32), "malformed_header", "must be integers"),
     ],
 )
 def test_bad_pushes_are_rejected_with_a_reason_and_change_nothing(header, payload, kind, message):
@@ -240,12 +250,15 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
             shard.leave(w)
             live[w] = False
             maybe_close_round()
-        elif r < 0.24:
-            shard.join(w)
-            if not live[w]:
-                clocks[w] = max(clocks[w], brute_min())
-                live[w] = True
-                done.discard(w)
+        elif r < 0.24:  # a new incarnation of w: a live one departs first, seq starts at 0
+            shard.join(w, int(shard.incarnation[w]) + 1)
+            if live[w]:
+                live[w] = False
+                maybe_close_round()
+            clocks[w] = max(clocks[w], brute_min())
+            live[w] = True
+            done.discard(w)
+            seq[w] = 0
         elif r < 0.28:  # a replay of the worker's last push: acknowledged, nothing changes
             ack = push(shard, w, seq[w] - 1, shard.version, np.zeros(6))
             assert ack.ok == ack.duplicate == (live[w] and seq[w] > 0)

@@ -260,7 +260,7 @@ def test_stop_at_stops_at_the_first_record_that_meets_it():
         strategy=job.strategy,
         evaluate=evaluate,
         eval_interval=0.05,
-        stop_at={"progress": -0.1},
+        stop_at={"progress": (-0.1, "max")},  # a name that tells no direction
     )
     assert r.records[-1]["progress"] >= -0.1 > r.records[-2]["progress"]
     assert r.pushes < 5000 and r.time == r.records[-1]["time"]

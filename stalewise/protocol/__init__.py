@@ -1,10 +1,24 @@
 """The protocol layer: the rules every runtime follows, with no I/O of its own.
 
 A runtime (local processes, the simulator, Ray) only moves messages and bytes;
-what a push means, when it is applied, who may send it and what a worker does
-between two pulls are decided here.
+what a push means, when it is applied (:mod:`~stalewise.protocol.commit`), who
+may send it (incarnations, :class:`Shard`) and what a worker does between two
+pulls (:mod:`~stalewise.protocol.loop`) are decided here.
 """
 
-from stalewise.protocol.shard import Ack, PushHeader, Rejected, ServerConfig, Shard, ShardStats
+from stalewise.protocol.commit import Verdict, judge
+from stalewise.protocol.config import ServerConfig
+from stalewise.protocol.messages import Ack, PushHeader, PushResult
+from stalewise.protocol.shard import Rejected, Shard, ShardStats
 
-__all__ = ["Ack", "PushHeader", "Rejected", "ServerConfig", "Shard", "ShardStats"]
+__all__ = [
+    "Ack",
+    "PushHeader",
+    "PushResult",
+    "Rejected",
+    "ServerConfig",
+    "Shard",
+    "ShardStats",
+    "Verdict",
+    "judge",
+]

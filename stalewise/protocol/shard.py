@@ -9,18 +9,30 @@ Threading contract: a shard is not thread-safe; exactly one thread of one
 process calls its methods, one message at a time.
 
 Everything a worker sends is validated before it touches state. A push is
-``(header, payload)``: the :class:`PushHeader` names the worker, its sequence
-number and the version it pulled; the payload is a flat vector the length of the
-shard. The shard may overwrite the payload (it is used as scratch).
+``(header, payload)``: the :class:`PushHeader` names the worker and its
+incarnation (both filled in by the runtime from the connection), the
+incarnation's sequence number and the version it pulled; the payload is a flat
+vector the length of the shard. The shard may overwrite the payload (it is used
+as scratch).
+
+Incarnations: each (re)start of a worker id is a new incarnation
+(:meth:`Shard.join`), whose sequence numbers start again at 0. A push of an
+older incarnation, one from an incarnation that has not joined, or one that
+skips sequence numbers is refused with a reason and changes nothing; a replay
+of a push already handled is acknowledged as a duplicate and not applied.
+Workers the shard was built for are *expected*: they count for the gates from
+the start, and :meth:`Shard.expire_unstarted` drops those that never joined.
 
 Example:
     >>> import numpy as np
     >>> from stalewise import optim, segments
     >>> params = np.zeros(4, np.float32)
     >>> shard = Shard(params, segments.Segments.single(4), optim.sgd(0.5), workers=2)
+    >>> shard.join(0, incarnation=1)
     >>> shard.pull(worker=0)
     0
-    >>> ack = shard.push(PushHeader(worker=0, seq=0, base_version=0), np.ones(4, np.float32))
+    >>> header = PushHeader(worker=0, seq=0, base_version=0, incarnation=1)
+    >>> ack = shard.push(header, np.ones(4, np.float32))
     >>> ack.ok, shard.version, params.tolist()
     (True, 1, [-0.5, -0.5, -0.5, -0.5])
 """
@@ -28,38 +40,19 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from stalewise import consistency as consistency_lib
 from stalewise import staleness as staleness_lib
+from stalewise.protocol import commit
+from stalewise.protocol.messages import Ack, PushHeader
 from stalewise.segments import Segments
 
 log = logging.getLogger(__name__)
-
-
-class PushHeader(NamedTuple):
-    """What identifies a push: ``(worker, seq)`` makes it exactly-once."""
-
-    worker: int  # id of the pushing worker, 0 <= worker < workers
-    seq: int  # the worker's sequence number for this push (0, 1, 2, ...)
-    base_version: int  # the shard version the update was computed from
-
-
-class Ack(NamedTuple):
-    """The shard's answer to a push."""
-
-    worker: int
-    seq: int
-    ok: bool  # False: rejected, nothing changed; `reason` says why
-    reason: str | None
-    version: int  # shard version after handling the push
-    staleness: int | None  # tau of the push (None when the header was unusable)
-    duplicate: bool = False  # a replay of a push already handled: acknowledged, not applied
 
 
 @dataclass
@@ -100,6 +93,16 @@ class Rejected(Exception):
     def __init__(self, kind: str, detail: str):
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
+
+
+def _ids(header: Any) -> tuple[int | None, int | None]:
+    """The worker and seq of a header that failed its checks, where they are integers."""
+    try:
+        w, seq = header[0], header[1]
+    except (TypeError, IndexError, KeyError):
+        return None, None
+    ok = [isinstance(x, int | np.integer) and not isinstance(x, bool) for x in (w, seq)]
+    return (int(w) if ok[0] else None), (int(seq) if ok[1] else None)
 
 
 class _ClockTracker:
@@ -158,6 +161,7 @@ class Shard:
         consistency: ASP, SSP or BSP (default ASP).
         staleness: how much a stale push counts (default: constant).
         shard_id: used in log and error messages.
+        job_segments: the leaf table of the whole job (verdicts name leaves by it).
 
     ``clocks`` and ``live`` are read-only outside the shard: :meth:`push`,
     :meth:`leave` and :meth:`join` keep them in step with the O(1) counts
@@ -174,6 +178,7 @@ class Shard:
         consistency: consistency_lib.Consistency | None = None,
         staleness: staleness_lib.Staleness | None = None,
         shard_id: int = 0,
+        job_segments: Segments | None = None,
     ):
         if params.ndim != 1 or params.dtype not in (np.float32, np.float64):
             raise ValueError(
@@ -185,6 +190,7 @@ class Shard:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.params = params
         self.segments = segments
+        self.job_segments = job_segments or segments  # the whole job's leaves, for messages
         self.optimizer = optimizer
         self.opt_state = optimizer.init(params, segments)
         self.workers = workers
@@ -194,6 +200,7 @@ class Shard:
         self.version = 0
         self.clocks = np.zeros(workers, dtype=np.int64)  # completed pushes per worker
         self.next_seq = np.zeros(workers, dtype=np.int64)  # lowest seq not yet handled
+        self.incarnation = np.zeros(workers, dtype=np.int64)  # 0: expected, never started
         self.live = np.ones(workers, dtype=bool)
         self._clocks = _ClockTracker(workers)  # live workers per clock, slowest live clock
         self.stats = ShardStats()
@@ -248,28 +255,32 @@ class Shard:
     # -- pushes ----------------------------------------------------------------------
 
     def push(
-        self, header: PushHeader, payload: Any, *, refused: tuple[str, str] | None = None
+        self, header: PushHeader, payload: Any, *, verdict: commit.Verdict | None = None
     ) -> Ack:
         """Validates and handles one push; never raises for bad input, returns an Ack.
 
-        ``refused`` is ``(kind, reason)`` when the sender already found the whole
-        push bad (e.g. NaN in another shard's slice): it is rejected without
-        reading the payload, but still counts as the worker's step, on every shard
-        alike, so no shard applies a push another shard refused.
+        ``verdict`` is the sender's judgement of the whole push under the commit
+        rule (:mod:`stalewise.protocol.commit`): when given, it alone decides
+        ``not_finite`` across shards and ``too_stale``, so every shard decides
+        alike; a refused push still counts as the worker's step. Without it
+        (one shard, used directly) the shard judges staleness itself.
         """
         try:
             worker, seq, base = self._check_header(header)
         except Rejected as e:
-            return self._reject(None, None, e, None)
+            return self._reject(*_ids(header), e, None)
         if seq < self.next_seq[worker]:
             self.stats.duplicates += 1
             return Ack(worker, seq, True, None, self.version, None, duplicate=True)
         tau = self.version - base
         try:
-            if refused is not None:
-                raise Rejected(*refused)
+            if verdict is not None and not verdict.ok:
+                raise Rejected(
+                    verdict.kind or "bad_verdict",
+                    verdict.message(self.job_segments, self.staleness.max_staleness),
+                )
             self._check_payload(payload)
-            if not self.staleness.accepts(tau):
+            if verdict is None and not self.staleness.accepts(tau):
                 raise Rejected(
                     "too_stale",
                     f"staleness {tau} exceeds max_staleness {self.staleness.max_staleness:g}",
@@ -301,15 +312,69 @@ class Shard:
         self._pulled.pop(worker, None)
         self._maybe_close_round()
 
-    def join(self, worker: int) -> None:
-        """Marks a worker as live again; it starts at the slowest live clock."""
+    def join(self, worker: int, incarnation: int) -> None:
+        """Starts a new incarnation of ``worker``: its sequence numbers start at 0.
+
+        An incarnation still live departs first. The new one starts at the slowest
+        live clock of the others (or its own, if later), so a restarted worker
+        neither blocks the gates nor skips ahead; it should pull before pushing.
+
+        Raises:
+            ValueError: ``incarnation`` is not newer than the worker's current one.
+        """
         self._check_worker(worker)
-        if not self.live[worker]:
-            clock = self.clocks[worker] = max(int(self.clocks[worker]), self.min_clock())
-            self.live[worker] = True
-            self._clocks.add(clock)
-            self._round_done[worker] = False
-            self._round_waiting += 1
+        if not (
+            isinstance(incarnation, int | np.integer) and incarnation > self.incarnation[worker]
+        ):
+            raise ValueError(
+                f"worker {worker}: incarnation {incarnation!r} is not newer than "
+                f"{int(self.incarnation[worker])}"
+            )
+        if self.live[worker]:
+            self.leave(worker)
+        self.incarnation[worker] = incarnation
+        self.next_seq[worker] = 0
+        clock = self.clocks[worker] = max(int(self.clocks[worker]), self.min_clock())
+        self.live[worker] = True
+        self._clocks.add(clock)
+        self._round_done[worker] = False
+        self._round_waiting += 1
+
+    def depart(
+        self,
+        worker: int,
+        incarnation: int,
+        committed: tuple[PushHeader, Any, commit.Verdict] | None = None,
+    ) -> Ack | None:
+        """The connection of ``worker``'s ``incarnation`` is gone (it left or died).
+
+        Under the commit rule, a push that its sender committed but this shard has
+        not handled is delivered first (``committed``: its header, payload and
+        verdict, as recorded by the sender), so it is applied by all shards or by
+        none however the sender died. Then the worker leaves. Nothing happens if a
+        newer incarnation has joined since. Returns the delivered push's ack, if any.
+        """
+        self._check_worker(worker)
+        if incarnation != self.incarnation[worker]:
+            return None
+        ack = None
+        if committed is not None and self.live[worker]:
+            header, payload, verdict = committed
+            if header.incarnation == incarnation and header.seq == self.next_seq[worker]:
+                ack = self.push(header, payload, verdict=verdict)
+        self.leave(worker)
+        return ack
+
+    def expire_unstarted(self) -> list[int]:
+        """Drops the expected workers that never joined (a start-up lease ran out).
+
+        Returns their ids, so the runtime can name them; gates and BSP rounds stop
+        waiting for them, and they may still join later.
+        """
+        gone = [w for w in range(self.workers) if self.live[w] and self.incarnation[w] == 0]
+        for w in gone:
+            self.leave(w)
+        return gone
 
     # -- internals -------------------------------------------------------------------
 
@@ -358,6 +423,7 @@ class Shard:
             str(err),
             self.version,
             tau,
+            kind=err.kind,
         )
 
     def _check_worker(self, worker: int) -> None:
@@ -367,26 +433,42 @@ class Shard:
             )
 
     def _check_header(self, header: Any) -> tuple[int, int, int]:
-        if not isinstance(header, tuple) or len(header) != 3:
+        if not isinstance(header, tuple) or len(header) != 4:
             raise Rejected(
-                "malformed_header", f"expected (worker, seq, base_version), got {header!r}"
+                "malformed_header",
+                f"expected (worker, seq, base_version, incarnation), got {header!r}",
             )
-        worker, seq, base = header
+        worker, seq, base, inc = header
         if not all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in header):
             raise Rejected(
-                "malformed_header", f"worker, seq and base_version must be integers, got {header!r}"
+                "malformed_header",
+                f"worker, seq, base_version and incarnation must be integers, got {header!r}",
             )
         if not 0 <= worker < self.workers:
             raise Rejected("unknown_worker", f"worker {worker} is not in 0..{self.workers - 1}")
+        if not self.incarnation[worker]:
+            raise Rejected("unknown_incarnation", f"worker {worker} has not joined")
+        if inc != self.incarnation[worker]:
+            raise Rejected(
+                "stale_incarnation" if inc < self.incarnation[worker] else "unknown_incarnation",
+                f"worker {worker}: push from incarnation {inc}, the current one is "
+                f"{int(self.incarnation[worker])}",
+            )
+        if not self.live[worker]:
+            raise Rejected("unknown_worker", f"worker {worker} has left the job")
         if seq < 0:
             raise Rejected("malformed_header", f"worker {worker}: negative sequence number {seq}")
+        if seq > self.next_seq[worker]:
+            raise Rejected(
+                "seq_gap",
+                f"worker {worker}: push {seq} arrived before "
+                f"{'push 0' if not self.next_seq[worker] else f'pushes {int(self.next_seq[worker])}..{seq - 1}'}",
+            )
         if not 0 <= base <= self.version:
             raise Rejected(
                 "malformed_header",
                 f"worker {worker}: base_version {base} is not in 0..{self.version} (the shard's version)",
             )
-        if not self.live[worker]:
-            raise Rejected("unknown_worker", f"worker {worker} has left the job")
         return int(worker), int(seq), int(base)
 
     def _check_payload(self, payload: Any) -> None:
@@ -403,49 +485,9 @@ class Shard:
                 "bad_length",
                 f"payload has shape {payload.shape}, expected ({self.params.size},) for shard {self.shard_id}",
             )
-        # NaN and Inf propagate into the dot product, so a finite result proves every
-        # element finite; it allocates nothing. An overflow only sends us to the exact check.
-        if math.isfinite(np.dot(payload, payload)):
-            return
-        bad = np.flatnonzero(~np.isfinite(payload))  # slow path, only for suspicious payloads
-        if bad.size:
-            leaf = self._leaf_name(int(bad[0]))
+        bad = commit.first_non_finite(payload)
+        if bad is not None:
+            leaf = commit.leaf_name(self.segments, bad)
             raise Rejected(
-                "not_finite", f"payload has NaN or Inf (first at element {bad[0]}, leaf {leaf!r})"
+                "not_finite", f"payload has NaN or Inf (first at element {bad}, leaf {leaf!r})"
             )
-
-    def _leaf_name(self, index: int) -> str:
-        i = int(np.searchsorted(self.segments.offsets, index, side="right")) - 1
-        return self.segments.names[max(i, 0)] if len(self.segments) else "?"
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Everything a runtime needs to build a job's shards: a pure, picklable value."""
-
-    spec: Any  # stalewise.tree.FlatSpec of the parameters
-    init: np.ndarray  # the initial flat parameters
-    optimizer: Any  # stalewise.optim.Optimizer applied by every shard
-    consistency: consistency_lib.Consistency
-    staleness: staleness_lib.Staleness
-    shards: int = 1
-
-    @property
-    def ranges(self) -> list[tuple[int, int]]:
-        """The ``[start, stop)`` slice of the flat vector owned by each shard."""
-        from stalewise import sharding
-
-        return sharding.plan(self.spec.segments, self.shards)
-
-    def build_shard(self, k: int, params: np.ndarray, workers: int) -> Shard:
-        """Builds shard ``k`` over ``params`` (its slice, already holding the values)."""
-        lo, hi = self.ranges[k]
-        return Shard(
-            params,
-            self.spec.segments.slice(lo, hi),
-            self.optimizer,
-            workers=workers,
-            consistency=self.consistency,
-            staleness=self.staleness,
-            shard_id=k,
-        )

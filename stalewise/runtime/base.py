@@ -11,12 +11,25 @@ from typing import Any
 
 import numpy as np
 
+from stalewise import targets
+
 
 def batch_iterator(data: Any, worker: int, workers: int) -> Iterator[Any]:
     """A worker's batches: ``data(worker, workers)`` if callable, else ``data[worker]`` cycled."""
     if callable(data):
         return iter(data(worker, workers))
     return itertools.cycle(data[worker])
+
+
+def mean_loss(last_losses: Any) -> float:
+    """The train loss of a record: the mean of each worker's last loss, over workers that pushed.
+
+    A worker that has not pushed yet has NaN there and does not count (as 0 it
+    would pull the mean down); NaN when no worker has pushed.
+    """
+    seen = np.asarray(last_losses, dtype=np.float64)
+    seen = seen[~np.isnan(seen)]
+    return float(seen.mean()) if seen.size else math.nan
 
 
 class WorkerError(RuntimeError):
@@ -113,6 +126,17 @@ class Recorder:
 
     Every runtime records the same schema (see :mod:`stalewise.report`), so a
     simulated run and a real one of the same job compare line by line.
+
+    ``stop_at`` is anything :func:`stalewise.targets.parse` accepts; the run stops
+    at the first record that reaches every target. For a metric whose name tells
+    no direction, a plain ``{name: value}`` entry keeps its old meaning,
+    ``value >= target`` (and a warning is logged).
+
+    Example:
+        >>> r = Recorder("run", 10, stop_at={"loss": 1e-3})
+        >>> stats = {"version": 1, "staleness_mean": 0.0, "staleness_max": 0}
+        >>> r.record(0.1, 1, stats, 0.5, None, dict), r.record(0.2, 2, stats, 1e-4, None, dict)
+        (False, True)
     """
 
     def __init__(
@@ -120,13 +144,13 @@ class Recorder:
         run: str,
         steps: int,
         *,
-        stop_at: Mapping[str, float] | None = None,
+        stop_at: targets.StopAt = None,
         on_record: Callable[[dict], None] | None = None,
         progress: bool = False,
     ):
         self.run = run
         self.steps = steps
-        self.stop_at = stop_at
+        self.stop_at = targets.parse(stop_at)
         self.on_record = on_record
         self.records: list[dict] = []
         self.bar = None
@@ -168,9 +192,7 @@ class Recorder:
         self.progress(pushes)
         if self.bar is not None:
             self.bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "accuracy") if k in rec})
-        return bool(self.stop_at) and all(
-            rec.get(k, -math.inf) >= v for k, v in self.stop_at.items()
-        )
+        return targets.all_reached(self.stop_at, rec)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -2,12 +2,17 @@
 
 Threading contract: a :class:`Client` belongs to one thread of one process.
 Every blocking call takes a ``timeout`` in seconds (None waits forever).
-See :mod:`stalewise.runtime.local` for how pulls and pushes move.
+See :mod:`stalewise.runtime.local.server` for how pulls and pushes move.
+
+A client is one *incarnation* of its worker id: its pipes to the shards were
+made for it by :meth:`LocalServer.client`, and the shards know the worker and
+incarnation from the pipe a message arrives on, never from the message. A push
+is committed (:mod:`stalewise.protocol.commit`) by writing its record into
+shared memory before any shard is told of it.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from multiprocessing import connection
 from typing import Any
@@ -15,13 +20,10 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import Ack, PushHeader, ServerConfig
+from stalewise.protocol import Ack, PushResult, ServerConfig, commit
+from stalewise.runtime.local import layout as L
 from stalewise.runtime.local.layout import Layout, Snapshots
 from stalewise.runtime.local.shm import SharedBlock
-
-
-class PushRejected(RuntimeError):
-    """A shard refused a push; the message says which shard and why."""
 
 
 class ServerClosed(ConnectionError):
@@ -52,13 +54,16 @@ class Client:
         config: ServerConfig,
         conns: list,
         block: SharedBlock | None = None,
+        incarnation: int = 0,
     ):
         self.worker = worker
+        self.incarnation = incarnation
         self._block_name = block_name
         self._layout = layout
         self._spec = config.spec
         self._ranges = config.ranges
         self._consistency = config.consistency
+        self._staleness = config.staleness
         self._direct = not config.staleness.dc_lambda  # DC-ASGD needs served pulls
         self._conns = conns
         self._block: SharedBlock | None = None
@@ -73,7 +78,9 @@ class Client:
         self._pulls_due = [False] * len(conns)  # shard k still owes a served pull (after a timeout)
         self._acks: list[Any] = [None] * len(conns)
         self._inbox: list[list] = [[] for _ in conns]  # replies read while waiting for another kind
-        self.last_acks: list[Ack] = []
+        self._versions = [0] * len(conns)  # the newest version of each shard this client knows
+        self._results: list[PushResult] = []  # push results not yet taken
+        self.last_result: PushResult | None = None
 
     def __getstate__(self) -> dict:
         if self._block is not None:
@@ -85,6 +92,7 @@ class Client:
             self._block = SharedBlock.attach(self._block_name)
             self._pull_buf = self._layout.pull_buffer(self._block, self.worker)
             self._push_buf = self._layout.push_buffer(self._block, self.worker)
+            self._record = self._layout.records(self._block)[self.worker]
             self._snapshots = Snapshots(self._layout, self._block, self._ranges)
         return self._block
 
@@ -136,22 +144,18 @@ class Client:
                         )
                     time.sleep(0.0001)
                 self._base[k] = version
+                self._versions[k] = max(self._versions[k], version)
             return self._pull_buf
         if not any(self._pulls_due):
             for c in self._conns:  # sent before reading the last push's acks: saves a round trip
                 c.send(("pull",))
             self._pulls_due = [True] * len(self._conns)
-        rejected = None
-        try:
-            self.wait(timeout=timeout)
-        except PushRejected as e:
-            rejected = e
+        self.wait(timeout=timeout)
         for k in shards:
             if self._pulls_due[k]:
                 self._base[k] = self._take(k, "pulled", timeout)[1]
+                self._versions[k] = max(self._versions[k], self._base[k])
                 self._pulls_due[k] = False
-        if rejected is not None:  # the pull itself is complete; report the refused push
-            raise rejected
         return self._pull_buf
 
     def _take(self, k: int, kind: str, timeout: float | None) -> Any:
@@ -163,43 +167,51 @@ class Client:
             msg = recv_reply(self._conns[k], timeout, f"{kind} from shard {k}")
             if msg[0] == kind:
                 return msg
+            if msg[0] == "error":  # the shard refused to serve this client
+                raise ServerClosed(f"shard {k}: {msg[1]}")
             self._inbox[k].append(msg)
 
     def push(self, update: Any, *, timeout: float | None = None) -> None:
         """Sends an update (same structure as the params) to every shard; returns at once.
 
-        The previous push must have been acknowledged first; this waits for that.
-        Raises PushRejected (for the previous push) if a shard refused it.
+        The previous push must have been acknowledged first; this waits for that
+        (its result is then in :attr:`last_result` and :meth:`take_results`).
         """
         if self.worker is None:
             raise ValueError("an observer client cannot push")
         self._attach()
-        rejected = None
-        try:
-            self.wait(timeout=timeout)  # a timeout propagates: the shards may still read the buffer
-        except PushRejected as e:  # a refused previous push must not cost this one
-            rejected = e
+        self.wait(timeout=timeout)  # a timeout propagates: the shards may still read the buffer
         tree.flatten(update, spec=self._spec, out=self._push_buf)
         self.push_flat_sent()
-        if rejected is not None:
-            raise rejected
 
     def push_flat_sent(self) -> None:
-        """Announces the update already written into :attr:`push_buffer` to every shard."""
-        refusal = None
-        if len(self._conns) > 1 and not math.isfinite(np.dot(self._push_buf, self._push_buf)):
-            # Each shard sees only its slice: decide for all of them, or some would
-            # apply a push that another one refuses.
-            bad = int(np.flatnonzero(~np.isfinite(self._push_buf))[0])
-            leaf = self._spec.segments.names[
-                int(np.searchsorted(self._spec.segments.offsets, bad, "right")) - 1
-            ]
-            refusal = (
-                "not_finite",
-                f"payload has NaN or Inf (first at element {bad}, leaf {leaf!r})",
-            )
-        for k, c in enumerate(self._conns):
-            c.send(("push", PushHeader(self.worker, self._seq, self._base[k]), refusal))
+        """Commits the update already written into :attr:`push_buffer` and tells every shard.
+
+        The commit rule: the whole push is judged once (:func:`commit.judge`), its
+        record is written, and the commit word is stored last; only then does any
+        shard hear of it. A sender killed before that store pushed nothing; one
+        killed after it pushed to every shard (they deliver it when it is gone).
+        """
+        snaps = self._snapshots
+        for k in range(len(self._conns)):
+            if snaps is not None:
+                self._versions[k] = max(self._versions[k], snaps.version(k))
+        verdict = commit.judge(
+            self._push_buf,
+            self._spec.segments,
+            self._base,
+            self._versions,
+            self._staleness,
+            whole=len(self._conns) > 1,  # one shard checks its whole slice itself
+        )
+        rec = self._record
+        rec[L.R_COMMIT] = 0  # the old record is void while the new one is written
+        rec[L.R_INC], rec[L.R_SEQ] = self.incarnation, self._seq
+        rec[L.R_CODE], rec[L.R_DETAIL] = verdict.code, verdict.detail
+        rec[L.R_BASES : L.R_BASES + len(self._base)] = self._base
+        rec[L.R_COMMIT] = self._seq + 1  # committed: from here on, all shards or none
+        for c in self._conns:
+            c.send(("push", self._seq))
         self._seq += 1
         self._acks_due = [True] * len(self._conns)
 
@@ -210,21 +222,28 @@ class Client:
         self.wait()
         return self._push_buf
 
-    def wait(self, timeout: float | None = None) -> list[Ack]:
-        """Waits for the acknowledgements of the last push; raises PushRejected if refused."""
+    def wait(self, timeout: float | None = None) -> PushResult | None:
+        """Waits for the acks of the last push; returns what happened to it.
+
+        The :class:`~stalewise.protocol.PushResult` says ``applied``, ``refused``
+        (with the reason) or ``duplicate``; None before the first push.
+        """
         if not any(self._acks_due):
-            return self.last_acks
+            return self.last_result
         for k, due in enumerate(self._acks_due):
             if due:  # progress survives a timeout: the next call waits for the rest
-                self._acks[k] = self._take(k, "ack", timeout)[1]
+                ack: Ack = self._take(k, "ack", timeout)[1]
+                self._acks[k] = ack
+                self._versions[k] = max(self._versions[k], ack.version)
                 self._acks_due[k] = False
-        acks = self.last_acks = list(self._acks)
-        bad = [(k, a) for k, a in enumerate(acks) if not a.ok]
-        if bad:
-            raise PushRejected(
-                "; ".join(f"shard {k} rejected push {a.seq}: {a.reason}" for k, a in bad)
-            )
-        return acks
+        self.last_result = PushResult.of(self._acks)
+        self._results.append(self.last_result)
+        return self.last_result
+
+    def take_results(self) -> list[PushResult]:
+        """The results of the pushes acknowledged since the last call."""
+        out, self._results = self._results, []
+        return out
 
     def close(self) -> None:
         """Leaves the job (gates stop waiting for this worker) and closes the pipes."""
@@ -234,7 +253,7 @@ class Client:
                     self.wait(timeout=30)
                 for c in self._conns:
                     c.send(("leave",))
-        except (OSError, ServerClosed, PushRejected, TimeoutError):
+        except (OSError, ServerClosed, TimeoutError):
             pass
         for c in self._conns:
             c.close()

@@ -2,7 +2,15 @@
 
 One block holds everything a job moves between processes::
 
-    [ control | shard table | params | observer | snapshot 0 | snapshot 1 | w0 pull | w0 push | ... ]
+    [ control | shard table | push records | params | observer | snapshot 0 | snapshot 1
+      | w0 pull | w0 push | ... ]
+
+*Push records* carry the commit rule (:mod:`stalewise.protocol.commit`): one
+fixed record of int64s per worker id, ``[commit, incarnation, seq, verdict code,
+verdict detail, base version per shard...]``. A worker writes its update into
+its push buffer and every field of the record, then stores ``commit = seq + 1``
+last: from that store on the push is committed, and a shard that finds the
+worker gone delivers a committed push it has not handled from this record.
 
 *Snapshots* let a worker pull without asking its shard. After an update (when
 it has no other message waiting, or at least every 20 ms under load) a shard
@@ -32,6 +40,8 @@ from stalewise.runtime.local.shm import SharedBlock
 _ALIGN = 64  # bytes; every region starts on a cache line
 _CUR, _SEQ, _VER, _MIN_CLOCK = 0, 1, 3, 5  # shard table columns: cur, seq[2], ver[2], min clock
 _TABLE_COLUMNS = 6
+# push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases...
+R_COMMIT, R_INC, R_SEQ, R_CODE, R_DETAIL, R_BASES = range(6)
 
 
 def _round_up(n: int) -> int:
@@ -52,8 +62,15 @@ class Layout:
         # [stop flag, pushes done per worker..., last loss per worker...]
         return 1 + 2 * self.workers
 
-    def _arrays_start(self) -> int:
+    @property
+    def record_items(self) -> int:
+        return R_BASES + self.shards
+
+    def _records_start(self) -> int:
         return _round_up(self.control_items * 8) + _round_up(self.shards * _TABLE_COLUMNS * 8)
+
+    def _arrays_start(self) -> int:
+        return self._records_start() + _round_up(self.workers * self.record_items * 8)
 
     def _offset(self, region: int) -> int:
         raw = self.size * np.dtype(self.dtype).itemsize
@@ -69,6 +86,11 @@ class Layout:
     def table(self, block: SharedBlock) -> np.ndarray:
         offset = _round_up(self.control_items * 8)
         return block.array(np.int64, offset, self.shards * _TABLE_COLUMNS).reshape(self.shards, -1)
+
+    def records(self, block: SharedBlock) -> np.ndarray:
+        """The push records, one row per worker id (see the module docstring)."""
+        n = self.workers * self.record_items
+        return block.array(np.int64, self._records_start(), n).reshape(self.workers, -1)
 
     def params(self, block: SharedBlock) -> np.ndarray:
         return block.array(self.dtype, self._offset(0), self.size)
@@ -111,6 +133,11 @@ class Snapshots:
 
     def min_clock(self, k: int) -> int:
         return int(self.table[k, _MIN_CLOCK])
+
+    def version(self, k: int) -> int:
+        """The version of shard ``k``'s current snapshot (it may move on at once)."""
+        row = self.table[k]
+        return int(row[_VER + int(row[_CUR])])
 
     def read(self, k: int, out: np.ndarray) -> int:
         """Copies shard ``k``'s latest snapshot into ``out[lo:hi]``; returns its version."""

@@ -10,10 +10,18 @@ when DC-ASGD needs the shard to remember what the worker pulled, the pull is
 served: the shard answers when the gate opens, copying its slice itself. The
 server's own observer pull (evaluation, ``LocalServer.pull``) is always served,
 so it sees every acknowledged push. A push writes the flattened update into
-the worker's push buffer and sends ``("push", seq, base_version)`` to every
-shard; the buffer is reused only after every shard acknowledged it. The
-worker's side is :class:`stalewise.runtime.local.client.Client`; this module holds the
-shard processes and :class:`LocalServer`, which starts and stops them.
+the worker's push buffer, commits its record (see
+:mod:`stalewise.runtime.local.layout`) and sends ``("push", seq)`` to every
+shard; the buffer is reused only after every shard acknowledged it.
+
+Each incarnation of a worker gets its own pipes, made by
+:meth:`LocalServer.client` and handed to the shard processes over their control
+pipes (file-descriptor passing), so a shard knows who sent a message from the
+pipe it came on. When a worker's pipe closes (it left, or its process died),
+the shard delivers a push the worker committed but the shard has not handled,
+then drops the worker. The worker's side is
+:class:`stalewise.runtime.local.client.Client`; this module holds the shard
+processes and :class:`LocalServer`, which starts and stops them.
 """
 
 from __future__ import annotations
@@ -25,12 +33,13 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from multiprocessing import connection
+from multiprocessing import connection, reduction
 from typing import Any
 
 import numpy as np
 
-from stalewise.protocol import ServerConfig
+from stalewise.protocol import PushHeader, ServerConfig, commit
+from stalewise.runtime.local import layout as L
 from stalewise.runtime.local.client import Client, ServerClosed, recv_reply
 from stalewise.runtime.local.layout import Layout, Snapshots
 from stalewise.runtime.local.shm import SharedBlock
@@ -63,8 +72,25 @@ def thread_budget(threads: int) -> Iterator[None]:
 PUBLISH_EVERY = 0.02  # seconds: the longest a busy shard defers publishing a new version
 
 
+def committed_push(
+    layout: Layout, records: np.ndarray, pushes: list, w: int, k: int
+) -> tuple[PushHeader, np.ndarray, commit.Verdict] | None:
+    """Worker ``w``'s committed push as shard ``k`` reads it from its record, or None."""
+    rec = records[w]
+    seq_plus_one = int(rec[L.R_COMMIT])
+    if not seq_plus_one or int(rec[L.R_SEQ]) != seq_plus_one - 1:
+        return None  # nothing committed, or a record caught while being rewritten
+    header = PushHeader(w, int(rec[L.R_SEQ]), int(rec[L.R_BASES + k]), int(rec[L.R_INC]))
+    return header, pushes[w], commit.Verdict(int(rec[L.R_CODE]), int(rec[L.R_DETAIL]))
+
+
 def _shard_main(
-    config: ServerConfig, k: int, block_name: str, layout: Layout, conns: list, control
+    config: ServerConfig,
+    k: int,
+    block_name: str,
+    layout: Layout,
+    control,
+    join_timeout: float,
 ) -> None:
     """Body of a shard process: serve pulls and pushes until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
@@ -73,11 +99,13 @@ def _shard_main(
     shard = config.build_shard(k, layout.params(block)[lo:hi], layout.workers)
     pulls = [layout.pull_buffer(block, w)[lo:hi] for w in range(layout.workers)]
     pushes = [layout.push_buffer(block, w)[lo:hi] for w in range(layout.workers)]
+    records = layout.records(block)
     observer = layout.observer(block)[lo:hi]
     snapshots = Snapshots(layout, block, config.ranges)
     shard.warm_up()
     snapshots.publish(k, shard.params, shard.version, shard.min_clock())
     published, published_at = shard.version, time.monotonic()
+    lease_ends = time.monotonic() + join_timeout
 
     def publish(busy: bool) -> None:
         """Copies the params out for pulls: when idle, or every PUBLISH_EVERY s under load.
@@ -98,54 +126,103 @@ def _shard_main(
             snapshots.publish(k, shard.params, shard.version, clock)
             published, published_at = shard.version, time.monotonic()
 
-    def reply(w: int, msg: tuple) -> None:
-        try:
-            conns[w].send(msg)
-        except OSError:  # the worker is gone: stop waiting for it
-            open_conns.pop(conns[w], None)
+    waiting: set[int] = set()  # workers whose pull waits on the gate
+    conns: dict[Any, tuple[int, int]] = {}  # a worker incarnation's pipe -> (worker, incarnation)
+    current: dict[int, Any] = {}  # worker -> the pipe of its current incarnation
+
+    def depart(c: Any) -> None:
+        """The pipe ``c`` is gone: deliver its committed push if this shard lacks it, leave."""
+        w, inc = conns.pop(c)
+        c.close()
+        if current.get(w) is c:
+            del current[w]
             waiting.discard(w)
-            if shard.live[w]:
-                shard.leave(w)
+        shard.depart(w, inc, committed_push(layout, records, pushes, w, k))
+
+    def reply(c: Any, msg: tuple) -> None:
+        try:
+            c.send(msg)
+        except OSError:  # the worker is gone: stop waiting for it
+            if c in conns:
+                depart(c)
+
+    def push(c: Any, msg: tuple) -> None:
+        w, inc = conns[c]
+        got = committed_push(layout, records, pushes, w, k)
+        if len(msg) != 2 or got is None or got[0].seq != msg[1] or got[0].incarnation != inc:
+            log.warning(
+                "shard %d: worker %d sent a push with no matching record: %r", k, w, msg[:2]
+            )
+            reply(c, ("error", f"push {msg[1:2]} has no committed record"))
+            depart(c)
+            return
+        header, payload, verdict = got
+        reply(c, ("ack", shard.push(header, payload, verdict=verdict)))
+
+    def join(w: int, inc: int) -> None:
+        fd = reduction.recv_handle(control)
+        c = connection.Connection(fd)
+        old = current.get(w)
+        if old is not None:
+            depart(old)  # the old incarnation's committed push first, then it leaves
+        shard.join(w, inc)
+        conns[c], current[w] = (w, inc), c
+        control.send(("joined", w, inc))
 
     control.send(("ready", k))
-    waiting: set[int] = set()  # workers whose pull waits on the gate
-    open_conns = {c: w for w, c in enumerate(conns)}
-    open_conns[control] = None
     while True:
-        for c in connection.wait(list(open_conns)):
-            w = open_conns[c]
+        timeout = None if lease_ends is None else max(0.0, lease_ends - time.monotonic())
+        for c in connection.wait([control, *conns], timeout=timeout):
             try:
                 msg = c.recv()
             except (EOFError, OSError):
-                del open_conns[c]
-                if w is None:
+                if c is control:
                     return
-                waiting.discard(w)
-                if shard.live[w]:
-                    shard.leave(w)
+                depart(c)
                 continue
-            kind = msg[0]
-            if kind == "pull" and w is not None:
+            if c is control:
+                kind = msg[0]
+                if kind == "join":
+                    join(msg[1], msg[2])
+                elif kind == "pull":  # the observer: exact, never gated
+                    c.send(("pulled", shard.pull(None, observer)))
+                elif kind == "stats":
+                    c.send(("stats", shard.stats.as_dict() | {"version": shard.version}))
+                elif kind == "stop":
+                    c.send(("stopped", shard.stats.as_dict() | {"version": shard.version}))
+                    return
+                continue
+            if c not in conns:
+                continue  # departed while this batch was being handled
+            kind = msg[0] if isinstance(msg, tuple) and msg else None
+            w = conns[c][0]
+            if kind == "push":
+                push(c, msg)
+            elif kind == "pull":
                 waiting.add(w)
-            elif kind == "push":
-                reply(w, ("ack", shard.push(msg[1], pushes[w], refused=msg[2])))
             elif kind == "leave":
-                waiting.discard(w)
-                shard.leave(w)
-            elif kind == "pull":  # the observer: exact, never gated
-                c.send(("pulled", shard.pull(None, observer)))
-            elif kind == "stats":
-                c.send(("stats", shard.stats.as_dict() | {"version": shard.version}))
-            elif kind == "stop":
-                c.send(("stopped", shard.stats.as_dict() | {"version": shard.version}))
-                return
+                depart(c)
+            else:
+                log.warning("shard %d: worker %d sent an unknown message; disconnecting it", k, w)
+                depart(c)
+        if lease_ends is not None and time.monotonic() >= lease_ends:
+            lease_ends = None
+            gone = shard.expire_unstarted()
+            if gone:
+                log.error(
+                    "shard %d: worker(s) %s did not start within %g s (join_timeout); "
+                    "the gates no longer wait for them",
+                    k,
+                    ", ".join(map(str, gone)),
+                    join_timeout,
+                )
         # After the acks: a pusher's next pull waits for the version its ack named
         # (read-your-writes), and pushes queued behind this batch go first.
-        publish(busy=any(c.poll() for c in open_conns))
+        publish(busy=any(c.poll() for c in conns))
         for w in sorted(waiting):
             if shard.live[w] and shard.may_start(w):
                 waiting.discard(w)
-                reply(w, ("pulled", shard.pull(w, pulls[w])))
+                reply(current[w], ("pulled", shard.pull(w, pulls[w])))
 
 
 class LocalServer:
@@ -158,30 +235,35 @@ class LocalServer:
         ...     client.push(grads)
     """
 
-    def __init__(self, config: ServerConfig, workers: int, *, start_timeout: float = 120.0):
+    def __init__(
+        self,
+        config: ServerConfig,
+        workers: int,
+        *,
+        start_timeout: float = 120.0,
+        join_timeout: float = 300.0,
+    ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.config = config
         self.workers = workers
+        self.start_timeout = start_timeout
         self.layout = Layout(config.spec.size, str(config.init.dtype), workers, config.shards)
         self._ctx = mp.get_context("spawn")
         self._block = SharedBlock.create(self.layout.nbytes)
         self._procs: list = []
-        self._clients_made: set[int] = set()
+        self._controls: list = []
+        self._incarnations = [0] * workers  # the newest incarnation of each worker id
+        self._worker_ends: list[list] = [[] for _ in range(workers)]  # until release(w)
         try:
             self.layout.params(self._block)[:] = config.init
             self.control = self.layout.control(self._block)
-            S = config.shards
-            # pipes[w][k]: worker w <-> shard k
-            pipes = [[self._ctx.Pipe() for _ in range(S)] for _ in range(workers)]
-            self._worker_ends = [[p[0] for p in row] for row in pipes]
-            self._controls = []
-            for k in range(S):
+            self.control[1 + workers :] = np.nan  # last loss per worker: none yet
+            for k in range(config.shards):
                 mine, theirs = self._ctx.Pipe()
-                shard_conns = [pipes[w][k][1] for w in range(workers)]
                 p = self._ctx.Process(
                     target=_shard_main,
-                    args=(config, k, self._block.name, self.layout, shard_conns, theirs),
+                    args=(config, k, self._block.name, self.layout, theirs, join_timeout),
                     name=f"stalewise-shard-{k}",
                     daemon=True,
                 )
@@ -190,8 +272,6 @@ class LocalServer:
                 self._procs.append(p)
                 self._controls.append(mine)
                 theirs.close()
-            for c in (end for row in pipes for p in row for end in (p[1],)):
-                c.close()  # the shard processes own their ends now
             for k, c in enumerate(self._controls):
                 if recv_reply(c, start_timeout, f"start of shard {k}") != ("ready", k):
                     raise RuntimeError(f"shard {k} failed to start")
@@ -209,15 +289,34 @@ class LocalServer:
         self.close()
 
     def client(self, worker: int) -> Client:
-        """The client for ``worker`` (0 <= worker < workers); one per worker id."""
+        """A client for a new incarnation of ``worker`` (0 <= worker < workers).
+
+        The first call for an id starts that worker; a later call restarts it: the
+        shards first finish the old incarnation (a push it committed is delivered
+        everywhere) and drop it, then the new one starts from the current
+        parameters with fresh sequence numbers, and the old one's pipes are cut.
+        Restart a worker only once its old process has exited or been killed: both
+        would write the same shared push buffer.
+        """
         if not (isinstance(worker, int) and 0 <= worker < self.workers):
             raise ValueError(
                 f"unknown worker {worker!r}: this server has workers 0..{self.workers - 1}"
             )
-        if worker in self._clients_made:
-            raise ValueError(f"a client for worker {worker} was already made")
-        self._clients_made.add(worker)
-        return Client(worker, self._block.name, self.layout, self.config, self._worker_ends[worker])
+        self.release(worker)
+        self._incarnations[worker] += 1
+        inc = self._incarnations[worker]
+        ends = []
+        for k, control in enumerate(self._controls):
+            mine, theirs = self._ctx.Pipe()
+            control.send(("join", worker, inc))
+            reduction.send_handle(control, theirs.fileno(), self._procs[k].pid)
+            theirs.close()  # shard k holds its own copy now
+            ends.append(mine)
+        for k in range(len(self._controls)):
+            reply = self.observer._take(k, "joined", self.start_timeout)
+            assert reply[1:] == (worker, inc), reply
+        self._worker_ends[worker] = ends
+        return Client(worker, self._block.name, self.layout, self.config, ends, incarnation=inc)
 
     def release(self, worker: int) -> None:
         """Closes this process's copies of ``worker``'s pipes once its process holds them.
@@ -227,6 +326,7 @@ class LocalServer:
         """
         for c in self._worker_ends[worker]:
             c.close()
+        self._worker_ends[worker] = []
 
     def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = 60.0) -> Any:
         """The current parameters (as an observer: never gated, not counted as a worker)."""
@@ -247,10 +347,11 @@ class LocalServer:
         if self._block is None:
             return []
         final: list[dict] = []
-        for k, c in enumerate(getattr(self, "_controls", [])):
+        for k, c in enumerate(self._controls):
             try:
                 c.send(("stop",))
-                final.append(self.observer._take(k, "stopped", timeout)[1])
+                if hasattr(self, "observer"):
+                    final.append(self.observer._take(k, "stopped", timeout)[1])
             except (OSError, ServerClosed, TimeoutError):
                 pass
         for p in self._procs:

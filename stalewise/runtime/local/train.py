@@ -18,22 +18,22 @@ import pickle
 import signal
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
 from multiprocessing import connection
 from typing import Any
 
 from stalewise import tree
-from stalewise.protocol import ServerConfig
+from stalewise.protocol import ServerConfig, loop
 from stalewise.runtime.base import (
     Recorder,
     TrainResult,
     WorkerError,
     batch_iterator,
-    check_run,
+    mean_loss,
     merge_stats,
 )
-from stalewise.runtime.local.client import Client, PushRejected
+from stalewise.runtime.local.client import Client
 from stalewise.runtime.local.server import LocalServer, thread_budget
+from stalewise.runtime.options import RunOptions
 from stalewise.strategies import Strategy
 
 log = logging.getLogger(__name__)
@@ -44,50 +44,46 @@ _STOP, _DONE0 = 0, 1  # control slots: stop flag, then pushes done per worker, t
 def _worker_main(
     client: Client,
     strategy: Strategy,
-    loss_and_grad: Callable,
-    data: Any,
-    steps: int,
-    slowdown: float,
-    delay: float,
+    options: RunOptions,
     results: connection.Connection,
 ) -> None:
-    """Body of a worker process: pull, compute, push until the budget is spent."""
+    """Body of a worker process: the protocol's worker loop, answered with blocking calls."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     w, workers = client.worker, client._layout.workers
+    slowdown, delay = options.slowdowns[w], options.extra_delays[w]
     try:
         ctrl = client._layout.control(client._attach())
-        batches = batch_iterator(data, w, workers)
+        batches = batch_iterator(options.data, w, workers)
         first = next(batches)
         # Set-up, not training: load the data and run one step whose result is thrown
         # away, so a JIT compile of the user's function (JAX, numba) happens before the clock.
-        loss_and_grad(client.pull(copy=False), first)
+        options.loss_and_grad(client.pull(copy=False), first)
         batches = itertools.chain([first], batches)
         results.send(("ready", w))
         if results.recv() != "go":
             return
         done_slot, loss_slot = _DONE0 + w, _DONE0 + workers + w
-        while not ctrl[_STOP] and ctrl[_DONE0 : _DONE0 + workers].sum() < steps:
-            try:
+
+        def answer(request: Any) -> Any:
+            if request is loop.BEGIN:
+                return not ctrl[_STOP] and ctrl[_DONE0 : _DONE0 + workers].sum() < options.steps
+            if request is loop.PULL:
                 client.pull_flat()
-            except PushRejected as e:  # the pull is complete; the refused push is counted
-                log.warning("worker %d: %s", w, e)
-            params = client.last_pull(copy=False)
-            t0 = time.perf_counter()
-            update, loss = strategy.worker_step(params, loss_and_grad, batches)
-            compute = time.perf_counter() - t0
-            emulated = (compute + delay) * slowdown - compute  # a straggler is slow at everything
+                return client.last_pull(copy=False)
+            # a Push: emulate the compute time, then push; a straggler is slow at everything
+            emulated = (request.compute + delay * request.local_steps) * slowdown - request.compute
             if emulated > 0:
                 time.sleep(emulated)
-            try:
-                client.push(update)  # sent even if the previous push was refused
-            except PushRejected as e:
-                log.warning("worker %d: %s", w, e)
+            client.push(request.update)
             ctrl[done_slot] += 1
-            ctrl[loss_slot] = loss
-        try:
-            client.wait(timeout=60)
-        except PushRejected as e:
-            log.warning("worker %d: %s", w, e)
+            ctrl[loss_slot] = request.loss
+            return client.take_results()
+
+        stats = loop.run(
+            loop.worker_loop(strategy, options.loss_and_grad, batches, worker=w), answer
+        )
+        client.wait(timeout=options.ack_timeout)
+        loop.report(client.take_results(), stats, w)
         client.close()
         results.send(("done", w))
     except BaseException:
@@ -116,44 +112,22 @@ def _check_picklable(name: str, obj: Any) -> None:
         ) from None
 
 
-def train(
-    config: ServerConfig,
-    loss_and_grad: Callable,
-    *,
-    data: Any,
-    workers: int,
-    steps: int,
-    strategy: Strategy,
-    evaluate: Callable[[Any], Mapping[str, float]] | None = None,
-    eval_interval: float = 0.5,
-    stragglers: Mapping[int, float] | Sequence[float] | None = None,
-    delays: Mapping[int, float] | None = None,
-    stop_at: Mapping[str, float] | None = None,
-    run: str = "run",
-    on_record: Callable[[dict], None] | None = None,
-    progress: bool = False,
-    timeout: float | None = None,
-) -> TrainResult:
-    """Trains with ``workers`` local processes until ``steps`` pushes in all (see Job.train)."""
-    factors, extra = check_run(workers, steps, data, stragglers, delays)
-    for name, obj in (("loss_and_grad", loss_and_grad), ("data", data)):
+def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
+    """Trains with ``options.workers`` local processes (the ``"local"`` runtime; see Job.train)."""
+    o = options
+    workers, steps, evaluate = o.workers, o.steps, o.evaluate
+    for name, obj in (("loss_and_grad", o.loss_and_grad), ("data", o.data), ("strategy", strategy)):
         _check_picklable(name, obj)
     recorder = None
-    with LocalServer(config, workers) as server:
+    worker_options = o.for_workers()
+    with LocalServer(
+        config, workers, start_timeout=o.shard_start_timeout, join_timeout=o.join_timeout
+    ) as server:
         ctx, procs, results = server._ctx, [], []
         try:
             for w in range(workers):
                 mine, theirs = ctx.Pipe()
-                args = (
-                    server.client(w),
-                    strategy,
-                    loss_and_grad,
-                    data,
-                    steps,
-                    factors[w],
-                    extra[w],
-                    theirs,
-                )
+                args = (server.client(w), strategy, worker_options, theirs)
                 p = ctx.Process(
                     target=_worker_main, args=args, name=f"stalewise-worker-{w}", daemon=True
                 )
@@ -164,7 +138,7 @@ def train(
                 procs.append(p)
                 results.append(mine)
             for w, c in enumerate(results):
-                msg = _result(c, procs[w], w, timeout=300)
+                msg = _result(c, procs[w], w, timeout=o.start_timeout)
                 if msg[0] == "error":
                     raise WorkerError(f"worker {w} failed:\n{msg[2]}")
             server.unlink()  # every process has mapped the block: nothing can leak now
@@ -172,7 +146,9 @@ def train(
             losses = ctrl[_DONE0 + workers : _DONE0 + 2 * workers]
             if evaluate is not None:  # the first call may load data or compile: not training time
                 evaluate(server.pull())
-            recorder = Recorder(run, steps, stop_at=stop_at, on_record=on_record, progress=progress)
+            recorder = Recorder(
+                o.run, steps, stop_at=o.stop_at, on_record=o.on_record, progress=o.progress
+            )
             for c in results:
                 c.send("go")
             t0 = time.perf_counter()
@@ -188,15 +164,15 @@ def train(
                 now = time.perf_counter() - t0
                 pushes = int(ctrl[_DONE0 : _DONE0 + workers].sum())
                 recorder.progress(pushes)
-                if now - last_eval >= eval_interval or not live:
+                if now - last_eval >= o.eval_interval or not live:
                     last_eval = now
                     stats = merge_stats(server.stats())
                     if recorder.record(
-                        now, pushes, stats, float(losses.mean()), evaluate, server.pull
+                        now, pushes, stats, mean_loss(losses), evaluate, server.pull
                     ):
                         ctrl[_STOP] = 1
-                if timeout is not None and now > timeout:
-                    raise TimeoutError(f"training did not finish within {timeout} s")
+                if o.timeout is not None and now > o.timeout:
+                    raise TimeoutError(f"training did not finish within {o.timeout} s")
             elapsed = time.perf_counter() - t0
             stats = merge_stats(server.stats())
         finally:
@@ -207,7 +183,7 @@ def train(
             for c in results:
                 c.close()
             for p in procs:
-                p.join(5)
+                p.join(o.stop_timeout)
                 if p.is_alive():
                     p.kill()
                     p.join()

@@ -20,52 +20,27 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import ServerConfig
-from stalewise.runtime.base import Recorder, TrainResult, check_run
+from stalewise.runtime.base import Recorder, TrainResult, mean_loss
+from stalewise.runtime.options import RunOptions
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.engine import Simulation
 from stalewise.runtime.sim.models import WorkerTiming
 from stalewise.strategies import Strategy
 
-__all__ = ["SimConfig", "train"]
+__all__ = ["SimConfig", "run", "train"]
 
 log = logging.getLogger(__name__)
 
 
-def train(
-    config: ServerConfig,
-    loss_and_grad: Callable,
-    *,
-    data: Any,
-    workers: int,
-    steps: int,
-    strategy: Strategy,
-    evaluate: Callable[[Any], Mapping[str, float]] | None = None,
-    eval_interval: float = 0.5,
-    stragglers: Mapping[int, float] | Sequence[float] | None = None,
-    delays: Mapping[int, float] | None = None,
-    stop_at: Mapping[str, float] | None = None,
-    run: str = "run",
-    on_record: Callable[[dict], None] | None = None,
-    progress: bool = False,
-    timeout: float | None = None,
-    sim: SimConfig | None = None,
-    seed: int = 0,
-) -> TrainResult:
-    """Trains on the virtual clock; arguments and result as ``local_train.train``.
-
-    Differences: ``eval_interval``, the records' ``time`` and ``TrainResult.time``
-    are virtual seconds; ``timeout`` is wall seconds. A step's virtual compute
-    time is ``(sim.compute sample + delays[w]) * stragglers[w]`` (and the factors
-    of ``sim``, see :mod:`stalewise.runtime.sim.config`). ``seed`` drives the
-    random compute times. ``stats["sim"]`` adds the event count, wall time and
-    the mean pull, compute and push time of a step.
+def train(config: ServerConfig, loss_and_grad: Callable, *, strategy: Strategy, **options: Any):
+    """Runs in the simulator with the keyword options of :class:`RunOptions` (a shorthand).
 
     Example:
         >>> import stalewise as sw
@@ -78,7 +53,25 @@ def train(
         >>> result.pushes, result.stats["applied"]
         (200, 200)
     """
-    factors, extra = check_run(workers, steps, data, stragglers, delays)
+    return run(config, strategy, RunOptions(loss_and_grad=loss_and_grad, **options))
+
+
+def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
+    """Trains on the virtual clock (the ``"sim"`` runtime; see :meth:`stalewise.Job.train`).
+
+    Differences from the local runtime: ``eval_interval``, the records' ``time``
+    and ``TrainResult.time`` are virtual seconds; ``timeout`` is wall seconds. A
+    step's virtual compute time is ``(sim.compute sample + delays[w]) *
+    stragglers[w]`` per local step (and the factors of ``options.sim``, see
+    :mod:`stalewise.runtime.sim.config`). ``options.seed`` drives the random
+    compute times. ``stats["sim"]`` adds the event count, wall time and the mean
+    pull, compute and push time of a step.
+    """
+    o = options
+    loss_and_grad, data, workers, steps = o.loss_and_grad, o.data, o.workers, o.steps
+    factors, extra = list(o.slowdowns), list(o.extra_delays)
+    eval_interval, stop_at, on_record, timeout = o.eval_interval, o.stop_at, o.on_record, o.timeout
+    run_name, progress, evaluate, seed, sim = o.run, o.progress, o.evaluate, o.seed, o.sim
     if not (eval_interval > 0 and math.isfinite(eval_interval)):
         raise ValueError(
             f"eval_interval must be a finite number of virtual seconds > 0, got {eval_interval!r}"
@@ -88,7 +81,7 @@ def train(
         raise TypeError(f"sim must be a SimConfig, got {type(sim).__name__}")
     timing = WorkerTiming(sim, workers, factors=factors, delays=extra, seed=seed)
     state = Simulation(config, (loss_and_grad, data, strategy), workers, steps, sim, timing)
-    recorder = Recorder(run, steps, stop_at=stop_at, on_record=on_record, progress=progress)
+    recorder = Recorder(run_name, steps, stop_at=stop_at, on_record=on_record, progress=progress)
 
     def observed() -> Any:  # what an observer pull returns: every shard's current slice
         flat = np.empty_like(state.params)
@@ -97,10 +90,8 @@ def train(
         return tree.unflatten(flat, config.spec)
 
     def record() -> bool:
-        seen = state.last_loss[~np.isnan(state.last_loss)]
-        train_loss = float(seen.mean()) if seen.size else math.nan
         return recorder.record(
-            state.now, state.pushes, state.stats(), train_loss, evaluate, observed
+            state.now, state.pushes, state.stats(), mean_loss(state.last_loss), evaluate, observed
         )
 
     wall0 = time.perf_counter()

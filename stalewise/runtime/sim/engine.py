@@ -43,6 +43,8 @@ from stalewise.runtime.sim.models import Join, Links, WorkerTiming
 
 log = logging.getLogger(__name__)
 
+_FRESH = object()  # a worker whose strategy state is not made yet
+
 # event kinds
 _PULL_REQ, _SERVED, _PULL_HEAD, _PULL_RESP, _COMPUTED, _PUSH_HEAD, _PUSH_IN = range(7)
 _ACK, _LEAVE, _FAIL, _JOIN, _EVAL = range(7, 12)
@@ -96,6 +98,7 @@ class Simulation:
         self.upd_buf: list[np.ndarray | None] = [None] * workers
         self.pool: list[np.ndarray] = []  # free parameter-sized buffers
         self.batches: list[Any] = [None] * workers
+        self.states: list[Any] = [_FRESH] * workers  # each worker's strategy state
         self.loss_next = [math.nan] * workers
         self.last_loss = np.full(workers, np.nan)
         self.t_mark = [0.0] * workers
@@ -146,7 +149,7 @@ class Simulation:
                 self.base[w][k] = shard.pull(w, self.pull_buf[w][lo:hi])
                 self.transfer(self.P + k, w, self.slice_bytes[k], _PULL_HEAD, w, k)
             else:
-                header = PushHeader(w, self.seq[w], self.base[w][k])
+                header = PushHeader(w, self.seq[w], self.base[w][k], self.inc[w])
                 ack = shard.push(header, self.upd_buf[w][lo:hi])
                 if not ack.ok:
                     log.debug("sim: shard %d rejected worker %d's push: %s", k, w, ack.reason)
@@ -197,7 +200,11 @@ class Simulation:
             self.batches[w] = batch_iterator(self.data, w, self.P)
         params = tree.unflatten(self.pull_buf[w], self.spec)
         try:
-            update, loss = self.strategy.worker_step(params, self.loss_and_grad, self.batches[w])
+            if self.states[w] is _FRESH:
+                self.states[w] = self.strategy.init(params)
+            step = self.strategy.step(self.states[w], params, self.loss_and_grad, self.batches[w])
+            self.states[w] = step.state
+            update, loss = step.update, step.loss
             self.upd_buf[w] = out = self.take_buffer()
             tree.flatten(update, spec=self.spec, out=out)
         except Exception:
@@ -247,8 +254,9 @@ class Simulation:
             return
         log.info("sim: worker %d joins at t=%.6g", w, self.now)
         self.inc[w] += 1
+        self.seq[w] = 0
         for shard in self.shards:
-            shard.join(w)
+            shard.join(w, self.inc[w])
         self.start_step(w)
 
     # -- the loop ------------------------------------------------------------------
@@ -265,6 +273,9 @@ class Simulation:
         joins_left = len(self.sim.joins)
         for w in range(self.P):
             if w not in absent:
+                self.inc[w] = 1
+                for shard in self.shards:
+                    shard.join(w, 1)
                 self.start_step(w)
         stop = record()
         self.at(eval_interval, _EVAL, 1)

@@ -1,0 +1,80 @@
+"""``RunOptions``: how to run a job, built and checked once by ``Job.train``.
+
+Every runtime takes ``(config, strategy, options)``, so a new option is written
+once, here, and a new runtime needs no copy of the long keyword list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from stalewise.runtime.base import check_run
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The run-time options of one training run (see :meth:`stalewise.Job.train`).
+
+    Timeouts are in wall seconds; None waits forever.
+    """
+
+    loss_and_grad: Callable[[Any, Any], tuple[float, Any]]
+    data: Any  # data(worker, workers) -> batches, or one sequence of batches per worker
+    workers: int
+    steps: int  # pushes in all workers (the job's budget)
+    evaluate: Callable[[Any], Mapping[str, float]] | None = None
+    eval_interval: float = 0.5  # seconds between evaluations (virtual in the simulator)
+    stragglers: Mapping[int, float] | Sequence[float] | None = None
+    delays: Mapping[int, float] | None = None
+    stop_at: Any = None  # anything stalewise.targets.parse accepts
+    run: str = "run"
+    on_record: Callable[[dict], None] | None = None
+    progress: bool = False
+    timeout: float | None = None  # the whole run
+    start_timeout: float = 300.0  # a worker's start-up: spawn, data, warm-up step
+    shard_start_timeout: float = 120.0  # a shard process's start-up
+    join_timeout: float = 300.0  # start-up lease: expected workers that never join are dropped
+    ack_timeout: float = 60.0  # a worker's wait for its last acks at the end
+    stop_timeout: float = 10.0  # a process's wait to exit when the job ends
+    sim: Any = None  # the simulator's SimConfig (runtime "sim" only)
+    seed: int = 0  # the simulator's random seed (runtime "sim" only)
+    # derived in __post_init__
+    slowdowns: tuple[float, ...] = field(init=False)  # per worker, >= 1
+    extra_delays: tuple[float, ...] = field(init=False)  # per worker, seconds
+
+    def for_workers(self) -> RunOptions:
+        """These options without what only the parent uses (evaluation, record callback),
+        which need not be picklable."""
+        return dataclasses.replace(self, evaluate=None, on_record=None)
+
+    def __post_init__(self) -> None:
+        if not callable(self.loss_and_grad):
+            raise TypeError(
+                f"loss_and_grad must be a function f(params, batch) -> (loss, grads), "
+                f"got {type(self.loss_and_grad).__name__}"
+            )
+        factors, extra = check_run(
+            self.workers, self.steps, self.data, self.stragglers, self.delays
+        )
+        object.__setattr__(self, "slowdowns", tuple(factors))
+        object.__setattr__(self, "extra_delays", tuple(extra))
+        if not (isinstance(self.eval_interval, int | float) and self.eval_interval > 0):
+            raise ValueError(f"eval_interval must be a number > 0, got {self.eval_interval!r}")
+        if self.evaluate is not None and not callable(self.evaluate):
+            raise TypeError(f"evaluate must be a function f(params) -> dict, got {self.evaluate!r}")
+        for name in ("timeout", "start_timeout", "shard_start_timeout", "join_timeout",
+                     "ack_timeout", "stop_timeout"):  # fmt: skip
+            value = getattr(self, name)
+            if value is None and name == "timeout":
+                continue
+            if not (isinstance(value, int | float) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        if not math.isfinite(self.eval_interval):
+            raise ValueError(f"eval_interval must be finite, got {self.eval_interval!r}")
+        from stalewise import targets
+
+        object.__setattr__(self, "stop_at", targets.parse(self.stop_at))

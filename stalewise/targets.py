@@ -1,0 +1,334 @@
+"""Targets: "this metric reaches that value", with the right direction.
+
+A :class:`Target` says which way a metric should go: a loss is reached when it
+drops to the value (``mode="min"``), an accuracy when it climbs to it
+(``mode="max"``). The direction is inferred from the metric's name when it is
+not given, and a name that tells neither way is an error rather than a guess.
+
+Everything that asks "was the target reached?" goes through here: the runtimes'
+``stop_at`` (see :func:`parse` and :func:`all_reached`), :func:`stalewise.sweep.sweep`
+and :func:`stalewise.report.time_to_target` (see :func:`time_to_target`).
+
+Example:
+    >>> loss, acc = parse({"loss": 1e-3, "accuracy": 0.9})
+    >>> str(loss), str(acc)
+    ('loss <= 0.001', 'accuracy >= 0.9')
+    >>> all_reached((loss, acc), {"loss": 5e-4, "accuracy": 0.93})
+    True
+    >>> all_reached((loss, acc), {"loss": 0.5, "accuracy": 0.93})
+    False
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Mode", "StopAt", "Target", "all_reached", "infer_mode", "parse", "time_to_target"]
+
+Mode: TypeAlias = Literal["min", "max"]
+
+#: Name parts of metrics that should go down (checked as whole words, see :func:`infer_mode`).
+MIN_WORDS = frozenset(
+    {
+        "loss",
+        "error",
+        "err",
+        "perplexity",
+        "ppl",
+        "mse",
+        "mae",
+        "rmse",
+        "nll",
+        "time",
+        "distance",
+        "dist",
+        "cost",
+        "regret",
+    }
+)
+#: Name parts of metrics that should go up.
+MAX_WORDS = frozenset(
+    {
+        "acc",
+        "accuracy",
+        "f1",
+        "auc",
+        "precision",
+        "recall",
+        "score",
+        "bleu",
+        "r2",
+        "reward",
+        "iou",
+    }
+)
+# Words also recognised at the end of a run-together part ("valloss", "top5acc", "rocauc").
+# Left out: "time" ("uptime" goes up) and two-letter words ("layer2" is not an r2).
+_SUFFIXES = tuple(
+    (w, mode)
+    for words, mode in ((MIN_WORDS, "min"), (MAX_WORDS, "max"))
+    for w in sorted(words, key=len, reverse=True)
+    if len(w) >= 3 and w != "time"
+)
+_NEGATED = frozenset({"neg", "negative"})  # scikit-learn's "neg_log_loss" goes up
+
+
+def _word_mode(word: str) -> Mode | None:
+    if word in MIN_WORDS:
+        return "min"
+    if word in MAX_WORDS:
+        return "max"
+    bare = word.rstrip("0123456789")  # "acc1", "loss2"
+    if bare != word and len(bare) >= 3 and (bare in MIN_WORDS or bare in MAX_WORDS):
+        return "min" if bare in MIN_WORDS else "max"
+    return next((mode for w, mode in _SUFFIXES if bare.endswith(w)), None)
+
+
+def infer_mode(metric: str) -> Mode:
+    """The direction of a metric, from its name: "min" for a loss, "max" for an accuracy.
+
+    The name is split into words (at ``_``, ``-``, ``/``, ``.``, spaces and
+    camelCase), and each word is looked up in :data:`MIN_WORDS` and
+    :data:`MAX_WORDS` (also with trailing digits dropped, ``acc1``, and at the end
+    of a run-together word, ``valloss``). A leading ``neg`` flips the direction.
+
+    Raises:
+        ValueError: if no word tells the direction, or words point both ways
+            (``"time_to_accuracy"``); the message names the metric.
+
+    Example:
+        >>> infer_mode("train_loss"), infer_mode("top5_accuracy"), infer_mode("valPerplexity")
+        ('min', 'max', 'min')
+        >>> infer_mode("neg_mean_squared_error")
+        'max'
+    """
+    words = re.findall(r"[a-z0-9]+", re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", metric).lower())
+    negated = bool(words) and words[0] in _NEGATED
+    found = {w: m for w in (words[1:] if negated else words) if (m := _word_mode(w)) is not None}
+    modes = set(found.values())
+    hint = "pass mode='min' (smaller is better) or mode='max' (larger is better)"
+    if not modes:
+        raise ValueError(f"cannot tell whether metric {metric!r} should go down or up: {hint}")
+    if len(modes) > 1:
+        down = [w for w, m in found.items() if m == "min"]
+        up = [w for w, m in found.items() if m == "max"]
+        raise ValueError(
+            f"metric {metric!r} is ambiguous ({', '.join(down)} goes down, "
+            f"{', '.join(up)} goes up): {hint}"
+        )
+    mode = modes.pop()
+    if negated:
+        return "max" if mode == "min" else "min"
+    return mode
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A metric and the value it should reach, going down (``"min"``) or up (``"max"``).
+
+    ``mode=None`` infers the direction from the metric's name (see :func:`infer_mode`).
+
+    Example:
+        >>> t = Target("accuracy", 0.95)
+        >>> t.mode, str(t), t.reached(0.96), t.reached(0.9), t.reached(float("nan"))
+        ('max', 'accuracy >= 0.95', True, False, False)
+        >>> Target("progress", -0.1, mode="max").reached(0.0)
+        True
+    """
+
+    metric: str
+    value: float
+    mode: Mode | None = None  # None: inferred, so never None on a built Target
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric.strip():
+            raise ValueError(f"target metric must be a non-empty name, got {self.metric!r}")
+        if not _is_number(self.value) or not math.isfinite(self.value):
+            raise ValueError(
+                f"target for {self.metric!r} must be a finite number, got {self.value!r}"
+            )
+        if self.mode is None:
+            mode = infer_mode(self.metric)
+        elif self.mode in ("min", "max"):
+            mode = self.mode
+        else:
+            raise ValueError(f"target mode must be 'min' or 'max', got {self.mode!r}")
+        object.__setattr__(self, "value", float(self.value))
+        object.__setattr__(self, "mode", mode)
+
+    @property
+    def op(self) -> str:
+        """``"<="`` for a "min" target, ``">="`` for a "max" one."""
+        return "<=" if self.mode == "min" else ">="
+
+    def reached(self, value: Any) -> bool:
+        """True if ``value`` meets the target; NaN, infinities and non-numbers never do.
+
+        Example:
+            >>> Target("loss", 1e-3).reached(1e-4), Target("loss", 1e-3).reached(0.5)
+            (True, False)
+        """
+        if not _is_number(value) or not math.isfinite(value):
+            return False
+        return value <= self.value if self.mode == "min" else value >= self.value
+
+    def __str__(self) -> str:
+        return f"{self.metric} {self.op} {self.value:g}"
+
+
+#: What ``stop_at`` accepts: see :func:`parse`.
+StopAt: TypeAlias = Target | Sequence[Target] | Mapping[str, Any] | None
+
+
+def _entry(key: Any, spec: Any, where: str) -> Target:
+    """One ``{metric: spec}`` entry of a mapping as a Target."""
+    if not isinstance(key, str) or not key.strip():
+        raise ValueError(f"{where}: metric names must be non-empty strings, got {key!r}")
+    name = f"{where}.{key}"
+    if isinstance(spec, tuple | list | Mapping):
+        if isinstance(spec, tuple | list) and len(spec) == 2:
+            value, mode = spec
+        elif isinstance(spec, Mapping) and "value" in spec and set(spec) <= {"value", "mode"}:
+            value, mode = spec["value"], spec.get("mode")
+        else:
+            raise TypeError(
+                f"{name}: expected a number, a (value, mode) pair or "
+                f"{{'value': ..., 'mode': ...}}, got {spec!r}"
+            )
+    else:
+        value, mode = spec, None
+    if not _is_number(value):
+        raise ValueError(f"{name}: the value to reach must be a number, got {value!r}")
+    if mode is None:
+        try:
+            mode = infer_mode(key)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    try:
+        return Target(key, value, mode)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def parse(stop_at: Any, *, where: str = "stop_at") -> tuple[Target, ...]:
+    """Normalises a ``stop_at`` setting to a tuple of Targets.
+
+    Accepted: None or an empty mapping (no targets); a :class:`Target`; a list or
+    tuple of Targets; a mapping from metric names to the value to reach, where a
+    value may also be ``(value, mode)`` or ``{"value": v, "mode": m}``. Directions
+    not given are inferred from the metric names.
+
+    Args:
+        stop_at: the setting.
+        where: the setting's name in error messages, e.g. ``"run.stop_at"``.
+
+    Raises:
+        TypeError: for a setting of the wrong shape (``stop_at=0.95``: no metric).
+        ValueError: for a bad metric name, value or mode; the message names the entry.
+
+    Example:
+        >>> parse(None), parse({})
+        ((), ())
+        >>> [str(t) for t in parse({"loss": 1e-3, "top1": (0.8, "max")})]
+        ['loss <= 0.001', 'top1 >= 0.8']
+        >>> parse({"accuracy": "high"})
+        Traceback (most recent call last):
+        ...
+        ValueError: stop_at.accuracy: the value to reach must be a number, got 'high'
+    """
+    if stop_at is None:
+        return ()
+    if isinstance(stop_at, Target):
+        return (stop_at,)
+    if isinstance(stop_at, Mapping):
+        return tuple(_entry(k, v, where) for k, v in stop_at.items())
+    if isinstance(stop_at, list | tuple):
+        for i, t in enumerate(stop_at):
+            if not isinstance(t, Target):
+                raise TypeError(f"{where}[{i}]: expected a Target, got {t!r}")
+        return tuple(stop_at)
+    raise TypeError(
+        f"{where}={stop_at!r}: expected a mapping of metric to value such as "
+        f"{{'accuracy': 0.95}}, a Target or a list of Targets"
+    )
+
+
+def all_reached(targets: Iterable[Target], record: Mapping[str, Any]) -> bool:
+    """True if ``record`` meets every target; False if there are none.
+
+    A record without a target's metric does not meet it.
+
+    Example:
+        >>> ts = parse({"loss": 0.1, "accuracy": 0.9})
+        >>> all_reached(ts, {"loss": 0.05, "accuracy": 0.95}), all_reached(ts, {"loss": 0.05})
+        (True, False)
+        >>> all_reached((), {"loss": 0.0})
+        False
+    """
+    found = False
+    for t in targets:
+        if not t.reached(record.get(t.metric)):
+            return False
+        found = True
+    return found
+
+
+def time_to_target(
+    records: Iterable[Mapping[str, Any]],
+    target: Target,
+    run: str | None = None,
+    *,
+    x: str = "time",
+) -> Any:
+    """The first ``x`` at which a run's records reach ``target``, or None.
+
+    Records without a finite ``x`` are skipped, the rest taken in order of ``x``;
+    a record whose metric is missing, NaN or infinite does not reach the target.
+
+    Args:
+        records: metric records (see :mod:`stalewise.report`).
+        target: what to reach.
+        run: the records' ``run`` to look at; may be omitted when they hold one run.
+        x: the clock to report, ``"time"`` (default) or e.g. ``"updates"``.
+
+    Raises:
+        ValueError: if ``run`` is None but the records hold several runs, or
+            ``run`` is not among them.
+
+    Example:
+        >>> recs = [{"run": "a", "time": t, "loss": 1 / (1 + t)} for t in range(10)]
+        >>> time_to_target(recs, Target("loss", 0.2))
+        4
+        >>> time_to_target(recs, Target("loss", 0.01)) is None
+        True
+    """
+    if not isinstance(target, Target):
+        raise TypeError(f"target must be a Target, got {target!r}")
+    runs: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        runs.setdefault(str(r.get("run", "")), []).append(r)
+    if run is None:
+        if len(runs) > 1:
+            raise ValueError(f"records hold several runs, pass run= one of {list(runs)}")
+        selected = next(iter(runs.values()), [])
+    elif run in runs:
+        selected = runs[run]
+    else:
+        raise ValueError(f"no run {run!r} in the records; runs: {list(runs)}")
+    timed = (r for r in selected if _is_number(r.get(x)) and math.isfinite(r[x]))
+    for r in sorted(timed, key=lambda r: r[x]):
+        if target.reached(r.get(target.metric)):
+            return r[x]
+    return None
