@@ -153,12 +153,16 @@ class Job:
         )
         return runner(self.config, self.strategy, options)
 
-    def serve(self, *, workers: int):
+    def serve(self, *, workers: int, join_timeout: float = 300.0):
         """Starts the shards as local processes for a loop you own; use as a context manager.
 
         Hand ``server.client(w)`` to worker ``w``'s process, then call
         ``server.release(w)`` once that process has started, so that the shards
         notice if it dies. The shared memory is freed when the block exits.
+
+        Calling ``server.client(w)`` again restarts worker ``w`` as a new
+        incarnation (after its old process has exited). A worker id that has not
+        started within ``join_timeout`` seconds stops holding back SSP/BSP gates.
 
         Example:
             >>> with job.serve(workers=2) as server:        # doctest: +SKIP
@@ -168,7 +172,7 @@ class Job:
         """
         from stalewise.runtime.local.server import LocalServer
 
-        return LocalServer(self.config, workers)
+        return LocalServer(self.config, workers, join_timeout=join_timeout)
 
 
 def _check_arg(name: str, value: Any, kind: type, example: str) -> None:

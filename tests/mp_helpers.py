@@ -111,3 +111,14 @@ def dying_loss_and_grad(params, batch):
     if batch == 3:
         os._exit(3)
     return quadratic_loss_and_grad(params, np.zeros(8, np.float32))
+
+
+def push_forever(client, ready):
+    """Pushes ones as fast as it can until killed; signals once it is pushing."""
+    client.pull(copy=False)
+    ones = {k: np.ones_like(v) for k, v in client.last_pull(copy=True).items()}
+    client.push(ones)
+    client.wait(timeout=60)
+    ready.set()
+    while True:
+        client.push(ones)

@@ -192,6 +192,14 @@ class Client:
         shard hear of it. A sender killed before that store pushed nothing; one
         killed after it pushed to every shard (they deliver it when it is gone).
         """
+        self._commit()
+        for c in self._conns:
+            c.send(("push", self._seq))
+        self._seq += 1
+        self._acks_due = [True] * len(self._conns)
+
+    def _commit(self) -> None:
+        """Judges the update in the push buffer and writes its record, commit word last."""
         snaps = self._snapshots
         for k in range(len(self._conns)):
             if snaps is not None:
@@ -210,10 +218,6 @@ class Client:
         rec[L.R_CODE], rec[L.R_DETAIL] = verdict.code, verdict.detail
         rec[L.R_BASES : L.R_BASES + len(self._base)] = self._base
         rec[L.R_COMMIT] = self._seq + 1  # committed: from here on, all shards or none
-        for c in self._conns:
-            c.send(("push", self._seq))
-        self._seq += 1
-        self._acks_due = [True] * len(self._conns)
 
     @property
     def push_buffer(self) -> np.ndarray:

@@ -69,6 +69,22 @@ def thread_budget(threads: int) -> Iterator[None]:
                 os.environ.pop(k, None)
 
 
+def child_logging(name: str) -> None:
+    """Sends a spawned process's stalewise warnings and errors to stderr, named.
+
+    A spawned child starts with no logging set up, and the package's NullHandler
+    would swallow what the user must see (a refused push, a worker that never
+    started); the parent's stderr is inherited, so that is where they go.
+    """
+    logger = logging.getLogger("stalewise")
+    if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"stalewise {name}: %(levelname)s: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+
+
 PUBLISH_EVERY = 0.02  # seconds: the longest a busy shard defers publishing a new version
 
 
@@ -94,6 +110,7 @@ def _shard_main(
 ) -> None:
     """Body of a shard process: serve pulls and pushes until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
+    child_logging(f"shard {k}")
     block = SharedBlock.attach(block_name)
     lo, hi = config.ranges[k]
     shard = config.build_shard(k, layout.params(block)[lo:hi], layout.workers)
@@ -173,6 +190,8 @@ def _shard_main(
     while True:
         timeout = None if lease_ends is None else max(0.0, lease_ends - time.monotonic())
         for c in connection.wait([control, *conns], timeout=timeout):
+            if c is not control and c not in conns:
+                continue  # departed while this batch was being handled
             try:
                 msg = c.recv()
             except (EOFError, OSError):
@@ -192,8 +211,6 @@ def _shard_main(
                     c.send(("stopped", shard.stats.as_dict() | {"version": shard.version}))
                     return
                 continue
-            if c not in conns:
-                continue  # departed while this batch was being handled
             kind = msg[0] if isinstance(msg, tuple) and msg else None
             w = conns[c][0]
             if kind == "push":

@@ -32,7 +32,7 @@ from stalewise.runtime.base import (
     merge_stats,
 )
 from stalewise.runtime.local.client import Client
-from stalewise.runtime.local.server import LocalServer, thread_budget
+from stalewise.runtime.local.server import LocalServer, child_logging, thread_budget
 from stalewise.runtime.options import RunOptions
 from stalewise.strategies import Strategy
 
@@ -50,6 +50,7 @@ def _worker_main(
     """Body of a worker process: the protocol's worker loop, answered with blocking calls."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     w, workers = client.worker, client._layout.workers
+    child_logging(f"worker {w}")
     slowdown, delay = options.slowdowns[w], options.extra_delays[w]
     try:
         ctrl = client._layout.control(client._attach())
