@@ -207,6 +207,8 @@ def _shard_main(
                     c.send(("pulled", shard.pull(None, observer)))
                 elif kind == "stats":
                     c.send(("stats", shard.stats.as_dict() | {"version": shard.version}))
+                elif kind == "state":
+                    c.send(("state", shard.state_dict()))
                 elif kind == "stop":
                     c.send(("stopped", shard.stats.as_dict() | {"version": shard.version}))
                     return
@@ -354,6 +356,12 @@ class LocalServer:
         for c in self._controls:
             c.send(("stats",))
         return [self.observer._take(k, "stats", timeout)[1] for k in range(len(self._controls))]
+
+    def state_dicts(self, timeout: float | None = 60.0) -> list[dict]:
+        """Each shard's whole state (:meth:`Shard.state_dict`), between two messages it handles."""
+        for c in self._controls:
+            c.send(("state",))
+        return [self.observer._take(k, "state", timeout)[1] for k in range(len(self._controls))]
 
     def unlink(self) -> None:
         """Removes the shared-memory name early (every process has mapped it already)."""
