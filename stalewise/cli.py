@@ -97,7 +97,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from stalewise import __version__
+
     parser = argparse.ArgumentParser(prog="stalewise", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"stalewise {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
 

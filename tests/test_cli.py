@@ -1,6 +1,7 @@
 """The stalewise command and its TOML configs, run for real."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -159,3 +160,13 @@ def test_train_in_the_simulator_and_sweep(tmp_path, capsys):
     bad = write(tmp_path, LS_CONFIG + "\n[sim]\nlatncy = 0.1\n", "bad.toml")
     assert main(["sim", str(bad), "--values", "1,2", "--target", "1"]) == 2
     assert "sim.latncy" in capsys.readouterr().err
+
+
+def test_version_and_python_dash_m():
+    import stalewise
+
+    bindir = os.path.dirname(sys.executable)
+    for cmd in ([sys.executable, "-m", "stalewise"], [os.path.join(bindir, "stalewise")]):
+        proc = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == f"stalewise {stalewise.__version__}"
