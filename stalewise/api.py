@@ -26,7 +26,9 @@ class Job:
     Args:
         params: the initial parameters, any pytree of NumPy / PyTorch / JAX /
             TensorFlow float arrays (or a ``torch.nn.Module``).
-        optimizer: the server optimizer, e.g. ``sw.optim.lamb(1e-3)``.
+        optimizer: the server optimizer, e.g. ``sw.optim.lamb(1e-3)``. Default: the
+            strategy's recommended one (``strategy.server_optimizer()``, e.g. DiLoCo's
+            outer Nesterov SGD); required with ``gradients()``, which recommends none.
         consistency: ``sw.ASP()`` (default), ``sw.SSP(bound)`` or ``sw.BSP()``.
         staleness: how much a stale push counts (default ``sw.staleness.constant()``).
         strategy: what workers push (default ``sw.strategies.gradients()``).
@@ -43,12 +45,24 @@ class Job:
         self,
         params: Any,
         *,
-        optimizer: Any,
+        optimizer: Any = None,
         consistency: consistency_lib.Consistency | None = None,
         staleness: staleness_lib.Staleness | None = None,
         strategy: strategies_lib.Strategy | None = None,
         shards: int = 1,
     ):
+        if strategy is not None:
+            _check_arg(
+                "strategy", strategy, strategies_lib.Strategy, "e.g. sw.strategies.gradients()"
+            )
+        self.strategy = strategy or strategies_lib.gradients()
+        if optimizer is None:
+            optimizer = self.strategy.server_optimizer()
+            if optimizer is None:
+                raise TypeError(
+                    f"optimizer is required: strategy {self.strategy!r} recommends no server "
+                    "optimizer (pass e.g. optimizer=sw.optim.sgd(0.1))"
+                )
         _check_arg("optimizer", optimizer, optim.Optimizer, "e.g. sw.optim.sgd(0.1)")
         if consistency is not None:
             _check_arg("consistency", consistency, consistency_lib.Consistency, "e.g. sw.SSP(4)")
@@ -56,16 +70,11 @@ class Job:
             _check_arg(
                 "staleness", staleness, staleness_lib.Staleness, "e.g. sw.staleness.inverse()"
             )
-        if strategy is not None:
-            _check_arg(
-                "strategy", strategy, strategies_lib.Strategy, "e.g. sw.strategies.gradients()"
-            )
         if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
         flat, spec = tree.flatten(params)
         if shards > max(spec.size, 1):
             raise ValueError(f"shards={shards} is more than the {spec.size} parameters")
-        self.strategy = strategy or strategies_lib.gradients()
         self.config = ServerConfig(
             spec=spec,
             init=flat.copy(),

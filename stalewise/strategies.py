@@ -57,6 +57,15 @@ class Strategy:
         """Computes one update from ``params`` (the tree just pulled)."""
         raise NotImplementedError
 
+    def server_optimizer(self, workers: int | None = None) -> Any:
+        """The server optimizer this strategy recommends, or None to have the user choose.
+
+        ``sw.Job(params, strategy=s)`` without ``optimizer=`` uses it. ``workers``
+        is the number of workers when the caller knows it (a strategy whose
+        recommendation depends on it may raise ``TypeError`` without it).
+        """
+        return None
+
     def __repr__(self) -> str:
         return f"{self.name}()"
 
@@ -80,3 +89,6 @@ class Gradients(Strategy):
 def gradients() -> Strategy:
     """Push the gradient of one minibatch per step (asynchronous SGD)."""
     return Gradients()
+
+
+from stalewise.averaging import diloco, easgd, local_sgd  # noqa: E402, F401  (re-exported)

@@ -33,6 +33,7 @@ from stalewise.optim.base import (
     copy_state,
     learning_rate,
 )
+from stalewise.optim.delayed import DelayedNesterovState, delayed_nesterov
 from stalewise.optim.lamb import LambState, lamb
 from stalewise.optim.lars import LarsState, lars
 from stalewise.optim.schedules import constant, step, step_decay, warmup_cosine
@@ -40,6 +41,7 @@ from stalewise.optim.sgd import SgdState, sgd
 
 __all__ = [
     "AdamState",
+    "DelayedNesterovState",
     "EmptyState",
     "LambState",
     "LarsState",
@@ -55,6 +57,7 @@ __all__ = [
     "clip_by_global_norm",
     "constant",
     "copy_state",
+    "delayed_nesterov",
     "lamb",
     "lars",
     "learning_rate",
