@@ -40,8 +40,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -49,42 +48,12 @@ import numpy as np
 from stalewise import consistency as consistency_lib
 from stalewise import staleness as staleness_lib
 from stalewise.protocol import commit
+from stalewise.protocol import state as state_lib
 from stalewise.protocol.messages import Ack, PushHeader
+from stalewise.protocol.stats import ShardStats, _ClockTracker
 from stalewise.segments import Segments
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ShardStats:
-    """Counters a shard keeps; cheap to copy and to merge across shards."""
-
-    applied: int = 0  # pushes applied (in BSP: pushes merged into a round)
-    rounds: int = 0  # optimizer steps taken (== version)
-    rejected: Counter = field(default_factory=Counter)  # reason kind -> count
-    duplicates: int = 0
-    staleness: Counter = field(default_factory=Counter)  # tau -> count, applied pushes
-    bytes_in: int = 0
-    bytes_out: int = 0
-
-    def staleness_mean(self) -> float:
-        n = sum(self.staleness.values())
-        return sum(t * c for t, c in self.staleness.items()) / n if n else 0.0
-
-    def staleness_max(self) -> int:
-        return max(self.staleness, default=0)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "applied": self.applied,
-            "rounds": self.rounds,
-            "rejected": dict(self.rejected),
-            "duplicates": self.duplicates,
-            "staleness_mean": self.staleness_mean(),
-            "staleness_max": self.staleness_max(),
-            "bytes_in": self.bytes_in,
-            "bytes_out": self.bytes_out,
-        }
 
 
 class Rejected(Exception):
@@ -103,50 +72,6 @@ def _ids(header: Any) -> tuple[int | None, int | None]:
         return None, None
     ok = [isinstance(x, int | np.integer) and not isinstance(x, bool) for x in (w, seq)]
     return (int(w) if ok[0] else None), (int(seq) if ok[1] else None)
-
-
-class _ClockTracker:
-    """How many live workers are at each clock, and the slowest live clock.
-
-    Clocks only grow and a joining worker starts at the slowest live clock or
-    later, so the stored minimum only moves up (it is reset when the first
-    worker joins an empty job): :meth:`min` is O(1) and keeping it costs O(1)
-    amortised per push.
-    """
-
-    def __init__(self, workers: int):
-        self.live = workers  # number of live workers
-        self._count = {0: workers}  # clock -> live workers at it (no zero entries)
-        self._min = 0
-
-    def min(self) -> int:
-        """The slowest live clock (0 when no worker is live)."""
-        return self._min if self.live else 0
-
-    def add(self, clock: int) -> None:
-        """A worker becomes live at ``clock``."""
-        if not self.live or clock < self._min:
-            self._min = clock
-        self._count[clock] = self._count.get(clock, 0) + 1
-        self.live += 1
-
-    def remove(self, clock: int) -> None:
-        """A live worker at ``clock`` leaves."""
-        self.live -= 1
-        self._drop(clock)
-
-    def advance(self, clock: int) -> None:
-        """A live worker moves from ``clock`` to ``clock + 1``."""
-        self._count[clock + 1] = self._count.get(clock + 1, 0) + 1
-        self._drop(clock)
-
-    def _drop(self, clock: int) -> None:
-        n = self._count.pop(clock) - 1
-        if n:
-            self._count[clock] = n
-        elif self.live:
-            while self._min not in self._count:
-                self._min += 1
 
 
 class Shard:
@@ -334,6 +259,7 @@ class Shard:
             self.leave(worker)
         self.incarnation[worker] = incarnation
         self.next_seq[worker] = 0
+        self._pulled.pop(worker, None)  # DC-ASGD: an old incarnation's pull is not this one's
         clock = self.clocks[worker] = max(int(self.clocks[worker]), self.min_clock())
         self.live[worker] = True
         self._clocks.add(clock)
@@ -376,6 +302,16 @@ class Shard:
             self.leave(w)
         return gone
 
+    # -- checkpoints -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly where this shard is (see :func:`state.save`)."""
+        return state_lib.save(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores a :meth:`state_dict` in place, after checking all of it (:func:`state.load`)."""
+        state_lib.load(self, state)
+
     # -- internals -------------------------------------------------------------------
 
     def _step(self, update: np.ndarray, scale: float) -> None:
@@ -414,7 +350,8 @@ class Shard:
 
     def _reject(self, worker: int | None, seq: int | None, err: Rejected, tau: int | None) -> Ack:
         self.stats.rejected[err.kind] += 1
-        log.warning("shard %d rejected a push from worker %s: %s", self.shard_id, worker, err)
+        # the sender's worker loop reports refusals to the user; here only for debugging
+        log.debug("shard %d rejected a push from worker %s: %s", self.shard_id, worker, err)
         self._maybe_close_round()
         return Ack(
             -1 if worker is None else worker,

@@ -1,0 +1,310 @@
+"""Checkpoints of a shard: :meth:`Shard.state_dict` and :meth:`Shard.load_state_dict`.
+
+A shard's whole state as a flat dict of copies: numpy arrays for array data,
+JSON-able Python values for counters, so it can be written as safetensors plus
+JSON. Loading checks everything first and leaves the shard unchanged on error.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stalewise.protocol.stats import _ClockTracker
+
+if TYPE_CHECKING:
+    from stalewise.protocol.shard import Shard
+
+STATE_FORMAT = 1  # the layout of Shard.state_dict(); bump it when keys change meaning
+_STAT_COUNTS = ("applied", "rounds", "duplicates", "bytes_in", "bytes_out")
+_STATE_KEYS = (
+    "format",
+    "workers",
+    "params",
+    "version",
+    "clocks",
+    "next_seq",
+    "incarnation",
+    "live",
+    "round.sum",
+    "round.done",
+    "round.count",
+    "round.waiting",
+    "pulled.workers",
+    "pulled.params",
+    "opt_structure",
+    *(f"stats.{key}" for key in (*_STAT_COUNTS, "rejected", "staleness")),
+)
+
+
+def save(shard: Shard) -> dict[str, Any]:
+    """Everything needed to continue exactly where this shard is, as a flat dict of copies.
+
+    Array data are numpy arrays (copies, never views of the live state);
+    counters are JSON-able Python values, so the dict can be written as
+    safetensors plus JSON. Keys: ``format``, ``workers``, ``params``,
+    ``version``, ``clocks``, ``next_seq``, ``incarnation``, ``live``, the BSP
+    round (``round.sum``: empty when no round buffer exists yet,
+    ``round.done``, ``round.count``, ``round.waiting``), the DC-ASGD copies
+    (``pulled.workers`` and one row of ``pulled.params`` each), the
+    optimizer state (``opt_structure``, a signature such as
+    ``"(EmptyState(), AdamState(count, mu, nu))"``, and one ``opt.<path>``
+    array per leaf, e.g. ``opt.1.mu``) and the stats (``stats.applied``,
+    ``stats.rounds``, ``stats.rejected``: kind -> count, ``stats.duplicates``,
+    ``stats.staleness``: ``[tau, count]`` pairs, ``stats.bytes_in``,
+    ``stats.bytes_out``). The slowest-clock bookkeeping is not stored: it is
+    rebuilt from ``clocks`` and ``live``.
+
+    Example:
+        >>> import numpy as np
+        >>> from stalewise import optim, segments
+        >>> from stalewise.protocol import PushHeader, Shard
+        >>> def make(params):
+        ...     return Shard(params, segments.Segments.single(3), optim.adam(0.1), workers=1)
+        >>> shard = make(np.zeros(3, np.float32))
+        >>> shard.join(0, incarnation=1)
+        >>> ack = shard.push(PushHeader(0, 0, 0, 1), np.ones(3, np.float32))
+        >>> state = shard.state_dict()
+        >>> state["version"], state["opt_structure"], int(state["opt.count"])
+        (1, 'AdamState(count, mu, nu)', 1)
+        >>> restored = make(np.full(3, 7.0, np.float32))  # say, after a restart
+        >>> restored.load_state_dict(state)
+        >>> restored.version, restored.params.tolist() == shard.params.tolist()
+        (1, True)
+        >>> restored.load_state_dict(state | {"workers": 2})
+        Traceback (most recent call last):
+        ValueError: Shard.load_state_dict: 'workers': the state is of 2 workers, this shard has 1
+    """
+    structure, opt_arrays = _flatten_state(shard.opt_state)
+    pulled = sorted(shard._pulled)
+    pulled_params = np.empty((len(pulled), shard.params.size), dtype=shard.params.dtype)
+    for row, w in zip(pulled_params, pulled, strict=True):
+        np.copyto(row, shard._pulled[w])
+    stats = shard.stats
+    return {
+        "format": STATE_FORMAT,
+        "workers": int(shard.workers),
+        "params": shard.params.copy(),
+        "version": int(shard.version),
+        "clocks": shard.clocks.copy(),
+        "next_seq": shard.next_seq.copy(),
+        "incarnation": shard.incarnation.copy(),
+        "live": shard.live.copy(),
+        "round.sum": (
+            np.empty(0, shard.params.dtype) if shard._round_sum is None else shard._round_sum.copy()
+        ),
+        "round.done": shard._round_done.copy(),
+        "round.count": int(shard._round_count),
+        "round.waiting": int(shard._round_waiting),
+        "pulled.workers": np.array(pulled, dtype=np.int64),
+        "pulled.params": pulled_params,
+        "opt_structure": structure,
+        **{key: np.array(value, copy=True) for key, value in opt_arrays.items()},
+        "stats.applied": int(stats.applied),
+        "stats.rounds": int(stats.rounds),
+        "stats.rejected": {str(k): int(n) for k, n in sorted(stats.rejected.items())},
+        "stats.duplicates": int(stats.duplicates),
+        "stats.staleness": [[int(t), int(n)] for t, n in sorted(stats.staleness.items())],
+        "stats.bytes_in": int(stats.bytes_in),
+        "stats.bytes_out": int(stats.bytes_out),
+    }
+
+
+def load(shard: Shard, state: Mapping[str, Any]) -> None:
+    """Restores a :meth:`state_dict` in place, after checking all of it.
+
+    The parameters are written into the existing ``params`` array (which may
+    be a shared-memory view) and the optimizer state into a fresh ``init`` of
+    this shard's optimizer, so the shard must be built as the one that made
+    ``state`` (same optimizer, length, dtype and worker count).
+
+    Raises:
+        ValueError: a key is missing, unknown or holds a value of the wrong
+            type, dtype, shape or structure; the message names the key and
+            the shard is left unchanged.
+    """
+    opt_state, pulled, round_sum, stats = _checked(shard, state)
+    # Everything is checked: from here on nothing can fail half-way.
+    np.copyto(shard.params, state["params"])
+    shard.opt_state = opt_state
+    shard.version = int(state["version"])
+    for key, array in _worker_arrays(shard).items():
+        np.copyto(array, state[key])
+    shard._clocks = _ClockTracker.of(shard.clocks, shard.live)
+    if round_sum is None or shard._round_sum is None:
+        shard._round_sum = round_sum
+    else:
+        np.copyto(shard._round_sum, round_sum)
+    shard._round_count = int(state["round.count"])
+    shard._round_waiting = int(state["round.waiting"])
+    shard._pulled = pulled
+    vars(shard.stats).update(stats)  # the same object: a runtime may hold it
+
+
+def _worker_arrays(shard: Shard) -> dict[str, np.ndarray]:
+    """The per-worker arrays by state-dict key."""
+    return {
+        "clocks": shard.clocks,
+        "next_seq": shard.next_seq,
+        "incarnation": shard.incarnation,
+        "live": shard.live,
+        "round.done": shard._round_done,
+    }
+
+
+def _checked(shard: Shard, state: Any) -> tuple[Any, dict, np.ndarray | None, dict]:
+    """Checks a state dict against this shard without changing it.
+
+    Returns what :meth:`load_state_dict` installs: the optimizer state (a
+    fresh ``init`` holding copies of the saved arrays), the DC-ASGD copies,
+    the BSP round sum (None: no buffer) and the stats counters.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"Shard.load_state_dict: expected a dict from state_dict(), got {type(state).__name__}"
+        )
+    for key in ("format", "opt_structure"):
+        if key not in state:
+            raise _bad(key, "missing key")
+    fmt = state["format"]
+    if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt != STATE_FORMAT:
+        raise _bad("format", f"unknown format {fmt!r}, expected {STATE_FORMAT}")
+    opt_state = shard.optimizer.init(shard.params, shard.segments)
+    structure, opt_arrays = _flatten_state(opt_state)
+    if not isinstance(state["opt_structure"], str) or state["opt_structure"] != structure:
+        raise _bad(
+            "opt_structure",
+            f"the state is of an optimizer with state {state['opt_structure']!r}, "
+            f"this shard's optimizer has {structure!r}",
+        )
+    expected = [*_STATE_KEYS, *opt_arrays]
+    for key in state:
+        if key not in expected:
+            raise _bad(key, "unknown key")
+    for key in expected:
+        if key not in state:
+            raise _bad(key, "missing key")
+    if not shard.params.flags.writeable:
+        raise _bad("params", "this shard's params array is read-only")
+
+    n, dtype, workers = shard.params.size, shard.params.dtype, shard.workers
+    if _count(state, "workers") != workers:
+        raise _bad(
+            "workers", f"the state is of {state['workers']} workers, this shard has {workers}"
+        )
+    _array(state, "params", dtype, (n,))
+    _count(state, "version")
+    for key, array in _worker_arrays(shard).items():
+        value = _array(state, key, array.dtype, (workers,))
+        if value.dtype != np.bool_ and value.min() < 0:
+            raise _bad(key, f"negative entry {int(value.min())}")
+    live, done = state["live"], state["round.done"]
+    waiting = int(np.count_nonzero(live & ~done))
+    if _count(state, "round.waiting") != waiting:
+        raise _bad(
+            "round.waiting",
+            f"{state['round.waiting']} does not match the {waiting} live workers "
+            "that have not pushed in this round",
+        )
+    round_count = _count(state, "round.count")
+    round_sum = state["round.sum"]
+    empty = isinstance(round_sum, np.ndarray) and round_sum.shape == (0,)
+    _array(state, "round.sum", dtype, (0,) if empty else (n,))
+    if round_count and not shard.consistency.averages_rounds:
+        raise _bad(
+            "round.count",
+            f"{round_count} pushes of an open BSP round, but this shard is {shard.consistency}",
+        )
+    if round_count and not round_sum.size:
+        raise _bad("round.sum", f"empty, but round.count is {round_count}")
+
+    ids = _array(state, "pulled.workers", np.int64, (np.size(state["pulled.workers"]),))
+    if len(set(ids.tolist())) != ids.size or not all(0 <= w < workers for w in ids.tolist()):
+        raise _bad(
+            "pulled.workers",
+            f"expected distinct worker ids in 0..{workers - 1}, got {ids.tolist()}",
+        )
+    _array(state, "pulled.params", dtype, (ids.size, n))
+
+    for key, array in opt_arrays.items():
+        np.copyto(array, _array(state, key, array.dtype, array.shape))
+
+    stats = {key: _count(state, f"stats.{key}") for key in _STAT_COUNTS}
+    rejected = state["stats.rejected"]
+    if not (isinstance(rejected, Mapping) and all(isinstance(k, str) for k in rejected)):
+        raise _bad("stats.rejected", f"expected a dict of kind -> count, got {rejected!r}")
+    stats["rejected"] = Counter({k: _count(rejected, k, "stats.rejected") for k in rejected})
+    pairs = state["stats.staleness"]
+    if not (
+        isinstance(pairs, list | tuple)
+        and all(isinstance(p, list | tuple) and len(p) == 2 for p in pairs)
+    ):
+        raise _bad("stats.staleness", f"expected a list of [tau, count] pairs, got {pairs!r}")
+    stats["staleness"] = Counter()
+    for pair in pairs:
+        tau, count = (_count(pair, i, "stats.staleness") for i in range(2))
+        if tau in stats["staleness"]:
+            raise _bad("stats.staleness", f"tau {tau} appears twice")
+        stats["staleness"][tau] = count
+
+    pulled = {int(w): row.copy() for w, row in zip(ids, state["pulled.params"], strict=True)}
+    return opt_state, pulled, (round_sum.copy() if round_sum.size else None), stats
+
+
+def _bad(key: str, problem: str) -> ValueError:
+    return ValueError(f"Shard.load_state_dict: {key!r}: {problem}")
+
+
+def _array(state: Mapping[str, Any], key: str, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """``state[key]``, which must be a numpy array of ``dtype`` and ``shape``."""
+    value = state[key]
+    if not (isinstance(value, np.ndarray) and value.dtype == dtype and value.shape == shape):
+        got = (
+            f"{value.dtype} array of shape {value.shape}"
+            if isinstance(value, np.ndarray)
+            else type(value).__name__
+        )
+        raise _bad(key, f"expected a {np.dtype(dtype)} array of shape {shape}, got {got}")
+    return value
+
+
+def _count(container: Any, key: Any, name: str | None = None) -> int:
+    """``container[key]``, which must be an integer >= 0 (``name`` is the key to blame)."""
+    value = container[key]
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise _bad(name or key, f"expected an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def _flatten_state(state: Any) -> tuple[str, dict[str, np.ndarray]]:
+    """The structure signature of an optimizer state and its arrays by key (not copied).
+
+    A NamedTuple names its children by field, a plain tuple (:func:`chain`) by
+    index: ``chain(clip, adam)`` gives ``"(EmptyState(), AdamState(count, mu, nu))"``
+    and the keys ``opt.1.count``, ``opt.1.mu`` and ``opt.1.nu``.
+    """
+    arrays: dict[str, np.ndarray] = {}
+
+    def walk(node: Any, path: str) -> str | None:  # None: an array
+        if isinstance(node, np.ndarray):
+            arrays[path] = node
+            return None
+        if not isinstance(node, tuple):
+            raise TypeError(
+                f"optimizer state leaf {path!r} is a {type(node).__name__}; "
+                "state_dict supports numpy arrays in (named) tuples only"
+            )
+        fields = getattr(node, "_fields", None)
+        names = fields if fields is not None else [str(k) for k in range(len(node))]
+        subs = [walk(x, f"{path}.{name}") for name, x in zip(names, node, strict=True)]
+        if fields is None:
+            items = ["array" if sub is None else sub for sub in subs]
+            return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+        items = [f if sub is None else f"{f}={sub}" for f, sub in zip(fields, subs, strict=True)]
+        return f"{type(node).__name__}({', '.join(items)})"
+
+    structure = walk(state, "opt")
+    return ("array" if structure is None else structure), arrays
