@@ -149,7 +149,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -449,11 +449,24 @@ class LocalSGD(_ByConfig, Strategy):
     def step(
         self, state: AveragingState, params: Any, loss_and_grad: LossAndGrad, batches: Iterator
     ) -> Step:
+        def run() -> tuple[int, float]:
+            return _run_local(self._inner, state, loss_and_grad, batches, self.steps, self.period)
+
+        return self._round(state, params, run)
+
+    def _round(
+        self, state: AveragingState, params: Any, run: Callable[[], tuple[int, float]]
+    ) -> Step:
+        """One round from the pulled ``params``; ``run()`` takes the local steps on ``state.local``.
+
+        ``run`` returns ``(steps taken, mean loss)``; :mod:`stalewise.adaptive`
+        passes its own, which picks the number of steps during the round.
+        """
         tree.flatten(params, spec=state.spec, out=state.pulled)
         np.copyto(state.local, state.pulled)  # every round starts from the global parameters
         if self.reset_inner and state.pushes:
             state.inner = self._inner.init(state.local, state.spec)
-        n, loss = _run_local(self._inner, state, loss_and_grad, batches, self.steps, self.period)
+        n, loss = run()
         delta = state.pulled - state.local  # the pseudo-gradient (a new array: the push's own)
         state.pushes += 1
         return Step(tree.unflatten(delta, state.spec), n, loss, state)

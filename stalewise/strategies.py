@@ -91,4 +91,5 @@ def gradients() -> Strategy:
     return Gradients()
 
 
+from stalewise.adaptive import adacomm, adaptive, fixed  # noqa: E402, F401
 from stalewise.averaging import diloco, easgd, local_sgd  # noqa: E402, F401  (re-exported)
