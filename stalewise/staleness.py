@@ -1,7 +1,11 @@
 """How much a stale push counts.
 
 The staleness ``tau`` of a push is the shard's version when the push is applied
-minus the version the worker pulled. A :class:`Staleness` rule turns ``tau`` into
+minus the version the worker pulled. ``max_staleness`` is judged once per push,
+when the push is committed, against the newest versions its sender knows (see
+:mod:`stalewise.protocol.commit`), so every shard applies or refuses it alike;
+the staleness recorded when the push is applied can exceed it by the pushes
+applied while it was in flight. A :class:`Staleness` rule turns ``tau`` into
 a weight that scales the server optimizer's step for that push, may reject pushes
 older than ``max_staleness``, and may switch on DC-ASGD delay compensation
 (Zheng et al. 2017): ``g + dc_lambda * g * g * (w_now - w_pulled)``.

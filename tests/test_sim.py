@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
 import pickle
 
@@ -24,6 +26,7 @@ from stalewise.runtime.sim.models import (
     Stragglers,
     WorkerTiming,
 )
+from stalewise.strategies import Step, Strategy
 
 FREE = {
     "network": Network(latency=0.0, bandwidth=math.inf),
@@ -310,6 +313,266 @@ def test_model_bytes_scales_transfer_times():
     assert small.time == pytest.approx(10 * 2 * 16 / 1e6)  # a pull and a push of 16 bytes per step
     assert big.time == pytest.approx(10 * 2 * 1.0)
     assert np.array_equal(small.flat, big.flat)  # timing only: same updates, same order
+
+
+# -- the protocol's worker loop and commit rule in the simulator -----------------------------
+
+TARGET_A = np.arange(1.0, 5.0, dtype=np.float32)
+TARGET_B = -np.arange(1.0, 5.0, dtype=np.float32)
+
+
+def _two_leaf_job(**kw):
+    """Leaves ``a`` and ``b`` of 4 elements each: with 2 shards, shard 0 holds a, shard 1 b."""
+    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+    job = sw.Job(params, optimizer=sw.optim.sgd(0.1), shards=2, **kw)
+    assert job.config.ranges == [(0, 4), (4, 8)]
+    return job
+
+
+def _counting(worker, workers):
+    return ((worker, i) for i in itertools.count())
+
+
+def _poisoned(batch):
+    worker, i = batch
+    return worker == 0 and i % 5 == 4
+
+
+def _two_leaf_loss_and_grad(bad_batches, nan):
+    def loss_and_grad(params, batch):
+        ga, gb = params["a"] - TARGET_A, params["b"] - TARGET_B
+        loss = 0.5 * float(ga @ ga + gb @ gb)
+        if _poisoned(batch):
+            bad_batches.append(batch)
+            if nan:  # leaf a: a large but finite step; leaf b: one NaN
+                ga, gb = np.full(4, 1e3, np.float32), gb.copy()
+                gb[1] = np.nan
+            else:  # the reference: a push that changes nothing
+                ga, gb = np.zeros(4, np.float32), np.zeros(4, np.float32)
+        return loss, {"a": ga, "b": gb}
+
+    return loss_and_grad
+
+
+def test_a_push_with_nan_in_one_leaf_is_refused_by_every_shard(caplog):
+    # Regression: each shard judged its own slice, so shard 0 applied leaf a's slice
+    # of a push whose leaf b (on shard 1) held a NaN: a torn push.
+    job = _two_leaf_job()
+    cfg = SimConfig(compute=ShiftedExponential(shift=0.5, rate=2.0))
+    runs = {}
+    for nan in (True, False):
+        bad = []
+        with caplog.at_level(logging.WARNING, logger="stalewise.protocol.loop"):
+            caplog.clear()
+            r = sim.train(
+                job.config,
+                _two_leaf_loss_and_grad(bad, nan),
+                data=_counting,
+                workers=3,
+                steps=90,
+                strategy=job.strategy,
+                sim=cfg,
+                seed=3,
+            )
+            refusals = [m for m in caplog.messages if "refused" in m]
+        runs[nan] = r, bad, refusals
+    r, bad, refusals = runs[True]
+    n = len(bad)
+    assert n >= 5 and r.pushes == 90
+    assert r.stats["rejected"] == {"not_finite": n}  # once per push, not once per shard
+    assert r.stats["applied"] == 90 - n
+    for shard in r.stats["sim"]["shards"]:
+        assert shard == {
+            "version": 90 - n,
+            "applied": 90 - n,
+            "rejected": {"not_finite": n},
+            "duplicates": 0,
+        }
+    # the worker's loop learned of the refusals: the first named with its leaf, then
+    # summaries at the 10th, 100th, ... so a long run's log stays legible
+    assert "leaf 'b'" in refusals[0]
+    assert len(refusals) == 1 + sum(n >= 10**i for i in range(1, 6))
+    # A refused push changes nothing: the run ends bit for bit where the run whose
+    # poisoned pushes were all zeros (so changed nothing either) ends; had shard 0
+    # applied its slices, leaf a would have taken steps of 100.
+    ref, ref_bad, ref_refusals = runs[False]
+    assert ref_bad == bad and not ref_refusals and ref.stats["applied"] == 90
+    assert r.time == ref.time
+    assert r.flat.tobytes() == ref.flat.tobytes()
+    assert np.all(np.abs(r.params["a"] - TARGET_A) < 1.0)
+
+
+def test_a_nan_push_is_refused_by_every_shard_in_bsp_rounds():
+    job = _two_leaf_job(consistency=sw.BSP())
+    bad = []
+    r = sim.train(
+        job.config,
+        _two_leaf_loss_and_grad(bad, nan=True),
+        data=_counting,
+        workers=3,
+        steps=60,
+        strategy=job.strategy,
+        sim=SimConfig(compute=Fixed(1.0), **FREE),
+    )
+    assert r.stats["rejected"] == {"not_finite": len(bad)} and len(bad) == 4
+    assert r.stats["version"] == 20  # a refused push still counts as its worker's step
+    assert [s["applied"] for s in r.stats["sim"]["shards"]] == [60 - 4] * 2
+    assert np.all(np.isfinite(r.flat))
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("consistency", [sw.ASP(), sw.SSP(1)], ids=str)
+def test_failures_at_random_instants_never_tear_a_push(seed, consistency, caplog):
+    _train_with_failures(seed, consistency, caplog)
+
+
+def _train_with_failures(seed, consistency, caplog):
+    """Workers 0 and 1 fail 40 times and rejoin; returns the log's committed-push deliveries."""
+    # A push takes 0.1 s to leave its worker (shard 0's slice first, then shard 1's),
+    # so many failures land between the two shards' handling of a committed push.
+    rng = np.random.default_rng(seed)
+    times = np.sort(rng.uniform(0.0, 30.0, size=40))
+    failures = [
+        Failure(int(w), float(t)) for w, t in zip(rng.integers(0, 2, 40), times, strict=True)
+    ]
+    joins = [Join(f.worker, f.time + float(rng.uniform(0.05, 0.5))) for f in failures]
+    cfg = SimConfig(
+        compute=ShiftedExponential(shift=0.2, rate=5.0),
+        network=Network(latency=0.01, bandwidth=1e7),
+        model_bytes=2_000_000,
+        failures=failures,
+        joins=joins,
+    )
+    with caplog.at_level(logging.INFO, logger="stalewise"):
+        r = _train(
+            _cheap_task(),
+            workers=3,
+            steps=100,
+            shards=2,
+            consistency=consistency,
+            sim=cfg,
+            seed=seed,
+        )
+    shards = r.stats["sim"]["shards"]
+    assert shards[0] == shards[1]  # same version, same applied: no torn push
+    # every committed push was applied once, by every shard, however its sender died
+    assert shards[0]["applied"] == r.pushes == r.stats["applied"]
+    if consistency.bound == math.inf:
+        assert shards[0]["version"] == r.pushes
+    assert shards[0]["rejected"] == {} and shards[0]["duplicates"] == 0
+    assert not [m for m in caplog.messages if "disagree" in m]
+    failed = [m for m in caplog.messages if " fails at " in m]
+    assert len(failed) >= 10
+    return [m for m in caplog.messages if "delivered to shard(s)" in m]
+
+
+def test_failures_while_pushing_deliver_committed_pushes(caplog):
+    # the scenario the previous test guards is really exercised: some failures hit a
+    # committed push that shard 0 had handled and shard 1 had not (delivered at departure)
+    delivered = []
+    for seed in range(5):
+        caplog.clear()
+        delivered += _train_with_failures(seed, sw.ASP(), caplog)
+    assert any("delivered to shard(s) [1]" in m for m in delivered)
+    assert any("delivered to shard(s) [0, 1]" in m for m in delivered)
+
+
+def test_a_failure_before_the_commit_pushes_nothing():
+    # worker 1 fails while computing (t=0.5 of a 1 s step): its step pushes nothing
+    cfg = SimConfig(compute=Fixed(1.0), failures=[Failure(1, 0.5)], **FREE)
+    r = _train(_cheap_task(), workers=2, steps=10, shards=2, sim=cfg)
+    assert r.pushes == 10 and r.stats["applied"] == 10
+    assert [s["applied"] for s in r.stats["sim"]["shards"]] == [10, 10]
+    assert r.time == 10.0  # worker 0 made all ten pushes
+
+
+def test_max_staleness_is_judged_once_for_all_shards():
+    rule = sw.staleness.inverse(max_staleness=2)
+    cfg = SimConfig(compute=ShiftedExponential(0.0, 1.0))
+    r = _train(_cheap_task(), workers=8, steps=400, shards=2, staleness=rule, sim=cfg)
+    stale = r.stats["rejected"]["too_stale"]
+    assert stale > 0 and r.stats["applied"] + stale == 400
+    shards = r.stats["sim"]["shards"]
+    assert shards[0] == shards[1] and shards[0]["rejected"] == {"too_stale": stale}
+
+
+def test_merge_stats_takes_per_push_counters_from_shard_0_and_names_torn_shards(caplog):
+    from stalewise.runtime.base import merge_stats
+
+    s = {"applied": 5, "rejected": {"not_finite": 2}, "duplicates": 1, "staleness_mean": 1.0,
+         "staleness_max": 2, "bytes_in": 10, "bytes_out": 20}  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="stalewise.runtime.base"):
+        merged = merge_stats([s, s | {"rejected": {"not_finite": 2, "too_stale": 0}}], settled=True)
+        assert not caplog.messages  # a zero count is no disagreement
+        assert merged["rejected"] == {"not_finite": 2} and merged["applied"] == 5
+        assert merged["bytes_in"] == 20 and merged["bytes_out"] == 40
+        torn = [s, s, s | {"applied": 6, "rejected": {"not_finite": 1}}]
+        merge_stats(torn)  # mid-run a push may be half-way: not checked
+        assert not caplog.messages
+        merge_stats(torn, settled=True)
+    assert len(caplog.messages) == 1 and "shard(s) 2 disagree" in caplog.messages[0]
+
+
+class FourLocalSteps(Strategy):
+    """Four minibatch gradients per push, averaged (module level: picklable)."""
+
+    name = "four-local-steps"
+
+    def step(self, state, params, loss_and_grad, batches):
+        losses, grads = [], []
+        for _ in range(4):
+            loss, g = loss_and_grad(params, next(batches))
+            losses.append(loss)
+            grads.append(g["x"])
+        return Step({"x": sum(grads) / 4}, 4, float(np.mean(losses)), state)
+
+
+def test_a_step_of_four_local_steps_takes_four_step_times():
+    assert pickle.loads(pickle.dumps(FourLocalSteps())) == FourLocalSteps()
+    task = _cheap_task()
+    cfg = SimConfig(compute=Fixed(0.5), **FREE)
+    times, compute = {}, {}
+    for strategy in (sw.strategies.gradients(), FourLocalSteps()):
+        job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1), strategy=strategy)
+        r = sim.train(
+            job.config,
+            task.loss_and_grad,
+            data=task.batches,
+            workers=2,
+            steps=20,
+            strategy=job.strategy,
+            sim=cfg,
+        )
+        assert r.pushes == 20
+        times[strategy.name], compute[strategy.name] = r.time, r.stats["sim"]["compute_time_mean"]
+    assert times == {"gradients": 5.0, "four-local-steps": 20.0}
+    assert compute == {"gradients": 0.5, "four-local-steps": 2.0}
+
+
+def test_local_steps_draw_one_step_time_each():
+    cfg = SimConfig(compute=ShiftedExponential(shift=0.1, rate=3.0))
+    four = WorkerTiming(cfg, 2, seed=5).finish(1, 0.0, local_steps=4)
+    one, t = WorkerTiming(cfg, 2, seed=5), 0.0
+    for _ in range(4):
+        t = one.finish(1, t)
+    assert four == t  # the same draws, in the same order: the same bits
+    assert WorkerTiming(cfg, 2, seed=5).finish(1, 0.0, local_steps=4) == four
+    assert WorkerTiming(cfg, 2, seed=6).finish(1, 0.0, local_steps=4) != four
+
+
+class BrokenInit(Strategy):
+    name = "broken-init"
+
+    def init(self, params):
+        raise KeyError("no state for you")
+
+
+def test_strategy_errors_become_worker_errors_naming_the_worker():
+    task = _cheap_task()
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1), strategy=BrokenInit())
+    with pytest.raises(sw.WorkerError, match=r"worker \d failed:(.|\n)*no state for you"):
+        sim.train(job.config, task.loss_and_grad, data=task.batches, workers=2, steps=4,
+                  strategy=job.strategy)  # fmt: skip
 
 
 # -- timing models and validation -------------------------------------------------------------

@@ -71,6 +71,7 @@ class LoopStats:
 
     steps: int = 0  # pushes made
     outcomes: Counter = field(default_factory=Counter)  # status -> count of reported pushes
+    refusals: Counter = field(default_factory=Counter)  # refusal kind -> count
 
 
 def worker_loop(
@@ -87,20 +88,40 @@ def worker_loop(
         t0 = time.perf_counter()
         step = strategy.step(state, params, loss_and_grad, batches)
         state = step.state
-        results = yield Push(
-            step.update, float(step.loss), int(step.local_steps), time.perf_counter() - t0
-        )
+        push = Push(step.update, float(step.loss), int(step.local_steps), time.perf_counter() - t0)
+        del step, params  # not kept alive (a model-sized array each) while the runtime works
+        results = yield push
+        del push
         stats.steps += 1
         report(results, stats, worker)
     return stats
 
 
 def report(results: list[PushResult] | None, stats: LoopStats, worker: int) -> None:
-    """Counts push outcomes and warns about refusals as they are learned."""
+    """Counts push outcomes and warns about refusals as they are learned.
+
+    The first refusal of each kind is reported with its reason, then the 10th,
+    100th, ... with the counts, so a run refusing thousands of pushes stays legible.
+    """
     for r in results or ():
         stats.outcomes[r.status] += 1
-        if r.status == REFUSED:
+        if r.status != REFUSED:
+            continue
+        kind = r.kind or "refused"
+        stats.refusals[kind] += 1
+        n = stats.refusals[kind]
+        if n == 1:
             log.warning("worker %d: push %d refused: %s", worker, r.seq, r.reason)
+        elif n == 10 ** (len(str(n)) - 1):  # 10, 100, 1000, ...
+            log.warning(
+                "worker %d: %d pushes refused as %s (%d of %d pushes so far); last: %s",
+                worker,
+                n,
+                kind,
+                sum(stats.refusals.values()),
+                stats.steps,
+                r.reason,
+            )
 
 
 def run(loop: Generator[Any, Any, LoopStats], answer: Callable[[Any], Any]) -> LoopStats:

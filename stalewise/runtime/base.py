@@ -48,22 +48,55 @@ class TrainResult:
     pushes: int = 0  # updates pushed by all workers
 
 
-def merge_stats(per_shard: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Merges the shards' counters: applied pushes and staleness from shard 0, bytes summed.
+def merge_stats(per_shard: Sequence[Mapping[str, Any]], *, settled: bool = False) -> dict[str, Any]:
+    """Merges the shards' counters: per-push counters from shard 0, bytes summed.
 
-    Every push reaches every shard, so per-push counters are the same on each
-    shard; bytes and rejections are per shard and add up.
+    Under the commit rule (:mod:`stalewise.protocol.commit`) a push is applied
+    by every shard or by none, so the per-push counters (``applied``,
+    ``rejected`` by kind, ``duplicates``) are the same on every shard and are
+    taken from shard 0, as are the version and the staleness; a push refused
+    for NaN counts once, not once per shard. Bytes are per shard and add up.
+
+    Mid-run, a push may have reached some shards and not yet the others, so
+    their counters may differ for a moment. ``settled=True`` says no push is in
+    flight (the run is over): then shards whose per-push counters differ from
+    shard 0's are named in a warning, as that would be a torn push (a bug).
+
+    Example:
+        >>> s = {"applied": 3, "rejected": {"not_finite": 1}, "duplicates": 0,
+        ...      "staleness_mean": 0.5, "staleness_max": 1, "bytes_in": 8, "bytes_out": 4}
+        >>> m = merge_stats([s, s], settled=True)
+        >>> m["applied"], m["rejected"], m["bytes_in"], m["shards"]
+        (3, {'not_finite': 1}, 16, 2)
     """
     if not per_shard:
         return {}
     first = per_shard[0]
-    rejected: Counter = Counter()
-    for s in per_shard:
-        rejected.update(s.get("rejected", {}))
+
+    def per_push(s: Mapping[str, Any]) -> tuple:
+        # a Counter compares a missing kind equal to a zero count
+        return s["applied"], Counter(s.get("rejected", {})), s.get("duplicates", 0)
+
+    if settled:
+        mine = per_push(first)
+        torn = [k for k, s in enumerate(per_shard) if k and per_push(s) != mine]
+        if torn:
+            import logging
+
+            counts = "; ".join(
+                f"shard {k}: applied {a}, rejected {dict(r)}, duplicates {d}"
+                for k, (a, r, d) in ((k, per_push(per_shard[k])) for k in (0, *torn))
+            )
+            logging.getLogger(__name__).warning(
+                "shard(s) %s disagree with shard 0 on the per-push counters, which the "
+                "commit rule keeps equal (a torn push?): %s",
+                ", ".join(map(str, torn)),
+                counts,
+            )
     return {
         "applied": first["applied"],
         "version": first.get("version", first.get("rounds", 0)),
-        "rejected": dict(rejected),
+        "rejected": dict(first.get("rejected", {})),
         "duplicates": first.get("duplicates", 0),
         "staleness_mean": first["staleness_mean"],
         "staleness_max": first["staleness_max"],

@@ -175,7 +175,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
                 if o.timeout is not None and now > o.timeout:
                     raise TimeoutError(f"training did not finish within {o.timeout} s")
             elapsed = time.perf_counter() - t0
-            stats = merge_stats(server.stats())
+            stats = merge_stats(server.stats(), settled=True)
         finally:
             if recorder is not None:
                 recorder.close()

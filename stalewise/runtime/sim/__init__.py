@@ -2,8 +2,10 @@
 
 It hosts the same protocol objects as the local runtime (shards built by
 :meth:`ServerConfig.build_shard`, their consistency gates, staleness rules and
-optimizers, and the job's :class:`~stalewise.strategies.Strategy`); only time
-is simulated. Gradients are computed for real, on the real task, in the
+optimizers, the commit rule, and the one worker loop
+:func:`~stalewise.protocol.loop.worker_loop` running the job's
+:class:`~stalewise.strategies.Strategy`); only time is simulated. Gradients
+are computed for real, on the real task, in the
 single-threaded discrete-event loop of :mod:`stalewise.runtime.sim.engine`;
 :class:`~stalewise.runtime.sim.config.SimConfig` says how long steps,
 transfers and requests take.
@@ -64,8 +66,10 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     step's virtual compute time is ``(sim.compute sample + delays[w]) *
     stragglers[w]`` per local step (and the factors of ``options.sim``, see
     :mod:`stalewise.runtime.sim.config`). ``options.seed`` drives the random
-    compute times. ``stats["sim"]`` adds the event count, wall time and the mean
-    pull, compute and push time of a step.
+    compute times. ``stats["sim"]`` adds the event count, wall time, the mean
+    pull, compute and push time of a step, and ``shards``: each shard's version
+    and per-push counters (``applied``, ``rejected``, ``duplicates``), which the
+    commit rule keeps equal on every shard once the run is over.
     """
     o = options
     loss_and_grad, data, workers, steps = o.loss_and_grad, o.data, o.workers, o.steps
@@ -109,7 +113,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
             state.pushes,
             steps,
         )
-    stats = state.stats()
+    stats = state.stats(settled=not stopped)  # a stop may leave pushes in flight
     n = max(state.totals["steps"], 1)
     stats["sim"] = {
         "events": state.events,
@@ -119,6 +123,15 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         "push_time_mean": state.totals["push"] / n,
         "compute_time_mean": state.totals["compute"] / max(state.pushes, 1),
         "comm_time_mean": (state.totals["pull"] + state.totals["push"]) / n,
+        "shards": [
+            {
+                "version": shard.version,
+                "applied": shard.stats.applied,
+                "rejected": dict(shard.stats.rejected),
+                "duplicates": shard.stats.duplicates,
+            }
+            for shard in state.shards
+        ],
     }
     flat = state.params.copy()
     return TrainResult(

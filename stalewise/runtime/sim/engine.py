@@ -5,16 +5,34 @@ Events sit in a heap of ``(virtual time, insertion counter, event)`` entries,
 so ties are broken by the order in which events were scheduled and a run is
 deterministic.
 
-A worker's step, as in the local runtime: it sends a pull request to every
-shard; each shard checks its gate (``Shard.may_start``; a blocked pull waits at
-the shard and is re-checked after every applied push or leave), queues the pull
-behind the requests already waiting (one FIFO server per shard, service time
-from :class:`~stalewise.runtime.sim.models.Service`), copies its slice and sends
-it back over the links. With every slice in, the worker computes its update
-(for real, at once, on the snapshot it got) and pushes it after the virtual
-compute time; each shard queues, serves and applies the push and acks it. When
-every ack is back the worker starts its next step. ``steps`` counts pushes in
-all workers, as in the local runtime.
+Each worker runs the protocol's one worker loop
+(:func:`stalewise.protocol.loop.worker_loop`), a generator the event handlers
+step with ``send``, so the simulator runs the very loop the local runtime runs:
+
+* ``BEGIN`` (a worker starts a step): answered ``started < steps``; False ends
+  the loop and the worker leaves the shards. ``steps`` counts pushes in all
+  workers, as in the local runtime.
+* ``PULL``: the worker sends a pull request to every shard; each shard checks
+  its gate (``Shard.may_start``; a blocked pull waits at the shard and is
+  re-checked after every applied push or leave), queues the pull behind the
+  requests already waiting (one FIFO server per shard, service time from
+  :class:`~stalewise.runtime.sim.models.Service`), copies its slice and sends it
+  back over the links. With every slice in, the loop gets the params tree and
+  runs the strategy step for real, at once, on the snapshot it got.
+* ``Push``: after the virtual compute time of the step's ``local_steps``
+  minibatches the worker commits the push (:mod:`stalewise.protocol.commit`: the
+  whole update is judged once, against the versions it pulled and each shard's
+  version at that instant) and sends every shard its slice with that verdict;
+  each shard queues, serves and handles the push and acks it. With every ack
+  in, the loop gets the push's :class:`~stalewise.protocol.PushResult`.
+
+Faults: a worker that fails while pulling or computing pushes nothing. One
+that fails after committing its push (while pushing) still delivers it to
+every shard: the shards that have not handled it yet get it from
+``Shard.depart`` at the instant of the failure, and the push's messages still
+in flight are dropped, so it is applied exactly once everywhere or refused
+everywhere, never torn. A (re)join starts a new incarnation, with a new loop
+(and a fresh strategy state) whose sequence numbers start at 0.
 
 Cost: O(log n) per event (heap) and O(1) per-worker state per event. Under
 SSP/BSP a shard asks ``Shard.min_clock`` (O(1) amortised) once per pull request
@@ -36,14 +54,12 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import PushHeader, ServerConfig
+from stalewise.protocol import PushHeader, PushResult, ServerConfig, commit, loop
 from stalewise.runtime.base import WorkerError, batch_iterator, merge_stats
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import Join, Links, WorkerTiming
 
 log = logging.getLogger(__name__)
-
-_FRESH = object()  # a worker whose strategy state is not made yet
 
 # event kinds
 _PULL_REQ, _SERVED, _PULL_HEAD, _PULL_RESP, _COMPUTED, _PUSH_HEAD, _PUSH_IN = range(7)
@@ -90,15 +106,20 @@ class Simulation:
         self.queue: list[deque] = [deque() for _ in range(S)]
         self.waiting: list[list] = [[] for _ in range(S)]  # gated pulls: (clock, ctr, w, inc)
         self.inc = [0] * workers  # incarnation: events of an earlier life are dropped
+        self.loops: list[Any] = [None] * workers  # each worker's protocol loop (a generator)
         self.phase = [_IDLE] * workers
         self.pending = [0] * workers  # shard answers still to come
         self.seq = [0] * workers
         self.base = [[0] * S for _ in range(workers)]  # version pulled from each shard
+        self.acks: list[list] = [[None] * S for _ in range(workers)]  # the push's acks
+        self.verdict: list[commit.Verdict] = [commit.Verdict()] * workers  # of the last push
+        self.whole = S > 1  # the commit rule checks the whole update for NaN/Inf
+        # with one shard and no max_staleness, judge() can only say OK: skip the call
+        self.judging = self.whole or config.staleness.max_staleness != math.inf
         self.pull_buf: list[np.ndarray | None] = [None] * workers
         self.upd_buf: list[np.ndarray | None] = [None] * workers
         self.pool: list[np.ndarray] = []  # free parameter-sized buffers
         self.batches: list[Any] = [None] * workers
-        self.states: list[Any] = [_FRESH] * workers  # each worker's strategy state
         self.loss_next = [math.nan] * workers
         self.last_loss = np.full(workers, np.nan)
         self.t_mark = [0.0] * workers
@@ -149,8 +170,10 @@ class Simulation:
                 self.base[w][k] = shard.pull(w, self.pull_buf[w][lo:hi])
                 self.transfer(self.P + k, w, self.slice_bytes[k], _PULL_HEAD, w, k)
             else:
-                header = PushHeader(w, self.seq[w], self.base[w][k], self.inc[w])
-                ack = shard.push(header, self.upd_buf[w][lo:hi])
+                header = PushHeader(w, self.seq[w], self.base[w][k], inc)
+                self.acks[w][k] = ack = shard.push(
+                    header, self.upd_buf[w][lo:hi], verdict=self.verdict[w]
+                )
                 if not ack.ok:
                     log.debug("sim: shard %d rejected worker %d's push: %s", k, w, ack.reason)
                 self.at(self.now + self.lat, _ACK, w, k, inc)
@@ -180,31 +203,52 @@ class Simulation:
             heapq.heappop(h)
             self.enqueue(k, (_PULL, w, inc))
 
-    # -- workers -------------------------------------------------------------------
+    # -- workers ---------------------------------------------------------------------
+
+    def send(self, w: int, answer: Any) -> Any:
+        """Answers worker ``w``'s loop; returns its next request, or None when it ended."""
+        try:
+            return self.loops[w].send(answer)
+        except StopIteration:
+            return None
+        except Exception:
+            raise WorkerError(f"worker {w} failed:\n{traceback.format_exc()}") from None
+
+    def start_loop(self, w: int) -> None:
+        """Starts a new loop for worker ``w``'s new incarnation (it asks BEGIN at once)."""
+        try:
+            if self.batches[w] is None:  # one stream of batches per worker id, over its lives
+                self.batches[w] = batch_iterator(self.data, w, self.P)
+        except Exception:
+            raise WorkerError(f"worker {w} failed:\n{traceback.format_exc()}") from None
+        self.loops[w] = gen = loop.worker_loop(
+            self.strategy, self.loss_and_grad, self.batches[w], worker=w
+        )
+        next(gen)  # runs to the first BEGIN
+        self.start_step(w)
 
     def start_step(self, w: int) -> None:
-        if self.started >= self.steps:
-            self.phase[w] = _DONE
+        """Answers the loop's BEGIN: a step starts while the job's budget lasts."""
+        more = self.started < self.steps
+        if self.send(w, more) is None:  # the loop has ended: the worker leaves the job
+            self.phase[w], self.loops[w] = _DONE, None
             for k in range(self.S):
                 self.at(self.now + self.lat, _LEAVE, w, k, self.inc[w])
             return
-        self.started += 1
+        self.started += 1  # the loop asks to PULL
         self.phase[w], self.pending[w], self.t_mark[w] = _PULLING, self.S, self.now
         self.pull_buf[w] = self.take_buffer()
         for k in range(self.S):
             self.at(self.now + self.lat, _PULL_REQ, w, k, self.inc[w])
 
     def compute(self, w: int) -> None:
+        """Every slice is in: the loop runs the strategy step, the compute time starts."""
         self.totals["pull"] += self.now - self.t_mark[w]
-        if self.batches[w] is None:
-            self.batches[w] = batch_iterator(self.data, w, self.P)
         params = tree.unflatten(self.pull_buf[w], self.spec)
         try:
-            if self.states[w] is _FRESH:
-                self.states[w] = self.strategy.init(params)
-            step = self.strategy.step(self.states[w], params, self.loss_and_grad, self.batches[w])
-            self.states[w] = step.state
-            update, loss = step.update, step.loss
+            update, loss, local_steps, _ = self.loops[w].send(params)  # runs the step: a Push
+            if local_steps < 0:
+                raise ValueError(f"the strategy step reported local_steps={local_steps} (< 0)")
             self.upd_buf[w] = out = self.take_buffer()
             tree.flatten(update, spec=self.spec, out=out)
         except Exception:
@@ -213,12 +257,22 @@ class Simulation:
         self.pull_buf[w] = None
         self.loss_next[w] = loss
         self.phase[w], self.t_mark[w] = _COMPUTING, self.now
-        self.at(self.timing.finish(w, self.now), _COMPUTED, w, inc=self.inc[w])
+        self.at(self.timing.finish(w, self.now, local_steps), _COMPUTED, w, inc=self.inc[w])
 
     def push(self, w: int) -> None:
+        """Commits the update (one verdict for every shard) and sends each shard its slice."""
         self.totals["compute"] += self.now - self.t_mark[w]
         self.pushes += 1
         self.last_loss[w] = self.loss_next[w]
+        if self.judging:
+            self.verdict[w] = commit.judge(
+                self.upd_buf[w],
+                self.spec.segments,
+                self.base[w],
+                [shard.version for shard in self.shards],  # what the sender knows: exact here
+                self.config.staleness,
+                whole=self.whole,
+            )
         self.phase[w], self.pending[w], self.t_mark[w] = _PUSHING, self.S, self.now
         for k, (lo, hi) in enumerate(self.ranges):
             # the bytes the payload has; a codec will report its encoded size here
@@ -226,27 +280,44 @@ class Simulation:
             self.transfer(w, self.P + k, nbytes, _PUSH_HEAD, w, k)
 
     def acked(self, w: int) -> None:
+        """Every ack is in: the loop learns the push's result and begins its next step."""
         self.totals["push"] += self.now - self.t_mark[w]
         self.totals["steps"] += 1
         self.seq[w] += 1
         self.pool.append(self.upd_buf[w])
         self.upd_buf[w] = None
+        self.send(w, [PushResult.of(self.acks[w])])  # the loop asks BEGIN
         self.start_step(w)
 
     def fail(self, w: int) -> None:
         if self.phase[w] in (_DEAD, _DONE):
             return
         log.info("sim: worker %d fails at t=%.6g", w, self.now)
-        if self.phase[w] in (_PULLING, _COMPUTING):
-            self.started -= 1
-        elif self.phase[w] == _PUSHING:
-            self.seq[w] += 1  # the push may have reached some shards: never reuse its seq
+        phase, inc = self.phase[w], self.inc[w]
+        if phase in (_PULLING, _COMPUTING):
+            self.started -= 1  # nothing was committed: the step is not done
         self.phase[w] = _DEAD
-        self.inc[w] += 1
-        self.give_back(w)
+        self.loops[w].close()
+        self.loops[w] = None
+        delivered = []
         for k, shard in enumerate(self.shards):
-            shard.leave(w)
+            committed = None
+            if phase == _PUSHING:  # committed: shards that have not handled it get it now
+                lo, hi = self.ranges[k]
+                header = PushHeader(w, self.seq[w], self.base[w][k], inc)
+                committed = (header, self.upd_buf[w][lo:hi], self.verdict[w])
+            if shard.depart(w, inc, committed=committed) is not None:
+                delivered.append(k)
             self.release(k)
+        if delivered:
+            log.info(
+                "sim: worker %d's committed push %d delivered to shard(s) %s at its failure",
+                w,
+                self.seq[w],
+                delivered,
+            )
+        self.inc[w] += 1  # the push's messages still in flight are dropped: exactly once
+        self.give_back(w)
 
     def join(self, w: int) -> None:
         if self.phase[w] not in (_DEAD, _DONE):
@@ -257,7 +328,7 @@ class Simulation:
         self.seq[w] = 0
         for shard in self.shards:
             shard.join(w, self.inc[w])
-        self.start_step(w)
+        self.start_loop(w)
 
     # -- the loop ------------------------------------------------------------------
 
@@ -276,7 +347,7 @@ class Simulation:
                 self.inc[w] = 1
                 for shard in self.shards:
                     shard.join(w, 1)
-                self.start_step(w)
+                self.start_loop(w)
         stop = record()
         self.at(eval_interval, _EVAL, 1)
         heap, pop, inc = self.heap, heapq.heappop, self.inc
@@ -285,17 +356,16 @@ class Simulation:
             self.now = t
             if kind < _FAIL:
                 self.queued -= 1
-            # with no work in flight, only a join can bring more, and only if budget is left
-            idle = not self.queued and not (joins_left and self.started < self.steps)
             if kind == _SERVED:
                 self.served(k)
             elif kind == _EVAL:
-                if idle:
+                if self.idle(joins_left):
                     break
                 stop = record()
                 self.at((w + 1) * eval_interval, _EVAL, w + 1)  # w: the evaluation's number
                 continue
             elif kind >= _FAIL:
+                idle = self.idle(joins_left)  # this join counts: it may bring work
                 joins_left -= kind == _JOIN
                 if idle:
                     continue  # the job is over; this event changes nothing
@@ -333,5 +403,11 @@ class Simulation:
         self.now = self.now if stop else self.end
         return stop
 
-    def stats(self) -> dict[str, Any]:
-        return merge_stats([s.stats.as_dict() | {"version": s.version} for s in self.shards])
+    def idle(self, joins_left: int) -> bool:
+        """No work in flight, and no join that could bring more (none left, or no budget)."""
+        return not self.queued and not (joins_left and self.started < self.steps)
+
+    def stats(self, *, settled: bool = False) -> dict[str, Any]:
+        """The shards' merged counters; ``settled``: no push is in flight (checks they agree)."""
+        per_shard = [s.stats.as_dict() | {"version": s.version} for s in self.shards]
+        return merge_stats(per_shard, settled=settled)

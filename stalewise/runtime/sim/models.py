@@ -7,12 +7,14 @@ events: per run, :class:`WorkerTiming` answers "when does this step end",
 this request take"; :class:`~stalewise.runtime.sim.config.SimConfig` gathers
 the models of a run and :mod:`stalewise.runtime.sim` puts them on a virtual clock.
 
-Compute time of one worker step, in virtual seconds::
+Compute time of one local step (one minibatch), in virtual seconds::
 
     (compute.sample() + delays[w]) * stragglers[w] * persistent[w] / speeds[w]
 
-stretched by any transient :class:`Slowdown` active while the step runs (the
-step's work is integrated over the slowdown's piecewise-constant speed).
+A strategy step of ``H`` local steps takes ``H`` such times (``H`` samples,
+drawn in order from the worker's stream), stretched by any transient
+:class:`Slowdown` active while the step runs (the step's work is integrated
+over the slowdown's piecewise-constant speed).
 
 Network: a message of ``B`` bytes leaves its sender's egress link (FIFO,
 ``B / bandwidth``), travels ``latency`` seconds and enters its receiver's
@@ -238,8 +240,8 @@ class WorkerTiming:
         >>> from stalewise.runtime.sim.config import SimConfig
         >>> timing = WorkerTiming(SimConfig(compute=Fixed(1.0),
         ...     slowdowns=[Slowdown(worker=0, factor=2.0, start=0.5, end=1.0)]), workers=2)
-        >>> timing.finish(0, 0.0), timing.finish(1, 0.0)
-        (1.25, 1.0)
+        >>> timing.finish(0, 0.0), timing.finish(1, 0.0), timing.finish(1, 0.0, local_steps=4)
+        (1.25, 1.0, 4.0)
     """
 
     def __init__(
@@ -271,10 +273,24 @@ class WorkerTiming:
         for points, items in self._transient.values():
             points.extend(sorted({p for s in items for p in (s.start, s.end) if math.isfinite(p)}))
 
-    def finish(self, worker: int, start: float) -> float:
-        """The virtual time at which a step of ``worker`` started at ``start`` ends."""
-        base = self.compute.sample(self._rngs[worker]) if self._random else self.compute.time
-        work = (base + self.delays[worker]) * self.scale[worker]
+    def finish(self, worker: int, start: float, local_steps: int = 1) -> float:
+        """The virtual time at which a step of ``worker`` started at ``start`` ends.
+
+        A step of ``local_steps`` minibatches takes that many sampled step times
+        (and delays); one local step draws exactly what a plain step draws, so
+        the same seed gives the same bits.
+        """
+        if local_steps == 1:
+            base = self.compute.sample(self._rngs[worker]) if self._random else self.compute.time
+            work = (base + self.delays[worker]) * self.scale[worker]
+        else:
+            if self._random:
+                rng, sample, base = self._rngs[worker], self.compute.sample, 0.0
+                for _ in range(local_steps):
+                    base += sample(rng)  # the samples of the local steps, in order
+            else:
+                base = self.compute.time * local_steps
+            work = (base + self.delays[worker] * local_steps) * self.scale[worker]
         spans = self._transient.get(worker)
         if spans is None:
             return start + work
