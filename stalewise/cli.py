@@ -1,25 +1,60 @@
-"""The ``stalewise`` command: ``demo``, ``train CONFIG.toml``, ``sim CONFIG.toml``."""
+"""The ``stalewise`` command: ``demo``, ``train CONFIG.toml``, ``sim CONFIG.toml``.
+
+Every flag and config value is checked before anything starts; a user error
+prints one line, ``stalewise: <key or flag>: <what was expected, got what>``,
+on stderr and exits with status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("stalewise")
 
 
+class _FlagError(Exception):
+    """argparse found a bad command line (its message, one line)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors reach :func:`main` instead of exiting with usage text."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise _FlagError(f"{message} (see {self.prog} --help)")
+
+
+def _config_error(key: str, problem: str) -> Exception:
+    from stalewise.config import ConfigError
+
+    return ConfigError(key, problem)
+
+
 def _out_dir(arg: str | None, prefix: str) -> Path:
     out = Path(arg) if arg else Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _config_error(
+            "--out", f"cannot make the folder {str(out)!r}: {e.strerror or e}"
+        ) from None
     return out
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from stalewise import demo
+    from stalewise.config import ConfigError
 
+    try:
+        demo.check_args(workers=args.workers, slowdown=args.slowdown, delay=args.delay)
+    except ConfigError as e:
+        raise ConfigError(f"--{e.key}", e.problem) from None
     out = _out_dir(args.out, "demo")
     rows = demo.run(
         out, workers=args.workers, slowdown=args.slowdown, delay=args.delay, progress=not args.quiet
@@ -29,23 +64,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_runtime(runtime: str | None) -> None:
+    from stalewise.api import RUNTIMES
+
+    if runtime is not None and runtime not in RUNTIMES:
+        raise _config_error(
+            "--runtime", f"unknown runtime {runtime!r} (known: {', '.join(RUNTIMES)})"
+        )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from stalewise import config, report
 
-    cfg = config.load(args.config)
-    train = cfg.train_kwargs(args.runtime)
+    _check_runtime(args.runtime)
+    cfg = config.load(args.config, runtime=args.runtime)
     out = _out_dir(args.out, Path(args.config).stem)
     run = Path(args.config).stem
     with report.MetricsWriter(out / "metrics.jsonl") as writer:
-        result = cfg.job.train(
-            cfg.task.loss_and_grad,
-            data=cfg.task.batches,
-            evaluate=cfg.task.evaluate,
-            run=run,
-            on_record=writer.write,
-            progress=not args.quiet,
-            **train,
-        )
+        result = cfg.run(args.runtime, run=run, on_record=writer.write, progress=not args.quiet)
     report.plot_runs(result.records, out / "train.png", title=run)
     last = result.records[-1] if result.records else {}
     row = {
@@ -60,37 +96,92 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep_values(args: argparse.Namespace) -> list[Any]:
+    """--values as worker counts or consistency names, each checked."""
+    from stalewise import config, sweep
+
+    items = [v.strip() for v in args.values.split(",")]
+    values: list[Any] = []
+    for v in items:
+        if args.over == "workers":
+            try:
+                n = int(v)
+            except ValueError:
+                raise _config_error(
+                    "--values",
+                    f"expected worker counts such as 1,4,16, got {v!r} in {args.values!r} "
+                    "(to compare consistency models: --over consistency --values asp,ssp:4,bsp)",
+                ) from None
+            limit = config.max_workers("sim")
+            if not 1 <= n <= limit:
+                raise _config_error(
+                    "--values", f"worker counts must be in 1..{limit}, got {n} in {args.values!r}"
+                )
+            values.append(n)
+        else:
+            try:
+                sweep.parse_consistency(v)
+            except ValueError:
+                raise _config_error(
+                    "--values",
+                    f"expected consistency models such as asp,ssp:4,bsp, got {v!r} "
+                    f"in {args.values!r}",
+                ) from None
+            values.append(v)
+    seen = set()
+    for v in values:
+        if v in seen:
+            raise _config_error("--values", f"{v!r} is given twice in {args.values!r}")
+        seen.add(v)
+    return values
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from stalewise import config, report, sweep, targets
 
+    values = _sweep_values(args)
+    if not math.isfinite(args.target):
+        raise _config_error("--target", f"expected a finite number, got {args.target!r}")
     try:
         goal = targets.Target(args.metric, args.target, args.mode)
     except ValueError as e:
-        raise config.ConfigError(f"--metric/--target/--mode: {e}") from None
-    cfg = config.load(args.config)
-    try:
-        values = [int(v) if args.over == "workers" else v for v in args.values.split(",")]
-    except ValueError:
-        raise config.ConfigError(
-            f"--values: worker counts must be integers, got {args.values!r}"
+        raise _config_error(
+            "--metric", f"{e} (on the command line: --mode min or --mode max)"
         ) from None
+    cfg = config.load(args.config, runtime="sim")  # a sweep runs in the simulator
+    try:
+        if args.over == "workers":
+            for n in values:
+                cfg.check_workers(n, "sim", "--values")
+        metrics = cfg.metrics()
+    except config.ConfigError as e:
+        if e.key.startswith(("run.", "sim.", "task")):
+            e.path = args.config
+        raise
+    if goal.metric not in metrics:
+        raise _config_error(
+            "--metric",
+            f"expected a metric of the task's evaluate() ({', '.join(metrics)}), "
+            f"got {goal.metric!r}",
+        )
     out = _out_dir(args.out, f"sim-{Path(args.config).stem}")
-    rows = sweep.sweep(
-        cfg.job,
-        cfg.task,
-        over=args.over,
-        values=values,
-        steps=cfg.train["steps"],
-        target=goal.value,
-        metric=goal.metric,
-        mode=goal.mode,
-        workers=cfg.train["workers"],
-        sim=cfg.sim,
-        delay=cfg.delay,
-        seed=cfg.seed,
-        out=out,
-        progress=not args.quiet,
-    )
+    with cfg.importable():
+        rows = sweep.sweep(
+            cfg.job,
+            cfg.seeded_task(),
+            over=args.over,
+            values=values,
+            steps=cfg.train["steps"],
+            target=goal.value,
+            metric=goal.metric,
+            mode=goal.mode,
+            workers=cfg.train["workers"],
+            sim=cfg.sim,
+            delay=cfg.delay,
+            seed=cfg.seed,
+            out=out,
+            progress=not args.quiet,
+        )
     print(report.format_table(rows, list(sweep.COLUMNS)))
     print(f"\nmetrics: {out / 'metrics.jsonl'}\nplot:    {out / 'sweep.png'}")
     return 0
@@ -99,7 +190,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from stalewise import __version__
 
-    parser = argparse.ArgumentParser(prog="stalewise", description=__doc__)
+    parser = _Parser(prog="stalewise", description=__doc__)
     parser.add_argument("--version", action="version", version=f"stalewise {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="synchronous vs asynchronous training of a digits MLP, with a straggler"
     )
     d.add_argument("--out", help="run folder (default: runs/demo-TIMESTAMP)")
-    d.add_argument("--workers", type=int, default=4)
+    d.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     d.add_argument(
         "--slowdown", type=float, default=4.0, help="how many times slower the last worker is"
     )
@@ -143,8 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Runs the command; returns the exit status (2 for a user error, on one line of stderr)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except _FlagError as e:
+        message = str(e).removeprefix("argument ")
+        print(f"stalewise: {_one_line(message)}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -154,11 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as e:
-        print(f"stalewise: config error: {e}", file=sys.stderr)
+        where = f"config error in {e.path}" if e.path is not None else "config error"
+        print(f"stalewise: {_one_line(f'{e.key}: {e.problem}')} ({where})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("stalewise: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (``stalewise sim ... | head``): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

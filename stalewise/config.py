@@ -1,16 +1,18 @@
-"""Job configuration files (TOML) for ``stalewise train``.
+"""Job configuration files (TOML) for ``stalewise train`` and ``stalewise sim``.
 
-A config has four tables; every key is checked, and a bad one is reported with
-its full name (``optimizer.b3: unknown option``)::
+A config has five tables; every key and value is checked before anything runs,
+and a bad one is reported with its full name and what was expected
+(``optimizer.b3: unknown option for adam``, ``optimizer.lr: expected a number,
+got '0.01'``)::
 
     [task]                        # what to train
     name = "digits"               # a built-in task (stalewise.tasks.names()) ...
-    # factory = "mypkg.jobs:make" # ... or a module:function returning a task object
-    args = { hidden = 64 }        # keyword arguments for the task
-    seed = 0
+    # factory = "mytask:make"     # ... or a module:function returning a task object
+    args = { hidden = 64 }        # keyword arguments for the task (checked against its signature)
+    seed = 0                      # passed to init_params(seed) and batches(worker, workers, seed)
 
     [optimizer]                   # the server optimizer (stalewise.optim)
-    name = "lamb"
+    name = "lamb"                 # sgd | adam | adamw | lamb | lars
     lr = 0.01                     # or: schedule = { name = "warmup_cosine", peak = 0.01, warmup = 50, total = 2000 }
     weight_decay = 0.0            # any other option of that optimizer
 
@@ -18,16 +20,17 @@ its full name (``optimizer.b3: unknown option``)::
     consistency = "ssp"           # asp | ssp | bsp
     bound = 4                     # ssp only
     staleness = "inverse"         # constant | inverse | exponential | polynomial
+    staleness_param = 0.5         # exponential (base) and polynomial (power) only
     max_staleness = 16            # optional
     dc_lambda = 0.0               # DC-ASGD delay compensation (0: off)
-    shards = 2
+    shards = 2                    # 1 .. min(1024, number of parameters)
 
     [run]
-    workers = 4
-    steps = 2000                  # pushes in all
+    workers = 4                   # 1 .. 4096 local processes (16384 simulated)
+    steps = 2000                  # pushes in all, 1 .. 10**9
     delay = 0.005                 # emulated compute seconds per step, every worker
-    stragglers = { 3 = 4.0 }      # worker -> slowdown factor
-    eval_interval = 0.5
+    stragglers = { 3 = 4.0 }      # worker -> slowdown factor (>= 1)
+    eval_interval = 0.5           # seconds between evaluations (> 0)
     stop_at = { accuracy = 0.95 } # a loss stops at <= (stalewise.targets); or { x = [0.9, "max"] }
     runtime = "local"             # or "sim" (the simulator; see the [sim] table)
 
@@ -36,24 +39,73 @@ its full name (``optimizer.b3: unknown option``)::
     latency = 0.0005              # seconds per message
     bandwidth = 1.25e9            # bytes/s of every link
 
-A task object needs ``init_params(seed)``, ``loss_and_grad(params, batch)``,
-``batches(worker, workers, seed)`` and ``evaluate(params)`` (see stalewise.tasks).
+The task contract
+-----------------
+A task object (built-in, or returned by the factory) needs four methods:
+
+* ``init_params(seed)``: the initial parameters (any pytree stalewise.tree takes);
+* ``loss_and_grad(params, batch) -> (loss, grads)``;
+* ``batches(worker, workers, seed)``: an iterator over ``worker``'s minibatches
+  (of ``workers`` in all), shuffled by ``seed``. stalewise always calls it with
+  the three arguments, ``seed`` being the config's ``[task] seed`` (see
+  :func:`stalewise.tasks.with_seed`); the built-in tasks default ``seed`` to 0 so
+  that ``data=task.batches`` also works in ``Job.train``, which calls
+  ``data(worker, workers)``;
+* ``evaluate(params) -> {"loss": ..., ...}``: held-out metrics.
+
+Their signatures are checked when the config is loaded, ``batches`` is asked
+for one batch of the last worker and, if ``run.stop_at`` is given, ``evaluate``
+is run once to check that the metrics exist. The task and its methods must be
+picklable (module-level classes and functions): the local runtime sends them
+to worker processes.
+
+A factory runs code
+-------------------
+``factory = "mytask:make"`` imports the module ``mytask`` and calls ``make(**args)``:
+loading a config with a factory runs that module's code, with your rights, as
+running a training script would. Load only configs you would run as scripts.
+
+The module is looked up first in the config file's folder, then in the current
+working directory, then on ``sys.path`` (installed packages). A folder it was
+found in is put on ``sys.path`` only while the module is imported, and again,
+together with ``PYTHONPATH``, while :meth:`RunConfig.run` (``stalewise train``)
+or ``stalewise sim`` runs the job (see :meth:`RunConfig.importable`), so that
+the worker processes of the local runtime can import the task by module name;
+both are restored afterwards. If you pass the task's functions to ``Job.train``
+yourself, do it inside ``with cfg.importable():``.
+
+Limits
+------
+Absurd sizes are refused before anything is allocated: at most
+:data:`MAX_WORKERS` workers (4096 local processes, 16384 simulated workers),
+:data:`MAX_SHARDS` shards (and no more than parameters), :data:`MAX_STEPS`
+steps, and delays of at most :data:`MAX_DELAY` seconds per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.machinery
 import inspect
+import math
+import os
+import re
+import sys
 import tomllib
-from dataclasses import dataclass, field
+import types
+import typing
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from stalewise import consistency as consistency_lib
-from stalewise import optim, targets, tasks
+from stalewise import optim, targets, tasks, tree
 from stalewise import staleness as staleness_lib
 from stalewise.api import RUNTIMES, Job
-from stalewise.runtime.base import slowdowns
+from stalewise.runtime.base import TrainResult
+from stalewise.runtime.sim import models as sim_models
 from stalewise.runtime.sim.config import SimConfig
 
 TABLES = {
@@ -69,14 +121,52 @@ TABLES = {
         "shards",
     },
     "run": {"workers", "steps", "delay", "stragglers", "eval_interval", "stop_at", "runtime"},
-    "sim": None,  # checked by SimConfig.from_dict
+    "sim": None,  # checked key by key against SimConfig.from_dict
 }
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb", "lars")
 SCHEDULES = ("constant", "warmup_cosine", "step_decay")
+CONSISTENCY = ("asp", "ssp", "bsp")
+STALENESS_PARAM = {"exponential": "base", "polynomial": "power"}  # server.staleness_param
+
+#: The most workers a run may have, per runtime (other runtimes: the local limit).
+MAX_WORKERS = {"local": 4096, "sim": 16384}
+#: The most parameter-server shards (and never more than the parameters).
+MAX_SHARDS = 1024
+#: The most pushes a run may be given.
+MAX_STEPS = 10**9
+#: The longest emulated compute time per step, in seconds.
+MAX_DELAY = 3600.0
+#: The task methods a factory's object must have, with the arguments stalewise passes.
+TASK_METHODS = {
+    "init_params": ("seed",),
+    "loss_and_grad": ("params", "batch"),
+    "batches": ("worker", "workers", "seed"),
+    "evaluate": ("params",),
+}
 
 
 class ConfigError(ValueError):
-    """A config file or table has a bad key or value; the message names it."""
+    """A bad config key or value, or a bad command-line flag.
+
+    Attributes:
+        key: what is wrong, as the user spells it: ``run.workers``, ``--values``,
+            or the config file for an unreadable file.
+        problem: what was expected and what was given.
+        path: the config file the key is in (None for flags and file errors).
+    """
+
+    def __init__(self, key: str, problem: str, path: str | os.PathLike[str] | None = None):
+        self.key, self.problem, self.path = key, problem, path
+        super().__init__(key, problem)
+
+    def __str__(self) -> str:
+        text = f"{self.key}: {self.problem}"
+        return f"{text} (in {self.path})" if self.path is not None else text
+
+
+def max_workers(runtime: str) -> int:
+    """The most workers a run on ``runtime`` may have."""
+    return MAX_WORKERS.get(runtime, MAX_WORKERS["local"])
 
 
 @dataclass
@@ -89,6 +179,17 @@ class RunConfig:
     seed: int = 0
     sim: SimConfig | None = None  # the [sim] table: used when the runtime is "sim"
     delay: float = 0.0  # run.delay: emulated compute seconds per step, every worker
+    paths: tuple[str, ...] = ()  # folders the task factory's module was found in
+    _metrics: tuple[str, ...] | None = field(default=None, repr=False)
+
+    @property
+    def data(self) -> Callable[[int, int], Any]:
+        """The ``data(worker, workers)`` of ``Job.train``: ``task.batches`` with ``seed`` bound."""
+        return tasks.with_seed(self.task, self.seed).batches
+
+    def seeded_task(self) -> Any:
+        """The task with ``seed`` bound: ``batches(worker, workers)``, e.g. for :func:`stalewise.sweep.sweep`."""
+        return tasks.with_seed(self.task, self.seed)
 
     def train_kwargs(self, runtime: str | None = None) -> dict[str, Any]:
         """Keyword arguments for ``job.train``, for the config's runtime or ``runtime``."""
@@ -96,191 +197,790 @@ class RunConfig:
         if runtime:
             if runtime not in RUNTIMES:
                 raise ConfigError(
-                    f"runtime: unknown runtime {runtime!r} (known: {', '.join(RUNTIMES)})"
+                    "--runtime", f"unknown runtime {runtime!r} (known: {', '.join(RUNTIMES)})"
                 )
+            if runtime != kwargs["runtime"]:
+                self.check_workers(kwargs["workers"], runtime, "run.workers")
             kwargs["runtime"] = runtime
         if kwargs["runtime"] == "sim":
             kwargs |= {"sim": self.sim, "seed": self.seed}
         return kwargs
 
+    def check_workers(self, workers: int, runtime: str, key: str) -> None:
+        """Checks that a run on ``runtime`` may have ``workers`` workers; errors name ``key``.
 
-def load(path: str | Path) -> RunConfig:
-    """Reads and checks a TOML config file."""
+        The limit of the runtime, the [sim] table's per-worker settings (runtime
+        "sim") and the task's batches for that many workers are checked.
+        """
+        _check_workers(workers, runtime, key)
+        if runtime == "sim" and self.sim is not None:
+            _check_sim_workers(self.sim, workers, key)
+        _check_batches(self.task, workers, self.seed, key)
+
+    def metrics(self) -> tuple[str, ...]:
+        """The names of the metrics ``task.evaluate`` returns (evaluated once, at the initial parameters)."""
+        if self._metrics is None:
+            with self.importable():
+                self._metrics = _metric_names(self.task, self.task.init_params(self.seed))
+        return self._metrics
+
+    @contextlib.contextmanager
+    def importable(self) -> Iterator[None]:
+        """Within the block, the task factory's module can be imported by name, here and in
+        processes started here: its folder is put first on ``sys.path`` and on ``PYTHONPATH``
+        (nothing happens if the module came from ``sys.path`` itself). Both are restored after.
+        """
+        with _on_path(self.paths, env=True):
+            yield
+
+    def run(self, runtime: str | None = None, **kwargs: Any) -> TrainResult:
+        """Trains the job on the task: ``job.train`` with the config's run settings.
+
+        Args:
+            runtime: overrides ``run.runtime``.
+            **kwargs: more keyword arguments of ``Job.train`` (``run``, ``on_record``,
+                ``progress``, ``timeout``, ...).
+        """
+        train = self.train_kwargs(runtime)
+        with self.importable():
+            return self.job.train(
+                self.task.loss_and_grad,
+                data=self.data,
+                evaluate=self.task.evaluate,
+                **train,
+                **kwargs,
+            )
+
+
+def load(path: str | os.PathLike[str], *, runtime: str | None = None) -> RunConfig:
+    """Reads and checks a TOML config file; a task factory's module may sit next to it.
+
+    ``runtime`` overrides ``run.runtime`` (``stalewise train --runtime``); the
+    limits and the [sim] table are checked for it.
+    """
     p = Path(path)
     try:
         raw = tomllib.loads(p.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{p}: no such config file") from None
+        raise ConfigError(str(p), "no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(str(p), "is a folder, not a config file") from None
+    except OSError as e:
+        raise ConfigError(str(p), f"cannot read the config file: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(p), f"not a text file: {e}") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        raise ConfigError(str(p), f"not valid TOML: {e}") from None
     try:
-        return parse(raw)
+        return parse(raw, base=p.resolve().parent, runtime=runtime)
     except ConfigError as e:
-        raise ConfigError(f"{p}: {e}") from None
+        e.path = str(p)
+        raise
 
 
-def parse(raw: dict[str, Any]) -> RunConfig:
-    """Checks a config already read into a dict and builds the task and the job."""
+def parse(
+    raw: dict[str, Any],
+    *,
+    base: str | os.PathLike[str] | None = None,
+    runtime: str | None = None,
+) -> RunConfig:
+    """Checks a config already read into a dict and builds the task and the job.
+
+    Everything a value can be checked against without the task is checked
+    first; then the task is built (running a factory's code), its parameters
+    made and the job built.
+
+    Args:
+        raw: the config's tables.
+        base: the config file's folder, where a task factory's module is looked
+            for first (then the current working directory, then ``sys.path``).
+        runtime: overrides ``run.runtime``.
+
+    Raises:
+        ConfigError: naming the bad key.
+    """
+    if not isinstance(raw, Mapping):
+        raise ConfigError("config", f"expected tables, got {raw!r}")
     for key in raw:
         if key not in TABLES:
-            raise ConfigError(f"{key}: unknown table (known: {', '.join(TABLES)})")
+            raise ConfigError(key, f"unknown table (known: {', '.join(TABLES)})")
     for name, allowed in TABLES.items():
         table = raw.get(name, {})
         if not isinstance(table, dict):
-            raise ConfigError(f"{name}: must be a table, got {table!r}")
+            raise ConfigError(name, f"must be a table, got {table!r}")
         for key in table if allowed is not None else ():
             if key not in allowed:
                 raise ConfigError(
-                    f"{name}.{key}: unknown option (known: {', '.join(sorted(allowed))})"
+                    f"{name}.{key}", f"unknown option (known: {', '.join(sorted(allowed))})"
                 )
-    t, o, s, r, sim = (raw.get(k, {}) for k in TABLES)
-    seed = _get(t, "task.seed", int, 0)
-    task = _task(t)
-    job = Job(
-        task.init_params(seed),
-        optimizer=_optimizer(o),
-        consistency=_consistency(s),
-        staleness=_staleness(s),
-        shards=_get(s, "server.shards", int, 1, low=1),
-    )
-    stragglers = {}
-    for w, f in r.get("stragglers", {}).items():
-        try:
-            stragglers[int(w)] = float(f)
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"run.stragglers.{w}: need a worker id and a number, got {f!r}"
-            ) from None
+    t, o, s, r, sim_table = (raw.get(k, {}) for k in TABLES)
+
+    # 1. everything that needs no task, in the order of the file
+    _check_task_table(t)
+    seed = _get(t, "task.seed", int, 0, low=0)
+    configured = _get(r, "run.runtime", str, "local")
+    for key, name in (("run.runtime", configured), ("--runtime", runtime)):
+        if name is not None and name not in RUNTIMES:
+            raise ConfigError(key, f"unknown runtime {name!r} (known: {', '.join(RUNTIMES)})")
+    runtime = runtime or configured
     workers = _get(r, "run.workers", int, 4, low=1)
-    try:
-        slowdowns(stragglers, workers)
-    except ValueError as e:
-        raise ConfigError(f"run.{e}") from None
-    delay = _get(r, "run.delay", float, 0.0, low=0)
+    _check_workers(workers, runtime, "run.workers")
+    steps = _get(r, "run.steps", int, 1000, low=1, high=MAX_STEPS)
+    delay = _get(r, "run.delay", float, 0.0, low=0, high=MAX_DELAY)
+    eval_interval = _get(r, "run.eval_interval", float, 0.5, low=0, open_low=True)
+    stragglers = _stragglers(r.get("stragglers"), workers)
+    stop_at = _stop_at(r.get("stop_at"))
+    consistency = _consistency(s)
+    staleness = _staleness(s)
+    shards = _get(s, "server.shards", int, 1, low=1, high=MAX_SHARDS)
+    optimizer = _optimizer(o)
+    sim_config = _sim(sim_table)
+    if runtime == "sim":
+        _check_sim_workers(sim_config, workers, "run.workers")
+
+    # 2. the task (a factory runs user code), its parameters, the job
+    task, paths = _task(t, base)
+    with _on_path(paths):
+        try:
+            params = task.init_params(seed)
+        except MemoryError as e:
+            raise ConfigError(
+                "task.args" if t.get("args") else "task",
+                f"the task's parameters do not fit in memory: {e or 'MemoryError'}",
+            ) from None
+        job = _job(params, optimizer, consistency, staleness, shards)
+        _check_batches(task, workers, seed, "run.workers")
+        metrics = _metric_names(task, params) if stop_at else None
+    for target in stop_at or ():
+        if target.metric not in metrics and target.metric != "train_loss":
+            raise ConfigError(
+                f"run.stop_at.{target.metric}",
+                f"not a metric of the task (its metrics: {', '.join((*metrics, 'train_loss'))})",
+            )
     train = {
         "workers": workers,
-        "steps": _get(r, "run.steps", int, 1000, low=1),
-        "runtime": _get(r, "run.runtime", str, "local"),
-        "eval_interval": _get(r, "run.eval_interval", float, 0.5, low=0),
+        "steps": steps,
+        "runtime": runtime,
+        "eval_interval": eval_interval,
         "stragglers": stragglers,
         "delays": dict.fromkeys(range(workers), delay) if delay else None,
-        "stop_at": _stop_at(r.get("stop_at")),
+        "stop_at": stop_at,
     }
-    try:
-        sim_config = SimConfig.from_dict(sim)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from None
-    if train["runtime"] not in RUNTIMES:
-        raise ConfigError(
-            f"run.runtime: unknown runtime {train['runtime']!r} (known: {', '.join(RUNTIMES)})"
-        )
-    return RunConfig(task, job, train, seed, sim_config, delay)
+    return RunConfig(task, job, train, seed, sim_config, delay, paths, metrics)
 
 
-def _get(table: dict, name: str, kind: type, default: Any, low: float | None = None) -> Any:
+# ----------------------------------------------------------------------------- values
+
+
+def _describe(kinds: Sequence[str]) -> str:
+    return " or ".join(dict.fromkeys(kinds))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _get(
+    table: dict,
+    name: str,
+    kind: type,
+    default: Any,
+    low: float | None = None,
+    high: float | None = None,
+    open_low: bool = False,
+) -> Any:
+    """``table[key]`` (the last part of ``name``) checked: its type, finite, in range."""
     value = table.get(name.split(".")[-1], default)
-    ok_types = (int, float) if kind is float else (kind,)
-    if not isinstance(value, ok_types) or isinstance(value, bool):
-        raise ConfigError(f"{name}: expected {kind.__name__}, got {value!r}")
-    if low is not None and value < low:
-        raise ConfigError(f"{name}: must be >= {low}, got {value!r}")
+    ok = {int: _is_int, float: _is_number, str: lambda v: isinstance(v, str)}[kind](value)
+    if not ok:
+        what = {int: "an integer", float: "a number", str: "a string"}[kind]
+        raise ConfigError(name, f"expected {what}, got {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(name, f"expected a finite number, got {value!r}")
+    if low is not None and (value <= low if open_low else value < low):
+        raise ConfigError(name, f"must be {'>' if open_low else '>='} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ConfigError(name, f"must be <= {high}, got {value!r}")
     return kind(value)
+
+
+def _check_workers(workers: int, runtime: str, key: str) -> None:
+    limit = max_workers(runtime)
+    if workers > limit:
+        what = "local worker processes" if runtime == "local" else f"workers on runtime {runtime!r}"
+        hint = f"; the simulator takes up to {MAX_WORKERS['sim']}" if runtime == "local" else ""
+        raise ConfigError(key, f"at most {limit} {what}, got {workers}{hint}")
+
+
+def _stragglers(spec: Any, workers: int) -> dict[int, float]:
+    """run.stragglers: a table {worker = slowdown factor}."""
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict):
+        example = "{ 3 = 4.0 }"
+        if isinstance(spec, list) and all(_is_number(f) for f in spec):
+            slow = [f"{w} = {f:g}" for w, f in enumerate(spec) if f != 1]
+            example = f"{{ {', '.join(slow)} }} for {spec!r}" if slow else "{ 3 = 4.0 }"
+        raise ConfigError(
+            "run.stragglers",
+            f"expected a table of worker = slowdown factor, such as {example}, got {spec!r}",
+        )
+    out = {}
+    for w, f in spec.items():
+        try:
+            worker = int(w)
+        except ValueError:
+            raise ConfigError(
+                "run.stragglers", f"expected worker ids (integers) as keys, got {w!r}"
+            ) from None
+        if not 0 <= worker < workers:
+            raise ConfigError(
+                "run.stragglers", f"unknown worker {worker} (workers are 0..{workers - 1})"
+            )
+        if not _is_number(f) or not math.isfinite(f):
+            raise ConfigError(
+                f"run.stragglers.{w}", f"expected a slowdown factor (a number >= 1), got {f!r}"
+            )
+        if f < 1:
+            raise ConfigError(f"run.stragglers.{w}", f"a slowdown factor must be >= 1, got {f!r}")
+        out[worker] = float(f)
+    return out
 
 
 def _stop_at(spec: Any) -> tuple[targets.Target, ...] | None:
     """run.stop_at as Targets (None if absent or empty); a bad entry names its key."""
+    if spec is not None and not isinstance(spec, dict):
+        raise ConfigError(
+            "run.stop_at",
+            f"expected a table of metric = value to reach such as stop_at = {{ accuracy = 0.95 }}; "
+            f"run.stop_at={spec!r} names no metric",
+        )
     try:
-        return targets.parse(spec, where="run.stop_at") or None
+        found = targets.parse(spec, where="run.stop_at") or None
     except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from None
+        error = _keyed(str(e), "run.stop_at")
+        if "should go down or up" in error.problem:
+            error.problem += (
+                f' (write {error.key.rpartition(".")[2]} = [value, "min"] or [value, "max"])'
+            )
+        raise error from None
+    return found
 
 
-def _task(t: dict) -> Any:
-    args = t.get("args", {})
-    if not isinstance(args, dict):
-        raise ConfigError(f"task.args: must be a table, got {args!r}")
+def _keyed(message: str, default_key: str) -> ConfigError:
+    """A ConfigError from a ``"key: problem"`` message (``default_key`` if it has no key)."""
+    key, sep, problem = message.partition(": ")
+    if sep and re.fullmatch(r"[\w.\[\]-]+", key) and key.startswith(default_key):
+        return ConfigError(key, problem)
+    return ConfigError(default_key, message)
+
+
+# ------------------------------------------------------------------ calling constructors
+
+
+def _kinds(annotation: Any) -> list[tuple[str, Callable[[Any], bool]]] | None:
+    """What a TOML value may be for a parameter annotation: (description, check) pairs.
+
+    None means "not checked" (no annotation, ``Any`` or a type we cannot read);
+    an empty list means nothing TOML can spell (a callable, a class) fits.
+    """
+    if annotation is inspect.Parameter.empty or annotation is Any or isinstance(annotation, str):
+        return None
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        found: list = []
+        for a in args:
+            k = _kinds(a)
+            if k is None:
+                return None
+            found += k
+        return found
+    if origin is typing.Literal:
+        return [(f"one of {', '.join(map(repr, args))}", lambda v: v in args)]
+    if annotation is bool:
+        return [("true or false", lambda v: isinstance(v, bool))]
+    if annotation is int:
+        return [("an integer", _is_int)]
+    if annotation is float:
+        return [("a number", _is_number)]
+    if annotation is str:
+        return [("a string", lambda v: isinstance(v, str))]
+    if annotation in (list, tuple) or origin in (list, tuple, Sequence, Iterable):
+        inner = [a for a in args if a is not Ellipsis]
+        elem = _kinds(typing.Union[tuple(inner)]) if inner else None  # noqa: UP007
+        if not elem:
+            return [("a list", lambda v: isinstance(v, list))]
+        names = _describe([_PLURALS.get(d, "values") for d, _ in elem])
+
+        def each(v: Any) -> bool:
+            return isinstance(v, list) and all(any(c(x) for _, c in elem) for x in v)
+
+        pairs = [(f"a list of {names}", each)]
+        if str in inner and origin is not list:  # a str is a sequence of str too
+            pairs.insert(0, ("a string", lambda v: isinstance(v, str)))
+        return pairs
+    if annotation is dict or origin in (dict, Mapping, typing.Mapping):
+        return [("a table", lambda v: isinstance(v, dict))]
+    return []
+
+
+_PLURALS = {"a string": "strings", "a number": "numbers", "an integer": "integers"}
+
+
+def _signature(fn: Any) -> inspect.Signature | None:
+    for kwargs in ({"eval_str": True}, {}):
+        try:
+            return inspect.signature(fn, **kwargs)
+        except (TypeError, ValueError, NameError, SyntaxError):
+            continue
+    return None
+
+
+def _call(
+    fn: Any,
+    kwargs: dict[str, Any],
+    where: str,
+    label: str,
+    *,
+    keys: Mapping[str, str] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    user_code: bool = False,
+) -> Any:
+    """Calls ``fn(**kwargs, **extra)`` after checking ``kwargs`` against its signature.
+
+    Unknown, missing and ill-typed keyword arguments are ConfigErrors naming
+    ``where.key`` (or ``keys[name]``); so are the ``TypeError``, ``ValueError`` and
+    ``OSError`` the call raises, named after the argument the message mentions
+    first (else ``where``, or ``task.factory`` for ``user_code``). ``extra``
+    arguments are passed unchecked.
+    """
+    keys = dict(keys or {})
+    extra = dict(extra or {})
+
+    def key_of(name: str) -> str:
+        return keys.get(name, f"{where}.{name}")
+
+    sig = _signature(fn)
+    if sig is not None:
+        params = sig.parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        named = [
+            n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+        for key in kwargs:
+            if key not in named and not takes_any:
+                known = ", ".join(
+                    keys.get(n, n).rpartition(".")[2] for n in named if n not in extra
+                )
+                known = f"known: {known}" if known else "it takes none"
+                raise ConfigError(key_of(key), f"unknown option for {label} ({known})")
+        missing = [
+            n
+            for n in named
+            if params[n].default is inspect.Parameter.empty and n not in kwargs and n not in extra
+        ]
+        if missing:
+            raise ConfigError(
+                key_of(missing[0]), f"missing: {label} needs {', '.join(map(key_of, missing))}"
+            )
+        for key, value in kwargs.items():
+            kinds = _kinds(params[key].annotation) if key in params else None
+            if kinds and not any(check(value) for _, check in kinds):
+                raise ConfigError(
+                    key_of(key), f"expected {_describe([d for d, _ in kinds])}, got {value!r}"
+                )
+    try:
+        return fn(**kwargs, **extra)
+    except (TypeError, ValueError, OSError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        message = re.sub(rf"^{re.escape(getattr(fn, '__name__', ''))}(\(\))?: ", "", message)
+        mentioned = [
+            (m.start(), name)
+            for name in kwargs
+            if (m := re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", message))
+        ]
+        if user_code:
+            message = f"{label} raised {type(e).__name__}: {message}"
+        if not mentioned:
+            raise ConfigError("task.factory" if user_code else where, message) from None
+        name = min(mentioned)[1]
+        if not user_code and message.startswith(f"{name} must "):
+            message = message[len(name) + 1 :]
+        raise ConfigError(key_of(name), message) from None
+
+
+# --------------------------------------------------------------------------- the tables
+
+
+def _check_task_table(t: dict) -> None:
     if ("name" in t) == ("factory" in t):
         raise ConfigError(
-            "task: give exactly one of task.name (built-in) or task.factory (module:function)"
+            "task", "give exactly one of task.name (built-in) or task.factory (module:function)"
         )
+    if "name" in t and not isinstance(t["name"], str):
+        raise ConfigError("task.name", f"expected a string, got {t['name']!r}")
+    if "name" in t and t["name"] not in tasks.names():
+        raise ConfigError(
+            "task.name", f"unknown task {t['name']!r} (known: {', '.join(tasks.names())})"
+        )
+    if "factory" in t:
+        target = t["factory"]
+        module, _, func = target.partition(":") if isinstance(target, str) else ("", "", "")
+        dotted = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
+        if not (re.fullmatch(dotted, module) and re.fullmatch(dotted, func)):
+            raise ConfigError(
+                "task.factory", f"expected 'module:function' such as 'mytask:make', got {target!r}"
+            )
+    if not isinstance(t.get("args", {}), dict):
+        raise ConfigError("task.args", f"must be a table, got {t['args']!r}")
+
+
+def _task(t: dict, base: str | os.PathLike[str] | None) -> tuple[Any, tuple[str, ...]]:
+    """Builds the task; returns it and the folders its factory's module was found in."""
+    args = t.get("args", {})
     if "name" in t:
         try:
-            return tasks.get(t["name"], **args)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"task.name: {e}") from None
+            cls = tasks.task_class(t["name"])
+        except ImportError as e:
+            raise ConfigError(
+                "task.name", f"task {t['name']!r} needs a package that is not installed: {e}"
+            ) from None
+        return _call(cls, args, "task.args", f"task {t['name']!r}"), ()
     target = t["factory"]
-    module, _, func = str(target).partition(":")
-    if not module or not func:
-        raise ConfigError(f"task.factory: expected 'module:function', got {target!r}")
+    factory, paths = _load_factory(target, base)
+    if not callable(factory):
+        raise ConfigError("task.factory", f"{target} is a {type(factory).__name__}, not a function")
+    with _on_path(paths):
+        task = _call(factory, args, "task.args", target, user_code=True)
+    _check_task_object(task, target)
+    return task, paths
+
+
+def _load_factory(target: str, base: str | os.PathLike[str] | None) -> tuple[Any, tuple[str, ...]]:
+    module, _, func = target.partition(":")
+    top = module.split(".")[0]
+    folders = list(dict.fromkeys(str(Path(d).resolve()) for d in (base, os.getcwd()) if d))
+    importlib.invalidate_caches()  # the module may have been written after start-up
+    found = next(
+        (d for d in folders if importlib.machinery.PathFinder.find_spec(top, [d]) is not None),
+        None,
+    )
+    paths = (found,) if found else ()
+    loaded = sys.modules.get(top)
+    if found and loaded is not None and not _is_under(loaded, found):
+        where = getattr(loaded, "__file__", None) or "a built-in module"
+        raise ConfigError(
+            "task.factory",
+            f"cannot load {target!r} from {found}: a module named {top!r} is already "
+            f"imported from {where}; rename your module",
+        )
     try:
-        factory = getattr(importlib.import_module(module), func)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"task.factory: cannot load {target!r}: {e}") from None
-    task = factory(**args)
-    missing = [
-        m for m in ("init_params", "loss_and_grad", "batches", "evaluate") if not hasattr(task, m)
-    ]
+        with _on_path(paths):
+            obj = importlib.import_module(module)
+    except (ImportError, SyntaxError) as e:
+        looked = ", ".join([*folders, "sys.path"])
+        raise ConfigError(
+            "task.factory", f"cannot load {target!r}: {e} (looked in {looked})"
+        ) from None
+    for part in func.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(
+                "task.factory", f"cannot load {target!r}: {module} has no {func!r}"
+            ) from None
+    return obj, paths
+
+
+def _is_under(module: types.ModuleType, folder: str) -> bool:
+    places = [getattr(module, "__file__", None), *getattr(module, "__path__", [])]
+    return any(p and Path(p).resolve().is_relative_to(folder) for p in places)
+
+
+@contextlib.contextmanager
+def _on_path(paths: Sequence[str], *, env: bool = False) -> Iterator[None]:
+    """Puts ``paths`` first on ``sys.path`` (and ``PYTHONPATH`` if ``env``) within the block."""
+    if not paths:
+        yield
+        return
+    added = [p for p in paths if p not in sys.path]
+    sys.path[:0] = added
+    old = os.environ.get("PYTHONPATH")
+    if env:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *([old] if old else [])])
+    try:
+        yield
+    finally:
+        for p in added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(p)
+        if env:
+            if old is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = old
+
+
+def _check_task_object(task: Any, target: str) -> None:
+    """A factory's object has the task methods, taking the arguments stalewise passes."""
+    missing = [m for m in TASK_METHODS if not callable(getattr(task, m, None))]
     if missing:
-        raise ConfigError(f"task.factory: {target} returned an object without {', '.join(missing)}")
-    return task
+        raise ConfigError(
+            "task.factory",
+            f"{target} returned {type(task).__name__}, without the task method(s) "
+            f"{', '.join(missing)} (see stalewise.tasks.Task)",
+        )
+    for method, arg_names in TASK_METHODS.items():
+        sig = _signature(getattr(task, method))
+        if sig is None:
+            continue
+        try:
+            sig.bind(*range(len(arg_names)))
+        except TypeError as e:
+            raise ConfigError(
+                "task.factory",
+                f"{target} returned a task whose {method}() cannot be called as "
+                f"{method}({', '.join(arg_names)}): {e}",
+            ) from None
+
+
+def _check_batches(task: Any, workers: int, seed: int, key: str) -> None:
+    """The task gives the last of ``workers`` workers a batch (stalewise's call, with the seed)."""
+    w = workers - 1
+    try:
+        next(iter(task.batches(w, workers, seed)))
+        return
+    except StopIteration:
+        problem = "gave no batches"
+    except (TypeError, ValueError) as e:
+        problem = f"failed: {e}"
+    call = f"task.batches({w}, {workers}, {seed})"
+    if workers > 1:
+        try:
+            next(iter(task.batches(0, 1, seed)))
+        except (StopIteration, TypeError, ValueError):
+            pass
+        else:  # one worker is fine: the count is the problem
+            raise ConfigError(key, f"the task cannot feed {workers} workers: {call} {problem}")
+    raise ConfigError("task", f"{call} {problem}")
+
+
+def _metric_names(task: Any, params: Any) -> tuple[str, ...]:
+    metrics = task.evaluate(params)
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(
+            "task", f"evaluate(params) must return a dict of metrics, got {type(metrics).__name__}"
+        )
+    return tuple(metrics)
+
+
+def _job(params: Any, optimizer: Any, consistency: Any, staleness: Any, shards: int) -> Job:
+    try:
+        return Job(
+            params,
+            optimizer=optimizer,
+            consistency=consistency,
+            staleness=staleness,
+            shards=shards,
+        )
+    except (TypeError, ValueError) as e:
+        if str(e).startswith("shards="):
+            size = tree.flatten(params)[1].size
+            raise ConfigError(
+                "server.shards", f"must be at most the number of parameters ({size}), got {shards}"
+            ) from None
+        raise ConfigError(
+            "task", f"init_params() gave parameters stalewise cannot use: {e}"
+        ) from None
 
 
 def _schedule(spec: Any) -> Any:
     if not isinstance(spec, dict) or "name" not in spec:
-        raise ConfigError(f"optimizer.schedule: expected a table with a name, got {spec!r}")
-    kwargs = {k: v for k, v in spec.items() if k != "name"}
-    if spec["name"] not in SCHEDULES:
         raise ConfigError(
-            f"optimizer.schedule.name: unknown schedule {spec['name']!r} (known: {', '.join(SCHEDULES)})"
+            "optimizer.schedule",
+            f'expected a table with a name, such as {{ name = "constant", value = 0.01 }}, got {spec!r}',
         )
-    return _call(getattr(optim, spec["name"]), kwargs, "optimizer.schedule")
+    name = spec["name"]
+    if name not in SCHEDULES:
+        raise ConfigError(
+            "optimizer.schedule.name",
+            f"unknown schedule {name!r} (known: {', '.join(SCHEDULES)})",
+        )
+    kwargs = {k: v for k, v in spec.items() if k != "name"}
+    return _call(getattr(optim, name), kwargs, "optimizer.schedule", name)
 
 
 def _optimizer(o: dict) -> Any:
     name = o.get("name", "sgd")
     if name not in OPTIMIZERS:
         raise ConfigError(
-            f"optimizer.name: unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})"
+            "optimizer.name", f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})"
         )
     kwargs = {k: v for k, v in o.items() if k not in ("name", "schedule")}
+    extra = {}
     if "schedule" in o:
         if "lr" in o:
-            raise ConfigError("optimizer: give optimizer.lr or optimizer.schedule, not both")
-        kwargs["lr"] = _schedule(o["schedule"])
-    for key in ("exclude_from_weight_decay", "exclude_from_adaptation"):
-        if key in kwargs:
-            kwargs[key] = tuple(kwargs[key])
-    return _call(getattr(optim, name), kwargs, "optimizer")
-
-
-def _call(fn: Any, kwargs: dict, where: str) -> Any:
-    params = inspect.signature(fn).parameters
-    for key in kwargs:
-        if key not in params:
-            raise ConfigError(
-                f"{where}.{key}: unknown option for {fn.__name__} (known: {', '.join(params)})"
-            )
-    try:
-        return fn(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {e}") from None
+            raise ConfigError("optimizer", "give optimizer.lr or optimizer.schedule, not both")
+        extra["lr"] = _schedule(o["schedule"])
+    keys = {"lr": "optimizer.lr"}
+    if "lr" not in o and "schedule" not in o:
+        raise ConfigError(
+            "optimizer.lr", f"missing: {name} needs optimizer.lr (or optimizer.schedule)"
+        )
+    return _call(getattr(optim, name), kwargs, "optimizer", name, keys=keys, extra=extra)
 
 
 def _consistency(s: dict) -> consistency_lib.Consistency:
-    try:
-        return consistency_lib.from_name(s.get("consistency", "asp"), s.get("bound"))
-    except ValueError as e:
-        raise ConfigError(f"server.consistency: {e}") from None
+    name = s.get("consistency", "asp")
+    if not isinstance(name, str) or name.lower() not in CONSISTENCY:
+        raise ConfigError(
+            "server.consistency",
+            f"unknown consistency model {name!r} (known: {', '.join(CONSISTENCY)})",
+        )
+    if name.lower() != "ssp":
+        if "bound" in s:
+            raise ConfigError(
+                "server.bound", f'only for consistency = "ssp", got consistency = {name!r}'
+            )
+        return consistency_lib.from_name(name)
+    return _call(
+        consistency_lib.SSP,
+        {"bound": s["bound"]} if "bound" in s else {},
+        "server",
+        "consistency ssp",
+    )
 
 
 def _staleness(s: dict) -> staleness_lib.Staleness:
-    kwargs = {k: s[k] for k in ("max_staleness", "dc_lambda") if k in s}
     name = s.get("staleness", "constant")
+    makers = {
+        "constant": staleness_lib.constant,
+        "inverse": staleness_lib.inverse,
+        "exponential": staleness_lib.exponential,
+        "polynomial": staleness_lib.polynomial,
+    }
+    if not isinstance(name, str) or name not in makers:
+        raise ConfigError(
+            "server.staleness", f"unknown staleness rule {name!r} (known: {', '.join(makers)})"
+        )
+    kwargs = {k: s[k] for k in ("max_staleness", "dc_lambda") if k in s}
+    keys = {k: f"server.{k}" for k in kwargs}
     if "staleness_param" in s:
-        kwargs[{"exponential": "base", "polynomial": "power"}.get(name, "staleness_param")] = s[
-            "staleness_param"
-        ]
+        if name not in STALENESS_PARAM:
+            raise ConfigError(
+                "server.staleness_param",
+                f'only for staleness = "exponential" (its base) or "polynomial" (its power), '
+                f"got staleness = {name!r}",
+            )
+        kwargs[STALENESS_PARAM[name]] = s["staleness_param"]
+        keys[STALENESS_PARAM[name]] = "server.staleness_param"
+    return _call(makers[name], kwargs, "server", f"staleness {name!r}", keys=keys)
+
+
+# ------------------------------------------------------------------------------- [sim]
+
+_SIM_LISTS = {
+    "slowdowns": sim_models.Slowdown,
+    "failures": sim_models.Failure,
+    "joins": sim_models.Join,
+}
+_SIM_TABLES = {"stragglers": sim_models.Stragglers}
+_SIM_KEYS = (
+    "compute",
+    "step_time",
+    "shift",
+    "rate",
+    "speeds",
+    "stragglers",
+    "slowdowns",
+    "failures",
+    "joins",
+    "model_bytes",
+    "latency",
+    "bandwidth",
+    "worker_bandwidth",
+    "shard_bandwidth",
+    "service_time",
+    "service_rate",
+)
+# "Owner.field = value: need" (stalewise.runtime.sim.models' messages)
+_SIM_MESSAGE = re.compile(r"^(?:sim: )?(\w+)\.([\w\[\].]+) = (.*?): (.*)$")
+
+
+def _sim_problem(error: Exception) -> tuple[str | None, str]:
+    """(field, problem) from a SimConfig error message."""
+    message = str(error).removeprefix("sim: ")
+    m = _SIM_MESSAGE.match(message)
+    if m is not None:
+        return m.group(2), f"{m.group(4)}, got {m.group(3)}"
+    m = re.match(r"^(\w+) = (.*?): (.*)$", message)  # "compute = 'gauss': known models ..."
+    if m is not None:
+        return m.group(1), f"{m.group(3)}, got {m.group(2)}"
+    return None, message
+
+
+def _sim(table: dict) -> SimConfig:
+    """The [sim] table as a SimConfig; an error names the key (``sim.failures[0].worker``)."""
     try:
-        return staleness_lib.from_name(name, **kwargs)
+        return SimConfig.from_dict(table)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"server.staleness: {e}") from None
+        error = e
+    for key in table:
+        if key not in _SIM_KEYS:
+            raise ConfigError(
+                f"sim.{key}", f"unknown option (known: {', '.join(sorted(_SIM_KEYS))})"
+            )
+    context = {"compute": table["compute"]} if "compute" in table else {}
+    for key in sorted(table, key=lambda k: k != "compute"):  # the others need a good compute
+        value = table[key]
+        kind = _SIM_LISTS.get(key) or _SIM_TABLES.get(key)
+        items = [value]
+        if key == "speeds" and not isinstance(value, list):
+            raise ConfigError(
+                "sim.speeds", f"expected a list of numbers (one per worker), got {value!r}"
+            )
+        if key in _SIM_LISTS:
+            if not isinstance(value, list):
+                raise ConfigError(
+                    f"sim.{key}", f"expected a list of tables ({_sim_fields(kind)}), got {value!r}"
+                )
+            items = value
+        for i, item in enumerate(items):
+            where = f"sim.{key}[{i}]" if key in _SIM_LISTS else f"sim.{key}"
+            if kind is not None:
+                _check_sim_table(where, item, kind)
+            try:
+                SimConfig.from_dict({**context, key: [item] if key in _SIM_LISTS else item})
+            except (TypeError, ValueError) as e:
+                name, problem = _sim_problem(e)
+                sub = f".{name}" if kind is not None and name and "[" not in name else ""
+                raise ConfigError(where + sub, problem) from None
+    name, problem = _sim_problem(error)
+    raise ConfigError(f"sim.{name}" if name else "sim", problem)
+
+
+def _sim_fields(kind: type) -> str:
+    return ", ".join(f.name for f in fields(kind))
+
+
+def _check_sim_table(where: str, item: Any, kind: type) -> None:
+    if not isinstance(item, dict):
+        raise ConfigError(where, f"expected a table ({_sim_fields(kind)}), got {item!r}")
+    known = {f.name for f in fields(kind)}
+    for k in item:
+        if k not in known:
+            raise ConfigError(f"{where}.{k}", f"unknown option (known: {_sim_fields(kind)})")
+
+
+def _check_sim_workers(sim: SimConfig, workers: int, key: str) -> None:
+    try:
+        sim.check_workers(workers)
+    except (TypeError, ValueError) as e:
+        name, problem = _sim_problem(e)
+        raise ConfigError(
+            f"sim.{name}" if name else "sim", f"{problem} (with {key} = {workers})"
+        ) from None

@@ -12,12 +12,14 @@ trust ratio clipped at 10) and the same emulated compute time per step.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
 from stalewise import optim, report, tasks
 from stalewise import staleness as st
 from stalewise.api import Job
+from stalewise.config import MAX_DELAY, ConfigError, max_workers
 from stalewise.consistency import ASP, BSP
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,35 @@ def runs() -> list[tuple[str, Any, Any]]:
     ]
 
 
+def check_args(
+    workers: int = 4, slowdown: float = 4.0, delay: float = 0.008, steps: int = 1200
+) -> None:
+    """Checks the demo's arguments before anything starts.
+
+    Raises:
+        ConfigError: whose ``key`` is the bad argument's name (``workers``).
+    """
+    for name, value in (("workers", workers), ("steps", steps)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(name, f"expected an integer, got {value!r}")
+        if value < 1:
+            raise ConfigError(name, f"must be >= 1, got {value!r}")
+    for name, value, low, high in (
+        ("slowdown", slowdown, 1.0, 1e6),
+        ("delay", delay, 0.0, MAX_DELAY),
+    ):
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok:
+            raise ConfigError(name, f"expected a finite number, got {value!r}")
+        if not low <= value <= high:
+            raise ConfigError(name, f"must be in [{low:g}, {high:g}], got {value!r}")
+    if workers > max_workers("local"):
+        raise ConfigError("workers", f"at most {max_workers('local')}, got {workers}")
+    limit = tasks.get("digits").num_train  # every worker needs a training example
+    if workers > limit:
+        raise ConfigError("workers", f"at most {limit} for the digits demo, got {workers}")
+
+
 def run(
     out: Path,
     *,
@@ -44,6 +75,7 @@ def run(
     progress: bool = True,
 ) -> list[dict]:
     """Runs the demo, writes ``metrics.jsonl`` and ``demo.png`` into ``out``; returns table rows."""
+    check_args(workers, slowdown, delay, steps)
     task = tasks.get("digits")
     rows = []
     records: list[dict] = []

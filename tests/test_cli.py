@@ -5,7 +5,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import zlib
 
+import numpy as np
 import pytest
 
 from stalewise import config
@@ -59,7 +61,7 @@ def test_train_runs_a_config_and_writes_metrics_and_plot(tmp_path, capsys, no_le
         (("[run]", "[runn]"), "runn: unknown table"),
         (('name = "adam"', 'name = "adam"\nb3 = 0.1'), "optimizer.b3: unknown option for adam"),
         (('name = "adam"', 'name = "adagrad"'), "optimizer.name: unknown optimizer 'adagrad'"),
-        (("workers = 2", 'workers = "two"'), "run.workers: expected int, got 'two'"),
+        (("workers = 2", 'workers = "two"'), "run.workers: expected an integer, got 'two'"),
         (("workers = 2", "workers = 0"), "run.workers: must be >= 1, got 0"),
         (("shards = 2", "shards = 2\nreplicas = 3"), "server.replicas: unknown option"),
         (
@@ -170,3 +172,349 @@ def test_version_and_python_dash_m():
         proc = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == f"stalewise {stalewise.__version__}"
+
+
+# ------------------------------------------------------------ a newcomer's user errors
+
+
+def _one_error_line(capsys, key):
+    """The stderr of a failed command: exactly one line, naming ``key``, no traceback."""
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"stalewise: {key}: "), lines[0]
+    assert "Traceback" not in captured.err + captured.out
+    return lines[0]
+
+
+DIGITS_TASK = 'name = "digits"\nargs = { hidden = "64" }'
+LS_TASK = 'name = "least-squares"\nargs = { n = 256, d = 16 }'
+LR_LINE = 'schedule = { name = "warmup_cosine", peak = 0.05, warmup = 10, total = 300 }'
+
+
+@pytest.mark.parametrize(
+    ("edit", "argv", "key", "problem"),
+    [
+        pytest.param(
+            ("stragglers = { 1 = 2.0 }", "stragglers = [1.0, 4.0]"),
+            ["train"],
+            "run.stragglers",
+            "expected a table of worker = slowdown factor, such as { 1 = 4 } for [1.0, 4.0]",
+            id="stragglers-list",
+        ),
+        pytest.param(
+            ("delay = 0.001", "delay = 0.001\nstop_at = 0.95"),
+            ["train"],
+            "run.stop_at",
+            "expected a table of metric = value to reach",
+            id="stop_at-number",
+        ),
+        pytest.param(
+            (LS_TASK, DIGITS_TASK),
+            ["train"],
+            "task.args.hidden",
+            "expected an integer, got '64'",
+            id="task-args-type",
+        ),
+        pytest.param(
+            (LR_LINE, 'lr = "0.01"'),
+            ["train"],
+            "optimizer.lr",
+            "expected a number, got '0.01'",
+            id="lr-string",
+        ),
+        pytest.param(
+            None,
+            ["sim", "--values", "1,2", "--target", "0.9", "--metric", "acc"],
+            "--metric",
+            "expected a metric of the task's evaluate() (loss, distance), got 'acc'",
+            id="sim-metric",
+        ),
+        pytest.param(
+            None,
+            ["sim", "--values", "asp,ssp4", "--target", "0.9"],
+            "--values",
+            "expected worker counts such as 1,4,16, got 'asp'",
+            id="sim-values-workers",
+        ),
+        pytest.param(
+            None,
+            ["sim", "--over", "consistency", "--values", "asp,ssp4", "--target", "0.9"],
+            "--values",
+            "expected consistency models such as asp,ssp:4,bsp, got 'ssp4'",
+            id="sim-values-consistency",
+        ),
+        pytest.param(
+            None, ["demo", "--workers", "0"], "--workers", "must be >= 1, got 0", id="demo"
+        ),
+        # more of the same kind
+        pytest.param(
+            None, ["demo", "--workers", "two"], "--workers", "invalid int value", id="demo-int"
+        ),
+        pytest.param(
+            None, ["demo", "--slowdown", "0.5"], "--slowdown", "got 0.5", id="demo-slowdown"
+        ),
+        pytest.param(
+            None,
+            ["sim", "--values", "1", "--target", "nan"],
+            "--target",
+            "expected a finite number, got nan",
+            id="sim-target",
+        ),
+        pytest.param(
+            None, ["train", "--runtime", "ray"], "--runtime", "unknown runtime 'ray'", id="runtime"
+        ),
+        pytest.param(
+            ("shards = 2", "shards = 2\nmax_staleness = -1"),
+            ["train"],
+            "server.max_staleness",
+            "must be >= 0, got -1",
+            id="library-value-error",
+        ),
+        pytest.param(
+            ("eval_interval = 0.05", "eval_interval = 0.05\nworker = 3"),
+            ["train"],
+            "run.worker",
+            "unknown option (known: delay, eval_interval, runtime, steps, stop_at, stragglers, workers)",
+            id="unknown-key",
+        ),
+        pytest.param(
+            ('name = "adam"', 'name = "adam"\nb1 = 1.5'),
+            ["train"],
+            "optimizer.b1",
+            "must be in [0, 1), got 1.5",
+            id="optimizer-range",
+        ),
+        pytest.param(
+            ("[run]", '[sim]\nfailures = [{ worker = "a", time = 1.0 }]\n\n[run]'),
+            ["train"],
+            "sim.failures[0].worker",
+            "must be a worker id (an integer >= 0), got 'a'",
+            id="sim-table",
+        ),
+    ],
+)
+def test_user_errors_are_one_line_naming_the_key(tmp_path, capsys, edit, argv, key, problem):
+    cfg = write(tmp_path, LS_CONFIG.replace(*edit, 1) if edit else LS_CONFIG)
+    assert edit is None or edit[0] in LS_CONFIG
+    out = tmp_path / "run"
+    command, *flags = argv
+    if command != "demo":
+        flags = [str(cfg), *flags]
+    assert main([command, *flags, "--out", str(out), "-q"]) == 2
+    line = _one_error_line(capsys, key)
+    assert problem in line, line
+    assert "config error" in line or "--help" in line
+    assert not out.exists(), "nothing may start before the flags and the config are checked"
+
+
+@pytest.mark.parametrize(
+    ("edit", "argv", "key", "problem"),
+    [
+        (("workers = 2", "workers = 5000"), [], "run.workers", "at most 4096 local worker"),
+        (
+            ("workers = 2", 'workers = 20000\nruntime = "sim"'),
+            [],
+            "run.workers",
+            "at most 16384 workers on runtime 'sim'",
+        ),
+        (("shards = 2", "shards = 5000"), [], "server.shards", "must be <= 1024, got 5000"),
+        (("steps = 300", "steps = 10_000_000_000"), [], "run.steps", "must be <= 1000000000"),
+        (("delay = 0.001", "delay = 1e9"), [], "run.delay", "must be <= 3600"),
+        (None, ["--values", "1,100000"], "--values", "worker counts must be in 1..16384"),
+    ],
+)
+def test_absurd_sizes_are_refused_before_anything_is_made(
+    tmp_path, capsys, monkeypatch, edit, argv, key, problem
+):
+    def nothing_may_be_made(*args, **kwargs):
+        raise AssertionError("made before the sizes were checked")
+
+    monkeypatch.setattr(config, "Job", nothing_may_be_made)
+    monkeypatch.setattr(config.tasks, "task_class", nothing_may_be_made)
+    cfg = write(tmp_path, LS_CONFIG.replace(*edit, 1) if edit else LS_CONFIG)
+    command = ["sim", str(cfg), *argv, "--target", "1"] if argv else ["train", str(cfg)]
+    assert main([*command, "--out", str(tmp_path / "run"), "-q"]) == 2
+    assert problem in _one_error_line(capsys, key)
+
+
+def test_sizes_that_need_the_task_are_refused_by_key(tmp_path, capsys):
+    cfg = write(tmp_path, LS_CONFIG.replace("shards = 2", "shards = 17"))  # d = 16 parameters
+    assert main(["train", str(cfg), "-q"]) == 2
+    line = _one_error_line(capsys, "server.shards")
+    assert "at most the number of parameters (16), got 17" in line
+    cfg = write(tmp_path, LS_CONFIG.replace("workers = 2", "workers = 300"))  # n = 256 examples
+    assert main(["train", str(cfg), "-q"]) == 2
+    assert "300 workers but only 256 training examples" in _one_error_line(capsys, "run.workers")
+    assert main(["demo", "--workers", "100000", "-q"]) == 2
+    assert "at most" in _one_error_line(capsys, "--workers")
+
+
+# ------------------------------------------------------- task factories next to the config
+
+# A task written to the documented contract: batches(worker, workers, seed) has no
+# default for seed, so any caller that passes two arguments fails.
+FACTORY_MODULE = """
+import numpy as np
+
+
+class Quadratic:
+    name = "quadratic"
+
+    def __init__(self, d: int = 8, origin: str = "{origin}"):
+        self.d, self.origin = d, origin
+
+    def init_params(self, seed):
+        return {{"x": np.zeros(self.d, np.float32)}}
+
+    def loss_and_grad(self, params, batch):
+        diff = params["x"] - batch
+        return float(0.5 * (diff**2).mean()), {{"x": diff}}
+
+    def batches(self, worker, workers, seed):
+        rng = np.random.default_rng([seed, worker])
+        while True:
+            yield (1.0 + 0.01 * rng.standard_normal(self.d)).astype(np.float32) + 0 * seed
+
+    def evaluate(self, params):
+        return {{"loss": float(0.5 * ((params["x"] - 1.0) ** 2).mean()), "seed_seen": -1.0}}
+
+
+def make(d: int = 8):
+    return Quadratic(d)
+"""
+
+FACTORY_CONFIG = """
+[task]
+factory = "{module}:make"
+args = {{ d = 4 }}
+seed = 7
+
+[optimizer]
+name = "sgd"
+lr = 0.1  # stable at the staleness of a few that two fast workers see
+
+[run]
+workers = 2
+steps = 200
+eval_interval = 0.05
+stop_at = {{ loss = 1e-3 }}
+runtime = "local"
+"""
+
+
+@pytest.fixture
+def fresh_modules():
+    """Names of user modules a test imports; they are dropped from sys.modules afterwards."""
+    names = []
+    yield names
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def _factory(folder, module, origin):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{module}.py").write_text(FACTORY_MODULE.format(origin=origin))
+
+
+def test_factory_next_to_the_config_trains_on_local_workers(
+    tmp_path, monkeypatch, capsys, fresh_modules, no_leaks
+):
+    module = "stalewise_test_task_cfgdir"
+    fresh_modules.append(module)
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    _factory(project, module, "config folder")
+    cfg = write(project, FACTORY_CONFIG.format(module=module))
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    path_before = list(sys.path)
+    out = tmp_path / "run"
+    assert main(["train", str(cfg), "--out", str(out), "-q"]) == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # the spawned workers trained: the loss at the initial x = 0 is 0.5
+    assert records[-1]["pushes"] >= 20 and records[-1]["loss"] < 0.05
+    assert sys.path == path_before and "PYTHONPATH" not in os.environ  # both restored
+
+
+def test_factory_in_the_cwd_and_the_seed_contract(tmp_path, monkeypatch, capsys, fresh_modules):
+    module = "stalewise_test_task_cwd"
+    fresh_modules.append(module)
+    monkeypatch.chdir(tmp_path)
+    _factory(tmp_path, module, "cwd")
+    (tmp_path / "configs").mkdir()
+    cfg = write(tmp_path / "configs", FACTORY_CONFIG.format(module=module))
+    path_before = list(sys.path)
+    loaded = config.load(cfg)
+    assert loaded.task.origin == "cwd" and loaded.paths == (str(tmp_path.resolve()),)
+    assert sys.path == path_before
+    # the contract: stalewise calls batches(worker, workers, seed), seed = task.seed
+    expected = next(loaded.task.batches(1, 2, 7))
+    np.testing.assert_array_equal(next(loaded.data(1, 2)), expected)
+    assert main(["train", str(cfg), "--runtime", "sim", "--out", str(tmp_path / "r1"), "-q"]) == 0
+    argv = ["sim", str(cfg), "--values", "1,2", "--target", "1e-3", "--out", str(tmp_path / "r2")]
+    assert main([*argv, "-q"]) == 0
+    assert "P=2" in capsys.readouterr().out
+    assert sys.path == path_before
+
+
+def test_the_config_folder_comes_before_the_cwd(tmp_path, monkeypatch, fresh_modules):
+    module = "stalewise_test_task_both"
+    fresh_modules.append(module)
+    _factory(tmp_path / "project", module, "config folder")
+    _factory(tmp_path / "cwd", module, "cwd")
+    monkeypatch.chdir(tmp_path / "cwd")
+    cfg = write(tmp_path / "project", FACTORY_CONFIG.format(module=module))
+    assert config.load(cfg).task.origin == "config folder"
+
+
+@pytest.mark.parametrize(
+    ("source", "factory", "key", "problem"),
+    [
+        (
+            "",
+            "stalewise_test_nothing_here:make",
+            "task.factory",
+            "cannot load 'stalewise_test_nothing_here:make': No module named",
+        ),
+        (
+            "def make(d):\n    return object()\n",
+            "{module}:make",
+            "task.factory",
+            "without the task method(s) init_params, loss_and_grad, batches, evaluate",
+        ),
+        ("def make(d):\n    return 3\n", "{module}:nope", "task.factory", "has no 'nope'"),
+        (
+            FACTORY_MODULE.format(origin="x").replace(
+                "def batches(self, worker, workers, seed)", "def batches(self, worker, workers)"
+            ),
+            "{module}:make",
+            "task.factory",
+            "cannot be called as batches(worker, workers, seed)",
+        ),
+        ("def make():\n    pass\n", "{module}:make", "task.args.d", "unknown option"),
+        (
+            "def make(d):\n    raise ValueError(f'd={d} is too small')\n",
+            "{module}:make",
+            "task.args.d",
+            "{module}:make raised ValueError: d=4 is too small",
+        ),
+        (
+            "def make(d):\n    return open('/no/such/folder/data.csv')\n",
+            "{module}:make",
+            "task.factory",
+            "{module}:make raised FileNotFoundError",
+        ),
+    ],
+)
+def test_bad_factories_are_reported_by_key(
+    tmp_path, capsys, fresh_modules, source, factory, key, problem
+):
+    module = f"stalewise_test_bad_{zlib.crc32(source.encode())}"
+    fresh_modules.append(module)
+    if source:
+        (tmp_path / f"{module}.py").write_text(source)
+    text = FACTORY_CONFIG.replace("{module}:make", factory).format(module=module)
+    cfg = write(tmp_path, text)
+    assert main(["train", str(cfg), "-q"]) == 2
+    assert problem.format(module=module) in _one_error_line(capsys, key)

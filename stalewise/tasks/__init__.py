@@ -1,9 +1,11 @@
 """Built-in tasks for the demo, the tests and the benchmarks.
 
 A task (see :class:`~stalewise.tasks.base.Task`) owns a model, its data and
-its loss: ``init_params``, ``loss_and_grad``, ``batches`` (one disjoint shard
-per worker) and ``evaluate``. Build one by name with :func:`get`; backends
-(torch, jax) are imported only when their task is requested.
+its loss: ``init_params(seed)``, ``loss_and_grad(params, batch)``,
+``batches(worker, workers, seed)`` (one disjoint shard per worker) and
+``evaluate(params)``. Build one by name with :func:`get`; backends (torch, jax)
+are imported only when their task is requested. :func:`with_seed` binds the
+seed, giving the ``data(worker, workers)`` that ``Job.train`` calls.
 
 | name            | backend | model                          | evaluate keys        |
 | --------------- | ------- | ------------------------------ | -------------------- |
@@ -18,9 +20,18 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from stalewise.tasks.base import Task, shard_batches, shard_indices
+from stalewise.tasks.base import SeededTask, Task, shard_batches, shard_indices, with_seed
 
-__all__ = ["Task", "get", "names", "shard_batches", "shard_indices"]
+__all__ = [
+    "SeededTask",
+    "Task",
+    "get",
+    "names",
+    "shard_batches",
+    "shard_indices",
+    "task_class",
+    "with_seed",
+]
 
 _REGISTRY: dict[str, tuple[str, str]] = {
     "digits": ("stalewise.tasks.digits", "Digits"),
@@ -59,9 +70,21 @@ def get(name: str, **kwargs: Any) -> Task:
         >>> task.name, task.hidden
         ('digits', 16)
     """
+    return task_class(name)(**kwargs)
+
+
+def task_class(name: str) -> type:
+    """The class of a built-in task (importing its backend), e.g. to read its signature.
+
+    Raises:
+        ValueError: if ``name`` is unknown (the message lists the known names).
+
+    Example:
+        >>> task_class("least-squares").__name__
+        'LeastSquares'
+    """
     try:
         module_name, class_name = _REGISTRY[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(names())}") from None
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(**kwargs)
+    return getattr(importlib.import_module(module_name), class_name)

@@ -12,6 +12,13 @@ Sharding contract: for a fixed task, ``batches(w, W, seed)`` for
 union is the whole training set. Each epoch over a shard is reshuffled with a
 generator seeded by ``(seed, worker, epoch)``, so a run is reproducible and
 workers do not walk their shards in lock-step.
+
+Calling contract: stalewise's configs (``stalewise train``, ``stalewise sim``)
+call ``task.batches(worker, workers, seed)`` with three positional arguments,
+through :func:`with_seed`, which turns it into the ``data(worker, workers)``
+that ``Job.train`` and the runtimes call. A task written for configs may
+therefore require ``seed``; the built-in tasks default it to 0, so that
+``data=task.batches`` can also be passed to ``Job.train`` directly.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Task", "shard_batches", "shard_indices"]
+__all__ = ["SeededTask", "Task", "shard_batches", "shard_indices", "with_seed"]
 
 
 @runtime_checkable
@@ -61,12 +68,112 @@ class Task(Protocol):
         ...
 
     def batches(self, worker: int, workers: int, seed: int = 0) -> Iterator[Any]:
-        """Returns an endless iterator over minibatches of ``worker``'s shard."""
+        """Returns an endless iterator over minibatches of ``worker``'s shard.
+
+        Called as ``batches(worker, workers, seed)`` by configs (see :func:`with_seed`).
+        """
         ...
 
     def evaluate(self, params: Any) -> dict[str, float]:
         """Returns held-out metrics: at least ``"loss"``."""
         ...
+
+
+class SeededTask:
+    """A task whose ``batches(worker, workers)`` passes a fixed ``seed``: see :func:`with_seed`.
+
+    ``loss_and_grad`` and ``evaluate`` are the task's own (bound) methods, so
+    they pickle as the task does; ``batches`` pickles with this wrapper, which
+    holds only the task and the seed.
+    """
+
+    def __init__(self, task: Any, seed: int = 0) -> None:
+        self.task = task
+        self.seed = seed
+
+    def __repr__(self) -> str:
+        return f"with_seed({self.task!r}, {self.seed!r})"
+
+    @property
+    def name(self) -> str:
+        return getattr(self.task, "name", type(self.task).__name__)
+
+    @property
+    def loss_and_grad(self) -> Any:
+        return self.task.loss_and_grad
+
+    @property
+    def evaluate(self) -> Any:
+        return self.task.evaluate
+
+    def init_params(self, seed: int | None = None) -> Any:
+        """The task's ``init_params``, with this seed unless another is given."""
+        return self.task.init_params(self.seed if seed is None else seed)
+
+    def batches(self, worker: int, workers: int, seed: int | None = None) -> Iterator[Any]:
+        """The task's ``batches(worker, workers, seed)``, with this seed unless another is given."""
+        return self.task.batches(worker, workers, self.seed if seed is None else seed)
+
+
+def with_seed(task: Any, seed: int = 0) -> SeededTask:
+    """The task with ``seed`` bound: its ``batches`` is the ``data(worker, workers)`` of ``Job.train``.
+
+    This is how configs call a task: ``task.batches(worker, workers, seed)``,
+    always with the three arguments.
+
+    Example:
+        >>> from stalewise import tasks
+        >>> task = tasks.get("least-squares", n=64, d=4)
+        >>> seeded = with_seed(task, 3)
+        >>> a, _ = next(seeded.batches(1, 2))
+        >>> bool((a == next(task.batches(1, 2, 3))[0]).all())
+        True
+    """
+    return SeededTask(task, seed)
+
+
+def check_int(name: str, value: Any, low: int = 1) -> int:
+    """Returns ``value`` if it is an integer >= ``low``, else raises ValueError naming ``name``.
+
+    Example:
+        >>> check_int("hidden", 64)
+        64
+        >>> check_int("hidden", "64")
+        Traceback (most recent call last):
+        ...
+        ValueError: hidden must be an integer >= 1, got '64'
+    """
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_number(
+    name: str, value: Any, low: float, high: float = np.inf, *, open_: str = ""
+) -> float:
+    """Returns ``value`` as a float if it is a finite number in the interval, else raises ValueError.
+
+    The interval is closed unless ``open_`` names an open end ("low", "high" or "both").
+
+    Example:
+        >>> check_number("noise", 0.5, 0.0)
+        0.5
+        >>> check_number("test_fraction", 1.0, 0.0, 1.0, open_="both")
+        Traceback (most recent call last):
+        ...
+        ValueError: test_fraction must be a number in (0, 1), got 1.0
+    """
+    lo_open, hi_open = open_ in ("low", "both"), open_ in ("high", "both")
+    ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+    x = float(value) if ok else np.nan
+    inside = (x > low if lo_open else x >= low) and (x < high if hi_open else x <= high)
+    if not (np.isfinite(x) and inside):
+        interval = f"{'(' if lo_open else '['}{low:g}, {high:g}{')' if hi_open else ']'}"
+        if high == np.inf:
+            interval = f"{'>' if lo_open else '>='} {low:g}"
+            raise ValueError(f"{name} must be a finite number {interval}, got {value!r}")
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+    return x
 
 
 def shard_indices(n: int, worker: int, workers: int) -> np.ndarray:

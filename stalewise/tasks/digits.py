@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stalewise.tasks.base import shard_batches
+from stalewise.tasks.base import check_int, check_number, shard_batches
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +178,9 @@ class Digits:
         split_seed: int = 0,
     ) -> None:
         _check_activation(activation)
-        if hidden < 1 or batch_size < 1:
-            raise ValueError(f"hidden and batch_size must be positive: {hidden}, {batch_size}")
+        hidden, batch_size = check_int("hidden", hidden), check_int("batch_size", batch_size)
+        check_number("test_fraction", test_fraction, 0.0, 1.0, open_="both")
+        split_seed = check_int("split_seed", split_seed, low=0)
         self.hidden = hidden
         self.activation = activation
         self.batch_size = batch_size

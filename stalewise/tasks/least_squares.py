@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.tasks.base import shard_batches
+from stalewise.tasks.base import check_int, check_number, shard_batches
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +76,12 @@ class LeastSquares:
         exact: bool = False,
         seed: int = 0,
     ) -> None:
-        if n < 1 or d < 1 or batch_size < 1:
-            raise ValueError(f"n, d and batch_size must be positive: {n}, {d}, {batch_size}")
-        if noise < 0 or condition < 1:
-            raise ValueError(f"need noise >= 0 and condition >= 1: {noise}, {condition}")
+        n, d, batch_size = check_int("n", n), check_int("d", d), check_int("batch_size", batch_size)
+        check_number("noise", noise, 0.0)
+        check_number("condition", condition, 1.0)
+        if not isinstance(exact, bool | np.bool_):
+            raise ValueError(f"exact must be true or false, got {exact!r}")
+        seed = check_int("seed", seed, low=0)
         self.n, self.d = n, d
         self.noise = noise
         self.condition = condition
