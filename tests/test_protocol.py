@@ -130,3 +130,14 @@ def test_the_verdict_decides_for_every_shard():
     assert v.kind == "too_stale" and v.detail == 3
     assert "staleness 3 exceeds max_staleness 2" in v.message(max_staleness=2)
     assert commit.judge(np.ones(4, np.float32), seg, [5, 2], [5, 4], rule, whole=True).ok
+
+
+def test_a_bsp_round_left_by_its_last_worker_is_still_applied():
+    """Pushes merged into a round were acknowledged as applied: they must not vanish."""
+    shard = shard_of(consistency=BSP())
+    shard.push(PushHeader(0, 0, 0, 1), ones())
+    shard.leave(0)  # worker 0 goes first: the round still waits for worker 1
+    assert shard.version == 0
+    shard.leave(1)  # worker 1 leaves without pushing: the round closes with worker 0's push
+    assert shard.version == 1
+    np.testing.assert_array_equal(shard.params, -ones())

@@ -326,9 +326,16 @@ class Shard:
         self._round_count += 1
 
     def _maybe_close_round(self) -> None:
+        """Applies the round's mean once no live worker owes a push to it.
+
+        When the last live worker leaves, a round holding merged pushes is applied
+        too: those pushes were acknowledged as applied.
+        """
         if not self.consistency.averages_rounds:
             return
-        if not self._clocks.live or self._round_waiting:
+        if self._clocks.live and self._round_waiting:
+            return
+        if not self._clocks.live and not self._round_count:
             return
         if self._round_count:
             assert self._round_sum is not None

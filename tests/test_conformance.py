@@ -1,0 +1,147 @@
+"""Conformance: the simulator and the local runtime end in bit-identical shard states.
+
+One scripted job runs in the simulator, whose fixed step times fix the order of
+every pull and push; the trace of that order is then replayed through the local
+runtime's real shard processes and clients. The protocol (the commit rule,
+staleness, clocks, sequence numbers, incarnations, the optimizer) must leave the
+very same bits in both, including refused pushes (a NaN in one shard's slice,
+a push too stale).
+"""
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+
+import stalewise as sw
+from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.sim.engine import Simulation
+from stalewise.runtime.sim.models import Fixed, Network, Service, WorkerTiming
+
+STEP = {0: 1.0, 1: 1.7}  # virtual seconds per step of each worker: no two events tie
+N = 6  # elements per leaf; with 2 shards, leaf "a" is on shard 0 and "b" on shard 1
+
+
+def scripted_grads(params, batch):
+    """A deterministic update from the pulled params; worker 1's 2nd push has a NaN in "b"."""
+    w, k = batch
+    a, b = params["a"], params["b"]
+    ga = ((a - (w + 1.0)) * np.float32(0.5) + np.float32(0.01 * k)).astype(np.float32)
+    gb = (b * np.float32(0.25) - np.float32(1.0 + w)).astype(np.float32)
+    if (w, k) == (1, 1):
+        gb[1] = np.nan
+    return float(np.abs(ga).sum()), {"a": ga, "b": gb}
+
+
+def scripted_data(worker, workers):
+    return ((worker, k) for k in itertools.count())
+
+
+CASES = {
+    "asp-constant": dict(consistency=sw.ASP(), staleness=sw.staleness.constant()),
+    "asp-inverse-max1-dc": dict(
+        consistency=sw.ASP(), staleness=sw.staleness.inverse(max_staleness=1, dc_lambda=0.1)
+    ),
+    "ssp1-polynomial": dict(consistency=sw.SSP(1), staleness=sw.staleness.polynomial(0.5)),
+    "bsp": dict(consistency=sw.BSP(), staleness=sw.staleness.constant()),
+}
+
+
+def make_job(case):
+    params = {"a": np.linspace(-1, 1, N, dtype=np.float32), "b": np.ones(N, np.float32)}
+    return sw.Job(params, optimizer=sw.optim.adam(0.05), shards=2, **CASES[case])
+
+
+def run_sim(job, steps):
+    """Runs the job in the simulator; returns the shards' states and the order of events.
+
+    The order is what each shard handled, in turn: ``("pull", w)`` and
+    ``("push", w, seq)`` (the push of worker ``w``'s step ``seq``).
+    """
+    cfg = SimConfig(
+        compute=Fixed(1.0),
+        network=Network(latency=1e-6, bandwidth=math.inf),
+        service=Service(0, math.inf),
+    )
+    timing = WorkerTiming(cfg, 2, factors=[STEP[0], STEP[1]], delays=[0.0, 0.0], seed=0)
+    fns = (scripted_grads, scripted_data, job.strategy)
+    sim = Simulation(job.config, fns, 2, steps, cfg, timing)
+    orders = [[], []]
+    for shard, order in zip(sim.shards, orders, strict=True):
+        pull, push = shard.pull, shard.push
+
+        def logged_pull(worker=None, out=None, pull=pull, order=order):
+            if worker is not None:
+                order.append(("pull", worker))
+            return pull(worker, out)
+
+        def logged_push(header, payload, *, verdict=None, push=push, order=order):
+            order.append(("push", header.worker, header.seq))
+            return push(header, payload, verdict=verdict)
+
+        shard.pull, shard.push = logged_pull, logged_push
+    sim.run(lambda: False, 1e9, math.inf)
+    assert sim.pushes == steps
+    assert orders[0] == orders[1], "the shards handled the script in different orders"
+    return [s.state_dict() for s in sim.shards], orders[0]
+
+
+def replay_locally(job, order):
+    """Replays the simulator's order of pulls and pushes through real shard processes."""
+    with job.serve(workers=2) as server:
+        clients = [server.client(0), server.client(1)]
+        pulled = [None, None]
+        for event in order:
+            w = event[1]
+            c = clients[w]
+            if event[0] == "pull":
+                # wait until every shard published what it applied, as the simulator's
+                # pulls (served by the shard) see it
+                versions = [s["version"] for s in server.stats()]
+                c._attach()
+                deadline = time.monotonic() + 10
+                while any(c._snapshots.version(j) < v for j, v in enumerate(versions)):
+                    assert time.monotonic() < deadline
+                    time.sleep(0.001)
+                pulled[w] = c.pull(timeout=10)
+            else:
+                _, grads = scripted_grads(pulled[w], (w, event[2]))
+                c.push(grads)
+                c.wait(timeout=10)
+        for c in clients:
+            c.close()
+        deadline = time.monotonic() + 10
+        while (states := server.state_dicts())[0]["live"].any() or states[1]["live"].any():
+            assert time.monotonic() < deadline, "the shards did not see the workers leave"
+            time.sleep(0.01)
+        return states
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_simulator_and_local_runtime_end_bit_identical(case, no_leaks):
+    steps = 9
+    sim_states, order = run_sim(make_job(case), steps)
+    local_states = replay_locally(make_job(case), order)
+    rejected = sim_states[0]["stats.rejected"]
+    assert rejected.get("not_finite") == 1  # the script's NaN was refused by both shards
+    if case == "asp-inverse-max1-dc":
+        assert rejected.get("too_stale", 0) >= 1  # and some pushes were too stale
+    skip = set() if "dc" in case else {"stats.bytes_out"}  # only served pulls count bytes out
+    for k, (mine, theirs) in enumerate(zip(sim_states, local_states, strict=True)):
+        assert mine.keys() == theirs.keys()
+        for key in mine.keys() - skip:
+            a, b = mine[key], theirs[key]
+            if isinstance(a, np.ndarray):
+                assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"shard {k} {key}"
+            else:
+                assert a == b, f"shard {k} {key}: sim {a!r}, local {b!r}"
+    assert sim_states[0]["version"] == sim_states[1]["version"] > 0
+
+
+def test_the_trace_really_interleaves_the_workers():
+    """The script is only a conformance test if pushes overlap (staleness > 0)."""
+    states, order = run_sim(make_job("asp-constant"), 9)
+    assert {e[1] for e in order if e[0] == "push"} == {0, 1}
+    assert any(tau > 0 for tau, _ in states[0]["stats.staleness"])
