@@ -437,7 +437,8 @@ def test_dynamic_local_updates_take_at_least_one_and_at_most_steps():
 # -- the Job's default server optimizer and argument checks -----------------------------
 
 
-def _same_rule(a: sw.optim.Optimizer, b: sw.optim.Optimizer) -> bool:
+def same_rule(a: sw.optim.Optimizer, b: sw.optim.Optimizer) -> bool:
+    """Whether two optimizers take the same steps on the same gradients (also used by test_adaptive)."""
     rng = np.random.default_rng(0)
     p, q = np.ones(4), np.ones(4)
     s, r = a.init(p), b.init(q)
@@ -450,14 +451,14 @@ def _same_rule(a: sw.optim.Optimizer, b: sw.optim.Optimizer) -> bool:
 def test_job_without_optimizer_uses_the_strategy_recommendation():
     params = {"x": np.zeros(4)}
     job = sw.Job(params, strategy=diloco(steps=10))
-    assert _same_rule(job.config.optimizer, sw.optim.sgd(0.7, momentum=0.9, nesterov=True))
+    assert same_rule(job.config.optimizer, sw.optim.sgd(0.7, momentum=0.9, nesterov=True))
     job = sw.Job(params, strategy=diloco(steps=10, asynchronous=True, every=3))
-    assert _same_rule(job.config.optimizer, sw.optim.delayed_nesterov(0.7, 0.9, every=3))
-    assert _same_rule(
+    assert same_rule(job.config.optimizer, sw.optim.delayed_nesterov(0.7, 0.9, every=3))
+    assert same_rule(
         sw.Job(params, strategy=local_sgd(2, sw.optim.sgd(0.1))).config.optimizer, sw.optim.sgd(1.0)
     )
     easgd_job = sw.Job(params, strategy=easgd(0.5, every=2, inner=sw.optim.sgd(0.1)))
-    assert _same_rule(easgd_job.config.optimizer, sw.optim.sgd(1.0))
+    assert same_rule(easgd_job.config.optimizer, sw.optim.sgd(1.0))
     explicit = sw.optim.lamb(1e-3)
     assert sw.Job(params, optimizer=explicit, strategy=diloco()).config.optimizer is explicit
     assert diloco(asynchronous=True).server_optimizer(workers=5).apply.__self__.every == 5
