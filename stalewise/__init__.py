@@ -13,6 +13,7 @@ import logging
 from stalewise import consistency, optim, staleness, strategies, tree
 from stalewise.api import Job
 from stalewise.consistency import ASP, BSP, SSP
+from stalewise.loops import LocalSGD, LocalSGDOptax
 from stalewise.runtime.base import TrainResult, WorkerError
 
 __version__ = "0.1.0"
@@ -22,6 +23,8 @@ __all__ = [
     "BSP",
     "SSP",
     "Job",
+    "LocalSGD",
+    "LocalSGDOptax",
     "TrainResult",
     "WorkerError",
     "consistency",

@@ -97,7 +97,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _sweep_values(args: argparse.Namespace) -> list[Any]:
-    """--values as worker counts or consistency names, each checked."""
+    """--values as worker counts, consistency names or strategy names, each checked."""
     from stalewise import config, sweep
 
     items = [v.strip() for v in args.values.split(",")]
@@ -118,6 +118,12 @@ def _sweep_values(args: argparse.Namespace) -> list[Any]:
                     "--values", f"worker counts must be in 1..{limit}, got {n} in {args.values!r}"
                 )
             values.append(n)
+        elif args.over == "strategy":
+            try:
+                config.parse_strategy_value(v)
+            except ValueError as e:
+                raise _config_error("--values", f"{e} in {args.values!r}") from None
+            values.append(v)
         else:
             try:
                 sweep.parse_consistency(v)
@@ -153,6 +159,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         if args.over == "workers":
             for n in values:
                 cfg.check_workers(n, "sim", "--values")
+        if args.over == "strategy":
+            values = [(v, cfg.sweep_strategy(v)) for v in values]
         metrics = cfg.metrics()
     except config.ConfigError as e:
         if e.key.startswith(("run.", "sim.", "task")):
@@ -215,11 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     s = sub.add_parser(
-        "sim", help="simulate one config over several worker counts or consistency models"
+        "sim", help="simulate one config over worker counts, consistency models or strategies"
     )
     s.add_argument("config", help="path to CONFIG.toml (its [sim] table sets the timing model)")
-    s.add_argument("--over", choices=("workers", "consistency"), default="workers")
-    s.add_argument("--values", required=True, help="comma-separated: 1,4,16 or asp,ssp:4,bsp")
+    s.add_argument("--over", choices=("workers", "consistency", "strategy"), default="workers")
+    s.add_argument(
+        "--values",
+        required=True,
+        help="comma-separated: 1,4,16 or asp,ssp:4,bsp or gradients,local_sgd:8,diloco:20 "
+        "(NAME:H = H local steps per push; the other options come from the config's "
+        "[strategy] table)",
+    )
     s.add_argument("--metric", default="loss", help="metric of the task's evaluate() to reach")
     s.add_argument("--target", type=float, required=True, help="value of the metric to reach")
     s.add_argument(

@@ -1,6 +1,6 @@
 """Job configuration files (TOML) for ``stalewise train`` and ``stalewise sim``.
 
-A config has five tables; every key and value is checked before anything runs,
+A config has six tables; every key and value is checked before anything runs,
 and a bad one is reported with its full name and what was expected
 (``optimizer.b3: unknown option for adam``, ``optimizer.lr: expected a number,
 got '0.01'``)::
@@ -11,10 +11,15 @@ got '0.01'``)::
     args = { hidden = 64 }        # keyword arguments for the task (checked against its signature)
     seed = 0                      # passed to init_params(seed) and batches(worker, workers, seed)
 
-    [optimizer]                   # the server optimizer (stalewise.optim)
-    name = "lamb"                 # sgd | adam | adamw | lamb | lars
+    [optimizer]                   # the server optimizer (stalewise.optim); optional with a [strategy]
+    name = "lamb"                 # sgd | adam | adamw | lamb | lars  # that recommends one
     lr = 0.01                     # or: schedule = { name = "warmup_cosine", peak = 0.01, warmup = 50, total = 2000 }
     weight_decay = 0.0            # any other option of that optimizer
+
+    [strategy]                    # what workers push (stalewise.strategies); default: gradients
+    name = "diloco"               # gradients | local_sgd | diloco | easgd | adaptive
+    steps = 20                    # any option of that constructor (see below)
+    inner = { name = "adamw", lr = 0.003 }  # the worker's optimizer: a table like [optimizer]
 
     [server]
     consistency = "ssp"           # asp | ssp | bsp
@@ -38,6 +43,36 @@ got '0.01'``)::
     compute = "exponential"       # fixed | exponential (shifted)
     latency = 0.0005              # seconds per message
     bandwidth = 1.25e9            # bytes/s of every link
+
+The [strategy] table
+--------------------
+``name`` picks a constructor of :mod:`stalewise.strategies`; every other key is
+one of its keyword arguments, checked against its signature and by the
+constructor itself (``strategy.steps: must be an integer >= 1, got 0``):
+
+=============  ===========================================================================
+``gradients``  (no options) one gradient per push, the default
+``local_sgd``  ``steps``, ``inner`` (required), ``reset_inner``, ``dynamic``, ``period``
+``diloco``     ``steps``, ``inner`` (default adamw lr 1e-3), ``outer_lr``, ``outer_momentum``,
+               ``asynchronous``, ``every``, ``reset_inner``, ``dynamic``, ``period``
+``easgd``      ``alpha``, ``every``, ``inner`` (all required), ``reset_inner``
+``adaptive``   ``inner``, ``start``, ``min_steps``, ``outer`` (``"local_sgd"`` or
+               ``"diloco"``), ``smoothing``, ``reset_inner``, ``outer_lr``,
+               ``outer_momentum``, ``asynchronous``, ``every``, ``schedule``
+=============  ===========================================================================
+
+``inner`` is a table built exactly like ``[optimizer]`` (``name``, ``lr`` or
+``schedule``, any option of that optimizer); its errors name
+``strategy.inner.lr`` and so on. ``schedule`` (``adaptive`` only) is
+``{ name = "adacomm", start = 32, min_steps = 1 }`` or ``{ name = "fixed", steps = 8 }``.
+
+Without an ``[optimizer]`` table the job uses the strategy's recommended server
+optimizer (``sgd(1.0)`` for local SGD and EASGD, Nesterov ``sgd(0.7,
+momentum=0.9)`` for DiLoCo; with ``asynchronous = true`` delayed Nesterov with
+``every`` or, if not given, ``run.workers``); an ``[optimizer]`` table
+overrides it. ``gradients`` recommends none, so it needs an ``[optimizer]``.
+``stalewise sim CONFIG --over strategy --values gradients,local_sgd:8,diloco:20``
+compares strategies: see :meth:`RunConfig.sweep_strategy`.
 
 The task contract
 -----------------
@@ -103,6 +138,7 @@ from typing import Any
 from stalewise import consistency as consistency_lib
 from stalewise import optim, targets, tasks, tree
 from stalewise import staleness as staleness_lib
+from stalewise import strategies as strategies_lib
 from stalewise.api import RUNTIMES, Job
 from stalewise.runtime.base import TrainResult
 from stalewise.runtime.sim import models as sim_models
@@ -122,9 +158,14 @@ TABLES = {
     },
     "run": {"workers", "steps", "delay", "stragglers", "eval_interval", "stop_at", "runtime"},
     "sim": None,  # checked key by key against SimConfig.from_dict
+    "strategy": None,  # checked against the chosen strategy's signature
 }
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb", "lars")
 SCHEDULES = ("constant", "warmup_cosine", "step_decay")
+STRATEGIES = ("gradients", "local_sgd", "diloco", "easgd", "adaptive")
+PERIOD_SCHEDULES = ("adacomm", "fixed")  # strategy.schedule of "adaptive"
+#: The option a ``NAME:H`` value of ``stalewise sim --over strategy`` sets, per strategy.
+PERIOD_KEY = {"local_sgd": "steps", "diloco": "steps", "easgd": "every", "adaptive": "start"}
 CONSISTENCY = ("asp", "ssp", "bsp")
 STALENESS_PARAM = {"exponential": "base", "polynomial": "power"}  # server.staleness_param
 
@@ -181,6 +222,8 @@ class RunConfig:
     delay: float = 0.0  # run.delay: emulated compute seconds per step, every worker
     paths: tuple[str, ...] = ()  # folders the task factory's module was found in
     _metrics: tuple[str, ...] | None = field(default=None, repr=False)
+    optimizer_table: dict[str, Any] = field(default_factory=dict, repr=False)  # [optimizer]
+    strategy_table: dict[str, Any] = field(default_factory=dict, repr=False)  # [strategy]
 
     @property
     def data(self) -> Callable[[int, int], Any]:
@@ -216,6 +259,38 @@ class RunConfig:
         if runtime == "sim" and self.sim is not None:
             _check_sim_workers(self.sim, workers, key)
         _check_batches(self.task, workers, self.seed, key)
+
+    def sweep_strategy(self, value: str, key: str = "--values") -> strategies_lib.Strategy:
+        """The strategy of one ``stalewise sim --over strategy`` value, ``NAME`` or ``NAME:H``.
+
+        It takes the options of the config's [strategy] table that ``NAME``'s
+        constructor accepts (``inner``, ``reset_inner``, ``alpha``...); ``H``
+        sets ``steps`` (``local_sgd``, ``diloco``), ``every`` (``easgd``) or
+        ``start`` (``adaptive``). In a sweep each strategy runs with its
+        recommended server optimizer; ``gradients``, which recommends none, with
+        the [optimizer] table's, which it then requires. Errors name ``key``.
+        """
+        try:
+            name, period = parse_strategy_value(value)
+        except ValueError as e:
+            raise ConfigError(key, str(e)) from None
+        sig = _signature(getattr(strategies_lib, name))
+        accepted = set(sig.parameters) if sig is not None else set()
+        table = {k: v for k, v in self.strategy_table.items() if k in accepted}
+        if period is not None:
+            table[PERIOD_KEY[name]] = period
+        try:
+            strategy = strategy_from_table({"name": name, **table})
+        except ConfigError as e:
+            raise ConfigError(key, f"{value!r}: {e.key}: {e.problem}") from None
+        assert strategy is not None
+        if strategy.server_optimizer(self.train["workers"]) is None and not self.optimizer_table:
+            raise ConfigError(
+                key,
+                f"{value!r} recommends no server optimizer: add an [optimizer] table to the "
+                "config (in a strategy sweep, only the strategies that recommend none use it)",
+            )
+        return strategy
 
     def metrics(self) -> tuple[str, ...]:
         """The names of the metrics ``task.evaluate`` returns (evaluated once, at the initial parameters)."""
@@ -313,7 +388,7 @@ def parse(
                 raise ConfigError(
                     f"{name}.{key}", f"unknown option (known: {', '.join(sorted(allowed))})"
                 )
-    t, o, s, r, sim_table = (raw.get(k, {}) for k in TABLES)
+    t, o, s, r, sim_table, st = (raw.get(k, {}) for k in TABLES)
 
     # 1. everything that needs no task, in the order of the file
     _check_task_table(t)
@@ -333,7 +408,8 @@ def parse(
     consistency = _consistency(s)
     staleness = _staleness(s)
     shards = _get(s, "server.shards", int, 1, low=1, high=MAX_SHARDS)
-    optimizer = _optimizer(o)
+    strategy = strategy_from_table(st)
+    optimizer = _server_optimizer(o, "optimizer" in raw, strategy, workers)
     sim_config = _sim(sim_table)
     if runtime == "sim":
         _check_sim_workers(sim_config, workers, "run.workers")
@@ -348,7 +424,7 @@ def parse(
                 "task.args" if t.get("args") else "task",
                 f"the task's parameters do not fit in memory: {e or 'MemoryError'}",
             ) from None
-        job = _job(params, optimizer, consistency, staleness, shards)
+        job = _job(params, optimizer, consistency, staleness, shards, strategy)
         _check_batches(task, workers, seed, "run.workers")
         metrics = _metric_names(task, params) if stop_at else None
     for target in stop_at or ():
@@ -366,7 +442,7 @@ def parse(
         "delays": dict.fromkeys(range(workers), delay) if delay else None,
         "stop_at": stop_at,
     }
-    return RunConfig(task, job, train, seed, sim_config, delay, paths, metrics)
+    return RunConfig(task, job, train, seed, sim_config, delay, paths, metrics, o, st)
 
 
 # ----------------------------------------------------------------------------- values
@@ -778,7 +854,14 @@ def _metric_names(task: Any, params: Any) -> tuple[str, ...]:
     return tuple(metrics)
 
 
-def _job(params: Any, optimizer: Any, consistency: Any, staleness: Any, shards: int) -> Job:
+def _job(
+    params: Any,
+    optimizer: Any,
+    consistency: Any,
+    staleness: Any,
+    shards: int,
+    strategy: strategies_lib.Strategy | None = None,
+) -> Job:
     try:
         return Job(
             params,
@@ -786,6 +869,7 @@ def _job(params: Any, optimizer: Any, consistency: Any, staleness: Any, shards: 
             consistency=consistency,
             staleness=staleness,
             shards=shards,
+            strategy=strategy,
         )
     except (TypeError, ValueError) as e:
         if str(e).startswith("shards="):
@@ -798,40 +882,146 @@ def _job(params: Any, optimizer: Any, consistency: Any, staleness: Any, shards: 
         ) from None
 
 
-def _schedule(spec: Any) -> Any:
+def _schedule(spec: Any, where: str = "optimizer") -> Any:
     if not isinstance(spec, dict) or "name" not in spec:
         raise ConfigError(
-            "optimizer.schedule",
+            f"{where}.schedule",
             f'expected a table with a name, such as {{ name = "constant", value = 0.01 }}, got {spec!r}',
         )
     name = spec["name"]
     if name not in SCHEDULES:
         raise ConfigError(
-            "optimizer.schedule.name",
+            f"{where}.schedule.name",
             f"unknown schedule {name!r} (known: {', '.join(SCHEDULES)})",
         )
     kwargs = {k: v for k, v in spec.items() if k != "name"}
-    return _call(getattr(optim, name), kwargs, "optimizer.schedule", name)
+    return _call(getattr(optim, name), kwargs, f"{where}.schedule", name)
 
 
-def _optimizer(o: dict) -> Any:
+def _optimizer(o: dict, where: str = "optimizer") -> Any:
+    """An [optimizer]-like table as a stalewise optimizer; errors name ``where.key``."""
     name = o.get("name", "sgd")
     if name not in OPTIMIZERS:
         raise ConfigError(
-            "optimizer.name", f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})"
+            f"{where}.name", f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)})"
         )
     kwargs = {k: v for k, v in o.items() if k not in ("name", "schedule")}
     extra = {}
     if "schedule" in o:
         if "lr" in o:
-            raise ConfigError("optimizer", "give optimizer.lr or optimizer.schedule, not both")
-        extra["lr"] = _schedule(o["schedule"])
-    keys = {"lr": "optimizer.lr"}
+            raise ConfigError(where, f"give {where}.lr or {where}.schedule, not both")
+        extra["lr"] = _schedule(o["schedule"], where)
+    keys = {"lr": f"{where}.lr"}
     if "lr" not in o and "schedule" not in o:
-        raise ConfigError(
-            "optimizer.lr", f"missing: {name} needs optimizer.lr (or optimizer.schedule)"
+        raise ConfigError(f"{where}.lr", f"missing: {name} needs {where}.lr (or {where}.schedule)")
+    return _call(getattr(optim, name), kwargs, where, name, keys=keys, extra=extra)
+
+
+def parse_strategy_value(value: str) -> tuple[str, int | None]:
+    """``"diloco:20"`` -> ``("diloco", 20)``, ``"gradients"`` -> ``("gradients", None)``.
+
+    Example:
+        >>> parse_strategy_value("local_sgd:8"), parse_strategy_value("gradients")
+        (('local_sgd', 8), ('gradients', None))
+    """
+    name, sep, period = value.strip().partition(":")
+    name = name.strip()
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"expected strategies such as gradients,local_sgd:8,diloco:20 "
+            f"(known: {', '.join(STRATEGIES)}), got {value!r}"
         )
-    return _call(getattr(optim, name), kwargs, "optimizer", name, keys=keys, extra=extra)
+    if not sep:
+        return name, None
+    if name not in PERIOD_KEY:
+        raise ValueError(f"{value!r}: {name} takes no number of local steps")
+    try:
+        steps = int(period)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise ValueError(
+            f"{value!r}: expected {name}:H with H local steps, an integer >= 1, got {period!r}"
+        )
+    return name, steps
+
+
+def _server_optimizer(
+    o: dict, given: bool, strategy: strategies_lib.Strategy | None, workers: int
+) -> Any:
+    """The [optimizer] table's optimizer, or the strategy's recommendation without one."""
+    if given or strategy is None:
+        return _optimizer(o)
+    recommended = strategy.server_optimizer(workers)
+    if recommended is None:
+        raise ConfigError(
+            "optimizer",
+            f"missing: strategy {strategy.name!r} recommends no server optimizer; add an "
+            '[optimizer] table, such as name = "sgd" and lr = 0.1',
+        )
+    return recommended
+
+
+def strategy_from_table(
+    table: Mapping[str, Any], where: str = "strategy"
+) -> strategies_lib.Strategy | None:
+    """The [strategy] table as a strategy (None for an absent or empty table).
+
+    ``inner`` is an [optimizer]-like table (errors name ``strategy.inner.lr``...),
+    ``schedule`` (``adaptive`` only) a table ``{ name = "adacomm" | "fixed", ... }``,
+    every other key an option of the strategy's constructor in
+    :mod:`stalewise.strategies`.
+    """
+    if not table:
+        return None
+    if not isinstance(table, Mapping):
+        raise ConfigError(where, f"must be a table, got {table!r}")
+    name = table.get("name")
+    if name is None:
+        raise ConfigError(f"{where}.name", f"missing: name the strategy ({', '.join(STRATEGIES)})")
+    if not isinstance(name, str) or name not in STRATEGIES:
+        raise ConfigError(
+            f"{where}.name", f"unknown strategy {name!r} (known: {', '.join(STRATEGIES)})"
+        )
+    fn = getattr(strategies_lib, name)
+    sig = _signature(fn)
+    known = list(sig.parameters) if sig is not None else []
+    for key in table:
+        if key != "name" and key not in known:
+            takes = f"known: {', '.join(known)}" if known else "it takes none"
+            raise ConfigError(f"{where}.{key}", f"unknown option for {name} ({takes})")
+    kwargs = {k: v for k, v in table.items() if k not in ("name", "inner", "schedule")}
+    extra = {}
+    if "inner" in table:
+        inner = table["inner"]
+        if not isinstance(inner, dict):
+            raise ConfigError(
+                f"{where}.inner",
+                f'expected an optimizer table such as {{ name = "adamw", lr = 0.001 }}, '
+                f"got {inner!r}",
+            )
+        extra["inner"] = _optimizer(inner, f"{where}.inner")
+    if "schedule" in table:
+        extra["schedule"] = _period_schedule(table["schedule"], f"{where}.schedule")
+    for key in extra:  # passed unchecked by _call: name them if the call fails on them
+        kwargs.pop(key, None)
+    return _call(fn, kwargs, where, name, extra=extra)
+
+
+def _period_schedule(spec: Any, where: str) -> Any:
+    """``adaptive``'s schedule table: ``{ name = "adacomm", start = 32, min_steps = 1 }``."""
+    if not isinstance(spec, dict) or "name" not in spec:
+        raise ConfigError(
+            where,
+            f'expected a table with a name, such as {{ name = "adacomm", start = 32 }}, got {spec!r}',
+        )
+    name = spec["name"]
+    if name not in PERIOD_SCHEDULES:
+        raise ConfigError(
+            f"{where}.name", f"unknown schedule {name!r} (known: {', '.join(PERIOD_SCHEDULES)})"
+        )
+    kwargs = {k: v for k, v in spec.items() if k != "name"}
+    return _call(getattr(strategies_lib, name), kwargs, where, name)
 
 
 def _consistency(s: dict) -> consistency_lib.Consistency:

@@ -1,4 +1,4 @@
-"""Parameter sweeps in the simulator: one job over several worker counts or consistency models.
+"""Parameter sweeps in the simulator: one job over worker counts, consistency models or strategies.
 
 :func:`sweep` runs the same job once per value on the virtual clock (see
 :mod:`stalewise.runtime.sim`), measures the virtual time each run needs to
@@ -31,6 +31,7 @@ from stalewise import consistency as consistency_lib
 from stalewise import report, targets
 from stalewise.runtime import sim as sim_runtime
 from stalewise.runtime.sim.config import SimConfig
+from stalewise.strategies import Strategy
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def sweep(
     job: Any,
     task: Any,
     *,
-    over: Literal["workers", "consistency"],
+    over: Literal["workers", "consistency", "strategy"],
     values: Sequence[Any],
     steps: int,
     target: float,
@@ -100,15 +101,19 @@ def sweep(
             replaced by each value, everything else is kept.
         task: the task (``loss_and_grad``, ``batches``, ``evaluate``), e.g. from
             :func:`stalewise.tasks.get` or a parsed config's ``task``.
-        over: "workers" (values are worker counts) or "consistency" (values are
-            Consistency objects or names: "asp", "bsp", "ssp", "ssp:4").
+        over: "workers" (values are worker counts), "consistency" (values are
+            Consistency objects or names: "asp", "bsp", "ssp", "ssp:4") or
+            "strategy" (values are :class:`~stalewise.strategies.Strategy` objects
+            or ``(label, strategy)`` pairs; each runs with its recommended server
+            optimizer, ``strategy.server_optimizer(workers)``, or the job's when it
+            recommends none).
         values: the values to sweep, in plot order.
         steps: push budget of each run.
         target: the value of ``metric`` to reach.
         metric: a key of ``task.evaluate``'s result.
         mode: "min" if smaller is better (a loss), "max" if larger is (accuracy);
             None (default) infers it from ``metric`` (see :func:`stalewise.targets.infer_mode`).
-        workers: the worker count when sweeping over consistency models.
+        workers: the worker count when sweeping over consistency models or strategies.
         sim: timing model of every run (default ``SimConfig()``).
         eval_interval: virtual seconds between evaluations (the resolution of the
             time to target); default: five mean step times of ``sim.compute``.
@@ -135,8 +140,8 @@ def sweep(
         >>> sorted(os.listdir(out))
         ['metrics.jsonl', 'sweep.png']
     """
-    if over not in ("workers", "consistency"):
-        raise ValueError(f"over must be 'workers' or 'consistency', got {over!r}")
+    if over not in ("workers", "consistency", "strategy"):
+        raise ValueError(f"over must be 'workers', 'consistency' or 'strategy', got {over!r}")
     goal = targets.Target(metric, target, mode)
     if not values:
         raise ValueError("values is empty: nothing to sweep")
@@ -150,10 +155,18 @@ def sweep(
         if over == "workers":
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"workers value {v!r}: expected an integer >= 1")
-            runs.append((f"P={v}", v, job.config))
-        else:
+            runs.append((f"P={v}", v, job.config, job.strategy))
+        elif over == "consistency":
             c = parse_consistency(v)
-            runs.append((str(c), workers, dataclasses.replace(job.config, consistency=c)))
+            config = dataclasses.replace(job.config, consistency=c)
+            runs.append((str(c), workers, config, job.strategy))
+        else:
+            label, strategy = v if isinstance(v, tuple) else (repr(v), v)
+            if not isinstance(strategy, Strategy):
+                raise ValueError(f"strategy value {v!r}: expected a Strategy or (label, Strategy)")
+            optimizer = strategy.server_optimizer(workers) or job.config.optimizer
+            config = dataclasses.replace(job.config, optimizer=optimizer)
+            runs.append((label, workers, config, strategy))
 
     def evaluate(params: Any) -> dict[str, float]:
         m = dict(task.evaluate(params))
@@ -164,7 +177,7 @@ def sweep(
     writer = report.MetricsWriter(Path(out) / "metrics.jsonl") if out is not None else None
     rows, records = [], []
     try:
-        for label, p, config in runs:
+        for label, p, config, strategy in runs:
 
             def emit(rec: dict, p: int = p) -> None:
                 rec["workers"] = p
@@ -179,7 +192,7 @@ def sweep(
                 data=task.batches,
                 workers=p,
                 steps=steps,
-                strategy=job.strategy,
+                strategy=strategy,
                 evaluate=evaluate,
                 eval_interval=eval_interval,
                 delays=dict.fromkeys(range(p), delay) if delay else None,
@@ -275,7 +288,7 @@ def plot(
         names = [r["run"] for r in rows]
         heights = [r["time_to_target"] if r["time_to_target"] is not None else 0.0 for r in rows]
         bars.bar(names, heights, color="tab:blue")
-        bars.set_xlabel("consistency model")
+        bars.set_xlabel("consistency model" if over == "consistency" else over)
     bars.set_ylabel(f"virtual time to {metric} {target:g} (s)")
     bars.grid(True, alpha=0.3)
     if missed:

@@ -5,11 +5,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import stalewise as sw
 from stalewise import config
 from stalewise.cli import main
 
@@ -518,3 +521,167 @@ def test_bad_factories_are_reported_by_key(
     cfg = write(tmp_path, text)
     assert main(["train", str(cfg), "-q"]) == 2
     assert problem.format(module=module) in _one_error_line(capsys, key)
+
+
+# ------------------------------------------------------------------ the [strategy] table
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_digits_diloco_example_trains_in_the_simulator(tmp_path, capsys):
+    out = tmp_path / "run"
+    started = time.perf_counter()
+    argv = ["train", str(EXAMPLES / "digits_diloco.toml"), "--runtime", "sim", "--out", str(out)]
+    assert main([*argv, "-q"]) == 0
+    assert time.perf_counter() - started < 60
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["accuracy"] >= 0.96 and records[-1]["pushes"] <= 100
+    cfg = config.load(EXAMPLES / "digits_diloco.toml")
+    assert cfg.job.strategy == sw.strategies.diloco(steps=20, inner=sw.optim.adamw(3e-3))
+    outer = cfg.job.config.optimizer.apply.__self__  # no [optimizer]: DiLoCo's recommendation
+    assert (outer.lr, outer.momentum, outer.nesterov) == (0.7, 0.9, True)
+    assert "digits_diloco" in capsys.readouterr().out
+
+
+DIGITS = {"name": "digits", "args": {"hidden": 8}}
+
+
+def test_strategy_table_builds_the_strategy_and_the_server_optimizer():
+    inner = {"name": "lamb", "lr": 0.01, "max_trust_ratio": 5.0}
+    cfg = config.parse(
+        {"task": DIGITS, "strategy": {"name": "local_sgd", "steps": 4, "inner": inner}}
+    )
+    assert cfg.job.strategy == sw.strategies.local_sgd(
+        steps=4, inner=sw.optim.lamb(0.01, max_trust_ratio=5.0)
+    )
+    assert cfg.job.config.optimizer.apply.__self__.lr == 1.0  # sgd(1.0)
+    async_diloco = {"name": "diloco", "steps": 8, "asynchronous": True}
+    cfg = config.parse({"task": DIGITS, "strategy": async_diloco, "run": {"workers": 3}})
+    assert cfg.job.config.optimizer.apply.__self__.every == 3  # run.workers
+    cfg = config.parse({"task": DIGITS, "strategy": {**async_diloco, "every": 5}})
+    assert cfg.job.config.optimizer.apply.__self__.every == 5
+    sgd = {"name": "sgd", "lr": 0.5}  # an [optimizer] table overrides the recommendation
+    cfg = config.parse({"task": DIGITS, "strategy": async_diloco, "optimizer": sgd})
+    assert cfg.job.config.optimizer.apply.__self__.lr == 0.5
+    schedule = {"name": "fixed", "steps": 3}
+    adaptive = {"name": "adaptive", "outer": "diloco", "schedule": schedule, "smoothing": 0.5}
+    cfg = config.parse({"task": DIGITS, "strategy": adaptive})
+    assert cfg.job.strategy == sw.strategies.adaptive(
+        outer="diloco", schedule=sw.strategies.fixed(3), smoothing=0.5
+    )
+    easgd = {"name": "easgd", "alpha": 0.25, "every": 2, "inner": sgd}
+    assert config.parse({"task": DIGITS, "strategy": easgd}).job.strategy.alpha == 0.25
+    plain = config.parse({"task": DIGITS, "strategy": {"name": "gradients"}, "optimizer": sgd})
+    assert plain.job.strategy == sw.strategies.gradients()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "key", "problem"),
+    [
+        ('name = "dilocco"', "strategy.name", "unknown strategy 'dilocco' (known: gradients,"),
+        ("steps = 4", "strategy.name", "missing: name the strategy"),
+        ('name = "diloco"\nstepz = 4', "strategy.stepz", "unknown option for diloco (known:"),
+        ('name = "diloco"\nsteps = 0', "strategy.steps", "must be an integer >= 1, got 0"),
+        ('name = "diloco"\nsteps = "4"', "strategy.steps", "expected an integer, got '4'"),
+        ('name = "diloco"\nevery = 4', "strategy.every", "it needs asynchronous=True"),
+        ('name = "diloco"\nouter_momentum = 1.0', "strategy.outer_momentum", "[0, 1), got 1.0"),
+        ('name = "diloco"\ninner = "adamw"', "strategy.inner", "expected an optimizer table"),
+        (
+            'name = "diloco"\ninner = { name = "adamw", lr = "0.01" }',
+            "strategy.inner.lr",
+            "expected a number, got '0.01'",
+        ),
+        (
+            'name = "diloco"\ninner = { name = "adamw" }',
+            "strategy.inner.lr",
+            "missing: adamw needs strategy.inner.lr (or strategy.inner.schedule)",
+        ),
+        (
+            'name = "diloco"\ninner = { name = "adagrad", lr = 0.1 }',
+            "strategy.inner.name",
+            "unknown optimizer 'adagrad'",
+        ),
+        (
+            'name = "diloco"\ninner = { name = "adam", lr = 0.1, b3 = 1 }',
+            "strategy.inner.b3",
+            "unknown option for adam",
+        ),
+        ('name = "local_sgd"\nsteps = 4', "strategy.inner", "missing: local_sgd needs"),
+        ('name = "gradients"\nsteps = 4', "strategy.steps", "unknown option for gradients"),
+        (
+            'name = "easgd"\nalpha = 2.0\nevery = 2\ninner = { name = "sgd", lr = 0.1 }',
+            "strategy.alpha",
+            "must be in (0, 1], got 2.0",
+        ),
+        ('name = "adaptive"\nouter = "fedavg"', "strategy.outer", "got 'fedavg'"),
+        (
+            'name = "adaptive"\nouter = "diloco"\nschedule = { name = "adacomm", begin = 3 }',
+            "strategy.schedule.begin",
+            "unknown option for adacomm",
+        ),
+        ('name = "diloco"\ndynamic = true', "strategy.dynamic", "needs period=seconds"),
+    ],
+)
+def test_bad_strategy_tables_are_one_line_naming_the_key(
+    tmp_path, capsys, monkeypatch, strategy, key, problem
+):
+    def nothing_may_be_made(*args, **kwargs):
+        raise AssertionError("made before the [strategy] table was checked")
+
+    monkeypatch.setattr(config.tasks, "task_class", nothing_may_be_made)
+    cfg = write(tmp_path, LS_CONFIG.replace("[run]", f"[strategy]\n{strategy}\n\n[run]", 1))
+    out = tmp_path / "run"
+    assert main(["train", str(cfg), "--out", str(out), "-q"]) == 2
+    line = _one_error_line(capsys, key)
+    assert problem in line and "config error" in line, line
+    assert not out.exists()
+
+
+def test_optimizer_table_is_required_only_without_a_recommendation(tmp_path, capsys):
+    no_optimizer = LS_CONFIG.replace('[optimizer]\nname = "adam"\n' + LR_LINE + "\n", "")
+    assert "[optimizer]" not in no_optimizer
+    cfg = write(tmp_path, no_optimizer)
+    assert main(["train", str(cfg), "-q"]) == 2
+    assert "optimizer.lr: missing" in _one_error_line(capsys, "optimizer.lr")
+    cfg = write(tmp_path, no_optimizer + '\n[strategy]\nname = "gradients"\n')
+    assert main(["train", str(cfg), "-q"]) == 2
+    line = _one_error_line(capsys, "optimizer")
+    assert "strategy 'gradients' recommends no server optimizer" in line
+    cfg = write(tmp_path, no_optimizer + '\n[strategy]\nname = "diloco"\nsteps = 5\n')
+    assert config.load(cfg).job.config.optimizer.apply.__self__.nesterov
+
+
+def test_sim_sweeps_over_strategies(tmp_path, capsys):
+    cfg = write(
+        tmp_path,
+        LS_CONFIG
+        + '\n[strategy]\nname = "local_sgd"\nsteps = 4\ninner = { name = "sgd", lr = 0.05 }\n',
+    )
+    out = tmp_path / "sweep"
+    argv = ["sim", str(cfg), "--over", "strategy", "--target", "1e-2", "--out", str(out), "-q"]
+    assert main([*argv, "--values", "gradients,local_sgd:8,diloco:20,easgd:4"]) == 2
+    assert "'easgd:4': strategy.alpha: missing" in _one_error_line(capsys, "--values")
+    assert main([*argv, "--values", "gradients,local_sgd:8,diloco:20"]) == 0
+    table = capsys.readouterr().out
+    assert all(name in table for name in ("gradients", "local_sgd:8", "diloco:20"))
+    runs = {json.loads(line)["run"] for line in (out / "metrics.jsonl").read_text().splitlines()}
+    assert runs == {"gradients", "local_sgd:8", "diloco:20"}
+    assert (out / "sweep.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("values", "problem"),
+    [
+        ("gradients,fedavg", "expected strategies such as gradients,local_sgd:8,diloco:20"),
+        ("gradients:4", "gradients takes no number of local steps"),
+        ("diloco:x", "expected diloco:H with H local steps, an integer >= 1, got 'x'"),
+        ("diloco:0", "an integer >= 1, got '0'"),
+        ("diloco:4,diloco:4", "'diloco:4' is given twice"),
+    ],
+)
+def test_bad_strategy_values_are_one_line(tmp_path, capsys, values, problem):
+    cfg = write(tmp_path, LS_CONFIG)
+    argv = ["sim", str(cfg), "--over", "strategy", "--values", values, "--target", "1"]
+    assert main([*argv, "--out", str(tmp_path / "run"), "-q"]) == 2
+    assert problem in _one_error_line(capsys, "--values")
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,233 @@
+"""Local SGD / DiLoCo for a training loop you own: the worker side, as a wrapper.
+
+With :meth:`stalewise.Job.serve` each worker process runs your loop with a
+:class:`~stalewise.runtime.local.client.Client`. These wrappers turn that loop
+into a local-SGD worker: every ``every`` optimizer steps (``H``) they push
+``pulled - current``, how far the worker moved since its last pull, and pull the
+new global parameters. The server's optimizer merges those pseudo-gradients:
+``sgd(1.0)`` for local SGD (FedAvg under BSP), Nesterov ``sgd(0.7,
+momentum=0.9)`` for DiLoCo, ``delayed_nesterov`` for asynchronous DiLoCo (see
+:mod:`stalewise.averaging`). The worker side of local SGD and DiLoCo is the
+same, so there is one wrapper per kind of loop; the method is chosen by the
+Job's ``optimizer=`` (or ``strategy=``, whose recommendation the Job takes).
+
+* :class:`LocalSGD`, for PyTorch: hooks ``optimizer.step()`` (with
+  ``register_step_post_hook``) and copies the pulled parameters into your
+  model in place. Your optimizer's state (Adam's moments) persists across pulls.
+* :class:`LocalSGDOptax`, for functional loops (JAX / optax, NumPy): you hand it
+  the params after each step, it returns them, or the newly pulled global
+  params after a sync.
+
+Both work on the job's flat layout: the model (or params tree) must match the
+params the Job was made with (a Job made from ``model`` or from
+``dict(model.named_parameters())`` has the same layout). Each push's result
+(``applied``, ``refused``...) is kept in ``results``. On leaving the ``with``
+block normally, the steps taken since the last sync are pushed and
+acknowledged (not after an exception); the model then holds the worker's local
+parameters, not the global ones: ``server.pull(into=model)`` gives those.
+
+Example (PyTorch, in a worker process; ``client = server.client(rank)``):
+
+.. code-block:: python
+
+    with sw.LocalSGD(client, model, optimizer, every=20):  # pulls into model
+        for x, y in batches:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()                 # every 20th: push, then pull into model
+            optimizer.zero_grad()
+    client.close()                           # the remainder was pushed at exit
+
+Example (functional):
+    >>> import numpy as np, stalewise as sw
+    >>> job = sw.Job({"w": np.zeros(2, np.float32)}, strategy=sw.strategies.local_sgd(
+    ...     steps=2, inner=sw.optim.sgd(0.1)))          # server sgd(1.0): adds each delta
+    >>> with job.serve(workers=1) as server:
+    ...     with LocalSGDOptax(server.client(0), every=2) as sync:
+    ...         params = sync.params                    # pulled at enter
+    ...         for _ in range(3):
+    ...             params = sync.after_step({"w": params["w"] + 1.0})   # a "step"
+    ...     print(len(sync.results), server.pull()["w"].tolist())
+    2 [3.0, 3.0]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from stalewise import tree
+from stalewise.protocol import PushResult
+
+__all__ = ["LocalSGD", "LocalSGDOptax"]
+
+
+def _check_every(every: Any) -> int:
+    if not isinstance(every, int | np.integer) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"every must be an integer >= 1 (local steps per push), got {every!r}")
+    return int(every)
+
+
+class _Averager:
+    """The shared part: the pulled parameters (flat), the step count, push and pull."""
+
+    def __init__(self, client: Any, every: int, timeout: float | None):
+        self.client = client
+        self.every = _check_every(every)
+        self.timeout = timeout
+        self.steps = 0  #: optimizer steps seen
+        self.pending = 0  #: local steps since the last pull
+        self.results: list[PushResult | None] = []  #: what became of each push, in order
+        self._spec: tree.FlatSpec = client._spec  # the job's layout
+        self._pulled: np.ndarray | None = None  # the last pulled parameters, flat
+
+    @property
+    def pushes(self) -> int:
+        """Pushes made."""
+        return len(self.results)
+
+    def _pull_flat(self) -> np.ndarray:
+        flat = self.client.pull_flat(timeout=self.timeout)
+        if self._pulled is None:
+            self._pulled = flat.copy()
+        else:
+            np.copyto(self._pulled, flat)
+        self.pending = 0
+        return self._pulled
+
+    def _push(self, local: Any) -> None:
+        """Pushes ``pulled - local`` and waits for its acknowledgement."""
+        if self._pulled is None:
+            raise RuntimeError("push before the first pull: enter the with block first")
+        buf = self.client.push_buffer  # waits for the previous push's acks
+        tree.flatten(local, spec=self._spec, out=buf)
+        np.subtract(self._pulled, buf, out=buf)  # the pseudo-gradient
+        self.client.push_flat_sent()
+        # waiting here makes the next pull see this push (read-your-writes)
+        self.results.append(self.client.wait(timeout=self.timeout))
+        self.pending = 0
+
+
+class LocalSGD(_Averager):
+    """Local SGD / DiLoCo for a PyTorch loop: push and pull every ``every`` optimizer steps.
+
+    Args:
+        client: this worker's client (``server.client(rank)``).
+        model: the ``torch.nn.Module`` (or tree of tensors) the optimizer trains;
+            it must match the Job's params.
+        optimizer: the worker's ``torch.optim.Optimizer`` (DiLoCo: AdamW); its
+            ``step()`` is hooked while the ``with`` block runs.
+        every: ``H``, optimizer steps per push.
+        timeout: seconds to wait for the shards at a pull or push (None: forever).
+
+    ``__enter__`` pulls the global parameters into ``model``; after every
+    ``every``-th ``optimizer.step()``, it pushes ``pulled - model``, waits for
+    the acknowledgement and pulls into ``model``; ``__exit__`` pushes the
+    pending steps (if any, and if the block did not raise) and removes the hook.
+    :meth:`sync` syncs at once.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        model: Any,
+        optimizer: Any,
+        *,
+        every: int,
+        timeout: float | None = None,
+    ):
+        if not callable(getattr(optimizer, "register_step_post_hook", None)):
+            raise TypeError(
+                "optimizer must be a torch.optim.Optimizer (torch >= 2.0, for "
+                f"register_step_post_hook), got {type(optimizer).__name__}"
+            )
+        super().__init__(client, every, timeout)
+        self.model = model
+        self.optimizer = optimizer
+        self._handle: Any = None
+        tree.flatten(model, spec=self._spec)  # a mismatch fails here, naming the key path
+
+    def __enter__(self) -> LocalSGD:
+        if self._handle is not None:
+            raise RuntimeError("this LocalSGD is already active")
+        self.pull()
+        self._handle = self.optimizer.register_step_post_hook(self._after_step)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if kind is None and self.pending:
+                self._push(self.model)
+        finally:
+            self._handle.remove()
+            self._handle = None
+
+    def pull(self) -> None:
+        """Copies the global parameters into the model (in place)."""
+        self._pull_flat()
+        self.client.last_pull(into=self.model)
+
+    def sync(self) -> None:
+        """Pushes ``pulled - model`` now, then pulls into the model."""
+        self._push(self.model)
+        self.pull()
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+        self.pending += 1
+        if self.pending >= self.every:
+            self.sync()
+
+
+class LocalSGDOptax(_Averager):
+    """Local SGD / DiLoCo for a functional loop (JAX + optax, NumPy): ``params = sync.after_step(params)``.
+
+    Args:
+        client: this worker's client (``server.client(rank)``).
+        every: ``H``, steps per push.
+        timeout: seconds to wait for the shards at a pull or push (None: forever).
+
+    ``__enter__`` (or :meth:`pull`) pulls the global params into :attr:`params`
+    (the Job's structure and backend). Call :meth:`after_step` with the params
+    after each optimizer step: it returns them, or, every ``every``-th call,
+    pushes ``pulled - params``, waits for the acknowledgement and returns the
+    newly pulled global params. ``__exit__`` (or :meth:`finish`) pushes the
+    params of the last ``after_step`` if steps are pending. The optimizer state
+    (``opt_state``) is yours: it persists across pulls, as in DiLoCo.
+    """
+
+    def __init__(self, client: Any, *, every: int, timeout: float | None = None):
+        super().__init__(client, every, timeout)
+        self.params: Any = None  #: the params last pulled or passed to after_step
+
+    def __enter__(self) -> LocalSGDOptax:
+        self.pull()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is None:
+            self.finish()
+
+    def pull(self) -> Any:
+        """Pulls the global params; returns them (also kept in :attr:`params`)."""
+        self._pull_flat()
+        self.params = self.client.last_pull(copy=True)
+        return self.params
+
+    def after_step(self, params: Any) -> Any:
+        """Counts one step; returns ``params``, or the new global params after a sync."""
+        self.steps += 1
+        self.pending += 1
+        self.params = params
+        if self.pending >= self.every:
+            self._push(params)
+            return self.pull()
+        return params
+
+    def finish(self, params: Any = None) -> None:
+        """Pushes the pending steps (``params``, default the last seen), if any, and waits."""
+        if params is not None:
+            self.params = params
+        if self.pending:
+            self._push(self.params)
