@@ -12,6 +12,8 @@ import logging
 
 from stalewise import consistency, optim, staleness, strategies, tree
 from stalewise.api import Job
+from stalewise.checkpoint import CheckpointError
+from stalewise.checkpoint import load_params as load
 from stalewise.consistency import ASP, BSP, SSP
 from stalewise.loops import LocalSGD, LocalSGDOptax
 from stalewise.runtime.base import TrainResult, WorkerError
@@ -22,12 +24,14 @@ __all__ = [
     "ASP",
     "BSP",
     "SSP",
+    "CheckpointError",
     "Job",
     "LocalSGD",
     "LocalSGDOptax",
     "TrainResult",
     "WorkerError",
     "consistency",
+    "load",
     "optim",
     "staleness",
     "strategies",

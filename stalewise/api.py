@@ -103,6 +103,10 @@ class Job:
         timeout: float | None = None,
         sim: Any = None,
         seed: int = 0,
+        checkpoint_dir: Any = None,
+        checkpoint_every: int | None = None,
+        checkpoint_seconds: float | None = None,
+        resume: bool = False,
         **timeouts: float,
     ) -> TrainResult:
         """Trains with ``workers`` workers until they have pushed ``steps`` updates in all.
@@ -133,6 +137,18 @@ class Job:
             sim: the simulator's timing and network model, a
                 :class:`~stalewise.runtime.sim.models.SimConfig` (runtime "sim" only).
             seed: the simulator's random seed (runtime "sim" only).
+            checkpoint_dir: a folder for checkpoints (:mod:`stalewise.checkpoint`); one is
+                written at the end of the run, and periodically with the two below.
+                ``sw.load(checkpoint_dir)`` gives the saved params in your structure.
+            checkpoint_every: also write one every this many updates.
+            checkpoint_seconds: also write one every this many seconds (virtual in the
+                simulator).
+            resume: start from the newest usable checkpoint in ``checkpoint_dir`` (its
+                shards' params, optimizer state, version and counters; workers restart as
+                new incarnations). ``steps`` stays the job's total budget, pushes before
+                the checkpoint included. With no checkpoint there yet, the run starts
+                afresh (a warning says so); a checkpoint of another job is refused
+                (:class:`stalewise.CheckpointError`).
             **timeouts: the named timeouts of :class:`~stalewise.runtime.options.RunOptions`
                 (``start_timeout``, ``join_timeout``, ``ack_timeout``, ...).
 
@@ -158,6 +174,10 @@ class Job:
             timeout=timeout,
             sim=sim,
             seed=seed,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            checkpoint_seconds=checkpoint_seconds,
+            resume=resume,
             **timeouts,
         )
         return runner(self.config, self.strategy, options)

@@ -173,7 +173,12 @@ def test_stop_at_a_loss_stops_when_the_loss_is_low_not_at_once(no_leaks):
         delays={0: 0.002, 1: 0.002},  # about 0.6 s of pushes to get there
         stop_at={"loss": 1e-3},
     )
-    assert result.records[-1]["loss"] <= 1e-3 < result.records[0]["loss"]
+    losses = [r["loss"] for r in result.records]
+    reached = [i for i, loss in enumerate(losses) if loss <= 1e-3]
+    assert losses[0] > 1e-3 and reached, losses
+    # it stopped at the first record that reached the target; the run's last record
+    # (the workers' noisy train loss once they stopped) may follow it
+    assert reached[0] >= len(losses) - 2, losses
     assert 100 < result.pushes < 20_000
 
 

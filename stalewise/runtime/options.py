@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,11 @@ class RunOptions:
     stop_timeout: float = 10.0  # a process's wait to exit when the job ends
     sim: Any = None  # the simulator's SimConfig (runtime "sim" only)
     seed: int = 0  # the simulator's random seed (runtime "sim" only)
+    checkpoint_dir: str | os.PathLike | None = None  # where checkpoints go (stalewise.checkpoint)
+    checkpoint_every: int | None = None  # a checkpoint every this many updates (shard 0's version)
+    checkpoint_seconds: float | None = None  # ... and/or every this many seconds (virtual in sim)
+    checkpoint_keep: int = 2  # checkpoints kept (the newest)
+    resume: bool = False  # start from the newest usable checkpoint in checkpoint_dir
     # derived in __post_init__
     slowdowns: tuple[float, ...] = field(init=False)  # per worker, >= 1
     extra_delays: tuple[float, ...] = field(init=False)  # per worker, seconds
@@ -75,6 +81,33 @@ class RunOptions:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
         if not math.isfinite(self.eval_interval):
             raise ValueError(f"eval_interval must be finite, got {self.eval_interval!r}")
+        self._check_checkpoints()
         from stalewise import targets
 
         object.__setattr__(self, "stop_at", targets.parse(self.stop_at))
+
+    def _check_checkpoints(self) -> None:
+        d = self.checkpoint_dir
+        if d is not None and not isinstance(d, str | os.PathLike):
+            raise TypeError(f"checkpoint_dir must be a path (str or os.PathLike), got {d!r}")
+        every = self.checkpoint_every
+        if every is not None and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise ValueError(f"checkpoint_every must be an integer >= 1 (updates), got {every!r}")
+        secs = self.checkpoint_seconds
+        if secs is not None and not (
+            isinstance(secs, int | float)
+            and not isinstance(secs, bool)
+            and math.isfinite(secs)
+            and secs > 0
+        ):
+            raise ValueError(f"checkpoint_seconds must be a finite number > 0, got {secs!r}")
+        keep = self.checkpoint_keep
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"checkpoint_keep must be an integer >= 1, got {keep!r}")
+        if not isinstance(self.resume, bool):
+            raise TypeError(f"resume must be True or False, got {self.resume!r}")
+        for name in ("checkpoint_every", "checkpoint_seconds", "resume"):
+            if getattr(self, name) not in (None, False) and d is None:
+                raise ValueError(f"{name} needs checkpoint_dir (where checkpoints are kept)")

@@ -209,6 +209,18 @@ def _shard_main(
                     c.send(("stats", shard.stats.as_dict() | {"version": shard.version}))
                 elif kind == "state":
                     c.send(("state", shard.state_dict()))
+                elif kind == "load":  # a checkpoint, before any worker joins (resume)
+                    if conns:
+                        c.send(("loaded", None, "workers have joined; load before they do"))
+                        continue
+                    try:
+                        shard.load_state_dict(msg[1])
+                    except ValueError as e:
+                        c.send(("loaded", None, str(e)))
+                        continue
+                    snapshots.publish(k, shard.params, shard.version, shard.min_clock())
+                    published, published_at = shard.version, time.monotonic()
+                    c.send(("loaded", shard.version, None))
                 elif kind == "stop":
                     c.send(("stopped", shard.stats.as_dict() | {"version": shard.version}))
                     return
@@ -274,6 +286,7 @@ class LocalServer:
         self._controls: list = []
         self._incarnations = [0] * workers  # the newest incarnation of each worker id
         self._worker_ends: list[list] = [[] for _ in range(workers)]  # until release(w)
+        self._snapshots: Snapshots | None = None  # the parent's view, for published_version
         try:
             self.layout.params(self._block)[:] = config.init
             self.control = self.layout.control(self._block)
@@ -363,6 +376,35 @@ class LocalServer:
             c.send(("state",))
         return [self.observer._take(k, "state", timeout)[1] for k in range(len(self._controls))]
 
+    def load_state_dicts(self, states: list[dict], timeout: float | None = 60.0) -> list[int]:
+        """Loads one :meth:`Shard.state_dict` into each shard (a checkpoint); returns the versions.
+
+        Call it before any worker joins. Every shard checks its state before
+        changing anything (:meth:`Shard.load_state_dict`); a refusal raises
+        ValueError naming the shard and the key. The loaded incarnation numbers
+        are remembered, so :meth:`client` starts new incarnations above them.
+        The loaded workers that were live count for the gates until their new
+        incarnations join (which first makes the old ones leave).
+        """
+        if len(states) != len(self._controls):
+            raise ValueError(f"{len(states)} shard states for {len(self._controls)} shards")
+        for c, state in zip(self._controls, states, strict=True):
+            c.send(("load", state))
+        replies = [self.observer._take(k, "loaded", timeout) for k in range(len(self._controls))]
+        errors = [f"shard {k}: {msg[2]}" for k, msg in enumerate(replies) if msg[2] is not None]
+        if errors:
+            raise ValueError("; ".join(errors))
+        for state in states:
+            for w, inc in enumerate(np.asarray(state["incarnation"]).tolist()[: self.workers]):
+                self._incarnations[w] = max(self._incarnations[w], int(inc))
+        return [int(msg[1]) for msg in replies]
+
+    def published_version(self, k: int = 0) -> int:
+        """Shard ``k``'s version as last published for pulls (shared memory: asks no one)."""
+        if self._snapshots is None:
+            self._snapshots = Snapshots(self.layout, self._block, self.config.ranges)
+        return self._snapshots.version(k)
+
     def unlink(self) -> None:
         """Removes the shared-memory name early (every process has mapped it already)."""
         self._block.unlink()
@@ -389,6 +431,7 @@ class LocalServer:
         self.final_params = np.array(self.layout.params(self._block))  # copy out before unmapping
         self._block.unlink()
         self.control = None  # type: ignore[assignment]
+        self._snapshots = None
         self._block.close()
         self._block = None  # type: ignore[assignment]
         return final

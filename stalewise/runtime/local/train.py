@@ -21,7 +21,7 @@ import traceback
 from multiprocessing import connection
 from typing import Any
 
-from stalewise import tree
+from stalewise import checkpoint, tree
 from stalewise.protocol import ServerConfig, loop
 from stalewise.runtime.base import (
     Recorder,
@@ -113,6 +113,59 @@ def _check_picklable(name: str, obj: Any) -> None:
         ) from None
 
 
+def _resume_from(config: ServerConfig, o: RunOptions) -> checkpoint.Checkpoint | None:
+    """The checkpoint a resumed run starts from (None: start afresh)."""
+    if not o.resume:
+        return None
+    if not checkpoint.exists(o.checkpoint_dir):
+        log.warning("resume: no checkpoint in %s yet; starting from the start", o.checkpoint_dir)
+        return None
+    ckpt = checkpoint.load(o.checkpoint_dir)
+    checkpoint.check_compatible(ckpt, config, o.workers)
+    return ckpt
+
+
+class _Saver:
+    """The parent's periodic checkpoints (every ``checkpoint_every`` updates and/or seconds).
+
+    A checkpoint is the shards' :meth:`LocalServer.state_dicts`, each taken between
+    two messages its shard handles: consistent per shard. Across shards they can
+    differ by the pushes in flight at that moment (shard 0 may have applied a push
+    shard 1 has not yet). Each shard's state holds its per-worker ``next_seq`` and
+    incarnation, so nothing is applied twice after a restore; a push that was in
+    flight is lost on the shards that had not applied it (the resumed workers are
+    new incarnations).
+    """
+
+    def __init__(self, config, strategy, o: RunOptions, server: LocalServer, t0: float):
+        self.config, self.o, self.server = config, o, server
+        self.info = checkpoint.config_info(
+            config, workers=o.workers, strategy=repr(strategy), runtime="local"
+        )
+        self.last_time = 0.0
+        self.last_version = server.published_version()
+
+    def maybe(self, now: float, pushes: int) -> None:
+        o = self.o
+        due = o.checkpoint_seconds is not None and now - self.last_time >= o.checkpoint_seconds
+        if o.checkpoint_every is not None and not due:
+            due = self.server.published_version() - self.last_version >= o.checkpoint_every
+        if due:
+            self.save(now, pushes)
+
+    def save(self, now: float, pushes: int) -> None:
+        states = self.server.state_dicts()
+        checkpoint.save(
+            self.o.checkpoint_dir,
+            states,
+            spec=self.config.spec,
+            config_info=self.info,
+            step_info={"pushes": int(pushes), "time": float(now), "run": self.o.run},
+            keep=self.o.checkpoint_keep,
+        )
+        self.last_time, self.last_version = now, int(states[0]["version"])
+
+
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
     """Trains with ``options.workers`` local processes (the ``"local"`` runtime; see Job.train)."""
     o = options
@@ -121,11 +174,19 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         _check_picklable(name, obj)
     recorder = None
     worker_options = o.for_workers()
+    resumed = _resume_from(config, o)
     with LocalServer(
         config, workers, start_timeout=o.shard_start_timeout, join_timeout=o.join_timeout
     ) as server:
         ctx, procs, results = server._ctx, [], []
+        saver = None
         try:
+            base_pushes = 0
+            if resumed is not None:
+                server.load_state_dicts(resumed.states)
+                base_pushes = int(resumed.step.get("pushes", 0))
+                server.control[_DONE0] = base_pushes  # steps is the job's total budget
+                log.info("resumed from %s (version %d)", resumed.path, resumed.version)
             for w in range(workers):
                 mine, theirs = ctx.Pipe()
                 args = (server.client(w), strategy, worker_options, theirs)
@@ -153,6 +214,8 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
             for c in results:
                 c.send("go")
             t0 = time.perf_counter()
+            if o.checkpoint_dir is not None:
+                saver = _Saver(config, strategy, o, server, t0)
             live = set(range(workers))
             last_eval = -float("inf")
             while live:
@@ -172,10 +235,14 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
                         now, pushes, stats, mean_loss(losses), evaluate, server.pull
                     ):
                         ctrl[_STOP] = 1
+                if saver is not None and live:
+                    saver.maybe(now, pushes)
                 if o.timeout is not None and now > o.timeout:
                     raise TimeoutError(f"training did not finish within {o.timeout} s")
             elapsed = time.perf_counter() - t0
             stats = merge_stats(server.stats(), settled=True)
+            if saver is not None:  # the end of the run: every worker has left
+                saver.save(elapsed, pushes)
         finally:
             if recorder is not None:
                 recorder.close()

@@ -15,6 +15,27 @@ and the seed (IEEE arithmetic and numpy's PCG64 streams), never on the machine.
 The parameters are then as reproducible as the user's ``loss_and_grad``: NumPy
 code on one machine gives bit-identical results run after run.
 
+Checkpoints (``checkpoint_dir``, ``checkpoint_every`` updates,
+``checkpoint_seconds`` virtual seconds, and always at the end of the run) hold
+the shards' states plus the simulator's own: the virtual time, each worker's
+batches used, its timing RNG state and the instant its loop ended, the links'
+queues and the push count. ``resume=True`` loads them and restarts the workers
+as new incarnations (fresh strategy states, their data streams fast-forwarded
+past the batches used). A run interrupted by its ``steps`` budget and resumed
+with a larger one ends bit-identical to an uninterrupted run when the
+checkpoint is *quiescent* (the run ended by its budget: nothing in flight,
+every loop ended) and the workers carry nothing across steps that the
+checkpoint lacks: a stateless strategy (``gradients()``), a deterministic data
+stream per worker, no failures or joins before the cut; and the cut is a
+synchronisation point: BSP with a budget that is a multiple of the live
+workers (tested with random compute times and latency), or workers in
+lockstep (fixed compute, free network; tested under ASP). Under ASP/SSP with
+random timing, the workers that finished early would have started their next
+step while the others' last pushes were still arriving; the resumed run
+cannot replay that interleaving, so it is a valid continuation, not a
+bit-identical one. A mid-run (periodic) checkpoint is not quiescent: the
+resumed workers start at its time, and a push in flight at that moment is lost
+on the shards that had not yet applied it.
 """
 
 from __future__ import annotations
@@ -27,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise import tree
+from stalewise import checkpoint, tree
 from stalewise.protocol import ServerConfig
 from stalewise.runtime.base import Recorder, TrainResult, mean_loss
 from stalewise.runtime.options import RunOptions
@@ -58,6 +79,54 @@ def train(config: ServerConfig, loss_and_grad: Callable, *, strategy: Strategy, 
     return run(config, strategy, RunOptions(loss_and_grad=loss_and_grad, **options))
 
 
+def _resume_from(config: ServerConfig, o: RunOptions) -> checkpoint.Checkpoint | None:
+    if not checkpoint.exists(o.checkpoint_dir):
+        log.warning(
+            "sim: resume: no checkpoint in %s yet; starting from the start", o.checkpoint_dir
+        )
+        return None
+    ckpt = checkpoint.load(o.checkpoint_dir)
+    checkpoint.check_compatible(ckpt, config, o.workers)
+    if "sim" not in ckpt.step:
+        raise checkpoint.CheckpointError(
+            f"{ckpt.path.name} was not written by the simulator (runtime "
+            f"{ckpt.manifest['config'].get('runtime')!r}); the sim resumes only its own"
+        )
+    return ckpt
+
+
+class _Saver:
+    """The simulator's checkpoints: every ``checkpoint_every`` updates (shard 0's version)
+    and/or ``checkpoint_seconds`` virtual seconds, and at the end of the run."""
+
+    def __init__(self, config: ServerConfig, strategy: Strategy, o: RunOptions, state: Simulation):
+        self.config, self.o = config, o
+        self.info = checkpoint.config_info(
+            config, workers=o.workers, strategy=repr(strategy), runtime="sim", seed=o.seed
+        )
+        self.version, self.time = state.shards[0].version, state.now
+
+    def maybe(self, state: Simulation) -> None:
+        o = self.o
+        if (
+            o.checkpoint_every is not None
+            and state.shards[0].version - self.version >= o.checkpoint_every
+        ) or (o.checkpoint_seconds is not None and state.now - self.time >= o.checkpoint_seconds):
+            self.save(state)
+
+    def save(self, state: Simulation) -> None:
+        saved = state.checkpoint_state()
+        checkpoint.save(
+            self.o.checkpoint_dir,
+            [shard.state_dict() for shard in state.shards],
+            spec=self.config.spec,
+            config_info=self.info,
+            step_info={"pushes": state.pushes, "time": state.now, "run": self.o.run, "sim": saved},
+            keep=self.o.checkpoint_keep,
+        )
+        self.version, self.time = state.shards[0].version, state.now
+
+
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
     """Trains on the virtual clock (the ``"sim"`` runtime; see :meth:`stalewise.Job.train`).
 
@@ -85,6 +154,17 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         raise TypeError(f"sim must be a SimConfig, got {type(sim).__name__}")
     timing = WorkerTiming(sim, workers, factors=factors, delays=extra, seed=seed)
     state = Simulation(config, (loss_and_grad, data, strategy), workers, steps, sim, timing)
+    starts = None
+    if o.resume:
+        resumed = _resume_from(config, o)
+        if resumed is not None:
+            starts = state.restore(resumed.states, resumed.step["sim"])
+            log.info("sim: resumed from %s (version %d)", resumed.path, resumed.version)
+    saver = None
+    if o.checkpoint_dir is not None:
+        saver = _Saver(config, strategy, o, state)
+        if o.checkpoint_every is not None or o.checkpoint_seconds is not None:
+            state.checkpointer = saver.maybe
     recorder = Recorder(run_name, steps, stop_at=stop_at, on_record=on_record, progress=progress)
 
     def observed() -> Any:  # what an observer pull returns: every shard's current slice
@@ -101,9 +181,11 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     wall0 = time.perf_counter()
     try:
         deadline = math.inf if timeout is None else wall0 + timeout
-        stopped = state.run(record, eval_interval, deadline)
+        stopped = state.run(record, eval_interval, deadline, starts)
         if not recorder.records or recorder.records[-1]["time"] != state.now:
             record()
+        if saver is not None:
+            saver.save(state)
     finally:
         recorder.close()
     wall = time.perf_counter() - wall0

@@ -125,6 +125,10 @@ class Simulation:
         self.t_mark = [0.0] * workers
         self.started = self.pushes = self.events = self.queued = 0
         self.totals = {"pull": 0.0, "push": 0.0, "compute": 0.0, "steps": 0}
+        self.consumed = [0] * workers  # batches each worker id has used (local_steps summed)
+        self.skip = [0] * workers  # batches to skip when a stream starts (a resumed run)
+        self.ended: list[tuple[float, int] | None] = [None] * workers  # (time, order) of DONE
+        self.checkpointer: Any = None  # called after every event when set (periodic checkpoints)
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -219,6 +223,8 @@ class Simulation:
         try:
             if self.batches[w] is None:  # one stream of batches per worker id, over its lives
                 self.batches[w] = batch_iterator(self.data, w, self.P)
+                if self.skip[w]:  # resumed: continue the stream where the checkpoint left it
+                    deque(itertools.islice(self.batches[w], self.skip[w]), maxlen=0)
         except Exception:
             raise WorkerError(f"worker {w} failed:\n{traceback.format_exc()}") from None
         self.loops[w] = gen = loop.worker_loop(
@@ -232,6 +238,7 @@ class Simulation:
         more = self.started < self.steps
         if self.send(w, more) is None:  # the loop has ended: the worker leaves the job
             self.phase[w], self.loops[w] = _DONE, None
+            self.ended[w] = (self.now, sum(e is not None for e in self.ended))
             for k in range(self.S):
                 self.at(self.now + self.lat, _LEAVE, w, k, self.inc[w])
             return
@@ -249,6 +256,7 @@ class Simulation:
             update, loss, local_steps, _ = self.loops[w].send(params)  # runs the step: a Push
             if local_steps < 0:
                 raise ValueError(f"the strategy step reported local_steps={local_steps} (< 0)")
+            self.consumed[w] += local_steps
             self.upd_buf[w] = out = self.take_buffer()
             tree.flatten(update, spec=self.spec, out=out)
         except Exception:
@@ -332,24 +340,107 @@ class Simulation:
 
     # -- the loop ------------------------------------------------------------------
 
-    def run(self, record: Callable[[], bool], eval_interval: float, deadline: float) -> bool:
-        """Runs events until the work is done or ``record`` says stop; returns whether it did."""
-        absent = self.sim.absent_at_start()
-        for w in sorted(absent):
-            self.phase[w] = _DEAD
-            for shard in self.shards:
-                shard.leave(w)
-        for e in sorted(self.sim.failures + self.sim.joins, key=lambda e: e.time):
-            self.at(e.time, _JOIN if isinstance(e, Join) else _FAIL, e.worker)
-        joins_left = len(self.sim.joins)
+    # -- checkpoints -------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The simulator's own state for a checkpoint (JSON-able), beside the shards' states.
+
+        ``quiescent``: no work in flight and every worker's loop has ended (the end
+        of a run that used its whole budget); only such a checkpoint lets a resumed
+        run start each worker when and in the order it would have gone on.
+        """
+        rngs = self.timing._rngs
+        return {
+            "now": self.now,
+            "pushes": self.pushes,
+            "quiescent": not self.queued and all(p in (_DONE, _DEAD) for p in self.phase),
+            "phase": ["dead" if p == _DEAD else "live" for p in self.phase],
+            "ended": [None if e is None else list(e) for e in self.ended],
+            "consumed": list(self.consumed),
+            "last_loss": [None if math.isnan(x) else float(x) for x in self.last_loss],
+            "rngs": None if rngs is None else [r.bit_generator.state for r in rngs],
+            "egress": list(self.links.egress),
+            "ingress": list(self.links.ingress),
+            "totals": dict(self.totals),
+            "events": self.events,
+        }
+
+    def restore(self, states: list[dict], saved: dict[str, Any]) -> list[tuple[float, int]]:
+        """Loads a checkpoint (shard states and :meth:`checkpoint_state`) before :meth:`run`.
+
+        Returns when and in which order to start the workers: for a quiescent
+        checkpoint each at the instant its loop ended, in that order; otherwise
+        every worker that was not dead at the checkpoint's time, by id.
+        """
+        for shard, state in zip(self.shards, states, strict=True):
+            shard.load_state_dict(state)
+        self.now = self.end = float(saved["now"])
+        self.pushes = self.started = int(saved["pushes"])
+        self.skip = [int(n) for n in saved["consumed"]]
+        self.consumed = list(self.skip)
+        self.last_loss[:] = [math.nan if x is None else x for x in saved["last_loss"]]
+        if saved["rngs"] is not None and self.timing._rngs is not None:
+            for rng, state in zip(self.timing._rngs, saved["rngs"], strict=True):
+                rng.bit_generator.state = state
+        self.links.egress[:] = saved["egress"]
+        self.links.ingress[:] = saved["ingress"]
+        self.totals.update(saved["totals"])
+        self.events = int(saved["events"])
+        for w in range(self.P):  # new incarnations, above every shard's
+            self.inc[w] = max(int(s.incarnation[w]) for s in self.shards)
+        if saved["quiescent"]:
+            starts = [(e[0], e[1], w) for w, e in enumerate(saved["ended"]) if e is not None]
+        else:
+            live = [w for w, p in enumerate(saved["phase"]) if p == "live"]
+            starts = [(self.now, w, w) for w in live]
         for w in range(self.P):
-            if w not in absent:
-                self.inc[w] = 1
+            if w not in {x[2] for x in starts}:
+                self.phase[w] = _DEAD
+        return [(t, w) for t, _, w in sorted(starts)]
+
+    # -- the loop ------------------------------------------------------------------
+
+    def run(
+        self,
+        record: Callable[[], bool],
+        eval_interval: float,
+        deadline: float,
+        starts: list[tuple[float, int]] | None = None,
+    ) -> bool:
+        """Runs events until the work is done or ``record`` says stop; returns whether it did.
+
+        ``starts``: a resumed run's ``(time, worker)`` starts, from :meth:`restore`.
+        """
+        t0 = self.now
+        if starts is None:
+            absent = self.sim.absent_at_start()
+            for w in sorted(absent):
+                self.phase[w] = _DEAD
                 for shard in self.shards:
-                    shard.join(w, 1)
+                    shard.leave(w)
+        events = [e for e in self.sim.failures + self.sim.joins if e.time >= t0]
+        for e in sorted(events, key=lambda e: e.time):
+            self.at(e.time, _JOIN if isinstance(e, Join) else _FAIL, e.worker)
+        joins_left = sum(isinstance(e, Join) for e in events)
+        if starts is None:
+            for w in range(self.P):
+                if w not in absent:
+                    self.inc[w] = 1
+                    for shard in self.shards:
+                        shard.join(w, 1)
+                    self.start_loop(w)
+        else:
+            for t, w in starts:
+                self.now = t
+                self.inc[w] += 1
+                self.seq[w] = 0
+                for shard in self.shards:
+                    shard.join(w, self.inc[w])
                 self.start_loop(w)
+            self.now = t0
         stop = record()
-        self.at(eval_interval, _EVAL, 1)
+        first = math.floor(t0 / eval_interval) + 1
+        self.at(first * eval_interval, _EVAL, first)
         heap, pop, inc = self.heap, heapq.heappop, self.inc
         while heap and not stop:
             t, _, kind, w, k, i, x = pop(heap)
@@ -398,6 +489,8 @@ class Simulation:
                 self.release(k)
             self.end = t
             self.events += 1
+            if self.checkpointer is not None:
+                self.checkpointer(self)
             if not self.events & 0xFFF and time.perf_counter() > deadline:
                 raise TimeoutError(f"simulation did not finish within the timeout (t={t:.6g})")
         self.now = self.now if stop else self.end
