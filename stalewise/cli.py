@@ -77,11 +77,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     from stalewise import config, report
 
     _check_runtime(args.runtime)
+    if args.resume is not None:
+        if args.out is not None:
+            raise _config_error("--out", "give --resume RUN_DIR or --out, not both")
+        if not (Path(args.resume) / "checkpoints").is_dir():
+            raise _config_error(
+                "--resume", f"{args.resume!r} holds no checkpoints/ folder of an earlier run"
+            )
     cfg = config.load(args.config, runtime=args.runtime)
-    out = _out_dir(args.out, Path(args.config).stem)
+    out = _out_dir(args.resume or args.out, Path(args.config).stem)
     run = Path(args.config).stem
+    ckpt = dict(checkpoint_dir=out / "checkpoints", resume=args.resume is not None)
+    if args.checkpoint_every:
+        ckpt["checkpoint_every"] = args.checkpoint_every
     with report.MetricsWriter(out / "metrics.jsonl") as writer:
-        result = cfg.run(args.runtime, run=run, on_record=writer.write, progress=not args.quiet)
+        result = cfg.run(
+            args.runtime, run=run, on_record=writer.write, progress=not args.quiet, **ckpt
+        )
     report.plot_runs(result.records, out / "train.png", title=run)
     last = result.records[-1] if result.records else {}
     row = {
@@ -93,6 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     row |= {k: result.stats.get(k) for k in ("staleness_mean", "staleness_max")}
     print(report.format_table([row], list(row)))
     print(f"\nmetrics: {out / 'metrics.jsonl'}\nplot:    {out / 'train.png'}")
+    print(f"checkpoints: {out / 'checkpoints'} (stalewise train CONFIG --resume {out})")
     return 0
 
 
@@ -219,6 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="path to CONFIG.toml")
     t.add_argument("--out", help="run folder (default: runs/CONFIG-TIMESTAMP)")
     t.add_argument("--runtime", help="override run.runtime: local or sim")
+    t.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its last checkpoint (steps stays the total budget)",
+    )
+    t.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="also checkpoint every N updates (a checkpoint is always written at the end)",
+    )
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train)
 

@@ -685,3 +685,19 @@ def test_bad_strategy_values_are_one_line(tmp_path, capsys, values, problem):
     assert main([*argv, "--out", str(tmp_path / "run"), "-q"]) == 2
     assert problem in _one_error_line(capsys, "--values")
     assert not (tmp_path / "run").exists()
+
+
+def test_train_resumes_a_run_from_its_checkpoint(tmp_path, capsys, no_leaks):
+    first = write(tmp_path, LS_CONFIG.replace("steps = 300", "steps = 100"), "first.toml")
+    out = tmp_path / "run"
+    assert main(["train", str(first), "--out", str(out), "--runtime", "sim", "-q"]) == 0
+    assert (out / "checkpoints" / "latest").is_file()
+    saved = sw.load(out / "checkpoints")
+    more = write(tmp_path, LS_CONFIG.replace("steps = 300", "steps = 250"), "more.toml")
+    assert main(["train", str(more), "--resume", str(out), "--runtime", "sim", "-q"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r for r in records if r["updates"] > 0]
+    assert records[-1]["pushes"] >= 250 and resumed[-1]["updates"] >= 250
+    assert not np.array_equal(sw.load(out / "checkpoints")["x"], saved["x"])
+    assert main(["train", str(more), "--resume", str(tmp_path / "nowhere"), "-q"]) == 2
+    assert "--resume" in capsys.readouterr().err
