@@ -68,8 +68,13 @@ class RunOptions:
         )
         object.__setattr__(self, "slowdowns", tuple(factors))
         object.__setattr__(self, "extra_delays", tuple(extra))
-        if not (isinstance(self.eval_interval, int | float) and self.eval_interval > 0):
-            raise ValueError(f"eval_interval must be a number > 0, got {self.eval_interval!r}")
+        ok = isinstance(self.eval_interval, int | float) and not isinstance(
+            self.eval_interval, bool
+        )
+        if not (ok and 0 < self.eval_interval < math.inf):
+            raise ValueError(
+                f"eval_interval must be a finite number of seconds > 0, got {self.eval_interval!r}"
+            )
         if self.evaluate is not None and not callable(self.evaluate):
             raise TypeError(f"evaluate must be a function f(params) -> dict, got {self.evaluate!r}")
         for name in ("timeout", "start_timeout", "shard_start_timeout", "join_timeout",
@@ -79,8 +84,6 @@ class RunOptions:
                 continue
             if not (isinstance(value, int | float) and not isinstance(value, bool) and value >= 0):
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
-        if not math.isfinite(self.eval_interval):
-            raise ValueError(f"eval_interval must be finite, got {self.eval_interval!r}")
         self._check_checkpoints()
         from stalewise import targets
 

@@ -145,10 +145,6 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     factors, extra = list(o.slowdowns), list(o.extra_delays)
     eval_interval, stop_at, on_record, timeout = o.eval_interval, o.stop_at, o.on_record, o.timeout
     run_name, progress, evaluate, seed, sim = o.run, o.progress, o.evaluate, o.seed, o.sim
-    if not (eval_interval > 0 and math.isfinite(eval_interval)):
-        raise ValueError(
-            f"eval_interval must be a finite number of virtual seconds > 0, got {eval_interval!r}"
-        )
     sim = SimConfig() if sim is None else sim
     if not isinstance(sim, SimConfig):
         raise TypeError(f"sim must be a SimConfig, got {type(sim).__name__}")
