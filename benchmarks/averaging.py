@@ -248,8 +248,8 @@ def main() -> int:
         bars.append((
             "local: DiLoCo H=20 vs sync gradients(), 2000 local steps each",
             gap <= 0.5 and fewer >= 20,
-            f"accuracy {d['final_accuracy']:.4f} vs {g['final_accuracy']:.4f} ({gap:+.2f} points "
-            f"behind, bar <= 0.5), {fewer:.1f}x fewer bytes per local step (bar >= 20; "
+            f"accuracy {d['final_accuracy']:.4f} vs {g['final_accuracy']:.4f} (DiLoCo "
+            f"{'behind' if gap > 0 else 'ahead'} by {abs(gap):.2f} points; bar: at most 0.5 behind), {fewer:.1f}x fewer bytes per local step (bar >= 20; "
             f"{g['pushes']} vs {d['pushes']} pushes)",
         ))  # fmt: skip
     plot(sections, Path(args.out))
