@@ -698,3 +698,10 @@ def test_sweep_over_workers_and_consistency(tmp_path):
         sweep_lib.sweep(job, task, over="shards", values=[1], steps=10, target=1.0)
     with pytest.raises(ValueError, match="'ssp:x'"):
         sweep_lib.sweep(job, task, over="consistency", values=["ssp:x"], steps=10, target=1.0)
+
+
+def test_a_train_result_prints_as_one_short_line():
+    r = _train(_cheap_task(), workers=2, steps=20)
+    text = repr(r)
+    assert "\n" not in text and len(text) < 200, text
+    assert text.startswith(f"TrainResult(pushes={r.pushes}, updates=") and "parameters" in text

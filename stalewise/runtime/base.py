@@ -47,6 +47,19 @@ class TrainResult:
     time: float = 0.0  # seconds (wall clock, or virtual in the simulator)
     pushes: int = 0  # updates pushed by all workers
 
+    def __repr__(self) -> str:
+        """One line: pushes, updates, time and the last record's metrics (not the parameters)."""
+        last = self.records[-1] if self.records else {}
+        metrics = ", ".join(
+            f"{k}={last[k]:.4g}" for k in ("loss", "accuracy") if isinstance(last.get(k), float)
+        )
+        return (
+            f"TrainResult(pushes={self.pushes}, updates={self.stats.get('version', '?')}, "
+            f"time={self.time:.4g}s, {self.flat.size} parameters"
+            + (f", {metrics}" if metrics else "")
+            + f", {len(self.records)} records)"
+        )
+
 
 def merge_stats(per_shard: Sequence[Mapping[str, Any]], *, settled: bool = False) -> dict[str, Any]:
     """Merges the shards' counters: per-push counters from shard 0, bytes summed.
