@@ -94,7 +94,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         result = cfg.run(
             args.runtime, run=run, on_record=writer.write, progress=not args.quiet, **ckpt
         )
-    report.plot_runs(result.records, out / "train.png", title=run)
+    simulated = cfg.train_kwargs(args.runtime)["runtime"] == "sim"
+    report.plot_runs(
+        result.records,
+        out / "train.png",
+        title=run,
+        targets={t.metric: t.value for t in cfg.train.get("stop_at") or ()},
+        xlabel="virtual time (s)" if simulated else None,
+    )
     last = result.records[-1] if result.records else {}
     row = {
         "run": run,

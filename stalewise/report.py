@@ -218,6 +218,7 @@ def plot_runs(
     keys: Sequence[str] = ("accuracy", "loss"),
     title: str | None = None,
     targets: Mapping[str, float] | None = None,
+    xlabel: str | None = None,
 ) -> Path:
     """Plots metrics against ``x``: one subplot per key, one line per run.
 
@@ -232,6 +233,8 @@ def plot_runs(
         keys: the metrics to plot, one subplot each.
         title: the figure title.
         targets: optional ``{key: value}`` drawn as dashed horizontal lines.
+        xlabel: the horizontal axis's label (e.g. ``"virtual time (s)"`` for a
+            simulated run); default from ``x``.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -271,7 +274,7 @@ def plot_runs(
         positive = [v for v in values if v > 0]
         if positive and len(positive) == len(values) and max(positive) > 100 * min(positive):
             ax.set_yscale("log")
-        ax.set_xlabel(_LABELS.get(x, x))
+        ax.set_xlabel(xlabel or _LABELS.get(x, x))
         ax.set_ylabel(_LABELS.get(key, key))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")

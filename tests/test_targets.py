@@ -333,3 +333,28 @@ def test_sweep_infers_the_direction_and_checks_the_mode():
         sweep_lib.sweep(
             None, NoTask(), over="workers", values=[1], steps=1, target=1.0, metric="progress"
         )
+
+
+def test_progress_says_why_a_run_stopped_in_plain_lines_when_not_a_terminal(capsys):
+    """Output that is not a terminal gets a few plain lines, not a redrawn bar."""
+    import stalewise as sw
+    from stalewise import tasks
+
+    task = tasks.get("least-squares", n=64, d=4)
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
+    run = job.train(task.loss_and_grad, data=task.batches, evaluate=task.evaluate, workers=4,
+                    steps=5000, runtime="sim", eval_interval=0.05, progress=True,
+                    stop_at={"loss": 1e-2})  # fmt: skip
+    err = capsys.readouterr().err  # pytest's capture is not a terminal
+    lines = err.strip().splitlines()
+    assert "\r" not in err and len(lines) <= 5, lines
+    assert lines[-1] == f"run: stopped after {run.pushes} pushes: loss <= 0.01 reached"
+    sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1)).train(
+        task.loss_and_grad, data=task.batches, workers=2, steps=30, runtime="sim", progress=True
+    )
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .endswith("stopped after 30 pushes: the budget of 30 pushes is spent")
+    )

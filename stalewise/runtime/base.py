@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
+import sys
+import time as _time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -12,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from stalewise import targets
+
+log = logging.getLogger(__name__)
 
 
 def batch_iterator(data: Any, worker: int, workers: int) -> Iterator[Any]:
@@ -167,6 +172,9 @@ def check_run(
     return slowdowns(stragglers, workers), extra
 
 
+PLAIN_EVERY = 10.0  # seconds between progress lines when output is not a terminal
+
+
 class Recorder:
     """A run's metrics records: builds them, shows progress, says when to stop.
 
@@ -174,9 +182,10 @@ class Recorder:
     simulated run and a real one of the same job compare line by line.
 
     ``stop_at`` is anything :func:`stalewise.targets.parse` accepts; the run stops
-    at the first record that reaches every target. For a metric whose name tells
-    no direction, a plain ``{name: value}`` entry keeps its old meaning,
-    ``value >= target`` (and a warning is logged).
+    at the first record that reaches every target. A runtime calls
+    :meth:`finish` with why the run ended, which the progress output says.
+    Progress is a tqdm bar on a terminal, and one plain line every
+    ``PLAIN_EVERY`` seconds otherwise (logs are not flooded with redraws).
 
     Example:
         >>> r = Recorder("run", 10, stop_at={"loss": 1e-3})
@@ -199,15 +208,39 @@ class Recorder:
         self.stop_at = targets.parse(stop_at)
         self.on_record = on_record
         self.records: list[dict] = []
+        self.stop_reason: str | None = None  # set when stop_at is reached
         self.bar = None
-        if progress:
+        self.plain = progress and not sys.stderr.isatty()  # one line now and then, no bar
+        self._printed_at = -math.inf
+        self._pushes = 0
+        if progress and not self.plain:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=steps, desc=run, unit="push", leave=True)
 
     def progress(self, pushes: int) -> None:
+        self._pushes = pushes
         if self.bar is not None:
             self.bar.update(min(pushes, self.steps) - self.bar.n)
+        elif self.plain and _time.monotonic() - self._printed_at >= PLAIN_EVERY:
+            self._printed_at = _time.monotonic()
+            last = self.records[-1] if self.records else {}
+            metrics = "".join(
+                f", {k} {last[k]:.4g}"
+                for k in ("loss", "accuracy")
+                if isinstance(last.get(k), float)
+            )
+            print(f"{self.run}: {pushes}/{self.steps} pushes{metrics}", file=sys.stderr, flush=True)
+
+    def finish(self, reason: str) -> None:
+        """Says why the run ended (after the last record), on the progress output and the log."""
+        line = f"{self.run}: stopped after {self._pushes} pushes: {reason}"
+        log.info("%s", line)
+        if self.bar is not None:
+            self.bar.close()
+            self.bar.write(line, file=sys.stderr)
+        elif self.plain:
+            print(line, file=sys.stderr, flush=True)
 
     def record(
         self,
@@ -238,7 +271,10 @@ class Recorder:
         self.progress(pushes)
         if self.bar is not None:
             self.bar.set_postfix({k: f"{rec[k]:.3g}" for k in ("loss", "accuracy") if k in rec})
-        return targets.all_reached(self.stop_at, rec)
+        if targets.all_reached(self.stop_at, rec):
+            self.stop_reason = " and ".join(map(str, self.stop_at)) + " reached"
+            return True
+        return False
 
     def close(self) -> None:
         if self.bar is not None:

@@ -240,6 +240,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
                 if o.timeout is not None and now > o.timeout:
                     raise TimeoutError(f"training did not finish within {o.timeout} s")
             elapsed = time.perf_counter() - t0
+            recorder.finish(recorder.stop_reason or f"the budget of {steps} pushes is spent")
             stats = merge_stats(server.stats(), settled=True)
             if saver is not None:  # the end of the run: every worker has left
                 saver.save(elapsed, pushes)

@@ -180,6 +180,12 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         stopped = state.run(record, eval_interval, deadline, starts)
         if not recorder.records or recorder.records[-1]["time"] != state.now:
             record()
+        if stopped:
+            recorder.finish(recorder.stop_reason or "stop_at reached")
+        elif state.pushes < steps:
+            recorder.finish(f"every worker failed or left after {state.pushes} of {steps} pushes")
+        else:
+            recorder.finish(f"the budget of {steps} pushes is spent")
         if saver is not None:
             saver.save(state)
     finally:
