@@ -79,7 +79,7 @@ class _Averager:
         self.steps = 0  #: optimizer steps seen
         self.pending = 0  #: local steps since the last pull
         self.results: list[PushResult | None] = []  #: what became of each push, in order
-        self._spec: tree.FlatSpec = client._spec  # the job's layout
+        self._spec: tree.FlatSpec = client.spec  # the job's layout
         self._pulled: np.ndarray | None = None  # the last pulled parameters, flat
 
     @property

@@ -36,7 +36,7 @@ def uniform_pusher(client, pushes):
     """Pushes vectors of ones; with sgd(lr=1) every shard stays uniform at every version."""
     for _ in range(pushes):
         client.pull(copy=False)
-        client.push({"x": np.ones(client._spec.size, np.float32)})
+        client.push({"x": np.ones(client.spec.size, np.float32)})
     client.wait(timeout=60)
     client.close()
 
@@ -91,7 +91,7 @@ def push_once_and_die(client):
     import os
 
     client.pull()
-    client.push({"x": np.ones(client._spec.size, np.float32)})
+    client.push({"x": np.ones(client.spec.size, np.float32)})
     client.wait(timeout=30)
     os._exit(1)
 

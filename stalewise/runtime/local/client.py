@@ -82,6 +82,11 @@ class Client:
         self._results: list[PushResult] = []  # push results not yet taken
         self.last_result: PushResult | None = None
 
+    @property
+    def spec(self) -> tree.FlatSpec:
+        """The job's parameter layout (the structure pushes must have)."""
+        return self._spec
+
     def __getstate__(self) -> dict:
         if self._block is not None:
             raise RuntimeError("a Client can be sent to another process only before its first use")
