@@ -137,7 +137,7 @@ class _Saver:
     new incarnations).
     """
 
-    def __init__(self, config, strategy, o: RunOptions, server: LocalServer, t0: float):
+    def __init__(self, config, strategy, o: RunOptions, server: LocalServer):
         self.config, self.o, self.server = config, o, server
         self.info = checkpoint.config_info(
             config, workers=o.workers, strategy=repr(strategy), runtime="local"
@@ -215,7 +215,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
                 c.send("go")
             t0 = time.perf_counter()
             if o.checkpoint_dir is not None:
-                saver = _Saver(config, strategy, o, server, t0)
+                saver = _Saver(config, strategy, o, server)
             live = set(range(workers))
             last_eval = -float("inf")
             while live:
