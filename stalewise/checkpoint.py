@@ -348,6 +348,84 @@ def check_compatible(ckpt: Checkpoint, config: Any, workers: int | None = None) 
         )
 
 
+# -- a run's checkpoints (both runtimes) --------------------------------------------------
+
+
+def resume_point(config: Any, options: Any, *, runtime: str) -> Checkpoint | None:
+    """The checkpoint a run with ``options.resume`` continues from (None: start afresh).
+
+    Refuses a checkpoint of another job; the simulator resumes only from its own
+    checkpoints, which carry its virtual clock.
+    """
+    if not options.resume:
+        return None
+    if not exists(options.checkpoint_dir):
+        log.warning(
+            "%s: resume: no checkpoint in %s yet; starting from the start",
+            runtime,
+            options.checkpoint_dir,
+        )
+        return None
+    ckpt = load(options.checkpoint_dir)
+    check_compatible(ckpt, config, options.workers)
+    if runtime == "sim" and "sim" not in ckpt.step:
+        raise CheckpointError(
+            f"{ckpt.path.name} was not written by the simulator (runtime "
+            f"{ckpt.manifest['config'].get('runtime')!r}); the sim resumes only its own"
+        )
+    return ckpt
+
+
+class Saver:
+    """A run's checkpoints into ``options.checkpoint_dir``: when :meth:`due` says so
+    (every ``checkpoint_every`` updates of shard 0 and/or ``checkpoint_seconds``
+    seconds, virtual in the simulator), and at the end of the run.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        strategy: Any,
+        options: Any,
+        *,
+        runtime: str,
+        version: int,
+        now: float = 0.0,
+        **info: Any,
+    ):
+        self.config, self.options = config, options
+        self.info = config_info(
+            config, workers=options.workers, strategy=repr(strategy), runtime=runtime, **info
+        )
+        self.version, self.time = int(version), float(now)  # of the last checkpoint
+
+    @property
+    def periodic(self) -> bool:
+        """Whether checkpoints are taken during the run, not only at its end."""
+        o = self.options
+        return o.checkpoint_every is not None or o.checkpoint_seconds is not None
+
+    def due(self, version: int, now: float) -> bool:
+        """Whether a periodic checkpoint is due at shard 0's ``version`` and time ``now``."""
+        o = self.options
+        return (
+            o.checkpoint_every is not None and version - self.version >= o.checkpoint_every
+        ) or (o.checkpoint_seconds is not None and now - self.time >= o.checkpoint_seconds)
+
+    def save(self, states: Sequence[dict[str, Any]], step: dict[str, Any]) -> Path:
+        """Writes the shards' ``states``; ``step`` holds at least ``pushes`` and ``time``."""
+        path = save(
+            self.options.checkpoint_dir,
+            states,
+            spec=self.config.spec,
+            config_info=self.info,
+            step_info={**step, "run": self.options.run},
+            keep=self.options.checkpoint_keep,
+        )
+        self.version, self.time = int(states[0]["version"]), float(step["time"])
+        return path
+
+
 def load_params(path: str | os.PathLike, *, backend: str | None = None) -> Any:
     """The parameters of a checkpoint in the user's structure and backend (``sw.load``).
 

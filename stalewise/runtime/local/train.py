@@ -113,59 +113,6 @@ def _check_picklable(name: str, obj: Any) -> None:
         ) from None
 
 
-def _resume_from(config: ServerConfig, o: RunOptions) -> checkpoint.Checkpoint | None:
-    """The checkpoint a resumed run starts from (None: start afresh)."""
-    if not o.resume:
-        return None
-    if not checkpoint.exists(o.checkpoint_dir):
-        log.warning("resume: no checkpoint in %s yet; starting from the start", o.checkpoint_dir)
-        return None
-    ckpt = checkpoint.load(o.checkpoint_dir)
-    checkpoint.check_compatible(ckpt, config, o.workers)
-    return ckpt
-
-
-class _Saver:
-    """The parent's periodic checkpoints (every ``checkpoint_every`` updates and/or seconds).
-
-    A checkpoint is the shards' :meth:`LocalServer.state_dicts`, each taken between
-    two messages its shard handles: consistent per shard. Across shards they can
-    differ by the pushes in flight at that moment (shard 0 may have applied a push
-    shard 1 has not yet). Each shard's state holds its per-worker ``next_seq`` and
-    incarnation, so nothing is applied twice after a restore; a push that was in
-    flight is lost on the shards that had not applied it (the resumed workers are
-    new incarnations).
-    """
-
-    def __init__(self, config, strategy, o: RunOptions, server: LocalServer):
-        self.config, self.o, self.server = config, o, server
-        self.info = checkpoint.config_info(
-            config, workers=o.workers, strategy=repr(strategy), runtime="local"
-        )
-        self.last_time = 0.0
-        self.last_version = server.published_version()
-
-    def maybe(self, now: float, pushes: int) -> None:
-        o = self.o
-        due = o.checkpoint_seconds is not None and now - self.last_time >= o.checkpoint_seconds
-        if o.checkpoint_every is not None and not due:
-            due = self.server.published_version() - self.last_version >= o.checkpoint_every
-        if due:
-            self.save(now, pushes)
-
-    def save(self, now: float, pushes: int) -> None:
-        states = self.server.state_dicts()
-        checkpoint.save(
-            self.o.checkpoint_dir,
-            states,
-            spec=self.config.spec,
-            config_info=self.info,
-            step_info={"pushes": int(pushes), "time": float(now), "run": self.o.run},
-            keep=self.o.checkpoint_keep,
-        )
-        self.last_time, self.last_version = now, int(states[0]["version"])
-
-
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
     """Trains with ``options.workers`` local processes (the ``"local"`` runtime; see Job.train)."""
     o = options
@@ -174,7 +121,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         _check_picklable(name, obj)
     recorder = None
     worker_options = o.for_workers()
-    resumed = _resume_from(config, o)
+    resumed = checkpoint.resume_point(config, o, runtime="local")
     with LocalServer(
         config, workers, start_timeout=o.shard_start_timeout, join_timeout=o.join_timeout
     ) as server:
@@ -215,7 +162,11 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
                 c.send("go")
             t0 = time.perf_counter()
             if o.checkpoint_dir is not None:
-                saver = _Saver(config, strategy, o, server)
+                # consistent per shard; across shards the states can differ by the pushes
+                # in flight, which a resumed run loses (its workers are new incarnations)
+                saver = checkpoint.Saver(
+                    config, strategy, o, runtime="local", version=server.published_version()
+                )
             live = set(range(workers))
             last_eval = -float("inf")
             while live:
@@ -235,15 +186,15 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
                         now, pushes, stats, mean_loss(losses), evaluate, server.pull
                     ):
                         ctrl[_STOP] = 1
-                if saver is not None and live:
-                    saver.maybe(now, pushes)
+                if saver is not None and live and saver.due(server.published_version(), now):
+                    saver.save(server.state_dicts(), {"pushes": pushes, "time": now})
                 if o.timeout is not None and now > o.timeout:
                     raise TimeoutError(f"training did not finish within {o.timeout} s")
             elapsed = time.perf_counter() - t0
             recorder.finish(recorder.stop_reason or f"the budget of {steps} pushes is spent")
             stats = merge_stats(server.stats(), settled=True)
             if saver is not None:  # the end of the run: every worker has left
-                saver.save(elapsed, pushes)
+                saver.save(server.state_dicts(), {"pushes": pushes, "time": elapsed})
         finally:
             if recorder is not None:
                 recorder.close()

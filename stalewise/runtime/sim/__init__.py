@@ -79,54 +79,6 @@ def train(config: ServerConfig, loss_and_grad: Callable, *, strategy: Strategy, 
     return run(config, strategy, RunOptions(loss_and_grad=loss_and_grad, **options))
 
 
-def _resume_from(config: ServerConfig, o: RunOptions) -> checkpoint.Checkpoint | None:
-    if not checkpoint.exists(o.checkpoint_dir):
-        log.warning(
-            "sim: resume: no checkpoint in %s yet; starting from the start", o.checkpoint_dir
-        )
-        return None
-    ckpt = checkpoint.load(o.checkpoint_dir)
-    checkpoint.check_compatible(ckpt, config, o.workers)
-    if "sim" not in ckpt.step:
-        raise checkpoint.CheckpointError(
-            f"{ckpt.path.name} was not written by the simulator (runtime "
-            f"{ckpt.manifest['config'].get('runtime')!r}); the sim resumes only its own"
-        )
-    return ckpt
-
-
-class _Saver:
-    """The simulator's checkpoints: every ``checkpoint_every`` updates (shard 0's version)
-    and/or ``checkpoint_seconds`` virtual seconds, and at the end of the run."""
-
-    def __init__(self, config: ServerConfig, strategy: Strategy, o: RunOptions, state: Simulation):
-        self.config, self.o = config, o
-        self.info = checkpoint.config_info(
-            config, workers=o.workers, strategy=repr(strategy), runtime="sim", seed=o.seed
-        )
-        self.version, self.time = state.shards[0].version, state.now
-
-    def maybe(self, state: Simulation) -> None:
-        o = self.o
-        if (
-            o.checkpoint_every is not None
-            and state.shards[0].version - self.version >= o.checkpoint_every
-        ) or (o.checkpoint_seconds is not None and state.now - self.time >= o.checkpoint_seconds):
-            self.save(state)
-
-    def save(self, state: Simulation) -> None:
-        saved = state.checkpoint_state()
-        checkpoint.save(
-            self.o.checkpoint_dir,
-            [shard.state_dict() for shard in state.shards],
-            spec=self.config.spec,
-            config_info=self.info,
-            step_info={"pushes": state.pushes, "time": state.now, "run": self.o.run, "sim": saved},
-            keep=self.o.checkpoint_keep,
-        )
-        self.version, self.time = state.shards[0].version, state.now
-
-
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
     """Trains on the virtual clock (the ``"sim"`` runtime; see :meth:`stalewise.Job.train`).
 
@@ -151,16 +103,27 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     timing = WorkerTiming(sim, workers, factors=factors, delays=extra, seed=seed)
     state = Simulation(config, (loss_and_grad, data, strategy), workers, steps, sim, timing)
     starts = None
-    if o.resume:
-        resumed = _resume_from(config, o)
-        if resumed is not None:
-            starts = state.restore(resumed.states, resumed.step["sim"])
-            log.info("sim: resumed from %s (version %d)", resumed.path, resumed.version)
+    resumed = checkpoint.resume_point(config, o, runtime="sim")
+    if resumed is not None:
+        starts = state.restore(resumed.states, resumed.step["sim"])
+        log.info("sim: resumed from %s (version %d)", resumed.path, resumed.version)
     saver = None
     if o.checkpoint_dir is not None:
-        saver = _Saver(config, strategy, o, state)
-        if o.checkpoint_every is not None or o.checkpoint_seconds is not None:
-            state.checkpointer = saver.maybe
+        saver = checkpoint.Saver(
+            config, strategy, o, runtime="sim", version=state.shards[0].version, now=state.now,
+            seed=o.seed,
+        )  # fmt: skip
+
+    def save(state: Simulation) -> None:
+        step = {"pushes": state.pushes, "time": state.now, "sim": state.checkpoint_state()}
+        saver.save([shard.state_dict() for shard in state.shards], step)
+
+    def save_if_due(state: Simulation) -> None:
+        if saver.due(state.shards[0].version, state.now):
+            save(state)
+
+    if saver is not None and saver.periodic:
+        state.checkpointer = save_if_due
     recorder = Recorder(run_name, steps, stop_at=stop_at, on_record=on_record, progress=progress)
 
     def observed() -> Any:  # what an observer pull returns: every shard's current slice
@@ -187,7 +150,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         else:
             recorder.finish(f"the budget of {steps} pushes is spent")
         if saver is not None:
-            saver.save(state)
+            save(state)
     finally:
         recorder.close()
     wall = time.perf_counter() - wall0
