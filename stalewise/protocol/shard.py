@@ -200,16 +200,10 @@ class Shard:
         tau = self.version - base
         try:
             if verdict is not None and not verdict.ok:
-                raise Rejected(
-                    verdict.kind or "bad_verdict",
-                    verdict.message(self.job_segments, self.staleness.max_staleness),
-                )
+                raise self._refusal(verdict, self.job_segments)
             self._check_payload(payload)
             if verdict is None and not self.staleness.accepts(tau):
-                raise Rejected(
-                    "too_stale",
-                    f"staleness {tau} exceeds max_staleness {self.staleness.max_staleness:g}",
-                )
+                raise self._refusal(commit.Verdict(commit.TOO_STALE, tau))
         except Rejected as e:
             self._advance(worker, seq)
             return self._reject(worker, seq, e, tau)
@@ -430,8 +424,11 @@ class Shard:
                 f"payload has shape {payload.shape}, expected ({self.params.size},) for shard {self.shard_id}",
             )
         bad = commit.first_non_finite(payload)
-        if bad is not None:
-            leaf = commit.leaf_name(self.segments, bad)
-            raise Rejected(
-                "not_finite", f"payload has NaN or Inf (first at element {bad}, leaf {leaf!r})"
-            )
+        if bad is not None:  # found in this shard's slice: named by the slice's leaves
+            raise self._refusal(commit.Verdict(commit.NOT_FINITE, bad), self.segments)
+
+    def _refusal(self, verdict: commit.Verdict, segments: Segments | None = None) -> Rejected:
+        """The refusal a verdict stands for, worded once (:meth:`commit.Verdict.message`)."""
+        return Rejected(
+            verdict.kind or "bad_verdict", verdict.message(segments, self.staleness.max_staleness)
+        )
