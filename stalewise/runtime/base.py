@@ -99,13 +99,11 @@ def merge_stats(per_shard: Sequence[Mapping[str, Any]], *, settled: bool = False
         mine = per_push(first)
         torn = [k for k, s in enumerate(per_shard) if k and per_push(s) != mine]
         if torn:
-            import logging
-
             counts = "; ".join(
                 f"shard {k}: applied {a}, rejected {dict(r)}, duplicates {d}"
                 for k, (a, r, d) in ((k, per_push(per_shard[k])) for k in (0, *torn))
             )
-            logging.getLogger(__name__).warning(
+            log.warning(
                 "shard(s) %s disagree with shard 0 on the per-push counters, which the "
                 "commit rule keeps equal (a torn push?): %s",
                 ", ".join(map(str, torn)),

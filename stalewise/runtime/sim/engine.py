@@ -338,8 +338,6 @@ class Simulation:
             shard.join(w, self.inc[w])
         self.start_loop(w)
 
-    # -- the loop ------------------------------------------------------------------
-
     # -- checkpoints -------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
