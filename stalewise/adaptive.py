@@ -108,7 +108,6 @@ from stalewise import optim
 from stalewise.averaging import (
     AveragingState,
     LocalSGD,
-    _ByConfig,
     _check_steps,
     _describe_inner,
     _run_local,
@@ -243,7 +242,7 @@ class AdaptiveState(AveragingState):
     local_steps: int = 0  # H of the last round
 
 
-class Adaptive(_ByConfig, Strategy):
+class Adaptive(Strategy):
     """Local SGD / DiLoCo with ``H`` picked at every push by a schedule; see :func:`adaptive`."""
 
     name = "adaptive"

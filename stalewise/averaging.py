@@ -144,8 +144,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import math
 import time
@@ -279,41 +277,6 @@ def _describe_inner(inner: Any) -> str:
     return repr(inner)
 
 
-def _key(x: Any) -> Any:
-    """A value that compares (and hashes) by configuration, also after pickling.
-
-    stalewise optimizers hold ``functools.partial`` objects, which compare by
-    identity; their rules are frozen dataclasses, which compare by value.
-    """
-    if isinstance(x, optim.Optimizer):
-        rule = getattr(x.apply, "__self__", None)
-        return ("optimizer", _key(rule)) if rule is not None else tuple(map(_key, x))
-    if isinstance(x, functools.partial):
-        keywords = tuple(sorted((k, _key(v)) for k, v in x.keywords.items()))
-        return ("partial", _key(x.func), _key(x.args), keywords)
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return (type(x), tuple(_key(getattr(x, f.name)) for f in dataclasses.fields(x)))
-    if isinstance(x, tuple):
-        return tuple(_key(v) for v in x)
-    return x
-
-
-class _ByConfig:
-    """Equality and hash by configuration (see :func:`_key`)."""
-
-    def _config(self) -> tuple:
-        return tuple(sorted((k, _key(v)) for k, v in vars(self).items() if k != "_inner"))
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other._config() == self._config()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        try:
-            return hash((type(self), self._config()))
-        except TypeError:  # an unhashable piece of configuration
-            return hash((type(self), self.name))  # type: ignore[attr-defined]
-
-
 # -- the worker's state --------------------------------------------------------------
 
 
@@ -403,7 +366,7 @@ def _check_positive(where: str, name: str, value: Any, hi: float = math.inf) -> 
 # -- local SGD and DiLoCo ----------------------------------------------------------------
 
 
-class LocalSGD(_ByConfig, Strategy):
+class LocalSGD(Strategy):
     """Local SGD / DiLoCo: ``H`` local steps from the pulled parameters, push ``pulled - local``.
 
     Build it with :func:`local_sgd` or :func:`diloco`; see the module docstring.
@@ -591,7 +554,7 @@ def diloco(
 # -- EASGD -------------------------------------------------------------------------------
 
 
-class EASGD(_ByConfig, Strategy):
+class EASGD(Strategy):
     """Asynchronous elastic averaging SGD; build it with :func:`easgd`."""
 
     name = "easgd"

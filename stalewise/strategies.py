@@ -25,8 +25,12 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
+
+from stalewise import optim
 
 LossAndGrad = Callable[[Any, Any], tuple[float, Any]]
 
@@ -69,11 +73,38 @@ class Strategy:
     def __repr__(self) -> str:
         return f"{self.name}()"
 
+    def _config(self) -> tuple:
+        """The configuration, by which strategies compare: public attributes (private ones
+        are derived from them), each by :func:`config_key`."""
+        return tuple(sorted((k, config_key(v)) for k, v in vars(self).items() if k[0] != "_"))
+
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and vars(other) == vars(self)
+        return type(other) is type(self) and other._config() == self._config()  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
-        return hash((type(self), tuple(sorted(vars(self).items()))))
+        try:
+            return hash((type(self), self._config()))
+        except TypeError:  # an unhashable piece of configuration
+            return hash((type(self), self.name))
+
+
+def config_key(x: Any) -> Any:
+    """A value that compares (and hashes) by configuration, also after pickling.
+
+    stalewise optimizers hold ``functools.partial`` objects, which compare by
+    identity; their rules are frozen dataclasses, which compare by value.
+    """
+    if isinstance(x, optim.Optimizer):
+        rule = getattr(x.apply, "__self__", None)
+        return ("optimizer", config_key(rule)) if rule is not None else tuple(map(config_key, x))
+    if isinstance(x, functools.partial):
+        keywords = tuple(sorted((k, config_key(v)) for k, v in x.keywords.items()))
+        return ("partial", config_key(x.func), config_key(x.args), keywords)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x), tuple(config_key(getattr(x, f.name)) for f in dataclasses.fields(x)))
+    if isinstance(x, tuple):
+        return tuple(config_key(v) for v in x)
+    return x
 
 
 class Gradients(Strategy):
