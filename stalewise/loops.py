@@ -58,15 +58,10 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
+from stalewise.averaging import _check_steps
 from stalewise.protocol import PushResult
 
 __all__ = ["LocalSGD", "LocalSGDOptax"]
-
-
-def _check_every(every: Any) -> int:
-    if not isinstance(every, int | np.integer) or isinstance(every, bool) or every < 1:
-        raise ValueError(f"every must be an integer >= 1 (local steps per push), got {every!r}")
-    return int(every)
 
 
 class _Averager:
@@ -74,7 +69,7 @@ class _Averager:
 
     def __init__(self, client: Any, every: int, timeout: float | None):
         self.client = client
-        self.every = _check_every(every)
+        self.every = _check_steps(type(self).__name__, "every", every)  # local steps per push
         self.timeout = timeout
         self.steps = 0  #: optimizer steps seen
         self.pending = 0  #: local steps since the last pull
