@@ -205,10 +205,9 @@ class Client:
 
     def _commit(self) -> None:
         """Judges the update in the push buffer and writes its record, commit word last."""
-        snaps = self._snapshots
-        for k in range(len(self._conns)):
-            if snaps is not None:
-                self._versions[k] = max(self._versions[k], snaps.version(k))
+        if self._snapshots is not None:  # what the shards published may be newer
+            for k in range(len(self._conns)):
+                self._versions[k] = max(self._versions[k], self._snapshots.version(k))
         verdict = commit.judge(
             self._push_buf,
             self._spec.segments,
