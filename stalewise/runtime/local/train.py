@@ -32,7 +32,8 @@ from stalewise.runtime.base import (
     merge_stats,
 )
 from stalewise.runtime.local.client import Client
-from stalewise.runtime.local.server import LocalServer, child_logging, thread_budget
+from stalewise.runtime.local.procs import child_logging, thread_budget
+from stalewise.runtime.local.server import LocalServer
 from stalewise.runtime.options import RunOptions
 from stalewise.strategies import Strategy
 
