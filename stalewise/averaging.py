@@ -330,7 +330,9 @@ def _run_local(
     while True:
         loss, g = loss_and_grad(tree.unflatten(local, spec), next(batches))
         tree.flatten(g, spec=spec, out=grads)
+        reported = tree.take_buffers(grads, spec)  # buffers report values, not gradients
         state.inner = adapter.step(state.inner, local, grads, spec)
+        tree.put_buffers(local, reported, spec)
         total += float(loss)
         n += 1
         if n >= steps:
@@ -431,6 +433,7 @@ class LocalSGD(Strategy):
             state.inner = self._inner.init(state.local, state.spec)
         n, loss = run()
         delta = state.pulled - state.local  # the pseudo-gradient (a new array: the push's own)
+        tree.copy_buffers(delta, state.local, state.spec)  # a buffer's slot: its value
         state.pushes += 1
         return Step(tree.unflatten(delta, state.spec), n, loss, state)
 
@@ -583,6 +586,7 @@ class EASGD(Strategy):
         else:
             log.warning("easgd: local parameters are not finite; restarting from the centre")
             np.copyto(state.local, centre)
+        tree.copy_buffers(delta, state.local, state.spec)  # a buffer's slot: its value
         state.pushes += 1
         return Step(tree.unflatten(delta, state.spec), n, loss, state)
 

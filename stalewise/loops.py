@@ -97,7 +97,9 @@ class _Averager:
             raise RuntimeError("push before the first pull: enter the with block first")
         buf = self.client.push_buffer  # waits for the previous push's acks
         tree.flatten(local, spec=self._spec, out=buf)
+        values = tree.take_buffers(buf, self._spec)  # a buffer's slot carries its value
         np.subtract(self._pulled, buf, out=buf)  # the pseudo-gradient
+        tree.put_buffers(buf, values, self._spec)
         self.client.push_flat_sent()
         # waiting here makes the next pull see this push (read-your-writes)
         self.results.append(self.client.wait(timeout=self.timeout))

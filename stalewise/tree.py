@@ -13,23 +13,55 @@ Rules:
   come back as ``dict``), ``list``, ``tuple``, namedtuples, dataclass
   instances (their fields in declaration order; fields with
   ``metadata={"static": True}`` are kept in the structure, not flattened) and
-  ``None`` (no leaves, restored as ``None``).
-- Models: a ``torch.nn.Module`` contributes its parameters that require grad,
-  a Keras model or ``tf.Module`` its ``trainable_variables``; each is treated
-  as a ``dict`` of name -> leaf, so :func:`unflatten` returns that dict and a
-  dict of gradients validates against the model's spec.
+  ``None`` (no leaves, restored as ``None``). Any other container goes
+  through its ecosystem's own pytree registry
+  (:mod:`stalewise.backends.containers`): JAX's (flax nnx ``State``, flax
+  structs, equinox modules), PyTorch's, TensorFlow's nest protocol. Inside
+  such a container, integer arrays and PRNG keys are constants of the spec
+  (:func:`unflatten` restores them as they were) and leaves that are not
+  arrays (an equinox module's activation function, a Python number) are
+  filtered out: :func:`unflatten` puts ``None`` there, as
+  ``eqx.filter(model, eqx.is_array)`` does (``eqx.combine`` them back). A
+  flax nnx ``GraphDef`` is a constant too, so ``nnx.split(model)`` is a tree.
+- Models (each treated as a ``dict`` of name -> leaf, which :func:`unflatten`
+  returns): a ``torch.nn.Module`` shares its ``state_dict`` entries that are
+  parameters requiring grad or floating buffers; a Keras model its
+  ``trainable_variables`` and floating ``non_trainable_variables``; a
+  ``tf.Module`` its trainable variables (see the backends). A flax nnx
+  ``Module`` is its ``nnx.State`` without RNG state. What a model keeps
+  besides (integer buffers such as ``num_batches_tracked``, frozen
+  parameters, RNG counters) stays in each worker's model: an update may
+  carry it under its name, and it is ignored.
 - Leaves: NumPy arrays and NumPy scalars (0-d leaves, restored as 0-d
   arrays), torch tensors (detached, copied to the CPU), JAX arrays, TensorFlow
-  tensors and variables. Python scalars are refused (they cannot be written
-  in place); use ``np.float32(...)`` or a static dataclass field.
-- Only floating leaves are trainable: float16, bfloat16, float32, float64.
-  Integer, bool and complex leaves are refused with a TypeError naming the
-  key path and dtype.
+  tensors, variables and ``IndexedSlices``. Python scalars in the built-in
+  containers are refused (they cannot be written in place); use
+  ``np.float32(...)`` or a static dataclass field.
+- Only floating leaves are stored: float16, bfloat16, float32, float64.
+  An integer or bool leaf of a built-in container is refused with a
+  TypeError naming the key path and dtype, unless ``keep_integers=True``
+  (what ``sw.Job`` passes), which keeps it as a constant, like those of
+  registered containers. Complex leaves are refused.
+- Buffers: leaves marked ``buffer`` in the spec (a model's floating buffers,
+  nnx Variables other than ``nnx.Param``, or leaves named by
+  :func:`mark_buffers`) hold non-trainable state. In an update their slot
+  carries the buffer's value after the worker's step, not a gradient; see
+  :mod:`stalewise.optim.buffers` for what the server makes of it.
+- Tied leaves: a mutable array found under several names (torch tensors
+  viewing the same storage at the same offset and shape, the same NumPy array
+  or TensorFlow variable object) is stored once, under the name that comes
+  first; :func:`unflatten` puts the same object under every name and
+  :func:`unflatten_into` writes every name. An update may hold a tied leaf
+  under any of its names; values under several names that are not the same
+  array are added (``jax.grad`` returns one gradient per use). Immutable
+  arrays (JAX, ``tf.Tensor``) are values: one in two places is two leaves.
 - The flat vector is float32, or float64 when some leaf is float64, so the
   round trip is exact. ``dtype=`` forces float32 or float64; a forced float32
   rounds float64 leaves.
 - Order is depth first. Leaf names (for :class:`~stalewise.segments.Segments`
-  and exclusion regexes) are the key path joined by dots, e.g. ``"layer1.w"``.
+  and exclusion regexes) are the key path joined by dots, e.g. ``"layer1.w"``
+  (an nnx Variable's ``value`` is left out: ``"linear.kernel"``); the leaves of
+  a list of TensorFlow variables are named by variable path.
 - Zero-copy: ``unflatten(copy=False)`` returns NumPy leaves that are views of
   the flat vector and CPU torch tensors sharing its memory when the leaf
   dtype equals the flat dtype; other leaves are copies (JAX arrays always).
@@ -38,6 +70,8 @@ Rules:
 - With ``spec=``, the tree must match the spec (structure, shapes, dtypes;
   the backend may differ, e.g. JAX gradients for NumPy parameters); errors
   name the key path: ``params['layer1']['w']: expected shape (64, 32), got (32, 64)``.
+- A tree made by :func:`unflatten` flattens back (without ``spec=``) to the
+  spec it was made from, its buffers, constants and tied names included.
 
 Example:
     >>> import numpy as np
@@ -56,19 +90,29 @@ import dataclasses
 import functools
 import logging
 import math
+import re
+import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from stalewise.backends import FLOAT_DTYPES, Backend, backend_of, get_backend
+from stalewise.backends import (
+    FLOAT_DTYPES,
+    Backend,
+    ModelState,
+    backend_of,
+    containers,
+    get_backend,
+)
 from stalewise.segments import Segments
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttrKey", "FlatSpec", "LeafSpec", "TreeDef"]
-__all__ += ["flatten", "path_str", "unflatten", "unflatten_into"]
+__all__ = ["AttrKey", "FlatSpec", "HiddenKey", "LeafSpec", "TreeDef"]
+__all__ += ["copy_buffers", "flatten", "mark_buffers", "path_str", "put_buffers"]
+__all__ += ["take_buffers", "unflatten", "unflatten_into"]
 
 
 class AttrKey(str):
@@ -78,6 +122,15 @@ class AttrKey(str):
 
     def __repr__(self) -> str:
         return f"AttrKey({str(self)!r})"
+
+
+class HiddenKey(AttrKey):
+    """An attribute left out of leaf names (the ``value`` of a flax nnx Variable)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"HiddenKey({str(self)!r})"
 
 
 def path_str(path: tuple, root: str = "params") -> str:
@@ -94,7 +147,7 @@ def path_str(path: tuple, root: str = "params") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
-    """Where one trainable leaf lives in the flat vector.
+    """Where one stored leaf lives in the flat vector.
 
     Example:
         >>> import numpy as np
@@ -111,20 +164,41 @@ class LeafSpec:
     backend: str  # "numpy" | "torch" | "jax" | "tensorflow"
     offset: int  # start in the flat vector
     size: int  # number of elements
+    buffer: bool = False  # non-trainable state: an update carries its value, not a gradient
 
 
 class TreeDef(NamedTuple):
-    """The structure of a tree without its leaves (opaque; picklable when its classes are)."""
+    """The structure of a tree without its leaves (opaque; picklable when its classes are).
 
-    kind: str  # "leaf" | "none" | "dict" | "list" | "tuple" | "namedtuple" | "dataclass"
+    Kinds: ``leaf`` (a stored leaf, the next in order), ``alias`` (another name
+    of stored leaf ``static["leaf"]``), ``const`` (``static["value"]``, not
+    stored), ``none``, ``dict``, ``list``, ``tuple``, ``namedtuple``,
+    ``dataclass`` and ``registry`` (a container of an ecosystem's registry:
+    ``static["via"]`` and ``static["template"]``).
+    """
+
+    kind: str
     keys: tuple = ()  # dict keys in flattening order, field names, or list/tuple indices
     children: tuple[TreeDef, ...] = ()
-    cls: type | None = None  # dict or OrderedDict, the namedtuple or the dataclass type
-    static: tuple = ()  # (field name, value) of static dataclass fields
+    cls: type | None = None  # dict or OrderedDict, the namedtuple, dataclass or registered type
+    static: tuple = ()  # (name, value) pairs: static dataclass fields, or what the kind needs
 
 
 _LEAF = TreeDef("leaf")
 _NONE = TreeDef("none")
+
+
+def _static(node: TreeDef, name: str, default: Any = None) -> Any:
+    for key, value in node.static:
+        if key == name:
+            return value
+    return default
+
+
+def _walk(node: TreeDef) -> Iterator[TreeDef]:
+    yield node
+    for child in node.children:
+        yield from _walk(child)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -148,32 +222,91 @@ class FlatSpec:
         """The per-leaf segment table (names, offsets, sizes)."""
         return Segments.from_sizes([x.name for x in self.leaves], [x.size for x in self.leaves])
 
+    @functools.cached_property
+    def buffers(self) -> tuple[str, ...]:
+        """The names of the buffer leaves, in order."""
+        return tuple(leaf.name for leaf in self.leaves if leaf.buffer)
+
+    @functools.cached_property
+    def tied(self) -> frozenset[int]:
+        """The indices of the leaves stored once for several names."""
+        return frozenset(_static(n, "leaf") for n in _walk(self.treedef) if n.kind == "alias")
+
+    @functools.cached_property
+    def _buffer_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(x.offset, x.offset + x.size) for x in self.leaves if x.buffer)
+
     @property
     def nbytes(self) -> int:
         """Bytes of the flat vector."""
         return self.size * self.dtype.itemsize
 
     def __repr__(self) -> str:
-        return f"FlatSpec({len(self.leaves)} leaves, size={self.size}, dtype={self.dtype.name})"
+        extra = f", {len(self.buffers)} buffers" if self.buffers else ""
+        return (
+            f"FlatSpec({len(self.leaves)} leaves, size={self.size}, dtype={self.dtype.name}{extra})"
+        )
 
 
-_Found = tuple[tuple, Any, Backend]  # (key path, leaf, its backend)
+class _Leaf(NamedTuple):
+    """A leaf found in a tree."""
+
+    path: tuple
+    x: Any
+    backend: Backend
+    buffer: bool = False
+    label: str | None = None  # its name, when not the dotted key path
+    holder: Any = None  # an nnx Variable to write it through
 
 
-def _split(x: Any, path: tuple) -> tuple[str, type | None, tuple, tuple, tuple]:
-    """One level of a container: (kind, cls, keys, children, static fields)."""
+class _Split(NamedTuple):
+    """One level of a container."""
+
+    kind: str
+    cls: type | None
+    keys: tuple
+    children: tuple
+    static: tuple = ()
+    level: containers.Level | None = None  # for a registered container
+
+
+def _view(x: Any) -> tuple[Backend | None, Any, ModelState | None]:
+    """(backend, x, None) for a leaf, (None, x, its state) for a model, (None, x, None) else."""
+    backend = None if x is None else backend_of(x)
+    if backend is not None:
+        if backend.is_leaf(x):
+            return backend, x, None
+        return None, x, backend.model_state(x)
+    view = containers.model_view(x)
+    return None, x if view is None else view, None
+
+
+def _key(entry: tuple[str, Any]) -> Any:
+    kind, value = entry
+    if kind == "hidden":
+        return HiddenKey(value)
+    return AttrKey(value) if kind == "attr" else value
+
+
+def _split(x: Any, path: tuple) -> _Split:
+    """One level of a container: its kind, class, keys, children and static fields."""
     if x is None:
-        return "none", None, (), (), ()
+        return _Split("none", None, (), ())
     if isinstance(x, dict):
         keys = sorted(x, key=str)
         if len({str(k) for k in keys}) != len(keys):
             raise ValueError(f"{path_str(path)}: dict keys {keys} are not distinct as strings")
         cls = type(x) if type(x) in (dict, OrderedDict) else dict
-        return "dict", cls, tuple(keys), tuple(x[k] for k in keys), ()
+        return _Split("dict", cls, tuple(keys), tuple(x[k] for k in keys))
     if isinstance(x, tuple) and hasattr(type(x), "_fields"):
-        return "namedtuple", type(x), tuple(AttrKey(f) for f in x._fields), tuple(x), ()
+        return _Split("namedtuple", type(x), tuple(AttrKey(f) for f in x._fields), tuple(x))
     if isinstance(x, list | tuple):
-        return type(x).__name__, None, tuple(range(len(x))), tuple(x), ()
+        return _Split(type(x).__name__, None, tuple(range(len(x))), tuple(x))
+    level = containers.split(x)
+    if level is not None:
+        static = (("via", level.via), ("template", level.template))
+        keys = tuple(_key(k) for k in level.keys)
+        return _Split("registry", level.cls, keys, level.children, static, level)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         keys, values, static = [], [], []
         for f in dataclasses.fields(x):
@@ -182,7 +315,7 @@ def _split(x: Any, path: tuple) -> tuple[str, type | None, tuple, tuple, tuple]:
             else:
                 keys.append(AttrKey(f.name))
                 values.append(getattr(x, f.name))
-        return "dataclass", type(x), tuple(keys), tuple(values), tuple(static)
+        return _Split("dataclass", type(x), tuple(keys), tuple(values), tuple(static))
     if isinstance(x, bool | int | float | complex):
         raise TypeError(
             f"{path_str(path)}: python {type(x).__name__} is not an array leaf; use a 0-d "
@@ -190,92 +323,118 @@ def _split(x: Any, path: tuple) -> tuple[str, type | None, tuple, tuple, tuple]:
         )
     raise TypeError(
         f"{path_str(path)}: cannot flatten {type(x).__qualname__}; containers are dict, list, "
-        "tuple, namedtuple, dataclass and None, leaves NumPy/torch/JAX/TensorFlow arrays"
+        "tuple, namedtuple, dataclass, None and those registered with JAX, torch or tf.nest; "
+        "leaves NumPy/torch/JAX/TensorFlow arrays"
     )
 
 
-def _as_leaf_or_node(x: Any) -> tuple[Backend | None, Any]:
-    """(backend, x) for a leaf; (None, x or the model's named leaves) otherwise."""
-    backend = None if x is None else backend_of(x)
-    if backend is None:
-        return None, x
-    if backend.is_leaf(x):
-        return backend, x
-    named = backend.named_params(x)
-    return None, x if named is None else named
+# -- building a spec -------------------------------------------------------------------
 
 
-def _build(x: Any, path: tuple, found: list[_Found]) -> TreeDef:
-    backend, x = _as_leaf_or_node(x)
+class _Builder:
+    """What :func:`_build` collects: the stored leaves, the tied ones, the refused ones."""
+
+    def __init__(self) -> None:
+        self.found: list[_Leaf] = []
+        self.seen: dict[Any, int] = {}  # identity of a mutable leaf -> its index in found
+        self.nonfloat: list[tuple[tuple, str]] = []  # (path, dtype) in built-in containers
+
+
+def _build(
+    x: Any,
+    path: tuple,
+    b: _Builder,
+    *,
+    lenient: bool = False,
+    buffer: bool = False,
+    holder: Any = None,
+    label: str | None = None,
+) -> TreeDef:
+    """The treedef of ``x``; its stored leaves go to ``b``. ``lenient``: inside a
+    registered container, where other arrays are constants and other objects are dropped."""
+    backend, x, model = _view(x)
     if backend is not None:
-        found.append((path, x, backend))
-        return _LEAF
-    kind, cls, keys, values, static = _split(x, path)
-    if kind == "none":
-        return _NONE
-    children = tuple(_build(v, (*path, k), found) for k, v in zip(keys, values, strict=True))
-    return TreeDef(kind, keys, children, cls, static)
-
-
-def _describe(node: TreeDef) -> str:
-    if node.kind == "leaf":
-        return "an array leaf"
-    if node.kind == "none":
-        return "None"
-    if node.cls is not None and node.kind != "dict":
-        return f"{node.kind} {node.cls.__qualname__}"
-    return node.kind
-
-
-def _match(x: Any, path: tuple, node: TreeDef, found: list[_Found]) -> None:
-    """Collects the leaves of ``x``, checking that its structure is ``node``."""
-    backend, x = _as_leaf_or_node(x)
-    if backend is not None or node.kind == "leaf":
-        if backend is None or node.kind != "leaf":
-            got = "an array leaf" if backend is not None else type(x).__qualname__
-            raise ValueError(f"{path_str(path)}: expected {_describe(node)}, got {got}")
-        found.append((path, x, backend))
-        return
-    kind, cls, keys, values, _ = _split(x, path)
-    if kind != node.kind or (kind in ("namedtuple", "dataclass") and cls is not node.cls):
-        got = type(x).__qualname__
-        raise ValueError(f"{path_str(path)}: expected {_describe(node)}, got {got}")
-    if kind == "dict" and keys != node.keys:
-        got, want = set(keys), set(node.keys)
-        missing = [k for k in node.keys if k not in got]
-        extra = [k for k in keys if k not in want]
-        problems = [_keys_msg("missing", missing), _keys_msg("unexpected", extra)]
-        raise ValueError(f"{path_str(path)}: " + "; ".join(p for p in problems if p))
-    if len(values) != len(node.children):
-        want = f"{kind} of length {len(node.children)}"
-        raise ValueError(f"{path_str(path)}: expected {want}, got length {len(values)}")
-    for k, v, child in zip(node.keys, values, node.children, strict=True):
-        _match(v, (*path, k), child, found)
-
-
-def _keys_msg(what: str, keys: list) -> str:
-    plural = "s" if len(keys) > 1 else ""
-    return f"{what} key{plural} " + ", ".join(repr(k) for k in keys) if keys else ""
-
-
-def _leaf_dtype(path: tuple, x: Any, backend: Backend) -> str:
-    dtype = backend.dtype(x)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{path_str(path)}: leaf has dtype {dtype}; only floating leaves "
-            f"({', '.join(FLOAT_DTYPES)}) are trainable, integer, bool and complex ones are not"
+        return _build_leaf(_Leaf(path, x, backend, buffer, label, holder), b, lenient)
+    if containers.is_static(x):
+        return TreeDef("const", static=(("value", x),))
+    if model is not None:
+        keys = tuple(sorted(model.leaves, key=str))
+        children = tuple(
+            _build(model.leaves[k], (*path, k), b, buffer=k in model.buffers) for k in keys
         )
-    return dtype
+        static = (
+            ("local", tuple(sorted(model.local))),
+            ("order", model.order),
+            ("buffers", tuple(sorted(model.buffers))),
+        )
+        return TreeDef("dict", keys, children, dict, static)
+    try:
+        node = _split(x, path)
+    except TypeError:
+        if lenient:  # not an array: filtered out, as eqx.filter(tree, eqx.is_array) does
+            return TreeDef("const", static=(("value", None),))
+        raise
+    if node.kind == "none":
+        return _NONE
+    labels = _labels(node.children) if node.kind in ("list", "tuple") else None
+    level = node.level
+    children = tuple(
+        _build(
+            v,
+            (*path, k),
+            b,
+            lenient=lenient or level is not None,
+            buffer=level is not None and level.buffer,
+            holder=None if level is None else level.holder,
+            label=labels[i] if labels else None,
+        )
+        for i, (k, v) in enumerate(zip(node.keys, node.children, strict=True))
+    )
+    return TreeDef(node.kind, node.keys, children, node.cls, node.static)
 
 
-def _check_leaves(found: list[_Found], spec: FlatSpec) -> None:
-    for (path, x, backend), leaf in zip(found, spec.leaves, strict=True):
-        shape = backend.shape(x)
-        if shape != leaf.shape:
-            raise ValueError(f"{path_str(path)}: expected shape {leaf.shape}, got {shape}")
-        dtype = _leaf_dtype(path, x, backend)
-        if dtype != leaf.dtype:
-            raise TypeError(f"{path_str(path)}: expected dtype {leaf.dtype}, got {dtype}")
+def _build_leaf(leaf: _Leaf, b: _Builder, lenient: bool) -> TreeDef:
+    dtype = leaf.backend.dtype(leaf.x)
+    if dtype not in FLOAT_DTYPES:
+        if not lenient:
+            b.nonfloat.append((leaf.path, dtype))
+        return TreeDef("const", static=(("value", leaf.x),))
+    key = leaf.backend.identity(leaf.x)
+    if key is not None and key in b.seen:
+        return TreeDef("alias", static=(("leaf", b.seen[key]),))
+    if key is not None:
+        b.seen[key] = len(b.found)
+    b.found.append(leaf)
+    return _LEAF
+
+
+def _labels(values: tuple) -> list[str] | None:
+    """The leaves' own names (a list of TensorFlow variables), if every one has a distinct one."""
+    labels = []
+    for v in values:
+        backend = None if v is None else backend_of(v)
+        label = backend.label(v) if backend is not None else None
+        if label is None:
+            return None
+        labels.append(label)
+    return labels if len(set(labels)) == len(labels) else None
+
+
+def _refuse_nonfloat(nonfloat: list[tuple[tuple, str]], keep_integers: bool) -> None:
+    for path, dtype in nonfloat:
+        if not (keep_integers and not dtype.startswith("complex")):
+            raise _nonfloat_error(path, dtype)
+
+
+def _nonfloat_error(path: tuple, dtype: str) -> TypeError:
+    return TypeError(
+        f"{path_str(path)}: leaf has dtype {dtype}; only floating leaves "
+        f"({', '.join(FLOAT_DTYPES)}) are trainable, integer, bool and complex ones are not"
+    )
+
+
+def _name(path: tuple) -> str:
+    return ".".join(str(e) for e in path if not isinstance(e, HiddenKey)) or "params"
 
 
 def _flat_dtype(dtype: Any, leaf_dtypes: list[str]) -> np.dtype:
@@ -287,18 +446,224 @@ def _flat_dtype(dtype: Any, leaf_dtypes: list[str]) -> np.dtype:
     return forced
 
 
-def _make_spec(found: list[_Found], treedef: TreeDef, dtype: Any) -> FlatSpec:
+def _make_spec(found: list[_Leaf], treedef: TreeDef, dtype: Any) -> FlatSpec:
     leaves, offset = [], 0
-    for path, x, backend in found:
-        shape = backend.shape(x)
+    for f in found:
+        shape = f.backend.shape(f.x)
         size = math.prod(shape)
-        name = ".".join(str(e) for e in path) if path else "params"
-        leaf_dtype = _leaf_dtype(path, x, backend)
-        leaves.append(LeafSpec(path, name, shape, leaf_dtype, backend.name, offset, size))
+        name = f.label or _name(f.path)
+        leaf_dtype = f.backend.dtype(f.x)
+        leaves.append(
+            LeafSpec(f.path, name, shape, leaf_dtype, f.backend.name, offset, size, f.buffer)
+        )
         offset += size
     flat_dtype = _flat_dtype(dtype, [leaf.dtype for leaf in leaves])
     logger.debug("flat spec: %d leaves, %d elements, %s", len(leaves), offset, flat_dtype)
     return FlatSpec(tuple(leaves), treedef, flat_dtype, offset)
+
+
+# -- matching a tree against a spec ------------------------------------------------------
+
+
+class _Matcher:
+    """What :func:`_match` collects: the values found for each stored leaf."""
+
+    def __init__(self, spec: FlatSpec) -> None:
+        self.spec = spec
+        self.leaves: list[list[_Leaf]] = [[] for _ in spec.leaves]
+        self.next = 0  # the index of the next stored leaf in order
+
+
+def _describe(node: TreeDef) -> str:
+    if node.kind in ("leaf", "alias"):
+        return "an array leaf"
+    if node.kind == "none":
+        return "None"
+    if node.cls is not None and node.kind == "registry":
+        return node.cls.__qualname__
+    if node.cls is not None and node.kind != "dict":
+        return f"{node.kind} {node.cls.__qualname__}"
+    return node.kind
+
+
+def _count(node: TreeDef) -> int:
+    """The number of stored leaves under ``node``."""
+    if node.kind == "leaf":
+        return 1
+    return sum(_count(c) for c in node.children)
+
+
+def _match(x: Any, path: tuple, node: TreeDef, m: _Matcher, holder: Any = None) -> None:
+    """Collects the leaves of ``x`` into ``m``, checking that its structure is ``node``."""
+    if node.kind == "const":
+        return  # per-worker state: whatever the tree holds there is not read
+    backend, x, model = _view(x)
+    if node.kind in ("leaf", "alias"):
+        if backend is None:
+            got = "a model" if model is not None else type(x).__qualname__
+            raise ValueError(f"{path_str(path)}: expected an array leaf, got {got}")
+        if node.kind == "alias":
+            index = _static(node, "leaf")
+        else:
+            index, m.next = m.next, m.next + 1
+        m.leaves[index].append(_Leaf(path, x, backend, holder=holder))
+        return
+    if backend is not None:
+        raise ValueError(f"{path_str(path)}: expected {_describe(node)}, got an array leaf")
+    if model is not None:
+        if node.kind != "dict":
+            raise ValueError(f"{path_str(path)}: expected {_describe(node)}, got a model")
+        # a model's buffers that the spec does not share (a job of its parameters) are its own
+        _match_keyed(model.leaves, path, node, m, None, model.local | model.buffers)
+        return
+    if node.kind == "dict" and _static(node, "order") and isinstance(x, list | tuple):
+        x = _by_order(x, path, node)
+    split = _split(x, path)
+    if split.kind != node.kind or (
+        node.kind in ("namedtuple", "dataclass", "registry") and split.cls is not node.cls
+    ):
+        got = type(x).__qualname__
+        raise ValueError(f"{path_str(path)}: expected {_describe(node)}, got {got}")
+    if node.kind in ("dict", "registry"):
+        inner = None if split.level is None else split.level.holder
+        _match_keyed(dict(zip(split.keys, split.children, strict=True)), path, node, m, inner)
+        return
+    if len(split.children) != len(node.children):
+        want = f"{node.kind} of length {len(node.children)}"
+        raise ValueError(f"{path_str(path)}: expected {want}, got length {len(split.children)}")
+    for k, v, child in zip(node.keys, split.children, node.children, strict=True):
+        _match(v, (*path, k), child, m)
+
+
+def _match_keyed(
+    items: dict, path: tuple, node: TreeDef, m: _Matcher, holder: Any, local: Iterable = ()
+) -> None:
+    """Matches a mapping by key. A tied leaf under another name, a constant and the
+    model's own per-worker state may be missing; keys the model keeps per worker
+    (``local``) may be there and are ignored."""
+    if len(items) == len(node.keys) and all(k in items for k in node.keys):  # the usual case
+        for k, child in zip(node.keys, node.children, strict=True):
+            _match(items[k], (*path, k), child, m, holder)
+        return
+    ignored = {str(k) for k in local} | set(_static(node, "local", ()))
+    wanted = set(node.keys)
+    extra = [k for k in items if k not in wanted and str(k) not in ignored]
+    missing, buffers, start = [], False, m.next
+    for k, child in zip(node.keys, node.children, strict=True):
+        optional = child.kind in ("const", "alias") or (
+            child.kind == "leaf" and start in m.spec.tied
+        )
+        count = _count(child)
+        if k not in items and not optional:
+            missing.append(k)
+            buffers |= any(x.buffer for x in m.spec.leaves[start : start + count])
+        start += count
+    if missing or extra:
+        problems = [_keys_msg("missing", missing), _keys_msg("unexpected", extra)]
+        hint = " (buffers: an update carries their values after the step)" if buffers else ""
+        raise ValueError(f"{path_str(path)}: " + "; ".join(p for p in problems if p) + hint)
+    for k, child in zip(node.keys, node.children, strict=True):
+        if k in items:
+            _match(items[k], (*path, k), child, m, holder)
+        else:
+            m.next += _count(child)
+
+
+def _by_order(values: list | tuple, path: tuple, node: TreeDef) -> dict:
+    """A model's update given as a list (Keras), by name."""
+    order, local = _static(node, "order"), set(_static(node, "local", ()))
+    buffers = set(_static(node, "buffers", ()))
+    trainable = [n for n in order if n not in local and n not in buffers]
+    if len(values) == len(order):
+        names = order
+    elif len(values) == len(trainable) and not buffers:
+        names = trainable
+    else:
+        then = (
+            f" followed by its {len(order) - len(trainable)} non_trainable_variables "
+            "(the buffers' values after the step)"
+            if buffers
+            else ""
+        )
+        raise ValueError(
+            f"{path_str(path)}: a list for this model holds the gradients of its "
+            f"{len(trainable)} trainable_variables{then}; got {len(values)} items"
+        )
+    return {n: v for n, v in zip(names, values, strict=True) if n not in local}
+
+
+def _keys_msg(what: str, keys: list) -> str:
+    plural = "s" if len(keys) > 1 else ""
+    return f"{what} key{plural} " + ", ".join(repr(k) for k in keys) if keys else ""
+
+
+def _collect(tree: Any, spec: FlatSpec) -> list[list[_Leaf]]:
+    """The values ``tree`` holds for each stored leaf of ``spec`` (each array once), checked."""
+    m = _Matcher(spec)
+    _match(tree, (), spec.treedef, m)
+    out = []
+    for leaf, found in zip(spec.leaves, m.leaves, strict=True):
+        if not found:
+            raise ValueError(
+                f"{path_str(leaf.path)}: missing (a tied leaf: give it under any name)"
+            )
+        unique = found
+        if len(found) > 1:  # a tied leaf under several names: each array once
+            seen, unique = set(), []
+            for f in found:
+                key = f.backend.identity(f.x)
+                if key is None or key not in seen:
+                    seen.add(key)
+                    unique.append(f)
+        for f in unique:
+            _check_leaf(f, leaf)
+        out.append(unique)
+    return out
+
+
+def _check_leaf(f: _Leaf, leaf: LeafSpec) -> None:
+    shape = f.backend.shape(f.x)
+    if shape != leaf.shape:
+        raise ValueError(f"{path_str(f.path)}: expected shape {leaf.shape}, got {shape}")
+    dtype = f.backend.dtype(f.x)
+    if dtype not in FLOAT_DTYPES:
+        raise _nonfloat_error(f.path, dtype)
+    if dtype != leaf.dtype:
+        raise TypeError(f"{path_str(f.path)}: expected dtype {leaf.dtype}, got {dtype}")
+
+
+# -- a tree made by unflatten remembers its spec ------------------------------------------
+
+_MADE: dict[int, tuple[weakref.ref, FlatSpec]] = {}  # id of a tree's first leaf -> its spec
+
+
+def _remember(leaves: list, spec: FlatSpec) -> None:
+    if not leaves:
+        return
+    first, key = leaves[0], id(leaves[0])
+    try:
+        ref = weakref.ref(first, functools.partial(_forget, key))
+    except TypeError:  # a leaf type without weak references
+        return
+    _MADE[key] = (ref, spec)
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _MADE.get(key)
+    if entry is not None and entry[0] is ref:
+        del _MADE[key]
+
+
+def _made_from(found: list[_Leaf], dtype: Any) -> FlatSpec | None:
+    """The spec a tree was made from by :func:`unflatten`, if its first leaf says so."""
+    entry = _MADE.get(id(found[0].x)) if found else None
+    if entry is None or entry[0]() is not found[0].x:
+        return None
+    spec = entry[1]
+    return spec if dtype is None or np.dtype(dtype) == spec.dtype else None
+
+
+# -- the public functions ------------------------------------------------------------------
 
 
 def _segment(flat: np.ndarray, leaf: LeafSpec) -> np.ndarray:
@@ -328,23 +693,40 @@ def _out_buffer(out: np.ndarray | None, spec: FlatSpec) -> np.ndarray:
     return out
 
 
+def _new_spec(tree: Any, dtype: Any, keep_integers: bool) -> tuple[FlatSpec, list[list[_Leaf]]]:
+    b = _Builder()
+    treedef = _build(tree, (), b)
+    made = _made_from(b.found, dtype)
+    if made is not None:
+        try:
+            return made, _collect(tree, made)
+        except (TypeError, ValueError):  # changed since: a spec of its own
+            pass
+    _refuse_nonfloat(b.nonfloat, keep_integers)
+    return _make_spec(b.found, treedef, dtype), [[f] for f in b.found]
+
+
 def flatten(
     tree: Any,
     *,
     spec: FlatSpec | None = None,
     out: np.ndarray | None = None,
     dtype: Any = None,
+    keep_integers: bool = False,
 ) -> tuple[np.ndarray, FlatSpec]:
     """Copies the leaves of ``tree`` into one flat vector.
 
     Args:
-      tree: a pytree of arrays of any backend, or a torch / Keras / ``tf.Module`` model.
+      tree: a pytree of arrays of any backend, or a model (torch, Keras,
+        ``tf.Module``, flax nnx).
       spec: an existing spec that ``tree`` must match (e.g. gradients against
         the parameters' spec); it is returned unchanged.
       out: a C-contiguous vector of ``spec.size`` elements and the flat dtype
         to fill instead of allocating one.
       dtype: force the flat dtype (float32 or float64); by default float32, or
         float64 when some leaf is float64.
+      keep_integers: keep integer and bool leaves as constants of the spec
+        instead of refusing them (without ``spec=``).
 
     Returns:
       ``(flat, spec)``.
@@ -363,34 +745,44 @@ def flatten(
         >>> flatten(grads, spec=spec, out=flat)[0] is flat
         True
     """
-    found: list[_Found] = []
     if spec is None:
-        spec = _make_spec(found, _build(tree, (), found), dtype)
+        spec, found = _new_spec(tree, dtype, keep_integers)
     else:
         if dtype is not None and np.dtype(dtype) != spec.dtype:
             raise ValueError(f"dtype {np.dtype(dtype)} differs from the spec's {spec.dtype}")
-        _match(tree, (), spec.treedef, found)
-        _check_leaves(found, spec)
+        found = _collect(tree, spec)
     flat = _out_buffer(out, spec)
-    for (_, x, backend), leaf in zip(found, spec.leaves, strict=True):
-        backend.copy_into(x, _segment(flat, leaf))
+    for values, leaf in zip(found, spec.leaves, strict=True):
+        segment = _segment(flat, leaf)
+        first, *more = values
+        first.backend.copy_into(first.x, segment)
+        for f in more:  # a tied leaf given under several names: one gradient per use
+            np.add(segment, f.backend.to_numpy(f.x), out=segment, casting="unsafe")
     return flat, spec
 
 
-def _rebuild(node: TreeDef, leaves: Iterator[Any]) -> Any:
-    if node.kind == "leaf":
+def _rebuild(node: TreeDef, leaves: Iterator[Any], stored: list) -> Any:
+    kind = node.kind
+    if kind == "leaf":
         return next(leaves)
-    if node.kind == "none":
+    if kind == "alias":
+        return stored[_static(node, "leaf")]
+    if kind == "const":
+        return _static(node, "value")
+    if kind == "none":
         return None
-    children = [_rebuild(child, leaves) for child in node.children]
-    if node.kind == "dict":
+    children = [_rebuild(child, leaves, stored) for child in node.children]
+    if kind == "dict":
         return node.cls(zip(node.keys, children, strict=True))
-    if node.kind == "list":
+    if kind == "list":
         return children
-    if node.kind == "tuple":
+    if kind == "tuple":
         return tuple(children)
-    if node.kind == "namedtuple":
+    if kind == "namedtuple":
         return node.cls(*children)
+    if kind == "registry":
+        template = _static(node, "template")
+        return containers.rebuild(_static(node, "via"), node.cls, template, tuple(children))
     obj = object.__new__(node.cls)  # fields as they were, without re-running __init__
     for name, value in (*zip(node.keys, children, strict=True), *node.static):
         object.__setattr__(obj, name, value)
@@ -400,8 +792,10 @@ def _rebuild(node: TreeDef, leaves: Iterator[Any]) -> Any:
 def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
     """Builds a tree with the structure, backends and dtypes of ``spec`` from ``flat``.
 
-    Models come back as a dict of name -> tensor; ``tf.Variable`` and
-    ``nn.Parameter`` leaves as plain tensors.
+    Models come back as a dict of name -> tensor (an nnx Module as its
+    ``nnx.State``); ``tf.Variable`` and ``nn.Parameter`` leaves as plain
+    tensors; a tied leaf as one object under each of its names; constants as
+    they were when the spec was made.
 
     Args:
       flat: a 1-D floating vector of ``spec.size`` elements.
@@ -422,7 +816,8 @@ def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
         get_backend(leaf.backend).from_numpy(_segment(flat, leaf), leaf.dtype, copy=copy)
         for leaf in spec.leaves
     ]
-    return _rebuild(spec.treedef, iter(leaves))
+    _remember(leaves, spec)
+    return _rebuild(spec.treedef, iter(leaves), leaves)
 
 
 def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
@@ -430,7 +825,9 @@ def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
 
     ``target`` must match ``spec`` like a tree passed to ``flatten(spec=...)``
     and its leaves must be mutable: NumPy arrays, torch tensors (written under
-    ``torch.no_grad``), ``tf.Variable`` or Keras variables. Nothing is written
+    ``torch.no_grad``), ``tf.Variable`` or Keras variables, or flax nnx
+    Variables (a Module or its State). Every name of a tied leaf is written;
+    constants (a model's integer buffers) are left alone. Nothing is written
     unless every leaf is.
 
     Example:
@@ -442,14 +839,110 @@ def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
         [3.0, 4.0]
     """
     flat = _check_flat(flat, spec)
-    found: list[_Found] = []
-    _match(target, (), spec.treedef, found)
-    _check_leaves(found, spec)
-    for path, x, backend in found:
-        if not backend.is_writable(x):
-            raise TypeError(
-                f"{path_str(path)}: {type(x).__qualname__} cannot be written in place; "
-                "use unflatten() to build new arrays"
-            )
-    for (_, x, backend), leaf in zip(found, spec.leaves, strict=True):
-        backend.assign(x, _segment(flat, leaf))
+    found = _collect(target, spec)
+    for values in found:
+        for f in values:
+            if f.holder is None and not f.backend.is_writable(f.x):
+                raise TypeError(
+                    f"{path_str(f.path)}: {type(f.x).__qualname__} cannot be written in place; "
+                    "use unflatten() to build new arrays"
+                )
+    for values, leaf in zip(found, spec.leaves, strict=True):
+        segment = _segment(flat, leaf)
+        for f in values:
+            if f.holder is not None:
+                containers.set_value(f.holder, f.backend.from_numpy(segment, leaf.dtype))
+            else:
+                f.backend.assign(f.x, segment)
+
+
+# -- buffers ------------------------------------------------------------------------------
+
+
+def mark_buffers(spec: FlatSpec, patterns: str | Iterable[str]) -> FlatSpec:
+    """The spec with the leaves whose names match a regex (``re.search``) marked as buffers.
+
+    For trees that do not say which leaves are buffers themselves, e.g. a
+    ``state_dict`` (``r"running_(mean|var)$"``) or flax linen variables
+    (``r"^batch_stats\\."``).
+
+    Raises:
+      ValueError: a pattern is not a valid regex or matches no leaf.
+
+    Example:
+        >>> import numpy as np
+        >>> _, spec = flatten({"w": np.zeros(2), "bn": {"mean": np.zeros(2)}})
+        >>> mark_buffers(spec, r"^bn\\.").buffers
+        ('bn.mean',)
+    """
+    pats = [patterns] if isinstance(patterns, str) else list(patterns)
+    compiled = []
+    for p in pats:
+        if not isinstance(p, str):
+            raise TypeError(f"buffers: expected regexes of leaf names, got {p!r}")
+        try:
+            compiled.append(re.compile(p))
+        except re.error as e:
+            raise ValueError(f"buffers: {p!r} is not a valid regex: {e}") from None
+    names = [leaf.name for leaf in spec.leaves]
+    for p in compiled:
+        if not any(p.search(n) for n in names):
+            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            raise ValueError(f"buffers: {p.pattern!r} matches no leaf (leaves: {shown})")
+    leaves = tuple(
+        dataclasses.replace(leaf, buffer=True)
+        if any(p.search(leaf.name) for p in compiled)
+        else leaf
+        for leaf in spec.leaves
+    )
+    return dataclasses.replace(spec, leaves=leaves)
+
+
+def take_buffers(flat: np.ndarray, spec: FlatSpec) -> np.ndarray | None:
+    """The buffers' slots of ``flat`` (a copy, in order), zeroed in ``flat``; None without buffers.
+
+    A worker that applies its own optimizer to an update keeps the buffers'
+    values (which the update carries) away from it with this and
+    :func:`put_buffers`.
+
+    Example:
+        >>> import numpy as np
+        >>> _, spec = flatten({"w": np.zeros(2), "bn": np.zeros(1)})
+        >>> spec = mark_buffers(spec, "bn")
+        >>> flat = np.array([5.0, 1.0, 2.0])
+        >>> take_buffers(flat, spec).tolist(), flat.tolist()
+        ([5.0], [0.0, 1.0, 2.0])
+    """
+    slices = spec._buffer_slices
+    if not slices:
+        return None
+    values = np.concatenate([flat[s] for s in slices])
+    for s in slices:
+        flat[s] = 0
+    return values
+
+
+def put_buffers(flat: np.ndarray, values: np.ndarray | None, spec: FlatSpec) -> None:
+    """Writes what :func:`take_buffers` returned into the buffers' slots of ``flat``."""
+    if values is None:
+        return
+    start = 0
+    for s in spec._buffer_slices:
+        n = s.stop - s.start
+        flat[s] = values[start : start + n]
+        start += n
+
+
+def copy_buffers(dst: np.ndarray, src: np.ndarray, spec: FlatSpec) -> None:
+    """Copies the buffers' slots of ``src`` into ``dst`` (say, into a pseudo-gradient).
+
+    Example:
+        >>> import numpy as np
+        >>> _, spec = flatten({"w": np.zeros(1), "bn": np.zeros(1)})
+        >>> delta = np.array([0.5, 0.1])
+        >>> copy_buffers(delta, np.array([7.0, 3.0]), mark_buffers(spec, "bn"))
+        >>> delta.tolist()
+        [7.0, 0.1]
+    """
+    for s in spec._buffer_slices:
+        dst[s] = src[s]

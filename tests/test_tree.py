@@ -21,7 +21,18 @@ import tensorflow as tf
 import torch
 
 from stalewise.backends import backend_of, get_backend, numpy_dtype
-from stalewise.tree import AttrKey, FlatSpec, flatten, path_str, unflatten, unflatten_into
+from stalewise.tree import (
+    AttrKey,
+    FlatSpec,
+    copy_buffers,
+    flatten,
+    mark_buffers,
+    path_str,
+    put_buffers,
+    take_buffers,
+    unflatten,
+    unflatten_into,
+)
 
 BACKENDS = ("numpy", "torch", "jax", "tensorflow")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -182,8 +193,9 @@ def test_every_container_kind() -> None:
 def test_dict_order_does_not_depend_on_insertion() -> None:
     rng = np.random.default_rng(1)
     a, b, c = (rng.normal(size=n).astype(np.float32) for n in (2, 3, 4))
-    flat1, spec1 = flatten({"b": b, "a": a, "c": {"z": c, 1: a}})
-    flat2, spec2 = flatten({"c": {1: a, "z": c}, "a": a, "b": b})
+    d = a.copy()  # the same array object under two names would be one tied leaf
+    flat1, spec1 = flatten({"b": b, "a": a, "c": {"z": c, 1: d}})
+    flat2, spec2 = flatten({"c": {1: d, "z": c}, "a": a, "b": b})
     assert spec1 == spec2
     np.testing.assert_array_equal(flat1, flat2)
     assert spec1.segments.names == ("a", "b", "c.1", "c.z")
@@ -458,6 +470,323 @@ def test_tf_module_named_by_attribute_path() -> None:
     assert spec.segments.names == ("layers.0", "layers.1")
     unflatten_into(net, flat * 3, spec)
     assert net.layers[1].numpy().tolist() == [3.0, 3.0]
+
+
+# --- buffers and per-worker state ---------------------------------------------------------
+
+
+class BNNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
+
+
+def test_torch_module_shares_float_buffers_and_keeps_integer_ones_per_worker() -> None:
+    torch.manual_seed(0)
+    model = BNNet()
+    _, spec = flatten(model)
+    assert spec.segments.names == (
+        "bn.bias",
+        "bn.running_mean",
+        "bn.running_var",
+        "bn.weight",
+        "fc.bias",
+        "fc.weight",
+    )
+    assert spec.buffers == ("bn.running_mean", "bn.running_var")
+    assert [leaf.buffer for leaf in spec.leaves] == [False, True, True, False, False, False]
+    assert "buffers" in repr(spec)
+    model.train()
+    model(torch.randn(8, 3)).sum().backward()
+    # the torch contract: parameters' gradients and every buffer's value, integers included
+    update = {n: p.grad for n, p in model.named_parameters()} | dict(model.named_buffers())
+    got, _ = flatten(update, spec=spec)
+    leaf = spec.leaves[1]
+    np.testing.assert_array_equal(got[leaf.offset : leaf.offset + 4], model.bn.running_mean)
+    with pytest.raises(
+        ValueError,
+        match=r"^params: missing keys 'bn.running_mean', 'bn.running_var' \(buffers: an update "
+        r"carries their values after the step\)$",
+    ):
+        flatten({n: p.grad for n, p in model.named_parameters()}, spec=spec)
+    other = BNNet()
+    unflatten_into(other, got, spec)
+    assert torch.equal(other.bn.running_mean, model.bn.running_mean)
+    assert int(other.bn.num_batches_tracked) == 0 and int(model.bn.num_batches_tracked) == 1
+    pflat, pspec = flatten(dict(model.named_parameters()))  # a job of the parameters only
+    unflatten_into(other, pflat, pspec)  # the model's buffers stay its own
+    assert torch.equal(other.bn.running_mean, model.bn.running_mean)
+
+
+def test_integer_leaves_are_constants_with_keep_integers() -> None:
+    sd = BNNet().state_dict()  # plain tensors, num_batches_tracked among them
+    with pytest.raises(
+        TypeError, match=r"params\['bn.num_batches_tracked'\]: leaf has dtype int64"
+    ):
+        flatten(sd)
+    flat, spec = flatten(sd, keep_integers=True)
+    assert "bn.num_batches_tracked" not in spec.segments.names and spec.size == 3 * 4 + 4 + 4 * 4
+    back = unflatten(flat, spec)
+    assert back["bn.num_batches_tracked"] is sd["bn.num_batches_tracked"]  # as it was
+    grads = {k: torch.ones_like(v) for k, v in sd.items() if v.is_floating_point()}
+    assert flatten(grads, spec=spec)[0].sum() == spec.size  # may be missing from an update ...
+    grads["bn.num_batches_tracked"] = torch.tensor(7)
+    assert flatten(grads, spec=spec)[0].sum() == spec.size  # ... or hold anything: not read
+    target = BNNet().state_dict()
+    target["bn.num_batches_tracked"] += 5
+    unflatten_into(target, flat * 2, spec)
+    assert int(target["bn.num_batches_tracked"]) == 5  # left alone
+    with pytest.raises(TypeError, match="leaf has dtype complex64"):
+        flatten({"z": np.zeros(2, np.complex64)}, keep_integers=True)
+
+
+def test_mark_buffers_and_the_buffer_slots() -> None:
+    params = {"w": np.ones(3, np.float32), "bn": {"mean": np.zeros(2, np.float32)}}
+    _, spec = flatten(params)
+    marked = mark_buffers(spec, [r"\.mean$"])
+    assert marked.buffers == ("bn.mean",) and spec.buffers == ()
+    with pytest.raises(
+        ValueError, match=r"buffers: 'running' matches no leaf \(leaves: bn.mean, w\)"
+    ):
+        mark_buffers(spec, "running")
+    with pytest.raises(ValueError, match=r"buffers: '\(' is not a valid regex"):
+        mark_buffers(spec, "(")
+    with pytest.raises(TypeError, match="expected regexes"):
+        mark_buffers(spec, [3])
+    flat = np.arange(5, dtype=np.float32)  # bn.mean (2), then w (3)
+    values = take_buffers(flat, marked)
+    assert values.tolist() == [0.0, 1.0] and flat.tolist() == [0.0, 0.0, 2.0, 3.0, 4.0]
+    put_buffers(flat, values + 10, marked)
+    assert flat.tolist() == [10.0, 11.0, 2.0, 3.0, 4.0]
+    dst = np.zeros(5, np.float32)
+    copy_buffers(dst, flat, marked)
+    assert dst.tolist() == [10.0, 11.0, 0.0, 0.0, 0.0]
+    assert take_buffers(flat, spec) is None
+
+
+def test_a_tree_made_by_unflatten_flattens_back_to_its_spec() -> None:
+    flat, spec = flatten(BNNet())
+    back = unflatten(flat, spec)  # a plain dict: buffers are not visible in it
+    again, spec2 = flatten(back)
+    assert spec2 is spec and spec2.buffers == ("bn.running_mean", "bn.running_var")
+    np.testing.assert_array_equal(again, flat)
+    back["extra"] = torch.zeros(1)  # changed since: a spec of its own
+    assert flatten(back)[1].buffers == ()
+
+
+# --- tied leaves ------------------------------------------------------------------------------
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def test_tied_torch_weights_are_stored_once_and_stay_tied() -> None:
+    model = TiedLM()
+    flat, spec = flatten(model)
+    assert spec.size == 15 and spec.segments.names == ("embed.weight",) and spec.tied == {0}
+    _, sd_spec = flatten(model.state_dict())  # two detached tensors on one storage
+    assert sd_spec.size == 15 and sd_spec.segments.names == ("embed.weight",)
+    back = unflatten(flat, spec)
+    assert back["head.weight"] is back["embed.weight"]
+    model(torch.tensor([1, 2])).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}  # one name only
+    assert list(grads) == ["embed.weight"]
+    g, _ = flatten(grads, spec=spec)
+    np.testing.assert_array_equal(g, model.embed.weight.grad.numpy().ravel())
+    # the same tensor under both names counts once
+    g2, _ = flatten(
+        {"embed.weight": grads["embed.weight"], "head.weight": grads["embed.weight"]}, spec=spec
+    )
+    np.testing.assert_array_equal(g2, g)
+    other = TiedLM()
+    unflatten_into(other, flat + 1, spec)
+    assert other.head.weight is other.embed.weight
+    np.testing.assert_allclose(other.head.weight.detach().numpy().ravel(), flat + 1)
+    with pytest.raises(ValueError, match=r"params\['embed.weight'\]: missing \(a tied leaf"):
+        flatten({}, spec=spec)
+
+
+def test_tied_numpy_arrays_and_jax_values() -> None:
+    w = np.ones(3, np.float32)
+    _, spec = flatten({"a": w, "b": w, "c": np.ones(3, np.float32)})
+    assert spec.segments.names == ("a", "c") and spec.size == 6
+    # different arrays under the names of one tied leaf: one gradient per use, added
+    g, _ = flatten(
+        {"a": np.ones(3, np.float32), "b": np.full(3, 2.0, np.float32), "c": w}, spec=spec
+    )
+    assert g.tolist() == [3.0] * 3 + [1.0] * 3
+    j = jnp.ones(3)
+    _, jspec = flatten({"a": j, "b": j})  # an immutable value in two places: two leaves
+    assert jspec.segments.names == ("a", "b")
+
+
+# --- every ecosystem's containers ---------------------------------------------------------------
+
+
+def test_flax_nnx_module_and_state() -> None:
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self) -> None:
+            rngs = nnx.Rngs(0)
+            self.linear = nnx.Linear(3, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x: Any) -> Any:
+            return self.drop(self.bn(self.linear(x)))
+
+    model = Net()
+    flat, spec = flatten(model)  # its State, without the Dropout's RNG state
+    assert spec.segments.names == (
+        "bn.bias",
+        "bn.mean",
+        "bn.scale",
+        "bn.var",
+        "linear.bias",
+        "linear.kernel",
+    )
+    assert spec.buffers == ("bn.mean", "bn.var")
+    assert pickle.loads(pickle.dumps(spec)).segments.names == spec.segments.names
+    back = unflatten(flat, spec)
+    assert isinstance(back, nnx.State) and isinstance(back["bn"]["mean"], nnx.BatchStat)
+
+    def loss_fn(m: Any) -> Any:
+        return (m(jnp.ones((2, 3))) ** 2).mean()
+
+    grads = nnx.grad(loss_fn)(model)  # the Params only
+    with pytest.raises(ValueError, match=r"params\['bn'\]: missing keys 'mean', 'var' \(buffers"):
+        flatten(grads, spec=spec)
+    update = nnx.merge_state(grads, nnx.state(model, nnx.BatchStat))
+    g, _ = flatten(update, spec=spec)
+    assert np.isfinite(g).all()
+    unflatten_into(model, flat + 1, spec)  # through the module's own Variables
+    np.testing.assert_array_equal(np.asarray(model.linear.bias.get_value()), np.ones(4))
+    _, sspec = flatten(nnx.state(model))  # a State with RNG state: its counts are constants
+    assert sspec.segments.names == spec.segments.names
+    # nnx.split's (graphdef, state): the graphdef is a constant
+    split_flat, split_spec = flatten(nnx.split(model))
+    graphdef, state = unflatten(split_flat, split_spec)
+    assert isinstance(nnx.merge(graphdef, state), Net) and split_spec.size == spec.size
+
+
+def test_equinox_module_keeps_its_arrays() -> None:
+    import equinox as eqx
+
+    model = eqx.nn.MLP(3, 2, 4, 1, activation=jax.nn.relu, key=jax.random.PRNGKey(0))
+    flat, spec = flatten(model)  # the activation functions are filtered out
+    assert spec.segments.names == (
+        "layers.0.weight",
+        "layers.0.bias",
+        "layers.1.weight",
+        "layers.1.bias",
+    )
+    spec = pickle.loads(pickle.dumps(spec))
+    back = unflatten(flat, spec)
+    assert isinstance(back, eqx.nn.MLP) and back.activation is None
+    rebuilt = eqx.combine(back, eqx.filter(model, eqx.is_array, inverse=True))
+    np.testing.assert_allclose(rebuilt(jnp.ones(3)), model(jnp.ones(3)))
+    grads = eqx.filter_grad(lambda m: m(jnp.ones(3)).sum())(model)
+    assert flatten(grads, spec=spec)[0].shape == (spec.size,)
+    assert flatten(eqx.filter(model, eqx.is_array), spec=spec)[0].tolist() == flat.tolist()
+
+
+def test_flax_struct_keeps_static_fields() -> None:
+    from flax import struct
+
+    @struct.dataclass
+    class Params:
+        w: Any
+        scale: float = struct.field(pytree_node=False, default=2.0)
+
+    flat, spec = flatten(Params(jnp.ones(2)))
+    assert spec.segments.names == ("w",)
+    back = unflatten(flat + 1, spec)
+    assert isinstance(back, Params) and back.scale == 2.0 and back.w.tolist() == [2.0, 2.0]
+
+
+class Box:
+    """A container known to torch's pytree registry only."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+
+torch.utils._pytree.register_pytree_node(
+    Box, lambda b: ([b.inner], None), lambda children, _: Box(children[0])
+)
+
+
+class Pairs:
+    """A container known to TensorFlow's nest protocol only."""
+
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = a, b
+
+    def __tf_flatten__(self) -> tuple:
+        return None, (self.a, self.b)
+
+    @classmethod
+    def __tf_unflatten__(cls, metadata: Any, components: tuple) -> Pairs:
+        return cls(*components)
+
+
+def test_torch_and_tensorflow_registries() -> None:
+    flat, spec = flatten({"box": Box(torch.ones(2)), "pairs": Pairs(tf.ones(1), tf.zeros(2))})
+    assert spec.segments.names == ("box.0", "pairs.0", "pairs.1")
+    back = unflatten(flat, spec)
+    assert isinstance(back["box"], Box) and back["box"].inner.tolist() == [1.0, 1.0]
+    assert isinstance(back["pairs"], Pairs) and back["pairs"].b.numpy().tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match=r"params\['box'\]: expected Box, got list"):
+        flatten({"box": [torch.ones(2)], "pairs": back["pairs"]}, spec=spec)
+
+
+def test_keras_buffers_list_updates_and_variable_lists() -> None:
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(4, name="h"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dropout(0.1),  # an integer seed state: per worker
+            keras.layers.Dense(2, name="o"),
+        ],
+        name="net",
+    )
+    _, spec = flatten(model)
+    assert spec.buffers == ("bn/moving_mean", "bn/moving_variance")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(np.ones((4, 3), np.float32), training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    with pytest.raises(ValueError, match="followed by its 3 non_trainable_variables"):
+        flatten(grads, spec=spec)
+    g, _ = flatten(grads + model.non_trainable_variables, spec=spec)  # the Keras contract
+    mean = spec.leaves[spec.segments.names.index("bn/moving_mean")]
+    np.testing.assert_array_equal(
+        g[mean.offset : mean.offset + 4], model.layers[1].moving_mean.numpy()
+    )
+    vflat, vspec = flatten(model.trainable_variables)  # a list of variables, named by path
+    assert vspec.segments.names[:2] == ("net/h/kernel", "net/h/bias")
+    assert isinstance(unflatten(vflat, vspec), list)
+    assert flatten(grads, spec=vspec)[0].shape == (vspec.size,)
+    emb = keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(5, 3)])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(emb(np.array([[1, 1]])))
+    (sparse,) = tape.gradient(loss, emb.trainable_variables)
+    assert isinstance(sparse, tf.IndexedSlices)
+    assert flatten([sparse], spec=flatten(emb.trainable_variables)[1])[0][3:6].tolist() == [2.0] * 3
 
 
 # --- backends -------------------------------------------------------------------------------

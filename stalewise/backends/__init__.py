@@ -22,12 +22,26 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Hashable
+from typing import Any, NamedTuple
 
 import numpy as np
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """Dtype names of trainable leaves, narrowest first."""
+
+
+class ModelState(NamedTuple):
+    """What a model object (``nn.Module``, Keras model, ``tf.Module``) shares, by name.
+
+    Tied tensors appear under each of their names (the same object), so that
+    :mod:`stalewise.tree` stores them once and writes every name back.
+    """
+
+    leaves: dict[str, Any]  # name -> trainable parameter or float buffer
+    buffers: frozenset[str] = frozenset()  # names in ``leaves`` that are buffers
+    local: frozenset[str] = frozenset()  # the model's other state: kept by each worker
+    order: tuple[str, ...] = ()  # the model's own order, for updates given as a list (Keras)
 
 
 class Backend:
@@ -80,8 +94,21 @@ class Backend:
         """Writes the values of ``a`` (same shape) into the mutable leaf ``x``."""
         raise TypeError(f"{type(x).__qualname__} leaves are immutable")
 
-    def named_params(self, x: Any) -> dict[str, Any] | None:
-        """The trainable leaves of a model object by name, or None if ``x`` is no model."""
+    def model_state(self, x: Any) -> ModelState | None:
+        """What the model object ``x`` shares, or None if ``x`` is no model."""
+        return None
+
+    def identity(self, x: Any) -> Hashable | None:
+        """Equal for two leaves that are the same mutable array (tied weights), else None.
+
+        None (the default, and always for immutable arrays such as JAX's) means
+        the leaf is tied to nothing: a value in two places is two leaves, as
+        ``jax.grad`` sees it.
+        """
+        return None
+
+    def label(self, x: Any) -> str | None:
+        """A leaf's own name (a TensorFlow variable's path), or None."""
         return None
 
     def __repr__(self) -> str:
@@ -171,6 +198,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "Backend",
     "JaxBackend",
+    "ModelState",
     "NumpyBackend",
     "TensorFlowBackend",
     "TorchBackend",

@@ -45,6 +45,9 @@ class NumpyBackend(Backend):
             return a.astype(target)
         return a.copy() if copy else a
 
+    def identity(self, x: Any) -> Any:
+        return id(x) if isinstance(x, np.ndarray) else None  # the same array object
+
     def is_writable(self, x: Any) -> bool:
         return isinstance(x, np.ndarray) and x.flags.writeable
 

@@ -1,10 +1,20 @@
 """The TensorFlow backend: ``tf.Tensor`` / ``tf.Variable`` / Keras variable leaves and models.
 
-Models are Keras models and layers (their ``trainable_variables``, named by
-variable path without the model's own name, e.g. ``"dense/kernel"``) and
-``tf.Module`` objects (named by attribute path, e.g. ``"layers.0.w"``). Keras
-layer names come from a global counter unless given: name the layers when the
-same model is built in several processes so that the names agree.
+Models are Keras models and layers and ``tf.Module`` objects. A Keras model
+shares its ``trainable_variables`` and, as buffers, its floating
+``non_trainable_variables`` (BatchNormalization's moving statistics), named
+by variable path without the model's own name, e.g. ``"dense/kernel"``;
+integer ones (seed generator states) stay in each worker's model. An update
+for it may also be a list: ``tape.gradient(loss, model.trainable_variables)``,
+followed by ``model.non_trainable_variables`` when the model has buffers. A
+``tf.Module`` shares its trainable variables, named by attribute path, e.g.
+``"layers.0.w"``. A list of variables (``model.trainable_variables``) names
+its leaves by variable path. Keras layer names come from a global counter
+unless given: name the layers when the same model is built in several
+processes so that the names agree.
+
+Leaves are ``tf.Tensor``, ``tf.Variable``, Keras variables and
+``tf.IndexedSlices`` (the gradient of an embedding lookup, read densely).
 
 Example:
     >>> import numpy as np
@@ -21,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.backends import Backend
+from stalewise.backends import FLOAT_DTYPES, Backend, ModelState
 
 
 def _tf() -> Any:
@@ -45,13 +55,16 @@ class TensorFlowBackend(Backend):
 
     def is_leaf(self, x: Any) -> bool:
         tf = _tf()
-        return isinstance(x, tf.Tensor | tf.Variable) or _is_keras_variable(x)
+        return isinstance(x, tf.Tensor | tf.Variable | tf.IndexedSlices) or _is_keras_variable(x)
 
     def dtype(self, x: Any) -> str:
         d = x.dtype
         return d if isinstance(d, str) else d.name
 
     def to_numpy(self, x: Any) -> np.ndarray:
+        tf = _tf()
+        if isinstance(x, tf.IndexedSlices):
+            x = tf.convert_to_tensor(x)
         return np.asarray(x.numpy())
 
     def from_numpy(self, a: np.ndarray, dtype: str, like: Any = None, *, copy: bool = True) -> Any:
@@ -68,21 +81,36 @@ class TensorFlowBackend(Backend):
             raise TypeError("tf.Tensor leaves are immutable")
         x.assign(self.from_numpy(a, self.dtype(x)))
 
-    def named_params(self, x: Any) -> dict[str, Any] | None:
+    def identity(self, x: Any) -> Any:
+        return id(x) if self.is_writable(x) else None  # the same variable; tensors are values
+
+    def label(self, x: Any) -> str | None:
+        if isinstance(x, _tf().Variable) or _is_keras_variable(x):
+            return _variable_name(x)
+        return None
+
+    def model_state(self, x: Any) -> ModelState | None:
         tf = _tf()
+        buffers, local = set(), set()
         if _is_keras(x) and hasattr(x, "trainable_variables"):
             prefix = f"{getattr(x, 'name', '')}/"
             pairs = [(_variable_name(v).removeprefix(prefix), v) for v in x.trainable_variables]
+            rest = [(_variable_name(v).removeprefix(prefix), v) for v in x.non_trainable_variables]
+            for name, v in rest:
+                (buffers if self.dtype(v) in FLOAT_DTYPES else local).add(name)
+            order = tuple(name for name, _ in pairs + rest)
+            pairs += [(name, v) for name, v in rest if name in buffers]
         elif isinstance(x, tf.Module):
             found = x._flatten(predicate=_is_trainable, with_path=True)
             pairs = [(".".join(str(p) for p in path), v) for path, v in found]
+            order = ()
         else:
             return None
         named = dict(pairs)
         if len(named) != len(pairs):
             dupes = sorted({n for n, _ in pairs if sum(m == n for m, _ in pairs) > 1})
             raise ValueError(f"variables with the same name {dupes}; give them unique names")
-        return named
+        return ModelState(named, frozenset(buffers), frozenset(local), order)
 
 
 def _is_keras(x: Any) -> bool:

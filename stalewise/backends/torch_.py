@@ -2,8 +2,12 @@
 
 Tensors that require grad are detached, tensors on another device are copied
 to the CPU. New tensors live on the CPU unless ``like`` says otherwise. A
-module's leaves are its parameters that require grad, by their
-``named_parameters()`` names.
+module shares what its ``state_dict`` holds, by the same names: the
+parameters that require grad, and the floating buffers (BatchNorm running
+statistics) as buffers. Integer buffers (``num_batches_tracked``), frozen
+parameters and non-persistent buffers stay in each worker's module. Two
+tensors are the same leaf (tied weights) when they view the same storage at
+the same offset with the same shape and strides.
 
 Example:
     >>> import numpy as np, torch
@@ -19,11 +23,12 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 
-from stalewise.backends import Backend
+from stalewise.backends import Backend, ModelState
 
 
 def _torch() -> Any:
@@ -92,7 +97,35 @@ class TorchBackend(Backend):
         with torch.no_grad():
             x.copy_(_as_source(a))
 
-    def named_params(self, x: Any) -> dict[str, Any] | None:
-        if not isinstance(x, _torch().nn.Module):
+    def identity(self, x: Any) -> Hashable | None:
+        if x.numel() == 0 or x.layout != _torch().strided or x.device.type == "meta":
             return None
-        return {n: p for n, p in x.named_parameters() if p.requires_grad}
+        return (
+            str(x.device),
+            x.untyped_storage().data_ptr(),
+            x.storage_offset(),
+            tuple(x.shape),
+            x.stride(),
+            x.dtype,
+        )
+
+    def model_state(self, x: Any) -> ModelState | None:
+        torch = _torch()
+        if not isinstance(x, torch.nn.Module):
+            return None
+        leaves, buffers, local = {}, set(), set()
+        for name, t in x.state_dict(keep_vars=True).items():  # tied weights under each name
+            if not isinstance(t, torch.Tensor):
+                local.add(name)  # extra state of a module
+            elif isinstance(t, torch.nn.Parameter):
+                if t.requires_grad:
+                    leaves[name] = t
+                else:
+                    local.add(name)  # frozen
+            elif t.is_floating_point():
+                leaves[name] = t
+                buffers.add(name)
+            else:
+                local.add(name)  # integer buffers
+        local.update(n for n, _ in x.named_buffers(remove_duplicate=False) if n not in leaves)
+        return ModelState(leaves, frozenset(buffers), frozenset(local))

@@ -1,0 +1,141 @@
+"""Buffers on the server: non-trainable state that follows what the workers report.
+
+A model's buffers (BatchNorm running statistics and the like) are not
+trained by gradients: each worker's forward pass updates them. They travel in
+the flat vector with the parameters (:mod:`stalewise.tree` marks them), and
+in every push a buffer's slot carries the buffer's *value* after the
+worker's step instead of a gradient. :func:`with_buffers` wraps the job's
+optimizer so that, per push,
+
+- the optimizer runs on the trainable leaves only (it sees zeros in the
+  buffers' slots, which therefore count for no gradient norm and keep no
+  momentum), and
+- each buffer moves toward the reported value ``v`` by the running-average
+  rule ``b <- b + rate * scale * (v - b)``, ``scale`` being the staleness
+  weight of the push (so stale reports count less).
+
+With the default ``rate = 1`` a fresh report replaces the server's value.
+Since a worker's BatchNorm update is itself a running average started from
+the values it pulled (``v = (1 - m) b + m * batch_mean``), the server's
+statistics follow the running average a single process would keep, over the
+batches of all workers. Under BSP the round's reports are averaged first, so
+a buffer becomes the mean of the workers' values: for the model-averaging
+strategies (``local_sgd``, ``diloco``), which report each buffer's value
+after their local steps, that is FedAvg of the buffers, averaged like the
+parameters (``easgd`` reports the value it keeps after its elastic move). ``sw.Job`` wraps its optimizer so when its params have
+buffers; the wrapper shows in the job's ``config.optimizer``.
+
+Example:
+    >>> import numpy as np
+    >>> from stalewise import optim
+    >>> from stalewise.segments import Segments
+    >>> opt = with_buffers(optim.sgd(0.5), ["bn.mean"])
+    >>> params = np.array([1.0, 1.0, 10.0], np.float32)  # w (2), then bn.mean
+    >>> state = opt.init(params, Segments.from_sizes(["w", "bn.mean"], [2, 1]))
+    >>> opt.apply(np.array([2.0, 2.0, 4.0], np.float32), state, params)  # bn.mean reports 4
+    >>> params.tolist()
+    [0.0, 0.0, 4.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from stalewise.optim._validate import check_number, check_params, check_scale, check_vectors
+from stalewise.optim.base import Optimizer, Rule, State
+from stalewise.segments import Segments
+
+__all__ = ["BufferState", "with_buffers"]
+
+
+class BufferState(NamedTuple):
+    inner: State  # the wrapped optimizer's state
+    offsets: np.ndarray  # int64 start of each buffer segment of this shard
+    sizes: np.ndarray  # int64 length of each
+    reports: np.ndarray  # scratch: the values a push reports, one after the other
+    before: np.ndarray  # scratch: the buffers' values before the step
+
+
+@dataclass(frozen=True)
+class _WithBuffers(Rule):
+    inner: Optimizer
+    names: tuple[str, ...]
+    rate: float
+
+    def init(self, params: np.ndarray, segments: Segments | None = None) -> BufferState:
+        check_params(params, segments)
+        segments = segments if segments is not None else Segments.single(params.size)
+        names = set(self.names)
+        mine = np.array([n in names for n in segments.names], dtype=bool)
+        sizes = np.asarray(segments.sizes[mine], dtype=np.int64)
+        total = int(sizes.sum())
+        return BufferState(
+            self.inner.init(params, segments),
+            np.asarray(segments.offsets[mine], dtype=np.int64),
+            sizes,
+            np.empty(total, params.dtype),
+            np.empty(total, params.dtype),
+        )
+
+    def run(
+        self,
+        grads: np.ndarray,
+        state: BufferState,
+        params: np.ndarray,
+        scale: float,
+        into_params: bool,
+    ) -> None:
+        check_vectors(grads, params, write_grads=True, write_params=into_params)
+        if state.reports.dtype != params.dtype or state.reports.size != int(state.sizes.sum()):
+            raise ValueError("with_buffers: the state does not fit these params")
+        slots = self._slots(state)
+        for s, part in slots:  # the reports out of the optimizer's way
+            state.reports[part] = grads[s]
+            state.before[part] = params[s]
+            grads[s] = 0
+        step = self.inner.apply if into_params else self.inner.update_inplace
+        step(grads, state.inner, params, scale=scale)
+        weight = self.rate * check_scale(scale)
+        for s, part in slots:
+            move = state.reports[part]
+            move -= state.before[part]
+            move *= weight  # b <- b + rate * scale * (v - b)
+            if into_params:
+                np.add(state.before[part], move, out=params[s])
+            else:
+                grads[s] = move  # the update; params are untouched
+
+    @staticmethod
+    def _slots(state: BufferState) -> list[tuple[slice, slice]]:
+        out, start = [], 0
+        for offset, size in zip(state.offsets.tolist(), state.sizes.tolist(), strict=True):
+            out.append((slice(offset, offset + size), slice(start, start + size)))
+            start += size
+        return out
+
+    def __repr__(self) -> str:
+        rule = getattr(self.inner.apply, "__self__", None)
+        inner = repr(rule) if rule is not None else "Optimizer(...)"
+        return f"with_buffers({inner}, {len(self.names)} buffers, rate={self.rate:g})"
+
+
+def with_buffers(optimizer: Optimizer, names: Iterable[str], rate: float = 1.0) -> Optimizer:
+    """``optimizer`` for the trainable leaves; the leaves called ``names`` are buffers.
+
+    Args:
+        optimizer: the server optimizer of the trainable leaves (any
+            :class:`~stalewise.optim.Optimizer`, a ``chain`` too).
+        names: the buffer leaves' names (``FlatSpec.buffers``).
+        rate: how far a report moves a buffer, in ``(0, 1]``; see the module docstring.
+
+    An optimizer already wrapped is wrapped anew around its inner optimizer.
+    """
+    rate = check_number("with_buffers", "rate", rate, 0.0, 1.0, lo_open=True, hi_open=False)
+    rule = getattr(optimizer.apply, "__self__", None)
+    if isinstance(rule, _WithBuffers):
+        optimizer = rule.inner
+    return _WithBuffers(optimizer, tuple(sorted(set(names))), rate).optimizer()
