@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 
-from stalewise import consistency, optim, staleness, strategies, tree
+from stalewise import codecs, consistency, optim, staleness, strategies, tree
 from stalewise.api import Job
 from stalewise.checkpoint import CheckpointError
 from stalewise.checkpoint import load_params as load
-from stalewise.consistency import ASP, BSP, SSP
+from stalewise.consistency import ASP, BSP, SSP, Hybrid
 from stalewise.loops import LocalSGD, LocalSGDOptax
-from stalewise.runtime.base import TrainResult, WorkerError
+from stalewise.runtime.base import DivergedError, ShardError, TrainResult, WorkerError
 
 __version__ = "0.1.0"
 
@@ -25,11 +25,15 @@ __all__ = [
     "BSP",
     "SSP",
     "CheckpointError",
+    "DivergedError",
+    "Hybrid",
     "Job",
     "LocalSGD",
     "LocalSGDOptax",
+    "ShardError",
     "TrainResult",
     "WorkerError",
+    "codecs",
     "consistency",
     "load",
     "optim",

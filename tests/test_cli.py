@@ -278,7 +278,8 @@ LR_LINE = 'schedule = { name = "warmup_cosine", peak = 0.05, warmup = 10, total 
             ("eval_interval = 0.05", "eval_interval = 0.05\nworker = 3"),
             ["train"],
             "run.worker",
-            "unknown option (known: delay, eval_interval, runtime, steps, stop_at, stragglers, workers)",
+            "unknown option (known: address, delay, eval_interval, max_restarts, on_worker_failure, "
+            "runtime, steps, stop_at, stragglers, worker_timeout, workers)",
             id="unknown-key",
         ),
         pytest.param(

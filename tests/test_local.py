@@ -148,7 +148,11 @@ def test_error_in_user_code_shows_traceback_and_cleans_up(no_leaks):
     job = quadratic_job()
     with pytest.raises(sw.WorkerError, match=r"(?s)worker \d failed.*ValueError: boom at batch 3"):
         job.train(
-            mp_helpers.failing_loss_and_grad, data=mp_helpers.counting_data, workers=2, steps=100
+            mp_helpers.failing_loss_and_grad,
+            data=mp_helpers.counting_data,
+            workers=2,
+            steps=100,
+            on_worker_failure="fail",  # the default restarts it first: see test_faults.py
         )
 
 

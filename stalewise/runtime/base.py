@@ -38,7 +38,123 @@ def mean_loss(last_losses: Any) -> float:
 
 
 class WorkerError(RuntimeError):
-    """User code raised inside a worker; the message carries the worker's traceback."""
+    """A worker failed and the job's failure policy stopped the job.
+
+    User code raised (the message carries the worker's traceback), or the
+    worker's process died or hung (the message says how); the worker is named.
+    """
+
+
+class ShardError(RuntimeError):
+    """A shard's process died and the job could not go on; the message names the shard."""
+
+
+class DivergedError(RuntimeError):
+    """Training diverged: every worker stopped because its pushes kept being refused."""
+
+
+FAILURE_POLICIES = ("restart", "drop", "fail")
+
+
+class Failures:
+    """A job's failure policy, and the log of what it did (``TrainResult.failures``).
+
+    ``policy`` says what happens to a worker that fails (its process dies, it
+    hangs, or user code raises):
+
+    * ``"restart"``: it starts again as a new incarnation at the current
+      parameters, up to ``max_restarts`` times per worker id (None: no limit);
+      one more failure stops the job with :class:`WorkerError`;
+    * ``"drop"``: it leaves; the others carry on;
+    * ``"fail"``: the job stops with :class:`WorkerError`.
+
+    A shard that fails is restarted under ``"restart"`` and ``"drop"`` (up to
+    ``max_restarts`` times per shard) and stops the job under ``"fail"``
+    (:class:`ShardError`). A worker that diverged is never restarted. Every
+    event is logged as a warning and kept in :attr:`events`. ``hint`` ends the
+    message of an error that stops the job (e.g. how to resume it).
+
+    Example:
+        >>> f = Failures("restart", max_restarts=1)
+        >>> f.worker(2, "killed by SIGKILL", time=1.5)
+        'restart'
+        >>> f.worker(2, "killed by SIGKILL", time=2.0)
+        Traceback (most recent call last):
+        stalewise.runtime.base.WorkerError: worker 2 failed 2 times, more than max_restarts=1 allows; the last time: killed by SIGKILL
+        >>> f.restarts, [e["action"] for e in f.events]
+        (1, ['restarted', 'failed'])
+    """
+
+    def __init__(self, policy: str = "restart", max_restarts: int | None = 3, *, hint: str = ""):
+        if policy not in FAILURE_POLICIES:
+            raise ValueError(
+                f"on_worker_failure must be one of {', '.join(map(repr, FAILURE_POLICIES))}, "
+                f"got {policy!r}"
+            )
+        self.policy, self.max_restarts, self.hint = policy, max_restarts, hint
+        self.events: list[dict[str, Any]] = []
+        self._restarts: Counter = Counter()  # ("worker" | "shard", id) -> restarts so far
+
+    @property
+    def restarts(self) -> int:
+        """Restarts so far, of workers and shards."""
+        return sum(self._restarts.values())
+
+    def _event(self, kind: str, i: int, cause: str, time: float, action: str) -> None:
+        self.events.append({kind: i, "time": time, "cause": cause, "action": action})
+
+    def _budget_left(self, key: tuple[str, int]) -> bool:
+        return self.max_restarts is None or self._restarts[key] < self.max_restarts
+
+    def _fatal(self, what: str, cause: str, key: tuple[str, int], detail: str) -> str:
+        n = self._restarts[key] + 1
+        head = (
+            f"{what} failed: {cause}"
+            if self.policy == "fail"
+            else f"{what} failed {'once' if n == 1 else f'{n} times'}, more than "
+            f"max_restarts={self.max_restarts} allows; the last time: {cause}"
+        )
+        return head + (f"\n{detail.rstrip()}" if detail else "") + self.hint
+
+    def worker(self, w: int, cause: str, *, time: float, detail: str = "") -> str:
+        """Worker ``w`` failed (``cause``: how; ``detail``: its traceback, if any).
+
+        Returns ``"restart"`` or ``"drop"``; raises :class:`WorkerError` when the
+        policy is ``"fail"`` or the restart budget is spent.
+        """
+        key = ("worker", w)
+        if self.policy == "fail" or (self.policy == "restart" and not self._budget_left(key)):
+            self._event("worker", w, cause, time, "failed")
+            raise WorkerError(self._fatal(f"worker {w}", cause, key, detail))
+        if self.policy == "drop":
+            self._event("worker", w, cause, time, "dropped")
+            log.warning("worker %d failed (%s); dropped, the other workers carry on", w, cause)
+            return "drop"
+        self._restarts[key] += 1
+        self._event("worker", w, cause, time, "restarted")
+        log.warning(
+            "worker %d failed (%s); restarting it (restart %d%s)",
+            w,
+            cause,
+            self._restarts[key],
+            "" if self.max_restarts is None else f" of {self.max_restarts}",
+        )
+        return "restart"
+
+    def shard(self, k: int, cause: str, *, time: float) -> None:
+        """Shard ``k`` failed: returns if it is to be restarted, else raises :class:`ShardError`."""
+        key = ("shard", k)
+        if self.policy == "fail" or not self._budget_left(key):
+            self._event("shard", k, cause, time, "failed")
+            raise ShardError(self._fatal(f"shard {k}", cause, key, ""))
+        self._restarts[key] += 1
+        self._event("shard", k, cause, time, "restarted")
+        log.warning("shard %d failed (%s); restarting it", k, cause)
+
+    def diverged(self, w: int, message: str, *, time: float) -> None:
+        """Worker ``w`` stopped because its pushes kept being refused; it is not restarted."""
+        self._event("worker", w, message, time, "diverged")
+        log.warning("worker %d diverged and stopped: %s", w, message)
 
 
 @dataclass
@@ -51,6 +167,13 @@ class TrainResult:
     stats: dict = field(default_factory=dict)  # shard counters merged (see merge_stats)
     time: float = 0.0  # seconds (wall clock, or virtual in the simulator)
     pushes: int = 0  # updates pushed by all workers
+    failures: list[dict] = field(default_factory=list)  # what failed and what was done (Failures)
+    stop_reason: str = ""  # why the run ended
+
+    @property
+    def restarts(self) -> int:
+        """How many times a worker or shard was restarted during the run."""
+        return sum(e["action"] == "restarted" for e in self.failures)
 
     def __repr__(self) -> str:
         """One line: pushes, updates, time and the last record's metrics (not the parameters)."""
@@ -116,6 +239,8 @@ def merge_stats(per_shard: Sequence[Mapping[str, Any]], *, settled: bool = False
         "duplicates": first.get("duplicates", 0),
         "staleness_mean": first["staleness_mean"],
         "staleness_max": first["staleness_max"],
+        "staleness_counts": dict(first.get("staleness_counts", {})),  # tau -> applied pushes
+        "mode_switches": first.get("mode_switches", 0),  # hybrid consistency
         "bytes_in": sum(s["bytes_in"] for s in per_shard),
         "bytes_out": sum(s["bytes_out"] for s in per_shard),
         "shards": len(per_shard),

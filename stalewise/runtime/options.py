@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stalewise.runtime.base import check_run
+from stalewise.runtime.base import FAILURE_POLICIES, check_run
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,11 @@ class RunOptions:
     checkpoint_seconds: float | None = None  # ... and/or every this many seconds (virtual in sim)
     checkpoint_keep: int = 2  # checkpoints kept (the newest)
     resume: bool = False  # start from the newest usable checkpoint in checkpoint_dir
+    on_worker_failure: str = (
+        "restart"  # "restart" | "drop" | "fail" (stalewise.runtime.base.Failures)
+    )
+    max_restarts: int | None = 3  # restarts per worker id (and per shard); None: no limit
+    worker_timeout: float | None = 60.0  # seconds without a heartbeat before a worker is hung
     # derived in __post_init__
     slowdowns: tuple[float, ...] = field(init=False)  # per worker, >= 1
     extra_delays: tuple[float, ...] = field(init=False)  # per worker, seconds
@@ -85,9 +90,27 @@ class RunOptions:
             if not (isinstance(value, int | float) and not isinstance(value, bool) and value >= 0):
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
         self._check_checkpoints()
+        self._check_failures()
         from stalewise import targets
 
         object.__setattr__(self, "stop_at", targets.parse(self.stop_at))
+
+    def _check_failures(self) -> None:
+        if self.on_worker_failure not in FAILURE_POLICIES:
+            raise ValueError(
+                f"on_worker_failure must be one of {', '.join(map(repr, FAILURE_POLICIES))}, "
+                f"got {self.on_worker_failure!r}"
+            )
+        n = self.max_restarts
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"max_restarts must be an integer >= 0 or None, got {n!r}")
+        t = self.worker_timeout
+        if t is not None and not (
+            isinstance(t, int | float) and not isinstance(t, bool) and 0 < t < math.inf
+        ):
+            raise ValueError(
+                f"worker_timeout must be a finite number of seconds > 0 or None, got {t!r}"
+            )
 
     def _check_checkpoints(self) -> None:
         d = self.checkpoint_dir

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import multiprocessing as mp
 import os
-from collections.abc import Iterator
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing import connection
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
@@ -43,3 +50,66 @@ def child_logging(name: str) -> None:
     handler.setFormatter(logging.Formatter(f"stalewise {name}: %(levelname)s: %(message)s"))
     handler.setLevel(logging.WARNING)
     logger.addHandler(handler)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(cleanup: Callable[[], None] | None = None) -> None:
+    """Makes this spawned process exit as soon as the process that started it dies.
+
+    Two mechanisms, so that no shard or worker outlives a parent killed with
+    ``kill -9``:
+
+    * on Linux, ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills this
+      process when its parent exits, even if this one is stopped or stuck in C
+      code. (Strictly, when the parent *thread* that started it exits, so start
+      processes from a thread that outlives them; ``Job.train`` does.)
+    * everywhere, a daemon thread that waits on the parent's sentinel (the pipe
+      ``multiprocessing`` keeps from parent to spawned child, which reads as
+      closed once the parent is gone), runs ``cleanup`` and exits.
+
+    With ``cleanup`` the kernel signal is not used, as it would leave no time
+    for the cleanup (the local runtime uses one only where shared memory has a
+    name to unlink, i.e. where ``memfd_create`` is missing).
+    """
+    parent = mp.parent_process()
+    ppid = parent.pid if parent is not None else os.getppid()
+    if cleanup is None and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != ppid:  # the parent died before we could ask
+        _parent_gone(cleanup)
+    sentinel = parent.sentinel if parent is not None else None
+    threading.Thread(
+        target=_watch_parent, args=(sentinel, ppid, cleanup), name="stalewise-parent", daemon=True
+    ).start()
+
+
+def _watch_parent(sentinel: int | None, ppid: int, cleanup: Callable[[], None] | None) -> None:
+    if sentinel is not None:
+        connection.wait([sentinel])
+    else:  # not started by multiprocessing: poll the parent's pid
+        while os.getppid() == ppid:
+            time.sleep(0.5)
+    _parent_gone(cleanup)
+
+
+def _parent_gone(cleanup: Callable[[], None] | None) -> None:
+    if cleanup is not None:
+        with contextlib.suppress(Exception):
+            cleanup()
+    os._exit(70)  # no atexit handlers, no flushing of state the parent owned
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a process ended, for messages: ``exit code 3``, ``killed by SIGKILL``."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"

@@ -1,7 +1,7 @@
 """The local runtime: shards and workers as OS processes on one machine.
 
 Bytes move through one shared-memory block (see :mod:`stalewise.runtime.local.layout`);
-only small control tuples go through pipes.
+only small control messages (:mod:`stalewise.protocol.wire`) go through pipes.
 
 A pull normally asks no one: the worker copies each shard's latest published
 snapshot (seqlocked, so never torn) into its pull buffer. When the worker's
@@ -22,26 +22,54 @@ the shard delivers a push the worker committed but the shard has not handled,
 then drops the worker. The worker's side is
 :class:`stalewise.runtime.local.client.Client`; a shard process's body is
 :mod:`stalewise.runtime.local.shard_proc`; this module holds
-:class:`LocalServer`, which starts and stops them.
+:class:`LocalServer`, which starts and stops them, and restarts a shard whose
+process died (:meth:`LocalServer.restart_shard`).
+
+Every shard process exits when the process that started it dies
+(:func:`~stalewise.runtime.local.procs.die_with_parent`), and the shared memory
+has no name that could outlive them (:mod:`stalewise.runtime.local.shm`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
-from multiprocessing import reduction
+import os
+from multiprocessing import connection, reduction
 from typing import Any
 
 import numpy as np
 
-from stalewise.protocol import ServerConfig
-from stalewise.runtime.local.client import Client, ServerClosed, recv_reply
+from stalewise.protocol import ServerConfig, wire
+from stalewise.runtime.base import ShardError
+from stalewise.runtime.local import layout as layout_lib
+from stalewise.runtime.local.client import Client, ControlPipe, ServerClosed, recv_reply
 from stalewise.runtime.local.layout import Layout, Snapshots
-from stalewise.runtime.local.procs import thread_budget
+from stalewise.runtime.local.procs import describe_exit, die_with_parent, thread_budget
 from stalewise.runtime.local.shard_proc import shard_main
 from stalewise.runtime.local.shm import SharedBlock
 
 log = logging.getLogger(__name__)
+
+
+# the counters every shard keeps alike under the commit rule (see merge_stats)
+_PER_PUSH_STATS = (
+    "stats.applied",
+    "stats.rounds",
+    "stats.rejected",
+    "stats.duplicates",
+    "stats.staleness",
+)
+
+
+def _shard_entry(
+    config: ServerConfig, k: int, handle: str, layout: Layout, control: Any, join_timeout: float
+) -> None:
+    """A shard process: dies with its parent (unlinking a named block first), then serves."""
+    named = not handle.startswith("/proc/")
+    die_with_parent(cleanup=(lambda: os.unlink(handle)) if named else None)
+    shard_main(config, k, handle, layout, control, join_timeout)
 
 
 class LocalServer:
@@ -67,7 +95,7 @@ class LocalServer:
         self.config = config
         self.workers = workers
         self.start_timeout = start_timeout
-        self.layout = Layout(config.spec.size, str(config.init.dtype), workers, config.shards)
+        self.layout = Layout.of(config, workers)  # push regions sized by the codec
         self._ctx = mp.get_context("spawn")
         self._block = SharedBlock.create(self.layout.nbytes)
         self._procs: list = []
@@ -75,32 +103,47 @@ class LocalServer:
         self._incarnations = [0] * workers  # the newest incarnation of each worker id
         self._worker_ends: list[list] = [[] for _ in range(workers)]  # until release(w)
         self._snapshots: Snapshots | None = None  # the parent's view, for published_version
+        self.join_timeout = join_timeout
         try:
             self.layout.params(self._block)[:] = config.init
             self.control = self.layout.control(self._block)
             self.control[1 + workers :] = np.nan  # last loss per worker: none yet
             for k in range(config.shards):
-                mine, theirs = self._ctx.Pipe()
-                p = self._ctx.Process(
-                    target=shard_main,
-                    args=(config, k, self._block.name, self.layout, theirs, join_timeout),
-                    name=f"stalewise-shard-{k}",
-                    daemon=True,
-                )
-                with thread_budget(1):
-                    p.start()
+                p, control = self._start_shard(k)
                 self._procs.append(p)
-                self._controls.append(mine)
-                theirs.close()
-            for k, c in enumerate(self._controls):
-                if recv_reply(c, start_timeout, f"start of shard {k}") != ("ready", k):
-                    raise RuntimeError(f"shard {k} failed to start")
-            self.observer = Client(
-                None, self._block.name, self.layout, config, self._controls, self._block
-            )
+                self._controls.append(control)
+            for k in range(config.shards):
+                self._wait_ready(k)
+            self.observer = self._observer()
         except BaseException:
             self.close()
             raise
+
+    def _start_shard(self, k: int) -> tuple[Any, Any]:
+        mine, theirs = self._ctx.Pipe()
+        args = (self.config, k, self._block.handle, self.layout, theirs, self.join_timeout)
+        p = self._ctx.Process(
+            target=_shard_entry, args=args, name=f"stalewise-shard-{k}", daemon=True
+        )
+        with thread_budget(1):
+            p.start()
+        theirs.close()
+        return p, ControlPipe(mine)  # control messages are binary records (protocol.wire)
+
+    def _wait_ready(self, k: int) -> None:
+        try:
+            reply = recv_reply(self._controls[k], self.start_timeout, f"start of shard {k}")
+        except ServerClosed:
+            self._procs[k].join(1)
+            raise ShardError(
+                f"shard {k} died while starting ({describe_exit(self._procs[k].exitcode)})"
+            ) from None
+        if reply != ("ready", k):
+            raise ShardError(f"shard {k} failed to start: {reply!r}")
+
+    def _observer(self) -> Client:
+        handle = self._block.handle
+        return Client(None, handle, self.layout, self.config, self._controls, self._block)
 
     def __enter__(self) -> LocalServer:
         return self
@@ -123,20 +166,22 @@ class LocalServer:
                 f"unknown worker {worker!r}: this server has workers 0..{self.workers - 1}"
             )
         self.release(worker)
+        self.check()
         self._incarnations[worker] += 1
         inc = self._incarnations[worker]
         ends = []
-        for k, control in enumerate(self._controls):
-            mine, theirs = self._ctx.Pipe()
-            control.send(("join", worker, inc))
-            reduction.send_handle(control, theirs.fileno(), self._procs[k].pid)
-            theirs.close()  # shard k holds its own copy now
-            ends.append(mine)
-        for k in range(len(self._controls)):
-            reply = self.observer._take(k, "joined", self.start_timeout)
-            assert reply[1:] == (worker, inc), reply
+        with self._naming_dead_shards():
+            for k, control in enumerate(self._controls):
+                mine, theirs = self._ctx.Pipe()
+                control.send_bytes(wire.join(worker, inc))
+                reduction.send_handle(control, theirs.fileno(), self._procs[k].pid)
+                theirs.close()  # shard k holds its own copy now
+                ends.append(mine)
+            for k in range(len(self._controls)):
+                reply = self.observer._take(k, "joined", self.start_timeout)
+                assert reply[1:] == (worker, inc), reply
         self._worker_ends[worker] = ends
-        return Client(worker, self._block.name, self.layout, self.config, ends, incarnation=inc)
+        return Client(worker, self._block.handle, self.layout, self.config, ends, incarnation=inc)
 
     def release(self, worker: int) -> None:
         """Closes this process's copies of ``worker``'s pipes once its process holds them.
@@ -149,20 +194,68 @@ class LocalServer:
         self._worker_ends[worker] = []
 
     def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = 60.0) -> Any:
-        """The current parameters (as an observer: never gated, not counted as a worker)."""
-        return self.observer.pull(copy=copy, into=into, timeout=timeout)
+        """The current parameters (as an observer: never gated, not counted as a worker).
+
+        Raises:
+            ShardError: a shard's process has died (named).
+        """
+        self.check()
+        with self._naming_dead_shards():
+            return self.observer.pull(copy=copy, into=into, timeout=timeout)
 
     def stats(self, timeout: float | None = 60.0) -> list[dict]:
         """Each shard's counters (applied, rejected, staleness, bytes, version)."""
-        for c in self._controls:
-            c.send(("stats",))
-        return [self.observer._take(k, "stats", timeout)[1] for k in range(len(self._controls))]
+        return self._ask_all("stats", timeout)
 
     def state_dicts(self, timeout: float | None = 60.0) -> list[dict]:
         """Each shard's whole state (:meth:`Shard.state_dict`), between two messages it handles."""
-        for c in self._controls:
-            c.send(("state",))
-        return [self.observer._take(k, "state", timeout)[1] for k in range(len(self._controls))]
+        return self._ask_all("state", timeout)
+
+    def _ask_all(self, kind: str, timeout: float | None) -> list:
+        self.check()
+        with self._naming_dead_shards():
+            for c in self._controls:
+                c.send_bytes(wire.stats() if kind == "stats" else wire.state())
+            return [self.observer._take(k, kind, timeout)[1] for k in range(len(self._controls))]
+
+    def dead_shards(self) -> list[int]:
+        """The shards whose process has exited (asks the OS; no message is sent)."""
+        # A killed process's pipes (and sentinel) close a moment before the OS can report
+        # its exit: reap a process whose sentinel is ready, so it counts as dead at once.
+        ended = connection.wait(self.shard_sentinels(), 0)
+        for p in self._procs:
+            if p.sentinel in ended:
+                p.join(5)
+        return [k for k, p in enumerate(self._procs) if not p.is_alive()]
+
+    def shard_exit(self, k: int) -> str:
+        """How shard ``k``'s process ended, for messages (``killed by SIGKILL``)."""
+        return describe_exit(self._procs[k].exitcode)
+
+    def shard_sentinels(self) -> list:
+        """Each shard process's sentinel (ready once it has exited), for ``connection.wait``."""
+        return [p.sentinel for p in self._procs]
+
+    def check(self) -> None:
+        """Raises :class:`ShardError` naming every shard whose process has died."""
+        dead = self.dead_shards()
+        if dead:
+            raise ShardError(
+                "; ".join(f"shard {k} has died ({self.shard_exit(k)})" for k in dead)
+                + " (LocalServer.restart_shard restarts one; its workers must then rejoin)"
+            )
+
+    @contextlib.contextmanager
+    def _naming_dead_shards(self):
+        """Turns a broken pipe to a shard that died meanwhile into a ShardError naming it."""
+        try:
+            yield
+        except TimeoutError:
+            raise
+        except (OSError, ServerClosed):
+            connection.wait(self.shard_sentinels(), 0.5)  # a shard's pipe closes as it exits
+            self.check()
+            raise
 
     def load_state_dicts(self, states: list[dict], timeout: float | None = 60.0) -> list[int]:
         """Loads one :meth:`Shard.state_dict` into each shard (a checkpoint); returns the versions.
@@ -177,7 +270,7 @@ class LocalServer:
         if len(states) != len(self._controls):
             raise ValueError(f"{len(states)} shard states for {len(self._controls)} shards")
         for c, state in zip(self._controls, states, strict=True):
-            c.send(("load", state))
+            c.send_bytes(wire.load(state))
         replies = [self.observer._take(k, "loaded", timeout) for k in range(len(self._controls))]
         errors = [f"shard {k}: {msg[2]}" for k, msg in enumerate(replies) if msg[2] is not None]
         if errors:
@@ -193,22 +286,109 @@ class LocalServer:
             self._snapshots = Snapshots(self.layout, self._block, self.config.ranges)
         return self._snapshots.version(k)
 
+    def restart_shard(self, k: int, base: dict | None = None, timeout: float = 60.0) -> dict:
+        """Starts a new process for shard ``k``, whose process has died, and restores its state.
+
+        The new shard starts from what this process can still read: the slice
+        as last published for pulls (consistent, and at most
+        ``shard_proc.PUBLISH_EVERY`` seconds of updates behind the dead shard),
+        with the optimizer state and counters of ``base`` (shard ``k``'s
+        :meth:`state_dict`, e.g. from the last checkpoint; a newer ``base`` is
+        used whole) or fresh ones. With other shards alive, it takes their
+        version and per-push counters, so the shards stay in step and only its
+        slice lacks the updates it had not published. No worker is live on the
+        new shard: every worker must rejoin as a new incarnation
+        (:meth:`client`), after its old process has been stopped.
+
+        Returns:
+            ``{"shard", "version", "lost", "source"}``: the version the shard
+            resumes at, the updates its slice lacks (None when unknown: a job
+            with one shard), and where the params came from.
+        """
+        p = self._procs[k]
+        p.join(1)
+        if p.is_alive():
+            raise ValueError(f"shard {k} is alive; restart_shard replaces a shard that died")
+        self._controls[k].close()
+        lo, hi = self.config.ranges[k]
+        snap = np.empty(self.config.spec.size, self.config.init.dtype)
+        snapshots = Snapshots(self.layout, self._block, self.config.ranges)
+        published = snapshots.read(k, snap)
+        # The dead shard may have been writing its other snapshot buffer: mark that one
+        # consistent again (readers only read the current one), or the next publish into
+        # it would leave its sequence counter odd and readers spinning.
+        row = snapshots.table[k]
+        for i in (0, 1):
+            row[layout_lib._SEQ + i] += row[layout_lib._SEQ + i] & 1
+        shard = self.config.build_shard(k, snap[lo:hi].copy(), self.workers)
+        source = "published snapshot"
+        if base is not None:
+            try:
+                shard.load_state_dict(base)
+            except ValueError as e:
+                raise ValueError(f"shard {k}: {e}") from None
+            if shard.version > published:
+                source = "checkpoint"
+        if source != "checkpoint":
+            np.copyto(shard.params, snap[lo:hi])
+            shard.version = published
+        for w in range(self.workers):  # every worker rejoins as a new incarnation
+            if shard.live[w]:
+                shard.leave(w)
+        state = shard.state_dict()
+        survivors = [j for j in range(len(self._procs)) if j != k and self._procs[j].is_alive()]
+        # The observer may have given up when the shard died, with replies of the others
+        # left unread (a stats call cut short): drop those and start a new observer.
+        for j in survivors:
+            while self._controls[j].poll(0.05):
+                self._controls[j].recv_bytes()
+        self.observer = self._observer()
+        lost = None
+        if survivors:
+            j = survivors[0]
+            self._controls[j].send_bytes(wire.state())
+            other = self.observer._take(j, "state", timeout)[1]
+            lost = max(0, int(other["version"]) - state["version"])
+            state["version"] = other["version"]
+            state.update({key: other[key] for key in _PER_PUSH_STATS})
+        self._procs[k], self._controls[k] = self._start_shard(k)
+        self._wait_ready(k)
+        self._controls[k].send_bytes(wire.load(state))
+        reply = self.observer._take(k, "loaded", timeout)
+        if reply[2] is not None:
+            raise ShardError(f"shard {k} refused its recovered state: {reply[2]}")
+        return {"shard": k, "version": int(reply[1]), "lost": lost, "source": source}
+
     def unlink(self) -> None:
-        """Removes the shared-memory name early (every process has mapped it already)."""
+        """Removes the shared-memory name early, if it has one (see :mod:`.shm`).
+
+        After that no other process can attach a named block: a worker started
+        later could not join. An anonymous block (Linux) has no name to remove.
+        """
         self._block.unlink()
 
     def close(self, timeout: float = 10.0) -> list[dict]:
-        """Stops the shards and frees the shared memory; returns the shards' final stats."""
+        """Stops the shards and frees the shared memory; returns the shards' final stats.
+
+        One dict per shard; a shard whose process had died is logged as an error
+        and its entry is ``{"shard": k, "dead": "killed by SIGKILL"}`` (how it ended).
+        """
         if self._block is None:
             return []
         final: list[dict] = []
+        # a fresh observer: the current one gives up for good once a shard has died
+        observer = self._observer() if hasattr(self, "observer") else None
         for k, c in enumerate(self._controls):
+            if not self._procs[k].is_alive():
+                log.error("shard %d had died (%s) before the server closed", k, self.shard_exit(k))
+                final.append({"shard": k, "dead": self.shard_exit(k)})
+                continue
             try:
-                c.send(("stop",))
-                if hasattr(self, "observer"):
-                    final.append(self.observer._take(k, "stopped", timeout)[1])
+                c.send_bytes(wire.stop())
+                if observer is not None:
+                    final.append(observer._take(k, "stopped", timeout)[1])
             except (OSError, ServerClosed, TimeoutError):
-                pass
+                final.append({"shard": k, "dead": self.shard_exit(k)})
         for p in self._procs:
             p.join(timeout)
             if p.is_alive():

@@ -1,9 +1,20 @@
-"""Named shared-memory blocks that cannot leak.
+"""Shared-memory blocks that cannot leak.
 
-A block is a file in ``/dev/shm`` (a RAM file system) mapped into every process
-that uses it. The creator unlinks the name as soon as every process has mapped
-it (or when the job ends): the memory then lives exactly as long as the last
-mapping, so a crash or a ``kill -9`` of any process leaves nothing behind.
+A block is a file in a RAM file system mapped into every process that uses it.
+On Linux it is an anonymous memory file (``memfd_create``): it has no name in
+``/dev/shm`` at any moment, so a crash or a ``kill -9`` of any process, at
+any time, leaves nothing behind; the memory is freed with the last process
+that maps it or holds it open. Other processes attach through the creator's
+open descriptor (``/proc/<pid>/fd/<fd>``, the block's :attr:`~SharedBlock.handle`),
+so they can attach as long as the creator lives, e.g. a worker restarted late
+in a job. It is not limited by the size of ``/dev/shm`` (64 MB in a default
+Docker container).
+
+Elsewhere (no ``memfd_create`` or no ``/proc``) a block is a named file in
+``/dev/shm`` (or the temporary folder). Its creator unlinks it when the job
+ends; if the creator is killed first, the local runtime's shard processes
+unlink it when they see their parent die (see
+:func:`stalewise.runtime.local.procs.die_with_parent`).
 
 We do not use :mod:`multiprocessing.shared_memory` because on Python 3.11 every
 process that attaches a segment registers it with the resource tracker, which
@@ -13,7 +24,7 @@ Example:
     >>> block = SharedBlock.create(1024)
     >>> a = block.array(np.float32, 0, 4)
     >>> a[:] = 1.5
-    >>> other = SharedBlock.attach(block.name)
+    >>> other = SharedBlock.attach(block.handle)
     >>> float(other.array(np.float32, 0, 4).sum())
     6.0
     >>> other.close(); block.unlink(); block.close()
@@ -30,31 +41,76 @@ import tempfile
 import numpy as np
 
 PREFIX = "stalewise-"
+USE_MEMFD = True  # False forces named files (for tests of the fallback)
+_memfd_works: bool | None = None  # probed once per process
 
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-class SharedBlock:
-    """A mapping of a named shared-memory file; numpy arrays view into it."""
+def _memfd_available() -> bool:
+    """Whether anonymous memory files work here and can be reopened through ``/proc``."""
+    global _memfd_works
+    if not USE_MEMFD or not hasattr(os, "memfd_create"):
+        return False
+    if _memfd_works is None:
+        try:
+            fd = os.memfd_create(f"{PREFIX}probe", os.MFD_CLOEXEC)
+            try:
+                os.close(os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDWR))
+                _memfd_works = True
+            finally:
+                os.close(fd)
+        except OSError:
+            _memfd_works = False
+    return _memfd_works
 
-    def __init__(self, name: str, path: str, mm: mmap.mmap, owner: bool):
+
+class SharedBlock:
+    """A mapping of a shared-memory file; numpy arrays view into it.
+
+    ``name`` identifies the block in messages and in ``/dev/shm`` (named blocks);
+    ``handle`` is what another process passes to :meth:`attach`.
+    """
+
+    def __init__(self, name: str, path: str, mm: mmap.mmap, owner: bool, fd: int | None = None):
         self.name = name
         self.path = path
         self._mm: mmap.mmap | None = mm
         self.owner = owner
         self.size = len(mm)
+        self._fd = fd  # an anonymous block's descriptor, kept open by its creator
+
+    @property
+    def anonymous(self) -> bool:
+        """True for a memory file with no name in ``/dev/shm`` (nothing to unlink)."""
+        return self.path.startswith("/proc/")
+
+    @property
+    def handle(self) -> str:
+        """What :meth:`attach` takes in another process (valid while the creator lives)."""
+        return self.path
 
     @classmethod
     def create(cls, nbytes: int) -> SharedBlock:
         """Creates a zero-filled block of ``nbytes`` bytes with a fresh unique name."""
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        size = max(nbytes, 1)
+        if _memfd_available():
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+                mm = mmap.mmap(fd, size)
+            except OSError:
+                os.close(fd)
+                raise
+            return cls(name, f"/proc/{os.getpid()}/fd/{fd}", mm, owner=True, fd=fd)
         path = os.path.join(_shm_dir(), name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, max(nbytes, 1))
-            mm = mmap.mmap(fd, max(nbytes, 1))
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
         except OSError:
             os.unlink(path)
             raise
@@ -63,16 +119,19 @@ class SharedBlock:
         return cls(name, path, mm, owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> SharedBlock:
-        """Maps an existing block by name."""
-        path = os.path.join(_shm_dir(), name)
+    def attach(cls, handle: str) -> SharedBlock:
+        """Maps an existing block by its :attr:`handle` (or, for a named block, its name)."""
+        path = handle if os.path.isabs(handle) else os.path.join(_shm_dir(), handle)
+        name = os.path.basename(path)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             raise FileNotFoundError(
-                f"shared-memory block {path} does not exist (the job that made it has ended)"
+                f"shared-memory block {handle} does not exist (the job that made it has ended)"
             ) from None
         try:
+            if path.startswith("/proc/"):
+                name = os.readlink(path).removeprefix("/memfd:").removesuffix(" (deleted)")
             mm = mmap.mmap(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
@@ -85,12 +144,23 @@ class SharedBlock:
         return np.frombuffer(self._mm, dtype=dtype, count=count, offset=offset)
 
     def unlink(self) -> None:
-        """Removes the name; mappings stay valid until closed. Safe to call twice."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        """Removes a named block's name; mappings stay valid until closed. Safe to call twice.
+
+        An anonymous block has no name: nothing to do.
+        """
+        if not self.anonymous:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
     def close(self) -> None:
-        """Unmaps the block if no array still views it (else the OS unmaps at exit)."""
+        """Unmaps the block if no array still views it (else the OS unmaps at exit).
+
+        The creator's descriptor of an anonymous block is closed too: no other
+        process can attach after that.
+        """
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -100,5 +170,25 @@ class SharedBlock:
 
 
 def leaked_blocks() -> list[str]:
-    """Names of stalewise blocks still present (for tests and diagnostics)."""
+    """Names of stalewise blocks still present in ``/dev/shm`` (for tests and diagnostics)."""
     return sorted(n for n in os.listdir(_shm_dir()) if n.startswith(PREFIX))
+
+
+def held_blocks(pid: int) -> list[str]:
+    """Names of the anonymous stalewise blocks process ``pid`` holds open or maps.
+
+    Linux only (reads ``/proc``); an empty list for a process that is gone.
+    """
+    names = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(f"/memfd:{PREFIX}"):
+                    names.add(target.removeprefix("/memfd:").removesuffix(" (deleted)"))
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            _, _, path = line.partition("/memfd:")
+            if path.startswith(PREFIX):
+                names.add(path.split()[0])
+    return sorted(names)

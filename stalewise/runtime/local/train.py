@@ -4,8 +4,35 @@ The parent starts the shards (:class:`~stalewise.runtime.local.LocalServer`) and
 one spawned process per worker, releases them together, then watches: it
 evaluates the parameters every ``eval_interval`` seconds as an observer, writes
 metrics records, drives the progress bar, and stops the job at the step budget,
-the stop condition, an error in user code or Ctrl-C. Whatever happens, every
-process it started is stopped and the shared memory is freed.
+the stop condition, a failure its policy does not survive, or Ctrl-C.
+
+Failures (the policy is :class:`~stalewise.runtime.base.Failures`):
+
+* a worker fails when its process dies (its pipe to the parent closes), when
+  user code raises in it, or when it sends no heartbeat for ``worker_timeout``
+  seconds (it hangs or is stopped; it is then killed). It is restarted as a new
+  incarnation at the current parameters, dropped, or fails the job. Its
+  committed push, if any, is delivered by the shards either way.
+* a shard fails when its process dies. Every worker is stopped, the shard is
+  restarted (:meth:`LocalServer.restart_shard`: its last published params, the
+  optimizer state of the last checkpoint if there is one) and the workers
+  restart as new incarnations; these restarts do not count against the
+  workers' budgets.
+* a worker whose pushes are refused too many times in a row raises the worker
+  loop's ``Diverged`` and leaves, never restarted; when no worker is left and
+  none finished, the job raises :class:`~stalewise.runtime.base.DivergedError`.
+
+A worker that fails before the job has started (loading its data, its warm-up
+step) fails the job whatever the policy: that is a bug to fix, not a fault.
+
+Heartbeats: a worker tells the parent it is alive (a small message, at most
+every ``min(1, worker_timeout / 4)`` seconds) when it begins a step, for every
+minibatch it draws, and while it waits for a pull or its acks. One call of the
+user's ``loss_and_grad`` (and a strategy step drawing no batch) must therefore
+take less than ``worker_timeout``.
+
+Whatever happens, every process the parent started is stopped, and none
+outlives the parent (:func:`~stalewise.runtime.local.procs.die_with_parent`).
 """
 
 from __future__ import annotations
@@ -13,18 +40,24 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import pickle
 import signal
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import Any
 
 from stalewise import checkpoint, tree
 from stalewise.protocol import ServerConfig, loop
 from stalewise.runtime.base import (
+    DivergedError,
+    Failures,
     Recorder,
+    ShardError,
     TrainResult,
     WorkerError,
     batch_iterator,
@@ -32,7 +65,12 @@ from stalewise.runtime.base import (
     merge_stats,
 )
 from stalewise.runtime.local.client import Client
-from stalewise.runtime.local.procs import child_logging, thread_budget
+from stalewise.runtime.local.procs import (
+    child_logging,
+    describe_exit,
+    die_with_parent,
+    thread_budget,
+)
 from stalewise.runtime.local.server import LocalServer
 from stalewise.runtime.options import RunOptions
 from stalewise.strategies import Strategy
@@ -42,6 +80,49 @@ log = logging.getLogger(__name__)
 _STOP, _DONE0 = 0, 1  # control slots: stop flag, then pushes done per worker, then last loss
 
 
+class _Heartbeat:
+    """A worker's heartbeat to the parent: sent when called, at most every ``every`` seconds."""
+
+    def __init__(self, conn: connection.Connection, worker: int, timeout: float | None):
+        self.conn, self.worker = conn, worker
+        self.every = None if timeout is None else min(1.0, timeout / 4)
+        self.last = -math.inf
+
+    def __call__(self) -> None:
+        if self.every is not None:
+            now = time.monotonic()
+            if now - self.last >= self.every:
+                self.conn.send(("beat", self.worker, now))
+                self.last = now
+
+    def batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches``, beating for each one drawn."""
+        for batch in batches:
+            self()
+            yield batch
+
+    def wait(self, call: Callable[[float | None], Any], total: float | None = None) -> Any:
+        """``call(timeout)`` until it returns, beating between tries (TimeoutError after ``total``)."""
+        deadline = None if total is None else time.monotonic() + total
+        while True:
+            self()
+            step = self.every
+            if deadline is not None:
+                left = max(0.0, deadline - time.monotonic())
+                step = left if step is None else min(step, left)
+            try:
+                return call(step)
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    def sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self()
+            time.sleep(left if self.every is None else min(left, self.every))
+
+
 def _worker_main(
     client: Client,
     strategy: Strategy,
@@ -49,10 +130,13 @@ def _worker_main(
     results: connection.Connection,
 ) -> None:
     """Body of a worker process: the protocol's worker loop, answered with blocking calls."""
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     w, workers = client.worker, client._layout.workers
     child_logging(f"worker {w}")
     slowdown, delay = options.slowdowns[w], options.extra_delays[w]
+    diverged = getattr(loop, "Diverged", None)  # raised by the worker loop, where it exists
+    beat = _Heartbeat(results, w, options.worker_timeout)
     try:
         ctrl = client._layout.control(client._attach())
         batches = batch_iterator(options.data, w, workers)
@@ -60,22 +144,25 @@ def _worker_main(
         # Set-up, not training: load the data and run one step whose result is thrown
         # away, so a JIT compile of the user's function (JAX, numba) happens before the clock.
         options.loss_and_grad(client.pull(copy=False), first)
-        batches = itertools.chain([first], batches)
+        batches = beat.batches(itertools.chain([first], batches))
         results.send(("ready", w))
         if results.recv() != "go":
             return
+        beat.last = time.monotonic()  # the parent counts "go" as a beat
         done_slot, loss_slot = _DONE0 + w, _DONE0 + workers + w
 
         def answer(request: Any) -> Any:
+            beat()
             if request is loop.BEGIN:
                 return not ctrl[_STOP] and ctrl[_DONE0 : _DONE0 + workers].sum() < options.steps
             if request is loop.PULL:
-                client.pull_flat()
+                beat.wait(lambda t: client.pull_flat(timeout=t))
                 return client.last_pull(copy=False)
             # a Push: emulate the compute time, then push; a straggler is slow at everything
             emulated = (request.compute + delay * request.local_steps) * slowdown - request.compute
             if emulated > 0:
-                time.sleep(emulated)
+                beat.sleep(emulated)
+            beat.wait(lambda t: client.wait(timeout=t))  # the previous push's acks
             client.push(request.update)
             ctrl[done_slot] += 1
             ctrl[loss_slot] = request.loss
@@ -84,24 +171,17 @@ def _worker_main(
         stats = loop.run(
             loop.worker_loop(strategy, options.loss_and_grad, batches, worker=w), answer
         )
-        client.wait(timeout=options.ack_timeout)
+        beat.wait(lambda t: client.wait(timeout=t), total=options.ack_timeout)
         loop.report(client.take_results(), stats, w)
         client.close()
         results.send(("done", w))
-    except BaseException:
+    except BaseException as e:
+        if diverged is not None and isinstance(e, diverged):
+            msg: tuple = ("diverged", w, str(e))
+        else:
+            msg = ("error", w, traceback.format_exc(), f"{type(e).__name__}: {e}")
         with contextlib.suppress(OSError):  # the parent may be gone already
-            results.send(("error", w, traceback.format_exc()))
-
-
-def _result(conn: connection.Connection, proc: Any, w: int, timeout: float | None = None) -> tuple:
-    """A worker's next message; a worker that died without one reads as an error."""
-    if timeout is not None and not conn.poll(timeout):
-        return ("error", w, f"worker did not start within {timeout} s")
-    try:
-        return conn.recv()
-    except (EOFError, OSError):
-        proc.join(1)
-        return ("error", w, f"worker process died without a word (exit code {proc.exitcode})")
+            results.send(msg)
 
 
 def _check_picklable(name: str, obj: Any) -> None:
@@ -114,100 +194,357 @@ def _check_picklable(name: str, obj: Any) -> None:
         ) from None
 
 
-def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
-    """Trains with ``options.workers`` local processes (the ``"local"`` runtime; see Job.train)."""
-    o = options
-    workers, steps, evaluate = o.workers, o.steps, o.evaluate
-    for name, obj in (("loss_and_grad", o.loss_and_grad), ("data", o.data), ("strategy", strategy)):
-        _check_picklable(name, obj)
-    recorder = None
-    worker_options = o.for_workers()
-    resumed = checkpoint.resume_point(config, o, runtime="local")
-    with LocalServer(
-        config, workers, start_timeout=o.shard_start_timeout, join_timeout=o.join_timeout
-    ) as server:
-        ctx, procs, results = server._ctx, [], []
-        saver = None
-        try:
-            base_pushes = 0
-            if resumed is not None:
-                server.load_state_dicts(resumed.states)
-                base_pushes = int(resumed.step.get("pushes", 0))
-                server.control[_DONE0] = base_pushes  # steps is the job's total budget
-                log.info("resumed from %s (version %d)", resumed.path, resumed.version)
-            for w in range(workers):
-                mine, theirs = ctx.Pipe()
-                args = (server.client(w), strategy, worker_options, theirs)
-                p = ctx.Process(
-                    target=_worker_main, args=args, name=f"stalewise-worker-{w}", daemon=True
-                )
-                with thread_budget((os.cpu_count() or 1) // workers):
-                    p.start()
-                server.release(w)  # if the worker dies, its shards now see its pipes close
-                theirs.close()
-                procs.append(p)
-                results.append(mine)
-            for w, c in enumerate(results):
-                msg = _result(c, procs[w], w, timeout=o.start_timeout)
-                if msg[0] == "error":
-                    raise WorkerError(f"worker {w} failed:\n{msg[2]}")
-            server.unlink()  # every process has mapped the block: nothing can leak now
-            ctrl = server.control
-            losses = ctrl[_DONE0 + workers : _DONE0 + 2 * workers]
-            if evaluate is not None:  # the first call may load data or compile: not training time
-                evaluate(server.pull())
-            recorder = Recorder(
-                o.run, steps, stop_at=o.stop_at, on_record=o.on_record, progress=o.progress
+_LIVE = ("starting", "running")
+
+
+@dataclass
+class _Worker:
+    """The parent's view of one worker id (its current incarnation)."""
+
+    proc: Any
+    conn: Any  # the worker's results pipe: ready, beats, done or error
+    state: str = "starting"  # starting | running | done | dropped | diverged | down
+    since: float = field(default_factory=time.monotonic)  # when it was started
+    beat: float = field(default_factory=time.monotonic)  # its last heartbeat
+    pending: list = field(default_factory=list)  # failure events it recovers from
+
+
+class _Supervisor:
+    """Starts, watches and restarts the worker processes of one run; see the module docstring."""
+
+    def __init__(
+        self, server: LocalServer, config: ServerConfig, strategy: Strategy, o: RunOptions
+    ):
+        self.server, self.config, self.strategy, self.o = server, config, strategy, o
+        self.worker_options = o.for_workers()
+        self.workers: list[_Worker] = []
+        hint = ""
+        if o.checkpoint_dir is not None:
+            hint = (
+                f"\nCheckpoints are in {o.checkpoint_dir}: resume with Job.train(..., "
+                "resume=True) or `stalewise train CONFIG --resume RUN_DIR`."
             )
-            for c in results:
-                c.send("go")
-            t0 = time.perf_counter()
+        self.failures = Failures(o.on_worker_failure, o.max_restarts, hint=hint)
+        self.saver: checkpoint.Saver | None = None
+        self.checkpointed = False  # a checkpoint of this run exists (written or resumed)
+        self.recorder: Recorder | None = None
+        self.pushes = 0  # pushes made by all workers (the budget's count)
+        self.last_eval = -math.inf
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    # -- processes -------------------------------------------------------------------
+
+    def spawn(self, w: int) -> None:
+        """Starts a process for a new incarnation of worker ``w``."""
+        mine, theirs = self.server._ctx.Pipe()
+        args = (self.server.client(w), self.strategy, self.worker_options, theirs)
+        p = self.server._ctx.Process(
+            target=_worker_main, args=args, name=f"stalewise-worker-{w}", daemon=True
+        )
+        with thread_budget((os.cpu_count() or 1) // self.o.workers):
+            p.start()
+        self.server.release(w)  # if the worker dies, its shards now see its pipes close
+        theirs.close()
+        worker = _Worker(p, mine)
+        if w < len(self.workers):
+            worker.pending = self.workers[w].pending
+            self.workers[w] = worker
+        else:
+            self.workers.append(worker)
+
+    def reap(self, w: int) -> None:
+        """Makes sure worker ``w``'s process has exited (killing it if need be)."""
+        wk = self.workers[w]
+        wk.proc.join(0.5)
+        if wk.proc.is_alive():
+            wk.proc.kill()
+            wk.proc.join()
+        wk.conn.close()
+
+    def start(self) -> None:
+        """Starts every worker and waits until all are ready (a failure here fails the job)."""
+        for w in range(self.o.workers):
+            self.spawn(w)
+        deadline = time.monotonic() + self.o.start_timeout
+        while waiting := [w for w, wk in enumerate(self.workers) if wk.state == "starting"]:
+            self.server.check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError(
+                    f"worker {waiting[0]} failed:\nworker did not start within "
+                    f"{self.o.start_timeout} s (start_timeout)"
+                )
+            for c in connection.wait([self.workers[w].conn for w in waiting], min(left, 0.1)):
+                w = next(i for i in waiting if self.workers[i].conn is c)
+                try:
+                    msg = c.recv()
+                except (EOFError, OSError):
+                    self.reap(w)
+                    msg = ("error", w, self._silent_death(w))
+                if msg[0] == "ready":
+                    self.workers[w].state = "ready"
+                else:
+                    raise WorkerError(f"worker {w} failed:\n{msg[2]}")
+
+    def go(self) -> None:
+        self.t0 = time.perf_counter()
+        for wk in self.workers:
+            with contextlib.suppress(OSError):  # died meanwhile: poll() finds its pipe closed
+                wk.conn.send("go")
+            wk.state, wk.beat = "running", time.monotonic()
+
+    def _silent_death(self, w: int) -> str:
+        return (
+            f"worker process died without a word ({describe_exit(self.workers[w].proc.exitcode)})"
+        )
+
+    # -- failures --------------------------------------------------------------------
+
+    def poll(self, timeout: float) -> None:
+        """Handles what the workers said, then any shard or worker that failed meanwhile."""
+        self.check_shards()
+        live = [w for w, wk in enumerate(self.workers) if wk.state in _LIVE]
+        ready = connection.wait([self.workers[w].conn for w in live], timeout=timeout)
+        for w in live:
+            if self.workers[w].conn in ready:
+                self.read(w)
+        self.check_hung()
+
+    def read(self, w: int) -> None:
+        """Handles the messages worker ``w`` has sent (its pipe closing is its death)."""
+        wk = self.workers[w]
+        while wk.state in _LIVE:
+            try:
+                if not wk.conn.poll():
+                    return
+                msg = wk.conn.recv()
+                if msg[0] == "ready":  # a restarted incarnation: it joins the run at once
+                    wk.conn.send("go")
+            except (EOFError, OSError):
+                self.reap(w)
+                self.failed(w, self._silent_death(w).removeprefix("worker process "))
+                return
+            if msg[0] == "beat":
+                wk.beat = max(wk.beat, msg[2])
+            elif msg[0] == "ready":
+                wk.state, wk.beat = "running", time.monotonic()
+                for event in wk.pending:
+                    event["recovered"] = max(event.get("recovered", 0.0), self.now())
+                wk.pending = []
+            elif msg[0] == "done":  # its process exits by itself; stop() joins it
+                wk.state = "done"
+            elif msg[0] == "diverged":
+                wk.state = "diverged"
+                self.failures.diverged(w, msg[2], time=self.now())
+            else:  # "error": user code raised
+                self.failed(w, f"raised {msg[3]}", msg[2])
+
+    def check_hung(self) -> None:
+        now, o = time.monotonic(), self.o
+        for w, wk in enumerate(self.workers):
+            if wk.state == "running" and o.worker_timeout is not None:
+                if now - wk.beat > o.worker_timeout:
+                    wk.proc.kill()  # SIGKILL works on a stopped process too
+                    self.failed(
+                        w,
+                        f"no heartbeat for {now - wk.beat:.1f} s (worker_timeout="
+                        f"{o.worker_timeout:g} s): hung or stopped, so it was killed",
+                    )
+            elif wk.state == "starting" and now - wk.since > o.start_timeout:
+                wk.proc.kill()
+                self.failed(w, f"did not start within start_timeout={o.start_timeout:g} s")
+
+    def failed(self, w: int, cause: str, detail: str = "") -> None:
+        """Worker ``w`` failed: stop its process, then apply the policy."""
+        self.workers[w].state = "down"
+        self.reap(w)
+        # a worker whose shard died fails too: then the shard's recovery restarts it
+        connection.wait(self.server.shard_sentinels(), timeout=0.2)
+        if self.check_shards():
+            return
+        action = self.failures.worker(w, cause, time=self.now(), detail=detail)
+        if action == "restart":
+            self.workers[w].pending.append(self.failures.events[-1])
+            self.spawn(w)
+        else:
+            self.workers[w].state = "dropped"
+
+    def check_shards(self) -> bool:
+        """Restarts the shards whose process died, and every worker with them (or raises)."""
+        dead = self.server.dead_shards()
+        if not dead:
+            return False
+        events = []
+        for k in dead:
+            self.failures.shard(k, self.server.shard_exit(k), time=self.now())
+            events.append(self.failures.events[-1])
+        again = [w for w, wk in enumerate(self.workers) if wk.state in (*_LIVE, "down")]
+        for w in again:  # their pipes to the dead shard are gone: new incarnations
+            if self.workers[w].state != "down":
+                self.workers[w].proc.kill()
+            self.reap(w)
+        bases = self.checkpoint_states()
+        for k, event in zip(dead, events, strict=True):
+            info = self.server.restart_shard(k, bases[k] if bases else None, self.o.ack_timeout)
+            event.update(lost=info["lost"], version=info["version"])
+            log.warning(
+                "shard %d restarted at version %d from its %s (%s updates of its slice lost); "
+                "workers %s restart as new incarnations",
+                k,
+                info["version"],
+                info["source"],
+                "unknown" if info["lost"] is None else info["lost"],
+                ", ".join(map(str, again)) or "(none)",
+            )
+        for w in again:
+            self.workers[w].pending.extend(events)
+            self.spawn(w)
+        return True
+
+    def checkpoint_states(self) -> list[dict] | None:
+        """The shard states of this run's last checkpoint, if it has one."""
+        if not self.checkpointed:
+            return None
+        try:
+            return checkpoint.load(self.o.checkpoint_dir).states
+        except checkpoint.CheckpointError as e:
+            log.warning("cannot use the last checkpoint to restart a shard: %s", e)
+            return None
+
+    def save(self, pushes: int, now: float) -> None:
+        assert self.saver is not None
+        self.saver.save(self.server.state_dicts(), {"pushes": pushes, "time": now})
+        self.checkpointed = True
+
+    # -- the run ---------------------------------------------------------------------
+
+    def train(self, resumed: checkpoint.Checkpoint | None) -> dict[str, Any]:
+        """Runs the job to its end; returns what TrainResult needs (besides the params)."""
+        o, server = self.o, self.server
+        if resumed is not None:
+            server.load_state_dicts(resumed.states)
+            server.control[_DONE0] = int(resumed.step.get("pushes", 0))  # the job's total budget
+            self.checkpointed = True
+            log.info("resumed from %s (version %d)", resumed.path, resumed.version)
+        self.start()
+        if o.evaluate is not None:  # the first call may load data or compile: not training time
+            o.evaluate(server.pull())
+        self.recorder = recorder = Recorder(
+            o.run, o.steps, stop_at=o.stop_at, on_record=o.on_record, progress=o.progress
+        )
+        try:
+            self.go()
             if o.checkpoint_dir is not None:
                 # consistent per shard; across shards the states can differ by the pushes
                 # in flight, which a resumed run loses (its workers are new incarnations)
-                saver = checkpoint.Saver(
-                    config, strategy, o, runtime="local", version=server.published_version()
+                self.saver = checkpoint.Saver(
+                    self.config,
+                    self.strategy,
+                    o,
+                    runtime="local",
+                    version=server.published_version(),
                 )
-            live = set(range(workers))
-            last_eval = -float("inf")
-            while live:
-                for c in connection.wait([results[w] for w in live], timeout=0.05):
-                    w = results.index(c)
-                    msg = _result(c, procs[w], w)
-                    if msg[0] == "error":
-                        raise WorkerError(f"worker {msg[1]} failed:\n{msg[2]}")
-                    live.discard(msg[1])
-                now = time.perf_counter() - t0
-                pushes = int(ctrl[_DONE0 : _DONE0 + workers].sum())
-                recorder.progress(pushes)
-                if now - last_eval >= o.eval_interval or not live:
-                    last_eval = now
-                    stats = merge_stats(server.stats())
-                    if recorder.record(
-                        now, pushes, stats, mean_loss(losses), evaluate, server.pull
-                    ):
-                        ctrl[_STOP] = 1
-                if saver is not None and live and saver.due(server.published_version(), now):
-                    saver.save(server.state_dicts(), {"pushes": pushes, "time": now})
-                if o.timeout is not None and now > o.timeout:
-                    raise TimeoutError(f"training did not finish within {o.timeout} s")
-            elapsed = time.perf_counter() - t0
-            recorder.finish(recorder.stop_reason or f"the budget of {steps} pushes is spent")
+            try:
+                while any(wk.state in _LIVE for wk in self.workers):
+                    self.poll(0.05)
+                    try:
+                        self.observe()
+                    except ShardError:  # a shard died since poll() looked
+                        if not self.check_shards():
+                            raise
+            except WorkerError:
+                if self.saver is not None and not server.dead_shards():
+                    with contextlib.suppress(Exception):  # the state at the failure, to resume
+                        self.save(self.pushes, self.now())
+                raise
+            elapsed = self.now()
+            reason = self.stop_reason(self.pushes, server.stats()[0]["version"], recorder)
+            recorder.finish(reason)
             stats = merge_stats(server.stats(), settled=True)
-            if saver is not None:  # the end of the run: every worker has left
-                saver.save(server.state_dicts(), {"pushes": pushes, "time": elapsed})
+            if self.saver is not None:  # the end of the run: every worker has left
+                self.save(self.pushes, elapsed)
+            return {
+                "records": recorder.records,
+                "stats": stats,
+                "time": elapsed,
+                "pushes": self.pushes,
+                "failures": self.failures.events,
+                "stop_reason": reason,
+            }
         finally:
-            if recorder is not None:
-                recorder.close()
-            if server.control is not None:
-                server.control[_STOP] = 1
-            for c in results:
-                c.close()
-            for p in procs:
-                p.join(o.stop_timeout)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+            recorder.close()
+
+    def observe(self) -> None:
+        """Progress, records (every ``eval_interval`` and at the end), checkpoints, timeout."""
+        o, server, ctrl = self.o, self.server, self.server.control
+        now = self.now()
+        self.pushes = int(ctrl[_DONE0 : _DONE0 + o.workers].sum())
+        self.recorder.progress(self.pushes)
+        ending = not any(wk.state in _LIVE for wk in self.workers)
+        if now - self.last_eval >= o.eval_interval or ending:
+            self.last_eval = now
+            stats = merge_stats(server.stats())
+            losses = mean_loss(ctrl[_DONE0 + o.workers : _DONE0 + 2 * o.workers])
+            if self.recorder.record(now, self.pushes, stats, losses, o.evaluate, server.pull):
+                ctrl[_STOP] = 1
+        saver = self.saver
+        if saver and not ending and saver.due(server.published_version(), now):
+            self.save(self.pushes, now)
+        if o.timeout is not None and now > o.timeout:
+            raise TimeoutError(f"training did not finish within {o.timeout} s")
+
+    def stop_reason(self, pushes: int, version: int, recorder: Recorder) -> str:
+        """Why the run ended; raises DivergedError when every worker diverged."""
+        o = self.o
+        if recorder.stop_reason:
+            return recorder.stop_reason
+        if pushes >= o.steps or any(wk.state == "done" for wk in self.workers):
+            return f"the budget of {o.steps} pushes is spent"
+        diverged = [w for w, wk in enumerate(self.workers) if wk.state == "diverged"]
+        if diverged:
+            last = next(
+                e["cause"] for e in reversed(self.failures.events) if e["action"] == "diverged"
+            )
+            raise DivergedError(
+                f"training diverged: worker(s) {', '.join(map(str, diverged))} stopped because "
+                f"their pushes kept being refused ({last}); no worker is left, after {pushes} of "
+                f"{o.steps} pushes. The parameters are unchanged by refused pushes (version "
+                f"{version}); lower the learning rate or clip the gradients."
+            )
+        reason = f"every worker failed and was dropped, after {pushes} of {o.steps} pushes"
+        log.error("%s: %s", o.run, reason)
+        return reason
+
+    def stop(self) -> None:
+        """Stops every worker process (politely, then by force) and closes the pipes."""
+        if self.server.control is not None:
+            self.server.control[_STOP] = 1
+        for wk in self.workers:
+            wk.conn.close()
+        for wk in self.workers:
+            wk.proc.join(self.o.stop_timeout)
+            if wk.proc.is_alive():
+                wk.proc.kill()
+                wk.proc.join()
+
+
+def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
+    """Trains with ``options.workers`` local processes (the ``"local"`` runtime; see Job.train)."""
+    o = options
+    for name, obj in (("loss_and_grad", o.loss_and_grad), ("data", o.data), ("strategy", strategy)):
+        _check_picklable(name, obj)
+    resumed = checkpoint.resume_point(config, o, runtime="local")
+    with LocalServer(
+        config, o.workers, start_timeout=o.shard_start_timeout, join_timeout=o.join_timeout
+    ) as server:
+        supervisor = _Supervisor(server, config, strategy, o)
+        try:
+            out = supervisor.train(resumed)
+        finally:
+            supervisor.stop()
     flat = server.final_params
     params = tree.unflatten(flat, config.spec, copy=True)
-    return TrainResult(params, flat, recorder.records, stats, elapsed, pushes)
+    return TrainResult(params, flat, **out)

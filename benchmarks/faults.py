@@ -1,0 +1,245 @@
+"""Faults on the local runtime: what survives, what is lost, how fast the job recovers.
+
+The digits MLP on 4 local workers (10 ms of emulated compute per step), 2 shards,
+SGD with momentum, under ASP and under BSP. Each consistency model runs once
+undisturbed, then once per fault, with the same budget of pushes:
+
+  (a) worker-kills  a random worker SIGKILLed every 5 s (restart policy);
+  (b) shard-kill    shard 1 SIGKILLed once, 40% into the run (checkpoints every 500
+                    updates, so the restarted shard gets its momentum from the last one);
+  (c) worker-stop   one worker SIGSTOPped for 10 s (worker_timeout 3 s: it is found
+                    hung, killed and restarted);
+  (d) bad-pushes    worker 3 pushes NaN 10 times, then 1e38 from then on.
+
+Columns: ``completed`` (the run returned, with its budget spent) or the error;
+``pushes`` (counted by the workers); ``lost`` (pushes no shard handled, plus the
+updates a restarted shard's slice lacks); ``dups`` (replays the shards caught and
+did not apply; a push applied twice would show as handled > pushed + kills,
+``twice``); the final held-out ``accuracy`` and its difference from the
+undisturbed run in points; ``detect_s`` and ``recover_s`` (from the fault to the
+runtime noticing it, and to the replacement process being back in the run; mean
+over the faults of the run); ``refused`` (pushes refused, by kind); ``events``.
+
+Bar: (a), (b) and (c) complete with nothing applied twice and a final accuracy
+within 1 point of the undisturbed run. (d) is reported as it happens.
+
+    .venv/bin/python benchmarks/faults.py [--quick] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import multiprocessing as mp
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import stalewise as sw
+from stalewise import tasks
+from stalewise.report import format_table
+
+WORKERS, SHARDS, DELAY = 4, 2, 0.010
+BAD_WORKER, BAD_FROM, NAN_PUSHES = 3, 50, 10
+
+
+class Tagged:
+    """``task.batches`` with each batch tagged ``((worker, index), batch)``."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __call__(self, worker, workers):
+        for i, batch in enumerate(self.task.batches(worker, workers)):
+            yield (worker, i), batch
+
+
+class BadPushes:
+    """The task's ``loss_and_grad``, except worker 3 from its batch 50: NaN 10 times, then 1e38."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __call__(self, params, tagged):
+        (worker, i), batch = tagged
+        loss, grads = self.task.loss_and_grad(params, batch)
+        if worker == BAD_WORKER and i >= BAD_FROM:
+            value = np.nan if i < BAD_FROM + NAN_PUSHES else 1e38
+            grads = {
+                k: {n: np.full_like(a, value) for n, a in leaf.items()} for k, leaf in grads.items()
+            }
+        return loss, grads
+
+
+class Plain:
+    """The task's ``loss_and_grad`` on tagged batches."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __call__(self, params, tagged):
+        return self.task.loss_and_grad(params, tagged[1])
+
+
+class Faults:
+    """An ``on_record`` that injects one case's faults into the running job, and times them."""
+
+    def __init__(self, case: str, expected: float, every: float, stop_for: float, seed: int = 0):
+        self.case, self.expected, self.every, self.stop_for = case, expected, every, stop_for
+        self.rng = random.Random(seed)
+        self.t0 = None
+        self.at: list[float] = []  # run time of each fault
+        self.stopped: int | None = None  # pid of the stopped worker
+        self.next = every if case == "worker-kills" else 0.4 * expected
+
+    def _children(self, kind: str) -> list:
+        return sorted(
+            (p for p in mp.active_children() if p.name.startswith(f"stalewise-{kind}-")),
+            key=lambda p: p.name,
+        )
+
+    def __call__(self, rec: dict) -> None:
+        now = rec["time"]
+        if self.stopped is not None and now >= self.at[-1] + self.stop_for:
+            with contextlib.suppress(ProcessLookupError):  # unless the runtime killed it
+                os.kill(self.stopped, signal.SIGCONT)
+            self.stopped = None
+        if self.next is None or now < self.next:
+            return
+        if self.case == "worker-kills":
+            victim = self.rng.choice(self._children("worker"))
+            os.kill(victim.pid, signal.SIGKILL)
+            self.next = now + self.every
+        elif self.case == "shard-kill":
+            os.kill(self._children("shard")[1].pid, signal.SIGKILL)
+            self.next = None
+        elif self.case == "worker-stop":
+            self.stopped = self._children("worker")[1].pid
+            os.kill(self.stopped, signal.SIGSTOP)
+            self.next = None
+        else:
+            self.next = None
+            return
+        self.at.append(now)
+
+    def timings(self, failures: list[dict]) -> tuple[float, float]:
+        """Mean seconds from each fault to its detection, and to the recovery."""
+        detect, recover = [], []
+        for t in self.at:
+            later = [e for e in failures if e["time"] >= t and e["action"] != "diverged"]
+            if later:
+                detect.append(later[0]["time"] - t)
+                if "recovered" in later[0]:
+                    recover.append(later[0]["recovered"] - t)
+        mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+        return mean(detect), mean(recover)
+
+
+def run(task, consistency, case: str, steps: int, expected: float, quick: bool) -> dict:
+    every, stop_for, timeout = (2.5, 4.0, 1.5) if quick else (5.0, 10.0, 3.0)
+    faults = Faults(case, expected, every, stop_for)
+    job = sw.Job(
+        task.init_params(0),
+        optimizer=sw.optim.sgd(0.05, momentum=0.9),
+        consistency=consistency,
+        shards=SHARDS,
+    )
+    kw: dict = {}
+    if case == "shard-kill":
+        kw.update(checkpoint_dir=tempfile.mkdtemp(prefix="faults-"), checkpoint_every=500)
+    if case == "worker-stop":
+        kw.update(worker_timeout=timeout)
+    loss = BadPushes(task) if case == "bad-pushes" else Plain(task)
+    row: dict = {"case": case, "consistency": str(consistency)}
+    t = time.perf_counter()
+    try:
+        r = job.train(
+            loss,
+            data=Tagged(task),
+            workers=WORKERS,
+            steps=steps,
+            evaluate=task.evaluate,
+            eval_interval=0.25,
+            delays=dict.fromkeys(range(WORKERS), DELAY),
+            on_record=faults,
+            max_restarts=None,
+            timeout=600,
+            **kw,
+        )
+    except (sw.WorkerError, RuntimeError, TimeoutError) as e:
+        first = str(e).splitlines()[0]
+        return row | {
+            "completed": f"no: {type(e).__name__}: {first[:60]}",
+            "time_s": time.perf_counter() - t,
+        }
+    s = r.stats
+    refused = sum(s["rejected"].values())
+    handled = s["applied"] + refused
+    lost_slice = sum(e.get("lost") or 0 for e in r.failures if "shard" in e)
+    detect, recover = faults.timings(r.failures)
+    # a worker killed between committing a push and counting it: handled, not counted
+    killed = sum("worker" in e for e in r.failures) + WORKERS * sum(
+        "shard" in e for e in r.failures
+    )
+    return row | {
+        "completed": "yes" if r.pushes >= steps else f"no: {r.stop_reason}",
+        "time_s": r.time,
+        "pushes": r.pushes,
+        "lost": max(0, r.pushes - handled) + lost_slice,
+        "dups": s["duplicates"],
+        "twice": max(0, handled - r.pushes - killed),
+        "accuracy": r.records[-1]["accuracy"],
+        "detect_s": detect,
+        "recover_s": recover,
+        "refused": ", ".join(f"{k} {n}" for k, n in sorted(s["rejected"].items())) or "-",
+        "events": ", ".join(
+            f"{'w' if 'worker' in e else 's'}{e.get('worker', e.get('shard'))} {e['action']}"
+            for e in r.failures
+        )
+        or "-",
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="shorter runs and faults (~1/3 of the time)"
+    )
+    ap.add_argument("--check", action="store_true", help="exit 1 if the bar is missed")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.ERROR)  # the runtime's warnings would flood the table
+    task = tasks.get("digits")
+    steps = 1500 if args.quick else 4000
+    rows = []
+    for consistency in (sw.ASP(), sw.BSP()):
+        base = run(task, consistency, "undisturbed", steps, 0.0, args.quick)
+        rows.append(base)
+        for case in ("worker-kills", "shard-kill", "worker-stop", "bad-pushes"):
+            row = run(task, consistency, case, steps, base["time_s"], args.quick)
+            rows.append(row)
+        for row in rows[-5:]:
+            row["d_acc_pts"] = 100 * (row.get("accuracy", math.nan) - base["accuracy"])
+    cols = ["case", "consistency", "completed", "time_s", "pushes", "lost", "dups", "twice",
+            "accuracy", "d_acc_pts", "detect_s", "recover_s", "refused", "events"]  # fmt: skip
+    print(f"digits MLP, {WORKERS} workers, {SHARDS} shards, {steps} pushes per run")
+    print(format_table(rows, cols))
+    bar = [r for r in rows if r["case"] in ("worker-kills", "shard-kill", "worker-stop")]
+    ok = all(
+        r["completed"] == "yes" and r["twice"] == 0 and abs(r["d_acc_pts"]) <= 1.0 for r in bar
+    )
+    print(
+        "\nbar: (a)-(c) complete, nothing applied twice, accuracy within 1 point:",
+        "met" if ok else "MISSED",
+    )
+    return 0 if ok or not args.check else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
