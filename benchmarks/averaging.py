@@ -43,7 +43,7 @@ WORKERS, SLOWDOWN, DELAY = 4, 4.0, 0.008
 SIM_WORKERS, MODEL_BYTES = 64, 400_000_000
 SIM = SimConfig(compute=Fixed(0.2), network=Network(latency=1e-3, bandwidth=1.25e8),
                 model_bytes=MODEL_BYTES)  # fmt: skip
-LRS = {"gradients": (0.01, 0.03), "inner": (0.003, 0.01, 0.03)}
+LRS = {"gradients": (0.01, 0.03, 0.1), "inner": (0.003, 0.01, 0.03)}
 
 
 def lamb(lr):

@@ -9,6 +9,11 @@ only on the clocks of the live workers:
   arrival. ``SSP(0)`` gates like BSP, ``SSP(inf)`` is ASP.
 * ``BSP()``: gates like ``SSP(0)`` and merges the pushes of a round: the mean of
   the round's pushes is applied once, when every live worker has pushed.
+* ``Hybrid(tolerance=2)``: BSP while the workers keep pace, ASP while one is a
+  straggler (its steps take more than ``tolerance`` times the median's), and
+  back; each shard measures and decides at round boundaries (see
+  :mod:`stalewise.protocol.hybrid`). Only the shard knows its mode, so
+  :meth:`Consistency.may_start` answers False ("ask the shard").
 
 Example:
     >>> from stalewise import SSP
@@ -24,10 +29,11 @@ from typing import NamedTuple
 
 
 class Consistency(NamedTuple):
-    """A consistency model. Build one with :func:`ASP`, :func:`BSP` or :func:`SSP`."""
+    """A consistency model. Build one with :func:`ASP`, :func:`BSP`, :func:`SSP` or :func:`Hybrid`."""
 
-    kind: str  # "asp", "ssp" or "bsp"
+    kind: str  # "asp", "ssp", "bsp" or "hybrid"
     bound: float  # largest allowed gap between a worker's clock and the slowest live clock
+    tolerance: float = 0.0  # hybrid: a straggler's pace, as a multiple of the median's
 
     @property
     def averages_rounds(self) -> bool:
@@ -35,10 +41,16 @@ class Consistency(NamedTuple):
         return self.kind == "bsp"
 
     def may_start(self, clock: int, min_clock: int) -> bool:
-        """Whether a worker at ``clock`` may start a step while the slowest is at ``min_clock``."""
-        return clock - min_clock <= self.bound
+        """Whether a worker at ``clock`` may start a step while the slowest is at ``min_clock``.
+
+        Always False for the hybrid model, whose gate depends on the shard's
+        mode: ask :meth:`stalewise.protocol.Shard.may_start`.
+        """
+        return self.kind != "hybrid" and clock - min_clock <= self.bound
 
     def __str__(self) -> str:
+        if self.kind == "hybrid":
+            return f"Hybrid({self.tolerance:g})"
         return f"SSP({self.bound:g})" if self.kind == "ssp" else self.kind.upper()
 
 
@@ -63,8 +75,28 @@ def SSP(bound: float = 4) -> Consistency:
     return Consistency("ssp", float(bound))
 
 
+def Hybrid(tolerance: float = 2.0) -> Consistency:
+    """BSP while the workers keep pace, ASP while a straggler would hold them back.
+
+    Each shard measures every worker's time from pull to push; when a worker
+    takes more than ``tolerance`` times the median, the shard switches to
+    asynchronous updates at the end of the round, and back to synchronous
+    rounds once no worker exceeds ``tolerance / 1.25`` times the median. Use a
+    staleness rule (e.g. ``sw.staleness.inverse()``) for the asynchronous phases.
+
+    Args:
+        tolerance: a number > 1.
+    """
+    if not (isinstance(tolerance, int | float) and 1.0 < tolerance < math.inf):
+        raise ValueError(f"Hybrid tolerance must be a finite number > 1, got {tolerance!r}")
+    return Consistency("hybrid", 0.0, float(tolerance))
+
+
 def from_name(name: str, bound: float | None = None) -> Consistency:
-    """Builds a model from its name ("asp", "bsp", "ssp") as configs and the CLI spell it."""
+    """Builds a model from its name ("asp", "bsp", "ssp", "hybrid") as configs and the CLI spell it.
+
+    ``bound`` is SSP's staleness bound, or the hybrid model's tolerance.
+    """
     key = name.lower()
     if key == "asp":
         return ASP()
@@ -72,4 +104,6 @@ def from_name(name: str, bound: float | None = None) -> Consistency:
         return BSP()
     if key == "ssp":
         return SSP(4 if bound is None else bound)
-    raise ValueError(f"unknown consistency model {name!r}; known: asp, bsp, ssp")
+    if key == "hybrid":
+        return Hybrid(2.0 if bound is None else bound)
+    raise ValueError(f"unknown consistency model {name!r}; known: asp, bsp, ssp, hybrid")

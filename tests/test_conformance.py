@@ -72,14 +72,14 @@ def run_sim(job, steps):
     for shard, order in zip(sim.shards, orders, strict=True):
         pull, push = shard.pull, shard.push
 
-        def logged_pull(worker=None, out=None, pull=pull, order=order):
+        def logged_pull(worker=None, out=None, *, now=None, pull=pull, order=order):
             if worker is not None:
                 order.append(("pull", worker))
-            return pull(worker, out)
+            return pull(worker, out, now=now)
 
-        def logged_push(header, payload, *, verdict=None, push=push, order=order):
+        def logged_push(header, payload, *, verdict=None, now=None, push=push, order=order):
             order.append(("push", header.worker, header.seq))
-            return push(header, payload, verdict=verdict)
+            return push(header, payload, verdict=verdict, now=now)
 
         shard.pull, shard.push = logged_pull, logged_push
     sim.run(lambda: False, 1e9, math.inf)

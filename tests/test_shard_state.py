@@ -187,6 +187,8 @@ def test_the_state_dict_has_the_documented_keys_and_plain_values():
         "round.done",
         "round.count",
         "round.waiting",
+        "synchronous",
+        "pace",
         "pulled.workers",
         "pulled.params",
         "opt_structure",
@@ -200,6 +202,7 @@ def test_the_state_dict_has_the_documented_keys_and_plain_values():
         "stats.staleness",
         "stats.bytes_in",
         "stats.bytes_out",
+        "stats.mode_switches",
     ]
     assert state["opt_structure"] == "(EmptyState(), AdamState(count, mu, nu))"
     arrays = {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
@@ -298,7 +301,10 @@ BAD = {
     "missing-stats": ("stats.staleness", lambda s: KeyError),
     "missing-opt-array": ("opt.nu", lambda s: KeyError),
     "missing-format": ("format", lambda s: KeyError),
-    "format": ("format", lambda s: 2),
+    "format": ("format", lambda s: 1),
+    "synchronous-type": ("synchronous", lambda s: 1),
+    "synchronous-asp": ("synchronous", lambda s: False),
+    "pace-length": ("pace", lambda s: np.zeros(2)),
     "version-negative": ("version", lambda s: -1),
     "version-float": ("version", lambda s: 3.0),
     "round-waiting": ("round.waiting", lambda s: s["round.waiting"] + 1),

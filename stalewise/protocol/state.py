@@ -18,8 +18,8 @@ from stalewise.protocol.stats import _ClockTracker
 if TYPE_CHECKING:
     from stalewise.protocol.shard import Shard
 
-STATE_FORMAT = 1  # the layout of Shard.state_dict(); bump it when keys change meaning
-_STAT_COUNTS = ("applied", "rounds", "duplicates", "bytes_in", "bytes_out")
+STATE_FORMAT = 2  # the layout of Shard.state_dict(); bump it when keys change meaning
+_STAT_COUNTS = ("applied", "rounds", "duplicates", "bytes_in", "bytes_out", "mode_switches")
 _STATE_KEYS = (
     "format",
     "workers",
@@ -33,6 +33,8 @@ _STATE_KEYS = (
     "round.done",
     "round.count",
     "round.waiting",
+    "synchronous",
+    "pace",
     "pulled.workers",
     "pulled.params",
     "opt_structure",
@@ -48,7 +50,8 @@ def save(shard: Shard) -> dict[str, Any]:
     safetensors plus JSON. Keys: ``format``, ``workers``, ``params``,
     ``version``, ``clocks``, ``next_seq``, ``incarnation``, ``live``, the BSP
     round (``round.sum``: empty when no round buffer exists yet,
-    ``round.done``, ``round.count``, ``round.waiting``), the DC-ASGD copies
+    ``round.done``, ``round.count``, ``round.waiting``), the hybrid model's
+    mode and measured paces (``synchronous``, ``pace``), the DC-ASGD copies
     (``pulled.workers`` and one row of ``pulled.params`` each), the
     optimizer state (``opt_structure``, a signature such as
     ``"(EmptyState(), AdamState(count, mu, nu))"``, and one ``opt.<path>``
@@ -99,6 +102,10 @@ def save(shard: Shard) -> dict[str, Any]:
         "round.done": shard._round_done.copy(),
         "round.count": int(shard._round_count),
         "round.waiting": int(shard._round_waiting),
+        "synchronous": bool(shard.synchronous),
+        "pace": (
+            shard._pace.state() if shard._pace is not None else np.full(shard.workers, np.nan)
+        ),
         "pulled.workers": np.array(pulled, dtype=np.int64),
         "pulled.params": pulled_params,
         "opt_structure": structure,
@@ -110,6 +117,7 @@ def save(shard: Shard) -> dict[str, Any]:
         "stats.staleness": [[int(t), int(n)] for t, n in sorted(stats.staleness.items())],
         "stats.bytes_in": int(stats.bytes_in),
         "stats.bytes_out": int(stats.bytes_out),
+        "stats.mode_switches": int(stats.mode_switches),
     }
 
 
@@ -140,6 +148,9 @@ def load(shard: Shard, state: Mapping[str, Any]) -> None:
         np.copyto(shard._round_sum, round_sum)
     shard._round_count = int(state["round.count"])
     shard._round_waiting = int(state["round.waiting"])
+    shard.synchronous = bool(state["synchronous"])
+    if shard._pace is not None:
+        shard._pace.load(state["pace"])
     shard._pulled = pulled
     vars(shard.stats).update(stats)  # the same object: a runtime may hold it
 
@@ -213,11 +224,19 @@ def _checked(shard: Shard, state: Any) -> tuple[Any, dict, np.ndarray | None, di
     round_sum = state["round.sum"]
     empty = isinstance(round_sum, np.ndarray) and round_sum.shape == (0,)
     _array(state, "round.sum", dtype, (0,) if empty else (n,))
-    if round_count and not shard.consistency.averages_rounds:
+    if round_count and not (shard.synchronous or shard.hybrid):
         raise _bad(
             "round.count",
             f"{round_count} pushes of an open BSP round, but this shard is {shard.consistency}",
         )
+    synchronous = state["synchronous"]
+    if not isinstance(synchronous, bool | np.bool_):
+        raise _bad("synchronous", f"expected a bool, got {synchronous!r}")
+    if bool(synchronous) != shard.synchronous and not shard.hybrid:
+        raise _bad("synchronous", f"{synchronous!r} does not fit {shard.consistency}")
+    if round_count and not synchronous:
+        raise _bad("round.count", f"{round_count} pushes of a round, but the round is asynchronous")
+    _array(state, "pace", np.float64, (workers,))
     if round_count and not round_sum.size:
         raise _bad("round.sum", f"empty, but round.count is {round_count}")
 

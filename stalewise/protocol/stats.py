@@ -24,6 +24,7 @@ class ShardStats:
     staleness: Counter = field(default_factory=Counter)  # tau -> count, applied pushes
     bytes_in: int = 0
     bytes_out: int = 0
+    mode_switches: int = 0  # hybrid: switches between synchronous and asynchronous rounds
 
     def staleness_mean(self) -> float:
         n = sum(self.staleness.values())
@@ -40,8 +41,10 @@ class ShardStats:
             "duplicates": self.duplicates,
             "staleness_mean": self.staleness_mean(),
             "staleness_max": self.staleness_max(),
+            "staleness_counts": dict(self.staleness),  # tau -> applied pushes
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
+            "mode_switches": self.mode_switches,
         }
 
 
