@@ -3,16 +3,19 @@
 A runtime (local processes, the simulator, Ray) only moves messages and bytes;
 what a push means, when it is applied (:mod:`~stalewise.protocol.commit`), who
 may send it (incarnations, :class:`Shard`) and what a worker does between two
-pulls (:mod:`~stalewise.protocol.loop`) are decided here.
+pulls (:mod:`~stalewise.protocol.loop`) are decided here, and so is what a
+message is on a pipe (:mod:`~stalewise.protocol.wire`).
 """
 
 from stalewise.protocol.commit import Verdict, judge
 from stalewise.protocol.config import ServerConfig
+from stalewise.protocol.loop import Diverged
 from stalewise.protocol.messages import Ack, PushHeader, PushResult
 from stalewise.protocol.shard import Rejected, Shard, ShardStats
 
 __all__ = [
     "Ack",
+    "Diverged",
     "PushHeader",
     "PushResult",
     "Rejected",

@@ -17,10 +17,25 @@ What is judged at commit:
 
 * ``not_finite``: NaN or Inf anywhere in the update (only needed with several
   shards; a single shard checks its whole slice itself);
+* ``overflow``: the update's squared norm overflows its dtype (beyond about
+  3.4e38 in float32, so every element whose square overflows, from about
+  1.84e19, is caught). Such a push would freeze Adam (its second moment turns
+  Inf) or blow the parameters up; a sane gradient is nowhere near it;
 * ``too_stale``: ``max_staleness`` against the versions the sender knows at
   commit (the largest ``known - base`` over shards), one answer for all shards.
 
 A verdict is two integers, so it fits a fixed binary record.
+
+What cannot be judged at commit: whether a step would overflow the *shard's*
+state. Each shard keeps a copy of its slice's parameters and optimizer state,
+takes the step, and if any value turned non-finite it restores the copy and
+refuses the push as ``overflow`` (:meth:`~stalewise.protocol.shard.Shard.push`).
+That depends on the shard's own values, which the sender does not know, so this
+is the one refusal that can *split* a push: applied by some shards, refused by
+others. With the ``overflow`` verdict above it needs parameters or optimizer
+state already within a step of the dtype's limit (or an absurd learning rate);
+the sender sees it in the acks and the push's result says ``split``
+(:class:`~stalewise.protocol.messages.PushResult`).
 
 Example:
     >>> import numpy as np
@@ -44,15 +59,15 @@ import numpy as np
 from stalewise.segments import Segments
 
 # verdict codes, as stored in a binary push record
-OK, NOT_FINITE, TOO_STALE = 0, 1, 2
-_KINDS = {OK: None, NOT_FINITE: "not_finite", TOO_STALE: "too_stale"}
+OK, NOT_FINITE, TOO_STALE, OVERFLOW = 0, 1, 2, 3
+_KINDS = {OK: None, NOT_FINITE: "not_finite", TOO_STALE: "too_stale", OVERFLOW: "overflow"}
 
 
 class Verdict(NamedTuple):
     """The sender's judgement of a whole push: ``code`` and one integer of detail."""
 
-    code: int = OK  # OK, NOT_FINITE or TOO_STALE
-    detail: int = 0  # NOT_FINITE: first bad element; TOO_STALE: the staleness
+    code: int = OK  # OK, NOT_FINITE, TOO_STALE or OVERFLOW
+    detail: int = 0  # NOT_FINITE: first bad element; TOO_STALE: the staleness; OVERFLOW: largest
 
     @property
     def ok(self) -> bool:
@@ -69,6 +84,12 @@ class Verdict(NamedTuple):
             return f"payload has NaN or Inf (first at element {self.detail}{leaf})"
         if self.code == TOO_STALE:
             return f"staleness {self.detail} exceeds max_staleness {max_staleness:g}"
+        if self.code == OVERFLOW:
+            leaf = f", leaf {leaf_name(segments, self.detail)!r}" if segments else ""
+            return (
+                "update too large: its squared norm overflows the dtype "
+                f"(largest at element {self.detail}{leaf})"
+            )
         return f"unknown verdict code {self.code}" if self.code != OK else "ok"
 
 
@@ -80,14 +101,37 @@ def leaf_name(segments: Segments, index: int) -> str:
     return segments.names[max(i, 0)]
 
 
+def _sum_of_squares_is_finite(flat: np.ndarray) -> bool:
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is an answer, not a fault
+        return math.isfinite(np.dot(flat, flat))
+
+
 def first_non_finite(flat: np.ndarray) -> int | None:
     """The index of the first NaN/Inf element, or None; one dot product when all are finite."""
     # NaN and Inf propagate into the dot product, so a finite result proves every element
     # finite without a temporary; an overflow of the dot only sends us to the exact check.
-    if math.isfinite(np.dot(flat, flat)):
+    if _sum_of_squares_is_finite(flat):
         return None
     bad = np.flatnonzero(~np.isfinite(flat))
     return int(bad[0]) if bad.size else None
+
+
+def check_values(flat: np.ndarray) -> Verdict:
+    """``not_finite`` (first NaN/Inf), ``overflow`` (squared norm overflows; detail: the
+    largest element) or OK; one dot product when OK.
+
+    Example:
+        >>> check_values(np.array([1, 2], np.float32)).ok
+        True
+        >>> check_values(np.array([0, 2e19], np.float32))
+        Verdict(code=3, detail=1)
+    """
+    if _sum_of_squares_is_finite(flat):
+        return Verdict()
+    bad = np.flatnonzero(~np.isfinite(flat))
+    if bad.size:
+        return Verdict(NOT_FINITE, int(bad[0]))
+    return Verdict(OVERFLOW, int(np.argmax(np.abs(flat))))
 
 
 def judge(
@@ -107,12 +151,12 @@ def judge(
         bases: per shard, the version the update was computed from.
         known: per shard, the newest version the sender knows of (>= its base).
         staleness: the job's :class:`~stalewise.staleness.Staleness` rule.
-        whole: check every element for NaN/Inf (needed when there are several shards).
+        whole: check the values (NaN/Inf, overflow; needed when there are several shards).
     """
     if whole:
-        bad = first_non_finite(flat)
-        if bad is not None:
-            return Verdict(NOT_FINITE, bad)
+        verdict = check_values(flat)
+        if not verdict.ok:
+            return verdict
     if staleness.max_staleness != math.inf:
         tau = max((max(k - b, 0) for k, b in zip(known, bases, strict=True)), default=0)
         if not staleness.accepts(tau):

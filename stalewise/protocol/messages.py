@@ -24,7 +24,7 @@ class PushHeader(NamedTuple):
     incarnation: int = 0  # which (re)start of the worker sent it
 
 
-APPLIED, REFUSED, DUPLICATE = "applied", "refused", "duplicate"
+APPLIED, REFUSED, DUPLICATE, SPLIT = "applied", "refused", "duplicate", "split"
 
 
 class Ack(NamedTuple):
@@ -50,6 +50,9 @@ class Ack(NamedTuple):
 class PushResult(NamedTuple):
     """What happened to one push, over all shards (the commit rule makes them agree).
 
+    ``split``: applied by some shards and refused by others, which only a
+    shard's own ``overflow`` refusal can cause (see :mod:`stalewise.protocol.commit`).
+
     Example:
         >>> a = Ack(0, 3, True, None, 7, 1)
         >>> r = PushResult.of([a, a._replace(version=8)])
@@ -58,7 +61,7 @@ class PushResult(NamedTuple):
     """
 
     seq: int
-    status: str  # "applied", "refused" or "duplicate"
+    status: str  # "applied", "refused", "duplicate" or "split"
     reason: str | None  # why it was refused (None otherwise)
     kind: str | None  # the refusal's kind
     versions: tuple[int, ...]  # each shard's version after handling it
@@ -66,11 +69,12 @@ class PushResult(NamedTuple):
 
     @classmethod
     def of(cls, acks: Sequence[Ack]) -> PushResult:
-        """Folds one push's per-shard acks; a refusal anywhere makes the push refused."""
+        """Folds one push's per-shard acks; a refusal anywhere makes the push refused
+        (``split`` if some shard applied it)."""
         refused = [(k, a) for k, a in enumerate(acks) if not a.ok]
         taus = [a.staleness for a in acks if a.staleness is not None]
         if refused:
-            status = REFUSED
+            status = SPLIT if any(a.ok and not a.duplicate for a in acks) else REFUSED
             reason = "; ".join(f"shard {k}: {a.reason}" for k, a in refused)
             kind = refused[0][1].kind
         else:

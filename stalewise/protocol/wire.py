@@ -1,0 +1,345 @@
+"""Control messages as fixed binary records: what goes over the pipes, byte for byte.
+
+A shard unpickles nothing a worker sends. Every message is one *frame* as
+:meth:`multiprocessing.connection.Connection.send_bytes` writes it (a 4-byte
+big-endian signed length, then the body), and a body is one byte naming its
+kind followed by that kind's fixed fields (little-endian ``struct``). A few
+kinds end with a tail: UTF-8 text (a refusal's reason, an error), or a pickle,
+which only the control pipe between a shard and the parent that started it
+carries.
+
+Who sends what::
+
+    worker -> shard    push(seq), pull, leave                  fixed, <= MAX_WORKER_MESSAGE bytes
+    shard  -> worker   ack, pulled(version), error(text)       at most MAX_REPLY bytes
+    parent -> shard    join(worker, incarnation), pull, stats, state, load(pickle), stop
+    shard  -> parent   ready(k), joined, pulled, stats(pickle), state(pickle), loaded, stopped(pickle)
+
+Trust: a worker runs user code in another process, and a bug there may write
+anything into its pipe, so a shard decodes a worker's bytes with
+:func:`decode_from_worker`, which knows three fixed records and nothing else: a
+frame that is too long, of an unknown kind or of the wrong size is a
+:class:`WireError`, and the shard disconnects that worker (its identity comes
+from the pipe, never from the message). The parent is the program that started
+the shard, so the bulk values of its control pipe (a checkpoint's state, the
+stats dicts) stay pickles: they are large, nested and change with the code, and
+that pipe carries nothing a worker wrote. The simple control messages are
+fixed records too.
+
+:class:`FrameReader` splits a byte stream into frames without blocking, so a
+shard can read a worker's pipe as bytes arrive and notice a message that never
+completes (see :mod:`stalewise.runtime.local.shard_proc`).
+
+Example:
+    >>> decode_from_worker(push(7))
+    ('push', 7)
+    >>> decode_reply(ack(Ack(0, 7, False, "too old", 3, 5, kind="too_stale")))
+    ('ack', Ack(worker=0, seq=7, ok=False, reason='too old', version=3, staleness=5, duplicate=False, kind='too_stale'))
+    >>> decode_from_worker(b"\\x80\\x04K\\x01.")  # a pickle is not a message
+    Traceback (most recent call last):
+    stalewise.protocol.wire.WireError: a message of unknown kind 0x80 (5 bytes)
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from typing import Any
+
+from stalewise.protocol.messages import Ack
+
+MAX_WORKER_MESSAGE = 64  # bytes: the longest body a shard accepts from a worker
+MAX_REPLY = 1 << 16  # bytes: the longest body a worker accepts from a shard
+MAX_TEXT = 8192  # bytes of UTF-8 kept of a reason or an error (longer ones are cut)
+
+# kinds, one byte. worker -> shard
+_PUSH, _PULL, _LEAVE = 0x01, 0x02, 0x03
+# shard -> worker (PULLED also to the parent)
+_ACK, _PULLED, _ERROR = 0x11, 0x12, 0x13
+# parent -> shard (PULL too: the observer's)
+_JOIN, _STATS, _STATE, _LOAD, _STOP = 0x21, 0x22, 0x23, 0x24, 0x25
+# shard -> parent
+_READY, _JOINED, _STATS_REPLY, _STATE_REPLY, _LOADED, _STOPPED = 0x31, 0x32, 0x33, 0x34, 0x35, 0x36
+
+_KIND = struct.Struct("<B")
+_INT = struct.Struct("<Bq")  # kind, one int64
+_TWO = struct.Struct("<Bqq")  # kind, two int64s
+# kind, worker, seq, flags, version, staleness, length of the refusal's kind; then the
+# kind's text, then the reason's
+_ACK_HEAD = struct.Struct("<BqqBqqH")
+_OK, _DUPLICATE, _HAS_TAU, _HAS_REASON, _HAS_KIND = 1, 2, 4, 8, 16
+_LOADED_HEAD = struct.Struct("<BqB")  # kind, version, has error; then the error's text
+_FRAME = struct.Struct("!i")  # multiprocessing's length header
+
+
+class WireError(ValueError):
+    """Bytes that are not a message this reader accepts (the text says why)."""
+
+
+# -- frames ------------------------------------------------------------------------------
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` with the length header :meth:`Connection.recv_bytes` reads."""
+    return _FRAME.pack(len(body)) + body
+
+
+class FrameReader:
+    """Splits a byte stream into frame bodies as the bytes arrive; never blocks.
+
+    A length header that is negative (multiprocessing's mark of a body over
+    2 GiB) or above ``max_size`` stops the stream: :attr:`error` says why, and
+    nothing after it is read. :attr:`pending` counts the bytes of a frame not yet
+    complete, so its reader can give up on a message that never completes.
+
+    Example:
+        >>> r = FrameReader(16)
+        >>> r.feed(frame(b"ab") + frame(b"c")[:3]), r.pending
+        ([b'ab'], 3)
+        >>> r.feed(frame(b"c")[3:] + b"\\x00\\x00\\x10\\x00"), r.error
+        ([b'c'], 'an oversize message (4096 bytes, the most is 16)')
+    """
+
+    def __init__(self, max_size: int):
+        self.max_size = max_size
+        self.error: str | None = None
+        self._buf = bytearray()
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The bodies of the frames ``data`` completes (the stream's error set on a bad header)."""
+        if self.error is not None:
+            return []
+        self._buf += data
+        out = []
+        while len(self._buf) >= _FRAME.size:
+            (n,) = _FRAME.unpack_from(self._buf)
+            if not 0 <= n <= self.max_size:
+                self.error = (
+                    f"an oversize message ({n} bytes, the most is {self.max_size})"
+                    if n > 0
+                    else f"a bad length header ({n})"
+                )
+                self._buf.clear()
+                break
+            if len(self._buf) < _FRAME.size + n:
+                break
+            out.append(bytes(self._buf[_FRAME.size : _FRAME.size + n]))
+            del self._buf[: _FRAME.size + n]
+        return out
+
+
+# -- worker -> shard -----------------------------------------------------------------------
+
+
+def push(seq: int) -> bytes:
+    """A worker's push number ``seq`` is committed (its record is in shared memory)."""
+    return _INT.pack(_PUSH, seq)
+
+
+def pull() -> bytes:
+    """A served pull (a worker's, gated; or the observer's, on the control pipe)."""
+    return _KIND.pack(_PULL)
+
+
+def leave() -> bytes:
+    """The worker leaves the job."""
+    return _KIND.pack(_LEAVE)
+
+
+def decode_from_worker(body: bytes) -> tuple:
+    """``("push", seq)``, ``("pull",)`` or ``("leave",)``; anything else is a WireError.
+
+    Unpickles nothing, allocates nothing in proportion to the input beyond ``body``.
+    """
+    kind = _kind_of(body)
+    if kind == _PUSH and len(body) == _INT.size:
+        return ("push", _INT.unpack(body)[1])
+    if kind in (_PULL, _LEAVE) and len(body) == _KIND.size:
+        return ("pull",) if kind == _PULL else ("leave",)
+    if kind in (_PUSH, _PULL, _LEAVE):
+        raise _wrong_size(kind, body)
+    raise WireError(f"a message of unknown kind 0x{kind:02x} ({len(body)} bytes)")
+
+
+# -- shard -> worker or parent -------------------------------------------------------------
+
+
+def ack(a: Ack) -> bytes:
+    """A shard's answer to a push."""
+    kind = _text(a.kind)
+    flags = (
+        (_OK if a.ok else 0)
+        | (_DUPLICATE if a.duplicate else 0)
+        | (_HAS_TAU if a.staleness is not None else 0)
+        | (_HAS_REASON if a.reason is not None else 0)
+        | (_HAS_KIND if a.kind is not None else 0)
+    )
+    tau = -1 if a.staleness is None else a.staleness
+    head = _ACK_HEAD.pack(_ACK, a.worker, a.seq, flags, a.version, tau, len(kind))
+    return head + kind + _text(a.reason)
+
+
+def pulled(version: int) -> bytes:
+    """A served pull is done: the puller's buffer holds the shard's slice at ``version``."""
+    return _INT.pack(_PULLED, version)
+
+
+def error(text: str) -> bytes:
+    """The shard refuses to go on with this connection (it closes it next)."""
+    return _KIND.pack(_ERROR) + _text(text)
+
+
+def ready(k: int) -> bytes:
+    return _INT.pack(_READY, k)
+
+
+def joined(worker: int, incarnation: int) -> bytes:
+    return _TWO.pack(_JOINED, worker, incarnation)
+
+
+def stats_reply(stats: dict) -> bytes:
+    return _KIND.pack(_STATS_REPLY) + _pickle(stats)
+
+
+def state_reply(state: dict) -> bytes:
+    return _KIND.pack(_STATE_REPLY) + _pickle(state)
+
+
+def loaded(version: int | None, err: str | None) -> bytes:
+    head = _LOADED_HEAD.pack(_LOADED, -1 if version is None else version, err is not None)
+    return head + _text(err)
+
+
+def stopped(stats: dict) -> bytes:
+    return _KIND.pack(_STOPPED) + _pickle(stats)
+
+
+def decode_reply(body: bytes, *, trusted: bool = False) -> tuple:
+    """A shard's message as the tuple it stands for: ``("ack", Ack)``, ``("pulled", version)``,
+    ``("error", text)``, ``("ready", k)``, ``("joined", worker, incarnation)``,
+    ``("loaded", version or None, error or None)``, and with ``trusted`` (the
+    parent reading its own shard's control pipe) the pickled ``("stats", dict)``,
+    ``("state", dict)`` and ``("stopped", dict)``.
+    """
+    kind = _kind_of(body)
+    size = {_ACK: _ACK_HEAD.size, _LOADED: _LOADED_HEAD.size, _ERROR: _KIND.size}.get(kind)
+    if size is not None and len(body) < size:
+        raise _wrong_size(kind, body)
+    if kind == _ACK:
+        _, worker, seq, flags, version, tau, n = _ACK_HEAD.unpack_from(body)
+        text = body[_ACK_HEAD.size :]
+        if len(text) < n:
+            raise _wrong_size(kind, body)
+        a = Ack(
+            worker,
+            seq,
+            bool(flags & _OK),
+            text[n:].decode("utf-8", "replace") if flags & _HAS_REASON else None,
+            version,
+            tau if flags & _HAS_TAU else None,
+            duplicate=bool(flags & _DUPLICATE),
+            kind=text[:n].decode("utf-8", "replace") if flags & _HAS_KIND else None,
+        )
+        return ("ack", a)
+    if kind == _ERROR:
+        return ("error", body[_KIND.size :].decode("utf-8", "replace"))
+    if kind == _LOADED:
+        _, version, has_error = _LOADED_HEAD.unpack_from(body)
+        err = body[_LOADED_HEAD.size :].decode("utf-8", "replace") if has_error else None
+        return ("loaded", None if version < 0 else version, err)
+    ints = {_PULLED: ("pulled", _INT), _READY: ("ready", _INT), _JOINED: ("joined", _TWO)}
+    if kind in ints:
+        name, record = ints[kind]
+        if len(body) != record.size:
+            raise _wrong_size(kind, body)
+        return (name, *record.unpack(body)[1:])
+    pickled = {_STATS_REPLY: "stats", _STATE_REPLY: "state", _STOPPED: "stopped"}
+    if kind in pickled and trusted:
+        return (pickled[kind], pickle.loads(body[_KIND.size :]))
+    raise WireError(f"a reply of unknown kind 0x{kind:02x} ({len(body)} bytes)")
+
+
+# -- parent -> shard (the control pipe) ----------------------------------------------------
+
+
+def join(worker: int, incarnation: int) -> bytes:
+    """A new incarnation joins; its pipe's file descriptor follows on the control pipe."""
+    return _TWO.pack(_JOIN, worker, incarnation)
+
+
+def stats() -> bytes:
+    return _KIND.pack(_STATS)
+
+
+def state() -> bytes:
+    return _KIND.pack(_STATE)
+
+
+def load(state_dict: dict) -> bytes:
+    """A checkpoint's state for the shard (pickled: the control pipe only)."""
+    return _KIND.pack(_LOAD) + _pickle(state_dict)
+
+
+def stop() -> bytes:
+    return _KIND.pack(_STOP)
+
+
+def encode_control(msg: tuple) -> bytes:
+    """A control message written as its tuple, e.g. ``("join", 0, 1)`` or ``("stats",)``.
+
+    Example:
+        >>> decode_control(encode_control(("join", 3, 2)))
+        ('join', 3, 2)
+    """
+    kind = msg[0] if isinstance(msg, tuple) and msg else None
+    if kind == "join" and len(msg) == 3:
+        return join(msg[1], msg[2])
+    if kind == "load" and len(msg) == 2:
+        return load(msg[1])
+    simple = {"pull": pull, "stats": stats, "state": state, "stop": stop}
+    if kind in simple and len(msg) == 1:
+        return simple[kind]()
+    raise WireError(f"not a control message: {msg!r:.80}")
+
+
+def decode_control(body: bytes) -> tuple:
+    """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
+    ``("stats",)``, ``("state",)``, ``("load", state)`` or ``("stop",)``.
+
+    Only for the control pipe from the parent that started the shard: ``load``
+    unpickles its state.
+    """
+    kind = _kind_of(body)
+    if kind == _JOIN and len(body) == _TWO.size:
+        return ("join", *_TWO.unpack(body)[1:])
+    if kind == _LOAD:
+        return ("load", pickle.loads(body[_KIND.size :]))
+    simple = {_PULL: "pull", _STATS: "stats", _STATE: "state", _STOP: "stop"}
+    if kind in simple and len(body) == _KIND.size:
+        return (simple[kind],)
+    raise WireError(f"a control message of unknown kind or size: 0x{kind:02x}, {len(body)} bytes")
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _kind_of(body: bytes) -> int:
+    if not body:
+        raise WireError("an empty message")
+    return body[0]
+
+
+def _wrong_size(kind: int, body: bytes) -> WireError:
+    return WireError(f"a message of kind 0x{kind:02x} with the wrong size ({len(body)} bytes)")
+
+
+def _text(text: str | None) -> bytes:
+    return b"" if text is None else text.encode("utf-8", "replace")[:MAX_TEXT]
+
+
+def _pickle(value: Any) -> bytes:
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
