@@ -4,6 +4,8 @@ Every test is bounded (timeouts), and whatever it starts is killed in a ``finall
 """
 
 import contextlib
+import functools
+import logging
 import multiprocessing as mp
 import os
 import re
@@ -23,6 +25,8 @@ import stalewise as sw
 from stalewise import config as config_lib
 from stalewise.runtime.base import DivergedError, ShardError
 from stalewise.runtime.local.shm import held_blocks, leaked_blocks
+from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.sim.models import Fixed
 
 TARGET = np.arange(8, dtype=np.float32)
 
@@ -39,6 +43,19 @@ def paced_loss_and_grad(params, batch):
 
 def nan_loss_and_grad(params, batch):
     return float("nan"), {"x": np.full(8, np.nan, np.float32)}
+
+
+def tagged_data(worker, workers):
+    return ((worker, i) for i in range(10**9))
+
+
+def fails_once(params, batch, marker):
+    """Worker 1 raises on its batch 5, once in the run (``marker``: a file that says it did)."""
+    w, i = batch
+    if w == 1 and i == 5 and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise ValueError("boom at batch 5")
+    return paced_loss_and_grad(params, i)
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -140,6 +157,48 @@ def test_a_stopped_worker_is_detected_within_worker_timeout_and_restarted(no_lea
 def test_every_worker_diverging_stops_the_job_with_a_clear_error(no_leaks):
     with pytest.raises(DivergedError, match=r"training diverged: worker\(s\) 0, 1 stopped"):
         train(job(), loss=nan_loss_and_grad, steps=10_000)
+
+
+def test_diverge_after_sets_how_many_refusals_in_a_row_make_a_worker_diverge(no_leaks):
+    t0 = time.monotonic()
+    with pytest.raises(
+        DivergedError,
+        match=r"training diverged: worker\(s\) 0, 1 stopped because their pushes kept being "
+        r"refused \(worker \d diverged: its last 3 pushes were refused",
+    ):
+        train(job(), loss=nan_loss_and_grad, steps=10_000, diverge_after=3)
+    assert time.monotonic() - t0 < 30  # worker start-up, then 3 pushes each
+
+
+def test_diverge_after_none_runs_to_the_budget_and_says_no_push_was_applied(no_leaks, caplog):
+    with caplog.at_level(logging.WARNING):
+        result = train(job(), loss=nan_loss_and_grad, steps=60, diverge_after=None)
+    assert result.pushes >= 60 and not result.failures
+    assert result.stats["applied"] == 0 and result.stats["rejected"]["not_finite"] >= 60
+    assert result.stop_reason.startswith(
+        "the budget of 60 pushes is spent; no push was applied, every one was refused "
+        "({'not_finite': "
+    )
+    assert "no push was applied" in caplog.text
+    np.testing.assert_array_equal(result.params["x"], np.zeros(8, np.float32))
+
+
+@pytest.mark.parametrize("runtime", ["local", "sim"])
+def test_an_error_in_user_code_is_handled_alike_by_both_runtimes(no_leaks, tmp_path, runtime):
+    loss = functools.partial(fails_once, marker=str(tmp_path / "failed"))
+    # in the simulator: 10 ms steps, back 0.1 s after the failure, well before the budget ends
+    sim = {"sim": SimConfig(compute=Fixed(0.01), restart_delay=0.1)} if runtime == "sim" else {}
+    result = train(job(), loss=loss, data=tagged_data, steps=60, runtime=runtime, **sim)
+    (event,) = result.failures
+    assert (event["worker"], event["action"], event["cause"]) == (
+        1,
+        "restarted",
+        "raised ValueError: boom at batch 5",
+    )
+    assert event["recovered"] > event["time"]  # the new incarnation joined the run
+    assert result.restarts == 1 and result.pushes >= 60
+    assert result.stop_reason == "the budget of 60 pushes is spent"
+    np.testing.assert_allclose(result.params["x"], TARGET, atol=0.05)
 
 
 # -- shards --------------------------------------------------------------------------------
@@ -365,3 +424,17 @@ def test_failure_options_in_a_config():
             config_lib.parse(raw)
     off = tomllib.loads(text.replace("30", "false"))
     assert config_lib.parse(off).train["worker_timeout"] is None
+
+
+def test_diverge_after_in_a_config():
+    (run_table,) = re.findall(r"```toml\n(.*?)```", DOCS.read_text(), re.S)  # the docs' example
+    assert config_lib.parse(tomllib.loads(HEAD + run_table)).train["diverge_after"] == 20
+    text = HEAD + "[run]\nworkers = 2\nsteps = 10\n"
+    assert config_lib.parse(tomllib.loads(text)).train["diverge_after"] == 20  # the default
+    assert config_lib.parse(tomllib.loads(text + "diverge_after = 3")).train["diverge_after"] == 3
+    off = tomllib.loads(text + "diverge_after = false")
+    assert config_lib.parse(off).train["diverge_after"] is None
+    for bad in ("0", "-1", "2.5", "true", '"3"'):
+        raw = tomllib.loads(text + f"diverge_after = {bad}")
+        with pytest.raises(config_lib.ConfigError, match=r"^run\.diverge_after: "):
+            config_lib.parse(raw)

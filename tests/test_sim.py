@@ -241,7 +241,14 @@ def test_failure_under_bsp_does_not_deadlock_and_join_resumes():
 def test_everyone_failing_ends_the_run_with_a_warning(caplog):
     cfg = SimConfig(compute=Fixed(1.0), failures=[Failure(w, 2.5) for w in range(3)])
     with caplog.at_level("WARNING"):
-        r = _train(_cheap_task(), workers=3, steps=100, consistency=sw.SSP(1), sim=cfg)
+        r = _train(
+            _cheap_task(),
+            workers=3,
+            steps=100,
+            consistency=sw.SSP(1),
+            sim=cfg,
+            on_worker_failure="drop",  # under "restart" they would come back
+        )
     assert r.pushes == 6 and r.time == pytest.approx(2.5)
     assert "6 of 100 pushes" in caplog.text
 
@@ -480,7 +487,7 @@ def test_failures_while_pushing_deliver_committed_pushes(caplog):
 def test_a_failure_before_the_commit_pushes_nothing():
     # worker 1 fails while computing (t=0.5 of a 1 s step): its step pushes nothing
     cfg = SimConfig(compute=Fixed(1.0), failures=[Failure(1, 0.5)], **FREE)
-    r = _train(_cheap_task(), workers=2, steps=10, shards=2, sim=cfg)
+    r = _train(_cheap_task(), workers=2, steps=10, shards=2, sim=cfg, on_worker_failure="drop")
     assert r.pushes == 10 and r.stats["applied"] == 10
     assert [s["applied"] for s in r.stats["sim"]["shards"]] == [10, 10]
     assert r.time == 10.0  # worker 0 made all ten pushes

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stalewise.protocol.loop import DIVERGE_AFTER
 from stalewise.runtime.base import FAILURE_POLICIES, check_run
 
 
@@ -53,6 +54,8 @@ class RunOptions:
     )
     max_restarts: int | None = 3  # restarts per worker id (and per shard); None: no limit
     worker_timeout: float | None = 60.0  # seconds without a heartbeat before a worker is hung
+    # pushes in a row refused as NaN/Inf or overflow before a worker has diverged; None: never
+    diverge_after: int | None = DIVERGE_AFTER
     # derived in __post_init__
     slowdowns: tuple[float, ...] = field(init=False)  # per worker, >= 1
     extra_delays: tuple[float, ...] = field(init=False)  # per worker, seconds
@@ -111,6 +114,9 @@ class RunOptions:
             raise ValueError(
                 f"worker_timeout must be a finite number of seconds > 0 or None, got {t!r}"
             )
+        k = self.diverge_after
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"diverge_after must be an integer >= 1 or None, got {k!r}")
 
     def _check_checkpoints(self) -> None:
         d = self.checkpoint_dir

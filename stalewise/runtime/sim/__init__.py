@@ -34,12 +34,15 @@ random timing, the workers that finished early would have started their next
 step while the others' last pushes were still arriving; the resumed run
 cannot replay that interleaving, so it is a valid continuation, not a
 bit-identical one. A mid-run (periodic) checkpoint is not quiescent: the
-resumed workers start at its time, and a push in flight at that moment is lost
-on the shards that had not yet applied it.
+resumed workers start at its time (a worker waiting for its restart then
+restarts at once), and a push in flight at that moment is lost on the shards
+that had not yet applied it. The failure policy's restart counts start afresh
+in a resumed run, as in the local runtime.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -50,7 +53,14 @@ import numpy as np
 
 from stalewise import checkpoint, tree
 from stalewise.protocol import ServerConfig
-from stalewise.runtime.base import Recorder, TrainResult, mean_loss
+from stalewise.runtime.base import (
+    DivergedError,
+    Failures,
+    Recorder,
+    TrainResult,
+    WorkerError,
+    mean_loss,
+)
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.engine import Simulation
@@ -87,10 +97,15 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     step's virtual compute time is ``(sim.compute sample + delays[w]) *
     stragglers[w]`` per local step (and the factors of ``options.sim``, see
     :mod:`stalewise.runtime.sim.config`). ``options.seed`` drives the random
-    compute times. ``stats["sim"]`` adds the event count, wall time, the mean
-    pull, compute and push time of a step, and ``shards``: each shard's version
-    and per-push counters (``applied``, ``rejected``, ``duplicates``), which the
-    commit rule keeps equal on every shard once the run is over.
+    compute times. Failures (a scripted ``Failure`` or an error in the user's
+    code) follow ``on_worker_failure`` and ``max_restarts`` as in the local
+    runtime, with restarts ``sim.restart_delay`` virtual seconds later (see
+    :mod:`stalewise.runtime.sim.engine`); ``worker_timeout`` does not apply
+    (nothing hangs on a virtual clock). ``stats["sim"]`` adds the event count,
+    wall time, the mean pull, compute and push time of a step, and ``shards``:
+    each shard's version and per-push counters (``applied``, ``rejected``,
+    ``duplicates``), which the commit rule keeps equal on every shard once the
+    run is over.
     """
     o = options
     loss_and_grad, data, workers, steps = o.loss_and_grad, o.data, o.workers, o.steps
@@ -101,7 +116,23 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     if not isinstance(sim, SimConfig):
         raise TypeError(f"sim must be a SimConfig, got {type(sim).__name__}")
     timing = WorkerTiming(sim, workers, factors=factors, delays=extra, seed=seed)
-    state = Simulation(config, (loss_and_grad, data, strategy), workers, steps, sim, timing)
+    hint = ""
+    if o.checkpoint_dir is not None:
+        hint = (
+            f"\nCheckpoints are in {o.checkpoint_dir}: resume with Job.train(..., "
+            "resume=True) or `stalewise train CONFIG --resume RUN_DIR`."
+        )
+    failures = Failures(o.on_worker_failure, o.max_restarts, hint=hint)
+    state = Simulation(
+        config,
+        (loss_and_grad, data, strategy),
+        workers,
+        steps,
+        sim,
+        timing,
+        failures=failures,
+        diverge_after=o.diverge_after,
+    )
     starts = None
     resumed = checkpoint.resume_point(config, o, runtime="sim")
     if resumed is not None:
@@ -140,27 +171,26 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     wall0 = time.perf_counter()
     try:
         deadline = math.inf if timeout is None else wall0 + timeout
-        stopped = state.run(record, eval_interval, deadline, starts)
+        try:
+            stopped = state.run(record, eval_interval, deadline, starts)
+        except WorkerError:
+            if saver is not None:  # the state at the failure, to resume from
+                with contextlib.suppress(Exception):
+                    save(state)
+            raise
         if not recorder.records or recorder.records[-1]["time"] != state.now:
             record()
-        if stopped:
-            recorder.finish(recorder.stop_reason or "stop_at reached")
-        elif state.pushes < steps:
-            recorder.finish(f"every worker failed or left after {state.pushes} of {steps} pushes")
-        else:
-            recorder.finish(f"the budget of {steps} pushes is spent")
+        reason = _stop_reason(state, stopped, recorder)
+        stats = state.stats(settled=not stopped)  # a stop may leave pushes in flight
+        if state.pushes and not stats["applied"]:  # not a silent success (diverge_after=None)
+            reason += f"; no push was applied, every one was refused ({stats['rejected']})"
+            log.warning("%s: %s", run_name, reason)
+        recorder.finish(reason)
         if saver is not None:
             save(state)
     finally:
         recorder.close()
     wall = time.perf_counter() - wall0
-    if state.pushes < steps and not stopped:
-        log.warning(
-            "sim: the run ended after %d of %d pushes (every worker failed or left)",
-            state.pushes,
-            steps,
-        )
-    stats = state.stats(settled=not stopped)  # a stop may leave pushes in flight
     n = max(state.totals["steps"], 1)
     stats["sim"] = {
         "events": state.events,
@@ -170,6 +200,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         "push_time_mean": state.totals["push"] / n,
         "compute_time_mean": state.totals["compute"] / max(state.pushes, 1),
         "comm_time_mean": (state.totals["pull"] + state.totals["push"]) / n,
+        "push_bytes": sum(state.wire_bytes),  # one push, every shard (model_bytes scaled)
         "shards": [
             {
                 "version": shard.version,
@@ -188,4 +219,31 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         stats,
         state.now,
         state.pushes,
+        failures.events,
+        reason,
     )
+
+
+def _stop_reason(state: Simulation, stopped: bool, recorder: Recorder) -> str:
+    """Why the simulated run ended; raises DivergedError when no worker is left and one
+    diverged (the others, if any, failed and were dropped)."""
+    if stopped:
+        return recorder.stop_reason or "stop_at reached"
+    if state.pushes >= state.steps:
+        return f"the budget of {state.steps} pushes is spent"
+    if state.diverged:
+        diverged = sorted(state.diverged)
+        others = [w for w in range(state.P) if w not in state.diverged]
+        raise DivergedError(
+            f"training diverged: every worker stopped (worker(s) {', '.join(map(str, diverged))} "
+            "because their pushes kept being refused"
+            + (f"; {', '.join(map(str, others))} failed or left" if others else "")
+            + f"), after {state.pushes} of {state.steps} pushes; the last: "
+            f"{list(state.diverged.values())[-1]}. The parameters are unchanged by refused pushes "
+            f"(version {state.shards[0].version}); lower the learning rate or clip the gradients."
+        )
+    reason = (
+        f"every worker failed and was dropped or left, after {state.pushes} of {state.steps} pushes"
+    )
+    log.warning("sim: %s", reason)
+    return reason

@@ -46,8 +46,13 @@ class SimConfig:
         speeds: optional per-worker speed (step time is divided by it), one per worker.
         stragglers: optional persistent stragglers (the last ``count`` workers).
         slowdowns: transient slowdowns.
-        failures: workers that fail at given virtual times.
+        failures: workers that fail at given virtual times. A failure is handled by the
+            job's failure policy (``on_worker_failure``), as in the local runtime,
+            unless a later :class:`Join` of that worker says when it comes back.
         joins: workers that (re)join at given virtual times.
+        restart_delay: virtual seconds a worker restarted by the failure policy
+            takes to come back (default 1 s: a new process starting, loading its
+            data and running a first step on one machine).
         network: latency and link bandwidths.
         service: per-shard service time of a request.
         model_bytes: pretend the full parameter vector has this many bytes on the
@@ -76,6 +81,7 @@ class SimConfig:
     network: Network = field(default_factory=Network)
     service: Service = field(default_factory=Service)
     model_bytes: int | None = None
+    restart_delay: float = 1.0
 
     def __post_init__(self) -> None:
         kinds = {"compute": (Fixed, ShiftedExponential), "network": Network, "service": Service}
@@ -96,6 +102,7 @@ class SimConfig:
         bad_int = not isinstance(mb, int | np.integer) or isinstance(mb, bool)
         if mb is not None and (bad_int or mb <= 0):
             raise _bad("SimConfig", "model_bytes", mb, "must be None or an integer > 0")
+        _number("SimConfig", "restart_delay", self.restart_delay)
 
     def check_workers(self, workers: int) -> None:
         """Checks the fields that depend on the number of workers of a run."""
@@ -129,7 +136,7 @@ class SimConfig:
         ({count, slowdown}), ``slowdowns`` (list of {worker, factor, start, end}),
         ``failures`` and ``joins`` (lists of {worker, time}), ``latency``,
         ``bandwidth``, ``worker_bandwidth``, ``shard_bandwidth``,
-        ``service_time``, ``service_rate``, ``model_bytes``.
+        ``service_time``, ``service_rate``, ``model_bytes``, ``restart_delay``.
 
         Raises:
             ValueError: naming the key (``sim.rate = -1: ...``).
@@ -156,6 +163,7 @@ class SimConfig:
                 network=Network(**{k: t[n] for n, k in _NET_KEYS.items() if n in t}),
                 service=Service(**{k: t[n] for n, k in _SERVICE_KEYS.items() if n in t}),
                 model_bytes=t.get("model_bytes"),
+                restart_delay=t.get("restart_delay", 1.0),
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from None
@@ -164,7 +172,15 @@ class SimConfig:
 _NET_KEYS = {k: k for k in ("latency", "bandwidth", "worker_bandwidth", "shard_bandwidth")}
 _SERVICE_KEYS = {"service_time": "time", "service_rate": "rate"}
 _COMPUTE_KEYS = ("compute", "step_time", "shift", "rate")
-_EVENT_KEYS = ("speeds", "stragglers", "slowdowns", "failures", "joins", "model_bytes")
+_EVENT_KEYS = (
+    "speeds",
+    "stragglers",
+    "slowdowns",
+    "failures",
+    "joins",
+    "restart_delay",
+    "model_bytes",
+)
 _TOML_KEYS = frozenset((*_COMPUTE_KEYS, *_EVENT_KEYS, *_NET_KEYS, *_SERVICE_KEYS))
 
 

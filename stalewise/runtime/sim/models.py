@@ -151,7 +151,17 @@ class Slowdown:
 @dataclass(frozen=True)
 class Failure:
     """``worker`` fails at virtual ``time``: its unfinished work is lost and the shards
-    are told (``Shard.leave``) at once."""
+    are told (``Shard.depart``) at once; a push it had committed is still applied.
+
+    What follows is the job's failure policy (``on_worker_failure``), as for a
+    worker process that dies in the local runtime: under ``"restart"`` it comes
+    back as a new incarnation ``SimConfig.restart_delay`` seconds later (up to
+    ``max_restarts`` times), under ``"drop"`` it stays away, under ``"fail"``
+    the job stops with :class:`~stalewise.runtime.base.WorkerError`. A scripted
+    failure that a later :class:`Join` of the same worker answers is not the
+    policy's: the worker stays away until that join, whatever the policy, and
+    no restart is counted. A failure of a worker that is already away is ignored.
+    """
 
     worker: int
     time: float
@@ -163,8 +173,9 @@ class Failure:
 
 @dataclass(frozen=True)
 class Join:
-    """``worker`` (re)joins at virtual ``time`` (``Shard.join``); a worker whose first
-    event is a join is absent from the start."""
+    """``worker`` (re)joins at virtual ``time`` (``Shard.join``) as a new incarnation,
+    continuing its stream of batches; a worker whose first event is a join is
+    absent from the start. A join of a worker that is live is ignored."""
 
     worker: int
     time: float
