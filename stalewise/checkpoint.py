@@ -101,8 +101,12 @@ class Checkpoint:
 
 def config_info(config: Any, **extra: Any) -> dict[str, Any]:
     """The job facts a checkpoint records (and :func:`check_compatible` compares)."""
+    from stalewise.strategies import config_key
+
     return {
-        "optimizer": repr(config.optimizer),
+        # by configuration: the Optimizer's own repr holds function addresses, which
+        # differ from process to process (a resume in a new process was refused)
+        "optimizer": repr(config_key(config.optimizer)),
         "consistency": repr(config.consistency),
         "staleness": repr(config.staleness),
         "shards": int(config.shards),

@@ -64,6 +64,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tensorboard_dir(arg: str | None) -> Path | None:
+    """--tensorboard DIR, checked: tensorboardX importable, DIR a folder that can be made."""
+    if arg is None:
+        return None
+    from stalewise import loggers
+
+    try:
+        loggers.tensorboard_writer()
+    except ImportError as e:
+        raise _config_error("--tensorboard", str(e)) from None
+    if not arg.strip():
+        raise _config_error("--tensorboard", "expected a folder path, got an empty string")
+    board = Path(arg)
+    try:
+        board.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _config_error(
+            "--tensorboard", f"cannot make the folder {arg!r}: {e.strerror or e}"
+        ) from None
+    return board
+
+
 def _check_runtime(runtime: str | None) -> None:
     from stalewise.api import RUNTIMES
 
@@ -84,15 +106,33 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise _config_error(
                 "--resume", f"{args.resume!r} holds no checkpoints/ folder of an earlier run"
             )
-    cfg = config.load(args.config, runtime=args.runtime)
+    cfg = config.load(args.config, runtime=args.runtime, codec=args.codec)
+    runtime = cfg.train_kwargs(args.runtime)["runtime"]
+    if args.address is not None and runtime != "ray":
+        raise _config_error("--address", f"is for --runtime ray; this run's runtime is {runtime!r}")
+    board = _tensorboard_dir(args.tensorboard)
     out = _out_dir(args.resume or args.out, Path(args.config).stem)
+    loggers = []
+    if board is not None:  # one TensorBoard run per run folder: DIR/<run folder's name>
+        from stalewise.loggers import TensorBoardLogger
+
+        try:
+            loggers.append(TensorBoardLogger(board / out.resolve().name))
+        except ValueError as e:
+            raise _config_error("--tensorboard", str(e)) from None
     run = Path(args.config).stem
     ckpt = dict(checkpoint_dir=out / "checkpoints", resume=args.resume is not None)
     if args.checkpoint_every:
         ckpt["checkpoint_every"] = args.checkpoint_every
     with report.MetricsWriter(out / "metrics.jsonl") as writer:
         result = cfg.run(
-            args.runtime, run=run, on_record=writer.write, progress=not args.quiet, **ckpt
+            args.runtime,
+            address=args.address,
+            run=run,
+            on_record=writer.write,
+            loggers=loggers,
+            progress=not args.quiet,
+            **ckpt,
         )
     simulated = cfg.train_kwargs(args.runtime)["runtime"] == "sim"
     report.plot_runs(
@@ -113,6 +153,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(report.format_table([row], list(row)))
     print(f"\nmetrics: {out / 'metrics.jsonl'}\nplot:    {out / 'train.png'}")
     print(f"checkpoints: {out / 'checkpoints'} (stalewise train CONFIG --resume {out})")
+    if board is not None:
+        print(f"tensorboard: {loggers[0].logdir} (tensorboard --logdir {board})")
     return 0
 
 
@@ -174,7 +216,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         raise _config_error(
             "--metric", f"{e} (on the command line: --mode min or --mode max)"
         ) from None
-    cfg = config.load(args.config, runtime="sim")  # a sweep runs in the simulator
+    cfg = config.load(args.config, runtime="sim", codec=args.codec)  # a sweep is simulated
     try:
         if args.over == "workers":
             for n in values:
@@ -215,6 +257,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+CODEC_HELP = "override server.codec: none, fp16, bf16, int8, sign or topk:FRACTION"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from stalewise import __version__
 
@@ -238,7 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run a job described by a TOML config (see stalewise.config)")
     t.add_argument("config", help="path to CONFIG.toml")
     t.add_argument("--out", help="run folder (default: runs/CONFIG-TIMESTAMP)")
-    t.add_argument("--runtime", help="override run.runtime: local or sim")
+    t.add_argument("--runtime", help="override run.runtime: local, sim or ray")
+    t.add_argument(
+        "--address",
+        help="with --runtime ray: the Ray cluster, e.g. auto (this machine's, from ray start) "
+        "or HOST:PORT of its head node (default: run.address, else Ray's own rule)",
+    )
+    t.add_argument("--codec", help=CODEC_HELP)
     t.add_argument(
         "--resume",
         metavar="RUN_DIR",
@@ -250,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="also checkpoint every N updates (a checkpoint is always written at the end)",
     )
+    t.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write TensorBoard scalars to DIR/<run folder name> (needs tensorboardX)",
+    )
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train)
 
@@ -258,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("config", help="path to CONFIG.toml (its [sim] table sets the timing model)")
     s.add_argument("--over", choices=("workers", "consistency", "strategy"), default="workers")
+    s.add_argument("--codec", help=CODEC_HELP)
     s.add_argument(
         "--values",
         required=True,

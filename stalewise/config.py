@@ -22,13 +22,15 @@ got '0.01'``)::
     inner = { name = "adamw", lr = 0.003 }  # the worker's optimizer: a table like [optimizer]
 
     [server]
-    consistency = "ssp"           # asp | ssp | bsp
+    consistency = "ssp"           # asp | ssp | bsp | hybrid
     bound = 4                     # ssp only
+    tolerance = 2.0               # hybrid only: a straggler is this many times the median's pace
     staleness = "inverse"         # constant | inverse | exponential | polynomial
     staleness_param = 0.5         # exponential (base) and polynomial (power) only
     max_staleness = 16            # optional
     dc_lambda = 0.0               # DC-ASGD delay compensation (0: off)
     shards = 2                    # 1 .. min(1024, number of parameters)
+    codec = "topk:0.01"           # none | fp16 | bf16 | int8 | sign | topk:F, or a table (stalewise.codecs)
 
     [run]
     workers = 4                   # 1 .. 4096 local processes (16384 simulated)
@@ -37,7 +39,12 @@ got '0.01'``)::
     stragglers = { 3 = 4.0 }      # worker -> slowdown factor (>= 1)
     eval_interval = 0.5           # seconds between evaluations (> 0)
     stop_at = { accuracy = 0.95 } # a loss stops at <= (stalewise.targets); or { x = [0.9, "max"] }
-    runtime = "local"             # or "sim" (the simulator; see the [sim] table)
+    runtime = "local"             # or "sim" (the simulator; see the [sim] table), or "ray"
+    address = "auto"              # runtime "ray": the cluster (stalewise.runtime.ray.connect)
+    on_worker_failure = "restart" # restart | drop | fail: a worker that dies, hangs or raises
+    max_restarts = 3              # restarts allowed per worker id (and per shard)
+    worker_timeout = 60           # seconds without a heartbeat: hung (false: never)
+    diverge_after = 20            # pushes in a row refused as NaN/Inf: diverged (false: never)
 
     [sim]                         # the simulator's timing/network model (stalewise.runtime.sim.config)
     compute = "exponential"       # fixed | exponential (shifted)
@@ -122,6 +129,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.machinery
+import importlib.util
 import inspect
 import math
 import os
@@ -135,12 +143,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from stalewise import codecs, optim, targets, tasks, tree
 from stalewise import consistency as consistency_lib
-from stalewise import optim, targets, tasks, tree
 from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
 from stalewise.api import RUNTIMES, Job
-from stalewise.runtime.base import TrainResult
+from stalewise.protocol import compress
+from stalewise.runtime.base import FAILURE_POLICIES, TrainResult
 from stalewise.runtime.sim import models as sim_models
 from stalewise.runtime.sim.config import SimConfig
 
@@ -150,13 +159,28 @@ TABLES = {
     "server": {
         "consistency",
         "bound",
+        "tolerance",
         "staleness",
         "staleness_param",
         "max_staleness",
         "dc_lambda",
         "shards",
+        "codec",
     },
-    "run": {"workers", "steps", "delay", "stragglers", "eval_interval", "stop_at", "runtime"},
+    "run": {
+        "workers",
+        "steps",
+        "delay",
+        "stragglers",
+        "eval_interval",
+        "stop_at",
+        "runtime",
+        "address",
+        "on_worker_failure",
+        "max_restarts",
+        "worker_timeout",
+        "diverge_after",
+    },
     "sim": None,  # checked key by key against SimConfig.from_dict
     "strategy": None,  # checked against the chosen strategy's signature
 }
@@ -166,7 +190,7 @@ STRATEGIES = ("gradients", "local_sgd", "diloco", "easgd", "adaptive")
 PERIOD_SCHEDULES = ("adacomm", "fixed")  # strategy.schedule of "adaptive"
 #: The option a ``NAME:H`` value of ``stalewise sim --over strategy`` sets, per strategy.
 PERIOD_KEY = {"local_sgd": "steps", "diloco": "steps", "easgd": "every", "adaptive": "start"}
-CONSISTENCY = ("asp", "ssp", "bsp")
+CONSISTENCY = ("asp", "ssp", "bsp", "hybrid")
 STALENESS_PARAM = {"exponential": "base", "polynomial": "power"}  # server.staleness_param
 
 #: The most workers a run may have, per runtime (other runtimes: the local limit).
@@ -224,6 +248,7 @@ class RunConfig:
     _metrics: tuple[str, ...] | None = field(default=None, repr=False)
     optimizer_table: dict[str, Any] = field(default_factory=dict, repr=False)  # [optimizer]
     strategy_table: dict[str, Any] = field(default_factory=dict, repr=False)  # [strategy]
+    address: str | None = None  # run.address: the Ray cluster (runtime "ray")
 
     @property
     def data(self) -> Callable[[int, int], Any]:
@@ -308,15 +333,26 @@ class RunConfig:
         with _on_path(self.paths, env=True):
             yield
 
-    def run(self, runtime: str | None = None, **kwargs: Any) -> TrainResult:
+    def run(
+        self, runtime: str | None = None, *, address: str | None = None, **kwargs: Any
+    ) -> TrainResult:
         """Trains the job on the task: ``job.train`` with the config's run settings.
 
         Args:
             runtime: overrides ``run.runtime``.
+            address: overrides ``run.address``: the Ray cluster to connect to first
+                (runtime "ray"; see :func:`stalewise.runtime.ray.connect`).
             **kwargs: more keyword arguments of ``Job.train`` (``run``, ``on_record``,
                 ``progress``, ``timeout``, ...).
         """
         train = self.train_kwargs(runtime)
+        if train["runtime"] == "ray" and (address or self.address):
+            from stalewise.runtime import ray as ray_runtime
+
+            try:
+                ray_runtime.connect(address or self.address)
+            except ConnectionError as e:
+                raise ConfigError("--address" if address else "run.address", str(e)) from None
         with self.importable():
             return self.job.train(
                 self.task.loss_and_grad,
@@ -327,11 +363,14 @@ class RunConfig:
             )
 
 
-def load(path: str | os.PathLike[str], *, runtime: str | None = None) -> RunConfig:
+def load(
+    path: str | os.PathLike[str], *, runtime: str | None = None, codec: str | None = None
+) -> RunConfig:
     """Reads and checks a TOML config file; a task factory's module may sit next to it.
 
     ``runtime`` overrides ``run.runtime`` (``stalewise train --runtime``); the
-    limits and the [sim] table are checked for it.
+    limits and the [sim] table are checked for it. ``codec`` overrides
+    ``server.codec`` (``--codec``).
     """
     p = Path(path)
     try:
@@ -347,7 +386,7 @@ def load(path: str | os.PathLike[str], *, runtime: str | None = None) -> RunConf
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(str(p), f"not valid TOML: {e}") from None
     try:
-        return parse(raw, base=p.resolve().parent, runtime=runtime)
+        return parse(raw, base=p.resolve().parent, runtime=runtime, codec=codec)
     except ConfigError as e:
         e.path = str(p)
         raise
@@ -358,6 +397,7 @@ def parse(
     *,
     base: str | os.PathLike[str] | None = None,
     runtime: str | None = None,
+    codec: str | None = None,
 ) -> RunConfig:
     """Checks a config already read into a dict and builds the task and the job.
 
@@ -370,6 +410,7 @@ def parse(
         base: the config file's folder, where a task factory's module is looked
             for first (then the current working directory, then ``sys.path``).
         runtime: overrides ``run.runtime``.
+        codec: overrides ``server.codec`` (``stalewise train --codec``).
 
     Raises:
         ConfigError: naming the bad key.
@@ -397,6 +438,13 @@ def parse(
     for key, name in (("run.runtime", configured), ("--runtime", runtime)):
         if name is not None and name not in RUNTIMES:
             raise ConfigError(key, f"unknown runtime {name!r} (known: {', '.join(RUNTIMES)})")
+        if name == "ray" and importlib.util.find_spec("ray") is None:
+            raise ConfigError(key, "runtime 'ray' needs Ray: pip install 'stalewise[ray]'")
+    address = r.get("address")
+    if address is not None and not (isinstance(address, str) and address.strip()):
+        raise ConfigError("run.address", f"expected an address such as 'auto', got {address!r}")
+    if address is not None and configured != "ray":
+        raise ConfigError("run.address", f"is for runtime 'ray'; run.runtime is {configured!r}")
     runtime = runtime or configured
     workers = _get(r, "run.workers", int, 4, low=1)
     _check_workers(workers, runtime, "run.workers")
@@ -405,9 +453,31 @@ def parse(
     eval_interval = _get(r, "run.eval_interval", float, 0.5, low=0, open_low=True)
     stragglers = _stragglers(r.get("stragglers"), workers)
     stop_at = _stop_at(r.get("stop_at"))
+    on_failure = _get(r, "run.on_worker_failure", str, "restart")
+    if on_failure not in FAILURE_POLICIES:
+        raise ConfigError(
+            "run.on_worker_failure",
+            f"expected one of {', '.join(FAILURE_POLICIES)}, got {on_failure!r}",
+        )
+    max_restarts = _get(r, "run.max_restarts", int, 3, low=0)
+    worker_timeout = None
+    if r.get("worker_timeout") is not False:
+        worker_timeout = _get(r, "run.worker_timeout", float, 60.0, low=0, open_low=True)
+    diverge_after = None
+    if r.get("diverge_after") is not False:
+        diverge_after = _get(r, "run.diverge_after", int, 20, low=1)
     consistency = _consistency(s)
     staleness = _staleness(s)
     shards = _get(s, "server.shards", int, 1, low=1, high=MAX_SHARDS)
+    codec_policy = _codec(s.get("codec", "none"), "server.codec")
+    if codec is not None:
+        codec_policy = _codec(codec, "--codec")
+    if runtime not in ("sim", "local") and not compress.is_identity(codec_policy):
+        raise ConfigError(
+            "--codec" if codec is not None else "server.codec",
+            f"runtime {runtime!r} does not send compressed pushes yet; use runtime 'local' "
+            "or 'sim'",
+        )
     strategy = strategy_from_table(st)
     optimizer = _server_optimizer(o, "optimizer" in raw, strategy, workers)
     sim_config = _sim(sim_table)
@@ -424,7 +494,7 @@ def parse(
                 "task.args" if t.get("args") else "task",
                 f"the task's parameters do not fit in memory: {e or 'MemoryError'}",
             ) from None
-        job = _job(params, optimizer, consistency, staleness, shards, strategy)
+        job = _job(params, optimizer, consistency, staleness, shards, strategy, codec_policy)
         _check_batches(task, workers, seed, "run.workers")
         metrics = _metric_names(task, params) if stop_at else None
     for target in stop_at or ():
@@ -441,8 +511,14 @@ def parse(
         "stragglers": stragglers,
         "delays": dict.fromkeys(range(workers), delay) if delay else None,
         "stop_at": stop_at,
+        "on_worker_failure": on_failure,
+        "max_restarts": max_restarts,
+        "worker_timeout": worker_timeout,
+        "diverge_after": diverge_after,
     }
-    return RunConfig(task, job, train, seed, sim_config, delay, paths, metrics, o, st)
+    return RunConfig(
+        task, job, train, seed, sim_config, delay, paths, metrics, o, st, address=address
+    )
 
 
 # ----------------------------------------------------------------------------- values
@@ -861,6 +937,7 @@ def _job(
     staleness: Any,
     shards: int,
     strategy: strategies_lib.Strategy | None = None,
+    codec: codecs.Policy | None = None,
 ) -> Job:
     try:
         return Job(
@@ -870,6 +947,7 @@ def _job(
             staleness=staleness,
             shards=shards,
             strategy=strategy,
+            codec=codec,
         )
     except (TypeError, ValueError) as e:
         if str(e).startswith("shards="):
@@ -1024,12 +1102,39 @@ def _period_schedule(spec: Any, where: str) -> Any:
     return _call(getattr(strategies_lib, name), kwargs, where, name)
 
 
+def _codec(spec: Any, key: str) -> codecs.Policy:
+    """A codec from ``"int8"``, ``"topk:0.01"`` or a table (:func:`stalewise.codecs.parse`)."""
+    if not isinstance(spec, str | dict):
+        raise ConfigError(
+            key, f"expected a codec name such as 'topk:0.01' or a table, got {spec!r}"
+        )
+    try:
+        return codecs.parse(spec)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(key, str(e)) from None
+
+
 def _consistency(s: dict) -> consistency_lib.Consistency:
     name = s.get("consistency", "asp")
     if not isinstance(name, str) or name.lower() not in CONSISTENCY:
         raise ConfigError(
             "server.consistency",
             f"unknown consistency model {name!r} (known: {', '.join(CONSISTENCY)})",
+        )
+    if "tolerance" in s and name.lower() != "hybrid":
+        raise ConfigError(
+            "server.tolerance", f'only for consistency = "hybrid", got consistency = {name!r}'
+        )
+    if name.lower() == "hybrid":
+        if "bound" in s:
+            raise ConfigError(
+                "server.bound", f'only for consistency = "ssp", got consistency = {name!r}'
+            )
+        return _call(
+            consistency_lib.Hybrid,
+            {"tolerance": s["tolerance"]} if "tolerance" in s else {},
+            "server",
+            "consistency hybrid",
         )
     if name.lower() != "ssp":
         if "bound" in s:
@@ -1089,6 +1194,7 @@ _SIM_KEYS = (
     "slowdowns",
     "failures",
     "joins",
+    "restart_delay",
     "model_bytes",
     "latency",
     "bandwidth",

@@ -265,7 +265,7 @@ LR_LINE = 'schedule = { name = "warmup_cosine", peak = 0.05, warmup = 10, total 
             id="sim-target",
         ),
         pytest.param(
-            None, ["train", "--runtime", "ray"], "--runtime", "unknown runtime 'ray'", id="runtime"
+            None, ["train", "--runtime", "mpi"], "--runtime", "unknown runtime 'mpi'", id="runtime"
         ),
         pytest.param(
             ("shards = 2", "shards = 2\nmax_staleness = -1"),
@@ -278,8 +278,8 @@ LR_LINE = 'schedule = { name = "warmup_cosine", peak = 0.05, warmup = 10, total 
             ("eval_interval = 0.05", "eval_interval = 0.05\nworker = 3"),
             ["train"],
             "run.worker",
-            "unknown option (known: address, delay, eval_interval, max_restarts, on_worker_failure, "
-            "runtime, steps, stop_at, stragglers, worker_timeout, workers)",
+            "unknown option (known: address, delay, diverge_after, eval_interval, max_restarts, "
+            "on_worker_failure, runtime, steps, stop_at, stragglers, worker_timeout, workers)",
             id="unknown-key",
         ),
         pytest.param(

@@ -3,13 +3,14 @@
 A runtime is a function ``run(config, strategy, options) -> TrainResult``
 (``config`` a :class:`~stalewise.protocol.ServerConfig`, ``options`` a
 :class:`~stalewise.runtime.options.RunOptions`). Built in: ``"local"`` (OS
-processes on this machine) and ``"sim"`` (the deterministic simulator).
+processes on this machine), ``"sim"`` (the deterministic simulator) and ``"ray"``
+(Ray actors, on a cluster; needs ``pip install stalewise[ray]``).
 :func:`register` adds one; its module is imported only when it is used.
 
 Example:
     >>> from stalewise import runtime
     >>> runtime.names()
-    ('local', 'sim')
+    ('local', 'sim', 'ray')
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 _REGISTRY: dict[str, str | Callable[..., Any]] = {
     "local": "stalewise.runtime.local.train:run",
     "sim": "stalewise.runtime.sim:run",
+    "ray": "stalewise.runtime.ray.train:run",
 }
 
 

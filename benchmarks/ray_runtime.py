@@ -1,0 +1,198 @@
+"""Throughput under a straggler on Ray: stalewise vs the plain Ray parameter-server pattern.
+
+The setting of ``benchmarks/stragglers.py``: 4 workers, 20 ms of emulated
+compute per step, the last worker 4x slower (80 ms); the ideal asynchronous
+rate is 3/0.020 + 1/0.080 = 162.5 updates/s. At 1M and 10M float32
+parameters, in the same run and on the same Ray instance, it measures
+
+* **plain**: the parameter-server pattern of Ray's documentation, written out
+  below in about 40 lines: one actor holds the weights and applies each
+  gradient, returning the new weights; each worker actor sleeps its compute
+  time and returns a gradient; the driver takes the first gradient ready
+  (``ray.wait``), has it applied and hands that worker the new weights;
+* **ray**: stalewise's Ray runtime, ASP, with ``--shards`` shards (default 1:
+  on a 2-core machine a second shard adds messages, not cores);
+* **local**: stalewise's local runtime (processes and shared memory), ASP, one
+  shard, as ``benchmarks/stragglers.py`` runs it;
+
+and prints updates applied per second, the fraction of the ideal rate, the
+ratio of the Ray runtime to the plain pattern and to the local runtime, and
+where a Ray worker's step goes (pull, push, waiting for acks, compute).
+
+Bars: the Ray runtime reaches >= 2x the plain pattern's update rate at 1M
+parameters and >= 1.5x at 10M.
+
+    .venv/bin/python benchmarks/ray_runtime.py [--quick] [--check] [--seconds 6] [--shards 1]
+"""
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+import stalewise as sw
+
+COMPUTE, SLOWDOWN, WORKERS = 0.020, 4.0, 4
+IDEAL = (WORKERS - 1) / COMPUTE + 1 / (COMPUTE * SLOWDOWN)
+BARS = {1_000_000: 2.0, 10_000_000: 1.5}
+_GRADS: dict[int, dict] = {}
+
+
+def emulated_step(params, batch):
+    """A fixed small gradient at once; the compute time is emulated by the runtime's delay."""
+    n = params["w"].size
+    if n not in _GRADS:
+        _GRADS[n] = {"w": np.full(n, 1e-6, np.float32)}
+    return 0.0, _GRADS[n]
+
+
+def no_data(worker, workers):
+    while True:
+        yield None
+
+
+# -- the plain Ray parameter-server pattern ------------------------------------------------
+
+
+def plain_pattern(ray, size: int, seconds: float) -> dict:
+    """Ray's documented asynchronous parameter server, as a user would write it."""
+
+    @ray.remote(num_cpus=0)
+    class ParameterServer:
+        def __init__(self, size):
+            self.weights = np.zeros(size, np.float32)
+
+        def apply_gradients(self, gradient):
+            self.weights -= 0.01 * gradient
+            return self.weights
+
+        def get_weights(self):
+            return self.weights
+
+    @ray.remote(num_cpus=0)
+    class DataWorker:
+        def __init__(self, size, seconds):
+            self.gradient = np.full(size, 1e-6, np.float32)
+            self.seconds = seconds
+
+        def compute_gradients(self, weights):
+            time.sleep(self.seconds)  # the emulated compute, as in the other two
+            return self.gradient
+
+    ps = ParameterServer.remote(size)
+    workers = [
+        DataWorker.remote(size, COMPUTE * (SLOWDOWN if w == WORKERS - 1 else 1.0))
+        for w in range(WORKERS)
+    ]
+    weights = ps.get_weights.remote()
+    ray.get(weights)
+    pending = {w.compute_gradients.remote(weights): w for w in workers}
+    updates, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        [ready], _ = ray.wait(list(pending), num_returns=1)
+        worker = pending.pop(ready)
+        weights = ps.apply_gradients.remote(ready)
+        pending[worker.compute_gradients.remote(weights)] = worker
+        updates += 1
+    ray.get(weights)  # the last update is applied
+    elapsed = time.perf_counter() - t0
+    for a in (ps, *workers):
+        ray.kill(a)
+    return {"updates/s": updates / elapsed, "staleness_mean": float("nan"), "where": ""}
+
+
+# -- stalewise -----------------------------------------------------------------------------
+
+
+def stalewise_run(size: int, seconds: float, runtime: str, shards: int) -> dict:
+    job = sw.Job(
+        {"w": np.zeros(size, np.float32)},
+        optimizer=sw.optim.sgd(0.01),
+        consistency=sw.ASP(),
+        shards=shards,
+    )
+    r = job.train(
+        emulated_step,
+        data=no_data,
+        workers=WORKERS,
+        steps=int(IDEAL * seconds),
+        runtime=runtime,
+        stragglers={WORKERS - 1: SLOWDOWN},
+        delays=dict.fromkeys(range(WORKERS), COMPUTE),
+        eval_interval=1.0,
+        timeout=seconds * 20 + 60,
+    )
+    where = ""
+    if "ray" in r.stats:  # per worker step, in ms
+        t = r.stats["ray"]
+        where = ", ".join(
+            f"{k} {t[k] * 1e3:.1f}" for k in ("pull", "push", "acks", "compute", "send")
+        )
+        where += "; shard: push {:.1f}, publish {:.1f}".format(
+            *(1e3 * sum(t[k]) / len(t[k]) for k in ("shard_push", "shard_publish"))
+        )
+    return {
+        "updates/s": r.stats["version"] / r.time,
+        "staleness_mean": r.stats["staleness_mean"],
+        "where": where,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    ap.add_argument("--seconds", type=float, default=6.0, help="approximate length of each run")
+    ap.add_argument("--quick", action="store_true", help="3-second runs")
+    ap.add_argument("--shards", type=int, default=1, help="shards of the Ray runtime's job")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
+    args = ap.parse_args()
+    seconds = 3.0 if args.quick else args.seconds
+    import ray
+
+    from stalewise.report import format_table
+
+    ray.init(include_dashboard=False, logging_level="warning")
+    rows = []
+    try:
+        for size in args.sizes:
+            runs = {
+                "plain": plain_pattern(ray, size, seconds),
+                "ray": stalewise_run(size, seconds, "ray", args.shards),
+                "local": stalewise_run(size, seconds, "local", 1),
+            }
+            for name, m in runs.items():
+                rows.append(
+                    {
+                        "params": size,
+                        "system": name,
+                        "updates/s": m["updates/s"],
+                        "of ideal": m["updates/s"] / IDEAL,
+                        "staleness": m["staleness_mean"],
+                        "ms per step (ray)": m["where"],
+                    }
+                )
+    finally:
+        ray.shutdown()
+    print(
+        f"ideal asynchronous rate: {IDEAL:.1f} updates/s (3 workers at {COMPUTE * 1e3:.0f} ms, "
+        f"1 at {COMPUTE * SLOWDOWN * 1e3:.0f} ms); Ray runtime with {args.shards} shard(s)"
+    )
+    print(format_table(rows, list(rows[0])))
+    ok = True
+    print()
+    for size in args.sizes:
+        rate = {r["system"]: r["updates/s"] for r in rows if r["params"] == size}
+        vs_plain, vs_local = rate["ray"] / rate["plain"], rate["ray"] / rate["local"]
+        bar = BARS.get(size)
+        met = bar is None or vs_plain >= bar
+        ok &= met
+        verdict = "" if bar is None else f" (bar >= {bar:g}x: {'met' if met else 'MISSED'})"
+        print(
+            f"{size:,} params: ray / plain = {vs_plain:.2f}x{verdict}; ray / local = {vs_local:.2f}"
+        )
+    return 0 if ok or not args.check else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The Ray runtime's cluster-wide steps: CPU shares, placement, consistent state copies,
+and the commit rule for a worker that died.
+
+Each function takes the shard actors' handles and uses only their methods
+(:class:`~stalewise.runtime.ray.shard.ShardActor`); the driver
+(:mod:`stalewise.runtime.ray.train`) decides when to call them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+from stalewise.runtime.ray import import_ray
+
+log = logging.getLogger(__name__)
+
+POLL = 0.05  # seconds between two looks while the shards reach a consistent cut
+
+
+def cpu_share(cpus: list[float], actors: int) -> float:
+    """CPUs per actor: 1 if every actor can have one, else the largest equal share of which
+    the nodes (``cpus``: each node's CPUs) hold ``actors``, counting whole shares per node.
+
+    Example:
+        >>> cpu_share([8.0, 8.0], 10), cpu_share([2.0, 1.0], 5), cpu_share([2.0], 6)
+        (1.0, 0.5, 0.333)
+    """
+
+    def fits(share: float) -> bool:
+        return sum(math.floor(c / share + 1e-9) for c in cpus) >= actors
+
+    if fits(1.0):
+        return 1.0
+    shares = {math.floor(c / m * 1000) / 1000 for c in cpus for m in range(1, actors + 1)}
+    for share in sorted(shares, reverse=True):
+        if share > 0 and fits(share):
+            return share
+    raise RuntimeError(f"the Ray cluster's CPUs ({cpus}) cannot be shared by {actors} actors")
+
+
+def node_cpus() -> list[float]:
+    """The CPUs of each live node of the cluster."""
+    ray = import_ray()
+    return [float(n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n["Alive"]]
+
+
+def place(n: int, share: float, timeout: float, what: str, *, apart: bool = False) -> Any:
+    """A placement group of ``n`` bundles of ``share`` CPU, spread over the nodes as evenly
+    as Ray can (``SPREAD``), once Ray has placed it. ``apart``: each bundle on its own
+    node (``STRICT_SPREAD``) when the cluster has ``n`` nodes that can hold one."""
+    from ray.util.placement_group import placement_group
+
+    ray = import_ray()
+    strict = apart and n <= sum(c >= share for c in node_cpus())
+    pg = placement_group([{"CPU": share}] * n, strategy="STRICT_SPREAD" if strict else "SPREAD")
+    try:
+        ray.get(pg.ready(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(
+            f"Ray could not place {n} {what} of {share:g} CPU within {timeout} s "
+            f"(shard_start_timeout); are other jobs holding the cluster's CPUs ({node_cpus()})?"
+        ) from None
+    return pg
+
+
+def consistent_states(
+    shards: list, workers: int, runs: list, timeout: float, limit: float
+) -> tuple[list, int] | None:
+    """Every shard's state after the same pushes: ``(states, pushes handled on shard 0)``.
+
+    The shards are frozen (pushes wait) and report how far each worker's pushes
+    got; each then handles the held pushes up to the furthest any shard got,
+    copies its state and is thawed. None (nothing copied) if a worker's
+    ``run()`` in ``runs`` ends meanwhile, or after ``limit`` seconds: a worker
+    that died mid-send may have left a push that some shard never gets until
+    the driver delivers it (:func:`depart`). Raises what the shards raise.
+    """
+    ray = import_ray()
+    try:
+        progress = ray.get([s.freeze.remote() for s in shards], timeout=timeout)
+        targets = {}
+        for w in range(workers):
+            inc = max(p[w][0] for p in progress)
+            targets[w] = (inc, max(p[w][1] for p in progress if p[w][0] == inc))
+        refs = [s.snapshot.remote(targets) for s in shards]
+        deadline = time.monotonic() + limit
+        while len(ray.wait(refs, num_returns=len(refs), timeout=POLL)[0]) < len(refs):
+            if (runs and ray.wait(runs, timeout=0)[0]) or time.monotonic() > deadline:
+                log.info("ray: state copy skipped (a worker ended while the shards froze)")
+                return None
+        replies = ray.get(refs, timeout=timeout)
+    finally:
+        for s in shards:
+            s.thaw.remote()
+    return [state for state, _ in replies], replies[0][1]
+
+
+def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0) -> list:
+    """The commit rule for worker ``w``'s incarnation ``inc``, gone: all or none.
+
+    First every shard cuts it off (nothing it sent is handled after that) and
+    says how many of its pushes it handled; then the pushes some shard handled
+    are delivered, read from that shard, to the shards that did not, and every
+    shard makes it leave. Returns the ObjectRefs of the departures.
+    """
+    ray = import_ray()
+    seqs = ray.get([s.cut.remote(w, inc) for s in shards], timeout=timeout)
+    top = max((n for n in seqs if n is not None), default=0)
+    source = shards[seqs.index(top)] if top else None
+    missing: list = [None] * len(shards)
+    for k, n in enumerate(seqs):  # read from the source before it departs (and forgets them)
+        if n is not None and n < top:
+            missing[k] = source.committed.remote(w, inc, n, top)
+            log.warning(
+                "worker %d's pushes %d..%d reached shard %d but not shard %d when it failed: "
+                "delivering them",
+                w,
+                n,
+                top - 1,
+                seqs.index(top),
+                k,
+            )
+    return [s.depart.remote(w, inc, missing[k]) for k, s in enumerate(shards)]

@@ -1,0 +1,421 @@
+"""A parameter-server shard as a Ray actor: one protocol :class:`~stalewise.protocol.Shard`.
+
+:class:`ShardActor` is an asyncio actor: Ray runs all its methods on one event
+loop thread, one at a time between ``await`` points, which is the threading
+contract of :class:`~stalewise.protocol.Shard`. Nothing here is a rule of the
+protocol; the actor only moves pushes and pulls to and from the shard.
+
+* **Snapshots**: the shard's slice, put into the object store once per
+  version and shared by every pull of that version, so a pull costs the shard
+  no copy of its own.
+* **Pulls** under SSP/BSP and with DC-ASGD (:meth:`pull`) wait (``await``, no
+  polling) until the shard lets the worker start
+  (:meth:`Shard.may_start <stalewise.protocol.Shard.may_start>`) and until
+  the worker's own earlier pushes have arrived; every state change wakes the
+  waiting pulls. They are served the current snapshot.
+* **Under ASP** a worker does not ask before each step: it keeps a standing
+  request (:meth:`follow`) that the shard answers when it publishes a newer
+  snapshot, at most every ``publish_every`` seconds while pushes keep coming
+  and at once when they stop; the worker's next step starts from the newest
+  snapshot it has (so it may miss the pushes of the last interval, its own
+  included, which shows up as staleness).
+* **Pushes** arrive as one ObjectRef of the whole flat update, put once by the
+  sender; Ray hands the actor a read-only zero-copy view, from which the shard
+  copies its slice into a scratch buffer (the optimizers use the update as
+  scratch). The sender's verdict (:func:`stalewise.protocol.commit.judge`)
+  comes with it.
+* **Snapshots of the state** (backups, checkpoints) are a consistent cut:
+  the driver freezes every shard (:meth:`freeze`: pushes wait), then asks
+  each for its state once it has handled exactly the same pushes of every
+  worker (:meth:`snapshot`), then lets the pushes through (:meth:`thaw`).
+* **Connections**: the driver *admits* one incarnation per worker id (a join);
+  messages of any other incarnation are dropped, as the local runtime cuts an
+  old incarnation's pipes. :meth:`cut` ends an incarnation's connection and
+  returns how far this shard got, and :meth:`depart` delivers the committed
+  push the shard lacks (see :mod:`stalewise.runtime.ray`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from stalewise.protocol import PushHeader, ServerConfig, Verdict
+from stalewise.runtime.local.procs import child_logging
+
+log = logging.getLogger(__name__)
+
+PUBLISH_EVERY = 0.02  # seconds: the longest an ASP pull may be served an older snapshot...
+PUBLISH_SHARE = 0.25  # ... unless publishing would then take more of the shard's time
+IN_FLIGHT = 2  # pushes a worker may have sent and not yet seen acknowledged by every shard
+
+
+class ShardActor:
+    """Shard ``k`` of a job with ``workers`` workers (made remote by the driver).
+
+    ``config`` may lack the initial parameters (``init`` empty, of the right
+    dtype): the actor starts *closed*, and pulls wait and pushes are dropped
+    until the driver calls :meth:`load` with the initial slice, a checkpoint,
+    or, after Ray restarted the actor, the state it is to come back with.
+    """
+
+    def __init__(self, config: ServerConfig, k: int, workers: int, publish_every: float):
+        child_logging(f"shard {k}")
+        self.config, self.k, self.workers = config, k, workers
+        self.lo, self.hi = config.ranges[k]
+        self.size = config.spec.size
+        self.dtype = config.init.dtype
+        self.shard = config.build_shard(k, np.zeros(self.hi - self.lo, self.dtype), workers)
+        self.shard.warm_up()
+        self.several = len(config.ranges) > 1  # a torn push is possible: keep recent pushes
+        self.gated = config.consistency.bound != math.inf
+        self.exact = self.gated or bool(config.staleness.dc_lambda)  # pulls see the latest
+        self.publish_every = publish_every
+        self.scratch = np.empty(self.hi - self.lo, self.dtype)
+        self.admitted = np.zeros(workers, np.int64)  # the incarnation heard from; 0: none
+        self.retired = np.zeros(workers, np.int64)  # the newest incarnation cut off
+        # worker -> its last pushes here, {seq: (inc, bases, verdict, update)} (see depart)
+        self.last: dict[int, dict[int, tuple]] = {}
+        self.losses = np.full(workers, np.nan)  # each worker's last train loss
+        self.handled = 0  # pushes that counted as a step (the job's push count, on shard 0)
+        self.snap: Any = None  # ObjectRef of the published slice
+        self.snap_version = -1
+        self.published_at = -math.inf
+        self.put_cost = 0.0  # seconds a publish takes (a moving average)
+        self.busy = {"push": 0.0, "publish": 0.0}  # seconds spent handling pushes, publishing
+        self.timer: Any = None  # a deferred publish (ASP), when one is due
+        self.frozen = False  # pushes wait, except those below their worker's target
+        self.targets: dict[int, tuple[int, int]] = {}  # worker -> (incarnation, seq) to reach
+        self.opened = asyncio.Event()
+        self.changed = asyncio.Event()
+        self.stopped = False
+
+    # -- the driver's side ----------------------------------------------------------
+
+    async def ready(self) -> dict:
+        """Where this actor runs (node id, pid) and its version: the driver's start check."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return {"node": node, "pid": os.getpid(), "version": self.shard.version}
+
+    async def watch(self) -> None:
+        """Never returns: its ObjectRef fails when this actor dies (the driver waits on it)."""
+        await asyncio.get_running_loop().create_future()
+
+    async def load(
+        self,
+        state: dict | None,
+        handled: int,
+        joins: dict[int, int],
+        gone: list[int],
+        init: np.ndarray | None = None,
+    ) -> int:
+        """Opens the shard: loads ``state`` (a checkpoint or a backup) or, if None, the
+        initial slice ``init``; makes the ``gone`` workers leave and admits ``joins``
+        (worker -> new incarnation). Returns the version. A bad state raises
+        ValueError and changes nothing."""
+        if state is not None:
+            self.shard.load_state_dict(state)
+        elif init is not None:  # a fresh shard over the initial values
+            self.shard = self.config.build_shard(self.k, np.array(init), self.workers)
+        self.handled = int(handled)
+        for w in gone:
+            if self.shard.live[w]:
+                self.shard.leave(w)
+            self.retired[w] = max(self.retired[w], self.admitted[w])
+            self.admitted[w] = 0
+        for w, inc in joins.items():
+            self.shard.join(int(w), int(inc))
+            self.admitted[w] = inc
+        self.last.clear()
+        self.snap, self.snap_version = None, -1
+        self.frozen, self.targets = False, {}
+        self.opened.set()
+        self._notify()
+        return self.shard.version
+
+    async def join(self, w: int, inc: int) -> None:
+        """Admits incarnation ``inc`` of worker ``w`` (a live older one leaves first)."""
+        self.shard.join(w, inc)
+        self.retired[w] = max(self.retired[w], self.admitted[w])
+        self.admitted[w] = inc
+        self.last.pop(w, None)
+        self._notify()
+
+    async def cut(self, w: int, inc: int) -> int | None:
+        """Ends the connection of ``w``'s incarnation ``inc``: from now on nothing it sent
+        is handled. Returns the number of its pushes this shard handled (None: unknown here)."""
+        if self.admitted[w] == inc:
+            self.admitted[w] = 0
+            self.retired[w] = max(self.retired[w], inc)
+            self._notify()
+        if self.shard.incarnation[w] != inc:
+            return None
+        return int(self.shard.next_seq[w])
+
+    async def leave(self, w: int, inc: int) -> None:
+        """``w``'s incarnation ``inc`` leaves the job (its loop ended; it has its acks)."""
+        if self.admitted[w] == inc:
+            self.admitted[w] = 0
+            self.retired[w] = max(self.retired[w], inc)
+        self.shard.depart(w, inc)
+        self.last.pop(w, None)
+        self._notify()
+
+    async def committed(self, w: int, inc: int, start: int, stop: int) -> list | None:
+        """The pushes ``start .. stop - 1`` of ``w``'s incarnation ``inc``, among the last
+        ones this shard handled: ``[(seq, bases, verdict, update), ...]`` for a shard that
+        lacks them (None if this shard no longer holds them all)."""
+        last = self.last.get(w, {})
+        got = [(seq, *last[seq][1:]) for seq in range(start, stop) if last.get(seq, (0,))[0] == inc]
+        if len(got) == stop - start:
+            return got
+        log.error(
+            "shard %d: worker %d's pushes %d..%d are no longer kept here; a shard lacking "
+            "them stays without them",
+            self.k,
+            w,
+            start,
+            stop - 1,
+        )
+        return None
+
+    async def depart(self, w: int, inc: int, committed: list | None) -> None:
+        """``w``'s incarnation ``inc`` is gone: apply ``committed`` (pushes it sent that this
+        shard has not handled, in order; the protocol applies each only if it is the next
+        one) and make it leave (:meth:`Shard.depart <stalewise.protocol.Shard.depart>`)."""
+        pushes = []
+        for seq, bases, verdict, update in committed or ():
+            header = PushHeader(w, seq, int(bases[self.k]), inc)
+            pushes.append((header, update, Verdict(*verdict)))
+        for header, update, verdict in pushes[:-1]:  # late messages: delivered as pushes
+            self._count(
+                w, self.shard.push(header, self._payload(update), verdict=verdict), math.nan
+            )
+        last = None
+        if pushes:
+            header, update, verdict = pushes[-1]
+            last = (header, self._payload(update), verdict)
+        ack = self.shard.depart(w, inc, last)
+        if ack is not None:
+            self._count(w, ack, math.nan)
+        self.last.pop(w, None)
+        if not self.exact:
+            self._publish_soon()
+        self._notify()
+
+    async def stop(self) -> None:
+        """The job is ending: every pull, waiting or new, is answered "stop"."""
+        self.stopped = True
+        self._notify()
+
+    async def stats(self) -> dict:
+        """The shard's counters, version, pushes handled and each worker's last loss."""
+        return self.shard.stats.as_dict() | {
+            "version": self.shard.version,
+            "handled": self.handled,
+            "losses": self.losses.tolist(),
+            "busy": dict(self.busy),
+        }
+
+    async def freeze(self) -> list[tuple[int, int]]:
+        """Holds every push from now on; returns each worker's (incarnation, pushes handled)."""
+        self.frozen, self.targets = True, {}
+        shard = self.shard
+        return [(int(shard.incarnation[w]), int(shard.next_seq[w])) for w in range(self.workers)]
+
+    async def snapshot(self, targets: dict[int, tuple[int, int]]) -> tuple[dict, int]:
+        """Once frozen: handles the held pushes below ``targets`` (worker -> (incarnation,
+        seq)), waits until it has handled every push below them, and returns
+        ``(Shard.state_dict(), pushes handled)``. Every shard given the same targets
+        returns the state after the same pushes."""
+        self.targets = dict(targets)
+        self._notify()
+        while not all(self._reached(w, inc, seq) for w, (inc, seq) in self.targets.items()):
+            await self._changed()
+        return self.shard.state_dict(), self.handled
+
+    async def thaw(self) -> None:
+        """Lets the held pushes through."""
+        self.frozen, self.targets = False, {}
+        self._notify()
+
+    async def observe(self) -> tuple[int, Any]:
+        """The current slice for an observer (evaluation): ``(version, ObjectRef)``."""
+        return self._publish(exact=True)
+
+    # -- the workers' side ----------------------------------------------------------
+
+    async def pull(self, w: int, inc: int, pushed: int) -> tuple:
+        """Worker ``w``'s pull for its next step, once the shard lets it start.
+
+        ``pushed``: the pushes this incarnation has sent; under SSP/BSP the pull
+        also waits until they have all arrived, so the gate sees the worker's clock.
+
+        Returns ``("ok", version, snapshot ref, pushes handled)``, ``("stop",)``
+        (the job is ending), ``("moved", inc)`` (the driver gave ``w`` a newer
+        incarnation: continue as that one) or ``("gone",)`` (this incarnation
+        was cut off).
+        """
+        await self.opened.wait()
+        shard = self.shard
+        while True:
+            if self.stopped:
+                return ("stop",)
+            if self.admitted[w] > inc:
+                return ("moved", int(self.admitted[w]))
+            if self.retired[w] >= inc:
+                return ("gone",)
+            if (
+                self.admitted[w] == inc
+                and shard.live[w]
+                and (not self.gated or shard.next_seq[w] >= pushed)
+                and shard.may_start(w)
+            ):
+                break
+            await self._changed()
+        version, ref = self._publish(exact=self.exact)
+        if shard.staleness.dc_lambda or shard.hybrid:
+            shard.pull(w, now=time.monotonic())  # DC-ASGD keeps the pull; hybrid times it
+        return ("ok", version, ref, self.handled)
+
+    async def follow(self, w: int, inc: int, seen: int) -> tuple:
+        """Worker ``w``'s standing request for snapshots (ASP): answered once a snapshot
+        newer than version ``seen`` is published, with what :meth:`pull` answers."""
+        await self.opened.wait()
+        while True:
+            if self.stopped:
+                return ("stop",)
+            if self.admitted[w] > inc:
+                return ("moved", int(self.admitted[w]))
+            if self.retired[w] >= inc:
+                return ("gone",)
+            if self.admitted[w] == inc:
+                if self.snap is None:
+                    self._publish(exact=True)
+                if self.snap_version > seen:
+                    return ("ok", self.snap_version, self.snap, self.handled)
+            await self._changed()
+
+    async def push(
+        self,
+        w: int,
+        inc: int,
+        seq: int,
+        bases: tuple,
+        verdict: tuple,
+        loss: float,
+        acked: int,
+        update: Any,
+    ) -> tuple | None:
+        """One push: ``update`` is the whole flat update (a read-only view of the object
+        the sender put), ``bases`` the version it pulled from each shard, ``verdict`` its
+        judgement, ``acked`` how many of its pushes every shard has acknowledged (this
+        shard stops keeping those). Returns ``(Ack, pushes handled)``, or None for a
+        cut-off incarnation. A worker's pushes are applied in order, whatever the
+        order they arrive in."""
+        shard = self.shard
+        while self.admitted[w] == inc and (
+            (self.frozen and not self._released(w, inc, seq))
+            or (seq > shard.next_seq[w] and shard.incarnation[w] == inc)  # an earlier one first
+        ):
+            await self._changed()
+        if self.admitted[w] != inc:
+            return None  # an incarnation that is not (or no longer) connected
+        t = time.perf_counter()
+        header = PushHeader(w, seq, int(bases[self.k]), inc)
+        ack = shard.push(
+            header, self._payload(update), verdict=Verdict(*verdict), now=time.monotonic()
+        )
+        self.busy["push"] += time.perf_counter() - t
+        self._count(w, ack, loss)
+        if self.several:  # kept until every shard has it, for one that may lack it (depart)
+            window = self.last.setdefault(w, {})
+            for old in [n for n, entry in window.items() if n < acked or entry[0] != inc]:
+                del window[old]
+            window[seq] = (inc, tuple(bases), tuple(verdict), update)
+        if not self.exact:
+            self._publish_soon()
+        self._notify()
+        return ack, self.handled
+
+    # -- internals ------------------------------------------------------------------
+
+    def _released(self, w: int, inc: int, seq: int) -> bool:
+        """Whether a push may go through while frozen: below its worker's target."""
+        target = self.targets.get(w)
+        return target is not None and target[0] == inc and seq < target[1]
+
+    def _reached(self, w: int, inc: int, seq: int) -> bool:
+        """Whether every push of ``w``'s incarnation ``inc`` below ``seq`` is handled here
+        (or that incarnation is gone: nothing more will come)."""
+        shard = self.shard
+        return shard.incarnation[w] != inc or not shard.live[w] or shard.next_seq[w] >= seq
+
+    def _payload(self, update: Any) -> Any:
+        """This shard's slice of ``update``, copied into the scratch buffer."""
+        if not (
+            isinstance(update, np.ndarray)
+            and update.shape == (self.size,)
+            and update.dtype == self.dtype
+        ):
+            return update  # the shard refuses it, naming what is wrong
+        np.copyto(self.scratch, update[self.lo : self.hi])
+        return self.scratch
+
+    def _count(self, w: int, ack: Any, loss: float) -> None:
+        if ack.staleness is not None and not ack.duplicate:  # the worker's step counted
+            self.handled += 1
+            if not math.isnan(loss):
+                self.losses[w] = loss
+
+    def _publish(self, exact: bool) -> tuple[int, Any]:
+        """The snapshot to serve: a new one (one copy into the object store) when the
+        params changed and ``exact`` or the last one is ``publish_every`` old."""
+        import ray
+
+        version = self.shard.version
+        if self.snap is None or (
+            self.snap_version != version
+            and (exact or time.monotonic() - self.published_at >= self.publish_every)
+        ):
+            t = time.monotonic()
+            self.snap = ray.put(self.shard.params)
+            self.snap_version, self.published_at = version, time.monotonic()
+            self.put_cost = 0.8 * self.put_cost + 0.2 * (self.published_at - t)
+            self.busy["publish"] += self.published_at - t
+        return self.snap_version, self.snap
+
+    def _publish_soon(self) -> None:
+        """ASP: publishes now if the last snapshot is old enough, else once it is: after
+        ``publish_every`` seconds, or more if publishing would otherwise take more than
+        ``PUBLISH_SHARE`` of the shard's time (a large slice under a stream of pushes)."""
+        if self.timer is not None or self.snap_version == self.shard.version:
+            return
+        every = max(self.publish_every, self.put_cost / PUBLISH_SHARE)
+        wait = self.published_at + every - time.monotonic()
+        if wait <= 0:
+            self._publish(exact=True)
+        else:
+            self.timer = asyncio.get_running_loop().call_later(wait, self._deferred)
+
+    def _deferred(self) -> None:
+        self.timer = None
+        if self.snap_version != self.shard.version:
+            self._publish(exact=True)
+            self._notify()
+
+    def _notify(self) -> None:
+        """Wakes every waiting pull (the shard's state changed)."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def _changed(self) -> None:
+        await self.changed.wait()

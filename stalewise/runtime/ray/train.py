@@ -1,0 +1,454 @@
+"""``Job.train`` on Ray: shard and worker actors, driven by this process.
+
+The driver starts the shard actors (a placement group of one bundle per shard,
+each on its own node when the cluster has enough nodes), loads a checkpoint if
+resuming, admits every worker's first incarnation, starts one worker actor per
+worker (a second placement group, spread over the nodes), waits until all are
+set up, then releases them together and watches:
+it evaluates the parameters every ``eval_interval`` seconds as an observer,
+writes metrics records, drives the progress bar, takes checkpoints and
+backups, applies the failure policy, and stops the job at the budget, the stop
+condition or the timeout. Whatever happens, every actor it started is killed.
+See :mod:`stalewise.runtime.ray` for the guarantees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from stalewise import checkpoint, tree
+from stalewise.protocol import ServerConfig
+from stalewise.runtime.base import (
+    DivergedError,
+    Failures,
+    Recorder,
+    ShardError,
+    TrainResult,
+    WorkerError,
+    mean_loss,
+    merge_stats,
+)
+from stalewise.runtime.options import RunOptions
+from stalewise.runtime.ray import cluster, import_ray
+from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
+from stalewise.runtime.ray.worker import WorkerActor
+from stalewise.strategies import Strategy
+
+log = logging.getLogger(__name__)
+
+TICK = 0.05  # seconds between two looks at the workers' progress
+BACKUP_EVERY = 5.0  # seconds between the driver's copies of the shards' states
+SNAPSHOT_LIMIT = 10.0  # seconds the shards may take to reach a consistent cut
+
+
+class _ShardDown(Exception):
+    """A shard did not answer because its actor died; its watch() reports it."""
+
+
+class _Driver:
+    """One run on Ray; :meth:`train` runs it and always kills what it started."""
+
+    def __init__(self, config: ServerConfig, strategy: Strategy, options: RunOptions):
+        self.ray = import_ray()
+        self.config, self.strategy, self.o = config, strategy, options
+        self.W, self.S = options.workers, config.shards
+        self.failures = Failures(options.on_worker_failure, options.max_restarts)
+        self.incs = [0] * self.W  # each worker's current incarnation
+        self.actors: list[Any] = [None] * self.W
+        self.runs: dict[Any, int] = {}  # a worker's run() ObjectRef -> worker
+        self.watches: dict[Any, int] = {}  # a shard's watch() ObjectRef -> shard
+        self.live: set[int] = set()  # workers whose loop has not ended
+        self.shards: list[Any] = []
+        self.nodes: list[str] = []  # the node id of each shard (as started)
+        self.pgs: list = []  # the placement groups: shards, workers
+        self.backup: tuple[list, int] | None = None  # (shard states, pushes handled)
+        self.ended: list[dict] = []  # what each worker loop that ended normally returned
+        self.diverged: list[int] = []  # the workers that diverged
+        self.recorder: Recorder | None = None
+        self.stopping = False
+        self.share = 1.0  # CPUs per actor (cpu_share)
+        self.config_ref: Any = None  # the ServerConfig in the object store (for the workers)
+        # actors are named PREFIX:shard-K and PREFIX:worker-W.INCARNATION
+        self.prefix = f"stalewise:{options.run}:{uuid.uuid4().hex[:8]}"
+        self.t0 = 0.0
+
+    # -- start -----------------------------------------------------------------------
+
+    def _start_shards(self) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray, o = self.ray, self.o
+        self.config_ref = ray.put(self.config)  # read by every worker actor
+        self.share = cluster.cpu_share(cluster.node_cpus(), self.W + self.S)
+        # shards first, one bundle each, spread over the nodes; then the workers, spread too
+        wait = o.shard_start_timeout
+        self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
+        self.pgs.append(cluster.place(self.W, self.share, wait, "workers"))
+        restarts = 0 if o.on_worker_failure == "fail" else o.max_restarts
+        # the shards' own copy of the config, without the initial params (load() sends
+        # them): small enough to travel inside the actor's creation task, which Ray
+        # replays when it restarts the actor
+        config = dataclasses.replace(self.config, init=self.config.init[:0])
+        actor = ray.remote(ShardActor)
+        self.shards = [
+            actor.options(
+                name=f"{self.prefix}:shard-{k}",
+                num_cpus=self.share,
+                max_restarts=-1 if restarts is None else restarts,
+                max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[0], k),
+            ).remote(config, k, self.W, PUBLISH_EVERY)
+            for k in range(self.S)
+        ]
+        info = self._get([s.ready.remote() for s in self.shards], o.shard_start_timeout, "start")
+        self.nodes = [i["node"] for i in info]
+
+    def _open_shards(self) -> int:
+        """Loads the checkpoint to resume from (if any), admits every worker; the pushes so far."""
+        resumed = checkpoint.resume_point(self.config, self.o, runtime="ray")
+        states: list = [None] * self.S
+        base = 0
+        if resumed is not None:
+            states, base = resumed.states, int(resumed.step.get("pushes", 0))
+            for w in range(self.W):  # new incarnations, above those in the checkpoint
+                self.incs[w] = max(int(np.asarray(s["incarnation"])[w]) for s in states)
+            log.info("ray: resumed from %s (version %d)", resumed.path, resumed.version)
+        joins = {w: self.incs[w] + 1 for w in range(self.W)}
+        self.incs = [joins[w] for w in range(self.W)]
+        refs = [
+            s.load.remote(states[k], base, joins, [], init=self.config.init[lo:hi])
+            for k, (s, (lo, hi)) in enumerate(zip(self.shards, self.config.ranges, strict=True))
+        ]
+        self._get(refs, self.o.shard_start_timeout, "load")
+        self._take_backup()
+        return base
+
+    def _spawn(self, w: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        remote = self.ray.remote(WorkerActor).options(
+            name=f"{self.prefix}:worker-{w}.{self.incs[w]}",
+            num_cpus=self.share,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[1], w),
+        )
+        self.actors[w] = remote.remote(
+            self.config_ref, self.strategy, self.o.for_workers(), w, self.incs[w], self.shards
+        )
+        return self.actors[w]
+
+    def _start_workers(self) -> None:
+        ray = self.ray
+        refs = {self._spawn(w).prepare.remote(): w for w in range(self.W)}
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=self.o.start_timeout)
+        if pending:
+            late = sorted(refs[r] for r in pending)
+            raise WorkerError(
+                f"worker(s) {', '.join(map(str, late))} did not start within "
+                f"{self.o.start_timeout} s (start_timeout)"
+            )
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as e:
+                raise WorkerError(f"worker {refs[ref]} failed to start:\n{e}") from None
+
+    # -- the run ---------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        o = self.o
+        try:
+            self._start_shards()
+            base = self._open_shards()
+            self._start_workers()
+            if o.evaluate is not None:  # the first call may load data or compile: not training
+                o.evaluate(self._params())
+            self.recorder = Recorder(
+                o.run, o.steps, stop_at=o.stop_at, on_record=o.on_record, progress=o.progress
+            )
+            saver = None
+            if o.checkpoint_dir is not None:
+                version = self._stats()[0]["version"]
+                saver = checkpoint.Saver(
+                    self.config, self.strategy, o, runtime="ray", version=version
+                )
+            self.t0 = time.perf_counter()
+            self.runs = {self.actors[w].run.remote(): w for w in range(self.W)}
+            self.live = set(range(self.W))
+            self.watches = {s.watch.remote(): k for k, s in enumerate(self.shards)}
+            pushes = self._watch(saver, base)
+            return self._finish(saver, pushes)
+        finally:
+            self._teardown()
+
+    def _watch(self, saver: Any, pushes: int) -> int:
+        """Watches the run until every worker's loop has ended; returns the push count."""
+        ray, o = self.ray, self.o
+        last_eval = last_backup = -math.inf
+        tick = min(TICK, o.eval_interval)
+        while self.live:
+            refs = [*self.runs, *self.watches]
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=tick)
+            for ref in sorted(done, key=lambda r: r not in self.watches):  # shards first
+                if ref in self.watches:
+                    self._shard_ended(ref)
+                elif ref in self.runs:
+                    self._worker_ended(ref)
+            now = time.perf_counter() - self.t0
+            try:
+                stats = self._stats()
+            except _ShardDown:  # its watch() says so at the next tick
+                continue
+            pushes = stats[0]["handled"]
+            assert self.recorder is not None
+            self.recorder.progress(pushes)
+            if now - last_eval >= o.eval_interval or not self.live:
+                last_eval = now
+                losses = stats[0]["losses"]
+                if self.recorder.record(
+                    now, pushes, merge_stats(stats), mean_loss(losses), o.evaluate, self._params
+                ):
+                    self._stop()
+            if not self.live:
+                break
+            try:
+                if saver is not None and saver.due(stats[0]["version"], now):
+                    if self._save(saver, now):
+                        last_backup = now
+                elif now - last_backup >= BACKUP_EVERY and self._take_backup():
+                    last_backup = now
+            except _ShardDown:  # its watch() says so at the next tick
+                continue
+            if o.timeout is not None and now > o.timeout:
+                raise TimeoutError(f"training did not finish within {o.timeout} s")
+        return pushes
+
+    def _finish(self, saver: Any, pushes: int) -> TrainResult:
+        elapsed = time.perf_counter() - self.t0
+        assert self.recorder is not None
+        if self.recorder.stop_reason:
+            reason = self.recorder.stop_reason
+        elif pushes >= self.o.steps or self.ended:
+            reason = f"the budget of {self.o.steps} pushes is spent"
+        elif self.diverged:
+            last = next(
+                e["cause"] for e in reversed(self.failures.events) if e["action"] == "diverged"
+            )
+            raise DivergedError(
+                f"training diverged: worker(s) {', '.join(map(str, self.diverged))} stopped "
+                f"because their pushes kept being refused ({last}); no worker is left, after "
+                f"{pushes} of {self.o.steps} pushes. The parameters are unchanged by refused "
+                "pushes; lower the learning rate or clip the gradients."
+            )
+        else:
+            reason = f"every worker failed and was dropped, after {pushes} of {self.o.steps} pushes"
+        self.recorder.finish(reason)
+        per_shard = self._stats()
+        stats = merge_stats(per_shard, settled=True)  # every worker has taken its acks
+        steps = max(sum(e["steps"] for e in self.ended), 1)
+        stats["ray"] = {  # seconds per worker step, over the loops that ended normally
+            key: sum(e["times"][key] for e in self.ended) / steps
+            for key in ("pull", "push", "acks", "compute", "send")
+        } | {
+            "nodes": list(self.nodes),
+            "cpus_per_actor": self.share,
+            # seconds each shard spent handling pushes and publishing, per push handled
+            "shard_push": [s["busy"]["push"] / max(s["handled"], 1) for s in per_shard],
+            "shard_publish": [s["busy"]["publish"] / max(s["handled"], 1) for s in per_shard],
+        }
+        if saver is not None:
+            self._save(saver, elapsed)
+        flat = self._flat()
+        params = tree.unflatten(flat, self.config.spec, copy=True)
+        return TrainResult(
+            params,
+            flat,
+            self.recorder.records,
+            stats,
+            elapsed,
+            pushes,
+            failures=self.failures.events,
+            stop_reason=reason,
+        )
+
+    def _teardown(self) -> None:
+        ray = self.ray
+        if self.recorder is not None:
+            self.recorder.close()
+        for a in (*self.actors, *self.shards):
+            if a is not None:
+                ray.kill(a, no_restart=True)
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in self.pgs:
+            remove_placement_group(pg)
+
+    # -- failures --------------------------------------------------------------------
+
+    def _worker_ended(self, ref: Any) -> None:
+        ray = self.ray
+        w = self.runs.pop(ref)
+        try:
+            ended = ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if e.cause is not None else e
+            self._worker_failed(w, f"raised {type(cause).__name__}: {cause}", str(e))
+        except ray.exceptions.RayError as e:
+            self._worker_failed(w, f"its actor died ({type(e).__name__})")
+        else:
+            self.live.discard(w)
+            if "diverged" in ended:  # it left; it is not restarted
+                self.diverged.append(w)
+                self.failures.diverged(w, ended["diverged"], time=time.perf_counter() - self.t0)
+            else:
+                self.ended.append(ended)
+
+    def _worker_failed(self, w: int, cause: str, detail: str = "") -> None:
+        """The failure policy for worker ``w``: its last push everywhere or nowhere, then
+        restart it as a new incarnation, drop it, or stop the job (WorkerError)."""
+        self.ray.kill(self.actors[w], no_restart=True)  # it may live on after raising
+        timeout = self.o.ack_timeout
+        with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
+            self._get(cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart")
+        now = time.perf_counter() - self.t0
+        action = self.failures.worker(w, cause, time=now, detail=detail)
+        if action == "drop" or self.stopping:
+            self.live.discard(w)
+            return
+        self.incs[w] += 1
+        with contextlib.suppress(_ShardDown):  # else the restore to come admits it
+            self._get([s.join.remote(w, self.incs[w]) for s in self.shards], timeout, "join")
+        self.runs[self._spawn(w).run.remote()] = w
+
+    def _shard_ended(self, ref: Any) -> None:
+        ray = self.ray
+        k = self.watches.pop(ref)
+        try:
+            ray.get(ref)
+            return  # the job is ending
+        except ray.exceptions.RayError as e:
+            cause = f"its actor died ({type(e).__name__})"
+        now = time.perf_counter() - self.t0
+        self.failures.shard(k, cause, time=now)  # ShardError unless it is to be restarted
+        deadline = time.monotonic() + self.o.shard_start_timeout
+        while True:  # Ray restarts the actor; calls fail while it is restarting
+            try:
+                ray.get(self.shards[k].ready.remote(), timeout=self.o.shard_start_timeout)
+                break
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise ShardError(
+                        f"shard {k} did not come back within {self.o.shard_start_timeout} s "
+                        "(shard_start_timeout)"
+                    ) from None
+                time.sleep(TICK)
+            except ray.exceptions.RayError as e:
+                raise ShardError(f"shard {k} did not come back ({type(e).__name__}: {e})") from None
+        self._restore()
+        self.watches[self.shards[k].watch.remote()] = k
+
+    def _restore(self) -> None:
+        """Rolls every shard back to the newest backup; live workers become new incarnations."""
+        assert self.backup is not None
+        states, handled = self.backup
+        joins = {}
+        for w in sorted(self.live):
+            self.incs[w] += 1
+            joins[w] = self.incs[w]
+        gone = [w for w in range(self.W) if w not in self.live]
+        refs = [s.load.remote(states[k], handled, joins, gone) for k, s in enumerate(self.shards)]
+        versions = self._get(refs, self.o.shard_start_timeout, "restore")
+        log.warning(
+            "ray: the shards were rolled back to version %d (%d pushes); workers %s carry on "
+            "as new incarnations",
+            versions[0],
+            handled,
+            sorted(joins),
+        )
+
+    # -- talking to the shards -------------------------------------------------------
+
+    def _get(self, refs: list, timeout: float | None, what: str) -> list:
+        """``ray.get`` with a timeout; a shard's own exception comes back as itself."""
+        ray = self.ray
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"the shards did not answer {what} within {timeout} s") from None
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+            raise _ShardDown(f"{what}: {type(e).__name__}") from None
+
+    def _stats(self) -> list[dict]:
+        return self._get([s.stats.remote() for s in self.shards], self.o.ack_timeout, "stats")
+
+    def _flat(self) -> np.ndarray:
+        """The current flat parameters, as an observer (a copy)."""
+        replies = self._get([s.observe.remote() for s in self.shards], self.o.ack_timeout, "pull")
+        slices = self.ray.get([r[1] for r in replies], timeout=self.o.ack_timeout)
+        return np.concatenate(slices) if len(slices) > 1 else np.array(slices[0])
+
+    def _params(self) -> Any:
+        return tree.unflatten(self._flat(), self.config.spec)
+
+    def _stop(self) -> None:
+        self.stopping = True
+        self._get([s.stop.remote() for s in self.shards], self.o.ack_timeout, "stop")
+
+    def _take_backup(self) -> bool:
+        """A consistent copy of every shard's state into ``self.backup`` (False: none was
+        taken this time; see :func:`cluster.consistent_states`)."""
+        ray = self.ray
+        try:
+            got = cluster.consistent_states(
+                self.shards, self.W, list(self.runs), self.o.ack_timeout, SNAPSHOT_LIMIT
+            )
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"the shards did not freeze within {self.o.ack_timeout} s") from None
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
+            raise _ShardDown(f"state: {type(e).__name__}") from None
+        if got is not None:
+            self.backup = got
+        return got is not None
+
+    def _save(self, saver: Any, now: float) -> bool:
+        if not self._take_backup():
+            return False
+        assert self.backup is not None
+        saver.save(self.backup[0], {"pushes": self.backup[1], "time": now})
+        return True
+
+
+def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
+    """Trains on Ray (the ``"ray"`` runtime; see :mod:`stalewise.runtime.ray`).
+
+    Uses the Ray instance this process is connected to; if none, ``ray.init()``
+    starts or finds one (see :func:`stalewise.runtime.ray.connect`), and a
+    connection made here is closed at the end of the run.
+    """
+    from stalewise.runtime.ray import connect
+
+    compressor = getattr(config, "compressor", None)
+    if compressor is not None and compressor() is not None:
+        raise ValueError(
+            f"runtime 'ray' does not send compressed pushes yet (codec {config.codec!r}); "
+            "use runtime 'local' or 'sim'"
+        )
+    ray = import_ray()
+    started = connect()
+    try:
+        return _Driver(config, strategy, options).train()
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,438 @@
+"""A worker as a Ray actor: the protocol's one worker loop, answered with Ray calls.
+
+:class:`WorkerActor` runs :func:`stalewise.protocol.loop.worker_loop` with the
+user's ``loss_and_grad`` and data, and answers its requests:
+
+* ``BEGIN``: True unless a shard says the job is stopping or shard 0's count
+  of pushes has reached the budget, once the parameters for the step are in:
+  under SSP/BSP and with DC-ASGD a pull to every shard, answered when the gate
+  lets the worker start; under ASP the newest snapshots the worker holds (a
+  *receiver* thread keeps a standing request at every shard,
+  :meth:`ShardActor.follow <stalewise.runtime.ray.shard.ShardActor.follow>`,
+  so a step starts without asking anyone);
+* ``PULL``: those parameters. With one shard and NumPy leaves the tree handed
+  to the user views the object store's read-only copy (no copy at all);
+  otherwise the slices are copied into the worker's pull buffer;
+* a ``Push``: emulates the compute time, flattens the update into a free push
+  buffer and judges it (:func:`stalewise.protocol.commit.judge`); a *sender*
+  thread then puts it into the object store once and sends its ObjectRef with
+  the verdict to every shard, and a *collector* thread reads the acks, while
+  the loop goes on: pushes are pipelined, up to ``IN_FLIGHT`` of them
+  unacknowledged (the shards apply each worker's pushes in order). The answer
+  to a ``Push`` is the results of the pushes acknowledged since the last one.
+
+A shard that dies makes the calls in flight to it fail; the worker retries
+until the driver has restored the shard (``shard_start_timeout``), and the
+push whose acks were lost reports no result. When the driver restores the
+shards it gives every worker a new incarnation, which the shards announce
+(``"moved"``); the worker carries on as that incarnation, sequence numbers
+from 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from stalewise import tree
+from stalewise.protocol import PushResult, ServerConfig, commit, loop
+from stalewise.runtime.base import batch_iterator
+from stalewise.runtime.local.procs import child_logging
+from stalewise.runtime.options import RunOptions
+from stalewise.runtime.ray.shard import IN_FLIGHT
+from stalewise.strategies import Strategy
+
+log = logging.getLogger(__name__)
+
+RETRY_EVERY = 0.05  # seconds between tries while a shard is restarting
+POLL = 0.2  # seconds: how often the receiver thread looks whether the run is over
+
+
+class WorkerActor:
+    """Worker ``w``'s incarnation ``inc`` (made remote by the driver); ``shards`` are
+    the shard actors' handles, in order."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        strategy: Strategy,
+        options: RunOptions,
+        w: int,
+        inc: int,
+        shards: list,
+    ):
+        child_logging(f"worker {w}")
+        self.config, self.strategy, self.o = config, strategy, options
+        self.w, self.inc, self.shards = w, inc, list(shards)
+        self.S = len(self.shards)
+        self.spec = config.spec
+        numpy_only = all(leaf.backend == "numpy" for leaf in self.spec.leaves)
+        self.views = self.S == 1 and numpy_only  # hand out the snapshot itself
+        self.pull_buf = None if self.views else np.empty(self.spec.size, self.spec.dtype)
+        self.free = [np.empty(self.spec.size, self.spec.dtype) for _ in range(2)]  # push buffers
+        gated = config.consistency.bound != math.inf
+        self.following = not gated and not config.staleness.dc_lambda  # ASP: no pull requests
+        self.seq = 0  # pushes sent by this incarnation
+        self.bases = [0] * self.S  # the version pulled from each shard
+        self.known = [0] * self.S  # the newest version of each shard seen
+        self.params: Any = None
+        self.snapshots: list = []  # the pulled slices (kept alive while the params view them)
+        self.batches: Any = None
+        self.times = dict.fromkeys(("pull", "push", "acks", "compute", "send"), 0.0)
+        # shared with the sender and receiver threads, under `cond`
+        self.cond = threading.Condition()
+        self.latest: list = [None] * self.S  # (version, slice): the newest snapshots (ASP)
+        self.handled = 0  # shard 0's count of pushes, as last heard
+        self.news: tuple | None = None  # ("stop",) or ("gone",) from a shard
+        self.moved_to = inc  # the newest incarnation the shards announced
+        self.job: tuple | None = None  # the push the sender is to send
+        self.inflight: deque = deque()  # (seq, ack refs) of the pushes sent, oldest first
+        self.acked = 0  # pushes of this incarnation every shard has acknowledged
+        self.results: list[PushResult] = []  # of the pushes acknowledged, not yet reported
+        self.error: BaseException | None = None  # raised in a thread
+        self.closing = False
+
+    def prepare(self) -> dict:
+        """Set-up, not training: the data, and one step on the initial params whose result
+        is thrown away (a JIT compile happens here). Returns where this actor runs."""
+        import os
+
+        import ray
+
+        batches = batch_iterator(self.o.data, self.w, self.o.workers)
+        first = next(batches)
+        self.o.loss_and_grad(tree.unflatten(self.config.init, self.spec, copy=True), first)
+        self.batches = itertools.chain([first], batches)
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def run(self) -> dict:
+        """The worker loop until the budget is spent, the job stops or the worker diverges
+        (the loop's ``Diverged``); then it leaves the shards. Returns its counts
+        (``steps``, ``outcomes``), ``diverged`` (the message, if it diverged) and
+        ``times``: seconds spent pulling, pushing, waiting for acks and computing
+        (measured plus emulated) on the loop's path, and sending (the sender thread's
+        put and calls, off that path)."""
+        if self.batches is None:
+            self.prepare()
+        threads = [
+            threading.Thread(target=self._guard(body), daemon=True)
+            for body in (self._send_loop, self._collect_loop)
+        ]
+        if self.following:
+            threads.append(threading.Thread(target=self._guard(self._receive_loop), daemon=True))
+        for t in threads:
+            t.start()
+        diverged = getattr(loop, "Diverged", ())  # raised by the worker loop, where it exists
+        ended: dict[str, Any] = {"times": self.times}
+        try:
+            lp = loop.worker_loop(
+                self.strategy,
+                self.o.loss_and_grad,
+                self.batches,
+                worker=self.w,
+                diverge_after=self.o.diverge_after,
+            )
+            try:
+                stats = loop.run(lp, self._answerer())
+                loop.report(self._results(wait=True), stats, self.w)
+                ended |= {"steps": stats.steps, "outcomes": dict(stats.outcomes)}
+            except diverged as e:  # it leaves; the driver does not restart it
+                self._results(wait=True)
+                ended |= {"steps": self.seq, "outcomes": {}, "diverged": str(e)}
+        finally:
+            with self.cond:
+                self.closing = True
+                self.cond.notify_all()
+            for t in threads:
+                t.join(timeout=POLL * 5)
+            self.params, self.snapshots = None, []
+        self._leave()
+        return ended
+
+    def _leave(self) -> None:
+        """Leaves every shard, so that their gates and BSP rounds stop waiting for it."""
+        import ray
+
+        try:
+            ray.get([s.leave.remote(self.w, self.inc) for s in self.shards], timeout=POLL * 25)
+        except ray.exceptions.RayError:  # a shard is down: the driver's restore drops it
+            log.warning("worker %d: could not leave every shard", self.w)
+
+    def _answerer(self) -> Callable[[Any], Any]:
+        slowdown, delay = self.o.slowdowns[self.w], self.o.extra_delays[self.w]
+        times, clock = self.times, time.perf_counter
+
+        def answer(request: Any) -> Any:
+            if request is loop.BEGIN:
+                t = clock()
+                go = self._begin()
+                times["pull"] += clock() - t
+                return go
+            if request is loop.PULL:
+                return self.params
+            emulated = (request.compute + delay * request.local_steps) * slowdown - request.compute
+            if emulated > 0:
+                time.sleep(emulated)
+            times["compute"] += max(emulated, 0.0) + request.compute
+            t = clock()
+            self._push(request.update, request.loss)
+            times["push"] += clock() - t
+            return self._results()
+
+        return answer
+
+    # -- the parameters for a step ---------------------------------------------------
+
+    def _begin(self) -> bool:
+        """The parameters for the next step; False when the job is stopping or the budget
+        is spent."""
+        got = self._newest() if self.following else self._pull()
+        if got is None:
+            return False
+        versions, slices = got
+        for k, v in enumerate(versions):
+            self.bases[k] = v
+            self.known[k] = max(self.known[k], v)
+        self.params = None
+        self.snapshots = slices
+        if self.views:
+            self.params = tree.unflatten(slices[0], self.spec, copy=False)
+        else:
+            for (lo, hi), piece in zip(self.config.ranges, slices, strict=True):
+                self.pull_buf[lo:hi] = piece
+            self.params = tree.unflatten(self.pull_buf, self.spec, copy=False)
+        return True
+
+    def _newest(self) -> tuple[list, list] | None:
+        """ASP: the newest snapshot of every shard that the receiver holds."""
+        with self.cond:
+            while True:
+                self._check()
+                if self.news is not None:
+                    return None
+                if self.moved_to > self.inc:
+                    self._become(self.moved_to)
+                if all(s is not None for s in self.latest):
+                    break
+                self.cond.wait(POLL)
+            if self.handled >= self.o.steps:
+                return None
+            return [v for v, _ in self.latest], [a for _, a in self.latest]
+
+    def _pull(self) -> tuple[list, list] | None:
+        """SSP/BSP, DC-ASGD: a pull to every shard, answered when its gate opens."""
+        import ray
+
+        failed_at = None
+        while True:
+            refs = [s.pull.remote(self.w, self.inc, self.seq) for s in self.shards]
+            try:
+                replies = ray.get(refs)
+                if all(r[0] == "ok" for r in replies):
+                    slices = ray.get([r[2] for r in replies])
+                    break
+            except ray.exceptions.RayTaskError:
+                raise
+            except ray.exceptions.RayError as e:  # a shard died: the driver restores it
+                failed_at = self._retry(failed_at, e)
+                continue
+            kinds = {r[0] for r in replies}
+            if "stop" in kinds or "gone" in kinds:
+                return None
+            moved = [r[1] for r in replies if r[0] == "moved"]
+            if moved:
+                self._become(max(moved))
+        if replies[0][3] >= self.o.steps:
+            return None
+        return [r[1] for r in replies], slices
+
+    def _become(self, inc: int) -> None:
+        """Carries on as incarnation ``inc`` (the driver restored the shards)."""
+        log.warning(
+            "worker %d: continuing as incarnation %d (the shards were restored)", self.w, inc
+        )
+        self.inc, self.seq, self.acked = inc, 0, 0
+        self.moved_to = max(self.moved_to, inc)
+
+    def _retry(self, failed_at: float | None, error: Exception) -> float:
+        """Waits a little before trying a shard again; raises after ``shard_start_timeout``."""
+        failed_at = failed_at or time.monotonic()
+        if time.monotonic() - failed_at > self.o.shard_start_timeout:
+            raise RuntimeError(
+                f"worker {self.w}: a shard did not come back within "
+                f"{self.o.shard_start_timeout} s (shard_start_timeout): {error}"
+            )
+        time.sleep(RETRY_EVERY)
+        return failed_at
+
+    # -- pushes ---------------------------------------------------------------------
+
+    def _push(self, update: Any, loss: float) -> None:
+        """Commits the update and hands it to the sender; waits only for a free buffer."""
+        t = time.perf_counter()
+        with self.cond:
+            while not self.free or self.job is not None:  # the sender is behind
+                self._check()
+                self.cond.wait(POLL)
+            buf = self.free.pop()
+        self.times["acks"] += time.perf_counter() - t
+        flat, _ = tree.flatten(update, spec=self.spec, out=buf)
+        verdict = commit.judge(
+            flat,
+            self.spec.segments,
+            self.bases,
+            self.known,
+            self.config.staleness,
+            whole=self.S > 1,  # one shard checks its whole slice itself
+        )
+        with self.cond:
+            self.job = (flat, self.inc, self.seq, tuple(self.bases), tuple(verdict), loss)
+            self.cond.notify_all()
+        self.seq += 1
+
+    def _results(self, wait: bool = False) -> list[PushResult]:
+        """The results of the pushes acknowledged since the last call (``wait``: of all)."""
+        with self.cond:
+            while wait and (self.job is not None or self.inflight):
+                self._check()
+                self.cond.wait(POLL)
+            self._check()
+            out, self.results = self.results, []
+        return out
+
+    # -- the threads ----------------------------------------------------------------
+
+    def _guard(self, body: Callable[[], None]) -> Callable[[], None]:
+        def guarded() -> None:
+            try:
+                body()
+            except BaseException as e:
+                with self.cond:
+                    self.error = e
+                    self.cond.notify_all()
+
+        return guarded
+
+    def _check(self) -> None:
+        """Raises what a thread raised (call with ``cond`` held)."""
+        if self.error is not None:
+            raise RuntimeError(f"worker {self.w}: {self.error}") from self.error
+
+    def _send_loop(self) -> None:
+        """The sender: puts each push into the object store once and sends it to every
+        shard, while fewer than ``IN_FLIGHT`` pushes await their acks."""
+        import ray
+
+        while True:
+            with self.cond:
+                while not self.closing and (self.job is None or len(self.inflight) >= IN_FLIGHT):
+                    self.cond.wait()
+                if self.job is None:
+                    return
+                flat, inc, seq, bases, verdict, loss = self.job
+            t = time.perf_counter()
+            ref = ray.put(flat)  # the one copy; every shard reads its slice of it in place
+            acked = self.acked if inc == self.inc else 0
+            acks = [
+                s.push.remote(self.w, inc, seq, bases, verdict, loss, acked, ref)
+                for s in self.shards
+            ]
+            del ref
+            self.times["send"] += time.perf_counter() - t
+            with self.cond:
+                self.inflight.append((seq, acks))
+                self.free.append(flat)  # the object store has its copy
+                self.job = None
+                self.cond.notify_all()
+
+    def _collect_loop(self) -> None:
+        """The collector: the acks of each push sent, in order."""
+        while True:
+            with self.cond:
+                while not self.inflight and not self.closing:
+                    self.cond.wait()
+                if not self.inflight:
+                    return
+                seq, refs = self.inflight[0]
+            result = self._acks(refs, seq)
+            with self.cond:
+                if result is not None:
+                    self.results.append(result)
+                    self.acked = max(self.acked, seq + 1)
+                self.inflight.popleft()
+                self.cond.notify_all()
+
+    def _acks(self, refs: list, seq: int) -> PushResult | None:
+        """The result of push ``seq`` from its acks (None if it was lost or cut off)."""
+        import ray
+
+        try:
+            replies = ray.get(refs, timeout=self.o.ack_timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"worker {self.w}: no acks within {self.o.ack_timeout} s (ack_timeout)"
+            ) from None
+        except ray.exceptions.RayTaskError:
+            raise
+        except ray.exceptions.RayError:  # a shard died with it; the driver restores the shards
+            log.warning("worker %d: push %d lost with a shard that failed", self.w, seq)
+            return None
+        if any(r is None for r in replies):  # this incarnation was cut off meanwhile
+            return None
+        with self.cond:
+            for k, (ack, handled) in enumerate(replies):
+                self.known[k] = max(self.known[k], ack.version)
+                if k == 0:
+                    self.handled = max(self.handled, handled)
+        return PushResult.of([ack for ack, _ in replies])
+
+    def _receive_loop(self) -> None:
+        """The receiver (ASP): a standing request at every shard for its next snapshot."""
+        import ray
+
+        seen, inc = [-1] * self.S, self.inc
+        pending: dict[Any, tuple[int, int]] = {}  # ref -> (shard, incarnation asked as)
+        failed_at = None
+
+        def ask(k: int) -> None:
+            pending[self.shards[k].follow.remote(self.w, inc, seen[k])] = (k, inc)
+
+        for k in range(self.S):
+            ask(k)
+        while not self.closing and pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL)
+            for ref in done:
+                k, asked = pending.pop(ref)
+                try:
+                    reply = ray.get(ref)
+                    piece = ray.get(reply[2]) if reply[0] == "ok" else None
+                except ray.exceptions.RayTaskError:
+                    raise
+                except ray.exceptions.RayError as e:
+                    failed_at = self._retry(failed_at, e)
+                    ask(k)
+                    continue
+                failed_at = None
+                with self.cond:
+                    if reply[0] == "moved" and reply[1] > inc:
+                        inc = self.moved_to = reply[1]
+                        seen = [-1] * self.S
+                        self.latest = [None] * self.S
+                    elif reply[0] == "ok" and asked == inc:
+                        seen[k] = reply[1]
+                        self.latest[k] = (reply[1], piece)
+                        if k == 0:
+                            self.handled = reply[3]
+                    elif reply[0] in ("stop", "gone"):
+                        self.news = reply
+                    self.cond.notify_all()
+                if reply[0] in ("ok", "moved"):
+                    ask(k)
