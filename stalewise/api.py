@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from stalewise import codecs as codecs_lib
 from stalewise import consistency as consistency_lib
+from stalewise import loggers as loggers_lib
 from stalewise import optim, tree
 from stalewise import runtime as runtime_lib
 from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
-from stalewise.protocol import ServerConfig
+from stalewise.backends import backend_of
+from stalewise.optim import buffers as optim_buffers
+from stalewise.protocol import ServerConfig, compress
 from stalewise.runtime.base import TrainResult
 from stalewise.runtime.options import RunOptions
 
@@ -24,8 +29,11 @@ class Job:
     """An asynchronous training job: parameters plus the rules the servers apply.
 
     Args:
-        params: the initial parameters, any pytree of NumPy / PyTorch / JAX /
-            TensorFlow float arrays (or a ``torch.nn.Module``).
+        params: the initial parameters: any pytree of NumPy / PyTorch / JAX /
+            TensorFlow float arrays, or a model (``torch.nn.Module``, Keras model, flax
+            nnx ``Module``); see docs/models.md. Integer leaves stay per worker; float
+            buffers travel with pushes (:mod:`stalewise.optim.buffers`); tied tensors
+            are stored once.
         optimizer: the server optimizer, e.g. ``sw.optim.lamb(1e-3)``. Default: the
             strategy's recommended one (``strategy.server_optimizer()``, e.g. DiLoCo's
             outer Nesterov SGD); required with ``gradients()``, which recommends none.
@@ -33,6 +41,14 @@ class Job:
         staleness: how much a stale push counts (default ``sw.staleness.constant()``).
         strategy: what workers push (default ``sw.strategies.gradients()``).
         shards: number of parameter-server shards the parameters are split across.
+        codec: how pushes travel, e.g. ``sw.codecs.topk(0.01)`` or ``sw.codecs.int8()``
+            (default ``sw.codecs.none()``; see :mod:`stalewise.codecs`). Runtimes "local"
+            and "sim" (not "ray" yet).
+        buffers: regexes naming the leaves that are buffers (non-trainable state whose
+            values workers report), for params that do not say so themselves, e.g. flax
+            linen variables (``[r"^batch_stats\\."]``). Models mark their own; in a torch
+            ``state_dict``, BatchNorm's running statistics (beside an integer
+            ``num_batches_tracked``) are buffers unless ``buffers=`` says otherwise.
 
     Example:
         >>> import numpy as np, stalewise as sw
@@ -50,6 +66,8 @@ class Job:
         staleness: staleness_lib.Staleness | None = None,
         strategy: strategies_lib.Strategy | None = None,
         shards: int = 1,
+        codec: codecs_lib.Policy | None = None,
+        buffers: str | Sequence[str] | None = None,
     ):
         if strategy is not None:
             _check_arg(
@@ -70,9 +88,12 @@ class Job:
             _check_arg(
                 "staleness", staleness, staleness_lib.Staleness, "e.g. sw.staleness.inverse()"
             )
+        if codec is not None:
+            _check_arg("codec", codec, codecs_lib.Policy, "e.g. sw.codecs.topk(0.01)")
         if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
-        flat, spec = tree.flatten(params)
+        flat, spec = tree.flatten(params, keep_integers=True)
+        spec, optimizer = _with_buffers(spec, optimizer, buffers, params)
         if shards > max(spec.size, 1):
             raise ValueError(f"shards={shards} is more than the {spec.size} parameters")
         self.config = ServerConfig(
@@ -82,6 +103,7 @@ class Job:
             consistency=consistency or consistency_lib.ASP(),
             staleness=staleness or staleness_lib.constant(),
             shards=shards,
+            codec=codecs_lib.NONE if codec is None else codec,
         )
 
     def train(
@@ -99,6 +121,7 @@ class Job:
         stop_at: Any = None,
         run: str = "run",
         on_record: Callable[[dict], None] | None = None,
+        loggers: Any = None,
         progress: bool = False,
         timeout: float | None = None,
         sim: Any = None,
@@ -107,6 +130,10 @@ class Job:
         checkpoint_every: int | None = None,
         checkpoint_seconds: float | None = None,
         resume: bool = False,
+        on_worker_failure: str = "restart",
+        max_restarts: int | None = 3,
+        worker_timeout: float | None = 60.0,
+        diverge_after: int | None = 20,
         **timeouts: float,
     ) -> TrainResult:
         """Trains with ``workers`` workers until they have pushed ``steps`` updates in all.
@@ -132,6 +159,9 @@ class Job:
                 :class:`stalewise.targets.Target` to set it).
             run: the run's name in metrics records.
             on_record: called with each metrics record as it is made.
+            loggers: more record consumers, e.g.
+                ``[sw.loggers.TensorBoardLogger("runs/tb")]`` (see :mod:`stalewise.loggers`);
+                one that raises is dropped with a warning, training goes on.
             progress: show a progress bar (the CLI turns it on).
             timeout: give up (TimeoutError) after this many (wall) seconds.
             sim: the simulator's timing and network model, a
@@ -149,6 +179,20 @@ class Job:
                 the checkpoint included. With no checkpoint there yet, the run starts
                 afresh (a warning says so); a checkpoint of another job is refused
                 (:class:`stalewise.CheckpointError`).
+            on_worker_failure: what happens to a worker whose process dies, hangs or whose
+                code raises: ``"restart"`` it as a new incarnation at the current params,
+                ``"drop"`` it (the others spend the budget), or ``"fail"`` the job
+                (:class:`WorkerError`). A dead shard is restarted unless ``"fail"``. See
+                ``docs/reliability.md``; ``TrainResult.failures`` lists what happened.
+            max_restarts: restarts allowed per worker id (and per shard) before the job
+                fails; None: no limit.
+            worker_timeout: seconds without a heartbeat after which a worker counts as
+                hung and is killed (local runtime); one call of ``loss_and_grad`` must be
+                shorter. None: never.
+            diverge_after: a worker whose last this many pushes were all refused as
+                NaN/Inf or overflow has diverged and stops (never restarted); once every
+                worker has, the job raises :class:`DivergedError`. None: never (a run
+                whose every push is refused then ends at its budget, with a warning).
             **timeouts: the named timeouts of :class:`~stalewise.runtime.options.RunOptions`
                 (``start_timeout``, ``join_timeout``, ``ack_timeout``, ...).
 
@@ -156,6 +200,8 @@ class Job:
             A :class:`TrainResult` with the final params, metrics records and shard stats.
         """
         runner = runtime_lib.get(runtime)
+        self._check_codec(runtime)
+        sinks = loggers_lib.Loggers(loggers, on_record)
         if sim is not None and runtime != "sim":
             raise ValueError("sim= configures the simulator; pass runtime='sim' to use it")
         options = RunOptions(
@@ -169,7 +215,7 @@ class Job:
             delays=delays,
             stop_at=stop_at,
             run=run,
-            on_record=on_record,
+            on_record=sinks.on_record,
             progress=progress,
             timeout=timeout,
             sim=sim,
@@ -178,9 +224,14 @@ class Job:
             checkpoint_every=checkpoint_every,
             checkpoint_seconds=checkpoint_seconds,
             resume=resume,
+            on_worker_failure=on_worker_failure,
+            max_restarts=max_restarts,
+            worker_timeout=worker_timeout,
+            diverge_after=diverge_after,
             **timeouts,
         )
-        return runner(self.config, self.strategy, options)
+        with sinks:
+            return sinks.finish(runner(self.config, self.strategy, options))
 
     def serve(self, *, workers: int, join_timeout: float = 300.0):
         """Starts the shards as local processes for a loop you own; use as a context manager.
@@ -201,7 +252,56 @@ class Job:
         """
         from stalewise.runtime.local.server import LocalServer
 
+        self._check_codec("local")
         return LocalServer(self.config, workers, join_timeout=join_timeout)
+
+    def _check_codec(self, runtime: str) -> None:
+        # issue #11: the simulator and the local runtime encode pushes so far
+        if runtime not in ("sim", "local") and not compress.is_identity(self.config.codec):
+            raise ValueError(
+                f"codec={self.config.codec!r}: runtime {runtime!r} does not send compressed "
+                "pushes yet; use runtime 'local' or 'sim'"
+            )
+
+
+def _with_buffers(
+    spec: tree.FlatSpec, optimizer: Any, buffers: Any, params: Any
+) -> tuple[Any, Any]:
+    """The spec with ``buffers`` marked, and the optimizer that keeps its buffers."""
+    if buffers is None:
+        buffers = [f"^{re.escape(name)}$" for name in _batchnorm_statistics(params)] or None
+    if buffers is not None:
+        spec = tree.mark_buffers(spec, buffers)
+    if not spec.buffers:
+        return spec, optimizer
+    clash = set(spec.buffers) & {leaf.name for leaf in spec.leaves if not leaf.buffer}
+    if clash:
+        raise ValueError(f"buffers: leaves {sorted(clash)} name both a buffer and a parameter")
+    log.debug("%d buffer leaves: %s", len(spec.buffers), ", ".join(spec.buffers))
+    return spec, optim_buffers.with_buffers(optimizer, spec.buffers)
+
+
+def _batchnorm_statistics(params: Any) -> list[str]:
+    """The BatchNorm running statistics of a torch ``state_dict``: ``P.running_mean`` and
+    ``P.running_var`` beside an integer tensor ``P.num_batches_tracked``."""
+    if not isinstance(params, Mapping):
+        return []
+    names = []
+    for key, value in params.items():
+        if isinstance(key, str) and key.endswith("num_batches_tracked") and _torch_int(value):
+            prefix = key.removesuffix("num_batches_tracked")
+            names += [prefix + s for s in ("running_mean", "running_var") if prefix + s in params]
+    return names
+
+
+def _torch_int(x: Any) -> bool:
+    backend = backend_of(x)
+    return (
+        backend is not None
+        and backend.name == "torch"
+        and backend.is_leaf(x)
+        and (not x.is_floating_point())
+    )
 
 
 def _check_arg(name: str, value: Any, kind: type, example: str) -> None:

@@ -7,8 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from stalewise import codecs as codecs_lib
 from stalewise import consistency as consistency_lib
 from stalewise import staleness as staleness_lib
+from stalewise.protocol import compress
 from stalewise.protocol.shard import Shard
 
 
@@ -22,6 +24,7 @@ class ServerConfig:
     consistency: consistency_lib.Consistency
     staleness: staleness_lib.Staleness
     shards: int = 1
+    codec: codecs_lib.Policy = codecs_lib.NONE  # how pushes travel (stalewise.protocol.compress)
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
@@ -30,9 +33,27 @@ class ServerConfig:
 
         return sharding.plan(self.spec.segments, self.shards)
 
+    def compressor(self) -> compress.Compressor | None:
+        """The workers' encoder of pushes (one payload per shard), or None when the codec
+        sends every leaf as it is and pushes travel as plain float vectors. Buffer
+        leaves (``spec.buffers``) always travel as they are: their slot holds a value."""
+        if compress.is_identity(self.codec):
+            return None
+        return compress.Compressor(self.codec, self.spec.segments, self.ranges, self.spec.buffers)
+
     def build_shard(self, k: int, params: np.ndarray, workers: int) -> Shard:
-        """Builds shard ``k`` over ``params`` (its slice, already holding the values)."""
-        lo, hi = self.ranges[k]
+        """Builds shard ``k`` over ``params`` (its slice, already holding the values).
+
+        With a codec the shard takes encoded payloads and decodes them itself
+        (:class:`~stalewise.protocol.compress.Decoder`), so a push is validated on
+        the values it decodes to, and a corrupt payload is refused.
+        """
+        ranges = self.ranges
+        lo, hi = ranges[k]
+        decoder = None
+        if not compress.is_identity(self.codec):
+            segments, buffers = self.spec.segments, frozenset(self.spec.buffers)
+            decoder = compress.Decoder.for_shard(self.codec, segments, ranges, k, buffers)
         return Shard(
             params,
             self.spec.segments.slice(lo, hi),
@@ -42,4 +63,5 @@ class ServerConfig:
             staleness=self.staleness,
             shard_id=k,
             job_segments=self.spec.segments,
+            decoder=decoder,
         )

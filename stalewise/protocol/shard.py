@@ -12,14 +12,22 @@ Everything a worker sends is validated before it touches state. A push is
 ``(header, payload)``: the :class:`PushHeader` names the worker and its
 incarnation (both filled in by the runtime from the connection), the
 incarnation's sequence number and the version it pulled; the payload is a flat
-vector the length of the shard. The shard may overwrite the payload (it is used
-as scratch).
+vector the length of the shard (with a codec, its encoded bytes, which the shard
+decodes before any check). The shard may overwrite the payload (it is used as
+scratch).
 
 Incarnations: each (re)start of a worker id is a new incarnation
 (:meth:`Shard.join`), whose sequence numbers start again at 0. A push of an
 older incarnation, one from an incarnation that has not joined, or one that
 skips sequence numbers is refused with a reason and changes nothing; a replay
 of a push already handled is acknowledged as a duplicate and not applied.
+
+Numerical faults: a step that would make any parameter or any value of the
+optimizer state non-finite is not taken: the shard restores the copy it kept
+and refuses the push as ``overflow`` (see :mod:`stalewise.protocol.commit` for
+why this one refusal is the shard's own, and when it can split a push). In BSP
+the step is a round's mean; a round that would overflow is dropped, with a
+warning, and its pushes are counted as refused.
 Workers the shard was built for are *expected*: they count for the gates from
 the start, and :meth:`Shard.expire_unstarted` drops those that never joined.
 
@@ -40,6 +48,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,7 +56,8 @@ import numpy as np
 
 from stalewise import consistency as consistency_lib
 from stalewise import staleness as staleness_lib
-from stalewise.protocol import commit
+from stalewise.codecs import PayloadError
+from stalewise.protocol import commit, hybrid
 from stalewise.protocol import state as state_lib
 from stalewise.protocol.messages import Ack, PushHeader
 from stalewise.protocol.stats import ShardStats, _ClockTracker
@@ -62,6 +72,26 @@ class Rejected(Exception):
     def __init__(self, kind: str, detail: str):
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
+
+
+def _state_arrays(state: Any) -> list[np.ndarray]:
+    """The numpy arrays of an optimizer state (a (named) tuple tree), in order."""
+    if isinstance(state, np.ndarray):
+        return [state]
+    if isinstance(state, tuple):
+        return [a for x in state for a in _state_arrays(x)]
+    return []
+
+
+def _all_finite(a: np.ndarray) -> bool:
+    """Whether every value of ``a`` is finite; one dot product for a large float vector."""
+    if a.dtype.kind != "f":
+        return True
+    if a.ndim == 1 and a.size > 256:
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(np.dot(a, a)):  # NaN/Inf propagate; an overflow is checked exactly
+                return True
+    return bool(np.isfinite(a).all())
 
 
 def _ids(header: Any) -> tuple[int | None, int | None]:
@@ -87,6 +117,9 @@ class Shard:
         staleness: how much a stale push counts (default: constant).
         shard_id: used in log and error messages.
         job_segments: the leaf table of the whole job (verdicts name leaves by it).
+        decoder: with a codec, the :class:`~stalewise.protocol.compress.Decoder` of this
+            shard's payloads: a push's payload is then its encoded bytes, decoded here
+            before any check, and one that does not decode is refused as ``bad_payload``.
 
     ``clocks`` and ``live`` are read-only outside the shard: :meth:`push`,
     :meth:`leave` and :meth:`join` keep them in step with the O(1) counts
@@ -104,6 +137,7 @@ class Shard:
         staleness: staleness_lib.Staleness | None = None,
         shard_id: int = 0,
         job_segments: Segments | None = None,
+        decoder: Any = None,
     ):
         if params.ndim != 1 or params.dtype not in (np.float32, np.float64):
             raise ValueError(
@@ -116,6 +150,10 @@ class Shard:
         self.params = params
         self.segments = segments
         self.job_segments = job_segments or segments  # the whole job's leaves, for messages
+        self.decoder = decoder  # compressed pushes: payloads are bytes, decoded into _decoded
+        self._decoded: np.ndarray | None = None
+        # the slice is the whole push: no sender's verdict covers its values, the shard judges
+        self._whole = self.job_segments.total == segments.total
         self.optimizer = optimizer
         self.opt_state = optimizer.init(params, segments)
         self.workers = workers
@@ -136,6 +174,12 @@ class Shard:
         self._round_done = np.zeros(workers, dtype=bool)
         self._round_count = 0
         self._round_waiting = workers  # live workers that have not pushed in this round
+        # Hybrid: the current mode (synchronous rounds or asynchronous) and the workers' paces
+        self.synchronous = self.consistency.kind in ("bsp", "hybrid")
+        self._pace = hybrid.Pace(workers) if self.consistency.kind == "hybrid" else None
+        # the step's undo copy: params and the optimizer state's arrays (see _step)
+        self._undo: tuple[Any, list[np.ndarray], list[np.ndarray]] = (None, [], [])
+        self._undo_fresh = False  # the undo copy holds the current values
 
     def warm_up(self) -> None:
         """Runs the optimizer once on a scratch copy so JIT compilation happens before training."""
@@ -145,6 +189,11 @@ class Shard:
 
     # -- pulls and gates -------------------------------------------------------------
 
+    @property
+    def hybrid(self) -> bool:
+        """Whether the shard switches between synchronous and asynchronous rounds."""
+        return self._pace is not None
+
     def min_clock(self) -> int:
         """Clock of the slowest live worker (0 when none is live)."""
         return self._clocks.min()
@@ -152,16 +201,23 @@ class Shard:
     def may_start(self, worker: int) -> bool:
         """Whether ``worker`` may start its next step under the consistency model."""
         self._check_worker(worker)
+        if self._pace is not None:  # hybrid: in a synchronous round, once per worker
+            return not (self.synchronous and self._round_done[worker])
         return self.consistency.may_start(int(self.clocks[worker]), self.min_clock())
 
-    def pull(self, worker: int | None = None, out: np.ndarray | None = None) -> int:
+    def pull(
+        self, worker: int | None = None, out: np.ndarray | None = None, *, now: float | None = None
+    ) -> int:
         """Copies the parameters into ``out`` (if given) and returns their version.
 
         ``worker`` None is an observer (evaluation, checkpoints): never gated, not
-        tracked. Gating is the caller's job: ask :meth:`may_start` first.
+        tracked. Gating is the caller's job: ask :meth:`may_start` first. ``now``
+        (the runtime's clock, in seconds) times the worker's pace for the hybrid model.
         """
         if worker is not None:
             self._check_worker(worker)
+            if self._pace is not None:
+                self._pace.pulled(worker, now)
         if out is not None:
             if out.shape != self.params.shape or out.dtype != self.params.dtype:
                 raise ValueError(
@@ -180,15 +236,24 @@ class Shard:
     # -- pushes ----------------------------------------------------------------------
 
     def push(
-        self, header: PushHeader, payload: Any, *, verdict: commit.Verdict | None = None
+        self,
+        header: PushHeader,
+        payload: Any,
+        *,
+        verdict: commit.Verdict | None = None,
+        now: float | None = None,
     ) -> Ack:
         """Validates and handles one push; never raises for bad input, returns an Ack.
 
         ``verdict`` is the sender's judgement of the whole push under the commit
         rule (:mod:`stalewise.protocol.commit`): when given, it alone decides
-        ``not_finite`` across shards and ``too_stale``, so every shard decides
-        alike; a refused push still counts as the worker's step. Without it
-        (one shard, used directly) the shard judges staleness itself.
+        ``not_finite`` across shards, ``overflow`` of the update and
+        ``too_stale``, so every shard decides alike; a refused push still
+        counts as the worker's step. Without it (one shard, used directly) the
+        shard judges staleness itself. Either way a step that would make the
+        shard's parameters or optimizer state non-finite is refused as
+        ``overflow`` and changes nothing. ``now`` is the runtime's clock in
+        seconds (the hybrid model times each worker's pace with it).
         """
         try:
             worker, seq, base = self._check_header(header)
@@ -201,22 +266,28 @@ class Shard:
         try:
             if verdict is not None and not verdict.ok:
                 raise self._refusal(verdict, self.job_segments)
-            self._check_payload(payload)
+            payload, nbytes = self._decode(payload)  # compressed: the values it decodes to
+            self._check_payload(payload, judge_overflow=verdict is None or self._whole)
             if verdict is None and not self.staleness.accepts(tau):
                 raise self._refusal(commit.Verdict(commit.TOO_STALE, tau))
+            if not self.synchronous:
+                if self.staleness.dc_lambda and worker in self._pulled:
+                    self.staleness.compensate(payload, self.params, self._pulled[worker])
+                scale = self.staleness.weight(tau)
+                if self.hybrid:  # the square-root scaling rule: see protocol/hybrid.py
+                    scale /= math.sqrt(max(self._clocks.live, 1))
+                self._step(payload, scale)  # or Rejected: overflow
         except Rejected as e:
             self._advance(worker, seq)
             return self._reject(worker, seq, e, tau)
-        self.stats.bytes_in += payload.nbytes
+        self.stats.bytes_in += nbytes  # as received: a compressed payload's length
         self._advance(worker, seq)
         self.stats.applied += 1
         self.stats.staleness[tau] += 1
-        if self.consistency.averages_rounds:
+        if self._pace is not None:
+            self._pace.pushed(worker, now)
+        if self.synchronous:
             self._merge_into_round(payload)
-        else:
-            if self.staleness.dc_lambda and worker in self._pulled:
-                self.staleness.compensate(payload, self.params, self._pulled[worker])
-            self._step(payload, self.staleness.weight(tau))
         self._maybe_close_round()
         return Ack(worker, seq, True, None, self.version, tau)
 
@@ -259,6 +330,8 @@ class Shard:
         self._clocks.add(clock)
         self._round_done[worker] = False
         self._round_waiting += 1
+        if self._pace is not None:
+            self._pace.forget(worker)
 
     def depart(
         self,
@@ -305,13 +378,66 @@ class Shard:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a :meth:`state_dict` in place, after checking all of it (:func:`state.load`)."""
         state_lib.load(self, state)
+        self._undo_fresh = False
+
+    def prepare(self) -> None:
+        """Copies the params and optimizer state a step may have to be undone from.
+
+        A step needs that copy (see :meth:`push`); a runtime that calls this while
+        the shard is idle takes the copy off the next push's path. Otherwise the
+        step makes it itself.
+        """
+        if not self._undo_fresh:
+            arrays, undo = self._undo_buffers()
+            for a, copy in zip(arrays, undo, strict=True):
+                np.copyto(copy, a)
+            self._undo_fresh = True
 
     # -- internals -------------------------------------------------------------------
 
     def _step(self, update: np.ndarray, scale: float) -> None:
+        """One optimizer step, or none: a step that makes a value non-finite is undone.
+
+        The params and the optimizer state's arrays are copied first (into buffers
+        kept from step to step, unless :meth:`prepare` did it already), the step
+        is taken in place, and every float value is checked (one dot product per
+        array); if one is NaN/Inf, the copies are restored, bit for bit, and
+        Rejected("overflow") names what overflowed.
+        """
+        self.prepare()
+        arrays, undo = self._undo_buffers()
+        self._undo_fresh = False
         self.optimizer.apply(update, self.opt_state, self.params, scale=scale)
+        bad = next((i for i, a in enumerate(arrays) if not _all_finite(a)), None)
+        if bad is not None:
+            what = self._describe_non_finite(arrays, bad)
+            for a, copy in zip(arrays, undo, strict=True):
+                np.copyto(a, copy)
+            self._undo_fresh = True
+            raise Rejected(
+                "overflow",
+                f"the step would make {what} non-finite on shard {self.shard_id}; not taken",
+            )
         self.version += 1
         self.stats.rounds += 1
+
+    def _undo_buffers(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The arrays a step changes (params, then the optimizer state's) and their undo copies."""
+        state, arrays, undo = self._undo
+        if state is not self.opt_state:  # first step, or a checkpoint replaced the state
+            arrays = [self.params, *_state_arrays(self.opt_state)]
+            undo = [np.empty_like(a) for a in arrays]
+            self._undo, self._undo_fresh = (self.opt_state, arrays, undo), False
+        return arrays, undo
+
+    def _describe_non_finite(self, arrays: list[np.ndarray], i: int) -> str:
+        """Names the first non-finite value of ``arrays[i]`` (0: the params) for a refusal."""
+        if i == 0:
+            first = int(np.flatnonzero(~np.isfinite(self.params))[0])
+            return f"parameter {first} (leaf {commit.leaf_name(self.segments, first)!r})"
+        keys = state_lib._flatten_state(self.opt_state)[1]
+        name = next((k.removeprefix("opt.") for k, a in keys.items() if a is arrays[i]), "?")
+        return f"the optimizer state {name!r}"
 
     def _merge_into_round(self, payload: np.ndarray) -> None:
         if self._round_sum is None:
@@ -323,18 +449,50 @@ class Shard:
         """Applies the round's mean once no live worker owes a push to it.
 
         When the last live worker leaves, a round holding merged pushes is applied
-        too: those pushes were acknowledged as applied.
+        too: those pushes were acknowledged as applied. Under the hybrid model a
+        round also ends in the asynchronous mode (every live worker has pushed
+        since the last one), and the mode of the next round is decided here.
         """
-        if not self.consistency.averages_rounds:
+        if not self.synchronous and self._pace is None:
             return
         if self._clocks.live and self._round_waiting:
             return
         if not self._clocks.live and not self._round_count:
             return
+        self._close_round()
+        if self._pace is not None:
+            self._switch(self._pace.decide(self.synchronous, self.live, self.consistency.tolerance))
+
+    def _switch(self, synchronous: bool) -> None:
+        """Hybrid: runs the next round synchronously or not (a round's pushes are merged)."""
+        if synchronous != self.synchronous:
+            log.info(
+                "shard %d: %s (worker paces %s s)",
+                self.shard_id,
+                "workers keep pace: synchronous rounds"
+                if synchronous
+                else "a straggler: asynchronous updates",
+                np.round(self._pace.pace, 4).tolist() if self._pace is not None else "?",
+            )
+            self.stats.mode_switches += 1
+        self.synchronous = synchronous
+
+    def _close_round(self) -> None:
+        """Applies a round's merged pushes (if any) and starts the next round."""
         if self._round_count:
             assert self._round_sum is not None
             self._round_sum *= 1.0 / self._round_count
-            self._step(self._round_sum, 1.0)
+            try:
+                self._step(self._round_sum, 1.0)
+            except Rejected as e:  # its pushes were acknowledged when merged: say so here
+                log.warning(
+                    "shard %d: a BSP round of %d pushes is dropped: %s",
+                    self.shard_id,
+                    self._round_count,
+                    e,
+                )
+                self.stats.applied -= self._round_count
+                self.stats.rejected[e.kind] += self._round_count
             self._round_sum.fill(0)
         self._round_done[:] = False
         self._round_count = 0
@@ -409,7 +567,24 @@ class Shard:
             )
         return int(worker), int(seq), int(base)
 
-    def _check_payload(self, payload: Any) -> None:
+    def _decode(self, payload: Any) -> tuple[Any, int]:
+        """A push's values and its size as received: without a decoder the payload itself;
+        with one, its bytes decoded into a buffer kept from push to push.
+
+        Raises:
+            Rejected: ``bad_payload``, a compressed payload that does not decode.
+        """
+        if self.decoder is None:
+            return payload, getattr(payload, "nbytes", 0)
+        if self._decoded is None:
+            self._decoded = np.empty_like(self.params)
+        try:
+            values = self.decoder.decode(payload, self._decoded)
+        except PayloadError as e:  # corrupt, truncated, foreign, or not bytes at all
+            raise Rejected("bad_payload", str(e)) from None
+        return values, memoryview(payload).nbytes
+
+    def _check_payload(self, payload: Any, *, judge_overflow: bool) -> None:
         if not isinstance(payload, np.ndarray):
             raise Rejected(
                 "bad_payload", f"payload must be a numpy array, got {type(payload).__name__}"
@@ -423,9 +598,13 @@ class Shard:
                 "bad_length",
                 f"payload has shape {payload.shape}, expected ({self.params.size},) for shard {self.shard_id}",
             )
-        bad = commit.first_non_finite(payload)
-        if bad is not None:  # found in this shard's slice: named by the slice's leaves
-            raise self._refusal(commit.Verdict(commit.NOT_FINITE, bad), self.segments)
+        # NaN/Inf is exact per element; overflow is a rule on the whole push's norm, judged
+        # here only when no sender judged it (with several shards, the verdict decides)
+        verdict = commit.check_values(payload)
+        if verdict.code == commit.NOT_FINITE or (
+            verdict.code == commit.OVERFLOW and judge_overflow
+        ):
+            raise self._refusal(verdict, self.segments)  # named by the slice's leaves
 
     def _refusal(self, verdict: commit.Verdict, segments: Segments | None = None) -> Rejected:
         """The refusal a verdict stands for, worded once (:meth:`commit.Verdict.message`)."""

@@ -8,19 +8,29 @@ A client is one *incarnation* of its worker id: its pipes to the shards were
 made for it by :meth:`LocalServer.client`, and the shards know the worker and
 incarnation from the pipe a message arrives on, never from the message. A push
 is committed (:mod:`stalewise.protocol.commit`) by writing its record into
-shared memory before any shard is told of it.
+shared memory before any shard is told of it. With a codec
+(``ServerConfig.codec``) the update is encoded into one payload per shard, in
+the worker's push region, keeping the codec's error feedback in the client (a
+new incarnation starts with none), and the verdict judges the payloads decoded,
+the values the shards will apply. Messages are the fixed binary
+records of :mod:`stalewise.protocol.wire`.
+
+A client that learns a shard has closed its connection (the shard stopped, or
+it disconnected this worker for a protocol fault) raises :class:`ServerClosed`
+naming the shard, and every later call raises it again: it commits no more
+pushes, which the other shards would apply alone.
 """
 
 from __future__ import annotations
 
 import time
 from multiprocessing import connection
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import Ack, PushResult, ServerConfig, commit
+from stalewise.protocol import Ack, PushResult, ServerConfig, commit, wire
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local.layout import Layout, Snapshots
 from stalewise.runtime.local.shm import SharedBlock
@@ -30,13 +40,47 @@ class ServerClosed(ConnectionError):
     """The shards have stopped (the job ended or a shard process died)."""
 
 
-def recv_reply(conn: connection.Connection, timeout: float | None, what: str) -> Any:
+def recv_reply(
+    conn: connection.Connection, timeout: float | None, what: str, *, trusted: bool = False
+) -> tuple:
+    """The next message from a shard, decoded (:func:`wire.decode_reply`).
+
+    ``trusted``: ``conn`` is a control pipe of the parent that started the shard,
+    whose bulk replies (stats, state) are pickles and of any length.
+    """
     if not conn.poll(timeout):
         raise TimeoutError(f"no answer to {what} within {timeout} s")
     try:
-        return conn.recv()
+        body = conn.recv_bytes(None if trusted else wire.MAX_REPLY)
     except (EOFError, OSError):
         raise ServerClosed(f"shard closed the connection while waiting for {what}") from None
+    try:
+        return wire.decode_reply(body, trusted=trusted)
+    except wire.WireError as e:
+        raise ServerClosed(f"malformed message while waiting for {what}: {e}") from None
+
+
+class ControlPipe:
+    """The parent's end of a shard's control pipe: control tuples go out as binary records.
+
+    ``send(("join", w, incarnation))``, ``send(("stats",))`` and the like are
+    encoded by :func:`wire.encode_control`; ``recv()`` decodes a reply (the
+    parent trusts its own shard, see :mod:`stalewise.protocol.wire`). Anything
+    else (``poll``, ``fileno``, ``recv_bytes``, ``close``, ...) is the wrapped
+    connection's.
+    """
+
+    def __init__(self, conn: connection.Connection):
+        self._conn = conn
+
+    def send(self, msg: tuple) -> None:
+        self._conn.send_bytes(wire.encode_control(msg))
+
+    def recv(self) -> tuple:
+        return wire.decode_reply(self._conn.recv_bytes(), trusted=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
 
 
 class Client:
@@ -65,6 +109,11 @@ class Client:
         self._consistency = config.consistency
         self._staleness = config.staleness
         self._direct = not config.staleness.dc_lambda  # DC-ASGD needs served pulls
+        # with a codec: the update is encoded into one payload per shard at push
+        self._compressor = config.compressor()
+        self._feedback: Any = None  # the codec's error feedback: this incarnation's state
+        self._payloads: list[np.ndarray] = []  # shard k's payload in the push region
+        self._decoded: np.ndarray | None = None  # the payloads decoded, for the verdict
         self._conns = conns
         self._block: SharedBlock | None = None
         self._snapshots: Snapshots | None = None  # set on attach (workers only)
@@ -81,6 +130,7 @@ class Client:
         self._versions = [0] * len(conns)  # the newest version of each shard this client knows
         self._results: list[PushResult] = []  # push results not yet taken
         self.last_result: PushResult | None = None
+        self._closed_by: str | None = None  # why a shard closed the connection, once one did
 
     @property
     def spec(self) -> tree.FlatSpec:
@@ -96,7 +146,13 @@ class Client:
         if self._block is None:  # a worker's client, first used in its own process
             self._block = SharedBlock.attach(self._block_name)
             self._pull_buf = self._layout.pull_buffer(self._block, self.worker)
-            self._push_buf = self._layout.push_buffer(self._block, self.worker)
+            if self._compressor is None:
+                self._push_buf = self._layout.push_buffer(self._block, self.worker)
+            else:  # the update, in this process, encoded into the shared payloads at push
+                self._push_buf = np.empty(self._layout.size, self._layout.dtype)
+                shards = range(len(self._ranges))
+                self._payloads = [self._layout.payload(self._block, self.worker, k) for k in shards]
+                self._compressor.warm_up()  # its kernels load now, not at the first push
             self._record = self._layout.records(self._block)[self.worker]
             self._snapshots = Snapshots(self._layout, self._block, self._ranges)
         return self._block
@@ -152,8 +208,8 @@ class Client:
                 self._versions[k] = max(self._versions[k], version)
             return self._pull_buf
         if not any(self._pulls_due):
-            for c in self._conns:  # sent before reading the last push's acks: saves a round trip
-                c.send(("pull",))
+            for k in shards:  # sent before reading the last push's acks: saves a round trip
+                self._send(k, wire.pull())
             self._pulls_due = [True] * len(self._conns)
         self.wait(timeout=timeout)
         for k in shards:
@@ -168,13 +224,35 @@ class Client:
         for i, msg in enumerate(self._inbox[k]):
             if msg[0] == kind:
                 return self._inbox[k].pop(i)
+        self._check_open()
         while True:
-            msg = recv_reply(self._conns[k], timeout, f"{kind} from shard {k}")
+            try:
+                msg = recv_reply(
+                    self._conns[k], timeout, f"{kind} from shard {k}", trusted=self.worker is None
+                )
+            except ServerClosed as e:  # the message names the shard
+                self._closed(str(e))
             if msg[0] == kind:
                 return msg
             if msg[0] == "error":  # the shard refused to serve this client
-                raise ServerClosed(f"shard {k}: {msg[1]}")
+                self._closed(f"shard {k}: {msg[1]}")
             self._inbox[k].append(msg)
+
+    def _send(self, k: int, body: bytes) -> None:
+        self._check_open()
+        try:
+            self._conns[k].send_bytes(body)
+        except OSError as e:
+            self._closed(f"shard {k} closed the connection ({type(e).__name__})")
+
+    def _closed(self, why: str) -> NoReturn:
+        if self._closed_by is None:
+            self._closed_by = why
+        raise ServerClosed(why)
+
+    def _check_open(self) -> None:
+        if self._closed_by is not None:
+            raise ServerClosed(self._closed_by)
 
     def push(self, update: Any, *, timeout: float | None = None) -> None:
         """Sends an update (same structure as the params) to every shard; returns at once.
@@ -197,9 +275,15 @@ class Client:
         shard hear of it. A sender killed before that store pushed nothing; one
         killed after it pushed to every shard (they deliver it when it is gone).
         """
+        self._check_open()  # a shard has cut this worker off: commit nothing more
+        if self._compressor is not None:
+            self.wait()  # the shards read the payloads until they have acked the last push
+            self._feedback = self._compressor.encode_into(
+                self._push_buf, self._payloads, self._feedback
+            )
         self._commit()
-        for c in self._conns:
-            c.send(("push", self._seq))
+        for k in range(len(self._conns)):
+            self._send(k, wire.push(self._seq))
         self._seq += 1
         self._acks_due = [True] * len(self._conns)
 
@@ -209,7 +293,7 @@ class Client:
             for k in range(len(self._conns)):
                 self._versions[k] = max(self._versions[k], self._snapshots.version(k))
         verdict = commit.judge(
-            self._push_buf,
+            self._sent_values(),
             self._spec.segments,
             self._base,
             self._versions,
@@ -223,9 +307,23 @@ class Client:
         rec[L.R_BASES : L.R_BASES + len(self._base)] = self._base
         rec[L.R_COMMIT] = self._seq + 1  # committed: from here on, all shards or none
 
+    def _sent_values(self) -> np.ndarray:
+        """The update as the shards will apply it, for the verdict: the push buffer, or
+        with a codec its payloads decoded, when the verdict looks at the values at all
+        (several shards: :func:`commit.judge`)."""
+        if self._compressor is None or len(self._conns) == 1:
+            return self._push_buf
+        if self._decoded is None:
+            self._decoded = np.empty_like(self._push_buf)
+        return self._compressor.decode(self._payloads, self._decoded)
+
     @property
     def push_buffer(self) -> np.ndarray:
-        """The flat push buffer (write an update here, then call :meth:`push_flat_sent`)."""
+        """The flat push buffer (write an update here, then call :meth:`push_flat_sent`).
+
+        With a codec it is this process's memory: :meth:`push_flat_sent` encodes it
+        into the shared payloads (with the codec's error feedback), leaving it as is.
+        """
         self._attach()
         self.wait()
         return self._push_buf
@@ -259,12 +357,13 @@ class Client:
             if self.worker is not None:
                 if any(self._acks_due):
                     self.wait(timeout=30)
-                for c in self._conns:
-                    c.send(("leave",))
+                for k in range(len(self._conns)):
+                    self._send(k, wire.leave())
         except (OSError, ServerClosed, TimeoutError):
             pass
         for c in self._conns:
             c.close()
         self._pull_buf = self._push_buf = None  # type: ignore[assignment]
+        self._payloads = []
         if self._block is not None:
             self._block.close()

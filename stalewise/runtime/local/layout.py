@@ -3,7 +3,13 @@
 One block holds everything a job moves between processes::
 
     [ control | shard table | push records | params | observer | snapshot 0 | snapshot 1
-      | w0 pull | w0 push | ... ]
+      | w0 pull | w1 pull | ... | w0 push | w1 push | ... ]
+
+A worker's *push region* holds its update as a flat vector, or, with a codec
+(``ServerConfig.codec``), one encoded payload per shard, each of exactly the
+bytes :meth:`~stalewise.protocol.compress.Compressor.nbytes` says, each on its own
+cache line (:meth:`Layout.payload`). The worker encodes straight into them, and
+shard ``k`` hands its payload's bytes to its shard, which decodes them.
 
 *Push records* carry the commit rule (:mod:`stalewise.protocol.commit`): one
 fixed record of int64s per worker id, ``[commit, incarnation, seq, verdict code,
@@ -32,10 +38,14 @@ whose GIL operations are full barriers).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from stalewise.runtime.local.shm import SharedBlock
+
+if TYPE_CHECKING:
+    from stalewise.protocol import ServerConfig
 
 _ALIGN = 64  # bytes; every region starts on a cache line
 _CUR, _SEQ, _VER, _MIN_CLOCK = 0, 1, 3, 5  # shard table columns: cur, seq[2], ver[2], min clock
@@ -56,6 +66,18 @@ class Layout:
     dtype: str  # "float32" or "float64"
     workers: int
     shards: int = 1
+    payloads: tuple[int, ...] = ()  # with a codec: each shard's payload's exact byte length
+
+    @classmethod
+    def of(cls, config: ServerConfig, workers: int) -> Layout:
+        """The layout of ``config``'s job with ``workers`` workers (push regions sized by
+        its codec)."""
+        comp = config.compressor()
+        dtype = config.init.dtype
+        payloads = (
+            () if comp is None else tuple(comp.nbytes(k, dtype) for k in range(config.shards))
+        )
+        return cls(config.spec.size, str(dtype), workers, config.shards, payloads)
 
     @property
     def control_items(self) -> int:
@@ -73,12 +95,22 @@ class Layout:
         return self._records_start() + _round_up(self.workers * self.record_items * 8)
 
     def _offset(self, region: int) -> int:
+        """Where region ``region`` starts: params, observer, 2 snapshots, then each pull."""
         raw = self.size * np.dtype(self.dtype).itemsize
         return self._arrays_start() + region * _round_up(raw)
 
+    def _push_region(self) -> int:
+        """The bytes of one worker's push region."""
+        if not self.payloads:
+            return _round_up(self.size * np.dtype(self.dtype).itemsize)
+        return sum(_round_up(n) for n in self.payloads)
+
+    def _push_offset(self, worker: int) -> int:
+        return self._offset(4 + self.workers) + worker * self._push_region()
+
     @property
     def nbytes(self) -> int:
-        return self._offset(4 + 2 * self.workers)
+        return self._push_offset(self.workers)
 
     def control(self, block: SharedBlock) -> np.ndarray:
         return block.array(np.float64, 0, self.control_items)
@@ -102,10 +134,20 @@ class Layout:
         return block.array(self.dtype, self._offset(2 + i), self.size)
 
     def pull_buffer(self, block: SharedBlock, worker: int) -> np.ndarray:
-        return block.array(self.dtype, self._offset(4 + 2 * worker), self.size)
+        return block.array(self.dtype, self._offset(4 + worker), self.size)
 
     def push_buffer(self, block: SharedBlock, worker: int) -> np.ndarray:
-        return block.array(self.dtype, self._offset(5 + 2 * worker), self.size)
+        """A worker's push region as the flat update (no codec)."""
+        if self.payloads:
+            raise ValueError("with a codec, a push region holds payloads: see Layout.payload")
+        return block.array(self.dtype, self._push_offset(worker), self.size)
+
+    def payload(self, block: SharedBlock, worker: int, k: int) -> np.ndarray:
+        """With a codec: the bytes of shard ``k``'s payload in ``worker``'s push region."""
+        if not self.payloads:
+            raise ValueError("without a codec, a push region holds the flat update")
+        offset = self._push_offset(worker) + sum(_round_up(n) for n in self.payloads[:k])
+        return block.array(np.uint8, offset, self.payloads[k])
 
 
 class Snapshots:

@@ -4,19 +4,35 @@ The shard reads pushes from workers' push buffers in shared memory once their
 record is committed (see :mod:`stalewise.runtime.local.layout`), publishes
 snapshots for pulls, and answers control messages from the parent
 (:class:`~stalewise.runtime.local.server.LocalServer`).
+
+Messages are the fixed binary records of :mod:`stalewise.protocol.wire`. A
+worker's pipe is read without blocking, as bytes arrive (:class:`WorkerPipe`),
+so one worker can never stall the shard's single loop: a message that is
+malformed, of an unknown kind or too long, or one left incomplete for
+``PARTIAL_TIMEOUT`` seconds (say, a length header without its body), and a
+worker that stops reading its replies, get that worker disconnected with a
+warning naming the worker and the shard, exactly as if it had died (its
+committed push is delivered first, see :meth:`Shard.depart`). The control pipe
+comes from the parent that started the shard and is read blocking.
+
+A disconnected worker learns it from the error reply and its pipe closing; it
+must stop there. A push it commits after the cut and before it notices reaches
+only the other shards: the commit rule holds for workers that follow the
+protocol, and a worker that writes junk into its pipe does not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import time
 from multiprocessing import connection, reduction
-from typing import Any
 
 import numpy as np
 
-from stalewise.protocol import PushHeader, ServerConfig, commit
+from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, wire
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local.layout import Layout, Snapshots
 from stalewise.runtime.local.procs import child_logging
@@ -26,18 +42,254 @@ log = logging.getLogger(__name__)
 
 
 PUBLISH_EVERY = 0.02  # seconds: the longest a busy shard defers publishing a new version
+PARTIAL_TIMEOUT = 1.0  # seconds a worker's message may stay incomplete before it is cut off
+READ_CHUNK = 4096  # bytes read from one worker's pipe per turn of the loop
 
 
 def committed_push(
     layout: Layout, records: np.ndarray, pushes: list, w: int, k: int
 ) -> tuple[PushHeader, np.ndarray, commit.Verdict] | None:
-    """Worker ``w``'s committed push as shard ``k`` reads it from its record, or None."""
+    """Worker ``w``'s committed push as shard ``k`` reads it from its record, or None.
+
+    ``pushes[w]``: shard ``k``'s part of worker ``w``'s push region (its slice of the
+    update, or its encoded payload with a codec)."""
     rec = records[w]
     seq_plus_one = int(rec[L.R_COMMIT])
     if not seq_plus_one or int(rec[L.R_SEQ]) != seq_plus_one - 1:
         return None  # nothing committed, or a record caught while being rewritten
     header = PushHeader(w, int(rec[L.R_SEQ]), int(rec[L.R_BASES + k]), int(rec[L.R_INC]))
     return header, pushes[w], commit.Verdict(int(rec[L.R_CODE]), int(rec[L.R_DETAIL]))
+
+
+class WorkerPipe:
+    """The shard's end of one worker incarnation's pipe: non-blocking, framed as it arrives."""
+
+    def __init__(self, fd: int, worker: int, incarnation: int):
+        os.set_blocking(fd, False)
+        self.fd, self.worker, self.incarnation = fd, worker, incarnation
+        self.reader = wire.FrameReader(wire.MAX_WORKER_MESSAGE)
+        self.partial_since: float | None = None  # when the incomplete message began
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def read(self) -> list[bytes] | None:
+        """The bodies of the messages now complete ([] if none); None at end of file.
+
+        Raises:
+            OSError: the pipe broke (the worker is gone).
+        """
+        try:
+            data = os.read(self.fd, READ_CHUNK)
+        except BlockingIOError:
+            return []
+        if not data:
+            return None
+        bodies = self.reader.feed(data)
+        if not self.reader.pending:
+            self.partial_since = None
+        elif bodies or self.partial_since is None:  # a new message has begun
+            self.partial_since = time.monotonic()
+        return bodies
+
+    def write(self, body: bytes) -> None:
+        """Sends one message without blocking.
+
+        Raises:
+            BlockingIOError: the pipe is full: the worker does not read its replies.
+            OSError: the pipe broke (the worker is gone).
+        """
+        data = wire.frame(body)
+        if os.write(self.fd, data) != len(data):
+            raise BlockingIOError("the pipe is full")
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class ShardProcess:
+    """A shard and its pipes: the state of :func:`shard_main`'s loop."""
+
+    def __init__(self, config: ServerConfig, k: int, block: SharedBlock, layout: Layout, control):
+        lo, hi = config.ranges[k]
+        self.k, self.layout, self.control = k, layout, control
+        self.shard: Shard = config.build_shard(k, layout.params(block)[lo:hi], layout.workers)
+        self.pulls = [layout.pull_buffer(block, w)[lo:hi] for w in range(layout.workers)]
+        # what shard k reads of each worker's push: its slice of the update, or with a
+        # codec its payload's bytes, which the shard decodes (ServerConfig.build_shard)
+        if layout.payloads:
+            self.pushes = [layout.payload(block, w, k) for w in range(layout.workers)]
+        else:
+            self.pushes = [layout.push_buffer(block, w)[lo:hi] for w in range(layout.workers)]
+        self.records = layout.records(block)
+        self.observer = layout.observer(block)[lo:hi]
+        self.snapshots = Snapshots(layout, block, config.ranges)
+        self.pipes: dict[WorkerPipe, None] = {}  # the live pipes, in the order they joined
+        self.current: dict[int, WorkerPipe] = {}  # worker -> the pipe of its current incarnation
+        self.waiting: set[int] = set()  # workers whose pull waits on the gate
+        self.published, self.published_at = -1, 0.0
+
+    # -- snapshots -----------------------------------------------------------------
+
+    def publish_now(self) -> None:
+        shard = self.shard
+        self.snapshots.publish(self.k, shard.params, shard.version, shard.min_clock())
+        self.published, self.published_at = shard.version, time.monotonic()
+
+    def publish(self, busy: bool) -> None:
+        """Copies the params out for pulls: when idle, or every PUBLISH_EVERY s under load.
+
+        The clock never gets ahead of the published params (a worker the gate lets
+        through must read the params of the round it waited for): alone only while
+        the params are unchanged, else together with them, at once when it moved.
+        """
+        clock = self.shard.min_clock()
+        if self.shard.version == self.published:
+            self.snapshots.publish_clock(self.k, clock)
+        elif (
+            not busy
+            or clock != self.snapshots.min_clock(self.k)
+            or time.monotonic() - self.published_at > PUBLISH_EVERY
+        ):
+            self.publish_now()
+
+    # -- workers -------------------------------------------------------------------
+
+    def depart(self, p: WorkerPipe) -> None:
+        """Pipe ``p`` is gone: deliver its committed push if this shard lacks it, leave."""
+        del self.pipes[p]
+        p.close()
+        w = p.worker
+        if self.current.get(w) is p:
+            del self.current[w]
+            self.waiting.discard(w)
+        got = committed_push(self.layout, self.records, self.pushes, w, self.k)
+        self.shard.depart(w, p.incarnation, got)
+
+    def disconnect(self, p: WorkerPipe, reason: str) -> None:
+        """Cuts off a worker that broke the protocol: a warning, an error reply, then depart."""
+        log.warning(
+            "shard %d: worker %d (incarnation %d) %s; disconnecting it",
+            self.k,
+            p.worker,
+            p.incarnation,
+            reason,
+        )
+        with contextlib.suppress(OSError):
+            p.write(wire.error(f"disconnected worker {p.worker} ({p.incarnation}): {reason}"))
+        self.depart(p)
+
+    def reply(self, p: WorkerPipe, body: bytes) -> None:
+        try:
+            p.write(body)
+        except BlockingIOError:
+            self.disconnect(p, "does not read its replies (its pipe is full)")
+        except OSError:  # the worker is gone: stop waiting for it
+            self.depart(p)
+
+    def receive(self, p: WorkerPipe) -> None:
+        """Reads what pipe ``p`` has and handles every message it completes, in order."""
+        try:
+            bodies = p.read()
+        except OSError:
+            bodies = None
+        if bodies is None:  # end of file: the worker left or died
+            self.depart(p)
+            return
+        for body in bodies:
+            try:
+                msg = wire.decode_from_worker(body)
+            except wire.WireError as e:
+                self.disconnect(p, f"sent {e}")
+                return
+            if msg[0] == "push":
+                self.push(p, msg[1])
+            elif msg[0] == "pull":
+                self.waiting.add(p.worker)
+            else:
+                self.depart(p)
+            if p not in self.pipes:
+                return
+        if p.reader.error is not None:
+            self.disconnect(p, f"sent {p.reader.error}")
+
+    def push(self, p: WorkerPipe, seq: int) -> None:
+        got = committed_push(self.layout, self.records, self.pushes, p.worker, self.k)
+        if got is None or got[0].seq != seq or got[0].incarnation != p.incarnation:
+            self.disconnect(p, f"sent push {seq}, which has no committed record")
+            return
+        header, payload, verdict = got
+        ack = self.shard.push(header, payload, verdict=verdict, now=time.monotonic())
+        self.reply(p, wire.ack(ack))
+
+    def expire_partial(self) -> None:
+        """Cuts off workers whose message stayed incomplete for PARTIAL_TIMEOUT seconds."""
+        now = time.monotonic()
+        for p in list(self.pipes):
+            if p.partial_since is not None and now - p.partial_since >= PARTIAL_TIMEOUT:
+                self.disconnect(
+                    p,
+                    f"sent an incomplete message ({p.reader.pending} bytes) and nothing "
+                    f"more for {PARTIAL_TIMEOUT:g} s",
+                )
+
+    def next_deadline(self) -> float | None:
+        starts = [p.partial_since for p in self.pipes if p.partial_since is not None]
+        return min(starts) + PARTIAL_TIMEOUT if starts else None
+
+    def serve_waiting_pulls(self) -> None:
+        for w in sorted(self.waiting):
+            if self.shard.live[w] and self.shard.may_start(w):
+                self.waiting.discard(w)
+                version = self.shard.pull(w, self.pulls[w], now=time.monotonic())
+                self.reply(self.current[w], wire.pulled(version))
+
+    # -- the parent ----------------------------------------------------------------
+
+    def on_control(self) -> bool:
+        """Handles one message from the parent; False when the shard must stop."""
+        c, shard = self.control, self.shard
+        try:
+            msg = wire.decode_control(c.recv_bytes())
+        except (EOFError, OSError):
+            return False
+        except wire.WireError as e:  # the parent is this program: a bug, said loudly
+            log.error("shard %d: the parent sent %s; ignored", self.k, e)
+            return True
+        kind = msg[0]
+        if kind == "join":
+            self.join(msg[1], msg[2])
+        elif kind == "pull":  # the observer: exact, never gated
+            c.send_bytes(wire.pulled(shard.pull(None, self.observer)))
+        elif kind == "stats":
+            c.send_bytes(wire.stats_reply(shard.stats.as_dict() | {"version": shard.version}))
+        elif kind == "state":
+            c.send_bytes(wire.state_reply(shard.state_dict()))
+        elif kind == "load":  # a checkpoint, before any worker joins (resume)
+            if self.pipes:
+                c.send_bytes(wire.loaded(None, "workers have joined; load before they do"))
+                return True
+            try:
+                shard.load_state_dict(msg[1])
+            except ValueError as e:
+                c.send_bytes(wire.loaded(None, str(e)))
+                return True
+            self.publish_now()
+            c.send_bytes(wire.loaded(shard.version, None))
+        else:  # stop
+            c.send_bytes(wire.stopped(shard.stats.as_dict() | {"version": shard.version}))
+            return False
+        return True
+
+    def join(self, w: int, inc: int) -> None:
+        fd = reduction.recv_handle(self.control)
+        p = WorkerPipe(fd, w, inc)
+        old = self.current.get(w)
+        if old is not None:
+            self.depart(old)  # the old incarnation's committed push first, then it leaves
+        self.shard.join(w, inc)
+        self.pipes[p], self.current[w] = None, p
+        self.control.send_bytes(wire.joined(w, inc))
 
 
 def shard_main(
@@ -52,130 +304,25 @@ def shard_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     child_logging(f"shard {k}")
     block = SharedBlock.attach(block_name)
-    lo, hi = config.ranges[k]
-    shard = config.build_shard(k, layout.params(block)[lo:hi], layout.workers)
-    pulls = [layout.pull_buffer(block, w)[lo:hi] for w in range(layout.workers)]
-    pushes = [layout.push_buffer(block, w)[lo:hi] for w in range(layout.workers)]
-    records = layout.records(block)
-    observer = layout.observer(block)[lo:hi]
-    snapshots = Snapshots(layout, block, config.ranges)
+    proc = ShardProcess(config, k, block, layout, control)
+    shard = proc.shard
     shard.warm_up()
-    snapshots.publish(k, shard.params, shard.version, shard.min_clock())
-    published, published_at = shard.version, time.monotonic()
-    lease_ends = time.monotonic() + join_timeout
+    if shard.decoder is not None:
+        shard.decoder.warm_up()  # the codec's kernels load now, not at the first push
+    proc.publish_now()
+    lease_ends: float | None = time.monotonic() + join_timeout
 
-    def publish(busy: bool) -> None:
-        """Copies the params out for pulls: when idle, or every PUBLISH_EVERY s under load.
-
-        The clock never gets ahead of the published params (a worker the gate lets
-        through must read the params of the round it waited for): alone only while
-        the params are unchanged, else together with them, at once when it moved.
-        """
-        nonlocal published, published_at
-        clock = shard.min_clock()
-        if shard.version == published:
-            snapshots.publish_clock(k, clock)
-        elif (
-            not busy
-            or clock != snapshots.min_clock(k)
-            or time.monotonic() - published_at > PUBLISH_EVERY
-        ):
-            snapshots.publish(k, shard.params, shard.version, clock)
-            published, published_at = shard.version, time.monotonic()
-
-    waiting: set[int] = set()  # workers whose pull waits on the gate
-    conns: dict[Any, tuple[int, int]] = {}  # a worker incarnation's pipe -> (worker, incarnation)
-    current: dict[int, Any] = {}  # worker -> the pipe of its current incarnation
-
-    def depart(c: Any) -> None:
-        """The pipe ``c`` is gone: deliver its committed push if this shard lacks it, leave."""
-        w, inc = conns.pop(c)
-        c.close()
-        if current.get(w) is c:
-            del current[w]
-            waiting.discard(w)
-        shard.depart(w, inc, committed_push(layout, records, pushes, w, k))
-
-    def reply(c: Any, msg: tuple) -> None:
-        try:
-            c.send(msg)
-        except OSError:  # the worker is gone: stop waiting for it
-            if c in conns:
-                depart(c)
-
-    def push(c: Any, msg: tuple) -> None:
-        w, inc = conns[c]
-        got = committed_push(layout, records, pushes, w, k)
-        if len(msg) != 2 or got is None or got[0].seq != msg[1] or got[0].incarnation != inc:
-            log.warning(
-                "shard %d: worker %d sent a push with no matching record: %r", k, w, msg[:2]
-            )
-            reply(c, ("error", f"push {msg[1:2]} has no committed record"))
-            depart(c)
-            return
-        header, payload, verdict = got
-        reply(c, ("ack", shard.push(header, payload, verdict=verdict)))
-
-    def join(w: int, inc: int) -> None:
-        fd = reduction.recv_handle(control)
-        c = connection.Connection(fd)
-        old = current.get(w)
-        if old is not None:
-            depart(old)  # the old incarnation's committed push first, then it leaves
-        shard.join(w, inc)
-        conns[c], current[w] = (w, inc), c
-        control.send(("joined", w, inc))
-
-    control.send(("ready", k))
+    control.send_bytes(wire.ready(k))
     while True:
-        timeout = None if lease_ends is None else max(0.0, lease_ends - time.monotonic())
-        for c in connection.wait([control, *conns], timeout=timeout):
-            if c is not control and c not in conns:
-                continue  # departed while this batch was being handled
-            try:
-                msg = c.recv()
-            except (EOFError, OSError):
-                if c is control:
-                    return
-                depart(c)
-                continue
+        deadlines = [d for d in (lease_ends, proc.next_deadline()) if d is not None]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        for c in connection.wait([control, *proc.pipes], timeout=timeout):
             if c is control:
-                kind = msg[0]
-                if kind == "join":
-                    join(msg[1], msg[2])
-                elif kind == "pull":  # the observer: exact, never gated
-                    c.send(("pulled", shard.pull(None, observer)))
-                elif kind == "stats":
-                    c.send(("stats", shard.stats.as_dict() | {"version": shard.version}))
-                elif kind == "state":
-                    c.send(("state", shard.state_dict()))
-                elif kind == "load":  # a checkpoint, before any worker joins (resume)
-                    if conns:
-                        c.send(("loaded", None, "workers have joined; load before they do"))
-                        continue
-                    try:
-                        shard.load_state_dict(msg[1])
-                    except ValueError as e:
-                        c.send(("loaded", None, str(e)))
-                        continue
-                    snapshots.publish(k, shard.params, shard.version, shard.min_clock())
-                    published, published_at = shard.version, time.monotonic()
-                    c.send(("loaded", shard.version, None))
-                elif kind == "stop":
-                    c.send(("stopped", shard.stats.as_dict() | {"version": shard.version}))
+                if not proc.on_control():
                     return
-                continue
-            kind = msg[0] if isinstance(msg, tuple) and msg else None
-            w = conns[c][0]
-            if kind == "push":
-                push(c, msg)
-            elif kind == "pull":
-                waiting.add(w)
-            elif kind == "leave":
-                depart(c)
-            else:
-                log.warning("shard %d: worker %d sent an unknown message; disconnecting it", k, w)
-                depart(c)
+            elif c in proc.pipes:  # else: departed while this batch was being handled
+                proc.receive(c)
+        proc.expire_partial()
         if lease_ends is not None and time.monotonic() >= lease_ends:
             lease_ends = None
             gone = shard.expire_unstarted()
@@ -189,8 +336,8 @@ def shard_main(
                 )
         # After the acks: a pusher's next pull waits for the version its ack named
         # (read-your-writes), and pushes queued behind this batch go first.
-        publish(busy=any(c.poll() for c in conns))
-        for w in sorted(waiting):
-            if shard.live[w] and shard.may_start(w):
-                waiting.discard(w)
-                reply(current[w], ("pulled", shard.pull(w, pulls[w])))
+        busy = bool(proc.pipes) and bool(connection.wait(list(proc.pipes), 0))
+        proc.publish(busy=busy)
+        proc.serve_waiting_pulls()
+        if not busy:
+            shard.prepare()  # the next step's undo copy, made while no push waits for it

@@ -25,6 +25,12 @@ step with ``send``, so the simulator runs the very loop the local runtime runs:
   version at that instant) and sends every shard its slice with that verdict;
   each shard queues, serves and handles the push and acks it. With every ack
   in, the loop gets the push's :class:`~stalewise.protocol.PushResult`.
+  With a codec (``ServerConfig.codec``), the update is encoded into one payload
+  per shard (:class:`~stalewise.protocol.compress.Compressor`, with the
+  worker's error feedback); each shard decodes its payload itself, as in the
+  local runtime, and with several shards the verdict judges the payloads
+  decoded, the values the shards apply. A push slice costs its payload's exact
+  byte count (scaled by ``model_bytes``).
 
 Faults: a worker that fails while pulling or computing pushes nothing. One
 that fails after committing its push (while pushing) still delivers it to
@@ -33,6 +39,19 @@ every shard: the shards that have not handled it yet get it from
 in flight are dropped, so it is applied exactly once everywhere or refused
 everywhere, never torn. A (re)join starts a new incarnation, with a new loop
 (and a fresh strategy state) whose sequence numbers start at 0.
+
+A worker fails by a scripted :class:`~stalewise.runtime.sim.models.Failure`
+or when the user's code raises in it (its data, its strategy step); the job's
+failure policy (:class:`~stalewise.runtime.base.Failures`, as in the local
+runtime) then restarts it ``SimConfig.restart_delay`` virtual seconds later
+(a new incarnation drawing its batches afresh from ``data(worker, workers)``),
+drops it, or fails the job. Two exceptions: a scripted failure answered by a
+later scripted :class:`~stalewise.runtime.sim.models.Join` of that worker
+keeps it away until that join (the script says when it is back; no restart is
+counted), and an error before a worker id's first step is done fails the job
+whatever the policy (the local runtime's warm-up step finds the same bugs
+before its clock starts). A worker whose loop raises ``loop.Diverged`` stops
+and is not restarted.
 
 Cost: O(log n) per event (heap) and O(1) per-worker state per event. Under
 SSP/BSP a shard asks ``Shard.min_clock`` (O(1) amortised) once per pull request
@@ -54,8 +73,8 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import PushHeader, PushResult, ServerConfig, commit, loop
-from stalewise.runtime.base import WorkerError, batch_iterator, merge_stats
+from stalewise.protocol import PushHeader, PushResult, ServerConfig, commit, compress, loop
+from stalewise.runtime.base import Failures, WorkerError, batch_iterator, merge_stats
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import Join, Links, WorkerTiming
 
@@ -63,11 +82,12 @@ log = logging.getLogger(__name__)
 
 # event kinds
 _PULL_REQ, _SERVED, _PULL_HEAD, _PULL_RESP, _COMPUTED, _PUSH_HEAD, _PUSH_IN = range(7)
-_ACK, _LEAVE, _FAIL, _JOIN, _EVAL = range(7, 12)
+_ACK, _LEAVE, _FAIL, _JOIN, _EVAL, _RESTART = range(7, 13)
 # request kinds at a shard
 _PULL, _PUSH = 0, 1
 # worker phases
 _IDLE, _PULLING, _COMPUTING, _PUSHING, _DONE, _DEAD = range(6)
+_GONE = object()  # what Simulation.send returns when the worker failed meanwhile
 
 
 class Simulation:
@@ -81,6 +101,9 @@ class Simulation:
         steps: int,
         sim: SimConfig,
         timing: WorkerTiming,
+        *,
+        failures: Failures | None = None,
+        diverge_after: int | None = loop.DIVERGE_AFTER,
     ):
         self.config, self.spec = config, config.spec
         self.loss_and_grad, self.data, self.strategy = worker_fns
@@ -96,6 +119,15 @@ class Simulation:
         self.scale = sim.model_bytes / self.spec.nbytes if sim.model_bytes else 1.0
         self.slice_bytes = [(hi - lo) * self.params.itemsize * self.scale for lo, hi in self.ranges]
         self.push_bytes = [[0.0] * S for _ in range(workers)]  # wire size of each push slice
+        # with a codec a push slice is its shard's payload, of exactly this many bytes
+        self.compressor = None
+        self.feedback: list[Any] = [None] * workers  # each worker's error-feedback state
+        self.payloads: list[Any] = [None] * workers  # each worker's payloads, one per shard
+        self.wire_bytes = list(self.slice_bytes)
+        if not compress.is_identity(config.codec):
+            self.compressor = config.compressor()
+            dtype = self.params.dtype
+            self.wire_bytes = [self.compressor.nbytes(k, dtype, self.scale) for k in range(S)]
         self.links = Links(sim.network, workers, S)
         self.lat, self.service = sim.network.latency, sim.service
         self.gated = self.shards[0].consistency.bound != math.inf
@@ -129,6 +161,15 @@ class Simulation:
         self.skip = [0] * workers  # batches to skip when a stream starts (a resumed run)
         self.ended: list[tuple[float, int] | None] = [None] * workers  # (time, order) of DONE
         self.checkpointer: Any = None  # called after every event when set (periodic checkpoints)
+        self.diverged: dict[int, str] = {}  # worker -> why its loop raised loop.Diverged
+        self.failures = Failures() if failures is None else failures  # the failure policy
+        self.diverge_after = diverge_after  # for the worker loops
+        self.stepped = [False] * workers  # worker id has done a step (errors before: fatal)
+        self.awaiting: dict[int, dict] = {}  # worker -> its failure event, until it is back
+        self.returns = 0  # scripted joins and restarts still to come
+        self.join_times: dict[int, list[float]] = {}  # worker -> its scripted joins
+        for e in sorted(sim.joins, key=lambda e: e.time):
+            self.join_times.setdefault(e.worker, []).append(e.time)
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -171,12 +212,12 @@ class Simulation:
             lo, hi = self.ranges[k]
             shard = self.shards[k]
             if kind == _PULL:
-                self.base[w][k] = shard.pull(w, self.pull_buf[w][lo:hi])
+                self.base[w][k] = shard.pull(w, self.pull_buf[w][lo:hi], now=self.now)
                 self.transfer(self.P + k, w, self.slice_bytes[k], _PULL_HEAD, w, k)
             else:
                 header = PushHeader(w, self.seq[w], self.base[w][k], inc)
                 self.acks[w][k] = ack = shard.push(
-                    header, self.upd_buf[w][lo:hi], verdict=self.verdict[w]
+                    header, self.sent(w, k), verdict=self.verdict[w], now=self.now
                 )
                 if not ack.ok:
                     log.debug("sim: shard %d rejected worker %d's push: %s", k, w, ack.reason)
@@ -202,7 +243,9 @@ class Simulation:
             if inc != self.inc[w]:
                 heapq.heappop(h)
                 continue
-            if not shard.consistency.may_start(clock, floor):
+            if not (
+                shard.may_start(w) if shard.hybrid else shard.consistency.may_start(clock, floor)
+            ):
                 return
             heapq.heappop(h)
             self.enqueue(k, (_PULL, w, inc))
@@ -210,25 +253,41 @@ class Simulation:
     # -- workers ---------------------------------------------------------------------
 
     def send(self, w: int, answer: Any) -> Any:
-        """Answers worker ``w``'s loop; returns its next request, or None when it ended."""
+        """Answers worker ``w``'s loop; returns its next request, None when the loop
+        ended (the budget is spent, or it diverged), or ``_GONE`` when the worker failed."""
         try:
             return self.loops[w].send(answer)
         except StopIteration:
             return None
-        except Exception:
-            raise WorkerError(f"worker {w} failed:\n{traceback.format_exc()}") from None
+        except loop.Diverged as e:  # the loop has ended: the worker stops pushing and leaves
+            self.diverged[w] = str(e)
+            self.failures.diverged(w, str(e), time=self.now)  # never restarted
+            return None
+        except Exception as e:
+            self.crash(w, e)
+            return _GONE
 
     def start_loop(self, w: int) -> None:
-        """Starts a new loop for worker ``w``'s new incarnation (it asks BEGIN at once)."""
+        """Starts a new loop for worker ``w``'s new incarnation (it asks BEGIN at once).
+
+        A worker id keeps one stream of batches over its lives, except that a
+        restart (:meth:`policy`) draws a new one, as a new process would.
+        """
         try:
-            if self.batches[w] is None:  # one stream of batches per worker id, over its lives
+            if self.batches[w] is None:
                 self.batches[w] = batch_iterator(self.data, w, self.P)
                 if self.skip[w]:  # resumed: continue the stream where the checkpoint left it
                     deque(itertools.islice(self.batches[w], self.skip[w]), maxlen=0)
-        except Exception:
-            raise WorkerError(f"worker {w} failed:\n{traceback.format_exc()}") from None
+        except Exception as e:
+            self.crash(w, e)
+            return
+        self.feedback[w] = None  # a new loop: a fresh worker state
         self.loops[w] = gen = loop.worker_loop(
-            self.strategy, self.loss_and_grad, self.batches[w], worker=w
+            self.strategy,
+            self.loss_and_grad,
+            self.batches[w],
+            worker=w,
+            diverge_after=self.diverge_after,
         )
         next(gen)  # runs to the first BEGIN
         self.start_step(w)
@@ -236,7 +295,10 @@ class Simulation:
     def start_step(self, w: int) -> None:
         """Answers the loop's BEGIN: a step starts while the job's budget lasts."""
         more = self.started < self.steps
-        if self.send(w, more) is None:  # the loop has ended: the worker leaves the job
+        request = self.send(w, more)
+        if request is _GONE:
+            return
+        if request is None:  # the loop has ended: the worker leaves the job
             self.phase[w], self.loops[w] = _DONE, None
             self.ended[w] = (self.now, sum(e is not None for e in self.ended))
             for k in range(self.S):
@@ -259,13 +321,36 @@ class Simulation:
             self.consumed[w] += local_steps
             self.upd_buf[w] = out = self.take_buffer()
             tree.flatten(update, spec=self.spec, out=out)
-        except Exception:
-            raise WorkerError(f"worker {w} failed:\n{traceback.format_exc()}") from None
+            if self.compressor is not None:
+                self.encode(w, out)
+        except Exception as e:
+            self.crash(w, e)
+            return
+        self.stepped[w] = True
         self.pool.append(self.pull_buf[w])
         self.pull_buf[w] = None
         self.loss_next[w] = loss
         self.phase[w], self.t_mark[w] = _COMPUTING, self.now
         self.at(self.timing.finish(w, self.now, local_steps), _COMPUTED, w, inc=self.inc[w])
+
+    def encode(self, w: int, flat: np.ndarray) -> None:
+        """Encodes worker ``w``'s update with the job's codec (error feedback included)
+        into its payloads; with several shards, decodes them back into ``flat``, the
+        values the shards will apply, for the commit rule to judge."""
+        bufs = self.payloads[w]
+        if bufs is None:  # kept from push to push: a payload lives until every shard took it
+            sizes = [self.compressor.nbytes(k, flat.dtype) for k in range(self.S)]
+            bufs = self.payloads[w] = [bytearray(n) for n in sizes]
+        self.feedback[w] = self.compressor.encode_into(flat, bufs, self.feedback[w])
+        if self.whole:
+            self.compressor.decode(bufs, flat)
+
+    def sent(self, w: int, k: int) -> Any:
+        """What shard ``k`` receives of worker ``w``'s push: its slice, or its payload."""
+        if self.compressor is not None:
+            return self.payloads[w][k]
+        lo, hi = self.ranges[k]
+        return self.upd_buf[w][lo:hi]
 
     def push(self, w: int) -> None:
         """Commits the update (one verdict for every shard) and sends each shard its slice."""
@@ -282,9 +367,8 @@ class Simulation:
                 whole=self.whole,
             )
         self.phase[w], self.pending[w], self.t_mark[w] = _PUSHING, self.S, self.now
-        for k, (lo, hi) in enumerate(self.ranges):
-            # the bytes the payload has; a codec will report its encoded size here
-            self.push_bytes[w][k] = nbytes = self.upd_buf[w][lo:hi].nbytes * self.scale
+        for k in range(self.S):
+            self.push_bytes[w][k] = nbytes = self.wire_bytes[k]  # the payload's exact size
             self.transfer(w, self.P + k, nbytes, _PUSH_HEAD, w, k)
 
     def acked(self, w: int) -> None:
@@ -294,26 +378,70 @@ class Simulation:
         self.seq[w] += 1
         self.pool.append(self.upd_buf[w])
         self.upd_buf[w] = None
-        self.send(w, [PushResult.of(self.acks[w])])  # the loop asks BEGIN
-        self.start_step(w)
+        self.phase[w] = _IDLE  # nothing of the push is in flight any more
+        if self.send(w, [PushResult.of(self.acks[w])]) is not _GONE:  # the loop asks BEGIN
+            self.start_step(w)
 
     def fail(self, w: int) -> None:
+        """A scripted failure of worker ``w`` (``SimConfig.failures``); see the module docstring."""
         if self.phase[w] in (_DEAD, _DONE):
             return
         log.info("sim: worker %d fails at t=%.6g", w, self.now)
+        self.depart(w)
+        cause = "scripted failure (SimConfig.failures)"
+        back = next((t for t in self.join_times.get(w, ()) if t >= self.now), None)
+        if back is None:
+            self.policy(w, cause)
+            return
+        # the script says when it is back: away until that join, whatever the policy
+        event = {"worker": w, "time": self.now, "cause": cause, "action": "left", "rejoin": back}
+        self.failures.events.append(event)
+        self.awaiting[w] = event
+
+    def crash(self, w: int, error: Exception) -> None:
+        """The user's code raised ``error`` in worker ``w`` (call it in the ``except``
+        block): the worker fails now, and the failure policy says what follows.
+
+        Raises:
+            WorkerError: before worker id ``w`` has done a step (a bug in its data or
+                first step, whatever the policy), or as the policy decides.
+        """
+        detail = traceback.format_exc()
+        if not self.stepped[w]:
+            raise WorkerError(f"worker {w} failed:\n{detail}") from None
+        self.depart(w)
+        self.policy(w, f"raised {type(error).__name__}: {error}", detail)
+
+    def policy(self, w: int, cause: str, detail: str = "") -> None:
+        """Applies the failure policy to worker ``w``, which has just departed."""
+        if self.failures.worker(w, cause, time=self.now, detail=detail) == "restart":
+            self.awaiting[w] = self.failures.events[-1]
+            self.batches[w] = None  # the new incarnation draws its batches afresh
+            self.consumed[w] = self.skip[w] = 0
+            self.returns += 1
+            self.at(self.now + self.sim.restart_delay, _RESTART, w, inc=self.inc[w])
+
+    def restarting(self, w: int) -> bool:
+        """Whether worker ``w`` is down, waiting for its restart."""
+        event = self.awaiting.get(w)
+        return event is not None and event["action"] == "restarted"
+
+    def depart(self, w: int) -> None:
+        """Worker ``w``'s incarnation ends now: it leaves every shard, which first
+        delivers a push it had committed, and its messages in flight are dropped."""
         phase, inc = self.phase[w], self.inc[w]
         if phase in (_PULLING, _COMPUTING):
             self.started -= 1  # nothing was committed: the step is not done
         self.phase[w] = _DEAD
-        self.loops[w].close()
-        self.loops[w] = None
+        if self.loops[w] is not None:
+            self.loops[w].close()
+            self.loops[w] = None
         delivered = []
         for k, shard in enumerate(self.shards):
             committed = None
             if phase == _PUSHING:  # committed: shards that have not handled it get it now
-                lo, hi = self.ranges[k]
                 header = PushHeader(w, self.seq[w], self.base[w][k], inc)
-                committed = (header, self.upd_buf[w][lo:hi], self.verdict[w])
+                committed = (header, self.sent(w, k), self.verdict[w])
             if shard.depart(w, inc, committed=committed) is not None:
                 delivered.append(k)
             self.release(k)
@@ -332,11 +460,19 @@ class Simulation:
             log.debug("sim: worker %d joins at t=%.6g but is live; ignored", w, self.now)
             return
         log.info("sim: worker %d joins at t=%.6g", w, self.now)
+        self.rejoin(w)
+
+    def rejoin(self, w: int) -> None:
+        """Worker ``w`` comes back as a new incarnation (a scripted join or a restart)."""
         self.inc[w] += 1
         self.seq[w] = 0
+        self.diverged.pop(w, None)  # a new incarnation, with a new loop
+        event = self.awaiting.pop(w, None)
         for shard in self.shards:
             shard.join(w, self.inc[w])
         self.start_loop(w)
+        if event is not None and self.phase[w] != _DEAD:
+            event["recovered"] = self.now
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -351,8 +487,14 @@ class Simulation:
         return {
             "now": self.now,
             "pushes": self.pushes,
-            "quiescent": not self.queued and all(p in (_DONE, _DEAD) for p in self.phase),
-            "phase": ["dead" if p == _DEAD else "live" for p in self.phase],
+            "quiescent": not self.queued
+            and all(p in (_DONE, _DEAD) for p in self.phase)
+            and not any(map(self.restarting, range(self.P))),
+            # a worker waiting for its restart is live: a resumed run restarts it at once
+            "phase": [
+                "dead" if p == _DEAD and not self.restarting(w) else "live"
+                for w, p in enumerate(self.phase)
+            ],
             "ended": [None if e is None else list(e) for e in self.ended],
             "consumed": list(self.consumed),
             "last_loss": [None if math.isnan(x) else float(x) for x in self.last_loss],
@@ -419,7 +561,7 @@ class Simulation:
         events = [e for e in self.sim.failures + self.sim.joins if e.time >= t0]
         for e in sorted(events, key=lambda e: e.time):
             self.at(e.time, _JOIN if isinstance(e, Join) else _FAIL, e.worker)
-        joins_left = sum(isinstance(e, Join) for e in events)
+        self.returns += sum(isinstance(e, Join) for e in events)
         if starts is None:
             for w in range(self.P):
                 if w not in absent:
@@ -448,17 +590,23 @@ class Simulation:
             if kind == _SERVED:
                 self.served(k)
             elif kind == _EVAL:
-                if self.idle(joins_left):
+                if self.idle():
                     break
                 stop = record()
                 self.at((w + 1) * eval_interval, _EVAL, w + 1)  # w: the evaluation's number
                 continue
             elif kind >= _FAIL:
-                idle = self.idle(joins_left)  # this join counts: it may bring work
-                joins_left -= kind == _JOIN
-                if idle:
-                    continue  # the job is over; this event changes nothing
-                self.join(w) if kind == _JOIN else self.fail(w)
+                idle = self.idle()  # this join or restart counts: it may bring work
+                self.returns -= kind != _FAIL
+                if idle or (kind == _RESTART and i != inc[w]):
+                    continue  # the job is over, or the worker is back already (a join)
+                if kind == _FAIL:
+                    self.fail(w)
+                elif kind == _JOIN:
+                    self.join(w)
+                else:
+                    log.info("sim: worker %d restarts at t=%.6g", w, self.now)
+                    self.rejoin(w)
             elif i != inc[w]:
                 continue  # a message of (or to) an earlier life of worker w
             elif kind == _PULL_REQ:
@@ -494,9 +642,10 @@ class Simulation:
         self.now = self.now if stop else self.end
         return stop
 
-    def idle(self, joins_left: int) -> bool:
-        """No work in flight, and no join that could bring more (none left, or no budget)."""
-        return not self.queued and not (joins_left and self.started < self.steps)
+    def idle(self) -> bool:
+        """No work in flight, and no join or restart that could bring more (none left, or
+        no budget)."""
+        return not self.queued and not (self.returns and self.started < self.steps)
 
     def stats(self, *, settled: bool = False) -> dict[str, Any]:
         """The shards' merged counters; ``settled``: no push is in flight (checks they agree)."""

@@ -1,0 +1,609 @@
+"""Codecs: how an update is encoded on the wire (``sw.codecs``).
+
+A codec turns a float vector into bytes and back. Each is a small frozen
+(picklable, comparable) class with :meth:`Codec.encode`, :meth:`Codec.decode`
+and an exact byte count, :meth:`Codec.nbytes`, equal to ``len(encode(x))``.
+
+=================  ===============================  ==============================  ==============
+codec              bytes for ``n`` float32 values   decoded value                   error feedback
+=================  ===============================  ==============================  ==============
+``none()``         ``12 + 4n`` (float64: ``8n``)    exact                           no
+``fp16()``         ``12 + 2n``                      float16, clamped to +-65504     off
+``bf16()``         ``12 + 2n``                      bfloat16, clamped               off
+``int8()``         ``12 + n + 4 ceil(n / 4096)``    one float32 scale per block     off
+``topk(f)``        ``12 + k (4 + index bytes)``     the ``k = round(f n)`` largest  on
+``sign()``         ``12 + 4 + ceil(n / 8)``         ``mean|x| * sign(x)``           on
+=================  ===============================  ==============================  ==============
+
+Each class's docstring states its error bound. Lossy codecs work in float32
+(a float64 vector is rounded first); ``none`` keeps float64.
+
+The payload is raw bytes, never a pickle: a fixed 12-byte header (a magic byte,
+the codec's id, the dtype of the values, one parameter byte, ``n`` as a uint64)
+then the body. :meth:`Codec.decode` checks the header against the codec doing
+the decoding, the length against :meth:`Codec.nbytes` and ``topk``'s indices; a
+truncated, padded, foreign or structurally corrupt payload raises
+:class:`PayloadError`. There is no checksum (the transports are reliable): a
+flipped bit among the values decodes to a wrong value, which validation catches
+only when it is not finite.
+
+NaN and infinity are carried through as values (``int8`` turns a block holding
+one into NaNs), so that the shard's validation refuses such an update.
+
+Per-leaf policy: a codec given to ``sw.Job(codec=...)`` compresses the leaves of
+at least :data:`SMALL_LEAF` elements; smaller ones (biases, norms) travel
+uncompressed. :func:`size_adaptive` sets the threshold and both codecs.
+:mod:`stalewise.protocol.compress` applies the policy to a whole update, one
+payload per shard, with error feedback.
+
+Example:
+    >>> import numpy as np
+    >>> x = np.array([0.5, -2.0, 0.25, 3.0], np.float32)
+    >>> c = topk(0.5)
+    >>> payload = c.encode(x)
+    >>> len(payload) == c.nbytes(4), c.decode(payload).tolist()
+    (True, [0.0, -2.0, 0.0, 3.0])
+    >>> parse("int8"), parse("topk:0.01")
+    (int8(), topk(0.01))
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from stalewise import _codec_kernels as kernels
+
+__all__ = ["SMALL_LEAF", "Codec", "PayloadError", "Policy", "SizeAdaptive"]
+__all__ += ["as_bytes", "bf16", "fp16", "int8", "none", "parse", "sign", "size_adaptive", "topk"]
+
+#: Leaves with fewer elements travel uncompressed under a plain codec.
+SMALL_LEAF = 512
+
+HEADER = struct.Struct("<BBBBQ")  # magic, codec id, values dtype, parameter, n
+MAGIC = 0xC5
+_DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float64)}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+class PayloadError(ValueError):
+    """A payload that cannot be decoded: corrupt, truncated, or made by another codec."""
+
+
+class Policy:
+    """Chooses the codec of each leaf: what ``sw.Job(codec=...)`` takes."""
+
+    def for_leaf(self, size: int) -> Codec:
+        """The codec of a leaf of ``size`` elements."""
+        raise NotImplementedError
+
+
+class Codec(Policy):
+    """A wire codec; see the module docstring. Subclasses set ``name``, ``id`` and the body."""
+
+    name: ClassVar[str] = "codec"
+    id: ClassVar[int] = -1
+    lossless: ClassVar[bool] = False
+    error_feedback: bool = False  # keep what the codec drops on the worker and send it later
+
+    def for_leaf(self, size: int) -> Codec:
+        """Itself, or ``none()`` for a leaf of fewer than :data:`SMALL_LEAF` elements."""
+        return NONE if size < SMALL_LEAF and not self.lossless else self
+
+    # -- sizes ---------------------------------------------------------------------------
+
+    def nbytes(self, n: int, dtype: Any = np.float32) -> int:
+        """The exact length of the payload of ``n`` values (``dtype`` matters to ``none`` only)."""
+        return HEADER.size + self._body_nbytes(int(n), np.dtype(dtype))
+
+    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
+        raise NotImplementedError
+
+    def _param(self, n: int) -> int:
+        return 0
+
+    # -- encoding ------------------------------------------------------------------------
+
+    def encode(self, x: np.ndarray) -> bytearray:
+        """The payload of the 1-D float vector ``x``."""
+        x = _vector(x)
+        buf = bytearray(self.nbytes(x.size, x.dtype))
+        self.encode_into(x, buf)
+        return buf
+
+    def encode_into(self, x: np.ndarray, buf: Any) -> None:
+        """Writes the payload of ``x`` into ``buf``, a writable buffer of exactly
+        ``nbytes(x.size, x.dtype)`` bytes (e.g. a slice of a shared-memory block)."""
+        x = _vector(x)
+        mv = memoryview(buf).cast("B")
+        if len(mv) != self.nbytes(x.size, x.dtype):
+            raise ValueError(
+                f"{self!r}: buffer of {len(mv)} bytes for a payload of "
+                f"{self.nbytes(x.size, x.dtype)}"
+            )
+        dtype = x.dtype if self.lossless else np.dtype(np.float32)
+        HEADER.pack_into(mv, 0, MAGIC, self.id, _CODES[dtype], self._param(x.size), x.size)
+        self._encode_body(_values(x, dtype, self), mv[HEADER.size :])
+
+    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
+        raise NotImplementedError
+
+    # -- decoding ------------------------------------------------------------------------
+
+    def decode(self, payload: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """The values of a payload, written into ``out`` (a float vector) when given.
+
+        Raises:
+            PayloadError: the payload is not one this codec made (header, length).
+        """
+        mv = as_bytes(payload)
+        n = _peek_n(mv, 0)
+        if out is None:
+            code = mv[2] if len(mv) > 2 else 0
+            out = np.empty(n, _DTYPES.get(code, np.dtype(np.float32)))
+        end = self.decode_at(mv, 0, out)
+        if end != len(mv):
+            raise PayloadError(
+                f"{self!r}: payload of {len(mv)} bytes, expected {end} for n={n} "
+                f"({len(mv) - end} bytes too many)"
+            )
+        return out
+
+    def decode_at(self, buf: memoryview, offset: int, out: np.ndarray, where: str = "") -> int:
+        """Decodes the payload at ``offset`` of ``buf`` into ``out`` (whose size is the
+        expected ``n``) and returns where it ends; ``where`` prefixes error messages."""
+        where = where or repr(self)
+        if len(buf) - offset < HEADER.size:
+            raise PayloadError(
+                f"{where}: truncated: {len(buf) - offset} bytes left, a header needs {HEADER.size}"
+            )
+        magic, cid, code, param, n = HEADER.unpack_from(buf, offset)
+        if magic != MAGIC:
+            raise PayloadError(f"{where}: not a codec payload (magic byte {magic:#04x})")
+        if cid != self.id:
+            other = _BY_ID.get(cid, f"unknown codec id {cid}")
+            raise PayloadError(f"{where}: payload encoded by {other}, expected {self!r}")
+        if n != out.size:
+            raise PayloadError(f"{where}: payload holds {n} values, expected {out.size}")
+        dtype = _DTYPES.get(code)
+        if dtype is None or (dtype != np.float32 and not self.lossless):
+            raise PayloadError(f"{where}: bad dtype code {code} in the header")
+        if param != self._param(n):
+            raise PayloadError(f"{where}: header parameter {param}, expected {self._param(n)}")
+        end = offset + self.nbytes(n, dtype)
+        if end > len(buf):
+            raise PayloadError(
+                f"{where}: truncated: {len(buf) - offset} bytes, the payload of n={n} has "
+                f"{end - offset}"
+            )
+        self._decode_body(buf[offset + HEADER.size : end], n, dtype, out, where)
+        return end
+
+    def _decode_body(
+        self, body: memoryview, n: int, dtype: np.dtype, out: np.ndarray, where: str
+    ) -> None:
+        raise NotImplementedError
+
+    def subtract_decoded(
+        self, payload: Any, r: np.ndarray, scratch: np.ndarray | None = None
+    ) -> None:
+        """``r -= decode(payload)``: the error-feedback update ``e = p - C(p)``.
+
+        ``scratch``: a buffer like ``r`` to decode into (kept by the caller from push
+        to push, it saves allocating and faulting in a vector each time).
+        """
+        r -= self.decode(payload, np.empty_like(r) if scratch is None else scratch)
+
+    def __repr__(self) -> str:
+        return f"{self.name}()"
+
+
+@dataclass(frozen=True, repr=False)
+class NoCodec(Codec):
+    """No compression: the raw values (float32 or float64). Exact."""
+
+    name: ClassVar[str] = "none"
+    id: ClassVar[int] = 0
+    lossless: ClassVar[bool] = True
+
+    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
+        return n * dtype.itemsize
+
+    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
+        np.frombuffer(body, x.dtype, x.size)[:] = x
+
+    def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
+        if out.dtype != dtype:
+            raise PayloadError(f"{where}: payload holds {dtype.name}, expected {out.dtype.name}")
+        out[:] = np.frombuffer(body, dtype, n)
+
+
+@dataclass(frozen=True, repr=False)
+class FP16(Codec):
+    """IEEE half precision, rounded to nearest even. Finite values beyond +-65504
+    are clamped to it; infinities and NaN stay non-finite.
+
+    Bound: ``|d - x| <= max(2**-11 |x|, 2**-25)`` for ``|x| <= 65504``.
+    """
+
+    name: ClassVar[str] = "fp16"
+    id: ClassVar[int] = 1
+    error_feedback: bool = False
+
+    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
+        return 2 * n
+
+    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
+        kernels.fp16_encode(x, np.frombuffer(body, np.int16, x.size))
+
+    def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
+        _into(out, kernels.fp16_decode, np.frombuffer(body, np.int16, n))
+
+    def __repr__(self) -> str:
+        return "fp16(error_feedback=True)" if self.error_feedback else "fp16()"
+
+
+@dataclass(frozen=True, repr=False)
+class BF16(Codec):
+    """bfloat16 (float32's range, 8 bits of mantissa), rounded to nearest even.
+    Finite values that would round to infinity are clamped to +-3.3895e38.
+
+    Bound: ``|d - x| <= max(2**-8 |x|, 2**-134)``.
+    """
+
+    name: ClassVar[str] = "bf16"
+    id: ClassVar[int] = 2
+    error_feedback: bool = False
+
+    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
+        return 2 * n
+
+    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
+        kernels.bf16_encode(x, np.frombuffer(body, np.int16, x.size))
+
+    def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
+        _into(out, kernels.bf16_decode, np.frombuffer(body, np.int16, n))
+
+    def __repr__(self) -> str:
+        return "bf16(error_feedback=True)" if self.error_feedback else "bf16()"
+
+
+@dataclass(frozen=True, repr=False)
+class Int8(Codec):
+    """Blockwise int8: each block of ``block`` values is sent as int8 codes in
+    ``[-127, 127]`` and one float32 scale, its absolute maximum / 127.
+
+    Bound: ``|d - x| <= absmax(block) / 254 * (1 + 1e-4)`` (the factor covers
+    float32 rounding). A block holding a NaN or an infinity decodes to NaN.
+    """
+
+    name: ClassVar[str] = "int8"
+    id: ClassVar[int] = 3
+    block: int = 4096
+    error_feedback: bool = False
+
+    def __post_init__(self) -> None:
+        b = self.block
+        if not _is_int(b) or b < 1 or b > 2**30 or b & (b - 1):
+            raise ValueError(f"int8: block must be a power of two in 1..2**30, got {b!r}")
+
+    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
+        return n + 4 * -(-n // self.block)
+
+    def _param(self, n: int) -> int:
+        return self.block.bit_length() - 1
+
+    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
+        blocks = -(-x.size // self.block)
+        scales = np.frombuffer(body, np.float32, blocks)
+        q = np.frombuffer(body, np.int8, x.size, 4 * blocks)
+        kernels.int8_encode(x, self.block, q, scales)
+
+    def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
+        blocks = -(-n // self.block)
+        scales = np.frombuffer(body, np.float32, blocks)
+        q = np.frombuffer(body, np.int8, n, 4 * blocks)
+        _into(out, kernels.int8_decode, q, scales, self.block)
+
+    def __repr__(self) -> str:
+        args = [] if self.block == 4096 else [f"block={self.block}"]
+        args += ["error_feedback=True"] if self.error_feedback else []
+        return f"int8({', '.join(args)})"
+
+
+@dataclass(frozen=True, repr=False)
+class TopK(Codec):
+    """The ``k = max(1, round(fraction * n))`` values of largest magnitude, as their
+    indices (the narrowest unsigned type that holds ``n - 1``) and float32 values.
+
+    Bound: each decoded value is ``x_i`` (kept, exact in float32) or 0 (dropped),
+    and no dropped ``|x_i|`` exceeds a kept one; NaNs are always kept. The
+    selection is O(n): a threshold from a fixed sample of ``|x|``, one pass to
+    collect the candidates, and an exact selection among them (a full
+    ``argpartition`` only when the sample misleads, e.g. mostly-zero updates).
+    Indices travel in increasing order; the decoder checks they do.
+    """
+
+    name: ClassVar[str] = "topk"
+    id: ClassVar[int] = 4
+    fraction: float = 0.01
+    error_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        f = self.fraction
+        ok = isinstance(f, int | float) and not isinstance(f, bool) and 0 < f <= 1
+        if not ok:
+            raise ValueError(f"topk: fraction must be a number in (0, 1], got {f!r}")
+
+    def k(self, n: int) -> int:
+        """How many values a vector of ``n`` keeps."""
+        return min(n, max(1, round(self.fraction * n)))
+
+    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
+        return self.k(n) * (4 + _index_dtype(n).itemsize)
+
+    def _param(self, n: int) -> int:
+        return _index_dtype(n).itemsize
+
+    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
+        n, k = x.size, self.k(x.size)
+        top = kernels.top_indices(x, k)
+        idx = np.frombuffer(body, _index_dtype(n), k)
+        idx[:] = top
+        np.frombuffer(body, np.float32, k, k * idx.itemsize)[:] = x[top]
+
+    def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
+        k = self.k(n)
+        idx = np.frombuffer(body, _index_dtype(n), k)
+        if k and (idx[-1] >= n or (k > 1 and not (idx[1:] > idx[:-1]).all())):
+            raise PayloadError(f"{where}: indices out of order or beyond n={n}: corrupt payload")
+        out.fill(0)
+        out[idx] = np.frombuffer(body, np.float32, k, k * idx.itemsize)
+
+    def subtract_decoded(
+        self, payload: Any, r: np.ndarray, scratch: np.ndarray | None = None
+    ) -> None:
+        mv = as_bytes(payload)  # sparse: subtracts the k kept values in place, no scratch
+        n = _peek_n(mv, 0)
+        k = self.k(n)
+        idx = np.frombuffer(mv, _index_dtype(n), k, HEADER.size)
+        r[idx] -= np.frombuffer(mv, np.float32, k, HEADER.size + k * idx.itemsize)
+
+    def __repr__(self) -> str:
+        ef = "" if self.error_feedback else ", error_feedback=False"
+        return f"topk({self.fraction!r}{ef})"
+
+
+@dataclass(frozen=True, repr=False)
+class Sign(Codec):
+    """Scaled sign: one bit per value (``np.packbits`` of the sign bits) and one
+    float32 scale, the mean of ``|x|``. Decoded: ``scale`` or ``-scale`` (``+0.0``
+    gives ``+scale``).
+
+    Bound: the signs are kept and ``sum |d| == sum |x|`` (to float32 rounding);
+    a NaN or infinity anywhere makes every value non-finite.
+    """
+
+    name: ClassVar[str] = "sign"
+    id: ClassVar[int] = 5
+    error_feedback: bool = True
+
+    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
+        return 4 + -(-n // 8)
+
+    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
+        total = kernels.sign_encode(x, np.frombuffer(body, np.uint8, -(-x.size // 8), 4))
+        np.frombuffer(body, np.float32, 1)[0] = total / max(x.size, 1)  # NaN and inf stay
+
+    def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
+        scale = np.frombuffer(body, np.float32, 1)[0]
+        packed = np.frombuffer(body, np.uint8, -(-n // 8), 4)
+        _into(out, kernels.sign_decode, packed, n, scale)
+
+    def __repr__(self) -> str:
+        return "sign()" if self.error_feedback else "sign(error_feedback=False)"
+
+
+@dataclass(frozen=True)
+class SizeAdaptive(Policy):
+    """``small`` for leaves of fewer than ``threshold`` elements, ``large`` for the others."""
+
+    threshold: int
+    small: Codec
+    large: Codec
+
+    def __post_init__(self) -> None:
+        t = self.threshold
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"size_adaptive: threshold must be an integer >= 0, got {t!r}")
+        for name in ("small", "large"):
+            value = getattr(self, name)
+            if not isinstance(value, Codec):
+                raise TypeError(
+                    f"size_adaptive: {name} must be a codec (e.g. sw.codecs.topk(0.01)), "
+                    f"got {value!r}"
+                )
+
+    def for_leaf(self, size: int) -> Codec:
+        return self.small if size < self.threshold else self.large
+
+    def __repr__(self) -> str:
+        return f"size_adaptive({self.threshold}, small={self.small!r}, large={self.large!r})"
+
+
+NONE = NoCodec()
+
+
+def none() -> Codec:
+    """No compression (the default)."""
+    return NONE
+
+
+def fp16(*, error_feedback: bool = False) -> Codec:
+    """IEEE half precision, clamped to +-65504 (2 bytes a value)."""
+    return FP16(_flag(error_feedback))
+
+
+def bf16(*, error_feedback: bool = False) -> Codec:
+    """bfloat16 (2 bytes a value, float32's range)."""
+    return BF16(_flag(error_feedback))
+
+
+def int8(block: int = 4096, *, error_feedback: bool = False) -> Codec:
+    """Blockwise int8 with one float32 absmax scale per ``block`` values (~1 byte a value)."""
+    return Int8(block, _flag(error_feedback))
+
+
+def topk(fraction: float, *, error_feedback: bool = True) -> Codec:
+    """The ``fraction`` of values of largest magnitude, with their indices."""
+    return TopK(fraction, _flag(error_feedback))
+
+
+def sign(*, error_feedback: bool = True) -> Codec:
+    """Scaled sign, 1 bit a value."""
+    return Sign(_flag(error_feedback))
+
+
+def size_adaptive(threshold: int, *, small: Codec = NONE, large: Codec) -> Policy:
+    """``small`` for leaves of fewer than ``threshold`` elements, ``large`` for the rest.
+
+    Example:
+        >>> p = size_adaptive(1000, large=topk(0.01))
+        >>> p.for_leaf(64), p.for_leaf(4096)
+        (none(), topk(0.01))
+    """
+    return SizeAdaptive(threshold, small, large)
+
+
+_MAKERS = {"none": none, "fp16": fp16, "bf16": bf16, "int8": int8, "topk": topk, "sign": sign}
+_BY_ID = {c.id: c.name for c in (NoCodec, FP16, BF16, Int8, TopK, Sign)}
+NAMES = (*_MAKERS, "size_adaptive")
+
+
+def parse(spec: Any) -> Policy:
+    """A codec from a config value: ``"int8"``, ``"topk:0.01"``, or a table such as
+    ``{"name": "topk", "fraction": 0.01, "error_feedback": False}`` or
+    ``{"name": "size_adaptive", "threshold": 4096, "large": "topk:0.01"}``.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if isinstance(spec, str):
+        name, _, arg = spec.partition(":")
+        name = name.strip()
+        if name == "size_adaptive":
+            raise ValueError(
+                "size_adaptive needs a table, e.g. "
+                "{ name = 'size_adaptive', threshold = 4096, large = 'topk:0.01' }"
+            )
+        if name not in _MAKERS:
+            raise ValueError(f"unknown codec {name!r} (known: {', '.join(NAMES)})")
+        if name == "topk":
+            try:
+                fraction = float(arg)
+            except ValueError:
+                raise ValueError(
+                    f"topk needs its fraction, as in 'topk:0.01', got {spec!r}"
+                ) from None
+            return topk(fraction)
+        if arg:
+            raise ValueError(f"codec {name!r} takes no ':' argument, got {spec!r}")
+        return _MAKERS[name]()
+    if isinstance(spec, Mapping):
+        table = dict(spec)
+        name = table.pop("name", None)
+        if name not in NAMES:
+            raise ValueError(f"unknown codec {name!r} (known: {', '.join(NAMES)})")
+        if name == "size_adaptive":
+            for key in ("small", "large"):
+                if key in table:
+                    inner = parse(table[key])
+                    if not isinstance(inner, Codec):
+                        raise ValueError(f"size_adaptive.{key} must be a codec, got {inner!r}")
+                    table[key] = inner
+        maker = size_adaptive if name == "size_adaptive" else _MAKERS[name]
+        try:
+            return maker(**table)
+        except TypeError as e:
+            raise ValueError(f"codec {name!r}: {e}") from None
+    raise ValueError(f"expected a codec name such as 'int8' or 'topk:0.01', got {spec!r}")
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _flag(x: Any) -> bool:
+    if not isinstance(x, bool):
+        raise ValueError(f"error_feedback must be True or False, got {x!r}")
+    return x
+
+
+def _vector(x: Any) -> np.ndarray:
+    if not isinstance(x, np.ndarray) or x.ndim != 1 or x.dtype not in _CODES:
+        raise ValueError(f"expected a 1-D float32 or float64 array, got {_describe(x)}")
+    return np.ascontiguousarray(x)
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, np.ndarray):
+        return f"a {x.ndim}-D {x.dtype} array"
+    return type(x).__name__
+
+
+def _values(x: np.ndarray, dtype: np.dtype, codec: Codec) -> np.ndarray:
+    """``x`` in the dtype the codec encodes (float64 is rounded to float32 by lossy ones)."""
+    if x.dtype == dtype:
+        return x
+    with np.errstate(over="ignore"):  # beyond float32: infinite, refused downstream
+        if isinstance(codec, FP16):  # clamp first, so that float64 values clamp alike
+            finite = np.isfinite(x)
+            x = np.where(finite, np.clip(x, -65504.0, 65504.0), x)
+        return x.astype(dtype)
+
+
+def as_bytes(payload: Any) -> memoryview:
+    """A payload as a flat memoryview of bytes (no copy); PayloadError if it is not bytes."""
+    try:
+        mv = memoryview(payload)
+    except TypeError:
+        raise PayloadError(f"a payload must be bytes, got {type(payload).__name__}") from None
+    if not mv.c_contiguous:
+        raise PayloadError("a payload must be one contiguous block of bytes")
+    return mv.cast("B")
+
+
+def _peek_n(mv: memoryview, offset: int) -> int:
+    if len(mv) - offset < HEADER.size:
+        raise PayloadError(
+            f"truncated: {len(mv) - offset} bytes left, a header needs {HEADER.size}"
+        )
+    return int(HEADER.unpack_from(mv, offset)[4])
+
+
+def _into(out: np.ndarray, kernel: Any, *args: Any) -> None:
+    """Runs a decoding kernel into ``out``, through a float32 temporary when needed."""
+    if out.dtype == np.float32 and out.flags.c_contiguous:
+        kernel(*args, out)
+    else:
+        tmp = np.empty(out.size, np.float32)
+        kernel(*args, tmp)
+        out[:] = tmp
+
+
+@functools.lru_cache(maxsize=256)
+def _index_dtype(n: int) -> np.dtype:
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if n - 1 <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.uint64)
