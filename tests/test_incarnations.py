@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import stalewise as sw
-from stalewise.protocol import PushHeader
+from stalewise.protocol import PushHeader, wire
 from stalewise.runtime.local.client import ServerClosed
 
 
@@ -53,19 +53,41 @@ def test_a_restarted_worker_is_a_new_incarnation_and_is_not_muted(no_leaks):
 
 
 def test_identity_comes_from_the_pipe_not_the_message(no_leaks):
-    """A push in another worker's name is refused and disconnects its sender; the other is unharmed."""
+    """A push in another worker's name is refused and disconnects its sender; the other is unharmed.
+
+    A push message carries only a sequence number: the shard reads the record of
+    the worker whose pipe it came on. Worker 1 has committed push 0; worker 0
+    announcing "push 0" on its own pipe has no record, so it is cut off, and
+    worker 1's push is applied once, when worker 1 announces it.
+    """
     with two_shard_job().serve(workers=2) as server:
         liar, honest = server.client(0), server.client(1)
         liar.pull(timeout=10), honest.pull(timeout=10)
-        liar._conns[0].send(("push", PushHeader(1, 0, 0, 1)))  # "I am worker 1"
-        with pytest.raises(ServerClosed, match="no committed record"):
+        honest.push_buffer[:] = 1.0
+        honest._commit()  # committed, not yet announced
+        liar._conns[0].send_bytes(wire.push(0))  # worker 1's push number, on worker 0's pipe
+        with pytest.raises(ServerClosed, match="push 0, which has no committed record"):
             liar._take(0, "ack", 10)
+        with pytest.raises(ServerClosed, match="shard 0: disconnected worker 0"):
+            liar.push(ones())  # cut off: it commits nothing more
+        assert [s["version"] for s in server.stats()] == [0, 0]
+        for c in honest._conns:
+            c.send_bytes(wire.push(0))
+        honest._seq, honest._acks_due = 1, [True, True]
+        assert honest.wait(timeout=10).status == "applied"
+        # the old pickled form, which named the worker, is not a message at all
+        liar2 = server.client(0)
+        liar2.pull(timeout=10)
+        liar2._conns[1].send(("push", PushHeader(1, 1, 0, 1)))
+        with pytest.raises(ServerClosed, match=r"disconnected worker 0 \(2\): sent an oversize"):
+            liar2._take(1, "ack", 10)
         honest.push(ones())
         assert honest.wait(timeout=10).status == "applied"
-        assert [s["applied"] for s in server.stats()] == [1, 1]
-        assert [s["version"] for s in server.stats()] == [1, 1]
+        assert [s["applied"] for s in server.stats()] == [2, 2]
+        assert [s["version"] for s in server.stats()] == [2, 2]
         honest.close()
         liar.close()
+        liar2.close()
 
 
 def test_a_push_committed_but_never_announced_is_delivered_by_every_shard(no_leaks):
@@ -94,7 +116,7 @@ def test_a_push_announced_to_one_shard_only_is_applied_by_both(no_leaks):
         client.pull(timeout=10)
         client.push_buffer[:] = 1.0
         client._commit()
-        client._conns[0].send(("push", 0))  # shard 0 hears of it, then the sender dies
+        client._conns[0].send_bytes(wire.push(0))  # shard 0 hears of it, then the sender dies
         for c in client._conns:
             c.close()
         deadline = time.monotonic() + 10

@@ -13,6 +13,16 @@ actors) and an event-driven one (the simulator) run the very same loop:
 
 :func:`run` drives it with a function that answers each request.
 
+The loop also says what became of the worker's pushes (:func:`report`): a
+refused push is logged as a warning when it is learned, the first of each kind
+with its reason, later ones in summaries with the counts (rate-limited, so a
+flood stays legible). After ``diverge_after`` pushes in a row refused for a
+numerical fault (``not_finite`` or ``overflow``: the training has diverged) it
+raises :class:`Diverged`, naming the worker, the count and the last reason; the
+runtime stops that worker, and stops the job once every worker has diverged.
+Refusals for timing or identity (``too_stale``, ``seq_gap``, ...) neither
+count nor break the run; an applied push starts the count again.
+
 Example:
     >>> import numpy as np
     >>> from stalewise import strategies
@@ -32,16 +42,36 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from stalewise.protocol.messages import REFUSED, PushResult
+from stalewise.protocol.messages import APPLIED, REFUSED, SPLIT, PushResult
 from stalewise.strategies import LossAndGrad, Strategy
 
 log = logging.getLogger(__name__)
+
+DIVERGE_AFTER = 20  # pushes in a row refused for a numerical fault that make a worker Diverged
+NUMERICAL = frozenset({"not_finite", "overflow"})  # refusals that mean the training diverges
+WARN_EVERY = 10.0  # wall seconds: after the first, a worker's refusals are summarised this often
+
+
+class Diverged(RuntimeError):
+    """A worker's last ``pushes`` pushes were all refused for NaN/Inf or overflow.
+
+    Raised by :func:`worker_loop` (from :func:`report`); the runtime stops the
+    worker, and the job once every worker has diverged.
+    """
+
+    def __init__(self, worker: int, pushes: int, reason: str | None):
+        super().__init__(
+            f"worker {worker} diverged: its last {pushes} pushes were refused as NaN/Inf "
+            f"or overflow (diverge_after={pushes}); the last: {reason}"
+        )
+        self.worker, self.pushes, self.reason = worker, pushes, reason
 
 
 class _Request:
@@ -72,12 +102,27 @@ class LoopStats:
     steps: int = 0  # pushes made
     outcomes: Counter = field(default_factory=Counter)  # status -> count of reported pushes
     refusals: Counter = field(default_factory=Counter)  # refusal kind -> count
+    refused_in_a_row: int = 0  # numerical refusals since the last applied push
+    warned_at: float = field(default=-math.inf, repr=False)  # monotonic time of the last warning
 
 
 def worker_loop(
-    strategy: Strategy, loss_and_grad: LossAndGrad, batches: Iterator, *, worker: int = 0
+    strategy: Strategy,
+    loss_and_grad: LossAndGrad,
+    batches: Iterator,
+    *,
+    worker: int = 0,
+    diverge_after: int | None = DIVERGE_AFTER,
 ) -> Generator[Any, Any, LoopStats]:
-    """A worker's whole life: see the module docstring for the requests it makes."""
+    """A worker's whole life: see the module docstring for the requests it makes.
+
+    ``diverge_after``: raise :class:`Diverged` after this many pushes in a row
+    refused for a numerical fault (None: never).
+    """
+    if diverge_after is not None and (
+        isinstance(diverge_after, bool) or not isinstance(diverge_after, int) or diverge_after < 1
+    ):
+        raise ValueError(f"diverge_after must be an integer >= 1 or None, got {diverge_after!r}")
     stats = LoopStats()
     state = None
     first = True
@@ -93,35 +138,71 @@ def worker_loop(
         results = yield push
         del push
         stats.steps += 1
-        report(results, stats, worker)
+        report(results, stats, worker, diverge_after=diverge_after)
     return stats
 
 
-def report(results: list[PushResult] | None, stats: LoopStats, worker: int) -> None:
-    """Counts push outcomes and warns about refusals as they are learned.
+def report(
+    results: list[PushResult] | None,
+    stats: LoopStats,
+    worker: int,
+    *,
+    diverge_after: int | None = None,
+) -> None:
+    """Counts push outcomes, warns about refusals as they are learned, detects divergence.
 
-    The first refusal of each kind is reported with its reason, then the 10th,
-    100th, ... with the counts, so a run refusing thousands of pushes stays legible.
+    The first refusal of each kind is reported with its reason; after it, the
+    10th, 100th, ... of a kind, and otherwise at most one refusal every
+    ``WARN_EVERY`` seconds, with the counts, so a run refusing thousands of
+    pushes stays legible. A ``split`` push (refused by some shards only) is
+    reported as a refusal.
+
+    Raises:
+        Diverged: ``diverge_after`` pushes in a row were refused for a numerical fault.
     """
     for r in results or ():
         stats.outcomes[r.status] += 1
-        if r.status != REFUSED:
+        if r.status == APPLIED:
+            stats.refused_in_a_row = 0
+        if r.status not in (REFUSED, SPLIT):
             continue
         kind = r.kind or "refused"
         stats.refusals[kind] += 1
-        n = stats.refusals[kind]
-        if n == 1:
-            log.warning("worker %d: push %d refused: %s", worker, r.seq, r.reason)
-        elif n == 10 ** (len(str(n)) - 1):  # 10, 100, 1000, ...
-            log.warning(
-                "worker %d: %d pushes refused as %s (%d of %d pushes so far); last: %s",
-                worker,
-                n,
-                kind,
-                sum(stats.refusals.values()),
-                stats.steps,
-                r.reason,
-            )
+        if kind in NUMERICAL:
+            stats.refused_in_a_row += 1
+        _warn(r, kind, stats, worker)
+        if diverge_after is not None and stats.refused_in_a_row >= diverge_after:
+            raise Diverged(worker, stats.refused_in_a_row, r.reason)
+
+
+def _warn(r: PushResult, kind: str, stats: LoopStats, worker: int) -> None:
+    n, now = stats.refusals[kind], time.monotonic()
+    what = "split (applied by some shards only)" if r.status == SPLIT else "refused"
+    if n == 1:
+        log.warning(
+            "worker %d: push %d %s: %s (%d of %d pushes refused so far)",
+            worker,
+            r.seq,
+            what,
+            r.reason,
+            sum(stats.refusals.values()),
+            stats.steps,
+        )
+    elif n == 10 ** (len(str(n)) - 1) or now - stats.warned_at >= WARN_EVERY:  # 10, 100, ...
+        log.warning(
+            "worker %d: %d pushes refused as %s (%d of %d pushes so far); last: push %d %s: %s",
+            worker,
+            n,
+            kind,
+            sum(stats.refusals.values()),
+            stats.steps,
+            r.seq,
+            what,
+            r.reason,
+        )
+    else:
+        return
+    stats.warned_at = now
 
 
 def run(loop: Generator[Any, Any, LoopStats], answer: Callable[[Any], Any]) -> LoopStats:

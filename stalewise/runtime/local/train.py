@@ -169,7 +169,14 @@ def _worker_main(
             return client.take_results()
 
         stats = loop.run(
-            loop.worker_loop(strategy, options.loss_and_grad, batches, worker=w), answer
+            loop.worker_loop(
+                strategy,
+                options.loss_and_grad,
+                batches,
+                worker=w,
+                diverge_after=options.diverge_after,
+            ),
+            answer,
         )
         beat.wait(lambda t: client.wait(timeout=t), total=options.ack_timeout)
         loop.report(client.take_results(), stats, w)
@@ -462,8 +469,11 @@ class _Supervisor:
                 raise
             elapsed = self.now()
             reason = self.stop_reason(self.pushes, server.stats()[0]["version"], recorder)
-            recorder.finish(reason)
             stats = merge_stats(server.stats(), settled=True)
+            if self.pushes and not stats["applied"]:  # not a silent success (diverge_after=None)
+                reason += f"; no push was applied, every one was refused ({stats['rejected']})"
+                log.warning("%s: %s", o.run, reason)
+            recorder.finish(reason)
             if self.saver is not None:  # the end of the run: every worker has left
                 self.save(self.pushes, elapsed)
             return {
