@@ -52,6 +52,30 @@ def test_a_restarted_worker_is_a_new_incarnation_and_is_not_muted(no_leaks):
         again.close()
 
 
+def test_a_restarted_worker_is_gated_like_the_others_under_bsp(no_leaks):
+    job = sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(1.0), consistency=sw.BSP())
+    ones = {"x": np.ones(4, np.float32)}
+    with job.serve(workers=2) as server:
+        c0, c1 = server.client(0), server.client(1)
+        for c in (c0, c1):  # round 1: both push
+            c.pull(timeout=10)
+            c.push(ones)
+        for c in (c0, c1):
+            c.wait(timeout=10)
+        c0.pull(timeout=10)  # round 2 starts for worker 0
+        c1.close()
+        c1 = server.client(1)  # worker 1 restarts: a new incarnation, clocks count from 0 again
+        c1.pull(timeout=10)
+        c1.push(ones)
+        c1.wait(timeout=10)
+        with pytest.raises(TimeoutError):  # worker 0 has not pushed in round 2: wait for it
+            c1.pull(timeout=0.5)
+        c0.push(ones)
+        c0.wait(timeout=10)
+        c1.pull(timeout=10)  # the round closed: now it may start
+        assert server.published_version() == 2
+
+
 def test_identity_comes_from_the_pipe_not_the_message(no_leaks):
     """A push in another worker's name is refused and disconnects its sender; the other is unharmed.
 

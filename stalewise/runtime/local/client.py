@@ -23,6 +23,7 @@ pushes, which the other shards would apply alone.
 
 from __future__ import annotations
 
+import math
 import time
 from multiprocessing import connection
 from typing import Any, NoReturn
@@ -108,7 +109,13 @@ class Client:
         self._ranges = config.ranges
         self._consistency = config.consistency
         self._staleness = config.staleness
-        self._direct = not config.staleness.dc_lambda  # DC-ASGD needs served pulls
+        # Pulls read the published snapshots unless the shard must see them: DC-ASGD
+        # keeps what was pulled, and a gated model's gate needs this worker's clock,
+        # which the client counts from 0 (its pushes) only for a first incarnation;
+        # a restarted or resumed one joins at the shard's clock, so the shard gates it.
+        self._direct = not config.staleness.dc_lambda and (
+            config.consistency.bound == math.inf or incarnation <= 1
+        )
         # with a codec: the update is encoded into one payload per shard at push
         self._compressor = config.compressor()
         self._feedback: Any = None  # the codec's error feedback: this incarnation's state
