@@ -57,9 +57,7 @@ def worker(client, rank):  # the same loop, in one of 4 processes
         loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
         model.zero_grad()
         loss.backward()
-        client.push(
-            {n: p.grad for n, p in model.named_parameters()}
-        )  # stalewise: instead of opt.step()
+        client.push({n: p.grad for n, p in model.named_parameters()})  # stalewise: not opt.step()
     client.close()
 
 

@@ -48,3 +48,21 @@ def test_readme_python_snippets_run_as_pasted(index, tmp_path):
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     expected = ["'loss':", "2 applied (3,)", "held-out accuracy"][index]
     assert expected in proc.stdout, proc.stdout
+
+
+def test_readme_shows_the_true_diff_of_the_torch_example():
+    """The README's diff is train_plain -> worker of examples/torch_async.py, as it is."""
+    import ast
+    import difflib
+
+    source = (EXAMPLES / "torch_async.py").read_text()
+    lines = source.splitlines()
+    funcs = {f.name: f for f in ast.parse(source).body if isinstance(f, ast.FunctionDef)}
+
+    def body(name):
+        return lines[funcs[name].lineno - 1 : funcs[name].end_lineno]
+
+    diff = difflib.unified_diff(body("train_plain"), body("worker"), lineterm="", n=20)
+    expected = "\n".join(list(diff)[2:]) + "\n"
+    shown = re.findall(r"```diff\n(.*?)```", README.read_text(), re.S)
+    assert shown == [expected]
