@@ -19,6 +19,10 @@ import ray
 import stalewise as sw
 from stalewise import tasks
 
+# Ray starts its processes by fork + exec from this (JAX-importing) test process;
+# JAX's at-fork hook warns about a deadlock that cannot happen before the exec.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+
 ACCURACY = 0.95  # held-out accuracy a record of every digits run must reach (it then stops)
 FINAL = 0.90  # ... and the final parameters (pushes in flight at the stop still land)
 STOP_AT = {"accuracy": ACCURACY}
