@@ -30,10 +30,13 @@ BUDGET = 2500  # pushes; the runs stop at ACCURACY after about 300-700
 TIMEOUT = 120.0  # wall seconds before a run is declared hung
 
 
-def test_a_run_starts_and_stops_its_own_ray_instance_when_none_is_connected():
+def test_a_run_starts_and_stops_its_own_ray_instance_when_none_is_connected(monkeypatch):
     """Runs first, before the module's cluster exists: ``ray.init()`` starts a local
     instance, which the run shuts down. One shard: pulls view the object store's copy."""
     assert not ray.is_initialized()
+    # Ray's rule for no address: RAY_ADDRESS, else a cluster already running on this
+    # machine (another job's), else a new one; "local" makes it the new one here
+    monkeypatch.setenv("RAY_ADDRESS", "local")
     task = tasks.get("least-squares", n=256, d=16)
     job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.05))
     result = job.train(
