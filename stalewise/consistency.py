@@ -36,6 +36,11 @@ class Consistency(NamedTuple):
     tolerance: float = 0.0  # hybrid: a straggler's pace, as a multiple of the median's
 
     @property
+    def gated(self) -> bool:
+        """True when a worker may have to wait before a step (SSP, BSP, hybrid), not under ASP."""
+        return self.bound != math.inf
+
+    @property
     def averages_rounds(self) -> bool:
         """True when pushes are merged per round (BSP) instead of applied on arrival."""
         return self.kind == "bsp"

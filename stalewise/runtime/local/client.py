@@ -23,7 +23,6 @@ pushes, which the other shards would apply alone.
 
 from __future__ import annotations
 
-import math
 import time
 from multiprocessing import connection
 from typing import Any, NoReturn
@@ -114,7 +113,7 @@ class Client:
         # which the client counts from 0 (its pushes) only for a first incarnation;
         # a restarted or resumed one joins at the shard's clock, so the shard gates it.
         self._direct = not config.staleness.dc_lambda and (
-            config.consistency.bound == math.inf or incarnation <= 1
+            not config.consistency.gated or incarnation <= 1
         )
         # with a codec: the update is encoded into one payload per shard at push
         self._compressor = config.compressor()

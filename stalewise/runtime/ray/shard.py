@@ -74,7 +74,7 @@ class ShardActor:
         self.shard = config.build_shard(k, np.zeros(self.hi - self.lo, self.dtype), workers)
         self.shard.warm_up()
         self.several = len(config.ranges) > 1  # a torn push is possible: keep recent pushes
-        self.gated = config.consistency.bound != math.inf
+        self.gated = config.consistency.gated
         self.exact = self.gated or bool(config.staleness.dc_lambda)  # pulls see the latest
         self.publish_every = publish_every
         self.scratch = np.empty(self.hi - self.lo, self.dtype)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -78,7 +77,7 @@ class WorkerActor:
         self.views = self.S == 1 and numpy_only  # hand out the snapshot itself
         self.pull_buf = None if self.views else np.empty(self.spec.size, self.spec.dtype)
         self.free = [np.empty(self.spec.size, self.spec.dtype) for _ in range(2)]  # push buffers
-        gated = config.consistency.bound != math.inf
+        gated = config.consistency.gated
         self.following = not gated and not config.staleness.dc_lambda  # ASP: no pull requests
         self.seq = 0  # pushes sent by this incarnation
         self.bases = [0] * self.S  # the version pulled from each shard

@@ -130,7 +130,7 @@ class Simulation:
             self.wire_bytes = [self.compressor.nbytes(k, dtype, self.scale) for k in range(S)]
         self.links = Links(sim.network, workers, S)
         self.lat, self.service = sim.network.latency, sim.service
-        self.gated = self.shards[0].consistency.bound != math.inf
+        self.gated = self.shards[0].consistency.gated
         self.heap: list[tuple] = []
         self.counter = itertools.count()
         self.now = self.end = 0.0
