@@ -1,5 +1,6 @@
 """Module-level functions for tests that start worker processes (spawned children import them)."""
 
+import os
 import time
 
 import numpy as np
@@ -122,3 +123,17 @@ def push_forever(client, ready):
     ready.set()
     while True:
         client.push(ones)
+
+
+def tagged_pids(tag):
+    """The pids of live processes whose environment holds STALEWISE_TEST_TAG=tag."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if f"STALEWISE_TEST_TAG={tag}".encode() in f.read():
+                        pids.append(int(d))
+            except OSError:
+                pass
+    return pids

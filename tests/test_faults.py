@@ -286,19 +286,6 @@ if __name__ == "__main__":
 """
 
 
-def _tagged_pids(tag):
-    pids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/environ", "rb") as f:
-                    if f"STALEWISE_TEST_TAG={tag}".encode() in f.read():
-                        pids.append(int(d))
-            except OSError:
-                pass
-    return pids
-
-
 def _memfd_holders(prefix):
     return [int(d) for d in os.listdir("/proc") if d.isdigit() and any(
         b.startswith(prefix) for b in held_blocks(int(d)))]  # fmt: skip
@@ -334,9 +321,9 @@ def test_nothing_survives_a_sigkill_of_the_parent(tmp_path, mode, line, delay, s
         # A running child exits within ~0.1 s; one still starting (importing) when the
         # parent died exits when its start-up ends, which takes seconds on a loaded machine.
         deadline = time.monotonic() + (5 if line == "running" else 30)
-        while _tagged_pids(tag) and time.monotonic() < deadline:
+        while mp_helpers.tagged_pids(tag) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _tagged_pids(tag) == []
+        assert mp_helpers.tagged_pids(tag) == []
         mine = f"stalewise-{proc.pid}-"
         assert [b for b in leaked_blocks() if b.startswith(mine)] == []
         assert _memfd_holders(mine) == []
@@ -344,7 +331,7 @@ def test_nothing_survives_a_sigkill_of_the_parent(tmp_path, mode, line, delay, s
         proc.kill()
         proc.wait(10)
         proc.stdout.close(), proc.stderr.close()
-        for pid in _tagged_pids(tag):
+        for pid in mp_helpers.tagged_pids(tag):
             os.kill(pid, signal.SIGKILL)
 
 

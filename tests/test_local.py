@@ -203,23 +203,10 @@ def test_ctrl_c_stops_every_process_and_frees_shared_memory(tmp_path):
         proc.kill()
     assert b"KeyboardInterrupt" in err
     deadline = time.time() + 10
-    while time.time() < deadline and _tagged_pids(tag):
+    while time.time() < deadline and mp_helpers.tagged_pids(tag):
         time.sleep(0.1)
-    assert _tagged_pids(tag) == []
+    assert mp_helpers.tagged_pids(tag) == []
     assert [b for b in leaked_blocks() if b.startswith(f"stalewise-{proc.pid}-")] == []
-
-
-def _tagged_pids(tag):
-    pids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/environ", "rb") as f:
-                    if f"STALEWISE_TEST_TAG={tag}".encode() in f.read():
-                        pids.append(int(d))
-            except OSError:
-                pass
-    return pids
 
 
 def test_a_push_refused_by_one_shard_is_applied_by_none(no_leaks):
