@@ -461,9 +461,12 @@ class Shard:
             return
         self._close_round()
         if self._pace is not None:
-            self._switch(self._pace.decide(self.synchronous, self.live, self.consistency.tolerance))
+            self._switch(
+                self._pace,
+                self._pace.decide(self.synchronous, self.live, self.consistency.tolerance),
+            )
 
-    def _switch(self, synchronous: bool) -> None:
+    def _switch(self, pace: hybrid.Pace, synchronous: bool) -> None:
         """Hybrid: runs the next round synchronously or not (a round's pushes are merged)."""
         if synchronous != self.synchronous:
             log.info(
@@ -472,7 +475,7 @@ class Shard:
                 "workers keep pace: synchronous rounds"
                 if synchronous
                 else "a straggler: asynchronous updates",
-                np.round(self._pace.pace, 4).tolist() if self._pace is not None else "?",
+                np.round(pace.pace, 4).tolist(),
             )
             self.stats.mode_switches += 1
         self.synchronous = synchronous
