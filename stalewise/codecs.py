@@ -279,7 +279,9 @@ class Int8(Codec):
     ``[-127, 127]`` and one float32 scale, its absolute maximum / 127.
 
     Bound: ``|d - x| <= absmax(block) / 254 * (1 + 1e-4)`` (the factor covers
-    float32 rounding). A block holding a NaN or an infinity decodes to NaN.
+    float32 rounding), plus ``2**-143`` (about 9e-44) in a block whose absmax is
+    below ``2**-119`` (about 1.5e-36), where the scale is a subnormal float32
+    and keeps only a few bits. A block holding a NaN or an infinity decodes to NaN.
     """
 
     name: ClassVar[str] = "int8"
