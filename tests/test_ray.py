@@ -4,20 +4,25 @@ The first test lets the runtime start (and stop) a local Ray instance; then one
 cluster (``ray.cluster_utils``: two raylets, 2 + 1 CPUs) serves the rest of the
 module, and the fixture's finalizer shuts it down whatever happens. Every run has a ``timeout``.
 Failures are injected for real: ``ray.kill`` of a worker's or a shard's actor,
-found by the names the runtime gives its actors.
+found by the names the runtime gives its actors, a worker whose ``loss_and_grad``
+sleeps for 1000 s, and corrupt compressed payloads sent to real shard actors.
 """
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 import ray
 
 import stalewise as sw
-from stalewise import tasks
+from stalewise import codecs, tasks
+from stalewise.runtime.base import WorkerError
 
 # Ray starts its processes by fork + exec from this (JAX-importing) test process;
 # JAX's at-fork hook warns about a deadlock that cannot happen before the exec.
@@ -249,6 +254,174 @@ def test_a_push_that_reached_one_shard_is_delivered_to_the_other(cluster):
     assert [s["version"] for s in ray.get([s.stats.remote() for s in shards])] == [2, 2]
     for s in shards:
         ray.kill(s)
+
+
+@pytest.mark.parametrize("codec", [codecs.topk(0.01), codecs.int8()], ids=repr)
+def test_compressed_pushes_train_digits_with_two_shards(cluster, codec, caplog):
+    """Each push is the codec's payloads, exactly ``nbytes`` per shard; topk keeps error
+    feedback in the worker. Both reach the bar; the shards apply the same pushes."""
+    task = tasks.get("digits")
+    job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.1), codec=codec, shards=2)
+    comp = job.config.compressor()
+    assert comp.error_feedback == isinstance(codec, codecs.TopK)
+    per_push = comp.nbytes(0) + comp.nbytes(1)
+    assert per_push < job.config.spec.nbytes / (30 if isinstance(codec, codecs.TopK) else 3.5)
+    initial = task.evaluate(task.init_params(0))["accuracy"]
+    result = train(task, job, workers=2, steps=BUDGET, stop_at={"accuracy": 0.9})
+    assert result.stop_reason == "accuracy >= 0.9 reached", result.records[-1]
+    assert task.evaluate(result.params)["accuracy"] >= 0.85 > initial + 0.5
+    assert result.stats["applied"] == result.pushes > 0
+    assert result.stats["bytes_in"] == result.pushes * per_push  # the real payloads' bytes
+    assert not result.failures
+    no_torn_pushes(caplog)
+
+
+def test_a_corrupt_compressed_push_is_refused_by_real_shard_actors(cluster):
+    """A payload that does not decode is refused by every shard (the protocol decodes it)
+    and changes nothing, while an honest worker's pushes are still applied."""
+    from stalewise.runtime.ray.shard import ShardActor, payload_spans
+
+    params = {"b": np.zeros(8, np.float32), "w": np.zeros(3000, np.float32)}
+    job = sw.Job(params, optimizer=sw.optim.sgd(1.0), codec=codecs.topk(0.1), shards=2)
+    config, comp = job.config, job.config.compressor()
+    spans = payload_spans(config)
+    assert spans == [(0, comp.nbytes(0)), (comp.nbytes(0), comp.nbytes(0) + comp.nbytes(1))]
+    rng = np.random.default_rng(0)
+    shards = [ray.remote(ShardActor).remote(config, k, 2, 0.02) for k in range(2)]
+    try:
+        opened = [
+            s.load.remote(None, 0, {0: 1, 1: 1}, [], init=config.init[lo:hi])
+            for s, (lo, hi) in zip(shards, config.ranges, strict=True)
+        ]
+        ray.get(opened, timeout=60)
+
+        def push(w, seq, buf):
+            ref = ray.put(buf)
+            acks = [s.push.remote(w, 1, seq, (0, 0), (0, 0), 1.0, 0, ref) for s in shards]
+            return [ack for ack, _ in ray.get(acks, timeout=60)]
+
+        def flat():
+            replies = ray.get([s.observe.remote() for s in shards], timeout=60)
+            return np.concatenate(ray.get([r[1] for r in replies], timeout=60))
+
+        def encoded():
+            buf = np.empty(spans[-1][1], np.uint8)
+            comp.encode_into(
+                rng.standard_normal(3008).astype(np.float32), [buf[a:b] for a, b in spans]
+            )
+            return buf, comp.decode([buf[a:b] for a, b in spans], np.empty(3008, np.float32))
+
+        buf, values = encoded()
+        assert all(ack.ok for ack in push(0, 0, buf))
+        expected = -values  # sgd(1.0) from zeros
+        np.testing.assert_array_equal(flat(), expected)
+        bad = buf.copy()
+        bad[spans[0][0]] = bad[spans[1][0]] = 0  # each shard's first magic byte
+        for seq, corrupt in enumerate([bad, buf[:-1].copy()]):  # then a truncated one
+            acks = push(1, seq, corrupt)
+            assert [ack.kind for ack in acks] == ["bad_payload"] * 2, acks
+            assert all(f"shard {k}" in ack.reason for k, ack in enumerate(acks)), acks
+        np.testing.assert_array_equal(flat(), expected)  # nothing applied
+        buf, values = encoded()
+        assert all(ack.ok and ack.version == 2 for ack in push(0, 1, buf))  # still served
+        np.testing.assert_array_equal(flat(), expected - values)
+        stats = ray.get([s.stats.remote() for s in shards], timeout=60)
+        assert [s["rejected"] for s in stats] == [{"bad_payload": 2}] * 2
+        assert [s["bytes_in"] for s in stats] == [2 * comp.nbytes(k) for k in (0, 1)]
+    finally:
+        for s in shards:
+            ray.kill(s)
+
+
+# Ray workers cannot import this test module: what they run is made in functions,
+# so that cloudpickle sends it by value.
+
+
+def tagged(batches):
+    """``data``: a task's batches, each tagged with the worker that draws it."""
+
+    def data(worker, workers):
+        return ((worker, b) for b in batches(worker, workers))
+
+    return data
+
+
+def hang_once(inner, worker, after, marker, how="sleep"):
+    """``loss_and_grad``: the task's, except that worker ``worker`` hangs in its call
+    number ``after`` (counted in its actor), once per run: it sleeps 1000 s, or with
+    ``how="stop"`` its whole process stops (SIGSTOP: not even its heartbeat thread
+    answers). The first to hang writes the wall time into ``marker``, and no call hangs
+    once that file exists."""
+    calls = [0]
+
+    def loss_and_grad(params, batch):
+        w, b = batch
+        calls[0] += 1
+        if w == worker and calls[0] > after and not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(repr(time.time()))
+            if how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(1000)
+        return inner(params, b)
+
+    return loss_and_grad
+
+
+def hang_run(tmp_path, policy, how="sleep"):
+    """A least-squares run on Ray with worker_timeout=2, whose worker 1 hangs once in its
+    ``loss_and_grad``; returns (result or the error, when the hang began, the run's start)."""
+    task, job = least_squares_job()
+    marker = tmp_path / "hung"
+    starts = []  # wall time minus the record's time: no earlier than the run's start
+
+    def on_record(record):
+        starts.append(time.time() - record["time"])
+
+    try:
+        out = job.train(
+            hang_once(task.loss_and_grad, 1, 40, str(marker), how),
+            data=tagged(task.batches),
+            workers=2,
+            steps=400,
+            runtime="ray",
+            timeout=TIMEOUT,
+            worker_timeout=2,
+            on_worker_failure=policy,
+            on_record=on_record,
+            run=f"hang-{policy}",
+            eval_interval=0.1,
+            evaluate=task.evaluate,
+        )
+    except WorkerError as e:
+        out = e
+    assert marker.exists(), f"worker 1 did not hang: {out!r}"
+    return task, out, float(marker.read_text()), min(starts, default=None)
+
+
+@pytest.mark.parametrize("how", ["sleep", "stop"])
+def test_a_hung_worker_is_killed_after_worker_timeout_and_restarted(cluster, tmp_path, caplog, how):
+    task, result, hung_at, start = hang_run(tmp_path, "restart", how)
+    assert [(e.get("worker"), e["action"]) for e in result.failures] == [(1, "restarted")]
+    cause = result.failures[0]["cause"]
+    assert "no heartbeat for" in cause and "(worker_timeout=2 s): hung or stopped" in cause
+    # found within about worker_timeout + 2 s of the hang (start: an upper bound)
+    assert result.failures[0]["time"] + start - hung_at < 2 + 2, (result.failures, hung_at)
+    assert result.pushes >= 400 and result.stop_reason.startswith("the budget")
+    initial = task.evaluate(task.init_params(0))["loss"]
+    assert task.evaluate(result.params)["loss"] < 1e-3 * initial
+    no_torn_pushes(caplog)
+
+
+def test_a_hung_worker_fails_the_job_under_the_fail_policy(cluster, tmp_path):
+    _, error, _, _ = hang_run(tmp_path, "fail")
+    assert isinstance(error, WorkerError), error
+    assert str(error).startswith("worker 1 failed: no heartbeat for"), error
+    assert "worker_timeout=2 s" in str(error)
+    deadline = time.monotonic() + 30  # every actor of the run is killed (ray.kill is async)
+    while [n for n in ray.util.list_named_actors() if n.startswith("stalewise:hang-fail:")]:
+        assert time.monotonic() < deadline, ray.util.list_named_actors()
+        time.sleep(0.2)
 
 
 def test_checkpoints_and_resume_on_ray(cluster, tmp_path):

@@ -31,6 +31,15 @@ store once per version it publishes and every pull of that version reads it
 the worker copies the slices into its pull buffer). Pushes are pipelined: up
 to :data:`~stalewise.runtime.ray.shard.IN_FLIGHT` unacknowledged per worker.
 
+Codecs (``Job(..., codec=...)``): the worker encodes each update with the
+protocol's :class:`~stalewise.protocol.compress.Compressor` into one payload
+per shard, keeping the codec's error feedback in the worker actor (each
+incarnation starts with none), and puts the payloads, back to back, into the
+object store once; each shard hands its own bytes to its protocol shard,
+which decodes and validates them (a corrupt or truncated payload is refused
+and changes nothing). With several shards the sender's verdict judges the
+payloads decoded back. The shards' ``bytes_in`` counts the payloads' bytes.
+
 Guarantees (the commit rule, :mod:`stalewise.protocol.commit`): the sender
 judges the whole push once and every shard follows that verdict. A push is
 *committed* once the first shard has handled it: each shard keeps a view of a
@@ -52,6 +61,14 @@ see :class:`stalewise.runtime.base.Failures`):
 
 * a worker whose actor dies or whose code raises is restarted as a new
   incarnation at the current parameters, dropped, or stops the job;
+* so is a worker that makes no progress (no step, no batch drawn, no wait on
+  the shards) for ``worker_timeout`` seconds: the driver asks each worker
+  actor for its progress count about every ``min(1, worker_timeout / 4)``
+  seconds, on a concurrency group of its own (:mod:`~stalewise.runtime.ray.liveness`),
+  and kills (``ray.kill``) one whose count stands still, or that does not
+  answer, for that long. One call of the user's ``loss_and_grad`` must take less
+  than ``worker_timeout``. A restarted worker must load its data and run its
+  warm-up step within ``start_timeout``;
 * a shard whose actor dies is restarted by Ray (``max_restarts``) and every
   shard is rolled back to the driver's newest copy (the last checkpoint or
   backup): the pushes applied since that copy are lost on every shard, the
@@ -62,8 +79,10 @@ see :class:`stalewise.runtime.base.Failures`):
   ``checkpoint_every`` or ``checkpoint_seconds`` the newest checkpoint resumes
   it (``resume=True``, ``stalewise train CONFIG --resume RUN_DIR``).
 
-Not handled: a worker that hangs without dying (no heartbeat here; the run's
-``timeout`` catches it), and codecs (compressed pushes), as in the local runtime.
+Not handled: the error-feedback residual of a codec is not saved in
+checkpoints, and a restarted worker (or one moved to a new incarnation when the
+shards are rolled back) starts with none; delta pulls (``pull_codec``) are not
+sent.
 """
 
 from __future__ import annotations

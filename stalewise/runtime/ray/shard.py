@@ -23,7 +23,11 @@ protocol; the actor only moves pushes and pulls to and from the shard.
   sender; Ray hands the actor a read-only zero-copy view, from which the shard
   copies its slice into a scratch buffer (the optimizers use the update as
   scratch). The sender's verdict (:func:`stalewise.protocol.commit.judge`)
-  comes with it.
+  comes with it. With a codec (``ServerConfig.codec``) the object is every
+  shard's payload back to back (:func:`payload_spans`) and the shard hands its
+  own bytes, as they are, to the protocol's shard, which decodes and checks them
+  (:class:`~stalewise.protocol.compress.Decoder`): a corrupt payload is refused
+  there and changes nothing.
 * **Snapshots of the state** (backups, checkpoints) are a consistent cut:
   the driver freezes every shard (:meth:`freeze`: pushes wait), then asks
   each for its state once it has handled exactly the same pushes of every
@@ -56,6 +60,16 @@ PUBLISH_SHARE = 0.25  # ... unless publishing would then take more of the shard'
 IN_FLIGHT = 2  # pushes a worker may have sent and not yet seen acknowledged by every shard
 
 
+def payload_spans(config: ServerConfig) -> list[tuple[int, int]] | None:
+    """Where each shard's payload lies in a compressed push (``[start, stop)`` in bytes: the
+    payloads back to back, shard 0 first), or None when the job sends plain vectors."""
+    compressor = config.compressor()
+    if compressor is None:
+        return None
+    ends = np.cumsum([compressor.nbytes(k, config.init.dtype) for k in range(config.shards)])
+    return [(int(e - n), int(e)) for e, n in zip(ends, np.diff(ends, prepend=0), strict=True)]
+
+
 class ShardActor:
     """Shard ``k`` of a job with ``workers`` workers (made remote by the driver).
 
@@ -78,6 +92,9 @@ class ShardActor:
         self.exact = self.gated or bool(config.staleness.dc_lambda)  # pulls see the latest
         self.publish_every = publish_every
         self.scratch = np.empty(self.hi - self.lo, self.dtype)
+        spans = payload_spans(config)  # with a codec: this shard's bytes of a push
+        self.span = None if spans is None else spans[k]
+        self.push_bytes = None if spans is None else spans[-1][1]
         self.admitted = np.zeros(workers, np.int64)  # the incarnation heard from; 0: none
         self.retired = np.zeros(workers, np.int64)  # the newest incarnation cut off
         # worker -> its last pushes here, {seq: (inc, bases, verdict, update)} (see depart)
@@ -316,7 +333,7 @@ class ShardActor:
         update: Any,
     ) -> tuple | None:
         """One push: ``update`` is the whole flat update (a read-only view of the object
-        the sender put), ``bases`` the version it pulled from each shard, ``verdict`` its
+        the sender put; with a codec, every shard's payload), ``bases`` the version it pulled from each shard, ``verdict`` its
         judgement, ``acked`` how many of its pushes every shard has acknowledged (this
         shard stops keeping those). Returns ``(Ack, pushes handled)``, or None for a
         cut-off incarnation. A worker's pushes are applied in order, whatever the
@@ -360,7 +377,16 @@ class ShardActor:
         return shard.incarnation[w] != inc or not shard.live[w] or shard.next_seq[w] >= seq
 
     def _payload(self, update: Any) -> Any:
-        """This shard's slice of ``update``, copied into the scratch buffer."""
+        """This shard's slice of ``update``, copied into the scratch buffer; with a codec, a
+        view of this shard's payload in it (the protocol's shard decodes it)."""
+        if self.span is not None:
+            if (
+                isinstance(update, np.ndarray)
+                and update.dtype == np.uint8
+                and update.shape == (self.push_bytes,)
+            ):
+                return update[self.span[0] : self.span[1]]
+            return update  # the shard refuses it: it does not decode
         if not (
             isinstance(update, np.ndarray)
             and update.shape == (self.size,)

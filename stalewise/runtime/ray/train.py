@@ -7,8 +7,10 @@ worker (a second placement group, spread over the nodes), waits until all are
 set up, then releases them together and watches:
 it evaluates the parameters every ``eval_interval`` seconds as an observer,
 writes metrics records, drives the progress bar, takes checkpoints and
-backups, applies the failure policy, and stops the job at the budget, the stop
-condition or the timeout. Whatever happens, every actor it started is killed.
+backups, watches the workers' heartbeats (:mod:`~stalewise.runtime.ray.liveness`:
+one that makes no progress for ``worker_timeout`` seconds is killed), applies
+the failure policy, and stops the job at the budget, the stop condition or the
+timeout. Whatever happens, every actor it started is killed.
 See :mod:`stalewise.runtime.ray` for the guarantees.
 """
 
@@ -37,7 +39,7 @@ from stalewise.runtime.base import (
     merge_stats,
 )
 from stalewise.runtime.options import RunOptions
-from stalewise.runtime.ray import cluster, import_ray
+from stalewise.runtime.ray import cluster, import_ray, liveness
 from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
 from stalewise.runtime.ray.worker import WorkerActor
 from stalewise.strategies import Strategy
@@ -61,6 +63,7 @@ class _Driver:
         self.config, self.strategy, self.o = config, strategy, options
         self.W, self.S = options.workers, config.shards
         self.failures = Failures(options.on_worker_failure, options.max_restarts)
+        self.liveness = liveness.Liveness(options.worker_timeout, options.start_timeout)
         self.incs = [0] * self.W  # each worker's current incarnation
         self.actors: list[Any] = [None] * self.W
         self.runs: dict[Any, int] = {}  # a worker's run() ObjectRef -> worker
@@ -134,7 +137,9 @@ class _Driver:
     def _spawn(self, w: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        remote = self.ray.remote(WorkerActor).options(
+        # progress() has a thread of its own, so it answers beside a busy run()
+        actor = self.ray.remote(concurrency_groups={liveness.GROUP: 1})(WorkerActor)
+        remote = actor.options(
             name=f"{self.prefix}:worker-{w}.{self.incs[w]}",
             num_cpus=self.share,
             max_restarts=0,
@@ -182,6 +187,8 @@ class _Driver:
                 )
             self.t0 = time.perf_counter()
             self.runs = {self.actors[w].run.remote(): w for w in range(self.W)}
+            for w in range(self.W):
+                self.liveness.watch(w, self.actors[w], ready=True)
             self.live = set(range(self.W))
             self.watches = {s.watch.remote(): k for k, s in enumerate(self.shards)}
             pushes = self._watch(saver, base)
@@ -202,6 +209,8 @@ class _Driver:
                     self._shard_ended(ref)
                 elif ref in self.runs:
                     self._worker_ended(ref)
+            for w, cause in self.liveness.check():
+                self._worker_hung(w, cause)
             now = time.perf_counter() - self.t0
             try:
                 stats = self._stats()
@@ -296,6 +305,7 @@ class _Driver:
     def _worker_ended(self, ref: Any) -> None:
         ray = self.ray
         w = self.runs.pop(ref)
+        self.liveness.forget(w)
         try:
             ended = ray.get(ref)
         except ray.exceptions.RayTaskError as e:
@@ -310,6 +320,14 @@ class _Driver:
                 self.failures.diverged(w, ended["diverged"], time=time.perf_counter() - self.t0)
             else:
                 self.ended.append(ended)
+
+    def _worker_hung(self, w: int, cause: str) -> None:
+        """Worker ``w`` made no progress for ``worker_timeout`` (or did not set up in time):
+        its run() is forgotten, its actor killed, and the failure policy applies."""
+        self.liveness.forget(w)
+        for ref in [r for r, v in self.runs.items() if v == w]:
+            del self.runs[ref]
+        self._worker_failed(w, cause)
 
     def _worker_failed(self, w: int, cause: str, detail: str = "") -> None:
         """The failure policy for worker ``w``: its last push everywhere or nowhere, then
@@ -327,6 +345,7 @@ class _Driver:
         with contextlib.suppress(_ShardDown):  # else the restore to come admits it
             self._get([s.join.remote(w, self.incs[w]) for s in self.shards], timeout, "join")
         self.runs[self._spawn(w).run.remote()] = w
+        self.liveness.watch(w, self.actors[w], ready=False)  # it sets up inside run()
 
     def _shard_ended(self, ref: Any) -> None:
         ray = self.ray
@@ -439,12 +458,6 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     """
     from stalewise.runtime.ray import connect
 
-    compressor = getattr(config, "compressor", None)
-    if compressor is not None and compressor() is not None:
-        raise ValueError(
-            f"runtime 'ray' does not send compressed pushes yet (codec {config.codec!r}); "
-            "use runtime 'local' or 'sim'"
-        )
     ray = import_ray()
     started = connect()
     try:

@@ -14,12 +14,25 @@ user's ``loss_and_grad`` and data, and answers its requests:
   to the user views the object store's read-only copy (no copy at all);
   otherwise the slices are copied into the worker's pull buffer;
 * a ``Push``: emulates the compute time, flattens the update into a free push
-  buffer and judges it (:func:`stalewise.protocol.commit.judge`); a *sender*
-  thread then puts it into the object store once and sends its ObjectRef with
+  buffer and judges it (:func:`stalewise.protocol.commit.judge`). With a codec
+  (``ServerConfig.codec``) the update is encoded by the protocol's
+  :class:`~stalewise.protocol.compress.Compressor` into every shard's payload,
+  back to back in a free byte buffer (:func:`~stalewise.runtime.ray.shard.payload_spans`),
+  keeping the codec's error feedback in the worker (a new incarnation starts
+  with none), and with several shards the verdict judges the payloads decoded
+  back, the values the shards will apply. Then a *sender* thread puts it into the object store once and sends its ObjectRef with
   the verdict to every shard, and a *collector* thread reads the acks, while
   the loop goes on: pushes are pipelined, up to ``IN_FLIGHT`` of them
   unacknowledged (the shards apply each worker's pushes in order). The answer
   to a ``Push`` is the results of the pushes acknowledged since the last one.
+
+Heartbeats: the loop counts its progress (:meth:`WorkerActor.progress`): each
+request it makes (a step), each batch it draws, and every ``POLL`` seconds
+while it waits on the shards or emulates compute time. The driver reads the
+count on the actor's own ``"beat"`` concurrency group, so it is answered while
+:meth:`WorkerActor.run` is busy, and kills a worker whose count stands still
+for ``worker_timeout`` seconds (:mod:`stalewise.runtime.ray.liveness`). One
+call of the user's ``loss_and_grad`` must therefore take less than that.
 
 A shard that dies makes the calls in flight to it fail; the worker retries
 until the driver has restored the shard (``shard_start_timeout``), and the
@@ -46,7 +59,7 @@ from stalewise.protocol import PushResult, ServerConfig, commit, loop
 from stalewise.runtime.base import batch_iterator
 from stalewise.runtime.local.procs import child_logging
 from stalewise.runtime.options import RunOptions
-from stalewise.runtime.ray.shard import IN_FLIGHT
+from stalewise.runtime.ray.shard import IN_FLIGHT, payload_spans
 from stalewise.strategies import Strategy
 
 log = logging.getLogger(__name__)
@@ -76,7 +89,17 @@ class WorkerActor:
         numpy_only = all(leaf.backend == "numpy" for leaf in self.spec.leaves)
         self.views = self.S == 1 and numpy_only  # hand out the snapshot itself
         self.pull_buf = None if self.views else np.empty(self.spec.size, self.spec.dtype)
-        self.free = [np.empty(self.spec.size, self.spec.dtype) for _ in range(2)]  # push buffers
+        # with a codec: each push is every shard's payload, back to back in one byte buffer
+        self.compressor = config.compressor()
+        self.feedback: Any = None  # the codec's error feedback: this incarnation's state
+        self.spans = payload_spans(config)
+        if self.spans is None:
+            self.free = [np.empty(self.spec.size, self.spec.dtype) for _ in range(2)]
+        else:  # the update is flattened here, then encoded into a free payload buffer
+            self.free = [np.empty(self.spans[-1][1], np.uint8) for _ in range(2)]
+            self.flat_buf = np.empty(self.spec.size, self.spec.dtype)
+            several = self.S > 1  # the verdict judges the payloads decoded back
+            self.decoded = np.empty(self.spec.size, self.spec.dtype) if several else None
         gated = config.consistency.gated
         self.following = not gated and not config.staleness.dc_lambda  # ASP: no pull requests
         self.seq = 0  # pushes sent by this incarnation
@@ -86,6 +109,7 @@ class WorkerActor:
         self.snapshots: list = []  # the pulled slices (kept alive while the params view them)
         self.batches: Any = None
         self.times = dict.fromkeys(("pull", "push", "acks", "compute", "send"), 0.0)
+        self.beats = 0  # the loop's progress, read by the driver (progress())
         # shared with the sender and receiver threads, under `cond`
         self.cond = threading.Condition()
         self.latest: list = [None] * self.S  # (version, slice): the newest snapshots (ASP)
@@ -109,8 +133,29 @@ class WorkerActor:
         batches = batch_iterator(self.o.data, self.w, self.o.workers)
         first = next(batches)
         self.o.loss_and_grad(tree.unflatten(self.config.init, self.spec, copy=True), first)
-        self.batches = itertools.chain([first], batches)
+        if self.compressor is not None:
+            self.compressor.warm_up()  # its kernels load now, not at the first push
+        self.batches = self._beating(itertools.chain([first], batches))
         return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def progress(self) -> tuple[bool, int]:
+        """``(set up, beats)``: whether :meth:`prepare` is done and the loop's progress
+        count, which grows at each step, batch and wait. The driver calls it on the
+        ``"beat"`` concurrency group, beside a running :meth:`run`."""
+        return self.batches is not None, self.beats
+
+    def _beating(self, batches: Any) -> Any:
+        """``batches``, beating for each one drawn."""
+        for batch in batches:
+            self.beats += 1
+            yield batch
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleeps, beating every ``POLL`` seconds."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self.beats += 1
+            time.sleep(min(left, POLL))
 
     def run(self) -> dict:
         """The worker loop until the budget is spent, the job stops or the worker diverges
@@ -161,7 +206,7 @@ class WorkerActor:
         import ray
 
         try:
-            ray.get([s.leave.remote(self.w, self.inc) for s in self.shards], timeout=POLL * 25)
+            self._get([s.leave.remote(self.w, self.inc) for s in self.shards], POLL * 25)
         except ray.exceptions.RayError:  # a shard is down: the driver's restore drops it
             log.warning("worker %d: could not leave every shard", self.w)
 
@@ -170,6 +215,7 @@ class WorkerActor:
         times, clock = self.times, time.perf_counter
 
         def answer(request: Any) -> Any:
+            self.beats += 1
             if request is loop.BEGIN:
                 t = clock()
                 go = self._begin()
@@ -177,9 +223,11 @@ class WorkerActor:
                 return go
             if request is loop.PULL:
                 return self.params
+            if request is loop.CLOCK:  # a strategy pacing itself asks the runtime's clock
+                return time.monotonic()
             emulated = (request.compute + delay * request.local_steps) * slowdown - request.compute
             if emulated > 0:
-                time.sleep(emulated)
+                self._sleep(emulated)
             times["compute"] += max(emulated, 0.0) + request.compute
             t = clock()
             self._push(request.update, request.loss)
@@ -222,6 +270,7 @@ class WorkerActor:
                 if all(s is not None for s in self.latest):
                     break
                 self.cond.wait(POLL)
+                self.beats += 1
             if self.handled >= self.o.steps:
                 return None
             return [v for v, _ in self.latest], [a for _, a in self.latest]
@@ -234,9 +283,9 @@ class WorkerActor:
         while True:
             refs = [s.pull.remote(self.w, self.inc, self.seq) for s in self.shards]
             try:
-                replies = ray.get(refs)
+                replies = self._get(refs)
                 if all(r[0] == "ok" for r in replies):
-                    slices = ray.get([r[2] for r in replies])
+                    slices = self._get([r[2] for r in replies])
                     break
             except ray.exceptions.RayTaskError:
                 raise
@@ -259,6 +308,7 @@ class WorkerActor:
             "worker %d: continuing as incarnation %d (the shards were restored)", self.w, inc
         )
         self.inc, self.seq, self.acked = inc, 0, 0
+        self.feedback = None  # as a new incarnation: no error feedback
         self.moved_to = max(self.moved_to, inc)
 
     def _retry(self, failed_at: float | None, error: Exception) -> float:
@@ -269,8 +319,23 @@ class WorkerActor:
                 f"worker {self.w}: a shard did not come back within "
                 f"{self.o.shard_start_timeout} s (shard_start_timeout): {error}"
             )
-        time.sleep(RETRY_EVERY)
+        self._sleep(RETRY_EVERY)
         return failed_at
+
+    def _get(self, refs: list, timeout: float | None = None) -> list:
+        """``ray.get(refs)``, beating every ``POLL`` seconds while it waits (GetTimeoutError
+        after ``timeout``)."""
+        import ray
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = POLL if deadline is None else max(min(POLL, deadline - time.monotonic()), 0)
+            try:
+                return ray.get(refs, timeout=step)
+            except ray.exceptions.GetTimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+            self.beats += 1
 
     # -- pushes ---------------------------------------------------------------------
 
@@ -281,11 +346,19 @@ class WorkerActor:
             while not self.free or self.job is not None:  # the sender is behind
                 self._check()
                 self.cond.wait(POLL)
+                self.beats += 1
             buf = self.free.pop()
         self.times["acks"] += time.perf_counter() - t
-        flat, _ = tree.flatten(update, spec=self.spec, out=buf)
+        if self.compressor is None:
+            sent = values = tree.flatten(update, spec=self.spec, out=buf)[0]
+        else:  # every shard's payload into buf; the verdict judges them decoded
+            flat = tree.flatten(update, spec=self.spec, out=self.flat_buf)[0]
+            payloads = [buf[lo:hi] for lo, hi in self.spans]
+            self.feedback = self.compressor.encode_into(flat, payloads, self.feedback)
+            values = self.compressor.decode(payloads, self.decoded) if self.S > 1 else flat
+            sent = buf
         verdict = commit.judge(
-            flat,
+            values,
             self.spec.segments,
             self.bases,
             self.known,
@@ -293,7 +366,7 @@ class WorkerActor:
             whole=self.S > 1,  # one shard checks its whole slice itself
         )
         with self.cond:
-            self.job = (flat, self.inc, self.seq, tuple(self.bases), tuple(verdict), loss)
+            self.job = (sent, self.inc, self.seq, tuple(self.bases), tuple(verdict), loss)
             self.cond.notify_all()
         self.seq += 1
 
@@ -303,6 +376,7 @@ class WorkerActor:
             while wait and (self.job is not None or self.inflight):
                 self._check()
                 self.cond.wait(POLL)
+                self.beats += 1
             self._check()
             out, self.results = self.results, []
         return out

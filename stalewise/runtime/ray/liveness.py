@@ -1,0 +1,100 @@
+"""Heartbeats on Ray: the driver's view of whether each worker actor makes progress.
+
+A worker actor counts its progress (each step, each batch, and every fraction
+of a second while it waits on the shards; see
+:mod:`stalewise.runtime.ray.worker`). :class:`Liveness` asks each watched
+actor for that count (:meth:`WorkerActor.progress
+<stalewise.runtime.ray.worker.WorkerActor.progress>`, on the actor's own
+``"beat"`` concurrency group, so it is answered while the worker's loop runs)
+every ``min(1, worker_timeout / 4)`` seconds, one question at a time, and
+names the workers that stand still:
+
+* a worker is *hung* when an answer asked for more than ``worker_timeout``
+  seconds after the count last moved shows it unmoved, or when a question has
+  gone unanswered for ``worker_timeout`` seconds (the actor cannot even
+  answer: its process is stopped, or user code holds the GIL). Time in which
+  the driver asked nothing (it was busy elsewhere) is no evidence either way;
+* a worker that is still setting up (a restarted incarnation loads its data
+  and runs its warm-up step inside ``run()``) fails when it is not set up
+  within ``start_timeout``.
+
+Each time is the driver's own clock, so the nodes' clocks need not agree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from stalewise.runtime.ray import import_ray
+
+GROUP = "beat"  # the worker actors' concurrency group for progress()
+
+
+@dataclass
+class _Watch:
+    actor: Any
+    since: float  # when its run() was sent
+    ready: bool  # set up (prepare() done)
+    beats: int = -1  # the count last heard
+    moved: float = 0.0  # when the count last moved (or the watch began)
+    asked: float = -1.0  # when the question in flight (or the last one) was asked
+    ref: Any = None  # the question in flight
+    seen: float = -1.0  # when the last answer's question was asked
+
+
+class Liveness:
+    """Watches worker actors' progress for the driver (see the module docstring)."""
+
+    def __init__(self, worker_timeout: float | None, start_timeout: float):
+        self.timeout, self.start_timeout = worker_timeout, start_timeout
+        self.every = 1.0 if worker_timeout is None else min(1.0, worker_timeout / 4)
+        self.watched: dict[int, _Watch] = {}
+
+    def watch(self, w: int, actor: Any, *, ready: bool, now: float | None = None) -> None:
+        """Worker ``w``'s actor has just been sent ``run()`` (``ready``: it is set up)."""
+        now = time.monotonic() if now is None else now
+        self.watched[w] = _Watch(actor, now, ready, moved=now)
+
+    def forget(self, w: int) -> None:
+        """Worker ``w`` is no longer watched (its loop ended, or it failed)."""
+        self.watched.pop(w, None)
+
+    def check(self, now: float | None = None) -> list[tuple[int, str]]:
+        """Reads the answers in, asks again where due; returns ``(worker, cause)`` for each
+        worker to be failed (hung, or not set up in time), in the failure policy's words."""
+        ray = import_ray()
+        now = time.monotonic() if now is None else now
+        pending = [x.ref for x in self.watched.values() if x.ref is not None]
+        done = set(ray.wait(pending, num_returns=len(pending), timeout=0)[0]) if pending else ()
+        out = []
+        for w, x in self.watched.items():
+            if x.ref is not None and x.ref in done:
+                try:
+                    ready, beats = ray.get(x.ref)
+                except ray.exceptions.RayError:  # its actor died: its run() says so
+                    ready, beats = x.ready, x.beats
+                else:
+                    if beats != x.beats or ready != x.ready:
+                        x.moved = now
+                    x.ready, x.beats, x.seen = ready, beats, x.asked
+                x.ref = None
+            if x.ref is None and now - x.asked >= self.every:
+                x.ref = x.actor.progress.options(concurrency_group=GROUP).remote()
+                x.asked = now
+            if not x.ready:
+                if now - x.since > self.start_timeout:
+                    out.append((w, f"did not start within start_timeout={self.start_timeout:g} s"))
+            elif self.timeout is not None and (
+                x.seen - x.moved > self.timeout
+                or (x.ref is not None and now - x.asked > self.timeout)
+            ):
+                out.append(
+                    (
+                        w,
+                        f"no heartbeat for {now - x.moved:.1f} s (worker_timeout="
+                        f"{self.timeout:g} s): hung or stopped, so it was killed",
+                    )
+                )
+        return out
