@@ -13,7 +13,13 @@ shard 0's update count) holding
   shapes, dtypes, backends, offsets, and the tree structure in plain JSON, so
   :func:`load_params` rebuilds the user's tree), ``step`` (what the runtime
   reports: pushes, time, and the simulator's own state) and ``sha256`` of every
-  shard file. The manifest's own checksum is in ``manifest.sha256``.
+  shard file. The manifest's own checksum is in ``manifest.sha256``;
+- ``feedback.safetensors`` (a job whose codec keeps error feedback): each
+  worker's error-feedback residual, ``worker-<w>``, a vector of the params' size
+  and dtype: what its codec has not sent yet (see
+  :mod:`stalewise.protocol.compress`). The manifest names it under ``feedback``
+  (``{"file", "workers"}``) and checks it like a shard file. A checkpoint
+  without it (older, or of a job without feedback) resumes with zero residuals.
 
 Writes are atomic: everything goes into ``.tmp-ckpt-...`` next to the final
 folder, files and folder are fsynced, then the folder is renamed into place
@@ -66,6 +72,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1  # the manifest's layout
 MANIFEST = "manifest.json"
+FEEDBACK = "feedback.safetensors"  # the workers' error-feedback residuals
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d{9,})$")
 _TMP = ".tmp-"
@@ -82,6 +89,7 @@ class Checkpoint:
     states: list[dict[str, Any]]
     manifest: dict[str, Any]
     path: Path
+    residuals: list[np.ndarray] | None = None  # each worker's error-feedback residual
 
     @property
     def version(self) -> int:
@@ -125,10 +133,13 @@ def save(
     config_info: dict[str, Any],
     step_info: dict[str, Any],
     keep: int = 2,
+    residuals: Sequence[np.ndarray] | None = None,
 ) -> Path:
     """Writes one checkpoint atomically; returns its folder. Keeps the newest ``keep``.
 
-    A checkpoint of a version that already exists replaces it.
+    A checkpoint of a version that already exists replaces it. ``residuals``:
+    each worker's error-feedback residual (worker ``w``'s at index ``w``), saved
+    in ``feedback.safetensors``; None saves none.
     """
     if not shard_states:
         raise ValueError("save: no shard states")
@@ -153,6 +164,13 @@ def save(
             _fsync(tmp / name)
             sums[name] = _sha256(tmp / name)
             shards.append({"file": name, "arrays": sorted(arrays), "values": values})
+        feedback = None
+        if residuals is not None:
+            arrays = {f"worker-{w}": _contiguous(np.asarray(r)) for w, r in enumerate(residuals)}
+            save_file(arrays, str(tmp / FEEDBACK))
+            _fsync(tmp / FEEDBACK)
+            sums[FEEDBACK] = _sha256(tmp / FEEDBACK)
+            feedback = {"file": FEEDBACK, "workers": len(arrays)}
         manifest = {
             "format": FORMAT,
             "created": datetime.datetime.now(datetime.UTC).isoformat(),
@@ -162,6 +180,7 @@ def save(
             "spec": spec_to_json(spec),
             "step": step_info,
             "sha256": sums,
+            **({} if feedback is None else {"feedback": feedback}),
         }
         text = json.dumps(manifest, indent=1, allow_nan=True)
         _write(tmp / MANIFEST, text)
@@ -315,21 +334,29 @@ def _read(path: Path) -> Checkpoint:
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    states = []
-    for shard in manifest["shards"]:
-        file = path / shard["file"]
+    def arrays_of(name: str, expected: list[str]) -> dict[str, np.ndarray]:
+        file = path / name
         if not file.exists():
             raise CheckpointError(f"{file}: missing")
-        if _sha256(file) != manifest["sha256"].get(shard["file"]):
+        if _sha256(file) != manifest["sha256"].get(name):
             raise CheckpointError(f"{file}: checksum mismatch (truncated or corrupt)")
         try:
             arrays = load_file(str(file))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{file}: unreadable: {e}") from None
-        if sorted(arrays) != sorted(shard["arrays"]):
-            raise CheckpointError(f"{file}: holds {sorted(arrays)}, expected {shard['arrays']}")
-        states.append({**shard["values"], **arrays})
-    return Checkpoint(states, manifest, path)
+        if sorted(arrays) != sorted(expected):
+            raise CheckpointError(f"{file}: holds {sorted(arrays)}, expected {sorted(expected)}")
+        return arrays
+
+    states = []
+    for shard in manifest["shards"]:
+        states.append({**shard["values"], **arrays_of(shard["file"], shard["arrays"])})
+    residuals = None
+    if "feedback" in manifest:  # absent: an older checkpoint, or a job without feedback
+        n = int(manifest["feedback"]["workers"])
+        arrays = arrays_of(manifest["feedback"]["file"], [f"worker-{w}" for w in range(n)])
+        residuals = [arrays[f"worker-{w}"] for w in range(n)]
+    return Checkpoint(states, manifest, path, residuals)
 
 
 def check_compatible(ckpt: Checkpoint, config: Any, workers: int | None = None) -> None:
@@ -350,6 +377,19 @@ def check_compatible(ckpt: Checkpoint, config: Any, workers: int | None = None) 
             f"{ckpt.path.name} is of a run with {ckpt.states[0]['workers']} workers, "
             f"this one has {workers}"
         )
+    if ckpt.residuals is not None:
+        if workers is not None and len(ckpt.residuals) != workers:
+            raise CheckpointError(
+                f"{ckpt.path.name} holds the error-feedback residuals of "
+                f"{len(ckpt.residuals)} workers, this run has {workers}"
+            )
+        want, dtype = (int(config.spec.size),), np.dtype(config.spec.dtype)
+        for w, r in enumerate(ckpt.residuals):
+            if r.shape != want or r.dtype != dtype:
+                raise CheckpointError(
+                    f"{ckpt.path.name}: worker {w}'s error-feedback residual is {r.dtype} of "
+                    f"shape {r.shape}, this job's parameters are {dtype} of shape {want}"
+                )
 
 
 # -- a run's checkpoints (both runtimes) --------------------------------------------------
@@ -378,6 +418,36 @@ def resume_point(config: Any, options: Any, *, runtime: str) -> Checkpoint | Non
             f"{ckpt.manifest['config'].get('runtime')!r}); the sim resumes only its own"
         )
     return ckpt
+
+
+def feedback_of(ckpt: Checkpoint | None, config: Any, workers: int) -> list[Any] | None:
+    """Each worker's error-feedback state (a ``compress.Feedback``) for a run of ``config``
+    resumed from ``ckpt``, worker ``w``'s at index ``w``; None when this job's codec keeps
+    no feedback.
+
+    A checkpoint without residuals (older, or of a job without feedback) gives zero
+    residuals; the values of leaves whose codec keeps no feedback here are zeroed
+    (:meth:`~stalewise.protocol.compress.Compressor.adopt`). Call it after
+    :func:`check_compatible`, which refuses residuals of another shape or worker count.
+    """
+    comp = config.compressor()
+    saved = None if ckpt is None else ckpt.residuals
+    if comp is None or not comp.error_feedback:
+        if saved is not None and any(np.any(r) for r in saved):
+            log.warning(
+                "%s holds error-feedback residuals, but this job's codec (%r) keeps none: "
+                "they are not used",
+                ckpt.path.name,
+                config.codec,
+            )
+        return None
+    dtype = config.init.dtype
+    if saved is None:
+        return [comp.init(dtype) for _ in range(workers)]
+    try:
+        return [comp.adopt(r, dtype, worker=w) for w, r in enumerate(saved)]
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt.path.name}: {e}") from None
 
 
 class Saver:
@@ -416,8 +486,14 @@ class Saver:
             o.checkpoint_every is not None and version - self.version >= o.checkpoint_every
         ) or (o.checkpoint_seconds is not None and now - self.time >= o.checkpoint_seconds)
 
-    def save(self, states: Sequence[dict[str, Any]], step: dict[str, Any]) -> Path:
-        """Writes the shards' ``states``; ``step`` holds at least ``pushes`` and ``time``."""
+    def save(
+        self,
+        states: Sequence[dict[str, Any]],
+        step: dict[str, Any],
+        residuals: Sequence[np.ndarray] | None = None,
+    ) -> Path:
+        """Writes the shards' ``states`` and the workers' error-feedback ``residuals``
+        (None: the job keeps none); ``step`` holds at least ``pushes`` and ``time``."""
         path = save(
             self.options.checkpoint_dir,
             states,
@@ -425,6 +501,7 @@ class Saver:
             config_info=self.info,
             step_info={**step, "run": self.options.run},
             keep=self.options.checkpoint_keep,
+            residuals=residuals,
         )
         self.version, self.time = int(states[0]["version"]), float(step["time"])
         return path

@@ -142,7 +142,7 @@ def test_a_corrupt_committed_payload_is_refused_by_every_shard(no_leaks):
                 server, client, comp, update(seed), feedback, expected
             )
         np.testing.assert_array_equal(flat(server.pull(timeout=10)), expected)
-        np.testing.assert_array_equal(client._feedback.residual, feedback.residual)
+        np.testing.assert_array_equal(client.residual, feedback.residual)  # in shared memory
         assert np.count_nonzero(feedback.residual[8:]) > 2000  # what topk has not sent yet
         before = expected
         # an honest encoding, then each shard's payload corrupted in its own way

@@ -11,9 +11,14 @@ of its pieces, back to back, in order (zero-sized pieces are skipped).
   payload with error feedback (EF-SGD) for the codecs that ask for it: with
   ``e`` the residual, it sends ``C(g + e)`` and keeps ``e = g + e - C(g + e)``,
   so what a lossy codec drops is sent later rather than lost. The residual is
-  a plain vector in a :class:`Feedback`, part of the worker's state. An update
+  a plain vector in a :class:`Feedback`, part of the worker's state that
+  checkpoints save (:meth:`Compressor.adopt` checks one read back). An update
   holding NaN or infinity is encoded as it is (the shards will refuse it) and
-  leaves the residual untouched. With several shards the sender's verdict
+  leaves the residual untouched. ``encode_into(..., out=)`` writes the new
+  residual into a second buffer, leaving the old one as it was: a sender keeps
+  the residual of its last *committed* push until the new push commits, so a
+  sender that dies in between leaves a residual consistent with what the
+  shards applied. With several shards the sender's verdict
   (:mod:`stalewise.protocol.commit`) judges the payloads decoded back
   (:meth:`Compressor.decode`), the values the shards will apply.
 * The shard side, :class:`Decoder`, decodes one shard's payload into its slice
@@ -256,6 +261,40 @@ class Compressor:
         """A worker's initial error-feedback state (None when no codec keeps feedback)."""
         return Feedback(np.zeros(self.size, dtype)) if self.error_feedback else None
 
+    def adopt(self, residual: Any, dtype: Any = np.float32, worker: Any = None) -> Feedback | None:
+        """A worker's error-feedback state from a saved residual (a checkpoint's), or None
+        when no codec of this job keeps feedback.
+
+        The values of the leaves whose codec keeps no feedback are zeroed (a job
+        resumed with another codec per leaf); the rest is copied.
+
+        Raises:
+            ValueError: ``residual`` is not a vector of this job's size and ``dtype``
+                (naming ``worker`` when given).
+        """
+        who = "" if worker is None else f"worker {worker}'s "
+        if not isinstance(residual, np.ndarray) or residual.shape != (self.size,):
+            shape = getattr(residual, "shape", type(residual).__name__)
+            raise ValueError(
+                f"{who}error-feedback residual has shape {shape}, this job's parameters "
+                f"({self.size},)"
+            )
+        if residual.dtype != np.dtype(dtype):
+            raise ValueError(
+                f"{who}error-feedback residual is {residual.dtype}, this job's parameters "
+                f"{np.dtype(dtype)}"
+            )
+        if not self.error_feedback:
+            return None
+        out = np.zeros(self.size, dtype)
+        for p in self.feedback_pieces():
+            out[p.start : p.stop] = residual[p.start : p.stop]
+        return Feedback(out)
+
+    def feedback_pieces(self) -> list[Piece]:
+        """The pieces whose codec keeps error feedback (the residual is zero elsewhere)."""
+        return [p for ps in self.pieces for p in ps if p.codec.error_feedback]
+
     def encode(self, flat: np.ndarray, state: Feedback | None = None) -> tuple[list, Any]:
         """Every shard's payload of the update ``flat``, and the new error-feedback state.
 
@@ -267,19 +306,34 @@ class Compressor:
         return bufs, self.encode_into(flat, bufs, state)
 
     def encode_into(
-        self, flat: np.ndarray, bufs: Sequence[Any], state: Feedback | None = None
+        self,
+        flat: np.ndarray,
+        bufs: Sequence[Any],
+        state: Feedback | None = None,
+        out: Feedback | None = None,
     ) -> Feedback | None:
         """Like :meth:`encode`, into writable buffers of exactly :meth:`nbytes` bytes
-        (e.g. slices of a shared-memory block); returns the new state."""
+        (e.g. slices of a shared-memory block); returns the new state.
+
+        ``out``: a second state to write the new residual into, leaving ``state``
+        unchanged (None: ``state`` is updated in place). It costs no extra pass:
+        ``p = g + e`` is written into ``out`` instead of into ``e``.
+        """
         flat = self._check(flat)
         if self.error_feedback and state is None:
             state = self.init(flat.dtype)
-        if state is not None and state.residual.shape != flat.shape:
-            raise ValueError(
-                f"error-feedback residual of shape {state.residual.shape}, update {flat.shape}"
-            )
+        for s in (state, out):
+            if s is not None and s.residual.shape != flat.shape:
+                raise ValueError(
+                    f"error-feedback residual of shape {s.residual.shape}, update {flat.shape}"
+                )
+        if state is None or (out is not None and out.residual is state.residual):
+            out = None  # no feedback, or in place
         # a push holding NaN/Inf will be refused by every shard: it leaves the residual as it is
         feedback = state is not None and _finite(flat)
+        if state is not None and not feedback and out is not None:
+            np.copyto(out.residual, state.residual)  # out holds the residual, unchanged
+            state, out = out, None
         for k, pieces in enumerate(self.pieces):
             mv = memoryview(bufs[k]).cast("B")
             if len(mv) != self.nbytes(k, flat.dtype):
@@ -291,17 +345,20 @@ class Compressor:
             for p in pieces:
                 n = p.stop - p.start
                 end = offset + p.codec.nbytes(n, flat.dtype)
-                out = mv[offset:end]
+                dst = mv[offset:end]
                 g = flat[p.start : p.stop]
                 if p.codec.error_feedback and feedback:
                     e = state.residual[p.start : p.stop]
-                    e += g  # p = g + e, in the residual's buffer
-                    p.codec.encode_into(e, out)
-                    p.codec.subtract_decoded(out, e, self._scratch(n, e.dtype))  # e = p - C(p)
+                    if out is None:
+                        e += g  # p = g + e, in the residual's buffer
+                    else:
+                        e = np.add(e, g, out=out.residual[p.start : p.stop])  # p, in out's
+                    p.codec.encode_into(e, dst)
+                    p.codec.subtract_decoded(dst, e, self._scratch(n, e.dtype))  # e = p - C(p)
                 else:
-                    p.codec.encode_into(g, out)
+                    p.codec.encode_into(g, dst)
                 offset = end
-        return state
+        return state if out is None else out
 
     def _scratch(self, n: int, dtype: Any) -> np.ndarray:
         """A buffer of ``n`` values to decode into, kept from push to push."""

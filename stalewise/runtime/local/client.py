@@ -10,10 +10,11 @@ incarnation from the pipe a message arrives on, never from the message. A push
 is committed (:mod:`stalewise.protocol.commit`) by writing its record into
 shared memory before any shard is told of it. With a codec
 (``ServerConfig.codec``) the update is encoded into one payload per shard, in
-the worker's push region, keeping the codec's error feedback in the client (a
-new incarnation starts with none), and the verdict judges the payloads decoded,
-the values the shards will apply. Messages are the fixed binary
-records of :mod:`stalewise.protocol.wire`.
+the worker's push region, and the verdict judges the payloads decoded, the
+values the shards will apply. The codec's error-feedback residual lives in the
+shared block too (:class:`~stalewise.runtime.local.layout.Residuals`): the
+parent saves it in checkpoints and hands it to the worker's next incarnation.
+Messages are the fixed binary records of :mod:`stalewise.protocol.wire`.
 
 A client that learns a shard has closed its connection (the shard stopped, or
 it disconnected this worker for a protocol fault) raises :class:`ServerClosed`
@@ -31,8 +32,9 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import Ack, PushResult, ServerConfig, commit, wire
+from stalewise.protocol.compress import Feedback
 from stalewise.runtime.local import layout as L
-from stalewise.runtime.local.layout import Layout, Snapshots
+from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.shm import SharedBlock
 
 
@@ -117,7 +119,8 @@ class Client:
         )
         # with a codec: the update is encoded into one payload per shard at push
         self._compressor = config.compressor()
-        self._feedback: Any = None  # the codec's error feedback: this incarnation's state
+        self._residuals: Residuals | None = None  # error feedback, in the block (on attach)
+        self._fb_cur = 1  # the residual buffer of the last committed push (Residuals.put)
         self._payloads: list[np.ndarray] = []  # shard k's payload in the push region
         self._decoded: np.ndarray | None = None  # the payloads decoded, for the verdict
         self._conns = conns
@@ -158,6 +161,8 @@ class Client:
                 self._push_buf = np.empty(self._layout.size, self._layout.dtype)
                 shards = range(len(self._ranges))
                 self._payloads = [self._layout.payload(self._block, self.worker, k) for k in shards]
+                if self._layout.feedback:
+                    self._residuals = Residuals(self._layout, self._block)
                 self._compressor.warm_up()  # its kernels load now, not at the first push
             self._record = self._layout.records(self._block)[self.worker]
             self._snapshots = Snapshots(self._layout, self._block, self._ranges)
@@ -282,16 +287,43 @@ class Client:
         killed after it pushed to every shard (they deliver it when it is gone).
         """
         self._check_open()  # a shard has cut this worker off: commit nothing more
+        fresh = None
         if self._compressor is not None:
             self.wait()  # the shards read the payloads until they have acked the last push
-            self._feedback = self._compressor.encode_into(
-                self._push_buf, self._payloads, self._feedback
-            )
+            fresh = self._encode()
         self._commit()
+        if fresh is not None:
+            self._fb_cur = fresh  # committed: the new residual is the one a successor takes
         for k in range(len(self._conns)):
             self._send(k, wire.push(self._seq))
         self._seq += 1
         self._acks_due = [True] * len(self._conns)
+
+    def _encode(self) -> int | None:
+        """Encodes the push buffer into the payloads; with error feedback, reads the residual
+        of the last committed push and writes the new one into the other buffer (returned),
+        tagged with this push's commit word before the push commits (see
+        :mod:`~stalewise.runtime.local.layout`)."""
+        res = self._residuals
+        if res is None:
+            self._compressor.encode_into(self._push_buf, self._payloads)
+            return None
+        w, cur = self.worker, self._fb_cur
+        new = res.writing(w, 1 - cur)
+        self._compressor.encode_into(
+            self._push_buf, self._payloads, Feedback(res.buffers[w][cur]), out=Feedback(new)
+        )
+        res.written(w, 1 - cur, self._seq + 1)
+        return 1 - cur
+
+    @property
+    def residual(self) -> np.ndarray | None:
+        """This worker's error-feedback residual after its last committed push (a view
+        into shared memory; None when the codec keeps no feedback)."""
+        self._attach()
+        return (
+            None if self._residuals is None else self._residuals.buffers[self.worker][self._fb_cur]
+        )
 
     def _commit(self) -> None:
         """Judges the update in the push buffer and writes its record, commit word last."""
@@ -371,5 +403,6 @@ class Client:
             c.close()
         self._pull_buf = self._push_buf = None  # type: ignore[assignment]
         self._payloads = []
+        self._residuals = None
         if self._block is not None:
             self._block.close()

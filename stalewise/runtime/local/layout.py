@@ -3,7 +3,8 @@
 One block holds everything a job moves between processes::
 
     [ control | shard table | push records | params | observer | snapshot 0 | snapshot 1
-      | w0 pull | w1 pull | ... | w0 push | w1 push | ... ]
+      | w0 pull | w1 pull | ... | w0 push | w1 push | ...
+      | residual tags | w0 residual 0 | w0 residual 1 | w1 residual 0 | ... ]
 
 A worker's *push region* holds its update as a flat vector, or, with a codec
 (``ServerConfig.codec``), one encoded payload per shard, each of exactly the
@@ -29,6 +30,21 @@ slowest live clock, which lets a worker check an SSP/BSP gate locally; the
 published value can only lag behind the truth, so the local check is
 conservative, and a worker that it holds back asks the shard (which is exact).
 
+*Residuals* (a codec with error feedback, :mod:`stalewise.protocol.compress`)
+keep each worker's error-feedback state in the block, so the parent saves it
+in a checkpoint without asking the worker, and a restarted incarnation takes
+over what its predecessor had not sent. Each worker id has two residual
+buffers, each with a *tag*: the commit word of the push whose residual it
+holds (0: before any push of this incarnation), or -1 while it is written.
+Push ``s`` (commit word ``c = s + 1``) reads the residual in the buffer tagged
+``c - 1`` and writes ``p - C(p)`` into the other one, tagged -1 meanwhile and
+``c`` once done, all before the push's record is committed. So the buffer of
+the last committed push is never written, and :class:`Residuals` finds it
+from the tags and the worker's record: the higher tag if the record commits
+that push, else the lower one (a push encoded but never committed gave nothing
+to the shards, so its residual must not count). A reader copies the buffer and
+keeps the copy only if its tag is unchanged, a seqlock like the snapshots'.
+
 Threading contract: one writer per shard slice (the shard process), any number
 of readers. Relies on aligned 8-byte loads and stores being atomic and on the
 interpreter's calls ordering memory (true on x86-64 and on ARM with CPython,
@@ -37,6 +53,7 @@ whose GIL operations are full barriers).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,6 +84,7 @@ class Layout:
     workers: int
     shards: int = 1
     payloads: tuple[int, ...] = ()  # with a codec: each shard's payload's exact byte length
+    feedback: bool = False  # the codec keeps error feedback: two residual buffers per worker
 
     @classmethod
     def of(cls, config: ServerConfig, workers: int) -> Layout:
@@ -77,7 +95,8 @@ class Layout:
         payloads = (
             () if comp is None else tuple(comp.nbytes(k, dtype) for k in range(config.shards))
         )
-        return cls(config.spec.size, str(dtype), workers, config.shards, payloads)
+        feedback = comp is not None and comp.error_feedback
+        return cls(config.spec.size, str(dtype), workers, config.shards, payloads, feedback)
 
     @property
     def control_items(self) -> int:
@@ -108,9 +127,16 @@ class Layout:
     def _push_offset(self, worker: int) -> int:
         return self._offset(4 + self.workers) + worker * self._push_region()
 
+    def _residual_offset(self, worker: int, j: int) -> int:
+        tags = _round_up(self.workers * 2 * 8)
+        raw = _round_up(self.size * np.dtype(self.dtype).itemsize)
+        return self._push_offset(self.workers) + tags + (2 * worker + j) * raw
+
     @property
     def nbytes(self) -> int:
-        return self._push_offset(self.workers)
+        if not self.feedback:
+            return self._push_offset(self.workers)
+        return self._residual_offset(self.workers, 0)
 
     def control(self, block: SharedBlock) -> np.ndarray:
         return block.array(np.float64, 0, self.control_items)
@@ -148,6 +174,104 @@ class Layout:
             raise ValueError("without a codec, a push region holds the flat update")
         offset = self._push_offset(worker) + sum(_round_up(n) for n in self.payloads[:k])
         return block.array(np.uint8, offset, self.payloads[k])
+
+    def residual_tags(self, block: SharedBlock) -> np.ndarray:
+        """With error feedback: each worker's two residual tags (see the module docstring)."""
+        if not self.feedback:
+            raise ValueError("this job's codec keeps no error feedback: no residuals")
+        return block.array(np.int64, self._push_offset(self.workers), 2 * self.workers).reshape(
+            self.workers, 2
+        )
+
+    def residual(self, block: SharedBlock, worker: int, j: int) -> np.ndarray:
+        """With error feedback: ``worker``'s residual buffer ``j`` (0 or 1)."""
+        if not self.feedback:
+            raise ValueError("this job's codec keeps no error feedback: no residuals")
+        return block.array(self.dtype, self._residual_offset(worker, j), self.size)
+
+
+class Residuals:
+    """The workers' error-feedback residuals in a shared block; see the module docstring.
+
+    One writer per worker id at a time (its current incarnation's client), which
+    calls :meth:`writing` and :meth:`written` around each encode; readers find the
+    residual of the last committed push (:meth:`read`). While no incarnation of a
+    worker runs, its parent moves that residual into place for the next one
+    (:meth:`hand_over`) or sets a saved one (:meth:`put`).
+    """
+
+    def __init__(self, layout: Layout, block: SharedBlock):
+        self.tags = layout.residual_tags(block)
+        self.records = layout.records(block)
+        self.buffers = [
+            (layout.residual(block, w, 0), layout.residual(block, w, 1))
+            for w in range(layout.workers)
+        ]
+
+    # -- the worker's side
+    def writing(self, w: int, j: int) -> np.ndarray:
+        """Buffer ``j`` of worker ``w`` is about to be written: readers stop trusting it."""
+        self.tags[w, j] = -1
+        return self.buffers[w][j]
+
+    def written(self, w: int, j: int, commit_word: int) -> None:
+        """Buffer ``j`` now holds the residual after the push of ``commit_word``."""
+        self.tags[w, j] = commit_word
+
+    # -- the readers' side
+    def current(self, w: int, incarnation: int) -> tuple[int, int] | None:
+        """``(buffer, tag)`` of the residual after worker ``w``'s last committed push of
+        ``incarnation`` (None: both buffers are being written, which never lasts)."""
+        t0, t1 = int(self.tags[w, 0]), int(self.tags[w, 1])
+        if t0 < 0 and t1 < 0:
+            return None
+        if t0 < 0 or t1 < 0:
+            return (0, t0) if t1 < 0 else (1, t1)
+        hi = 0 if t0 > t1 else 1
+        rec = self.records[w]
+        # the incarnation first: a new incarnation rewrites it before its commit word
+        same = int(rec[R_INC]) == incarnation
+        word = int(rec[R_COMMIT])
+        committed = same and word > 0 and int(rec[R_SEQ]) == word - 1 and word >= max(t0, t1)
+        return (hi, max(t0, t1)) if committed else (1 - hi, min(t0, t1))
+
+    def read(self, w: int, incarnation: int, out: np.ndarray, timeout: float = 10.0) -> int:
+        """Copies worker ``w``'s residual after its last committed push of ``incarnation``
+        into ``out`` (never torn: retried while the worker overwrites it); returns its tag.
+
+        Raises:
+            TimeoutError: no consistent copy within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.current(w, incarnation)
+            if found is not None:
+                j, tag = found
+                np.copyto(out, self.buffers[w][j])
+                if int(self.tags[w, j]) == tag:
+                    return tag
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {w}'s residual kept changing for {timeout} s")
+
+    def put(self, w: int, residual: np.ndarray) -> None:
+        """Sets worker ``w``'s residual for its next incarnation (no incarnation of ``w``
+        may be running): buffer 1, tagged 0 (before its first push); buffer 0 unused."""
+        self.tags[w, 0] = -1
+        np.copyto(self.buffers[w][1], residual)
+        self.tags[w, 1] = 0
+
+    def hand_over(self, w: int, incarnation: int) -> None:
+        """Moves the residual of ``incarnation``'s last committed push into place for
+        the next incarnation of worker ``w`` (:meth:`put`), once ``incarnation`` has
+        stopped for good."""
+        found = self.current(w, incarnation)
+        if found is None:  # cannot happen with a writer that follows the protocol
+            self.put(w, np.zeros_like(self.buffers[w][0]))
+        elif found[0] == 1:
+            self.tags[w, 0] = -1
+            self.tags[w, 1] = 0
+        else:
+            self.put(w, self.buffers[w][0])
 
 
 class Snapshots:

@@ -25,6 +25,13 @@ then drops the worker. The worker's side is
 :class:`LocalServer`, which starts and stops them, and restarts a shard whose
 process died (:meth:`LocalServer.restart_shard`).
 
+With a codec that keeps error feedback, each worker's residual lives in the
+shared block (:class:`~stalewise.runtime.local.layout.Residuals`): the server
+reads the residual of each worker's last committed push for a checkpoint
+(:meth:`LocalServer.residuals`), sets saved ones on resume
+(:meth:`LocalServer.load_residuals`), and gives a worker's next incarnation
+the residual its predecessor had not sent (:meth:`LocalServer.client`).
+
 Every shard process exits when the process that started it dies
 (:func:`~stalewise.runtime.local.procs.die_with_parent`), and the shared memory
 has no name that could outlive them (:mod:`stalewise.runtime.local.shm`).
@@ -45,7 +52,7 @@ from stalewise.protocol import ServerConfig, wire
 from stalewise.runtime.base import ShardError
 from stalewise.runtime.local import layout as layout_lib
 from stalewise.runtime.local.client import Client, ControlPipe, ServerClosed, recv_reply
-from stalewise.runtime.local.layout import Layout, Snapshots
+from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit, die_with_parent, thread_budget
 from stalewise.runtime.local.shard_proc import shard_main
 from stalewise.runtime.local.shm import SharedBlock
@@ -101,6 +108,7 @@ class LocalServer:
         self._procs: list = []
         self._controls: list = []
         self._incarnations = [0] * workers  # the newest incarnation of each worker id
+        self._clients = [0] * workers  # clients made for each worker id by this server
         self._worker_ends: list[list] = [[] for _ in range(workers)]  # until release(w)
         self._snapshots: Snapshots | None = None  # the parent's view, for published_version
         self.join_timeout = join_timeout
@@ -108,6 +116,10 @@ class LocalServer:
             self.layout.params(self._block)[:] = config.init
             self.control = self.layout.control(self._block)
             self.control[1 + workers :] = np.nan  # last loss per worker: none yet
+            self._residuals: Residuals | None = None
+            if self.layout.feedback:  # zero residuals, in buffer 1 (Residuals.put)
+                self._residuals = Residuals(self.layout, self._block)
+                self._residuals.tags[:, 0] = -1
             for k in range(config.shards):
                 p, control = self._start_shard(k)
                 self._procs.append(p)
@@ -167,7 +179,10 @@ class LocalServer:
             )
         self.release(worker)
         self.check()
+        if self._residuals is not None:  # the successor takes over the residual not yet sent
+            self._residuals.hand_over(worker, self._incarnations[worker])
         self._incarnations[worker] += 1
+        self._clients[worker] += 1
         inc = self._incarnations[worker]
         ends = []
         with self._naming_dead_shards():
@@ -217,6 +232,41 @@ class LocalServer:
             for c in self._controls:
                 c.send_bytes(wire.stats() if kind == "stats" else wire.state())
             return [self.observer._take(k, kind, timeout)[1] for k in range(len(self._controls))]
+
+    def residuals(self, timeout: float = 10.0) -> list[np.ndarray] | None:
+        """Each worker's error-feedback residual after its last committed push (copies,
+        never torn, read from shared memory without asking the workers); None when the
+        codec keeps no feedback."""
+        if self._residuals is None:
+            return None
+        out = []
+        for w in range(self.workers):
+            r = np.empty(self.layout.size, self.layout.dtype)
+            self._residuals.read(w, self._incarnations[w], r, timeout)
+            out.append(r)
+        return out
+
+    def load_residuals(self, residuals: list[np.ndarray]) -> None:
+        """Sets each worker's error-feedback residual (a checkpoint's, worker ``w``'s at
+        index ``w``) for its first incarnation on this server: call it before
+        :meth:`client`. Ignored when the codec keeps no feedback.
+
+        Raises:
+            ValueError: the wrong number of residuals, or one of the wrong shape (named).
+        """
+        if self._residuals is None:
+            return
+        if len(residuals) != self.workers:
+            raise ValueError(f"{len(residuals)} residuals for {self.workers} workers")
+        want = (self.layout.size,)
+        for w, r in enumerate(residuals):
+            if np.shape(r) != want:
+                raise ValueError(f"worker {w}'s residual has shape {np.shape(r)}, not {want}")
+        for w in range(self.workers):
+            if self._clients[w]:
+                raise ValueError(f"worker {w} has a client: load residuals before it does")
+        for w, r in enumerate(residuals):
+            self._residuals.put(w, r)
 
     def dead_shards(self) -> list[int]:
         """The shards whose process has exited (asks the OS; no message is sent)."""
