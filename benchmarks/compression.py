@@ -1,6 +1,6 @@
 """Compression codecs: throughput, bytes against accuracy, and the article's sharding claim.
 
-Four parts (issue #11), each a few minutes at most:
+Five parts (issue #11), each a few minutes at most:
 
 1. **throughput**: encode plus decode of a float32 vector, as a ratio to a
    memcpy of the same vector (``np.copyto``) timed in the same run, at a
@@ -22,7 +22,7 @@ Four parts (issue #11), each a few minutes at most:
    links, 0.2 s of compute per step; communication time per update (pull plus
    push) for shards {1, 2, 5, 10} x codecs {none, fp16, int8, topk(0.01)}, and
    virtual time to 95% held-out accuracy on the digits MLP. Pulls are not
-   compressed (delta pulls are not built), so a codec shrinks the push only.
+   compressed here (part 5 has delta pulls), so a codec shrinks the push only.
 4. **the local runtime, 10M parameters**: the ASP update rate (pushes applied
    per second) with each codec against ``none``, 2 workers pushing a fixed
    gradient back to back (no compute: the transport and the shard are the
@@ -32,8 +32,14 @@ Four parts (issue #11), each a few minutes at most:
    (and, with several shards, a decode on the worker for the commit verdict) to
    save bytes that cost little to move here. The rate is reported as measured;
    no bar.
+5. **delta pulls** (``pull_codec``, :mod:`stalewise.protocol.pulls`), in the
+   simulator: 10 workers, 100M-parameter ``model_bytes``, 1 Gbit/s, ASP, 0.2 s
+   of compute per step, 1 and 10 shards; virtual time to 95% held-out accuracy
+   and the final accuracy after the whole budget, with full pulls against
+   ``int8`` and ``topk(0.01)`` delta pulls, each with pushes uncompressed and
+   with ``topk(0.01)``. No bar.
 
-    .venv/bin/python benchmarks/compression.py [--part 1|2|3|4|all] [--quick] [--check]
+    .venv/bin/python benchmarks/compression.py [--part 1|2|3|4|5|all] [--quick] [--check]
         [--runtime sim|local|both]
 """
 
@@ -242,7 +248,7 @@ def claim(quick: bool) -> list[str]:
     print("   Why, and where it stops: the simulator puts each shard on its own node with its "
           "own link, so a lone shard's link carries every worker's pull and push and each "
           "shard added is another link. Once each worker's own link is the bottleneck (the "
-          "pull of the whole model, which no codec shrinks yet), more shards cut little more "
+          "pull of the whole model, full here; part 5 shrinks it), more shards cut little more "
           "and a codec only shrinks the push. Shards sharing one node's link would not gain.")  # fmt: skip
     return []
 
@@ -320,9 +326,51 @@ def local_rate(quick: bool) -> list[str]:
     return []
 
 
+# -- 5. delta pulls -------------------------------------------------------------------------
+
+PULL_CODECS = [("full", None), ("int8", codecs.int8()), ("topk(0.01)", codecs.topk(0.01))]
+PUSH_CODECS = [codecs.none(), codecs.topk(0.01)]
+EVERY = {1: 8.0, 10: 2.0}  # virtual seconds between evaluations: the time to target's resolution
+
+
+def delta_pulls(quick: bool) -> list[str]:
+    shard_counts = (10,) if quick else (1, 10)
+    steps = 1500 if quick else 3000
+    task = tasks.get("digits")
+    print(f"\n5. delta pulls, in the simulator: 10 workers, {MODEL_BYTES // 10**6} MB model_bytes, "
+          f"1 Gbit/s, 0.2 s compute per step, ASP, sgd(0.1), {steps} pushes; time to "
+          f"{TARGET:.0%} held-out accuracy (evaluated every {EVERY[1]:g} s with 1 shard, "
+          f"{EVERY[10]:g} s with 10) and the final accuracy")  # fmt: skip
+    rows = []
+    t0 = time.perf_counter()
+    for shards in shard_counts:
+        for push in PUSH_CODECS:
+            for name, pull in PULL_CODECS:
+                job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1), codec=push,
+                             pull_codec=pull, shards=shards)  # fmt: skip
+                sim = SimConfig(compute=Fixed(0.2), network=Network(latency=1e-3, bandwidth=1.25e8),
+                                model_bytes=MODEL_BYTES)  # fmt: skip
+                r = job.train(task.loss_and_grad, data=task.batches, workers=10, steps=steps,
+                              runtime="sim", sim=sim, evaluate=task.evaluate,
+                              eval_interval=EVERY[shards])  # fmt: skip
+                s = r.stats["sim"]
+                rows.append({
+                    "shards": shards, "push": repr(push), "pull": name,
+                    "pull_MB": round(s["pull_bytes"] / 1e6, 1),
+                    "push_MB": round(s["push_bytes"] / 1e6, 1),
+                    "pull_s": round(s["pull_time_mean"], 3), "push_s": round(s["push_time_mean"], 3),
+                    f"time_to_{TARGET:.0%}_s": report.time_to_target(r.records, "accuracy", TARGET),
+                    "run_s": round(r.time, 1),
+                    "final_acc_%": round(r.records[-1]["accuracy"] * 100, 2),
+                })  # fmt: skip
+    print(report.format_table(rows, list(rows[0])))
+    print(f"   ({time.perf_counter() - t0:.0f} s)")
+    return []
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("1", "2", "3", "4", "all"), default="all")
+    ap.add_argument("--part", choices=("1", "2", "3", "4", "5", "all"), default="all")
     ap.add_argument("--runtime", choices=("sim", "local", "both"), default="both",
                     help="where part 2 runs")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer runs")
@@ -338,6 +386,8 @@ def main() -> int:
         missed += claim(args.quick)
     if args.part in ("4", "all"):
         missed += local_rate(args.quick)
+    if args.part in ("5", "all"):
+        missed += delta_pulls(args.quick)
     print("\nbars missed: " + ("; ".join(missed) if missed else "none"))
     return 1 if missed and args.check else 0
 

@@ -16,7 +16,7 @@ from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
 from stalewise.backends import backend_of
 from stalewise.optim import buffers as optim_buffers
-from stalewise.protocol import ServerConfig, compress
+from stalewise.protocol import ServerConfig, pulls
 from stalewise.runtime.base import TrainResult
 from stalewise.runtime.options import RunOptions
 
@@ -42,8 +42,12 @@ class Job:
         strategy: what workers push (default ``sw.strategies.gradients()``).
         shards: number of parameter-server shards the parameters are split across.
         codec: how pushes travel, e.g. ``sw.codecs.topk(0.01)`` or ``sw.codecs.int8()``
-            (default ``sw.codecs.none()``; see :mod:`stalewise.codecs`). Runtimes "local"
-            and "sim" (not "ray" yet).
+            (default ``sw.codecs.none()``; see :mod:`stalewise.codecs`). Every runtime
+            sends them ("local", "sim", "ray").
+        pull_codec: delta pulls (simulator only): a worker downloads only what changed
+            since its last pull, encoded with this codec, e.g. ``sw.codecs.int8()``;
+            ``sw.codecs.none()`` sends the changed values exactly. Default None: every
+            pull is the full slice. See :mod:`stalewise.protocol.pulls`.
         buffers: regexes naming the leaves that are buffers (non-trainable state whose
             values workers report), for params that do not say so themselves, e.g. flax
             linen variables (``[r"^batch_stats\\."]``). Models mark their own; in a torch
@@ -67,6 +71,7 @@ class Job:
         strategy: strategies_lib.Strategy | None = None,
         shards: int = 1,
         codec: codecs_lib.Policy | None = None,
+        pull_codec: codecs_lib.Policy | None = None,
         buffers: str | Sequence[str] | None = None,
     ):
         if strategy is not None:
@@ -90,6 +95,8 @@ class Job:
             )
         if codec is not None:
             _check_arg("codec", codec, codecs_lib.Policy, "e.g. sw.codecs.topk(0.01)")
+        if pull_codec is not None:
+            _check_arg("pull_codec", pull_codec, codecs_lib.Policy, "e.g. sw.codecs.int8()")
         if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
         flat, spec = tree.flatten(params, keep_integers=True)
@@ -104,6 +111,7 @@ class Job:
             staleness=staleness or staleness_lib.constant(),
             shards=shards,
             codec=codecs_lib.NONE if codec is None else codec,
+            pull_codec=pull_codec,
         )
 
     def train(
@@ -200,7 +208,7 @@ class Job:
             A :class:`TrainResult` with the final params, metrics records and shard stats.
         """
         runner = runtime_lib.get(runtime)
-        self._check_codec(runtime)
+        self._check_pulls(runtime)
         sinks = loggers_lib.Loggers(loggers, on_record)
         if sim is not None and runtime != "sim":
             raise ValueError("sim= configures the simulator; pass runtime='sim' to use it")
@@ -252,16 +260,13 @@ class Job:
         """
         from stalewise.runtime.local.server import LocalServer
 
-        self._check_codec("local")
+        self._check_pulls("local")
         return LocalServer(self.config, workers, join_timeout=join_timeout)
 
-    def _check_codec(self, runtime: str) -> None:
-        # issue #11: the simulator and the local runtime encode pushes so far
-        if runtime not in ("sim", "local") and not compress.is_identity(self.config.codec):
-            raise ValueError(
-                f"codec={self.config.codec!r}: runtime {runtime!r} does not send compressed "
-                "pushes yet; use runtime 'local' or 'sim'"
-            )
+    def _check_pulls(self, runtime: str) -> None:
+        # every built-in runtime sends compressed pushes; delta pulls only the simulator
+        if runtime != "sim" and self.config.pull_codec is not None:
+            raise ValueError(pulls.refusal(self.config.pull_codec, runtime))
 
 
 def _with_buffers(

@@ -106,7 +106,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise _config_error(
                 "--resume", f"{args.resume!r} holds no checkpoints/ folder of an earlier run"
             )
-    cfg = config.load(args.config, runtime=args.runtime, codec=args.codec)
+    cfg = config.load(
+        args.config, runtime=args.runtime, codec=args.codec, pull_codec=args.pull_codec
+    )
     runtime = cfg.train_kwargs(args.runtime)["runtime"]
     if args.address is not None and runtime != "ray":
         raise _config_error("--address", f"is for --runtime ray; this run's runtime is {runtime!r}")
@@ -216,7 +218,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
         raise _config_error(
             "--metric", f"{e} (on the command line: --mode min or --mode max)"
         ) from None
-    cfg = config.load(args.config, runtime="sim", codec=args.codec)  # a sweep is simulated
+    cfg = config.load(  # a sweep is simulated
+        args.config, runtime="sim", codec=args.codec, pull_codec=args.pull_codec
+    )
     try:
         if args.over == "workers":
             for n in values:
@@ -258,6 +262,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 CODEC_HELP = "override server.codec: none, fp16, bf16, int8, sign or topk:FRACTION"
+PULL_CODEC_HELP = (
+    "override server.pull_codec (delta pulls, runtime sim): a codec as for --codec, "
+    "or full (every pull the whole model)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or HOST:PORT of its head node (default: run.address, else Ray's own rule)",
     )
     t.add_argument("--codec", help=CODEC_HELP)
+    t.add_argument("--pull-codec", help=PULL_CODEC_HELP)
     t.add_argument(
         "--resume",
         metavar="RUN_DIR",
@@ -315,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("config", help="path to CONFIG.toml (its [sim] table sets the timing model)")
     s.add_argument("--over", choices=("workers", "consistency", "strategy"), default="workers")
     s.add_argument("--codec", help=CODEC_HELP)
+    s.add_argument("--pull-codec", help=PULL_CODEC_HELP)
     s.add_argument(
         "--values",
         required=True,

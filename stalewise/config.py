@@ -31,6 +31,7 @@ got '0.01'``)::
     dc_lambda = 0.0               # DC-ASGD delay compensation (0: off)
     shards = 2                    # 1 .. min(1024, number of parameters)
     codec = "topk:0.01"           # none | fp16 | bf16 | int8 | sign | topk:F, or a table (stalewise.codecs)
+    pull_codec = "int8"           # delta pulls (runtime "sim"): a codec as above; default "full"
 
     [run]
     workers = 4                   # 1 .. 4096 local processes (16384 simulated)
@@ -148,7 +149,7 @@ from stalewise import consistency as consistency_lib
 from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
 from stalewise.api import RUNTIMES, Job
-from stalewise.protocol import compress
+from stalewise.protocol import pulls
 from stalewise.runtime.base import FAILURE_POLICIES, TrainResult
 from stalewise.runtime.sim import models as sim_models
 from stalewise.runtime.sim.config import SimConfig
@@ -166,6 +167,7 @@ TABLES = {
         "dc_lambda",
         "shards",
         "codec",
+        "pull_codec",
     },
     "run": {
         "workers",
@@ -364,13 +366,18 @@ class RunConfig:
 
 
 def load(
-    path: str | os.PathLike[str], *, runtime: str | None = None, codec: str | None = None
+    path: str | os.PathLike[str],
+    *,
+    runtime: str | None = None,
+    codec: str | None = None,
+    pull_codec: str | None = None,
 ) -> RunConfig:
     """Reads and checks a TOML config file; a task factory's module may sit next to it.
 
     ``runtime`` overrides ``run.runtime`` (``stalewise train --runtime``); the
     limits and the [sim] table are checked for it. ``codec`` overrides
-    ``server.codec`` (``--codec``).
+    ``server.codec`` (``--codec``), ``pull_codec`` ``server.pull_codec``
+    (``--pull-codec``).
     """
     p = Path(path)
     try:
@@ -386,7 +393,9 @@ def load(
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(str(p), f"not valid TOML: {e}") from None
     try:
-        return parse(raw, base=p.resolve().parent, runtime=runtime, codec=codec)
+        return parse(
+            raw, base=p.resolve().parent, runtime=runtime, codec=codec, pull_codec=pull_codec
+        )
     except ConfigError as e:
         e.path = str(p)
         raise
@@ -398,6 +407,7 @@ def parse(
     base: str | os.PathLike[str] | None = None,
     runtime: str | None = None,
     codec: str | None = None,
+    pull_codec: str | None = None,
 ) -> RunConfig:
     """Checks a config already read into a dict and builds the task and the job.
 
@@ -411,6 +421,7 @@ def parse(
             for first (then the current working directory, then ``sys.path``).
         runtime: overrides ``run.runtime``.
         codec: overrides ``server.codec`` (``stalewise train --codec``).
+        pull_codec: overrides ``server.pull_codec`` (``--pull-codec``; ``"full"``: off).
 
     Raises:
         ConfigError: naming the bad key.
@@ -472,12 +483,10 @@ def parse(
     codec_policy = _codec(s.get("codec", "none"), "server.codec")
     if codec is not None:
         codec_policy = _codec(codec, "--codec")
-    if runtime not in ("sim", "local") and not compress.is_identity(codec_policy):
-        raise ConfigError(
-            "--codec" if codec is not None else "server.codec",
-            f"runtime {runtime!r} does not send compressed pushes yet; use runtime 'local' "
-            "or 'sim'",
-        )
+    pull_key = "--pull-codec" if pull_codec is not None else "server.pull_codec"
+    pulls_policy = _pull_codec(s.get("pull_codec") if pull_codec is None else pull_codec, pull_key)
+    if runtime != "sim" and pulls_policy is not None:
+        raise ConfigError(pull_key, pulls.refusal(pulls_policy, runtime))
     strategy = strategy_from_table(st)
     optimizer = _server_optimizer(o, "optimizer" in raw, strategy, workers)
     sim_config = _sim(sim_table)
@@ -494,7 +503,9 @@ def parse(
                 "task.args" if t.get("args") else "task",
                 f"the task's parameters do not fit in memory: {e or 'MemoryError'}",
             ) from None
-        job = _job(params, optimizer, consistency, staleness, shards, strategy, codec_policy)
+        job = _job(
+            params, optimizer, consistency, staleness, shards, strategy, codec_policy, pulls_policy
+        )
         _check_batches(task, workers, seed, "run.workers")
         metrics = _metric_names(task, params) if stop_at else None
     for target in stop_at or ():
@@ -938,6 +949,7 @@ def _job(
     shards: int,
     strategy: strategies_lib.Strategy | None = None,
     codec: codecs.Policy | None = None,
+    pull_codec: codecs.Policy | None = None,
 ) -> Job:
     try:
         return Job(
@@ -948,6 +960,7 @@ def _job(
             shards=shards,
             strategy=strategy,
             codec=codec,
+            pull_codec=pull_codec,
         )
     except (TypeError, ValueError) as e:
         if str(e).startswith("shards="):
@@ -1112,6 +1125,13 @@ def _codec(spec: Any, key: str) -> codecs.Policy:
         return codecs.parse(spec)
     except (TypeError, ValueError) as e:
         raise ConfigError(key, str(e)) from None
+
+
+def _pull_codec(spec: Any, key: str) -> codecs.Policy | None:
+    """The pull codec: None (absent, or ``"full"``: full pulls) or a codec as for ``_codec``."""
+    if spec is None or (isinstance(spec, str) and spec.strip() == "full"):
+        return None
+    return _codec(spec, key)
 
 
 def _consistency(s: dict) -> consistency_lib.Consistency:

@@ -25,6 +25,7 @@ class ServerConfig:
     staleness: staleness_lib.Staleness
     shards: int = 1
     codec: codecs_lib.Policy = codecs_lib.NONE  # how pushes travel (stalewise.protocol.compress)
+    pull_codec: codecs_lib.Policy | None = None  # delta pulls (protocol.pulls); None: full
 
     @property
     def ranges(self) -> list[tuple[int, int]]:

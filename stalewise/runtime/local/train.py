@@ -12,7 +12,9 @@ Failures (the policy is :class:`~stalewise.runtime.base.Failures`):
   user code raises in it, or when it sends no heartbeat for ``worker_timeout``
   seconds (it hangs or is stopped; it is then killed). It is restarted as a new
   incarnation at the current parameters, dropped, or fails the job. Its
-  committed push, if any, is delivered by the shards either way.
+  committed push, if any, is delivered by the shards either way, and a restart
+  continues with the error-feedback residual of that push (the codec's, kept
+  in shared memory by :class:`~stalewise.runtime.local.layout.Residuals`).
 * a shard fails when its process dies. Every worker is stopped, the shard is
   restarted (:meth:`LocalServer.restart_shard`: its last published params, the
   optimizer state of the last checkpoint if there is one) and the workers
@@ -52,7 +54,7 @@ from multiprocessing import connection
 from typing import Any
 
 from stalewise import checkpoint, tree
-from stalewise.protocol import ServerConfig, loop
+from stalewise.protocol import ServerConfig, loop, pulls
 from stalewise.runtime.base import (
     DivergedError,
     Failures,
@@ -158,6 +160,8 @@ def _worker_main(
             if request is loop.PULL:
                 beat.wait(lambda t: client.pull_flat(timeout=t))
                 return client.last_pull(copy=False)
+            if request is loop.CLOCK:  # a strategy pacing itself asks the runtime's clock
+                return time.monotonic()
             # a Push: emulate the compute time, then push; a straggler is slow at everything
             emulated = (request.compute + delay * request.local_steps) * slowdown - request.compute
             if emulated > 0:
@@ -423,7 +427,9 @@ class _Supervisor:
 
     def save(self, pushes: int, now: float) -> None:
         assert self.saver is not None
-        self.saver.save(self.server.state_dicts(), {"pushes": pushes, "time": now})
+        states = self.server.state_dicts()
+        residuals = self.server.residuals()  # each worker's, as of its last committed push
+        self.saver.save(states, {"pushes": pushes, "time": now}, residuals)
         self.checkpointed = True
 
     # -- the run ---------------------------------------------------------------------
@@ -433,6 +439,9 @@ class _Supervisor:
         o, server = self.o, self.server
         if resumed is not None:
             server.load_state_dicts(resumed.states)
+            feedback = checkpoint.feedback_of(resumed, self.config, o.workers)
+            if feedback is not None:  # each worker id continues with its saved residual
+                server.load_residuals([f.residual for f in feedback])
             server.control[_DONE0] = int(resumed.step.get("pushes", 0))  # the job's total budget
             self.checkpointed = True
             log.info("resumed from %s (version %d)", resumed.path, resumed.version)
@@ -544,6 +553,8 @@ class _Supervisor:
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
     """Trains with ``options.workers`` local processes (the ``"local"`` runtime; see Job.train)."""
     o = options
+    if config.pull_codec is not None:  # pulls are shared-memory reads here: nothing to save
+        raise ValueError(pulls.refusal(config.pull_codec, "local"))
     for name, obj in (("loss_and_grad", o.loss_and_grad), ("data", o.data), ("strategy", strategy)):
         _check_picklable(name, obj)
     resumed = checkpoint.resume_point(config, o, runtime="local")

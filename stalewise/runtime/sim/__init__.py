@@ -19,7 +19,7 @@ Checkpoints (``checkpoint_dir``, ``checkpoint_every`` updates,
 ``checkpoint_seconds`` virtual seconds, and always at the end of the run) hold
 the shards' states plus the simulator's own: the virtual time, each worker's
 batches used, its timing RNG state and the instant its loop ended, the links'
-queues and the push count. ``resume=True`` loads them and restarts the workers
+queues and the push count; and each worker's error-feedback residual. ``resume=True`` loads them and restarts the workers
 as new incarnations (fresh strategy states, their data streams fast-forwarded
 past the batches used). A run interrupted by its ``steps`` budget and resumed
 with a larger one ends bit-identical to an uninterrupted run when the
@@ -136,7 +136,8 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     starts = None
     resumed = checkpoint.resume_point(config, o, runtime="sim")
     if resumed is not None:
-        starts = state.restore(resumed.states, resumed.step["sim"])
+        feedback = checkpoint.feedback_of(resumed, config, workers)
+        starts = state.restore(resumed.states, resumed.step["sim"], feedback)
         log.info("sim: resumed from %s (version %d)", resumed.path, resumed.version)
     saver = None
     if o.checkpoint_dir is not None:
@@ -147,7 +148,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
 
     def save(state: Simulation) -> None:
         step = {"pushes": state.pushes, "time": state.now, "sim": state.checkpoint_state()}
-        saver.save([shard.state_dict() for shard in state.shards], step)
+        saver.save([shard.state_dict() for shard in state.shards], step, state.residuals())
 
     def save_if_due(state: Simulation) -> None:
         if saver.due(state.shards[0].version, state.now):
@@ -201,6 +202,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         "compute_time_mean": state.totals["compute"] / max(state.pushes, 1),
         "comm_time_mean": (state.totals["pull"] + state.totals["push"]) / n,
         "push_bytes": sum(state.wire_bytes),  # one push, every shard (model_bytes scaled)
+        "pull_bytes": state.pull_bytes_mean(),  # one pull, every shard: the mean (scaled)
         "shards": [
             {
                 "version": shard.version,

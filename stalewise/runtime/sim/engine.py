@@ -18,7 +18,10 @@ step with ``send``, so the simulator runs the very loop the local runtime runs:
   requests already waiting (one FIFO server per shard, service time from
   :class:`~stalewise.runtime.sim.models.Service`), copies its slice and sends it
   back over the links. With every slice in, the loop gets the params tree and
-  runs the strategy step for real, at once, on the snapshot it got.
+  runs the strategy step for real, at once, on the snapshot it got. With a pull
+  codec (``ServerConfig.pull_codec``) the slice is a delta pull
+  (:mod:`stalewise.protocol.pulls`): the shard's pull server encodes it, the
+  worker's copy decodes it, and it costs its payload's exact byte count.
 * ``Push``: after the virtual compute time of the step's ``local_steps``
   minibatches the worker commits the push (:mod:`stalewise.protocol.commit`: the
   whole update is judged once, against the versions it pulled and each shard's
@@ -38,7 +41,9 @@ every shard: the shards that have not handled it yet get it from
 ``Shard.depart`` at the instant of the failure, and the push's messages still
 in flight are dropped, so it is applied exactly once everywhere or refused
 everywhere, never torn. A (re)join starts a new incarnation, with a new loop
-(and a fresh strategy state) whose sequence numbers start at 0.
+(and a fresh strategy state) whose sequence numbers start at 0; it keeps the
+worker id's error-feedback residual as of its last committed push (a push
+encoded but not committed when the worker failed takes its residual with it).
 
 A worker fails by a scripted :class:`~stalewise.runtime.sim.models.Failure`
 or when the user's code raises in it (its data, its strategy step); the job's
@@ -73,7 +78,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import PushHeader, PushResult, ServerConfig, commit, compress, loop
+from stalewise.protocol import PushHeader, PushResult, ServerConfig, commit, compress, loop, pulls
 from stalewise.runtime.base import Failures, WorkerError, batch_iterator, merge_stats
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import Join, Links, WorkerTiming
@@ -121,13 +126,27 @@ class Simulation:
         self.push_bytes = [[0.0] * S for _ in range(workers)]  # wire size of each push slice
         # with a codec a push slice is its shard's payload, of exactly this many bytes
         self.compressor = None
-        self.feedback: list[Any] = [None] * workers  # each worker's error-feedback state
+        # each worker id's error feedback: the residual of its last committed push, the one
+        # encoded for the push not yet committed, and a spare buffer
+        self.feedback: list[Any] = [None] * workers
+        self.encoded: list[Any] = [None] * workers
+        self.spare: list[Any] = [None] * workers
         self.payloads: list[Any] = [None] * workers  # each worker's payloads, one per shard
         self.wire_bytes = list(self.slice_bytes)
         if not compress.is_identity(config.codec):
             self.compressor = config.compressor()
             dtype = self.params.dtype
             self.wire_bytes = [self.compressor.nbytes(k, dtype, self.scale) for k in range(S)]
+        # delta pulls (ServerConfig.pull_codec): a pull server beside each shard, and each
+        # worker's copy (a pulls.Replica per incarnation); a pull slice costs its payload
+        self.pull_servers = None
+        if config.pull_codec is not None:
+            self.pull_servers = [
+                pulls.PullServer.for_shard(config, k, shard) for k, shard in enumerate(self.shards)
+            ]
+        self.replicas: list[tuple[int, pulls.Replica] | None] = [None] * workers
+        self.pull_bytes = [list(self.slice_bytes) for _ in range(workers)]  # of each pull slice
+        self.pulled = [0.0, 0]  # bytes of every pull slice served (model_bytes scaled), slices
         self.links = Links(sim.network, workers, S)
         self.lat, self.service = sim.network.latency, sim.service
         self.gated = self.shards[0].consistency.gated
@@ -212,8 +231,15 @@ class Simulation:
             lo, hi = self.ranges[k]
             shard = self.shards[k]
             if kind == _PULL:
-                self.base[w][k] = shard.pull(w, self.pull_buf[w][lo:hi], now=self.now)
-                self.transfer(self.P + k, w, self.slice_bytes[k], _PULL_HEAD, w, k)
+                if self.pull_servers is None:
+                    self.base[w][k] = shard.pull(w, self.pull_buf[w][lo:hi], now=self.now)
+                    nbytes = self.slice_bytes[k]
+                else:
+                    nbytes = self.delta_pull(w, k)
+                self.pull_bytes[w][k] = nbytes
+                self.pulled[0] += nbytes
+                self.pulled[1] += 1
+                self.transfer(self.P + k, w, nbytes, _PULL_HEAD, w, k)
             else:
                 header = PushHeader(w, self.seq[w], self.base[w][k], inc)
                 self.acks[w][k] = ack = shard.push(
@@ -230,6 +256,26 @@ class Simulation:
                 self.serve(k, req)
                 return
         self.busy[k] = None
+
+    def delta_pull(self, w: int, k: int) -> float:
+        """Shard ``k`` serves worker ``w``'s delta pull (:mod:`stalewise.protocol.pulls`):
+        the worker's copy decodes the payload and the step gets that copy's slice.
+        Returns the payload's byte count (scaled by ``model_bytes``)."""
+        held = self.replicas[w]
+        if held is None or held[0] != self.inc[w]:  # a new incarnation starts with no copy
+            held = self.replicas[w] = (self.inc[w], pulls.Replica.for_job(self.config))
+        replica = held[1]
+        pulled = self.pull_servers[k].pull(w, replica.have(k), now=self.now)
+        self.base[w][k] = replica.apply(k, pulled.payload)
+        lo, hi = self.ranges[k]
+        np.copyto(self.pull_buf[w][lo:hi], replica.params[lo:hi])
+        return pulled.nbytes(self.scale)
+
+    def pull_bytes_mean(self) -> float:
+        """The mean bytes of one pull of every shard (model_bytes scaled)."""
+        if not self.pulled[1]:
+            return float(sum(self.slice_bytes))
+        return self.pulled[0] / self.pulled[1] * self.S
 
     def release(self, k: int) -> None:
         """Lets through the gated pulls shard ``k``'s gate now allows (smallest clock first)."""
@@ -281,7 +327,6 @@ class Simulation:
         except Exception as e:
             self.crash(w, e)
             return
-        self.feedback[w] = None  # a new loop: a fresh worker state
         self.loops[w] = gen = loop.worker_loop(
             self.strategy,
             self.loss_and_grad,
@@ -315,7 +360,10 @@ class Simulation:
         self.totals["pull"] += self.now - self.t_mark[w]
         params = tree.unflatten(self.pull_buf[w], self.spec)
         try:
-            update, loss, local_steps, _ = self.loops[w].send(params)  # runs the step: a Push
+            request = self.loops[w].send(params)
+            if request is loop.CLOCK:  # a strategy pacing itself asks the clock: virtual time
+                request = self.loops[w].send(self.now)
+            update, loss, local_steps, _ = request  # the step has run: a Push
             if local_steps < 0:
                 raise ValueError(f"the strategy step reported local_steps={local_steps} (< 0)")
             self.consumed[w] += local_steps
@@ -341,7 +389,11 @@ class Simulation:
         if bufs is None:  # kept from push to push: a payload lives until every shard took it
             sizes = [self.compressor.nbytes(k, flat.dtype) for k in range(self.S)]
             bufs = self.payloads[w] = [bytearray(n) for n in sizes]
-        self.feedback[w] = self.compressor.encode_into(flat, bufs, self.feedback[w])
+        out = self.spare[w]  # the residual of the last committed push stays until this commits
+        if out is None and self.compressor.error_feedback:
+            out = self.compressor.init(flat.dtype)
+        self.spare[w] = None
+        self.encoded[w] = self.compressor.encode_into(flat, bufs, self.feedback[w], out=out)
         if self.whole:
             self.compressor.decode(bufs, flat)
 
@@ -366,6 +418,9 @@ class Simulation:
                 self.config.staleness,
                 whole=self.whole,
             )
+        if self.encoded[w] is not None:  # committed: its residual is the worker's now
+            self.spare[w], self.feedback[w] = self.feedback[w], self.encoded[w]
+            self.encoded[w] = None
         self.phase[w], self.pending[w], self.t_mark[w] = _PUSHING, self.S, self.now
         for k in range(self.S):
             self.push_bytes[w][k] = nbytes = self.wire_bytes[k]  # the payload's exact size
@@ -454,6 +509,8 @@ class Simulation:
             )
         self.inc[w] += 1  # the push's messages still in flight are dropped: exactly once
         self.give_back(w)
+        if self.encoded[w] is not None:  # encoded, never committed: the shards got nothing
+            self.spare[w], self.encoded[w] = self.encoded[w], None
 
     def join(self, w: int) -> None:
         if self.phase[w] not in (_DEAD, _DONE):
@@ -505,8 +562,20 @@ class Simulation:
             "events": self.events,
         }
 
-    def restore(self, states: list[dict], saved: dict[str, Any]) -> list[tuple[float, int]]:
-        """Loads a checkpoint (shard states and :meth:`checkpoint_state`) before :meth:`run`.
+    def residuals(self) -> list[np.ndarray] | None:
+        """Each worker id's error-feedback residual after its last committed push, for a
+        checkpoint (None when the codec keeps no feedback)."""
+        comp = self.compressor
+        if comp is None or not comp.error_feedback:
+            return None
+        zeros = np.zeros(self.spec.size, self.params.dtype)
+        return [zeros if f is None else f.residual for f in self.feedback]
+
+    def restore(
+        self, states: list[dict], saved: dict[str, Any], feedback: list[Any] | None = None
+    ) -> list[tuple[float, int]]:
+        """Loads a checkpoint (shard states, :meth:`checkpoint_state` and the workers'
+        error feedback, from :func:`stalewise.checkpoint.feedback_of`) before :meth:`run`.
 
         Returns when and in which order to start the workers: for a quiescent
         checkpoint each at the instant its loop ended, in that order; otherwise
@@ -514,6 +583,8 @@ class Simulation:
         """
         for shard, state in zip(self.shards, states, strict=True):
             shard.load_state_dict(state)
+        if feedback is not None and self.compressor is not None:
+            self.feedback[:] = feedback  # each worker id continues with its residual
         self.now = self.end = float(saved["now"])
         self.pushes = self.started = int(saved["pushes"])
         self.skip = [int(n) for n in saved["consumed"]]
@@ -618,7 +689,7 @@ class Simulation:
                 else:
                     self.enqueue(k, (_PULL, w, i))
             elif kind == _PULL_HEAD:
-                self.at(self.links.receive(w, self.slice_bytes[k], t, x), _PULL_RESP, w, k, i)
+                self.at(self.links.receive(w, self.pull_bytes[w][k], t, x), _PULL_RESP, w, k, i)
             elif kind == _PUSH_HEAD:
                 done = self.links.receive(self.P + k, self.push_bytes[w][k], t, x)
                 self.at(done, _PUSH_IN, w, k, i)
@@ -632,6 +703,8 @@ class Simulation:
                 self.enqueue(k, (_PUSH, w, i))
             elif kind == _LEAVE:
                 self.shards[k].leave(w)
+                if self.pull_servers is not None:
+                    self.pull_servers[k].forget(w)  # its reference: the worker has left
                 self.release(k)
             self.end = t
             self.events += 1
