@@ -347,21 +347,21 @@ class TopK(Codec):
         return min(n, max(1, round(self.fraction * n)))
 
     def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
-        return self.k(n) * (4 + _index_dtype(n).itemsize)
+        return self.k(n) * (4 + index_dtype(n).itemsize)
 
     def _param(self, n: int) -> int:
-        return _index_dtype(n).itemsize
+        return index_dtype(n).itemsize
 
     def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
         n, k = x.size, self.k(x.size)
         top = kernels.top_indices(x, k)
-        idx = np.frombuffer(body, _index_dtype(n), k)
+        idx = np.frombuffer(body, index_dtype(n), k)
         idx[:] = top
         np.frombuffer(body, np.float32, k, k * idx.itemsize)[:] = x[top]
 
     def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
         k = self.k(n)
-        idx = np.frombuffer(body, _index_dtype(n), k)
+        idx = np.frombuffer(body, index_dtype(n), k)
         if k and (idx[-1] >= n or (k > 1 and not (idx[1:] > idx[:-1]).all())):
             raise PayloadError(f"{where}: indices out of order or beyond n={n}: corrupt payload")
         out.fill(0)
@@ -373,7 +373,7 @@ class TopK(Codec):
         mv = as_bytes(payload)  # sparse: subtracts the k kept values in place, no scratch
         n = _peek_n(mv, 0)
         k = self.k(n)
-        idx = np.frombuffer(mv, _index_dtype(n), k, HEADER.size)
+        idx = np.frombuffer(mv, index_dtype(n), k, HEADER.size)
         r[idx] -= np.frombuffer(mv, np.float32, k, HEADER.size + k * idx.itemsize)
 
     def __repr__(self) -> str:
@@ -604,7 +604,8 @@ def _into(out: np.ndarray, kernel: Any, *args: Any) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _index_dtype(n: int) -> np.dtype:
+def index_dtype(n: int) -> np.dtype:
+    """The narrowest unsigned integer type that holds the indices of ``n`` values."""
     for dt in (np.uint8, np.uint16, np.uint32):
         if n - 1 <= np.iinfo(dt).max:
             return np.dtype(dt)

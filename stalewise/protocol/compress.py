@@ -58,6 +58,7 @@ import numpy as np
 
 from stalewise import codecs
 from stalewise.codecs import PayloadError
+from stalewise.protocol import commit
 from stalewise.segments import Segments
 
 __all__ = ["Compressor", "Decoder", "Feedback", "PayloadError", "Piece", "is_identity"]
@@ -330,7 +331,7 @@ class Compressor:
         if state is None or (out is not None and out.residual is state.residual):
             out = None  # no feedback, or in place
         # a push holding NaN/Inf will be refused by every shard: it leaves the residual as it is
-        feedback = state is not None and _finite(flat)
+        feedback = state is not None and commit.first_non_finite(flat) is None
         if state is not None and not feedback and out is not None:
             np.copyto(out.residual, state.residual)  # out holds the residual, unchanged
             state, out = out, None
@@ -374,10 +375,3 @@ class Compressor:
         if flat.dtype not in (np.float32, np.float64):
             raise ValueError(f"expected a float32 or float64 update, got {flat.dtype}")
         return flat
-
-
-def _finite(x: np.ndarray) -> bool:
-    """Every element finite: one BLAS dot product, the exact check only if it overflowed."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        s = float(np.dot(x, x)) if x.size else 0.0
-    return bool(np.isfinite(s) or np.isfinite(x).all())

@@ -68,7 +68,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import logging
 import struct
 from collections.abc import Sequence
@@ -79,6 +78,7 @@ import numpy as np
 
 from stalewise import codecs
 from stalewise.codecs import PayloadError
+from stalewise.protocol import commit
 from stalewise.protocol.compress import Piece, plan
 
 __all__ = ["Pull", "PullServer", "Replica", "plan", "refusal"]
@@ -206,7 +206,7 @@ class PullServer:
         subtraction overflowed): the caller sends the full slice instead."""
         params, d, dtype = self.shard.params, self._delta, self.shard.params.dtype
         np.subtract(params, ref.values, out=d)
-        if not _finite(d):
+        if commit.first_non_finite(d) is not None:
             return None
         plans = []  # per piece: (piece, local lo, hi, sparse?, count, payload bytes)
         for p in self.pieces:
@@ -313,7 +313,7 @@ class Replica:
                 raise PayloadError(f"{where}: a full pull numbered {number}, not 1")
             end = codecs.NONE.decode_at(mv, HEADER.size, new, f"{where}, full")
             _check_end(where, mv, end)
-            if not _finite(new):
+            if commit.first_non_finite(new) is not None:
                 raise PayloadError(f"{where}: the values are not all finite")
             self.params[lo:hi] = new
         elif kind == DELTA:
@@ -346,7 +346,7 @@ class Replica:
                 offset = p.codec.decode_at(mv, offset, delta, at)
                 new[a:b] += delta
         _check_end(where, mv, offset)
-        if not _finite(new):
+        if commit.first_non_finite(new) is not None:
             raise PayloadError(f"{where}: the values decode to non-finite numbers")
         self.params[lo:hi] = new
 
@@ -367,11 +367,11 @@ def refusal(pull_codec: Any, runtime: str) -> str:
 
 
 def _sparse_nbytes(n: int, count: int, dtype: np.dtype) -> int:
-    return SPARSE.size + count * (_index_dtype(n).itemsize + dtype.itemsize)
+    return SPARSE.size + count * (codecs.index_dtype(n).itemsize + dtype.itemsize)
 
 
 def _write_sparse(out: memoryview, n: int, idx: np.ndarray, values: np.ndarray) -> None:
-    it = _index_dtype(n)
+    it = codecs.index_dtype(n)
     SPARSE.pack_into(out, 0, SPARSE_MAGIC, it.itemsize, _CODES[values.dtype], 0, n, idx.size)
     body = SPARSE.size
     np.frombuffer(out, it, idx.size, body)[:] = idx
@@ -383,7 +383,7 @@ def _read_sparse(mv: memoryview, offset: int, out: np.ndarray, dtype: np.dtype, 
     if len(mv) - offset < SPARSE.size:
         raise PayloadError(f"{at}: truncated sparse block")
     _, width, code, _, n, count = SPARSE.unpack_from(mv, offset)
-    it = _index_dtype(out.size)
+    it = codecs.index_dtype(out.size)
     if n != out.size:
         raise PayloadError(f"{at}: sparse block of {n} values, expected {out.size}")
     if width != it.itemsize or _DTYPES.get(code) != dtype:
@@ -408,19 +408,3 @@ def _check_end(where: str, mv: memoryview, end: int) -> None:
         raise PayloadError(
             f"{where}: payload of {len(mv)} bytes, expected {end} ({len(mv) - end} too many)"
         )
-
-
-def _finite(x: np.ndarray) -> bool:
-    """Every element finite: one BLAS dot product, the exact check only if it overflowed."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        s = float(np.dot(x, x)) if x.size else 0.0
-    return bool(np.isfinite(s) or np.isfinite(x).all())
-
-
-@functools.lru_cache(maxsize=256)
-def _index_dtype(n: int) -> np.dtype:
-    """The narrowest unsigned integer type that holds ``n - 1``."""
-    for dt in (np.uint8, np.uint16, np.uint32):
-        if n - 1 <= np.iinfo(dt).max:
-            return np.dtype(dt)
-    return np.dtype(np.uint64)
