@@ -264,8 +264,8 @@ class Job:
         return LocalServer(self.config, workers, join_timeout=join_timeout)
 
     def _check_pulls(self, runtime: str) -> None:
-        # every built-in runtime sends compressed pushes; delta pulls only the simulator
-        if runtime != "sim" and self.config.pull_codec is not None:
+        # every built-in runtime sends compressed pushes; delta pulls the simulator and Ray
+        if runtime not in ("sim", "ray") and self.config.pull_codec is not None:
             raise ValueError(pulls.refusal(self.config.pull_codec, runtime))
 
 

@@ -303,7 +303,7 @@ def test_a_restarted_worker_gets_a_full_pull_and_goes_on():
 # -- the option ---------------------------------------------------------------------------
 
 
-def test_job_takes_a_pull_codec_and_the_other_runtimes_refuse_it():
+def test_job_takes_a_pull_codec_and_the_local_runtime_refuses_it():
     params = {"w": np.zeros(600, np.float32)}
     job = sw.Job(params, optimizer=sw.optim.sgd(0.1), pull_codec=codecs.int8())
     assert job.config.pull_codec == codecs.int8()
@@ -313,8 +313,6 @@ def test_job_takes_a_pull_codec_and_the_other_runtimes_refuse_it():
     fn = lambda p, b: (0.0, p)  # noqa: E731
     with pytest.raises(ValueError, match="pull_codec=int8\\(\\): the local runtime's pulls read"):
         job.train(fn, data=[[None]], workers=1, steps=1, runtime="local")
-    with pytest.raises(ValueError, match="runtime 'ray' does not send delta pulls yet"):
-        job.train(fn, data=[[None]], workers=1, steps=1, runtime="ray")
     with pytest.raises(ValueError, match="shared-memory snapshot"):
         job.serve(workers=1)
     from stalewise.runtime.local import train as local_train

@@ -21,7 +21,7 @@ import pytest
 import ray
 
 import stalewise as sw
-from stalewise import codecs, tasks
+from stalewise import checkpoint, codecs, tasks
 from stalewise.runtime.base import WorkerError
 
 # Ray starts its processes by fork + exec from this (JAX-importing) test process;
@@ -272,6 +272,7 @@ def test_compressed_pushes_train_digits_with_two_shards(cluster, codec, caplog):
     assert task.evaluate(result.params)["accuracy"] >= 0.85 > initial + 0.5
     assert result.stats["applied"] == result.pushes > 0
     assert result.stats["bytes_in"] == result.pushes * per_push  # the real payloads' bytes
+    assert result.stats["ray"]["pull_bytes"] == job.config.spec.nbytes  # full pulls
     assert not result.failures
     no_torn_pushes(caplog)
 
@@ -333,8 +334,183 @@ def test_a_corrupt_compressed_push_is_refused_by_real_shard_actors(cluster):
             ray.kill(s)
 
 
+# -- error feedback as worker state, delta pulls ------------------------------------------
+
+D, LR = 3000, 0.01
+G = np.random.default_rng(7).standard_normal(D)  # a constant gradient (float64)
+
+
+def feedback_job():
+    """Plain SGD from zeros, topk(0.01) pushes with error feedback, 2 shards: every push
+    applied moves the params by exactly ``-lr * C(g + e)``, so after any run
+    ``params = -lr * (applied * g - sum of the workers' residuals)``."""
+    return sw.Job({"x": np.zeros(D)}, optimizer=sw.optim.sgd(LR), codec=codecs.topk(0.01), shards=2)
+
+
+def train_feedback(d, steps, **kw):
+    kw = {"workers": 2, "eval_interval": 0.1, "timeout": TIMEOUT, "checkpoint_dir": d} | kw
+    return feedback_job().train(
+        constant_gradient(G), data=endless(), runtime="ray", steps=steps, **kw
+    )
+
+
+def assert_nothing_lost(flat, applied, residuals):
+    """What was not applied is held in the residuals, to rounding; losing a residual (or
+    counting one twice) would be off by at least 1e-4."""
+    held = np.sum(residuals, axis=0)
+    assert np.count_nonzero(held) > D // 2
+    np.testing.assert_allclose(flat, -LR * (applied * G - held), rtol=0, atol=1e-9)
+    assert min(np.abs(LR * r).max() for r in residuals) > 1e-4
+
+
+def test_topk_residuals_are_checkpointed_and_a_resume_continues_them(cluster, tmp_path):
+    first = train_feedback(tmp_path, 60, checkpoint_every=10)
+    assert first.stats["applied"] == first.stats["version"] == first.pushes >= 60
+    saved = checkpoint.load(tmp_path)
+    assert saved.step["pushes"] == first.pushes and len(saved.residuals) == 2
+    assert all(r.dtype == np.float64 and np.count_nonzero(r) > D // 2 for r in saved.residuals)
+    assert_nothing_lost(first.flat, first.pushes, saved.residuals)
+    mid = [checkpoint.load(p) for p in tmp_path.iterdir() if (p / "manifest.json").exists()]
+    mid = [c for c in mid if c.version < first.pushes]
+    assert mid  # a mid-run checkpoint is a consistent cut, residuals included
+    for c in mid:
+        assert_nothing_lost(c.flat(), c.version, c.residuals)
+    resumed = train_feedback(tmp_path, 120, resume=True)
+    end = checkpoint.load(tmp_path)
+    assert resumed.stats["version"] == resumed.pushes >= 120 > first.pushes
+    # holds across the resume only if each worker continued with its saved residual
+    assert_nothing_lost(resumed.flat, resumed.pushes, end.residuals)
+    assert not any(
+        np.array_equal(a, b) for a, b in zip(saved.residuals, end.residuals, strict=True)
+    )
+
+
+def test_a_killed_worker_actors_residual_reaches_its_restarted_incarnation(cluster, tmp_path):
+    kill = KillAt("fb-kill", "worker-0.", pushes=40)
+    r = train_feedback(tmp_path, 150, run="fb-kill", on_record=kill)
+    assert kill.killed is not None and r.restarts == 1
+    assert [(e.get("worker"), e["action"]) for e in r.failures] == [(0, "restarted")]
+    # with the killed incarnation's residual dropped, this is off by lr * that residual
+    assert r.stats["applied"] == r.stats["version"] == r.pushes >= 150
+    assert_nothing_lost(r.flat, r.pushes, checkpoint.load(tmp_path).residuals)
+
+
+def test_delta_pulls_train_digits_with_two_shards(cluster, caplog):
+    """int8 delta pulls (ASP: the standing requests carry deltas): the run learns, and its
+    pulls are several times smaller than the full slices."""
+    task = tasks.get("digits")
+    job = sw.Job(
+        task.init_params(0), optimizer=sw.optim.sgd(0.1), pull_codec=codecs.int8(), shards=2
+    )
+    result = train(task, job, workers=2, steps=400)
+    assert result.pushes >= 400 and result.stop_reason.startswith("the budget")
+    assert task.evaluate(result.params)["accuracy"] >= 0.9, result.records[-1]
+    ray_stats = result.stats["ray"]
+    assert min(ray_stats["pulls"]) >= 40, ray_stats  # the first (full) ones weigh little
+    assert ray_stats["pull_bytes"] < job.config.spec.nbytes / 3, ray_stats
+    assert not result.failures
+    no_torn_pushes(caplog)
+
+
+def test_delta_pulls_under_ssp(cluster):
+    """Gated pulls carry deltas too (one request per step and shard)."""
+    task = tasks.get("least-squares", n=256, d=2000)
+    job = sw.Job(
+        task.init_params(0),
+        optimizer=sw.optim.sgd(0.01),
+        consistency=sw.SSP(2),
+        pull_codec=codecs.topk(0.1),
+        shards=2,
+    )
+    result = train(task, job, workers=2, steps=200)
+    assert result.pushes >= 200 and result.stop_reason.startswith("the budget")
+    initial = task.evaluate(task.init_params(0))["loss"]
+    assert task.evaluate(result.params)["loss"] < 1e-3 * initial
+    assert result.stats["ray"]["pull_bytes"] < job.config.spec.nbytes / 3
+
+
+def test_a_corrupt_pull_payload_is_refused_and_the_next_pull_repairs_it(cluster):
+    """A real shard actor serves delta pulls; the worker's copy refuses a corrupt one and
+    stays as it was, and the pull after it (naming the reference it still holds) is full."""
+    from stalewise.protocol import pulls
+    from stalewise.runtime.ray.shard import ShardActor
+
+    params = {"b": np.zeros(8, np.float32), "w": np.zeros(5000, np.float32)}
+    job = sw.Job(params, optimizer=sw.optim.sgd(1.0), pull_codec=codecs.int8(), shards=2)
+    config = job.config
+    shards = [ray.remote(ShardActor).remote(config, k, 1, 0.02) for k in range(2)]
+    try:
+        opened = [
+            s.load.remote(None, 0, {0: 1}, [], init=config.init[lo:hi])
+            for s, (lo, hi) in zip(shards, config.ranges, strict=True)
+        ]
+        ray.get(opened, timeout=60)
+        replica = pulls.Replica.for_job(config)
+
+        def pull(seq):
+            replies = ray.get(
+                [s.pull.remote(0, 1, seq, replica.have(k)) for k, s in enumerate(shards)],
+                timeout=60,
+            )
+            assert [r[0] for r in replies] == ["ok", "ok"], replies
+            return [r[2] for r in replies]
+
+        def flat():
+            replies = ray.get([s.observe.remote() for s in shards], timeout=60)
+            return np.concatenate(ray.get([r[1] for r in replies], timeout=60))
+
+        for k, payload in enumerate(pull(0)):  # the first pulls are full
+            replica.apply(k, payload)
+        update = np.random.default_rng(0).standard_normal(config.spec.size).astype(np.float32)
+        acks = ray.get(
+            [s.push.remote(0, 1, 0, (0, 0), (0, 0), 1.0, 0, ray.put(update)) for s in shards],
+            timeout=60,
+        )
+        assert all(ack.ok for ack, _ in acks)
+        deltas = pull(1)
+        assert all(0 < len(d) < config.spec.nbytes / 2 / 3 for d in deltas)  # int8: ~4x smaller
+        before = replica.params.copy()
+        bad = np.array(deltas[1])
+        bad[30] ^= 0xFF  # a byte of the first piece's header
+        for corrupt in (bad, deltas[1][:-1]):  # then a truncated one
+            with pytest.raises(sw.codecs.PayloadError, match="pull from shard 1"):
+                replica.apply(1, corrupt)
+            np.testing.assert_array_equal(replica.params, before)  # unchanged
+        replica.apply(0, deltas[0])
+        again = pull(2)  # shard 1 holds a reference this worker lacks: a full pull
+        full_1 = config.ranges[1][1] - config.ranges[1][0]
+        assert len(again[1]) == 24 + codecs.NONE.nbytes(full_1, np.float32)
+        for k, payload in enumerate(again):
+            replica.apply(k, payload)
+        lo = config.ranges[1][0]
+        np.testing.assert_array_equal(replica.params[lo:], flat()[lo:])  # repaired, exactly
+        stats = ray.get([s.stats.remote() for s in shards], timeout=60)
+        assert [s["pulled"][1] for s in stats] == [3, 3]
+    finally:
+        for s in shards:
+            ray.kill(s)
+
+
 # Ray workers cannot import this test module: what they run is made in functions,
 # so that cloudpickle sends it by value.
+
+
+def constant_gradient(g):
+    """``loss_and_grad``: the constant gradient ``g`` whatever the params."""
+
+    def loss_and_grad(params, batch):
+        return 1.0, {"x": g.copy()}
+
+    return loss_and_grad
+
+
+def endless():
+    """``data``: no data, forever."""
+
+    def data(worker, workers):
+        return iter(lambda: 0, 1)
+
+    return data
 
 
 def tagged(batches):
@@ -449,6 +625,7 @@ def test_cli_trains_on_ray_with_an_address(cluster, tmp_path):
             lr = 0.05
             [server]
             shards = 2
+            pull_codec = "int8"
             [run]
             workers = 2
             steps = 300

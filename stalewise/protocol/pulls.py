@@ -360,7 +360,7 @@ def refusal(pull_codec: Any, runtime: str) -> str:
         )
     else:
         why = f"runtime {runtime!r} does not send delta pulls yet"
-    return f"pull_codec={pull_codec!r}: {why}; use runtime 'sim' or leave pull_codec unset"
+    return f"pull_codec={pull_codec!r}: {why}; use runtime 'sim' or 'ray', or leave it unset"
 
 
 # -- sparse blocks ------------------------------------------------------------------------

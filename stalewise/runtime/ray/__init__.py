@@ -33,12 +33,33 @@ to :data:`~stalewise.runtime.ray.shard.IN_FLIGHT` unacknowledged per worker.
 
 Codecs (``Job(..., codec=...)``): the worker encodes each update with the
 protocol's :class:`~stalewise.protocol.compress.Compressor` into one payload
-per shard, keeping the codec's error feedback in the worker actor (each
-incarnation starts with none), and puts the payloads, back to back, into the
-object store once; each shard hands its own bytes to its protocol shard,
-which decodes and validates them (a corrupt or truncated payload is refused
-and changes nothing). With several shards the sender's verdict judges the
-payloads decoded back. The shards' ``bytes_in`` counts the payloads' bytes.
+per shard and puts the payloads, back to back, into the object store once;
+each shard hands its own bytes to its protocol shard, which decodes and
+validates them (a corrupt or truncated payload is refused and changes
+nothing). With several shards the sender's verdict judges the payloads
+decoded back. The shards' ``bytes_in`` counts the payloads' bytes.
+
+The codec's error-feedback residual is worker state that outlives an actor
+(:mod:`~stalewise.runtime.ray.keeper`): the worker encodes push ``s`` from the
+residual of push ``s - 1`` into a second buffer, and hands the new residual
+to its worker id's keeper actor before any shard can have the push.
+Checkpoints save each worker's residual after the last of its pushes in the
+shards' consistent copy (exact, even mid-run), a resumed run gives each
+worker id its saved one (:func:`stalewise.checkpoint.feedback_of`), and a
+worker's next incarnation starts from the residual of the last push its dead
+predecessor committed (or, for a worker whose loop ended, its last push); a
+dropped worker's residual stays with its id, in every checkpoint.
+
+Delta pulls (``Job(..., pull_codec=...)``, :mod:`stalewise.protocol.pulls`):
+each shard actor keeps a :class:`~stalewise.protocol.pulls.PullServer` beside
+its shard and each worker actor a :class:`~stalewise.protocol.pulls.Replica`
+(a new one per incarnation). A pull request names the reference the worker
+holds; the shard answers with that worker's own payload (the delta against
+it, or the full slice) instead of the shared snapshot, and the worker checks
+it whole before it changes its copy: a corrupt one is refused, logged, and
+the next pull from that shard is full. Under ASP the standing requests carry
+the deltas, computed when the shard marks a new version for its followers.
+Without a pull codec pulls are the object-store snapshots above, unchanged.
 
 Guarantees (the commit rule, :mod:`stalewise.protocol.commit`): the sender
 judges the whole push once and every shard follows that verdict. A push is
@@ -79,10 +100,11 @@ see :class:`stalewise.runtime.base.Failures`):
   ``checkpoint_every`` or ``checkpoint_seconds`` the newest checkpoint resumes
   it (``resume=True``, ``stalewise train CONFIG --resume RUN_DIR``).
 
-Not handled: the error-feedback residual of a codec is not saved in
-checkpoints, and a restarted worker (or one moved to a new incarnation when the
-shards are rolled back) starts with none; delta pulls (``pull_codec``) are not
-sent.
+Not exact: when the shards are rolled back, each live worker keeps its own
+residual (the pushes lost with the rollback lose what they sent, not what
+they held back), and checkpoints wait until it has pushed again; a residual
+whose keeper died with its node is lost (the worker's next incarnation starts
+from zero, with a warning).
 """
 
 from __future__ import annotations

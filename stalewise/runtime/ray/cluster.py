@@ -68,12 +68,15 @@ def place(n: int, share: float, timeout: float, what: str, *, apart: bool = Fals
 
 def consistent_states(
     shards: list, workers: int, runs: list, timeout: float, limit: float
-) -> tuple[list, int] | None:
-    """Every shard's state after the same pushes: ``(states, pushes handled on shard 0)``.
+) -> tuple[list, int, dict] | None:
+    """Every shard's state after the same pushes: ``(states, pushes handled on shard 0,
+    targets)``.
 
     The shards are frozen (pushes wait) and report how far each worker's pushes
     got; each then handles the held pushes up to the furthest any shard got,
-    copies its state and is thawed. None (nothing copied) if a worker's
+    copies its state and is thawed. ``targets``: worker -> ``(incarnation,
+    pushes)``, the pushes of each worker in the states (those of that
+    incarnation, and its earlier ones). None (nothing copied) if a worker's
     ``run()`` in ``runs`` ends meanwhile, or after ``limit`` seconds: a worker
     that died mid-send may have left a push that some shard never gets until
     the driver delivers it (:func:`depart`). Raises what the shards raise.
@@ -95,7 +98,7 @@ def consistent_states(
     finally:
         for s in shards:
             s.thaw.remote()
-    return [state for state, _ in replies], replies[0][1]
+    return [state for state, _ in replies], replies[0][1], targets
 
 
 def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0) -> list:
@@ -104,7 +107,9 @@ def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0) -> list
     First every shard cuts it off (nothing it sent is handled after that) and
     says how many of its pushes it handled; then the pushes some shard handled
     are delivered, read from that shard, to the shards that did not, and every
-    shard makes it leave. Returns the ObjectRefs of the departures.
+    shard makes it leave. Returns the ObjectRefs of the departures, each the count
+    of that incarnation's pushes its shard has handled (None: unknown there); once
+    they are done every shard that knows it has the same count.
     """
     ray = import_ray()
     seqs = ray.get([s.cut.remote(w, inc) for s in shards], timeout=timeout)
@@ -123,4 +128,9 @@ def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0) -> list
                 seqs.index(top),
                 k,
             )
+    # Ray does not keep the order of calls to an async actor: the source must have read
+    # them before its own departure makes it forget them
+    reading = [m for m in missing if m is not None]
+    if reading:
+        ray.wait(reading, num_returns=len(reading), timeout=timeout, fetch_local=False)
     return [s.depart.remote(w, inc, missing[k]) for k, s in enumerate(shards)]

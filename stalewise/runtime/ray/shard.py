@@ -28,6 +28,12 @@ protocol; the actor only moves pushes and pulls to and from the shard.
   own bytes, as they are, to the protocol's shard, which decodes and checks them
   (:class:`~stalewise.protocol.compress.Decoder`): a corrupt payload is refused
   there and changes nothing.
+* **Delta pulls** (``ServerConfig.pull_codec``): a
+  :class:`~stalewise.protocol.pulls.PullServer` beside the shard answers each
+  pull, gated or standing, with that worker's own payload, the delta against
+  the reference its request names (or the full slice); nothing is put into
+  the object store but what a reply carries. References are not kept across
+  a :meth:`load`, so the pulls after a restore are full.
 * **Snapshots of the state** (backups, checkpoints) are a consistent cut:
   the driver freezes every shard (:meth:`freeze`: pushes wait), then asks
   each for its state once it has handled exactly the same pushes of every
@@ -50,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.protocol import PushHeader, ServerConfig, Verdict
+from stalewise.protocol import PushHeader, ServerConfig, Verdict, pulls
 from stalewise.runtime.local.procs import child_logging
 
 log = logging.getLogger(__name__)
@@ -99,13 +105,18 @@ class ShardActor:
         self.retired = np.zeros(workers, np.int64)  # the newest incarnation cut off
         # worker -> its last pushes here, {seq: (inc, bases, verdict, update)} (see depart)
         self.last: dict[int, dict[int, tuple]] = {}
+        # delta pulls (ServerConfig.pull_codec): the pull server beside the shard
+        self.pulls = self._pull_server()
+        self.pulled = [0, 0]  # bytes and number of the pull slices served
+        self.pull_cost = 0.0  # seconds a delta pull takes (a moving average)
         self.losses = np.full(workers, np.nan)  # each worker's last train loss
         self.handled = 0  # pushes that counted as a step (the job's push count, on shard 0)
         self.snap: Any = None  # ObjectRef of the published slice
         self.snap_version = -1
         self.published_at = -math.inf
         self.put_cost = 0.0  # seconds a publish takes (a moving average)
-        self.busy = {"push": 0.0, "publish": 0.0}  # seconds spent handling pushes, publishing
+        # seconds spent handling pushes, publishing, serving delta pulls
+        self.busy = {"push": 0.0, "publish": 0.0, "pull": 0.0}
         self.timer: Any = None  # a deferred publish (ASP), when one is due
         self.frozen = False  # pushes wait, except those below their worker's target
         self.targets: dict[int, tuple[int, int]] = {}  # worker -> (incarnation, seq) to reach
@@ -142,6 +153,7 @@ class ShardActor:
             self.shard.load_state_dict(state)
         elif init is not None:  # a fresh shard over the initial values
             self.shard = self.config.build_shard(self.k, np.array(init), self.workers)
+        self.pulls = self._pull_server()  # references are not kept: the next pulls are full
         self.handled = int(handled)
         for w in gone:
             if self.shard.live[w]:
@@ -204,10 +216,12 @@ class ShardActor:
         )
         return None
 
-    async def depart(self, w: int, inc: int, committed: list | None) -> None:
+    async def depart(self, w: int, inc: int, committed: list | None) -> int | None:
         """``w``'s incarnation ``inc`` is gone: apply ``committed`` (pushes it sent that this
         shard has not handled, in order; the protocol applies each only if it is the next
-        one) and make it leave (:meth:`Shard.depart <stalewise.protocol.Shard.depart>`)."""
+        one) and make it leave (:meth:`Shard.depart <stalewise.protocol.Shard.depart>`).
+        Returns how many of that incarnation's pushes this shard has now handled (None:
+        another incarnation is known here)."""
         pushes = []
         for seq, bases, verdict, update in committed or ():
             header = PushHeader(w, seq, int(bases[self.k]), inc)
@@ -227,6 +241,7 @@ class ShardActor:
         if not self.exact:
             self._publish_soon()
         self._notify()
+        return int(self.shard.next_seq[w]) if self.shard.incarnation[w] == inc else None
 
     async def stop(self) -> None:
         """The job is ending: every pull, waiting or new, is answered "stop"."""
@@ -234,12 +249,14 @@ class ShardActor:
         self._notify()
 
     async def stats(self) -> dict:
-        """The shard's counters, version, pushes handled and each worker's last loss."""
+        """The shard's counters, version, pushes handled, each worker's last loss and the
+        pull slices served (``pulled``: bytes, count)."""
         return self.shard.stats.as_dict() | {
             "version": self.shard.version,
             "handled": self.handled,
             "losses": self.losses.tolist(),
             "busy": dict(self.busy),
+            "pulled": list(self.pulled),
         }
 
     async def freeze(self) -> list[tuple[int, int]]:
@@ -266,17 +283,25 @@ class ShardActor:
 
     async def observe(self) -> tuple[int, Any]:
         """The current slice for an observer (evaluation): ``(version, ObjectRef)``."""
+        if self.pulls is not None:  # delta pulls publish no snapshot: a copy for the observer
+            import ray
+
+            return self.shard.version, ray.put(self.shard.params)
         return self._publish(exact=True)
 
     # -- the workers' side ----------------------------------------------------------
 
-    async def pull(self, w: int, inc: int, pushed: int) -> tuple:
+    async def pull(self, w: int, inc: int, pushed: int, have: int = 0) -> tuple:
         """Worker ``w``'s pull for its next step, once the shard lets it start.
 
         ``pushed``: the pushes this incarnation has sent; under SSP/BSP the pull
         also waits until they have all arrived, so the gate sees the worker's clock.
+        ``have``: with delta pulls, the reference number the worker holds of this
+        shard (:meth:`pulls.Replica.have <stalewise.protocol.pulls.Replica.have>`).
 
-        Returns ``("ok", version, snapshot ref, pushes handled)``, ``("stop",)``
+        Returns ``("ok", version, snapshot ref, pushes handled)`` (with delta pulls the
+        pull's payload, :meth:`pulls.PullServer.pull
+        <stalewise.protocol.pulls.PullServer.pull>`, instead of the ref), ``("stop",)``
         (the job is ending), ``("moved", inc)`` (the driver gave ``w`` a newer
         incarnation: continue as that one) or ``("gone",)`` (this incarnation
         was cut off).
@@ -298,14 +323,18 @@ class ShardActor:
             ):
                 break
             await self._changed()
+        if self.pulls is not None:
+            return ("ok", *self._delta(w, have), self.handled)
         version, ref = self._publish(exact=self.exact)
         if shard.staleness.dc_lambda or shard.hybrid:
             shard.pull(w, now=time.monotonic())  # DC-ASGD keeps the pull; hybrid times it
+        self._served(shard.params.nbytes)
         return ("ok", version, ref, self.handled)
 
-    async def follow(self, w: int, inc: int, seen: int) -> tuple:
+    async def follow(self, w: int, inc: int, seen: int, have: int = 0) -> tuple:
         """Worker ``w``'s standing request for snapshots (ASP): answered once a snapshot
-        newer than version ``seen`` is published, with what :meth:`pull` answers."""
+        newer than version ``seen`` is published, with what :meth:`pull` answers (with
+        delta pulls the delta against reference ``have``, computed then)."""
         await self.opened.wait()
         while True:
             if self.stopped:
@@ -315,9 +344,12 @@ class ShardActor:
             if self.retired[w] >= inc:
                 return ("gone",)
             if self.admitted[w] == inc:
-                if self.snap is None:
+                if self.snap_version < 0:
                     self._publish(exact=True)
                 if self.snap_version > seen:
+                    if self.pulls is not None:
+                        return ("ok", *self._delta(w, have), self.handled)
+                    self._served(self.shard.params.nbytes)
                     return ("ok", self.snap_version, self.snap, self.handled)
             await self._changed()
 
@@ -333,11 +365,11 @@ class ShardActor:
         update: Any,
     ) -> tuple | None:
         """One push: ``update`` is the whole flat update (a read-only view of the object
-        the sender put; with a codec, every shard's payload), ``bases`` the version it pulled from each shard, ``verdict`` its
-        judgement, ``acked`` how many of its pushes every shard has acknowledged (this
-        shard stops keeping those). Returns ``(Ack, pushes handled)``, or None for a
-        cut-off incarnation. A worker's pushes are applied in order, whatever the
-        order they arrive in."""
+        the sender put; with a codec, every shard's payload), ``bases`` the version it
+        pulled from each shard, ``verdict`` its judgement, ``acked`` how many of its
+        pushes every shard has acknowledged (this shard stops keeping those). Returns
+        ``(Ack, pushes handled)``, or None for a cut-off incarnation. A worker's pushes
+        are applied in order, whatever the order they arrive in."""
         shard = self.shard
         while self.admitted[w] == inc and (
             (self.frozen and not self._released(w, inc, seq))
@@ -402,18 +434,41 @@ class ShardActor:
             if not math.isnan(loss):
                 self.losses[w] = loss
 
+    def _pull_server(self) -> pulls.PullServer | None:
+        """The shard's delta-pull server (None: the job sends full pulls)."""
+        if self.config.pull_codec is None:
+            return None
+        return pulls.PullServer.for_shard(self.config, self.k, self.shard)
+
+    def _delta(self, w: int, have: int) -> tuple[int, np.ndarray]:
+        """Serves worker ``w``'s delta pull against its reference ``have``: ``(version,
+        payload)``, the payload as bytes (a NumPy array: Ray sends it without a copy)."""
+        t = time.perf_counter()
+        pulled = self.pulls.pull(w, have, now=time.monotonic())
+        spent = time.perf_counter() - t
+        self.busy["pull"] += spent
+        self.pull_cost = 0.8 * self.pull_cost + 0.2 * spent
+        self._served(len(pulled.payload))
+        return pulled.version, np.frombuffer(pulled.payload, np.uint8)
+
+    def _served(self, nbytes: int) -> None:
+        self.pulled[0] += int(nbytes)
+        self.pulled[1] += 1
+
     def _publish(self, exact: bool) -> tuple[int, Any]:
         """The snapshot to serve: a new one (one copy into the object store) when the
-        params changed and ``exact`` or the last one is ``publish_every`` old."""
+        params changed and ``exact`` or the last one is ``publish_every`` old. With
+        delta pulls nothing is copied (each pull is its own payload): only the version
+        that followers are to be served is marked."""
         import ray
 
         version = self.shard.version
-        if self.snap is None or (
+        if self.snap_version < 0 or (
             self.snap_version != version
             and (exact or time.monotonic() - self.published_at >= self.publish_every)
         ):
             t = time.monotonic()
-            self.snap = ray.put(self.shard.params)
+            self.snap = None if self.pulls is not None else ray.put(self.shard.params)
             self.snap_version, self.published_at = version, time.monotonic()
             self.put_cost = 0.8 * self.put_cost + 0.2 * (self.published_at - t)
             self.busy["publish"] += self.published_at - t
@@ -425,7 +480,10 @@ class ShardActor:
         ``PUBLISH_SHARE`` of the shard's time (a large slice under a stream of pushes)."""
         if self.timer is not None or self.snap_version == self.shard.version:
             return
-        every = max(self.publish_every, self.put_cost / PUBLISH_SHARE)
+        cost = self.put_cost  # with delta pulls, a publish costs a pull per follower
+        if self.pulls is not None:
+            cost += self.pull_cost * int(np.count_nonzero(self.admitted))
+        every = max(self.publish_every, cost / PUBLISH_SHARE)
         wait = self.published_at + every - time.monotonic()
         if wait <= 0:
             self._publish(exact=True)

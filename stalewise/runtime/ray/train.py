@@ -3,7 +3,9 @@
 The driver starts the shard actors (a placement group of one bundle per shard,
 each on its own node when the cluster has enough nodes), loads a checkpoint if
 resuming, admits every worker's first incarnation, starts one worker actor per
-worker (a second placement group, spread over the nodes), waits until all are
+worker (a second placement group, spread over the nodes; with a codec that keeps
+error feedback, a residual keeper per worker id in the same bundle: see
+:mod:`~stalewise.runtime.ray.keeper`), waits until all are
 set up, then releases them together and watches:
 it evaluates the parameters every ``eval_interval`` seconds as an observer,
 writes metrics records, drives the progress bar, takes checkpoints and
@@ -40,6 +42,7 @@ from stalewise.runtime.base import (
 )
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.ray import cluster, import_ray, liveness
+from stalewise.runtime.ray.keeper import ResidualKeeper
 from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
 from stalewise.runtime.ray.worker import WorkerActor
 from stalewise.strategies import Strategy
@@ -73,6 +76,15 @@ class _Driver:
         self.nodes: list[str] = []  # the node id of each shard (as started)
         self.pgs: list = []  # the placement groups: shards, workers
         self.backup: tuple[list, int] | None = None  # (shard states, pushes handled)
+        self.targets: dict[int, tuple[int, int]] = {}  # the backup's pushes of each worker
+        # with error feedback: each worker's residual as of fb_at[w] = (incarnation,
+        # pushes), the start of its current incarnation or the end of one that ended
+        # (None: unknown here), and each worker id's keeper (see keeper.py)
+        comp = config.compressor()
+        self.ef = comp is not None and comp.error_feedback
+        self.fb: list[np.ndarray | None] = [None] * self.W
+        self.fb_at: list[tuple[int, int] | None] = [None] * self.W
+        self.keepers: list[Any] = [None] * self.W
         self.ended: list[dict] = []  # what each worker loop that ended normally returned
         self.diverged: list[int] = []  # the workers that diverged
         self.recorder: Recorder | None = None
@@ -126,6 +138,11 @@ class _Driver:
             log.info("ray: resumed from %s (version %d)", resumed.path, resumed.version)
         joins = {w: self.incs[w] + 1 for w in range(self.W)}
         self.incs = [joins[w] for w in range(self.W)]
+        if self.ef:  # each worker id continues with its saved residual (zeros: none saved)
+            feedback = checkpoint.feedback_of(resumed, self.config, self.W)
+            assert feedback is not None
+            self.fb = [f.residual for f in feedback]
+            self.fb_at = [(self.incs[w], 0) for w in range(self.W)]
         refs = [
             s.load.remote(states[k], base, joins, [], init=self.config.init[lo:hi])
             for k, (s, (lo, hi)) in enumerate(zip(self.shards, self.config.ranges, strict=True))
@@ -145,9 +162,27 @@ class _Driver:
             max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[1], w),
         )
+        residual = self.fb[w] if self.ef else None  # None: it starts with zeros
+        if self.ef and self.keepers[w] is None:  # one per worker id, in the worker's bundle
+            keeper = self.ray.remote(ResidualKeeper).options(
+                name=f"{self.prefix}:keeper-{w}",
+                num_cpus=0,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[1], w),
+            )
+            self.keepers[w] = keeper.remote(w)
         self.actors[w] = remote.remote(
-            self.config_ref, self.strategy, self.o.for_workers(), w, self.incs[w], self.shards
+            self.config_ref,
+            self.strategy,
+            self.o.for_workers(),
+            w,
+            self.incs[w],
+            self.shards,
+            residual,
+            self.keepers[w],
         )
+        if self.ef:
+            self.fb_at[w] = (self.incs[w], 0) if residual is not None else None
         return self.actors[w]
 
     def _start_workers(self) -> None:
@@ -272,6 +307,9 @@ class _Driver:
             # seconds each shard spent handling pushes and publishing, per push handled
             "shard_push": [s["busy"]["push"] / max(s["handled"], 1) for s in per_shard],
             "shard_publish": [s["busy"]["publish"] / max(s["handled"], 1) for s in per_shard],
+            # the mean bytes of one pull of every shard (a delta pull's payload, or the slice)
+            "pull_bytes": sum(s["pulled"][0] / max(s["pulled"][1], 1) for s in per_shard),
+            "pulls": [s["pulled"][1] for s in per_shard],
         }
         if saver is not None:
             self._save(saver, elapsed)
@@ -292,7 +330,7 @@ class _Driver:
         ray = self.ray
         if self.recorder is not None:
             self.recorder.close()
-        for a in (*self.actors, *self.shards):
+        for a in (*self.actors, *self.shards, *self.keepers):
             if a is not None:
                 ray.kill(a, no_restart=True)
         from ray.util.placement_group import remove_placement_group
@@ -315,6 +353,9 @@ class _Driver:
             self._worker_failed(w, f"its actor died ({type(e).__name__})")
         else:
             self.live.discard(w)
+            if self.ef:  # its residual after its last push, all of them acknowledged
+                inc, pushed, self.fb[w] = ended["feedback"]
+                self.fb_at[w] = (inc, pushed)
             if "diverged" in ended:  # it left; it is not restarted
                 self.diverged.append(w)
                 self.failures.diverged(w, ended["diverged"], time=time.perf_counter() - self.t0)
@@ -334,8 +375,13 @@ class _Driver:
         restart it as a new incarnation, drop it, or stop the job (WorkerError)."""
         self.ray.kill(self.actors[w], no_restart=True)  # it may live on after raising
         timeout = self.o.ack_timeout
+        counts: list = []
         with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
-            self._get(cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart")
+            counts = self._get(
+                cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart"
+            )
+        if self.ef:  # its pushes every shard now has: the residual after the last of them
+            self._inherit(w, max((n for n in counts if n is not None), default=None))
         now = time.perf_counter() - self.t0
         action = self.failures.worker(w, cause, time=now, detail=detail)
         if action == "drop" or self.stopping:
@@ -346,6 +392,32 @@ class _Driver:
             self._get([s.join.remote(w, self.incs[w]) for s in self.shards], timeout, "join")
         self.runs[self._spawn(w).run.remote()] = w
         self.liveness.watch(w, self.actors[w], ready=False)  # it sets up inside run()
+
+    def _inherit(self, w: int, pushes: int | None) -> None:
+        """With error feedback: worker ``w``'s residual after the last push its dead
+        incarnation committed (``pushes``: how many it committed, None: unknown), read
+        from its keeper, for its next incarnation (or kept with its id if it is dropped)."""
+        inc = self.incs[w]
+        if pushes == 0 and self.fb_at[w] == (inc, 0):
+            return  # it pushed nothing: the residual it started with
+        residual = None
+        if pushes and self.keepers[w] is not None:
+            ray = self.ray
+            try:
+                residual = ray.get(
+                    self.keepers[w].residual.remote(inc, pushes), timeout=self.o.ack_timeout
+                )
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                log.debug("ray: worker %d's keeper did not answer: %s", w, e)
+        if residual is None:
+            log.warning(
+                "ray: worker %d's error-feedback residual is lost; its next incarnation "
+                "starts with none",
+                w,
+            )
+            self.fb[w], self.fb_at[w] = None, None
+        else:
+            self.fb[w], self.fb_at[w] = np.array(residual), (inc, pushes)
 
     def _shard_ended(self, ref: Any) -> None:
         ray = self.ray
@@ -382,6 +454,8 @@ class _Driver:
         for w in sorted(self.live):
             self.incs[w] += 1
             joins[w] = self.incs[w]
+            if self.ef:  # it keeps its own residual, unknown here until it pushes
+                self.fb[w], self.fb_at[w] = None, None
         gone = [w for w in range(self.W) if w not in self.live]
         refs = [s.load.remote(states[k], handled, joins, gone) for k, s in enumerate(self.shards)]
         versions = self._get(refs, self.o.shard_start_timeout, "restore")
@@ -438,15 +512,45 @@ class _Driver:
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
             raise _ShardDown(f"state: {type(e).__name__}") from None
         if got is not None:
-            self.backup = got
+            self.backup, self.targets = got[:2], got[2]
         return got is not None
 
     def _save(self, saver: Any, now: float) -> bool:
         if not self._take_backup():
             return False
         assert self.backup is not None
-        saver.save(self.backup[0], {"pushes": self.backup[1], "time": now})
+        residuals = self._residuals() if self.ef else None
+        if self.ef and residuals is None:
+            return False
+        saver.save(self.backup[0], {"pushes": self.backup[1], "time": now}, residuals)
         return True
+
+    def _residuals(self) -> list[np.ndarray] | None:
+        """Each worker's error-feedback residual after the last of its pushes in the
+        backup just taken (from the driver, or its keeper); None (no checkpoint this
+        time) if one is not known yet."""
+        out: list[Any] = []
+        for w in range(self.W):
+            inc, pushes = self.targets[w]
+            if self.fb[w] is not None and self.fb_at[w] == (inc, pushes):
+                out.append(self.fb[w])
+            elif pushes and self.keepers[w] is not None:
+                out.append(self.keepers[w].residual.remote(inc, pushes))
+            else:
+                out.append(None)
+        refs = [(i, r) for i, r in enumerate(out) if isinstance(r, self.ray.ObjectRef)]
+        try:
+            got = self.ray.get([r for _, r in refs], timeout=self.o.ack_timeout)
+        except (self.ray.exceptions.RayError, TimeoutError) as e:
+            log.warning("ray: checkpoint deferred: a residual keeper did not answer (%s)", e)
+            return None
+        for (i, _), residual in zip(refs, got, strict=True):
+            out[i] = residual
+        for w, residual in enumerate(out):
+            if residual is None:  # e.g. a worker carrying on after a restore, before it pushed
+                log.info("ray: checkpoint deferred: worker %d's residual is not known yet", w)
+                return None
+        return out
 
 
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:

@@ -12,15 +12,19 @@ user's ``loss_and_grad`` and data, and answers its requests:
   so a step starts without asking anyone);
 * ``PULL``: those parameters. With one shard and NumPy leaves the tree handed
   to the user views the object store's read-only copy (no copy at all);
-  otherwise the slices are copied into the worker's pull buffer;
+  otherwise the slices are copied into the worker's pull buffer. With delta
+  pulls (``ServerConfig.pull_codec``) each reply is a payload that the
+  worker's :class:`~stalewise.protocol.pulls.Replica` checks and applies (the
+  receiver thread does it under ASP), and the copy goes into the pull buffer;
 * a ``Push``: emulates the compute time, flattens the update into a free push
   buffer and judges it (:func:`stalewise.protocol.commit.judge`). With a codec
   (``ServerConfig.codec``) the update is encoded by the protocol's
   :class:`~stalewise.protocol.compress.Compressor` into every shard's payload,
   back to back in a free byte buffer (:func:`~stalewise.runtime.ray.shard.payload_spans`),
-  keeping the codec's error feedback in the worker (a new incarnation starts
-  with none), and with several shards the verdict judges the payloads decoded
-  back, the values the shards will apply. Then a *sender* thread puts it into the object store once and sends its ObjectRef with
+  the codec's error feedback written into a second buffer (the worker id's
+  keeper, :mod:`~stalewise.runtime.ray.keeper`, gets each new residual before
+  any shard gets the push), and with several shards the verdict judges the
+  payloads decoded back, the values the shards will apply. Then a *sender* thread puts it into the object store once and sends its ObjectRef with
   the verdict to every shard, and a *collector* thread reads the acks, while
   the loop goes on: pushes are pipelined, up to ``IN_FLIGHT`` of them
   unacknowledged (the shards apply each worker's pushes in order). The answer
@@ -55,7 +59,9 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import PushResult, ServerConfig, commit, loop
+from stalewise.codecs import PayloadError
+from stalewise.protocol import PushResult, ServerConfig, commit, loop, pulls
+from stalewise.protocol.compress import Feedback
 from stalewise.runtime.base import batch_iterator
 from stalewise.runtime.local.procs import child_logging
 from stalewise.runtime.options import RunOptions
@@ -80,18 +86,31 @@ class WorkerActor:
         w: int,
         inc: int,
         shards: list,
+        residual: np.ndarray | None = None,
+        keeper: Any = None,
     ):
         child_logging(f"worker {w}")
         self.config, self.strategy, self.o = config, strategy, options
         self.w, self.inc, self.shards = w, inc, list(shards)
         self.S = len(self.shards)
         self.spec = config.spec
+        # delta pulls (config.pull_codec): this incarnation's copy of the params
+        self.replica = None if config.pull_codec is None else pulls.Replica.for_job(config)
         numpy_only = all(leaf.backend == "numpy" for leaf in self.spec.leaves)
-        self.views = self.S == 1 and numpy_only  # hand out the snapshot itself
+        self.views = self.S == 1 and numpy_only and self.replica is None  # the snapshot itself
         self.pull_buf = None if self.views else np.empty(self.spec.size, self.spec.dtype)
         # with a codec: each push is every shard's payload, back to back in one byte buffer
         self.compressor = config.compressor()
-        self.feedback: Any = None  # the codec's error feedback: this incarnation's state
+        # the codec's error feedback: the residual after the last push encoded (it starts
+        # from `residual`, the predecessor's or a checkpoint's), and a spare buffer the
+        # next push's residual is written into (see _push); `keeper` keeps it per push
+        self.keeper = keeper
+        self.feedback: Feedback | None = None
+        self.spare: Feedback | None = None
+        if self.compressor is not None and self.compressor.error_feedback:
+            start = np.zeros(self.spec.size, config.init.dtype) if residual is None else residual
+            self.feedback = Feedback(np.array(start, config.init.dtype))
+            self.spare = Feedback(np.empty_like(self.feedback.residual))
         self.spans = payload_spans(config)
         if self.spans is None:
             self.free = [np.empty(self.spec.size, self.spec.dtype) for _ in range(2)]
@@ -163,7 +182,9 @@ class WorkerActor:
         (``steps``, ``outcomes``), ``diverged`` (the message, if it diverged) and
         ``times``: seconds spent pulling, pushing, waiting for acks and computing
         (measured plus emulated) on the loop's path, and sending (the sender thread's
-        put and calls, off that path)."""
+        put and calls, off that path); and ``feedback``, ``(incarnation, pushes,
+        residual)``: the codec's error-feedback residual after this incarnation's last
+        push (None without error feedback), every push acknowledged."""
         if self.batches is None:
             self.prepare()
         threads = [
@@ -191,6 +212,8 @@ class WorkerActor:
             except diverged as e:  # it leaves; the driver does not restart it
                 self._results(wait=True)
                 ended |= {"steps": self.seq, "outcomes": {}, "diverged": str(e)}
+            residual = None if self.feedback is None else self.feedback.residual
+            ended["feedback"] = (self.inc, self.seq, residual)
         finally:
             with self.cond:
                 self.closing = True
@@ -249,12 +272,13 @@ class WorkerActor:
             self.bases[k] = v
             self.known[k] = max(self.known[k], v)
         self.params = None
-        self.snapshots = slices
+        self.snapshots = slices or []
         if self.views:
             self.params = tree.unflatten(slices[0], self.spec, copy=False)
         else:
-            for (lo, hi), piece in zip(self.config.ranges, slices, strict=True):
-                self.pull_buf[lo:hi] = piece
+            if slices is not None:  # None: delta pulls, already copied into pull_buf
+                for (lo, hi), piece in zip(self.config.ranges, slices, strict=True):
+                    self.pull_buf[lo:hi] = piece
             self.params = tree.unflatten(self.pull_buf, self.spec, copy=False)
         return True
 
@@ -273,6 +297,9 @@ class WorkerActor:
                 self.beats += 1
             if self.handled >= self.o.steps:
                 return None
+            if self.replica is not None:  # the receiver applies the deltas: copy it whole
+                np.copyto(self.pull_buf, self.replica.params)
+                return [v for v, _ in self.latest], None
             return [v for v, _ in self.latest], [a for _, a in self.latest]
 
     def _pull(self) -> tuple[list, list] | None:
@@ -281,12 +308,21 @@ class WorkerActor:
 
         failed_at = None
         while True:
-            refs = [s.pull.remote(self.w, self.inc, self.seq) for s in self.shards]
+            refs = [
+                s.pull.remote(self.w, self.inc, self.seq, self._have(k))
+                for k, s in enumerate(self.shards)
+            ]
             try:
                 replies = self._get(refs)
                 if all(r[0] == "ok" for r in replies):
-                    slices = self._get([r[2] for r in replies])
-                    break
+                    if self.replica is None:
+                        slices = self._get([r[2] for r in replies])
+                        break
+                    if all(self._apply(k, r[2]) for k, r in enumerate(replies)):
+                        np.copyto(self.pull_buf, self.replica.params)
+                        slices = None
+                        break
+                    continue  # a payload was refused: pull again (a full pull there)
             except ray.exceptions.RayTaskError:
                 raise
             except ray.exceptions.RayError as e:  # a shard died: the driver restores it
@@ -302,13 +338,29 @@ class WorkerActor:
             return None
         return [r[1] for r in replies], slices
 
+    def _have(self, k: int) -> int:
+        """With delta pulls, the reference number held of shard ``k`` (0: none)."""
+        return 0 if self.replica is None else self.replica.have(k)
+
+    def _apply(self, k: int, payload: Any) -> bool:
+        """Applies shard ``k``'s delta-pull payload to the copy; False if it is refused
+        (the copy is unchanged, and the next pull from that shard is a full one)."""
+        try:
+            self.replica.apply(k, payload)
+        except PayloadError as e:
+            log.warning("worker %d: refused a pull (%s); the next one is full", self.w, e)
+            return False
+        return True
+
     def _become(self, inc: int) -> None:
-        """Carries on as incarnation ``inc`` (the driver restored the shards)."""
+        """Carries on as incarnation ``inc`` (the driver restored the shards). The error-
+        feedback residual is kept; the delta-pull copy starts again (full pulls)."""
         log.warning(
             "worker %d: continuing as incarnation %d (the shards were restored)", self.w, inc
         )
         self.inc, self.seq, self.acked = inc, 0, 0
-        self.feedback = None  # as a new incarnation: no error feedback
+        if self.replica is not None:
+            self.replica.reset()
         self.moved_to = max(self.moved_to, inc)
 
     def _retry(self, failed_at: float | None, error: Exception) -> float:
@@ -349,12 +401,18 @@ class WorkerActor:
                 self.beats += 1
             buf = self.free.pop()
         self.times["acks"] += time.perf_counter() - t
+        residual = None
         if self.compressor is None:
             sent = values = tree.flatten(update, spec=self.spec, out=buf)[0]
         else:  # every shard's payload into buf; the verdict judges them decoded
             flat = tree.flatten(update, spec=self.spec, out=self.flat_buf)[0]
             payloads = [buf[lo:hi] for lo, hi in self.spans]
-            self.feedback = self.compressor.encode_into(flat, payloads, self.feedback)
+            if self.feedback is None:
+                self.compressor.encode_into(flat, payloads)
+            else:  # the new residual goes into the spare buffer, which the sender puts
+                new = self.compressor.encode_into(flat, payloads, self.feedback, out=self.spare)
+                self.spare, self.feedback = self.feedback, new
+                residual = new.residual
             values = self.compressor.decode(payloads, self.decoded) if self.S > 1 else flat
             sent = buf
         verdict = commit.judge(
@@ -366,7 +424,8 @@ class WorkerActor:
             whole=self.S > 1,  # one shard checks its whole slice itself
         )
         with self.cond:
-            self.job = (sent, self.inc, self.seq, tuple(self.bases), tuple(verdict), loss)
+            job = (sent, self.inc, self.seq, tuple(self.bases), tuple(verdict), loss, residual)
+            self.job = job
             self.cond.notify_all()
         self.seq += 1
 
@@ -410,10 +469,12 @@ class WorkerActor:
                     self.cond.wait()
                 if self.job is None:
                     return
-                flat, inc, seq, bases, verdict, loss = self.job
+                flat, inc, seq, bases, verdict, loss, residual = self.job
             t = time.perf_counter()
-            ref = ray.put(flat)  # the one copy; every shard reads its slice of it in place
             acked = self.acked if inc == self.inc else 0
+            if residual is not None:  # kept before any shard can have handled the push
+                self._keep(inc, seq, acked, residual)
+            ref = ray.put(flat)  # the one copy; every shard reads its slice of it in place
             acks = [
                 s.push.remote(self.w, inc, seq, bases, verdict, loss, acked, ref)
                 for s in self.shards
@@ -425,6 +486,19 @@ class WorkerActor:
                 self.free.append(flat)  # the object store has its copy
                 self.job = None
                 self.cond.notify_all()
+
+    def _keep(self, inc: int, seq: int, acked: int, residual: np.ndarray) -> None:
+        """Hands the residual after push ``seq`` to this worker id's keeper
+        (:mod:`~stalewise.runtime.ray.keeper`) and waits until it is kept."""
+        import ray
+
+        if self.keeper is None:
+            return
+        try:
+            ray.get(self.keeper.keep.remote(inc, seq, acked, residual), timeout=self.o.ack_timeout)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            log.warning("worker %d: its residual keeper failed (%s); going on without", self.w, e)
+            self.keeper = None
 
     def _collect_loop(self) -> None:
         """The collector: the acks of each push sent, in order."""
@@ -476,7 +550,9 @@ class WorkerActor:
         failed_at = None
 
         def ask(k: int) -> None:
-            pending[self.shards[k].follow.remote(self.w, inc, seen[k])] = (k, inc)
+            with self.cond:
+                have = self._have(k)
+            pending[self.shards[k].follow.remote(self.w, inc, seen[k], have)] = (k, inc)
 
         for k in range(self.S):
             ask(k)
@@ -486,7 +562,9 @@ class WorkerActor:
                 k, asked = pending.pop(ref)
                 try:
                     reply = ray.get(ref)
-                    piece = ray.get(reply[2]) if reply[0] == "ok" else None
+                    piece = None  # a snapshot; a delta pull's payload is in the reply
+                    if reply[0] == "ok" and self.replica is None:
+                        piece = ray.get(reply[2])
                 except ray.exceptions.RayTaskError:
                     raise
                 except ray.exceptions.RayError as e:
@@ -499,9 +577,13 @@ class WorkerActor:
                         inc = self.moved_to = reply[1]
                         seen = [-1] * self.S
                         self.latest = [None] * self.S
+                        if self.replica is not None:
+                            self.replica.reset()
                     elif reply[0] == "ok" and asked == inc:
-                        seen[k] = reply[1]
-                        self.latest[k] = (reply[1], piece)
+                        # a delta goes into the copy; one refused is repaired by the next pull
+                        if self.replica is None or self._apply(k, reply[2]):
+                            seen[k] = reply[1]
+                            self.latest[k] = (reply[1], piece)
                         if k == 0:
                             self.handled = reply[3]
                     elif reply[0] in ("stop", "gone"):
