@@ -28,7 +28,13 @@ Each worker keeps an :class:`AveragingState` (made by ``init`` from its first
 pull, living in the worker process, never pickled): the spec of the flat
 vector, its local parameters ``local`` (one flat vector), the last pulled
 parameters ``pulled``, a gradient buffer, the inner optimizer's state
-``inner``, its number of pushes and the mean wall time of its last local steps.
+``inner``, its number of pushes and the mean wall time of its last local steps
+(and, for strategies that pace themselves, the runtime's clock at the last
+round's start and the fit of its rounds' lengths, :mod:`stalewise.pacing`).
+``init`` also runs a :mod:`stalewise.optim` inner optimizer once on a
+throw-away model (the same leaf names, one element each), so its compiled
+kernels load then and not during the first round, whose compute time the
+runtimes scale to emulate slower workers.
 
 * **Inner optimizer state persists across pushes** by default: Adam's moments
   and step count carry over from one round to the next, as in DiLoCo, where
@@ -89,21 +95,30 @@ slower than the rest when dynamic local updates are off, and
 
 Dynamic local updates
 ---------------------
-``dynamic=True`` with ``period=seconds`` gives every round a wall-time budget
-instead of a fixed ``H``: after each local step the worker compares the time
-spent in this round plus its mean local-step time in this round with
-``period`` and stops when the next step would not fit. It takes at least 1
-and at most ``steps`` local steps, so ``steps`` becomes the cap. Set ``period``
-to ``H`` times the fastest worker's step time and the fastest worker runs
-about ``H`` steps while a worker 4x slower runs about ``H / 4``: every worker
-pushes about once per ``period`` (the paper's DyLU sets ``H_i = H * v_i /
-v_max`` from measured speeds; a shared wall-time budget gives the same ratio
-without a coordinator). The step count is reported as ``local_steps``, so the
-runtimes scale emulated and simulated compute by it. It measures the real wall
-time of ``loss_and_grad`` plus the inner update only: the local runtime's
-emulated ``stragglers=``/``delays=`` and the simulator's timing model happen
-outside the strategy and are not seen, and with ``dynamic=True`` a simulated
-run is no longer bit-reproducible.
+``dynamic=True`` with ``period=seconds`` gives every round a time budget
+instead of a fixed ``H``: each worker picks its ``H`` so that its round, from
+one pull's arrival to the next, lasts about ``period`` seconds by the
+runtime's clock (wall time in the local and Ray runtimes, virtual time in the
+simulator). So every worker pushes about once per ``period``, and a worker 4x
+slower runs about a quarter of the steps (the paper's DyLU sets ``H_i = H *
+v_i / v_max`` from measured speeds; a shared time budget gives the same ratio
+without a coordinator). The round is timed by the runtime, so the local
+runtime's emulated ``stragglers=``/``delays=`` and the simulator's timing
+model count, and a simulated run stays bit-reproducible.
+
+The rule (:mod:`stalewise.pacing`): the worker fits its rounds' lengths ``T =
+c + s * H`` (``c`` communication and waiting, ``s`` one local step) and runs
+``H = floor((period - c) / s)`` steps, at least 1 and at most ``steps`` (the
+cap), and at most 4x the last round's. Its first round runs 1 step, to
+measure; until two rounds of different ``H`` were seen, ``c`` counts as 0
+(``H = floor(H_last * period / T_last)``).
+Set ``period`` to ``H`` times the fastest worker's step time plus a round's
+communication and the fastest worker runs about ``H`` steps.
+
+Without a runtime (``step`` called directly, no clock given) the worker
+times its own local steps instead (``loss_and_grad`` plus the inner update,
+real wall time) and stops when the next step, at this round's mean, would
+not fit in ``period``.
 
 Inner optimizers
 ----------------
@@ -148,13 +163,14 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from stalewise import optim, tree
 from stalewise.optim._validate import check_number
+from stalewise.pacing import RoundCost
 from stalewise.strategies import LossAndGrad, Step, Strategy
 
 log = logging.getLogger(__name__)
@@ -181,6 +197,13 @@ class _StalewiseInner:
     def step(self, state: Any, local: np.ndarray, grads: np.ndarray, spec: tree.FlatSpec) -> Any:
         self.opt.apply(grads, state, local)  # grads is scratch from here on
         return state
+
+    def warm(self, local: np.ndarray, spec: tree.FlatSpec) -> None:
+        """One step on a throw-away model with the same leaf names, one element each, so the
+        optimizer's compiled kernels (numba) load now, not in the first round's compute time,
+        which the runtimes scale to emulate and simulate slower workers."""
+        tiny, tiny_spec = tree.flatten({x.name: np.zeros(1, local.dtype) for x in spec.leaves})
+        self.opt.apply(np.full_like(tiny, 1e-3), self.opt.init(tiny, tiny_spec.segments), tiny)
 
 
 @dataclass(frozen=True)
@@ -296,12 +319,17 @@ class AveragingState:
     inner: Any  # the inner optimizer's state (stalewise state, optax state or torch optimizer)
     pushes: int = 0  # strategy steps done
     step_time: float = math.nan  # mean wall seconds of one local step in the last round
+    taken: int = 0  # local steps of the last round
+    clock: float = math.nan  # the runtime's clock at the last round's start (NaN: no clock)
+    cost: RoundCost = field(default_factory=RoundCost)  # its rounds by the runtime's clock
 
 
 def _new_state(params: Any, adapter: Any) -> AveragingState:
     local, spec = tree.flatten(params)  # a new vector, not a view of the pull buffer
     if not local.flags.writeable:
         local = local.copy()
+    if hasattr(adapter, "warm"):
+        adapter.warm(local, spec)
     return AveragingState(
         spec=spec,
         local=local,
@@ -343,6 +371,26 @@ def _run_local(
                 break
     state.step_time = (time.perf_counter() - t0) / n
     return n, total / n
+
+
+def _timed_round(state: AveragingState, now: float) -> float | None:
+    """Records the runtime's clock at a round's start; the seconds of the last round, if any."""
+    last, state.clock = state.clock, now
+    if math.isnan(last) or not state.taken:
+        return None
+    return now - last
+
+
+def _paced_steps(cost: RoundCost, cap: int, period: float, last: int) -> int:
+    """Dynamic local updates by the runtime's clock: ``H`` with ``c + s * H`` about ``period``."""
+    fit = cost.fit()
+    if fit is None:
+        return 1  # the first round: one step, to measure
+    c, s = fit
+    hi = min(cap, 4 * last)  # a noisy fit moves H by 4x a round at most
+    if s <= 0:
+        return hi
+    return max(1, min(hi, math.floor((period - c) / s)))
 
 
 # -- checks ----------------------------------------------------------------------------
@@ -396,8 +444,8 @@ class LocalSGD(Strategy):
         self.reset_inner = bool(reset_inner)
         if dynamic and period is None:
             raise ValueError(
-                f"{where}: dynamic=True needs period=seconds, the wall-time budget of a round "
-                "(e.g. steps times the fastest worker's step time)"
+                f"{where}: dynamic=True needs period=seconds, the time budget of a round "
+                "(e.g. steps times the fastest worker's step time, plus its communication)"
             )
         if period is not None and not dynamic:
             raise ValueError(f"{where}: period= is the budget of dynamic=True; pass dynamic=True")
@@ -408,14 +456,29 @@ class LocalSGD(Strategy):
         self.asynchronous = bool(asynchronous)
         self.every = None if every is None else _check_steps(where, "every", every)
 
+    @property
+    def timed(self) -> bool:  # type: ignore[override]
+        """Dynamic local updates pace themselves by the runtime's clock."""
+        return self.dynamic
+
     def init(self, params: Any) -> AveragingState:
         return _new_state(params, self._inner)
+
+    def started(self, state: AveragingState, now: float) -> None:
+        """The runtime's clock at a round's start: times the last round (dynamic only)."""
+        seconds = _timed_round(state, now)
+        if seconds is not None:
+            state.cost = state.cost.add(state.taken, seconds)
 
     def step(
         self, state: AveragingState, params: Any, loss_and_grad: LossAndGrad, batches: Iterator
     ) -> Step:
+        steps, period = self.steps, self.period
+        if period is not None and not math.isnan(state.clock):  # in a runtime: its clock
+            steps, period = _paced_steps(state.cost, steps, period, state.taken), None
+
         def run() -> tuple[int, float]:
-            return _run_local(self._inner, state, loss_and_grad, batches, self.steps, self.period)
+            return _run_local(self._inner, state, loss_and_grad, batches, steps, period)
 
         return self._round(state, params, run)
 
@@ -432,6 +495,7 @@ class LocalSGD(Strategy):
         if self.reset_inner and state.pushes:
             state.inner = self._inner.init(state.local, state.spec)
         n, loss = run()
+        state.taken = n
         delta = state.pulled - state.local  # the pseudo-gradient (a new array: the push's own)
         tree.copy_buffers(delta, state.local, state.spec)  # a buffer's slot: its value
         state.pushes += 1
@@ -485,8 +549,8 @@ def local_sgd(
             optax ``GradientTransformation`` or a torch optimizer factory (see
             the module docstring).
         reset_inner: make a fresh inner optimizer state at every pull.
-        dynamic: dynamic local updates: run as many steps as fit in ``period``.
-        period: wall seconds per round when ``dynamic``.
+        dynamic: dynamic local updates: pick ``H`` so that a round lasts about ``period``.
+        period: seconds per round when ``dynamic``, by the runtime's clock.
 
     Example:
         >>> import stalewise as sw
@@ -530,8 +594,8 @@ def diloco(
         asynchronous: recommend delayed Nesterov (for ASP) instead of Nesterov SGD.
         every: ``N`` of delayed Nesterov: the number of workers.
         reset_inner: make a fresh inner optimizer state at every pull.
-        dynamic: dynamic local updates: run as many steps as fit in ``period``.
-        period: wall seconds per round when ``dynamic``.
+        dynamic: dynamic local updates: pick ``H`` so that a round lasts about ``period``.
+        period: seconds per round when ``dynamic``, by the runtime's clock.
 
     Example:
         >>> s = diloco(steps=100, asynchronous=True, every=4)

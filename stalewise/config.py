@@ -189,7 +189,7 @@ TABLES = {
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb", "lars")
 SCHEDULES = ("constant", "warmup_cosine", "step_decay")
 STRATEGIES = ("gradients", "local_sgd", "diloco", "easgd", "adaptive")
-PERIOD_SCHEDULES = ("adacomm", "fixed")  # strategy.schedule of "adaptive"
+PERIOD_SCHEDULES = ("comm_budget", "adacomm", "fixed")  # strategy.schedule of "adaptive"
 #: The option a ``NAME:H`` value of ``stalewise sim --over strategy`` sets, per strategy.
 PERIOD_KEY = {"local_sgd": "steps", "diloco": "steps", "easgd": "every", "adaptive": "start"}
 CONSISTENCY = ("asp", "ssp", "bsp", "hybrid")
@@ -1059,7 +1059,7 @@ def strategy_from_table(
     """The [strategy] table as a strategy (None for an absent or empty table).
 
     ``inner`` is an [optimizer]-like table (errors name ``strategy.inner.lr``...),
-    ``schedule`` (``adaptive`` only) a table ``{ name = "adacomm" | "fixed", ... }``,
+    ``schedule`` (``adaptive`` only) a table ``{ name = "comm_budget" | "adacomm" | "fixed", ... }``,
     every other key an option of the strategy's constructor in
     :mod:`stalewise.strategies`.
     """

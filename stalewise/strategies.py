@@ -9,7 +9,9 @@ from the first parameters it pulls, and each :meth:`Strategy.step` gets the
 state back, so a strategy can keep an inner optimizer's moments, local
 parameters or an error-feedback residual across pushes. One step may run
 several local steps; it returns the update, how many local steps it took (the
-runtimes scale emulated and simulated compute time by it) and the loss.
+runtimes scale emulated and simulated compute time by it) and the loss. A
+strategy that paces itself by time sets ``timed = True`` and gets the runtime's
+clock at the start of every round (:meth:`Strategy.started`).
 
 * ``gradients()``: one minibatch gradient per push (the default).
 
@@ -52,10 +54,21 @@ class Strategy:
     """
 
     name = "strategy"
+    #: True for a strategy that paces itself by the runtime's clock: the worker loop then
+    #: asks the runtime for it and calls :meth:`started` before every step.
+    timed = False
 
     def init(self, params: Any) -> Any:
         """The worker's initial state, from the first parameters it pulled."""
         return None
+
+    def started(self, state: Any, now: float) -> None:
+        """A round starts: its pull has arrived at ``now`` seconds of the runtime's clock.
+
+        Called by the worker loop before every :meth:`step` of a ``timed`` strategy
+        (monotonic wall time in the local and Ray runtimes, virtual time in the
+        simulator; see :mod:`stalewise.pacing`). The default does nothing.
+        """
 
     def step(self, state: Any, params: Any, loss_and_grad: LossAndGrad, batches: Iterator) -> Step:
         """Computes one update from ``params`` (the tree just pulled)."""
@@ -122,5 +135,5 @@ def gradients() -> Strategy:
     return Gradients()
 
 
-from stalewise.adaptive import adacomm, adaptive, fixed  # noqa: E402, F401
+from stalewise.adaptive import adacomm, adaptive, comm_budget, fixed  # noqa: E402, F401
 from stalewise.averaging import diloco, easgd, local_sgd  # noqa: E402, F401  (re-exported)

@@ -1,6 +1,8 @@
 """Adaptive local SGD / DiLoCo (``sw.strategies.adaptive``): the schedules, the worker's round, runs.
 
-The simulated runs use float64 least squares, as in test_averaging.py.
+Also the pacing by the runtime's clock (``stalewise.pacing``, the loop's CLOCK
+request) that the default schedule and dynamic local updates use. The
+simulated runs use float64 least squares, as in test_averaging.py.
 """
 
 from __future__ import annotations
@@ -10,14 +12,20 @@ import pickle
 from dataclasses import dataclass
 
 import numpy as np
+import pacing_helpers as ph
 import pytest
 from numpy.testing import assert_allclose
 from test_averaging import same_rule
 
 import stalewise as sw
 from stalewise import tasks
-from stalewise.adaptive import AdaCommState, Adaptive, AdaptiveState
-from stalewise.strategies import adacomm, adaptive, diloco, fixed, local_sgd
+from stalewise.adaptive import AdaCommState, Adaptive, AdaptiveState, CommBudgetState
+from stalewise.averaging import LocalSGD
+from stalewise.pacing import RoundCost
+from stalewise.protocol import loop
+from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.sim.models import Fixed, Network
+from stalewise.strategies import adacomm, adaptive, comm_budget, diloco, fixed, local_sgd
 
 TASK = tasks.get("least-squares", n=512, d=16, batch_size=32, noise=0.1)
 
@@ -71,6 +79,86 @@ def test_fixed_schedule():
     for loss in (10.0, 1.0, math.nan):
         h, state = sched.next(state, loss)
         assert h == 7
+
+
+def test_round_cost_fits_c_and_s_and_falls_back_when_it_cannot():
+    assert RoundCost().fit() is None
+    cost = RoundCost()
+    for h in (4, 16, 5, 12, 4):
+        cost = cost.add(h, 0.3 + 0.02 * h)
+    assert_allclose(cost.fit(), (0.3, 0.02), rtol=1e-9)
+    same = RoundCost().add(8, 2.0).add(8, 1.0)  # H never varied: all charged to the steps
+    assert same.fit() == (0.0, pytest.approx((0.9 * 2.0 + 1.0) / 1.9 / 8))
+    flat = RoundCost().add(2, 5.0).add(20, 5.0)  # longer rounds were no slower
+    assert flat.fit() == (5.0, 0.0)
+    negative = RoundCost().add(2, 0.1).add(20, 2.0)  # c < 0: charged to the steps
+    assert negative.fit()[0] == 0.0
+    assert RoundCost().add(4, math.nan).add(0, 1.0).rounds == 0  # rounds that say nothing
+    follows = RoundCost()
+    for k in range(120):  # the step gets 3x slower at round 20: the fit follows
+        follows = follows.add(4 + 4 * (k % 2), 0.5 + (0.01 if k < 20 else 0.03) * (4 + 4 * (k % 2)))
+    assert_allclose(follows.fit(), (0.5, 0.03), rtol=1e-3)
+
+
+def _rounds(schedule, c: float, s: float, n: int) -> list[int]:
+    """The H of ``n`` rounds of ``c + s * H`` seconds each, as the worker loop runs them."""
+    state, periods = schedule.init(), []
+    for _ in range(n):
+        h, state = schedule.next(state, math.nan)
+        periods.append(h)
+        state = schedule.observe(state, h, c + s * h)
+    return periods
+
+
+def test_comm_budget_rule_on_hand_computed_rounds():
+    # 4 (not timed), probes 4 and 16; then H = ceil(c * 0.9 / (0.1 * s)), halved at rounds
+    # 6, 10, ... (doubled when half is below min_steps)
+    assert _rounds(comm_budget(), 0.1, 0.25, 8) == [4, 4, 16, 4, 4, 4, 2, 4]  # 3.6 -> 4
+    assert _rounds(comm_budget(), 0.02, 0.25, 8) == [4, 4, 16, 1, 1, 1, 2, 1]  # 0.72 -> 1
+    assert _rounds(comm_budget(), 0.5, 0.1, 8) == [4, 4, 16, 45, 45, 45, 22, 45]
+    # communication-bound: 4x the last H at most, up to max_steps
+    assert _rounds(comm_budget(), 400.0, 0.2, 11) == [4, 4, 16, 64, 64, 64, 32, 64, 64, 64, 32]
+    assert _rounds(comm_budget(max_steps=100), 1.0, 0.0, 8) == [4, 4, 16, 64, 100, 100, 50, 100]
+    # fraction 0.5: communication as long as the steps
+    assert _rounds(comm_budget(fraction=0.5, start=2), 0.3, 0.01, 8) == [
+        2,
+        2,
+        8,
+        30,
+        30,
+        30,
+        15,
+        30,
+    ]
+    # a start too close to max_steps probes a quarter of it; min_steps is the floor
+    low = comm_budget(start=40, max_steps=64, min_steps=3)
+    assert _rounds(low, 0.01, 1.0, 8) == [40, 40, 10, 3, 3, 3, 6, 3]
+    assert _rounds(comm_budget(start=5, min_steps=5, max_steps=5), 1.0, 0.1, 8) == [5] * 8
+    # the first round is not timed: it includes the job's start-up
+    sched = comm_budget()
+    h, state = sched.next(sched.init(), math.nan)
+    assert sched.observe(state, h, 99.0) == state
+    # the loss is ignored, and a state pickles and compares by value
+    a = sched.next(sched.init(), 1.0)
+    assert a == sched.next(sched.init(), math.nan) and pickle.loads(pickle.dumps(a)) == a
+
+
+def test_comm_budget_checks_its_arguments():
+    for kw, problem in (
+        ({"fraction": 0.0}, r"fraction must be in \(0, 1\), got 0.0"),
+        ({"fraction": 1}, r"fraction must be in \(0, 1\), got 1"),
+        ({"fraction": "0.1"}, "fraction must be a number"),
+        ({"start": 0}, "start must be an integer >= 1, got 0"),
+        ({"max_steps": 2.5}, "max_steps must be an integer >= 1"),
+        ({"start": 8, "max_steps": 4}, "need min_steps <= start <= max_steps"),
+        ({"min_steps": 8}, "need min_steps <= start <= max_steps, got min_steps=8, start=4"),
+        ({"memory": 1.0}, r"memory must be in \[0, 1\)"),
+    ):
+        with pytest.raises(ValueError, match=problem):
+            comm_budget(**kw)
+    assert repr(comm_budget(0.2, start=2)) == (
+        "comm_budget(fraction=0.2, start=2, min_steps=1, max_steps=64, memory=0.9)"
+    )
 
 
 # -- the worker's round, by hand -------------------------------------------------------
@@ -134,10 +222,14 @@ def test_h_of_one_is_one_step_and_the_first_push_runs_the_start():
     state = strat.init({"x": np.ones(1)})
     step = strat.step(state, {"x": np.ones(1)}, lambda p, _: (3.0, {"x": p["x"]}), iter([None]))
     assert (step.local_steps, step.loss, step.update["x"].tolist()) == (1, 3.0, [0.5])
-    strat = adaptive(sw.optim.sgd(0.5), start=6)
+    strat = adaptive(sw.optim.sgd(0.5), schedule=adacomm(6))
     state = strat.init({"x": np.ones(1)})
     step = strat.step(state, {"x": np.ones(1)}, lambda p, _: (3.0, {"x": p["x"]}), iter([None] * 6))
     assert step.local_steps == 6 and state.schedule == AdaCommState(3.0, 6)
+    strat = adaptive(sw.optim.sgd(0.5), start=6)  # the default schedule: comm_budget
+    state = strat.init({"x": np.ones(1)})
+    step = strat.step(state, {"x": np.ones(1)}, lambda p, _: (3.0, {"x": p["x"]}), iter([None] * 6))
+    assert step.local_steps == 6 and state.schedule == CommBudgetState(RoundCost(), 6, 1, 6)
 
 
 # -- simulated runs ----------------------------------------------------------------------
@@ -201,10 +293,10 @@ def test_fixed_schedule_is_local_sgd_bit_for_bit_in_the_simulator(outer, consist
 
 def _trainer(outer: str, consistency) -> Adaptive:
     if outer == "local_sgd":
-        return adaptive(sw.optim.sgd(0.05), start=16)
+        return adaptive(sw.optim.sgd(0.05))
     if consistency.kind == "bsp":
-        return adaptive(sw.optim.adamw(0.005), start=16, outer="diloco")
-    return adaptive(sw.optim.adamw(0.005), start=16, outer="diloco", asynchronous=True, every=4)
+        return adaptive(sw.optim.adamw(0.005), outer="diloco")
+    return adaptive(sw.optim.adamw(0.005), outer="diloco", asynchronous=True, every=4)
 
 
 @pytest.mark.parametrize("consistency", [sw.ASP(), sw.BSP()], ids=str)
@@ -212,7 +304,9 @@ def _trainer(outer: str, consistency) -> Adaptive:
 def test_adaptive_trains_least_squares(outer, consistency):
     start = TASK.evaluate(TASK.init_params())["loss"]
     job = sw.Job(TASK.init_params(), consistency=consistency, strategy=_trainer(outer, consistency))
-    result = _sim(job, 4, 160, stragglers={3: 2.0})
+    # 10 ms steps, ~8 ms of communication a round: comm_budget runs periods of about 8
+    sim = SimConfig(compute=Fixed(0.01), network=Network(latency=0.002))
+    result = _sim(job, 4, 160, stragglers={3: 2.0}, sim=sim)
     assert result.pushes >= 160
     assert TASK.evaluate(result.params)["loss"] < 0.05 * start
 
@@ -257,7 +351,9 @@ def test_adaptive_pickles_and_compares_by_configuration():
         assert hash(pickle.loads(pickle.dumps(strat))) == hash(strat)
         assert repr(strat).startswith("adaptive(schedule=")
     sgd = sw.optim.sgd(0.1)
-    assert adaptive(sgd, start=8) == adaptive(sgd, schedule=adacomm(8))
+    assert adaptive(sgd, start=8) == adaptive(sgd, schedule=comm_budget(start=8))
+    assert adaptive(sgd, start=100).schedule == comm_budget(start=100, max_steps=100)
+    assert adaptive(sgd, schedule=adacomm(8)) != adaptive(sgd, schedule=comm_budget(start=8))
     assert adaptive(sgd, start=8) != adaptive(sgd, start=9)
     assert adaptive(sgd, start=8) != adaptive(sgd, start=8, smoothing=0.5)
     assert adaptive(sgd, schedule=fixed(2)) != local_sgd(2, sgd)
@@ -277,7 +373,7 @@ def test_constructors_check_their_arguments():
         fixed(1.5)
     with pytest.raises(TypeError, match=r"schedule must have init\(\)"):
         adaptive(sgd, schedule=lambda loss: 4)
-    with pytest.raises(ValueError, match="configure the default adacomm schedule"):
+    with pytest.raises(ValueError, match="configure the default comm_budget schedule"):
         adaptive(sgd, schedule=fixed(2), start=4)
     with pytest.raises(TypeError, match="inner= is required with outer='local_sgd'"):
         adaptive()
@@ -290,3 +386,122 @@ def test_constructors_check_their_arguments():
     with pytest.raises(TypeError, match="inner must be a stalewise optimizer"):
         adaptive("adam")
     assert sw.strategies.adaptive is adaptive and sw.strategies.fixed is fixed
+
+
+# -- pacing by the runtime's clock ------------------------------------------------------
+
+
+def test_the_loop_asks_the_runtime_clock_only_for_timed_strategies():
+    asked = []
+
+    def answerer(clock):
+        budget = iter([True, True, True, False])
+
+        def answer(request):
+            asked.append(request)
+            if request is loop.BEGIN:
+                return next(budget)
+            if request is loop.PULL:
+                return {"x": np.zeros(8)}
+            if request is loop.CLOCK:
+                return next(clock)
+            return []
+
+        return answer
+
+    lg = ph.tagged_loss_and_grad
+    data = ph.tagged_data(0, 1)
+    timed = adaptive(sw.optim.sgd(0.1), start=2)
+    assert timed.timed and not adaptive(sw.optim.sgd(0.1), schedule=adacomm(2)).timed
+    assert not sw.strategies.gradients().timed and not local_sgd(2, sw.optim.sgd(0.1)).timed
+    assert LocalSGD(2, sw.optim.sgd(0.1), dynamic=True, period=1.0).timed
+    seen = []
+
+    class Spy(Adaptive):
+        def started(self, state, now):
+            super().started(state, now)
+            seen.append((now, state.schedule.cost.rounds))
+
+    spy = Spy(comm_budget(start=2), local_sgd(1, sw.optim.sgd(0.1)))
+    loop.run(loop.worker_loop(spy, lg, data), answerer(iter([10.0, 12.5, 20.0])))
+    assert asked[:4] == [loop.BEGIN, loop.PULL, loop.CLOCK, asked[3]]  # then the Push
+    assert isinstance(asked[3], loop.Push) and asked.count(loop.CLOCK) == 3
+    # each round timed from pull to pull; the schedule does not count the first (start-up)
+    assert seen == [(10.0, 0), (12.5, 0), (20.0, 1)]
+    asked.clear()
+    loop.run(loop.worker_loop(adaptive(sw.optim.sgd(0.1), schedule=adacomm(2)), lg, data),
+             answerer(iter([])))  # fmt: skip
+    assert loop.CLOCK not in asked
+    with pytest.raises(
+        TypeError, match=r"worker 7: the runtime answered the loop's CLOCK .*'soon'"
+    ):
+        loop.run(loop.worker_loop(timed, lg, data, worker=7), answerer(iter(["soon"])))
+
+
+def test_adaptive_observes_its_rounds_by_the_clock_it_is_given():
+    strat = adaptive(sw.optim.sgd(0.1), schedule=comm_budget(fraction=0.5, start=2))
+    state = strat.init({"x": np.zeros(8)})
+    data, periods = ph.tagged_data(0, 1), []
+    now = 100.0
+    for _ in range(6):  # rounds of 1 s plus 0.1 s a local step, by a made-up clock
+        strat.started(state, now)
+        h = strat.step(state, {"x": np.zeros(8)}, ph.tagged_loss_and_grad, data).local_steps
+        periods.append(h)
+        now += 1.0 + 0.1 * h
+    assert periods == [2, 2, 8, 10, 10, 10]  # 2 (not timed), probes 2 and 8, then c / s = 10
+    assert_allclose(state.schedule.cost.fit(), (1.0, 0.1), rtol=1e-9)
+    # called directly, with no clock: the schedule never learns a cost and keeps the start
+    plain = strat.init({"x": np.zeros(8)})
+    taken = [strat.step(plain, {"x": np.zeros(8)}, ph.tagged_loss_and_grad, data).local_steps
+             for _ in range(3)]  # fmt: skip
+    assert taken == [2, 2, 2]
+
+
+def _paced_sim(strategy, consistency):
+    ph.RECORDED.clear()
+    job = sw.Job({"x": np.zeros(8)}, strategy=strategy, consistency=consistency)
+    sim = SimConfig(compute=Fixed(0.01), network=Network(latency=0.025))
+    result = job.train(ph.tagged_loss_and_grad, data=ph.tagged_data, workers=4, steps=60,
+                       runtime="sim", sim=sim, stragglers={3: 4.0})  # fmt: skip
+    return result, ph.per_worker(ph.RECORDED)
+
+
+@pytest.mark.parametrize("kind", ["comm_budget", "dynamic"])
+def test_a_simulated_straggler_paces_itself_by_virtual_time_deterministically(kind):
+    # 10 ms a step (40 ms for worker 3), about 0.1 s of latency per round
+    if kind == "comm_budget":  # fraction 0.5: H = c / s
+
+        def make():
+            return ph.RecordingAdaptive(comm_budget(fraction=0.5), local_sgd(1, sw.optim.sgd(0.1)))
+    else:  # rounds of 0.3 s: H = (0.3 - c) / s
+
+        def make():
+            return ph.RecordingLocalSGD(1000, sw.optim.sgd(0.1), dynamic=True, period=0.3)
+
+    a, hs = _paced_sim(make(), sw.ASP())
+    b, again = _paced_sim(make(), sw.ASP())
+    assert hs == again and np.array_equal(a.flat, b.flat) and a.time == b.time  # deterministic
+    assert sorted(hs) == [0, 1, 2, 3]
+    settled = {w: float(np.median(h[4:])) for w, h in hs.items()}  # after the probes
+    fast = [settled[w] for w in (0, 1, 2)]
+    assert min(fast) == max(fast) >= 8, settled  # the three alike, long periods
+    assert 0.15 <= settled[3] / fast[0] <= 0.45, settled  # the straggler: about a quarter
+    if kind == "dynamic":  # about one push per 0.3 s each, the straggler included
+        assert abs(len(hs[3]) - len(hs[0])) <= 0.25 * len(hs[0]), {w: len(h) for w, h in hs.items()}
+
+
+def test_the_local_runtime_clock_paces_dynamic_local_updates(no_leaks, tmp_path):
+    # wall time: 20 ms a step emulated for both workers, worker 1 4x slower at everything
+    path = tmp_path / "rounds.txt"
+    strategy = ph.RecordingLocalSGD(
+        1000, sw.optim.sgd(0.1), dynamic=True, period=0.6, path=str(path)
+    )
+    job = sw.Job({"x": np.zeros(8)}, strategy=strategy, consistency=sw.ASP())
+    job.train(ph.tagged_loss_and_grad, data=ph.tagged_data, workers=2, steps=24, timeout=120,
+              delays={0: 0.02, 1: 0.02}, stragglers={1: 4.0})  # fmt: skip
+    hs = ph.read_records(path)
+    assert sorted(hs) == [0, 1] and min(map(len, hs.values())) >= 5, hs
+    fast, slow = (float(np.median(hs[w][3:])) for w in (0, 1))
+    assert hs[0][0] == hs[1][0] == 1  # the first round measures one step
+    # about 30 and 7 steps on an idle machine (4x a round at most); a loaded one slows both
+    assert fast >= 6 and slow <= 0.6 * fast, hs

@@ -621,6 +621,11 @@ def test_strategy_table_builds_the_strategy_and_the_server_optimizer():
             "unknown option for adacomm",
         ),
         ('name = "diloco"\ndynamic = true', "strategy.dynamic", "needs period=seconds"),
+        (
+            'name = "adaptive"\nschedule = { name = "comm_budget", fraction = 1.5 }',
+            "strategy.schedule.fraction",
+            "1.5",
+        ),
     ],
 )
 def test_bad_strategy_tables_are_one_line_naming_the_key(

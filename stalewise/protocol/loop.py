@@ -7,6 +7,13 @@ actors) and an event-driven one (the simulator) run the very same loop:
 * it yields :data:`BEGIN`: answer True to start a step (budget left, not
   stopped) or False to end the loop;
 * it yields :data:`PULL`: answer with the pulled parameters (the user's tree);
+* it yields :data:`CLOCK`, only for a strategy that paces itself (its
+  ``timed`` is true), right after each PULL is answered: answer with the
+  runtime's clock in seconds, monotonic wall time (local processes, Ray) or
+  virtual time (the simulator). The loop hands it to the strategy's
+  ``started(state, now)`` before the step, so the strategy times its rounds
+  (pull to pull: compute, push, pull and gate waiting) by the runtime's own
+  clock, emulated and simulated stragglers included (:mod:`stalewise.pacing`);
 * it yields a :class:`Push`: push ``update``, emulate or simulate the compute
   time, and answer with the :class:`~stalewise.protocol.messages.PushResult` of
   every push that completed since the last answer (a list, maybe empty).
@@ -84,6 +91,7 @@ class _Request:
 
 BEGIN = _Request("BEGIN")
 PULL = _Request("PULL")
+CLOCK = _Request("CLOCK")
 
 
 class Push(NamedTuple):
@@ -126,10 +134,14 @@ def worker_loop(
     stats = LoopStats()
     state = None
     first = True
+    timed = bool(getattr(strategy, "timed", False))
     while (yield BEGIN):
         params = yield PULL
+        now = (yield CLOCK) if timed else None
         if first:
             state, first = strategy.init(params), False
+        if timed:
+            strategy.started(state, _clock(now, worker))
         t0 = time.perf_counter()
         step = strategy.step(state, params, loss_and_grad, batches)
         state = step.state
@@ -140,6 +152,15 @@ def worker_loop(
         stats.steps += 1
         report(results, stats, worker, diverge_after=diverge_after)
     return stats
+
+
+def _clock(now: Any, worker: int) -> float:
+    if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+        raise TypeError(
+            f"worker {worker}: the runtime answered the loop's CLOCK request with {now!r}; "
+            "it must answer with its clock in seconds (a finite number)"
+        )
+    return float(now)
 
 
 def report(

@@ -1,0 +1,75 @@
+"""Module-level helpers for the pacing tests of test_adaptive.py (spawned workers import them).
+
+Batches are tagged with their worker's id, and the recording strategies note
+``(worker, H)`` of every round: in a list when they run in this process (the
+simulator), appended to a file when they run in worker processes.
+"""
+
+import itertools
+
+import numpy as np
+
+from stalewise.adaptive import Adaptive
+from stalewise.averaging import LocalSGD
+
+RECORDED: list[tuple[int, int]] = []  # (worker, H) of every round run in this process
+
+
+def tagged_data(worker, workers):
+    """Endless ``(worker, batch)`` of a noisy quadratic's targets, a stream per worker."""
+    rng = np.random.default_rng(worker)
+    while True:
+        yield worker, (np.arange(8.0) + rng.normal(scale=0.01, size=8))
+
+
+def tagged_loss_and_grad(params, batch):
+    """0.5 * ||x - target||^2 of a tagged batch."""
+    diff = params["x"] - batch[1]
+    return float(0.5 * (diff**2).sum()), {"x": diff}
+
+
+def _record(strategy, step, state, params, loss_and_grad, batches):
+    first = next(batches)  # the round's first batch names the worker
+    out = step(state, params, loss_and_grad, itertools.chain([first], batches))
+    if strategy.path is None:
+        RECORDED.append((first[0], out.local_steps))
+    else:
+        with open(strategy.path, "a") as f:
+            f.write(f"{first[0]} {out.local_steps}\n")
+    return out
+
+
+class RecordingAdaptive(Adaptive):
+    """:class:`Adaptive` that records the ``H`` of every round (to ``path``, if given)."""
+
+    def __init__(self, *args, path=None, **kw):
+        super().__init__(*args, **kw)
+        self.path = path
+
+    def step(self, state, params, loss_and_grad, batches):
+        return _record(self, super().step, state, params, loss_and_grad, batches)
+
+
+class RecordingLocalSGD(LocalSGD):
+    """:class:`LocalSGD` that records the ``H`` of every round (to ``path``, if given)."""
+
+    def __init__(self, *args, path=None, **kw):
+        super().__init__(*args, **kw)
+        self.path = path
+
+    def step(self, state, params, loss_and_grad, batches):
+        return _record(self, super().step, state, params, loss_and_grad, batches)
+
+
+def per_worker(records) -> dict[int, list[int]]:
+    """``{worker: [H of each of its rounds]}`` from ``(worker, H)`` records."""
+    out: dict[int, list[int]] = {}
+    for w, h in records:
+        out.setdefault(int(w), []).append(int(h))
+    return out
+
+
+def read_records(path) -> dict[int, list[int]]:
+    """What the worker processes wrote to ``path``, per worker."""
+    with open(path) as f:
+        return per_worker(line.split() for line in f if line.strip())
