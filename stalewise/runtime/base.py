@@ -298,6 +298,42 @@ def check_run(
 PLAIN_EVERY = 10.0  # seconds between progress lines when output is not a terminal
 
 
+def end_reason(
+    recorder: Recorder,
+    failures: Failures,
+    *,
+    pushes: int,
+    steps: int,
+    budget_spent: bool,
+    diverged: Sequence[int],
+    version: int | None = None,
+    run: str = "",
+) -> str:
+    """Why a run of worker processes or actors ended (the local and Ray runtimes).
+
+    The recorder's reason (``stop_at`` reached, a stop), else the budget of
+    ``steps`` pushes (``budget_spent``: a worker's loop ended with it), else, when
+    no worker is left: :class:`DivergedError` if some diverged (the last cause in
+    ``failures``), or every worker failed and was dropped.
+    """
+    if recorder.stop_reason:
+        return recorder.stop_reason
+    if pushes >= steps or budget_spent:
+        return f"the budget of {steps} pushes is spent"
+    if diverged:
+        last = next(e["cause"] for e in reversed(failures.events) if e["action"] == "diverged")
+        at = f" (version {version})" if version is not None else ""
+        raise DivergedError(
+            f"training diverged: worker(s) {', '.join(map(str, diverged))} stopped because "
+            f"their pushes kept being refused ({last}); no worker is left, after {pushes} of "
+            f"{steps} pushes. The parameters are unchanged by refused pushes{at}; lower the "
+            "learning rate or clip the gradients."
+        )
+    reason = f"every worker failed and was dropped, after {pushes} of {steps} pushes"
+    log.error("%s: %s", run, reason)
+    return reason
+
+
 class Recorder:
     """A run's metrics records: builds them, shows progress, says when to stop.
 

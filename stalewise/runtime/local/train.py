@@ -56,13 +56,13 @@ from typing import Any
 from stalewise import checkpoint, tree
 from stalewise.protocol import ServerConfig, loop, pulls
 from stalewise.runtime.base import (
-    DivergedError,
     Failures,
     Recorder,
     ShardError,
     TrainResult,
     WorkerError,
     batch_iterator,
+    end_reason,
     mean_loss,
     merge_stats,
 )
@@ -477,7 +477,16 @@ class _Supervisor:
                         self.save(self.pushes, self.now())
                 raise
             elapsed = self.now()
-            reason = self.stop_reason(self.pushes, server.stats()[0]["version"], recorder)
+            reason = end_reason(
+                recorder,
+                self.failures,
+                pushes=self.pushes,
+                steps=self.o.steps,
+                budget_spent=any(wk.state == "done" for wk in self.workers),
+                diverged=[w for w, wk in enumerate(self.workers) if wk.state == "diverged"],
+                version=server.stats()[0]["version"],
+                run=self.o.run,
+            )
             stats = merge_stats(server.stats(), settled=True)
             if self.pushes and not stats["applied"]:  # not a silent success (diverge_after=None)
                 reason += f"; no push was applied, every one was refused ({stats['rejected']})"
@@ -514,28 +523,6 @@ class _Supervisor:
             self.save(self.pushes, now)
         if o.timeout is not None and now > o.timeout:
             raise TimeoutError(f"training did not finish within {o.timeout} s")
-
-    def stop_reason(self, pushes: int, version: int, recorder: Recorder) -> str:
-        """Why the run ended; raises DivergedError when every worker diverged."""
-        o = self.o
-        if recorder.stop_reason:
-            return recorder.stop_reason
-        if pushes >= o.steps or any(wk.state == "done" for wk in self.workers):
-            return f"the budget of {o.steps} pushes is spent"
-        diverged = [w for w, wk in enumerate(self.workers) if wk.state == "diverged"]
-        if diverged:
-            last = next(
-                e["cause"] for e in reversed(self.failures.events) if e["action"] == "diverged"
-            )
-            raise DivergedError(
-                f"training diverged: worker(s) {', '.join(map(str, diverged))} stopped because "
-                f"their pushes kept being refused ({last}); no worker is left, after {pushes} of "
-                f"{o.steps} pushes. The parameters are unchanged by refused pushes (version "
-                f"{version}); lower the learning rate or clip the gradients."
-            )
-        reason = f"every worker failed and was dropped, after {pushes} of {o.steps} pushes"
-        log.error("%s: %s", o.run, reason)
-        return reason
 
     def stop(self) -> None:
         """Stops every worker process (politely, then by force) and closes the pipes."""

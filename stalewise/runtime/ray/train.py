@@ -24,6 +24,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -31,12 +32,12 @@ import numpy as np
 from stalewise import checkpoint, tree
 from stalewise.protocol import ServerConfig
 from stalewise.runtime.base import (
-    DivergedError,
     Failures,
     Recorder,
     ShardError,
     TrainResult,
     WorkerError,
+    end_reason,
     mean_loss,
     merge_stats,
 )
@@ -278,22 +279,15 @@ class _Driver:
     def _finish(self, saver: Any, pushes: int) -> TrainResult:
         elapsed = time.perf_counter() - self.t0
         assert self.recorder is not None
-        if self.recorder.stop_reason:
-            reason = self.recorder.stop_reason
-        elif pushes >= self.o.steps or self.ended:
-            reason = f"the budget of {self.o.steps} pushes is spent"
-        elif self.diverged:
-            last = next(
-                e["cause"] for e in reversed(self.failures.events) if e["action"] == "diverged"
-            )
-            raise DivergedError(
-                f"training diverged: worker(s) {', '.join(map(str, self.diverged))} stopped "
-                f"because their pushes kept being refused ({last}); no worker is left, after "
-                f"{pushes} of {self.o.steps} pushes. The parameters are unchanged by refused "
-                "pushes; lower the learning rate or clip the gradients."
-            )
-        else:
-            reason = f"every worker failed and was dropped, after {pushes} of {self.o.steps} pushes"
+        reason = end_reason(
+            self.recorder,
+            self.failures,
+            pushes=pushes,
+            steps=self.o.steps,
+            budget_spent=bool(self.ended),
+            diverged=self.diverged,
+            run=self.o.run,
+        )
         self.recorder.finish(reason)
         per_shard = self._stats()
         stats = merge_stats(per_shard, settled=True)  # every worker has taken its acks
@@ -469,17 +463,24 @@ class _Driver:
 
     # -- talking to the shards -------------------------------------------------------
 
-    def _get(self, refs: list, timeout: float | None, what: str) -> list:
-        """``ray.get`` with a timeout; a shard's own exception comes back as itself."""
+    @contextlib.contextmanager
+    def _shard_calls(self, what: str, late: str) -> Iterator[None]:
+        """Ray's errors from calls to the shards as this runtime's: ``TimeoutError(late)``,
+        a shard's own exception as itself, a lost shard as :class:`_ShardDown`."""
         ray = self.ray
         try:
-            return ray.get(refs, timeout=timeout)
+            yield
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"the shards did not answer {what} within {timeout} s") from None
+            raise TimeoutError(late) from None
         except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
             raise _ShardDown(f"{what}: {type(e).__name__}") from None
+
+    def _get(self, refs: list, timeout: float | None, what: str) -> list:
+        """``ray.get`` with a timeout; a shard's own exception comes back as itself."""
+        with self._shard_calls(what, f"the shards did not answer {what} within {timeout} s"):
+            return self.ray.get(refs, timeout=timeout)
 
     def _stats(self) -> list[dict]:
         return self._get([s.stats.remote() for s in self.shards], self.o.ack_timeout, "stats")
@@ -500,17 +501,10 @@ class _Driver:
     def _take_backup(self) -> bool:
         """A consistent copy of every shard's state into ``self.backup`` (False: none was
         taken this time; see :func:`cluster.consistent_states`)."""
-        ray = self.ray
-        try:
+        with self._shard_calls("state", f"the shards did not freeze within {self.o.ack_timeout} s"):
             got = cluster.consistent_states(
                 self.shards, self.W, list(self.runs), self.o.ack_timeout, SNAPSHOT_LIMIT
             )
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"the shards did not freeze within {self.o.ack_timeout} s") from None
-        except ray.exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause() from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
-            raise _ShardDown(f"state: {type(e).__name__}") from None
         if got is not None:
             self.backup, self.targets = got[:2], got[2]
         return got is not None
