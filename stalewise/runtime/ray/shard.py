@@ -309,12 +309,8 @@ class ShardActor:
         await self.opened.wait()
         shard = self.shard
         while True:
-            if self.stopped:
-                return ("stop",)
-            if self.admitted[w] > inc:
-                return ("moved", int(self.admitted[w]))
-            if self.retired[w] >= inc:
-                return ("gone",)
+            if (end := self._ended(w, inc)) is not None:
+                return end
             if (
                 self.admitted[w] == inc
                 and shard.live[w]
@@ -337,12 +333,8 @@ class ShardActor:
         delta pulls the delta against reference ``have``, computed then)."""
         await self.opened.wait()
         while True:
-            if self.stopped:
-                return ("stop",)
-            if self.admitted[w] > inc:
-                return ("moved", int(self.admitted[w]))
-            if self.retired[w] >= inc:
-                return ("gone",)
+            if (end := self._ended(w, inc)) is not None:
+                return end
             if self.admitted[w] == inc:
                 if self.snap_version < 0:
                     self._publish(exact=True)
@@ -352,6 +344,17 @@ class ShardActor:
                     self._served(self.shard.params.nbytes)
                     return ("ok", self.snap_version, self.snap, self.handled)
             await self._changed()
+
+    def _ended(self, w: int, inc: int) -> tuple | None:
+        """Why a pull of incarnation ``inc`` of worker ``w`` gets no snapshot, if it does not:
+        ``("stop",)``, ``("moved", newer incarnation)`` or ``("gone",)``."""
+        if self.stopped:
+            return ("stop",)
+        if self.admitted[w] > inc:
+            return ("moved", int(self.admitted[w]))
+        if self.retired[w] >= inc:
+            return ("gone",)
+        return None
 
     async def push(
         self,
