@@ -38,13 +38,16 @@ def _config_error(key: str, problem: str) -> Exception:
 
 def _out_dir(arg: str | None, prefix: str) -> Path:
     out = Path(arg) if arg else Path("runs") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return _make_dir(out, "--out", str(out))
+
+
+def _make_dir(path: Path, flag: str, shown: str) -> Path:
+    """``path`` made (with its parents) or a config error naming ``flag`` and ``shown``."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise _config_error(
-            "--out", f"cannot make the folder {str(out)!r}: {e.strerror or e}"
-        ) from None
-    return out
+        raise _config_error(flag, f"cannot make the folder {shown!r}: {e.strerror or e}") from None
+    return path
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -76,14 +79,7 @@ def _tensorboard_dir(arg: str | None) -> Path | None:
         raise _config_error("--tensorboard", str(e)) from None
     if not arg.strip():
         raise _config_error("--tensorboard", "expected a folder path, got an empty string")
-    board = Path(arg)
-    try:
-        board.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise _config_error(
-            "--tensorboard", f"cannot make the folder {arg!r}: {e.strerror or e}"
-        ) from None
-    return board
+    return _make_dir(Path(arg), "--tensorboard", arg)
 
 
 def _check_runtime(runtime: str | None) -> None:
