@@ -26,7 +26,11 @@ Bars (issue #8):
 * DiLoCo (H = 20) ends within 0.5 points of synchronous ``gradients()``'s final
   accuracy for the same number of local steps, pushing at least H times fewer bytes per
   local step (local);
-* asynchronous DiLoCo reaches 95% in at most 0.6x the time of synchronous DiLoCo (local);
+* asynchronous DiLoCo reaches 95% in at most 0.6x the time of synchronous DiLoCo (local).
+  Both run H = 20; the asynchronous run is the paper's method as the docs
+  recommend it: delayed Nesterov and dynamic local updates (every round about
+  ``PERIOD`` seconds, so the straggler runs about a quarter of the steps). The
+  ratio is the median over ``REPEATS`` runs of each one's best point;
 * ``adaptive`` reaches 95% in at most 1.1x the time of the best fixed H in {1, 4, 16, 64} (local);
 * local SGD and DiLoCo (each its best run) reach 95% in at most 1/5 the virtual
   time of the best ``gradients()`` run (sim).
@@ -58,6 +62,7 @@ from stalewise.runtime.sim.models import Fixed, Network
 
 TARGET = 0.95
 WORKERS, SLOWDOWN, DELAY = 4, 4.0, 0.008
+PERIOD = 1.25 * 20 * DELAY  # async DiLoCo's round: 20 fast steps and a quarter more
 SIM_WORKERS, MODEL_BYTES = 64, 400_000_000
 SIM = SimConfig(compute=Fixed(0.2), network=Network(latency=1e-3, bandwidth=1.25e8),
                 model_bytes=MODEL_BYTES)  # fmt: skip
@@ -88,7 +93,8 @@ def strategies(setting: str) -> list[tuple]:
                          consistency=bsp)),
         ("diloco H=20 async", LRS["inner"],
          lambda lr: dict(strategy=sw.strategies.diloco(steps=20, inner=sw.optim.adamw(lr),
-                                                       asynchronous=True, every=W),
+                                                       asynchronous=True, every=W,
+                                                       dynamic=True, period=PERIOD),
                          consistency=asp)),
     ]  # fmt: skip
     runs += [
@@ -256,6 +262,27 @@ def table(results: dict[str, dict], unit: str) -> str:
     return report.format_table(rows, cols)
 
 
+REPEATS = 5  # runs of each point behind a wall-time ratio bar: the machine is shared and noisy
+
+
+def repeat_times(setting: str, picked: list[tuple[str, dict]], budget: int) -> dict[str, list]:
+    """Times to 95% of each picked best run and of REPEATS - 1 more runs of its point,
+    the strategies alternating, so that a slow spell of the machine hits them alike."""
+    makes = {name: dict((p, m) for p, m, _ in points) for name, points in strategies(setting)}
+    times = {name: [r["time_to_95%"]] for name, r in picked}
+    for _ in range(REPEATS - 1):
+        for name, r in picked:
+            again = run_one(setting, name, makes[name][r["point"]], r["point"], budget)
+            times[name].append(again["time_to_95%"])
+    for name, t in times.items():
+        print(
+            f"  {name}, {dict(picked)[name]['point']}: "
+            f"times to 95% {', '.join('-' if x is None else f'{x:.3g}' for x in t)}",
+            flush=True,
+        )
+    return times
+
+
 def ratio(a, b) -> float:
     return a / b if a is not None and b else math.inf
 
@@ -348,10 +375,16 @@ def main() -> int:
         )
         res = sections["local"] = bench("local", budget=4000)
         print(table(res, "s"))
-        r = ratio(res["diloco H=20 async"]["time_to_95%"], res["diloco H=20 BSP"]["time_to_95%"])
-        bars.append(
-            ("local: async DiLoCo / sync DiLoCo time to 95%", r <= 0.6, f"{r:.2f} (<= 0.6)")
-        )
+        pair = ("diloco H=20 async", "diloco H=20 BSP")
+        times = repeat_times("local", [(k, res[k]) for k in pair], budget=4000)
+        rs = sorted(ratio(a, b) for a, b in zip(*times.values(), strict=True))
+        r = rs[len(rs) // 2]
+        bars.append((
+            "local: async DiLoCo / sync DiLoCo time to 95%, median of "
+            f"{len(rs)} runs of each best point, alternating",
+            r <= 0.6,
+            f"{r:.2f} (<= 0.6; the runs: {', '.join(f'{x:.2f}' for x in rs)})",
+        ))  # fmt: skip
         fixed = min(
             (res[f"local_sgd H={h} BSP"]["time_to_95%"] or math.inf) for h in (1, 4, 16, 64)
         )
