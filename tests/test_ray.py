@@ -600,6 +600,32 @@ def test_a_hung_worker_fails_the_job_under_the_fail_policy(cluster, tmp_path):
         time.sleep(0.2)
 
 
+def nan_gradients():
+    """``loss_and_grad``: NaN, whatever the params."""
+
+    def loss_and_grad(params, batch):
+        return float("nan"), {"x": np.full_like(params["x"], np.nan)}
+
+    return loss_and_grad
+
+
+def test_every_push_refused_ends_the_run_as_diverged_or_says_none_was_applied(cluster):
+    task, job = least_squares_job()
+    kw = dict(data=task.batches, workers=2, runtime="ray", timeout=TIMEOUT, eval_interval=0.1)
+    with pytest.raises(
+        sw.DivergedError,
+        match=r"^training diverged: worker\(s\) 0, 1 stopped because their pushes kept being "
+        r"refused \(worker \d diverged: its last 3 pushes were refused",
+    ):
+        job.train(nan_gradients(), steps=10_000, diverge_after=3, run="diverge", **kw)
+    result = job.train(nan_gradients(), steps=40, diverge_after=None, **kw)
+    assert result.stats["applied"] == 0 and result.stats["rejected"]["not_finite"] >= 40
+    assert result.stop_reason.startswith(
+        "the budget of 40 pushes is spent; no push was applied, every one was refused "
+    )
+    np.testing.assert_array_equal(result.params["x"], task.init_params(0)["x"])
+
+
 def test_checkpoints_and_resume_on_ray(cluster, tmp_path):
     task, job = least_squares_job()
     first = train(task, job, steps=300, checkpoint_dir=tmp_path, checkpoint_every=50)

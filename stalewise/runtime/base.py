@@ -306,16 +306,36 @@ def end_reason(
     steps: int,
     budget_spent: bool,
     diverged: Sequence[int],
+    stats: dict,
     version: int | None = None,
     run: str = "",
 ) -> str:
-    """Why a run of worker processes or actors ended (the local and Ray runtimes).
+    """Why a run ended, in every runtime.
 
     The recorder's reason (``stop_at`` reached, a stop), else the budget of
     ``steps`` pushes (``budget_spent``: a worker's loop ended with it), else, when
     no worker is left: :class:`DivergedError` if some diverged (the last cause in
-    ``failures``), or every worker failed and was dropped.
+    ``failures``), or every worker failed and was dropped. A run that pushed but
+    had no push applied (the merged shard ``stats``) says so, with a warning: it
+    is not a silent success.
     """
+    reason = _ended(recorder, failures, pushes, steps, budget_spent, diverged, version, run)
+    if pushes and not stats["applied"]:  # diverge_after=None lets such a run reach its end
+        reason += f"; no push was applied, every one was refused ({stats['rejected']})"
+        log.warning("%s: %s", run, reason)
+    return reason
+
+
+def _ended(
+    recorder: Recorder,
+    failures: Failures,
+    pushes: int,
+    steps: int,
+    budget_spent: bool,
+    diverged: Sequence[int],
+    version: int | None,
+    run: str,
+) -> str:
     if recorder.stop_reason:
         return recorder.stop_reason
     if pushes >= steps or budget_spent:

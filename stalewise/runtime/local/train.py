@@ -477,6 +477,8 @@ class _Supervisor:
                         self.save(self.pushes, self.now())
                 raise
             elapsed = self.now()
+            per_shard = server.stats()
+            stats = merge_stats(per_shard, settled=True)
             reason = end_reason(
                 recorder,
                 self.failures,
@@ -484,13 +486,10 @@ class _Supervisor:
                 steps=self.o.steps,
                 budget_spent=any(wk.state == "done" for wk in self.workers),
                 diverged=[w for w, wk in enumerate(self.workers) if wk.state == "diverged"],
-                version=server.stats()[0]["version"],
+                stats=stats,
+                version=per_shard[0]["version"],
                 run=self.o.run,
             )
-            stats = merge_stats(server.stats(), settled=True)
-            if self.pushes and not stats["applied"]:  # not a silent success (diverge_after=None)
-                reason += f"; no push was applied, every one was refused ({stats['rejected']})"
-                log.warning("%s: %s", o.run, reason)
             recorder.finish(reason)
             if self.saver is not None:  # the end of the run: every worker has left
                 self.save(self.pushes, elapsed)

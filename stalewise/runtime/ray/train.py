@@ -279,6 +279,8 @@ class _Driver:
     def _finish(self, saver: Any, pushes: int) -> TrainResult:
         elapsed = time.perf_counter() - self.t0
         assert self.recorder is not None
+        per_shard = self._stats()
+        stats = merge_stats(per_shard, settled=True)  # every worker has taken its acks
         reason = end_reason(
             self.recorder,
             self.failures,
@@ -286,11 +288,11 @@ class _Driver:
             steps=self.o.steps,
             budget_spent=bool(self.ended),
             diverged=self.diverged,
+            stats=stats,
+            version=per_shard[0]["version"],
             run=self.o.run,
         )
         self.recorder.finish(reason)
-        per_shard = self._stats()
-        stats = merge_stats(per_shard, settled=True)  # every worker has taken its acks
         steps = max(sum(e["steps"] for e in self.ended), 1)
         stats["ray"] = {  # seconds per worker step, over the loops that ended normally
             key: sum(e["times"][key] for e in self.ended) / steps

@@ -54,11 +54,11 @@ import numpy as np
 from stalewise import checkpoint, tree
 from stalewise.protocol import ServerConfig
 from stalewise.runtime.base import (
-    DivergedError,
     Failures,
     Recorder,
     TrainResult,
     WorkerError,
+    end_reason,
     mean_loss,
 )
 from stalewise.runtime.options import RunOptions
@@ -181,11 +181,18 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
             raise
         if not recorder.records or recorder.records[-1]["time"] != state.now:
             record()
-        reason = _stop_reason(state, stopped, recorder)
         stats = state.stats(settled=not stopped)  # a stop may leave pushes in flight
-        if state.pushes and not stats["applied"]:  # not a silent success (diverge_after=None)
-            reason += f"; no push was applied, every one was refused ({stats['rejected']})"
-            log.warning("%s: %s", run_name, reason)
+        reason = end_reason(
+            recorder,
+            failures,
+            pushes=state.pushes,
+            steps=state.steps,
+            budget_spent=False,  # every simulated push counts: pushes >= steps says it
+            diverged=sorted(state.diverged),
+            stats=stats,
+            version=state.shards[0].version,
+            run=run_name,
+        )
         recorder.finish(reason)
         if saver is not None:
             save(state)
@@ -224,28 +231,3 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         failures.events,
         reason,
     )
-
-
-def _stop_reason(state: Simulation, stopped: bool, recorder: Recorder) -> str:
-    """Why the simulated run ended; raises DivergedError when no worker is left and one
-    diverged (the others, if any, failed and were dropped)."""
-    if stopped:
-        return recorder.stop_reason or "stop_at reached"
-    if state.pushes >= state.steps:
-        return f"the budget of {state.steps} pushes is spent"
-    if state.diverged:
-        diverged = sorted(state.diverged)
-        others = [w for w in range(state.P) if w not in state.diverged]
-        raise DivergedError(
-            f"training diverged: every worker stopped (worker(s) {', '.join(map(str, diverged))} "
-            "because their pushes kept being refused"
-            + (f"; {', '.join(map(str, others))} failed or left" if others else "")
-            + f"), after {state.pushes} of {state.steps} pushes; the last: "
-            f"{list(state.diverged.values())[-1]}. The parameters are unchanged by refused pushes "
-            f"(version {state.shards[0].version}); lower the learning rate or clip the gradients."
-        )
-    reason = (
-        f"every worker failed and was dropped or left, after {state.pushes} of {state.steps} pushes"
-    )
-    log.warning("sim: %s", reason)
-    return reason
