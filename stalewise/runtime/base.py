@@ -319,28 +319,11 @@ def end_reason(
     had no push applied (the merged shard ``stats``) says so, with a warning: it
     is not a silent success.
     """
-    reason = _ended(recorder, failures, pushes, steps, budget_spent, diverged, version, run)
-    if pushes and not stats["applied"]:  # diverge_after=None lets such a run reach its end
-        reason += f"; no push was applied, every one was refused ({stats['rejected']})"
-        log.warning("%s: %s", run, reason)
-    return reason
-
-
-def _ended(
-    recorder: Recorder,
-    failures: Failures,
-    pushes: int,
-    steps: int,
-    budget_spent: bool,
-    diverged: Sequence[int],
-    version: int | None,
-    run: str,
-) -> str:
     if recorder.stop_reason:
-        return recorder.stop_reason
-    if pushes >= steps or budget_spent:
-        return f"the budget of {steps} pushes is spent"
-    if diverged:
+        reason = recorder.stop_reason
+    elif pushes >= steps or budget_spent:
+        reason = f"the budget of {steps} pushes is spent"
+    elif diverged:
         last = next(e["cause"] for e in reversed(failures.events) if e["action"] == "diverged")
         at = f" (version {version})" if version is not None else ""
         raise DivergedError(
@@ -349,8 +332,12 @@ def _ended(
             f"{steps} pushes. The parameters are unchanged by refused pushes{at}; lower the "
             "learning rate or clip the gradients."
         )
-    reason = f"every worker failed and was dropped, after {pushes} of {steps} pushes"
-    log.error("%s: %s", run, reason)
+    else:
+        reason = f"every worker failed and was dropped, after {pushes} of {steps} pushes"
+        log.error("%s: %s", run, reason)
+    if pushes and not stats["applied"]:  # diverge_after=None lets such a run reach its end
+        reason += f"; no push was applied, every one was refused ({stats['rejected']})"
+        log.warning("%s: %s", run, reason)
     return reason
 
 
