@@ -450,6 +450,26 @@ def feedback_of(ckpt: Checkpoint | None, config: Any, workers: int) -> list[Any]
         raise CheckpointError(f"{ckpt.path.name}: {e}") from None
 
 
+def drawn_of(ckpt: Checkpoint | None, workers: int) -> list[int]:
+    """How many batches each worker id had drawn at ``ckpt``: a resumed worker's new
+    stream skips them (:func:`~stalewise.runtime.base.batch_iterator`). Zeros without
+    a checkpoint or with an older one, which did not count them."""
+    drawn = None if ckpt is None else ckpt.step.get("drawn")
+    if drawn is None:
+        return [0] * workers
+    if len(drawn) != workers:
+        raise CheckpointError(
+            f"{ckpt.path.name} counts the batches of {len(drawn)} workers, this run has {workers}"
+        )
+    for w, n in enumerate(drawn):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise CheckpointError(
+                f"{ckpt.path.name}: worker {w}'s count of batches drawn is {n!r}, "
+                "not an integer >= 0"
+            )
+    return list(drawn)
+
+
 class Saver:
     """A run's checkpoints into ``options.checkpoint_dir``: when :meth:`due` says so
     (every ``checkpoint_every`` updates of shard 0 and/or ``checkpoint_seconds``

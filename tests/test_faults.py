@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import stalewise as sw
+from stalewise import checkpoint
 from stalewise import config as config_lib
 from stalewise.runtime.base import DivergedError, ShardError
 from stalewise.runtime.local.shm import held_blocks, leaked_blocks
@@ -56,6 +57,21 @@ def fails_once(params, batch, marker):
         open(marker, "w").close()
         raise ValueError("boom at batch 5")
     return paced_loss_and_grad(params, i)
+
+
+def bad_batch_5(params, batch):
+    """Worker 1's batch 5 always raises."""
+    w, i = batch
+    if w == 1 and i == 5:
+        raise ValueError("worker 1's batch 5 is bad")
+    return paced_loss_and_grad(params, i)
+
+
+def recording_loss(params, batch):
+    """Appends ``"worker index"`` to the file $SEEN_LOG, then as paced_loss_and_grad."""
+    with open(os.environ["SEEN_LOG"], "a") as f:
+        f.write(f"{batch[0]} {batch[1]}\n")
+    return paced_loss_and_grad(params, batch)
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -133,12 +149,39 @@ def test_an_error_in_user_code_is_restarted_up_to_the_budget_then_fails_with_its
     with pytest.raises(
         sw.WorkerError,
         match=r"(?s)worker \d failed 2 times, more than max_restarts=1 allows; the last time: "
-        r"raised ValueError: boom at batch 3\nTraceback.*ValueError: boom at batch 3",
-    ):
+        r"raised ValueError: boom at batch 4\nTraceback.*ValueError: boom at batch 4",
+    ):  # every batch from 3 on raises; the restarted incarnation goes on at batch 4
         train(job(), loss=mp_helpers.failing_loss_and_grad, max_restarts=1)
 
 
-def test_a_stopped_worker_is_detected_within_worker_timeout_and_restarted(no_leaks):
+def test_a_batch_that_always_raises_costs_one_restart_not_the_job(no_leaks):
+    result = train(job(), loss=bad_batch_5, data=tagged_data, max_restarts=1)
+    assert [(e["worker"], e["action"]) for e in result.failures] == [(1, "restarted")]
+    assert result.failures[0]["cause"] == "raised ValueError: worker 1's batch 5 is bad"
+    assert result.pushes >= 200 and result.stop_reason.startswith("the budget")
+
+
+def seen_batches(path):
+    """{worker: [batch indices]} from a SEEN_LOG file."""
+    seen = {}
+    for w, i in (map(int, line.split()) for line in path.read_text().splitlines()):
+        seen.setdefault(w, []).append(i)
+    return seen
+
+
+def test_a_resumed_run_continues_each_workers_data_stream(no_leaks, tmp_path, monkeypatch):
+    log, ckpt = tmp_path / "seen", tmp_path / "ckpt"
+    monkeypatch.setenv("SEEN_LOG", str(log))
+    kw = dict(loss=recording_loss, data=tagged_data, checkpoint_dir=ckpt)
+    train(job(), steps=60, **kw)
+    drawn = checkpoint.load(ckpt).step["drawn"]
+    before = seen_batches(log)
+    assert drawn == [max(before[w]) + 1 for w in (0, 1)], (drawn, before)
+    log.unlink()
+    train(job(), steps=120, resume=True, **kw)
+    after = seen_batches(log)
+    assert [min(after[w]) for w in (0, 1)] == drawn  # each stream goes on where it stopped
+
     stop = Once("stalewise-worker-1", signal.SIGSTOP)
     try:
         result = train(job(consistency=sw.BSP()), on_record=stop, worker_timeout=1.0, steps=300)

@@ -522,6 +522,31 @@ def tagged(batches):
     return data
 
 
+def indexed(batches):
+    """``data``: a task's batches as ``(worker, index, batch)``."""
+
+    def data(worker, workers):
+        return ((worker, i, b) for i, b in enumerate(batches(worker, workers)))
+
+    return data
+
+
+def bad_batch(inner, worker, index, seen=None):
+    """``loss_and_grad`` of ``indexed`` batches: ``inner``'s, except that batch ``index`` of
+    ``worker`` always raises. With ``seen`` (a file), appends ``"worker index"`` to it."""
+
+    def loss_and_grad(params, batch):
+        w, i, b = batch
+        if seen is not None:
+            with open(seen, "a") as f:
+                f.write(f"{w} {i}\n")
+        if w == worker and i == index:
+            raise ValueError(f"worker {w}'s batch {i} is bad")
+        return inner(params, b)
+
+    return loss_and_grad
+
+
 def hang_once(inner, worker, after, marker, how="sleep"):
     """``loss_and_grad``: the task's, except that worker ``worker`` hangs in its call
     number ``after`` (counted in its actor), once per run: it sleeps 1000 s, or with
@@ -628,12 +653,45 @@ def test_every_push_refused_ends_the_run_as_diverged_or_says_none_was_applied(cl
 
 def test_checkpoints_and_resume_on_ray(cluster, tmp_path):
     task, job = least_squares_job()
-    first = train(task, job, steps=300, checkpoint_dir=tmp_path, checkpoint_every=50)
+    seen = tmp_path / "seen"
+    loss = bad_batch(task.loss_and_grad, -1, -1, str(seen))  # no bad batch: it records them
+    kw = dict(data=indexed(task.batches), workers=3, runtime="ray", timeout=TIMEOUT)
+    first = job.train(loss, steps=300, checkpoint_dir=tmp_path, checkpoint_every=50, **kw)
     assert (tmp_path / "latest").exists()
-    again = train(task, job, steps=600, checkpoint_dir=tmp_path, resume=True)
+    drawn = checkpoint.load(tmp_path).step["drawn"]
+    before = seen_batches(seen)
+    assert drawn == [max(before[w]) + 1 for w in range(3)], (drawn, before)
+    seen.unlink()
+    again = job.train(loss, steps=600, checkpoint_dir=tmp_path, resume=True, **kw)
     assert again.pushes >= 600  # steps is the job's total budget, pushes before included
     assert again.stats["version"] > first.stats["version"]
     assert sw.load(tmp_path)["x"].shape == (16,)
+    after = seen_batches(seen)
+    assert [min(after[w]) for w in range(3)] == drawn  # each stream goes on where it stopped
+
+
+def seen_batches(path):
+    """{worker: [batch indices]} from the file ``bad_batch`` records into."""
+    seen = {}
+    for w, i in (map(int, line.split()) for line in path.read_text().splitlines()):
+        seen.setdefault(w, []).append(i)
+    return seen
+
+
+def test_a_batch_that_always_raises_costs_one_restart_not_the_job(cluster):
+    task, job = least_squares_job()
+    result = job.train(
+        bad_batch(task.loss_and_grad, 1, 30),
+        data=indexed(task.batches),
+        workers=2,
+        steps=300,
+        runtime="ray",
+        timeout=TIMEOUT,
+        max_restarts=1,
+    )
+    assert [(e["worker"], e["action"]) for e in result.failures] == [(1, "restarted")]
+    assert result.failures[0]["cause"] == "raised ValueError: worker 1's batch 30 is bad"
+    assert result.pushes >= 300 and result.stop_reason.startswith("the budget")
 
 
 def test_cli_trains_on_ray_with_an_address(cluster, tmp_path):

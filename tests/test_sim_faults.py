@@ -101,8 +101,8 @@ def test_a_scripted_failure_is_restarted_after_restart_delay_by_default():
     assert r.restarts == 1
     assert r.pushes == 40 and r.stats["applied"] == 40
     assert r.stop_reason == "the budget of 40 pushes is spent"
-    # the new incarnation draws its batches afresh, as a new process would
-    assert loss.batches(1)[:9] == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    # the new incarnation continues its id's stream after the batch it died on
+    assert loss.batches(1)[:9] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
     # worker 0 started steps at t=0..20, worker 1 at 0..4 and 7.5..20.5: the 40th at 20.5
     assert r.time == 21.5
     np.testing.assert_allclose(r.params["x"], TARGET, atol=0.05)
@@ -178,18 +178,26 @@ def test_an_error_in_user_code_is_restarted_like_a_failed_process():
         "recovered": 8.0,  # the default restart_delay: 1 virtual second
     }
     assert r.pushes == 40 and r.stats["applied"] == 40 and r.restarts == 1
-    assert loss.batches(1)[:10] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    assert loss.batches(1)[:10] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]  # its stream goes on
 
 
 def test_a_persistent_error_fails_the_job_after_max_restarts_with_its_traceback():
-    loss = Quadratic(lambda w, i: w == 1 and i == 3)
+    loss = Quadratic(lambda w, i: w == 1 and i >= 3)
     with pytest.raises(
         sw.WorkerError,
         match=r"(?s)^worker 1 failed 3 times, more than max_restarts=2 allows; the last time: "
-        r"raised ValueError: boom at batch 3\nTraceback.*ValueError: boom at batch 3",
+        r"raised ValueError: boom at batch 5\nTraceback.*ValueError: boom at batch 5",
     ):
         train(loss, steps=1000, max_restarts=2)
-    assert loss.batches(1) == [0, 1, 2, 3] * 3  # three incarnations, each from batch 0
+    assert loss.batches(1) == [0, 1, 2, 3, 4, 5]  # three incarnations, each after the last
+
+
+def test_a_batch_that_always_raises_costs_one_restart_not_the_job():
+    loss = Quadratic(lambda w, i: w == 1 and i == 3)
+    r = train(loss, max_restarts=1)
+    assert [(e["worker"], e["action"]) for e in r.failures] == [(1, "restarted")]
+    assert r.pushes == 40 and r.stats["applied"] == 40
+    assert loss.batches(1)[:6] == [0, 1, 2, 3, 4, 5]  # batch 3 is not drawn again
 
 
 def test_a_persistent_error_under_drop_leaves_the_budget_to_the_others():
@@ -265,7 +273,7 @@ def test_a_checkpoint_while_a_worker_waits_for_its_restart_restarts_it_on_resume
     )
     starts = again.restore(shards, saved)
     assert starts == [(saved["now"], 0), (saved["now"], 1)]
-    assert saved["consumed"][1] == 0  # its restart draws its batches afresh
+    assert saved["consumed"][1] == 6  # batches 0-5: its restart continues after them
 
 
 # -- divergence ------------------------------------------------------------------------------

@@ -19,11 +19,28 @@ from stalewise import targets
 log = logging.getLogger(__name__)
 
 
-def batch_iterator(data: Any, worker: int, workers: int) -> Iterator[Any]:
-    """A worker's batches: ``data(worker, workers)`` if callable, else ``data[worker]`` cycled."""
-    if callable(data):
-        return iter(data(worker, workers))
-    return itertools.cycle(data[worker])
+def batch_iterator(data: Any, worker: int, workers: int, drawn: Any = None) -> Iterator[Any]:
+    """A worker's batches: ``data(worker, workers)`` if callable, else ``data[worker]`` cycled.
+
+    ``drawn``: the count of batches each worker id has drawn (anything indexed by
+    worker id). The stream then skips ``drawn[worker]`` batches and adds one to it
+    for each batch it yields. Every runtime continues a worker id's stream this
+    way: a new incarnation (a restart, a resumed run) starts a new stream and skips
+    what its worker id has drawn, including a batch it died on, so a batch that
+    makes the user's code raise is not drawn again.
+    """
+    batches = iter(data(worker, workers)) if callable(data) else itertools.cycle(data[worker])
+    if drawn is None:
+        return batches
+    if drawn[worker]:
+        next(itertools.islice(batches, int(drawn[worker]) - 1, None), None)  # skips exactly that
+    return _counting(batches, drawn, worker)
+
+
+def _counting(batches: Iterator[Any], drawn: Any, worker: int) -> Iterator[Any]:
+    for batch in batches:
+        drawn[worker] += 1
+        yield batch
 
 
 def mean_loss(last_losses: Any) -> float:

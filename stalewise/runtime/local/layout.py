@@ -100,8 +100,9 @@ class Layout:
 
     @property
     def control_items(self) -> int:
-        # [stop flag, pushes done per worker..., last loss per worker...]
-        return 1 + 2 * self.workers
+        # [stop flag, pushes done per worker..., last loss per worker...,
+        #  batches drawn per worker id, over its incarnations...]
+        return 1 + 3 * self.workers
 
     @property
     def record_items(self) -> int:

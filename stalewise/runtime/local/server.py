@@ -115,7 +115,7 @@ class LocalServer:
         try:
             self.layout.params(self._block)[:] = config.init
             self.control = self.layout.control(self._block)
-            self.control[1 + workers :] = np.nan  # last loss per worker: none yet
+            self.control[1 + workers : 1 + 2 * workers] = np.nan  # last loss per worker: none yet
             self._residuals: Residuals | None = None
             if self.layout.feedback:  # zero residuals, in buffer 1 (Residuals.put)
                 self._residuals = Residuals(self.layout, self._block)

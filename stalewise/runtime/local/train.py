@@ -79,7 +79,13 @@ from stalewise.strategies import Strategy
 
 log = logging.getLogger(__name__)
 
-_STOP, _DONE0 = 0, 1  # control slots: stop flag, then pushes done per worker, then last loss
+# control slots: stop flag, then per worker: pushes done, last loss, batches drawn (by its id)
+_STOP, _DONE0 = 0, 1
+
+
+def _drawn(workers: int) -> slice:
+    """The control slots counting the batches each worker id has drawn."""
+    return slice(_DONE0 + 2 * workers, _DONE0 + 3 * workers)
 
 
 class _Heartbeat:
@@ -141,7 +147,8 @@ def _worker_main(
     beat = _Heartbeat(results, w, options.worker_timeout)
     try:
         ctrl = client._layout.control(client._attach())
-        batches = batch_iterator(options.data, w, workers)
+        # counted in shared memory: the parent saves it, the next incarnation skips as many
+        batches = batch_iterator(options.data, w, workers, drawn=ctrl[_drawn(workers)])
         first = next(batches)
         # Set-up, not training: load the data and run one step whose result is thrown
         # away, so a JIT compile of the user's function (JAX, numba) happens before the clock.
@@ -429,7 +436,8 @@ class _Supervisor:
         assert self.saver is not None
         states = self.server.state_dicts()
         residuals = self.server.residuals()  # each worker's, as of its last committed push
-        self.saver.save(states, {"pushes": pushes, "time": now}, residuals)
+        drawn = [int(n) for n in self.server.control[_drawn(self.o.workers)]]
+        self.saver.save(states, {"pushes": pushes, "time": now, "drawn": drawn}, residuals)
         self.checkpointed = True
 
     # -- the run ---------------------------------------------------------------------
@@ -443,6 +451,7 @@ class _Supervisor:
             if feedback is not None:  # each worker id continues with its saved residual
                 server.load_residuals([f.residual for f in feedback])
             server.control[_DONE0] = int(resumed.step.get("pushes", 0))  # the job's total budget
+            server.control[_drawn(o.workers)] = checkpoint.drawn_of(resumed, o.workers)
             self.checkpointed = True
             log.info("resumed from %s (version %d)", resumed.path, resumed.version)
         self.start()

@@ -51,11 +51,16 @@ class Liveness:
         self.timeout, self.start_timeout = worker_timeout, start_timeout
         self.every = 1.0 if worker_timeout is None else min(1.0, worker_timeout / 4)
         self.watched: dict[int, _Watch] = {}
+        self.drawn: dict[int, int] = {}  # the batches each worker id had drawn, as last heard
 
     def watch(self, w: int, actor: Any, *, ready: bool, now: float | None = None) -> None:
         """Worker ``w``'s actor has just been sent ``run()`` (``ready``: it is set up)."""
         now = time.monotonic() if now is None else now
         self.watched[w] = _Watch(actor, now, ready, moved=now)
+
+    def heard(self, w: int, drawn: int) -> None:
+        """Worker ``w``'s id has drawn ``drawn`` batches (counts only grow)."""
+        self.drawn[w] = max(drawn, self.drawn.get(w, 0))
 
     def forget(self, w: int) -> None:
         """Worker ``w`` is no longer watched (its loop ended, or it failed)."""
@@ -72,13 +77,14 @@ class Liveness:
         for w, x in self.watched.items():
             if x.ref is not None and x.ref in done:
                 try:
-                    ready, beats = ray.get(x.ref)
+                    ready, beats, drawn = ray.get(x.ref)
                 except ray.exceptions.RayError:  # its actor died: its run() says so
                     ready, beats = x.ready, x.beats
                 else:
                     if beats != x.beats or ready != x.ready:
                         x.moved = now
                     x.ready, x.beats, x.seen = ready, beats, x.asked
+                    self.heard(w, drawn)
                 x.ref = None
             if x.ref is None and now - x.asked >= self.every:
                 x.ref = x.actor.progress.options(concurrency_group=GROUP).remote()

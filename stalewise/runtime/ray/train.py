@@ -137,6 +137,8 @@ class _Driver:
             for w in range(self.W):  # new incarnations, above those in the checkpoint
                 self.incs[w] = max(int(np.asarray(s["incarnation"])[w]) for s in states)
             log.info("ray: resumed from %s (version %d)", resumed.path, resumed.version)
+        for w, n in enumerate(checkpoint.drawn_of(resumed, self.W)):
+            self.liveness.heard(w, n)  # each worker id's stream goes on where it stopped
         joins = {w: self.incs[w] + 1 for w in range(self.W)}
         self.incs = [joins[w] for w in range(self.W)]
         if self.ef:  # each worker id continues with its saved residual (zeros: none saved)
@@ -181,6 +183,7 @@ class _Driver:
             self.shards,
             residual,
             self.keepers[w],
+            self.liveness.drawn.get(w, 0),  # its new stream skips what its id has drawn
         )
         if self.ef:
             self.fb_at[w] = (self.incs[w], 0) if residual is not None else None
@@ -349,6 +352,7 @@ class _Driver:
             self._worker_failed(w, f"its actor died ({type(e).__name__})")
         else:
             self.live.discard(w)
+            self.liveness.heard(w, ended["drawn"])
             if self.ef:  # its residual after its last push, all of them acknowledged
                 inc, pushed, self.fb[w] = ended["feedback"]
                 self.fb_at[w] = (inc, pushed)
@@ -369,7 +373,16 @@ class _Driver:
     def _worker_failed(self, w: int, cause: str, detail: str = "") -> None:
         """The failure policy for worker ``w``: its last push everywhere or nowhere, then
         restart it as a new incarnation, drop it, or stop the job (WorkerError)."""
-        self.ray.kill(self.actors[w], no_restart=True)  # it may live on after raising
+        ray = self.ray
+        try:  # alive after raising: how many batches it drew, the one that raised included
+            _, _, drawn = ray.get(
+                self.actors[w].progress.options(concurrency_group=liveness.GROUP).remote(),
+                timeout=1.0,
+            )
+            self.liveness.heard(w, drawn)
+        except (ray.exceptions.RayError, TimeoutError):  # dead or hung: the last count heard
+            pass
+        ray.kill(self.actors[w], no_restart=True)  # it may live on after raising
         timeout = self.o.ack_timeout
         counts: list = []
         with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
@@ -518,7 +531,10 @@ class _Driver:
         residuals = self._residuals() if self.ef else None
         if self.ef and residuals is None:
             return False
-        saver.save(self.backup[0], {"pushes": self.backup[1], "time": now}, residuals)
+        drawn = [self.liveness.drawn.get(w, 0) for w in range(self.W)]
+        saver.save(
+            self.backup[0], {"pushes": self.backup[1], "time": now, "drawn": drawn}, residuals
+        )
         return True
 
     def _residuals(self) -> list[np.ndarray] | None:

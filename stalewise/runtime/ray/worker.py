@@ -88,6 +88,7 @@ class WorkerActor:
         shards: list,
         residual: np.ndarray | None = None,
         keeper: Any = None,
+        drawn: int = 0,
     ):
         child_logging(f"worker {w}")
         self.config, self.strategy, self.o = config, strategy, options
@@ -129,6 +130,7 @@ class WorkerActor:
         self.batches: Any = None
         self.times = dict.fromkeys(("pull", "push", "acks", "compute", "send"), 0.0)
         self.beats = 0  # the loop's progress, read by the driver (progress())
+        self.drawn = {w: drawn}  # batches this worker id has drawn, earlier lives' too
         # shared with the sender and receiver threads, under `cond`
         self.cond = threading.Condition()
         self.latest: list = [None] * self.S  # (version, slice): the newest snapshots (ASP)
@@ -149,7 +151,7 @@ class WorkerActor:
 
         import ray
 
-        batches = batch_iterator(self.o.data, self.w, self.o.workers)
+        batches = batch_iterator(self.o.data, self.w, self.o.workers, drawn=self.drawn)
         first = next(batches)
         self.o.loss_and_grad(tree.unflatten(self.config.init, self.spec, copy=True), first)
         if self.compressor is not None:
@@ -157,11 +159,12 @@ class WorkerActor:
         self.batches = self._beating(itertools.chain([first], batches))
         return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    def progress(self) -> tuple[bool, int]:
-        """``(set up, beats)``: whether :meth:`prepare` is done and the loop's progress
-        count, which grows at each step, batch and wait. The driver calls it on the
-        ``"beat"`` concurrency group, beside a running :meth:`run`."""
-        return self.batches is not None, self.beats
+    def progress(self) -> tuple[bool, int, int]:
+        """``(set up, beats, drawn)``: whether :meth:`prepare` is done, the loop's progress
+        count, which grows at each step, batch and wait, and the batches this worker id
+        has drawn. The driver calls it on the ``"beat"`` concurrency group, beside a
+        running :meth:`run`."""
+        return self.batches is not None, self.beats, self.drawn[self.w]
 
     def _beating(self, batches: Any) -> Any:
         """``batches``, beating for each one drawn."""
@@ -196,7 +199,7 @@ class WorkerActor:
         for t in threads:
             t.start()
         diverged = getattr(loop, "Diverged", ())  # raised by the worker loop, where it exists
-        ended: dict[str, Any] = {"times": self.times}
+        ended: dict[str, Any] = {"times": self.times}  # and, at the end, "drawn"
         try:
             lp = loop.worker_loop(
                 self.strategy,
@@ -214,6 +217,7 @@ class WorkerActor:
                 ended |= {"steps": self.seq, "outcomes": {}, "diverged": str(e)}
             residual = None if self.feedback is None else self.feedback.residual
             ended["feedback"] = (self.inc, self.seq, residual)
+            ended["drawn"] = self.drawn[self.w]
         finally:
             with self.cond:
                 self.closing = True

@@ -18,10 +18,10 @@ code on one machine gives bit-identical results run after run.
 Checkpoints (``checkpoint_dir``, ``checkpoint_every`` updates,
 ``checkpoint_seconds`` virtual seconds, and always at the end of the run) hold
 the shards' states plus the simulator's own: the virtual time, each worker's
-batches used, its timing RNG state and the instant its loop ended, the links'
+batches drawn, its timing RNG state and the instant its loop ended, the links'
 queues and the push count; and each worker's error-feedback residual. ``resume=True`` loads them and restarts the workers
 as new incarnations (fresh strategy states, their data streams fast-forwarded
-past the batches used). A run interrupted by its ``steps`` budget and resumed
+past the batches drawn). A run interrupted by its ``steps`` budget and resumed
 with a larger one ends bit-identical to an uninterrupted run when the
 checkpoint is *quiescent* (the run ended by its budget: nothing in flight,
 every loop ended) and the workers carry nothing across steps that the

@@ -49,7 +49,7 @@ A worker fails by a scripted :class:`~stalewise.runtime.sim.models.Failure`
 or when the user's code raises in it (its data, its strategy step); the job's
 failure policy (:class:`~stalewise.runtime.base.Failures`, as in the local
 runtime) then restarts it ``SimConfig.restart_delay`` virtual seconds later
-(a new incarnation drawing its batches afresh from ``data(worker, workers)``),
+(a new incarnation whose stream skips the batches its worker id has drawn),
 drops it, or fails the job. Two exceptions: a scripted failure answered by a
 later scripted :class:`~stalewise.runtime.sim.models.Join` of that worker
 keeps it away until that join (the script says when it is back; no restart is
@@ -176,8 +176,7 @@ class Simulation:
         self.t_mark = [0.0] * workers
         self.started = self.pushes = self.events = self.queued = 0
         self.totals = {"pull": 0.0, "push": 0.0, "compute": 0.0, "steps": 0}
-        self.consumed = [0] * workers  # batches each worker id has used (local_steps summed)
-        self.skip = [0] * workers  # batches to skip when a stream starts (a resumed run)
+        self.consumed = [0] * workers  # batches each worker id has drawn, over its lives
         self.ended: list[tuple[float, int] | None] = [None] * workers  # (time, order) of DONE
         self.checkpointer: Any = None  # called after every event when set (periodic checkpoints)
         self.diverged: dict[int, str] = {}  # worker -> why its loop raised loop.Diverged
@@ -316,14 +315,13 @@ class Simulation:
     def start_loop(self, w: int) -> None:
         """Starts a new loop for worker ``w``'s new incarnation (it asks BEGIN at once).
 
-        A worker id keeps one stream of batches over its lives, except that a
-        restart (:meth:`policy`) draws a new one, as a new process would.
+        A worker id keeps one stream of batches over its lives; a restart
+        (:meth:`policy`) or a resumed run starts a new one, as a new process
+        would, after the batches its worker id has drawn.
         """
         try:
             if self.batches[w] is None:
-                self.batches[w] = batch_iterator(self.data, w, self.P)
-                if self.skip[w]:  # resumed: continue the stream where the checkpoint left it
-                    deque(itertools.islice(self.batches[w], self.skip[w]), maxlen=0)
+                self.batches[w] = batch_iterator(self.data, w, self.P, drawn=self.consumed)
         except Exception as e:
             self.crash(w, e)
             return
@@ -366,7 +364,6 @@ class Simulation:
             update, loss, local_steps, _ = request  # the step has run: a Push
             if local_steps < 0:
                 raise ValueError(f"the strategy step reported local_steps={local_steps} (< 0)")
-            self.consumed[w] += local_steps
             self.upd_buf[w] = out = self.take_buffer()
             tree.flatten(update, spec=self.spec, out=out)
             if self.compressor is not None:
@@ -471,8 +468,7 @@ class Simulation:
         """Applies the failure policy to worker ``w``, which has just departed."""
         if self.failures.worker(w, cause, time=self.now, detail=detail) == "restart":
             self.awaiting[w] = self.failures.events[-1]
-            self.batches[w] = None  # the new incarnation draws its batches afresh
-            self.consumed[w] = self.skip[w] = 0
+            self.batches[w] = None  # the new incarnation continues its id's stream
             self.returns += 1
             self.at(self.now + self.sim.restart_delay, _RESTART, w, inc=self.inc[w])
 
@@ -587,8 +583,7 @@ class Simulation:
             self.feedback[:] = feedback  # each worker id continues with its residual
         self.now = self.end = float(saved["now"])
         self.pushes = self.started = int(saved["pushes"])
-        self.skip = [int(n) for n in saved["consumed"]]
-        self.consumed = list(self.skip)
+        self.consumed = [int(n) for n in saved["consumed"]]  # each stream skips as many
         self.last_loss[:] = [math.nan if x is None else x for x in saved["last_loss"]]
         if saved["rngs"] is not None and self.timing._rngs is not None:
             for rng, state in zip(self.timing._rngs, saved["rngs"], strict=True):
