@@ -138,3 +138,12 @@ def tagged_pids(tag):
             except OSError:
                 pass
     return pids
+
+
+def seen_batches(path):
+    """``{worker: [batch indices]}`` from a file of ``"worker index"`` lines, one per
+    ``loss_and_grad`` call (tests record the batches their workers draw this way)."""
+    seen: dict[int, list[int]] = {}
+    for w, i in (map(int, line.split()) for line in path.read_text().splitlines()):
+        seen.setdefault(w, []).append(i)
+    return seen

@@ -161,25 +161,17 @@ def test_a_batch_that_always_raises_costs_one_restart_not_the_job(no_leaks):
     assert result.pushes >= 200 and result.stop_reason.startswith("the budget")
 
 
-def seen_batches(path):
-    """{worker: [batch indices]} from a SEEN_LOG file."""
-    seen = {}
-    for w, i in (map(int, line.split()) for line in path.read_text().splitlines()):
-        seen.setdefault(w, []).append(i)
-    return seen
-
-
 def test_a_resumed_run_continues_each_workers_data_stream(no_leaks, tmp_path, monkeypatch):
     log, ckpt = tmp_path / "seen", tmp_path / "ckpt"
     monkeypatch.setenv("SEEN_LOG", str(log))
     kw = dict(loss=recording_loss, data=tagged_data, checkpoint_dir=ckpt)
     train(job(), steps=60, **kw)
     drawn = checkpoint.load(ckpt).step["drawn"]
-    before = seen_batches(log)
+    before = mp_helpers.seen_batches(log)
     assert drawn == [max(before[w]) + 1 for w in (0, 1)], (drawn, before)
     log.unlink()
     train(job(), steps=120, resume=True, **kw)
-    after = seen_batches(log)
+    after = mp_helpers.seen_batches(log)
     assert [min(after[w]) for w in (0, 1)] == drawn  # each stream goes on where it stopped
 
     stop = Once("stalewise-worker-1", signal.SIGSTOP)

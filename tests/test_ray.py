@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 
+import mp_helpers
 import numpy as np
 import pytest
 import ray
@@ -659,23 +660,15 @@ def test_checkpoints_and_resume_on_ray(cluster, tmp_path):
     first = job.train(loss, steps=300, checkpoint_dir=tmp_path, checkpoint_every=50, **kw)
     assert (tmp_path / "latest").exists()
     drawn = checkpoint.load(tmp_path).step["drawn"]
-    before = seen_batches(seen)
+    before = mp_helpers.seen_batches(seen)
     assert drawn == [max(before[w]) + 1 for w in range(3)], (drawn, before)
     seen.unlink()
     again = job.train(loss, steps=600, checkpoint_dir=tmp_path, resume=True, **kw)
     assert again.pushes >= 600  # steps is the job's total budget, pushes before included
     assert again.stats["version"] > first.stats["version"]
     assert sw.load(tmp_path)["x"].shape == (16,)
-    after = seen_batches(seen)
+    after = mp_helpers.seen_batches(seen)
     assert [min(after[w]) for w in range(3)] == drawn  # each stream goes on where it stopped
-
-
-def seen_batches(path):
-    """{worker: [batch indices]} from the file ``bad_batch`` records into."""
-    seen = {}
-    for w, i in (map(int, line.split()) for line in path.read_text().splitlines()):
-        seen.setdefault(w, []).append(i)
-    return seen
 
 
 def test_a_batch_that_always_raises_costs_one_restart_not_the_job(cluster):
