@@ -344,7 +344,7 @@ def end_reason(
         last = next(e["cause"] for e in reversed(failures.events) if e["action"] == "diverged")
         at = f" (version {version})" if version is not None else ""
         raise DivergedError(
-            f"training diverged: worker(s) {', '.join(map(str, diverged))} stopped because "
+            f"training diverged: worker(s) {', '.join(map(str, sorted(diverged)))} stopped because "
             f"their pushes kept being refused ({last}); no worker is left, after {pushes} of "
             f"{steps} pushes. The parameters are unchanged by refused pushes{at}; lower the "
             "learning rate or clip the gradients."

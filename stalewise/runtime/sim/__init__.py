@@ -188,7 +188,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
             pushes=state.pushes,
             steps=state.steps,
             budget_spent=False,  # every simulated push counts: pushes >= steps says it
-            diverged=sorted(state.diverged),
+            diverged=list(state.diverged),
             stats=stats,
             version=state.shards[0].version,
             run=run_name,
