@@ -347,6 +347,14 @@ class _Driver:
             ended = ray.get(ref)
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if e.cause is not None else e
+            try:  # it lives on after raising: the batches it drew, the one that raised too
+                _, _, drawn = ray.get(
+                    self.actors[w].progress.options(concurrency_group=liveness.GROUP).remote(),
+                    timeout=1.0,
+                )
+                self.liveness.heard(w, drawn)
+            except (ray.exceptions.RayError, TimeoutError):  # else the last count heard
+                log.debug("ray: worker %d did not say how many batches it drew", w)
             self._worker_failed(w, f"raised {type(cause).__name__}: {cause}", str(e))
         except ray.exceptions.RayError as e:
             self._worker_failed(w, f"its actor died ({type(e).__name__})")
@@ -373,16 +381,7 @@ class _Driver:
     def _worker_failed(self, w: int, cause: str, detail: str = "") -> None:
         """The failure policy for worker ``w``: its last push everywhere or nowhere, then
         restart it as a new incarnation, drop it, or stop the job (WorkerError)."""
-        ray = self.ray
-        try:  # alive after raising: how many batches it drew, the one that raised included
-            _, _, drawn = ray.get(
-                self.actors[w].progress.options(concurrency_group=liveness.GROUP).remote(),
-                timeout=1.0,
-            )
-            self.liveness.heard(w, drawn)
-        except (ray.exceptions.RayError, TimeoutError):  # dead or hung: the last count heard
-            pass
-        ray.kill(self.actors[w], no_restart=True)  # it may live on after raising
+        self.ray.kill(self.actors[w], no_restart=True)  # it may live on after raising
         timeout = self.o.ack_timeout
         counts: list = []
         with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
