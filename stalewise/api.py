@@ -264,9 +264,10 @@ class Job:
         return LocalServer(self.config, workers, join_timeout=join_timeout)
 
     def _check_pulls(self, runtime: str) -> None:
-        # every built-in runtime sends compressed pushes; delta pulls the simulator and Ray
-        if runtime not in ("sim", "ray") and self.config.pull_codec is not None:
-            raise ValueError(pulls.refusal(self.config.pull_codec, runtime))
+        # every built-in runtime sends compressed pushes; delta pulls only pulls.RUNTIMES
+        why = pulls.refusal(self.config.pull_codec, runtime)
+        if why is not None:
+            raise ValueError(why)
 
 
 def _with_buffers(

@@ -485,8 +485,9 @@ def parse(
         codec_policy = _codec(codec, "--codec")
     pull_key = "--pull-codec" if pull_codec is not None else "server.pull_codec"
     pulls_policy = _pull_codec(s.get("pull_codec") if pull_codec is None else pull_codec, pull_key)
-    if runtime not in ("sim", "ray") and pulls_policy is not None:
-        raise ConfigError(pull_key, pulls.refusal(pulls_policy, runtime))
+    why = pulls.refusal(pulls_policy, runtime)
+    if why is not None:
+        raise ConfigError(pull_key, why)
     strategy = strategy_from_table(st)
     optimizer = _server_optimizer(o, "optimizer" in raw, strategy, workers)
     sim_config = _sim(sim_table)

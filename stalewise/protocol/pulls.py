@@ -351,8 +351,14 @@ class Replica:
         self.params[lo:hi] = new
 
 
-def refusal(pull_codec: Any, runtime: str) -> str:
-    """Why ``runtime`` refuses delta pulls (a ``pull_codec``), in one line."""
+RUNTIMES = ("sim", "ray")  # the runtimes that send delta pulls
+
+
+def refusal(pull_codec: Any, runtime: str) -> str | None:
+    """Why ``runtime`` refuses delta pulls (a ``pull_codec``), in one line; None when it
+    takes them (one of :data:`RUNTIMES`) or there is no ``pull_codec``."""
+    if pull_codec is None or runtime in RUNTIMES:
+        return None
     if runtime == "local":
         why = (
             "the local runtime's pulls read a shared-memory snapshot (a memcpy, no network), "

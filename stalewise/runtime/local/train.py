@@ -548,8 +548,9 @@ class _Supervisor:
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
     """Trains with ``options.workers`` local processes (the ``"local"`` runtime; see Job.train)."""
     o = options
-    if config.pull_codec is not None:  # pulls are shared-memory reads here: nothing to save
-        raise ValueError(pulls.refusal(config.pull_codec, "local"))
+    why = pulls.refusal(config.pull_codec, "local")  # pulls are shared-memory reads here
+    if why is not None:
+        raise ValueError(why)
     for name, obj in (("loss_and_grad", o.loss_and_grad), ("data", o.data), ("strategy", strategy)):
         _check_picklable(name, obj)
     resumed = checkpoint.resume_point(config, o, runtime="local")
