@@ -140,10 +140,16 @@ def tagged_pids(tag):
     return pids
 
 
-def seen_batches(path):
-    """``{worker: [batch indices]}`` from a file of ``"worker index"`` lines, one per
-    ``loss_and_grad`` call (tests record the batches their workers draw this way)."""
-    seen: dict[int, list[int]] = {}
-    for w, i in (map(int, line.split()) for line in path.read_text().splitlines()):
-        seen.setdefault(w, []).append(i)
-    return seen
+def per_worker(records) -> dict[int, list[int]]:
+    """``{worker: [value, ...]}`` from ``(worker, value)`` records, in their order."""
+    out: dict[int, list[int]] = {}
+    for w, x in records:
+        out.setdefault(int(w), []).append(int(x))
+    return out
+
+
+def read_records(path) -> dict[int, list[int]]:
+    """``{worker: [value, ...]}`` from a file of ``"worker value"`` lines, which worker
+    processes append to (the batches they draw, the H of their rounds)."""
+    with open(path) as f:
+        return per_worker(line.split() for line in f if line.strip())

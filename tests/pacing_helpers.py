@@ -28,48 +28,28 @@ def tagged_loss_and_grad(params, batch):
     return float(0.5 * (diff**2).sum()), {"x": diff}
 
 
-def _record(strategy, step, state, params, loss_and_grad, batches):
-    first = next(batches)  # the round's first batch names the worker
-    out = step(state, params, loss_and_grad, itertools.chain([first], batches))
-    if strategy.path is None:
-        RECORDED.append((first[0], out.local_steps))
-    else:
-        with open(strategy.path, "a") as f:
-            f.write(f"{first[0]} {out.local_steps}\n")
-    return out
-
-
-class RecordingAdaptive(Adaptive):
-    """:class:`Adaptive` that records the ``H`` of every round (to ``path``, if given)."""
+class _Recording:
+    """Records the ``H`` of every round of the strategy it is mixed into (to ``path``, if
+    given, else to RECORDED)."""
 
     def __init__(self, *args, path=None, **kw):
         super().__init__(*args, **kw)
         self.path = path
 
     def step(self, state, params, loss_and_grad, batches):
-        return _record(self, super().step, state, params, loss_and_grad, batches)
+        first = next(batches)  # the round's first batch names the worker
+        out = super().step(state, params, loss_and_grad, itertools.chain([first], batches))
+        if self.path is None:
+            RECORDED.append((first[0], out.local_steps))
+        else:
+            with open(self.path, "a") as f:
+                f.write(f"{first[0]} {out.local_steps}\n")
+        return out
 
 
-class RecordingLocalSGD(LocalSGD):
-    """:class:`LocalSGD` that records the ``H`` of every round (to ``path``, if given)."""
-
-    def __init__(self, *args, path=None, **kw):
-        super().__init__(*args, **kw)
-        self.path = path
-
-    def step(self, state, params, loss_and_grad, batches):
-        return _record(self, super().step, state, params, loss_and_grad, batches)
+class RecordingAdaptive(_Recording, Adaptive):
+    """:class:`Adaptive` that records the ``H`` of every round."""
 
 
-def per_worker(records) -> dict[int, list[int]]:
-    """``{worker: [H of each of its rounds]}`` from ``(worker, H)`` records."""
-    out: dict[int, list[int]] = {}
-    for w, h in records:
-        out.setdefault(int(w), []).append(int(h))
-    return out
-
-
-def read_records(path) -> dict[int, list[int]]:
-    """What the worker processes wrote to ``path``, per worker."""
-    with open(path) as f:
-        return per_worker(line.split() for line in f if line.strip())
+class RecordingLocalSGD(_Recording, LocalSGD):
+    """:class:`LocalSGD` that records the ``H`` of every round."""

@@ -11,6 +11,7 @@ import math
 import pickle
 from dataclasses import dataclass
 
+import mp_helpers
 import numpy as np
 import pacing_helpers as ph
 import pytest
@@ -253,9 +254,7 @@ def test_h_shrinks_as_the_loss_falls_in_a_simulated_run():
     start = TASK.evaluate(TASK.init_params())["loss"]
     result = _sim(job, 4, 120, stragglers={3: 2.0})
     assert TASK.evaluate(result.params)["loss"] < 0.05 * start
-    per_worker: dict[int, list[int]] = {}
-    for key, h in _RECORDED:
-        per_worker.setdefault(key, []).append(h)
+    per_worker = mp_helpers.per_worker(_RECORDED)  # by worker state
     assert len(per_worker) == 4 and sum(map(len, per_worker.values())) == result.pushes
     for hs in per_worker.values():
         assert hs[0] == 32  # the first period is the start
@@ -463,7 +462,7 @@ def _paced_sim(strategy, consistency):
     sim = SimConfig(compute=Fixed(0.01), network=Network(latency=0.025))
     result = job.train(ph.tagged_loss_and_grad, data=ph.tagged_data, workers=4, steps=60,
                        runtime="sim", sim=sim, stragglers={3: 4.0})  # fmt: skip
-    return result, ph.per_worker(ph.RECORDED)
+    return result, mp_helpers.per_worker(ph.RECORDED)
 
 
 @pytest.mark.parametrize("kind", ["comm_budget", "dynamic"])
@@ -499,7 +498,7 @@ def test_the_local_runtime_clock_paces_dynamic_local_updates(no_leaks, tmp_path)
     job = sw.Job({"x": np.zeros(8)}, strategy=strategy, consistency=sw.ASP())
     job.train(ph.tagged_loss_and_grad, data=ph.tagged_data, workers=2, steps=24, timeout=120,
               delays={0: 0.02, 1: 0.02}, stragglers={1: 4.0})  # fmt: skip
-    hs = ph.read_records(path)
+    hs = mp_helpers.read_records(path)
     assert sorted(hs) == [0, 1] and min(map(len, hs.values())) >= 5, hs
     fast, slow = (float(np.median(hs[w][3:])) for w in (0, 1))
     assert hs[0][0] == hs[1][0] == 1  # the first round measures one step

@@ -167,11 +167,11 @@ def test_a_resumed_run_continues_each_workers_data_stream(no_leaks, tmp_path, mo
     kw = dict(loss=recording_loss, data=tagged_data, checkpoint_dir=ckpt)
     train(job(), steps=60, **kw)
     drawn = checkpoint.load(ckpt).step["drawn"]
-    before = mp_helpers.seen_batches(log)
+    before = mp_helpers.read_records(log)
     assert drawn == [max(before[w]) + 1 for w in (0, 1)], (drawn, before)
     log.unlink()
     train(job(), steps=120, resume=True, **kw)
-    after = mp_helpers.seen_batches(log)
+    after = mp_helpers.read_records(log)
     assert [min(after[w]) for w in (0, 1)] == drawn  # each stream goes on where it stopped
 
     stop = Once("stalewise-worker-1", signal.SIGSTOP)

@@ -660,14 +660,14 @@ def test_checkpoints_and_resume_on_ray(cluster, tmp_path):
     first = job.train(loss, steps=300, checkpoint_dir=tmp_path, checkpoint_every=50, **kw)
     assert (tmp_path / "latest").exists()
     drawn = checkpoint.load(tmp_path).step["drawn"]
-    before = mp_helpers.seen_batches(seen)
+    before = mp_helpers.read_records(seen)
     assert drawn == [max(before[w]) + 1 for w in range(3)], (drawn, before)
     seen.unlink()
     again = job.train(loss, steps=600, checkpoint_dir=tmp_path, resume=True, **kw)
     assert again.pushes >= 600  # steps is the job's total budget, pushes before included
     assert again.stats["version"] > first.stats["version"]
     assert sw.load(tmp_path)["x"].shape == (16,)
-    after = mp_helpers.seen_batches(seen)
+    after = mp_helpers.read_records(seen)
     assert [min(after[w]) for w in range(3)] == drawn  # each stream goes on where it stopped
 
 
