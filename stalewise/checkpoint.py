@@ -390,6 +390,19 @@ def check_compatible(ckpt: Checkpoint, config: Any, workers: int | None = None) 
                     f"{ckpt.path.name}: worker {w}'s error-feedback residual is {r.dtype} of "
                     f"shape {r.shape}, this job's parameters are {dtype} of shape {want}"
                 )
+    drawn = ckpt.step.get("drawn")
+    if drawn is not None:
+        if not isinstance(drawn, list) or (workers is not None and len(drawn) != workers):
+            raise CheckpointError(
+                f"{ckpt.path.name}: 'drawn' must list the batches each of this run's "
+                f"{workers} workers drew, got {drawn!r}"
+            )
+        for w, n in enumerate(drawn):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise CheckpointError(
+                    f"{ckpt.path.name}: worker {w}'s count of batches drawn is {n!r}, "
+                    "not an integer >= 0"
+                )
 
 
 # -- a run's checkpoints (both runtimes) --------------------------------------------------
@@ -453,21 +466,10 @@ def feedback_of(ckpt: Checkpoint | None, config: Any, workers: int) -> list[Any]
 def drawn_of(ckpt: Checkpoint | None, workers: int) -> list[int]:
     """How many batches each worker id had drawn at ``ckpt``: a resumed worker's new
     stream skips them (:func:`~stalewise.runtime.base.batch_iterator`). Zeros without
-    a checkpoint or with an older one, which did not count them."""
+    a checkpoint or with an older one, which did not count them. Call it after
+    :func:`check_compatible`, which refuses counts of another worker count."""
     drawn = None if ckpt is None else ckpt.step.get("drawn")
-    if drawn is None:
-        return [0] * workers
-    if len(drawn) != workers:
-        raise CheckpointError(
-            f"{ckpt.path.name} counts the batches of {len(drawn)} workers, this run has {workers}"
-        )
-    for w, n in enumerate(drawn):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise CheckpointError(
-                f"{ckpt.path.name}: worker {w}'s count of batches drawn is {n!r}, "
-                "not an integer >= 0"
-            )
-    return list(drawn)
+    return [0] * workers if drawn is None else list(drawn)
 
 
 class Saver:

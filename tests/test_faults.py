@@ -174,6 +174,26 @@ def test_a_resumed_run_continues_each_workers_data_stream(no_leaks, tmp_path, mo
     after = mp_helpers.read_records(log)
     assert [min(after[w]) for w in (0, 1)] == drawn  # each stream goes on where it stopped
 
+
+@pytest.mark.parametrize(
+    "drawn, message",
+    [
+        ([5], r"'drawn' must list the batches each of this run's 2 workers drew, got \[5\]"),
+        ([5, -1], r"worker 1's count of batches drawn is -1, not an integer >= 0"),
+        ([5, 2.5], r"worker 1's count of batches drawn is 2.5, not an integer >= 0"),
+    ],
+)
+def test_a_checkpoint_with_bad_batch_counts_is_refused(no_leaks, tmp_path, drawn, message):
+    """A manifest that fails its checksum is refused before this; this is the check that
+    resume_point runs, before anything starts, on one that passes it."""
+    ckpt = tmp_path / "ckpt"
+    train(job(), steps=20, data=tagged_data, checkpoint_dir=ckpt)
+    saved = checkpoint.load(ckpt)
+    assert len(saved.step["drawn"]) == 2
+    saved.manifest["step"]["drawn"] = drawn
+    with pytest.raises(sw.CheckpointError, match=message):
+        checkpoint.check_compatible(saved, job().config, 2)
+
     stop = Once("stalewise-worker-1", signal.SIGSTOP)
     try:
         result = train(job(consistency=sw.BSP()), on_record=stop, worker_timeout=1.0, steps=300)
