@@ -16,7 +16,13 @@ from stalewise.checkpoint import CheckpointError
 from stalewise.checkpoint import load_params as load
 from stalewise.consistency import ASP, BSP, SSP, Hybrid
 from stalewise.loops import LocalSGD, LocalSGDOptax
-from stalewise.runtime.base import DivergedError, ShardError, TrainResult, WorkerError
+from stalewise.runtime.base import (
+    DivergedError,
+    FailureWarning,
+    ShardError,
+    TrainResult,
+    WorkerError,
+)
 
 __version__ = "0.1.0"
 
@@ -26,6 +32,7 @@ __all__ = [
     "SSP",
     "CheckpointError",
     "DivergedError",
+    "FailureWarning",
     "Hybrid",
     "Job",
     "LocalSGD",

@@ -70,6 +70,11 @@ class DivergedError(RuntimeError):
     """Training diverged: every worker stopped because its pushes kept being refused."""
 
 
+class FailureWarning(UserWarning):
+    """Something failed during a run and changed its result (a worker or shard restarted,
+    updates lost, a checkpoint not written); the event is also in ``TrainResult.failures``."""
+
+
 FAILURE_POLICIES = ("restart", "drop", "fail")
 
 
