@@ -7,7 +7,7 @@ into a local-SGD worker: every ``every`` optimizer steps (``H``) they push
 new global parameters. The server's optimizer merges those pseudo-gradients:
 ``sgd(1.0)`` for local SGD (FedAvg under BSP), Nesterov ``sgd(0.7,
 momentum=0.9)`` for DiLoCo, ``delayed_nesterov`` for asynchronous DiLoCo (see
-:mod:`stalewise.averaging`). The worker side of local SGD and DiLoCo is the
+:mod:`stalewise.strategies.averaging`). The worker side of local SGD and DiLoCo is the
 same, so there is one wrapper per kind of loop; the method is chosen by the
 Job's ``optimizer=`` (or ``strategy=``, whose recommendation the Job takes).
 
@@ -58,8 +58,8 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.averaging import _check_steps
 from stalewise.protocol import PushResult
+from stalewise.strategies.averaging import _check_steps
 
 __all__ = ["LocalSGD", "LocalSGDOptax"]
 

@@ -1,7 +1,7 @@
 """A worker's rounds timed by its runtime's clock: what one round and one local step cost.
 
-Strategies that pace themselves (:func:`stalewise.adaptive.comm_budget`, dynamic
-local updates of :func:`stalewise.averaging.local_sgd`) ask the worker loop for
+Strategies that pace themselves (:func:`stalewise.strategies.adaptive.comm_budget`, dynamic
+local updates of :func:`stalewise.strategies.averaging.local_sgd`) ask the worker loop for
 the runtime's clock (:data:`stalewise.protocol.loop.CLOCK`): monotonic wall time
 in the local and Ray runtimes, virtual time in the simulator. The loop hands it
 to :meth:`stalewise.strategies.Strategy.started` after every pull, so a round is

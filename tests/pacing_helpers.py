@@ -9,8 +9,8 @@ import itertools
 
 import numpy as np
 
-from stalewise.adaptive import Adaptive
-from stalewise.averaging import LocalSGD
+from stalewise.strategies.adaptive import Adaptive
+from stalewise.strategies.averaging import LocalSGDStrategy
 
 RECORDED: list[tuple[int, int]] = []  # (worker, H) of every round run in this process
 
@@ -51,5 +51,5 @@ class RecordingAdaptive(_Recording, Adaptive):
     """:class:`Adaptive` that records the ``H`` of every round."""
 
 
-class RecordingLocalSGD(_Recording, LocalSGD):
-    """:class:`LocalSGD` that records the ``H`` of every round."""
+class RecordingLocalSGD(_Recording, LocalSGDStrategy):
+    """:class:`~stalewise.strategies.averaging.LocalSGDStrategy` that records the ``H`` of every round."""

@@ -20,13 +20,13 @@ from test_averaging import same_rule
 
 import stalewise as sw
 from stalewise import tasks
-from stalewise.adaptive import AdaCommState, Adaptive, AdaptiveState, CommBudgetState
-from stalewise.averaging import LocalSGD
 from stalewise.pacing import RoundCost
 from stalewise.protocol import loop
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import Fixed, Network
 from stalewise.strategies import adacomm, adaptive, comm_budget, diloco, fixed, local_sgd
+from stalewise.strategies.adaptive import AdaCommState, Adaptive, AdaptiveState, CommBudgetState
+from stalewise.strategies.averaging import LocalSGDStrategy
 
 TASK = tasks.get("least-squares", n=512, d=16, batch_size=32, noise=0.1)
 
@@ -328,9 +328,11 @@ def test_recommended_server_optimizers():
     params = {"x": np.zeros(4)}
     job = sw.Job(params, strategy=adaptive(sw.optim.sgd(0.1)))
     assert same_rule(job.config.optimizer, sw.optim.sgd(1.0))
-    job = sw.Job(params, strategy=adaptive(outer="diloco"))
+    bsp = sw.BSP()  # synchronous DiLoCo's recommendation is for BSP
+    job = sw.Job(params, strategy=adaptive(outer="diloco"), consistency=bsp)
     assert same_rule(job.config.optimizer, sw.optim.sgd(0.7, momentum=0.9, nesterov=True))
-    job = sw.Job(params, strategy=adaptive(outer="diloco", outer_lr=0.5, outer_momentum=0.8))
+    strategy = adaptive(outer="diloco", outer_lr=0.5, outer_momentum=0.8)
+    job = sw.Job(params, strategy=strategy, consistency=bsp)
     assert same_rule(job.config.optimizer, sw.optim.sgd(0.5, momentum=0.8, nesterov=True))
     job = sw.Job(params, strategy=adaptive(outer="diloco", asynchronous=True, every=3))
     assert same_rule(job.config.optimizer, sw.optim.delayed_nesterov(0.7, 0.9, every=3))
@@ -338,6 +340,16 @@ def test_recommended_server_optimizers():
     assert lazy.server_optimizer(workers=5).apply.__self__.every == 5
     with pytest.raises(TypeError, match=r"every=<workers>\s+to adaptive\(\).*optimizer="):
         sw.Job(params, strategy=lazy)
+
+
+def test_diloco_outer_pairings_with_consistency_are_checked_as_for_diloco():
+    params = {"x": np.zeros(4)}
+    with pytest.raises(ValueError, match=r"^adaptive\(outer='diloco'\) recommends Nesterov SGD"):
+        sw.Job(params, strategy=adaptive(outer="diloco"))  # ASP, the default
+    with pytest.raises(ValueError, match=r"^adaptive\(outer='diloco'\) with asynchronous=True is"):
+        sw.Job(params, strategy=adaptive(outer="diloco", asynchronous=True, every=2),
+               consistency=sw.BSP())  # fmt: skip
+    assert sw.Job(params, strategy=adaptive(sw.optim.sgd(0.1)))  # local SGD: any consistency
 
 
 def test_adaptive_pickles_and_compares_by_configuration():
@@ -413,7 +425,7 @@ def test_the_loop_asks_the_runtime_clock_only_for_timed_strategies():
     timed = adaptive(sw.optim.sgd(0.1), start=2)
     assert timed.timed and not adaptive(sw.optim.sgd(0.1), schedule=adacomm(2)).timed
     assert not sw.strategies.gradients().timed and not local_sgd(2, sw.optim.sgd(0.1)).timed
-    assert LocalSGD(2, sw.optim.sgd(0.1), dynamic=True, period=1.0).timed
+    assert LocalSGDStrategy(2, sw.optim.sgd(0.1), dynamic=True, period=1.0).timed
     seen = []
 
     class Spy(Adaptive):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import pickle
+import re
 import time
 
 import jax
@@ -22,8 +23,8 @@ from numpy.testing import assert_allclose
 
 import stalewise as sw
 from stalewise import tasks
-from stalewise.averaging import AveragingState
 from stalewise.strategies import diloco, easgd, local_sgd
+from stalewise.strategies.averaging import AveragingState
 
 TASK = tasks.get("least-squares", n=512, d=16, batch_size=32, noise=0.1)
 
@@ -450,7 +451,7 @@ def same_rule(a: sw.optim.Optimizer, b: sw.optim.Optimizer) -> bool:
 
 def test_job_without_optimizer_uses_the_strategy_recommendation():
     params = {"x": np.zeros(4)}
-    job = sw.Job(params, strategy=diloco(steps=10))
+    job = sw.Job(params, strategy=diloco(steps=10), consistency=sw.BSP())
     assert same_rule(job.config.optimizer, sw.optim.sgd(0.7, momentum=0.9, nesterov=True))
     job = sw.Job(params, strategy=diloco(steps=10, asynchronous=True, every=3))
     assert same_rule(job.config.optimizer, sw.optim.delayed_nesterov(0.7, 0.9, every=3))
@@ -462,6 +463,60 @@ def test_job_without_optimizer_uses_the_strategy_recommendation():
     explicit = sw.optim.lamb(1e-3)
     assert sw.Job(params, optimizer=explicit, strategy=diloco()).config.optimizer is explicit
     assert diloco(asynchronous=True).server_optimizer(workers=5).apply.__self__.every == 5
+
+
+@pytest.mark.parametrize("consistency", [sw.ASP(), sw.SSP(2)], ids=str)
+def test_synchronous_diloco_with_its_recommendation_is_refused_when_pushes_apply_on_arrival(
+    consistency,
+):
+    params = {"x": np.zeros(4)}
+    with pytest.raises(
+        ValueError,
+        match=rf"^diloco recommends Nesterov SGD on each round's mean, for BSP; under "
+        rf"{re.escape(str(consistency))} every push would take a momentum step of its own: pass "
+        r"consistency=sw.BSP\(\), or asynchronous=True with every=<workers>",
+    ):
+        sw.Job(params, strategy=diloco(steps=10), consistency=consistency)
+    # asynchronous DiLoCo, or a server optimizer the user chose, is accepted
+    sw.Job(params, strategy=diloco(asynchronous=True, every=2), consistency=consistency)
+    explicit = sw.optim.sgd(0.7, momentum=0.9, nesterov=True)  # the per-push baseline
+    job = sw.Job(params, strategy=diloco(), optimizer=explicit, consistency=consistency)
+    assert job.config.optimizer is explicit
+    # without outer momentum an outer step per push is plain asynchronous local SGD
+    assert sw.Job(params, strategy=diloco(outer_momentum=0.0), consistency=consistency)
+
+
+def test_asynchronous_diloco_under_bsp_is_refused_even_with_an_optimizer():
+    params = {"x": np.zeros(4)}
+    for kw in ({}, {"optimizer": sw.optim.sgd(0.7, momentum=0.9, nesterov=True)}):
+        with pytest.raises(
+            ValueError,
+            match=r"^diloco with asynchronous=True is for ASP or SSP: its delayed Nesterov "
+            r"counts the pushes as they arrive, and BSP applies one mean per round",
+        ):
+            sw.Job(params, strategy=diloco(asynchronous=True, every=2), consistency=sw.BSP(), **kw)
+    hybrid = sw.Hybrid(tolerance=2)  # BSP part of the time, ASP the rest: either is accepted
+    assert sw.Job(params, strategy=diloco(asynchronous=True, every=2), consistency=hybrid)
+    assert sw.Job(params, strategy=diloco(), consistency=hybrid)
+
+
+def test_a_config_names_the_consistency_key_when_diloco_does_not_fit_it():
+    from stalewise import config
+
+    raw = {
+        "task": {"name": "least-squares", "args": {"n": 64, "d": 4}},
+        "strategy": {"name": "diloco", "steps": 4},
+    }
+    with pytest.raises(config.ConfigError) as caught:
+        config.parse(raw)  # consistency: "asp", the default; no [optimizer]: the recommendation
+    assert caught.value.key == "server.consistency"
+    assert caught.value.problem.startswith("diloco recommends Nesterov SGD on each round's mean")
+    cfg = config.parse({**raw, "server": {"consistency": "bsp"}})
+    assert cfg.job.config.consistency == sw.BSP()
+    async_bsp = {"name": "diloco", "steps": 4, "asynchronous": True, "every": 2}
+    with pytest.raises(config.ConfigError, match="asynchronous=True is for ASP or SSP") as caught:
+        config.parse({**raw, "strategy": async_bsp, "server": {"consistency": "bsp"}})
+    assert caught.value.key == "server.consistency"
 
 
 def test_job_without_optimizer_needs_a_recommendation():

@@ -566,7 +566,8 @@ def test_strategy_table_builds_the_strategy_and_the_server_optimizer():
     assert cfg.job.config.optimizer.apply.__self__.lr == 0.5
     schedule = {"name": "fixed", "steps": 3}
     adaptive = {"name": "adaptive", "outer": "diloco", "schedule": schedule, "smoothing": 0.5}
-    cfg = config.parse({"task": DIGITS, "strategy": adaptive})
+    bsp = {"consistency": "bsp"}  # synchronous DiLoCo's recommendation is for BSP
+    cfg = config.parse({"task": DIGITS, "strategy": adaptive, "server": bsp})
     assert cfg.job.strategy == sw.strategies.adaptive(
         outer="diloco", schedule=sw.strategies.fixed(3), smoothing=0.5
     )
@@ -653,7 +654,8 @@ def test_optimizer_table_is_required_only_without_a_recommendation(tmp_path, cap
     assert main(["train", str(cfg), "-q"]) == 2
     line = _one_error_line(capsys, "optimizer")
     assert "strategy 'gradients' recommends no server optimizer" in line
-    cfg = write(tmp_path, no_optimizer + '\n[strategy]\nname = "diloco"\nsteps = 5\n')
+    bsp = no_optimizer.replace('consistency = "ssp"\nbound = 2', 'consistency = "bsp"')
+    cfg = write(tmp_path, bsp + '\n[strategy]\nname = "diloco"\nsteps = 5\n')  # DiLoCo: BSP
     assert config.load(cfg).job.config.optimizer.apply.__self__.nesterov
 
 

@@ -1,28 +1,9 @@
-"""What a worker computes and pushes between two pulls.
+"""The base of every strategy: :class:`Strategy`, what a step returns (:class:`Step`),
+how strategies compare (:func:`config_key`) and the default one, :func:`gradients`.
 
-A strategy turns the pulled parameters and the worker's data into one update.
-The server's optimizer treats whatever arrives as a (pseudo-)gradient, which is
-how plain asynchronous SGD and model averaging share one server.
-
-A strategy is stateful per worker: :meth:`Strategy.init` makes a worker's state
-from the first parameters it pulls, and each :meth:`Strategy.step` gets the
-state back, so a strategy can keep an inner optimizer's moments, local
-parameters or an error-feedback residual across pushes. One step may run
-several local steps; it returns the update, how many local steps it took (the
-runtimes scale emulated and simulated compute time by it) and the loss. A
-strategy that paces itself by time sets ``timed = True`` and gets the runtime's
-clock at the start of every round (:meth:`Strategy.started`).
-
-* ``gradients()``: one minibatch gradient per push (the default).
-
-Example:
-    >>> import numpy as np
-    >>> strat = gradients()
-    >>> lg = lambda p, b: (float((p["x"] ** 2).sum()), {"x": 2 * p["x"]})
-    >>> params = {"x": np.ones(2)}
-    >>> step = strat.step(strat.init(params), params, lg, iter([None]))
-    >>> step.update["x"].tolist(), step.local_steps, step.loss
-    ([2.0, 2.0], 1, 2.0)
+The methods beside it (:mod:`stalewise.strategies.averaging`,
+:mod:`stalewise.strategies.adaptive`) import this module; it imports none of them.
+See :mod:`stalewise.strategies` for what a strategy is.
 """
 
 from __future__ import annotations
@@ -73,6 +54,15 @@ class Strategy:
     def step(self, state: Any, params: Any, loss_and_grad: LossAndGrad, batches: Iterator) -> Step:
         """Computes one update from ``params`` (the tree just pulled)."""
         raise NotImplementedError
+
+    def check_consistency(self, consistency: Any, *, recommended: bool) -> None:
+        """Raises ValueError (one line, saying why) if this strategy must not run under
+        ``consistency``; the default accepts every consistency model.
+
+        ``sw.Job`` (and a config file) calls it with the job's consistency model;
+        ``recommended`` is True when the server optimizer is this strategy's
+        :meth:`server_optimizer`, False when the user chose it.
+        """
 
     def server_optimizer(self, workers: int | None = None) -> Any:
         """The server optimizer this strategy recommends, or None to have the user choose.
@@ -133,7 +123,3 @@ class Gradients(Strategy):
 def gradients() -> Strategy:
     """Push the gradient of one minibatch per step (asynchronous SGD)."""
     return Gradients()
-
-
-from stalewise.adaptive import adacomm, adaptive, comm_budget, fixed  # noqa: E402, F401
-from stalewise.averaging import diloco, easgd, local_sgd  # noqa: E402, F401  (re-exported)

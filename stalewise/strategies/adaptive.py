@@ -1,0 +1,603 @@
+"""Adaptive local SGD / DiLoCo: a communication period ``H`` that tunes itself.
+
+``adaptive(inner, schedule=...)`` is :func:`~stalewise.strategies.averaging.local_sgd`
+(or, with ``outer="diloco"``, :func:`~stalewise.strategies.averaging.diloco`) whose number
+of local steps per push, ``H``, is chosen anew at every push by a *schedule*.
+The default schedule, :func:`comm_budget`, times the worker's rounds by the
+runtime's clock and picks the smallest ``H`` that keeps communication (and
+waiting at the SSP/BSP gate for other workers' pushes) under a fraction of a
+round; it needs no hint of a good ``H``. :func:`adacomm` (Wang and Joshi 2019)
+shrinks ``H`` as the training loss falls instead.
+
+Constructors (also under ``sw.strategies``):
+
+* ``adaptive(inner, schedule=comm_budget(), outer="local_sgd")``;
+  ``adaptive(inner, start=4, min_steps=1)`` is a shorthand for options of that
+  default schedule;
+* ``comm_budget(fraction=0.1, start=4, min_steps=1, max_steps=64)``: the
+  schedule that prices a round by the runtime's clock (the default);
+* ``adacomm(start, min_steps)``: the AdaComm schedule;
+* ``fixed(steps)``: ``H = steps`` at every push, which is ``local_sgd(steps=steps)``.
+
+The recommended server optimizer is the worker side's: ``sgd(1.0)`` for
+``outer="local_sgd"``, DiLoCo's Nesterov ``sgd(0.7, 0.9)`` for
+``outer="diloco"`` (delayed Nesterov with ``asynchronous=True, every=N``);
+``sw.Job`` refuses the same pairings with a consistency model as for
+:func:`~stalewise.strategies.averaging.diloco` (synchronous with the recommended
+optimizer under ASP/SSP, asynchronous under BSP).
+
+One round (one push) of a worker
+--------------------------------
+Round ``k`` of a worker, with ``F`` its smoothed training loss:
+
+1. pull the global parameters ``x_k``; the local parameters restart from them
+   (the inner optimizer's state persists, unless ``reset_inner``), as in
+   local SGD. With a schedule that times rounds (one with an ``observe``
+   method, as :func:`comm_budget`), the worker loop reads the runtime's clock
+   as the pull arrives (:meth:`~stalewise.strategies.Strategy.started`) and the
+   schedule observes the previous round: its ``H`` and its length from pull to
+   pull (:mod:`stalewise.pacing`);
+2. run **one** local step from ``x_k``; its loss, the loss at the pulled
+   parameters on one minibatch, enters ``F``;
+3. ask the schedule: ``H_k, s = schedule.next(s, F)`` (``H_k`` an integer >= 1,
+   the round's local steps *including* the one just taken);
+4. run the other ``H_k - 1`` local steps (each loss enters ``F``), push
+   ``x_k - local`` and report ``local_steps = H_k``, so the runtimes scale
+   emulated and simulated compute time by it.
+
+``F`` is an exponential moving average over the worker's local steps, all
+rounds together: the first finite loss sets ``F``, each later one makes ``F =
+smoothing * F + (1 - smoothing) * loss`` (``smoothing=0.9`` by default; ``0``
+makes ``F`` the loss at the pulled parameters). Non-finite losses are skipped;
+``F`` is NaN until a finite loss was seen. ``F`` and the schedule's state live
+in the worker's state (:class:`AdaptiveState`); a worker that rejoins (a new
+incarnation) starts over with a fresh state.
+
+The communication-budget rule (the default)
+-------------------------------------------
+``comm_budget(fraction=f, start=H_0, min_steps=h_min, max_steps=h_max)``
+fits the worker's rounds by the runtime's clock to ``T = c + s * H``
+(:class:`~stalewise.pacing.RoundCost`, an exponentially weighted least-squares
+fit with ``memory=0.9`` per round): ``c`` the seconds of a round that do not
+grow with ``H`` (pull, push, per-round overhead), ``s`` the seconds that one
+more local step adds to a round. Under BSP, ``s`` of every worker is the
+slowest worker's step time (the others wait for it at the gate), so a
+straggler makes long periods cheap and cheap communication makes short ones
+cheap. The rule: the smallest ``H`` whose communication is at most ``f`` of
+the round::
+
+    c <= f * (c + s * H)    <=>    H_k = ceil(c * (1 - f) / (f * s))
+
+within ``[h_min, h_max]``, and at most 4x the last round's ``H`` (``H_k =
+h_max`` if rounds do not grow with ``H``, ``s = 0``). To measure both ``c``
+and ``s``: the first two rounds run ``H_0`` steps and the third ``4 * H_0``
+(or ``H_0 // 4`` if that exceeds ``h_max``); the first round is not timed (it
+includes the job's start-up: other workers starting, caches warming). From
+the fourth on, rounds 6, 10, 14... run half the rule's ``H`` (twice it if
+half is below ``h_min``), so the rounds keep differing in ``H`` and ``c``
+stays measurable at long periods. The time is the runtime's: wall time in
+the local and Ray runtimes (emulated ``delays=``/``stragglers=`` included),
+virtual time in the simulator, whose runs stay deterministic.
+
+The AdaComm rule
+----------------
+``adacomm(start=H_0, min_steps=h_min)`` takes ``F_0`` = the first finite ``F``
+it is given, which is the loss of the worker's very first local step, at the
+initial parameters, and at every round::
+
+    H_k = min(H_0, max(h_min, ceil(sqrt(max(F_k, 0) / F_0) * H_0)))
+
+so the first round runs ``H_0`` steps, and a loss down by 4x halves ``H``. A
+non-finite ``F_k`` keeps the previous ``H``. The rule assumes a loss bounded
+below by 0: a first loss ``F_0 <= 0`` raises ``ValueError``. It knows nothing
+of what a round costs: started long (``H_0 = 64``) where communication is
+cheap, its first rounds are slow.
+
+Differences from the paper: there, all workers average synchronously and the
+period is updated every ``T_0`` wall-clock seconds from the loss at the
+averaged model; here each worker updates its own ``H`` at each of its pushes
+from its own smoothed training loss (which includes the loss at the pulled
+global parameters), so under ASP workers may run different ``H``; under BSP
+they differ only by the noise of their minibatches.
+
+Custom schedules
+----------------
+A schedule is any picklable object (it travels with the strategy) with two
+methods, and an optional third:
+
+* ``init() -> state``: the state of one worker's schedule (anything);
+* ``next(state, loss) -> (H, state)``: called once per round, after the round's
+  first local step, with the smoothed loss ``F`` (a float, NaN if no finite
+  loss was seen yet); returns the round's number of local steps ``H`` (an
+  integer >= 1, the first step included) and the next state;
+* ``observe(state, steps, seconds) -> state`` (optional): called at the start
+  of every round but the first, before ``next``, with the previous round's
+  ``H`` and its length in seconds of the runtime's clock (pull to pull). A
+  schedule that has it makes the worker loop ask the runtime for its clock.
+
+Frozen dataclasses make good schedules: they pickle and compare by value, so
+strategies built with equal schedules are equal.
+
+Example:
+    >>> import numpy as np
+    >>> import stalewise as sw
+    >>> sched = adacomm(start=32, min_steps=2)
+    >>> state, periods = sched.init(), []
+    >>> for loss in (4.0, 4.0, 1.0, 0.04, 1e-6):
+    ...     h, state = sched.next(state, loss)
+    ...     periods.append(h)
+    >>> periods  # ceil(sqrt(F / 4) * 32), within [2, 32]
+    [32, 32, 16, 4, 2]
+    >>> budget = comm_budget(fraction=0.2)
+    >>> state, periods = budget.init(), []
+    >>> for _ in range(8):  # rounds of 1 s of communication plus 0.25 s a local step
+    ...     h, state = budget.next(state, math.nan)
+    ...     periods.append(h)
+    ...     state = budget.observe(state, h, 1.0 + 0.25 * h)
+    >>> periods  # 4 (not timed), probes 4 and 16, then ceil(1 * 0.8 / (0.2 * 0.25)) = 16
+    [4, 4, 16, 16, 16, 16, 8, 16]
+    >>> strat = adaptive(sw.optim.sgd(0.05), schedule=adacomm(start=8), smoothing=0.0)
+    >>> lg = lambda p, b: (float((p["x"] ** 2).sum()), {"x": 2 * p["x"]})
+    >>> params = {"x": np.ones(1)}
+    >>> state, taken = strat.init(params), []
+    >>> for _ in range(7):  # one worker, server sgd(1.0): the pull is its local params
+    ...     step = strat.step(state, params, lg, iter(lambda: None, 1))
+    ...     params = {"x": params["x"] - step.update["x"]}
+    ...     taken.append(step.local_steps)
+    >>> taken  # F_k / F_0 = x_k ** 2, so H_k = ceil(8 |x_k|); x shrinks by 0.9 a step
+    [8, 4, 3, 2, 2, 2, 1]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from stalewise import optim
+from stalewise.optim._validate import check_number
+from stalewise.pacing import RoundCost
+from stalewise.strategies.averaging import (
+    AveragingState,
+    LocalSGDStrategy,
+    _check_steps,
+    _describe_inner,
+    _outer_mismatch,
+    _run_local,
+    _timed_round,
+    diloco,
+    local_sgd,
+)
+from stalewise.strategies.base import LossAndGrad, Step, Strategy
+
+__all__ = [
+    "AdaComm",
+    "AdaCommState",
+    "Adaptive",
+    "AdaptiveState",
+    "CommBudget",
+    "CommBudgetState",
+    "Fixed",
+    "adacomm",
+    "adaptive",
+    "comm_budget",
+    "fixed",
+]
+
+
+# -- schedules -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdaCommState:
+    """One worker's AdaComm state: ``F_0`` (NaN until a finite loss was seen) and the last ``H``."""
+
+    initial: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class AdaComm:
+    """``H_k = ceil(sqrt(F_k / F_0) * start)`` within ``[min_steps, start]``; see :func:`adacomm`."""
+
+    start: int = 32
+    min_steps: int = 1
+
+    def __post_init__(self) -> None:
+        start = _check_steps("adacomm", "start", self.start)
+        min_steps = _check_steps("adacomm", "min_steps", self.min_steps)
+        if min_steps > start:
+            raise ValueError(f"adacomm: min_steps={min_steps} exceeds start={start}")
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "min_steps", min_steps)
+
+    def init(self) -> AdaCommState:
+        return AdaCommState(math.nan, self.start)
+
+    def next(self, state: AdaCommState, loss: float) -> tuple[int, AdaCommState]:
+        loss = float(loss)
+        if not math.isfinite(loss):
+            return state.steps, state  # nothing to go by: keep the period
+        initial = state.initial
+        if math.isnan(initial):
+            if loss <= 0:
+                raise ValueError(
+                    f"adacomm: the first training loss is {loss!r}; the AdaComm rule scales H "
+                    "by sqrt(F_k / F_0) and needs losses bounded below by 0 with F_0 > 0"
+                )
+            initial = loss
+        steps = math.ceil(math.sqrt(max(loss, 0.0) / initial) * self.start)
+        steps = min(self.start, max(self.min_steps, steps))
+        return steps, AdaCommState(initial, steps)
+
+    def __repr__(self) -> str:
+        return f"adacomm(start={self.start}, min_steps={self.min_steps})"
+
+
+@dataclass(frozen=True)
+class CommBudgetState:
+    """One worker's :func:`comm_budget` state: the fit of its rounds, the last ``H`` and rounds."""
+
+    cost: RoundCost
+    steps: int  # H of the last round (NaN-free: the start before the first)
+    rounds: int = 0  # rounds asked for so far
+    target: int = 0  # the rule's H of the last round, before the alternation of odd rounds
+
+
+@dataclass(frozen=True)
+class CommBudget:
+    """The smallest ``H`` whose communication is at most ``fraction`` of a round; see
+    :func:`comm_budget`."""
+
+    fraction: float = 0.1
+    start: int = 4
+    min_steps: int = 1
+    max_steps: int = 64
+    memory: float = 0.9
+
+    def __post_init__(self) -> None:
+        fraction = self.fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+            raise ValueError(f"comm_budget: fraction must be a number in (0, 1), got {fraction!r}")
+        if not 0 < fraction < 1:
+            raise ValueError(f"comm_budget: fraction must be in (0, 1), got {fraction!r}")
+        start = _check_steps("comm_budget", "start", self.start)
+        lo = _check_steps("comm_budget", "min_steps", self.min_steps)
+        hi = _check_steps("comm_budget", "max_steps", self.max_steps)
+        if not lo <= start <= hi:
+            raise ValueError(
+                f"comm_budget: need min_steps <= start <= max_steps, got min_steps={lo}, "
+                f"start={start}, max_steps={hi}"
+            )
+        memory = check_number("comm_budget", "memory", self.memory, 0.0, 1.0)
+        object.__setattr__(self, "fraction", float(fraction))
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "min_steps", lo)
+        object.__setattr__(self, "max_steps", hi)
+        object.__setattr__(self, "memory", memory)
+
+    def init(self) -> CommBudgetState:
+        return CommBudgetState(RoundCost(self.memory), self.start)
+
+    def observe(self, state: CommBudgetState, steps: int, seconds: float) -> CommBudgetState:
+        """The last round ran ``steps`` local steps and lasted ``seconds`` (pull to pull)."""
+        if state.rounds <= 1:  # the first round: it includes the job's start-up
+            return state
+        return replace(state, cost=state.cost.add(steps, seconds))
+
+    def _probe(self) -> int:
+        """The third round's H: 4x the start, or a quarter of it if that exceeds max_steps."""
+        if 4 * self.start <= self.max_steps:
+            return 4 * self.start
+        return max(self.min_steps, self.start // 4)
+
+    def target(self, cost: RoundCost, last: int) -> int:
+        """The rule's ``H`` from the fit of the rounds: see :func:`comm_budget`."""
+        fit = cost.fit()
+        if fit is None:
+            return self.start
+        c, s = fit
+        hi = min(self.max_steps, 4 * last)
+        if s <= 0:
+            return max(self.min_steps, hi)
+        f = self.fraction
+        h = math.ceil(c * (1.0 - f) / (f * s) - 1e-9)
+        return max(self.min_steps, min(hi, h))
+
+    def next(self, state: CommBudgetState, loss: float) -> tuple[int, CommBudgetState]:
+        k, seen = state.rounds, state.cost.rounds
+        if seen == 0:  # nothing measured yet
+            target = h = self.start
+        elif seen == 1:  # one round: measure a second, of a different H
+            target = h = self._probe()
+        else:
+            target = h = self.target(state.cost, state.steps)
+            if k % 4 == 2:  # one round in 4 runs half the period, so that c and s stay apart
+                half = target // 2
+                h = half if half >= self.min_steps else min(2 * target, self.max_steps)
+        return h, CommBudgetState(state.cost, h, k + 1, target)
+
+    def __repr__(self) -> str:
+        return (
+            f"comm_budget(fraction={self.fraction:g}, start={self.start}, "
+            f"min_steps={self.min_steps}, max_steps={self.max_steps}, memory={self.memory:g})"
+        )
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """``H = steps`` at every push; see :func:`fixed`."""
+
+    steps: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", _check_steps("fixed", "steps", self.steps))
+
+    def init(self) -> None:
+        return None
+
+    def next(self, state: None, loss: float) -> tuple[int, None]:
+        return self.steps, state
+
+    def __repr__(self) -> str:
+        return f"fixed({self.steps})"
+
+
+def adacomm(start: int = 32, min_steps: int = 1) -> AdaComm:
+    """The AdaComm schedule (Wang and Joshi 2019): ``H`` shrinks as ``sqrt`` of the loss.
+
+    ``H_k = min(start, max(min_steps, ceil(sqrt(max(F_k, 0) / F_0) * start)))``
+    with ``F_0`` the first finite loss the schedule is given and ``F_k`` the
+    worker's smoothed loss at round ``k``; see the module docstring.
+
+    Args:
+        start: ``H_0``, the first period and the largest.
+        min_steps: the smallest period.
+
+    Example:
+        >>> s = adacomm(start=10)
+        >>> h, state = s.next(s.init(), 2.0)
+        >>> h, s.next(state, 0.5)[0]  # a quarter of the loss: half the period
+        (10, 5)
+    """
+    return AdaComm(start, min_steps)
+
+
+def comm_budget(
+    fraction: float = 0.1,
+    start: int = 4,
+    min_steps: int = 1,
+    max_steps: int = 64,
+    memory: float = 0.9,
+) -> CommBudget:
+    """Prices a round by the runtime's clock: the smallest ``H`` with communication at most
+    ``fraction`` of the round.
+
+    Fits the worker's rounds to ``T = c + s * H`` (``c`` communication and other
+    per-round seconds, ``s`` the seconds of a local step, the wait at a BSP gate
+    for a slower worker included) and runs ``H = ceil(c * (1 - fraction) /
+    (fraction * s))`` within ``[min_steps, max_steps]``; see the module
+    docstring for the probes and the half-period rounds that keep the fit current.
+
+    Args:
+        fraction: the most of a round that communication may take, in ``(0, 1)``.
+        start: the first two rounds' ``H`` (the third runs ``4 * start``, to measure).
+        min_steps: the smallest period.
+        max_steps: the largest period.
+        memory: per-round decay of the weight of older rounds in the fit, in ``[0, 1)``.
+
+    Example:
+        >>> from stalewise.pacing import RoundCost
+        >>> cost = RoundCost().add(4, 1.0 + 4 * 0.05).add(16, 1.0 + 16 * 0.05)
+        >>> comm_budget(max_steps=32).target(cost, 16)  # c = 1 s, s = 50 ms: 180 steps, capped
+        32
+    """
+    return CommBudget(fraction, start, min_steps, max_steps, memory)
+
+
+def fixed(steps: int) -> Fixed:
+    """The trivial schedule: ``H = steps`` at every push (``local_sgd(steps=steps)``).
+
+    Example:
+        >>> fixed(4).next(fixed(4).init(), 1.0)
+        (4, None)
+    """
+    return Fixed(steps)
+
+
+# -- the strategy ------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class AdaptiveState(AveragingState):
+    """One worker's state for :func:`adaptive`: local SGD's, plus the schedule's.
+
+    Made by the strategy's ``init`` from the first pull; it lives in the worker.
+    """
+
+    schedule: Any = None  # the schedule's state (from schedule.init(), then schedule.next)
+    loss: float = math.nan  # F: the smoothed training loss of the local steps (NaN: none yet)
+    local_steps: int = 0  # H of the last round
+
+
+class Adaptive(Strategy):
+    """Local SGD / DiLoCo with ``H`` picked at every push by a schedule; see :func:`adaptive`."""
+
+    name = "adaptive"
+
+    def __init__(self, schedule: Any, local: LocalSGDStrategy, *, smoothing: float = 0.9):
+        if not (
+            callable(getattr(schedule, "init", None)) and callable(getattr(schedule, "next", None))
+        ):
+            raise TypeError(
+                "adaptive: schedule must have init() -> state and next(state, loss) -> "
+                f"(H, state), e.g. sw.strategies.comm_budget(); got {schedule!r}"
+            )
+        self.schedule = schedule
+        self.local = local  # the worker side and the server recommendation; its steps is unused
+        self.smoothing = check_number("adaptive", "smoothing", smoothing, 0.0, 1.0)
+
+    settles = True  # as local SGD: every round starts from a pull holding its last push
+
+    @property
+    def timed(self) -> bool:  # type: ignore[override]
+        """True if the schedule observes the rounds' lengths (it has ``observe``)."""
+        return callable(getattr(self.schedule, "observe", None))
+
+    def init(self, params: Any) -> AdaptiveState:
+        base = self.local.init(params)
+        return AdaptiveState(**vars(base), schedule=self.schedule.init())
+
+    def started(self, state: AdaptiveState, now: float) -> None:
+        """The runtime's clock at a round's start: the schedule observes the last round."""
+        seconds = _timed_round(state, now)
+        if seconds is not None:
+            state.schedule = self.schedule.observe(state.schedule, state.taken, seconds)
+
+    def _observe(self, state: AdaptiveState, loss: Any) -> None:
+        x = float(loss)
+        if not math.isfinite(x):
+            return
+        if math.isnan(state.loss):
+            state.loss = x
+        else:
+            state.loss = self.smoothing * state.loss + (1.0 - self.smoothing) * x
+
+    def step(
+        self, state: AdaptiveState, params: Any, loss_and_grad: LossAndGrad, batches: Iterator
+    ) -> Step:
+        inner = self.local._inner
+
+        def observed(p: Any, batch: Any) -> tuple[Any, Any]:
+            loss, grads = loss_and_grad(p, batch)
+            self._observe(state, loss)
+            return loss, grads
+
+        def run() -> tuple[int, float]:
+            _, first = _run_local(inner, state, observed, batches, 1, None)
+            first_time = state.step_time
+            h, state.schedule = self.schedule.next(state.schedule, state.loss)
+            h = _check_steps(f"adaptive: schedule {self.schedule!r}", "H", h)
+            state.local_steps = h
+            if h == 1:
+                return 1, first
+            m, rest = _run_local(inner, state, observed, batches, h - 1, None)
+            state.step_time = (first_time + m * state.step_time) / h
+            return h, (first + m * rest) / h
+
+        return self.local._round(state, params, run)
+
+    def check_consistency(self, consistency: Any, *, recommended: bool) -> None:
+        """As :meth:`~stalewise.strategies.averaging.LocalSGDStrategy.check_consistency` of its
+        outer side: DiLoCo's outer optimizers are made for one consistency model each."""
+        why = _outer_mismatch(self.local, consistency, recommended, "adaptive(outer='diloco')")
+        if why is not None:
+            raise ValueError(why)
+
+    def server_optimizer(self, workers: int | None = None) -> optim.Optimizer:
+        """The worker side's: ``sgd(1.0)``, DiLoCo's Nesterov SGD or delayed Nesterov."""
+        if self.local.asynchronous and self.local.every is None and workers is None:
+            raise TypeError(
+                f"{self!r} recommends delayed_nesterov(every=number of workers) as the server "
+                "optimizer, but the number of workers is not known here: pass every=<workers> "
+                "to adaptive(), or an optimizer= to the Job"
+            )
+        return self.local.server_optimizer(workers)
+
+    def __repr__(self) -> str:
+        parts = [f"schedule={self.schedule!r}", f"inner={_describe_inner(self.local.inner)}"]
+        parts.append(f"outer={self.local.name!r}")
+        if self.local.asynchronous:
+            parts.append(f"asynchronous=True, every={self.local.every}")
+        if self.local.reset_inner:
+            parts.append("reset_inner=True")
+        parts.append(f"smoothing={self.smoothing:g}")
+        return f"adaptive({', '.join(parts)})"
+
+
+def adaptive(
+    inner: Any = None,
+    *,
+    schedule: Any = None,
+    start: int | None = None,
+    min_steps: int | None = None,
+    outer: str = "local_sgd",
+    smoothing: float = 0.9,
+    reset_inner: bool = False,
+    outer_lr: float | None = None,
+    outer_momentum: float | None = None,
+    asynchronous: bool = False,
+    every: int | None = None,
+) -> Adaptive:
+    """Local SGD (or DiLoCo) whose local steps per push, ``H``, follow a schedule.
+
+    Each round takes one local step from the pulled parameters, asks the
+    schedule for ``H`` with the worker's smoothed training loss, then takes the
+    other ``H - 1`` steps and pushes ``pulled - local``; the step reports
+    ``local_steps = H``. The default schedule, :func:`comm_budget`, prices each
+    round by the runtime's clock and keeps communication under 10% of it. See
+    the module docstring for the exact rules.
+
+    Args:
+        inner: the worker's optimizer, as for :func:`~stalewise.strategies.averaging.local_sgd`
+            (required with ``outer="local_sgd"``; DiLoCo's default
+            ``sw.optim.adamw(1e-3)`` with ``outer="diloco"``).
+        schedule: picks ``H``: :func:`comm_budget` (the default), :func:`adacomm`,
+            :func:`fixed` or any object with ``init()`` and ``next(state, loss) -> (H,
+            state)`` (and optionally ``observe``; see the module docstring).
+        start: shorthand for ``schedule=comm_budget(start=start, ...)`` (default 4;
+            ``max_steps`` becomes ``start`` if it exceeds 64).
+        min_steps: shorthand for ``schedule=comm_budget(min_steps=min_steps, ...)``
+            (default 1).
+        outer: ``"local_sgd"`` (recommended server optimizer ``sgd(1.0)``) or
+            ``"diloco"`` (DiLoCo's Nesterov SGD; delayed Nesterov if ``asynchronous``).
+        smoothing: the per-local-step decay of the loss's moving average, in ``[0, 1)``.
+        reset_inner: make a fresh inner optimizer state at every pull.
+        outer_lr: DiLoCo's outer learning rate (``outer="diloco"`` only; default 0.7).
+        outer_momentum: DiLoCo's outer Nesterov momentum (``outer="diloco"`` only; default 0.9).
+        asynchronous: recommend delayed Nesterov, for ASP (``outer="diloco"`` only).
+        every: delayed Nesterov's ``N``, the number of workers.
+
+    Example:
+        >>> import stalewise as sw
+        >>> s = adaptive(outer="diloco", start=8, min_steps=2)
+        >>> s.schedule, s.local.name
+        (comm_budget(fraction=0.1, start=8, min_steps=2, max_steps=64, memory=0.9), 'diloco')
+        >>> s.server_optimizer().apply.__self__
+        _Sgd(lr=0.7, momentum=0.9, nesterov=True, weight_decay=0.0)
+    """
+    if schedule is None:
+        first = 4 if start is None else start
+        most = max(64, first) if isinstance(first, int) else 64  # a bad start: comm_budget says so
+        schedule = comm_budget(
+            start=first, min_steps=1 if min_steps is None else min_steps, max_steps=most
+        )
+    elif start is not None or min_steps is not None:
+        raise ValueError(
+            "adaptive: start= and min_steps= configure the default comm_budget schedule; with "
+            "schedule= pass them to the schedule instead, e.g. adacomm(start=64, min_steps=2)"
+        )
+    diloco_only = {
+        "outer_lr": outer_lr,
+        "outer_momentum": outer_momentum,
+        "asynchronous": asynchronous or None,
+        "every": every,
+    }
+    given = {k: v for k, v in diloco_only.items() if v is not None}
+    if outer == "local_sgd":
+        if given:
+            raise ValueError(
+                f"adaptive: {', '.join(given)} configure DiLoCo's outer optimizer; pass "
+                "outer='diloco'"
+            )
+        if inner is None:
+            raise TypeError(
+                "adaptive: inner= is required with outer='local_sgd', e.g. sw.optim.sgd(0.05)"
+            )
+        local = local_sgd(1, inner, reset_inner=reset_inner)
+    elif outer == "diloco":
+        local = diloco(1, inner, reset_inner=reset_inner, **given)
+    else:
+        raise ValueError(f"adaptive: outer must be 'local_sgd' or 'diloco', got {outer!r}")
+    return Adaptive(schedule, local, smoothing=smoothing)

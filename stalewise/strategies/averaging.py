@@ -1,0 +1,757 @@
+"""Model-averaging strategies: local SGD (FedAvg), DiLoCo, asynchronous DiLoCo and EASGD.
+
+A model-averaging worker runs several *local steps* between two pushes and
+pushes a *pseudo-gradient* built from how far its local parameters moved. The
+server shards treat it like any update: the job's server optimizer applies it,
+the consistency model decides when (ASP on arrival, SSP within a bound, BSP the
+mean of a round) and the staleness rule scales its step. So one server serves
+gradient pushes and model averaging alike, and the choice of averaging method
+is the pair (strategy, server optimizer).
+
+Constructors (also under ``sw.strategies``):
+
+==========================================  =====================================  ==============================
+strategy                                    pushes                                 recommended server optimizer
+==========================================  =====================================  ==============================
+``local_sgd(steps=H, inner=opt)``           ``pulled - local`` after H steps       ``sgd(1.0)``
+``diloco(steps=H, inner=adamw(1e-3))``      ``pulled - local`` after H steps       ``sgd(0.7, 0.9, nesterov=True)``
+``diloco(..., asynchronous=True, every=N)`` ``pulled - local`` after H steps       ``delayed_nesterov(0.7, 0.9, every=N)``
+``easgd(alpha, every=tau, inner=opt)``      ``alpha * (centre - local)``           ``sgd(1.0)``
+==========================================  =====================================  ==============================
+
+``sw.Job(params, strategy=s)`` without ``optimizer=`` uses
+``s.server_optimizer()``; any other server optimizer may be passed instead.
+
+The worker's state
+------------------
+Each worker keeps an :class:`AveragingState` (made by ``init`` from its first
+pull, living in the worker process, never pickled): the spec of the flat
+vector, its local parameters ``local`` (one flat vector), the last pulled
+parameters ``pulled``, a gradient buffer, the inner optimizer's state
+``inner``, its number of pushes and the mean wall time of its last local steps
+(and, for strategies that pace themselves, the runtime's clock at the last
+round's start and the fit of its rounds' lengths, :mod:`stalewise.pacing`).
+``init`` also runs a :mod:`stalewise.optim` inner optimizer once on a
+throw-away model (the same leaf names, one element each), so its compiled
+kernels load then and not during the first round, whose compute time the
+runtimes scale to emulate slower workers.
+
+* **Inner optimizer state persists across pushes** by default: Adam's moments
+  and step count carry over from one round to the next, as in DiLoCo, where
+  each worker keeps its inner AdamW. ``reset_inner=True`` makes a fresh inner
+  state at every pull instead (FedAvg with stateful clients reset per round).
+* **Local parameters after a push:**
+
+  - ``local_sgd`` and ``diloco``: they are *replaced* by the next pull; every
+    round starts from the freshly pulled global parameters (the local SGD /
+    DiLoCo rule), so the pseudo-gradient of a round is exactly
+    ``pulled - local`` of that round.
+  - ``easgd``: they are *not* replaced. With ``x`` the local parameters and
+    ``c`` the centre pulled at the start of the round, the worker runs ``tau``
+    local steps on ``x``, then pushes ``alpha * (c - x)`` and moves itself
+    ``x -= alpha * (x - c)``; with server ``sgd(1.0)`` the centre moves
+    ``c += alpha * (x - c)`` (Zhang, Choromanska and LeCun 2015,
+    asynchronous EASGD). The next pull only supplies the next centre. A worker
+    whose local parameters became NaN/Inf restarts from the centre (its push is
+    refused by the server, as any non-finite push).
+
+How the server merges pseudo-gradients
+--------------------------------------
+With server ``sgd(1.0)``: under ASP each delta is added in full on arrival
+(asynchronous local SGD); under BSP the server applies the mean of a round's
+deltas, which is FedAvg: the new global parameters are the mean of the
+workers' local parameters. ``local_sgd(steps=1, inner=sgd(lr))`` under BSP is
+synchronous data-parallel SGD with learning rate ``lr``. (Under BSP, EASGD's
+centre moves by ``alpha`` times the *mean* of ``x_i - c``; the paper's
+synchronous rule uses the sum, which is server ``sgd(workers)``.)
+
+DiLoCo (Douillard et al. 2023) is local SGD with an inner AdamW and an outer
+Nesterov SGD (lr 0.7, momentum 0.9) applied to the round's mean
+pseudo-gradient: run it under BSP (``sw.Job`` refuses it under ASP/SSP with the
+recommended optimizer, and ``asynchronous=True`` under BSP; see :func:`diloco`).
+Asynchronous DiLoCo (Liu et al. 2024,
+"Asynchronous Local-SGD Training for Language Modeling") runs it under ASP
+with two changes:
+
+* the server optimizer is :func:`stalewise.optim.delayed_nesterov` with
+  ``every = N`` = the number of workers: each pseudo-gradient ``g`` is applied
+  on arrival as a plain step ``lr * g / N``, and once every ``N`` arrivals the
+  momentum takes the mean of the last ``N`` and makes its Nesterov step, so
+  ``N`` arrivals add up to one synchronous DiLoCo outer step on their mean.
+  The strategy does not know the worker count when the Job is made: pass
+  ``every=`` to ``diloco`` (or an explicit ``optimizer=`` to the Job);
+  ``server_optimizer(workers)`` takes it when the caller knows it.
+* dynamic local updates (``dynamic=True, period=seconds``), so that a slow
+  worker pushes as often as a fast one (see below).
+
+Staleness. The shard's staleness of a push counts server updates since the
+worker pulled; under ASP with ``W`` workers of equal speed each
+pseudo-gradient is about ``W - 1`` updates old even when nothing is wrong, so
+``sw.staleness.inverse()`` would shrink every push by about ``1 / (W - 1)``
+(a smaller outer learning rate, not a correction). Recommended: the default
+``sw.staleness.constant()`` with dynamic local updates (which make every
+worker's pushes equally old) and delayed Nesterov, as in the paper; add
+``sw.staleness.polynomial(0.5)`` to damp pushes from workers that are much
+slower than the rest when dynamic local updates are off, and
+``max_staleness=`` to drop pushes that are hopelessly old.
+
+Dynamic local updates
+---------------------
+``dynamic=True`` with ``period=seconds`` gives every round a time budget
+instead of a fixed ``H``: each worker picks its ``H`` so that its round, from
+one pull's arrival to the next, lasts about ``period`` seconds by the
+runtime's clock (wall time in the local and Ray runtimes, virtual time in the
+simulator). So every worker pushes about once per ``period``, and a worker 4x
+slower runs about a quarter of the steps (the paper's DyLU sets ``H_i = H *
+v_i / v_max`` from measured speeds; a shared time budget gives the same ratio
+without a coordinator). The round is timed by the runtime, so the local
+runtime's emulated ``stragglers=``/``delays=`` and the simulator's timing
+model count, and a simulated run stays bit-reproducible.
+
+The rule (:mod:`stalewise.pacing`): the worker fits its rounds' lengths ``T =
+c + s * H`` (``c`` communication and waiting, ``s`` one local step) and runs
+``H = floor((period - c) / s)`` steps, at least 1 and at most ``steps`` (the
+cap), and at most 4x the last round's. Its first round runs 1 step, to
+measure; until two rounds of different ``H`` were seen, ``c`` counts as 0
+(``H = floor(H_last * period / T_last)``).
+Set ``period`` to ``H`` times the fastest worker's step time plus a round's
+communication and the fastest worker runs about ``H`` steps.
+
+Without a runtime (``step`` called directly, no clock given) the worker
+times its own local steps instead (``loss_and_grad`` plus the inner update,
+real wall time) and stops when the next step, at this round's mean, would
+not fit in ``period``.
+
+Inner optimizers
+----------------
+``inner`` is one of:
+
+* a :mod:`stalewise.optim` optimizer (``sgd``, ``adam``, ``adamw``, ``lamb``,
+  ``lars``, ``chain``...): it runs in place on the flat local vector with the
+  job's segment table, so LAMB's per-leaf trust ratios (``max_trust_ratio``
+  included) and its exclusion regexes work on the leaf names;
+* an optax ``GradientTransformation`` (anything with ``init`` and ``update``
+  that is not a stalewise optimizer): it sees a ``dict`` of leaf name (the
+  dotted key path, e.g. ``"layer1.w"``) -> JAX array of the leaf's shape, for
+  params of any backend; per-leaf transforms (``optax.lamb``'s trust ratio)
+  therefore work per leaf, and a mask must be given as a callable of that
+  dict or a dict with those keys. The optax state lives on the worker. optax
+  transforms are closures and do not pickle: use them with the simulator (or
+  your own loop with ``Job.serve``), not the local runtime;
+* a PyTorch optimizer *factory*: a callable that takes a list of torch tensors
+  (one per leaf, in the spec's leaf order, sharing memory with the flat local
+  vector) and returns a ``torch.optim.Optimizer``, e.g.
+  ``functools.partial(torch.optim.AdamW, lr=1e-3)``. It works for params of any
+  backend. For the local runtime it must pickle: a ``functools.partial`` of an
+  optimizer class or a module-level function, not a lambda.
+
+Example:
+    >>> import numpy as np
+    >>> import stalewise as sw
+    >>> strat = local_sgd(steps=2, inner=sw.optim.sgd(0.5))
+    >>> lg = lambda p, b: (float((p["x"] ** 2).sum()), {"x": 2 * p["x"]})
+    >>> params = {"x": np.ones(2)}
+    >>> step = strat.step(strat.init(params), params, lg, iter([None] * 2))
+    >>> step.update["x"].tolist(), step.local_steps, step.loss  # 1 -> 0 -> 0
+    ([1.0, 1.0], 2, 1.0)
+    >>> job = sw.Job(params, strategy=diloco(steps=10), consistency=sw.BSP())  # outer Nesterov
+    >>> job.strategy.server_optimizer() is not None
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from stalewise import optim, tree
+from stalewise.optim._validate import check_number
+from stalewise.pacing import RoundCost
+from stalewise.strategies.base import LossAndGrad, Step, Strategy
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EASGD", "AveragingState", "LocalSGDStrategy", "diloco", "easgd", "local_sgd"]
+
+
+def __getattr__(name: str) -> Any:
+    """``LocalSGD``, this class's old name, still works with a DeprecationWarning (it is
+    ``sw.LocalSGD``'s name, the wrapper of :mod:`stalewise.loops`)."""
+    if name == "LocalSGD":
+        warnings.warn(
+            "stalewise.strategies.averaging.LocalSGD is now LocalSGDStrategy (sw.LocalSGD is "
+            "the wrapper for your own loop, stalewise.loops.LocalSGD)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return LocalSGDStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# -- inner optimizers ----------------------------------------------------------------
+
+
+def _segment(flat: np.ndarray, leaf: tree.LeafSpec) -> np.ndarray:
+    return flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape)
+
+
+@dataclass(frozen=True)
+class _StalewiseInner:
+    """A :mod:`stalewise.optim` optimizer, in place on the flat vector with the job's segments."""
+
+    opt: optim.Optimizer
+
+    def init(self, local: np.ndarray, spec: tree.FlatSpec) -> Any:
+        return self.opt.init(local, spec.segments)
+
+    def step(self, state: Any, local: np.ndarray, grads: np.ndarray, spec: tree.FlatSpec) -> Any:
+        self.opt.apply(grads, state, local)  # grads is scratch from here on
+        return state
+
+    def warm(self, local: np.ndarray, spec: tree.FlatSpec) -> None:
+        """One step on a throw-away model with the same leaf names, one element each, so the
+        optimizer's compiled kernels (numba) load now, not in the first round's compute time,
+        which the runtimes scale to emulate and simulate slower workers."""
+        tiny, tiny_spec = tree.flatten({x.name: np.zeros(1, local.dtype) for x in spec.leaves})
+        self.opt.apply(np.full_like(tiny, 1e-3), self.opt.init(tiny, tiny_spec.segments), tiny)
+
+
+@dataclass(frozen=True)
+class _OptaxInner:
+    """An optax transform on a dict of leaf name -> JAX array (any backend of params)."""
+
+    tx: Any
+
+    @staticmethod
+    def _leaves(flat: np.ndarray, spec: tree.FlatSpec) -> dict:
+        import jax.numpy as jnp
+
+        # jnp.array copies: the flat vector is mutated in place later
+        return {leaf.name: jnp.array(_segment(flat, leaf)) for leaf in spec.leaves}
+
+    def init(self, local: np.ndarray, spec: tree.FlatSpec) -> Any:
+        names = [leaf.name for leaf in spec.leaves]
+        if len(set(names)) != len(names):
+            raise ValueError(f"optax inner optimizer: leaf names are not distinct: {names}")
+        return self.tx.init(self._leaves(local, spec))
+
+    def step(self, state: Any, local: np.ndarray, grads: np.ndarray, spec: tree.FlatSpec) -> Any:
+        updates, state = self.tx.update(self._leaves(grads, spec), state, self._leaves(local, spec))
+        for leaf in spec.leaves:
+            _segment(local, leaf)[...] += np.asarray(updates[leaf.name])
+        return state
+
+
+class _TorchState:
+    """A torch optimizer and the tensors it owns (views of the flat local vector)."""
+
+    def __init__(self, opt: Any, params: list):
+        self.opt, self.params = opt, params
+
+    def __repr__(self) -> str:
+        return f"_TorchState({type(self.opt).__name__}, {len(self.params)} tensors)"
+
+
+@dataclass(frozen=True)
+class _TorchInner:
+    """A factory ``f(list of torch tensors) -> torch.optim.Optimizer``, on views of the flat vector."""
+
+    factory: Any
+
+    def init(self, local: np.ndarray, spec: tree.FlatSpec) -> _TorchState:
+        import torch
+
+        params = [torch.from_numpy(_segment(local, leaf)) for leaf in spec.leaves]
+        opt = self.factory(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                "a torch inner optimizer is a factory taking a list of tensors and returning "
+                f"a torch.optim.Optimizer; {self.factory!r} returned {type(opt).__name__}"
+            )
+        return _TorchState(opt, params)
+
+    def step(
+        self, state: _TorchState, local: np.ndarray, grads: np.ndarray, spec: tree.FlatSpec
+    ) -> _TorchState:
+        import torch
+
+        for p, leaf in zip(state.params, spec.leaves, strict=True):
+            p.grad = torch.from_numpy(_segment(grads, leaf))
+        state.opt.step()
+        return state
+
+
+def _inner_adapter(inner: Any, where: str) -> Any:
+    if isinstance(inner, optim.Optimizer):
+        return _StalewiseInner(inner)
+    if hasattr(inner, "param_groups"):  # a torch optimizer instance, not a factory
+        raise TypeError(
+            f"{where}: inner must be a torch optimizer factory, not an optimizer instance "
+            "(the worker makes the optimizer on its own parameters), e.g. "
+            "functools.partial(torch.optim.AdamW, lr=1e-3)"
+        )
+    if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
+        return _OptaxInner(inner)
+    if callable(inner):
+        return _TorchInner(inner)
+    raise TypeError(
+        f"{where}: inner must be a stalewise optimizer (e.g. sw.optim.adamw(1e-3)), an optax "
+        "GradientTransformation or a torch optimizer factory (e.g. "
+        f"functools.partial(torch.optim.AdamW, lr=1e-3)), got {type(inner).__name__} {inner!r}"
+    )
+
+
+def _describe_inner(inner: Any) -> str:
+    if isinstance(inner, optim.Optimizer):
+        rule = getattr(inner.apply, "__self__", None)
+        return repr(rule) if rule is not None else "Optimizer(...)"
+    if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
+        return f"<optax {type(inner).__name__}>"
+    return repr(inner)
+
+
+# -- the worker's state --------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class AveragingState:
+    """One worker's state for :func:`local_sgd`, :func:`diloco` and :func:`easgd`.
+
+    Made by the strategy's ``init`` from the first pull; it lives in the worker
+    and is never pickled. See the module docstring for what each field becomes
+    after a push.
+    """
+
+    spec: tree.FlatSpec  # layout of the flat vectors (the job's)
+    local: np.ndarray  # the worker's local parameters, flat
+    pulled: np.ndarray  # the last pulled global parameters (EASGD: the centre), flat
+    grads: np.ndarray  # gradient buffer (scratch of the inner optimizer)
+    inner: Any  # the inner optimizer's state (stalewise state, optax state or torch optimizer)
+    pushes: int = 0  # strategy steps done
+    step_time: float = math.nan  # mean wall seconds of one local step in the last round
+    taken: int = 0  # local steps of the last round
+    clock: float = math.nan  # the runtime's clock at the last round's start (NaN: no clock)
+    cost: RoundCost = field(default_factory=RoundCost)  # its rounds by the runtime's clock
+
+
+def _new_state(params: Any, adapter: Any) -> AveragingState:
+    local, spec = tree.flatten(params)  # a new vector, not a view of the pull buffer
+    if not local.flags.writeable:
+        local = local.copy()
+    if hasattr(adapter, "warm"):
+        adapter.warm(local, spec)
+    return AveragingState(
+        spec=spec,
+        local=local,
+        pulled=np.empty_like(local),
+        grads=np.empty_like(local),
+        inner=adapter.init(local, spec),
+    )
+
+
+def _run_local(
+    adapter: Any,
+    state: AveragingState,
+    loss_and_grad: LossAndGrad,
+    batches: Iterator,
+    steps: int,
+    period: float | None,
+) -> tuple[int, float]:
+    """Runs local steps on ``state.local``; returns ``(steps taken, mean loss)``.
+
+    ``period=None``: exactly ``steps``. Otherwise as many as fit in ``period``
+    wall seconds by this round's mean step time, at least 1, at most ``steps``.
+    """
+    spec, local, grads = state.spec, state.local, state.grads
+    total, n = 0.0, 0
+    t0 = time.perf_counter()
+    while True:
+        loss, g = loss_and_grad(tree.unflatten(local, spec), next(batches))
+        tree.flatten(g, spec=spec, out=grads)
+        reported = tree.take_buffers(grads, spec)  # buffers report values, not gradients
+        state.inner = adapter.step(state.inner, local, grads, spec)
+        tree.put_buffers(local, reported, spec)
+        total += float(loss)
+        n += 1
+        if n >= steps:
+            break
+        if period is not None:
+            elapsed = time.perf_counter() - t0
+            if elapsed + elapsed / n > period:  # the next step, at this round's mean, won't fit
+                break
+    state.step_time = (time.perf_counter() - t0) / n
+    return n, total / n
+
+
+def _timed_round(state: AveragingState, now: float) -> float | None:
+    """Records the runtime's clock at a round's start; the seconds of the last round, if any."""
+    last, state.clock = state.clock, now
+    if math.isnan(last) or not state.taken:
+        return None
+    return now - last
+
+
+def _paced_steps(cost: RoundCost, cap: int, period: float, last: int) -> int:
+    """Dynamic local updates by the runtime's clock: ``H`` with ``c + s * H`` about ``period``."""
+    fit = cost.fit()
+    if fit is None:
+        return 1  # the first round: one step, to measure
+    c, s = fit
+    hi = min(cap, 4 * last)  # a noisy fit moves H by 4x a round at most
+    if s <= 0:
+        return hi
+    return max(1, min(hi, math.floor((period - c) / s)))
+
+
+# -- checks ----------------------------------------------------------------------------
+
+
+def _check_steps(where: str, name: str, value: Any) -> int:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where}: {name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _check_positive(where: str, name: str, value: Any, hi: float = math.inf) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: {name} must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not (0 < x <= hi) or not math.isfinite(x):
+        bound = f"in (0, {hi:g}]" if math.isfinite(hi) else "a finite number > 0"
+        raise ValueError(f"{where}: {name} must be {bound}, got {value!r}")
+    return x
+
+
+# -- local SGD and DiLoCo ----------------------------------------------------------------
+
+
+class LocalSGDStrategy(Strategy):
+    """Local SGD / DiLoCo: ``H`` local steps from the pulled parameters, push ``pulled - local``.
+
+    Build it with :func:`local_sgd` or :func:`diloco`; see the module docstring. (Its
+    old name, ``LocalSGD``, still works with a DeprecationWarning; ``sw.LocalSGD`` is the
+    wrapper for a loop you own, :class:`stalewise.loops.LocalSGD`.)
+    """
+
+    #: every round starts from the pull, which must include this worker's last push
+    #: (read-your-writes; see "Read-your-writes" in the module docstring)
+    settles = True
+
+    def __init__(
+        self,
+        steps: int,
+        inner: Any,
+        *,
+        reset_inner: bool = False,
+        dynamic: bool = False,
+        period: float | None = None,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        asynchronous: bool = False,
+        every: int | None = None,
+        name: str = "local_sgd",
+    ):
+        where = name
+        self.name = name
+        self.steps = _check_steps(where, "steps", steps)
+        self.inner = inner
+        self._inner = _inner_adapter(inner, where)
+        self.reset_inner = bool(reset_inner)
+        if dynamic and period is None:
+            raise ValueError(
+                f"{where}: dynamic=True needs period=seconds, the time budget of a round "
+                "(e.g. steps times the fastest worker's step time, plus its communication)"
+            )
+        if period is not None and not dynamic:
+            raise ValueError(f"{where}: period= is the budget of dynamic=True; pass dynamic=True")
+        self.dynamic = bool(dynamic)
+        self.period = None if period is None else _check_positive(where, "period", period)
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.asynchronous = bool(asynchronous)
+        self.every = None if every is None else _check_steps(where, "every", every)
+
+    @property
+    def timed(self) -> bool:  # type: ignore[override]
+        """Dynamic local updates pace themselves by the runtime's clock."""
+        return self.dynamic
+
+    def init(self, params: Any) -> AveragingState:
+        return _new_state(params, self._inner)
+
+    def started(self, state: AveragingState, now: float) -> None:
+        """The runtime's clock at a round's start: times the last round (dynamic only)."""
+        seconds = _timed_round(state, now)
+        if seconds is not None:
+            state.cost = state.cost.add(state.taken, seconds)
+
+    def step(
+        self, state: AveragingState, params: Any, loss_and_grad: LossAndGrad, batches: Iterator
+    ) -> Step:
+        steps, period = self.steps, self.period
+        if period is not None and not math.isnan(state.clock):  # in a runtime: its clock
+            steps, period = _paced_steps(state.cost, steps, period, state.taken), None
+
+        def run() -> tuple[int, float]:
+            return _run_local(self._inner, state, loss_and_grad, batches, steps, period)
+
+        return self._round(state, params, run)
+
+    def _round(
+        self, state: AveragingState, params: Any, run: Callable[[], tuple[int, float]]
+    ) -> Step:
+        """One round from the pulled ``params``; ``run()`` takes the local steps on ``state.local``.
+
+        ``run`` returns ``(steps taken, mean loss)``; :mod:`stalewise.strategies.adaptive`
+        passes its own, which picks the number of steps during the round.
+        """
+        tree.flatten(params, spec=state.spec, out=state.pulled)
+        np.copyto(state.local, state.pulled)  # every round starts from the global parameters
+        if self.reset_inner and state.pushes:
+            state.inner = self._inner.init(state.local, state.spec)
+        n, loss = run()
+        state.taken = n
+        delta = state.pulled - state.local  # the pseudo-gradient (a new array: the push's own)
+        tree.copy_buffers(delta, state.local, state.spec)  # a buffer's slot: its value
+        state.pushes += 1
+        return Step(tree.unflatten(delta, state.spec), n, loss, state)
+
+    def check_consistency(self, consistency: Any, *, recommended: bool) -> None:
+        """Refuses DiLoCo under the consistency model its outer optimizer is not made for
+        (see :func:`diloco`): ``asynchronous=True`` under BSP, and, when the Job takes the
+        recommended Nesterov SGD, synchronous DiLoCo under ASP or SSP."""
+        why = _outer_mismatch(self, consistency, recommended, self.name)
+        if why is not None:
+            raise ValueError(why)
+
+    def server_optimizer(self, workers: int | None = None) -> optim.Optimizer:
+        """``sgd(outer_lr, outer_momentum, nesterov)``, or delayed Nesterov when asynchronous."""
+        if self.asynchronous:
+            every = self.every or workers
+            if every is None:
+                raise TypeError(
+                    f"{self!r} recommends delayed_nesterov(every=number of workers) as the "
+                    "server optimizer, but the number of workers is not known here: pass "
+                    "every=<workers> to diloco(), or an optimizer= to the Job"
+                )
+            return optim.delayed_nesterov(self.outer_lr, self.outer_momentum, every=every)
+        if self.outer_momentum:
+            return optim.sgd(self.outer_lr, momentum=self.outer_momentum, nesterov=True)
+        return optim.sgd(self.outer_lr)
+
+    def __repr__(self) -> str:
+        parts = [f"steps={self.steps}", f"inner={_describe_inner(self.inner)}"]
+        if self.reset_inner:
+            parts.append("reset_inner=True")
+        if self.dynamic:
+            parts.append(f"dynamic=True, period={self.period:g}")
+        if self.asynchronous:
+            parts.append(f"asynchronous=True, every={self.every}")
+        return f"{self.name}({', '.join(parts)})"
+
+
+def _outer_mismatch(
+    local: LocalSGDStrategy, consistency: Any, recommended: bool, what: str
+) -> str | None:
+    """Why DiLoCo's outer optimizer does not fit ``consistency`` (None: it fits); ``what``
+    names the strategy in the message (``"diloco"``, ``"adaptive(outer='diloco')"``)."""
+    kind = getattr(consistency, "kind", None)
+    if local.asynchronous and kind == "bsp":
+        return (
+            f"{what} with asynchronous=True is for ASP or SSP: its delayed Nesterov counts the "
+            "pushes as they arrive, and BSP applies one mean per round; under BSP leave "
+            "asynchronous off (synchronous DiLoCo)"
+        )
+    if recommended and not local.asynchronous and local.outer_momentum and kind in ("asp", "ssp"):
+        return (
+            f"{what} recommends Nesterov SGD on each round's mean, for BSP; under "
+            f"{consistency} every push would take a momentum step of its own: pass "
+            "consistency=sw.BSP(), or asynchronous=True with every=<workers> (delayed "
+            "Nesterov, for ASP/SSP), or choose the server optimizer (optimizer=)"
+        )
+    return None
+
+
+def local_sgd(
+    steps: int,
+    inner: Any,
+    *,
+    reset_inner: bool = False,
+    dynamic: bool = False,
+    period: float | None = None,
+) -> LocalSGDStrategy:
+    """Local SGD: ``steps`` local steps with ``inner``, then push ``pulled - local``.
+
+    Recommended server optimizer ``sgd(1.0)``: under ASP every delta is added
+    in full (asynchronous local SGD), under BSP the round's mean is applied
+    (FedAvg). Local parameters restart from each pull; the inner optimizer's
+    state persists across pushes unless ``reset_inner``.
+
+    Args:
+        steps: ``H``, local steps (minibatches) per push; the cap when ``dynamic``.
+            Not the job's push budget (``Job.train(steps=)``).
+        inner: the worker's optimizer: a :mod:`stalewise.optim` optimizer, an
+            optax ``GradientTransformation`` or a torch optimizer factory (see
+            the module docstring).
+        reset_inner: make a fresh inner optimizer state at every pull.
+        dynamic: dynamic local updates: pick ``H`` so that a round lasts about ``period``.
+        period: seconds per round when ``dynamic``, by the runtime's clock.
+
+    Example:
+        >>> import stalewise as sw
+        >>> s = local_sgd(steps=5, inner=sw.optim.sgd(0.1))
+        >>> s.server_optimizer().apply.__self__
+        _Sgd(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0)
+    """
+    return LocalSGDStrategy(
+        steps, inner, reset_inner=reset_inner, dynamic=dynamic, period=period, name="local_sgd"
+    )
+
+
+def diloco(
+    steps: int = 500,
+    inner: Any = None,
+    *,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    asynchronous: bool = False,
+    every: int | None = None,
+    reset_inner: bool = False,
+    dynamic: bool = False,
+    period: float | None = None,
+) -> LocalSGDStrategy:
+    """DiLoCo (Douillard et al. 2023) and asynchronous DiLoCo (Liu et al. 2024).
+
+    The worker side is :func:`local_sgd` with an inner AdamW whose state
+    persists across rounds. The recommended server optimizer (the Job's
+    default) is the published outer optimizer, ``sgd(outer_lr=0.7,
+    outer_momentum=0.9, nesterov=True)``, meant for BSP. With
+    ``asynchronous=True`` it is ``delayed_nesterov(0.7, 0.9, every=N)`` for
+    ASP, ``N`` being ``every`` (the number of workers).
+
+    Synchronous DiLoCo is for BSP, asynchronous DiLoCo for ASP or SSP, and
+    ``sw.Job`` refuses the two other pairings: ``asynchronous=True`` under BSP
+    (delayed Nesterov counts the pushes as they arrive; BSP applies one mean per
+    round), and, when the Job takes the recommended optimizer, synchronous DiLoCo
+    under ASP or SSP (every push would take a Nesterov momentum step of its own,
+    ``N`` a round instead of one; with one worker pass ``consistency=sw.BSP()``,
+    which is then the same run). An ``optimizer=`` you choose is yours: e.g.
+    ``optimizer=sw.optim.sgd(0.7, momentum=0.9, nesterov=True)`` under ASP runs
+    that per-push rule, the baseline delayed Nesterov improves on. ``sw.Hybrid``
+    switches between BSP and ASP and is accepted with either.
+
+    Args:
+        steps: ``H``, local steps per push (500 in the paper); the cap when ``dynamic``.
+        inner: the inner optimizer (default ``sw.optim.adamw(1e-3)``, weight
+            decay 0.01; the paper used AdamW with lr 4e-4, warmup and cosine
+            decay, weight decay 0.1 on language models).
+        outer_lr: learning rate of the recommended server optimizer.
+        outer_momentum: its (Nesterov) momentum.
+        asynchronous: recommend delayed Nesterov (for ASP) instead of Nesterov SGD.
+        every: ``N`` of delayed Nesterov: the number of workers.
+        reset_inner: make a fresh inner optimizer state at every pull.
+        dynamic: dynamic local updates: pick ``H`` so that a round lasts about ``period``.
+        period: seconds per round when ``dynamic``, by the runtime's clock.
+
+    Example:
+        >>> s = diloco(steps=100, asynchronous=True, every=4)
+        >>> s.server_optimizer().apply.__self__
+        _DelayedNesterov(lr=0.7, momentum=0.9, every=4)
+    """
+    if every is not None and not asynchronous:
+        raise ValueError("diloco: every= is delayed Nesterov's N; it needs asynchronous=True")
+    return LocalSGDStrategy(
+        steps,
+        optim.adamw(1e-3) if inner is None else inner,
+        reset_inner=reset_inner,
+        dynamic=dynamic,
+        period=period,
+        outer_lr=_check_positive("diloco", "outer_lr", outer_lr),
+        outer_momentum=check_number("diloco", "outer_momentum", outer_momentum, 0.0, 1.0),
+        asynchronous=asynchronous,
+        every=every,
+        name="diloco",
+    )
+
+
+# -- EASGD -------------------------------------------------------------------------------
+
+
+class EASGD(Strategy):
+    """Asynchronous elastic averaging SGD; build it with :func:`easgd`."""
+
+    name = "easgd"
+    settles = True  # the next centre must include this worker's elastic push
+
+    def __init__(self, alpha: float, every: int, inner: Any, *, reset_inner: bool = False):
+        self.alpha = _check_positive("easgd", "alpha", alpha, hi=1.0)
+        self.every = _check_steps("easgd", "every", every)
+        self.inner = inner
+        self._inner = _inner_adapter(inner, "easgd")
+        self.reset_inner = bool(reset_inner)
+
+    def init(self, params: Any) -> AveragingState:
+        return _new_state(params, self._inner)  # local parameters start at the first centre
+
+    def step(
+        self, state: AveragingState, params: Any, loss_and_grad: LossAndGrad, batches: Iterator
+    ) -> Step:
+        centre = tree.flatten(params, spec=state.spec, out=state.pulled)[0]
+        if self.reset_inner and state.pushes:
+            state.inner = self._inner.init(state.local, state.spec)
+        n, loss = _run_local(self._inner, state, loss_and_grad, batches, self.every, None)
+        delta = centre - state.local  # a new array: the push's own
+        delta *= self.alpha  # push alpha * (c - x): server sgd(1.0) makes c += alpha * (x - c)
+        if np.isfinite(state.local).all():
+            state.local += delta  # x -= alpha * (x - c)
+        else:
+            log.warning("easgd: local parameters are not finite; restarting from the centre")
+            np.copyto(state.local, centre)
+        tree.copy_buffers(delta, state.local, state.spec)  # a buffer's slot: its value
+        state.pushes += 1
+        return Step(tree.unflatten(delta, state.spec), n, loss, state)
+
+    def server_optimizer(self, workers: int | None = None) -> optim.Optimizer:
+        """``sgd(1.0)``: the centre moves by each elastic difference in full."""
+        return optim.sgd(1.0)
+
+    def __repr__(self) -> str:
+        extra = ", reset_inner=True" if self.reset_inner else ""
+        inner = _describe_inner(self.inner)
+        return f"easgd(alpha={self.alpha:g}, every={self.every}, inner={inner}{extra})"
+
+
+def easgd(alpha: float, *, every: int, inner: Any, reset_inner: bool = False) -> EASGD:
+    """Asynchronous EASGD (Zhang, Choromanska and LeCun 2015).
+
+    Each round: ``every`` (``tau``) local steps with ``inner`` on the worker's
+    own parameters ``x``; then, with ``c`` the centre pulled at the start of the
+    round, push ``alpha * (c - x)`` and move ``x -= alpha * (x - c)``. With the
+    recommended server optimizer ``sgd(1.0)`` the centre moves ``c += alpha *
+    (x - c)``. The worker's parameters are not replaced by the pull.
+
+    Args:
+        alpha: the moving rate, in ``(0, 1]`` (the paper's ``beta / p`` for ``p``
+            workers; ``beta = 0.9`` there).
+        every: ``tau``, local steps between elastic exchanges.
+        inner: the worker's optimizer (see the module docstring).
+        reset_inner: make a fresh inner optimizer state at every pull.
+
+    Example:
+        >>> import numpy as np, stalewise as sw
+        >>> s = easgd(0.5, every=1, inner=sw.optim.sgd(0.5))
+        >>> lg = lambda p, b: (0.0, {"x": p["x"] - 2.0})  # pulls x towards 2
+        >>> state = s.init({"x": np.zeros(1)})
+        >>> step = s.step(state, {"x": np.zeros(1)}, lg, iter([None]))
+        >>> step.update["x"].tolist(), state.local.tolist()  # x: 0 -> 1 -> 0.5
+        ([-0.5], [0.5])
+    """
+    return EASGD(alpha, every, inner, reset_inner=reset_inner)

@@ -1,0 +1,84 @@
+"""The runtime registry: Job.train, Job.serve, the config and the CLI look runtimes up in it
+when they run, so a runtime registered after import is known to all of them."""
+
+import numpy as np
+import pytest
+
+import stalewise as sw
+from stalewise import cli, config, runtime
+
+
+class Ran(Exception):
+    """Raised by the test runtime's runner and server with what they were given."""
+
+
+def runner(cfg, strategy, options):
+    raise Ran(cfg, strategy, options)
+
+
+def server(cfg, workers, *, join_timeout):
+    raise Ran(cfg, workers, join_timeout)
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The registry, restored after the test."""
+    monkeypatch.setattr(runtime, "_RUNNERS", dict(runtime._RUNNERS))
+    monkeypatch.setattr(runtime, "_SERVERS", dict(runtime._SERVERS))
+    return runtime
+
+
+def job():
+    return sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1))
+
+
+def test_the_built_in_runtimes_and_the_one_with_a_server():
+    assert runtime.names() == ("local", "sim", "ray")
+    assert runtime.servers() == ("local",)
+    from stalewise.runtime.local.server import LocalServer
+
+    assert runtime.server("local") is LocalServer
+
+
+def test_serve_refuses_a_runtime_without_a_server_or_an_unknown_one():
+    with pytest.raises(
+        ValueError,
+        match=r"^runtime 'sim' has no server for a loop you own; runtimes with one: local$",
+    ):
+        job().serve(workers=1, runtime="sim")
+    with pytest.raises(ValueError, match=r"^unknown runtime 'nope'; known: local, sim, ray$"):
+        job().serve(workers=1, runtime="nope")
+
+
+def test_a_registered_runtime_is_known_to_train_serve_the_config_and_the_cli(registry):
+    with pytest.raises(config.ConfigError, match="unknown runtime 'mine'"):
+        cli._check_runtime("mine")
+    registry.register("mine", runner, server=server)
+    assert registry.names() == ("local", "sim", "ray", "mine")
+    assert registry.servers() == ("local", "mine")
+    cli._check_runtime("mine")  # no longer refused
+    j = job()
+    with pytest.raises(Ran) as ran:
+        j.train(lambda p, b: (0.0, p), data=[[None]], workers=1, steps=1, runtime="mine")
+    cfg, strategy, options = ran.value.args
+    assert cfg is j.config and strategy == sw.strategies.gradients() and options.steps == 1
+    with pytest.raises(Ran) as ran:
+        j.serve(workers=3, join_timeout=5.0, runtime="mine")
+    assert ran.value.args == (j.config, 3, 5.0)
+    registry.register("mine", "stalewise.runtime.sim:run")  # again, by path, without a server
+    assert registry.get("mine") is registry.get("sim") and registry.servers() == ("local",)
+
+
+@pytest.mark.parametrize(
+    ("name", "runner_", "server_", "message"),
+    [
+        ("", runner, None, r"^a runtime needs a non-empty name, got ''$"),
+        ("x", None, None, r"^runtime 'x': runner must be a callable or a 'module:name' string"),
+        ("x", "no colon", None, r"^runtime 'x': runner must be a callable or a 'module:name'"),
+        ("x", runner, 42, r"^runtime 'x': server must be a callable or a 'module:name' string"),
+    ],
+)
+def test_register_refuses_what_it_could_not_call(registry, name, runner_, server_, message):
+    with pytest.raises(ValueError, match=message):
+        registry.register(name, runner_, server=server_)
+    assert registry.names() == ("local", "sim", "ray")  # unharmed
