@@ -9,11 +9,12 @@ shard 0's update count) holding
 - ``manifest.json``: ``format``, ``created`` (UTC, ISO 8601), ``version``,
   ``shards`` (per shard: its file, the names of its arrays and the JSON-able
   values of its state dict), ``config`` (the job: optimizer, consistency and
-  staleness reprs, shard ranges, ...), ``spec`` (the parameters' leaves, names,
-  shapes, dtypes, backends, offsets, and the tree structure in plain JSON, so
-  :func:`load_params` rebuilds the user's tree), ``step`` (what the runtime
-  reports: pushes, time, and the simulator's own state) and ``sha256`` of every
-  shard file. The manifest's own checksum is in ``manifest.sha256``;
+  staleness reprs, shard ranges, ...), ``spec`` (the parameters' leaves: key
+  paths, names, shapes, dtypes, backends, offsets; and the tree's structure as
+  container kinds from a closed list, see :func:`spec_to_json`), ``step`` (what
+  the runtime reports: pushes, time, and the simulator's own state) and
+  ``sha256`` of every shard file. The manifest's own checksum is in
+  ``manifest.sha256``;
 - ``feedback.safetensors`` (a job whose codec keeps error feedback): each
   worker's error-feedback residual, ``worker-<w>``, a vector of the params' size
   and dtype: what its codec has not sent yet (see
@@ -28,8 +29,15 @@ same way. A crash leaves either the old state or the new one; a leftover
 temporary folder is ignored by :func:`load` and removed by the next
 :func:`save`. One writer per directory.
 
-Loading verifies every checksum and refuses a truncated or corrupt checkpoint
-with a warning naming the file, then falls back to the previous complete one.
+Loading verifies every checksum and every field of the manifest (counts are
+ints in [0, 2**62), times finite, file names the ones :func:`save` writes) and
+refuses a truncated, corrupt or ill-formed checkpoint with a warning naming the
+file, then falls back to the previous complete one. Loading runs no code from a
+checkpoint: nothing is unpickled and nothing is imported by name (a checkpoint
+is a file people pass around); the user's own classes come back only from the
+structure the caller passes (``sw.load(path, like=...)``), and a resumed run
+uses its own job's spec. Checkpoints of format 1 (which pickled parts of the
+tree) are refused.
 
 Example:
     >>> import numpy as np, tempfile, stalewise as sw
@@ -46,16 +54,15 @@ Example:
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
 import datetime
 import hashlib
-import importlib
+import itertools
 import json
 import logging
+import math
 import os
-import pickle
 import re
 import shutil
 import uuid
@@ -70,7 +77,7 @@ from stalewise import tree as tree_lib
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # the manifest's layout
+FORMAT = 2  # the manifest's layout (2: the tree spec is plain data; 1 pickled parts of it)
 MANIFEST = "manifest.json"
 FEEDBACK = "feedback.safetensors"  # the workers' error-feedback residuals
 LATEST = "latest"
@@ -90,6 +97,7 @@ class Checkpoint:
     manifest: dict[str, Any]
     path: Path
     residuals: list[np.ndarray] | None = None  # each worker's error-feedback residual
+    spec: tree_lib.FlatSpec | None = None  # the manifest's spec, of plain containers
 
     @property
     def version(self) -> int:
@@ -186,18 +194,30 @@ def save(
         _write(tmp / MANIFEST, text)
         _write(tmp / "manifest.sha256", hashlib.sha256(text.encode()).hexdigest() + "\n")
         _fsync_dir(tmp)
-        if final.exists():  # the same version again (e.g. the end of a run): replace it
-            old = root / f"{_TMP}old-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_atomic(root / LATEST, final.name + "\n")
+    # Into place. Until ``latest`` names it, a failure puts back what was there, so a
+    # checkpoint that could not be written in full leaves the directory as it was.
+    replaced = None
+    try:
+        if final.exists():  # the same version again (e.g. the end of a run): replace it
+            replaced = root / f"{_TMP}old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, replaced)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(root / LATEST, final.name + "\n")
+    except BaseException:
+        if not tmp.exists() and final.exists():  # renamed into place: take it out again
+            with contextlib.suppress(OSError):
+                os.rename(final, tmp)
+        if replaced is not None:
+            with contextlib.suppress(OSError):
+                os.rename(replaced, final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
     for old in _complete(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint: wrote %s", final)
@@ -222,8 +242,12 @@ def _write(path: Path, text: str) -> None:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f"{_TMP}{path.name}-{uuid.uuid4().hex[:8]}")
-    _write(tmp, text)
-    os.rename(tmp, path)
+    try:
+        _write(tmp, text)
+        os.rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -325,12 +349,9 @@ def _read(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path / MANIFEST}: checksum mismatch (truncated or corrupt)")
     try:
         manifest = json.loads(raw)
-    except ValueError as e:
-        raise CheckpointError(f"{path / MANIFEST}: not JSON: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path / MANIFEST}: unknown format {manifest.get('format')!r}, expected {FORMAT}"
-        )
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path / MANIFEST}: not JSON: {_short(str(e), 80)}") from None
+    spec = _checked_manifest(manifest, f"{path / MANIFEST}")
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -345,18 +366,132 @@ def _read(path: Path) -> Checkpoint:
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{file}: unreadable: {e}") from None
         if sorted(arrays) != sorted(expected):
-            raise CheckpointError(f"{file}: holds {sorted(arrays)}, expected {sorted(expected)}")
+            raise CheckpointError(
+                f"{file}: holds {_short(sorted(arrays))}, expected {_short(sorted(expected))}"
+            )
+        for key, a in arrays.items():  # counters: their arithmetic must not overflow
+            if a.dtype.kind in "iu" and a.size and int(a.max()) >= _MAX_COUNT:
+                raise CheckpointError(f"{file}: {key!r} holds {int(a.max())}, not below 2**62")
         return arrays
 
     states = []
     for shard in manifest["shards"]:
         states.append({**shard["values"], **arrays_of(shard["file"], shard["arrays"])})
     residuals = None
-    if "feedback" in manifest:  # absent: an older checkpoint, or a job without feedback
-        n = int(manifest["feedback"]["workers"])
-        arrays = arrays_of(manifest["feedback"]["file"], [f"worker-{w}" for w in range(n)])
+    if "feedback" in manifest:  # absent: a job without feedback
+        n = manifest["feedback"]["workers"]
+        arrays = arrays_of(FEEDBACK, [f"worker-{w}" for w in range(n)])
         residuals = [arrays[f"worker-{w}"] for w in range(n)]
-    return Checkpoint(states, manifest, path, residuals)
+    return Checkpoint(states, manifest, path, residuals, spec)
+
+
+_SHARD_FILE = re.compile(r"^shard-(\d{1,6})\.safetensors$")
+_MAX_WORKERS = 1 << 20
+
+
+def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
+    """Checks every field of a manifest that loading or resuming reads, in one place;
+    returns its spec. Counts must be ints in [0, 2**62), times finite and >= 0, files
+    the names :func:`save` writes, so nothing later fails half-way or overflows.
+
+    Raises:
+        CheckpointError: one line naming the manifest and the field.
+    """
+
+    def bad(field: str, value: Any, want: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {field} is {_short(value)}, expected {want}")
+
+    if not isinstance(m, dict):
+        raise bad("the manifest", m, "a JSON object")
+    if m.get("format") != FORMAT:
+        fmt = m.get("format")
+        old = (
+            " (format 1 kept parts of the tree as pickles, which are never loaded: "
+            "resume or sw.load it with the stalewise that wrote it)"
+            if fmt == 1
+            else ""
+        )
+        raise CheckpointError(f"{where}: unknown format {_short(fmt)}, expected {FORMAT}{old}")
+    if not _is_count(m.get("version")):
+        raise bad("version", m.get("version"), "an integer in [0, 2**62)")
+    shards = m.get("shards")
+    if not isinstance(shards, list) or not 1 <= len(shards) <= _MAX_WORKERS:
+        raise bad("shards", shards, "a non-empty list")
+    files = set()
+    for k, shard in enumerate(shards):
+        if not isinstance(shard, dict):
+            raise bad(f"shards[{k}]", shard, "an object")
+        file, arrays, values = shard.get("file"), shard.get("arrays"), shard.get("values")
+        if not (isinstance(file, str) and _SHARD_FILE.match(file)) or file in files:
+            raise bad(f"shards[{k}].file", file, "a distinct shard-<k>.safetensors")
+        files.add(file)
+        if not isinstance(arrays, list) or not all(isinstance(a, str) for a in arrays):
+            raise bad(f"shards[{k}].arrays", arrays, "a list of names")
+        if not isinstance(values, dict):
+            raise bad(f"shards[{k}].values", values, "an object")
+        for key, value in values.items():
+            problem = _plain_problem(value, 0)
+            if problem is not None:
+                raise bad(f"shards[{k}].values[{key!r}]", value, problem)
+        if k == 0 and values.get("version") != m["version"]:
+            raise bad("shards[0].values['version']", values.get("version"), f"{m['version']}")
+    sums = m.get("sha256")
+    if not isinstance(sums, dict) or not all(
+        isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) for v in sums.values()
+    ):
+        raise bad("sha256", sums, "an object of file -> hex digest")
+    if not isinstance(m.get("config"), dict):
+        raise bad("config", m.get("config"), "an object")
+    step = m.get("step")
+    if not isinstance(step, dict):
+        raise bad("step", step, "an object")
+    if not _is_count(step.get("pushes")):
+        raise bad("step.pushes", step.get("pushes"), "an integer in [0, 2**62)")
+    t = step.get("time", 0.0)
+    if type(t) not in (int, float) or not math.isfinite(t) or t < 0:
+        raise bad("step.time", t, "a finite number of seconds >= 0")
+    drawn = step.get("drawn")
+    if drawn is not None and not (
+        isinstance(drawn, list) and len(drawn) <= _MAX_WORKERS and all(map(_is_count, drawn))
+    ):
+        raise bad("step.drawn", drawn, "a list of counts in [0, 2**62)")
+    sim = step.get("sim")
+    if sim is not None:
+        if not isinstance(sim, dict):
+            raise bad("step.sim", sim, "an object")
+        for key in ("pushes", "events"):
+            if not _is_count(sim.get(key)):
+                raise bad(f"step.sim.{key}", sim.get(key), "an integer in [0, 2**62)")
+        now = sim.get("now")
+        if type(now) not in (int, float) or not math.isfinite(now) or now < 0:
+            raise bad("step.sim.now", now, "a finite time >= 0")
+        consumed = sim.get("consumed")
+        if not (isinstance(consumed, list) and all(map(_is_count, consumed))):
+            raise bad("step.sim.consumed", consumed, "a list of counts in [0, 2**62)")
+    feedback = m.get("feedback")
+    if feedback is not None:
+        if not isinstance(feedback, dict) or feedback.get("file") != FEEDBACK:
+            raise bad("feedback", feedback, f'{{"file": "{FEEDBACK}", "workers": n}}')
+        if not _is_count(feedback.get("workers"), _MAX_WORKERS):
+            raise bad("feedback.workers", feedback.get("workers"), "a worker count")
+    return spec_from_json(m.get("spec"), f"{where}: spec")
+
+
+def _plain_problem(value: Any, depth: int) -> str | None:
+    """What is wrong with a JSON value of a shard's state (None: nothing): its numbers
+    must be counts (ints in [0, 2**62)), its nesting shallow."""
+    if value is None or isinstance(value, bool | str):
+        return None
+    if isinstance(value, int | float):  # a shard's state counts: no floats there
+        return None if _is_count(value) else "integers in [0, 2**62)"
+    if depth < 4 and isinstance(value, list | dict):
+        items = value.values() if isinstance(value, dict) else value
+        for item in items:
+            problem = _plain_problem(item, depth + 1)
+            if problem is not None:
+                return problem
+        return None
+    return "plain JSON values (counts, strings, shallow lists and objects)"
 
 
 def check_compatible(ckpt: Checkpoint, config: Any, workers: int | None = None) -> None:
@@ -476,6 +611,14 @@ class Saver:
     """A run's checkpoints into ``options.checkpoint_dir``: when :meth:`due` says so
     (every ``checkpoint_every`` updates of shard 0 and/or ``checkpoint_seconds``
     seconds, virtual in the simulator), and at the end of the run.
+
+    A checkpoint that cannot be written (disk full, a read-only folder, ...) never
+    costs the run: :meth:`save` warns (:class:`~stalewise.runtime.base.FailureWarning`,
+    naming the folder and the OS error), logs it, records it in ``failures`` (the
+    run's :class:`~stalewise.runtime.base.Failures`, so ``TrainResult.failures``),
+    leaves the previous checkpoint as it was, and returns None; the run goes on and
+    the next one is tried a period later. :attr:`failed`: whether the last attempt
+    failed.
     """
 
     def __init__(
@@ -487,13 +630,16 @@ class Saver:
         runtime: str,
         version: int,
         now: float = 0.0,
+        failures: Any = None,
         **info: Any,
     ):
-        self.config, self.options = config, options
+        self.config, self.options, self.failures = config, options, failures
         self.info = config_info(
             config, workers=options.workers, strategy=repr(strategy), runtime=runtime, **info
         )
-        self.version, self.time = int(version), float(now)  # of the last checkpoint
+        self.version, self.time = int(version), float(now)  # of the last checkpoint (attempt)
+        self.last: Path | None = None  # the last checkpoint this saver wrote
+        self.failed = False
 
     @property
     def periodic(self) -> bool:
@@ -513,47 +659,168 @@ class Saver:
         states: Sequence[dict[str, Any]],
         step: dict[str, Any],
         residuals: Sequence[np.ndarray] | None = None,
-    ) -> Path:
+        *,
+        final: bool = False,
+    ) -> Path | None:
         """Writes the shards' ``states`` and the workers' error-feedback ``residuals``
-        (None: the job keeps none); ``step`` holds at least ``pushes`` and ``time``."""
-        path = save(
-            self.options.checkpoint_dir,
-            states,
-            spec=self.config.spec,
-            config_info=self.info,
-            step_info={**step, "run": self.options.run},
-            keep=self.options.checkpoint_keep,
-            residuals=residuals,
-        )
+        (None: the job keeps none); ``step`` holds at least ``pushes`` and ``time``.
+        ``final``: the run's last checkpoint. Returns its folder, or None if it could
+        not be written (see the class)."""
+        from safetensors import SafetensorError
+
+        # the next periodic one is due a period after this attempt, written or not
         self.version, self.time = int(states[0]["version"]), float(step["time"])
+        directory = Path(self.options.checkpoint_dir)
+        try:
+            path = save(
+                directory,
+                states,
+                spec=self.config.spec,
+                config_info=self.info,
+                step_info={**step, "run": self.options.run},
+                keep=self.options.checkpoint_keep,
+                residuals=residuals,
+            )
+        except (OSError, SafetensorError) as e:
+            self._failed(directory, e, self.time, final)
+            return None
+        self.last, self.failed = path, False
         return path
 
+    def _failed(self, directory: Path, error: BaseException, now: float, final: bool) -> None:
+        from stalewise.runtime.base import warn_user
 
-def load_params(path: str | os.PathLike, *, backend: str | None = None) -> Any:
-    """The parameters of a checkpoint in the user's structure and backend (``sw.load``).
+        self.failed = True
+        cause = " ".join(str(error).split()) or type(error).__name__
+        cause = cause if len(cause) <= 300 else cause[:297] + "..."
+        kept = self.last.name if self.last is not None else _newest_name(directory)
+        action = f"kept {kept or 'none'}"
+        if self.failures is not None:
+            self.failures.checkpoint(str(directory), cause, time=now, action=action, final=final)
+        then = (
+            "the run's result is returned without it"
+            if final
+            else "the run goes on; the next checkpoint is tried a period later"
+        )
+        previous = f"the previous checkpoint, {kept}, is kept" if kept else "no checkpoint kept"
+        message = (
+            f"{'the final' if final else 'a'} checkpoint could not be written to {directory}: "
+            f"{cause}; {previous}; {then}"
+        )
+        log.warning("checkpoint: %s", message)
+        if final or self.failures is None:
+            warn_user(message)  # the run's last: always
+        else:  # the first of a run; the end of the run counts the others
+            self.failures.warn_once("checkpoint", message)
+
+
+def _newest_name(directory: Path) -> str | None:
+    """The name of the checkpoint :func:`load` would try first in ``directory``, if any."""
+    try:
+        found = _complete(directory)
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        named = (directory / LATEST).read_text().strip()
+        if directory / named in found:
+            return named
+    return found[0].name if found else None
+
+
+def load_params(path: str | os.PathLike, *, like: Any = None, backend: str | None = None) -> Any:
+    """The parameters of a checkpoint (``sw.load``).
 
     ``path`` is a checkpoint directory (its newest usable checkpoint is read)
-    or one ``ckpt-*`` folder. A torch job's params come back as tensors (a
-    model as a ``state_dict``-like dict of name -> tensor, its trainable
-    parameters); ``backend="numpy"`` gives NumPy arrays whatever the job used.
+    or one ``ckpt-*`` folder. Loading runs no code from the checkpoint: the
+    manifest's tree is plain data (key paths, shapes, dtypes and container
+    kinds), so the user's own classes come back only from ``like``:
+
+    - ``like=`` a tree of the job's structure (the params the job was made
+      with, a model, or a ``TrainResult.params``): the result is what
+      ``TrainResult.params`` gives for a job of ``like`` (its namedtuples,
+      dataclasses, registered containers, backends; a model as a dict of name
+      -> tensor). Its leaves must be the checkpoint's, in order, with the same
+      names, shapes and dtypes, else a one-line :class:`CheckpointError` names
+      the first that differs.
+    - without ``like``: plain data. Dicts (``OrderedDict`` kept), lists, tuples
+      and ``None`` as saved; a namedtuple, a dataclass or a registered container
+      (flax, equinox, ...) as a dict of its field names; a model as a dict of
+      name -> tensor; a constant of the job's tree (an integer buffer, a static
+      field, a filtered-out non-array) as ``None``.
+
+    Leaves come back in the backend they were saved from (a torch job's as
+    tensors); ``backend="numpy"`` gives NumPy arrays whatever the job used.
+
+    Raises:
+        CheckpointError: no usable checkpoint, or ``like`` differs from it.
 
     Example:
         >>> import stalewise as sw
-        >>> params = sw.load("checkpoints/")  # doctest: +SKIP
+        >>> params = sw.load("checkpoints/", like=model)  # doctest: +SKIP
     """
+    if backend is not None:
+        from stalewise.backends import get_backend
+
+        get_backend(backend)  # ValueError naming the known ones
     ckpt = load(path)
-    spec = spec_from_json(ckpt.manifest["spec"])
+    spec = ckpt.spec
+    flat = ckpt.flat()
+    where = ckpt.path.name
+    if flat.size != spec.size:
+        raise CheckpointError(
+            f"{where}: the shards hold {flat.size} parameters, its spec {spec.size}"
+        )
+    if like is not None:
+        spec = _like_spec(like, spec, where)
     if backend is not None:
         leaves = tuple(dataclasses.replace(leaf, backend=backend) for leaf in spec.leaves)
         spec = dataclasses.replace(spec, leaves=leaves)
-    return tree_lib.unflatten(ckpt.flat().astype(spec.dtype, copy=False), spec, copy=True)
+    return tree_lib.unflatten(flat.astype(spec.dtype, copy=False), spec, copy=True)
+
+
+def _like_spec(like: Any, saved: tree_lib.FlatSpec, where: str) -> tree_lib.FlatSpec:
+    """The spec of ``like`` (as ``sw.Job`` makes it), checked against a checkpoint's."""
+    _, want = tree_lib.flatten(like, keep_integers=True)
+
+    def shown(leaf: tree_lib.LeafSpec) -> str:
+        return f"{leaf.name!r} ({leaf.dtype}, shape {leaf.shape})"
+
+    for i, (a, b) in enumerate(itertools.zip_longest(saved.leaves, want.leaves)):
+        if a is None:
+            raise CheckpointError(
+                f"{where}: like has more leaves than the checkpoint's {len(saved.leaves)}, "
+                f"from {shown(b)}"
+            )
+        if b is None:
+            raise CheckpointError(
+                f"{where}: like has {len(want.leaves)} leaves, the checkpoint "
+                f"{len(saved.leaves)}; the first missing is {shown(a)}"
+            )
+        if (a.name, a.shape, a.dtype) != (b.name, b.shape, b.dtype):
+            raise CheckpointError(
+                f"{where}: leaf {i} is {shown(a)} in the checkpoint, {shown(b)} in like"
+            )
+    return want
 
 
 # -- the spec as JSON ------------------------------------------------------------------
+#
+# Plain data only: nothing in a manifest is unpickled or imported. A node of the tree is
+# {"kind", "keys", "children"} with kind from _KINDS, plus "leaf" (an alias: the stored
+# leaf it names), "ordered" (an OrderedDict) or "type" (a namedtuple's, dataclass's or
+# registered container's class, "module.QualName": for people reading it, never imported).
+# A key is [kind, value]: "str", "int", "attr" (a field), "hidden" (a field left out of
+# leaf names), or "repr" (any other key, as its repr; it comes back as that string).
+
+_KINDS = ("leaf", "alias", "const", "none", "dict", "list", "tuple")
+_KINDS += ("namedtuple", "dataclass", "registry")
+_KEY_KINDS = ("str", "int", "attr", "hidden", "repr")
+_MAX_COUNT = 2**62  # counts and sizes in a manifest are ints in [0, 2**62)
+_MAX_DEPTH = 256  # nesting of the tree
 
 
 def spec_to_json(spec: tree_lib.FlatSpec) -> dict[str, Any]:
-    """A FlatSpec as plain JSON (classes by import path; exotic keys and statics pickled)."""
+    """A FlatSpec as plain JSON data (no pickles, no import paths to follow)."""
     return {
         "dtype": spec.dtype.name,
         "size": int(spec.size),
@@ -561,11 +828,12 @@ def spec_to_json(spec: tree_lib.FlatSpec) -> dict[str, Any]:
             {
                 "path": [_key_to_json(k) for k in leaf.path],
                 "name": leaf.name,
-                "shape": list(leaf.shape),
+                "shape": [int(n) for n in leaf.shape],
                 "dtype": leaf.dtype,
                 "backend": leaf.backend,
                 "offset": int(leaf.offset),
                 "size": int(leaf.size),
+                "buffer": bool(leaf.buffer),
             }
             for leaf in spec.leaves
         ],
@@ -573,87 +841,169 @@ def spec_to_json(spec: tree_lib.FlatSpec) -> dict[str, Any]:
     }
 
 
-def spec_from_json(data: dict[str, Any]) -> tree_lib.FlatSpec:
-    leaves = tuple(
-        tree_lib.LeafSpec(
-            tuple(_key_from_json(k) for k in leaf["path"]),
-            leaf["name"],
-            tuple(leaf["shape"]),
-            leaf["dtype"],
-            leaf["backend"],
-            leaf["offset"],
-            leaf["size"],
+def spec_from_json(data: Any, where: str = "spec") -> tree_lib.FlatSpec:
+    """The FlatSpec of :func:`spec_to_json`'s data, of plain containers only (see
+    :func:`load_params`); every field checked. Imports and unpickles nothing.
+
+    Raises:
+        CheckpointError: one line naming the bad field.
+    """
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {what}")
+
+    from stalewise.backends import FLOAT_DTYPES, get_backend
+
+    if not isinstance(data, dict):
+        raise bad(f"expected an object, got {_short(data)}")
+    dtype = data.get("dtype")
+    if dtype not in ("float32", "float64"):
+        raise bad(f"dtype is {_short(dtype)}, expected 'float32' or 'float64'")
+    raw = data.get("leaves")
+    if not isinstance(raw, list):
+        raise bad(f"leaves is {_short(raw)}, expected a list")
+    leaves, offset = [], 0
+    for i, leaf in enumerate(raw):
+        at = f"leaf {i}"
+        if not isinstance(leaf, dict):
+            raise bad(f"{at} is {_short(leaf)}, expected an object")
+        path = leaf.get("path")
+        if not isinstance(path, list) or len(path) > _MAX_DEPTH:
+            raise bad(f"{at}: path is {_short(path)}, expected a list of keys")
+        keys = tuple(_key_from_json(k, f"{where}: {at}: path") for k in path)
+        name, shape = leaf.get("name"), leaf.get("shape")
+        if not isinstance(name, str):
+            raise bad(f"{at}: name is {_short(name)}, expected a string")
+        at = f"leaf {name!r}"
+        if not isinstance(shape, list) or len(shape) > 64 or not all(map(_is_count, shape)):
+            raise bad(f"{at}: shape is {_short(shape)}, expected a list of counts")
+        if leaf.get("dtype") not in FLOAT_DTYPES:
+            raise bad(f"{at}: dtype is {_short(leaf.get('dtype'))}, expected one of {FLOAT_DTYPES}")
+        backend = leaf.get("backend")
+        try:
+            get_backend(backend) if isinstance(backend, str) else get_backend("")
+        except ValueError:
+            raise bad(f"{at}: unknown backend {_short(backend)}") from None
+        size = math.prod(shape)
+        if leaf.get("size") != size or size >= _MAX_COUNT:
+            raise bad(f"{at}: size is {_short(leaf.get('size'))}, its shape {shape} says {size}")
+        if leaf.get("offset") != offset:
+            raise bad(f"{at}: offset is {_short(leaf.get('offset'))}, expected {offset}")
+        buffer = leaf.get("buffer", False)
+        if not isinstance(buffer, bool):
+            raise bad(f"{at}: buffer is {_short(buffer)}, expected true or false")
+        leaves.append(
+            tree_lib.LeafSpec(
+                keys, name, tuple(shape), leaf["dtype"], backend, offset, size, buffer
+            )
         )
-        for leaf in data["leaves"]
-    )
-    return tree_lib.FlatSpec(
-        leaves, _treedef_from_json(data["tree"]), np.dtype(data["dtype"]), data["size"]
-    )
+        offset += size
+        if offset >= _MAX_COUNT:
+            raise bad(f"{at}: the leaves hold 2**62 elements or more")
+    if data.get("size") != offset:
+        raise bad(f"size is {_short(data.get('size'))}, its leaves hold {offset} elements")
+    counted = [0]
+    treedef = _treedef_from_json(data.get("tree"), where, len(leaves), counted, 0)
+    if counted[0] != len(leaves):
+        raise bad(f"the tree holds {counted[0]} leaves, the leaf table {len(leaves)}")
+    return tree_lib.FlatSpec(tuple(leaves), treedef, np.dtype(dtype), offset)
 
 
-def _pickled(x: Any) -> list:
-    return ["pickle", base64.b64encode(pickle.dumps(x)).decode()]
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a message stays one short line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_count(value: Any, limit: int = _MAX_COUNT) -> bool:
+    return type(value) is int and 0 <= value < limit
 
 
 def _key_to_json(k: Any) -> list:
+    if isinstance(k, tree_lib.HiddenKey):
+        return ["hidden", str(k)]
     if isinstance(k, tree_lib.AttrKey):
         return ["attr", str(k)]
-    if type(k) is str:
-        return ["str", k]
-    if type(k) is int:
-        return ["int", k]
-    return _pickled(k)
+    if isinstance(k, str):
+        return ["str", str(k)]
+    if isinstance(k, int) and not isinstance(k, bool):
+        return ["int", int(k)]
+    return ["repr", repr(k)]
 
 
-def _key_from_json(k: list) -> Any:
+def _key_from_json(k: Any, where: str) -> Any:
+    if not (isinstance(k, list) and len(k) == 2 and k[0] in _KEY_KINDS):
+        raise CheckpointError(f"{where}: key {_short(k)} is not one of [{'|'.join(_KEY_KINDS)}, x]")
     kind, value = k
+    if kind == "int":
+        if type(value) is not int:
+            raise CheckpointError(f"{where}: key {_short(k)}: expected an integer")
+        return value
+    if not isinstance(value, str):
+        raise CheckpointError(f"{where}: key {_short(k)}: expected a string")
+    if kind == "hidden":
+        return tree_lib.HiddenKey(value)
     if kind == "attr":
         return tree_lib.AttrKey(value)
-    if kind == "pickle":
-        return pickle.loads(base64.b64decode(value))
     return value
 
 
-def _cls_to_json(cls: type | None) -> str | None:
-    if cls is None:
-        return None
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _cls_from_json(name: str | None, kind: str) -> type | None:
-    if name is None:
-        return None
-    if name == "collections:OrderedDict":
-        return OrderedDict
-    if name == "builtins:dict":
-        return dict
-    module, _, qualname = name.partition(":")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        return obj
-    except (ImportError, AttributeError):
-        log.warning("checkpoint: cannot import %s; its %s comes back as a dict", name, kind)
-        return None
-
-
 def _treedef_to_json(node: tree_lib.TreeDef) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "kind": node.kind,
         "keys": [_key_to_json(k) for k in node.keys],
         "children": [_treedef_to_json(c) for c in node.children],
-        "cls": _cls_to_json(node.cls),
-        "static": [[name, _pickled(value)] for name, value in node.static],
     }
+    if node.kind == "alias":
+        out["leaf"] = int(dict(node.static)["leaf"])
+    elif node.kind == "dict" and node.cls is OrderedDict:
+        out["ordered"] = True
+    elif node.kind in ("namedtuple", "dataclass", "registry") and node.cls is not None:
+        out["type"] = f"{node.cls.__module__}.{node.cls.__qualname__}"  # never imported
+    return out
 
 
-def _treedef_from_json(data: dict[str, Any]) -> tree_lib.TreeDef:
-    kind = data["kind"]
-    keys = tuple(_key_from_json(k) for k in data["keys"])
-    children = tuple(_treedef_from_json(c) for c in data["children"])
-    cls = _cls_from_json(data["cls"], kind)
-    if kind in ("namedtuple", "dataclass") and cls is None:  # the class is gone: a dict
-        return tree_lib.TreeDef("dict", tuple(str(k) for k in keys), children, dict)
-    static = tuple((name, _key_from_json(v)) for name, v in data["static"])
-    return tree_lib.TreeDef(kind, keys, children, cls, static)
+def _treedef_from_json(
+    data: Any, where: str, leaves: int, counted: list[int], depth: int
+) -> tree_lib.TreeDef:
+    """A node of plain containers (see :func:`load_params`); ``counted[0]`` counts the
+    stored leaves met, ``leaves`` is how many there are."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {what}")
+
+    if depth > _MAX_DEPTH:
+        raise bad(f"the tree is nested more than {_MAX_DEPTH} levels deep")
+    if not isinstance(data, dict):
+        raise bad(f"a tree node is {_short(data)}, expected an object")
+    kind, keys, children = data.get("kind"), data.get("keys", []), data.get("children", [])
+    if kind not in _KINDS:
+        raise bad(f"unknown tree node kind {_short(kind)} (known: {', '.join(_KINDS)})")
+    if not (isinstance(keys, list) and isinstance(children, list) and len(keys) == len(children)):
+        raise bad(f"a {kind} node's keys and children are not two lists of one length")
+    if kind in ("leaf", "alias", "const", "none") and keys:
+        raise bad(f"a {kind} node has children")
+    if kind == "leaf":
+        counted[0] += 1
+        return tree_lib.TreeDef("leaf")
+    if kind == "alias":
+        index = data.get("leaf")
+        if not _is_count(index, leaves):
+            raise bad(f"an alias names leaf {_short(index)}, there are {leaves}")
+        return tree_lib.TreeDef("alias", static=(("leaf", index),))
+    if kind == "const":  # not stored: the value is the job's own (from like=), else None
+        return tree_lib.TreeDef("const", static=(("value", None),))
+    if kind == "none":
+        return tree_lib.TreeDef("none")
+    keys = tuple(_key_from_json(k, f"{where}: a {kind} node") for k in keys)
+    kids = tuple(_treedef_from_json(c, where, leaves, counted, depth + 1) for c in children)
+    if kind in ("list", "tuple"):
+        if keys != tuple(range(len(kids))):
+            raise bad(f"a {kind} node's keys are not 0..{len(kids) - 1}")
+        return tree_lib.TreeDef(kind, keys, kids)
+    # a dict, or a user's container as a dict of its field names
+    plain = tuple(str(k) if isinstance(k, str) else k for k in keys)
+    if len(set(plain)) != len(plain):
+        raise bad(f"a {kind} node has a key twice: {_short(list(plain))}")
+    ordered = kind == "dict" and data.get("ordered") is True
+    return tree_lib.TreeDef("dict", plain, kids, OrderedDict if ordered else dict)

@@ -161,13 +161,18 @@ def test_sw_load_returns_the_users_structure(tmp_path):
     }
     job = _job(params, optimizer=sw.optim.sgd(0.1), shards=2)
     _save(tmp_path, job, _trained_states(job, pushes=1))
-    back = sw.load(tmp_path)
+    back = sw.load(tmp_path, like=params)  # the user's classes come from like=
     assert back["none"] is None and isinstance(back["pair"], Pair)
     assert back["layer"]["w"].shape == (2, 3) and back["layer"]["b"].dtype == np.float16
     # sgd(0.1) of one push of ones: every leaf moved by -0.1 from its start
     np.testing.assert_allclose(back["layer"]["w"], np.full((2, 3), 0.9), rtol=1e-6)
     np.testing.assert_allclose(back["pair"].w, [-0.1, 0.9], rtol=1e-6)
     np.testing.assert_allclose(back["list"][0], [4.9, 4.9], rtol=1e-6)
+    plain = sw.load(tmp_path)  # without like=: plain data, the namedtuple as a dict
+    assert type(plain["pair"]) is dict and sorted(plain["pair"]) == ["b", "w"]
+    assert plain["none"] is None and type(plain["list"]) is list
+    np.testing.assert_array_equal(plain["pair"]["w"], back["pair"].w)
+    np.testing.assert_array_equal(plain["layer"]["b"], back["layer"]["b"])
 
 
 def test_sw_load_of_a_torch_model_gives_its_tensors(tmp_path):

@@ -1,0 +1,628 @@
+"""Checkpoints that cannot run code, cannot overflow, and cannot cost a finished run.
+
+- A checkpoint is a file people pass around: loading or resuming one unpickles
+  nothing and imports nothing it names. Crafted manifests (a pickle payload, a
+  class naming ``os:system`` or a module whose import has side effects, with the
+  checksums recomputed so they pass) are refused with a one-line CheckpointError
+  or loaded as plain data, and nothing runs.
+- Every field loading reads is checked in one place: out-of-range or ill-typed
+  counts are refused with a one-line CheckpointError, never an OverflowError.
+- A checkpoint that cannot be written never loses the run: the run goes on (or
+  returns its TrainResult), a FailureWarning names the folder and the OS error,
+  the failure is in ``result.failures``, the previous checkpoint stays loadable,
+  and ``stalewise train`` exits non-zero after writing its metrics.
+
+The write failures are real ones that root cannot bypass (tests run as root, so a
+chmod-ed folder would not fail): ``RLIMIT_FSIZE`` (the kernel refuses to grow any
+file past it with EFBIG, for root too; CPython ignores SIGXFSZ, so the write raises
+OSError), lowered mid-run in this process and restored at once; and a checkpoint
+folder whose path is taken by a regular file.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import contextlib
+import dataclasses
+import hashlib
+import json
+import pickle
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+
+import stalewise as sw
+from stalewise import checkpoint, tree
+from stalewise.cli import main
+from stalewise.protocol import PushHeader
+
+
+class Pair(NamedTuple):
+    w: np.ndarray
+    b: np.ndarray
+
+
+@dataclasses.dataclass
+class Conf:
+    scale: np.ndarray
+    name: str = dataclasses.field(default="conf", metadata={"static": True})
+
+
+def _params():
+    return {
+        "pair": Pair(np.zeros(4, np.float32), np.zeros(2, np.float32)),
+        "conf": Conf(np.ones(3, np.float32), name="kept"),
+    }
+
+
+def _loss_and_grad(p, batch):
+    gw, gb, gs = p["pair"].w - 1.0, p["pair"].b + 1.0, p["conf"].scale - 3.0
+    loss = float(sum(float((g * g).sum()) for g in (gw, gb, gs)))
+    return loss, {"pair": Pair(gw, gb), "conf": Conf(gs, name=p["conf"].name)}
+
+
+def _sim_train(d, steps=20, **kw):
+    job = sw.Job(_params(), optimizer=sw.optim.sgd(0.1))
+    return job.train(
+        _loss_and_grad,
+        data=[[0]],
+        workers=1,
+        steps=steps,
+        runtime="sim",
+        seed=1,
+        checkpoint_dir=d,
+        timeout=60,
+        **kw,
+    )
+
+
+def _rewrite(ckpt_dir: Path, edit) -> None:
+    """Edits a checkpoint's manifest and recomputes its checksum, as an attacker would."""
+    manifest = json.loads((ckpt_dir / "manifest.json").read_text())
+    edit(manifest)
+    text = json.dumps(manifest, indent=1, allow_nan=True)
+    (ckpt_dir / "manifest.json").write_text(text)
+    (ckpt_dir / "manifest.sha256").write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
+
+
+def _one_ckpt(d: Path) -> Path:
+    (path,) = [p for p in d.iterdir() if p.name.startswith("ckpt-")]
+    return path
+
+
+class _Touch:
+    """Unpickling it creates a file: the stand-in for any code a pickle can run."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture
+def evil(tmp_path, monkeypatch):
+    """A marker file that must never appear, a pickle that creates it, and a module on
+    sys.path whose import creates it."""
+    marker = tmp_path / "ran"
+    name = f"sw_evil_{tmp_path.name[-8:].replace('-', '_')}"
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / f"{name}.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nclass Thing:\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    payload = ["pickle", base64.b64encode(pickle.dumps(_Touch(str(marker)))).decode()]
+    yield marker, name, payload
+    assert not marker.exists(), "a checkpoint ran code"
+    assert name not in sys.modules, "a checkpoint imported a module it named"
+
+
+def _tree(m):
+    return m["spec"]["tree"]
+
+
+def _pair_node(m):
+    tree = _tree(m)
+    return tree["children"][[k[1] for k in tree["keys"]].index("pair")]
+
+
+# what each crafted manifest does, and what the one-line refusal says (None: loaded as data)
+CRAFTED = {
+    "pickle-in-a-tree-key": (
+        lambda m, e: _pair_node(m)["keys"].__setitem__(0, e[2]),
+        "key .* is not one of",
+    ),
+    "pickle-in-a-leaf-path": (
+        lambda m, e: m["spec"]["leaves"][0]["path"].__setitem__(0, e[2]),
+        "key .* is not one of",
+    ),
+    "kind-naming-a-module": (
+        lambda m, e: _pair_node(m).__setitem__("kind", f"{e[1]}:Thing"),
+        "unknown tree node kind",
+    ),
+    "backend-naming-a-module": (
+        lambda m, e: m["spec"]["leaves"][0].__setitem__("backend", e[1]),
+        "unknown backend",
+    ),
+    "shard-file-outside-the-folder": (
+        lambda m, e: m["shards"][0].__setitem__("file", "../../etc/passwd"),
+        r"shards\[0\]\.file",
+    ),
+    "format-1-with-cls-and-pickled-statics": (
+        lambda m, e: (
+            m.__setitem__("format", 1),
+            _pair_node(m).update(cls=f"{e[1]}:Thing", static=[["x", e[2]]]),
+            _tree(m).update(cls="os:system"),
+        ),
+        "unknown format 1.*pickles",
+    ),
+    "cls-os-system-and-a-module-type": (
+        lambda m, e: (
+            _pair_node(m).update(cls="os:system", type=f"{e[1]}.Thing", static=[["x", e[2]]]),
+            _tree(m).update(cls=f"{e[1]}:Thing"),
+        ),
+        None,  # fields the loader does not know: read as plain data, never followed
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_checkpoint_runs_nothing(tmp_path, evil, case):
+    edit, refusal = CRAFTED[case]
+    d = tmp_path / "ckpt"
+    trained = _sim_train(d)
+    path = _one_ckpt(d)
+    _rewrite(path, lambda m: edit(m, evil))
+    if refusal is None:
+        back = sw.load(d)
+        assert type(back["pair"]) is dict and type(back["conf"]) is dict
+        np.testing.assert_array_equal(back["pair"]["w"], trained.params["pair"].w)
+        assert checkpoint.load(d).version == trained.stats["version"]
+        return
+    with pytest.raises(sw.CheckpointError, match=refusal) as e:
+        sw.load(path)  # the folder itself: no fallback, its own message
+    assert "\n" not in str(e.value) and str(path / "manifest.json") in str(e.value)
+    for load in (sw.load, checkpoint.load):
+        with pytest.raises(sw.CheckpointError, match="no usable checkpoint") as e:
+            load(d)
+        assert "\n" not in str(e.value)
+    with pytest.raises(sw.CheckpointError, match="no usable checkpoint"):
+        _sim_train(d, steps=40, resume=True)
+
+
+def test_loading_neither_unpickles_nor_imports(tmp_path):
+    """Python's audit hooks see every pickle class lookup and every module import: none
+    happens while crafted checkpoints are loaded (after a clean one has warmed the path)."""
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    _sim_train(good)
+    _sim_train(bad)
+    marker = tmp_path / "ran"
+    payload = ["pickle", base64.b64encode(pickle.dumps(_Touch(str(marker)))).decode()]
+    _rewrite(
+        _one_ckpt(bad),
+        lambda m: (
+            _pair_node(m).update(cls="os:system", type="json.tool.main", static=[["x", payload]]),
+            m["spec"]["leaves"][1]["path"].__setitem__(0, payload),
+        ),
+    )
+    script = textwrap.dedent(
+        """
+        import json, sys
+        import stalewise as sw
+        good, bad = sys.argv[1:3]
+        sw.load(good)
+        seen = []
+        watched = ("import", "pickle.find_class", "exec", "os.system", "subprocess.Popen")
+        sys.addaudithook(lambda event, args: event in watched and seen.append(event))
+        try:
+            sw.load(bad)
+        except sw.CheckpointError as e:
+            print("refused:", e, file=sys.stderr)
+        print(json.dumps([e for e in seen]))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(good), str(_one_ckpt(bad))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    assert "refused:" in out.stderr and "is not one of" in out.stderr
+    assert not marker.exists()
+
+
+def test_the_load_and_resume_modules_import_neither_pickle_nor_importlib():
+    source = ast.parse(Path(checkpoint.__file__).read_text())
+    imported = {
+        alias.name.partition(".")[0]
+        for node in ast.walk(source)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in (
+            node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")]
+        )
+    }
+    assert not imported & {"pickle", "importlib", "marshal", "dill", "cloudpickle"}
+    calls = {n.id for n in ast.walk(source) if isinstance(n, ast.Name)}
+    assert not calls & {"__import__", "eval", "exec"}
+
+
+# -- sw.load(path, like=...) --------------------------------------------------------------
+
+
+def test_like_rebuilds_namedtuples_and_dataclasses_plain_without(tmp_path):
+    d = tmp_path / "ckpt"
+    result = _sim_train(d)
+    back = sw.load(d, like=_params())
+    assert isinstance(back["pair"], Pair) and isinstance(back["conf"], Conf)
+    assert back["conf"].name == "kept"  # a static field comes from like=
+    for got, want in [
+        (back["pair"].w, result.params["pair"].w),
+        (back["pair"].b, result.params["pair"].b),
+        (back["conf"].scale, result.params["conf"].scale),
+    ]:
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(back["pair"].w, np.zeros(4))  # it trained
+    plain = sw.load(d)
+    assert type(plain) is dict and type(plain["pair"]) is dict and type(plain["conf"]) is dict
+    assert sorted(plain["pair"]) == ["b", "w"] and list(plain["conf"]) == ["scale"]
+    np.testing.assert_array_equal(plain["conf"]["scale"], back["conf"].scale)
+    # what the manifest says of the classes is for reading, never imported
+    node = _pair_node(json.loads((_one_ckpt(d) / "manifest.json").read_text()))
+    assert node["kind"] == "namedtuple" and node["type"].endswith("Pair")
+
+
+def _trained_states(job, pushes=2):
+    config = job.config
+    flat = config.init.copy()
+    shards = [config.build_shard(k, flat[lo:hi], 1) for k, (lo, hi) in enumerate(config.ranges)]
+    for shard in shards:
+        shard.join(0, incarnation=1)
+    for seq in range(pushes):
+        for shard in shards:
+            update = np.full(shard.params.size, seq + 1.0, shard.params.dtype)
+            assert shard.push(PushHeader(0, seq, shard.version, 1), update).ok
+    return [shard.state_dict() for shard in shards]
+
+
+def test_like_a_torch_model(tmp_path):
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    job = sw.Job(model, optimizer=sw.optim.sgd(0.1), shards=2)
+    states = _trained_states(job)
+    checkpoint.save(
+        tmp_path,
+        states,
+        spec=job.config.spec,
+        config_info=checkpoint.config_info(job.config),
+        step_info={"pushes": 2},
+    )
+    want = tree.unflatten(np.concatenate([s["params"] for s in states]), job.config.spec)
+    for back in (sw.load(tmp_path, like=model), sw.load(tmp_path)):
+        assert type(back) is dict and list(back) == list(want)
+        for name, tensor in back.items():
+            assert isinstance(tensor, torch.Tensor) and tensor.dtype == want[name].dtype
+            assert torch.equal(tensor, want[name]), name
+    assert not torch.equal(want["0.bias"], model[0].bias.detach())  # it moved
+    as_numpy = sw.load(tmp_path, like=model, backend="numpy")
+    assert isinstance(as_numpy["0.weight"], np.ndarray)
+
+
+@pytest.mark.parametrize(
+    ("like", "message"),
+    [
+        (
+            lambda p: {**p, "pair": Pair(np.zeros(5, np.float32), p["pair"].b)},
+            r"leaf 1 is 'pair.w' \(float32, shape \(4,\)\) in the checkpoint, "
+            r"'pair.w' \(float32, shape \(5,\)\) in like",
+        ),
+        (
+            lambda p: {**p, "pair": Pair(p["pair"].w.astype(np.float16), p["pair"].b)},
+            r"leaf 1 is 'pair.w' \(float32.* 'pair.w' \(float16",
+        ),
+        (
+            lambda p: {"conf": p["conf"]},
+            "like has 1 leaves, the checkpoint 3; the first missing is 'pair.w'",
+        ),
+        (
+            lambda p: {**p, "zz": np.zeros(1, np.float32)},
+            "like has more leaves than the checkpoint's 3, from 'zz'",
+        ),
+        (lambda p: {**p, "conf": {"scale": p["conf"].scale}}, None),  # names, shapes match
+    ],
+    ids=["shape", "dtype", "fewer", "more", "other-containers"],
+)
+def test_like_is_checked_against_the_manifest(tmp_path, like, message):
+    d = tmp_path / "ckpt"
+    _sim_train(d, steps=5)
+    if message is None:
+        back = sw.load(d, like=like(_params()))
+        assert type(back["conf"]) is dict and isinstance(back["pair"], Pair)
+        return
+    with pytest.raises(sw.CheckpointError, match=message) as e:
+        sw.load(d, like=like(_params()))
+    assert "\n" not in str(e.value)
+
+
+# -- fields out of range or of the wrong type --------------------------------------------
+
+
+def _deep(m):
+    node = {"kind": "leaf", "keys": [], "children": []}
+    for _ in range(300):
+        node = {"kind": "list", "keys": [["int", 0]], "children": [node]}
+    _tree(m)["children"][0] = node
+
+
+BAD_FIELDS = {
+    "version-2**70": (lambda m: m.__setitem__("version", 2**70), "version is 1180591620717"),
+    "shard-version-2**70": (
+        lambda m: m["shards"][0]["values"].update(version=2**70),
+        r"shards\[0\]\.values\['version'\] is 1180591620717411303424, expected integers in",
+    ),
+    "shard-count-negative": (
+        lambda m: m["shards"][0]["values"].update({"round.count": -1}),
+        r"values\['round.count'\] is -1, expected integers in \[0, 2\*\*62\)",
+    ),
+    "shard-count-huge-float": (
+        lambda m: m["shards"][0]["values"].update({"stats.applied": 1e300}),
+        r"values\['stats.applied'\] is 1e\+300, expected integers in",
+    ),
+    "pushes-1e300": (lambda m: m["step"].update(pushes=1e300), r"step.pushes is 1e\+300"),
+    "pushes-2**63": (
+        lambda m: m["step"].update(pushes=2**63),
+        "step.pushes is 9223372036854775808",
+    ),
+    "time-nan": (lambda m: m["step"].update(time=float("nan")), "step.time is nan"),
+    "sim-pushes-string": (lambda m: m["step"]["sim"].update(pushes="7"), "step.sim.pushes is '7'"),
+    "drawn-2**70": (lambda m: m["step"].update(drawn=[2**70]), "step.drawn is"),
+    "shards-not-a-list": (lambda m: m.__setitem__("shards", {"0": 1}), "shards is"),
+    "leaf-size-lies": (
+        lambda m: m["spec"]["leaves"][0].update(size=2**70),
+        "size is 1180591620717.*its shape",
+    ),
+    "leaf-negative-shape": (
+        lambda m: m["spec"]["leaves"][0].update(shape=[-3]),
+        r"shape is \[-3\], expected a list of counts",
+    ),
+    "leaf-dtype-object": (
+        lambda m: m["spec"]["leaves"][0].update(dtype="object"),
+        "dtype is 'object'",
+    ),
+    "alias-out-of-range": (
+        lambda m: _tree(m)["children"].__setitem__(
+            0, {"kind": "alias", "keys": [], "children": [], "leaf": 10**30}
+        ),
+        "an alias names leaf",
+    ),
+    "tree-nested-300-deep": (_deep, "nested more than 256 levels"),
+    "feedback-2**40-workers": (
+        lambda m: m.__setitem__("feedback", {"file": "feedback.safetensors", "workers": 2**40}),
+        "feedback.workers is 1099511627776",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FIELDS))
+def test_an_out_of_range_or_ill_typed_manifest_is_refused_in_one_line(tmp_path, caplog, case):
+    edit, message = BAD_FIELDS[case]
+    d = tmp_path / "ckpt"
+    _sim_train(d)
+    path = _one_ckpt(d)
+    _rewrite(path, edit)
+    with pytest.raises(sw.CheckpointError, match=message) as e:
+        checkpoint.load(path)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+    # resuming from it stops before anything starts, with a CheckpointError (never an
+    # OverflowError from a shard), and the warning names the field
+    with pytest.raises(sw.CheckpointError, match="no usable checkpoint"):
+        _sim_train(d, steps=40, resume=True)
+    assert str(e.value) in caplog.text
+
+
+def test_a_huge_version_resumed_on_the_local_runtime_is_a_checkpoint_error(tmp_path, no_leaks):
+    d = tmp_path / "ckpt"
+    _sim_train(d)
+    path = _one_ckpt(d)
+    _rewrite(path, lambda m: m["shards"][0]["values"].update(version=2**70))
+    job = sw.Job(_params(), optimizer=sw.optim.sgd(0.1))
+    with pytest.raises(sw.CheckpointError, match="no usable checkpoint"):
+        job.train(
+            _loss_and_grad, data=[[0]], workers=1, steps=40, checkpoint_dir=d, resume=True,
+            timeout=60,
+        )  # fmt: skip
+
+
+# -- a checkpoint that cannot be written ---------------------------------------------------
+
+BIG = 50_000  # float32 parameters: a 200 kB shard file, well past the file size limit
+LIMIT = 32 * 1024
+
+
+@contextlib.contextmanager
+def file_size_limit():
+    """``lower()`` sets RLIMIT_FSIZE to LIMIT bytes for this process; the old limit is
+    restored on exit whatever happens. Root cannot write past it either."""
+    assert signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN  # CPython's default
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    state = {"lowered": False}
+
+    def lower() -> None:
+        if not state["lowered"]:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, hard))
+            state["lowered"] = True
+
+    try:
+        yield lower, state
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def _big_job():
+    return sw.Job({"w": np.zeros(BIG, np.float32)}, optimizer=sw.optim.sgd(0.1))
+
+
+def _big_loss_and_grad(p, batch):
+    g = p["w"] - 1.0
+    return float((g * g).mean()), {"w": g}
+
+
+def _check_failed_run(result, d, caught, first_version):
+    events = [e for e in result.failures if "checkpoint" in e]
+    assert events, result.failures
+    assert all(e["checkpoint"] == str(d) for e in events)
+    assert all("too large" in e["cause"] for e in events), events
+    assert all(e["action"] == f"kept ckpt-{first_version:09d}" for e in events), events
+    assert events[-1]["final"] and not any(e["final"] for e in events[:-1])
+    # warned: the first failure of the run, then the final one; the end counts them all
+    messages = [str(w.message) for w in caught if issubclass(w.category, sw.FailureWarning)]
+    first = [m for m in messages if m.startswith("a checkpoint could not be written")]
+    final = [m for m in messages if m.startswith("the final checkpoint could not be written")]
+    assert len(first) == 1 and len(final) == 1, messages
+    assert all(f"to {d}: " in m and "File too large" in m for m in first + final), messages
+    assert f"kept ckpt-{first_version:09d}" not in final[0]  # said in words:
+    assert f"the previous checkpoint, ckpt-{first_version:09d}, is kept" in final[0]
+    assert any(m.startswith("checkpoint failures this run") for m in messages), messages
+    # the result is whole, and the previous checkpoint is still there and loadable
+    np.testing.assert_array_equal(result.params["w"], result.flat)
+    assert result.stats["version"] > first_version
+    kept = checkpoint.load(d)
+    assert kept.version == first_version and kept.path.name == f"ckpt-{first_version:09d}"
+    assert sw.load(d)["w"].shape == (BIG,)
+    assert not [p for p in d.iterdir() if p.name.startswith(".tmp-")]
+    return events
+
+
+def test_sim_checkpoints_that_cannot_be_written_cost_nothing(tmp_path):
+    d = tmp_path / "ckpt"
+    with file_size_limit() as (lower, state), pytest.warns(sw.FailureWarning) as caught:
+
+        def loss_and_grad(p, batch):  # the sim runs it here: the limit falls after a checkpoint
+            if checkpoint.exists(d):
+                lower()
+            return _big_loss_and_grad(p, batch)
+
+        result = _big_job().train(
+            loss_and_grad,
+            data=[[0], [0]],
+            workers=2,
+            steps=100,
+            runtime="sim",
+            seed=1,
+            checkpoint_dir=d,
+            checkpoint_every=10,
+            timeout=120,
+        )
+    assert state["lowered"]
+    events = _check_failed_run(result, d, caught, first_version=10)
+    # a failed periodic checkpoint is retried a period later, not at every step
+    assert 3 <= len(events) <= 100 // 10 + 1, events
+
+
+def test_sim_final_checkpoint_into_a_path_taken_by_a_file(tmp_path):
+    blocker = tmp_path / "taken"
+    blocker.write_text("a regular file where the checkpoint folder's parent should be")
+    d = blocker / "ckpt"
+    with pytest.warns(sw.FailureWarning, match="the final checkpoint could not be written"):
+        result = _big_job().train(
+            _big_loss_and_grad, data=[[0]], workers=1, steps=5, runtime="sim", checkpoint_dir=d
+        )
+    (event,) = [e for e in result.failures if "checkpoint" in e]
+    assert event["final"] and event["action"] == "kept none" and "Not a directory" in event["cause"]
+    assert result.pushes == 5 and result.params["w"].shape == (BIG,)
+
+
+def test_local_checkpoints_that_cannot_be_written_cost_nothing(tmp_path, no_leaks):
+    d = tmp_path / "ckpt"
+
+    def on_record(record):  # in the parent, which writes the checkpoints
+        if checkpoint.exists(d):
+            lower()
+
+    with file_size_limit() as (lower, state), pytest.warns(sw.FailureWarning) as caught:
+        result = _big_job().train(
+            _big_loss_and_grad,
+            data=[[0], [0]],
+            workers=2,
+            steps=400,
+            delays={0: 0.002, 1: 0.002},
+            eval_interval=0.02,
+            on_record=on_record,
+            checkpoint_dir=d,
+            checkpoint_every=40,
+            timeout=120,
+        )
+    assert state["lowered"]
+    first = checkpoint.load(d).version
+    assert first >= 40
+    events = _check_failed_run(result, d, caught, first_version=first)
+    assert len(events) <= 400 // 40 + 1
+
+
+def test_cli_exits_nonzero_when_the_last_checkpoint_is_lost(tmp_path, capsys):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(
+        textwrap.dedent(
+            """
+            [task]
+            name = "least-squares"
+            args = { n = 64, d = 8 }
+
+            [optimizer]
+            name = "sgd"
+            lr = 0.05
+
+            [run]
+            workers = 2
+            steps = 40
+            """
+        )
+    )
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("a regular file where the checkpoints go")
+    code = main(["train", str(cfg), "--out", str(out), "--runtime", "sim", "-q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith("stalewise: the final checkpoint could not be written to ")
+    assert "File exists" in err[-1] and "metrics.jsonl" in err[-1]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records and records[-1]["pushes"] >= 40
+
+
+def test_a_save_that_fails_at_its_last_step_leaves_the_folder_as_it_was(tmp_path):
+    """``latest`` cannot be replaced (a non-empty folder took its name: rename fails for
+    root too): the new checkpoint is taken out again, and one of the same version that it
+    was replacing is put back."""
+    job = sw.Job({"w": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1))
+    states = _trained_states(job, pushes=1)
+
+    def save(states):
+        return checkpoint.save(
+            tmp_path,
+            states,
+            spec=job.config.spec,
+            config_info=checkpoint.config_info(job.config),
+            step_info={"pushes": states[0]["version"]},
+        )
+
+    first = save(states)
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest" / "x").mkdir(parents=True)
+    for again in (_trained_states(job, pushes=2), states):  # a new version, then the same
+        with pytest.raises(OSError):
+            save(again)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, "latest"]
+        assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+        assert checkpoint.load(tmp_path).version == 1
