@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -17,12 +18,10 @@ from stalewise import strategies as strategies_lib
 from stalewise.backends import backend_of
 from stalewise.optim import buffers as optim_buffers
 from stalewise.protocol import ServerConfig, pulls
-from stalewise.runtime.base import TrainResult
+from stalewise.runtime.base import TrainResult, warn_summary
 from stalewise.runtime.options import RunOptions
 
 log = logging.getLogger(__name__)
-
-RUNTIMES = runtime_lib.names()  # the built-in runtimes
 
 
 class Job:
@@ -79,6 +78,7 @@ class Job:
                 "strategy", strategy, strategies_lib.Strategy, "e.g. sw.strategies.gradients()"
             )
         self.strategy = strategy or strategies_lib.gradients()
+        recommended = optimizer is None
         if optimizer is None:
             optimizer = self.strategy.server_optimizer()
             if optimizer is None:
@@ -86,7 +86,7 @@ class Job:
                     f"optimizer is required: strategy {self.strategy!r} recommends no server "
                     "optimizer (pass e.g. optimizer=sw.optim.sgd(0.1))"
                 )
-        _check_arg("optimizer", optimizer, optim.Optimizer, "e.g. sw.optim.sgd(0.1)")
+        _check_optimizer(optimizer)
         if consistency is not None:
             _check_arg("consistency", consistency, consistency_lib.Consistency, "e.g. sw.SSP(4)")
         if staleness is not None:
@@ -99,6 +99,8 @@ class Job:
             _check_arg("pull_codec", pull_codec, codecs_lib.Policy, "e.g. sw.codecs.int8()")
         if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
+        consistency = consistency or consistency_lib.ASP()
+        self.strategy.check_consistency(consistency, recommended=recommended)
         flat, spec = tree.flatten(params, keep_integers=True)
         spec, optimizer = _with_buffers(spec, optimizer, buffers, params)
         if shards > max(spec.size, 1):
@@ -107,7 +109,7 @@ class Job:
             spec=spec,
             init=flat.copy(),
             optimizer=optimizer,
-            consistency=consistency or consistency_lib.ASP(),
+            consistency=consistency,
             staleness=staleness or staleness_lib.constant(),
             shards=shards,
             codec=codecs_lib.NONE if codec is None else codec,
@@ -155,9 +157,10 @@ class Job:
             workers: number of worker processes.
             steps: total pushes across all workers (the job's budget; workers check it
                 before each step, so up to ``workers - 1`` pushes in flight may overshoot it).
-            runtime: where to run: "local" (processes on this machine) or "sim" (the
-                deterministic simulator: same shards, virtual time; see
-                :mod:`stalewise.runtime.sim`).
+            runtime: where to run, a name in :func:`stalewise.runtime.names`: "local"
+                (processes on this machine), "sim" (the deterministic simulator: same
+                shards, virtual time; see :mod:`stalewise.runtime.sim`), "ray" (Ray
+                actors), or one added with :func:`stalewise.runtime.register`.
             evaluate: ``f(params) -> {"loss": ..., "accuracy": ...}`` on held-out data,
                 called in the parent every ``eval_interval`` seconds.
             stragglers: slowdown factor per worker, e.g. ``{3: 4.0}``.
@@ -177,7 +180,9 @@ class Job:
             seed: the simulator's random seed (runtime "sim" only).
             checkpoint_dir: a folder for checkpoints (:mod:`stalewise.checkpoint`); one is
                 written at the end of the run, and periodically with the two below.
-                ``sw.load(checkpoint_dir)`` gives the saved params in your structure.
+                ``sw.load(checkpoint_dir, like=params)`` gives the saved params in your
+                structure (without ``like``: as plain dicts and lists). A checkpoint that
+                cannot be written warns (``sw.FailureWarning``) and never stops the run.
             checkpoint_every: also write one every this many updates.
             checkpoint_seconds: also write one every this many seconds (virtual in the
                 simulator).
@@ -239,10 +244,17 @@ class Job:
             **timeouts,
         )
         with sinks:
-            return sinks.finish(runner(self.config, self.strategy, options))
+            result = runner(self.config, self.strategy, options)
+            warn_summary(result.failures)  # every runtime's: the first of each kind warned
+            return sinks.finish(result)
 
-    def serve(self, *, workers: int, join_timeout: float = 300.0):
-        """Starts the shards as local processes for a loop you own; use as a context manager.
+    def serve(self, *, workers: int, join_timeout: float = 300.0, runtime: str = "local"):
+        """Starts the shards for a loop you own; use as a context manager.
+
+        ``runtime`` names a registered runtime that has a server
+        (:func:`stalewise.runtime.servers`); the built-in one is ``"local"``: the
+        shards run as processes on this machine, and the rest of this docstring
+        describes it. Another name is refused with the list of those that have one.
 
         Hand ``server.client(w)`` to worker ``w``'s process, then call
         ``server.release(w)`` once that process has started, so that the shards
@@ -258,10 +270,9 @@ class Job:
             ...     params = client.pull()
             ...     client.push(grads)
         """
-        from stalewise.runtime.local.server import LocalServer
-
-        self._check_pulls("local")
-        return LocalServer(self.config, workers, join_timeout=join_timeout)
+        factory = runtime_lib.server(runtime)
+        self._check_pulls(runtime)
+        return factory(self.config, workers, join_timeout=join_timeout)
 
     def _check_pulls(self, runtime: str) -> None:
         # every built-in runtime sends compressed pushes; delta pulls only pulls.RUNTIMES
@@ -307,6 +318,25 @@ def _torch_int(x: Any) -> bool:
         and backend.name == "torch"
         and backend.is_leaf(x)
         and (not x.is_floating_point())
+    )
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """The server optimizer must be a stalewise one; a torch or optax optimizer is a worker's
+    (``inner=`` of a strategy), which the error says in one line."""
+    if isinstance(optimizer, optim.Optimizer):
+        return
+    target = optimizer.func if isinstance(optimizer, functools.partial) else optimizer
+    kind = target if isinstance(target, type) else type(target)
+    module = getattr(kind, "__module__", "") or ""
+    if module.split(".")[0] not in ("torch", "optax"):
+        _check_arg("optimizer", optimizer, optim.Optimizer, "e.g. sw.optim.sgd(0.1)")
+    what = f"{module}.{getattr(kind, '__qualname__', kind.__name__)}"
+    raise TypeError(
+        f"optimizer= is the server optimizer and must be a stalewise optimizer (e.g. "
+        f"sw.optim.adam(1e-3)), got {what}; torch and optax optimizers run on the workers: pass "
+        "one as inner= of a strategy, e.g. sw.strategies.diloco(inner=functools.partial("
+        "torch.optim.AdamW, lr=1e-3))"
     )
 
 

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -83,12 +84,11 @@ def _tensorboard_dir(arg: str | None) -> Path | None:
 
 
 def _check_runtime(runtime: str | None) -> None:
-    from stalewise.api import RUNTIMES
+    from stalewise import runtime as runtime_lib
 
-    if runtime is not None and runtime not in RUNTIMES:
-        raise _config_error(
-            "--runtime", f"unknown runtime {runtime!r} (known: {', '.join(RUNTIMES)})"
-        )
+    known = runtime_lib.names()
+    if runtime is not None and runtime not in known:
+        raise _config_error("--runtime", f"unknown runtime {runtime!r} (known: {', '.join(known)})")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -153,6 +153,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"checkpoints: {out / 'checkpoints'} (stalewise train CONFIG --resume {out})")
     if board is not None:
         print(f"tensorboard: {loggers[0].logdir} (tensorboard --logdir {board})")
+    lost = [e for e in result.failures if "checkpoint" in e and e.get("final")]
+    if lost:  # the metrics are saved; the run's end is not in its checkpoints
+        e = lost[-1]
+        print(
+            _one_line(
+                f"stalewise: the final checkpoint could not be written to {e['checkpoint']}: "
+                f"{e['cause']} ({e['action']}); the metrics are in {out / 'metrics.jsonl'}"
+            ),
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -359,12 +370,21 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     from stalewise.config import ConfigError
+    from stalewise.runtime.base import FailureWarning
+    from stalewise.runtime.sim.config import TooLongError
 
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            # a FailureWarning's event is also logged at WARNING, which the CLI shows: once
+            warnings.filterwarnings("ignore", category=FailureWarning)
+            return args.func(args)
     except ConfigError as e:
         where = f"config error in {e.path}" if e.path is not None else "config error"
         print(f"stalewise: {_one_line(f'{e.key}: {e.problem}')} ({where})", file=sys.stderr)
+        return 2
+    except TooLongError as e:  # a simulated run of a sweep (stalewise sim) too long to record
+        where = f"config error in {args.config}" if hasattr(args, "config") else "config error"
+        print(f"stalewise: sim: {_one_line(str(e))} ({where})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("stalewise: interrupted", file=sys.stderr)

@@ -1,10 +1,17 @@
 """The parameter-server shard as a state machine: consistency, staleness, exactly-once, validation."""
 
 import math
+import os
+import re
+import signal
+import threading
+import time
+from multiprocessing import connection
 
 import numpy as np
 import pytest
 
+import stalewise as sw
 from stalewise import optim, sharding
 from stalewise import staleness as st
 from stalewise.consistency import ASP, BSP, SSP
@@ -351,3 +358,97 @@ def test_sharding_splits_only_a_leaf_larger_than_a_share():
 def test_sharding_rejects_bad_counts():
     with pytest.raises(ValueError, match="shards must be an integer >= 1, got 0"):
         sharding.plan(Segments.single(10), 0)
+
+
+# -- a shard process that dies under Job.serve: every client call says so, at once ----------
+
+
+def kill_shard(server, k):
+    """SIGKILLs shard ``k``'s process and waits (bounded) until it has exited."""
+    os.kill(server._procs[k].pid, signal.SIGKILL)
+    assert connection.wait([server.shard_sentinels()[k]], 10), f"shard {k} did not die"
+
+
+def two_shards(**kw):
+    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+    return sw.Job(params, optimizer=optim.sgd(1.0), shards=2, **kw)
+
+
+ONES = {"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)}
+
+
+DIED = r"^shard {} has died \(killed by SIGKILL\)$"
+
+
+def raises_shard_error_at_once(k, call, limit=2.0):
+    """``call()`` raises ShardError naming shard ``k`` within ``limit`` seconds."""
+    start = time.monotonic()
+    with pytest.raises(sw.ShardError, match=DIED.format(k)):
+        call()
+    assert time.monotonic() - start < limit
+
+
+def pulls_until_shard_error(client, k, limit=2.0):
+    """Pulls until one raises ShardError naming shard ``k``, which must happen within
+    ``limit`` seconds of its process's exit (the server's watcher writes it into shared
+    memory; until then a pull may still read the last snapshot). Returns those pulls."""
+    start, stale = time.monotonic(), 0
+    while True:
+        try:
+            client.pull(timeout=30)
+        except sw.ShardError as e:
+            assert re.match(DIED.format(k), str(e)), e
+            return stale
+        stale += 1
+        assert time.monotonic() - start < limit, f"{stale} pulls after shard {k} died"
+
+
+def test_every_client_call_after_a_shard_process_died_raises_shard_error_naming_it(no_leaks):
+    """Ten times over: a pull after a shard died never returns its last snapshot nor
+    blocks; push and wait do not hang either. Alternately shard 0 and shard 1, with the
+    last push acknowledged or still in flight when the shard dies."""
+    start = time.monotonic()
+    for trial in range(10):
+        k = trial % 2
+        with two_shards().serve(workers=2) as server:
+            client = server.client(0)
+            client.pull(timeout=30)
+            for _ in range(3):
+                client.push(ONES)
+            if trial % 4 < 2:  # else the last push's acks are still unread
+                assert client.wait(timeout=30).status == "applied"
+            kill_shard(server, k)
+            pulls_until_shard_error(client, k)
+            raises_shard_error_at_once(k, lambda c=client: c.pull(timeout=30))  # again
+            raises_shard_error_at_once(k, lambda c=client: c.push(ONES, timeout=30))
+            # the acks of the push in flight: the live shard's, or ShardError; never a hang
+            wait_start = time.monotonic()
+            try:
+                client.wait(timeout=30)
+            except sw.ShardError as e:
+                assert str(e).startswith(f"shard {k} has died"), e
+            assert time.monotonic() - wait_start < 2.0
+            with pytest.raises(sw.ShardError, match=rf"shard {k} has died"):
+                server.pull(timeout=30)
+            client.close()
+    assert time.monotonic() - start < 120
+
+
+def test_a_pull_waiting_at_a_gate_raises_shard_error_when_a_shard_process_dies(no_leaks):
+    """Under BSP worker 0's pull waits for worker 1's push; shard 1's process is killed
+    meanwhile: the waiting pull raises ShardError naming it, it does not wait forever."""
+    with two_shards(consistency=sw.BSP()).serve(workers=2) as server:
+        c0 = server.client(0)
+        c0.pull(timeout=30)
+        c0.push(ONES)
+        assert c0.wait(timeout=30).status == "applied"
+        killer = threading.Timer(0.5, kill_shard, (server, 1))
+        killer.start()
+        try:
+            start = time.monotonic()
+            with pytest.raises(sw.ShardError, match=DIED.format(1)):
+                c0.pull(timeout=60)  # the round waits for worker 1, which never pushes
+            assert 0.4 < time.monotonic() - start < 10
+        finally:
+            killer.join()
+        c0.close()

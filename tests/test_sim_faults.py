@@ -213,7 +213,10 @@ def test_a_persistent_error_under_drop_leaves_the_budget_to_the_others():
 def test_an_error_in_the_first_step_fails_the_job_whatever_the_policy(policy):
     # the local runtime's warm-up step finds such a bug before its clock starts
     loss = Quadratic(lambda w, i: w == 1)
-    with pytest.raises(sw.WorkerError, match=r"(?s)^worker 1 failed:\nTraceback.*boom at batch 0"):
+    with pytest.raises(
+        sw.WorkerError,
+        match=r"(?s)^worker 1 failed: ValueError: boom at batch 0\nTraceback.*boom at batch 0",
+    ):
         train(loss, on_worker_failure=policy, max_restarts=None)
 
 
@@ -291,7 +294,7 @@ def test_every_push_refused_with_diverge_after_3_stops_with_diverged_error_at_on
         ),
     ):
         train(nan_grads, shards=2, steps=1_000_000, diverge_after=3)
-    assert time.perf_counter() - t0 < 5.0
+    assert time.perf_counter() - t0 < 60.0  # a hang guard; "after 6 of" says it stopped at once
     assert sum("diverged and stopped" in m for m in caplog.messages) == 2  # once per worker
 
 

@@ -16,7 +16,14 @@ actors) and an event-driven one (the simulator) run the very same loop:
   clock, emulated and simulated stragglers included (:mod:`stalewise.pacing`);
 * it yields a :class:`Push`: push ``update``, emulate or simulate the compute
   time, and answer with the :class:`~stalewise.protocol.messages.PushResult` of
-  every push that completed since the last answer (a list, maybe empty).
+  every push that completed since the last answer (a list, maybe empty). A
+  push with ``settle=True`` is answered only once it is acknowledged, and the
+  next PULL must then return parameters that include it (read-your-writes).
+  The loop asks for it when the strategy's ``settles`` is true: model
+  averaging (local SGD, DiLoCo, EASGD) starts every round from the pull, and a
+  pull that misses the worker's own last pseudo-gradient makes the worker redo
+  that round's progress, which the server then applies twice (with DiLoCo's
+  outer momentum, about ten times). Gradient pushes stay pipelined.
 
 :func:`run` drives it with a function that answers each request.
 
@@ -101,6 +108,7 @@ class Push(NamedTuple):
     loss: float  # training loss of the step
     local_steps: int  # minibatches the step consumed
     compute: float  # wall seconds the strategy step took
+    settle: bool = False  # answer once acknowledged; the next PULL includes it
 
 
 @dataclass
@@ -135,6 +143,7 @@ def worker_loop(
     state = None
     first = True
     timed = bool(getattr(strategy, "timed", False))
+    settles = bool(getattr(strategy, "settles", False))
     while (yield BEGIN):
         params = yield PULL
         now = (yield CLOCK) if timed else None
@@ -145,7 +154,13 @@ def worker_loop(
         t0 = time.perf_counter()
         step = strategy.step(state, params, loss_and_grad, batches)
         state = step.state
-        push = Push(step.update, float(step.loss), int(step.local_steps), time.perf_counter() - t0)
+        push = Push(
+            step.update,
+            float(step.loss),
+            int(step.local_steps),
+            time.perf_counter() - t0,
+            settles,
+        )
         del step, params  # not kept alive (a model-sized array each) while the runtime works
         results = yield push
         del push

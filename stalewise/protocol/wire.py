@@ -14,6 +14,9 @@ Who sends what::
     shard  -> worker   ack, pulled(version), error(text)       at most MAX_REPLY bytes
     parent -> shard    join(worker, incarnation), pull, stats, state, load(pickle), stop
     shard  -> parent   ready(k), joined, pulled, stats(pickle), state(pickle), loaded, stopped(pickle)
+    worker -> parent   worker_ready, beat(time), done, diverged(text),   at most MAX_RESULT bytes
+                       failed(traceback, summary)
+    parent -> worker   go
 
 Trust: a worker runs user code in another process, and a bug there may write
 anything into its pipe, so a shard decodes a worker's bytes with
@@ -24,7 +27,12 @@ from the pipe, never from the message). The parent is the program that started
 the shard, so the bulk values of its control pipe (a checkpoint's state, the
 stats dicts) stay pickles: they are large, nested and change with the code, and
 that pipe carries nothing a worker wrote. The simple control messages are
-fixed records too.
+fixed records too. A worker's *result pipe* to the parent of the local runtime
+(its heartbeats, and how its loop ended) is read the same way as a worker's
+pipe to a shard: :func:`decode_result` knows five records, each naming the
+worker whose pipe it must come on, with UTF-8 tails; anything else, or a frame
+over :data:`MAX_RESULT`, is a :class:`WireError`, which the parent counts as
+that worker's failure (:mod:`stalewise.runtime.local.train`).
 
 :class:`FrameReader` splits a byte stream into frames without blocking, so a
 shard can read a worker's pipe as bytes arrive and notice a message that never
@@ -42,6 +50,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import pickle
 import struct
 from typing import Any
@@ -60,6 +69,8 @@ _ACK, _PULLED, _ERROR = 0x11, 0x12, 0x13
 _JOIN, _STATS, _STATE, _LOAD, _STOP = 0x21, 0x22, 0x23, 0x24, 0x25
 # shard -> parent
 _READY, _JOINED, _STATS_REPLY, _STATE_REPLY, _LOADED, _STOPPED = 0x31, 0x32, 0x33, 0x34, 0x35, 0x36
+# worker -> parent (the result pipe), and parent -> worker
+_W_READY, _BEAT, _DONE, _DIVERGED, _FAILED, _GO = 0x41, 0x42, 0x43, 0x44, 0x45, 0x46
 
 _KIND = struct.Struct("<B")
 _INT = struct.Struct("<Bq")  # kind, one int64
@@ -70,6 +81,11 @@ _ACK_HEAD = struct.Struct("<BqqBqqH")
 _OK, _DUPLICATE, _HAS_TAU, _HAS_REASON, _HAS_KIND = 1, 2, 4, 8, 16
 _LOADED_HEAD = struct.Struct("<BqB")  # kind, version, has error; then the error's text
 _FRAME = struct.Struct("!i")  # multiprocessing's length header
+_BEAT_REC = struct.Struct("<Bqd")  # kind, worker, the worker's time.monotonic()
+_FAILED_HEAD = struct.Struct("<BqI")  # kind, worker, bytes of the traceback; then it, the summary
+
+MAX_TRACEBACK = 1 << 15  # bytes of UTF-8 kept of a worker's traceback (its end, the newest frames)
+MAX_RESULT = _FAILED_HEAD.size + MAX_TRACEBACK + MAX_TEXT  # the longest body of a result pipe
 
 
 class WireError(ValueError):
@@ -261,6 +277,92 @@ def decode_reply(body: bytes, *, trusted: bool = False) -> tuple:
     if kind in pickled and trusted:
         return (pickled[kind], pickle.loads(body[_KIND.size :]))
     raise WireError(f"a reply of unknown kind 0x{kind:02x} ({len(body)} bytes)")
+
+
+# -- worker -> parent (the result pipe of the local runtime) and back ---------------------
+
+
+def worker_ready(worker: int) -> bytes:
+    """The worker has set up (its data, one warm-up step) and waits for :func:`go`."""
+    return _INT.pack(_W_READY, worker)
+
+
+def beat(worker: int, now: float) -> bytes:
+    """A heartbeat, at the worker's ``time.monotonic()`` ``now``."""
+    return _BEAT_REC.pack(_BEAT, worker, now)
+
+
+def done(worker: int) -> bytes:
+    """The worker's loop ended normally."""
+    return _INT.pack(_DONE, worker)
+
+
+def diverged(worker: int, text: str) -> bytes:
+    """The worker's pushes kept being refused: it stops (``text`` says why)."""
+    return _INT.pack(_DIVERGED, worker) + _text(text)
+
+
+def failed(worker: int, trace: str, summary: str) -> bytes:
+    """User code raised in the worker: its traceback (the end of it, if long) and its
+    one-line ``Type: message`` summary."""
+    tb = trace.encode("utf-8", "replace")
+    if len(tb) > MAX_TRACEBACK:
+        tb = b"...\n" + tb[len(tb) - MAX_TRACEBACK + 4 :]
+    return _FAILED_HEAD.pack(_FAILED, worker, len(tb)) + tb + _text(summary)
+
+
+def go() -> bytes:
+    """The parent releases a worker that said :func:`worker_ready`."""
+    return _KIND.pack(_GO)
+
+
+def decode_result(body: bytes, worker: int) -> tuple:
+    """A message from worker ``worker``'s result pipe: ``("ready", w)``, ``("beat", w,
+    time)``, ``("done", w)``, ``("diverged", w, text)`` or ``("error", w, traceback,
+    summary)``. Anything else is a WireError: an unknown kind, a wrong size, a
+    record naming another worker, a time that is not finite.
+
+    Unpickles nothing; text is UTF-8 (undecodable bytes are replaced).
+
+    Example:
+        >>> decode_result(beat(2, 1.5), 2)
+        ('beat', 2, 1.5)
+        >>> decode_result(done(1), 2)
+        Traceback (most recent call last):
+        stalewise.protocol.wire.WireError: a message naming worker 1 on worker 2's pipe
+    """
+    kind = _kind_of(body)
+    sizes = {
+        _W_READY: _INT.size,
+        _DONE: _INT.size,
+        _BEAT: _BEAT_REC.size,
+        _DIVERGED: _INT.size,
+        _FAILED: _FAILED_HEAD.size,
+    }
+    if kind not in sizes:
+        raise WireError(f"a message of unknown kind 0x{kind:02x} ({len(body)} bytes)")
+    fixed = kind in (_W_READY, _DONE, _BEAT)
+    if len(body) < sizes[kind] or (fixed and len(body) != sizes[kind]) or len(body) > MAX_RESULT:
+        raise _wrong_size(kind, body)
+    (w,) = struct.unpack_from("<q", body, 1)
+    if w != worker:
+        raise WireError(f"a message naming worker {w} on worker {worker}'s pipe")
+    if kind == _W_READY:
+        return ("ready", w)
+    if kind == _DONE:
+        return ("done", w)
+    if kind == _BEAT:
+        now = _BEAT_REC.unpack(body)[2]
+        if not math.isfinite(now):
+            raise WireError(f"a heartbeat at a time that is not finite ({now})")
+        return ("beat", w, now)
+    if kind == _DIVERGED:
+        return ("diverged", w, body[_INT.size :].decode("utf-8", "replace"))
+    n = _FAILED_HEAD.unpack_from(body)[2]
+    rest = body[_FAILED_HEAD.size :]
+    if n > len(rest):
+        raise _wrong_size(kind, body)
+    return ("error", w, rest[:n].decode("utf-8", "replace"), rest[n:].decode("utf-8", "replace"))
 
 
 # -- parent -> shard (the control pipe) ----------------------------------------------------

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import sys
 import time as _time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +64,21 @@ class WorkerError(RuntimeError):
     """
 
 
+def worker_failed(w: int, detail: str, what: str = "") -> WorkerError:
+    """The error of worker ``w`` failing before the job has started: its first line says how
+    (``what``, else ``detail``'s last line: the exception of a traceback), then ``detail``.
+
+    Example:
+        >>> tb = 'Traceback (most recent call last):\n  File "x.py"\nValueError: bad batch\n'
+        >>> str(worker_failed(1, tb)).splitlines()[0]
+        'worker 1 failed: ValueError: bad batch'
+    """
+    lines = [line for line in detail.splitlines() if line.strip()]
+    head = what or (lines[-1].strip() if lines else "no reason given")
+    rest = "" if lines == [head] else "\n" + detail.rstrip()
+    return WorkerError(f"worker {w} failed: {head}{rest}")
+
+
 class ShardError(RuntimeError):
     """A shard's process died and the job could not go on; the message names the shard."""
 
@@ -73,6 +90,66 @@ class DivergedError(RuntimeError):
 class FailureWarning(UserWarning):
     """Something failed during a run and changed its result (a worker or shard restarted,
     updates lost, a checkpoint not written); the event is also in ``TrainResult.failures``."""
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def warn_user(message: str) -> None:
+    """Warns ``message`` as a :class:`FailureWarning`, attributed to the first caller outside
+    stalewise (the user's ``Job.train`` call), so Python users see it, not only the log."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, FailureWarning, stacklevel=level)
+
+
+def failure_kind(event: Mapping[str, Any]) -> str | None:
+    """The kind of a ``TrainResult.failures`` event, as warnings count them: ``"worker"``
+    (restarted, dropped or failed), ``"diverged"``, ``"shard"``, ``"checkpoint"``...;
+    None for a scripted departure (the simulator's ``"left"``), which is no failure."""
+    if event.get("action") == "left":
+        return None
+    if event.get("action") == "diverged":
+        return "diverged"
+    return next(iter(event), None)
+
+
+_KIND_NAMES = {"diverged": "workers that diverged"}
+
+
+def warn_summary(events: Sequence[Mapping[str, Any]]) -> None:
+    """At the end of a run: one :class:`FailureWarning` per kind of failure that happened
+    more than once, with the counts (the first of each kind warned when it happened).
+
+    ``Job.train`` calls it for every runtime, with ``TrainResult.failures``.
+
+    Example:
+        >>> import warnings
+        >>> events = [{"worker": 1, "action": "restarted"}, {"worker": 2, "action": "dropped"}]
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_summary(events)
+        >>> str(caught[0].message)
+        'worker failures this run: 2 (restarted 1, dropped 1); see result.failures'
+    """
+    kinds: dict[str, Counter] = {}
+    lost: Counter = Counter()
+    for e in events:
+        kind = failure_kind(e)
+        if kind is not None:
+            kinds.setdefault(kind, Counter())[e.get("action", "?")] += 1
+            if isinstance(e.get("lost"), int):
+                lost[kind] += e["lost"]
+    for kind, actions in kinds.items():
+        n = sum(actions.values())
+        if n < 2:
+            continue
+        what = ", ".join(f"{a} {c}" for a, c in actions.items() if a != "diverged")
+        if lost[kind]:
+            what += f"{', ' if what else ''}{lost[kind]} updates lost"
+        name = _KIND_NAMES.get(kind, f"{kind} failures")
+        warn_user(f"{name} this run: {n}{f' ({what})' if what else ''}; see result.failures")
 
 
 FAILURE_POLICIES = ("restart", "drop", "fail")
@@ -93,7 +170,10 @@ class Failures:
     A shard that fails is restarted under ``"restart"`` and ``"drop"`` (up to
     ``max_restarts`` times per shard) and stops the job under ``"fail"``
     (:class:`ShardError`). A worker that diverged is never restarted. Every
-    event is logged as a warning and kept in :attr:`events`. ``hint`` ends the
+    event is logged as a warning and kept in :attr:`events`; the first event of
+    each kind in a run (a worker failure, a shard restart, a divergence) is also
+    warned as a :class:`FailureWarning`, and :func:`warn_summary` counts the
+    rest at the end of the run. ``hint`` ends the
     message of an error that stops the job (e.g. how to resume it).
 
     Example:
@@ -116,6 +196,14 @@ class Failures:
         self.policy, self.max_restarts, self.hint = policy, max_restarts, hint
         self.events: list[dict[str, Any]] = []
         self._restarts: Counter = Counter()  # ("worker" | "shard", id) -> restarts so far
+        self._warned: set[str] = set()  # the kinds of event warned this run
+
+    def warn_once(self, kind: str, message: str) -> None:
+        """Warns ``message`` (a :class:`FailureWarning`) if it is the first event of ``kind``
+        in this run; :func:`warn_summary` counts the later ones at the end of the run."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warn_user(message + "; later failures of this kind are counted at the end of the run")
 
     @property
     def restarts(self) -> int:
@@ -151,6 +239,7 @@ class Failures:
         if self.policy == "drop":
             self._event("worker", w, cause, time, "dropped")
             log.warning("worker %d failed (%s); dropped, the other workers carry on", w, cause)
+            self.warn_once("worker", f"worker {w} failed ({cause}); dropped, the others carry on")
             return "drop"
         self._restarts[key] += 1
         self._event("worker", w, cause, time, "restarted")
@@ -160,6 +249,11 @@ class Failures:
             cause,
             self._restarts[key],
             "" if self.max_restarts is None else f" of {self.max_restarts}",
+        )
+        self.warn_once(
+            "worker",
+            f"worker {w} failed ({cause}); restarted at the current parameters, its "
+            "unfinished step lost",
         )
         return "restart"
 
@@ -173,10 +267,36 @@ class Failures:
         self._event("shard", k, cause, time, "restarted")
         log.warning("shard %d failed (%s); restarting it", k, cause)
 
+    def shard_restarted(
+        self, event: dict[str, Any], *, version: int | None = None, lost: int | None = None
+    ) -> None:
+        """The shard of ``event`` (:meth:`shard`'s) is back at ``version``, ``lost`` updates
+        of its slice lost (None: unknown); the first shard restart of a run is warned."""
+        event.update(lost=lost, version=version)
+        at = "" if version is None else f" at version {version}"
+        self.warn_once(
+            "shard",
+            f"shard {event['shard']} failed ({event['cause']}); restarted{at}, "
+            f"{'an unknown number of' if lost is None else lost} updates of its slice lost, "
+            "the workers restarted",
+        )
+
     def diverged(self, w: int, message: str, *, time: float) -> None:
         """Worker ``w`` stopped because its pushes kept being refused; it is not restarted."""
         self._event("worker", w, message, time, "diverged")
         log.warning("worker %d diverged and stopped: %s", w, message)
+        self.warn_once("diverged", f"worker {w} diverged and stopped: {message}")
+
+    def checkpoint(
+        self, directory: str, cause: str, *, time: float, action: str, final: bool
+    ) -> None:
+        """A checkpoint could not be written into ``directory`` (``cause``: the OS error;
+        ``action``: what was kept; ``final``: the run's last one). The run goes on; the
+        caller (:class:`stalewise.checkpoint.Saver`) has warned."""
+        self.events.append(
+            {"checkpoint": directory, "time": time, "cause": cause, "action": action}
+            | {"final": final}
+        )
 
 
 @dataclass
@@ -285,10 +405,19 @@ def slowdowns(
     for w, f in items:
         if not (isinstance(w, int) and 0 <= w < workers):
             raise ValueError(f"stragglers: unknown worker {w!r} (workers are 0..{workers - 1})")
-        if not (isinstance(f, int | float) and f >= 1):
-            raise ValueError(f"stragglers[{w}]: slowdown factor must be a number >= 1, got {f!r}")
+        if not (isinstance(f, int | float) and not isinstance(f, bool) and 1 <= f <= MAX_SLOWDOWN):
+            raise ValueError(
+                f"stragglers[{w}]: slowdown factor must be a number in [1, {MAX_SLOWDOWN:g}], "
+                f"got {f!r}"
+            )
         factors[w] = float(f)
     return factors
+
+
+#: The largest straggler factor (``train(stragglers=...)``): a worker this many times slower.
+MAX_SLOWDOWN = 1e4
+#: The longest extra delay per step (``train(delays=...)``), in seconds.
+MAX_DELAY = 3600.0
 
 
 def check_run(
@@ -308,10 +437,11 @@ def check_run(
     extra = [0.0] * workers
     for w, d in (delays or {}).items():
         if not (isinstance(w, int) and 0 <= w < workers) or not (
-            isinstance(d, int | float) and d >= 0
+            isinstance(d, int | float) and not isinstance(d, bool) and 0 <= d <= MAX_DELAY
         ):
             raise ValueError(
-                f"delays[{w!r}] = {d!r}: need a worker id in 0..{workers - 1} and seconds >= 0"
+                f"delays[{w!r}] = {d!r}: need a worker id in 0..{workers - 1} and seconds "
+                f"in [0, {MAX_DELAY:g}]"
             )
         extra[w] = float(d)
     return slowdowns(stragglers, workers), extra
@@ -338,8 +468,9 @@ def end_reason(
     ``steps`` pushes (``budget_spent``: a worker's loop ended with it), else, when
     no worker is left: :class:`DivergedError` if some diverged (the last cause in
     ``failures``), or every worker failed and was dropped. A run that pushed but
-    had no push applied (the merged shard ``stats``) says so, with a warning: it
-    is not a silent success.
+    had no push applied (the merged shard ``stats``), or whose last record has a
+    loss that is not finite (NaN, inf), says so in the reason and with a
+    :class:`FailureWarning`: it is not a silent success.
     """
     if recorder.stop_reason:
         reason = recorder.stop_reason
@@ -360,6 +491,18 @@ def end_reason(
     if pushes and not stats["applied"]:  # diverge_after=None lets such a run reach its end
         reason += f"; no push was applied, every one was refused ({stats['rejected']})"
         log.warning("%s: %s", run, reason)
+        warn_user(f"{run}: {reason}")
+        return reason
+    last = recorder.records[-1] if recorder.records else {}
+    bad = [k for k in ("loss", "train_loss") if isinstance(last.get(k), float)]
+    bad = [k for k in bad if not math.isfinite(last[k])][:1]
+    if bad:  # refusals do not catch a NaN loss whose pushes are finite, nor diverge_after=None
+        reason += (
+            f"; the {bad[0].replace('_', ' ')} at the end is {last[bad[0]]}: training diverged "
+            "(lower the learning rate or clip the gradients)"
+        )
+        log.warning("%s: %s", run, reason)
+        warn_user(f"{run}: {reason}")
     return reason
 
 

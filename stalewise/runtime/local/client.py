@@ -20,6 +20,16 @@ A client that learns a shard has closed its connection (the shard stopped, or
 it disconnected this worker for a protocol fault) raises :class:`ServerClosed`
 naming the shard, and every later call raises it again: it commits no more
 pushes, which the other shards would apply alone.
+
+A shard whose process dies is a :class:`~stalewise.runtime.base.ShardError`
+naming it, from every call of every client from then on (until the server
+restarts it, when the workers rejoin as new incarnations). The server watches
+its shard processes and writes how each one ended into the shared control
+words (:attr:`Layout.shard_exits <stalewise.runtime.local.layout.Layout.shard_exits>`),
+which a client reads at every call and while it waits; a pipe to a shard that
+reaches its end (the process exited) also makes the client look, waiting up to
+:data:`EXIT_WAIT` seconds for the server's word. So a pull never returns a dead
+shard's last snapshot as current, and no call waits forever on a dead shard.
 """
 
 from __future__ import annotations
@@ -33,13 +43,19 @@ import numpy as np
 from stalewise import tree
 from stalewise.protocol import Ack, PushResult, ServerConfig, commit, wire
 from stalewise.protocol.compress import Feedback
+from stalewise.runtime.base import ShardError
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
+from stalewise.runtime.local.procs import describe_exit
 from stalewise.runtime.local.shm import SharedBlock
+
+EXIT_WAIT = 1.0  # seconds a client whose pipe to a shard ended waits for the server's word
+SLICE = 0.05  # seconds between two looks at the shards' exits while a client waits
 
 
 class ServerClosed(ConnectionError):
-    """The shards have stopped (the job ended or a shard process died)."""
+    """The shards have stopped (the job ended) or a shard cut this client off; a shard
+    whose process died is a :class:`~stalewise.runtime.base.ShardError` instead."""
 
 
 def recv_reply(
@@ -140,6 +156,8 @@ class Client:
         self._results: list[PushResult] = []  # push results not yet taken
         self.last_result: PushResult | None = None
         self._closed_by: str | None = None  # why a shard closed the connection, once one did
+        self._exits: np.ndarray | None = None  # how each shard's process ended (workers only)
+        self._stop_word: np.ndarray | None = None  # the server's stop flag (workers only)
 
     @property
     def spec(self) -> tree.FlatSpec:
@@ -166,6 +184,8 @@ class Client:
                 self._compressor.warm_up()  # its kernels load now, not at the first push
             self._record = self._layout.records(self._block)[self.worker]
             self._snapshots = Snapshots(self._layout, self._block, self._ranges)
+            control = self._layout.control(self._block)
+            self._exits, self._stop_word = control[self._layout.shard_exits], control[:1]
         return self._block
 
     def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = None) -> Any:
@@ -195,6 +215,10 @@ class Client:
         self._attach()
         shards = range(len(self._ranges))
         snaps = self._snapshots  # None for the observer: its pulls are served
+        if snaps is not None:  # a shard that died, or closed this client's pipe, says so now
+            self._check_open()
+            for k in shards:
+                self._drain(k)
         if (
             snaps is not None
             and self._direct
@@ -210,6 +234,7 @@ class Client:
                 )
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while (version := snaps.read(k, self._pull_buf)) < seen:
+                    self._check_shards()  # a shard that died never publishes it
                     if deadline is not None and time.monotonic() > deadline:
                         raise TimeoutError(
                             f"shard {k} did not publish version {seen} within {timeout} s"
@@ -231,37 +256,88 @@ class Client:
         return self._pull_buf
 
     def _take(self, k: int, kind: str, timeout: float | None) -> Any:
-        """The next reply of ``kind`` from shard ``k``, keeping replies of other kinds."""
+        """The next reply of ``kind`` from shard ``k``, keeping replies of other kinds.
+
+        A worker's client waits in slices of :data:`SLICE` seconds, looking at the
+        shards' exits between them: a shard that dies ends the wait (ShardError).
+        """
         for i, msg in enumerate(self._inbox[k]):
             if msg[0] == kind:
                 return self._inbox[k].pop(i)
         self._check_open()
+        what = f"{kind} from shard {k}"
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            try:
-                msg = recv_reply(
-                    self._conns[k], timeout, f"{kind} from shard {k}", trusted=self.worker is None
-                )
-            except ServerClosed as e:  # the message names the shard
-                self._closed(str(e))
+            if self._exits is not None:  # a worker's client
+                while True:
+                    self._check_shards()
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if self._conns[k].poll(SLICE if left is None else max(0.0, min(SLICE, left))):
+                        break
+                    if left is not None and left <= SLICE:
+                        raise TimeoutError(f"no answer to {what} within {timeout} s")
+                msg = self._recv(k, 0, what)
+            else:
+                msg = self._recv(k, timeout, what)
             if msg[0] == kind:
                 return msg
-            if msg[0] == "error":  # the shard refused to serve this client
-                self._closed(f"shard {k}: {msg[1]}")
             self._inbox[k].append(msg)
+
+    def _recv(self, k: int, timeout: float | None, what: str) -> tuple:
+        """The next message from shard ``k``: ServerClosed (or ShardError, if it died)
+        when the shard closed the pipe or refused to serve this client."""
+        try:
+            msg = recv_reply(self._conns[k], timeout, what, trusted=self.worker is None)
+        except ServerClosed as e:  # the message names the shard
+            self._gone(str(e))
+        if msg[0] == "error":  # the shard refused to serve this client
+            self._closed(f"shard {k}: {msg[1]}")
+        return msg
+
+    def _drain(self, k: int) -> None:
+        """Reads what shard ``k`` has sent (into the inbox) without waiting: its pipe's end,
+        or a refusal, raises now."""
+        while self._conns[k].poll(0):
+            self._inbox[k].append(self._recv(k, 0, f"messages from shard {k}"))
 
     def _send(self, k: int, body: bytes) -> None:
         self._check_open()
         try:
             self._conns[k].send_bytes(body)
         except OSError as e:
-            self._closed(f"shard {k} closed the connection ({type(e).__name__})")
+            self._gone(f"shard {k} closed the connection ({type(e).__name__})")
+
+    def _gone(self, why: str) -> NoReturn:
+        """A pipe to a shard ended: ShardError if its process died (the server's word may
+        come a moment after the pipe ends), else ServerClosed (``why``)."""
+        if self._exits is not None and self._closed_by is None:
+            end = time.monotonic() + EXIT_WAIT
+            while not self._stop_word[0] and time.monotonic() < end:
+                self._check_shards()
+                time.sleep(0.005)
+            self._check_shards()
+        self._closed(why)
 
     def _closed(self, why: str) -> NoReturn:
         if self._closed_by is None:
             self._closed_by = why
         raise ServerClosed(why)
 
+    def _check_shards(self) -> None:
+        """Raises :class:`ShardError` naming every shard the server has seen die."""
+        exits = self._exits
+        if exits is None or np.isnan(exits).all():
+            return
+        raise ShardError(
+            "; ".join(
+                f"shard {k} has died ({_ended(float(code))})"
+                for k, code in enumerate(exits.tolist())
+                if not np.isnan(code)
+            )
+        )
+
     def _check_open(self) -> None:
+        self._check_shards()
         if self._closed_by is not None:
             raise ServerClosed(self._closed_by)
 
@@ -397,7 +473,7 @@ class Client:
                     self.wait(timeout=30)
                 for k in range(len(self._conns)):
                     self._send(k, wire.leave())
-        except (OSError, ServerClosed, TimeoutError):
+        except (OSError, ServerClosed, ShardError, TimeoutError):
             pass
         for c in self._conns:
             c.close()
@@ -406,3 +482,8 @@ class Client:
         self._residuals = None
         if self._block is not None:
             self._block.close()
+
+
+def _ended(code: float) -> str:
+    """How a shard's process ended, from its control word (inf: not known)."""
+    return "its exit status is unknown" if np.isinf(code) else describe_exit(int(code))

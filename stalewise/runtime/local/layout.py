@@ -101,8 +101,15 @@ class Layout:
     @property
     def control_items(self) -> int:
         # [stop flag, pushes done per worker..., last loss per worker...,
-        #  batches drawn per worker id, over its incarnations...]
-        return 1 + 3 * self.workers
+        #  batches drawn per worker id, over its incarnations..., shard exits...]
+        return 1 + 3 * self.workers + self.shards
+
+    @property
+    def shard_exits(self) -> slice:
+        """The control words saying how each shard's process ended: NaN while it runs,
+        its exit code once the server has seen it die (:class:`LocalServer` writes them,
+        every client reads them: see :mod:`~stalewise.runtime.local.client`)."""
+        return slice(1 + 3 * self.workers, 1 + 3 * self.workers + self.shards)
 
     @property
     def record_items(self) -> int:

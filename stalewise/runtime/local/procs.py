@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import multiprocessing as mp
 import os
 import signal
@@ -25,6 +24,7 @@ def thread_budget(threads: int) -> Iterator[None]:
     cores (torch on 2 cores with 2 workers ran 10x slower per push). Variables the
     user set are respected; the parent's environment is restored afterwards.
     """
+    check_main_guard()  # every process the local runtime starts is started in this block
     saved = {k: os.environ.get(k) for k in _THREAD_VARS}
     for k in _THREAD_VARS:
         os.environ.setdefault(k, str(max(1, threads)))
@@ -36,20 +36,27 @@ def thread_budget(threads: int) -> Iterator[None]:
                 os.environ.pop(k, None)
 
 
-def child_logging(name: str) -> None:
-    """Sends a spawned process's stalewise warnings and errors to stderr, named.
+#: The exit code of a spawned process that re-imported the user's main module and found it
+#: starting processes again: the module lacks ``if __name__ == "__main__":``.
+NO_MAIN_GUARD = 72
+MAIN_GUARD_HINT = (
+    "spawned processes re-import your main module, which started training again: put the "
+    'code that starts training under `if __name__ == "__main__":`'
+)
 
-    A spawned child starts with no logging set up, and the package's NullHandler
-    would swallow what the user must see (a refused push, a worker that never
-    started); the parent's stderr is inherited, so that is where they go.
+
+def check_main_guard() -> None:
+    """Exits with :data:`NO_MAIN_GUARD` if this is a spawned process still importing the
+    user's main module (multiprocessing's bootstrap), which is about to start processes.
+
+    That happens when a script starts training at its top level, without the
+    ``__main__`` guard: each spawned shard or worker runs the script again. The
+    process says why on stderr and exits; the parent sees the exit code and says
+    so (:func:`describe_exit`), instead of a bare "died while starting".
     """
-    logger = logging.getLogger("stalewise")
-    if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"stalewise {name}: %(levelname)s: %(message)s"))
-    handler.setLevel(logging.WARNING)
-    logger.addHandler(handler)
+    if getattr(mp.current_process(), "_inheriting", False):
+        print(f"stalewise: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
+        raise SystemExit(NO_MAIN_GUARD)
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -104,7 +111,14 @@ def _parent_gone(cleanup: Callable[[], None] | None) -> None:
 
 
 def describe_exit(exitcode: int | None) -> str:
-    """How a process ended, for messages: ``exit code 3``, ``killed by SIGKILL``."""
+    """How a process ended, for messages: ``exit code 3``, ``killed by SIGKILL``.
+
+    Example:
+        >>> describe_exit(NO_MAIN_GUARD).split(":")[0]
+        'exit code 72'
+    """
+    if exitcode == NO_MAIN_GUARD:
+        return f"exit code {exitcode}: {MAIN_GUARD_HINT}"
     if exitcode is None:
         return "still running"
     if exitcode < 0:

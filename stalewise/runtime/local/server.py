@@ -35,14 +35,23 @@ the residual its predecessor had not sent (:meth:`LocalServer.client`).
 Every shard process exits when the process that started it dies
 (:func:`~stalewise.runtime.local.procs.die_with_parent`), and the shared memory
 has no name that could outlive them (:mod:`stalewise.runtime.local.shm`).
+
+A thread of the server watches the shard processes: when one exits before the
+server closes, it writes how it ended into the shared control words
+(:attr:`Layout.shard_exits <stalewise.runtime.local.layout.Layout.shard_exits>`),
+and every client's next call, or the one waiting, raises
+:class:`~stalewise.runtime.base.ShardError` naming it
+(:mod:`~stalewise.runtime.local.client`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import multiprocessing as mp
 import os
+import threading
 from multiprocessing import connection, reduction
 from typing import Any
 
@@ -112,10 +121,17 @@ class LocalServer:
         self._worker_ends: list[list] = [[] for _ in range(workers)]  # until release(w)
         self._snapshots: Snapshots | None = None  # the parent's view, for published_version
         self.join_timeout = join_timeout
+        # the thread that writes each shard's exit into shared memory (see the module docstring)
+        self._closing = threading.Event()
+        self._procs_lock = threading.Lock()  # self._procs[k] is replaced by restart_shard
+        self._watcher = threading.Thread(
+            target=self._watch_shards, name="stalewise-shard-watch", daemon=True
+        )
         try:
             self.layout.params(self._block)[:] = config.init
             self.control = self.layout.control(self._block)
             self.control[1 + workers : 1 + 2 * workers] = np.nan  # last loss per worker: none yet
+            self.control[self.layout.shard_exits] = np.nan  # every shard runs
             self._residuals: Residuals | None = None
             if self.layout.feedback:  # zero residuals, in buffer 1 (Residuals.put)
                 self._residuals = Residuals(self.layout, self._block)
@@ -127,6 +143,7 @@ class LocalServer:
             for k in range(config.shards):
                 self._wait_ready(k)
             self.observer = self._observer()
+            self._watcher.start()
         except BaseException:
             self.close()
             raise
@@ -152,6 +169,25 @@ class LocalServer:
             ) from None
         if reply != ("ready", k):
             raise ShardError(f"shard {k} failed to start: {reply!r}")
+
+    def _watch_shards(self) -> None:
+        """The watcher thread's body: writes the exit of each shard process that ends
+        before the server closes into its control word (NaN while it runs)."""
+        exits = self.control[self.layout.shard_exits]
+        while not self._closing.is_set():
+            with self._procs_lock:
+                running = {
+                    p.sentinel: (k, p) for k, p in enumerate(self._procs) if math.isnan(exits[k])
+                }
+            for sentinel in connection.wait(list(running), timeout=0.1):
+                k, p = running[sentinel]
+                p.join(1)  # its exit code, once reaped (here or by another thread)
+                code = p.exitcode
+                with self._procs_lock:
+                    if self._closing.is_set() or self._procs[k] is not p:
+                        continue  # closing (exits are expected), or restarted meanwhile
+                    exits[k] = math.inf if code is None else code
+                log.debug("shard %d's process ended (%s)", k, describe_exit(code))
 
     def _observer(self) -> Client:
         handle = self._block.handle
@@ -401,7 +437,10 @@ class LocalServer:
             lost = max(0, int(other["version"]) - state["version"])
             state["version"] = other["version"]
             state.update({key: other[key] for key in _PER_PUSH_STATS})
-        self._procs[k], self._controls[k] = self._start_shard(k)
+        proc, self._controls[k] = self._start_shard(k)
+        with self._procs_lock:  # the watcher now watches the new process
+            self._procs[k] = proc
+            self.control[self.layout.shard_exits][k] = np.nan
         self._wait_ready(k)
         self._controls[k].send_bytes(wire.load(state))
         reply = self.observer._take(k, "loaded", timeout)
@@ -425,6 +464,11 @@ class LocalServer:
         """
         if self._block is None:
             return []
+        self._closing.set()  # the shards' exits from here on are expected
+        if self._watcher.is_alive():
+            self._watcher.join()
+        if hasattr(self, "control"):
+            self.control[0] = 1  # the stop flag: a client whose pipe ends sees the server closed
         final: list[dict] = []
         # a fresh observer: the current one gives up for good once a shard has died
         observer = self._observer() if hasattr(self, "observer") else None

@@ -35,8 +35,8 @@ import numpy as np
 from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, wire
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local.layout import Layout, Snapshots
-from stalewise.runtime.local.procs import child_logging
 from stalewise.runtime.local.shm import SharedBlock
+from stalewise.runtime.logs import child_logging
 
 log = logging.getLogger(__name__)
 

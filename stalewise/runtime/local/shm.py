@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import secrets
@@ -62,9 +63,51 @@ def _memfd_available() -> bool:
                 _memfd_works = True
             finally:
                 os.close(fd)
-        except OSError:
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                return True  # says nothing of memfd here: let create() fail and say why
             _memfd_works = False
     return _memfd_works
+
+
+def _file_size_limit() -> int | None:
+    """The process's file size limit in bytes (``ulimit -f``), None when unlimited."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
+
+
+def _fallocate(fd: int, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise  # no fallocate on this file system: the pages are found when first written
+
+
+def _create_error(
+    size: int, where: str, code: int | None, limit: int | None, cause: OSError | None = None
+) -> OSError:
+    """One line: which block could not be made, and why."""
+    if code == errno.EFBIG:
+        why = (
+            f"the file size limit (ulimit -f) is {limit} bytes; raise it (ulimit -f unlimited)"
+            if limit is not None
+            else "the file is too large for the system"
+        )
+    elif code == errno.ENOSPC:
+        why = f"{where} is full; free space there or make it larger"
+    elif code == errno.ENOMEM:
+        why = "out of memory"
+    elif code == errno.EMFILE:
+        why = "too many open files (ulimit -n)"
+    else:
+        why = (cause.strerror or str(cause)) if cause is not None else os.strerror(code or 0)
+    text = f"cannot create the shared-memory block of {size} bytes in {where}: {why}"
+    return OSError(code, text) if code is not None else OSError(text)
 
 
 class SharedBlock:
@@ -94,29 +137,45 @@ class SharedBlock:
 
     @classmethod
     def create(cls, nbytes: int) -> SharedBlock:
-        """Creates a zero-filled block of ``nbytes`` bytes with a fresh unique name."""
+        """Creates a zero-filled block of ``nbytes`` bytes with a fresh unique name.
+
+        Raises:
+            OSError: one line saying that the block of ``nbytes`` bytes could not be
+                made and why (the file size limit, ``ulimit -f``; a full ``/dev/shm``;
+                memory), with the OS error's ``errno``.
+        """
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         size = max(nbytes, 1)
-        if _memfd_available():
-            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        memfd = _memfd_available()
+        where = "an anonymous memory file" if memfd else _shm_dir()
+        limit = _file_size_limit()
+        if limit is not None and size > limit:  # before the OS sends SIGXFSZ (fatal unless ignored)
+            raise _create_error(size, where, errno.EFBIG, limit)
+        try:
+            if memfd:
+                fd = os.memfd_create(name, os.MFD_CLOEXEC)
+                try:
+                    os.ftruncate(fd, size)
+                    mm = mmap.mmap(fd, size)
+                except OSError:
+                    os.close(fd)
+                    raise
+                return cls(name, f"/proc/{os.getpid()}/fd/{fd}", mm, owner=True, fd=fd)
+            path = os.path.join(_shm_dir(), name)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.ftruncate(fd, size)
+                if hasattr(os, "posix_fallocate"):  # a full /dev/shm fails here, not with SIGBUS
+                    _fallocate(fd, size)
                 mm = mmap.mmap(fd, size)
             except OSError:
-                os.close(fd)
+                os.unlink(path)
                 raise
-            return cls(name, f"/proc/{os.getpid()}/fd/{fd}", mm, owner=True, fd=fd)
-        path = os.path.join(_shm_dir(), name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
-        except OSError:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        return cls(name, path, mm, owner=True)
+            finally:
+                os.close(fd)
+            return cls(name, path, mm, owner=True)
+        except OSError as e:
+            raise _create_error(size, where, e.errno, limit, e) from None
 
     @classmethod
     def attach(cls, handle: str) -> SharedBlock:

@@ -9,8 +9,11 @@ the stop condition, a failure its policy does not survive, or Ctrl-C.
 Failures (the policy is :class:`~stalewise.runtime.base.Failures`):
 
 * a worker fails when its process dies (its pipe to the parent closes), when
-  user code raises in it, or when it sends no heartbeat for ``worker_timeout``
-  seconds (it hangs or is stopped; it is then killed). It is restarted as a new
+  user code raises in it, when it sends no heartbeat for ``worker_timeout``
+  seconds (it hangs or is stopped; it is then killed), or when its result pipe
+  carries bytes that are no message (it is then killed: the parent reads the
+  fixed records of :func:`stalewise.protocol.wire.decode_result` and unpickles
+  nothing a worker sends). It is restarted as a new
   incarnation at the current parameters, dropped, or fails the job. Its
   committed push, if any, is delivered by the shards either way, and a restart
   continues with the error-feedback residual of that push (the codec's, kept
@@ -54,7 +57,7 @@ from multiprocessing import connection
 from typing import Any
 
 from stalewise import checkpoint, tree
-from stalewise.protocol import ServerConfig, loop, pulls
+from stalewise.protocol import ServerConfig, loop, pulls, wire
 from stalewise.runtime.base import (
     Failures,
     Recorder,
@@ -65,15 +68,16 @@ from stalewise.runtime.base import (
     end_reason,
     mean_loss,
     merge_stats,
+    worker_failed,
 )
 from stalewise.runtime.local.client import Client
 from stalewise.runtime.local.procs import (
-    child_logging,
     describe_exit,
     die_with_parent,
     thread_budget,
 )
 from stalewise.runtime.local.server import LocalServer
+from stalewise.runtime.logs import child_logging
 from stalewise.runtime.options import RunOptions
 from stalewise.strategies import Strategy
 
@@ -100,7 +104,7 @@ class _Heartbeat:
         if self.every is not None:
             now = time.monotonic()
             if now - self.last >= self.every:
-                self.conn.send(("beat", self.worker, now))
+                self.conn.send_bytes(wire.beat(self.worker, now))
                 self.last = now
 
     def batches(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -154,8 +158,8 @@ def _worker_main(
         # away, so a JIT compile of the user's function (JAX, numba) happens before the clock.
         options.loss_and_grad(client.pull(copy=False), first)
         batches = beat.batches(itertools.chain([first], batches))
-        results.send(("ready", w))
-        if results.recv() != "go":
+        results.send_bytes(wire.worker_ready(w))
+        if results.recv_bytes(wire.MAX_RESULT) != wire.go():
             return
         beat.last = time.monotonic()  # the parent counts "go" as a beat
         done_slot, loss_slot = _DONE0 + w, _DONE0 + workers + w
@@ -177,6 +181,8 @@ def _worker_main(
             client.push(request.update)
             ctrl[done_slot] += 1
             ctrl[loss_slot] = request.loss
+            if request.settle:  # read-your-writes: the next pull waits for the acked version
+                beat.wait(lambda t: client.wait(timeout=t))
             return client.take_results()
 
         stats = loop.run(
@@ -192,14 +198,14 @@ def _worker_main(
         beat.wait(lambda t: client.wait(timeout=t), total=options.ack_timeout)
         loop.report(client.take_results(), stats, w)
         client.close()
-        results.send(("done", w))
+        results.send_bytes(wire.done(w))
     except BaseException as e:
         if diverged is not None and isinstance(e, diverged):
-            msg: tuple = ("diverged", w, str(e))
+            msg = wire.diverged(w, str(e))
         else:
-            msg = ("error", w, traceback.format_exc(), f"{type(e).__name__}: {e}")
+            msg = wire.failed(w, traceback.format_exc(), f"{type(e).__name__}: {e}")
         with contextlib.suppress(OSError):  # the parent may be gone already
-            results.send(msg)
+            results.send_bytes(msg)
 
 
 def _check_picklable(name: str, obj: Any) -> None:
@@ -213,6 +219,12 @@ def _check_picklable(name: str, obj: Any) -> None:
 
 
 _LIVE = ("starting", "running")
+READ_CHUNK = 1 << 16  # bytes read from a worker's result pipe at a time
+
+
+def _malformed(e: Exception) -> str:
+    """The failure cause of a worker whose result pipe carried bytes that are no message."""
+    return f"sent a malformed message on its result pipe ({e}); nothing of it was unpickled"
 
 
 @dataclass
@@ -220,11 +232,13 @@ class _Worker:
     """The parent's view of one worker id (its current incarnation)."""
 
     proc: Any
-    conn: Any  # the worker's results pipe: ready, beats, done or error
+    conn: Any  # the worker's result pipe: ready, beats, done or error (wire.decode_result)
     state: str = "starting"  # starting | running | done | dropped | diverged | down
     since: float = field(default_factory=time.monotonic)  # when it was started
     beat: float = field(default_factory=time.monotonic)  # its last heartbeat
     pending: list = field(default_factory=list)  # failure events it recovers from
+    # its result pipe's bytes, split into frames as they arrive (never a blocking read)
+    frames: wire.FrameReader = field(default_factory=lambda: wire.FrameReader(wire.MAX_RESULT))
 
 
 class _Supervisor:
@@ -292,26 +306,34 @@ class _Supervisor:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WorkerError(
-                    f"worker {waiting[0]} failed:\nworker did not start within "
-                    f"{self.o.start_timeout} s (start_timeout)"
+                    f"worker {waiting[0]} did not start within {self.o.start_timeout} s "
+                    "(start_timeout)"
                 )
             for c in connection.wait([self.workers[w].conn for w in waiting], min(left, 0.1)):
                 w = next(i for i in waiting if self.workers[i].conn is c)
                 try:
-                    msg = c.recv()
-                except (EOFError, OSError):
+                    msgs = self.receive(w)
+                except wire.WireError as e:
                     self.reap(w)
-                    msg = ("error", w, self._silent_death(w))
+                    msgs = [("error", w, "", _malformed(e))]
+                if msgs is None:
+                    self.reap(w)
+                    msgs = [("error", w, self._silent_death(w))]
+                if not msgs:  # a part of a message: the rest comes later
+                    continue
+                msg = next((m for m in msgs if m[0] != "beat"), msgs[0])
+                if msg[0] == "beat":
+                    continue
                 if msg[0] == "ready":
                     self.workers[w].state = "ready"
                 else:
-                    raise WorkerError(f"worker {w} failed:\n{msg[2]}")
+                    raise worker_failed(w, msg[2], msg[3] if len(msg) > 3 else "")
 
     def go(self) -> None:
         self.t0 = time.perf_counter()
         for wk in self.workers:
             with contextlib.suppress(OSError):  # died meanwhile: poll() finds its pipe closed
-                wk.conn.send("go")
+                wk.conn.send_bytes(wire.go())
             wk.state, wk.beat = "running", time.monotonic()
 
     def _silent_death(self, w: int) -> str:
@@ -331,34 +353,61 @@ class _Supervisor:
                 self.read(w)
         self.check_hung()
 
-    def read(self, w: int) -> None:
-        """Handles the messages worker ``w`` has sent (its pipe closing is its death)."""
+    def receive(self, w: int) -> list[tuple] | None:
+        """The messages on worker ``w``'s result pipe now, decoded (:func:`wire.decode_result`:
+        nothing is unpickled), after one read that does not block; [] while a message is
+        incomplete, None at the pipe's end. Raises WireError for bytes that are no message."""
         wk = self.workers[w]
-        while wk.state in _LIVE:
+        try:
+            data = os.read(wk.conn.fileno(), READ_CHUNK)
+        except OSError:
+            return None
+        if not data:
+            return None
+        bodies = wk.frames.feed(data)
+        if wk.frames.error is not None:
+            raise wire.WireError(wk.frames.error)
+        return [wire.decode_result(body, w) for body in bodies]
+
+    def read(self, w: int) -> None:
+        """Handles the messages worker ``w`` has sent (its pipe closing is its death, bytes
+        that are no message its failure)."""
+        wk = self.workers[w]
+        while wk.state in _LIVE and wk.conn.poll():
             try:
-                if not wk.conn.poll():
-                    return
-                msg = wk.conn.recv()
-                if msg[0] == "ready":  # a restarted incarnation: it joins the run at once
-                    wk.conn.send("go")
-            except (EOFError, OSError):
+                msgs = self.receive(w)
+            except wire.WireError as e:
+                self.failed(w, _malformed(e))
+                return
+            if msgs is None:
                 self.reap(w)
                 self.failed(w, self._silent_death(w).removeprefix("worker process "))
                 return
-            if msg[0] == "beat":
-                wk.beat = max(wk.beat, msg[2])
-            elif msg[0] == "ready":
-                wk.state, wk.beat = "running", time.monotonic()
-                for event in wk.pending:
-                    event["recovered"] = max(event.get("recovered", 0.0), self.now())
-                wk.pending = []
-            elif msg[0] == "done":  # its process exits by itself; stop() joins it
-                wk.state = "done"
-            elif msg[0] == "diverged":
-                wk.state = "diverged"
-                self.failures.diverged(w, msg[2], time=self.now())
-            else:  # "error": user code raised
-                self.failed(w, f"raised {msg[3]}", msg[2])
+            for msg in msgs:
+                if wk.state not in _LIVE:
+                    return
+                self.handle(w, msg)
+
+    def handle(self, w: int, msg: tuple) -> None:
+        """One message of worker ``w`` (decoded)."""
+        wk = self.workers[w]
+        if msg[0] == "ready":  # a restarted incarnation: it joins the run at once
+            with contextlib.suppress(OSError):  # died meanwhile: its pipe's end says so
+                wk.conn.send_bytes(wire.go())
+        if msg[0] == "beat":
+            wk.beat = max(wk.beat, msg[2])
+        elif msg[0] == "ready":
+            wk.state, wk.beat = "running", time.monotonic()
+            for event in wk.pending:
+                event["recovered"] = max(event.get("recovered", 0.0), self.now())
+            wk.pending = []
+        elif msg[0] == "done":  # its process exits by itself; stop() joins it
+            wk.state = "done"
+        elif msg[0] == "diverged":
+            wk.state = "diverged"
+            self.failures.diverged(w, msg[2], time=self.now())
+        else:  # "error": user code raised
+            self.failed(w, f"raised {msg[3]}", msg[2])
 
     def check_hung(self) -> None:
         now, o = time.monotonic(), self.o
@@ -407,7 +456,7 @@ class _Supervisor:
         bases = self.checkpoint_states()
         for k, event in zip(dead, events, strict=True):
             info = self.server.restart_shard(k, bases[k] if bases else None, self.o.ack_timeout)
-            event.update(lost=info["lost"], version=info["version"])
+            self.failures.shard_restarted(event, version=info["version"], lost=info["lost"])
             log.warning(
                 "shard %d restarted at version %d from its %s (%s updates of its slice lost); "
                 "workers %s restart as new incarnations",
@@ -432,13 +481,14 @@ class _Supervisor:
             log.warning("cannot use the last checkpoint to restart a shard: %s", e)
             return None
 
-    def save(self, pushes: int, now: float) -> None:
+    def save(self, pushes: int, now: float, final: bool = False) -> None:
         assert self.saver is not None
         states = self.server.state_dicts()
         residuals = self.server.residuals()  # each worker's, as of its last committed push
         drawn = [int(n) for n in self.server.control[_drawn(self.o.workers)]]
-        self.saver.save(states, {"pushes": pushes, "time": now, "drawn": drawn}, residuals)
-        self.checkpointed = True
+        step = {"pushes": pushes, "time": now, "drawn": drawn}
+        if self.saver.save(states, step, residuals, final=final) is not None:  # else: warned
+            self.checkpointed = True
 
     # -- the run ---------------------------------------------------------------------
 
@@ -471,6 +521,7 @@ class _Supervisor:
                     o,
                     runtime="local",
                     version=server.published_version(),
+                    failures=self.failures,
                 )
             try:
                 while any(wk.state in _LIVE for wk in self.workers):
@@ -501,7 +552,7 @@ class _Supervisor:
             )
             recorder.finish(reason)
             if self.saver is not None:  # the end of the run: every worker has left
-                self.save(self.pushes, elapsed)
+                self.save(self.pushes, elapsed, final=True)
             return {
                 "records": recorder.records,
                 "stats": stats,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stalewise.runtime.local.procs import child_logging
+from stalewise.runtime.logs import child_logging
 
 
 class ResidualKeeper:

@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from stalewise.protocol import PushHeader, ServerConfig, Verdict, pulls
-from stalewise.runtime.local.procs import child_logging
+from stalewise.runtime.logs import child_logging
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -40,6 +41,7 @@ from stalewise.runtime.base import (
     end_reason,
     mean_loss,
     merge_stats,
+    worker_failed,
 )
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.ray import cluster, import_ray, liveness
@@ -56,7 +58,10 @@ SNAPSHOT_LIMIT = 10.0  # seconds the shards may take to reach a consistent cut
 
 
 class _ShardDown(Exception):
-    """A shard did not answer because its actor died; its watch() reports it."""
+    """A shard did not answer because its actor died (or answered from a restarted,
+    not yet restored actor); its watch() reports it. Never leaves this module: every
+    shard call goes through :meth:`_Driver._retrying` (the restart path), and before
+    the watch begins it becomes a :class:`ShardError`."""
 
 
 class _Driver:
@@ -203,7 +208,7 @@ class _Driver:
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as e:
-                raise WorkerError(f"worker {refs[ref]} failed to start:\n{e}") from None
+                raise worker_failed(refs[ref], str(e)) from None
 
     # -- the run ---------------------------------------------------------------------
 
@@ -222,8 +227,9 @@ class _Driver:
             if o.checkpoint_dir is not None:
                 version = self._stats()[0]["version"]
                 saver = checkpoint.Saver(
-                    self.config, self.strategy, o, runtime="ray", version=version
-                )
+                    self.config, self.strategy, o, runtime="ray", version=version,
+                    failures=self.failures,
+                )  # fmt: skip
             self.t0 = time.perf_counter()
             self.runs = {self.actors[w].run.remote(): w for w in range(self.W)}
             for w in range(self.W):
@@ -232,6 +238,8 @@ class _Driver:
             self.watches = {s.watch.remote(): k for k, s in enumerate(self.shards)}
             pushes = self._watch(saver, base)
             return self._finish(saver, pushes)
+        except _ShardDown as e:  # while starting, before the restart path is in place
+            raise ShardError(f"{e} while the run was starting") from None
         finally:
             self._teardown()
 
@@ -251,10 +259,7 @@ class _Driver:
             for w, cause in self.liveness.check():
                 self._worker_hung(w, cause)
             now = time.perf_counter() - self.t0
-            try:
-                stats = self._stats()
-            except _ShardDown:  # its watch() says so at the next tick
-                continue
+            stats = self._stats()
             pushes = stats[0]["handled"]
             assert self.recorder is not None
             self.recorder.progress(pushes)
@@ -267,14 +272,11 @@ class _Driver:
                     self._stop()
             if not self.live:
                 break
-            try:
-                if saver is not None and saver.due(stats[0]["version"], now):
-                    if self._save(saver, now):
-                        last_backup = now
-                elif now - last_backup >= BACKUP_EVERY and self._take_backup():
+            if saver is not None and saver.due(stats[0]["version"], now):
+                if self._retrying(functools.partial(self._save, saver, now)):
                     last_backup = now
-            except _ShardDown:  # its watch() says so at the next tick
-                continue
+            elif now - last_backup >= BACKUP_EVERY and self._retrying(self._take_backup):
+                last_backup = now
             if o.timeout is not None and now > o.timeout:
                 raise TimeoutError(f"training did not finish within {o.timeout} s")
         return pushes
@@ -311,7 +313,7 @@ class _Driver:
             "pulls": [s["pulled"][1] for s in per_shard],
         }
         if saver is not None:
-            self._save(saver, elapsed)
+            self._retrying(lambda: self._save(saver, elapsed, final=True))
         flat = self._flat()
         params = tree.unflatten(flat, self.config.spec, copy=True)
         return TrainResult(
@@ -428,15 +430,26 @@ class _Driver:
             self.fb[w], self.fb_at[w] = np.array(residual), (inc, pushes)
 
     def _shard_ended(self, ref: Any) -> None:
+        """Shard ``watches[ref]``'s actor died: the failure policy, then (restarted) every
+        shard rolls back to the newest backup."""
+        event = self._revive(ref)
+        if event is not None:
+            self._restore([event])
+
+    def _revive(self, ref: Any) -> dict | None:
+        """The failure policy for the shard whose watch ``ref`` ended (ShardError unless it
+        is to be restarted); waits until Ray has restarted its actor and watches it again.
+        Returns the failure's event (None: its watch ended normally, the job is ending)."""
         ray = self.ray
         k = self.watches.pop(ref)
         try:
             ray.get(ref)
-            return  # the job is ending
+            return None  # the job is ending
         except ray.exceptions.RayError as e:
             cause = f"its actor died ({type(e).__name__})"
         now = time.perf_counter() - self.t0
         self.failures.shard(k, cause, time=now)  # ShardError unless it is to be restarted
+        event = self.failures.events[-1]
         deadline = time.monotonic() + self.o.shard_start_timeout
         while True:  # Ray restarts the actor; calls fail while it is restarting
             try:
@@ -451,22 +464,63 @@ class _Driver:
                 time.sleep(TICK)
             except ray.exceptions.RayError as e:
                 raise ShardError(f"shard {k} did not come back ({type(e).__name__}: {e})") from None
-        self._restore()
         self.watches[self.shards[k].watch.remote()] = k
+        return event
 
-    def _restore(self) -> None:
-        """Rolls every shard back to the newest backup; live workers become new incarnations."""
+    def _await_down(self, down: _ShardDown) -> list[dict]:
+        """A shard call failed (``down``): waits (up to ``shard_start_timeout``) for the
+        watch of the shard that died to report it, and revives every shard whose watch
+        ended; returns their failure events. Raises ShardError if none ends, or before
+        the watch began."""
+        ray = self.ray
+        if not self.watches:
+            raise ShardError(f"{down} while the run was starting or ending") from None
+        limit = self.o.shard_start_timeout
+        done, _ = ray.wait(list(self.watches), num_returns=1, timeout=limit)
+        if not done:
+            raise ShardError(
+                f"{down}, and no shard's actor ended within {limit} s (shard_start_timeout)"
+            ) from None
+        refs = list(self.watches)
+        events = [self._revive(ref) for ref in ray.wait(refs, num_returns=len(refs), timeout=0)[0]]
+        return [e for e in events if e is not None]
+
+    def _retrying(self, call: Any) -> Any:
+        """``call()`` (a call to the shards), through the restart path: if a shard died
+        under it, the failure policy applies (ShardError under "fail" or past
+        ``max_restarts``), every shard rolls back to the newest backup, and ``call`` is
+        made again. Each retry follows a shard failure the policy counted."""
+        while True:
+            try:
+                return call()
+            except _ShardDown as down:
+                self._restore(self._await_down(down))
+
+    def _restore(self, events: list[dict]) -> int:
+        """Rolls every shard back to the newest backup after the shard failures ``events``;
+        live workers become new incarnations. A shard that dies meanwhile is revived (the
+        failure policy) and the roll-back made again; if the job is stopping, the shards
+        are told again. Returns the version they are back at."""
         assert self.backup is not None
         states, handled = self.backup
-        joins = {}
-        for w in sorted(self.live):
-            self.incs[w] += 1
-            joins[w] = self.incs[w]
-            if self.ef:  # it keeps its own residual, unknown here until it pushes
-                self.fb[w], self.fb_at[w] = None, None
-        gone = [w for w in range(self.W) if w not in self.live]
-        refs = [s.load.remote(states[k], handled, joins, gone) for k, s in enumerate(self.shards)]
-        versions = self._get(refs, self.o.shard_start_timeout, "restore")
+        while True:
+            joins = {}
+            for w in sorted(self.live):
+                self.incs[w] += 1
+                joins[w] = self.incs[w]
+                if self.ef:  # it keeps its own residual, unknown here until it pushes
+                    self.fb[w], self.fb_at[w] = None, None
+            gone = [w for w in range(self.W) if w not in self.live]
+            refs = [
+                s.load.remote(states[k], handled, joins, gone) for k, s in enumerate(self.shards)
+            ]
+            try:
+                versions = self._get(refs, self.o.shard_start_timeout, "restore")
+                if self.stopping:  # a restarted shard has forgotten the stop
+                    self._get([s.stop.remote() for s in self.shards], self.o.ack_timeout, "stop")
+                break
+            except _ShardDown as down:
+                events += self._await_down(down)
         log.warning(
             "ray: the shards were rolled back to version %d (%d pushes); workers %s carry on "
             "as new incarnations",
@@ -474,13 +528,18 @@ class _Driver:
             handled,
             sorted(joins),
         )
+        for event in events:  # the backup's version: how many updates were lost is unknown
+            self.failures.shard_restarted(event, version=versions[0])
+        return versions[0]
 
     # -- talking to the shards -------------------------------------------------------
 
     @contextlib.contextmanager
     def _shard_calls(self, what: str, late: str) -> Iterator[None]:
         """Ray's errors from calls to the shards as this runtime's: ``TimeoutError(late)``,
-        a shard's own exception as itself, a lost shard as :class:`_ShardDown`."""
+        a shard's own exception as itself, a lost shard as :class:`_ShardDown`. Answers
+        are trusted only if no shard's watch has ended meanwhile: a call made while Ray
+        restarts an actor waits for the new actor, which answers before its restore."""
         ray = self.ray
         try:
             yield
@@ -489,7 +548,19 @@ class _Driver:
         except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as e:
-            raise _ShardDown(f"{what}: {type(e).__name__}") from None
+            raise _ShardDown(f"{self._who(e)} did not answer {what} ({type(e).__name__})") from None
+        refs = list(self.watches)
+        if refs and ray.wait(refs, num_returns=len(refs), timeout=0)[0]:
+            raise _ShardDown(f"a shard's actor died during {what}")
+
+    def _who(self, e: Exception) -> str:
+        """``shard K`` for a Ray error that names shard K's actor, else ``a shard``."""
+        actor = getattr(e, "actor_id", None)
+        for k, s in enumerate(self.shards):
+            ident = getattr(s, "_actor_id", None)  # Ray's handle; absent: not named
+            if actor is not None and ident is not None and actor == ident.hex():
+                return f"shard {k}"
+        return "a shard"
 
     def _get(self, refs: list, timeout: float | None, what: str) -> list:
         """``ray.get`` with a timeout; a shard's own exception comes back as itself."""
@@ -497,12 +568,21 @@ class _Driver:
             return self.ray.get(refs, timeout=timeout)
 
     def _stats(self) -> list[dict]:
-        return self._get([s.stats.remote() for s in self.shards], self.o.ack_timeout, "stats")
+        """Every shard's counters (through the restart path)."""
+        timeout = self.o.ack_timeout
+        return self._retrying(
+            lambda: self._get([s.stats.remote() for s in self.shards], timeout, "stats")
+        )
 
     def _flat(self) -> np.ndarray:
-        """The current flat parameters, as an observer (a copy)."""
-        replies = self._get([s.observe.remote() for s in self.shards], self.o.ack_timeout, "pull")
-        slices = self.ray.get([r[1] for r in replies], timeout=self.o.ack_timeout)
+        """The current flat parameters, as an observer (a copy; through the restart path)."""
+        return self._retrying(self._observe)
+
+    def _observe(self) -> np.ndarray:
+        timeout = self.o.ack_timeout
+        replies = self._get([s.observe.remote() for s in self.shards], timeout, "pull")
+        # each slice is an object its shard owns: lost with the shard (ObjectLostError)
+        slices = self._get([r[1] for r in replies], timeout, "pull")
         return np.concatenate(slices) if len(slices) > 1 else np.array(slices[0])
 
     def _params(self) -> Any:
@@ -510,7 +590,8 @@ class _Driver:
 
     def _stop(self) -> None:
         self.stopping = True
-        self._get([s.stop.remote() for s in self.shards], self.o.ack_timeout, "stop")
+        timeout = self.o.ack_timeout
+        self._retrying(lambda: self._get([s.stop.remote() for s in self.shards], timeout, "stop"))
 
     def _take_backup(self) -> bool:
         """A consistent copy of every shard's state into ``self.backup`` (False: none was
@@ -523,7 +604,7 @@ class _Driver:
             self.backup, self.targets = got[:2], got[2]
         return got is not None
 
-    def _save(self, saver: Any, now: float) -> bool:
+    def _save(self, saver: Any, now: float, final: bool = False) -> bool:
         if not self._take_backup():
             return False
         assert self.backup is not None
@@ -531,9 +612,8 @@ class _Driver:
         if self.ef and residuals is None:
             return False
         drawn = [self.liveness.drawn.get(w, 0) for w in range(self.W)]
-        saver.save(
-            self.backup[0], {"pushes": self.backup[1], "time": now, "drawn": drawn}, residuals
-        )
+        step = {"pushes": self.backup[1], "time": now, "drawn": drawn}
+        saver.save(self.backup[0], step, residuals, final=final)  # a failure warns, is kept
         return True
 
     def _residuals(self) -> list[np.ndarray] | None:

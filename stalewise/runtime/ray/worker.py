@@ -63,7 +63,7 @@ from stalewise.codecs import PayloadError
 from stalewise.protocol import PushResult, ServerConfig, commit, loop, pulls
 from stalewise.protocol.compress import Feedback
 from stalewise.runtime.base import batch_iterator
-from stalewise.runtime.local.procs import child_logging
+from stalewise.runtime.logs import child_logging
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.ray.shard import IN_FLIGHT, payload_spans
 from stalewise.strategies import Strategy
@@ -125,6 +125,7 @@ class WorkerActor:
         self.seq = 0  # pushes sent by this incarnation
         self.bases = [0] * self.S  # the version pulled from each shard
         self.known = [0] * self.S  # the newest version of each shard seen
+        self.settled: tuple[int, list] | None = None  # (incarnation, versions) to read
         self.params: Any = None
         self.snapshots: list = []  # the pulled slices (kept alive while the params view them)
         self.batches: Any = None
@@ -259,7 +260,12 @@ class WorkerActor:
             t = clock()
             self._push(request.update, request.loss)
             times["push"] += clock() - t
-            return self._results()
+            if not request.settle:
+                return self._results()
+            out = self._results(wait=True)  # read-your-writes: acked, and the next
+            with self.cond:  # step's snapshots hold what the acks say
+                self.settled = (self.inc, list(self.known))
+            return out
 
         return answer
 
@@ -295,7 +301,7 @@ class WorkerActor:
                     return None
                 if self.moved_to > self.inc:
                     self._become(self.moved_to)
-                if all(s is not None for s in self.latest):
+                if all(s is not None for s in self.latest) and self._holds_own():
                     break
                 self.cond.wait(POLL)
                 self.beats += 1
@@ -305,6 +311,13 @@ class WorkerActor:
                 np.copyto(self.pull_buf, self.replica.params)
                 return [v for v, _ in self.latest], None
             return [v for v, _ in self.latest], [a for _, a in self.latest]
+
+    def _holds_own(self) -> bool:
+        """Whether the receiver's snapshots hold this worker's settled pushes (a settling
+        strategy's read-your-writes; call with ``cond`` held)."""
+        if self.settled is None or self.settled[0] != self.inc:  # none, or shards restored
+            return True
+        return all(s[0] >= v for s, v in zip(self.latest, self.settled[1], strict=True))
 
     def _pull(self) -> tuple[list, list] | None:
         """SSP/BSP, DC-ASGD: a pull to every shard, answered when its gate opens."""

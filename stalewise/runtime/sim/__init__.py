@@ -143,12 +143,13 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     if o.checkpoint_dir is not None:
         saver = checkpoint.Saver(
             config, strategy, o, runtime="sim", version=state.shards[0].version, now=state.now,
-            seed=o.seed,
+            seed=o.seed, failures=failures,
         )  # fmt: skip
 
-    def save(state: Simulation) -> None:
+    def save(state: Simulation, final: bool = False) -> None:
         step = {"pushes": state.pushes, "time": state.now, "sim": state.checkpoint_state()}
-        saver.save([shard.state_dict() for shard in state.shards], step, state.residuals())
+        states = [shard.state_dict() for shard in state.shards]
+        saver.save(states, step, state.residuals(), final=final)  # a failure warns, is kept
 
     def save_if_due(state: Simulation) -> None:
         if saver.due(state.shards[0].version, state.now):
@@ -195,7 +196,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         )
         recorder.finish(reason)
         if saver is not None:
-            save(state)
+            save(state, final=True)
     finally:
         recorder.close()
     wall = time.perf_counter() - wall0

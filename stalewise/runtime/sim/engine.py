@@ -79,8 +79,8 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import PushHeader, PushResult, ServerConfig, commit, compress, loop, pulls
-from stalewise.runtime.base import Failures, WorkerError, batch_iterator, merge_stats
-from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.base import Failures, batch_iterator, merge_stats, worker_failed
+from stalewise.runtime.sim.config import MAX_RECORDS, SimConfig, TooLongError
 from stalewise.runtime.sim.models import Join, Links, WorkerTiming
 
 log = logging.getLogger(__name__)
@@ -361,7 +361,8 @@ class Simulation:
             request = self.loops[w].send(params)
             if request is loop.CLOCK:  # a strategy pacing itself asks the clock: virtual time
                 request = self.loops[w].send(self.now)
-            update, loss, local_steps, _ = request  # the step has run: a Push
+            # the step has run: a Push (answered at its acks, so its settle holds already)
+            update, loss, local_steps = request[:3]
             if local_steps < 0:
                 raise ValueError(f"the strategy step reported local_steps={local_steps} (< 0)")
             self.upd_buf[w] = out = self.take_buffer()
@@ -460,7 +461,7 @@ class Simulation:
         """
         detail = traceback.format_exc()
         if not self.stepped[w]:
-            raise WorkerError(f"worker {w} failed:\n{detail}") from None
+            raise worker_failed(w, detail, f"{type(error).__name__}: {error}") from None
         self.depart(w)
         self.policy(w, f"raised {type(error).__name__}: {error}", detail)
 
@@ -658,6 +659,10 @@ class Simulation:
             elif kind == _EVAL:
                 if self.idle():
                     break
+                if w - first >= MAX_RECORDS:  # w: the evaluation's number
+                    raise TooLongError(t, eval_interval, self.pushes, self.steps, MAX_RECORDS)
+                if time.perf_counter() > deadline:  # cheap next to a record
+                    raise TimeoutError(f"simulation did not finish within the timeout (t={t:.6g})")
                 stop = record()
                 self.at((w + 1) * eval_interval, _EVAL, w + 1)  # w: the evaluation's number
                 continue
