@@ -27,7 +27,7 @@ got '0.01'``)::
     tolerance = 2.0               # hybrid only: a straggler is this many times the median's pace
     staleness = "inverse"         # constant | inverse | exponential | polynomial
     staleness_param = 0.5         # exponential (base) and polynomial (power) only
-    max_staleness = 16            # optional
+    max_staleness = 16            # optional: an integer >= 0 (versions)
     dc_lambda = 0.0               # DC-ASGD delay compensation (0: off)
     shards = 2                    # 1 .. min(1024, number of parameters)
     codec = "topk:0.01"           # none | fp16 | bf16 | int8 | sign | topk:F, or a table (stalewise.codecs)
@@ -37,20 +37,20 @@ got '0.01'``)::
     workers = 4                   # 1 .. 4096 local processes (16384 simulated)
     steps = 2000                  # pushes in all, 1 .. 10**9
     delay = 0.005                 # emulated compute seconds per step, every worker
-    stragglers = { 3 = 4.0 }      # worker -> slowdown factor (>= 1)
-    eval_interval = 0.5           # seconds between evaluations (> 0)
+    stragglers = { 3 = 4.0 }      # worker -> slowdown factor (1 .. 10000)
+    eval_interval = 0.5           # seconds between evaluations (>= 0.001)
     stop_at = { accuracy = 0.95 } # a loss stops at <= (stalewise.targets); or { x = [0.9, "max"] }
     runtime = "local"             # or "sim" (the simulator; see the [sim] table), or "ray"
     address = "auto"              # runtime "ray": the cluster (stalewise.runtime.ray.connect)
     on_worker_failure = "restart" # restart | drop | fail: a worker that dies, hangs or raises
     max_restarts = 3              # restarts allowed per worker id (and per shard)
-    worker_timeout = 60           # seconds without a heartbeat: hung (false: never)
+    worker_timeout = 60           # seconds without a heartbeat: hung (>= 0.1; false: never)
     diverge_after = 20            # pushes in a row refused as NaN/Inf: diverged (false: never)
 
     [sim]                         # the simulator's timing/network model (stalewise.runtime.sim.config)
     compute = "exponential"       # fixed | exponential (shifted)
-    latency = 0.0005              # seconds per message
-    bandwidth = 1.25e9            # bytes/s of every link
+    latency = 0.0005              # seconds per message (times: 0 .. 1e7 virtual seconds)
+    bandwidth = 1.25e9            # bytes/s of every link (rates: >= 1, or inf)
 
 The [strategy] table
 --------------------
@@ -122,7 +122,15 @@ Limits
 Absurd sizes are refused before anything is allocated: at most
 :data:`MAX_WORKERS` workers (4096 local processes, 16384 simulated workers),
 :data:`MAX_SHARDS` shards (and no more than parameters), :data:`MAX_STEPS`
-steps, and delays of at most :data:`MAX_DELAY` seconds per step.
+steps, and delays of at most :data:`MAX_DELAY` seconds per step. Times and rates
+are bounded so that no run can be endless: ``eval_interval`` at least 1 ms,
+``worker_timeout`` at least 0.1 s, straggler factors at most 10000, and in the
+[sim] table virtual times (steps, latency, service, restarts, scripted events)
+of at most 1e7 s, bandwidths and service rates of at least 1 byte/s (see
+:mod:`stalewise.runtime.sim.models`); a simulated run that would still record
+more than :data:`~stalewise.runtime.sim.config.MAX_RECORDS` times stops with a
+``sim`` (or ``run.eval_interval``) error. Arrays and tables nest at most
+:data:`MAX_DEPTH` levels.
 """
 
 from __future__ import annotations
@@ -146,13 +154,15 @@ from typing import Any
 
 from stalewise import codecs, optim, targets, tasks, tree
 from stalewise import consistency as consistency_lib
+from stalewise import runtime as runtime_lib
 from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
-from stalewise.api import RUNTIMES, Job
+from stalewise.api import Job
 from stalewise.protocol import pulls
-from stalewise.runtime.base import FAILURE_POLICIES, TrainResult
+from stalewise.runtime.base import FAILURE_POLICIES, MAX_SLOWDOWN, TrainResult
+from stalewise.runtime.options import MAX_TIMEOUT, MIN_EVAL_INTERVAL, MIN_WORKER_TIMEOUT
 from stalewise.runtime.sim import models as sim_models
-from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.sim.config import SimConfig, TooLongError
 
 TABLES = {
     "task": {"name", "factory", "args", "seed"},
@@ -203,6 +213,8 @@ MAX_SHARDS = 1024
 MAX_STEPS = 10**9
 #: The longest emulated compute time per step, in seconds.
 MAX_DELAY = 3600.0
+#: The deepest nesting of arrays and tables a config may have.
+MAX_DEPTH = 32
 #: The task methods a factory's object must have, with the arguments stalewise passes.
 TASK_METHODS = {
     "init_params": ("seed",),
@@ -251,6 +263,7 @@ class RunConfig:
     optimizer_table: dict[str, Any] = field(default_factory=dict, repr=False)  # [optimizer]
     strategy_table: dict[str, Any] = field(default_factory=dict, repr=False)  # [strategy]
     address: str | None = None  # run.address: the Ray cluster (runtime "ray")
+    path: str | None = None  # the config file it was read from (by load)
 
     @property
     def data(self) -> Callable[[int, int], Any]:
@@ -265,9 +278,10 @@ class RunConfig:
         """Keyword arguments for ``job.train``, for the config's runtime or ``runtime``."""
         kwargs = dict(self.train)
         if runtime:
-            if runtime not in RUNTIMES:
+            if runtime not in runtime_lib.names():
                 raise ConfigError(
-                    "--runtime", f"unknown runtime {runtime!r} (known: {', '.join(RUNTIMES)})"
+                    "--runtime",
+                    f"unknown runtime {runtime!r} (known: {', '.join(runtime_lib.names())})",
                 )
             if runtime != kwargs["runtime"]:
                 self.check_workers(kwargs["workers"], runtime, "run.workers")
@@ -356,13 +370,17 @@ class RunConfig:
             except ConnectionError as e:
                 raise ConfigError("--address" if address else "run.address", str(e)) from None
         with self.importable():
-            return self.job.train(
-                self.task.loss_and_grad,
-                data=self.data,
-                evaluate=self.task.evaluate,
-                **train,
-                **kwargs,
-            )
+            try:
+                return self.job.train(
+                    self.task.loss_and_grad,
+                    data=self.data,
+                    evaluate=self.task.evaluate,
+                    **train,
+                    **kwargs,
+                )
+            except TooLongError as e:  # the config's times make the simulated run endless
+                key = "sim" if self.sim not in (None, SimConfig()) else "run.eval_interval"
+                raise ConfigError(key, str(e), self.path) from None
 
 
 def load(
@@ -392,13 +410,19 @@ def load(
         raise ConfigError(str(p), f"not a text file: {e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(str(p), f"not valid TOML: {e}") from None
+    except RecursionError:  # tomllib recurses once per level of nested arrays and tables
+        raise ConfigError(
+            str(p), f"not a config: its arrays or tables nest more than {MAX_DEPTH} levels deep"
+        ) from None
     try:
-        return parse(
+        cfg = parse(
             raw, base=p.resolve().parent, runtime=runtime, codec=codec, pull_codec=pull_codec
         )
     except ConfigError as e:
         e.path = str(p)
         raise
+    cfg.path = str(p)
+    return cfg
 
 
 def parse(
@@ -428,6 +452,7 @@ def parse(
     """
     if not isinstance(raw, Mapping):
         raise ConfigError("config", f"expected tables, got {raw!r}")
+    _check_depth(raw)
     for key in raw:
         if key not in TABLES:
             raise ConfigError(key, f"unknown table (known: {', '.join(TABLES)})")
@@ -447,8 +472,9 @@ def parse(
     seed = _get(t, "task.seed", int, 0, low=0)
     configured = _get(r, "run.runtime", str, "local")
     for key, name in (("run.runtime", configured), ("--runtime", runtime)):
-        if name is not None and name not in RUNTIMES:
-            raise ConfigError(key, f"unknown runtime {name!r} (known: {', '.join(RUNTIMES)})")
+        if name is not None and name not in runtime_lib.names():
+            known = ", ".join(runtime_lib.names())
+            raise ConfigError(key, f"unknown runtime {name!r} (known: {known})")
         if name == "ray" and importlib.util.find_spec("ray") is None:
             raise ConfigError(key, "runtime 'ray' needs Ray: pip install 'stalewise[ray]'")
     address = r.get("address")
@@ -461,7 +487,7 @@ def parse(
     _check_workers(workers, runtime, "run.workers")
     steps = _get(r, "run.steps", int, 1000, low=1, high=MAX_STEPS)
     delay = _get(r, "run.delay", float, 0.0, low=0, high=MAX_DELAY)
-    eval_interval = _get(r, "run.eval_interval", float, 0.5, low=0, open_low=True)
+    eval_interval = _get(r, "run.eval_interval", float, 0.5, low=MIN_EVAL_INTERVAL)
     stragglers = _stragglers(r.get("stragglers"), workers)
     stop_at = _stop_at(r.get("stop_at"))
     on_failure = _get(r, "run.on_worker_failure", str, "restart")
@@ -473,7 +499,9 @@ def parse(
     max_restarts = _get(r, "run.max_restarts", int, 3, low=0)
     worker_timeout = None
     if r.get("worker_timeout") is not False:
-        worker_timeout = _get(r, "run.worker_timeout", float, 60.0, low=0, open_low=True)
+        worker_timeout = _get(
+            r, "run.worker_timeout", float, 60.0, low=MIN_WORKER_TIMEOUT, high=MAX_TIMEOUT
+        )
     diverge_after = None
     if r.get("diverge_after") is not False:
         diverge_after = _get(r, "run.diverge_after", int, 20, low=1)
@@ -490,6 +518,11 @@ def parse(
         raise ConfigError(pull_key, why)
     strategy = strategy_from_table(st)
     optimizer = _server_optimizer(o, "optimizer" in raw, strategy, workers)
+    if strategy is not None:
+        try:
+            strategy.check_consistency(consistency, recommended="optimizer" not in raw)
+        except ValueError as e:
+            raise ConfigError("server.consistency", str(e)) from None
     sim_config = _sim(sim_table)
     if runtime == "sim":
         _check_sim_workers(sim_config, workers, "run.workers")
@@ -534,6 +567,21 @@ def parse(
 
 
 # ----------------------------------------------------------------------------- values
+
+
+def _check_depth(raw: Mapping[str, Any]) -> None:
+    """Refuses values nested more than MAX_DEPTH levels (no config needs a tenth of that):
+    checking, printing or copying them would recurse past Python's limit."""
+    todo: list[tuple[str, Any, int]] = [(str(k), v, 1) for k, v in raw.items()]
+    while todo:
+        key, value, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            top = ".".join(key.split("[")[0].split(".")[:2])  # run.stop_at, not its 33 levels
+            raise ConfigError(top, f"nested more than {MAX_DEPTH} levels deep")
+        if isinstance(value, Mapping):
+            todo.extend((f"{key}.{k}", v, depth + 1) for k, v in value.items())
+        elif isinstance(value, list | tuple):
+            todo.extend((f"{key}[{i}]", v, depth + 1) for i, v in enumerate(value))
 
 
 def _describe(kinds: Sequence[str]) -> str:
@@ -611,6 +659,10 @@ def _stragglers(spec: Any, workers: int) -> dict[int, float]:
             )
         if f < 1:
             raise ConfigError(f"run.stragglers.{w}", f"a slowdown factor must be >= 1, got {f!r}")
+        if f > MAX_SLOWDOWN:
+            raise ConfigError(
+                f"run.stragglers.{w}", f"a slowdown factor must be <= {MAX_SLOWDOWN:g}, got {f!r}"
+            )
         out[worker] = float(f)
     return out
 

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 
@@ -75,7 +76,8 @@ def SSP(bound: float = 4) -> Consistency:
     Args:
         bound: the staleness bound ``s`` (an integer >= 0, or ``math.inf``).
     """
-    if not (bound >= 0 and (bound == math.inf or float(bound).is_integer())):
+    real = isinstance(bound, numbers.Real) and not isinstance(bound, bool)
+    if not (real and bound >= 0 and (bound == math.inf or float(bound).is_integer())):
         raise ValueError(f"SSP bound must be an integer >= 0 or inf, got {bound!r}")
     return Consistency("ssp", float(bound))
 
@@ -92,7 +94,8 @@ def Hybrid(tolerance: float = 2.0) -> Consistency:
     Args:
         tolerance: a number > 1.
     """
-    if not (isinstance(tolerance, int | float) and 1.0 < tolerance < math.inf):
+    real = isinstance(tolerance, numbers.Real) and not isinstance(tolerance, bool)
+    if not (real and 1.0 < tolerance < math.inf):
         raise ValueError(f"Hybrid tolerance must be a finite number > 1, got {tolerance!r}")
     return Consistency("hybrid", 0.0, float(tolerance))
 

@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -70,15 +71,28 @@ class Staleness(NamedTuple):
             _dc_kernel(grads, w_now, w_pulled, self.dc_lambda)
 
 
+def _real(value: object) -> float:
+    """``value`` as a float if it is a real number (not a bool, not a string), else NaN."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return math.nan
+    return float(value)
+
+
 def _make(kind: str, param: float, max_staleness: float | None, dc_lambda: float) -> Staleness:
     if kind not in _KINDS:
         raise ValueError(f"unknown staleness rule {kind!r}; known: {', '.join(_KINDS)}")
-    max_s = math.inf if max_staleness is None else float(max_staleness)
+    max_s = math.inf if max_staleness is None else _real(max_staleness)
     if max_s < 0:
-        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-    if not (dc_lambda >= 0 and math.isfinite(dc_lambda)):
-        raise ValueError(f"dc_lambda must be a finite number >= 0, got {dc_lambda}")
-    return Staleness(kind, float(param), max_s, float(dc_lambda))
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness!r}")
+    if not (max_s == math.inf or max_s.is_integer()):  # NaN would refuse every push
+        raise ValueError(
+            f"max_staleness must be an integer >= 0 (a count of versions), math.inf or None, "
+            f"got {max_staleness!r}"
+        )
+    lam = _real(dc_lambda)
+    if not (lam >= 0 and math.isfinite(lam)):
+        raise ValueError(f"dc_lambda must be a finite number >= 0, got {dc_lambda!r}")
+    return Staleness(kind, float(param), max_s, lam)
 
 
 def constant(*, max_staleness: float | None = None, dc_lambda: float = 0.0) -> Staleness:
@@ -95,8 +109,8 @@ def exponential(
     base: float = 0.5, *, max_staleness: float | None = None, dc_lambda: float = 0.0
 ) -> Staleness:
     """Step size times ``base ** tau`` with ``0 < base <= 1``."""
-    if not 0 < base <= 1:
-        raise ValueError(f"exponential staleness base must be in (0, 1], got {base}")
+    if not 0 < _real(base) <= 1:
+        raise ValueError(f"exponential staleness base must be in (0, 1], got {base!r}")
     return _make("exponential", base, max_staleness, dc_lambda)
 
 
@@ -104,8 +118,8 @@ def polynomial(
     power: float = 0.5, *, max_staleness: float | None = None, dc_lambda: float = 0.0
 ) -> Staleness:
     """Step size times ``(1 + tau) ** -power``; the default is ``1/sqrt(1 + tau)``."""
-    if not power >= 0:
-        raise ValueError(f"polynomial staleness power must be >= 0, got {power}")
+    if not (_real(power) >= 0 and math.isfinite(power)):
+        raise ValueError(f"polynomial staleness power must be a finite number >= 0, got {power!r}")
     return _make("polynomial", power, max_staleness, dc_lambda)
 
 

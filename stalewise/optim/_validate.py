@@ -33,6 +33,8 @@ def check_number(
     and ``hi_open`` choose each end.
     """
     try:
+        if isinstance(value, bool | str | bytes):  # float() takes them: True, "0.1"
+            raise TypeError
         x = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise ValueError(f"{where}: {name} must be a number, got {value!r}") from None

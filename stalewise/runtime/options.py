@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,12 +17,32 @@ from typing import Any
 from stalewise.protocol.loop import DIVERGE_AFTER
 from stalewise.runtime.base import FAILURE_POLICIES, check_run
 
+#: The shortest ``eval_interval``, in seconds (virtual in the simulator). A run records once
+#: per interval; 1 ms is finer than any real evaluation and keeps a simulated run's records
+#: (and its evaluations) to a thousand per virtual second.
+MIN_EVAL_INTERVAL = 1e-3
+#: The shortest ``worker_timeout``: a worker beats every ``min(1, worker_timeout / 4)`` s.
+MIN_WORKER_TIMEOUT = 0.1
+#: The shortest ``checkpoint_seconds`` (virtual in the simulator).
+MIN_CHECKPOINT_SECONDS = 1e-3
+#: The longest timeout, in seconds (about 3 years; longer ones overflow the OS's waits).
+MAX_TIMEOUT = 1e8
+
+
+def _real(value: object) -> bool:
+    """True for an int or float (numpy's too), not a bool; NaN is refused by the comparisons."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
 
 @dataclass(frozen=True)
 class RunOptions:
     """The run-time options of one training run (see :meth:`stalewise.Job.train`).
 
-    Timeouts are in wall seconds; None waits forever.
+    Timeouts are in wall seconds, at most :data:`MAX_TIMEOUT`; None waits forever.
+    ``eval_interval`` is at least :data:`MIN_EVAL_INTERVAL`, ``worker_timeout``
+    at least :data:`MIN_WORKER_TIMEOUT`, ``checkpoint_seconds`` at least
+    :data:`MIN_CHECKPOINT_SECONDS` (straggler factors and delays: see
+    :func:`stalewise.runtime.base.check_run`).
     """
 
     loss_and_grad: Callable[[Any, Any], tuple[float, Any]]
@@ -76,12 +97,13 @@ class RunOptions:
         )
         object.__setattr__(self, "slowdowns", tuple(factors))
         object.__setattr__(self, "extra_delays", tuple(extra))
-        ok = isinstance(self.eval_interval, int | float) and not isinstance(
-            self.eval_interval, bool
-        )
-        if not (ok and 0 < self.eval_interval < math.inf):
+        e = self.eval_interval
+        if not (_real(e) and 0 < e < math.inf):
+            raise ValueError(f"eval_interval must be a finite number of seconds > 0, got {e!r}")
+        if e < MIN_EVAL_INTERVAL:
             raise ValueError(
-                f"eval_interval must be a finite number of seconds > 0, got {self.eval_interval!r}"
+                f"eval_interval must be >= {MIN_EVAL_INTERVAL:g} s, got {e!r}: a run records "
+                "(and evaluates) once per interval of its time, virtual in the simulator"
             )
         if self.evaluate is not None and not callable(self.evaluate):
             raise TypeError(f"evaluate must be a function f(params) -> dict, got {self.evaluate!r}")
@@ -90,8 +112,12 @@ class RunOptions:
             value = getattr(self, name)
             if value is None and name == "timeout":
                 continue
-            if not (isinstance(value, int | float) and not isinstance(value, bool) and value >= 0):
-                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+            if not (_real(value) and 0 <= value <= MAX_TIMEOUT):
+                none = " (None: no limit)" if name == "timeout" else ""
+                raise ValueError(
+                    f"{name} must be a number of seconds in [0, {MAX_TIMEOUT:g}]{none}, "
+                    f"got {value!r}"
+                )
         self._check_checkpoints()
         self._check_failures()
         from stalewise import targets
@@ -108,11 +134,14 @@ class RunOptions:
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
             raise ValueError(f"max_restarts must be an integer >= 0 or None, got {n!r}")
         t = self.worker_timeout
-        if t is not None and not (
-            isinstance(t, int | float) and not isinstance(t, bool) and 0 < t < math.inf
-        ):
+        if t is not None and not (_real(t) and 0 < t <= MAX_TIMEOUT):
             raise ValueError(
                 f"worker_timeout must be a finite number of seconds > 0 or None, got {t!r}"
+            )
+        if t is not None and t < MIN_WORKER_TIMEOUT:
+            raise ValueError(
+                f"worker_timeout must be >= {MIN_WORKER_TIMEOUT:g} s or None, got {t!r}: a worker "
+                "sends a heartbeat every min(1, worker_timeout / 4) seconds"
             )
         k = self.diverge_after
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
@@ -128,13 +157,13 @@ class RunOptions:
         ):
             raise ValueError(f"checkpoint_every must be an integer >= 1 (updates), got {every!r}")
         secs = self.checkpoint_seconds
-        if secs is not None and not (
-            isinstance(secs, int | float)
-            and not isinstance(secs, bool)
-            and math.isfinite(secs)
-            and secs > 0
-        ):
+        if secs is not None and not (_real(secs) and math.isfinite(secs) and secs > 0):
             raise ValueError(f"checkpoint_seconds must be a finite number > 0, got {secs!r}")
+        if secs is not None and secs < MIN_CHECKPOINT_SECONDS:
+            raise ValueError(
+                f"checkpoint_seconds must be >= {MIN_CHECKPOINT_SECONDS:g} s, got {secs!r}: "
+                "every checkpoint writes the whole model"
+            )
         keep = self.checkpoint_keep
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"checkpoint_keep must be an integer >= 1, got {keep!r}")

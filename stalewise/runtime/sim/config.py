@@ -30,10 +30,35 @@ from stalewise.runtime.sim.models import (
     Slowdown,
     Stragglers,
     _bad,
-    _number,
+    _factor,
+    _seconds,
 )
 
-__all__ = ["SimConfig"]
+__all__ = ["MAX_RECORDS", "SimConfig", "TooLongError"]
+
+#: The most records (evaluations, one every ``eval_interval`` virtual seconds) one simulated
+#: run may make: 100000 records of a few kB each, about 14 virtual hours at the default
+#: interval of 0.5 s. A run that would need more stops with :class:`TooLongError` instead of
+#: filling the memory (an interval of 1e-300 s, or a transfer of 1e300 s, would never end).
+MAX_RECORDS = 100_000
+#: The largest ``model_bytes``: a petabyte.
+MAX_MODEL_BYTES = 10**15
+
+
+class TooLongError(ValueError):
+    """A simulated run would record more than :data:`MAX_RECORDS` times: its ``eval_interval``
+    is too short for its virtual time, or its [sim] times and rates make that time endless."""
+
+    def __init__(
+        self, now: float, eval_interval: float, pushes: int, steps: int, limit: int = MAX_RECORDS
+    ):
+        self.now, self.eval_interval = now, eval_interval
+        super().__init__(
+            f"the simulated run reached virtual time {now:.6g} s with {pushes} of {steps} pushes "
+            f"done and would record more than {limit} times (eval_interval = "
+            f"{eval_interval:g} s): raise eval_interval, or check the [sim] times and rates "
+            f"(compute, latency, bandwidth, service, speeds, model_bytes) that make it so long"
+        )
 
 
 @dataclass(frozen=True)
@@ -93,7 +118,7 @@ class SimConfig:
         if self.speeds is not None:
             speeds = _tuple(self, "speeds")
             for i, s in enumerate(speeds):
-                _number("SimConfig", f"speeds[{i}]", s, strict=True)
+                _factor("SimConfig", f"speeds[{i}]", s)
         for name, kind in (("slowdowns", Slowdown), ("failures", Failure), ("joins", Join)):
             for i, item in enumerate(_tuple(self, name)):
                 if not isinstance(item, kind):
@@ -102,7 +127,11 @@ class SimConfig:
         bad_int = not isinstance(mb, int | np.integer) or isinstance(mb, bool)
         if mb is not None and (bad_int or mb <= 0):
             raise _bad("SimConfig", "model_bytes", mb, "must be None or an integer > 0")
-        _number("SimConfig", "restart_delay", self.restart_delay)
+        if mb is not None and mb > MAX_MODEL_BYTES:
+            raise _bad(
+                "SimConfig", "model_bytes", mb, f"must be <= {MAX_MODEL_BYTES:g} (a petabyte)"
+            )
+        _seconds("SimConfig", "restart_delay", self.restart_delay)
 
     def check_workers(self, workers: int) -> None:
         """Checks the fields that depend on the number of workers of a run."""

@@ -24,6 +24,14 @@ so a fast receiver cannot outrun a slow sender. Every worker and every shard
 node has its own full-duplex link. Control messages (pull requests, acks,
 leave notices) cost ``latency`` only.
 
+Bounds: every virtual time a model gives or names (a step, a latency, a request,
+a restart, a scripted event) is at most :data:`MAX_SECONDS`; bandwidths and
+service rates are at least :data:`MIN_BYTES_PER_S` (or ``math.inf``, free);
+speed and slowdown factors lie within :data:`MAX_FACTOR` of 1. A run walks its
+virtual time in evaluations of ``eval_interval``, so one absurd value (a
+bandwidth of 1e-300 bytes/s, a latency of 1e300 s) would otherwise keep the
+simulator recording for ever.
+
 Example:
     >>> ShiftedExponential(shift=0.0, rate=1.0).mean, Service(time=0.5, rate=2.0).seconds(1.0)
     (1.0, 1.0)
@@ -56,8 +64,26 @@ def _bad(owner: str, name: str, value: Any, need: str) -> ValueError:
     return ValueError(f"{owner}.{name} = {value!r}: {need}")
 
 
+#: The longest virtual time a model may give or name, in seconds (about 116 days): a step,
+#: a transfer's latency, a request, a restart, a scripted event. A run goes through
+#: its virtual time in evaluations of ``eval_interval``, so a time beyond any
+#: real run would keep the simulator busy (and growing) for ever.
+MAX_SECONDS = 1e7
+#: The slowest link or shard, in bytes per second (math.inf: free).
+MIN_BYTES_PER_S = 1.0
+#: The widest speed-up or slow-down factor of a worker (speeds, stragglers, slowdowns).
+MAX_FACTOR = 1e6
+
+
 def _number(
-    owner: str, name: str, value: Any, low: float = 0.0, strict: bool = False, inf_ok: bool = False
+    owner: str,
+    name: str,
+    value: Any,
+    low: float = 0.0,
+    strict: bool = False,
+    inf_ok: bool = False,
+    high: float = math.inf,
+    why: str = "",
 ) -> float:
     ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
     v = float(value) if ok else math.nan
@@ -65,7 +91,24 @@ def _number(
     if bad:
         kind, rel = ("number" if inf_ok else "finite number"), (">" if strict else ">=")
         raise _bad(owner, name, value, f"must be a {kind} {rel} {low:g}")
+    if v > high and not (inf_ok and math.isinf(v)):
+        raise _bad(owner, name, value, f"must be <= {high:g}{why}")
     return v
+
+
+def _seconds(owner: str, name: str, value: Any) -> float:
+    """A virtual time in [0, MAX_SECONDS]."""
+    return _number(owner, name, value, high=MAX_SECONDS, why=" (virtual seconds)")
+
+
+def _bytes_per_s(owner: str, name: str, value: Any) -> float:
+    """A link's or a shard's rate, >= MIN_BYTES_PER_S bytes a second, or math.inf."""
+    return _number(owner, name, value, low=MIN_BYTES_PER_S, inf_ok=True, why=" (bytes per second)")
+
+
+def _factor(owner: str, name: str, value: Any, low: float = 1 / MAX_FACTOR) -> float:
+    """A speed or slowdown factor, in [low, MAX_FACTOR]."""
+    return _number(owner, name, value, low=low, high=MAX_FACTOR)
 
 
 def _worker_id(owner: str, name: str, value: Any) -> int:
@@ -84,7 +127,7 @@ class Fixed:
     time: float = 0.01
 
     def __post_init__(self) -> None:
-        _number("Fixed", "time", self.time)
+        _seconds("Fixed", "time", self.time)
 
     @property
     def mean(self) -> float:
@@ -107,8 +150,9 @@ class ShiftedExponential:
     rate: float = 500.0
 
     def __post_init__(self) -> None:
-        _number("ShiftedExponential", "shift", self.shift)
-        _number("ShiftedExponential", "rate", self.rate, strict=True)
+        _seconds("ShiftedExponential", "shift", self.shift)
+        # the tail's mean, 1 / rate, is a step time too: at most MAX_SECONDS
+        _number("ShiftedExponential", "rate", self.rate, low=1 / MAX_SECONDS, why=" (per second)")
 
     @property
     def mean(self) -> float:
@@ -128,7 +172,7 @@ class Stragglers:
     def __post_init__(self) -> None:
         if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 0:
             raise _bad("Stragglers", "count", self.count, "must be an integer >= 0")
-        _number("Stragglers", "slowdown", self.slowdown, low=1.0)
+        _factor("Stragglers", "slowdown", self.slowdown, low=1.0)
 
 
 @dataclass(frozen=True)
@@ -142,10 +186,17 @@ class Slowdown:
 
     def __post_init__(self) -> None:
         _worker_id("Slowdown", "worker", self.worker)
-        _number("Slowdown", "factor", self.factor, strict=True)
-        _number("Slowdown", "start", self.start)
-        if not (isinstance(self.end, int | float) and self.end > self.start):
-            raise _bad("Slowdown", "end", self.end, f"must be a time > start ({self.start})")
+        _factor("Slowdown", "factor", self.factor, low=1 / MAX_FACTOR)
+        _seconds("Slowdown", "start", self.start)
+        end = self.end
+        ok = isinstance(end, int | float | np.integer | np.floating) and not isinstance(end, bool)
+        if not (ok and end > self.start and (end <= MAX_SECONDS or end == math.inf)):
+            raise _bad(
+                "Slowdown",
+                "end",
+                self.end,
+                f"must be a time > start ({self.start}), <= {MAX_SECONDS:g} or inf",
+            )
 
 
 @dataclass(frozen=True)
@@ -168,7 +219,7 @@ class Failure:
 
     def __post_init__(self) -> None:
         _worker_id("Failure", "worker", self.worker)
-        _number("Failure", "time", self.time)
+        _seconds("Failure", "time", self.time)
 
 
 @dataclass(frozen=True)
@@ -182,7 +233,7 @@ class Join:
 
     def __post_init__(self) -> None:
         _worker_id("Join", "worker", self.worker)
-        _number("Join", "time", self.time)
+        _seconds("Join", "time", self.time)
 
 
 # -- network and server models ---------------------------------------------------------
@@ -202,11 +253,11 @@ class Network:
     shard_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
-        _number("Network", "latency", self.latency)
-        _number("Network", "bandwidth", self.bandwidth, strict=True, inf_ok=True)
+        _seconds("Network", "latency", self.latency)
+        _bytes_per_s("Network", "bandwidth", self.bandwidth)
         for name in ("worker_bandwidth", "shard_bandwidth"):
             if getattr(self, name) is not None:
-                _number("Network", name, getattr(self, name), strict=True, inf_ok=True)
+                _bytes_per_s("Network", name, getattr(self, name))
 
     @property
     def worker_bw(self) -> float:
@@ -225,8 +276,8 @@ class Service:
     rate: float = 10e9
 
     def __post_init__(self) -> None:
-        _number("Service", "time", self.time)
-        _number("Service", "rate", self.rate, strict=True, inf_ok=True)
+        _seconds("Service", "time", self.time)
+        _bytes_per_s("Service", "rate", self.rate)
 
     def seconds(self, nbytes: float) -> float:
         """Service time of a request that reads or writes ``nbytes`` of parameters."""
