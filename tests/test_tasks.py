@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
-import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -36,7 +36,7 @@ def _numpy(tree: dict) -> dict[str, np.ndarray]:
 
 
 def test_get_builds_every_registered_task():
-    assert tasks.names() == ["digits", "digits-jax", "digits-torch", "least-squares"]
+    assert tasks.names() == ["digits", "digits-jax", "digits-torch", "least-squares", "lm"]
     for name in tasks.names():
         task = tasks.get(name)
         assert task.name == name
@@ -166,6 +166,9 @@ def test_digits_batches_are_the_workers_shard():
     np.testing.assert_array_equal(y, data.y_train[idx])
 
 
+STEPS_TO_95 = 250  # Adam lr 3e-3 on digits, seed 0: 125 steps measured (accuracy read every 25)
+
+
 def test_single_worker_adam_reaches_95_percent_quickly():
     task = tasks.get("digits")
     params = task.init_params(seed=0)
@@ -173,7 +176,6 @@ def test_single_worker_adam_reaches_95_percent_quickly():
     v = {k: np.zeros_like(a) for k, a in _leaves(params).items()}
     lr, b1, b2 = 3e-3, 0.9, 0.999
     batches = task.batches(0, 1, seed=0)
-    start = time.perf_counter()
     accuracy, step = 0.0, 0
     while accuracy < 0.95 and step < 2000:
         step += 1
@@ -186,9 +188,8 @@ def test_single_worker_adam_reaches_95_percent_quickly():
             params[layer][key] = params[layer][key] - lr * update
         if step % 25 == 0:
             accuracy = task.evaluate(params)["accuracy"]
-    elapsed = time.perf_counter() - start
-    assert accuracy >= 0.95, f"only {accuracy:.3f} after {step} steps"
-    assert elapsed < 5.0
+    # "quickly" in steps, not seconds (a loaded machine); seed 0 gets there in STEPS_TO_95
+    assert accuracy >= 0.95 and step <= STEPS_TO_95, f"{accuracy:.3f} after {step} steps"
     assert params["layer1"]["w"].dtype == np.float32
 
 
@@ -320,12 +321,18 @@ def test_least_squares_condition_number():
 
 
 def test_least_squares_large_d_is_cheap_and_deterministic():
-    start = time.perf_counter()
-    task = LeastSquares(n=256, d=10_000, seed=7)
-    params = task.init_params()
-    loss, grads = task.loss_and_grad(params, next(task.batches(0, 8)))
+    # cheap in memory (traced by numpy's allocator), not wall time: A is 256 x 10_000
+    # float32 (10 MB); no d x d Gram matrix (400 MB) is built for d > 2048
+    tracemalloc.start()
+    try:
+        task = LeastSquares(n=256, d=10_000, seed=7)
+        params = task.init_params()
+        loss, grads = task.loss_and_grad(params, next(task.batches(0, 8)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     assert grads["x"].shape == (10_000,) and np.isfinite(loss)
-    assert time.perf_counter() - start < 2.0
+    assert peak < 64e6, f"{peak / 1e6:.0f} MB"
     clone = pickle.loads(pickle.dumps(task))
     np.testing.assert_array_equal(clone.x_star, task.x_star)
 

@@ -13,6 +13,7 @@ seed, giving the ``data(worker, workers)`` that ``Job.train`` calls.
 | `digits-torch`  | PyTorch | same numbers as `digits`       | loss, accuracy       |
 | `digits-jax`    | JAX     | same numbers as `digits`       | loss, accuracy       |
 | `least-squares` | NumPy   | synthetic linear regression    | loss, distance       |
+| `lm`            | PyTorch | byte GPT on stdlib source      | loss, perplexity     |
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "digits-torch": ("stalewise.tasks.digits_torch", "DigitsTorch"),
     "digits-jax": ("stalewise.tasks.digits_jax", "DigitsJax"),
     "least-squares": ("stalewise.tasks.least_squares", "LeastSquares"),
+    "lm": ("stalewise.tasks.lm", "LanguageModel"),
 }
 
 
@@ -46,7 +48,7 @@ def names() -> list[str]:
 
     Example:
         >>> names()
-        ['digits', 'digits-jax', 'digits-torch', 'least-squares']
+        ['digits', 'digits-jax', 'digits-torch', 'least-squares', 'lm']
     """
     return sorted(_REGISTRY)
 

@@ -1,0 +1,356 @@
+"""Language-model benchmark: gradient pushes against DiLoCo on a small GPT, one worker 3x slower.
+
+The task is ``tasks.get("lm")`` (a byte-level GPT on the Python standard
+library's source, see ``docs/lm.md``): 4 local worker processes, worker 3
+three times slower (``stragglers={3: 3.0}``), and every step padded with
+``DELAY`` seconds of emulated accelerator time (scaled by the slowdown too), so
+that the 2 cores of a small machine are not what is measured. Methods:
+
+* ``sync gradients``: synchronous data-parallel Adam (BSP, the mean of 4 pushes per round);
+* ``ASP gradients``: the same pushes applied on arrival;
+* ``DiLoCo H=20`` / ``DiLoCo H=50``: inner AdamW, outer Nesterov SGD (0.7, 0.9), BSP;
+* ``async DiLoCo``: ``diloco(asynchronous=True, dynamic=True)`` under ASP: delayed
+  Nesterov and a round of about ``period`` seconds for every worker (the straggler
+  runs about a third of the fast workers' ``H``);
+* ``DiLoCo H=20 + int8``: DiLoCo H=20 with ``sw.codecs.int8()`` on its pushes
+  (``--codec topk`` for ``topk(0.01)``).
+
+Each method runs at every learning rate of a small grid (the server Adam's
+for gradients, the inner AdamW's for DiLoCo) and is reported at its best: the
+lowest held-out loss at the equal-token budget ``B`` (the tokens that the
+synchronous baseline's ``steps`` local steps consume). Every run may consume
+``EXTRA`` x ``B`` tokens, so that a method slightly behind per token can still
+reach the target. A record's tokens are those of the local steps its workers
+have pushed (``batch_size * context`` bytes a step; a DiLoCo round's count once
+it is pushed, so work still inside a round does not count). Figures (all
+measured in this run):
+
+* val loss at ``B`` tokens, and at equal wall time (the shortest run's duration);
+* tokens/s (minibatches drawn over the run's wall time);
+* time, and bytes pushed per worker, to the target: the synchronous
+  baseline's val loss at ``B`` tokens (bytes per push are the shards'
+  ``bytes_in`` over the pushes, so a codec's size counts).
+
+Bars (issue #20), ratios against the synchronous baseline of the same run:
+
+* async DiLoCo reaches the target in <= 0.6x the baseline's wall time;
+* async DiLoCo's val loss at ``B`` tokens is within 2% of the baseline's;
+* DiLoCo (the best of its rows) sends >= 50x fewer bytes per worker to the
+  target than synchronous gradients.
+
+torchft's DiLoCo is the peer named in the issue: it is run only if ``torchft``
+imports; otherwise the benchmark says it was skipped and why.
+
+    .venv/bin/python benchmarks/lm.py [--quick] [--codec int8|topk] [--json PATH] [--check]
+
+``--quick`` (a tiny model, a short budget, two learning rates per method) takes a
+few minutes on 2 cores; the full mode (the small model, 4x the tokens, three
+learning rates) is for a quiet machine. Wall-time figures on a shared machine are
+noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import stalewise as sw
+from stalewise import report, tasks
+
+WORKERS, SLOW, SLOWDOWN = 4, 3, 3.0
+EXTRA = 1.3  # every run may draw this many times the equal-token budget
+MODES = {
+    "quick": dict(size="tiny", context=32, batch_size=16, steps=150, delay=0.02,
+                  grad_lrs=(3e-3, 1e-2), inner_lrs=(3e-3, 1e-2), eval_interval=0.5),
+    "full": dict(size="small", context=64, batch_size=16, steps=600, delay=0.03,
+                 grad_lrs=(1e-3, 3e-3, 1e-2), inner_lrs=(1e-3, 3e-3, 1e-2), eval_interval=1.0),
+}  # fmt: skip
+ASYNC_H = 20  # async DiLoCo's cap on H; its period is about 1.25 H fast steps
+BASELINE = "sync gradients"
+
+
+_PROCESS: dict = {}  # in a worker process: its worker id and the counts file
+
+
+class CountedBatches:
+    """``data(worker, workers)`` that counts, in a small memory-mapped file, the
+    minibatches each worker draws (row 0) and those of its pushed steps (row 1, see
+    :func:`counting`); the parent reads the file."""
+
+    def __init__(self, task, path: str) -> None:
+        self.task, self.path = task, path
+
+    def __call__(self, worker: int, workers: int):
+        counts = np.memmap(self.path, dtype=np.int64, mode="r+", shape=(2, workers))
+        _PROCESS.update(worker=worker, counts=counts)
+        for batch in self.task.batches(worker, workers):
+            counts[0, worker] += 1
+            yield batch
+
+
+def _pushed(step):
+    counts = _PROCESS.get("counts")
+    if counts is not None:
+        counts[1, _PROCESS["worker"]] += step.local_steps
+    return step
+
+
+class CountingGradients(type(sw.strategies.gradients())):
+    def step(self, state, params, loss_and_grad, batches):
+        return _pushed(super().step(state, params, loss_and_grad, batches))
+
+
+class CountingLocalSGD(type(sw.strategies.diloco())):
+    def step(self, state, params, loss_and_grad, batches):
+        return _pushed(super().step(state, params, loss_and_grad, batches))
+
+
+def counting(strategy):
+    """The same strategy, counting the local steps of each step it returns (to be pushed):
+    the tokens a record's model has seen, a round's tokens counting once it is pushed."""
+    cls = {c.__base__: c for c in (CountingGradients, CountingLocalSGD)}[type(strategy)]
+    new = cls.__new__(cls)
+    new.__dict__.update(vars(strategy))
+    return new
+
+
+def methods(m: dict, codec: str) -> list[tuple[str, tuple, object, float]]:
+    """(name, lr grid, make(lr) -> Job keywords, local steps per push for the budget)."""
+    bsp, asp, dl, adamw = sw.BSP(), sw.ASP(), sw.strategies.diloco, sw.optim.adamw
+    step = m["delay"] + m["compute"]
+    period = 1.25 * ASYNC_H * step
+    # the straggler runs about H / SLOWDOWN steps per round: mean H per push
+    h_async = ASYNC_H * (WORKERS - 1 + 1 / SLOWDOWN) / WORKERS
+    grads = sw.strategies.gradients()
+    push_codec = sw.codecs.int8() if codec == "int8" else sw.codecs.topk(0.01)
+    return [
+        (BASELINE, m["grad_lrs"],
+         lambda lr: dict(optimizer=sw.optim.adam(lr), consistency=bsp, strategy=grads), 1),
+        ("ASP gradients", m["grad_lrs"],
+         lambda lr: dict(optimizer=sw.optim.adam(lr), consistency=asp, strategy=grads), 1),
+        ("DiLoCo H=20", m["inner_lrs"],
+         lambda lr: dict(strategy=dl(steps=20, inner=adamw(lr)), consistency=bsp), 20),
+        ("DiLoCo H=50", m["inner_lrs"],
+         lambda lr: dict(strategy=dl(steps=50, inner=adamw(lr)), consistency=bsp), 50),
+        ("async DiLoCo", m["inner_lrs"],
+         lambda lr: dict(strategy=dl(steps=ASYNC_H, inner=adamw(lr), asynchronous=True,
+                                     every=WORKERS, dynamic=True, period=period),
+                         consistency=asp), h_async),
+        (f"DiLoCo H=20 + {codec}", m["inner_lrs"],
+         lambda lr: dict(strategy=dl(steps=20, inner=adamw(lr)), consistency=bsp,
+                         codec=push_codec), 20),
+    ]  # fmt: skip
+
+
+def run_one(task, m: dict, name: str, lr: float, make, h: float) -> dict:
+    """One training run; its records carry ``tokens``."""
+    budget_steps = math.ceil(EXTRA * WORKERS * m["steps"])  # local steps of all workers
+    pushes = max(math.ceil(budget_steps / h), WORKERS)
+    per_batch = task.tokens_per_batch
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "counts")
+        np.zeros((2, WORKERS), np.int64).tofile(path)
+        counts = np.memmap(path, dtype=np.int64, mode="r", shape=(2, WORKERS))
+        records: list[dict] = []
+
+        def on_record(rec: dict) -> None:
+            drawn, pushed = counts.sum(axis=1) * per_batch
+            records.append(dict(rec, tokens=int(pushed), tokens_drawn=int(drawn)))
+
+        kw = make(lr)
+        kw["strategy"] = counting(kw["strategy"])
+        job = sw.Job(task.init_params(0), **kw)
+        result = job.train(task.loss_and_grad, data=CountedBatches(task, path),
+                           evaluate=task.evaluate, workers=WORKERS, steps=pushes,
+                           eval_interval=m["eval_interval"], stragglers={SLOW: SLOWDOWN},
+                           delays=dict.fromkeys(range(WORKERS), m["delay"]), run=name,
+                           on_record=on_record, timeout=1800)  # fmt: skip
+        drawn, pushed = (int(x) for x in counts.sum(axis=1) * per_batch)
+    evals = [r for r in records if math.isfinite(r.get("loss", math.nan))]
+    return {
+        "method": name,
+        "lr": lr,
+        "pushes": result.pushes,
+        "bytes_per_push": result.stats["bytes_in"] / max(result.pushes, 1),
+        "time": result.time,
+        "tokens": pushed,
+        "tokens_per_s": drawn / result.time,
+        "final_loss": evals[-1]["loss"] if evals else math.nan,
+        "records": [{k: r[k] for k in ("time", "tokens", "tokens_drawn", "pushes", "loss")
+                     if k in r}
+                    for r in evals],
+    }  # fmt: skip
+
+
+def at(records: list[dict], x: str, value: float) -> float | None:
+    """The loss at ``x == value``, linearly interpolated; None past the last record."""
+    xs = [r[x] for r in records]
+    if not xs or value > xs[-1]:
+        return None
+    return float(np.interp(value, xs, [r["loss"] for r in records]))
+
+
+def first_reaching(records: list[dict], target: float, key: str) -> float | None:
+    return report.time_to_target(records, "loss", target, x=key)
+
+
+def fmt(x, spec=".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def torchft_peer() -> dict:
+    """torchft's DiLoCo on the same model and data, if torchft imports."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError as e:
+        return {"skipped": f"torchft is not installed ({e}); `pip install torchft` to add the peer"}
+    return {
+        "skipped": "torchft imports, but this benchmark does not drive it yet: its DiLoCo "
+        "needs a lighthouse and one Manager per replica group (not written)"
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model, short budget, 2 lrs")
+    ap.add_argument("--codec", choices=("int8", "topk"), default="int8")
+    ap.add_argument("--steps", type=int, help="local steps per worker of the budget B")
+    ap.add_argument("--json", metavar="PATH", help="write every printed figure to this file")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
+    args = ap.parse_args()
+    mode = "quick" if args.quick else "full"
+    m = dict(MODES[mode])
+    if args.steps:
+        m["steps"] = args.steps
+    torch.set_num_threads(1)  # the parent evaluates; the workers are capped by the runtime
+    task = tasks.get("lm", size=m["size"], context=m["context"], batch_size=m["batch_size"])
+    probe_it, probe = task.batches(0, 1), task.init_params(0)
+    task.loss_and_grad(probe, next(probe_it))
+    times = []  # the fastest of 3 x 5 steps: the machine may be busy
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(5):
+            task.loss_and_grad(probe, next(probe_it))
+        times.append((time.perf_counter() - t0) / 5)
+    m["compute"] = min(times)
+    budget = WORKERS * m["steps"] * task.tokens_per_batch  # B: equal-token budget
+    out: dict = {
+        "mode": mode,
+        "setting": {
+            "task": repr(task), "params": task.num_params(), "corpus_sha256": task.corpus_sha256,
+            "python": sys.version.split()[0], "workers": WORKERS, "stragglers": {SLOW: SLOWDOWN},
+            "delay_s": m["delay"], "compute_s_per_step": m["compute"], "equal_tokens": budget,
+            "extra": EXTRA,
+        },
+        "grid": {}, "best": {}, "bars": [], "failed": [],
+    }  # fmt: skip
+    print(
+        f"lm benchmark ({mode}): {task!r}, {task.num_params()} parameters, corpus sha256 "
+        f"{task.corpus_sha256[:12]}; {WORKERS} workers, worker {SLOW} {SLOWDOWN:g}x slower, "
+        f"{m['delay'] * 1e3:g} ms emulated + {m['compute'] * 1e3:.1f} ms measured compute per "
+        f"step; B = {budget} tokens ({m['steps']} local steps per worker)",
+        flush=True,
+    )
+    best: dict[str, dict] = {}
+    for name, lrs, make, h in methods(m, args.codec):
+        rows = []
+        for lr in lrs:
+            try:
+                r = run_one(task, m, name, lr, make, h)
+            except Exception as e:  # a failed point is reported and left out of the best
+                print(f"  {name:22s} lr={lr:<7g} FAILED: {type(e).__name__}: {e}", flush=True)
+                out["failed"].append(
+                    {"method": name, "lr": lr, "error": f"{type(e).__name__}: {e}"}
+                )
+                continue
+            r["loss_at_B"] = at(r["records"], "tokens", budget)
+            rows.append(r)
+            print(
+                f"  {name:22s} lr={lr:<7g} loss@B {fmt(r['loss_at_B'])}  final "
+                f"{fmt(r['final_loss'])}  {r['tokens']} tokens in {r['time']:.1f} s "
+                f"({r['tokens_per_s']:.0f} tok/s, {r['pushes']} pushes)",
+                flush=True,
+            )
+        out["grid"][name] = [{k: v for k, v in r.items() if k != "records"} for r in rows]
+        if not rows:
+            print(f"  {name}: every point failed; no bars", flush=True)
+            return 1
+        # reached B tokens first, then the lowest loss there (else the lowest final loss)
+        best[name] = min(rows, key=lambda r: (r["loss_at_B"] is None,
+                                              r["loss_at_B"] or r["final_loss"]))  # fmt: skip
+        best[name]["grid"] = [r["lr"] for r in rows]
+
+    base = best[BASELINE]
+    target = base["loss_at_B"]
+    t_eq = min(r["time"] for r in best.values())
+    base_time = first_reaching(base["records"], target, "time")
+    base_pushes = first_reaching(base["records"], target, "pushes")
+    base_bytes = None if base_pushes is None else base_pushes * base["bytes_per_push"] / WORKERS
+    table = []
+    for name, r in best.items():
+        t = first_reaching(r["records"], target, "time")
+        p = first_reaching(r["records"], target, "pushes")
+        b = None if p is None else p * r["bytes_per_push"] / WORKERS
+        row = {
+            "method": name,
+            "best_lr": r["lr"],
+            "loss_at_B": r["loss_at_B"],
+            f"loss_at_{t_eq:.0f}s": at(r["records"], "time", t_eq),
+            "tokens_per_s": r["tokens_per_s"],
+            "time_to_target_s": t,
+            "time_vs_sync": None if t is None or not base_time else t / base_time,
+            "MB_per_worker_to_target": None if b is None else b / 1e6,
+            "bytes_fewer_than_sync": None if b is None or not base_bytes else base_bytes / b,
+        }
+        table.append(row)
+        out["best"][name] = dict(row, pushes=r["pushes"], time=r["time"], tokens=r["tokens"],
+                                 bytes_per_push=r["bytes_per_push"], lr_grid=r["grid"],
+                                 records=r["records"])  # fmt: skip
+    print(
+        f"\nat best lr (lowest loss at B = {budget} tokens); target = {BASELINE}'s loss at B = "
+        f"{fmt(target, '.4f')}; equal wall time = {t_eq:.1f} s (the shortest run)"
+    )
+    print(report.format_table(table, list(table[0])))
+    out["target_loss"], out["equal_time_s"] = target, t_eq
+
+    bars = []
+    a = out["best"]["async DiLoCo"]
+    r = a["time_vs_sync"]
+    bars.append(("async DiLoCo / sync gradients, wall time to the target",
+                 r is not None and r <= 0.6, f"{fmt(r, '.2f')} (<= 0.6)"))  # fmt: skip
+    rel = None if a["loss_at_B"] is None else a["loss_at_B"] / target - 1
+    bars.append(("async DiLoCo val loss at B tokens vs sync gradients",
+                 rel is not None and rel <= 0.02,
+                 f"{fmt(a['loss_at_B'], '.4f')} vs {fmt(target, '.4f')}: "
+                 f"{fmt(None if rel is None else 100 * rel, '+.2f')}% (<= +2%)"))  # fmt: skip
+    dil = {k: v for k, v in out["best"].items() if "DiLoCo" in k}
+    k = max(dil, key=lambda k: dil[k]["bytes_fewer_than_sync"] or 0.0)
+    f = dil[k]["bytes_fewer_than_sync"]
+    bars.append((f"DiLoCo bytes per worker to the target, fewer than sync gradients (best: {k})",
+                 f is not None and f >= 50,
+                 f"{fmt(f, '.1f')}x (>= 50; "
+                 + ", ".join(f"{n}: {fmt(v['bytes_fewer_than_sync'], '.1f')}x"
+                             for n, v in dil.items()) + ")"))  # fmt: skip
+    peer = torchft_peer()
+    out["torchft"] = peer
+    print(f"\ntorchft DiLoCo (peer): {peer.get('skipped', peer)}")
+    for name, ok, detail in bars:
+        print(f"{'PASS' if ok else 'FAIL'}: {name}: {detail}")
+        out["bars"].append({"bar": name, "pass": ok, "detail": detail})
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=float) + "\n")
+        print(f"figures: {args.json}")
+    return 0 if all(ok for _, ok, _ in bars) or not args.check else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

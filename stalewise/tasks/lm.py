@@ -1,0 +1,344 @@
+"""A small byte-level GPT on the Python standard library's own source (PyTorch).
+
+The corpus exists offline on every machine: the source files of a fixed list
+of standard-library modules (:data:`CORPUS_MODULES`, each read from
+``sysconfig.get_paths()["stdlib"]`` as ``name.py`` or ``name/__init__.py``),
+concatenated in that (sorted) order, each followed by a NUL byte, and cut at
+``corpus_bytes``. Nothing is downloaded. The bytes are the same on every
+machine with the same Python version (the stdlib's files change between
+minor versions and, rarely, between patch releases or distributions' patched
+builds); :attr:`LanguageModel.corpus_sha256` names the corpus a run used.
+
+The last ``val_fraction`` of the corpus is held out: training windows end
+before it, evaluation windows lie inside it. Training windows are the
+``context + 1`` bytes starting at every multiple of ``context`` (inputs and
+shifted targets), shared among the workers by
+:func:`~stalewise.tasks.base.shard_batches`; :meth:`LanguageModel.evaluate`
+scores a fixed, evenly spaced sample of ``eval_windows`` held-out windows, so
+its figures are deterministic.
+
+The model (vocabulary 256, one token per byte) is GPT-2-like: token and
+position embeddings, ``layers`` pre-LayerNorm blocks of causal multi-head
+self-attention (``torch.nn.functional.scaled_dot_product_attention``) and a
+4x GELU MLP, a final LayerNorm and an output head tied to the token
+embedding (the logits are ``h @ wte.T``: one leaf, used twice, so
+stalewise's flat vector holds it once). Parameters are a nested dict of CPU
+float32 tensors::
+
+    {"wte": (256, dim), "wpe": (context, dim),
+     "blocks": {"0": {"ln1": {"w", "b"}, "attn": {"qkv": {"w", "b"}, "proj": {"w", "b"}},
+                      "ln2": {"w", "b"}, "mlp": {"fc": {"w", "b"}, "proj": {"w", "b"}}}, ...},
+     "ln_f": {"w", "b"}}
+
+weights stored ``(fan_in, fan_out)``, initialised N(0, 0.02) (residual
+projections N(0, 0.02 / sqrt(2 layers))), biases 0, LayerNorm gains 1. A
+uniform model's loss is ln 256 = 5.545 nats per byte.
+
+Threads: the local runtime caps each worker process's math threads
+(``OMP_NUM_THREADS``, read when torch is imported) to its share of the cores;
+the task does not change torch's thread settings.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import math
+import os
+import sysconfig
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stalewise.tasks.base import check_int, check_number, shard_batches
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CORPUS_MODULES", "SIZES", "Corpus", "LanguageModel", "load_corpus"]
+
+VOCAB = 256
+
+#: The standard-library modules whose source makes the corpus, in this order.
+# fmt: off
+CORPUS_MODULES = (
+    "abc", "argparse", "ast", "base64", "bisect", "calendar", "cmd", "code", "codecs",
+    "collections", "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses",
+    "datetime", "difflib", "dis", "enum", "fileinput", "fnmatch", "fractions", "ftplib",
+    "functools", "getopt", "gettext", "glob", "graphlib", "gzip", "heapq", "hmac", "html",
+    "inspect", "ipaddress", "json", "json.decoder", "json.encoder", "keyword", "linecache",
+    "locale", "logging", "mailbox", "numbers", "operator", "optparse", "pathlib", "pickle",
+    "pprint", "queue", "random", "re", "secrets", "selectors", "shlex", "shutil", "statistics",
+    "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit",
+    "token", "tokenize", "trace", "traceback", "turtle", "typing", "uuid", "warnings", "wave",
+    "weakref", "zipfile",
+)
+# fmt: on
+
+#: Model sizes: ``size=`` picks one; ``dim=``, ``layers=``, ``heads=`` override its fields.
+SIZES = {
+    "tiny": {"dim": 32, "layers": 1, "heads": 2},
+    "small": {"dim": 64, "layers": 2, "heads": 4},
+    "base": {"dim": 128, "layers": 4, "heads": 4},
+}
+
+
+class Corpus(NamedTuple):
+    """The corpus as read-only uint8 arrays, split into training and held-out bytes."""
+
+    train: np.ndarray  # the first (1 - val_fraction) of the bytes
+    val: np.ndarray  # the last val_fraction of the bytes
+    sha256: str  # of train + val, the whole corpus
+    files: tuple[str, ...]  # the files read, relative to the stdlib folder
+
+
+def _module_file(stdlib: str, module: str) -> str:
+    """``a.b`` -> ``a/b.py`` or ``a/b/__init__.py`` (whichever this Python has)."""
+    base = module.replace(".", "/")
+    for rel in (base + ".py", base + "/__init__.py"):
+        if os.path.isfile(os.path.join(stdlib, rel)):
+            return rel
+    raise FileNotFoundError(
+        f"corpus module {module!r}: no {base}.py nor {base}/__init__.py in {stdlib}"
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(corpus_bytes: int = 1 << 21, val_fraction: float = 0.05) -> Corpus:
+    """Reads the corpus (cached per process: the tasks of one process share one copy).
+
+    Args:
+        corpus_bytes: cap on the corpus's size; the files are read in order until it is reached.
+        val_fraction: the held-out share, taken from the end.
+
+    Example:
+        >>> c = load_corpus(100_000, 0.1)
+        >>> len(c.train), len(c.val), c.files[0]
+        (90000, 10000, 'abc.py')
+    """
+    stdlib = sysconfig.get_paths()["stdlib"]
+    chunks, files, size = [], [], 0
+    for module in CORPUS_MODULES:
+        if size >= corpus_bytes:
+            break
+        rel = _module_file(stdlib, module)
+        with open(os.path.join(stdlib, rel), "rb") as f:
+            chunks.append(f.read() + b"\0")
+        files.append(rel)
+        size += len(chunks[-1])
+    data = np.frombuffer(b"".join(chunks)[:corpus_bytes], dtype=np.uint8)
+    n_val = round(len(data) * val_fraction)
+    train, val = data[: len(data) - n_val].copy(), data[len(data) - n_val :].copy()
+    for a in (train, val):
+        a.setflags(write=False)
+    sha = hashlib.sha256(data.tobytes()).hexdigest()
+    logger.debug("lm corpus: %d bytes from %d files, sha256 %s", len(data), len(files), sha)
+    return Corpus(train, val, sha, tuple(files))
+
+
+def _map(fn: Any, tree: dict) -> dict:
+    return {k: _map(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
+
+
+def _leaves(tree: dict) -> list:
+    out = []
+    for v in tree.values():
+        out += _leaves(v) if isinstance(v, dict) else [v]
+    return out
+
+
+def _unflatten(tree: dict, it: Iterator) -> dict:
+    return {k: _unflatten(v, it) if isinstance(v, dict) else next(it) for k, v in tree.items()}
+
+
+class LanguageModel:
+    """A byte-level GPT on standard-library source (see the module's docstring).
+
+    Batches are int64 tensors ``(batch_size, context + 1)`` of byte values:
+    the model reads ``[:, :-1]`` and predicts ``[:, 1:]``. The loss is the mean
+    cross-entropy per predicted byte, in nats.
+
+    Args:
+        size: ``"tiny"``, ``"small"`` or ``"base"`` (:data:`SIZES`).
+        context: bytes the model sees (the length of a training window).
+        batch_size: windows per minibatch.
+        dim, layers, heads: override the size's width, depth and heads (``dim``
+            must be a multiple of ``heads``).
+        corpus_bytes: the corpus's size cap (2 MiB by default; the full module list
+            holds about 2.8 MB on Python 3.11).
+        val_fraction: the held-out share at the end of the corpus.
+        eval_windows: how many held-out windows :meth:`evaluate` scores.
+
+    Example:
+        >>> task = LanguageModel(size="tiny", context=16, batch_size=4, corpus_bytes=50_000)
+        >>> params = task.init_params(seed=0)
+        >>> loss, grads = task.loss_and_grad(params, next(task.batches(0, 2)))
+        >>> abs(loss - math.log(256)) < 0.1, grads["wte"].shape
+        (True, torch.Size([256, 32]))
+        >>> sorted(task.evaluate(params))
+        ['loss', 'perplexity']
+    """
+
+    name = "lm"
+
+    def __init__(
+        self,
+        size: str = "tiny",
+        context: int = 64,
+        batch_size: int = 16,
+        dim: int | None = None,
+        layers: int | None = None,
+        heads: int | None = None,
+        corpus_bytes: int = 1 << 21,
+        val_fraction: float = 0.05,
+        eval_windows: int = 64,
+    ) -> None:
+        if size not in SIZES:
+            raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+        shape = dict(SIZES[size])
+        for key, value in (("dim", dim), ("layers", layers), ("heads", heads)):
+            if value is not None:
+                shape[key] = check_int(key, value)
+        if shape["dim"] % shape["heads"]:
+            raise ValueError(f"dim={shape['dim']} is not a multiple of heads={shape['heads']}")
+        self.size = size
+        self.dim, self.layers, self.heads = shape["dim"], shape["layers"], shape["heads"]
+        self.context = check_int("context", context)
+        self.batch_size = check_int("batch_size", batch_size)
+        self.corpus_bytes = check_int("corpus_bytes", corpus_bytes)
+        self.val_fraction = check_number("val_fraction", val_fraction, 0.0, 1.0, open_="both")
+        self.eval_windows = check_int("eval_windows", eval_windows)
+        corpus = self.corpus  # reads the files once here, so a bad size fails at construction
+        if len(corpus.val) < self.context + 1:
+            raise ValueError(
+                f"val_fraction={val_fraction}: {len(corpus.val)} held-out bytes, fewer than "
+                f"context + 1 = {self.context + 1}"
+            )
+        if self.num_train < 1:
+            raise ValueError(
+                f"corpus_bytes={corpus_bytes}: no training window of context + 1 = "
+                f"{self.context + 1} bytes fits"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(size={self.size!r}, context={self.context}, "
+            f"batch_size={self.batch_size}, dim={self.dim}, layers={self.layers}, "
+            f"heads={self.heads}, corpus_bytes={self.corpus_bytes}, "
+            f"val_fraction={self.val_fraction}, eval_windows={self.eval_windows})"
+        )
+
+    @property
+    def corpus(self) -> Corpus:
+        """The corpus (read on first use, cached per process, never pickled)."""
+        return load_corpus(self.corpus_bytes, self.val_fraction)
+
+    @property
+    def corpus_sha256(self) -> str:
+        """SHA-256 of the corpus's bytes (train and held-out)."""
+        return self.corpus.sha256
+
+    @property
+    def num_train(self) -> int:
+        """Number of training windows shared among the workers."""
+        return (len(self.corpus.train) - 1) // self.context
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Predicted bytes per minibatch: ``batch_size * context``."""
+        return self.batch_size * self.context
+
+    def train_window_starts(self) -> np.ndarray:
+        """Start offsets (into the corpus) of the training windows."""
+        return np.arange(self.num_train, dtype=np.int64) * self.context
+
+    def eval_window_starts(self) -> np.ndarray:
+        """Start offsets (into the corpus) of the held-out windows :meth:`evaluate` scores."""
+        val, n_train_bytes = self.corpus.val, len(self.corpus.train)
+        last = len(val) - (self.context + 1)
+        count = min(self.eval_windows, last + 1)
+        return n_train_bytes + np.linspace(0, last, count).round().astype(np.int64)
+
+    def num_params(self) -> int:
+        """Number of scalar parameters."""
+        return sum(t.numel() for t in _leaves(self.init_params(0)))
+
+    def init_params(self, seed: int = 0) -> dict:
+        """Returns fresh float32 parameters, deterministic by ``seed``."""
+        g = torch.Generator().manual_seed(seed)
+        d, std = self.dim, 0.02
+        resid = std / math.sqrt(2 * self.layers)
+
+        def normal(*shape: int, s: float = std) -> torch.Tensor:
+            return torch.randn(*shape, generator=g) * s
+
+        def ln() -> dict:
+            return {"w": torch.ones(d), "b": torch.zeros(d)}
+
+        def linear(fan_in: int, fan_out: int, s: float = std) -> dict:
+            return {"w": normal(fan_in, fan_out, s=s), "b": torch.zeros(fan_out)}
+
+        params: dict = {"wte": normal(VOCAB, d), "wpe": normal(self.context, d), "blocks": {}}
+        for i in range(self.layers):
+            params["blocks"][str(i)] = {
+                "ln1": ln(),
+                "attn": {"qkv": linear(d, 3 * d), "proj": linear(d, d, resid)},
+                "ln2": ln(),
+                "mlp": {"fc": linear(d, 4 * d), "proj": linear(4 * d, d, resid)},
+            }
+        params["ln_f"] = ln()
+        return params
+
+    def batches(self, worker: int, workers: int, seed: int = 0) -> Iterator[torch.Tensor]:
+        """Yields ``worker``'s ``(batch_size, context + 1)`` int64 windows forever.
+
+        See :func:`~stalewise.tasks.base.shard_batches` for sharding and shuffling.
+        """
+        train = self.corpus.train
+        starts = self.train_window_starts()
+        offsets = np.arange(self.context + 1)
+        for idx in shard_batches(len(starts), self.batch_size, worker, workers, seed):
+            yield torch.from_numpy(train[starts[idx, None] + offsets].astype(np.int64))
+
+    def logits(self, params: dict, x: torch.Tensor) -> torch.Tensor:
+        """The next-byte logits ``(B, T, 256)`` of inputs ``x`` ``(B, T)``, ``T <= context``."""
+        b, t = x.shape
+        h = params["wte"][x] + params["wpe"][:t]
+        heads, d = self.heads, self.dim
+        for i in range(self.layers):
+            blk = params["blocks"][str(i)]
+            a = F.layer_norm(h, (d,), blk["ln1"]["w"], blk["ln1"]["b"])
+            qkv = a @ blk["attn"]["qkv"]["w"] + blk["attn"]["qkv"]["b"]
+            q, k, v = qkv.view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = y.transpose(1, 2).reshape(b, t, d)
+            h = h + y @ blk["attn"]["proj"]["w"] + blk["attn"]["proj"]["b"]
+            m = F.layer_norm(h, (d,), blk["ln2"]["w"], blk["ln2"]["b"])
+            m = F.gelu(m @ blk["mlp"]["fc"]["w"] + blk["mlp"]["fc"]["b"])
+            h = h + m @ blk["mlp"]["proj"]["w"] + blk["mlp"]["proj"]["b"]
+        h = F.layer_norm(h, (d,), params["ln_f"]["w"], params["ln_f"]["b"])
+        return h @ params["wte"].T
+
+    def _loss(self, params: dict, batch: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(params, batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+    def loss_and_grad(self, params: dict, batch: torch.Tensor) -> tuple[float, dict]:
+        """Returns the mean cross-entropy per byte of ``batch`` and its gradient (autograd)."""
+        leaves = _map(lambda t: t.detach().requires_grad_(True), params)
+        loss = self._loss(leaves, batch)
+        grads = torch.autograd.grad(loss, _leaves(leaves))
+        return float(loss.detach()), _unflatten(leaves, iter(grads))
+
+    def evaluate(self, params: dict) -> dict[str, float]:
+        """Returns the held-out ``loss`` (nats per byte) and ``perplexity`` (per byte)."""
+        corpus = self.corpus
+        starts = self.eval_window_starts() - len(corpus.train)
+        windows = corpus.val[starts[:, None] + np.arange(self.context + 1)].astype(np.int64)
+        with torch.no_grad():
+            p = _map(lambda t: torch.as_tensor(t, dtype=torch.float32), params)
+            loss = float(self._loss(p, torch.from_numpy(windows)))
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
