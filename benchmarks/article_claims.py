@@ -20,7 +20,7 @@ proportionally more time), which makes the runs deterministic: each figure is
 the mean over ``SEEDS`` seeds. It prints what it measured; the claims are
 judged by the reader from the ratios (and summarised on the last lines).
 
-    .venv/bin/python benchmarks/article_claims.py [--quick]
+    .venv/bin/python benchmarks/article_claims.py [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import argparse
 import math
 import statistics
 import sys
+
+import _report
 
 import stalewise as sw
 from stalewise import report, tasks
@@ -109,7 +111,9 @@ def trust_claim(lrs, seeds) -> dict[float, tuple]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one seed, fewer learning rates")
+    _report.add_json_arg(ap)
     args = ap.parse_args()
+    out = _report.json_path(ap, args, "article_claims")
     seeds = SEEDS[:1] if args.quick else SEEDS
     lrs = (0.03, 0.1) if args.quick else (0.01, 0.03, 0.1)
     trust_lrs = (0.003, 0.01) if args.quick else (0.001, 0.003, 0.01, 0.03)
@@ -117,7 +121,7 @@ def main() -> int:
     print(f"claim 1: a 30% larger batch for asynchronous training ({WORKERS} simulated workers, "
           f"one 4x slower, {PER_SAMPLE * 1e3:g} ms per example, {len(seeds)} seed(s))")  # fmt: skip
     res = batch_claim(lrs, seeds)
-    rows = []
+    rows = batch_rows = []
     best = {}
     for name, by_batch in res.items():
         best[name] = min(by_batch, key=lambda b: by_batch[b][1])
@@ -141,6 +145,9 @@ def main() -> int:
     in_range = [m for m in trust if trust[m][1] <= 1.1 * trust[top][1]]
     print(f"claim 2: fastest max_trust_ratio {top:g}; within 10% of it: "
           f"{', '.join(f'{m:g}' for m in in_range)} (claim: 5 to 10)")  # fmt: skip
+    _report.write(out, {"seeds": list(seeds), "batch": batch_rows, "max_trust_ratio": rows,
+                        "asp_best_batch_over_bsp": a / s, "fastest_max_trust_ratio": top,
+                        "within_10pct_of_fastest": in_range})  # fmt: skip
     return 0
 
 

@@ -54,7 +54,11 @@ On blobs, where a worker's 1000 examples make its local steps worth nearly as
 much as global ones, averaging reaches 95% in one round; the bar then turns on
 how many rounds tuned gradient pushes need (see the printed table).
 
+``--check`` also writes each strategy's best run and every bar to
+``runs/bench-averaging.json`` (or ``--json PATH``).
+
     .venv/bin/python benchmarks/averaging.py [--setting local|sim|blobs|both] [--check] [--out PNG]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ import math
 import sys
 from pathlib import Path
 
+import _report
 import numpy as np
 
 import stalewise as sw
@@ -429,7 +434,9 @@ def main() -> int:
     ap.add_argument(
         "--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "averaging.png")
     )
+    _report.add_json_arg(ap)
     args = ap.parse_args()
+    out = _report.json_path(ap, args, "averaging")
     bars: list[tuple[str, bool, str]] = []
     sections = {}
     for setting, what in (("sim", "digits"), ("blobs", f"blobs, {BLOBS_TRAIN} examples")):
@@ -478,6 +485,16 @@ def main() -> int:
     print(f"\nplot: {args.out}\n")
     for name, ok, detail in bars:
         print(f"bar: {name}: {detail} -> {'met' if ok else 'MISSED'}")
+    _report.write(
+        out,
+        {
+            setting: {
+                name: {k: v for k, v in r.items() if k != "records"} for name, r in res.items()
+            }
+            for setting, res in sections.items()
+        },
+        bars=[{"name": name, "met": ok, "detail": detail} for name, ok, detail in bars],
+    )
     return 0 if all(ok for _, ok, _ in bars) or not args.check else 1
 
 

@@ -39,8 +39,11 @@ Five parts (issue #11), each a few minutes at most:
    ``int8`` and ``topk(0.01)`` delta pulls, each with pushes uncompressed and
    with ``topk(0.01)``. No bar.
 
+``--check`` (or ``--json PATH``) writes every part's table and every bar to
+``runs/bench-compression.json`` (or PATH).
+
     .venv/bin/python benchmarks/compression.py [--part 1|2|3|4|5|all] [--quick] [--check]
-        [--runtime sim|local|both]
+        [--runtime sim|local|both] [--json PATH]
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import statistics
 import sys
 import time
 
+import _report
 import numpy as np
 
 import stalewise as sw
@@ -58,6 +62,8 @@ from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import Fixed, Network
 
 MB = 1 << 20
+FIGURES: dict[str, list[dict]] = {}  # each part's table, for --json
+BARS: list[dict] = []  # each bar checked, for --json
 
 
 def best_time(fn, repeats: int) -> float:
@@ -97,12 +103,15 @@ def throughput(quick: bool) -> list[str]:
             })  # fmt: skip
     print("1. throughput: encode + decode of float32, as a multiple of memcpy's time")
     print(report.format_table(rows, list(rows[0])))
+    FIGURES["1. throughput"] = rows
     missed = []
     for name, bar in THROUGHPUT_BARS.items():
         got = ratios[name, sizes[-1]]
         ok = got <= bar
         print(f"   bar {name} <= {bar:g}x memcpy at {4 * sizes[-1] // MB} MB: {got:.2f}x ->",
               "met" if ok else "MISSED")  # fmt: skip
+        BARS.append(_report.bar(f"throughput {name}, x memcpy at {4 * sizes[-1] // MB} MB", got,
+                                "<=", bar))  # fmt: skip
         if not ok:
             missed.append(f"throughput {name}")
     for name in THROUGHPUT_BARS:
@@ -162,6 +171,7 @@ def digits(quick: bool, runtime: str) -> list[str]:
         })  # fmt: skip
     print(report.format_table(rows, list(rows[0])))
     print(f"   ({time.perf_counter() - t0:.0f} s)")
+    FIGURES[f"2. digits ({runtime})"] = rows
     ef, no_ef, i8 = "topk(0.01) EF", "topk(0.01) no EF", "int8"
     checks = [
         (f"{ef}: >= 30x fewer bytes than none", nbytes["none"] / nbytes[ef] >= 30,
@@ -178,6 +188,7 @@ def digits(quick: bool, runtime: str) -> list[str]:
     missed = []
     for text, ok, got in checks:
         print(f"   bar {text}: {got} ->", "met" if ok else "MISSED")
+        BARS.append({"name": f"digits ({runtime}) {text}", "value": got, "met": bool(ok)})
         if not ok:
             missed.append(f"digits ({runtime}) {text}")
     return missed
@@ -224,6 +235,7 @@ def claim(quick: bool) -> list[str]:
                     f"time_to_{TARGET:.0%}_s": ttt, "pushes_to_target": at,
                 })  # fmt: skip
     print(report.format_table(rows, list(rows[0])))
+    FIGURES["3. claim"] = rows
     print(f"   ({time.perf_counter() - t0:.0f} s)")
     print("   Does sharding cut communication latency by 40% on 10 nodes?")
     for _, link, _ in links:
@@ -318,6 +330,7 @@ def local_rate(quick: bool) -> list[str]:
     print(f"   memcpy of the parameters: {memcpy * 1e3:.1f} ms ({4 * n / memcpy / 1e9:.1f} GB/s); "
           "encode_ms/decode_ms: the codec alone on the whole vector, in one process")  # fmt: skip
     print(report.format_table(rows, list(rows[0])))
+    FIGURES["4. local rate"] = rows
     print(f"   ({time.perf_counter() - t0:.0f} s)")
     for shards in shard_counts:
         slower = [c for (s, c), v in rate.items() if s == shards and v < rate[shards, "none()"]]
@@ -364,6 +377,7 @@ def delta_pulls(quick: bool) -> list[str]:
                     "final_acc_%": round(r.records[-1]["accuracy"] * 100, 2),
                 })  # fmt: skip
     print(report.format_table(rows, list(rows[0])))
+    FIGURES["5. delta pulls"] = rows
     print(f"   ({time.perf_counter() - t0:.0f} s)")
     return []
 
@@ -375,7 +389,9 @@ def main() -> int:
                     help="where part 2 runs")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer runs")
     ap.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
+    _report.add_json_arg(ap)
     args = ap.parse_args()
+    out = _report.json_path(ap, args, "compression")
     missed = []
     if args.part in ("1", "all"):
         missed += throughput(args.quick)
@@ -389,6 +405,7 @@ def main() -> int:
     if args.part in ("5", "all"):
         missed += delta_pulls(args.quick)
     print("\nbars missed: " + ("; ".join(missed) if missed else "none"))
+    _report.write(out, {"quick": args.quick, "parts": FIGURES}, bars=BARS)
     return 1 if missed and args.check else 0
 
 

@@ -13,13 +13,15 @@ Each model gets the same server learning-rate grid (SGD with momentum 0.9,
 inverse staleness weights) and is reported at its best. Printed: time to 95%
 per model, hybrid's ratio to BSP and to ASP, and its mode switches.
 
-    .venv/bin/python benchmarks/hybrid.py [--quick]
+    .venv/bin/python benchmarks/hybrid.py [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+import _report
 
 import stalewise as sw
 from stalewise import report, tasks
@@ -58,7 +60,9 @@ def best_run(consistency, sim: SimConfig, workers: int, lrs) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 workers, two learning rates")
+    _report.add_json_arg(ap)
     args = ap.parse_args()
+    out = _report.json_path(ap, args, "hybrid")
     lrs = (0.3, 1.0) if args.quick else (0.03, 0.1, 0.3, 1.0)
     rows = []
     for workers in (4,) if args.quick else (4, 16):
@@ -76,6 +80,7 @@ def main() -> int:
             print(f"  {workers} workers, {case}: BSP {bsp}, ASP {asp}, hybrid {hyb}", flush=True)
     cols = ["workers", "case", "BSP_s", "ASP_s", "hybrid_s", "hybrid/BSP", "hybrid/ASP", "switches"]
     print(report.format_table(rows, cols))
+    _report.write(out, {"quick": args.quick, "lrs": lrs, "rows": rows})
     return 0
 
 

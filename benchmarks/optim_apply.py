@@ -4,9 +4,10 @@ For a flat float32 vector (10M parameters in 50 leaves by default) this times
 each optimizer's ``apply`` and ``np.copyto`` of the same vector, alternately,
 and prints the medians, the effective bandwidth (minimum traffic of the rule
 over time) and the ratio to the memcpy. With ``--check`` it exits non-zero if
-a ratio misses its bar.
+a ratio misses its bar, and writes the figures to ``runs/bench-optim_apply.json``
+(or ``--json PATH``).
 
-Run: ``.venv/bin/python benchmarks/optim_apply.py [--check]``. The machine may
+Run: ``.venv/bin/python benchmarks/optim_apply.py [--check] [--json PATH]``. The machine may
 be shared: rerun before trusting a miss.
 """
 
@@ -18,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import _report
 import numpy as np
 
 from stalewise import optim
@@ -70,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--leaves", type=int, default=50, help="number of leaves")
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats per optimizer")
     parser.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
+    _report.add_json_arg(parser)
     args = parser.parse_args(argv)
+    out = _report.json_path(parser, args, "optim_apply")
 
     rng = np.random.default_rng(0)
     seg = leaf_table(args.size, args.leaves, rng)
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = p0.nbytes
     print(f"{args.size:,} float32 parameters ({nbytes / 1e6:.0f} MB) in {args.leaves} leaves")
     print(f"{'optimizer':<14}{'apply ms':>10}{'memcpy ms':>11}{'GB/s':>8}{'x memcpy':>10}  bar")
-    missed = []
+    missed, rows, bars = [], [], []
     for name, (make, vectors, bar) in CASES.items():
         t_apply, t_copy = time_case(make(), seg, g0, p0, args.repeats)
         ratio = t_apply / t_copy
@@ -87,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             missed.append(name)
         verdict = "" if bar is None else f"<= {bar:.1f}  {'ok' if ok else 'MISSED'}"
+        rows.append({"optimizer": name, "apply_ms": t_apply * 1e3, "memcpy_ms": t_copy * 1e3,
+                     "x_memcpy": ratio})  # fmt: skip
+        if bar is not None:
+            bars.append(_report.bar(f"{name} apply, x memcpy", ratio, "<=", bar))
         print(
             f"{name:<14}{t_apply * 1e3:>10.2f}{t_copy * 1e3:>11.2f}"
             f"{vectors * nbytes / t_apply / 1e9:>8.1f}{ratio:>10.2f}  {verdict}"
@@ -94,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     print("GB/s: the rule's minimum traffic (vectors read + written) over the apply time")
     if missed:
         print(f"missed bars: {', '.join(missed)}")
+    _report.write(out, {"params": args.size, "leaves": args.leaves, "rows": rows}, bars=bars)
     return 1 if args.check and missed else 0
 
 

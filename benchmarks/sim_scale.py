@@ -11,13 +11,16 @@ worker count and the scaling shows the simulator's own cost. Last, SSP(4) and
 BSP at the largest worker count show what the gates cost (``Shard.min_clock``
 and the BSP round check are O(1) amortised per gated pull or applied push).
 
-Run: ``.venv/bin/python benchmarks/sim_scale.py [--updates 20000] [--scaling-updates 5000]``
+Run: ``.venv/bin/python benchmarks/sim_scale.py [--updates 20000] [--scaling-updates 5000]
+[--json PATH]``
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+
+import _report
 
 import stalewise as sw
 from stalewise import tasks
@@ -63,7 +66,9 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=20_000)
     parser.add_argument("--scaling-updates", type=int, default=5_000)
     parser.add_argument("--dim", type=int, default=10_000)
+    _report.add_json_arg(parser)
     args = parser.parse_args()
+    out = _report.json_path(parser, args, "sim_scale")
 
     n = max(2048, 2 * args.workers)  # every worker needs its own rows
     task = tasks.get("least-squares", n=n, d=args.dim, batch_size=2)
@@ -100,12 +105,22 @@ def main() -> None:
         print("".join(f"{c:>10}" for c in cells))
 
     print(f"\ngates at {args.workers} workers, {args.scaling_updates} pushes each:")
+    gates = {}
     for cons in (sw.SSP(4), sw.BSP()):
-        r = run_once(task, args.workers, args.scaling_updates, cons)
+        r = gates[str(cons)] = run_once(task, args.workers, args.scaling_updates, cons)
         print(
             f"  {cons!s:>6}: {r['wall_s']:.2f} s wall, {r['events_per_s']:,.0f} events/s "
             f"({r['wall_s'] / rows[-1]['wall_s']:.2f} x ASP), {r['updates']} updates"
         )
+    _report.write(
+        out,
+        {"main": m, "scaling": rows, "gates": gates},
+        bars=[
+            _report.bar(
+                f"{m['workers']} workers, {m['updates']} updates, wall s", m["wall_s"], "<=", 60
+            )
+        ],
+    )
 
 
 if __name__ == "__main__":

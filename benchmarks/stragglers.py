@@ -5,14 +5,17 @@
 3/0.020 + 1/0.080 = 162.5 pushes/s. Prints pushes applied per second and the
 efficiency against that ideal, at 1M and 10k float32 parameters.
 
-Bar: ASP at least 0.9 of ideal at 1M and at 10k parameters.
+Bar: ASP at least 0.9 of ideal at 1M and at 10k parameters. ``--check`` also writes
+the figures to ``runs/bench-stragglers.json`` (or ``--json PATH``).
 
     .venv/bin/python benchmarks/stragglers.py [--check] [--sizes 1000000 10000] [--seconds 6]
+        [--json PATH]
 """
 
 import argparse
 import sys
 
+import _report
 import numpy as np
 
 import stalewise as sw
@@ -65,7 +68,9 @@ def main() -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000])
     ap.add_argument("--seconds", type=float, default=6.0, help="approximate length of each ASP run")
     ap.add_argument("--check", action="store_true", help="exit 1 if the bar is missed")
+    _report.add_json_arg(ap)
     args = ap.parse_args()
+    out = _report.json_path(ap, args, "stragglers")
     from stalewise.report import format_table
 
     rows = [
@@ -82,6 +87,10 @@ def main() -> int:
         "met" if ok else "MISSED",
         "(" + ", ".join(f"{r['params']:,}: {r['efficiency']:.3f}" for r in asp) + ")",
     )
+    bars = [
+        _report.bar(f"ASP efficiency at {r['params']:,}", r["efficiency"], ">=", 0.9) for r in asp
+    ]
+    _report.write(out, {"ideal_pushes_per_s": IDEAL, "rows": rows}, bars=bars)
     return 0 if ok or not args.check else 1
 
 

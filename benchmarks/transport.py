@@ -13,14 +13,16 @@ previous update's snapshot: this measures one operation's latency, not a
 back-to-back stream.
 
 Bar: a pull (into the user's tree) costs at most 3x a memcpy of the parameters, a push at most 3x.
+``--check`` also writes the figures to ``runs/bench-transport.json`` (or ``--json PATH``).
 
-    .venv/bin/python benchmarks/transport.py [--check] [--size 10000000]
+    .venv/bin/python benchmarks/transport.py [--check] [--size 10000000] [--json PATH]
 """
 
 import argparse
 import sys
 import time
 
+import _report
 import numpy as np
 
 import stalewise as sw
@@ -43,7 +45,9 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=10_000_000)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
+    _report.add_json_arg(ap)
     args = ap.parse_args()
+    out = _report.json_path(ap, args, "transport")
     n, reps = args.size, args.repeats
     src = np.random.default_rng(0).random(n, dtype=np.float32)
     dst = np.empty_like(src)
@@ -94,6 +98,17 @@ def main() -> int:
     )
     print(
         f"(pull() into freshly allocated arrays: {rows[3][2]:.2f}x; most of the extra is first-touch page faults)"
+    )
+    _report.write(
+        out,
+        {
+            "params": n,
+            "rows": [{"operation": name, "ms": t * 1e3, "x_memcpy": r} for name, t, r in rows],
+        },
+        bars=[
+            _report.bar("pull into the user's tree, x memcpy", pull_ratio, "<=", 3),
+            _report.bar("push from a tree, x memcpy", push_ratio, "<=", 3),
+        ],
     )
     return 0 if ok or not args.check else 1
 
