@@ -183,17 +183,27 @@ def test_a_resumed_run_continues_each_workers_data_stream(no_leaks, tmp_path, mo
         ([5, 2.5], r"worker 1's count of batches drawn is 2.5, not an integer >= 0"),
     ],
 )
-def test_a_checkpoint_with_bad_batch_counts_is_refused(no_leaks, tmp_path, drawn, message):
+def test_a_checkpoint_with_bad_batch_counts_is_refused(tmp_path, drawn, message):
     """A manifest that fails its checksum is refused before this; this is the check that
     resume_point runs, before anything starts, on one that passes it."""
-    ckpt = tmp_path / "ckpt"
-    train(job(), steps=20, data=tagged_data, checkpoint_dir=ckpt)
-    saved = checkpoint.load(ckpt)
-    assert len(saved.step["drawn"]) == 2
+    config = job().config
+    shard = config.build_shard(0, config.init.copy(), workers=2)
+    checkpoint.save(
+        tmp_path,
+        [shard.state_dict()],
+        spec=config.spec,
+        config_info=checkpoint.config_info(config),
+        step_info={"pushes": 0, "drawn": [5, 3]},
+    )
+    saved = checkpoint.load(tmp_path)
+    checkpoint.check_compatible(saved, config, 2)  # as written, it is accepted
+    assert checkpoint.drawn_of(saved, 2) == [5, 3]
     saved.manifest["step"]["drawn"] = drawn
     with pytest.raises(sw.CheckpointError, match=message):
         checkpoint.check_compatible(saved, job().config, 2)
 
+
+def test_a_stopped_worker_is_detected_within_worker_timeout_and_restarted(no_leaks):
     stop = Once("stalewise-worker-1", signal.SIGSTOP)
     try:
         result = train(job(consistency=sw.BSP()), on_record=stop, worker_timeout=1.0, steps=300)
