@@ -153,3 +153,10 @@ def read_records(path) -> dict[int, list[int]]:
     processes append to (the batches they draw, the H of their rounds)."""
     with open(path) as f:
         return per_worker(line.split() for line in f if line.strip())
+
+
+def report_torch_threads(queue):
+    """A worker process of a loop you own: reports its thread settings, torch's among them."""
+    import torch
+
+    queue.put((os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()))

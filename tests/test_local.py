@@ -54,6 +54,83 @@ def test_serve_pull_push_in_this_process(no_leaks):
         client.close()
 
 
+def test_a_pull_right_after_a_push_includes_it(no_leaks):
+    """Issue 19: a pull made straight after a push (no ``wait()``) includes that push;
+    before, it read the snapshot of the moment, which mostly did not. ``own=False``
+    keeps the pipelined pull, and ``pull_has_own`` says it may miss the push."""
+    job = sw.Job({"x": np.zeros(1000, np.float32)}, optimizer=sw.optim.sgd(1.0), shards=2)
+    ones = {"x": np.ones(1000, np.float32)}
+    with job.serve(workers=1) as server:
+        client = server.client(0)
+        client.pull()
+        for i in range(1, 51):
+            client.push(ones)
+            x = client.pull(copy=False, timeout=10)["x"]
+            assert client.pull_has_own
+            assert x[0] == x[-1] == -i, f"push {i}: pulled {x[0]}, {x[-1]}"
+        client.push(ones)
+        client.pull(own=False, timeout=10)
+        assert not client.pull_has_own  # its acks were not read: it may be missing
+        assert client.wait(timeout=10).status == "applied"
+        client.close()
+
+
+def _plain_sgd_on_least_squares(task, steps: int, lr: float) -> np.ndarray:
+    params = task.init_params(0)
+    batches = task.batches(0, 1)
+    for _ in range(steps):
+        _, g = task.loss_and_grad(params, next(batches))
+        params = {"x": params["x"] - lr * g["x"]}
+    return params["x"]
+
+
+def test_one_worker_in_a_loop_you_own_matches_the_plain_loop(no_leaks):
+    """The own-loop path of the README (pull, step, push; no wait): one worker is the
+    plain single-process loop, to float precision. Before read-your-writes each pull
+    missed the worker's own last step."""
+    from stalewise import tasks
+
+    task = tasks.get("least-squares", n=256, d=32, batch_size=16, noise=0.1)
+    steps, lr = 60, 0.05
+    job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(lr))
+    with job.serve(workers=1) as server:
+        client = server.client(0)
+        batches = task.batches(0, 1)
+        for _ in range(steps):
+            params = client.pull(timeout=10)
+            _, grads = task.loss_and_grad(params, next(batches))
+            client.push(grads)
+        assert client.wait(timeout=10).status == "applied"
+        got = server.pull()["x"]
+        client.close()
+    np.testing.assert_allclose(got, _plain_sgd_on_least_squares(task, steps, lr), rtol=1e-5)
+
+
+def test_processes_started_while_serving_get_a_share_of_the_cores(no_leaks, monkeypatch):
+    """Issue 19: a loop you own starts its workers itself; while the server runs they
+    inherit a thread cap of cores // workers (torch's default of one thread per core
+    each ran pushes 5.8x slower), which a variable the user set overrides, and the
+    parent's environment is as it was once the server closes."""
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    share = str(max(1, (os.cpu_count() or 1) // 2))
+    ctx = mp.get_context("spawn")
+    with quadratic_job().serve(workers=2):
+        assert os.environ["OMP_NUM_THREADS"] == share
+        queue = ctx.Queue()
+        proc = ctx.Process(target=mp_helpers.report_torch_threads, args=(queue,))
+        proc.start()
+        try:
+            assert queue.get(timeout=120) == (share, int(share))
+        finally:
+            proc.join(30)
+    assert "OMP_NUM_THREADS" not in os.environ
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with quadratic_job().serve(workers=2):
+        assert os.environ["OMP_NUM_THREADS"] == "3"  # the user's choice stands
+    assert os.environ["OMP_NUM_THREADS"] == "3"
+
+
 def test_read_your_writes_after_every_ack(no_leaks):
     job = sw.Job({"x": np.zeros(1000, np.float32)}, optimizer=sw.optim.sgd(1.0), shards=2)
     with job.serve(workers=1) as server:

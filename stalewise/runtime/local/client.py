@@ -158,6 +158,8 @@ class Client:
         self._closed_by: str | None = None  # why a shard closed the connection, once one did
         self._exits: np.ndarray | None = None  # how each shard's process ended (workers only)
         self._stop_word: np.ndarray | None = None  # the server's stop flag (workers only)
+        #: whether the last pull includes this worker's last push (see :meth:`pull`'s ``own``)
+        self.pull_has_own = True
 
     @property
     def spec(self) -> tree.FlatSpec:
@@ -188,19 +190,33 @@ class Client:
             self._exits, self._stop_word = control[self._layout.shard_exits], control[:1]
         return self._block
 
-    def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = None) -> Any:
+    def pull(
+        self,
+        *,
+        copy: bool = True,
+        into: Any = None,
+        timeout: float | None = None,
+        own: bool = True,
+    ) -> Any:
         """Blocks until the consistency model lets this worker start, then returns the params.
+
+        Read-your-writes: the parameters include this worker's last push, if the
+        shards applied it (a refused push changed nothing): the pull first waits
+        for that push's acknowledgement. ``own=False`` does not wait: the push may
+        still be in flight, and :attr:`pull_has_own` then says whether the pull
+        includes it (a pipelined loop that overlaps its push with its next step).
 
         Args:
             copy: False returns leaves that view the pull buffer (valid until the next pull).
             into: an existing tree or model (e.g. a ``torch.nn.Module``) to copy the
                 values into, in place; it is returned.
             timeout: seconds to wait for the shards (None: forever).
+            own: wait for this worker's last push to be acknowledged (default).
 
         Returns:
             The parameters in the structure and backend the job was made with.
         """
-        self.pull_flat(timeout=timeout)
+        self.pull_flat(timeout=timeout, own=own)
         return self.last_pull(copy=copy, into=into)
 
     def last_pull(self, *, copy: bool = True, into: Any = None) -> Any:
@@ -210,7 +226,7 @@ class Client:
             return into
         return tree.unflatten(self._pull_buf, self._spec, copy=copy)
 
-    def pull_flat(self, *, timeout: float | None = None) -> np.ndarray:
+    def pull_flat(self, *, timeout: float | None = None, own: bool = True) -> np.ndarray:
         """Like :meth:`pull` but returns the flat pull buffer itself (no copy)."""
         self._attach()
         shards = range(len(self._ranges))
@@ -219,6 +235,10 @@ class Client:
             self._check_open()
             for k in shards:
                 self._drain(k)
+            if own:  # read-your-writes: the last push's acks first, then a snapshot holding it
+                self.wait(timeout=timeout)
+        # served pulls go after the push on the same pipe, so they hold it too
+        self.pull_has_own = not any(self._acks_due) or snaps is None or not self._direct
         if (
             snaps is not None
             and self._direct

@@ -169,7 +169,9 @@ def _worker_main(
             if request is loop.BEGIN:
                 return not ctrl[_STOP] and ctrl[_DONE0 : _DONE0 + workers].sum() < options.steps
             if request is loop.PULL:
-                beat.wait(lambda t: client.pull_flat(timeout=t))
+                # gradient pushes stay pipelined: the pull does not wait for the last one's
+                # acks (a settling strategy has waited for them already, see below)
+                beat.wait(lambda t: client.pull_flat(timeout=t, own=False))
                 return client.last_pull(copy=False)
             if request is loop.CLOCK:  # a strategy pacing itself asks the runtime's clock
                 return time.monotonic()
