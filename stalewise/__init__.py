@@ -15,6 +15,7 @@ from stalewise.api import Job
 from stalewise.checkpoint import CheckpointError
 from stalewise.checkpoint import load_params as load
 from stalewise.consistency import ASP, BSP, SSP, Hybrid
+from stalewise.launch import Context, init
 from stalewise.loops import LocalSGD, LocalSGDOptax
 from stalewise.runtime.base import (
     DivergedError,
@@ -31,6 +32,7 @@ __all__ = [
     "BSP",
     "SSP",
     "CheckpointError",
+    "Context",
     "DivergedError",
     "FailureWarning",
     "Hybrid",
@@ -42,6 +44,7 @@ __all__ = [
     "WorkerError",
     "codecs",
     "consistency",
+    "init",
     "load",
     "optim",
     "staleness",

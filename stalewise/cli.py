@@ -350,7 +350,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="run folder (default: runs/sim-CONFIG-TIMESTAMP)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_sim)
+
+    r = sub.add_parser(
+        "run",
+        help="run a training script you own once per worker (it calls sw.init(job))",
+        description="Runs SCRIPT until it calls sw.init(job), serves that job, then runs "
+        "SCRIPT once per worker process, each with its rank, world size and client "
+        "(see stalewise.launch).",
+    )
+    r.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    r.add_argument(
+        "--steps", type=int, help="the job's budget: pushes in all (ctx.should_stop() after it)"
+    )
+    r.add_argument("script", help="the training script (python file)")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    r.set_defaults(func=cmd_run)
     return parser
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from stalewise import launch
+
+    try:
+        return launch.launch(args.script, args.args, workers=args.workers, steps=args.steps)
+    except launch.LaunchError as e:
+        print(f"stalewise: run: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 def _one_line(text: str) -> str:

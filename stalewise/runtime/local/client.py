@@ -158,6 +158,7 @@ class Client:
         self._closed_by: str | None = None  # why a shard closed the connection, once one did
         self._exits: np.ndarray | None = None  # how each shard's process ended (workers only)
         self._stop_word: np.ndarray | None = None  # the server's stop flag (workers only)
+        self._done: np.ndarray | None = None  # this worker id's pushes (workers only)
         #: whether the last pull includes this worker's last push (see :meth:`pull`'s ``own``)
         self.pull_has_own = True
 
@@ -165,6 +166,18 @@ class Client:
     def spec(self) -> tree.FlatSpec:
         """The job's parameter layout (the structure pushes must have)."""
         return self._spec
+
+    @property
+    def job_pushes(self) -> int:
+        """Pushes committed by all the job's workers so far (each id over its incarnations):
+        what a budget of ``steps`` counts."""
+        block = self._attach()
+        return int(self._layout.control(block)[self._layout.pushes_done].sum())
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the server has asked its workers to stop (the job is ending)."""
+        return bool(self._layout.control(self._attach())[0])
 
     def __getstate__(self) -> dict:
         if self._block is not None:
@@ -188,6 +201,7 @@ class Client:
             self._snapshots = Snapshots(self._layout, self._block, self._ranges)
             control = self._layout.control(self._block)
             self._exits, self._stop_word = control[self._layout.shard_exits], control[:1]
+            self._done = control[self._layout.pushes_done][self.worker : self.worker + 1]
         return self._block
 
     def pull(
@@ -393,6 +407,7 @@ class Client:
         for k in range(len(self._conns)):
             self._send(k, wire.push(self._seq))
         self._seq += 1
+        self._done[0] += 1  # this worker id's pushes, the job's budget count
         self._acks_due = [True] * len(self._conns)
 
     def _encode(self) -> int | None:

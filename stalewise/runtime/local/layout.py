@@ -105,6 +105,12 @@ class Layout:
         return 1 + 3 * self.workers + self.shards
 
     @property
+    def pushes_done(self) -> slice:
+        """The control words counting each worker id's pushes, over its incarnations: its
+        client adds one at every push it commits (the job's budget is their sum)."""
+        return slice(1, 1 + self.workers)
+
+    @property
     def shard_exits(self) -> slice:
         """The control words saying how each shard's process ended: NaN while it runs,
         its exit code once the server has seen it die (:class:`LocalServer` writes them,

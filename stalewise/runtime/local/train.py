@@ -162,7 +162,7 @@ def _worker_main(
         if results.recv_bytes(wire.MAX_RESULT) != wire.go():
             return
         beat.last = time.monotonic()  # the parent counts "go" as a beat
-        done_slot, loss_slot = _DONE0 + w, _DONE0 + workers + w
+        loss_slot = _DONE0 + workers + w
 
         def answer(request: Any) -> Any:
             beat()
@@ -180,8 +180,7 @@ def _worker_main(
             if emulated > 0:
                 beat.sleep(emulated)
             beat.wait(lambda t: client.wait(timeout=t))  # the previous push's acks
-            client.push(request.update)
-            ctrl[done_slot] += 1
+            client.push(request.update)  # the client counts it toward the budget
             ctrl[loss_slot] = request.loss
             if request.settle:  # read-your-writes: the next pull waits for the acked version
                 beat.wait(lambda t: client.wait(timeout=t))
