@@ -9,7 +9,10 @@ undisturbed, then once per fault, with the same budget of pushes:
                     updates, so the restarted shard gets its momentum from the last one);
   (c) worker-stop   one worker SIGSTOPped for 10 s (worker_timeout 3 s: it is found
                     hung, killed and restarted);
-  (d) bad-pushes    worker 3 pushes NaN 10 times, then 1e38 from then on.
+  (d) bad-pushes    worker 3 pushes NaN 10 times, then 1e38 from then on;
+  (e) ckpt-full     checkpoints every 250 updates, all kept, into a real tmpfs of
+                    room for about three of them: the folder fills up mid-run, and
+                    the final checkpoint cannot be written either.
 
 Columns: ``completed`` (the run returned, with its budget spent) or the error;
 ``pushes`` (counted by the workers); ``lost`` (pushes no shard handled, plus the
@@ -20,10 +23,18 @@ undisturbed run in points; ``detect_s`` and ``recover_s`` (from the fault to the
 runtime noticing it, and to the replacement process being back in the run; mean
 over the faults of the run); ``refused`` (pushes refused, by kind); ``events``.
 
-Bar: (a), (b) and (c) complete with nothing applied twice and a final accuracy
-within 1 point of the undisturbed run. (d) is reported as it happens.
+(e) needs root (it mounts the tmpfs, and unmounts it); without it the case says
+so and is left out of the bar. Its ``events`` column counts the checkpoints
+that could not be written, and ``kept`` names the newest one that was (it
+must load).
 
-    .venv/bin/python benchmarks/faults.py [--quick] [--check]
+Bar: (a), (b) and (c) complete with nothing applied twice and a final accuracy
+within 1 point of the undisturbed run; (e) completes, returns its result within
+1 point of the undisturbed run, and its kept checkpoint loads. (d) is reported
+as it happens. ``--check``
+also writes the table to ``runs/bench-faults.json`` (or ``--json PATH``).
+
+    .venv/bin/python benchmarks/faults.py [--quick] [--check] [--json PATH]
 """
 
 from __future__ import annotations
@@ -35,15 +46,20 @@ import math
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from pathlib import Path
 
+import _report
 import numpy as np
 
 import stalewise as sw
-from stalewise import tasks
+from stalewise import checkpoint, tasks
 from stalewise.report import format_table
 
 WORKERS, SHARDS, DELAY = 4, 2, 0.010
@@ -142,7 +158,7 @@ class Faults:
         return mean(detect), mean(recover)
 
 
-def run(task, consistency, case: str, steps: int, expected: float, quick: bool) -> dict:
+def run(task, consistency, case: str, steps: int, expected: float, quick: bool, **kwargs) -> dict:
     every, stop_for, timeout = (2.5, 4.0, 1.5) if quick else (5.0, 10.0, 3.0)
     faults = Faults(case, expected, every, stop_for)
     job = sw.Job(
@@ -156,23 +172,27 @@ def run(task, consistency, case: str, steps: int, expected: float, quick: bool) 
         kw.update(checkpoint_dir=tempfile.mkdtemp(prefix="faults-"), checkpoint_every=500)
     if case == "worker-stop":
         kw.update(worker_timeout=timeout)
+    if case == "ckpt-full":
+        kw.update(checkpoint_dir=kwargs["ckpt_dir"], checkpoint_every=250, checkpoint_keep=10**6)
     loss = BadPushes(task) if case == "bad-pushes" else Plain(task)
     row: dict = {"case": case, "consistency": str(consistency)}
     t = time.perf_counter()
     try:
-        r = job.train(
-            loss,
-            data=Tagged(task),
-            workers=WORKERS,
-            steps=steps,
-            evaluate=task.evaluate,
-            eval_interval=0.25,
-            delays=dict.fromkeys(range(WORKERS), DELAY),
-            on_record=faults,
-            max_restarts=None,
-            timeout=600,
-            **kw,
-        )
+        with warnings.catch_warnings():  # the failures are in r.failures, and in the table
+            warnings.simplefilter("ignore", sw.FailureWarning)
+            r = job.train(
+                loss,
+                data=Tagged(task),
+                workers=WORKERS,
+                steps=steps,
+                evaluate=task.evaluate,
+                eval_interval=0.25,
+                delays=dict.fromkeys(range(WORKERS), DELAY),
+                on_record=faults,
+                max_restarts=None,
+                timeout=600,
+                **kw,
+            )
     except (sw.WorkerError, RuntimeError, TimeoutError) as e:
         first = str(e).splitlines()[0]
         return row | {
@@ -199,12 +219,73 @@ def run(task, consistency, case: str, steps: int, expected: float, quick: bool) 
         "detect_s": detect,
         "recover_s": recover,
         "refused": ", ".join(f"{k} {n}" for k, n in sorted(s["rejected"].items())) or "-",
-        "events": ", ".join(
-            f"{'w' if 'worker' in e else 's'}{e.get('worker', e.get('shard'))} {e['action']}"
-            for e in r.failures
-        )
-        or "-",
+        "events": _events(r.failures),
+        "kept": _kept(kw.get("checkpoint_dir")) if case == "ckpt-full" else "",
     }
+
+
+def _events(failures: list[dict]) -> str:
+    """The failure events in a few words: ``w1 restarted``, ``s1 restarted``, and the
+    count of checkpoints that could not be written (the last one's cause)."""
+    ckpt = [e for e in failures if "checkpoint" in e]
+    words = [
+        f"{'w' if 'worker' in e else 's'}{e.get('worker', e.get('shard'))} {e['action']}"
+        for e in failures
+        if "checkpoint" not in e
+    ]
+    if ckpt:
+        final = " (the final one too)" if ckpt[-1]["final"] else ""
+        words.append(f"{len(ckpt)} checkpoints not written{final}: {ckpt[-1]['cause'][:40]}")
+    return ", ".join(words) or "-"
+
+
+def _kept(directory: str | None) -> str:
+    """The newest checkpoint in ``directory`` that loads (its folder's name), or why none."""
+    try:
+        return checkpoint.load(directory).path.name
+    except (sw.CheckpointError, OSError) as e:
+        return f"none: {str(e)[:40]}"
+
+
+def checkpoint_size(task) -> int:
+    """Bytes of one checkpoint of the benchmark's job, measured by writing one."""
+    config = sw.Job(
+        task.init_params(0), optimizer=sw.optim.sgd(0.05, momentum=0.9), shards=SHARDS
+    ).config
+    states = [
+        config.build_shard(k, config.init[lo:hi].copy(), workers=WORKERS).state_dict()
+        for k, (lo, hi) in enumerate(config.ranges)
+    ]
+    with tempfile.TemporaryDirectory() as d:
+        path = checkpoint.save(
+            d, states, spec=config.spec, config_info=checkpoint.config_info(config),
+            step_info={"pushes": 0, "time": 0.0},
+        )  # fmt: skip
+        return sum(f.stat().st_size for f in path.iterdir())
+
+
+@contextlib.contextmanager
+def small_tmpfs(nbytes: int):
+    """A real tmpfs of ``nbytes`` (rounded up to pages), mounted on a fresh folder;
+    yields that folder, or None with the reason printed when it cannot be mounted."""
+    where = Path(tempfile.mkdtemp(prefix="faults-tmpfs-"))
+    size = -(-nbytes // 4096) * 4096
+    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        done = subprocess.CompletedProcess(cmd, 1, "", str(e))
+    if done.returncode != 0:
+        why = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        print(f"(e) ckpt-full: cannot mount a tmpfs ({why[0]}); the case is left out")
+        shutil.rmtree(where, ignore_errors=True)
+        yield None
+        return
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], capture_output=True, timeout=30)
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def main() -> int:
@@ -213,32 +294,64 @@ def main() -> int:
         "--quick", action="store_true", help="shorter runs and faults (~1/3 of the time)"
     )
     ap.add_argument("--check", action="store_true", help="exit 1 if the bar is missed")
+    _report.add_json_arg(ap)
     args = ap.parse_args()
+    out = _report.json_path(ap, args, "faults")
     logging.basicConfig(level=logging.ERROR)  # the runtime's warnings would flood the table
     task = tasks.get("digits")
     steps = 1500 if args.quick else 4000
     rows = []
+    ckpt_bytes = checkpoint_size(task)
     for consistency in (sw.ASP(), sw.BSP()):
         base = run(task, consistency, "undisturbed", steps, 0.0, args.quick)
-        rows.append(base)
+        ran = [base]
         for case in ("worker-kills", "shard-kill", "worker-stop", "bad-pushes"):
-            row = run(task, consistency, case, steps, base["time_s"], args.quick)
-            rows.append(row)
-        for row in rows[-5:]:
+            ran.append(run(task, consistency, case, steps, base["time_s"], args.quick))
+        with small_tmpfs(int(3.5 * ckpt_bytes)) as where:
+            if where is not None:
+                kw = {"ckpt_dir": str(where / "ckpt")}
+                ran.append(run(task, consistency, "ckpt-full", steps, 0.0, args.quick, **kw))
+        for row in ran:
             row["d_acc_pts"] = 100 * (row.get("accuracy", math.nan) - base["accuracy"])
+        rows += ran
     cols = ["case", "consistency", "completed", "time_s", "pushes", "lost", "dups", "twice",
-            "accuracy", "d_acc_pts", "detect_s", "recover_s", "refused", "events"]  # fmt: skip
+            "accuracy", "d_acc_pts", "detect_s", "recover_s", "refused", "kept",
+            "events"]  # fmt: skip
     print(f"digits MLP, {WORKERS} workers, {SHARDS} shards, {steps} pushes per run")
     print(format_table(rows, cols))
     bar = [r for r in rows if r["case"] in ("worker-kills", "shard-kill", "worker-stop")]
     ok = all(
         r["completed"] == "yes" and r["twice"] == 0 and abs(r["d_acc_pts"]) <= 1.0 for r in bar
     )
+    full = [r for r in rows if r["case"] == "ckpt-full"]
+    full_ok = all(
+        r["completed"] == "yes"
+        and abs(r["d_acc_pts"]) <= 1.0
+        and r["kept"].startswith("ckpt-")
+        and "not written" in r["events"]
+        for r in full
+    )
     print(
         "\nbar: (a)-(c) complete, nothing applied twice, accuracy within 1 point:",
         "met" if ok else "MISSED",
     )
-    return 0 if ok or not args.check else 1
+    print(
+        "bar: (e) the checkpoint folder fills up, the run completes and returns its result "
+        "within 1 point, its kept checkpoint loads:",
+        ("met" if full_ok else "MISSED") if full else "not run (no tmpfs)",
+    )
+    _report.write(
+        out,
+        {"steps": steps, "quick": args.quick, "rows": [{k: r.get(k) for k in cols} for r in rows]},
+        bars=[
+            {"name": "(a)-(c) complete, nothing applied twice, within 1 point", "met": ok},
+            {
+                "name": "(e) the checkpoint folder fills up: completes, within 1 point",
+                "met": full_ok,
+            },
+        ],
+    )
+    return 0 if (ok and full_ok) or not args.check else 1
 
 
 if __name__ == "__main__":
