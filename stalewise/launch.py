@@ -151,7 +151,8 @@ def init(job: Any, *, steps: int | None = None) -> Context:
         if mine.names != theirs.names or mine.sizes.tolist() != theirs.sizes.tolist():
             raise LaunchError(
                 f"rank {ctx.rank}: sw.init(job) got a job whose parameters differ from the "
-                "launcher's (build the same model in every process, e.g. with a fixed seed)"
+                "launcher's (build the same model, with the same leaves and shapes, in every "
+                "process)"
             )
         if ctx.steps is None:  # no --steps: the script's own budget
             ctx.steps = steps

@@ -253,7 +253,7 @@ def test_a_killed_shard_process_with_evaluate_restarts_or_fails_with_shard_error
     The last kill comes with the run's last record, just before the final calls."""
     task, job = least_squares_job()
     run, steps = f"kill-shard-eval-{policy}", 1200
-    at = [150, 500, steps] if policy == "restart" else [150]
+    at = [200, steps] if policy == "restart" else [150]  # mid-run, and at the final calls
     kill = KillShardProcess(run, 1, at)
     kw = dict(steps=steps, run=run, on_record=kill, eval_interval=0.02, max_restarts=len(at))
     if policy == "fail":
