@@ -19,6 +19,7 @@ from stalewise.backends import backend_of
 from stalewise.optim import buffers as optim_buffers
 from stalewise.protocol import ServerConfig, pulls
 from stalewise.runtime.base import TrainResult, warn_summary
+from stalewise.runtime.options import DEFAULTS as _DEFAULTS
 from stalewise.runtime.options import RunOptions
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class Job:
         steps: int,
         runtime: str = "local",
         evaluate: Callable[[Any], Mapping[str, float]] | None = None,
-        eval_interval: float = 0.5,
+        eval_interval: float = _DEFAULTS["eval_interval"],
         stragglers: Mapping[int, float] | Sequence[float] | None = None,
         delays: Mapping[int, float] | None = None,
         stop_at: Any = None,
@@ -140,10 +141,10 @@ class Job:
         checkpoint_every: int | None = None,
         checkpoint_seconds: float | None = None,
         resume: bool = False,
-        on_worker_failure: str = "restart",
-        max_restarts: int | None = 3,
-        worker_timeout: float | None = 60.0,
-        diverge_after: int | None = 20,
+        on_worker_failure: str = _DEFAULTS["on_worker_failure"],
+        max_restarts: int | None = _DEFAULTS["max_restarts"],
+        worker_timeout: float | None = _DEFAULTS["worker_timeout"],
+        diverge_after: int | None = _DEFAULTS["diverge_after"],
         **timeouts: float,
     ) -> TrainResult:
         """Trains with ``workers`` workers until they have pushed ``steps`` updates in all.
@@ -248,7 +249,13 @@ class Job:
             warn_summary(result.failures)  # every runtime's: the first of each kind warned
             return sinks.finish(result)
 
-    def serve(self, *, workers: int, join_timeout: float = 300.0, runtime: str = "local"):
+    def serve(
+        self,
+        *,
+        workers: int,
+        join_timeout: float = _DEFAULTS["join_timeout"],
+        runtime: str = "local",
+    ):
         """Starts the shards for a loop you own; use as a context manager.
 
         ``runtime`` names a registered runtime that has a server

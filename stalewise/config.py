@@ -160,7 +160,7 @@ from stalewise import strategies as strategies_lib
 from stalewise.api import Job
 from stalewise.protocol import pulls
 from stalewise.runtime.base import FAILURE_POLICIES, MAX_SLOWDOWN, TrainResult
-from stalewise.runtime.options import MAX_TIMEOUT, MIN_EVAL_INTERVAL, MIN_WORKER_TIMEOUT
+from stalewise.runtime.options import DEFAULTS, MAX_TIMEOUT, MIN_EVAL_INTERVAL, MIN_WORKER_TIMEOUT
 from stalewise.runtime.sim import models as sim_models
 from stalewise.runtime.sim.config import SimConfig, TooLongError
 
@@ -487,24 +487,31 @@ def parse(
     _check_workers(workers, runtime, "run.workers")
     steps = _get(r, "run.steps", int, 1000, low=1, high=MAX_STEPS)
     delay = _get(r, "run.delay", float, 0.0, low=0, high=MAX_DELAY)
-    eval_interval = _get(r, "run.eval_interval", float, 0.5, low=MIN_EVAL_INTERVAL)
+    eval_interval = _get(
+        r, "run.eval_interval", float, DEFAULTS["eval_interval"], low=MIN_EVAL_INTERVAL
+    )
     stragglers = _stragglers(r.get("stragglers"), workers)
     stop_at = _stop_at(r.get("stop_at"))
-    on_failure = _get(r, "run.on_worker_failure", str, "restart")
+    on_failure = _get(r, "run.on_worker_failure", str, DEFAULTS["on_worker_failure"])
     if on_failure not in FAILURE_POLICIES:
         raise ConfigError(
             "run.on_worker_failure",
             f"expected one of {', '.join(FAILURE_POLICIES)}, got {on_failure!r}",
         )
-    max_restarts = _get(r, "run.max_restarts", int, 3, low=0)
+    max_restarts = _get(r, "run.max_restarts", int, DEFAULTS["max_restarts"], low=0)
     worker_timeout = None
     if r.get("worker_timeout") is not False:
         worker_timeout = _get(
-            r, "run.worker_timeout", float, 60.0, low=MIN_WORKER_TIMEOUT, high=MAX_TIMEOUT
+            r,
+            "run.worker_timeout",
+            float,
+            DEFAULTS["worker_timeout"],
+            low=MIN_WORKER_TIMEOUT,
+            high=MAX_TIMEOUT,
         )
     diverge_after = None
     if r.get("diverge_after") is not False:
-        diverge_after = _get(r, "run.diverge_after", int, 20, low=1)
+        diverge_after = _get(r, "run.diverge_after", int, DEFAULTS["diverge_after"], low=1)
     consistency = _consistency(s)
     staleness = _staleness(s)
     shards = _get(s, "server.shards", int, 1, low=1, high=MAX_SHARDS)

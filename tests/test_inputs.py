@@ -494,3 +494,25 @@ def test_local_run_under_a_file_size_limit_names_the_shared_block(tmp_path):
     line = proc.stdout.strip()
     assert line.startswith("[Errno 27] cannot create the shared-memory block of "), line
     assert "the file size limit (ulimit -f) is 4096 bytes" in line
+
+
+def test_run_option_defaults_are_stated_once_in_run_options():
+    """Job.train's keyword defaults and the config's [run] defaults are RunOptions's."""
+    import inspect
+
+    from stalewise import config
+    from stalewise.runtime.options import DEFAULTS
+
+    train = inspect.signature(sw.Job.train).parameters
+    shared = [name for name in train if name in DEFAULTS]
+    assert {"eval_interval", "max_restarts", "worker_timeout", "diverge_after"} <= set(shared)
+    assert {name: train[name].default for name in shared} == {n: DEFAULTS[n] for n in shared}
+    assert (
+        inspect.signature(sw.Job.serve).parameters["join_timeout"].default
+        == (DEFAULTS["join_timeout"])
+    )
+    task = {"name": "least-squares", "args": {"n": 64, "d": 4}}
+    parsed = config.parse({"task": task, "optimizer": {"name": "sgd", "lr": 0.1}}).train
+    for name in ("eval_interval", "on_worker_failure", "max_restarts", "worker_timeout",
+                 "diverge_after"):  # fmt: skip
+        assert parsed[name] == DEFAULTS[name], name

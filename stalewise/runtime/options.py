@@ -172,3 +172,12 @@ class RunOptions:
         for name in ("checkpoint_every", "checkpoint_seconds", "resume"):
             if getattr(self, name) not in (None, False) and d is None:
                 raise ValueError(f"{name} needs checkpoint_dir (where checkpoints are kept)")
+
+
+#: Every option's default, from the fields above: ``Job.train``'s keyword defaults and
+#: the config's ``[run]`` defaults read them here, so a default is stated once.
+DEFAULTS: dict[str, Any] = {
+    f.name: f.default
+    for f in dataclasses.fields(RunOptions)
+    if f.default is not dataclasses.MISSING
+}
