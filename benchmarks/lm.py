@@ -128,8 +128,12 @@ def methods(m: dict, codec: str) -> list[tuple[str, tuple, object, float]]:
     bsp, asp, dl, adamw = sw.BSP(), sw.ASP(), sw.strategies.diloco, sw.optim.adamw
     step = m["delay"] + m["compute"]
     period = 1.25 * ASYNC_H * step
-    # the straggler runs about H / SLOWDOWN steps per round: mean H per push
-    h_async = ASYNC_H * (WORKERS - 1 + 1 / SLOWDOWN) / WORKERS
+    # Pushes enough for the token budget even if few steps fit in a round: a round is
+    # `period` seconds of the clock, and on a loaded machine a step takes longer than
+    # `step`, so the mean H per push (about 16.7 on an idle one) was 7.4 here, and a
+    # budget counted in pushes ran out at 62% of B. At H = ASYNC_H / SLOWDOWN per push
+    # the run goes past B, where its loss is read (at(), by tokens).
+    h_async = ASYNC_H / SLOWDOWN
     grads = sw.strategies.gradients()
     push_codec = sw.codecs.int8() if codec == "int8" else sw.codecs.topk(0.01)
     return [
