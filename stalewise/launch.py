@@ -296,8 +296,8 @@ def launch(
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as e:
-        if _LAUNCH is not None and _INITIALISED:  # init() served the workers: their status
-            return int(e.code or 0) if isinstance(e.code, int | type(None)) else 1
+        if _INITIALISED:  # init() served the workers and ended the script: their status
+            return int(e.code or 0)
         raise
     finally:
         _LAUNCH = None

@@ -38,11 +38,11 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from test_checkpoint import _trained_states
 
 import stalewise as sw
 from stalewise import checkpoint, tree
 from stalewise.cli import main
-from stalewise.protocol import PushHeader
 
 
 class Pair(NamedTuple):
@@ -282,24 +282,11 @@ def test_like_rebuilds_namedtuples_and_dataclasses_plain_without(tmp_path):
     assert node["kind"] == "namedtuple" and node["type"].endswith("Pair")
 
 
-def _trained_states(job, pushes=2):
-    config = job.config
-    flat = config.init.copy()
-    shards = [config.build_shard(k, flat[lo:hi], 1) for k, (lo, hi) in enumerate(config.ranges)]
-    for shard in shards:
-        shard.join(0, incarnation=1)
-    for seq in range(pushes):
-        for shard in shards:
-            update = np.full(shard.params.size, seq + 1.0, shard.params.dtype)
-            assert shard.push(PushHeader(0, seq, shard.version, 1), update).ok
-    return [shard.state_dict() for shard in shards]
-
-
 def test_like_a_torch_model(tmp_path):
     torch = pytest.importorskip("torch")
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     job = sw.Job(model, optimizer=sw.optim.sgd(0.1), shards=2)
-    states = _trained_states(job)
+    states = _trained_states(job, pushes=2, workers=1)
     checkpoint.save(
         tmp_path,
         states,
@@ -605,7 +592,7 @@ def test_a_save_that_fails_at_its_last_step_leaves_the_folder_as_it_was(tmp_path
     root too): the new checkpoint is taken out again, and one of the same version that it
     was replacing is put back."""
     job = sw.Job({"w": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1))
-    states = _trained_states(job, pushes=1)
+    states = _trained_states(job, pushes=1, workers=1)
 
     def save(states):
         return checkpoint.save(
@@ -620,7 +607,10 @@ def test_a_save_that_fails_at_its_last_step_leaves_the_folder_as_it_was(tmp_path
     before = {p.name: p.read_bytes() for p in first.iterdir()}
     (tmp_path / "latest").unlink()
     (tmp_path / "latest" / "x").mkdir(parents=True)
-    for again in (_trained_states(job, pushes=2), states):  # a new version, then the same
+    for again in (
+        _trained_states(job, pushes=2, workers=1),
+        states,
+    ):  # a new version, then the same
         with pytest.raises(OSError):
             save(again)
         assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, "latest"]

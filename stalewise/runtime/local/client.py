@@ -146,6 +146,7 @@ class Client:
             assert block is not None
             self._block = block
             self._pull_buf = layout.observer(block)
+            self._control = layout.control(block)
         self._seq = 0
         self._base = [0] * len(conns)
         self._acks_due = [False] * len(conns)  # shard k still owes an ack for the last push
@@ -171,13 +172,14 @@ class Client:
     def job_pushes(self) -> int:
         """Pushes committed by all the job's workers so far (each id over its incarnations):
         what a budget of ``steps`` counts."""
-        block = self._attach()
-        return int(self._layout.control(block)[self._layout.pushes_done].sum())
+        self._attach()
+        return int(self._control[self._layout.pushes_done].sum())
 
     @property
     def stopping(self) -> bool:
         """Whether the server has asked its workers to stop (the job is ending)."""
-        return bool(self._layout.control(self._attach())[0])
+        self._attach()
+        return bool(self._control[0])
 
     def __getstate__(self) -> dict:
         if self._block is not None:
@@ -199,7 +201,7 @@ class Client:
                 self._compressor.warm_up()  # its kernels load now, not at the first push
             self._record = self._layout.records(self._block)[self.worker]
             self._snapshots = Snapshots(self._layout, self._block, self._ranges)
-            control = self._layout.control(self._block)
+            self._control = control = self._layout.control(self._block)
             self._exits, self._stop_word = control[self._layout.shard_exits], control[:1]
             self._done = control[self._layout.pushes_done][self.worker : self.worker + 1]
         return self._block

@@ -167,7 +167,7 @@ def _worker_main(
         def answer(request: Any) -> Any:
             beat()
             if request is loop.BEGIN:
-                return not ctrl[_STOP] and ctrl[_DONE0 : _DONE0 + workers].sum() < options.steps
+                return not client.stopping and client.job_pushes < options.steps
             if request is loop.PULL:
                 # gradient pushes stay pipelined: the pull does not wait for the last one's
                 # acks (a settling strategy has waited for them already, see below)
@@ -569,7 +569,7 @@ class _Supervisor:
         """Progress, records (every ``eval_interval`` and at the end), checkpoints, timeout."""
         o, server, ctrl = self.o, self.server, self.server.control
         now = self.now()
-        self.pushes = int(ctrl[_DONE0 : _DONE0 + o.workers].sum())
+        self.pushes = server.observer.job_pushes  # as the workers' budget counts them
         self.recorder.progress(self.pushes)
         ending = not any(wk.state in _LIVE for wk in self.workers)
         if now - self.last_eval >= o.eval_interval or ending:
