@@ -52,6 +52,7 @@ import math
 import multiprocessing as mp
 import os
 import threading
+import time
 from multiprocessing import connection, reduction
 from typing import Any
 
@@ -77,6 +78,10 @@ _PER_PUSH_STATS = (
     "stats.duplicates",
     "stats.staleness",
 )
+
+
+#: Seconds a server call whose pipe to a shard ended waits for that shard's exit to show.
+SHARD_EXIT_WAIT = 5.0
 
 
 def _shard_entry(
@@ -344,7 +349,12 @@ class LocalServer:
         except TimeoutError:
             raise
         except (OSError, ServerClosed):
-            connection.wait(self.shard_sentinels(), 0.5)  # a shard's pipe closes as it exits
+            # A shard's pipes close as its process exits, a moment before the OS reports the
+            # exit; on a loaded machine that moment passed 0.5 s (a run under "fail" then
+            # stopped with ServerClosed, not the ShardError naming the shard).
+            deadline = time.monotonic() + SHARD_EXIT_WAIT
+            while not self.dead_shards() and time.monotonic() < deadline:
+                connection.wait(self.shard_sentinels(), 0.05)
             self.check()
             raise
 
