@@ -42,7 +42,6 @@ in a resumed run, as in the local runtime.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -51,16 +50,10 @@ from typing import Any
 
 import numpy as np
 
-from stalewise import checkpoint, tree
+from stalewise import tree
 from stalewise.protocol import ServerConfig
-from stalewise.runtime.base import (
-    Failures,
-    Recorder,
-    TrainResult,
-    WorkerError,
-    end_reason,
-    mean_loss,
-)
+from stalewise.runtime import driver
+from stalewise.runtime.base import TrainResult
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.engine import Simulation
@@ -107,128 +100,105 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     ``duplicates``), which the commit rule keeps equal on every shard once the
     run is over.
     """
-    o = options
-    loss_and_grad, data, workers, steps = o.loss_and_grad, o.data, o.workers, o.steps
-    factors, extra = list(o.slowdowns), list(o.extra_delays)
-    eval_interval, stop_at, on_record, timeout = o.eval_interval, o.stop_at, o.on_record, o.timeout
-    run_name, progress, evaluate, seed, sim = o.run, o.progress, o.evaluate, o.seed, o.sim
-    sim = SimConfig() if sim is None else sim
-    if not isinstance(sim, SimConfig):
-        raise TypeError(f"sim must be a SimConfig, got {type(sim).__name__}")
-    timing = WorkerTiming(sim, workers, factors=factors, delays=extra, seed=seed)
-    hint = ""
-    if o.checkpoint_dir is not None:
-        hint = (
-            f"\nCheckpoints are in {o.checkpoint_dir}: resume with Job.train(..., "
-            "resume=True) or `stalewise train CONFIG --resume RUN_DIR`."
-        )
-    failures = Failures(o.on_worker_failure, o.max_restarts, hint=hint)
-    state = Simulation(
-        config,
-        (loss_and_grad, data, strategy),
-        workers,
-        steps,
-        sim,
-        timing,
-        failures=failures,
-        diverge_after=o.diverge_after,
-    )
-    starts = None
-    resumed = checkpoint.resume_point(config, o, runtime="sim")
-    if resumed is not None:
-        feedback = checkpoint.feedback_of(resumed, config, workers)
-        starts = state.restore(resumed.states, resumed.step["sim"], feedback)
-        log.info("sim: resumed from %s (version %d)", resumed.path, resumed.version)
-    saver = None
-    if o.checkpoint_dir is not None:
-        saver = checkpoint.Saver(
-            config, strategy, o, runtime="sim", version=state.shards[0].version, now=state.now,
-            seed=o.seed, failures=failures,
+    return driver.drive(_Host(config, strategy, options), config, strategy, options)
+
+
+class _Host:
+    """The simulator as a :class:`~stalewise.runtime.driver.Host`: its engine runs the events."""
+
+    runtime, virtual = "sim", True
+
+    def __init__(self, config: ServerConfig, strategy: Strategy, o: RunOptions):
+        sim = SimConfig() if o.sim is None else o.sim
+        if not isinstance(sim, SimConfig):
+            raise TypeError(f"sim must be a SimConfig, got {type(sim).__name__}")
+        self.config, self.strategy, self.o, self.sim = config, strategy, o, sim
+        self.timing = WorkerTiming(sim, o.workers, factors=o.slowdowns, delays=o.extra_delays,
+                                   seed=o.seed)  # fmt: skip
+        self.checkpoint_info = {"seed": o.seed}
+        self.state: Simulation | None = None
+        self.starts: list[tuple[float, int]] | None = None
+        self.wall0 = self.deadline = 0.0
+
+    def start(self, run: driver.Run) -> None:
+        o = self.o
+        fns = (o.loss_and_grad, o.data, self.strategy)
+        self.state = state = Simulation(
+            self.config, fns, o.workers, o.steps, self.sim, self.timing,
+            failures=run.failures, diverge_after=o.diverge_after,
         )  # fmt: skip
+        if run.resume is not None:
+            self.starts = state.restore(run.resume.states, run.resume.step["sim"], run.feedback)
 
-    def save(state: Simulation, final: bool = False) -> None:
-        step = {"pushes": state.pushes, "time": state.now, "sim": state.checkpoint_state()}
-        states = [shard.state_dict() for shard in state.shards]
-        saver.save(states, step, state.residuals(), final=final)  # a failure warns, is kept
+    def go(self) -> None:
+        self.wall0 = time.perf_counter()
+        self.deadline = math.inf if self.o.timeout is None else self.wall0 + self.o.timeout
+        self.state.begin(self.o.eval_interval, self.starts)
 
-    def save_if_due(state: Simulation) -> None:
-        if saver.due(state.shards[0].version, state.now):
-            save(state)
+    def advance(self, until: float, due: Callable[[], bool] | None) -> str:
+        return self.state.advance(until, self.deadline, due)
 
-    if saver is not None and saver.periodic:
-        state.checkpointer = save_if_due
-    recorder = Recorder(run_name, steps, stop_at=stop_at, on_record=on_record, progress=progress)
+    def now(self) -> float:
+        return self.state.now
 
-    def observed() -> Any:  # what an observer pull returns: every shard's current slice
+    def pushes(self) -> int:
+        return self.state.pushes
+
+    def version(self) -> int:
+        return self.state.shards[0].version
+
+    def stats(self, *, settled: bool = False) -> dict:
+        return self.state.stats(settled=settled)
+
+    def losses(self) -> Any:
+        return self.state.last_loss
+
+    def params(self) -> Any:  # what an observer pull returns: every shard's current slice
+        state = self.state
         flat = np.empty_like(state.params)
         for (lo, hi), shard in zip(state.ranges, state.shards, strict=True):
             shard.pull(None, flat[lo:hi])
-        return tree.unflatten(flat, config.spec)
+        return tree.unflatten(flat, self.config.spec)
 
-    def record() -> bool:
-        return recorder.record(
-            state.now, state.pushes, state.stats(), mean_loss(state.last_loss), evaluate, observed
-        )
+    def stop(self) -> bool:
+        return True  # the run ends at the record's time; pushes in flight stay there
 
-    wall0 = time.perf_counter()
-    try:
-        deadline = math.inf if timeout is None else wall0 + timeout
-        try:
-            stopped = state.run(record, eval_interval, deadline, starts)
-        except WorkerError:
-            if saver is not None:  # the state at the failure, to resume from
-                with contextlib.suppress(Exception):
-                    save(state)
-            raise
-        if not recorder.records or recorder.records[-1]["time"] != state.now:
-            record()
-        stats = state.stats(settled=not stopped)  # a stop may leave pushes in flight
-        reason = end_reason(
-            recorder,
-            failures,
-            pushes=state.pushes,
-            steps=state.steps,
-            budget_spent=False,  # every simulated push counts: pushes >= steps says it
-            diverged=list(state.diverged),
-            stats=stats,
-            version=state.shards[0].version,
-            run=run_name,
-        )
-        recorder.finish(reason)
-        if saver is not None:
-            save(state, final=True)
-    finally:
-        recorder.close()
-    wall = time.perf_counter() - wall0
-    n = max(state.totals["steps"], 1)
-    stats["sim"] = {
-        "events": state.events,
-        "wall_time": wall,
-        "events_per_s": state.events / wall if wall > 0 else math.inf,
-        "pull_time_mean": state.totals["pull"] / n,
-        "push_time_mean": state.totals["push"] / n,
-        "compute_time_mean": state.totals["compute"] / max(state.pushes, 1),
-        "comm_time_mean": (state.totals["pull"] + state.totals["push"]) / n,
-        "push_bytes": sum(state.wire_bytes),  # one push, every shard (model_bytes scaled)
-        "pull_bytes": state.pull_bytes_mean(),  # one pull, every shard: the mean (scaled)
-        "shards": [
-            {
-                "version": shard.version,
-                "applied": shard.stats.applied,
-                "rejected": dict(shard.stats.rejected),
-                "duplicates": shard.stats.duplicates,
-            }
-            for shard in state.shards
-        ],
-    }
-    flat = state.params.copy()
-    return TrainResult(
-        tree.unflatten(flat, config.spec, copy=True),
-        flat,
-        recorder.records,
-        stats,
-        state.now,
-        state.pushes,
-        failures.events,
-        reason,
-    )
+    def snapshot(self, now: float, *, failure: bool = False) -> driver.Snapshot:
+        state = self.state
+        step = {"pushes": state.pushes, "time": state.now, "sim": state.checkpoint_state()}
+        return driver.Snapshot([s.state_dict() for s in state.shards], step, state.residuals())
+
+    def budget_spent(self) -> bool:
+        return False  # every simulated push counts: pushes >= steps says it
+
+    def diverged(self) -> list[int]:
+        return list(self.state.diverged)
+
+    def finish(self, stats: dict) -> np.ndarray:
+        state = self.state
+        wall = time.perf_counter() - self.wall0
+        n = max(state.totals["steps"], 1)
+        stats["sim"] = {
+            "events": state.events,
+            "wall_time": wall,
+            "events_per_s": state.events / wall if wall > 0 else math.inf,
+            "pull_time_mean": state.totals["pull"] / n,
+            "push_time_mean": state.totals["push"] / n,
+            "compute_time_mean": state.totals["compute"] / max(state.pushes, 1),
+            "comm_time_mean": (state.totals["pull"] + state.totals["push"]) / n,
+            "push_bytes": sum(state.wire_bytes),  # one push, every shard (model_bytes scaled)
+            "pull_bytes": state.pull_bytes_mean(),  # one pull, every shard: the mean (scaled)
+            "shards": [
+                {
+                    "version": shard.version,
+                    "applied": shard.stats.applied,
+                    "rejected": dict(shard.stats.rejected),
+                    "duplicates": shard.stats.duplicates,
+                }
+                for shard in state.shards
+            ],
+        }
+        return state.params.copy()
+
+    def close(self) -> None:
+        pass

@@ -79,6 +79,7 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import PushHeader, PushResult, ServerConfig, commit, compress, loop, pulls
+from stalewise.runtime import driver
 from stalewise.runtime.base import Failures, batch_iterator, merge_stats, worker_failed
 from stalewise.runtime.sim.config import MAX_RECORDS, SimConfig, TooLongError
 from stalewise.runtime.sim.models import Join, Links, WorkerTiming
@@ -178,7 +179,7 @@ class Simulation:
         self.totals = {"pull": 0.0, "push": 0.0, "compute": 0.0, "steps": 0}
         self.consumed = [0] * workers  # batches each worker id has drawn, over its lives
         self.ended: list[tuple[float, int] | None] = [None] * workers  # (time, order) of DONE
-        self.checkpointer: Any = None  # called after every event when set (periodic checkpoints)
+        self.checkpointer: Any = None  # called after every event by run() when set
         self.diverged: dict[int, str] = {}  # worker -> why its loop raised loop.Diverged
         self.failures = Failures() if failures is None else failures  # the failure policy
         self.diverge_after = diverge_after  # for the worker loops
@@ -607,18 +608,12 @@ class Simulation:
 
     # -- the loop ------------------------------------------------------------------
 
-    def run(
-        self,
-        record: Callable[[], bool],
-        eval_interval: float,
-        deadline: float,
-        starts: list[tuple[float, int]] | None = None,
-    ) -> bool:
-        """Runs events until the work is done or ``record`` says stop; returns whether it did.
-
-        ``starts``: a resumed run's ``(time, worker)`` starts, from :meth:`restore`.
-        """
-        t0 = self.now
+    def begin(self, eval_interval: float, starts: list[tuple[float, int]] | None = None) -> None:
+        """Schedules the scripted failures and joins and starts the workers' loops at the
+        run's start (``starts``: a resumed run's ``(time, worker)`` starts, from
+        :meth:`restore`); then :meth:`advance` runs the events. ``eval_interval`` names
+        the interval in a :class:`TooLongError`."""
+        t0, self.eval_interval, self.evals, self.eval_at = self.now, eval_interval, 0, None
         if starts is None:
             absent = self.sim.absent_at_start()
             for w in sorted(absent):
@@ -645,11 +640,27 @@ class Simulation:
                     shard.join(w, self.inc[w])
                 self.start_loop(w)
             self.now = t0
-        stop = record()
-        first = math.floor(t0 / eval_interval) + 1
-        self.at(first * eval_interval, _EVAL, first)
+
+    def advance(
+        self, until: float, deadline: float, due: Callable[[], bool] | None = None
+    ) -> str:
+        """Runs events up to the record time ``until`` (an evaluation event there, ordered
+        with the others at that time by when it was scheduled); returns the driver's
+        ``RECORD`` there (at once if ``until`` is not after :attr:`now`), ``CHECKPOINT``
+        after an event once ``due()`` says so, or ``END`` when the run is over (no work in
+        flight and none to come; :attr:`now` is then the last event's time).
+
+        Raises:
+            TooLongError: more than ``MAX_RECORDS`` evaluation times in this run.
+            TimeoutError: past the wall-clock ``deadline`` (``time.perf_counter``).
+        """
+        if until <= self.now:
+            return driver.RECORD
+        if self.eval_at != until:
+            self.eval_at = until
+            self.at(until, _EVAL)
         heap, pop, inc = self.heap, heapq.heappop, self.inc
-        while heap and not stop:
+        while heap:
             t, _, kind, w, k, i, x = pop(heap)
             self.now = t
             if kind < _FAIL:
@@ -657,15 +668,17 @@ class Simulation:
             if kind == _SERVED:
                 self.served(k)
             elif kind == _EVAL:
+                self.eval_at = None
                 if self.idle():
                     break
-                if w - first >= MAX_RECORDS:  # w: the evaluation's number
-                    raise TooLongError(t, eval_interval, self.pushes, self.steps, MAX_RECORDS)
+                self.evals += 1
+                if self.evals > MAX_RECORDS:
+                    raise TooLongError(
+                        t, self.eval_interval, self.pushes, self.steps, MAX_RECORDS
+                    )
                 if time.perf_counter() > deadline:  # cheap next to a record
                     raise TimeoutError(f"simulation did not finish within the timeout (t={t:.6g})")
-                stop = record()
-                self.at((w + 1) * eval_interval, _EVAL, w + 1)  # w: the evaluation's number
-                continue
+                return driver.RECORD
             elif kind >= _FAIL:
                 idle = self.idle()  # this join or restart counts: it may bring work
                 self.returns -= kind != _FAIL
@@ -708,12 +721,32 @@ class Simulation:
                 self.release(k)
             self.end = t
             self.events += 1
-            if self.checkpointer is not None:
-                self.checkpointer(self)
             if not self.events & 0xFFF and time.perf_counter() > deadline:
                 raise TimeoutError(f"simulation did not finish within the timeout (t={t:.6g})")
-        self.now = self.now if stop else self.end
-        return stop
+            if due is not None and due():
+                return driver.CHECKPOINT
+        self.now = self.end
+        return driver.END
+
+    def run(
+        self,
+        record: Callable[[], bool],
+        eval_interval: float,
+        deadline: float,
+        starts: list[tuple[float, int]] | None = None,
+    ) -> bool:
+        """Runs the whole simulation without a driver (tests, tools): ``record`` at the
+        start and every ``eval_interval``, :attr:`checkpointer` (if set) after every
+        event. Returns whether ``record`` said stop (else the work is done)."""
+        self.begin(eval_interval, starts)
+        hook = self.checkpointer
+        after = None if hook is None else (lambda: hook(self))  # returns None: runs on
+        k = math.floor(self.now / eval_interval)
+        while not record():
+            k += 1
+            if self.advance(k * eval_interval, deadline, after) == driver.END:
+                return False
+        return True
 
     def idle(self) -> bool:
         """No work in flight, and no join or restart that could bring more (none left, or

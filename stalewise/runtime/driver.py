@@ -1,0 +1,283 @@
+"""The run skeleton every runtime shares: :func:`drive` runs a job over a :class:`Host`.
+
+A runtime (local processes, the simulator, Ray) implements a :class:`Host`: it
+starts shards and workers, moves their bytes, applies the failure policy to
+what fails, and reports what it sees. The driver owns what is the same in
+every runtime:
+
+* the resume point: the checkpoint to continue from (:func:`checkpoint.resume_point`,
+  which checks it fits the job), with the pushes, batches drawn and
+  error-feedback residuals it holds, handed to :meth:`Host.start` as
+  :attr:`Run.resume`, :attr:`Run.drawn` and :attr:`Run.feedback`;
+* the failure policy's log (:class:`~stalewise.runtime.base.Failures`, with the
+  hint on how to resume when checkpoints are written), which the host applies;
+* the cadence: a record at once, then one per ``eval_interval`` on the grid
+  ``k * eval_interval`` of the host's clock (a record taking longer than an
+  interval skips the grid points it missed), periodic checkpoints when the
+  :class:`~stalewise.checkpoint.Saver` says they are due, a checkpoint at a
+  :class:`WorkerError` to resume from, and the final one;
+* ``stop_at`` (the :class:`Recorder` says it is reached: the driver tells the host
+  to stop), the wall-clock ``timeout``, the end reason
+  (:func:`~stalewise.runtime.base.end_reason`) and the :class:`TrainResult`.
+
+Time is the host's: wall seconds since :meth:`Host.go` in a real runtime,
+virtual seconds in the simulator. The driver asks the host to
+:meth:`~Host.advance` the run towards the next record time; a real-time host
+returns after one short wait (``TICK``: anything may be due now), an
+event-driven host runs its events and returns exactly at that time
+(``RECORD``), after the event that made a checkpoint due (``CHECKPOINT``), or
+when the run is over (``END``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from stalewise import checkpoint, tree
+from stalewise.runtime.base import (
+    Failures,
+    Recorder,
+    TrainResult,
+    WorkerError,
+    end_reason,
+    mean_loss,
+)
+
+log = logging.getLogger(__name__)
+
+# what Host.advance returns
+TICK = "tick"  # the clock moved on (a real-time host's wait): records and checkpoints due are taken
+RECORD = "record"  # the clock reached the record time asked for, nothing else is due
+CHECKPOINT = "checkpoint"  # an event made a checkpoint due (the ``due`` predicate said so)
+END = "end"  # the run is over: every worker's loop ended or no worker is left
+
+
+class Snapshot(NamedTuple):
+    """What a checkpoint holds of a run (see :meth:`stalewise.checkpoint.Saver.save`)."""
+
+    states: Sequence[dict]  # each shard's state_dict
+    step: dict  # at least "pushes" and "time"; a runtime adds its own ("drawn", "sim")
+    residuals: Sequence[np.ndarray] | None  # each worker's error feedback (None: none kept)
+
+
+class Host(Protocol):
+    """What a runtime implements for :func:`drive`; every call comes from the driver.
+
+    Attributes:
+        runtime: its name, written into checkpoints and log lines ("local", "sim", "ray").
+        virtual: its clock is virtual: evaluations cost no time on it, so the driver
+            makes no warm-up call of ``evaluate`` before the clock starts.
+        checkpoint_info: what it adds to a checkpoint's manifest (e.g. the sim's seed).
+    """
+
+    runtime: str
+    virtual: bool
+    checkpoint_info: dict
+
+    def start(self, run: Run) -> None:
+        """Starts the shards (from ``run.resume``'s states, if any) and every worker, each
+        worker id's stream skipping ``run.drawn`` and with ``run.feedback``'s residual;
+        returns when all are ready, not yet released. ``run.failures`` is the policy to
+        apply from now on; ``run.saver`` is set before :meth:`go`."""
+
+    def go(self) -> None:
+        """Releases the workers together; the host's clock starts (or goes on, resumed)."""
+
+    def advance(self, until: float, due: Callable[[], bool] | None) -> str:
+        """Runs the job on, handling failures by the policy, towards time ``until``;
+        returns ``TICK``, ``RECORD``, ``CHECKPOINT`` or ``END`` (see the module). An
+        event-driven host calls ``due`` (if given) after each event and returns
+        ``CHECKPOINT`` when it says True; it returns ``RECORD`` at once if ``until`` is
+        not after its clock."""
+
+    def now(self) -> float:
+        """The host's clock: seconds since :meth:`go` (virtual in the simulator); before
+        :meth:`go`, the time the run starts at (0, or a resumed simulation's time)."""
+
+    def pushes(self) -> int:
+        """Pushes counted toward ``steps`` so far (as of the last :meth:`advance`)."""
+
+    def version(self) -> int:
+        """Shard 0's version (for ``checkpoint_every``)."""
+
+    def stats(self, *, settled: bool = False) -> dict:
+        """The shards' counters merged (:func:`~stalewise.runtime.base.merge_stats`)."""
+
+    def losses(self) -> Sequence[float]:
+        """Each worker's last loss (NaN: it has not pushed)."""
+
+    def params(self) -> Any:
+        """The parameters as an observer pulls them (a tree)."""
+
+    def stop(self) -> bool:
+        """``stop_at`` is reached: tells the workers to stop. True if the run ends at once
+        (pushes in flight stay there: the end's stats are not settled)."""
+
+    def snapshot(self, now: float, *, failure: bool = False) -> Snapshot | None:
+        """The run's state for a checkpoint at ``now`` (``failure``: a WorkerError stops the
+        run); None when none can be taken now (the driver tries again when next due)."""
+
+    def budget_spent(self) -> bool:
+        """A worker's loop ended because the budget was spent."""
+
+    def diverged(self) -> list[int]:
+        """The workers that diverged (their loop raised ``loop.Diverged``)."""
+
+    def finish(self, stats: dict) -> np.ndarray:
+        """The run is over: adds the runtime's own entries to ``stats``; returns the final
+        flat parameters (it may stop what it started)."""
+
+    def close(self) -> None:
+        """Stops everything it started; called once, whatever happened."""
+
+
+def failures_for(options: Any) -> Failures:
+    """The failure policy of a run of ``options``; its fatal errors say how to resume."""
+    hint = ""
+    if options.checkpoint_dir is not None:
+        hint = (
+            f"\nCheckpoints are in {options.checkpoint_dir}: resume with Job.train(..., "
+            "resume=True) or `stalewise train CONFIG --resume RUN_DIR`."
+        )
+    return Failures(options.on_worker_failure, options.max_restarts, hint=hint)
+
+
+class Run:
+    """One run driven over a host: what the host may read, and :meth:`train`."""
+
+    def __init__(self, host: Host, config: Any, strategy: Any, options: Any):
+        self.host, self.config, self.strategy, self.options = host, config, strategy, options
+        self.failures = failures_for(options)
+        self.resume = checkpoint.resume_point(config, options, runtime=host.runtime)
+        self.saver: checkpoint.Saver | None = None
+        self.recorder: Recorder | None = None
+
+    @property
+    def pushes_at_start(self) -> int:
+        """The pushes the resumed checkpoint had counted (0: a fresh run)."""
+        return 0 if self.resume is None else int(self.resume.step.get("pushes", 0))
+
+    @property
+    def drawn(self) -> list[int]:
+        """The batches each worker id had drawn at the resumed checkpoint (zeros: none)."""
+        return checkpoint.drawn_of(self.resume, self.options.workers)
+
+    @functools.cached_property
+    def feedback(self) -> list[Any] | None:
+        """Each worker's error-feedback state to start from (None: the codec keeps none)."""
+        return checkpoint.feedback_of(self.resume, self.config, self.options.workers)
+
+    def _save(self, now: float, *, final: bool = False, failure: bool = False) -> None:
+        assert self.saver is not None
+        snap = self.host.snapshot(now, failure=failure)
+        if snap is not None:  # a write that fails warns and is kept in failures
+            self.saver.save(snap.states, snap.step, snap.residuals, final=final)
+
+    def _record(self, now: float, pushes: int) -> bool:
+        assert self.recorder is not None
+        host, o = self.host, self.options
+        return self.recorder.record(
+            now, pushes, host.stats(), mean_loss(host.losses()), o.evaluate, host.params
+        )
+
+    def train(self) -> TrainResult:
+        """Starts the host, runs the record/checkpoint loop to the end, returns the result."""
+        host, o = self.host, self.options
+        try:
+            if self.resume is not None:
+                log.info(
+                    "%s: resumed from %s (version %d)",
+                    host.runtime,
+                    self.resume.path,
+                    self.resume.version,
+                )
+            host.start(self)
+            if o.evaluate is not None and not host.virtual:  # the first call may load data
+                o.evaluate(host.params())  # or compile: not training time
+            self.recorder = Recorder(
+                o.run, o.steps, stop_at=o.stop_at, on_record=o.on_record, progress=o.progress
+            )
+            try:
+                return self._run()
+            finally:
+                self.recorder.close()
+        finally:
+            host.close()
+
+    def _run(self) -> TrainResult:
+        host, o, recorder = self.host, self.options, self.recorder
+        assert recorder is not None
+        if o.checkpoint_dir is not None:
+            self.saver = checkpoint.Saver(
+                self.config, self.strategy, o, runtime=host.runtime, version=host.version(),
+                now=host.now(), failures=self.failures,
+                **host.checkpoint_info,
+            )  # fmt: skip
+        saver = self.saver
+        due = None
+        if saver is not None and saver.periodic:
+            due = lambda: saver.due(host.version(), host.now())  # noqa: E731
+        settled = True  # no push is left in flight at the end
+        try:
+            host.go()
+            deadline = math.inf if o.timeout is None else time.perf_counter() + o.timeout
+            k, at = 0, host.now()  # the next record: at once, then at k * eval_interval
+            while True:
+                step = host.advance(at, due)
+                now, pushes = host.now(), host.pushes()
+                recorder.progress(pushes)
+                if step == END:
+                    break
+                if step == RECORD or (step == TICK and now >= at):
+                    k = max(k + 1, math.floor(now / o.eval_interval) + 1)
+                    at = k * o.eval_interval
+                    if self._record(now, pushes) and host.stop():
+                        settled = False  # the run ends at once, pushes in flight
+                        break
+                if step != RECORD and saver is not None and saver.due(host.version(), now):
+                    self._save(now)
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(
+                        f"training did not finish within the timeout ({o.timeout} s)"
+                    )
+        except WorkerError:
+            if saver is not None:  # the state at the failure, to resume from
+                with contextlib.suppress(Exception):
+                    self._save(host.now(), failure=True)
+            raise
+        if not recorder.records or recorder.records[-1]["time"] != now:
+            self._record(now, pushes)  # the end's record
+        stats = host.stats(settled=settled)
+        reason = end_reason(
+            recorder,
+            self.failures,
+            pushes=pushes,
+            steps=o.steps,
+            budget_spent=host.budget_spent(),
+            diverged=host.diverged(),
+            stats=stats,
+            version=stats["version"],
+            run=o.run,
+        )
+        recorder.finish(reason)
+        if saver is not None:  # the end of the run: every worker has left
+            self._save(now, final=True)
+        flat = host.finish(stats)
+        params = tree.unflatten(flat, self.config.spec, copy=True)
+        return TrainResult(
+            params, flat, recorder.records, stats, now, pushes, self.failures.events, reason
+        )
+
+
+def drive(host: Host, config: Any, strategy: Any, options: Any) -> TrainResult:
+    """Runs the job of ``config`` over ``host`` with ``options`` (:class:`RunOptions`);
+    see the module docstring. Whatever happens, :meth:`Host.close` is called."""
+    return Run(host, config, strategy, options).train()
