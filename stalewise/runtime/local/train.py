@@ -56,17 +56,16 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import Any
 
-from stalewise import checkpoint, tree
+import numpy as np
+
+from stalewise import checkpoint
 from stalewise.protocol import ServerConfig, loop, pulls, wire
+from stalewise.runtime import driver
 from stalewise.runtime.base import (
-    Failures,
-    Recorder,
     ShardError,
     TrainResult,
     WorkerError,
     batch_iterator,
-    end_reason,
-    mean_loss,
     merge_stats,
     worker_failed,
 )
@@ -242,31 +241,22 @@ class _Worker:
     frames: wire.FrameReader = field(default_factory=lambda: wire.FrameReader(wire.MAX_RESULT))
 
 
-class _Supervisor:
-    """Starts, watches and restarts the worker processes of one run; see the module docstring."""
+class _Host:
+    """The local runtime as a :class:`~stalewise.runtime.driver.Host`: starts, watches and
+    restarts the shard and worker processes of one run; see the module docstring."""
 
-    def __init__(
-        self, server: LocalServer, config: ServerConfig, strategy: Strategy, o: RunOptions
-    ):
-        self.server, self.config, self.strategy, self.o = server, config, strategy, o
+    runtime, virtual, checkpoint_info = "local", False, {}
+
+    def __init__(self, config: ServerConfig, strategy: Strategy, o: RunOptions):
+        self.config, self.strategy, self.o = config, strategy, o
         self.worker_options = o.for_workers()
         self.workers: list[_Worker] = []
-        hint = ""
-        if o.checkpoint_dir is not None:
-            hint = (
-                f"\nCheckpoints are in {o.checkpoint_dir}: resume with Job.train(..., "
-                "resume=True) or `stalewise train CONFIG --resume RUN_DIR`."
-            )
-        self.failures = Failures(o.on_worker_failure, o.max_restarts, hint=hint)
-        self.saver: checkpoint.Saver | None = None
-        self.checkpointed = False  # a checkpoint of this run exists (written or resumed)
-        self.recorder: Recorder | None = None
-        self.pushes = 0  # pushes made by all workers (the budget's count)
-        self.last_eval = -math.inf
-        self.t0 = time.perf_counter()
+        self.server: LocalServer | None = None
+        self.run: driver.Run | None = None
+        self.t0: float | None = None
 
     def now(self) -> float:
-        return time.perf_counter() - self.t0
+        return 0.0 if self.t0 is None else time.perf_counter() - self.t0
 
     # -- processes -------------------------------------------------------------------
 
@@ -296,46 +286,6 @@ class _Supervisor:
             wk.proc.kill()
             wk.proc.join()
         wk.conn.close()
-
-    def start(self) -> None:
-        """Starts every worker and waits until all are ready (a failure here fails the job)."""
-        for w in range(self.o.workers):
-            self.spawn(w)
-        deadline = time.monotonic() + self.o.start_timeout
-        while waiting := [w for w, wk in enumerate(self.workers) if wk.state == "starting"]:
-            self.server.check()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WorkerError(
-                    f"worker {waiting[0]} did not start within {self.o.start_timeout} s "
-                    "(start_timeout)"
-                )
-            for c in connection.wait([self.workers[w].conn for w in waiting], min(left, 0.1)):
-                w = next(i for i in waiting if self.workers[i].conn is c)
-                try:
-                    msgs = self.receive(w)
-                except wire.WireError as e:
-                    self.reap(w)
-                    msgs = [("error", w, "", _malformed(e))]
-                if msgs is None:
-                    self.reap(w)
-                    msgs = [("error", w, self._silent_death(w))]
-                if not msgs:  # a part of a message: the rest comes later
-                    continue
-                msg = next((m for m in msgs if m[0] != "beat"), msgs[0])
-                if msg[0] == "beat":
-                    continue
-                if msg[0] == "ready":
-                    self.workers[w].state = "ready"
-                else:
-                    raise worker_failed(w, msg[2], msg[3] if len(msg) > 3 else "")
-
-    def go(self) -> None:
-        self.t0 = time.perf_counter()
-        for wk in self.workers:
-            with contextlib.suppress(OSError):  # died meanwhile: poll() finds its pipe closed
-                wk.conn.send_bytes(wire.go())
-            wk.state, wk.beat = "running", time.monotonic()
 
     def _silent_death(self, w: int) -> str:
         return (
@@ -406,7 +356,7 @@ class _Supervisor:
             wk.state = "done"
         elif msg[0] == "diverged":
             wk.state = "diverged"
-            self.failures.diverged(w, msg[2], time=self.now())
+            self.run.failures.diverged(w, msg[2], time=self.now())
         else:  # "error": user code raised
             self.failed(w, f"raised {msg[3]}", msg[2])
 
@@ -433,9 +383,9 @@ class _Supervisor:
         connection.wait(self.server.shard_sentinels(), timeout=0.2)
         if self.check_shards():
             return
-        action = self.failures.worker(w, cause, time=self.now(), detail=detail)
+        action = self.run.failures.worker(w, cause, time=self.now(), detail=detail)
         if action == "restart":
-            self.workers[w].pending.append(self.failures.events[-1])
+            self.workers[w].pending.append(self.run.failures.events[-1])
             self.spawn(w)
         else:
             self.workers[w].state = "dropped"
@@ -447,8 +397,8 @@ class _Supervisor:
             return False
         events = []
         for k in dead:
-            self.failures.shard(k, self.server.shard_exit(k), time=self.now())
-            events.append(self.failures.events[-1])
+            self.run.failures.shard(k, self.server.shard_exit(k), time=self.now())
+            events.append(self.run.failures.events[-1])
         again = [w for w, wk in enumerate(self.workers) if wk.state in (*_LIVE, "down")]
         for w in again:  # their pipes to the dead shard are gone: new incarnations
             if self.workers[w].state != "down":
@@ -457,7 +407,7 @@ class _Supervisor:
         bases = self.checkpoint_states()
         for k, event in zip(dead, events, strict=True):
             info = self.server.restart_shard(k, bases[k] if bases else None, self.o.ack_timeout)
-            self.failures.shard_restarted(event, version=info["version"], lost=info["lost"])
+            self.run.failures.shard_restarted(event, version=info["version"], lost=info["lost"])
             log.warning(
                 "shard %d restarted at version %d from its %s (%s updates of its slice lost); "
                 "workers %s restart as new incarnations",
@@ -473,8 +423,9 @@ class _Supervisor:
         return True
 
     def checkpoint_states(self) -> list[dict] | None:
-        """The shard states of this run's last checkpoint, if it has one."""
-        if not self.checkpointed:
+        """The shard states of this run's last checkpoint (written or resumed), if any."""
+        run = self.run
+        if run.resume is None and (run.saver is None or run.saver.last is None):
             return None
         try:
             return checkpoint.load(self.o.checkpoint_dir).states
@@ -482,112 +433,126 @@ class _Supervisor:
             log.warning("cannot use the last checkpoint to restart a shard: %s", e)
             return None
 
-    def save(self, pushes: int, now: float, final: bool = False) -> None:
-        assert self.saver is not None
-        states = self.server.state_dicts()
-        residuals = self.server.residuals()  # each worker's, as of its last committed push
-        drawn = [int(n) for n in self.server.control[_drawn(self.o.workers)]]
-        step = {"pushes": pushes, "time": now, "drawn": drawn}
-        if self.saver.save(states, step, residuals, final=final) is not None:  # else: warned
-            self.checkpointed = True
-
-    # -- the run ---------------------------------------------------------------------
-
-    def train(self, resumed: checkpoint.Checkpoint | None) -> dict[str, Any]:
-        """Runs the job to its end; returns what TrainResult needs (besides the params)."""
-        o, server = self.o, self.server
-        if resumed is not None:
-            server.load_state_dicts(resumed.states)
-            feedback = checkpoint.feedback_of(resumed, self.config, o.workers)
-            if feedback is not None:  # each worker id continues with its saved residual
-                server.load_residuals([f.residual for f in feedback])
-            server.control[_DONE0] = int(resumed.step.get("pushes", 0))  # the job's total budget
-            server.control[_drawn(o.workers)] = checkpoint.drawn_of(resumed, o.workers)
-            self.checkpointed = True
-            log.info("resumed from %s (version %d)", resumed.path, resumed.version)
-        self.start()
-        if o.evaluate is not None:  # the first call may load data or compile: not training time
-            o.evaluate(server.pull())
-        self.recorder = recorder = Recorder(
-            o.run, o.steps, stop_at=o.stop_at, on_record=o.on_record, progress=o.progress
-        )
+    def _retrying(self, call: Callable[[], Any]) -> Any:
+        """``call()`` (a call to the shards); if a shard died meanwhile, it and the
+        workers are restarted (or ShardError raised by the policy) and it is made again."""
         try:
-            self.go()
-            if o.checkpoint_dir is not None:
-                # consistent per shard; across shards the states can differ by the pushes
-                # in flight, which a resumed run loses (its workers are new incarnations)
-                self.saver = checkpoint.Saver(
-                    self.config,
-                    self.strategy,
-                    o,
-                    runtime="local",
-                    version=server.published_version(),
-                    failures=self.failures,
-                )
-            try:
-                while any(wk.state in _LIVE for wk in self.workers):
-                    self.poll(0.05)
-                    try:
-                        self.observe()
-                    except ShardError:  # a shard died since poll() looked
-                        if not self.check_shards():
-                            raise
-            except WorkerError:
-                if self.saver is not None and not server.dead_shards():
-                    with contextlib.suppress(Exception):  # the state at the failure, to resume
-                        self.save(self.pushes, self.now())
+            return call()
+        except ShardError:
+            if not self.check_shards():
                 raise
-            elapsed = self.now()
-            per_shard = server.stats()
-            stats = merge_stats(per_shard, settled=True)
-            reason = end_reason(
-                recorder,
-                self.failures,
-                pushes=self.pushes,
-                steps=self.o.steps,
-                budget_spent=any(wk.state == "done" for wk in self.workers),
-                diverged=[w for w, wk in enumerate(self.workers) if wk.state == "diverged"],
-                stats=stats,
-                version=per_shard[0]["version"],
-                run=self.o.run,
-            )
-            recorder.finish(reason)
-            if self.saver is not None:  # the end of the run: every worker has left
-                self.save(self.pushes, elapsed, final=True)
-            return {
-                "records": recorder.records,
-                "stats": stats,
-                "time": elapsed,
-                "pushes": self.pushes,
-                "failures": self.failures.events,
-                "stop_reason": reason,
-            }
-        finally:
-            recorder.close()
+            return call()
 
-    def observe(self) -> None:
-        """Progress, records (every ``eval_interval`` and at the end), checkpoints, timeout."""
-        o, server, ctrl = self.o, self.server, self.server.control
-        now = self.now()
-        self.pushes = server.observer.job_pushes  # as the workers' budget counts them
-        self.recorder.progress(self.pushes)
-        ending = not any(wk.state in _LIVE for wk in self.workers)
-        if now - self.last_eval >= o.eval_interval or ending:
-            self.last_eval = now
-            stats = merge_stats(server.stats())
-            losses = mean_loss(ctrl[_DONE0 + o.workers : _DONE0 + 2 * o.workers])
-            if self.recorder.record(now, self.pushes, stats, losses, o.evaluate, server.pull):
-                ctrl[_STOP] = 1
-        saver = self.saver
-        if saver and not ending and saver.due(server.published_version(), now):
-            self.save(self.pushes, now)
-        if o.timeout is not None and now > o.timeout:
-            raise TimeoutError(f"training did not finish within {o.timeout} s")
+    # -- the driver's host -----------------------------------------------------------
 
-    def stop(self) -> None:
-        """Stops every worker process (politely, then by force) and closes the pipes."""
-        if self.server.control is not None:
-            self.server.control[_STOP] = 1
+    def start(self, run: driver.Run) -> None:
+        """Starts the shards (at the resumed checkpoint) and every worker, until all are
+        ready (a failure here fails the job)."""
+        o, self.run = self.o, run
+        self.server = server = LocalServer(
+            self.config, o.workers, start_timeout=o.shard_start_timeout,
+            join_timeout=o.join_timeout,
+        )  # fmt: skip
+        if run.resume is not None:
+            server.load_state_dicts(run.resume.states)
+            if run.feedback is not None:  # each worker id continues with its saved residual
+                server.load_residuals([f.residual for f in run.feedback])
+            server.control[_DONE0] = run.pushes_at_start  # the job's total budget
+            server.control[_drawn(o.workers)] = run.drawn
+        for w in range(o.workers):
+            self.spawn(w)
+        deadline = time.monotonic() + o.start_timeout
+        while waiting := [w for w, wk in enumerate(self.workers) if wk.state == "starting"]:
+            server.check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError(
+                    f"worker {waiting[0]} did not start within {o.start_timeout} s (start_timeout)"
+                )
+            for c in connection.wait([self.workers[w].conn for w in waiting], min(left, 0.1)):
+                w = next(i for i in waiting if self.workers[i].conn is c)
+                try:
+                    msgs = self.receive(w)
+                except wire.WireError as e:
+                    self.reap(w)
+                    msgs = [("error", w, "", _malformed(e))]
+                if msgs is None:
+                    self.reap(w)
+                    msgs = [("error", w, self._silent_death(w))]
+                if not msgs:  # a part of a message: the rest comes later
+                    continue
+                msg = next((m for m in msgs if m[0] != "beat"), msgs[0])
+                if msg[0] == "beat":
+                    continue
+                if msg[0] == "ready":
+                    self.workers[w].state = "ready"
+                else:
+                    raise worker_failed(w, msg[2], msg[3] if len(msg) > 3 else "")
+
+    def go(self) -> None:
+        self.t0 = time.perf_counter()
+        for wk in self.workers:
+            with contextlib.suppress(OSError):  # died meanwhile: poll() finds its pipe closed
+                wk.conn.send_bytes(wire.go())
+            wk.state, wk.beat = "running", time.monotonic()
+
+    def advance(self, until: float, due: Any) -> str:
+        self.poll(0.05)
+        return driver.TICK if any(wk.state in _LIVE for wk in self.workers) else driver.END
+
+    def pushes(self) -> int:
+        return self.server.observer.job_pushes  # as the workers' budget counts them
+
+    def version(self) -> int:
+        return self.server.published_version()
+
+    def stats(self, *, settled: bool = False) -> dict:
+        return merge_stats(self._retrying(self.server.stats), settled=settled)
+
+    def losses(self) -> Any:
+        return self.server.control[_DONE0 + self.o.workers : _DONE0 + 2 * self.o.workers]
+
+    def params(self) -> Any:
+        return self._retrying(self.server.pull)
+
+    def stop(self) -> bool:
+        self.server.control[_STOP] = 1
+        return False  # the workers see it at their next step
+
+    def snapshot(self, now: float, *, failure: bool = False) -> driver.Snapshot | None:
+        """Consistent per shard; across shards the states can differ by the pushes in
+        flight, which a resumed run loses (its workers are new incarnations)."""
+        server = self.server
+        if failure and server.dead_shards():
+            return None
+
+        def take() -> driver.Snapshot:
+            states = server.state_dicts()
+            residuals = server.residuals()  # each worker's, as of its last committed push
+            drawn = [int(n) for n in server.control[_drawn(self.o.workers)]]
+            step = {"pushes": server.observer.job_pushes, "time": now, "drawn": drawn}
+            return driver.Snapshot(states, step, residuals)
+
+        return take() if failure else self._retrying(take)
+
+    def budget_spent(self) -> bool:
+        return any(wk.state == "done" for wk in self.workers)
+
+    def diverged(self) -> list[int]:
+        return [w for w, wk in enumerate(self.workers) if wk.state == "diverged"]
+
+    def finish(self, stats: dict) -> np.ndarray:
+        self.close()
+        return self.server.final_params
+
+    def close(self) -> None:
+        """Stops every worker process (politely, then by force), closes the pipes, then
+        stops the shards."""
+        server = self.server
+        if server is None:
+            return
+        if server.control is not None:
+            server.control[_STOP] = 1
         for wk in self.workers:
             wk.conn.close()
         for wk in self.workers:
@@ -595,6 +560,7 @@ class _Supervisor:
             if wk.proc.is_alive():
                 wk.proc.kill()
                 wk.proc.join()
+        server.close()
 
 
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
@@ -605,15 +571,4 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         raise ValueError(why)
     for name, obj in (("loss_and_grad", o.loss_and_grad), ("data", o.data), ("strategy", strategy)):
         _check_picklable(name, obj)
-    resumed = checkpoint.resume_point(config, o, runtime="local")
-    with LocalServer(
-        config, o.workers, start_timeout=o.shard_start_timeout, join_timeout=o.join_timeout
-    ) as server:
-        supervisor = _Supervisor(server, config, strategy, o)
-        try:
-            out = supervisor.train(resumed)
-        finally:
-            supervisor.stop()
-    flat = server.final_params
-    params = tree.unflatten(flat, config.spec, copy=True)
-    return TrainResult(params, flat, **out)
+    return driver.drive(_Host(config, strategy, o), config, strategy, o)

@@ -641,9 +641,7 @@ class Simulation:
                 self.start_loop(w)
             self.now = t0
 
-    def advance(
-        self, until: float, deadline: float, due: Callable[[], bool] | None = None
-    ) -> str:
+    def advance(self, until: float, deadline: float, due: Callable[[], bool] | None = None) -> str:
         """Runs events up to the record time ``until`` (an evaluation event there, ordered
         with the others at that time by when it was scheduled); returns the driver's
         ``RECORD`` there (at once if ``until`` is not after :attr:`now`), ``CHECKPOINT``
@@ -673,9 +671,7 @@ class Simulation:
                     break
                 self.evals += 1
                 if self.evals > MAX_RECORDS:
-                    raise TooLongError(
-                        t, self.eval_interval, self.pushes, self.steps, MAX_RECORDS
-                    )
+                    raise TooLongError(t, self.eval_interval, self.pushes, self.steps, MAX_RECORDS)
                 if time.perf_counter() > deadline:  # cheap next to a record
                     raise TimeoutError(f"simulation did not finish within the timeout (t={t:.6g})")
                 return driver.RECORD
