@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import time
@@ -30,16 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from stalewise import checkpoint, tree
+from stalewise import tree
 from stalewise.protocol import ServerConfig
+from stalewise.runtime import driver
 from stalewise.runtime.base import (
-    Failures,
-    Recorder,
     ShardError,
     TrainResult,
     WorkerError,
-    end_reason,
-    mean_loss,
     merge_stats,
     worker_failed,
 )
@@ -60,18 +56,21 @@ SNAPSHOT_LIMIT = 10.0  # seconds the shards may take to reach a consistent cut
 class _ShardDown(Exception):
     """A shard did not answer because its actor died (or answered from a restarted,
     not yet restored actor); its watch() reports it. Never leaves this module: every
-    shard call goes through :meth:`_Driver._retrying` (the restart path), and before
+    shard call goes through :meth:`_Host._retrying` (the restart path), and before
     the watch begins it becomes a :class:`ShardError`."""
 
 
-class _Driver:
-    """One run on Ray; :meth:`train` runs it and always kills what it started."""
+class _Host:
+    """One run on Ray, as a :class:`~stalewise.runtime.driver.Host`; :meth:`close` kills
+    what it started."""
+
+    runtime, virtual, checkpoint_info = "ray", False, {}
 
     def __init__(self, config: ServerConfig, strategy: Strategy, options: RunOptions):
         self.ray = import_ray()
         self.config, self.strategy, self.o = config, strategy, options
         self.W, self.S = options.workers, config.shards
-        self.failures = Failures(options.on_worker_failure, options.max_restarts)
+        self.run: driver.Run | None = None
         self.liveness = liveness.Liveness(options.worker_timeout, options.start_timeout)
         self.incs = [0] * self.W  # each worker's current incarnation
         self.actors: list[Any] = [None] * self.W
@@ -92,14 +91,16 @@ class _Driver:
         self.fb_at: list[tuple[int, int] | None] = [None] * self.W
         self.keepers: list[Any] = [None] * self.W
         self.ended: list[dict] = []  # what each worker loop that ended normally returned
-        self.diverged: list[int] = []  # the workers that diverged
-        self.recorder: Recorder | None = None
+        self.dead: list[int] = []  # the workers that diverged
+        self.tick: list[dict] = []  # each shard's counters, as of the last advance()
+        self.final: list[dict] = []  # ... and at the end of the run
+        self.last_backup = -math.inf
         self.stopping = False
         self.share = 1.0  # CPUs per actor (cpu_share)
         self.config_ref: Any = None  # the ServerConfig in the object store (for the workers)
         # actors are named PREFIX:shard-K and PREFIX:worker-W.INCARNATION
         self.prefix = f"stalewise:{options.run}:{uuid.uuid4().hex[:8]}"
-        self.t0 = 0.0
+        self.t0: float | None = None
 
     # -- start -----------------------------------------------------------------------
 
@@ -132,24 +133,21 @@ class _Driver:
         info = self._get([s.ready.remote() for s in self.shards], o.shard_start_timeout, "start")
         self.nodes = [i["node"] for i in info]
 
-    def _open_shards(self) -> int:
-        """Loads the checkpoint to resume from (if any), admits every worker; the pushes so far."""
-        resumed = checkpoint.resume_point(self.config, self.o, runtime="ray")
+    def _open_shards(self, run: driver.Run) -> None:
+        """Loads the checkpoint to resume from (if any), admits every worker."""
         states: list = [None] * self.S
-        base = 0
-        if resumed is not None:
-            states, base = resumed.states, int(resumed.step.get("pushes", 0))
+        base = run.pushes_at_start
+        if run.resume is not None:
+            states = run.resume.states
             for w in range(self.W):  # new incarnations, above those in the checkpoint
                 self.incs[w] = max(int(np.asarray(s["incarnation"])[w]) for s in states)
-            log.info("ray: resumed from %s (version %d)", resumed.path, resumed.version)
-        for w, n in enumerate(checkpoint.drawn_of(resumed, self.W)):
+        for w, n in enumerate(run.drawn):
             self.liveness.heard(w, n)  # each worker id's stream goes on where it stopped
         joins = {w: self.incs[w] + 1 for w in range(self.W)}
         self.incs = [joins[w] for w in range(self.W)]
         if self.ef:  # each worker id continues with its saved residual (zeros: none saved)
-            feedback = checkpoint.feedback_of(resumed, self.config, self.W)
-            assert feedback is not None
-            self.fb = [f.residual for f in feedback]
+            assert run.feedback is not None
+            self.fb = [f.residual for f in run.feedback]
             self.fb_at = [(self.incs[w], 0) for w in range(self.W)]
         refs = [
             s.load.remote(states[k], base, joins, [], init=self.config.init[lo:hi])
@@ -157,7 +155,6 @@ class _Driver:
         ]
         self._get(refs, self.o.shard_start_timeout, "load")
         self._take_backup()
-        return base
 
     def _spawn(self, w: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -210,94 +207,86 @@ class _Driver:
             except ray.exceptions.RayError as e:
                 raise worker_failed(refs[ref], str(e)) from None
 
-    # -- the run ---------------------------------------------------------------------
+    # -- the driver's host ----------------------------------------------------------
 
-    def train(self) -> TrainResult:
-        o = self.o
+    def start(self, run: driver.Run) -> None:
+        self.run = run
         try:
             self._start_shards()
-            base = self._open_shards()
+            self._open_shards(run)
             self._start_workers()
-            if o.evaluate is not None:  # the first call may load data or compile: not training
-                o.evaluate(self._params())
-            self.recorder = Recorder(
-                o.run, o.steps, stop_at=o.stop_at, on_record=o.on_record, progress=o.progress
-            )
-            saver = None
-            if o.checkpoint_dir is not None:
-                version = self._stats()[0]["version"]
-                saver = checkpoint.Saver(
-                    self.config, self.strategy, o, runtime="ray", version=version,
-                    failures=self.failures,
-                )  # fmt: skip
-            self.t0 = time.perf_counter()
-            self.runs = {self.actors[w].run.remote(): w for w in range(self.W)}
-            for w in range(self.W):
-                self.liveness.watch(w, self.actors[w], ready=True)
-            self.live = set(range(self.W))
-            self.watches = {s.watch.remote(): k for k, s in enumerate(self.shards)}
-            pushes = self._watch(saver, base)
-            return self._finish(saver, pushes)
-        except _ShardDown as e:  # while starting, before the restart path is in place
+        except _ShardDown as e:  # before the restart path is in place
             raise ShardError(f"{e} while the run was starting") from None
-        finally:
-            self._teardown()
 
-    def _watch(self, saver: Any, pushes: int) -> int:
-        """Watches the run until every worker's loop has ended; returns the push count."""
-        ray, o = self.ray, self.o
-        last_eval = last_backup = -math.inf
-        tick = min(TICK, o.eval_interval)
-        while self.live:
-            refs = [*self.runs, *self.watches]
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=tick)
-            for ref in sorted(done, key=lambda r: r not in self.watches):  # shards first
-                if ref in self.watches:
-                    self._shard_ended(ref)
-                elif ref in self.runs:
-                    self._worker_ended(ref)
-            for w, cause in self.liveness.check():
-                self._worker_hung(w, cause)
-            now = time.perf_counter() - self.t0
-            stats = self._stats()
-            pushes = stats[0]["handled"]
-            assert self.recorder is not None
-            self.recorder.progress(pushes)
-            if now - last_eval >= o.eval_interval or not self.live:
-                last_eval = now
-                losses = stats[0]["losses"]
-                if self.recorder.record(
-                    now, pushes, merge_stats(stats), mean_loss(losses), o.evaluate, self._params
-                ):
-                    self._stop()
-            if not self.live:
-                break
-            if saver is not None and saver.due(stats[0]["version"], now):
-                if self._retrying(functools.partial(self._save, saver, now)):
-                    last_backup = now
-            elif now - last_backup >= BACKUP_EVERY and self._retrying(self._take_backup):
-                last_backup = now
-            if o.timeout is not None and now > o.timeout:
-                raise TimeoutError(f"training did not finish within {o.timeout} s")
-        return pushes
+    def go(self) -> None:
+        self.t0 = time.perf_counter()
+        self.runs = {self.actors[w].run.remote(): w for w in range(self.W)}
+        for w in range(self.W):
+            self.liveness.watch(w, self.actors[w], ready=True)
+        self.live = set(range(self.W))
+        self.watches = {s.watch.remote(): k for k, s in enumerate(self.shards)}
 
-    def _finish(self, saver: Any, pushes: int) -> TrainResult:
-        elapsed = time.perf_counter() - self.t0
-        assert self.recorder is not None
-        per_shard = self._stats()
-        stats = merge_stats(per_shard, settled=True)  # every worker has taken its acks
-        reason = end_reason(
-            self.recorder,
-            self.failures,
-            pushes=pushes,
-            steps=self.o.steps,
-            budget_spent=bool(self.ended),
-            diverged=self.diverged,
-            stats=stats,
-            version=per_shard[0]["version"],
-            run=self.o.run,
-        )
-        self.recorder.finish(reason)
+    def advance(self, until: float, due: Any) -> str:
+        """One look at the run: a backup of the shards when one is due (after the driver's
+        last record and checkpoint), then up to one tick's wait for what ends."""
+        ray = self.ray
+        if self.tick and self.now() - self.last_backup >= BACKUP_EVERY:
+            now = self.now()
+            if self._retrying(self._take_backup):
+                self.last_backup = now
+        refs = [*self.runs, *self.watches]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=min(TICK, self.o.eval_interval))
+        for ref in sorted(done, key=lambda r: r not in self.watches):  # shards first
+            if ref in self.watches:
+                self._shard_ended(ref)
+            elif ref in self.runs:
+                self._worker_ended(ref)
+        for w, cause in self.liveness.check():
+            self._worker_hung(w, cause)
+        self.tick = self._stats()
+        return driver.TICK if self.live else driver.END
+
+    def now(self) -> float:
+        return 0.0 if self.t0 is None else time.perf_counter() - self.t0
+
+    def pushes(self) -> int:
+        return self.tick[0]["handled"]
+
+    def version(self) -> int:
+        return (self.tick or self._stats())[0]["version"]
+
+    def stats(self, *, settled: bool = False) -> dict:
+        if not settled:
+            return merge_stats(self.tick)
+        self.final = self._stats()
+        return merge_stats(self.final, settled=True)  # every worker has taken its acks
+
+    def losses(self) -> Any:
+        return self.tick[0]["losses"]
+
+    def params(self) -> Any:
+        return tree.unflatten(self._flat(), self.config.spec)
+
+    def stop(self) -> bool:
+        self._stop()
+        return False
+
+    def snapshot(self, now: float, *, failure: bool = False) -> driver.Snapshot | None:
+        if failure:  # no consistent cut is attempted while a failure stops the run
+            return None
+        snap = self._retrying(lambda: self._snapshot(now))
+        if snap is not None:  # it took a backup too
+            self.last_backup = now
+        return snap
+
+    def budget_spent(self) -> bool:
+        return bool(self.ended)
+
+    def diverged(self) -> list[int]:
+        return self.dead
+
+    def finish(self, stats: dict) -> np.ndarray:
+        per_shard = self.final
         steps = max(sum(e["steps"] for e in self.ended), 1)
         stats["ray"] = {  # seconds per worker step, over the loops that ended normally
             key: sum(e["times"][key] for e in self.ended) / steps
@@ -312,25 +301,10 @@ class _Driver:
             "pull_bytes": sum(s["pulled"][0] / max(s["pulled"][1], 1) for s in per_shard),
             "pulls": [s["pulled"][1] for s in per_shard],
         }
-        if saver is not None:
-            self._retrying(lambda: self._save(saver, elapsed, final=True))
-        flat = self._flat()
-        params = tree.unflatten(flat, self.config.spec, copy=True)
-        return TrainResult(
-            params,
-            flat,
-            self.recorder.records,
-            stats,
-            elapsed,
-            pushes,
-            failures=self.failures.events,
-            stop_reason=reason,
-        )
+        return self._flat()
 
-    def _teardown(self) -> None:
+    def close(self) -> None:
         ray = self.ray
-        if self.recorder is not None:
-            self.recorder.close()
         for a in (*self.actors, *self.shards, *self.keepers):
             if a is not None:
                 ray.kill(a, no_restart=True)
@@ -367,8 +341,8 @@ class _Driver:
                 inc, pushed, self.fb[w] = ended["feedback"]
                 self.fb_at[w] = (inc, pushed)
             if "diverged" in ended:  # it left; it is not restarted
-                self.diverged.append(w)
-                self.failures.diverged(w, ended["diverged"], time=time.perf_counter() - self.t0)
+                self.dead.append(w)
+                self.run.failures.diverged(w, ended["diverged"], time=self.now())
             else:
                 self.ended.append(ended)
 
@@ -392,8 +366,8 @@ class _Driver:
             )
         if self.ef:  # its pushes every shard now has: the residual after the last of them
             self._inherit(w, max((n for n in counts if n is not None), default=None))
-        now = time.perf_counter() - self.t0
-        action = self.failures.worker(w, cause, time=now, detail=detail)
+        now = self.now()
+        action = self.run.failures.worker(w, cause, time=now, detail=detail)
         if action == "drop" or self.stopping:
             self.live.discard(w)
             return
@@ -447,9 +421,9 @@ class _Driver:
             return None  # the job is ending
         except ray.exceptions.RayError as e:
             cause = f"its actor died ({type(e).__name__})"
-        now = time.perf_counter() - self.t0
-        self.failures.shard(k, cause, time=now)  # ShardError unless it is to be restarted
-        event = self.failures.events[-1]
+        now = self.now()
+        self.run.failures.shard(k, cause, time=now)  # ShardError unless it is to be restarted
+        event = self.run.failures.events[-1]
         deadline = time.monotonic() + self.o.shard_start_timeout
         while True:  # Ray restarts the actor; calls fail while it is restarting
             try:
@@ -529,7 +503,7 @@ class _Driver:
             sorted(joins),
         )
         for event in events:  # the backup's version: how many updates were lost is unknown
-            self.failures.shard_restarted(event, version=versions[0])
+            self.run.failures.shard_restarted(event, version=versions[0])
         return versions[0]
 
     # -- talking to the shards -------------------------------------------------------
@@ -585,9 +559,6 @@ class _Driver:
         slices = self._get([r[1] for r in replies], timeout, "pull")
         return np.concatenate(slices) if len(slices) > 1 else np.array(slices[0])
 
-    def _params(self) -> Any:
-        return tree.unflatten(self._flat(), self.config.spec)
-
     def _stop(self) -> None:
         self.stopping = True
         timeout = self.o.ack_timeout
@@ -604,17 +575,18 @@ class _Driver:
             self.backup, self.targets = got[:2], got[2]
         return got is not None
 
-    def _save(self, saver: Any, now: float, final: bool = False) -> bool:
+    def _snapshot(self, now: float) -> driver.Snapshot | None:
+        """A consistent cut of the shards (a backup too) and the workers' residuals at it;
+        None: none this time (see :meth:`_take_backup` and :meth:`_residuals`)."""
         if not self._take_backup():
-            return False
+            return None
         assert self.backup is not None
         residuals = self._residuals() if self.ef else None
         if self.ef and residuals is None:
-            return False
+            return None
         drawn = [self.liveness.drawn.get(w, 0) for w in range(self.W)]
         step = {"pushes": self.backup[1], "time": now, "drawn": drawn}
-        saver.save(self.backup[0], step, residuals, final=final)  # a failure warns, is kept
-        return True
+        return driver.Snapshot(self.backup[0], step, residuals)
 
     def _residuals(self) -> list[np.ndarray] | None:
         """Each worker's error-feedback residual after the last of its pushes in the
@@ -656,7 +628,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     ray = import_ray()
     started = connect()
     try:
-        return _Driver(config, strategy, options).train()
+        return driver.drive(_Host(config, strategy, options), config, strategy, options)
     finally:
         if started:
             ray.shutdown()
