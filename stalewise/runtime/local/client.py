@@ -117,6 +117,7 @@ class Client:
         conns: list,
         block: SharedBlock | None = None,
         incarnation: int = 0,
+        joined_at: int = 0,
     ):
         self.worker = worker
         self.incarnation = incarnation
@@ -128,10 +129,11 @@ class Client:
         self._staleness = config.staleness
         # Pulls read the published snapshots unless the shard must see them: DC-ASGD
         # keeps what was pulled, and a gated model's gate needs this worker's clock,
-        # which the client counts from 0 (its pushes) only for a first incarnation;
-        # a restarted or resumed one joins at the shard's clock, so the shard gates it.
+        # which the client counts from 0 (its pushes) only for a first incarnation that
+        # joined at clock 0; a restarted, resumed or late one (an elastic job's joiner)
+        # joins at the shard's clock (`joined_at`), so the shard gates it.
         self._direct = not config.staleness.dc_lambda and (
-            not config.consistency.gated or incarnation <= 1
+            not config.consistency.gated or (incarnation <= 1 and joined_at == 0)
         )
         # with a codec: the update is encoded into one payload per shard at push
         self._compressor = config.compressor()
@@ -162,6 +164,7 @@ class Client:
         self._done: np.ndarray | None = None  # this worker id's pushes (workers only)
         #: whether the last pull includes this worker's last push (see :meth:`pull`'s ``own``)
         self.pull_has_own = True
+        self._lease: connection.Connection | None = None  # an attached process's socket
 
     @property
     def spec(self) -> tree.FlatSpec:
@@ -514,6 +517,8 @@ class Client:
             pass
         for c in self._conns:
             c.close()
+        if self._lease is not None:  # the server gives this worker id back (see .attach)
+            self._lease.close()
         self._pull_buf = self._push_buf = None  # type: ignore[assignment]
         self._payloads = []
         self._residuals = None
