@@ -35,7 +35,6 @@ import multiprocessing as mp
 import os
 import random
 import signal
-import statistics
 import sys
 import time
 import uuid
@@ -128,7 +127,7 @@ class Pool:
             self.collect(conn, p.pid)
 
     def close(self) -> None:
-        for p, conn in self.live + self.spares:
+        for _p, conn in self.live + self.spares:
             try:
                 conn.send("leave")
                 conn.send("exit")
