@@ -116,7 +116,8 @@ class Sender:
             self._buffers = (buffers[0], buffers[1])
         elif compressor is not None and compressor.error_feedback:
             size = compressor.size
-            self._buffers = (np.empty(size, dtype), np.zeros(size, dtype))
+            # both zero: the encoder writes only the pieces whose codec keeps feedback
+            self._buffers = (np.zeros(size, dtype), np.zeros(size, dtype))
             self.current = 1
             if residual is not None:
                 np.copyto(self._buffers[1], residual)
