@@ -70,8 +70,10 @@ def test_a_successor_continues_from_the_buffers_it_is_given():
     s.encode(update(), payloads(comp))
     s.judge()
     s.committed()
-    successor = Sender(SEG, staleness.constant(), 2, comp, buffers=s.buffers, current=s.current)
-    assert successor.residual is s.residual and successor.seq == 0
+    s.observed(0, 4)
+    successor = s.successor()  # the next incarnation: same buffers, seq 0, no version known
+    assert successor.residual is s.residual
+    assert (successor.seq, successor.known, successor.bases) == (0, [0, 0], [0, 0])
     copy = Sender(SEG, staleness.constant(), 2, comp, residual=s.residual)
     np.testing.assert_array_equal(copy.residual, s.residual)
     assert copy.residual is not s.residual

@@ -26,8 +26,9 @@ by :meth:`Sender.encode`. :meth:`Sender.committed` makes the new one current;
 until then (and after :meth:`Sender.abandoned`) the old one stays, so a worker
 that dies between encoding and committing leaves the residual consistent with
 what the shards applied. A worker's next incarnation starts from its
-predecessor's residual (``residual=``, copied, or ``buffers=`` and ``current=``,
-adopted as they are: the local runtime's buffers are in shared memory).
+predecessor's residual (:meth:`Sender.successor`; ``residual=``, copied; or
+``buffers=`` and ``current=``, adopted as they are: the local runtime's buffers
+are in shared memory).
 
 Example:
     >>> import numpy as np
@@ -201,6 +202,19 @@ class Sender:
             self.current = 1 - self.current
         self._encoded, self._payloads = False, None
         self.seq += 1
+
+    def successor(self) -> Sender:
+        """The sending side of this worker's next incarnation: the same job, sequence
+        numbers from 0, no version known, and this sender's residual buffers as they are
+        (call it once this incarnation sends nothing more)."""
+        return Sender(
+            self.segments,
+            self.staleness,
+            self.shards,
+            self.compressor,
+            buffers=self._buffers,
+            current=self.current,
+        )
 
     def abandoned(self) -> None:
         """The push being prepared will never be committed: the residual stays as it was."""

@@ -105,7 +105,14 @@ class WorkerActor:
         # the protocol's sending side: versions, verdict and the codec's error feedback
         # (starting from `residual`, the predecessor's or a checkpoint's); `keeper` keeps
         # the residual of every push before any shard gets it
-        self.sender = self._sender(residual=residual)
+        self.sender = Sender(
+            self.spec.segments,
+            config.staleness,
+            self.S,
+            self.compressor,
+            residual=residual,
+            dtype=config.init.dtype,
+        )
         self.keeper = keeper
         self.spans = payload_spans(config)
         if self.spans is None:
@@ -134,18 +141,6 @@ class WorkerActor:
         self.results: list[PushResult] = []  # of the pushes acknowledged, not yet reported
         self.error: BaseException | None = None  # raised in a thread
         self.closing = False
-
-    def _sender(self, **residual: Any) -> Sender:
-        """A :class:`~stalewise.protocol.sender.Sender` for this worker's incarnation."""
-        config = self.config
-        return Sender(
-            self.spec.segments,
-            config.staleness,
-            self.S,
-            self.compressor,
-            dtype=config.init.dtype,
-            **residual,
-        )
 
     def prepare(self) -> dict:
         """Set-up, not training: the data, and one step on the initial params whose result
@@ -392,9 +387,7 @@ class WorkerActor:
             "worker %d: continuing as incarnation %d (the shards were restored)", self.w, inc
         )
         self.inc, self.acked = inc, 0
-        old = self.sender  # a new incarnation's sender, on the same residual buffers
-        kept = {} if old.buffers is None else {"buffers": old.buffers, "current": old.current}
-        self.sender = self._sender(**kept)
+        self.sender = self.sender.successor()  # on the same residual buffers
         if self.replica is not None:
             self.replica.reset()
         self.moved_to = max(self.moved_to, inc)

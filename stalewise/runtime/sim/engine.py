@@ -382,20 +382,14 @@ class Simulation:
         self.at(self.timing.finish(w, self.now, local_steps), _COMPUTED, w, inc=self.inc[w])
 
     def new_sender(self, w: int) -> Sender:
-        """Worker ``w``'s sending side for a new incarnation: the residual buffers of its
-        previous incarnation (or the residual a resumed run gave it)."""
-        old, start = self.senders[w], self.feedback[w]
-        kept = {} if old is None or old.buffers is None else {"buffers": old.buffers}
-        if kept:
-            kept["current"] = old.current
+        """Worker ``w``'s sending side for a new incarnation: its predecessor's successor,
+        or one with the residual a resumed run gave it."""
+        if (old := self.senders[w]) is not None:
+            return old.successor()
+        start = None if self.feedback[w] is None else self.feedback[w].residual
+        cfg, dtype = self.config, self.params.dtype
         return Sender(
-            self.spec.segments,
-            self.config.staleness,
-            self.S,
-            self.compressor,
-            residual=None if start is None else start.residual,
-            dtype=self.params.dtype,
-            **kept,
+            cfg.spec.segments, cfg.staleness, self.S, self.compressor, residual=start, dtype=dtype
         )
 
     def payload_buffers(self, w: int) -> list[bytearray]:
