@@ -24,6 +24,7 @@ from stalewise.runtime.base import (
     TrainResult,
     WorkerError,
 )
+from stalewise.runtime.local.attach import AttachError, attach
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "ASP",
     "BSP",
     "SSP",
+    "AttachError",
     "CheckpointError",
     "Context",
     "DivergedError",
@@ -42,6 +44,7 @@ __all__ = [
     "ShardError",
     "TrainResult",
     "WorkerError",
+    "attach",
     "codecs",
     "consistency",
     "init",

@@ -252,9 +252,10 @@ class Job:
     def serve(
         self,
         *,
-        workers: int,
+        workers: int | tuple[int, int],
         join_timeout: float = _DEFAULTS["join_timeout"],
         runtime: str = "local",
+        name: str | None = None,
     ):
         """Starts the shards for a loop you own; use as a context manager.
 
@@ -271,6 +272,14 @@ class Job:
         incarnation (after its old process has exited). A worker id that has not
         started within ``join_timeout`` seconds stops holding back SSP/BSP gates.
 
+        ``workers=(min, max)`` makes an elastic job: room for ``max`` worker ids,
+        of which the first ``min`` are expected from the start; the others count
+        for the gates (BSP rounds, SSP bounds) once they join, and any worker may
+        leave (``client.close()``) or die and stop counting. ``name=`` lets
+        processes you start yourself join by the job's name: ``sw.attach(name)``
+        in any process of this user on this machine returns a client for the
+        lowest free worker id (see :mod:`stalewise.runtime.local.attach`).
+
         Example:
             >>> with job.serve(workers=2) as server:        # doctest: +SKIP
             ...     client = server.client(worker=0)        # hand it to a worker process
@@ -279,7 +288,8 @@ class Job:
         """
         factory = runtime_lib.server(runtime)
         self._check_pulls(runtime)
-        return factory(self.config, workers, join_timeout=join_timeout)
+        named = {} if name is None else {"name": name}
+        return factory(self.config, workers, join_timeout=join_timeout, **named)
 
     def _check_pulls(self, runtime: str) -> None:
         # every built-in runtime sends compressed pushes; delta pulls only pulls.RUNTIMES

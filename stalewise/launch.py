@@ -88,7 +88,7 @@ class Context:
         """True once the job's workers have pushed ``steps`` times in all, or the job stops."""
         if self.client.stopping:
             return True
-        return self.steps is not None and self.client.job_pushes >= self.steps
+        return self.steps is not None and not self.client.may_begin(self.steps)
 
     def close(self) -> None:
         """Waits for this worker's last push and leaves the job (and, unlaunched, stops

@@ -118,14 +118,15 @@ def test_payloads_in_shared_memory_have_the_exact_size_and_the_shards_apply_them
 def commit_unjudged(client):
     """Commits what the worker's payloads now hold and announces it, as a worker that does
     not follow the protocol would: the record says OK without judging (layout's fields)."""
-    rec, seq = client._record, client._seq
+    rec, sender = client._record, client._sender
+    seq = sender.seq
     rec[L.R_COMMIT] = 0
     rec[L.R_INC], rec[L.R_SEQ], rec[L.R_CODE], rec[L.R_DETAIL] = client.incarnation, seq, 0, 0
-    rec[L.R_BASES : L.R_BASES + len(client._base)] = client._base
+    rec[L.R_BASES : L.R_BASES + len(sender.bases)] = sender.bases
     rec[L.R_COMMIT] = seq + 1
     for conn in client._conns:
         conn.send_bytes(wire.push(seq))
-    client._seq, client._acks_due = seq + 1, [True] * len(client._conns)
+    sender.seq, client._acks_due = seq + 1, [True] * len(client._conns)
 
 
 def test_a_corrupt_committed_payload_is_refused_by_every_shard(no_leaks):
@@ -191,10 +192,11 @@ def test_one_shard_refusals_and_a_committed_payload_delivered_at_departure(no_le
         client.push_buffer[:] = flat(update(2))
         comp.encode_into(client.push_buffer, client._payloads)
         np.frombuffer(client._payloads[0], np.uint64, 1, 4)[0] = 7  # "n" of leaf b's piece
-        client._commit()
+        seq = client._commit()
         for conn in client._conns:
-            conn.send_bytes(wire.push(client._seq))
-        client._seq, client._acks_due = client._seq + 1, [True]
+            conn.send_bytes(wire.push(seq))
+        client._sender.committed()
+        client._acks_due = [True]
         result = client.wait(timeout=10)
         assert result.kind == "bad_payload" and "holds 7 values, expected 8" in result.reason
         np.testing.assert_array_equal(flat(server.pull(timeout=10)), np.zeros(3008))

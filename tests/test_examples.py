@@ -36,17 +36,17 @@ def test_example_trains_asynchronously(script, backend):
 README = EXAMPLES.parent / "README.md"
 
 
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", range(4))
 def test_readme_python_snippets_run_as_pasted(index, tmp_path):
     snippets = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert len(snippets) == 3, "a snippet was added or removed: update this test"
+    assert len(snippets) == 4, "a snippet was added or removed: update this test"
     script = tmp_path / "snippet.py"
     script.write_text(snippets[index])
     proc = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    expected = ["'loss':", "2 applied (3,)", "held-out accuracy"][index]
+    expected = ["'loss':", "2 applied (3,)", "w = 2.99", "held-out accuracy"][index]
     assert expected in proc.stdout, proc.stdout
 
 

@@ -97,7 +97,8 @@ def test_identity_comes_from_the_pipe_not_the_message(no_leaks):
         assert [s["version"] for s in server.stats()] == [0, 0]
         for c in honest._conns:
             c.send_bytes(wire.push(0))
-        honest._seq, honest._acks_due = 1, [True, True]
+        honest._sender.committed()  # push 0, announced
+        honest._acks_due = [True, True]
         assert honest.wait(timeout=10).status == "applied"
         # the old pickled form, which named the worker, is not a message at all
         liar2 = server.client(0)

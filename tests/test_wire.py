@@ -230,8 +230,7 @@ class TestOneServer:
         honest = server.honest
         honest.wait(timeout=10)
         honest.push_buffer[:] = 1.0
-        honest._commit()
-        seq = honest._seq
+        seq = honest._commit()
         before = server.pull(timeout=10)
         replies, _ = attack(server, 0, wire.frame(wire.push(seq)))
         assert f"sent push {seq}, which has no committed record" in error_of(replies)
@@ -239,7 +238,8 @@ class TestOneServer:
         assert now["a"].tobytes() == before["a"].tobytes()
         for c in honest._conns:
             c.send_bytes(wire.push(seq))
-        honest._seq, honest._acks_due = seq + 1, [True, True]
+        honest._sender.committed()
+        honest._acks_due = [True, True]
         assert honest.wait(timeout=10).status == "applied"
         np.testing.assert_array_equal(server.pull(timeout=10)["a"], before["a"] - 1.0)
         check_unharmed(server, server.pull(timeout=10))

@@ -42,8 +42,12 @@ class ServerConfig:
             return None
         return compress.Compressor(self.codec, self.spec.segments, self.ranges, self.spec.buffers)
 
-    def build_shard(self, k: int, params: np.ndarray, workers: int) -> Shard:
-        """Builds shard ``k`` over ``params`` (its slice, already holding the values).
+    def build_shard(
+        self, k: int, params: np.ndarray, workers: int, expected: int | None = None
+    ) -> Shard:
+        """Builds shard ``k`` over ``params`` (its slice, already holding the values), with
+        room for ``workers`` worker ids of which the first ``expected`` (default: all) are
+        expected from the start.
 
         With a codec the shard takes encoded payloads and decodes them itself
         (:class:`~stalewise.protocol.compress.Decoder`), so a push is validated on
@@ -60,6 +64,7 @@ class ServerConfig:
             self.spec.segments.slice(lo, hi),
             self.optimizer,
             workers=workers,
+            expected=expected,
             consistency=self.consistency,
             staleness=self.staleness,
             shard_id=k,

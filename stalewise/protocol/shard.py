@@ -30,6 +30,10 @@ the step is a round's mean; a round that would overflow is dropped, with a
 warning, and its pushes are counted as refused.
 Workers the shard was built for are *expected*: they count for the gates from
 the start, and :meth:`Shard.expire_unstarted` drops those that never joined.
+A shard may hold room for more worker ids than it expects (``expected <
+workers``: an elastic job): the others count for nothing until they join, and
+any id may leave and join again, so BSP rounds, SSP bounds and the hybrid pace
+are always taken over the live workers.
 
 Example:
     >>> import numpy as np
@@ -133,6 +137,7 @@ class Shard:
         optimizer: Any,
         *,
         workers: int,
+        expected: int | None = None,
         consistency: consistency_lib.Consistency | None = None,
         staleness: staleness_lib.Staleness | None = None,
         shard_id: int = 0,
@@ -147,6 +152,9 @@ class Shard:
             raise ValueError(f"segments cover {segments.total} elements, params have {params.size}")
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        expected = workers if expected is None else expected
+        if not 0 <= expected <= workers:
+            raise ValueError(f"expected must be 0..{workers} (the worker ids), got {expected}")
         self.params = params
         self.segments = segments
         self.job_segments = job_segments or segments  # the whole job's leaves, for messages
@@ -164,8 +172,8 @@ class Shard:
         self.clocks = np.zeros(workers, dtype=np.int64)  # completed pushes per worker
         self.next_seq = np.zeros(workers, dtype=np.int64)  # lowest seq not yet handled
         self.incarnation = np.zeros(workers, dtype=np.int64)  # 0: expected, never started
-        self.live = np.ones(workers, dtype=bool)
-        self._clocks = _ClockTracker(workers)  # live workers per clock, slowest live clock
+        self.live = np.arange(workers) < expected  # ids beyond `expected` count once joined
+        self._clocks = _ClockTracker(expected)  # live workers per clock, slowest live clock
         self.stats = ShardStats()
         # DC-ASGD: the params each worker pulled (only kept when compensation is on).
         self._pulled: dict[int, np.ndarray] = {}
@@ -173,7 +181,7 @@ class Shard:
         self._round_sum: np.ndarray | None = None
         self._round_done = np.zeros(workers, dtype=bool)
         self._round_count = 0
-        self._round_waiting = workers  # live workers that have not pushed in this round
+        self._round_waiting = expected  # live workers that have not pushed in this round
         # Hybrid: the current mode (synchronous rounds or asynchronous) and the workers' paces
         self.synchronous = self.consistency.kind in ("bsp", "hybrid")
         self._pace = hybrid.Pace(workers) if self.consistency.kind == "hybrid" else None

@@ -13,7 +13,7 @@ Who sends what::
     worker -> shard    push(seq), pull, leave                  fixed, <= MAX_WORKER_MESSAGE bytes
     shard  -> worker   ack, pulled(version), error(text)       at most MAX_REPLY bytes
     parent -> shard    join(worker, incarnation), pull, stats, state, load(pickle), stop
-    shard  -> parent   ready(k), joined, pulled, stats(pickle), state(pickle), loaded, stopped(pickle)
+    shard  -> parent   ready(k), joined(clock), pulled, stats(pickle), state(pickle), loaded, stopped(pickle)
     worker -> parent   worker_ready, beat(time), done, diverged(text),   at most MAX_RESULT bytes
                        failed(traceback, summary)
     parent -> worker   go
@@ -75,6 +75,7 @@ _W_READY, _BEAT, _DONE, _DIVERGED, _FAILED, _GO = 0x41, 0x42, 0x43, 0x44, 0x45, 
 _KIND = struct.Struct("<B")
 _INT = struct.Struct("<Bq")  # kind, one int64
 _TWO = struct.Struct("<Bqq")  # kind, two int64s
+_THREE = struct.Struct("<Bqqq")  # kind, three int64s
 # kind, worker, seq, flags, version, staleness, length of the refusal's kind; then the
 # kind's text, then the reason's
 _ACK_HEAD = struct.Struct("<BqqBqqH")
@@ -213,8 +214,9 @@ def ready(k: int) -> bytes:
     return _INT.pack(_READY, k)
 
 
-def joined(worker: int, incarnation: int) -> bytes:
-    return _TWO.pack(_JOINED, worker, incarnation)
+def joined(worker: int, incarnation: int, clock: int) -> bytes:
+    """The incarnation has joined, at ``clock`` (the pushes it counts as done, for gates)."""
+    return _THREE.pack(_JOINED, worker, incarnation, clock)
 
 
 def stats_reply(stats: dict) -> bytes:
@@ -267,7 +269,7 @@ def decode_reply(body: bytes, *, trusted: bool = False) -> tuple:
         _, version, has_error = _LOADED_HEAD.unpack_from(body)
         err = body[_LOADED_HEAD.size :].decode("utf-8", "replace") if has_error else None
         return ("loaded", None if version < 0 else version, err)
-    ints = {_PULLED: ("pulled", _INT), _READY: ("ready", _INT), _JOINED: ("joined", _TWO)}
+    ints = {_PULLED: ("pulled", _INT), _READY: ("ready", _INT), _JOINED: ("joined", _THREE)}
     if kind in ints:
         name, record = ints[kind]
         if len(body) != record.size:

@@ -41,8 +41,8 @@ from typing import Any, NoReturn
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import Ack, PushResult, ServerConfig, commit, wire
-from stalewise.protocol.compress import Feedback
+from stalewise.protocol import Ack, PushResult, ServerConfig, budget, wire
+from stalewise.protocol.sender import Sender
 from stalewise.runtime.base import ShardError
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
@@ -117,6 +117,7 @@ class Client:
         conns: list,
         block: SharedBlock | None = None,
         incarnation: int = 0,
+        joined_at: int = 0,
     ):
         self.worker = worker
         self.incarnation = incarnation
@@ -128,17 +129,18 @@ class Client:
         self._staleness = config.staleness
         # Pulls read the published snapshots unless the shard must see them: DC-ASGD
         # keeps what was pulled, and a gated model's gate needs this worker's clock,
-        # which the client counts from 0 (its pushes) only for a first incarnation;
-        # a restarted or resumed one joins at the shard's clock, so the shard gates it.
+        # which the client counts from 0 (its pushes) only for a first incarnation that
+        # joined at clock 0; a restarted, resumed or late one (an elastic job's joiner)
+        # joins at the shard's clock (`joined_at`), so the shard gates it.
         self._direct = not config.staleness.dc_lambda and (
-            not config.consistency.gated or incarnation <= 1
+            not config.consistency.gated or (incarnation <= 1 and joined_at == 0)
         )
         # with a codec: the update is encoded into one payload per shard at push
         self._compressor = config.compressor()
         self._residuals: Residuals | None = None  # error feedback, in the block (on attach)
-        self._fb_cur = 1  # the residual buffer of the last committed push (Residuals.put)
         self._payloads: list[np.ndarray] = []  # shard k's payload in the push region
-        self._decoded: np.ndarray | None = None  # the payloads decoded, for the verdict
+        # the protocol's sending side (versions, verdict, residual), made on attach
+        self._sender: Sender | None = None
         self._conns = conns
         self._block: SharedBlock | None = None
         self._snapshots: Snapshots | None = None  # set on attach (workers only)
@@ -147,13 +149,10 @@ class Client:
             self._block = block
             self._pull_buf = layout.observer(block)
             self._control = layout.control(block)
-        self._seq = 0
-        self._base = [0] * len(conns)
         self._acks_due = [False] * len(conns)  # shard k still owes an ack for the last push
         self._pulls_due = [False] * len(conns)  # shard k still owes a served pull (after a timeout)
         self._acks: list[Any] = [None] * len(conns)
         self._inbox: list[list] = [[] for _ in conns]  # replies read while waiting for another kind
-        self._versions = [0] * len(conns)  # the newest version of each shard this client knows
         self._results: list[PushResult] = []  # push results not yet taken
         self.last_result: PushResult | None = None
         self._closed_by: str | None = None  # why a shard closed the connection, once one did
@@ -162,6 +161,7 @@ class Client:
         self._done: np.ndarray | None = None  # this worker id's pushes (workers only)
         #: whether the last pull includes this worker's last push (see :meth:`pull`'s ``own``)
         self.pull_has_own = True
+        self._lease: connection.Connection | None = None  # an attached process's socket
 
     @property
     def spec(self) -> tree.FlatSpec:
@@ -174,6 +174,13 @@ class Client:
         what a budget of ``steps`` counts."""
         self._attach()
         return int(self._control[self._layout.pushes_done].sum())
+
+    def may_begin(self, steps: int) -> bool:
+        """The budget rule (:mod:`stalewise.protocol.budget`): whether this worker may begin
+        another step of a job of ``steps`` pushes. Its own steps in progress are none
+        here (a push commits before the next step begins); the other workers' are not
+        seen, so a job may commit up to ``workers - 1`` pushes beyond ``steps``."""
+        return budget.may_begin(self.job_pushes, 0, steps)
 
     @property
     def stopping(self) -> bool:
@@ -204,6 +211,18 @@ class Client:
             self._control = control = self._layout.control(self._block)
             self._exits, self._stop_word = control[self._layout.shard_exits], control[:1]
             self._done = control[self._layout.pushes_done][self.worker : self.worker + 1]
+        if self._sender is None:
+            # the residual buffers in the block: Residuals.put leaves the current one in 1
+            res = self._residuals
+            self._sender = Sender(
+                self._spec.segments,
+                self._staleness,
+                len(self._conns),
+                self._compressor if self.worker is not None else None,
+                buffers=None if res is None else res.buffers[self.worker],
+                current=1,
+                dtype=self._layout.dtype,
+            )
         return self._block
 
     def pull(
@@ -259,7 +278,9 @@ class Client:
             snaps is not None
             and self._direct
             and not any(self._pulls_due)
-            and all(self._consistency.may_start(self._seq, snaps.min_clock(k)) for k in shards)
+            and all(
+                self._consistency.may_start(self._sender.seq, snaps.min_clock(k)) for k in shards
+            )
         ):
             for k in shards:
                 # read-your-writes: once an ack is in, wait for the snapshot that holds it
@@ -276,8 +297,7 @@ class Client:
                             f"shard {k} did not publish version {seen} within {timeout} s"
                         )
                     time.sleep(0.0001)
-                self._base[k] = version
-                self._versions[k] = max(self._versions[k], version)
+                self._sender.pulled(k, version)
             return self._pull_buf
         if not any(self._pulls_due):
             for k in shards:  # sent before reading the last push's acks: saves a round trip
@@ -286,8 +306,7 @@ class Client:
         self.wait(timeout=timeout)
         for k in shards:
             if self._pulls_due[k]:
-                self._base[k] = self._take(k, "pulled", timeout)[1]
-                self._versions[k] = max(self._versions[k], self._base[k])
+                self._sender.pulled(k, self._take(k, "pulled", timeout)[1])
                 self._pulls_due[k] = False
         return self._pull_buf
 
@@ -393,80 +412,59 @@ class Client:
     def push_flat_sent(self) -> None:
         """Commits the update already written into :attr:`push_buffer` and tells every shard.
 
-        The commit rule: the whole push is judged once (:func:`commit.judge`), its
-        record is written, and the commit word is stored last; only then does any
-        shard hear of it. A sender killed before that store pushed nothing; one
-        killed after it pushed to every shard (they deliver it when it is gone).
+        The commit rule: the whole push is judged once (:meth:`Sender.judge
+        <stalewise.protocol.sender.Sender.judge>`), its record is written, and the
+        commit word is stored last; only then does any shard hear of it. A sender
+        killed before that store pushed nothing; one killed after it pushed to every
+        shard (they deliver it when it is gone).
         """
         self._check_open()  # a shard has cut this worker off: commit nothing more
-        fresh = None
         if self._compressor is not None:
             self.wait()  # the shards read the payloads until they have acked the last push
-            fresh = self._encode()
-        self._commit()
-        if fresh is not None:
-            self._fb_cur = fresh  # committed: the new residual is the one a successor takes
+            self._encode()
+        seq = self._commit()
+        self._sender.committed()  # the new residual is the one a successor takes
         for k in range(len(self._conns)):
-            self._send(k, wire.push(self._seq))
-        self._seq += 1
+            self._send(k, wire.push(seq))
         self._done[0] += 1  # this worker id's pushes, the job's budget count
         self._acks_due = [True] * len(self._conns)
 
-    def _encode(self) -> int | None:
-        """Encodes the push buffer into the payloads; with error feedback, reads the residual
-        of the last committed push and writes the new one into the other buffer (returned),
-        tagged with this push's commit word before the push commits (see
-        :mod:`~stalewise.runtime.local.layout`)."""
-        res = self._residuals
+    def _encode(self) -> None:
+        """Encodes the push buffer into the payloads (:meth:`Sender.encode
+        <stalewise.protocol.sender.Sender.encode>`); with error feedback the new residual
+        goes into the other shared buffer, tagged with this push's commit word before
+        the push commits (see :mod:`~stalewise.runtime.local.layout`)."""
+        res, sender = self._residuals, self._sender
         if res is None:
-            self._compressor.encode_into(self._push_buf, self._payloads)
-            return None
-        w, cur = self.worker, self._fb_cur
-        new = res.writing(w, 1 - cur)
-        self._compressor.encode_into(
-            self._push_buf, self._payloads, Feedback(res.buffers[w][cur]), out=Feedback(new)
-        )
-        res.written(w, 1 - cur, self._seq + 1)
-        return 1 - cur
+            sender.encode(self._push_buf, self._payloads)
+            return
+        j = 1 - sender.current
+        res.writing(self.worker, j)
+        sender.encode(self._push_buf, self._payloads)
+        res.written(self.worker, j, sender.seq + 1)
 
     @property
     def residual(self) -> np.ndarray | None:
         """This worker's error-feedback residual after its last committed push (a view
         into shared memory; None when the codec keeps no feedback)."""
         self._attach()
-        return (
-            None if self._residuals is None else self._residuals.buffers[self.worker][self._fb_cur]
-        )
+        return self._sender.residual
 
-    def _commit(self) -> None:
-        """Judges the update in the push buffer and writes its record, commit word last."""
+    def _commit(self) -> int:
+        """Judges the update in the push buffer and writes its record, commit word last;
+        returns the push's sequence number."""
+        sender = self._sender
         if self._snapshots is not None:  # what the shards published may be newer
             for k in range(len(self._conns)):
-                self._versions[k] = max(self._versions[k], self._snapshots.version(k))
-        verdict = commit.judge(
-            self._sent_values(),
-            self._spec.segments,
-            self._base,
-            self._versions,
-            self._staleness,
-            whole=len(self._conns) > 1,  # one shard checks its whole slice itself
-        )
+                sender.observed(k, self._snapshots.version(k))
+        seq, bases, verdict = sender.judge(self._push_buf)
         rec = self._record
         rec[L.R_COMMIT] = 0  # the old record is void while the new one is written
-        rec[L.R_INC], rec[L.R_SEQ] = self.incarnation, self._seq
+        rec[L.R_INC], rec[L.R_SEQ] = self.incarnation, seq
         rec[L.R_CODE], rec[L.R_DETAIL] = verdict.code, verdict.detail
-        rec[L.R_BASES : L.R_BASES + len(self._base)] = self._base
-        rec[L.R_COMMIT] = self._seq + 1  # committed: from here on, all shards or none
-
-    def _sent_values(self) -> np.ndarray:
-        """The update as the shards will apply it, for the verdict: the push buffer, or
-        with a codec its payloads decoded, when the verdict looks at the values at all
-        (several shards: :func:`commit.judge`)."""
-        if self._compressor is None or len(self._conns) == 1:
-            return self._push_buf
-        if self._decoded is None:
-            self._decoded = np.empty_like(self._push_buf)
-        return self._compressor.decode(self._payloads, self._decoded)
+        rec[L.R_BASES : L.R_BASES + len(bases)] = bases
+        rec[L.R_COMMIT] = seq + 1  # committed: from here on, all shards or none
+        return seq
 
     @property
     def push_buffer(self) -> np.ndarray:
@@ -491,9 +489,8 @@ class Client:
             if due:  # progress survives a timeout: the next call waits for the rest
                 ack: Ack = self._take(k, "ack", timeout)[1]
                 self._acks[k] = ack
-                self._versions[k] = max(self._versions[k], ack.version)
                 self._acks_due[k] = False
-        self.last_result = PushResult.of(self._acks)
+        self.last_result = self._sender.result(self._acks)
         self._results.append(self.last_result)
         return self.last_result
 
@@ -514,6 +511,8 @@ class Client:
             pass
         for c in self._conns:
             c.close()
+        if self._lease is not None:  # the server gives this worker id back (see .attach)
+            self._lease.close()
         self._pull_buf = self._push_buf = None  # type: ignore[assignment]
         self._payloads = []
         self._residuals = None

@@ -85,18 +85,22 @@ class Layout:
     shards: int = 1
     payloads: tuple[int, ...] = ()  # with a codec: each shard's payload's exact byte length
     feedback: bool = False  # the codec keeps error feedback: two residual buffers per worker
+    expected: int | None = None  # the ids 0..expected-1 are expected from the start (None: all)
 
     @classmethod
-    def of(cls, config: ServerConfig, workers: int) -> Layout:
-        """The layout of ``config``'s job with ``workers`` workers (push regions sized by
-        its codec)."""
+    def of(cls, config: ServerConfig, workers: int, expected: int | None = None) -> Layout:
+        """The layout of ``config``'s job with room for ``workers`` worker ids, the first
+        ``expected`` of them (default: all) expected from the start (push regions sized
+        by its codec)."""
         comp = config.compressor()
         dtype = config.init.dtype
         payloads = (
             () if comp is None else tuple(comp.nbytes(k, dtype) for k in range(config.shards))
         )
         feedback = comp is not None and comp.error_feedback
-        return cls(config.spec.size, str(dtype), workers, config.shards, payloads, feedback)
+        return cls(
+            config.spec.size, str(dtype), workers, config.shards, payloads, feedback, expected
+        )
 
     @property
     def control_items(self) -> int:

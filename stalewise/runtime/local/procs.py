@@ -36,6 +36,17 @@ def thread_budget(threads: int) -> Iterator[None]:
                 os.environ.pop(k, None)
 
 
+def cap_threads_here(workers: int) -> None:
+    """Caps torch's threads in this process to a share of the cores, for a process that
+    joins a job after its math libraries loaded (:func:`stalewise.attach`); a process
+    whose environment sets ``OMP_NUM_THREADS`` (or friends) is left as it is."""
+    if any(k in os.environ for k in _THREAD_VARS):
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
+
+
 #: The exit code of a spawned process that re-imported the user's main module and found it
 #: starting processes again: the module lacks ``if __name__ == "__main__":``.
 NO_MAIN_GUARD = 72

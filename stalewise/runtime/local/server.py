@@ -47,6 +47,7 @@ and every client's next call, or the one waiting, raises
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import multiprocessing as mp
@@ -61,6 +62,7 @@ import numpy as np
 from stalewise.protocol import ServerConfig, wire
 from stalewise.runtime.base import ShardError
 from stalewise.runtime.local import layout as layout_lib
+from stalewise.runtime.local.attach import Door
 from stalewise.runtime.local.client import Client, ControlPipe, ServerClosed, recv_reply
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit, die_with_parent, thread_budget
@@ -93,6 +95,32 @@ def _shard_entry(
     shard_main(config, k, handle, layout, control, join_timeout)
 
 
+def _locked(method: Any) -> Any:
+    """Runs ``method`` holding the server's lock (the observer's pipes, the worker table)."""
+
+    @functools.wraps(method)
+    def locked(self: LocalServer, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+def worker_range(workers: Any) -> tuple[int, int]:
+    """``(expected, room)`` from ``workers=N`` (N of N) or ``workers=(min, max)``."""
+    if isinstance(workers, tuple | list) and len(workers) == 2:
+        lo, hi = workers
+    else:
+        lo = hi = workers
+    ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi))
+    if not (ok and 0 <= lo <= hi and hi >= 1):
+        raise ValueError(
+            f"workers must be an int >= 1 or (min, max) with 0 <= min <= max, max >= 1; "
+            f"got {workers!r}"
+        )
+    return lo, hi
+
+
 class LocalServer:
     """The shards of a job, running as local processes; a context manager.
 
@@ -106,17 +134,18 @@ class LocalServer:
     def __init__(
         self,
         config: ServerConfig,
-        workers: int,
+        workers: int | tuple[int, int],
         *,
         start_timeout: float = 120.0,
         join_timeout: float = 300.0,
+        name: str | None = None,
     ):
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
+        expected, workers = worker_range(workers)
         self.config = config
-        self.workers = workers
+        self.workers = workers  # the worker ids this server has room for
+        self.expected = expected  # the first ids, which gates wait for from the start
         self.start_timeout = start_timeout
-        self.layout = Layout.of(config, workers)  # push regions sized by the codec
+        self.layout = Layout.of(config, workers, expected)  # push regions sized by the codec
         self._ctx = mp.get_context("spawn")
         self._block = SharedBlock.create(self.layout.nbytes)
         self._procs: list = []
@@ -126,6 +155,10 @@ class LocalServer:
         self._worker_ends: list[list] = [[] for _ in range(workers)]  # until release(w)
         self._snapshots: Snapshots | None = None  # the parent's view, for published_version
         self.join_timeout = join_timeout
+        # the observer's pipes serve one caller at a time: the door's thread makes clients too
+        self._lock = threading.RLock()
+        self._door = None  # attach by name (see .attach), when served with a name
+        self._attached: set[int] = set()  # worker ids ever given to an attached process
         # the thread that writes each shard's exit into shared memory (see the module docstring)
         self._closing = threading.Event()
         self._procs_lock = threading.Lock()  # self._procs[k] is replaced by restart_shard
@@ -154,6 +187,8 @@ class LocalServer:
             # gradient pushes 5.8x slower with 2 workers on 2 cores); variables you set win
             self._threads = contextlib.ExitStack()
             self._threads.enter_context(thread_budget((os.cpu_count() or 1) // workers))
+            if name is not None:
+                self._door = Door(self, name)
         except BaseException:
             self.close()
             raise
@@ -209,8 +244,9 @@ class LocalServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def client(self, worker: int) -> Client:
-        """A client for a new incarnation of ``worker`` (0 <= worker < workers).
+    def client(self, worker: int | None = None) -> Client:
+        """A client for a new incarnation of ``worker`` (0 <= worker < workers; None: the
+        lowest id that no client was made for yet).
 
         The first call for an id starts that worker; a later call restarts it: the
         shards first finish the old incarnation (a push it committed is delivered
@@ -219,6 +255,13 @@ class LocalServer:
         Restart a worker only once its old process has exited or been killed: both
         would write the same shared push buffer.
         """
+        with self._lock:
+            if worker is None:
+                worker = self.free_worker(None, taken=self.attached())
+            self._attached.discard(worker)  # yours now: its liveness is yours to watch
+            return self._client(worker)
+
+    def _client(self, worker: int) -> Client:
         if not (isinstance(worker, int) and 0 <= worker < self.workers):
             raise ValueError(
                 f"unknown worker {worker!r}: this server has workers 0..{self.workers - 1}"
@@ -238,11 +281,61 @@ class LocalServer:
                 reduction.send_handle(control, theirs.fileno(), self._procs[k].pid)
                 theirs.close()  # shard k holds its own copy now
                 ends.append(mine)
+            clocks = []
             for k in range(len(self._controls)):
                 reply = self.observer._take(k, "joined", self.start_timeout)
-                assert reply[1:] == (worker, inc), reply
+                assert reply[1:3] == (worker, inc), reply
+                clocks.append(reply[3])
         self._worker_ends[worker] = ends
-        return Client(worker, self._block.handle, self.layout, self.config, ends, incarnation=inc)
+        return Client(
+            worker,
+            self._block.handle,
+            self.layout,
+            self.config,
+            ends,
+            incarnation=inc,
+            joined_at=max(clocks),
+        )
+
+    def free_worker(self, want: int | None, *, taken: set[int]) -> int:
+        """The worker id a joining process gets: ``want`` if it is not ``taken`` (held by
+        an attached process), else the lowest id that never had a client or whose
+        attached process has gone.
+
+        Raises:
+            ValueError: ``want`` is out of range or taken, or every id is (the job is full).
+        """
+        if want is not None:
+            if not (isinstance(want, int) and 0 <= want < self.workers):
+                raise ValueError(
+                    f"unknown worker {want!r}: this server has workers 0..{self.workers - 1}"
+                )
+            if want in taken:
+                raise ValueError(f"worker {want} is held by an attached process")
+            return want
+        for w in range(self.workers):
+            if w not in taken and (self._clients[w] == 0 or w in self._attached):
+                return w
+        raise ValueError(
+            f"the job is full: its {self.workers} worker ids are taken (serve it with "
+            "workers=(min, max) for room to join)"
+        )
+
+    def attach_client(self, want: int | None, *, taken: set[int]) -> Client:
+        """A client for a process attaching by name: :meth:`free_worker`, then :meth:`client`."""
+        with self._lock:
+            w = self.free_worker(want, taken=taken)
+            client = self._client(w)
+            self._attached.add(w)
+            return client
+
+    def worker_ends(self, worker: int) -> list:
+        """This process's ends of ``worker``'s pipes, until :meth:`release` closes them."""
+        return list(self._worker_ends[worker])
+
+    def attached(self) -> set[int]:
+        """The worker ids held by processes attached by name (:func:`stalewise.attach`)."""
+        return set() if self._door is None else self._door.attached()
 
     def release(self, worker: int) -> None:
         """Closes this process's copies of ``worker``'s pipes once its process holds them.
@@ -254,6 +347,7 @@ class LocalServer:
             c.close()
         self._worker_ends[worker] = []
 
+    @_locked
     def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = 60.0) -> Any:
         """The current parameters (as an observer: never gated, not counted as a worker).
 
@@ -272,6 +366,7 @@ class LocalServer:
         """Each shard's whole state (:meth:`Shard.state_dict`), between two messages it handles."""
         return self._ask_all("state", timeout)
 
+    @_locked
     def _ask_all(self, kind: str, timeout: float | None) -> list:
         self.check()
         with self._naming_dead_shards():
@@ -358,6 +453,7 @@ class LocalServer:
             self.check()
             raise
 
+    @_locked
     def load_state_dicts(self, states: list[dict], timeout: float | None = 60.0) -> list[int]:
         """Loads one :meth:`Shard.state_dict` into each shard (a checkpoint); returns the versions.
 
@@ -387,6 +483,7 @@ class LocalServer:
             self._snapshots = Snapshots(self.layout, self._block, self.config.ranges)
         return self._snapshots.version(k)
 
+    @_locked
     def restart_shard(self, k: int, base: dict | None = None, timeout: float = 60.0) -> dict:
         """Starts a new process for shard ``k``, whose process has died, and restores its state.
 
@@ -471,6 +568,7 @@ class LocalServer:
         """
         self._block.unlink()
 
+    @_locked
     def close(self, timeout: float = 10.0) -> list[dict]:
         """Stops the shards and frees the shared memory; returns the shards' final stats.
 
@@ -479,6 +577,8 @@ class LocalServer:
         """
         if self._block is None:
             return []
+        if self._door is not None:
+            self._door.close()  # no process attaches from here on
         if hasattr(self, "_threads"):
             self._threads.close()  # the environment as it was
         self._closing.set()  # the shards' exits from here on are expected

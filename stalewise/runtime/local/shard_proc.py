@@ -113,7 +113,8 @@ class ShardProcess:
     def __init__(self, config: ServerConfig, k: int, block: SharedBlock, layout: Layout, control):
         lo, hi = config.ranges[k]
         self.k, self.layout, self.control = k, layout, control
-        self.shard: Shard = config.build_shard(k, layout.params(block)[lo:hi], layout.workers)
+        params = layout.params(block)[lo:hi]
+        self.shard: Shard = config.build_shard(k, params, layout.workers, layout.expected)
         self.pulls = [layout.pull_buffer(block, w)[lo:hi] for w in range(layout.workers)]
         # what shard k reads of each worker's push: its slice of the update, or with a
         # codec its payload's bytes, which the shard decodes (ServerConfig.build_shard)
@@ -289,7 +290,7 @@ class ShardProcess:
             self.depart(old)  # the old incarnation's committed push first, then it leaves
         self.shard.join(w, inc)
         self.pipes[p], self.current[w] = None, p
-        self.control.send_bytes(wire.joined(w, inc))
+        self.control.send_bytes(wire.joined(w, inc, int(self.shard.clocks[w])))
 
 
 def shard_main(

@@ -166,7 +166,7 @@ def _worker_main(
         def answer(request: Any) -> Any:
             beat()
             if request is loop.BEGIN:
-                return not client.stopping and client.job_pushes < options.steps
+                return not client.stopping and client.may_begin(options.steps)
             if request is loop.PULL:
                 # gradient pushes stay pipelined: the pull does not wait for the last one's
                 # acks (a settling strategy has waited for them already, see below)

@@ -3,8 +3,9 @@
 :class:`WorkerActor` runs :func:`stalewise.protocol.loop.worker_loop` with the
 user's ``loss_and_grad`` and data, and answers its requests:
 
-* ``BEGIN``: True unless a shard says the job is stopping or shard 0's count
-  of pushes has reached the budget, once the parameters for the step are in:
+* ``BEGIN``: True unless a shard says the job is stopping or the budget rule
+  (:mod:`stalewise.protocol.budget`, with shard 0's count of pushes and this
+  worker's pushes in flight) says no, once the parameters for the step are in:
   under SSP/BSP and with DC-ASGD a pull to every shard, answered when the gate
   lets the worker start; under ASP the newest snapshots the worker holds (a
   *receiver* thread keeps a standing request at every shard,
@@ -17,14 +18,13 @@ user's ``loss_and_grad`` and data, and answers its requests:
   worker's :class:`~stalewise.protocol.pulls.Replica` checks and applies (the
   receiver thread does it under ASP), and the copy goes into the pull buffer;
 * a ``Push``: emulates the compute time, flattens the update into a free push
-  buffer and judges it (:func:`stalewise.protocol.commit.judge`). With a codec
-  (``ServerConfig.codec``) the update is encoded by the protocol's
-  :class:`~stalewise.protocol.compress.Compressor` into every shard's payload,
-  back to back in a free byte buffer (:func:`~stalewise.runtime.ray.shard.payload_spans`),
-  the codec's error feedback written into a second buffer (the worker id's
-  keeper, :mod:`~stalewise.runtime.ray.keeper`, gets each new residual before
-  any shard gets the push), and with several shards the verdict judges the
-  payloads decoded back, the values the shards will apply. Then a *sender* thread puts it into the object store once and sends its ObjectRef with
+  buffer and has the protocol's :class:`~stalewise.protocol.sender.Sender`
+  judge it. With a codec (``ServerConfig.codec``) the sender encodes it into
+  every shard's payload, back to back in a free byte buffer
+  (:func:`~stalewise.runtime.ray.shard.payload_spans`), with the codec's error
+  feedback (the worker id's keeper, :mod:`~stalewise.runtime.ray.keeper`, gets
+  each new residual before any shard gets the push). Then a *sender* thread
+  puts it into the object store once and sends its ObjectRef with
   the verdict to every shard, and a *collector* thread reads the acks, while
   the loop goes on: pushes are pipelined, up to ``IN_FLIGHT`` of them
   unacknowledged (the shards apply each worker's pushes in order). The answer
@@ -60,8 +60,8 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.codecs import PayloadError
-from stalewise.protocol import PushResult, ServerConfig, commit, loop, pulls
-from stalewise.protocol.compress import Feedback
+from stalewise.protocol import PushResult, ServerConfig, budget, loop, pulls
+from stalewise.protocol.sender import Sender
 from stalewise.runtime.base import batch_iterator
 from stalewise.runtime.logs import child_logging
 from stalewise.runtime.options import RunOptions
@@ -102,29 +102,26 @@ class WorkerActor:
         self.pull_buf = None if self.views else np.empty(self.spec.size, self.spec.dtype)
         # with a codec: each push is every shard's payload, back to back in one byte buffer
         self.compressor = config.compressor()
-        # the codec's error feedback: the residual after the last push encoded (it starts
-        # from `residual`, the predecessor's or a checkpoint's), and a spare buffer the
-        # next push's residual is written into (see _push); `keeper` keeps it per push
+        # the protocol's sending side: versions, verdict and the codec's error feedback
+        # (starting from `residual`, the predecessor's or a checkpoint's); `keeper` keeps
+        # the residual of every push before any shard gets it
+        self.sender = Sender(
+            self.spec.segments,
+            config.staleness,
+            self.S,
+            self.compressor,
+            residual=residual,
+            dtype=config.init.dtype,
+        )
         self.keeper = keeper
-        self.feedback: Feedback | None = None
-        self.spare: Feedback | None = None
-        if self.compressor is not None and self.compressor.error_feedback:
-            start = np.zeros(self.spec.size, config.init.dtype) if residual is None else residual
-            self.feedback = Feedback(np.array(start, config.init.dtype))
-            self.spare = Feedback(np.empty_like(self.feedback.residual))
         self.spans = payload_spans(config)
         if self.spans is None:
             self.free = [np.empty(self.spec.size, self.spec.dtype) for _ in range(2)]
         else:  # the update is flattened here, then encoded into a free payload buffer
             self.free = [np.empty(self.spans[-1][1], np.uint8) for _ in range(2)]
             self.flat_buf = np.empty(self.spec.size, self.spec.dtype)
-            several = self.S > 1  # the verdict judges the payloads decoded back
-            self.decoded = np.empty(self.spec.size, self.spec.dtype) if several else None
         gated = config.consistency.gated
         self.following = not gated and not config.staleness.dc_lambda  # ASP: no pull requests
-        self.seq = 0  # pushes sent by this incarnation
-        self.bases = [0] * self.S  # the version pulled from each shard
-        self.known = [0] * self.S  # the newest version of each shard seen
         self.settled: tuple[int, list] | None = None  # (incarnation, versions) to read
         self.params: Any = None
         self.snapshots: list = []  # the pulled slices (kept alive while the params view them)
@@ -215,9 +212,8 @@ class WorkerActor:
                 ended |= {"steps": stats.steps, "outcomes": dict(stats.outcomes)}
             except diverged as e:  # it leaves; the driver does not restart it
                 self._results(wait=True)
-                ended |= {"steps": self.seq, "outcomes": {}, "diverged": str(e)}
-            residual = None if self.feedback is None else self.feedback.residual
-            ended["feedback"] = (self.inc, self.seq, residual)
+                ended |= {"steps": self.sender.seq, "outcomes": {}, "diverged": str(e)}
+            ended["feedback"] = (self.inc, self.sender.seq, self.sender.residual)
             ended["drawn"] = self.drawn[self.w]
         finally:
             with self.cond:
@@ -264,7 +260,7 @@ class WorkerActor:
                 return self._results()
             out = self._results(wait=True)  # read-your-writes: acked, and the next
             with self.cond:  # step's snapshots hold what the acks say
-                self.settled = (self.inc, list(self.known))
+                self.settled = (self.inc, list(self.sender.known))
             return out
 
         return answer
@@ -279,8 +275,7 @@ class WorkerActor:
             return False
         versions, slices = got
         for k, v in enumerate(versions):
-            self.bases[k] = v
-            self.known[k] = max(self.known[k], v)
+            self.sender.pulled(k, v)
         self.params = None
         self.snapshots = slices or []
         if self.views:
@@ -305,7 +300,7 @@ class WorkerActor:
                     break
                 self.cond.wait(POLL)
                 self.beats += 1
-            if self.handled >= self.o.steps:
+            if self._budget_spent():
                 return None
             if self.replica is not None:  # the receiver applies the deltas: copy it whole
                 np.copyto(self.pull_buf, self.replica.params)
@@ -326,7 +321,7 @@ class WorkerActor:
         failed_at = None
         while True:
             refs = [
-                s.pull.remote(self.w, self.inc, self.seq, self._have(k))
+                s.pull.remote(self.w, self.inc, self.sender.seq, self._have(k))
                 for k, s in enumerate(self.shards)
             ]
             try:
@@ -351,9 +346,25 @@ class WorkerActor:
             moved = [r[1] for r in replies if r[0] == "moved"]
             if moved:
                 self._become(max(moved))
-        if replies[0][3] >= self.o.steps:
-            return None
+        with self.cond:
+            self.handled = max(self.handled, replies[0][3])
+            if self._budget_spent():
+                return None
         return [r[1] for r in replies], slices
+
+    def _budget_spent(self) -> bool:
+        """The budget rule (:mod:`stalewise.protocol.budget`): shard 0's count of pushes
+        as the pushes committed, this worker's pushes in flight as its steps in progress;
+        while the rule refuses with some in flight, waits for their acks (which bring
+        shard 0's count) and asks again. Call with ``cond`` held."""
+        steps = self.o.steps
+        while True:
+            flying = (self.job is not None) + len(self.inflight)
+            if not budget.settle_first(self.handled, flying, steps):
+                return not budget.may_begin(self.handled, flying, steps)
+            self._check()
+            self.cond.wait(POLL)
+            self.beats += 1
 
     def _have(self, k: int) -> int:
         """With delta pulls, the reference number held of shard ``k`` (0: none)."""
@@ -375,7 +386,8 @@ class WorkerActor:
         log.warning(
             "worker %d: continuing as incarnation %d (the shards were restored)", self.w, inc
         )
-        self.inc, self.seq, self.acked = inc, 0, 0
+        self.inc, self.acked = inc, 0
+        self.sender = self.sender.successor()  # on the same residual buffers
         if self.replica is not None:
             self.replica.reset()
         self.moved_to = max(self.moved_to, inc)
@@ -418,33 +430,20 @@ class WorkerActor:
                 self.beats += 1
             buf = self.free.pop()
         self.times["acks"] += time.perf_counter() - t
-        residual = None
+        sender = self.sender
         if self.compressor is None:
-            sent = values = tree.flatten(update, spec=self.spec, out=buf)[0]
-        else:  # every shard's payload into buf; the verdict judges them decoded
+            sent = flat = tree.flatten(update, spec=self.spec, out=buf)[0]
+        else:  # every shard's payload into buf, the new residual into the sender's other buffer
             flat = tree.flatten(update, spec=self.spec, out=self.flat_buf)[0]
-            payloads = [buf[lo:hi] for lo, hi in self.spans]
-            if self.feedback is None:
-                self.compressor.encode_into(flat, payloads)
-            else:  # the new residual goes into the spare buffer, which the sender puts
-                new = self.compressor.encode_into(flat, payloads, self.feedback, out=self.spare)
-                self.spare, self.feedback = self.feedback, new
-                residual = new.residual
-            values = self.compressor.decode(payloads, self.decoded) if self.S > 1 else flat
+            sender.encode(flat, [buf[lo:hi] for lo, hi in self.spans])
             sent = buf
-        verdict = commit.judge(
-            values,
-            self.spec.segments,
-            self.bases,
-            self.known,
-            self.config.staleness,
-            whole=self.S > 1,  # one shard checks its whole slice itself
-        )
+        seq, bases, verdict = sender.judge(flat)
+        # committed here: the sender thread keeps its residual before any shard gets it
+        sender.committed()
         with self.cond:
-            job = (sent, self.inc, self.seq, tuple(self.bases), tuple(verdict), loss, residual)
+            job = (sent, self.inc, seq, bases, tuple(verdict), loss, sender.residual)
             self.job = job
             self.cond.notify_all()
-        self.seq += 1
 
     def _results(self, wait: bool = False) -> list[PushResult]:
         """The results of the pushes acknowledged since the last call (``wait``: of all)."""
@@ -552,11 +551,8 @@ class WorkerActor:
         if any(r is None for r in replies):  # this incarnation was cut off meanwhile
             return None
         with self.cond:
-            for k, (ack, handled) in enumerate(replies):
-                self.known[k] = max(self.known[k], ack.version)
-                if k == 0:
-                    self.handled = max(self.handled, handled)
-        return PushResult.of([ack for ack, _ in replies])
+            self.handled = max(self.handled, replies[0][1])
+            return self.sender.result([ack for ack, _ in replies])
 
     def _receive_loop(self) -> None:
         """The receiver (ASP): a standing request at every shard for its next snapshot."""

@@ -9,9 +9,10 @@ Each worker runs the protocol's one worker loop
 (:func:`stalewise.protocol.loop.worker_loop`), a generator the event handlers
 step with ``send``, so the simulator runs the very loop the local runtime runs:
 
-* ``BEGIN`` (a worker starts a step): answered ``started < steps``; False ends
-  the loop and the worker leaves the shards. ``steps`` counts pushes in all
-  workers, as in the local runtime.
+* ``BEGIN`` (a worker starts a step): answered by the budget rule
+  (:mod:`stalewise.protocol.budget`): pushes committed plus steps under way
+  (``started``, both exact here) below ``steps``; False ends the loop and the
+  worker leaves the shards.
 * ``PULL``: the worker sends a pull request to every shard; each shard checks
   its gate (``Shard.may_start``; a blocked pull waits at the shard and is
   re-checked after every applied push or leave), queues the pull behind the
@@ -78,7 +79,8 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import PushHeader, PushResult, ServerConfig, commit, compress, loop, pulls
+from stalewise.protocol import PushHeader, ServerConfig, budget, compress, loop, pulls
+from stalewise.protocol.sender import Outgoing, Sender
 from stalewise.runtime import driver
 from stalewise.runtime.base import Failures, batch_iterator, merge_stats, worker_failed
 from stalewise.runtime.sim.config import MAX_RECORDS, SimConfig, TooLongError
@@ -127,11 +129,10 @@ class Simulation:
         self.push_bytes = [[0.0] * S for _ in range(workers)]  # wire size of each push slice
         # with a codec a push slice is its shard's payload, of exactly this many bytes
         self.compressor = None
-        # each worker id's error feedback: the residual of its last committed push, the one
-        # encoded for the push not yet committed, and a spare buffer
+        # each worker's sending side (one protocol Sender per incarnation; a new one takes
+        # its predecessor's residual buffers), and the residuals a resumed run starts from
+        self.senders: list[Sender | None] = [None] * workers
         self.feedback: list[Any] = [None] * workers
-        self.encoded: list[Any] = [None] * workers
-        self.spare: list[Any] = [None] * workers
         self.payloads: list[Any] = [None] * workers  # each worker's payloads, one per shard
         self.wire_bytes = list(self.slice_bytes)
         if not compress.is_identity(config.codec):
@@ -161,13 +162,10 @@ class Simulation:
         self.loops: list[Any] = [None] * workers  # each worker's protocol loop (a generator)
         self.phase = [_IDLE] * workers
         self.pending = [0] * workers  # shard answers still to come
-        self.seq = [0] * workers
-        self.base = [[0] * S for _ in range(workers)]  # version pulled from each shard
         self.acks: list[list] = [[None] * S for _ in range(workers)]  # the push's acks
-        self.verdict: list[commit.Verdict] = [commit.Verdict()] * workers  # of the last push
-        self.whole = S > 1  # the commit rule checks the whole update for NaN/Inf
-        # with one shard and no max_staleness, judge() can only say OK: skip the call
-        self.judging = self.whole or config.staleness.max_staleness != math.inf
+        self.outgoing: list[Outgoing | None] = [None] * workers  # the push committed, in flight
+        # the verdict looks at the versions only with a max_staleness: else no need to tell it
+        self.judging = config.staleness.max_staleness != math.inf
         self.pull_buf: list[np.ndarray | None] = [None] * workers
         self.upd_buf: list[np.ndarray | None] = [None] * workers
         self.pool: list[np.ndarray] = []  # free parameter-sized buffers
@@ -232,7 +230,7 @@ class Simulation:
             shard = self.shards[k]
             if kind == _PULL:
                 if self.pull_servers is None:
-                    self.base[w][k] = shard.pull(w, self.pull_buf[w][lo:hi], now=self.now)
+                    self.senders[w].pulled(k, shard.pull(w, self.pull_buf[w][lo:hi], now=self.now))
                     nbytes = self.slice_bytes[k]
                 else:
                     nbytes = self.delta_pull(w, k)
@@ -241,9 +239,10 @@ class Simulation:
                 self.pulled[1] += 1
                 self.transfer(self.P + k, w, nbytes, _PULL_HEAD, w, k)
             else:
-                header = PushHeader(w, self.seq[w], self.base[w][k], inc)
+                out = self.outgoing[w]
+                header = PushHeader(w, out.seq, out.bases[k], inc)
                 self.acks[w][k] = ack = shard.push(
-                    header, self.sent(w, k), verdict=self.verdict[w], now=self.now
+                    header, self.sent(w, k), verdict=out.verdict, now=self.now
                 )
                 if not ack.ok:
                     log.debug("sim: shard %d rejected worker %d's push: %s", k, w, ack.reason)
@@ -266,7 +265,7 @@ class Simulation:
             held = self.replicas[w] = (self.inc[w], pulls.Replica.for_job(self.config))
         replica = held[1]
         pulled = self.pull_servers[k].pull(w, replica.have(k), now=self.now)
-        self.base[w][k] = replica.apply(k, pulled.payload)
+        self.senders[w].pulled(k, replica.apply(k, pulled.payload))
         lo, hi = self.ranges[k]
         np.copyto(self.pull_buf[w][lo:hi], replica.params[lo:hi])
         return pulled.nbytes(self.scale)
@@ -318,8 +317,11 @@ class Simulation:
 
         A worker id keeps one stream of batches over its lives; a restart
         (:meth:`policy`) or a resumed run starts a new one, as a new process
-        would, after the batches its worker id has drawn.
+        would, after the batches its worker id has drawn. The incarnation's
+        :class:`~stalewise.protocol.sender.Sender` takes over the residual of
+        its worker id's last committed push.
         """
+        self.senders[w] = self.new_sender(w)
         try:
             if self.batches[w] is None:
                 self.batches[w] = batch_iterator(self.data, w, self.P, drawn=self.consumed)
@@ -338,7 +340,7 @@ class Simulation:
 
     def start_step(self, w: int) -> None:
         """Answers the loop's BEGIN: a step starts while the job's budget lasts."""
-        more = self.started < self.steps
+        more = self.may_begin()
         request = self.send(w, more)
         if request is _GONE:
             return
@@ -369,7 +371,7 @@ class Simulation:
             self.upd_buf[w] = out = self.take_buffer()
             tree.flatten(update, spec=self.spec, out=out)
             if self.compressor is not None:
-                self.encode(w, out)
+                self.senders[w].encode(out, self.payload_buffers(w))
         except Exception as e:
             self.crash(w, e)
             return
@@ -380,21 +382,26 @@ class Simulation:
         self.phase[w], self.t_mark[w] = _COMPUTING, self.now
         self.at(self.timing.finish(w, self.now, local_steps), _COMPUTED, w, inc=self.inc[w])
 
-    def encode(self, w: int, flat: np.ndarray) -> None:
-        """Encodes worker ``w``'s update with the job's codec (error feedback included)
-        into its payloads; with several shards, decodes them back into ``flat``, the
-        values the shards will apply, for the commit rule to judge."""
+    def new_sender(self, w: int) -> Sender:
+        """Worker ``w``'s sending side for a new incarnation: its predecessor's successor,
+        or one with the residual a resumed run gave it."""
+        if (old := self.senders[w]) is not None:
+            return old.successor()
+        start = None if self.feedback[w] is None else self.feedback[w].residual
+        cfg, dtype = self.config, self.params.dtype
+        return Sender(
+            cfg.spec.segments, cfg.staleness, self.S, self.compressor, residual=start, dtype=dtype
+        )
+
+    def payload_buffers(self, w: int) -> list[bytearray]:
+        """Worker ``w``'s payload buffers, one per shard, kept from push to push (a payload
+        lives until every shard took it)."""
         bufs = self.payloads[w]
-        if bufs is None:  # kept from push to push: a payload lives until every shard took it
-            sizes = [self.compressor.nbytes(k, flat.dtype) for k in range(self.S)]
+        if bufs is None:
+            dtype = self.params.dtype
+            sizes = [self.compressor.nbytes(k, dtype) for k in range(self.S)]
             bufs = self.payloads[w] = [bytearray(n) for n in sizes]
-        out = self.spare[w]  # the residual of the last committed push stays until this commits
-        if out is None and self.compressor.error_feedback:
-            out = self.compressor.init(flat.dtype)
-        self.spare[w] = None
-        self.encoded[w] = self.compressor.encode_into(flat, bufs, self.feedback[w], out=out)
-        if self.whole:
-            self.compressor.decode(bufs, flat)
+        return bufs
 
     def sent(self, w: int, k: int) -> Any:
         """What shard ``k`` receives of worker ``w``'s push: its slice, or its payload."""
@@ -408,18 +415,13 @@ class Simulation:
         self.totals["compute"] += self.now - self.t_mark[w]
         self.pushes += 1
         self.last_loss[w] = self.loss_next[w]
-        if self.judging:
-            self.verdict[w] = commit.judge(
-                self.upd_buf[w],
-                self.spec.segments,
-                self.base[w],
-                [shard.version for shard in self.shards],  # what the sender knows: exact here
-                self.config.staleness,
-                whole=self.whole,
-            )
-        if self.encoded[w] is not None:  # committed: its residual is the worker's now
-            self.spare[w], self.feedback[w] = self.feedback[w], self.encoded[w]
-            self.encoded[w] = None
+        sender = self.senders[w]
+        if self.judging:  # what the sender knows: exact here
+            for k, shard in enumerate(self.shards):
+                sender.observed(k, shard.version)
+        # judged once (payloads decoded back into the update's buffer), then committed
+        self.outgoing[w] = sender.judge(self.upd_buf[w], into=self.upd_buf[w])
+        sender.committed()
         self.phase[w], self.pending[w], self.t_mark[w] = _PUSHING, self.S, self.now
         for k in range(self.S):
             self.push_bytes[w][k] = nbytes = self.wire_bytes[k]  # the payload's exact size
@@ -429,11 +431,10 @@ class Simulation:
         """Every ack is in: the loop learns the push's result and begins its next step."""
         self.totals["push"] += self.now - self.t_mark[w]
         self.totals["steps"] += 1
-        self.seq[w] += 1
         self.pool.append(self.upd_buf[w])
         self.upd_buf[w] = None
         self.phase[w] = _IDLE  # nothing of the push is in flight any more
-        if self.send(w, [PushResult.of(self.acks[w])]) is not _GONE:  # the loop asks BEGIN
+        if self.send(w, [self.senders[w].result(self.acks[w])]) is not _GONE:  # the loop asks BEGIN
             self.start_step(w)
 
     def fail(self, w: int) -> None:
@@ -493,8 +494,9 @@ class Simulation:
         for k, shard in enumerate(self.shards):
             committed = None
             if phase == _PUSHING:  # committed: shards that have not handled it get it now
-                header = PushHeader(w, self.seq[w], self.base[w][k], inc)
-                committed = (header, self.sent(w, k), self.verdict[w])
+                out = self.outgoing[w]
+                header = PushHeader(w, out.seq, out.bases[k], inc)
+                committed = (header, self.sent(w, k), out.verdict)
             if shard.depart(w, inc, committed=committed) is not None:
                 delivered.append(k)
             self.release(k)
@@ -502,13 +504,13 @@ class Simulation:
             log.info(
                 "sim: worker %d's committed push %d delivered to shard(s) %s at its failure",
                 w,
-                self.seq[w],
+                self.outgoing[w].seq,
                 delivered,
             )
         self.inc[w] += 1  # the push's messages still in flight are dropped: exactly once
         self.give_back(w)
-        if self.encoded[w] is not None:  # encoded, never committed: the shards got nothing
-            self.spare[w], self.encoded[w] = self.encoded[w], None
+        if self.senders[w] is not None:  # a push encoded, never committed: the residual stays
+            self.senders[w].abandoned()
 
     def join(self, w: int) -> None:
         if self.phase[w] not in (_DEAD, _DONE):
@@ -520,7 +522,6 @@ class Simulation:
     def rejoin(self, w: int) -> None:
         """Worker ``w`` comes back as a new incarnation (a scripted join or a restart)."""
         self.inc[w] += 1
-        self.seq[w] = 0
         self.diverged.pop(w, None)  # a new incarnation, with a new loop
         event = self.awaiting.pop(w, None)
         for shard in self.shards:
@@ -567,7 +568,10 @@ class Simulation:
         if comp is None or not comp.error_feedback:
             return None
         zeros = np.zeros(self.spec.size, self.params.dtype)
-        return [zeros if f is None else f.residual for f in self.feedback]
+        return [
+            s.residual if s is not None else zeros if f is None else f.residual
+            for s, f in zip(self.senders, self.feedback, strict=True)
+        ]
 
     def restore(
         self, states: list[dict], saved: dict[str, Any], feedback: list[Any] | None = None
@@ -635,7 +639,6 @@ class Simulation:
             for t, w in starts:
                 self.now = t
                 self.inc[w] += 1
-                self.seq[w] = 0
                 for shard in self.shards:
                     shard.join(w, self.inc[w])
                 self.start_loop(w)
@@ -747,7 +750,12 @@ class Simulation:
     def idle(self) -> bool:
         """No work in flight, and no join or restart that could bring more (none left, or
         no budget)."""
-        return not self.queued and not (self.returns and self.started < self.steps)
+        return not self.queued and not (self.returns and self.may_begin())
+
+    def may_begin(self) -> bool:
+        """The budget rule (:mod:`stalewise.protocol.budget`), with both counts exact: the
+        pushes committed, and every worker's steps begun and not committed."""
+        return budget.may_begin(self.pushes, self.started - self.pushes, self.steps)
 
     def stats(self, *, settled: bool = False) -> dict[str, Any]:
         """The shards' merged counters; ``settled``: no push is in flight (checks they agree)."""

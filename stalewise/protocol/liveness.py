@@ -1,0 +1,125 @@
+"""When is a silent worker hung? Each worker is judged by its own rhythm.
+
+A runtime hears a worker's heartbeats (the local runtime: a message at most
+every second while it makes progress; Ray: a progress count the driver polls).
+A fixed ``worker_timeout`` must be long enough for the slowest step of the
+slowest worker, so it is slow to notice a hang of a fast one (60 s by default,
+where beats come every second). :class:`Silence` instead keeps the intervals
+between one worker's beats and asks how unlikely the silence since its last
+beat is under them, in the manner of the phi-accrual failure detector
+(Hayashibara et al., 2004):
+
+    phi = -log10 P(an interval >= the silence so far)
+
+with the intervals taken as normal, of their measured mean ``m`` and a
+deviation of at least ``MIN_SPREAD * m`` (beats of a steady worker vary
+little, and a deviation near zero would suspect it at the first late beat).
+The worker is hung when ``phi >= THRESHOLD`` (a silence that long had odds
+below 1e-8) and the silence is at least ``FLOOR`` seconds, once
+``MIN_SAMPLES`` intervals are known; or, whatever its history, when the
+silence exceeds ``worker_timeout``, which stays the upper bound. So a worker
+beating every second is found hung after ``FLOOR`` (10 s), one whose beats
+come every 20 s after about 77 s (3.8 of its intervals), and none later than
+``worker_timeout``. The floor keeps a busy machine, where a process can go
+unscheduled for seconds, from costing restarts; the spread floor keeps a
+worker whose step time wanders (a slower phase, an evaluation elsewhere) from
+being taken for hung before about 3.8 of its usual intervals.
+
+This is the one rule both process runtimes apply (the simulator's workers
+never hang: its failures are scripted).
+
+Example:
+    >>> s = Silence(upper=60.0)
+    >>> for t in range(20):               # a beat every second
+    ...     s.beat(float(t))
+    >>> s.hung(25.0) is None, s.hung(29.5) is not None
+    (True, True)
+    >>> s.hung(29.5)
+    'no heartbeat for 10.5 s, 10.5x its usual interval of 1 s (phi 80.1 >= 8): hung or stopped'
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+THRESHOLD = 8.0  # phi at which a silence is a hang: odds below 1e-8
+FLOOR = 10.0  # seconds of silence before phi may call a worker hung
+MIN_SPREAD = 0.5  # the deviation of the intervals, at least this fraction of their mean
+MIN_SAMPLES = 5  # intervals needed before the worker's rhythm is trusted
+WINDOW = 100  # intervals kept: the worker's recent rhythm
+
+
+class Silence:
+    """One worker's heartbeats, and whether its silence now means it hung.
+
+    Args:
+        upper: ``worker_timeout``: a silence longer than this is a hang whatever the
+            history (None: no upper bound; then only phi judges).
+        threshold, floor: see the module docstring.
+    """
+
+    def __init__(
+        self,
+        upper: float | None,
+        *,
+        threshold: float = THRESHOLD,
+        floor: float = FLOOR,
+    ):
+        self.upper, self.threshold, self.floor = upper, threshold, floor
+        self.last: float | None = None  # when the last beat was heard
+        self.intervals: deque[float] = deque(maxlen=WINDOW)
+
+    def beat(self, now: float) -> None:
+        """A beat heard at ``now`` (the runtime's clock; beats must not go back in time)."""
+        if self.last is not None and now > self.last:
+            self.intervals.append(now - self.last)
+        if self.last is None or now > self.last:
+            self.last = now
+
+    def start(self, now: float) -> None:
+        """The worker (a new incarnation) starts now: its silence counts from here, and its
+        predecessor's rhythm, if any, is kept."""
+        self.last = now
+
+    def mean(self) -> float | None:
+        """The mean interval between beats, once ``MIN_SAMPLES`` are known."""
+        if len(self.intervals) < MIN_SAMPLES:
+            return None
+        return sum(self.intervals) / len(self.intervals)
+
+    def phi(self, now: float) -> float:
+        """How unlikely the silence since the last beat is: ``-log10 P(interval >= it)``
+        (0 while the rhythm is not yet known)."""
+        m = self.mean()
+        if m is None or self.last is None:
+            return 0.0
+        n = len(self.intervals)
+        var = sum((x - m) ** 2 for x in self.intervals) / n
+        spread = max(math.sqrt(var), MIN_SPREAD * m, 1e-6)
+        silence = now - self.last
+        tail = 0.5 * math.erfc((silence - m) / (spread * math.sqrt(2.0)))
+        return math.inf if tail <= 0.0 else max(0.0, -math.log10(tail))
+
+    def hung(self, now: float) -> str | None:
+        """Why the worker is taken for hung at ``now`` (None: it is not), in the words a
+        failure event and the user's warning carry."""
+        if self.last is None:
+            return None
+        silence = now - self.last
+        if self.upper is not None and silence > self.upper:
+            return (
+                f"no heartbeat for {silence:.1f} s (worker_timeout={self.upper:g} s): "
+                "hung or stopped"
+            )
+        if silence < self.floor:
+            return None
+        phi = self.phi(now)
+        if phi < self.threshold:
+            return None
+        m = self.mean()
+        assert m is not None  # phi > 0 needs a known rhythm
+        return (
+            f"no heartbeat for {silence:.1f} s, {silence / m:.3g}x its usual interval of "
+            f"{m:.3g} s (phi {phi:.3g} >= {self.threshold:g}): hung or stopped"
+        )

@@ -1,0 +1,233 @@
+"""The worker's half of a push: one :class:`Sender` per worker incarnation, no I/O.
+
+Every runtime drives a :class:`Sender` for each push, in this order:
+
+1. :meth:`Sender.pulled` for each shard's version of the pull the step starts
+   from (the push's *bases*), :meth:`Sender.observed` for any newer version the
+   worker sees (a published snapshot);
+2. with a codec, :meth:`Sender.encode`: the update (the flat vector) into one
+   payload per shard, in buffers the runtime provides (shared memory, byte
+   arrays, a buffer for the object store), with the codec's error feedback;
+3. :meth:`Sender.judge`, once: the commit rule's :class:`~stalewise.protocol.commit.Verdict`
+   for the whole push (:func:`~stalewise.protocol.commit.judge`, against the
+   versions known now; with several shards and a codec, on the payloads decoded
+   back, the values the shards will apply), with the push's sequence number and
+   bases: an :class:`Outgoing`;
+4. the runtime commits the push its own way (a commit word in shared memory, a
+   simulated departure that delivers it, a residual keeper) and then calls
+   :meth:`Sender.committed`; a push that will never be committed (its worker
+   fails first) is :meth:`Sender.abandoned`;
+5. :meth:`Sender.result` folds the push's acks into a
+   :class:`~stalewise.protocol.messages.PushResult` and learns the versions they carry.
+
+The residual rule: the sender keeps two residual buffers, the residual after
+its last *committed* push (:attr:`Sender.residual`) and the one being written
+by :meth:`Sender.encode`. :meth:`Sender.committed` makes the new one current;
+until then (and after :meth:`Sender.abandoned`) the old one stays, so a worker
+that dies between encoding and committing leaves the residual consistent with
+what the shards applied. A worker's next incarnation starts from its
+predecessor's residual (:meth:`Sender.successor`; ``residual=``, copied; or
+``buffers=`` and ``current=``, adopted as they are: the local runtime's buffers
+are in shared memory).
+
+Example:
+    >>> import numpy as np
+    >>> from stalewise import codecs, staleness
+    >>> from stalewise.protocol.compress import Compressor
+    >>> from stalewise.segments import Segments
+    >>> seg = Segments.from_sizes(["w"], [1000])
+    >>> comp = Compressor(codecs.topk(0.01), seg, [(0, 500), (500, 1000)])
+    >>> s = Sender(seg, staleness.constant(max_staleness=2), shards=2, compressor=comp)
+    >>> s.pulled(0, 3); s.pulled(1, 3)
+    >>> payloads = [bytearray(comp.nbytes(k)) for k in range(2)]
+    >>> s.encode(np.ones(1000, np.float32), payloads)
+    >>> out = s.judge()
+    >>> out.seq, out.bases, out.verdict.ok
+    (0, (3, 3), True)
+    >>> float(s.residual.sum())  # not committed yet: the old residual
+    0.0
+    >>> s.committed(); float(s.residual.sum()), s.seq  # 10 values sent, 990 deferred
+    (990.0, 1)
+    >>> s.observed(1, 9)  # a newer version of shard 1: the next push would be too stale
+    >>> s.encode(np.ones(1000, np.float32), payloads); s.judge().verdict.kind
+    'too_stale'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from stalewise.protocol import commit
+from stalewise.protocol.compress import Compressor, Feedback
+from stalewise.protocol.messages import Ack, PushResult
+from stalewise.segments import Segments
+
+__all__ = ["Outgoing", "Sender"]
+
+
+class Outgoing(NamedTuple):
+    """A judged push, as every shard must be told of it."""
+
+    seq: int  # the incarnation's sequence number of the push
+    bases: tuple[int, ...]  # per shard, the version the update was computed from
+    verdict: commit.Verdict  # the commit rule's judgement, one for every shard
+
+
+class Sender:
+    """A worker incarnation's sending side; see the module docstring.
+
+    Args:
+        segments: the job's leaf table (``config.spec.segments``), for verdict messages.
+        staleness: the job's :class:`~stalewise.staleness.Staleness` rule.
+        shards: the number of shards.
+        compressor: the job's codec on the worker side (``config.compressor()``;
+            None: updates travel as they are, :meth:`encode` is not used).
+        residual: the error-feedback residual to start from (copied; None: zeros).
+        buffers: two residual buffers to use as they are, instead (e.g. in shared memory);
+            ``current`` is the one holding the residual to start from.
+        dtype: the updates' dtype (the residual's).
+    """
+
+    def __init__(
+        self,
+        segments: Segments,
+        staleness: Any,
+        shards: int,
+        compressor: Compressor | None = None,
+        *,
+        residual: np.ndarray | None = None,
+        buffers: Sequence[np.ndarray] | None = None,
+        current: int = 1,
+        dtype: Any = np.float32,
+    ):
+        self.segments, self.staleness = segments, staleness
+        self.shards = int(shards)
+        self.compressor = compressor
+        self.seq = 0  # the sequence number of the next push
+        self.bases = [0] * self.shards  # per shard, the version of the last pull
+        self.known = [0] * self.shards  # per shard, the newest version seen
+        self._buffers: tuple[np.ndarray, np.ndarray] | None = None
+        self.current = current  # which of the buffers holds the committed residual
+        if buffers is not None:
+            if len(buffers) != 2 or current not in (0, 1):
+                raise ValueError(f"expected two residual buffers and current 0 or 1, got {current}")
+            self._buffers = (buffers[0], buffers[1])
+        elif compressor is not None and compressor.error_feedback:
+            size = compressor.size
+            # both zero: the encoder writes only the pieces whose codec keeps feedback
+            self._buffers = (np.zeros(size, dtype), np.zeros(size, dtype))
+            self.current = 1
+            if residual is not None:
+                np.copyto(self._buffers[1], residual)
+        self._payloads: Sequence[Any] | None = None  # of the push being prepared
+        self._encoded = False  # a new residual is in the other buffer, not yet committed
+        self._decoded: np.ndarray | None = None  # the payloads decoded back, for the verdict
+
+    # -- versions ---------------------------------------------------------------------
+
+    def pulled(self, k: int, version: int) -> None:
+        """The step's pull got ``version`` of shard ``k``: the push's base there."""
+        self.bases[k] = version
+        self.known[k] = max(self.known[k], version)
+
+    def observed(self, k: int, version: int) -> None:
+        """The worker saw ``version`` of shard ``k`` (a published snapshot, an ack)."""
+        if version > self.known[k]:
+            self.known[k] = version
+
+    # -- a push -----------------------------------------------------------------------
+
+    @property
+    def feedback(self) -> bool:
+        """Whether this sender keeps an error-feedback residual."""
+        return self._buffers is not None
+
+    @property
+    def residual(self) -> np.ndarray | None:
+        """The residual after the last committed push (None without error feedback)."""
+        return None if self._buffers is None else self._buffers[self.current]
+
+    @property
+    def buffers(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The two residual buffers (:attr:`current` holds :attr:`residual`)."""
+        return self._buffers
+
+    def encode(self, flat: np.ndarray, payloads: Sequence[Any]) -> None:
+        """Encodes the update ``flat`` into ``payloads`` (shard ``k``'s into ``payloads[k]``,
+        writable, of exactly ``compressor.nbytes(k)`` bytes), reading the committed
+        residual and writing the new one into the other buffer."""
+        comp = self.compressor
+        if comp is None:
+            raise ValueError("this job has no codec: its updates are not encoded")
+        if self._buffers is None:
+            comp.encode_into(flat, payloads)
+        else:
+            cur = self.current
+            old, new = Feedback(self._buffers[cur]), Feedback(self._buffers[1 - cur])
+            comp.encode_into(flat, payloads, old, out=new)  # the new residual is always in `new`
+            self._encoded = True
+        self._payloads = payloads
+
+    def judge(self, flat: np.ndarray | None = None, *, into: np.ndarray | None = None) -> Outgoing:
+        """The commit rule's verdict on the push being prepared, judged once for every shard
+        against the versions known now, with its sequence number and bases.
+
+        ``flat``: the update (needed without a codec, or with a single shard). With a
+        codec and several shards the verdict judges the payloads of :meth:`encode`
+        decoded back, into ``into`` when given (a buffer of the update's size).
+        """
+        whole = self.shards > 1  # one shard checks its whole slice itself
+        if self._payloads is not None and whole:
+            if into is None:
+                if self._decoded is None:
+                    self._decoded = np.empty(self.compressor.size, self._dtype(flat))
+                into = self._decoded
+            values = self.compressor.decode(self._payloads, into)
+        elif flat is None:
+            raise ValueError("judge() needs the update without a codec or with a single shard")
+        else:
+            values = flat
+        verdict = commit.judge(
+            values, self.segments, self.bases, self.known, self.staleness, whole=whole
+        )
+        return Outgoing(self.seq, tuple(self.bases), verdict)
+
+    def committed(self) -> None:
+        """The push judged last is committed: its residual becomes current, and the next
+        push takes the next sequence number."""
+        if self._encoded:
+            self.current = 1 - self.current
+        self._encoded, self._payloads = False, None
+        self.seq += 1
+
+    def successor(self) -> Sender:
+        """The sending side of this worker's next incarnation: the same job, sequence
+        numbers from 0, no version known, and this sender's residual buffers as they are
+        (call it once this incarnation sends nothing more)."""
+        return Sender(
+            self.segments,
+            self.staleness,
+            self.shards,
+            self.compressor,
+            buffers=self._buffers,
+            current=self.current,
+        )
+
+    def abandoned(self) -> None:
+        """The push being prepared will never be committed: the residual stays as it was."""
+        self._encoded, self._payloads = False, None
+
+    def result(self, acks: Sequence[Ack]) -> PushResult:
+        """Folds one push's acks (one per shard, in order) into its result and learns the
+        versions they carry."""
+        for k, ack in enumerate(acks):
+            self.observed(k, ack.version)
+        return PushResult.of(acks)
+
+    def _dtype(self, flat: np.ndarray | None) -> Any:
+        if self._buffers is not None:
+            return self._buffers[0].dtype
+        return np.float32 if flat is None else flat.dtype

@@ -1,0 +1,231 @@
+"""Attach a process you started to a job served on this machine, by the job's name.
+
+``job.serve(workers=(1, 8), name="gpt")`` opens a door beside its shards: a
+Unix socket ``stalewise-<uid>/gpt.sock`` in the runtime directory
+(``$XDG_RUNTIME_DIR``, else the temporary directory), readable by this user
+only, and a key file beside it. Any process of the same user then calls
+``client = sw.attach("gpt")``: the server chooses the worker id (the lowest
+one free) and the incarnation, makes that incarnation's pipes to every shard
+(:meth:`LocalServer.client <stalewise.runtime.local.server.LocalServer.client>`)
+and passes them over the socket (file-descriptor passing), with what a client
+needs to map the job's shared memory. ``sw.attach("gpt", worker=3)`` asks for
+worker id 3 (a new incarnation of it, if it ran before).
+
+The socket stays open for as long as the attached client lives: the server
+sees it close when the process exits or calls ``client.close()``, and its worker
+id is free again for the next process that attaches. Its pipes to the shards
+close at the same moment, so the shards drop it from the gates and BSP rounds
+(a push it had committed is delivered first, as for every worker that leaves).
+
+The socket is authenticated with the key (``multiprocessing.connection``'s
+handshake); the server reads only a small JSON request from an attaching
+process and unpickles nothing it sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import tempfile
+import threading
+from multiprocessing import connection, reduction
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stalewise.runtime.local.client import Client
+    from stalewise.runtime.local.server import LocalServer
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+class AttachError(RuntimeError):
+    """A process could not attach to a served job (one line says why)."""
+
+
+def check_name(name: Any) -> str:
+    """``name`` if it can name a served job (letters, digits, ``_.-``; at most 64)."""
+    if not (isinstance(name, str) and _NAME.fullmatch(name)):
+        raise ValueError(
+            f"job name {name!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a "
+            "letter or digit"
+        )
+    return name
+
+
+def door_dir() -> Path:
+    """The folder of this user's doors (made, mode 0700, if missing)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = Path(base) / f"stalewise-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def _paths(name: str) -> tuple[Path, Path]:
+    d = door_dir()
+    return d / f"{name}.sock", d / f"{name}.key"
+
+
+def _in_use(sock: Path) -> bool:
+    """Whether a server still listens on ``sock`` (a socket file may outlive a killed one)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(sock))
+        except OSError:
+            return False
+    return True
+
+
+class Door:
+    """The server side: a thread that accepts attaching processes for ``server``."""
+
+    def __init__(self, server: LocalServer, name: str):
+        self.server, self.name = server, check_name(name)
+        self.sock, self.keyfile = _paths(name)
+        if self.sock.exists():
+            if _in_use(self.sock):
+                raise ValueError(f"a job named {name!r} is already served ({self.sock})")
+            self.sock.unlink()  # left by a server that was killed
+        key = secrets.token_bytes(32)
+        fd = os.open(self.keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        self.listener = connection.Listener(str(self.sock), family="AF_UNIX", authkey=key)
+        self.leases: dict[int, connection.Connection] = {}  # worker id -> its open socket
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+        self.thread = threading.Thread(
+            target=self._serve, name=f"stalewise-door-{name}", daemon=True
+        )
+        self.thread.start()
+
+    def attached(self) -> set[int]:
+        """The worker ids held by attached processes that are still connected."""
+        with self.lock:
+            self._reap()
+            return set(self.leases)
+
+    def _reap(self) -> None:
+        gone = [w for w, c in self.leases.items() if _closed(c)]
+        for w in gone:
+            self.leases.pop(w).close()
+            log.info("job %r: worker %d detached", self.name, w)
+
+    def _serve(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn = self.listener.accept()
+            except (OSError, EOFError, connection.AuthenticationError) as e:
+                if self.closed.is_set():
+                    return
+                log.warning("job %r: an attach failed its handshake (%s)", self.name, e)
+                continue
+            try:
+                self._admit(conn)
+            except Exception as e:  # the attacher hears why; the door stays open
+                log.warning("job %r: an attach was refused: %s", self.name, e)
+                with contextlib.suppress(OSError):
+                    conn.send(("error", str(e)))
+                conn.close()
+
+    def _admit(self, conn: connection.Connection) -> None:
+        if not conn.poll(10):
+            raise AttachError("no request within 10 s")
+        request = json.loads(conn.recv_bytes(256))
+        want, pid = request.get("worker"), request.get("pid")
+        if not isinstance(pid, int):
+            raise AttachError(f"a request without its process id: {request!r}")
+        with self.lock:
+            self._reap()
+            client = self.server.attach_client(want, taken=set(self.leases))
+            w = client.worker
+            state = client.__getstate__()
+            del state["_conns"]  # they travel as file descriptors, below
+            state["_workers"] = self.server.workers
+            conn.send(("client", state))
+            for end in self.server.worker_ends(w):
+                reduction.send_handle(conn, end.fileno(), pid)
+            if not conn.poll(30) or conn.recv_bytes(16) != b"ok":
+                raise AttachError(f"process {pid} did not take worker {w}'s pipes")
+            self.server.release(w)  # its pipes are the attached process's alone now
+            self.leases[w] = conn
+        log.info("job %r: process %d attached as worker %d", self.name, pid, w)
+
+    def close(self) -> None:
+        self.closed.set()
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        with contextlib.suppress(OSError):
+            self.keyfile.unlink()
+        with self.lock:
+            for c in self.leases.values():
+                c.close()
+            self.leases.clear()
+
+
+def _closed(conn: connection.Connection) -> bool:
+    """Whether the other end of an attached process's socket has closed."""
+    try:
+        if not conn.poll(0):
+            return False
+        conn.recv_bytes(16)  # an attached client sends nothing more: data means nothing
+        return False
+    except (EOFError, OSError):
+        return True
+
+
+def attach(name: str, *, worker: int | None = None, timeout: float = 30.0) -> Client:
+    """A client for a worker of the job served under ``name`` on this machine.
+
+    Args:
+        name: the ``name=`` the job was served with (:meth:`stalewise.Job.serve`).
+        worker: the worker id to take (a new incarnation of it); None: the lowest free one.
+        timeout: seconds to wait for the server.
+
+    Returns:
+        A :class:`~stalewise.runtime.local.client.Client` of this process, as
+        ``server.client(w)`` gives; its ``worker`` and ``incarnation`` say who it is.
+        Closing it (or the end of this process) gives its worker id back.
+
+    Raises:
+        AttachError: no job of that name is served, or the server refused (why).
+    """
+    from stalewise.runtime.local.client import Client
+    from stalewise.runtime.local.procs import cap_threads_here
+
+    sock, keyfile = _paths(check_name(name))
+    if not sock.exists():
+        raise AttachError(f"no job named {name!r} is served on this machine ({sock} is missing)")
+    try:
+        key = keyfile.read_bytes()
+        conn = connection.Client(str(sock), family="AF_UNIX", authkey=key)
+    except (OSError, EOFError, connection.AuthenticationError) as e:
+        raise AttachError(f"job {name!r}: cannot connect to {sock} ({e})") from None
+    try:
+        conn.send_bytes(json.dumps({"worker": worker, "pid": os.getpid()}).encode())
+        if not conn.poll(timeout):
+            raise AttachError(f"job {name!r}: no answer within {timeout} s")
+        kind, body = conn.recv()
+        if kind == "error":
+            raise AttachError(f"job {name!r}: {body}")
+        conns = [connection.Connection(reduction.recv_handle(conn)) for _ in body["_ranges"]]
+        conn.send_bytes(b"ok")
+    except (OSError, EOFError) as e:
+        conn.close()
+        raise AttachError(f"job {name!r}: the server went away while attaching ({e})") from None
+    except BaseException:
+        conn.close()
+        raise
+    cap_threads_here(body.pop("_workers"))
+    client = Client.__new__(Client)
+    client.__dict__.update(body)
+    client._conns = conns
+    client._lease = conn  # closed with the client, or by the OS with this process
+    return client

@@ -1,0 +1,199 @@
+"""Elastic membership: worker ids that join a running job, leave it, and attach by name."""
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import stalewise as sw
+from stalewise import optim, segments
+from stalewise.consistency import BSP, SSP
+from stalewise.protocol import PushHeader, Shard
+
+
+def _shard(workers, expected, consistency):
+    params = np.zeros(2, np.float32)
+    seg = segments.Segments.single(2)
+    return Shard(
+        params, seg, optim.sgd(1.0), workers=workers, expected=expected, consistency=consistency
+    )
+
+
+def _push(shard, w, seq, inc=1, value=1.0):
+    header = PushHeader(worker=w, seq=seq, base_version=shard.version, incarnation=inc)
+    return shard.push(header, np.full(2, value, np.float32))
+
+
+def test_bsp_rounds_are_taken_over_the_workers_live_now():
+    shard = _shard(workers=3, expected=1, consistency=BSP())
+    shard.join(0, 1)
+    assert _push(shard, 0, 0).ok and shard.version == 1  # alone: its round closes at once
+    shard.join(2, 1)  # an id nobody expected joins
+    assert _push(shard, 0, 1).ok and shard.version == 1  # the round now waits for worker 2
+    assert _push(shard, 2, 0, value=3.0).ok and shard.version == 2
+    assert shard.params.tolist() == [-3.0, -3.0]  # 1 + mean(1, 3)
+    assert _push(shard, 0, 2).ok and shard.version == 2
+    shard.leave(2)  # it leaves: the round it owed closes without it
+    assert shard.version == 3
+
+
+def test_ssp_bounds_count_only_the_live_workers():
+    shard = _shard(workers=2, expected=1, consistency=SSP(1))
+    shard.join(0, 1)
+    for seq in range(3):  # alone, worker 0 is never ahead of anyone
+        assert shard.may_start(0)
+        _push(shard, 0, seq)
+    shard.join(1, 1)  # joins at the slowest live clock: it holds no one back
+    assert shard.may_start(0) and shard.may_start(1)
+    _push(shard, 0, 3)
+    _push(shard, 0, 4)
+    assert not shard.may_start(0)  # now two ahead of worker 1
+
+
+def test_expected_is_checked():
+    with pytest.raises(ValueError, match=r"expected must be 0\.\.2"):
+        _shard(workers=2, expected=3, consistency=BSP())
+
+
+@pytest.mark.parametrize("workers", [0, (3, 2), (-1, 2), (1, 2, 3), "4", (1.5, 2), (True, 2)])
+def test_bad_worker_ranges_are_named(workers):
+    job = sw.Job({"w": np.zeros(2, np.float32)}, optimizer=sw.optim.sgd(1.0))
+    with pytest.raises(ValueError, match="workers must be"):
+        job.serve(workers=workers)
+
+
+# -- attaching processes (real ones, started here as a user would) ---------------------
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import stalewise as sw
+
+    client = sw.attach(sys.argv[1])
+    print("worker", client.worker, client.incarnation, flush=True)
+    for _ in range(int(sys.argv[2])):
+        params = client.pull()
+        client.push({"w": np.ones_like(params["w"])})
+    client.wait()
+    print("pushed", flush=True)
+    if sys.argv[3] == "hang":
+        time.sleep(60)
+    """
+)
+
+
+@pytest.fixture
+def child(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    started = []
+
+    def start(name, pushes, then="exit"):
+        p = subprocess.Popen(
+            [sys.executable, str(script), name, str(pushes), then],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        p.lines = queue.Queue()  # its output, line by line (None: it ended)
+        threading.Thread(target=_read, args=(p,), daemon=True).start()
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+        p.stdout.close()
+        p.stderr.close()
+
+
+def _name():
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+def _read(p):
+    for line in p.stdout:
+        p.lines.put(line)
+    p.lines.put(None)
+
+
+def _line(p, timeout=60):
+    """The child's next line of output, split (fails with its stderr if it ends first)."""
+    try:
+        line = p.lines.get(timeout=timeout)
+    except queue.Empty:
+        pytest.fail(f"no output from the child within {timeout} s")
+    if line is None:
+        pytest.fail(f"the child exited ({p.wait(10)}): {p.stderr.read()}")
+    return line.split()
+
+
+def test_a_process_you_start_attaches_by_name_and_its_id_is_free_once_it_ends(child, no_leaks):
+    job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(1.0))
+    name = _name()
+    with job.serve(workers=(0, 2), name=name) as server:
+        first = child(name, 5)
+        assert _line(first) == ["worker", "0", "1"]
+        assert _line(first) == ["pushed"]
+        assert first.wait(30) == 0
+        np.testing.assert_allclose(server.pull()["w"], -5.0)
+        again = child(name, 2)  # worker 0 has gone: its id is free again
+        assert _line(again) == ["worker", "0", "2"]
+        assert _line(again) == ["pushed"]
+        assert again.wait(30) == 0
+        np.testing.assert_allclose(server.pull()["w"], -7.0)
+
+
+def test_a_killed_attached_worker_stops_holding_back_a_bsp_round(child, no_leaks):
+    job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(1.0), consistency=sw.BSP())
+    name = _name()
+    with job.serve(workers=(0, 3), name=name) as server:
+        idle = child(name, 1, "hang")  # pushes once (a round of its own), then idles
+        assert _line(idle) == ["worker", "0", "1"]
+        assert _line(idle) == ["pushed"]
+        assert server.attached() == {0}
+        mine = server.client()  # a worker joins the running job from this process: id 1
+        assert mine.worker == 1
+        mine.pull(timeout=10)
+        mine.push({"w": np.ones(3, np.float32)})
+        with pytest.raises(TimeoutError):  # the round waits for the idle worker
+            mine.pull(timeout=2)
+        idle.send_signal(signal.SIGKILL)
+        idle.wait(10)
+        params = mine.pull(timeout=30)  # its death closes the round without it
+        np.testing.assert_allclose(params["w"], -2.0)
+        deadline = time.monotonic() + 10
+        while server.attached() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.attached() == set()
+        mine.close()
+
+
+def test_attach_errors_are_one_line(child):
+    with pytest.raises(sw.AttachError, match="no job named 'nobody-here'"):
+        sw.attach("nobody-here")
+    with pytest.raises(ValueError, match="job name 'a b'"):
+        sw.attach("a b")
+    job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(1.0))
+    name = _name()
+    with job.serve(workers=1, name=name):
+        with pytest.raises(ValueError, match="already served"):
+            job.serve(workers=1, name=name)
+        first = child(name, 1, "hang")
+        assert _line(first)[0] == "worker"
+        with pytest.raises(sw.AttachError, match="the job is full"):
+            sw.attach(name, timeout=10)
+        with pytest.raises(sw.AttachError, match="worker 0 is held by an attached process"):
+            sw.attach(name, worker=0, timeout=10)
+    assert not os.path.exists(sw.runtime.local.attach.door_dir() / f"{name}.key")
