@@ -700,12 +700,12 @@ def test_train_resumes_a_run_from_its_checkpoint(tmp_path, capsys, no_leaks):
     out = tmp_path / "run"
     assert main(["train", str(first), "--out", str(out), "--runtime", "sim", "-q"]) == 0
     assert (out / "checkpoints" / "latest").is_file()
-    saved = sw.load(out / "checkpoints")
+    saved = sw.load_params(out / "checkpoints")
     more = write(tmp_path, LS_CONFIG.replace("steps = 300", "steps = 250"), "more.toml")
     assert main(["train", str(more), "--resume", str(out), "--runtime", "sim", "-q"]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     resumed = [r for r in records if r["updates"] > 0]
     assert records[-1]["pushes"] >= 250 and resumed[-1]["updates"] >= 250
-    assert not np.array_equal(sw.load(out / "checkpoints")["x"], saved["x"])
+    assert not np.array_equal(sw.load_params(out / "checkpoints")["x"], saved["x"])
     assert main(["train", str(more), "--resume", str(tmp_path / "nowhere"), "-q"]) == 2
     assert "--resume" in capsys.readouterr().err
