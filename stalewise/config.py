@@ -33,7 +33,7 @@ got '0.01'``)::
     codec = "topk:0.01"           # none | fp16 | bf16 | int8 | sign | topk:F, or a table (stalewise.codecs)
     pull_codec = "int8"           # delta pulls (runtime "sim"): a codec as above; default "full"
 
-    [run]
+    [run]                         # defaults and checks: stalewise.RunOptions (Job.train's)
     workers = 4                   # 1 .. 4096 local processes (16384 simulated)
     steps = 2000                  # pushes in all, 1 .. 10**9
     delay = 0.005                 # emulated compute seconds per step, every worker
@@ -43,7 +43,7 @@ got '0.01'``)::
     runtime = "local"             # or "sim" (the simulator; see the [sim] table), or "ray"
     address = "auto"              # runtime "ray": the cluster (stalewise.runtime.ray.connect)
     on_worker_failure = "restart" # restart | drop | fail: a worker that dies, hangs or raises
-    max_restarts = 3              # restarts allowed per worker id (and per shard)
+    max_restarts = 3              # restarts allowed per worker id (and per shard; false: no limit)
     worker_timeout = 60           # seconds without a heartbeat: hung (>= 0.1; false: never)
     diverge_after = 20            # pushes in a row refused as NaN/Inf: diverged (false: never)
 
@@ -159,8 +159,8 @@ from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
 from stalewise.api import Job
 from stalewise.protocol import pulls
-from stalewise.runtime.base import FAILURE_POLICIES, MAX_SLOWDOWN, TrainResult
-from stalewise.runtime.options import DEFAULTS, MAX_TIMEOUT, MIN_EVAL_INTERVAL, MIN_WORKER_TIMEOUT
+from stalewise.runtime.base import MAX_DELAY, MAX_SLOWDOWN, TrainResult
+from stalewise.runtime.options import DEFAULTS, OptionError, RunOptions
 from stalewise.runtime.sim import models as sim_models
 from stalewise.runtime.sim.config import SimConfig, TooLongError
 
@@ -211,8 +211,6 @@ MAX_WORKERS = {"local": 4096, "sim": 16384}
 MAX_SHARDS = 1024
 #: The most pushes a run may be given.
 MAX_STEPS = 10**9
-#: The longest emulated compute time per step, in seconds.
-MAX_DELAY = 3600.0
 #: The deepest nesting of arrays and tables a config may have.
 MAX_DEPTH = 32
 #: The task methods a factory's object must have, with the arguments stalewise passes.
@@ -286,8 +284,8 @@ class RunConfig:
             if runtime != kwargs["runtime"]:
                 self.check_workers(kwargs["workers"], runtime, "run.workers")
             kwargs["runtime"] = runtime
-        if kwargs["runtime"] == "sim":
-            kwargs |= {"sim": self.sim, "seed": self.seed}
+        if kwargs["runtime"] == "sim":  # the task's seed also seeds the simulator
+            kwargs |= {"sim": self.sim, "sim_seed": self.seed}
         return kwargs
 
     def check_workers(self, workers: int, runtime: str, key: str) -> None:
@@ -487,31 +485,13 @@ def parse(
     _check_workers(workers, runtime, "run.workers")
     steps = _get(r, "run.steps", int, 1000, low=1, high=MAX_STEPS)
     delay = _get(r, "run.delay", float, 0.0, low=0, high=MAX_DELAY)
-    eval_interval = _get(
-        r, "run.eval_interval", float, DEFAULTS["eval_interval"], low=MIN_EVAL_INTERVAL
-    )
+    eval_interval = _run_option(r, "eval_interval")
     stragglers = _stragglers(r.get("stragglers"), workers)
     stop_at = _stop_at(r.get("stop_at"))
-    on_failure = _get(r, "run.on_worker_failure", str, DEFAULTS["on_worker_failure"])
-    if on_failure not in FAILURE_POLICIES:
-        raise ConfigError(
-            "run.on_worker_failure",
-            f"expected one of {', '.join(FAILURE_POLICIES)}, got {on_failure!r}",
-        )
-    max_restarts = _get(r, "run.max_restarts", int, DEFAULTS["max_restarts"], low=0)
-    worker_timeout = None
-    if r.get("worker_timeout") is not False:
-        worker_timeout = _get(
-            r,
-            "run.worker_timeout",
-            float,
-            DEFAULTS["worker_timeout"],
-            low=MIN_WORKER_TIMEOUT,
-            high=MAX_TIMEOUT,
-        )
-    diverge_after = None
-    if r.get("diverge_after") is not False:
-        diverge_after = _get(r, "run.diverge_after", int, DEFAULTS["diverge_after"], low=1)
+    on_failure = _run_option(r, "on_worker_failure")
+    max_restarts = _run_option(r, "max_restarts")
+    worker_timeout = _run_option(r, "worker_timeout")
+    diverge_after = _run_option(r, "diverge_after")
     consistency = _consistency(s)
     staleness = _staleness(s)
     shards = _get(s, "server.shards", int, 1, low=1, high=MAX_SHARDS)
@@ -625,6 +605,23 @@ def _get(
     if high is not None and value > high:
         raise ConfigError(name, f"must be <= {high}, got {value!r}")
     return kind(value)
+
+
+#: [run] keys whose None (never) is spelled ``false`` in TOML, which has no None.
+NEVER_IS_FALSE = ("max_restarts", "worker_timeout", "diverge_after")
+
+
+def _run_option(table: dict, name: str) -> Any:
+    """``run.<name>`` (default: :data:`~stalewise.runtime.options.DEFAULTS`'s), checked by
+    :meth:`RunOptions.check`, the check ``Job.train`` runs; an error names ``run.<name>``."""
+    value = table.get(name, DEFAULTS[name])
+    if value is False and name in NEVER_IS_FALSE:
+        return None
+    try:
+        return RunOptions.check(name, value)
+    except OptionError as e:
+        problem = e.problem.replace(" or None", " or false") if name in NEVER_IS_FALSE else e.problem
+        raise ConfigError(f"run.{name}", problem) from None
 
 
 def _check_workers(workers: int, runtime: str, key: str) -> None:

@@ -282,7 +282,7 @@ def test_fixed_schedule_is_local_sgd_bit_for_bit_in_the_simulator(outer, consist
     runs = []
     for strat in (ours, theirs):
         job = sw.Job(TASK.init_params(), consistency=consistency, strategy=strat)
-        runs.append(_sim(job, 3, 45, stragglers={2: 1.7}, seed=3))
+        runs.append(_sim(job, 3, 45, stragglers={2: 1.7}, sim_seed=3))
     a, b = runs
     assert np.abs(a.flat - TASK.init_params()["x"]).max() > 0.1  # it moved
     assert np.array_equal(a.flat, b.flat)

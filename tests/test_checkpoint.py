@@ -304,7 +304,7 @@ def test_sim_interrupted_and_resumed_is_bit_identical(tmp_path, consistency, sim
             steps=steps,
             runtime="sim",
             sim=sim,
-            seed=3,
+            sim_seed=3,
             on_record=records.append,
             **kw,
         )
