@@ -14,8 +14,7 @@ from typing import Any
 
 from stalewise import codecs, consistency, optim, staleness, strategies, tree
 from stalewise.api import Job
-from stalewise.checkpoint import CheckpointError
-from stalewise.checkpoint import load_params
+from stalewise.checkpoint import CheckpointError, load_params
 from stalewise.consistency import ASP, BSP, SSP, Hybrid
 from stalewise.launch import Context, init
 from stalewise.loops import LocalSGD, LocalSGDOptax
@@ -55,7 +54,6 @@ __all__ = [
     "strategies",
     "tree",
 ]
-
 
 
 def __getattr__(name: str) -> Any:

@@ -620,7 +620,9 @@ def _run_option(table: dict, name: str) -> Any:
     try:
         return RunOptions.check(name, value)
     except OptionError as e:
-        problem = e.problem.replace(" or None", " or false") if name in NEVER_IS_FALSE else e.problem
+        problem = (
+            e.problem.replace(" or None", " or false") if name in NEVER_IS_FALSE else e.problem
+        )
         raise ConfigError(f"run.{name}", problem) from None
 
 

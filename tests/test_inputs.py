@@ -515,8 +515,9 @@ def test_run_option_defaults_are_stated_once_in_run_options():
     shared = [name for name in train if name in DEFAULTS]
     assert {name: train[name].default for name in shared} == {n: DEFAULTS[n] for n in shared}
     assert train["on_record"].default is DEFAULTS["on_record"]
-    assert inspect.signature(sw.Job.serve).parameters["join_timeout"].default == (
-        DEFAULTS["join_timeout"]
+    assert (
+        inspect.signature(sw.Job.serve).parameters["join_timeout"].default
+        == (DEFAULTS["join_timeout"])
     )
     swept = inspect.signature(sweep.sweep).parameters
     for name in ("sim_seed", "progress"):

@@ -163,7 +163,13 @@ def test_same_seed_is_bit_identical_and_other_seed_differs():
     task = tasks.get("least-squares", n=128, d=8)
     runs = [
         _train(
-            task, workers=6, steps=300, shards=2, consistency=sw.SSP(1), sim_seed=s, eval_interval=0.05
+            task,
+            workers=6,
+            steps=300,
+            shards=2,
+            consistency=sw.SSP(1),
+            sim_seed=s,
+            eval_interval=0.05,
         )
         for s in (7, 7, 8)
     ]
