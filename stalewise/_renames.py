@@ -3,8 +3,12 @@ naming the new one (see "Names" in docs/design-notes.md)."""
 
 from __future__ import annotations
 
+import functools
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def renamed(where: str, old: str, new: str, old_value: Any, new_value: Any, *,
@@ -28,3 +32,40 @@ def renamed(where: str, old: str, new: str, old_value: Any, new_value: Any, *,
         stacklevel=stacklevel,
     )
     return old_value
+
+
+_UNSET = object()
+
+
+def renames(where: str | None = None, **old_to_new: str) -> Callable[[F], F]:
+    """A decorator: the function still takes each old keyword ``old=``, as ``new=``, with a
+    DeprecationWarning naming the new one (:func:`renamed`). Its signature shows only the
+    new names; ``fn.renamed`` maps old -> new (the config file reads it to accept old keys).
+
+    Example:
+        >>> @renames(steps="local_steps")
+        ... def f(local_steps):
+        ...     return local_steps
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as w:
+        ...     warnings.simplefilter("always")
+        ...     f(steps=3), str(w[0].message)
+        (3, 'f: steps= is now local_steps=; the old name will be removed in the next release')
+    """
+
+    def wrap(fn: F) -> F:
+        name = where or fn.__name__
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for old, new in old_to_new.items():
+                if old in kwargs:
+                    value = kwargs.pop(old)
+                    given = kwargs.get(new, _UNSET)
+                    kwargs[new] = renamed(name, old, new, value, given, unset=_UNSET)
+            return fn(*args, **kwargs)
+
+        call.renamed = dict(old_to_new)  # type: ignore[attr-defined]
+        return call  # type: ignore[return-value]
+
+    return wrap
