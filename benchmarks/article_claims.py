@@ -98,7 +98,7 @@ def trust_claim(lrs, seeds) -> dict[float, tuple]:
         rows = []
         for lr in lrs:
             inner = sw.optim.lamb(lr, max_trust_ratio=m)
-            kw = dict(strategy=sw.strategies.local_sgd(steps=16, inner=inner),
+            kw = dict(strategy=sw.strategies.local_sgd(local_steps=16, inner=inner),
                       consistency=sw.ASP(), staleness=sw.staleness.inverse())  # fmt: skip
             rows.append((lr, *mean_run(kw, 32, seeds, local_steps=16)))
         out[m] = min(rows, key=lambda r: (r[1], -r[2]))

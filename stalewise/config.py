@@ -18,7 +18,7 @@ got '0.01'``)::
 
     [strategy]                    # what workers push (stalewise.strategies); default: gradients
     name = "diloco"               # gradients | local_sgd | diloco | easgd | adaptive
-    steps = 20                    # any option of that constructor (see below)
+    local_steps = 20              # any option of that constructor (see below): H
     inner = { name = "adamw", lr = 0.003 }  # the worker's optimizer: a table like [optimizer]
 
     [server]
@@ -56,23 +56,30 @@ The [strategy] table
 --------------------
 ``name`` picks a constructor of :mod:`stalewise.strategies`; every other key is
 one of its keyword arguments, checked against its signature and by the
-constructor itself (``strategy.steps: must be an integer >= 1, got 0``):
+constructor itself (``strategy.local_steps: must be an integer >= 1, got 0``):
 
 =============  ===========================================================================
 ``gradients``  (no options) one gradient per push, the default
-``local_sgd``  ``steps``, ``inner`` (required), ``reset_inner``, ``dynamic``, ``period``
-``diloco``     ``steps``, ``inner`` (default adamw lr 1e-3), ``outer_lr``, ``outer_momentum``,
-               ``asynchronous``, ``every``, ``reset_inner``, ``dynamic``, ``period``
-``easgd``      ``alpha``, ``every``, ``inner`` (all required), ``reset_inner``
-``adaptive``   ``inner``, ``start``, ``min_steps``, ``outer`` (``"local_sgd"`` or
+``local_sgd``  ``local_steps``, ``inner`` (required), ``reset_inner``, ``dynamic``, ``period``
+``diloco``     ``local_steps``, ``inner`` (default adamw lr 1e-3), ``outer_lr``,
+               ``outer_momentum``, ``asynchronous``, ``every``, ``reset_inner``, ``dynamic``,
+               ``period``
+``easgd``      ``alpha``, ``local_steps``, ``inner`` (all required), ``reset_inner``
+``adaptive``   ``inner``, ``local_steps``, ``min_steps``, ``outer`` (``"local_sgd"`` or
                ``"diloco"``), ``smoothing``, ``reset_inner``, ``outer_lr``,
                ``outer_momentum``, ``asynchronous``, ``every``, ``schedule``
 =============  ===========================================================================
 
+``local_steps`` is ``H``, the local steps per push, in every strategy;
+``every`` is only delayed Nesterov's ``N`` (asynchronous DiLoCo), ``period``
+only seconds (``dynamic``). The old keys ``steps`` (``local_sgd``, ``diloco``,
+``fixed``), ``every`` (``easgd``) and ``start`` (``adaptive``, ``comm_budget``,
+``adacomm``) still work for one release, with a DeprecationWarning naming the new key.
+
 ``inner`` is a table built exactly like ``[optimizer]`` (``name``, ``lr`` or
 ``schedule``, any option of that optimizer); its errors name
 ``strategy.inner.lr`` and so on. ``schedule`` (``adaptive`` only) is
-``{ name = "adacomm", start = 32, min_steps = 1 }`` or ``{ name = "fixed", steps = 8 }``.
+``{ name = "adacomm", local_steps = 32, min_steps = 1 }`` or ``{ name = "fixed", local_steps = 8 }``.
 
 Without an ``[optimizer]`` table the job uses the strategy's recommended server
 optimizer (``sgd(1.0)`` for local SGD and EASGD, Nesterov ``sgd(0.7,
@@ -147,6 +154,7 @@ import sys
 import tomllib
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -201,7 +209,7 @@ SCHEDULES = ("constant", "warmup_cosine", "step_decay")
 STRATEGIES = ("gradients", "local_sgd", "diloco", "easgd", "adaptive")
 PERIOD_SCHEDULES = ("comm_budget", "adacomm", "fixed")  # strategy.schedule of "adaptive"
 #: The option a ``NAME:H`` value of ``stalewise sim --over strategy`` sets, per strategy.
-PERIOD_KEY = {"local_sgd": "steps", "diloco": "steps", "easgd": "every", "adaptive": "start"}
+PERIOD_KEY = dict.fromkeys(("local_sgd", "diloco", "easgd", "adaptive"), "local_steps")
 CONSISTENCY = ("asp", "ssp", "bsp", "hybrid")
 STALENESS_PARAM = {"exponential": "base", "polynomial": "power"}  # server.staleness_param
 
@@ -304,8 +312,7 @@ class RunConfig:
 
         It takes the options of the config's [strategy] table that ``NAME``'s
         constructor accepts (``inner``, ``reset_inner``, ``alpha``...); ``H``
-        sets ``steps`` (``local_sgd``, ``diloco``), ``every`` (``easgd``) or
-        ``start`` (``adaptive``). In a sweep each strategy runs with its
+        sets ``local_steps``. In a sweep each strategy runs with its
         recommended server optimizer; ``gradients``, which recommends none, with
         the [optimizer] table's, which it then requires. Errors name ``key``.
         """
@@ -313,9 +320,11 @@ class RunConfig:
             name, period = parse_strategy_value(value)
         except ValueError as e:
             raise ConfigError(key, str(e)) from None
-        sig = _signature(getattr(strategies_lib, name))
+        fn = getattr(strategies_lib, name)
+        sig = _signature(fn)
         accepted = set(sig.parameters) if sig is not None else set()
-        table = {k: v for k, v in self.strategy_table.items() if k in accepted}
+        table = _new_keys(fn, self.strategy_table, "strategy")
+        table = {k: v for k, v in table.items() if k in accepted}
         if period is not None:
             table[PERIOD_KEY[name]] = period
         try:
@@ -1134,6 +1143,7 @@ def strategy_from_table(
             f"{where}.name", f"unknown strategy {name!r} (known: {', '.join(STRATEGIES)})"
         )
     fn = getattr(strategies_lib, name)
+    table = _new_keys(fn, table, where)
     sig = _signature(fn)
     known = list(sig.parameters) if sig is not None else []
     for key in table:
@@ -1159,19 +1169,42 @@ def strategy_from_table(
 
 
 def _period_schedule(spec: Any, where: str) -> Any:
-    """``adaptive``'s schedule table: ``{ name = "adacomm", start = 32, min_steps = 1 }``."""
+    """``adaptive``'s schedule table: ``{ name = "adacomm", local_steps = 32, min_steps = 1 }``."""
     if not isinstance(spec, dict) or "name" not in spec:
         raise ConfigError(
             where,
-            f'expected a table with a name, such as {{ name = "adacomm", start = 32 }}, got {spec!r}',
+            f'expected a table with a name, such as {{ name = "adacomm", local_steps = 32 }}, '
+            f"got {spec!r}",
         )
     name = spec["name"]
     if name not in PERIOD_SCHEDULES:
         raise ConfigError(
             f"{where}.name", f"unknown schedule {name!r} (known: {', '.join(PERIOD_SCHEDULES)})"
         )
-    kwargs = {k: v for k, v in spec.items() if k != "name"}
-    return _call(getattr(strategies_lib, name), kwargs, where, name)
+    fn = getattr(strategies_lib, name)
+    kwargs = {k: v for k, v in _new_keys(fn, spec, where).items() if k != "name"}
+    return _call(fn, kwargs, where, name)
+
+
+def _new_keys(fn: Any, table: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``table`` with the old keys of ``fn``'s renamed keywords (``fn.renamed``, see
+    :func:`stalewise._renames.renames`) under their new names, each with a
+    DeprecationWarning naming both keys; an old key beside its new one is an error."""
+    out = dict(table)
+    for old, new in getattr(fn, "renamed", {}).items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ConfigError(
+                f"{where}.{old}", f"is the old name of {where}.{new}; give only {new}"
+            )
+        warnings.warn(
+            f"{where}.{old} is now {where}.{new} (the old key will be removed in the next release)",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        out[new] = out.pop(old)
+    return out
 
 
 def _codec(spec: Any, key: str) -> codecs.Policy:

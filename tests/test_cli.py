@@ -538,7 +538,7 @@ def test_digits_diloco_example_trains_in_the_simulator(tmp_path, capsys):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["accuracy"] >= 0.96 and records[-1]["pushes"] <= 100
     cfg = config.load(EXAMPLES / "digits_diloco.toml")
-    assert cfg.job.strategy == sw.strategies.diloco(steps=20, inner=sw.optim.adamw(3e-3))
+    assert cfg.job.strategy == sw.strategies.diloco(local_steps=20, inner=sw.optim.adamw(3e-3))
     outer = cfg.job.config.optimizer.apply.__self__  # no [optimizer]: DiLoCo's recommendation
     assert (outer.lr, outer.momentum, outer.nesterov) == (0.7, 0.9, True)
     assert "digits_diloco" in capsys.readouterr().out
@@ -553,7 +553,7 @@ def test_strategy_table_builds_the_strategy_and_the_server_optimizer():
         {"task": DIGITS, "strategy": {"name": "local_sgd", "steps": 4, "inner": inner}}
     )
     assert cfg.job.strategy == sw.strategies.local_sgd(
-        steps=4, inner=sw.optim.lamb(0.01, max_trust_ratio=5.0)
+        local_steps=4, inner=sw.optim.lamb(0.01, max_trust_ratio=5.0)
     )
     assert cfg.job.config.optimizer.apply.__self__.lr == 1.0  # sgd(1.0)
     async_diloco = {"name": "diloco", "steps": 8, "asynchronous": True}

@@ -233,7 +233,7 @@ CONSTRUCTORS = [
     *_bad("comm_budget.memory", lambda v: strategies.comm_budget(memory=v), BAD_REAL),
     *_bad(
         "easgd.alpha",
-        lambda v: strategies.easgd(v, every=2, inner=optim.sgd(0.1)),
+        lambda v: strategies.easgd(v, local_steps=2, inner=optim.sgd(0.1)),
         [NAN, INF, -INF, True, None],
     ),
 ]
