@@ -149,10 +149,13 @@ def test_comm_budget_checks_its_arguments():
         ({"fraction": 0.0}, r"fraction must be in \(0, 1\), got 0.0"),
         ({"fraction": 1}, r"fraction must be in \(0, 1\), got 1"),
         ({"fraction": "0.1"}, "fraction must be a number"),
-        ({"start": 0}, "start must be an integer >= 1, got 0"),
+        ({"local_steps": 0}, "local_steps must be an integer >= 1, got 0"),
         ({"max_steps": 2.5}, "max_steps must be an integer >= 1"),
-        ({"start": 8, "max_steps": 4}, "need min_steps <= start <= max_steps"),
-        ({"min_steps": 8}, "need min_steps <= start <= max_steps, got min_steps=8, start=4"),
+        ({"local_steps": 8, "max_steps": 4}, "need min_steps <= local_steps <= max_steps"),
+        (
+            {"min_steps": 8},
+            "need min_steps <= local_steps <= max_steps, got min_steps=8, local_steps=4",
+        ),
         ({"memory": 1.0}, r"memory must be in \[0, 1\)"),
     ):
         with pytest.raises(ValueError, match=problem):

@@ -85,7 +85,9 @@ def test_outer_lr_one_without_momentum_under_bsp_is_fedavg():
 def test_diloco_under_bsp_is_nesterov_on_the_mean_pseudo_gradient():
     workers, h, rounds = 2, 3, 5
     inner = sw.optim.adamw(0.01)
-    job = sw.Job({"x": np.zeros(16)}, consistency=sw.BSP(), strategy=diloco(local_steps=h, inner=inner))
+    job = sw.Job(
+        {"x": np.zeros(16)}, consistency=sw.BSP(), strategy=diloco(local_steps=h, inner=inner)
+    )
     result = _sim(job, workers, workers * rounds)
     batches = [TASK.batches(w, workers) for w in range(workers)]
     x, m = np.zeros(16), np.zeros(16)
@@ -505,7 +507,7 @@ def test_a_config_names_the_consistency_key_when_diloco_does_not_fit_it():
 
     raw = {
         "task": {"name": "least-squares", "args": {"n": 64, "d": 4}},
-        "strategy": {"name": "diloco", "steps": 4},
+        "strategy": {"name": "diloco", "local_steps": 4},
     }
     with pytest.raises(config.ConfigError) as caught:
         config.parse(raw)  # consistency: "asp", the default; no [optimizer]: the recommendation
@@ -513,7 +515,7 @@ def test_a_config_names_the_consistency_key_when_diloco_does_not_fit_it():
     assert caught.value.problem.startswith("diloco recommends Nesterov SGD on each round's mean")
     cfg = config.parse({**raw, "server": {"consistency": "bsp"}})
     assert cfg.job.config.consistency == sw.BSP()
-    async_bsp = {"name": "diloco", "steps": 4, "asynchronous": True, "every": 2}
+    async_bsp = {"name": "diloco", "local_steps": 4, "asynchronous": True, "every": 2}
     with pytest.raises(config.ConfigError, match="asynchronous=True is for ASP or SSP") as caught:
         config.parse({**raw, "strategy": async_bsp, "server": {"consistency": "bsp"}})
     assert caught.value.key == "server.consistency"

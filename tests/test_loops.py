@@ -83,7 +83,10 @@ def test_torch_wrapper_pushes_nothing_after_an_error_but_removes_its_hook(no_lea
     job = sw.Job(model, optimizer=sw.optim.sgd(1.0))
     with job.serve(workers=1) as server:
         client = server.client(0)
-        with pytest.raises(RuntimeError, match="boom"), sw.LocalSGD(client, model, opt, local_steps=4):
+        with (
+            pytest.raises(RuntimeError, match="boom"),
+            sw.LocalSGD(client, model, opt, local_steps=4),
+        ):
             step()
             raise RuntimeError("boom")
         assert not opt._optimizer_step_post_hooks
