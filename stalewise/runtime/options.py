@@ -91,6 +91,18 @@ def _function(name: str, what: str) -> Callable[[Any], Any]:
     return check
 
 
+def _integer(name: str, low: int, *, none: bool = False, unit: str = "") -> Callable[[Any], Any]:
+    """The check of an integer option ``>= low`` (``none``: None is allowed too)."""
+
+    def check(n: Any) -> Any:
+        if (n is None and none) or (_count(n) and n >= low):
+            return n
+        also = " or None" if none else ""
+        raise OptionError(name, f"must be an integer >= {low}{unit}{also}, got {n!r}")
+
+    return check
+
+
 def _on_worker_failure(value: Any) -> Any:
     if value not in FAILURE_POLICIES:
         raise OptionError(
@@ -98,12 +110,6 @@ def _on_worker_failure(value: Any) -> Any:
             f"must be one of {', '.join(map(repr, FAILURE_POLICIES))}, got {value!r}",
         )
     return value
-
-
-def _max_restarts(n: Any) -> Any:
-    if n is not None and (not _count(n) or n < 0):
-        raise OptionError("max_restarts", f"must be an integer >= 0 or None, got {n!r}")
-    return n
 
 
 def _worker_timeout(t: Any) -> Any:
@@ -120,28 +126,10 @@ def _worker_timeout(t: Any) -> Any:
     return t
 
 
-def _diverge_after(k: Any) -> Any:
-    if k is not None and (not _count(k) or k < 1):
-        raise OptionError("diverge_after", f"must be an integer >= 1 or None, got {k!r}")
-    return k
-
-
-def _sim_seed(seed: Any) -> Any:
-    if not _count(seed) or seed < 0:
-        raise OptionError("sim_seed", f"must be an integer >= 0, got {seed!r}")
-    return seed
-
-
 def _checkpoint_dir(d: Any) -> Any:
     if d is not None and not isinstance(d, str | os.PathLike):
         raise OptionTypeError("checkpoint_dir", f"must be a path (str or os.PathLike), got {d!r}")
     return d
-
-
-def _checkpoint_every(every: Any) -> Any:
-    if every is not None and (not _count(every) or every < 1):
-        raise OptionError("checkpoint_every", f"must be an integer >= 1 (updates), got {every!r}")
-    return every
 
 
 def _checkpoint_seconds(secs: Any) -> Any:
@@ -154,12 +142,6 @@ def _checkpoint_seconds(secs: Any) -> Any:
             "the whole model",
         )
     return secs
-
-
-def _checkpoint_keep(keep: Any) -> Any:
-    if not _count(keep) or keep < 1:
-        raise OptionError("checkpoint_keep", f"must be an integer >= 1, got {keep!r}")
-    return keep
 
 
 def _resume(resume: Any) -> Any:
@@ -184,16 +166,16 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "eval_interval": _eval_interval,
     "evaluate": _function("evaluate", "f(params) -> dict"),
     **{name: functools.partial(_timeout, name) for name in _TIMEOUTS},
-    "sim_seed": _sim_seed,
+    "sim_seed": _integer("sim_seed", 0),
     "checkpoint_dir": _checkpoint_dir,
-    "checkpoint_every": _checkpoint_every,
+    "checkpoint_every": _integer("checkpoint_every", 1, none=True, unit=" (updates)"),
     "checkpoint_seconds": _checkpoint_seconds,
-    "checkpoint_keep": _checkpoint_keep,
+    "checkpoint_keep": _integer("checkpoint_keep", 1),
     "resume": _resume,
     "on_worker_failure": _on_worker_failure,
-    "max_restarts": _max_restarts,
+    "max_restarts": _integer("max_restarts", 0, none=True),
     "worker_timeout": _worker_timeout,
-    "diverge_after": _diverge_after,
+    "diverge_after": _integer("diverge_after", 1, none=True),
     "stop_at": _stop_at,
 }
 
