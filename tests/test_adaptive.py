@@ -365,9 +365,9 @@ def test_adaptive_pickles_and_compares_by_configuration():
         assert hash(pickle.loads(pickle.dumps(strat))) == hash(strat)
         assert repr(strat).startswith("adaptive(schedule=")
     sgd = sw.optim.sgd(0.1)
-    assert adaptive(sgd, local_steps=8) == adaptive(sgd, schedule=comm_budget(start=8))
+    assert adaptive(sgd, local_steps=8) == adaptive(sgd, schedule=comm_budget(local_steps=8))
     assert adaptive(sgd, local_steps=100).schedule == comm_budget(local_steps=100, max_steps=100)
-    assert adaptive(sgd, schedule=adacomm(8)) != adaptive(sgd, schedule=comm_budget(start=8))
+    assert adaptive(sgd, schedule=adacomm(8)) != adaptive(sgd, schedule=comm_budget(local_steps=8))
     assert adaptive(sgd, local_steps=8) != adaptive(sgd, local_steps=9)
     assert adaptive(sgd, local_steps=8) != adaptive(sgd, local_steps=8, smoothing=0.5)
     assert adaptive(sgd, schedule=fixed(2)) != local_sgd(2, sgd)
@@ -379,11 +379,11 @@ def test_adaptive_pickles_and_compares_by_configuration():
 
 def test_constructors_check_their_arguments():
     sgd = sw.optim.sgd(0.1)
-    with pytest.raises(ValueError, match="start must be an integer >= 1"):
+    with pytest.raises(ValueError, match="local_steps must be an integer >= 1"):
         adacomm(local_steps=0)
-    with pytest.raises(ValueError, match="min_steps=5 exceeds start=4"):
+    with pytest.raises(ValueError, match="min_steps=5 exceeds local_steps=4"):
         adacomm(local_steps=4, min_steps=5)
-    with pytest.raises(ValueError, match="fixed: steps must be an integer >= 1"):
+    with pytest.raises(ValueError, match="fixed: local_steps must be an integer >= 1"):
         fixed(1.5)
     with pytest.raises(TypeError, match=r"schedule must have init\(\)"):
         adaptive(sgd, schedule=lambda loss: 4)
@@ -453,7 +453,7 @@ def test_the_loop_asks_the_runtime_clock_only_for_timed_strategies():
 
 
 def test_adaptive_observes_its_rounds_by_the_clock_it_is_given():
-    strat = adaptive(sw.optim.sgd(0.1), schedule=comm_budget(fraction=0.5, start=2))
+    strat = adaptive(sw.optim.sgd(0.1), schedule=comm_budget(fraction=0.5, local_steps=2))
     state = strat.init({"x": np.zeros(8)})
     data, periods = ph.tagged_data(0, 1), []
     now = 100.0

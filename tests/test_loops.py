@@ -135,7 +135,7 @@ def test_torch_wrapper_takes_a_job_made_from_named_parameters_and_checks_its_arg
     with job.serve(workers=1) as server:
         client = server.client(0)
         sw.LocalSGD(client, model, opt, local_steps=2)  # the same layout
-        with pytest.raises(ValueError, match="every must be an integer >= 1"):
+        with pytest.raises(ValueError, match="local_steps must be an integer >= 1"):
             sw.LocalSGD(client, model, opt, local_steps=0)
         with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
             sw.LocalSGD(client, model, object(), local_steps=2)
