@@ -61,7 +61,7 @@ def run(job_kw: dict, batch: int, seed: int, local_steps: int = 1) -> tuple[floa
     steps = max(SAMPLES // (batch * local_steps), 8)
     result = job.train(task.loss_and_grad, data=task.batches, evaluate=task.evaluate,
                        workers=WORKERS, steps=steps, runtime="sim", sim=sim(batch),
-                       eval_interval=0.01, seed=seed, stop_at={"accuracy": 0.975})  # fmt: skip
+                       eval_interval=0.01, sim_seed=seed, stop_at={"accuracy": 0.975})  # fmt: skip
     t = report.time_to_target(result.records, "accuracy", TARGET)
     return (math.inf if t is None else t), float(result.records[-1]["accuracy"])
 
@@ -98,7 +98,7 @@ def trust_claim(lrs, seeds) -> dict[float, tuple]:
         rows = []
         for lr in lrs:
             inner = sw.optim.lamb(lr, max_trust_ratio=m)
-            kw = dict(strategy=sw.strategies.local_sgd(steps=16, inner=inner),
+            kw = dict(strategy=sw.strategies.local_sgd(local_steps=16, inner=inner),
                       consistency=sw.ASP(), staleness=sw.staleness.inverse())  # fmt: skip
             rows.append((lr, *mean_run(kw, 32, seeds, local_steps=16)))
         out[m] = min(rows, key=lambda r: (r[1], -r[2]))

@@ -107,27 +107,27 @@ def strategies(setting: str) -> list[tuple]:
         ("gradients ASP", LRS["gradients"],
          lambda lr: dict(optimizer=lamb(lr), consistency=asp, staleness=inv)),
         ("local_sgd H=16 ASP", LRS["inner"],
-         lambda lr: dict(strategy=sw.strategies.local_sgd(steps=16, inner=lamb(lr)), consistency=asp,
+         lambda lr: dict(strategy=sw.strategies.local_sgd(local_steps=16, inner=lamb(lr)), consistency=asp,
                          staleness=inv)),
         ("diloco H=20 BSP", LRS["inner"],
-         lambda lr: dict(strategy=sw.strategies.diloco(steps=20, inner=sw.optim.adamw(lr)),
+         lambda lr: dict(strategy=sw.strategies.diloco(local_steps=20, inner=sw.optim.adamw(lr)),
                          consistency=bsp)),
         ("diloco H=20 async", LRS["inner"],
-         lambda lr: dict(strategy=sw.strategies.diloco(steps=20, inner=sw.optim.adamw(lr),
+         lambda lr: dict(strategy=sw.strategies.diloco(local_steps=20, inner=sw.optim.adamw(lr),
                                                        asynchronous=True, every=W,
                                                        dynamic=True, period=PERIOD),
                          consistency=asp)),
     ]  # fmt: skip
     runs += [
         (f"local_sgd H={h} BSP", LRS["inner"],
-         lambda lr, h=h: dict(strategy=sw.strategies.local_sgd(steps=h, inner=lamb(lr)),
+         lambda lr, h=h: dict(strategy=sw.strategies.local_sgd(local_steps=h, inner=lamb(lr)),
                               consistency=bsp))
         for h in (1, 4, 16, 64)
     ] + [
         ("adaptive BSP", LRS["inner"],
          lambda lr: dict(strategy=sw.strategies.adaptive(lamb(lr)), consistency=bsp)),
         ("easgd a=0.5 tau=8 ASP", LRS["inner"],
-         lambda lr: dict(strategy=sw.strategies.easgd(0.5, every=8, inner=lamb(lr)),
+         lambda lr: dict(strategy=sw.strategies.easgd(0.5, local_steps=8, inner=lamb(lr)),
                          consistency=asp)),
     ]  # fmt: skip
     return [
@@ -183,18 +183,18 @@ def sim_strategies() -> list[tuple]:
                                        staleness=inv),
                   adam_lr=(0.003, 0.01, 0.03))),
         ("local_sgd BSP (FedAvg)",
-         points(lambda H, lamb_lr: dict(strategy=ls(steps=H, inner=lamb(lamb_lr)), consistency=bsp),
+         points(lambda H, lamb_lr: dict(strategy=ls(local_steps=H, inner=lamb(lamb_lr)), consistency=bsp),
                 H=(4, 16, 64), lamb_lr=(0.01, 0.03, 0.1))),
         ("local_sgd ASP",
-         points(lambda H, lamb_lr: dict(strategy=ls(steps=H, inner=lamb(lamb_lr)), consistency=asp,
+         points(lambda H, lamb_lr: dict(strategy=ls(local_steps=H, inner=lamb(lamb_lr)), consistency=asp,
                                         staleness=inv),
                 H=(16,), lamb_lr=(0.01, 0.03, 0.1))),
         ("diloco BSP",
-         points(lambda H, adamw_lr: dict(strategy=dl(steps=H, inner=adamw(adamw_lr)),
+         points(lambda H, adamw_lr: dict(strategy=dl(local_steps=H, inner=adamw(adamw_lr)),
                                          consistency=bsp),
                 H=(20, 64, 128), adamw_lr=(0.01, 0.03, 0.1))),
         ("diloco async",
-         points(lambda H, adamw_lr: dict(strategy=dl(steps=H, inner=adamw(adamw_lr),
+         points(lambda H, adamw_lr: dict(strategy=dl(local_steps=H, inner=adamw(adamw_lr),
                                                      asynchronous=True, every=W), consistency=asp),
                 H=(20, 64, 128), adamw_lr=(0.01, 0.03, 0.1))),
     ]  # fmt: skip
@@ -211,10 +211,10 @@ def blobs_strategies() -> list[tuple]:
          points(lambda lamb_lr: dict(optimizer=lamb(lamb_lr), consistency=asp, staleness=inv),
                 lamb_lr=(0.03, 0.1, 0.3))),
         ("local_sgd BSP (FedAvg)",
-         points(lambda H, lamb_lr: dict(strategy=ls(steps=H, inner=lamb(lamb_lr)), consistency=bsp),
+         points(lambda H, lamb_lr: dict(strategy=ls(local_steps=H, inner=lamb(lamb_lr)), consistency=bsp),
                 H=(16, 64), lamb_lr=(0.01, 0.03, 0.1))),
         ("diloco BSP",
-         points(lambda H, adamw_lr: dict(strategy=dl(steps=H, inner=adamw(adamw_lr)),
+         points(lambda H, adamw_lr: dict(strategy=dl(local_steps=H, inner=adamw(adamw_lr)),
                                          consistency=bsp),
                 H=(20, 64), adamw_lr=(0.01, 0.03, 0.1))),
     ]  # fmt: skip
@@ -361,7 +361,7 @@ def same_budget_accuracy(budget: int) -> tuple[dict, dict]:
     out = []
     for kw, steps in (
         (dict(optimizer=lamb(0.01), consistency=sw.BSP()), budget),
-        (dict(strategy=sw.strategies.diloco(steps=20, inner=sw.optim.adamw(0.003)),
+        (dict(strategy=sw.strategies.diloco(local_steps=20, inner=sw.optim.adamw(0.003)),
               consistency=sw.BSP()), budget // 20),
     ):  # fmt: skip
         job = sw.Job(task.init_params(0), **kw)

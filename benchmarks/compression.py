@@ -155,7 +155,7 @@ def digits(quick: bool, runtime: str) -> list[str]:
             job = sw.Job(task.init_params(seed), optimizer=sw.optim.sgd(0.1), codec=codec)
             extra = {"sim": DIGITS_SIM} if runtime == "sim" else {"progress": False}
             r = job.train(task.loss_and_grad, data=task.batches, workers=4, steps=steps,
-                          runtime=runtime, seed=seed, evaluate=task.evaluate,
+                          runtime=runtime, sim_seed=seed, evaluate=task.evaluate,
                           eval_interval=1e9, **extra)  # fmt: skip
             accs.append(r.records[-1]["accuracy"] * 100)
             if runtime == "sim":

@@ -56,7 +56,7 @@ def worker(client, rank):  # the same loop, in one of 4 processes
     model, (x, y) = make_model(), load_data()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(rank)
-    with sw.LocalSGD(client, model, opt, every=EVERY):  # stalewise: sync every EVERY steps
+    with sw.LocalSGD(client, model, opt, local_steps=EVERY):  # stalewise: sync every EVERY steps
         for _ in range(STEPS // WORKERS):
             idx = torch.randint(len(x), (32,), generator=gen)
             loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])

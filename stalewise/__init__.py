@@ -9,11 +9,12 @@ Example:
 from __future__ import annotations
 
 import logging
+import warnings
+from typing import Any
 
 from stalewise import codecs, consistency, optim, staleness, strategies, tree
 from stalewise.api import Job
-from stalewise.checkpoint import CheckpointError
-from stalewise.checkpoint import load_params as load
+from stalewise.checkpoint import CheckpointError, load_params
 from stalewise.consistency import ASP, BSP, SSP, Hybrid
 from stalewise.launch import Context, init
 from stalewise.loops import LocalSGD, LocalSGDOptax
@@ -25,6 +26,7 @@ from stalewise.runtime.base import (
     WorkerError,
 )
 from stalewise.runtime.local.attach import AttachError, attach
+from stalewise.runtime.options import RunOptions
 
 __version__ = "0.1.0"
 
@@ -41,6 +43,7 @@ __all__ = [
     "Job",
     "LocalSGD",
     "LocalSGDOptax",
+    "RunOptions",
     "ShardError",
     "TrainResult",
     "WorkerError",
@@ -48,11 +51,26 @@ __all__ = [
     "codecs",
     "consistency",
     "init",
-    "load",
+    "load_params",
     "optim",
     "staleness",
     "strategies",
     "tree",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``load``, the old name of :func:`load_params`, with a DeprecationWarning (it read
+    like ``stalewise.checkpoint.load``, which reads a whole checkpoint, not params)."""
+    if name == "load":
+        warnings.warn(
+            "sw.load is now sw.load_params (stalewise.checkpoint.load_params); the old name "
+            "will be removed in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return load_params
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

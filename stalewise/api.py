@@ -15,6 +15,7 @@ from stalewise import optim, tree
 from stalewise import runtime as runtime_lib
 from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
+from stalewise._renames import renamed
 from stalewise.backends import backend_of
 from stalewise.optim import buffers as optim_buffers
 from stalewise.protocol import ServerConfig, pulls
@@ -125,27 +126,33 @@ class Job:
         workers: int,
         steps: int,
         runtime: str = "local",
-        evaluate: Callable[[Any], Mapping[str, float]] | None = None,
+        evaluate: Callable[[Any], Mapping[str, float]] | None = _DEFAULTS["evaluate"],
         eval_interval: float = _DEFAULTS["eval_interval"],
-        stragglers: Mapping[int, float] | Sequence[float] | None = None,
-        delays: Mapping[int, float] | None = None,
-        stop_at: Any = None,
-        run: str = "run",
-        on_record: Callable[[dict], None] | None = None,
+        stragglers: Mapping[int, float] | Sequence[float] | None = _DEFAULTS["stragglers"],
+        delays: Mapping[int, float] | None = _DEFAULTS["delays"],
+        stop_at: Any = _DEFAULTS["stop_at"],
+        run: str = _DEFAULTS["run"],
+        on_record: Callable[[dict], None] | None = _DEFAULTS["on_record"],
         loggers: Any = None,
-        progress: bool = False,
-        timeout: float | None = None,
-        sim: Any = None,
-        seed: int = 0,
-        checkpoint_dir: Any = None,
-        checkpoint_every: int | None = None,
-        checkpoint_seconds: float | None = None,
-        resume: bool = False,
+        progress: bool = _DEFAULTS["progress"],
+        timeout: float | None = _DEFAULTS["timeout"],
+        sim: Any = _DEFAULTS["sim"],
+        sim_seed: int = _DEFAULTS["sim_seed"],
+        checkpoint_dir: Any = _DEFAULTS["checkpoint_dir"],
+        checkpoint_every: int | None = _DEFAULTS["checkpoint_every"],
+        checkpoint_seconds: float | None = _DEFAULTS["checkpoint_seconds"],
+        checkpoint_keep: int = _DEFAULTS["checkpoint_keep"],
+        resume: bool = _DEFAULTS["resume"],
         on_worker_failure: str = _DEFAULTS["on_worker_failure"],
         max_restarts: int | None = _DEFAULTS["max_restarts"],
         worker_timeout: float | None = _DEFAULTS["worker_timeout"],
         diverge_after: int | None = _DEFAULTS["diverge_after"],
-        **timeouts: float,
+        start_timeout: float = _DEFAULTS["start_timeout"],
+        shard_start_timeout: float = _DEFAULTS["shard_start_timeout"],
+        join_timeout: float = _DEFAULTS["join_timeout"],
+        ack_timeout: float = _DEFAULTS["ack_timeout"],
+        stop_timeout: float = _DEFAULTS["stop_timeout"],
+        seed: int | None = None,
     ) -> TrainResult:
         """Trains with ``workers`` workers until they have pushed ``steps`` updates in all.
 
@@ -178,15 +185,18 @@ class Job:
             timeout: give up (TimeoutError) after this many (wall) seconds.
             sim: the simulator's timing and network model, a
                 :class:`~stalewise.runtime.sim.models.SimConfig` (runtime "sim" only).
-            seed: the simulator's random seed (runtime "sim" only).
+            sim_seed: the simulator's random seed (runtime "sim" only): its compute times
+                and scripted randomness. Not the task's seed (the initial params and the
+                data's shuffling, e.g. ``task.init_params(seed)``, ``[task] seed``).
             checkpoint_dir: a folder for checkpoints (:mod:`stalewise.checkpoint`); one is
                 written at the end of the run, and periodically with the two below.
-                ``sw.load(checkpoint_dir, like=params)`` gives the saved params in your
+                ``sw.load_params(checkpoint_dir, like=params)`` gives the saved params in your
                 structure (without ``like``: as plain dicts and lists). A checkpoint that
                 cannot be written warns (``sw.FailureWarning``) and never stops the run.
             checkpoint_every: also write one every this many updates.
             checkpoint_seconds: also write one every this many seconds (virtual in the
                 simulator).
+            checkpoint_keep: how many checkpoints are kept (the newest).
             resume: start from the newest usable checkpoint in ``checkpoint_dir`` (its
                 shards' params, optimizer state, version and counters; workers restart as
                 new incarnations). ``steps`` stays the job's total budget, pushes before
@@ -207,8 +217,13 @@ class Job:
                 NaN/Inf or overflow has diverged and stops (never restarted); once every
                 worker has, the job raises :class:`DivergedError`. None: never (a run
                 whose every push is refused then ends at its budget, with a warning).
-            **timeouts: the named timeouts of :class:`~stalewise.runtime.options.RunOptions`
-                (``start_timeout``, ``join_timeout``, ``ack_timeout``, ...).
+            start_timeout, shard_start_timeout, join_timeout, ack_timeout, stop_timeout:
+                wall seconds a worker's and a shard's start-up, a late worker's join, the
+                last acks and a process's exit may take (see :class:`stalewise.RunOptions`).
+            seed: the old name of ``sim_seed`` (DeprecationWarning).
+
+        Every default is :data:`stalewise.runtime.options.DEFAULTS`'s, and every value is
+        checked by :class:`stalewise.RunOptions`, the options the runtime gets.
 
         Returns:
             A :class:`TrainResult` with the final params, metrics records and shard stats.
@@ -218,6 +233,9 @@ class Job:
         sinks = loggers_lib.Loggers(loggers, on_record)
         if sim is not None and runtime != "sim":
             raise ValueError("sim= configures the simulator; pass runtime='sim' to use it")
+        if seed is not None:
+            given = None if sim_seed == _DEFAULTS["sim_seed"] else sim_seed
+            sim_seed = renamed("Job.train", "seed", "sim_seed", seed, given)
         options = RunOptions(
             loss_and_grad=loss_and_grad,
             data=data,
@@ -232,17 +250,22 @@ class Job:
             on_record=sinks.on_record,
             progress=progress,
             timeout=timeout,
+            start_timeout=start_timeout,
+            shard_start_timeout=shard_start_timeout,
+            join_timeout=join_timeout,
+            ack_timeout=ack_timeout,
+            stop_timeout=stop_timeout,
             sim=sim,
-            seed=seed,
+            sim_seed=sim_seed,
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
             checkpoint_seconds=checkpoint_seconds,
+            checkpoint_keep=checkpoint_keep,
             resume=resume,
             on_worker_failure=on_worker_failure,
             max_restarts=max_restarts,
             worker_timeout=worker_timeout,
             diverge_after=diverge_after,
-            **timeouts,
         )
         with sinks:
             result = runner(self.config, self.strategy, options)
@@ -270,7 +293,8 @@ class Job:
 
         Calling ``server.client(w)`` again restarts worker ``w`` as a new
         incarnation (after its old process has exited). A worker id that has not
-        started within ``join_timeout`` seconds stops holding back SSP/BSP gates.
+        started within ``join_timeout`` seconds stops holding back SSP/BSP gates
+        (its default and its check are :class:`stalewise.RunOptions`'s).
 
         ``workers=(min, max)`` makes an elastic job: room for ``max`` worker ids,
         of which the first ``min`` are expected from the start; the others count
@@ -288,6 +312,7 @@ class Job:
         """
         factory = runtime_lib.server(runtime)
         self._check_pulls(runtime)
+        join_timeout = RunOptions.check("join_timeout", join_timeout)
         named = {} if name is None else {"name": name}
         return factory(self.config, workers, join_timeout=join_timeout, **named)
 

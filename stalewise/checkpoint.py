@@ -35,7 +35,7 @@ refuses a truncated, corrupt or ill-formed checkpoint with a warning naming the
 file, then falls back to the previous complete one. Loading runs no code from a
 checkpoint: nothing is unpickled and nothing is imported by name (a checkpoint
 is a file people pass around); the user's own classes come back only from the
-structure the caller passes (``sw.load(path, like=...)``), and a resumed run
+structure the caller passes (``sw.load_params(path, like=...)``), and a resumed run
 uses its own job's spec. Checkpoints of format 1 (which pickled parts of the
 tree) are refused.
 
@@ -48,7 +48,7 @@ Example:
     >>> d = tempfile.mkdtemp()
     >>> path = save(d, [shard.state_dict()], spec=job.config.spec,
     ...             config_info=config_info(job.config), step_info={"pushes": 0})
-    >>> path.name, load(d).states[0]["version"], sw.load(d)["w"].tolist()
+    >>> path.name, load(d).states[0]["version"], sw.load_params(d)["w"].tolist()
     ('ckpt-000000000', 0, [0.0, 0.0, 0.0])
 """
 
@@ -298,7 +298,9 @@ def exists(directory: str | os.PathLike) -> bool:
 
 
 def load(directory: str | os.PathLike) -> Checkpoint:
-    """The newest usable checkpoint of ``directory`` (or the checkpoint folder itself).
+    """The newest usable checkpoint of ``directory`` (or the checkpoint folder itself), whole:
+    its shards' state, feedback and manifest, what ``resume`` reads. Users who want the
+    parameters call :func:`load_params` (``sw.load_params``).
 
     The one ``latest`` names is tried first, then the others, newest first; a
     refused one is logged (a warning naming the bad file) and the next is used.
@@ -407,7 +409,7 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
         fmt = m.get("format")
         old = (
             " (format 1 kept parts of the tree as pickles, which are never loaded: "
-            "resume or sw.load it with the stalewise that wrote it)"
+            "resume or sw.load_params it with the stalewise that wrote it)"
             if fmt == 1
             else ""
         )
@@ -728,7 +730,8 @@ def _newest_name(directory: Path) -> str | None:
 
 
 def load_params(path: str | os.PathLike, *, like: Any = None, backend: str | None = None) -> Any:
-    """The parameters of a checkpoint (``sw.load``).
+    """The parameters of a checkpoint (``sw.load_params``; its old name ``sw.load`` still
+    works, with a DeprecationWarning).
 
     ``path`` is a checkpoint directory (its newest usable checkpoint is read)
     or one ``ckpt-*`` folder. Loading runs no code from the checkpoint: the
@@ -756,7 +759,7 @@ def load_params(path: str | os.PathLike, *, like: Any = None, backend: str | Non
 
     Example:
         >>> import stalewise as sw
-        >>> params = sw.load("checkpoints/", like=model)  # doctest: +SKIP
+        >>> params = sw.load_params("checkpoints/", like=model)  # doctest: +SKIP
     """
     if backend is not None:
         from stalewise.backends import get_backend

@@ -259,7 +259,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
             workers=cfg.train["workers"],
             sim=cfg.sim,
             delay=cfg.delay,
-            seed=cfg.seed,
+            sim_seed=cfg.seed,  # the task's seed also seeds the simulator
             out=out,
             progress=not args.quiet,
         )

@@ -18,7 +18,7 @@ got '0.01'``)::
 
     [strategy]                    # what workers push (stalewise.strategies); default: gradients
     name = "diloco"               # gradients | local_sgd | diloco | easgd | adaptive
-    steps = 20                    # any option of that constructor (see below)
+    local_steps = 20              # any option of that constructor (see below): H
     inner = { name = "adamw", lr = 0.003 }  # the worker's optimizer: a table like [optimizer]
 
     [server]
@@ -33,7 +33,7 @@ got '0.01'``)::
     codec = "topk:0.01"           # none | fp16 | bf16 | int8 | sign | topk:F, or a table (stalewise.codecs)
     pull_codec = "int8"           # delta pulls (runtime "sim"): a codec as above; default "full"
 
-    [run]
+    [run]                         # defaults and checks: stalewise.RunOptions (Job.train's)
     workers = 4                   # 1 .. 4096 local processes (16384 simulated)
     steps = 2000                  # pushes in all, 1 .. 10**9
     delay = 0.005                 # emulated compute seconds per step, every worker
@@ -43,7 +43,7 @@ got '0.01'``)::
     runtime = "local"             # or "sim" (the simulator; see the [sim] table), or "ray"
     address = "auto"              # runtime "ray": the cluster (stalewise.runtime.ray.connect)
     on_worker_failure = "restart" # restart | drop | fail: a worker that dies, hangs or raises
-    max_restarts = 3              # restarts allowed per worker id (and per shard)
+    max_restarts = 3              # restarts allowed per worker id (and per shard; false: no limit)
     worker_timeout = 60           # seconds without a heartbeat: hung (>= 0.1; false: never)
     diverge_after = 20            # pushes in a row refused as NaN/Inf: diverged (false: never)
 
@@ -56,23 +56,30 @@ The [strategy] table
 --------------------
 ``name`` picks a constructor of :mod:`stalewise.strategies`; every other key is
 one of its keyword arguments, checked against its signature and by the
-constructor itself (``strategy.steps: must be an integer >= 1, got 0``):
+constructor itself (``strategy.local_steps: must be an integer >= 1, got 0``):
 
 =============  ===========================================================================
 ``gradients``  (no options) one gradient per push, the default
-``local_sgd``  ``steps``, ``inner`` (required), ``reset_inner``, ``dynamic``, ``period``
-``diloco``     ``steps``, ``inner`` (default adamw lr 1e-3), ``outer_lr``, ``outer_momentum``,
-               ``asynchronous``, ``every``, ``reset_inner``, ``dynamic``, ``period``
-``easgd``      ``alpha``, ``every``, ``inner`` (all required), ``reset_inner``
-``adaptive``   ``inner``, ``start``, ``min_steps``, ``outer`` (``"local_sgd"`` or
+``local_sgd``  ``local_steps``, ``inner`` (required), ``reset_inner``, ``dynamic``, ``period``
+``diloco``     ``local_steps``, ``inner`` (default adamw lr 1e-3), ``outer_lr``,
+               ``outer_momentum``, ``asynchronous``, ``every``, ``reset_inner``, ``dynamic``,
+               ``period``
+``easgd``      ``alpha``, ``local_steps``, ``inner`` (all required), ``reset_inner``
+``adaptive``   ``inner``, ``local_steps``, ``min_steps``, ``outer`` (``"local_sgd"`` or
                ``"diloco"``), ``smoothing``, ``reset_inner``, ``outer_lr``,
                ``outer_momentum``, ``asynchronous``, ``every``, ``schedule``
 =============  ===========================================================================
 
+``local_steps`` is ``H``, the local steps per push, in every strategy;
+``every`` is only delayed Nesterov's ``N`` (asynchronous DiLoCo), ``period``
+only seconds (``dynamic``). The old keys ``steps`` (``local_sgd``, ``diloco``,
+``fixed``), ``every`` (``easgd``) and ``start`` (``adaptive``, ``comm_budget``,
+``adacomm``) still work for one release, with a DeprecationWarning naming the new key.
+
 ``inner`` is a table built exactly like ``[optimizer]`` (``name``, ``lr`` or
 ``schedule``, any option of that optimizer); its errors name
 ``strategy.inner.lr`` and so on. ``schedule`` (``adaptive`` only) is
-``{ name = "adacomm", start = 32, min_steps = 1 }`` or ``{ name = "fixed", steps = 8 }``.
+``{ name = "adacomm", local_steps = 32, min_steps = 1 }`` or ``{ name = "fixed", local_steps = 8 }``.
 
 Without an ``[optimizer]`` table the job uses the strategy's recommended server
 optimizer (``sgd(1.0)`` for local SGD and EASGD, Nesterov ``sgd(0.7,
@@ -147,6 +154,7 @@ import sys
 import tomllib
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -159,8 +167,8 @@ from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
 from stalewise.api import Job
 from stalewise.protocol import pulls
-from stalewise.runtime.base import FAILURE_POLICIES, MAX_SLOWDOWN, TrainResult
-from stalewise.runtime.options import DEFAULTS, MAX_TIMEOUT, MIN_EVAL_INTERVAL, MIN_WORKER_TIMEOUT
+from stalewise.runtime.base import MAX_DELAY, MAX_SLOWDOWN, TrainResult
+from stalewise.runtime.options import DEFAULTS, OptionError, RunOptions
 from stalewise.runtime.sim import models as sim_models
 from stalewise.runtime.sim.config import SimConfig, TooLongError
 
@@ -201,7 +209,7 @@ SCHEDULES = ("constant", "warmup_cosine", "step_decay")
 STRATEGIES = ("gradients", "local_sgd", "diloco", "easgd", "adaptive")
 PERIOD_SCHEDULES = ("comm_budget", "adacomm", "fixed")  # strategy.schedule of "adaptive"
 #: The option a ``NAME:H`` value of ``stalewise sim --over strategy`` sets, per strategy.
-PERIOD_KEY = {"local_sgd": "steps", "diloco": "steps", "easgd": "every", "adaptive": "start"}
+PERIOD_KEY = dict.fromkeys(("local_sgd", "diloco", "easgd", "adaptive"), "local_steps")
 CONSISTENCY = ("asp", "ssp", "bsp", "hybrid")
 STALENESS_PARAM = {"exponential": "base", "polynomial": "power"}  # server.staleness_param
 
@@ -211,8 +219,6 @@ MAX_WORKERS = {"local": 4096, "sim": 16384}
 MAX_SHARDS = 1024
 #: The most pushes a run may be given.
 MAX_STEPS = 10**9
-#: The longest emulated compute time per step, in seconds.
-MAX_DELAY = 3600.0
 #: The deepest nesting of arrays and tables a config may have.
 MAX_DEPTH = 32
 #: The task methods a factory's object must have, with the arguments stalewise passes.
@@ -286,8 +292,8 @@ class RunConfig:
             if runtime != kwargs["runtime"]:
                 self.check_workers(kwargs["workers"], runtime, "run.workers")
             kwargs["runtime"] = runtime
-        if kwargs["runtime"] == "sim":
-            kwargs |= {"sim": self.sim, "seed": self.seed}
+        if kwargs["runtime"] == "sim":  # the task's seed also seeds the simulator
+            kwargs |= {"sim": self.sim, "sim_seed": self.seed}
         return kwargs
 
     def check_workers(self, workers: int, runtime: str, key: str) -> None:
@@ -306,8 +312,7 @@ class RunConfig:
 
         It takes the options of the config's [strategy] table that ``NAME``'s
         constructor accepts (``inner``, ``reset_inner``, ``alpha``...); ``H``
-        sets ``steps`` (``local_sgd``, ``diloco``), ``every`` (``easgd``) or
-        ``start`` (``adaptive``). In a sweep each strategy runs with its
+        sets ``local_steps``. In a sweep each strategy runs with its
         recommended server optimizer; ``gradients``, which recommends none, with
         the [optimizer] table's, which it then requires. Errors name ``key``.
         """
@@ -315,9 +320,11 @@ class RunConfig:
             name, period = parse_strategy_value(value)
         except ValueError as e:
             raise ConfigError(key, str(e)) from None
-        sig = _signature(getattr(strategies_lib, name))
+        fn = getattr(strategies_lib, name)
+        sig = _signature(fn)
         accepted = set(sig.parameters) if sig is not None else set()
-        table = {k: v for k, v in self.strategy_table.items() if k in accepted}
+        table = _new_keys(fn, self.strategy_table, "strategy")
+        table = {k: v for k, v in table.items() if k in accepted}
         if period is not None:
             table[PERIOD_KEY[name]] = period
         try:
@@ -487,31 +494,13 @@ def parse(
     _check_workers(workers, runtime, "run.workers")
     steps = _get(r, "run.steps", int, 1000, low=1, high=MAX_STEPS)
     delay = _get(r, "run.delay", float, 0.0, low=0, high=MAX_DELAY)
-    eval_interval = _get(
-        r, "run.eval_interval", float, DEFAULTS["eval_interval"], low=MIN_EVAL_INTERVAL
-    )
+    eval_interval = _run_option(r, "eval_interval")
     stragglers = _stragglers(r.get("stragglers"), workers)
     stop_at = _stop_at(r.get("stop_at"))
-    on_failure = _get(r, "run.on_worker_failure", str, DEFAULTS["on_worker_failure"])
-    if on_failure not in FAILURE_POLICIES:
-        raise ConfigError(
-            "run.on_worker_failure",
-            f"expected one of {', '.join(FAILURE_POLICIES)}, got {on_failure!r}",
-        )
-    max_restarts = _get(r, "run.max_restarts", int, DEFAULTS["max_restarts"], low=0)
-    worker_timeout = None
-    if r.get("worker_timeout") is not False:
-        worker_timeout = _get(
-            r,
-            "run.worker_timeout",
-            float,
-            DEFAULTS["worker_timeout"],
-            low=MIN_WORKER_TIMEOUT,
-            high=MAX_TIMEOUT,
-        )
-    diverge_after = None
-    if r.get("diverge_after") is not False:
-        diverge_after = _get(r, "run.diverge_after", int, DEFAULTS["diverge_after"], low=1)
+    on_failure = _run_option(r, "on_worker_failure")
+    max_restarts = _run_option(r, "max_restarts")
+    worker_timeout = _run_option(r, "worker_timeout")
+    diverge_after = _run_option(r, "diverge_after")
     consistency = _consistency(s)
     staleness = _staleness(s)
     shards = _get(s, "server.shards", int, 1, low=1, high=MAX_SHARDS)
@@ -625,6 +614,25 @@ def _get(
     if high is not None and value > high:
         raise ConfigError(name, f"must be <= {high}, got {value!r}")
     return kind(value)
+
+
+#: [run] keys whose None (never) is spelled ``false`` in TOML, which has no None.
+NEVER_IS_FALSE = ("max_restarts", "worker_timeout", "diverge_after")
+
+
+def _run_option(table: dict, name: str) -> Any:
+    """``run.<name>`` (default: :data:`~stalewise.runtime.options.DEFAULTS`'s), checked by
+    :meth:`RunOptions.check`, the check ``Job.train`` runs; an error names ``run.<name>``."""
+    value = table.get(name, DEFAULTS[name])
+    if value is False and name in NEVER_IS_FALSE:
+        return None
+    try:
+        return RunOptions.check(name, value)
+    except OptionError as e:
+        problem = (
+            e.problem.replace(" or None", " or false") if name in NEVER_IS_FALSE else e.problem
+        )
+        raise ConfigError(f"run.{name}", problem) from None
 
 
 def _check_workers(workers: int, runtime: str, key: str) -> None:
@@ -1135,6 +1143,7 @@ def strategy_from_table(
             f"{where}.name", f"unknown strategy {name!r} (known: {', '.join(STRATEGIES)})"
         )
     fn = getattr(strategies_lib, name)
+    table = _new_keys(fn, table, where)
     sig = _signature(fn)
     known = list(sig.parameters) if sig is not None else []
     for key in table:
@@ -1160,19 +1169,42 @@ def strategy_from_table(
 
 
 def _period_schedule(spec: Any, where: str) -> Any:
-    """``adaptive``'s schedule table: ``{ name = "adacomm", start = 32, min_steps = 1 }``."""
+    """``adaptive``'s schedule table: ``{ name = "adacomm", local_steps = 32, min_steps = 1 }``."""
     if not isinstance(spec, dict) or "name" not in spec:
         raise ConfigError(
             where,
-            f'expected a table with a name, such as {{ name = "adacomm", start = 32 }}, got {spec!r}',
+            f'expected a table with a name, such as {{ name = "adacomm", local_steps = 32 }}, '
+            f"got {spec!r}",
         )
     name = spec["name"]
     if name not in PERIOD_SCHEDULES:
         raise ConfigError(
             f"{where}.name", f"unknown schedule {name!r} (known: {', '.join(PERIOD_SCHEDULES)})"
         )
-    kwargs = {k: v for k, v in spec.items() if k != "name"}
-    return _call(getattr(strategies_lib, name), kwargs, where, name)
+    fn = getattr(strategies_lib, name)
+    kwargs = {k: v for k, v in _new_keys(fn, spec, where).items() if k != "name"}
+    return _call(fn, kwargs, where, name)
+
+
+def _new_keys(fn: Any, table: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``table`` with the old keys of ``fn``'s renamed keywords (``fn.renamed``, see
+    :func:`stalewise._renames.renames`) under their new names, each with a
+    DeprecationWarning naming both keys; an old key beside its new one is an error."""
+    out = dict(table)
+    for old, new in getattr(fn, "renamed", {}).items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ConfigError(
+                f"{where}.{old}", f"is the old name of {where}.{new}; give only {new}"
+            )
+        warnings.warn(
+            f"{where}.{old} is now {where}.{new} (the old key will be removed in the next release)",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        out[new] = out.pop(old)
+    return out
 
 
 def _codec(spec: Any, key: str) -> codecs.Policy:

@@ -2,7 +2,7 @@
 
 With :meth:`stalewise.Job.serve` each worker process runs your loop with a
 :class:`~stalewise.runtime.local.client.Client`. These wrappers turn that loop
-into a local-SGD worker: every ``every`` optimizer steps (``H``) they push
+into a local-SGD worker: every ``local_steps`` optimizer steps (``H``) they push
 ``pulled - current``, how far the worker moved since its last pull, and pull the
 new global parameters. The server's optimizer merges those pseudo-gradients:
 ``sgd(1.0)`` for local SGD (FedAvg under BSP), Nesterov ``sgd(0.7,
@@ -24,7 +24,7 @@ params the Job was made with (a Job made from ``model`` or from
 (``applied``, ``refused``...) is kept in ``results``.
 
 The last, partial round: on leaving the ``with`` block, the steps taken since
-the last sync (fewer than ``every``) are *dropped* by default
+the last sync (fewer than ``local_steps``) are *dropped* by default
 (``remainder="drop"``): the global parameters stay those of the last full
 round. Pushing them (``remainder="push"``, or an explicit :meth:`sync` /
 :meth:`~LocalSGDOptax.finish`) gives the server one more pseudo-gradient,
@@ -38,7 +38,7 @@ Example (PyTorch, in a worker process; ``client = server.client(rank)``):
 
 .. code-block:: python
 
-    with sw.LocalSGD(client, model, optimizer, every=20):  # pulls into model
+    with sw.LocalSGD(client, model, optimizer, local_steps=20):  # pulls into model
         for x, y in batches:
             loss = loss_fn(model(x), y)
             loss.backward()
@@ -49,9 +49,9 @@ Example (PyTorch, in a worker process; ``client = server.client(rank)``):
 Example (functional):
     >>> import numpy as np, stalewise as sw
     >>> job = sw.Job({"w": np.zeros(2, np.float32)}, strategy=sw.strategies.local_sgd(
-    ...     steps=2, inner=sw.optim.sgd(0.1)))          # server sgd(1.0): adds each delta
+    ...     local_steps=2, inner=sw.optim.sgd(0.1)))    # server sgd(1.0): adds each delta
     >>> with job.serve(workers=1) as server:
-    ...     with LocalSGDOptax(server.client(0), every=2) as sync:
+    ...     with LocalSGDOptax(server.client(0), local_steps=2) as sync:
     ...         params = sync.params                    # pulled at enter
     ...         for _ in range(3):
     ...             params = sync.after_step({"w": params["w"] + 1.0})   # a "step"
@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
+from stalewise._renames import renames
 from stalewise.protocol import PushResult
 from stalewise.strategies.averaging import _check_steps
 
@@ -78,9 +79,9 @@ REMAINDERS = ("drop", "push")
 class _Averager:
     """The shared part: the pulled parameters (flat), the step count, push and pull."""
 
-    def __init__(self, client: Any, every: int, timeout: float | None, remainder: str):
+    def __init__(self, client: Any, local_steps: int, timeout: float | None, remainder: str):
         self.client = client
-        self.every = _check_steps(type(self).__name__, "every", every)  # local steps per push
+        self.local_steps = _check_steps(type(self).__name__, "local_steps", local_steps)  # H
         self.timeout = timeout
         if remainder not in REMAINDERS:
             raise ValueError(
@@ -124,7 +125,11 @@ class _Averager:
 
 
 class LocalSGD(_Averager):
-    """Local SGD / DiLoCo for a PyTorch loop: push and pull every ``every`` optimizer steps.
+    """Local SGD / DiLoCo for a PyTorch loop: push and pull every ``local_steps`` optimizer steps.
+
+    (The strategy of :meth:`stalewise.Job.train` that does the same inside the
+    runtimes is :class:`stalewise.strategies.LocalSGDStrategy`, built by
+    ``sw.strategies.local_sgd``; this wrapper is for a loop you own.)
 
     Args:
         client: this worker's client (``server.client(rank)``).
@@ -132,25 +137,27 @@ class LocalSGD(_Averager):
             it must match the Job's params.
         optimizer: the worker's ``torch.optim.Optimizer`` (DiLoCo: AdamW); its
             ``step()`` is hooked while the ``with`` block runs.
-        every: ``H``, optimizer steps per push.
+        local_steps: ``H``, optimizer steps per push (the name of ``H`` in every
+            strategy; old name: ``every``, with a DeprecationWarning).
         timeout: seconds to wait for the shards at a pull or push (None: forever).
         remainder: ``"drop"`` (default) or ``"push"``: what leaving the block does
             with the steps since the last sync (see the module docstring).
 
     ``__enter__`` pulls the global parameters into ``model``; after every
-    ``every``-th ``optimizer.step()``, it pushes ``pulled - model``, waits for
+    ``local_steps``-th ``optimizer.step()``, it pushes ``pulled - model``, waits for
     the acknowledgement and pulls into ``model``; ``__exit__`` pushes the
     pending steps only with ``remainder="push"`` (and if the block did not
     raise), and removes the hook. :meth:`sync` syncs at once.
     """
 
+    @renames("LocalSGD", every="local_steps")
     def __init__(
         self,
         client: Any,
         model: Any,
         optimizer: Any,
         *,
-        every: int,
+        local_steps: int,
         timeout: float | None = None,
         remainder: str = "drop",
     ):
@@ -159,7 +166,7 @@ class LocalSGD(_Averager):
                 "optimizer must be a torch.optim.Optimizer (torch >= 2.0, for "
                 f"register_step_post_hook), got {type(optimizer).__name__}"
             )
-        super().__init__(client, every, timeout, remainder)
+        super().__init__(client, local_steps, timeout, remainder)
         self.model = model
         self.optimizer = optimizer
         self._handle: Any = None
@@ -193,7 +200,7 @@ class LocalSGD(_Averager):
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
         self.pending += 1
-        if self.pending >= self.every:
+        if self.pending >= self.local_steps:
             self.sync()
 
 
@@ -202,14 +209,14 @@ class LocalSGDOptax(_Averager):
 
     Args:
         client: this worker's client (``server.client(rank)``).
-        every: ``H``, steps per push.
+        local_steps: ``H``, steps per push (old name: ``every``, with a DeprecationWarning).
         timeout: seconds to wait for the shards at a pull or push (None: forever).
         remainder: ``"drop"`` (default) or ``"push"``: what ``__exit__`` does with
             the steps since the last sync (see the module docstring).
 
     ``__enter__`` (or :meth:`pull`) pulls the global params into :attr:`params`
     (the Job's structure and backend). Call :meth:`after_step` with the params
-    after each optimizer step: it returns them, or, every ``every``-th call,
+    after each optimizer step: it returns them, or, every ``local_steps``-th call,
     pushes ``pulled - params``, waits for the acknowledgement and returns the
     newly pulled global params. :meth:`finish` pushes the params of the last
     ``after_step`` if steps are pending; ``__exit__`` calls it only with
@@ -217,10 +224,16 @@ class LocalSGDOptax(_Averager):
     persists across pulls, as in DiLoCo.
     """
 
+    @renames("LocalSGDOptax", every="local_steps")
     def __init__(
-        self, client: Any, *, every: int, timeout: float | None = None, remainder: str = "drop"
+        self,
+        client: Any,
+        *,
+        local_steps: int,
+        timeout: float | None = None,
+        remainder: str = "drop",
     ):
-        super().__init__(client, every, timeout, remainder)
+        super().__init__(client, local_steps, timeout, remainder)
         self.params: Any = None  #: the params last pulled or passed to after_step
 
     def __enter__(self) -> LocalSGDOptax:
@@ -242,7 +255,7 @@ class LocalSGDOptax(_Averager):
         self.steps += 1
         self.pending += 1
         self.params = params
-        if self.pending >= self.every:
+        if self.pending >= self.local_steps:
             self._push(params)
             return self.pull()
         return params

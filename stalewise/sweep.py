@@ -29,7 +29,9 @@ from typing import Any, Literal
 
 from stalewise import consistency as consistency_lib
 from stalewise import report, targets
+from stalewise._renames import renamed
 from stalewise.runtime import sim as sim_runtime
+from stalewise.runtime.options import DEFAULTS, RunOptions
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.strategies import Strategy
 
@@ -88,10 +90,11 @@ def sweep(
     eval_interval: float | None = None,
     delay: float = 0.0,
     stop_at_target: bool = True,
-    seed: int = 0,
+    sim_seed: int = DEFAULTS["sim_seed"],
     out: str | os.PathLike[str] | None = None,
     on_record: Callable[[dict], None] | None = None,
-    progress: bool = False,
+    progress: bool = DEFAULTS["progress"],
+    seed: int | None = None,
 ) -> list[dict[str, Any]]:
     """Runs ``job`` in the simulator once per value and compares the time to a target.
 
@@ -119,10 +122,15 @@ def sweep(
             time to target); default: five mean step times of ``sim.compute``.
         delay: extra virtual seconds per step, every worker.
         stop_at_target: stop each run at its first evaluation that reaches ``target``.
-        seed: simulator seed of every run.
+        sim_seed: the simulator's seed of every run (not the task's seed, which the
+            task's ``batches`` already holds).
         out: a folder; if given, ``sweep.png`` and ``metrics.jsonl`` are written there.
         on_record: called with every metrics record of every run.
         progress: show a progress bar per run.
+        seed: the old name of ``sim_seed`` (DeprecationWarning).
+
+    Every run's options are one :class:`~stalewise.runtime.options.RunOptions`, built
+    (and so checked) for all values before the first run starts; defaults are its own.
 
     Returns:
         One row per value with the keys of :data:`COLUMNS` (``final`` is the last
@@ -174,35 +182,42 @@ def sweep(
             raise KeyError(f"metric {metric!r} is not among the task's metrics {sorted(m)}")
         return m
 
+    def emit_for(p: int) -> Callable[[dict], None]:
+        def emit(rec: dict) -> None:
+            rec["workers"] = p
+            if writer is not None:
+                writer.write(rec)
+            if on_record is not None:
+                on_record(rec)
+
+        return emit
+
+    if seed is not None:
+        given = None if sim_seed == DEFAULTS["sim_seed"] else sim_seed
+        sim_seed = renamed("sweep", "seed", "sim_seed", seed, given)
+    options = [
+        RunOptions(
+            loss_and_grad=task.loss_and_grad,
+            data=task.batches,
+            workers=p,
+            steps=steps,
+            evaluate=evaluate,
+            eval_interval=eval_interval,
+            delays=dict.fromkeys(range(p), delay) if delay else None,
+            stop_at=goal if stop_at_target else None,
+            run=label,
+            on_record=emit_for(p),
+            progress=progress,
+            sim=sim,
+            sim_seed=sim_seed,
+        )
+        for label, p, _, _ in runs
+    ]
     writer = report.MetricsWriter(Path(out) / "metrics.jsonl") if out is not None else None
     rows, records = [], []
     try:
-        for label, p, config, strategy in runs:
-
-            def emit(rec: dict, p: int = p) -> None:
-                rec["workers"] = p
-                if writer is not None:
-                    writer.write(rec)
-                if on_record is not None:
-                    on_record(rec)
-
-            result = sim_runtime.train(
-                config,
-                task.loss_and_grad,
-                data=task.batches,
-                workers=p,
-                steps=steps,
-                strategy=strategy,
-                evaluate=evaluate,
-                eval_interval=eval_interval,
-                delays=dict.fromkeys(range(p), delay) if delay else None,
-                stop_at=goal if stop_at_target else None,
-                run=label,
-                on_record=emit,
-                progress=progress,
-                sim=sim,
-                seed=seed,
-            )
+        for (label, p, config, strategy), o in zip(runs, options, strict=True):
+            result = sim_runtime.run(config, strategy, o)
             records.extend(result.records)
             time_to = targets.time_to_target(result.records, goal)
             updates_to = targets.time_to_target(result.records, goal, x="updates")

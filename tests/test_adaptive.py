@@ -41,7 +41,7 @@ def _sim(job: sw.Job, workers: int, steps: int, **kw):
 
 
 def test_adacomm_rule_on_a_hand_computed_loss_sequence():
-    sched = adacomm(start=32, min_steps=2)
+    sched = adacomm(local_steps=32, min_steps=2)
     state = sched.init()
     assert math.isnan(state.initial) and state.steps == 32
     # F_0 = 4 (the first finite loss); H = ceil(sqrt(F / 4) * 32) within [2, 32]
@@ -68,7 +68,7 @@ def test_adacomm_rule_on_a_hand_computed_loss_sequence():
 
 
 def test_adacomm_needs_a_positive_first_loss():
-    sched = adacomm(start=8)
+    sched = adacomm(local_steps=8)
     for bad in (0.0, -2.0):
         with pytest.raises(ValueError, match="needs losses bounded below by 0"):
             sched.next(sched.init(), bad)
@@ -121,7 +121,7 @@ def test_comm_budget_rule_on_hand_computed_rounds():
     assert _rounds(comm_budget(), 400.0, 0.2, 11) == [4, 4, 16, 64, 64, 64, 32, 64, 64, 64, 32]
     assert _rounds(comm_budget(max_steps=100), 1.0, 0.0, 8) == [4, 4, 16, 64, 100, 100, 50, 100]
     # fraction 0.5: communication as long as the steps
-    assert _rounds(comm_budget(fraction=0.5, start=2), 0.3, 0.01, 8) == [
+    assert _rounds(comm_budget(fraction=0.5, local_steps=2), 0.3, 0.01, 8) == [
         2,
         2,
         8,
@@ -132,9 +132,9 @@ def test_comm_budget_rule_on_hand_computed_rounds():
         30,
     ]
     # a start too close to max_steps probes a quarter of it; min_steps is the floor
-    low = comm_budget(start=40, max_steps=64, min_steps=3)
+    low = comm_budget(local_steps=40, max_steps=64, min_steps=3)
     assert _rounds(low, 0.01, 1.0, 8) == [40, 40, 10, 3, 3, 3, 6, 3]
-    assert _rounds(comm_budget(start=5, min_steps=5, max_steps=5), 1.0, 0.1, 8) == [5] * 8
+    assert _rounds(comm_budget(local_steps=5, min_steps=5, max_steps=5), 1.0, 0.1, 8) == [5] * 8
     # the first round is not timed: it includes the job's start-up
     sched = comm_budget()
     h, state = sched.next(sched.init(), math.nan)
@@ -149,16 +149,19 @@ def test_comm_budget_checks_its_arguments():
         ({"fraction": 0.0}, r"fraction must be in \(0, 1\), got 0.0"),
         ({"fraction": 1}, r"fraction must be in \(0, 1\), got 1"),
         ({"fraction": "0.1"}, "fraction must be a number"),
-        ({"start": 0}, "start must be an integer >= 1, got 0"),
+        ({"local_steps": 0}, "local_steps must be an integer >= 1, got 0"),
         ({"max_steps": 2.5}, "max_steps must be an integer >= 1"),
-        ({"start": 8, "max_steps": 4}, "need min_steps <= start <= max_steps"),
-        ({"min_steps": 8}, "need min_steps <= start <= max_steps, got min_steps=8, start=4"),
+        ({"local_steps": 8, "max_steps": 4}, "need min_steps <= local_steps <= max_steps"),
+        (
+            {"min_steps": 8},
+            "need min_steps <= local_steps <= max_steps, got min_steps=8, local_steps=4",
+        ),
         ({"memory": 1.0}, r"memory must be in \[0, 1\)"),
     ):
         with pytest.raises(ValueError, match=problem):
             comm_budget(**kw)
-    assert repr(comm_budget(0.2, start=2)) == (
-        "comm_budget(fraction=0.2, start=2, min_steps=1, max_steps=64, memory=0.9)"
+    assert repr(comm_budget(0.2, local_steps=2)) == (
+        "comm_budget(fraction=0.2, local_steps=2, min_steps=1, max_steps=64, memory=0.9)"
     )
 
 
@@ -227,7 +230,7 @@ def test_h_of_one_is_one_step_and_the_first_push_runs_the_start():
     state = strat.init({"x": np.ones(1)})
     step = strat.step(state, {"x": np.ones(1)}, lambda p, _: (3.0, {"x": p["x"]}), iter([None] * 6))
     assert step.local_steps == 6 and state.schedule == AdaCommState(3.0, 6)
-    strat = adaptive(sw.optim.sgd(0.5), start=6)  # the default schedule: comm_budget
+    strat = adaptive(sw.optim.sgd(0.5), local_steps=6)  # the default schedule: comm_budget
     state = strat.init({"x": np.ones(1)})
     step = strat.step(state, {"x": np.ones(1)}, lambda p, _: (3.0, {"x": p["x"]}), iter([None] * 6))
     assert step.local_steps == 6 and state.schedule == CommBudgetState(RoundCost(), 6, 1, 6)
@@ -249,7 +252,7 @@ class _Recording(Adaptive):
 
 def test_h_shrinks_as_the_loss_falls_in_a_simulated_run():
     _RECORDED.clear()
-    strat = _Recording(adacomm(start=32), local_sgd(1, sw.optim.sgd(0.05)))
+    strat = _Recording(adacomm(local_steps=32), local_sgd(1, sw.optim.sgd(0.05)))
     job = sw.Job(TASK.init_params(), strategy=strat)
     start = TASK.evaluate(TASK.init_params())["loss"]
     result = _sim(job, 4, 120, stragglers={3: 2.0})
@@ -282,7 +285,7 @@ def test_fixed_schedule_is_local_sgd_bit_for_bit_in_the_simulator(outer, consist
     runs = []
     for strat in (ours, theirs):
         job = sw.Job(TASK.init_params(), consistency=consistency, strategy=strat)
-        runs.append(_sim(job, 3, 45, stragglers={2: 1.7}, seed=3))
+        runs.append(_sim(job, 3, 45, stragglers={2: 1.7}, sim_seed=3))
     a, b = runs
     assert np.abs(a.flat - TASK.init_params()["x"]).max() > 0.1  # it moved
     assert np.array_equal(a.flat, b.flat)
@@ -312,7 +315,7 @@ def test_adaptive_trains_least_squares(outer, consistency):
 
 def test_adaptive_trains_in_the_local_runtime(no_leaks):
     start = TASK.evaluate(TASK.init_params())["loss"]
-    strategy = adaptive(sw.optim.sgd(0.05), start=16, min_steps=2)
+    strategy = adaptive(sw.optim.sgd(0.05), local_steps=16, min_steps=2)
     job = sw.Job(
         TASK.init_params(), strategy=strategy, consistency=sw.BSP()
     )  # pickled; BSP: timing-free
@@ -354,7 +357,7 @@ def test_diloco_outer_pairings_with_consistency_are_checked_as_for_diloco():
 
 def test_adaptive_pickles_and_compares_by_configuration():
     for strat in (
-        adaptive(sw.optim.sgd(0.1), start=64, min_steps=4),
+        adaptive(sw.optim.sgd(0.1), local_steps=64, min_steps=4),
         adaptive(sw.optim.lamb(1e-3), schedule=fixed(3), reset_inner=True, smoothing=0.0),
         adaptive(outer="diloco", asynchronous=True, every=4, schedule=Scripted((4, 2))),
     ):
@@ -362,11 +365,11 @@ def test_adaptive_pickles_and_compares_by_configuration():
         assert hash(pickle.loads(pickle.dumps(strat))) == hash(strat)
         assert repr(strat).startswith("adaptive(schedule=")
     sgd = sw.optim.sgd(0.1)
-    assert adaptive(sgd, start=8) == adaptive(sgd, schedule=comm_budget(start=8))
-    assert adaptive(sgd, start=100).schedule == comm_budget(start=100, max_steps=100)
-    assert adaptive(sgd, schedule=adacomm(8)) != adaptive(sgd, schedule=comm_budget(start=8))
-    assert adaptive(sgd, start=8) != adaptive(sgd, start=9)
-    assert adaptive(sgd, start=8) != adaptive(sgd, start=8, smoothing=0.5)
+    assert adaptive(sgd, local_steps=8) == adaptive(sgd, schedule=comm_budget(local_steps=8))
+    assert adaptive(sgd, local_steps=100).schedule == comm_budget(local_steps=100, max_steps=100)
+    assert adaptive(sgd, schedule=adacomm(8)) != adaptive(sgd, schedule=comm_budget(local_steps=8))
+    assert adaptive(sgd, local_steps=8) != adaptive(sgd, local_steps=9)
+    assert adaptive(sgd, local_steps=8) != adaptive(sgd, local_steps=8, smoothing=0.5)
     assert adaptive(sgd, schedule=fixed(2)) != local_sgd(2, sgd)
     assert repr(adaptive(sgd, schedule=fixed(2), smoothing=0.5)) == (
         "adaptive(schedule=fixed(2), inner=_Sgd(lr=0.1, momentum=0.0, nesterov=False, "
@@ -376,16 +379,16 @@ def test_adaptive_pickles_and_compares_by_configuration():
 
 def test_constructors_check_their_arguments():
     sgd = sw.optim.sgd(0.1)
-    with pytest.raises(ValueError, match="start must be an integer >= 1"):
-        adacomm(start=0)
-    with pytest.raises(ValueError, match="min_steps=5 exceeds start=4"):
-        adacomm(start=4, min_steps=5)
-    with pytest.raises(ValueError, match="fixed: steps must be an integer >= 1"):
+    with pytest.raises(ValueError, match="local_steps must be an integer >= 1"):
+        adacomm(local_steps=0)
+    with pytest.raises(ValueError, match="min_steps=5 exceeds local_steps=4"):
+        adacomm(local_steps=4, min_steps=5)
+    with pytest.raises(ValueError, match="fixed: local_steps must be an integer >= 1"):
         fixed(1.5)
     with pytest.raises(TypeError, match=r"schedule must have init\(\)"):
         adaptive(sgd, schedule=lambda loss: 4)
     with pytest.raises(ValueError, match="configure the default comm_budget schedule"):
-        adaptive(sgd, schedule=fixed(2), start=4)
+        adaptive(sgd, schedule=fixed(2), local_steps=4)
     with pytest.raises(TypeError, match="inner= is required with outer='local_sgd'"):
         adaptive()
     with pytest.raises(ValueError, match="outer_lr, asynchronous configure DiLoCo"):
@@ -422,7 +425,7 @@ def test_the_loop_asks_the_runtime_clock_only_for_timed_strategies():
 
     lg = ph.tagged_loss_and_grad
     data = ph.tagged_data(0, 1)
-    timed = adaptive(sw.optim.sgd(0.1), start=2)
+    timed = adaptive(sw.optim.sgd(0.1), local_steps=2)
     assert timed.timed and not adaptive(sw.optim.sgd(0.1), schedule=adacomm(2)).timed
     assert not sw.strategies.gradients().timed and not local_sgd(2, sw.optim.sgd(0.1)).timed
     assert LocalSGDStrategy(2, sw.optim.sgd(0.1), dynamic=True, period=1.0).timed
@@ -433,7 +436,7 @@ def test_the_loop_asks_the_runtime_clock_only_for_timed_strategies():
             super().started(state, now)
             seen.append((now, state.schedule.cost.rounds))
 
-    spy = Spy(comm_budget(start=2), local_sgd(1, sw.optim.sgd(0.1)))
+    spy = Spy(comm_budget(local_steps=2), local_sgd(1, sw.optim.sgd(0.1)))
     loop.run(loop.worker_loop(spy, lg, data), answerer(iter([10.0, 12.5, 20.0])))
     assert asked[:4] == [loop.BEGIN, loop.PULL, loop.CLOCK, asked[3]]  # then the Push
     assert isinstance(asked[3], loop.Push) and asked.count(loop.CLOCK) == 3
@@ -450,7 +453,7 @@ def test_the_loop_asks_the_runtime_clock_only_for_timed_strategies():
 
 
 def test_adaptive_observes_its_rounds_by_the_clock_it_is_given():
-    strat = adaptive(sw.optim.sgd(0.1), schedule=comm_budget(fraction=0.5, start=2))
+    strat = adaptive(sw.optim.sgd(0.1), schedule=comm_budget(fraction=0.5, local_steps=2))
     state = strat.init({"x": np.zeros(8)})
     data, periods = ph.tagged_data(0, 1), []
     now = 100.0

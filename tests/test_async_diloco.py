@@ -51,7 +51,7 @@ def _reference(workers: int, pushes: int, h: int) -> float:
 
 
 def _job(workers: int, h: int) -> sw.Job:
-    strategy = diloco(steps=h, inner=INNER, asynchronous=True, every=workers)
+    strategy = diloco(local_steps=h, inner=INNER, asynchronous=True, every=workers)
     return sw.Job(TASK.init_params(), strategy=strategy)
 
 

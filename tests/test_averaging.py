@@ -49,7 +49,7 @@ def test_one_local_step_under_bsp_is_synchronous_data_parallel_sgd(workers):
         {"x": np.zeros(16)},
         optimizer=sw.optim.sgd(1.0),
         consistency=sw.BSP(),
-        strategy=local_sgd(steps=1, inner=sw.optim.sgd(lr)),
+        strategy=local_sgd(local_steps=1, inner=sw.optim.sgd(lr)),
     )
     result = _sim(job, workers, workers * rounds)
     batches = [TASK.batches(w, workers) for w in range(workers)]
@@ -65,7 +65,7 @@ def test_outer_lr_one_without_momentum_under_bsp_is_fedavg():
     job = sw.Job(
         {"x": np.zeros(16)},
         consistency=sw.BSP(),
-        strategy=local_sgd(steps=h, inner=sw.optim.sgd(lr)),  # recommended: sgd(1.0)
+        strategy=local_sgd(local_steps=h, inner=sw.optim.sgd(lr)),  # recommended: sgd(1.0)
     )
     result = _sim(job, workers, workers * rounds)
     batches = [TASK.batches(w, workers) for w in range(workers)]
@@ -85,7 +85,9 @@ def test_outer_lr_one_without_momentum_under_bsp_is_fedavg():
 def test_diloco_under_bsp_is_nesterov_on_the_mean_pseudo_gradient():
     workers, h, rounds = 2, 3, 5
     inner = sw.optim.adamw(0.01)
-    job = sw.Job({"x": np.zeros(16)}, consistency=sw.BSP(), strategy=diloco(steps=h, inner=inner))
+    job = sw.Job(
+        {"x": np.zeros(16)}, consistency=sw.BSP(), strategy=diloco(local_steps=h, inner=inner)
+    )
     result = _sim(job, workers, workers * rounds)
     batches = [TASK.batches(w, workers) for w in range(workers)]
     x, m = np.zeros(16), np.zeros(16)
@@ -192,7 +194,7 @@ def test_easgd_round_matches_the_elastic_formulas():
     def lg(p, _):
         return 0.0, {"x": p["x"] - target}
 
-    strat = easgd(alpha, every=tau, inner=sw.optim.sgd(lr))
+    strat = easgd(alpha, local_steps=tau, inner=sw.optim.sgd(lr))
     state = strat.init({"x": np.zeros(2)})
     server = sw.optim.sgd(1.0)
     x = np.zeros(2)
@@ -210,7 +212,7 @@ def test_easgd_round_matches_the_elastic_formulas():
 
 
 def test_easgd_worker_with_non_finite_params_restarts_from_the_centre():
-    strat = easgd(0.5, every=1, inner=sw.optim.sgd(1.0))
+    strat = easgd(0.5, local_steps=1, inner=sw.optim.sgd(1.0))
 
     def lg(p, _):
         return math.nan, {"x": np.full(2, np.inf)}
@@ -233,7 +235,7 @@ def _recording_lg(seen: list):
 
 
 def test_inner_state_persists_across_pushes_and_local_params_restart_from_the_pull():
-    strat = local_sgd(steps=4, inner=sw.optim.adam(0.01))
+    strat = local_sgd(local_steps=4, inner=sw.optim.adam(0.01))
     seen: list = []
     lg = _recording_lg(seen)
     state = strat.init({"x": np.ones(3)})
@@ -249,7 +251,7 @@ def test_inner_state_persists_across_pushes_and_local_params_restart_from_the_pu
 
 
 def test_reset_inner_resets_the_inner_state_at_every_pull():
-    strat = local_sgd(steps=4, inner=sw.optim.adam(0.01), reset_inner=True)
+    strat = local_sgd(local_steps=4, inner=sw.optim.adam(0.01), reset_inner=True)
     state = strat.init({"x": np.ones(3)})
     for _ in range(3):
         strat.step(state, {"x": np.ones(3)}, _recording_lg([]), iter([None] * 4))
@@ -259,7 +261,7 @@ def test_reset_inner_resets_the_inner_state_at_every_pull():
 def test_torch_inner_state_persists_and_resets():
     factory = functools.partial(torch.optim.Adam, lr=0.01)
     for reset, counts in ((False, [3, 6]), (True, [3, 3])):
-        strat = local_sgd(steps=3, inner=factory, reset_inner=reset)
+        strat = local_sgd(local_steps=3, inner=factory, reset_inner=reset)
         state = strat.init({"x": np.ones(3)})
         for want in counts:
             strat.step(state, {"x": np.ones(3)}, _recording_lg([]), iter([None] * 3))
@@ -273,7 +275,7 @@ def test_lamb_inner_works_per_leaf_with_the_jobs_segments():
     )
     params = {"layer": {"w": np.full(3, 10.0), "b": np.zeros(2)}}
     grads = {"layer": {"w": np.array([1.0, -1.0, 0.5]), "b": np.array([0.1, 0.2])}}
-    strat = local_sgd(steps=1, inner=inner)
+    strat = local_sgd(local_steps=1, inner=inner)
     state = strat.init(params)
     step = strat.step(state, params, lambda p, _: (0.0, grads), iter([None]))
     flat, spec = sw.tree.flatten(params)
@@ -289,7 +291,7 @@ def test_lamb_inner_works_per_leaf_with_the_jobs_segments():
 
 
 def test_the_update_does_not_alias_worker_buffers():
-    strat = local_sgd(steps=1, inner=sw.optim.sgd(0.5))
+    strat = local_sgd(local_steps=1, inner=sw.optim.sgd(0.5))
     state = strat.init({"x": np.ones(2)})
     first = strat.step(state, {"x": np.ones(2)}, _recording_lg([]), iter([None])).update["x"]
     kept = first.copy()
@@ -320,7 +322,7 @@ def jax_least_squares(params, batch):
 
 
 def _bsp_local_sgd(params, inner, loss_and_grad):
-    job = sw.Job(params, consistency=sw.BSP(), strategy=local_sgd(steps=5, inner=inner))
+    job = sw.Job(params, consistency=sw.BSP(), strategy=local_sgd(local_steps=5, inner=inner))
     return _sim(job, 2, 8, loss_and_grad)
 
 
@@ -352,7 +354,7 @@ def test_optax_sees_a_dict_of_leaf_names():
         return updates, state
 
     tx = optax.chain(optax.GradientTransformation(lambda p: (), spy), optax.sgd(0.5))
-    strat = local_sgd(steps=1, inner=tx)
+    strat = local_sgd(local_steps=1, inner=tx)
     params = {"layer": {"w": np.ones((2, 2)), "b": np.zeros(2)}}
 
     def lg(p, _):
@@ -368,12 +370,12 @@ def test_optax_sees_a_dict_of_leaf_names():
 
 def _strategy(name: str, consistency):
     if name == "local_sgd":
-        return local_sgd(steps=5, inner=sw.optim.sgd(0.05))
+        return local_sgd(local_steps=5, inner=sw.optim.sgd(0.05))
     if name == "diloco":  # synchronous DiLoCo under BSP, asynchronous DiLoCo otherwise
         if consistency.kind == "bsp":
-            return diloco(steps=10, inner=sw.optim.adamw(0.005))
-        return diloco(steps=10, inner=sw.optim.adamw(0.005), asynchronous=True, every=4)
-    return easgd(0.25, every=5, inner=sw.optim.sgd(0.05))
+            return diloco(local_steps=10, inner=sw.optim.adamw(0.005))
+        return diloco(local_steps=10, inner=sw.optim.adamw(0.005), asynchronous=True, every=4)
+    return easgd(0.25, local_steps=5, inner=sw.optim.sgd(0.05))
 
 
 @pytest.mark.parametrize("consistency", [sw.ASP(), sw.SSP(2), sw.BSP()], ids=str)
@@ -388,7 +390,7 @@ def test_each_strategy_trains_least_squares(name, consistency):
 
 def test_diloco_trains_in_the_local_runtime(no_leaks):
     start = TASK.evaluate(TASK.init_params())["loss"]
-    strategy = diloco(steps=10, inner=sw.optim.adamw(0.005), asynchronous=True, every=2)
+    strategy = diloco(local_steps=10, inner=sw.optim.adamw(0.005), asynchronous=True, every=2)
     assert pickle.loads(pickle.dumps(strategy)) == strategy
     job = sw.Job(TASK.init_params(), strategy=strategy)
     result = job.train(TASK.loss_and_grad, data=TASK.batches, workers=2, steps=60, timeout=120)
@@ -408,7 +410,7 @@ def _sleeping_lg(seconds: float):
 
 
 def test_dynamic_local_updates_scale_steps_to_the_worker_speed():
-    strat = local_sgd(steps=1000, inner=sw.optim.sgd(0.1), dynamic=True, period=0.2)
+    strat = local_sgd(local_steps=1000, inner=sw.optim.sgd(0.1), dynamic=True, period=0.2)
     params = {"x": np.zeros(2)}
     taken = {}
     for name, seconds in (("fast", 0.005), ("slow", 0.02)):  # the slow one is 4x slower
@@ -425,12 +427,12 @@ def test_dynamic_local_updates_scale_steps_to_the_worker_speed():
 
 def test_dynamic_local_updates_take_at_least_one_and_at_most_steps():
     params = {"x": np.zeros(2)}
-    capped = local_sgd(steps=3, inner=sw.optim.sgd(0.1), dynamic=True, period=10.0)
+    capped = local_sgd(local_steps=3, inner=sw.optim.sgd(0.1), dynamic=True, period=10.0)
     assert (
         capped.step(capped.init(params), params, _sleeping_lg(0), iter(lambda: 1, 0)).local_steps
         == 3
     )
-    short = local_sgd(steps=3, inner=sw.optim.sgd(0.1), dynamic=True, period=1e-6)
+    short = local_sgd(local_steps=3, inner=sw.optim.sgd(0.1), dynamic=True, period=1e-6)
     step = short.step(short.init(params), params, _sleeping_lg(0.001), iter(lambda: 1, 0))
     assert step.local_steps == 1
 
@@ -451,14 +453,14 @@ def same_rule(a: sw.optim.Optimizer, b: sw.optim.Optimizer) -> bool:
 
 def test_job_without_optimizer_uses_the_strategy_recommendation():
     params = {"x": np.zeros(4)}
-    job = sw.Job(params, strategy=diloco(steps=10), consistency=sw.BSP())
+    job = sw.Job(params, strategy=diloco(local_steps=10), consistency=sw.BSP())
     assert same_rule(job.config.optimizer, sw.optim.sgd(0.7, momentum=0.9, nesterov=True))
-    job = sw.Job(params, strategy=diloco(steps=10, asynchronous=True, every=3))
+    job = sw.Job(params, strategy=diloco(local_steps=10, asynchronous=True, every=3))
     assert same_rule(job.config.optimizer, sw.optim.delayed_nesterov(0.7, 0.9, every=3))
     assert same_rule(
         sw.Job(params, strategy=local_sgd(2, sw.optim.sgd(0.1))).config.optimizer, sw.optim.sgd(1.0)
     )
-    easgd_job = sw.Job(params, strategy=easgd(0.5, every=2, inner=sw.optim.sgd(0.1)))
+    easgd_job = sw.Job(params, strategy=easgd(0.5, local_steps=2, inner=sw.optim.sgd(0.1)))
     assert same_rule(easgd_job.config.optimizer, sw.optim.sgd(1.0))
     explicit = sw.optim.lamb(1e-3)
     assert sw.Job(params, optimizer=explicit, strategy=diloco()).config.optimizer is explicit
@@ -476,7 +478,7 @@ def test_synchronous_diloco_with_its_recommendation_is_refused_when_pushes_apply
         rf"{re.escape(str(consistency))} every push would take a momentum step of its own: pass "
         r"consistency=sw.BSP\(\), or asynchronous=True with every=<workers>",
     ):
-        sw.Job(params, strategy=diloco(steps=10), consistency=consistency)
+        sw.Job(params, strategy=diloco(local_steps=10), consistency=consistency)
     # asynchronous DiLoCo, or a server optimizer the user chose, is accepted
     sw.Job(params, strategy=diloco(asynchronous=True, every=2), consistency=consistency)
     explicit = sw.optim.sgd(0.7, momentum=0.9, nesterov=True)  # the per-push baseline
@@ -505,7 +507,7 @@ def test_a_config_names_the_consistency_key_when_diloco_does_not_fit_it():
 
     raw = {
         "task": {"name": "least-squares", "args": {"n": 64, "d": 4}},
-        "strategy": {"name": "diloco", "steps": 4},
+        "strategy": {"name": "diloco", "local_steps": 4},
     }
     with pytest.raises(config.ConfigError) as caught:
         config.parse(raw)  # consistency: "asp", the default; no [optimizer]: the recommendation
@@ -513,7 +515,7 @@ def test_a_config_names_the_consistency_key_when_diloco_does_not_fit_it():
     assert caught.value.problem.startswith("diloco recommends Nesterov SGD on each round's mean")
     cfg = config.parse({**raw, "server": {"consistency": "bsp"}})
     assert cfg.job.config.consistency == sw.BSP()
-    async_bsp = {"name": "diloco", "steps": 4, "asynchronous": True, "every": 2}
+    async_bsp = {"name": "diloco", "local_steps": 4, "asynchronous": True, "every": 2}
     with pytest.raises(config.ConfigError, match="asynchronous=True is for ASP or SSP") as caught:
         config.parse({**raw, "strategy": async_bsp, "server": {"consistency": "bsp"}})
     assert caught.value.key == "server.consistency"
@@ -530,31 +532,31 @@ def test_job_without_optimizer_needs_a_recommendation():
 def test_constructors_check_their_arguments():
     sgd = sw.optim.sgd(0.1)
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
-        local_sgd(steps=0, inner=sgd)
+        local_sgd(local_steps=0, inner=sgd)
     with pytest.raises(TypeError, match="inner must be a stalewise optimizer"):
-        local_sgd(steps=2, inner="adam")
+        local_sgd(local_steps=2, inner="adam")
     with pytest.raises(TypeError, match="factory, not an optimizer instance"):
-        local_sgd(steps=2, inner=torch.optim.SGD([torch.zeros(2)], lr=0.1))
+        local_sgd(local_steps=2, inner=torch.optim.SGD([torch.zeros(2)], lr=0.1))
     with pytest.raises(ValueError, match="dynamic=True needs period"):
-        local_sgd(steps=2, inner=sgd, dynamic=True)
+        local_sgd(local_steps=2, inner=sgd, dynamic=True)
     with pytest.raises(ValueError, match="period= is the budget of dynamic=True"):
-        local_sgd(steps=2, inner=sgd, period=1.0)
+        local_sgd(local_steps=2, inner=sgd, period=1.0)
     with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\]"):
-        easgd(1.5, every=2, inner=sgd)
+        easgd(1.5, local_steps=2, inner=sgd)
     with pytest.raises(ValueError, match="needs asynchronous=True"):
         diloco(every=4)
     with pytest.raises(ValueError, match="outer_momentum must be in"):
         diloco(outer_momentum=1.0)
     with pytest.raises(TypeError, match="returned list"):
-        local_sgd(steps=1, inner=lambda params: list(params)).init({"x": np.zeros(2)})
+        local_sgd(local_steps=1, inner=lambda params: list(params)).init({"x": np.zeros(2)})
 
 
 def test_strategies_pickle_and_compare_by_configuration():
     for strat in (
-        local_sgd(steps=3, inner=sw.optim.lamb(1e-3, exclude_from_weight_decay=["b"])),
-        local_sgd(steps=3, inner=functools.partial(torch.optim.AdamW, lr=1e-3)),
-        diloco(steps=7, asynchronous=True, every=4, dynamic=True, period=0.5),
-        easgd(0.3, every=4, inner=sw.optim.sgd(0.1), reset_inner=True),
+        local_sgd(local_steps=3, inner=sw.optim.lamb(1e-3, exclude_from_weight_decay=["b"])),
+        local_sgd(local_steps=3, inner=functools.partial(torch.optim.AdamW, lr=1e-3)),
+        diloco(local_steps=7, asynchronous=True, every=4, dynamic=True, period=0.5),
+        easgd(0.3, local_steps=4, inner=sw.optim.sgd(0.1), reset_inner=True),
     ):
         assert pickle.loads(pickle.dumps(strat)) == strat
         assert hash(strat) == hash(strat)

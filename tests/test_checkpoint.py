@@ -161,14 +161,14 @@ def test_sw_load_returns_the_users_structure(tmp_path):
     }
     job = _job(params, optimizer=sw.optim.sgd(0.1), shards=2)
     _save(tmp_path, job, _trained_states(job, pushes=1))
-    back = sw.load(tmp_path, like=params)  # the user's classes come from like=
+    back = sw.load_params(tmp_path, like=params)  # the user's classes come from like=
     assert back["none"] is None and isinstance(back["pair"], Pair)
     assert back["layer"]["w"].shape == (2, 3) and back["layer"]["b"].dtype == np.float16
     # sgd(0.1) of one push of ones: every leaf moved by -0.1 from its start
     np.testing.assert_allclose(back["layer"]["w"], np.full((2, 3), 0.9), rtol=1e-6)
     np.testing.assert_allclose(back["pair"].w, [-0.1, 0.9], rtol=1e-6)
     np.testing.assert_allclose(back["list"][0], [4.9, 4.9], rtol=1e-6)
-    plain = sw.load(tmp_path)  # without like=: plain data, the namedtuple as a dict
+    plain = sw.load_params(tmp_path)  # without like=: plain data, the namedtuple as a dict
     assert type(plain["pair"]) is dict and sorted(plain["pair"]) == ["b", "w"]
     assert plain["none"] is None and type(plain["list"]) is list
     np.testing.assert_array_equal(plain["pair"]["w"], back["pair"].w)
@@ -180,14 +180,14 @@ def test_sw_load_of_a_torch_model_gives_its_tensors(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     job = _job(model, optimizer=sw.optim.sgd(0.1))
     _save(tmp_path, job, _trained_states(job, pushes=1))
-    back = sw.load(tmp_path)
+    back = sw.load_params(tmp_path)
     want = model.state_dict()
     assert list(back) == sorted(want)
     for name, tensor in back.items():
         assert isinstance(tensor, torch.Tensor)
         assert tensor.shape == want[name].shape and tensor.dtype == want[name].dtype
     np.testing.assert_allclose(back["0.bias"].numpy(), want["0.bias"].numpy() - 0.1, rtol=1e-5)
-    as_numpy = sw.load(tmp_path, backend="numpy")
+    as_numpy = sw.load_params(tmp_path, backend="numpy")
     assert isinstance(as_numpy["0.weight"], np.ndarray)
 
 
@@ -234,7 +234,7 @@ def test_local_checkpoints_and_resume(tmp_path, no_leaks):
     assert len(saved) >= 3, saved  # periodic ones, then the end of the run
     end = checkpoint.load(d)
     assert end.version == first.stats["version"] and end.step["pushes"] == first.pushes
-    np.testing.assert_array_equal(sw.load(d)["x"], first.params["x"])
+    np.testing.assert_array_equal(sw.load_params(d)["x"], first.params["x"])
 
     resumed, records = train(120, checkpoint_dir=d, resume=True)
     assert records[0]["updates"] >= end.version  # it starts at the saved version
@@ -304,7 +304,7 @@ def test_sim_interrupted_and_resumed_is_bit_identical(tmp_path, consistency, sim
             steps=steps,
             runtime="sim",
             sim=sim,
-            seed=3,
+            sim_seed=3,
             on_record=records.append,
             **kw,
         )

@@ -77,7 +77,7 @@ def _sim_train(d, steps=20, **kw):
         workers=1,
         steps=steps,
         runtime="sim",
-        seed=1,
+        sim_seed=1,
         checkpoint_dir=d,
         timeout=60,
         **kw,
@@ -182,15 +182,15 @@ def test_a_crafted_checkpoint_runs_nothing(tmp_path, evil, case):
     path = _one_ckpt(d)
     _rewrite(path, lambda m: edit(m, evil))
     if refusal is None:
-        back = sw.load(d)
+        back = sw.load_params(d)
         assert type(back["pair"]) is dict and type(back["conf"]) is dict
         np.testing.assert_array_equal(back["pair"]["w"], trained.params["pair"].w)
         assert checkpoint.load(d).version == trained.stats["version"]
         return
     with pytest.raises(sw.CheckpointError, match=refusal) as e:
-        sw.load(path)  # the folder itself: no fallback, its own message
+        sw.load_params(path)  # the folder itself: no fallback, its own message
     assert "\n" not in str(e.value) and str(path / "manifest.json") in str(e.value)
-    for load in (sw.load, checkpoint.load):
+    for load in (sw.load_params, checkpoint.load):
         with pytest.raises(sw.CheckpointError, match="no usable checkpoint") as e:
             load(d)
         assert "\n" not in str(e.value)
@@ -218,12 +218,12 @@ def test_loading_neither_unpickles_nor_imports(tmp_path):
         import json, sys
         import stalewise as sw
         good, bad = sys.argv[1:3]
-        sw.load(good)
+        sw.load_params(good)
         seen = []
         watched = ("import", "pickle.find_class", "exec", "os.system", "subprocess.Popen")
         sys.addaudithook(lambda event, args: event in watched and seen.append(event))
         try:
-            sw.load(bad)
+            sw.load_params(bad)
         except sw.CheckpointError as e:
             print("refused:", e, file=sys.stderr)
         print(json.dumps([e for e in seen]))
@@ -256,13 +256,13 @@ def test_the_load_and_resume_modules_import_neither_pickle_nor_importlib():
     assert not calls & {"__import__", "eval", "exec"}
 
 
-# -- sw.load(path, like=...) --------------------------------------------------------------
+# -- sw.load_params(path, like=...) --------------------------------------------------------------
 
 
 def test_like_rebuilds_namedtuples_and_dataclasses_plain_without(tmp_path):
     d = tmp_path / "ckpt"
     result = _sim_train(d)
-    back = sw.load(d, like=_params())
+    back = sw.load_params(d, like=_params())
     assert isinstance(back["pair"], Pair) and isinstance(back["conf"], Conf)
     assert back["conf"].name == "kept"  # a static field comes from like=
     for got, want in [
@@ -273,7 +273,7 @@ def test_like_rebuilds_namedtuples_and_dataclasses_plain_without(tmp_path):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)
     assert not np.array_equal(back["pair"].w, np.zeros(4))  # it trained
-    plain = sw.load(d)
+    plain = sw.load_params(d)
     assert type(plain) is dict and type(plain["pair"]) is dict and type(plain["conf"]) is dict
     assert sorted(plain["pair"]) == ["b", "w"] and list(plain["conf"]) == ["scale"]
     np.testing.assert_array_equal(plain["conf"]["scale"], back["conf"].scale)
@@ -295,13 +295,13 @@ def test_like_a_torch_model(tmp_path):
         step_info={"pushes": 2},
     )
     want = tree.unflatten(np.concatenate([s["params"] for s in states]), job.config.spec)
-    for back in (sw.load(tmp_path, like=model), sw.load(tmp_path)):
+    for back in (sw.load_params(tmp_path, like=model), sw.load_params(tmp_path)):
         assert type(back) is dict and list(back) == list(want)
         for name, tensor in back.items():
             assert isinstance(tensor, torch.Tensor) and tensor.dtype == want[name].dtype
             assert torch.equal(tensor, want[name]), name
     assert not torch.equal(want["0.bias"], model[0].bias.detach())  # it moved
-    as_numpy = sw.load(tmp_path, like=model, backend="numpy")
+    as_numpy = sw.load_params(tmp_path, like=model, backend="numpy")
     assert isinstance(as_numpy["0.weight"], np.ndarray)
 
 
@@ -333,11 +333,11 @@ def test_like_is_checked_against_the_manifest(tmp_path, like, message):
     d = tmp_path / "ckpt"
     _sim_train(d, steps=5)
     if message is None:
-        back = sw.load(d, like=like(_params()))
+        back = sw.load_params(d, like=like(_params()))
         assert type(back["conf"]) is dict and isinstance(back["pair"], Pair)
         return
     with pytest.raises(sw.CheckpointError, match=message) as e:
-        sw.load(d, like=like(_params()))
+        sw.load_params(d, like=like(_params()))
     assert "\n" not in str(e.value)
 
 
@@ -485,7 +485,7 @@ def _check_failed_run(result, d, caught, first_version):
     assert result.stats["version"] > first_version
     kept = checkpoint.load(d)
     assert kept.version == first_version and kept.path.name == f"ckpt-{first_version:09d}"
-    assert sw.load(d)["w"].shape == (BIG,)
+    assert sw.load_params(d)["w"].shape == (BIG,)
     assert not [p for p in d.iterdir() if p.name.startswith(".tmp-")]
     return events
 
@@ -505,7 +505,7 @@ def test_sim_checkpoints_that_cannot_be_written_cost_nothing(tmp_path):
             workers=2,
             steps=100,
             runtime="sim",
-            seed=1,
+            sim_seed=1,
             checkpoint_dir=d,
             checkpoint_every=10,
             timeout=120,

@@ -538,7 +538,7 @@ def test_digits_diloco_example_trains_in_the_simulator(tmp_path, capsys):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["accuracy"] >= 0.96 and records[-1]["pushes"] <= 100
     cfg = config.load(EXAMPLES / "digits_diloco.toml")
-    assert cfg.job.strategy == sw.strategies.diloco(steps=20, inner=sw.optim.adamw(3e-3))
+    assert cfg.job.strategy == sw.strategies.diloco(local_steps=20, inner=sw.optim.adamw(3e-3))
     outer = cfg.job.config.optimizer.apply.__self__  # no [optimizer]: DiLoCo's recommendation
     assert (outer.lr, outer.momentum, outer.nesterov) == (0.7, 0.9, True)
     assert "digits_diloco" in capsys.readouterr().out
@@ -550,13 +550,13 @@ DIGITS = {"name": "digits", "args": {"hidden": 8}}
 def test_strategy_table_builds_the_strategy_and_the_server_optimizer():
     inner = {"name": "lamb", "lr": 0.01, "max_trust_ratio": 5.0}
     cfg = config.parse(
-        {"task": DIGITS, "strategy": {"name": "local_sgd", "steps": 4, "inner": inner}}
+        {"task": DIGITS, "strategy": {"name": "local_sgd", "local_steps": 4, "inner": inner}}
     )
     assert cfg.job.strategy == sw.strategies.local_sgd(
-        steps=4, inner=sw.optim.lamb(0.01, max_trust_ratio=5.0)
+        local_steps=4, inner=sw.optim.lamb(0.01, max_trust_ratio=5.0)
     )
     assert cfg.job.config.optimizer.apply.__self__.lr == 1.0  # sgd(1.0)
-    async_diloco = {"name": "diloco", "steps": 8, "asynchronous": True}
+    async_diloco = {"name": "diloco", "local_steps": 8, "asynchronous": True}
     cfg = config.parse({"task": DIGITS, "strategy": async_diloco, "run": {"workers": 3}})
     assert cfg.job.config.optimizer.apply.__self__.every == 3  # run.workers
     cfg = config.parse({"task": DIGITS, "strategy": {**async_diloco, "every": 5}})
@@ -564,14 +564,14 @@ def test_strategy_table_builds_the_strategy_and_the_server_optimizer():
     sgd = {"name": "sgd", "lr": 0.5}  # an [optimizer] table overrides the recommendation
     cfg = config.parse({"task": DIGITS, "strategy": async_diloco, "optimizer": sgd})
     assert cfg.job.config.optimizer.apply.__self__.lr == 0.5
-    schedule = {"name": "fixed", "steps": 3}
+    schedule = {"name": "fixed", "local_steps": 3}
     adaptive = {"name": "adaptive", "outer": "diloco", "schedule": schedule, "smoothing": 0.5}
     bsp = {"consistency": "bsp"}  # synchronous DiLoCo's recommendation is for BSP
     cfg = config.parse({"task": DIGITS, "strategy": adaptive, "server": bsp})
     assert cfg.job.strategy == sw.strategies.adaptive(
         outer="diloco", schedule=sw.strategies.fixed(3), smoothing=0.5
     )
-    easgd = {"name": "easgd", "alpha": 0.25, "every": 2, "inner": sgd}
+    easgd = {"name": "easgd", "alpha": 0.25, "local_steps": 2, "inner": sgd}
     assert config.parse({"task": DIGITS, "strategy": easgd}).job.strategy.alpha == 0.25
     plain = config.parse({"task": DIGITS, "strategy": {"name": "gradients"}, "optimizer": sgd})
     assert plain.job.strategy == sw.strategies.gradients()
@@ -581,10 +581,23 @@ def test_strategy_table_builds_the_strategy_and_the_server_optimizer():
     ("strategy", "key", "problem"),
     [
         ('name = "dilocco"', "strategy.name", "unknown strategy 'dilocco' (known: gradients,"),
-        ("steps = 4", "strategy.name", "missing: name the strategy"),
+        ("local_steps = 4", "strategy.name", "missing: name the strategy"),
         ('name = "diloco"\nstepz = 4', "strategy.stepz", "unknown option for diloco (known:"),
-        ('name = "diloco"\nsteps = 0', "strategy.steps", "must be an integer >= 1, got 0"),
-        ('name = "diloco"\nsteps = "4"', "strategy.steps", "expected an integer, got '4'"),
+        (
+            'name = "diloco"\nlocal_steps = 0',
+            "strategy.local_steps",
+            "must be an integer >= 1, got 0",
+        ),
+        (
+            'name = "diloco"\nlocal_steps = "4"',
+            "strategy.local_steps",
+            "expected an integer, got '4'",
+        ),
+        (
+            'name = "diloco"\nsteps = 4\nlocal_steps = 4',
+            "strategy.steps",
+            "the old name of strategy.local_steps",
+        ),
         ('name = "diloco"\nevery = 4', "strategy.every", "it needs asynchronous=True"),
         ('name = "diloco"\nouter_momentum = 1.0', "strategy.outer_momentum", "[0, 1), got 1.0"),
         ('name = "diloco"\ninner = "adamw"', "strategy.inner", "expected an optimizer table"),
@@ -608,10 +621,14 @@ def test_strategy_table_builds_the_strategy_and_the_server_optimizer():
             "strategy.inner.b3",
             "unknown option for adam",
         ),
-        ('name = "local_sgd"\nsteps = 4', "strategy.inner", "missing: local_sgd needs"),
-        ('name = "gradients"\nsteps = 4', "strategy.steps", "unknown option for gradients"),
+        ('name = "local_sgd"\nlocal_steps = 4', "strategy.inner", "missing: local_sgd needs"),
         (
-            'name = "easgd"\nalpha = 2.0\nevery = 2\ninner = { name = "sgd", lr = 0.1 }',
+            'name = "gradients"\nlocal_steps = 4',
+            "strategy.local_steps",
+            "unknown option for gradients",
+        ),
+        (
+            'name = "easgd"\nalpha = 2.0\nlocal_steps = 2\ninner = { name = "sgd", lr = 0.1 }',
             "strategy.alpha",
             "must be in (0, 1], got 2.0",
         ),
@@ -655,7 +672,7 @@ def test_optimizer_table_is_required_only_without_a_recommendation(tmp_path, cap
     line = _one_error_line(capsys, "optimizer")
     assert "strategy 'gradients' recommends no server optimizer" in line
     bsp = no_optimizer.replace('consistency = "ssp"\nbound = 2', 'consistency = "bsp"')
-    cfg = write(tmp_path, bsp + '\n[strategy]\nname = "diloco"\nsteps = 5\n')  # DiLoCo: BSP
+    cfg = write(tmp_path, bsp + '\n[strategy]\nname = "diloco"\nlocal_steps = 5\n')  # DiLoCo: BSP
     assert config.load(cfg).job.config.optimizer.apply.__self__.nesterov
 
 
@@ -663,7 +680,7 @@ def test_sim_sweeps_over_strategies(tmp_path, capsys):
     cfg = write(
         tmp_path,
         LS_CONFIG
-        + '\n[strategy]\nname = "local_sgd"\nsteps = 4\ninner = { name = "sgd", lr = 0.05 }\n',
+        + '\n[strategy]\nname = "local_sgd"\nlocal_steps = 4\ninner = { name = "sgd", lr = 0.05 }\n',
     )
     out = tmp_path / "sweep"
     argv = ["sim", str(cfg), "--over", "strategy", "--target", "1e-2", "--out", str(out), "-q"]
@@ -700,12 +717,12 @@ def test_train_resumes_a_run_from_its_checkpoint(tmp_path, capsys, no_leaks):
     out = tmp_path / "run"
     assert main(["train", str(first), "--out", str(out), "--runtime", "sim", "-q"]) == 0
     assert (out / "checkpoints" / "latest").is_file()
-    saved = sw.load(out / "checkpoints")
+    saved = sw.load_params(out / "checkpoints")
     more = write(tmp_path, LS_CONFIG.replace("steps = 300", "steps = 250"), "more.toml")
     assert main(["train", str(more), "--resume", str(out), "--runtime", "sim", "-q"]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     resumed = [r for r in records if r["updates"] > 0]
     assert records[-1]["pushes"] >= 250 and resumed[-1]["updates"] >= 250
-    assert not np.array_equal(sw.load(out / "checkpoints")["x"], saved["x"])
+    assert not np.array_equal(sw.load_params(out / "checkpoints")["x"], saved["x"])
     assert main(["train", str(more), "--resume", str(tmp_path / "nowhere"), "-q"]) == 2
     assert "--resume" in capsys.readouterr().err

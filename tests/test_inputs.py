@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 import time
+import tomllib
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ import pytest
 import stalewise as sw
 from stalewise import codecs, optim, staleness, strategies, tasks
 from stalewise.cli import main
-from stalewise.runtime.options import RunOptions
+from stalewise.runtime.options import OptionError, RunOptions
 from stalewise.runtime.sim import config as sim_config
 from stalewise.runtime.sim.config import SimConfig, TooLongError
 from stalewise.runtime.sim.models import (
@@ -231,7 +233,7 @@ CONSTRUCTORS = [
     *_bad("comm_budget.memory", lambda v: strategies.comm_budget(memory=v), BAD_REAL),
     *_bad(
         "easgd.alpha",
-        lambda v: strategies.easgd(v, every=2, inner=optim.sgd(0.1)),
+        lambda v: strategies.easgd(v, local_steps=2, inner=optim.sgd(0.1)),
         [NAN, INF, -INF, True, None],
     ),
 ]
@@ -497,22 +499,91 @@ def test_local_run_under_a_file_size_limit_names_the_shared_block(tmp_path):
 
 
 def test_run_option_defaults_are_stated_once_in_run_options():
-    """Job.train's keyword defaults and the config's [run] defaults are RunOptions's."""
+    """Job.train's, Job.serve's, the config's [run] and the sweep's defaults are RunOptions's."""
+    import dataclasses
     import inspect
 
-    from stalewise import config
+    from stalewise import config, sweep
     from stalewise.runtime.options import DEFAULTS
 
+    fields = {f.name for f in dataclasses.fields(sw.RunOptions) if f.init}
     train = inspect.signature(sw.Job.train).parameters
+    # every run option is a keyword of Job.train (no catch-all), with RunOptions's default
+    assert fields - {"on_record"} <= set(train) and not any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in train.values()
+    )
     shared = [name for name in train if name in DEFAULTS]
-    assert {"eval_interval", "max_restarts", "worker_timeout", "diverge_after"} <= set(shared)
     assert {name: train[name].default for name in shared} == {n: DEFAULTS[n] for n in shared}
+    assert train["on_record"].default is DEFAULTS["on_record"]
     assert (
         inspect.signature(sw.Job.serve).parameters["join_timeout"].default
         == (DEFAULTS["join_timeout"])
     )
+    swept = inspect.signature(sweep.sweep).parameters
+    for name in ("sim_seed", "progress"):
+        assert swept[name].default == DEFAULTS[name], name
     task = {"name": "least-squares", "args": {"n": 64, "d": 4}}
     parsed = config.parse({"task": task, "optimizer": {"name": "sgd", "lr": 0.1}}).train
     for name in ("eval_interval", "on_worker_failure", "max_restarts", "worker_timeout",
                  "diverge_after"):  # fmt: skip
         assert parsed[name] == DEFAULTS[name], name
+    # a changed default reaches the config through DEFAULTS (nothing restates it)
+    changed = dict(DEFAULTS, max_restarts=7, worker_timeout=11.0)
+    with mock.patch.dict(DEFAULTS, changed):
+        parsed = config.parse({"task": task, "optimizer": {"name": "sgd", "lr": 0.1}}).train
+    assert (parsed["max_restarts"], parsed["worker_timeout"]) == (7, 11.0)
+
+
+@pytest.mark.parametrize(
+    ("run", "key", "problem"),
+    [
+        ("max_restarts = -1", "run.max_restarts", "must be an integer >= 0 or false, got -1"),
+        ("max_restarts = 1.5", "run.max_restarts", "must be an integer >= 0 or false"),
+        ('worker_timeout = "60"', "run.worker_timeout", "or false, got '60'"),
+        ("diverge_after = 0", "run.diverge_after", "must be an integer >= 1 or false, got 0"),
+        ('on_worker_failure = "retry"', "run.on_worker_failure", "'restart', 'drop', 'fail'"),
+        ("eval_interval = -1", "run.eval_interval", "must be a finite number of seconds > 0"),
+    ],
+)
+def test_config_run_options_are_checked_by_run_options_under_their_toml_key(run, key, problem):
+    """The config checks [run] options with RunOptions.check and names the TOML key."""
+    from stalewise import config
+
+    raw = tomllib.loads(f"[run]\n{run}\n")
+    with pytest.raises(config.ConfigError) as e:
+        config.parse({"task": {"name": "least-squares"}, "optimizer": {"name": "sgd"}, **raw})
+    assert e.value.key == key and problem in e.value.problem, str(e.value)
+    assert "\n" not in str(e.value)
+    name = key.removeprefix("run.")
+    with pytest.raises(OptionError) as direct:  # the same check, alone
+        sw.RunOptions.check(name, tomllib.loads(f"{run}\n")[name])
+    assert direct.value.option == name
+
+
+def test_config_false_means_never_for_max_restarts_worker_timeout_and_diverge_after():
+    from stalewise import config
+
+    raw = {"max_restarts": False, "worker_timeout": False, "diverge_after": False}
+    task = {"name": "least-squares", "args": {"n": 64, "d": 4}}
+    parsed = config.parse({"task": task, "optimizer": {"name": "sgd", "lr": 0.1}, "run": raw})
+    assert [parsed.train[k] for k in raw] == [None, None, None]
+
+
+def test_sim_seed_is_the_simulators_and_seed_its_old_name_warns():
+    job = sw.Job({"x": np.ones(3, np.float32)}, optimizer=sw.optim.sgd(0.1))
+    kw = {"data": lambda w, n: iter([None] * 1000), "workers": 2, "steps": 20, "runtime": "sim"}
+    new = job.train(_quadratic, sim_seed=5, **kw)
+    with pytest.warns(DeprecationWarning, match="seed= is now sim_seed="):
+        old = job.train(_quadratic, seed=5, **kw)
+    other = job.train(_quadratic, sim_seed=6, **kw)
+    assert new.time == old.time and new.time != other.time
+    with pytest.warns(DeprecationWarning, match="sim_seed"):
+        assert _options(seed=4).sim_seed == 4
+    with pytest.raises(TypeError, match="sim_seed= only"):
+        job.train(_quadratic, seed=5, sim_seed=6, **kw)
+    with pytest.raises(ValueError, match="sim_seed must be an integer >= 0"):
+        _options(sim_seed=-1)
+
+
+def _quadratic(params, batch):
+    return float((params["x"] ** 2).sum()), {"x": 2 * params["x"]}

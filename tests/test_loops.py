@@ -45,7 +45,7 @@ def test_torch_wrapper_pushes_every_h_steps_and_pulls_the_global_params(no_leaks
         with torch.no_grad():  # local edits are overwritten by the pull at enter
             for p in model.parameters():
                 p.add_(1.0)
-        with sw.LocalSGD(client, model, opt, every=3, remainder="push") as sync:
+        with sw.LocalSGD(client, model, opt, local_steps=3, remainder="push") as sync:
             np.testing.assert_array_equal(_flat(model), start)  # pulled at enter
             glob = start
             for i in range(1, 8):
@@ -83,11 +83,14 @@ def test_torch_wrapper_pushes_nothing_after_an_error_but_removes_its_hook(no_lea
     job = sw.Job(model, optimizer=sw.optim.sgd(1.0))
     with job.serve(workers=1) as server:
         client = server.client(0)
-        with pytest.raises(RuntimeError, match="boom"), sw.LocalSGD(client, model, opt, every=4):
+        with (
+            pytest.raises(RuntimeError, match="boom"),
+            sw.LocalSGD(client, model, opt, local_steps=4),
+        ):
             step()
             raise RuntimeError("boom")
         assert not opt._optimizer_step_post_hooks
-        with sw.LocalSGD(client, model, opt, every=4) as sync:  # exact multiple: no remainder
+        with sw.LocalSGD(client, model, opt, local_steps=4) as sync:  # exact multiple: no remainder
             for _ in range(4):
                 step()
         assert sync.pushes == 1 and not opt._optimizer_step_post_hooks
@@ -106,13 +109,13 @@ def test_a_partial_last_round_is_dropped_by_default(no_leaks, wrapper):
     with job.serve(workers=1) as server:
         client = server.client(0)
         if wrapper == "torch":
-            with sw.LocalSGD(client, model, opt, every=4) as sync:
+            with sw.LocalSGD(client, model, opt, local_steps=4) as sync:
                 for i in range(1, 11):  # 2 rounds and 2 steps
                     step()
                     if i == 8:
                         after_rounds = _server_flat(server, model)
         else:
-            with sw.LocalSGDOptax(client, every=4) as sync:
+            with sw.LocalSGDOptax(client, local_steps=4) as sync:
                 params = sync.params
                 for i in range(1, 11):
                     params = sync.after_step({k: v - 0.01 for k, v in params.items()})
@@ -122,7 +125,7 @@ def test_a_partial_last_round_is_dropped_by_default(no_leaks, wrapper):
         np.testing.assert_array_equal(_server_flat(server, model), after_rounds)
         assert sum(s["applied"] for s in server.stats()) == 2
         with pytest.raises(ValueError, match=r"remainder must be one of drop, push, got 'keep'"):
-            sw.LocalSGD(client, model, opt, every=4, remainder="keep")
+            sw.LocalSGD(client, model, opt, local_steps=4, remainder="keep")
         client.close()
 
 
@@ -131,14 +134,14 @@ def test_torch_wrapper_takes_a_job_made_from_named_parameters_and_checks_its_arg
     job = sw.Job(dict(model.named_parameters()), optimizer=sw.optim.sgd(1.0))
     with job.serve(workers=1) as server:
         client = server.client(0)
-        sw.LocalSGD(client, model, opt, every=2)  # the same layout
-        with pytest.raises(ValueError, match="every must be an integer >= 1"):
-            sw.LocalSGD(client, model, opt, every=0)
+        sw.LocalSGD(client, model, opt, local_steps=2)  # the same layout
+        with pytest.raises(ValueError, match="local_steps must be an integer >= 1"):
+            sw.LocalSGD(client, model, opt, local_steps=0)
         with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
-            sw.LocalSGD(client, model, object(), every=2)
+            sw.LocalSGD(client, model, object(), local_steps=2)
         other = torch.nn.Linear(3, 2)
         with pytest.raises(ValueError, match="missing key"):
-            sw.LocalSGD(client, other, torch.optim.SGD(other.parameters(), lr=0.1), every=2)
+            sw.LocalSGD(client, other, torch.optim.SGD(other.parameters(), lr=0.1), local_steps=2)
         client.close()
 
 
@@ -152,7 +155,7 @@ def test_optax_wrapper_pushes_every_h_steps_and_returns_the_pulled_params(no_lea
     grad = jax.grad(lambda p: (p["w"] ** 2).sum() + ((p["b"] - 1.0) ** 2).sum())
     with job.serve(workers=1) as server:
         client = server.client(0)
-        with sw.LocalSGDOptax(client, every=2, remainder="push") as sync:
+        with sw.LocalSGDOptax(client, local_steps=2, remainder="push") as sync:
             p = sync.params
             assert isinstance(p["w"], jax.Array)
             glob = {k: np.asarray(v) for k, v in params.items()}
@@ -185,7 +188,7 @@ def test_optax_wrapper_without_with_and_on_numpy_params():
     job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(1.0))
     with job.serve(workers=1) as server:
         client = server.client(0)
-        sync = sw.LocalSGDOptax(client, every=3)
+        sync = sw.LocalSGDOptax(client, local_steps=3)
         sync.after_step({"w": np.ones(3, np.float32)})
         with pytest.raises(RuntimeError, match="push before the first pull"):
             sync.finish()

@@ -253,8 +253,8 @@ def count_up(params, batch):
 @pytest.mark.parametrize(
     ("strategy", "value"),
     [
-        (sw.strategies.local_sgd(steps=3, inner=sw.optim.adamw(0.1, weight_decay=0.5)), 3.0),
-        (sw.strategies.easgd(0.5, every=3, inner=sw.optim.sgd(0.1)), 1.5),  # after its move
+        (sw.strategies.local_sgd(local_steps=3, inner=sw.optim.adamw(0.1, weight_decay=0.5)), 3.0),
+        (sw.strategies.easgd(0.5, local_steps=3, inner=sw.optim.sgd(0.1)), 1.5),  # after its move
     ],
     ids=["local_sgd", "easgd"],
 )
@@ -277,7 +277,7 @@ def test_own_loop_local_sgd_pushes_the_models_buffers(no_leaks):
     x, y = (torch.from_numpy(a) for a in digit_batches(1.0, 1)[0][0])
     with job.serve(workers=1) as server:
         client = server.client(0)
-        with sw.LocalSGD(client, model, opt, every=2):
+        with sw.LocalSGD(client, model, opt, local_steps=2):
             for _ in range(2):
                 torch.nn.functional.cross_entropy(model(x.reshape(-1, 1, 8, 8)), y).backward()
                 opt.step()

@@ -719,7 +719,7 @@ def test_checkpoints_and_resume_on_ray(cluster, tmp_path):
     again = job.train(loss, steps=600, checkpoint_dir=tmp_path, resume=True, **kw)
     assert again.pushes >= 600  # steps is the job's total budget, pushes before included
     assert again.stats["version"] > first.stats["version"]
-    assert sw.load(tmp_path)["x"].shape == (16,)
+    assert sw.load_params(tmp_path)["x"].shape == (16,)
     after = mp_helpers.read_records(seen)
     assert [min(after[w]) for w in range(3)] == drawn  # each stream goes on where it stopped
 

@@ -163,7 +163,13 @@ def test_same_seed_is_bit_identical_and_other_seed_differs():
     task = tasks.get("least-squares", n=128, d=8)
     runs = [
         _train(
-            task, workers=6, steps=300, shards=2, consistency=sw.SSP(1), seed=s, eval_interval=0.05
+            task,
+            workers=6,
+            steps=300,
+            shards=2,
+            consistency=sw.SSP(1),
+            sim_seed=s,
+            eval_interval=0.05,
         )
         for s in (7, 7, 8)
     ]
@@ -379,7 +385,7 @@ def test_a_push_with_nan_in_one_leaf_is_refused_by_every_shard(caplog):
                 steps=90,
                 strategy=job.strategy,
                 sim=cfg,
-                seed=3,
+                sim_seed=3,
             )
             refusals = [m for m in caplog.messages if "refused" in m]
         runs[nan] = r, bad, refusals
@@ -458,7 +464,7 @@ def _train_with_failures(seed, consistency, caplog):
             shards=2,
             consistency=consistency,
             sim=cfg,
-            seed=seed,
+            sim_seed=seed,
         )
     shards = r.stats["sim"]["shards"]
     assert shards[0] == shards[1]  # same version, same applied: no torn push

@@ -241,7 +241,7 @@ def _faulty_run(seed):
         restart_delay=0.7,
     )
     return job(shards=2).train(
-        Quadratic(boom), data=tagged, workers=3, steps=300, runtime="sim", sim=cfg, seed=seed
+        Quadratic(boom), data=tagged, workers=3, steps=300, runtime="sim", sim=cfg, sim_seed=seed
     )
 
 

@@ -1,5 +1,10 @@
 """``RunOptions``: how to run a job, built and checked once by ``Job.train``.
 
+``sw.RunOptions``. Every run option's default and check is stated here, once:
+``Job.train``, ``Job.serve``, the config file (``[run]``) and the sweep read
+:data:`DEFAULTS` and check through :class:`RunOptions` (or
+:meth:`RunOptions.check`, one option alone).
+
 Every runtime takes ``(config, strategy, options)``, so a new option is written
 once, here, and a new runtime needs no copy of the long keyword list.
 """
@@ -7,6 +12,7 @@ once, here, and a new runtime needs no copy of the long keyword list.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -14,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stalewise._renames import renamed
 from stalewise.protocol.loop import DIVERGE_AFTER
 from stalewise.runtime.base import FAILURE_POLICIES, check_run
 
@@ -34,9 +41,154 @@ def _real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class OptionError(ValueError):
+    """A bad run option: ``option`` names it (a field of :class:`RunOptions`), ``problem``
+    says what was expected; the message is ``"{option} {problem}"``. The config file
+    reports it under its TOML key (``run.worker_timeout: must be ...``)."""
+
+    def __init__(self, option: str, problem: str):
+        self.option, self.problem = option, problem
+        super().__init__(f"{option} {problem}")
+
+
+class OptionTypeError(OptionError, TypeError):
+    """An :class:`OptionError` of the wrong type (a TypeError too)."""
+
+
+def _timeout(name: str, value: Any) -> Any:
+    if value is None and name == "timeout":
+        return value
+    if not (_real(value) and 0 <= value <= MAX_TIMEOUT):
+        none = " (None: no limit)" if name == "timeout" else ""
+        raise OptionError(
+            name, f"must be a number of seconds in [0, {MAX_TIMEOUT:g}]{none}, got {value!r}"
+        )
+    return value
+
+
+def _eval_interval(e: Any) -> Any:
+    if not (_real(e) and 0 < e < math.inf):
+        raise OptionError("eval_interval", f"must be a finite number of seconds > 0, got {e!r}")
+    if e < MIN_EVAL_INTERVAL:
+        raise OptionError(
+            "eval_interval",
+            f"must be >= {MIN_EVAL_INTERVAL:g} s, got {e!r}: a run records (and evaluates) "
+            "once per interval of its time, virtual in the simulator",
+        )
+    return e
+
+
+def _function(name: str, what: str) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if value is not None and not callable(value):
+            raise OptionTypeError(name, f"must be a function {what}, got {value!r}")
+        return value
+
+    return check
+
+
+def _integer(name: str, low: int, *, none: bool = False, unit: str = "") -> Callable[[Any], Any]:
+    """The check of an integer option ``>= low`` (``none``: None is allowed too)."""
+
+    def check(n: Any) -> Any:
+        if (n is None and none) or (_count(n) and n >= low):
+            return n
+        also = " or None" if none else ""
+        raise OptionError(name, f"must be an integer >= {low}{unit}{also}, got {n!r}")
+
+    return check
+
+
+def _on_worker_failure(value: Any) -> Any:
+    if value not in FAILURE_POLICIES:
+        raise OptionError(
+            "on_worker_failure",
+            f"must be one of {', '.join(map(repr, FAILURE_POLICIES))}, got {value!r}",
+        )
+    return value
+
+
+def _worker_timeout(t: Any) -> Any:
+    if t is not None and not (_real(t) and 0 < t <= MAX_TIMEOUT):
+        raise OptionError(
+            "worker_timeout", f"must be a finite number of seconds > 0 or None, got {t!r}"
+        )
+    if t is not None and t < MIN_WORKER_TIMEOUT:
+        raise OptionError(
+            "worker_timeout",
+            f"must be >= {MIN_WORKER_TIMEOUT:g} s or None, got {t!r}: a worker sends a "
+            "heartbeat every min(1, worker_timeout / 4) seconds",
+        )
+    return t
+
+
+def _checkpoint_dir(d: Any) -> Any:
+    if d is not None and not isinstance(d, str | os.PathLike):
+        raise OptionTypeError("checkpoint_dir", f"must be a path (str or os.PathLike), got {d!r}")
+    return d
+
+
+def _checkpoint_seconds(secs: Any) -> Any:
+    if secs is not None and not (_real(secs) and math.isfinite(secs) and secs > 0):
+        raise OptionError("checkpoint_seconds", f"must be a finite number > 0, got {secs!r}")
+    if secs is not None and secs < MIN_CHECKPOINT_SECONDS:
+        raise OptionError(
+            "checkpoint_seconds",
+            f"must be >= {MIN_CHECKPOINT_SECONDS:g} s, got {secs!r}: every checkpoint writes "
+            "the whole model",
+        )
+    return secs
+
+
+def _resume(resume: Any) -> Any:
+    if not isinstance(resume, bool):
+        raise OptionTypeError("resume", f"must be True or False, got {resume!r}")
+    return resume
+
+
+def _stop_at(value: Any) -> Any:
+    from stalewise import targets
+
+    return targets.parse(value)
+
+
+_TIMEOUTS = ("timeout", "start_timeout", "shard_start_timeout", "join_timeout", "ack_timeout",
+             "stop_timeout")  # fmt: skip
+
+#: One check per option that can be checked alone: ``f(value) -> value`` (normalized),
+#: raising :class:`OptionError`. ``RunOptions`` runs them all; :meth:`RunOptions.check`
+#: runs one (the config file and ``Job.serve`` check single options with it).
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "eval_interval": _eval_interval,
+    "evaluate": _function("evaluate", "f(params) -> dict"),
+    **{name: functools.partial(_timeout, name) for name in _TIMEOUTS},
+    "sim_seed": _integer("sim_seed", 0),
+    "checkpoint_dir": _checkpoint_dir,
+    "checkpoint_every": _integer("checkpoint_every", 1, none=True, unit=" (updates)"),
+    "checkpoint_seconds": _checkpoint_seconds,
+    "checkpoint_keep": _integer("checkpoint_keep", 1),
+    "resume": _resume,
+    "on_worker_failure": _on_worker_failure,
+    "max_restarts": _integer("max_restarts", 0, none=True),
+    "worker_timeout": _worker_timeout,
+    "diverge_after": _integer("diverge_after", 1, none=True),
+    "stop_at": _stop_at,
+}
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """The run-time options of one training run (see :meth:`stalewise.Job.train`).
+
+    The one home of every run option's default and check: ``Job.train``'s and
+    ``Job.serve``'s keyword defaults, the config file's ``[run]`` defaults and
+    :func:`stalewise.sweep.sweep`'s read :data:`DEFAULTS`, and each checks its
+    values here (a bad one raises :class:`OptionError` naming it). Runtimes get
+    one ``RunOptions`` (``run(config, strategy, options)``).
 
     Timeouts are in wall seconds, at most :data:`MAX_TIMEOUT`; None waits forever.
     ``eval_interval`` is at least :data:`MIN_EVAL_INTERVAL`, ``worker_timeout``
@@ -64,7 +216,9 @@ class RunOptions:
     ack_timeout: float = 60.0  # a worker's wait for its last acks at the end
     stop_timeout: float = 10.0  # a process's wait to exit when the job ends
     sim: Any = None  # the simulator's SimConfig (runtime "sim" only)
-    seed: int = 0  # the simulator's random seed (runtime "sim" only)
+    # the simulator's random seed (runtime "sim" only); not the task's seed, which makes
+    # the initial params and shuffles the data (tasks' init_params(seed), batches(..., seed))
+    sim_seed: int = 0
     checkpoint_dir: str | os.PathLike | None = None  # where checkpoints go (stalewise.checkpoint)
     checkpoint_every: int | None = None  # a checkpoint every this many updates (shard 0's version)
     checkpoint_seconds: float | None = None  # ... and/or every this many seconds (virtual in sim)
@@ -81,6 +235,26 @@ class RunOptions:
     slowdowns: tuple[float, ...] = field(init=False)  # per worker, >= 1
     extra_delays: tuple[float, ...] = field(init=False)  # per worker, seconds
 
+    @property
+    def seed(self) -> int:
+        """The old name of :attr:`sim_seed` (read by runtimes not yet renamed)."""
+        return self.sim_seed
+
+    @staticmethod
+    def check(name: str, value: Any) -> Any:
+        """Checks one option alone, as ``RunOptions`` would: returns its value (normalized,
+        e.g. ``stop_at`` parsed) or raises :class:`OptionError` naming it.
+
+        Example:
+            >>> RunOptions.check("worker_timeout", 0.01)
+            Traceback (most recent call last):
+            ...
+            stalewise.runtime.options.OptionError: worker_timeout must be >= 0.1 s or None, got 0.01: a worker sends a heartbeat every min(1, worker_timeout / 4) seconds
+        """
+        if name not in _CHECKS:
+            raise KeyError(f"{name!r} is not a run option checked alone (known: {sorted(_CHECKS)})")
+        return _CHECKS[name](value)
+
     def for_workers(self) -> RunOptions:
         """These options without what only the parent uses (evaluation, record callback),
         which need not be picklable."""
@@ -88,94 +262,42 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         if not callable(self.loss_and_grad):
-            raise TypeError(
-                f"loss_and_grad must be a function f(params, batch) -> (loss, grads), "
-                f"got {type(self.loss_and_grad).__name__}"
+            raise OptionTypeError(
+                "loss_and_grad",
+                f"must be a function f(params, batch) -> (loss, grads), "
+                f"got {type(self.loss_and_grad).__name__}",
             )
         factors, extra = check_run(
             self.workers, self.steps, self.data, self.stragglers, self.delays
         )
         object.__setattr__(self, "slowdowns", tuple(factors))
         object.__setattr__(self, "extra_delays", tuple(extra))
-        e = self.eval_interval
-        if not (_real(e) and 0 < e < math.inf):
-            raise ValueError(f"eval_interval must be a finite number of seconds > 0, got {e!r}")
-        if e < MIN_EVAL_INTERVAL:
-            raise ValueError(
-                f"eval_interval must be >= {MIN_EVAL_INTERVAL:g} s, got {e!r}: a run records "
-                "(and evaluates) once per interval of its time, virtual in the simulator"
-            )
-        if self.evaluate is not None and not callable(self.evaluate):
-            raise TypeError(f"evaluate must be a function f(params) -> dict, got {self.evaluate!r}")
-        for name in ("timeout", "start_timeout", "shard_start_timeout", "join_timeout",
-                     "ack_timeout", "stop_timeout"):  # fmt: skip
-            value = getattr(self, name)
-            if value is None and name == "timeout":
-                continue
-            if not (_real(value) and 0 <= value <= MAX_TIMEOUT):
-                none = " (None: no limit)" if name == "timeout" else ""
-                raise ValueError(
-                    f"{name} must be a number of seconds in [0, {MAX_TIMEOUT:g}]{none}, "
-                    f"got {value!r}"
-                )
-        self._check_checkpoints()
-        self._check_failures()
-        from stalewise import targets
-
-        object.__setattr__(self, "stop_at", targets.parse(self.stop_at))
-
-    def _check_failures(self) -> None:
-        if self.on_worker_failure not in FAILURE_POLICIES:
-            raise ValueError(
-                f"on_worker_failure must be one of {', '.join(map(repr, FAILURE_POLICIES))}, "
-                f"got {self.on_worker_failure!r}"
-            )
-        n = self.max_restarts
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise ValueError(f"max_restarts must be an integer >= 0 or None, got {n!r}")
-        t = self.worker_timeout
-        if t is not None and not (_real(t) and 0 < t <= MAX_TIMEOUT):
-            raise ValueError(
-                f"worker_timeout must be a finite number of seconds > 0 or None, got {t!r}"
-            )
-        if t is not None and t < MIN_WORKER_TIMEOUT:
-            raise ValueError(
-                f"worker_timeout must be >= {MIN_WORKER_TIMEOUT:g} s or None, got {t!r}: a worker "
-                "sends a heartbeat every min(1, worker_timeout / 4) seconds"
-            )
-        k = self.diverge_after
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"diverge_after must be an integer >= 1 or None, got {k!r}")
-
-    def _check_checkpoints(self) -> None:
-        d = self.checkpoint_dir
-        if d is not None and not isinstance(d, str | os.PathLike):
-            raise TypeError(f"checkpoint_dir must be a path (str or os.PathLike), got {d!r}")
-        every = self.checkpoint_every
-        if every is not None and (
-            isinstance(every, bool) or not isinstance(every, int) or every < 1
-        ):
-            raise ValueError(f"checkpoint_every must be an integer >= 1 (updates), got {every!r}")
-        secs = self.checkpoint_seconds
-        if secs is not None and not (_real(secs) and math.isfinite(secs) and secs > 0):
-            raise ValueError(f"checkpoint_seconds must be a finite number > 0, got {secs!r}")
-        if secs is not None and secs < MIN_CHECKPOINT_SECONDS:
-            raise ValueError(
-                f"checkpoint_seconds must be >= {MIN_CHECKPOINT_SECONDS:g} s, got {secs!r}: "
-                "every checkpoint writes the whole model"
-            )
-        keep = self.checkpoint_keep
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"checkpoint_keep must be an integer >= 1, got {keep!r}")
-        if not isinstance(self.resume, bool):
-            raise TypeError(f"resume must be True or False, got {self.resume!r}")
+        for name, check in _CHECKS.items():
+            object.__setattr__(self, name, check(getattr(self, name)))
         for name in ("checkpoint_every", "checkpoint_seconds", "resume"):
-            if getattr(self, name) not in (None, False) and d is None:
-                raise ValueError(f"{name} needs checkpoint_dir (where checkpoints are kept)")
+            if getattr(self, name) not in (None, False) and self.checkpoint_dir is None:
+                raise OptionError(name, "needs checkpoint_dir (where checkpoints are kept)")
 
 
-#: Every option's default, from the fields above: ``Job.train``'s keyword defaults and
-#: the config's ``[run]`` defaults read them here, so a default is stated once.
+_dataclass_init = RunOptions.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: RunOptions, *args: Any, **kwargs: Any) -> None:
+    """The dataclass's ``__init__``, with ``seed=``, the old name of ``sim_seed=``."""
+    if "seed" in kwargs:
+        kwargs["sim_seed"] = renamed(
+            "RunOptions", "seed", "sim_seed", kwargs.pop("seed"), kwargs.get("sim_seed")
+        )
+    _dataclass_init(self, *args, **kwargs)
+
+
+RunOptions.__init__ = _init  # type: ignore[method-assign]
+
+
+#: Every option's default, from the fields above: ``Job.train``'s and ``Job.serve``'s keyword
+#: defaults, the config's ``[run]`` defaults and the sweep's read them here, so a default is
+#: stated once.
 DEFAULTS: dict[str, Any] = {
     f.name: f.default
     for f in dataclasses.fields(RunOptions)

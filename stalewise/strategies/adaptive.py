@@ -12,12 +12,17 @@ shrinks ``H`` as the training loss falls instead.
 Constructors (also under ``sw.strategies``):
 
 * ``adaptive(inner, schedule=comm_budget(), outer="local_sgd")``;
-  ``adaptive(inner, start=4, min_steps=1)`` is a shorthand for options of that
+  ``adaptive(inner, local_steps=4, min_steps=1)`` is a shorthand for options of that
   default schedule;
-* ``comm_budget(fraction=0.1, start=4, min_steps=1, max_steps=64)``: the
+* ``comm_budget(fraction=0.1, local_steps=4, min_steps=1, max_steps=64)``: the
   schedule that prices a round by the runtime's clock (the default);
-* ``adacomm(start, min_steps)``: the AdaComm schedule;
-* ``fixed(steps)``: ``H = steps`` at every push, which is ``local_sgd(steps=steps)``.
+* ``adacomm(local_steps, min_steps)``: the AdaComm schedule;
+* ``fixed(local_steps)``: ``H = local_steps`` at every push, which is
+  ``local_sgd(local_steps=H)``.
+
+``local_steps`` is ``H`` here as in every strategy (for a schedule, the first
+rounds' ``H``); the old spelling ``start=`` (``steps=`` of ``fixed``) still
+works for one release, with a DeprecationWarning.
 
 The recommended server optimizer is the worker side's: ``sgd(1.0)`` for
 ``outer="local_sgd"``, DiLoCo's Nesterov ``sgd(0.7, 0.9)`` for
@@ -55,7 +60,7 @@ incarnation) starts over with a fresh state.
 
 The communication-budget rule (the default)
 -------------------------------------------
-``comm_budget(fraction=f, start=H_0, min_steps=h_min, max_steps=h_max)``
+``comm_budget(fraction=f, local_steps=H_0, min_steps=h_min, max_steps=h_max)``
 fits the worker's rounds by the runtime's clock to ``T = c + s * H``
 (:class:`~stalewise.pacing.RoundCost`, an exponentially weighted least-squares
 fit with ``memory=0.9`` per round): ``c`` the seconds of a round that do not
@@ -81,7 +86,7 @@ virtual time in the simulator, whose runs stay deterministic.
 
 The AdaComm rule
 ----------------
-``adacomm(start=H_0, min_steps=h_min)`` takes ``F_0`` = the first finite ``F``
+``adacomm(local_steps=H_0, min_steps=h_min)`` takes ``F_0`` = the first finite ``F``
 it is given, which is the loss of the worker's very first local step, at the
 initial parameters, and at every round::
 
@@ -121,7 +126,7 @@ strategies built with equal schedules are equal.
 Example:
     >>> import numpy as np
     >>> import stalewise as sw
-    >>> sched = adacomm(start=32, min_steps=2)
+    >>> sched = adacomm(local_steps=32, min_steps=2)
     >>> state, periods = sched.init(), []
     >>> for loss in (4.0, 4.0, 1.0, 0.04, 1e-6):
     ...     h, state = sched.next(state, loss)
@@ -136,7 +141,7 @@ Example:
     ...     state = budget.observe(state, h, 1.0 + 0.25 * h)
     >>> periods  # 4 (not timed), probes 4 and 16, then ceil(1 * 0.8 / (0.2 * 0.25)) = 16
     [4, 4, 16, 16, 16, 16, 8, 16]
-    >>> strat = adaptive(sw.optim.sgd(0.05), schedule=adacomm(start=8), smoothing=0.0)
+    >>> strat = adaptive(sw.optim.sgd(0.05), schedule=adacomm(local_steps=8), smoothing=0.0)
     >>> lg = lambda p, b: (float((p["x"] ** 2).sum()), {"x": 2 * p["x"]})
     >>> params = {"x": np.ones(1)}
     >>> state, taken = strat.init(params), []
@@ -156,6 +161,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stalewise import optim
+from stalewise._renames import renames
 from stalewise.optim._validate import check_number
 from stalewise.pacing import RoundCost
 from stalewise.strategies.averaging import (
@@ -199,21 +205,22 @@ class AdaCommState:
 
 @dataclass(frozen=True)
 class AdaComm:
-    """``H_k = ceil(sqrt(F_k / F_0) * start)`` within ``[min_steps, start]``; see :func:`adacomm`."""
+    """``H_k = ceil(sqrt(F_k / F_0) * local_steps)`` within ``[min_steps, local_steps]``; see
+    :func:`adacomm`."""
 
-    start: int = 32
+    local_steps: int = 32  # H_0 (old name: start)
     min_steps: int = 1
 
     def __post_init__(self) -> None:
-        start = _check_steps("adacomm", "start", self.start)
+        start = _check_steps("adacomm", "local_steps", self.local_steps)
         min_steps = _check_steps("adacomm", "min_steps", self.min_steps)
         if min_steps > start:
-            raise ValueError(f"adacomm: min_steps={min_steps} exceeds start={start}")
-        object.__setattr__(self, "start", start)
+            raise ValueError(f"adacomm: min_steps={min_steps} exceeds local_steps={start}")
+        object.__setattr__(self, "local_steps", start)
         object.__setattr__(self, "min_steps", min_steps)
 
     def init(self) -> AdaCommState:
-        return AdaCommState(math.nan, self.start)
+        return AdaCommState(math.nan, self.local_steps)
 
     def next(self, state: AdaCommState, loss: float) -> tuple[int, AdaCommState]:
         loss = float(loss)
@@ -227,12 +234,12 @@ class AdaComm:
                     "by sqrt(F_k / F_0) and needs losses bounded below by 0 with F_0 > 0"
                 )
             initial = loss
-        steps = math.ceil(math.sqrt(max(loss, 0.0) / initial) * self.start)
-        steps = min(self.start, max(self.min_steps, steps))
+        steps = math.ceil(math.sqrt(max(loss, 0.0) / initial) * self.local_steps)
+        steps = min(self.local_steps, max(self.min_steps, steps))
         return steps, AdaCommState(initial, steps)
 
     def __repr__(self) -> str:
-        return f"adacomm(start={self.start}, min_steps={self.min_steps})"
+        return f"adacomm(local_steps={self.local_steps}, min_steps={self.min_steps})"
 
 
 @dataclass(frozen=True)
@@ -240,7 +247,7 @@ class CommBudgetState:
     """One worker's :func:`comm_budget` state: the fit of its rounds, the last ``H`` and rounds."""
 
     cost: RoundCost
-    steps: int  # H of the last round (NaN-free: the start before the first)
+    steps: int  # H of the last round (NaN-free: local_steps before the first)
     rounds: int = 0  # rounds asked for so far
     target: int = 0  # the rule's H of the last round, before the alternation of odd rounds
 
@@ -251,7 +258,7 @@ class CommBudget:
     :func:`comm_budget`."""
 
     fraction: float = 0.1
-    start: int = 4
+    local_steps: int = 4  # the first rounds' H (old name: start)
     min_steps: int = 1
     max_steps: int = 64
     memory: float = 0.9
@@ -262,23 +269,23 @@ class CommBudget:
             raise ValueError(f"comm_budget: fraction must be a number in (0, 1), got {fraction!r}")
         if not 0 < fraction < 1:
             raise ValueError(f"comm_budget: fraction must be in (0, 1), got {fraction!r}")
-        start = _check_steps("comm_budget", "start", self.start)
+        start = _check_steps("comm_budget", "local_steps", self.local_steps)
         lo = _check_steps("comm_budget", "min_steps", self.min_steps)
         hi = _check_steps("comm_budget", "max_steps", self.max_steps)
         if not lo <= start <= hi:
             raise ValueError(
-                f"comm_budget: need min_steps <= start <= max_steps, got min_steps={lo}, "
-                f"start={start}, max_steps={hi}"
+                f"comm_budget: need min_steps <= local_steps <= max_steps, got min_steps={lo}, "
+                f"local_steps={start}, max_steps={hi}"
             )
         memory = check_number("comm_budget", "memory", self.memory, 0.0, 1.0)
         object.__setattr__(self, "fraction", float(fraction))
-        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "local_steps", start)
         object.__setattr__(self, "min_steps", lo)
         object.__setattr__(self, "max_steps", hi)
         object.__setattr__(self, "memory", memory)
 
     def init(self) -> CommBudgetState:
-        return CommBudgetState(RoundCost(self.memory), self.start)
+        return CommBudgetState(RoundCost(self.memory), self.local_steps)
 
     def observe(self, state: CommBudgetState, steps: int, seconds: float) -> CommBudgetState:
         """The last round ran ``steps`` local steps and lasted ``seconds`` (pull to pull)."""
@@ -287,16 +294,16 @@ class CommBudget:
         return replace(state, cost=state.cost.add(steps, seconds))
 
     def _probe(self) -> int:
-        """The third round's H: 4x the start, or a quarter of it if that exceeds max_steps."""
-        if 4 * self.start <= self.max_steps:
-            return 4 * self.start
-        return max(self.min_steps, self.start // 4)
+        """The third round's H: 4x local_steps, or a quarter of it if that exceeds max_steps."""
+        if 4 * self.local_steps <= self.max_steps:
+            return 4 * self.local_steps
+        return max(self.min_steps, self.local_steps // 4)
 
     def target(self, cost: RoundCost, last: int) -> int:
         """The rule's ``H`` from the fit of the rounds: see :func:`comm_budget`."""
         fit = cost.fit()
         if fit is None:
-            return self.start
+            return self.local_steps
         c, s = fit
         hi = min(self.max_steps, 4 * last)
         if s <= 0:
@@ -308,7 +315,7 @@ class CommBudget:
     def next(self, state: CommBudgetState, loss: float) -> tuple[int, CommBudgetState]:
         k, seen = state.rounds, state.cost.rounds
         if seen == 0:  # nothing measured yet
-            target = h = self.start
+            target = h = self.local_steps
         elif seen == 1:  # one round: measure a second, of a different H
             target = h = self._probe()
         else:
@@ -320,53 +327,56 @@ class CommBudget:
 
     def __repr__(self) -> str:
         return (
-            f"comm_budget(fraction={self.fraction:g}, start={self.start}, "
+            f"comm_budget(fraction={self.fraction:g}, local_steps={self.local_steps}, "
             f"min_steps={self.min_steps}, max_steps={self.max_steps}, memory={self.memory:g})"
         )
 
 
 @dataclass(frozen=True)
 class Fixed:
-    """``H = steps`` at every push; see :func:`fixed`."""
+    """``H = local_steps`` at every push; see :func:`fixed`."""
 
-    steps: int
+    local_steps: int  # old name: steps
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "steps", _check_steps("fixed", "steps", self.steps))
+        value = _check_steps("fixed", "local_steps", self.local_steps)
+        object.__setattr__(self, "local_steps", value)
 
     def init(self) -> None:
         return None
 
     def next(self, state: None, loss: float) -> tuple[int, None]:
-        return self.steps, state
+        return self.local_steps, state
 
     def __repr__(self) -> str:
-        return f"fixed({self.steps})"
+        return f"fixed({self.local_steps})"
 
 
-def adacomm(start: int = 32, min_steps: int = 1) -> AdaComm:
+@renames(start="local_steps")
+def adacomm(local_steps: int = 32, min_steps: int = 1) -> AdaComm:
     """The AdaComm schedule (Wang and Joshi 2019): ``H`` shrinks as ``sqrt`` of the loss.
 
-    ``H_k = min(start, max(min_steps, ceil(sqrt(max(F_k, 0) / F_0) * start)))``
-    with ``F_0`` the first finite loss the schedule is given and ``F_k`` the
+    ``H_k = min(H_0, max(min_steps, ceil(sqrt(max(F_k, 0) / F_0) * H_0)))``, with
+    ``H_0 = local_steps``, ``F_0`` the first finite loss the schedule is given and ``F_k`` the
     worker's smoothed loss at round ``k``; see the module docstring.
 
     Args:
-        start: ``H_0``, the first period and the largest.
+        local_steps: ``H_0``, the first period and the largest (old name: ``start``).
         min_steps: the smallest period.
 
     Example:
-        >>> s = adacomm(start=10)
+        >>> s = adacomm(local_steps=10)
         >>> h, state = s.next(s.init(), 2.0)
         >>> h, s.next(state, 0.5)[0]  # a quarter of the loss: half the period
         (10, 5)
     """
-    return AdaComm(start, min_steps)
+    return AdaComm(local_steps, min_steps)
 
 
+@renames(start="local_steps")
 def comm_budget(
     fraction: float = 0.1,
-    start: int = 4,
+    local_steps: int = 4,
     min_steps: int = 1,
     max_steps: int = 64,
     memory: float = 0.9,
@@ -382,7 +392,8 @@ def comm_budget(
 
     Args:
         fraction: the most of a round that communication may take, in ``(0, 1)``.
-        start: the first two rounds' ``H`` (the third runs ``4 * start``, to measure).
+        local_steps: the first two rounds' ``H`` (the third runs ``4 * local_steps``, to
+            measure; old name: ``start``).
         min_steps: the smallest period.
         max_steps: the largest period.
         memory: per-round decay of the weight of older rounds in the fit, in ``[0, 1)``.
@@ -393,17 +404,19 @@ def comm_budget(
         >>> comm_budget(max_steps=32).target(cost, 16)  # c = 1 s, s = 50 ms: 180 steps, capped
         32
     """
-    return CommBudget(fraction, start, min_steps, max_steps, memory)
+    return CommBudget(fraction, local_steps, min_steps, max_steps, memory)
 
 
-def fixed(steps: int) -> Fixed:
-    """The trivial schedule: ``H = steps`` at every push (``local_sgd(steps=steps)``).
+@renames(steps="local_steps")
+def fixed(local_steps: int) -> Fixed:
+    """The trivial schedule: ``H = local_steps`` at every push (``local_sgd(local_steps=H)``;
+    old name of the argument: ``steps``).
 
     Example:
         >>> fixed(4).next(fixed(4).init(), 1.0)
         (4, None)
     """
-    return Fixed(steps)
+    return Fixed(local_steps)
 
 
 # -- the strategy ------------------------------------------------------------------------
@@ -516,11 +529,12 @@ class Adaptive(Strategy):
         return f"adaptive({', '.join(parts)})"
 
 
+@renames(start="local_steps")
 def adaptive(
     inner: Any = None,
     *,
     schedule: Any = None,
-    start: int | None = None,
+    local_steps: int | None = None,
     min_steps: int | None = None,
     outer: str = "local_sgd",
     smoothing: float = 0.9,
@@ -546,8 +560,9 @@ def adaptive(
         schedule: picks ``H``: :func:`comm_budget` (the default), :func:`adacomm`,
             :func:`fixed` or any object with ``init()`` and ``next(state, loss) -> (H,
             state)`` (and optionally ``observe``; see the module docstring).
-        start: shorthand for ``schedule=comm_budget(start=start, ...)`` (default 4;
-            ``max_steps`` becomes ``start`` if it exceeds 64).
+        local_steps: shorthand for ``schedule=comm_budget(local_steps=local_steps, ...)``,
+            the first rounds' ``H`` (default 4; ``max_steps`` becomes ``local_steps`` if it
+            exceeds 64). Old name: ``start``.
         min_steps: shorthand for ``schedule=comm_budget(min_steps=min_steps, ...)``
             (default 1).
         outer: ``"local_sgd"`` (recommended server optimizer ``sgd(1.0)``) or
@@ -557,26 +572,27 @@ def adaptive(
         outer_lr: DiLoCo's outer learning rate (``outer="diloco"`` only; default 0.7).
         outer_momentum: DiLoCo's outer Nesterov momentum (``outer="diloco"`` only; default 0.9).
         asynchronous: recommend delayed Nesterov, for ASP (``outer="diloco"`` only).
-        every: delayed Nesterov's ``N``, the number of workers.
+        every: delayed Nesterov's ``N``, the pushes per momentum step: the number of
+            workers (not local steps).
 
     Example:
         >>> import stalewise as sw
-        >>> s = adaptive(outer="diloco", start=8, min_steps=2)
+        >>> s = adaptive(outer="diloco", local_steps=8, min_steps=2)
         >>> s.schedule, s.local.name
-        (comm_budget(fraction=0.1, start=8, min_steps=2, max_steps=64, memory=0.9), 'diloco')
+        (comm_budget(fraction=0.1, local_steps=8, min_steps=2, max_steps=64, memory=0.9), 'diloco')
         >>> s.server_optimizer().apply.__self__
         _Sgd(lr=0.7, momentum=0.9, nesterov=True, weight_decay=0.0)
     """
     if schedule is None:
-        first = 4 if start is None else start
+        first = 4 if local_steps is None else local_steps
         most = max(64, first) if isinstance(first, int) else 64  # a bad start: comm_budget says so
         schedule = comm_budget(
-            start=first, min_steps=1 if min_steps is None else min_steps, max_steps=most
+            local_steps=first, min_steps=1 if min_steps is None else min_steps, max_steps=most
         )
-    elif start is not None or min_steps is not None:
+    elif local_steps is not None or min_steps is not None:
         raise ValueError(
-            "adaptive: start= and min_steps= configure the default comm_budget schedule; with "
-            "schedule= pass them to the schedule instead, e.g. adacomm(start=64, min_steps=2)"
+            "adaptive: local_steps= and min_steps= configure the default comm_budget schedule; with "
+            "schedule= pass them to the schedule instead, e.g. adacomm(local_steps=64, min_steps=2)"
         )
     diloco_only = {
         "outer_lr": outer_lr,
@@ -601,3 +617,9 @@ def adaptive(
     else:
         raise ValueError(f"adaptive: outer must be 'local_sgd' or 'diloco', got {outer!r}")
     return Adaptive(schedule, local, smoothing=smoothing)
+
+
+# the classes take the old keywords too (AdaComm(start=...)), as their constructors do
+for _cls, _old in ((AdaComm, "start"), (CommBudget, "start"), (Fixed, "steps")):
+    _cls.__init__ = renames(_cls.__name__, **{_old: "local_steps"})(_cls.__init__)  # type: ignore[method-assign]
+del _cls, _old

@@ -10,14 +10,23 @@ is the pair (strategy, server optimizer).
 
 Constructors (also under ``sw.strategies``):
 
-==========================================  =====================================  ==============================
-strategy                                    pushes                                 recommended server optimizer
-==========================================  =====================================  ==============================
-``local_sgd(steps=H, inner=opt)``           ``pulled - local`` after H steps       ``sgd(1.0)``
-``diloco(steps=H, inner=adamw(1e-3))``      ``pulled - local`` after H steps       ``sgd(0.7, 0.9, nesterov=True)``
-``diloco(..., asynchronous=True, every=N)`` ``pulled - local`` after H steps       ``delayed_nesterov(0.7, 0.9, every=N)``
-``easgd(alpha, every=tau, inner=opt)``      ``alpha * (centre - local)``           ``sgd(1.0)``
-==========================================  =====================================  ==============================
+============================================  ================================  =======================================
+strategy                                      pushes                            recommended server optimizer
+============================================  ================================  =======================================
+``local_sgd(local_steps=H, inner=opt)``       ``pulled - local`` after H steps  ``sgd(1.0)``
+``diloco(local_steps=H, inner=adamw(1e-3))``  ``pulled - local`` after H steps  ``sgd(0.7, 0.9, nesterov=True)``
+``diloco(..., asynchronous=True, every=N)``   ``pulled - local`` after H steps  ``delayed_nesterov(0.7, 0.9, every=N)``
+``easgd(alpha, local_steps=tau, inner=opt)``  ``alpha * (centre - local)``      ``sgd(1.0)``
+============================================  ================================  =======================================
+
+Names: ``local_steps`` is always ``H``, a worker's local steps per push (the
+cap with dynamic local updates; the first rounds' ``H`` of
+:func:`~stalewise.strategies.adaptive.adaptive` and its schedules);
+``period`` is always seconds (a dynamic round's budget); ``every`` is only
+delayed Nesterov's ``N``, the arrivals per momentum step; ``steps`` is only
+the job's push budget (``Job.train(steps=)``). The old spellings
+(``local_sgd(steps=)``, ``diloco(steps=)``, ``easgd(every=)``,
+``adaptive(start=)``...) still work for one release, with a DeprecationWarning.
 
 ``sw.Job(params, strategy=s)`` without ``optimizer=`` uses
 ``s.server_optimizer()``; any other server optimizer may be passed instead.
@@ -60,7 +69,7 @@ How the server merges pseudo-gradients
 With server ``sgd(1.0)``: under ASP each delta is added in full on arrival
 (asynchronous local SGD); under BSP the server applies the mean of a round's
 deltas, which is FedAvg: the new global parameters are the mean of the
-workers' local parameters. ``local_sgd(steps=1, inner=sgd(lr))`` under BSP is
+workers' local parameters. ``local_sgd(local_steps=1, inner=sgd(lr))`` under BSP is
 synchronous data-parallel SGD with learning rate ``lr``. (Under BSP, EASGD's
 centre moves by ``alpha`` times the *mean* of ``x_i - c``; the paper's
 synchronous rule uses the sum, which is server ``sgd(workers)``.)
@@ -110,8 +119,8 @@ model count, and a simulated run stays bit-reproducible.
 
 The rule (:mod:`stalewise.pacing`): the worker fits its rounds' lengths ``T =
 c + s * H`` (``c`` communication and waiting, ``s`` one local step) and runs
-``H = floor((period - c) / s)`` steps, at least 1 and at most ``steps`` (the
-cap), and at most 4x the last round's. Its first round runs 1 step, to
+``H = floor((period - c) / s)`` steps, at least 1 and at most ``local_steps``
+(the cap), and at most 4x the last round's. Its first round runs 1 step, to
 measure; until two rounds of different ``H`` were seen, ``c`` counts as 0
 (``H = floor(H_last * period / T_last)``).
 Set ``period`` to ``H`` times the fastest worker's step time plus a round's
@@ -148,13 +157,13 @@ Inner optimizers
 Example:
     >>> import numpy as np
     >>> import stalewise as sw
-    >>> strat = local_sgd(steps=2, inner=sw.optim.sgd(0.5))
+    >>> strat = local_sgd(local_steps=2, inner=sw.optim.sgd(0.5))
     >>> lg = lambda p, b: (float((p["x"] ** 2).sum()), {"x": 2 * p["x"]})
     >>> params = {"x": np.ones(2)}
     >>> step = strat.step(strat.init(params), params, lg, iter([None] * 2))
     >>> step.update["x"].tolist(), step.local_steps, step.loss  # 1 -> 0 -> 0
     ([1.0, 1.0], 2, 1.0)
-    >>> job = sw.Job(params, strategy=diloco(steps=10), consistency=sw.BSP())  # outer Nesterov
+    >>> job = sw.Job(params, strategy=diloco(local_steps=10), consistency=sw.BSP())  # outer Nesterov
     >>> job.strategy.server_optimizer() is not None
     True
 """
@@ -172,6 +181,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import optim, tree
+from stalewise._renames import renames
 from stalewise.optim._validate import check_number
 from stalewise.pacing import RoundCost
 from stalewise.strategies.base import LossAndGrad, Step, Strategy
@@ -445,9 +455,10 @@ class LocalSGDStrategy(Strategy):
     #: (read-your-writes; see "Read-your-writes" in the module docstring)
     settles = True
 
+    @renames("LocalSGDStrategy", steps="local_steps")
     def __init__(
         self,
-        steps: int,
+        local_steps: int,
         inner: Any,
         *,
         reset_inner: bool = False,
@@ -461,14 +472,14 @@ class LocalSGDStrategy(Strategy):
     ):
         where = name
         self.name = name
-        self.steps = _check_steps(where, "steps", steps)
+        self.local_steps = _check_steps(where, "local_steps", local_steps)
         self.inner = inner
         self._inner = _inner_adapter(inner, where)
         self.reset_inner = bool(reset_inner)
         if dynamic and period is None:
             raise ValueError(
                 f"{where}: dynamic=True needs period=seconds, the time budget of a round "
-                "(e.g. steps times the fastest worker's step time, plus its communication)"
+                "(e.g. local_steps times the fastest worker's step time, plus its communication)"
             )
         if period is not None and not dynamic:
             raise ValueError(f"{where}: period= is the budget of dynamic=True; pass dynamic=True")
@@ -496,7 +507,7 @@ class LocalSGDStrategy(Strategy):
     def step(
         self, state: AveragingState, params: Any, loss_and_grad: LossAndGrad, batches: Iterator
     ) -> Step:
-        steps, period = self.steps, self.period
+        steps, period = self.local_steps, self.period
         if period is not None and not math.isnan(state.clock):  # in a runtime: its clock
             steps, period = _paced_steps(state.cost, steps, period, state.taken), None
 
@@ -548,7 +559,7 @@ class LocalSGDStrategy(Strategy):
         return optim.sgd(self.outer_lr)
 
     def __repr__(self) -> str:
-        parts = [f"steps={self.steps}", f"inner={_describe_inner(self.inner)}"]
+        parts = [f"local_steps={self.local_steps}", f"inner={_describe_inner(self.inner)}"]
         if self.reset_inner:
             parts.append("reset_inner=True")
         if self.dynamic:
@@ -580,15 +591,16 @@ def _outer_mismatch(
     return None
 
 
+@renames(steps="local_steps")
 def local_sgd(
-    steps: int,
+    local_steps: int,
     inner: Any,
     *,
     reset_inner: bool = False,
     dynamic: bool = False,
     period: float | None = None,
 ) -> LocalSGDStrategy:
-    """Local SGD: ``steps`` local steps with ``inner``, then push ``pulled - local``.
+    """Local SGD: ``local_steps`` local steps with ``inner``, then push ``pulled - local``.
 
     Recommended server optimizer ``sgd(1.0)``: under ASP every delta is added
     in full (asynchronous local SGD), under BSP the round's mean is applied
@@ -596,8 +608,8 @@ def local_sgd(
     state persists across pushes unless ``reset_inner``.
 
     Args:
-        steps: ``H``, local steps (minibatches) per push; the cap when ``dynamic``.
-            Not the job's push budget (``Job.train(steps=)``).
+        local_steps: ``H``, local steps (minibatches) per push; the cap when ``dynamic``.
+            Not the job's push budget (``Job.train(steps=)``). Old name: ``steps``.
         inner: the worker's optimizer: a :mod:`stalewise.optim` optimizer, an
             optax ``GradientTransformation`` or a torch optimizer factory (see
             the module docstring).
@@ -607,17 +619,23 @@ def local_sgd(
 
     Example:
         >>> import stalewise as sw
-        >>> s = local_sgd(steps=5, inner=sw.optim.sgd(0.1))
+        >>> s = local_sgd(local_steps=5, inner=sw.optim.sgd(0.1))
         >>> s.server_optimizer().apply.__self__
         _Sgd(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0)
     """
     return LocalSGDStrategy(
-        steps, inner, reset_inner=reset_inner, dynamic=dynamic, period=period, name="local_sgd"
+        local_steps,
+        inner,
+        reset_inner=reset_inner,
+        dynamic=dynamic,
+        period=period,
+        name="local_sgd",
     )
 
 
+@renames(steps="local_steps")
 def diloco(
-    steps: int = 500,
+    local_steps: int = 500,
     inner: Any = None,
     *,
     outer_lr: float = 0.7,
@@ -649,27 +667,29 @@ def diloco(
     switches between BSP and ASP and is accepted with either.
 
     Args:
-        steps: ``H``, local steps per push (500 in the paper); the cap when ``dynamic``.
+        local_steps: ``H``, local steps per push (500 in the paper); the cap when
+            ``dynamic``. Old name: ``steps``.
         inner: the inner optimizer (default ``sw.optim.adamw(1e-3)``, weight
             decay 0.01; the paper used AdamW with lr 4e-4, warmup and cosine
             decay, weight decay 0.1 on language models).
         outer_lr: learning rate of the recommended server optimizer.
         outer_momentum: its (Nesterov) momentum.
         asynchronous: recommend delayed Nesterov (for ASP) instead of Nesterov SGD.
-        every: ``N`` of delayed Nesterov: the number of workers.
+        every: ``N`` of delayed Nesterov, the pushes per momentum step: the number of
+            workers (not a number of local steps: that is ``local_steps``).
         reset_inner: make a fresh inner optimizer state at every pull.
         dynamic: dynamic local updates: pick ``H`` so that a round lasts about ``period``.
         period: seconds per round when ``dynamic``, by the runtime's clock.
 
     Example:
-        >>> s = diloco(steps=100, asynchronous=True, every=4)
+        >>> s = diloco(local_steps=100, asynchronous=True, every=4)
         >>> s.server_optimizer().apply.__self__
         _DelayedNesterov(lr=0.7, momentum=0.9, every=4)
     """
     if every is not None and not asynchronous:
         raise ValueError("diloco: every= is delayed Nesterov's N; it needs asynchronous=True")
     return LocalSGDStrategy(
-        steps,
+        local_steps,
         optim.adamw(1e-3) if inner is None else inner,
         reset_inner=reset_inner,
         dynamic=dynamic,
@@ -691,9 +711,10 @@ class EASGD(Strategy):
     name = "easgd"
     settles = True  # the next centre must include this worker's elastic push
 
-    def __init__(self, alpha: float, every: int, inner: Any, *, reset_inner: bool = False):
+    @renames("EASGD", every="local_steps")
+    def __init__(self, alpha: float, local_steps: int, inner: Any, *, reset_inner: bool = False):
         self.alpha = _check_positive("easgd", "alpha", alpha, hi=1.0)
-        self.every = _check_steps("easgd", "every", every)
+        self.local_steps = _check_steps("easgd", "local_steps", local_steps)
         self.inner = inner
         self._inner = _inner_adapter(inner, "easgd")
         self.reset_inner = bool(reset_inner)
@@ -707,7 +728,7 @@ class EASGD(Strategy):
         centre = tree.flatten(params, spec=state.spec, out=state.pulled)[0]
         if self.reset_inner and state.pushes:
             state.inner = self._inner.init(state.local, state.spec)
-        n, loss = _run_local(self._inner, state, loss_and_grad, batches, self.every, None)
+        n, loss = _run_local(self._inner, state, loss_and_grad, batches, self.local_steps, None)
         delta = centre - state.local  # a new array: the push's own
         delta *= self.alpha  # push alpha * (c - x): server sgd(1.0) makes c += alpha * (x - c)
         if np.isfinite(state.local).all():
@@ -726,13 +747,14 @@ class EASGD(Strategy):
     def __repr__(self) -> str:
         extra = ", reset_inner=True" if self.reset_inner else ""
         inner = _describe_inner(self.inner)
-        return f"easgd(alpha={self.alpha:g}, every={self.every}, inner={inner}{extra})"
+        return f"easgd(alpha={self.alpha:g}, local_steps={self.local_steps}, inner={inner}{extra})"
 
 
-def easgd(alpha: float, *, every: int, inner: Any, reset_inner: bool = False) -> EASGD:
+@renames(every="local_steps")
+def easgd(alpha: float, *, local_steps: int, inner: Any, reset_inner: bool = False) -> EASGD:
     """Asynchronous EASGD (Zhang, Choromanska and LeCun 2015).
 
-    Each round: ``every`` (``tau``) local steps with ``inner`` on the worker's
+    Each round: ``local_steps`` (``tau``) local steps with ``inner`` on the worker's
     own parameters ``x``; then, with ``c`` the centre pulled at the start of the
     round, push ``alpha * (c - x)`` and move ``x -= alpha * (x - c)``. With the
     recommended server optimizer ``sgd(1.0)`` the centre moves ``c += alpha *
@@ -741,17 +763,17 @@ def easgd(alpha: float, *, every: int, inner: Any, reset_inner: bool = False) ->
     Args:
         alpha: the moving rate, in ``(0, 1]`` (the paper's ``beta / p`` for ``p``
             workers; ``beta = 0.9`` there).
-        every: ``tau``, local steps between elastic exchanges.
+        local_steps: ``tau``, local steps between elastic exchanges. Old name: ``every``.
         inner: the worker's optimizer (see the module docstring).
         reset_inner: make a fresh inner optimizer state at every pull.
 
     Example:
         >>> import numpy as np, stalewise as sw
-        >>> s = easgd(0.5, every=1, inner=sw.optim.sgd(0.5))
+        >>> s = easgd(0.5, local_steps=1, inner=sw.optim.sgd(0.5))
         >>> lg = lambda p, b: (0.0, {"x": p["x"] - 2.0})  # pulls x towards 2
         >>> state = s.init({"x": np.zeros(1)})
         >>> step = s.step(state, {"x": np.zeros(1)}, lg, iter([None]))
         >>> step.update["x"].tolist(), state.local.tolist()  # x: 0 -> 1 -> 0.5
         ([-0.5], [0.5])
     """
-    return EASGD(alpha, every, inner, reset_inner=reset_inner)
+    return EASGD(alpha, local_steps, inner, reset_inner=reset_inner)

@@ -9,11 +9,14 @@ actor for that count (:meth:`WorkerActor.progress
 every ``min(1, worker_timeout / 4)`` seconds, one question at a time, and
 names the workers that stand still:
 
-* a worker is *hung* when an answer asked for more than ``worker_timeout``
-  seconds after the count last moved shows it unmoved, or when a question has
-  gone unanswered for ``worker_timeout`` seconds (the actor cannot even
-  answer: its process is stopped, or user code holds the GIL). Time in which
-  the driver asked nothing (it was busy elsewhere) is no evidence either way;
+* a worker is *hung* when an answer shows its count unmoved for longer than
+  its own rhythm allows (:class:`stalewise.protocol.liveness.Silence`: the
+  intervals between the answers that showed it move, judged by phi accrual,
+  never later than ``worker_timeout``), or when a question has gone unanswered
+  for ``worker_timeout`` seconds (the actor cannot even answer: its process is
+  stopped, or user code holds the GIL). Time in which the driver asked nothing
+  (it was busy elsewhere) is no evidence either way: the silence is measured
+  up to the last question answered;
 * a worker that is still setting up (a restarted incarnation loads its data
   and runs its warm-up step inside ``run()``) fails when it is not set up
   within ``start_timeout``.
@@ -27,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from stalewise.protocol.liveness import Silence
 from stalewise.runtime.ray import import_ray
 
 GROUP = "beat"  # the worker actors' concurrency group for progress()
@@ -42,6 +46,7 @@ class _Watch:
     asked: float = -1.0  # when the question in flight (or the last one) was asked
     ref: Any = None  # the question in flight
     seen: float = -1.0  # when the last answer's question was asked
+    silence: Silence | None = None  # its rhythm: when its count moved (None: no timeout)
 
 
 class Liveness:
@@ -56,7 +61,10 @@ class Liveness:
     def watch(self, w: int, actor: Any, *, ready: bool, now: float | None = None) -> None:
         """Worker ``w``'s actor has just been sent ``run()`` (``ready``: it is set up)."""
         now = time.monotonic() if now is None else now
-        self.watched[w] = _Watch(actor, now, ready, moved=now)
+        silence = None if self.timeout is None else Silence(self.timeout)
+        if silence is not None:
+            silence.start(now)
+        self.watched[w] = _Watch(actor, now, ready, moved=now, silence=silence)
 
     def heard(self, w: int, drawn: int) -> None:
         """Worker ``w``'s id has drawn ``drawn`` batches (counts only grow)."""
@@ -83,6 +91,8 @@ class Liveness:
                 else:
                     if beats != x.beats or ready != x.ready:
                         x.moved = now
+                        if x.silence is not None:
+                            x.silence.beat(x.asked)  # it had moved by the time it was asked
                     x.ready, x.beats, x.seen = ready, beats, x.asked
                     self.heard(w, drawn)
                 x.ref = None
@@ -92,15 +102,13 @@ class Liveness:
             if not x.ready:
                 if now - x.since > self.start_timeout:
                     out.append((w, f"did not start within start_timeout={self.start_timeout:g} s"))
-            elif self.timeout is not None and (
-                x.seen - x.moved > self.timeout
-                or (x.ref is not None and now - x.asked > self.timeout)
-            ):
-                out.append(
-                    (
-                        w,
+            elif x.silence is not None:
+                cause = x.silence.hung(x.seen)
+                if cause is None and x.ref is not None and now - x.asked > self.timeout:
+                    cause = (  # it cannot even answer
                         f"no heartbeat for {now - x.moved:.1f} s (worker_timeout="
-                        f"{self.timeout:g} s): hung or stopped, so it was killed",
+                        f"{self.timeout:g} s): hung or stopped"
                     )
-                )
+                if cause is not None:
+                    out.append((w, f"{cause}, so it was killed"))
         return out
