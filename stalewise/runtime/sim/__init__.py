@@ -89,7 +89,7 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     and ``TrainResult.time`` are virtual seconds; ``timeout`` is wall seconds. A
     step's virtual compute time is ``(sim.compute sample + delays[w]) *
     stragglers[w]`` per local step (and the factors of ``options.sim``, see
-    :mod:`stalewise.runtime.sim.config`). ``options.seed`` drives the random
+    :mod:`stalewise.runtime.sim.config`). ``options.sim_seed`` drives the random
     compute times. Failures (a scripted ``Failure`` or an error in the user's
     code) follow ``on_worker_failure`` and ``max_restarts`` as in the local
     runtime, with restarts ``sim.restart_delay`` virtual seconds later (see
@@ -114,8 +114,8 @@ class _Host:
             raise TypeError(f"sim must be a SimConfig, got {type(sim).__name__}")
         self.config, self.strategy, self.o, self.sim = config, strategy, o, sim
         self.timing = WorkerTiming(sim, o.workers, factors=o.slowdowns, delays=o.extra_delays,
-                                   seed=o.seed)  # fmt: skip
-        self.checkpoint_info = {"seed": o.seed}
+                                   seed=o.sim_seed)  # fmt: skip
+        self.checkpoint_info = {"seed": o.sim_seed}
         self.state: Simulation | None = None
         self.starts: list[tuple[float, int]] | None = None
         self.wall0 = self.deadline = 0.0
