@@ -24,6 +24,7 @@ import pytest
 import stalewise as sw
 from stalewise import checkpoint
 from stalewise import config as config_lib
+from stalewise.protocol import liveness
 from stalewise.runtime.base import DivergedError, ShardError
 from stalewise.runtime.local.shm import held_blocks, leaked_blocks
 from stalewise.runtime.sim.config import SimConfig
@@ -217,6 +218,25 @@ def test_a_stopped_worker_is_detected_within_worker_timeout_and_restarted(no_lea
     # worker_timeout after its last beat (at most 0.25 s before the stop), plus a margin
     assert 0.75 <= event["time"] - stop.at < 1.0 + 2.0
     assert result.pushes >= 300  # BSP went on without it, then with its new incarnation
+
+
+def test_a_stopped_worker_is_found_by_its_own_rhythm_long_before_worker_timeout(no_leaks):
+    """worker_timeout stays at its default (60 s): the worker's beats, about one a second,
+    make a silence of 10 s (liveness.FLOOR) a hang, once it has beaten for a few seconds
+    (liveness.MIN_SAMPLES intervals: it is stopped after 600 pushes of 10 ms steps)."""
+    stop = Once("stalewise-worker-1", signal.SIGSTOP, after=600)
+    try:
+        result = train(job(consistency=sw.BSP()), on_record=stop, steps=900, timeout=120)
+    finally:
+        if stop.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stop.pid, signal.SIGKILL)
+    (event,) = result.failures
+    assert event["worker"] == 1 and event["action"] == "restarted"
+    assert "its usual interval" in event["cause"] and "hung or stopped" in event["cause"]
+    # the floor after its last beat (at most 1 s before the stop), far below worker_timeout
+    assert liveness.FLOOR - 1.0 <= event["time"] - stop.at < liveness.FLOOR + 10.0
+    assert result.pushes >= 900
 
 
 def test_every_worker_diverging_stops_the_job_with_a_clear_error(no_leaks):

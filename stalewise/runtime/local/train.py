@@ -9,8 +9,10 @@ the stop condition, a failure its policy does not survive, or Ctrl-C.
 Failures (the policy is :class:`~stalewise.runtime.base.Failures`):
 
 * a worker fails when its process dies (its pipe to the parent closes), when
-  user code raises in it, when it sends no heartbeat for ``worker_timeout``
-  seconds (it hangs or is stopped; it is then killed), or when its result pipe
+  user code raises in it, when its heartbeats stop for longer than its own
+  rhythm allows (:class:`~stalewise.protocol.liveness.Silence`: at least 10 s,
+  at most ``worker_timeout``; it hangs or is stopped, and is then killed), or
+  when its result pipe
   carries bytes that are no message (it is then killed: the parent reads the
   fixed records of :func:`stalewise.protocol.wire.decode_result` and unpickles
   nothing a worker sends). It is restarted as a new
@@ -34,7 +36,8 @@ Heartbeats: a worker tells the parent it is alive (a small message, at most
 every ``min(1, worker_timeout / 4)`` seconds) when it begins a step, for every
 minibatch it draws, and while it waits for a pull or its acks. One call of the
 user's ``loss_and_grad`` (and a strategy step drawing no batch) must therefore
-take less than ``worker_timeout``.
+take less than ``worker_timeout``, and less than about 4 of that worker's usual
+intervals between beats once they exceed 2.5 s.
 
 Whatever happens, every process the parent started is stopped, and none
 outlives the parent (:func:`~stalewise.runtime.local.procs.die_with_parent`).
@@ -60,6 +63,7 @@ import numpy as np
 
 from stalewise import checkpoint
 from stalewise.protocol import ServerConfig, loop, pulls, wire
+from stalewise.protocol.liveness import Silence
 from stalewise.runtime import driver
 from stalewise.runtime.base import (
     ShardError,
@@ -236,6 +240,7 @@ class _Worker:
     state: str = "starting"  # starting | running | done | dropped | diverged | down
     since: float = field(default_factory=time.monotonic)  # when it was started
     beat: float = field(default_factory=time.monotonic)  # its last heartbeat
+    silence: Silence | None = None  # its rhythm, judging a hang (None: no worker_timeout)
     pending: list = field(default_factory=list)  # failure events it recovers from
     # its result pipe's bytes, split into frames as they arrive (never a blocking read)
     frames: wire.FrameReader = field(default_factory=lambda: wire.FrameReader(wire.MAX_RESULT))
@@ -347,8 +352,10 @@ class _Host:
                 wk.conn.send_bytes(wire.go())
         if msg[0] == "beat":
             wk.beat = max(wk.beat, msg[2])
+            if wk.silence is not None:
+                wk.silence.beat(msg[2])
         elif msg[0] == "ready":
-            wk.state, wk.beat = "running", time.monotonic()
+            self.running(wk)
             for event in wk.pending:
                 event["recovered"] = max(event.get("recovered", 0.0), self.now())
             wk.pending = []
@@ -360,17 +367,21 @@ class _Host:
         else:  # "error": user code raised
             self.failed(w, f"raised {msg[3]}", msg[2])
 
+    def running(self, wk: _Worker) -> None:
+        """``wk`` runs from now on: its silence counts from here."""
+        wk.state, wk.beat = "running", time.monotonic()
+        if self.o.worker_timeout is not None:  # None: no beats are sent, none judged
+            wk.silence = Silence(self.o.worker_timeout)
+            wk.silence.start(wk.beat)
+
     def check_hung(self) -> None:
         now, o = time.monotonic(), self.o
         for w, wk in enumerate(self.workers):
-            if wk.state == "running" and o.worker_timeout is not None:
-                if now - wk.beat > o.worker_timeout:
+            if wk.state == "running" and wk.silence is not None:
+                cause = wk.silence.hung(now)  # its own rhythm; worker_timeout at the most
+                if cause is not None:
                     wk.proc.kill()  # SIGKILL works on a stopped process too
-                    self.failed(
-                        w,
-                        f"no heartbeat for {now - wk.beat:.1f} s (worker_timeout="
-                        f"{o.worker_timeout:g} s): hung or stopped, so it was killed",
-                    )
+                    self.failed(w, f"{cause}, so it was killed")
             elif wk.state == "starting" and now - wk.since > o.start_timeout:
                 wk.proc.kill()
                 self.failed(w, f"did not start within start_timeout={o.start_timeout:g} s")
@@ -494,7 +505,7 @@ class _Host:
         for wk in self.workers:
             with contextlib.suppress(OSError):  # died meanwhile: poll() finds its pipe closed
                 wk.conn.send_bytes(wire.go())
-            wk.state, wk.beat = "running", time.monotonic()
+            self.running(wk)
 
     def advance(self, until: float, due: Any) -> str:
         self.poll(0.05)
