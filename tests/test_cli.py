@@ -118,6 +118,7 @@ def test_task_factory_from_a_user_module(tmp_path, monkeypatch):
         config.parse({"task": {"factory": "myjobs:make", "name": "digits"}})
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path):
     """The README's first command, minus the install: both runs, the table, the files."""
     out = tmp_path / "demo"

@@ -13,6 +13,7 @@ ASYNC_LINE = re.compile(r"^\d+ async workers:\s+training accuracy (\d+\.\d+)$", 
 PLAIN_LINE = re.compile(r"^plain loop:\s+training accuracy (\d+\.\d+)$", re.MULTILINE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "backend"), [("torch_async.py", "torch"), ("jax_async.py", "jax")]
 )

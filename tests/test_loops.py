@@ -206,6 +206,7 @@ def test_optax_wrapper_without_with_and_on_numpy_params():
         client.close()
 
 
+@pytest.mark.slow
 def test_torch_local_sgd_example_trains():
     pytest.importorskip("torch")
     proc = subprocess.run(

@@ -341,6 +341,7 @@ def gpt2_eval_loss(model) -> float:
         return float(model(ids, labels=ids).loss)
 
 
+@pytest.mark.slow
 def test_gpt2_with_tied_embeddings_is_stored_once_and_stays_tied(no_leaks):
     model = make_gpt2()
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -419,6 +420,7 @@ def nnx_eval_loss(model) -> float:
     return _cross_entropy(np.asarray(model(x, train=False)), y)[0]
 
 
+@pytest.mark.slow
 def test_flax_nnx_mlp_with_batchnorm(no_leaks):
     from flax import nnx
 
@@ -482,6 +484,7 @@ def eqx_eval_loss(model) -> float:
     return _cross_entropy(np.asarray(eqx.filter_vmap(model)(jnp.asarray(x / 16))), y)[0]
 
 
+@pytest.mark.slow
 def test_equinox_mlp(no_leaks):
     import equinox as eqx
 
@@ -536,6 +539,7 @@ def keras_eval_loss(model) -> float:
     return _cross_entropy(np.asarray(model(x / 16, training=False)), y)[0]
 
 
+@pytest.mark.slow
 def test_keras_sequential_on_tensorflow(no_leaks):
     model = make_keras()
     job = sw.Job(model.trainable_variables, optimizer=sw.optim.adam(0.01))  # a list

@@ -36,6 +36,7 @@ BUDGET = 2500  # pushes; the runs stop at ACCURACY after about 300-700
 TIMEOUT = 120.0  # wall seconds before a run is declared hung
 
 
+@pytest.mark.slow
 def test_a_run_starts_and_stops_its_own_ray_instance_when_none_is_connected(monkeypatch):
     """Runs first, before the module's cluster exists: ``ray.init()`` starts a local
     instance, which the run shuts down. One shard: pulls view the object store's copy."""
@@ -124,6 +125,7 @@ class KillAt:
         ray.kill(ray.get_actor(self.killed), no_restart=not self.restart)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "consistency, staleness",
     [
@@ -177,11 +179,11 @@ def test_a_bsp_run_ends_at_its_budget(cluster, caplog):
 def test_a_killed_worker_actor_is_restarted_as_a_new_incarnation(cluster, caplog):
     task, job = least_squares_job()
     kill = KillAt("kill-worker", "worker-1.", pushes=150)
-    result = train(task, job, steps=900, run="kill-worker", on_record=kill)
+    result = train(task, job, steps=450, run="kill-worker", on_record=kill)
     assert kill.killed is not None and kill.killed.endswith("worker-1.1")
     assert [(e.get("worker"), e["action"]) for e in result.failures] == [(1, "restarted")]
     assert result.restarts == 1
-    assert result.pushes >= 900 and result.stop_reason.startswith("the budget")
+    assert result.pushes >= 450 and result.stop_reason.startswith("the budget")
     initial = task.evaluate(task.init_params(0))["loss"]
     assert task.evaluate(result.params)["loss"] < 1e-3 * initial
     no_torn_pushes(caplog)
@@ -191,20 +193,21 @@ def test_a_killed_worker_actor_is_dropped_under_the_drop_policy(cluster, caplog)
     task, job = least_squares_job()
     kill = KillAt("drop-worker", "worker-0.", pushes=100)
     result = train(
-        task, job, steps=500, run="drop-worker", on_record=kill, on_worker_failure="drop"
+        task, job, steps=300, run="drop-worker", on_record=kill, on_worker_failure="drop"
     )
     assert [(e.get("worker"), e["action"]) for e in result.failures] == [(0, "dropped")]
-    assert result.pushes >= 500  # the other two workers spent the budget
+    assert result.pushes >= 300  # the other two workers spent the budget
     no_torn_pushes(caplog)
 
 
+@pytest.mark.slow
 def test_a_killed_shard_actor_is_restarted_from_the_last_checkpoint(cluster, caplog, tmp_path):
     task, job = least_squares_job()
     kill = KillAt("kill-shard", "shard-1", pushes=200, restart=True)
     result = train(
         task,
         job,
-        steps=900,
+        steps=500,
         run="kill-shard",
         on_record=kill,
         checkpoint_dir=tmp_path,
@@ -212,7 +215,7 @@ def test_a_killed_shard_actor_is_restarted_from_the_last_checkpoint(cluster, cap
     )
     assert kill.killed is not None
     assert [(e.get("shard"), e["action"]) for e in result.failures] == [(1, "restarted")]
-    assert result.pushes >= 900 and result.stop_reason.startswith("the budget")
+    assert result.pushes >= 500 and result.stop_reason.startswith("the budget")
     initial = task.evaluate(task.init_params(0))["loss"]
     assert task.evaluate(result.params)["loss"] < 1e-3 * initial
     rolled = [re.search(r"rolled back to version (\d+)", r.getMessage()) for r in caplog.records]
@@ -246,13 +249,13 @@ class KillShardProcess:
         self.pids.append(pid)
 
 
-@pytest.mark.parametrize("policy", ["restart", "fail"])
+@pytest.mark.parametrize("policy", [pytest.param("restart", marks=pytest.mark.slow), "fail"])
 def test_a_killed_shard_process_with_evaluate_restarts_or_fails_with_shard_error(cluster, policy):
     """Every shard call of the driver (the evaluation pull, stats, states for backups,
     the final stats and pull) goes through the restart path: never a private exception.
     The last kill comes with the run's last record, just before the final calls."""
     task, job = least_squares_job()
-    run, steps = f"kill-shard-eval-{policy}", 1200
+    run, steps = f"kill-shard-eval-{policy}", 600
     at = [200, steps] if policy == "restart" else [150]  # mid-run, and at the final calls
     kill = KillShardProcess(run, 1, at)
     kw = dict(steps=steps, run=run, on_record=kill, eval_interval=0.02, max_restarts=len(at))
@@ -307,6 +310,7 @@ def test_a_push_that_reached_one_shard_is_delivered_to_the_other(cluster):
         ray.kill(s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", [codecs.topk(0.01), codecs.int8()], ids=repr)
 def test_compressed_pushes_train_digits_with_two_shards(cluster, codec, caplog):
     """Each push is the codec's payloads, exactly ``nbytes`` per shard; topk keeps error
@@ -414,6 +418,7 @@ def assert_nothing_lost(flat, applied, residuals):
     assert min(np.abs(LR * r).max() for r in residuals) > 1e-4
 
 
+@pytest.mark.slow
 def test_topk_residuals_are_checkpointed_and_a_resume_continues_them(cluster, tmp_path):
     first = train_feedback(tmp_path, 60, checkpoint_every=10)
     assert first.stats["applied"] == first.stats["version"] == first.pushes >= 60
@@ -446,6 +451,7 @@ def test_a_killed_worker_actors_residual_reaches_its_restarted_incarnation(clust
     assert_nothing_lost(r.flat, r.pushes, checkpoint.load(tmp_path).residuals)
 
 
+@pytest.mark.slow
 def test_delta_pulls_train_digits_with_two_shards(cluster, caplog):
     """int8 delta pulls (ASP: the standing requests carry deltas): the run learns, and its
     pulls are several times smaller than the full slices."""
@@ -705,19 +711,20 @@ def test_every_push_refused_ends_the_run_as_diverged_or_says_none_was_applied(cl
     np.testing.assert_array_equal(result.params["x"], task.init_params(0)["x"])
 
 
+@pytest.mark.slow
 def test_checkpoints_and_resume_on_ray(cluster, tmp_path):
     task, job = least_squares_job()
     seen = tmp_path / "seen"
     loss = bad_batch(task.loss_and_grad, -1, -1, str(seen))  # no bad batch: it records them
     kw = dict(data=indexed(task.batches), workers=3, runtime="ray", timeout=TIMEOUT)
-    first = job.train(loss, steps=300, checkpoint_dir=tmp_path, checkpoint_every=50, **kw)
+    first = job.train(loss, steps=150, checkpoint_dir=tmp_path, checkpoint_every=50, **kw)
     assert (tmp_path / "latest").exists()
     drawn = checkpoint.load(tmp_path).step["drawn"]
     before = mp_helpers.read_records(seen)
     assert drawn == [max(before[w]) + 1 for w in range(3)], (drawn, before)
     seen.unlink()
-    again = job.train(loss, steps=600, checkpoint_dir=tmp_path, resume=True, **kw)
-    assert again.pushes >= 600  # steps is the job's total budget, pushes before included
+    again = job.train(loss, steps=300, checkpoint_dir=tmp_path, resume=True, **kw)
+    assert again.pushes >= 300  # steps is the job's total budget, pushes before included
     assert again.stats["version"] > first.stats["version"]
     assert sw.load_params(tmp_path)["x"].shape == (16,)
     after = mp_helpers.read_records(seen)

@@ -404,11 +404,11 @@ def pulls_until_shard_error(client, k, limit=2.0):
 
 
 def test_every_client_call_after_a_shard_process_died_raises_shard_error_naming_it(no_leaks):
-    """Ten times over: a pull after a shard died never returns its last snapshot nor
-    blocks; push and wait do not hang either. Alternately shard 0 and shard 1, with the
-    last push acknowledged or still in flight when the shard dies."""
+    """A pull after a shard died never returns its last snapshot nor blocks; push and
+    wait do not hang either. Once per case: shard 0 or shard 1 dies, with the last push
+    acknowledged or still in flight (each trial starts two shard processes, ~3 s)."""
     start = time.monotonic()
-    for trial in range(10):
+    for trial in range(4):
         k = trial % 2
         with two_shards().serve(workers=2) as server:
             client = server.client(0)
@@ -431,7 +431,7 @@ def test_every_client_call_after_a_shard_process_died_raises_shard_error_naming_
             with pytest.raises(sw.ShardError, match=rf"shard {k} has died"):
                 server.pull(timeout=30)
             client.close()
-    assert time.monotonic() - start < 120
+    assert time.monotonic() - start < 48  # 120 s for 10 trials before: the same per trial
 
 
 def test_a_pull_waiting_at_a_gate_raises_shard_error_when_a_shard_process_dies(no_leaks):
