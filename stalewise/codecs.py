@@ -57,7 +57,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from stalewise import _codec_kernels as kernels
+from stalewise._lazy import Lazy
+
+kernels = Lazy("stalewise._codec_kernels")  # numba: imported at the first encode
 
 __all__ = ["SMALL_LEAF", "Codec", "PayloadError", "Policy", "SizeAdaptive"]
 __all__ += ["as_bytes", "bf16", "fp16", "int8", "none", "parse", "sign", "size_adaptive", "topk"]

@@ -38,9 +38,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stalewise.optim import _kernels
+from stalewise._lazy import Lazy
 from stalewise.optim._validate import check_number, check_params, check_scale, check_vectors
 from stalewise.segments import Segments
+
+_kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
 State = Any  # a NamedTuple of numpy arrays, or a tuple of such (for chain)
 Schedule = Callable[[int], float]  # count of updates already applied -> learning rate

@@ -8,7 +8,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stalewise.optim import _kernels, _leaves
+from stalewise._lazy import Lazy
+from stalewise.optim import _leaves
 from stalewise.optim._validate import (
     check_buffers,
     check_count,
@@ -21,6 +22,8 @@ from stalewise.optim._validate import (
 )
 from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
 from stalewise.segments import Segments
+
+_kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
 
 class LarsState(NamedTuple):

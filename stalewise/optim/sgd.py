@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stalewise.optim import _kernels
+from stalewise._lazy import Lazy
 from stalewise.optim._validate import (
     check_buffers,
     check_count,
@@ -19,6 +19,8 @@ from stalewise.optim._validate import (
 )
 from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
 from stalewise.segments import Segments
+
+_kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
 
 class SgdState(NamedTuple):
