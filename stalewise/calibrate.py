@@ -15,8 +15,10 @@
   (``Shard.push`` and the undo copy ``Shard.prepare`` the local shard makes after
   each), at two sizes; fitted as ``service_time + bytes / service_rate``.
 * **pulls and pushes**: a client of a real local server (``job.serve``, the job's
-  optimizer, codec and shard count) pulls (``own=False``, as the local worker
-  loop does) and pushes, waiting for each push's acknowledgement, at two sizes.
+  optimizer, consistency model, codec and shard count) pushes, pulls right after
+  (``own=False``, as the local worker loop does; under BSP that pull waits for its
+  round and is served by the shard) and waits for the push's acknowledgement, at
+  two sizes.
 
 The simulator's worker pulls, computes, pushes and waits for the push's acks
 before its next pull; each of the pull and the push costs it ``2 * latency +
@@ -346,18 +348,23 @@ def measure_compute(
 # -- the shard's apply time -----------------------------------------------------------
 
 
-def _synthetic(config: ServerConfig, size: int, shards: int) -> ServerConfig:
-    """``config``'s optimizer, staleness rule and codec over one leaf of ``size`` floats."""
+def _synthetic_job(config: ServerConfig, size: int, shards: int) -> Any:
+    """A job of ``config``'s optimizer, consistency model, staleness rule and codec over
+    one leaf of ``size`` floats."""
     import stalewise as sw
 
-    job = sw.Job(
+    return sw.Job(
         {"w": np.zeros(size, np.float32)},
         optimizer=config.optimizer,
+        consistency=config.consistency,
         staleness=config.staleness,
         shards=shards,
         codec=config.codec,
     )
-    return job.config
+
+
+def _synthetic(config: ServerConfig, size: int, shards: int) -> ServerConfig:
+    return _synthetic_job(config, size, shards).config
 
 
 def measure_apply(config: ServerConfig, size: int, repeats: int) -> float:
@@ -391,18 +398,11 @@ def measure_apply(config: ServerConfig, size: int, repeats: int) -> float:
 
 def measure_transport(config: ServerConfig, size: int, repeats: int) -> tuple[float, float]:
     """Median seconds of a pull (``own=False``) and of a push until its acknowledgement,
-    by a client of a local server of ``size`` floats (the job's optimizer, codec and
-    number of shards)."""
-    import stalewise as sw
-
-    cfg = _synthetic(config, size, min(config.shards, size))
-    job = sw.Job(
-        {"w": np.zeros(size, np.float32)},
-        optimizer=cfg.optimizer,
-        staleness=cfg.staleness,
-        shards=cfg.shards,
-        codec=cfg.codec,
-    )
+    by a client of a local server of ``size`` floats (the job's optimizer, consistency
+    model, codec and number of shards). Under BSP the pull that follows a push waits for
+    its round to close, as a local worker's does: it is served by the shard (a round
+    trip through it), not read from a snapshot."""
+    job = _synthetic_job(config, size, min(config.shards, size))
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
     pulls, pushes = [], []
     with job.serve(workers=1) as server:
