@@ -250,7 +250,7 @@ def _rate(slope: float) -> float:
 # -- compute --------------------------------------------------------------------------
 
 
-def _compute_main(loss_and_grad, data, spec, init, w, workers, repeats, warmup, delay, start, conn):
+def _compute_main(loss_and_grad, data, spec, init, w, workers, repeats, warmup, delay, conn):
     """A spawned process's body: time ``repeats`` steps of worker ``w`` on its batches
     (each followed by the emulated ``delay``, slept as the local worker sleeps it; the
     time beyond ``delay`` counts as the step's)."""
@@ -266,7 +266,8 @@ def _compute_main(loss_and_grad, data, spec, init, w, workers, repeats, warmup, 
             _, grads = loss_and_grad(params, next(batches))
             tree.flatten(grads, spec=spec, out=out)
         conn.send(("ready", w))
-        start.wait()
+        if conn.recv() != "go":  # every worker is warmed up: the timed steps run together
+            return
         times = []
         for _ in range(repeats):
             batch = next(batches)  # drawing a batch is part of a worker's step too
@@ -299,16 +300,15 @@ def measure_compute(
     from stalewise.runtime.local.procs import thread_budget
 
     ctx = mp.get_context("spawn")
-    start = ctx.Event()
     threads = max(1, (os.cpu_count() or 1) // workers)
     procs, conns = [], []
     with thread_budget(threads):
         for w in range(workers):
-            mine, theirs = ctx.Pipe(duplex=False)
+            mine, theirs = ctx.Pipe()
             p = ctx.Process(
                 target=_compute_main,
                 args=(loss_and_grad, data, config.spec, config.init, w, workers, repeats, warmup,
-                      0.0 if delays is None else float(delays[w]), start, theirs),
+                      0.0 if delays is None else float(delays[w]), theirs),
                 name=f"stalewise-calibrate-{w}",
                 daemon=True,
             )  # fmt: skip
@@ -320,7 +320,8 @@ def measure_compute(
         deadline = time.monotonic() + timeout
         for kind in ("ready", "times"):
             if kind == "times":
-                start.set()  # all warmed up: the timed steps run together
+                for c in conns:
+                    c.send("go")
             got = []
             for w, c in enumerate(conns):
                 if not c.poll(max(0.0, deadline - time.monotonic())):

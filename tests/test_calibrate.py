@@ -29,7 +29,7 @@ delay = 0.002
 """
 
 
-def check_sane(sim: SimConfig, *, delay: float = 0.0) -> None:
+def check_sane(sim: SimConfig) -> None:
     """Positive numbers in the ranges a small NumPy job on one machine has."""
     c = sim.compute
     if isinstance(c, Fixed):
@@ -45,43 +45,55 @@ def check_sane(sim: SimConfig, *, delay: float = 0.0) -> None:
     assert sim.stragglers is None and not sim.failures and sim.model_bytes is None
 
 
-def test_calibrate_measures_and_its_table_reads_back():
+def test_calibrate_measures_and_its_table_reads_back(tmp_path):
     task = tasks.get("digits", hidden=16)
     job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.1, momentum=0.9), shards=2)
     cal = job.calibrate(
-        task.loss_and_grad, task.batches, workers=1, repeats=4, sizes=(512, 4096), delays=0.002
+        task.loss_and_grad, task.batches, workers=2, repeats=4, sizes=(512, 4096), delays=0.002
     )
-    assert cal.workers == 1 and len(cal.step_times) == 1
+    assert cal.workers == 2 and len(cal.step_times) == 2
     assert all(len(t) == 4 and min(t) > 0 for t in cal.step_times)
     assert [b for b, _ in cal.apply.points] == [512 * 4, 4096 * 4]
     assert all(s > 0 for fit in (cal.apply, cal.pull, cal.push) for _, s in fit.points)
     text = cal.toml()
     assert text.startswith("# measured by stalewise calibrate")
-    table = tomllib.loads(text)["sim"]
-    assert table == cal.table()
-    sim = SimConfig.from_dict(table)
-    assert sim == cal.sim_config()
-    check_sane(sim, delay=0.002)
-    # the simulator runs with it
+    assert tomllib.loads(text)["sim"] == cal.table()
+    # the config reader takes it as a config's [sim] table
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(CONFIG + "\n" + text)
+    sim = config.load(cfg, runtime="sim").sim
+    assert sim == cal.sim_config() == SimConfig.from_dict(cal.table())
+    check_sane(sim)
+    # and the simulator runs with it
     r = job.train(task.loss_and_grad, data=task.batches, workers=2, steps=20, runtime="sim",
                   sim=sim, delays={0: 0.002, 1: 0.002})  # fmt: skip
     assert r.pushes == 20 and r.time > 20 / 2 * 0.002
 
 
-def test_the_cli_writes_a_table_the_config_reader_takes(tmp_path, capsys):
+def test_the_cli_prints_or_writes_the_table(tmp_path, capsys, monkeypatch):
+    flat = calibrate.Fit.of([(4096, 1e-4), (16384, 1e-4)])
+    steps = ((0.001, 0.0012, 0.0011), (0.001, 0.0011, 0.0013))
+    fake = calibrate.Calibration(2, 1, steps, flat, flat, flat, flat, 4096)
+    seen = {}
+
+    def measured(self, loss_and_grad, data, *, workers, **options):
+        seen.update(workers=workers, **options)
+        return fake
+
+    monkeypatch.setattr(sw.Job, "calibrate", measured)
     cfg = tmp_path / "job.toml"
     cfg.write_text(CONFIG)
+    assert main(["calibrate", str(cfg), "--repeats", "3"]) == 0
+    assert seen == {"workers": 2, "repeats": 3, "delays": 0.002}  # run.workers and run.delay
+    assert capsys.readouterr().out == fake.toml()
     out = tmp_path / "tables" / "sim.toml"
-    assert main(["calibrate", str(cfg), "--out", str(out), "--repeats", "3"]) == 0
+    assert main(["calibrate", str(cfg), "--out", str(out), "--workers", "3"]) == 0
+    assert seen["workers"] == 3
     printed = capsys.readouterr().out
     assert "worker 1:" in printed and f"written to {out}" in printed
-    # appended to the config, config.load reads it as the run's [sim] table
+    assert out.read_text() == fake.toml()
     cfg.write_text(CONFIG + "\n" + out.read_text())
-    loaded = config.load(cfg, runtime="sim")
-    assert loaded.sim is not None and loaded.sim == SimConfig.from_dict(
-        tomllib.loads(out.read_text())["sim"]
-    )
-    check_sane(loaded.sim, delay=0.002)
+    assert config.load(cfg, runtime="sim").sim == fake.sim_config()
 
 
 @pytest.mark.parametrize(
