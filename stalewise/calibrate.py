@@ -2,8 +2,9 @@
 
 :func:`calibrate` (``Job.calibrate``, ``stalewise calibrate CONFIG``) times three things:
 
-* **compute**: ``loss_and_grad`` on each worker's real batches (and the flattening
-  of its gradient into one vector, which a worker does before every push), in
+* **compute**: ``loss_and_grad`` on each worker's real batches (with what the local
+  worker loop does around it every step: the pulled vector made into the job's
+  params tree, the gradient flattened into one vector for the push), in
   ``workers`` spawned processes running at once, each with the math-library
   thread cap the local runtime gives its workers (cores / workers). Running them
   together measures the contention for the cores that a local run has. The step
@@ -259,11 +260,11 @@ def _compute_main(loss_and_grad, data, spec, init, w, workers, repeats, warmup, 
 
     die_with_parent()
     try:
-        params = tree.unflatten(init, spec)
+        flat = np.array(init, copy=True)  # the worker's pull buffer
         batches = batch_iterator(data, w, workers)
         out = np.empty(spec.size, init.dtype)
         for _ in range(warmup):  # a JIT compile, the data's first load: not a step
-            _, grads = loss_and_grad(params, next(batches))
+            _, grads = loss_and_grad(tree.unflatten(flat, spec, copy=False), next(batches))
             tree.flatten(grads, spec=spec, out=out)
         conn.send(("ready", w))
         if conn.recv() != "go":  # every worker is warmed up: the timed steps run together
@@ -272,6 +273,7 @@ def _compute_main(loss_and_grad, data, spec, init, w, workers, repeats, warmup, 
         for _ in range(repeats):
             batch = next(batches)  # drawing a batch is part of a worker's step too
             t = time.perf_counter()
+            params = tree.unflatten(flat, spec, copy=False)  # as the worker loop gets its pull
             _, grads = loss_and_grad(params, batch)
             tree.flatten(grads, spec=spec, out=out)
             if delay > 0:
