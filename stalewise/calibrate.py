@@ -9,8 +9,9 @@
   thread cap the local runtime gives its workers (cores / workers). Running them
   together measures the contention for the cores that a local run has. The step
   times of all workers are fitted by a shifted exponential (``shift`` = the
-  fastest step, ``1 / rate`` = the mean above it); a worker whose mean differs
-  from the others' by more than :data:`SPEED_TOLERANCE` gets a ``speeds`` entry.
+  fastest step, ``1 / rate`` = the mean above it); when a worker's median step
+  differs from the median of all by more than :data:`SPEED_TOLERANCE`, every
+  worker gets a ``speeds`` entry.
 * **the shard's apply time**: a :class:`~stalewise.protocol.Shard` built with the
   job's optimizer, staleness rule and codec, handling pushes in this process
   (``Shard.push`` and the undo copy ``Shard.prepare`` the local shard makes after
@@ -34,9 +35,8 @@ table (what it measured as comments above it), :meth:`Calibration.sim_config`
 the :class:`~stalewise.runtime.sim.config.SimConfig` it reads as.
 
 Example:
-    >>> import numpy as np, stalewise as sw
     >>> from stalewise.calibrate import table_toml
-    >>> print(table_toml({"compute": "fixed", "step_time": 0.002, "latency": 5e-05}))
+    >>> print(table_toml({"compute": "fixed", "step_time": 0.002, "latency": 5e-05}), end="")
     [sim]
     compute = "fixed"
     step_time = 0.002
@@ -51,7 +51,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -131,7 +131,6 @@ class Calibration:
     model_bytes: int
     optimizer: str = ""
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    extra: dict = field(default_factory=dict, compare=False)
 
     # -- the compute model -------------------------------------------------------------
 
@@ -531,8 +530,9 @@ def _sleep(seconds: float) -> None:
 
 
 def _describe(optimizer: Any) -> str:
-    text = repr(optimizer)
-    return text if len(text) <= 60 else type(optimizer).__name__
+    """The optimizer's kind for the summary (``sgd``, ``adam``, ``chain``...)."""
+    owner = getattr(getattr(optimizer, "init", None), "__qualname__", "").split(".")[0]
+    return owner.lstrip("_").lower() or type(optimizer).__name__
 
 
 def with_table(sim: SimConfig | None, calibration: Calibration) -> SimConfig:

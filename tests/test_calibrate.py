@@ -153,3 +153,9 @@ def test_fit_and_table_rules():
     assert t["compute"] == "exponential" and t["speeds"][0] > 1 > t["speeds"][1]
     SimConfig.from_dict(tomllib.loads(calibrate.table_toml(t))["sim"]).check_workers(2)
     assert np.isfinite(t["shift"]) and t["rate"] > 0
+
+
+def test_module_examples():
+    import doctest
+
+    assert doctest.testmod(calibrate).failed == 0
