@@ -159,3 +159,20 @@ def test_module_examples():
     import doctest
 
     assert doctest.testmod(calibrate).failed == 0
+
+
+def test_with_table_keeps_the_runs_scripts_and_takes_the_timing():
+    from stalewise.runtime.sim.models import Failure, Stragglers
+
+    flat = calibrate.Fit.of([(4096, 1e-4), (16384, 2e-4)])
+    steps = ((0.002, 0.003, 0.0025), (0.002, 0.0031, 0.0024))
+    cal = calibrate.Calibration(2, 1, steps, flat, flat, flat, flat, 4096)
+    own = SimConfig(stragglers=Stragglers(1, 3.0), failures=[Failure(1, 2.0)], model_bytes=10**6)
+    both = calibrate.with_table(own, cal)
+    assert (both.stragglers, both.failures, both.model_bytes) == (
+        own.stragglers, own.failures, own.model_bytes,
+    )  # fmt: skip
+    mine = cal.sim_config()
+    assert (both.compute, both.network, both.service) == (mine.compute, mine.network, mine.service)
+    assert both.network.latency == pytest.approx(flat.intercept / 2, rel=1e-3)
+    assert calibrate.with_table(None, cal) == mine
