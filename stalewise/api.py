@@ -316,6 +316,16 @@ class Job:
         named = {} if name is None else {"name": name}
         return factory(self.config, workers, join_timeout=join_timeout, **named)
 
+    def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):
+        """Measures on this machine what the simulator needs for this job and returns a
+        :class:`stalewise.calibrate.Calibration` (``.sim_config()`` for
+        ``train(runtime="sim", sim=...)``, ``.toml()`` for a config's ``[sim]`` table).
+        ``options``: ``repeats``, ``sizes``, ``timeout`` of :func:`stalewise.calibrate.calibrate`.
+        """
+        from stalewise import calibrate as calibrate_lib
+
+        return calibrate_lib.calibrate(self.config, loss_and_grad, data, workers=workers, **options)
+
     def _check_pulls(self, runtime: str) -> None:
         # every built-in runtime sends compressed pushes; delta pulls only pulls.RUNTIMES
         why = pulls.refusal(self.config.pull_codec, runtime)

@@ -1,4 +1,5 @@
-"""The ``stalewise`` command: ``demo``, ``train CONFIG.toml``, ``sim CONFIG.toml``.
+"""The ``stalewise`` command: ``demo``, ``train CONFIG.toml``, ``sim CONFIG.toml``,
+``calibrate CONFIG.toml``, ``run SCRIPT``.
 
 Every flag and config value is checked before anything starts; a user error
 prints one line, ``stalewise: <key or flag>: <what was expected, got what>``,
@@ -268,6 +269,42 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from stalewise import config
+
+    if args.repeats < 3:
+        raise _config_error("--repeats", f"expected an integer >= 3, got {args.repeats}")
+    out = None
+    if args.out is not None:
+        out = Path(args.out)
+        if out.is_dir():
+            raise _config_error("--out", f"{args.out!r} is a folder, expected a file name")
+        _make_dir(out.parent, "--out", str(out.parent))
+    if args.workers is not None and args.workers < 1:
+        raise _config_error("--workers", f"expected an integer >= 1, got {args.workers}")
+    cfg = config.load(args.config)
+    workers = cfg.train["workers"] if args.workers is None else args.workers
+    cfg.check_workers(workers, "local", "--workers" if args.workers is not None else "run.workers")
+    with cfg.importable():
+        cal = cfg.job.calibrate(
+            cfg.task.loss_and_grad, cfg.data, workers=workers, repeats=args.repeats,
+            delays=cfg.delay,
+        )  # fmt: skip
+    text = cal.toml()
+    if out is None:
+        print(text, end="")
+        return 0
+    try:
+        out.write_text(text)
+    except OSError as e:
+        raise _config_error("--out", f"cannot write {args.out!r}: {e.strerror or e}") from None
+    print(cal.summary())
+    print(
+        f"\n[sim] table written to {out} (paste it into the config, or run stalewise sim with it)"
+    )
+    return 0
+
+
 CODEC_HELP = "override server.codec: none, fp16, bf16, int8, sign or topk:FRACTION"
 PULL_CODEC_HELP = (
     "override server.pull_codec (delta pulls, runtime sim): a codec as for --codec, "
@@ -350,6 +387,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="run folder (default: runs/sim-CONFIG-TIMESTAMP)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_sim)
+
+    c = sub.add_parser(
+        "calibrate",
+        help="measure this machine's compute, pull/push and apply times for a config's job "
+        "and write the simulator's [sim] table",
+    )
+    c.add_argument("config", help="path to CONFIG.toml (its task, job and run.workers/delay)")
+    c.add_argument("--out", help="write the [sim] table to this file (default: stdout)")
+    c.add_argument(
+        "--workers", type=int, help="processes that compute at once (default: run.workers)"
+    )
+    c.add_argument(
+        "--repeats", type=int, default=30, help="timed steps per worker and pushes per size"
+    )
+    c.set_defaults(func=cmd_calibrate)
 
     r = sub.add_parser(
         "run",

@@ -1,0 +1,546 @@
+"""Calibration: measure on this machine what the simulator needs, and write its ``[sim]`` table.
+
+:func:`calibrate` (``Job.calibrate``, ``stalewise calibrate CONFIG``) times three things:
+
+* **compute**: ``loss_and_grad`` on each worker's real batches (with what the local
+  worker loop does around it every step: the pulled vector made into the job's
+  params tree, the gradient flattened into one vector for the push), in
+  ``workers`` spawned processes running at once, each with the math-library
+  thread cap the local runtime gives its workers (cores / workers). Running them
+  together measures the contention for the cores that a local run has. The step
+  times of all workers are fitted by a shifted exponential (``shift`` = the
+  fastest step, ``1 / rate`` = the mean above it); when a worker's median step
+  differs from the median of all by more than :data:`SPEED_TOLERANCE`, every
+  worker gets a ``speeds`` entry.
+* **the shard's apply time**: a :class:`~stalewise.protocol.Shard` built with the
+  job's optimizer, staleness rule and codec, handling pushes in this process
+  (``Shard.push`` and the undo copy ``Shard.prepare`` the local shard makes after
+  each), at two sizes; fitted as ``service_time + bytes / service_rate``.
+* **pulls and pushes**: a client of a real local server (``job.serve``, the job's
+  optimizer, consistency model, codec and shard count) pushes, pulls right after
+  (``own=False``, as the local worker loop does; under BSP that pull waits for its
+  round and is served by the shard) and waits for the push's acknowledgement, at
+  two sizes.
+
+The simulator's worker pulls, computes, pushes and waits for the push's acks
+before its next pull; each of the pull and the push costs it ``2 * latency +
+bytes / bandwidth`` plus the shard's service time. So ``latency`` and
+``bandwidth`` are fitted (least squares over the two sizes) to the measured
+``(pull + push round trip) / 2`` minus the shard's service time: a simulated
+step then costs what a pull and an acknowledged push cost here. ``model_bytes``,
+stragglers, delays and fault scripts are not measured: they stay the run's.
+
+The result is a :class:`Calibration`; :meth:`Calibration.toml` is the ``[sim]``
+table (what it measured as comments above it), :meth:`Calibration.sim_config`
+the :class:`~stalewise.runtime.sim.config.SimConfig` it reads as.
+
+Example:
+    >>> from stalewise.calibrate import table_toml
+    >>> print(table_toml({"compute": "fixed", "step_time": 0.002, "latency": 5e-05}), end="")
+    [sim]
+    compute = "fixed"
+    step_time = 0.002
+    latency = 5e-05
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from stalewise import tree
+from stalewise.protocol import PushHeader, ServerConfig
+from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.sim.models import MAX_SECONDS, MIN_BYTES_PER_S
+
+__all__ = ["Calibration", "Fit", "calibrate", "table_toml"]
+
+log = logging.getLogger(__name__)
+
+#: A worker's mean step time must differ from the mean of all by more than this fraction
+#: for the table to give it its own ``speeds`` entry (below it, the difference is noise).
+SPEED_TOLERANCE = 0.05
+#: The tail's mean below this fraction of the shift makes the compute model ``"fixed"``.
+FIXED_BELOW = 0.01
+#: Timed repeats of one measurement, the default.
+REPEATS = 30
+#: The smallest parameter count of the two transport and apply sizes.
+MIN_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``seconds = intercept + slope * bytes``, fitted to medians measured at some sizes."""
+
+    intercept: float
+    slope: float
+    points: tuple[tuple[int, float], ...] = ()  # (bytes, median seconds)
+
+    @classmethod
+    def of(cls, points: Sequence[tuple[int, float]]) -> Fit:
+        """The least-squares line through ``points`` (bytes, seconds); a slope < 0 (noise)
+        becomes 0 with the intercept the mean, an intercept < 0 becomes 0 with the slope
+        through the origin."""
+        x = np.array([p[0] for p in points], dtype=float)
+        y = np.array([p[1] for p in points], dtype=float)
+        slope = float(np.polyfit(x, y, 1)[0]) if len(set(x.tolist())) > 1 else 0.0
+        if slope < 0:
+            slope = 0.0
+        intercept = float(y.mean() - slope * x.mean())
+        if intercept < 0:
+            intercept, slope = 0.0, float((x * y).sum() / (x * x).sum())
+        return cls(intercept, slope, tuple((int(b), float(s)) for b, s in points))
+
+    def __call__(self, nbytes: float) -> float:
+        return self.intercept + self.slope * nbytes
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What :func:`calibrate` measured, and the ``[sim]`` table it makes of it.
+
+    Attributes:
+        workers: the processes that computed at once.
+        threads: the math-library threads each had (the local runtime's cap).
+        step_times: each worker's timed steps, seconds.
+        apply: the shard's apply time per push (bytes of the slice -> seconds).
+        pull: the time a pull takes a worker (bytes of the model -> seconds).
+        push: a push's round trip, until its acknowledgement (bytes -> seconds).
+        message: what the simulator charges one pull or push besides the shard's
+            service time: ``(pull + push) / 2 - apply``, fitted.
+        model_bytes: the job's parameters, bytes.
+        optimizer: the job's server optimizer, as text.
+        load: the machine's load averages (1, 5, 15 minutes) when it started.
+    """
+
+    workers: int
+    threads: int
+    step_times: tuple[tuple[float, ...], ...]
+    apply: Fit
+    pull: Fit
+    push: Fit
+    message: Fit
+    model_bytes: int
+    optimizer: str = ""
+    load: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    # -- the compute model -------------------------------------------------------------
+
+    @property
+    def shift(self) -> float:
+        """The fastest step of any worker, seconds."""
+        return min(min(t) for t in self.step_times)
+
+    @property
+    def mean(self) -> float:
+        """The mean step time over all workers, seconds."""
+        return float(np.mean([x for t in self.step_times for x in t]))
+
+    def speeds(self) -> tuple[float, ...] | None:
+        """Each worker's speed relative to the others, by medians (one step preempted by
+        another process must not make a worker a straggler); None when every worker's
+        median is within :data:`SPEED_TOLERANCE` of the median of all."""
+        means = [float(np.median(t)) for t in self.step_times]
+        overall = float(np.median([x for t in self.step_times for x in t]))
+        if len(means) < 2 or all(abs(m / overall - 1) <= SPEED_TOLERANCE for m in means):
+            return None
+        return tuple(round(overall / m, 4) for m in means)
+
+    def table(self) -> dict[str, Any]:
+        """The ``[sim]`` table, as :meth:`SimConfig.from_dict` reads it."""
+        t: dict[str, Any] = {}
+        shift, tail = self.shift, self.mean - self.shift
+        if tail <= FIXED_BELOW * shift:
+            t |= {"compute": "fixed", "step_time": _sig(self.mean)}
+        else:
+            t |= {"compute": "exponential", "shift": _sig(shift), "rate": _sig(1.0 / tail)}
+        speeds = self.speeds()
+        if speeds is not None:
+            t["speeds"] = list(speeds)
+        lat = min(self.message.intercept / 2, MAX_SECONDS)
+        t["latency"] = _sig(lat)
+        t["bandwidth"] = _rate(self.message.slope)
+        t["service_time"] = _sig(min(self.apply.intercept, MAX_SECONDS))
+        t["service_rate"] = _rate(self.apply.slope)
+        return t
+
+    def sim_config(self) -> SimConfig:
+        """The table as the simulator reads it."""
+        return SimConfig.from_dict(self.table())
+
+    def summary(self) -> str:
+        """What was measured, in lines of text."""
+        us = 1e6
+        lines = [
+            f"compute: {self.workers} worker process(es) at once, {self.threads} math "
+            f"thread(s) each; load average {self.load[0]:.2f} {self.load[1]:.2f} "
+            f"{self.load[2]:.2f} on {os.cpu_count()} cores"
+        ]
+        for w, t in enumerate(self.step_times):
+            a = np.asarray(t)
+            lines.append(
+                f"  worker {w}: {len(a)} steps, mean {a.mean() * 1e3:.3f} ms, min "
+                f"{a.min() * 1e3:.3f} ms, p90 {np.quantile(a, 0.9) * 1e3:.3f} ms"
+            )
+        lines.append(
+            f"shard apply ({self.optimizer}): "
+            + ", ".join(f"{b:,} B {s * us:.1f} us" for b, s in self.apply.points)
+            + f" -> {self.apply.intercept * us:.1f} us + bytes / {_rate(self.apply.slope):.3g} B/s"
+        )
+        for name, fit in (("pull", self.pull), ("push round trip", self.push)):
+            lines.append(
+                f"{name}: "
+                + ", ".join(f"{b:,} B {s * us:.1f} us" for b, s in fit.points)
+                + f" -> {fit.intercept * us:.1f} us + bytes / {_rate(fit.slope):.3g} B/s"
+            )
+        lines.append(
+            f"per pull or push besides the shard: {self.message.intercept * us:.1f} us + bytes / "
+            f"{_rate(self.message.slope):.3g} B/s (latency = half the fixed part); "
+            f"this job's model: {self.model_bytes:,} B"
+        )
+        return "\n".join(lines)
+
+    def toml(self, comment: bool = True) -> str:
+        """The ``[sim]`` table as TOML, with :meth:`summary` as comments above it."""
+        head = ""
+        if comment:
+            head = "".join(f"# {line}\n" for line in self.summary().splitlines())
+            head = "# measured by stalewise calibrate\n" + head
+        return head + table_toml(self.table())
+
+
+def table_toml(table: dict[str, Any]) -> str:
+    """A flat ``[sim]`` table of numbers, strings and lists of numbers, as TOML."""
+    lines = ["[sim]"]
+    for key, value in table.items():
+        lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf"
+    return repr(v)
+
+
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (the measurements hold no more)."""
+    return float(f"{x:.4g}")
+
+
+def _rate(slope: float) -> float:
+    """Bytes per second of a fitted seconds-per-byte slope (inf for 0), within the bounds."""
+    if slope <= 0:
+        return math.inf
+    return max(_sig(1.0 / slope), MIN_BYTES_PER_S)
+
+
+# -- compute --------------------------------------------------------------------------
+
+
+def _compute_main(loss_and_grad, data, spec, init, w, workers, repeats, warmup, delay, conn):
+    """A spawned process's body: time ``repeats`` steps of worker ``w`` on its batches
+    (each followed by the emulated ``delay``, slept as the local worker sleeps it; the
+    time beyond ``delay`` counts as the step's)."""
+    from stalewise.runtime.base import batch_iterator
+    from stalewise.runtime.local.procs import die_with_parent
+
+    die_with_parent()
+    try:
+        flat = np.array(init, copy=True)  # the worker's pull buffer
+        batches = batch_iterator(data, w, workers)
+        out = np.empty(spec.size, init.dtype)
+        for _ in range(warmup):  # a JIT compile, the data's first load: not a step
+            _, grads = loss_and_grad(tree.unflatten(flat, spec, copy=False), next(batches))
+            tree.flatten(grads, spec=spec, out=out)
+        conn.send(("ready", w))
+        if conn.recv() != "go":  # every worker is warmed up: the timed steps run together
+            return
+        times = []
+        for _ in range(repeats):
+            batch = next(batches)  # drawing a batch is part of a worker's step too
+            t = time.perf_counter()
+            params = tree.unflatten(flat, spec, copy=False)  # as the worker loop gets its pull
+            _, grads = loss_and_grad(params, batch)
+            tree.flatten(grads, spec=spec, out=out)
+            if delay > 0:
+                _sleep(delay)
+            times.append(time.perf_counter() - t - delay)
+        conn.send(("times", times))
+    except BaseException as e:  # reported in the parent, one line
+        conn.send(("error", f"worker {w}: {type(e).__name__}: {e}"))
+
+
+def measure_compute(
+    config: ServerConfig,
+    loss_and_grad: Callable,
+    data: Any,
+    workers: int,
+    repeats: int,
+    warmup: int = 2,
+    timeout: float = 600.0,
+    delays: Sequence[float] | None = None,
+) -> tuple[tuple[tuple[float, ...], ...], int]:
+    """Each worker's step times, measured in ``workers`` processes at once; and their
+    thread cap. ``delays``: each worker's emulated seconds per step (``train(delays=)``),
+    slept after each step; what the sleep overshoots counts as the step's time."""
+    import multiprocessing as mp
+
+    from stalewise.runtime.local.procs import thread_budget
+
+    ctx = mp.get_context("spawn")
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    procs, conns = [], []
+    with thread_budget(threads):
+        for w in range(workers):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(
+                target=_compute_main,
+                args=(loss_and_grad, data, config.spec, config.init, w, workers, repeats, warmup,
+                      0.0 if delays is None else float(delays[w]), theirs),
+                name=f"stalewise-calibrate-{w}",
+                daemon=True,
+            )  # fmt: skip
+            p.start()
+            theirs.close()
+            procs.append(p)
+            conns.append(mine)
+    try:
+        deadline = time.monotonic() + timeout
+        for kind in ("ready", "times"):
+            if kind == "times":
+                for c in conns:
+                    c.send("go")
+            got = []
+            for w, c in enumerate(conns):
+                if not c.poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"calibrate: worker {w} did not answer within {timeout} s")
+                try:
+                    msg = c.recv()
+                except EOFError:
+                    raise RuntimeError(
+                        f"calibrate: worker {w}'s process died (exit code {procs[w].exitcode})"
+                    ) from None
+                if msg[0] == "error":
+                    raise RuntimeError(f"calibrate: {msg[1]}")
+                got.append(msg[1])
+        return tuple(tuple(t) for t in got), threads
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in conns:
+            c.close()
+
+
+# -- the shard's apply time -----------------------------------------------------------
+
+
+def _synthetic_job(config: ServerConfig, size: int, shards: int) -> Any:
+    """A job of ``config``'s optimizer, consistency model, staleness rule and codec over
+    one leaf of ``size`` floats."""
+    import stalewise as sw
+
+    return sw.Job(
+        {"w": np.zeros(size, np.float32)},
+        optimizer=config.optimizer,
+        consistency=config.consistency,
+        staleness=config.staleness,
+        shards=shards,
+        codec=config.codec,
+    )
+
+
+def _synthetic(config: ServerConfig, size: int, shards: int) -> ServerConfig:
+    return _synthetic_job(config, size, shards).config
+
+
+def measure_apply(config: ServerConfig, size: int, repeats: int) -> float:
+    """Median seconds one shard takes to handle a push of ``size`` floats (and to make the
+    undo copy the local shard makes after it)."""
+    cfg = _synthetic(config, size, 1)
+    shard = cfg.build_shard(0, cfg.init.copy(), 1)
+    shard.warm_up()
+    shard.join(0, 1)
+    grad = np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)
+    comp = cfg.compressor()
+    payload: Any = grad
+    if comp is not None:
+        payload = [bytearray(comp.nbytes(0, grad.dtype))]
+        comp.encode_into(grad, payload, comp.init(grad.dtype))
+        payload = payload[0]
+    times = []
+    for seq in range(repeats + 2):
+        t = time.perf_counter()
+        ack = shard.push(PushHeader(0, seq, shard.version, 1), payload)
+        shard.prepare()
+        if seq >= 2:  # the first two warm the caches
+            times.append(time.perf_counter() - t)
+        if not ack.ok:
+            raise RuntimeError(f"calibrate: the shard refused a push: {ack.reason}")
+    return statistics.median(times)
+
+
+# -- pulls and pushes -----------------------------------------------------------------
+
+
+def measure_transport(config: ServerConfig, size: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of a pull (``own=False``) and of a push until its acknowledgement,
+    by a client of a local server of ``size`` floats (the job's optimizer, consistency
+    model, codec and number of shards). Under BSP the pull that follows a push waits for
+    its round to close, as a local worker's does: it is served by the shard (a round
+    trip through it), not read from a snapshot."""
+    job = _synthetic_job(config, size, min(config.shards, size))
+    update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
+    pulls, pushes = [], []
+    with job.serve(workers=1) as server:
+        client = server.client(0)
+        for i in range(repeats + 2):
+            # in the order of the local worker loop: a pull follows the push at once, its
+            # ack is read later (a pull after the ack would wait for the snapshot holding it)
+            t0 = time.perf_counter()
+            client.push(update)
+            t1 = time.perf_counter()
+            client.pull_flat(own=False)
+            t2 = time.perf_counter()
+            client.wait()
+            t3 = time.perf_counter()
+            if i >= 2:
+                pulls.append(t2 - t1)
+                pushes.append((t1 - t0) + (t3 - t2))
+        client.close()
+    return statistics.median(pulls), statistics.median(pushes)
+
+
+# -- the whole ------------------------------------------------------------------------
+
+
+def sizes_for(config: ServerConfig) -> tuple[int, int]:
+    """The two sizes (floats) transport and apply are timed at: the job's, and 4x it."""
+    n = max(config.spec.size, MIN_SIZE)
+    return n, 4 * n
+
+
+def calibrate(
+    config: ServerConfig,
+    loss_and_grad: Callable,
+    data: Any,
+    *,
+    workers: int,
+    repeats: int = REPEATS,
+    sizes: Sequence[int] | None = None,
+    delays: Any = None,
+    timeout: float = 600.0,
+) -> Calibration:
+    """Measures compute, apply, pull and push times on this machine; see the module docstring.
+
+    Args:
+        config: the job's :class:`ServerConfig` (``job.config``).
+        loss_and_grad: the user's ``f(params, batch) -> (loss, grads)`` (picklable).
+        data: ``data(worker, workers)`` or one sequence of batches per worker (picklable).
+        workers: the processes that compute at once (the run's workers).
+        repeats: timed steps per worker, and timed pushes per size.
+        sizes: the parameter counts transport and apply are timed at (default:
+            :func:`sizes_for`); two or more.
+        delays: the run's emulated compute seconds per step (``train(delays=)``: a
+            number for every worker, or ``{worker: seconds}``). The local runtime sleeps
+            them after each step, and a sleep on a busy machine ends late: the compute
+            processes sleep them too, and the time a step takes beyond its delay counts
+            as its compute time (the simulator adds the delay itself).
+        timeout: seconds the compute processes may take in all.
+
+    Raises:
+        ValueError: a bad argument, naming it.
+    """
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"workers = {workers!r}: must be an integer >= 1")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 3:
+        raise ValueError(f"repeats = {repeats!r}: must be an integer >= 3")
+    sizes = tuple(sizes_for(config) if sizes is None else sizes)
+    if len(set(sizes)) < 2 or any(not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"sizes = {sizes!r}: must be two or more different integers >= 1")
+    per_worker = _delays(delays, workers)
+    load = os.getloadavg()
+    t0 = time.perf_counter()
+    step_times, threads = measure_compute(
+        config, loss_and_grad, data, workers, repeats, timeout=timeout, delays=per_worker
+    )
+    itemsize = config.init.dtype.itemsize
+    apply_pts, pull_pts, push_pts, msg_pts = [], [], [], []
+    for n in sizes:
+        nbytes = n * itemsize
+        a = measure_apply(config, n, repeats)
+        pull, push = measure_transport(config, n, repeats)
+        shards = min(config.shards, n)
+        a_slice = measure_apply(config, -(-n // shards), repeats) if shards > 1 else a
+        apply_pts.append((nbytes, a))
+        pull_pts.append((nbytes, pull))
+        push_pts.append((nbytes, push))
+        msg_pts.append((nbytes, max(0.0, (pull + push) / 2 - a_slice)))
+    log.info("calibrate: measured in %.1f s", time.perf_counter() - t0)
+    return Calibration(
+        workers=workers,
+        threads=threads,
+        step_times=step_times,
+        apply=Fit.of(apply_pts),
+        pull=Fit.of(pull_pts),
+        push=Fit.of(push_pts),
+        message=Fit.of(msg_pts),
+        model_bytes=int(config.spec.size * itemsize),
+        optimizer=_describe(config.optimizer),
+        load=(round(load[0], 2), round(load[1], 2), round(load[2], 2)),
+    )
+
+
+def _delays(delays: Any, workers: int) -> list[float]:
+    """``delays`` (None, a number, or {worker: seconds}) as one number per worker, checked."""
+    if delays is None:
+        return [0.0] * workers
+    items = delays.items() if isinstance(delays, dict) else ((w, delays) for w in range(workers))
+    out = [0.0] * workers
+    for w, d in items:
+        if not isinstance(w, int) or not 0 <= w < workers:
+            raise ValueError(f"delays[{w!r}]: not a worker of this run (0..{workers - 1})")
+        ok = isinstance(d, int | float) and not isinstance(d, bool) and math.isfinite(d) and d >= 0
+        if not ok:
+            raise ValueError(f"delays[{w}] = {d!r}: must be a finite number of seconds >= 0")
+        out[w] = float(d)
+    return out
+
+
+def _sleep(seconds: float) -> None:
+    """Sleeps as the local worker sleeps an emulated delay (in slices of at most 1 s)."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, 1.0))
+
+
+def _describe(optimizer: Any) -> str:
+    """The optimizer's kind for the summary (``sgd``, ``adam``, ``chain``...)."""
+    owner = getattr(getattr(optimizer, "init", None), "__qualname__", "").split(".")[0]
+    return owner.lstrip("_").lower() or type(optimizer).__name__
+
+
+def with_table(sim: SimConfig | None, calibration: Calibration) -> SimConfig:
+    """``sim`` (the run's fault scripts, stragglers, model_bytes) with the calibrated
+    timing models (compute, speeds, network, service) in place of its own."""
+    cal = calibration.sim_config()
+    if sim is None:
+        return cal
+    return replace(
+        sim, compute=cal.compute, speeds=cal.speeds, network=cal.network, service=cal.service
+    )

@@ -1,0 +1,178 @@
+"""stalewise.calibrate: the measured [sim] table, read by the simulator's own readers."""
+
+import math
+import re
+import tomllib
+
+import numpy as np
+import pytest
+
+import stalewise as sw
+from stalewise import calibrate, config, tasks
+from stalewise.cli import main
+from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.sim.models import Fixed, ShiftedExponential
+
+CONFIG = """
+[task]
+name = "digits"
+args = { hidden = 16 }
+
+[optimizer]
+name = "adam"
+lr = 0.01
+
+[run]
+workers = 2
+steps = 100
+delay = 0.002
+"""
+
+
+def check_sane(sim: SimConfig) -> None:
+    """Positive numbers in the ranges a small NumPy job on one machine has."""
+    c = sim.compute
+    if isinstance(c, Fixed):
+        assert 1e-6 < c.time < 0.5
+    else:
+        assert isinstance(c, ShiftedExponential)
+        assert 1e-6 < c.shift < 0.5 and 0 < 1 / c.rate < 0.5
+    assert c.mean < 0.5  # the emulated delay is not counted in: the simulator adds it
+    net = sim.network
+    assert 0 <= net.latency < 0.05  # a pipe and shared memory, not a network
+    assert net.bandwidth == math.inf or net.bandwidth > 1e6
+    assert 0 < sim.service.time < 0.05 and sim.service.rate > 1e6
+    assert sim.stragglers is None and not sim.failures and sim.model_bytes is None
+
+
+def test_calibrate_measures_and_its_table_reads_back(tmp_path):
+    task = tasks.get("digits", hidden=16)
+    job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.1, momentum=0.9), shards=2)
+    cal = job.calibrate(
+        task.loss_and_grad, task.batches, workers=2, repeats=4, sizes=(512, 4096), delays=0.002
+    )
+    assert cal.workers == 2 and len(cal.step_times) == 2
+    assert all(len(t) == 4 and min(t) > 0 for t in cal.step_times)
+    assert [b for b, _ in cal.apply.points] == [512 * 4, 4096 * 4]
+    assert all(s > 0 for fit in (cal.apply, cal.pull, cal.push) for _, s in fit.points)
+    text = cal.toml()
+    assert text.startswith("# measured by stalewise calibrate")
+    assert tomllib.loads(text)["sim"] == cal.table()
+    # the config reader takes it as a config's [sim] table
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(CONFIG + "\n" + text)
+    sim = config.load(cfg, runtime="sim").sim
+    assert sim == cal.sim_config() == SimConfig.from_dict(cal.table())
+    check_sane(sim)
+    # and the simulator runs with it
+    r = job.train(task.loss_and_grad, data=task.batches, workers=2, steps=20, runtime="sim",
+                  sim=sim, delays={0: 0.002, 1: 0.002})  # fmt: skip
+    assert r.pushes == 20 and r.time > 20 / 2 * 0.002
+
+
+def test_the_cli_prints_or_writes_the_table(tmp_path, capsys, monkeypatch):
+    flat = calibrate.Fit.of([(4096, 1e-4), (16384, 1e-4)])
+    steps = ((0.001, 0.0012, 0.0011), (0.001, 0.0011, 0.0013))
+    fake = calibrate.Calibration(2, 1, steps, flat, flat, flat, flat, 4096)
+    seen = {}
+
+    def measured(self, loss_and_grad, data, *, workers, **options):
+        seen.update(workers=workers, **options)
+        return fake
+
+    monkeypatch.setattr(sw.Job, "calibrate", measured)
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(CONFIG)
+    assert main(["calibrate", str(cfg), "--repeats", "3"]) == 0
+    assert seen == {"workers": 2, "repeats": 3, "delays": 0.002}  # run.workers and run.delay
+    assert capsys.readouterr().out == fake.toml()
+    out = tmp_path / "tables" / "sim.toml"
+    assert main(["calibrate", str(cfg), "--out", str(out), "--workers", "3"]) == 0
+    assert seen["workers"] == 3
+    printed = capsys.readouterr().out
+    assert "worker 1:" in printed and f"written to {out}" in printed
+    assert out.read_text() == fake.toml()
+    cfg.write_text(CONFIG + "\n" + out.read_text())
+    assert config.load(cfg, runtime="sim").sim == fake.sim_config()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--repeats", "2"], "--repeats: expected an integer >= 3, got 2"),
+        (["--workers", "0"], "--workers: expected an integer >= 1, got 0"),
+        (["--workers", "5000"], "--workers: at most 4096"),
+    ],
+)
+def test_cli_bad_flags_are_one_line(tmp_path, capsys, argv, message):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(CONFIG)
+    assert main(["calibrate", str(cfg), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_cli_missing_config_and_folder_out(tmp_path, capsys):
+    assert main(["calibrate", str(tmp_path / "nope.toml")]) == 2
+    assert "no such config file" in capsys.readouterr().err
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(CONFIG)
+    assert main(["calibrate", str(cfg), "--out", str(tmp_path)]) == 2
+    assert "is a folder, expected a file name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"workers": 0}, "workers = 0: must be an integer >= 1"),
+        ({"workers": 1, "repeats": 1}, "repeats = 1: must be an integer >= 3"),
+        ({"workers": 1, "sizes": (8, 8)}, "sizes = (8, 8): must be two or more different"),
+        ({"workers": 1, "delays": {3: 0.1}}, "delays[3]: not a worker of this run (0..0)"),
+        ({"workers": 1, "delays": -1.0}, "delays[0] = -1.0: must be a finite number"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, message):
+    task = tasks.get("least-squares", n=16, d=2)
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        job.calibrate(task.loss_and_grad, task.batches, **kwargs)
+
+
+def test_fit_and_table_rules():
+    fit = calibrate.Fit.of([(1000, 2e-4), (4000, 5e-4)])
+    assert fit.intercept == pytest.approx(1e-4) and fit.slope == pytest.approx(1e-7)
+    assert calibrate.Fit.of([(1000, 3e-4), (4000, 1e-4)]).slope == 0.0  # noise: no slope
+    flat = calibrate.Fit.of([(1000, 1e-4), (4000, 1e-4)])
+    steps = ((0.010, 0.0101, 0.0100), (0.0101, 0.0100, 0.0100))  # tail < 1% of the shift
+    cal = calibrate.Calibration(2, 1, steps, flat, flat, flat, flat, 4000)
+    t = cal.table()
+    assert t["compute"] == "fixed" and "speeds" not in t and t["bandwidth"] == math.inf
+    assert t["latency"] == pytest.approx(5e-5)
+    slow = ((0.01, 0.012, 0.011), (0.03, 0.031, 0.032))  # worker 1 is 3x slower
+    t = calibrate.Calibration(2, 1, slow, flat, flat, flat, flat, 4000).table()
+    assert t["compute"] == "exponential" and t["speeds"][0] > 1 > t["speeds"][1]
+    SimConfig.from_dict(tomllib.loads(calibrate.table_toml(t))["sim"]).check_workers(2)
+    assert np.isfinite(t["shift"]) and t["rate"] > 0
+
+
+def test_module_examples():
+    import doctest
+
+    assert doctest.testmod(calibrate).failed == 0
+
+
+def test_with_table_keeps_the_runs_scripts_and_takes_the_timing():
+    from stalewise.runtime.sim.models import Failure, Stragglers
+
+    flat = calibrate.Fit.of([(4096, 1e-4), (16384, 2e-4)])
+    steps = ((0.002, 0.003, 0.0025), (0.002, 0.0031, 0.0024))
+    cal = calibrate.Calibration(2, 1, steps, flat, flat, flat, flat, 4096)
+    own = SimConfig(stragglers=Stragglers(1, 3.0), failures=[Failure(1, 2.0)], model_bytes=10**6)
+    both = calibrate.with_table(own, cal)
+    assert (both.stragglers, both.failures, both.model_bytes) == (
+        own.stragglers, own.failures, own.model_bytes,
+    )  # fmt: skip
+    mine = cal.sim_config()
+    assert (both.compute, both.network, both.service) == (mine.compute, mine.network, mine.service)
+    assert both.network.latency == pytest.approx(flat.intercept / 2, rel=1e-3)
+    assert calibrate.with_table(None, cal) == mine
