@@ -70,5 +70,7 @@ if __name__ == "__main__":
         print(f"plain loop: training accuracy {train_plain():.3f}")
     else:
         acc, ctx = train()
-        print(f"rank {ctx.rank} of {ctx.world_size}: training accuracy {acc:.3f}", flush=True)
+        # one write per line: the workers share the launcher's stdout
+        sys.stdout.write(f"rank {ctx.rank} of {ctx.world_size}: training accuracy {acc:.3f}\n")
+        sys.stdout.flush()
         ctx.close()

@@ -90,14 +90,15 @@ def child(name):
 
 
 class Once:
-    """An ``on_record`` that sends ``sig`` to a child once the run has made ``after`` pushes."""
+    """An ``on_record`` that sends ``sig`` to a child once the run has made ``after`` pushes
+    (and run for ``seconds``)."""
 
-    def __init__(self, name, sig=signal.SIGKILL, after=30):
-        self.name, self.sig, self.after = name, sig, after
+    def __init__(self, name, sig=signal.SIGKILL, after=30, seconds=0.0):
+        self.name, self.sig, self.after, self.seconds = name, sig, after, seconds
         self.pid = self.at = None
 
     def __call__(self, rec):
-        if self.pid is None and rec["pushes"] >= self.after:
+        if self.pid is None and rec["pushes"] >= self.after and rec["time"] >= self.seconds:
             self.pid, self.at = child(self.name).pid, rec["time"]
             os.kill(self.pid, self.sig)
 
@@ -223,10 +224,10 @@ def test_a_stopped_worker_is_detected_within_worker_timeout_and_restarted(no_lea
 def test_a_stopped_worker_is_found_by_its_own_rhythm_long_before_worker_timeout(no_leaks):
     """worker_timeout stays at its default (60 s): the worker's beats, about one a second,
     make a silence of 10 s (liveness.FLOOR) a hang, once it has beaten for a few seconds
-    (liveness.MIN_SAMPLES intervals: it is stopped after 600 pushes of 10 ms steps)."""
-    stop = Once("stalewise-worker-1", signal.SIGSTOP, after=600)
+    (liveness.MIN_SAMPLES intervals: it is stopped 7 s into the run)."""
+    stop = Once("stalewise-worker-1", signal.SIGSTOP, seconds=7.0)
     try:
-        result = train(job(consistency=sw.BSP()), on_record=stop, steps=900, timeout=120)
+        result = train(job(consistency=sw.BSP()), on_record=stop, steps=3000, timeout=120)
     finally:
         if stop.pid is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -236,7 +237,7 @@ def test_a_stopped_worker_is_found_by_its_own_rhythm_long_before_worker_timeout(
     assert "its usual interval" in event["cause"] and "hung or stopped" in event["cause"]
     # the floor after its last beat (at most 1 s before the stop), far below worker_timeout
     assert liveness.FLOOR - 1.0 <= event["time"] - stop.at < liveness.FLOOR + 10.0
-    assert result.pushes >= 900
+    assert result.pushes >= 3000
 
 
 def test_every_worker_diverging_stops_the_job_with_a_clear_error(no_leaks):

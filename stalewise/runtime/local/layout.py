@@ -98,6 +98,7 @@ class Layout:
             () if comp is None else tuple(comp.nbytes(k, dtype) for k in range(config.shards))
         )
         feedback = comp is not None and comp.error_feedback
+        expected = None if expected == workers else expected  # None: every id is expected
         return cls(
             config.spec.size, str(dtype), workers, config.shards, payloads, feedback, expected
         )
