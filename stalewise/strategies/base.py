@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -42,6 +43,13 @@ class Strategy:
     def init(self, params: Any) -> Any:
         """The worker's initial state, from the first parameters it pulled."""
         return None
+
+    def warm_up(self) -> None:
+        """Loads what this strategy's steps run compiled, before the runtime's clock starts:
+        by default the optimizer kernels (numba, imported at first use, see
+        :mod:`stalewise._lazy`), which an inner optimizer runs on the worker. Without
+        this, model-averaging workers paid the import in their first timed round."""
+        importlib.import_module("stalewise.optim._kernels")
 
     def started(self, state: Any, now: float) -> None:
         """A round starts: its pull has arrived at ``now`` seconds of the runtime's clock.
@@ -114,6 +122,9 @@ class Gradients(Strategy):
     """Push the gradient of one minibatch per step (asynchronous SGD)."""
 
     name = "gradients"
+
+    def warm_up(self) -> None:
+        """Nothing: a gradient step runs only the user's code."""
 
     def step(self, state: Any, params: Any, loss_and_grad: LossAndGrad, batches: Iterator) -> Step:
         loss, grads = loss_and_grad(params, next(batches))

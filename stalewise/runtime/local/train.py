@@ -160,6 +160,7 @@ def _worker_main(
         # Set-up, not training: load the data and run one step whose result is thrown
         # away, so a JIT compile of the user's function (JAX, numba) happens before the clock.
         options.loss_and_grad(client.pull(copy=False), first)
+        strategy.warm_up()  # an inner optimizer's kernels, likewise
         batches = beat.batches(itertools.chain([first], batches))
         results.send_bytes(wire.worker_ready(w))
         if results.recv_bytes(wire.MAX_RESULT) != wire.go():
