@@ -99,7 +99,10 @@ class Door:
             f.write(key)
         self.listener = connection.Listener(str(self.sock), family="AF_UNIX", authkey=key)
         self.leases: dict[int, connection.Connection] = {}  # worker id -> its open socket
-        self.lock = threading.Lock()
+        # the server's own lock: the door's thread takes it to make a client, and the
+        # server's caller takes it to read the leases (two locks taken in both orders
+        # could deadlock)
+        self.lock = server._lock
         self.closed = threading.Event()
         self.thread = threading.Thread(
             target=self._serve, name=f"stalewise-door-{name}", daemon=True

@@ -155,7 +155,8 @@ class LocalServer:
         self._worker_ends: list[list] = [[] for _ in range(workers)]  # until release(w)
         self._snapshots: Snapshots | None = None  # the parent's view, for published_version
         self.join_timeout = join_timeout
-        # the observer's pipes serve one caller at a time: the door's thread makes clients too
+        # the observer's pipes and the worker table serve one caller at a time: the door's
+        # thread (attach by name) makes clients and keeps its leases under this lock too
         self._lock = threading.RLock()
         self._door = None  # attach by name (see .attach), when served with a name
         self._attached: set[int] = set()  # worker ids ever given to an attached process
