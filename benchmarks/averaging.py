@@ -246,7 +246,7 @@ def run_one(setting: str, name: str, make, point: str, budget: int) -> dict:
     """One run. ``budget``: local steps of all workers (local), rounds of every worker (sim)."""
     task = Blobs() if setting == "blobs" else tasks.get("digits")
     job = sw.Job(task.init_params(0), **make())
-    h = getattr(job.strategy, "steps", 1) or 1
+    h = getattr(job.strategy, "local_steps", 1) or 1
     if "adaptive" in name:
         h = 16  # an average period, only to size the push budget
     pushes = max(budget // h, 4) if setting == "local" else budget * SIM_WORKERS
@@ -368,7 +368,7 @@ def same_budget_accuracy(budget: int) -> tuple[dict, dict]:
         r = job.train(task.loss_and_grad, data=task.batches, evaluate=task.evaluate,
                       workers=WORKERS, steps=steps, eval_interval=1.0,
                       delays=dict.fromkeys(range(WORKERS), DELAY), timeout=300)  # fmt: skip
-        h = getattr(job.strategy, "steps", 1)
+        h = getattr(job.strategy, "local_steps", 1)
         out.append({"final_accuracy": r.records[-1]["accuracy"], "pushes": r.pushes,
                     "local_steps": r.pushes * h, "bytes": r.pushes * job.config.spec.nbytes})  # fmt: skip
     return out[0], out[1]
