@@ -18,6 +18,7 @@ from stalewise.checkpoint import CheckpointError, load_params
 from stalewise.consistency import ASP, BSP, SSP, Hybrid
 from stalewise.launch import Context, init
 from stalewise.loops import LocalSGD, LocalSGDOptax
+from stalewise.runtime.attach import AttachError, attach
 from stalewise.runtime.base import (
     DivergedError,
     FailureWarning,
@@ -25,7 +26,6 @@ from stalewise.runtime.base import (
     TrainResult,
     WorkerError,
 )
-from stalewise.runtime.local.attach import AttachError, attach
 from stalewise.runtime.options import RunOptions
 
 __version__ = "0.1.0"

@@ -6,8 +6,8 @@ A runtime is a function ``run(config, strategy, options) -> TrainResult``
 factory ``server(config, workers, *, join_timeout)`` whose result starts the
 shards for a loop the user owns (what :meth:`stalewise.Job.serve` returns).
 Built in: ``"local"`` (OS processes on this machine; it has a server), ``"sim"``
-(the deterministic simulator) and ``"ray"`` (Ray actors, on a cluster; needs
-``pip install stalewise[ray]``). :func:`register` adds one; its module is
+(the deterministic simulator) and ``"ray"`` (Ray actors, on a cluster; it has a
+server too; needs ``pip install stalewise[ray]``). :func:`register` adds one; its module is
 imported only when it is used. Everything that lists or checks runtime names
 (``Job.train``, ``Job.serve``, the config file, the CLI) reads this registry when
 it runs, so a runtime registered later is known to all of them.
@@ -17,7 +17,7 @@ Example:
     >>> runtime.names()
     ('local', 'sim', 'ray')
     >>> runtime.servers()
-    ('local',)
+    ('local', 'ray')
     >>> runtime.get("nowhere")
     Traceback (most recent call last):
     ...
@@ -37,6 +37,7 @@ _RUNNERS: dict[str, str | Callable[..., Any]] = {
 }
 _SERVERS: dict[str, str | Callable[..., Any]] = {
     "local": "stalewise.runtime.local.server:LocalServer",
+    "ray": "stalewise.runtime.ray.server:RayServer",
 }
 
 

@@ -28,36 +28,21 @@ import contextlib
 import json
 import logging
 import os
-import re
 import secrets
 import socket
 import tempfile
 import threading
 from multiprocessing import connection, reduction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from stalewise.runtime.attach import AttachError, check_name
 
 if TYPE_CHECKING:
     from stalewise.runtime.local.client import Client
     from stalewise.runtime.local.server import LocalServer
 
 log = logging.getLogger(__name__)
-
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-
-
-class AttachError(RuntimeError):
-    """A process could not attach to a served job (one line says why)."""
-
-
-def check_name(name: Any) -> str:
-    """``name`` if it can name a served job (letters, digits, ``_.-``; at most 64)."""
-    if not (isinstance(name, str) and _NAME.fullmatch(name)):
-        raise ValueError(
-            f"job name {name!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a "
-            "letter or digit"
-        )
-    return name
 
 
 def door_dir() -> Path:
@@ -66,6 +51,11 @@ def door_dir() -> Path:
     path = Path(base) / f"stalewise-{os.getuid()}"
     path.mkdir(mode=0o700, exist_ok=True)
     return path
+
+
+def door_path(name: str) -> Path:
+    """The socket of the door of the job served locally as ``name``."""
+    return _paths(name)[0]
 
 
 def _paths(name: str) -> tuple[Path, Path]:

@@ -85,13 +85,23 @@ class ShardActor:
     or, after Ray restarted the actor, the state it is to come back with.
     """
 
-    def __init__(self, config: ServerConfig, k: int, workers: int, publish_every: float):
+    def __init__(
+        self,
+        config: ServerConfig,
+        k: int,
+        workers: int,
+        publish_every: float,
+        expected: int | None = None,
+    ):
         child_logging(f"shard {k}")
         self.config, self.k, self.workers = config, k, workers
+        self.expected = expected  # of the worker ids, those counted from the start (None: all)
         self.lo, self.hi = config.ranges[k]
         self.size = config.spec.size
         self.dtype = config.init.dtype
-        self.shard = config.build_shard(k, np.zeros(self.hi - self.lo, self.dtype), workers)
+        self.shard = config.build_shard(
+            k, np.zeros(self.hi - self.lo, self.dtype), workers, expected
+        )
         self.shard.warm_up()
         self.several = len(config.ranges) > 1  # a torn push is possible: keep recent pushes
         self.gated = config.consistency.gated
@@ -152,7 +162,9 @@ class ShardActor:
         if state is not None:
             self.shard.load_state_dict(state)
         elif init is not None:  # a fresh shard over the initial values
-            self.shard = self.config.build_shard(self.k, np.array(init), self.workers)
+            self.shard = self.config.build_shard(
+                self.k, np.array(init), self.workers, self.expected
+            )
         self.pulls = self._pull_server()  # references are not kept: the next pulls are full
         self.handled = int(handled)
         for w in gone:
@@ -170,13 +182,22 @@ class ShardActor:
         self._notify()
         return self.shard.version
 
-    async def join(self, w: int, inc: int) -> None:
-        """Admits incarnation ``inc`` of worker ``w`` (a live older one leaves first)."""
+    async def join(self, w: int, inc: int) -> int:
+        """Admits incarnation ``inc`` of worker ``w`` (a live older one leaves first);
+        returns the clock it joins at (the pushes it counts as done, for the gates)."""
         self.shard.join(w, inc)
         self.retired[w] = max(self.retired[w], self.admitted[w])
         self.admitted[w] = inc
         self.last.pop(w, None)
         self._notify()
+        return int(self.shard.clocks[w])
+
+    async def expire_unstarted(self) -> list[int]:
+        """Drops the expected workers that never joined (a served job's ``join_timeout``);
+        returns their ids."""
+        gone = self.shard.expire_unstarted()
+        self._notify()
+        return gone
 
     async def cut(self, w: int, inc: int) -> int | None:
         """Ends the connection of ``w``'s incarnation ``inc``: from now on nothing it sent
@@ -258,6 +279,11 @@ class ShardActor:
             "busy": dict(self.busy),
             "pulled": list(self.pulled),
         }
+
+    async def count(self) -> tuple[int, bool]:
+        """``(pushes handled, stopping)``: the job's push count (on shard 0) and whether the
+        job is ending; cheap, for an attached client's budget and stop flag."""
+        return self.handled, self.stopped
 
     async def freeze(self) -> list[tuple[int, int]]:
         """Holds every push from now on; returns each worker's (incarnation, pushes handled)."""

@@ -65,7 +65,8 @@ from stalewise.protocol.sender import Sender
 from stalewise.runtime.base import batch_iterator
 from stalewise.runtime.logs import child_logging
 from stalewise.runtime.options import RunOptions
-from stalewise.runtime.ray.shard import IN_FLIGHT, payload_spans
+from stalewise.runtime.ray.outbox import Outbox
+from stalewise.runtime.ray.shard import IN_FLIGHT
 from stalewise.strategies import Strategy
 
 log = logging.getLogger(__name__)
@@ -100,26 +101,19 @@ class WorkerActor:
         numpy_only = all(leaf.backend == "numpy" for leaf in self.spec.leaves)
         self.views = self.S == 1 and numpy_only and self.replica is None  # the snapshot itself
         self.pull_buf = None if self.views else np.empty(self.spec.size, self.spec.dtype)
-        # with a codec: each push is every shard's payload, back to back in one byte buffer
-        self.compressor = config.compressor()
-        # the protocol's sending side: versions, verdict and the codec's error feedback
-        # (starting from `residual`, the predecessor's or a checkpoint's); `keeper` keeps
-        # the residual of every push before any shard gets it
-        self.sender = Sender(
-            self.spec.segments,
-            config.staleness,
-            self.S,
-            self.compressor,
+        # the protocol's sending side (versions, verdict and the codec's error feedback,
+        # starting from `residual`, the predecessor's or a checkpoint's) with its push
+        # buffers; `keeper` keeps the residual of every push before any shard gets it
+        self.out = Outbox(
+            config,
+            self.shards,
+            w,
             residual=residual,
-            dtype=config.init.dtype,
+            keeper=keeper,
+            ack_timeout=options.ack_timeout,
         )
-        self.keeper = keeper
-        self.spans = payload_spans(config)
-        if self.spans is None:
-            self.free = [np.empty(self.spec.size, self.spec.dtype) for _ in range(2)]
-        else:  # the update is flattened here, then encoded into a free payload buffer
-            self.free = [np.empty(self.spans[-1][1], np.uint8) for _ in range(2)]
-            self.flat_buf = np.empty(self.spec.size, self.spec.dtype)
+        self.compressor = self.out.compressor
+        self.free = self.out.free
         gated = config.consistency.gated
         self.following = not gated and not config.staleness.dc_lambda  # ASP: no pull requests
         self.settled: tuple[int, list] | None = None  # (incarnation, versions) to read
@@ -141,6 +135,15 @@ class WorkerActor:
         self.results: list[PushResult] = []  # of the pushes acknowledged, not yet reported
         self.error: BaseException | None = None  # raised in a thread
         self.closing = False
+
+    @property
+    def sender(self) -> Sender:
+        """The protocol's sending side of this incarnation (the outbox's)."""
+        return self.out.sender
+
+    @sender.setter
+    def sender(self, sender: Sender) -> None:
+        self.out.sender = sender
 
     def prepare(self) -> dict:
         """Set-up, not training: the data, and one step on the initial params whose result
@@ -431,18 +434,9 @@ class WorkerActor:
                 self.beats += 1
             buf = self.free.pop()
         self.times["acks"] += time.perf_counter() - t
-        sender = self.sender
-        if self.compressor is None:
-            sent = flat = tree.flatten(update, spec=self.spec, out=buf)[0]
-        else:  # every shard's payload into buf, the new residual into the sender's other buffer
-            flat = tree.flatten(update, spec=self.spec, out=self.flat_buf)[0]
-            sender.encode(flat, [buf[lo:hi] for lo, hi in self.spans])
-            sent = buf
-        seq, bases, verdict = sender.judge(flat)
-        # committed here: the sender thread keeps its residual before any shard gets it
-        sender.committed()
+        sent, seq, bases, verdict, residual = self.out.prepare(update, buf)
         with self.cond:
-            job = (sent, self.inc, seq, bases, tuple(verdict), loss, sender.residual)
+            job = (sent, self.inc, seq, bases, verdict, loss, residual)
             self.job = job
             self.cond.notify_all()
 
@@ -478,8 +472,6 @@ class WorkerActor:
     def _send_loop(self) -> None:
         """The sender: puts each push into the object store once and sends it to every
         shard, while fewer than ``IN_FLIGHT`` pushes await their acks."""
-        import ray
-
         while True:
             with self.cond:
                 while not self.closing and (self.job is None or len(self.inflight) >= IN_FLIGHT):
@@ -489,33 +481,13 @@ class WorkerActor:
                 flat, inc, seq, bases, verdict, loss, residual = self.job
             t = time.perf_counter()
             acked = self.acked if inc == self.inc else 0
-            if residual is not None:  # kept before any shard can have handled the push
-                self._keep(inc, seq, acked, residual)
-            ref = ray.put(flat)  # the one copy; every shard reads its slice of it in place
-            acks = [
-                s.push.remote(self.w, inc, seq, bases, verdict, loss, acked, ref)
-                for s in self.shards
-            ]
-            del ref
+            acks = self.out.send(flat, inc, seq, bases, verdict, loss, acked, residual)
             self.times["send"] += time.perf_counter() - t
             with self.cond:
                 self.inflight.append((seq, acks))
                 self.free.append(flat)  # the object store has its copy
                 self.job = None
                 self.cond.notify_all()
-
-    def _keep(self, inc: int, seq: int, acked: int, residual: np.ndarray) -> None:
-        """Hands the residual after push ``seq`` to this worker id's keeper
-        (:mod:`~stalewise.runtime.ray.keeper`) and waits until it is kept."""
-        import ray
-
-        if self.keeper is None:
-            return
-        try:
-            ray.get(self.keeper.keep.remote(inc, seq, acked, residual), timeout=self.o.ack_timeout)
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            log.warning("worker %d: its residual keeper failed (%s); going on without", self.w, e)
-            self.keeper = None
 
     def _collect_loop(self) -> None:
         """The collector: the acks of each push sent, in order."""
@@ -536,24 +508,16 @@ class WorkerActor:
 
     def _acks(self, refs: list, seq: int) -> PushResult | None:
         """The result of push ``seq`` from its acks (None if it was lost or cut off)."""
-        import ray
-
         try:
-            replies = ray.get(refs, timeout=self.o.ack_timeout)
-        except ray.exceptions.GetTimeoutError:
+            result, handled = self.out.collect(refs, seq, self.o.ack_timeout)
+        except TimeoutError:
             raise TimeoutError(
                 f"worker {self.w}: no acks within {self.o.ack_timeout} s (ack_timeout)"
             ) from None
-        except ray.exceptions.RayTaskError:
-            raise
-        except ray.exceptions.RayError:  # a shard died with it; the driver restores the shards
-            log.warning("worker %d: push %d lost with a shard that failed", self.w, seq)
-            return None
-        if any(r is None for r in replies):  # this incarnation was cut off meanwhile
-            return None
-        with self.cond:
-            self.handled = max(self.handled, replies[0][1])
-            return self.sender.result([ack for ack, _ in replies])
+        if result is not None:
+            with self.cond:
+                self.handled = max(self.handled, handled)
+        return result
 
     def _receive_loop(self) -> None:
         """The receiver (ASP): a standing request at every shard for its next snapshot."""

@@ -1,0 +1,349 @@
+"""A loop you own, on Ray: a client of a served job's shard actors, attached by name.
+
+``job.serve(runtime="ray", workers=(1, 8), name="gpt")`` starts the job's shard
+actors and a *door* actor, all named (``stalewise:gpt`` and
+``stalewise:gpt:shard-K``, in the ``stalewise`` namespace), see
+:mod:`stalewise.runtime.ray.server`. Any Ray driver, task or actor of the
+cluster then calls ``client = sw.attach("gpt")``: the door chooses the worker id
+(the lowest free one, or ``worker=``) and a new incarnation of it, has every
+shard admit it (a late joiner starts at the slowest live clock, which the shards
+return: :attr:`RayClient.joined_at`), and hands back the shards' handles.
+
+The client is the local runtime's :class:`~stalewise.runtime.local.client.Client`
+on Ray, with the same calls and meaning: :meth:`RayClient.pull` (``into=``,
+read-your-writes: it first waits for the acks of this worker's last push and is
+then served a snapshot that holds it; ``own=False`` does not wait, and
+:attr:`RayClient.pull_has_own` says whether the pull includes it), :meth:`push`,
+:meth:`wait`, :meth:`close`, the job's budget (:attr:`job_pushes`,
+:meth:`may_begin`, by :mod:`stalewise.protocol.budget`) and :attr:`stopping`.
+Its pushes go through the same :class:`~stalewise.runtime.ray.outbox.Outbox` as
+the worker actors' (the protocol's :class:`~stalewise.protocol.sender.Sender`
+judges and commits each one); one push is in flight at a time.
+
+Leaving and dying: :meth:`RayClient.close` waits for the last push's acks and
+asks the door to let the worker go, which applies the commit rule
+(:func:`stalewise.runtime.ray.cluster.depart`: every shard cuts the incarnation
+off, a push some shard handled is delivered to those that lack it, then it
+leaves), so the last push is on every shard or on none. The attaching process
+also starts a small *lease* actor (no CPU) that it owns: Ray kills an actor
+whose owner dies, so when the attached driver, task or actor dies, its lease
+dies with it, the door's call on the lease fails, and the door applies the same
+departure and frees the worker id. BSP rounds and SSP bounds then count the live
+workers only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+
+from stalewise import tree
+from stalewise.protocol import PushResult, ServerConfig, budget
+from stalewise.runtime.base import ShardError
+from stalewise.runtime.ray import import_ray
+from stalewise.runtime.ray.outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "stalewise"  # the Ray namespace of every served job's named actors
+CLOSE_WAIT = 30.0  # seconds close() waits for the last push's acks and the door
+
+
+class ServerClosed(ConnectionError):
+    """The job's shards stopped (the job ended) or cut this client off."""
+
+
+def door_name(name: str) -> str:
+    """The Ray actor name of the door of the job served as ``name``."""
+    return f"stalewise:{name}"
+
+
+class Lease:
+    """An actor owned by the attached process: it dies with that process (Ray's
+    fate-sharing), which the door sees as its :meth:`watch` failing."""
+
+    async def watch(self) -> None:
+        import asyncio
+
+        await asyncio.get_running_loop().create_future()
+
+
+class RayClient:
+    """One incarnation of a worker id of a job served on Ray; see the module docstring.
+
+    Made by :func:`attach` (or ``server.client()``); belongs to one thread of the
+    process that made it. Every blocking call takes a ``timeout`` in seconds.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        door: Any,
+        lease: Any,
+        info: dict,
+    ):
+        self.name = name
+        self.worker: int = info["worker"]
+        self.incarnation: int = info["incarnation"]
+        #: the clock the shards started this incarnation at (a late joiner's is the job's)
+        self.joined_at: int = info["joined_at"]
+        self.workers: int = info["workers"]  # the worker ids the job has room for
+        config: ServerConfig = info["config"]
+        self._door, self._lease = door, lease
+        self._shards = list(info["shards"])
+        self._spec = config.spec
+        self._gated = config.consistency.gated or bool(config.staleness.dc_lambda)
+        self._out = Outbox(config, self._shards, self.worker, buffers=1)
+        self._pull_buf = np.empty(self._spec.size, self._spec.dtype)
+        self._pending: tuple[int, list] | None = None  # (seq, ack refs) of the last push
+        self._acked = 0  # pushes of this incarnation every shard acknowledged
+        self._own: list[int] | None = None  # versions of the last push's acks
+        self._handled = 0  # shard 0's count of pushes, as last heard
+        self._results: list[PushResult] = []
+        self._closed_by: str | None = None
+        self._stopping = False
+        self.last_result: PushResult | None = None
+        #: whether the last pull includes this worker's last push (see :meth:`pull`'s ``own``)
+        self.pull_has_own = True
+
+    # -- the job ----------------------------------------------------------------------
+
+    @property
+    def spec(self) -> tree.FlatSpec:
+        """The job's parameter layout (the structure pushes must have)."""
+        return self._spec
+
+    @property
+    def job_pushes(self) -> int:
+        """Pushes committed by all the job's workers so far (shard 0's count, asked now)."""
+        self._count()
+        return self._handled
+
+    def may_begin(self, steps: int) -> bool:
+        """The budget rule (:mod:`stalewise.protocol.budget`): whether this worker may begin
+        another step of a job of ``steps`` pushes. Its push in flight is its step in
+        progress; while the rule refuses with it in flight, the client waits for its acks
+        and asks again. The other workers' steps are not seen: a job may commit up to
+        ``workers - 1`` pushes beyond ``steps``."""
+        self._count()
+        flying = int(self._pending is not None)
+        if budget.settle_first(self._handled, flying, steps):
+            self.wait()
+            self._count()
+            flying = int(self._pending is not None)
+        return budget.may_begin(self._handled, flying, steps)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the job is ending (the server stopped its shards)."""
+        if not self._stopping and self._closed_by is None:
+            self._count()
+        return self._stopping
+
+    def _count(self) -> None:
+        ray = import_ray()
+        try:
+            handled, stopped = ray.get(self._shards[0].count.remote(), timeout=CLOSE_WAIT)
+        except ray.exceptions.RayActorError:
+            raise ShardError(f"job {self.name!r}: shard 0's actor died") from None
+        self._handled = max(self._handled, int(handled))
+        self._stopping = self._stopping or bool(stopped)
+
+    # -- pulls ------------------------------------------------------------------------
+
+    def pull(
+        self,
+        *,
+        copy: bool = True,
+        into: Any = None,
+        timeout: float | None = None,
+        own: bool = True,
+    ) -> Any:
+        """Blocks until the consistency model lets this worker start, then returns the params.
+
+        Read-your-writes: the parameters include this worker's last push, if the
+        shards applied it: the pull first waits for its acknowledgement, then asks
+        each shard for a snapshot at least as new as the version its ack gave.
+        ``own=False`` does not wait; :attr:`pull_has_own` then says whether the pull
+        includes the push.
+
+        Args:
+            copy: False returns leaves that view the pull buffer (valid until the next pull).
+            into: an existing tree or model to copy the values into, in place; it is returned.
+            timeout: seconds to wait for the shards (None: forever).
+            own: wait for this worker's last push to be acknowledged (default).
+        """
+        self.pull_flat(timeout=timeout, own=own)
+        return self.last_pull(copy=copy, into=into)
+
+    def last_pull(self, *, copy: bool = True, into: Any = None) -> Any:
+        """The parameters of the last completed pull, as :meth:`pull` returns them."""
+        if into is not None:
+            tree.unflatten_into(into, self._pull_buf, self._spec)
+            return into
+        return tree.unflatten(self._pull_buf, self._spec, copy=copy)
+
+    def pull_flat(self, *, timeout: float | None = None, own: bool = True) -> np.ndarray:
+        """Like :meth:`pull` but returns the flat pull buffer itself (no copy)."""
+        self._check_open()
+        if own:
+            self.wait(timeout=timeout)
+        self.pull_has_own = self._pending is None
+        w, inc, sender = self.worker, self.incarnation, self._out.sender
+        if self._gated:  # answered when the gate lets this worker start
+            refs = [s.pull.remote(w, inc, sender.seq) for s in self._shards]
+        else:  # ASP: a snapshot newer than the one before this worker's last push
+            seen = [-1 if self._own is None or not own else v - 1 for v in self._shard_versions()]
+            refs = [s.follow.remote(w, inc, seen[k]) for k, s in enumerate(self._shards)]
+        replies = self._get(refs, timeout, "pull")
+        kinds = {r[0] for r in replies}
+        if "stop" in kinds:
+            self._stopping = True
+            self._close_with("the job is stopping: its shards answer no more pulls")
+        if kinds != {"ok"}:
+            self._close_with(f"worker {w}'s incarnation {inc} was cut off by the shards")
+        slices = self._get([r[2] for r in replies], timeout, "pull")
+        for k, ((lo, hi), piece, r) in enumerate(
+            zip(self._out.config.ranges, slices, replies, strict=True)
+        ):
+            self._pull_buf[lo:hi] = piece
+            sender.pulled(k, r[1])
+        self._handled = max(self._handled, int(replies[0][3]))
+        return self._pull_buf
+
+    def _shard_versions(self) -> list[int]:
+        return list(self._own) if self._own is not None else [0] * len(self._shards)
+
+    # -- pushes -----------------------------------------------------------------------
+
+    def push(self, update: Any, loss: float = math.nan) -> None:
+        """Commits ``update`` (the job's structure: gradients, or a strategy's update) and
+        sends it to every shard; returns at once (its acks are read by :meth:`wait`, or by
+        the next pull or push). ``loss``: this step's loss, recorded by the shards."""
+        self._check_open()
+        self.wait()  # one push in flight: the next waits for the last one's acks
+        out = self._out
+        sent, seq, bases, verdict, residual = out.prepare(update, out.free[0])
+        refs = out.send(sent, self.incarnation, seq, bases, verdict, loss, self._acked, residual)
+        self._pending = (seq, refs)
+
+    def wait(self, timeout: float | None = None) -> PushResult | None:
+        """Waits for the acks of the last push; returns what happened to it (None before
+        the first push)."""
+        if self._pending is None:
+            return self.last_result
+        seq, refs = self._pending
+        try:
+            result, handled = self._out.collect(refs, seq, timeout)
+        except import_ray().exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+        self._pending = None
+        if result is None:
+            self._close_with(f"worker {self.worker}'s push {seq} was cut off or lost")
+        self._acked, self._handled = seq + 1, max(self._handled, handled)
+        self._own = list(result.versions)
+        self.last_result = result
+        self._results.append(result)
+        return result
+
+    def take_results(self) -> list[PushResult]:
+        """The results of the pushes acknowledged since the last call."""
+        out, self._results = self._results, []
+        return out
+
+    @property
+    def residual(self) -> np.ndarray | None:
+        """This worker's error-feedback residual after its last committed push (None when
+        the codec keeps no feedback)."""
+        return self._out.sender.residual
+
+    # -- leaving ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Leaves the job: the last push's acks are awaited, then the door applies the
+        commit rule (the push on every shard or on none) and frees the worker id. Calling
+        it again does nothing."""
+        ray = import_ray()
+        if self._door is None:
+            return
+        door, self._door = self._door, None
+        try:
+            if self._pending is not None and self._closed_by is None:
+                self.wait(timeout=CLOSE_WAIT)
+        except (TimeoutError, ServerClosed, ShardError, ray.exceptions.RayError) as e:
+            log.warning("worker %d: its last push was not acknowledged (%s)", self.worker, e)
+        self._pending = None
+        self._closed_by = self._closed_by or "this client was closed"
+        try:
+            ray.get(door.detach.remote(self.worker, self.incarnation), timeout=CLOSE_WAIT)
+        except (ray.exceptions.RayError, TimeoutError) as e:  # the job is gone already
+            log.debug("worker %d: the door did not answer its leaving (%s)", self.worker, e)
+        if self._lease is not None:
+            ray.kill(self._lease, no_restart=True)
+            self._lease = None
+
+    def __enter__(self) -> RayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed_by is not None:
+            raise ServerClosed(f"job {self.name!r}: {self._closed_by}")
+
+    def _close_with(self, why: str) -> None:
+        self._closed_by = why
+        raise ServerClosed(f"job {self.name!r}: {why}")
+
+    def _get(self, refs: list, timeout: float | None, what: str) -> list:
+        ray = import_ray()
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"job {self.name!r}: no answer to {what} within {timeout} s"
+            ) from None
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+        except ray.exceptions.RayError as e:
+            raise ShardError(
+                f"job {self.name!r}: a shard's actor died ({type(e).__name__})"
+            ) from None
+
+
+def attach(name: str, *, worker: int | None = None, timeout: float = 30.0) -> RayClient:
+    """A client for a worker of the job served on Ray under ``name`` (see the module
+    docstring). Connects to Ray first if this process is not (``RAY_ADDRESS``).
+
+    Raises:
+        AttachError: no job of that name is served on the cluster, or the door refused.
+    """
+    from stalewise.runtime.attach import AttachError
+    from stalewise.runtime.ray import connect
+
+    ray = import_ray()
+    connect()
+    try:
+        door = ray.get_actor(door_name(name), namespace=NAMESPACE)
+    except ValueError:
+        raise AttachError(f"no job named {name!r} is served on this Ray cluster") from None
+    lease = ray.remote(Lease).options(num_cpus=0, max_restarts=0).remote()
+    try:
+        info = ray.get(door.attach.remote(worker, lease), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(lease)
+        raise AttachError(f"job {name!r}: no answer from its door within {timeout} s") from None
+    except ray.exceptions.RayTaskError as e:
+        ray.kill(lease)
+        cause = e.cause if e.cause is not None else e
+        raise AttachError(f"job {name!r}: {cause}") from None
+    except ray.exceptions.RayActorError:
+        ray.kill(lease)
+        raise AttachError(f"job {name!r}: its door is gone (the job ended)") from None
+    return RayClient(name, door, lease, info)

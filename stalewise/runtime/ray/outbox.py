@@ -1,0 +1,148 @@
+"""A worker's sending side on Ray, shared by the worker actor and the attached client.
+
+:class:`Outbox` wraps one worker id's :class:`~stalewise.protocol.sender.Sender`
+(versions, the commit rule's verdict, the codec's error-feedback residual) with
+what Ray adds: the push buffers (plain vectors, or every shard's payload back to
+back, :func:`~stalewise.runtime.ray.shard.payload_spans`), the residual keeper
+(:mod:`~stalewise.runtime.ray.keeper`) that gets each new residual before any
+shard gets the push, one ``ray.put`` of each push read by every shard, and the
+reading of its acks into a :class:`~stalewise.protocol.PushResult`.
+
+Its users decide when each step happens: :class:`~stalewise.runtime.ray.worker.WorkerActor`
+prepares on the loop's thread and sends and collects on threads of its own (pushes
+pipelined), :class:`~stalewise.runtime.ray.client.RayClient` does all three on the
+caller's thread (a push is sent at once; its acks are read by ``wait``).
+Nothing here is a protocol rule: the rules are the sender's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from stalewise import tree
+from stalewise.protocol import PushResult, ServerConfig
+from stalewise.protocol.sender import Sender
+from stalewise.runtime.ray import import_ray
+from stalewise.runtime.ray.shard import payload_spans
+
+log = logging.getLogger(__name__)
+
+
+class Outbox:
+    """Worker ``w``'s pushes to ``shards`` (see the module docstring).
+
+    Args:
+        config: the job's server config.
+        shards: the shard actors' handles, in order.
+        w: the worker id.
+        residual: the error-feedback residual to start from (None: zeros).
+        keeper: the worker id's residual keeper actor (None: residuals are not kept).
+        buffers: how many push buffers to keep (a push's buffer is free again once it
+            is in the object store).
+        ack_timeout: seconds to wait for a keeper's answer.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        shards: list,
+        w: int,
+        *,
+        residual: np.ndarray | None = None,
+        keeper: Any = None,
+        buffers: int = 2,
+        ack_timeout: float | None = 60.0,
+    ):
+        self.config, self.shards, self.w = config, list(shards), w
+        self.spec = config.spec
+        self.compressor = config.compressor()
+        self.sender = Sender(
+            self.spec.segments,
+            config.staleness,
+            len(self.shards),
+            self.compressor,
+            residual=residual,
+            dtype=config.init.dtype,
+        )
+        self.keeper, self.ack_timeout = keeper, ack_timeout
+        self.spans = payload_spans(config)
+        if self.spans is None:
+            self.free = [np.empty(self.spec.size, self.spec.dtype) for _ in range(buffers)]
+        else:  # the update is flattened here, then encoded into a free payload buffer
+            self.free = [np.empty(self.spans[-1][1], np.uint8) for _ in range(buffers)]
+            self.flat_buf = np.empty(self.spec.size, self.spec.dtype)
+
+    def prepare(self, update: Any, buf: np.ndarray) -> tuple:
+        """Flattens ``update`` into the free buffer ``buf`` (with a codec: encodes every
+        shard's payload into it), has the sender judge it and commits it. Returns
+        ``(buf, seq, bases, verdict, residual)`` for :meth:`send`."""
+        sender = self.sender
+        if self.compressor is None:
+            sent = flat = tree.flatten(update, spec=self.spec, out=buf)[0]
+        else:  # every shard's payload into buf, the new residual into the sender's other buffer
+            flat = tree.flatten(update, spec=self.spec, out=self.flat_buf)[0]
+            sender.encode(flat, [buf[lo:hi] for lo, hi in self.spans])
+            sent = buf
+        seq, bases, verdict = sender.judge(flat)
+        # committed here: send() keeps its residual before any shard gets it
+        sender.committed()
+        return sent, seq, bases, tuple(verdict), sender.residual
+
+    def send(
+        self,
+        sent: np.ndarray,
+        inc: int,
+        seq: int,
+        bases: tuple,
+        verdict: tuple,
+        loss: float,
+        acked: int,
+        residual: np.ndarray | None,
+    ) -> list:
+        """Keeps the residual (if a keeper is set), puts the push into the object store
+        once and sends it to every shard; returns the acks' ObjectRefs. ``sent`` may be
+        reused once this returns."""
+        ray = import_ray()
+        if residual is not None:  # kept before any shard can have handled the push
+            self._keep(inc, seq, acked, residual)
+        ref = ray.put(sent)  # the one copy; every shard reads its slice of it in place
+        return [
+            s.push.remote(self.w, inc, seq, bases, verdict, loss, acked, ref) for s in self.shards
+        ]
+
+    def _keep(self, inc: int, seq: int, acked: int, residual: np.ndarray) -> None:
+        """Hands the residual after push ``seq`` to the keeper and waits until it is kept."""
+        ray = import_ray()
+        if self.keeper is None:
+            return
+        try:
+            ray.get(self.keeper.keep.remote(inc, seq, acked, residual), timeout=self.ack_timeout)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            log.warning("worker %d: its residual keeper failed (%s); going on without", self.w, e)
+            self.keeper = None
+
+    def collect(
+        self, refs: list, seq: int, timeout: float | None
+    ) -> tuple[PushResult | None, int | None]:
+        """The result of push ``seq`` from its acks, and shard 0's count of pushes handled;
+        ``(None, None)`` if the push was lost with a shard or its incarnation was cut off.
+
+        Raises:
+            TimeoutError: no acks within ``timeout`` seconds.
+        """
+        ray = import_ray()
+        try:
+            replies = ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"worker {self.w}: no acks within {timeout} s") from None
+        except ray.exceptions.RayTaskError:
+            raise
+        except ray.exceptions.RayError:  # a shard died with it
+            log.warning("worker %d: push %d lost with a shard that failed", self.w, seq)
+            return None, None
+        if any(r is None for r in replies):  # this incarnation was cut off meanwhile
+            return None, None
+        return self.sender.result([ack for ack, _ in replies]), int(replies[0][1])

@@ -1,0 +1,312 @@
+"""``job.serve(runtime="ray")``: a job's shard actors for loops you own, and its door.
+
+:class:`RayServer` (the ``"ray"`` runtime's server, :func:`stalewise.runtime.server`)
+connects to Ray (:func:`stalewise.runtime.ray.connect`), starts one
+:class:`~stalewise.runtime.ray.shard.ShardActor` per shard, spread over the nodes,
+and a :class:`Door` actor, all named after the job (``stalewise:NAME`` and
+``stalewise:NAME:shard-K`` in the ``stalewise`` namespace), so that any driver,
+task or actor of the cluster attaches by the name
+(:func:`stalewise.runtime.ray.client.attach`, ``sw.attach(NAME)``).
+
+``workers=N`` or ``workers=(min, max)``: the shards have room for ``max``
+worker ids, of which the first ``min`` count for the gates from the start (the
+others once they join); an expected id that has not joined within
+``join_timeout`` seconds stops holding the gates back (it may still join).
+
+The door gives out worker ids and incarnations (the lowest free id, or the one
+asked for), admits each incarnation on every shard, and takes it off again when
+its client closes or its process dies (see :mod:`~stalewise.runtime.ray.client`),
+through the commit rule (:func:`stalewise.runtime.ray.cluster.depart`). The
+shard actors ask for no CPU (they wait on messages); a served job has no driver
+backups: a shard actor that dies is a :class:`~stalewise.runtime.base.ShardError`
+for every client (no restart). Every actor is owned by the process that served
+the job and ends with it, or with :meth:`RayServer.close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import uuid
+from typing import Any
+
+import numpy as np
+
+from stalewise import tree
+from stalewise.protocol import ServerConfig
+from stalewise.runtime.ray import cluster, import_ray
+from stalewise.runtime.ray.client import NAMESPACE, RayClient, door_name
+from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
+
+log = logging.getLogger(__name__)
+
+
+class Door:
+    """The served job's door (an asyncio actor): worker ids, incarnations, leases."""
+
+    def __init__(
+        self,
+        name: str,
+        config: ServerConfig,
+        shards: list,
+        workers: int,
+        expected: int,
+        join_timeout: float,
+    ):
+        from stalewise.runtime.logs import child_logging
+
+        child_logging(f"door {name}")
+        self.name, self.config, self.shards = name, config, list(shards)
+        self.workers, self.expected = workers, expected
+        self.incs = [0] * workers  # the newest incarnation of each worker id
+        self.held: dict[int, int] = {}  # worker id -> its attached incarnation
+        self.lock: asyncio.Lock | None = None
+        self.arrived = 0
+        self.arrival: asyncio.Event | None = None
+        self.aborted = False
+        self.join_timeout = join_timeout
+        self.tasks: set = set()
+
+    def _start(self) -> None:
+        if self.lock is None:  # made on the actor's event loop
+            self.lock, self.arrival = asyncio.Lock(), asyncio.Event()
+            if self.expected:
+                self._spawn(self._expire())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def ready(self) -> bool:
+        self._start()
+        return True
+
+    async def _expire(self) -> None:
+        await asyncio.sleep(self.join_timeout)
+        gone = await asyncio.gather(*[s.expire_unstarted.remote() for s in self.shards])
+        if gone[0]:
+            log.warning(
+                "job %r: worker(s) %s did not join within join_timeout=%g s; the gates stop "
+                "waiting for them",
+                self.name,
+                ", ".join(map(str, gone[0])),
+                self.join_timeout,
+            )
+
+    async def attach(self, want: int | None, lease: Any) -> dict:
+        """A new incarnation of worker ``want`` (None: the lowest free id), admitted on
+        every shard; its client's parts."""
+        self._start()
+        async with self.lock:
+            w = self._free(want)
+            self.incs[w] += 1
+            inc = self.incs[w]
+            clocks = await asyncio.gather(*[s.join.remote(w, inc) for s in self.shards])
+            self.held[w] = inc
+        self._spawn(self._watch(w, inc, lease))
+        log.info("job %r: worker %d attached (incarnation %d)", self.name, w, inc)
+        return {
+            "worker": w,
+            "incarnation": inc,
+            "joined_at": int(max(clocks)),
+            "workers": self.workers,
+            "shards": self.shards,
+            "config": self.config,
+        }
+
+    def _free(self, want: int | None) -> int:
+        if want is not None:
+            if isinstance(want, bool) or not isinstance(want, int) or not 0 <= want < self.workers:
+                raise ValueError(
+                    f"unknown worker {want!r}: this job has workers 0..{self.workers - 1}"
+                )
+            if want in self.held:
+                raise ValueError(f"worker {want} is held by an attached process")
+            return want
+        for w in range(self.workers):
+            if w not in self.held:
+                return w
+        raise ValueError(
+            f"the job is full: its {self.workers} worker ids are taken (serve it with "
+            "workers=(min, max) for room to join)"
+        )
+
+    async def _watch(self, w: int, inc: int, lease: Any) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayError):  # it died with its process
+            await lease.watch.remote()
+        async with self.lock:
+            if self.held.get(w) == inc:
+                log.warning("job %r: worker %d's process died; its id is free", self.name, w)
+                await self._depart(w, inc)
+
+    async def detach(self, w: int, inc: int) -> None:
+        """Incarnation ``inc`` of worker ``w`` leaves on purpose."""
+        self._start()
+        async with self.lock:
+            if self.held.get(w) == inc:
+                await self._depart(w, inc)
+                log.info("job %r: worker %d left", self.name, w)
+
+    async def _depart(self, w: int, inc: int) -> None:
+        """The commit rule for a worker gone: its last push on every shard or none."""
+        refs = await asyncio.to_thread(cluster.depart, self.shards, w, inc, 60.0)
+        await asyncio.gather(*refs)
+        self.held.pop(w, None)
+
+    async def attached(self) -> list[int]:
+        """The worker ids held by attached clients."""
+        return sorted(self.held)
+
+    async def rendezvous(self, n: int, timeout: float) -> bool:
+        """Waits until ``n`` callers have arrived (False: timed out, or aborted)."""
+        self._start()
+        self.arrived += 1
+        if self.arrived >= n:
+            self.arrival.set()
+        try:
+            await asyncio.wait_for(self.arrival.wait(), timeout)
+        except TimeoutError:
+            return False
+        return not self.aborted
+
+    async def abort(self) -> None:
+        """Lets every waiting rendezvous go (a launched worker failed)."""
+        self._start()
+        self.aborted = True
+        self.arrival.set()
+
+
+class RayServer:
+    """A job's shards on Ray for loops you own; a context manager (see the module
+    docstring). ``name``: the job's name (default: a new one, :attr:`name`)."""
+
+    runtime = "ray"
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        workers: int | tuple[int, int],
+        *,
+        join_timeout: float = 300.0,
+        name: str | None = None,
+        start_timeout: float = 120.0,
+    ):
+        from stalewise.runtime.attach import check_name
+        from stalewise.runtime.local.server import worker_range
+        from stalewise.runtime.ray import connect
+
+        if config.pull_codec is not None:
+            raise ValueError(
+                "pull_codec: a job served on Ray sends full pulls; delta pulls are for "
+                "Job.train (runtime='ray' or 'sim')"
+            )
+        self.expected, self.workers = worker_range(workers)
+        self.name = check_name(name) if name is not None else f"job-{uuid.uuid4().hex[:8]}"
+        self.config, self.timeout = config, start_timeout
+        self.ray = ray = import_ray()
+        try:
+            ray.get_actor(door_name(self.name), namespace=NAMESPACE)
+        except ValueError:
+            pass
+        else:
+            raise ValueError(f"a job named {self.name!r} is already served on this Ray cluster")
+        self._started = connect()
+        self.shards: list = []
+        self.door: Any = None
+        try:
+            self._start(join_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, join_timeout: float) -> None:
+        ray, config = self.ray, self.config
+        small = dataclasses.replace(config, init=config.init[:0])  # init goes with load()
+        actor = ray.remote(ShardActor)
+        self.shards = [
+            actor.options(
+                name=f"{door_name(self.name)}:shard-{k}",
+                namespace=NAMESPACE,
+                num_cpus=0,
+                max_restarts=0,
+                scheduling_strategy="SPREAD",
+            ).remote(small, k, self.workers, PUBLISH_EVERY, self.expected)
+            for k in range(config.shards)
+        ]
+        info = ray.get([s.ready.remote() for s in self.shards], timeout=self.timeout)
+        self.nodes = [i["node"] for i in info]
+        ray.get(
+            [
+                s.load.remote(None, 0, {}, [], init=config.init[lo:hi])
+                for s, (lo, hi) in zip(self.shards, config.ranges, strict=True)
+            ],
+            timeout=self.timeout,
+        )
+        self.door = (
+            ray.remote(Door)
+            .options(name=door_name(self.name), namespace=NAMESPACE, num_cpus=0, max_restarts=0)
+            .remote(self.name, small, self.shards, self.workers, self.expected, join_timeout)
+        )
+        ray.get(self.door.ready.remote(), timeout=self.timeout)
+
+    def __enter__(self) -> RayServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def client(self, worker: int | None = None) -> RayClient:
+        """A client in this process for a new incarnation of ``worker`` (None: the lowest
+        free id), as :func:`sw.attach(name) <stalewise.attach>` gives one."""
+        from stalewise.runtime.ray.client import attach
+
+        return attach(self.name, worker=worker, timeout=self.timeout)
+
+    def release(self, worker: int) -> None:
+        """Nothing to do on Ray (the door watches every client's process); kept so that
+        code written for the local server runs unchanged."""
+
+    def attached(self) -> set[int]:
+        """The worker ids held by attached clients now."""
+        return set(self.ray.get(self.door.attached.remote(), timeout=self.timeout))
+
+    @property
+    def job_pushes(self) -> int:
+        """Pushes committed by all the job's workers so far (shard 0's count)."""
+        return int(self.ray.get(self.shards[0].count.remote(), timeout=self.timeout)[0])
+
+    def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = 60.0) -> Any:
+        """The current parameters, as an observer (never gated, not counted as a worker)."""
+        ray = self.ray
+        replies = ray.get([s.observe.remote() for s in self.shards], timeout=timeout)
+        slices = ray.get([r[1] for r in replies], timeout=timeout)
+        flat = np.concatenate(slices) if len(slices) > 1 else np.array(slices[0])
+        if into is not None:
+            tree.unflatten_into(into, flat, self.config.spec)
+            return into
+        return tree.unflatten(flat, self.config.spec, copy=copy)
+
+    def stats(self, timeout: float | None = 60.0) -> list[dict]:
+        """Every shard's counters."""
+        return self.ray.get([s.stats.remote() for s in self.shards], timeout=timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the shards (pulls answer "stop"), then ends every actor of the job."""
+        ray = self.ray
+        if self.shards:
+            try:
+                ray.get([s.stop.remote() for s in self.shards], timeout=timeout)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                log.debug("ray server %r: the shards did not stop (%s)", self.name, e)
+        for a in (self.door, *self.shards):
+            if a is not None:
+                ray.kill(a, no_restart=True)
+        self.door, self.shards = None, []
+        if self._started:
+            ray.shutdown()
+            self._started = False
