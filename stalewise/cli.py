@@ -414,6 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--steps", type=int, help="the job's budget: pushes in all (ctx.should_stop() after it)"
     )
+    r.add_argument(
+        "--runtime",
+        choices=("local", "ray"),
+        default="local",
+        help="local: worker processes on this machine (default); ray: Ray actors across the "
+        "cluster (RAY_ADDRESS, else one started on this machine, else a new local instance)",
+    )
     r.add_argument("script", help="the training script (python file)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     r.set_defaults(func=cmd_run)
@@ -424,7 +431,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from stalewise import launch
 
     try:
-        return launch.launch(args.script, args.args, workers=args.workers, steps=args.steps)
+        return launch.launch(
+            args.script, args.args, workers=args.workers, steps=args.steps, runtime=args.runtime
+        )
     except launch.LaunchError as e:
         print(f"stalewise: run: {_one_line(e)}", file=sys.stderr)
         return 2

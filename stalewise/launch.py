@@ -21,6 +21,10 @@ in this process with one worker and returns its context: the same script still
 trains, as one worker, and ``ctx.close()`` (or the end of the process) stops
 the shards. ``steps`` then comes from ``init(job, steps=...)``, if given.
 
+``stalewise run --runtime ray`` runs each worker as a Ray actor across the
+cluster instead (one CPU each; see :mod:`stalewise.runtime.ray.launch`): the
+same script, the same :class:`Context`, with a client of the job's shard actors.
+
 Rank and world size come from the launcher, and so does each worker's client:
 a worker id of the job for each rank. A worker that dies is reported by the
 launcher, which exits with status 1; the others carry on to the budget.
@@ -114,6 +118,7 @@ class _Launch:
     workers: int
     steps: int | None
     timeout: float | None = None
+    runtime: str = "local"
 
 
 _LAUNCH: _Launch | None = None  # set in the launcher's process while it runs the script
@@ -159,6 +164,15 @@ def init(job: Any, *, steps: int | None = None) -> Context:
         _rendezvous(ctx)
         return ctx
     if _LAUNCH is not None:
+        if _LAUNCH.runtime == "ray":
+            from stalewise.runtime.ray.launch import serve_workers
+
+            launch = _LAUNCH
+            raise SystemExit(
+                serve_workers(
+                    job, launch.script, launch.argv, launch.workers, launch.steps, launch.timeout
+                )
+            )
         raise SystemExit(_serve_workers(job, _LAUNCH))
     server = job.serve(workers=1)
     client = server.client(0)
@@ -275,8 +289,12 @@ def launch(
     workers: int,
     steps: int | None = None,
     timeout: float | None = None,
+    runtime: str = "local",
 ) -> int:
     """Runs ``script`` with ``argv`` as ``stalewise run`` does; returns the exit status.
+
+    ``runtime``: ``"local"`` (worker processes on this machine) or ``"ray"`` (Ray actors
+    across the cluster this process connects to; see :mod:`stalewise.runtime.ray.launch`).
 
     Raises:
         LaunchError: a bad argument, or a script that ends without calling :func:`init`.
@@ -286,10 +304,19 @@ def launch(
         raise LaunchError(f"--workers must be an integer in 1..{MAX_WORKERS}, got {workers!r}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise LaunchError(f"--steps must be an integer >= 1, got {steps!r}")
+    if runtime not in ("local", "ray"):
+        raise LaunchError(f"--runtime must be 'local' or 'ray', got {runtime!r}")
     path = Path(script)
     if not path.is_file():
         raise LaunchError(f"{script}: no such script")
-    _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout)
+    if runtime == "ray":
+        try:
+            from stalewise.runtime.ray import import_ray
+
+            import_ray()
+        except ImportError as e:
+            raise LaunchError(str(e)) from None
+    _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout, runtime)
     saved = sys.argv, list(sys.path)
     sys.argv = [str(path), *argv]
     sys.path.insert(0, str(path.resolve().parent))

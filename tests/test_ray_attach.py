@@ -1,0 +1,233 @@
+"""Loops you own on Ray: ``job.serve(runtime="ray")``, ``sw.attach(name)`` from drivers,
+tasks and actors, and ``stalewise run --runtime ray``.
+
+One two-node cluster (``ray.cluster_utils``: two raylets of 2 CPUs each on this
+machine) serves the module; the fixture's finalizer shuts it down whatever
+happens, and every served job is closed by its ``with`` block. Deaths are real:
+``ray.kill`` of an attached actor. Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+import stalewise as sw
+
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+
+TIMEOUT = 60.0  # seconds any one wait may take before the test is declared hung
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two nodes of 2 CPUs each; this process is a driver of it."""
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "object_store_memory": 100 * 2**20},
+    )
+    try:
+        nodes.add_node(num_cpus=2, object_store_memory=100 * 2**20)
+        nodes.wait_for_nodes(timeout=60)
+        ray.init(address=nodes.address, include_dashboard=False, logging_level="warning")
+        yield nodes
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+def _job(consistency=None, shards=2, lr=0.5):
+    return sw.Job(
+        {"w": np.zeros(4, np.float32)},
+        optimizer=sw.optim.sgd(lr),
+        consistency=consistency or sw.ASP(),
+        shards=shards,
+    )
+
+
+def _until(check, timeout=TIMEOUT, every=0.1):
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(every)
+
+
+def test_attach_from_the_driver_and_a_task_ids_given_at_attach_and_freed_on_close(cluster):
+    with _job().serve(runtime="ray", workers=(1, 3), name="attach-ids") as server:
+        me = sw.attach("attach-ids")  # Ray is initialised and no local door: Ray
+        assert (me.worker, me.incarnation) == (0, 1)
+        assert np.all(me.pull()["w"] == 0)
+        me.push({"w": np.ones(4, np.float32)})
+        # read-your-writes: a pull after a push includes it (w = -0.5 after sgd(0.5))
+        assert np.allclose(me.pull()["w"], -0.5) and me.pull_has_own
+        me.push({"w": np.ones(4, np.float32)})
+        me.pull(own=False)
+        assert not me.pull_has_own  # it did not wait for its push's acks
+        assert me.wait().status == "applied"
+
+        @ray.remote(num_cpus=0)
+        def worker_task(pushes):
+            import numpy as np
+
+            import stalewise as sw
+
+            client = sw.attach("attach-ids")
+            who = (client.worker, client.incarnation, client.joined_at)
+            for _ in range(pushes):
+                client.pull()
+                client.push({"w": np.ones(4, np.float32)})
+            client.close()
+            return who
+
+        w, inc, joined_at = ray.get(worker_task.remote(3), timeout=TIMEOUT)
+        assert (w, inc) == (1, 1)  # the lowest free id, its first incarnation
+        assert joined_at >= 0
+        assert server.attached() == {0}  # its close gave id 1 back
+        assert server.job_pushes == me.job_pushes == 5
+        # 2 of my pushes and 3 of the task's, each -0.5
+        assert np.allclose(server.pull()["w"], -2.5)
+        again = sw.attach("attach-ids")
+        assert (again.worker, again.incarnation) == (1, 2)  # id 1 again, a new incarnation
+        again.close()
+        me.close()
+        assert server.attached() == set()
+
+
+def test_a_killed_attached_actor_stops_holding_back_a_bsp_round(cluster):
+    with _job(sw.BSP(), lr=1.0).serve(runtime="ray", workers=(0, 2), name="bsp-kill") as server:
+
+        @ray.remote(num_cpus=0)
+        class Attached:
+            def join(self):
+                import stalewise as sw
+
+                self.client = sw.attach("bsp-kill")
+                self.client.pull()
+                return self.client.worker
+
+        me = sw.attach("bsp-kill")
+        holder = Attached.remote()
+        assert ray.get(holder.join.remote(), timeout=TIMEOUT) == 1
+        assert server.attached() == {0, 1}
+        me.pull()
+        me.push({"w": np.ones(4, np.float32)})
+        me.wait(timeout=TIMEOUT)
+        with pytest.raises(TimeoutError):  # the round waits for worker 1's push
+            me.pull(timeout=2.0)
+        t = time.monotonic()
+        ray.kill(holder)
+        params = me.pull(timeout=TIMEOUT)  # the round closes over the live worker
+        freed = time.monotonic() - t
+        assert np.allclose(params["w"], -1.0)  # my push alone made the round
+        _until(lambda: server.attached() == {0})
+        print(f"a killed attached actor stopped holding the round after {freed:.1f} s")
+        assert freed < 30
+        me.close()
+
+
+def test_attach_errors_are_one_line(cluster):
+    with pytest.raises(sw.AttachError, match="no job named 'nobody-here' is served on this Ray"):
+        sw.attach("nobody-here")
+    with pytest.raises(sw.AttachError, match="runtime 'mars'"):
+        sw.attach("nobody-here", runtime="mars")
+    with _job().serve(runtime="ray", workers=1, name="full") as server:
+        one = server.client()
+        with pytest.raises(sw.AttachError, match="the job is full") as e:
+            sw.attach("full", runtime="ray")
+        assert "\n" not in str(e.value)
+        with pytest.raises(sw.AttachError, match="worker 0 is held by an attached process"):
+            sw.attach("full", worker=0)
+        with pytest.raises(ValueError, match="already served"):
+            _job().serve(runtime="ray", workers=1, name="full")
+        one.close()
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import stalewise as sw
+
+    rng = np.random.default_rng(0)
+    A = rng.normal(size=(256, 16)).astype(np.float32)
+    x_star = rng.normal(size=16).astype(np.float32)
+    b = A @ x_star
+
+    def loss(x):
+        return float(0.5 * ((A @ x - b) ** 2).mean())
+
+    if __name__ == "__main__":
+        out = sys.argv[1]
+        params = {"x": np.zeros(16, np.float32)}
+        job = sw.Job(params, optimizer=sw.optim.sgd(0.1), shards=2)
+        ctx = sw.init(job, steps=int(sys.argv[2]))
+        if "RAISE" in out and ctx.rank == 1:
+            raise ValueError("rank 1 cannot train")
+        gen = np.random.default_rng(ctx.rank)
+        pushes = 0
+        while not ctx.should_stop():
+            x = ctx.client.pull()["x"]
+            idx = gen.integers(0, len(A), 32)
+            grad = A[idx].T @ (A[idx] @ x - b[idx]) / len(idx)
+            ctx.client.push({"x": grad.astype(np.float32)})
+            pushes += 1
+        final = ctx.client.pull()["x"]
+        ctx.close()
+        import os, ray
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        with open(f"{out}-{ctx.rank}.json", "w") as f:
+            json.dump({"rank": ctx.rank, "world": ctx.world_size, "pushes": pushes,
+                       "loss": loss(final), "start": loss(0 * final), "node": node,
+                       "threads": os.environ.get("OMP_NUM_THREADS")}, f)
+    """
+)
+
+
+def _launch(cluster, tmp_path: Path, out: str, steps: int) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, RAY_ADDRESS=cluster.address)
+    env.pop("OMP_NUM_THREADS", None)
+    cmd = [sys.executable, "-m", "stalewise", "run", "--runtime", "ray", "--workers", "2"]
+    return subprocess.run(
+        [*cmd, str(script), str(tmp_path / out), str(steps)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_stalewise_run_on_ray_trains_with_workers_on_both_nodes(cluster, tmp_path):
+    done = _launch(cluster, tmp_path, "out", 400)
+    assert done.returncode == 0, done.stderr[-2000:]
+    reports = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
+    assert [r["rank"] for r in reports] == [0, 1] and {r["world"] for r in reports} == {2}
+    assert sum(r["pushes"] for r in reports) >= 400  # the budget, spent by both
+    assert min(r["pushes"] for r in reports) > 0
+    for r in reports:  # least squares, from 9.0 at the start
+        assert r["loss"] < 1e-3 * r["start"], r
+        assert r["threads"] == "1"  # capped like the local launcher's workers
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert {r["node"] for r in reports} == nodes and len(nodes) == 2  # one on each node
+    assert "2 workers done on 2 Ray node(s)" in done.stderr
+
+
+def test_a_failed_ray_worker_makes_the_launcher_exit_1_naming_its_rank(cluster, tmp_path):
+    done = _launch(cluster, tmp_path, "RAISE", 100)
+    assert done.returncode == 1
+    assert "stalewise run: rank 1 failed (ValueError: rank 1 cannot train)" in done.stderr
+    # rank 0 trained on alone, to the budget
+    assert json.loads((tmp_path / "RAISE-0.json").read_text())["pushes"] >= 100
