@@ -100,8 +100,11 @@ def test_attach_from_the_driver_and_a_task_ids_given_at_attach_and_freed_on_clos
         again = sw.attach("attach-ids")
         assert (again.worker, again.incarnation) == (1, 2)  # id 1 again, a new incarnation
         again.close()
-        me.close()
+        me.push({"w": np.ones(4, np.float32)})
+        me.close()  # leaves at once: its last push is on both shards (or neither)
         assert server.attached() == set()
+        versions = [s["version"] for s in server.stats()]
+        assert versions == [6, 6] and server.job_pushes == 6
 
 
 def test_a_killed_attached_actor_stops_holding_back_a_bsp_round(cluster):
@@ -133,6 +136,15 @@ def test_a_killed_attached_actor_stops_holding_back_a_bsp_round(cluster):
         _until(lambda: server.attached() == {0})
         print(f"a killed attached actor stopped holding the round after {freed:.1f} s")
         assert freed < 30
+        late = sw.attach("bsp-kill")  # joins as id 1 again, at the live workers' clock
+        assert (late.worker, late.incarnation, late.joined_at) == (1, 2, 1)
+        late.pull(timeout=TIMEOUT)
+        late.push({"w": np.ones(4, np.float32)})
+        me.pull(timeout=TIMEOUT)
+        me.push({"w": np.ones(4, np.float32)})
+        # a round over both live workers: the mean of their pushes
+        assert np.allclose(me.pull(timeout=TIMEOUT)["w"], -2.0)
+        late.close()
         me.close()
 
 
@@ -210,6 +222,7 @@ def _launch(cluster, tmp_path: Path, out: str, steps: int) -> subprocess.Complet
     )
 
 
+@pytest.mark.slow
 def test_stalewise_run_on_ray_trains_with_workers_on_both_nodes(cluster, tmp_path):
     done = _launch(cluster, tmp_path, "out", 400)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -225,6 +238,7 @@ def test_stalewise_run_on_ray_trains_with_workers_on_both_nodes(cluster, tmp_pat
     assert "2 workers done on 2 Ray node(s)" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_failed_ray_worker_makes_the_launcher_exit_1_naming_its_rank(cluster, tmp_path):
     done = _launch(cluster, tmp_path, "RAISE", 100)
     assert done.returncode == 1

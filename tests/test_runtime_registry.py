@@ -32,18 +32,19 @@ def job():
     return sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1))
 
 
-def test_the_built_in_runtimes_and_the_one_with_a_server():
+def test_the_built_in_runtimes_and_the_ones_with_a_server():
     assert runtime.names() == ("local", "sim", "ray")
-    assert runtime.servers() == ("local",)
+    assert runtime.servers() == ("local", "ray")
     from stalewise.runtime.local.server import LocalServer
 
     assert runtime.server("local") is LocalServer
+    assert runtime.server("ray").__name__ == "RayServer"
 
 
 def test_serve_refuses_a_runtime_without_a_server_or_an_unknown_one():
     with pytest.raises(
         ValueError,
-        match=r"^runtime 'sim' has no server for a loop you own; runtimes with one: local$",
+        match=r"^runtime 'sim' has no server for a loop you own; runtimes with one: local, ray$",
     ):
         job().serve(workers=1, runtime="sim")
     with pytest.raises(ValueError, match=r"^unknown runtime 'nope'; known: local, sim, ray$"):
@@ -55,7 +56,7 @@ def test_a_registered_runtime_is_known_to_train_serve_the_config_and_the_cli(reg
         cli._check_runtime("mine")
     registry.register("mine", runner, server=server)
     assert registry.names() == ("local", "sim", "ray", "mine")
-    assert registry.servers() == ("local", "mine")
+    assert registry.servers() == ("local", "ray", "mine")
     cli._check_runtime("mine")  # no longer refused
     j = job()
     with pytest.raises(Ran) as ran:
@@ -66,7 +67,7 @@ def test_a_registered_runtime_is_known_to_train_serve_the_config_and_the_cli(reg
         j.serve(workers=3, join_timeout=5.0, runtime="mine")
     assert ran.value.args == (j.config, 3, 5.0)
     registry.register("mine", "stalewise.runtime.sim:run")  # again, by path, without a server
-    assert registry.get("mine") is registry.get("sim") and registry.servers() == ("local",)
+    assert registry.get("mine") is registry.get("sim") and registry.servers() == ("local", "ray")
 
 
 @pytest.mark.parametrize(
