@@ -283,9 +283,12 @@ class Job:
         """Starts the shards for a loop you own; use as a context manager.
 
         ``runtime`` names a registered runtime that has a server
-        (:func:`stalewise.runtime.servers`); the built-in one is ``"local"``: the
+        (:func:`stalewise.runtime.servers`); the built-in ones are ``"local"``: the
         shards run as processes on this machine, and the rest of this docstring
-        describes it. Another name is refused with the list of those that have one.
+        describes it; and ``"ray"``: the shards run as named Ray actors, and any
+        driver, task or actor of the cluster attaches with ``sw.attach(name)``
+        (:mod:`stalewise.runtime.ray.server`, :mod:`stalewise.runtime.ray.client`).
+        Another name is refused with the list of those that have one.
 
         Hand ``server.client(w)`` to worker ``w``'s process, then call
         ``server.release(w)`` once that process has started, so that the shards

@@ -610,3 +610,18 @@ class Recorder:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def worker_range(workers: Any) -> tuple[int, int]:
+    """``(expected, room)`` from ``workers=N`` (N of N) or ``workers=(min, max)``."""
+    if isinstance(workers, tuple | list) and len(workers) == 2:
+        lo, hi = workers
+    else:
+        lo = hi = workers
+    ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi))
+    if not (ok and 0 <= lo <= hi and hi >= 1):
+        raise ValueError(
+            f"workers must be an int >= 1 or (min, max) with 0 <= min <= max, max >= 1; "
+            f"got {workers!r}"
+        )
+    return lo, hi

@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from stalewise.protocol import ServerConfig, wire
-from stalewise.runtime.base import ShardError
+from stalewise.runtime.base import ShardError, worker_range
 from stalewise.runtime.local import layout as layout_lib
 from stalewise.runtime.local.attach import Door
 from stalewise.runtime.local.client import Client, ControlPipe, ServerClosed, recv_reply
@@ -104,21 +104,6 @@ def _locked(method: Any) -> Any:
             return method(self, *args, **kwargs)
 
     return locked
-
-
-def worker_range(workers: Any) -> tuple[int, int]:
-    """``(expected, room)`` from ``workers=N`` (N of N) or ``workers=(min, max)``."""
-    if isinstance(workers, tuple | list) and len(workers) == 2:
-        lo, hi = workers
-    else:
-        lo = hi = workers
-    ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi))
-    if not (ok and 0 <= lo <= hi and hi >= 1):
-        raise ValueError(
-            f"workers must be an int >= 1 or (min, max) with 0 <= min <= max, max >= 1; "
-            f"got {workers!r}"
-        )
-    return lo, hi
 
 
 class LocalServer:

@@ -1,6 +1,11 @@
 """The Ray runtime: the job's shards and workers as Ray actors, on one machine or a cluster.
 
-``job.train(..., runtime="ray")`` (``stalewise train CONFIG --runtime ray``)
+For a loop you own, ``job.serve(runtime="ray", name=...)`` serves the shards
+and ``sw.attach(name)`` attaches from any driver, task or actor
+(:mod:`~stalewise.runtime.ray.server`, :mod:`~stalewise.runtime.ray.client`), and
+``stalewise run --runtime ray`` runs a script once per worker as Ray actors
+(:mod:`~stalewise.runtime.ray.launch`). The rest of this docstring is about
+``job.train(..., runtime="ray")`` (``stalewise train CONFIG --runtime ray``), which
 hosts the same protocol objects as the local runtime: each shard is a
 :class:`~stalewise.runtime.ray.shard.ShardActor` holding one
 :class:`~stalewise.protocol.Shard`, each worker a

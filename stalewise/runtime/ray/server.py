@@ -36,6 +36,7 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import ServerConfig
+from stalewise.runtime.base import worker_range
 from stalewise.runtime.ray import cluster, import_ray
 from stalewise.runtime.ray.client import NAMESPACE, RayClient, door_name
 from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
@@ -197,7 +198,6 @@ class RayServer:
         start_timeout: float = 120.0,
     ):
         from stalewise.runtime.attach import check_name
-        from stalewise.runtime.local.server import worker_range
         from stalewise.runtime.ray import connect
 
         if config.pull_codec is not None:
