@@ -162,6 +162,11 @@ def test_attach_errors_are_one_line(cluster):
             sw.attach("full", worker=0)
         with pytest.raises(ValueError, match="already served"):
             _job().serve(runtime="ray", workers=1, name="full")
+        assert not one.stopping and one.may_begin(1) and not one.may_begin(0)
+        ray.get([s.stop.remote() for s in server.shards], timeout=TIMEOUT)  # the job ends
+        assert one.stopping
+        with pytest.raises(ConnectionError, match="the job is stopping"):
+            one.pull(timeout=TIMEOUT)
         one.close()
 
 
@@ -228,7 +233,8 @@ def test_stalewise_run_on_ray_trains_with_workers_on_both_nodes(cluster, tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     reports = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in reports] == [0, 1] and {r["world"] for r in reports} == {2}
-    assert sum(r["pushes"] for r in reports) >= 400  # the budget, spent by both
+    # the budget, spent by both; the budget rule's overshoot is at most workers - 1
+    assert 400 <= sum(r["pushes"] for r in reports) <= 401
     assert min(r["pushes"] for r in reports) > 0
     for r in reports:  # least squares, from 9.0 at the start
         assert r["loss"] < 1e-3 * r["start"], r

@@ -25,10 +25,9 @@ the job and ends with it, or with :meth:`RayServer.close`.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import logging
+import threading
 import uuid
 from typing import Any
 
@@ -43,9 +42,19 @@ from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
 
 log = logging.getLogger(__name__)
 
+WATCH_EVERY = 0.5  # seconds between two looks of the door's watcher at its list of leases
+DEPART_TIMEOUT = 60.0  # seconds the shards may take to let a worker go
+DOOR_THREADS = 1000  # the door's calls at once (rendezvous calls wait, one per worker)
+
 
 class Door:
-    """The served job's door (an asyncio actor): worker ids, incarnations, leases."""
+    """The served job's door (a threaded actor): worker ids, incarnations, leases.
+
+    Its methods run on threads of the actor (``max_concurrency``), one at a time where
+    they change the table of ids (``lock``); a watcher thread waits on every lease's
+    :meth:`~stalewise.runtime.ray.client.Lease.watch` and departs the worker whose
+    lease ends first.
+    """
 
     def __init__(
         self,
@@ -63,51 +72,47 @@ class Door:
         self.workers, self.expected = workers, expected
         self.incs = [0] * workers  # the newest incarnation of each worker id
         self.held: dict[int, int] = {}  # worker id -> its attached incarnation
-        self.lock: asyncio.Lock | None = None
+        self.leases: dict[Any, tuple[int, int]] = {}  # a lease's watch ref -> (w, inc)
+        self.lock = threading.RLock()
+        self.changed = threading.Event()  # a lease was added: the watcher looks again
         self.arrived = 0
-        self.arrival: asyncio.Event | None = None
+        self.arrival = threading.Event()
         self.aborted = False
-        self.join_timeout = join_timeout
-        self.tasks: set = set()
+        threading.Thread(target=self._watch, daemon=True).start()
+        if expected:
+            timer = threading.Timer(join_timeout, self._expire, (join_timeout,))
+            timer.daemon = True
+            timer.start()
 
-    def _start(self) -> None:
-        if self.lock is None:  # made on the actor's event loop
-            self.lock, self.arrival = asyncio.Lock(), asyncio.Event()
-            if self.expected:
-                self._spawn(self._expire())
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def ready(self) -> bool:
-        self._start()
+    def ready(self) -> bool:
         return True
 
-    async def _expire(self) -> None:
-        await asyncio.sleep(self.join_timeout)
-        gone = await asyncio.gather(*[s.expire_unstarted.remote() for s in self.shards])
+    def _expire(self, join_timeout: float) -> None:
+        import ray
+
+        gone = ray.get([s.expire_unstarted.remote() for s in self.shards])
         if gone[0]:
             log.warning(
                 "job %r: worker(s) %s did not join within join_timeout=%g s; the gates stop "
                 "waiting for them",
                 self.name,
                 ", ".join(map(str, gone[0])),
-                self.join_timeout,
+                join_timeout,
             )
 
-    async def attach(self, want: int | None, lease: Any) -> dict:
+    def attach(self, want: int | None, lease: Any) -> dict:
         """A new incarnation of worker ``want`` (None: the lowest free id), admitted on
         every shard; its client's parts."""
-        self._start()
-        async with self.lock:
+        import ray
+
+        with self.lock:
             w = self._free(want)
             self.incs[w] += 1
             inc = self.incs[w]
-            clocks = await asyncio.gather(*[s.join.remote(w, inc) for s in self.shards])
+            clocks = ray.get([s.join.remote(w, inc) for s in self.shards])
             self.held[w] = inc
-        self._spawn(self._watch(w, inc, lease))
+            self.leases[lease.watch.remote()] = (w, inc)
+            self.changed.set()
         log.info("job %r: worker %d attached (incarnation %d)", self.name, w, inc)
         return {
             "worker": w,
@@ -135,49 +140,57 @@ class Door:
             "workers=(min, max) for room to join)"
         )
 
-    async def _watch(self, w: int, inc: int, lease: Any) -> None:
+    def _watch(self) -> None:
+        """The watcher thread: a lease whose watch ends (its owner died, or its client
+        closed and killed it) departs its worker, if it still holds the id."""
         import ray
 
-        with contextlib.suppress(ray.exceptions.RayError):  # it died with its process
-            await lease.watch.remote()
-        async with self.lock:
-            if self.held.get(w) == inc:
-                log.warning("job %r: worker %d's process died; its id is free", self.name, w)
-                await self._depart(w, inc)
+        while True:
+            with self.lock:
+                refs = list(self.leases)
+                self.changed.clear()
+            if not refs:
+                self.changed.wait(WATCH_EVERY)
+                continue
+            done, _ = ray.wait(refs, num_returns=1, timeout=WATCH_EVERY)
+            for ref in done:
+                with self.lock:
+                    w, inc = self.leases.pop(ref)
+                    if self.held.get(w) == inc:
+                        log.warning(
+                            "job %r: worker %d's process died; its id is free", self.name, w
+                        )
+                        self._depart(w, inc)
 
-    async def detach(self, w: int, inc: int) -> None:
+    def detach(self, w: int, inc: int) -> None:
         """Incarnation ``inc`` of worker ``w`` leaves on purpose."""
-        self._start()
-        async with self.lock:
+        with self.lock:
             if self.held.get(w) == inc:
-                await self._depart(w, inc)
+                self._depart(w, inc)
                 log.info("job %r: worker %d left", self.name, w)
 
-    async def _depart(self, w: int, inc: int) -> None:
+    def _depart(self, w: int, inc: int) -> None:
         """The commit rule for a worker gone: its last push on every shard or none."""
-        refs = await asyncio.to_thread(cluster.depart, self.shards, w, inc, 60.0)
-        await asyncio.gather(*refs)
+        import ray
+
+        ray.get(cluster.depart(self.shards, w, inc, DEPART_TIMEOUT), timeout=DEPART_TIMEOUT)
         self.held.pop(w, None)
 
-    async def attached(self) -> list[int]:
+    def attached(self) -> list[int]:
         """The worker ids held by attached clients."""
-        return sorted(self.held)
+        with self.lock:
+            return sorted(self.held)
 
-    async def rendezvous(self, n: int, timeout: float) -> bool:
+    def rendezvous(self, n: int, timeout: float) -> bool:
         """Waits until ``n`` callers have arrived (False: timed out, or aborted)."""
-        self._start()
-        self.arrived += 1
-        if self.arrived >= n:
-            self.arrival.set()
-        try:
-            await asyncio.wait_for(self.arrival.wait(), timeout)
-        except TimeoutError:
-            return False
-        return not self.aborted
+        with self.lock:
+            self.arrived += 1
+            if self.arrived >= n:
+                self.arrival.set()
+        return self.arrival.wait(timeout) and not self.aborted
 
-    async def abort(self) -> None:
+    def abort(self) -> None:
         """Lets every waiting rendezvous go (a launched worker failed)."""
-        self._start()
         self.aborted = True
         self.arrival.set()
 
@@ -249,7 +262,13 @@ class RayServer:
         )
         self.door = (
             ray.remote(Door)
-            .options(name=door_name(self.name), namespace=NAMESPACE, num_cpus=0, max_restarts=0)
+            .options(
+                name=door_name(self.name),
+                namespace=NAMESPACE,
+                num_cpus=0,
+                max_restarts=0,
+                max_concurrency=DOOR_THREADS,
+            )
             .remote(self.name, small, self.shards, self.workers, self.expected, join_timeout)
         )
         ray.get(self.door.ready.remote(), timeout=self.timeout)
