@@ -148,6 +148,49 @@ def test_a_killed_attached_actor_stops_holding_back_a_bsp_round(cluster):
         me.close()
 
 
+OTHER_DRIVER = textwrap.dedent(
+    """
+    import numpy as np
+    import stalewise as sw
+
+    client = sw.attach("other-driver")  # RAY_ADDRESS is set: sw.attach connects to Ray
+    for _ in range(4):
+        client.pull()
+        client.push({"w": np.ones(4, np.float32)})
+    client.close()
+    print("attached as", client.worker, client.incarnation)
+    """
+)
+
+
+def test_another_driver_attaches_by_name_through_ray_address(cluster, tmp_path):
+    with _job().serve(runtime="ray", workers=(0, 2), name="other-driver") as server:
+        env = dict(os.environ, RAY_ADDRESS=cluster.address)
+        done = subprocess.run(
+            [sys.executable, "-c", OTHER_DRIVER],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "attached as 0 1" in done.stdout
+        assert server.job_pushes == 4 and np.allclose(server.pull()["w"], -2.0)
+        assert server.attached() == set()
+
+
+def test_launch_refuses_an_unknown_runtime_in_one_line(tmp_path):
+    from stalewise import launch
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    with pytest.raises(
+        launch.LaunchError, match=r"^--runtime must be 'local' or 'ray', got 'mars'$"
+    ):
+        launch.launch(str(script), [], workers=2, runtime="mars")
+
+
 def test_attach_errors_are_one_line(cluster):
     with pytest.raises(sw.AttachError, match="no job named 'nobody-here' is served on this Ray"):
         sw.attach("nobody-here")
