@@ -148,6 +148,30 @@ def test_a_killed_attached_actor_stops_holding_back_a_bsp_round(cluster):
         me.close()
 
 
+def test_compressed_pushes_and_the_residual_goes_to_the_ids_next_incarnation(cluster):
+    target = np.arange(4096, dtype=np.float32)
+    job = sw.Job(
+        {"w": np.zeros(4096, np.float32)},
+        optimizer=sw.optim.sgd(0.1),
+        shards=2,
+        codec=sw.codecs.topk(0.25),
+    )
+    with job.serve(runtime="ray", workers=(0, 2), name="topk") as server:
+        client = sw.attach("topk")
+        for _ in range(3):
+            client.push({"w": client.pull()["w"] - target})
+        assert client.wait().status == "applied"
+        residual = client.residual.copy()
+        assert np.abs(residual).sum() > 0  # top-k held most of each push back
+        client.close()
+        w = server.pull()["w"]
+        assert 0 < np.count_nonzero(w) < 4096  # only the largest entries went through
+        again = sw.attach("topk")
+        assert (again.worker, again.incarnation) == (0, 2)
+        assert np.array_equal(again.residual, residual)  # what it had not sent yet
+        again.close()
+
+
 OTHER_DRIVER = textwrap.dedent(
     """
     import numpy as np

@@ -96,7 +96,9 @@ class RayClient:
         self._shards = list(info["shards"])
         self._spec = config.spec
         self._gated = config.consistency.gated or bool(config.staleness.dc_lambda)
-        self._out = Outbox(config, self._shards, self.worker, buffers=1)
+        # the protocol's sending side; with error feedback, from the residual the id's
+        # last incarnation left with (None: zeros)
+        self._out = Outbox(config, self._shards, self.worker, residual=info["residual"], buffers=1)
         self._pull_buf = np.empty(self._spec.size, self._spec.dtype)
         self._pending: tuple[int, list] | None = None  # (seq, ack refs) of the last push
         self._acked = 0  # pushes of this incarnation every shard acknowledged
@@ -275,10 +277,14 @@ class RayClient:
                 self.wait(timeout=CLOSE_WAIT)
         except (TimeoutError, ServerClosed, ShardError, ray.exceptions.RayError) as e:
             log.warning("worker %d: its last push was not acknowledged (%s)", self.worker, e)
+        # the residual of the last push, if it was acknowledged (else it may be torn off
+        # with the push: the next incarnation starts from zeros)
+        residual = self.residual if self._pending is None else None
         self._pending = None
         self._closed_by = self._closed_by or "this client was closed"
         try:
-            ray.get(door.detach.remote(self.worker, self.incarnation), timeout=CLOSE_WAIT)
+            leave = door.detach.remote(self.worker, self.incarnation, residual)
+            ray.get(leave, timeout=CLOSE_WAIT)
         except (ray.exceptions.RayError, TimeoutError) as e:  # the job is gone already
             log.debug("worker %d: the door did not answer its leaving (%s)", self.worker, e)
         if self._lease is not None:

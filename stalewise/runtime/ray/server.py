@@ -72,6 +72,9 @@ class Door:
         self.workers, self.expected = workers, expected
         self.incs = [0] * workers  # the newest incarnation of each worker id
         self.held: dict[int, int] = {}  # worker id -> its attached incarnation
+        # with a codec's error feedback: the residual each worker id left with on close,
+        # for its next incarnation (one that died leaves none: it is lost with it)
+        self.residuals: dict[int, Any] = {}
         self.leases: dict[Any, tuple[int, int]] = {}  # a lease's watch ref -> (w, inc)
         self.lock = threading.RLock()
         self.changed = threading.Event()  # a lease was added: the watcher looks again
@@ -121,6 +124,7 @@ class Door:
             "workers": self.workers,
             "shards": self.shards,
             "config": self.config,
+            "residual": self.residuals.pop(w, None),
         }
 
     def _free(self, want: int | None) -> int:
@@ -162,11 +166,14 @@ class Door:
                         )
                         self._depart(w, inc)
 
-    def detach(self, w: int, inc: int) -> None:
-        """Incarnation ``inc`` of worker ``w`` leaves on purpose."""
+    def detach(self, w: int, inc: int, residual: Any = None) -> None:
+        """Incarnation ``inc`` of worker ``w`` leaves on purpose (``residual``: its codec's
+        error-feedback residual after its last push, for its id's next incarnation)."""
         with self.lock:
             if self.held.get(w) == inc:
                 self._depart(w, inc)
+                if residual is not None:
+                    self.residuals[w] = residual
                 log.info("job %r: worker %d left", self.name, w)
 
     def _depart(self, w: int, inc: int) -> None:
