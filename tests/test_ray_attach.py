@@ -204,6 +204,17 @@ def test_another_driver_attaches_by_name_through_ray_address(cluster, tmp_path):
         assert server.attached() == set()
 
 
+def test_a_process_without_ray_is_told_in_one_line_where_it_looked(tmp_path):
+    code = "import stalewise as sw\ntry:\n    sw.attach('nobody-here')\nexcept sw.AttachError as e:\n    print(e)"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and "no job named 'nobody-here' is served on this machine" in lines[0]
+    assert "not connected to Ray" in lines[0], done.stdout + done.stderr
+
+
 def test_launch_refuses_an_unknown_runtime_in_one_line(tmp_path):
     from stalewise import launch
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -193,7 +194,8 @@ class RayClient:
         self._check_open()
         if own:
             self.wait(timeout=timeout)
-        self.pull_has_own = self._pending is None
+        # a gated pull waits at every shard until this worker's pushes have arrived
+        self.pull_has_own = self._pending is None or self._gated
         w, inc, sender = self.worker, self.incarnation, self._out.sender
         if self._gated:  # answered when the gate lets this worker start
             refs = [s.pull.remote(w, inc, sender.seq) for s in self._shards]
@@ -325,7 +327,8 @@ class RayClient:
 
 def attach(name: str, *, worker: int | None = None, timeout: float = 30.0) -> RayClient:
     """A client for a worker of the job served on Ray under ``name`` (see the module
-    docstring). Connects to Ray first if this process is not (``RAY_ADDRESS``).
+    docstring). Connects to Ray first if this process is not (``RAY_ADDRESS``, else the
+    cluster started on this machine).
 
     Raises:
         AttachError: no job of that name is served on the cluster, or the door refused.
@@ -334,12 +337,19 @@ def attach(name: str, *, worker: int | None = None, timeout: float = 30.0) -> Ra
     from stalewise.runtime.ray import connect
 
     ray = import_ray()
-    connect()
+    try:  # a cluster to join, never a new instance of its own (it would serve no job)
+        connect(os.environ.get("RAY_ADDRESS") or "auto")
+    except ConnectionError as e:
+        raise AttachError(f"job {name!r}: this process cannot reach a Ray cluster ({e})") from None
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     try:
         door = ray.get_actor(door_name(name), namespace=NAMESPACE)
     except ValueError:
         raise AttachError(f"no job named {name!r} is served on this Ray cluster") from None
-    lease = ray.remote(Lease).options(num_cpus=0, max_restarts=0).remote()
+    # on this node: a lease on a node that fails would take a live client with it
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    lease = ray.remote(Lease).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote()
     try:
         info = ray.get(door.attach.remote(worker, lease), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
