@@ -197,11 +197,10 @@ class RayClient:
         # a gated pull waits at every shard until this worker's pushes have arrived
         self.pull_has_own = self._pending is None or self._gated
         w, inc, sender = self.worker, self.incarnation, self._out.sender
-        if self._gated:  # answered when the gate lets this worker start
-            refs = [s.pull.remote(w, inc, sender.seq) for s in self._shards]
-        else:  # ASP: a snapshot newer than the one before this worker's last push
-            seen = [-1 if self._own is None or not own else v - 1 for v in self._shard_versions()]
-            refs = [s.follow.remote(w, inc, seen[k]) for k, s in enumerate(self._shards)]
+        # answered when the gate lets this worker start (at once under ASP), with a
+        # snapshot that holds this worker's last acknowledged push (read-your-writes)
+        fresh = [0] * len(self._shards) if self._own is None or not own else self._own
+        refs = [s.pull.remote(w, inc, sender.seq, 0, fresh[k]) for k, s in enumerate(self._shards)]
         replies = self._get(refs, timeout, "pull")
         kinds = {r[0] for r in replies}
         if "stop" in kinds:
@@ -217,9 +216,6 @@ class RayClient:
             sender.pulled(k, r[1])
         self._handled = max(self._handled, int(replies[0][3]))
         return self._pull_buf
-
-    def _shard_versions(self) -> list[int]:
-        return list(self._own) if self._own is not None else [0] * len(self._shards)
 
     # -- pushes -----------------------------------------------------------------------
 

@@ -317,13 +317,15 @@ class ShardActor:
 
     # -- the workers' side ----------------------------------------------------------
 
-    async def pull(self, w: int, inc: int, pushed: int, have: int = 0) -> tuple:
+    async def pull(self, w: int, inc: int, pushed: int, have: int = 0, fresh: int = 0) -> tuple:
         """Worker ``w``'s pull for its next step, once the shard lets it start.
 
         ``pushed``: the pushes this incarnation has sent; under SSP/BSP the pull
         also waits until they have all arrived, so the gate sees the worker's clock.
         ``have``: with delta pulls, the reference number the worker holds of this
         shard (:meth:`pulls.Replica.have <stalewise.protocol.pulls.Replica.have>`).
+        ``fresh``: a version the snapshot must have reached (an attached client's
+        read-your-writes under ASP): an older snapshot is published anew at once.
 
         Returns ``("ok", version, snapshot ref, pushes handled)`` (with delta pulls the
         pull's payload, :meth:`pulls.PullServer.pull
@@ -347,7 +349,7 @@ class ShardActor:
             await self._changed()
         if self.pulls is not None:
             return ("ok", *self._delta(w, have), self.handled)
-        version, ref = self._publish(exact=self.exact)
+        version, ref = self._publish(exact=self.exact or self.snap_version < fresh)
         if shard.staleness.dc_lambda or shard.hybrid:
             shard.pull(w, now=time.monotonic())  # DC-ASGD keeps the pull; hybrid times it
         self._served(shard.params.nbytes)
