@@ -1,9 +1,11 @@
 """The text: Python's own standard-library source, read as bytes (offline on every machine).
 
 ``load_text()`` concatenates a fixed list of standard-library modules (about
-0.5 MB), holds out the last 10% for validation, and returns both as uint8
-tensors; ``get_batch`` draws random windows, ``estimate_loss`` scores a fixed,
-evenly spaced set of validation windows (the same figures on every call).
+0.7 MB; the files differ a little between Python versions, and so do the
+losses), holds out the last 10% for validation, and returns both as tensors of
+byte values (the tokens); ``get_batch`` draws random windows, ``estimate_loss``
+scores a fixed, evenly spaced set of validation windows (the same figures on
+every call).
 """
 
 import sysconfig
