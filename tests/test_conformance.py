@@ -252,6 +252,9 @@ def test_a_bsp_budget_ends_at_a_round_end_in_every_runtime(ray_instance):
         assert result.pushes == 6, f"{runtime}: {result.pushes} pushes, budget 4 for 3 workers"
         for leaf in ("w", "b"):  # two rounds of three: the same mean, whatever the order
             np.testing.assert_allclose(
-                result.params[leaf], results["sim"].params[leaf], rtol=0, atol=1e-5,
+                result.params[leaf],
+                results["sim"].params[leaf],
+                rtol=0,
+                atol=1e-5,
                 err_msg=runtime,
             )
