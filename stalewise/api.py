@@ -165,6 +165,8 @@ class Job:
             workers: number of worker processes.
             steps: total pushes across all workers (the job's budget; workers check it
                 before each step, so up to ``workers - 1`` pushes in flight may overshoot it).
+                Under BSP it is ``ceil(steps / workers)`` whole rounds (no partial last
+                round; a round a worker misses has fewer pushes).
             runtime: where to run, a name in :func:`stalewise.runtime.names`: "local"
                 (processes on this machine), "sim" (the deterministic simulator: same
                 shards, virtual time; see :mod:`stalewise.runtime.sim`), "ray" (Ray

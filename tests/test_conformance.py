@@ -220,3 +220,41 @@ def test_simulator_local_and_ray_train_to_the_same_parameters(codec, ray_instanc
             np.testing.assert_allclose(
                 result.params[leaf], sim.params[leaf], rtol=0, atol=1e-6, err_msg=runtime
             )
+
+
+def each_worker_data(worker, workers):
+    """Batches that differ by worker, so that a round's mean depends on who pushed."""
+    return (10 * k + worker for k in itertools.count())
+
+
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+def test_a_bsp_budget_ends_at_a_round_end_in_every_runtime(ray_instance):
+    """Under BSP a budget of 4 pushes for 3 workers is 2 whole rounds (6 pushes): a
+    partial last round would apply one worker's push as the whole round's mean. Before
+    the rule counted rounds, the simulator stopped at 4 pushes, and the local runtime
+    could begin a round only some of its workers went on with."""
+    results = {}
+    for runtime in ("sim", "local", "ray"):
+        job = sw.Job(
+            {"w": np.zeros(SIZE, np.float32), "b": np.ones(4, np.float32)},
+            optimizer=sw.optim.adam(0.05),
+            consistency=sw.BSP(),
+        )
+        results[runtime] = job.train(
+            three_way_grads,
+            data=each_worker_data,
+            workers=3,
+            steps=4,
+            runtime=runtime,
+            timeout=120,
+        )
+    for runtime, result in results.items():
+        assert result.pushes == 6, f"{runtime}: {result.pushes} pushes, budget 4 for 3 workers"
+        for leaf in ("w", "b"):  # two rounds of three: the same mean, whatever the order
+            np.testing.assert_allclose(
+                result.params[leaf],
+                results["sim"].params[leaf],
+                rtol=0,
+                atol=1e-5,
+                err_msg=runtime,
+            )

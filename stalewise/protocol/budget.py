@@ -32,6 +32,21 @@ beyond ``steps``) it allows:
   newest snapshot, whose count may lack the other workers' pushes handled since
   it was published (at most ``publish_every`` seconds), which adds those pushes.
 
+*Rounds* (BSP, where a round's pushes are averaged and applied together): a
+partial last round would apply the mean of a few workers' pushes as if it were
+the whole round's (with DiLoCo, one worker's pseudo-gradient under the outer
+momentum), a worse step than none. So under BSP the rule counts whole rounds: a
+worker may begin its step of round ``r`` (0-based, the shards' clock for it)
+while the ``r`` rounds before it, ``workers`` pushes each, are fewer than
+``steps`` pushes (:func:`may_begin_round`). Every worker of a round gets the
+same answer, so the budget becomes ``ceil(steps / workers)`` full rounds: an
+overshoot of at most ``workers - 1``, and no partial round. A runtime reads
+``r`` as the clock the worker joined at plus its pushes since (local processes,
+simulator), or as its pull's answer gives it (Ray). ``workers`` is the job's
+number of workers (expected at the start): a round that a worker misses (it
+died, or has not joined yet) has fewer pushes, so such a run ends with fewer
+pushes than ``steps``, after the same number of rounds.
+
 Example:
     >>> may_begin(committed=7, in_progress=2, steps=10)
     True
@@ -41,6 +56,8 @@ Example:
     True
     >>> overshoot_bound(workers=4, exact=True), overshoot_bound(workers=4)
     (0, 3)
+    >>> [may_begin_round(r, workers=4, steps=10) for r in range(4)]  # 3 rounds: 12 pushes
+    [True, True, True, False]
 """
 
 from __future__ import annotations
@@ -51,6 +68,12 @@ def may_begin(committed: int, in_progress: int, steps: int) -> bool:
     return committed + in_progress < steps
 
 
+def may_begin_round(round: int, workers: int, steps: int) -> bool:
+    """Under BSP: whether a worker may begin its step of round ``round`` (0-based) of a
+    job of ``workers`` workers: ``round * workers < steps`` (whole rounds only)."""
+    return round * max(workers, 1) < steps
+
+
 def settle_first(committed: int, in_progress: int, steps: int) -> bool:
     """Whether a worker refused a step must first wait for its own pushes in flight
     (``in_progress > 0``) and ask :func:`may_begin` again, instead of stopping."""
@@ -59,5 +82,6 @@ def settle_first(committed: int, in_progress: int, steps: int) -> bool:
 
 def overshoot_bound(workers: int, *, exact: bool = False) -> int:
     """The most pushes a run commits beyond ``steps``: 0 when every worker's steps in
-    progress are seen (``exact``, the simulator), else ``workers - 1`` (a current count)."""
+    progress are seen (``exact``, the simulator), else ``workers - 1`` (a current count,
+    or whole BSP rounds in any runtime)."""
     return 0 if exact else max(workers - 1, 0)

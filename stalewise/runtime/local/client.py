@@ -121,6 +121,7 @@ class Client:
     ):
         self.worker = worker
         self.incarnation = incarnation
+        self.joined_at = joined_at  #: the shards' clock for this worker when it joined
         self._block_name = block_name
         self._layout = layout
         self._spec = config.spec
@@ -179,7 +180,13 @@ class Client:
         """The budget rule (:mod:`stalewise.protocol.budget`): whether this worker may begin
         another step of a job of ``steps`` pushes. Its own steps in progress are none
         here (a push commits before the next step begins); the other workers' are not
-        seen, so a job may commit up to ``workers - 1`` pushes beyond ``steps``."""
+        seen, so a job may commit up to ``workers - 1`` pushes beyond ``steps``. Under
+        BSP it counts whole rounds (:func:`~stalewise.protocol.budget.may_begin_round`):
+        this worker's round is the clock it joined at plus its pushes since."""
+        if self._consistency.averages_rounds:
+            self._attach()
+            workers = self._layout.expected or self._layout.workers
+            return budget.may_begin_round(self.joined_at + self._sender.seq, workers, steps)
         return budget.may_begin(self.job_pushes, 0, steps)
 
     @property

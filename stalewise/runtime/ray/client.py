@@ -92,6 +92,8 @@ class RayClient:
         #: the clock the shards started this incarnation at (a late joiner's is the job's)
         self.joined_at: int = info["joined_at"]
         self.workers: int = info["workers"]  # the worker ids the job has room for
+        self._expected: int = info["expected"] or self.workers  # those expected from the start
+        self._rounds = config.consistency.averages_rounds
         config: ServerConfig = info["config"]
         self._door, self._lease = door, lease
         self._shards = list(info["shards"])
@@ -130,7 +132,12 @@ class RayClient:
         another step of a job of ``steps`` pushes. Its push in flight is its step in
         progress; while the rule refuses with it in flight, the client waits for its acks
         and asks again. The other workers' steps are not seen: a job may commit up to
-        ``workers - 1`` pushes beyond ``steps``."""
+        ``workers - 1`` pushes beyond ``steps``. Under BSP it counts whole rounds
+        (:func:`~stalewise.protocol.budget.may_begin_round`): this worker's round is the
+        clock it joined at plus its pushes since."""
+        if self._rounds:
+            round_ = self.joined_at + self._out.sender.seq
+            return budget.may_begin_round(round_, self._expected, steps)
         self._count()
         flying = int(self._pending is not None)
         if budget.settle_first(self._handled, flying, steps):

@@ -122,6 +122,7 @@ class Door:
             "incarnation": inc,
             "joined_at": int(max(clocks)),
             "workers": self.workers,
+            "expected": self.expected,
             "shards": self.shards,
             "config": self.config,
             "residual": self.residuals.pop(w, None),

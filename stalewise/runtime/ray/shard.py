@@ -327,8 +327,8 @@ class ShardActor:
         ``fresh``: a version the snapshot must have reached (an attached client's
         read-your-writes under ASP): an older snapshot is published anew at once.
 
-        Returns ``("ok", version, snapshot ref, pushes handled)`` (with delta pulls the
-        pull's payload, :meth:`pulls.PullServer.pull
+        Returns ``("ok", version, snapshot ref, pushes handled, w's clock)`` (with delta
+        pulls the pull's payload, :meth:`pulls.PullServer.pull
         <stalewise.protocol.pulls.PullServer.pull>`, instead of the ref), ``("stop",)``
         (the job is ending), ``("moved", inc)`` (the driver gave ``w`` a newer
         incarnation: continue as that one) or ``("gone",)`` (this incarnation
@@ -348,12 +348,12 @@ class ShardActor:
                 break
             await self._changed()
         if self.pulls is not None:
-            return ("ok", *self._delta(w, have), self.handled)
+            return ("ok", *self._delta(w, have), self.handled, int(shard.clocks[w]))
         version, ref = self._publish(exact=self.exact or self.snap_version < fresh)
         if shard.staleness.dc_lambda or shard.hybrid:
             shard.pull(w, now=time.monotonic())  # DC-ASGD keeps the pull; hybrid times it
         self._served(shard.params.nbytes)
-        return ("ok", version, ref, self.handled)
+        return ("ok", version, ref, self.handled, int(shard.clocks[w]))
 
     async def follow(self, w: int, inc: int, seen: int, have: int = 0) -> tuple:
         """Worker ``w``'s standing request for snapshots (ASP): answered once a snapshot

@@ -352,16 +352,20 @@ class WorkerActor:
                 self._become(max(moved))
         with self.cond:
             self.handled = max(self.handled, replies[0][3])
-            if self._budget_spent():
+            if self._budget_spent(round_=replies[0][4]):
                 return None
         return [r[1] for r in replies], slices
 
-    def _budget_spent(self) -> bool:
+    def _budget_spent(self, *, round_: int | None = None) -> bool:
         """The budget rule (:mod:`stalewise.protocol.budget`): shard 0's count of pushes
         as the pushes committed, this worker's pushes in flight as its steps in progress;
         while the rule refuses with some in flight, waits for their acks (which bring
-        shard 0's count) and asks again. Call with ``cond`` held."""
+        shard 0's count) and asks again. Under BSP, called once the round's gate is open,
+        it counts whole rounds: ``round_`` is this worker's clock, the round it would
+        begin, as its pull's answer gives it. Call with ``cond`` held."""
         steps = self.o.steps
+        if round_ is not None and self.config.consistency.averages_rounds:
+            return not budget.may_begin_round(round_, self.o.workers, steps)
         while True:
             flying = (self.job is not None) + len(self.inflight)
             if not budget.settle_first(self.handled, flying, steps):

@@ -132,6 +132,7 @@ class Simulation:
         # each worker's sending side (one protocol Sender per incarnation; a new one takes
         # its predecessor's residual buffers), and the residuals a resumed run starts from
         self.senders: list[Sender | None] = [None] * workers
+        self.joined_at = [0] * workers  # the shards' clock for a worker when it (re)joined
         self.feedback: list[Any] = [None] * workers
         self.payloads: list[Any] = [None] * workers  # each worker's payloads, one per shard
         self.wire_bytes = list(self.slice_bytes)
@@ -322,6 +323,7 @@ class Simulation:
         its worker id's last committed push.
         """
         self.senders[w] = self.new_sender(w)
+        self.joined_at[w] = max(int(shard.clocks[w]) for shard in self.shards)
         try:
             if self.batches[w] is None:
                 self.batches[w] = batch_iterator(self.data, w, self.P, drawn=self.consumed)
@@ -340,7 +342,7 @@ class Simulation:
 
     def start_step(self, w: int) -> None:
         """Answers the loop's BEGIN: a step starts while the job's budget lasts."""
-        more = self.may_begin()
+        more = self.may_begin(w)
         request = self.send(w, more)
         if request is _GONE:
             return
@@ -752,9 +754,14 @@ class Simulation:
         no budget)."""
         return not self.queued and not (self.returns and self.may_begin())
 
-    def may_begin(self) -> bool:
+    def may_begin(self, w: int | None = None) -> bool:
         """The budget rule (:mod:`stalewise.protocol.budget`), with both counts exact: the
-        pushes committed, and every worker's steps begun and not committed."""
+        pushes committed, and every worker's steps begun and not committed. Under BSP,
+        worker ``w``'s step counts whole rounds: its round is the clock it joined at plus
+        its pushes since."""
+        if w is not None and self.config.consistency.averages_rounds:
+            round_ = self.joined_at[w] + self.senders[w].seq
+            return budget.may_begin_round(round_, self.P, self.steps)
         return budget.may_begin(self.pushes, self.started - self.pushes, self.steps)
 
     def stats(self, *, settled: bool = False) -> dict[str, Any]:
