@@ -256,3 +256,24 @@ def test_a_silent_attacher_delays_no_server_call_and_no_other_attach(no_leaks):
         finally:
             for s in silent:
                 s.close()
+
+
+def test_a_silent_attacher_is_cut_off_after_the_handshake_timeout(monkeypatch, no_leaks):
+    import socket
+
+    from stalewise.runtime.local import attach as attach_mod
+
+    monkeypatch.setattr(attach_mod, "HANDSHAKE_TIMEOUT", 1.0)
+    job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(1.0))
+    name = _name()
+    with job.serve(workers=(0, 2), name=name):
+        raw = socket.socket(socket.AF_UNIX)
+        try:
+            raw.connect(str(attach_mod._paths(name)[0]))
+            raw.settimeout(20)
+            t0 = time.monotonic()
+            while raw.recv(4096):  # the door's challenge, then the end of the socket
+                pass
+            assert time.monotonic() - t0 < 10
+        finally:
+            raw.close()

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 #: Seconds an attaching process has for its whole handshake with the door.
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 30.0
 
 
 class AttachError(RuntimeError):
@@ -241,16 +241,17 @@ class _Deadline:
     """Shuts ``conn``'s socket down after ``seconds`` unless cancelled first: a blocked
     read or write on it then fails at once (EOFError, OSError)."""
 
-    def __init__(self, conn: connection.Connection, seconds: float):
+    def __init__(self, conn: connection.Connection, seconds: float | None):
         # a duplicate descriptor of our own: shutting it down acts on the socket itself,
         # and it cannot be reused by another file once conn is closed
         self._sock = socket.socket(fileno=os.dup(conn.fileno()))
         self._lock = threading.Lock()
         self._done = False
         self.expired = False
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
+        self._timer = None if seconds is None else threading.Timer(seconds, self._expire)
+        if self._timer is not None:  # None: no deadline
+            self._timer.daemon = True
+            self._timer.start()
 
     def _expire(self) -> None:
         with self._lock:
@@ -265,7 +266,8 @@ class _Deadline:
             if self._done:
                 return
             self._done = True
-        self._timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         self._sock.close()
 
 
@@ -280,13 +282,13 @@ def _closed(conn: connection.Connection) -> bool:
         return True
 
 
-def attach(name: str, *, worker: int | None = None, timeout: float = 30.0) -> Client:
+def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0) -> Client:
     """A client for a worker of the job served under ``name`` on this machine.
 
     Args:
         name: the ``name=`` the job was served with (:meth:`stalewise.Job.serve`).
         worker: the worker id to take (a new incarnation of it); None: the lowest free one.
-        timeout: seconds to wait for the server.
+        timeout: seconds the whole handshake with the server may take (None: no limit).
 
     Returns:
         A :class:`~stalewise.runtime.local.client.Client` of this process, as
