@@ -7,8 +7,14 @@ that joins with ``sw.attach(name)`` when told to, and trains (pull, one
 gradient, push; each step also waits ``--pace`` seconds, the compute of a
 bigger model) until it is told to leave (``client.close()``) or the job's
 budget of pushes is spent. Spare processes wait in a pool, started through a
-fork server, as a cluster manager keeps machines ready; a killed one is
-replaced by a new process.
+fork server, as a cluster manager keeps machines ready: a spare loads its data
+and runs its step once before it says it is ready, and only a ready spare is
+told to join (a killed one is replaced by a new process, which gets ready
+while the others train). A worker's live time runs from the order to join to
+the order to leave (or its kill): its ``sw.attach`` and its first pull are
+charged to it; the start-up of its process is not (until last session's run,
+each new process read scikit-learn's digits after its order to join, 2.5-5 s
+of its live time and CPU taken from the others: the 0.83x it measured).
 
 Two runs with the same budget: **undisturbed**, 4 workers throughout; and
 **elastic**, 4 workers at the start and ``--events`` events at random times
@@ -23,7 +29,10 @@ Printed, with the bars of issue #19:
 * the longest stall of a worker that stays: its longest gap between two
   pushes over its median gap (bar <= 2 step-times), next to the same figure
   for the undisturbed run (this machine's noise);
-* held-out accuracy at the end, elastic minus undisturbed (bar >= -1 point).
+* held-out accuracy at the end, elastic minus undisturbed (bar >= -1 point);
+* where a join's time goes (``sw.attach``, then the first push), and each
+  worker's push rate by how many workers were live: on 2 shared cores it falls
+  with more workers, whatever the events (CPU, not membership).
 
     .venv/bin/python benchmarks/elastic.py [--quick] [--check] [--json PATH]
 """
@@ -38,6 +47,7 @@ import signal
 import sys
 import time
 import uuid
+from multiprocessing import connection
 
 import _report
 import numpy as np
@@ -55,6 +65,11 @@ def worker_main(name: str, orders, budget: int, pace: float) -> None:
     membership, join to leave), so the parent knows them if it is killed.
     """
     task = tasks.get("digits")
+    # a ready machine: the data loaded and the step run once before it is told to join
+    # (the first batch reads scikit-learn's digits, seconds on a loaded machine, which the
+    # live time of the elastic run would otherwise charge to the join of every new process)
+    task.loss_and_grad(task.init_params(0), next(task.batches(0, MAX)))
+    orders.send("ready")
     for stint in range(1_000_000):
         order = orders.recv()
         while order != "join":
@@ -62,6 +77,7 @@ def worker_main(name: str, orders, budget: int, pace: float) -> None:
                 return
             order = orders.recv()  # a "leave" that came after the budget was spent
         client = sw.attach(name)
+        orders.send((stint, "attached", time.monotonic()))
         batches = task.batches(client.worker, MAX)
         times: list[float] = []
         while not orders.poll(0) and client.job_pushes < budget:
@@ -83,11 +99,21 @@ class Pool:
 
     def __init__(self, name: str, budget: int, pace: float):
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["numpy", "stalewise", "stalewise.tasks.digits"])
+        # the fork server imports what a worker needs once, scikit-learn's loader too (2.6 s
+        # on a loaded machine): a process started to replace a killed one then spends little
+        # CPU getting ready, CPU the live workers on these same cores would otherwise lose
+        self.ctx.set_forkserver_preload(
+            ["numpy", "stalewise", "stalewise.tasks.digits", "sklearn.datasets"]
+        )
         self.name, self.budget, self.pace = name, budget, pace
-        self.spares: list = []
+        self.spares: list = []  # (process, pipe), the one to join next last
+        self.ready: set[int] = set()  # the processes that have loaded their data
         self.live: list = []  # (process, pipe)
         self.times: dict[tuple, list[float]] = {}  # per (process, stint): its push times
+        self.stints: dict[int, int] = {}  # per process: the stints it was told to join
+        self.ordered: dict[tuple, float] = {}  # per (process, stint): when it was told to join
+        self.attached: dict[tuple, float] = {}  # per (process, stint): when sw.attach returned
+        self.timeline: list[tuple[float, int]] = []  # (time, live workers from then on)
 
     def start(self) -> None:
         mine, theirs = self.ctx.Pipe()
@@ -97,18 +123,30 @@ class Pool:
         self.spares.append((p, mine))
 
     def join(self) -> None:
-        p, conn = self.spares.pop()
+        """Tells a spare to join: one that is ready (as a cluster manager offers a machine
+        once it is up), waiting for one if none is yet."""
+        while not any(p.pid in self.ready for p, _ in self.spares):
+            connection.wait([conn for _, conn in self.spares], timeout=1)
+            self.poll()
+        i = max(i for i, (p, _) in enumerate(self.spares) if p.pid in self.ready)
+        p, conn = self.spares.pop(i)
+        stint = self.stints.get(p.pid, 0)
+        self.stints[p.pid] = stint + 1
+        self.ordered[(p.pid, stint)] = time.monotonic()
         conn.send("join")
         self.live.append((p, conn))
+        self.timeline.append((time.monotonic(), len(self.live)))
 
     def leave(self, rng: random.Random) -> None:
         p, conn = self.live.pop(rng.randrange(len(self.live)))
         conn.send("leave")
         self.spares.insert(0, (p, conn))
+        self.timeline.append((time.monotonic(), len(self.live)))
 
     def kill(self, rng: random.Random) -> None:
         p, conn = self.live.pop(rng.randrange(len(self.live)))
         os.kill(p.pid, signal.SIGKILL)
+        self.timeline.append((time.monotonic(), len(self.live)))
         p.join(10)
         self.collect(conn, p.pid)
         conn.close()
@@ -117,7 +155,14 @@ class Pool:
     def collect(self, conn, pid: int) -> None:
         try:
             while conn.poll(0):
-                stint, times = conn.recv()
+                msg = conn.recv()
+                if msg == "ready":
+                    self.ready.add(pid)
+                    continue
+                if msg[1] == "attached":
+                    self.attached[(pid, msg[0])] = msg[2]
+                    continue
+                stint, times = msg
                 self.times.setdefault((pid, stint), []).extend(times)
         except (EOFError, OSError):
             pass
@@ -177,13 +222,15 @@ def run(events: int, budget: int, pace: float, seed: int) -> dict:
                     getattr(pool, choice)(*(() if choice == "join" else (rng,)))
                 pool.poll()
                 time.sleep(0.01)
-            wall = time.monotonic() - started
+            ended = time.monotonic()
+            wall = ended - started
             live_seconds += len(pool.live) * (time.monotonic() - last)
         finally:
             pool.close()
         stats = server.stats()
         applied = int(stats[0].get("stats.applied", stats[0].get("applied", 0)))
         final = task.evaluate(server.pull())
+    phases = diagnose(pool, started, ended)
     stalls = []
     for t in pool.times.values():
         gaps = np.diff(sorted(t))
@@ -200,6 +247,34 @@ def run(events: int, budget: int, pace: float, seed: int) -> dict:
         "stall_max": max(stalls) if stalls else None,
         "stall_p90": float(np.percentile(stalls, 90)) if stalls else None,
         "accuracy": final["accuracy"],
+        **phases,
+    }
+
+
+def diagnose(pool: Pool, started: float, ended: float) -> dict:
+    """Where the live worker time went: how long a joining worker took to attach and to
+    push first (median and max over the joins after the start), and each worker's push
+    rate by how many were live."""
+    joins = [k for k in pool.attached if pool.ordered[k] > started]
+    attach = [pool.attached[k] - pool.ordered[k] for k in joins]
+    first = [min(pool.times[k]) - pool.attached[k] for k in joins if pool.times.get(k)]
+    pushes = np.sort(np.concatenate([np.asarray(t) for t in pool.times.values()] or [[]]))
+    by_n: dict[int, list[float]] = {}  # live workers -> [pushes, worker-seconds]
+    marks = [(t, n) for t, n in pool.timeline if t > started]
+    n0 = max([n for t, n in pool.timeline if t <= started] or [0])
+    edges = [started] + [t for t, _ in marks] + [ended]
+    counts = [n0] + [n for _, n in marks]
+    for a, b, n in zip(edges[:-1], edges[1:], counts, strict=True):
+        got = by_n.setdefault(n, [0.0, 0.0])
+        got[0] += np.searchsorted(pushes, b) - np.searchsorted(pushes, a)
+        got[1] += n * (b - a)
+    med = lambda x: float(np.median(x)) if x else None  # noqa: E731
+    return {
+        "attach_s_median": med(attach),
+        "attach_s_max": max(attach) if attach else None,
+        "first_push_s_median": med(first),
+        "first_push_s_max": max(first) if first else None,
+        "rate_by_live": {n: round(float(c / s), 2) for n, (c, s) in sorted(by_n.items()) if s > 1},
     }
 
 
@@ -239,6 +314,11 @@ def main() -> int:
         print(f"{b['name']}: {b['value']:.3g} (bar {b['bar']}) "
               f"{'met' if b['met'] else 'MISSED'}")  # fmt: skip
     print(f"(undisturbed longest stall: {base['stall_max']:.3g} step-times: this machine's noise)")
+    print(f"a join: attach {el['attach_s_median']:.3f} s median ({el['attach_s_max']:.3f} max), "
+          f"then the first push {el['first_push_s_median']:.3f} s "
+          f"({el['first_push_s_max']:.3f} max) after it")  # fmt: skip
+    print(f"pushes per worker-second by live workers: undisturbed {base['rate_by_live']}, "
+          f"elastic {el['rate_by_live']}")  # fmt: skip
     _report.write(out, {"quick": args.quick, "pace": args.pace, "rows": rows}, bars=bars)
     return 1 if args.check and not all(b["met"] for b in bars) else 0
 

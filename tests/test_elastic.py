@@ -197,3 +197,83 @@ def test_attach_errors_are_one_line(child):
         with pytest.raises(sw.AttachError, match="worker 0 is held by an attached process"):
             sw.attach(name, worker=0, timeout=10)
     assert not os.path.exists(sw.runtime.local.attach.door_dir() / f"{name}.key")
+
+
+def _within(seconds, call, *args, **kwargs):
+    """``call(*args, **kwargs)`` on a thread, failing the test if it takes over ``seconds``."""
+    out = queue.Queue()
+
+    def run():
+        try:
+            out.put((True, call(*args, **kwargs)))
+        except BaseException as e:  # handed to the test
+            out.put((False, e))
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        ok, value = out.get(timeout=seconds)
+    except queue.Empty:
+        pytest.fail(f"{getattr(call, '__name__', call)} took over {seconds} s")
+    if not ok:
+        raise value
+    return value
+
+
+def test_a_silent_attacher_delays_no_server_call_and_no_other_attach(no_leaks):
+    """A process that connects to the door and never finishes its handshake, at any step,
+    holds neither the server's lock nor the door: others attach and calls return at once."""
+    import socket
+    from multiprocessing import connection
+
+    from stalewise.runtime.local import attach as attach_mod
+
+    job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(1.0))
+    name = _name()
+    sock, keyfile = attach_mod._paths(name)
+    silent = []
+    with job.serve(workers=(0, 4), name=name) as server:
+        try:
+            raw = socket.socket(socket.AF_UNIX)
+            silent.append(raw)
+            raw.connect(str(sock))  # connects, then never says a word
+            first = _within(5, sw.attach, name, timeout=20)
+            assert first.worker == 0
+            # the next authenticates and asks for a worker, then never takes its pipes
+            key = keyfile.read_bytes()
+            asks = _within(5, connection.Client, str(sock), family="AF_UNIX", authkey=key)
+            silent.append(asks)
+            asks.send_bytes(b'{"worker": null, "pid": %d}' % os.getpid())
+            assert asks.poll(10)  # the door has made its client (worker 1) and sent it
+            mine = _within(3, server.client)  # and the server's lock is free meanwhile
+            assert mine.worker == 2  # worker 1 is not handed out twice
+            _within(3, server.stats, timeout=5)
+            _within(3, server.pull, timeout=5)
+            other = _within(5, sw.attach, name, timeout=20)
+            assert other.worker == 3
+            assert server.attached() == {0, 3}
+            for c in (first, other, mine):
+                c.close()
+        finally:
+            for s in silent:
+                s.close()
+
+
+def test_a_silent_attacher_is_cut_off_after_the_handshake_timeout(monkeypatch, no_leaks):
+    import socket
+
+    from stalewise.runtime.local import attach as attach_mod
+
+    monkeypatch.setattr(attach_mod, "HANDSHAKE_TIMEOUT", 1.0)
+    job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(1.0))
+    name = _name()
+    with job.serve(workers=(0, 2), name=name):
+        raw = socket.socket(socket.AF_UNIX)
+        try:
+            raw.connect(str(attach_mod._paths(name)[0]))
+            raw.settimeout(20)
+            t0 = time.monotonic()
+            while raw.recv(4096):  # the door's challenge, then the end of the socket
+                pass
+            assert time.monotonic() - t0 < 10
+        finally:
+            raw.close()

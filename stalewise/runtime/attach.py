@@ -48,7 +48,7 @@ def attach(
     name: str,
     *,
     worker: int | None = None,
-    timeout: float = 30.0,
+    timeout: float | None = 30.0,
     runtime: str | None = None,
 ) -> Any:
     """A client for a worker of the job served under ``name``.
@@ -56,7 +56,7 @@ def attach(
     Args:
         name: the ``name=`` the job was served with (:meth:`stalewise.Job.serve`).
         worker: the worker id to take (a new incarnation of it); None: the lowest free one.
-        timeout: seconds to wait for the job's door.
+        timeout: seconds to wait for the job's door (None: no limit).
         runtime: ``"local"`` or ``"ray"``; None: the one that serves ``name`` (see the
             module docstring).
 

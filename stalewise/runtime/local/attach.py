@@ -20,6 +20,13 @@ close at the same moment, so the shards drop it from the gates and BSP rounds
 The socket is authenticated with the key (``multiprocessing.connection``'s
 handshake); the server reads only a small JSON request from an attaching
 process and unpickles nothing it sends.
+
+Each attaching process is handled on a thread of its own, and its handshake
+(authentication, request, taking the pipes) has :data:`HANDSHAKE_TIMEOUT`
+seconds: the socket is shut down when they pass. The server's lock is held
+only to choose the id and make the client, never while waiting for the
+attaching process, so one that connects and stays silent delays no server call
+and no other attach.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ if TYPE_CHECKING:
     from stalewise.runtime.local.server import LocalServer
 
 log = logging.getLogger(__name__)
+
+#: Seconds an attaching process has for its whole handshake with the door.
+HANDSHAKE_TIMEOUT = 30.0
 
 
 def door_dir() -> Path:
@@ -87,11 +97,15 @@ class Door:
         fd = os.open(self.keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(key)
-        self.listener = connection.Listener(str(self.sock), family="AF_UNIX", authkey=key)
+        self.key = key
+        # no authkey here: each connection is authenticated on its own thread (_handshake),
+        # under a deadline, so a silent one holds up neither the door nor the server
+        self.listener = connection.Listener(str(self.sock), family="AF_UNIX")
         self.leases: dict[int, connection.Connection] = {}  # worker id -> its open socket
-        # the server's own lock: the door's thread takes it to make a client, and the
+        self.pending: set[int] = set()  # worker ids whose pipes are being handed over
+        # the server's own lock: the door's threads take it to make a client, and the
         # server's caller takes it to read the leases (two locks taken in both orders
-        # could deadlock)
+        # could deadlock); it is never held while waiting for an attaching process
         self.lock = server._lock
         self.closed = threading.Event()
         self.thread = threading.Thread(
@@ -105,6 +119,12 @@ class Door:
             self._reap()
             return set(self.leases)
 
+    def taken(self) -> set[int]:
+        """The worker ids held by attached processes or being handed to one."""
+        with self.lock:
+            self._reap()
+            return set(self.leases) | self.pending
+
     def _reap(self) -> None:
         gone = [w for w, c in self.leases.items() if _closed(c)]
         for w in gone:
@@ -115,41 +135,85 @@ class Door:
         while not self.closed.is_set():
             try:
                 conn = self.listener.accept()
-            except (OSError, EOFError, connection.AuthenticationError) as e:
+            except OSError as e:
                 if self.closed.is_set():
                     return
-                log.warning("job %r: an attach failed its handshake (%s)", self.name, e)
+                log.warning("job %r: an attach failed to connect (%s)", self.name, e)
                 continue
+            threading.Thread(
+                target=self._handshake,
+                args=(conn,),
+                name=f"stalewise-door-{self.name}-attach",
+                daemon=True,
+            ).start()
+
+    def _handshake(self, conn: connection.Connection) -> None:
+        """One attaching process, on a thread of its own, within HANDSHAKE_TIMEOUT."""
+        deadline = _Deadline(conn, HANDSHAKE_TIMEOUT)
+        leased = False
+        try:
             try:
-                self._admit(conn)
+                connection.deliver_challenge(conn, self.key)
+                connection.answer_challenge(conn, self.key)
+            except (OSError, EOFError, connection.AuthenticationError) as e:
+                why = f"no answer within {HANDSHAKE_TIMEOUT} s" if deadline.expired else e
+                log.warning("job %r: an attach failed its handshake (%s)", self.name, why)
+                return
+            try:
+                leased = self._admit(conn, deadline)
             except Exception as e:  # the attacher hears why; the door stays open
+                if deadline.expired:
+                    e = AttachError(f"the handshake took over {HANDSHAKE_TIMEOUT} s ({e})")
                 log.warning("job %r: an attach was refused: %s", self.name, e)
                 with contextlib.suppress(OSError):
                     conn.send(("error", str(e)))
+        finally:
+            deadline.cancel()
+            if not leased:
                 conn.close()
 
-    def _admit(self, conn: connection.Connection) -> None:
-        if not conn.poll(10):
-            raise AttachError("no request within 10 s")
+    def _admit(self, conn: connection.Connection, deadline: _Deadline) -> bool:
+        """Hands a worker's pipes to an authenticated process; True once it holds them."""
         request = json.loads(conn.recv_bytes(256))
         want, pid = request.get("worker"), request.get("pid")
         if not isinstance(pid, int):
             raise AttachError(f"a request without its process id: {request!r}")
-        with self.lock:
+        with self.lock:  # only to choose the id and make its pipes: no waiting on the attacher
+            if self.closed.is_set():
+                raise AttachError("the job is closing")
             self._reap()
-            client = self.server.attach_client(want, taken=set(self.leases))
-            w = client.worker
+            client = self.server.attach_client(want, taken=set(self.leases) | self.pending)
+            w, inc = client.worker, client.incarnation
+            ends = self.server.take_ends(w)  # this thread's to send, then close
+            self.pending.add(w)
+        ok = False
+        try:
             state = client.__getstate__()
             del state["_conns"]  # they travel as file descriptors, below
             state["_workers"] = self.server.workers
             conn.send(("client", state))
-            for end in self.server.worker_ends(w):
+            for end in ends:
                 reduction.send_handle(conn, end.fileno(), pid)
-            if not conn.poll(30) or conn.recv_bytes(16) != b"ok":
+            if conn.recv_bytes(16) != b"ok":
                 raise AttachError(f"process {pid} did not take worker {w}'s pipes")
-            self.server.release(w)  # its pipes are the attached process's alone now
-            self.leases[w] = conn
-        log.info("job %r: process %d attached as worker %d", self.name, pid, w)
+            ok = True
+        finally:
+            for end in ends:  # its pipes are the attached process's alone now
+                end.close()
+            deadline.cancel()
+            with self.lock:
+                self.pending.discard(w)
+                if ok and deadline.expired:
+                    ok = False  # its socket was shut down: it cannot serve as the lease
+                if ok and (self.closed.is_set() or self.server.incarnation(w) != inc):
+                    ok = False  # the job closed, or a new incarnation of w took over meanwhile
+                if ok:
+                    self.leases[w] = conn
+        if ok:
+            with contextlib.suppress(OSError):  # attach() returns once the lease is counted
+                conn.send_bytes(b"leased")
+            log.info("job %r: process %d attached as worker %d", self.name, pid, w)
+        return ok
 
     def close(self) -> None:
         self.closed.set()
@@ -163,6 +227,40 @@ class Door:
             self.leases.clear()
 
 
+class _Deadline:
+    """Shuts ``conn``'s socket down after ``seconds`` unless cancelled first: a blocked
+    read or write on it then fails at once (EOFError, OSError)."""
+
+    def __init__(self, conn: connection.Connection, seconds: float | None):
+        # a duplicate descriptor of our own: shutting it down acts on the socket itself,
+        # and it cannot be reused by another file once conn is closed
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self._lock = threading.Lock()
+        self._done = False
+        self.expired = False
+        self._timer = None if seconds is None else threading.Timer(seconds, self._expire)
+        if self._timer is not None:  # None: no deadline
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self.expired = True
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self._sock.close()
+
+
 def _closed(conn: connection.Connection) -> bool:
     """Whether the other end of an attached process's socket has closed."""
     try:
@@ -174,13 +272,13 @@ def _closed(conn: connection.Connection) -> bool:
         return True
 
 
-def attach(name: str, *, worker: int | None = None, timeout: float = 30.0) -> Client:
+def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0) -> Client:
     """A client for a worker of the job served under ``name`` on this machine.
 
     Args:
         name: the ``name=`` the job was served with (:meth:`stalewise.Job.serve`).
         worker: the worker id to take (a new incarnation of it); None: the lowest free one.
-        timeout: seconds to wait for the server.
+        timeout: seconds the whole handshake with the server may take (None: no limit).
 
     Returns:
         A :class:`~stalewise.runtime.local.client.Client` of this process, as
@@ -198,24 +296,35 @@ def attach(name: str, *, worker: int | None = None, timeout: float = 30.0) -> Cl
         raise AttachError(f"no job named {name!r} is served on this machine ({sock} is missing)")
     try:
         key = keyfile.read_bytes()
-        conn = connection.Client(str(sock), family="AF_UNIX", authkey=key)
-    except (OSError, EOFError, connection.AuthenticationError) as e:
+        conn = connection.Client(str(sock), family="AF_UNIX")
+    except OSError as e:
         raise AttachError(f"job {name!r}: cannot connect to {sock} ({e})") from None
+    deadline = _Deadline(conn, timeout)  # the whole handshake, however the server stalls
+    conns: list[connection.Connection] = []
     try:
+        connection.answer_challenge(conn, key)
+        connection.deliver_challenge(conn, key)
         conn.send_bytes(json.dumps({"worker": worker, "pid": os.getpid()}).encode())
-        if not conn.poll(timeout):
-            raise AttachError(f"job {name!r}: no answer within {timeout} s")
         kind, body = conn.recv()
         if kind == "error":
             raise AttachError(f"job {name!r}: {body}")
-        conns = [connection.Connection(reduction.recv_handle(conn)) for _ in body["_ranges"]]
+        for _ in body["_ranges"]:
+            conns.append(connection.Connection(reduction.recv_handle(conn)))
         conn.send_bytes(b"ok")
-    except (OSError, EOFError) as e:
-        conn.close()
+        if conn.recv_bytes(16) != b"leased":
+            raise EOFError("no lease")
+        deadline.cancel()
+        if deadline.expired:
+            raise EOFError("the socket was shut down")
+    except BaseException as e:
+        deadline.cancel()
+        for c in [*conns, conn]:
+            c.close()
+        if not isinstance(e, OSError | EOFError | connection.AuthenticationError):
+            raise
+        if deadline.expired:
+            raise AttachError(f"job {name!r}: no answer within {timeout} s") from None
         raise AttachError(f"job {name!r}: the server went away while attaching ({e})") from None
-    except BaseException:
-        conn.close()
-        raise
     cap_threads_here(body.pop("_workers"))
     client = Client.__new__(Client)
     client.__dict__.update(body)

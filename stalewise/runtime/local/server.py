@@ -243,7 +243,7 @@ class LocalServer:
         """
         with self._lock:
             if worker is None:
-                worker = self.free_worker(None, taken=self.attached())
+                worker = self.free_worker(None, taken=self._door.taken() if self._door else set())
             self._attached.discard(worker)  # yours now: its liveness is yours to watch
             return self._client(worker)
 
@@ -315,9 +315,16 @@ class LocalServer:
             self._attached.add(w)
             return client
 
-    def worker_ends(self, worker: int) -> list:
-        """This process's ends of ``worker``'s pipes, until :meth:`release` closes them."""
-        return list(self._worker_ends[worker])
+    def take_ends(self, worker: int) -> list:
+        """This process's ends of ``worker``'s pipes, now the caller's to pass on and close
+        (as :meth:`release` would)."""
+        with self._lock:
+            ends, self._worker_ends[worker] = self._worker_ends[worker], []
+            return ends
+
+    def incarnation(self, worker: int) -> int:
+        """The newest incarnation of ``worker`` (0: none yet)."""
+        return self._incarnations[worker]
 
     def attached(self) -> set[int]:
         """The worker ids held by processes attached by name (:func:`stalewise.attach`)."""

@@ -93,8 +93,8 @@ class RayClient:
         self.joined_at: int = info["joined_at"]
         self.workers: int = info["workers"]  # the worker ids the job has room for
         self._expected: int = info["expected"] or self.workers  # those expected from the start
-        self._rounds = config.consistency.averages_rounds
         config: ServerConfig = info["config"]
+        self._rounds = config.consistency.averages_rounds
         self._door, self._lease = door, lease
         self._shards = list(info["shards"])
         self._spec = config.spec
@@ -328,7 +328,7 @@ class RayClient:
             ) from None
 
 
-def attach(name: str, *, worker: int | None = None, timeout: float = 30.0) -> RayClient:
+def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0) -> RayClient:
     """A client for a worker of the job served on Ray under ``name`` (see the module
     docstring). Connects to Ray first if this process is not (``RAY_ADDRESS``, else the
     cluster started on this machine).
