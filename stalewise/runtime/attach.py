@@ -41,7 +41,7 @@ def _ray_reachable() -> bool:
     ray = sys.modules.get("ray")
     if ray is not None and getattr(ray, "is_initialized", lambda: False)():
         return True
-    return bool(os.environ.get("RAY_ADDRESS"))
+    return os.environ.get("RAY_ADDRESS") not in (None, "", "local")  # "local": a new one
 
 
 def attach(

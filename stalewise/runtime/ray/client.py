@@ -340,8 +340,11 @@ def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0
     from stalewise.runtime.ray import connect
 
     ray = import_ray()
-    try:  # a cluster to join, never a new instance of its own (it would serve no job)
-        connect(os.environ.get("RAY_ADDRESS") or "auto")
+    # a cluster to join, never a new instance of its own (it would serve no job)
+    address = os.environ.get("RAY_ADDRESS")
+    joined = ray.is_initialized()
+    try:
+        connect("auto" if address in (None, "", "local") else address)
     except ConnectionError as e:
         raise AttachError(f"job {name!r}: this process cannot reach a Ray cluster ({e})") from None
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -349,6 +352,8 @@ def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0
     try:
         door = ray.get_actor(door_name(name), namespace=NAMESPACE)
     except ValueError:
+        if not joined:  # the connection was this call's: leave as it found the process
+            ray.shutdown()
         raise AttachError(f"no job named {name!r} is served on this Ray cluster") from None
     # on this node: a lease on a node that fails would take a live client with it
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
