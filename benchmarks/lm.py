@@ -24,8 +24,9 @@ budget is only a cap), so that a method slightly behind per token can still
 reach the target. A best point at the edge of its grid is flagged
 (``lr_at_edge``). A record's tokens are those of the local steps its workers
 have pushed (``batch_size * context`` bytes a step; a DiLoCo round's count once
-it is pushed, so work still inside a round does not count). Figures (all
-measured in this run):
+it is sent, so work still inside a round, or in its emulated compute time, does
+not count; a BSP round's first pushes count before the straggler's push lets the
+round apply, by at most a round). Figures (all measured in this run):
 
 * val loss at ``B`` tokens, and at equal wall time (the shortest run's duration);
 * tokens/s (minibatches drawn over the run's wall time);
@@ -90,40 +91,55 @@ _PROCESS: dict = {}  # in a worker process: its worker id and the counts file
 
 class CountedBatches:
     """``data(worker, workers)`` that counts, in a small memory-mapped file, the
-    minibatches each worker draws (row 0) and those of its pushed steps (row 1, see
-    :func:`counting`); the parent reads the file."""
+    minibatches each worker draws (row 0), those of its sent pushes (row 1) and those
+    of its last step, not yet sent (row 2; see :func:`counting`); the parent reads it."""
 
     def __init__(self, task, path: str) -> None:
         self.task, self.path = task, path
 
     def __call__(self, worker: int, workers: int):
-        counts = np.memmap(self.path, dtype=np.int64, mode="r+", shape=(2, workers))
+        counts = np.memmap(self.path, dtype=np.int64, mode="r+", shape=(3, workers))
         _PROCESS.update(worker=worker, counts=counts)
         for batch in self.task.batches(worker, workers):
             counts[0, worker] += 1
             yield batch
 
 
-def _pushed(step):
+def _begin() -> None:
+    """A step begins: the worker's previous step has been pushed (the runtime answers
+    the push, then the next pull, before it), so its local steps count now."""
     counts = _PROCESS.get("counts")
     if counts is not None:
-        counts[1, _PROCESS["worker"]] += step.local_steps
+        w = _PROCESS["worker"]
+        counts[1, w] += counts[2, w]
+        counts[2, w] = 0
+
+
+def _pending(step):
+    counts = _PROCESS.get("counts")
+    if counts is not None:
+        counts[2, _PROCESS["worker"]] = step.local_steps
     return step
 
 
 class CountingGradients(type(sw.strategies.gradients())):
     def step(self, state, params, loss_and_grad, batches):
-        return _pushed(super().step(state, params, loss_and_grad, batches))
+        _begin()
+        return _pending(super().step(state, params, loss_and_grad, batches))
 
 
 class CountingLocalSGD(type(sw.strategies.diloco())):
     def step(self, state, params, loss_and_grad, batches):
-        return _pushed(super().step(state, params, loss_and_grad, batches))
+        _begin()
+        return _pending(super().step(state, params, loss_and_grad, batches))
 
 
 def counting(strategy):
-    """The same strategy, counting the local steps of each step it returns (to be pushed):
-    the tokens a record's model has seen, a round's tokens counting once it is pushed."""
+    """The same strategy, counting the local steps of each step once it has been pushed
+    (when the worker begins its next step): the tokens a record's model has seen, a
+    round's tokens counting once it is sent, not while the emulated compute of its
+    steps (slept before the push) still runs. The last push of each worker is counted
+    at the end of the run."""
     cls = {c.__base__: c for c in (CountingGradients, CountingLocalSGD)}[type(strategy)]
     new = cls.__new__(cls)
     new.__dict__.update(vars(strategy))
@@ -168,12 +184,12 @@ def run_one(task, m: dict, name: str, lr: float, make, h: float) -> dict:
     per_batch = task.tokens_per_batch
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "counts")
-        np.zeros((2, WORKERS), np.int64).tofile(path)
-        counts = np.memmap(path, dtype=np.int64, mode="r", shape=(2, WORKERS))
+        np.zeros((3, WORKERS), np.int64).tofile(path)
+        counts = np.memmap(path, dtype=np.int64, mode="r", shape=(3, WORKERS))
         records: list[dict] = []
 
         def on_record(rec: dict) -> None:
-            drawn, pushed = counts.sum(axis=1) * per_batch
+            drawn, pushed, _ = counts.sum(axis=1) * per_batch
             # into the record itself, which stop_at reads after this call
             rec.update(tokens=int(pushed), tokens_drawn=int(drawn))
             records.append(dict(rec))
@@ -187,7 +203,8 @@ def run_one(task, m: dict, name: str, lr: float, make, h: float) -> dict:
                            delays=dict.fromkeys(range(WORKERS), m["delay"]), run=name,
                            on_record=on_record, timeout=1800,
                            stop_at={"tokens": (budget_steps * per_batch, "max")})  # fmt: skip
-        drawn, pushed = (int(x) for x in counts.sum(axis=1) * per_batch)
+        drawn, sent, last = (int(x) for x in counts.sum(axis=1) * per_batch)
+        pushed = sent + last  # every worker's last push too
     evals = [r for r in records if math.isfinite(r.get("loss", math.nan))]
     return {
         "method": name,
