@@ -49,6 +49,7 @@ outer Nesterov SGD, straggler and emulated step time; it is run only if
 benchmark says it was skipped and why. It is not in the bars.
 
     .venv/bin/python benchmarks/lm.py [--quick] [--codec int8|topk] [--json PATH] [--check]
+    .venv/bin/python benchmarks/lm.py --markdown PATH   # the README's table from a --json file
 
 ``--quick`` (a tiny model, a short budget, three learning rates per method) takes
 about 15 minutes on 2 cores; the full mode (the small model, 4x the tokens, three
@@ -68,6 +69,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _report
 import numpy as np
 import torch
 
@@ -266,7 +268,7 @@ def torchft_peer(task, m: dict) -> dict:
 
 def markdown(out: dict) -> str:
     """The README's "Language model" table and bars, from the JSON of a run."""
-    cols = [("method", "method", "s"), ("best lr", "best_lr", "g"), ("at grid edge", "lr_at_edge", ""),
+    cols = [("method", "method", "s"), ("best lr", "best_lr", "g"), ("lr grid", "lr_at_edge", ""),
             ("val loss at B", "loss_at_B", ".3f"),
             (f"val loss at {out['equal_time_s']:.0f} s", f"loss_at_{out['equal_time_s']:.0f}s", ".3f"),
             ("tokens/s", "tokens_per_s", ".0f"), ("s to target", "time_to_target_s", ".1f"),
@@ -275,7 +277,9 @@ def markdown(out: dict) -> str:
             ("x fewer bytes", "bytes_fewer_than_sync", ".1f")]  # fmt: skip
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + " --- |" * len(cols)]
     for row in out["best"].values():
-        lines.append("| " + " | ".join(fmt(row.get(k), f) for _, k, f in cols) + " |")
+        cells = [{True: "edge", False: ""}.get(row.get(k), fmt(row.get(k), f)) if k == "lr_at_edge"
+                 else fmt(row.get(k), f) for _, k, f in cols]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines += [
         f"- {'PASS' if b['pass'] else 'FAIL'}: {b['bar']}: {b['detail']}" for b in out["bars"]
@@ -288,7 +292,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model, short budget")
     ap.add_argument("--codec", choices=("int8", "topk"), default="int8")
     ap.add_argument("--steps", type=int, help="local steps per worker of the budget B")
-    ap.add_argument("--json", metavar="PATH", help="write every printed figure to this file")
+    _report.add_json_arg(ap)
     ap.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
     ap.add_argument(
         "--markdown",
@@ -297,8 +301,10 @@ def main() -> int:
     )
     args = ap.parse_args()  # fmt: skip
     if args.markdown:
-        print(markdown(json.loads(Path(args.markdown).read_text())))
+        doc = json.loads(Path(args.markdown).read_text())
+        print(markdown(doc.get("figures", doc)))
         return 0
+    json_out = _report.json_path(ap, args, "lm")
     mode = "quick" if args.quick else "full"
     m = dict(MODES[mode])
     if args.steps:
@@ -321,7 +327,7 @@ def main() -> int:
             "task": repr(task), "params": task.num_params(), "corpus_sha256": task.corpus_sha256,
             "python": sys.version.split()[0], "workers": WORKERS, "stragglers": {SLOW: SLOWDOWN},
             "delay_s": m["delay"], "compute_s_per_step": m["compute"], "equal_tokens": budget,
-            "extra": EXTRA,
+            "extra": EXTRA, "load_start": os.getloadavg(),
         },
         "grid": {}, "best": {}, "bars": [], "failed": [],
     }  # fmt: skip
@@ -437,9 +443,14 @@ def main() -> int:
     for name, ok, detail in bars:
         print(f"{'PASS' if ok else 'FAIL'}: {name}: {detail}")
         out["bars"].append({"bar": name, "pass": ok, "detail": detail})
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1, default=float) + "\n")
-        print(f"figures: {args.json}")
+    out["setting"]["load_end"] = os.getloadavg()
+    _report.write(json_out, figures=out, bars=[
+        _report.bar("async DiLoCo / sync gradients, wall time to the target", r, "<=", 0.6),
+        _report.bar("async DiLoCo val loss at B vs sync gradients, % above",
+                    None if rel is None else 100 * rel, "<=", 2.0),
+        _report.bar("DiLoCo bytes per worker to the target, x fewer than sync gradients",
+                    f, ">=", 50),
+    ])  # fmt: skip
     return 0 if all(ok for _, ok, _ in bars) or not args.check else 1
 
 
