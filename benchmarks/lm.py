@@ -250,7 +250,8 @@ def torchft_peer(task, m: dict) -> dict:
         import _torchft_peer
         import torchft  # noqa: F401
     except ImportError as e:
-        return {"skipped": f"torchft is not installed ({e}); `pip install torchft` to add the peer"}
+        why = f"torchft is not installed ({e})"
+        return {"skipped": f"{why}; `pip install 'stalewise[peers]'` adds the peer"}
     h = 20
     syncs = math.ceil(EXTRA * m["steps"] / h)  # per worker, EXTRA x B tokens as the others
     slow = [SLOWDOWN if w == SLOW else 1.0 for w in range(WORKERS)]
