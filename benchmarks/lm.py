@@ -18,12 +18,15 @@ that the 2 cores of a small machine are not what is measured. Methods:
 Each method runs at every learning rate of a small grid (the server Adam's
 for gradients, the inner AdamW's for DiLoCo) and is reported at its best: the
 lowest held-out loss at the equal-token budget ``B`` (the tokens that the
-synchronous baseline's ``steps`` local steps consume). Every run may consume
-``EXTRA`` x ``B`` tokens, so that a method slightly behind per token can still
-reach the target. A record's tokens are those of the local steps its workers
+synchronous baseline's ``steps`` local steps consume). Every run stops at
+``EXTRA`` x ``B`` tokens (``stop_at`` on the records' ``tokens``; its push
+budget is only a cap), so that a method slightly behind per token can still
+reach the target. A best point at the edge of its grid is flagged
+(``lr_at_edge``). A record's tokens are those of the local steps its workers
 have pushed (``batch_size * context`` bytes a step; a DiLoCo round's count once
-it is pushed, so work still inside a round does not count). Figures (all
-measured in this run):
+it is sent, so work still inside a round, or in its emulated compute time, does
+not count; a BSP round's first pushes count before the straggler's push lets the
+round apply, by at most a round). Figures (all measured in this run):
 
 * val loss at ``B`` tokens, and at equal wall time (the shortest run's duration);
 * tokens/s (minibatches drawn over the run's wall time);
@@ -38,13 +41,18 @@ Bars (issue #20), ratios against the synchronous baseline of the same run:
 * DiLoCo (the best of its rows) sends >= 50x fewer bytes per worker to the
   target than synchronous gradients.
 
-torchft's DiLoCo is the peer named in the issue: it is run only if ``torchft``
-imports; otherwise the benchmark says it was skipped and why.
+torchft's DiLoCo is the peer named in the issue (``torchft DiLoCo H=20``, see
+``benchmarks/_torchft_peer.py``): 4 replica groups of one CPU process each
+(gloo, a lighthouse on loopback), the same GPT, data shards, inner AdamW grid,
+outer Nesterov SGD, straggler and emulated step time; it is run only if
+``torchft`` imports (``pip install 'stalewise[peers]'``), otherwise the
+benchmark says it was skipped and why. It is not in the bars.
 
     .venv/bin/python benchmarks/lm.py [--quick] [--codec int8|topk] [--json PATH] [--check]
+    .venv/bin/python benchmarks/lm.py --markdown PATH   # the README's table from a --json file
 
-``--quick`` (a tiny model, a short budget, two learning rates per method) takes a
-few minutes on 2 cores; the full mode (the small model, 4x the tokens, three
+``--quick`` (a tiny model, a short budget, three learning rates per method) takes
+about 15 minutes on 2 cores; the full mode (the small model, 4x the tokens, three
 learning rates) is for a quiet machine. Wall-time figures on a shared machine are
 noisy.
 """
@@ -52,6 +60,7 @@ noisy.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
@@ -60,6 +69,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _report
 import numpy as np
 import torch
 
@@ -70,7 +80,7 @@ WORKERS, SLOW, SLOWDOWN = 4, 3, 3.0
 EXTRA = 1.3  # every run may draw this many times the equal-token budget
 MODES = {
     "quick": dict(size="tiny", context=32, batch_size=16, steps=150, delay=0.02,
-                  grad_lrs=(3e-3, 1e-2), inner_lrs=(3e-3, 1e-2), eval_interval=0.5),
+                  grad_lrs=(1e-3, 3e-3, 1e-2), inner_lrs=(1e-3, 3e-3, 1e-2), eval_interval=0.5),
     "full": dict(size="small", context=64, batch_size=16, steps=600, delay=0.03,
                  grad_lrs=(1e-3, 3e-3, 1e-2), inner_lrs=(1e-3, 3e-3, 1e-2), eval_interval=1.0),
 }  # fmt: skip
@@ -83,40 +93,55 @@ _PROCESS: dict = {}  # in a worker process: its worker id and the counts file
 
 class CountedBatches:
     """``data(worker, workers)`` that counts, in a small memory-mapped file, the
-    minibatches each worker draws (row 0) and those of its pushed steps (row 1, see
-    :func:`counting`); the parent reads the file."""
+    minibatches each worker draws (row 0), those of its sent pushes (row 1) and those
+    of its last step, not yet sent (row 2; see :func:`counting`); the parent reads it."""
 
     def __init__(self, task, path: str) -> None:
         self.task, self.path = task, path
 
     def __call__(self, worker: int, workers: int):
-        counts = np.memmap(self.path, dtype=np.int64, mode="r+", shape=(2, workers))
+        counts = np.memmap(self.path, dtype=np.int64, mode="r+", shape=(3, workers))
         _PROCESS.update(worker=worker, counts=counts)
         for batch in self.task.batches(worker, workers):
             counts[0, worker] += 1
             yield batch
 
 
-def _pushed(step):
+def _begin() -> None:
+    """A step begins: the worker's previous step has been pushed (the runtime answers
+    the push, then the next pull, before it), so its local steps count now."""
     counts = _PROCESS.get("counts")
     if counts is not None:
-        counts[1, _PROCESS["worker"]] += step.local_steps
+        w = _PROCESS["worker"]
+        counts[1, w] += counts[2, w]
+        counts[2, w] = 0
+
+
+def _pending(step):
+    counts = _PROCESS.get("counts")
+    if counts is not None:
+        counts[2, _PROCESS["worker"]] = step.local_steps
     return step
 
 
 class CountingGradients(type(sw.strategies.gradients())):
     def step(self, state, params, loss_and_grad, batches):
-        return _pushed(super().step(state, params, loss_and_grad, batches))
+        _begin()
+        return _pending(super().step(state, params, loss_and_grad, batches))
 
 
 class CountingLocalSGD(type(sw.strategies.diloco())):
     def step(self, state, params, loss_and_grad, batches):
-        return _pushed(super().step(state, params, loss_and_grad, batches))
+        _begin()
+        return _pending(super().step(state, params, loss_and_grad, batches))
 
 
 def counting(strategy):
-    """The same strategy, counting the local steps of each step it returns (to be pushed):
-    the tokens a record's model has seen, a round's tokens counting once it is pushed."""
+    """The same strategy, counting the local steps of each step once it has been pushed
+    (when the worker begins its next step): the tokens a record's model has seen, a
+    round's tokens counting once it is sent, not while the emulated compute of its
+    steps (slept before the push) still runs. The last push of each worker is counted
+    at the end of the run."""
     cls = {c.__base__: c for c in (CountingGradients, CountingLocalSGD)}[type(strategy)]
     new = cls.__new__(cls)
     new.__dict__.update(vars(strategy))
@@ -128,12 +153,11 @@ def methods(m: dict, codec: str) -> list[tuple[str, tuple, object, float]]:
     bsp, asp, dl, adamw = sw.BSP(), sw.ASP(), sw.strategies.diloco, sw.optim.adamw
     step = m["delay"] + m["compute"]
     period = 1.25 * ASYNC_H * step
-    # Pushes enough for the token budget even if few steps fit in a round: a round is
-    # `period` seconds of the clock, and on a loaded machine a step takes longer than
-    # `step`, so the mean H per push (about 16.7 on an idle one) was 7.4 here, and a
-    # budget counted in pushes ran out at 62% of B. At H = ASYNC_H / SLOWDOWN per push
-    # the run goes past B, where its loss is read (at(), by tokens).
-    h_async = ASYNC_H / SLOWDOWN
+    # A round is `period` seconds of the clock, so the steps per push depend on the
+    # machine's load (on an idle machine about 16.7 on average; 3 on a loaded one, where a
+    # budget counted in pushes at H = ASYNC_H / SLOWDOWN ran out at 61% of B): the pushes'
+    # budget assumes one step per push, and the run stops at EXTRA x B tokens (run_one).
+    h_async = 1
     grads = sw.strategies.gradients()
     push_codec = sw.codecs.int8() if codec == "int8" else sw.codecs.topk(0.01)
     return [
@@ -158,17 +182,19 @@ def methods(m: dict, codec: str) -> list[tuple[str, tuple, object, float]]:
 def run_one(task, m: dict, name: str, lr: float, make, h: float) -> dict:
     """One training run; its records carry ``tokens``."""
     budget_steps = math.ceil(EXTRA * WORKERS * m["steps"])  # local steps of all workers
-    pushes = max(math.ceil(budget_steps / h), WORKERS)
+    pushes = max(math.ceil(budget_steps / h), WORKERS)  # at most; the run stops at the tokens
     per_batch = task.tokens_per_batch
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "counts")
-        np.zeros((2, WORKERS), np.int64).tofile(path)
-        counts = np.memmap(path, dtype=np.int64, mode="r", shape=(2, WORKERS))
+        np.zeros((3, WORKERS), np.int64).tofile(path)
+        counts = np.memmap(path, dtype=np.int64, mode="r", shape=(3, WORKERS))
         records: list[dict] = []
 
         def on_record(rec: dict) -> None:
-            drawn, pushed = counts.sum(axis=1) * per_batch
-            records.append(dict(rec, tokens=int(pushed), tokens_drawn=int(drawn)))
+            drawn, pushed, _ = counts.sum(axis=1) * per_batch
+            # into the record itself, which stop_at reads after this call
+            rec.update(tokens=int(pushed), tokens_drawn=int(drawn))
+            records.append(dict(rec))
 
         kw = make(lr)
         kw["strategy"] = counting(kw["strategy"])
@@ -177,8 +203,10 @@ def run_one(task, m: dict, name: str, lr: float, make, h: float) -> dict:
                            evaluate=task.evaluate, workers=WORKERS, steps=pushes,
                            eval_interval=m["eval_interval"], stragglers={SLOW: SLOWDOWN},
                            delays=dict.fromkeys(range(WORKERS), m["delay"]), run=name,
-                           on_record=on_record, timeout=1800)  # fmt: skip
-        drawn, pushed = (int(x) for x in counts.sum(axis=1) * per_batch)
+                           on_record=on_record, timeout=1800,
+                           stop_at={"tokens": (budget_steps * per_batch, "max")})  # fmt: skip
+        drawn, sent, last = (int(x) for x in counts.sum(axis=1) * per_batch)
+        pushed = sent + last  # every worker's last push too
     evals = [r for r in records if math.isfinite(r.get("loss", math.nan))]
     return {
         "method": name,
@@ -211,26 +239,73 @@ def fmt(x, spec=".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
-def torchft_peer() -> dict:
-    """torchft's DiLoCo on the same model and data, if torchft imports."""
+PEER = "torchft DiLoCo H=20"
+
+
+def torchft_peer(task, m: dict) -> dict:
+    """torchft's DiLoCo (H=20) on the same model and data, if torchft imports: each
+    inner learning rate of the grid, as ``{"rows": [...]}``, else ``{"skipped": why}``."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum tick
     try:
+        import _torchft_peer
         import torchft  # noqa: F401
     except ImportError as e:
-        return {"skipped": f"torchft is not installed ({e}); `pip install torchft` to add the peer"}
-    return {
-        "skipped": "torchft imports, but this benchmark does not drive it yet: its DiLoCo "
-        "needs a lighthouse and one Manager per replica group (not written)"
-    }
+        why = f"torchft is not installed ({e})"
+        return {"skipped": f"{why}; `pip install 'stalewise[peers]'` adds the peer"}
+    h = 20
+    syncs = math.ceil(EXTRA * m["steps"] / h)  # per worker, EXTRA x B tokens as the others
+    slow = [SLOWDOWN if w == SLOW else 1.0 for w in range(WORKERS)]
+    rows, failed = [], []
+    for lr in m["inner_lrs"]:
+        try:
+            r = _torchft_peer.run(task, lr, h, syncs, WORKERS, m["delay"], slow)
+        except Exception as e:  # reported, left out of the best
+            print(f"  {PEER:22s} lr={lr:<7g} FAILED: {type(e).__name__}: {e}", flush=True)
+            failed.append({"method": PEER, "lr": lr, "error": f"{type(e).__name__}: {e}"})
+            continue
+        rows.append(dict(r, method=PEER))
+    return {"rows": rows, "failed": failed, "version": importlib.metadata.version("torchft")}
+
+
+def markdown(out: dict) -> str:
+    """The README's "Language model" table and bars, from the JSON of a run."""
+    cols = [("method", "method", "s"), ("best lr", "best_lr", "g"), ("lr grid", "lr_at_edge", ""),
+            ("val loss at B", "loss_at_B", ".3f"),
+            (f"val loss at {out['equal_time_s']:.0f} s", f"loss_at_{out['equal_time_s']:.0f}s", ".3f"),
+            ("tokens/s", "tokens_per_s", ".0f"), ("s to target", "time_to_target_s", ".1f"),
+            ("x sync time", "time_vs_sync", ".2f"),
+            ("MB/worker to target", "MB_per_worker_to_target", ".3f"),
+            ("x fewer bytes", "bytes_fewer_than_sync", ".1f")]  # fmt: skip
+    lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + " --- |" * len(cols)]
+    for row in out["best"].values():
+        cells = [{True: "edge", False: ""}.get(row.get(k), fmt(row.get(k), f)) if k == "lr_at_edge"
+                 else fmt(row.get(k), f) for _, k, f in cols]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [
+        f"- {'PASS' if b['pass'] else 'FAIL'}: {b['bar']}: {b['detail']}" for b in out["bars"]
+    ]
+    return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model, short budget, 2 lrs")
+    ap.add_argument("--quick", action="store_true", help="tiny model, short budget")
     ap.add_argument("--codec", choices=("int8", "topk"), default="int8")
     ap.add_argument("--steps", type=int, help="local steps per worker of the budget B")
-    ap.add_argument("--json", metavar="PATH", help="write every printed figure to this file")
+    _report.add_json_arg(ap)
     ap.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--markdown",
+        metavar="JSON",
+        help="print the README's table and bars from a --json file, run nothing",
+    )
+    args = ap.parse_args()  # fmt: skip
+    if args.markdown:
+        doc = json.loads(Path(args.markdown).read_text())
+        print(markdown(doc.get("figures", doc)))
+        return 0
+    json_out = _report.json_path(ap, args, "lm")
     mode = "quick" if args.quick else "full"
     m = dict(MODES[mode])
     if args.steps:
@@ -253,7 +328,7 @@ def main() -> int:
             "task": repr(task), "params": task.num_params(), "corpus_sha256": task.corpus_sha256,
             "python": sys.version.split()[0], "workers": WORKERS, "stragglers": {SLOW: SLOWDOWN},
             "delay_s": m["delay"], "compute_s_per_step": m["compute"], "equal_tokens": budget,
-            "extra": EXTRA,
+            "extra": EXTRA, "load_start": os.getloadavg(),
         },
         "grid": {}, "best": {}, "bars": [], "failed": [],
     }  # fmt: skip
@@ -265,33 +340,54 @@ def main() -> int:
         flush=True,
     )
     best: dict[str, dict] = {}
+
+    def show(name: str, r: dict) -> None:
+        r["loss_at_B"] = at(r["records"], "tokens", budget)
+        print(
+            f"  {name:22s} lr={r['lr']:<7g} loss@B {fmt(r['loss_at_B'])}  final "
+            f"{fmt(r['final_loss'])}  {r['tokens']} tokens in {r['time']:.1f} s "
+            f"({r['tokens_per_s']:.0f} tok/s, {r['pushes']} pushes)",
+            flush=True,
+        )
+
+    def keep(name: str, rows: list[dict]) -> None:
+        """The best point: reached B tokens first, then the lowest loss there (else the
+        lowest final loss)."""
+        out["grid"][name] = [{k: v for k, v in r.items() if k != "records"} for r in rows]
+        best[name] = min(rows, key=lambda r: (r["loss_at_B"] is None,
+                                              r["loss_at_B"] or r["final_loss"]))  # fmt: skip
+        best[name]["grid"] = grid = [r["lr"] for r in rows]
+        edge = len(grid) > 1 and best[name]["lr"] in (min(grid), max(grid))
+        best[name]["edge"] = edge
+        if edge:
+            print(f"  {name}: the best lr {best[name]['lr']:g} is at the grid's edge", flush=True)
+
     for name, lrs, make, h in methods(m, args.codec):
         rows = []
         for lr in lrs:
             try:
-                r = run_one(task, m, name, lr, make, h)
+                rows.append(run_one(task, m, name, lr, make, h))
             except Exception as e:  # a failed point is reported and left out of the best
                 print(f"  {name:22s} lr={lr:<7g} FAILED: {type(e).__name__}: {e}", flush=True)
                 out["failed"].append(
                     {"method": name, "lr": lr, "error": f"{type(e).__name__}: {e}"}
                 )
                 continue
-            r["loss_at_B"] = at(r["records"], "tokens", budget)
-            rows.append(r)
-            print(
-                f"  {name:22s} lr={lr:<7g} loss@B {fmt(r['loss_at_B'])}  final "
-                f"{fmt(r['final_loss'])}  {r['tokens']} tokens in {r['time']:.1f} s "
-                f"({r['tokens_per_s']:.0f} tok/s, {r['pushes']} pushes)",
-                flush=True,
-            )
-        out["grid"][name] = [{k: v for k, v in r.items() if k != "records"} for r in rows]
+            show(name, rows[-1])
         if not rows:
             print(f"  {name}: every point failed; no bars", flush=True)
             return 1
-        # reached B tokens first, then the lowest loss there (else the lowest final loss)
-        best[name] = min(rows, key=lambda r: (r["loss_at_B"] is None,
-                                              r["loss_at_B"] or r["final_loss"]))  # fmt: skip
-        best[name]["grid"] = [r["lr"] for r in rows]
+        keep(name, rows)
+    peer = torchft_peer(task, m)
+    out["torchft"] = {k: v for k, v in peer.items() if k != "rows"}
+    if "skipped" in peer:
+        print(f"  {PEER}: skipped: {peer['skipped']}", flush=True)
+    else:
+        out["failed"] += peer["failed"]
+        for r in peer["rows"]:
+            show(PEER, r)
+        if peer["rows"]:
+            keep(PEER, peer["rows"])
 
     base = best[BASELINE]
     target = base["loss_at_B"]
@@ -307,6 +403,7 @@ def main() -> int:
         row = {
             "method": name,
             "best_lr": r["lr"],
+            "lr_at_edge": r["edge"],
             "loss_at_B": r["loss_at_B"],
             f"loss_at_{t_eq:.0f}s": at(r["records"], "time", t_eq),
             "tokens_per_s": r["tokens_per_s"],
@@ -336,7 +433,7 @@ def main() -> int:
                  rel is not None and rel <= 0.02,
                  f"{fmt(a['loss_at_B'], '.4f')} vs {fmt(target, '.4f')}: "
                  f"{fmt(None if rel is None else 100 * rel, '+.2f')}% (<= +2%)"))  # fmt: skip
-    dil = {k: v for k, v in out["best"].items() if "DiLoCo" in k}
+    dil = {k: v for k, v in out["best"].items() if "DiLoCo" in k and k != PEER}
     k = max(dil, key=lambda k: dil[k]["bytes_fewer_than_sync"] or 0.0)
     f = dil[k]["bytes_fewer_than_sync"]
     bars.append((f"DiLoCo bytes per worker to the target, fewer than sync gradients (best: {k})",
@@ -344,15 +441,17 @@ def main() -> int:
                  f"{fmt(f, '.1f')}x (>= 50; "
                  + ", ".join(f"{n}: {fmt(v['bytes_fewer_than_sync'], '.1f')}x"
                              for n, v in dil.items()) + ")"))  # fmt: skip
-    peer = torchft_peer()
-    out["torchft"] = peer
-    print(f"\ntorchft DiLoCo (peer): {peer.get('skipped', peer)}")
     for name, ok, detail in bars:
         print(f"{'PASS' if ok else 'FAIL'}: {name}: {detail}")
         out["bars"].append({"bar": name, "pass": ok, "detail": detail})
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1, default=float) + "\n")
-        print(f"figures: {args.json}")
+    out["setting"]["load_end"] = os.getloadavg()
+    _report.write(json_out, figures=out, bars=[
+        _report.bar("async DiLoCo / sync gradients, wall time to the target", r, "<=", 0.6),
+        _report.bar("async DiLoCo val loss at B vs sync gradients, % above",
+                    None if rel is None else 100 * rel, "<=", 2.0),
+        _report.bar("DiLoCo bytes per worker to the target, x fewer than sync gradients",
+                    f, ">=", 50),
+    ])  # fmt: skip
     return 0 if all(ok for _, ok, _ in bars) or not args.check else 1
 
 
