@@ -22,6 +22,7 @@ from stalewise.runtime.attach import AttachError, attach
 from stalewise.runtime.base import (
     DivergedError,
     FailureWarning,
+    ServerClosed,
     ShardError,
     TrainResult,
     WorkerError,
@@ -44,6 +45,7 @@ __all__ = [
     "LocalSGD",
     "LocalSGDOptax",
     "RunOptions",
+    "ServerClosed",
     "ShardError",
     "TrainResult",
     "WorkerError",

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import stalewise as sw
+from stalewise import ServerClosed
 from stalewise.protocol import PushHeader, wire
-from stalewise.runtime.local.client import ServerClosed
 
 
 def two_shard_job(n=4, **kw):

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stalewise as sw
+from stalewise import ServerClosed
 from stalewise.protocol import Ack, wire
-from stalewise.runtime.local.client import ServerClosed
 
 FRAME = struct.Struct("!i")
 SETTLE = 10.0  # seconds: the longest a shard may take to cut off a worker (PARTIAL_TIMEOUT is 1 s)

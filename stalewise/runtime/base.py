@@ -83,6 +83,12 @@ class ShardError(RuntimeError):
     """A shard's process died and the job could not go on; the message names the shard."""
 
 
+class ServerClosed(ConnectionError):
+    """A client's job has ended (its shards stopped) or a shard cut this client off; a
+    shard whose process died is a :class:`ShardError` instead. Raised by the clients of
+    every runtime (``server.client(w)``, ``sw.attach``, ``sw.init``)."""
+
+
 class DivergedError(RuntimeError):
     """Training diverged: every worker stopped because its pushes kept being refused."""
 

@@ -43,7 +43,7 @@ import numpy as np
 from stalewise import tree
 from stalewise.protocol import Ack, PushResult, ServerConfig, budget, wire
 from stalewise.protocol.sender import Sender
-from stalewise.runtime.base import ShardError
+from stalewise.runtime.base import ServerClosed, ShardError
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit
@@ -51,11 +51,6 @@ from stalewise.runtime.local.shm import SharedBlock
 
 EXIT_WAIT = 1.0  # seconds a client whose pipe to a shard ended waits for the server's word
 SLICE = 0.05  # seconds between two looks at the shards' exits while a client waits
-
-
-class ServerClosed(ConnectionError):
-    """The shards have stopped (the job ended) or a shard cut this client off; a shard
-    whose process died is a :class:`~stalewise.runtime.base.ShardError` instead."""
 
 
 def recv_reply(

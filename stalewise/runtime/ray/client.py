@@ -43,7 +43,7 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import PushResult, ServerConfig, budget
-from stalewise.runtime.base import ShardError
+from stalewise.runtime.base import ServerClosed, ShardError
 from stalewise.runtime.ray import import_ray
 from stalewise.runtime.ray.outbox import Outbox
 
@@ -51,10 +51,6 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "stalewise"  # the Ray namespace of every served job's named actors
 CLOSE_WAIT = 30.0  # seconds close() waits for the last push's acks and the door
-
-
-class ServerClosed(ConnectionError):
-    """The job's shards stopped (the job ended) or cut this client off."""
 
 
 def door_name(name: str) -> str:
