@@ -5,7 +5,9 @@ MLP and the byte-level GPT of ``tasks.get("lm")``), this script
 
 1. calibrates the simulator on this machine for that job (``stalewise.calibrate``:
    compute times of the task's real steps in as many processes as the run has
-   workers, the shard's apply time, the local runtime's pull and push times);
+   workers, with the run's held-out evaluation every ``eval_interval`` beside them
+   as the local run's parent makes it, the shard's apply time, the local runtime's
+   pull and push times);
 2. runs the job on the local runtime (real processes, wall time);
 3. runs the same job in the simulator with the calibrated ``[sim]`` table (the
    same stragglers and emulated delays), and
@@ -131,8 +133,9 @@ def run_setting(s: Setting, quick: bool, repeats: int) -> dict:
     )
     t0 = time.perf_counter()
     cal = job.calibrate(
-        task.loss_and_grad, task.batches, workers=s.workers, repeats=repeats, delays=s.delay
-    )
+        task.loss_and_grad, task.batches, workers=s.workers, repeats=repeats, delays=s.delay,
+        evaluate=task.evaluate, eval_interval=eval_interval,
+    )  # fmt: skip
     t_cal = time.perf_counter() - t0
     load = os.getloadavg()[0]
     local = job.train(task.loss_and_grad, **common)

@@ -325,7 +325,9 @@ class Job:
         """Measures on this machine what the simulator needs for this job and returns a
         :class:`stalewise.calibrate.Calibration` (``.sim_config()`` for
         ``train(runtime="sim", sim=...)``, ``.toml()`` for a config's ``[sim]`` table).
-        ``options``: ``repeats``, ``sizes``, ``timeout`` of :func:`stalewise.calibrate.calibrate`.
+        ``options``: ``repeats``, ``sizes``, ``delays``, ``evaluate`` and ``eval_interval``
+        (the run's: the compute is timed with the evaluations a local run makes beside it),
+        ``timeout`` of :func:`stalewise.calibrate.calibrate`.
         """
         from stalewise import calibrate as calibrate_lib
 

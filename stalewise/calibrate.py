@@ -7,27 +7,37 @@
   params tree, the gradient flattened into one vector for the push), in
   ``workers`` spawned processes running at once, each with the math-library
   thread cap the local runtime gives its workers (cores / workers). Running them
-  together measures the contention for the cores that a local run has. The step
+  together measures the contention for the cores that a local run has; with
+  ``evaluate`` and ``eval_interval``, this process evaluates the parameters
+  every ``eval_interval`` seconds meanwhile, as the local run's parent does (on
+  a machine with fewer cores than workers, the held-out evaluation takes CPU
+  time from the workers, often more than the shards do). The step
   times of all workers are fitted by a shifted exponential (``shift`` = the
   fastest step, ``1 / rate`` = the mean above it); when a worker's median step
-  differs from the median of all by more than :data:`SPEED_TOLERANCE`, every
-  worker gets a ``speeds`` entry.
+  differs from the median of all by more than :data:`SPEED_TOLERANCE` and lies
+  outside the interquartile range of the other workers' steps, every worker
+  gets a ``speeds`` entry.
 * **the shard's apply time**: a :class:`~stalewise.protocol.Shard` built with the
   job's optimizer, staleness rule and codec, handling pushes in this process
   (``Shard.push`` and the undo copy ``Shard.prepare`` the local shard makes after
   each), at two sizes; fitted as ``service_time + bytes / service_rate``.
 * **pulls and pushes**: a client of a real local server (``job.serve``, the job's
-  optimizer, consistency model, codec and shard count) pushes, pulls right after
-  (``own=False``, as the local worker loop does; under BSP that pull waits for its
-  round and is served by the shard) and waits for the push's acknowledgement, at
-  two sizes.
+  optimizer, consistency model, codec and shard count) pushes (the *send*:
+  flattened, judged, committed and told to the shards), pulls right after
+  (``own=False``, as the local worker loop does) and then waits for the push's
+  acknowledgement, at two sizes.
 
-The simulator's worker pulls, computes, pushes and waits for the push's acks
-before its next pull; each of the pull and the push costs it ``2 * latency +
-bytes / bandwidth`` plus the shard's service time. So ``latency`` and
-``bandwidth`` are fitted (least squares over the two sizes) to the measured
-``(pull + push round trip) / 2`` minus the shard's service time: a simulated
-step then costs what a pull and an acknowledged push cost here. ``model_bytes``,
+Both runtimes' workers follow the pipelining rule
+(:mod:`stalewise.protocol.pipeline`): a gradient push is sent and the next pull
+follows at once, the acks come in while the worker computes. What a worker
+waits for besides its compute is then the send and the pull. A pull that reads
+the snapshots (ASP, SSP with a bound >= 1: the lone worker's clock is one ahead
+with its push in flight) costs a simulated worker ``2 * latency + bytes /
+bandwidth`` and nothing at the shard; one that is a request behind the push
+(BSP, hybrid, DC-ASGD) costs that, the push's apply and its own service at the
+shard. So ``latency`` and ``bandwidth`` are fitted (least squares over the two
+sizes) to ``send + pull``, less two service times (the slice's apply) for a
+request: a simulated step then waits what a step waits here. ``model_bytes``,
 stragglers, delays and fault scripts are not measured: they stay the run's.
 
 The result is a :class:`Calibration`; :meth:`Calibration.toml` is the ``[sim]``
@@ -57,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import PushHeader, ServerConfig
+from stalewise.protocol import PushHeader, ServerConfig, pipeline
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import MAX_SECONDS, MIN_BYTES_PER_S
 
@@ -114,11 +124,18 @@ class Calibration:
         apply: the shard's apply time per push (bytes of the slice -> seconds).
         pull: the time a pull takes a worker (bytes of the model -> seconds).
         push: a push's round trip, until its acknowledgement (bytes -> seconds).
-        message: what the simulator charges one pull or push besides the shard's
-            service time: ``(pull + push) / 2 - apply``, fitted.
+        message: what the simulator charges a pull besides the shard's service
+            time: ``send + pull`` (less ``2 * apply`` for a pull served by the
+            shard), fitted.
         model_bytes: the job's parameters, bytes.
         optimizer: the job's server optimizer, as text.
         load: the machine's load averages (1, 5, 15 minutes) when it started.
+        send: the part of ``push`` the worker waits for: flatten, judge, commit and
+            tell the shards (bytes -> seconds); None if not measured.
+        served: whether the measured pull was a request served by the shard behind
+            the push (else it read the snapshots; :mod:`stalewise.protocol.pipeline`).
+        evaluated: the seconds between the evaluations made while the compute was
+            timed (None: none were made).
     """
 
     workers: int
@@ -131,6 +148,9 @@ class Calibration:
     model_bytes: int
     optimizer: str = ""
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    send: Fit | None = None
+    served: bool = False
+    evaluated: float | None = None
 
     # -- the compute model -------------------------------------------------------------
 
@@ -146,13 +166,24 @@ class Calibration:
 
     def speeds(self) -> tuple[float, ...] | None:
         """Each worker's speed relative to the others, by medians (one step preempted by
-        another process must not make a worker a straggler); None when every worker's
-        median is within :data:`SPEED_TOLERANCE` of the median of all."""
+        another process must not make a worker a straggler); None when no worker is
+        *apart*: its median is within :data:`SPEED_TOLERANCE` of the median of all, or
+        inside the interquartile range of the other workers' steps (on a busy machine
+        the medians of identical workers differ by 10-20%, and under BSP one spurious
+        slow worker sets every round's pace)."""
         means = [float(np.median(t)) for t in self.step_times]
         overall = float(np.median([x for t in self.step_times for x in t]))
-        if len(means) < 2 or all(abs(m / overall - 1) <= SPEED_TOLERANCE for m in means):
+        if len(means) < 2 or not any(self._apart(w, m, overall) for w, m in enumerate(means)):
             return None
         return tuple(round(overall / m, 4) for m in means)
+
+    def _apart(self, w: int, median: float, overall: float) -> bool:
+        """Whether worker ``w``'s median step is set apart from the other workers' steps."""
+        if abs(median / overall - 1) <= SPEED_TOLERANCE:
+            return False
+        others = [x for i, t in enumerate(self.step_times) if i != w for x in t]
+        low, high = np.quantile(others, [0.25, 0.75])
+        return bool(median < low or median > high)
 
     def table(self) -> dict[str, Any]:
         """The ``[sim]`` table, as :meth:`SimConfig.from_dict` reads it."""
@@ -179,9 +210,10 @@ class Calibration:
     def summary(self) -> str:
         """What was measured, in lines of text."""
         us = 1e6
+        beside = "" if self.evaluated is None else f", evaluated every {self.evaluated:g} s beside"
         lines = [
             f"compute: {self.workers} worker process(es) at once, {self.threads} math "
-            f"thread(s) each; load average {self.load[0]:.2f} {self.load[1]:.2f} "
+            f"thread(s) each{beside}; load average {self.load[0]:.2f} {self.load[1]:.2f} "
             f"{self.load[2]:.2f} on {os.cpu_count()} cores"
         ]
         for w, t in enumerate(self.step_times):
@@ -195,14 +227,18 @@ class Calibration:
             + ", ".join(f"{b:,} B {s * us:.1f} us" for b, s in self.apply.points)
             + f" -> {self.apply.intercept * us:.1f} us + bytes / {_rate(self.apply.slope):.3g} B/s"
         )
-        for name, fit in (("pull", self.pull), ("push round trip", self.push)):
+        pull = "pull (served behind the push)" if self.served else "pull (snapshot read)"
+        fits = [(pull, self.pull), ("push round trip", self.push)]
+        if self.send is not None:
+            fits.append(("push send", self.send))
+        for name, fit in fits:
             lines.append(
                 f"{name}: "
                 + ", ".join(f"{b:,} B {s * us:.1f} us" for b, s in fit.points)
                 + f" -> {fit.intercept * us:.1f} us + bytes / {_rate(fit.slope):.3g} B/s"
             )
         lines.append(
-            f"per pull or push besides the shard: {self.message.intercept * us:.1f} us + bytes / "
+            f"per pull besides the shard: {self.message.intercept * us:.1f} us + bytes / "
             f"{_rate(self.message.slope):.3g} B/s (latency = half the fixed part); "
             f"this job's model: {self.model_bytes:,} B"
         )
@@ -292,10 +328,14 @@ def measure_compute(
     warmup: int = 2,
     timeout: float = 600.0,
     delays: Sequence[float] | None = None,
+    evaluate: Callable | None = None,
+    eval_interval: float | None = None,
 ) -> tuple[tuple[tuple[float, ...], ...], int]:
     """Each worker's step times, measured in ``workers`` processes at once; and their
     thread cap. ``delays``: each worker's emulated seconds per step (``train(delays=)``),
-    slept after each step; what the sleep overshoots counts as the step's time."""
+    slept after each step; what the sleep overshoots counts as the step's time.
+    ``evaluate``: called on the initial parameters in this process every
+    ``eval_interval`` seconds while the steps are timed, as a local run's parent does."""
     import multiprocessing as mp
 
     from stalewise.runtime.local.procs import thread_budget
@@ -319,10 +359,15 @@ def measure_compute(
             conns.append(mine)
     try:
         deadline = time.monotonic() + timeout
+        params = None if evaluate is None else tree.unflatten(config.init, config.spec)
         for kind in ("ready", "times"):
             if kind == "times":
+                if evaluate is not None:
+                    evaluate(params)  # its first call may load data or compile: not timed
                 for c in conns:
                     c.send("go")
+                if evaluate is not None:
+                    _observe(conns, evaluate, params, eval_interval, deadline)
             got = []
             for w, c in enumerate(conns):
                 if not c.poll(max(0.0, deadline - time.monotonic())):
@@ -345,6 +390,27 @@ def measure_compute(
                 p.join()
         for c in conns:
             c.close()
+
+
+def _observe(
+    conns: list, evaluate: Callable, params: Any, interval: float, deadline: float
+) -> None:
+    """Evaluates ``params`` every ``interval`` seconds (at once, then on the grid
+    ``k * interval``, as the local runtime's driver records) until every worker has
+    sent its times (or the deadline)."""
+    from multiprocessing import connection
+
+    t0, k = time.monotonic(), 0
+    while time.monotonic() < deadline:
+        evaluate(params)
+        now = time.monotonic()
+        k = max(k + 1, math.floor((now - t0) / interval) + 1)
+        while (left := t0 + k * interval - time.monotonic()) > 0:
+            if all(c.poll(0) for c in conns):
+                return
+            connection.wait(conns, min(left, 0.01))
+        if all(c.poll(0) for c in conns):
+            return
 
 
 # -- the shard's apply time -----------------------------------------------------------
@@ -398,15 +464,15 @@ def measure_apply(config: ServerConfig, size: int, repeats: int) -> float:
 # -- pulls and pushes -----------------------------------------------------------------
 
 
-def measure_transport(config: ServerConfig, size: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of a pull (``own=False``) and of a push until its acknowledgement,
-    by a client of a local server of ``size`` floats (the job's optimizer, consistency
-    model, codec and number of shards). Under BSP the pull that follows a push waits for
-    its round to close, as a local worker's does: it is served by the shard (a round
-    trip through it), not read from a snapshot."""
+def measure_transport(config: ServerConfig, size: int, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of a pull (``own=False``), of a push until its acknowledgement,
+    and of the push's send alone, by a client of a local server of ``size`` floats (the
+    job's optimizer, consistency model, codec and number of shards). Under BSP the pull
+    that follows a push waits for its round to close, as a local worker's does: it is
+    served by the shard (a round trip through it), not read from a snapshot."""
     job = _synthetic_job(config, size, min(config.shards, size))
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
-    pulls, pushes = [], []
+    pulls, pushes, sends = [], [], []
     with job.serve(workers=1) as server:
         client = server.client(0)
         for i in range(repeats + 2):
@@ -422,8 +488,18 @@ def measure_transport(config: ServerConfig, size: int, repeats: int) -> tuple[fl
             if i >= 2:
                 pulls.append(t2 - t1)
                 pushes.append((t1 - t0) + (t3 - t2))
+                sends.append(t1 - t0)
         client.close()
-    return statistics.median(pulls), statistics.median(pushes)
+    return statistics.median(pulls), statistics.median(pushes), statistics.median(sends)
+
+
+def served_pull(config: ServerConfig) -> bool:
+    """Whether the pull :func:`measure_transport` times is a request the shard serves
+    behind the push (else a snapshot read): the pipelining rule
+    (:mod:`stalewise.protocol.pipeline`) for a lone worker whose first push is in flight."""
+    shards = min(config.shards, config.spec.size)
+    snapshot = pipeline.reads_snapshots(config, incarnation=1, joined_at=0)
+    return not (snapshot and pipeline.may_read(config.consistency, 1, [0] * shards))
 
 
 # -- the whole ------------------------------------------------------------------------
@@ -444,6 +520,8 @@ def calibrate(
     repeats: int = REPEATS,
     sizes: Sequence[int] | None = None,
     delays: Any = None,
+    evaluate: Callable | None = None,
+    eval_interval: float | None = None,
     timeout: float = 600.0,
 ) -> Calibration:
     """Measures compute, apply, pull and push times on this machine; see the module docstring.
@@ -461,6 +539,10 @@ def calibrate(
             them after each step, and a sleep on a busy machine ends late: the compute
             processes sleep them too, and the time a step takes beyond its delay counts
             as its compute time (the simulator adds the delay itself).
+        evaluate: the run's ``evaluate(params)``; with ``eval_interval`` (the run's,
+            seconds), called in this process on that cadence while the compute is
+            timed, as the local runtime's parent evaluates while its workers run.
+        eval_interval: see ``evaluate``.
         timeout: seconds the compute processes may take in all.
 
     Raises:
@@ -474,23 +556,36 @@ def calibrate(
     if len(set(sizes)) < 2 or any(not isinstance(n, int) or n < 1 for n in sizes):
         raise ValueError(f"sizes = {sizes!r}: must be two or more different integers >= 1")
     per_worker = _delays(delays, workers)
+    if evaluate is not None:
+        if not callable(evaluate):
+            raise ValueError(f"evaluate = {evaluate!r}: must be a callable evaluate(params)")
+        ok = isinstance(eval_interval, int | float) and not isinstance(eval_interval, bool)
+        if not (ok and math.isfinite(eval_interval) and eval_interval > 0):
+            raise ValueError(
+                f"eval_interval = {eval_interval!r}: must be a finite number of seconds > 0 "
+                "with evaluate"
+            )
     load = os.getloadavg()
     t0 = time.perf_counter()
     step_times, threads = measure_compute(
-        config, loss_and_grad, data, workers, repeats, timeout=timeout, delays=per_worker
-    )
+        config, loss_and_grad, data, workers, repeats, timeout=timeout, delays=per_worker,
+        evaluate=evaluate, eval_interval=eval_interval,
+    )  # fmt: skip
     itemsize = config.init.dtype.itemsize
-    apply_pts, pull_pts, push_pts, msg_pts = [], [], [], []
+    served = served_pull(config)
+    apply_pts, pull_pts, push_pts, send_pts, msg_pts = [], [], [], [], []
     for n in sizes:
         nbytes = n * itemsize
         a = measure_apply(config, n, repeats)
-        pull, push = measure_transport(config, n, repeats)
+        pull, push, send = measure_transport(config, n, repeats)
         shards = min(config.shards, n)
         a_slice = measure_apply(config, -(-n // shards), repeats) if shards > 1 else a
         apply_pts.append((nbytes, a))
         pull_pts.append((nbytes, pull))
         push_pts.append((nbytes, push))
-        msg_pts.append((nbytes, max(0.0, (pull + push) / 2 - a_slice)))
+        send_pts.append((nbytes, send))
+        # what a simulated step waits for besides compute and the shard: see the docstring
+        msg_pts.append((nbytes, max(0.0, send + pull - (2 * a_slice if served else 0.0))))
     log.info("calibrate: measured in %.1f s", time.perf_counter() - t0)
     return Calibration(
         workers=workers,
@@ -503,6 +598,9 @@ def calibrate(
         model_bytes=int(config.spec.size * itemsize),
         optimizer=_describe(config.optimizer),
         load=(round(load[0], 2), round(load[1], 2), round(load[2], 2)),
+        send=Fit.of(send_pts),
+        served=served,
+        evaluated=None if evaluate is None else float(eval_interval),
     )
 
 

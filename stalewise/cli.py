@@ -288,7 +288,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     with cfg.importable():
         cal = cfg.job.calibrate(
             cfg.task.loss_and_grad, cfg.data, workers=workers, repeats=args.repeats,
-            delays=cfg.delay,
+            delays=cfg.delay, evaluate=cfg.task.evaluate,
+            eval_interval=cfg.train["eval_interval"],
         )  # fmt: skip
     text = cal.toml()
     if out is None:

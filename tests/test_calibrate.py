@@ -2,6 +2,7 @@
 
 import math
 import re
+import time
 import tomllib
 
 import numpy as np
@@ -48,9 +49,20 @@ def check_sane(sim: SimConfig) -> None:
 def test_calibrate_measures_and_its_table_reads_back(tmp_path):
     task = tasks.get("digits", hidden=16)
     job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.1, momentum=0.9), shards=2)
+    calls = []
+
+    def evaluate(params):  # runs in this process, beside the timed steps
+        calls.append(time.monotonic())
+        return task.evaluate(params)
+
     cal = job.calibrate(
-        task.loss_and_grad, task.batches, workers=2, repeats=4, sizes=(512, 4096), delays=0.002
-    )
+        task.loss_and_grad, task.batches, workers=2, repeats=4, sizes=(512, 4096), delays=0.002,
+        evaluate=evaluate, eval_interval=0.001,
+    )  # fmt: skip
+    assert len(calls) >= 2 and cal.evaluated == 0.001  # a warm-up call, then while timing
+    assert "evaluated every 0.001 s beside" in cal.summary()
+    assert not cal.served and "pull (snapshot read)" in cal.summary()  # ASP: pipelined
+    assert cal.send is not None and all(s > 0 for _, s in cal.send.points)
     assert cal.workers == 2 and len(cal.step_times) == 2
     assert all(len(t) == 4 and min(t) > 0 for t in cal.step_times)
     assert [b for b, _ in cal.apply.points] == [512 * 4, 4096 * 4]
@@ -84,7 +96,10 @@ def test_the_cli_prints_or_writes_the_table(tmp_path, capsys, monkeypatch):
     cfg = tmp_path / "job.toml"
     cfg.write_text(CONFIG)
     assert main(["calibrate", str(cfg), "--repeats", "3"]) == 0
-    assert seen == {"workers": 2, "repeats": 3, "delays": 0.002}  # run.workers and run.delay
+    evaluate = seen.pop("evaluate")  # the task's, timed beside the compute
+    assert callable(evaluate)
+    # run.workers, run.delay and run.eval_interval (its default, 0.5 s)
+    assert seen == {"workers": 2, "repeats": 3, "delays": 0.002, "eval_interval": 0.5}
     assert capsys.readouterr().out == fake.toml()
     out = tmp_path / "tables" / "sim.toml"
     assert main(["calibrate", str(cfg), "--out", str(out), "--workers", "3"]) == 0
@@ -129,6 +144,8 @@ def test_cli_missing_config_and_folder_out(tmp_path, capsys):
         ({"workers": 1, "sizes": (8, 8)}, "sizes = (8, 8): must be two or more different"),
         ({"workers": 1, "delays": {3: 0.1}}, "delays[3]: not a worker of this run (0..0)"),
         ({"workers": 1, "delays": -1.0}, "delays[0] = -1.0: must be a finite number"),
+        ({"workers": 1, "evaluate": print, "eval_interval": 0}, "eval_interval = 0: must be"),
+        ({"workers": 1, "evaluate": 3, "eval_interval": 1}, "evaluate = 3: must be a callable"),
     ],
 )
 def test_bad_arguments_name_themselves(kwargs, message):
@@ -151,6 +168,10 @@ def test_fit_and_table_rules():
     slow = ((0.01, 0.012, 0.011), (0.03, 0.031, 0.032))  # worker 1 is 3x slower
     t = calibrate.Calibration(2, 1, slow, flat, flat, flat, flat, 4000).table()
     assert t["compute"] == "exponential" and t["speeds"][0] > 1 > t["speeds"][1]
+    # worker 0's median 6% under the median of all, inside worker 1's interquartile
+    # range: noise (the other processes of a busy machine), no speeds
+    noisy = ((0.008, 0.011, 0.012, 0.020), (0.008, 0.0125, 0.013, 0.021))
+    assert "speeds" not in calibrate.Calibration(2, 1, noisy, flat, flat, flat, flat, 4000).table()
     SimConfig.from_dict(tomllib.loads(calibrate.table_toml(t))["sim"]).check_workers(2)
     assert np.isfinite(t["shift"]) and t["rate"] > 0
 
@@ -176,3 +197,17 @@ def test_with_table_keeps_the_runs_scripts_and_takes_the_timing():
     assert (both.compute, both.network, both.service) == (mine.compute, mine.network, mine.service)
     assert both.network.latency == pytest.approx(flat.intercept / 2, rel=1e-3)
     assert calibrate.with_table(None, cal) == mine
+
+
+@pytest.mark.parametrize(
+    "consistency, staleness, served",
+    [(sw.ASP(), None, False), (sw.SSP(1), None, False), (sw.SSP(0), None, True),
+     (sw.BSP(), None, True), (sw.Hybrid(), None, True),
+     (sw.ASP(), sw.staleness.constant(dc_lambda=0.1), True)],
+)  # fmt: skip
+def test_the_timed_pull_is_served_where_the_pipelining_rule_says(consistency, staleness, served):
+    """A lone worker with its push in flight is one clock ahead: it reads the snapshots
+    unless the gate holds it (bound 0, hybrid) or DC-ASGD has the shard keep its pull."""
+    job = sw.Job({"w": np.zeros(8, np.float32)}, optimizer=sw.optim.sgd(0.1),
+                 consistency=consistency, staleness=staleness)  # fmt: skip
+    assert calibrate.served_pull(job.config) is served

@@ -2,7 +2,9 @@
 
 One scripted job runs in the simulator, whose fixed step times fix the order of
 every pull and push; the trace of that order is then replayed through the local
-runtime's real shard processes and clients. The protocol (the commit rule,
+runtime's real shard processes and clients (a worker's pull may overtake its own
+push in flight, as the pipelining rule of :mod:`stalewise.protocol.pipeline`
+allows: the replay computes each push from the pull it followed). The protocol (the commit rule,
 staleness, clocks, sequence numbers, incarnations, the optimizer) must leave the
 very same bits in both, including refused pushes (a NaN in one shard's slice,
 a push too stale).
@@ -102,7 +104,10 @@ def replay_locally(job, order):
     """Replays the simulator's order of pulls and pushes through real shard processes."""
     with job.serve(workers=2) as server:
         clients = [server.client(0), server.client(1)]
-        pulled = [None, None]
+        # a worker's pushes are pipelined: its next pull may come before the shards handle
+        # its push, so push `seq` is computed from that worker's pull number `seq`, against
+        # the versions that pull got (the sender's bases then, as the simulator's commit had)
+        pulled, bases = [[], []], [[], []]
         for event in order:
             w = event[1]
             c = clients[w]
@@ -115,9 +120,11 @@ def replay_locally(job, order):
                 while any(c._snapshots.version(j) < v for j, v in enumerate(versions)):
                     assert time.monotonic() < deadline
                     time.sleep(0.001)
-                pulled[w] = c.pull(timeout=10)
+                pulled[w].append(c.pull(timeout=10))
+                bases[w].append(list(c._sender.bases))
             else:
-                _, grads = scripted_grads(pulled[w], (w, event[2]))
+                _, grads = scripted_grads(pulled[w][event[2]], (w, event[2]))
+                c._sender.bases[:] = bases[w][event[2]]
                 c.push(grads)
                 c.wait(timeout=10)
         for c in clients:
@@ -155,6 +162,32 @@ def test_the_trace_really_interleaves_the_workers():
     states, order = run_sim(make_job("asp-constant"), 9)
     assert {e[1] for e in order if e[0] == "push"} == {0, 1}
     assert any(tau > 0 for tau, _ in states[0]["stats.staleness"])
+
+
+def _pulls_ahead_of_own_push(order):
+    """How many pulls in ``order`` a shard served before the puller's last push."""
+    pulls, pushed, ahead = [0, 0], [0, 0], 0
+    for event in order:
+        w = event[1]
+        if event[0] == "pull":
+            ahead += pulls[w] > pushed[w]
+            pulls[w] += 1
+        else:
+            pushed[w] += 1
+    return ahead
+
+
+@pytest.mark.parametrize(
+    "case, pipelined",
+    [("asp-constant", True), ("ssp1-polynomial", True), ("asp-inverse-max1-dc", False),
+     ("bsp", False)],
+)  # fmt: skip
+def test_the_trace_has_pulls_overtaking_their_own_push_where_the_rule_allows(case, pipelined):
+    """stalewise.protocol.pipeline: an ASP/SSP pull reads the snapshots while its push is in
+    flight; a DC-ASGD pull (the shard keeps what was pulled) and a pull the BSP gate holds
+    are requests behind the push, so the replay above covers both kinds."""
+    _, order = run_sim(make_job(case), 9)
+    assert (_pulls_ahead_of_own_push(order) > 0) == pipelined
 
 
 # -- three runtimes, through Job.train -----------------------------------------------------

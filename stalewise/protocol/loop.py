@@ -23,7 +23,9 @@ actors) and an event-driven one (the simulator) run the very same loop:
   averaging (local SGD, DiLoCo, EASGD) starts every round from the pull, and a
   pull that misses the worker's own last pseudo-gradient makes the worker redo
   that round's progress, which the server then applies twice (with DiLoCo's
-  outer momentum, about ten times). Gradient pushes stay pipelined.
+  outer momentum, about ten times). Gradient pushes stay pipelined: when a
+  runtime answers a push and what the next pull may read meanwhile is the rule
+  of :mod:`stalewise.protocol.pipeline`.
 
 :func:`run` drives it with a function that answers each request.
 

@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import Ack, PushResult, ServerConfig, budget, wire
+from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline, wire
 from stalewise.protocol.sender import Sender
 from stalewise.runtime.base import ServerClosed, ShardError
 from stalewise.runtime.local import layout as L
@@ -128,8 +128,9 @@ class Client:
         # which the client counts from 0 (its pushes) only for a first incarnation that
         # joined at clock 0; a restarted, resumed or late one (an elastic job's joiner)
         # joins at the shard's clock (`joined_at`), so the shard gates it.
-        self._direct = not config.staleness.dc_lambda and (
-            not config.consistency.gated or (incarnation <= 1 and joined_at == 0)
+        # (the rule: stalewise.protocol.pipeline)
+        self._direct = pipeline.reads_snapshots(
+            config, incarnation=incarnation, joined_at=joined_at
         )
         # with a codec: the update is encoded into one payload per shard at push
         self._compressor = config.compressor()
@@ -280,8 +281,8 @@ class Client:
             snaps is not None
             and self._direct
             and not any(self._pulls_due)
-            and all(
-                self._consistency.may_start(self._sender.seq, snaps.min_clock(k)) for k in shards
+            and pipeline.may_read(
+                self._consistency, self._sender.seq, (snaps.min_clock(k) for k in shards)
             )
         ):
             for k in shards:

@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import checkpoint
-from stalewise.protocol import ServerConfig, loop, pulls, wire
+from stalewise.protocol import ServerConfig, loop, pipeline, pulls, wire
 from stalewise.protocol.liveness import Silence
 from stalewise.runtime import driver
 from stalewise.runtime.base import (
@@ -173,8 +173,8 @@ def _worker_main(
             if request is loop.BEGIN:
                 return not client.stopping and client.may_begin(options.steps)
             if request is loop.PULL:
-                # gradient pushes stay pipelined: the pull does not wait for the last one's
-                # acks (a settling strategy has waited for them already, see below)
+                # the pipelining rule (stalewise.protocol.pipeline): the pull does not wait
+                # for the last push's acks (a settling push was answered at them, below)
                 beat.wait(lambda t: client.pull_flat(timeout=t, own=False))
                 return client.last_pull(copy=False)
             if request is loop.CLOCK:  # a strategy pacing itself asks the runtime's clock
@@ -183,10 +183,10 @@ def _worker_main(
             emulated = (request.compute + delay * request.local_steps) * slowdown - request.compute
             if emulated > 0:
                 beat.sleep(emulated)
-            beat.wait(lambda t: client.wait(timeout=t))  # the previous push's acks
+            beat.wait(lambda t: client.wait(timeout=t))  # the previous push's acks (IN_FLIGHT)
             client.push(request.update)  # the client counts it toward the budget
             ctrl[loss_slot] = request.loss
-            if request.settle:  # read-your-writes: the next pull waits for the acked version
+            if pipeline.answer_at_acks(request):  # read-your-writes: the next pull holds it
                 beat.wait(lambda t: client.wait(timeout=t))
             return client.take_results()
 

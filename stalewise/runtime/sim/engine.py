@@ -13,22 +13,32 @@ step with ``send``, so the simulator runs the very loop the local runtime runs:
   (:mod:`stalewise.protocol.budget`): pushes committed plus steps under way
   (``started``, both exact here) below ``steps``; False ends the loop and the
   worker leaves the shards.
-* ``PULL``: the worker sends a pull request to every shard; each shard checks
-  its gate (``Shard.may_start``; a blocked pull waits at the shard and is
-  re-checked after every applied push or leave), queues the pull behind the
-  requests already waiting (one FIFO server per shard, service time from
-  :class:`~stalewise.runtime.sim.models.Service`), copies its slice and sends it
+* ``PULL``: as the pipelining rule says (:mod:`stalewise.protocol.pipeline`,
+  the local runtime's rule too), either a *snapshot read*: when the worker's own
+  count of committed pushes (the one in flight included) passes every shard's
+  gate, each shard's slice as it is when the request arrives, with no queueing
+  at the shard (a local worker reads the published snapshot in shared memory),
+  so it may lack the worker's push still in flight; or a *request* behind that
+  push: each shard takes it once it has handled the push, checks its gate
+  (``Shard.may_start``; a blocked pull waits at the shard and is re-checked
+  after every applied push or leave) and queues it behind the requests already
+  waiting (one FIFO server per shard, service time from
+  :class:`~stalewise.runtime.sim.models.Service`). Either way the slice goes
   back over the links. With every slice in, the loop gets the params tree and
   runs the strategy step for real, at once, on the snapshot it got. With a pull
   codec (``ServerConfig.pull_codec``) the slice is a delta pull
   (:mod:`stalewise.protocol.pulls`): the shard's pull server encodes it, the
   worker's copy decodes it, and it costs its payload's exact byte count.
 * ``Push``: after the virtual compute time of the step's ``local_steps``
-  minibatches the worker commits the push (:mod:`stalewise.protocol.commit`: the
-  whole update is judged once, against the versions it pulled and each shard's
-  version at that instant) and sends every shard its slice with that verdict;
-  each shard queues, serves and handles the push and acks it. With every ack
-  in, the loop gets the push's :class:`~stalewise.protocol.PushResult`.
+  minibatches, and once the worker's previous push is acknowledged (one push in
+  flight, ``pipeline.IN_FLIGHT``), the worker commits the push
+  (:mod:`stalewise.protocol.commit`: the whole update is judged once, against
+  the versions it pulled and each shard's version at that instant) and sends
+  every shard its slice with that verdict; each shard queues, serves and
+  handles the push and acks it. A gradient push is answered at once, with the
+  results of the pushes acknowledged since the last answer, and the next step's
+  pull overlaps it; a settling push (model averaging) is answered with its
+  :class:`~stalewise.protocol.PushResult` once every ack is in.
   With a codec (``ServerConfig.codec``), the update is encoded into one payload
   per shard (:class:`~stalewise.protocol.compress.Compressor`, with the
   worker's error feedback); each shard decodes its payload itself, as in the
@@ -36,7 +46,8 @@ step with ``send``, so the simulator runs the very loop the local runtime runs:
   decoded, the values the shards apply. A push slice costs its payload's exact
   byte count (scaled by ``model_bytes``).
 
-Faults: a worker that fails while pulling or computing pushes nothing. One
+Faults: a worker that fails while pulling or computing pushes nothing (but a
+push of its still in flight, committed before, is delivered). One
 that fails after committing its push (while pushing) still delivers it to
 every shard: the shards that have not handled it yet get it from
 ``Shard.depart`` at the instant of the failure, and the push's messages still
@@ -79,7 +90,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import PushHeader, ServerConfig, budget, compress, loop, pulls
+from stalewise.protocol import PushHeader, ServerConfig, budget, compress, loop, pipeline, pulls
 from stalewise.protocol.sender import Outgoing, Sender
 from stalewise.runtime import driver
 from stalewise.runtime.base import Failures, batch_iterator, merge_stats, worker_failed
@@ -93,8 +104,10 @@ _PULL_REQ, _SERVED, _PULL_HEAD, _PULL_RESP, _COMPUTED, _PUSH_HEAD, _PUSH_IN = ra
 _ACK, _LEAVE, _FAIL, _JOIN, _EVAL, _RESTART = range(7, 13)
 # request kinds at a shard
 _PULL, _PUSH = 0, 1
-# worker phases
-_IDLE, _PULLING, _COMPUTING, _PUSHING, _DONE, _DEAD = range(6)
+# worker phases (of its loop; a push of its may be in flight meanwhile: ``acking``)
+# _HELD: its step is computed, its push waits for the last one's acks (pipeline.IN_FLIGHT);
+# _SETTLING: its settling push is committed, the loop is answered at its acks
+_IDLE, _PULLING, _COMPUTING, _HELD, _SETTLING, _DONE, _DEAD = range(7)
 _GONE = object()  # what Simulation.send returns when the worker failed meanwhile
 
 
@@ -162,13 +175,23 @@ class Simulation:
         self.inc = [0] * workers  # incarnation: events of an earlier life are dropped
         self.loops: list[Any] = [None] * workers  # each worker's protocol loop (a generator)
         self.phase = [_IDLE] * workers
-        self.pending = [0] * workers  # shard answers still to come
+        self.pending = [0] * workers  # pull slices still to come
+        self.acking = [0] * workers  # acks still to come for the push in flight
+        self.fresh = [True] * workers
+        self.settle = (
+            [False] * workers
+        )  # the computed step's push settles (pipeline)  # the incarnation's pulls may read snapshots (pipeline)
+        self.behind: list[list[bool]] = [[False] * S for _ in range(workers)]  # pull behind push
+        self.results: list[list] = [[] for _ in range(workers)]  # acked, not yet answered
+        self.loop_stats: list[Any] = [None] * workers  # a loop's stats, once it has ended
+        self.push_mark = [0.0] * workers  # when the push in flight was committed
         self.acks: list[list] = [[None] * S for _ in range(workers)]  # the push's acks
         self.outgoing: list[Outgoing | None] = [None] * workers  # the push committed, in flight
         # the verdict looks at the versions only with a max_staleness: else no need to tell it
         self.judging = config.staleness.max_staleness != math.inf
         self.pull_buf: list[np.ndarray | None] = [None] * workers
-        self.upd_buf: list[np.ndarray | None] = [None] * workers
+        self.upd_buf: list[np.ndarray | None] = [None] * workers  # the push in flight
+        self.next_buf: list[np.ndarray | None] = [None] * workers  # computed, not committed
         self.pool: list[np.ndarray] = []  # free parameter-sized buffers
         self.batches: list[Any] = [None] * workers
         self.loss_next = [math.nan] * workers
@@ -207,7 +230,7 @@ class Simulation:
         return self.pool.pop() if self.pool else np.empty(self.spec.size, self.params.dtype)
 
     def give_back(self, w: int) -> None:
-        for bufs in (self.pull_buf, self.upd_buf):
+        for bufs in (self.pull_buf, self.upd_buf, self.next_buf):
             if bufs[w] is not None:
                 self.pool.append(bufs[w])
                 bufs[w] = None
@@ -227,18 +250,9 @@ class Simulation:
     def served(self, k: int) -> None:
         kind, w, inc = self.busy[k]
         if inc == self.inc[w]:
-            lo, hi = self.ranges[k]
             shard = self.shards[k]
             if kind == _PULL:
-                if self.pull_servers is None:
-                    self.senders[w].pulled(k, shard.pull(w, self.pull_buf[w][lo:hi], now=self.now))
-                    nbytes = self.slice_bytes[k]
-                else:
-                    nbytes = self.delta_pull(w, k)
-                self.pull_bytes[w][k] = nbytes
-                self.pulled[0] += nbytes
-                self.pulled[1] += 1
-                self.transfer(self.P + k, w, nbytes, _PULL_HEAD, w, k)
+                self.read(w, k)
             else:
                 out = self.outgoing[w]
                 header = PushHeader(w, out.seq, out.bases[k], inc)
@@ -249,6 +263,9 @@ class Simulation:
                     log.debug("sim: shard %d rejected worker %d's push: %s", k, w, ack.reason)
                 self.at(self.now + self.lat, _ACK, w, k, inc)
                 self.release(k)
+                if self.behind[w][k]:  # its pull came behind the push: its turn now
+                    self.behind[w][k] = False
+                    self.ask(w, k, inc)
         q = self.queue[k]
         while q:
             req = q.popleft()
@@ -256,6 +273,29 @@ class Simulation:
                 self.serve(k, req)
                 return
         self.busy[k] = None
+
+    def read(self, w: int, k: int) -> None:
+        """Shard ``k``'s slice as it is now goes to worker ``w`` (served, or read from the
+        newest snapshot: :mod:`stalewise.protocol.pipeline`)."""
+        lo, hi = self.ranges[k]
+        if self.pull_servers is None:
+            version = self.shards[k].pull(w, self.pull_buf[w][lo:hi], now=self.now)
+            self.senders[w].pulled(k, version)
+            nbytes = self.slice_bytes[k]
+        else:
+            nbytes = self.delta_pull(w, k)
+        self.pull_bytes[w][k] = nbytes
+        self.pulled[0] += nbytes
+        self.pulled[1] += 1
+        self.transfer(self.P + k, w, nbytes, _PULL_HEAD, w, k)
+
+    def ask(self, w: int, k: int, inc: int) -> None:
+        """Worker ``w``'s pull request at shard ``k``: it waits for the gate, then queues."""
+        shard = self.shards[k]
+        if self.gated and not shard.may_start(w):
+            heapq.heappush(self.waiting[k], (int(shard.clocks[w]), next(self.counter), w, inc))
+        else:
+            self.enqueue(k, (_PULL, w, inc))
 
     def delta_pull(self, w: int, k: int) -> float:
         """Shard ``k`` serves worker ``w``'s delta pull (:mod:`stalewise.protocol.pulls`):
@@ -303,7 +343,8 @@ class Simulation:
         ended (the budget is spent, or it diverged), or ``_GONE`` when the worker failed."""
         try:
             return self.loops[w].send(answer)
-        except StopIteration:
+        except StopIteration as stop:
+            self.loop_stats[w] = stop.value
             return None
         except loop.Diverged as e:  # the loop has ended: the worker stops pushing and leaves
             self.diverged[w] = str(e)
@@ -324,6 +365,10 @@ class Simulation:
         """
         self.senders[w] = self.new_sender(w)
         self.joined_at[w] = max(int(shard.clocks[w]) for shard in self.shards)
+        self.fresh[w] = pipeline.reads_snapshots(
+            self.config, incarnation=self.inc[w], joined_at=self.joined_at[w]
+        )
+        self.results[w], self.loop_stats[w] = [], None
         try:
             if self.batches[w] is None:
                 self.batches[w] = batch_iterator(self.data, w, self.P, drawn=self.consumed)
@@ -349,14 +394,23 @@ class Simulation:
         if request is None:  # the loop has ended: the worker leaves the job
             self.phase[w], self.loops[w] = _DONE, None
             self.ended[w] = (self.now, sum(e is not None for e in self.ended))
-            for k in range(self.S):
-                self.at(self.now + self.lat, _LEAVE, w, k, self.inc[w])
+            if not self.acking[w]:  # else it leaves once its last push is acked
+                self.leave(w)
             return
         self.started += 1  # the loop asks to PULL
         self.phase[w], self.pending[w], self.t_mark[w] = _PULLING, self.S, self.now
         self.pull_buf[w] = self.take_buffer()
+        # the pipelining rule: the newest snapshots, or requests behind the push in flight
+        snapshot = self.fresh[w] and pipeline.may_read(
+            self.shards[0].consistency, self.senders[w].seq, (s.min_clock() for s in self.shards)
+        )
         for k in range(self.S):
-            self.at(self.now + self.lat, _PULL_REQ, w, k, self.inc[w])
+            self.at(self.now + self.lat, _PULL_REQ, w, k, self.inc[w], float(snapshot))
+
+    def leave(self, w: int) -> None:
+        """Worker ``w``'s loop has ended and its last push is acked: it leaves the shards."""
+        for k in range(self.S):
+            self.at(self.now + self.lat, _LEAVE, w, k, self.inc[w])
 
     def compute(self, w: int) -> None:
         """Every slice is in: the loop runs the strategy step, the compute time starts."""
@@ -370,10 +424,9 @@ class Simulation:
             update, loss, local_steps = request[:3]
             if local_steps < 0:
                 raise ValueError(f"the strategy step reported local_steps={local_steps} (< 0)")
-            self.upd_buf[w] = out = self.take_buffer()
+            self.next_buf[w] = out = self.take_buffer()
             tree.flatten(update, spec=self.spec, out=out)
-            if self.compressor is not None:
-                self.senders[w].encode(out, self.payload_buffers(w))
+            self.settle[w] = pipeline.answer_at_acks(request)
         except Exception as e:
             self.crash(w, e)
             return
@@ -412,9 +465,24 @@ class Simulation:
         lo, hi = self.ranges[k]
         return self.upd_buf[w][lo:hi]
 
-    def push(self, w: int) -> None:
-        """Commits the update (one verdict for every shard) and sends each shard its slice."""
+    def computed(self, w: int) -> None:
+        """The step's compute time is over: push, once the last push is acked (IN_FLIGHT)."""
         self.totals["compute"] += self.now - self.t_mark[w]
+        if self.acking[w]:
+            self.phase[w] = _HELD
+            return
+        self.push(w)
+
+    def push(self, w: int) -> None:
+        """Commits the update (one verdict for every shard) and sends each shard its slice;
+        the loop goes on at once, or at the acks of a settling push (pipeline)."""
+        self.upd_buf[w], self.next_buf[w] = self.next_buf[w], None
+        if self.compressor is not None:  # the payloads are free: the last push is acked
+            try:
+                self.senders[w].encode(self.upd_buf[w], self.payload_buffers(w))
+            except Exception as e:
+                self.crash(w, e)
+                return
         self.pushes += 1
         self.last_loss[w] = self.loss_next[w]
         sender = self.senders[w]
@@ -424,20 +492,40 @@ class Simulation:
         # judged once (payloads decoded back into the update's buffer), then committed
         self.outgoing[w] = sender.judge(self.upd_buf[w], into=self.upd_buf[w])
         sender.committed()
-        self.phase[w], self.pending[w], self.t_mark[w] = _PUSHING, self.S, self.now
+        self.acks[w] = [None] * self.S
+        self.acking[w], self.push_mark[w] = self.S, self.now
         for k in range(self.S):
             self.push_bytes[w][k] = nbytes = self.wire_bytes[k]  # the payload's exact size
             self.transfer(w, self.P + k, nbytes, _PUSH_HEAD, w, k)
+        if self.settle[w]:
+            self.phase[w] = _SETTLING
+            return
+        self.phase[w] = _IDLE
+        results, self.results[w] = self.results[w], []
+        if self.send(w, results) is not _GONE:  # the loop asks BEGIN
+            self.start_step(w)
 
     def acked(self, w: int) -> None:
-        """Every ack is in: the loop learns the push's result and begins its next step."""
-        self.totals["push"] += self.now - self.t_mark[w]
+        """Every ack of the push in flight is in: its result goes to the loop with the next
+        answer; a held push is committed now, a settling one's loop goes on."""
+        self.totals["push"] += self.now - self.push_mark[w]
         self.totals["steps"] += 1
         self.pool.append(self.upd_buf[w])
         self.upd_buf[w] = None
-        self.phase[w] = _IDLE  # nothing of the push is in flight any more
-        if self.send(w, [self.senders[w].result(self.acks[w])]) is not _GONE:  # the loop asks BEGIN
-            self.start_step(w)
+        self.results[w].append(self.senders[w].result(self.acks[w]))
+        phase = self.phase[w]
+        if phase == _HELD:
+            self.push(w)
+        elif phase == _SETTLING:
+            self.phase[w] = _IDLE
+            results, self.results[w] = self.results[w], []
+            if self.send(w, results) is not _GONE:  # the loop asks BEGIN
+                self.start_step(w)
+        elif phase == _DONE:  # the loop has ended: its last push's result, then it leaves
+            results, self.results[w] = self.results[w], []
+            if self.loop_stats[w] is not None:
+                loop.report(results, self.loop_stats[w], w)
+            self.leave(w)
 
     def fail(self, w: int) -> None:
         """A scripted failure of worker ``w`` (``SimConfig.failures``); see the module docstring."""
@@ -486,8 +574,11 @@ class Simulation:
         """Worker ``w``'s incarnation ends now: it leaves every shard, which first
         delivers a push it had committed, and its messages in flight are dropped."""
         phase, inc = self.phase[w], self.inc[w]
-        if phase in (_PULLING, _COMPUTING):
+        if phase in (_PULLING, _COMPUTING, _HELD):
             self.started -= 1  # nothing was committed: the step is not done
+        flying, self.acking[w] = self.acking[w], 0
+        self.behind[w] = [False] * self.S
+        self.results[w] = []
         self.phase[w] = _DEAD
         if self.loops[w] is not None:
             self.loops[w].close()
@@ -495,7 +586,7 @@ class Simulation:
         delivered = []
         for k, shard in enumerate(self.shards):
             committed = None
-            if phase == _PUSHING:  # committed: shards that have not handled it get it now
+            if flying:  # committed: shards that have not handled it get it now
                 out = self.outgoing[w]
                 header = PushHeader(w, out.seq, out.bases[k], inc)
                 committed = (header, self.sent(w, k), out.verdict)
@@ -695,24 +786,27 @@ class Simulation:
             elif i != inc[w]:
                 continue  # a message of (or to) an earlier life of worker w
             elif kind == _PULL_REQ:
-                shard = self.shards[k]
-                if self.gated and not shard.may_start(w):
-                    heapq.heappush(
-                        self.waiting[k], (int(shard.clocks[w]), next(self.counter), w, i)
-                    )
+                if x:  # the newest snapshot (pipeline.may_read): no queue at the shard
+                    self.read(w, k)
+                elif self.acking[w] and self.acks[w][k] is None:
+                    self.behind[w][k] = True  # behind its push, which shard k has not handled
                 else:
-                    self.enqueue(k, (_PULL, w, i))
+                    self.ask(w, k, i)
             elif kind == _PULL_HEAD:
                 self.at(self.links.receive(w, self.pull_bytes[w][k], t, x), _PULL_RESP, w, k, i)
             elif kind == _PUSH_HEAD:
                 done = self.links.receive(self.P + k, self.push_bytes[w][k], t, x)
                 self.at(done, _PUSH_IN, w, k, i)
-            elif kind in (_PULL_RESP, _ACK):
+            elif kind == _PULL_RESP:
                 self.pending[w] -= 1
                 if not self.pending[w]:
-                    (self.compute if kind == _PULL_RESP else self.acked)(w)
+                    self.compute(w)
+            elif kind == _ACK:
+                self.acking[w] -= 1
+                if not self.acking[w]:
+                    self.acked(w)
             elif kind == _COMPUTED:
-                self.push(w)
+                self.computed(w)
             elif kind == _PUSH_IN:
                 self.enqueue(k, (_PUSH, w, i))
             elif kind == _LEAVE:
