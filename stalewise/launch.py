@@ -312,7 +312,9 @@ def launch(
     if runtime == "ray":
         try:
             from stalewise.runtime.ray import import_ray
+            from stalewise.runtime.ray.launch import quiet_driver
 
+            quiet_driver()
             import_ray()
         except ImportError as e:
             raise LaunchError(str(e)) from None

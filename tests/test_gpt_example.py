@@ -20,9 +20,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "gpt"
-INIT_LINE = re.compile(r"^val loss (\d+\.\d+) at init$", re.MULTILINE)
+RAY = r"(?:\S*\(rank \d+ pid=\d+[^)]*\)\S* )?"  # Ray's label of a worker's line, colours and all
+INIT_LINE = re.compile(rf"^{RAY}val loss (\d+\.\d+) at init$", re.MULTILINE)
 PLAIN_LINE = re.compile(r"^val loss (\d+\.\d+)$", re.MULTILINE)
-RANK_LINE = re.compile(r"^rank (\d+): val loss (\d+\.\d+)$", re.MULTILINE)
+RANK_LINE = re.compile(rf"^{RAY}rank (\d+): val loss (\d+\.\d+)$", re.MULTILINE)
 TIMEOUT = 300  # seconds for one run of a script; a run killed at this fails its test
 
 
