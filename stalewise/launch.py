@@ -257,6 +257,16 @@ def _wait_for(procs: list, barrier: Any, timeout: float | None) -> list[str]:
     return sorted(failed)
 
 
+def whole_lines() -> None:
+    """Makes each line a worker prints one write to the stdout and stderr it shares with
+    the others. Unbuffered (``PYTHONUNBUFFERED``, ``-u``), ``print`` writes its text and
+    its newline separately, and two workers' lines tear (``rank 2: 2.9rank 1: 2.9``);
+    line buffering keeps them whole and still shows each line as it ends."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
+            stream.reconfigure(write_through=False, line_buffering=True)
+
+
 def _worker_main(
     script: str,
     argv: list[str],
@@ -271,6 +281,7 @@ def _worker_main(
     from stalewise.runtime.logs import child_logging
 
     child_logging(f"rank {rank}")
+    whole_lines()
     _WORKER = Context(rank, world, client, steps=steps, _barrier=barrier)
     sys.argv = [script, *argv]
     sys.path.insert(0, str(Path(script).resolve().parent))
@@ -312,7 +323,9 @@ def launch(
     if runtime == "ray":
         try:
             from stalewise.runtime.ray import import_ray
+            from stalewise.runtime.ray.launch import quiet_driver
 
+            quiet_driver()
             import_ray()
         except ImportError as e:
             raise LaunchError(str(e)) from None

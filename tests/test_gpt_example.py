@@ -1,9 +1,10 @@
 """The README's nanoGPT-style walkthrough: examples/gpt/train.py made a 4-worker job.
 
 train_launched.py is train.py with at most 10 changed lines (model.py and data.py
-shared, unchanged); launched with ``stalewise run --workers 4`` every rank reports a
-validation loss well below the initial model's, and run as a plain script it trains
-as train.py does.
+shared, unchanged); launched with ``stalewise run --workers 4``, on local processes
+and on a two-node Ray cluster (``ray.cluster_utils``: two raylets of 2 CPUs each on
+this machine), every rank reports a validation loss well below the initial model's,
+and run as a plain script it trains as train.py does.
 """
 
 import contextlib
@@ -19,9 +20,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "gpt"
-INIT_LINE = re.compile(r"^val loss (\d+\.\d+) at init$", re.MULTILINE)
+RAY = r"(?:\S*\(rank \d+ pid=\d+[^)]*\)\S* )?"  # Ray's label of a worker's line, colours and all
+INIT_LINE = re.compile(rf"^{RAY}val loss (\d+\.\d+) at init$", re.MULTILINE)
 PLAIN_LINE = re.compile(r"^val loss (\d+\.\d+)$", re.MULTILINE)
-RANK_LINE = re.compile(r"^rank (\d+): val loss (\d+\.\d+)$", re.MULTILINE)
+RANK_LINE = re.compile(rf"^{RAY}rank (\d+): val loss (\d+\.\d+)$", re.MULTILINE)
 TIMEOUT = 300  # seconds for one run of a script; a run killed at this fails its test
 
 
@@ -47,6 +49,24 @@ def test_the_launched_script_changes_at_most_ten_lines():
 def test_the_readme_shows_the_true_diff():
     shown = re.findall(r"```diff\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert "\n".join(gpt_diff()) + "\n" in shown
+
+
+@pytest.fixture
+def two_nodes():
+    """A two-node Ray cluster, 2 CPUs a node (a worker needs one): the environment that
+    points ``stalewise run --runtime ray`` at it. Shut down whatever happens."""
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "object_store_memory": 100 * 2**20},
+    )
+    try:
+        nodes.add_node(num_cpus=2, object_store_memory=100 * 2**20)
+        nodes.wait_for_nodes(timeout=60)
+        yield {"RAY_ADDRESS": nodes.address}
+    finally:
+        nodes.shutdown()
 
 
 def launch_command(runtime: str, workers: int, steps: int) -> list[str]:
@@ -76,12 +96,14 @@ def run(cmd: list[str], env: dict | None = None) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("runtime", ["local"])
-def test_the_launched_gpt_trains_on_four_workers(runtime, no_leaks):
-    """200 pushes in all (50 BSP rounds of 4 batches): every rank reports a validation
-    loss at least 2 nats below the initial model's (ln 256 = 5.55 is a uniform guess;
-    byte frequencies alone give about 3.4)."""
-    out, err = run(launch_command(runtime, workers=4, steps=200))
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+def test_the_launched_gpt_trains_on_four_workers(runtime, request, no_leaks):
+    """200 pushes in all, exactly (50 BSP rounds of 4 batches: the budget is whole
+    rounds): every rank reports a validation loss at least 2 nats below the initial
+    model's (ln 256 = 5.55 is a uniform guess; byte frequencies alone give about 3.4).
+    On Ray the workers run on both nodes of the cluster."""
+    env = request.getfixturevalue("two_nodes") if runtime == "ray" else None
+    out, err = run(launch_command(runtime, workers=4, steps=200), env=env)
     log = f"stdout:\n{out}\nstderr:\n{err}"
     inits = {float(v) for v in INIT_LINE.findall(out)}
     assert len(inits) == 1, log  # the same initial model in every process
@@ -90,7 +112,8 @@ def test_the_launched_gpt_trains_on_four_workers(runtime, no_leaks):
     assert [r for r, _ in found] == [0, 1, 2, 3], log
     assert all(v < init - 2.0 for _, v in found), log
     last = err.strip().splitlines()[-1]
-    assert re.fullmatch(r"stalewise run: 4 workers done, 20[0-3] pushes", last), log
+    where = " on 2 Ray node(s)" if runtime == "ray" else ""  # the nodes the ranks ran on
+    assert last == f"stalewise run: 4 workers done{where}, 200 pushes", log
 
 
 @pytest.mark.slow

@@ -172,3 +172,34 @@ def test_a_worker_that_dies_before_init_does_not_hold_the_others(tmp_path, no_le
     assert done.returncode == 1 and "stalewise run: rank 1 failed" in done.stderr
     assert _reports(out, 1)[0]["pushes"] >= 40
     assert time.monotonic() - start < 0.5 * RENDEZVOUS_TIMEOUT  # not held at the barrier
+
+
+LINES = textwrap.dedent(
+    """
+    import numpy as np
+    import stalewise as sw
+
+    if __name__ == "__main__":
+        ctx = sw.init(sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1)))
+        for i in range(300):
+            print(f"rank {ctx.rank} line {i}")
+    """
+)
+
+
+def test_workers_lines_stay_whole_when_python_is_unbuffered(tmp_path, no_leaks):
+    """PYTHONUNBUFFERED=1: print's text and newline are two writes; the workers, sharing
+    the launcher's stdout, would tear each other's lines without line buffering."""
+    script = _script(tmp_path, LINES)
+    done = subprocess.run(
+        [*STALEWISE, "run", "--workers", "3", "--steps", "1", str(script)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    expected = {f"rank {r} line {i}" for r in range(3) for i in range(300)}
+    assert len(lines) == len(expected) and set(lines) == expected, done.stdout[-2000:]

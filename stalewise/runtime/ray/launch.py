@@ -11,7 +11,9 @@ environment sets them). Each actor attaches to the job as worker ``rank``
 ``__main__`` with that context set, so its :func:`stalewise.init` returns a
 :class:`~stalewise.launch.Context` whose client is a
 :class:`~stalewise.runtime.ray.client.RayClient`, and closes the client when the
-script ends. The workers start together (a rendezvous at the job's door).
+script ends. The workers start together (a rendezvous at the job's door). What
+they print reaches the launcher's stdout through Ray, each line labelled
+``(rank R pid=...)``, none folded into another (``RAY_DEDUP_LOGS=0`` unless set).
 
 The script must be at the same path on every node, or self-contained: an actor
 that does not find it there runs the launcher's copy of its text (modules beside
@@ -48,8 +50,22 @@ class _Barrier:
             raise threading.BrokenBarrierError
 
 
+def quiet_driver() -> None:
+    """Before the launcher imports Ray: every line the workers print reaches its stdout.
+    Ray's driver folds lines that differ only in numbers (``rank 0: loss 2.9`` and
+    ``rank 1: loss 2.9``) into one by default; ``RAY_DEDUP_LOGS=0`` unless you set it."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
 class ScriptWorker:
-    """One rank of a launched script (made remote by :func:`serve_workers`)."""
+    """One rank of a launched script (made remote by :func:`serve_workers`); Ray labels
+    the lines it prints ``(rank R pid=...)``."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def __repr__(self) -> str:  # Ray's label for the actor's output
+        return f"rank {self.rank}"
 
     def run(
         self,
@@ -119,8 +135,8 @@ def serve_workers(
                     max_restarts=0,
                     scheduling_strategy="SPREAD",
                     runtime_env={"env_vars": caps},
-                ).remote()
-                for _ in range(workers)
+                ).remote(rank)
+                for rank in range(workers)
             ]
             script = str(Path(script).resolve())
             refs = {
