@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise import targets
+from stalewise import targets, tree
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,60 @@ class ServerClosed(ConnectionError):
     """A client's job has ended (its shards stopped) or a shard cut this client off; a
     shard whose process died is a :class:`ShardError` instead. Raised by the clients of
     every runtime (``server.client(w)``, ``sw.attach``, ``sw.init``)."""
+
+
+class PullsIntoTrees:
+    """The part of a worker's client that every runtime shares: a pull fills the flat
+    ``_pull_buf`` (the runtime's :meth:`pull_flat`), and the parameters come back in the
+    structure and backend the job was made with (``_spec``)."""
+
+    _pull_buf: np.ndarray
+    _spec: tree.FlatSpec
+
+    @property
+    def spec(self) -> tree.FlatSpec:
+        """The job's parameter layout (the structure pushes must have)."""
+        return self._spec
+
+    def pull_flat(self, *, timeout: float | None = None, own: bool = True) -> np.ndarray:
+        raise NotImplementedError
+
+    def pull(
+        self,
+        *,
+        copy: bool = True,
+        into: Any = None,
+        timeout: float | None = None,
+        own: bool = True,
+    ) -> Any:
+        """Blocks until the consistency model lets this worker start, then returns the params.
+
+        Read-your-writes: the parameters include this worker's last push, if the
+        shards applied it (a refused push changed nothing): the pull first waits
+        for that push's acknowledgement, then for a snapshot that holds it.
+        ``own=False`` does not wait: the push may still be in flight, and
+        ``pull_has_own`` then says whether the pull includes it (a pipelined loop
+        that overlaps its push with its next step).
+
+        Args:
+            copy: False returns leaves that view the pull buffer (valid until the next pull).
+            into: an existing tree or model (e.g. a ``torch.nn.Module``) to copy the
+                values into, in place; it is returned.
+            timeout: seconds to wait for the shards (None: forever).
+            own: wait for this worker's last push to be acknowledged (default).
+
+        Returns:
+            The parameters in the structure and backend the job was made with.
+        """
+        self.pull_flat(timeout=timeout, own=own)
+        return self.last_pull(copy=copy, into=into)
+
+    def last_pull(self, *, copy: bool = True, into: Any = None) -> Any:
+        """The parameters of the last completed pull, as :meth:`pull` returns them."""
+        if into is not None:
+            tree.unflatten_into(into, self._pull_buf, self._spec)
+            return into
+        return tree.unflatten(self._pull_buf, self._spec, copy=copy)
 
 
 class DivergedError(RuntimeError):

@@ -43,7 +43,7 @@ import numpy as np
 from stalewise import tree
 from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline, wire
 from stalewise.protocol.sender import Sender
-from stalewise.runtime.base import ServerClosed, ShardError
+from stalewise.runtime.base import PullsIntoTrees, ServerClosed, ShardError
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit
@@ -96,7 +96,7 @@ class ControlPipe:
         return getattr(self._conn, name)
 
 
-class Client:
+class Client(PullsIntoTrees):
     """A worker's handle on the shards: ``pull()`` params, ``push()`` updates.
 
     Made by :meth:`LocalServer.client`; picklable until first used, so it can be
@@ -161,11 +161,6 @@ class Client:
         self._lease: connection.Connection | None = None  # an attached process's socket
 
     @property
-    def spec(self) -> tree.FlatSpec:
-        """The job's parameter layout (the structure pushes must have)."""
-        return self._spec
-
-    @property
     def job_pushes(self) -> int:
         """Pushes committed by all the job's workers so far (each id over its incarnations):
         what a budget of ``steps`` counts."""
@@ -227,42 +222,6 @@ class Client:
                 dtype=self._layout.dtype,
             )
         return self._block
-
-    def pull(
-        self,
-        *,
-        copy: bool = True,
-        into: Any = None,
-        timeout: float | None = None,
-        own: bool = True,
-    ) -> Any:
-        """Blocks until the consistency model lets this worker start, then returns the params.
-
-        Read-your-writes: the parameters include this worker's last push, if the
-        shards applied it (a refused push changed nothing): the pull first waits
-        for that push's acknowledgement. ``own=False`` does not wait: the push may
-        still be in flight, and :attr:`pull_has_own` then says whether the pull
-        includes it (a pipelined loop that overlaps its push with its next step).
-
-        Args:
-            copy: False returns leaves that view the pull buffer (valid until the next pull).
-            into: an existing tree or model (e.g. a ``torch.nn.Module``) to copy the
-                values into, in place; it is returned.
-            timeout: seconds to wait for the shards (None: forever).
-            own: wait for this worker's last push to be acknowledged (default).
-
-        Returns:
-            The parameters in the structure and backend the job was made with.
-        """
-        self.pull_flat(timeout=timeout, own=own)
-        return self.last_pull(copy=copy, into=into)
-
-    def last_pull(self, *, copy: bool = True, into: Any = None) -> Any:
-        """The parameters of the last completed pull, as :meth:`pull` returns them."""
-        if into is not None:
-            tree.unflatten_into(into, self._pull_buf, self._spec)
-            return into
-        return tree.unflatten(self._pull_buf, self._spec, copy=copy)
 
     def pull_flat(self, *, timeout: float | None = None, own: bool = True) -> np.ndarray:
         """Like :meth:`pull` but returns the flat pull buffer itself (no copy)."""

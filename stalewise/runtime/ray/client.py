@@ -41,9 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from stalewise import tree
 from stalewise.protocol import PushResult, ServerConfig, budget
-from stalewise.runtime.base import ServerClosed, ShardError
+from stalewise.runtime.base import PullsIntoTrees, ServerClosed, ShardError
 from stalewise.runtime.ray import import_ray
 from stalewise.runtime.ray.outbox import Outbox
 
@@ -68,7 +67,7 @@ class Lease:
         await asyncio.get_running_loop().create_future()
 
 
-class RayClient:
+class RayClient(PullsIntoTrees):
     """One incarnation of a worker id of a job served on Ray; see the module docstring.
 
     Made by :func:`attach` (or ``server.client()``); belongs to one thread of the
@@ -113,11 +112,6 @@ class RayClient:
     # -- the job ----------------------------------------------------------------------
 
     @property
-    def spec(self) -> tree.FlatSpec:
-        """The job's parameter layout (the structure pushes must have)."""
-        return self._spec
-
-    @property
     def job_pushes(self) -> int:
         """Pushes committed by all the job's workers so far (shard 0's count, asked now)."""
         self._count()
@@ -159,38 +153,6 @@ class RayClient:
         self._stopping = self._stopping or bool(stopped)
 
     # -- pulls ------------------------------------------------------------------------
-
-    def pull(
-        self,
-        *,
-        copy: bool = True,
-        into: Any = None,
-        timeout: float | None = None,
-        own: bool = True,
-    ) -> Any:
-        """Blocks until the consistency model lets this worker start, then returns the params.
-
-        Read-your-writes: the parameters include this worker's last push, if the
-        shards applied it: the pull first waits for its acknowledgement, then asks
-        each shard for a snapshot at least as new as the version its ack gave.
-        ``own=False`` does not wait; :attr:`pull_has_own` then says whether the pull
-        includes the push.
-
-        Args:
-            copy: False returns leaves that view the pull buffer (valid until the next pull).
-            into: an existing tree or model to copy the values into, in place; it is returned.
-            timeout: seconds to wait for the shards (None: forever).
-            own: wait for this worker's last push to be acknowledged (default).
-        """
-        self.pull_flat(timeout=timeout, own=own)
-        return self.last_pull(copy=copy, into=into)
-
-    def last_pull(self, *, copy: bool = True, into: Any = None) -> Any:
-        """The parameters of the last completed pull, as :meth:`pull` returns them."""
-        if into is not None:
-            tree.unflatten_into(into, self._pull_buf, self._spec)
-            return into
-        return tree.unflatten(self._pull_buf, self._spec, copy=copy)
 
     def pull_flat(self, *, timeout: float | None = None, own: bool = True) -> np.ndarray:
         """Like :meth:`pull` but returns the flat pull buffer itself (no copy)."""
