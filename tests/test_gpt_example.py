@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray_helpers
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "gpt"
@@ -55,18 +56,8 @@ def test_the_readme_shows_the_true_diff():
 def two_nodes():
     """A two-node Ray cluster, 2 CPUs a node (a worker needs one): the environment that
     points ``stalewise run --runtime ray`` at it. Shut down whatever happens."""
-    from ray.cluster_utils import Cluster
-
-    nodes = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "object_store_memory": 100 * 2**20},
-    )
-    try:
-        nodes.add_node(num_cpus=2, object_store_memory=100 * 2**20)
-        nodes.wait_for_nodes(timeout=60)
+    with ray_helpers.two_nodes() as nodes:
         yield {"RAY_ADDRESS": nodes.address}
-    finally:
-        nodes.shutdown()
 
 
 def launch_command(runtime: str, workers: int, steps: int) -> list[str]:

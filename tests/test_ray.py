@@ -20,6 +20,7 @@ import mp_helpers
 import numpy as np
 import pytest
 import ray
+import ray_helpers
 
 import stalewise as sw
 from stalewise import checkpoint, codecs, tasks
@@ -57,20 +58,12 @@ def test_a_run_starts_and_stops_its_own_ray_instance_when_none_is_connected(monk
 @pytest.fixture(scope="module")
 def cluster():
     """A head node (2 CPUs) and a second node (1 CPU); the driver connects to it."""
-    from ray.cluster_utils import Cluster
-
-    nodes = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "object_store_memory": 150 * 2**20},
-    )
-    try:
-        nodes.add_node(num_cpus=1, object_store_memory=100 * 2**20)
-        nodes.wait_for_nodes(timeout=60)
+    with ray_helpers.two_nodes(node_cpus=1, head_store_mb=150) as nodes:
         ray.init(address=nodes.address, include_dashboard=False, logging_level="warning")
-        yield nodes
-    finally:
-        ray.shutdown()
-        nodes.shutdown()
+        try:
+            yield nodes
+        finally:
+            ray.shutdown()
 
 
 def digits_job(consistency, staleness, shards=2):

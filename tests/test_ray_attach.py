@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
+import ray_helpers
 
 import stalewise as sw
 
@@ -31,20 +32,12 @@ TIMEOUT = 60.0  # seconds any one wait may take before the test is declared hung
 @pytest.fixture(scope="module")
 def cluster():
     """Two nodes of 2 CPUs each; this process is a driver of it."""
-    from ray.cluster_utils import Cluster
-
-    nodes = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "object_store_memory": 100 * 2**20},
-    )
-    try:
-        nodes.add_node(num_cpus=2, object_store_memory=100 * 2**20)
-        nodes.wait_for_nodes(timeout=60)
+    with ray_helpers.two_nodes() as nodes:
         ray.init(address=nodes.address, include_dashboard=False, logging_level="warning")
-        yield nodes
-    finally:
-        ray.shutdown()
-        nodes.shutdown()
+        try:
+            yield nodes
+        finally:
+            ray.shutdown()
 
 
 def _job(consistency=None, shards=2, lr=0.5):
