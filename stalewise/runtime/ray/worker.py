@@ -168,6 +168,13 @@ class WorkerActor:
         running :meth:`run`."""
         return self.batches is not None, self.beats, self.drawn[self.w]
 
+    def where(self) -> str:
+        """The id of the node this actor runs on (on the ``"beat"`` group, like
+        :meth:`progress`): the driver tells a worker whose node left from one that failed."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def _beating(self, batches: Any) -> Any:
         """``batches``, beating for each one drawn."""
         for batch in batches:
@@ -365,7 +372,7 @@ class WorkerActor:
         begin, as its pull's answer gives it. Call with ``cond`` held."""
         steps = self.o.steps
         if round_ is not None and self.config.consistency.averages_rounds:
-            return not budget.may_begin_round(round_, self.o.workers, steps)
+            return not budget.may_begin_round(round_, self.o.expected, steps)
         while True:
             flying = (self.job is not None) + len(self.inflight)
             if not budget.settle_first(self.handled, flying, steps):
