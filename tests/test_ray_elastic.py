@@ -135,15 +135,21 @@ def test_elastic_workers_are_refused_where_job_train_cannot_follow_them(runtime,
 
 
 def test_the_elastic_options_read_as_room_and_expected_workers():
-    opts = sw.RunOptions(loss_and_grad=mp_helpers.quadratic_loss_and_grad,
-                         data=mp_helpers.quadratic_data, workers=(2, 5), steps=10)  # fmt: skip
-    assert (opts.workers, opts.expected, opts.elastic) == (5, 2, True)
-    again = opts.for_workers()  # a copy keeps them
-    assert (again.workers, again.expected, again.elastic) == (5, 2, True)
-    auto = sw.RunOptions(loss_and_grad=mp_helpers.quadratic_loss_and_grad,
-                         data=mp_helpers.quadratic_data, workers="auto", max_workers=6, steps=10)  # fmt: skip
-    assert (auto.workers, auto.expected, auto.elastic) == (6, 1, True)
-    fixed = sw.RunOptions(loss_and_grad=mp_helpers.quadratic_loss_and_grad,
-                          data=mp_helpers.quadratic_data, workers=3, steps=10)  # fmt: skip
-    assert (fixed.workers, fixed.expected, fixed.elastic) == (3, 3, False)
-    assert sw.RunOptions.check("workers", [1, 4]) == (1, 4)
+    def options(workers, **more):
+        return sw.RunOptions(loss_and_grad=mp_helpers.quadratic_loss_and_grad,
+                             data=mp_helpers.quadratic_data, workers=workers, steps=10, **more)  # fmt: skip
+
+    opts = options([2, 5])
+    assert (opts.workers, opts.room, opts.expected, opts.elastic) == ((2, 5), 5, 2, True)
+    again = opts.for_workers()  # a copy (as the worker actors get it) keeps them
+    assert (again.workers, again.room, again.expected, again.elastic) == ((2, 5), 5, 2, True)
+    auto = options("auto", max_workers=6)
+    assert (auto.room, auto.expected, auto.elastic) == (6, 1, True)
+    assert (options(3).room, options(3).expected, options(3).elastic) == (3, 3, False)
+    assert not options((3, 3)).elastic
+    with pytest.raises(OptionError, match=r"^max_workers must be an integer >= 1, got 0$"):
+        options("auto", max_workers=0)
+    # a sequence of batches per worker id: one for each of the room's ids
+    with pytest.raises(ValueError, match="data has 2 per-worker shards for 4 workers"):
+        sw.RunOptions(loss_and_grad=mp_helpers.quadratic_loss_and_grad, data=[[1], [2]],
+                      workers=(1, 4), steps=10)  # fmt: skip

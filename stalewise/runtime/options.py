@@ -224,7 +224,7 @@ class RunOptions:
 
     loss_and_grad: Callable[[Any, Any], tuple[float, Any]]
     data: Any  # data(worker, workers) -> batches, or one sequence of batches per worker
-    # an int, (min, max) or "auto" (see _workers); after the checks, the worker ids' room (max)
+    # an int, (min, max) or "auto" (see _workers; elastic: Job.train on runtime "ray")
     workers: Any
     steps: int  # pushes in all workers (the job's budget)
     evaluate: Callable[[Any], Mapping[str, float]] | None = None
@@ -260,12 +260,11 @@ class RunOptions:
     # the worker ids workers="auto" makes room for (each id's data is its own shard of
     # data(worker, max_workers), so keep it near the workers the cluster may hold)
     max_workers: int = MAX_WORKERS
-    # the workers expected (an elastic run's min); None: all of them. Set from workers=(min,
-    # max) or "auto" by the checks (``workers`` then becomes max), kept by dataclasses.replace
-    min_workers: int | None = None
     # derived in __post_init__
     slowdowns: tuple[float, ...] = field(init=False)  # per worker, >= 1
     extra_delays: tuple[float, ...] = field(init=False)  # per worker, seconds
+    room: int = field(init=False)  # the worker ids, 0 .. room - 1 (an elastic run's max)
+    expected: int = field(init=False)  # the workers expected (an elastic run's min)
 
     @property
     def seed(self) -> int:
@@ -291,14 +290,7 @@ class RunOptions:
     def elastic(self) -> bool:
         """Whether the worker count may change during the run (``workers=(min, max)`` with
         ``min < max``, or ``"auto"``)."""
-        return self.min_workers is not None and self.min_workers < self.workers
-
-    @property
-    def expected(self) -> int:
-        """The workers expected: an elastic run's ``min``, else ``workers``. The budget's
-        whole BSP rounds count this many pushes each (:func:`budget.may_begin_round
-        <stalewise.protocol.budget.may_begin_round>`)."""
-        return self.workers if self.min_workers is None else self.min_workers
+        return self.expected < self.room
 
     def check_runtime(self, runtime: str) -> None:
         """Raises :class:`OptionError` (``workers``) if this run is elastic and ``runtime``'s
@@ -306,27 +298,26 @@ class RunOptions:
         if self.elastic and runtime not in ELASTIC_RUNTIMES:
             raise OptionError(
                 "workers",
-                f'(min, max) or "auto" (elastic, {self.min_workers}..{self.workers} workers) '
+                f"={self.workers!r} (elastic, {self.expected}..{self.room} workers) "
                 f"is supported by Job.train on runtime {' or '.join(map(repr, ELASTIC_RUNTIMES))} "
                 f"only, not {runtime!r}; pass an integer (job.serve(workers=(min, max)) is "
                 "elastic on every runtime with a server)",
             )
 
     def _elastic_workers(self) -> None:
-        """Turns ``workers=(min, max)`` or ``"auto"`` into ``workers=max`` and ``min_workers``."""
+        """``room`` and ``expected`` from ``workers``: N of N, ``(min, max)``, or ``"auto"``
+        (``(1, max_workers)``). The budget's whole BSP rounds count ``expected`` pushes each
+        (:func:`budget.may_begin_round <stalewise.protocol.budget.may_begin_round>`)."""
         workers = _workers(self.workers)
-        self_min = self.min_workers
         if workers == "auto":
-            room = _CHECKS["max_workers"](self.max_workers)
-            lo, hi = 1, room
+            lo, hi = 1, _CHECKS["max_workers"](self.max_workers)
         elif isinstance(workers, tuple):
             lo, hi = workers
         else:
-            lo, hi = (workers if self_min is None else self_min), workers
-        if not (_count(lo) and 1 <= lo <= hi):
-            raise OptionError("min_workers", f"must be an integer in 1..{hi} or None, got {lo!r}")
-        object.__setattr__(self, "workers", hi)
-        object.__setattr__(self, "min_workers", None if lo == hi else lo)
+            lo = hi = workers
+        object.__setattr__(self, "workers", workers)
+        object.__setattr__(self, "room", hi)
+        object.__setattr__(self, "expected", lo)
 
     def for_workers(self) -> RunOptions:
         """These options without what only the parent uses (evaluation, record callback),
@@ -341,9 +332,7 @@ class RunOptions:
                 f"got {type(self.loss_and_grad).__name__}",
             )
         self._elastic_workers()
-        factors, extra = check_run(
-            self.workers, self.steps, self.data, self.stragglers, self.delays
-        )
+        factors, extra = check_run(self.room, self.steps, self.data, self.stragglers, self.delays)
         object.__setattr__(self, "slowdowns", tuple(factors))
         object.__setattr__(self, "extra_delays", tuple(extra))
         for name, check in _CHECKS.items():

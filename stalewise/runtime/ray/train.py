@@ -71,7 +71,7 @@ class _Host:
     def __init__(self, config: ServerConfig, strategy: Strategy, options: RunOptions):
         self.ray = import_ray()
         self.config, self.strategy, self.o = config, strategy, options
-        self.W, self.S = options.workers, config.shards  # W: the worker ids' room
+        self.W, self.S = options.room, config.shards  # W: the worker ids' room
         # an elastic run (workers=(min, max) or "auto"): the workers that fit the cluster's
         # free CPUs, at least `expected`, more as CPUs free up; a worker whose node left
         # is a departure (see _worker_left)

@@ -152,7 +152,7 @@ class WorkerActor:
 
         import ray
 
-        batches = batch_iterator(self.o.data, self.w, self.o.workers, drawn=self.drawn)
+        batches = batch_iterator(self.o.data, self.w, self.o.room, drawn=self.drawn)
         first = next(batches)
         self.o.loss_and_grad(tree.unflatten(self.config.init, self.spec, copy=True), first)
         self.strategy.warm_up()  # an inner optimizer's kernels, likewise
