@@ -83,6 +83,7 @@ class _Host:
         self.spawned = 0  # worker actors started for new ids (elastic growth)
         self.peak = 0  # the most workers live at once
         self.last_grow = -math.inf
+        self.coming: dict[Any, tuple[int, float]] = {}  # prepare() ref -> (worker, since)
         self.run: driver.Run | None = None
         self.liveness = liveness.Liveness(options.worker_timeout, options.start_timeout)
         self.incs = [0] * self.W  # each worker's current incarnation
@@ -296,6 +297,8 @@ class _Host:
                 self._worker_ended(ref)
         for w, cause in self.liveness.check():
             self._worker_hung(w, cause)
+        if self.coming:
+            self._arrive()
         if self.elastic and self.live and self.now() - self.last_grow >= GROW_EVERY:
             self.last_grow = self.now()
             self._grow()
@@ -306,16 +309,43 @@ class _Host:
         """An elastic run: a new worker (the lowest free id, as its next incarnation, its
         data stream going on where that id's stopped) for each CPU free now, unless the
         run is ending or a worker started earlier has not set up yet (it may be waiting
-        for the very CPU Ray still shows as free)."""
-        if self.stopping or self.ended:
-            return
-        watched = self.liveness.watched
-        if any(not watched[w].ready for w in self.live if w in watched):
+        for the very CPU Ray still shows as free). It sets up (:meth:`WorkerActor.prepare
+        <stalewise.runtime.ray.worker.WorkerActor.prepare>`) before it joins the shards,
+        so BSP rounds and SSP bounds never wait for a worker that is loading its data."""
+        if self.stopping or self.ended or self.coming:
             return
         free = [w for w in range(self.W) if w not in self.live and w not in self.retired]
         room = math.floor(self._free_cpus() / self.share + 1e-9)
         for w in free[:room]:
             self.incs[w] += 1
+            self.coming[self._spawn(w).prepare.remote()] = (w, time.monotonic())
+
+    def _arrive(self) -> None:
+        """The workers :meth:`_grow` started that have set up join the shards and run; one
+        that failed to set up, or did not within ``start_timeout``, is killed and its id
+        stays free (no restart is counted: it never joined)."""
+        ray = self.ray
+        refs = list(self.coming)
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        for ref in refs:
+            w, since = self.coming[ref]
+            late = time.monotonic() - since > self.o.start_timeout
+            if ref not in done and not late:
+                continue
+            del self.coming[ref]
+            try:
+                if ref not in done:
+                    raise TimeoutError(
+                        f"not set up within start_timeout={self.o.start_timeout:g} s"
+                    )
+                ray.get(ref)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                log.warning("ray: a new worker %d did not start (%s); its id stays free", w, e)
+                ray.kill(self.actors[w], no_restart=True)
+                continue
+            if self.stopping or self.ended:  # the run is ending: it is not needed
+                ray.kill(self.actors[w], no_restart=True)
+                continue
             self._retrying(
                 lambda w=w: self._get(
                     [s.join.remote(w, self.incs[w]) for s in self.shards],
@@ -323,8 +353,8 @@ class _Host:
                     "join",
                 )
             )
-            self.runs[self._spawn(w).run.remote()] = w
-            self.liveness.watch(w, self.actors[w], ready=False)  # it sets up inside run()
+            self.runs[self.actors[w].run.remote()] = w
+            self.liveness.watch(w, self.actors[w], ready=True)
             self.live.add(w)
             self.spawned += 1
             log.info("ray: worker %d joined (incarnation %d): a CPU was free", w, self.incs[w])
