@@ -123,7 +123,7 @@ class Job:
         loss_and_grad: Callable[[Any, Any], tuple[float, Any]],
         *,
         data: Callable[[int, int], Any] | Sequence[Any],
-        workers: int,
+        workers: int | tuple[int, int] | str,
         steps: int,
         runtime: str = "local",
         evaluate: Callable[[Any], Mapping[str, float]] | None = _DEFAULTS["evaluate"],
@@ -147,6 +147,7 @@ class Job:
         max_restarts: int | None = _DEFAULTS["max_restarts"],
         worker_timeout: float | None = _DEFAULTS["worker_timeout"],
         diverge_after: int | None = _DEFAULTS["diverge_after"],
+        max_workers: int = _DEFAULTS["max_workers"],
         start_timeout: float = _DEFAULTS["start_timeout"],
         shard_start_timeout: float = _DEFAULTS["shard_start_timeout"],
         join_timeout: float = _DEFAULTS["join_timeout"],
@@ -162,7 +163,12 @@ class Job:
                 Must be picklable (a module-level function) for process runtimes.
             data: ``data(worker, workers) -> iterable of batches`` (picklable), or one
                 sequence of batches per worker (cycled).
-            workers: number of worker processes.
+            workers: number of worker processes; on runtime "ray" also ``(min, max)`` or
+                ``"auto"`` (an elastic run, ``(1, max_workers)``): room for ``max`` worker ids
+                (``data(worker, max)``), starting with the workers the cluster's free CPUs
+                hold (at least ``min``) and adding one whenever a CPU is free; a worker
+                whose node leaves is a departure (``result.failures``, action ``"left"``),
+                not a failure. See ``docs/ray.md``.
             steps: total pushes across all workers (the job's budget; workers check it
                 before each step, so up to ``workers - 1`` pushes in flight may overshoot it).
                 Under BSP it is ``ceil(steps / workers)`` whole rounds (no partial last
@@ -215,6 +221,7 @@ class Job:
             worker_timeout: seconds without a heartbeat after which a worker counts as
                 hung and is killed (local runtime); one call of ``loss_and_grad`` must be
                 shorter. None: never.
+            max_workers: the worker ids ``workers="auto"`` makes room for.
             diverge_after: a worker whose last this many pushes were all refused as
                 NaN/Inf or overflow has diverged and stops (never restarted); once every
                 worker has, the job raises :class:`DivergedError`. None: never (a run
@@ -268,7 +275,9 @@ class Job:
             max_restarts=max_restarts,
             worker_timeout=worker_timeout,
             diverge_after=diverge_after,
+            max_workers=max_workers,
         )
+        options.check_runtime(runtime)
         with sinks:
             result = runner(self.config, self.strategy, options)
             warn_summary(result.failures)  # every runtime's: the first of each kind warned

@@ -561,7 +561,7 @@ def resume_point(config: Any, options: Any, *, runtime: str) -> Checkpoint | Non
         )
         return None
     ckpt = load(options.checkpoint_dir)
-    check_compatible(ckpt, config, options.workers)
+    check_compatible(ckpt, config, options.room)
     if runtime == "sim" and "sim" not in ckpt.step:
         raise CheckpointError(
             f"{ckpt.path.name} was not written by the simulator (runtime "
@@ -637,7 +637,7 @@ class Saver:
     ):
         self.config, self.options, self.failures = config, options, failures
         self.info = config_info(
-            config, workers=options.workers, strategy=repr(strategy), runtime=runtime, **info
+            config, workers=options.room, strategy=repr(strategy), runtime=runtime, **info
         )
         self.version, self.time = int(version), float(now)  # of the last checkpoint (attempt)
         self.last: Path | None = None  # the last checkpoint this saver wrote

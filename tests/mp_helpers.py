@@ -33,6 +33,12 @@ def slow_loss_and_grad(params, batch):
     return quadratic_loss_and_grad(params, np.zeros(8, np.float32))
 
 
+def slowed(loss_and_grad, seconds, params, batch):
+    """``loss_and_grad(params, batch)`` after ``seconds`` of sleep (use with functools.partial)."""
+    time.sleep(seconds)
+    return loss_and_grad(params, batch)
+
+
 def uniform_pusher(client, pushes):
     """Pushes vectors of ones; with sgd(lr=1) every shard stays uniform at every version."""
     for _ in range(pushes):

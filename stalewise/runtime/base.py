@@ -341,6 +341,12 @@ class Failures:
             "the workers restarted",
         )
 
+    def left(self, w: int, cause: str, *, time: float) -> None:
+        """Worker ``w`` left the job without failing (e.g. its node left an elastic Ray
+        run): its id is free for a worker to come; no restart is counted."""
+        self._event("worker", w, cause, time, "left")
+        log.warning("worker %d left the job (%s); the other workers carry on", w, cause)
+
     def diverged(self, w: int, message: str, *, time: float) -> None:
         """Worker ``w`` stopped because its pushes kept being refused; it is not restarted."""
         self._event("worker", w, message, time, "diverged")
@@ -652,6 +658,8 @@ class Recorder:
             "staleness_mean": stats["staleness_mean"],
             "staleness_max": stats["staleness_max"],
         }
+        if "workers" in stats:  # the live workers, from a runtime whose count may change
+            rec["workers"] = stats["workers"]
         if evaluate is not None:
             rec.update({k: float(v) for k, v in evaluate(params()).items()})
         else:

@@ -168,12 +168,12 @@ class Run:
     @property
     def drawn(self) -> list[int]:
         """The batches each worker id had drawn at the resumed checkpoint (zeros: none)."""
-        return checkpoint.drawn_of(self.resume, self.options.workers)
+        return checkpoint.drawn_of(self.resume, self.options.room)
 
     @functools.cached_property
     def feedback(self) -> list[Any] | None:
         """Each worker's error-feedback state to start from (None: the codec keeps none)."""
-        return checkpoint.feedback_of(self.resume, self.config, self.options.workers)
+        return checkpoint.feedback_of(self.resume, self.config, self.options.room)
 
     def _save(self, now: float, *, final: bool = False, failure: bool = False) -> None:
         assert self.saver is not None

@@ -150,6 +150,29 @@ def _resume(resume: Any) -> Any:
     return resume
 
 
+#: The runtimes whose ``Job.train`` takes an elastic ``workers`` (``(min, max)`` or ``"auto"``).
+ELASTIC_RUNTIMES = ("ray",)
+#: The worker ids ``workers="auto"`` makes room for unless ``max_workers`` says otherwise.
+MAX_WORKERS = 16
+
+
+def _workers(value: Any) -> Any:
+    """``workers``: an int >= 1, ``(min, max)`` with ``1 <= min <= max`` (an elastic run:
+    room for ``max`` worker ids, ``min`` of them expected), or ``"auto"`` (elastic, ``(1,
+    max_workers)``, following the cluster's free CPUs). Returns it, a list as a tuple."""
+    if value == "auto" and isinstance(value, str):
+        return value
+    if isinstance(value, tuple | list):
+        if len(value) == 2 and all(_count(x) for x in value) and 1 <= value[0] <= value[1]:
+            return tuple(value)
+    elif _count(value) and value >= 1:
+        return value
+    raise OptionError(
+        "workers",
+        f'must be an integer >= 1, (min, max) with 1 <= min <= max, or "auto", got {value!r}',
+    )
+
+
 def _stop_at(value: Any) -> Any:
     from stalewise import targets
 
@@ -163,6 +186,8 @@ _TIMEOUTS = ("timeout", "start_timeout", "shard_start_timeout", "join_timeout", 
 #: raising :class:`OptionError`. ``RunOptions`` runs them all; :meth:`RunOptions.check`
 #: runs one (the config file and ``Job.serve`` check single options with it).
 _CHECKS: dict[str, Callable[[Any], Any]] = {
+    "workers": _workers,
+    "max_workers": _integer("max_workers", 1),
     "eval_interval": _eval_interval,
     "evaluate": _function("evaluate", "f(params) -> dict"),
     **{name: functools.partial(_timeout, name) for name in _TIMEOUTS},
@@ -199,7 +224,8 @@ class RunOptions:
 
     loss_and_grad: Callable[[Any, Any], tuple[float, Any]]
     data: Any  # data(worker, workers) -> batches, or one sequence of batches per worker
-    workers: int
+    # an int, (min, max) or "auto" (see _workers; elastic: Job.train on runtime "ray")
+    workers: Any
     steps: int  # pushes in all workers (the job's budget)
     evaluate: Callable[[Any], Mapping[str, float]] | None = None
     eval_interval: float = 0.5  # seconds between evaluations (virtual in the simulator)
@@ -231,9 +257,14 @@ class RunOptions:
     worker_timeout: float | None = 60.0  # seconds without a heartbeat before a worker is hung
     # pushes in a row refused as NaN/Inf or overflow before a worker has diverged; None: never
     diverge_after: int | None = DIVERGE_AFTER
+    # the worker ids workers="auto" makes room for (each id's data is its own shard of
+    # data(worker, max_workers), so keep it near the workers the cluster may hold)
+    max_workers: int = MAX_WORKERS
     # derived in __post_init__
     slowdowns: tuple[float, ...] = field(init=False)  # per worker, >= 1
     extra_delays: tuple[float, ...] = field(init=False)  # per worker, seconds
+    room: int = field(init=False)  # the worker ids, 0 .. room - 1 (an elastic run's max)
+    expected: int = field(init=False)  # the workers expected (an elastic run's min)
 
     @property
     def seed(self) -> int:
@@ -255,6 +286,39 @@ class RunOptions:
             raise KeyError(f"{name!r} is not a run option checked alone (known: {sorted(_CHECKS)})")
         return _CHECKS[name](value)
 
+    @property
+    def elastic(self) -> bool:
+        """Whether the worker count may change during the run (``workers=(min, max)`` with
+        ``min < max``, or ``"auto"``)."""
+        return self.expected < self.room
+
+    def check_runtime(self, runtime: str) -> None:
+        """Raises :class:`OptionError` (``workers``) if this run is elastic and ``runtime``'s
+        ``Job.train`` does not support that (see :data:`ELASTIC_RUNTIMES`)."""
+        if self.elastic and runtime not in ELASTIC_RUNTIMES:
+            raise OptionError(
+                "workers",
+                f"={self.workers!r} (elastic, {self.expected}..{self.room} workers) "
+                f"is supported by Job.train on runtime {' or '.join(map(repr, ELASTIC_RUNTIMES))} "
+                f"only, not {runtime!r}; pass an integer (job.serve(workers=(min, max)) is "
+                "elastic on every runtime with a server)",
+            )
+
+    def _elastic_workers(self) -> None:
+        """``room`` and ``expected`` from ``workers``: N of N, ``(min, max)``, or ``"auto"``
+        (``(1, max_workers)``). The budget's whole BSP rounds count ``expected`` pushes each
+        (:func:`budget.may_begin_round <stalewise.protocol.budget.may_begin_round>`)."""
+        workers = _workers(self.workers)
+        if workers == "auto":
+            lo, hi = 1, _CHECKS["max_workers"](self.max_workers)
+        elif isinstance(workers, tuple):
+            lo, hi = workers
+        else:
+            lo = hi = workers
+        object.__setattr__(self, "workers", workers)
+        object.__setattr__(self, "room", hi)
+        object.__setattr__(self, "expected", lo)
+
     def for_workers(self) -> RunOptions:
         """These options without what only the parent uses (evaluation, record callback),
         which need not be picklable."""
@@ -267,9 +331,8 @@ class RunOptions:
                 f"must be a function f(params, batch) -> (loss, grads), "
                 f"got {type(self.loss_and_grad).__name__}",
             )
-        factors, extra = check_run(
-            self.workers, self.steps, self.data, self.stragglers, self.delays
-        )
+        self._elastic_workers()
+        factors, extra = check_run(self.room, self.steps, self.data, self.stragglers, self.delays)
         object.__setattr__(self, "slowdowns", tuple(factors))
         object.__setattr__(self, "extra_delays", tuple(extra))
         for name, check in _CHECKS.items():

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 TICK = 0.05  # seconds between two looks at the workers' progress
 BACKUP_EVERY = 5.0  # seconds between the driver's copies of the shards' states
 SNAPSHOT_LIMIT = 10.0  # seconds the shards may take to reach a consistent cut
+GROW_EVERY = 2.0  # seconds between two looks for a free CPU (an elastic run)
 
 
 class _ShardDown(Exception):
@@ -69,7 +71,19 @@ class _Host:
     def __init__(self, config: ServerConfig, strategy: Strategy, options: RunOptions):
         self.ray = import_ray()
         self.config, self.strategy, self.o = config, strategy, options
-        self.W, self.S = options.workers, config.shards
+        self.W, self.S = options.room, config.shards  # W: the worker ids' room
+        # an elastic run (workers=(min, max) or "auto"): the workers that fit the cluster's
+        # free CPUs, at least `expected`, more as CPUs free up; a worker whose node left
+        # is a departure (see _worker_left)
+        self.elastic, self.expected = options.elastic, options.expected
+        self.started = list(range(self.W))  # the worker ids the run starts with
+        self.retired: set[int] = set()  # ids never used again (dropped, diverged)
+        self.where: dict[int, Any] = {}  # worker -> ObjectRef of its actor's node id
+        self.left: list[int] = []  # the workers whose node left, in order
+        self.spawned = 0  # worker actors started for new ids (elastic growth)
+        self.peak = 0  # the most workers live at once
+        self.last_grow = -math.inf
+        self.coming: dict[Any, tuple[int, float]] = {}  # prepare() ref -> (worker, since)
         self.run: driver.Run | None = None
         self.liveness = liveness.Liveness(options.worker_timeout, options.start_timeout)
         self.incs = [0] * self.W  # each worker's current incarnation
@@ -109,11 +123,17 @@ class _Host:
 
         ray, o = self.ray, self.o
         self.config_ref = ray.put(self.config)  # read by every worker actor
-        self.share = cluster.cpu_share(cluster.node_cpus(), self.W + self.S)
-        # shards first, one bundle each, spread over the nodes; then the workers, spread too
         wait = o.shard_start_timeout
-        self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
-        self.pgs.append(cluster.place(self.W, self.share, wait, "workers"))
+        expected = None
+        if self.elastic:  # the shards' bundles; the workers are placed one by one, no group
+            self.share = min(1.0, cluster.cpu_share(cluster.node_cpus(), self.expected + self.S))
+            self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
+            expected = 0  # every worker joins (load() admits those the run starts with)
+            self.started = list(range(self._fitting()))
+        else:  # shards first, one bundle each, spread over the nodes; then the workers
+            self.share = cluster.cpu_share(cluster.node_cpus(), self.W + self.S)
+            self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
+            self.pgs.append(cluster.place(self.W, self.share, wait, "workers"))
         restarts = 0 if o.on_worker_failure == "fail" else o.max_restarts
         # the shards' own copy of the config, without the initial params (load() sends
         # them): small enough to travel inside the actor's creation task, which Ray
@@ -127,11 +147,21 @@ class _Host:
                 max_restarts=-1 if restarts is None else restarts,
                 max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[0], k),
-            ).remote(config, k, self.W, PUBLISH_EVERY)
+            ).remote(config, k, self.W, PUBLISH_EVERY, expected)
             for k in range(self.S)
         ]
         info = self._get([s.ready.remote() for s in self.shards], o.shard_start_timeout, "start")
         self.nodes = [i["node"] for i in info]
+
+    def _free_cpus(self) -> float:
+        """The CPUs of the cluster no actor holds now."""
+        return float(self.ray.available_resources().get("CPU", 0.0))
+
+    def _fitting(self) -> int:
+        """An elastic run's workers to start with: as many as the free CPUs hold, at least
+        ``expected`` (they wait for room up to ``start_timeout``), at most the ids' room."""
+        fit = math.floor(self._free_cpus() / self.share + 1e-9)
+        return max(self.expected, min(self.W, fit))
 
     def _open_shards(self, run: driver.Run) -> None:
         """Loads the checkpoint to resume from (if any), admits every worker."""
@@ -143,8 +173,9 @@ class _Host:
                 self.incs[w] = max(int(np.asarray(s["incarnation"])[w]) for s in states)
         for w, n in enumerate(run.drawn):
             self.liveness.heard(w, n)  # each worker id's stream goes on where it stopped
-        joins = {w: self.incs[w] + 1 for w in range(self.W)}
-        self.incs = [joins[w] for w in range(self.W)]
+        joins = {w: self.incs[w] + 1 for w in self.started}
+        for w, inc in joins.items():
+            self.incs[w] = inc
         if self.ef:  # each worker id continues with its saved residual (zeros: none saved)
             assert run.feedback is not None
             self.fb = [f.residual for f in run.feedback]
@@ -161,11 +192,15 @@ class _Host:
 
         # progress() has a thread of its own, so it answers beside a busy run()
         actor = self.ray.remote(concurrency_groups={liveness.GROUP: 1})(WorkerActor)
+        # an elastic run's workers go where Ray finds a CPU (spread), each on its own
+        place: Any = "SPREAD"
+        if not self.elastic:
+            place = PlacementGroupSchedulingStrategy(self.pgs[1], w)
         remote = actor.options(
             name=f"{self.prefix}:worker-{w}.{self.incs[w]}",
             num_cpus=self.share,
             max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[1], w),
+            scheduling_strategy=place,
         )
         residual = self.fb[w] if self.ef else None  # None: it starts with zeros
         if self.ef and self.keepers[w] is None:  # one per worker id, in the worker's bundle
@@ -173,7 +208,7 @@ class _Host:
                 name=f"{self.prefix}:keeper-{w}",
                 num_cpus=0,
                 max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[1], w),
+                scheduling_strategy="DEFAULT" if self.elastic else place,
             )
             self.keepers[w] = keeper.remote(w)
         self.actors[w] = remote.remote(
@@ -189,12 +224,23 @@ class _Host:
         )
         if self.ef:
             self.fb_at[w] = (self.incs[w], 0) if residual is not None else None
+        self.where[w] = self.actors[w].where.options(concurrency_group=liveness.GROUP).remote()
         return self.actors[w]
 
     def _start_workers(self) -> None:
         ray = self.ray
-        refs = {self._spawn(w).prepare.remote(): w for w in range(self.W)}
+        refs = {self._spawn(w).prepare.remote(): w for w in self.started}
         ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=self.o.start_timeout)
+        extra = sorted(refs[r] for r in pending if refs[r] >= self.expected)
+        if extra:  # an elastic run's workers beyond the expected: they may come later
+            log.info(
+                "ray: workers %s found no room within start_timeout; their ids are free", extra
+            )
+            for w in extra:
+                self.ray.kill(self.actors[w], no_restart=True)
+                self._get([s.leave.remote(w, self.incs[w]) for s in self.shards], None, "leave")
+            self.started = [w for w in self.started if w not in extra]
+            pending = [r for r in pending if refs[r] not in extra]
         if pending:
             late = sorted(refs[r] for r in pending)
             raise WorkerError(
@@ -220,10 +266,18 @@ class _Host:
 
     def go(self) -> None:
         self.t0 = time.perf_counter()
-        self.runs = {self.actors[w].run.remote(): w for w in range(self.W)}
-        for w in range(self.W):
+        self.runs = {self.actors[w].run.remote(): w for w in self.started}
+        for w in self.started:
             self.liveness.watch(w, self.actors[w], ready=True)
-        self.live = set(range(self.W))
+        self.live = set(self.started)
+        self.peak = len(self.live)
+        if self.elastic:
+            log.info(
+                "ray: elastic run: %d worker(s) to start with, room for %d, %g CPU each",
+                len(self.live),
+                self.W,
+                self.share,
+            )
         self.watches = {s.watch.remote(): k for k, s in enumerate(self.shards)}
 
     def advance(self, until: float, due: Any) -> str:
@@ -243,8 +297,68 @@ class _Host:
                 self._worker_ended(ref)
         for w, cause in self.liveness.check():
             self._worker_hung(w, cause)
+        if self.coming:
+            self._arrive()
+        if self.elastic and self.live and self.now() - self.last_grow >= GROW_EVERY:
+            self.last_grow = self.now()
+            self._grow()
         self.tick = self._stats()
         return driver.TICK if self.live else driver.END
+
+    def _grow(self) -> None:
+        """An elastic run: a new worker (the lowest free id, as its next incarnation, its
+        data stream going on where that id's stopped) for each CPU free now, unless the
+        run is ending or a worker started earlier has not set up yet (it may be waiting
+        for the very CPU Ray still shows as free). It sets up (:meth:`WorkerActor.prepare
+        <stalewise.runtime.ray.worker.WorkerActor.prepare>`) before it joins the shards,
+        so BSP rounds and SSP bounds never wait for a worker that is loading its data."""
+        if self.stopping or self.ended or self.coming:
+            return
+        free = [w for w in range(self.W) if w not in self.live and w not in self.retired]
+        room = math.floor(self._free_cpus() / self.share + 1e-9)
+        for w in free[:room]:
+            self.incs[w] += 1
+            self.coming[self._spawn(w).prepare.remote()] = (w, time.monotonic())
+
+    def _arrive(self) -> None:
+        """The workers :meth:`_grow` started that have set up join the shards and run; one
+        that failed to set up, or did not within ``start_timeout``, is killed and its id
+        stays free (no restart is counted: it never joined)."""
+        ray = self.ray
+        refs = list(self.coming)
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        for ref in refs:
+            w, since = self.coming[ref]
+            late = time.monotonic() - since > self.o.start_timeout
+            if ref not in done and not late:
+                continue
+            del self.coming[ref]
+            try:
+                if ref not in done:
+                    raise TimeoutError(
+                        f"not set up within start_timeout={self.o.start_timeout:g} s"
+                    )
+                ray.get(ref)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                log.warning("ray: a new worker %d did not start (%s); its id stays free", w, e)
+                ray.kill(self.actors[w], no_restart=True)
+                continue
+            if self.stopping or self.ended:  # the run is ending: it is not needed
+                ray.kill(self.actors[w], no_restart=True)
+                continue
+            self._retrying(
+                lambda w=w: self._get(
+                    [s.join.remote(w, self.incs[w]) for s in self.shards],
+                    self.o.ack_timeout,
+                    "join",
+                )
+            )
+            self.runs[self.actors[w].run.remote()] = w
+            self.liveness.watch(w, self.actors[w], ready=True)
+            self.live.add(w)
+            self.spawned += 1
+            log.info("ray: worker %d joined (incarnation %d): a CPU was free", w, self.incs[w])
+        self.peak = max(self.peak, len(self.live))
 
     def now(self) -> float:
         return 0.0 if self.t0 is None else time.perf_counter() - self.t0
@@ -257,9 +371,10 @@ class _Host:
 
     def stats(self, *, settled: bool = False) -> dict:
         if not settled:
-            return merge_stats(self.tick)
+            return merge_stats(self.tick) | {"workers": len(self.live)}
         self.final = self._stats()
-        return merge_stats(self.final, settled=True)  # every worker has taken its acks
+        # every worker has taken its acks
+        return merge_stats(self.final, settled=True) | {"workers": len(self.live)}
 
     def losses(self) -> Any:
         return self.tick[0]["losses"]
@@ -300,6 +415,14 @@ class _Host:
             # the mean bytes of one pull of every shard (a delta pull's payload, or the slice)
             "pull_bytes": sum(s["pulled"][0] / max(s["pulled"][1], 1) for s in per_shard),
             "pulls": [s["pulled"][1] for s in per_shard],
+            # an elastic run: the workers it started with, the most live at once, the
+            # workers started for free ids, and the ids whose node left (in order)
+            "workers": {
+                "started": len(self.started),
+                "peak": self.peak,
+                "joined": self.spawned,
+                "left": list(self.left),
+            },
         }
         return self._flat()
 
@@ -333,7 +456,10 @@ class _Host:
                 log.debug("ray: worker %d did not say how many batches it drew", w)
             self._worker_failed(w, f"raised {type(cause).__name__}: {cause}", str(e))
         except ray.exceptions.RayError as e:
-            self._worker_failed(w, f"its actor died ({type(e).__name__})")
+            if self._node_left(w, e):
+                self._worker_left(w)
+            else:
+                self._worker_failed(w, f"its actor died ({type(e).__name__})")
         else:
             self.live.discard(w)
             self.liveness.heard(w, ended["drawn"])
@@ -342,9 +468,51 @@ class _Host:
                 self.fb_at[w] = (inc, pushed)
             if "diverged" in ended:  # it left; it is not restarted
                 self.dead.append(w)
+                self.retired.add(w)
                 self.run.failures.diverged(w, ended["diverged"], time=self.now())
             else:
                 self.ended.append(ended)
+
+    def _node_left(self, w: int, error: Exception) -> bool:
+        """An elastic run: whether worker ``w``'s actor died (``error``) because its node
+        left the cluster: the node Ray names in ``error``, or the one the actor said it
+        runs on, is no longer alive."""
+        ray = self.ray
+        if not self.elastic:
+            return False
+        named = re.search(r"node has died\. Node Id: ([0-9a-f]+)", str(error))
+        node = named.group(1) if named else None
+        if node is None and w in self.where:
+            try:
+                node = ray.get(self.where[w], timeout=1.0)
+            except (ray.exceptions.RayError, TimeoutError):
+                return False  # it died before it said where it runs: a failure
+        if node is None:
+            return False
+        deadline = time.monotonic() + 5.0  # Ray may report the actor before the node
+        while True:
+            if not {n["NodeID"]: n["Alive"] for n in ray.nodes()}.get(node, False):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(TICK * 4)
+
+    def _worker_left(self, w: int) -> None:
+        """Worker ``w``'s node left an elastic run: a departure, not a failure. Its last
+        push is committed everywhere or nowhere (:func:`cluster.depart`), its id is free
+        for a worker to come (its data stream goes on where it stopped), no restart is
+        counted, and the run goes on over the live workers."""
+        timeout = self.o.ack_timeout
+        counts: list = []
+        with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
+            counts = self._get(
+                cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart"
+            )
+        if self.ef:
+            self._inherit(w, max((n for n in counts if n is not None), default=None))
+        self.live.discard(w)
+        self.left.append(w)
+        self.run.failures.left(w, "its node left the cluster", time=self.now())
 
     def _worker_hung(self, w: int, cause: str) -> None:
         """Worker ``w`` made no progress for ``worker_timeout`` (or did not set up in time):
@@ -370,6 +538,8 @@ class _Host:
         action = self.run.failures.worker(w, cause, time=now, detail=detail)
         if action == "drop" or self.stopping:
             self.live.discard(w)
+            if action == "drop":
+                self.retired.add(w)
             return
         self.incs[w] += 1
         with contextlib.suppress(_ShardDown):  # else the restore to come admits it

@@ -152,7 +152,7 @@ class WorkerActor:
 
         import ray
 
-        batches = batch_iterator(self.o.data, self.w, self.o.workers, drawn=self.drawn)
+        batches = batch_iterator(self.o.data, self.w, self.o.room, drawn=self.drawn)
         first = next(batches)
         self.o.loss_and_grad(tree.unflatten(self.config.init, self.spec, copy=True), first)
         self.strategy.warm_up()  # an inner optimizer's kernels, likewise
@@ -167,6 +167,13 @@ class WorkerActor:
         has drawn. The driver calls it on the ``"beat"`` concurrency group, beside a
         running :meth:`run`."""
         return self.batches is not None, self.beats, self.drawn[self.w]
+
+    def where(self) -> str:
+        """The id of the node this actor runs on (on the ``"beat"`` group, like
+        :meth:`progress`): the driver tells a worker whose node left from one that failed."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def _beating(self, batches: Any) -> Any:
         """``batches``, beating for each one drawn."""
@@ -365,7 +372,7 @@ class WorkerActor:
         begin, as its pull's answer gives it. Call with ``cond`` held."""
         steps = self.o.steps
         if round_ is not None and self.config.consistency.averages_rounds:
-            return not budget.may_begin_round(round_, self.o.workers, steps)
+            return not budget.may_begin_round(round_, self.o.expected, steps)
         while True:
             flying = (self.job is not None) + len(self.inflight)
             if not budget.settle_first(self.handled, flying, steps):
