@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 import ray_helpers
 
+# the launcher and Ray start processes while JAX (imported by other tests) has threads
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "gpt"
 RAY = r"(?:\S*\(rank \d+ pid=\d+[^)]*\)\S* )?"  # Ray's label of a worker's line, colours and all
