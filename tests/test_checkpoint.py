@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 from typing import NamedTuple
 
@@ -15,7 +14,7 @@ from stalewise import checkpoint, tasks
 from stalewise.protocol import PushHeader
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.sim.config import SimConfig
-from stalewise.runtime.sim.models import Fixed, Network, Service
+from stalewise.runtime.sim.models import Fixed
 
 
 class Pair(NamedTuple):
@@ -274,20 +273,19 @@ def test_local_server_load_then_join(no_leaks):
 
 # -- the simulator ------------------------------------------------------------------------
 
-FREE = {
-    "network": Network(latency=0.0, bandwidth=math.inf),
-    "service": Service(time=0.0, rate=math.inf),
-}
 
-
+# Cut at a BSP round's end, a run resumes bit-identically. An ASP run has no such point
+# since the simulated worker pulls as the local one does (protocol/pipeline.py: its next
+# pull reads the newest published snapshots, overlapping its push, so what a step starts
+# from depends on the order of same-time events, which a checkpoint does not keep); its
+# lockstep case was dropped with that change.
 @pytest.mark.parametrize(
     ("consistency", "sim"),
     [
         (sw.BSP(), SimConfig()),  # random compute times, latency, bandwidth
         (sw.BSP(), SimConfig(compute=Fixed(0.01))),
-        (sw.ASP(), SimConfig(compute=Fixed(0.01), **FREE)),
     ],
-    ids=["bsp-random", "bsp-fixed", "asp-lockstep"],
+    ids=["bsp-random", "bsp-fixed"],
 )
 def test_sim_interrupted_and_resumed_is_bit_identical(tmp_path, consistency, sim):
     task = tasks.get("least-squares", n=64, d=4, exact=True)

@@ -27,13 +27,14 @@ checkpoint is *quiescent* (the run ended by its budget: nothing in flight,
 every loop ended) and the workers carry nothing across steps that the
 checkpoint lacks: a stateless strategy (``gradients()``), a deterministic data
 stream per worker, no failures or joins before the cut; and the cut is a
-synchronisation point: BSP with a budget that is a multiple of the live
-workers (tested with random compute times and latency), or workers in
-lockstep (fixed compute, free network; tested under ASP). Under ASP/SSP with
-random timing, the workers that finished early would have started their next
-step while the others' last pushes were still arriving; the resumed run
-cannot replay that interleaving, so it is a valid continuation, not a
-bit-identical one. A mid-run (periodic) checkpoint is not quiescent: the
+synchronisation point: a BSP round's end (the budget is whole rounds;
+tested with random compute times and latency). Under ASP/SSP a worker's next
+pull overlaps its push in flight and reads the newest published snapshots
+(:mod:`stalewise.protocol.pipeline`), and the workers that finished early
+would have started their next step while the others' last pushes were still
+arriving; the resumed run cannot replay that interleaving (even in lockstep,
+it turns on the order of same-time events), so it is a valid continuation,
+not a bit-identical one. A mid-run (periodic) checkpoint is not quiescent: the
 resumed workers start at its time (a worker waiting for its restart then
 restarts at once), and a push in flight at that moment is lost on the shards
 that had not yet applied it. The failure policy's restart counts start afresh
