@@ -226,27 +226,29 @@ def ray_instance():
         ray.shutdown()
 
 
-@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
-@pytest.mark.parametrize("codec", [None, "topk"])
-def test_simulator_local_and_ray_train_to_the_same_parameters(codec, ray_instance):
-    steps = 12
+def train_three_ways(job_kw, **train_kw):
+    """The same BSP job of :func:`three_way_grads` trained by the simulator, local
+    processes and Ray (``job_kw``: more ``sw.Job`` keywords); the results by runtime."""
     results = {}
     for runtime in ("sim", "local", "ray"):
         job = sw.Job(
             {"w": np.zeros(SIZE, np.float32), "b": np.ones(4, np.float32)},
             optimizer=sw.optim.adam(0.05),
             consistency=sw.BSP(),
-            shards=2,
-            codec=sw.codecs.topk(0.01) if codec else sw.codecs.none(),
+            **job_kw,
         )
-        results[runtime] = job.train(
-            three_way_grads,
-            data=three_way_data,
-            workers=1,
-            steps=steps,
-            runtime=runtime,
-            timeout=120,
-        )
+        results[runtime] = job.train(three_way_grads, runtime=runtime, timeout=120, **train_kw)
+    return results
+
+
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+@pytest.mark.parametrize("codec", [None, "topk"])
+def test_simulator_local_and_ray_train_to_the_same_parameters(codec, ray_instance):
+    steps = 12
+    codec = sw.codecs.topk(0.01) if codec else sw.codecs.none()
+    results = train_three_ways(
+        dict(shards=2, codec=codec), data=three_way_data, workers=1, steps=steps
+    )
     sim = results["sim"]
     moved = np.abs(sim.params["w"]).sum()
     assert moved > 0.1  # the updates did move the parameters
@@ -269,21 +271,7 @@ def test_a_bsp_budget_ends_at_a_round_end_in_every_runtime(ray_instance):
     partial last round would apply one worker's push as the whole round's mean. Before
     the rule counted rounds, the simulator stopped at 4 pushes, and the local runtime
     could begin a round only some of its workers went on with."""
-    results = {}
-    for runtime in ("sim", "local", "ray"):
-        job = sw.Job(
-            {"w": np.zeros(SIZE, np.float32), "b": np.ones(4, np.float32)},
-            optimizer=sw.optim.adam(0.05),
-            consistency=sw.BSP(),
-        )
-        results[runtime] = job.train(
-            three_way_grads,
-            data=each_worker_data,
-            workers=3,
-            steps=4,
-            runtime=runtime,
-            timeout=120,
-        )
+    results = train_three_ways({}, data=each_worker_data, workers=3, steps=4)
     for runtime, result in results.items():
         assert result.pushes == 6, f"{runtime}: {result.pushes} pushes, budget 4 for 3 workers"
         for leaf in ("w", "b"):  # two rounds of three: the same mean, whatever the order
