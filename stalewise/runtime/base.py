@@ -20,6 +20,10 @@ from stalewise import targets, tree
 
 log = logging.getLogger(__name__)
 
+#: The environment variables that cap a process's math-library threads (read when the
+#: library loads); every runtime's launcher sets them for its workers unless the user did.
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+
 
 def batch_iterator(data: Any, worker: int, workers: int, drawn: Any = None) -> Iterator[Any]:
     """A worker's batches: ``data(worker, workers)`` if callable, else ``data[worker]`` cycled.

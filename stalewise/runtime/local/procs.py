@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from multiprocessing import connection
 
-_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+from stalewise.runtime.base import THREAD_VARS
 
 
 @contextlib.contextmanager
@@ -25,8 +25,8 @@ def thread_budget(threads: int) -> Iterator[None]:
     user set are respected; the parent's environment is restored afterwards.
     """
     check_main_guard()  # every process the local runtime starts is started in this block
-    saved = {k: os.environ.get(k) for k in _THREAD_VARS}
-    for k in _THREAD_VARS:
+    saved = {k: os.environ.get(k) for k in THREAD_VARS}
+    for k in THREAD_VARS:
         os.environ.setdefault(k, str(max(1, threads)))
     try:
         yield
@@ -40,7 +40,7 @@ def cap_threads_here(workers: int) -> None:
     """Caps torch's threads in this process to a share of the cores, for a process that
     joins a job after its math libraries loaded (:func:`stalewise.attach`); a process
     whose environment sets ``OMP_NUM_THREADS`` (or friends) is left as it is."""
-    if any(k in os.environ for k in _THREAD_VARS):
+    if any(k in os.environ for k in THREAD_VARS):
         return
     torch = sys.modules.get("torch")
     if torch is not None:

@@ -31,11 +31,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from stalewise.runtime.base import THREAD_VARS
 from stalewise.runtime.ray import connect, import_ray
 
 log = logging.getLogger(__name__)
-
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 
 class _Barrier:
