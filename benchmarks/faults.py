@@ -14,7 +14,9 @@ undisturbed, then once per fault, with the same budget of pushes:
                     room for about three of them: the folder fills up mid-run, and
                     the final checkpoint cannot be written either.
 
-Columns: ``completed`` (the run returned, with its budget spent) or the error;
+Columns: ``completed`` (the run returned, with its budget spent: ``steps`` pushes
+under ASP, ``ceil(steps / workers)`` whole rounds under BSP, so a BSP run in which a
+worker missed rounds makes fewer pushes) or the error;
 ``pushes`` (counted by the workers); ``lost`` (pushes no shard handled, plus the
 updates a restarted shard's slice lacks); ``dups`` (replays the shards caught and
 did not apply; a push applied twice would show as handled > pushed + kills,
@@ -209,7 +211,9 @@ def run(task, consistency, case: str, steps: int, expected: float, quick: bool, 
         "shard" in e for e in r.failures
     )
     return row | {
-        "completed": "yes" if r.pushes >= steps else f"no: {r.stop_reason}",
+        # the run's own end reason: under BSP its budget is whole rounds, so a run whose
+        # worker missed rounds (dead, restarting, dropped) ends with fewer pushes than steps
+        "completed": "yes" if r.stop_reason.startswith("the budget of") else f"no: {r.stop_reason}",
         "time_s": r.time,
         "pushes": r.pushes,
         "lost": max(0, r.pushes - handled) + lost_slice,
