@@ -8,8 +8,8 @@ loopback. The model is ``stalewise.tasks.lm``'s GPT (the same parameters, the
 same ``logits``) held in a ``torch.nn.Module``; the data are the task's shards
 (``task.batches(worker, workers)``). Inner optimizer: ``torch.optim.AdamW``
 with ``sw.optim.adamw``'s defaults (betas 0.9/0.999, eps 1e-8, weight decay
-0.01); outer: SGD with Nesterov momentum (lr 0.7, momentum 0.9), as
-``sw.strategies.diloco``; ``sync_every=H``.
+0.01); outer: SGD with Nesterov momentum (lr 0.7, momentum 0.9 unless
+``momentum=``), as ``sw.strategies.diloco``; ``sync_every=H``.
 
 Straggler emulation as stalewise's local runtime: after each step's compute,
 a worker sleeps ``(compute + delay) * slowdown - compute``.
@@ -53,7 +53,8 @@ def _tree(mod) -> dict:
     return out
 
 
-def _worker(w, workers, lighthouse, task, lr, h, syncs, delay, slowdown, ready, go, out, log):
+def _worker(w, workers, lighthouse, task, lr, momentum, h, syncs, delay, slowdown, ready, go, out,
+            log):  # fmt: skip
     import os
 
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -73,7 +74,7 @@ def _worker(w, workers, lighthouse, task, lr, h, syncs, delay, slowdown, ready, 
         inner = torch.optim.AdamW(
             model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
         )
-        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=momentum, nesterov=True)
         manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=120)),
             load_state_dict=lambda sd: (
@@ -135,7 +136,7 @@ def _tail(logs: str, w: int) -> str:
 
 
 def run(task, lr: float, h: int, syncs: int, workers: int, delay: float,
-        slowdowns: list[float], timeout: float = 900.0) -> dict:  # fmt: skip
+        slowdowns: list[float], timeout: float = 900.0, momentum: float = 0.9) -> dict:  # fmt: skip
     """One torchft DiLoCo run of ``syncs`` syncs; returns the fields of a benchmark row."""
     import torch
     from torchft.coordination import LighthouseServer
@@ -153,6 +154,7 @@ def run(task, lr: float, h: int, syncs: int, workers: int, delay: float,
                 lighthouse.address(),
                 task,
                 lr,
+                momentum,
                 h,
                 syncs,
                 delay,
@@ -213,6 +215,7 @@ def run(task, lr: float, h: int, syncs: int, workers: int, delay: float,
     drawn = sum(d for _, d in done.values()) * task.tokens_per_batch
     return {
         "lr": lr,
+        "outer_momentum": momentum,
         "pushes": records[-1]["pushes"],
         "bytes_per_push": 4.0 * task.num_params(),
         "time": end,
