@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -358,14 +359,14 @@ def repeat_times(setting: str, names: tuple[str, ...], budget: int) -> dict[str,
         for point, t in times[name].items():
             print(f"  {name}, {point}: times to 95% "
                   f"{', '.join('-' if x is None else f'{x:.3g}' for x in t)}", flush=True)  # fmt: skip
-        point = min(times[name], key=lambda p: median(times[name][p]))
+        point = min(times[name], key=lambda p: median_time(times[name][p]))
         picked[name] = (point, times[name][point])
     return picked
 
 
-def median(xs: list) -> float:
-    ys = sorted(math.inf if x is None else x for x in xs)
-    return ys[len(ys) // 2]
+def median_time(times: list) -> float:
+    """The median of times to 95%, a run that never reached it counting as infinite."""
+    return statistics.median(math.inf if t is None else t for t in times)
 
 
 def ratio(a, b) -> float:
@@ -476,7 +477,7 @@ def main() -> int:
         picked = repeat_times("local", pair, budget=4000)
         (pa, ta), (pb, tb) = (picked[k] for k in pair)
         rs = sorted(ratio(a, b) for a, b in zip(ta, tb, strict=True))
-        r = median(rs)
+        r = statistics.median(rs)
         bars.append((
             f"local: async DiLoCo ({pa}) / sync DiLoCo ({pb}) time to 95%, median of "
             f"{len(rs)} alternating runs, each at its point of lowest median",
@@ -485,9 +486,9 @@ def main() -> int:
         ))  # fmt: skip
         fixed = tuple(f"local_sgd H={h} BSP" for h in (1, 4, 16, 64))
         picked = repeat_times("local", ("adaptive BSP", *fixed), budget=4000)
-        best_fixed = min(fixed, key=lambda k: median(picked[k][1]))
+        best_fixed = min(fixed, key=lambda k: median_time(picked[k][1]))
         (pa, ta), (pf, tf) = picked["adaptive BSP"], picked[best_fixed]
-        r = ratio(median(ta), median(tf))
+        r = ratio(median_time(ta), median_time(tf))
         bars.append((
             f"local: adaptive ({pa}) / best fixed H ({best_fixed} {pf}) time to 95%, "
             f"medians of {REPEATS} alternating runs, each at its point of lowest median",

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -381,11 +382,12 @@ def main() -> int:
 
     for name, lrs, momenta, make, h in methods(m, args.codec):
         rows = []
-        for mo, lr in ((mo, lr) for mo in momenta for lr in lrs):
+        for mo, lr in itertools.product(momenta, lrs):
             try:
                 rows.append(run_one(task, m, name, lr, make, h, momentum=mo))
             except Exception as e:  # a failed point is reported and left out of the best
-                print(f"  {name:22s} lr={lr:<7g} FAILED: {type(e).__name__}: {e}", flush=True)
+                print(f"  {name:22s} lr={lr:<7g} momentum={fmt(mo, 'g')} FAILED: "
+                      f"{type(e).__name__}: {e}", flush=True)  # fmt: skip
                 out["failed"].append({"method": name, "lr": lr, "outer_momentum": mo,
                                       "error": f"{type(e).__name__}: {e}"})  # fmt: skip
                 continue
