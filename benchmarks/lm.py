@@ -219,6 +219,10 @@ def run_one(task, m: dict, name: str, lr: float, make, h: float, momentum=None) 
                            stop_at={"tokens": (budget_steps * per_batch, "max")})  # fmt: skip
         drawn, sent, last = (int(x) for x in counts.sum(axis=1) * per_batch)
         pushed = sent + last  # every worker's last push too
+    if records and records[-1].get("pushes") == result.pushes:
+        # the run's last record holds every push, each worker's last round too (no step
+        # began after it to count it): without this, its loss would stand at fewer tokens
+        records[-1]["tokens"] = pushed
     evals = [r for r in records if math.isfinite(r.get("loss", math.nan))]
     return {
         "method": name,

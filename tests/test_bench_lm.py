@@ -69,3 +69,6 @@ def test_tokens_count_sent_rounds_and_the_run_stops_at_its_token_budget(bench, t
     # every push's round, the last ones too (a round made as the run stopped may be unsent)
     assert tokens[-1] <= r["tokens"] <= r["pushes"] * 5 * task.tokens_per_batch + per_round
     assert r["tokens"] >= r["pushes"] * 5 * task.tokens_per_batch
+    # the last record, made once every push was applied, stands at every push's tokens
+    assert r["records"][-1]["pushes"] == r["pushes"]
+    assert r["records"][-1]["tokens"] == r["pushes"] * 5 * task.tokens_per_batch
