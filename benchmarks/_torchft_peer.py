@@ -9,7 +9,7 @@ same ``logits``) held in a ``torch.nn.Module``; the data are the task's shards
 (``task.batches(worker, workers)``). Inner optimizer: ``torch.optim.AdamW``
 with ``sw.optim.adamw``'s defaults (betas 0.9/0.999, eps 1e-8, weight decay
 0.01); outer: SGD with Nesterov momentum (lr 0.7, momentum 0.9 unless
-``momentum=``), as ``sw.strategies.diloco``; ``sync_every=H``.
+``outer=(lr, momentum)``), as ``sw.strategies.diloco``; ``sync_every=H``.
 
 Straggler emulation as stalewise's local runtime: after each step's compute,
 a worker sleeps ``(compute + delay) * slowdown - compute``.
@@ -25,6 +25,7 @@ a stalewise DiLoCo push of the same delta.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -53,7 +54,7 @@ def _tree(mod) -> dict:
     return out
 
 
-def _worker(w, workers, lighthouse, task, lr, momentum, h, syncs, delay, slowdown, ready, go, out,
+def _worker(w, workers, lighthouse, task, lr, outer, h, syncs, delay, slowdown, ready, go, out,
             log):  # fmt: skip
     import os
 
@@ -74,7 +75,9 @@ def _worker(w, workers, lighthouse, task, lr, momentum, h, syncs, delay, slowdow
         inner = torch.optim.AdamW(
             model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
         )
-        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=momentum, nesterov=True)
+        outer_opt = torch.optim.SGD(  # torch's Nesterov needs a momentum > 0
+            model.parameters(), lr=outer[0], momentum=outer[1], nesterov=outer[1] > 0
+        )
         manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=120)),
             load_state_dict=lambda sd: (
@@ -106,7 +109,7 @@ def _worker(w, workers, lighthouse, task, lr, momentum, h, syncs, delay, slowdow
         drawn = 0
         ready.put(w)
         go.wait()
-        with DiLoCo(manager, [model], inner, outer, sync_every=h, pin_memory=False):
+        with DiLoCo(manager, [model], inner, outer_opt, sync_every=h, pin_memory=False):
             while manager.current_step() < syncs:
                 t = time.perf_counter()
                 inner.zero_grad()
@@ -135,8 +138,25 @@ def _tail(logs: str, w: int) -> str:
         return f"no log: {e}"
 
 
+def _failed(msg: tuple, logs: str) -> None:
+    if msg[0] == "failed":
+        raise RuntimeError(f"torchft worker {msg[1]}: {msg[2]} ({_tail(logs, msg[1])})")
+
+
+def _check(out, procs, logs: str, deadline: float, timeout: float, lr: float) -> None:
+    """Raises if a worker said it failed (on ``out``, when given), died, or the run is late."""
+    if out is not None:
+        with contextlib.suppress(queue.Empty):
+            _failed(out.get_nowait(), logs)
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"torchft run (lr={lr}) passed {timeout:g} s")
+    dead = [p.pid for p in procs if p.exitcode not in (None, 0)]
+    if dead:
+        raise RuntimeError(f"torchft worker processes {dead} died")
+
+
 def run(task, lr: float, h: int, syncs: int, workers: int, delay: float,
-        slowdowns: list[float], timeout: float = 900.0, momentum: float = 0.9) -> dict:  # fmt: skip
+        slowdowns: list[float], timeout: float = 900.0, outer=(0.7, 0.9)) -> dict:  # fmt: skip
     """One torchft DiLoCo run of ``syncs`` syncs; returns the fields of a benchmark row."""
     import torch
     from torchft.coordination import LighthouseServer
@@ -154,7 +174,7 @@ def run(task, lr: float, h: int, syncs: int, workers: int, delay: float,
                 lighthouse.address(),
                 task,
                 lr,
-                momentum,
+                tuple(outer),
                 h,
                 syncs,
                 delay,
@@ -173,22 +193,22 @@ def run(task, lr: float, h: int, syncs: int, workers: int, delay: float,
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
-        for _ in range(workers):
-            ready.get(timeout=max(deadline - time.monotonic(), 1))
+        waiting = workers
+        while waiting:  # a worker that fails before it is ready says so on `out`
+            try:
+                ready.get(timeout=1.0)
+                waiting -= 1
+            except queue.Empty:
+                _check(out, procs, logs, deadline, timeout, lr)
         t0 = time.monotonic()
         go.set()
         while len(done) < workers:
             try:
                 msg = out.get(timeout=max(min(deadline - time.monotonic(), 5.0), 0.1))
             except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"torchft run (lr={lr}) passed {timeout:g} s") from None
-                dead = [p.pid for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"torchft worker processes {dead} died") from None
+                _check(None, procs, logs, deadline, timeout, lr)
                 continue
-            if msg[0] == "failed":
-                raise RuntimeError(f"torchft worker {msg[1]}: {msg[2]} ({_tail(logs, msg[1])})")
+            _failed(msg, logs)
             if msg[0] == "record":
                 raw.append(msg[1:])
             else:
@@ -215,7 +235,8 @@ def run(task, lr: float, h: int, syncs: int, workers: int, delay: float,
     drawn = sum(d for _, d in done.values()) * task.tokens_per_batch
     return {
         "lr": lr,
-        "outer_momentum": momentum,
+        "outer_lr": outer[0],
+        "outer_momentum": outer[1],
         "pushes": records[-1]["pushes"],
         "bytes_per_push": 4.0 * task.num_params(),
         "time": end,

@@ -17,9 +17,10 @@ that the 2 cores of a small machine are not what is measured. Methods:
 
 Each method runs at every learning rate of a small grid (the server Adam's
 for gradients, the inner AdamW's for DiLoCo), every DiLoCo row (torchft's too)
-also at each outer Nesterov momentum of ``outer_momenta`` (0.3 and the paper's
-0.9: with this few outer steps 0.9 overshoots, see ``docs/design-notes.md``),
-and is reported at its best: the
+also at each outer learning rate and Nesterov momentum of ``OUTER`` (the paper's
+0.7/0.9, 0.7/0.3, and 1/0, plain averaging of the workers' models: with this
+few outer steps 0.9 overshoots, see ``docs/design-notes.md``), and is reported
+at its best: the
 lowest held-out loss at the equal-token budget ``B`` (the tokens that the
 synchronous baseline's ``steps`` local steps consume). Every run stops at
 ``EXTRA`` x ``B`` tokens (``stop_at`` on the records' ``tokens``; its push
@@ -54,8 +55,8 @@ benchmark says it was skipped and why. It is not in the bars.
     .venv/bin/python benchmarks/lm.py [--quick] [--codec int8|topk] [--json PATH] [--check]
     .venv/bin/python benchmarks/lm.py --markdown PATH   # the README's table from a --json file
 
-``--quick`` (a tiny model, a short budget, three learning rates per method, two
-outer momenta per DiLoCo row) takes about 12 minutes on 2 quiet cores; the full
+``--quick`` (a tiny model, a short budget, three or four learning rates per
+method, three outer settings per DiLoCo row) takes about 15 minutes on 2 quiet cores; the full
 mode (the small model, 4x the tokens, the same grids) is for a quiet machine.
 Wall-time figures on a shared machine are noisy.
 """
@@ -82,13 +83,16 @@ from stalewise import report, tasks
 
 WORKERS, SLOW, SLOWDOWN = 4, 3, 3.0
 EXTRA = 1.3  # every run may draw this many times the equal-token budget
+# DiLoCo's outer (Nesterov SGD) learning rate and momentum: the paper's (and the library's
+# default), a lower momentum, and plain averaging of the workers' models (lr 1, no momentum)
+OUTER = ((0.7, 0.9), (0.7, 0.3), (1.0, 0.0))
 MODES = {
     "quick": dict(size="tiny", context=32, batch_size=16, steps=150, delay=0.02,
-                  grad_lrs=(1e-3, 3e-3, 1e-2), inner_lrs=(1e-3, 3e-3, 1e-2), eval_interval=0.5,
-                  outer_momenta=(0.3, 0.9)),
+                  grad_lrs=(3e-4, 1e-3, 3e-3, 1e-2), inner_lrs=(3e-3, 1e-2, 2e-2), eval_interval=0.5,
+                  outer=OUTER),
     "full": dict(size="small", context=64, batch_size=16, steps=600, delay=0.03,
-                 grad_lrs=(1e-3, 3e-3, 1e-2), inner_lrs=(1e-3, 3e-3, 1e-2), eval_interval=1.0,
-                 outer_momenta=(0.3, 0.9)),
+                 grad_lrs=(3e-4, 1e-3, 3e-3, 1e-2), inner_lrs=(3e-3, 1e-2, 2e-2), eval_interval=1.0,
+                 outer=OUTER),
 }  # fmt: skip
 ASYNC_H = 20  # async DiLoCo's cap on H; its period is about 1.25 H fast steps
 BASELINE = "sync gradients"
@@ -155,8 +159,8 @@ def counting(strategy):
 
 
 def methods(m: dict, codec: str) -> list[tuple[str, tuple, tuple, object, float]]:
-    """(name, lr grid, outer momentum grid, make(lr[, momentum]) -> Job keywords, local
-    steps per push for the budget). Gradient rows have no outer momentum (``(None,)``)."""
+    """(name, lr grid, outer grid, make(lr[, (outer_lr, outer_momentum)]) -> Job keywords,
+    local steps per push for the budget). Gradient rows have no outer grid (``(None,)``)."""
     bsp, asp, dl, adamw = sw.BSP(), sw.ASP(), sw.strategies.diloco, sw.optim.adamw
     step = m["delay"] + m["compute"]
     period = 1.25 * ASYNC_H * step
@@ -167,32 +171,35 @@ def methods(m: dict, codec: str) -> list[tuple[str, tuple, tuple, object, float]
     h_async = 1
     grads = sw.strategies.gradients()
     push_codec = sw.codecs.int8() if codec == "int8" else sw.codecs.topk(0.01)
-    none, mos = (None,), m["outer_momenta"]
+    none, outs = (None,), m["outer"]
     return [
         (BASELINE, m["grad_lrs"], none,
          lambda lr: dict(optimizer=sw.optim.adam(lr), consistency=bsp, strategy=grads), 1),
         ("ASP gradients", m["grad_lrs"], none,
          lambda lr: dict(optimizer=sw.optim.adam(lr), consistency=asp, strategy=grads), 1),
-        ("DiLoCo H=20", m["inner_lrs"], mos,
-         lambda lr, mo: dict(strategy=dl(local_steps=20, inner=adamw(lr), outer_momentum=mo),
-                             consistency=bsp), 20),
-        ("DiLoCo H=50", m["inner_lrs"], mos,
-         lambda lr, mo: dict(strategy=dl(local_steps=50, inner=adamw(lr), outer_momentum=mo),
-                             consistency=bsp), 50),
-        ("async DiLoCo", m["inner_lrs"], mos,
-         lambda lr, mo: dict(strategy=dl(local_steps=ASYNC_H, inner=adamw(lr), asynchronous=True,
-                                         every=WORKERS, dynamic=True, period=period,
-                                         outer_momentum=mo),
-                             consistency=asp), h_async),
-        (f"DiLoCo H=20 + {codec}", m["inner_lrs"], mos,
-         lambda lr, mo: dict(strategy=dl(local_steps=20, inner=adamw(lr), outer_momentum=mo),
-                             consistency=bsp, codec=push_codec), 20),
+        ("DiLoCo H=20", m["inner_lrs"], outs,
+         lambda lr, o: dict(strategy=dl(local_steps=20, inner=adamw(lr), outer_lr=o[0],
+                                        outer_momentum=o[1]),
+                            consistency=bsp), 20),
+        ("DiLoCo H=50", m["inner_lrs"], outs,
+         lambda lr, o: dict(strategy=dl(local_steps=50, inner=adamw(lr), outer_lr=o[0],
+                                        outer_momentum=o[1]),
+                            consistency=bsp), 50),
+        ("async DiLoCo", m["inner_lrs"], outs,
+         lambda lr, o: dict(strategy=dl(local_steps=ASYNC_H, inner=adamw(lr), asynchronous=True,
+                                        every=WORKERS, dynamic=True, period=period,
+                                        outer_lr=o[0], outer_momentum=o[1]),
+                            consistency=asp), h_async),
+        (f"DiLoCo H=20 + {codec}", m["inner_lrs"], outs,
+         lambda lr, o: dict(strategy=dl(local_steps=20, inner=adamw(lr), outer_lr=o[0],
+                                        outer_momentum=o[1]),
+                            consistency=bsp, codec=push_codec), 20),
     ]  # fmt: skip
 
 
-def run_one(task, m: dict, name: str, lr: float, make, h: float, momentum=None) -> dict:
-    """One training run (``make(lr)``, or ``make(lr, momentum)`` for an outer momentum);
-    its records carry ``tokens``."""
+def run_one(task, m: dict, name: str, lr: float, make, h: float, outer=None) -> dict:
+    """One training run (``make(lr)``, or ``make(lr, outer)`` for DiLoCo's outer
+    ``(lr, momentum)``); its records carry ``tokens``."""
     budget_steps = math.ceil(EXTRA * WORKERS * m["steps"])  # local steps of all workers
     pushes = max(math.ceil(budget_steps / h), WORKERS)  # at most; the run stops at the tokens
     per_batch = task.tokens_per_batch
@@ -208,7 +215,7 @@ def run_one(task, m: dict, name: str, lr: float, make, h: float, momentum=None) 
             rec.update(tokens=int(pushed), tokens_drawn=int(drawn))
             records.append(dict(rec))
 
-        kw = make(lr) if momentum is None else make(lr, momentum)
+        kw = make(lr) if outer is None else make(lr, outer)
         kw["strategy"] = counting(kw["strategy"])
         job = sw.Job(task.init_params(0), **kw)
         result = job.train(task.loss_and_grad, data=CountedBatches(task, path),
@@ -227,7 +234,7 @@ def run_one(task, m: dict, name: str, lr: float, make, h: float, momentum=None) 
     return {
         "method": name,
         "lr": lr,
-        "outer_momentum": momentum,
+        **outer_keys(outer),
         "pushes": result.pushes,
         "bytes_per_push": result.stats["bytes_in"] / max(result.pushes, 1),
         "time": result.time,
@@ -238,6 +245,18 @@ def run_one(task, m: dict, name: str, lr: float, make, h: float, momentum=None) 
                      if k in r}
                     for r in evals],
     }  # fmt: skip
+
+
+def outer_keys(outer) -> dict:
+    """A run's DiLoCo outer ``(lr, momentum)`` as its row's keys (None for gradients)."""
+    lr, mo = (None, None) if outer is None else outer
+    return {"outer_lr": lr, "outer_momentum": mo}
+
+
+def outer_text(row: dict) -> str:
+    """A row's outer lr/momentum, as printed."""
+    lr = row.get("outer_lr")
+    return "-" if lr is None else f"{lr:g}/{row['outer_momentum']:g}"
 
 
 def at(records: list[dict], x: str, value: float) -> float | None:
@@ -273,24 +292,23 @@ def torchft_peer(task, m: dict) -> dict:
     syncs = math.ceil(EXTRA * m["steps"] / h)  # per worker, EXTRA x B tokens as the others
     slow = [SLOWDOWN if w == SLOW else 1.0 for w in range(WORKERS)]
     rows, failed = [], []
-    for mo in m["outer_momenta"]:
-        for lr in m["inner_lrs"]:
-            try:
-                r = _torchft_peer.run(task, lr, h, syncs, WORKERS, m["delay"], slow, momentum=mo)
-            except Exception as e:  # reported, left out of the best
-                print(f"  {PEER:22s} lr={lr:<7g} momentum={mo:g} FAILED: {type(e).__name__}: {e}",
-                      flush=True)  # fmt: skip
-                failed.append({"method": PEER, "lr": lr, "outer_momentum": mo,
-                               "error": f"{type(e).__name__}: {e}"})  # fmt: skip
-                continue
-            rows.append(dict(r, method=PEER))
+    for o, lr in itertools.product(m["outer"], m["inner_lrs"]):
+        try:
+            r = _torchft_peer.run(task, lr, h, syncs, WORKERS, m["delay"], slow, outer=o)
+        except Exception as e:  # reported, left out of the best
+            print(f"  {PEER:22s} lr={lr:<7g} outer={outer_text(outer_keys(o))} FAILED: "
+                  f"{type(e).__name__}: {e}", flush=True)  # fmt: skip
+            failed.append({"method": PEER, "lr": lr, **outer_keys(o),
+                           "error": f"{type(e).__name__}: {e}"})  # fmt: skip
+            continue
+        rows.append(dict(r, method=PEER))
     return {"rows": rows, "failed": failed, "version": importlib.metadata.version("torchft")}
 
 
 def markdown(out: dict) -> str:
     """The README's "Language model" table and bars, from the JSON of a run."""
     cols = [("method", "method", "s"), ("best lr", "best_lr", "g"), ("lr grid", "lr_at_edge", ""),
-            ("outer momentum", "outer_momentum", "g"),
+            ("outer lr", "outer_lr", "g"), ("outer momentum", "outer_momentum", "g"),
             ("val loss at B", "loss_at_B", ".3f"),
             (f"val loss at {out['equal_time_s']:.0f} s", f"loss_at_{out['equal_time_s']:.0f}s", ".3f"),
             ("tokens/s", "tokens_per_s", ".0f"), ("s to target", "time_to_target_s", ".1f"),
@@ -365,7 +383,7 @@ def main() -> int:
     def show(name: str, r: dict) -> None:
         r["loss_at_B"] = at(r["records"], "tokens", budget)
         print(
-            f"  {name:22s} lr={r['lr']:<7g} momentum={fmt(r.get('outer_momentum'), 'g'):<4s} "
+            f"  {name:22s} lr={r['lr']:<7g} outer={outer_text(r):<7s} "
             f"loss@B {fmt(r['loss_at_B'])}  final "
             f"{fmt(r['final_loss'])}  {r['tokens']} tokens in {r['time']:.1f} s "
             f"({r['tokens_per_s']:.0f} tok/s, {r['pushes']} pushes)",
@@ -384,15 +402,15 @@ def main() -> int:
         if edge:
             print(f"  {name}: the best lr {best[name]['lr']:g} is at the grid's edge", flush=True)
 
-    for name, lrs, momenta, make, h in methods(m, args.codec):
+    for name, lrs, outers, make, h in methods(m, args.codec):
         rows = []
-        for mo, lr in itertools.product(momenta, lrs):
+        for o, lr in itertools.product(outers, lrs):
             try:
-                rows.append(run_one(task, m, name, lr, make, h, momentum=mo))
+                rows.append(run_one(task, m, name, lr, make, h, outer=o))
             except Exception as e:  # a failed point is reported and left out of the best
-                print(f"  {name:22s} lr={lr:<7g} momentum={fmt(mo, 'g')} FAILED: "
+                print(f"  {name:22s} lr={lr:<7g} outer={outer_text(outer_keys(o))} FAILED: "
                       f"{type(e).__name__}: {e}", flush=True)  # fmt: skip
-                out["failed"].append({"method": name, "lr": lr, "outer_momentum": mo,
+                out["failed"].append({"method": name, "lr": lr, **outer_keys(o),
                                       "error": f"{type(e).__name__}: {e}"})  # fmt: skip
                 continue
             show(name, rows[-1])
@@ -426,6 +444,7 @@ def main() -> int:
             "method": name,
             "best_lr": r["lr"],
             "lr_at_edge": r["edge"],
+            "outer_lr": r.get("outer_lr"),
             "outer_momentum": r.get("outer_momentum"),
             "loss_at_B": r["loss_at_B"],
             f"loss_at_{t_eq:.0f}s": at(r["records"], "time", t_eq),
