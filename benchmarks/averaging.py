@@ -269,7 +269,7 @@ def run_one(setting: str, name: str, make, point: str, budget: int, stop_at: flo
     for rec in result.records:
         rec["bytes_pushed"] = rec["pushes"] * model_bytes
     t = report.time_to_target(result.records, "accuracy", TARGET)
-    if t is None and result.pushes < pushes and "budget" not in result.stop_reason:
+    if t is None and result.pushes < pushes and result.ended != "budget":
         print(f"    {name} {point}: stopped early: {result.stop_reason}", flush=True)
     return {
         "run": name,

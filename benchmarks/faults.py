@@ -213,7 +213,7 @@ def run(task, consistency, case: str, steps: int, expected: float, quick: bool, 
     return row | {
         # the run's own end reason: under BSP its budget is whole rounds, so a run whose
         # worker missed rounds (dead, restarting, dropped) ends with fewer pushes than steps
-        "completed": "yes" if r.stop_reason.startswith("the budget of") else f"no: {r.stop_reason}",
+        "completed": "yes" if r.ended == "budget" else f"no: {r.stop_reason}",
         "time_s": r.time,
         "pushes": r.pushes,
         "lost": max(0, r.pushes - handled) + lost_slice,

@@ -172,7 +172,7 @@ def test_an_event_driven_host_records_at_the_start_every_interval_and_at_the_end
     assert times == [0.0, 3.0, 6.0, 9.0, 12.0, 14.0]
     assert [r["pushes"] for r in result.records] == [_pushes_at(int(t)) for t in times]
     assert result.pushes == 20 and result.time == 14.0 and host.closed
-    assert result.stop_reason == "the budget of 20 pushes is spent"
+    assert result.stop_reason == "the budget of 20 pushes is spent" and result.ended == "budget"
     assert result.stats["tiny"] == {"time_units": 14} and result.stats["applied"] == 20
     # the driver asks for the next grid point each time, not a time that drifts
     assert host.calls[:4] == ["go", "advance 0", "advance 3", "advance 6"]
@@ -234,6 +234,7 @@ def test_resume_refuses_a_checkpoint_of_another_job(tmp_path):
 def test_stop_at_ends_an_event_driven_run_at_that_record():
     host, result = _drive(steps=1000, stop_at={"loss": 1.0})
     assert host.stopped and result.stop_reason == "loss <= 1 reached"
+    assert result.ended == "stop_at"
     assert result.records[-1]["loss"] <= 1.0 < result.records[-2]["loss"]
     assert result.time == result.records[-1]["time"] and result.pushes < 1000
 
@@ -249,6 +250,7 @@ def test_a_run_whose_workers_are_all_dropped_says_so():
     assert (
         result.stop_reason == "every worker failed and was dropped, after 3 of 20 pushes"
     )  # at t=3
+    assert result.ended == "no_workers"
     assert [e["action"] for e in result.failures] == ["dropped", "dropped"]
 
 

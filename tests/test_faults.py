@@ -125,7 +125,7 @@ def test_restart_completes_the_job_after_a_sigkill(no_leaks, caplog):
     # the BSP budget is 100 whole rounds of the 2 workers; worker 1 misses some while
     # it restarts (the rounds go on over the live one)
     assert result.stats["version"] == 100 and 100 < result.pushes < 200
-    assert result.stop_reason.startswith("the budget")
+    assert result.stop_reason.startswith("the budget") and result.ended == "budget"
     assert result.restarts == 1
     (event,) = result.failures
     assert event["worker"] == 1 and event["action"] == "restarted"
@@ -464,7 +464,7 @@ def test_the_docs_python_snippet_runs_as_pasted(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
         "1 died without a word (exit code 9)",
-        "the budget of 400 pushes is spent",
+        "budget | the budget of 400 pushes is spent",
     ], proc.stdout + proc.stderr
 
 

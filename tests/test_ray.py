@@ -135,6 +135,7 @@ def test_digits_reaches_the_bar_under_each_consistency_model(
     task, job = digits_job(consistency, staleness)
     result = train(task, job, steps=BUDGET, stop_at=STOP_AT)
     assert result.stop_reason == "accuracy >= 0.95 reached", result.records[-1]
+    assert result.ended == "stop_at"
     assert max(r["accuracy"] for r in result.records) >= ACCURACY
     assert task.evaluate(result.params)["accuracy"] >= FINAL, result.records[-1]
     assert result.records[-1]["pushes"] == result.pushes

@@ -100,7 +100,7 @@ def test_a_scripted_failure_is_restarted_after_restart_delay_by_default():
     ]
     assert r.restarts == 1
     assert r.pushes == 40 and r.stats["applied"] == 40
-    assert r.stop_reason == "the budget of 40 pushes is spent"
+    assert r.stop_reason == "the budget of 40 pushes is spent" and r.ended == "budget"
     # the new incarnation continues its id's stream after the batch it died on
     assert loss.batches(1)[:9] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
     # worker 0 started steps at t=0..20, worker 1 at 0..4 and 7.5..20.5: the 40th at 20.5

@@ -369,9 +369,20 @@ class Failures:
         )
 
 
+#: How a run can end (:attr:`TrainResult.ended`): its budget of pushes spent, its
+#: ``stop_at`` targets reached, or every worker failed and dropped (a run whose
+#: workers all diverged raises :class:`DivergedError` instead).
+ENDINGS = ("budget", "stop_at", "no_workers")
+
+
 @dataclass
 class TrainResult:
-    """What :meth:`stalewise.Job.train` returns."""
+    """What :meth:`stalewise.Job.train` returns.
+
+    ``ended`` says how the run ended in one word of :data:`ENDINGS`, for code
+    (``result.ended == "budget"``); ``stop_reason`` says it in words, with what
+    went wrong on the way (no push applied, a loss that is not finite at the end).
+    """
 
     params: Any  # final parameters, in the structure and backend the job was made with
     flat: np.ndarray  # the same, as the flat vector
@@ -380,7 +391,8 @@ class TrainResult:
     time: float = 0.0  # seconds (wall clock, or virtual in the simulator)
     pushes: int = 0  # updates pushed by all workers
     failures: list[dict] = field(default_factory=list)  # what failed and what was done (Failures)
-    stop_reason: str = ""  # why the run ended
+    stop_reason: str = ""  # why the run ended, in words
+    ended: str = ""  # how, in one word (ENDINGS): "budget", "stop_at" or "no_workers"
 
     @property
     def restarts(self) -> int:
@@ -531,21 +543,22 @@ def end_reason(
     stats: dict,
     version: int | None = None,
     run: str = "",
-) -> str:
-    """Why a run ended, in every runtime.
+) -> tuple[str, str]:
+    """How and why a run ended, in every runtime: ``(ended, reason)``, ``ended`` one of
+    :data:`ENDINGS` (:attr:`TrainResult.ended`), ``reason`` in words.
 
-    The recorder's reason (``stop_at`` reached, a stop), else the budget of
-    ``steps`` pushes (``budget_spent``: a worker's loop ended with it), else, when
-    no worker is left: :class:`DivergedError` if some diverged (the last cause in
+    The recorder's reason (``stop_at`` reached), else the budget of ``steps``
+    pushes (``budget_spent``: a worker's loop ended with it), else, when no worker
+    is left: :class:`DivergedError` if some diverged (the last cause in
     ``failures``), or every worker failed and was dropped. A run that pushed but
     had no push applied (the merged shard ``stats``), or whose last record has a
     loss that is not finite (NaN, inf), says so in the reason and with a
     :class:`FailureWarning`: it is not a silent success.
     """
     if recorder.stop_reason:
-        reason = recorder.stop_reason
+        ended, reason = "stop_at", recorder.stop_reason
     elif pushes >= steps or budget_spent:
-        reason = f"the budget of {steps} pushes is spent"
+        ended, reason = "budget", f"the budget of {steps} pushes is spent"
     elif diverged:
         last = next(e["cause"] for e in reversed(failures.events) if e["action"] == "diverged")
         at = f" (version {version})" if version is not None else ""
@@ -556,13 +569,14 @@ def end_reason(
             "learning rate or clip the gradients."
         )
     else:
+        ended = "no_workers"
         reason = f"every worker failed and was dropped, after {pushes} of {steps} pushes"
         log.error("%s: %s", run, reason)
     if pushes and not stats["applied"]:  # diverge_after=None lets such a run reach its end
         reason += f"; no push was applied, every one was refused ({stats['rejected']})"
         log.warning("%s: %s", run, reason)
         warn_user(f"{run}: {reason}")
-        return reason
+        return ended, reason
     last = recorder.records[-1] if recorder.records else {}
     bad = [k for k in ("loss", "train_loss") if isinstance(last.get(k), float)]
     bad = [k for k in bad if not math.isfinite(last[k])][:1]
@@ -573,7 +587,7 @@ def end_reason(
         )
         log.warning("%s: %s", run, reason)
         warn_user(f"{run}: {reason}")
-    return reason
+    return ended, reason
 
 
 class Recorder:

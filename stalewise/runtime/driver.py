@@ -256,7 +256,7 @@ class Run:
         if not recorder.records or recorder.records[-1]["time"] != now:
             self._record(now, pushes)  # the end's record
         stats = host.stats(settled=settled)
-        reason = end_reason(
+        ended, reason = end_reason(
             recorder,
             self.failures,
             pushes=pushes,
@@ -273,7 +273,7 @@ class Run:
         flat = host.finish(stats)
         params = tree.unflatten(flat, self.config.spec, copy=True)
         return TrainResult(
-            params, flat, recorder.records, stats, now, pushes, self.failures.events, reason
+            params, flat, recorder.records, stats, now, pushes, self.failures.events, reason, ended
         )
 
 
