@@ -1,6 +1,6 @@
 """Calibration: measure on this machine what the simulator needs, and write its ``[sim]`` table.
 
-:func:`calibrate` (``Job.calibrate``, ``stalewise calibrate CONFIG``) times three things:
+:func:`calibrate` (``Job.calibrate``, ``stalewise calibrate CONFIG``) times four things:
 
 * **compute**: ``loss_and_grad`` on each worker's real batches (with what the local
   worker loop does around it every step: the pulled vector made into the job's
@@ -26,6 +26,13 @@
   flattened, judged, committed and told to the shards), pulls right after
   (``own=False``, as the local worker loop does) and then waits for the push's
   acknowledgement, at two sizes.
+* **the worker loop**: what a local worker's step costs besides its compute, its
+  send and its pull (the protocol's worker loop, the strategy, heartbeats, the
+  runtime's answers: about 0.4 ms a step here): a real local run of one worker
+  whose steps are :data:`LOOP_COMPUTE` seconds of busy compute, at the job's
+  size, its time per step less that compute, the send and the pull. The
+  simulator adds it to every step's compute time (the table's ``shift``, or
+  ``step_time``).
 
 Both runtimes' workers follow the pipelining rule
 (:mod:`stalewise.protocol.pipeline`): a gradient push is sent and the next pull
@@ -55,6 +62,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -84,6 +92,8 @@ FIXED_BELOW = 0.01
 REPEATS = 30
 #: The smallest parameter count of the two transport and apply sizes.
 MIN_SIZE = 4096
+#: Busy seconds of each step of the worker-loop measurement, and its steps.
+LOOP_COMPUTE, LOOP_STEPS = 0.002, 300
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,9 @@ class Calibration:
             the push (else it read the snapshots; :mod:`stalewise.protocol.pipeline`).
         evaluated: the seconds between the evaluations made while the compute was
             timed (None: none were made).
+        loop: seconds a local worker's step takes besides its compute, send and pull
+            (the worker loop's own time), added to every simulated step; None if not
+            measured.
     """
 
     workers: int
@@ -151,6 +164,7 @@ class Calibration:
     send: Fit | None = None
     served: bool = False
     evaluated: float | None = None
+    loop: float | None = None
 
     # -- the compute model -------------------------------------------------------------
 
@@ -189,10 +203,11 @@ class Calibration:
         """The ``[sim]`` table, as :meth:`SimConfig.from_dict` reads it."""
         t: dict[str, Any] = {}
         shift, tail = self.shift, self.mean - self.shift
+        extra = self.loop or 0.0  # the worker loop's own time: every step has it
         if tail <= FIXED_BELOW * shift:
-            t |= {"compute": "fixed", "step_time": _sig(self.mean)}
+            t |= {"compute": "fixed", "step_time": _sig(self.mean + extra)}
         else:
-            t |= {"compute": "exponential", "shift": _sig(shift), "rate": _sig(1.0 / tail)}
+            t |= {"compute": "exponential", "shift": _sig(shift + extra), "rate": _sig(1.0 / tail)}
         speeds = self.speeds()
         if speeds is not None:
             t["speeds"] = list(speeds)
@@ -236,6 +251,12 @@ class Calibration:
                 f"{name}: "
                 + ", ".join(f"{b:,} B {s * us:.1f} us" for b, s in fit.points)
                 + f" -> {fit.intercept * us:.1f} us + bytes / {_rate(fit.slope):.3g} B/s"
+            )
+        if self.loop is not None:
+            lines.append(
+                f"worker loop: {self.loop * us:.1f} us a step besides compute, send and pull "
+                f"(one local worker, {LOOP_STEPS} steps of {LOOP_COMPUTE * 1e3:g} ms), added "
+                "to every step's compute"
             )
         lines.append(
             f"per pull besides the shard: {self.message.intercept * us:.1f} us + bytes / "
@@ -493,6 +514,41 @@ def measure_transport(config: ServerConfig, size: int, repeats: int) -> tuple[fl
     return statistics.median(pulls), statistics.median(pushes), statistics.median(sends)
 
 
+def _busy_step(params: Any, batch: Any) -> tuple[float, Any]:
+    """The worker-loop measurement's step: :data:`LOOP_COMPUTE` seconds of busy compute,
+    a zero gradient."""
+    end = time.perf_counter() + LOOP_COMPUTE
+    while time.perf_counter() < end:
+        pass
+    return 0.0, {"w": np.zeros_like(params["w"])}
+
+
+def _no_data(worker: int, workers: int) -> Any:
+    while True:
+        yield None
+
+
+def measure_loop(config: ServerConfig, size: int, send: float, pull: float) -> float:
+    """Seconds a local worker's step takes besides its compute, its ``send`` and its
+    ``pull`` (both measured at ``size``): a real local run of one worker, on a job of
+    ``size`` floats (the job's optimizer, consistency model, codec and shards), whose
+    steps are :data:`LOOP_COMPUTE` seconds of busy compute; its time per step is the
+    median over the intervals between its records after its first push (a step
+    preempted by another process must not set it)."""
+    job = _synthetic_job(config, size, min(config.shards, size))
+    result = job.train(_busy_step, data=_no_data, workers=1, steps=LOOP_STEPS,
+                       eval_interval=0.05, timeout=120)  # fmt: skip
+    recs = [r for r in result.records if r["pushes"] > 0]
+    per_step = [
+        (b["time"] - a["time"]) / (b["pushes"] - a["pushes"])
+        for a, b in itertools.pairwise(recs)
+        if b["pushes"] > a["pushes"]
+    ]
+    if not per_step:
+        raise RuntimeError(f"calibrate: the worker-loop run made too few records ({result!r})")
+    return max(0.0, statistics.median(per_step) - LOOP_COMPUTE - send - pull)
+
+
 def served_pull(config: ServerConfig) -> bool:
     """Whether the pull :func:`measure_transport` times is a request the shard serves
     behind the push (else a snapshot read): the pipelining rule
@@ -586,6 +642,7 @@ def calibrate(
         send_pts.append((nbytes, send))
         # what a simulated step waits for besides compute and the shard: see the docstring
         msg_pts.append((nbytes, max(0.0, send + pull - (2 * a_slice if served else 0.0))))
+    loop_s = measure_loop(config, sizes[0], send_pts[0][1], pull_pts[0][1])
     log.info("calibrate: measured in %.1f s", time.perf_counter() - t0)
     return Calibration(
         workers=workers,
@@ -601,6 +658,7 @@ def calibrate(
         send=Fit.of(send_pts),
         served=served,
         evaluated=None if evaluate is None else float(eval_interval),
+        loop=loop_s,
     )
 
 

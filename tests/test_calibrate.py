@@ -63,6 +63,9 @@ def test_calibrate_measures_and_its_table_reads_back(tmp_path):
     assert "evaluated every 0.001 s beside" in cal.summary()
     assert not cal.served and "pull (snapshot read)" in cal.summary()  # ASP: pipelined
     assert cal.send is not None and all(s > 0 for _, s in cal.send.points)
+    # a real one-worker local run of 2 ms steps: the loop's own time, a fraction of a ms here
+    assert cal.loop is not None and 0 <= cal.loop < 10 * calibrate.LOOP_COMPUTE
+    assert "worker loop: " in cal.summary()
     assert cal.workers == 2 and len(cal.step_times) == 2
     assert all(len(t) == 4 and min(t) > 0 for t in cal.step_times)
     assert [b for b, _ in cal.apply.points] == [512 * 4, 4096 * 4]
@@ -174,6 +177,11 @@ def test_fit_and_table_rules():
     assert "speeds" not in calibrate.Calibration(2, 1, noisy, flat, flat, flat, flat, 4000).table()
     SimConfig.from_dict(tomllib.loads(calibrate.table_toml(t))["sim"]).check_workers(2)
     assert np.isfinite(t["shift"]) and t["rate"] > 0
+    # the worker loop's own time is every step's: it moves the shift (or the fixed time)
+    looped = calibrate.Calibration(2, 1, slow, flat, flat, flat, flat, 4000, loop=0.0005).table()
+    assert looped["shift"] == pytest.approx(t["shift"] + 0.0005) and looped["rate"] == t["rate"]
+    fixed = calibrate.Calibration(2, 1, steps, flat, flat, flat, flat, 4000, loop=0.0005).table()
+    assert fixed["step_time"] == pytest.approx(cal.table()["step_time"] + 0.0005)
 
 
 def test_module_examples():
