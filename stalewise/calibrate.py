@@ -28,7 +28,7 @@
   acknowledgement, at two sizes.
 * **the worker loop**: what a local worker's step costs besides its compute, its
   send and its pull (the protocol's worker loop, the strategy, heartbeats, the
-  runtime's answers: about 0.4 ms a step here): a real local run of one worker
+  runtime's answers: 0.1-0.4 ms a step here): a real local run of one worker
   whose steps are :data:`LOOP_COMPUTE` seconds of busy compute, at the job's
   size, its time per step less that compute, the send and the pull. The
   simulator adds it to every step's compute time (the table's ``shift``, or
