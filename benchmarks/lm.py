@@ -56,7 +56,7 @@ benchmark says it was skipped and why. It is not in the bars.
     .venv/bin/python benchmarks/lm.py --markdown PATH   # the README's table from a --json file
 
 ``--quick`` (a tiny model, a short budget, three or four learning rates per
-method, three outer settings per DiLoCo row) takes about 15 minutes on 2 quiet cores; the full
+method, three outer settings per DiLoCo row) takes about 26 minutes on 2 quiet cores; the full
 mode (the small model, 4x the tokens, the same grids) is for a quiet machine.
 Wall-time figures on a shared machine are noisy.
 """
