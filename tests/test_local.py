@@ -276,8 +276,13 @@ def test_ctrl_c_stops_every_process_and_frees_shared_memory(tmp_path):
         assert proc.stdout.readline().strip() == b"training"
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
-    finally:
+    finally:  # on a failure too: no process, pipe or worker left behind for later tests
         proc.kill()
+        proc.wait(10)
+        proc.stdout.close(), proc.stderr.close()
+        if proc.returncode == -signal.SIGKILL:  # the job did not stop: its workers are ours
+            for pid in mp_helpers.tagged_pids(tag):
+                os.kill(pid, signal.SIGKILL)
     assert b"KeyboardInterrupt" in err
     deadline = time.time() + 10
     while time.time() < deadline and mp_helpers.tagged_pids(tag):
