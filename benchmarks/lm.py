@@ -8,7 +8,7 @@ that the 2 cores of a small machine are not what is measured. Methods:
 
 * ``sync gradients``: synchronous data-parallel Adam (BSP, the mean of 4 pushes per round);
 * ``ASP gradients``: the same pushes applied on arrival;
-* ``DiLoCo H=20`` / ``DiLoCo H=50``: inner AdamW, outer Nesterov SGD (lr 0.7), BSP;
+* ``DiLoCo H=20`` / ``DiLoCo H=50``: inner AdamW, outer SGD at each setting of ``OUTER``, BSP;
 * ``async DiLoCo``: ``diloco(asynchronous=True, dynamic=True)`` under ASP: delayed
   Nesterov and a round of about ``period`` seconds for every worker (the straggler
   runs about a third of the fast workers' ``H``);
