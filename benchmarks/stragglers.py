@@ -3,17 +3,38 @@
 4 local workers, 20 ms of emulated compute per step, the last worker 4x slower
 (80 ms). The ideal asynchronous rate is the sum of the workers' rates:
 3/0.020 + 1/0.080 = 162.5 pushes/s. Prints pushes applied per second and the
-efficiency against that ideal, at 1M and 10k float32 parameters.
+efficiency against that ideal.
 
-Bar: ASP at least 0.9 of ideal at 1M and at 10k parameters. ``--check`` also writes
-the figures to ``runs/bench-stragglers.json`` (or ``--json PATH``).
+Two modes:
+
+* ``--mode train`` (the default): ``Job.train``'s own workers, ASP, SSP(4) and BSP
+  at 1M and 10k float32 parameters. Bar: ASP at least 0.9 of ideal at every size.
+* ``--mode own``: a loop you own (issue #29): ``job.serve`` and 4 processes of
+  this script, each running ``pull`` / 20 ms (80 ms) of emulated compute / ``push``
+  under ASP, at 1M and 10M parameters. The same processes alternate the default
+  ``client.pull()`` (read-your-writes: the pull holds the worker's last push)
+  with ``pull(own=False)`` (it may not) in phases of ``--seconds`` (order ABBA,
+  so drift and the machine's load fall on both alike); each mode's rate is its
+  pushes over its phases' time. Pulls are ``copy=False`` (the emulated step
+  reads nothing), so the figures are the protocol's. Bar (issue #29): the
+  default pull within 5% of ``own=False`` at every size, and at least 0.9 of
+  ideal at 1M. ``--quick``: two pairs of 2 s phases per size (under 2 minutes).
+
+``--check`` also writes the figures to ``runs/bench-stragglers.json`` (or
+``runs/bench-stragglers-own.json`` in the own mode, or ``--json PATH``).
+The load average is printed with the figures: the machine may be shared.
 
     .venv/bin/python benchmarks/stragglers.py [--check] [--sizes 1000000 10000] [--seconds 6]
         [--json PATH]
+    .venv/bin/python benchmarks/stragglers.py --mode own [--quick] [--check]
+        [--sizes 1000000 10000000] [--seconds 3] [--pairs 3]
 """
 
 import argparse
+import multiprocessing as mp
+import os
 import sys
+import time
 
 import _report
 import numpy as np
@@ -63,14 +84,136 @@ def measure(size: int, consistency, seconds: float) -> dict:
     }
 
 
+# -- the own-loop mode ---------------------------------------------------------------------
+
+WARMUP = 1.0  # seconds of the own-loop mode's first phase, not counted
+OWN_BAR, OWN_IDEAL_BAR = 0.95, 0.9  # default pull >= 0.95 x own=False; >= 0.9 of ideal at 1M
+
+
+def phase_modes(pairs: int) -> list[bool]:
+    """The ``own`` argument of each measured phase: ABBA order, ``pairs`` of each."""
+    return [(i % 4) in (0, 3) for i in range(2 * pairs)]
+
+
+def own_worker(client, w: int, size: int, modes: list[bool], seconds: float, start, out) -> None:
+    """One process of a loop you own: pull, emulated compute, push; counts its pushes per
+    phase (the phase is the one the push was committed in; a step's ``own`` is its pull's)."""
+    step = COMPUTE * (SLOWDOWN if w == WORKERS - 1 else 1.0)
+    grad = {"w": np.full(size, 1e-6, np.float32)}
+    client.pull(copy=False)  # attached, first pull done
+    out.put(("ready", w))
+    t0 = start.get()
+    ends = [t0 + WARMUP + seconds * (i + 1) for i in range(len(modes))]
+    counts = [0] * len(modes)
+    phase = -1  # the warm-up
+    while True:
+        now = time.monotonic()
+        while phase + 1 < len(modes) and now >= (ends[phase] if phase >= 0 else t0 + WARMUP):
+            phase += 1
+        if phase >= 0 and now >= ends[-1]:
+            break
+        client.pull(copy=False, own=True if phase < 0 else modes[phase])
+        time.sleep(step)
+        client.push(grad)
+        if phase >= 0 and (t := time.monotonic()) < ends[-1]:
+            counts[sum(t >= e for e in ends[:-1])] += 1
+    out.put(("counts", w, counts))
+    client.close()
+
+
+def measure_own(size: int, seconds: float, pairs: int) -> list[dict]:
+    """Both pulls' rates at ``size`` parameters, from one server and one set of processes."""
+    modes = phase_modes(pairs)
+    job = sw.Job({"w": np.zeros(size, np.float32)}, optimizer=sw.optim.sgd(0.01))
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Queue(), ctx.Queue()
+    with job.serve(workers=WORKERS) as server:
+        procs = []
+        for w in range(WORKERS):
+            args = (server.client(w), w, size, modes, seconds, start, out)
+            p = ctx.Process(target=own_worker, args=args, daemon=True)
+            p.start()
+            server.release(w)
+            procs.append(p)
+        for _ in range(WORKERS):
+            out.get(timeout=120)
+        t0 = time.monotonic() + 0.2
+        for _ in range(WORKERS):
+            start.put(t0)
+        load = os.getloadavg()[0]
+        totals = [0] * len(modes)
+        for _ in range(WORKERS):
+            _, _, counts = out.get(timeout=WARMUP + seconds * len(modes) + 120)
+            totals = [a + b for a, b in zip(totals, counts, strict=True)]
+        load = max(load, os.getloadavg()[0])
+        for p in procs:
+            p.join(30)
+    rows = []
+    for own in (True, False):
+        n = sum(c for c, m in zip(totals, modes, strict=True) if m == own)
+        rate = n / (seconds * pairs)
+        rows.append({
+            "params": size,
+            "pull": "pull()" if own else "pull(own=False)",
+            "pushes/s": rate,
+            "efficiency": rate / IDEAL,
+            "phases": " ".join(f"{c / seconds / IDEAL:.2f}" for c, m in zip(totals, modes, strict=True) if m == own),
+            "load1": load,
+        })  # fmt: skip
+    rows[0]["vs_own_false"] = rows[0]["pushes/s"] / max(rows[1]["pushes/s"], 1e-9)
+    rows[1]["vs_own_false"] = 1.0
+    return rows
+
+
+def main_own(args, out) -> int:
+    from stalewise.report import format_table
+
+    sizes = args.sizes or [1_000_000, 10_000_000]
+    seconds = args.seconds or (2.0 if args.quick else 3.0)
+    pairs = args.pairs or (2 if args.quick else 3)
+    began = time.monotonic()
+    rows = [r for n in sizes for r in measure_own(n, seconds, pairs)]
+    print(
+        f"ideal asynchronous rate: {IDEAL:.1f} pushes/s (3 workers at {COMPUTE * 1e3:.0f} ms, "
+        f"1 at {COMPUTE * SLOWDOWN * 1e3:.0f} ms); a loop you own, ASP, {pairs} pairs of "
+        f"{seconds:g} s phases per size, ABBA; load average (1 min) {os.getloadavg()[0]:.2f} "
+        f"on {os.cpu_count()} cores"
+    )
+    print(format_table(rows, list(rows[0])))
+    bars = []
+    for n in sizes:
+        mine = next(r for r in rows if r["params"] == n)
+        bars.append(
+            _report.bar(f"pull() / pull(own=False) at {n:,}", mine["vs_own_false"], ">=", OWN_BAR)
+        )
+        if n <= 1_000_000:
+            bars.append(
+                _report.bar(f"pull() efficiency at {n:,}", mine["efficiency"], ">=", OWN_IDEAL_BAR)
+            )
+    ok = all(b["met"] for b in bars)
+    print(f"\nbar: the default pull within 5% of own=False at every size, >= {OWN_IDEAL_BAR} of ideal at 1M:",
+          "met" if ok else "MISSED", "(" + ", ".join(f"{b['name']}: {b['value']:.3f}" for b in bars) + ")")  # fmt: skip
+    print(f"({time.monotonic() - began:.0f} s)")
+    _report.write(out, {"ideal_pushes_per_s": IDEAL, "mode": "own", "rows": rows}, bars=bars)
+    return 0 if ok or not args.check else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000])
-    ap.add_argument("--seconds", type=float, default=6.0, help="approximate length of each ASP run")
+    ap.add_argument("--mode", choices=("train", "own"), default="train")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None)
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="approximate length of each ASP run (train; default 6), of each phase (own; 3)")  # fmt: skip
+    ap.add_argument("--pairs", type=int, default=None, help="own: phases of each pull (default 3)")
+    ap.add_argument("--quick", action="store_true", help="own: 2 pairs of 2 s phases per size")
     ap.add_argument("--check", action="store_true", help="exit 1 if the bar is missed")
     _report.add_json_arg(ap)
     args = ap.parse_args()
-    out = _report.json_path(ap, args, "stragglers")
+    out = _report.json_path(ap, args, "stragglers" if args.mode == "train" else "stragglers-own")
+    if args.mode == "own":
+        return main_own(args, out)
+    args.sizes = args.sizes or [1_000_000, 10_000]
+    args.seconds = args.seconds or 6.0
     from stalewise.report import format_table
 
     rows = [
