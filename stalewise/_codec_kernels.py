@@ -149,6 +149,66 @@ def int8_decode(q, scales, block, out):  # type: ignore[no-untyped-def]
 
 
 @_jit
+def int4_encode(x, block, packed, scales):  # type: ignore[no-untyped-def]
+    """Blockwise absmax 4-bit: ``scales[b] = absmax / 7``, ``q = rint(x / scale)`` in
+    ``[-7, 7]``, stored as the nibble ``q + 8`` (1..15; 8 is zero), value ``2i`` in the
+    low nibble of byte ``i`` and value ``2i + 1`` in its high nibble (an odd ``n``
+    leaves the last high nibble 0). Non-finite and all-zero blocks as :func:`int8_encode`.
+    """
+    n = x.size
+    for b in range(scales.size):
+        lo, hi = b * block, min((b + 1) * block, n)
+        top = I32(0)
+        for i in range(lo, hi):
+            v = bits(x[i]) & I32(0x7FFFFFFF)
+            top = v if v > top else top
+        if top >= I32(0x7F800000) or top == I32(0):
+            scales[b] = F32(np.nan) if top else F32(0.0)
+            for i in range(lo, hi):
+                _put_nibble(packed, i, I32(8))
+            continue
+        m = from_bits(top)
+        scales[b] = m / F32(7.0)
+        if m >= F32(1e-30):
+            inv = F32(7.0) / m
+            for i in range(lo, hi):
+                q = I32(np.rint(min(max(x[i] * inv, F32(-7.0)), F32(7.0))))
+                _put_nibble(packed, i, q + I32(8))
+        else:  # 7 / m would overflow float32
+            inv64 = 7.0 / np.float64(m)
+            for i in range(lo, hi):
+                q = I32(np.rint(min(max(np.float64(x[i]) * inv64, -7.0), 7.0)))
+                _put_nibble(packed, i, q + I32(8))
+    if n & 1:
+        packed[n >> 1] = np.uint8(I32(packed[n >> 1]) & I32(0x0F))  # the padding nibble: 0
+
+
+@_jit
+def _put_nibble(packed, i, code):  # type: ignore[no-untyped-def]
+    j = i >> 1
+    if i & 1:
+        packed[j] = np.uint8((I32(packed[j]) & I32(0x0F)) | (code << I32(4)))
+    else:
+        packed[j] = np.uint8((I32(packed[j]) & I32(0xF0)) | code)
+
+
+@_jit
+def int4_decode(packed, scales, block, n, out):  # type: ignore[no-untyped-def]
+    """``out = (nibble - 8) * scale`` of each block; returns how many nibbles are invalid
+    (code 0, i.e. level -8, or a non-zero padding nibble): 0 for a payload it made."""
+    bad = 0
+    for b in range(scales.size):
+        s = scales[b]
+        for i in range(b * block, min((b + 1) * block, n)):
+            code = (I32(packed[i >> 1]) >> I32(4 * (i & 1))) & I32(0x0F)
+            bad += code == I32(0)
+            out[i] = F32(code - I32(8)) * s
+    if n & 1:
+        bad += (I32(packed[n >> 1]) >> I32(4)) != I32(0)
+    return bad
+
+
+@_jit
 def topk_candidates(x, t, idx):  # type: ignore[no-untyped-def]
     """Writes, in increasing order, the indices of ``|x| >= t`` and of NaNs into
     ``idx`` (as many as fit) and returns how many there are (maybe more than fit)."""

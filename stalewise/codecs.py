@@ -4,16 +4,17 @@ A codec turns a float vector into bytes and back. Each is a small frozen
 (picklable, comparable) class with :meth:`Codec.encode`, :meth:`Codec.decode`
 and an exact byte count, :meth:`Codec.nbytes`, equal to ``len(encode(x))``.
 
-=================  ===============================  ==============================  ==============
-codec              bytes for ``n`` float32 values   decoded value                   error feedback
-=================  ===============================  ==============================  ==============
-``none()``         ``12 + 4n`` (float64: ``8n``)    exact                           no
-``fp16()``         ``12 + 2n``                      float16, clamped to +-65504     off
-``bf16()``         ``12 + 2n``                      bfloat16, clamped               off
-``int8()``         ``12 + n + 4 ceil(n / 4096)``    one float32 scale per block     off
-``topk(f)``        ``12 + k (4 + index bytes)``     the ``k = round(f n)`` largest  on
-``sign()``         ``12 + 4 + ceil(n / 8)``         ``mean|x| * sign(x)``           on
-=================  ===============================  ==============================  ==============
+===========  ======================================  ================================  ==============
+codec        bytes for ``n`` float32 values          decoded value                     error feedback
+===========  ======================================  ================================  ==============
+``none()``   ``12 + 4n`` (float64: ``8n``)           exact                             no
+``fp16()``   ``12 + 2n``                             float16, clamped to +-65504       off
+``bf16()``   ``12 + 2n``                             bfloat16, clamped                 off
+``int8()``   ``12 + n + 4 ceil(n / 4096)``           one float32 scale per block       off
+``int4()``   ``12 + ceil(n / 2) + 4 ceil(n / 256)``  levels -7..7 times a block scale  off
+``topk(f)``  ``12 + k (4 + index bytes)``            the ``k = round(f n)`` largest    on
+``sign()``   ``12 + 4 + ceil(n / 8)``                ``mean|x| * sign(x)``             on
+===========  ======================================  ================================  ==============
 
 Each class's docstring states its error bound. Lossy codecs work in float32
 (a float64 vector is rounded first); ``none`` keeps float64.
@@ -27,8 +28,8 @@ truncated, padded, foreign or structurally corrupt payload raises
 flipped bit among the values decodes to a wrong value, which validation catches
 only when it is not finite.
 
-NaN and infinity are carried through as values (``int8`` turns a block holding
-one into NaNs), so that the shard's validation refuses such an update.
+NaN and infinity are carried through as values (``int8`` and ``int4`` turn a block
+holding one into NaNs), so that the shard's validation refuses such an update.
 
 Per-leaf policy: a codec given to ``sw.Job(codec=...)`` compresses the leaves of
 at least :data:`SMALL_LEAF` elements; smaller ones (biases, norms) travel
@@ -43,8 +44,8 @@ Example:
     >>> payload = c.encode(x)
     >>> len(payload) == c.nbytes(4), c.decode(payload).tolist()
     (True, [0.0, -2.0, 0.0, 3.0])
-    >>> parse("int8"), parse("topk:0.01")
-    (int8(), topk(0.01))
+    >>> parse("int8"), parse("int4"), parse("topk:0.01")
+    (int8(), int4(), topk(0.01))
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ from stalewise._lazy import Lazy
 kernels = Lazy("stalewise._codec_kernels")  # numba: imported at the first encode
 
 __all__ = ["SMALL_LEAF", "Codec", "PayloadError", "Policy", "SizeAdaptive"]
-__all__ += ["as_bytes", "bf16", "fp16", "int8", "none", "parse", "sign", "size_adaptive", "topk"]
+__all__ += ["as_bytes", "bf16", "fp16", "int4", "int8", "none", "parse", "sign"]
+__all__ += ["size_adaptive", "topk"]
 
 #: Leaves with fewer elements travel uncompressed under a plain codec.
 SMALL_LEAF = 512
@@ -321,6 +323,73 @@ class Int8(Codec):
 
 
 @dataclass(frozen=True, repr=False)
+class Int4(Codec):
+    """Blockwise 4-bit, symmetric: each block of ``block`` values is sent as levels
+    ``q`` in ``[-7, 7]`` and one float32 scale, its absolute maximum / 7; decoded
+    ``q * scale``. Two values a byte: the nibble ``q + 8`` (1..15, 8 is zero), value
+    ``2i`` in the low nibble of byte ``i``, value ``2i + 1`` in the high one (an odd
+    ``n`` leaves the last high nibble 0). Body: the scales, then the ``ceil(n / 2)``
+    packed bytes.
+
+    Symmetric levels, not an asymmetric min/max scheme: zero is exact (a zero
+    pseudo-gradient stays zero), the sign of every value survives, and the scale
+    is the only float a block carries (an asymmetric scheme needs two, and its
+    zero is off by up to half a step). 15 levels, not 16: the code ``0`` (level
+    -8) is never written, and the decoder refuses a payload holding it.
+
+    Bound: ``|d - x| <= absmax(block) / 14 * (1 + 1e-4)``, i.e. half the block's
+    step ``scale``, plus ``2**-146`` (about 1.1e-44) in a block whose absmax is
+    below ``2**-119``, where the scale is a subnormal float32. Values on the grid
+    (``k * scale`` with ``|k| <= 7`` and the block's absmax ``7 * scale`` exact in
+    float32, e.g. a power-of-two ``scale``) round-trip exactly. A block holding a
+    NaN or an infinity decodes to NaN.
+    """
+
+    name: ClassVar[str] = "int4"
+    id: ClassVar[int] = 6
+    block: int = 256
+    error_feedback: bool = False
+
+    def __post_init__(self) -> None:
+        b = self.block
+        if not _is_int(b) or b < 1 or b > 2**30 or b & (b - 1):
+            raise ValueError(f"int4: block must be a power of two in 1..2**30, got {b!r}")
+
+    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
+        return -(-n // 2) + 4 * -(-n // self.block)
+
+    def _param(self, n: int) -> int:
+        return self.block.bit_length() - 1
+
+    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
+        blocks = -(-x.size // self.block)
+        scales = np.frombuffer(body, np.float32, blocks)
+        packed = np.frombuffer(body, np.uint8, -(-x.size // 2), 4 * blocks)
+        kernels.int4_encode(x, self.block, packed, scales)
+
+    def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
+        blocks = -(-n // self.block)
+        scales = np.frombuffer(body, np.float32, blocks)
+        packed = np.frombuffer(body, np.uint8, -(-n // 2), 4 * blocks)
+        if out.dtype == np.float32 and out.flags.c_contiguous:
+            bad = kernels.int4_decode(packed, scales, self.block, n, out)
+        else:
+            tmp = np.empty(n, np.float32)
+            bad = kernels.int4_decode(packed, scales, self.block, n, tmp)
+            out[:] = tmp
+        if bad:
+            raise PayloadError(
+                f"{where}: {bad} invalid 4-bit codes (level -8 or a non-zero padding "
+                "nibble): corrupt payload"
+            )
+
+    def __repr__(self) -> str:
+        args = [] if self.block == 256 else [f"block={self.block}"]
+        args += ["error_feedback=True"] if self.error_feedback else []
+        return f"int4({', '.join(args)})"
+
+
+@dataclass(frozen=True, repr=False)
 class TopK(Codec):
     """The ``k = max(1, round(fraction * n))`` values of largest magnitude, as their
     indices (the narrowest unsigned type that holds ``n - 1``) and float32 values.
@@ -463,6 +532,12 @@ def int8(block: int = 4096, *, error_feedback: bool = False) -> Codec:
     return Int8(block, _flag(error_feedback))
 
 
+def int4(block: int = 256, *, error_feedback: bool = False) -> Codec:
+    """Blockwise 4-bit, levels -7..7 times one float32 absmax scale per ``block`` values
+    (~0.52 byte a value with the default block): see :class:`Int4`."""
+    return Int4(block, _flag(error_feedback))
+
+
 def topk(fraction: float, *, error_feedback: bool = True) -> Codec:
     """The ``fraction`` of values of largest magnitude, with their indices."""
     return TopK(fraction, _flag(error_feedback))
@@ -484,13 +559,14 @@ def size_adaptive(threshold: int, *, small: Codec = NONE, large: Codec) -> Polic
     return SizeAdaptive(threshold, small, large)
 
 
-_MAKERS = {"none": none, "fp16": fp16, "bf16": bf16, "int8": int8, "topk": topk, "sign": sign}
-_BY_ID = {c.id: c.name for c in (NoCodec, FP16, BF16, Int8, TopK, Sign)}
+_MAKERS = {"none": none, "fp16": fp16, "bf16": bf16, "int8": int8, "int4": int4}
+_MAKERS |= {"topk": topk, "sign": sign}
+_BY_ID = {c.id: c.name for c in (NoCodec, FP16, BF16, Int8, Int4, TopK, Sign)}
 NAMES = (*_MAKERS, "size_adaptive")
 
 
 def parse(spec: Any) -> Policy:
-    """A codec from a config value: ``"int8"``, ``"topk:0.01"``, or a table such as
+    """A codec from a config value: ``"int8"``, ``"int4"``, ``"topk:0.01"``, or a table such as
     ``{"name": "topk", "fraction": 0.01, "error_feedback": False}`` or
     ``{"name": "size_adaptive", "threshold": 4096, "large": "topk:0.01"}``.
 

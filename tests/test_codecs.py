@@ -32,6 +32,8 @@ ALL = [
     codecs.bf16(),
     codecs.int8(),
     codecs.int8(block=64),
+    codecs.int4(),
+    codecs.int4(block=64),
     codecs.topk(0.01),
     codecs.topk(0.3),
     codecs.sign(),
@@ -61,6 +63,12 @@ def within_bound(codec, x, d):
             top = np.abs(x64[lo : lo + b]).max()
             subnormal_scale = 2**-143 if top < 2**-119 else 0.0  # see Int8's docstring
             assert (err[lo : lo + b] <= top / 254 * (1 + 1e-4) + subnormal_scale).all()
+    elif isinstance(codec, codecs.Int4):
+        b = codec.block
+        for lo in range(0, x.size, b):
+            top = np.abs(x64[lo : lo + b]).max()
+            subnormal_scale = 2**-146 if top < 2**-119 else 0.0  # see Int4's docstring
+            assert (err[lo : lo + b] <= top / 14 * (1 + 1e-4) + subnormal_scale).all()
     elif isinstance(codec, codecs.TopK):
         kept = d != 0
         assert ((d == x) | ~kept).all()  # kept values exact, the others zero
@@ -98,6 +106,7 @@ def test_round_trip_within_bound_and_exact_byte_count(codec, n):
     which=st.sampled_from(ALL),
 )
 @example(x=np.array([2.98e-43], np.float32), which=codecs.int8())  # a subnormal int8 scale
+@example(x=np.array([2.98e-43, -1e-45, 7e-44], np.float32), which=codecs.int4())  # int4's
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_round_trip_property(x, which):
     payload = which.encode(x)
@@ -300,7 +309,14 @@ def test_shard_payload_errors_name_the_shard_and_the_leaf():
 
 
 @pytest.mark.parametrize(
-    "codec", [codecs.topk(0.01), codecs.sign(), codecs.int8(error_feedback=True)], ids=repr
+    "codec",
+    [
+        codecs.topk(0.01),
+        codecs.sign(),
+        codecs.int8(error_feedback=True),
+        codecs.int4(error_feedback=True),
+    ],
+    ids=repr,
 )
 def test_error_feedback_sends_everything_eventually(codec):
     comp = compress.Compressor(
@@ -363,6 +379,8 @@ def test_parse_and_constructors_check_their_values():
         ("int8:3", "takes no ':' argument"),
         ("size_adaptive", "size_adaptive needs a table"),
         ({"name": "int8", "block": 1000}, "block must be a power of two"),
+        ({"name": "int4", "block": 6}, "int4: block must be a power of two"),
+        ("int4:3", "takes no ':' argument"),
         ({"name": "topk", "fraction": 0.1, "k": 3}, "unexpected keyword argument 'k'"),
         ({"name": "sign", "error_feedback": "yes"}, "error_feedback must be True or False"),
         (3, "expected a codec name"),
@@ -448,8 +466,9 @@ def test_every_codec_trains_in_the_simulator_and_shrinks_the_modeled_bytes():
     job, base = _digits_run(codecs.none())
     raw = base.stats["sim"]["push_bytes"]
     assert raw == job.config.spec.nbytes
-    floors = {"fp16": 1.9, "bf16": 1.9, "int8": 3.5, "topk": 25.0, "sign": 15.0}
-    for codec in [codecs.fp16(), codecs.bf16(), codecs.int8(), codecs.topk(0.01), codecs.sign()]:
+    floors = {"fp16": 1.9, "bf16": 1.9, "int8": 3.5, "int4": 6.5, "topk": 25.0, "sign": 15.0}
+    every = [codecs.fp16(), codecs.bf16(), codecs.int8(), codecs.int4(), codecs.topk(0.01)]
+    for codec in [*every, codecs.sign()]:
         job, r = _digits_run(codec)
         comp = compress.Compressor(codec, job.config.spec.segments, job.config.ranges)
         payloads, _ = comp.encode(job.config.init.copy())
@@ -534,3 +553,92 @@ def test_docstring_examples_run(module):
 
 def test_header_is_twelve_bytes():
     assert codecs.HEADER.size == 12 == struct.calcsize("<BBBBQ")
+
+
+# -- int4 against a hand-written reference ---------------------------------------------------
+
+
+def int4_reference(x, block):
+    """Int4's rule written out in float64 and plain Python: per block, scale = absmax / 7,
+    level = round(x / scale) (half to even) clipped to [-7, 7]; the packed bytes, value
+    2i in the low nibble of byte i as level + 8, a 0 high nibble after an odd last value."""
+    scales, levels = [], []
+    for lo in range(0, x.size, block):
+        xs = x[lo : lo + block].astype(np.float64)
+        top = float(np.abs(xs).max())
+        scale = np.float32(top / 7)
+        scales.append(scale)
+        inv = 7 / top if top else 0.0
+        levels += [int(min(max(round(v * inv), -7), 7)) for v in xs]
+    codes = [q + 8 for q in levels] + ([0] if len(levels) % 2 else [])
+    packed = bytes(codes[i] | codes[i + 1] << 4 for i in range(0, len(codes), 2))
+    return np.array(scales, np.float32), np.array(levels), packed
+
+
+@pytest.mark.parametrize("n, block", [(1, 1), (2, 2), (7, 4), (64, 64), (129, 32), (1001, 256)])
+def test_int4_matches_a_hand_written_reference(n, block):
+    x = vec(n, seed=n) * np.float32(3.0)
+    c = codecs.int4(block=block)
+    payload = bytes(c.encode(x))
+    assert len(payload) == c.nbytes(n) == 12 + (n + 1) // 2 + 4 * -(-n // block)
+    assert payload[:12] == codecs.HEADER.pack(codecs.MAGIC, 6, 0, block.bit_length() - 1, n)
+    blocks = -(-n // block)
+    scales, levels, packed = int4_reference(x, block)
+    got_scales = np.frombuffer(payload, np.float32, blocks, 12)
+    np.testing.assert_allclose(got_scales, scales, rtol=2e-7)
+    # the levels agree except where x / scale is within float32 rounding of a half
+    got_packed = payload[12 + 4 * blocks :]
+    assert len(got_packed) == len(packed)
+    got = np.array([(got_packed[i // 2] >> 4 * (i % 2)) & 15 for i in range(n)]) - 8
+    near_half = np.abs(np.abs(x / np.repeat(scales, block)[:n]) % 1 - 0.5) < 1e-5
+    assert ((got == levels) | near_half).all()
+    if n % 2:
+        assert got_packed[-1] >> 4 == 0  # the padding nibble
+    d = c.decode(payload)
+    np.testing.assert_array_equal(d, got.astype(np.float32) * np.repeat(got_scales, block)[:n])
+    err = np.abs(d.astype(np.float64) - x)
+    for b in range(blocks):  # at most half of the block's step (its scale)
+        assert err[b * block : (b + 1) * block].max() <= got_scales[b] / 2 * (1 + 1e-4)
+
+
+def test_int4_round_trips_its_levels_exactly_and_zeros():
+    step = np.float32(0.25)  # a power of two: 7 * step and step * k are exact in float32
+    x = np.array([k * step for k in range(-7, 8)] * 3 + [0.0], np.float32)  # 46 values
+    for c in (codecs.int4(), codecs.int4(block=16), codecs.int4(block=1)):
+        np.testing.assert_array_equal(c.decode(c.encode(x)), x)
+    odd = x[:45]
+    np.testing.assert_array_equal(codecs.int4().decode(codecs.int4().encode(odd)), odd)
+    zeros = np.zeros(301, np.float32)
+    d = codecs.int4(block=64).decode(codecs.int4(block=64).encode(zeros))
+    assert (d == 0).all() and not np.signbit(d).any()
+    tiny = np.zeros(1000, np.float32)
+    tiny[700:705] = 1e-36  # absmax so small that 7 / absmax overflows float32
+    c = codecs.int4()
+    d = c.decode(c.encode(tiny))
+    assert (d[:512] == 0).all() and (d[768:] == 0).all()
+    within_bound(c, tiny, d)
+    assert codecs.int4(block=64).decode(codecs.int4(block=64).encode(np.ones(1, np.float32))) == 1
+
+
+def test_int4_refuses_invalid_codes_and_foreign_payloads():
+    x = vec(101)
+    c = codecs.int4(block=32)
+    p = bytearray(c.encode(x))
+    body = 12 + 4 * 4
+    bad = bytearray(p)
+    bad[body] &= 0xF0  # value 0's code 0: level -8, never written
+    with pytest.raises(PayloadError, match="1 invalid 4-bit codes"):
+        c.decode(bad)
+    bad = bytearray(p)
+    bad[-1] |= 0x30  # the padding nibble after the 101st value
+    with pytest.raises(PayloadError, match="invalid 4-bit codes"):
+        c.decode(bad)
+    with pytest.raises(PayloadError, match=r"header parameter 5, expected 8"):
+        codecs.int4().decode(p)
+    with pytest.raises(PayloadError, match=r"encoded by int4, expected int8"):
+        codecs.int8().decode(p)
+    with pytest.raises(PayloadError, match=r"encoded by int8, expected int4"):
+        codecs.int4().decode(codecs.int8().encode(x))
+    assert repr(codecs.int4(block=32, error_feedback=True)) == "int4(block=32, error_feedback=True)"
+    assert codecs.parse("int4") == codecs.int4() and codecs.int4().error_feedback is False
+    assert codecs.parse({"name": "int4", "block": 64}) == codecs.int4(block=64)
