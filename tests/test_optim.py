@@ -93,6 +93,13 @@ def run_optax(tx: optax.GradientTransformation, problem: Problem, steps: int = S
     return np.concatenate([np.asarray(params[k]).ravel() for k in SHAPES])
 
 
+def nanogpt_groups(tensors: list[torch.Tensor], weight_decay: float) -> list[dict]:
+    return [
+        {"params": [t for t in tensors if t.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [t for t in tensors if t.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
 TORCH_CASES = {
     "sgd": (optim.sgd(0.05), lambda p: torch.optim.SGD(p, lr=0.05)),
     "sgd-momentum": (
@@ -116,6 +123,19 @@ TORCH_CASES = {
     "adamw-strong": (
         optim.adamw(0.01, weight_decay=0.5),
         lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.5),
+    ),
+    # nanoGPT's configure_optimizers: tensors of 2 or more dimensions decay, 1-D ones do not
+    "sgd-no-decay-1d": (
+        optim.sgd(0.05, momentum=0.5, weight_decay=0.1, exclude_from_weight_decay=["bias$"]),
+        lambda p: torch.optim.SGD(nanogpt_groups(p, 0.1), lr=0.05, momentum=0.5),
+    ),
+    "adam-no-decay-1d": (
+        optim.adam(0.01, weight_decay=0.1, exclude_from_weight_decay=["bias$"]),
+        lambda p: torch.optim.Adam(nanogpt_groups(p, 0.1), lr=0.01),
+    ),
+    "adamw-no-decay-1d": (
+        optim.adamw(0.01, weight_decay=0.5, exclude_from_weight_decay=["bias$"]),
+        lambda p: torch.optim.AdamW(nanogpt_groups(p, 0.5), lr=0.01),
     ),
 }
 

@@ -26,6 +26,11 @@ OPTIMIZERS = {
     "sgd-nesterov-wd": lambda: optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
     "adam": lambda: optim.adam(0.01, weight_decay=0.01),
     "adamw": lambda: optim.adamw(optim.warmup_cosine(0.01, 2, 10)),
+    "sgd-masked": lambda: optim.sgd(
+        0.1, momentum=0.9, weight_decay=0.01, exclude_from_weight_decay=["bias$"]
+    ),
+    "adam-masked": lambda: optim.adam(0.01, weight_decay=0.01, exclude_from_weight_decay=["bias"]),
+    "adamw-masked": lambda: optim.adamw(0.01, weight_decay=0.1, exclude_from_weight_decay=["bias"]),
     "lamb": lambda: optim.lamb(
         0.01,
         weight_decay=0.01,
@@ -143,6 +148,74 @@ def test_pickles(name):
         opt.apply(g.copy(), s1, p1)
         clone.apply(g.copy(), s2, p2)
     assert_array_equal(p1, p2)
+
+
+# --- weight decay masks of SGD and Adam(W) -----------------------------------------
+
+
+def _reference_steps(kind: str, p, grads, lr, wd, decay, momentum=0.9, b1=0.9, b2=0.99, eps=1e-8):
+    """Hand-written steps of ``kind`` in float64; ``decay`` is 1.0 where weight decay applies."""
+    p = p.copy()
+    buf, m, v = np.zeros_like(p), np.zeros_like(p), np.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        if kind == "sgd":
+            buf = momentum * buf + g + wd * decay * p
+            p = p - lr * buf
+            continue
+        g = g + (wd * decay * p if kind == "adam" else 0.0)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        direction = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+        p = p - lr * (direction + (wd * decay * p if kind == "adamw" else 0.0))
+    return p
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_weight_decay_mask_by_hand(kind):
+    # nanoGPT's configure_optimizers: 2-D weights decay, 1-D biases and norms do not.
+    seg = Segments.from_sizes(
+        ["h.attn.weight", "h.attn.bias", "h.ln_1.weight", "head.weight"], [12, 4, 4, 6]
+    )
+    rng = np.random.default_rng(5)
+    p0 = rng.uniform(1.0, 2.0, size=seg.total)
+    grads = rng.normal(size=(3, seg.total))
+    decay = np.repeat([1.0, 0.0, 0.0, 1.0], seg.sizes)
+    lr, wd = 0.1, 0.5
+    common = {"weight_decay": wd, "exclude_from_weight_decay": ["bias$", r"^h\.ln_"]}
+    opt = {
+        "sgd": lambda: optim.sgd(lr, momentum=0.9, **common),
+        "adam": lambda: optim.adam(lr, b2=0.99, **common),
+        "adamw": lambda: optim.adamw(lr, b2=0.99, **common),
+    }[kind]()
+    params = p0.copy()
+    state = opt.init(params, seg)
+    assert state.decay.tolist() == [True, False, False, True]
+    for g in grads:
+        opt.apply(g.copy(), state, params)
+    assert_allclose(params, _reference_steps(kind, p0, grads, lr, wd, decay), rtol=1e-13)
+    # the mask matters: without it the biases and the norm would move differently
+    everywhere = _reference_steps(kind, p0, grads, lr, wd, np.ones(seg.total))
+    moved = ~np.isclose(params, everywhere, rtol=1e-6)
+    assert moved.tolist() == (decay == 0).tolist()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_weight_decay_mask_that_matches_nothing_changes_nothing(kind):
+    make = getattr(optim, kind)
+    plain, masked = (
+        make(0.1, weight_decay=0.1),
+        make(0.1, weight_decay=0.1, exclude_from_weight_decay=["nothing"]),
+    )
+    p1, g = vectors(12)
+    p2 = p1.copy()
+    s1, s2 = plain.init(p1, SEG), masked.init(p2, SEG)
+    for _ in range(3):
+        plain.apply(g.copy(), s1, p1)
+        masked.apply(g.copy(), s2, p2)
+    assert_array_equal(p1, p2)
+    name = {"sgd": "Sgd", "adam": "Adam", "adamw": "Adam"}[kind]
+    assert type(s1) is getattr(optim, f"{name}State")
+    assert type(s2) is getattr(optim, f"Masked{name}State")
 
 
 # --- LAMB, rule by rule ----------------------------------------------------------
@@ -287,6 +360,8 @@ def test_chain_state_is_a_tuple_of_states():
         ),
         (lambda: optim.lamb(0.1, weight_decay=float("nan")), r"weight_decay .* nan"),
         (lambda: optim.lamb(0.1, exclude_from_weight_decay=["("]), r"exclude_from_weight_decay"),
+        (lambda: optim.adamw(0.1, exclude_from_weight_decay=["("]), r"exclude_from_weight_decay"),
+        (lambda: optim.sgd(0.1, exclude_from_weight_decay=["("]), r"exclude_from_weight_decay"),
         (lambda: optim.sgd(0.1, momentum=1.0), r"momentum .* got 1\.0"),
         (lambda: optim.sgd(0.1, nesterov=True), r"nesterov"),
         (lambda: optim.lars(0.1, trust_coefficient=0.0), r"trust_coefficient .* got 0\.0"),
@@ -345,6 +420,12 @@ def test_corrupted_state_raises():
         opt.apply(g, state._replace(sizes=state.sizes * 2), params)
     with pytest.raises(ValueError, match="count must be a 0-d int64"):
         opt.apply(g, state._replace(count=np.zeros(1, np.int64)), params)
+    masked = optim.adamw(0.1, exclude_from_weight_decay=["bias"])
+    state = masked.init(params, SEG)
+    with pytest.raises(ValueError, match="outside the 75 parameters"):
+        masked.apply(g, state._replace(offsets=state.offsets + 10), params)
+    with pytest.raises(ValueError, match="no leaf table"):
+        masked.apply(g, optim.adamw(0.1).init(params, SEG), params)
 
 
 # --- docs --------------------------------------------------------------------------

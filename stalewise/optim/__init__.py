@@ -20,7 +20,7 @@ Example:
     True
 """
 
-from stalewise.optim.adam import AdamState, adam, adamw
+from stalewise.optim.adam import AdamState, MaskedAdamState, adam, adamw
 from stalewise.optim.base import (
     EmptyState,
     LearningRate,
@@ -37,7 +37,7 @@ from stalewise.optim.delayed import DelayedNesterovState, delayed_nesterov
 from stalewise.optim.lamb import LambState, lamb
 from stalewise.optim.lars import LarsState, lars
 from stalewise.optim.schedules import constant, step, step_decay, warmup_cosine
-from stalewise.optim.sgd import SgdState, sgd
+from stalewise.optim.sgd import MaskedSgdState, SgdState, sgd
 
 __all__ = [
     "AdamState",
@@ -46,6 +46,8 @@ __all__ = [
     "LambState",
     "LarsState",
     "LearningRate",
+    "MaskedAdamState",
+    "MaskedSgdState",
     "Optimizer",
     "Rule",
     "Schedule",

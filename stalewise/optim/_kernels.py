@@ -93,13 +93,9 @@ def _step(u: Vec, p: Vec, factor: float, into_params: bool) -> None:
 
 
 @_jit
-def sgd(
+def _sgd(
     g: Vec, buf: Vec, p: Vec, lr: float, momentum: Num, nesterov: bool, wd: Num, into_params: bool
 ) -> None:
-    """SGD as torch.optim.SGD: ``g += wd*p; buf = momentum*buf + g; p -= lr*(g or buf)``.
-
-    ``buf`` is ignored when ``momentum`` is zero (it may then be empty).
-    """
     step = p.dtype.type(-lr)
     use_buf = momentum != 0
     for i in range(g.size):
@@ -116,7 +112,38 @@ def sgd(
 
 
 @_jit
-def adam(
+def sgd(
+    g: Vec,
+    buf: Vec,
+    p: Vec,
+    offsets: Vec,
+    sizes: Vec,
+    decay: Vec,
+    lr: float,
+    momentum: Num,
+    nesterov: bool,
+    wd: Num,
+    into_params: bool,
+) -> None:
+    """SGD as torch.optim.SGD: ``g += wd*p; buf = momentum*buf + g; p -= lr*(g or buf)``.
+
+    ``buf`` is ignored when ``momentum`` is zero (it may then be empty). With
+    leaves (``offsets`` not empty), ``decay[s]`` False drops ``wd*p`` on leaf
+    ``s``; empty ``offsets`` decay the whole vector.
+    """
+    if offsets.size == 0:
+        _sgd(g, buf, p, lr, momentum, nesterov, wd, into_params)
+        return
+    zero = p.dtype.type(0)
+    for s in range(offsets.size):
+        lo = offsets[s]
+        hi = lo + sizes[s]
+        leaf_wd = wd if decay[s] else zero
+        _sgd(g[lo:hi], buf[lo:hi], p[lo:hi], lr, momentum, nesterov, leaf_wd, into_params)
+
+
+@_jit
+def _adam(
     g: Vec,
     m: Vec,
     v: Vec,
@@ -133,12 +160,6 @@ def adam(
     wd: Num,
     into_params: bool,
 ) -> None:
-    """Adam with coupled L2 (``l2``, torch Adam) and decoupled decay (``wd``, AdamW).
-
-    ``m = b1*m + w1*g'`` and ``v = b2*v + w2*g'^2`` with ``g' = g + l2*p``;
-    ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd*p)``. ``inv_c1 = 1/(1-b1^t)``
-    and ``inv_sqrt_c2 = 1/sqrt(1-b2^t)`` are the bias corrections.
-    """
     step = p.dtype.type(-lr)
     for i in range(g.size):
         gi = g[i] + l2 * p[i]
@@ -151,6 +172,62 @@ def adam(
             p[i] = p[i] + d
         else:
             g[i] = d
+
+
+@_jit
+def adam(
+    g: Vec,
+    m: Vec,
+    v: Vec,
+    p: Vec,
+    offsets: Vec,
+    sizes: Vec,
+    decay: Vec,
+    lr: float,
+    b1: Num,
+    w1: Num,
+    b2: Num,
+    w2: Num,
+    inv_c1: Num,
+    inv_sqrt_c2: Num,
+    eps: Num,
+    l2: Num,
+    wd: Num,
+    into_params: bool,
+) -> None:
+    """Adam with coupled L2 (``l2``, torch Adam) and decoupled decay (``wd``, AdamW).
+
+    ``m = b1*m + w1*g'`` and ``v = b2*v + w2*g'^2`` with ``g' = g + l2*p``;
+    ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd*p)``. ``inv_c1 = 1/(1-b1^t)``
+    and ``inv_sqrt_c2 = 1/sqrt(1-b2^t)`` are the bias corrections. With leaves
+    (``offsets`` not empty), ``decay[s]`` False drops both ``l2`` and ``wd`` on
+    leaf ``s``; empty ``offsets`` decay the whole vector.
+    """
+    if offsets.size == 0:
+        _adam(g, m, v, p, lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps, l2, wd, into_params)
+        return
+    zero = p.dtype.type(0)
+    for s in range(offsets.size):
+        lo = offsets[s]
+        hi = lo + sizes[s]
+        on = decay[s]
+        _adam(
+            g[lo:hi],
+            m[lo:hi],
+            v[lo:hi],
+            p[lo:hi],
+            lr,
+            b1,
+            w1,
+            b2,
+            w2,
+            inv_c1,
+            inv_sqrt_c2,
+            eps,
+            l2 if on else zero,
+            wd if on else zero,
+            into_params,
+        )
 
 
 @_jit

@@ -1,10 +1,12 @@
-"""The per-leaf table kept in the state of LAMB and LARS.
+"""The per-leaf table kept in the state of LAMB and LARS, and of SGD and Adam(W) with exclusions.
 
 ``update`` and ``apply`` do not receive the segment table, so the optimizers
 that work leaf by leaf copy what they need of it into their state at ``init``:
-offsets, sizes, which leaves get weight decay and which are adapted by the
-trust ratio. The table is checked before every update, because the kernels
-index the vectors with it and do no bounds checks of their own.
+offsets, sizes, which leaves get weight decay and (LAMB, LARS) which are
+adapted by the trust ratio. Which leaves are excluded is decided here only:
+by regex (``re.search``) on the leaf names. The table is checked before every
+update, because the kernels index the vectors with it and do no bounds checks
+of their own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from stalewise.segments import Segments
 logger = logging.getLogger(__name__)
 
 
+class DecayTable(NamedTuple):
+    offsets: np.ndarray  # int64 start of each leaf in the flat vector
+    sizes: np.ndarray  # int64 length of each leaf
+    decay: np.ndarray  # bool per leaf: weight decay applies
+
+
 class LeafTable(NamedTuple):
     offsets: np.ndarray  # int64 start of each leaf in the flat vector
     sizes: np.ndarray  # int64 length of each leaf
@@ -28,49 +36,76 @@ class LeafTable(NamedTuple):
     trust_ratio: np.ndarray  # float64 per leaf: the ratio used by the last update
 
 
+def decay_table(segments: Segments, exclude_from_weight_decay: Sequence[str]) -> DecayTable:
+    """The leaves of ``segments`` and whether each gets weight decay (no pattern matches its name)."""
+    no_decay = segments.mask(exclude_from_weight_decay)
+    _log("weight decay", segments, no_decay)
+    return DecayTable(
+        offsets=np.array(segments.offsets, dtype=np.int64),
+        sizes=np.array(segments.sizes, dtype=np.int64),
+        decay=~no_decay,
+    )
+
+
 def build(
     segments: Segments,
     exclude_from_weight_decay: Sequence[str],
     exclude_from_adaptation: Sequence[str],
 ) -> LeafTable:
     """The table for ``segments``, with the exclusions matched on leaf names."""
-    no_decay = segments.mask(exclude_from_weight_decay)
     no_adapt = segments.mask(exclude_from_adaptation)
-    if logger.isEnabledFor(logging.DEBUG):
-        names = np.array(segments.names, dtype=object)
-        logger.debug(
-            "%d leaves; excluded from weight decay: %s; from adaptation: %s",
-            len(segments),
-            list(names[no_decay]),
-            list(names[no_adapt]),
-        )
+    _log("adaptation", segments, no_adapt)
     return LeafTable(
-        offsets=np.array(segments.offsets, dtype=np.int64),
-        sizes=np.array(segments.sizes, dtype=np.int64),
-        decay=~no_decay,
+        *decay_table(segments, exclude_from_weight_decay),
         adapt=~no_adapt,
         trust_ratio=np.ones(len(segments), dtype=np.float64),
     )
 
 
-def check(where: str, table: object, size: int) -> None:
-    """Raises ``ValueError`` unless ``table`` (a state with the fields of :class:`LeafTable`)
-    describes leaves inside ``[0, size)``.
+def _log(what: str, segments: Segments, excluded: np.ndarray) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        names = np.array(segments.names, dtype=object)
+        logger.debug("%d leaves; excluded from %s: %s", len(segments), what, list(names[excluded]))
+
+
+_DTYPES = {
+    "offsets": np.int64,
+    "sizes": np.int64,
+    "decay": np.bool_,
+    "adapt": np.bool_,
+    "trust_ratio": np.float64,
+}
+
+
+def check(where: str, table: NamedTuple, size: int) -> None:
+    """Raises ``ValueError`` unless ``table`` (a state with the fields of :class:`DecayTable`,
+    and maybe of :class:`LeafTable`) describes leaves inside ``[0, size)``.
     """
-    expected = (
-        ("offsets", np.int64),
-        ("sizes", np.int64),
-        ("decay", np.bool_),
-        ("adapt", np.bool_),
-        ("trust_ratio", np.float64),
-    )
     offsets, sizes = table.offsets, table.sizes  # type: ignore[attr-defined]
     n = np.shape(offsets)
-    for name, dtype in expected:
+    for name in table._fields:
+        dtype = _DTYPES.get(name)
         arr = getattr(table, name)
+        if dtype is None:
+            continue
         if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.shape != n or n == ():
             raise ValueError(
                 f"{where}: state.{name} must be a {np.dtype(dtype)} vector of shape {n}"
             )
     if n[0] and (offsets.min() < 0 or sizes.min() < 0 or (offsets + sizes).max() > size):
         raise ValueError(f"{where}: state describes leaves outside the {size} parameters")
+
+
+_WHOLE = DecayTable(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.bool_))
+
+
+def decay_of(where: str, state: NamedTuple, size: int, masked: bool) -> DecayTable:
+    """The table an SGD or Adam kernel reads: the state's own when the optimizer has
+    exclusions, else an empty one (the kernels then decay the whole vector).
+    """
+    if not masked:
+        return _WHOLE
+    if "decay" not in getattr(state, "_fields", ()):
+        raise ValueError(f"{where}: the state has no leaf table: init it with this optimizer")
+    check(where, state, size)
+    return DecayTable(state.offsets, state.sizes, state.decay)  # type: ignore[attr-defined]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from stalewise._lazy import Lazy
+from stalewise.optim import _leaves
 from stalewise.optim._validate import (
     check_buffers,
     check_count,
@@ -17,6 +19,7 @@ from stalewise.optim._validate import (
     check_params,
     check_scale,
     check_vectors,
+    compile_patterns,
 )
 from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
 from stalewise.segments import Segments
@@ -30,6 +33,17 @@ class AdamState(NamedTuple):
     nu: np.ndarray  # second moment of the gradient, like params
 
 
+class MaskedAdamState(NamedTuple):
+    """The state of :func:`adam` and :func:`adamw` given ``exclude_from_weight_decay``."""
+
+    count: np.ndarray  # 0-d int64: updates applied so far (drives bias correction)
+    mu: np.ndarray  # first moment of the gradient, like params
+    nu: np.ndarray  # second moment of the gradient, like params
+    offsets: np.ndarray  # int64 start of each leaf
+    sizes: np.ndarray  # int64 length of each leaf
+    decay: np.ndarray  # bool per leaf: weight decay applies
+
+
 @dataclass(frozen=True)
 class _Adam(Rule):
     lr: LearningRate
@@ -38,21 +52,30 @@ class _Adam(Rule):
     eps: float
     l2: float  # coupled: added to the gradient before the moments (Adam)
     decay: float  # decoupled: part of the step, outside the moments (AdamW)
+    exclude_from_weight_decay: tuple[str, ...] = ()
 
-    def init(self, params: np.ndarray, segments: Segments | None = None) -> AdamState:
-        check_params(params, segments)
-        return AdamState(new_count(), np.zeros_like(params), np.zeros_like(params))
+    def init(
+        self, params: np.ndarray, segments: Segments | None = None
+    ) -> AdamState | MaskedAdamState:
+        segments = check_params(params, segments)
+        moments = (new_count(), np.zeros_like(params), np.zeros_like(params))
+        if not self.exclude_from_weight_decay:
+            return AdamState(*moments)
+        return MaskedAdamState(
+            *moments, *_leaves.decay_table(segments, self.exclude_from_weight_decay)
+        )
 
     def run(
         self,
         grads: np.ndarray,
-        state: AdamState,
+        state: AdamState | MaskedAdamState,
         params: np.ndarray,
         scale: float,
         into_params: bool,
     ) -> None:
         check_vectors(grads, params, write_grads=True, write_params=into_params)
         check_buffers("adam", params, mu=state.mu, nu=state.nu)
+        table = _leaves.decay_of("adam", state, params.size, bool(self.exclude_from_weight_decay))
         count = check_count("adam", state.count)
         lr = learning_rate(self.lr, count) * check_scale(scale)
         t = count + 1
@@ -62,6 +85,7 @@ class _Adam(Rule):
             state.mu,
             state.nu,
             params,
+            *table,
             lr,
             dt(self.b1),
             dt(1.0 - self.b1),
@@ -77,15 +101,31 @@ class _Adam(Rule):
         state.count[...] = t
 
 
-def _checked(where: str, lr: LearningRate, b1: float, b2: float, eps: float, wd: float) -> tuple:
+def _make(
+    where: str,
+    lr: LearningRate,
+    b1: float,
+    b2: float,
+    eps: float,
+    wd: float,
+    exclude_from_weight_decay: Sequence[str],
+) -> Optimizer:
     check_learning_rate(where, lr)
-    return (
+    b1 = check_number(where, "b1", b1, 0.0, 1.0)
+    b2 = check_number(where, "b2", b2, 0.0, 1.0)
+    eps = check_number(where, "eps", eps, 0.0, lo_open=True)
+    wd = check_number(where, "weight_decay", wd, 0.0)
+    return _Adam(
         lr,
-        check_number(where, "b1", b1, 0.0, 1.0),
-        check_number(where, "b2", b2, 0.0, 1.0),
-        check_number(where, "eps", eps, 0.0, lo_open=True),
-        check_number(where, "weight_decay", wd, 0.0),
-    )
+        b1,
+        b2,
+        eps,
+        l2=0.0 if where == "adamw" else wd,
+        decay=wd if where == "adamw" else 0.0,
+        exclude_from_weight_decay=compile_patterns(
+            where, "exclude_from_weight_decay", exclude_from_weight_decay
+        ),
+    ).optimizer()
 
 
 def adam(
@@ -94,6 +134,7 @@ def adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    exclude_from_weight_decay: Sequence[str] = (),
 ) -> Optimizer:
     """Adam with L2 regularisation coupled to the gradient, as ``torch.optim.Adam``.
 
@@ -108,6 +149,8 @@ def adam(
         b2: decay of the second moment, in ``[0, 1)``.
         eps: added to ``sqrt(v_hat)``, > 0.
         weight_decay: L2 coefficient added to the gradient, >= 0.
+        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
+            get no L2 term, as a parameter group with ``weight_decay=0`` in torch.
 
     Example:
         >>> opt = adam(0.1)
@@ -117,8 +160,7 @@ def adam(
         >>> [round(float(u), 6) for u in updates]  # the first step is lr * sign(g)
         [-0.1, 0.1]
     """
-    lr, b1, b2, eps, wd = _checked("adam", lr, b1, b2, eps, weight_decay)
-    return _Adam(lr, b1, b2, eps, l2=wd, decay=0.0).optimizer()
+    return _make("adam", lr, b1, b2, eps, weight_decay, exclude_from_weight_decay)
 
 
 def adamw(
@@ -127,6 +169,7 @@ def adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.01,
+    exclude_from_weight_decay: Sequence[str] = (),
 ) -> Optimizer:
     """Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
@@ -139,6 +182,8 @@ def adamw(
         b2: decay of the second moment, in ``[0, 1)``.
         eps: added to ``sqrt(v_hat)``, > 0.
         weight_decay: decoupled decay coefficient (multiplied by the step size), >= 0.
+        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
+            get no decay, e.g. ``("bias$", "ln_")`` for nanoGPT's 1-D tensors.
 
     Example:
         >>> opt = adamw(0.1, weight_decay=0.5)
@@ -148,5 +193,4 @@ def adamw(
         >>> round(float(params[0]), 6)  # 2 - 0.1 * (1 + 0.5 * 2)
         1.8
     """
-    lr, b1, b2, eps, wd = _checked("adamw", lr, b1, b2, eps, weight_decay)
-    return _Adam(lr, b1, b2, eps, l2=0.0, decay=wd).optimizer()
+    return _make("adamw", lr, b1, b2, eps, weight_decay, exclude_from_weight_decay)

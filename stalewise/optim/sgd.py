@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from stalewise._lazy import Lazy
+from stalewise.optim import _leaves
 from stalewise.optim._validate import (
     check_buffers,
     check_count,
@@ -16,6 +18,7 @@ from stalewise.optim._validate import (
     check_params,
     check_scale,
     check_vectors,
+    compile_patterns,
 )
 from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
 from stalewise.segments import Segments
@@ -28,22 +31,40 @@ class SgdState(NamedTuple):
     momentum: np.ndarray  # velocity, like params (empty when momentum is 0)
 
 
+class MaskedSgdState(NamedTuple):
+    """The state of :func:`sgd` given ``exclude_from_weight_decay``."""
+
+    count: np.ndarray  # 0-d int64: updates applied so far
+    momentum: np.ndarray  # velocity, like params (empty when momentum is 0)
+    offsets: np.ndarray  # int64 start of each leaf
+    sizes: np.ndarray  # int64 length of each leaf
+    decay: np.ndarray  # bool per leaf: weight decay applies
+
+
 @dataclass(frozen=True)
 class _Sgd(Rule):
     lr: LearningRate
     momentum: float
     nesterov: bool
     weight_decay: float
+    exclude_from_weight_decay: tuple[str, ...] = ()
 
-    def init(self, params: np.ndarray, segments: Segments | None = None) -> SgdState:
-        check_params(params, segments)
+    def init(
+        self, params: np.ndarray, segments: Segments | None = None
+    ) -> SgdState | MaskedSgdState:
+        segments = check_params(params, segments)
         size = params.size if self.momentum else 0
-        return SgdState(new_count(), np.zeros(size, dtype=params.dtype))
+        velocity = (new_count(), np.zeros(size, dtype=params.dtype))
+        if not self.exclude_from_weight_decay:
+            return SgdState(*velocity)
+        return MaskedSgdState(
+            *velocity, *_leaves.decay_table(segments, self.exclude_from_weight_decay)
+        )
 
     def run(
         self,
         grads: np.ndarray,
-        state: SgdState,
+        state: SgdState | MaskedSgdState,
         params: np.ndarray,
         scale: float,
         into_params: bool,
@@ -51,6 +72,7 @@ class _Sgd(Rule):
         check_vectors(grads, params, write_grads=True, write_params=into_params)
         if self.momentum:
             check_buffers("sgd", params, momentum=state.momentum)
+        table = _leaves.decay_of("sgd", state, params.size, bool(self.exclude_from_weight_decay))
         count = check_count("sgd", state.count)
         lr = learning_rate(self.lr, count) * check_scale(scale)
         dt = params.dtype.type
@@ -58,6 +80,7 @@ class _Sgd(Rule):
             grads,
             state.momentum,
             params,
+            *table,
             lr,
             dt(self.momentum),
             self.nesterov,
@@ -68,7 +91,11 @@ class _Sgd(Rule):
 
 
 def sgd(
-    lr: LearningRate, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
+    lr: LearningRate,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    exclude_from_weight_decay: Sequence[str] = (),
 ) -> Optimizer:
     """SGD with optional (Nesterov) momentum and L2 weight decay, as ``torch.optim.SGD``.
 
@@ -82,6 +109,8 @@ def sgd(
         momentum: velocity decay in ``[0, 1)``; 0 keeps no velocity buffer.
         nesterov: use Nesterov momentum (needs ``momentum > 0``).
         weight_decay: coefficient of the L2 term added to the gradient, >= 0.
+        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
+            get no L2 term, as a parameter group with ``weight_decay=0`` in torch.
 
     Example:
         >>> opt = sgd(0.1, momentum=0.9)
@@ -96,4 +125,5 @@ def sgd(
     weight_decay = check_number("sgd", "weight_decay", weight_decay, 0.0)
     if nesterov and momentum == 0:
         raise ValueError(f"sgd: nesterov=True needs momentum > 0, got momentum={momentum!r}")
-    return _Sgd(lr, momentum, bool(nesterov), weight_decay).optimizer()
+    no_decay = compile_patterns("sgd", "exclude_from_weight_decay", exclude_from_weight_decay)
+    return _Sgd(lr, momentum, bool(nesterov), weight_decay, no_decay).optimizer()
