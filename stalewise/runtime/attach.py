@@ -75,7 +75,13 @@ def attach(
     if runtime is not None and runtime not in RUNTIMES:
         raise AttachError(f"runtime {runtime!r}: a process attaches to 'local' or 'ray'")
     if runtime is None:
-        if local.door_path(name).exists():
+        try:
+            here = os.path.lexists(local.door_path(name))
+        except AttachError:  # an attach folder stalewise will not use: none served here
+            if not _ray_reachable():
+                raise
+            here = False
+        if here:
             runtime = "local"
         elif _ray_reachable():
             runtime = "ray"

@@ -17,33 +17,54 @@ id is free again for the next process that attaches. Its pipes to the shards
 close at the same moment, so the shards drop it from the gates and BSP rounds
 (a push it had committed is delivered first, as for every worker that leaves).
 
-The socket is authenticated with the key (``multiprocessing.connection``'s
-handshake); the server reads only a small JSON request from an attaching
-process and unpickles nothing it sends.
+Who may attach: this user on this machine. The folder must be a real
+directory (not a symlink) owned by this user with mode 0700, as OpenSSH's
+StrictModes wants of ``~/.ssh``: stalewise makes it so when it is missing and
+refuses one that is not (:func:`door_dir`), in one line naming the folder and
+the fix; it never changes a folder it did not make. The key file (mode 0600)
+and the socket are made fresh (``O_EXCL | O_NOFOLLOW``, a socket's ``bind``),
+and nothing in the folder is followed if it is a symlink: an attaching process
+reads the key only from a regular file of its own, of the key's exact length.
+
+The socket is authenticated with the key, both ways (``multiprocessing.connection``'s
+challenges). Nothing read from it is unpickled, on either side: the server reads a
+small JSON request from an attaching process, and the attaching process reads
+its client's description as JSON data (:mod:`stalewise.runtime.local.door_state`);
+every read is bounded.
 
 Each attaching process is handled on a thread of its own, and its handshake
 (authentication, request, taking the pipes) has :data:`HANDSHAKE_TIMEOUT`
-seconds: the socket is shut down when they pass. The server's lock is held
-only to choose the id and make the client, never while waiting for the
-attaching process, so one that connects and stays silent delays no server call
-and no other attach.
+seconds: the socket is shut down when they pass. At most :data:`MAX_HANDSHAKES`
+run at once: a connection beyond them cuts off the oldest one that has not yet
+authenticated (a process that holds the key answers at once), so connections
+that stay silent hold neither threads nor file descriptors for long. When
+accepting fails (out of file descriptors: ``EMFILE``, ``ENFILE``) the door
+waits before it tries again, doubling the wait up to :data:`ACCEPT_BACKOFF`
+seconds, and logs the first failure and then how many there were. The server's
+lock is held only to choose the id and make the client, never while waiting for
+the attaching process, so one that connects and stays silent delays no server
+call and no other attach.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import secrets
 import socket
+import stat
 import tempfile
 import threading
+from collections import OrderedDict
 from multiprocessing import connection, reduction
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stalewise.runtime.attach import AttachError, check_name
+from stalewise.runtime.local import door_state
 
 if TYPE_CHECKING:
     from stalewise.runtime.local.client import Client
@@ -53,13 +74,38 @@ log = logging.getLogger(__name__)
 
 #: Seconds an attaching process has for its whole handshake with the door.
 HANDSHAKE_TIMEOUT = 30.0
+#: Handshakes the door runs at once (each on a thread, with the connection's descriptor).
+MAX_HANDSHAKES = 16
+#: The longest wait, in seconds, before the door tries to accept again after a failure.
+ACCEPT_BACKOFF = 1.0
+KEY_BYTES = 32  # the length of a door's key
 
 
 def door_dir() -> Path:
-    """The folder of this user's doors (made, mode 0700, if missing)."""
+    """The folder of this user's doors: made, mode 0700, if missing.
+
+    Raises:
+        AttachError: it is not a real directory of this user's with mode 0700
+            (one line naming the folder and the fix).
+    """
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     path = Path(base) / f"stalewise-{os.getuid()}"
-    path.mkdir(mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    mode, me = stat.S_IMODE(st.st_mode), os.getuid()
+    fix = "remove it (as its owner or root), or set XDG_RUNTIME_DIR to a folder of yours"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise AttachError(f"the attach folder {path} is {what}: {fix}")
+    if st.st_uid != me:
+        raise AttachError(
+            f"the attach folder {path} belongs to uid {st.st_uid}, not to you (uid {me}): {fix}"
+        )
+    if mode != 0o700:
+        raise AttachError(
+            f"the attach folder {path} has mode {mode:04o}, not 0700: run chmod 700 {path}"
+        )
     return path
 
 
@@ -83,24 +129,69 @@ def _in_use(sock: Path) -> bool:
     return True
 
 
+def _own(path: Path, kind: int) -> os.stat_result | None:
+    """``path``'s lstat if it exists: a file of ``kind`` (``stat.S_IFREG``, ...) of this
+    user's, else AttachError (stalewise never makes a symlink or another's file there)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_IFMT(st.st_mode) != kind or st.st_uid != os.getuid():
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else f"not a {_KINDS[kind]} of yours"
+        raise AttachError(f"{path} is {what}, which stalewise never makes: remove it")
+    return st
+
+
+_KINDS = {stat.S_IFREG: "regular file", stat.S_IFSOCK: "socket"}
+
+
+def _read_key(keyfile: Path) -> bytes:
+    """The door's key, read without following a symlink from a regular file of ours."""
+    fd = os.open(keyfile, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise AttachError(f"{keyfile} is not a key file of yours (mode 0600): remove it")
+        key = os.read(fd, KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(key) != KEY_BYTES:
+        raise AttachError(f"{keyfile} holds {len(key)} bytes, not a key: remove it")
+    return key
+
+
 class Door:
     """The server side: a thread that accepts attaching processes for ``server``."""
 
     def __init__(self, server: LocalServer, name: str):
         self.server, self.name = server, check_name(name)
         self.sock, self.keyfile = _paths(name)
-        if self.sock.exists():
+        if _own(self.sock, stat.S_IFSOCK):
             if _in_use(self.sock):
                 raise ValueError(f"a job named {name!r} is already served ({self.sock})")
             self.sock.unlink()  # left by a server that was killed
-        key = secrets.token_bytes(32)
-        fd = os.open(self.keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        if _own(self.keyfile, stat.S_IFREG):
+            self.keyfile.unlink()  # the same
+        key = secrets.token_bytes(KEY_BYTES)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(self.keyfile, flags, 0o600)
+        except FileExistsError:  # made since: another server of this name is starting
+            raise ValueError(f"a job named {name!r} is already served ({self.keyfile})") from None
         with os.fdopen(fd, "wb") as f:
             f.write(key)
         self.key = key
         # no authkey here: each connection is authenticated on its own thread (_handshake),
-        # under a deadline, so a silent one holds up neither the door nor the server
+        # under a deadline, so a silent one holds up neither the door nor the server.
+        # bind() makes the socket, and fails if anything has that name (a symlink too)
         self.listener = connection.Listener(str(self.sock), family="AF_UNIX")
+        os.chmod(self.sock, 0o600)  # in our 0700 folder: nothing but ours can be there
+        self.slots = threading.BoundedSemaphore(MAX_HANDSHAKES)  # handshakes running
+        # handshakes not yet authenticated, oldest first (the ones a new connection cuts)
+        self.waiting: OrderedDict[int, _Deadline] = OrderedDict()
+        self.waiting_lock = threading.Lock()  # never held while waiting on a socket
+        self.accept_failed = _Counted("accepting an attach failed")
+        self.cut = _Counted(f"cut a silent attach (over {MAX_HANDSHAKES} at once)")
         self.leases: dict[int, connection.Connection] = {}  # worker id -> its open socket
         self.pending: set[int] = set()  # worker ids whose pipes are being handed over
         # the server's own lock: the door's threads take it to make a client, and the
@@ -132,33 +223,68 @@ class Door:
             log.info("job %r: worker %d detached", self.name, w)
 
     def _serve(self) -> None:
+        wait = 0.0  # before the next accept, after failures (out of file descriptors)
         while not self.closed.is_set():
             try:
                 conn = self.listener.accept()
             except OSError as e:
                 if self.closed.is_set():
                     return
-                log.warning("job %r: an attach failed to connect (%s)", self.name, e)
+                self.accept_failed.add(self.name, e)
+                wait = min(ACCEPT_BACKOFF, max(0.01, 2 * wait))
+                self.closed.wait(wait)
                 continue
-            threading.Thread(
-                target=self._handshake,
-                args=(conn,),
-                name=f"stalewise-door-{self.name}-attach",
-                daemon=True,
-            ).start()
+            wait = 0.0
+            self.accept_failed.done(self.name)
+            if not self.slots.acquire(blocking=False):
+                self._cut_oldest()  # its thread ends at once, and gives its slot back
+                if not self.slots.acquire(timeout=1.0):  # all are handing pipes over
+                    conn.close()
+                    continue
+            else:
+                self.cut.done(self.name)
+            try:
+                threading.Thread(
+                    target=self._handshake,
+                    args=(conn,),
+                    name=f"stalewise-door-{self.name}-attach",
+                    daemon=True,
+                ).start()
+            except RuntimeError as e:  # no thread to be had
+                self.slots.release()
+                conn.close()
+                self.accept_failed.add(self.name, e)
+
+    def _cut_oldest(self) -> None:
+        """Shuts down the oldest handshake not yet authenticated (a silent connection)."""
+        with self.waiting_lock:
+            if not self.waiting:
+                return
+            _, deadline = self.waiting.popitem(last=False)
+        deadline.expire()
+        self.cut.add(self.name, "the oldest connection that had not authenticated")
 
     def _handshake(self, conn: connection.Connection) -> None:
         """One attaching process, on a thread of its own, within HANDSHAKE_TIMEOUT."""
         deadline = _Deadline(conn, HANDSHAKE_TIMEOUT)
+        key = id(deadline)
+        with self.waiting_lock:
+            self.waiting[key] = deadline
         leased = False
         try:
             try:
                 connection.deliver_challenge(conn, self.key)
                 connection.answer_challenge(conn, self.key)
             except (OSError, EOFError, connection.AuthenticationError) as e:
+                with self.waiting_lock:
+                    cut = self.waiting.pop(key, None) is None
                 why = f"no answer within {HANDSHAKE_TIMEOUT} s" if deadline.expired else e
-                log.warning("job %r: an attach failed its handshake (%s)", self.name, why)
+                if not cut:  # those cut for a newer connection are counted as such
+                    log.warning("job %r: an attach failed its handshake (%s)", self.name, why)
                 return
+            with self.waiting_lock:
+                if self.waiting.pop(key, None) is None:
+                    return  # cut off just now, for a newer connection
             try:
                 leased = self._admit(conn, deadline)
             except Exception as e:  # the attacher hears why; the door stays open
@@ -166,11 +292,12 @@ class Door:
                     e = AttachError(f"the handshake took over {HANDSHAKE_TIMEOUT} s ({e})")
                 log.warning("job %r: an attach was refused: %s", self.name, e)
                 with contextlib.suppress(OSError):
-                    conn.send(("error", str(e)))
+                    conn.send_bytes(json.dumps({"error": str(e)}).encode())
         finally:
             deadline.cancel()
             if not leased:
                 conn.close()
+            self.slots.release()
 
     def _admit(self, conn: connection.Connection, deadline: _Deadline) -> bool:
         """Hands a worker's pipes to an authenticated process; True once it holds them."""
@@ -188,10 +315,14 @@ class Door:
             self.pending.add(w)
         ok = False
         try:
-            state = client.__getstate__()
-            del state["_conns"]  # they travel as file descriptors, below
-            state["_workers"] = self.server.workers
-            conn.send(("client", state))
+            try:  # the pipes travel as file descriptors, below
+                state = door_state.encode(self.server.config, client, self.server.workers)
+            except door_state.NotData as e:
+                raise AttachError(
+                    f"the job's parameters hold {e}, which cannot be sent as "
+                    "data to an attaching process"
+                ) from None
+            conn.send_bytes(state)
             for end in ends:
                 reduction.send_handle(conn, end.fileno(), pid)
             if conn.recv_bytes(16) != b"ok":
@@ -228,37 +359,62 @@ class Door:
 
 
 class _Deadline:
-    """Shuts ``conn``'s socket down after ``seconds`` unless cancelled first: a blocked
-    read or write on it then fails at once (EOFError, OSError)."""
+    """Shuts ``conn``'s socket down after ``seconds`` (or at :meth:`expire`) unless
+    cancelled first: a blocked read or write on it then fails at once (EOFError, OSError).
+
+    Cancel it before closing ``conn``: until then its descriptor is ``conn``'s socket,
+    and after, a shutdown could not reach another file that took the number.
+    """
 
     def __init__(self, conn: connection.Connection, seconds: float | None):
-        # a duplicate descriptor of our own: shutting it down acts on the socket itself,
-        # and it cannot be reused by another file once conn is closed
-        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self._fd = conn.fileno()
         self._lock = threading.Lock()
         self._done = False
         self.expired = False
-        self._timer = None if seconds is None else threading.Timer(seconds, self._expire)
+        self._timer = None if seconds is None else threading.Timer(seconds, self.expire)
         if self._timer is not None:  # None: no deadline
             self._timer.daemon = True
             self._timer.start()
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
         with self._lock:
             if self._done:
                 return
             self.expired = True
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
+            s = socket.socket(fileno=self._fd)  # conn's descriptor, not a new one
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                s.detach()
 
     def cancel(self) -> None:
         with self._lock:
-            if self._done:
-                return
             self._done = True
         if self._timer is not None:
             self._timer.cancel()
-        self._sock.close()
+
+
+class _Counted:
+    """A failure that may repeat fast: logged the first time, then counted, and the
+    count logged once the failures stop (:meth:`done`)."""
+
+    def __init__(self, what: str):
+        self.what, self.count, self.lock = what, 0, threading.Lock()
+
+    def add(self, name: str, why: object) -> None:
+        with self.lock:
+            self.count += 1
+            first = self.count == 1
+        if first:
+            log.warning("job %r: %s (%s); counting until it stops", name, self.what, why)
+
+    def done(self, name: str) -> None:
+        with self.lock:
+            count, self.count = self.count, 0
+        if count > 1:
+            log.warning("job %r: %s %d times in a row", name, self.what, count)
 
 
 def _closed(conn: connection.Connection) -> bool:
@@ -288,28 +444,30 @@ def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0
     Raises:
         AttachError: no job of that name is served, or the server refused (why).
     """
-    from stalewise.runtime.local.client import Client
     from stalewise.runtime.local.procs import cap_threads_here
 
     sock, keyfile = _paths(check_name(name))
-    if not sock.exists():
+    if not _own(sock, stat.S_IFSOCK):
         raise AttachError(f"no job named {name!r} is served on this machine ({sock} is missing)")
     try:
-        key = keyfile.read_bytes()
+        key = _read_key(keyfile)
         conn = connection.Client(str(sock), family="AF_UNIX")
     except OSError as e:
-        raise AttachError(f"job {name!r}: cannot connect to {sock} ({e})") from None
+        why = "a symlink" if e.errno == errno.ELOOP else e
+        raise AttachError(f"job {name!r}: cannot use {keyfile} or {sock} ({why})") from None
     deadline = _Deadline(conn, timeout)  # the whole handshake, however the server stalls
     conns: list[connection.Connection] = []
     try:
         connection.answer_challenge(conn, key)
         connection.deliver_challenge(conn, key)
         conn.send_bytes(json.dumps({"worker": worker, "pid": os.getpid()}).encode())
-        kind, body = conn.recv()
-        if kind == "error":
-            raise AttachError(f"job {name!r}: {body}")
-        for _ in body["_ranges"]:
+        # JSON, read up to a bound: nothing the door sends is unpickled
+        refused, plan = door_state.decode(conn.recv_bytes(door_state.MAX_STATE))
+        if plan is None:
+            raise AttachError(f"job {name!r}: {refused[:2000]}")
+        for _ in range(plan.config.shards):
             conns.append(connection.Connection(reduction.recv_handle(conn)))
+        client = plan.make(conns)
         conn.send_bytes(b"ok")
         if conn.recv_bytes(16) != b"leased":
             raise EOFError("no lease")
@@ -320,14 +478,13 @@ def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0
         deadline.cancel()
         for c in [*conns, conn]:
             c.close()
+        if isinstance(e, door_state.NotData):
+            raise AttachError(f"job {name!r}: its door sent what no door sends ({e})") from None
         if not isinstance(e, OSError | EOFError | connection.AuthenticationError):
             raise
         if deadline.expired:
             raise AttachError(f"job {name!r}: no answer within {timeout} s") from None
         raise AttachError(f"job {name!r}: the server went away while attaching ({e})") from None
-    cap_threads_here(body.pop("_workers"))
-    client = Client.__new__(Client)
-    client.__dict__.update(body)
-    client._conns = conns
+    cap_threads_here(plan.workers)
     client._lease = conn  # closed with the client, or by the OS with this process
     return client
