@@ -16,6 +16,8 @@ clock at the start of every round (:meth:`Strategy.started`).
 * ``gradients()``: one minibatch gradient per push (the default);
 * model averaging (:mod:`stalewise.strategies.averaging`): ``local_sgd``,
   ``diloco`` (synchronous and asynchronous) and ``easgd``;
+* streaming DiLoCo (:mod:`stalewise.strategies.streaming`): ``streaming_diloco``,
+  fragments synced on staggered schedules, and its server optimizer ``lazy_leaves``;
 * adaptive periods (:mod:`stalewise.strategies.adaptive`): ``adaptive`` with the
   schedules ``comm_budget``, ``adacomm`` and ``fixed``.
 
@@ -32,8 +34,6 @@ Example:
     >>> step.update["x"].tolist(), step.local_steps, step.loss
     ([2.0, 2.0], 1, 2.0)
 """
-
-from typing import Any
 
 from stalewise.strategies.adaptive import (
     AdaComm,
@@ -64,16 +64,13 @@ from stalewise.strategies.base import (
     config_key,
     gradients,
 )
-
-
-def __getattr__(name: str) -> Any:
-    """``LocalSGD``, the old name of :class:`LocalSGDStrategy`, with a DeprecationWarning."""
-    if name == "LocalSGD":
-        from stalewise.strategies import averaging
-
-        return averaging.LocalSGD  # warns
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+from stalewise.strategies.streaming import (
+    LazyLeaves,
+    StreamingDiLoCo,
+    StreamingState,
+    lazy_leaves,
+    streaming_diloco,
+)
 
 __all__ = [
     "EASGD",
@@ -86,10 +83,13 @@ __all__ = [
     "CommBudgetState",
     "Fixed",
     "Gradients",
+    "LazyLeaves",
     "LocalSGDStrategy",
     "LossAndGrad",
     "Step",
     "Strategy",
+    "StreamingDiLoCo",
+    "StreamingState",
     "adacomm",
     "adaptive",
     "comm_budget",
@@ -98,5 +98,7 @@ __all__ = [
     "easgd",
     "fixed",
     "gradients",
+    "lazy_leaves",
     "local_sgd",
+    "streaming_diloco",
 ]

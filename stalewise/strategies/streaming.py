@@ -1,0 +1,486 @@
+"""Streaming DiLoCo (Douillard et al. 2025), synchronous and asynchronous.
+
+DiLoCo pushes the whole model's pseudo-gradient once every ``H`` inner steps.
+Streaming DiLoCo cuts the model into ``P`` *fragments* and syncs each on its own
+schedule inside the period: fragment ``p`` is pushed after inner steps ``t``
+with ``t = offset_p (mod H)``, ``t > 0`` (offsets staggered by default,
+``offset_p = round(p * H / P)``), so a worker pushes ``P`` times a period, one
+fragment (about ``1 / P`` of the model) each time. After pushing fragment
+``p`` the worker goes on with its inner steps, and ``delay`` (the paper's
+``tau``) inner steps later it merges the global fragment the server returned:
+``local_p = alpha * local_p + (1 - alpha) * global_p`` (``alpha = 0``, the
+default, takes the global fragment, as torchft's ``fragment_update_alpha``);
+the fragment's next pseudo-gradient is measured from that global fragment.
+
+``streaming_diloco(local_steps=H, fragments=1, delay=0)`` is DiLoCo: the same
+pushes, the same server optimizer, bit for bit (``tests/test_streaming.py``).
+
+How it maps on the parameter server
+-----------------------------------
+A strategy step is one pull, the inner steps up to the next sync point, and
+one push. The push is the whole flat vector, as every push is: the fragment's
+pseudo-gradient ``ref_p - local_p`` and zeros elsewhere (a model's buffers
+report their values in every push, as in DiLoCo). The global fragment to merge
+is read from the pull that follows the push (the strategy ``settles``: the pull
+includes the push), kept, and merged ``delay`` inner steps later; the other
+fragments of that pull are not used.
+
+The server must step only the pushed fragment: Nesterov momentum stepped on
+the zeros of the other fragments would keep moving them. The recommended
+server optimizer for ``P > 1`` is :func:`lazy_leaves` of DiLoCo's (Nesterov
+SGD, or delayed Nesterov when ``asynchronous``): every leaf keeps its own
+optimizer state, and a push steps the leaves it touches (not all zero) and
+leaves the others, state included, as they were. Fragments are unions of whole
+leaves (patterns match leaf names; ``fragments=P`` cuts the leaf order into
+``P`` runs of about equal size, at leaf boundaries), so a fragment's push steps
+exactly its leaves; a leaf whose pseudo-gradient is exactly zero everywhere
+(it did not move) is left alone, where a per-fragment optimizer would still
+take a momentum step on it. The rule needs no fragment table on the server and
+works on any sharding (a leaf cut by shards is decided piece by piece).
+
+Asynchronous streaming DiLoCo (``asynchronous=True``, under ASP): each push is
+an ordinary push, applied on arrival; with :func:`lazy_leaves` of
+``delayed_nesterov(every=N)`` each leaf counts its own arrivals, so the ``N``
+workers' pushes of a fragment make one momentum step of that fragment, as
+asynchronous DiLoCo does for the whole model. A slow worker holds nobody back.
+
+What is not done here: the push still blocks the worker (the loop pulls
+before the next inner step), so the ``delay`` models *when* the global
+fragment is merged, not wall-clock overlap of communication with computation;
+and the wire carries the whole vector (the zeros too) with the job's codec:
+per-fragment bytes need the push protocol to send part of the vector (see
+``docs/design-notes.md``, "Streaming DiLoCo").
+
+Example:
+    >>> import numpy as np, stalewise as sw
+    >>> s = streaming_diloco(local_steps=4, fragments=["a", "b"], inner=sw.optim.sgd(0.5))
+    >>> lg = lambda p, b: (0.0, {"a": p["a"] - 1.0, "b": p["b"] - 1.0})
+    >>> params = {"a": np.zeros(2), "b": np.zeros(2)}
+    >>> state = s.init(params)
+    >>> step = s.step(state, params, lg, iter([None] * 8))  # fragment "b" at t = 2
+    >>> step.local_steps, step.update["a"].tolist(), step.update["b"].tolist()
+    (2, [0.0, 0.0], [-0.75, -0.75])
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from stalewise import optim, tree
+from stalewise.optim._validate import check_number
+from stalewise.optim.base import copy_state
+from stalewise.segments import Segments
+from stalewise.strategies.averaging import (
+    AveragingState,
+    LocalSGDStrategy,
+    _check_positive,
+    _check_steps,
+    _describe_inner,
+    _new_state,
+    _run_local,
+)
+from stalewise.strategies.base import LossAndGrad, Step
+
+__all__ = ["LazyLeaves", "StreamingDiLoCo", "StreamingState", "lazy_leaves", "streaming_diloco"]
+
+Runs = list[tuple[int, int]]  # contiguous [start, stop) ranges of the flat vector
+
+
+# -- the server side ---------------------------------------------------------------------
+
+
+class LazyLeavesState(NamedTuple):
+    """Each leaf piece's range (``bounds``, int64 rows ``start, stop`` of the slice) and
+    its own state of the wrapped optimizer (``leaves``), in the slice's order."""
+
+    bounds: np.ndarray
+    leaves: tuple
+
+
+@dataclass(frozen=True)
+class LazyLeaves:
+    """``opt`` per leaf, stepping only the leaves a push touches; build it with :func:`lazy_leaves`."""
+
+    opt: optim.Optimizer
+
+    def init(self, params: np.ndarray, segments: Segments | None = None) -> LazyLeavesState:
+        seg = Segments.single(params.size) if segments is None else segments
+        pieces = [(int(o), int(o + s)) for o, s in zip(seg.offsets, seg.sizes, strict=True)]
+        return LazyLeavesState(
+            np.array(pieces, np.int64).reshape(-1, 2),
+            tuple(self.opt.init(params[a:b], seg.slice(a, b)) for a, b in pieces),
+        )
+
+    def apply(
+        self, grads: np.ndarray, state: LazyLeavesState, params: np.ndarray, *, scale: float = 1.0
+    ) -> None:
+        for (a, b), sub in zip(state.bounds.tolist(), state.leaves, strict=True):
+            g = grads[a:b]
+            if g.any():  # a leaf the push touches (NaN counts: the shard refuses those)
+                self.opt.apply(g, sub, params[a:b], scale=scale)
+
+    def update(
+        self, grads: np.ndarray, state: LazyLeavesState, params: np.ndarray, *, scale: float = 1.0
+    ) -> tuple[np.ndarray, LazyLeavesState]:
+        new_state, new_params = copy_state(state), params.copy()
+        self.apply(grads.copy(), new_state, new_params, scale=scale)
+        return new_params - params, new_state
+
+    def update_inplace(
+        self, grads: np.ndarray, state: LazyLeavesState, params: np.ndarray, *, scale: float = 1.0
+    ) -> None:
+        moved = params.copy()
+        self.apply(grads, state, moved, scale=scale)
+        np.subtract(moved, params, out=grads)
+
+    def optimizer(self) -> optim.Optimizer:
+        return optim.Optimizer(self.init, self.update, self.apply, self.update_inplace)
+
+    def __repr__(self) -> str:
+        rule = getattr(self.opt.apply, "__self__", None)
+        return f"lazy_leaves({rule!r})" if rule is not None else "lazy_leaves(...)"
+
+
+def lazy_leaves(opt: optim.Optimizer) -> optim.Optimizer:
+    """``opt`` with a state per leaf, stepping only the leaves an update touches.
+
+    A leaf whose update is all zero takes no step and its state (momentum,
+    step count) is left as it was: the server optimizer of streaming DiLoCo,
+    whose pushes carry one fragment's pseudo-gradient and zeros elsewhere. The
+    wrapped optimizer must keep a parameter-sized state (``sgd`` with momentum,
+    ``delayed_nesterov``, ``adam``...).
+
+    Example:
+        >>> import numpy as np
+        >>> from stalewise.segments import Segments
+        >>> opt = lazy_leaves(optim.sgd(1.0, momentum=0.5))
+        >>> p = np.zeros(2)
+        >>> state = opt.init(p, Segments.from_sizes(["a", "b"], [1, 1]))
+        >>> opt.apply(np.array([1.0, 1.0]), state, p)
+        >>> opt.apply(np.array([0.0, 1.0]), state, p)  # "a" untouched: no momentum step
+        >>> p.tolist()
+        [-1.0, -2.5]
+    """
+    if not isinstance(opt, optim.Optimizer):
+        raise TypeError(f"lazy_leaves: opt must be a stalewise optimizer, got {opt!r}")
+    return LazyLeaves(opt).optimizer()
+
+
+# -- the worker side ---------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class StreamingState(AveragingState):
+    """A worker's state for :func:`streaming_diloco`: :class:`AveragingState` and the fragments.
+
+    ``ref`` holds, per fragment, the global values its next pseudo-gradient is
+    measured from (the last merged global fragment); ``pending`` the global
+    fragments pulled and not merged yet, as ``(inner step, fragment, values)``.
+    """
+
+    ref: np.ndarray = field(default_factory=lambda: np.empty(0))
+    runs: list[Runs] = field(default_factory=list)  # per fragment, its ranges of the vector
+    t: int = 0  # inner steps taken since the start
+    last: int | None = None  # the fragment pushed by the last step (None: none yet)
+    pending: list[tuple[int, int, list[np.ndarray]]] = field(default_factory=list)
+    pushed: list[tuple[int, int]] = field(default_factory=list)  # (inner step, fragment) pushes
+
+
+class StreamingDiLoCo(LocalSGDStrategy):
+    """Streaming DiLoCo; build it with :func:`streaming_diloco` (see the module docstring)."""
+
+    def __init__(
+        self,
+        local_steps: int,
+        inner: Any,
+        *,
+        fragments: int | Sequence[str | Sequence[str]] = 1,
+        offsets: Sequence[int] | None = None,
+        delay: int = 0,
+        alpha: float = 0.0,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        asynchronous: bool = False,
+        every: int | None = None,
+    ):
+        where = "streaming_diloco"
+        super().__init__(
+            local_steps,
+            inner,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            asynchronous=asynchronous,
+            every=every,
+            name=where,
+        )
+        h = self.local_steps
+        self.fragments = _check_fragments(fragments)
+        count = self.fragments if isinstance(self.fragments, int) else len(self.fragments)
+        if count > h:
+            raise ValueError(
+                f"{where}: fragments: {count} fragments need local_steps >= {count} (one sync "
+                f"point each inside the period), got local_steps={h}"
+            )
+        if offsets is None:
+            offsets = [round(p * h / count) for p in range(count)]
+        self.offsets = _check_offsets(offsets, count, h)
+        if isinstance(delay, bool) or not isinstance(delay, int | np.integer) or not 0 <= delay < h:
+            raise ValueError(
+                f"{where}: delay must be an integer in [0, local_steps={h}), got {delay!r}"
+            )
+        self.delay = int(delay)
+        try:
+            a = float(alpha)
+        except (TypeError, ValueError):
+            a = math.nan
+        if isinstance(alpha, bool) or not 0.0 <= a <= 1.0:
+            raise ValueError(f"{where}: alpha must be a number in [0, 1], got {alpha!r}")
+        self.alpha = a
+
+    @property
+    def count(self) -> int:
+        """The number of fragments."""
+        return self.fragments if isinstance(self.fragments, int) else len(self.fragments)
+
+    def init(self, params: Any) -> StreamingState:
+        base = _new_state(params, self._inner)
+        state = StreamingState(**vars(base))
+        state.ref = state.local.copy()
+        state.runs = fragment_runs(state.spec.segments, self.fragments)
+        return state
+
+    def schedule(self, t: int) -> tuple[int, int]:
+        """The next sync point after inner step ``t``: ``(inner step, fragment)``."""
+        h = self.local_steps
+        best = min(o + ((t - o) // h + 1) * h for o in self.offsets)  # t' > t, t' = o (mod H)
+        return best, self.offsets.index(best % h)
+
+    def step(
+        self, state: StreamingState, params: Any, loss_and_grad: LossAndGrad, batches: Iterator
+    ) -> Step:
+        tree.flatten(params, spec=state.spec, out=state.pulled)
+        if not state.pushes:  # the first round: the pull is everything
+            np.copyto(state.local, state.pulled)
+            np.copyto(state.ref, state.pulled)
+        elif state.last is not None:  # the global fragment of the last push, merged later
+            values = [state.pulled[a:b].copy() for a, b in state.runs[state.last]]
+            state.pending.append((state.t + self.delay, state.last, values))
+        end, frag = self.schedule(state.t)
+        steps, losses = 0, []
+        while True:
+            self._merge_due(state)
+            stop = min([end, *(at for at, _, _ in state.pending)])
+            if stop == state.t:
+                break
+            n, loss = _run_local(self._inner, state, loss_and_grad, batches, stop - state.t, None)
+            state.t += n
+            steps += n
+            losses.append((n, loss))
+        delta = np.zeros_like(state.local)  # the push's own vector
+        for a, b in state.runs[frag]:
+            np.subtract(state.ref[a:b], state.local[a:b], out=delta[a:b])
+        tree.copy_buffers(delta, state.local, state.spec)  # a buffer's slot: its value
+        state.taken, state.last = steps, frag
+        state.pushed.append((state.t, frag))
+        state.pushes += 1
+        loss = losses[0][1] if len(losses) == 1 else sum(n * x for n, x in losses) / steps
+        return Step(tree.unflatten(delta, state.spec), steps, loss, state)
+
+    def _merge_due(self, state: StreamingState) -> None:
+        """Merges the pending global fragments due at inner step ``state.t``."""
+        keep = []
+        for at, frag, values in state.pending:
+            if at > state.t:
+                keep.append((at, frag, values))
+                continue
+            for (a, b), g in zip(state.runs[frag], values, strict=True):
+                merge(state.local[a:b], g, self.alpha)
+                np.copyto(state.ref[a:b], g)
+        state.pending = keep
+
+    def server_optimizer(self, workers: int | None = None) -> optim.Optimizer:
+        """DiLoCo's (:meth:`LocalSGDStrategy.server_optimizer`) for one fragment; for more,
+        :func:`lazy_leaves` of it, which steps only the pushed fragment's leaves."""
+        opt = super().server_optimizer(workers)
+        return opt if self.count == 1 else lazy_leaves(opt)
+
+    def __repr__(self) -> str:
+        parts = [f"local_steps={self.local_steps}", f"fragments={self.fragments!r}"]
+        parts += [f"offsets={list(self.offsets)}", f"delay={self.delay}", f"alpha={self.alpha:g}"]
+        parts.append(f"inner={_describe_inner(self.inner)}")
+        if self.asynchronous:
+            parts.append(f"asynchronous=True, every={self.every}")
+        return f"streaming_diloco({', '.join(parts)})"
+
+
+def merge(local: np.ndarray, global_: np.ndarray, alpha: float) -> None:
+    """``local = alpha * local + (1 - alpha) * global_`` in place; ``alpha = 0`` copies."""
+    if alpha == 0.0:
+        np.copyto(local, global_)
+    else:
+        local *= alpha
+        local += (1.0 - alpha) * global_
+
+
+def fragment_runs(segments: Segments, fragments: int | tuple) -> list[Runs]:
+    """Each fragment's contiguous ranges of the flat vector (whole leaves).
+
+    ``fragments`` an int ``P``: the leaves in order, cut at leaf boundaries into
+    ``P`` runs of about equal size; a tuple of pattern tuples: fragment ``i``
+    holds the leaves whose name matches one of its regexes (``re.search``),
+    the first fragment that matches taking a leaf. Every leaf must belong to a
+    fragment and every fragment must hold one.
+    """
+    names, sizes = segments.names, [int(s) for s in segments.sizes]
+    ends = np.cumsum(sizes)
+    if isinstance(fragments, int):
+        if len(names) < fragments:
+            raise ValueError(
+                f"streaming_diloco: fragments={fragments} cuts the model at leaf boundaries, "
+                f"and the params have {len(names)} leaves"
+            )
+        total, cuts = segments.total, [0]
+        for k in range(1, fragments):
+            lo, hi = cuts[-1] + 1, len(names) - (fragments - k)  # leaves left for the rest
+            j = min(range(lo, hi + 1), key=lambda j: abs(ends[j - 1] - k * total / fragments))
+            cuts.append(j)
+        cuts.append(len(names))
+        owner = [k for k in range(fragments) for _ in range(cuts[k], cuts[k + 1])]
+    else:
+        compiled = [[re.compile(p) for p in group] for group in fragments]
+        owner = []
+        for name in names:
+            hit = next((i for i, g in enumerate(compiled) if any(p.search(name) for p in g)), None)
+            if hit is None:
+                raise ValueError(
+                    f"streaming_diloco: fragments: leaf {name!r} matches no fragment's pattern "
+                    f"({list(fragments)})"
+                )
+            owner.append(hit)
+    count = fragments if isinstance(fragments, int) else len(fragments)
+    runs: list[Runs] = [[] for _ in range(count)]
+    for i, k in enumerate(owner):
+        a, b = int(segments.offsets[i]), int(segments.offsets[i]) + sizes[i]
+        if runs[k] and runs[k][-1][1] == a:
+            runs[k][-1] = (runs[k][-1][0], b)
+        else:
+            runs[k].append((a, b))
+    empty = [k for k in range(count) if not runs[k]]
+    if empty:
+        raise ValueError(
+            f"streaming_diloco: fragments: fragment {empty[0]} ({fragments[empty[0]]!r}) "
+            "matches no leaf"
+        )
+    return runs
+
+
+def _check_fragments(fragments: Any) -> int | tuple:
+    where = "streaming_diloco: fragments"
+    if isinstance(fragments, int | np.integer) and not isinstance(fragments, bool):
+        if fragments < 1:
+            raise ValueError(
+                f"{where} must be an integer >= 1 or a list of patterns, got {fragments!r}"
+            )
+        return int(fragments)
+    if isinstance(fragments, str) or not isinstance(fragments, Sequence) or not fragments:
+        raise ValueError(
+            f"{where} must be an integer >= 1 or a non-empty list of leaf-name patterns "
+            f"(one per fragment, e.g. ['^layer0\\\\.', '^layer1\\\\.']), got {fragments!r}"
+        )
+    out = []
+    for group in fragments:
+        patterns = (group,) if isinstance(group, str) else group
+        if (
+            not isinstance(patterns, Sequence)
+            or not patterns
+            or not all(isinstance(p, str) for p in patterns)
+        ):
+            raise ValueError(
+                f"{where}: each fragment is a pattern or a list of them, got {group!r}"
+            )
+        for p in patterns:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"{where}: bad pattern {p!r}: {e}") from None
+        out.append(tuple(patterns))
+    return tuple(out)
+
+
+def _check_offsets(offsets: Any, count: int, h: int) -> tuple[int, ...]:
+    where = "streaming_diloco: offsets"
+    try:
+        values = list(offsets)
+    except TypeError:
+        raise ValueError(f"{where} must be a list of {count} integers, got {offsets!r}") from None
+    ok = all(isinstance(o, int | np.integer) and not isinstance(o, bool) for o in values)
+    if not ok or len(values) != count:
+        raise ValueError(f"{where} must be {count} integers (one per fragment), got {offsets!r}")
+    if any(not 0 <= o < h for o in values) or len(set(values)) != count:
+        raise ValueError(
+            f"{where} must be distinct integers in [0, local_steps={h}) (one push per sync "
+            f"point), got {list(values)}"
+        )
+    return tuple(int(o) for o in values)
+
+
+def streaming_diloco(
+    local_steps: int = 500,
+    inner: Any = None,
+    *,
+    fragments: int | Sequence[str | Sequence[str]] = 1,
+    offsets: Sequence[int] | None = None,
+    delay: int = 0,
+    alpha: float = 0.0,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    asynchronous: bool = False,
+    every: int | None = None,
+) -> StreamingDiLoCo:
+    """Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping
+    communication"), synchronous (BSP) or asynchronous (ASP, delayed Nesterov).
+
+    Args:
+        local_steps: ``H``, the period: each fragment is pushed once every ``H`` inner steps.
+        inner: the inner optimizer (default ``sw.optim.adamw(1e-3)``), as for :func:`diloco`.
+        fragments: ``P``, an integer: the leaves in order, cut at leaf boundaries into
+            ``P`` runs of about equal size; or a list with one leaf-name regex (or a
+            list of them) per fragment, e.g. ``["^blocks\\.[01]\\.", "^blocks\\.[23]\\.",
+            "."]`` (the first matching fragment takes a leaf).
+        offsets: each fragment's sync offset in ``[0, H)``, distinct: fragment ``p`` is
+            pushed after inner steps ``t = offsets[p] (mod H)``, ``t > 0``. Default
+            ``round(p * H / P)``, evenly staggered.
+        delay: ``tau``, inner steps between a fragment's push and the merge of the
+            global fragment, in ``[0, H)``.
+        alpha: the local weight of the merge, ``local = alpha * local + (1 - alpha) *
+            global``, in ``[0, 1]``; 0 takes the global fragment.
+        outer_lr, outer_momentum, asynchronous, every: the server optimizer, as for
+            :func:`diloco`; with ``P > 1`` it is wrapped in :func:`lazy_leaves`.
+
+    Example:
+        >>> s = streaming_diloco(local_steps=30, fragments=3, delay=5, alpha=0.5)
+        >>> s.offsets, s.schedule(0), s.schedule(10), s.schedule(29)
+        ((0, 10, 20), (10, 1), (20, 2), (30, 0))
+    """
+    if every is not None and not asynchronous:
+        raise ValueError(
+            "streaming_diloco: every= is delayed Nesterov's N; it needs asynchronous=True"
+        )
+    return StreamingDiLoCo(
+        _check_steps("streaming_diloco", "local_steps", local_steps),
+        optim.adamw(1e-3) if inner is None else inner,
+        fragments=fragments,
+        offsets=offsets,
+        delay=delay,
+        alpha=alpha,
+        outer_lr=_check_positive("streaming_diloco", "outer_lr", outer_lr),
+        outer_momentum=check_number("streaming_diloco", "outer_momentum", outer_momentum, 0.0, 1.0),
+        asynchronous=asynchronous,
+        every=every,
+    )
