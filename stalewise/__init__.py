@@ -6,11 +6,7 @@ Example:
     ...              consistency=sw.SSP(2), staleness=sw.staleness.inverse())
 """
 
-from __future__ import annotations
-
-import logging
-import warnings
-from typing import Any
+import logging as _logging
 
 from stalewise import codecs, consistency, optim, staleness, strategies, tree
 from stalewise.api import Job
@@ -61,18 +57,9 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """``load``, the old name of :func:`load_params`, with a DeprecationWarning (it read
-    like ``stalewise.checkpoint.load``, which reads a whole checkpoint, not params)."""
-    if name == "load":
-        warnings.warn(
-            "sw.load is now sw.load_params (stalewise.checkpoint.load_params); the old name "
-            "will be removed in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return load_params
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def __dir__() -> list[str]:
+    """The public names only (``__all__``), not the submodules and helpers imported here."""
+    return sorted([*__all__, "__version__"])
 
 
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())

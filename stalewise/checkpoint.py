@@ -730,8 +730,7 @@ def _newest_name(directory: Path) -> str | None:
 
 
 def load_params(path: str | os.PathLike, *, like: Any = None, backend: str | None = None) -> Any:
-    """The parameters of a checkpoint (``sw.load_params``; its old name ``sw.load`` still
-    works, with a DeprecationWarning).
+    """The parameters of a checkpoint (``sw.load_params``).
 
     ``path`` is a checkpoint directory (its newest usable checkpoint is read)
     or one ``ckpt-*`` folder. Loading runs no code from the checkpoint: the

@@ -577,8 +577,7 @@ def test_sim_seed_is_the_simulators_and_seed_its_old_name_warns():
         old = job.train(_quadratic, seed=5, **kw)
     other = job.train(_quadratic, sim_seed=6, **kw)
     assert new.time == old.time and new.time != other.time
-    with pytest.warns(DeprecationWarning, match="sim_seed"):
-        assert _options(seed=4).sim_seed == 4
+    assert _options(sim_seed=4).sim_seed == 4  # RunOptions(seed=) is gone
     with pytest.raises(TypeError, match="sim_seed= only"):
         job.train(_quadratic, seed=5, sim_seed=6, **kw)
     with pytest.raises(ValueError, match="sim_seed must be an integer >= 0"):

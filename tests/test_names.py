@@ -1,8 +1,11 @@
 """Names that say one thing (issue 18): ``local_steps`` is H everywhere, ``sim_seed`` the
 simulator's seed, ``sw.load_params`` the params of a checkpoint, ``sw.LocalSGD`` the loop
-wrapper. Each old spelling still works for one release, with a DeprecationWarning naming
-the new one; its signature shows only the new name."""
+wrapper. The old keywords for H still work for one release, with a DeprecationWarning
+naming the new one; their signature shows only the new name. The old names ``sw.load``,
+``strategies.LocalSGD``, ``stalewise.averaging``/``adaptive`` and ``RunOptions(seed=)``
+are gone (issue 30), and ``dir(sw)`` shows only the public names."""
 
+import importlib
 import inspect
 
 import numpy as np
@@ -97,13 +100,12 @@ def test_loop_wrappers_take_local_steps_and_warn_on_every(no_leaks):
 def test_strategy_classes_have_one_public_name_each():
     assert sw.LocalSGD.__module__ == "stalewise.loops"
     assert "LocalSGD" not in strategies.__all__ and "LocalSGDStrategy" in strategies.__all__
-    with pytest.warns(DeprecationWarning, match="LocalSGD is now LocalSGDStrategy"):
-        old = strategies.LocalSGD
-    assert old is strategies.LocalSGDStrategy is averaging.LocalSGDStrategy
+    assert not hasattr(strategies, "LocalSGD")  # the old name, removed
+    assert strategies.LocalSGDStrategy is averaging.LocalSGDStrategy
     assert type(strategies.diloco()) is strategies.LocalSGDStrategy
 
 
-def test_sw_load_params_is_the_one_public_name_and_sw_load_warns(tmp_path):
+def test_sw_load_params_is_the_one_public_name(tmp_path):
     job = sw.Job({"x": np.arange(4, dtype=np.float32)}, optimizer=sw.optim.sgd(0.1))
     job.train(
         lambda p, b: (0.0, {"x": np.ones_like(p["x"])}),
@@ -115,12 +117,33 @@ def test_sw_load_params_is_the_one_public_name_and_sw_load_warns(tmp_path):
     )
     assert "load_params" in sw.__all__ and "load" not in sw.__all__
     params = sw.load_params(tmp_path)
-    with pytest.warns(DeprecationWarning, match=r"sw\.load is now sw\.load_params"):
-        old = sw.load
-    assert old is sw.load_params is checkpoint.load_params
-    np.testing.assert_array_equal(old(tmp_path)["x"], params["x"])
+    assert not hasattr(sw, "load")  # the old name, removed
+    assert sw.load_params is checkpoint.load_params
+    assert params["x"].shape == (4,)
     # checkpoint.load reads the whole checkpoint, a different thing with its own name
     assert checkpoint.load(tmp_path).version == 3
+
+
+def test_dir_of_the_package_shows_only_its_public_names():
+    shown = {name for name in dir(sw) if not name.startswith("__")}
+    assert shown == set(sw.__all__)
+    assert all(hasattr(sw, name) for name in sw.__all__)
+    assert not {"Any", "annotations", "logging", "warnings"} & set(dir(sw))
+
+
+@pytest.mark.parametrize("old", ["stalewise.averaging", "stalewise.adaptive"])
+def test_the_old_module_paths_are_gone(old):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
+
+
+def test_run_options_have_no_seed():
+    kw = {"loss_and_grad": lambda p, b: (0.0, p), "data": lambda w, n: iter(()), "workers": 1}
+    kw["steps"] = 5
+    assert sw.RunOptions(**kw, sim_seed=3).sim_seed == 3
+    assert not hasattr(sw.RunOptions(**kw), "seed")
+    with pytest.raises(TypeError, match="seed"):
+        sw.RunOptions(**kw, seed=3)
 
 
 @pytest.mark.parametrize(

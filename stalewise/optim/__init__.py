@@ -36,7 +36,7 @@ from stalewise.optim.base import (
 from stalewise.optim.delayed import DelayedNesterovState, delayed_nesterov
 from stalewise.optim.lamb import LambState, lamb
 from stalewise.optim.lars import LarsState, lars
-from stalewise.optim.schedules import constant, step, step_decay, warmup_cosine
+from stalewise.optim.schedules import constant, step_decay, warmup_cosine
 from stalewise.optim.sgd import MaskedSgdState, SgdState, sgd
 
 __all__ = [
@@ -64,7 +64,6 @@ __all__ = [
     "lars",
     "learning_rate",
     "sgd",
-    "step",
     "step_decay",
     "warmup_cosine",
 ]

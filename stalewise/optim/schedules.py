@@ -107,6 +107,3 @@ def step_decay(lr: float, every: int, gamma: float) -> StepDecay:
     every = check_int("step_decay", "every", every, 1)
     gamma = check_number("step_decay", "gamma", gamma, 0.0)
     return StepDecay(lr, every, gamma)
-
-
-step = step_decay

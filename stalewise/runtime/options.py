@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stalewise._renames import renamed
 from stalewise.protocol.loop import DIVERGE_AFTER
 from stalewise.runtime.base import FAILURE_POLICIES, check_run
 
@@ -266,11 +265,6 @@ class RunOptions:
     room: int = field(init=False)  # the worker ids, 0 .. room - 1 (an elastic run's max)
     expected: int = field(init=False)  # the workers expected (an elastic run's min)
 
-    @property
-    def seed(self) -> int:
-        """The old name of :attr:`sim_seed` (read by runtimes not yet renamed)."""
-        return self.sim_seed
-
     @staticmethod
     def check(name: str, value: Any) -> Any:
         """Checks one option alone, as ``RunOptions`` would: returns its value (normalized,
@@ -340,22 +334,6 @@ class RunOptions:
         for name in ("checkpoint_every", "checkpoint_seconds", "resume"):
             if getattr(self, name) not in (None, False) and self.checkpoint_dir is None:
                 raise OptionError(name, "needs checkpoint_dir (where checkpoints are kept)")
-
-
-_dataclass_init = RunOptions.__init__
-
-
-@functools.wraps(_dataclass_init)
-def _init(self: RunOptions, *args: Any, **kwargs: Any) -> None:
-    """The dataclass's ``__init__``, with ``seed=``, the old name of ``sim_seed=``."""
-    if "seed" in kwargs:
-        kwargs["sim_seed"] = renamed(
-            "RunOptions", "seed", "sim_seed", kwargs.pop("seed"), kwargs.get("sim_seed")
-        )
-    _dataclass_init(self, *args, **kwargs)
-
-
-RunOptions.__init__ = _init  # type: ignore[method-assign]
 
 
 #: Every option's default, from the fields above: ``Job.train``'s and ``Job.serve``'s keyword
