@@ -8,7 +8,8 @@ shard 0's update count) holding
   state, ...), written with :func:`safetensors.numpy.save_file`;
 - ``manifest.json``: ``format``, ``created`` (UTC, ISO 8601), ``version``,
   ``shards`` (per shard: its file, the names of its arrays and the JSON-able
-  values of its state dict), ``config`` (the job: optimizer, consistency and
+  values of its state dict), ``files`` (per file: its size in ``bytes`` and its
+  arrays' ``[dtype, shape]``), ``config`` (the job: optimizer, consistency and
   staleness reprs, shard ranges, ...), ``spec`` (the parameters' leaves: key
   paths, names, shapes, dtypes, backends, offsets; and the tree's structure as
   container kinds from a closed list, see :func:`spec_to_json`), ``step`` (what
@@ -30,14 +31,19 @@ temporary folder is ignored by :func:`load` and removed by the next
 :func:`save`. One writer per directory.
 
 Loading verifies every checksum and every field of the manifest (counts are
-ints in [0, 2**62), times finite, file names the ones :func:`save` writes) and
-refuses a truncated, corrupt or ill-formed checkpoint with a warning naming the
-file, then falls back to the previous complete one. Loading runs no code from a
+ints in [0, 2**62), times finite, file names the ones :func:`save` writes), reads
+every file through :func:`_read_file` (a regular file in a checkpoint folder that
+is no symlink, never followed through one, never a FIFO or device, at most the
+size the manifest declares; the manifest at most :data:`MAX_MANIFEST_BYTES`),
+checks each array's dtype and shape exactly against the manifest (nothing is
+cast), and refuses a truncated, corrupt, ill-formed or mislabelled checkpoint
+with a one-line :class:`CheckpointError` naming the file, logged as a warning,
+then falls back to the previous complete one. Loading runs no code from a
 checkpoint: nothing is unpickled and nothing is imported by name (a checkpoint
 is a file people pass around); the user's own classes come back only from the
 structure the caller passes (``sw.load_params(path, like=...)``), and a resumed run
 uses its own job's spec. Checkpoints of format 1 (which pickled parts of the
-tree) are refused.
+tree) and 2 (which declared neither sizes nor dtypes and shapes) are refused.
 
 Example:
     >>> import numpy as np, tempfile, stalewise as sw
@@ -57,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import hashlib
 import itertools
 import json
@@ -65,6 +72,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -77,8 +85,13 @@ from stalewise import tree as tree_lib
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # the manifest's layout (2: the tree spec is plain data; 1 pickled parts of it)
+FORMAT = 3  # the manifest's layout (3: it declares each file's size and arrays; 2 did not;
+# 1 pickled parts of the tree)
 MANIFEST = "manifest.json"
+# the cap on manifest.json, read whole and parsed: its leaf table takes ~460 bytes a leaf,
+# so 32 MiB holds ~70,000 leaves; save refuses to write a larger one (EFBIG)
+MAX_MANIFEST_BYTES = 32 << 20
+_MAX_SMALL_FILE = 4096  # the cap on manifest.sha256 and the latest pointer
 FEEDBACK = "feedback.safetensors"  # the workers' error-feedback residuals
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d{9,})$")
@@ -163,21 +176,25 @@ def save(
     try:
         from safetensors.numpy import save_file
 
-        shards, sums = [], {}
+        shards, sums, files = [], {}, {}
+
+        def write(name: str, arrays: dict[str, np.ndarray]) -> None:
+            save_file(arrays, str(tmp / name))
+            _fsync(tmp / name)
+            sums[name] = _sha256(tmp / name)
+            layout = {key: [a.dtype.name, list(a.shape)] for key, a in sorted(arrays.items())}
+            files[name] = {"bytes": (tmp / name).stat().st_size, "arrays": layout}
+
         for k, state in enumerate(shard_states):
             arrays = {key: _contiguous(v) for key, v in state.items() if _is_array(v)}
             values = {key: v for key, v in state.items() if not _is_array(v)}
             name = f"shard-{k}.safetensors"
-            save_file(arrays, str(tmp / name))
-            _fsync(tmp / name)
-            sums[name] = _sha256(tmp / name)
+            write(name, arrays)
             shards.append({"file": name, "arrays": sorted(arrays), "values": values})
         feedback = None
         if residuals is not None:
             arrays = {f"worker-{w}": _contiguous(np.asarray(r)) for w, r in enumerate(residuals)}
-            save_file(arrays, str(tmp / FEEDBACK))
-            _fsync(tmp / FEEDBACK)
-            sums[FEEDBACK] = _sha256(tmp / FEEDBACK)
+            write(FEEDBACK, arrays)
             feedback = {"file": FEEDBACK, "workers": len(arrays)}
         manifest = {
             "format": FORMAT,
@@ -188,9 +205,16 @@ def save(
             "spec": spec_to_json(spec),
             "step": step_info,
             "sha256": sums,
+            "files": files,
             **({} if feedback is None else {"feedback": feedback}),
         }
-        text = json.dumps(manifest, indent=1, allow_nan=True)
+        text = json.dumps(manifest, indent=1, allow_nan=True)  # ASCII: len(text) is its size
+        if len(text) > MAX_MANIFEST_BYTES:  # loading would refuse it
+            raise OSError(
+                errno.EFBIG,
+                f"{MANIFEST} would be {len(text)} bytes, more than the "
+                f"{MAX_MANIFEST_BYTES} (MAX_MANIFEST_BYTES) that loading reads",
+            )
         _write(tmp / MANIFEST, text)
         _write(tmp / "manifest.sha256", hashlib.sha256(text.encode()).hexdigest() + "\n")
         _fsync_dir(tmp)
@@ -309,13 +333,13 @@ def load(directory: str | os.PathLike) -> Checkpoint:
         CheckpointError: none is usable.
     """
     root = Path(directory)
-    if _NAME.match(root.name) and (root / MANIFEST).exists():
+    if _NAME.match(root.name) and os.path.lexists(root / MANIFEST):
         return _read(root)  # one checkpoint, named: no fallback
     if not root.is_dir():
         raise CheckpointError(f"no checkpoint: {root} is not a directory")
     candidates = _complete(root)
-    with contextlib.suppress(OSError):
-        named = root / (root / LATEST).read_text().strip()
+    with contextlib.suppress(CheckpointError):
+        named = root / _read_text(root, LATEST, folder_may_be_a_link=True)
         if named in candidates:
             candidates.remove(named)
             candidates.insert(0, named)
@@ -338,16 +362,10 @@ def load(directory: str | os.PathLike) -> Checkpoint:
 
 
 def _read(path: Path) -> Checkpoint:
-    """One checkpoint folder, every checksum verified."""
-    try:
-        raw = (path / MANIFEST).read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{path / MANIFEST}: cannot read: {e.strerror or e}") from None
-    try:
-        want = (path / "manifest.sha256").read_text().strip()
-    except OSError:
-        raise CheckpointError(f"{path / 'manifest.sha256'}: missing") from None
-    if hashlib.sha256(raw).hexdigest() != want:
+    """One checkpoint folder, every file read through :func:`_read_file`, every checksum,
+    size, dtype and shape verified."""
+    raw = _read_file(path, MANIFEST, MAX_MANIFEST_BYTES, "MAX_MANIFEST_BYTES")
+    if hashlib.sha256(raw).hexdigest() != _read_text(path, "manifest.sha256"):
         raise CheckpointError(f"{path / MANIFEST}: checksum mismatch (truncated or corrupt)")
     try:
         manifest = json.loads(raw)
@@ -355,36 +373,114 @@ def _read(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path / MANIFEST}: not JSON: {_short(str(e), 80)}") from None
     spec = _checked_manifest(manifest, f"{path / MANIFEST}")
     from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load as from_bytes
 
-    def arrays_of(name: str, expected: list[str]) -> dict[str, np.ndarray]:
-        file = path / name
-        if not file.exists():
-            raise CheckpointError(f"{file}: missing")
-        if _sha256(file) != manifest["sha256"].get(name):
+    def arrays_of(name: str) -> dict[str, np.ndarray]:
+        file, declared = path / name, manifest["files"][name]
+        data = _read_file(path, name, declared["bytes"], "the size the manifest declares")
+        if hashlib.sha256(data).hexdigest() != manifest["sha256"][name]:
             raise CheckpointError(f"{file}: checksum mismatch (truncated or corrupt)")
-        try:
-            arrays = load_file(str(file))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{file}: unreadable: {e}") from None
-        if sorted(arrays) != sorted(expected):
+        try:  # from the bytes read above: safetensors never opens the path itself
+            arrays = from_bytes(data)
+        except (SafetensorError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{file}: unreadable: {_short(str(e), 120)}") from None
+        layout = declared["arrays"]
+        if sorted(arrays) != sorted(layout):
             raise CheckpointError(
-                f"{file}: holds {_short(sorted(arrays))}, expected {_short(sorted(expected))}"
+                f"{file}: holds {_short(sorted(arrays))}, expected {_short(sorted(layout))}"
             )
-        for key, a in arrays.items():  # counters: their arithmetic must not overflow
-            if a.dtype.kind in "iu" and a.size and int(a.max()) >= _MAX_COUNT:
+        for key, a in arrays.items():
+            dtype, shape = layout[key]
+            if a.dtype.name != dtype or list(a.shape) != shape:  # exactly: nothing is cast
+                raise CheckpointError(
+                    f"{file}: {key!r} is {a.dtype.name} of shape {a.shape}, the manifest "
+                    f"says {dtype} of shape {tuple(shape)}"
+                )
+            if a.dtype.kind in "iu" and a.size and int(a.max()) >= _MAX_COUNT:  # counters
                 raise CheckpointError(f"{file}: {key!r} holds {int(a.max())}, not below 2**62")
         return arrays
 
-    states = []
-    for shard in manifest["shards"]:
-        states.append({**shard["values"], **arrays_of(shard["file"], shard["arrays"])})
+    states = [{**shard["values"], **arrays_of(shard["file"])} for shard in manifest["shards"]]
     residuals = None
     if "feedback" in manifest:  # absent: a job without feedback
-        n = manifest["feedback"]["workers"]
-        arrays = arrays_of(FEEDBACK, [f"worker-{w}" for w in range(n)])
-        residuals = [arrays[f"worker-{w}"] for w in range(n)]
+        arrays = arrays_of(FEEDBACK)
+        residuals = [arrays[f"worker-{w}"] for w in range(manifest["feedback"]["workers"])]
     return Checkpoint(states, manifest, path, residuals, spec)
+
+
+def _read_file(
+    folder: Path, name: str, limit: int, bound: str = "", *, folder_may_be_a_link: bool = False
+) -> bytes:
+    """The bytes of ``folder/name``, at most ``limit`` of them: how every checkpoint file is
+    read. The file must be a regular file, opened without following a symlink (and
+    without blocking: a FIFO is refused, not waited on), inside ``folder``, which must
+    not be a symlink either (unless ``folder_may_be_a_link``: the user's directory of
+    checkpoints, for ``latest``). ``bound`` names where ``limit`` comes from.
+
+    Raises:
+        CheckpointError: one line naming the file and what is wrong with it.
+    """
+    file = folder / name
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NOFOLLOW
+    folder_flags = flags | os.O_DIRECTORY
+    if folder_may_be_a_link:
+        folder_flags &= ~os.O_NOFOLLOW
+    try:
+        top = os.open(folder, folder_flags)
+    except OSError as e:
+        raise CheckpointError(f"{folder}: {_open_problem(e, folder)}") from None
+    try:
+        fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=top)
+    except OSError as e:
+        raise CheckpointError(f"{file}: {_open_problem(e, file)}") from None
+    finally:
+        os.close(top)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "a special file")
+            raise CheckpointError(f"{file}: {kind}, not a regular file")
+        chunks, got = [], 0
+        while st.st_size <= limit and (chunk := os.read(fd, min(limit + 1 - got, 1 << 30))):
+            chunks.append(chunk)  # up to one byte past the limit: a file that grows is seen
+            got += len(chunk)
+            if got > limit:
+                break
+        if max(got, st.st_size) > limit:
+            size = max(got, st.st_size)
+            raise CheckpointError(f"{file}: {size} bytes, more than {limit} ({bound})")
+        return b"".join(chunks)
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+
+
+def _read_text(folder: Path, name: str, *, folder_may_be_a_link: bool = False) -> str:
+    """A small text file of a checkpoint (its manifest's checksum, the latest pointer)."""
+    data = _read_file(
+        folder, name, _MAX_SMALL_FILE, "a small file", folder_may_be_a_link=folder_may_be_a_link
+    )
+    return data.decode("utf-8", "replace").strip()
+
+
+_FILE_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def _open_problem(e: OSError, path: Path) -> str:
+    """What an ``os.open`` of a checkpoint's folder or file with O_NOFOLLOW says (a folder
+    is opened with O_DIRECTORY too, for which a symlink is ENOTDIR)."""
+    if e.errno in (errno.ELOOP, errno.ENOTDIR) and path.is_symlink():
+        return "a symbolic link, never followed in a checkpoint"
+    if e.errno == errno.ENOENT:
+        return "missing"
+    return f"cannot open: {e.strerror or e}"
 
 
 _SHARD_FILE = re.compile(r"^shard-(\d{1,6})\.safetensors$")
@@ -407,10 +503,13 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
         raise bad("the manifest", m, "a JSON object")
     if m.get("format") != FORMAT:
         fmt = m.get("format")
+        old = {
+            1: "kept parts of the tree as pickles, which are never loaded",
+            2: "declared neither its files' sizes nor its arrays' dtypes and shapes",
+        }.get(fmt)
         old = (
-            " (format 1 kept parts of the tree as pickles, which are never loaded: "
-            "resume or sw.load_params it with the stalewise that wrote it)"
-            if fmt == 1
+            f" (format {fmt} {old}: resume or sw.load_params it with the stalewise that wrote it)"
+            if old
             else ""
         )
         raise CheckpointError(f"{where}: unknown format {_short(fmt)}, expected {FORMAT}{old}")
@@ -476,7 +575,48 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
             raise bad("feedback", feedback, f'{{"file": "{FEEDBACK}", "workers": n}}')
         if not _is_count(feedback.get("workers"), _MAX_WORKERS):
             raise bad("feedback.workers", feedback.get("workers"), "a worker count")
-    return spec_from_json(m.get("spec"), f"{where}: spec")
+    spec = spec_from_json(m.get("spec"), f"{where}: spec")
+    # what each file must hold: its size bounds the read, its arrays' dtypes and shapes are
+    # checked exactly on reading; the parameters' and residuals' must be the spec's
+    expected = {shard["file"]: shard["arrays"] for shard in shards}
+    if feedback is not None:
+        expected[FEEDBACK] = [f"worker-{w}" for w in range(feedback["workers"])]
+    files = m.get("files")
+    if not isinstance(files, dict) or sorted(files) != sorted(expected):
+        raise bad("files", files, f"an object describing {_short(sorted(expected))}")
+    params, dtype = 0, spec.dtype.name
+    for name, arrays in expected.items():
+        entry, at = files[name], f"files[{name!r}]"
+        if name not in sums:
+            raise bad(f"sha256[{name!r}]", None, "a hex digest")
+        if not isinstance(entry, dict) or not _is_count(entry.get("bytes")):
+            raise bad(f"{at}.bytes", entry, "a size in bytes")
+        layout = entry.get("arrays")
+        if not isinstance(layout, dict) or sorted(layout) != sorted(arrays):
+            raise bad(f"{at}.arrays", layout, f"[dtype, shape] of {_short(sorted(arrays))}")
+        for key, described in layout.items():
+            if not (
+                isinstance(described, list)
+                and len(described) == 2
+                and described[0] in _DTYPES
+                and isinstance(described[1], list)
+                and len(described[1]) <= 64
+                and all(map(_is_count, described[1]))
+            ):
+                raise bad(f"{at}.arrays[{key!r}]", described, "[dtype, shape]")
+            if key == "params" or name == FEEDBACK:
+                size = spec.size if name == FEEDBACK else described[1][0] if described[1] else -1
+                if described != [dtype, [size]]:
+                    raise bad(f"{at}.arrays[{key!r}]", described, f"[{dtype!r}, [n]] (the spec's)")
+                params += size if key == "params" else 0
+    if params != spec.size:
+        raise bad("the shards' params", params, f"{spec.size} elements, as the spec")
+    return spec
+
+
+# the dtypes a checkpoint's arrays may have (what shard states and residuals hold)
+_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+_DTYPES += ("float16", "float32", "float64")
 
 
 def _plain_problem(value: Any, depth: int) -> str | None:
@@ -722,8 +862,8 @@ def _newest_name(directory: Path) -> str | None:
         found = _complete(directory)
     except OSError:
         return None
-    with contextlib.suppress(OSError):
-        named = (directory / LATEST).read_text().strip()
+    with contextlib.suppress(CheckpointError):
+        named = _read_text(directory, LATEST, folder_may_be_a_link=True)
         if directory / named in found:
             return named
     return found[0].name if found else None

@@ -27,8 +27,12 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
+import os
 import pickle
+import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+import safetensors.numpy
 from test_checkpoint import _trained_states
 
 import stalewise as sw
@@ -616,3 +621,171 @@ def test_a_save_that_fails_at_its_last_step_leaves_the_folder_as_it_was(tmp_path
         assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, "latest"]
         assert {p.name: p.read_bytes() for p in first.iterdir()} == before
         assert checkpoint.load(tmp_path).version == 1
+
+
+# -- checkpoint files that are not what they claim ------------------------------------------
+#
+# A checkpoint folder holds regular files only, read without following a symlink, a FIFO or
+# a device is refused without blocking on it, every read is bounded (a shard file by the
+# size its manifest declares, the manifest by MAX_MANIFEST_BYTES), and each array must have
+# the dtype and shape its manifest declares. Each refusal is one CheckpointError naming the
+# file, and loading a folder of checkpoints (so resuming) falls back to the previous one, as
+# for a bad checksum. A load that could hang, or read /dev/zero until memory runs out, runs
+# in a child with a timeout and an address-space limit, so a regression fails, never hangs.
+
+_LOAD_CHILD = """
+import logging, sys
+from stalewise import checkpoint
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+try:
+    checkpoint.load(sys.argv[1])
+    print("loaded")
+except checkpoint.CheckpointError as e:
+    print("CheckpointError:", e)
+print("fallback:", checkpoint.load(sys.argv[2]).path.name)
+"""
+
+
+def _load_in_child(newest: Path, root: Path) -> subprocess.CompletedProcess:
+    def limit_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    return subprocess.run(
+        [sys.executable, "-c", _LOAD_CHILD, str(newest), str(root)],
+        capture_output=True,
+        text=True,
+        timeout=30,  # today's code hangs here: the test fails with TimeoutExpired
+        preexec_fn=limit_memory,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _two_ckpts(d: Path) -> tuple[Path, Path]:
+    """The older and the newer checkpoint of one short run."""
+    _sim_train(d, steps=20, checkpoint_every=10)
+    older, newer = sorted(d.glob("ckpt-*"))
+    return older, newer
+
+
+def _replace(path: Path, make) -> None:
+    path.unlink()
+    make(path)
+
+
+def _folder_elsewhere(newer: Path) -> None:
+    """The checkpoint folder is a symlink to a (valid) copy outside the checkpoint folder."""
+    elsewhere = newer.parent.parent / "elsewhere"
+    shutil.copytree(newer, elsewhere)
+    shutil.rmtree(newer)
+    newer.symlink_to(elsewhere, target_is_directory=True)
+
+
+def _huge_manifest(newer: Path) -> None:
+    """A valid manifest padded with whitespace past the cap, its checksum recomputed."""
+    text = (newer / "manifest.json").read_text()
+    text += " " * (checkpoint.MAX_MANIFEST_BYTES + 1 - len(text))
+    (newer / "manifest.json").write_text(text)
+    (newer / "manifest.sha256").write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
+
+
+NOT_WHAT_THEY_CLAIM = {
+    "shard-symlink-to-dev-zero": (
+        lambda p: _replace(p / "shard-0.safetensors", lambda f: f.symlink_to("/dev/zero")),
+        r"shard-0\.safetensors: a symbolic link",
+    ),
+    "manifest-fifo": (
+        lambda p: _replace(p / "manifest.json", os.mkfifo),
+        r"manifest\.json: a FIFO, not a regular file",
+    ),
+    "manifest-symlink-to-dev-urandom": (
+        lambda p: _replace(p / "manifest.json", lambda f: f.symlink_to("/dev/urandom")),
+        r"manifest\.json: a symbolic link",
+    ),
+    "manifest-symlink-to-dev-zero": (
+        lambda p: _replace(p / "manifest.json", lambda f: f.symlink_to("/dev/zero")),
+        r"manifest\.json: a symbolic link",
+    ),
+    "checksum-symlink-to-dev-zero": (
+        lambda p: _replace(p / "manifest.sha256", lambda f: f.symlink_to("/dev/zero")),
+        r"manifest\.sha256: a symbolic link",
+    ),
+    "folder-symlink-outside": (_folder_elsewhere, r"ckpt-000000020: a symbolic link"),
+    "manifest-past-the-cap": (
+        _huge_manifest,
+        r"manifest\.json: \d+ bytes, more than \d+ \(MAX_MANIFEST_BYTES\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_WHAT_THEY_CLAIM))
+def test_a_checkpoint_file_that_is_not_a_regular_file_is_refused_without_hanging(tmp_path, case):
+    make, message = NOT_WHAT_THEY_CLAIM[case]
+    d = tmp_path / "ckpt"
+    older, newer = _two_ckpts(d)
+    make(newer)
+    child = _load_in_child(newer, d)
+    lines = child.stdout.splitlines()
+    assert child.returncode == 0 and len(lines) == 2, (child.stdout, child.stderr[-2000:])
+    assert lines[0].startswith(f"CheckpointError: {newer}"), lines
+    assert re.search(message, lines[0]), lines
+    assert lines[1] == f"fallback: {older.name}"  # as after a bad checksum
+    assert f"using {older.name} instead of {newer.name}" in child.stderr
+
+
+def _rewrite_array(ckpt_dir: Path, key: str, change) -> None:
+    """Rewrites ``key`` of shard 0's file with ``change(array)`` and updates what the
+    manifest says of the file (its checksum, and its size where it declares one), so the
+    array's dtype or shape is the checkpoint's only defect."""
+    file = ckpt_dir / "shard-0.safetensors"
+    arrays = safetensors.numpy.load_file(str(file))
+    arrays[key] = np.ascontiguousarray(change(arrays[key]))
+    safetensors.numpy.save_file(arrays, str(file))
+    data = file.read_bytes()
+
+    def edit(m):
+        m["sha256"][file.name] = hashlib.sha256(data).hexdigest()
+        if file.name in m.get("files", {}):
+            m["files"][file.name]["bytes"] = len(data)
+
+    _rewrite(ckpt_dir, edit)
+
+
+WRONG_ARRAYS = {
+    "params-int8": ("params", lambda a: a.astype(np.int8), "int8 of shape \\(9,\\)"),
+    "params-float16": ("params", lambda a: a.astype(np.float16), "float16 of shape \\(9,\\)"),
+    "params-2d": ("params", lambda a: a.reshape(3, 3), "float32 of shape \\(3, 3\\)"),
+    "params-one-more": ("params", lambda a: np.append(a, a[:1]), "float32 of shape \\(10,\\)"),
+    "clocks-int8": ("clocks", lambda a: a.astype(np.int8), "int8 of shape \\(1,\\)"),
+    "pace-shape": ("pace", lambda a: np.tile(a, 2), "float64 of shape \\(2,\\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_ARRAYS))
+def test_an_array_of_the_wrong_dtype_or_shape_is_refused_and_resume_falls_back(
+    tmp_path, caplog, case
+):
+    key, change, got = WRONG_ARRAYS[case]
+    d = tmp_path / "ckpt"
+    older, newer = _two_ckpts(d)
+    want = sw.load_params(older)
+    _rewrite_array(newer, key, change)
+    # named: refused in one line naming the file, the key and both dtypes and shapes
+    with pytest.raises(sw.CheckpointError) as e:
+        checkpoint.load(newer)
+    assert str(e.value).startswith(f"{newer / 'shard-0.safetensors'}: {key!r} is ")
+    assert re.search(f"{key!r} is {got}, the manifest says", str(e.value)), e.value
+    assert "\n" not in str(e.value)
+    with pytest.raises(sw.CheckpointError, match=re.escape(str(e.value))):
+        sw.load_params(newer)  # never cast
+    # a folder of checkpoints: the previous one, as after a bad checksum
+    with caplog.at_level(logging.WARNING, logger="stalewise.checkpoint"):
+        back = sw.load_params(d)
+    np.testing.assert_array_equal(tree.flatten(back)[0], tree.flatten(want)[0])
+    assert f"using {older.name} instead of {newer.name}" in caplog.text
+    # resuming: the same fallback, and the run goes on from the older checkpoint
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stalewise.checkpoint"):
+        result = _sim_train(d, steps=30, resume=True)
+    assert str(e.value) in caplog.text
+    assert f"using {older.name} instead of {newer.name}" in caplog.text
+    assert result.stats["version"] == 30
