@@ -159,8 +159,14 @@ def test_an_uncommitted_push_is_applied_by_no_shard(no_leaks):
         client.push_buffer[:] = 1.0  # written, never committed: the sender died first
         for c in client._conns:
             c.close()
-        time.sleep(0.3)
+        # each shard has seen the pipe close and run its departure, which is where a
+        # committed push of a dead sender is delivered (the test above): wait for that event
+        deadline = time.monotonic() + 30  # a guard against a hang only
+        while any(s["live"][0] for s in server.state_dicts()):
+            assert time.monotonic() < deadline, "the shards never saw worker 0 leave"
+            time.sleep(0.01)
         assert [s["version"] for s in server.stats()] == [0, 0]
+        assert [s["applied"] for s in server.stats()] == [0, 0]
         client.close()
 
 
