@@ -402,6 +402,27 @@ BAD_FIELDS = {
         lambda m: m.__setitem__("feedback", {"file": "feedback.safetensors", "workers": 2**40}),
         "feedback.workers is 1099511627776",
     ),
+    "params-declared-int8": (
+        lambda m: m["files"]["shard-0.safetensors"]["arrays"].update(params=["int8", [9]]),
+        r"files\['shard-0.safetensors'\]\.arrays\['params'\] is \['int8', \[9\]\], "
+        r"expected \['float32', \[n\]\] \(the spec's\)",
+    ),
+    "params-declared-2d": (
+        lambda m: m["files"]["shard-0.safetensors"]["arrays"].update(params=["float32", [3, 3]]),
+        r"arrays\['params'\] is \['float32', \[3, 3\]\], expected",
+    ),
+    "array-declared-object": (
+        lambda m: m["files"]["shard-0.safetensors"]["arrays"].update(clocks=["object", [1]]),
+        r"arrays\['clocks'\] is \['object', \[1\]\], expected \[dtype, shape\]",
+    ),
+    "file-size-missing": (
+        lambda m: m["files"]["shard-0.safetensors"].pop("bytes"),
+        r"files\['shard-0.safetensors'\]\.bytes is .*, expected a size in bytes",
+    ),
+    "format-2-without-sizes": (
+        lambda m: (m.pop("files"), m.__setitem__("format", 2)),
+        "unknown format 2, expected 3 .format 2 declared neither its files' sizes",
+    ),
 }
 
 
@@ -732,6 +753,14 @@ def test_a_checkpoint_file_that_is_not_a_regular_file_is_refused_without_hanging
     assert f"using {older.name} instead of {newer.name}" in child.stderr
 
 
+def test_a_latest_pointer_that_is_a_fifo_is_ignored_without_hanging(tmp_path):
+    d = tmp_path / "ckpt"
+    _, newer = _two_ckpts(d)
+    _replace(d / "latest", os.mkfifo)
+    child = _load_in_child(newer, d)
+    assert child.stdout.splitlines() == ["loaded", f"fallback: {newer.name}"], child.stderr
+
+
 def _rewrite_array(ckpt_dir: Path, key: str, change) -> None:
     """Rewrites ``key`` of shard 0's file with ``change(array)`` and updates what the
     manifest says of the file (its checksum, and its size where it declares one), so the
@@ -789,3 +818,20 @@ def test_an_array_of_the_wrong_dtype_or_shape_is_refused_and_resume_falls_back(
     assert str(e.value) in caplog.text
     assert f"using {older.name} instead of {newer.name}" in caplog.text
     assert result.stats["version"] == 30
+
+
+def test_a_manifest_past_the_cap_is_not_written(tmp_path, monkeypatch):
+    """Save refuses what load would refuse, as a failed write (EFBIG): a run's Saver warns
+    and goes on, and the folder stays as it was."""
+    job = sw.Job(_params(), optimizer=sw.optim.sgd(0.1))
+    states = _trained_states(job, pushes=1, workers=1)
+    monkeypatch.setattr(checkpoint, "MAX_MANIFEST_BYTES", 1000)
+    with pytest.raises(OSError, match=r"manifest.json would be \d+ bytes, more than the 1000 "):
+        checkpoint.save(
+            tmp_path,
+            states,
+            spec=job.config.spec,
+            config_info=checkpoint.config_info(job.config),
+            step_info={"pushes": 1},
+        )
+    assert list(tmp_path.iterdir()) == []
