@@ -158,6 +158,9 @@ class Client(PullsIntoTrees):
         self._done: np.ndarray | None = None  # this worker id's pushes (workers only)
         #: whether the last pull includes this worker's last push (see :meth:`pull`'s ``own``)
         self.pull_has_own = True
+        #: pulls from a shard whose snapshot lacked this worker's acknowledged push, so
+        #: served by the shard instead (read-your-writes, see :meth:`pull_flat`)
+        self.own_requests = 0
         self._lease: connection.Connection | None = None  # an attached process's socket
 
     @property
@@ -244,33 +247,33 @@ class Client(PullsIntoTrees):
                 self._consistency, self._sender.seq, (snaps.min_clock(k) for k in shards)
             )
         ):
+            # read-your-writes: once an ack is in, only a snapshot that holds it will do;
+            # a shard whose snapshot is older (it was busy and deferred publishing) is
+            # asked instead, and serves the pull behind the push: no waiting for a publish
             for k in shards:
-                # read-your-writes: once an ack is in, wait for the snapshot that holds it
-                seen = (
-                    self._acks[k].version
-                    if self._acks[k] is not None and not self._acks_due[k]
-                    else 0
-                )
-                deadline = None if timeout is None else time.monotonic() + timeout
-                while (version := snaps.read(k, self._pull_buf)) < seen:
-                    self._check_shards()  # a shard that died never publishes it
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"shard {k} did not publish version {seen} within {timeout} s"
-                        )
-                    time.sleep(0.0001)
-                self._sender.pulled(k, version)
-            return self._pull_buf
-        if not any(self._pulls_due):
+                if snaps.version(k) < self._acked(k):
+                    self._send(k, wire.pull())
+                    self._pulls_due[k] = True
+                else:
+                    self._sender.pulled(k, snaps.read(k, self._pull_buf))
+            self.own_requests += sum(self._pulls_due)
+        elif not any(self._pulls_due):
             for k in shards:  # sent before reading the last push's acks: saves a round trip
                 self._send(k, wire.pull())
             self._pulls_due = [True] * len(self._conns)
-        self.wait(timeout=timeout)
-        for k in shards:
-            if self._pulls_due[k]:
-                self._sender.pulled(k, self._take(k, "pulled", timeout)[1])
-                self._pulls_due[k] = False
+        if any(self._pulls_due):
+            self.wait(timeout=timeout)
+            for k in shards:
+                if self._pulls_due[k]:
+                    self._sender.pulled(k, self._take(k, "pulled", timeout)[1])
+                    self._pulls_due[k] = False
         return self._pull_buf
+
+    def _acked(self, k: int) -> int:
+        """The version shard ``k`` named in its ack of this worker's last push, once read
+        (0: none, or not read yet): a pull that holds that push holds this version."""
+        ack = self._acks[k]
+        return ack.version if ack is not None and not self._acks_due[k] else 0
 
     def _take(self, k: int, kind: str, timeout: float | None) -> Any:
         """The next reply of ``kind`` from shard ``k``, keeping replies of other kinds.

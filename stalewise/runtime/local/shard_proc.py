@@ -5,6 +5,17 @@ record is committed (see :mod:`stalewise.runtime.local.layout`), publishes
 snapshots for pulls, and answers control messages from the parent
 (:class:`~stalewise.runtime.local.server.LocalServer`).
 
+One turn of its loop (:meth:`ShardProcess.turn`, then :meth:`ShardProcess.settle`)
+handles every message that has arrived, then publishes a snapshot (at once when
+idle, every :data:`PUBLISH_EVERY` seconds at most while more messages wait), then
+answers the turn's pushes, then serves the pulls asked for. The acks go out
+after the publish so that a worker reading its own push back (read-your-writes,
+:meth:`Client.pull <stalewise.runtime.local.client.Client.pull>`) finds it in the
+snapshot whenever the shard was idle; when the shard was busy and deferred the
+publish, that worker asks for a served pull instead, which the shard handles
+behind the push on the same pipe: a read-your-writes pull never waits for the
+next publish.
+
 Messages are the fixed binary records of :mod:`stalewise.protocol.wire`. A
 worker's pipe is read without blocking, as bytes arrive (:class:`WorkerPipe`),
 so one worker can never stall the shard's single loop: a message that is
@@ -129,6 +140,9 @@ class ShardProcess:
         self.current: dict[int, WorkerPipe] = {}  # worker -> the pipe of its current incarnation
         self.waiting: set[int] = set()  # workers whose pull waits on the gate
         self.published, self.published_at = -1, 0.0
+        self.answers: list[tuple[WorkerPipe, bytes]] = []  # this turn's acks, sent in settle()
+        self.publishes = 0  # snapshots published
+        self.served = 0  # pulls served into a worker's pull buffer
 
     # -- snapshots -----------------------------------------------------------------
 
@@ -136,6 +150,7 @@ class ShardProcess:
         shard = self.shard
         self.snapshots.publish(self.k, shard.params, shard.version, shard.min_clock())
         self.published, self.published_at = shard.version, time.monotonic()
+        self.publishes += 1
 
     def publish(self, busy: bool) -> None:
         """Copies the params out for pulls: when idle, or every PUBLISH_EVERY s under load.
@@ -221,7 +236,14 @@ class ShardProcess:
             return
         header, payload, verdict = got
         ack = self.shard.push(header, payload, verdict=verdict, now=time.monotonic())
-        self.reply(p, wire.ack(ack))
+        self.answers.append((p, wire.ack(ack)))  # sent after this turn's publish (settle)
+
+    def answer(self) -> None:
+        """Sends this turn's acks, in order, to the pipes still connected."""
+        answers, self.answers = self.answers, []
+        for p, body in answers:
+            if p in self.pipes:
+                self.reply(p, body)
 
     def expire_partial(self) -> None:
         """Cuts off workers whose message stayed incomplete for PARTIAL_TIMEOUT seconds."""
@@ -243,7 +265,39 @@ class ShardProcess:
             if self.shard.live[w] and self.shard.may_start(w):
                 self.waiting.discard(w)
                 version = self.shard.pull(w, self.pulls[w], now=time.monotonic())
+                self.served += 1
                 self.reply(self.current[w], wire.pulled(version))
+
+    # -- the loop ------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        """Whether a worker's message is waiting (the next turn has work at once)."""
+        return bool(self.pipes) and bool(connection.wait(list(self.pipes), 0))
+
+    def turn(self, timeout: float | None) -> bool:
+        """Handles what arrives within ``timeout`` seconds (None: waits for something)
+        and cuts off incomplete messages that timed out; False when the shard must stop."""
+        for c in connection.wait([self.control, *self.pipes], timeout=timeout):
+            if c is self.control:
+                if not self.on_control():
+                    self.answer()  # the pushes handled before the stop are answered
+                    return False
+            elif c in self.pipes:  # else: departed while this batch was being handled
+                self.receive(c)
+        self.expire_partial()
+        return True
+
+    def settle(self) -> None:
+        """After a turn: publish (or not, see :meth:`publish`), then the acks, then the
+        served pulls. An ack sent after the publish lets its worker read its own push
+        from the snapshot when the shard was idle; when it was busy, that worker asks for
+        a served pull, handled behind the push (see the module docstring)."""
+        busy = self.busy()
+        self.publish(busy=busy)
+        self.answer()
+        self.serve_waiting_pulls()
+        if not busy:
+            self.shard.prepare()  # the next step's undo copy, made while no push waits for it
 
     # -- the parent ----------------------------------------------------------------
 
@@ -283,14 +337,17 @@ class ShardProcess:
         return True
 
     def join(self, w: int, inc: int) -> None:
-        fd = reduction.recv_handle(self.control)
+        self.admit(reduction.recv_handle(self.control), w, inc)
+        self.control.send_bytes(wire.joined(w, inc, int(self.shard.clocks[w])))
+
+    def admit(self, fd: int, w: int, inc: int) -> None:
+        """Incarnation ``inc`` of worker ``w`` joins on the pipe end ``fd`` (now the shard's)."""
         p = WorkerPipe(fd, w, inc)
         old = self.current.get(w)
         if old is not None:
             self.depart(old)  # the old incarnation's committed push first, then it leaves
         self.shard.join(w, inc)
         self.pipes[p], self.current[w] = None, p
-        self.control.send_bytes(wire.joined(w, inc, int(self.shard.clocks[w])))
 
 
 def shard_main(
@@ -317,13 +374,8 @@ def shard_main(
     while True:
         deadlines = [d for d in (lease_ends, proc.next_deadline()) if d is not None]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-        for c in connection.wait([control, *proc.pipes], timeout=timeout):
-            if c is control:
-                if not proc.on_control():
-                    return
-            elif c in proc.pipes:  # else: departed while this batch was being handled
-                proc.receive(c)
-        proc.expire_partial()
+        if not proc.turn(timeout):
+            return
         if lease_ends is not None and time.monotonic() >= lease_ends:
             lease_ends = None
             gone = shard.expire_unstarted()
@@ -335,10 +387,4 @@ def shard_main(
                     ", ".join(map(str, gone)),
                     join_timeout,
                 )
-        # After the acks: a pusher's next pull waits for the version its ack named
-        # (read-your-writes), and pushes queued behind this batch go first.
-        busy = bool(proc.pipes) and bool(connection.wait(list(proc.pipes), 0))
-        proc.publish(busy=busy)
-        proc.serve_waiting_pulls()
-        if not busy:
-            shard.prepare()  # the next step's undo copy, made while no push waits for it
+        proc.settle()
