@@ -594,6 +594,8 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
         layout = entry.get("arrays")
         if not isinstance(layout, dict) or sorted(layout) != sorted(arrays):
             raise bad(f"{at}.arrays", layout, f"[dtype, shape] of {_short(sorted(arrays))}")
+        if name != FEEDBACK and "params" not in layout:
+            raise bad(f"{at}.arrays", sorted(layout), "a shard's, with its params")
         for key, described in layout.items():
             if not (
                 isinstance(described, list)
