@@ -114,6 +114,13 @@ def door_path(name: str) -> Path:
     return _paths(name)[0]
 
 
+def serves(name: str) -> str | None:
+    """None if a job called ``name`` may be served on this machine (its door's socket is
+    there), else where it looked (``sw.attach``)."""
+    path = door_path(name)
+    return None if os.path.lexists(path) else f"on this machine ({path} is missing)"
+
+
 def _paths(name: str) -> tuple[Path, Path]:
     d = door_dir()
     return d / f"{name}.sock", d / f"{name}.key"
@@ -184,8 +191,12 @@ class Door:
         # no authkey here: each connection is authenticated on its own thread (_handshake),
         # under a deadline, so a silent one holds up neither the door nor the server.
         # bind() makes the socket, and fails if anything has that name (a symlink too)
-        self.listener = connection.Listener(str(self.sock), family="AF_UNIX")
-        os.chmod(self.sock, 0o600)  # in our 0700 folder: nothing but ours can be there
+        try:
+            self.listener = connection.Listener(str(self.sock), family="AF_UNIX")
+            os.chmod(self.sock, 0o600)  # in our 0700 folder: nothing but ours can be there
+        except BaseException:
+            self.keyfile.unlink(missing_ok=True)
+            raise
         self.slots = threading.BoundedSemaphore(MAX_HANDSHAKES)  # handshakes running
         # handshakes not yet authenticated, oldest first (the ones a new connection cuts)
         self.waiting: OrderedDict[int, _Deadline] = OrderedDict()
@@ -381,13 +392,13 @@ class _Deadline:
             if self._done:
                 return
             self.expired = True
-            s = socket.socket(fileno=self._fd)  # conn's descriptor, not a new one
             try:
-                s.shutdown(socket.SHUT_RDWR)
+                s = socket.socket(fileno=self._fd)  # conn's descriptor, not a new one
             except OSError:
-                pass
-            finally:
-                s.detach()
+                return
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.detach()
 
     def cancel(self) -> None:
         with self._lock:
