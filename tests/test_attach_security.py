@@ -6,8 +6,10 @@ import json
 import os
 import pickle
 import pwd
+import select
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -125,7 +127,8 @@ def other_user(base):
             **as_her,
         )
         started.append(p)
-        assert p.stdout.readline().strip() == "ready"
+        ready, _, _ = select.select([p.stdout], [], [], 30)
+        assert ready and p.stdout.readline().strip() == "ready"
         return p
 
     yield run
@@ -148,7 +151,8 @@ def test_a_folder_made_by_another_user_is_refused_and_runs_none_of_her_code(base
         _job().serve(workers=1, name="gpt")
     _one_line(e, folder, "belongs to uid")
     assert not marker.exists()
-    assert her.poll() is None  # she is still waiting: nobody connected to her socket
+    her.kill()
+    assert "connected" not in her.communicate(timeout=10)[0]  # nobody came to her socket
 
 
 def test_a_symlinked_key_in_another_users_folder_overwrites_nothing(base, other_user):
@@ -220,7 +224,8 @@ def test_what_a_door_sends_is_never_unpickled(base):
     fd = os.open(folder / f"{name}.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, key)
     os.close(fd)
-    listener = connection.Listener(str(folder / f"{name}.sock"), family="AF_UNIX")
+    sock = str(folder / f"{name}.sock")
+    listener = connection.Listener(sock, family="AF_UNIX")
 
     def serve():
         with contextlib.suppress(OSError, EOFError), listener.accept() as conn:
@@ -238,6 +243,8 @@ def test_what_a_door_sends_is_never_unpickled(base):
         _one_line(e, name, "what no door sends")
         assert not marker.exists()
     finally:
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+            s.connect(sock)  # ends its accept, if attach never came
         listener.close()
         t.join(10)
 
