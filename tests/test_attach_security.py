@@ -249,6 +249,74 @@ def test_what_a_door_sends_is_never_unpickled(base):
         t.join(10)
 
 
+PARAMS = textwrap.dedent(
+    """
+    import dataclasses
+    from typing import NamedTuple
+
+    import numpy as np
+
+    @dataclasses.dataclass
+    class Head:
+        w: np.ndarray
+        scale: float = dataclasses.field(default=2.0, metadata={"static": True})
+
+    class Params(NamedTuple):
+        body: dict
+        head: Head
+    """
+)
+
+ATTACHER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import stalewise as sw
+
+    if sys.argv[2] == "import":
+        import {module} as m
+    try:
+        client = sw.attach(sys.argv[1], timeout=20)
+    except sw.AttachError as e:
+        print("refused:", e)
+        sys.exit(0)
+    p = client.pull()
+    print(type(p).__name__, type(p.head).__name__, p.head.scale, p.body["b"].tolist())
+    client.push(m.Params({{"b": np.ones(2, np.float32)}}, m.Head(np.ones(3, np.float32))))
+    client.wait(timeout=20)
+    client.close()
+    """
+)
+
+
+def test_a_structure_travels_as_data_and_its_classes_are_never_imported_by_name(base, tmp_path):
+    """A namedtuple and dataclass tree reaches a process that imported its module; one that
+    did not is told to, in one line: the door never makes it import a module by name."""
+    module = f"swparams_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(PARAMS)
+    (tmp_path / "attacher.py").write_text(ATTACHER.format(module=module))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        m = __import__(module)
+        params = m.Params({"b": np.zeros(2, np.float32)}, m.Head(np.zeros(3, np.float32)))
+        job = sw.Job(params, optimizer=sw.optim.sgd(1.0))
+        name = _name()
+        with job.serve(workers=(0, 2), name=name) as server:
+            for how in ("import", "no-import"):
+                args = [sys.executable, str(tmp_path / "attacher.py"), name, how]
+                code, out, err = _run(args, timeout=60)
+                assert code == 0, err[-3000:]
+                if how == "import":
+                    assert out.split() == ["Params", "Head", "2.0", "[0.0,", "0.0]"], out
+                    assert server.pull().head.w.tolist() == [-1.0, -1.0, -1.0]
+                else:
+                    assert out.startswith("refused:") and out.count("\n") == 1, out
+                    assert f"class {module}." in out and "import its module" in out, out
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(module, None)
+
+
 # -- out of file descriptors, flooded with silent connections --------------------------------
 
 HELPER = textwrap.dedent(

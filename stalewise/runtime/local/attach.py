@@ -489,6 +489,8 @@ def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0
         deadline.cancel()
         for c in [*conns, conn]:
             c.close()
+        if isinstance(e, door_state.NotImported):
+            raise AttachError(f"job {name!r}: {e}") from None
         if isinstance(e, door_state.NotData):
             raise AttachError(f"job {name!r}: its door sent what no door sends ({e})") from None
         if not isinstance(e, OSError | EOFError | connection.AuthenticationError):

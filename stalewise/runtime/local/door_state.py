@@ -54,6 +54,10 @@ class NotData(ValueError):
     """Something that cannot travel through the door as data (says what)."""
 
 
+class NotImported(NotData):
+    """A class of the parameters' structure that the attaching process has not imported."""
+
+
 # -- the server's side --------------------------------------------------------------------
 
 
@@ -189,7 +193,9 @@ def decode(body: bytes) -> tuple[str | None, Plan | None]:
             _count(_get(state, "workers", int), 1),
         )
         return None, plan
-    except (ValueError, TypeError, KeyError, RecursionError) as e:  # NotData is a ValueError
+    except NotData:
+        raise
+    except (ValueError, TypeError, KeyError, RecursionError) as e:
         raise NotData(str(e) or type(e).__name__) from None
 
 
@@ -333,7 +339,7 @@ def _class(kind: str, cls: Any) -> type | None:
         else dataclasses.is_dataclass(found)
     )
     if not is_kind:
-        raise NotData(
+        raise NotImported(
             f"the parameters hold a {kind} of class {module}.{qualname}, which this process has "
             "not imported: import its module before attaching"
         )
