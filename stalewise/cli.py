@@ -422,6 +422,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="local: worker processes on this machine (default); ray: Ray actors across the "
         "cluster (RAY_ADDRESS, else one started on this machine, else a new local instance)",
     )
+    r.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds for the whole run; then the ranks still running are named and stopped, "
+        "exit 1 (default: none)",
+    )
+    r.add_argument(
+        "--rank-timeout",
+        type=float,
+        help="seconds without a push, once a rank has pushed, while the other ranks push, "
+        "before the rank is taken for hung, named and killed; exit 1 at the end (default "
+        "300; 0: off; local runtime only)",
+    )
     r.add_argument("script", help="the training script (python file)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     r.set_defaults(func=cmd_run)
@@ -433,11 +446,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         return launch.launch(
-            args.script, args.args, workers=args.workers, steps=args.steps, runtime=args.runtime
+            args.script,
+            args.args,
+            workers=args.workers,
+            steps=args.steps,
+            runtime=args.runtime,
+            timeout=args.timeout,
+            rank_timeout=args.rank_timeout,
         )
     except launch.LaunchError as e:
         print(f"stalewise: run: {_one_line(e)}", file=sys.stderr)
         return 2
+    except launch.Terminated:  # SIGTERM: the job was stopped as for Ctrl-C
+        print("stalewise: run: terminated (SIGTERM); the job was stopped", file=sys.stderr)
+        return 143
 
 
 def _one_line(text: str) -> str:

@@ -29,6 +29,42 @@ Rank and world size come from the launcher, and so does each worker's client:
 a worker id of the job for each rank. A worker that dies is reported by the
 launcher, which exits with status 1; the others carry on to the budget.
 
+How a launch ends, on the local runtime:
+
+* **The launcher killed** (even ``kill -9``): each rank, like each shard
+  process, dies with it, and so does everything started from them through
+  stalewise (:func:`~stalewise.runtime.local.procs.die_with_parent`, the first
+  thing a rank does: on Linux a parent-death signal, checked against the race
+  by the parent's pid, and everywhere a thread watching the pipe from the
+  launcher). The shared block has no name in ``/dev/shm``
+  (:mod:`stalewise.runtime.local.shm`), the start rendezvous is a pipe per rank
+  (no named semaphore), and ``multiprocessing``'s resource tracker ends with
+  the last process that holds its pipe, so nothing of the job stays.
+* **Ctrl-C or SIGTERM to the launcher**: an orderly stop. The job's stop flag
+  is set (``ctx.should_stop()`` turns true), the ranks get :data:`STOP_GRACE`
+  seconds to end, those still running are killed (a line each), then the
+  shards close. ``stalewise run`` exits 130 (Ctrl-C) or 143 (SIGTERM,
+  :class:`Terminated`). A rank interrupted itself (Ctrl-C in a terminal reaches
+  every process of its group) says so on one line, with no traceback.
+* **--timeout SECONDS**: counted from the start of the ranks, it bounds the
+  whole run. At the deadline the launcher names each rank still running and how
+  far it got (``rank 1 (3 pushes, the last 18.2 s ago)``), stops the job as
+  above, and exits 1. This is what catches a rank that hangs before its first
+  push, or every rank at once (a BSP round waiting on a hung rank).
+* **The liveness rule** (``--rank-timeout SECONDS``, default
+  :data:`RANK_TIMEOUT`; 0 turns it off): the launcher reads each rank's push
+  counter (in the shared block) every quarter of a second. A rank that has
+  pushed at least once, then pushes nothing for that long while the other ranks
+  push, is taken for hung: named (``rank 1 hung: no push for 300.2 s while the
+  other ranks pushed 81234 times``), killed, and the others carry on to the
+  budget; the launcher exits 1. Its clock starts at its first push, so a rank
+  slow to start (importing torch, loading data) is never taken for hung, and a
+  job where no rank pushes is left to ``--timeout``. A fixed bound, not the
+  phi rule :class:`~stalewise.protocol.liveness.Silence` gives ``Job.train``'s
+  workers: between two pushes a script you own may evaluate or save for a long
+  while, which a worker loop of the library never does. Pulls are not counted
+  (they read the shared block without a trace), hence "pushes nothing".
+
 Example (``train.py``; ``stalewise run --workers 4 --steps 2000 train.py``):
 
 .. code-block:: python
@@ -52,11 +88,14 @@ Example (``train.py``; ``stalewise run --workers 4 --steps 2000 train.py``):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
+import math
 import multiprocessing as mp
 import os
 import runpy
+import signal
 import sys
 import threading
 import time
@@ -64,9 +103,11 @@ from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
+from stalewise import runtime as runtime_lib
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Context", "LaunchError", "init", "launch"]
+__all__ = ["Context", "LaunchError", "Terminated", "init", "launch"]
 
 #: The most worker processes ``stalewise run`` starts on one machine.
 MAX_WORKERS = 256
@@ -119,6 +160,7 @@ class _Launch:
     steps: int | None
     timeout: float | None = None
     runtime: str = "local"
+    rank_timeout: float = 300.0  # the liveness rule's silence (0: off)
 
 
 _LAUNCH: _Launch | None = None  # set in the launcher's process while it runs the script
@@ -163,17 +205,8 @@ def init(job: Any, *, steps: int | None = None) -> Context:
             ctx.steps = steps
         _rendezvous(ctx)
         return ctx
-    if _LAUNCH is not None:
-        if _LAUNCH.runtime == "ray":
-            from stalewise.runtime.ray.launch import serve_workers
-
-            launch = _LAUNCH
-            raise SystemExit(
-                serve_workers(
-                    job, launch.script, launch.argv, launch.workers, launch.steps, launch.timeout
-                )
-            )
-        raise SystemExit(_serve_workers(job, _LAUNCH))
+    if _LAUNCH is not None:  # the runtime's launch: _serve_workers here, Ray's on Ray
+        raise SystemExit(runtime_lib.describe(_LAUNCH.runtime).load("launch")(job, _LAUNCH))
     server = job.serve(workers=1)
     client = server.client(0)
     ctx = Context(0, 1, client, steps=steps, launched=False, _server=server)
@@ -189,72 +222,210 @@ def _rendezvous(ctx: Context) -> None:
     """Waits until every launched worker has reached :func:`init`, so that they start
     together (a worker that is first by the time its imports take would otherwise spend
     the budget alone). A worker that never gets there holds the others up for
-    :data:`RENDEZVOUS_TIMEOUT` seconds at most; then they start without it."""
+    :data:`RENDEZVOUS_TIMEOUT` seconds at most, and one that ends first not at all;
+    then they start without it."""
     if ctx._barrier is None:
         return
     try:
         ctx._barrier.wait(RENDEZVOUS_TIMEOUT)
     except threading.BrokenBarrierError:
         log.warning(
-            "rank %d: not every worker reached sw.init within %g s; starting without them",
+            "rank %d: not every worker reached sw.init (one ended first, or %g s passed); "
+            "starting without them",
             ctx.rank,
             RENDEZVOUS_TIMEOUT,
         )
 
 
 def _serve_workers(job: Any, launch: _Launch) -> int:
-    """The launcher's side: serves ``job``, runs the workers, waits; the exit status."""
+    """The launcher's side: serves ``job``, runs the workers, waits; the exit status.
+
+    However it ends (the ranks done, a timeout, Ctrl-C, SIGTERM), the ranks are stopped
+    before the shards: :meth:`_Ranks.stop`."""
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(launch.workers)
     with job.serve(workers=launch.workers) as server:
-        procs = []
-        for rank in range(launch.workers):
-            args = (
-                launch.script,
-                launch.argv,
-                server.client(rank),
-                rank,
-                launch.workers,
-                launch.steps,
-                barrier,
-            )
-            p = ctx.Process(target=_worker_main, args=args, name=f"stalewise-run-{rank}")
-            p.start()
-            server.release(rank)  # the shards notice if this worker dies
-            procs.append(p)
-        log.info("stalewise run: %d workers started", launch.workers)
-        failed = _wait_for(procs, barrier, launch.timeout)
+        ranks = _Ranks(server, launch)
+        try:
+            for rank in range(launch.workers):
+                ranks.start(ctx, rank)
+            log.info("stalewise run: %d workers started", launch.workers)
+            ranks.wait()
+        finally:  # Ctrl-C and SIGTERM (Terminated) pass through here, and re-raise
+            ranks.stop()
         pushes = server.observer.job_pushes
-    for line in failed:
-        print(f"stalewise run: {line}", file=sys.stderr)
     print(f"stalewise run: {launch.workers} workers done, {pushes} pushes", file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if ranks.failed else 0
 
 
-def _wait_for(procs: list, barrier: Any, timeout: float | None) -> list[str]:
-    """Waits for the worker processes to end (all killed after ``timeout`` seconds);
-    returns what went wrong, a line each. A worker that fails lets the others past the
-    start barrier at once, instead of after :data:`RENDEZVOUS_TIMEOUT`."""
-    from stalewise.runtime.local.procs import describe_exit
+#: Seconds the launcher gives its ranks to end by themselves once it stops the job
+#: (Ctrl-C, SIGTERM, ``--timeout``): a rank that polls ``ctx.should_stop()`` ends within
+#: a step; the ranks still running after that are killed.
+STOP_GRACE = 5.0
+#: ``--rank-timeout``'s default: seconds without a push, once a rank has pushed, while the
+#: other ranks push, before the launcher takes that rank for hung.
+RANK_TIMEOUT = 300.0
+_POLL = 0.25  # seconds between the launcher's looks at the ranks' push counters
 
-    deadline = None if timeout is None else time.monotonic() + timeout
-    failed, running = [], dict(enumerate(procs))
-    while running:
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            for p in running.values():
-                p.kill()
-                p.join()
-            return [*failed, f"timed out after {timeout} s"]
-        ended = connection.wait([p.sentinel for p in running.values()], left)
-        for rank, p in list(running.items()):
-            if p.sentinel in ended:
-                p.join()
-                del running[rank]
-                if p.exitcode != 0:
-                    failed.append(f"rank {rank} failed ({describe_exit(p.exitcode)})")
-                    barrier.abort()
-    return sorted(failed)
+
+class _Rank:
+    """The launcher's view of one rank: its process, its pipe, its pushes."""
+
+    def __init__(self, rank: int, proc: Any, conn: Any):
+        self.rank, self.proc, self.conn = rank, proc, conn
+        self.ready = False  # reached sw.init (or can no longer say so)
+        self.released = False  # told to start (the rendezvous)
+        self.ended = False
+        self.judged = False  # a line already says what became of it (hung, killed)
+        self.pushes = 0
+        self.last_push: float | None = None  # when the launcher saw its count last rise
+        self.job_then = 0  # the job's pushes at that moment
+
+    def progress(self, now: float) -> str:
+        if self.last_push is None:
+            return "no push yet"
+        return f"{self.pushes} pushes, the last {now - self.last_push:.1f} s ago"
+
+
+class _Ranks:
+    """The launcher's ranks: starts them, releases them together, watches their pushes
+    (the liveness rule, see the module docstring), and stops them."""
+
+    def __init__(self, server: Any, launch: _Launch):
+        self.server, self.launch = server, launch
+        self.ranks: list[_Rank] = []
+        self.failed: list[str] = []
+        self.stopping = False
+        self.started = time.monotonic()
+
+    def start(self, ctx: Any, rank: int) -> None:
+        launch = self.launch
+        mine, theirs = ctx.Pipe()
+        args = (
+            launch.script,
+            launch.argv,
+            self.server.client(rank),
+            rank,
+            launch.workers,
+            launch.steps,
+            theirs,
+        )
+        # started from this thread, which waits for them: a rank's parent-death signal
+        # (procs.die_with_parent) fires when the thread that started it ends
+        p = ctx.Process(target=_worker_main, args=args, name=f"stalewise-run-{rank}")
+        p.start()
+        theirs.close()
+        self.server.release(rank)  # the shards notice if this worker dies
+        self.ranks.append(_Rank(rank, p, mine))
+
+    def _fail(self, line: str) -> None:
+        """Says what went wrong, at once, on a line of stderr; the run will exit 1."""
+        self.failed.append(line)
+        print(f"stalewise run: {line}", file=sys.stderr, flush=True)
+
+    def running(self) -> list[_Rank]:
+        return [r for r in self.ranks if not r.ended]
+
+    def _release(self, word: bytes) -> None:
+        """Lets every rank waiting at the rendezvous go (``go``: all there; ``alone``: a
+        rank ended before it got there)."""
+        for r in self.ranks:
+            if not r.released and not r.ended:
+                r.released = True
+                with contextlib.suppress(OSError):
+                    r.conn.send_bytes(word)
+
+    def _ended(self, r: _Rank) -> None:
+        r.proc.join()
+        r.ended = r.ready = True
+        r.conn.close()
+        if r.proc.exitcode != 0 and not r.judged and not self.stopping:
+            from stalewise.runtime.local.procs import describe_exit
+
+            self._fail(f"rank {r.rank} failed ({describe_exit(r.proc.exitcode)})")
+            self._release(b"alone")  # the others start without it, at once
+
+    def _look(self, now: float) -> None:
+        """Reads the ranks' push counters; kills a rank that the liveness rule finds hung."""
+        control = self.server.control
+        counts = control[self.server.layout.pushes_done]
+        job = int(counts.sum())
+        for r in self.ranks:
+            n = int(counts[r.rank])
+            if n != r.pushes:
+                r.pushes, r.last_push, r.job_then = n, now, job
+        limit = self.launch.rank_timeout
+        if not limit:
+            return
+        for r in self.running():
+            if r.judged or r.last_push is None or now - r.last_push < limit:
+                continue
+            others = job - r.job_then  # the others' pushes since its last one
+            if others <= 0:  # the job is not going on without it either: --timeout's case
+                continue
+            r.judged = True
+            r.proc.kill()
+            self._fail(
+                f"rank {r.rank} hung: no push for {now - r.last_push:.1f} s while the other "
+                f"ranks pushed {others} times (--rank-timeout {limit:g}); killed it"
+            )
+
+    def wait(self) -> None:
+        """Until every rank has ended, or ``--timeout`` (then ``failed`` says which ranks
+        were still running, and how far they had got)."""
+        timeout = self.launch.timeout
+        deadline = None if timeout is None else self.started + timeout
+        while running := self.running():
+            now = time.monotonic()
+            self._look(now)
+            if deadline is not None and now >= deadline:
+                still = "; ".join(f"rank {r.rank} ({r.progress(now)})" for r in running)
+                self._fail(f"timed out after {timeout:g} s (--timeout): still running: {still}")
+                return
+            if all(r.ready for r in self.ranks):
+                self._release(b"go")
+            waiting = {r.conn: r for r in running if not r.ready}
+            ends = {r.proc.sentinel: r for r in running}
+            left = _POLL if deadline is None else max(0.0, min(_POLL, deadline - now))
+            for obj in connection.wait([*waiting, *ends], left):
+                if obj in waiting:
+                    r = waiting[obj]
+                    with contextlib.suppress(EOFError, OSError):  # else its end will say
+                        r.conn.recv_bytes()  # b"ready"
+                    r.ready = True
+            for r in ends.values():
+                if not r.ended and not r.proc.is_alive():
+                    self._ended(r)
+
+    def stop(self) -> None:
+        """Stops the ranks still running, before the shards close: sets the job's stop flag
+        (``ctx.should_stop()`` turns true), lets the ranks waiting at the rendezvous go,
+        gives them :data:`STOP_GRACE` seconds to end, then kills the rest. A second
+        Ctrl-C (or SIGTERM) meanwhile kills them at once."""
+        self.stopping = True
+        if not self.running():
+            return
+        if self.server.control is not None:
+            self.server.control[0] = 1
+        self._release(b"go")
+        try:
+            deadline = time.monotonic() + STOP_GRACE
+            while (running := self.running()) and (left := deadline - time.monotonic()) > 0:
+                connection.wait([r.proc.sentinel for r in running], left)
+                for r in running:
+                    if not r.proc.is_alive():
+                        self._ended(r)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            for r in self.running():
+                r.proc.kill()
+                r.proc.join()
+                r.ended = True
+                r.conn.close()
+                print(
+                    f"stalewise run: rank {r.rank} did not stop within {STOP_GRACE:g} s; killed it",
+                    file=sys.stderr,
+                )
 
 
 def whole_lines() -> None:
@@ -267,6 +438,24 @@ def whole_lines() -> None:
             stream.reconfigure(write_through=False, line_buffering=True)
 
 
+class _Gate:
+    """A rank's side of the launcher's start rendezvous: its pipe to the launcher, on
+    which it says ``ready`` and waits for ``go`` (``alone``: a rank ended before it got
+    there). No named semaphore: nothing of it can stay in ``/dev/shm``."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self.conn.send_bytes(b"ready")
+            word = self.conn.recv_bytes() if self.conn.poll(timeout) else b""
+        except (EOFError, OSError):  # the launcher is gone (and this rank goes with it)
+            word = b""
+        if word != b"go":
+            raise threading.BrokenBarrierError
+
+
 def _worker_main(
     script: str,
     argv: list[str],
@@ -274,23 +463,81 @@ def _worker_main(
     rank: int,
     world: int,
     steps: int | None,
-    barrier: Any,
+    conn: Any,
 ) -> None:
-    """A worker process: runs the script as ``__main__`` with its context set."""
+    """A worker process (a rank): runs the script as ``__main__`` with its context set.
+
+    It dies with the launcher (:func:`~stalewise.runtime.local.procs.die_with_parent`,
+    first thing). Interrupted (Ctrl-C reaches every process of the terminal's group),
+    or stopped by the launcher while it waits on the shards, it says so on one line."""
     global _WORKER
+    from stalewise.runtime.local.procs import die_with_parent
+
+    die_with_parent()
+    from stalewise.runtime.base import ServerClosed
     from stalewise.runtime.logs import child_logging
 
     child_logging(f"rank {rank}")
     whole_lines()
-    _WORKER = Context(rank, world, client, steps=steps, _barrier=barrier)
+    _WORKER = Context(rank, world, client, steps=steps, _barrier=_Gate(conn))
     sys.argv = [script, *argv]
     sys.path.insert(0, str(Path(script).resolve().parent))
     os.environ["STALEWISE_RANK"], os.environ["STALEWISE_WORLD_SIZE"] = str(rank), str(world)
     try:
         runpy.run_path(script, run_name="__main__")
-    finally:
-        if _WORKER.client is not None:  # the script did not close it
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: no traceback either
+        _leave_quietly()
+        print(f"stalewise run: rank {rank} interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except ServerClosed as e:  # the launcher stopped the job under it
+        _leave_quietly()
+        print(f"stalewise run: rank {rank}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except BaseException:  # its traceback (or exit status) tells the rest
+        _leave_quietly()
+        raise
+    if _WORKER.client is not None:  # the script did not close it
+        _WORKER.close()
+
+
+def _leave_quietly() -> None:
+    """Closes the rank's context if the script did not, whatever the shards' state."""
+    if _WORKER is not None and _WORKER.client is not None:
+        with contextlib.suppress(Exception):
             _WORKER.close()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the launcher, which stops the job as Ctrl-C does (``stalewise run``
+    then exits with status 143)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated("SIGTERM")
+
+
+def _check_python(path: Path) -> None:
+    """Refuses a script that is not Python (``stalewise run /bin/true``) on one line,
+    before anything starts."""
+    try:
+        source = path.read_bytes()
+    except OSError as e:
+        raise LaunchError(f"{path}: cannot read it ({e.strerror})") from None
+    try:
+        compile(source, str(path), "exec", dont_inherit=True)
+    except SyntaxError as e:
+        where = f" at line {e.lineno}" if e.lineno else ""
+        raise LaunchError(f"{path} is not valid Python: {e.msg}{where}") from None
+    except ValueError as e:  # null bytes (a binary), an undecodable file
+        raise LaunchError(f"{path} is not valid Python: {e}") from None
+
+
+def _seconds(value: Any, least: float) -> bool:
+    """Whether ``value`` is a finite number of seconds >= ``least``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and value >= least
 
 
 def launch(
@@ -301,11 +548,18 @@ def launch(
     steps: int | None = None,
     timeout: float | None = None,
     runtime: str = "local",
+    rank_timeout: float | None = None,
 ) -> int:
     """Runs ``script`` with ``argv`` as ``stalewise run`` does; returns the exit status.
 
     ``runtime``: ``"local"`` (worker processes on this machine) or ``"ray"`` (Ray actors
     across the cluster this process connects to; see :mod:`stalewise.runtime.ray.launch`).
+    ``timeout``: seconds for the whole run, from the start of the ranks (None: no bound);
+    ``rank_timeout``: the liveness rule's silence, local runtime only (None:
+    :data:`RANK_TIMEOUT`; 0: off). See the module docstring.
+
+    Called from the main thread, it handles SIGTERM as Ctrl-C while it runs: the job is
+    stopped in order and :class:`Terminated` (a ``KeyboardInterrupt``) is raised.
 
     Raises:
         LaunchError: a bad argument, or a script that ends without calling :func:`init`.
@@ -315,24 +569,32 @@ def launch(
         raise LaunchError(f"--workers must be an integer in 1..{MAX_WORKERS}, got {workers!r}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise LaunchError(f"--steps must be an integer >= 1, got {steps!r}")
-    if runtime not in ("local", "ray"):
-        raise LaunchError(f"--runtime must be 'local' or 'ray', got {runtime!r}")
+    if runtime not in runtime_lib.names("launch"):
+        able = " or ".join(map(repr, runtime_lib.names("launch")))
+        raise LaunchError(f"--runtime must be {able}, got {runtime!r}")
+    if timeout is not None and (not _seconds(timeout, 0.0) or timeout == 0):
+        raise LaunchError(f"--timeout must be a number of seconds > 0, got {timeout!r}")
+    if rank_timeout is not None and not _seconds(rank_timeout, 0.0):
+        raise LaunchError(
+            f"--rank-timeout must be a number of seconds >= 0 (0: off), got {rank_timeout!r}"
+        )
+    if runtime == "ray" and rank_timeout is not None:
+        raise LaunchError("--rank-timeout is for --runtime local (Ray's ranks are not watched)")
+    if rank_timeout is None:
+        rank_timeout = RANK_TIMEOUT
     path = Path(script)
     if not path.is_file():
         raise LaunchError(f"{script}: no such script")
-    if runtime == "ray":
-        try:
-            from stalewise.runtime.ray import import_ray
-            from stalewise.runtime.ray.launch import quiet_driver
-
-            quiet_driver()
-            import_ray()
-        except ImportError as e:
-            raise LaunchError(str(e)) from None
-    _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout, runtime)
+    _check_python(path)
+    missing = runtime_lib.describe(runtime).missing()
+    if missing is not None:
+        raise LaunchError(missing)
+    _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout, runtime, rank_timeout)
     saved = sys.argv, list(sys.path)
     sys.argv = [str(path), *argv]
     sys.path.insert(0, str(path.resolve().parent))
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as e:
@@ -340,6 +602,8 @@ def launch(
             return int(e.code or 0)
         raise
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         _LAUNCH = None
         sys.argv, sys.path[:] = saved
     raise LaunchError(

@@ -6,19 +6,24 @@ serves its job and runs the script again in each worker process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
+import mp_helpers
 import numpy as np
 import pytest
 
 import stalewise as sw
-from stalewise.launch import RENDEZVOUS_TIMEOUT
+from stalewise.launch import RENDEZVOUS_TIMEOUT, STOP_GRACE
 
 STALEWISE = [sys.executable, "-m", "stalewise"]
 TIMEOUT = 240
@@ -126,11 +131,20 @@ def test_a_worker_that_raises_makes_the_launcher_fail_naming_its_rank(tmp_path, 
         (["--steps", "0", "train.py"], "--steps must be an integer >= 1, got 0"),
         (["missing.py"], "missing.py: no such script"),
         (["noinit.py"], "noinit.py ended without calling sw.init(job)"),
+        (["/bin/true"], "/bin/true is not valid Python: source code string cannot contain null"),
+        (["typo.py"], "typo.py is not valid Python: '(' was never closed at line 1"),
+        (["--timeout", "0", "train.py"], "--timeout must be a number of seconds > 0, got 0.0"),
+        (["--rank-timeout", "-1", "train.py"], "--rank-timeout must be a number of seconds >= 0"),
+        (
+            ["--runtime", "ray", "--rank-timeout", "5", "train.py"],
+            "--rank-timeout is for --runtime local",
+        ),
     ],
 )
 def test_launch_errors_are_one_line(tmp_path, args, message):
     _script(tmp_path)
     (tmp_path / "noinit.py").write_text("print('training without stalewise')\n")
+    (tmp_path / "typo.py").write_text("print('a typo'\n")
     done = _run("run", *args, cwd=tmp_path)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
@@ -203,3 +217,244 @@ def test_workers_lines_stay_whole_when_python_is_unbuffered(tmp_path, no_leaks):
     lines = done.stdout.splitlines()
     expected = {f"rank {r} line {i}" for r in range(3) for i in range(300)}
     assert len(lines) == len(expected) and set(lines) == expected, done.stdout[-2000:]
+
+
+# Ranks that poll ctx.should_stop(), sleep in user code, or hang before or after pushing.
+TOY = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import stalewise as sw
+
+    if __name__ == "__main__":
+        mode = sys.argv[1]
+        ctx = sw.init(sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1)))
+        print(f"rank {ctx.rank} ready", flush=True)
+        if mode == "sleep" or (mode == "hang-before" and ctx.rank == 1):
+            time.sleep(3600)
+        elif mode == "poll":
+            while not ctx.should_stop():
+                time.sleep(0.05)
+        else:  # push (rank 1 of hang-after: 3 times, then it sleeps)
+            n = 0
+            while not ctx.should_stop():
+                ctx.client.pull()
+                ctx.client.push({"x": np.ones(4, np.float32)})
+                n += 1
+                if mode == "hang-after" and ctx.rank == 1 and n == 3:
+                    time.sleep(3600)
+                time.sleep(0.01)
+        ctx.close()
+    """
+)
+
+
+def _default_sigint() -> None:
+    """In the launcher's process before it starts: Ctrl-C at its default, whatever the
+    test runner's (a background job of a non-interactive shell starts with it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class _Launcher:
+    """``stalewise run`` as a subprocess in its own session, its processes tagged through
+    the environment; reads its stdout lines as they come. On exit, every process of the
+    job that is left is killed, whatever the test found."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        self.tag = f"stalewise-launch-{os.getpid()}-{time.time_ns()}"
+        self.proc = subprocess.Popen(
+            [*STALEWISE, "run", *args],
+            cwd=tmp_path,
+            env={**os.environ, "STALEWISE_TEST_TAG": self.tag},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its process group: ours to signal and to clean up
+            preexec_fn=_default_sigint,
+        )
+        self.lines: queue.Queue = queue.Queue()
+        self.err: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self.lines.put)),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.err.append)),
+        ]
+        for t in self._readers:
+            t.start()
+
+    @staticmethod
+    def _read(stream, put) -> None:
+        for line in stream:
+            put(line.rstrip("\n"))
+
+    def wait_ready(self, ranks: int, timeout: float = 120) -> None:
+        deadline, ready = time.monotonic() + timeout, set()
+        while len(ready) < ranks:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"ranks ready: {sorted(ready)}; {self.stderr()}") from None
+            if line.endswith(" ready"):
+                ready.add(line)
+
+    def job(self) -> set[int]:
+        """The live processes of the job (the launcher's too)."""
+        return set(mp_helpers.tagged_pids(self.tag))
+
+    def stderr(self, timeout: float = 30) -> str:
+        for t in self._readers:
+            t.join(timeout)
+        return "\n".join(self.err)
+
+    def __enter__(self) -> _Launcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in self.job():  # a rank that left the group would still hold the tag
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        for t in self._readers:
+            t.join(10)
+        self.proc.stdout.close(), self.proc.stderr.close()
+
+
+def _shared_files(pids: set[int]) -> set[str]:
+    """The files in /dev/shm that ``pids`` have mapped or open (named blocks, semaphores)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+            found |= {line.split()[-1] for line in f if "/dev/shm/" in line}
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if (target := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("/dev/shm/"):
+                        found.add(target)
+    return found
+
+
+def _children(pid: int) -> set[int]:
+    """The children of ``pid`` (from /proc)."""
+    kids = set()
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+                kids |= {int(c) for c in f.read().split()}
+    return kids
+
+
+def _left(pids: set[int], within: float) -> set[int]:
+    """Those of ``pids`` still running (not zombies) after up to ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = set()
+        for pid in pids:
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.add(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc (Linux)")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_launcher_leaves_no_rank_shard_tracker_or_block(tmp_path, sig):
+    """Ranks that only poll ctx.should_stop() end with the launcher: SIGKILL (the ranks'
+    and shards' parent-death signal) or SIGTERM (an orderly stop, as Ctrl-C)."""
+    script = _script(tmp_path, TOY)
+    with _Launcher(tmp_path, "--workers", "2", str(script), "poll") as launcher:
+        launcher.wait_ready(2)
+        job = launcher.job() - {launcher.proc.pid}
+        assert job == _children(launcher.proc.pid)  # found through the environment and /proc
+        names = {Path(f"/proc/{pid}/cmdline").read_bytes() for pid in job}
+        assert len(job) == 4, names  # 2 ranks, 1 shard, multiprocessing's resource tracker
+        assert any(b"resource_tracker" in n for n in names), names
+        files = _shared_files(job | {launcher.proc.pid})
+        launcher.proc.send_signal(sig)
+        launcher.proc.wait(STOP_GRACE + 30)
+        left = _left(job, 5.0)
+        assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
+        assert not [f for f in files if os.path.exists(f)]
+        assert not [
+            f for f in os.listdir("/dev/shm") if f.startswith(f"stalewise-{launcher.proc.pid}-")
+        ]
+        if sig == signal.SIGTERM:
+            err = launcher.stderr()
+            assert launcher.proc.returncode == 143, err
+            assert "Traceback" not in err, err
+            assert "stalewise: run: terminated (SIGTERM)" in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc (Linux)")
+def test_ctrl_c_stops_ranks_sleeping_in_user_code_with_a_line_each(tmp_path):
+    """Ctrl-C in a terminal reaches every process of its group: ranks asleep in user code
+    say so in one line each, no traceback; the launcher stops the job and exits 130."""
+    script = _script(tmp_path, TOY)
+    with _Launcher(tmp_path, "--workers", "2", str(script), "sleep") as launcher:
+        launcher.wait_ready(2)
+        job = launcher.job() - {launcher.proc.pid}
+        os.killpg(launcher.proc.pid, signal.SIGINT)
+        launcher.proc.wait(STOP_GRACE + 30)
+        err = launcher.stderr()
+        assert launcher.proc.returncode == 130, err
+        assert "Traceback" not in err and "ServerClosed" not in err, err
+        lines = err.splitlines()
+        assert len(lines) <= 2 + 2, err  # a line per rank at most, and the launcher's
+        assert "stalewise: interrupted" in lines, err
+        assert not _left(job, 5.0)
+
+
+@pytest.mark.parametrize("mode", ["hang-before", "hang-after"])
+def test_a_hung_rank_ends_the_run_at_timeout_naming_it(tmp_path, mode):
+    """Rank 1 sleeps forever in user code, before its first push or after three; rank 0
+    reaches the budget and ends. --timeout 20 ends the run with exit 1 naming rank 1."""
+    script = _script(tmp_path, TOY)
+    start = time.monotonic()
+    with _Launcher(
+        tmp_path, "--workers", "2", "--steps", "40", "--timeout", "20", str(script), mode
+    ) as launcher:
+        launcher.proc.wait(20 + STOP_GRACE + 60)
+        err = launcher.stderr()
+    took = time.monotonic() - start
+    assert launcher.proc.returncode == 1, err
+    pushes = "no push yet" if mode == "hang-before" else "3 pushes, the last"
+    assert "stalewise run: timed out after 20 s (--timeout): still running: rank 1 (" in err
+    assert f"rank 1 ({pushes}" in err, err
+    assert "rank 0 (" not in err, err  # it had ended, at the budget
+    assert "Traceback" not in err, err
+    assert 20 <= took < 20 + STOP_GRACE + 60, took
+
+
+def test_a_rank_that_stops_pushing_while_the_others_go_on_is_killed(tmp_path):
+    """The liveness rule: rank 1 pushes 3 times and sleeps; rank 0 pushes on (a push every
+    10 ms or more, towards a budget of 1500). With --rank-timeout 3, rank 1 is named and
+    killed after 3 s of silence, and rank 0 carries on to the budget alone."""
+    script = _script(tmp_path, TOY)
+    start = time.monotonic()
+    with _Launcher(
+        tmp_path,
+        "--workers",
+        "2",
+        "--steps",
+        "1500",
+        "--rank-timeout",
+        "3",
+        "--timeout",
+        "120",
+        str(script),
+        "hang-after",
+    ) as launcher:
+        launcher.proc.wait(180)
+        err = launcher.stderr()
+    took = time.monotonic() - start
+    assert launcher.proc.returncode == 1, err
+    assert "stalewise run: rank 1 hung: no push for 3." in err, err
+    assert "(--rank-timeout 3); killed it" in err, err
+    assert "timed out" not in err and "Traceback" not in err, err
+    done = err.strip().splitlines()[-1]
+    assert done.startswith("stalewise run: 2 workers done, "), err
+    assert int(done.split(", ")[1].split()[0]) >= 1500  # rank 0 reached the budget alone
+    assert took < 120, took

@@ -269,9 +269,21 @@ def test_ctrl_c_stops_every_process_and_frees_shared_memory(tmp_path):
         )
     )
     env = dict(os.environ, STALEWISE_TEST_TAG=tag)
-    proc = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
-    )
+    # The job starts with Ctrl-C at its default, however pytest was started: a background
+    # job of a non-interactive shell (`pytest &` in a script) inherits SIGINT ignored, and
+    # so would the job, which then never sees the signal. Ignored here for a moment, as
+    # there, so that this test always checks that it is reset for the job.
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     try:
         assert proc.stdout.readline().strip() == b"training"
         proc.send_signal(signal.SIGINT)
