@@ -72,7 +72,8 @@ and is not restarted.
 
 Cost: O(log n) per event (heap) and O(1) per-worker state per event. Under
 SSP/BSP a shard asks ``Shard.min_clock`` (O(1) amortised) once per pull request
-and once per applied push, never once per waiting worker.
+and once per applied push, never once per waiting worker. Each worker id's
+state, over its incarnations, is one :class:`_SimWorker` record.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -109,6 +111,42 @@ _PULL, _PUSH = 0, 1
 # _SETTLING: its settling push is committed, the loop is answered at its acks
 _IDLE, _PULLING, _COMPUTING, _HELD, _SETTLING, _DONE, _DEAD = range(7)
 _GONE = object()  # what Simulation.send returns when the worker failed meanwhile
+
+
+@dataclass(slots=True, eq=False)
+class _SimWorker:
+    """One worker id's state in a run, over its incarnations."""
+
+    id: int
+    pull_bytes: list[float]  # the wire size of each pull slice (model_bytes scaled)
+    acks: list  # each shard's ack of the push in flight (None: not handled yet)
+    behind: list[bool]  # its pull request at shard k waits behind its push there
+    joins: list[float]  # the times of its scripted joins
+    inc: int = 0  # incarnation: events of an earlier life are dropped
+    phase: int = _IDLE
+    loop: Any = None  # the incarnation's protocol loop (a generator)
+    loop_stats: Any = None  # the loop's stats, once it has ended
+    sender: Sender | None = None  # one per incarnation, each its predecessor's successor
+    feedback: Any = None  # the error feedback a resumed run starts from
+    payloads: list[bytearray] | None = None  # its push's payloads, one per shard
+    replica: pulls.Replica | None = None  # the incarnation's copy (delta pulls)
+    batches: Any = None  # its stream (a restart starts a new one)
+    joined_at: int = 0  # the shards' clock for it when it (re)joined
+    fresh: bool = True  # the incarnation's pulls may read snapshots (pipeline)
+    settle: bool = False  # the computed step's push settles (pipeline)
+    stepped: bool = False  # it has done a step (an error before one fails the job)
+    pending: int = 0  # pull slices still to come
+    acking: int = 0  # acks still to come for the push in flight
+    results: list = field(default_factory=list)  # pushes acked, not yet answered
+    outgoing: Outgoing | None = None  # the push committed, in flight
+    pull_buf: np.ndarray | None = None  # the pull under way
+    upd_buf: np.ndarray | None = None  # the push in flight
+    next_buf: np.ndarray | None = None  # computed, not committed
+    loss_next: float = math.nan  # the computed step's loss
+    t_mark: float = 0.0  # when its pull or compute began
+    push_mark: float = 0.0  # when the push in flight was committed
+    ended: tuple[float, int] | None = None  # (time, order) when its loop ended
+    awaiting: dict | None = None  # its failure event, until it is back
 
 
 class Simulation:
@@ -139,16 +177,9 @@ class Simulation:
         # model_bytes: every slice (and so every pull and push) scaled alike
         self.scale = sim.model_bytes / self.spec.nbytes if sim.model_bytes else 1.0
         self.slice_bytes = [(hi - lo) * self.params.itemsize * self.scale for lo, hi in self.ranges]
-        self.push_bytes = [[0.0] * S for _ in range(workers)]  # wire size of each push slice
-        # with a codec a push slice is its shard's payload, of exactly this many bytes
-        self.compressor = None
-        # each worker's sending side (one protocol Sender per incarnation; a new one takes
-        # its predecessor's residual buffers), and the residuals a resumed run starts from
-        self.senders: list[Sender | None] = [None] * workers
-        self.joined_at = [0] * workers  # the shards' clock for a worker when it (re)joined
-        self.feedback: list[Any] = [None] * workers
-        self.payloads: list[Any] = [None] * workers  # each worker's payloads, one per shard
+        # a push slice's wire size: with a codec, its shard's payload, of exactly this many bytes
         self.wire_bytes = list(self.slice_bytes)
+        self.compressor = None
         if not compress.is_identity(config.codec):
             self.compressor = config.compressor()
             dtype = self.params.dtype
@@ -160,57 +191,37 @@ class Simulation:
             self.pull_servers = [
                 pulls.PullServer.for_shard(config, k, shard) for k, shard in enumerate(self.shards)
             ]
-        self.replicas: list[tuple[int, pulls.Replica] | None] = [None] * workers
-        self.pull_bytes = [list(self.slice_bytes) for _ in range(workers)]  # of each pull slice
         self.pulled = [0.0, 0]  # bytes of every pull slice served (model_bytes scaled), slices
         self.links = Links(sim.network, workers, S)
         self.lat, self.service = sim.network.latency, sim.service
         self.gated = self.shards[0].consistency.gated
+        # the verdict looks at the versions only with a max_staleness: else no need to tell it
+        self.judging = config.staleness.max_staleness != math.inf
         self.heap: list[tuple] = []
         self.counter = itertools.count()
         self.now = self.end = 0.0
         self.busy: list[tuple | None] = [None] * S  # request in service at each shard
         self.queue: list[deque] = [deque() for _ in range(S)]
-        self.waiting: list[list] = [[] for _ in range(S)]  # gated pulls: (clock, ctr, w, inc)
-        self.inc = [0] * workers  # incarnation: events of an earlier life are dropped
-        self.loops: list[Any] = [None] * workers  # each worker's protocol loop (a generator)
-        self.phase = [_IDLE] * workers
-        self.pending = [0] * workers  # pull slices still to come
-        self.acking = [0] * workers  # acks still to come for the push in flight
-        self.fresh = [True] * workers
-        self.settle = (
-            [False] * workers
-        )  # the computed step's push settles (pipeline)  # the incarnation's pulls may read snapshots (pipeline)
-        self.behind: list[list[bool]] = [[False] * S for _ in range(workers)]  # pull behind push
-        self.results: list[list] = [[] for _ in range(workers)]  # acked, not yet answered
-        self.loop_stats: list[Any] = [None] * workers  # a loop's stats, once it has ended
-        self.push_mark = [0.0] * workers  # when the push in flight was committed
-        self.acks: list[list] = [[None] * S for _ in range(workers)]  # the push's acks
-        self.outgoing: list[Outgoing | None] = [None] * workers  # the push committed, in flight
-        # the verdict looks at the versions only with a max_staleness: else no need to tell it
-        self.judging = config.staleness.max_staleness != math.inf
-        self.pull_buf: list[np.ndarray | None] = [None] * workers
-        self.upd_buf: list[np.ndarray | None] = [None] * workers  # the push in flight
-        self.next_buf: list[np.ndarray | None] = [None] * workers  # computed, not committed
-        self.pool: list[np.ndarray] = []  # free parameter-sized buffers
-        self.batches: list[Any] = [None] * workers
-        self.loss_next = [math.nan] * workers
+        self.waiting: list[list] = [[] for _ in range(S)]  # gated pulls: (clock, ctr, wk, inc)
+        joins: dict[int, list[float]] = {}
+        for e in sorted(sim.joins, key=lambda e: e.time):
+            joins.setdefault(e.worker, []).append(e.time)
+        self.workers = [
+            _SimWorker(w, list(self.slice_bytes), [None] * S, [False] * S, joins.get(w, []))
+            for w in range(workers)
+        ]
+        # by worker id, read by the driver and by batch_iterator: each worker's last loss,
+        # and the batches each worker id has drawn, over its lives
         self.last_loss = np.full(workers, np.nan)
-        self.t_mark = [0.0] * workers
+        self.consumed = [0] * workers
+        self.pool: list[np.ndarray] = []  # free parameter-sized buffers
         self.started = self.pushes = self.events = self.queued = 0
         self.totals = {"pull": 0.0, "push": 0.0, "compute": 0.0, "steps": 0}
-        self.consumed = [0] * workers  # batches each worker id has drawn, over its lives
-        self.ended: list[tuple[float, int] | None] = [None] * workers  # (time, order) of DONE
         self.checkpointer: Any = None  # called after every event by run() when set
         self.diverged: dict[int, str] = {}  # worker -> why its loop raised loop.Diverged
         self.failures = Failures() if failures is None else failures  # the failure policy
         self.diverge_after = diverge_after  # for the worker loops
-        self.stepped = [False] * workers  # worker id has done a step (errors before: fatal)
-        self.awaiting: dict[int, dict] = {}  # worker -> its failure event, until it is back
         self.returns = 0  # scripted joins and restarts still to come
-        self.join_times: dict[int, list[float]] = {}  # worker -> its scripted joins
-        for e in sorted(sim.joins, key=lambda e: e.time):
-            self.join_times.setdefault(e.worker, []).append(e.time)
 
     # -- plumbing ------------------------------------------------------------------
 
@@ -219,21 +230,19 @@ class Simulation:
             self.queued += 1  # work in flight (not an evaluation, failure or join)
         heapq.heappush(self.heap, (t, next(self.counter), kind, w, k, inc, x))
 
-    def transfer(self, src: int, dst: int, nbytes: float, head_kind: int, w: int, k: int) -> None:
+    def transfer(self, src: int, dst: int, nbytes: float, head_kind: int, wk: _SimWorker, k: int):
         head, tail = self.links.send(src, dst, nbytes, self.now)
         if self.links.instant(dst, nbytes, head, tail):
-            self.at(head, head_kind + 1, w, k, self.inc[w])  # skip the ingress step
+            self.at(head, head_kind + 1, wk.id, k, wk.inc)  # skip the ingress step
         else:
-            self.at(head, head_kind, w, k, self.inc[w], tail)
+            self.at(head, head_kind, wk.id, k, wk.inc, tail)
 
     def take_buffer(self) -> np.ndarray:
         return self.pool.pop() if self.pool else np.empty(self.spec.size, self.params.dtype)
 
-    def give_back(self, w: int) -> None:
-        for bufs in (self.pull_buf, self.upd_buf, self.next_buf):
-            if bufs[w] is not None:
-                self.pool.append(bufs[w])
-                bufs[w] = None
+    def give_back(self, wk: _SimWorker) -> None:
+        self.pool += [b for b in (wk.pull_buf, wk.upd_buf, wk.next_buf) if b is not None]
+        wk.pull_buf = wk.upd_buf = wk.next_buf = None
 
     # -- shards --------------------------------------------------------------------
 
@@ -248,68 +257,58 @@ class Simulation:
         self.at(self.now + self.service.seconds(self.slice_bytes[k]), _SERVED, k=k)
 
     def served(self, k: int) -> None:
-        kind, w, inc = self.busy[k]
-        if inc == self.inc[w]:
-            shard = self.shards[k]
+        kind, wk, inc = self.busy[k]
+        if inc == wk.inc:
             if kind == _PULL:
-                self.read(w, k)
+                self.read(wk, k)
             else:
-                out = self.outgoing[w]
-                header = PushHeader(w, out.seq, out.bases[k], inc)
-                self.acks[w][k] = ack = shard.push(
-                    header, self.sent(w, k), verdict=out.verdict, now=self.now
+                out = wk.outgoing
+                header = PushHeader(wk.id, out.seq, out.bases[k], inc)
+                wk.acks[k] = ack = self.shards[k].push(
+                    header, self.sent(wk, k), verdict=out.verdict, now=self.now
                 )
                 if not ack.ok:
-                    log.debug("sim: shard %d rejected worker %d's push: %s", k, w, ack.reason)
-                self.at(self.now + self.lat, _ACK, w, k, inc)
+                    log.debug("sim: shard %d rejected worker %d's push: %s", k, wk.id, ack.reason)
+                self.at(self.now + self.lat, _ACK, wk.id, k, inc)
                 self.release(k)
-                if self.behind[w][k]:  # its pull came behind the push: its turn now
-                    self.behind[w][k] = False
-                    self.ask(w, k, inc)
+                if wk.behind[k]:  # its pull came behind the push: its turn now
+                    wk.behind[k] = False
+                    self.ask(wk, k, inc)
         q = self.queue[k]
         while q:
             req = q.popleft()
-            if req[2] == self.inc[req[1]]:
+            if req[2] == req[1].inc:
                 self.serve(k, req)
                 return
         self.busy[k] = None
 
-    def read(self, w: int, k: int) -> None:
-        """Shard ``k``'s slice as it is now goes to worker ``w`` (served, or read from the
+    def read(self, wk: _SimWorker, k: int) -> None:
+        """Shard ``k``'s slice as it is now goes to worker ``wk`` (served, or read from the
         newest snapshot: :mod:`stalewise.protocol.pipeline`)."""
         lo, hi = self.ranges[k]
         if self.pull_servers is None:
-            version = self.shards[k].pull(w, self.pull_buf[w][lo:hi], now=self.now)
-            self.senders[w].pulled(k, version)
+            wk.sender.pulled(k, self.shards[k].pull(wk.id, wk.pull_buf[lo:hi], now=self.now))
             nbytes = self.slice_bytes[k]
-        else:
-            nbytes = self.delta_pull(w, k)
-        self.pull_bytes[w][k] = nbytes
+        else:  # a delta pull: the worker's copy decodes the payload, the step gets its slice
+            if wk.replica is None:  # a new incarnation starts with no copy
+                wk.replica = pulls.Replica.for_job(self.config)
+            pulled = self.pull_servers[k].pull(wk.id, wk.replica.have(k), now=self.now)
+            wk.sender.pulled(k, wk.replica.apply(k, pulled.payload))
+            np.copyto(wk.pull_buf[lo:hi], wk.replica.params[lo:hi])
+            nbytes = pulled.nbytes(self.scale)
+        wk.pull_bytes[k] = nbytes
         self.pulled[0] += nbytes
         self.pulled[1] += 1
-        self.transfer(self.P + k, w, nbytes, _PULL_HEAD, w, k)
+        self.transfer(self.P + k, wk.id, nbytes, _PULL_HEAD, wk, k)
 
-    def ask(self, w: int, k: int, inc: int) -> None:
-        """Worker ``w``'s pull request at shard ``k``: it waits for the gate, then queues."""
+    def ask(self, wk: _SimWorker, k: int, inc: int) -> None:
+        """Worker ``wk``'s pull request at shard ``k``: it waits for the gate, then queues."""
         shard = self.shards[k]
-        if self.gated and not shard.may_start(w):
-            heapq.heappush(self.waiting[k], (int(shard.clocks[w]), next(self.counter), w, inc))
+        if self.gated and not shard.may_start(wk.id):
+            entry = (int(shard.clocks[wk.id]), next(self.counter), wk, inc)
+            heapq.heappush(self.waiting[k], entry)
         else:
-            self.enqueue(k, (_PULL, w, inc))
-
-    def delta_pull(self, w: int, k: int) -> float:
-        """Shard ``k`` serves worker ``w``'s delta pull (:mod:`stalewise.protocol.pulls`):
-        the worker's copy decodes the payload and the step gets that copy's slice.
-        Returns the payload's byte count (scaled by ``model_bytes``)."""
-        held = self.replicas[w]
-        if held is None or held[0] != self.inc[w]:  # a new incarnation starts with no copy
-            held = self.replicas[w] = (self.inc[w], pulls.Replica.for_job(self.config))
-        replica = held[1]
-        pulled = self.pull_servers[k].pull(w, replica.have(k), now=self.now)
-        self.senders[w].pulled(k, replica.apply(k, pulled.payload))
-        lo, hi = self.ranges[k]
-        np.copyto(self.pull_buf[w][lo:hi], replica.params[lo:hi])
-        return pulled.nbytes(self.scale)
+            self.enqueue(k, (_PULL, wk, inc))
 
     def pull_bytes_mean(self) -> float:
         """The mean bytes of one pull of every shard (model_bytes scaled)."""
@@ -325,37 +324,39 @@ class Simulation:
         shard = self.shards[k]
         floor = shard.min_clock()
         while h:
-            clock, _, w, inc = h[0]
-            if inc != self.inc[w]:
+            clock, _, wk, inc = h[0]
+            if inc != wk.inc:
                 heapq.heappop(h)
                 continue
             if not (
-                shard.may_start(w) if shard.hybrid else shard.consistency.may_start(clock, floor)
+                shard.may_start(wk.id)
+                if shard.hybrid
+                else shard.consistency.may_start(clock, floor)
             ):
                 return
             heapq.heappop(h)
-            self.enqueue(k, (_PULL, w, inc))
+            self.enqueue(k, (_PULL, wk, inc))
 
     # -- workers ---------------------------------------------------------------------
 
-    def send(self, w: int, answer: Any) -> Any:
-        """Answers worker ``w``'s loop; returns its next request, None when the loop
+    def send(self, wk: _SimWorker, answer: Any) -> Any:
+        """Answers worker ``wk``'s loop; returns its next request, None when the loop
         ended (the budget is spent, or it diverged), or ``_GONE`` when the worker failed."""
         try:
-            return self.loops[w].send(answer)
+            return wk.loop.send(answer)
         except StopIteration as stop:
-            self.loop_stats[w] = stop.value
+            wk.loop_stats = stop.value
             return None
         except loop.Diverged as e:  # the loop has ended: the worker stops pushing and leaves
-            self.diverged[w] = str(e)
-            self.failures.diverged(w, str(e), time=self.now)  # never restarted
+            self.diverged[wk.id] = str(e)
+            self.failures.diverged(wk.id, str(e), time=self.now)  # never restarted
             return None
         except Exception as e:
-            self.crash(w, e)
+            self.crash(wk, e)
             return _GONE
 
-    def start_loop(self, w: int) -> None:
-        """Starts a new loop for worker ``w``'s new incarnation (it asks BEGIN at once).
+    def start_loop(self, wk: _SimWorker) -> None:
+        """Starts a new loop for worker ``wk``'s new incarnation (it asks BEGIN at once).
 
         A worker id keeps one stream of batches over its lives; a restart
         (:meth:`policy`) or a resumed run starts a new one, as a new process
@@ -363,264 +364,258 @@ class Simulation:
         :class:`~stalewise.protocol.sender.Sender` takes over the residual of
         its worker id's last committed push.
         """
-        self.senders[w] = self.new_sender(w)
-        self.joined_at[w] = max(int(shard.clocks[w]) for shard in self.shards)
-        self.fresh[w] = pipeline.reads_snapshots(
-            self.config, incarnation=self.inc[w], joined_at=self.joined_at[w]
-        )
-        self.results[w], self.loop_stats[w] = [], None
+        w = wk.id
+        wk.sender = self.new_sender(wk)
+        wk.joined_at = max(int(shard.clocks[w]) for shard in self.shards)
+        wk.fresh = pipeline.reads_snapshots(self.config, incarnation=wk.inc, joined_at=wk.joined_at)
+        wk.results, wk.loop_stats, wk.replica = [], None, None
         try:
-            if self.batches[w] is None:
-                self.batches[w] = batch_iterator(self.data, w, self.P, drawn=self.consumed)
+            if wk.batches is None:
+                wk.batches = batch_iterator(self.data, w, self.P, drawn=self.consumed)
         except Exception as e:
-            self.crash(w, e)
+            self.crash(wk, e)
             return
-        self.loops[w] = gen = loop.worker_loop(
+        wk.loop = gen = loop.worker_loop(
             self.strategy,
             self.loss_and_grad,
-            self.batches[w],
+            wk.batches,
             worker=w,
             diverge_after=self.diverge_after,
         )
         next(gen)  # runs to the first BEGIN
-        self.start_step(w)
+        self.start_step(wk)
 
-    def start_step(self, w: int) -> None:
+    def start_step(self, wk: _SimWorker) -> None:
         """Answers the loop's BEGIN: a step starts while the job's budget lasts."""
-        more = self.may_begin(w)
-        request = self.send(w, more)
+        request = self.send(wk, self.may_begin(wk))
         if request is _GONE:
             return
         if request is None:  # the loop has ended: the worker leaves the job
-            self.phase[w], self.loops[w] = _DONE, None
-            self.ended[w] = (self.now, sum(e is not None for e in self.ended))
-            if not self.acking[w]:  # else it leaves once its last push is acked
-                self.leave(w)
+            wk.phase, wk.loop = _DONE, None
+            wk.ended = (self.now, sum(x.ended is not None for x in self.workers))
+            if not wk.acking:  # else it leaves once its last push is acked
+                self.leave(wk)
             return
         self.started += 1  # the loop asks to PULL
-        self.phase[w], self.pending[w], self.t_mark[w] = _PULLING, self.S, self.now
-        self.pull_buf[w] = self.take_buffer()
+        wk.phase, wk.pending, wk.t_mark = _PULLING, self.S, self.now
+        wk.pull_buf = self.take_buffer()
         # the pipelining rule: the newest snapshots, or requests behind the push in flight
-        snapshot = self.fresh[w] and pipeline.may_read(
-            self.shards[0].consistency, self.senders[w].seq, (s.min_clock() for s in self.shards)
+        snapshot = wk.fresh and pipeline.may_read(
+            self.shards[0].consistency, wk.sender.seq, (s.min_clock() for s in self.shards)
         )
         for k in range(self.S):
-            self.at(self.now + self.lat, _PULL_REQ, w, k, self.inc[w], float(snapshot))
+            self.at(self.now + self.lat, _PULL_REQ, wk.id, k, wk.inc, float(snapshot))
 
-    def leave(self, w: int) -> None:
-        """Worker ``w``'s loop has ended and its last push is acked: it leaves the shards."""
+    def leave(self, wk: _SimWorker) -> None:
+        """Worker ``wk``'s loop has ended and its last push is acked: it leaves the shards."""
         for k in range(self.S):
-            self.at(self.now + self.lat, _LEAVE, w, k, self.inc[w])
+            self.at(self.now + self.lat, _LEAVE, wk.id, k, wk.inc)
 
-    def compute(self, w: int) -> None:
+    def compute(self, wk: _SimWorker) -> None:
         """Every slice is in: the loop runs the strategy step, the compute time starts."""
-        self.totals["pull"] += self.now - self.t_mark[w]
-        params = tree.unflatten(self.pull_buf[w], self.spec)
+        self.totals["pull"] += self.now - wk.t_mark
+        params = tree.unflatten(wk.pull_buf, self.spec)
         try:
-            request = self.loops[w].send(params)
+            request = wk.loop.send(params)
             if request is loop.CLOCK:  # a strategy pacing itself asks the clock: virtual time
-                request = self.loops[w].send(self.now)
+                request = wk.loop.send(self.now)
             # the step has run: a Push (answered at its acks, so its settle holds already)
             update, loss, local_steps = request[:3]
             if local_steps < 0:
                 raise ValueError(f"the strategy step reported local_steps={local_steps} (< 0)")
-            self.next_buf[w] = out = self.take_buffer()
+            wk.next_buf = out = self.take_buffer()
             tree.flatten(update, spec=self.spec, out=out)
-            self.settle[w] = pipeline.answer_at_acks(request)
+            wk.settle = pipeline.answer_at_acks(request)
         except Exception as e:
-            self.crash(w, e)
+            self.crash(wk, e)
             return
-        self.stepped[w] = True
-        self.pool.append(self.pull_buf[w])
-        self.pull_buf[w] = None
-        self.loss_next[w] = loss
-        self.phase[w], self.t_mark[w] = _COMPUTING, self.now
-        self.at(self.timing.finish(w, self.now, local_steps), _COMPUTED, w, inc=self.inc[w])
+        wk.stepped = True
+        self.pool.append(wk.pull_buf)
+        wk.pull_buf = None
+        wk.loss_next = loss
+        wk.phase, wk.t_mark = _COMPUTING, self.now
+        self.at(self.timing.finish(wk.id, self.now, local_steps), _COMPUTED, wk.id, inc=wk.inc)
 
-    def new_sender(self, w: int) -> Sender:
-        """Worker ``w``'s sending side for a new incarnation: its predecessor's successor,
+    def new_sender(self, wk: _SimWorker) -> Sender:
+        """Worker ``wk``'s sending side for a new incarnation: its predecessor's successor,
         or one with the residual a resumed run gave it."""
-        if (old := self.senders[w]) is not None:
-            return old.successor()
-        start = None if self.feedback[w] is None else self.feedback[w].residual
+        if wk.sender is not None:
+            return wk.sender.successor()
+        start = None if wk.feedback is None else wk.feedback.residual
         cfg, dtype = self.config, self.params.dtype
         return Sender(
             cfg.spec.segments, cfg.staleness, self.S, self.compressor, residual=start, dtype=dtype
         )
 
-    def payload_buffers(self, w: int) -> list[bytearray]:
-        """Worker ``w``'s payload buffers, one per shard, kept from push to push (a payload
-        lives until every shard took it)."""
-        bufs = self.payloads[w]
-        if bufs is None:
-            dtype = self.params.dtype
-            sizes = [self.compressor.nbytes(k, dtype) for k in range(self.S)]
-            bufs = self.payloads[w] = [bytearray(n) for n in sizes]
-        return bufs
-
-    def sent(self, w: int, k: int) -> Any:
-        """What shard ``k`` receives of worker ``w``'s push: its slice, or its payload."""
+    def sent(self, wk: _SimWorker, k: int) -> Any:
+        """What shard ``k`` receives of worker ``wk``'s push: its slice, or its payload."""
         if self.compressor is not None:
-            return self.payloads[w][k]
+            return wk.payloads[k]
         lo, hi = self.ranges[k]
-        return self.upd_buf[w][lo:hi]
+        return wk.upd_buf[lo:hi]
 
-    def computed(self, w: int) -> None:
+    def computed(self, wk: _SimWorker) -> None:
         """The step's compute time is over: push, once the last push is acked (IN_FLIGHT)."""
-        self.totals["compute"] += self.now - self.t_mark[w]
-        if self.acking[w]:
-            self.phase[w] = _HELD
+        self.totals["compute"] += self.now - wk.t_mark
+        if wk.acking:
+            wk.phase = _HELD
             return
-        self.push(w)
+        self.push(wk)
 
-    def push(self, w: int) -> None:
+    def push(self, wk: _SimWorker) -> None:
         """Commits the update (one verdict for every shard) and sends each shard its slice;
         the loop goes on at once, or at the acks of a settling push (pipeline)."""
-        self.upd_buf[w], self.next_buf[w] = self.next_buf[w], None
+        wk.upd_buf, wk.next_buf = wk.next_buf, None
+        sender = wk.sender
         if self.compressor is not None:  # the payloads are free: the last push is acked
+            if wk.payloads is None:  # kept from push to push, one per shard
+                dtype = self.params.dtype
+                wk.payloads = [bytearray(self.compressor.nbytes(k, dtype)) for k in range(self.S)]
             try:
-                self.senders[w].encode(self.upd_buf[w], self.payload_buffers(w))
+                sender.encode(wk.upd_buf, wk.payloads)
             except Exception as e:
-                self.crash(w, e)
+                self.crash(wk, e)
                 return
         self.pushes += 1
-        self.last_loss[w] = self.loss_next[w]
-        sender = self.senders[w]
+        self.last_loss[wk.id] = wk.loss_next
         if self.judging:  # what the sender knows: exact here
             for k, shard in enumerate(self.shards):
                 sender.observed(k, shard.version)
         # judged once (payloads decoded back into the update's buffer), then committed
-        self.outgoing[w] = sender.judge(self.upd_buf[w], into=self.upd_buf[w])
+        wk.outgoing = sender.judge(wk.upd_buf, into=wk.upd_buf)
         sender.committed()
-        self.acks[w] = [None] * self.S
-        self.acking[w], self.push_mark[w] = self.S, self.now
+        wk.acks = [None] * self.S
+        wk.acking, wk.push_mark = self.S, self.now
         for k in range(self.S):
-            self.push_bytes[w][k] = nbytes = self.wire_bytes[k]  # the payload's exact size
-            self.transfer(w, self.P + k, nbytes, _PUSH_HEAD, w, k)
-        if self.settle[w]:
-            self.phase[w] = _SETTLING
+            self.transfer(wk.id, self.P + k, self.wire_bytes[k], _PUSH_HEAD, wk, k)
+        if wk.settle:
+            wk.phase = _SETTLING
             return
-        self.phase[w] = _IDLE
-        results, self.results[w] = self.results[w], []
-        if self.send(w, results) is not _GONE:  # the loop asks BEGIN
-            self.start_step(w)
+        self.answer(wk)
 
-    def acked(self, w: int) -> None:
+    def answer(self, wk: _SimWorker) -> None:
+        """The loop goes on: it gets the results acked since its last answer and asks BEGIN."""
+        wk.phase = _IDLE
+        results, wk.results = wk.results, []
+        if self.send(wk, results) is not _GONE:
+            self.start_step(wk)
+
+    def acked(self, wk: _SimWorker) -> None:
         """Every ack of the push in flight is in: its result goes to the loop with the next
         answer; a held push is committed now, a settling one's loop goes on."""
-        self.totals["push"] += self.now - self.push_mark[w]
+        self.totals["push"] += self.now - wk.push_mark
         self.totals["steps"] += 1
-        self.pool.append(self.upd_buf[w])
-        self.upd_buf[w] = None
-        self.results[w].append(self.senders[w].result(self.acks[w]))
-        phase = self.phase[w]
-        if phase == _HELD:
-            self.push(w)
-        elif phase == _SETTLING:
-            self.phase[w] = _IDLE
-            results, self.results[w] = self.results[w], []
-            if self.send(w, results) is not _GONE:  # the loop asks BEGIN
-                self.start_step(w)
-        elif phase == _DONE:  # the loop has ended: its last push's result, then it leaves
-            results, self.results[w] = self.results[w], []
-            if self.loop_stats[w] is not None:
-                loop.report(results, self.loop_stats[w], w)
-            self.leave(w)
+        self.pool.append(wk.upd_buf)
+        wk.upd_buf = None
+        wk.results.append(wk.sender.result(wk.acks))
+        if wk.phase == _HELD:
+            self.push(wk)
+        elif wk.phase == _SETTLING:
+            self.answer(wk)
+        elif wk.phase == _DONE:  # the loop has ended: its last push's result, then it leaves
+            results, wk.results = wk.results, []
+            if wk.loop_stats is not None:
+                loop.report(results, wk.loop_stats, wk.id)
+            self.leave(wk)
 
-    def fail(self, w: int) -> None:
-        """A scripted failure of worker ``w`` (``SimConfig.failures``); see the module docstring."""
-        if self.phase[w] in (_DEAD, _DONE):
+    def fail(self, wk: _SimWorker) -> None:
+        """A scripted failure of worker ``wk`` (``SimConfig.failures``); see the module docstring."""
+        if wk.phase in (_DEAD, _DONE):
             return
-        log.info("sim: worker %d fails at t=%.6g", w, self.now)
-        self.depart(w)
+        log.info("sim: worker %d fails at t=%.6g", wk.id, self.now)
+        self.depart(wk)
         cause = "scripted failure (SimConfig.failures)"
-        back = next((t for t in self.join_times.get(w, ()) if t >= self.now), None)
+        back = next((t for t in wk.joins if t >= self.now), None)
         if back is None:
-            self.policy(w, cause)
+            self.policy(wk, cause)
             return
         # the script says when it is back: away until that join, whatever the policy
-        event = {"worker": w, "time": self.now, "cause": cause, "action": "left", "rejoin": back}
+        event = {
+            "worker": wk.id,
+            "time": self.now,
+            "cause": cause,
+            "action": "left",
+            "rejoin": back,
+        }
         self.failures.events.append(event)
-        self.awaiting[w] = event
+        wk.awaiting = event
 
-    def crash(self, w: int, error: Exception) -> None:
-        """The user's code raised ``error`` in worker ``w`` (call it in the ``except``
+    def crash(self, wk: _SimWorker, error: Exception) -> None:
+        """The user's code raised ``error`` in worker ``wk`` (call it in the ``except``
         block): the worker fails now, and the failure policy says what follows.
 
         Raises:
-            WorkerError: before worker id ``w`` has done a step (a bug in its data or
+            WorkerError: before worker id ``wk`` has done a step (a bug in its data or
                 first step, whatever the policy), or as the policy decides.
         """
         detail = traceback.format_exc()
-        if not self.stepped[w]:
-            raise worker_failed(w, detail, f"{type(error).__name__}: {error}") from None
-        self.depart(w)
-        self.policy(w, f"raised {type(error).__name__}: {error}", detail)
+        if not wk.stepped:
+            raise worker_failed(wk.id, detail, f"{type(error).__name__}: {error}") from None
+        self.depart(wk)
+        self.policy(wk, f"raised {type(error).__name__}: {error}", detail)
 
-    def policy(self, w: int, cause: str, detail: str = "") -> None:
-        """Applies the failure policy to worker ``w``, which has just departed."""
-        if self.failures.worker(w, cause, time=self.now, detail=detail) == "restart":
-            self.awaiting[w] = self.failures.events[-1]
-            self.batches[w] = None  # the new incarnation continues its id's stream
+    def policy(self, wk: _SimWorker, cause: str, detail: str = "") -> None:
+        """Applies the failure policy to worker ``wk``, which has just departed."""
+        if self.failures.worker(wk.id, cause, time=self.now, detail=detail) == "restart":
+            wk.awaiting = self.failures.events[-1]
+            wk.batches = None  # the new incarnation continues its id's stream
             self.returns += 1
-            self.at(self.now + self.sim.restart_delay, _RESTART, w, inc=self.inc[w])
+            self.at(self.now + self.sim.restart_delay, _RESTART, wk.id, inc=wk.inc)
 
     def restarting(self, w: int) -> bool:
         """Whether worker ``w`` is down, waiting for its restart."""
-        event = self.awaiting.get(w)
+        event = self.workers[w].awaiting
         return event is not None and event["action"] == "restarted"
 
-    def depart(self, w: int) -> None:
-        """Worker ``w``'s incarnation ends now: it leaves every shard, which first
+    def depart(self, wk: _SimWorker) -> None:
+        """Worker ``wk``'s incarnation ends now: it leaves every shard, which first
         delivers a push it had committed, and its messages in flight are dropped."""
-        phase, inc = self.phase[w], self.inc[w]
-        if phase in (_PULLING, _COMPUTING, _HELD):
+        if wk.phase in (_PULLING, _COMPUTING, _HELD):
             self.started -= 1  # nothing was committed: the step is not done
-        flying, self.acking[w] = self.acking[w], 0
-        self.behind[w] = [False] * self.S
-        self.results[w] = []
-        self.phase[w] = _DEAD
-        if self.loops[w] is not None:
-            self.loops[w].close()
-            self.loops[w] = None
-        delivered = []
+        flying, wk.acking = wk.acking, 0
+        wk.behind = [False] * self.S
+        wk.results = []
+        wk.phase = _DEAD
+        if wk.loop is not None:
+            wk.loop.close()
+            wk.loop = None
+        out, delivered = wk.outgoing, []
         for k, shard in enumerate(self.shards):
             committed = None
             if flying:  # committed: shards that have not handled it get it now
-                out = self.outgoing[w]
-                header = PushHeader(w, out.seq, out.bases[k], inc)
-                committed = (header, self.sent(w, k), out.verdict)
-            if shard.depart(w, inc, committed=committed) is not None:
+                header = PushHeader(wk.id, out.seq, out.bases[k], wk.inc)
+                committed = (header, self.sent(wk, k), out.verdict)
+            if shard.depart(wk.id, wk.inc, committed=committed) is not None:
                 delivered.append(k)
             self.release(k)
         if delivered:
             log.info(
                 "sim: worker %d's committed push %d delivered to shard(s) %s at its failure",
-                w,
-                self.outgoing[w].seq,
+                wk.id,
+                out.seq,
                 delivered,
             )
-        self.inc[w] += 1  # the push's messages still in flight are dropped: exactly once
-        self.give_back(w)
-        if self.senders[w] is not None:  # a push encoded, never committed: the residual stays
-            self.senders[w].abandoned()
+        wk.inc += 1  # the push's messages still in flight are dropped: exactly once
+        self.give_back(wk)
+        if wk.sender is not None:  # a push encoded, never committed: the residual stays
+            wk.sender.abandoned()
 
-    def join(self, w: int) -> None:
-        if self.phase[w] not in (_DEAD, _DONE):
-            log.debug("sim: worker %d joins at t=%.6g but is live; ignored", w, self.now)
+    def join(self, wk: _SimWorker) -> None:
+        if wk.phase not in (_DEAD, _DONE):
+            log.debug("sim: worker %d joins at t=%.6g but is live; ignored", wk.id, self.now)
             return
-        log.info("sim: worker %d joins at t=%.6g", w, self.now)
-        self.rejoin(w)
+        log.info("sim: worker %d joins at t=%.6g", wk.id, self.now)
+        self.rejoin(wk)
 
-    def rejoin(self, w: int) -> None:
-        """Worker ``w`` comes back as a new incarnation (a scripted join or a restart)."""
-        self.inc[w] += 1
-        self.diverged.pop(w, None)  # a new incarnation, with a new loop
-        event = self.awaiting.pop(w, None)
+    def rejoin(self, wk: _SimWorker) -> None:
+        """Worker ``wk`` comes back as a new incarnation (a scripted join or a restart)."""
+        wk.inc += 1
+        self.diverged.pop(wk.id, None)  # a new incarnation, with a new loop
+        event, wk.awaiting = wk.awaiting, None
         for shard in self.shards:
-            shard.join(w, self.inc[w])
-        self.start_loop(w)
-        if event is not None and self.phase[w] != _DEAD:
+            shard.join(wk.id, wk.inc)
+        self.start_loop(wk)
+        if event is not None and wk.phase != _DEAD:
             event["recovered"] = self.now
 
     # -- checkpoints -------------------------------------------------------------------
@@ -633,18 +628,16 @@ class Simulation:
         run start each worker when and in the order it would have gone on.
         """
         rngs = self.timing._rngs
+        # a worker waiting for its restart is live: a resumed run restarts it at once
+        dead = [wk.phase == _DEAD and not self.restarting(wk.id) for wk in self.workers]
         return {
             "now": self.now,
             "pushes": self.pushes,
             "quiescent": not self.queued
-            and all(p in (_DONE, _DEAD) for p in self.phase)
+            and all(wk.phase in (_DONE, _DEAD) for wk in self.workers)
             and not any(map(self.restarting, range(self.P))),
-            # a worker waiting for its restart is live: a resumed run restarts it at once
-            "phase": [
-                "dead" if p == _DEAD and not self.restarting(w) else "live"
-                for w, p in enumerate(self.phase)
-            ],
-            "ended": [None if e is None else list(e) for e in self.ended],
+            "phase": ["dead" if d else "live" for d in dead],
+            "ended": [None if wk.ended is None else list(wk.ended) for wk in self.workers],
             "consumed": list(self.consumed),
             "last_loss": [None if math.isnan(x) else float(x) for x in self.last_loss],
             "rngs": None if rngs is None else [r.bit_generator.state for r in rngs],
@@ -662,8 +655,12 @@ class Simulation:
             return None
         zeros = np.zeros(self.spec.size, self.params.dtype)
         return [
-            s.residual if s is not None else zeros if f is None else f.residual
-            for s, f in zip(self.senders, self.feedback, strict=True)
+            wk.sender.residual
+            if wk.sender is not None
+            else zeros
+            if wk.feedback is None
+            else wk.feedback.residual
+            for wk in self.workers
         ]
 
     def restore(
@@ -679,7 +676,8 @@ class Simulation:
         for shard, state in zip(self.shards, states, strict=True):
             shard.load_state_dict(state)
         if feedback is not None and self.compressor is not None:
-            self.feedback[:] = feedback  # each worker id continues with its residual
+            for wk, f in zip(self.workers, feedback, strict=True):
+                wk.feedback = f  # each worker id continues with its residual
         self.now = self.end = float(saved["now"])
         self.pushes = self.started = int(saved["pushes"])
         self.consumed = [int(n) for n in saved["consumed"]]  # each stream skips as many
@@ -691,16 +689,17 @@ class Simulation:
         self.links.ingress[:] = saved["ingress"]
         self.totals.update(saved["totals"])
         self.events = int(saved["events"])
-        for w in range(self.P):  # new incarnations, above every shard's
-            self.inc[w] = max(int(s.incarnation[w]) for s in self.shards)
+        for wk in self.workers:  # new incarnations, above every shard's
+            wk.inc = max(int(s.incarnation[wk.id]) for s in self.shards)
         if saved["quiescent"]:
             starts = [(e[0], e[1], w) for w, e in enumerate(saved["ended"]) if e is not None]
         else:
             live = [w for w, p in enumerate(saved["phase"]) if p == "live"]
             starts = [(self.now, w, w) for w in live]
-        for w in range(self.P):
-            if w not in {x[2] for x in starts}:
-                self.phase[w] = _DEAD
+        started = {x[2] for x in starts}
+        for wk in self.workers:
+            if wk.id not in started:
+                wk.phase = _DEAD
         return [(t, w) for t, _, w in sorted(starts)]
 
     # -- the loop ------------------------------------------------------------------
@@ -714,7 +713,7 @@ class Simulation:
         if starts is None:
             absent = self.sim.absent_at_start()
             for w in sorted(absent):
-                self.phase[w] = _DEAD
+                self.workers[w].phase = _DEAD
                 for shard in self.shards:
                     shard.leave(w)
         events = [e for e in self.sim.failures + self.sim.joins if e.time >= t0]
@@ -722,20 +721,11 @@ class Simulation:
             self.at(e.time, _JOIN if isinstance(e, Join) else _FAIL, e.worker)
         self.returns += sum(isinstance(e, Join) for e in events)
         if starts is None:
-            for w in range(self.P):
-                if w not in absent:
-                    self.inc[w] = 1
-                    for shard in self.shards:
-                        shard.join(w, 1)
-                    self.start_loop(w)
-        else:
-            for t, w in starts:
-                self.now = t
-                self.inc[w] += 1
-                for shard in self.shards:
-                    shard.join(w, self.inc[w])
-                self.start_loop(w)
-            self.now = t0
+            starts = [(t0, w) for w in range(self.P) if w not in absent]
+        for t, w in starts:  # each a new incarnation: the first is 1
+            self.now = t
+            self.rejoin(self.workers[w])
+        self.now = t0
 
     def advance(self, until: float, deadline: float, due: Callable[[], bool] | None = None) -> str:
         """Runs events up to the record time ``until`` (an evaluation event there, ordered
@@ -753,7 +743,7 @@ class Simulation:
         if self.eval_at != until:
             self.eval_at = until
             self.at(until, _EVAL)
-        heap, pop, inc = self.heap, heapq.heappop, self.inc
+        heap, pop, workers = self.heap, heapq.heappop, self.workers
         while heap:
             t, _, kind, w, k, i, x = pop(heap)
             self.now = t
@@ -772,43 +762,44 @@ class Simulation:
                     raise TimeoutError(f"simulation did not finish within the timeout (t={t:.6g})")
                 return driver.RECORD
             elif kind >= _FAIL:
+                wk = workers[w]
                 idle = self.idle()  # this join or restart counts: it may bring work
                 self.returns -= kind != _FAIL
-                if idle or (kind == _RESTART and i != inc[w]):
+                if idle or (kind == _RESTART and i != wk.inc):
                     continue  # the job is over, or the worker is back already (a join)
                 if kind == _FAIL:
-                    self.fail(w)
+                    self.fail(wk)
                 elif kind == _JOIN:
-                    self.join(w)
+                    self.join(wk)
                 else:
                     log.info("sim: worker %d restarts at t=%.6g", w, self.now)
-                    self.rejoin(w)
-            elif i != inc[w]:
+                    self.rejoin(wk)
+            elif i != (wk := workers[w]).inc:
                 continue  # a message of (or to) an earlier life of worker w
             elif kind == _PULL_REQ:
                 if x:  # the newest snapshot (pipeline.may_read): no queue at the shard
-                    self.read(w, k)
-                elif self.acking[w] and self.acks[w][k] is None:
-                    self.behind[w][k] = True  # behind its push, which shard k has not handled
+                    self.read(wk, k)
+                elif wk.acking and wk.acks[k] is None:
+                    wk.behind[k] = True  # behind its push, which shard k has not handled
                 else:
-                    self.ask(w, k, i)
+                    self.ask(wk, k, i)
             elif kind == _PULL_HEAD:
-                self.at(self.links.receive(w, self.pull_bytes[w][k], t, x), _PULL_RESP, w, k, i)
+                self.at(self.links.receive(w, wk.pull_bytes[k], t, x), _PULL_RESP, w, k, i)
             elif kind == _PUSH_HEAD:
-                done = self.links.receive(self.P + k, self.push_bytes[w][k], t, x)
+                done = self.links.receive(self.P + k, self.wire_bytes[k], t, x)
                 self.at(done, _PUSH_IN, w, k, i)
             elif kind == _PULL_RESP:
-                self.pending[w] -= 1
-                if not self.pending[w]:
-                    self.compute(w)
+                wk.pending -= 1
+                if not wk.pending:
+                    self.compute(wk)
             elif kind == _ACK:
-                self.acking[w] -= 1
-                if not self.acking[w]:
-                    self.acked(w)
+                wk.acking -= 1
+                if not wk.acking:
+                    self.acked(wk)
             elif kind == _COMPUTED:
-                self.computed(w)
+                self.computed(wk)
             elif kind == _PUSH_IN:
-                self.enqueue(k, (_PUSH, w, i))
+                self.enqueue(k, (_PUSH, wk, i))
             elif kind == _LEAVE:
                 self.shards[k].leave(w)
                 if self.pull_servers is not None:
@@ -848,14 +839,13 @@ class Simulation:
         no budget)."""
         return not self.queued and not (self.returns and self.may_begin())
 
-    def may_begin(self, w: int | None = None) -> bool:
+    def may_begin(self, wk: _SimWorker | None = None) -> bool:
         """The budget rule (:mod:`stalewise.protocol.budget`), with both counts exact: the
         pushes committed, and every worker's steps begun and not committed. Under BSP,
-        worker ``w``'s step counts whole rounds: its round is the clock it joined at plus
+        worker ``wk``'s step counts whole rounds: its round is the clock it joined at plus
         its pushes since."""
-        if w is not None and self.config.consistency.averages_rounds:
-            round_ = self.joined_at[w] + self.senders[w].seq
-            return budget.may_begin_round(round_, self.P, self.steps)
+        if wk is not None and self.config.consistency.averages_rounds:
+            return budget.may_begin_round(wk.joined_at + wk.sender.seq, self.P, self.steps)
         return budget.may_begin(self.pushes, self.started - self.pushes, self.steps)
 
     def stats(self, *, settled: bool = False) -> dict[str, Any]:
