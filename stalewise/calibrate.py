@@ -76,6 +76,7 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import PushHeader, ServerConfig, pipeline
+from stalewise.runtime.base import MAX_DELAY
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import MAX_SECONDS, MIN_BYTES_PER_S
 
@@ -90,6 +91,11 @@ SPEED_TOLERANCE = 0.05
 FIXED_BELOW = 0.01
 #: Timed repeats of one measurement, the default.
 REPEATS = 30
+#: The fewest and the most timed repeats (``repeats``, ``stalewise calibrate --repeats``):
+#: the most is minutes of measurement for a step of 10 ms, not a run that never ends.
+MIN_REPEATS, MAX_REPEATS = 3, 10_000
+#: The most seconds the compute processes may take in all (``timeout``): one day.
+MAX_TIMEOUT = 86_400.0
 #: The smallest parameter count of the two transport and apply sizes.
 MIN_SIZE = 4096
 #: Busy seconds of each step of the worker-loop measurement, and its steps.
@@ -606,11 +612,18 @@ def calibrate(
     """
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"workers = {workers!r}: must be an integer >= 1")
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 3:
-        raise ValueError(f"repeats = {repeats!r}: must be an integer >= 3")
+    if not _int_in(repeats, MIN_REPEATS, MAX_REPEATS):
+        raise ValueError(
+            f"repeats = {repeats!r}: must be an integer in {MIN_REPEATS}..{MAX_REPEATS}"
+        )
     sizes = tuple(sizes_for(config) if sizes is None else sizes)
     if len(set(sizes)) < 2 or any(not isinstance(n, int) or n < 1 for n in sizes):
         raise ValueError(f"sizes = {sizes!r}: must be two or more different integers >= 1")
+    ok = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+    if not (ok and math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT):
+        raise ValueError(
+            f"timeout = {timeout!r}: must be a number of seconds in (0, {MAX_TIMEOUT:g}]"
+        )
     per_worker = _delays(delays, workers)
     if evaluate is not None:
         if not callable(evaluate):
@@ -662,6 +675,11 @@ def calibrate(
     )
 
 
+def _int_in(value: Any, low: int, high: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) in ``low..high``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
 def _delays(delays: Any, workers: int) -> list[float]:
     """``delays`` (None, a number, or {worker: seconds}) as one number per worker, checked."""
     if delays is None:
@@ -671,9 +689,11 @@ def _delays(delays: Any, workers: int) -> list[float]:
     for w, d in items:
         if not isinstance(w, int) or not 0 <= w < workers:
             raise ValueError(f"delays[{w!r}]: not a worker of this run (0..{workers - 1})")
-        ok = isinstance(d, int | float) and not isinstance(d, bool) and math.isfinite(d) and d >= 0
+        ok = isinstance(d, int | float) and not isinstance(d, bool) and 0 <= d <= MAX_DELAY
         if not ok:
-            raise ValueError(f"delays[{w}] = {d!r}: must be a finite number of seconds >= 0")
+            raise ValueError(
+                f"delays[{w}] = {d!r}: must be a number of seconds in [0, {MAX_DELAY:g}]"
+            )
         out[w] = float(d)
     return out
 

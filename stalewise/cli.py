@@ -3,7 +3,8 @@
 
 Every flag and config value is checked before anything starts; a user error
 prints one line, ``stalewise: <key or flag>: <what was expected, got what>``,
-on stderr and exits with status 2.
+on stderr and exits with status 2. A run that diverged prints one line (why,
+and what to change) and exits with status 1.
 """
 
 from __future__ import annotations
@@ -270,10 +271,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from stalewise import config
+    from stalewise import calibrate, config
 
-    if args.repeats < 3:
-        raise _config_error("--repeats", f"expected an integer >= 3, got {args.repeats}")
+    if not calibrate.MIN_REPEATS <= args.repeats <= calibrate.MAX_REPEATS:
+        limits = f"{calibrate.MIN_REPEATS}..{calibrate.MAX_REPEATS}"
+        raise _config_error("--repeats", f"expected an integer in {limits}, got {args.repeats}")
     out = None
     if args.out is not None:
         out = Path(args.out)
@@ -479,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     from stalewise.config import ConfigError
-    from stalewise.runtime.base import FailureWarning
+    from stalewise.runtime.base import DivergedError, FailureWarning
     from stalewise.runtime.sim.config import TooLongError
 
     try:
@@ -495,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f"config error in {args.config}" if hasattr(args, "config") else "config error"
         print(f"stalewise: sim: {_one_line(str(e))} ({where})", file=sys.stderr)
         return 2
+    except DivergedError as e:  # the run's result (its message says why and what to change)
+        print(f"stalewise: {_one_line(str(e))}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("stalewise: interrupted", file=sys.stderr)
         return 130

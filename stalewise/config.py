@@ -526,18 +526,25 @@ def parse(
     # 2. the task (a factory runs user code), its parameters, the job
     task, paths = _task(t, base)
     with _on_path(paths):
-        try:
+        try:  # a built-in task refuses sizes too large for memory when it is made (above)
             params = task.init_params(seed)
+            job = _job(
+                params,
+                optimizer,
+                consistency,
+                staleness,
+                shards,
+                strategy,
+                codec_policy,
+                pulls_policy,
+            )
+            _check_batches(task, workers, seed, "run.workers")
+            metrics = _metric_names(task, params) if stop_at else None
         except MemoryError as e:
             raise ConfigError(
                 "task.args" if t.get("args") else "task",
-                f"the task's parameters do not fit in memory: {e or 'MemoryError'}",
+                f"the task's parameters or data do not fit in memory: {e or 'MemoryError'}",
             ) from None
-        job = _job(
-            params, optimizer, consistency, staleness, shards, strategy, codec_policy, pulls_policy
-        )
-        _check_batches(task, workers, seed, "run.workers")
-        metrics = _metric_names(task, params) if stop_at else None
     for target in stop_at or ():
         if target.metric not in metrics and target.metric != "train_loss":
             raise ConfigError(

@@ -2,6 +2,8 @@
 
 import math
 import re
+import subprocess
+import sys
 import time
 import tomllib
 
@@ -132,7 +134,8 @@ def test_the_cli_prints_or_writes_the_table(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--repeats", "2"], "--repeats: expected an integer >= 3, got 2"),
+        (["--repeats", "2"], "--repeats: expected an integer in 3..10000, got 2"),
+        (["--repeats", "10001"], "--repeats: expected an integer in 3..10000, got 10001"),
         (["--workers", "0"], "--workers: expected an integer >= 1, got 0"),
         (["--workers", "5000"], "--workers: at most 4096"),
     ],
@@ -143,6 +146,26 @@ def test_cli_bad_flags_are_one_line(tmp_path, capsys, argv, message):
     assert main(["calibrate", str(cfg), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_cli_absurd_repeats_are_one_line_before_anything_is_measured(tmp_path):
+    """``stalewise calibrate --repeats 1000000000000``, the real command: refused at once
+    (it was accepted and ran until killed), one line naming the flag and the range."""
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(CONFIG)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stalewise", "calibrate", str(cfg), "--repeats", "1000000000000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(
+        "stalewise: --repeats: expected an integer in 3..10000, got 1000000000000"
+    )
+    assert proc.stdout == ""
 
 
 def test_cli_missing_config_and_folder_out(tmp_path, capsys):
@@ -158,10 +181,17 @@ def test_cli_missing_config_and_folder_out(tmp_path, capsys):
     "kwargs, message",
     [
         ({"workers": 0}, "workers = 0: must be an integer >= 1"),
-        ({"workers": 1, "repeats": 1}, "repeats = 1: must be an integer >= 3"),
+        ({"workers": 1, "repeats": 1}, "repeats = 1: must be an integer in 3..10000"),
+        ({"workers": 1, "repeats": 10**12}, "repeats = 1000000000000: must be an integer in 3.."),
+        ({"workers": 1, "timeout": math.inf}, "timeout = inf: must be a number of seconds in (0,"),
+        ({"workers": 1, "timeout": 0}, "timeout = 0: must be a number of seconds in (0, 86400]"),
+        ({"workers": 1, "delays": 1e9}, "delays[0] = 1000000000.0: must be a number of seconds in"),
         ({"workers": 1, "sizes": (8, 8)}, "sizes = (8, 8): must be two or more different"),
         ({"workers": 1, "delays": {3: 0.1}}, "delays[3]: not a worker of this run (0..0)"),
-        ({"workers": 1, "delays": -1.0}, "delays[0] = -1.0: must be a finite number"),
+        (
+            {"workers": 1, "delays": -1.0},
+            "delays[0] = -1.0: must be a number of seconds in [0, 3600]",
+        ),
         ({"workers": 1, "evaluate": print, "eval_interval": 0}, "eval_interval = 0: must be"),
         ({"workers": 1, "evaluate": 3, "eval_interval": 1}, "evaluate = 3: must be a callable"),
     ],

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -727,3 +728,62 @@ def test_train_resumes_a_run_from_its_checkpoint(tmp_path, capsys, no_leaks):
     assert not np.array_equal(sw.load_params(out / "checkpoints")["x"], saved["x"])
     assert main(["train", str(more), "--resume", str(tmp_path / "nowhere"), "-q"]) == 2
     assert "--resume" in capsys.readouterr().err
+
+
+# ---------------------------------------- run results and sizes that deserve one line
+
+
+def _command(tmp_path, *argv, timeout=300):
+    """``python -m stalewise ARGV`` in a process of its own, in ``tmp_path``."""
+    return subprocess.run(
+        [sys.executable, "-m", "stalewise", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.parametrize("runtime", ["local", "sim"])
+def test_a_diverged_run_is_one_line_at_the_cli(tmp_path, runtime):
+    """``lr = 1e308``: every push overflows and every worker diverges. The command says so
+    in one line with the hint (the run's log of refused pushes stays, as WARNING lines)
+    and exits 1, with no DivergedError traceback (it was 46 lines)."""
+    cfg = write(
+        tmp_path,
+        f"""
+        [task]
+        name = "least-squares"
+        args = {{ n = 256, d = 16 }}
+
+        [optimizer]
+        name = "sgd"
+        lr = 1e308
+
+        [run]
+        runtime = "{runtime}"
+        workers = 2
+        steps = 200
+        """,
+    )
+    proc = _command(tmp_path, "train", str(cfg), "--out", str(tmp_path / "run"), "-q")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "WARNING" not in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("stalewise: training diverged: worker(s) 0, 1 stopped")
+    assert errors[0].endswith("lower the learning rate or clip the gradients.")
+
+
+def test_a_task_too_large_for_memory_is_refused_by_key(tmp_path):
+    """``d = 300000000``: least squares' 2.5 TB matrix is refused before anything is
+    allocated, in one line naming the key, the value and the bytes (it died in NumPy's
+    ArrayMemoryError)."""
+    cfg = write(tmp_path, LS_CONFIG.replace("n = 256, d = 16", "n = 2048, d = 300000000", 1))
+    proc = _command(tmp_path, "train", str(cfg), "--out", str(tmp_path / "run"), "-q")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    line = proc.stderr
+    assert line.startswith("stalewise: task.args.d: d = 300000000: least-squares would "), line
+    assert re.search(r"allocate about 2\.4\de\+12 bytes \(2\.4\d TB\), more than", line), line
+    assert "more than the memory available" in line and f"(config error in {cfg})" in line

@@ -586,3 +586,75 @@ def test_sim_seed_is_the_simulators_and_seed_its_old_name_warns():
 
 def _quadratic(params, batch):
     return float((params["x"] ** 2).sum()), {"x": 2 * params["x"]}
+
+
+# -- tasks too large for memory ------------------------------------------------------------
+
+
+def test_available_memory_is_this_machines():
+    import os
+
+    from stalewise.tasks import base
+
+    available = base.available_memory()
+    assert isinstance(available, int) and available > 0
+    assert available <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, key",
+    [
+        ("least-squares", {"n": 512, "d": 300_000_000}, "d = 300000000 (with n = 512)"),
+        ("least-squares", {"n": 10**10, "d": 64}, "n = 10000000000"),
+        ("digits", {"hidden": 10**9}, "hidden = 1000000000"),
+        ("lm", {"dim": 10**6, "heads": 1}, "dim = 1000000 (with heads = 1)"),
+        ("lm", {"context": 10**7}, "context = 10000000"),
+    ],
+)
+def test_a_task_too_large_for_memory_is_refused_when_made(name, kwargs, key):
+    """Each built-in task estimates what one process allocates and refuses first: a
+    ValueError naming the key, the value and the bytes, before any array is made."""
+    if name == "lm":
+        pytest.importorskip("torch")
+    with pytest.raises(ValueError) as e:
+        tasks.get(name, **kwargs)
+    message = str(e.value)
+    assert message.startswith(f"{key}: {name} would allocate about "), message
+    assert "bytes" in message and "more than the memory available" in message
+
+
+def test_the_memory_estimate_is_checked_against_what_is_available(monkeypatch):
+    from stalewise.tasks import base
+
+    need = tasks.task_class("least-squares").memory_bytes(2048, 64)
+    monkeypatch.setattr(base, "available_memory", lambda: need)
+    tasks.get("least-squares")  # exactly fits
+    with pytest.raises(ValueError, match=r"^n = 4096: least-squares would allocate about"):
+        tasks.get("least-squares", n=4096)
+    monkeypatch.setattr(base, "available_memory", lambda: None)  # unknown: nothing refused
+    tasks.get("least-squares", n=4096)
+
+
+def test_a_config_too_large_for_memory_names_its_key(monkeypatch):
+    from stalewise import config
+
+    raw = {
+        "task": {"name": "least-squares", "args": {"n": 64, "d": 300_000_000}},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+    }
+    with pytest.raises(config.ConfigError) as e:
+        config.parse(raw)
+    assert e.value.key == "task.args.d"
+    assert e.value.problem.startswith("d = 300000000 (with n = 64): least-squares would")
+    # a factory's task that fails with a MemoryError is one line naming the task too
+    fits = {"name": "least-squares", "args": {"n": 64, "d": 4}}
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 572. GiB")
+
+    monkeypatch.setattr(tasks.task_class("least-squares"), "_data", no_memory)
+    with pytest.raises(config.ConfigError) as e:
+        config.parse({**raw, "task": fits})
+    assert e.value.key == "task.args" and "do not fit in memory: Unable to allocate" in (
+        e.value.problem
+    )

@@ -24,6 +24,7 @@ therefore require ``seed``; the built-in tasks default it to 0, so that
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,7 +32,15 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SeededTask", "Task", "shard_batches", "shard_indices", "with_seed"]
+__all__ = [
+    "SeededTask",
+    "Task",
+    "available_memory",
+    "check_memory",
+    "shard_batches",
+    "shard_indices",
+    "with_seed",
+]
 
 
 @runtime_checkable
@@ -174,6 +183,64 @@ def check_number(
             raise ValueError(f"{name} must be a finite number {interval}, got {value!r}")
         raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
     return x
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process may still allocate: ``MemAvailable`` of
+    ``/proc/meminfo`` (Linux), else the machine's physical memory
+    (``SC_PHYS_PAGES * SC_PAGE_SIZE``); None when neither can be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+    return pages * size if pages > 0 and size > 0 else None
+
+
+def _size(nbytes: float) -> str:
+    """``2457600000000`` -> ``'2.5 TB'``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def check_memory(task: str, nbytes: float, sizes: dict[str, tuple[Any, Any]]) -> None:
+    """Refuses a task whose data and model would not fit in the memory available.
+
+    Every built-in task calls it from its constructor with its estimate of the
+    bytes one process allocates for it (its data, parameters, gradients and the
+    activations of a batch), before anything is allocated: an absurd size is a
+    one-line ``ValueError`` naming the key, not a ``MemoryError`` deep in NumPy or
+    a machine that swaps until the kernel kills the run. The key named is the one
+    of ``sizes`` (``{key: (value, default)}``) furthest above its default.
+
+    Raises:
+        ValueError: ``nbytes`` is more than :func:`available_memory`.
+
+    Example:
+        >>> check_memory("least-squares", 1e18, {"n": (512, 2048), "d": (10**14, 64)})
+        ... # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: d = 100000000000000 (with n = 512): least-squares would allocate about 1e+18 bytes (1e+06 TB), more than the memory available ...
+    """
+    available = available_memory()
+    if available is None or nbytes <= available:
+        return
+    key = max(sizes, key=lambda k: float(sizes[k][0]) / max(float(sizes[k][1]), 1.0))
+    others = ", ".join(f"{k} = {v!r}" for k, (v, d) in sizes.items() if k != key and v != d)
+    raise ValueError(
+        f"{key} = {sizes[key][0]!r}{f' (with {others})' if others else ''}: {task} would "
+        f"allocate about {nbytes:.3g} bytes ({_size(nbytes)}), more than the memory available "
+        f"({available} bytes, {_size(available)}); make {key} smaller"
+    )
 
 
 def shard_indices(n: int, worker: int, workers: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stalewise.tasks.base import check_int, check_number, shard_batches
+from stalewise.tasks.base import check_int, check_memory, check_number, shard_batches
 
 logger = logging.getLogger(__name__)
 
@@ -181,11 +181,26 @@ class Digits:
         hidden, batch_size = check_int("hidden", hidden), check_int("batch_size", batch_size)
         check_number("test_fraction", test_fraction, 0.0, 1.0, open_="both")
         split_seed = check_int("split_seed", split_seed, low=0)
+        check_memory(
+            self.name,
+            self.memory_bytes(hidden, batch_size, test_fraction),
+            {"hidden": (hidden, 64)},
+        )
         self.hidden = hidden
         self.activation = activation
         self.batch_size = batch_size
         self.test_fraction = test_fraction
         self.split_seed = split_seed
+
+    @staticmethod
+    def memory_bytes(hidden: int, batch_size: int = 32, test_fraction: float = 0.2) -> int:
+        """The bytes one process allocates for the task: the data, the parameters (drawn in
+        float64), their gradients, and four ``(rows, hidden)`` float32 arrays of activations
+        for the largest set of rows one call sees (a batch, or the held-out set)."""
+        total = 1797  # the digits images
+        rows = max(round(total * test_fraction), min(batch_size, total))
+        fan = NUM_FEATURES + NUM_CLASSES + 1
+        return 3 * total * NUM_FEATURES * 4 + hidden * fan * (8 + 3 * 4) + 4 * 4 * rows * hidden
 
     def __repr__(self) -> str:
         return (

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.tasks.base import check_int, check_number, shard_batches
+from stalewise.tasks.base import check_int, check_memory, check_number, shard_batches
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,9 @@ class LeastSquares:
         if not isinstance(exact, bool | np.bool_):
             raise ValueError(f"exact must be true or false, got {exact!r}")
         seed = check_int("seed", seed, low=0)
+        check_memory(
+            self.name, self.memory_bytes(n, d, noise, exact), {"n": (n, 2048), "d": (d, 64)}
+        )
         self.n, self.d = n, d
         self.noise = noise
         self.condition = condition
@@ -89,6 +92,18 @@ class LeastSquares:
         self.exact = exact
         self.seed = seed
         self._cache: dict[str, Any] = {}
+
+    @staticmethod
+    def memory_bytes(n: int, d: int, noise: float = 0.0, exact: bool = False) -> int:
+        """The bytes one process allocates for the task: ``A``, ``b`` and ``x*`` (float32),
+        a few parameter-sized vectors, and with ``exact=True`` the Gram matrix (and a
+        float64 least-squares solve when ``x*`` is not the optimum)."""
+        nbytes = 4 * n * d + 4 * n + 8 * 4 * d
+        if exact and d <= min(n, _MAX_GRAM_DIM):
+            nbytes += 4 * d * d
+            if noise > 0 or n < d:
+                nbytes += 16 * n * d
+        return nbytes
 
     def __repr__(self) -> str:
         return (

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stalewise.tasks.base import check_int, check_number, shard_batches
+from stalewise.tasks.base import check_int, check_memory, check_number, shard_batches
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,20 @@ class LanguageModel:
         self.corpus_bytes = check_int("corpus_bytes", corpus_bytes)
         self.val_fraction = check_number("val_fraction", val_fraction, 0.0, 1.0, open_="both")
         self.eval_windows = check_int("eval_windows", eval_windows)
+        check_memory(
+            self.name,
+            self.memory_bytes(
+                self.dim, self.layers, self.heads, self.context, self.batch_size, self.eval_windows
+            ),
+            {
+                "dim": (self.dim, SIZES[size]["dim"]),
+                "layers": (self.layers, SIZES[size]["layers"]),
+                "heads": (self.heads, SIZES[size]["heads"]),
+                "context": (self.context, 64),
+                "batch_size": (self.batch_size, 16),
+                "eval_windows": (self.eval_windows, 64),
+            },
+        )
         corpus = self.corpus  # reads the files once here, so a bad size fails at construction
         if len(corpus.val) < self.context + 1:
             raise ValueError(
@@ -222,6 +236,20 @@ class LanguageModel:
                 f"corpus_bytes={corpus_bytes}: no training window of context + 1 = "
                 f"{self.context + 1} bytes fits"
             )
+
+    @staticmethod
+    def memory_bytes(
+        dim: int, layers: int, heads: int, context: int, batch_size: int, eval_windows: int = 64
+    ) -> int:
+        """The bytes one process allocates for the model (float32): the parameters and their
+        gradients, and the activations a training batch keeps for the backward pass (about
+        16 ``dim``-wide values and the attention weights of each layer, per token, and the
+        logits), or the held-out windows' one layer at a time, whichever is larger."""
+        params = VOCAB * dim + context * dim + layers * (12 * dim * dim + 13 * dim) + 2 * dim
+        token = 16 * dim + 2 * heads * context
+        train = batch_size * context * (layers * token + 3 * VOCAB)
+        held_out = eval_windows * context * (token + 3 * VOCAB)
+        return 4 * (3 * params + max(train, held_out))
 
     def __repr__(self) -> str:
         return (
