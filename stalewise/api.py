@@ -18,7 +18,7 @@ from stalewise import strategies as strategies_lib
 from stalewise._renames import renamed
 from stalewise.backends import backend_of
 from stalewise.optim import buffers as optim_buffers
-from stalewise.protocol import ServerConfig, pulls
+from stalewise.protocol import ServerConfig
 from stalewise.runtime.base import TrainResult, warn_summary
 from stalewise.runtime.options import DEFAULTS as _DEFAULTS
 from stalewise.runtime.options import RunOptions
@@ -340,11 +340,11 @@ class Job:
         """
         from stalewise import calibrate as calibrate_lib
 
-        return calibrate_lib.calibrate(self.config, loss_and_grad, data, workers=workers, **options)
+        return calibrate_lib.calibrate(self, loss_and_grad, data, workers=workers, **options)
 
     def _check_pulls(self, runtime: str) -> None:
-        # every built-in runtime sends compressed pushes; delta pulls only pulls.RUNTIMES
-        why = pulls.refusal(self.config.pull_codec, runtime)
+        # every built-in runtime sends compressed pushes; delta pulls: its Runtime says
+        why = runtime_lib.pull_refusal(self.config.pull_codec, runtime)
         if why is not None:
             raise ValueError(why)
 

@@ -443,12 +443,11 @@ def _observe(
 # -- the shard's apply time -----------------------------------------------------------
 
 
-def _synthetic_job(config: ServerConfig, size: int, shards: int) -> Any:
-    """A job of ``config``'s optimizer, consistency model, staleness rule and codec over
-    one leaf of ``size`` floats."""
-    import stalewise as sw
-
-    return sw.Job(
+def _synthetic_job(job: Any, size: int, shards: int) -> Any:
+    """A job like ``job`` (its class, optimizer, consistency model, staleness rule and
+    codec) over one leaf of ``size`` floats."""
+    config = job.config
+    return type(job)(
         {"w": np.zeros(size, np.float32)},
         optimizer=config.optimizer,
         consistency=config.consistency,
@@ -459,7 +458,10 @@ def _synthetic_job(config: ServerConfig, size: int, shards: int) -> Any:
 
 
 def _synthetic(config: ServerConfig, size: int, shards: int) -> ServerConfig:
-    return _synthetic_job(config, size, shards).config
+    """``config`` (its optimizer, consistency model, staleness rule and codec) over one
+    leaf of ``size`` floats, as :func:`_synthetic_job` makes it."""
+    flat, spec = tree.flatten({"w": np.zeros(size, np.float32)})
+    return replace(config, spec=spec, init=flat, shards=shards, pull_codec=None)
 
 
 def measure_apply(config: ServerConfig, size: int, repeats: int) -> float:
@@ -491,13 +493,13 @@ def measure_apply(config: ServerConfig, size: int, repeats: int) -> float:
 # -- pulls and pushes -----------------------------------------------------------------
 
 
-def measure_transport(config: ServerConfig, size: int, repeats: int) -> tuple[float, float, float]:
+def measure_transport(job: Any, size: int, repeats: int) -> tuple[float, float, float]:
     """Median seconds of a pull (``own=False``), of a push until its acknowledgement,
     and of the push's send alone, by a client of a local server of ``size`` floats (the
     job's optimizer, consistency model, codec and number of shards). Under BSP the pull
     that follows a push waits for its round to close, as a local worker's does: it is
     served by the shard (a round trip through it), not read from a snapshot."""
-    job = _synthetic_job(config, size, min(config.shards, size))
+    job = _synthetic_job(job, size, min(job.config.shards, size))
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
     pulls, pushes, sends = [], [], []
     with job.serve(workers=1) as server:
@@ -534,14 +536,14 @@ def _no_data(worker: int, workers: int) -> Any:
         yield None
 
 
-def measure_loop(config: ServerConfig, size: int, send: float, pull: float) -> float:
+def measure_loop(job: Any, size: int, send: float, pull: float) -> float:
     """Seconds a local worker's step takes besides its compute, its ``send`` and its
     ``pull`` (both measured at ``size``): a real local run of one worker, on a job of
     ``size`` floats (the job's optimizer, consistency model, codec and shards), whose
     steps are :data:`LOOP_COMPUTE` seconds of busy compute; its time per step is the
     median over the intervals between its records after its first push (a step
     preempted by another process must not set it)."""
-    job = _synthetic_job(config, size, min(config.shards, size))
+    job = _synthetic_job(job, size, min(job.config.shards, size))
     result = job.train(_busy_step, data=_no_data, workers=1, steps=LOOP_STEPS,
                        eval_interval=0.05, timeout=120)  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]
@@ -574,7 +576,7 @@ def sizes_for(config: ServerConfig) -> tuple[int, int]:
 
 
 def calibrate(
-    config: ServerConfig,
+    job: Any,
     loss_and_grad: Callable,
     data: Any,
     *,
@@ -589,7 +591,7 @@ def calibrate(
     """Measures compute, apply, pull and push times on this machine; see the module docstring.
 
     Args:
-        config: the job's :class:`ServerConfig` (``job.config``).
+        job: the :class:`~stalewise.Job` (``job.calibrate`` passes itself).
         loss_and_grad: the user's ``f(params, batch) -> (loss, grads)`` (picklable).
         data: ``data(worker, workers)`` or one sequence of batches per worker (picklable).
         workers: the processes that compute at once (the run's workers).
@@ -610,6 +612,7 @@ def calibrate(
     Raises:
         ValueError: a bad argument, naming it.
     """
+    config = job.config
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"workers = {workers!r}: must be an integer >= 1")
     if not _int_in(repeats, MIN_REPEATS, MAX_REPEATS):
@@ -646,7 +649,7 @@ def calibrate(
     for n in sizes:
         nbytes = n * itemsize
         a = measure_apply(config, n, repeats)
-        pull, push, send = measure_transport(config, n, repeats)
+        pull, push, send = measure_transport(job, n, repeats)
         shards = min(config.shards, n)
         a_slice = measure_apply(config, -(-n // shards), repeats) if shards > 1 else a
         apply_pts.append((nbytes, a))
@@ -655,7 +658,7 @@ def calibrate(
         send_pts.append((nbytes, send))
         # what a simulated step waits for besides compute and the shard: see the docstring
         msg_pts.append((nbytes, max(0.0, send + pull - (2 * a_slice if served else 0.0))))
-    loop_s = measure_loop(config, sizes[0], send_pts[0][1], pull_pts[0][1])
+    loop_s = measure_loop(job, sizes[0], send_pts[0][1], pull_pts[0][1])
     log.info("calibrate: measured in %.1f s", time.perf_counter() - t0)
     return Calibration(
         workers=workers,

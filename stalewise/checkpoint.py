@@ -81,6 +81,7 @@ from typing import Any
 
 import numpy as np
 
+from stalewise import runtime as runtime_lib
 from stalewise import tree as tree_lib
 
 log = logging.getLogger(__name__)
@@ -690,8 +691,9 @@ def check_compatible(ckpt: Checkpoint, config: Any, workers: int | None = None) 
 def resume_point(config: Any, options: Any, *, runtime: str) -> Checkpoint | None:
     """The checkpoint a run with ``options.resume`` continues from (None: start afresh).
 
-    Refuses a checkpoint of another job; the simulator resumes only from its own
-    checkpoints, which carry its virtual clock.
+    Refuses a checkpoint of another job, and one without the step key the runtime
+    resumes from (its :class:`~stalewise.runtime.Runtime`'s ``resumes_from``: the
+    simulator resumes only from its own checkpoints, which carry its virtual clock).
     """
     if not options.resume:
         return None
@@ -704,10 +706,11 @@ def resume_point(config: Any, options: Any, *, runtime: str) -> Checkpoint | Non
         return None
     ckpt = load(options.checkpoint_dir)
     check_compatible(ckpt, config, options.room)
-    if runtime == "sim" and "sim" not in ckpt.step:
+    own = runtime_lib.describe(runtime).resumes_from
+    if own is not None and own not in ckpt.step:
         raise CheckpointError(
-            f"{ckpt.path.name} was not written by the simulator (runtime "
-            f"{ckpt.manifest['config'].get('runtime')!r}); the sim resumes only its own"
+            f"{ckpt.path.name} was not written by runtime {runtime!r} (runtime "
+            f"{ckpt.manifest['config'].get('runtime')!r}); it resumes only its own"
         )
     return ckpt
 

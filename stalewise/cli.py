@@ -316,7 +316,7 @@ PULL_CODEC_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stalewise import __version__
+    from stalewise import __version__, runtime
 
     parser = _Parser(prog="stalewise", description=__doc__)
     parser.add_argument("--version", action="version", version=f"stalewise {__version__}")
@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--runtime",
-        choices=("local", "ray"),
+        choices=runtime.names("launch"),
         default="local",
         help="local: worker processes on this machine (default); ray: Ray actors across the "
         "cluster (RAY_ADDRESS, else one started on this machine, else a new local instance)",

@@ -127,7 +127,7 @@ yourself, do it inside ``with cfg.importable():``.
 Limits
 ------
 Absurd sizes are refused before anything is allocated: at most
-:data:`MAX_WORKERS` workers (4096 local processes, 16384 simulated workers),
+:func:`max_workers` workers (4096 local processes, 16384 simulated workers),
 :data:`MAX_SHARDS` shards (and no more than parameters), :data:`MAX_STEPS`
 steps, and delays of at most :data:`MAX_DELAY` seconds per step. Times and rates
 are bounded so that no run can be endless: ``eval_interval`` at least 1 ms,
@@ -166,7 +166,6 @@ from stalewise import runtime as runtime_lib
 from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
 from stalewise.api import Job
-from stalewise.protocol import pulls
 from stalewise.runtime.base import MAX_DELAY, MAX_SLOWDOWN, TrainResult
 from stalewise.runtime.options import DEFAULTS, OptionError, RunOptions
 from stalewise.runtime.sim import models as sim_models
@@ -213,8 +212,6 @@ PERIOD_KEY = dict.fromkeys(("local_sgd", "diloco", "easgd", "adaptive"), "local_
 CONSISTENCY = ("asp", "ssp", "bsp", "hybrid")
 STALENESS_PARAM = {"exponential": "base", "polynomial": "power"}  # server.staleness_param
 
-#: The most workers a run may have, per runtime (other runtimes: the local limit).
-MAX_WORKERS = {"local": 4096, "sim": 16384}
 #: The most parameter-server shards (and never more than the parameters).
 MAX_SHARDS = 1024
 #: The most pushes a run may be given.
@@ -251,7 +248,7 @@ class ConfigError(ValueError):
 
 def max_workers(runtime: str) -> int:
     """The most workers a run on ``runtime`` may have."""
-    return MAX_WORKERS.get(runtime, MAX_WORKERS["local"])
+    return runtime_lib.describe(runtime).max_workers
 
 
 @dataclass
@@ -482,8 +479,9 @@ def parse(
         if name is not None and name not in runtime_lib.names():
             known = ", ".join(runtime_lib.names())
             raise ConfigError(key, f"unknown runtime {name!r} (known: {known})")
-        if name == "ray" and importlib.util.find_spec("ray") is None:
-            raise ConfigError(key, "runtime 'ray' needs Ray: pip install 'stalewise[ray]'")
+        missing = name and runtime_lib.describe(name).missing()
+        if missing:
+            raise ConfigError(key, missing)
     address = r.get("address")
     if address is not None and not (isinstance(address, str) and address.strip()):
         raise ConfigError("run.address", f"expected an address such as 'auto', got {address!r}")
@@ -509,7 +507,7 @@ def parse(
         codec_policy = _codec(codec, "--codec")
     pull_key = "--pull-codec" if pull_codec is not None else "server.pull_codec"
     pulls_policy = _pull_codec(s.get("pull_codec") if pull_codec is None else pull_codec, pull_key)
-    why = pulls.refusal(pulls_policy, runtime)
+    why = runtime_lib.pull_refusal(pulls_policy, runtime)
     if why is not None:
         raise ConfigError(pull_key, why)
     strategy = strategy_from_table(st)
@@ -646,7 +644,8 @@ def _check_workers(workers: int, runtime: str, key: str) -> None:
     limit = max_workers(runtime)
     if workers > limit:
         what = "local worker processes" if runtime == "local" else f"workers on runtime {runtime!r}"
-        hint = f"; the simulator takes up to {MAX_WORKERS['sim']}" if runtime == "local" else ""
+        most = max(runtime_lib.names(), key=max_workers)
+        hint = f"; runtime {most!r} takes up to {max_workers(most)}" if most != runtime else ""
         raise ConfigError(key, f"at most {limit} {what}, got {workers}{hint}")
 
 

@@ -1,6 +1,8 @@
 """The runtime registry: Job.train, Job.serve, the config and the CLI look runtimes up in it
 when they run, so a runtime registered after import is known to all of them."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -23,8 +25,7 @@ def server(cfg, workers, *, join_timeout):
 @pytest.fixture
 def registry(monkeypatch):
     """The registry, restored after the test."""
-    monkeypatch.setattr(runtime, "_RUNNERS", dict(runtime._RUNNERS))
-    monkeypatch.setattr(runtime, "_SERVERS", dict(runtime._SERVERS))
+    monkeypatch.setattr(runtime, "_RUNTIMES", dict(runtime._RUNTIMES))
     return runtime
 
 
@@ -39,6 +40,30 @@ def test_the_built_in_runtimes_and_the_ones_with_a_server():
 
     assert runtime.server("local") is LocalServer
     assert runtime.server("ray").__name__ == "RayServer"
+
+
+def test_one_description_of_each_runtime():
+    local, sim, ray = map(runtime.describe, ("local", "sim", "ray"))
+    assert (local.max_workers, sim.max_workers, ray.max_workers) == (4096, 16384, 4096)
+    assert runtime.names("attach") == runtime.names("launch") == ("local", "ray")
+    assert runtime.names("elastic_train") == ("ray",)
+    assert runtime.names("delta_pulls") == ("sim", "ray")
+    assert (local.resumes_from, sim.resumes_from, ray.resumes_from) == (None, "sim", None)
+    assert (local.needs, sim.needs, ray.needs) == (None, None, "ray")
+    assert config.max_workers("sim") == 16384
+    with pytest.raises(ValueError, match=r"^runtime 'sim' has no attach; runtimes with one: "):
+        sim.load("attach")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sim.max_workers = 1
+
+
+def test_a_registered_runtime_is_described_to_attach_and_pulls(registry):
+    registry.register("mine", runner, attach=lambda name, **kw: ("mine", name, kw))
+    assert sw.attach("job", runtime="mine") == ("mine", "job", {"worker": None, "timeout": 30.0})
+    assert "use runtime 'sim' or 'ray'" in registry.pull_refusal("int8", "mine")
+    assert "'mine' does not send delta pulls" in registry.pull_refusal("int8", "mine")
+    with pytest.raises(sw.AttachError, match=r"^runtime 'sim': a process attaches to 'local' "):
+        sw.attach("job", runtime="sim")
 
 
 def test_serve_refuses_a_runtime_without_a_server_or_an_unknown_one():

@@ -22,114 +22,13 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
-
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-"""Dtype names of trainable leaves, narrowest first."""
-
-
-class ModelState(NamedTuple):
-    """What a model object (``nn.Module``, Keras model, ``tf.Module``) shares, by name.
-
-    Tied tensors appear under each of their names (the same object), so that
-    :mod:`stalewise.tree` stores them once and writes every name back.
-    """
-
-    leaves: dict[str, Any]  # name -> trainable parameter or float buffer
-    buffers: frozenset[str] = frozenset()  # names in ``leaves`` that are buffers
-    local: frozenset[str] = frozenset()  # the model's other state: kept by each worker
-    order: tuple[str, ...] = ()  # the model's own order, for updates given as a list (Keras)
-
-
-class Backend:
-    """The operations :mod:`stalewise.tree` needs from one array framework.
-
-    Subclasses import their framework lazily, inside the methods, and only
-    after :func:`backend_of` has matched an object from that framework.
-    """
-
-    name: str = ""
-    roots: tuple[str, ...] = ()  # top-level module names whose classes this backend owns
-
-    def is_leaf(self, x: Any) -> bool:
-        """Whether ``x`` is an array of this backend (as opposed to a model or container)."""
-        raise NotImplementedError
-
-    def shape(self, x: Any) -> tuple[int, ...]:
-        """The shape of leaf ``x`` as a tuple of ints."""
-        return tuple(int(d) for d in x.shape)
-
-    def dtype(self, x: Any) -> str:
-        """The dtype name of leaf ``x``, e.g. ``"float32"`` or ``"bfloat16"``."""
-        raise NotImplementedError
-
-    def to_numpy(self, x: Any) -> np.ndarray:
-        """Leaf ``x`` as a NumPy array (a view when the framework allows; do not write to it)."""
-        raise NotImplementedError
-
-    def copy_into(self, x: Any, out: np.ndarray) -> None:
-        """Copies leaf ``x`` into ``out`` (same shape, any float dtype), casting as needed."""
-        np.copyto(out, self.to_numpy(x), casting="unsafe")
-
-    def from_numpy(self, a: np.ndarray, dtype: str, like: Any = None, *, copy: bool = True) -> Any:
-        """A leaf of this backend with the values of ``a`` and dtype ``dtype``.
-
-        Args:
-          a: the values.
-          dtype: the dtype name of the result (one of :data:`FLOAT_DTYPES`).
-          like: an existing leaf whose placement (e.g. torch device) the result takes.
-          copy: if False, the result may share memory with ``a`` when the dtype
-            already matches (NumPy and CPU torch only).
-        """
-        raise NotImplementedError
-
-    def is_writable(self, x: Any) -> bool:
-        """Whether :meth:`assign` can write into leaf ``x`` in place."""
-        return False
-
-    def assign(self, x: Any, a: np.ndarray) -> None:
-        """Writes the values of ``a`` (same shape) into the mutable leaf ``x``."""
-        raise TypeError(f"{type(x).__qualname__} leaves are immutable")
-
-    def model_state(self, x: Any) -> ModelState | None:
-        """What the model object ``x`` shares, or None if ``x`` is no model."""
-        return None
-
-    def identity(self, x: Any) -> Hashable | None:
-        """Equal for two leaves that are the same mutable array (tied weights), else None.
-
-        None (the default, and always for immutable arrays such as JAX's) means
-        the leaf is tied to nothing: a value in two places is two leaves, as
-        ``jax.grad`` sees it.
-        """
-        return None
-
-    def label(self, x: Any) -> str | None:
-        """A leaf's own name (a TensorFlow variable's path), or None."""
-        return None
-
-    def __repr__(self) -> str:
-        return f"<Backend {self.name}>"
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """The NumPy dtype for a dtype name; ``"bfloat16"`` needs ``ml_dtypes``.
-
-    Example:
-        >>> numpy_dtype("float16")
-        dtype('float16')
-    """
-    if name == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError as e:  # pragma: no cover - ml_dtypes ships with jax and tensorflow
-            raise ImportError("bfloat16 leaves need the ml_dtypes package") from e
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
+from stalewise.backends.base import FLOAT_DTYPES, Backend, ModelState, numpy_dtype
+from stalewise.backends.jax_ import JaxBackend
+from stalewise.backends.numpy_ import NumpyBackend
+from stalewise.backends.tensorflow_ import TensorFlowBackend
+from stalewise.backends.torch_ import TorchBackend
 
 _BACKENDS: dict[str, Backend] = {}
 _BY_ROOT: dict[str, Backend] = {}
@@ -184,11 +83,6 @@ def backend_of(x: Any) -> Backend | None:
     """
     return _backend_of_type(type(x))
 
-
-from stalewise.backends.jax_ import JaxBackend  # noqa: E402
-from stalewise.backends.numpy_ import NumpyBackend  # noqa: E402
-from stalewise.backends.tensorflow_ import TensorFlowBackend  # noqa: E402
-from stalewise.backends.torch_ import TorchBackend  # noqa: E402
 
 for _b in (NumpyBackend(), TorchBackend(), JaxBackend(), TensorFlowBackend()):
     register(_b)

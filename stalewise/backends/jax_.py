@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.backends import Backend, numpy_dtype
+from stalewise.backends.base import Backend, numpy_dtype
 
 
 class JaxBackend(Backend):

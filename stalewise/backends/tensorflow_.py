@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.backends import FLOAT_DTYPES, Backend, ModelState
+from stalewise.backends.base import FLOAT_DTYPES, Backend, ModelState
 
 
 def _tf() -> Any:

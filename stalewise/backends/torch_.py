@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.backends import Backend, ModelState
+from stalewise.backends.base import Backend, ModelState
 
 
 def _torch() -> Any:

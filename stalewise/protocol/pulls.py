@@ -81,7 +81,7 @@ from stalewise.codecs import PayloadError
 from stalewise.protocol import commit
 from stalewise.protocol.compress import Piece, plan
 
-__all__ = ["Pull", "PullServer", "Replica", "plan", "refusal"]
+__all__ = ["Pull", "PullServer", "Replica", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -349,24 +349,6 @@ class Replica:
         if commit.first_non_finite(new) is not None:
             raise PayloadError(f"{where}: the values decode to non-finite numbers")
         self.params[lo:hi] = new
-
-
-RUNTIMES = ("sim", "ray")  # the runtimes that send delta pulls
-
-
-def refusal(pull_codec: Any, runtime: str) -> str | None:
-    """Why ``runtime`` refuses delta pulls (a ``pull_codec``), in one line; None when it
-    takes them (one of :data:`RUNTIMES`) or there is no ``pull_codec``."""
-    if pull_codec is None or runtime in RUNTIMES:
-        return None
-    if runtime == "local":
-        why = (
-            "the local runtime's pulls read a shared-memory snapshot (a memcpy, no network), "
-            "so a delta pull would only add work"
-        )
-    else:
-        why = f"runtime {runtime!r} does not send delta pulls yet"
-    return f"pull_codec={pull_codec!r}: {why}; use runtime 'sim' or 'ray', or leave it unset"
 
 
 # -- sparse blocks ------------------------------------------------------------------------

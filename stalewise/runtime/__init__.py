@@ -1,23 +1,27 @@
-"""Runtimes host the protocol's shards and worker loop; they are looked up by name.
+"""Runtimes host the protocol's shards and worker loop; each is described once, by name.
 
-A runtime is a function ``run(config, strategy, options) -> TrainResult``
-(``config`` a :class:`~stalewise.protocol.ServerConfig`, ``options`` a
-:class:`~stalewise.runtime.options.RunOptions`), and optionally a *server*: a
-factory ``server(config, workers, *, join_timeout)`` whose result starts the
-shards for a loop the user owns (what :meth:`stalewise.Job.serve` returns).
-Built in: ``"local"`` (OS processes on this machine; it has a server), ``"sim"``
-(the deterministic simulator) and ``"ray"`` (Ray actors, on a cluster; it has a
-server too; needs ``pip install stalewise[ray]``). :func:`register` adds one; its module is
-imported only when it is used. Everything that lists or checks runtime names
-(``Job.train``, ``Job.serve``, the config file, the CLI) reads this registry when
-it runs, so a runtime registered later is known to all of them.
+A :class:`Runtime` says everything the rest of stalewise needs to know of one
+runtime: its ``run(config, strategy, options) -> TrainResult`` (``config`` a
+:class:`~stalewise.protocol.ServerConfig`, ``options`` a
+:class:`~stalewise.runtime.options.RunOptions`), and what else it can do: a
+*server* for a loop the user owns (:meth:`stalewise.Job.serve`), ``sw.attach``,
+``stalewise run``, an elastic ``Job.train``, delta pulls, its worker limit, the
+checkpoints it resumes from. Functions are given as ``"module:name"`` strings,
+imported only when used. Built in: ``"local"`` (OS processes on this machine),
+``"sim"`` (the deterministic simulator) and ``"ray"`` (Ray actors, on a cluster;
+needs ``pip install stalewise[ray]``). :func:`register` adds one. Everything that
+lists or checks runtimes (``Job.train``, ``Job.serve``, ``sw.attach``, ``stalewise
+run``, the config file, the CLI, checkpoints) reads this registry when it runs, so
+a runtime registered later is known to all of them.
 
 Example:
     >>> from stalewise import runtime
     >>> runtime.names()
     ('local', 'sim', 'ray')
-    >>> runtime.servers()
-    ('local', 'ray')
+    >>> runtime.names("server"), runtime.names("delta_pulls")
+    (('local', 'ray'), ('sim', 'ray'))
+    >>> runtime.describe("sim").max_workers
+    16384
     >>> runtime.get("nowhere")
     Traceback (most recent call last):
     ...
@@ -26,82 +30,147 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-_RUNNERS: dict[str, str | Callable[..., Any]] = {
-    "local": "stalewise.runtime.local.train:run",
-    "sim": "stalewise.runtime.sim:run",
-    "ray": "stalewise.runtime.ray.train:run",
-}
-_SERVERS: dict[str, str | Callable[..., Any]] = {
-    "local": "stalewise.runtime.local.server:LocalServer",
-    "ray": "stalewise.runtime.ray.server:RayServer",
-}
+Target = str | Callable[..., Any]  # a callable, or its "module:name"
+_CALLABLES = ("run", "server", "attach", "serves", "launch")
 
 
-def register(
-    name: str,
-    runner: str | Callable[..., Any],
-    *,
-    server: str | Callable[..., Any] | None = None,
-) -> None:
-    """Registers a runtime: its ``run(config, strategy, options)`` function and, optionally,
-    its ``server(config, workers, *, join_timeout)`` factory, each a callable or its
-    ``"module:name"``. Registering a name again replaces it (its server too)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a runtime needs a non-empty name, got {name!r}")
-    for what, value in (("runner", runner), ("server", server)):
-        if (value is not None or what == "runner") and not (callable(value) or _is_path(value)):
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """One runtime: its functions (each a callable or its ``"module:name"``) and what it
+    can do. Only ``name`` and ``run`` are required; the rest says "cannot"."""
+
+    name: str
+    run: Target  # run(config, strategy, options) -> TrainResult
+    server: Target | None = None  # server(config, workers, *, join_timeout, name=None)
+    attach: Target | None = None  # attach(name, *, worker, timeout) -> a client (sw.attach)
+    # serves(name) -> None if this runtime may serve a job called name, else why not (one
+    # phrase); sw.attach(runtime=None) takes the first attachable runtime that may
+    serves: Target | None = None
+    launch: Target | None = None  # launch(job, launch) -> exit status (stalewise run)
+    elastic_train: bool = False  # Job.train takes workers=(min, max) or "auto"
+    delta_pulls: bool = False  # it sends pulls compressed by the job's pull_codec
+    no_delta_pulls: str = ""  # why not, when it does not (one phrase)
+    max_workers: int = 4096  # the most workers a run may have
+    resumes_from: str | None = None  # a key a checkpoint's step must carry (None: any)
+    needs: str | None = None  # a module it needs, installed with pip install stalewise[NEEDS]
+
+    def missing(self) -> str | None:
+        """Why this runtime cannot run here (what to install), or None."""
+        if self.needs is None or importlib.util.find_spec(self.needs) is not None:
+            return None
+        return f"runtime {self.name!r} needs {self.needs}: pip install 'stalewise[{self.needs}]'"
+
+    def load(self, what: str) -> Callable[..., Any]:
+        """The function ``what`` (``"run"``, ``"server"``, ...), imported if given by path."""
+        target = getattr(self, what)
+        if target is None:
             raise ValueError(
-                f"runtime {name!r}: {what} must be a callable or a 'module:name' string, "
-                f"got {value!r}"
+                f"runtime {self.name!r} has no {what}; runtimes with one: "
+                f"{', '.join(names(what)) or 'none'}"
             )
-    _RUNNERS[name] = runner
-    if server is None:
-        _SERVERS.pop(name, None)
-    else:
-        _SERVERS[name] = server
+        if isinstance(target, str):
+            module, _, attr = target.partition(":")
+            target = getattr(importlib.import_module(module), attr)
+        return target
 
 
-def names() -> tuple[str, ...]:
-    """The names of the known runtimes."""
-    return tuple(_RUNNERS)
-
-
-def servers() -> tuple[str, ...]:
-    """The names of the runtimes that have a server (see :meth:`stalewise.Job.serve`)."""
-    return tuple(n for n in _RUNNERS if n in _SERVERS)
-
-
-def get(name: str) -> Callable[..., Any]:
-    """The ``run`` function of the runtime called ``name``."""
-    return _resolve(_RUNNERS[_known(name)])
-
-
-def server(name: str) -> Callable[..., Any]:
-    """The server factory of the runtime called ``name``."""
-    if _known(name) not in _SERVERS:
-        raise ValueError(
-            f"runtime {name!r} has no server for a loop you own; runtimes with one: "
-            f"{', '.join(servers()) or 'none'}"
-        )
-    return _resolve(_SERVERS[name])
-
-
-def _known(name: Any) -> str:
-    if not isinstance(name, str) or name not in _RUNNERS:
-        raise ValueError(f"unknown runtime {name!r}; known: {', '.join(_RUNNERS)}")
-    return name
+_RUNTIMES: dict[str, Runtime] = {}
 
 
 def _is_path(value: Any) -> bool:
     return isinstance(value, str) and value.count(":") == 1 and all(value.split(":"))
 
 
-def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module), attr)
-    return target
+def register(name: str, run: Target, **facts: Any) -> Runtime:
+    """Registers (or replaces) the runtime ``name``: ``run`` and the other fields of
+    :class:`Runtime` as keywords (``server=``, ``attach=``, ``max_workers=``, ...)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a runtime needs a non-empty name, got {name!r}")
+    runtime = Runtime(name, run, **facts)
+    for what in _CALLABLES:
+        value = getattr(runtime, what)
+        if (value is not None or what == "run") and not (callable(value) or _is_path(value)):
+            what = "runner" if what == "run" else what
+            raise ValueError(
+                f"runtime {name!r}: {what} must be a callable or a 'module:name' string, "
+                f"got {value!r}"
+            )
+    _RUNTIMES[name] = runtime
+    return runtime
+
+
+register(
+    "local",
+    "stalewise.runtime.local.train:run",
+    server="stalewise.runtime.local.server:LocalServer",
+    attach="stalewise.runtime.local.attach:attach",
+    serves="stalewise.runtime.local.attach:serves",
+    launch="stalewise.launch:_serve_workers",
+    no_delta_pulls="the local runtime's pulls read a shared-memory snapshot (a memcpy, no "
+    "network), so a delta pull would only add work",
+)
+register(
+    "sim", "stalewise.runtime.sim:run", delta_pulls=True, max_workers=16384, resumes_from="sim"
+)
+register(
+    "ray",
+    "stalewise.runtime.ray.train:run",
+    server="stalewise.runtime.ray.server:RayServer",
+    attach="stalewise.runtime.ray.client:attach",
+    serves="stalewise.runtime.ray:serves",
+    launch="stalewise.runtime.ray.launch:serve_workers",
+    elastic_train=True,
+    delta_pulls=True,
+    needs="ray",
+)
+
+
+def names(able: str | None = None) -> tuple[str, ...]:
+    """The names of the known runtimes; with ``able`` (a field of :class:`Runtime`), of
+    those that have it (``"server"``, ``"attach"``, ``"elastic_train"``, ...)."""
+    return tuple(n for n, r in _RUNTIMES.items() if able is None or getattr(r, able))
+
+
+def servers() -> tuple[str, ...]:
+    """The names of the runtimes that have a server (see :meth:`stalewise.Job.serve`)."""
+    return names("server")
+
+
+def describe(name: Any) -> Runtime:
+    """The :class:`Runtime` called ``name``."""
+    if not isinstance(name, str) or name not in _RUNTIMES:
+        raise ValueError(f"unknown runtime {name!r}; known: {', '.join(_RUNTIMES)}")
+    return _RUNTIMES[name]
+
+
+def get(name: str) -> Callable[..., Any]:
+    """The ``run`` function of the runtime called ``name``."""
+    return describe(name).load("run")
+
+
+def server(name: str) -> Callable[..., Any]:
+    """The server factory of the runtime called ``name``."""
+    runtime = describe(name)
+    if runtime.server is None:
+        raise ValueError(
+            f"runtime {name!r} has no server for a loop you own; runtimes with one: "
+            f"{', '.join(servers()) or 'none'}"
+        )
+    return runtime.load("server")
+
+
+def pull_refusal(pull_codec: Any, name: str) -> str | None:
+    """Why runtime ``name`` refuses delta pulls (a ``pull_codec``), in one line; None when
+    it takes them or there is no ``pull_codec``."""
+    runtime = describe(name)
+    if pull_codec is None or runtime.delta_pulls:
+        return None
+    why = runtime.no_delta_pulls or f"runtime {name!r} does not send delta pulls yet"
+    able = " or ".join(map(repr, names("delta_pulls")))
+    return f"pull_codec={pull_codec!r}: {why}; use runtime {able}, or leave it unset"

@@ -1,25 +1,25 @@
 """``sw.attach(name)``: a client for a loop you own, of a job served under a name.
 
 A job served with a name (``job.serve(workers=..., name="gpt")``, locally or with
-``runtime="ray"``) is found by that name: on this machine through its door
+``runtime="ray"``) is found by that name, through the ``attach`` of a runtime of
+the registry (:mod:`stalewise.runtime`): on this machine through its door
 (:mod:`stalewise.runtime.local.attach`), or on the Ray cluster this process is
 connected to through its door actor (:mod:`stalewise.runtime.ray.client`).
-``runtime=None`` picks the one that serves the name: a local door of that name
-first, else Ray when this process is connected to Ray (``ray.init``, or inside a
-Ray task or actor) or ``RAY_ADDRESS`` names a cluster. ``import stalewise`` does
-not import Ray, and attaching to a local job never does.
+``runtime=None`` picks the first runtime whose ``serves(name)`` says it may serve
+the name: a local door of that name first, else Ray when this process is connected
+to Ray (``ray.init``, or inside a Ray task or actor) or ``RAY_ADDRESS`` names a
+cluster. ``import stalewise`` does not import Ray, and attaching to a local job
+never does.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 from typing import Any
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+from stalewise import runtime as runtime_lib
 
-RUNTIMES = ("local", "ray")  # the runtimes a process can attach to
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 class AttachError(RuntimeError):
@@ -36,14 +36,6 @@ def check_name(name: Any) -> str:
     return name
 
 
-def _ray_reachable() -> bool:
-    """Whether this process is connected to Ray, or ``RAY_ADDRESS`` names a cluster."""
-    ray = sys.modules.get("ray")
-    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
-        return True
-    return os.environ.get("RAY_ADDRESS") not in (None, "", "local")  # "local": a new one
-
-
 def attach(
     name: str,
     *,
@@ -57,8 +49,8 @@ def attach(
         name: the ``name=`` the job was served with (:meth:`stalewise.Job.serve`).
         worker: the worker id to take (a new incarnation of it); None: the lowest free one.
         timeout: seconds to wait for the job's door (None: no limit).
-        runtime: ``"local"`` or ``"ray"``; None: the one that serves ``name`` (see the
-            module docstring).
+        runtime: a runtime with an ``attach`` (``"local"`` or ``"ray"``); None: the one
+            that serves ``name`` (see the module docstring).
 
     Returns:
         A client whose ``worker`` and ``incarnation`` say who it is: the local
@@ -69,30 +61,31 @@ def attach(
     Raises:
         AttachError: no job of that name is served, or its door refused (why).
     """
-    from stalewise.runtime.local import attach as local
-
     check_name(name)
-    if runtime is not None and runtime not in RUNTIMES:
-        raise AttachError(f"runtime {runtime!r}: a process attaches to 'local' or 'ray'")
-    if runtime is None:
-        try:
-            here = os.path.lexists(local.door_path(name))
-        except AttachError:  # an attach folder stalewise will not use: none served here
-            if not _ray_reachable():
-                raise
-            here = False
-        if here:
-            runtime = "local"
-        elif _ray_reachable():
-            runtime = "ray"
-        else:
-            raise AttachError(
-                f"no job named {name!r} is served on this machine ({local.door_path(name)} "
-                "is missing), and this process is not connected to Ray (ray.init() or "
-                "RAY_ADDRESS, for a job served on a Ray cluster)"
-            )
-    if runtime == "local":
-        return local.attach(name, worker=worker, timeout=timeout)
-    from stalewise.runtime.ray.client import attach as ray_attach
+    able = runtime_lib.names("attach")
+    if runtime is not None and runtime not in able:
+        raise AttachError(
+            f"runtime {runtime!r}: a process attaches to {' or '.join(map(repr, able))}"
+        )
+    found = runtime_lib.describe(runtime or _serving(name, able))
+    return found.load("attach")(name, worker=worker, timeout=timeout)
 
-    return ray_attach(name, worker=worker, timeout=timeout)
+
+def _serving(name: str, able: tuple[str, ...]) -> str:
+    """The first runtime of ``able`` that may serve ``name``; else an AttachError that says
+    where it looked (or the first refusal one of them raised)."""
+    why_not, refused = [], None
+    for runtime in map(runtime_lib.describe, able):
+        if runtime.serves is None:  # attached to only when named
+            continue
+        try:
+            why = runtime.load("serves")(name)
+        except AttachError as e:  # e.g. an attach folder stalewise will not use
+            refused = refused or e
+            continue
+        if why is None:
+            return runtime.name
+        why_not.append(why)
+    if refused is not None:
+        raise refused
+    raise AttachError(f"no job named {name!r} is served {', and '.join(why_not)}")

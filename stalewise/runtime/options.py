@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stalewise import runtime as runtime_lib
 from stalewise.protocol.loop import DIVERGE_AFTER
 from stalewise.runtime.base import FAILURE_POLICIES, check_run
 
@@ -149,8 +150,6 @@ def _resume(resume: Any) -> Any:
     return resume
 
 
-#: The runtimes whose ``Job.train`` takes an elastic ``workers`` (``(min, max)`` or ``"auto"``).
-ELASTIC_RUNTIMES = ("ray",)
 #: The worker ids ``workers="auto"`` makes room for unless ``max_workers`` says otherwise.
 MAX_WORKERS = 16
 
@@ -288,12 +287,13 @@ class RunOptions:
 
     def check_runtime(self, runtime: str) -> None:
         """Raises :class:`OptionError` (``workers``) if this run is elastic and ``runtime``'s
-        ``Job.train`` does not support that (see :data:`ELASTIC_RUNTIMES`)."""
-        if self.elastic and runtime not in ELASTIC_RUNTIMES:
+        ``Job.train`` does not support that (its :class:`~stalewise.runtime.Runtime`)."""
+        if self.elastic and not runtime_lib.describe(runtime).elastic_train:
+            able = " or ".join(map(repr, runtime_lib.names("elastic_train")))
             raise OptionError(
                 "workers",
                 f"={self.workers!r} (elastic, {self.expected}..{self.room} workers) "
-                f"is supported by Job.train on runtime {' or '.join(map(repr, ELASTIC_RUNTIMES))} "
+                f"is supported by Job.train on runtime {able} "
                 f"only, not {runtime!r}; pass an integer (job.serve(workers=(min, max)) is "
                 "elastic on every runtime with a server)",
             )

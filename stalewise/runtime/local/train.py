@@ -62,7 +62,8 @@ from typing import Any
 import numpy as np
 
 from stalewise import checkpoint
-from stalewise.protocol import ServerConfig, loop, pipeline, pulls, wire
+from stalewise import runtime as runtime_lib
+from stalewise.protocol import ServerConfig, loop, pipeline, wire
 from stalewise.protocol.liveness import Silence
 from stalewise.runtime import driver
 from stalewise.runtime.base import (
@@ -578,7 +579,7 @@ class _Host:
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
     """Trains with ``options.workers`` local processes (the ``"local"`` runtime; see Job.train)."""
     o = options
-    why = pulls.refusal(config.pull_codec, "local")  # pulls are shared-memory reads here
+    why = runtime_lib.pull_refusal(config.pull_codec, "local")  # shared-memory reads here
     if why is not None:
         raise ValueError(why)
     for name, obj in (("loss_and_grad", o.loss_and_grad), ("data", o.data), ("strategy", strategy)):

@@ -114,9 +114,11 @@ from zero, with a warning).
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
-__all__ = ["connect", "run"]
+__all__ = ["connect"]
 
 
 def connect(address: str | None = None, **init_kwargs: Any) -> bool:
@@ -158,8 +160,15 @@ def import_ray() -> Any:
     return ray
 
 
-def run(config: Any, strategy: Any, options: Any) -> Any:
-    """Trains on Ray (the ``"ray"`` runtime; see :mod:`stalewise.runtime.ray.train`)."""
-    from stalewise.runtime.ray.train import run as _run
-
-    return _run(config, strategy, options)
+def serves(name: str) -> str | None:
+    """None if a job called ``name`` may be served on Ray: this process is connected to Ray,
+    or ``RAY_ADDRESS`` names a cluster (``sw.attach``); else why not. Imports no Ray."""
+    ray = sys.modules.get("ray")
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+        return None
+    if os.environ.get("RAY_ADDRESS") not in (None, "", "local"):  # "local": a new one
+        return None
+    return (
+        "this process is not connected to Ray (ray.init() or RAY_ADDRESS, for a job served "
+        "on a Ray cluster)"
+    )

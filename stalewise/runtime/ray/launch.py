@@ -111,13 +111,15 @@ class ScriptWorker:
         return {"node": ray.get_runtime_context().get_node_id(), "pushes": pushes}
 
 
-def serve_workers(
-    job: Any, script: str, argv: list[str], workers: int, steps: int | None, timeout: float | None
-) -> int:
-    """The launcher's side on Ray: serves ``job``, runs the workers, waits; the exit
-    status (1 if a worker failed, each named on a line of stderr)."""
+def serve_workers(job: Any, launch: Any) -> int:
+    """The launcher's side on Ray (the ``"ray"`` runtime's ``launch``): serves ``job``,
+    runs ``launch.workers`` workers of ``launch.script``, waits; the exit status (1 if a
+    worker failed, each named on a line of stderr)."""
     import uuid
 
+    script, argv, workers = launch.script, launch.argv, launch.workers
+    steps, timeout = launch.steps, launch.timeout
+    quiet_driver()
     ray = import_ray()
     started = connect()
     actors: list = []
