@@ -641,6 +641,19 @@ def test_shifted_exponential_is_seeded_per_worker():
     assert a == b != c and min(a) >= 1.0
 
 
+def test_worker_timing_streams_continue_from_their_saved_states():
+    cfg = SimConfig(compute=ShiftedExponential(shift=0.0, rate=1.0))
+    a = WorkerTiming(cfg, 2, seed=5)
+    a.finish(0, 0.0), a.finish(1, 0.0, local_steps=3)
+    b = WorkerTiming(cfg, 2, seed=9)  # another seed: its streams are all replaced
+    b.load_rng_states(a.rng_states())
+    assert [b.finish(w, 1.0) for w in (0, 1)] == [a.finish(w, 1.0) for w in (0, 1)]
+    fixed = WorkerTiming(SimConfig(compute=Fixed(1.0)), 2)
+    assert fixed.rng_states() is None
+    fixed.load_rng_states(None)  # nothing to restore
+    assert fixed.finish(0, 0.0) == 1.0
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [

@@ -240,10 +240,6 @@ class Simulation:
     def take_buffer(self) -> np.ndarray:
         return self.pool.pop() if self.pool else np.empty(self.spec.size, self.params.dtype)
 
-    def give_back(self, wk: _SimWorker) -> None:
-        self.pool += [b for b in (wk.pull_buf, wk.upd_buf, wk.next_buf) if b is not None]
-        wk.pull_buf = wk.upd_buf = wk.next_buf = None
-
     # -- shards --------------------------------------------------------------------
 
     def enqueue(self, k: int, req: tuple) -> None:
@@ -364,10 +360,15 @@ class Simulation:
         :class:`~stalewise.protocol.sender.Sender` takes over the residual of
         its worker id's last committed push.
         """
-        w = wk.id
-        wk.sender = self.new_sender(wk)
+        w, cfg = wk.id, self.config
+        if wk.sender is not None:
+            wk.sender = wk.sender.successor()
+        else:  # its first, with the residual a resumed run gave it
+            start = None if wk.feedback is None else wk.feedback.residual
+            wk.sender = Sender(cfg.spec.segments, cfg.staleness, self.S, self.compressor,
+                               residual=start, dtype=self.params.dtype)  # fmt: skip
         wk.joined_at = max(int(shard.clocks[w]) for shard in self.shards)
-        wk.fresh = pipeline.reads_snapshots(self.config, incarnation=wk.inc, joined_at=wk.joined_at)
+        wk.fresh = pipeline.reads_snapshots(cfg, incarnation=wk.inc, joined_at=wk.joined_at)
         wk.results, wk.loop_stats, wk.replica = [], None, None
         try:
             if wk.batches is None:
@@ -435,17 +436,6 @@ class Simulation:
         wk.loss_next = loss
         wk.phase, wk.t_mark = _COMPUTING, self.now
         self.at(self.timing.finish(wk.id, self.now, local_steps), _COMPUTED, wk.id, inc=wk.inc)
-
-    def new_sender(self, wk: _SimWorker) -> Sender:
-        """Worker ``wk``'s sending side for a new incarnation: its predecessor's successor,
-        or one with the residual a resumed run gave it."""
-        if wk.sender is not None:
-            return wk.sender.successor()
-        start = None if wk.feedback is None else wk.feedback.residual
-        cfg, dtype = self.config, self.params.dtype
-        return Sender(
-            cfg.spec.segments, cfg.staleness, self.S, self.compressor, residual=start, dtype=dtype
-        )
 
     def sent(self, wk: _SimWorker, k: int) -> Any:
         """What shard ``k`` receives of worker ``wk``'s push: its slice, or its payload."""
@@ -596,7 +586,8 @@ class Simulation:
                 delivered,
             )
         wk.inc += 1  # the push's messages still in flight are dropped: exactly once
-        self.give_back(wk)
+        self.pool += [b for b in (wk.pull_buf, wk.upd_buf, wk.next_buf) if b is not None]
+        wk.pull_buf = wk.upd_buf = wk.next_buf = None
         if wk.sender is not None:  # a push encoded, never committed: the residual stays
             wk.sender.abandoned()
 
@@ -627,7 +618,6 @@ class Simulation:
         of a run that used its whole budget); only such a checkpoint lets a resumed
         run start each worker when and in the order it would have gone on.
         """
-        rngs = self.timing._rngs
         # a worker waiting for its restart is live: a resumed run restarts it at once
         dead = [wk.phase == _DEAD and not self.restarting(wk.id) for wk in self.workers]
         return {
@@ -640,7 +630,7 @@ class Simulation:
             "ended": [None if wk.ended is None else list(wk.ended) for wk in self.workers],
             "consumed": list(self.consumed),
             "last_loss": [None if math.isnan(x) else float(x) for x in self.last_loss],
-            "rngs": None if rngs is None else [r.bit_generator.state for r in rngs],
+            "rngs": self.timing.rng_states(),
             "egress": list(self.links.egress),
             "ingress": list(self.links.ingress),
             "totals": dict(self.totals),
@@ -653,15 +643,11 @@ class Simulation:
         comp = self.compressor
         if comp is None or not comp.error_feedback:
             return None
-        zeros = np.zeros(self.spec.size, self.params.dtype)
-        return [
-            wk.sender.residual
-            if wk.sender is not None
-            else zeros
-            if wk.feedback is None
-            else wk.feedback.residual
-            for wk in self.workers
-        ]
+        zeros, out = np.zeros(self.spec.size, self.params.dtype), []
+        for wk in self.workers:  # its sender's, or the one a resumed run gave it
+            held = wk.sender if wk.sender is not None else wk.feedback
+            out.append(zeros if held is None else held.residual)
+        return out
 
     def restore(
         self, states: list[dict], saved: dict[str, Any], feedback: list[Any] | None = None
@@ -682,9 +668,7 @@ class Simulation:
         self.pushes = self.started = int(saved["pushes"])
         self.consumed = [int(n) for n in saved["consumed"]]  # each stream skips as many
         self.last_loss[:] = [math.nan if x is None else x for x in saved["last_loss"]]
-        if saved["rngs"] is not None and self.timing._rngs is not None:
-            for rng, state in zip(self.timing._rngs, saved["rngs"], strict=True):
-                rng.bit_generator.state = state
+        self.timing.load_rng_states(saved["rngs"])
         self.links.egress[:] = saved["egress"]
         self.links.ingress[:] = saved["ingress"]
         self.totals.update(saved["totals"])

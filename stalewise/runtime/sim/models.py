@@ -335,6 +335,16 @@ class WorkerTiming:
         for points, items in self._transient.values():
             points.extend(sorted({p for s in items for p in (s.start, s.end) if math.isfinite(p)}))
 
+    def rng_states(self) -> list[dict] | None:
+        """Each worker's random stream state, for a checkpoint (None: fixed step times)."""
+        return None if self._rngs is None else [r.bit_generator.state for r in self._rngs]
+
+    def load_rng_states(self, states: list[dict] | None) -> None:
+        """Sets each worker's random stream state from :meth:`rng_states`'s list."""
+        if states is not None and self._rngs is not None:
+            for rng, state in zip(self._rngs, states, strict=True):
+                rng.bit_generator.state = state
+
     def finish(self, worker: int, start: float, local_steps: int = 1) -> float:
         """The virtual time at which a step of ``worker`` started at ``start`` ends.
 
