@@ -51,6 +51,18 @@ The result is a :class:`Calibration`; :meth:`Calibration.toml` is the ``[sim]``
 table (what it measured as comments above it), :meth:`Calibration.sim_config`
 the :class:`~stalewise.runtime.sim.config.SimConfig` it reads as.
 
+**How sure it is.** Every figure is timed ``repeats`` times, and the spread of
+the repeats (25th-75th percentile, min and max: :class:`Spread`) is kept
+(:attr:`Calibration.spreads`) and printed in the summary. ``sim_config("low")``
+and ``sim_config("high")`` are the tables of every time at its 25th and 75th
+percentile (the compute times scaled by the pooled steps' quartile over their
+median); :meth:`Calibration.interval` runs a prediction on the three tables and
+gives it as ``point [low, high]``. :func:`busy_warnings` judges whether the
+machine was too busy for a stable figure: the 1-minute load average when the
+calibration started or ended above the core count, or a worker's step times
+spread (interquartile range over median) above :data:`SPREAD_LIMIT`;
+:func:`calibrate` logs each warning and the summary (hence the CLI) prints it.
+
 Example:
     >>> from stalewise.calibrate import table_toml
     >>> print(table_toml({"compute": "fixed", "step_time": 0.002, "latency": 5e-05}), end="")
@@ -70,7 +82,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -80,7 +92,15 @@ from stalewise.runtime.base import MAX_DELAY
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import MAX_SECONDS, MIN_BYTES_PER_S
 
-__all__ = ["Calibration", "Fit", "calibrate", "table_toml"]
+__all__ = [
+    "Calibration",
+    "Fit",
+    "Interval",
+    "Spread",
+    "busy_warnings",
+    "calibrate",
+    "table_toml",
+]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +120,109 @@ MAX_TIMEOUT = 86_400.0
 MIN_SIZE = 4096
 #: Busy seconds of each step of the worker-loop measurement, and its steps.
 LOOP_COMPUTE, LOOP_STEPS = 0.002, 300
+#: A worker's step times whose interquartile range exceeds this fraction of their median
+#: make :func:`calibrate` warn that the machine was too busy for a stable figure (steps of
+#: the same batches on a quiet machine differ by a few percent).
+SPREAD_LIMIT = 0.5
+#: The tables :meth:`Calibration.sim_config` makes: the measured figures (None), or every
+#: time at its 25th ("low") or 75th ("high") percentile over the repeats.
+BOUNDS = (None, "low", "high")
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The spread of one measured figure over its repeats, seconds.
+
+    Example:
+        >>> s = Spread.of([1.0, 2.0, 3.0, 4.0, 5.0])
+        >>> s.low, s.median, s.high, s.min, s.max, s.relative
+        (2.0, 3.0, 4.0, 1.0, 5.0, 0.6666666666666666)
+    """
+
+    low: float  # the 25th percentile
+    median: float
+    high: float  # the 75th percentile
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, xs: Sequence[float]) -> Spread:
+        a = np.asarray(xs, dtype=float)
+        if a.size == 0:
+            raise ValueError("Spread.of: no values")
+        q25, q50, q75 = (float(q) for q in np.quantile(a, [0.25, 0.5, 0.75]))
+        return cls(q25, q50, q75, float(a.min()), float(a.max()), int(a.size))
+
+    @property
+    def relative(self) -> float:
+        """The interquartile range over the median (0 for a median of 0)."""
+        return (self.high - self.low) / self.median if self.median > 0 else 0.0
+
+    def at(self, bound: str | None) -> float:
+        """The median (None), the 25th percentile ("low") or the 75th ("high")."""
+        return {None: self.median, "low": self.low, "high": self.high}[bound]
+
+    def text(self, scale: float = 1e6, unit: str = "us") -> str:
+        """``median [25th, 75th] unit (min .., max .., n repeats)``."""
+        return (
+            f"{self.median * scale:.4g} [{self.low * scale:.4g}, {self.high * scale:.4g}] {unit} "
+            f"(min {self.min * scale:.4g}, max {self.max * scale:.4g}, {self.n} repeats)"
+        )
+
+
+class Interval(NamedTuple):
+    """A prediction and its interval: :meth:`Calibration.interval`'s answer.
+
+    Example:
+        >>> str(Interval(176.2, 150.0, 205.4))
+        '176.2 [150, 205.4]'
+    """
+
+    point: float
+    low: float
+    high: float
+
+    def __str__(self) -> str:
+        return f"{self.point:.4g} [{self.low:.4g}, {self.high:.4g}]"
+
+
+def busy_warnings(
+    step_times: Sequence[Sequence[float]],
+    load: Sequence[float],
+    load_end: Sequence[float] | None = None,
+    cores: int | None = None,
+    limit: float = SPREAD_LIMIT,
+) -> list[str]:
+    """Why the machine was too busy for a stable figure, one sentence each (empty: no
+    reason seen): the 1-minute load average at the start (``load``) or at the end
+    (``load_end``; the calibration's own processes count in it) above ``cores`` (default
+    ``os.cpu_count()``), or a worker's step times whose interquartile range exceeds
+    ``limit`` times their median.
+
+    Example:
+        >>> busy_warnings([[0.010, 0.011, 0.010, 0.012]], load=(0.5, 0.5, 0.5), cores=2)
+        []
+        >>> busy_warnings([[0.010, 0.030, 0.010, 0.030]], load=(3.0, 1, 1), cores=2)[0]
+        'the load average was 3.00 on 2 cores: other processes took CPU time from the measurement'
+    """
+    cores = cores or os.cpu_count() or 1
+    out = []
+    peak = max(load[0], load_end[0] if load_end is not None else 0.0)
+    if peak > cores:
+        out.append(
+            f"the load average was {peak:.2f} on {cores} cores: other processes took CPU "
+            "time from the measurement"
+        )
+    for w, t in enumerate(step_times):
+        s = Spread.of(t)
+        if s.relative > limit:
+            out.append(
+                f"worker {w}'s step times spread {s.relative:.0%} of their median (25th-75th "
+                f"percentile {s.low * 1e3:.3g}-{s.high * 1e3:.3g} ms, above {limit:.0%}): "
+                "the compute time is not a stable figure"
+            )
+    return out
 
 
 @dataclass(frozen=True)
@@ -155,6 +278,11 @@ class Calibration:
         loop: seconds a local worker's step takes besides its compute, send and pull
             (the worker loop's own time), added to every simulated step; None if not
             measured.
+        spreads: each timed figure's :class:`Spread` over its repeats, by name
+            (``"apply 16,384 B"``, ``"pull ..."``, ``"send ..."``, ``"push ..."``,
+            ``"message ..."``, ``"worker loop"``; the compute's are
+            :attr:`step_times` themselves).
+        load_end: the load averages when it ended (None: not taken).
     """
 
     workers: int
@@ -171,6 +299,8 @@ class Calibration:
     served: bool = False
     evaluated: float | None = None
     loop: float | None = None
+    spreads: tuple[tuple[str, Spread], ...] = ()
+    load_end: tuple[float, float, float] | None = None
 
     # -- the compute model -------------------------------------------------------------
 
@@ -224,9 +354,64 @@ class Calibration:
         t["service_rate"] = _rate(self.apply.slope)
         return t
 
-    def sim_config(self) -> SimConfig:
-        """The table as the simulator reads it."""
-        return SimConfig.from_dict(self.table())
+    def sim_config(self, bound: str | None = None) -> SimConfig:
+        """The table as the simulator reads it; ``bound="low"`` (``"high"``): the table
+        of every measured time at its 25th (75th) percentile over the repeats (see
+        :meth:`bounded`)."""
+        return SimConfig.from_dict(self.bounded(bound).table())
+
+    def spread(self, name: str) -> Spread | None:
+        """The :class:`Spread` of the figure ``name`` (a key of :attr:`spreads`), or None."""
+        return dict(self.spreads).get(name)
+
+    def bounded(self, bound: str | None) -> Calibration:
+        """This calibration with every time at its 25th (``"low"``) or 75th (``"high"``)
+        percentile over the repeats (None: itself): the step times scaled by the pooled
+        steps' quartile over their median, the apply and per-pull fits through the
+        quartiles at each size, the worker loop's quartile. A figure without a spread
+        (a calibration made by hand) stays as measured."""
+        if bound not in BOUNDS:
+            raise ValueError(f"bound = {bound!r}: must be one of {BOUNDS}")
+        if bound is None:
+            return self
+        pooled = Spread.of([x for t in self.step_times for x in t])
+        f = pooled.at(bound) / pooled.median if pooled.median > 0 else 1.0
+        steps = tuple(tuple(x * f for x in t) for t in self.step_times)
+
+        def fit(name: str, measured: Fit) -> Fit:
+            spreads = [self.spread(_key(name, b)) for b, _ in measured.points]
+            if not measured.points or any(s is None for s in spreads):
+                return measured
+            pts = [(b, s.at(bound)) for (b, _), s in zip(measured.points, spreads, strict=True)]
+            return Fit.of(pts)
+
+        loop = self.spread("worker loop")
+        return replace(
+            self,
+            step_times=steps,
+            apply=fit("apply", self.apply),
+            message=fit("message", self.message),
+            loop=self.loop if loop is None else loop.at(bound),
+        )
+
+    def interval(self, predict: Callable[[SimConfig], Any]) -> Any:
+        """``predict`` (``SimConfig -> number``, or a dict of numbers) on the measured
+        table and on the low and high ones (:meth:`sim_config`), as an :class:`Interval`
+        (or a dict of them): the point is the measured table's, the interval spans all
+        three (a faster machine does not always give, say, a lower staleness). A value
+        of None on any table gives None.
+
+        Example: ``cal.interval(lambda sim: job.train(f, data=d, workers=4, steps=2000,
+        runtime="sim", sim=sim).stats["version"])``.
+        """
+        point, low, high = (predict(self.sim_config(b)) for b in BOUNDS)
+        if isinstance(point, dict):
+            return {k: _interval(point[k], low.get(k), high.get(k)) for k in point}
+        return _interval(point, low, high)
+
+    def warnings(self, cores: int | None = None) -> list[str]:
+        """:func:`busy_warnings` of this calibration's step times and load averages."""
+        return busy_warnings(self.step_times, self.load, self.load_end, cores)
 
     def summary(self) -> str:
         """What was measured, in lines of text."""
@@ -269,6 +454,18 @@ class Calibration:
             f"{_rate(self.message.slope):.3g} B/s (latency = half the fixed part); "
             f"this job's model: {self.model_bytes:,} B"
         )
+        if self.spreads or self.step_times:
+            lines.append("spread over the repeats: median [25th, 75th percentile] (min, max)")
+            for w, t in enumerate(self.step_times):
+                lines.append(f"  step time, worker {w}: {Spread.of(t).text(1e3, 'ms')}")
+            for name, s in self.spreads:
+                lines.append(f"  {name}: {s.text()}")
+        if self.load_end is not None:
+            lines.append(
+                f"load average at the end {self.load_end[0]:.2f} {self.load_end[1]:.2f} "
+                f"{self.load_end[2]:.2f}"
+            )
+        lines.extend(f"WARNING: {w}" for w in self.warnings())
         return "\n".join(lines)
 
     def toml(self, comment: bool = True) -> str:
@@ -296,6 +493,18 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, float) and math.isinf(v):
         return "inf"
     return repr(v)
+
+
+def _key(name: str, nbytes: int) -> str:
+    """The :attr:`Calibration.spreads` key of figure ``name`` timed at ``nbytes``."""
+    return f"{name} {nbytes:,} B"
+
+
+def _interval(point: Any, low: Any, high: Any) -> Interval | None:
+    if point is None or low is None or high is None:
+        return None
+    values = [float(point), float(low), float(high)]
+    return Interval(float(point), min(values), max(values))
 
 
 def _sig(x: float) -> float:
@@ -467,6 +676,11 @@ def _synthetic(config: ServerConfig, size: int, shards: int) -> ServerConfig:
 def measure_apply(config: ServerConfig, size: int, repeats: int) -> float:
     """Median seconds one shard takes to handle a push of ``size`` floats (and to make the
     undo copy the local shard makes after it)."""
+    return statistics.median(apply_times(config, size, repeats))
+
+
+def apply_times(config: ServerConfig, size: int, repeats: int) -> list[float]:
+    """The ``repeats`` timed pushes of :func:`measure_apply`, seconds each."""
     cfg = _synthetic(config, size, 1)
     shard = cfg.build_shard(0, cfg.init.copy(), 1)
     shard.warm_up()
@@ -487,7 +701,7 @@ def measure_apply(config: ServerConfig, size: int, repeats: int) -> float:
             times.append(time.perf_counter() - t)
         if not ack.ok:
             raise RuntimeError(f"calibrate: the shard refused a push: {ack.reason}")
-    return statistics.median(times)
+    return times
 
 
 # -- pulls and pushes -----------------------------------------------------------------
@@ -499,6 +713,14 @@ def measure_transport(job: Any, size: int, repeats: int) -> tuple[float, float, 
     job's optimizer, consistency model, codec and number of shards). Under BSP the pull
     that follows a push waits for its round to close, as a local worker's does: it is
     served by the shard (a round trip through it), not read from a snapshot."""
+    pulls, pushes, sends = transport_times(job, size, repeats)
+    return statistics.median(pulls), statistics.median(pushes), statistics.median(sends)
+
+
+def transport_times(
+    job: Any, size: int, repeats: int
+) -> tuple[list[float], list[float], list[float]]:
+    """The ``repeats`` timed pulls, pushes and sends of :func:`measure_transport`."""
     job = _synthetic_job(job, size, min(job.config.shards, size))
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
     pulls, pushes, sends = [], [], []
@@ -519,7 +741,7 @@ def measure_transport(job: Any, size: int, repeats: int) -> tuple[float, float, 
                 pushes.append((t1 - t0) + (t3 - t2))
                 sends.append(t1 - t0)
         client.close()
-    return statistics.median(pulls), statistics.median(pushes), statistics.median(sends)
+    return pulls, pushes, sends
 
 
 def _busy_step(params: Any, batch: Any) -> tuple[float, Any]:
@@ -543,6 +765,13 @@ def measure_loop(job: Any, size: int, send: float, pull: float) -> float:
     steps are :data:`LOOP_COMPUTE` seconds of busy compute; its time per step is the
     median over the intervals between its records after its first push (a step
     preempted by another process must not set it)."""
+    per_step = loop_times(job, size)
+    return max(0.0, statistics.median(per_step) - LOOP_COMPUTE - send - pull)
+
+
+def loop_times(job: Any, size: int) -> list[float]:
+    """The times per step (intervals between records, after the first push) of
+    :func:`measure_loop`'s one-worker run, compute, send and pull included."""
     job = _synthetic_job(job, size, min(job.config.shards, size))
     result = job.train(_busy_step, data=_no_data, workers=1, steps=LOOP_STEPS,
                        eval_interval=0.05, timeout=120)  # fmt: skip
@@ -554,7 +783,7 @@ def measure_loop(job: Any, size: int, send: float, pull: float) -> float:
     ]
     if not per_step:
         raise RuntimeError(f"calibrate: the worker-loop run made too few records ({result!r})")
-    return max(0.0, statistics.median(per_step) - LOOP_COMPUTE - send - pull)
+    return per_step
 
 
 def served_pull(config: ServerConfig) -> bool:
@@ -646,10 +875,13 @@ def calibrate(
     itemsize = config.init.dtype.itemsize
     served = served_pull(config)
     apply_pts, pull_pts, push_pts, send_pts, msg_pts = [], [], [], [], []
+    spreads: list[tuple[str, Spread]] = []
     for n in sizes:
         nbytes = n * itemsize
-        a = measure_apply(config, n, repeats)
-        pull, push, send = measure_transport(job, n, repeats)
+        a_times = apply_times(config, n, repeats)
+        a = statistics.median(a_times)
+        pulls, pushes, sends = transport_times(job, n, repeats)
+        pull, push, send = (statistics.median(x) for x in (pulls, pushes, sends))
         shards = min(config.shards, n)
         a_slice = measure_apply(config, -(-n // shards), repeats) if shards > 1 else a
         apply_pts.append((nbytes, a))
@@ -657,10 +889,19 @@ def calibrate(
         push_pts.append((nbytes, push))
         send_pts.append((nbytes, send))
         # what a simulated step waits for besides compute and the shard: see the docstring
-        msg_pts.append((nbytes, max(0.0, send + pull - (2 * a_slice if served else 0.0))))
-    loop_s = measure_loop(job, sizes[0], send_pts[0][1], pull_pts[0][1])
+        less = 2 * a_slice if served else 0.0
+        msg_pts.append((nbytes, max(0.0, send + pull - less)))
+        msgs = [max(0.0, s + p - less) for s, p in zip(sends, pulls, strict=True)]
+        for name, xs in (("apply", a_times), ("pull", pulls), ("send", sends),
+                         ("push", pushes), ("message", msgs)):  # fmt: skip
+            spreads.append((_key(name, nbytes), Spread.of(xs)))
+    fixed = LOOP_COMPUTE + send_pts[0][1] + pull_pts[0][1]
+    per_step = loop_times(job, sizes[0])
+    loop_s = max(0.0, statistics.median(per_step) - fixed)
+    spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in per_step])))
+    load_end = os.getloadavg()
     log.info("calibrate: measured in %.1f s", time.perf_counter() - t0)
-    return Calibration(
+    cal = Calibration(
         workers=workers,
         threads=threads,
         step_times=step_times,
@@ -675,7 +916,12 @@ def calibrate(
         served=served,
         evaluated=None if evaluate is None else float(eval_interval),
         loop=loop_s,
+        spreads=tuple(spreads),
+        load_end=(round(load_end[0], 2), round(load_end[1], 2), round(load_end[2], 2)),
     )
+    for w in cal.warnings():
+        log.warning("calibrate: the machine was too busy for a stable figure: %s", w)
+    return cal
 
 
 def _int_in(value: Any, low: int, high: int) -> bool:
@@ -714,10 +960,13 @@ def _describe(optimizer: Any) -> str:
     return owner.lstrip("_").lower() or type(optimizer).__name__
 
 
-def with_table(sim: SimConfig | None, calibration: Calibration) -> SimConfig:
+def with_table(
+    sim: SimConfig | None, calibration: Calibration, bound: str | None = None
+) -> SimConfig:
     """``sim`` (the run's fault scripts, stragglers, model_bytes) with the calibrated
-    timing models (compute, speeds, network, service) in place of its own."""
-    cal = calibration.sim_config()
+    timing models (compute, speeds, network, service) in place of its own; ``bound``
+    as for :meth:`Calibration.sim_config`."""
+    cal = calibration.sim_config(bound)
     if sim is None:
         return cal
     return replace(

@@ -1,5 +1,6 @@
 """stalewise.calibrate: the measured [sim] table, read by the simulator's own readers."""
 
+import logging
 import math
 import re
 import subprocess
@@ -83,6 +84,11 @@ def test_calibrate_measures_and_its_table_reads_back(tmp_path):
     # a real one-worker local run of 2 ms steps: the loop's own time, a fraction of a ms here
     assert cal.loop is not None and 0 <= cal.loop < 10 * calibrate.LOOP_COMPUTE
     assert "worker loop: " in cal.summary()
+    # every timed figure's spread over its repeats, in the summary (the table's comments)
+    assert {n.split()[0] for n, _ in cal.spreads} == {"apply", "pull", "send", "push", "message",
+                                                      "worker"}  # fmt: skip
+    assert all(s.min <= s.low <= s.median <= s.high <= s.max for _, s in cal.spreads)
+    assert "spread over the repeats" in cal.summary() and cal.load_end is not None
     assert cal.workers == 2 and len(cal.step_times) == 2
     assert all(len(t) == 4 and min(t) > 0 for t in cal.step_times)
     assert [b for b, _ in cal.apply.points] == [512 * 4, 4096 * 4]
@@ -264,3 +270,89 @@ def test_the_timed_pull_is_served_where_the_pipelining_rule_says(consistency, st
     job = sw.Job({"w": np.zeros(8, np.float32)}, optimizer=sw.optim.sgd(0.1),
                  consistency=consistency, staleness=staleness)  # fmt: skip
     assert calibrate.served_pull(job.config) is served
+
+
+def _spread_calibration(load=(0.1, 0.1, 0.1), wide=False) -> calibrate.Calibration:
+    """A calibration made by hand, with a spread for each figure (no machine timings)."""
+    scale = 3.0 if wide else 0.05  # the step times' spread, relative to their 4 ms
+    even = np.linspace(0, 1, 21)  # interquartile range scale / 2, median 1 + scale / 2
+    steps = tuple(tuple((0.004 * (1 + scale * even)).tolist()) for _ in range(2))
+    sizes = (4096, 16384)
+    apply = calibrate.Fit.of([(b, 1e-4) for b in sizes])
+    msg = calibrate.Fit.of([(b, 6e-5) for b in sizes])
+    spreads = []
+    for b in sizes:
+        spreads.append((calibrate._key("apply", b), calibrate.Spread.of([8e-5, 1e-4, 1.3e-4])))
+        spreads.append((calibrate._key("message", b), calibrate.Spread.of([4e-5, 6e-5, 9e-5])))
+    spreads.append(("worker loop", calibrate.Spread.of([1e-4, 2e-4, 4e-4])))
+    return calibrate.Calibration(
+        2, 1, steps, apply, msg, msg, msg, 4096, loop=2e-4, spreads=tuple(spreads),
+        load=load, load_end=load,
+    )  # fmt: skip
+
+
+def test_busy_warnings_on_a_stated_condition():
+    """Warned: the 1-minute load average (start or end) above the cores, or a worker's step
+    times' interquartile range above SPREAD_LIMIT of their median; the figures are made
+    here, not measured, so the machine's own load plays no part."""
+    tight = [[0.010, 0.0102, 0.0101, 0.0103, 0.0099]]
+    assert calibrate.busy_warnings(tight, load=(1.9, 0, 0), load_end=(1.5, 0, 0), cores=2) == []
+    (w,) = calibrate.busy_warnings(tight, load=(0.5, 0, 0), load_end=(2.5, 0, 0), cores=2)
+    assert "load average was 2.50 on 2 cores" in w
+    wide = [[0.010, 0.0102, 0.0101], [0.005, 0.010, 0.020, 0.030]]  # worker 1: IQR > median
+    (w,) = calibrate.busy_warnings(wide, load=(0.5, 0, 0), cores=2)
+    assert w.startswith("worker 1's step times spread") and "above 50%" in w
+    # just above and just below the limit
+    assert calibrate.busy_warnings([[0.9, 1.0, 1.0, 1.1]], (0, 0, 0), cores=2, limit=0.1) == []
+    assert calibrate.busy_warnings([[0.8, 1.0, 1.0, 1.2]], (0, 0, 0), cores=2, limit=0.1)
+    # a calibration says it in its summary (which the CLI prints) and its warnings()
+    busy = _spread_calibration(load=(9.0, 9.0, 9.0), wide=True)
+    assert len(busy.warnings(cores=2)) == 3  # the load, and both workers' spread
+    assert "WARNING: worker 0's step times spread" in busy.summary()
+    quiet = _spread_calibration()
+    assert quiet.warnings(cores=2) == [] and "WARNING" not in quiet.summary()
+    assert "spread over the repeats" in quiet.summary() and "worker loop: " in quiet.summary()
+
+
+def test_calibrate_logs_its_busy_warnings(monkeypatch, caplog):
+    """calibrate() logs each warning of busy_warnings (the measurement faked: a wide spread)."""
+    task = tasks.get("least-squares", n=64, d=4)
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
+    wide = ((0.001, 0.002, 0.004, 0.008), (0.001, 0.002, 0.004, 0.008))
+    monkeypatch.setattr(calibrate, "measure_compute", lambda *a, **k: (wide, 1))
+    monkeypatch.setattr(calibrate, "apply_times", lambda c, n, r: [1e-5] * r)
+    monkeypatch.setattr(calibrate, "transport_times", lambda j, n, r: ([2e-5] * r,) * 3)
+    monkeypatch.setattr(calibrate, "loop_times", lambda j, n: [3e-3] * 5)
+    with caplog.at_level(logging.WARNING, logger="stalewise.calibrate"):
+        cal = job.calibrate(task.loss_and_grad, task.batches, workers=2, repeats=3)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("too busy for a stable figure: worker" in m for m in msgs) == 2
+    assert cal.spread("worker loop") is not None and cal.load_end is not None
+
+
+def test_the_interval_brackets_the_point_prediction():
+    cal = _spread_calibration(wide=True)
+    low, point, high = (cal.sim_config(b) for b in ("low", None, "high"))
+    assert low.compute.mean < point.compute.mean < high.compute.mean
+    assert low.service.time < point.service.time < high.service.time
+    assert low.network.latency < point.network.latency < high.network.latency
+    with pytest.raises(ValueError, match="bound = 'middle'"):
+        cal.sim_config("middle")
+    task = tasks.get("least-squares", n=64, d=4)
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.05), consistency=sw.SSP(2))
+
+    def predict(sim):
+        r = job.train(task.loss_and_grad, data=task.batches, workers=2, steps=60,
+                      runtime="sim", sim=sim, evaluate=None)  # fmt: skip
+        return {"updates/s": r.stats["version"] / r.time, "staleness": r.stats["staleness_mean"]}
+
+    got = cal.interval(predict)
+    for name, iv in got.items():
+        assert iv.low <= iv.point <= iv.high, name
+    ups = got["updates/s"]
+    assert ups.low < ups.point < ups.high  # the slow table is slower, the fast one faster
+    assert str(ups).count("[") == 1
+    # a number-valued prediction, and with_table's bound
+    iv = cal.interval(lambda sim: sim.compute.mean)
+    assert iv == calibrate.Interval(point.compute.mean, low.compute.mean, high.compute.mean)
+    assert calibrate.with_table(None, cal, "high") == high
