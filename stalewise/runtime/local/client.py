@@ -16,6 +16,14 @@ shared block too (:class:`~stalewise.runtime.local.layout.Residuals`): the
 parent saves it in checkpoints and hands it to the worker's next incarnation.
 Messages are the fixed binary records of :mod:`stalewise.protocol.wire`.
 
+Read-your-writes (:meth:`Client.pull`, ``own=True``): the pull waits for the
+last push's acks, each naming the version that holds the push, then reads a
+shard's snapshot only if it is at least that version. A shard answers pushes
+after it publishes, so an idle shard's snapshot holds them; a busy one defers
+publishing (up to ``PUBLISH_EVERY``, :mod:`~stalewise.runtime.local.shard_proc`),
+and the client then asks it for a served pull, which it handles behind the push:
+the pull never waits for a publish (issue #29).
+
 A client that learns a shard has closed its connection (the shard stopped, or
 it disconnected this worker for a protocol fault) raises :class:`ServerClosed`
 naming the shard, and every later call raises it again: it commits no more
