@@ -23,12 +23,41 @@ terms (within 0.15 versions): the relative error of a near-zero mean says nothin
 average is printed with the figures: on a shared machine the local runs'
 speeds are noisy.
 
+The 7 fixed settings are the regression set (the default). ``--random N --seed S``
+instead draws N settings from this space (each draw uniform unless said):
+
+* workers 2-8; shards 1-3;
+* consistency ASP, SSP (bound 1-4), BSP or Hybrid (tolerance 2);
+* stragglers 0-2 (at most workers - 1; the last workers), each slowed 1.5-4x;
+* parameters 10k-1M, log-uniform: the digits MLP (64 -> hidden -> 10) with
+  ``hidden = round((parameters - 10) / 75)``, 133-13333;
+* codec none, fp16, int8 or topk(0.1), each 1 in 4;
+* gradient pushes (SGD, lr 0.003, momentum 0.9) or DiLoCo (inner AdamW 1e-3,
+  2-8 local steps a push; asynchronous under ASP/SSP, synchronous under
+  BSP/Hybrid), each 1 in 2;
+* emulated compute 0-20 ms a step, every worker.
+
+Held-out evaluations every 50 ms (up to 250 ms for the widest MLPs, whose
+evaluation takes tens of ms), in the calibration as in the runs.
+
+Each is calibrated (15 repeats), run locally for about ``RANDOM_SECONDS`` of
+wall time (its push budget is the calibrated simulation's updates/s times that,
+within 60-3000 pushes), and simulated on the calibrated table and on its low and
+high tables (``Calibration.interval``: every measured time at its 25th and 75th
+percentile over the repeats), so every prediction is ``point [low, high]``. The
+target of the time to target is the loss halfway from the first evaluation's to
+the local run's lowest (a run that does not improve has no time to target: that
+bar is missed). Bar: at least 8 in 10 of the settings (``ceil(0.8 N)``) meet all
+three bars; ``--check`` exits 1 otherwise.
+
     .venv/bin/python benchmarks/sim_fidelity.py [--quick] [--check] [--json PATH]
+    .venv/bin/python benchmarks/sim_fidelity.py --random 10 --seed 1 [--check]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -37,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import _report
+import numpy as np
 
 import stalewise as sw
 from stalewise import report, tasks
@@ -173,6 +203,235 @@ def _f(x: float | None) -> str:
     return "-" if x is None else f"{x:.4g}"
 
 
+# -- settings drawn at random ---------------------------------------------------------
+
+#: The space ``--random`` draws from (see the module docstring), as the code reads it.
+SPACE = {
+    "workers": (2, 8),
+    "shards": (1, 3),
+    "consistency": ("ASP", "SSP", "BSP", "Hybrid"),
+    "ssp_bound": (1, 4),
+    "stragglers": (0, 2),
+    "slowdown": (1.5, 4.0),
+    "parameters": (10_000, 1_000_000),
+    "codec": (None, "fp16", "int8", "topk:0.1"),
+    "strategy": ("gradients", "diloco"),
+    "local_steps": (2, 8),
+    "delay": (0.0, 0.020),
+}
+RANDOM_SECONDS = 4.0  # wall time of a random setting's local run, about
+RANDOM_STEPS = (60, 3000)  # its push budget's bounds
+RANDOM_REPEATS = 15
+RANDOM_SHARE = 0.8  # of the random settings must meet all three bars
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One setting drawn from :data:`SPACE`."""
+
+    workers: int
+    shards: int
+    consistency: str
+    bound: int  # SSP's staleness bound (0 for the others)
+    stragglers: tuple[tuple[int, float], ...]  # (worker, slowdown)
+    parameters: int
+    hidden: int
+    codec: str | None
+    strategy: str
+    local_steps: int  # DiLoCo's (1 for gradient pushes)
+    delay: float  # seconds
+
+    @property
+    def eval_interval(self) -> float:
+        """Seconds between held-out evaluations: 50 ms, longer for a wide MLP (whose
+        evaluation is tens of ms), at most 250 ms."""
+        return min(0.25, max(0.05, 0.05 * self.hidden / 1333))
+
+    @property
+    def name(self) -> str:
+        cons = f"SSP({self.bound})" if self.consistency == "SSP" else self.consistency
+        slow = "".join(f" w{w}x{f:g}" for w, f in self.stragglers)
+        strat = f"diloco(H={self.local_steps})" if self.strategy == "diloco" else "grads"
+        return (f"{self.workers}w {self.shards}s {cons}{slow} {self.parameters // 1000}k "
+                f"{self.codec or 'raw'} {strat} {self.delay * 1e3:.1f}ms")  # fmt: skip
+
+
+def draw(n: int, seed: int) -> list[Drawn]:
+    """``n`` settings from :data:`SPACE`, the same for the same ``seed``."""
+    rng = np.random.default_rng([seed, 31])
+    out = []
+    for _ in range(n):
+        lo, hi = SPACE["workers"]
+        workers = int(rng.integers(lo, hi + 1))
+        shards = int(rng.integers(SPACE["shards"][0], SPACE["shards"][1] + 1))
+        consistency = str(rng.choice(SPACE["consistency"]))
+        bound = int(rng.integers(SPACE["ssp_bound"][0], SPACE["ssp_bound"][1] + 1))
+        count = int(rng.integers(SPACE["stragglers"][0], SPACE["stragglers"][1] + 1))
+        count = min(count, workers - 1)
+        slow = [round(float(rng.uniform(*SPACE["slowdown"])), 2) for _ in range(count)]
+        stragglers = tuple((workers - count + i, f) for i, f in enumerate(slow))
+        lo, hi = SPACE["parameters"]
+        target = float(np.exp(rng.uniform(np.log(lo), np.log(hi))))
+        hidden = max(1, round((target - 10) / 75))
+        codec = SPACE["codec"][int(rng.integers(len(SPACE["codec"])))]
+        strategy = str(rng.choice(SPACE["strategy"]))
+        h = int(rng.integers(SPACE["local_steps"][0], SPACE["local_steps"][1] + 1))
+        delay = round(float(rng.uniform(*SPACE["delay"])), 4)
+        out.append(Drawn(
+            workers, shards, consistency, bound if consistency == "SSP" else 0, stragglers,
+            75 * hidden + 10, hidden, codec, strategy, h if strategy == "diloco" else 1, delay,
+        ))  # fmt: skip
+    return out
+
+
+def drawn_task(d: Drawn):
+    return tasks.get("digits", hidden=d.hidden)
+
+
+def drawn_job(d: Drawn, task) -> sw.Job:
+    """The job of setting ``d`` (its params, consistency model, shards, codec, strategy)."""
+    consistency = {"ASP": sw.ASP(), "BSP": sw.BSP(), "Hybrid": sw.Hybrid(2.0)}.get(
+        d.consistency
+    ) or sw.SSP(d.bound)
+    kw: dict[str, Any] = {"consistency": consistency, "shards": d.shards}
+    if d.codec is not None:
+        kw["codec"] = (
+            sw.codecs.topk(0.1) if d.codec == "topk:0.1" else getattr(sw.codecs, d.codec)()
+        )
+    params = task.init_params(0)
+    if d.strategy == "diloco":
+        asynchronous = d.consistency in ("ASP", "SSP")
+        strategy = sw.strategies.diloco(
+            local_steps=d.local_steps, inner=sw.optim.adamw(1e-3), asynchronous=asynchronous,
+            every=d.workers if asynchronous else None,
+        )  # fmt: skip
+        return sw.Job(params, strategy=strategy, **kw)
+    return sw.Job(params, optimizer=sw.optim.sgd(0.003, momentum=0.9), **kw)
+
+
+def drawn_run(d: Drawn, steps: int) -> dict:
+    """``job.train``'s run options for setting ``d`` (besides the loss and the runtime)."""
+    task = drawn_task(d)
+    return dict(
+        data=task.batches,
+        evaluate=task.evaluate,
+        workers=d.workers,
+        steps=steps,
+        stragglers=dict(d.stragglers) or None,
+        delays=dict.fromkeys(range(d.workers), d.delay) if d.delay else None,
+        eval_interval=d.eval_interval,
+    )
+
+
+def halfway_target(records: list[dict]) -> float | None:
+    """The loss halfway from the first evaluation's to the lowest (None: no improvement)."""
+    losses = [r["loss"] for r in records if r.get("loss") is not None and math.isfinite(r["loss"])]
+    if len(losses) < 2 or min(losses) >= losses[0]:
+        return None
+    return losses[0] - 0.5 * (losses[0] - min(losses))
+
+
+def run_drawn(i: int, d: Drawn, repeats: int = RANDOM_REPEATS) -> dict:
+    """Calibrates, runs locally and simulates (point, low, high) setting ``d``: one row."""
+    task = drawn_task(d)
+    job = drawn_job(d, task)
+    t0 = time.perf_counter()
+    cal = job.calibrate(
+        task.loss_and_grad, task.batches, workers=d.workers, repeats=repeats,
+        delays=d.delay, evaluate=task.evaluate, eval_interval=d.eval_interval,
+    )  # fmt: skip
+    t_cal = time.perf_counter() - t0
+    # the push budget: about RANDOM_SECONDS of the run at the calibrated simulation's pace
+    probe = job.train(task.loss_and_grad, runtime="sim", sim=cal.sim_config(),
+                      **drawn_run(d, 20 * d.workers))  # fmt: skip
+    pace = probe.stats["version"] / probe.time if probe.time > 0 else 100.0
+    steps = int(min(max(pace * RANDOM_SECONDS, RANDOM_STEPS[0]), RANDOM_STEPS[1]))
+    load = os.getloadavg()[0]
+    local = job.train(task.loss_and_grad, **drawn_run(d, steps))
+    target = halfway_target(local.records)
+    measured = figures(local, "loss", target, "min") if target is not None else None
+    if measured is None:
+        measured = figures(local, "loss", -math.inf, "min")  # no target: none reached
+
+    def predict(sim):
+        r = job.train(task.loss_and_grad, runtime="sim", sim=sim, **drawn_run(d, steps))
+        if target is None:
+            return {**figures(r, "loss", -math.inf, "min"), "time_to_target": None}
+        return figures(r, "loss", target, "min")
+
+    got = cal.interval(predict)
+    row: dict[str, Any] = {"#": i, "setting": d.name, "drawn": dataclasses.asdict(d),
+                           "steps": steps, "load": round(load, 2), "target": target}  # fmt: skip
+    met = {}
+    for key, limit in BARS.items():
+        m, iv = measured[key], got.get(key)
+        p = None if iv is None else iv.point
+        row[f"{key} sim"] = None if iv is None else str(iv)
+        row[f"{key} interval"] = None if iv is None else [iv.low, iv.high]
+        row[f"{key} point"] = p
+        row[f"{key} local"] = m
+        err = _error(key, p, m)
+        row[f"{key} err"] = err
+        met[key] = err is not None and err <= limit
+        row[f"{key} met"] = met[key]
+    row["ok"] = all(met.values())
+    row["calibrate_s"] = round(t_cal, 1)
+    row["warnings"] = cal.warnings()
+    row["table"] = cal.table()
+    print(f"  [{i}] {d.name}: " + ", ".join(
+        f"{k} {row[f'{k} sim'] or '-'} / {_f(row[f'{k} local'])} "
+        f"({'met' if met[k] else 'MISSED'})" for k in BARS
+    ) + f" (sim [interval] / local; {steps} pushes, load {load:.2f}, calibration {t_cal:.0f} s"
+      + (f"; calibrate warned: {len(row['warnings'])}" if row["warnings"] else "") + ")",
+      flush=True)  # fmt: skip
+    return row
+
+
+def _error(key: str, p: float | None, m: float | None) -> float | None:
+    """The relative error of ``p`` against ``m``; a staleness under 1 in absolute terms,
+    scaled so that ``STALENESS_ABS`` versions is the bar."""
+    if m is None or p is None:
+        return None
+    if key == "staleness" and m < 1:
+        return abs(p - m) / STALENESS_ABS * BARS[key]
+    return abs(p / m - 1) if m != 0 else None
+
+
+def random_main(args: argparse.Namespace, out) -> int:
+    print("the space: " + "; ".join(f"{k} {v}" for k, v in SPACE.items()))
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+          f"on {os.cpu_count()} cores")  # fmt: skip
+    t0 = time.perf_counter()
+    rows = []
+    for i, d in enumerate(draw(args.random, args.seed)):
+        try:
+            rows.append(run_drawn(i, d))
+        except Exception as e:  # one setting's failure is reported, the others still run
+            print(f"  [{i}] {d.name}: FAILED: {type(e).__name__}: {e}", flush=True)
+            rows.append({"#": i, "setting": d.name, "drawn": dataclasses.asdict(d),
+                         "error": f"{type(e).__name__}: {e}", "ok": False})  # fmt: skip
+    cols = ["#", "setting"] + [f"{k} {w}" for k in BARS for w in ("sim", "local", "err")]
+    print(report.format_table(rows, [*cols, "ok"]))
+    need = math.ceil(RANDOM_SHARE * len(rows))
+    ok = sum(bool(r["ok"]) for r in rows)
+    bars = [_report.bar("random settings meeting all three bars", ok, ">=", need)]
+    for key, limit in BARS.items():
+        within = sum(bool(r.get(f"{key} met")) for r in rows)
+        print(f"{key}: {within} of {len(rows)} within {limit:.0%}")
+    print()
+    print(f"bar: {bars[0]['name']} {bars[0]['bar']}: {ok} of {len(rows)} -> "
+          f"{'met' if bars[0]['met'] else 'MISSED'}")  # fmt: skip
+    missed = [f"[{r['#']}] {r['setting']}" for r in rows if not r["ok"]]
+    print("settings missing a bar: " + (", ".join(missed) if missed else "none"))
+    print(f"(staleness below 1 version: within {STALENESS_ABS} versions counts as within 15%)")
+    print(f"total {time.perf_counter() - t0:.0f} s; load average at end: "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
+    figures_ = {"random": args.random, "seed": args.seed, "space": SPACE,
+                "seconds": RANDOM_SECONDS, "repeats": RANDOM_REPEATS, "rows": rows}  # fmt: skip
+    _report.write(out, figures_, bars=bars)
+    return 1 if args.check and not bars[0]["met"] else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -180,9 +439,21 @@ def main() -> int:
     )
     ap.add_argument("--only", help="run the settings whose name contains this text")
     ap.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
+    ap.add_argument(
+        "--random",
+        type=int,
+        metavar="N",
+        help="N settings drawn from the stated space instead of the fixed 7",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="the draw's seed (--random)")
     _report.add_json_arg(ap)
     args = ap.parse_args()
-    out = _report.json_path(ap, args, "sim_fidelity")
+    if args.random is not None and args.random < 1:
+        ap.error(f"--random: expected an integer >= 1, got {args.random}")
+    name = "sim_fidelity" if args.random is None else f"sim_fidelity-random{args.seed}"
+    out = _report.json_path(ap, args, name)
+    if args.random is not None:
+        return random_main(args, out)
     chosen = [s for s in settings() if args.only is None or args.only in s.name]
     if not chosen:
         ap.error(f"--only: no setting's name contains {args.only!r}")

@@ -1,0 +1,119 @@
+"""benchmarks/sim_fidelity.py --random: the drawing (deterministic, covering the stated
+space's bounds) and that every drawn setting makes a valid job; no timing assertions."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from stalewise import calibrate
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports _report as a sibling
+_spec = importlib.util.spec_from_file_location(
+    "sim_fidelity", ROOT / "benchmarks" / "sim_fidelity.py"
+)
+fid = importlib.util.module_from_spec(_spec)
+sys.modules["sim_fidelity"] = fid  # dataclasses look their module up
+_spec.loader.exec_module(fid)
+
+
+def test_the_draw_is_deterministic_for_a_seed():
+    assert fid.draw(10, 1) == fid.draw(10, 1)
+    assert fid.draw(10, 1) != fid.draw(10, 2)
+    assert fid.draw(3, 1) == fid.draw(10, 1)[:3]  # a longer draw extends a shorter one
+
+
+def test_the_draw_covers_the_space_and_stays_inside_it():
+    drawn = fid.draw(400, 0)
+    space = fid.SPACE
+
+    def span(values):
+        return min(values), max(values)
+
+    assert span([d.workers for d in drawn]) == space["workers"]
+    assert span([d.shards for d in drawn]) == space["shards"]
+    assert {d.consistency for d in drawn} == set(space["consistency"])
+    assert span([d.bound for d in drawn if d.consistency == "SSP"]) == space["ssp_bound"]
+    assert span([len(d.stragglers) for d in drawn]) == space["stragglers"]
+    slow = [f for d in drawn for _, f in d.stragglers]
+    low, high = space["slowdown"]
+    assert low <= min(slow) < low + 0.1 and high - 0.1 < max(slow) <= high
+    for d in drawn:
+        assert len(d.stragglers) < d.workers  # at least one worker at full speed
+        assert [w for w, _ in d.stragglers] == list(range(d.workers - len(d.stragglers), d.workers))
+    p_low, p_high = space["parameters"]
+    params = [d.parameters for d in drawn]
+    assert all(p_low - 75 <= p <= p_high + 75 for p in params)
+    assert min(params) < 1.2 * p_low and max(params) > p_high / 1.2  # log-uniform: both ends
+    assert {d.codec for d in drawn} == set(space["codec"])
+    assert {d.strategy for d in drawn} == set(space["strategy"])
+    assert span([d.local_steps for d in drawn if d.strategy == "diloco"]) == space["local_steps"]
+    assert all(d.local_steps == 1 for d in drawn if d.strategy == "gradients")
+    delays = [d.delay for d in drawn]
+    assert 0 <= min(delays) < 0.001 and 0.019 < max(delays) <= 0.020
+    for d in drawn:
+        assert d.parameters == 75 * d.hidden + 10 and 0.05 <= d.eval_interval <= 0.25
+
+
+def _small(d):
+    """``d`` with its MLP narrowed (the job's kind unchanged), for a fast test."""
+    import dataclasses
+
+    return dataclasses.replace(d, hidden=8, parameters=75 * 8 + 10)
+
+
+@pytest.mark.parametrize("i", range(10))
+def test_every_drawn_setting_builds_a_valid_job(i):
+    d = fid.draw(10, 1)[i]
+    task = fid.drawn_task(d)
+    job = fid.drawn_job(d, task)
+    assert job.config.shards == d.shards and job.config.spec.size == d.parameters
+    assert job.config.consistency.kind == d.consistency.lower()
+    assert (job.strategy.name != "gradients") == (d.strategy == "diloco")
+    opts = fid.drawn_run(d, steps=100)
+    assert opts["workers"] == d.workers and opts["stragglers"] == (dict(d.stragglers) or None)
+
+
+def test_drawn_settings_run_in_the_simulator_with_an_interval():
+    """Each kind of drawn setting (every consistency model, both strategies, a codec and
+    stragglers among them), narrowed, runs in the simulator on a hand-made calibration's
+    three tables; the interval brackets the point."""
+    steps = ((0.002, 0.0025, 0.003, 0.004),) * 8
+    flat = calibrate.Fit.of([(4096, 5e-5), (16384, 6e-5)])
+    spreads = tuple(
+        (calibrate._key(k, b), calibrate.Spread.of([4e-5, 5e-5, 7e-5]))
+        for k in ("apply", "message") for b in (4096, 16384)
+    )  # fmt: skip
+    drawn = fid.draw(40, 3)
+    kinds = {}
+    for d in drawn:
+        kinds.setdefault((d.consistency, d.strategy), d)
+    assert len(kinds) == 8
+    for d in kinds.values():
+        d = _small(d)
+        task = fid.drawn_task(d)
+        job = fid.drawn_job(d, task)
+        cal = calibrate.Calibration(d.workers, 1, steps[: d.workers], flat, flat, flat, flat,
+                                    4096, spreads=spreads)  # fmt: skip
+
+        def predict(sim, d=d, task=task, job=job):
+            opts = fid.drawn_run(d, steps=6 * d.workers)
+            r = job.train(task.loss_and_grad, runtime="sim", sim=sim, **opts)
+            return fid.figures(r, "loss", math.inf, "min")
+
+        got = cal.interval(predict)
+        for key in ("updates/s", "staleness", "time_to_target"):
+            iv = got[key]
+            assert iv is not None and iv.low <= iv.point <= iv.high, (d.name, key)
+
+
+def test_halfway_target_and_errors():
+    recs = [{"time": 0, "loss": 2.0}, {"time": 1, "loss": 1.0}, {"time": 2, "loss": 1.5}]
+    assert fid.halfway_target(recs) == 1.5
+    assert fid.halfway_target([{"time": 0, "loss": 2.0}, {"time": 1, "loss": 2.5}]) is None
+    assert fid._error("updates/s", 110.0, 100.0) == pytest.approx(0.1)
+    assert fid._error("staleness", 0.5, 0.4) == pytest.approx(0.1)  # absolute below 1 version
+    assert fid._error("time_to_target", None, 1.0) is None
