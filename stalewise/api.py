@@ -294,7 +294,7 @@ class Job:
         """Starts the shards for a loop you own; use as a context manager.
 
         ``runtime`` names a registered runtime that has a server
-        (:func:`stalewise.runtime.servers`); the built-in ones are ``"local"``: the
+        (``stalewise.runtime.names("server")``); the built-in ones are ``"local"``: the
         shards run as processes on this machine, and the rest of this docstring
         describes it; and ``"ray"``: the shards run as named Ray actors, and any
         driver, task or actor of the cluster attaches with ``sw.attach(name)``

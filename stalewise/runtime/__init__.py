@@ -137,11 +137,6 @@ def names(able: str | None = None) -> tuple[str, ...]:
     return tuple(n for n, r in _RUNTIMES.items() if able is None or getattr(r, able))
 
 
-def servers() -> tuple[str, ...]:
-    """The names of the runtimes that have a server (see :meth:`stalewise.Job.serve`)."""
-    return names("server")
-
-
 def describe(name: Any) -> Runtime:
     """The :class:`Runtime` called ``name``."""
     if not isinstance(name, str) or name not in _RUNTIMES:
@@ -160,7 +155,7 @@ def server(name: str) -> Callable[..., Any]:
     if runtime.server is None:
         raise ValueError(
             f"runtime {name!r} has no server for a loop you own; runtimes with one: "
-            f"{', '.join(servers()) or 'none'}"
+            f"{', '.join(names('server')) or 'none'}"
         )
     return runtime.load("server")
 
