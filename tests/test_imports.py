@@ -156,12 +156,12 @@ def cross_runtime(graph: dict[str, dict[str, int]], names: list[str], top: str) 
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
-    ids = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-            if node.body and isinstance(node.body[0], ast.Expr):
-                ids.add(id(node.body[0].value))
-    return ids
+    kinds = ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, kinds) and node.body and isinstance(node.body[0], ast.Expr)
+    }
 
 
 def runtimes_named_in(
