@@ -54,8 +54,8 @@ How a launch ends, on the local runtime:
 * **The liveness rule** (``--rank-timeout SECONDS``, default
   :data:`RANK_TIMEOUT`; 0 turns it off): the launcher reads each rank's push
   counter (in the shared block) every quarter of a second. A rank that has
-  pushed at least once, then pushes nothing for that long while the other ranks
-  push, is taken for hung: named (``rank 1 hung: no push for 300.2 s while the
+  pushed at least once, then pushes nothing for that long while the job goes on
+  without it (another rank pushed since its last push), is taken for hung: named (``rank 1 hung: no push for 300.2 s while the
   other ranks pushed 81234 times``), killed, and the others carry on to the
   budget; the launcher exits 1. Its clock starts at its first push, so a rank
   slow to start (importing torch, loading data) is never taken for hung, and a
@@ -407,6 +407,7 @@ class _Ranks:
         if self.server.control is not None:
             self.server.control[0] = 1
         self._release(b"go")
+        why = "was still running"
         try:
             deadline = time.monotonic() + STOP_GRACE
             while (running := self.running()) and (left := deadline - time.monotonic()) > 0:
@@ -414,18 +415,16 @@ class _Ranks:
                 for r in running:
                     if not r.proc.is_alive():
                         self._ended(r)
+            why = f"did not stop within {STOP_GRACE:g} s"
         except KeyboardInterrupt:
-            pass
+            why = "was still running at the second interrupt"
         finally:
             for r in self.running():
                 r.proc.kill()
                 r.proc.join()
                 r.ended = True
                 r.conn.close()
-                print(
-                    f"stalewise run: rank {r.rank} did not stop within {STOP_GRACE:g} s; killed it",
-                    file=sys.stderr,
-                )
+                print(f"stalewise run: rank {r.rank} {why}; killed it", file=sys.stderr)
 
 
 def whole_lines() -> None:

@@ -232,10 +232,12 @@ TOY = textwrap.dedent(
         print(f"rank {ctx.rank} ready", flush=True)
         if mode == "sleep" or (mode == "hang-before" and ctx.rank == 1):
             time.sleep(3600)
+        if mode == "slow-start" and ctx.rank == 1:
+            time.sleep(6)  # its first push comes late (as after a long import)
         elif mode == "poll":
             while not ctx.should_stop():
                 time.sleep(0.05)
-        else:  # push (rank 1 of hang-after: 3 times, then it sleeps)
+        else:  # push, slow-start (rank 1 of hang-after: 3 times, then it sleeps)
             n = 0
             while not ctx.should_stop():
                 ctx.client.pull()
@@ -458,3 +460,26 @@ def test_a_rank_that_stops_pushing_while_the_others_go_on_is_killed(tmp_path):
     assert done.startswith("stalewise run: 2 workers done, "), err
     assert int(done.split(", ")[1].split()[0]) >= 1500  # rank 0 reached the budget alone
     assert took < 120, took
+
+
+def test_a_rank_slow_to_push_first_is_not_taken_for_hung(tmp_path):
+    """The liveness clock of a rank starts at its first push: rank 1 pushes 6 s after the
+    start while rank 0 pushes on, and --rank-timeout 2 does not take it for hung."""
+    script = _script(tmp_path, TOY)
+    with _Launcher(
+        tmp_path,
+        "--workers",
+        "2",
+        "--steps",
+        "800",
+        "--rank-timeout",
+        "2",
+        "--timeout",
+        "120",
+        str(script),
+        "slow-start",
+    ) as launcher:
+        launcher.proc.wait(180)
+        err = launcher.stderr()
+    assert launcher.proc.returncode == 0, err
+    assert "hung" not in err, err

@@ -76,13 +76,16 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def die_with_parent(cleanup: Callable[[], None] | None = None) -> None:
     """Makes this spawned process exit as soon as the process that started it dies.
 
-    Two mechanisms, so that no shard or worker outlives a parent killed with
-    ``kill -9``:
+    Two mechanisms, so that no shard, worker or launched rank outlives a parent
+    killed with ``kill -9``; call it first thing in the child:
 
     * on Linux, ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills this
       process when its parent exits, even if this one is stopped or stuck in C
-      code. (Strictly, when the parent *thread* that started it exits, so start
-      processes from a thread that outlives them; ``Job.train`` does.)
+      code; a parent already gone by then is caught by comparing ``os.getppid()``
+      with the parent's pid. (Strictly, when the parent *thread* that started it
+      exits, so start processes from a thread that outlives them; ``Job.train``
+      does, and ``stalewise run`` starts its ranks from the thread that waits
+      for them.)
     * everywhere, a daemon thread that waits on the parent's sentinel (the pipe
       ``multiprocessing`` keeps from parent to spawned child, which reads as
       closed once the parent is gone), runs ``cleanup`` and exits.
