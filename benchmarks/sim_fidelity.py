@@ -42,7 +42,7 @@ evaluation takes tens of ms), in the calibration as in the runs.
 
 Each is calibrated (15 repeats), run locally for about ``RANDOM_SECONDS`` of
 wall time (its push budget is the calibrated simulation's updates/s times that,
-within 60-3000 pushes), and simulated on the calibrated table and on its low and
+at least 5 pushes a worker and at most 3000), and simulated on the calibrated table and on its low and
 high tables (``Calibration.interval``: every measured time at its 25th and 75th
 percentile over the repeats), so every prediction is ``point [low, high]``. The
 target of the time to target is the loss halfway from the first evaluation's to
@@ -220,7 +220,7 @@ SPACE = {
     "delay": (0.0, 0.020),
 }
 RANDOM_SECONDS = 4.0  # wall time of a random setting's local run, about
-RANDOM_STEPS = (60, 3000)  # its push budget's bounds
+RANDOM_STEPS = (5, 3000)  # its push budget's bounds: pushes a worker, pushes in all
 RANDOM_REPEATS = 15
 RANDOM_SHARE = 0.8  # of the random settings must meet all three bars
 
@@ -342,10 +342,11 @@ def run_drawn(i: int, d: Drawn, repeats: int = RANDOM_REPEATS) -> dict:
     )  # fmt: skip
     t_cal = time.perf_counter() - t0
     # the push budget: about RANDOM_SECONDS of the run at the calibrated simulation's pace
+    # (pushes per second: under BSP a version is a round of pushes)
     probe = job.train(task.loss_and_grad, runtime="sim", sim=cal.sim_config(),
                       **drawn_run(d, 20 * d.workers))  # fmt: skip
-    pace = probe.stats["version"] / probe.time if probe.time > 0 else 100.0
-    steps = int(min(max(pace * RANDOM_SECONDS, RANDOM_STEPS[0]), RANDOM_STEPS[1]))
+    pace = probe.pushes / probe.time if probe.time > 0 else 100.0  # pushes (not versions)/s
+    steps = int(min(max(pace * RANDOM_SECONDS, RANDOM_STEPS[0] * d.workers), RANDOM_STEPS[1]))
     load = os.getloadavg()[0]
     local = job.train(task.loss_and_grad, **drawn_run(d, steps))
     target = halfway_target(local.records)
