@@ -51,24 +51,6 @@ def test_readme_python_snippets_run_as_pasted(index, tmp_path):
     assert expected in proc.stdout, proc.stdout
 
 
-def test_readme_shows_the_true_diff_of_the_torch_example():
-    """The README's diff is train_plain -> worker of examples/torch_async.py, as it is."""
-    import ast
-    import difflib
-
-    source = (EXAMPLES / "torch_async.py").read_text()
-    lines = source.splitlines()
-    funcs = {f.name: f for f in ast.parse(source).body if isinstance(f, ast.FunctionDef)}
-
-    def body(name):
-        return lines[funcs[name].lineno - 1 : funcs[name].end_lineno]
-
-    diff = difflib.unified_diff(body("train_plain"), body("worker"), lineterm="", n=20)
-    expected = "\n".join(list(diff)[2:]) + "\n"
-    shown = re.findall(r"```diff\n(.*?)```", README.read_text(), re.S)
-    assert shown[0] == expected  # shown[1], examples/gpt: tests/test_gpt_example.py
-
-
 def test_the_torch_launch_example_changes_at_most_ten_lines():
     """train_plain -> train of examples/torch_launch.py: the issue's bar of 10 lines."""
     import ast

@@ -32,3 +32,10 @@ def test_readme_opens_with_the_demo_and_test_commands():
     assert "pytest" in tests and "'.[test]'" in tests
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"sed -n .*pytest", ci), ".ci/run must take its test command from the README"
+
+
+def test_readme_is_short_enough_to_read():
+    """A user's README: what stalewise is, the demo, the three ways in, where next.
+    Figures live in docs/benchmarks.md, the history of a figure in the commit log."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; move details to docs/"
