@@ -41,9 +41,10 @@ Held-out evaluations every 50 ms (up to 250 ms for the widest MLPs, whose
 evaluation takes tens of ms), in the calibration as in the runs.
 
 Each is calibrated (15 repeats), run locally for about ``RANDOM_SECONDS`` of
-wall time (its push budget is the calibrated simulation's updates/s times that,
-at least 5 pushes a worker and at most 3000), and simulated on the calibrated table and on its low and
-high tables (``Calibration.interval``: every measured time at its 25th and 75th
+wall time (its push budget is the calibrated simulation's pushes/s times that,
+at least 10 pushes a worker and at most 3000; a shorter run leaves a Hybrid
+run's mode to its first rounds), and simulated on the calibrated table and on
+its low and high tables (``Calibration.interval``: every measured time at its 25th and 75th
 percentile over the repeats), so every prediction is ``point [low, high]``. The
 target of the time to target is the loss halfway from the first evaluation's to
 the local run's lowest (a run that does not improve has no time to target: that
@@ -220,7 +221,7 @@ SPACE = {
     "delay": (0.0, 0.020),
 }
 RANDOM_SECONDS = 4.0  # wall time of a random setting's local run, about
-RANDOM_STEPS = (5, 3000)  # its push budget's bounds: pushes a worker, pushes in all
+RANDOM_STEPS = (10, 3000)  # its push budget's bounds: pushes a worker, pushes in all
 RANDOM_REPEATS = 15
 RANDOM_SHARE = 0.8  # of the random settings must meet all three bars
 
