@@ -26,7 +26,37 @@ cluster instead (one CPU each; see :mod:`stalewise.runtime.ray.launch`): the
 same script, the same :class:`Context`, with a client of the job's shard actors.
 
 Rank and world size come from the launcher, and so does each worker's client:
-a worker id of the job for each rank. A worker that dies is reported by the
+a worker id of the job for each rank. Each rank's environment holds them before
+the script runs (on both runtimes), so a script can pick per-rank outputs before
+:func:`init`, as under ``torchrun``:
+
+* ``RANK`` and ``STALEWISE_RANK``: the rank, ``0 .. world_size - 1``;
+* ``WORLD_SIZE`` and ``STALEWISE_WORLD_SIZE``: the number of ranks (``--workers``);
+* ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``: the rank among those on this machine, and
+  how many there are. On the local runtime every rank is on this machine
+  (``LOCAL_RANK = RANK``); on Ray, the ranks that Ray placed on the same node are
+  numbered in rank order, each actor learning them from the job when it starts.
+
+*The budget* (``--steps`` or ``init(job, steps=...)``) holds for a loop that never
+asks ``ctx.should_stop()``: once the job's pushes have reached it
+(:func:`stalewise.protocol.budget.may_begin`, the rule ``should_stop`` asks), a push
+not granted by a ``should_stop()`` that answered False since the last push is
+refused before anything is sent: ``ctx.client.push`` raises :class:`BudgetSpent`
+(a :class:`~stalewise.ServerClosed`, so ``except sw.ServerClosed`` ends such a loop
+too). A rank that lets it through ends with status 0, as if its loop had ended,
+and the launcher says once ``stalewise run: the budget of 50 pushes is spent; 3
+pushes past it were refused``. A loop that asks ``should_stop()`` is never refused.
+Either way the job commits at most ``workers - 1`` pushes beyond the budget
+(:func:`~stalewise.protocol.budget.overshoot_bound`: the ranks' checks are not
+atomic with the other ranks' commits).
+
+*Progress*: while the ranks run, the launcher prints a line to stderr every
+:data:`PROGRESS_TTY` seconds when stderr is a terminal, else every
+:data:`PROGRESS_EVERY` seconds (logs stay short): ``stalewise run: 1200 pushes,
+310.5 pushes/s, 4 of 4 ranks live``. ``STALEWISE_PROGRESS=SECONDS`` sets the
+interval (0: no progress lines). The last line says how the ranks ended:
+``stalewise run: 4 workers done, 1201 pushes``, or ``stalewise run: 4 workers,
+1 failed, 1201 pushes`` when a rank failed. A worker that dies is reported by the
 launcher, which exits with status 1; the others carry on to the budget.
 
 How a launch ends, on the local runtime:
@@ -104,10 +134,11 @@ from pathlib import Path
 from typing import Any
 
 from stalewise import runtime as runtime_lib
+from stalewise.runtime.base import ServerClosed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Context", "LaunchError", "Terminated", "init", "launch"]
+__all__ = ["BudgetSpent", "Context", "LaunchError", "Terminated", "init", "launch"]
 
 #: The most worker processes ``stalewise run`` starts on one machine.
 MAX_WORKERS = 256
@@ -115,6 +146,21 @@ MAX_WORKERS = 256
 
 class LaunchError(RuntimeError):
     """A launched script could not be run as asked (a user error: one line)."""
+
+
+class BudgetSpent(ServerClosed):
+    """A push refused because the job's budget of pushes is spent (nothing was sent).
+
+    Raised by ``ctx.client.push`` in a loop that did not ask ``ctx.should_stop()``
+    (see the module docstring); a :class:`~stalewise.ServerClosed`, so a loop that
+    ends on that ends on this too. ``steps`` is the budget."""
+
+    def __init__(self, steps: int):
+        super().__init__(
+            f"the job's budget of {steps} pushes is spent: this push was refused (nothing "
+            "was sent); end the loop when ctx.should_stop() is true"
+        )
+        self.steps = steps
 
 
 @dataclasses.dataclass
@@ -128,12 +174,20 @@ class Context:
     launched: bool = True  #: started by ``stalewise run`` (else: one worker, served here)
     _server: Any = dataclasses.field(default=None, repr=False)
     _barrier: Any = dataclasses.field(default=None, repr=False)  # the launcher's start barrier
+    _granted: bool = dataclasses.field(default=False, repr=False)  # should_stop() said go
+    refused: int = dataclasses.field(default=0, repr=False)  #: pushes refused (BudgetSpent)
+
+    def __post_init__(self) -> None:
+        if self.client is not None:
+            _guard_budget(self)
 
     def should_stop(self) -> bool:
         """True once the job's workers have pushed ``steps`` times in all, or the job stops."""
         if self.client.stopping:
             return True
-        return self.steps is not None and not self.client.may_begin(self.steps)
+        stop = self.steps is not None and not self.client.may_begin(self.steps)
+        self._granted = not stop
+        return stop
 
     def close(self) -> None:
         """Waits for this worker's last push and leaves the job (and, unlaunched, stops
@@ -148,6 +202,27 @@ class Context:
             if self._server is not None:
                 self._server.close()
                 self._server = None
+
+
+def _guard_budget(ctx: Context) -> None:
+    """Makes ``ctx.client`` refuse a push past the job's budget (:class:`BudgetSpent`)
+    unless ``ctx.should_stop()`` granted it: the budget rule is the client's own
+    (``may_begin``, :mod:`stalewise.protocol.budget`), asked at the commit. The local
+    client's ``push`` commits through ``push_flat_sent``, which is guarded; Ray's
+    ``push``."""
+    client = ctx.client
+    name = "push_flat_sent" if hasattr(client, "push_flat_sent") else "push"
+    send = getattr(client, name)
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        granted, ctx._granted = ctx._granted, False
+        steps = ctx.steps
+        if steps is not None and not granted and not client.may_begin(steps):
+            ctx.refused += 1
+            raise BudgetSpent(steps)
+        return send(*args, **kwargs)
+
+    setattr(client, name, guarded)
 
 
 @dataclasses.dataclass
@@ -253,7 +328,8 @@ def _serve_workers(job: Any, launch: _Launch) -> int:
         finally:  # Ctrl-C and SIGTERM (Terminated) pass through here, and re-raise
             ranks.stop()
         pushes = server.observer.job_pushes
-    print(f"stalewise run: {launch.workers} workers done, {pushes} pushes", file=sys.stderr)
+    failed = sum(r.proc.exitcode != 0 for r in ranks.ranks) + launch.workers - len(ranks.ranks)
+    end_lines(launch.workers, failed, pushes, launch.steps, ranks.refused)
     return 1 if ranks.failed else 0
 
 
@@ -265,6 +341,69 @@ STOP_GRACE = 5.0
 #: other ranks push, before the launcher takes that rank for hung.
 RANK_TIMEOUT = 300.0
 _POLL = 0.25  # seconds between the launcher's looks at the ranks' push counters
+#: Seconds between the launcher's progress lines when stderr is a terminal.
+PROGRESS_TTY = 2.0
+#: Seconds between them otherwise (a log file, a pipe).
+PROGRESS_EVERY = 10.0
+
+
+def progress_every() -> float:
+    """Seconds between progress lines: ``STALEWISE_PROGRESS`` if set (0: none), else
+    :data:`PROGRESS_TTY` when stderr is a terminal, else :data:`PROGRESS_EVERY`."""
+    text = os.environ.get("STALEWISE_PROGRESS", "").strip()
+    if text:
+        try:
+            every = float(text)
+        except ValueError:
+            every = -1.0
+        if math.isfinite(every) and every >= 0:
+            return every
+        log.warning("STALEWISE_PROGRESS=%r is not a number of seconds >= 0; ignored", text)
+    isatty = getattr(sys.stderr, "isatty", None)
+    return PROGRESS_TTY if isatty is not None and isatty() else PROGRESS_EVERY
+
+
+class Progress:
+    """The launcher's progress line on stderr, on both runtimes: the job's pushes, their
+    rate since the last line, and the ranks still running."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.every = progress_every()
+        self.last = time.monotonic()
+        self.pushes = 0
+
+    def tick(self, now: float, pushes: int, live: int) -> None:
+        """Prints a line if the interval has passed since the last one (or the start)."""
+        if not self.every or now - self.last < self.every:
+            return
+        rate = (pushes - self.pushes) / max(now - self.last, 1e-9)
+        self.last, self.pushes = now, pushes
+        print(
+            f"stalewise run: {pushes} pushes, {rate:.1f} pushes/s, "
+            f"{live} of {self.workers} ranks live",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def end_lines(
+    workers: int, failed: int, pushes: int, steps: int | None, refused: int, where: str = ""
+) -> None:
+    """The launcher's last lines on stderr: the pushes refused past the budget (once, if
+    any), then how the ranks ended (``where``: e.g. `` on 2 Ray node(s)``)."""
+    if refused and steps is not None:
+        print(
+            f"stalewise run: the budget of {steps} pushes is spent; {refused} pushes past "
+            "it were refused",
+            file=sys.stderr,
+        )
+    ended = (
+        f"{workers} workers done"
+        if not failed
+        else (f"{workers - failed} of {workers} workers done, {failed} failed")
+    )
+    print(f"stalewise run: {ended}{where}, {pushes} pushes", file=sys.stderr, flush=True)
 
 
 class _Rank:
@@ -296,6 +435,9 @@ class _Ranks:
         self.failed: list[str] = []
         self.stopping = False
         self.started = time.monotonic()
+        self.refused = 0  # pushes past the budget refused (BudgetSpent), as the ranks said
+        self.pushes = 0  # the job's pushes at the last look
+        self.progress = Progress(launch.workers)
 
     def start(self, ctx: Any, rank: int) -> None:
         launch = self.launch
@@ -337,6 +479,11 @@ class _Ranks:
     def _ended(self, r: _Rank) -> None:
         r.proc.join()
         r.ended = r.ready = True
+        with contextlib.suppress(EOFError, OSError):
+            while r.conn.poll():  # b"ready" unread, then b"refused N" (pushes past the budget)
+                word = r.conn.recv_bytes()
+                if word.startswith(b"refused "):
+                    self.refused += int(word.split()[1])
         r.conn.close()
         if r.proc.exitcode != 0 and not r.judged and not self.stopping:
             from stalewise.runtime.local.procs import describe_exit
@@ -348,7 +495,8 @@ class _Ranks:
         """Reads the ranks' push counters; kills a rank that the liveness rule finds hung."""
         control = self.server.control
         counts = control[self.server.layout.pushes_done]
-        job = int(counts.sum())
+        job = self.pushes = int(counts.sum())
+        self.progress.tick(now, job, len(self.running()))
         for r in self.ranks:
             n = int(counts[r.rank])
             if n != r.pushes:
@@ -473,7 +621,6 @@ def _worker_main(
     from stalewise.runtime.local.procs import die_with_parent
 
     die_with_parent()
-    from stalewise.runtime.base import ServerClosed
     from stalewise.runtime.logs import child_logging
 
     child_logging(f"rank {rank}")
@@ -481,9 +628,11 @@ def _worker_main(
     _WORKER = Context(rank, world, client, steps=steps, _barrier=_Gate(conn))
     sys.argv = [script, *argv]
     sys.path.insert(0, str(Path(script).resolve().parent))
-    os.environ["STALEWISE_RANK"], os.environ["STALEWISE_WORLD_SIZE"] = str(rank), str(world)
+    os.environ.update(rank_env(rank, world, rank, world))
     try:
         runpy.run_path(script, run_name="__main__")
+    except BudgetSpent:  # the loop did not ask should_stop(): the launcher says so, once
+        _leave_quietly()
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: no traceback either
         _leave_quietly()
@@ -496,8 +645,25 @@ def _worker_main(
     except BaseException:  # its traceback (or exit status) tells the rest
         _leave_quietly()
         raise
+    finally:
+        if _WORKER.refused:  # the launcher counts the refused pushes (_Ranks._ended)
+            with contextlib.suppress(OSError):
+                conn.send_bytes(b"refused %d" % _WORKER.refused)
     if _WORKER.client is not None:  # the script did not close it
         _WORKER.close()
+
+
+def rank_env(rank: int, world: int, local_rank: int, local_world: int) -> dict[str, str]:
+    """The variables a rank's environment holds before its script runs (torchrun's names
+    and stalewise's; see the module docstring)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "STALEWISE_RANK": str(rank),
+        "STALEWISE_WORLD_SIZE": str(world),
+    }
 
 
 def _leave_quietly() -> None:

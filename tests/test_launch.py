@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -457,8 +458,8 @@ def test_a_rank_that_stops_pushing_while_the_others_go_on_is_killed(tmp_path):
     assert "(--rank-timeout 3); killed it" in err, err
     assert "timed out" not in err and "Traceback" not in err, err
     done = err.strip().splitlines()[-1]
-    assert done.startswith("stalewise run: 2 workers done, "), err
-    assert int(done.split(", ")[1].split()[0]) >= 1500  # rank 0 reached the budget alone
+    assert done.startswith("stalewise run: 1 of 2 workers done, 1 failed, "), err
+    assert int(done.split(", ")[2].split()[0]) >= 1500  # rank 0 reached the budget alone
     assert took < 120, took
 
 
@@ -483,3 +484,162 @@ def test_a_rank_slow_to_push_first_is_not_taken_for_hung(tmp_path):
         err = launcher.stderr()
     assert launcher.proc.returncode == 0, err
     assert "hung" not in err, err
+
+
+# -- issue 29 items 5-7: torchrun's variables, the budget without should_stop(), progress
+
+GREEDY = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np
+    import stalewise as sw
+
+    if __name__ == "__main__":
+        out, mode = sys.argv[1], sys.argv[2]
+        if "RANK" in os.environ:  # a rank, before sw.init: torchrun's variables are set
+            names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                     "STALEWISE_RANK", "STALEWISE_WORLD_SIZE")
+            with open(f"{out}-env-{os.environ['RANK']}.json", "w") as f:
+                json.dump({k: os.environ.get(k) for k in names}, f)
+        steps = int(sys.argv[3]) if len(sys.argv) > 3 else None
+        ctx = sw.init(sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1)),
+                      steps=steps)
+        n = 0
+        try:
+            while True:  # never asks ctx.should_stop()
+                ctx.client.pull()
+                ctx.client.push({"x": np.ones(4, np.float32)})
+                n += 1
+        except sw.ServerClosed as e:  # BudgetSpent is one
+            if mode == "catch":
+                print(f"rank {ctx.rank}: {type(e).__name__} after {n} pushes", flush=True)
+            else:
+                raise
+        ctx.close()
+    """
+)
+
+
+def test_ranks_get_torchrun_variables_before_init(tmp_path, no_leaks):
+    script, out = _script(tmp_path, GREEDY), tmp_path / "r"
+    done = _run(
+        "run",
+        "--workers",
+        "2",
+        "--steps",
+        "20",
+        "--timeout",
+        "120",
+        str(script),
+        str(out),
+        "catch",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    for rank in range(2):
+        env = json.loads(Path(f"{out}-env-{rank}.json").read_text())
+        assert env == {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "STALEWISE_RANK": str(rank),
+            "STALEWISE_WORLD_SIZE": "2",
+        }, env
+
+
+@pytest.mark.parametrize("mode", ["catch", "raise"])
+def test_a_loop_that_never_asks_should_stop_is_refused_past_the_budget(tmp_path, mode, no_leaks):
+    """With --steps 50 a loop that never asks ends: its push past the budget raises
+    BudgetSpent (caught as sw.ServerClosed, or let through: the rank ends with status 0),
+    the job's pushes stay within the documented overshoot (workers - 1), and the
+    launcher says so once."""
+    script, out = _script(tmp_path, GREEDY), tmp_path / "r"
+    done = _run(
+        "run",
+        "--workers",
+        "3",
+        "--steps",
+        "50",
+        "--timeout",
+        "120",
+        str(script),
+        str(out),
+        mode,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "timed out" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    spent = [line for line in lines if "budget" in line]
+    assert len(spent) == 1, done.stderr
+    assert re.fullmatch(
+        r"stalewise run: the budget of 50 pushes is spent; [1-9]\d* pushes past it were refused",
+        spent[0],
+    ), spent
+    m = re.fullmatch(r"stalewise run: 3 workers done, (\d+) pushes", lines[-1])
+    assert m and 50 <= int(m.group(1)) <= 50 + 2, lines[-1]
+    if mode == "catch":
+        assert done.stdout.count("BudgetSpent after") == 3, done.stdout
+
+
+def test_unlaunched_the_push_past_the_budget_raises_budget_spent(tmp_path, no_leaks):
+    script, out = _script(tmp_path, GREEDY), tmp_path / "r"
+    done = subprocess.run(
+        [sys.executable, str(script), str(out), "catch", "7"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "rank 0: BudgetSpent after 7 pushes", done.stdout
+
+
+def test_the_launcher_prints_progress_lines(tmp_path, no_leaks):
+    script = _script(tmp_path, TOY)
+    done = subprocess.run(
+        [*STALEWISE, "run", "--workers", "2", "--steps", "300", str(script), "push"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "STALEWISE_PROGRESS": "0.5"},
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.strip().splitlines()
+    rows = [
+        m
+        for line in lines
+        if (
+            m := re.fullmatch(
+                r"stalewise run: (\d+) pushes, ([\d.]+) pushes/s, (\d) of 2 "
+                r"ranks live",
+                line,
+            )
+        )
+    ]
+    assert rows, done.stderr  # 300 pushes, one each 10 ms or more a rank: 1.5 s at least
+    assert all(int(m.group(3)) <= 2 for m in rows)
+    assert re.fullmatch(r"stalewise run: 2 workers done, 30[01] pushes", lines[-1]), lines
+
+
+def test_the_last_line_counts_a_failed_rank(tmp_path, no_leaks):
+    script, out = _script(tmp_path), tmp_path / "RAISE"
+    done = _run("run", "--workers", "2", "--steps", "60", str(script), str(out), cwd=tmp_path)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"stalewise run: 1 of 2 workers done, 1 failed, \d+ pushes", last), last
+
+
+def test_the_local_server_counts_the_job_pushes():
+    job = sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1))
+    with job.serve(workers=2) as server:
+        assert server.job_pushes == 0
+        for w in range(2):
+            client = server.client(w)
+            for _ in range(3):
+                client.push({"x": np.ones(4, np.float32)})
+            client.wait()
+            client.close()
+        assert server.job_pushes == 6

@@ -340,6 +340,13 @@ class LocalServer:
             c.close()
         self._worker_ends[worker] = []
 
+    @property
+    def job_pushes(self) -> int:
+        """Pushes committed by all the job's workers so far (each id over its incarnations):
+        what a budget of ``steps`` counts, as :attr:`RayServer.job_pushes
+        <stalewise.runtime.ray.server.RayServer.job_pushes>` (read from shared memory)."""
+        return int(self.control[self.layout.pushes_done].sum())
+
     @_locked
     def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = 60.0) -> Any:
         """The current parameters (as an observer: never gated, not counted as a worker).
