@@ -22,6 +22,11 @@ shard 0's update count) holding
   :mod:`stalewise.protocol.compress`). The manifest names it under ``feedback``
   (``{"file", "workers"}``) and checks it like a shard file. A checkpoint
   without it (older, or of a job without feedback) resumes with zero residuals.
+- ``ranks.safetensors`` (a loop you own, ``stalewise run --checkpoint-dir``): each
+  rank's ``ctx.state`` as data, its numpy arrays as ``rank-<r>/<path>`` (a path of
+  nested dict keys joined by ``/``); the manifest's ``ranks`` holds ``{"file",
+  "values"}``, ``values[r]`` the JSON values of rank ``r``'s state by path, and the
+  file is checked like a shard file (see :func:`flat_state`).
 
 Writes are atomic: everything goes into ``.tmp-ckpt-...`` next to the final
 folder, files and folder are fsynced, then the folder is renamed into place
@@ -94,6 +99,7 @@ MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 32 << 20
 _MAX_SMALL_FILE = 4096  # the cap on manifest.sha256 and the latest pointer
 FEEDBACK = "feedback.safetensors"  # the workers' error-feedback residuals
+RANKS = "ranks.safetensors"  # the arrays of each rank's ctx.state (a loop you own)
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d{9,})$")
 _TMP = ".tmp-"
@@ -112,6 +118,7 @@ class Checkpoint:
     path: Path
     residuals: list[np.ndarray] | None = None  # each worker's error-feedback residual
     spec: tree_lib.FlatSpec | None = None  # the manifest's spec, of plain containers
+    ranks: list[dict[str, Any]] | None = None  # each rank's ctx.state (a loop you own)
 
     @property
     def version(self) -> int:
@@ -156,12 +163,14 @@ def save(
     step_info: dict[str, Any],
     keep: int = 2,
     residuals: Sequence[np.ndarray] | None = None,
+    ranks: Sequence[dict[str, Any]] | None = None,
 ) -> Path:
     """Writes one checkpoint atomically; returns its folder. Keeps the newest ``keep``.
 
     A checkpoint of a version that already exists replaces it. ``residuals``:
     each worker's error-feedback residual (worker ``w``'s at index ``w``), saved
-    in ``feedback.safetensors``; None saves none.
+    in ``feedback.safetensors``; None saves none. ``ranks``: each rank's state
+    (``ctx.state`` of a loop you own, see :func:`flat_state`), in ``ranks.safetensors``.
     """
     if not shard_states:
         raise ValueError("save: no shard states")
@@ -197,6 +206,15 @@ def save(
             arrays = {f"worker-{w}": _contiguous(np.asarray(r)) for w, r in enumerate(residuals)}
             write(FEEDBACK, arrays)
             feedback = {"file": FEEDBACK, "workers": len(arrays)}
+        ranked = None
+        if ranks is not None:
+            arrays, values = {}, []
+            for r, state in enumerate(ranks):
+                flat_arrays, flat_values = flat_state(state, f"rank {r}'s state")
+                arrays.update({f"rank-{r}/{k}": _contiguous(a) for k, a in flat_arrays.items()})
+                values.append(flat_values)
+            write(RANKS, arrays)
+            ranked = {"file": RANKS, "values": values}
         manifest = {
             "format": FORMAT,
             "created": datetime.datetime.now(datetime.UTC).isoformat(),
@@ -208,6 +226,7 @@ def save(
             "sha256": sums,
             "files": files,
             **({} if feedback is None else {"feedback": feedback}),
+            **({} if ranked is None else {"ranks": ranked}),
         }
         text = json.dumps(manifest, indent=1, allow_nan=True)  # ASCII: len(text) is its size
         if len(text) > MAX_MANIFEST_BYTES:  # loading would refuse it
@@ -247,6 +266,63 @@ def save(
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint: wrote %s", final)
     return final
+
+
+def flat_state(state: Any, what: str = "ctx.state") -> tuple[dict[str, np.ndarray], dict]:
+    """A rank's state as data: ``(arrays, values)`` by path (nested dict keys joined by
+    ``/``). A dict nests; a numpy array (of a dtype safetensors keeps) is an array; any
+    other value must be JSON (numbers, strings, bools, None, lists and objects of them;
+    a numpy scalar counts as its Python number). Nothing else is kept: no pickle.
+
+    Raises:
+        ValueError: one line naming the path of a value that is not data.
+    """
+    arrays: dict[str, np.ndarray] = {}
+    values: dict[str, Any] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict) and (node or not path):
+            for key, value in node.items():
+                if not isinstance(key, str) or not key or "/" in key:
+                    raise ValueError(
+                        f"{what}: key {key!r} at {path or '/'} is not a name without '/'"
+                    )
+                walk(value, f"{path}/{key}" if path else key)
+            return
+        if isinstance(node, np.ndarray):
+            if node.dtype.name not in _DTYPES:
+                raise ValueError(f"{what}[{path!r}]: a {node.dtype} array, not of {_DTYPES}")
+            arrays[path] = node
+            return
+        if isinstance(node, np.generic):
+            node = node.item()
+        try:
+            json.dumps(node, allow_nan=True)
+        except (TypeError, ValueError, RecursionError):
+            raise ValueError(
+                f"{what}[{path!r}]: a {type(node).__name__}, not data (numbers, strings, "
+                "lists, dicts, numpy arrays)"
+            ) from None
+        values[path] = node
+
+    if not isinstance(state, dict):
+        raise ValueError(f"{what} must be a dict, got {type(state).__name__}")
+    walk(state, "")
+    return arrays, values
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """The dict :func:`flat_state` flattened, from its paths."""
+    out: dict[str, Any] = {}
+    for path, value in sorted(flat.items()):
+        *parents, leaf = path.split("/")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise CheckpointError(f"ranks: {path!r} lies under a value, not a dict")
+        node[leaf] = value
+    return out
 
 
 def _is_array(v: Any) -> bool:
@@ -406,7 +482,16 @@ def _read(path: Path) -> Checkpoint:
     if "feedback" in manifest:  # absent: a job without feedback
         arrays = arrays_of(FEEDBACK)
         residuals = [arrays[f"worker-{w}"] for w in range(manifest["feedback"]["workers"])]
-    return Checkpoint(states, manifest, path, residuals, spec)
+    ranks = None
+    if "ranks" in manifest:  # a loop you own: each rank's ctx.state
+        arrays, values = arrays_of(RANKS), manifest["ranks"]["values"]
+        ranks = []
+        for r, flat in enumerate(values):
+            mine = {
+                k.split("/", 1)[1]: a for k, a in arrays.items() if k.split("/")[0] == f"rank-{r}"
+            }
+            ranks.append(_nested({**flat, **mine}))
+    return Checkpoint(states, manifest, path, residuals, spec, ranks)
 
 
 def _read_file(
@@ -576,12 +661,30 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
             raise bad("feedback", feedback, f'{{"file": "{FEEDBACK}", "workers": n}}')
         if not _is_count(feedback.get("workers"), _MAX_WORKERS):
             raise bad("feedback.workers", feedback.get("workers"), "a worker count")
+    ranked = m.get("ranks")
+    if ranked is not None:
+        values = ranked.get("values") if isinstance(ranked, dict) else None
+        if (
+            ranked.get("file") != RANKS
+            or not isinstance(values, list)
+            or len(values) > _MAX_WORKERS
+            or not all(isinstance(v, dict) for v in values)
+        ):
+            raise bad("ranks", ranked, f'{{"file": "{RANKS}", "values": [{{...}} per rank]}}')
     spec = spec_from_json(m.get("spec"), f"{where}: spec")
     # what each file must hold: its size bounds the read, its arrays' dtypes and shapes are
     # checked exactly on reading; the parameters' and residuals' must be the spec's
     expected = {shard["file"]: shard["arrays"] for shard in shards}
     if feedback is not None:
         expected[FEEDBACK] = [f"worker-{w}" for w in range(feedback["workers"])]
+    if ranked is not None:  # its arrays' names are the file's own (checked when read)
+        entry = (m.get("files") or {}).get(RANKS)
+        names = entry.get("arrays") if isinstance(entry, dict) else None
+        if not isinstance(names, dict) or not all(
+            isinstance(k, str) and re.fullmatch(r"rank-(\d{1,7})/[^/].*", k) for k in names
+        ):
+            raise bad(f"files[{RANKS!r}].arrays", names, "rank-<r>/<path> names")
+        expected[RANKS] = list(names)
     files = m.get("files")
     if not isinstance(files, dict) or sorted(files) != sorted(expected):
         raise bad("files", files, f"an object describing {_short(sorted(expected))}")
@@ -595,7 +698,7 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
         layout = entry.get("arrays")
         if not isinstance(layout, dict) or sorted(layout) != sorted(arrays):
             raise bad(f"{at}.arrays", layout, f"[dtype, shape] of {_short(sorted(arrays))}")
-        if name != FEEDBACK and "params" not in layout:
+        if name not in (FEEDBACK, RANKS) and "params" not in layout:
             raise bad(f"{at}.arrays", sorted(layout), "a shard's, with its params")
         for key, described in layout.items():
             if not (
@@ -607,7 +710,7 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
                 and all(map(_is_count, described[1]))
             ):
                 raise bad(f"{at}.arrays[{key!r}]", described, "[dtype, shape]")
-            if key == "params" or name == FEEDBACK:
+            if name != RANKS and (key == "params" or name == FEEDBACK):
                 size = spec.size if name == FEEDBACK else described[1][0] if described[1] else -1
                 if described != [dtype, [size]]:
                     raise bad(f"{at}.arrays[{key!r}]", described, f"[{dtype!r}, [n]] (the spec's)")
@@ -808,6 +911,7 @@ class Saver:
         residuals: Sequence[np.ndarray] | None = None,
         *,
         final: bool = False,
+        ranks: Sequence[dict[str, Any]] | None = None,
     ) -> Path | None:
         """Writes the shards' ``states`` and the workers' error-feedback ``residuals``
         (None: the job keeps none); ``step`` holds at least ``pushes`` and ``time``.
@@ -827,6 +931,7 @@ class Saver:
                 step_info={**step, "run": self.options.run},
                 keep=self.options.checkpoint_keep,
                 residuals=residuals,
+                ranks=ranks,
             )
         except (OSError, SafetensorError) as e:
             self._failed(directory, e, self.time, final)

@@ -437,6 +437,20 @@ def build_parser() -> argparse.ArgumentParser:
         "before the rank is taken for hung, named and killed; exit 1 at the end (default "
         "300; 0: off; local runtime only)",
     )
+    r.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="save the job (the shards' state, each rank's ctx.state) into DIR at the end "
+        "and every --checkpoint-every pushes (local runtime only)",
+    )
+    r.add_argument(
+        "--checkpoint-every", type=int, metavar="N", help="a checkpoint every N pushes of the job"
+    )
+    r.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from DIR's last checkpoint (none yet: start from the start)",
+    )
     r.add_argument("script", help="the training script (python file)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     r.set_defaults(func=cmd_run)
@@ -455,6 +469,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             runtime=args.runtime,
             timeout=args.timeout,
             rank_timeout=args.rank_timeout,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
         )
     except launch.LaunchError as e:
         print(f"stalewise: run: {_one_line(e)}", file=sys.stderr)

@@ -59,6 +59,29 @@ interval (0: no progress lines). The last line says how the ranks ended:
 1 failed, 1201 pushes`` when a rank failed. A worker that dies is reported by the
 launcher, which exits with status 1; the others carry on to the budget.
 
+*Checkpoints* (local runtime): ``stalewise run --checkpoint-dir DIR
+[--checkpoint-every N] [--resume]``, or ``sw.init(job, checkpoint_dir=DIR,
+checkpoint_every=N, resume=True)`` (the flags win). The launcher, which holds the
+shards, saves the job in ``Job.train``'s data-only format
+(:mod:`stalewise.checkpoint`, through its :class:`~stalewise.checkpoint.Saver`):
+every ``N`` pushes of the job (counted by the server) and at the end, also after
+Ctrl-C or SIGTERM. A checkpoint holds the shards' state (parameters, optimizer
+state, versions), the job's push counts, and each rank's ``ctx.state``: a dict the
+script fills (its data position, an inner optimizer's state, an RNG's
+``bit_generator.state``) with JSON values and numpy arrays, nested dicts of them;
+nothing is pickled (:func:`stalewise.checkpoint.flat_state`). A rank hands its
+``ctx.state`` over in ``ctx.should_stop()`` once the job's pushes pass a multiple of
+``N`` (the launcher waits :data:`RANK_STATE_WAIT` seconds for it, else keeps the
+rank's previous one) and at ``ctx.close()``, through files in ``DIR/.ranks``.
+``--resume`` restores the newest usable checkpoint before any rank starts: the
+versions and the job's pushes (so ``--steps`` stays the total budget) go on from it,
+and each rank's ``ctx.state`` is filled before ``sw.init`` returns. With no
+checkpoint in ``DIR`` yet it says so on one line and starts from the start (so the
+same command serves the first launch and every restart); a checkpoint of another job
+(other parameters, optimizer, shards or ``--workers``) is refused on one line, exit
+status 2. Unlaunched (``python script.py``), ``sw.init`` saves from ``should_stop()``
+and ``close()`` in the script's own process.
+
 How a launch ends, on the local runtime:
 
 * **The launcher killed** (even ``kill -9``): each rank, like each shard
@@ -172,6 +195,10 @@ class Context:
     client: Any  #: this worker's :class:`~stalewise.runtime.local.client.Client`
     steps: int | None = None  #: the job's budget of pushes in all (None: no budget)
     launched: bool = True  #: started by ``stalewise run`` (else: one worker, served here)
+    #: this rank's own state (data position, RNG, ...), saved with each checkpoint as data
+    #: (JSON values, numpy arrays) and restored on resume; see "Checkpoints" above
+    state: dict = dataclasses.field(default_factory=dict)
+    _ckpt: Any = dataclasses.field(default=None, repr=False)  # its side of the checkpoints
     _server: Any = dataclasses.field(default=None, repr=False)
     _barrier: Any = dataclasses.field(default=None, repr=False)  # the launcher's start barrier
     _granted: bool = dataclasses.field(default=False, repr=False)  # should_stop() said go
@@ -183,6 +210,8 @@ class Context:
 
     def should_stop(self) -> bool:
         """True once the job's workers have pushed ``steps`` times in all, or the job stops."""
+        if self._ckpt is not None:
+            self._ckpt.tick(self)
         if self.client.stopping:
             return True
         stop = self.steps is not None and not self.client.may_begin(self.steps)
@@ -194,6 +223,9 @@ class Context:
         the shards served in this process). Calling it again does nothing."""
         if self.client is None:
             return
+        if self._ckpt is not None:  # this rank's last state (unlaunched: the last checkpoint)
+            ckpt, self._ckpt = self._ckpt, None
+            ckpt.close(self)
         client, self.client = self.client, None
         try:
             client.wait()
@@ -236,6 +268,9 @@ class _Launch:
     timeout: float | None = None
     runtime: str = "local"
     rank_timeout: float = 300.0  # the liveness rule's silence (0: off)
+    checkpoint_dir: str | None = None  # where the launcher saves the job (None: nowhere)
+    checkpoint_every: int | None = None  # every this many pushes of the job (and at the end)
+    resume: bool = False  # start from checkpoint_dir's last checkpoint, if there is one
 
 
 _LAUNCH: _Launch | None = None  # set in the launcher's process while it runs the script
@@ -243,7 +278,14 @@ _WORKER: Context | None = None  # set in a worker process before it runs the scr
 _INITIALISED = False  # init() has been called in this process
 
 
-def init(job: Any, *, steps: int | None = None) -> Context:
+def init(
+    job: Any,
+    *,
+    steps: int | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
+) -> Context:
     """This process's part of a launched job; see the module docstring.
 
     Args:
@@ -252,6 +294,10 @@ def init(job: Any, *, steps: int | None = None) -> Context:
             have the launcher's layout.
         steps: the job's budget of pushes in all (the launcher's ``--steps``, if
             given, wins).
+        checkpoint_dir, checkpoint_every, resume: checkpoints of the job and of each
+            rank's ``ctx.state`` (see "Checkpoints" in the module docstring); the
+            launcher's ``--checkpoint-dir``, ``--checkpoint-every`` and ``--resume``, if
+            given, win. Ignored in a launched worker (the launcher's hold).
 
     Returns:
         The worker's :class:`Context` (in the launcher's own process it does not
@@ -278,13 +324,31 @@ def init(job: Any, *, steps: int | None = None) -> Context:
             )
         if ctx.steps is None:  # no --steps: the script's own budget
             ctx.steps = steps
+        _RankStates.join(ctx)  # --checkpoint-dir: ctx.state restored, and saved from here on
         _rendezvous(ctx)
         return ctx
+    _check_checkpointing(checkpoint_dir, checkpoint_every, ValueError)
     if _LAUNCH is not None:  # the runtime's launch: _serve_workers here, Ray's on Ray
+        if _LAUNCH.checkpoint_dir is None and checkpoint_dir is not None:
+            if _LAUNCH.runtime != "local":
+                raise LaunchError("checkpoints of a launched job are for --runtime local")
+            _LAUNCH.checkpoint_dir = os.fspath(checkpoint_dir)
+            _LAUNCH.resume = _LAUNCH.resume or bool(resume)
+        if _LAUNCH.checkpoint_every is None:
+            _LAUNCH.checkpoint_every = checkpoint_every
         raise SystemExit(runtime_lib.describe(_LAUNCH.runtime).load("launch")(job, _LAUNCH))
     server = job.serve(workers=1)
+    saves = None
+    if checkpoint_dir is not None:
+        try:
+            saves = _Checkpoints(job, server, os.fspath(checkpoint_dir), checkpoint_every, resume)
+        except BaseException:
+            server.close()
+            raise
     client = server.client(0)
     ctx = Context(0, 1, client, steps=steps, launched=False, _server=server)
+    if saves is not None:
+        ctx.state, ctx._ckpt = saves.rank_state(0), _InProcess(saves)
     atexit.register(ctx.close)
     return ctx
 
@@ -318,8 +382,13 @@ def _serve_workers(job: Any, launch: _Launch) -> int:
     However it ends (the ranks done, a timeout, Ctrl-C, SIGTERM), the ranks are stopped
     before the shards: :meth:`_Ranks.stop`."""
     ctx = mp.get_context("spawn")
-    with job.serve(workers=launch.workers) as server:
+    with job.serve(workers=launch.workers) as server, _rank_files(launch) as folder:
+        saves = None  # the checkpoints (--checkpoint-dir): restored here, before any rank
+        if launch.checkpoint_dir is not None:
+            saves = _Checkpoints(job, server, launch.checkpoint_dir, launch.checkpoint_every,
+                                 launch.resume, folder=folder)  # fmt: skip
         ranks = _Ranks(server, launch)
+        ranks.checkpoints = saves
         try:
             for rank in range(launch.workers):
                 ranks.start(ctx, rank)
@@ -327,10 +396,238 @@ def _serve_workers(job: Any, launch: _Launch) -> int:
             ranks.wait()
         finally:  # Ctrl-C and SIGTERM (Terminated) pass through here, and re-raise
             ranks.stop()
+            if saves is not None:  # the last checkpoint: the job as the ranks left it
+                saves.save(final=True)
         pushes = server.observer.job_pushes
     failed = sum(r.proc.exitcode != 0 for r in ranks.ranks) + launch.workers - len(ranks.ranks)
     end_lines(launch.workers, failed, pushes, launch.steps, ranks.refused)
     return 1 if ranks.failed else 0
+
+
+# -- checkpoints of a loop you own (see "Checkpoints" in the module docstring) --------------
+
+_RANKS_ENV = "STALEWISE_CHECKPOINT_RANKS"  # a rank's folder for its ctx.state (launched)
+_EVERY_ENV = "STALEWISE_CHECKPOINT_EVERY"
+#: Seconds the launcher waits for the ranks' ``ctx.state`` once a checkpoint is due; a
+#: rank that has not called ``ctx.should_stop()`` since is saved with its previous state.
+RANK_STATE_WAIT = 10.0
+
+
+def _check_checkpointing(directory: Any, every: Any, error: type[Exception]) -> None:
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise error(f"checkpoint_every (--checkpoint-every) must be an integer >= 1, got {every!r}")
+    if every is not None and directory is None:
+        raise error("checkpoint_every (--checkpoint-every) needs checkpoint_dir (--checkpoint-dir)")
+
+
+class _Checkpoints:
+    """The saving side, which holds the server: restores the job (``resume``) before any
+    worker joins, and saves it every ``every`` pushes of the job and at the end, with
+    each rank's ``ctx.state``, through :class:`stalewise.checkpoint.Saver` (the format,
+    atomic writes and failure handling of ``Job.train``'s checkpoints)."""
+
+    def __init__(self, job: Any, server: Any, directory: str, every: int | None,
+                 resume: bool, *, folder: Path | None = None):  # fmt: skip
+        from types import SimpleNamespace
+
+        from stalewise import checkpoint
+
+        self.server, self.every, self.folder = server, every, folder
+        workers = server.workers
+        o = SimpleNamespace(checkpoint_dir=directory, checkpoint_every=every, resume=resume,
+                            checkpoint_seconds=None, checkpoint_keep=2, room=workers,
+                            run=None)  # fmt: skip
+        if resume and not checkpoint.exists(directory):
+            print(f"stalewise: resume: no checkpoint in {directory} yet; starting from the start",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        try:
+            ckpt = checkpoint.resume_point(job.config, o, runtime="local")
+            if ckpt is not None:
+                server.resume(ckpt)
+        except (checkpoint.CheckpointError, ValueError) as e:
+            raise LaunchError(f"--resume from {directory}: {' '.join(str(e).split())}") from None
+        self.ranks: list[dict] = [{} for _ in range(workers)]
+        if ckpt is not None and ckpt.ranks is not None:
+            self.ranks[: len(ckpt.ranks)] = ckpt.ranks[:workers]
+        self.pushes = 0 if ckpt is None else int(ckpt.step.get("pushes", 0))
+        self.saver = checkpoint.Saver(job.config, None, o, runtime="local", version=0)
+        self.started = time.monotonic()
+        self.due: tuple[int, float] | None = None  # (the epoch due, since when)
+        if ckpt is not None:
+            print(f"stalewise run: resumed from {ckpt.path} (version {ckpt.version}, "
+                  f"{self.pushes} pushes)", file=sys.stderr, flush=True)  # fmt: skip
+        if folder is not None:
+            for r, state in enumerate(self.ranks):  # what each rank starts from
+                _write_rank_state(folder, r, state, self.pushes)
+
+    def rank_state(self, rank: int) -> dict:
+        return self.ranks[rank]
+
+    def tick(self, running: list[int]) -> None:
+        """The launcher's look (every quarter of a second): a checkpoint once the job's
+        pushes reach the next multiple of ``every`` and the running ranks have saved
+        their state for it (or :data:`RANK_STATE_WAIT` passed)."""
+        if self.every is None:
+            return
+        pushes = int(self.server.control[self.server.layout.pushes_done].sum())
+        epoch = pushes // self.every
+        if self.due is None:
+            if epoch > self.pushes // self.every:
+                self.due = (epoch, time.monotonic())
+            return
+        want, since = self.due
+        ready = all(_rank_epoch(self.folder, r, self.every) >= want for r in running)
+        if ready or time.monotonic() - since >= RANK_STATE_WAIT:
+            self.save()
+
+    def save(self, *, final: bool = False) -> None:
+        """Writes a checkpoint (``final``: the run's last) of the server and the ranks' states."""
+        self.due = None
+        try:
+            states, step, residuals = self.server.checkpoint_parts()
+        except Exception as e:  # a shard died: the last checkpoint stays the one to resume
+            log.warning("checkpoint: cannot read the shards' state: %s", e)
+            return
+        if self.folder is not None:
+            for r in range(len(self.ranks)):
+                got = _read_rank_state(self.folder, r)
+                if got is not None:
+                    self.ranks[r] = got
+        step["time"] = time.monotonic() - self.started
+        self.pushes = step["pushes"]
+        self.saver.save(states, step, residuals, final=final, ranks=self.ranks)
+
+
+class _InProcess:
+    """A context's side of the checkpoints when ``sw.init`` serves the job in its own
+    process (one worker, no launcher): saves from ``should_stop()`` and ``close()``."""
+
+    def __init__(self, saves: _Checkpoints):
+        self.saves = saves
+
+    def tick(self, ctx: Context) -> None:
+        saves = self.saves
+        if saves.every is not None and ctx.client.job_pushes // saves.every > (
+            saves.pushes // saves.every
+        ):
+            ctx.client.wait()  # its pushes acknowledged: in the shards' state
+            saves.ranks[0] = ctx.state
+            saves.save()
+
+    def close(self, ctx: Context) -> None:
+        ctx.client.wait()
+        self.saves.ranks[0] = ctx.state
+        self.saves.save(final=True)
+
+
+class _RankStates:
+    """A launched rank's side: ``ctx.state`` from the launcher's folder at ``sw.init``, and
+    into it from ``should_stop()`` once the job's pushes pass a multiple of ``every``, and
+    at ``close()`` (data only: :func:`stalewise.checkpoint.flat_state`)."""
+
+    def __init__(self, folder: Path, every: int | None):
+        self.folder, self.every = folder, every
+        self.epoch: int | None = None
+
+    @classmethod
+    def join(cls, ctx: Context) -> None:
+        folder = os.environ.get(_RANKS_ENV)
+        if not folder:
+            return
+        every = os.environ.get(_EVERY_ENV)
+        ctx._ckpt = cls(Path(folder), int(every) if every else None)
+        ctx.state = _read_rank_state(Path(folder), ctx.rank) or {}
+
+    def tick(self, ctx: Context) -> None:
+        if self.every is None:
+            return
+        pushes = ctx.client.job_pushes
+        epoch = pushes // self.every
+        if self.epoch is None:
+            self.epoch = epoch
+        elif epoch > self.epoch:
+            self.epoch = epoch
+            _write_rank_state(self.folder, ctx.rank, ctx.state, pushes)
+
+    def close(self, ctx: Context) -> None:
+        _write_rank_state(self.folder, ctx.rank, ctx.state, ctx.client.job_pushes)
+
+
+def _rank_file(folder: Path, rank: int) -> Path:
+    return folder / f"rank-{rank}.safetensors"
+
+
+def _write_rank_state(folder: Path, rank: int, state: Any, pushes: int) -> None:
+    """Rank ``rank``'s state into its file, atomically: arrays as tensors, the JSON values
+    and the job's ``pushes`` in the header's metadata (no pickle)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from stalewise import checkpoint
+
+    arrays, values = checkpoint.flat_state(state, f"rank {rank}: ctx.state")
+    path = _rank_file(folder, rank)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    meta = {"values": json.dumps(values, allow_nan=True), "pushes": str(int(pushes))}
+    save_file({k: checkpoint._contiguous(a) for k, a in arrays.items()}, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def _read_rank_state(folder: Path, rank: int) -> dict | None:
+    import json
+
+    from safetensors.numpy import load
+
+    from stalewise import checkpoint
+
+    try:
+        data = _rank_file(folder, rank).read_bytes()
+    except FileNotFoundError:
+        return None
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8 : 8 + n]).get("__metadata__", {})
+    flat = {**json.loads(meta["values"]), **load(data)}
+    return checkpoint._nested(flat)
+
+
+def _rank_epoch(folder: Path | None, rank: int, every: int) -> int:
+    """The epoch (job pushes // every) of rank ``rank``'s last saved state (-1: none)."""
+    import json
+
+    try:
+        with open(_rank_file(folder, rank), "rb") as f:  # type: ignore[arg-type]
+            n = int.from_bytes(f.read(8), "little")
+            meta = json.loads(f.read(n)).get("__metadata__", {})
+        return int(meta["pushes"]) // every
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+@contextlib.contextmanager
+def _rank_files(launch: _Launch):
+    """The folder the ranks exchange their ``ctx.state`` through
+    (``CHECKPOINT_DIR/.ranks``, emptied first), named in the ranks' environment; None
+    without ``--checkpoint-dir``."""
+    if launch.checkpoint_dir is None:
+        yield None
+        return
+    import shutil
+
+    folder = Path(launch.checkpoint_dir) / ".ranks"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    saved = {k: os.environ.get(k) for k in (_RANKS_ENV, _EVERY_ENV)}
+    os.environ[_RANKS_ENV] = str(folder)
+    os.environ[_EVERY_ENV] = str(launch.checkpoint_every or "")
+    try:
+        yield folder
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 #: Seconds the launcher gives its ranks to end by themselves once it stops the job
@@ -525,6 +822,8 @@ class _Ranks:
         while running := self.running():
             now = time.monotonic()
             self._look(now)
+            if getattr(self, "checkpoints", None) is not None:
+                self.checkpoints.tick([r.rank for r in running])
             if deadline is not None and now >= deadline:
                 still = "; ".join(f"rank {r.rank} ({r.progress(now)})" for r in running)
                 self._fail(f"timed out after {timeout:g} s (--timeout): still running: {still}")
@@ -714,6 +1013,9 @@ def launch(
     timeout: float | None = None,
     runtime: str = "local",
     rank_timeout: float | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
 ) -> int:
     """Runs ``script`` with ``argv`` as ``stalewise run`` does; returns the exit status.
 
@@ -721,7 +1023,9 @@ def launch(
     across the cluster this process connects to; see :mod:`stalewise.runtime.ray.launch`).
     ``timeout``: seconds for the whole run, from the start of the ranks (None: no bound);
     ``rank_timeout``: the liveness rule's silence, local runtime only (None:
-    :data:`RANK_TIMEOUT`; 0: off). See the module docstring.
+    :data:`RANK_TIMEOUT`; 0: off). ``checkpoint_dir``, ``checkpoint_every``, ``resume``:
+    the job's checkpoints, local runtime only (they win over ``sw.init``'s). See the
+    module docstring.
 
     Called from the main thread, it handles SIGTERM as Ctrl-C while it runs: the job is
     stopped in order and :class:`Terminated` (a ``KeyboardInterrupt``) is raised.
@@ -747,6 +1051,11 @@ def launch(
         raise LaunchError("--rank-timeout is for --runtime local (Ray's ranks are not watched)")
     if rank_timeout is None:
         rank_timeout = RANK_TIMEOUT
+    _check_checkpointing(checkpoint_dir, checkpoint_every, LaunchError)
+    if resume and checkpoint_dir is None:
+        raise LaunchError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+    if runtime != "local" and checkpoint_dir is not None:
+        raise LaunchError("--checkpoint-dir is for --runtime local")
     path = Path(script)
     if not path.is_file():
         raise LaunchError(f"{script}: no such script")
@@ -755,6 +1064,8 @@ def launch(
     if missing is not None:
         raise LaunchError(missing)
     _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout, runtime, rank_timeout)
+    _LAUNCH.checkpoint_dir, _LAUNCH.checkpoint_every = checkpoint_dir, checkpoint_every
+    _LAUNCH.resume = bool(resume)
     saved = sys.argv, list(sys.path)
     sys.argv = [str(path), *argv]
     sys.path.insert(0, str(path.resolve().parent))

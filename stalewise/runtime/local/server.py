@@ -477,6 +477,36 @@ class LocalServer:
                 self._incarnations[w] = max(self._incarnations[w], int(inc))
         return [int(msg[1]) for msg in replies]
 
+    def resume(self, ckpt: Any) -> None:
+        """Puts a :class:`~stalewise.checkpoint.Checkpoint` of this job into the shards
+        (call it before any worker joins, after ``checkpoint.check_compatible``): the
+        shards' states (params, optimizer state, versions), the workers' error-feedback
+        residuals, and the job's push counts, so versions and the budget go on from it."""
+        from stalewise import checkpoint
+
+        self.load_state_dicts(ckpt.states)
+        feedback = checkpoint.feedback_of(ckpt, self.config, self.workers)
+        if feedback is not None:
+            self.load_residuals([f.residual for f in feedback])
+        pushed = ckpt.step.get("pushed")
+        counts = self.control[self.layout.pushes_done]
+        if (
+            isinstance(pushed, list)
+            and len(pushed) == self.workers
+            and all(type(n) is int and 0 <= n < 2**62 for n in pushed)
+        ):
+            counts[:] = pushed  # each worker id's own count (the liveness rule reads them)
+        else:  # the job's total: what a budget of steps counts
+            counts[0] = int(ckpt.step.get("pushes", 0))
+
+    def checkpoint_parts(self, timeout: float | None = 60.0) -> tuple[list, dict, Any]:
+        """What a checkpoint of this server holds: ``(states, step, residuals)``, ``step``
+        with the job's ``pushes`` and each worker id's (``pushed``). Consistent per shard;
+        across shards the states can differ by the pushes in flight."""
+        states = self.state_dicts(timeout)
+        pushed = [int(n) for n in self.control[self.layout.pushes_done]]
+        return states, {"pushes": sum(pushed), "pushed": pushed}, self.residuals()
+
     def published_version(self, k: int = 0) -> int:
         """Shard ``k``'s version as last published for pulls (shared memory: asks no one)."""
         if self._snapshots is None:

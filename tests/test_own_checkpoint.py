@@ -1,0 +1,204 @@
+"""Checkpoints of a loop you own (issue #29 item 4): ``stalewise run --checkpoint-dir DIR
+[--checkpoint-every N] [--resume]`` and ``sw.init(job, checkpoint_dir=..., ...)``.
+
+The launcher is SIGKILLed mid-run once a checkpoint exists, started again with
+``--resume``, and the run goes on from that checkpoint (the job's pushes and versions,
+each rank's ``ctx.state``) to a loss within the noise of an uninterrupted run. Every
+launcher runs in its own session and its process group is killed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stalewise import checkpoint
+
+STALEWISE = [sys.executable, "-m", "stalewise"]
+TIMEOUT = 240  # seconds for one launch (a loaded machine)
+
+# least squares with a known optimum (loss 0 at w_true); each rank draws its batches
+# from its own RNG, kept in ctx.state with its count of steps (the data position)
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    import numpy as np
+    import stalewise as sw
+
+    if __name__ == "__main__":
+        out, delay = sys.argv[1], float(sys.argv[2])
+        data = np.random.default_rng(0)
+        A = data.normal(size=(256, 8))
+        b = A @ data.normal(size=8)
+        job = sw.Job({"w": np.zeros(8, np.float32)}, optimizer=sw.optim.sgd(0.05))
+        ctx = sw.init(job)
+        state = ctx.state
+        rng = np.random.default_rng(100 + ctx.rank)
+        if "rng" in state:
+            rng.bit_generator.state = state["rng"]
+        with open(f"{out}-start-{ctx.rank}-{time.time_ns()}.json", "w") as f:
+            json.dump({"steps": state.get("steps", 0), "pushes": ctx.client.job_pushes,
+                       "seen": np.asarray(state.get("seen", [])).tolist()}, f)
+        while not ctx.should_stop():
+            w = ctx.client.pull()["w"]
+            i = rng.integers(0, len(b), 16)
+            g = A[i].T @ (A[i] @ w - b[i]) / len(i)
+            ctx.client.push({"w": g.astype(np.float32)})
+            state["steps"] = state.get("steps", 0) + 1
+            state["rng"] = rng.bit_generator.state
+            state["seen"] = np.asarray([state["steps"], ctx.rank], np.int64)
+            time.sleep(delay)
+        w = ctx.client.pull()["w"]
+        ctx.close()
+        with open(f"{out}-end-{ctx.rank}.json", "w") as f:
+            json.dump({"loss": float(np.mean((A @ w - b) ** 2)), "steps": state.get("steps", 0)}, f)
+    """
+)
+
+
+def _script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+@contextlib.contextmanager
+def _launcher(tmp_path: Path, *args: str):
+    """``stalewise run ARGS`` in its own session; its group is SIGKILLed at the end."""
+    proc = subprocess.Popen(
+        [*STALEWISE, "run", *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=30)
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    with _launcher(tmp_path, *args) as proc:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _losses(out: Path, ranks: int) -> list[float]:
+    return [json.loads(Path(f"{out}-end-{r}.json").read_text())["loss"] for r in range(ranks)]
+
+
+def test_a_killed_launcher_resumes_from_its_last_checkpoint(tmp_path):
+    script, ckpts = _script(tmp_path), tmp_path / "ckpt"
+    steps, every = 400, 40
+    # the reference: the same script, uninterrupted
+    ref = tmp_path / "ref"
+    done = _run(tmp_path, "--workers", "2", "--steps", str(steps), str(script), str(ref), "0.005")
+    assert done.returncode == 0, done.stderr
+    reference = _losses(ref, 2)
+
+    out = tmp_path / "run"
+    args = ["--workers", "2", "--steps", str(steps), "--checkpoint-dir", str(ckpts)]
+    args += ["--checkpoint-every", str(every), str(script), str(out), "0.005"]
+    with _launcher(tmp_path, *args) as proc:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and proc.poll() is None:
+            if checkpoint.exists(ckpts) and checkpoint.load(ckpts).step["pushes"] >= 2 * every:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed: " + proc.stderr.read()
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks, at once
+    saved = checkpoint.load(ckpts)
+    assert every <= saved.step["pushes"] < steps, saved.step
+    assert saved.version > 0 and saved.ranks is not None and len(saved.ranks) == 2
+    assert all(r.get("steps", 0) > 0 for r in saved.ranks), saved.ranks
+    assert not list(tmp_path.glob("run-end-*")), "the killed run ended"
+
+    for f in tmp_path.glob("run-start-*"):
+        f.unlink()
+    done = _run(tmp_path, *args[:-3], "--resume", *args[-3:])
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from {saved.path}" in done.stderr, done.stderr
+    starts = {}
+    for f in tmp_path.glob("run-start-*"):
+        starts[int(f.name.split("-")[2])] = json.loads(f.read_text())
+    assert sorted(starts) == [0, 1], starts
+    for r, start in starts.items():  # ctx.state restored per rank, the job's pushes go on
+        assert start["steps"] == saved.ranks[r]["steps"], (start, saved.ranks[r])
+        assert start["seen"] == saved.ranks[r]["seen"].tolist() and start["seen"][1] == r
+        assert start["pushes"] >= saved.step["pushes"], (start, saved.step)
+    final = checkpoint.load(ckpts)  # the end's checkpoint: the budget, not more
+    assert final.version > saved.version
+    assert steps <= final.step["pushes"] <= steps + 1, final.step
+    ends = [json.loads(Path(f"{out}-end-{r}.json").read_text()) for r in range(2)]
+    # fewer steps this run than a whole run's: it went on from the checkpoint, not from 0
+    assert sum(e["steps"] for e in ends) - sum(s["steps"] for s in starts.values()) < steps
+    start_loss = float(np.mean((np.random.default_rng(0).normal(size=(256, 8)) @ np.zeros(8)) ** 2))
+    losses = _losses(out, 2)
+    # within the noise of the uninterrupted run: both near the optimum (loss 0)
+    assert max(losses) < 1e-3 * max(start_loss, 1.0), (losses, reference)
+    assert max(reference) < 1e-3 * max(start_loss, 1.0), reference
+
+
+def test_resume_without_a_checkpoint_starts_from_the_start(tmp_path):
+    script, ckpts, out = _script(tmp_path), tmp_path / "ckpt", tmp_path / "run"
+    done = _run(tmp_path, "--workers", "2", "--steps", "40", "--checkpoint-dir", str(ckpts),
+                "--resume", str(script), str(out), "0")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"no checkpoint in {ckpts} yet; starting from the start" in done.stderr
+    assert checkpoint.load(ckpts).step["pushes"] >= 40  # the end's checkpoint
+
+
+def test_a_checkpoint_of_another_job_is_refused_in_one_line(tmp_path):
+    script, ckpts, out = _script(tmp_path), tmp_path / "ckpt", tmp_path / "run"
+    other = tmp_path / "other.py"
+    other.write_text(SCRIPT.replace("np.zeros(8, np.float32)", "np.zeros(5, np.float32)")
+                     .replace("A @ w - b", "A[:, :5] @ w - b").replace("A[i] @ w", "A[i, :5] @ w")
+                     .replace("A[i].T @", "A[i, :5].T @"))  # fmt: skip
+    done = _run(tmp_path, "--workers", "2", "--steps", "20", "--checkpoint-dir", str(ckpts),
+                str(other), str(out), "0")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    done = _run(tmp_path, "--workers", "2", "--steps", "20", "--checkpoint-dir", str(ckpts),
+                "--resume", str(script), str(out), "0")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is of another job" in lines[0], done.stderr
+
+
+def test_init_checkpoints_and_resumes_in_one_process(tmp_path):
+    """Without the launcher, ``sw.init(job, checkpoint_dir=..., resume=True)`` serves the
+    job here, saves every N pushes and at the end, and resumes from it."""
+    text = SCRIPT.replace(
+        "ctx = sw.init(job)",
+        f"ctx = sw.init(job, steps=60, checkpoint_dir={str(tmp_path / 'ckpt')!r}, "
+        "checkpoint_every=20, resume=True)",
+    )
+    script, out = tmp_path / "own.py", tmp_path / "own"
+    script.write_text(text)
+    for want in (60, 60):  # the second run resumes at the budget: nothing left to do
+        done = subprocess.run([sys.executable, str(script), str(out), "0"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        ckpt = checkpoint.load(tmp_path / "ckpt")
+        assert ckpt.step["pushes"] == want and ckpt.ranks[0]["steps"] == 60, ckpt.step
+
+
+@pytest.mark.parametrize("args", [["--resume"], ["--checkpoint-every", "5"]])
+def test_checkpoint_flags_need_a_directory(tmp_path, args):
+    script = _script(tmp_path)
+    done = _run(tmp_path, "--workers", "1", *args, str(script), "x", "0")
+    assert done.returncode == 2 and "--checkpoint-dir" in done.stderr, done.stderr
