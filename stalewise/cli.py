@@ -422,7 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=runtime.names("launch"),
         default="local",
         help="local: worker processes on this machine (default); ray: Ray actors across the "
-        "cluster (RAY_ADDRESS, else one started on this machine, else a new local instance)",
+        "cluster (--address, else RAY_ADDRESS, else a new local instance)",
+    )
+    r.add_argument(
+        "--address",
+        help="--runtime ray: the Ray cluster, 'auto' (the one started on this machine with "
+        "ray start) or HOST:PORT of its head node (default: RAY_ADDRESS, else a new local "
+        "instance, never another user's cluster on this machine)",
     )
     r.add_argument(
         "--timeout",
@@ -469,6 +475,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             runtime=args.runtime,
             timeout=args.timeout,
             rank_timeout=args.rank_timeout,
+            address=args.address,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,

@@ -35,7 +35,7 @@ the script runs (on both runtimes), so a script can pick per-rank outputs before
 * ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``: the rank among those on this machine, and
   how many there are. On the local runtime every rank is on this machine
   (``LOCAL_RANK = RANK``); on Ray, the ranks that Ray placed on the same node are
-  numbered in rank order, each actor learning them from the job when it starts.
+  numbered in rank order (the launcher asks each actor for its node first).
 
 *The budget* (``--steps`` or ``init(job, steps=...)``) holds for a loop that never
 asks ``ctx.should_stop()``: once the job's pushes have reached it
@@ -268,6 +268,7 @@ class _Launch:
     timeout: float | None = None
     runtime: str = "local"
     rank_timeout: float = 300.0  # the liveness rule's silence (0: off)
+    address: str | None = None  # --address, runtime ray (None: RAY_ADDRESS, else a new local one)
     checkpoint_dir: str | None = None  # where the launcher saves the job (None: nowhere)
     checkpoint_every: int | None = None  # every this many pushes of the job (and at the end)
     resume: bool = False  # start from checkpoint_dir's last checkpoint, if there is one
@@ -1013,6 +1014,7 @@ def launch(
     timeout: float | None = None,
     runtime: str = "local",
     rank_timeout: float | None = None,
+    address: str | None = None,
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
@@ -1026,6 +1028,10 @@ def launch(
     :data:`RANK_TIMEOUT`; 0: off). ``checkpoint_dir``, ``checkpoint_every``, ``resume``:
     the job's checkpoints, local runtime only (they win over ``sw.init``'s). See the
     module docstring.
+
+    ``address``: the Ray cluster to run on, runtime ray only (None: ``RAY_ADDRESS``, else
+    a new local instance, never a cluster another user started on this machine; see
+    :func:`stalewise.runtime.ray.launch.ray_address`).
 
     Called from the main thread, it handles SIGTERM as Ctrl-C while it runs: the job is
     stopped in order and :class:`Terminated` (a ``KeyboardInterrupt``) is raised.
@@ -1049,6 +1055,8 @@ def launch(
         )
     if runtime == "ray" and rank_timeout is not None:
         raise LaunchError("--rank-timeout is for --runtime local (Ray's ranks are not watched)")
+    if address is not None and runtime != "ray":
+        raise LaunchError("--address is for --runtime ray (the Ray cluster to run on)")
     if rank_timeout is None:
         rank_timeout = RANK_TIMEOUT
     _check_checkpointing(checkpoint_dir, checkpoint_every, LaunchError)
@@ -1064,6 +1072,7 @@ def launch(
     if missing is not None:
         raise LaunchError(missing)
     _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout, runtime, rank_timeout)
+    _LAUNCH.address = address
     _LAUNCH.checkpoint_dir, _LAUNCH.checkpoint_every = checkpoint_dir, checkpoint_every
     _LAUNCH.resume = bool(resume)
     saved = sys.argv, list(sys.path)

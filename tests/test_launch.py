@@ -498,9 +498,9 @@ GREEDY = textwrap.dedent(
         out, mode = sys.argv[1], sys.argv[2]
         if "RANK" in os.environ:  # a rank, before sw.init: torchrun's variables are set
             names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                     "STALEWISE_RANK", "STALEWISE_WORLD_SIZE")
+                     "STALEWISE_RANK", "STALEWISE_WORLD_SIZE", "SW_MARK")
             with open(f"{out}-env-{os.environ['RANK']}.json", "w") as f:
-                json.dump({k: os.environ.get(k) for k in names}, f)
+                json.dump({**{k: os.environ.get(k) for k in names}, "cwd": os.getcwd()}, f)
         steps = int(sys.argv[3]) if len(sys.argv) > 3 else None
         ctx = sw.init(sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1)),
                       steps=steps)
@@ -545,6 +545,8 @@ def test_ranks_get_torchrun_variables_before_init(tmp_path, no_leaks):
             "LOCAL_WORLD_SIZE": "2",
             "STALEWISE_RANK": str(rank),
             "STALEWISE_WORLD_SIZE": "2",
+            "SW_MARK": None,
+            "cwd": str(tmp_path),
         }, env
 
 
@@ -643,3 +645,52 @@ def test_the_local_server_counts_the_job_pushes():
             client.wait()
             client.close()
         assert server.job_pushes == 6
+
+
+def test_ray_ranks_join_the_cluster_asked_for_and_never_another_users():
+    from stalewise.runtime.ray.launch import ray_address, shipped_env
+
+    assert ray_address(None, {}) == "local"  # not Ray's default: the cluster found in /tmp/ray
+    assert ray_address(None, {"RAY_ADDRESS": "h:6379"}) == "h:6379"
+    assert ray_address("auto", {"RAY_ADDRESS": "h:6379"}) == "auto"
+    env = {"DATA": "/d", "PYTHONPATH": "/p", "PWD": "/x", "RAY_ADDRESS": "h:1", "SSH_TTY": "t"}
+    assert shipped_env(env) == {"DATA": "/d", "PYTHONPATH": "/p"}
+
+
+@pytest.mark.slow
+def test_on_ray_ranks_get_the_launchers_env_cwd_variables_and_budget(tmp_path):
+    """stalewise run --runtime ray without RAY_ADDRESS: a new local instance, said on a
+    line; each rank has the launcher's environment and working directory, torchrun's
+    variables before sw.init, and a loop that never asks is refused past the budget."""
+    pytest.importorskip("ray")
+    script, out = _script(tmp_path, GREEDY), tmp_path / "r"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["SW_MARK"] = "from the launcher"
+    flags = ["--runtime", "ray", "--workers", "2", "--steps", "30", "--timeout", "150"]
+    done = subprocess.run(
+        [*STALEWISE, "run", *flags, str(script), str(out), "raise"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    said = [line for line in lines if line.startswith("stalewise run: Ray cluster at ")]
+    assert len(said) == 1 and "(a new local instance;" in said[0], lines
+    for rank in range(2):
+        got = json.loads(Path(f"{out}-env-{rank}.json").read_text())
+        assert got == {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),  # one node: every rank is local
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "STALEWISE_RANK": str(rank),
+            "STALEWISE_WORLD_SIZE": "2",
+            "SW_MARK": "from the launcher",
+            "cwd": str(tmp_path),
+        }, got
+    assert sum("the budget of 30 pushes is spent; " in line for line in lines) == 1, lines
+    m = re.fullmatch(r"stalewise run: 2 workers done on 1 Ray node\(s\), (\d+) pushes", lines[-1])
+    assert m and 30 <= int(m.group(1)) <= 31, lines[-1]

@@ -1,8 +1,8 @@
 """``stalewise run --runtime ray``: a script you own, once per worker, as Ray actors.
 
 The launcher's process runs the script until :func:`stalewise.init`; there it
-connects to Ray (:func:`stalewise.runtime.ray.connect`: ``RAY_ADDRESS``, else a
-cluster started on this machine, else a new local instance), serves the job on
+connects to Ray (:func:`ray_address`: ``--address``, else ``RAY_ADDRESS``, else a
+new local instance) and says which cluster on a line of stderr, serves the job on
 Ray (:class:`~stalewise.runtime.ray.server.RayServer`, under a new name) and
 starts one :class:`ScriptWorker` actor per rank, spread over the nodes
 (``num_cpus=1`` each; ``OMP_NUM_THREADS`` and friends 1 unless the launcher's
@@ -18,6 +18,32 @@ they print reaches the launcher's stdout through Ray, each line labelled
 The script must be at the same path on every node, or self-contained: an actor
 that does not find it there runs the launcher's copy of its text (modules beside
 it must then be importable on the nodes, e.g. through Ray's ``runtime_env``).
+
+Each rank gets the launcher's environment and working directory, as a local rank
+does, without shipping files: its actor's ``runtime_env`` holds the launcher's
+environment variables (``env_vars``) except those that describe the launcher's
+own machine, terminal or Ray session (:data:`NOT_SHIPPED`: ``PWD``, ``HOME``,
+``SSH_*``, ``RAY_*``, ...), and the actor changes to the launcher's working
+directory (``os.chdir``) when that path exists on its node (else it stays in
+Ray's and logs a warning). Ray's ``working_dir`` would upload the directory to
+every node at each run; a cluster with a shared file system needs no copy, and
+one without should set it through ``RAY_RUNTIME_ENV``-style configuration of its
+own. Before the script runs, the rank's environment also holds ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and ``STALEWISE_RANK`` /
+``STALEWISE_WORLD_SIZE`` (:mod:`stalewise.launch`), ``LOCAL_RANK`` counting the
+ranks on the actor's node in rank order.
+
+Which cluster (:func:`ray_address`): ``stalewise run --address ADDR`` (``auto``:
+the cluster this machine is part of, started with ``ray start``; ``HOST:PORT``
+of a head node), else ``RAY_ADDRESS``, else a new local instance, shut down at
+the end. Never Ray's own default (``ray.init()`` with no address), which joins
+the cluster last started on this machine, found through the file
+``/tmp/ray/ray_current_cluster`` that every user of the machine shares, so a run
+would join another user's cluster, and read its environment, without a word.
+The launcher prints ``stalewise run: Ray cluster at ADDR (a new local
+instance; ...)``, ``(an existing cluster, ...)`` with the address asked for, or
+``(the instance this process was already connected to)`` when the script called
+``ray.init`` itself.
 """
 
 from __future__ import annotations
@@ -35,6 +61,44 @@ from stalewise.runtime.base import THREAD_VARS
 from stalewise.runtime.ray import connect, import_ray
 
 log = logging.getLogger(__name__)
+
+#: Environment variables a rank on Ray does not take from the launcher: they describe the
+#: launcher's machine, terminal, session or Ray instance (names, and prefixes ending "_").
+NOT_SHIPPED = (
+    "PWD", "OLDPWD", "HOME", "USER", "LOGNAME", "SHELL", "SHLVL", "HOSTNAME", "_",
+    "TERM", "COLORTERM", "DISPLAY", "LS_COLORS", "PS1", "TMUX", "STY", "WINDOW",
+    "TMPDIR", "MAIL", "CUDA_VISIBLE_DEVICES", "SSH_", "XDG_", "RAY_", "TERM_",
+    "PYTEST_", "STALEWISE_PROGRESS", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE", "STALEWISE_RANK", "STALEWISE_WORLD_SIZE",
+)  # fmt: skip
+
+
+def shipped_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The launcher's environment variables a rank on Ray gets (see :data:`NOT_SHIPPED`).
+
+    Example:
+        >>> shipped_env({"DATA": "/d", "PWD": "/x", "RAY_ADDRESS": "a:1", "SSH_TTY": "t"})
+        {'DATA': '/d'}
+    """
+    environ = dict(os.environ if environ is None else environ)
+    names = {n for n in NOT_SHIPPED if not n.endswith("_") or n == "_"}
+    prefixes = tuple(n for n in NOT_SHIPPED if n.endswith("_") and n != "_")
+    return {k: v for k, v in environ.items() if k not in names and not k.startswith(prefixes)}
+
+
+def ray_address(address: str | None, environ: dict[str, str] | None = None) -> str:
+    """The Ray cluster ``stalewise run --runtime ray`` connects to: ``address`` (its
+    ``--address``), else ``RAY_ADDRESS``, else ``"local"``: a new local instance, never
+    the cluster Ray's own default would pick up on this machine (see the module docstring).
+
+    Example:
+        >>> ray_address(None, {}), ray_address(None, {"RAY_ADDRESS": "h:6379"})
+        ('local', 'h:6379')
+        >>> ray_address("auto", {"RAY_ADDRESS": "h:6379"})
+        'auto'
+    """
+    environ = os.environ if environ is None else environ
+    return address or environ.get("RAY_ADDRESS") or "local"
 
 
 class _Barrier:
@@ -66,6 +130,12 @@ class ScriptWorker:
     def __repr__(self) -> str:  # Ray's label for the actor's output
         return f"rank {self.rank}"
 
+    def node(self) -> str:
+        """The id of the node this actor runs on (the launcher numbers ``LOCAL_RANK``)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def run(
         self,
         script: str,
@@ -75,12 +145,17 @@ class ScriptWorker:
         rank: int,
         world: int,
         steps: int | None,
+        local: tuple[int, int] = (0, 1),
+        cwd: str | None = None,
     ) -> dict:
         """Runs the script as ``__main__`` with rank ``rank``'s context; returns where it
-        ran (``node``) and how many pushes it made."""
+        ran (``node``), how many pushes it made, and how many were refused past the
+        budget (``refused``). ``local``: its ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``;
+        ``cwd``: the launcher's working directory, entered if it exists here."""
         import ray
 
         from stalewise import launch
+        from stalewise.launch import BudgetSpent, rank_env
         from stalewise.runtime.logs import child_logging
         from stalewise.runtime.ray.client import attach
 
@@ -96,11 +171,18 @@ class ScriptWorker:
             path.write_text(source)
         sys.argv = [str(path), *argv]
         sys.path.insert(0, str(path.resolve().parent))
-        os.environ["STALEWISE_RANK"], os.environ["STALEWISE_WORLD_SIZE"] = str(rank), str(world)
+        if cwd is not None:
+            if Path(cwd).is_dir():
+                os.chdir(cwd)
+            else:
+                log.warning("rank %d: the launcher's directory %s is not on this node", rank, cwd)
+        os.environ.update(rank_env(rank, world, *local))
         pushes = 0
         try:
             try:
                 runpy.run_path(str(path), run_name="__main__")
+            except BudgetSpent:  # the loop did not ask should_stop(): the launcher says so
+                pass
             except SystemExit as e:
                 if e.code not in (0, None):
                     raise RuntimeError(f"the script exited with status {e.code}") from None
@@ -108,7 +190,11 @@ class ScriptWorker:
         finally:
             if ctx.client is not None:  # the script did not close it
                 ctx.close()
-        return {"node": ray.get_runtime_context().get_node_id(), "pushes": pushes}
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "pushes": pushes,
+            "refused": ctx.refused,
+        }
 
 
 def serve_workers(job: Any, launch: Any) -> int:
@@ -117,15 +203,21 @@ def serve_workers(job: Any, launch: Any) -> int:
     worker failed, each named on a line of stderr)."""
     import uuid
 
+    from stalewise.launch import Progress, end_lines
+
     script, argv, workers = launch.script, launch.argv, launch.workers
     steps, timeout = launch.steps, launch.timeout
     quiet_driver()
     ray = import_ray()
-    started = connect()
+    address = ray_address(getattr(launch, "address", None))
+    started = connect(address)
+    _say_cluster(ray, address, started)
     actors: list = []
     failed: list[str] = []
+    lost = 0  # ranks that failed or were still running at the timeout
+    refused = 0
     try:
-        caps = {k: os.environ.get(k, "1") for k in THREAD_VARS}
+        env = {**shipped_env(), **{k: os.environ.get(k, "1") for k in THREAD_VARS}}
         source = Path(script).read_text()
         name = f"run-{uuid.uuid4().hex[:8]}"
         with job.serve(runtime="ray", workers=workers, name=name) as server:
@@ -135,31 +227,46 @@ def serve_workers(job: Any, launch: Any) -> int:
                     num_cpus=1,
                     max_restarts=0,
                     scheduling_strategy="SPREAD",
-                    runtime_env={"env_vars": caps},
+                    runtime_env={"env_vars": env},
                 ).remote(rank)
                 for rank in range(workers)
             ]
-            script = str(Path(script).resolve())
+            where = ray.get([a.node.remote() for a in actors])
+            local = [
+                (where[:rank].count(node), where.count(node)) for rank, node in enumerate(where)
+            ]
+            script, cwd = str(Path(script).resolve()), os.getcwd()
             refs = {
-                a.run.remote(script, source, argv, name, rank, workers, steps): rank
+                a.run.remote(
+                    script, source, argv, name, rank, workers, steps, local[rank], cwd
+                ): rank
                 for rank, a in enumerate(actors)
             }
             log.info("stalewise run: %d workers started on Ray (job %r)", workers, name)
-            nodes: set[str] = set()
+            nodes = set(where)
             pending = list(refs)
             deadline = None if timeout is None else _now() + timeout
+            progress = Progress(workers)
             while pending:
                 left = None if deadline is None else max(deadline - _now(), 0)
+                if progress.every:
+                    left = progress.every if left is None else min(left, progress.every)
                 done, pending = ray.wait(pending, num_returns=1, timeout=left)
                 if not done:
-                    failed.append(f"timed out after {timeout} s")
-                    break
+                    if deadline is not None and _now() >= deadline:
+                        failed.append(f"timed out after {timeout} s")
+                        lost += len(pending)
+                        break
+                    progress.tick(_now(), server.job_pushes, len(pending))
+                    continue
                 rank = refs[done[0]]
                 try:
-                    nodes.add(ray.get(done[0])["node"])
+                    refused += ray.get(done[0])["refused"]
                 except ray.exceptions.RayError as e:
                     failed.append(f"rank {rank} failed ({_cause(e)})")
+                    lost += 1
                     ray.get(server.door.abort.remote())  # the others start without it
+                progress.tick(_now(), server.job_pushes, len(pending))
             pushes = server.job_pushes
     finally:
         for a in actors:
@@ -168,11 +275,24 @@ def serve_workers(job: Any, launch: Any) -> int:
             ray.shutdown()
     for line in sorted(failed):
         print(f"stalewise run: {line}", file=sys.stderr)
-    print(
-        f"stalewise run: {workers} workers done on {len(nodes)} Ray node(s), {pushes} pushes",
-        file=sys.stderr,
-    )
+    end_lines(workers, lost, pushes, steps, refused, where=f" on {len(nodes)} Ray node(s)")
     return 1 if failed else 0
+
+
+def _say_cluster(ray: Any, address: str, started: bool) -> None:
+    """One line of stderr: the Ray cluster the launcher connected to, and whether it is a
+    new local instance (see the module docstring)."""
+    try:
+        at = ray.get_runtime_context().gcs_address
+    except Exception:  # an older Ray: the address asked for
+        at = address
+    if not started:
+        what = "the instance this process was already connected to"
+    elif address == "local":
+        what = "a new local instance; --address or RAY_ADDRESS to join a cluster"
+    else:
+        what = f"an existing cluster, --address/RAY_ADDRESS {address}"
+    print(f"stalewise run: Ray cluster at {at} ({what})", file=sys.stderr, flush=True)
 
 
 def _now() -> float:
