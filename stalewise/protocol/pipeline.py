@@ -26,6 +26,12 @@ and ``PULL`` for its next step. Between them:
   pull is a *request* to each shard, sent behind the push on the same channel:
   the shard handles the push first, serves the pull when its gate lets the
   worker start, so the pull holds the push.
+* **A pull that must hold the worker's own push** (a loop you own: ``pull()``
+  after ``push()``, read-your-writes) waits for that push's acks, which name the
+  version each shard reached; it reads a shard's snapshot if that is at least
+  the acked version, and otherwise asks that shard to serve it (a request
+  behind the push, as above), so it never waits for a busy shard's next
+  publication.
 
 Example:
     >>> import stalewise as sw
