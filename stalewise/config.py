@@ -168,8 +168,10 @@ from stalewise import strategies as strategies_lib
 from stalewise.api import Job
 from stalewise.runtime.base import MAX_DELAY, MAX_SLOWDOWN, TrainResult
 from stalewise.runtime.options import DEFAULTS, OptionError, RunOptions
-from stalewise.runtime.sim import models as sim_models
+from stalewise.runtime.sim.config import TOML_KEYS as _SIM_KEYS
+from stalewise.runtime.sim.config import TOML_LISTS as _SIM_LISTS
 from stalewise.runtime.sim.config import SimConfig, TooLongError
+from stalewise.runtime.sim.models import SimConfigError, Stragglers
 
 TABLES = {
     "task": {"name", "factory", "args", "seed"},
@@ -1296,45 +1298,14 @@ def _staleness(s: dict) -> staleness_lib.Staleness:
 
 # ------------------------------------------------------------------------------- [sim]
 
-_SIM_LISTS = {
-    "slowdowns": sim_models.Slowdown,
-    "failures": sim_models.Failure,
-    "joins": sim_models.Join,
-}
-_SIM_TABLES = {"stragglers": sim_models.Stragglers}
-_SIM_KEYS = (
-    "compute",
-    "step_time",
-    "shift",
-    "rate",
-    "speeds",
-    "stragglers",
-    "slowdowns",
-    "failures",
-    "joins",
-    "restart_delay",
-    "model_bytes",
-    "latency",
-    "bandwidth",
-    "worker_bandwidth",
-    "shard_bandwidth",
-    "service_time",
-    "service_rate",
-)
-# "Owner.field = value: need" (stalewise.runtime.sim.models' messages)
-_SIM_MESSAGE = re.compile(r"^(?:sim: )?(\w+)\.([\w\[\].]+) = (.*?): (.*)$")
+_SIM_TABLES = {"stragglers": Stragglers}
 
 
 def _sim_problem(error: Exception) -> tuple[str | None, str]:
-    """(field, problem) from a SimConfig error message."""
-    message = str(error).removeprefix("sim: ")
-    m = _SIM_MESSAGE.match(message)
-    if m is not None:
-        return m.group(2), f"{m.group(4)}, got {m.group(3)}"
-    m = re.match(r"^(\w+) = (.*?): (.*)$", message)  # "compute = 'gauss': known models ..."
-    if m is not None:
-        return m.group(1), f"{m.group(3)}, got {m.group(2)}"
-    return None, message
+    """(field, problem) from a SimConfig error."""
+    if isinstance(error, SimConfigError):
+        return error.key, f"{error.need}, got {error.value!r}"
+    return None, str(error).removeprefix("sim: ")
 
 
 def _sim(table: dict) -> SimConfig:

@@ -27,6 +27,7 @@ from stalewise.runtime.sim.models import (
     Network,
     Service,
     ShiftedExponential,
+    SimConfigError,
     Slowdown,
     Stragglers,
     _bad,
@@ -34,7 +35,7 @@ from stalewise.runtime.sim.models import (
     _seconds,
 )
 
-__all__ = ["MAX_RECORDS", "SimConfig", "TooLongError"]
+__all__ = ["MAX_RECORDS", "TOML_KEYS", "SimConfig", "SimConfigError", "TooLongError"]
 
 #: The most records (evaluations, one every ``eval_interval`` virtual seconds) one simulated
 #: run may make: 100000 records of a few kB each, about 14 virtual hours at the default
@@ -94,7 +95,7 @@ class SimConfig:
         >>> SimConfig(model_bytes=-1)
         Traceback (most recent call last):
         ...
-        ValueError: SimConfig.model_bytes = -1: must be None or an integer > 0
+        stalewise.runtime.sim.models.SimConfigError: SimConfig.model_bytes = -1: must be None or an integer > 0
     """
 
     compute: Fixed | ShiftedExponential = field(default_factory=ShiftedExponential)
@@ -119,7 +120,7 @@ class SimConfig:
             speeds = _tuple(self, "speeds")
             for i, s in enumerate(speeds):
                 _factor("SimConfig", f"speeds[{i}]", s)
-        for name, kind in (("slowdowns", Slowdown), ("failures", Failure), ("joins", Join)):
+        for name, kind in TOML_LISTS.items():
             for i, item in enumerate(_tuple(self, name)):
                 if not isinstance(item, kind):
                     raise _bad("SimConfig", f"{name}[{i}]", item, f"must be a {kind.__name__}")
@@ -141,7 +142,7 @@ class SimConfig:
         if self.stragglers is not None and self.stragglers.count > workers:
             need = f"is more than the {workers} workers"
             raise _bad("SimConfig", "stragglers.count", self.stragglers.count, need)
-        for name in ("slowdowns", "failures", "joins"):
+        for name in TOML_LISTS:
             for i, item in enumerate(getattr(self, name)):
                 if item.worker >= workers:
                     need = f"not a worker of this run (0..{workers - 1})"
@@ -168,7 +169,8 @@ class SimConfig:
         ``service_time``, ``service_rate``, ``model_bytes``, ``restart_delay``.
 
         Raises:
-            ValueError: naming the key (``sim.rate = -1: ...``).
+            SimConfigError: naming the bad field and value (``sim: ShiftedExponential.rate =
+                -1: ...``); a ValueError for an unknown key or a missing field.
 
         Example:
             >>> cfg = SimConfig.from_dict({"compute": "fixed", "step_time": 0.5,
@@ -177,8 +179,8 @@ class SimConfig:
             (Fixed(time=0.5), 3.0)
         """
         for key in table:
-            if key not in _TOML_KEYS:
-                known = ", ".join(sorted(_TOML_KEYS))
+            if key not in TOML_KEYS:
+                known = ", ".join(sorted(TOML_KEYS))
                 raise ValueError(f"{where}.{key}: unknown option (known: {known})")
         t = dict(table)
         try:
@@ -186,31 +188,27 @@ class SimConfig:
                 compute=_compute_from(t),
                 speeds=tuple(t["speeds"]) if "speeds" in t else None,
                 stragglers=Stragglers(**t["stragglers"]) if "stragglers" in t else None,
-                slowdowns=tuple(Slowdown(**d) for d in t.get("slowdowns", ())),
-                failures=tuple(Failure(**d) for d in t.get("failures", ())),
-                joins=tuple(Join(**d) for d in t.get("joins", ())),
+                **{k: tuple(kind(**d) for d in t.get(k, ())) for k, kind in TOML_LISTS.items()},
                 network=Network(**{k: t[n] for n, k in _NET_KEYS.items() if n in t}),
                 service=Service(**{k: t[n] for n, k in _SERVICE_KEYS.items() if n in t}),
                 model_bytes=t.get("model_bytes"),
                 restart_delay=t.get("restart_delay", 1.0),
             )
+        except SimConfigError as e:
+            raise SimConfigError(e.owner, e.key, e.value, e.need, where) from None
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from None
 
 
 _NET_KEYS = {k: k for k in ("latency", "bandwidth", "worker_bandwidth", "shard_bandwidth")}
 _SERVICE_KEYS = {"service_time": "time", "service_rate": "rate"}
-_COMPUTE_KEYS = ("compute", "step_time", "shift", "rate")
-_EVENT_KEYS = (
-    "speeds",
-    "stragglers",
-    "slowdowns",
-    "failures",
-    "joins",
-    "restart_delay",
-    "model_bytes",
+#: The [sim] keys that are lists of tables, and the model each table makes.
+TOML_LISTS = {"slowdowns": Slowdown, "failures": Failure, "joins": Join}
+_OTHER_KEYS = ("compute", "step_time", "shift", "rate", "speeds", "stragglers")
+#: Every key of a TOML [sim] table.
+TOML_KEYS = frozenset(
+    (*_OTHER_KEYS, *TOML_LISTS, "restart_delay", "model_bytes", *_NET_KEYS, *_SERVICE_KEYS)
 )
-_TOML_KEYS = frozenset((*_COMPUTE_KEYS, *_EVENT_KEYS, *_NET_KEYS, *_SERVICE_KEYS))
 
 
 def _compute_from(t: dict) -> Fixed | ShiftedExponential:
@@ -223,7 +221,7 @@ def _compute_from(t: dict) -> Fixed | ShiftedExponential:
         if "step_time" in t:
             raise ValueError("step_time belongs to compute = 'fixed' (exponential: shift + 1/rate)")
         return ShiftedExponential(**{k: t[k] for k in ("shift", "rate") if k in t})
-    raise ValueError(f"compute = {kind!r}: known models are 'fixed' and 'exponential'")
+    raise SimConfigError("", "compute", kind, "known models are 'fixed' and 'exponential'")
 
 
 def _names(kind: Any) -> str:

@@ -38,7 +38,7 @@ Example:
     >>> Network(latency=-1.0)
     Traceback (most recent call last):
     ...
-    ValueError: Network.latency = -1.0: must be a finite number >= 0
+    stalewise.runtime.sim.models.SimConfigError: Network.latency = -1.0: must be a finite number >= 0
 """
 
 from __future__ import annotations
@@ -60,8 +60,21 @@ log = logging.getLogger(__name__)
 _STREAM = 0x51A1E  # separates the simulator's random streams from the tasks' data streams
 
 
-def _bad(owner: str, name: str, value: Any, need: str) -> ValueError:
-    return ValueError(f"{owner}.{name} = {value!r}: {need}")
+class SimConfigError(ValueError):
+    """A bad simulator setting, named: ``owner`` is its model (``Failure``; empty for a
+    ``[sim]`` key), ``key`` the field (``time``, ``speeds[1]``, ``failures[0].worker``),
+    ``value`` the bad value, ``need`` what it must be and ``where`` the table it came from."""
+
+    def __init__(self, owner: str, key: str, value: Any, need: str, where: str = ""):
+        self.owner, self.key, self.value, self.need, self.where = owner, key, value, need, where
+        name = f"{owner}.{key}" if owner else key
+        super().__init__(f"{where}: " * bool(where) + f"{name} = {value!r}: {need}")
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.owner, self.key, self.value, self.need, self.where)
+
+
+_bad = SimConfigError
 
 
 #: The longest virtual time a model may give or name, in seconds (about 116 days): a step,
