@@ -140,6 +140,7 @@ def test_a_worker_that_raises_makes_the_launcher_fail_naming_its_rank(tmp_path, 
             ["--runtime", "ray", "--rank-timeout", "5", "train.py"],
             "--rank-timeout is for --runtime local",
         ),
+        (["--address", "auto", "train.py"], "--address is for --runtime ray"),
     ],
 )
 def test_launch_errors_are_one_line(tmp_path, args, message):
