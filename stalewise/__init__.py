@@ -12,7 +12,7 @@ from stalewise import codecs, consistency, optim, staleness, strategies, tree
 from stalewise.api import Job
 from stalewise.checkpoint import CheckpointError, load_params
 from stalewise.consistency import ASP, BSP, SSP, Hybrid
-from stalewise.launch import Context, init
+from stalewise.launch import BudgetSpent, Context, init
 from stalewise.loops import LocalSGD, LocalSGDOptax
 from stalewise.runtime.attach import AttachError, attach
 from stalewise.runtime.base import (
@@ -32,6 +32,7 @@ __all__ = [
     "BSP",
     "SSP",
     "AttachError",
+    "BudgetSpent",
     "CheckpointError",
     "Context",
     "DivergedError",
