@@ -373,7 +373,7 @@ def test_adaptive_pickles_and_compares_by_configuration():
     assert adaptive(sgd, schedule=fixed(2)) != local_sgd(2, sgd)
     assert repr(adaptive(sgd, schedule=fixed(2), smoothing=0.5)) == (
         "adaptive(schedule=fixed(2), inner=_Sgd(lr=0.1, momentum=0.0, nesterov=False, "
-        "weight_decay=0.0), outer='local_sgd', smoothing=0.5)"
+        "weight_decay=0.0, exclude_from_weight_decay=()), outer='local_sgd', smoothing=0.5)"
     )
 
 
