@@ -37,6 +37,7 @@ def test_bsp_rounds_are_taken_over_the_workers_live_now():
     shard.join(0, 1)
     assert _push(shard, 0, 0).ok and shard.version == 1  # alone: its round closes at once
     shard.join(2, 1)  # an id nobody expected joins
+    shard.pull(2)  # and starts: it counts for the rounds from here
     assert _push(shard, 0, 1).ok and shard.version == 1  # the round now waits for worker 2
     assert _push(shard, 2, 0, value=3.0).ok and shard.version == 2
     assert shard.params.tolist() == [-3.0, -3.0]  # 1 + mean(1, 3)
@@ -53,9 +54,55 @@ def test_ssp_bounds_count_only_the_live_workers():
         _push(shard, 0, seq)
     shard.join(1, 1)  # joins at the slowest live clock: it holds no one back
     assert shard.may_start(0) and shard.may_start(1)
+    shard.pull(1)  # it counts for the bound from its first pull
     _push(shard, 0, 3)
     _push(shard, 0, 4)
     assert not shard.may_start(0)  # now two ahead of worker 1
+
+
+def test_a_joiner_counts_for_the_rounds_from_its_first_pull_not_its_join():
+    shard = _shard(workers=3, expected=2, consistency=BSP())
+    shard.join(0, 1)
+    shard.join(1, 1)
+    for seq in range(2):  # two rounds of the expected workers
+        assert _push(shard, 0, seq).ok and _push(shard, 1, seq).ok
+    assert shard.version == 2
+    shard.join(2, 1)  # attaches, then builds its model: it holds no round meanwhile
+    assert shard.live[2] and not shard.counted[2] and shard.min_clock() == 2
+    for seq in range(2, 5):
+        assert _push(shard, 0, seq).ok and _push(shard, 1, seq).ok
+    assert shard.version == 5  # three more rounds while the joiner was silent
+    assert shard.may_start(2)  # it may start at once, at the slowest clock
+    shard.pull(2)  # its first pull: from now on it is in the rounds
+    assert shard.counted[2] and int(shard.clocks[2]) == 5 and shard.min_clock() == 5
+    assert _push(shard, 0, 5).ok and _push(shard, 1, 5).ok
+    assert shard.version == 5  # the round waits for the joiner
+    assert not shard.may_start(0)
+    assert _push(shard, 2, 0, value=4.0).ok and shard.version == 6
+    assert shard.params.tolist() == [-7.0, -7.0]  # 5 rounds of 1, then mean(1, 1, 4)
+
+
+def test_a_restart_counts_from_its_first_push_and_a_pending_joiner_survives_a_checkpoint():
+    shard = _shard(workers=3, expected=3, consistency=BSP())
+    for w in range(3):
+        shard.join(w, 1)
+        assert shard.counted[w]  # a first incarnation at clock 0 counts from its join
+    for w in range(3):
+        assert _push(shard, w, 0).ok
+    assert shard.version == 1
+    shard.join(0, 2)  # worker 0 restarts: its new incarnation is not in the rounds yet
+    assert not shard.counted[0]
+    state = shard.state_dict()
+    assert state["counted"].tolist() == [False, True, True]
+    restored = _shard(workers=3, expected=3, consistency=BSP())
+    restored.load_state_dict(state)
+    for s in (shard, restored):
+        assert _push(s, 1, 1).ok and _push(s, 2, 1).ok and s.version == 2  # not held
+        assert _push(s, 0, 0, inc=2).ok  # its first push (no pull): in the round under way
+        assert s.counted[0] and s.version == 2
+        assert _push(s, 1, 2).ok and _push(s, 2, 2).ok and s.version == 3
+    assert "counted" not in shard.state_dict()  # every live worker counts again
+    assert restored.params.tolist() == shard.params.tolist()
 
 
 def test_expected_is_checked():
@@ -277,3 +324,92 @@ def test_a_silent_attacher_is_cut_off_after_the_handshake_timeout(monkeypatch, n
             assert time.monotonic() - t0 < 10
         finally:
             raw.close()
+
+
+JOINER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import stalewise as sw
+
+    client = sw.attach(sys.argv[1])
+    print("worker", client.worker, client.incarnation, flush=True)
+    sys.stdin.readline()  # builds its model (here: until the test says go)
+    params = client.pull(timeout=60)
+    print("pulled", flush=True)
+    sys.stdin.readline()
+    for _ in range(3):
+        client.push({"w": np.ones_like(params["w"])})
+        params = client.pull(timeout=60)
+    print("pushed", flush=True)
+    client.close()
+    """
+)
+
+
+def _version(server):
+    return min(s["version"] for s in server.stats())
+
+
+def _rounds(client, stop):
+    """A worker's loop: pull, push, in BSP rounds, until ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            params = client.pull(timeout=0.5)
+        except TimeoutError:  # the round waits (for the joiner, once it is in)
+            continue
+        client.push({"w": np.full_like(params["w"], 0.01)})
+
+
+def test_an_attached_joiner_holds_no_bsp_round_until_its_first_pull(tmp_path, no_leaks):
+    script = tmp_path / "joiner.py"
+    script.write_text(JOINER)
+    job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(1.0), consistency=sw.BSP())
+    name = _name()
+    with job.serve(workers=(2, 3), name=name) as server:
+        clients = [server.client() for _ in range(2)]
+        stop = threading.Event()
+        loops = [threading.Thread(target=_rounds, args=(c, stop), daemon=True) for c in clients]
+        for t in loops:
+            t.start()
+        p = subprocess.Popen(
+            [sys.executable, str(script), name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        p.lines = queue.Queue()
+        threading.Thread(target=_read, args=(p,), daemon=True).start()
+        try:
+            assert _line(p) == ["worker", "2", "1"]
+            attached = _version(server)
+            deadline = time.monotonic() + 30  # on a loaded machine; rounds take ms
+            while _version(server) < attached + 10 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # ten rounds of the two others while the joiner was attached and silent
+            assert _version(server) >= attached + 10
+            assert server.attached() == {2}
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            assert _line(p) == ["pulled"]
+            in_rounds = _version(server)
+            time.sleep(1.0)
+            assert _version(server) == in_rounds  # after its first pull the rounds wait for it
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            assert _line(p) == ["pushed"]
+            assert _version(server) >= in_rounds + 3  # its three pushes, three rounds
+            assert p.wait(30) == 0
+        finally:
+            stop.set()
+            for t in loops:
+                t.join(10)
+            for c in clients:
+                c.close()
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+            p.stdin.close()
+            p.stdout.close()
+            p.stderr.close()

@@ -30,6 +30,15 @@ the step is a round's mean; a round that would overflow is dropped, with a
 warning, and its pushes are counted as refused.
 Workers the shard was built for are *expected*: they count for the gates from
 the start, and :meth:`Shard.expire_unstarted` drops those that never joined.
+Any other worker that joins (a late joiner, a restart) counts for the gates
+from its first pull or push, not from its join: a process that attaches and
+then spends seconds building its model holds no round and no bound meanwhile
+(``counted``). It then starts at the slowest counted clock (or its own, if
+later), in the round under way. The one exception is a first incarnation that
+joins while the slowest clock is 0: it counts from its join, as the expected
+workers do, because its client counts its clock from 0 itself and may read the
+published snapshots without the shard seeing its pull
+(:func:`stalewise.protocol.pipeline.reads_snapshots`).
 A shard may hold room for more worker ids than it expects (``expected <
 workers``: an elastic job): the others count for nothing until they join, and
 any id may leave and join again, so BSP rounds, SSP bounds and the hybrid pace
@@ -125,9 +134,10 @@ class Shard:
             shard's payloads: a push's payload is then its encoded bytes, decoded here
             before any check, and one that does not decode is refused as ``bad_payload``.
 
-    ``clocks`` and ``live`` are read-only outside the shard: :meth:`push`,
-    :meth:`leave` and :meth:`join` keep them in step with the O(1) counts
-    behind :meth:`min_clock` and the BSP rounds.
+    ``clocks``, ``live`` and ``counted`` are read-only outside the shard:
+    :meth:`pull`, :meth:`push`, :meth:`leave` and :meth:`join` keep them in step
+    with the O(1) counts behind :meth:`min_clock` and the BSP rounds, which are
+    taken over the ``counted`` workers (live, and expected or started).
     """
 
     def __init__(
@@ -173,7 +183,10 @@ class Shard:
         self.next_seq = np.zeros(workers, dtype=np.int64)  # lowest seq not yet handled
         self.incarnation = np.zeros(workers, dtype=np.int64)  # 0: expected, never started
         self.live = np.arange(workers) < expected  # ids beyond `expected` count once joined
-        self._clocks = _ClockTracker(expected)  # live workers per clock, slowest live clock
+        # the live workers the gates count: expected ones, and joiners from their first
+        # pull or push (a joiner that has not started holds no round and no bound)
+        self.counted = self.live.copy()
+        self._clocks = _ClockTracker(expected)  # counted workers per clock, slowest clock
         self.stats = ShardStats()
         # DC-ASGD: the params each worker pulled (only kept when compensation is on).
         self._pulled: dict[int, np.ndarray] = {}
@@ -181,7 +194,7 @@ class Shard:
         self._round_sum: np.ndarray | None = None
         self._round_done = np.zeros(workers, dtype=bool)
         self._round_count = 0
-        self._round_waiting = expected  # live workers that have not pushed in this round
+        self._round_waiting = expected  # counted workers that have not pushed in this round
         # Hybrid: the current mode (synchronous rounds or asynchronous) and the workers' paces
         self.synchronous = self.consistency.kind in ("bsp", "hybrid")
         self._pace = hybrid.Pace(workers) if self.consistency.kind == "hybrid" else None
@@ -203,15 +216,34 @@ class Shard:
         return self._pace is not None
 
     def min_clock(self) -> int:
-        """Clock of the slowest live worker (0 when none is live)."""
+        """Clock of the slowest counted worker (0 when none is counted)."""
         return self._clocks.min()
 
     def may_start(self, worker: int) -> bool:
-        """Whether ``worker`` may start its next step under the consistency model."""
+        """Whether ``worker`` may start its next step under the consistency model
+        (a joiner not counted yet: at the clock its first pull would start it at)."""
         self._check_worker(worker)
         if self._pace is not None:  # hybrid: in a synchronous round, once per worker
             return not (self.synchronous and self._round_done[worker])
-        return self.consistency.may_start(int(self.clocks[worker]), self.min_clock())
+        return self.consistency.may_start(self._start_clock(worker), self.min_clock())
+
+    def _start_clock(self, worker: int) -> int:
+        """The worker's clock, or for a live joiner not counted yet, the one it starts at."""
+        clock = int(self.clocks[worker])
+        if self.live[worker] and not self.counted[worker]:
+            clock = max(clock, self.min_clock())
+        return clock
+
+    def _start(self, worker: int) -> None:
+        """A live joiner's first pull or push: from now on it counts for the gates, at
+        the slowest counted clock (or its own, if later), in the round under way."""
+        if not self.live[worker] or self.counted[worker]:
+            return
+        clock = self.clocks[worker] = self._start_clock(worker)
+        self.counted[worker] = True
+        self._clocks.add(clock)
+        if not self._round_done[worker]:
+            self._round_waiting += 1
 
     def pull(
         self, worker: int | None = None, out: np.ndarray | None = None, *, now: float | None = None
@@ -221,9 +253,11 @@ class Shard:
         ``worker`` None is an observer (evaluation, checkpoints): never gated, not
         tracked. Gating is the caller's job: ask :meth:`may_start` first. ``now``
         (the runtime's clock, in seconds) times the worker's pace for the hybrid model.
+        A joiner's first pull (or push) makes it count for the gates.
         """
         if worker is not None:
             self._check_worker(worker)
+            self._start(worker)
             if self._pace is not None:
                 self._pace.pulled(worker, now)
         if out is not None:
@@ -267,6 +301,7 @@ class Shard:
             worker, seq, base = self._check_header(header)
         except Rejected as e:
             return self._reject(*_ids(header), e, None)
+        self._start(worker)  # a joiner's first push (or pull) makes it count for the gates
         if seq < self.next_seq[worker]:
             self.stats.duplicates += 1
             return Ack(worker, seq, True, None, self.version, None, duplicate=True)
@@ -302,8 +337,9 @@ class Shard:
     def leave(self, worker: int) -> None:
         """Marks a worker as gone: gates and BSP rounds stop waiting for it."""
         self._check_worker(worker)
-        if self.live[worker]:
-            self.live[worker] = False
+        self.live[worker] = False
+        if self.counted[worker]:
+            self.counted[worker] = False
             self._clocks.remove(int(self.clocks[worker]))
             if not self._round_done[worker]:
                 self._round_waiting -= 1
@@ -313,9 +349,13 @@ class Shard:
     def join(self, worker: int, incarnation: int) -> None:
         """Starts a new incarnation of ``worker``: its sequence numbers start at 0.
 
-        An incarnation still live departs first. The new one starts at the slowest
-        live clock of the others (or its own, if later), so a restarted worker
-        neither blocks the gates nor skips ahead; it should pull before pushing.
+        An incarnation still live departs first. The new one is live at once (its
+        pushes are taken) but counts for the gates only from its first pull or push,
+        when it starts at the slowest counted clock of the others (or its own, if
+        later): a joiner that takes seconds to build its model holds no round
+        meanwhile, and neither blocks the gates nor skips ahead; it should pull
+        before pushing. A first incarnation joining while the slowest clock is 0
+        counts at once (see the module docstring).
 
         Raises:
             ValueError: ``incarnation`` is not newer than the worker's current one.
@@ -335,9 +375,9 @@ class Shard:
         self._pulled.pop(worker, None)  # DC-ASGD: an old incarnation's pull is not this one's
         clock = self.clocks[worker] = max(int(self.clocks[worker]), self.min_clock())
         self.live[worker] = True
-        self._clocks.add(clock)
         self._round_done[worker] = False
-        self._round_waiting += 1
+        if incarnation == 1 and clock == 0:  # its client may count its clock from 0 itself
+            self._start(worker)
         if self._pace is not None:
             self._pace.forget(worker)
 
@@ -471,7 +511,7 @@ class Shard:
         if self._pace is not None:
             self._switch(
                 self._pace,
-                self._pace.decide(self.synchronous, self.live, self.consistency.tolerance),
+                self._pace.decide(self.synchronous, self.counted, self.consistency.tolerance),
             )
 
     def _switch(self, pace: hybrid.Pace, synchronous: bool) -> None:
@@ -511,7 +551,7 @@ class Shard:
 
     def _advance(self, worker: int, seq: int) -> None:
         self.next_seq[worker] = seq + 1
-        if self.live[worker]:  # always, as pushes of gone workers are rejected earlier
+        if self.counted[worker]:  # always: a gone worker's push is refused, a joiner's starts it
             self._clocks.advance(int(self.clocks[worker]))
             if not self._round_done[worker]:
                 self._round_waiting -= 1

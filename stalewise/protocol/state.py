@@ -48,7 +48,9 @@ def save(shard: Shard) -> dict[str, Any]:
     Array data are numpy arrays (copies, never views of the live state);
     counters are JSON-able Python values, so the dict can be written as
     safetensors plus JSON. Keys: ``format``, ``workers``, ``params``,
-    ``version``, ``clocks``, ``next_seq``, ``incarnation``, ``live``, the BSP
+    ``version``, ``clocks``, ``next_seq``, ``incarnation``, ``live``, ``counted`` (only while a live
+    joiner has not pulled or pushed yet: the live workers the gates count; without
+    it, all the live ones), the BSP
     round (``round.sum``: empty when no round buffer exists yet,
     ``round.done``, ``round.count``, ``round.waiting``), the hybrid model's
     mode and measured paces (``synchronous``, ``pace``), the DC-ASGD copies
@@ -96,6 +98,8 @@ def save(shard: Shard) -> dict[str, Any]:
         "next_seq": shard.next_seq.copy(),
         "incarnation": shard.incarnation.copy(),
         "live": shard.live.copy(),
+        # only while a joiner has not pulled or pushed yet (the gates do not count it)
+        **({"counted": shard.counted.copy()} if (shard.live & ~shard.counted).any() else {}),
         "round.sum": (
             np.empty(0, shard.params.dtype) if shard._round_sum is None else shard._round_sum.copy()
         ),
@@ -141,7 +145,8 @@ def load(shard: Shard, state: Mapping[str, Any]) -> None:
     shard.version = int(state["version"])
     for key, array in _worker_arrays(shard).items():
         np.copyto(array, state[key])
-    shard._clocks = _ClockTracker.of(shard.clocks, shard.live)
+    np.copyto(shard.counted, _counted(state, shard.workers))
+    shard._clocks = _ClockTracker.of(shard.clocks, shard.counted)
     if round_sum is None or shard._round_sum is None:
         shard._round_sum = round_sum
     else:
@@ -153,6 +158,19 @@ def load(shard: Shard, state: Mapping[str, Any]) -> None:
         shard._pace.load(state["pace"])
     shard._pulled = pulled
     vars(shard.stats).update(stats)  # the same object: a runtime may hold it
+
+
+def _counted(state: Mapping[str, Any], workers: int) -> np.ndarray:
+    """The live workers the gates count: ``counted`` if the state has it (checked to be
+    live ones), else every live worker."""
+    live = state["live"]
+    if "counted" not in state:
+        return live
+    counted = _array(state, "counted", np.bool_, (workers,))
+    if (counted & ~live).any():
+        first = int(np.flatnonzero(counted & ~live)[0])
+        raise _bad("counted", f"worker {first} counts for the gates but is not live")
+    return counted
 
 
 def _worker_arrays(shard: Shard) -> dict[str, np.ndarray]:
@@ -193,7 +211,7 @@ def _checked(shard: Shard, state: Any) -> tuple[Any, dict, np.ndarray | None, di
         )
     expected = [*_STATE_KEYS, *opt_arrays]
     for key in state:
-        if key not in expected:
+        if key not in expected and key != "counted":  # counted: optional, see save()
             raise _bad(key, "unknown key")
     for key in expected:
         if key not in state:
@@ -212,12 +230,13 @@ def _checked(shard: Shard, state: Any) -> tuple[Any, dict, np.ndarray | None, di
         value = _array(state, key, array.dtype, (workers,))
         if value.dtype != np.bool_ and value.min() < 0:
             raise _bad(key, f"negative entry {int(value.min())}")
-    live, done = state["live"], state["round.done"]
-    waiting = int(np.count_nonzero(live & ~done))
+    done = state["round.done"]
+    counted = _counted(state, workers)
+    waiting = int(np.count_nonzero(counted & ~done))
     if _count(state, "round.waiting") != waiting:
         raise _bad(
             "round.waiting",
-            f"{state['round.waiting']} does not match the {waiting} live workers "
+            f"{state['round.waiting']} does not match the {waiting} counted workers "
             "that have not pushed in this round",
         )
     round_count = _count(state, "round.count")
