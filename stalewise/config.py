@@ -530,13 +530,13 @@ def parse(
             params = task.init_params(seed)
             job = _job(
                 params,
-                optimizer,
-                consistency,
-                staleness,
-                shards,
-                strategy,
-                codec_policy,
-                pulls_policy,
+                optimizer=optimizer,
+                consistency=consistency,
+                staleness=staleness,
+                shards=shards,
+                strategy=strategy,
+                codec=codec_policy,
+                pull_codec=pulls_policy,
             )
             _check_batches(task, workers, seed, "run.workers")
             metrics = _metric_names(task, params) if stop_at else None
@@ -1017,52 +1017,39 @@ def _metric_names(task: Any, params: Any) -> tuple[str, ...]:
     return tuple(metrics)
 
 
-def _job(
-    params: Any,
-    optimizer: Any,
-    consistency: Any,
-    staleness: Any,
-    shards: int,
-    strategy: strategies_lib.Strategy | None = None,
-    codec: codecs.Policy | None = None,
-    pull_codec: codecs.Policy | None = None,
-) -> Job:
+def _job(params: Any, **kwargs: Any) -> Job:
     try:
-        return Job(
-            params,
-            optimizer=optimizer,
-            consistency=consistency,
-            staleness=staleness,
-            shards=shards,
-            strategy=strategy,
-            codec=codec,
-            pull_codec=pull_codec,
-        )
+        return Job(params, **kwargs)
     except (TypeError, ValueError) as e:
         if str(e).startswith("shards="):
             size = tree.flatten(params)[1].size
             raise ConfigError(
-                "server.shards", f"must be at most the number of parameters ({size}), got {shards}"
+                "server.shards",
+                f"must be at most the number of parameters ({size}), got {kwargs['shards']}",
             ) from None
         raise ConfigError(
             "task", f"init_params() gave parameters stalewise cannot use: {e}"
         ) from None
 
 
-def _schedule(spec: Any, where: str = "optimizer") -> Any:
+def _schedule(spec: Any, where: str, lib: Any = optim, known: Sequence[str] = SCHEDULES) -> Any:
+    """A schedule table ``{ name = ..., ... }`` at ``where``: of the optimizers' learning rate
+    (:data:`SCHEDULES`), or ``adaptive``'s period (``lib`` strategies, :data:`PERIOD_SCHEDULES`)."""
     if not isinstance(spec, dict) or "name" not in spec:
+        example = (
+            'name = "constant", value = 0.01'
+            if lib is optim
+            else 'name = "adacomm", local_steps = 32'
+        )
         raise ConfigError(
-            f"{where}.schedule",
-            f'expected a table with a name, such as {{ name = "constant", value = 0.01 }}, got {spec!r}',
+            where, f"expected a table with a name, such as {{ {example} }}, got {spec!r}"
         )
     name = spec["name"]
-    if name not in SCHEDULES:
-        raise ConfigError(
-            f"{where}.schedule.name",
-            f"unknown schedule {name!r} (known: {', '.join(SCHEDULES)})",
-        )
-    kwargs = {k: v for k, v in spec.items() if k != "name"}
-    return _call(getattr(optim, name), kwargs, f"{where}.schedule", name)
+    if name not in known:
+        raise ConfigError(f"{where}.name", f"unknown schedule {name!r} (known: {', '.join(known)})")
+    fn = getattr(lib, name)
+    kwargs = {k: v for k, v in _new_keys(fn, spec, where).items() if k != "name"}
+    return _call(fn, kwargs, where, name)
 
 
 def _optimizer(o: dict, where: str = "optimizer") -> Any:
@@ -1077,7 +1064,7 @@ def _optimizer(o: dict, where: str = "optimizer") -> Any:
     if "schedule" in o:
         if "lr" in o:
             raise ConfigError(where, f"give {where}.lr or {where}.schedule, not both")
-        extra["lr"] = _schedule(o["schedule"], where)
+        extra["lr"] = _schedule(o["schedule"], f"{where}.schedule")
     keys = {"lr": f"{where}.lr"}
     if "lr" not in o and "schedule" not in o:
         raise ConfigError(f"{where}.lr", f"missing: {name} needs {where}.lr (or {where}.schedule)")
@@ -1170,28 +1157,12 @@ def strategy_from_table(
             )
         extra["inner"] = _optimizer(inner, f"{where}.inner")
     if "schedule" in table:
-        extra["schedule"] = _period_schedule(table["schedule"], f"{where}.schedule")
+        extra["schedule"] = _schedule(
+            table["schedule"], f"{where}.schedule", strategies_lib, PERIOD_SCHEDULES
+        )
     for key in extra:  # passed unchecked by _call: name them if the call fails on them
         kwargs.pop(key, None)
     return _call(fn, kwargs, where, name, extra=extra)
-
-
-def _period_schedule(spec: Any, where: str) -> Any:
-    """``adaptive``'s schedule table: ``{ name = "adacomm", local_steps = 32, min_steps = 1 }``."""
-    if not isinstance(spec, dict) or "name" not in spec:
-        raise ConfigError(
-            where,
-            f'expected a table with a name, such as {{ name = "adacomm", local_steps = 32 }}, '
-            f"got {spec!r}",
-        )
-    name = spec["name"]
-    if name not in PERIOD_SCHEDULES:
-        raise ConfigError(
-            f"{where}.name", f"unknown schedule {name!r} (known: {', '.join(PERIOD_SCHEDULES)})"
-        )
-    fn = getattr(strategies_lib, name)
-    kwargs = {k: v for k, v in _new_keys(fn, spec, where).items() if k != "name"}
-    return _call(fn, kwargs, where, name)
 
 
 def _new_keys(fn: Any, table: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -1241,33 +1212,20 @@ def _consistency(s: dict) -> consistency_lib.Consistency:
             "server.consistency",
             f"unknown consistency model {name!r} (known: {', '.join(CONSISTENCY)})",
         )
-    if "tolerance" in s and name.lower() != "hybrid":
-        raise ConfigError(
-            "server.tolerance", f'only for consistency = "hybrid", got consistency = {name!r}'
-        )
-    if name.lower() == "hybrid":
-        if "bound" in s:
+    options = {
+        "hybrid": (consistency_lib.Hybrid, "tolerance"),
+        "ssp": (consistency_lib.SSP, "bound"),
+    }
+    for model, (_, key) in options.items():
+        if key in s and name.lower() != model:
             raise ConfigError(
-                "server.bound", f'only for consistency = "ssp", got consistency = {name!r}'
+                f"server.{key}", f'only for consistency = "{model}", got consistency = {name!r}'
             )
-        return _call(
-            consistency_lib.Hybrid,
-            {"tolerance": s["tolerance"]} if "tolerance" in s else {},
-            "server",
-            "consistency hybrid",
-        )
-    if name.lower() != "ssp":
-        if "bound" in s:
-            raise ConfigError(
-                "server.bound", f'only for consistency = "ssp", got consistency = {name!r}'
-            )
+    if name.lower() not in options:
         return consistency_lib.from_name(name)
-    return _call(
-        consistency_lib.SSP,
-        {"bound": s["bound"]} if "bound" in s else {},
-        "server",
-        "consistency ssp",
-    )
+    cls, key = options[name.lower()]
+    kwargs = {key: s[key]} if key in s else {}
+    return _call(cls, kwargs, "server", f"consistency {name.lower()}")
 
 
 def _staleness(s: dict) -> staleness_lib.Staleness:
