@@ -34,7 +34,15 @@ Printed, with the bars of issue #19:
   worker's push rate by how many workers were live: on 2 shared cores it falls
   with more workers, whatever the events (CPU, not membership).
 
+With ``--consistency bsp`` the job runs BSP rounds (issue #29 item 3) under the
+same bars. A worker counts for the rounds from its first pull or push, so a
+joiner that spends ``--build`` seconds after ``sw.attach`` (building its model)
+should hold no round meanwhile; those seconds are its live time, charged to
+the pushes-per-live-worker-second ratio (5 joins of 2 s in a quick run: about
+0.1 of it).
+
     .venv/bin/python benchmarks/elastic.py [--quick] [--check] [--json PATH]
+    .venv/bin/python benchmarks/elastic.py --consistency bsp --build 2 [--quick]
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ from stalewise import report, tasks
 MIN, MAX = 4, 8
 
 
-def worker_main(name: str, orders, budget: int, pace: float) -> None:
+def worker_main(name: str, orders, budget: int, pace: float, build: float = 0.0) -> None:
     """A spare process: joins the job when told, trains, leaves when told (or at the budget).
 
     It sends the times of its pushes in chunks, each tagged with its stint (one
@@ -78,6 +86,8 @@ def worker_main(name: str, orders, budget: int, pace: float) -> None:
             order = orders.recv()  # a "leave" that came after the budget was spent
         client = sw.attach(name)
         orders.send((stint, "attached", time.monotonic()))
+        if build:  # builds its model after attaching, before its first pull
+            time.sleep(build)
         batches = task.batches(client.worker, MAX)
         times: list[float] = []
         while not orders.poll(0) and client.job_pushes < budget:
@@ -97,7 +107,7 @@ def worker_main(name: str, orders, budget: int, pace: float) -> None:
 class Pool:
     """Worker processes, live or spare, started through a fork server."""
 
-    def __init__(self, name: str, budget: int, pace: float):
+    def __init__(self, name: str, budget: int, pace: float, build: float = 0.0):
         self.ctx = mp.get_context("forkserver")
         # the fork server imports what a worker needs once, scikit-learn's loader too (2.6 s
         # on a loaded machine): a process started to replace a killed one then spends little
@@ -105,7 +115,7 @@ class Pool:
         self.ctx.set_forkserver_preload(
             ["numpy", "stalewise", "stalewise.tasks.digits", "sklearn.datasets"]
         )
-        self.name, self.budget, self.pace = name, budget, pace
+        self.name, self.budget, self.pace, self.build = name, budget, pace, build
         self.spares: list = []  # (process, pipe), the one to join next last
         self.ready: set[int] = set()  # the processes that have loaded their data
         self.live: list = []  # (process, pipe)
@@ -117,7 +127,9 @@ class Pool:
 
     def start(self) -> None:
         mine, theirs = self.ctx.Pipe()
-        p = self.ctx.Process(target=worker_main, args=(self.name, theirs, self.budget, self.pace))
+        p = self.ctx.Process(
+            target=worker_main, args=(self.name, theirs, self.budget, self.pace, self.build)
+        )
         p.start()
         theirs.close()
         self.spares.append((p, mine))
@@ -188,16 +200,22 @@ class Pool:
             conn.close()
 
 
-def run(events: int, budget: int, pace: float, seed: int) -> dict:
+def run(
+    events: int, budget: int, pace: float, seed: int, consistency: str = "asp", build: float = 0.0
+) -> dict:
     """One run (``events`` = 0: undisturbed); its figures."""
     task = tasks.get("digits")
-    job = sw.Job(task.init_params(0), optimizer=sw.optim.lamb(0.01),
-                 consistency=sw.ASP(), staleness=sw.staleness.inverse())  # fmt: skip
+    model = (
+        dict(consistency=sw.BSP())
+        if consistency == "bsp"
+        else dict(consistency=sw.ASP(), staleness=sw.staleness.inverse())
+    )
+    job = sw.Job(task.init_params(0), optimizer=sw.optim.lamb(0.01), **model)
     name = f"bench-elastic-{uuid.uuid4().hex[:8]}"
     rng = random.Random(seed)
     kinds = {"join": 0, "leave": 0, "kill": 0}
     with job.serve(workers=(MIN, MAX), name=name) as server:
-        pool = Pool(name, budget, pace)
+        pool = Pool(name, budget, pace, build)
         try:
             for _ in range(MAX + 1):
                 pool.start()
@@ -284,6 +302,10 @@ def main() -> int:
     ap.add_argument("--events", type=int, default=None, help="events in the elastic run (100)")
     ap.add_argument("--pace", type=float, default=0.03, help="seconds each step waits (0.03)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--consistency", choices=("asp", "bsp"), default="asp",
+                    help="the job's model (asp: inverse staleness weights)")  # fmt: skip
+    ap.add_argument("--build", type=float, default=0.0,
+                    help="seconds a worker waits after sw.attach before its first pull (0)")  # fmt: skip
     ap.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
     _report.add_json_arg(ap)
     args = ap.parse_args()
@@ -291,9 +313,10 @@ def main() -> int:
     events = args.events if args.events is not None else (30 if args.quick else 100)
     budget = 2000 if args.quick else 5000
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the pool's processes: one thread each
-    base = run(0, budget, args.pace, args.seed)
+    model = dict(consistency=args.consistency, build=args.build)
+    base = run(0, budget, args.pace, args.seed, **model)
     print(f"  undisturbed: {base['applied']} pushes in {base['wall_s']:.1f} s", flush=True)
-    el = run(events, budget, args.pace, args.seed)
+    el = run(events, budget, args.pace, args.seed, **model)
     print(f"  elastic: {el['applied']} pushes in {el['wall_s']:.1f} s, {el['events']} events "
           f"({el['join']} joins, {el['leave']} leaves, {el['kill']} kills)", flush=True)  # fmt: skip
     rows = [dict(run="undisturbed", **base), dict(run="elastic", **el)]
@@ -319,7 +342,7 @@ def main() -> int:
           f"({el['first_push_s_max']:.3f} max) after it")  # fmt: skip
     print(f"pushes per worker-second by live workers: undisturbed {base['rate_by_live']}, "
           f"elastic {el['rate_by_live']}")  # fmt: skip
-    _report.write(out, {"quick": args.quick, "pace": args.pace, "rows": rows}, bars=bars)
+    _report.write(out, {"quick": args.quick, "pace": args.pace, **model, "rows": rows}, bars=bars)
     return 1 if args.check and not all(b["met"] for b in bars) else 0
 
 
