@@ -82,6 +82,22 @@ def test_a_joiner_counts_for_the_rounds_from_its_first_pull_not_its_join():
     assert shard.params.tolist() == [-7.0, -7.0]  # 5 rounds of 1, then mean(1, 1, 4)
 
 
+def test_when_every_worker_rejoins_none_is_held_by_a_floor_of_zero():
+    """A resumed job: every worker rejoins uncounted at its own clock. The gates' floor is
+    then the slowest live clock, not 0, or an SSP bound would hold them all forever."""
+    shard = _shard(workers=2, expected=2, consistency=SSP(2))
+    for w in range(2):
+        shard.join(w, 1)
+    for seq in range(5):
+        assert _push(shard, 0, seq).ok and _push(shard, 1, seq).ok
+    for w in range(2):
+        shard.join(w, 2)  # both come back, as a resumed run's workers do
+    assert not shard.counted.any() and shard.min_clock() == 5
+    assert shard.may_start(0) and shard.may_start(1)
+    shard.pull(0)
+    assert shard.counted[0] and shard.min_clock() == 5 and shard.may_start(1)
+
+
 def test_a_restart_counts_from_its_first_push_and_a_pending_joiner_survives_a_checkpoint():
     shard = _shard(workers=3, expected=3, consistency=BSP())
     for w in range(3):

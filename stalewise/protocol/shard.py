@@ -216,8 +216,13 @@ class Shard:
         return self._pace is not None
 
     def min_clock(self) -> int:
-        """Clock of the slowest counted worker (0 when none is counted)."""
-        return self._clocks.min()
+        """Clock of the slowest counted worker; while none is counted, of the slowest
+        live one, where the first to start will start (0 when none is live): every
+        worker of a resumed job rejoins uncounted, and a floor of 0 would hold them all."""
+        if self._clocks.live:
+            return self._clocks.min()
+        live = self.clocks[self.live]
+        return int(live.min()) if live.size else 0
 
     def may_start(self, worker: int) -> bool:
         """Whether ``worker`` may start its next step under the consistency model
