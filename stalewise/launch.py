@@ -8,7 +8,10 @@ parameters, push gradients or pseudo-gradients) while ``not ctx.should_stop()``.
 ``stalewise run --workers N [--steps S] script.py args...`` runs the script in
 the launcher's process until it calls :func:`init`; there :func:`init` starts
 the job's shards (:meth:`stalewise.Job.serve`), starts ``N`` worker processes
-that each run ``script.py args...`` again as ``__main__``, waits for them, and
+that each run ``script.py args...`` again as ``__main__``, once (a worker starts
+from stalewise's entry point, without importing the launcher's ``__main__``, and
+the shards import none of the script: see
+:func:`~stalewise.runtime.local.procs.stalewise_main`), waits for them, and
 ends the launcher's run of the script (``SystemExit``: 0, or 1 if a worker
 failed). In each worker, :func:`init` returns its :class:`Context`: ``rank``,
 ``world_size``, its ``client``, and ``should_stop()``, true once the job's
@@ -736,6 +739,12 @@ class _Ranks:
         self.refused = 0  # pushes past the budget refused (BudgetSpent), as the ranks said
         self.pushes = 0  # the job's pushes at the last look
         self.progress = Progress(launch.workers)
+        from stalewise.runtime.local.procs import refers_to_main
+
+        # a rank runs the script once, with runpy: it is spawned without the launcher's
+        # __main__ (the script), unless the job's config refers to something defined
+        # there (a schedule written in the script), which only importing it can unpickle
+        self.needs_main = refers_to_main(server.config)
 
     def start(self, ctx: Any, rank: int) -> None:
         launch = self.launch
@@ -752,7 +761,10 @@ class _Ranks:
         # started from this thread, which waits for them: a rank's parent-death signal
         # (procs.die_with_parent) fires when the thread that started it ends
         p = ctx.Process(target=_worker_main, args=args, name=f"stalewise-run-{rank}")
-        p.start()
+        from stalewise.runtime.local.procs import stalewise_main
+
+        with stalewise_main(self.needs_main):
+            p.start()
         theirs.close()
         self.server.release(rank)  # the shards notice if this worker dies
         self.ranks.append(_Rank(rank, p, mine))
@@ -912,7 +924,8 @@ def _worker_main(
     steps: int | None,
     conn: Any,
 ) -> None:
-    """A worker process (a rank): runs the script as ``__main__`` with its context set.
+    """A worker process (a rank): runs the script as ``__main__`` with its context set,
+    once (it was spawned without the launcher's ``__main__``, see :class:`_Ranks`).
 
     It dies with the launcher (:func:`~stalewise.runtime.local.procs.die_with_parent`,
     first thing). Interrupted (Ctrl-C reaches every process of the terminal's group),

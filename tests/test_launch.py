@@ -695,3 +695,98 @@ def test_on_ray_ranks_get_the_launchers_env_cwd_variables_and_budget(tmp_path):
     assert sum("the budget of 30 pushes is spent; " in line for line in lines) == 1, lines
     m = re.fullmatch(r"stalewise run: 2 workers done on 1 Ray node\(s\), (\d+) pushes", lines[-1])
     assert m and 30 <= int(m.group(1)) <= 31, lines[-1]
+
+
+# -- who runs the script (issue #29 item 2) -------------------------------------------------
+
+# Module-level code that leaves a line per process that runs it (or imports it as a module).
+MARKED = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    import stalewise as sw
+
+    with open(os.environ["MARK"], "a") as f:
+        f.write(f"{os.getpid()} {__name__}\\n")
+
+    SCHEDULE
+    if __name__ == "__main__":
+        job = sw.Job({"x": np.zeros(8, np.float32)}, optimizer=sw.optim.sgd(LR), shards=2)
+        if sys.argv[1] == "serve":
+            with job.serve(workers=1) as server:
+                client = server.client(0)
+                for _ in range(5):
+                    client.pull()
+                    client.push({"x": np.ones(8, np.float32)})
+                client.wait()
+                client.close()
+        else:
+            ctx = sw.init(job, steps=10)
+            while not ctx.should_stop():
+                ctx.client.pull()
+                ctx.client.push({"x": np.ones(8, np.float32)})
+            ctx.close()
+    """
+)
+
+
+def _marked(tmp_path: Path, schedule: bool = False) -> Path:
+    text = MARKED.replace("SCHEDULE", "def lr(step):\n    return 0.1\n" if schedule else "")
+    return _script(tmp_path, text.replace("LR", "lr" if schedule else "0.1"))
+
+
+def _marks(path: Path) -> list[tuple[int, str]]:
+    return [(int(a), b) for a, b in (line.split() for line in path.read_text().splitlines())]
+
+
+def test_a_launched_script_runs_once_per_rank_and_never_in_a_shard(tmp_path, no_leaks):
+    script, mark = _marked(tmp_path), tmp_path / "mark"
+    done = subprocess.run(
+        [*STALEWISE, "run", "--workers", "2", "--steps", "10", str(script), "init"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "MARK": str(mark)},
+    )
+    assert done.returncode == 0, done.stderr
+    marks = _marks(mark)
+    # the launcher and 2 ranks, each once as __main__: no shard, no import as __mp_main__
+    assert len(marks) == 3 and len({pid for pid, _ in marks}) == 3, marks
+    assert {name for _, name in marks} == {"__main__"}, marks
+
+
+def test_the_shards_of_a_plain_scripts_serve_do_not_import_it(tmp_path, no_leaks):
+    script, mark = _marked(tmp_path), tmp_path / "mark"
+    done = subprocess.run(
+        [sys.executable, str(script), "serve"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "MARK": str(mark)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert [name for _, name in _marks(mark)] == ["__main__"]  # 2 shards, neither ran it
+
+
+@pytest.mark.parametrize("how", ["serve", "run"])
+def test_a_schedule_written_in_the_script_still_reaches_the_shards(tmp_path, how, no_leaks):
+    """A config that refers to ``__main__`` (a schedule defined in the script) is started
+    the old way: the shards (and ranks) import the script to unpickle it."""
+    script, mark = _marked(tmp_path, schedule=True), tmp_path / "mark"
+    cmd = (
+        [sys.executable, str(script), "serve"]
+        if how == "serve"
+        else [*STALEWISE, "run", "--workers", "2", "--steps", "10", str(script), "init"]
+    )
+    done = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "MARK": str(mark)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "__mp_main__" in {name for _, name in _marks(mark)}  # the shards imported it

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from multiprocessing import connection
+from multiprocessing import spawn as mp_spawn
 
 from stalewise.runtime.base import THREAD_VARS
 
@@ -68,6 +72,102 @@ def check_main_guard() -> None:
     if getattr(mp.current_process(), "_inheriting", False):
         print(f"stalewise: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
         raise SystemExit(NO_MAIN_GUARD)
+
+
+# -- the main module of a spawned process ----------------------------------------------
+#
+# multiprocessing's spawn starts a child that imports the parent's ``__main__`` (as
+# ``__mp_main__``) before it unpickles its target: ``spawn.get_preparation_data`` names it
+# (``init_main_from_name`` or ``init_main_from_path``) and ``spawn.prepare`` imports it.
+# In the local runtime that module is the user's script (its imports, torch included,
+# and whatever it does at its top level), which a shard never needs and which a launched
+# rank runs itself, once, with runpy. Processes started under :func:`stalewise_main`
+# leave it out: the child imports only stalewise's modules, those its target and
+# arguments are pickled from.
+
+_own_main = threading.local()  # .on: the processes this thread starts leave __main__ out
+_install_lock = threading.Lock()
+
+
+def _preparation_data(name: str, _original: Callable[[str], dict]) -> dict:
+    data = _original(name)
+    if getattr(_own_main, "on", False):
+        data.pop("init_main_from_name", None)
+        data.pop("init_main_from_path", None)
+    return data
+
+
+def _install() -> None:
+    """Wraps ``multiprocessing.spawn.get_preparation_data`` once (popen_spawn_posix calls
+    it through the module, at each start): unchanged unless the calling thread is inside
+    :func:`stalewise_main`."""
+    with _install_lock:
+        current = mp_spawn.get_preparation_data
+        if getattr(current, "_stalewise", False):
+            return
+
+        def get_preparation_data(name: str) -> dict:
+            return _preparation_data(name, current)
+
+        get_preparation_data._stalewise = True  # type: ignore[attr-defined]
+        mp_spawn.get_preparation_data = get_preparation_data
+
+
+@contextlib.contextmanager
+def stalewise_main(needs_main: bool = False) -> Iterator[None]:
+    """Processes this thread spawns inside the block do not import the parent's
+    ``__main__`` (the user's script): their entry point is stalewise's own.
+
+    ``needs_main``: what they are given refers to something defined in ``__main__`` (say a
+    learning-rate schedule written in the script, see :func:`refers_to_main`), which
+    they can only unpickle by importing it: then the block changes nothing.
+    """
+    _install()
+    before = getattr(_own_main, "on", False)
+    _own_main.on = not needs_main
+    try:
+        yield
+    finally:
+        _own_main.on = before
+
+
+class _MainFinder(pickle.Pickler):
+    """Pickles into nothing, noting whether a class or function of ``__main__`` is used."""
+
+    found = False
+
+    def reducer_override(self, obj: object) -> object:
+        if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)) and (
+            getattr(obj, "__module__", None) in ("__main__", "__mp_main__")
+        ):
+            self.found = True
+        return NotImplemented
+
+
+class _Nowhere(io.RawIOBase):
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: object) -> int:
+        return len(memoryview(b))  # type: ignore[arg-type]
+
+
+def refers_to_main(obj: object) -> bool:
+    """Whether pickling ``obj`` refers to a class or function of ``__main__`` (which a
+    process that does not import ``__main__`` could not unpickle). Arrays are not copied
+    (out-of-band buffers, dropped); something that does not pickle here says True, so the
+    real start raises the real error as before.
+
+    Example:
+        >>> refers_to_main({"lr": 0.1}), refers_to_main(refers_to_main)
+        (False, False)
+    """
+    finder = _MainFinder(_Nowhere(), protocol=5, buffer_callback=lambda buf: False)
+    try:
+        finder.dump(obj)
+    except Exception:
+        return True
+    return finder.found
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h

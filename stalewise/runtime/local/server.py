@@ -32,6 +32,11 @@ reads the residual of each worker's last committed push for a checkpoint
 (:meth:`LocalServer.load_residuals`), and gives a worker's next incarnation
 the residual its predecessor had not sent (:meth:`LocalServer.client`).
 
+A shard process imports stalewise's modules and none of the user's: it is spawned
+without the parent's ``__main__`` (:func:`~stalewise.runtime.local.procs.stalewise_main`),
+unless the job's config refers to something defined there (a learning-rate schedule
+written in the script), which it then imports to unpickle it.
+
 Every shard process exits when the process that started it dies
 (:func:`~stalewise.runtime.local.procs.die_with_parent`), and the shared memory
 has no name that could outlive them (:mod:`stalewise.runtime.local.shm`).
@@ -65,7 +70,13 @@ from stalewise.runtime.local import layout as layout_lib
 from stalewise.runtime.local.attach import Door
 from stalewise.runtime.local.client import Client, ControlPipe, ServerClosed, recv_reply
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
-from stalewise.runtime.local.procs import describe_exit, die_with_parent, thread_budget
+from stalewise.runtime.local.procs import (
+    describe_exit,
+    die_with_parent,
+    refers_to_main,
+    stalewise_main,
+    thread_budget,
+)
 from stalewise.runtime.local.shard_proc import shard_main
 from stalewise.runtime.local.shm import SharedBlock
 
@@ -132,6 +143,8 @@ class LocalServer:
         self.start_timeout = start_timeout
         self.layout = Layout.of(config, workers, expected)  # push regions sized by the codec
         self._ctx = mp.get_context("spawn")
+        # the shards start without the user's __main__ unless the config needs it
+        self._needs_main = refers_to_main(config)
         self._block = SharedBlock.create(self.layout.nbytes)
         self._procs: list = []
         self._controls: list = []
@@ -185,7 +198,7 @@ class LocalServer:
         p = self._ctx.Process(
             target=_shard_entry, args=args, name=f"stalewise-shard-{k}", daemon=True
         )
-        with thread_budget(1):
+        with thread_budget(1), stalewise_main(self._needs_main):
             p.start()
         theirs.close()
         return p, ControlPipe(mine)  # control messages are binary records (protocol.wire)
