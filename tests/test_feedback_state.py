@@ -121,12 +121,11 @@ def _rewrite_residuals(d, residuals):
     [
         (
             [np.zeros(2000, np.float32), np.zeros(1999, np.float32)],
-            r"worker 1's error-feedback residual is float32 of shape \(1999,\), this job's "
-            r"parameters are float32 of shape \(2000,\)",
+            r"arrays\['worker-1'\] is \['float32', \[1999\]\], expected \['float32', \[n\]\]",
         ),
         (
             [np.zeros(2000, np.float64)] * 2,
-            r"worker 0's error-feedback residual is float64 of shape \(2000,\)",
+            r"arrays\['worker-0'\] is \['float64', \[2000\]\], expected \['float32', \[n\]\]",
         ),
         (
             [np.zeros(2000, np.float32)] * 3,
@@ -137,13 +136,12 @@ def _rewrite_residuals(d, residuals):
 )
 def test_a_residual_of_another_shape_or_worker_count_is_refused(tmp_path, residuals, message):
     _sim_train(_sim_job(), tmp_path, 20)
-    _rewrite_residuals(tmp_path, residuals)
-    before = checkpoint.load(tmp_path)
+    _rewrite_residuals(tmp_path, residuals)  # (its manifest declares the arrays as they are)
+    before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(sw.CheckpointError, match=message) as info:
         _sim_train(_sim_job(), tmp_path, 40, resume=True)
     assert "\n" not in str(info.value)
-    after = checkpoint.load(tmp_path)  # nothing was written
-    assert after.path == before.path and after.step == before.step
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing was written
 
 
 def test_old_checkpoints_resume_with_zero_residuals_and_feedback_of(tmp_path):
