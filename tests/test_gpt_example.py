@@ -3,8 +3,11 @@
 train_launched.py is train.py with at most 10 changed lines (model.py and data.py
 shared, unchanged); launched with ``stalewise run --workers 4``, on local processes
 and on a two-node Ray cluster (``ray.cluster_utils``: two raylets of 2 CPUs each on
-this machine), every rank reports a validation loss well below the initial model's,
-and run as a plain script it trains as train.py does.
+this machine), every rank reports a validation loss well below the initial model's
+and writes its own output file (``OUT_DIR``, named after torchrun's ``RANK``); run
+as a plain script it trains as train.py does; and a launch with ``--checkpoint-dir``
+killed with SIGKILL goes on from its last checkpoint when started again with
+``--resume`` (the server's state, and each rank's batches through ``ctx.state``).
 """
 
 import contextlib
@@ -14,10 +17,13 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import ray_helpers
+
+from stalewise import checkpoint
 
 # the launcher and Ray start processes while JAX (imported by other tests) has threads
 pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
@@ -26,7 +32,6 @@ ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "gpt"
 RAY = r"(?:\S*\(rank \d+ pid=\d+[^)]*\)\S* )?"  # Ray's label of a worker's line, colours and all
 INIT_LINE = re.compile(rf"^{RAY}val loss (\d+\.\d+) at init$", re.MULTILINE)
-PLAIN_LINE = re.compile(r"^val loss (\d+\.\d+)$", re.MULTILINE)
 RANK_LINE = re.compile(rf"^{RAY}rank (\d+): val loss (\d+\.\d+)$", re.MULTILINE)
 TIMEOUT = 300  # seconds for one run of a script; a run killed at this fails its test
 
@@ -63,11 +68,17 @@ def two_nodes():
         yield {"RAY_ADDRESS": nodes.address}
 
 
-def launch_command(runtime: str, workers: int, steps: int) -> list[str]:
+def launch_command(runtime: str, workers: int, steps: int, *flags: str) -> list[str]:
     """The ``stalewise run`` command line for ``runtime`` ("local"; "ray" adds its flag)."""
-    flags = [] if runtime == "local" else ["--runtime", runtime]
+    if runtime != "local":
+        flags = ("--runtime", runtime, *flags)
     return [sys.executable, "-m", "stalewise", "run", *flags, "--workers", str(workers),
             "--steps", str(steps), str(GPT / "train_launched.py")]  # fmt: skip
+
+
+def outputs(out_dir: Path) -> list[str]:
+    """The per-rank files the scripts wrote in ``out_dir`` (their ``OUT_DIR``)."""
+    return sorted(p.name for p in out_dir.glob("*")) if out_dir.is_dir() else []
 
 
 def run(cmd: list[str], env: dict | None = None) -> tuple[str, str]:
@@ -91,12 +102,13 @@ def run(cmd: list[str], env: dict | None = None) -> tuple[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["local", "ray"])
-def test_the_launched_gpt_trains_on_four_workers(runtime, request, no_leaks):
+def test_the_launched_gpt_trains_on_four_workers(runtime, request, tmp_path, no_leaks):
     """200 pushes in all, exactly (50 BSP rounds of 4 batches: the budget is whole
     rounds): every rank reports a validation loss at least 2 nats below the initial
-    model's (ln 256 = 5.55 is a uniform guess; byte frequencies alone give about 3.4).
-    On Ray the workers run on both nodes of the cluster."""
-    env = request.getfixturevalue("two_nodes") if runtime == "ray" else None
+    model's (ln 256 = 5.55 is a uniform guess; byte frequencies alone give about 3.4)
+    and writes its own model file. On Ray the workers run on both nodes of the cluster."""
+    env = request.getfixturevalue("two_nodes") if runtime == "ray" else {}
+    env = {**env, "OUT_DIR": str(tmp_path / "out")}
     out, err = run(launch_command(runtime, workers=4, steps=200), env=env)
     log = f"stdout:\n{out}\nstderr:\n{err}"
     inits = {float(v) for v in INIT_LINE.findall(out)}
@@ -108,17 +120,75 @@ def test_the_launched_gpt_trains_on_four_workers(runtime, request, no_leaks):
     last = err.strip().splitlines()[-1]
     where = " on 2 Ray node(s)" if runtime == "ray" else ""  # the nodes the ranks ran on
     assert last == f"stalewise run: 4 workers done{where}, 200 pushes", log
+    assert outputs(tmp_path / "out") == [f"model_rank{r}.pt" for r in range(4)], log
 
 
 @pytest.mark.slow
-def test_unlaunched_the_script_trains_as_train_py_does(no_leaks):
+def test_unlaunched_the_script_trains_as_train_py_does(tmp_path, no_leaks):
     """``python train_launched.py``: one worker, the optimizer on the server, the same
-    batches as train.py: the same validation loss (stalewise's AdamW is torch's)."""
+    batches as train.py: the same validation loss (stalewise's AdamW is torch's), and
+    the same output file (rank 0: ``RANK`` is unset)."""
     one = {"OMP_NUM_THREADS": "1"}  # a single process: torch's threads fight other jobs' on CI
+    one = {**one, "OUT_DIR": str(tmp_path / "launched")}
     out, _ = run([sys.executable, str(GPT / "train_launched.py")], env=one)
     (rank, launched), = RANK_LINE.findall(out)  # fmt: skip
     assert rank == "0", out
+    assert outputs(tmp_path / "launched") == ["model_rank0.pt"], out
+    one["OUT_DIR"] = str(tmp_path / "plain")
     plain_out, _ = run([sys.executable, str(GPT / "train.py")], env=one)
-    (plain,) = PLAIN_LINE.findall(plain_out)
+    ((rank, plain),) = RANK_LINE.findall(plain_out)
+    assert rank == "0", plain_out
+    assert outputs(tmp_path / "plain") == ["model_rank0.pt"], plain_out
     assert float(plain) < float(INIT_LINE.findall(plain_out)[0]) - 2.5, plain_out
     assert abs(float(launched) - float(plain)) <= 0.01, (out, plain_out)
+
+
+@pytest.mark.slow
+def test_a_killed_launch_resumes_from_its_checkpoint(tmp_path, no_leaks):
+    """The same command twice, ``--checkpoint-dir DIR --resume``: the first (no
+    checkpoint yet: it starts from the start) is killed with SIGKILL, its whole process
+    group, once its first checkpoint is written; the second goes on from it, to the
+    budget (160 pushes; 161 if the checkpoint fell mid-round), and every rank reports a
+    validation loss at least 2 nats below the initial model's and writes its file.
+    The checkpoint holds each rank's batch generator (``ctx.state["gen"]``)."""
+    ckpt, out_dir = tmp_path / "ckpt", tmp_path / "out"
+    flags = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "40", "--resume",
+             "--timeout", "200")  # fmt: skip
+    cmd = launch_command("local", 2, 160, *flags)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT_DIR": str(out_dir)}
+    with open(tmp_path / "first.log", "w+") as log:
+        first = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while not checkpoint.exists(ckpt) and first.poll() is None:
+                assert time.monotonic() < deadline, "no checkpoint in time"
+                time.sleep(0.2)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+        log.seek(0)
+        first_log = log.read()
+    assert first.returncode == -signal.SIGKILL, first_log  # killed, not done
+    assert "no checkpoint in" in first_log and not outputs(out_dir), first_log
+    saved = checkpoint.load(ckpt)
+    gens = [rank["gen"] for rank in saved.ranks]
+    assert len(gens) == 2 and all(g.dtype.name == "uint8" and g.size for g in gens), first_log
+    assert not (gens[0] == gens[1]).all(), first_log  # each rank its own batches
+
+    out, err = run(cmd, env={"OUT_DIR": str(out_dir)})
+    log = f"first run:\n{first_log}\nstdout:\n{out}\nstderr:\n{err}"
+    resumed = re.search(r"^stalewise run: resumed from \S+ \(version \d+, (\d+) pushes\)$",
+                        err, re.MULTILINE)  # fmt: skip
+    assert resumed and 0 < int(resumed[1]) < 160, log
+    (init,) = {float(v) for v in INIT_LINE.findall(out)}
+    found = sorted((int(r), float(v)) for r, v in RANK_LINE.findall(out))
+    assert [r for r, _ in found] == [0, 1], log
+    assert all(v < init - 2.0 for _, v in found), log
+    done = re.fullmatch(
+        r"stalewise run: 2 workers done, (\d+) pushes", err.strip().splitlines()[-1]
+    )
+    assert done and 160 <= int(done[1]) <= 161, log  # the budget, + at most workers - 1
+    assert outputs(out_dir) == ["model_rank0.pt", "model_rank1.pt"], log
