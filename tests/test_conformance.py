@@ -241,7 +241,6 @@ def train_three_ways(job_kw, **train_kw):
     return results
 
 
-@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 @pytest.mark.parametrize("codec", [None, "topk"])
 def test_simulator_local_and_ray_train_to_the_same_parameters(codec, ray_instance):
     steps = 12
@@ -265,7 +264,6 @@ def each_worker_data(worker, workers):
     return (10 * k + worker for k in itertools.count())
 
 
-@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 def test_a_bsp_budget_ends_at_a_round_end_in_every_runtime(ray_instance):
     """Under BSP a budget of 4 pushes for 3 workers is 2 whole rounds (6 pushes): a
     partial last round would apply one worker's push as the whole round's mean. Before

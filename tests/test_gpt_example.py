@@ -26,7 +26,6 @@ import ray_helpers
 from stalewise import checkpoint
 
 # the launcher and Ray start processes while JAX (imported by other tests) has threads
-pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "gpt"

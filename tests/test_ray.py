@@ -26,10 +26,6 @@ import stalewise as sw
 from stalewise import checkpoint, codecs, tasks
 from stalewise.runtime.base import WorkerError
 
-# Ray starts its processes by fork + exec from this (JAX-importing) test process;
-# JAX's at-fork hook warns about a deadlock that cannot happen before the exec.
-pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
-
 ACCURACY = 0.95  # held-out accuracy a record of every digits run must reach (it then stops)
 FINAL = 0.90  # ... and the final parameters (pushes in flight at the stop still land)
 STOP_AT = {"accuracy": ACCURACY}

@@ -24,8 +24,6 @@ import ray_helpers
 
 import stalewise as sw
 
-pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
-
 TIMEOUT = 60.0  # seconds any one wait may take before the test is declared hung
 
 

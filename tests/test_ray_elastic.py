@@ -20,8 +20,6 @@ import stalewise as sw
 from stalewise import tasks
 from stalewise.runtime.options import OptionError
 
-pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
-
 TIMEOUT = 90.0  # wall seconds before the run is declared hung
 WAIT = 45.0  # wall seconds any one step of the scenario may take
 
