@@ -82,41 +82,46 @@ def test_a_joiner_counts_for_the_rounds_from_its_first_pull_not_its_join():
     assert shard.params.tolist() == [-7.0, -7.0]  # 5 rounds of 1, then mean(1, 1, 4)
 
 
-def test_when_every_worker_rejoins_none_is_held_by_a_floor_of_zero():
-    """A resumed job: every worker rejoins uncounted at its own clock. The gates' floor is
-    then the slowest live clock, not 0, or an SSP bound would hold them all forever."""
-    shard = _shard(workers=2, expected=2, consistency=SSP(2))
+def test_a_late_joiner_left_alone_is_not_held_by_a_floor_of_zero():
+    """When every counted worker has left, the gates' floor is the slowest live clock,
+    not 0, or an SSP bound would hold the late joiner left alone forever."""
+    shard = _shard(workers=3, expected=2, consistency=SSP(2))
     for w in range(2):
         shard.join(w, 1)
     for seq in range(5):
         assert _push(shard, 0, seq).ok and _push(shard, 1, seq).ok
-    for w in range(2):
-        shard.join(w, 2)  # both come back, as a resumed run's workers do
+    shard.join(2, 1)  # a late joiner, not counted yet, at clock 5
+    shard.leave(0)
+    shard.leave(1)
     assert not shard.counted.any() and shard.min_clock() == 5
-    assert shard.may_start(0) and shard.may_start(1)
-    shard.pull(0)
-    assert shard.counted[0] and shard.min_clock() == 5 and shard.may_start(1)
+    assert shard.may_start(2)
+    shard.pull(2)
+    assert shard.counted[2] and shard.min_clock() == 5
 
 
-def test_a_restart_counts_from_its_first_push_and_a_pending_joiner_survives_a_checkpoint():
-    shard = _shard(workers=3, expected=3, consistency=BSP())
+def test_a_restart_counts_at_once_and_a_pending_joiner_survives_a_checkpoint():
+    shard = _shard(workers=4, expected=3, consistency=BSP())
     for w in range(3):
         shard.join(w, 1)
         assert shard.counted[w]  # a first incarnation at clock 0 counts from its join
     for w in range(3):
         assert _push(shard, w, 0).ok
     assert shard.version == 1
-    shard.join(0, 2)  # worker 0 restarts: its new incarnation is not in the rounds yet
-    assert not shard.counted[0]
+    shard.join(0, 2)  # worker 0 restarts: its client counts its budget from this clock
+    assert shard.counted[0] and int(shard.clocks[0]) == 1
+    shard.join(3, 1)  # a late joiner: not in the rounds until its first pull or push
+    assert not shard.counted[3]
     state = shard.state_dict()
-    assert state["counted"].tolist() == [False, True, True]
-    restored = _shard(workers=3, expected=3, consistency=BSP())
+    assert state["counted"].tolist() == [True, True, True, False]
+    restored = _shard(workers=4, expected=3, consistency=BSP())
     restored.load_state_dict(state)
     for s in (shard, restored):
-        assert _push(s, 1, 1).ok and _push(s, 2, 1).ok and s.version == 2  # not held
-        assert _push(s, 0, 0, inc=2).ok  # its first push (no pull): in the round under way
-        assert s.counted[0] and s.version == 2
-        assert _push(s, 1, 2).ok and _push(s, 2, 2).ok and s.version == 3
+        assert _push(s, 1, 1).ok and _push(s, 2, 1).ok and s.version == 1  # waits for 0
+        assert _push(s, 0, 0, inc=2).ok and s.version == 2  # not held by worker 3
+        assert _push(s, 3, 0).ok  # its first push (no pull): in the round under way
+        assert s.counted[3] and s.version == 2
+        assert _push(s, 0, 1, inc=2).ok and _push(s, 1, 2).ok and _push(s, 2, 2).ok
+        assert s.version == 3
     assert "counted" not in shard.state_dict()  # every live worker counts again
     assert restored.params.tolist() == shard.params.tolist()
 
