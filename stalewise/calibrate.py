@@ -74,11 +74,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -90,7 +93,7 @@ from stalewise import tree
 from stalewise.protocol import PushHeader, ServerConfig, pipeline
 from stalewise.runtime.base import MAX_DELAY
 from stalewise.runtime.sim.config import SimConfig
-from stalewise.runtime.sim.models import MAX_SECONDS, MIN_BYTES_PER_S
+from stalewise.runtime.sim.models import MAX_SECONDS, MIN_BYTES_PER_S, Contention
 
 __all__ = [
     "Calibration",
@@ -124,6 +127,9 @@ LOOP_COMPUTE, LOOP_STEPS = 0.002, 300
 #: make :func:`calibrate` warn that the machine was too busy for a stable figure (steps of
 #: the same batches on a quiet machine differ by a few percent).
 SPREAD_LIMIT = 0.5
+#: Seconds the contention measurement times steps at each count of runnable processes
+#: (the apply: half as long); and the most processes it counts to.
+CONTENTION_SECONDS, MOST_PROCESSES = 0.2, 16
 #: The tables :meth:`Calibration.sim_config` makes: the measured figures (None), or every
 #: time at its 25th ("low") or 75th ("high") percentile over the repeats.
 BOUNDS = (None, "low", "high")
@@ -283,6 +289,11 @@ class Calibration:
             ``"message ..."``, ``"worker loop"``; the compute's are
             :attr:`step_times` themselves).
         load_end: the load averages when it ended (None: not taken).
+        contention: how much slower a step and an apply run with 1, 2, ... processes
+            runnable (:func:`measure_contention`); None: not measured, and the table
+            has no contention.
+        delay: the emulated seconds each compute process slept after a step (their
+            mean), which sets how many of them were runnable at once.
     """
 
     workers: int
@@ -301,6 +312,8 @@ class Calibration:
     loop: float | None = None
     spreads: tuple[tuple[str, Spread], ...] = ()
     load_end: tuple[float, float, float] | None = None
+    contention: Contention | None = None
+    delay: float = 0.0
 
     # -- the compute model -------------------------------------------------------------
 
@@ -335,13 +348,24 @@ class Calibration:
         low, high = np.quantile(others, [0.25, 0.75])
         return bool(median < low or median > high)
 
+    @property
+    def runnable(self) -> float:
+        """How many processes were runnable, on average, while the compute was timed: each
+        worker's process computes ``mean`` seconds and then sleeps ``delay``."""
+        mean = self.mean
+        return 1.0 + (self.workers - 1) * mean / (mean + self.delay) if mean > 0 else 1.0
+
     def table(self) -> dict[str, Any]:
-        """The ``[sim]`` table, as :meth:`SimConfig.from_dict` reads it."""
+        """The ``[sim]`` table, as :meth:`SimConfig.from_dict` reads it. With a measured
+        :attr:`contention`, the compute times are the measured ones over the compute's
+        factor at :attr:`runnable` (the time a step takes alone): the simulator stretches
+        them by the factor for the processes runnable as it runs."""
         t: dict[str, Any] = {}
-        shift, tail = self.shift, self.mean - self.shift
+        alone = 1.0 if self.contention is None else self.contention.step_at(self.runnable)
+        shift, tail = self.shift / alone, (self.mean - self.shift) / alone
         extra = self.loop or 0.0  # the worker loop's own time: every step has it
         if tail <= FIXED_BELOW * shift:
-            t |= {"compute": "fixed", "step_time": _sig(self.mean + extra)}
+            t |= {"compute": "fixed", "step_time": _sig(self.mean / alone + extra)}
         else:
             t |= {"compute": "exponential", "shift": _sig(shift + extra), "rate": _sig(1.0 / tail)}
         speeds = self.speeds()
@@ -352,6 +376,9 @@ class Calibration:
         t["bandwidth"] = _rate(self.message.slope)
         t["service_time"] = _sig(min(self.apply.intercept, MAX_SECONDS))
         t["service_rate"] = _rate(self.apply.slope)
+        if self.contention is not None:
+            t["contention_step"] = list(self.contention.step)
+            t["contention_apply"] = list(self.contention.apply)
         return t
 
     def sim_config(self, bound: str | None = None) -> SimConfig:
@@ -454,6 +481,14 @@ class Calibration:
             f"{_rate(self.message.slope):.3g} B/s (latency = half the fixed part); "
             f"this job's model: {self.model_bytes:,} B"
         )
+        if self.contention is not None:
+            c = self.contention
+            lines.append(
+                f"contention: with 1, 2, ... {len(c.step)} processes runnable, a step "
+                f"{_listed(c.step)}x and an apply {_listed(c.apply)}x as long as alone; the "
+                f"compute above ran with {self.runnable:.2f} runnable on average (x"
+                f"{c.step_at(self.runnable):.3g}), the table's is alone"
+            )
         if self.spreads or self.step_times:
             lines.append("spread over the repeats: median [25th, 75th percentile] (min, max)")
             for w, t in enumerate(self.step_times):
@@ -495,6 +530,10 @@ def _toml_value(v: Any) -> str:
     return repr(v)
 
 
+def _listed(xs: Sequence[float]) -> str:
+    return ", ".join(f"{x:.3g}" for x in xs)
+
+
 def _key(name: str, nbytes: int) -> str:
     """The :attr:`Calibration.spreads` key of figure ``name`` timed at ``nbytes``."""
     return f"{name} {nbytes:,} B"
@@ -522,10 +561,14 @@ def _rate(slope: float) -> float:
 # -- compute --------------------------------------------------------------------------
 
 
-def _compute_main(loss_and_grad, data, spec, init, w, workers, repeats, warmup, delay, conn):
+def _compute_main(
+    loss_and_grad, data, spec, init, w, workers, repeats, warmup, delay, conn, contend=False
+):
     """A spawned process's body: time ``repeats`` steps of worker ``w`` on its batches
     (each followed by the emulated ``delay``, slept as the local worker sleeps it; the
-    time beyond ``delay`` counts as the step's)."""
+    time beyond ``delay`` counts as the step's). With ``contend``, it then times steps
+    (no delay) on command, for the contention measurement: ``("time", seconds)`` is
+    answered with ``("mean", seconds a step)``, anything else ends it."""
     from stalewise.runtime.base import batch_iterator
     from stalewise.runtime.local.procs import die_with_parent
 
@@ -551,6 +594,13 @@ def _compute_main(loss_and_grad, data, spec, init, w, workers, repeats, warmup, 
                 _sleep(delay)
             times.append(time.perf_counter() - t - delay)
         conn.send(("times", times))
+        while contend and (msg := conn.recv())[0] == "time":
+            n, t, end = 0, time.perf_counter(), time.perf_counter() + msg[1]
+            while n < 3 or time.perf_counter() < end:
+                _, grads = loss_and_grad(tree.unflatten(flat, spec, copy=False), next(batches))
+                tree.flatten(grads, spec=spec, out=out)
+                n += 1
+            conn.send(("mean", (time.perf_counter() - t) / n))
     except BaseException as e:  # reported in the parent, one line
         conn.send(("error", f"worker {w}: {type(e).__name__}: {e}"))
 
@@ -566,12 +616,16 @@ def measure_compute(
     delays: Sequence[float] | None = None,
     evaluate: Callable | None = None,
     eval_interval: float | None = None,
-) -> tuple[tuple[tuple[float, ...], ...], int]:
-    """Each worker's step times, measured in ``workers`` processes at once; and their
-    thread cap. ``delays``: each worker's emulated seconds per step (``train(delays=)``),
-    slept after each step; what the sleep overshoots counts as the step's time.
-    ``evaluate``: called on the initial parameters in this process every
-    ``eval_interval`` seconds while the steps are timed, as a local run's parent does."""
+    contention: int = 0,
+) -> tuple[tuple[tuple[float, ...], ...], int, Contention | None]:
+    """Each worker's step times, measured in ``workers`` processes at once; their
+    thread cap; and with ``contention`` > 0, the :class:`Contention` for 1 to that many
+    runnable processes (:func:`measure_contention`, with worker 0's process timing the
+    steps once the others are done; else None). ``delays``: each worker's emulated
+    seconds per step (``train(delays=)``), slept after each step; what the sleep
+    overshoots counts as the step's time. ``evaluate``: called on the initial
+    parameters in this process every ``eval_interval`` seconds while the steps are
+    timed, as a local run's parent does."""
     import multiprocessing as mp
 
     from stalewise.runtime.local.procs import thread_budget
@@ -585,7 +639,8 @@ def measure_compute(
             p = ctx.Process(
                 target=_compute_main,
                 args=(loss_and_grad, data, config.spec, config.init, w, workers, repeats, warmup,
-                      0.0 if delays is None else float(delays[w]), theirs),
+                      0.0 if delays is None else float(delays[w]), theirs,
+                      w == 0 and contention > 0),
                 name=f"stalewise-calibrate-{w}",
                 daemon=True,
             )  # fmt: skip
@@ -617,8 +672,16 @@ def measure_compute(
                 if msg[0] == "error":
                     raise RuntimeError(f"calibrate: {msg[1]}")
                 got.append(msg[1])
-        return tuple(tuple(t) for t in got), threads
+        measured = None
+        if contention > 0:
+            for p in procs[1:]:  # done: they must not be runnable while it is measured
+                p.join(max(0.0, deadline - time.monotonic()))
+            measured = measure_contention(config, contention, conns[0], deadline)
+        return tuple(tuple(t) for t in got), threads, measured
     finally:
+        if contention > 0:
+            with contextlib.suppress(OSError):
+                conns[0].send(("stop",))  # worker 0 waits for commands until then
         for p in procs:
             p.join(5)
             if p.is_alive():
@@ -681,6 +744,19 @@ def measure_apply(config: ServerConfig, size: int, repeats: int) -> float:
 
 def apply_times(config: ServerConfig, size: int, repeats: int) -> list[float]:
     """The ``repeats`` timed pushes of :func:`measure_apply`, seconds each."""
+    push = _pusher(config, size)
+    times = []
+    for i in range(repeats + 2):
+        t = time.perf_counter()
+        push()
+        if i >= 2:  # the first two warm the caches
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def _pusher(config: ServerConfig, size: int) -> Callable[[], None]:
+    """One shard of ``config`` over ``size`` floats, and a call that makes it handle a push
+    (and the undo copy the local shard makes after it)."""
     cfg = _synthetic(config, size, 1)
     shard = cfg.build_shard(0, cfg.init.copy(), 1)
     shard.warm_up()
@@ -692,16 +768,75 @@ def apply_times(config: ServerConfig, size: int, repeats: int) -> list[float]:
         payload = [bytearray(comp.nbytes(0, grad.dtype))]
         comp.encode_into(grad, payload, comp.init(grad.dtype))
         payload = payload[0]
-    times = []
-    for seq in range(repeats + 2):
-        t = time.perf_counter()
-        ack = shard.push(PushHeader(0, seq, shard.version, 1), payload)
+    seq = itertools.count()
+
+    def push() -> None:
+        ack = shard.push(PushHeader(0, next(seq), shard.version, 1), payload)
         shard.prepare()
-        if seq >= 2:  # the first two warm the caches
-            times.append(time.perf_counter() - t)
         if not ack.ok:
             raise RuntimeError(f"calibrate: the shard refused a push: {ack.reason}")
-    return times
+
+    return push
+
+
+# -- contention ------------------------------------------------------------------------
+
+
+#: A busy process of :func:`measure_contention`: it never sleeps, and ends with its parent
+#: (or after 10 minutes) if it is not stopped.
+_SPIN = (
+    "import os, time\np, end = os.getppid(), time.monotonic() + 600\n"
+    "while os.getppid() == p and time.monotonic() < end:\n    for _ in range(100000): pass"
+)
+
+
+def measure_contention(
+    config: ServerConfig, most: int, stepper: Any, deadline: float = math.inf
+) -> Contention:
+    """How much slower a step and a shard's apply run with 1 to ``most`` processes
+    runnable: with ``k - 1`` busy processes (Python loops that never sleep: :data:`_SPIN`)
+    beside it, the mean time of the job's step (timed by the compute process at the
+    other end of the pipe ``stepper``, for :data:`CONTENTION_SECONDS`) and of a push's
+    apply at one shard's slice (timed here, for half as long), over the same with
+    none beside. Each factor is at least 1 and at least the one before it (one more
+    runnable process never makes the others faster; the noise of a loaded machine
+    does). The busy processes are stopped before it returns."""
+    shards = min(config.shards, config.spec.size)
+    push = _pusher(config, -(-config.spec.size // shards))
+    push()
+    push()  # the first ones warm the caches
+    steps, applies, spinners = [], [], []
+    try:
+        for k in range(1, most + 1):
+            if k > 1:
+                spinners.append(subprocess.Popen([sys.executable, "-S", "-c", _SPIN]))
+            stepper.send(("time", CONTENTION_SECONDS))
+            if not stepper.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError("calibrate: the contention measurement's step timed out")
+            msg = stepper.recv()
+            if msg[0] == "error":
+                raise RuntimeError(f"calibrate: {msg[1]}")
+            steps.append(msg[1])
+            n, t, end = 0, time.perf_counter(), time.perf_counter() + CONTENTION_SECONDS / 2
+            while n < 3 or time.perf_counter() < end:
+                push()
+                n += 1
+            applies.append((time.perf_counter() - t) / n)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    log.debug("calibrate: contention, step %s s, apply %s s", steps, applies)
+    return Contention(step=_factors(steps), apply=_factors(applies))
+
+
+def _factors(means: Sequence[float]) -> tuple[float, ...]:
+    """Each mean over the first, at least 1 and at least the one before, 4 digits."""
+    out, floor = [], 1.0
+    for m in means:
+        floor = max(floor, m / means[0])
+        out.append(_sig(floor))
+    return tuple(out)
 
 
 # -- pulls and pushes -----------------------------------------------------------------
@@ -816,6 +951,7 @@ def calibrate(
     evaluate: Callable | None = None,
     eval_interval: float | None = None,
     timeout: float = 600.0,
+    contention: bool = True,
 ) -> Calibration:
     """Measures compute, apply, pull and push times on this machine; see the module docstring.
 
@@ -837,6 +973,10 @@ def calibrate(
             timed, as the local runtime's parent evaluates while its workers run.
         eval_interval: see ``evaluate``.
         timeout: seconds the compute processes may take in all.
+        contention: measure how much slower a step and an apply run with 1 to
+            ``workers + shards + 1`` processes runnable (at most
+            :data:`MOST_PROCESSES`; :func:`measure_contention`), for the simulator's
+            contention model; False: no contention in the table.
 
     Raises:
         ValueError: a bad argument, naming it.
@@ -868,9 +1008,10 @@ def calibrate(
             )
     load = os.getloadavg()
     t0 = time.perf_counter()
-    step_times, threads = measure_compute(
+    most = min(workers + min(config.shards, config.spec.size) + 1, MOST_PROCESSES)
+    step_times, threads, contended = measure_compute(
         config, loss_and_grad, data, workers, repeats, timeout=timeout, delays=per_worker,
-        evaluate=evaluate, eval_interval=eval_interval,
+        evaluate=evaluate, eval_interval=eval_interval, contention=most if contention else 0,
     )  # fmt: skip
     itemsize = config.init.dtype.itemsize
     served = served_pull(config)
@@ -918,6 +1059,8 @@ def calibrate(
         loop=loop_s,
         spreads=tuple(spreads),
         load_end=(round(load_end[0], 2), round(load_end[1], 2), round(load_end[2], 2)),
+        contention=contended,
+        delay=float(np.mean(per_worker)),
     )
     for w in cal.warnings():
         log.warning("calibrate: the machine was too busy for a stable figure: %s", w)
@@ -969,6 +1112,5 @@ def with_table(
     cal = calibration.sim_config(bound)
     if sim is None:
         return cal
-    return replace(
-        sim, compute=cal.compute, speeds=cal.speeds, network=cal.network, service=cal.service
-    )
+    return replace(sim, compute=cal.compute, speeds=cal.speeds, network=cal.network,
+                   service=cal.service, contention=cal.contention)  # fmt: skip

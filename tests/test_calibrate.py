@@ -2,6 +2,7 @@
 
 import logging
 import math
+import os
 import re
 import subprocess
 import sys
@@ -49,13 +50,17 @@ def check_sane(sim: SimConfig, cal: calibrate.Calibration) -> None:
         return math.inf if slope <= 0 else max(1 / slope, MIN_BYTES_PER_S)
 
     c, loop = sim.compute, cal.loop or 0.0
-    # the compute model is the timed steps' (their mean and fastest), plus the worker loop
+    # the compute model is the timed steps' (their mean and fastest) as they run alone (over
+    # the contention factor they were timed at), plus the worker loop
     assert cal.mean == np.mean([x for t in cal.step_times for x in t]) and cal.mean > 0
+    alone = 1.0 if cal.contention is None else cal.contention.step_at(cal.runnable)
+    assert sim.contention == cal.contention
     if isinstance(c, Fixed):
-        assert close(c.time, cal.mean + loop)
+        assert close(c.time, cal.mean / alone + loop)
     else:
         assert isinstance(c, ShiftedExponential)
-        assert close(c.shift, cal.shift + loop) and close(1 / c.rate, cal.mean - cal.shift)
+        assert close(c.shift, cal.shift / alone + loop)
+        assert close(1 / c.rate, (cal.mean - cal.shift) / alone)
     net, service = sim.network, sim.service
     assert close(net.latency, min(cal.message.intercept / 2, MAX_SECONDS))
     assert close(net.bandwidth, rate(cal.message.slope))
@@ -90,6 +95,13 @@ def test_calibrate_measures_and_its_table_reads_back(tmp_path):
     assert all(s.min <= s.low <= s.median <= s.high <= s.max for _, s in cal.spreads)
     assert "spread over the repeats" in cal.summary() and cal.load_end is not None
     assert cal.workers == 2 and len(cal.step_times) == 2
+    # contention: 1 .. workers + shards + 1 runnable processes, each factor >= the one before
+    con = cal.contention
+    assert con is not None and len(con.step) == len(con.apply) == 2 + 2 + 1
+    assert con.step[0] == con.apply[0] == 1.0 and list(con.step) == sorted(con.step)
+    if (os.cpu_count() or 1) <= 2:  # 5 busy processes on 2 cores: a step is slower
+        assert con.step[-1] > 1.2 and con.apply[-1] > 1.2
+    assert cal.delay == 0.002 and "contention: with 1, 2, ... 5" in cal.summary()
     assert all(len(t) == 4 and min(t) > 0 for t in cal.step_times)
     assert [b for b, _ in cal.apply.points] == [512 * 4, 4096 * 4]
     assert all(s > 0 for fit in (cal.apply, cal.pull, cal.push) for _, s in fit.points)
@@ -319,7 +331,7 @@ def test_calibrate_logs_its_busy_warnings(monkeypatch, caplog):
     task = tasks.get("least-squares", n=64, d=4)
     job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
     wide = ((0.001, 0.002, 0.004, 0.008), (0.001, 0.002, 0.004, 0.008))
-    monkeypatch.setattr(calibrate, "measure_compute", lambda *a, **k: (wide, 1))
+    monkeypatch.setattr(calibrate, "measure_compute", lambda *a, **k: (wide, 1, None))
     monkeypatch.setattr(calibrate, "apply_times", lambda c, n, r: [1e-5] * r)
     monkeypatch.setattr(calibrate, "transport_times", lambda j, n, r: ([2e-5] * r,) * 3)
     monkeypatch.setattr(calibrate, "loop_times", lambda j, n: [3e-3] * 5)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from stalewise.runtime.sim.models import (
+    Contention,
     Failure,
     Fixed,
     Join,
@@ -81,6 +82,10 @@ class SimConfig:
             data and running a first step on one machine).
         network: latency and link bandwidths.
         service: per-shard service time of a request.
+        contention: how much slower a step's compute and a shard's apply run with more
+            processes runnable than alone (:class:`Contention`, measured by
+            ``stalewise calibrate``); None (the default): no contention, every
+            worker and shard runs at its own speed whatever the others do.
         model_bytes: pretend the full parameter vector has this many bytes on the
             wire and at the shards (each shard's slice and each push scaled alike),
             while computing on the real, smaller task. It changes timing only:
@@ -108,12 +113,15 @@ class SimConfig:
     service: Service = field(default_factory=Service)
     model_bytes: int | None = None
     restart_delay: float = 1.0
+    contention: Contention | None = None
 
     def __post_init__(self) -> None:
         kinds = {"compute": (Fixed, ShiftedExponential), "network": Network, "service": Service}
         for name, kind in kinds.items():
             if not isinstance(getattr(self, name), kind):
                 raise _bad("SimConfig", name, getattr(self, name), f"must be a {_names(kind)}")
+        if self.contention is not None and not isinstance(self.contention, Contention):
+            raise _bad("SimConfig", "contention", self.contention, "must be None or a Contention")
         if self.stragglers is not None and not isinstance(self.stragglers, Stragglers):
             raise _bad("SimConfig", "stragglers", self.stragglers, "must be None or a Stragglers")
         if self.speeds is not None:
@@ -166,7 +174,8 @@ class SimConfig:
         ({count, slowdown}), ``slowdowns`` (list of {worker, factor, start, end}),
         ``failures`` and ``joins`` (lists of {worker, time}), ``latency``,
         ``bandwidth``, ``worker_bandwidth``, ``shard_bandwidth``,
-        ``service_time``, ``service_rate``, ``model_bytes``, ``restart_delay``.
+        ``service_time``, ``service_rate``, ``model_bytes``, ``restart_delay``,
+        ``contention_step`` and ``contention_apply`` (lists of factors, both or neither).
 
         Raises:
             SimConfigError: naming the bad field and value (``sim: ShiftedExponential.rate =
@@ -193,6 +202,7 @@ class SimConfig:
                 service=Service(**{k: t[n] for n, k in _SERVICE_KEYS.items() if n in t}),
                 model_bytes=t.get("model_bytes"),
                 restart_delay=t.get("restart_delay", 1.0),
+                contention=_contention_from(t),
             )
         except SimConfigError as e:
             raise SimConfigError(e.owner, e.key, e.value, e.need, where) from None
@@ -205,10 +215,21 @@ _SERVICE_KEYS = {"service_time": "time", "service_rate": "rate"}
 #: The [sim] keys that are lists of tables, and the model each table makes.
 TOML_LISTS = {"slowdowns": Slowdown, "failures": Failure, "joins": Join}
 _OTHER_KEYS = ("compute", "step_time", "shift", "rate", "speeds", "stragglers")
+_CONTENTION_KEYS = ("contention_step", "contention_apply")
 #: Every key of a TOML [sim] table.
 TOML_KEYS = frozenset(
-    (*_OTHER_KEYS, *TOML_LISTS, "restart_delay", "model_bytes", *_NET_KEYS, *_SERVICE_KEYS)
-)
+    (*_OTHER_KEYS, *TOML_LISTS, "restart_delay", "model_bytes", *_NET_KEYS, *_SERVICE_KEYS,
+     *_CONTENTION_KEYS)
+)  # fmt: skip
+
+
+def _contention_from(t: dict) -> Contention | None:
+    have = [k for k in _CONTENTION_KEYS if k in t]
+    if not have:
+        return None
+    if len(have) == 1:
+        raise ValueError(f"{have[0]} needs {set(_CONTENTION_KEYS).difference(have).pop()} too")
+    return Contention(step=t["contention_step"], apply=t["contention_apply"])
 
 
 def _compute_from(t: dict) -> Fixed | ShiftedExponential:

@@ -70,6 +70,14 @@ whatever the policy (the local runtime's warm-up step finds the same bugs
 before its clock starts). A worker whose loop raises ``loop.Diverged`` stops
 and is not restarted.
 
+Contention (``SimConfig.contention``, measured by ``stalewise calibrate``; off
+when None): a step's compute is stretched by the compute's factor for the
+processes runnable when it starts (the workers whose compute, not their sleep,
+or pull is under way, the shards serving a request, and itself), its pull's two
+latencies likewise, and a shard's service by the apply's factor for the
+processes runnable when it starts. The factor is fixed at the start (no event
+is moved when the count changes later), so a run stays deterministic.
+
 Cost: O(log n) per event (heap) and O(1) per-worker state per event. Under
 SSP/BSP a shard asks ``Shard.min_clock`` (O(1) amortised) once per pull request
 and once per applied push, never once per waiting worker. Each worker id's
@@ -194,6 +202,9 @@ class Simulation:
         self.pulled = [0.0, 0]  # bytes of every pull slice served (model_bytes scaled), slices
         self.links = Links(sim.network, workers, S)
         self.lat, self.service = sim.network.latency, sim.service
+        self.contention = sim.contention
+        self.computing: list[float] = []  # contention: when each compute under way ends (heap)
+        self.serving = 0  # shards serving a request
         self.gated = self.shards[0].consistency.gated
         # the verdict looks at the versions only with a max_staleness: else no need to tell it
         self.judging = config.staleness.max_staleness != math.inf
@@ -249,8 +260,20 @@ class Simulation:
             self.queue[k].append(req)
 
     def serve(self, k: int, req: tuple) -> None:
+        if self.busy[k] is None:
+            self.serving += 1
         self.busy[k] = req
-        self.at(self.now + self.service.seconds(self.slice_bytes[k]), _SERVED, k=k)
+        seconds = self.service.seconds(self.slice_bytes[k])
+        if self.contention is not None:
+            seconds *= self.contention.apply_at(self.runnable())
+        self.at(self.now + seconds, _SERVED, k=k)
+
+    def runnable(self) -> int:
+        """The processes runnable now (contention): workers computing, shards serving."""
+        h = self.computing
+        while h and h[0] <= self.now:
+            heapq.heappop(h)
+        return len(h) + self.serving
 
     def served(self, k: int) -> None:
         kind, wk, inc = self.busy[k]
@@ -277,6 +300,7 @@ class Simulation:
                 self.serve(k, req)
                 return
         self.busy[k] = None
+        self.serving -= 1
 
     def read(self, wk: _SimWorker, k: int) -> None:
         """Shard ``k``'s slice as it is now goes to worker ``wk`` (served, or read from the
@@ -404,8 +428,12 @@ class Simulation:
         snapshot = wk.fresh and pipeline.may_read(
             self.shards[0].consistency, wk.sender.seq, (s.min_clock() for s in self.shards)
         )
+        lat = self.lat
+        if self.contention is not None:  # the pull's two latencies, stretched: it runs too
+            lat += 2 * lat * (self.contention.step_at(self.runnable() + 1) - 1)
+            heapq.heappush(self.computing, self.now + lat + self.lat)
         for k in range(self.S):
-            self.at(self.now + self.lat, _PULL_REQ, wk.id, k, wk.inc, float(snapshot))
+            self.at(self.now + lat, _PULL_REQ, wk.id, k, wk.inc, float(snapshot))
 
     def leave(self, wk: _SimWorker) -> None:
         """Worker ``wk``'s loop has ended and its last push is acked: it leaves the shards."""
@@ -435,7 +463,13 @@ class Simulation:
         wk.pull_buf = None
         wk.loss_next = loss
         wk.phase, wk.t_mark = _COMPUTING, self.now
-        self.at(self.timing.finish(wk.id, self.now, local_steps), _COMPUTED, wk.id, inc=wk.inc)
+        if self.contention is None:
+            end = self.timing.finish(wk.id, self.now, local_steps)
+        else:
+            stretch = self.contention.step_at(self.runnable() + 1)
+            end = self.timing.finish(wk.id, self.now, local_steps, stretch)
+            heapq.heappush(self.computing, self.now + self.timing.busy)
+        self.at(end, _COMPUTED, wk.id, inc=wk.inc)
 
     def sent(self, wk: _SimWorker, k: int) -> Any:
         """What shard ``k`` receives of worker ``wk``'s push: its slice, or its payload."""

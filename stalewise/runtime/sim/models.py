@@ -297,6 +297,51 @@ class Service:
         return self.time + nbytes / self.rate
 
 
+@dataclass(frozen=True)
+class Contention:
+    """How much slower a worker's compute (``step``) and a shard's apply (``apply``) run
+    with ``n`` processes runnable on the machine's cores: ``step[n - 1]`` is the factor
+    with ``n`` (``step[0]``: alone), linear between the entries and, beyond the last, on
+    the last segment's slope. :func:`stalewise.calibrate.measure_contention` measures it
+    (busy processes beside a timed step and a timed apply); the simulator stretches a
+    step's compute and a shard's service by the factor for the processes runnable when
+    they start (the workers computing and the shards serving, itself included).
+
+    Example:
+        >>> c = Contention(step=(1.0, 1.0, 1.5, 2.0), apply=(1.0, 1.5))
+        >>> c.step_at(1), c.step_at(3), c.step_at(3.5), c.step_at(6), c.apply_at(4)
+        (1.0, 1.5, 1.75, 3.0, 2.5)
+    """
+
+    step: tuple[float, ...]
+    apply: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("step", "apply"):
+            v = getattr(self, name)
+            if isinstance(v, str | bytes) or not isinstance(v, Sequence | np.ndarray) or not len(v):
+                raise _bad("Contention", name, v, "must be a non-empty list of factors")
+            v = tuple(_factor("Contention", f"{name}[{i}]", x) for i, x in enumerate(v))
+            object.__setattr__(self, name, v)  # a tuple of floats: hashable
+
+    def step_at(self, n: float) -> float:
+        """The compute's factor with ``n`` processes runnable."""
+        return _along(self.step, n)
+
+    def apply_at(self, n: float) -> float:
+        """The apply's factor with ``n`` processes runnable."""
+        return _along(self.apply, n)
+
+
+def _along(table: tuple[float, ...], n: float) -> float:
+    i, last = max(0.0, n - 1), len(table) - 1
+    if i >= last:
+        slope = max(0.0, table[-1] - table[-2]) if last else 0.0
+        return min(table[-1] + slope * (i - last), MAX_FACTOR)
+    j = int(i)
+    return table[j] + (table[j + 1] - table[j]) * (i - j)
+
+
 # -- the per-run timing state ----------------------------------------------------------
 
 
@@ -338,6 +383,10 @@ class WorkerTiming:
         if sim.stragglers is not None and sim.stragglers.count:
             scale[workers - sim.stragglers.count :] *= sim.stragglers.slowdown
         self.scale = scale.tolist()
+        # the share of a step that is compute, not sleep: a local straggler and an emulated
+        # delay sleep (the runnable processes the contention model counts)
+        self.cpu = [1.0 / s for s in sim.speeds] if sim.speeds is not None else [1.0] * workers
+        self.busy = 0.0  # the compute seconds of the last step (finish)
         self.delays = [0.0] * workers if delays is None else [float(d) for d in delays]
         self._random = not isinstance(sim.compute, Fixed)
         rngs = [np.random.default_rng([seed, w, _STREAM]) for w in range(workers)]
@@ -358,15 +407,21 @@ class WorkerTiming:
             for rng, state in zip(self._rngs, states, strict=True):
                 rng.bit_generator.state = state
 
-    def finish(self, worker: int, start: float, local_steps: int = 1) -> float:
+    def finish(
+        self, worker: int, start: float, local_steps: int = 1, stretch: float = 1.0
+    ) -> float:
         """The virtual time at which a step of ``worker`` started at ``start`` ends.
 
         A step of ``local_steps`` minibatches takes that many sampled step times
         (and delays); one local step draws exactly what a plain step draws, so
-        the same seed gives the same bits.
+        the same seed gives the same bits. ``stretch`` (the contention model's
+        factor, :class:`Contention`) stretches the sampled compute, not the delays;
+        :attr:`busy` is then the step's compute seconds.
         """
         if local_steps == 1:
             base = self.compute.sample(self._rngs[worker]) if self._random else self.compute.time
+            if stretch != 1.0:
+                base *= stretch
             work = (base + self.delays[worker]) * self.scale[worker]
         else:
             if self._random:
@@ -375,7 +430,10 @@ class WorkerTiming:
                     base += sample(rng)  # the samples of the local steps, in order
             else:
                 base = self.compute.time * local_steps
+            if stretch != 1.0:
+                base *= stretch
             work = (base + self.delays[worker] * local_steps) * self.scale[worker]
+        self.busy = base * self.cpu[worker]
         spans = self._transient.get(worker)
         if spans is None:
             return start + work

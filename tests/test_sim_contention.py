@@ -1,0 +1,121 @@
+"""The simulator's contention model: a step's compute and a shard's apply stretched by the
+factor for the processes runnable when they start (SimConfig.contention), and the table
+stalewise calibrate makes of its measurement."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+
+import pytest
+
+import stalewise as sw
+from stalewise import calibrate, tasks
+from stalewise.runtime import sim as sim_rt
+from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.sim.models import Contention, Fixed, Network, Service, SimConfigError
+
+FREE = {
+    "network": Network(latency=0.0, bandwidth=math.inf),
+    "service": Service(time=0.0, rate=math.inf),
+}
+
+
+def _run(sim, workers=4, steps=400, consistency=None, seed=0):
+    task = tasks.get("least-squares", n=64, d=4, exact=True)
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.05),
+                 consistency=consistency or sw.ASP())  # fmt: skip
+    return sim_rt.train(job.config, task.loss_and_grad, data=task.batches, workers=workers,
+                        steps=steps, strategy=job.strategy, sim=sim, sim_seed=seed,
+                        evaluate=None)  # fmt: skip
+
+
+def test_contention_factors_interpolate_extrapolate_and_name_bad_values():
+    c = Contention(step=[1, 1, 1.5, 2], apply=[1.0])
+    assert c.step == (1.0, 1.0, 1.5, 2.0) and c.apply_at(50) == 1.0  # one entry: flat
+    assert c.step_at(0) == c.step_at(1) == 1.0 and c.step_at(2.5) == 1.25 and c.step_at(5) == 2.5
+    with pytest.raises(SimConfigError, match=r"Contention.step\[1\] = -2"):
+        Contention(step=[1, -2], apply=[1])
+    with pytest.raises(SimConfigError, match=r"Contention.apply = \(\): must be a non-empty"):
+        Contention(step=[1], apply=())
+    with pytest.raises(SimConfigError, match=r"SimConfig\.contention = 2"):
+        SimConfig(contention=2)
+    with pytest.raises(ValueError, match="sim: contention_step needs contention_apply too"):
+        SimConfig.from_dict({"contention_step": [1, 2]})
+    got = SimConfig.from_dict({"contention_step": [1, 2], "contention_apply": [1, 1.5]})
+    assert got.contention == Contention(step=(1.0, 2.0), apply=(1.0, 1.5))
+
+
+def test_no_contention_and_a_flat_one_give_the_same_bits():
+    """A table of ones takes the contention model's every path and changes nothing."""
+    base = SimConfig(compute=Fixed(0.01), **FREE)
+    flat = SimConfig(compute=Fixed(0.01), contention=Contention((1.0,) * 4, (1.0,) * 4), **FREE)
+    for cons in (sw.ASP(), sw.BSP()):
+        a, b = _run(base, consistency=cons), _run(flat, consistency=cons)
+        assert a.time == b.time and a.records == b.records and _timed(a) == _timed(b)
+
+
+def _timed(result) -> dict:
+    """The run's stats but the simulator's own wall time."""
+    sim = {k: v for k, v in result.stats["sim"].items() if k not in ("wall_time", "events_per_s")}
+    return result.stats | {"sim": sim}
+
+
+def test_a_step_stretches_by_the_factor_for_the_runnable_processes():
+    """4 workers of 10 ms fixed steps: with 2 or more runnable a step takes 2x (the table's
+    last segment is flat), so the run takes about twice as long; alone 1x, so 1 worker
+    (whose shard serves in no time, before its next step starts) is not slowed."""
+    table = Contention(step=(1.0, 2.0, 2.0), apply=(1.0,))
+    free = _run(SimConfig(compute=Fixed(0.01), **FREE))
+    busy = _run(SimConfig(compute=Fixed(0.01), contention=table, **FREE))
+    assert busy.pushes == free.pushes == 400
+    assert 1.9 < busy.time / free.time <= 2.0
+    again = _run(SimConfig(compute=Fixed(0.01), contention=table, **FREE))
+    assert again.records == busy.records and again.time == busy.time  # deterministic
+    one = SimConfig(compute=Fixed(0.01), contention=table, **FREE)
+    assert _run(one, workers=1, steps=50).time == _run(SimConfig(compute=Fixed(0.01), **FREE),
+                                                       workers=1, steps=50).time  # fmt: skip
+
+
+def test_a_shards_apply_stretches_with_the_workers_computing():
+    """BSP, service 5 ms a request: the applies while workers compute take the apply's
+    factor; with a table that slows only the apply, the run is slower, not its steps."""
+    slow_apply = Contention(step=(1.0,), apply=(1.0, 3.0))
+    net = Network(latency=0.0, bandwidth=math.inf)
+    plain = SimConfig(compute=Fixed(0.01), network=net, service=Service(time=0.005))
+    stretched = SimConfig(compute=Fixed(0.01), network=net, service=Service(time=0.005),
+                          contention=slow_apply)  # fmt: skip
+    a = _run(plain, consistency=sw.ASP(), steps=200)
+    b = _run(stretched, consistency=sw.ASP(), steps=200)
+    assert b.time > a.time
+    assert b.stats["sim"]["compute_time_mean"] == pytest.approx(0.01)  # steps as long
+    assert a.stats["sim"]["compute_time_mean"] == pytest.approx(0.01)
+
+
+def test_the_table_is_the_step_alone_and_carries_the_factors():
+    """Calibrated with 4 processes computing without a pause (4 runnable), the table's step
+    is the measured one over the factor at 4; the factors go into the [sim] table."""
+    steps = tuple((0.012,) * 10 for _ in range(4))
+    flat = calibrate.Fit.of([(4096, 1e-5), (16384, 1e-5)])
+    c = Contention(step=(1.0, 1.0, 2.0, 3.0), apply=(1.0, 1.0, 1.5, 2.0))
+    cal = calibrate.Calibration(4, 1, steps, flat, flat, flat, flat, 4096, contention=c)
+    assert cal.runnable == 4.0
+    t = cal.table()
+    assert t["compute"] == "fixed" and t["step_time"] == pytest.approx(0.004)
+    assert t["contention_step"] == [1.0, 1.0, 2.0, 3.0] and t["contention_apply"][-1] == 2.0
+    assert tomllib.loads(calibrate.table_toml(t))["sim"] == t
+    assert cal.sim_config().contention == c and cal.sim_config("high").contention == c
+    assert calibrate.with_table(SimConfig(), cal).contention == c
+    assert "contention: with 1, 2, ... 4 processes runnable" in cal.summary()
+    # each process sleeping 3x its step: 1 + 3 * 1/4 runnable on average
+    slept = calibrate.Calibration(4, 1, steps, flat, flat, flat, flat, 4096, contention=c,
+                                  delay=0.036)  # fmt: skip
+    assert slept.runnable == pytest.approx(1.75)
+    assert slept.table()["step_time"] == pytest.approx(0.012 / c.step_at(1.75))
+    # not measured: the measured step, no contention keys
+    plain = calibrate.Calibration(4, 1, steps, flat, flat, flat, flat, 4096).table()
+    assert plain["step_time"] == 0.012 and "contention_step" not in plain
+
+
+def test_factors_are_monotone_and_at_least_one():
+    assert calibrate._factors([2.0, 1.8, 3.0, 2.9, 5.0]) == (1.0, 1.0, 1.5, 1.5, 2.5)
