@@ -28,8 +28,21 @@ of its pieces, back to back, in order (zero-sized pieces are skipped).
   the shard turns it into a refusal and applies nothing. The decoded values are
   then validated like any push (finite, the right length).
 
-Byte counts are exact and depend only on the sizes: :meth:`Compressor.nbytes`
-equals ``len(payload)``, so a simulator charges the real wire size.
+Segment pushes: a piece whose update is exactly zero everywhere (a leaf that
+did not move: the fragments a streaming DiLoCo push leaves out) is not sent.
+A payload that leaves pieces out, when that makes it shorter, is a *segment
+payload*: a header (``SEGMENTS``: magic ``0xE5``, the count of pieces sent
+and the payload's length in bytes), the indices of the pieces sent (in the
+shard's piece table, increasing, uint32), then their codec payloads; the
+shard decodes zeros for the others. A piece's error-feedback residual is left
+as it was while the piece is not sent. A shard with nothing to apply still
+gets a header-only payload (12 bytes): every push reaches every shard, so
+sequence numbers, clocks and BSP rounds stay the same on all of them.
+
+Byte counts are exact: :meth:`Compressor.nbytes` is the longest payload (every
+piece sent, ``len(payload)`` of a dense push); :meth:`Compressor.sent_nbytes`
+the length of the push just encoded, which depends only on the sizes of the
+pieces it sent, so a simulator charges the real wire size.
 
 Example:
     >>> import numpy as np
@@ -50,6 +63,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -64,6 +78,15 @@ from stalewise.segments import Segments
 __all__ = ["Compressor", "Decoder", "Feedback", "PayloadError", "Piece", "is_identity"]
 
 log = logging.getLogger(__name__)
+
+SEGMENTS = struct.Struct("<BBHII")  # magic, 0, 0, pieces sent, the payload's length in bytes
+SEGMENT_MAGIC = 0xE5
+_INDEX = np.dtype("<u4")
+
+
+def segment_nbytes(sizes: Sequence[int]) -> int:
+    """The length of a segment payload holding codec payloads of ``sizes`` bytes."""
+    return SEGMENTS.size + _INDEX.itemsize * len(sizes) + sum(sizes)
 
 
 class Piece(NamedTuple):
@@ -121,6 +144,10 @@ def plan(
             pieces.append(Piece(name, start, stop, leaf))
         out.append(pieces)
     return out
+
+
+def _piece_nbytes(p: Piece, dtype: Any) -> int:
+    return p.codec.nbytes(p.stop - p.start, dtype)
 
 
 def warm_up(pieces: Sequence[Piece]) -> None:
@@ -184,17 +211,50 @@ class Decoder:
             out = np.empty(self.size, np.float32)
         elif out.shape != (self.size,):
             raise ValueError(f"shard {self.shard}: out of shape {out.shape}, not ({self.size},)")
-        offset = 0
-        for p in self.pieces:
+        sent, offset, length = self._segments(mv)
+        if sent is not None:
+            out.fill(0)
+        for i in range(len(self.pieces)) if sent is None else sent:
+            p = self.pieces[i]
             where = f"shard {self.shard}, leaf {p.name!r} ({p.codec!r})"
             lo, hi = p.start - self.start, p.stop - self.start
             offset = p.codec.decode_at(mv, offset, out[lo:hi], where)
-        if offset != len(mv):
+        if offset != length:
             raise PayloadError(
-                f"shard {self.shard}: payload of {len(mv)} bytes, expected {offset} "
-                f"({len(mv) - offset} bytes too many)"
+                f"shard {self.shard}: payload of {length} bytes, expected {offset} "
+                f"({length - offset} bytes too many)"
             )
         return out
+
+    def length(self, payload: Any) -> int:
+        """The bytes of ``payload`` that carry the push: a segment payload's own length
+        (it may sit in a longer buffer), else all of them."""
+        mv = codecs.as_bytes(payload)
+        if len(mv) >= SEGMENTS.size and mv[0] == SEGMENT_MAGIC:
+            return min(SEGMENTS.unpack_from(mv)[4], len(mv))
+        return len(mv)
+
+    def _segments(self, mv: memoryview) -> tuple[list[int] | None, int, int]:
+        """A segment payload's pieces sent, where their payloads start, and its length;
+        ``(None, 0, len(mv))`` for a dense payload (every piece, back to back)."""
+        if not len(mv) or mv[0] != SEGMENT_MAGIC:
+            return None, 0, len(mv)
+        if len(mv) < SEGMENTS.size:
+            raise PayloadError(f"shard {self.shard}: a segment header cut at {len(mv)} bytes")
+        _, _, _, count, length = SEGMENTS.unpack_from(mv)
+        start = SEGMENTS.size + _INDEX.itemsize * count
+        if count > len(self.pieces) or not start <= length <= len(mv):
+            raise PayloadError(
+                f"shard {self.shard}: a segment payload of {count} pieces and {length} bytes "
+                f"(this shard has {len(self.pieces)} pieces, the buffer {len(mv)} bytes)"
+            )
+        sent = np.frombuffer(mv, _INDEX, count, SEGMENTS.size).tolist()
+        if np.any(np.diff(sent) <= 0) or (sent and sent[-1] >= len(self.pieces)):
+            raise PayloadError(
+                f"shard {self.shard}: segment piece indices {sent[:8]} are not increasing "
+                f"indices of its {len(self.pieces)} pieces"
+            )
+        return sent, start, length
 
 
 class Compressor:
@@ -224,6 +284,8 @@ class Compressor:
         ]
         self.error_feedback = any(p.codec.error_feedback for ps in self.pieces for p in ps)
         self._scratch_buf: np.ndarray | None = None  # error feedback decodes into it
+        # per shard, the pieces the last encoded push sent (None: all, a dense payload)
+        self.sent: list[list[int] | None] = [None] * len(self.ranges)
 
     def decoder(self, k: int) -> Decoder:
         """The decoder of shard ``k``'s payloads."""
@@ -245,6 +307,18 @@ class Compressor:
         return sum(
             p.codec.nbytes(max(round((p.stop - p.start) * scale), 0), dtype) for p in self.pieces[k]
         )
+
+    def sent_nbytes(
+        self, k: int, dtype: Any = np.float32, scale: float = 1.0, sent: Any = "last"
+    ) -> int:
+        """The length of shard ``k``'s payload of the push encoded last (``sent``: its
+        pieces sent, :attr:`sent`, by default), scaled as :meth:`nbytes` is."""
+        sent = self.sent[k] if isinstance(sent, str) else sent
+        if sent is None:
+            return self.nbytes(k, dtype, scale)
+        pieces = [self.pieces[k][i] for i in sent]
+        n = [max(round((p.stop - p.start) * scale), 0) for p in pieces]
+        return segment_nbytes([p.codec.nbytes(m, dtype) for p, m in zip(pieces, n, strict=True)])
 
     def decode(self, payloads: Sequence[Any], out: np.ndarray) -> np.ndarray:
         """Every shard's payload decoded into its slice of ``out`` (the whole flat vector),
@@ -342,8 +416,22 @@ class Compressor:
                     f"shard {k}: buffer of {len(mv)} bytes, the payload has "
                     f"{self.nbytes(k, flat.dtype)}"
                 )
-            offset = 0
-            for p in pieces:
+            sent = [i for i, p in enumerate(pieces) if flat[p.start : p.stop].any()]
+            sizes = [_piece_nbytes(pieces[i], flat.dtype) for i in sent]
+            if len(sent) == len(pieces) or segment_nbytes(sizes) >= len(mv):
+                sent = list(range(len(pieces)))  # dense: every piece, back to back
+                self.sent[k], offset = None, 0
+            else:
+                self.sent[k], offset = sent, SEGMENTS.size + _INDEX.itemsize * len(sent)
+                SEGMENTS.pack_into(mv, 0, SEGMENT_MAGIC, 0, 0, len(sent), segment_nbytes(sizes))
+                mv[SEGMENTS.size : offset] = np.asarray(sent, _INDEX).tobytes()
+            if out is not None and feedback:  # a piece not sent keeps its residual
+                for i in sorted(set(range(len(pieces))) - set(sent)):
+                    p = pieces[i]
+                    if p.codec.error_feedback:
+                        out.residual[p.start : p.stop] = state.residual[p.start : p.stop]
+            for i in sent:
+                p = pieces[i]
                 n = p.stop - p.start
                 end = offset + p.codec.nbytes(n, flat.dtype)
                 dst = mv[offset:end]

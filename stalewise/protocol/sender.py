@@ -125,6 +125,7 @@ class Sender:
         self._payloads: Sequence[Any] | None = None  # of the push being prepared
         self._encoded = False  # a new residual is in the other buffer, not yet committed
         self._decoded: np.ndarray | None = None  # the payloads decoded back, for the verdict
+        self._sent: list[Any] = [None] * self.shards
 
     # -- versions ---------------------------------------------------------------------
 
@@ -170,6 +171,13 @@ class Sender:
             comp.encode_into(flat, payloads, old, out=new)  # the new residual is always in `new`
             self._encoded = True
         self._payloads = payloads
+        self._sent = list(comp.sent)  # per shard, the pieces sent (a segment push) or None
+
+    def sent_nbytes(self, k: int, dtype: Any = np.float32, scale: float = 1.0) -> int:
+        """The length of shard ``k``'s payload of the push encoded last (only its pieces
+        that are not all zero, :mod:`~stalewise.protocol.compress`), ``scale`` as in
+        :meth:`Compressor.nbytes <stalewise.protocol.compress.Compressor.nbytes>`."""
+        return self.compressor.sent_nbytes(k, dtype, scale, self._sent[k])
 
     def judge(self, flat: np.ndarray | None = None, *, into: np.ndarray | None = None) -> Outgoing:
         """The commit rule's verdict on the push being prepared, judged once for every shard

@@ -627,7 +627,8 @@ class Shard:
 
     def _decode(self, payload: Any) -> tuple[Any, int]:
         """A push's values and its size as received: without a decoder the payload itself;
-        with one, its bytes decoded into a buffer kept from push to push.
+        with one, its bytes decoded into a buffer kept from push to push (a segment
+        payload's length is its own: it may sit in a longer buffer).
 
         Raises:
             Rejected: ``bad_payload``, a compressed payload that does not decode.
@@ -640,7 +641,7 @@ class Shard:
             values = self.decoder.decode(payload, self._decoded)
         except PayloadError as e:  # corrupt, truncated, foreign, or not bytes at all
             raise Rejected("bad_payload", str(e)) from None
-        return values, memoryview(payload).nbytes
+        return values, self.decoder.length(payload)
 
     def _check_payload(self, payload: Any, *, judge_overflow: bool) -> None:
         if not isinstance(payload, np.ndarray):

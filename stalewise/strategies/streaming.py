@@ -18,12 +18,16 @@ pushes, the same server optimizer, bit for bit (``tests/test_streaming.py``).
 How it maps on the parameter server
 -----------------------------------
 A strategy step is one pull, the inner steps up to the next sync point, and
-one push. The push is the whole flat vector, as every push is: the fragment's
-pseudo-gradient ``ref_p - local_p`` and zeros elsewhere (a model's buffers
-report their values in every push, as in DiLoCo). The global fragment to merge
-is read from the pull that follows the push (the strategy ``settles``: the pull
-includes the push), kept, and merged ``delay`` inner steps later; the other
-fragments of that pull are not used.
+one push. The push is the fragment's pseudo-gradient ``ref_p - local_p`` and
+zeros elsewhere (a model's buffers report their values in every push, as in
+DiLoCo); with a codec (``int4``, ``int8``...) it travels as a *segment push*:
+each shard's payload carries only the leaves that are not all zero, with their
+indices (:mod:`stalewise.protocol.compress`), so a push costs the bytes of its
+fragment, and a shard holding none of it gets a 12-byte header (every push
+reaches every shard: sequence numbers, clocks and BSP rounds stay in step).
+The global fragment to merge is read from the pull that follows the push (the
+strategy ``settles``: the pull includes the push), kept, and merged ``delay``
+inner steps later; the other fragments of that pull are not used.
 
 The server must step only the pushed fragment: Nesterov momentum stepped on
 the zeros of the other fragments would keep moving them. The recommended
@@ -47,8 +51,7 @@ asynchronous DiLoCo does for the whole model. A slow worker holds nobody back.
 What is not done here: the push still blocks the worker (the loop pulls
 before the next inner step), so the ``delay`` models *when* the global
 fragment is merged, not wall-clock overlap of communication with computation;
-and the wire carries the whole vector (the zeros too) with the job's codec:
-per-fragment bytes need the push protocol to send part of the vector (see
+and without a codec a push is the whole vector, zeros included (see
 ``docs/design-notes.md``, "Streaming DiLoCo").
 
 Example:

@@ -187,7 +187,8 @@ class _Host:
             "push_time_mean": state.totals["push"] / n,
             "compute_time_mean": state.totals["compute"] / max(state.pushes, 1),
             "comm_time_mean": (state.totals["pull"] + state.totals["push"]) / n,
-            "push_bytes": sum(state.wire_bytes),  # one push, every shard (model_bytes scaled)
+            "push_bytes": sum(state.wire_bytes),  # one dense push, every shard (scaled)
+            "pushed_bytes": state.pushed_bytes,  # every push sent, as sent (model_bytes scaled)
             "pull_bytes": state.pull_bytes_mean(),  # one pull, every shard: the mean (scaled)
             "shards": [
                 {

@@ -137,6 +137,7 @@ class _SimWorker:
     sender: Sender | None = None  # one per incarnation, each its predecessor's successor
     feedback: Any = None  # the error feedback a resumed run starts from
     payloads: list[bytearray] | None = None  # its push's payloads, one per shard
+    push_bytes: list[float] | None = None  # the wire size of each slice of its push in flight
     replica: pulls.Replica | None = None  # the incarnation's copy (delta pulls)
     batches: Any = None  # its stream (a restart starts a new one)
     joined_at: int = 0  # the shards' clock for it when it (re)joined
@@ -199,6 +200,7 @@ class Simulation:
             self.pull_servers = [
                 pulls.PullServer.for_shard(config, k, shard) for k, shard in enumerate(self.shards)
             ]
+        self.pushed_bytes = 0.0  # bytes of every push slice sent (model_bytes scaled)
         self.pulled = [0.0, 0]  # bytes of every pull slice served (model_bytes scaled), slices
         self.links = Links(sim.network, workers, S)
         self.lat, self.service = sim.network.latency, sim.service
@@ -500,6 +502,12 @@ class Simulation:
             except Exception as e:
                 self.crash(wk, e)
                 return
+            # a segment push (fragments, zero leaves) sends its pieces only
+            dtype = self.params.dtype
+            wk.push_bytes = [sender.sent_nbytes(k, dtype, self.scale) for k in range(self.S)]
+        else:
+            wk.push_bytes = self.wire_bytes
+        self.pushed_bytes += sum(wk.push_bytes)
         self.pushes += 1
         self.last_loss[wk.id] = wk.loss_next
         if self.judging:  # what the sender knows: exact here
@@ -511,7 +519,7 @@ class Simulation:
         wk.acks = [None] * self.S
         wk.acking, wk.push_mark = self.S, self.now
         for k in range(self.S):
-            self.transfer(wk.id, self.P + k, self.wire_bytes[k], _PUSH_HEAD, wk, k)
+            self.transfer(wk.id, self.P + k, wk.push_bytes[k], _PUSH_HEAD, wk, k)
         if wk.settle:
             wk.phase = _SETTLING
             return
@@ -804,7 +812,7 @@ class Simulation:
             elif kind == _PULL_HEAD:
                 self.at(self.links.receive(w, wk.pull_bytes[k], t, x), _PULL_RESP, w, k, i)
             elif kind == _PUSH_HEAD:
-                done = self.links.receive(self.P + k, self.wire_bytes[k], t, x)
+                done = self.links.receive(self.P + k, wk.push_bytes[k], t, x)
                 self.at(done, _PUSH_IN, w, k, i)
             elif kind == _PULL_RESP:
                 wk.pending -= 1
