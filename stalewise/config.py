@@ -70,6 +70,10 @@ constructor itself (``strategy.local_steps: must be an integer >= 1, got 0``):
                ``outer_momentum``, ``asynchronous``, ``every``, ``schedule``
 =============  ===========================================================================
 
+``streaming_diloco`` takes ``diloco``'s options but ``reset_inner``, ``dynamic`` and
+``period``, and ``fragments`` (a count, or a list of leaf-name patterns), ``offsets``,
+``delay`` and ``alpha``.
+
 ``local_steps`` is ``H``, the local steps per push, in every strategy;
 ``every`` is only delayed Nesterov's ``N`` (asynchronous DiLoCo), ``period``
 only seconds (``dynamic``). The old keys ``steps`` (``local_sgd``, ``diloco``,
@@ -207,10 +211,12 @@ TABLES = {
 }
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb", "lars")
 SCHEDULES = ("constant", "warmup_cosine", "step_decay")
-STRATEGIES = ("gradients", "local_sgd", "diloco", "easgd", "adaptive")
+STRATEGIES = ("gradients", "local_sgd", "diloco", "streaming_diloco", "easgd", "adaptive")
 PERIOD_SCHEDULES = ("comm_budget", "adacomm", "fixed")  # strategy.schedule of "adaptive"
 #: The option a ``NAME:H`` value of ``stalewise sim --over strategy`` sets, per strategy.
-PERIOD_KEY = dict.fromkeys(("local_sgd", "diloco", "easgd", "adaptive"), "local_steps")
+PERIOD_KEY = dict.fromkeys(
+    ("local_sgd", "diloco", "streaming_diloco", "easgd", "adaptive"), "local_steps"
+)
 CONSISTENCY = ("asp", "ssp", "bsp", "hybrid")
 STALENESS_PARAM = {"exponential": "base", "polynomial": "power"}  # server.staleness_param
 

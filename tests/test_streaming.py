@@ -274,3 +274,30 @@ def test_two_workers_converge_in_the_local_runtime(no_leaks):
     result = job.train(loss_and_grad, data=TASK.batches, workers=2, steps=60, timeout=120)
     assert result.pushes >= 60
     assert evaluate(result.params) < 0.1 * start
+
+
+# -- the config file ---------------------------------------------------------------------------------
+
+
+def test_a_config_file_names_streaming_diloco():
+    from stalewise.config import ConfigError, strategy_from_table
+
+    table = {
+        "name": "streaming_diloco",
+        "local_steps": 12,
+        "fragments": ["^a", "^b"],
+        "delay": 2,
+        "alpha": 0.5,
+        "inner": {"name": "adamw", "lr": 0.01},
+    }
+    s = strategy_from_table(table)
+    assert s == streaming_diloco(
+        local_steps=12, inner=sw.optim.adamw(0.01), fragments=["^a", "^b"], delay=2, alpha=0.5
+    )
+    with pytest.raises(
+        ConfigError, match=r"strategy\.delay: must be an integer in \[0, local_steps=12\), got 12"
+    ) as e:
+        strategy_from_table({**table, "delay": 12})
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"strategy\.reset_inner: unknown option"):
+        strategy_from_table({**table, "reset_inner": True})
