@@ -2,10 +2,12 @@
 
 A loop you own pulls right after it pushes, and the default ``client.pull()``
 must hold that push. A busy shard publishes a snapshot only every
-``PUBLISH_EVERY``; before this fix the pull waited for that publish (the own
-loop ran 17-30% slower). Now a shard answers a turn's pushes after its publish,
-so after an idle turn the snapshot holds the push, and a worker whose snapshot
-lacks it asks the shard, which serves the pull behind the push at once.
+``PUBLISH_EVERY``; a pull that waited for that publish made the own loop 17-30%
+slower. Now a pull whose push is not acknowledged yet asks each shard at once,
+behind the push on the same pipe, and the shard serves it in the turn that
+applies the push, replying before it publishes; a pull after the ack reads a
+snapshot that holds the push (an idle shard publishes before it acks), and asks
+a shard whose snapshot does not.
 
 These tests run one shard's loop (:class:`ShardProcess`, the body of a shard
 process) on a thread of the test process, so that it can be made busy and its
@@ -34,7 +36,7 @@ TIMEOUT = 20.0  # seconds: only a regression waits this long (a missing publish)
 class ShardThread:
     """Shard 0 of a one-shard job, its loop on a thread, and a client per worker."""
 
-    def __init__(self, workers: int, *, busy: bool, consistency=None):
+    def __init__(self, workers: int, *, busy: bool, consistency=None, run: bool = True):
         job = sw.Job(
             {"w": np.zeros(N, np.float32)},
             optimizer=sw.optim.sgd(1.0),
@@ -59,7 +61,8 @@ class ShardThread:
         self._stop = threading.Event()
         self._error: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        if run:
+            self._thread.start()
 
     def _run(self) -> None:
         try:
@@ -73,7 +76,8 @@ class ShardThread:
         for c in self.clients:
             c.close()
         self._stop.set()
-        self._thread.join(10)
+        if self._thread.is_alive():
+            self._thread.join(10)
         for p in list(self.proc.pipes):
             p.close()
         self._control.close()
@@ -120,17 +124,49 @@ def test_a_pull_after_a_push_on_a_busy_shard_is_served_without_waiting_for_a_pub
     assert s.layout.params(s.block)[0] == -3.0
 
 
-def test_an_idle_shard_publishes_before_it_acks_so_the_pull_reads_the_snapshot(shards):
-    """An idle shard publishes at once, and answers the push after that publish, so the
-    worker's pull reads the snapshot that holds its push: no request, no served pull."""
+def test_an_idle_shard_publishes_before_it_acks_so_a_pull_after_the_ack_reads_the_snapshot(
+    shards,
+):
+    """An idle shard that serves no pull publishes at once and acks after that publish,
+    so a pull after the ack reads the snapshot that holds the push: no request."""
     s = shards(1)
     client = s.clients[0]
     client.pull(timeout=TIMEOUT)
     for step in range(1, 4):
         client.push({"w": np.ones(N, np.float32)})
+        assert client.wait(timeout=TIMEOUT).versions == (step,)
         params = client.pull(timeout=TIMEOUT)
         np.testing.assert_array_equal(params["w"], np.full(N, -float(step), np.float32))
     assert client.own_requests == 0 and s.proc.served == 0
+
+
+def test_a_pull_right_after_a_push_asks_before_the_ack_and_is_answered_before_the_publish(
+    shards,
+):
+    """The pull does not wait for the push's ack to ask: its request is in the pipe
+    behind the push before the shard has run at all (before the fix it waited for the
+    ack, and asked only once a busy shard's snapshot lacked the push). The shard
+    handles both in one turn, and sends the ack and the served pull before it
+    publishes, if it does (as a busy turn, at most every PUBLISH_EVERY): the worker
+    waits for no copy into the snapshot."""
+    s = shards(1, run=False)  # the test turns the shard's loop itself
+    client = s.clients[0]
+    client.pull(timeout=TIMEOUT)  # the snapshot published at start
+    order = []
+    for name in ("answer", "publish_now"):
+        method = getattr(s.proc, name)
+        setattr(s.proc, name, lambda m=method, n=name: (order.append(n), m())[1])
+    client.push({"w": np.ones(N, np.float32)})
+    with pytest.raises(TimeoutError):
+        client.pull(timeout=0.01)  # the shard does not run: no ack
+    assert client.own_requests == 1  # asked, behind the push
+    s.proc.turn(TIMEOUT)
+    s.proc.settle()
+    assert s.proc.served == 1 and order[0] == "answer"  # then perhaps publish_now
+    params = client.pull(timeout=TIMEOUT)
+    assert client.pull_has_own and client.last_result.versions == (1,)
+    np.testing.assert_array_equal(params["w"], np.full(N, -1.0, np.float32))
+    assert client.own_requests == 1  # the request of the timed-out pull was answered
 
 
 def test_own_false_reads_the_snapshot_and_may_miss_the_push(shards, monkeypatch):

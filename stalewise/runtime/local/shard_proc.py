@@ -6,15 +6,15 @@ snapshots for pulls, and answers control messages from the parent
 (:class:`~stalewise.runtime.local.server.LocalServer`).
 
 One turn of its loop (:meth:`ShardProcess.turn`, then :meth:`ShardProcess.settle`)
-handles every message that has arrived, then publishes a snapshot (at once when
-idle, every :data:`PUBLISH_EVERY` seconds at most while more messages wait), then
-answers the turn's pushes, then serves the pulls asked for. The acks go out
-after the publish so that a worker reading its own push back (read-your-writes,
-:meth:`Client.pull <stalewise.runtime.local.client.Client.pull>`) finds it in the
-snapshot whenever the shard was idle; when the shard was busy and deferred the
-publish, that worker asks for a served pull instead, which the shard handles
-behind the push on the same pipe: a read-your-writes pull never waits for the
-next publish.
+handles every message that has arrived, serves the pulls asked for (their gates
+open), answers the turn's pushes and pulls, and publishes a snapshot (at once
+when idle, every :data:`PUBLISH_EVERY` seconds at most while more messages wait).
+A worker reading its own push back (read-your-writes, :meth:`Client.pull
+<stalewise.runtime.local.client.Client.pull>`) asks for its pull behind the push
+on the same pipe, so a turn that served pulls replies first and publishes
+after, as a busy turn does: those workers wait for the apply and one copy,
+never for a publish. A turn that served none publishes before it acks, so an
+idle shard's snapshot holds a push by the time its ack arrives.
 
 Messages are the fixed binary records of :mod:`stalewise.protocol.wire`. A
 worker's pipe is read without blocking, as bytes arrive (:class:`WorkerPipe`),
@@ -260,13 +260,18 @@ class ShardProcess:
         starts = [p.partial_since for p in self.pipes if p.partial_since is not None]
         return min(starts) + PARTIAL_TIMEOUT if starts else None
 
-    def serve_waiting_pulls(self) -> None:
+    def serve_waiting_pulls(self) -> int:
+        """Serves the pulls whose gate is open into their pull buffers; their replies go
+        out behind this turn's acks (:meth:`answer`). Returns how many it served."""
+        served = 0
         for w in sorted(self.waiting):
             if self.shard.live[w] and self.shard.may_start(w):
                 self.waiting.discard(w)
                 version = self.shard.pull(w, self.pulls[w], now=time.monotonic())
-                self.served += 1
-                self.reply(self.current[w], wire.pulled(version))
+                self.answers.append((self.current[w], wire.pulled(version)))
+                served += 1
+        self.served += served
+        return served
 
     # -- the loop ------------------------------------------------------------------
 
@@ -288,14 +293,18 @@ class ShardProcess:
         return True
 
     def settle(self) -> None:
-        """After a turn: publish (or not, see :meth:`publish`), then the acks, then the
-        served pulls. An ack sent after the publish lets its worker read its own push
-        from the snapshot when the shard was idle; when it was busy, that worker asks for
-        a served pull, handled behind the push (see the module docstring)."""
+        """After a turn: the served pulls, the acks, and a publish (or not, see
+        :meth:`publish`). A turn that served pulls answers first, and then publishes as
+        a busy one would: those workers have their copy, the snapshot is for the
+        others. Otherwise the publish goes first, so an idle shard's snapshot holds a
+        push when its ack arrives (see the module docstring)."""
         busy = self.busy()
-        self.publish(busy=busy)
+        served = self.serve_waiting_pulls()
+        if not served:
+            self.publish(busy=busy)
         self.answer()
-        self.serve_waiting_pulls()
+        if served:
+            self.publish(busy=True)
         if not busy:
             self.shard.prepare()  # the next step's undo copy, made while no push waits for it
 
