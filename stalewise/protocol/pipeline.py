@@ -59,6 +59,13 @@ def answer_at_acks(push: Any) -> bool:
     return bool(push.settle)
 
 
+def exact_pulls(config: Any) -> bool:
+    """Whether a worker's pull must be served the shard's current parameters, asked of
+    the shard (a gated model: the gate is the shard's; DC-ASGD: the shard keeps the pull),
+    rather than the newest snapshot it published."""
+    return config.consistency.gated or bool(config.staleness.dc_lambda)
+
+
 def reads_snapshots(config: Any, *, incarnation: int, joined_at: int) -> bool:
     """Whether a worker's pulls read the shards' newest snapshots (subject to
     :func:`may_read`) rather than ask each shard.
@@ -79,3 +86,34 @@ def may_read(consistency: Consistency, committed: int, min_clocks: Iterable[int]
     included) may read the snapshots, the shards' slowest live clocks being
     ``min_clocks``: every shard's gate lets it start."""
     return all(consistency.may_start(committed, int(c)) for c in min_clocks)
+
+
+class Publication:
+    """When a shard publishes a new snapshot of its slice for the pulls that read one
+    (ASP; Ray's shard actors): at once for an exact pull (:func:`exact_pulls`, or a
+    read-your-writes pull that needs a newer version), else at most every ``every``
+    seconds, and more rarely if publishing would take more than ``share`` of the
+    shard's time (a large slice under a stream of pushes).
+    """
+
+    def __init__(self, every: float, share: float = 0.25):
+        self.every, self.share = every, share
+        self.version, self.at, self.cost = -1, float("-inf"), 0.0  # cost: a moving average
+
+    def due(self, version: int, now: float, *, exact: bool) -> bool:
+        """Whether to publish ``version`` now, for a pull (``exact``: one that must read it)."""
+        return self.version < 0 or (
+            self.version != version and (exact or now - self.at >= self.every)
+        )
+
+    def published(self, version: int, *, start: float, end: float) -> None:
+        """``version`` was published between ``start`` and ``end`` (seconds)."""
+        self.version, self.at = version, end
+        self.cost = 0.8 * self.cost + 0.2 * (end - start)
+
+    def wait(self, version: int, now: float, extra: float = 0.0) -> float | None:
+        """After a push: seconds until ``version`` is to be published (<= 0: now; None:
+        it is published). ``extra``: what a publication costs beyond the copy (seconds)."""
+        if self.version == version:
+            return None
+        return self.at + max(self.every, (self.cost + extra) / self.share) - now

@@ -65,7 +65,7 @@ from stalewise.protocol.compress import Compressor, Feedback
 from stalewise.protocol.messages import Ack, PushResult
 from stalewise.segments import Segments
 
-__all__ = ["Outgoing", "Sender"]
+__all__ = ["History", "Outgoing", "Sender"]
 
 
 class Outgoing(NamedTuple):
@@ -239,3 +239,36 @@ class Sender:
         if self._buffers is not None:
             return self._buffers[0].dtype
         return np.float32 if flat is None else flat.dtype
+
+
+class History:
+    """A worker id's error-feedback residuals after its recent pushes, over incarnations:
+    where a runtime finds the residual that matches the pushes the shards applied (a
+    checkpoint's cut, or the point a dead incarnation's successor resumes from) when
+    the sender itself is gone with its worker (Ray keeps one in each worker id's keeper
+    actor, and one in the driver).
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[int, int], np.ndarray] = {}  # (incarnation, pushes) -> residual
+
+    def keep(self, inc: int, pushes: int, residual: np.ndarray, *, acked: int) -> None:
+        """Keeps (a copy of) the residual after the first ``pushes`` pushes of incarnation
+        ``inc``. ``acked``: that incarnation's pushes every shard has acknowledged; the
+        residuals after fewer, and every other incarnation's, are no longer wanted."""
+        for key in [k for k in self._kept if k[0] != inc or k[1] < acked]:
+            del self._kept[key]
+        self._kept[(inc, pushes)] = np.array(residual)
+
+    def at(self, inc: int, pushes: int | None) -> np.ndarray | None:
+        """The residual after the first ``pushes`` pushes of incarnation ``inc`` (None: not
+        kept, or ``pushes`` unknown)."""
+        return self._kept.get((inc, pushes))
+
+    def latest(self) -> np.ndarray | None:
+        """The residual after the most pushes of the newest incarnation kept (None: none)."""
+        return self._kept[max(self._kept)] if self._kept else None
+
+    def clear(self) -> None:
+        """Forgets every residual (none is known until the next :meth:`keep`)."""
+        self._kept.clear()

@@ -189,6 +189,9 @@ class Shard:
         # the live workers the gates count: expected ones, and joiners from their first
         # pull or push (a joiner that has not started holds no round and no bound)
         self.counted = self.live.copy()
+        # a runtime whose channels outlive an incarnation (Ray): the one it hears (0: none)
+        self.admitted = np.zeros(workers, dtype=np.int64)
+        self.retired = np.zeros(workers, dtype=np.int64)  # the newest incarnation cut off
         self._clocks = _ClockTracker(expected)  # counted workers per clock, slowest clock
         self.stats = ShardStats()
         # DC-ASGD: the params each worker pulled (only kept when compensation is on).
@@ -388,6 +391,39 @@ class Shard:
         if self._pace is not None:
             self._pace.forget(worker)
 
+    def admit(self, worker: int, incarnation: int) -> None:
+        """:meth:`join`, and from now on the runtime hears only this incarnation of
+        ``worker`` (:meth:`dropped`); the one it heard before is cut off."""
+        self.join(worker, incarnation)
+        self.retire(worker)
+        self.admitted[worker] = incarnation
+
+    def retire(self, worker: int, incarnation: int | None = None) -> None:
+        """Cuts ``worker``'s admitted incarnation off (if it is ``incarnation``, when given):
+        nothing it sends is handled from now on, though it stays live until it departs."""
+        if self.admitted[worker] and incarnation in (None, self.admitted[worker]):
+            self.retired[worker] = max(self.retired[worker], self.admitted[worker])
+            self.admitted[worker] = 0
+
+    def may_serve(self, worker: int, incarnation: int, pushed: int = 0) -> bool:
+        """Whether a pull of ``worker``'s admitted ``incarnation`` may be answered now: it is
+        live, :meth:`may_start` lets it, and under a gated model its ``pushed`` pushes have
+        all arrived (the gate must see its clock)."""
+        return bool(
+            self.admitted[worker] == incarnation
+            and self.live[worker]
+            and (not self.consistency.gated or self.next_seq[worker] >= pushed)
+            and self.may_start(worker)
+        )
+
+    def dropped(self, worker: int, incarnation: int) -> int | None:
+        """Why the runtime drops what ``worker``'s ``incarnation`` sends: the newer
+        incarnation admitted since, 0 (it was cut off), or None (it is admitted, or not
+        yet: wait)."""
+        if self.admitted[worker] > incarnation:
+            return int(self.admitted[worker])
+        return 0 if self.retired[worker] >= incarnation else None
+
     def depart(
         self,
         worker: int,
@@ -405,13 +441,23 @@ class Shard:
         self._check_worker(worker)
         if incarnation != self.incarnation[worker]:
             return None
-        ack = None
-        if committed is not None and self.live[worker]:
-            header, payload, verdict = committed
-            if header.incarnation == incarnation and header.seq == self.next_seq[worker]:
-                ack = self.push(header, payload, verdict=verdict)
+        ack = None if committed is None else self.deliver(worker, incarnation, committed)
         self.leave(worker)
         return ack
+
+    def deliver(
+        self, worker: int, incarnation: int, committed: tuple[PushHeader, Any, commit.Verdict]
+    ) -> Ack | None:
+        """Handles ``committed`` (as in :meth:`depart`) if it is the next push of
+        ``worker``'s live ``incarnation``; returns its ack (None: not handled)."""
+        header, payload, verdict = committed
+        if (
+            incarnation == header.incarnation == self.incarnation[worker]
+            and self.live[worker]
+            and header.seq == self.next_seq[worker]
+        ):
+            return self.push(header, payload, verdict=verdict)
+        return None
 
     def expire_unstarted(self) -> list[int]:
         """Drops the expected workers that never joined (a start-up lease ran out).

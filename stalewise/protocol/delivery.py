@@ -1,0 +1,113 @@
+"""The commit rule across shards that a sender reaches one call at a time (Ray).
+
+A sender can die between its calls to the shards. Each shard then keeps what it
+needs to repair the others: its :class:`Ledger` holds a worker's pushes that not
+every shard has acknowledged; once every shard has cut the gone incarnation off
+and said how many of its pushes it handled, :func:`departure` says which shard
+the missing ones are read from and what each other shard lacks. A :class:`Cut`
+brings every shard to the same pushes (:func:`targets`) before its state is
+copied (backups, checkpoints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class Ledger:
+    """A shard's record of each worker's pushes not yet acknowledged by every shard."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, dict[int, tuple[int, Any]]] = {}  # w -> {seq: (inc, entry)}
+
+    def keep(self, w: int, inc: int, seq: int, *, acked: int, entry: Any) -> None:
+        """Keeps push ``seq`` of ``w``'s incarnation ``inc``; forgets that incarnation's
+        pushes below ``acked`` (every shard has them) and every other incarnation's."""
+        window = self._kept.setdefault(w, {})
+        for old in [n for n, (i, _) in window.items() if n < acked or i != inc]:
+            del window[old]
+        window[seq] = (inc, entry)
+
+    def between(self, w: int, inc: int, start: int, stop: int) -> list | None:
+        """The entries of pushes ``start .. stop - 1`` of ``w``'s incarnation ``inc``, in
+        order (None if any of them is no longer kept)."""
+        window = self._kept.get(w, {})
+        got = [window[n][1] for n in range(start, stop) if window.get(n, (None,))[0] == inc]
+        return got if len(got) == stop - start else None
+
+    def forget(self, w: int | None = None) -> None:
+        """Forgets worker ``w``'s pushes (None: every worker's)."""
+        if w is None:
+            self._kept.clear()
+        else:
+            self._kept.pop(w, None)
+
+
+def departure(counts: Sequence[int | None]) -> tuple[int | None, dict[int, tuple[int, int]]]:
+    """Where a gone incarnation's pushes are repaired from: ``counts[k]`` is how many of
+    them shard ``k`` handled (None: the incarnation is unknown there). Returns the shard
+    that handled the most (None: no shard handled any) and, for each shard that knows
+    the incarnation and handled fewer, the ``(start, stop)`` of the pushes it lacks."""
+    top = max((n for n in counts if n is not None), default=0)
+    if not top:
+        return None, {}
+    return counts.index(top), {
+        k: (n, top) for k, n in enumerate(counts) if n is not None and n < top
+    }
+
+
+def targets(progress: Sequence[Sequence[tuple[int, int]]]) -> dict[int, tuple[int, int]]:
+    """A consistent cut's target: ``progress[k][w]`` is shard ``k``'s ``(incarnation,
+    pushes handled)`` of worker ``w``; each worker's target is its newest incarnation
+    and the furthest any shard got with it."""
+    out = {}
+    for w in range(len(progress[0])):
+        inc = max(p[w][0] for p in progress)
+        out[w] = (inc, max(p[w][1] for p in progress if p[w][0] == inc))
+    return out
+
+
+class Cut:
+    """One shard's side of a consistent cut: frozen, it holds every push but those below
+    its worker's target; :meth:`reached` says when the state is the cut's."""
+
+    def __init__(self) -> None:
+        self.frozen = False
+        self.targets: dict[int, tuple[int, int]] = {}
+
+    def freeze(self, shard: Any) -> list[tuple[int, int]]:
+        """Holds every push from now on; returns each worker's (incarnation, pushes
+        handled) on ``shard``."""
+        self.frozen, self.targets = True, {}
+        return [(int(shard.incarnation[w]), int(shard.next_seq[w])) for w in range(shard.workers)]
+
+    def aim(self, targets: dict[int, tuple[int, int]]) -> None:
+        """Lets the held pushes below ``targets`` (worker -> (incarnation, seq)) through."""
+        self.targets = dict(targets)
+
+    def holds(self, w: int, inc: int, seq: int) -> bool:
+        """Whether push ``seq`` of ``w``'s incarnation ``inc`` must wait (frozen, and not
+        below its worker's target)."""
+        target = self.targets.get(w)
+        return self.frozen and not (target is not None and target[0] == inc and seq < target[1])
+
+    def waits(self, shard: Any, w: int, inc: int, seq: int) -> bool:
+        """Whether push ``seq`` of ``w``'s admitted incarnation ``inc`` waits at ``shard``: the
+        cut holds it, or an earlier push of it has not arrived (channels need not keep
+        the order of calls)."""
+        return bool(shard.admitted[w] == inc) and (
+            self.holds(w, inc, seq) or (seq > shard.next_seq[w] and shard.incarnation[w] == inc)
+        )
+
+    def reached(self, shard: Any) -> bool:
+        """Whether ``shard`` has handled every push below the targets (an incarnation
+        gone, or replaced, will send nothing more)."""
+        return all(
+            shard.incarnation[w] != inc or not shard.live[w] or shard.next_seq[w] >= seq
+            for w, (inc, seq) in self.targets.items()
+        )
+
+    def thaw(self) -> None:
+        """Lets every held push through."""
+        self.frozen, self.targets = False, {}
