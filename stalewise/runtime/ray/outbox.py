@@ -3,16 +3,15 @@
 :class:`Outbox` wraps one worker id's :class:`~stalewise.protocol.sender.Sender`
 (versions, the commit rule's verdict, the codec's error-feedback residual) with
 what Ray adds: the push buffers (plain vectors, or every shard's payload back to
-back, :func:`~stalewise.runtime.ray.shard.payload_spans`), the residual keeper
-(:mod:`~stalewise.runtime.ray.keeper`) that gets each new residual before any
-shard gets the push, one ``ray.put`` of each push read by every shard, and the
+back, :func:`~stalewise.runtime.ray.shard.payload_spans`), the worker id's
+residual keeper (a :class:`~stalewise.protocol.sender.History` actor that outlives
+the worker's, see ``docs/ray.md``) that gets each new residual before any shard
+gets the push, one ``ray.put`` of each push read by every shard, and the
 reading of its acks into a :class:`~stalewise.protocol.PushResult`.
 
-Its users decide when each step happens: :class:`~stalewise.runtime.ray.worker.WorkerActor`
-prepares on the loop's thread and sends and collects on threads of its own (pushes
-pipelined), :class:`~stalewise.runtime.ray.client.RayClient` does all three on the
-caller's thread (a push is sent at once; its acks are read by ``wait``).
-Nothing here is a protocol rule: the rules are the sender's.
+The worker actor prepares on the loop's thread and sends and collects on a thread
+of its own; the attached client does all three on the caller's thread. Nothing
+here is a protocol rule: the rules are the sender's.
 """
 
 from __future__ import annotations
@@ -119,7 +118,8 @@ class Outbox:
         if self.keeper is None:
             return
         try:
-            ray.get(self.keeper.keep.remote(inc, seq, acked, residual), timeout=self.ack_timeout)
+            kept = self.keeper.keep.remote(inc, seq + 1, residual, acked=acked)
+            ray.get(kept, timeout=self.ack_timeout)
         except (ray.exceptions.RayError, TimeoutError) as e:
             log.warning("worker %d: its residual keeper failed (%s); going on without", self.w, e)
             self.keeper = None

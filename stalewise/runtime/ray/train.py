@@ -4,8 +4,8 @@ The driver starts the shard actors (a placement group of one bundle per shard,
 each on its own node when the cluster has enough nodes), loads a checkpoint if
 resuming, admits every worker's first incarnation, starts one worker actor per
 worker (a second placement group, spread over the nodes; with a codec that keeps
-error feedback, a residual keeper per worker id in the same bundle: see
-:mod:`~stalewise.runtime.ray.keeper`), waits until all are
+error feedback, a residual keeper per worker id in the same bundle, a
+:class:`~stalewise.protocol.sender.History`), waits until all are
 set up, then releases them together and watches:
 it evaluates the parameters every ``eval_interval`` seconds as an observer,
 writes metrics records, drives the progress bar, takes checkpoints and
@@ -32,6 +32,7 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import ServerConfig
+from stalewise.protocol.sender import History
 from stalewise.runtime import driver
 from stalewise.runtime.base import (
     ShardError,
@@ -42,7 +43,6 @@ from stalewise.runtime.base import (
 )
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.ray import cluster, import_ray, liveness
-from stalewise.runtime.ray.keeper import ResidualKeeper
 from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
 from stalewise.runtime.ray.worker import WorkerActor
 from stalewise.strategies import Strategy
@@ -96,13 +96,12 @@ class _Host:
         self.pgs: list = []  # the placement groups: shards, workers
         self.backup: tuple[list, int] | None = None  # (shard states, pushes handled)
         self.targets: dict[int, tuple[int, int]] = {}  # the backup's pushes of each worker
-        # with error feedback: each worker's residual as of fb_at[w] = (incarnation,
-        # pushes), the start of its current incarnation or the end of one that ended
-        # (None: unknown here), and each worker id's keeper (see keeper.py)
+        # with error feedback: each worker's residual at the start of its incarnation or
+        # the end of one that ended, as far as the driver knows it, and each worker id's
+        # keeper (a History actor: the residual of each push, kept before any shard has it)
         comp = config.compressor()
         self.ef = comp is not None and comp.error_feedback
-        self.fb: list[np.ndarray | None] = [None] * self.W
-        self.fb_at: list[tuple[int, int] | None] = [None] * self.W
+        self.fb = [History() for _ in range(self.W)]
         self.keepers: list[Any] = [None] * self.W
         self.ended: list[dict] = []  # what each worker loop that ended normally returned
         self.dead: list[int] = []  # the workers that diverged
@@ -178,8 +177,8 @@ class _Host:
             self.incs[w] = inc
         if self.ef:  # each worker id continues with its saved residual (zeros: none saved)
             assert run.feedback is not None
-            self.fb = [f.residual for f in run.feedback]
-            self.fb_at = [(self.incs[w], 0) for w in range(self.W)]
+            for w, f in enumerate(run.feedback):
+                self.fb[w].keep(self.incs[w], 0, f.residual, acked=0)
         refs = [
             s.load.remote(states[k], base, joins, [], init=self.config.init[lo:hi])
             for k, (s, (lo, hi)) in enumerate(zip(self.shards, self.config.ranges, strict=True))
@@ -202,15 +201,15 @@ class _Host:
             max_restarts=0,
             scheduling_strategy=place,
         )
-        residual = self.fb[w] if self.ef else None  # None: it starts with zeros
+        residual = self.fb[w].latest()  # None: it starts with zeros
         if self.ef and self.keepers[w] is None:  # one per worker id, in the worker's bundle
-            keeper = self.ray.remote(ResidualKeeper).options(
+            keeper = self.ray.remote(History).options(
                 name=f"{self.prefix}:keeper-{w}",
                 num_cpus=0,
                 max_restarts=0,
                 scheduling_strategy="DEFAULT" if self.elastic else place,
             )
-            self.keepers[w] = keeper.remote(w)
+            self.keepers[w] = keeper.remote()
         self.actors[w] = remote.remote(
             self.config_ref,
             self.strategy,
@@ -222,8 +221,8 @@ class _Host:
             self.keepers[w],
             self.liveness.drawn.get(w, 0),  # its new stream skips what its id has drawn
         )
-        if self.ef:
-            self.fb_at[w] = (self.incs[w], 0) if residual is not None else None
+        if residual is not None:
+            self.fb[w].keep(self.incs[w], 0, residual, acked=0)
         self.where[w] = self.actors[w].where.options(concurrency_group=liveness.GROUP).remote()
         return self.actors[w]
 
@@ -464,8 +463,8 @@ class _Host:
             self.live.discard(w)
             self.liveness.heard(w, ended["drawn"])
             if self.ef:  # its residual after its last push, all of them acknowledged
-                inc, pushed, self.fb[w] = ended["feedback"]
-                self.fb_at[w] = (inc, pushed)
+                inc, pushed, residual = ended["feedback"]
+                self.fb[w].keep(inc, pushed, residual, acked=pushed)
             if "diverged" in ended:  # it left; it is not restarted
                 self.dead.append(w)
                 self.retired.add(w)
@@ -549,29 +548,31 @@ class _Host:
 
     def _inherit(self, w: int, pushes: int | None) -> None:
         """With error feedback: worker ``w``'s residual after the last push its dead
-        incarnation committed (``pushes``: how many it committed, None: unknown), read
-        from its keeper, for its next incarnation (or kept with its id if it is dropped)."""
-        inc = self.incs[w]
-        if pushes == 0 and self.fb_at[w] == (inc, 0):
-            return  # it pushed nothing: the residual it started with
-        residual = None
-        if pushes and self.keepers[w] is not None:
-            ray = self.ray
-            try:
-                residual = ray.get(
-                    self.keepers[w].residual.remote(inc, pushes), timeout=self.o.ack_timeout
-                )
-            except (ray.exceptions.RayError, TimeoutError) as e:
-                log.debug("ray: worker %d's keeper did not answer: %s", w, e)
+        incarnation committed (``pushes``: how many it committed, None: unknown), for its
+        next incarnation (or its id, if it is dropped)."""
+        residual = self._residual(w, self.incs[w], pushes)
         if residual is None:
             log.warning(
                 "ray: worker %d's error-feedback residual is lost; its next incarnation "
                 "starts with none",
                 w,
             )
-            self.fb[w], self.fb_at[w] = None, None
+            self.fb[w].clear()
         else:
-            self.fb[w], self.fb_at[w] = np.array(residual), (inc, pushes)
+            self.fb[w].keep(self.incs[w], pushes, residual, acked=pushes)
+
+    def _residual(self, w: int, inc: int, pushes: int | None) -> np.ndarray | None:
+        """Worker ``w``'s residual after the first ``pushes`` pushes of incarnation ``inc``:
+        the driver's, else its keeper's (None: unknown)."""
+        residual = self.fb[w].at(inc, pushes)
+        if residual is None and pushes and self.keepers[w] is not None:
+            ray = self.ray
+            try:
+                got = self.keepers[w].at.remote(inc, pushes)
+                residual = ray.get(got, timeout=self.o.ack_timeout)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                log.warning("ray: worker %d's residual keeper did not answer: %s", w, e)
+        return residual
 
     def _shard_ended(self, ref: Any) -> None:
         """Shard ``watches[ref]``'s actor died: the failure policy, then (restarted) every
@@ -652,8 +653,7 @@ class _Host:
             for w in sorted(self.live):
                 self.incs[w] += 1
                 joins[w] = self.incs[w]
-                if self.ef:  # it keeps its own residual, unknown here until it pushes
-                    self.fb[w], self.fb_at[w] = None, None
+                self.fb[w].clear()  # it keeps its own residual, unknown here until it pushes
             gone = [w for w in range(self.W) if w not in self.live]
             refs = [
                 s.load.remote(states[k], handled, joins, gone) for k, s in enumerate(self.shards)
@@ -762,23 +762,7 @@ class _Host:
         """Each worker's error-feedback residual after the last of its pushes in the
         backup just taken (from the driver, or its keeper); None (no checkpoint this
         time) if one is not known yet."""
-        out: list[Any] = []
-        for w in range(self.W):
-            inc, pushes = self.targets[w]
-            if self.fb[w] is not None and self.fb_at[w] == (inc, pushes):
-                out.append(self.fb[w])
-            elif pushes and self.keepers[w] is not None:
-                out.append(self.keepers[w].residual.remote(inc, pushes))
-            else:
-                out.append(None)
-        refs = [(i, r) for i, r in enumerate(out) if isinstance(r, self.ray.ObjectRef)]
-        try:
-            got = self.ray.get([r for _, r in refs], timeout=self.o.ack_timeout)
-        except (self.ray.exceptions.RayError, TimeoutError) as e:
-            log.warning("ray: checkpoint deferred: a residual keeper did not answer (%s)", e)
-            return None
-        for (i, _), residual in zip(refs, got, strict=True):
-            out[i] = residual
+        out = [self._residual(w, *self.targets[w]) for w in range(self.W)]
         for w, residual in enumerate(out):
             if residual is None:  # e.g. a worker carrying on after a restore, before it pushed
                 log.info("ray: checkpoint deferred: worker %d's residual is not known yet", w)
