@@ -10,9 +10,7 @@ and ``PULL`` for its next step. Between them:
   :func:`answer_at_acks`.
 * **At most one push in flight** (:data:`IN_FLIGHT`): a worker commits its next
   push only once every shard has acknowledged the previous one (its one push
-  buffer is free again). The local runtime and the simulator follow it; Ray's
-  worker pipelines up to ``runtime.ray.shard.IN_FLIGHT`` pushes through its
-  sender thread, its own rule.
+  buffer is free again). Every runtime follows it.
 * **What the next pull reads.** A worker whose clock the shards count from 0
   with it (its first incarnation, joined at clock 0) and that needs no record of
   its pull at the shard (no DC-ASGD) *reads the shards' newest snapshots*
@@ -50,7 +48,7 @@ from typing import Any
 
 from stalewise.consistency import Consistency
 
-#: Pushes a worker (local runtime, simulator) may have committed and not seen acknowledged.
+#: Pushes a worker may have committed and not seen acknowledged by every shard.
 IN_FLIGHT = 1
 
 

@@ -33,77 +33,37 @@ another node Ray moves the whole object there, so with shards on S nodes a
 push crosses the network S times). Each shard puts its slice into the object
 store once per version it publishes and every pull of that version reads it
 (the user's tree views it when there is one shard and NumPy leaves; otherwise
-the worker copies the slices into its pull buffer). Pushes are pipelined: up
-to :data:`~stalewise.runtime.ray.shard.IN_FLIGHT` unacknowledged per worker.
+the worker copies the slices into its pull buffer). A worker's next step
+overlaps its push's acks; it commits its next push once they are in
+(:data:`stalewise.protocol.pipeline.IN_FLIGHT`, as in every runtime).
 
-Codecs (``Job(..., codec=...)``): the worker encodes each update with the
-protocol's :class:`~stalewise.protocol.compress.Compressor` into one payload
-per shard and puts the payloads, back to back, into the object store once;
-each shard hands its own bytes to its protocol shard, which decodes and
-validates them (a corrupt or truncated payload is refused and changes
-nothing). With several shards the sender's verdict judges the payloads
-decoded back. The shards' ``bytes_in`` counts the payloads' bytes.
-
-The codec's error-feedback residual is worker state that outlives an actor
-(:mod:`~stalewise.runtime.ray.keeper`): the worker encodes push ``s`` from the
-residual of push ``s - 1`` into a second buffer, and hands the new residual
-to its worker id's keeper actor before any shard can have the push.
-Checkpoints save each worker's residual after the last of its pushes in the
-shards' consistent copy (exact, even mid-run), a resumed run gives each
-worker id its saved one (:func:`stalewise.checkpoint.feedback_of`), and a
-worker's next incarnation starts from the residual of the last push its dead
-predecessor committed (or, for a worker whose loop ended, its last push); a
-dropped worker's residual stays with its id, in every checkpoint.
-
-Delta pulls (``Job(..., pull_codec=...)``, :mod:`stalewise.protocol.pulls`):
-each shard actor keeps a :class:`~stalewise.protocol.pulls.PullServer` beside
-its shard and each worker actor a :class:`~stalewise.protocol.pulls.Replica`
-(a new one per incarnation). A pull request names the reference the worker
-holds; the shard answers with that worker's own payload (the delta against
-it, or the full slice) instead of the shared snapshot, and the worker checks
-it whole before it changes its copy: a corrupt one is refused, logged, and
-the next pull from that shard is full. Under ASP the standing requests carry
-the deltas, computed when the shard marks a new version for its followers.
-Without a pull codec pulls are the object-store snapshots above, unchanged.
+Codecs (``Job(..., codec=...)``): the worker encodes each update into one
+payload per shard (:mod:`stalewise.protocol.sender`), put back to back into the
+object store once; each shard decodes and checks its own. The error-feedback
+residual outlives the worker's actor: each worker id has a keeper actor, a
+:class:`~stalewise.protocol.sender.History` that gets each push's residual
+before any shard can have the push, so checkpoints, resumed runs and restarted
+incarnations continue from the residual of the last push the shards applied.
+Delta pulls (``Job(..., pull_codec=...)``): each shard actor keeps a
+:class:`~stalewise.protocol.pulls.PullServer` beside its shard and each worker
+actor a :class:`~stalewise.protocol.pulls.Replica` (a new one per
+incarnation); a corrupt pull payload is refused and the next pull is full.
+``docs/ray.md`` tells the whole of it.
 
 Guarantees (the commit rule, :mod:`stalewise.protocol.commit`): the sender
-judges the whole push once and every shard follows that verdict. A push is
-*committed* once the first shard has handled it: each shard keeps a view of a
-worker's pushes that not every shard has acknowledged yet, and when a
-worker's actor dies the driver cuts its connection on every shard (nothing it
-sent is handled after that), then delivers the pushes some shard handled to
-the shards that lack them (:meth:`Shard.depart
-<stalewise.protocol.Shard.depart>` applies a push only if it is the next
-one). So a push whose sender dies at any instant is applied by every shard or
-by none, exactly once.
-
-Copies of the shards' states (checkpoints, and the driver's backups every
-``BACKUP_EVERY`` seconds) are consistent cuts: every shard is frozen and
-brought to the same pushes of every worker before it is copied, so no push is
-in one shard's copy and not in another's.
+judges the whole push once and every shard follows that verdict; a push that
+reached some shards when its sender died is delivered to the others, exactly
+once, and copies of the shards' states (checkpoints, the driver's backups every
+``BACKUP_EVERY`` seconds) are consistent cuts (:mod:`stalewise.protocol.delivery`).
 
 Faults, under the job's failure policy (``on_worker_failure``, ``max_restarts``;
-see :class:`stalewise.runtime.base.Failures`):
-
-* a worker whose actor dies or whose code raises is restarted as a new
-  incarnation at the current parameters, dropped, or stops the job;
-* so is a worker that makes no progress (no step, no batch drawn, no wait on
-  the shards) for ``worker_timeout`` seconds: the driver asks each worker
-  actor for its progress count about every ``min(1, worker_timeout / 4)``
-  seconds, on a concurrency group of its own (:mod:`~stalewise.runtime.ray.liveness`),
-  and kills (``ray.kill``) one whose count stands still, or that does not
-  answer, for that long. One call of the user's ``loss_and_grad`` must take less
-  than ``worker_timeout``. A restarted worker must load its data and run its
-  warm-up step within ``start_timeout``;
-* a shard whose actor dies is restarted by Ray (``max_restarts``) and every
-  shard is rolled back to the driver's newest copy (the last checkpoint or
-  backup): the pushes applied since that copy are lost on every shard, the
-  push count goes back with them, and every live worker carries on as a new
-  incarnation. The copy lives in the driver, so it survives the loss of the
-  shard's node;
-* ``ray stop`` ends the run (Ray ends a driver whose node stops); with
-  ``checkpoint_every`` or ``checkpoint_seconds`` the newest checkpoint resumes
-  it (``resume=True``, ``stalewise train CONFIG --resume RUN_DIR``).
+see :class:`stalewise.runtime.base.Failures`): a worker whose actor dies, whose
+code raises or that makes no progress for ``worker_timeout`` seconds
+(:mod:`~stalewise.runtime.ray.liveness`) is restarted as a new incarnation,
+dropped, or stops the job; a shard whose actor dies is restarted by Ray and
+every shard is rolled back to the driver's newest copy (the last checkpoint or
+backup), every live worker carrying on as a new incarnation (``docs/ray.md``,
+"Failures").
 
 Not exact: when the shards are rolled back, each live worker keeps its own
 residual (the pushes lost with the rollback lose what they sent, not what

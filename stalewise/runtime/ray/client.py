@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.protocol import PushResult, ServerConfig, budget
+from stalewise.protocol import PushResult, ServerConfig, budget, pipeline
 from stalewise.runtime.base import PullsIntoTrees, ServerClosed, ShardError
 from stalewise.runtime.ray import import_ray
 from stalewise.runtime.ray.outbox import Outbox
@@ -93,7 +93,7 @@ class RayClient(PullsIntoTrees):
         self._door, self._lease = door, lease
         self._shards = list(info["shards"])
         self._spec = config.spec
-        self._gated = config.consistency.gated or bool(config.staleness.dc_lambda)
+        self._gated = pipeline.exact_pulls(config)
         # the protocol's sending side; with error feedback, from the residual the id's
         # last incarnation left with (None: zeros)
         self._out = Outbox(config, self._shards, self.worker, residual=info["residual"], buffers=1)

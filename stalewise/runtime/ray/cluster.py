@@ -13,6 +13,7 @@ import math
 import time
 from typing import Any
 
+from stalewise.protocol import delivery
 from stalewise.runtime.ray import import_ray
 
 log = logging.getLogger(__name__)
@@ -67,27 +68,17 @@ def place(n: int, share: float, timeout: float, what: str, *, apart: bool = Fals
 
 
 def consistent_states(
-    shards: list, workers: int, runs: list, timeout: float, limit: float
+    shards: list, runs: list, timeout: float, limit: float
 ) -> tuple[list, int, dict] | None:
-    """Every shard's state after the same pushes: ``(states, pushes handled on shard 0,
-    targets)``.
-
-    The shards are frozen (pushes wait) and report how far each worker's pushes
-    got; each then handles the held pushes up to the furthest any shard got,
-    copies its state and is thawed. ``targets``: worker -> ``(incarnation,
-    pushes)``, the pushes of each worker in the states (those of that
-    incarnation, and its earlier ones). None (nothing copied) if a worker's
-    ``run()`` in ``runs`` ends meanwhile, or after ``limit`` seconds: a worker
-    that died mid-send may have left a push that some shard never gets until
-    the driver delivers it (:func:`depart`). Raises what the shards raise.
-    """
+    """Every shard's state after the same pushes, a consistent cut
+    (:class:`~stalewise.protocol.delivery.Cut`): ``(states, pushes handled on shard 0,
+    targets)``, ``targets`` each worker's ``(incarnation, pushes)`` in the states. None
+    (nothing copied) if a worker's ``run()`` in ``runs`` ends meanwhile, or after
+    ``limit`` seconds: a push some shard lacks waits for :func:`depart`. Raises what
+    the shards raise."""
     ray = import_ray()
     try:
-        progress = ray.get([s.freeze.remote() for s in shards], timeout=timeout)
-        targets = {}
-        for w in range(workers):
-            inc = max(p[w][0] for p in progress)
-            targets[w] = (inc, max(p[w][1] for p in progress if p[w][0] == inc))
+        targets = delivery.targets(ray.get([s.freeze.remote() for s in shards], timeout=timeout))
         refs = [s.snapshot.remote(targets) for s in shards]
         deadline = time.monotonic() + limit
         while len(ray.wait(refs, num_returns=len(refs), timeout=POLL)[0]) < len(refs):
@@ -102,32 +93,23 @@ def consistent_states(
 
 
 def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0) -> list:
-    """The commit rule for worker ``w``'s incarnation ``inc``, gone: all or none.
-
-    First every shard cuts it off (nothing it sent is handled after that) and
-    says how many of its pushes it handled; then the pushes some shard handled
-    are delivered, read from that shard, to the shards that did not, and every
-    shard makes it leave. Returns the ObjectRefs of the departures, each the count
-    of that incarnation's pushes its shard has handled (None: unknown there); once
-    they are done every shard that knows it has the same count.
-    """
+    """The commit rule for worker ``w``'s incarnation ``inc``, gone: all or none
+    (:func:`~stalewise.protocol.delivery.departure`: cut it off everywhere, deliver what
+    some shard lacks from one that has it, then it leaves). Returns the ObjectRefs of
+    the departures, each the count of that incarnation's pushes its shard has handled
+    (None: unknown there), the same on every shard that knows it."""
     ray = import_ray()
-    seqs = ray.get([s.cut.remote(w, inc) for s in shards], timeout=timeout)
-    top = max((n for n in seqs if n is not None), default=0)
-    source = shards[seqs.index(top)] if top else None
+    source, lacking = delivery.departure(
+        ray.get([s.cut.remote(w, inc) for s in shards], timeout=timeout)
+    )
     missing: list = [None] * len(shards)
-    for k, n in enumerate(seqs):  # read from the source before it departs (and forgets them)
-        if n is not None and n < top:
-            missing[k] = source.committed.remote(w, inc, n, top)
-            log.warning(
-                "worker %d's pushes %d..%d reached shard %d but not shard %d when it failed: "
-                "delivering them",
-                w,
-                n,
-                top - 1,
-                seqs.index(top),
-                k,
-            )
+    for k, (start, stop) in lacking.items():  # read before the source departs (and forgets)
+        missing[k] = shards[source].committed.remote(w, inc, start, stop)
+        log.warning(
+            "worker %d's pushes %d..%d reached shard %d but not shard %d when it failed: "
+            "delivering them",
+            *(w, start, stop - 1, source, k),
+        )
     # Ray does not keep the order of calls to an async actor: the source must have read
     # them before its own departure makes it forget them
     reading = [m for m in missing if m is not None]

@@ -9,40 +9,31 @@ protocol; the actor only moves pushes and pulls to and from the shard.
   version and shared by every pull of that version, so a pull costs the shard
   no copy of its own.
 * **Pulls** under SSP/BSP and with DC-ASGD (:meth:`pull`) wait (``await``, no
-  polling) until the shard lets the worker start
-  (:meth:`Shard.may_start <stalewise.protocol.Shard.may_start>`) and until
-  the worker's own earlier pushes have arrived; every state change wakes the
-  waiting pulls. They are served the current snapshot.
+  polling) until :meth:`Shard.may_serve <stalewise.protocol.Shard.may_serve>`
+  lets them; every state change wakes them. They are served the current snapshot.
 * **Under ASP** a worker does not ask before each step: it keeps a standing
   request (:meth:`follow`) that the shard answers when it publishes a newer
-  snapshot, at most every ``publish_every`` seconds while pushes keep coming
-  and at once when they stop; the worker's next step starts from the newest
-  snapshot it has (so it may miss the pushes of the last interval, its own
-  included, which shows up as staleness).
+  snapshot (when :class:`~stalewise.protocol.pipeline.Publication` says so).
 * **Pushes** arrive as one ObjectRef of the whole flat update, put once by the
   sender; Ray hands the actor a read-only zero-copy view, from which the shard
   copies its slice into a scratch buffer (the optimizers use the update as
-  scratch). The sender's verdict (:func:`stalewise.protocol.commit.judge`)
-  comes with it. With a codec (``ServerConfig.codec``) the object is every
-  shard's payload back to back (:func:`payload_spans`) and the shard hands its
-  own bytes, as they are, to the protocol's shard, which decodes and checks them
-  (:class:`~stalewise.protocol.compress.Decoder`): a corrupt payload is refused
-  there and changes nothing.
+  scratch), with the sender's verdict. With a codec the object is every shard's
+  payload back to back (:func:`payload_spans`), and the protocol's shard decodes
+  and checks its own bytes: a corrupt payload is refused and changes nothing.
 * **Delta pulls** (``ServerConfig.pull_codec``): a
   :class:`~stalewise.protocol.pulls.PullServer` beside the shard answers each
   pull, gated or standing, with that worker's own payload, the delta against
   the reference its request names (or the full slice); nothing is put into
   the object store but what a reply carries. References are not kept across
   a :meth:`load`, so the pulls after a restore are full.
-* **Snapshots of the state** (backups, checkpoints) are a consistent cut:
-  the driver freezes every shard (:meth:`freeze`: pushes wait), then asks
-  each for its state once it has handled exactly the same pushes of every
-  worker (:meth:`snapshot`), then lets the pushes through (:meth:`thaw`).
-* **Connections**: the driver *admits* one incarnation per worker id (a join);
-  messages of any other incarnation are dropped, as the local runtime cuts an
-  old incarnation's pipes. :meth:`cut` ends an incarnation's connection and
-  returns how far this shard got, and :meth:`depart` delivers the committed
-  push the shard lacks (see :mod:`stalewise.runtime.ray`).
+* **Snapshots of the state** (backups, checkpoints) are a consistent cut
+  (:meth:`freeze`, :meth:`snapshot`, :meth:`thaw`; :class:`~stalewise.protocol.delivery.Cut`).
+* **Connections**: the driver *admits* one incarnation per worker id
+  (:meth:`Shard.admit <stalewise.protocol.Shard.admit>`); messages of any other
+  incarnation are dropped, as the local runtime cuts an old incarnation's pipes.
+  :meth:`cut` ends an incarnation's connection and returns how far this shard
+  got, and :meth:`depart` delivers the pushes the shard lacks, kept by the shard
+  that has them (:mod:`stalewise.protocol.delivery`).
 """
 
 from __future__ import annotations
@@ -56,14 +47,12 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.protocol import PushHeader, ServerConfig, Verdict, pulls
+from stalewise.protocol import PushHeader, ServerConfig, Verdict, delivery, pipeline, pulls
 from stalewise.runtime.logs import child_logging
 
 log = logging.getLogger(__name__)
 
-PUBLISH_EVERY = 0.02  # seconds: the longest an ASP pull may be served an older snapshot...
-PUBLISH_SHARE = 0.25  # ... unless publishing would then take more of the shard's time
-IN_FLIGHT = 2  # pushes a worker may have sent and not yet seen acknowledged by every shard
+PUBLISH_EVERY = 0.02  # seconds: the longest an ASP pull may be served an older snapshot
 
 
 def payload_spans(config: ServerConfig) -> list[tuple[int, int]] | None:
@@ -104,17 +93,13 @@ class ShardActor:
         )
         self.shard.warm_up()
         self.several = len(config.ranges) > 1  # a torn push is possible: keep recent pushes
-        self.gated = config.consistency.gated
-        self.exact = self.gated or bool(config.staleness.dc_lambda)  # pulls see the latest
-        self.publish_every = publish_every
+        self.exact = pipeline.exact_pulls(config)
         self.scratch = np.empty(self.hi - self.lo, self.dtype)
         spans = payload_spans(config)  # with a codec: this shard's bytes of a push
         self.span = None if spans is None else spans[k]
         self.push_bytes = None if spans is None else spans[-1][1]
-        self.admitted = np.zeros(workers, np.int64)  # the incarnation heard from; 0: none
-        self.retired = np.zeros(workers, np.int64)  # the newest incarnation cut off
-        # worker -> its last pushes here, {seq: (inc, bases, verdict, update)} (see depart)
-        self.last: dict[int, dict[int, tuple]] = {}
+        # each worker's pushes not yet acked by every shard: (bases, verdict, update)
+        self.last = delivery.Ledger()
         # delta pulls (ServerConfig.pull_codec): the pull server beside the shard
         self.pulls = self._pull_server()
         self.pulled = [0, 0]  # bytes and number of the pull slices served
@@ -122,14 +107,11 @@ class ShardActor:
         self.losses = np.full(workers, np.nan)  # each worker's last train loss
         self.handled = 0  # pushes that counted as a step (the job's push count, on shard 0)
         self.snap: Any = None  # ObjectRef of the published slice
-        self.snap_version = -1
-        self.published_at = -math.inf
-        self.put_cost = 0.0  # seconds a publish takes (a moving average)
+        self.pub = pipeline.Publication(publish_every)
         # seconds spent handling pushes, publishing, serving delta pulls
         self.busy = {"push": 0.0, "publish": 0.0, "pull": 0.0}
         self.timer: Any = None  # a deferred publish (ASP), when one is due
-        self.frozen = False  # pushes wait, except those below their worker's target
-        self.targets: dict[int, tuple[int, int]] = {}  # worker -> (incarnation, seq) to reach
+        self.cutting = delivery.Cut()  # a consistent cut under way: pushes wait
         self.opened = asyncio.Event()
         self.changed = asyncio.Event()
         self.stopped = False
@@ -170,14 +152,12 @@ class ShardActor:
         for w in gone:
             if self.shard.live[w]:
                 self.shard.leave(w)
-            self.retired[w] = max(self.retired[w], self.admitted[w])
-            self.admitted[w] = 0
+            self.shard.retire(w)
         for w, inc in joins.items():
-            self.shard.join(int(w), int(inc))
-            self.admitted[w] = inc
-        self.last.clear()
-        self.snap, self.snap_version = None, -1
-        self.frozen, self.targets = False, {}
+            self.shard.admit(int(w), int(inc))
+        self.last.forget()
+        self.snap, self.pub.version = None, -1
+        self.cutting.thaw()
         self.opened.set()
         self._notify()
         return self.shard.version
@@ -185,10 +165,8 @@ class ShardActor:
     async def join(self, w: int, inc: int) -> int:
         """Admits incarnation ``inc`` of worker ``w`` (a live older one leaves first);
         returns the clock it joins at (the pushes it counts as done, for the gates)."""
-        self.shard.join(w, inc)
-        self.retired[w] = max(self.retired[w], self.admitted[w])
-        self.admitted[w] = inc
-        self.last.pop(w, None)
+        self.shard.admit(w, inc)
+        self.last.forget(w)
         self._notify()
         return int(self.shard.clocks[w])
 
@@ -202,31 +180,24 @@ class ShardActor:
     async def cut(self, w: int, inc: int) -> int | None:
         """Ends the connection of ``w``'s incarnation ``inc``: from now on nothing it sent
         is handled. Returns the number of its pushes this shard handled (None: unknown here)."""
-        if self.admitted[w] == inc:
-            self.admitted[w] = 0
-            self.retired[w] = max(self.retired[w], inc)
-            self._notify()
+        self.shard.retire(w, inc)
+        self._notify()
         if self.shard.incarnation[w] != inc:
             return None
         return int(self.shard.next_seq[w])
 
     async def leave(self, w: int, inc: int) -> None:
         """``w``'s incarnation ``inc`` leaves the job (its loop ended; it has its acks)."""
-        if self.admitted[w] == inc:
-            self.admitted[w] = 0
-            self.retired[w] = max(self.retired[w], inc)
-        self.shard.depart(w, inc)
-        self.last.pop(w, None)
-        self._notify()
+        self.shard.retire(w, inc)
+        await self.depart(w, inc, None)
 
     async def committed(self, w: int, inc: int, start: int, stop: int) -> list | None:
         """The pushes ``start .. stop - 1`` of ``w``'s incarnation ``inc``, among the last
         ones this shard handled: ``[(seq, bases, verdict, update), ...]`` for a shard that
         lacks them (None if this shard no longer holds them all)."""
-        last = self.last.get(w, {})
-        got = [(seq, *last[seq][1:]) for seq in range(start, stop) if last.get(seq, (0,))[0] == inc]
-        if len(got) == stop - start:
-            return got
+        got = self.last.between(w, inc, start, stop)
+        if got is not None:
+            return [(seq, *entry) for seq, entry in zip(range(start, stop), got, strict=True)]
         log.error(
             "shard %d: worker %d's pushes %d..%d are no longer kept here; a shard lacking "
             "them stays without them",
@@ -238,27 +209,18 @@ class ShardActor:
         return None
 
     async def depart(self, w: int, inc: int, committed: list | None) -> int | None:
-        """``w``'s incarnation ``inc`` is gone: apply ``committed`` (pushes it sent that this
-        shard has not handled, in order; the protocol applies each only if it is the next
-        one) and make it leave (:meth:`Shard.depart <stalewise.protocol.Shard.depart>`).
+        """``w``'s incarnation ``inc`` is gone: delivers ``committed`` (pushes it sent that
+        this shard has not handled, :meth:`Shard.deliver <stalewise.protocol.Shard.deliver>`)
+        and makes it leave (:meth:`Shard.depart <stalewise.protocol.Shard.depart>`).
         Returns how many of that incarnation's pushes this shard has now handled (None:
         another incarnation is known here)."""
-        pushes = []
-        for seq, bases, verdict, update in committed or ():
+        for seq, bases, verdict, update in committed or ():  # in order, each if it is the next
             header = PushHeader(w, seq, int(bases[self.k]), inc)
-            pushes.append((header, update, Verdict(*verdict)))
-        for header, update, verdict in pushes[:-1]:  # late messages: delivered as pushes
-            self._count(
-                w, self.shard.push(header, self._payload(update), verdict=verdict), math.nan
-            )
-        last = None
-        if pushes:
-            header, update, verdict = pushes[-1]
-            last = (header, self._payload(update), verdict)
-        ack = self.shard.depart(w, inc, last)
-        if ack is not None:
-            self._count(w, ack, math.nan)
-        self.last.pop(w, None)
+            ack = self.shard.deliver(w, inc, (header, self._payload(update), Verdict(*verdict)))
+            if ack is not None:
+                self._count(w, ack, math.nan)
+        self.shard.depart(w, inc)
+        self.last.forget(w)
         if not self.exact:
             self._publish_soon()
         self._notify()
@@ -287,24 +249,22 @@ class ShardActor:
 
     async def freeze(self) -> list[tuple[int, int]]:
         """Holds every push from now on; returns each worker's (incarnation, pushes handled)."""
-        self.frozen, self.targets = True, {}
-        shard = self.shard
-        return [(int(shard.incarnation[w]), int(shard.next_seq[w])) for w in range(self.workers)]
+        return self.cutting.freeze(self.shard)
 
     async def snapshot(self, targets: dict[int, tuple[int, int]]) -> tuple[dict, int]:
         """Once frozen: handles the held pushes below ``targets`` (worker -> (incarnation,
         seq)), waits until it has handled every push below them, and returns
         ``(Shard.state_dict(), pushes handled)``. Every shard given the same targets
         returns the state after the same pushes."""
-        self.targets = dict(targets)
+        self.cutting.aim(targets)
         self._notify()
-        while not all(self._reached(w, inc, seq) for w, (inc, seq) in self.targets.items()):
+        while not self.cutting.reached(self.shard):
             await self._changed()
         return self.shard.state_dict(), self.handled
 
     async def thaw(self) -> None:
         """Lets the held pushes through."""
-        self.frozen, self.targets = False, {}
+        self.cutting.thaw()
         self._notify()
 
     async def observe(self) -> tuple[int, Any]:
@@ -339,17 +299,12 @@ class ShardActor:
         while True:
             if (end := self._ended(w, inc)) is not None:
                 return end
-            if (
-                self.admitted[w] == inc
-                and shard.live[w]
-                and (not self.gated or shard.next_seq[w] >= pushed)
-                and shard.may_start(w)
-            ):
+            if shard.may_serve(w, inc, pushed):
                 break
             await self._changed()
         if self.pulls is not None:
             return ("ok", *self._delta(w, have), self.handled, int(shard.clocks[w]))
-        version, ref = self._publish(exact=self.exact or self.snap_version < fresh)
+        version, ref = self._publish(exact=self.exact or self.pub.version < fresh)
         if shard.staleness.dc_lambda or shard.hybrid:
             shard.pull(w, now=time.monotonic())  # DC-ASGD keeps the pull; hybrid times it
         self._served(shard.params.nbytes)
@@ -363,14 +318,14 @@ class ShardActor:
         while True:
             if (end := self._ended(w, inc)) is not None:
                 return end
-            if self.admitted[w] == inc:
-                if self.snap_version < 0:
+            if self.shard.admitted[w] == inc:
+                if self.pub.version < 0:
                     self._publish(exact=True)
-                if self.snap_version > seen:
+                if self.pub.version > seen:
                     if self.pulls is not None:
                         return ("ok", *self._delta(w, have), self.handled)
                     self._served(self.shard.params.nbytes)
-                    return ("ok", self.snap_version, self.snap, self.handled)
+                    return ("ok", self.pub.version, self.snap, self.handled)
             await self._changed()
 
     def _ended(self, w: int, inc: int) -> tuple | None:
@@ -378,11 +333,8 @@ class ShardActor:
         ``("stop",)``, ``("moved", newer incarnation)`` or ``("gone",)``."""
         if self.stopped:
             return ("stop",)
-        if self.admitted[w] > inc:
-            return ("moved", int(self.admitted[w]))
-        if self.retired[w] >= inc:
-            return ("gone",)
-        return None
+        dropped = self.shard.dropped(w, inc)
+        return None if dropped is None else ("moved", dropped) if dropped else ("gone",)
 
     async def push(
         self,
@@ -402,12 +354,9 @@ class ShardActor:
         ``(Ack, pushes handled)``, or None for a cut-off incarnation. A worker's pushes
         are applied in order, whatever the order they arrive in."""
         shard = self.shard
-        while self.admitted[w] == inc and (
-            (self.frozen and not self._released(w, inc, seq))
-            or (seq > shard.next_seq[w] and shard.incarnation[w] == inc)  # an earlier one first
-        ):
+        while self.cutting.waits(shard, w, inc, seq):
             await self._changed()
-        if self.admitted[w] != inc:
+        if shard.admitted[w] != inc:
             return None  # an incarnation that is not (or no longer) connected
         t = time.perf_counter()
         header = PushHeader(w, seq, int(bases[self.k]), inc)
@@ -417,27 +366,13 @@ class ShardActor:
         self.busy["push"] += time.perf_counter() - t
         self._count(w, ack, loss)
         if self.several:  # kept until every shard has it, for one that may lack it (depart)
-            window = self.last.setdefault(w, {})
-            for old in [n for n, entry in window.items() if n < acked or entry[0] != inc]:
-                del window[old]
-            window[seq] = (inc, tuple(bases), tuple(verdict), update)
+            self.last.keep(w, inc, seq, acked=acked, entry=(tuple(bases), tuple(verdict), update))
         if not self.exact:
             self._publish_soon()
         self._notify()
         return ack, self.handled
 
     # -- internals ------------------------------------------------------------------
-
-    def _released(self, w: int, inc: int, seq: int) -> bool:
-        """Whether a push may go through while frozen: below its worker's target."""
-        target = self.targets.get(w)
-        return target is not None and target[0] == inc and seq < target[1]
-
-    def _reached(self, w: int, inc: int, seq: int) -> bool:
-        """Whether every push of ``w``'s incarnation ``inc`` below ``seq`` is handled here
-        (or that incarnation is gone: nothing more will come)."""
-        shard = self.shard
-        return shard.incarnation[w] != inc or not shard.live[w] or shard.next_seq[w] >= seq
 
     def _payload(self, update: Any) -> Any:
         """This shard's slice of ``update``, copied into the scratch buffer; with a codec, a
@@ -487,35 +422,25 @@ class ShardActor:
         self.pulled[1] += 1
 
     def _publish(self, exact: bool) -> tuple[int, Any]:
-        """The snapshot to serve: a new one (one copy into the object store) when the
-        params changed and ``exact`` or the last one is ``publish_every`` old. With
-        delta pulls nothing is copied (each pull is its own payload): only the version
-        that followers are to be served is marked."""
+        """The snapshot to serve: a new one (one copy into the object store) when
+        :class:`pipeline.Publication` says so. With delta pulls nothing is copied (each
+        pull is its own payload): only the version followers are to be served is marked."""
         import ray
 
-        version = self.shard.version
-        if self.snap_version < 0 or (
-            self.snap_version != version
-            and (exact or time.monotonic() - self.published_at >= self.publish_every)
-        ):
-            t = time.monotonic()
+        start, version = time.monotonic(), self.shard.version
+        if self.pub.due(version, start, exact=exact):
             self.snap = None if self.pulls is not None else ray.put(self.shard.params)
-            self.snap_version, self.published_at = version, time.monotonic()
-            self.put_cost = 0.8 * self.put_cost + 0.2 * (self.published_at - t)
-            self.busy["publish"] += self.published_at - t
-        return self.snap_version, self.snap
+            self.pub.published(version, start=start, end=time.monotonic())
+            self.busy["publish"] += self.pub.at - start
+        return self.pub.version, self.snap
 
     def _publish_soon(self) -> None:
-        """ASP: publishes now if the last snapshot is old enough, else once it is: after
-        ``publish_every`` seconds, or more if publishing would otherwise take more than
-        ``PUBLISH_SHARE`` of the shard's time (a large slice under a stream of pushes)."""
-        if self.timer is not None or self.snap_version == self.shard.version:
+        """ASP, after a push: publishes now or once :class:`pipeline.Publication` says so
+        (with delta pulls, a publication costs a pull per follower too)."""
+        followers = int(np.count_nonzero(self.shard.admitted)) if self.pulls is not None else 0
+        wait = self.pub.wait(self.shard.version, time.monotonic(), self.pull_cost * followers)
+        if self.timer is not None or wait is None:
             return
-        cost = self.put_cost  # with delta pulls, a publish costs a pull per follower
-        if self.pulls is not None:
-            cost += self.pull_cost * int(np.count_nonzero(self.admitted))
-        every = max(self.publish_every, cost / PUBLISH_SHARE)
-        wait = self.published_at + every - time.monotonic()
         if wait <= 0:
             self._publish(exact=True)
         else:
@@ -523,7 +448,7 @@ class ShardActor:
 
     def _deferred(self) -> None:
         self.timer = None
-        if self.snap_version != self.shard.version:
+        if self.pub.version != self.shard.version:
             self._publish(exact=True)
             self._notify()
 

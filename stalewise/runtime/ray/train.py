@@ -739,7 +739,7 @@ class _Host:
         taken this time; see :func:`cluster.consistent_states`)."""
         with self._shard_calls("state", f"the shards did not freeze within {self.o.ack_timeout} s"):
             got = cluster.consistent_states(
-                self.shards, self.W, list(self.runs), self.o.ack_timeout, SNAPSHOT_LIMIT
+                self.shards, list(self.runs), self.o.ack_timeout, SNAPSHOT_LIMIT
             )
         if got is not None:
             self.backup, self.targets = got[:2], got[2]

@@ -17,18 +17,14 @@ user's ``loss_and_grad`` and data, and answers its requests:
   pulls (``ServerConfig.pull_codec``) each reply is a payload that the
   worker's :class:`~stalewise.protocol.pulls.Replica` checks and applies (the
   receiver thread does it under ASP), and the copy goes into the pull buffer;
-* a ``Push``: emulates the compute time, flattens the update into a free push
-  buffer and has the protocol's :class:`~stalewise.protocol.sender.Sender`
-  judge it. With a codec (``ServerConfig.codec``) the sender encodes it into
-  every shard's payload, back to back in a free byte buffer
-  (:func:`~stalewise.runtime.ray.shard.payload_spans`), with the codec's error
-  feedback (the worker id's keeper, :mod:`~stalewise.runtime.ray.keeper`, gets
-  each new residual before any shard gets the push). Then a *sender* thread
-  puts it into the object store once and sends its ObjectRef with
-  the verdict to every shard, and a *collector* thread reads the acks, while
-  the loop goes on: pushes are pipelined, up to ``IN_FLIGHT`` of them
-  unacknowledged (the shards apply each worker's pushes in order). The answer
-  to a ``Push`` is the results of the pushes acknowledged since the last one.
+* a ``Push``: emulates the compute time and has the
+  :class:`~stalewise.runtime.ray.outbox.Outbox` flatten or encode, judge and
+  commit it; a *sender* thread puts it into the object store once, sends its
+  ObjectRef with the verdict to every shard and reads the acks, while the loop
+  goes on with its next step. As in every runtime, the loop commits its next
+  push only once every shard has acknowledged the last
+  (:data:`stalewise.protocol.pipeline.IN_FLIGHT`); the answer to a ``Push`` is
+  the results of the pushes acknowledged since the last one.
 
 Heartbeats: the loop counts its progress (:meth:`WorkerActor.progress`): each
 request it makes (a step), each batch it draws, and every ``POLL`` seconds
@@ -60,13 +56,11 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.codecs import PayloadError
-from stalewise.protocol import PushResult, ServerConfig, budget, loop, pulls
-from stalewise.protocol.sender import Sender
+from stalewise.protocol import PushResult, ServerConfig, budget, loop, pipeline, pulls
 from stalewise.runtime.base import batch_iterator
 from stalewise.runtime.logs import child_logging
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.ray.outbox import Outbox
-from stalewise.runtime.ray.shard import IN_FLIGHT
 from stalewise.strategies import Strategy
 
 log = logging.getLogger(__name__)
@@ -110,12 +104,12 @@ class WorkerActor:
             w,
             residual=residual,
             keeper=keeper,
+            buffers=pipeline.IN_FLIGHT,
             ack_timeout=options.ack_timeout,
         )
         self.compressor = self.out.compressor
         self.free = self.out.free
-        gated = config.consistency.gated
-        self.following = not gated and not config.staleness.dc_lambda  # ASP: no pull requests
+        self.following = not pipeline.exact_pulls(config)  # ASP: no pull requests
         self.settled: tuple[int, list] | None = None  # (incarnation, versions) to read
         self.params: Any = None
         self.snapshots: list = []  # the pulled slices (kept alive while the params view them)
@@ -129,21 +123,11 @@ class WorkerActor:
         self.handled = 0  # shard 0's count of pushes, as last heard
         self.news: tuple | None = None  # ("stop",) or ("gone",) from a shard
         self.moved_to = inc  # the newest incarnation the shards announced
-        self.job: tuple | None = None  # the push the sender is to send
-        self.inflight: deque = deque()  # (seq, ack refs) of the pushes sent, oldest first
+        self.jobs: deque = deque()  # the pushes committed and not yet acked, oldest first
         self.acked = 0  # pushes of this incarnation every shard has acknowledged
         self.results: list[PushResult] = []  # of the pushes acknowledged, not yet reported
         self.error: BaseException | None = None  # raised in a thread
         self.closing = False
-
-    @property
-    def sender(self) -> Sender:
-        """The protocol's sending side of this incarnation (the outbox's)."""
-        return self.out.sender
-
-    @sender.setter
-    def sender(self, sender: Sender) -> None:
-        self.out.sender = sender
 
     def prepare(self) -> dict:
         """Set-up, not training: the data, and one step on the initial params whose result
@@ -199,10 +183,7 @@ class WorkerActor:
         push (None without error feedback), every push acknowledged."""
         if self.batches is None:
             self.prepare()
-        threads = [
-            threading.Thread(target=self._guard(body), daemon=True)
-            for body in (self._send_loop, self._collect_loop)
-        ]
+        threads = [threading.Thread(target=self._guard(self._send_loop), daemon=True)]
         if self.following:
             threads.append(threading.Thread(target=self._guard(self._receive_loop), daemon=True))
         for t in threads:
@@ -223,8 +204,8 @@ class WorkerActor:
                 ended |= {"steps": stats.steps, "outcomes": dict(stats.outcomes)}
             except diverged as e:  # it leaves; the driver does not restart it
                 self._results(wait=True)
-                ended |= {"steps": self.sender.seq, "outcomes": {}, "diverged": str(e)}
-            ended["feedback"] = (self.inc, self.sender.seq, self.sender.residual)
+                ended |= {"steps": self.out.sender.seq, "outcomes": {}, "diverged": str(e)}
+            ended["feedback"] = (self.inc, self.out.sender.seq, self.out.sender.residual)
             ended["drawn"] = self.drawn[self.w]
         finally:
             with self.cond:
@@ -271,7 +252,7 @@ class WorkerActor:
                 return self._results()
             out = self._results(wait=True)  # read-your-writes: acked, and the next
             with self.cond:  # step's snapshots hold what the acks say
-                self.settled = (self.inc, list(self.sender.known))
+                self.settled = (self.inc, list(self.out.sender.known))
             return out
 
         return answer
@@ -286,7 +267,7 @@ class WorkerActor:
             return False
         versions, slices = got
         for k, v in enumerate(versions):
-            self.sender.pulled(k, v)
+            self.out.sender.pulled(k, v)
         self.params = None
         self.snapshots = slices or []
         if self.views:
@@ -332,7 +313,7 @@ class WorkerActor:
         failed_at = None
         while True:
             refs = [
-                s.pull.remote(self.w, self.inc, self.sender.seq, self._have(k))
+                s.pull.remote(self.w, self.inc, self.out.sender.seq, self._have(k))
                 for k, s in enumerate(self.shards)
             ]
             try:
@@ -374,7 +355,7 @@ class WorkerActor:
         if round_ is not None and self.config.consistency.averages_rounds:
             return not budget.may_begin_round(round_, self.o.expected, steps)
         while True:
-            flying = (self.job is not None) + len(self.inflight)
+            flying = len(self.jobs)
             if not budget.settle_first(self.handled, flying, steps):
                 return not budget.may_begin(self.handled, flying, steps)
             self._check()
@@ -402,7 +383,7 @@ class WorkerActor:
             "worker %d: continuing as incarnation %d (the shards were restored)", self.w, inc
         )
         self.inc, self.acked = inc, 0
-        self.sender = self.sender.successor()  # on the same residual buffers
+        self.out.sender = self.out.sender.successor()  # on the same residual buffers
         if self.replica is not None:
             self.replica.reset()
         self.moved_to = max(self.moved_to, inc)
@@ -436,25 +417,25 @@ class WorkerActor:
     # -- pushes ---------------------------------------------------------------------
 
     def _push(self, update: Any, loss: float) -> None:
-        """Commits the update and hands it to the sender; waits only for a free buffer."""
+        """Commits the update and hands it to the sender, once the pushes in flight
+        allow another (:data:`pipeline.IN_FLIGHT`: the last one's acks are in)."""
         t = time.perf_counter()
         with self.cond:
-            while not self.free or self.job is not None:  # the sender is behind
+            while len(self.jobs) >= pipeline.IN_FLIGHT:
                 self._check()
                 self.cond.wait(POLL)
                 self.beats += 1
-            buf = self.free.pop()
+            buf = self.free.pop()  # one per push in flight: free once its acks are in
         self.times["acks"] += time.perf_counter() - t
         sent, seq, bases, verdict, residual = self.out.prepare(update, buf)
         with self.cond:
-            job = (sent, self.inc, seq, bases, verdict, loss, residual)
-            self.job = job
+            self.jobs.append((sent, self.inc, seq, bases, verdict, loss, residual))
             self.cond.notify_all()
 
     def _results(self, wait: bool = False) -> list[PushResult]:
         """The results of the pushes acknowledged since the last call (``wait``: of all)."""
         with self.cond:
-            while wait and (self.job is not None or self.inflight):
+            while wait and self.jobs:
                 self._check()
                 self.cond.wait(POLL)
                 self.beats += 1
@@ -481,40 +462,26 @@ class WorkerActor:
             raise RuntimeError(f"worker {self.w}: {self.error}") from self.error
 
     def _send_loop(self) -> None:
-        """The sender: puts each push into the object store once and sends it to every
-        shard, while fewer than ``IN_FLIGHT`` pushes await their acks."""
+        """The sender: puts each push into the object store once, sends it to every shard
+        and reads its acks, in order."""
         while True:
             with self.cond:
-                while not self.closing and (self.job is None or len(self.inflight) >= IN_FLIGHT):
+                while not self.closing and not self.jobs:
                     self.cond.wait()
-                if self.job is None:
+                if not self.jobs:
                     return
-                flat, inc, seq, bases, verdict, loss, residual = self.job
+                flat, inc, seq, bases, verdict, loss, residual = self.jobs[0]
+                acked = self.acked if inc == self.inc else 0
             t = time.perf_counter()
-            acked = self.acked if inc == self.inc else 0
-            acks = self.out.send(flat, inc, seq, bases, verdict, loss, acked, residual)
+            refs = self.out.send(flat, inc, seq, bases, verdict, loss, acked, residual)
             self.times["send"] += time.perf_counter() - t
-            with self.cond:
-                self.inflight.append((seq, acks))
-                self.free.append(flat)  # the object store has its copy
-                self.job = None
-                self.cond.notify_all()
-
-    def _collect_loop(self) -> None:
-        """The collector: the acks of each push sent, in order."""
-        while True:
-            with self.cond:
-                while not self.inflight and not self.closing:
-                    self.cond.wait()
-                if not self.inflight:
-                    return
-                seq, refs = self.inflight[0]
             result = self._acks(refs, seq)
             with self.cond:
                 if result is not None:
                     self.results.append(result)
                     self.acked = max(self.acked, seq + 1)
-                self.inflight.popleft()
+                self.free.append(flat)
+                self.jobs.popleft()
                 self.cond.notify_all()
 
     def _acks(self, refs: list, seq: int) -> PushResult | None:
