@@ -80,23 +80,31 @@ def outputs(out_dir: Path) -> list[str]:
     return sorted(p.name for p in out_dir.glob("*")) if out_dir.is_dir() else []
 
 
-def run(cmd: list[str], env: dict | None = None) -> tuple[str, str]:
-    """Runs ``cmd`` in its own session; kills the whole session (the launcher, its
-    shards and workers) if it is still there after :data:`TIMEOUT` s or the test fails.
-    Returns stdout and stderr, after asserting a zero exit status."""
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    """Starts ``cmd`` in its own session (the launcher, its shards and workers)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
+
+
+def run(*runs: tuple[list[str], dict | None]) -> list[tuple[str, str]]:
+    """Runs each ``(cmd, env)`` at once, each in its own session; kills every session
+    (the launchers, their shards and workers) still there after :data:`TIMEOUT` s or
+    if the test fails. Returns their stdout and stderr, after asserting zero exit statuses."""
+    procs = []
     try:
-        out, err = proc.communicate(timeout=TIMEOUT)
+        procs += [start(cmd, env) for cmd, env in runs]
+        outs = [proc.communicate(timeout=TIMEOUT) for proc in procs]
     finally:
-        with contextlib.suppress(ProcessLookupError):  # anything of the run's still alive
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
-    return out, err
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):  # anything of the run's still alive
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for proc, (out, err) in zip(procs, outs, strict=True):
+        assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    return outs
 
 
 @pytest.mark.slow
@@ -108,7 +116,7 @@ def test_the_launched_gpt_trains_on_four_workers(runtime, request, tmp_path, no_
     and writes its own model file. On Ray the workers run on both nodes of the cluster."""
     env = request.getfixturevalue("two_nodes") if runtime == "ray" else {}
     env = {**env, "OUT_DIR": str(tmp_path / "out")}
-    out, err = run(launch_command(runtime, workers=4, steps=200), env=env)
+    ((out, err),) = run((launch_command(runtime, workers=4, steps=200), env))
     log = f"stdout:\n{out}\nstderr:\n{err}"
     inits = {float(v) for v in INIT_LINE.findall(out)}
     assert len(inits) == 1, log  # the same initial model in every process
@@ -128,13 +136,15 @@ def test_unlaunched_the_script_trains_as_train_py_does(tmp_path, no_leaks):
     batches as train.py: the same validation loss (stalewise's AdamW is torch's), and
     the same output file (rank 0: ``RANK`` is unset)."""
     one = {"OMP_NUM_THREADS": "1"}  # a single process: torch's threads fight other jobs' on CI
-    one = {**one, "OUT_DIR": str(tmp_path / "launched")}
-    out, _ = run([sys.executable, str(GPT / "train_launched.py")], env=one)
+    (out, _), (plain_out, _) = run(  # the two at once, a thread each
+        *(
+            ([sys.executable, str(GPT / script)], {**one, "OUT_DIR": str(tmp_path / name)})
+            for script, name in (("train_launched.py", "launched"), ("train.py", "plain"))
+        )
+    )
     (rank, launched), = RANK_LINE.findall(out)  # fmt: skip
     assert rank == "0", out
     assert outputs(tmp_path / "launched") == ["model_rank0.pt"], out
-    one["OUT_DIR"] = str(tmp_path / "plain")
-    plain_out, _ = run([sys.executable, str(GPT / "train.py")], env=one)
     ((rank, plain),) = RANK_LINE.findall(plain_out)
     assert rank == "0", plain_out
     assert outputs(tmp_path / "plain") == ["model_rank0.pt"], plain_out
@@ -177,7 +187,7 @@ def test_a_killed_launch_resumes_from_its_checkpoint(tmp_path, no_leaks):
     assert len(gens) == 2 and all(g.dtype.name == "uint8" and g.size for g in gens), first_log
     assert not (gens[0] == gens[1]).all(), first_log  # each rank its own batches
 
-    out, err = run(cmd, env={"OUT_DIR": str(out_dir)})
+    ((out, err),) = run((cmd, {"OUT_DIR": str(out_dir)}))
     log = f"first run:\n{first_log}\nstdout:\n{out}\nstderr:\n{err}"
     resumed = re.search(r"^stalewise run: resumed from \S+ \(version \d+, (\d+) pushes\)$",
                         err, re.MULTILINE)  # fmt: skip
