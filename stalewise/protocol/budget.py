@@ -40,12 +40,23 @@ worker may begin its step of round ``r`` (0-based, the shards' clock for it)
 while the ``r`` rounds before it, ``workers`` pushes each, are fewer than
 ``steps`` pushes (:func:`may_begin_round`). Every worker of a round gets the
 same answer, so the budget becomes ``ceil(steps / workers)`` full rounds: an
-overshoot of at most ``workers - 1``, and no partial round. A runtime reads
-``r`` as the clock the worker joined at plus its pushes since (local processes,
-simulator), or as its pull's answer gives it (Ray). ``workers`` is the job's
+overshoot of at most ``workers - 1``, and no partial round. ``r`` is the shards'
+round, not the worker's own count (:func:`round_of`): the larger of the worker's
+clock (its pull's answer, or the clock it joined at plus its pushes since) and the
+round the shards have under way (their slowest counted clock, as last read), so a
+late joiner that built its model while rounds ran, or a restart, begins in the
+round under way and stays inside the budget. ``workers`` is the job's
 number of workers (expected at the start): a round that a worker misses (it
 died, or has not joined yet) has fewer pushes, so such a run ends with fewer
 pushes than ``steps``, after the same number of rounds.
+
+*At commit* (a loop you own, which may push without asking): a client given a
+budget (``client.budget = steps``; ``sw.init`` and ``stalewise run`` give theirs)
+refuses a push the rule would not begin (:func:`refuses`), before anything is
+sent, unless its ``may_begin`` said yes since its last push. Under BSP it asks
+again even then: the round may have moved on between the question and the push
+(a joiner's first pull starts it in the round under way), and a push into a round
+past the budget would start a partial round.
 
 Example:
     >>> may_begin(committed=7, in_progress=2, steps=10)
@@ -58,9 +69,17 @@ Example:
     (0, 3)
     >>> [may_begin_round(r, workers=4, steps=10) for r in range(4)]  # 3 rounds: 12 pushes
     [True, True, True, False]
+    >>> round_of(own=3, shards=9)  # a joiner that built its model while 6 rounds ran
+    9
+    >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=False)  # asked: granted
+    False
+    >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=True)  # BSP: asked again
+    True
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 
 def may_begin(committed: int, in_progress: int, steps: int) -> bool:
@@ -85,3 +104,24 @@ def overshoot_bound(workers: int, *, exact: bool = False) -> int:
     progress are seen (``exact``, the simulator), else ``workers - 1`` (a current count,
     or whole BSP rounds in any runtime)."""
     return 0 if exact else max(workers - 1, 0)
+
+
+def round_of(own: int, shards: int) -> int:
+    """Under BSP: the round a worker's next push goes to, for :func:`may_begin_round`:
+    ``own``, the worker's clock as it knows it (its pull's answer, or the clock it
+    joined at plus its pushes since), or ``shards``, the round the shards have under
+    way (their slowest counted clock), if that is later: a worker that starts counting
+    after it joined (a late joiner at its first pull, a restart) starts there."""
+    return max(own, shards)
+
+
+def refuses(
+    steps: int | None, granted: bool, may_begin: Callable[[int], bool], *, rounds: bool
+) -> bool:
+    """At a push's commit: whether a client with the budget ``steps`` (None: none) must
+    refuse it (see "At commit" above). ``granted``: the client's ``may_begin`` said yes
+    since its last push; ``may_begin``: asks the rule now; ``rounds``: BSP, where the
+    rule is asked even for a granted push."""
+    if steps is None or (granted and not rounds):
+        return False
+    return not may_begin(steps)

@@ -25,8 +25,17 @@ unscheduled for seconds, from costing restarts; the spread floor keeps a
 worker whose step time wanders (a slower phase, an evaluation elsewhere) from
 being taken for hung before about 3.8 of its usual intervals.
 
-This is the one rule both process runtimes apply (the simulator's workers
-never hang: its failures are scripted).
+This is the one rule both process runtimes apply to their own workers (the
+simulator's workers never hang: its failures are scripted).
+
+A rank of a script you own (``stalewise run``) is judged by a fixed bound instead
+(:func:`silent_rank`): between two pushes such a script may evaluate or save for a
+long while, which a worker loop of the library never does, so its rhythm says little.
+It is hung when it has pushed at least once, then pushed nothing for ``limit``
+seconds while the job went on without it (the other ranks pushed since its last
+push). Its clock starts at its first push, so a rank slow to start (importing
+torch, loading data) is never taken for hung; a job where no rank pushes, or every
+rank waits (a BSP round on a hung rank), is left to the run's overall timeout.
 
 Example:
     >>> s = Silence(upper=60.0)
@@ -36,6 +45,8 @@ Example:
     (True, True)
     >>> s.hung(29.5)
     'no heartbeat for 10.5 s, 10.5x its usual interval of 1 s (phi 80.1 >= 8): hung or stopped'
+    >>> silent_rank(silence=301.0, others=5, limit=300.0), silent_rank(301.0, 0, 300.0)
+    (True, False)
 """
 
 from __future__ import annotations
@@ -123,3 +134,10 @@ class Silence:
             f"no heartbeat for {silence:.1f} s, {silence / m:.3g}x its usual interval of "
             f"{m:.3g} s (phi {phi:.3g} >= {self.threshold:g}): hung or stopped"
         )
+
+
+def silent_rank(silence: float | None, others: int, limit: float) -> bool:
+    """Whether a launched rank is hung (see the module docstring): ``silence``, the
+    seconds since its last push (None: it has not pushed yet); ``others``, the other
+    ranks' pushes since then; ``limit``, the bound (0: never)."""
+    return bool(limit) and silence is not None and silence >= limit and others > 0

@@ -93,6 +93,21 @@ class ServerClosed(ConnectionError):
     every runtime (``server.client(w)``, ``sw.attach``, ``sw.init``)."""
 
 
+class BudgetSpent(ServerClosed):
+    """A push refused at its commit because the job's budget of pushes is spent (nothing
+    was sent): raised by a client given a budget (``client.budget``, set by ``sw.init``
+    and ``stalewise run``) for a push its ``may_begin`` did not grant
+    (:mod:`stalewise.protocol.budget`). A :class:`ServerClosed`, so a loop that ends on
+    that ends on this too. ``steps`` is the budget."""
+
+    def __init__(self, steps: int):
+        super().__init__(
+            f"the job's budget of {steps} pushes is spent: this push was refused (nothing "
+            "was sent); end the loop when ctx.should_stop() (or client.may_begin) is false"
+        )
+        self.steps = steps
+
+
 class PullsIntoTrees:
     """The part of a worker's client that every runtime shares: a pull fills the flat
     ``_pull_buf`` (the runtime's :meth:`pull_flat`), and the parameters come back in the

@@ -51,7 +51,7 @@ import numpy as np
 from stalewise import tree
 from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline, wire
 from stalewise.protocol.sender import Sender
-from stalewise.runtime.base import PullsIntoTrees, ServerClosed, ShardError
+from stalewise.runtime.base import BudgetSpent, PullsIntoTrees, ServerClosed, ShardError
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit
@@ -171,6 +171,12 @@ class Client(PullsIntoTrees):
         #: :meth:`pull_flat`)
         self.own_requests = 0
         self._lease: connection.Connection | None = None  # an attached process's socket
+        #: the job's budget of pushes this client refuses to pass at commit (None: none;
+        #: see :meth:`may_begin`); ``budget_refused`` counts the pushes it refused
+        self.budget: int | None = None
+        self.budget_refused = 0
+        self._granted = False  # may_begin said yes since the last push
+        self._round = joined_at  # under BSP: this worker's clock as it knows it
 
     @property
     def job_pushes(self) -> int:
@@ -184,13 +190,25 @@ class Client(PullsIntoTrees):
         another step of a job of ``steps`` pushes. Its own steps in progress are none
         here (a push commits before the next step begins); the other workers' are not
         seen, so a job may commit up to ``workers - 1`` pushes beyond ``steps``. Under
-        BSP it counts whole rounds (:func:`~stalewise.protocol.budget.may_begin_round`):
-        this worker's round is the clock it joined at plus its pushes since."""
+        BSP it counts whole rounds (:func:`~stalewise.protocol.budget.may_begin_round`)
+        of the shards' round (:func:`~stalewise.protocol.budget.round_of`). A yes grants
+        the next push past :attr:`budget`'s check at commit (under BSP it is asked again)."""
+        self._granted = self._may_begin(steps)
+        return self._granted
+
+    def _may_begin(self, steps: int) -> bool:
         if self._consistency.averages_rounds:
             self._attach()
             workers = self._layout.expected or self._layout.workers
-            return budget.may_begin_round(self.joined_at + self._sender.seq, workers, steps)
+            return budget.may_begin_round(self._round_now(), workers, steps)
         return budget.may_begin(self.job_pushes, 0, steps)
+
+    def _round_now(self) -> int:
+        """Under BSP: the round of this worker's next push (its clock, or the shards'
+        round under way, as published, if later)."""
+        snaps = self._snapshots
+        shards = 0 if snaps is None else max(snaps.min_clock(k) for k in range(len(self._ranges)))
+        return budget.round_of(self._round, shards)
 
     @property
     def stopping(self) -> bool:
@@ -268,8 +286,11 @@ class Client(PullsIntoTrees):
                 else:
                     self._sender.pulled(k, snaps.read(k, self._pull_buf))
         for k in shards:
-            if self._pulls_due[k]:
-                self._sender.pulled(k, self._take(k, "pulled", timeout)[1])
+            if self._pulls_due[k]:  # served into the pull buffer, or answered by the snapshot
+                kind, version = self._take(k, ("pulled", "published"), timeout)
+                if kind == "published":  # it holds version (or later): copied here
+                    version = snaps.read(k, self._pull_buf)
+                self._sender.pulled(k, version)
                 self._pulls_due[k] = False
         return self._pull_buf
 
@@ -290,17 +311,19 @@ class Client(PullsIntoTrees):
         ack = self._acks[k]
         return ack.version if ack is not None and not self._acks_due[k] else 0
 
-    def _take(self, k: int, kind: str, timeout: float | None) -> Any:
-        """The next reply of ``kind`` from shard ``k``, keeping replies of other kinds.
+    def _take(self, k: int, kind: str | tuple[str, ...], timeout: float | None) -> Any:
+        """The next reply of ``kind`` (or one of those kinds) from shard ``k``, keeping
+        replies of other kinds.
 
         A worker's client waits in slices of :data:`SLICE` seconds, looking at the
         shards' exits between them: a shard that dies ends the wait (ShardError).
         """
+        kinds = (kind,) if isinstance(kind, str) else kind
         for i, msg in enumerate(self._inbox[k]):
-            if msg[0] == kind:
+            if msg[0] in kinds:
                 return self._inbox[k].pop(i)
         self._check_open()
-        what = f"{kind} from shard {k}"
+        what = f"{' or '.join(kinds)} from shard {k}"
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._exits is not None:  # a worker's client
@@ -314,7 +337,7 @@ class Client(PullsIntoTrees):
                 msg = self._recv(k, 0, what)
             else:
                 msg = self._recv(k, timeout, what)
-            if msg[0] == kind:
+            if msg[0] in kinds:
                 return msg
             self._inbox[k].append(msg)
 
@@ -399,9 +422,16 @@ class Client(PullsIntoTrees):
         shard (they deliver it when it is gone).
         """
         self._check_open()  # a shard has cut this worker off: commit nothing more
+        granted, self._granted = self._granted, False
+        rounds = self._consistency.averages_rounds
+        if budget.refuses(self.budget, granted, self._may_begin, rounds=rounds):
+            self.budget_refused += 1
+            raise BudgetSpent(self.budget)
         if self._compressor is not None:
             self.wait()  # the shards read the payloads until they have acked the last push
             self._encode()
+        if rounds:
+            self._round = self._round_now() + 1
         seq = self._commit()
         self._sender.committed()  # the new residual is the one a successor takes
         for k in range(len(self._conns)):

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from stalewise.protocol import PushResult, ServerConfig, budget, pipeline
-from stalewise.runtime.base import PullsIntoTrees, ServerClosed, ShardError
+from stalewise.runtime.base import BudgetSpent, PullsIntoTrees, ServerClosed, ShardError
 from stalewise.runtime.ray import import_ray
 from stalewise.runtime.ray.outbox import Outbox
 
@@ -108,6 +108,12 @@ class RayClient(PullsIntoTrees):
         self.last_result: PushResult | None = None
         #: whether the last pull includes this worker's last push (see :meth:`pull`'s ``own``)
         self.pull_has_own = True
+        #: the job's budget of pushes refused at commit (None: none), as the local client's
+        self.budget: int | None = None
+        self.budget_refused = 0
+        self._granted = False  # may_begin said yes since the last push
+        self._round = self.joined_at  # under BSP: this worker's clock as it knows it
+        self._shard_round = 0  # under BSP: shard 0's round under way, as last heard
 
     # -- the job ----------------------------------------------------------------------
 
@@ -123,10 +129,19 @@ class RayClient(PullsIntoTrees):
         progress; while the rule refuses with it in flight, the client waits for its acks
         and asks again. The other workers' steps are not seen: a job may commit up to
         ``workers - 1`` pushes beyond ``steps``. Under BSP it counts whole rounds
-        (:func:`~stalewise.protocol.budget.may_begin_round`): this worker's round is the
-        clock it joined at plus its pushes since."""
+        (:func:`~stalewise.protocol.budget.may_begin_round`) of the shards' round
+        (:func:`~stalewise.protocol.budget.round_of`). A yes grants the next push past
+        :attr:`budget`'s check at commit (under BSP it is asked again)."""
+        self._granted = self._may_begin(steps)
+        return self._granted
+
+    def _may_begin(self, steps: int, *, ask: bool = True) -> bool:
+        """The rule; ``ask``: under BSP, asks shard 0 for its round (else: as last heard,
+        at commit, after this push's pull)."""
         if self._rounds:
-            round_ = self.joined_at + self._out.sender.seq
+            if ask:
+                self._count()
+            round_ = budget.round_of(self._round, self._shard_round)
             return budget.may_begin_round(round_, self._expected, steps)
         self._count()
         flying = int(self._pending is not None)
@@ -146,10 +161,11 @@ class RayClient(PullsIntoTrees):
     def _count(self) -> None:
         ray = import_ray()
         try:
-            handled, stopped = ray.get(self._shards[0].count.remote(), timeout=CLOSE_WAIT)
+            handled, stopped, round_ = ray.get(self._shards[0].count.remote(), timeout=CLOSE_WAIT)
         except ray.exceptions.RayActorError:
             raise ShardError(f"job {self.name!r}: shard 0's actor died") from None
         self._handled = max(self._handled, int(handled))
+        self._shard_round = max(self._shard_round, int(round_))
         self._stopping = self._stopping or bool(stopped)
 
     # -- pulls ------------------------------------------------------------------------
@@ -180,6 +196,7 @@ class RayClient(PullsIntoTrees):
             self._pull_buf[lo:hi] = piece
             sender.pulled(k, r[1])
         self._handled = max(self._handled, int(replies[0][3]))
+        self._round = max(self._round, int(replies[0][4]))  # this worker's clock
         return self._pull_buf
 
     # -- pushes -----------------------------------------------------------------------
@@ -190,10 +207,16 @@ class RayClient(PullsIntoTrees):
         the next pull or push). ``loss``: this step's loss, recorded by the shards."""
         self._check_open()
         self.wait()  # one push in flight: the next waits for the last one's acks
+        granted, self._granted = self._granted, False
+        ask = lambda steps: self._may_begin(steps, ask=False)  # noqa: E731
+        if budget.refuses(self.budget, granted, ask, rounds=self._rounds):
+            self.budget_refused += 1
+            raise BudgetSpent(self.budget)
         out = self._out
         sent, seq, bases, verdict, residual = out.prepare(update, out.free[0])
         refs = out.send(sent, self.incarnation, seq, bases, verdict, loss, self._acked, residual)
         self._pending = (seq, refs)
+        self._round += 1
 
     def wait(self, timeout: float | None = None) -> PushResult | None:
         """Waits for the acks of the last push; returns what happened to it (None before

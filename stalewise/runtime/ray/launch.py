@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import logging
 import os
-import runpy
 import sys
 import tempfile
 import threading
@@ -154,23 +153,18 @@ class ScriptWorker:
         ``cwd``: the launcher's working directory, entered if it exists here."""
         import ray
 
-        from stalewise import launch
-        from stalewise.launch import BudgetSpent, rank_env
+        from stalewise.launch import BudgetSpent, Context, context, rank_env
         from stalewise.runtime.logs import child_logging
         from stalewise.runtime.ray.client import attach
 
         child_logging(f"rank {rank}")
         client = attach(name, worker=rank)
-        ctx = launch.Context(
-            rank, world, client, steps=steps, _barrier=_Barrier(client._door, world)
-        )
-        launch._WORKER, launch._INITIALISED = ctx, False
+        ctx = Context(rank, world, client, steps=steps, _barrier=_Barrier(client._door, world))
+        context.become(ctx)
         path = Path(script)
         if not path.is_file():  # not on this node: the launcher's copy of its text
             path = Path(tempfile.mkdtemp(prefix="stalewise-run-")) / path.name
             path.write_text(source)
-        sys.argv = [str(path), *argv]
-        sys.path.insert(0, str(path.resolve().parent))
         if cwd is not None:
             if Path(cwd).is_dir():
                 os.chdir(cwd)
@@ -180,7 +174,7 @@ class ScriptWorker:
         pushes = 0
         try:
             try:
-                runpy.run_path(str(path), run_name="__main__")
+                context.run_script(path, argv)
             except BudgetSpent:  # the loop did not ask should_stop(): the launcher says so
                 pass
             except SystemExit as e:

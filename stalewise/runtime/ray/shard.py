@@ -242,10 +242,11 @@ class ShardActor:
             "pulled": list(self.pulled),
         }
 
-    async def count(self) -> tuple[int, bool]:
-        """``(pushes handled, stopping)``: the job's push count (on shard 0) and whether the
-        job is ending; cheap, for an attached client's budget and stop flag."""
-        return self.handled, self.stopped
+    async def count(self) -> tuple[int, bool, int]:
+        """``(pushes handled, stopping, round)``: the job's push count (on shard 0), whether
+        the job is ending and the round under way (the slowest counted clock); cheap, for
+        an attached client's budget and stop flag."""
+        return self.handled, self.stopped, self.shard.min_clock()
 
     async def freeze(self) -> list[tuple[int, int]]:
         """Holds every push from now on; returns each worker's (incarnation, pushes handled)."""

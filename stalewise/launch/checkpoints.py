@@ -1,0 +1,304 @@
+"""Checkpoints of a loop you own: ``stalewise run --checkpoint-dir``, ``sw.init(job,
+checkpoint_dir=...)`` and ``job.serve(..., checkpoint_dir=...)`` (see "Checkpoints" in
+:mod:`stalewise.launch`).
+
+One saving side for all three, :class:`Saves`, held where the shards are served: it
+restores the job before any worker joins and saves it in ``Job.train``'s data-only
+format through :class:`stalewise.checkpoint.Saver`. What differs is only who ticks it:
+the launcher's watch over its ranks (with each rank's ``ctx.state``, exchanged through
+files: :class:`RankStates`), the one unlaunched worker's ``should_stop()``
+(:class:`InProcess`), or a thread of the serving process (:class:`Served`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from stalewise.launch.context import LaunchError
+
+log = logging.getLogger(__name__)
+
+RANKS_ENV = "STALEWISE_CHECKPOINT_RANKS"  # a rank's folder for its ctx.state (launched)
+EVERY_ENV = "STALEWISE_CHECKPOINT_EVERY"
+#: Seconds the launcher waits for the ranks' ``ctx.state`` once a checkpoint is due; a
+#: rank that has not called ``ctx.should_stop()`` since is saved with its previous state.
+RANK_STATE_WAIT = 10.0
+#: Seconds between a served job's looks at its pushes (``job.serve(checkpoint_every=)``).
+SERVED_POLL = 0.25
+
+
+def check(directory: Any, every: Any, error: type[Exception]) -> None:
+    """Refuses checkpoint settings that do not fit together, in one line (``error``)."""
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise error(f"checkpoint_every (--checkpoint-every) must be an integer >= 1, got {every!r}")
+    if every is not None and directory is None:
+        raise error("checkpoint_every (--checkpoint-every) needs checkpoint_dir (--checkpoint-dir)")
+
+
+class Saves:
+    """The saving side, which holds the server: restores the job (``resume``) before any
+    worker joins, and saves it every ``every`` pushes of the job and at the end, with
+    each rank's ``ctx.state`` (from ``folder``, when the ranks are launched), through
+    :class:`stalewise.checkpoint.Saver` (the format, atomic writes and failure handling
+    of ``Job.train``'s checkpoints)."""
+
+    def __init__(self, job: Any, server: Any, directory: str, every: int | None,
+                 resume: bool, *, folder: Path | None = None):  # fmt: skip
+        from types import SimpleNamespace
+
+        from stalewise import checkpoint
+
+        self.server, self.every, self.folder = server, every, folder
+        workers = server.workers
+        o = SimpleNamespace(checkpoint_dir=directory, checkpoint_every=every, resume=resume,
+                            checkpoint_seconds=None, checkpoint_keep=2, room=workers,
+                            run=None)  # fmt: skip
+        if resume and not checkpoint.exists(directory):
+            print(f"stalewise: resume: no checkpoint in {directory} yet; starting from the start",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        try:
+            ckpt = checkpoint.resume_point(job.config, o, runtime="local")
+            if ckpt is not None:
+                server.resume(ckpt)
+        except (checkpoint.CheckpointError, ValueError) as e:
+            raise LaunchError(f"--resume from {directory}: {' '.join(str(e).split())}") from None
+        self.ranks: list[dict] = [{} for _ in range(workers)]
+        if ckpt is not None and ckpt.ranks is not None:
+            self.ranks[: len(ckpt.ranks)] = ckpt.ranks[:workers]
+        self.pushes = 0 if ckpt is None else int(ckpt.step.get("pushes", 0))
+        self.saver = checkpoint.Saver(job.config, None, o, runtime="local", version=0)
+        self.started = time.monotonic()
+        self.due: tuple[int, float] | None = None  # (the epoch due, since when)
+        if ckpt is not None:
+            print(f"stalewise: resumed from {ckpt.path} (version {ckpt.version}, "
+                  f"{self.pushes} pushes)", file=sys.stderr, flush=True)  # fmt: skip
+        if folder is not None:
+            for r, state in enumerate(self.ranks):  # what each rank starts from
+                write_rank_state(folder, r, state, self.pushes)
+
+    def tick(self, running: list[int]) -> None:
+        """A look (every quarter of a second): a checkpoint once the job's pushes reach
+        the next multiple of ``every`` and the ``running`` ranks have saved their state
+        for it (or :data:`RANK_STATE_WAIT` passed)."""
+        if self.every is None:
+            return
+        epoch = self.server.job_pushes // self.every
+        if self.due is None:
+            if epoch > self.pushes // self.every:
+                self.due = (epoch, time.monotonic())
+            return
+        want, since = self.due
+        ready = all(rank_epoch(self.folder, r, self.every) >= want for r in running)
+        if ready or time.monotonic() - since >= RANK_STATE_WAIT:
+            self.save()
+
+    def save(self, *, final: bool = False) -> None:
+        """Writes a checkpoint (``final``: the run's last) of the server and the ranks' states."""
+        self.due = None
+        try:
+            states, step, residuals = self.server.checkpoint_parts()
+        except Exception as e:  # a shard died: the last checkpoint stays the one to resume
+            log.warning("checkpoint: cannot read the shards' state: %s", e)
+            return
+        if self.folder is not None:
+            for r in range(len(self.ranks)):
+                got = read_rank_state(self.folder, r)
+                if got is not None:
+                    self.ranks[r] = got
+        step["time"] = time.monotonic() - self.started
+        self.pushes = step["pushes"]
+        self.saver.save(states, step, residuals, final=final, ranks=self.ranks)
+
+
+class InProcess:
+    """A context's side of the checkpoints when ``sw.init`` serves the job in its own
+    process (one worker, no launcher): saves from ``should_stop()`` and ``close()``."""
+
+    def __init__(self, saves: Saves):
+        self.saves = saves
+
+    def tick(self, ctx: Any) -> None:
+        saves = self.saves
+        if saves.every is not None and ctx.client.job_pushes // saves.every > (
+            saves.pushes // saves.every
+        ):
+            ctx.client.wait()  # its pushes acknowledged: in the shards' state
+            saves.ranks[0] = ctx.state
+            saves.save()
+
+    def close(self, ctx: Any) -> None:
+        ctx.client.wait()
+        self.saves.ranks[0] = ctx.state
+        self.saves.save(final=True)
+
+
+class Served:
+    """``job.serve(..., checkpoint_dir=...)``: the server, restored from the last
+    checkpoint (``resume``) before any worker joins, saved every ``every`` pushes of the
+    job by a thread of this process, and once more when it closes (before the shards
+    stop). Anything else is the server's (attributes pass through)."""
+
+    def __init__(self, job: Any, server: Any, directory: str, every: int | None, resume: bool):
+        self._server = server
+        self._saves = Saves(job, server, directory, every, resume)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stalewise-saves", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(SERVED_POLL):
+            try:
+                self._saves.tick([])
+            except Exception as e:  # the server is closing under it, or a shard died
+                log.warning("checkpoint: %s", e)
+
+    def close(self, *args: Any, **kwargs: Any) -> Any:
+        """The last checkpoint, then the server's ``close``. Calling it again closes only."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+            self._saves.save(final=True)
+        return self._server.close(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resume: Any) -> Any:
+    """``job.serve``'s server (``start()`` starts it) with checkpoints in ``directory``
+    (:class:`Served`), or as it is without one. Bad settings are refused before the
+    server starts; the server is closed if its checkpoints cannot start (a refused
+    resume: :class:`LaunchError`, one line)."""
+    check(directory, every, ValueError)
+    if resume and directory is None:
+        raise ValueError("job.serve: resume needs checkpoint_dir (where the checkpoints are)")
+    if directory is not None and runtime != "local":
+        raise ValueError(f"job.serve: checkpoint_dir is for runtime='local', not {runtime!r}")
+    server = start()
+    if directory is None:
+        return server
+    try:
+        return Served(job, server, os.fspath(directory), every, bool(resume))
+    except BaseException:
+        server.close()
+        raise
+
+
+class RankStates:
+    """A launched rank's side: ``ctx.state`` from the launcher's folder at ``sw.init``, and
+    into it from ``should_stop()`` once the job's pushes pass a multiple of ``every``, and
+    at ``close()`` (data only: :func:`stalewise.checkpoint.flat_state`)."""
+
+    def __init__(self, folder: Path, every: int | None):
+        self.folder, self.every = folder, every
+        self.epoch: int | None = None
+
+    @classmethod
+    def join(cls, ctx: Any) -> None:
+        folder = os.environ.get(RANKS_ENV)
+        if not folder:
+            return
+        every = os.environ.get(EVERY_ENV)
+        ctx._ckpt = cls(Path(folder), int(every) if every else None)
+        ctx.state = read_rank_state(Path(folder), ctx.rank) or {}
+
+    def tick(self, ctx: Any) -> None:
+        if self.every is None:
+            return
+        pushes = ctx.client.job_pushes
+        epoch = pushes // self.every
+        if self.epoch is None:
+            self.epoch = epoch
+        elif epoch > self.epoch:
+            self.epoch = epoch
+            write_rank_state(self.folder, ctx.rank, ctx.state, pushes)
+
+    def close(self, ctx: Any) -> None:
+        write_rank_state(self.folder, ctx.rank, ctx.state, ctx.client.job_pushes)
+
+
+def _rank_file(folder: Path, rank: int) -> Path:
+    return folder / f"rank-{rank}.safetensors"
+
+
+def write_rank_state(folder: Path, rank: int, state: Any, pushes: int) -> None:
+    """Rank ``rank``'s state into its file, atomically: arrays as tensors, the JSON values
+    and the job's ``pushes`` in the header's metadata (no pickle)."""
+    from safetensors.numpy import save_file
+
+    from stalewise import checkpoint
+
+    arrays, values = checkpoint.flat_state(state, f"rank {rank}: ctx.state")
+    path = _rank_file(folder, rank)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    meta = {"values": json.dumps(values, allow_nan=True), "pushes": str(int(pushes))}
+    save_file({k: checkpoint._contiguous(a) for k, a in arrays.items()}, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def _metadata(f: Any) -> dict:
+    """The metadata of the safetensors file open as ``f`` (read from its header)."""
+    n = int.from_bytes(f.read(8), "little")
+    return json.loads(f.read(n)).get("__metadata__", {})
+
+
+def read_rank_state(folder: Path, rank: int) -> dict | None:
+    from safetensors.numpy import load
+
+    from stalewise import checkpoint
+
+    try:
+        data = _rank_file(folder, rank).read_bytes()
+    except FileNotFoundError:
+        return None
+    meta = _metadata(io.BytesIO(data))
+    return checkpoint._nested({**json.loads(meta["values"]), **load(data)})
+
+
+def rank_epoch(folder: Path | None, rank: int, every: int) -> int:
+    """The epoch (job pushes // every) of rank ``rank``'s last saved state (-1: none)."""
+    try:
+        with open(_rank_file(folder, rank), "rb") as f:  # type: ignore[arg-type]
+            return int(_metadata(f)["pushes"]) // every
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+@contextlib.contextmanager
+def rank_files(directory: str | None, every: int | None):
+    """The folder the ranks exchange their ``ctx.state`` through (``DIRECTORY/.ranks``,
+    emptied first), named in the ranks' environment; None without a ``directory``."""
+    if directory is None:
+        yield None
+        return
+    import shutil
+
+    folder = Path(directory) / ".ranks"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    saved = {k: os.environ.get(k) for k in (RANKS_ENV, EVERY_ENV)}
+    os.environ[RANKS_ENV] = str(folder)
+    os.environ[EVERY_ENV] = str(every or "")
+    try:
+        yield folder
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,122 @@
+"""A rank's side of a launched job: its :class:`Context`, and the process's launch state.
+
+:func:`stalewise.init` returns the context a rank was given before its script ran
+(:func:`become`: by the local runtime's rank process, :mod:`stalewise.launch.ranks`, or
+Ray's :class:`~stalewise.runtime.ray.launch.ScriptWorker`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import runpy
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: Seconds a launched worker waits at :func:`stalewise.init` for the others to get there.
+RENDEZVOUS_TIMEOUT = 300.0
+
+
+class LaunchError(RuntimeError):
+    """A launched script could not be run as asked (a user error: one line)."""
+
+
+@dataclasses.dataclass
+class Context:
+    """What :func:`stalewise.init` gives one worker: who it is, its client, and when to stop."""
+
+    rank: int  #: this worker's id, 0 .. world_size - 1
+    world_size: int  #: the number of workers
+    client: Any  #: this worker's :class:`~stalewise.runtime.local.client.Client`
+    steps: int | None = None  #: the job's budget of pushes in all (None: no budget)
+    launched: bool = True  #: started by ``stalewise run`` (else: one worker, served here)
+    #: this rank's own state (data position, RNG, ...), saved with each checkpoint as data
+    #: (JSON values, numpy arrays) and restored on resume (see :mod:`stalewise.launch`)
+    state: dict = dataclasses.field(default_factory=dict)
+    _ckpt: Any = dataclasses.field(default=None, repr=False)  # its side of the checkpoints
+    _server: Any = dataclasses.field(default=None, repr=False)
+    _barrier: Any = dataclasses.field(default=None, repr=False)  # the launcher's start barrier
+    _refused: int = dataclasses.field(default=0, repr=False)  # as the closed client said
+
+    def __post_init__(self) -> None:
+        self.budget(self.steps)
+
+    def budget(self, steps: int | None) -> None:
+        """Sets the job's budget: ``should_stop()`` asks it, and the client refuses a push
+        past it that ``should_stop()`` did not grant (:class:`~stalewise.BudgetSpent`,
+        :func:`stalewise.protocol.budget.refuses`)."""
+        self.steps = steps
+        if self.client is not None:
+            self.client.budget = steps
+
+    @property
+    def refused(self) -> int:
+        """Pushes the client refused past the budget (:class:`~stalewise.BudgetSpent`)."""
+        return self._refused if self.client is None else self.client.budget_refused
+
+    def should_stop(self) -> bool:
+        """True once the job's workers have pushed ``steps`` times in all, or the job stops."""
+        if self._ckpt is not None:
+            self._ckpt.tick(self)
+        if self.client.stopping:
+            return True
+        return self.steps is not None and not self.client.may_begin(self.steps)
+
+    def close(self) -> None:
+        """Waits for this worker's last push and leaves the job (and, unlaunched, stops
+        the shards served in this process). Calling it again does nothing."""
+        if self.client is None:
+            return
+        if self._ckpt is not None:  # this rank's last state (unlaunched: the last checkpoint)
+            ckpt, self._ckpt = self._ckpt, None
+            ckpt.close(self)
+        self._refused = self.client.budget_refused
+        client, self.client = self.client, None
+        try:
+            client.wait()
+        finally:
+            client.close()
+            if self._server is not None:
+                self._server.close()
+                self._server = None
+
+
+WORKER: Context | None = None  # this process is a launched rank: its context
+INITIALISED = False  # stalewise.init() has been called in this process
+
+
+def become(ctx: Context) -> None:
+    """This process is a launched rank with context ``ctx``: the script it runs next gets
+    ``ctx`` from :func:`stalewise.init`, once."""
+    global WORKER, INITIALISED
+    WORKER, INITIALISED = ctx, False
+
+
+def run_script(script: str | Path, argv: list[str]) -> None:
+    """Runs ``script`` as ``__main__`` with ``argv``, its folder first on ``sys.path``."""
+    sys.argv = [str(script), *argv]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(str(script), run_name="__main__")
+
+
+def rendezvous(ctx: Context) -> None:
+    """Waits until every launched worker has reached :func:`stalewise.init`, so that they
+    start together (a worker that is first by the time its imports take would otherwise
+    spend the budget alone). A worker that never gets there holds the others up for
+    :data:`RENDEZVOUS_TIMEOUT` seconds at most, and one that ends first not at all;
+    then they start without it."""
+    if ctx._barrier is None:
+        return
+    try:
+        ctx._barrier.wait(RENDEZVOUS_TIMEOUT)
+    except threading.BrokenBarrierError:
+        log.warning(
+            "rank %d: not every worker reached sw.init (one ended first, or %g s passed); "
+            "starting without them",
+            ctx.rank,
+            RENDEZVOUS_TIMEOUT,
+        )

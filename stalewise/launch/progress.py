@@ -1,0 +1,69 @@
+"""The launcher's lines on stderr, on both runtimes: progress while the ranks run, and how
+they ended (see "Progress" in :mod:`stalewise.launch`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+
+log = logging.getLogger(__name__)
+
+#: Seconds between the launcher's progress lines when stderr is a terminal.
+PROGRESS_TTY = 2.0
+#: Seconds between them otherwise (a log file, a pipe).
+PROGRESS_EVERY = 10.0
+
+
+def progress_every() -> float:
+    """Seconds between progress lines: ``STALEWISE_PROGRESS`` if set (0: none), else
+    :data:`PROGRESS_TTY` when stderr is a terminal, else :data:`PROGRESS_EVERY`."""
+    text = os.environ.get("STALEWISE_PROGRESS", "").strip()
+    if text:
+        try:
+            every = float(text)
+        except ValueError:
+            every = -1.0
+        if math.isfinite(every) and every >= 0:
+            return every
+        log.warning("STALEWISE_PROGRESS=%r is not a number of seconds >= 0; ignored", text)
+    isatty = getattr(sys.stderr, "isatty", None)
+    return PROGRESS_TTY if isatty is not None and isatty() else PROGRESS_EVERY
+
+
+class Progress:
+    """The launcher's progress line: the job's pushes, their rate since the last line, and
+    the ranks still running."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.every = progress_every()
+        self.last = time.monotonic()
+        self.pushes = 0
+
+    def tick(self, now: float, pushes: int, live: int) -> None:
+        """Prints a line if the interval has passed since the last one (or the start)."""
+        if not self.every or now - self.last < self.every:
+            return
+        rate = (pushes - self.pushes) / max(now - self.last, 1e-9)
+        self.last, self.pushes = now, pushes
+        say(f"{pushes} pushes, {rate:.1f} pushes/s, {live} of {self.workers} ranks live")
+
+
+def end_lines(
+    workers: int, failed: int, pushes: int, steps: int | None, refused: int, where: str = ""
+) -> None:
+    """The launcher's last lines: the pushes refused past the budget (once, if any), then
+    how the ranks ended (``where``: e.g. `` on 2 Ray node(s)``)."""
+    if refused and steps is not None:
+        say(f"the budget of {steps} pushes is spent; {refused} pushes past it were refused")
+    ended = f"{workers} workers done" if not failed else (
+        f"{workers - failed} of {workers} workers done, {failed} failed")  # fmt: skip
+    say(f"{ended}{where}, {pushes} pushes")
+
+
+def say(line: str) -> None:
+    """One line of the launcher's on stderr: ``stalewise run: LINE``."""
+    print(f"stalewise run: {line}", file=sys.stderr, flush=True)

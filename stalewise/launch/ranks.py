@@ -1,0 +1,333 @@
+"""``stalewise run`` on the local runtime: one process per rank, started, released
+together, watched and stopped by the launcher (the ``"local"`` runtime's ``launch``; see
+"How a launch ends" in :mod:`stalewise.launch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+from multiprocessing import connection
+from typing import Any
+
+from stalewise.launch import checkpoints, context
+from stalewise.launch.progress import Progress, end_lines, say
+from stalewise.protocol.liveness import silent_rank
+from stalewise.runtime.base import BudgetSpent, ServerClosed
+
+log = logging.getLogger(__name__)
+
+#: Seconds the launcher gives its ranks to end by themselves once it stops the job
+#: (Ctrl-C, SIGTERM, ``--timeout``): a rank that polls ``ctx.should_stop()`` ends within
+#: a step; the ranks still running after that are killed.
+STOP_GRACE = 5.0
+#: ``--rank-timeout``'s default: seconds without a push, once a rank has pushed, while the
+#: other ranks push, before the launcher takes that rank for hung.
+RANK_TIMEOUT = 300.0
+POLL = 0.25  # seconds between the launcher's looks at the ranks' push counters
+
+
+def serve_workers(job: Any, launch: Any) -> int:
+    """The launcher's side: serves ``job``, runs the workers, waits; the exit status.
+
+    However it ends (the ranks done, a timeout, Ctrl-C, SIGTERM), the ranks are stopped
+    before the shards: :meth:`Ranks.stop`."""
+    ctx = mp.get_context("spawn")
+    directory, every = launch.checkpoint_dir, launch.checkpoint_every
+    with job.serve(workers=launch.workers) as server, \
+            checkpoints.rank_files(directory, every) as folder:  # fmt: skip
+        saves = None  # the checkpoints (--checkpoint-dir): restored here, before any rank
+        if directory is not None:
+            saves = checkpoints.Saves(job, server, directory, every, launch.resume, folder=folder)
+        ranks = Ranks(server, launch, saves)
+        try:
+            for rank in range(launch.workers):
+                ranks.start(ctx, rank)
+            log.info("stalewise run: %d workers started", launch.workers)
+            ranks.wait()
+        finally:  # Ctrl-C and SIGTERM (Terminated) pass through here, and re-raise
+            ranks.stop()
+            if saves is not None:  # the last checkpoint: the job as the ranks left it
+                saves.save(final=True)
+        pushes = server.job_pushes
+    failed = sum(r.proc.exitcode != 0 for r in ranks.ranks) + launch.workers - len(ranks.ranks)
+    end_lines(launch.workers, failed, pushes, launch.steps, ranks.refused)
+    return 1 if ranks.failed else 0
+
+
+class Rank:
+    """The launcher's view of one rank: its process, its pipe, its pushes."""
+
+    def __init__(self, rank: int, proc: Any, conn: Any):
+        self.rank, self.proc, self.conn = rank, proc, conn
+        self.ready = False  # reached sw.init (or can no longer say so)
+        self.released = False  # told to start (the rendezvous)
+        self.ended = False
+        self.judged = False  # a line already says what became of it (hung, killed)
+        self.pushes = 0
+        self.last_push: float | None = None  # when the launcher saw its count last rise
+        self.job_then = 0  # the job's pushes at that moment
+
+    def progress(self, now: float) -> str:
+        if self.last_push is None:
+            return "no push yet"
+        return f"{self.pushes} pushes, the last {now - self.last_push:.1f} s ago"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join()
+        self.ended = True
+        self.conn.close()
+
+
+class Ranks:
+    """The launcher's ranks: starts them, releases them together, watches their pushes
+    (the liveness rule, :func:`stalewise.protocol.liveness.silent_rank`), ticks the
+    checkpoints (``saves``), and stops them."""
+
+    def __init__(self, server: Any, launch: Any, saves: checkpoints.Saves | None = None):
+        self.server, self.launch, self.saves = server, launch, saves
+        self.ranks: list[Rank] = []
+        self.failed: list[str] = []
+        self.stopping = False
+        self.started = time.monotonic()
+        self.refused = 0  # pushes past the budget refused (BudgetSpent), as the ranks said
+        self.pushes = 0  # the job's pushes at the last look
+        self.progress = Progress(launch.workers)
+        from stalewise.runtime.local.procs import refers_to_main
+
+        # a rank runs the script once, with runpy: it is spawned without the launcher's
+        # __main__ (the script), unless the job's config refers to something defined
+        # there (a schedule written in the script), which only importing it can unpickle
+        self.needs_main = refers_to_main(server.config)
+
+    def start(self, ctx: Any, rank: int) -> None:
+        from stalewise.runtime.local.procs import stalewise_main
+
+        launch = self.launch
+        mine, theirs = ctx.Pipe()
+        client = self.server.client(rank)
+        args = (launch.script, launch.argv, client, rank, launch.workers, launch.steps, theirs)
+        # started from this thread, which waits for them: a rank's parent-death signal
+        # (procs.die_with_parent) fires when the thread that started it ends
+        p = ctx.Process(target=worker_main, args=args, name=f"stalewise-run-{rank}")
+        with stalewise_main(self.needs_main):
+            p.start()
+        theirs.close()
+        self.server.release(rank)  # the shards notice if this worker dies
+        self.ranks.append(Rank(rank, p, mine))
+
+    def _fail(self, line: str) -> None:
+        """Says what went wrong, at once, on a line of stderr; the run will exit 1."""
+        self.failed.append(line)
+        say(line)
+
+    def running(self) -> list[Rank]:
+        return [r for r in self.ranks if not r.ended]
+
+    def _release(self, word: bytes) -> None:
+        """Lets every rank waiting at the rendezvous go (``go``: all there; ``alone``: a
+        rank ended before it got there)."""
+        for r in self.ranks:
+            if not r.released and not r.ended:
+                r.released = True
+                with contextlib.suppress(OSError):
+                    r.conn.send_bytes(word)
+
+    def _ended(self, r: Rank) -> None:
+        r.proc.join()
+        r.ended = r.ready = True
+        with contextlib.suppress(EOFError, OSError):
+            while r.conn.poll():  # b"ready" unread, then b"refused N" (pushes past the budget)
+                word = r.conn.recv_bytes()
+                if word.startswith(b"refused "):
+                    self.refused += int(word.split()[1])
+        r.conn.close()
+        if r.proc.exitcode != 0 and not r.judged and not self.stopping:
+            from stalewise.runtime.local.procs import describe_exit
+
+            self._fail(f"rank {r.rank} failed ({describe_exit(r.proc.exitcode)})")
+            self._release(b"alone")  # the others start without it, at once
+
+    def _look(self, now: float) -> None:
+        """Reads the ranks' push counters; kills a rank that the liveness rule finds hung."""
+        counts = self.server.control[self.server.layout.pushes_done]
+        job = self.pushes = int(counts.sum())
+        self.progress.tick(now, job, len(self.running()))
+        for r in self.ranks:
+            n = int(counts[r.rank])
+            if n != r.pushes:
+                r.pushes, r.last_push, r.job_then = n, now, job
+        limit = self.launch.rank_timeout
+        for r in self.running():
+            silence = None if r.last_push is None else now - r.last_push
+            if r.judged or not silent_rank(silence, job - r.job_then, limit):
+                continue
+            r.judged = True
+            r.proc.kill()
+            self._fail(
+                f"rank {r.rank} hung: no push for {silence:.1f} s while the other ranks "
+                f"pushed {job - r.job_then} times (--rank-timeout {limit:g}); killed it"
+            )
+
+    def wait(self) -> None:
+        """Until every rank has ended, or ``--timeout`` (then ``failed`` says which ranks
+        were still running, and how far they had got)."""
+        timeout = self.launch.timeout
+        deadline = None if timeout is None else self.started + timeout
+        while running := self.running():
+            now = time.monotonic()
+            self._look(now)
+            if self.saves is not None:
+                self.saves.tick([r.rank for r in running])
+            if deadline is not None and now >= deadline:
+                still = "; ".join(f"rank {r.rank} ({r.progress(now)})" for r in running)
+                self._fail(f"timed out after {timeout:g} s (--timeout): still running: {still}")
+                return
+            if all(r.ready for r in self.ranks):
+                self._release(b"go")
+            waiting = {r.conn: r for r in running if not r.ready}
+            ends = {r.proc.sentinel: r for r in running}
+            left = POLL if deadline is None else max(0.0, min(POLL, deadline - now))
+            for obj in connection.wait([*waiting, *ends], left):
+                if obj in waiting:
+                    r = waiting[obj]
+                    with contextlib.suppress(EOFError, OSError):  # else its end will say
+                        r.conn.recv_bytes()  # b"ready"
+                    r.ready = True
+            for r in ends.values():
+                if not r.ended and not r.proc.is_alive():
+                    self._ended(r)
+
+    def stop(self) -> None:
+        """Stops the ranks still running, before the shards close: sets the job's stop flag
+        (``ctx.should_stop()`` turns true), lets the ranks waiting at the rendezvous go,
+        gives them :data:`STOP_GRACE` seconds to end, then kills the rest. A second
+        Ctrl-C (or SIGTERM) meanwhile kills them at once."""
+        self.stopping = True
+        if not self.running():
+            return
+        if self.server.control is not None:
+            self.server.control[0] = 1
+        self._release(b"go")
+        why = "was still running"
+        try:
+            deadline = time.monotonic() + STOP_GRACE
+            while (running := self.running()) and (left := deadline - time.monotonic()) > 0:
+                connection.wait([r.proc.sentinel for r in running], left)
+                for r in running:
+                    if not r.proc.is_alive():
+                        self._ended(r)
+            why = f"did not stop within {STOP_GRACE:g} s"
+        except KeyboardInterrupt:
+            why = "was still running at the second interrupt"
+        finally:
+            for r in self.running():
+                r.kill()
+                print(f"stalewise run: rank {r.rank} {why}; killed it", file=sys.stderr)
+
+
+# -- a rank's own process -----------------------------------------------------------------
+
+
+def whole_lines() -> None:
+    """Makes each line a worker prints one write to the stdout and stderr it shares with
+    the others. Unbuffered (``PYTHONUNBUFFERED``, ``-u``), ``print`` writes its text and
+    its newline separately, and two workers' lines tear (``rank 2: 2.9rank 1: 2.9``);
+    line buffering keeps them whole and still shows each line as it ends."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
+            stream.reconfigure(write_through=False, line_buffering=True)
+
+
+class Gate:
+    """A rank's side of the launcher's start rendezvous: its pipe to the launcher, on
+    which it says ``ready`` and waits for ``go`` (``alone``: a rank ended before it got
+    there). No named semaphore: nothing of it can stay in ``/dev/shm``."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self.conn.send_bytes(b"ready")
+            word = self.conn.recv_bytes() if self.conn.poll(timeout) else b""
+        except (EOFError, OSError):  # the launcher is gone (and this rank goes with it)
+            word = b""
+        if word != b"go":
+            raise threading.BrokenBarrierError
+
+
+def worker_main(
+    script: str,
+    argv: list[str],
+    client: Any,
+    rank: int,
+    world: int,
+    steps: int | None,
+    conn: Any,
+) -> None:
+    """A worker process (a rank): runs the script as ``__main__`` with its context set,
+    once (it was spawned without the launcher's ``__main__``, see :class:`Ranks`).
+
+    It dies with the launcher (:func:`~stalewise.runtime.local.procs.die_with_parent`,
+    first thing). Interrupted (Ctrl-C reaches every process of the terminal's group),
+    or stopped by the launcher while it waits on the shards, it says so on one line."""
+    from stalewise.runtime.local.procs import die_with_parent
+
+    die_with_parent()
+    from stalewise.runtime.logs import child_logging
+
+    child_logging(f"rank {rank}")
+    whole_lines()
+    ctx = context.Context(rank, world, client, steps=steps, _barrier=Gate(conn))
+    context.become(ctx)
+    os.environ.update(rank_env(rank, world, rank, world))
+    try:
+        context.run_script(script, argv)
+    except BudgetSpent:  # the loop did not ask should_stop(): the launcher says so, once
+        _leave_quietly(ctx)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: no traceback either
+        _leave_quietly(ctx)
+        print(f"stalewise run: rank {rank} interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except ServerClosed as e:  # the launcher stopped the job under it
+        _leave_quietly(ctx)
+        print(f"stalewise run: rank {rank}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except BaseException:  # its traceback (or exit status) tells the rest
+        _leave_quietly(ctx)
+        raise
+    finally:
+        if ctx.refused:  # the launcher counts the refused pushes (Ranks._ended)
+            with contextlib.suppress(OSError):
+                conn.send_bytes(b"refused %d" % ctx.refused)
+    if ctx.client is not None:  # the script did not close it
+        ctx.close()
+
+
+def rank_env(rank: int, world: int, local_rank: int, local_world: int) -> dict[str, str]:
+    """The variables a rank's environment holds before its script runs (torchrun's names
+    and stalewise's; see :mod:`stalewise.launch`)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "STALEWISE_RANK": str(rank),
+        "STALEWISE_WORLD_SIZE": str(world),
+    }
+
+
+def _leave_quietly(ctx: context.Context) -> None:
+    """Closes the rank's context if the script did not, whatever the shards' state."""
+    if ctx.client is not None:
+        with contextlib.suppress(Exception):
+            ctx.close()
