@@ -290,6 +290,9 @@ class Job:
         join_timeout: float = _DEFAULTS["join_timeout"],
         runtime: str = "local",
         name: str | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int | None = None,
+        resume: bool = False,
     ):
         """Starts the shards for a loop you own; use as a context manager.
 
@@ -318,6 +321,11 @@ class Job:
         in any process of this user on this machine returns a client for the
         lowest free worker id (see :mod:`stalewise.runtime.local.attach`).
 
+        ``checkpoint_dir``, ``checkpoint_every``, ``resume``: as ``sw.init``'s (local
+        runtime): the shards are restored from the newest checkpoint before any worker
+        joins, saved every ``checkpoint_every`` pushes of the job and when the server
+        closes (:mod:`stalewise.launch.checkpoints`, the code ``stalewise run`` saves with).
+
         Example:
             >>> with job.serve(workers=2) as server:        # doctest: +SKIP
             ...     client = server.client(worker=0)        # hand it to a worker process
@@ -328,7 +336,10 @@ class Job:
         self._check_pulls(runtime)
         join_timeout = RunOptions.check("join_timeout", join_timeout)
         named = {} if name is None else {"name": name}
-        return factory(self.config, workers, join_timeout=join_timeout, **named)
+        from stalewise.launch.checkpoints import served
+
+        start = functools.partial(factory, self.config, workers, join_timeout=join_timeout, **named)
+        return served(self, start, runtime, checkpoint_dir, checkpoint_every, resume)
 
     def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):
         """Measures on this machine what the simulator needs for this job and returns a

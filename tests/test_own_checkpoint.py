@@ -12,11 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -202,3 +205,155 @@ def test_checkpoint_flags_need_a_directory(tmp_path, args):
     script = _script(tmp_path)
     done = _run(tmp_path, "--workers", "1", *args, str(script), "x", "0")
     assert done.returncode == 2 and "--checkpoint-dir" in done.stderr, done.stderr
+
+
+# -- job.serve + sw.attach: the same checkpoints, for processes you start yourself ----------
+
+SERVER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import stalewise as sw
+
+    name, ckpts = sys.argv[1], sys.argv[2]
+    job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.adam(0.1))
+    with job.serve(workers=(0, 1), name=name, checkpoint_dir=ckpts, checkpoint_every=4,
+                   resume=True) as server:
+        version = server.stats()[0]["version"]
+        print("served", version, server.job_pushes, *server.pull()["w"].tolist(), flush=True)
+        sys.stdin.readline()
+    print("closed", flush=True)
+    """
+)
+
+PUSHER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import stalewise as sw
+
+    client = sw.attach(sys.argv[1])
+    for i in range(int(sys.argv[2])):
+        client.pull(timeout=60)
+        client.push({"w": np.array([1.0, -2.0, 0.5], np.float32) * (1 + i % 3)})
+    client.close()
+    """
+)
+
+
+def _reference(pushes) -> np.ndarray:
+    """The params after PUSHER's pushes numbered ``pushes`` (each attached process counts
+    its own from 0), served in this process: what a resumed job must continue."""
+    import stalewise as sw
+
+    job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.adam(0.1))
+    with job.serve(workers=1) as server:
+        client = server.client(0)
+        for i in pushes:
+            client.pull(timeout=60)
+            client.push({"w": np.array([1.0, -2.0, 0.5], np.float32) * (1 + i % 3)})
+        client.wait()
+        client.close()
+        return server.pull()["w"]
+
+
+def _serve(tmp_path: Path, name: str, ckpts: Path) -> subprocess.Popen:
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    proc = subprocess.Popen([sys.executable, str(script), name, str(ckpts)], cwd=tmp_path,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    proc.lines = queue.Queue()  # its output, line by line, read on a thread ("": it ended)
+    threading.Thread(target=lambda: [*map(proc.lines.put, proc.stdout), proc.lines.put("")],
+                     daemon=True).start()  # fmt: skip
+    return proc
+
+
+def _line(proc: subprocess.Popen) -> list[str]:
+    try:
+        return proc.lines.get(timeout=TIMEOUT).split()
+    except queue.Empty:
+        pytest.fail(f"no line from the server within {TIMEOUT} s")
+
+
+def _push(tmp_path: Path, name: str, n: int) -> None:
+    script = tmp_path / "pusher.py"
+    script.write_text(PUSHER)
+    done = subprocess.run([sys.executable, str(script), name, str(n)], capture_output=True,
+                          text=True, timeout=TIMEOUT)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def _served(proc: subprocess.Popen) -> tuple[int, int, np.ndarray]:
+    words = _line(proc)
+    assert words[:1] == ["served"], words or proc.communicate(timeout=30)[1]
+    return int(words[1]), int(words[2]), np.array(words[3:], np.float32)
+
+
+def _stop(proc: subprocess.Popen, how: str) -> None:
+    try:
+        if how == "kill":
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.stdin.write("stop\n")
+            proc.stdin.flush()
+            assert _line(proc) == ["closed"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            stream.close()
+
+
+def test_serve_checkpoints_and_resumes_for_processes_you_attach(tmp_path):
+    """``job.serve(checkpoint_dir=, checkpoint_every=, resume=)``: a process attaches and
+    pushes; the server saves every 4 pushes; it is SIGKILLed, served again with resume,
+    and its versions, push count, params and Adam state go on from the last periodic
+    checkpoint; closed in order, it saves a last checkpoint that the next serve resumes."""
+    ckpts, tag = tmp_path / "ckpt", uuid.uuid4().hex[:8]
+    first = _serve(tmp_path, f"ckpt-{tag}-a", ckpts)
+    try:
+        assert _served(first)[:2] == (0, 0)  # nothing to resume yet: from the start
+        _push(tmp_path, f"ckpt-{tag}-a", 10)
+        deadline = time.monotonic() + TIMEOUT
+        while not (checkpoint.exists(ckpts) and checkpoint.load(ckpts).step["pushes"] >= 8):
+            assert time.monotonic() < deadline, "no periodic checkpoint at 8 pushes"
+            time.sleep(0.05)
+    finally:
+        _stop(first, "kill")
+    saved = checkpoint.load(ckpts)
+    done = saved.step["pushes"]
+    assert 8 <= done <= 10 and saved.version == done, saved.step
+
+    second = _serve(tmp_path, f"ckpt-{tag}-b", ckpts)
+    try:
+        version, pushes, params = _served(second)
+        assert (version, pushes) == (done, done)
+        np.testing.assert_allclose(params, _reference(range(done)), rtol=1e-6)
+        _push(tmp_path, f"ckpt-{tag}-b", 3)
+    finally:
+        _stop(second, "close")
+    final = checkpoint.load(ckpts)  # the last one, written as the server closed
+    assert final.step["pushes"] == done + 3 and final.version == done + 3, final.step
+
+    third = _serve(tmp_path, f"ckpt-{tag}-c", ckpts)
+    try:
+        version, pushes, params = _served(third)
+    finally:
+        _stop(third, "close")
+    assert (version, pushes) == (done + 3, done + 3)
+    # Adam's moments came back too: the params are those of one uninterrupted sequence
+    np.testing.assert_allclose(params, _reference([*range(done), 0, 1, 2]), rtol=1e-6)
+
+
+def test_serve_refuses_checkpoint_settings_that_do_not_fit(tmp_path):
+    import stalewise as sw
+
+    job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="resume needs checkpoint_dir"):
+        job.serve(workers=1, resume=True)
+    with pytest.raises(ValueError, match=r"checkpoint_every .* needs checkpoint_dir"):
+        job.serve(workers=1, checkpoint_every=3)
+    with pytest.raises(ValueError, match="checkpoint_dir is for runtime='local'"):
+        job.serve(workers=1, runtime="ray", checkpoint_dir=str(tmp_path))
