@@ -59,9 +59,16 @@ def run(job_kw: dict, batch: int, seed: int, local_steps: int = 1) -> tuple[floa
     task = tasks.get("digits", batch_size=batch)
     job = sw.Job(task.init_params(seed), **job_kw)
     steps = max(SAMPLES // (batch * local_steps), 8)
-    result = job.train(task.loss_and_grad, data=task.batches, evaluate=task.evaluate,
-                       workers=WORKERS, steps=steps, runtime="sim", sim=sim(batch),
-                       eval_interval=0.01, sim_seed=seed, stop_at={"accuracy": 0.975})  # fmt: skip
+    result = job.train(
+        task.loss_and_grad,
+        data=task.batches,
+        evaluate=task.evaluate,
+        workers=WORKERS,
+        steps=steps,
+        runtime=sw.Simulation(sim(batch), seed=seed),
+        stop_at={"accuracy": 0.975},
+        metrics=sw.Metrics(every=0.01),
+    )
     t = report.time_to_target(result.records, "accuracy", TARGET)
     return (math.inf if t is None else t), float(result.records[-1]["accuracy"])
 

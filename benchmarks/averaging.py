@@ -257,14 +257,27 @@ def run_one(setting: str, name: str, make, point: str, budget: int, stop_at: flo
         h = 16  # an average period, only to size the push budget
     pushes = max(budget // h, 4) if setting == "local" else budget * SIM_WORKERS
     common = dict(data=task.batches, evaluate=task.evaluate, steps=pushes,
-                  stop_at={"accuracy": stop_at}, run=f"{name} {point}")  # fmt: skip
+                  stop_at={"accuracy": stop_at})  # fmt: skip
+    run = f"{name} {point}"
     if setting == "local":
-        result = job.train(task.loss_and_grad, workers=WORKERS, eval_interval=0.1,
-                           stragglers={WORKERS - 1: SLOWDOWN},
-                           delays=dict.fromkeys(range(WORKERS), DELAY), timeout=300, **common)  # fmt: skip
+        result = job.train(
+            task.loss_and_grad,
+            workers=WORKERS,
+            metrics=sw.Metrics(every=0.1, name=run),
+            emulation=sw.Emulation(
+                stragglers={WORKERS - 1: SLOWDOWN}, delays=dict.fromkeys(range(WORKERS), DELAY)
+            ),
+            timeouts=sw.Timeouts(total=300),
+            **common,
+        )
     else:
-        result = job.train(task.loss_and_grad, workers=SIM_WORKERS, runtime="sim", sim=SIM,
-                           eval_interval=SIM_EVAL, **common)  # fmt: skip
+        result = job.train(
+            task.loss_and_grad,
+            workers=SIM_WORKERS,
+            runtime=sw.Simulation(SIM),
+            metrics=sw.Metrics(every=SIM_EVAL, name=run),
+            **common,
+        )
     model_bytes = job.config.spec.nbytes if setting == "local" else MODEL_BYTES
     for rec in result.records:
         rec["bytes_pushed"] = rec["pushes"] * model_bytes
@@ -383,9 +396,16 @@ def same_budget_accuracy(budget: int) -> tuple[dict, dict]:
               consistency=sw.BSP()), budget // 20),
     ):  # fmt: skip
         job = sw.Job(task.init_params(0), **kw)
-        r = job.train(task.loss_and_grad, data=task.batches, evaluate=task.evaluate,
-                      workers=WORKERS, steps=steps, eval_interval=1.0,
-                      delays=dict.fromkeys(range(WORKERS), DELAY), timeout=300)  # fmt: skip
+        r = job.train(
+            task.loss_and_grad,
+            data=task.batches,
+            evaluate=task.evaluate,
+            workers=WORKERS,
+            steps=steps,
+            metrics=sw.Metrics(every=1.0),
+            emulation=sw.Emulation(delays=dict.fromkeys(range(WORKERS), DELAY)),
+            timeouts=sw.Timeouts(total=300),
+        )
         h = getattr(job.strategy, "local_steps", 1)
         out.append({"final_accuracy": r.records[-1]["accuracy"], "pushes": r.pushes,
                     "local_steps": r.pushes * h, "bytes": r.pushes * job.config.spec.nbytes})  # fmt: skip

@@ -153,10 +153,10 @@ def digits(quick: bool, runtime: str) -> list[str]:
         for seed in seeds:
             task = tasks.with_seed(tasks.get("digits"), seed)
             job = sw.Job(task.init_params(seed), optimizer=sw.optim.sgd(0.1), codec=codec)
-            extra = {"sim": DIGITS_SIM} if runtime == "sim" else {"progress": False}
+            where = sw.Simulation(DIGITS_SIM, seed=seed) if runtime == "sim" else runtime
             r = job.train(task.loss_and_grad, data=task.batches, workers=4, steps=steps,
-                          runtime=runtime, sim_seed=seed, evaluate=task.evaluate,
-                          eval_interval=1e9, **extra)  # fmt: skip
+                          runtime=where, evaluate=task.evaluate,
+                          metrics=sw.Metrics(every=1e9))  # fmt: skip
             accs.append(r.records[-1]["accuracy"] * 100)
             if runtime == "sim":
                 nbytes[name] = r.stats["sim"]["push_bytes"]
@@ -218,9 +218,16 @@ def claim(quick: bool) -> list[str]:
                              shards=shards)  # fmt: skip
                 sim = SimConfig(compute=Fixed(0.2), network=Network(latency=1e-3, bandwidth=bw),
                                 model_bytes=MODEL_BYTES)  # fmt: skip
-                r = job.train(task.loss_and_grad, data=task.batches, workers=10, steps=steps,
-                              runtime="sim", sim=sim, evaluate=task.evaluate,
-                              eval_interval=every, stop_at={"accuracy": TARGET})  # fmt: skip
+                r = job.train(
+                    task.loss_and_grad,
+                    data=task.batches,
+                    workers=10,
+                    steps=steps,
+                    runtime=sw.Simulation(sim),
+                    evaluate=task.evaluate,
+                    stop_at={"accuracy": TARGET},
+                    metrics=sw.Metrics(every=every),
+                )
                 s = r.stats["sim"]
                 comm[link, shards, repr(codec)] = s["comm_time_mean"]
                 ttt = report.time_to_target(r.records, "accuracy", TARGET)
@@ -312,8 +319,13 @@ def local_rate(quick: bool) -> list[str]:
             for codec in RATE_CODECS:
                 params = {"b": np.zeros(64, np.float32), "w": np.zeros(n, np.float32)}
                 job = sw.Job(params, optimizer=sw.optim.sgd(1e-3), codec=codec, shards=shards)
-                r = job.train(fixed_gradient, data=no_data, workers=2, steps=steps,
-                              eval_interval=1e9, progress=False)  # fmt: skip
+                r = job.train(
+                    fixed_gradient,
+                    data=no_data,
+                    workers=2,
+                    steps=steps,
+                    metrics=sw.Metrics(every=1e9, progress=False),
+                )
                 key = shards, repr(codec)
                 runs.setdefault(key, []).append(r.stats["applied"] / r.time)
                 per_push[key] = r.stats["bytes_in"] / r.stats["applied"]
@@ -363,9 +375,15 @@ def delta_pulls(quick: bool) -> list[str]:
                              pull_codec=pull, shards=shards)  # fmt: skip
                 sim = SimConfig(compute=Fixed(0.2), network=Network(latency=1e-3, bandwidth=1.25e8),
                                 model_bytes=MODEL_BYTES)  # fmt: skip
-                r = job.train(task.loss_and_grad, data=task.batches, workers=10, steps=steps,
-                              runtime="sim", sim=sim, evaluate=task.evaluate,
-                              eval_interval=EVERY[shards])  # fmt: skip
+                r = job.train(
+                    task.loss_and_grad,
+                    data=task.batches,
+                    workers=10,
+                    steps=steps,
+                    runtime=sw.Simulation(sim),
+                    evaluate=task.evaluate,
+                    metrics=sw.Metrics(every=EVERY[shards]),
+                )
                 s = r.stats["sim"]
                 rows.append({
                     "shards": shards, "push": repr(push), "pull": name,

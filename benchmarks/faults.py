@@ -169,13 +169,13 @@ def run(task, consistency, case: str, steps: int, expected: float, quick: bool, 
         consistency=consistency,
         shards=SHARDS,
     )
-    kw: dict = {}
+    checkpoints, failures = None, sw.Failures(max_restarts=None)
     if case == "shard-kill":
-        kw.update(checkpoint_dir=tempfile.mkdtemp(prefix="faults-"), checkpoint_every=500)
+        checkpoints = sw.Checkpoints(tempfile.mkdtemp(prefix="faults-"), every=500)
     if case == "worker-stop":
-        kw.update(worker_timeout=timeout)
+        failures = sw.Failures(max_restarts=None, worker_timeout=timeout)
     if case == "ckpt-full":
-        kw.update(checkpoint_dir=kwargs["ckpt_dir"], checkpoint_every=250, checkpoint_keep=10**6)
+        checkpoints = sw.Checkpoints(kwargs["ckpt_dir"], every=250, keep=10**6)
     loss = BadPushes(task) if case == "bad-pushes" else Plain(task)
     row: dict = {"case": case, "consistency": str(consistency)}
     t = time.perf_counter()
@@ -188,12 +188,11 @@ def run(task, consistency, case: str, steps: int, expected: float, quick: bool, 
                 workers=WORKERS,
                 steps=steps,
                 evaluate=task.evaluate,
-                eval_interval=0.25,
-                delays=dict.fromkeys(range(WORKERS), DELAY),
-                on_record=faults,
-                max_restarts=None,
-                timeout=600,
-                **kw,
+                metrics=sw.Metrics(every=0.25, on_record=faults),
+                emulation=sw.Emulation(delays=dict.fromkeys(range(WORKERS), DELAY)),
+                failures=failures,
+                checkpoints=checkpoints,
+                timeouts=sw.Timeouts(total=600),
             )
     except (sw.WorkerError, RuntimeError, TimeoutError) as e:
         first = str(e).splitlines()[0]
@@ -224,7 +223,7 @@ def run(task, consistency, case: str, steps: int, expected: float, quick: bool, 
         "recover_s": recover,
         "refused": ", ".join(f"{k} {n}" for k, n in sorted(s["rejected"].items())) or "-",
         "events": _events(r.failures),
-        "kept": _kept(kw.get("checkpoint_dir")) if case == "ckpt-full" else "",
+        "kept": _kept(checkpoints.dir) if case == "ckpt-full" else "",
     }
 
 

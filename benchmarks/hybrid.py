@@ -46,9 +46,16 @@ def best_run(consistency, sim: SimConfig, workers: int, lrs) -> dict:
     for lr in lrs:
         job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(lr, momentum=0.9),
                      consistency=consistency, staleness=sw.staleness.inverse())  # fmt: skip
-        r = job.train(task.loss_and_grad, data=task.batches, evaluate=task.evaluate,
-                      workers=workers, steps=300 * workers, runtime="sim", sim=sim,
-                      eval_interval=0.01, stop_at={"accuracy": 0.97})  # fmt: skip
+        r = job.train(
+            task.loss_and_grad,
+            data=task.batches,
+            evaluate=task.evaluate,
+            workers=workers,
+            steps=300 * workers,
+            runtime=sw.Simulation(sim),
+            stop_at={"accuracy": 0.97},
+            metrics=sw.Metrics(every=0.01),
+        )
         t = report.time_to_target(r.records, "accuracy", TARGET)
         row = {"lr": lr, "time": t, "switches": r.stats.get("mode_switches", 0)}
         if best is None or (t is not None and (best["time"] is None or t < best["time"])):

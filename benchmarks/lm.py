@@ -218,12 +218,19 @@ def run_one(task, m: dict, name: str, lr: float, make, h: float, outer=None) -> 
         kw = make(lr) if outer is None else make(lr, outer)
         kw["strategy"] = counting(kw["strategy"])
         job = sw.Job(task.init_params(0), **kw)
-        result = job.train(task.loss_and_grad, data=CountedBatches(task, path),
-                           evaluate=task.evaluate, workers=WORKERS, steps=pushes,
-                           eval_interval=m["eval_interval"], stragglers={SLOW: SLOWDOWN},
-                           delays=dict.fromkeys(range(WORKERS), m["delay"]), run=name,
-                           on_record=on_record, timeout=1800,
-                           stop_at={"tokens": (budget_steps * per_batch, "max")})  # fmt: skip
+        result = job.train(
+            task.loss_and_grad,
+            data=CountedBatches(task, path),
+            evaluate=task.evaluate,
+            workers=WORKERS,
+            steps=pushes,
+            stop_at={"tokens": (budget_steps * per_batch, "max")},
+            metrics=sw.Metrics(every=m["eval_interval"], name=name, on_record=on_record),
+            emulation=sw.Emulation(
+                stragglers={SLOW: SLOWDOWN}, delays=dict.fromkeys(range(WORKERS), m["delay"])
+            ),
+            timeouts=sw.Timeouts(total=1800),
+        )
         drawn, sent, last = (int(x) for x in counts.sum(axis=1) * per_batch)
         pushed = sent + last  # every worker's last push too
     if records and records[-1].get("pushes") == result.pushes:

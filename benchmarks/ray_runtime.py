@@ -147,10 +147,11 @@ def stalewise_run(
         workers=WORKERS,
         steps=int(IDEAL * seconds),
         runtime=runtime,
-        stragglers={WORKERS - 1: SLOWDOWN},
-        delays=dict.fromkeys(range(WORKERS), COMPUTE),
-        eval_interval=1.0,
-        timeout=seconds * 20 + 60,
+        emulation=sw.Emulation(
+            stragglers={WORKERS - 1: SLOWDOWN}, delays=dict.fromkeys(range(WORKERS), COMPUTE)
+        ),
+        metrics=sw.Metrics(every=1.0),
+        timeouts=sw.Timeouts(total=seconds * 20 + 60),
     )
     where, pull_mb = "", float("nan")
     if "ray" in r.stats:  # per worker step, in ms

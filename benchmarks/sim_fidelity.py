@@ -158,9 +158,11 @@ def run_setting(s: Setting, quick: bool, repeats: int) -> dict:
         evaluate=task.evaluate,
         workers=s.workers,
         steps=steps,
-        stragglers=s.stragglers or None,
-        delays=dict.fromkeys(range(s.workers), s.delay) if s.delay else None,
-        eval_interval=eval_interval,
+        emulation=sw.Emulation(
+            stragglers=s.stragglers or None,
+            delays=dict.fromkeys(range(s.workers), s.delay) if s.delay else None,
+        ),
+        metrics=sw.Metrics(every=eval_interval),
     )
     t0 = time.perf_counter()
     cal = job.calibrate(
@@ -170,7 +172,7 @@ def run_setting(s: Setting, quick: bool, repeats: int) -> dict:
     t_cal = time.perf_counter() - t0
     load = os.getloadavg()[0]
     local = job.train(task.loss_and_grad, **common)
-    sim = job.train(task.loss_and_grad, runtime="sim", sim=cal.sim_config(), **common)
+    sim = job.train(task.loss_and_grad, runtime=sw.Simulation(cal.sim_config()), **common)
     measured = figures(local, metric, s.target, mode)
     predicted = figures(sim, metric, s.target, mode)
     row: dict[str, Any] = {"setting": s.name, "load": round(load, 2)}
@@ -318,9 +320,11 @@ def drawn_run(d: Drawn, steps: int) -> dict:
         evaluate=task.evaluate,
         workers=d.workers,
         steps=steps,
-        stragglers=dict(d.stragglers) or None,
-        delays=dict.fromkeys(range(d.workers), d.delay) if d.delay else None,
-        eval_interval=d.eval_interval,
+        emulation=sw.Emulation(
+            stragglers=dict(d.stragglers) or None,
+            delays=dict.fromkeys(range(d.workers), d.delay) if d.delay else None,
+        ),
+        metrics=sw.Metrics(every=d.eval_interval),
     )
 
 
@@ -344,7 +348,7 @@ def run_drawn(i: int, d: Drawn, repeats: int = RANDOM_REPEATS) -> dict:
     t_cal = time.perf_counter() - t0
     # the push budget: about RANDOM_SECONDS of the run at the calibrated simulation's pace
     # (pushes per second: under BSP a version is a round of pushes)
-    probe = job.train(task.loss_and_grad, runtime="sim", sim=cal.sim_config(),
+    probe = job.train(task.loss_and_grad, runtime=sw.Simulation(cal.sim_config()),
                       **drawn_run(d, 20 * d.workers))  # fmt: skip
     pace = probe.pushes / probe.time if probe.time > 0 else 100.0  # pushes (not versions)/s
     steps = int(min(max(pace * RANDOM_SECONDS, RANDOM_STEPS[0] * d.workers), RANDOM_STEPS[1]))
@@ -356,7 +360,7 @@ def run_drawn(i: int, d: Drawn, repeats: int = RANDOM_REPEATS) -> dict:
         measured = figures(local, "loss", -math.inf, "min")  # no target: none reached
 
     def predict(sim):
-        r = job.train(task.loss_and_grad, runtime="sim", sim=sim, **drawn_run(d, steps))
+        r = job.train(task.loss_and_grad, runtime=sw.Simulation(sim), **drawn_run(d, steps))
         if target is None:
             return {**figures(r, "loss", -math.inf, "min"), "time_to_target": None}
         return figures(r, "loss", target, "min")

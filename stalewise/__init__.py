@@ -14,6 +14,7 @@ from stalewise.checkpoint import CheckpointError, load_params
 from stalewise.consistency import ASP, BSP, SSP, Hybrid
 from stalewise.launch import BudgetSpent, Context, init
 from stalewise.loops import LocalSGD, LocalSGDOptax
+from stalewise.options import Checkpoints, Emulation, Failures, Metrics, Simulation, Timeouts
 from stalewise.runtime.attach import AttachError, attach
 from stalewise.runtime.base import (
     DivergedError,
@@ -34,16 +35,22 @@ __all__ = [
     "AttachError",
     "BudgetSpent",
     "CheckpointError",
+    "Checkpoints",
     "Context",
     "DivergedError",
+    "Emulation",
     "FailureWarning",
+    "Failures",
     "Hybrid",
     "Job",
     "LocalSGD",
     "LocalSGDOptax",
+    "Metrics",
     "RunOptions",
     "ServerClosed",
     "ShardError",
+    "Simulation",
+    "Timeouts",
     "TrainResult",
     "WorkerError",
     "attach",

@@ -12,15 +12,14 @@ from stalewise import codecs as codecs_lib
 from stalewise import consistency as consistency_lib
 from stalewise import loggers as loggers_lib
 from stalewise import optim, tree
+from stalewise import options as options_lib
 from stalewise import runtime as runtime_lib
 from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
-from stalewise._renames import renamed
 from stalewise.backends import backend_of
 from stalewise.optim import buffers as optim_buffers
 from stalewise.protocol import ServerConfig
 from stalewise.runtime.base import TrainResult, warn_summary
-from stalewise.runtime.options import DEFAULTS as _DEFAULTS
 from stalewise.runtime.options import RunOptions
 
 log = logging.getLogger(__name__)
@@ -118,6 +117,7 @@ class Job:
             pull_codec=pull_codec,
         )
 
+    @options_lib.legacy_keywords("Job.train")
     def train(
         self,
         loss_and_grad: Callable[[Any, Any], tuple[float, Any]],
@@ -125,35 +125,14 @@ class Job:
         data: Callable[[int, int], Any] | Sequence[Any],
         workers: int | tuple[int, int] | str,
         steps: int,
-        runtime: str = "local",
-        evaluate: Callable[[Any], Mapping[str, float]] | None = _DEFAULTS["evaluate"],
-        eval_interval: float = _DEFAULTS["eval_interval"],
-        stragglers: Mapping[int, float] | Sequence[float] | None = _DEFAULTS["stragglers"],
-        delays: Mapping[int, float] | None = _DEFAULTS["delays"],
-        stop_at: Any = _DEFAULTS["stop_at"],
-        run: str = _DEFAULTS["run"],
-        on_record: Callable[[dict], None] | None = _DEFAULTS["on_record"],
-        loggers: Any = None,
-        progress: bool = _DEFAULTS["progress"],
-        timeout: float | None = _DEFAULTS["timeout"],
-        sim: Any = _DEFAULTS["sim"],
-        sim_seed: int = _DEFAULTS["sim_seed"],
-        checkpoint_dir: Any = _DEFAULTS["checkpoint_dir"],
-        checkpoint_every: int | None = _DEFAULTS["checkpoint_every"],
-        checkpoint_seconds: float | None = _DEFAULTS["checkpoint_seconds"],
-        checkpoint_keep: int = _DEFAULTS["checkpoint_keep"],
-        resume: bool = _DEFAULTS["resume"],
-        on_worker_failure: str = _DEFAULTS["on_worker_failure"],
-        max_restarts: int | None = _DEFAULTS["max_restarts"],
-        worker_timeout: float | None = _DEFAULTS["worker_timeout"],
-        diverge_after: int | None = _DEFAULTS["diverge_after"],
-        max_workers: int = _DEFAULTS["max_workers"],
-        start_timeout: float = _DEFAULTS["start_timeout"],
-        shard_start_timeout: float = _DEFAULTS["shard_start_timeout"],
-        join_timeout: float = _DEFAULTS["join_timeout"],
-        ack_timeout: float = _DEFAULTS["ack_timeout"],
-        stop_timeout: float = _DEFAULTS["stop_timeout"],
-        seed: int | None = None,
+        runtime: str | options_lib.Simulation = "local",
+        evaluate: Callable[[Any], Mapping[str, float]] | None = None,
+        stop_at: Any = None,
+        metrics: options_lib.Metrics | None = None,
+        checkpoints: options_lib.Checkpoints | None = None,
+        failures: options_lib.Failures | None = None,
+        timeouts: options_lib.Timeouts | None = None,
+        emulation: options_lib.Emulation | None = None,
     ) -> TrainResult:
         """Trains with ``workers`` workers until they have pushed ``steps`` updates in all.
 
@@ -164,7 +143,7 @@ class Job:
             data: ``data(worker, workers) -> iterable of batches`` (picklable), or one
                 sequence of batches per worker (cycled).
             workers: number of worker processes; on runtime "ray" also ``(min, max)`` or
-                ``"auto"`` (an elastic run, ``(1, max_workers)``): room for ``max`` worker ids
+                ``"auto"`` (an elastic run, ``(1, 16)``): room for ``max`` worker ids
                 (``data(worker, max)``), starting with the workers the cluster's free CPUs
                 hold (at least ``min``) and adding one whenever a CPU is free; a worker
                 whose node leaves is a departure (``result.failures``, action ``"left"``),
@@ -175,124 +154,65 @@ class Job:
                 round; a round a worker misses has fewer pushes).
             runtime: where to run, a name in :func:`stalewise.runtime.names`: "local"
                 (processes on this machine), "sim" (the deterministic simulator: same
-                shards, virtual time; see :mod:`stalewise.runtime.sim`), "ray" (Ray
-                actors), or one added with :func:`stalewise.runtime.register`.
+                shards, virtual time; see :mod:`stalewise.runtime.sim`; or
+                ``sw.Simulation(sim_config, seed=1)``, the simulator configured), "ray"
+                (Ray actors), or one added with :func:`stalewise.runtime.register`.
             evaluate: ``f(params) -> {"loss": ..., "accuracy": ...}`` on held-out data,
-                called in the parent every ``eval_interval`` seconds.
-            stragglers: slowdown factor per worker, e.g. ``{3: 4.0}``.
-            delays: extra seconds of sleep per step for some workers.
+                called in the parent with each metrics record (``sw.Metrics(every=)``).
             stop_at: stop early once every target is reached, e.g. ``{"accuracy": 0.97}``
                 or ``{"loss": 1e-3}`` (the direction follows the metric's name; pass a
                 :class:`stalewise.targets.Target` to set it).
-            run: the run's name in metrics records.
-            on_record: called with each metrics record as it is made.
-            loggers: more record consumers, e.g.
-                ``[sw.loggers.TensorBoardLogger("runs/tb")]`` (see :mod:`stalewise.loggers`);
-                one that raises is dropped with a warning, training goes on.
-            progress: show a progress bar (the CLI turns it on).
-            timeout: give up (TimeoutError) after this many (wall) seconds.
-            sim: the simulator's timing and network model, a
-                :class:`~stalewise.runtime.sim.models.SimConfig` (runtime "sim" only).
-            sim_seed: the simulator's random seed (runtime "sim" only): its compute times
-                and scripted randomness. Not the task's seed (the initial params and the
-                data's shuffling, e.g. ``task.init_params(seed)``, ``[task] seed``).
-            checkpoint_dir: a folder for checkpoints (:mod:`stalewise.checkpoint`); one is
-                written at the end of the run, and periodically with the two below.
-                ``sw.load_params(checkpoint_dir, like=params)`` gives the saved params in your
-                structure (without ``like``: as plain dicts and lists). A checkpoint that
-                cannot be written warns (``sw.FailureWarning``) and never stops the run.
-            checkpoint_every: also write one every this many updates.
-            checkpoint_seconds: also write one every this many seconds (virtual in the
-                simulator).
-            checkpoint_keep: how many checkpoints are kept (the newest).
-            resume: start from the newest usable checkpoint in ``checkpoint_dir`` (its
-                shards' params, optimizer state, version and counters; workers restart as
-                new incarnations). ``steps`` stays the job's total budget, pushes before
-                the checkpoint included. With no checkpoint there yet, the run starts
-                afresh (a warning says so); a checkpoint of another job is refused
-                (:class:`stalewise.CheckpointError`).
-            on_worker_failure: what happens to a worker whose process dies, hangs or whose
-                code raises: ``"restart"`` it as a new incarnation at the current params,
-                ``"drop"`` it (the others spend the budget), or ``"fail"`` the job
-                (:class:`WorkerError`). A dead shard is restarted unless ``"fail"``. See
-                ``docs/reliability.md``; ``TrainResult.failures`` lists what happened.
-            max_restarts: restarts allowed per worker id (and per shard) before the job
-                fails; None: no limit.
-            worker_timeout: seconds without a heartbeat after which a worker counts as
-                hung and is killed (local runtime); one call of ``loss_and_grad`` must be
-                shorter. None: never.
-            max_workers: the worker ids ``workers="auto"`` makes room for.
-            diverge_after: a worker whose last this many pushes were all refused as
-                NaN/Inf or overflow has diverged and stops (never restarted); once every
-                worker has, the job raises :class:`DivergedError`. None: never (a run
-                whose every push is refused then ends at its budget, with a warning).
-            start_timeout, shard_start_timeout, join_timeout, ack_timeout, stop_timeout:
-                wall seconds a worker's and a shard's start-up, a late worker's join, the
-                last acks and a process's exit may take (see :class:`stalewise.RunOptions`).
-            seed: the old name of ``sim_seed`` (DeprecationWarning).
+            metrics, checkpoints, failures, timeouts, emulation: the rest, grouped
+                (:mod:`stalewise.options`): ``sw.Metrics`` (the records' interval, name,
+                callback, loggers, progress bar), ``sw.Checkpoints`` (folder, period,
+                resume), ``sw.Failures`` (restart, drop or fail; hung and diverged
+                workers), ``sw.Timeouts`` (the run's and its processes') and
+                ``sw.Emulation`` (stragglers and delays). None: their defaults.
 
-        Every default is :data:`stalewise.runtime.options.DEFAULTS`'s, and every value is
-        checked by :class:`stalewise.RunOptions`, the options the runtime gets.
+        The old flat keywords (``checkpoint_dir=``, ``max_restarts=``, ``timeout=``, ...)
+        still work for one release with a DeprecationWarning naming the new spelling.
+        Every value is checked by :class:`stalewise.RunOptions`, the options the runtime
+        gets.
 
         Returns:
             A :class:`TrainResult` with the final params, metrics records and shard stats.
         """
-        runner = runtime_lib.get(runtime)
-        self._check_pulls(runtime)
-        sinks = loggers_lib.Loggers(loggers, on_record)
-        if sim is not None and runtime != "sim":
-            raise ValueError("sim= configures the simulator; pass runtime='sim' to use it")
-        if seed is not None:
-            given = None if sim_seed == _DEFAULTS["sim_seed"] else sim_seed
-            sim_seed = renamed("Job.train", "seed", "sim_seed", seed, given)
+        groups = (metrics, checkpoints, failures, timeouts, emulation)
+        for value, kind in zip(groups, options_lib.TRAIN_GROUPS, strict=True):
+            options_lib.check_group(value, kind)
+        simulation = runtime if isinstance(runtime, options_lib.Simulation) else None
+        name = "sim" if simulation is not None else runtime
+        runner = runtime_lib.get(name)
+        self._check_pulls(name)
+        metrics = metrics or options_lib.Metrics()
+        sinks = loggers_lib.Loggers(metrics.loggers, metrics.on_record)
         options = RunOptions(
             loss_and_grad=loss_and_grad,
             data=data,
             workers=workers,
             steps=steps,
             evaluate=evaluate,
-            eval_interval=eval_interval,
-            stragglers=stragglers,
-            delays=delays,
             stop_at=stop_at,
-            run=run,
+            **options_lib.run_options(*groups, simulation),
             on_record=sinks.on_record,
-            progress=progress,
-            timeout=timeout,
-            start_timeout=start_timeout,
-            shard_start_timeout=shard_start_timeout,
-            join_timeout=join_timeout,
-            ack_timeout=ack_timeout,
-            stop_timeout=stop_timeout,
-            sim=sim,
-            sim_seed=sim_seed,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            checkpoint_seconds=checkpoint_seconds,
-            checkpoint_keep=checkpoint_keep,
-            resume=resume,
-            on_worker_failure=on_worker_failure,
-            max_restarts=max_restarts,
-            worker_timeout=worker_timeout,
-            diverge_after=diverge_after,
-            max_workers=max_workers,
         )
-        options.check_runtime(runtime)
+        options.check_runtime(name)
         with sinks:
             result = runner(self.config, self.strategy, options)
             warn_summary(result.failures)  # every runtime's: the first of each kind warned
             return sinks.finish(result)
 
+    @options_lib.legacy_keywords("Job.serve")
     def serve(
         self,
         *,
         workers: int | tuple[int, int],
-        join_timeout: float = _DEFAULTS["join_timeout"],
         runtime: str = "local",
         name: str | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_every: int | None = None,
         resume: bool = False,
+        timeouts: options_lib.Timeouts | None = None,
     ):
         """Starts the shards for a loop you own; use as a context manager.
 
@@ -310,8 +230,8 @@ class Job:
 
         Calling ``server.client(w)`` again restarts worker ``w`` as a new
         incarnation (after its old process has exited). A worker id that has not
-        started within ``join_timeout`` seconds stops holding back SSP/BSP gates
-        (its default and its check are :class:`stalewise.RunOptions`'s).
+        started within ``timeouts.join`` seconds (``sw.Timeouts(join=)``, default 300)
+        stops holding back SSP/BSP gates.
 
         ``workers=(min, max)`` makes an elastic job: room for ``max`` worker ids,
         of which the first ``min`` are expected from the start; the others count
@@ -334,17 +254,19 @@ class Job:
         """
         factory = runtime_lib.server(runtime)
         self._check_pulls(runtime)
-        join_timeout = RunOptions.check("join_timeout", join_timeout)
+        join = (
+            options_lib.check_group(timeouts, options_lib.Timeouts) or options_lib.Timeouts()
+        ).join
         named = {} if name is None else {"name": name}
         from stalewise.launch.checkpoints import served
 
-        start = functools.partial(factory, self.config, workers, join_timeout=join_timeout, **named)
+        start = functools.partial(factory, self.config, workers, join_timeout=join, **named)
         return served(self, start, runtime, checkpoint_dir, checkpoint_every, resume)
 
     def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):
         """Measures on this machine what the simulator needs for this job and returns a
         :class:`stalewise.calibrate.Calibration` (``.sim_config()`` for
-        ``train(runtime="sim", sim=...)``, ``.toml()`` for a config's ``[sim]`` table).
+        ``train(runtime=sw.Simulation(...))``, ``.toml()`` for a config's ``[sim]`` table).
         ``options``: ``repeats``, ``sizes``, ``delays``, ``evaluate`` and ``eval_interval``
         (the run's: the compute is timed with the evaluations a local run makes beside it),
         ``timeout`` of :func:`stalewise.calibrate.calibrate`.

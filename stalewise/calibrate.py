@@ -90,6 +90,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stalewise import tree
+from stalewise.options import Metrics, Timeouts
 from stalewise.protocol import PushHeader, ServerConfig, pipeline
 from stalewise.runtime.base import MAX_DELAY
 from stalewise.runtime.sim.config import SimConfig
@@ -429,7 +430,7 @@ class Calibration:
         of None on any table gives None.
 
         Example: ``cal.interval(lambda sim: job.train(f, data=d, workers=4, steps=2000,
-        runtime="sim", sim=sim).stats["version"])``.
+        runtime=sw.Simulation(sim)).stats["version"])``.
         """
         point, low, high = (predict(self.sim_config(b)) for b in BOUNDS)
         if isinstance(point, dict):
@@ -622,7 +623,7 @@ def measure_compute(
     thread cap; and with ``contention`` > 0, the :class:`Contention` for 1 to that many
     runnable processes (:func:`measure_contention`, with worker 0's process timing the
     steps once the others are done; else None). ``delays``: each worker's emulated
-    seconds per step (``train(delays=)``), slept after each step; what the sleep
+    seconds per step (``sw.Emulation(delays=)``), slept after each step; what the sleep
     overshoots counts as the step's time. ``evaluate``: called on the initial
     parameters in this process every ``eval_interval`` seconds while the steps are
     timed, as a local run's parent does."""
@@ -909,7 +910,7 @@ def loop_times(job: Any, size: int) -> list[float]:
     :func:`measure_loop`'s one-worker run, compute, send and pull included."""
     job = _synthetic_job(job, size, min(job.config.shards, size))
     result = job.train(_busy_step, data=_no_data, workers=1, steps=LOOP_STEPS,
-                       eval_interval=0.05, timeout=120)  # fmt: skip
+                       metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]
     per_step = [
         (b["time"] - a["time"]) / (b["pushes"] - a["pushes"])
@@ -963,7 +964,7 @@ def calibrate(
         repeats: timed steps per worker, and timed pushes per size.
         sizes: the parameter counts transport and apply are timed at (default:
             :func:`sizes_for`); two or more.
-        delays: the run's emulated compute seconds per step (``train(delays=)``: a
+        delays: the run's emulated compute seconds per step (``sw.Emulation(delays=)``: a
             number for every worker, or ``{worker: seconds}``). The local runtime sleeps
             them after each step, and a sleep on a busy machine ends late: the compute
             processes sleep them too, and the time a step takes beyond its delay counts

@@ -10,6 +10,7 @@ and what to change) and exits with status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -95,6 +96,7 @@ def _check_runtime(runtime: str | None) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from stalewise import config, report
+    from stalewise.options import Checkpoints
 
     _check_runtime(args.runtime)
     if args.resume is not None:
@@ -121,19 +123,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise _config_error("--tensorboard", str(e)) from None
     run = Path(args.config).stem
-    ckpt = dict(checkpoint_dir=out / "checkpoints", resume=args.resume is not None)
-    if args.checkpoint_every:
-        ckpt["checkpoint_every"] = args.checkpoint_every
+    every = args.checkpoint_every or None
+    ckpt = Checkpoints(out / "checkpoints", every=every, resume=args.resume is not None)
     with report.MetricsWriter(out / "metrics.jsonl") as writer:
-        result = cfg.run(
-            args.runtime,
-            address=args.address,
-            run=run,
-            on_record=writer.write,
-            loggers=loggers,
-            progress=not args.quiet,
-            **ckpt,
-        )
+        metrics = dataclasses.replace(cfg.train["metrics"], name=run,
+            on_record=writer.write, loggers=loggers, progress=not args.quiet)  # fmt: skip
+        result = cfg.run(args.runtime, address=args.address, metrics=metrics, checkpoints=ckpt)
     simulated = cfg.train_kwargs(args.runtime)["runtime"] == "sim"
     report.plot_runs(
         result.records,
@@ -217,6 +212,7 @@ def _sweep_values(args: argparse.Namespace) -> list[Any]:
 
 def cmd_sim(args: argparse.Namespace) -> int:
     from stalewise import config, report, sweep, targets
+    from stalewise.options import Simulation
 
     values = _sweep_values(args)
     if not math.isfinite(args.target):
@@ -259,9 +255,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
             metric=goal.metric,
             mode=goal.mode,
             workers=cfg.train["workers"],
-            sim=cfg.sim,
+            sim=Simulation(cfg.sim, seed=cfg.seed),  # the task's seed seeds the simulator
             delay=cfg.delay,
-            sim_seed=cfg.seed,  # the task's seed also seeds the simulator
             out=out,
             progress=not args.quiet,
         )
@@ -291,7 +286,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         cal = cfg.job.calibrate(
             cfg.task.loss_and_grad, cfg.data, workers=workers, repeats=args.repeats,
             delays=cfg.delay, evaluate=cfg.task.evaluate,
-            eval_interval=cfg.train["eval_interval"],
+            eval_interval=cfg.train["metrics"].every,
         )  # fmt: skip
     text = cal.toml()
     if out is None:

@@ -170,6 +170,7 @@ from stalewise import runtime as runtime_lib
 from stalewise import staleness as staleness_lib
 from stalewise import strategies as strategies_lib
 from stalewise.api import Job
+from stalewise.options import Emulation, Failures, Metrics, Simulation
 from stalewise.runtime.base import MAX_DELAY, MAX_SLOWDOWN, TrainResult
 from stalewise.runtime.options import DEFAULTS, OptionError, RunOptions
 from stalewise.runtime.sim.config import TOML_KEYS as _SIM_KEYS
@@ -201,10 +202,7 @@ TABLES = {
         "stop_at",
         "runtime",
         "address",
-        "on_worker_failure",
-        "max_restarts",
-        "worker_timeout",
-        "diverge_after",
+        *Failures.FIELDS.values(),  # on_worker_failure, max_restarts, worker_timeout, ...
     },
     "sim": None,  # checked key by key against SimConfig.from_dict
     "strategy": None,  # checked against the chosen strategy's signature
@@ -286,7 +284,8 @@ class RunConfig:
         return tasks.with_seed(self.task, self.seed)
 
     def train_kwargs(self, runtime: str | None = None) -> dict[str, Any]:
-        """Keyword arguments for ``job.train``, for the config's runtime or ``runtime``."""
+        """Keyword arguments for ``job.train``, for the config's runtime or ``runtime`` (a
+        name: :meth:`run` makes "sim" ``sw.Simulation`` of the [sim] table and task seed)."""
         kwargs = dict(self.train)
         if runtime:
             if runtime not in runtime_lib.names():
@@ -297,8 +296,6 @@ class RunConfig:
             if runtime != kwargs["runtime"]:
                 self.check_workers(kwargs["workers"], runtime, "run.workers")
             kwargs["runtime"] = runtime
-        if kwargs["runtime"] == "sim":  # the task's seed also seeds the simulator
-            kwargs |= {"sim": self.sim, "sim_seed": self.seed}
         return kwargs
 
     def check_workers(self, workers: int, runtime: str, key: str) -> None:
@@ -370,10 +367,12 @@ class RunConfig:
             runtime: overrides ``run.runtime``.
             address: overrides ``run.address``: the Ray cluster to connect to first
                 (runtime "ray"; see :func:`stalewise.runtime.ray.connect`).
-            **kwargs: more keyword arguments of ``Job.train`` (``run``, ``on_record``,
-                ``progress``, ``timeout``, ...).
+            **kwargs: more keyword arguments of ``Job.train`` (``metrics``, ``checkpoints``,
+                ``timeouts``, ...); a group given here replaces the config's.
         """
-        train = self.train_kwargs(runtime)
+        train = self.train_kwargs(runtime) | kwargs
+        if train["runtime"] == "sim":  # the task's seed also seeds the simulator
+            train["runtime"] = Simulation(self.sim, seed=self.seed)
         if train["runtime"] == "ray" and (address or self.address):
             from stalewise.runtime import ray as ray_runtime
 
@@ -388,7 +387,6 @@ class RunConfig:
                     data=self.data,
                     evaluate=self.task.evaluate,
                     **train,
-                    **kwargs,
                 )
             except TooLongError as e:  # the config's times make the simulated run endless
                 key = "sim" if self.sim not in (None, SimConfig()) else "run.eval_interval"
@@ -503,10 +501,7 @@ def parse(
     eval_interval = _run_option(r, "eval_interval")
     stragglers = _stragglers(r.get("stragglers"), workers)
     stop_at = _stop_at(r.get("stop_at"))
-    on_failure = _run_option(r, "on_worker_failure")
-    max_restarts = _run_option(r, "max_restarts")
-    worker_timeout = _run_option(r, "worker_timeout")
-    diverge_after = _run_option(r, "diverge_after")
+    failures = Failures(**{k: _run_option(r, name) for k, name in Failures.FIELDS.items()})
     consistency = _consistency(s)
     staleness = _staleness(s)
     shards = _get(s, "server.shards", int, 1, low=1, high=MAX_SHARDS)
@@ -557,18 +552,15 @@ def parse(
                 f"run.stop_at.{target.metric}",
                 f"not a metric of the task (its metrics: {', '.join((*metrics, 'train_loss'))})",
             )
+    delays = dict.fromkeys(range(workers), delay) if delay else None
     train = {
         "workers": workers,
         "steps": steps,
         "runtime": runtime,
-        "eval_interval": eval_interval,
-        "stragglers": stragglers,
-        "delays": dict.fromkeys(range(workers), delay) if delay else None,
         "stop_at": stop_at,
-        "on_worker_failure": on_failure,
-        "max_restarts": max_restarts,
-        "worker_timeout": worker_timeout,
-        "diverge_after": diverge_after,
+        "metrics": Metrics(every=eval_interval),
+        "emulation": Emulation(stragglers, delays) if stragglers or delays else None,
+        "failures": failures,
     }
     return RunConfig(
         task, job, train, seed, sim_config, delay, paths, metrics, o, st, address=address

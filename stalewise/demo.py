@@ -26,6 +26,7 @@ from stalewise import staleness as st
 from stalewise.api import Job
 from stalewise.config import MAX_DELAY, ConfigError, max_workers
 from stalewise.consistency import ASP, BSP
+from stalewise.options import Emulation, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +135,11 @@ def train_one(
         workers=workers,
         steps=steps,
         evaluate=task.evaluate,
-        eval_interval=0.1,
-        stragglers={workers - 1: slowdown},
-        delays=dict.fromkeys(range(workers), delay),
         stop_at={"accuracy": 0.97},
-        run=name,
-        on_record=on_record,
-        progress=progress,
+        metrics=Metrics(every=0.1, name=name, on_record=on_record, progress=progress),
+        emulation=Emulation(
+            stragglers={workers - 1: slowdown}, delays=dict.fromkeys(range(workers), delay)
+        ),
     )
     row = {
         "run": name,

@@ -1,6 +1,6 @@
 """Loggers: metrics records sent where people look at them, such as TensorBoard.
 
-``Job.train(..., loggers=[...])`` hands every metrics record (the schema of
+``Job.train(..., metrics=sw.Metrics(loggers=[...]))`` hands every metrics record (the schema of
 :mod:`stalewise.report`, the same as ``metrics.jsonl``) to each logger, in the
 parent process, as the record is made, in every runtime. A logger is either a
 function ``f(record)`` or an object with
@@ -165,7 +165,7 @@ class TensorBoardLogger:
 
     Example:
         >>> logger = TensorBoardLogger(tmp / "tb")  # doctest: +SKIP
-        >>> job.train(..., loggers=[logger])        # doctest: +SKIP
+        >>> job.train(..., metrics=sw.Metrics(loggers=[logger]))  # doctest: +SKIP
     """
 
     def __init__(self, logdir: str | os.PathLike[str], *, flush_secs: float = 5.0):

@@ -23,13 +23,14 @@ import dataclasses
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from stalewise import consistency as consistency_lib
 from stalewise import report, targets
-from stalewise._renames import renamed
+from stalewise.options import Simulation
 from stalewise.runtime import sim as sim_runtime
 from stalewise.runtime.options import DEFAULTS, RunOptions
 from stalewise.runtime.sim.config import SimConfig
@@ -86,15 +87,14 @@ def sweep(
     metric: str = "loss",
     mode: Literal["min", "max"] | None = None,
     workers: int = 8,
-    sim: SimConfig | None = None,
+    sim: Simulation | None = None,
     eval_interval: float | None = None,
     delay: float = 0.0,
     stop_at_target: bool = True,
-    sim_seed: int = DEFAULTS["sim_seed"],
     out: str | os.PathLike[str] | None = None,
     on_record: Callable[[dict], None] | None = None,
     progress: bool = DEFAULTS["progress"],
-    seed: int | None = None,
+    sim_seed: int | None = None,
 ) -> list[dict[str, Any]]:
     """Runs ``job`` in the simulator once per value and compares the time to a target.
 
@@ -117,17 +117,17 @@ def sweep(
         mode: "min" if smaller is better (a loss), "max" if larger is (accuracy);
             None (default) infers it from ``metric`` (see :func:`stalewise.targets.infer_mode`).
         workers: the worker count when sweeping over consistency models or strategies.
-        sim: timing model of every run (default ``SimConfig()``).
+        sim: the simulator of every run, ``sw.Simulation(sim_config, seed=1)``
+            (default ``sw.Simulation()``: ``SimConfig()``, seed 0; the task's seed is its
+            ``batches``'). A bare ``SimConfig`` is its old form (DeprecationWarning).
         eval_interval: virtual seconds between evaluations (the resolution of the
             time to target); default: five mean step times of ``sim.compute``.
         delay: extra virtual seconds per step, every worker.
         stop_at_target: stop each run at its first evaluation that reaches ``target``.
-        sim_seed: the simulator's seed of every run (not the task's seed, which the
-            task's ``batches`` already holds).
         out: a folder; if given, ``sweep.png`` and ``metrics.jsonl`` are written there.
         on_record: called with every metrics record of every run.
         progress: show a progress bar per run.
-        seed: the old name of ``sim_seed`` (DeprecationWarning).
+        sim_seed: the old spelling of ``sim=sw.Simulation(seed=)`` (DeprecationWarning).
 
     Every run's options are one :class:`~stalewise.runtime.options.RunOptions`, built
     (and so checked) for all values before the first run starts; defaults are its own.
@@ -155,9 +155,10 @@ def sweep(
         raise ValueError("values is empty: nothing to sweep")
     if not (delay >= 0 and math.isfinite(delay)):
         raise ValueError(f"delay must be a finite number of seconds >= 0, got {delay!r}")
-    sim = SimConfig() if sim is None else sim
+    sim = _simulation(sim, sim_seed)
+    model = SimConfig() if sim.config is None else sim.config
     if eval_interval is None:
-        eval_interval = 5 * (sim.compute.mean + delay) or 1.0
+        eval_interval = 5 * (model.compute.mean + delay) or 1.0
     runs = []
     for v in values:
         if over == "workers":
@@ -192,9 +193,6 @@ def sweep(
 
         return emit
 
-    if seed is not None:
-        given = None if sim_seed == DEFAULTS["sim_seed"] else sim_seed
-        sim_seed = renamed("sweep", "seed", "sim_seed", seed, given)
     options = [
         RunOptions(
             loss_and_grad=task.loss_and_grad,
@@ -208,8 +206,8 @@ def sweep(
             run=label,
             on_record=emit_for(p),
             progress=progress,
-            sim=sim,
-            sim_seed=sim_seed,
+            sim=model,
+            sim_seed=sim.seed,
         )
         for label, p, _, _ in runs
     ]
@@ -243,6 +241,21 @@ def sweep(
     if out is not None:
         plot(rows, records, Path(out) / "sweep.png", over=over, metric=metric, target=target)
     return rows
+
+
+def _simulation(sim: Any, sim_seed: int | None) -> Simulation:
+    """``sim=`` as a Simulation: a bare SimConfig and ``sim_seed=`` are its old spelling."""
+    if isinstance(sim, SimConfig) or sim_seed is not None:
+        old = "sim=SimConfig" if isinstance(sim, SimConfig) else "sim_seed="
+        warnings.warn(f"sweep: {old} is now sim=sw.Simulation(config, seed=); the old form "
+                      "will be removed in the next release", DeprecationWarning, stacklevel=3)  # fmt: skip
+        if isinstance(sim, Simulation):
+            raise TypeError("sweep: pass the seed inside sim=sw.Simulation(...) only")
+        seed = DEFAULTS["sim_seed"] if sim_seed is None else sim_seed
+        return Simulation(sim, seed=seed)
+    if sim is not None and not isinstance(sim, Simulation):
+        raise TypeError(f"sim must be a sw.Simulation(...) or None, got {sim!r}")
+    return sim or Simulation()
 
 
 def plot(

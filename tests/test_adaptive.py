@@ -31,9 +31,14 @@ from stalewise.strategies.averaging import LocalSGDStrategy
 TASK = tasks.get("least-squares", n=512, d=16, batch_size=32, noise=0.1)
 
 
-def _sim(job: sw.Job, workers: int, steps: int, **kw):
+def _sim(job: sw.Job, workers: int, steps: int, *, stragglers=None, sim=None, sim_seed=0):
     return job.train(
-        TASK.loss_and_grad, data=TASK.batches, workers=workers, steps=steps, runtime="sim", **kw
+        TASK.loss_and_grad,
+        data=TASK.batches,
+        workers=workers,
+        steps=steps,
+        runtime=sw.Simulation(sim, seed=sim_seed),
+        emulation=sw.Emulation(stragglers=stragglers),
     )
 
 
@@ -319,7 +324,9 @@ def test_adaptive_trains_in_the_local_runtime(no_leaks):
     job = sw.Job(
         TASK.init_params(), strategy=strategy, consistency=sw.BSP()
     )  # pickled; BSP: timing-free
-    result = job.train(TASK.loss_and_grad, data=TASK.batches, workers=2, steps=60, timeout=120)
+    result = job.train(
+        TASK.loss_and_grad, data=TASK.batches, workers=2, steps=60, timeouts=sw.Timeouts(total=120)
+    )
     assert result.pushes >= 60
     assert TASK.evaluate(result.params)["loss"] < 0.1 * start
 
@@ -475,8 +482,14 @@ def _paced_sim(strategy, consistency):
     ph.RECORDED.clear()
     job = sw.Job({"x": np.zeros(8)}, strategy=strategy, consistency=consistency)
     sim = SimConfig(compute=Fixed(0.01), network=Network(latency=0.025))
-    result = job.train(ph.tagged_loss_and_grad, data=ph.tagged_data, workers=4, steps=60,
-                       runtime="sim", sim=sim, stragglers={3: 4.0})  # fmt: skip
+    result = job.train(
+        ph.tagged_loss_and_grad,
+        data=ph.tagged_data,
+        workers=4,
+        steps=60,
+        runtime=sw.Simulation(sim),
+        emulation=sw.Emulation(stragglers={3: 4.0}),
+    )
     return result, mp_helpers.per_worker(ph.RECORDED)
 
 
@@ -511,8 +524,14 @@ def test_the_local_runtime_clock_paces_dynamic_local_updates(no_leaks, tmp_path)
         1000, sw.optim.sgd(0.1), dynamic=True, period=0.6, path=str(path)
     )
     job = sw.Job({"x": np.zeros(8)}, strategy=strategy, consistency=sw.ASP())
-    job.train(ph.tagged_loss_and_grad, data=ph.tagged_data, workers=2, steps=24, timeout=120,
-              delays={0: 0.02, 1: 0.02}, stragglers={1: 4.0})  # fmt: skip
+    job.train(
+        ph.tagged_loss_and_grad,
+        data=ph.tagged_data,
+        workers=2,
+        steps=24,
+        timeouts=sw.Timeouts(total=120),
+        emulation=sw.Emulation(stragglers={1: 4.0}, delays={0: 0.02, 1: 0.02}),
+    )
     hs = mp_helpers.read_records(path)
     assert sorted(hs) == [0, 1] and min(map(len, hs.values())) >= 5, hs
     fast, slow = (float(np.median(hs[w][3:])) for w in (0, 1))

@@ -60,7 +60,11 @@ def test_one_worker_in_the_local_runtime_is_the_reference_run(no_leaks):
     worker, loss about 1.5x the reference's)."""
     pushes, h = 40, 5
     result = _job(1, h).train(
-        TASK.loss_and_grad, data=TASK.batches, workers=1, steps=pushes, timeout=120
+        TASK.loss_and_grad,
+        data=TASK.batches,
+        workers=1,
+        steps=pushes,
+        timeouts=sw.Timeouts(total=120),
     )
     assert result.pushes == pushes
     # every round started from the parameters holding the worker's last push
@@ -80,8 +84,8 @@ def test_two_workers_in_the_local_runtime_read_their_own_pushes(no_leaks):
         data=TASK.batches,
         workers=2,
         steps=pushes,
-        delays={0: 0.01, 1: 0.01},
-        timeout=120,
+        emulation=sw.Emulation(delays={0: 0.01, 1: 0.01}),
+        timeouts=sw.Timeouts(total=120),
     )
     assert result.pushes >= pushes
     assert result.stats["staleness_mean"] < 1.5, result.stats["staleness_counts"]
@@ -99,8 +103,7 @@ def test_the_simulator_matches_the_reference_at_equal_tokens(workers):
         data=TASK.batches,
         workers=workers,
         steps=pushes,
-        runtime="sim",
-        sim=SimConfig(compute=Fixed(0.01)),
+        runtime=sw.Simulation(SimConfig(compute=Fixed(0.01))),
     )
     assert result.pushes == pushes
     assert max(result.stats["staleness_counts"]) <= workers - 1, result.stats

@@ -383,7 +383,7 @@ def _strategy(name: str, consistency):
 def test_each_strategy_trains_least_squares(name, consistency):
     start = TASK.evaluate(TASK.init_params())["loss"]
     job = sw.Job(TASK.init_params(), consistency=consistency, strategy=_strategy(name, consistency))
-    result = _sim(job, 4, 160, stragglers={3: 2.0})
+    result = _sim(job, 4, 160, emulation=sw.Emulation(stragglers={3: 2.0}))
     assert result.pushes >= 160
     assert TASK.evaluate(result.params)["loss"] < 0.05 * start
 
@@ -393,7 +393,9 @@ def test_diloco_trains_in_the_local_runtime(no_leaks):
     strategy = diloco(local_steps=10, inner=sw.optim.adamw(0.005), asynchronous=True, every=2)
     assert pickle.loads(pickle.dumps(strategy)) == strategy
     job = sw.Job(TASK.init_params(), strategy=strategy)
-    result = job.train(TASK.loss_and_grad, data=TASK.batches, workers=2, steps=60, timeout=120)
+    result = job.train(
+        TASK.loss_and_grad, data=TASK.batches, workers=2, steps=60, timeouts=sw.Timeouts(total=120)
+    )
     assert result.pushes >= 60
     assert TASK.evaluate(result.params)["loss"] < 0.1 * start
 

@@ -62,9 +62,9 @@ def test_digits_numpy_job_reaches_the_bar_in_local_and_sim_runtimes(no_leaks):
             steps=BUDGET,
             runtime=runtime,
             evaluate=task.evaluate,
-            eval_interval=0.1,
             stop_at=STOP_AT,
-            timeout=TIMEOUT,
+            metrics=sw.Metrics(every=0.1),
+            timeouts=sw.Timeouts(total=TIMEOUT),
         )
         _check_digits(task, result, "numpy")
 
@@ -90,9 +90,9 @@ def test_digits_backend_reaches_the_bar_locally(
         workers=workers,
         steps=BUDGET,
         evaluate=task.evaluate,
-        eval_interval=0.1,
         stop_at=STOP_AT,
-        timeout=TIMEOUT,
+        metrics=sw.Metrics(every=0.1),
+        timeouts=sw.Timeouts(total=TIMEOUT),
     )
     _check_digits(task, result, backend)
 
@@ -108,8 +108,8 @@ def test_tensorflow_least_squares_reaches_the_optimum_locally(no_leaks):
         workers=2,
         steps=400,
         evaluate=mp_helpers.tf_linear_evaluate,
-        eval_interval=0.1,
-        timeout=TIMEOUT,
+        metrics=sw.Metrics(every=0.1),
+        timeouts=sw.Timeouts(total=TIMEOUT),
     )
     assert result.pushes >= 400
     assert isinstance(result.params["w"], tf.Tensor) and result.params["w"].shape == (8,)

@@ -115,8 +115,14 @@ def test_calibrate_measures_and_its_table_reads_back(tmp_path):
     assert sim == cal.sim_config() == SimConfig.from_dict(cal.table())
     check_sane(sim, cal)
     # and the simulator runs with it
-    r = job.train(task.loss_and_grad, data=task.batches, workers=2, steps=20, runtime="sim",
-                  sim=sim, delays={0: 0.002, 1: 0.002})  # fmt: skip
+    r = job.train(
+        task.loss_and_grad,
+        data=task.batches,
+        workers=2,
+        steps=20,
+        runtime=sw.Simulation(sim),
+        emulation=sw.Emulation(delays={0: 0.002, 1: 0.002}),
+    )
     assert r.pushes == 20 and r.time > 20 / 2 * 0.002
 
 
@@ -354,8 +360,14 @@ def test_the_interval_brackets_the_point_prediction():
     job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.05), consistency=sw.SSP(2))
 
     def predict(sim):
-        r = job.train(task.loss_and_grad, data=task.batches, workers=2, steps=60,
-                      runtime="sim", sim=sim, evaluate=None)  # fmt: skip
+        r = job.train(
+            task.loss_and_grad,
+            data=task.batches,
+            workers=2,
+            steps=60,
+            runtime=sw.Simulation(sim),
+            evaluate=None,
+        )
         return {"updates/s": r.stats["version"] / r.time, "staleness": r.stats["staleness_mean"]}
 
     got = cal.interval(predict)

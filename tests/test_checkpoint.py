@@ -220,22 +220,21 @@ def test_local_checkpoints_and_resume(tmp_path, no_leaks):
             data=task.batches,
             workers=2,
             steps=steps,
-            delays={0: 0.005, 1: 0.005},
-            eval_interval=0.05,
-            on_record=records.append,
-            timeout=60,
+            emulation=sw.Emulation(delays={0: 0.005, 1: 0.005}),
+            metrics=sw.Metrics(every=0.05, on_record=records.append),
+            timeouts=sw.Timeouts(total=60),
             **kw,
         )
         return result, records
 
-    first, _ = train(60, checkpoint_dir=d, checkpoint_every=10, checkpoint_keep=10)
+    first, _ = train(60, checkpoints=sw.Checkpoints(d, every=10, keep=10))
     saved = sorted(p for p in os.listdir(d) if p.startswith("ckpt-"))
     assert len(saved) >= 3, saved  # periodic ones, then the end of the run
     end = checkpoint.load(d)
     assert end.version == first.stats["version"] and end.step["pushes"] == first.pushes
     np.testing.assert_array_equal(sw.load_params(d)["x"], first.params["x"])
 
-    resumed, records = train(120, checkpoint_dir=d, resume=True)
+    resumed, records = train(120, checkpoints=sw.Checkpoints(d, resume=True))
     assert records[0]["updates"] >= end.version  # it starts at the saved version
     assert resumed.stats["version"] >= 120 > end.version
     assert resumed.pushes >= 120  # steps is the job's total, the pushes before included
@@ -250,8 +249,7 @@ def test_local_checkpoints_and_resume(tmp_path, no_leaks):
             data=task.batches,
             workers=2,
             steps=10,
-            checkpoint_dir=d,
-            resume=True,
+            checkpoints=sw.Checkpoints(d, resume=True),
         )
 
 
@@ -300,17 +298,17 @@ def test_sim_interrupted_and_resumed_is_bit_identical(tmp_path, consistency, sim
             data=task.batches,
             workers=4,
             steps=steps,
-            runtime="sim",
-            sim=sim,
-            sim_seed=3,
-            on_record=records.append,
+            runtime=sw.Simulation(sim, seed=3),
+            metrics=sw.Metrics(on_record=records.append),
             **kw,
         )
         return result, records
 
     whole, _ = train(100)
-    cut, _ = train(40, checkpoint_dir=tmp_path)  # interrupted by its budget (a BSP round's end)
-    resumed, records = train(100, checkpoint_dir=tmp_path, resume=True)
+    cut, _ = train(
+        40, checkpoints=sw.Checkpoints(tmp_path)
+    )  # interrupted by its budget (a BSP round's end)
+    resumed, records = train(100, checkpoints=sw.Checkpoints(tmp_path, resume=True))
     assert records[0]["updates"] == cut.stats["version"] > 0
     assert resumed.pushes == whole.pushes == 100
     assert resumed.stats["version"] == whole.stats["version"]

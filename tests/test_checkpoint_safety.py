@@ -74,18 +74,16 @@ def _loss_and_grad(p, batch):
     return loss, {"pair": Pair(gw, gb), "conf": Conf(gs, name=p["conf"].name)}
 
 
-def _sim_train(d, steps=20, **kw):
+def _sim_train(d, steps=20, **checkpoints):
     job = sw.Job(_params(), optimizer=sw.optim.sgd(0.1))
     return job.train(
         _loss_and_grad,
         data=[[0]],
         workers=1,
         steps=steps,
-        runtime="sim",
-        sim_seed=1,
-        checkpoint_dir=d,
-        timeout=60,
-        **kw,
+        runtime=sw.Simulation(seed=1),
+        checkpoints=sw.Checkpoints(d, **checkpoints),
+        timeouts=sw.Timeouts(total=60),
     )
 
 
@@ -451,9 +449,13 @@ def test_a_huge_version_resumed_on_the_local_runtime_is_a_checkpoint_error(tmp_p
     job = sw.Job(_params(), optimizer=sw.optim.sgd(0.1))
     with pytest.raises(sw.CheckpointError, match="no usable checkpoint"):
         job.train(
-            _loss_and_grad, data=[[0]], workers=1, steps=40, checkpoint_dir=d, resume=True,
-            timeout=60,
-        )  # fmt: skip
+            _loss_and_grad,
+            data=[[0]],
+            workers=1,
+            steps=40,
+            checkpoints=sw.Checkpoints(d, resume=True),
+            timeouts=sw.Timeouts(total=60),
+        )
 
 
 # -- a checkpoint that cannot be written ---------------------------------------------------
@@ -530,11 +532,9 @@ def test_sim_checkpoints_that_cannot_be_written_cost_nothing(tmp_path):
             data=[[0], [0]],
             workers=2,
             steps=100,
-            runtime="sim",
-            sim_seed=1,
-            checkpoint_dir=d,
-            checkpoint_every=10,
-            timeout=120,
+            runtime=sw.Simulation(seed=1),
+            checkpoints=sw.Checkpoints(d, every=10),
+            timeouts=sw.Timeouts(total=120),
         )
     assert state["lowered"]
     events = _check_failed_run(result, d, caught, first_version=10)
@@ -548,7 +548,12 @@ def test_sim_final_checkpoint_into_a_path_taken_by_a_file(tmp_path):
     d = blocker / "ckpt"
     with pytest.warns(sw.FailureWarning, match="the final checkpoint could not be written"):
         result = _big_job().train(
-            _big_loss_and_grad, data=[[0]], workers=1, steps=5, runtime="sim", checkpoint_dir=d
+            _big_loss_and_grad,
+            data=[[0]],
+            workers=1,
+            steps=5,
+            runtime="sim",
+            checkpoints=sw.Checkpoints(d),
         )
     (event,) = [e for e in result.failures if "checkpoint" in e]
     assert event["final"] and event["action"] == "kept none" and "Not a directory" in event["cause"]
@@ -568,12 +573,10 @@ def test_local_checkpoints_that_cannot_be_written_cost_nothing(tmp_path, no_leak
             data=[[0], [0]],
             workers=2,
             steps=400,
-            delays={0: 0.002, 1: 0.002},
-            eval_interval=0.02,
-            on_record=on_record,
-            checkpoint_dir=d,
-            checkpoint_every=40,
-            timeout=120,
+            emulation=sw.Emulation(delays={0: 0.002, 1: 0.002}),
+            metrics=sw.Metrics(every=0.02, on_record=on_record),
+            checkpoints=sw.Checkpoints(d, every=40),
+            timeouts=sw.Timeouts(total=120),
         )
     assert state["lowered"]
     first = checkpoint.load(d).version
@@ -683,7 +686,7 @@ def _load_in_child(newest: Path, root: Path) -> subprocess.CompletedProcess:
 
 def _two_ckpts(d: Path) -> tuple[Path, Path]:
     """The older and the newer checkpoint of one short run."""
-    _sim_train(d, steps=20, checkpoint_every=10)
+    _sim_train(d, steps=20, every=10)
     older, newer = sorted(d.glob("ckpt-*"))
     return older, newer
 

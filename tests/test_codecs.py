@@ -455,10 +455,9 @@ def _digits_run(codec, shards=2, steps=600, model_bytes=None):
         data=task.batches,
         workers=4,
         steps=steps,
-        runtime="sim",
-        sim=sim,
+        runtime=sw.Simulation(sim),
         evaluate=task.evaluate,
-        eval_interval=1e9,
+        metrics=sw.Metrics(every=1e9),
     )
 
 

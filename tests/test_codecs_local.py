@@ -59,9 +59,8 @@ def test_each_codec_trains_digits_with_two_shards(no_leaks, codec):
         workers=2,
         steps=300,
         evaluate=task.evaluate,
-        eval_interval=1e9,
-        progress=False,
-        timeout=120,
+        metrics=sw.Metrics(every=1e9, progress=False),
+        timeouts=sw.Timeouts(total=120),
     )
     assert r.stats["applied"] == r.pushes >= 300
     assert r.records[-1]["accuracy"] > 0.85, r.records[-1]

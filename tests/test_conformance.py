@@ -237,7 +237,9 @@ def train_three_ways(job_kw, **train_kw):
             consistency=sw.BSP(),
             **job_kw,
         )
-        results[runtime] = job.train(three_way_grads, runtime=runtime, timeout=120, **train_kw)
+        results[runtime] = job.train(
+            three_way_grads, runtime=runtime, timeouts=sw.Timeouts(total=120), **train_kw
+        )
     return results
 
 

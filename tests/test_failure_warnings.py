@@ -90,10 +90,16 @@ def job(**kw):
     return sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1), **kw)
 
 
-def sim_train(loss, *, failures=(), steps=60, workers=2, **kw):
+def sim_train(loss, *, failures=(), steps=60, workers=2, **policy):
+    """A simulated run with ``failures`` scripted; ``policy``: the fields of sw.Failures."""
     sim = SimConfig(compute=Fixed(1.0), failures=list(failures), **FREE)
     return job().train(
-        loss, data=tagged, workers=workers, steps=steps, runtime="sim", sim=sim, **kw
+        loss,
+        data=tagged,
+        workers=workers,
+        steps=steps,
+        runtime=sw.Simulation(sim),
+        failures=sw.Failures(**policy),
     )
 
 
@@ -142,7 +148,7 @@ def test_the_first_worker_failure_warns_at_once_and_the_rest_are_counted_at_the_
 
 def test_one_event_warns_once_and_has_no_summary():
     r, caught = failure_warnings(
-        lambda: sim_train(quadratic, failures=[Failure(1, 4.5)], on_worker_failure="drop")
+        lambda: sim_train(quadratic, failures=[Failure(1, 4.5)], policy="drop")
     )
     assert [(e["worker"], e["action"]) for e in r.failures] == [(1, "dropped")]
     (only,) = caught
@@ -177,9 +183,8 @@ def test_a_local_run_warns_of_a_killed_and_a_raising_worker_once_then_counts(no_
             data=tagged,
             workers=2,
             steps=200,
-            eval_interval=0.05,
-            on_record=kill,
-            timeout=120,
+            metrics=sw.Metrics(every=0.05, on_record=kill),
+            timeouts=sw.Timeouts(total=120),
         )
     )
     assert kill.pid is not None and r.pushes >= 200
@@ -204,9 +209,8 @@ def test_a_local_shard_restart_warns_how_many_updates_it_lost(no_leaks):
             data=tagged,
             workers=2,
             steps=200,
-            eval_interval=0.05,
-            on_record=kill,
-            timeout=120,
+            metrics=sw.Metrics(every=0.05, on_record=kill),
+            timeouts=sw.Timeouts(total=120),
         )
     )
     (event,) = r.failures
@@ -264,7 +268,9 @@ def test_the_cli_prints_each_failure_once_on_stderr(tmp_path):
 
 def test_a_worker_error_says_what_user_code_raised_on_its_first_line(no_leaks):
     with pytest.raises(sw.WorkerError) as caught:
-        job().train(raises_at_once, data=tagged, workers=2, steps=20, timeout=120)
+        job().train(
+            raises_at_once, data=tagged, workers=2, steps=20, timeouts=sw.Timeouts(total=120)
+        )
     first, *rest = str(caught.value).splitlines()
     assert first == "worker 1 failed: ValueError: bad batch"
     assert rest[0] == "Traceback (most recent call last):" and rest[-1] == "ValueError: bad batch"
@@ -346,7 +352,9 @@ def test_a_sim_run_with_no_push_applied_warns():
 
 def test_a_local_run_whose_loss_ends_nan_warns_and_says_so(no_leaks):
     with pytest.warns(sw.FailureWarning, match=r"the loss at the end is nan: training diverged"):
-        r = job().train(nan_loss_after_5, data=tagged, workers=2, steps=40, timeout=120)
+        r = job().train(
+            nan_loss_after_5, data=tagged, workers=2, steps=40, timeouts=sw.Timeouts(total=120)
+        )
     assert r.stats["applied"] >= 40 and "training diverged" in r.stop_reason
 
 

@@ -103,13 +103,13 @@ class Once:
             os.kill(self.pid, self.sig)
 
 
-def train(job_, **kw):
+def train(job_, *, on_record=None, timeout=60, **kw):
     kw = {
         "data": mp_helpers.counting_data,
         "workers": 2,
         "steps": 200,
-        "eval_interval": 0.05,
-        "timeout": 60,
+        "metrics": sw.Metrics(every=0.05, on_record=on_record),
+        "timeouts": sw.Timeouts(total=timeout),
         **kw,
     }
     return job_.train(kw.pop("loss", paced_loss_and_grad), **kw)
@@ -137,7 +137,7 @@ def test_restart_completes_the_job_after_a_sigkill(no_leaks, caplog):
 
 def test_drop_lets_the_others_spend_the_budget(no_leaks):
     kill = Once("stalewise-worker-1")
-    result = train(job(), on_record=kill, on_worker_failure="drop")
+    result = train(job(), on_record=kill, failures=sw.Failures("drop"))
     assert result.pushes >= 200 and result.restarts == 0
     assert [(e["worker"], e["action"]) for e in result.failures] == [(1, "dropped")]
     np.testing.assert_allclose(result.params["x"], TARGET, atol=0.05)
@@ -145,7 +145,7 @@ def test_drop_lets_the_others_spend_the_budget(no_leaks):
 
 def test_fail_stops_the_job_naming_the_worker_and_how_it_died(no_leaks):
     with pytest.raises(sw.WorkerError, match=r"^worker 1 failed: died without a word \(killed"):
-        train(job(), on_record=Once("stalewise-worker-1"), on_worker_failure="fail")
+        train(job(), on_record=Once("stalewise-worker-1"), failures=sw.Failures("fail"))
 
 
 def test_an_error_in_user_code_is_restarted_up_to_the_budget_then_fails_with_its_traceback(
@@ -156,11 +156,11 @@ def test_an_error_in_user_code_is_restarted_up_to_the_budget_then_fails_with_its
         match=r"(?s)worker \d failed 2 times, more than max_restarts=1 allows; the last time: "
         r"raised ValueError: boom at batch 4\nTraceback.*ValueError: boom at batch 4",
     ):  # every batch from 3 on raises; the restarted incarnation goes on at batch 4
-        train(job(), loss=mp_helpers.failing_loss_and_grad, max_restarts=1)
+        train(job(), loss=mp_helpers.failing_loss_and_grad, failures=sw.Failures(max_restarts=1))
 
 
 def test_a_batch_that_always_raises_costs_one_restart_not_the_job(no_leaks):
-    result = train(job(), loss=bad_batch_5, data=tagged_data, max_restarts=1)
+    result = train(job(), loss=bad_batch_5, data=tagged_data, failures=sw.Failures(max_restarts=1))
     assert [(e["worker"], e["action"]) for e in result.failures] == [(1, "restarted")]
     assert result.failures[0]["cause"] == "raised ValueError: worker 1's batch 5 is bad"
     assert result.pushes >= 200 and result.stop_reason.startswith("the budget")
@@ -169,13 +169,13 @@ def test_a_batch_that_always_raises_costs_one_restart_not_the_job(no_leaks):
 def test_a_resumed_run_continues_each_workers_data_stream(no_leaks, tmp_path, monkeypatch):
     log, ckpt = tmp_path / "seen", tmp_path / "ckpt"
     monkeypatch.setenv("SEEN_LOG", str(log))
-    kw = dict(loss=recording_loss, data=tagged_data, checkpoint_dir=ckpt)
-    train(job(), steps=60, **kw)
+    kw = dict(loss=recording_loss, data=tagged_data)
+    train(job(), steps=60, checkpoints=sw.Checkpoints(ckpt), **kw)
     drawn = checkpoint.load(ckpt).step["drawn"]
     before = mp_helpers.read_records(log)
     assert drawn == [max(before[w]) + 1 for w in (0, 1)], (drawn, before)
     log.unlink()
-    train(job(), steps=120, resume=True, **kw)
+    train(job(), steps=120, checkpoints=sw.Checkpoints(ckpt, resume=True), **kw)
     after = mp_helpers.read_records(log)
     assert [min(after[w]) for w in (0, 1)] == drawn  # each stream goes on where it stopped
 
@@ -211,7 +211,12 @@ def test_a_checkpoint_with_bad_batch_counts_is_refused(tmp_path, drawn, message)
 def test_a_stopped_worker_is_detected_within_worker_timeout_and_restarted(no_leaks):
     stop = Once("stalewise-worker-1", signal.SIGSTOP)
     try:
-        result = train(job(consistency=sw.BSP()), on_record=stop, worker_timeout=1.0, steps=300)
+        result = train(
+            job(consistency=sw.BSP()),
+            on_record=stop,
+            failures=sw.Failures(worker_timeout=1.0),
+            steps=300,
+        )
     finally:
         if stop.pid is not None:  # the runtime kills it; never leave a stopped process behind
             with contextlib.suppress(ProcessLookupError):
@@ -261,13 +266,15 @@ def test_diverge_after_sets_how_many_refusals_in_a_row_make_a_worker_diverge(no_
         match=r"training diverged: worker\(s\) 0, 1 stopped because their pushes kept being "
         r"refused \(worker \d diverged: its last 3 pushes were refused",
     ):
-        train(job(), loss=nan_loss_and_grad, steps=10_000, diverge_after=3)
+        train(job(), loss=nan_loss_and_grad, steps=10_000, failures=sw.Failures(diverge_after=3))
     assert time.monotonic() - t0 < 30  # worker start-up, then 3 pushes each
 
 
 def test_diverge_after_none_runs_to_the_budget_and_says_no_push_was_applied(no_leaks, caplog):
     with caplog.at_level(logging.WARNING):
-        result = train(job(), loss=nan_loss_and_grad, steps=60, diverge_after=None)
+        result = train(
+            job(), loss=nan_loss_and_grad, steps=60, failures=sw.Failures(diverge_after=None)
+        )
     assert result.pushes >= 60 and not result.failures
     assert result.stats["applied"] == 0 and result.stats["rejected"]["not_finite"] >= 60
     assert result.stop_reason.startswith(
@@ -282,8 +289,9 @@ def test_diverge_after_none_runs_to_the_budget_and_says_no_push_was_applied(no_l
 def test_an_error_in_user_code_is_handled_alike_by_both_runtimes(no_leaks, tmp_path, runtime):
     loss = functools.partial(fails_once, marker=str(tmp_path / "failed"))
     # in the simulator: 10 ms steps, back 0.1 s after the failure, well before the budget ends
-    sim = {"sim": SimConfig(compute=Fixed(0.01), restart_delay=0.1)} if runtime == "sim" else {}
-    result = train(job(), loss=loss, data=tagged_data, steps=60, runtime=runtime, **sim)
+    if runtime == "sim":
+        runtime = sw.Simulation(SimConfig(compute=Fixed(0.01), restart_delay=0.1))
+    result = train(job(), loss=loss, data=tagged_data, steps=60, runtime=runtime)
     (event,) = result.failures
     assert (event["worker"], event["action"], event["cause"]) == (
         1,
@@ -319,11 +327,10 @@ def test_a_dead_shard_under_fail_names_it_and_the_run_resumes_from_its_checkpoin
         train(
             job(shards=2),
             on_record=kill,
-            on_worker_failure="fail",
-            checkpoint_dir=tmp_path,
-            checkpoint_every=10,
+            failures=sw.Failures("fail"),
+            checkpoints=sw.Checkpoints(tmp_path, every=10),
         )
-    result = train(job(shards=2), checkpoint_dir=tmp_path, resume=True)
+    result = train(job(shards=2), checkpoints=sw.Checkpoints(tmp_path, resume=True))
     assert result.pushes >= 200 and result.records[0]["updates"] >= 10
     np.testing.assert_allclose(result.params["x"], TARGET, atol=0.05)
 
@@ -377,7 +384,7 @@ if __name__ == "__main__":
             time.sleep(120)
     print("starting", flush=True)
     job.train(test_faults.paced_loss_and_grad, data=test_faults.mp_helpers.counting_data,
-              workers=2, steps=10**6, on_record=on_record, eval_interval=0.05)
+              workers=2, steps=10**6, metrics=sw.Metrics(every=0.05, on_record=on_record))
 """
 
 
@@ -444,16 +451,16 @@ lr = 0.1
 @pytest.mark.parametrize(
     "kw, message",
     [
-        ({"on_worker_failure": "retry"}, "on_worker_failure must be one of 'restart', 'drop'"),
-        ({"max_restarts": -1}, "max_restarts must be an integer >= 0 or None, got -1"),
-        ({"max_restarts": 1.5}, "max_restarts must be an integer"),
-        ({"worker_timeout": 0}, "worker_timeout must be a finite number of seconds > 0"),
-        ({"worker_timeout": float("inf")}, "worker_timeout must be a finite number"),
+        ({"policy": "retry"}, "Failures.policy must be one of 'restart', 'drop'"),
+        ({"max_restarts": -1}, "Failures.max_restarts must be an integer >= 0 or None, got -1"),
+        ({"max_restarts": 1.5}, "Failures.max_restarts must be an integer"),
+        ({"worker_timeout": 0}, "Failures.worker_timeout must be a finite number of seconds > 0"),
+        ({"worker_timeout": float("inf")}, "Failures.worker_timeout must be a finite number"),
     ],
 )
 def test_bad_failure_options_are_refused_before_anything_starts(no_leaks, kw, message):
     with pytest.raises(ValueError, match=message):
-        train(job(), **kw)
+        train(job(), failures=sw.Failures(**kw))
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
@@ -475,11 +482,7 @@ def test_the_docs_python_snippet_runs_as_pasted(tmp_path):
 def test_failure_options_in_a_config():
     (run_table,) = re.findall(r"```toml\n(.*?)```", DOCS.read_text(), re.S)  # the docs' example
     cfg = config_lib.parse(tomllib.loads(HEAD + run_table))
-    assert {k: cfg.train[k] for k in ("on_worker_failure", "max_restarts", "worker_timeout")} == {
-        "on_worker_failure": "restart",
-        "max_restarts": 3,
-        "worker_timeout": 60.0,
-    }
+    assert cfg.train["failures"] == sw.Failures("restart", max_restarts=3, worker_timeout=60.0)
     text = HEAD + textwrap.dedent(
         """
         [run]
@@ -491,11 +494,7 @@ def test_failure_options_in_a_config():
         """
     )
     cfg = config_lib.parse(tomllib.loads(text))
-    assert {k: cfg.train[k] for k in ("on_worker_failure", "max_restarts", "worker_timeout")} == {
-        "on_worker_failure": "drop",
-        "max_restarts": 5,
-        "worker_timeout": 30.0,
-    }
+    assert cfg.train["failures"] == sw.Failures("drop", max_restarts=5, worker_timeout=30.0)
     for bad, key in (
         ('on_worker_failure = "drop"', 'on_worker_failure = "ignore"'),
         ("max_restarts = 5", "max_restarts = -2"),
@@ -505,17 +504,22 @@ def test_failure_options_in_a_config():
         with pytest.raises(config_lib.ConfigError, match=rf"run\.{key.split()[0]}: "):
             config_lib.parse(raw)
     off = tomllib.loads(text.replace("30", "false"))
-    assert config_lib.parse(off).train["worker_timeout"] is None
+    assert config_lib.parse(off).train["failures"].worker_timeout is None
 
 
 def test_diverge_after_in_a_config():
     (run_table,) = re.findall(r"```toml\n(.*?)```", DOCS.read_text(), re.S)  # the docs' example
-    assert config_lib.parse(tomllib.loads(HEAD + run_table)).train["diverge_after"] == 20
+    assert config_lib.parse(tomllib.loads(HEAD + run_table)).train["failures"].diverge_after == 20
     text = HEAD + "[run]\nworkers = 2\nsteps = 10\n"
-    assert config_lib.parse(tomllib.loads(text)).train["diverge_after"] == 20  # the default
-    assert config_lib.parse(tomllib.loads(text + "diverge_after = 3")).train["diverge_after"] == 3
+    assert (
+        config_lib.parse(tomllib.loads(text)).train["failures"].diverge_after == 20
+    )  # the default
+    assert (
+        config_lib.parse(tomllib.loads(text + "diverge_after = 3")).train["failures"].diverge_after
+        == 3
+    )
     off = tomllib.loads(text + "diverge_after = false")
-    assert config_lib.parse(off).train["diverge_after"] is None
+    assert config_lib.parse(off).train["failures"].diverge_after is None
     for bad in ("0", "-1", "2.5", "true", '"3"'):
         raw = tomllib.loads(text + f"diverge_after = {bad}")
         with pytest.raises(config_lib.ConfigError, match=r"^run\.diverge_after: "):

@@ -62,21 +62,19 @@ def test_sim_resume_with_topk_error_feedback_is_bit_identical(tmp_path, consiste
             data=task.batches,
             workers=4,
             steps=steps,
-            runtime="sim",
-            sim=sim,
-            sim_seed=3,
-            eval_interval=1e9,
-            timeout=120,
+            runtime=sw.Simulation(sim, seed=3),
+            metrics=sw.Metrics(every=1e9),
+            timeouts=sw.Timeouts(total=120),
             **kw,
         )
 
     whole = train(100)
-    cut = train(48, checkpoint_dir=tmp_path)  # a BSP round's end (4 workers)
+    cut = train(48, checkpoints=sw.Checkpoints(tmp_path))  # a BSP round's end (4 workers)
     saved = checkpoint.load(tmp_path)
     assert saved.step["pushes"] == 48 and len(saved.residuals) == 4
     for r in saved.residuals:  # what topk had not sent, from every worker
         assert r.dtype == np.float32 and r.shape == (2000,) and np.count_nonzero(r) > 1500
-    resumed = train(100, checkpoint_dir=tmp_path, resume=True)
+    resumed = train(100, checkpoints=sw.Checkpoints(tmp_path, resume=True))
     assert resumed.pushes == whole.pushes == 100
     assert not np.array_equal(cut.flat, whole.flat)
     assert resumed.flat.tobytes() == whole.flat.tobytes()
@@ -86,19 +84,17 @@ def _sim_job(**kw):
     return sw.Job({"x": np.zeros(2000, np.float32)}, optimizer=sw.optim.sgd(0.1), codec=TOPK, **kw)
 
 
-def _sim_train(job, d, steps, **kw):
+def _sim_train(job, d, steps, resume=False):
     task = tasks.get("least-squares", n=64, d=2000, exact=True)
     return job.train(
         task.loss_and_grad,
         data=task.batches,
         workers=2,
         steps=steps,
-        runtime="sim",
-        sim_seed=1,
-        eval_interval=1e9,
-        checkpoint_dir=d,
-        timeout=120,
-        **kw,
+        runtime=sw.Simulation(seed=1),
+        metrics=sw.Metrics(every=1e9),
+        checkpoints=sw.Checkpoints(d, resume=resume),
+        timeouts=sw.Timeouts(total=120),
     )
 
 
@@ -280,16 +276,15 @@ def _local_job():
     return sw.Job({"x": np.zeros(D)}, optimizer=sw.optim.sgd(LR), codec=TOPK, shards=2)
 
 
-def _train_local(d, steps, **kw):
+def _train_local(d, steps, resume=False, **kw):
     return _local_job().train(
         constant_grad,
         data=worker_batches,
         workers=2,
         steps=steps,
-        checkpoint_dir=d,
-        eval_interval=1e9,
-        progress=False,
-        timeout=120,
+        checkpoints=sw.Checkpoints(d, resume=resume),
+        metrics=sw.Metrics(every=1e9, progress=False),
+        timeouts=sw.Timeouts(total=120),
         **kw,
     )
 
@@ -327,7 +322,7 @@ def test_a_restarted_worker_continues_with_its_predecessors_residual(
     tmp_path, no_leaks, monkeypatch
 ):
     monkeypatch.setenv("FEEDBACK_MARK", str(tmp_path / "failed"))
-    r = _train_local(tmp_path / "ckpt", 120, on_worker_failure="restart", max_restarts=1)
+    r = _train_local(tmp_path / "ckpt", 120, failures=sw.Failures("restart", max_restarts=1))
     assert (tmp_path / "failed").exists() and r.restarts == 1
     assert r.failures[0]["worker"] == 0 and "worker 0 fails once" in r.failures[0]["cause"]
     end = checkpoint.load(tmp_path / "ckpt")
@@ -353,13 +348,11 @@ def test_sim_restarts_continue_the_residual_of_the_last_committed_push(tmp_path,
         data=worker_batches,
         workers=2,
         steps=300,
-        runtime="sim",
-        sim=sim,
-        on_worker_failure="restart",
-        max_restarts=None,
-        checkpoint_dir=tmp_path / "ckpt",
-        eval_interval=1e9,
-        timeout=120,
+        runtime=sw.Simulation(sim),
+        failures=sw.Failures(policy="restart", max_restarts=None),
+        checkpoints=sw.Checkpoints(tmp_path / "ckpt"),
+        metrics=sw.Metrics(every=1e9),
+        timeouts=sw.Timeouts(total=120),
     )
     assert (tmp_path / "failed").exists()
     assert r.restarts == 17 and any("fails once" in e["cause"] for e in r.failures)

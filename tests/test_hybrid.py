@@ -128,9 +128,8 @@ def train(consistency, sim: SimConfig, steps: int = 600, lr: float = 0.1):
         evaluate=task.evaluate,
         workers=4,
         steps=steps,
-        runtime="sim",
-        sim=sim,
-        eval_interval=0.02,
+        runtime=sw.Simulation(sim),
+        metrics=sw.Metrics(every=0.02),
     )
 
 

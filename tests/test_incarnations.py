@@ -203,7 +203,7 @@ def test_sigkill_while_pushing_to_two_shards_never_tears_a_push(no_leaks):
 
 def test_an_expected_worker_that_never_starts_stops_blocking_bsp(no_leaks, capfd):
     job = sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(1.0), consistency=sw.BSP())
-    with job.serve(workers=2, join_timeout=1.0) as server:
+    with job.serve(workers=2, timeouts=sw.Timeouts(join=1.0)) as server:
         c0 = server.client(0)
         c0.pull(timeout=10)
         c0.push({"x": np.ones(4, np.float32)})
@@ -222,9 +222,9 @@ def test_stop_at_a_loss_stops_when_the_loss_is_low_not_at_once(no_leaks):
         data=mp_helpers.quadratic_data,
         workers=2,
         steps=20_000,
-        eval_interval=0.05,
-        delays={0: 0.002, 1: 0.002},  # about 0.6 s of pushes to get there
         stop_at={"loss": 1e-3},
+        metrics=sw.Metrics(every=0.05),
+        emulation=sw.Emulation(delays={0: 0.002, 1: 0.002}),  # about 0.6 s of pushes to get there
     )
     losses = [r["loss"] for r in result.records]
     reached = [i for i, loss in enumerate(losses) if loss <= 1e-3]

@@ -2,6 +2,7 @@
 configs, a file size limit below the shared block. Each is refused at once, on one line
 that names the option (its TOML key when it comes from a config)."""
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -158,11 +159,10 @@ def test_sim_stops_a_run_too_long_to_record():
             data=task.batches,
             workers=1,
             steps=100,
-            runtime="sim",
-            sim=sim,
-            eval_interval=1.0,
-            on_record=seen.append,
-            timeout=300,  # wall seconds: a TimeoutError here would mean the cap is gone
+            runtime=sw.Simulation(sim),
+            metrics=sw.Metrics(every=1.0, on_record=seen.append),
+            # wall seconds: a TimeoutError here would mean the cap is gone
+            timeouts=sw.Timeouts(total=300),
         )
     assert sim_config.MAX_RECORDS == 100_000
     assert len(seen) == sim_config.MAX_RECORDS + 1  # the start's, one per interval, the stop
@@ -178,8 +178,15 @@ def test_sim_timeout_holds_while_only_evaluations_run():
     sim = SimConfig(compute=Fixed(0.01), failures=[Failure(0, 0.05)], joins=[Join(0, 9e6)])
     t0 = time.perf_counter()
     with pytest.raises(TimeoutError, match="did not finish within the timeout"):
-        job.train(task.loss_and_grad, data=task.batches, workers=1, steps=100,
-                  runtime="sim", sim=sim, eval_interval=0.5, timeout=0.2)  # fmt: skip
+        job.train(
+            task.loss_and_grad,
+            data=task.batches,
+            workers=1,
+            steps=100,
+            runtime=sw.Simulation(sim),
+            metrics=sw.Metrics(every=0.5),
+            timeouts=sw.Timeouts(total=0.2),
+        )
     assert time.perf_counter() - t0 < 30  # MAX_RECORDS evaluations take 10 s and more
 
 
@@ -499,39 +506,36 @@ def test_local_run_under_a_file_size_limit_names_the_shared_block(tmp_path):
 
 
 def test_run_option_defaults_are_stated_once_in_run_options():
-    """Job.train's, Job.serve's, the config's [run] and the sweep's defaults are RunOptions's."""
-    import dataclasses
+    """The option groups' (Job.train's, Job.serve's, the config's [run], the sweep's)
+    defaults are RunOptions's, and Job.train takes no catch-all."""
     import inspect
 
-    from stalewise import config, sweep
+    from stalewise import config, options, sweep
     from stalewise.runtime.options import DEFAULTS
 
-    fields = {f.name for f in dataclasses.fields(sw.RunOptions) if f.init}
     train = inspect.signature(sw.Job.train).parameters
-    # every run option is a keyword of Job.train (no catch-all), with RunOptions's default
-    assert fields - {"on_record"} <= set(train) and not any(
+    assert len(train) - 1 <= 12 and not any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in train.values()
     )
-    shared = [name for name in train if name in DEFAULTS]
-    assert {name: train[name].default for name in shared} == {n: DEFAULTS[n] for n in shared}
-    assert train["on_record"].default is DEFAULTS["on_record"]
-    assert (
-        inspect.signature(sw.Job.serve).parameters["join_timeout"].default
-        == (DEFAULTS["join_timeout"])
-    )
-    swept = inspect.signature(sweep.sweep).parameters
-    for name in ("sim_seed", "progress"):
-        assert swept[name].default == DEFAULTS[name], name
+    fields = {f.name for f in dataclasses.fields(sw.RunOptions) if f.init}
+    grouped = {name for g in options.GROUPS for name in g.FIELDS.values()}
+    # every run option is a keyword of Job.train or a field of one of its groups
+    assert fields - {"on_record", "max_workers"} <= set(train) | grouped
+    for group in options.GROUPS:
+        made = group() if group is not sw.Checkpoints else group("ckpt")
+        for name, option in group.FIELDS.items():
+            if option != "checkpoint_dir":
+                assert getattr(made, name) == DEFAULTS[option], (group, name)
+    assert sw.Metrics().on_record is DEFAULTS["on_record"]
+    assert inspect.signature(sweep.sweep).parameters["progress"].default == DEFAULTS["progress"]
     task = {"name": "least-squares", "args": {"n": 64, "d": 4}}
     parsed = config.parse({"task": task, "optimizer": {"name": "sgd", "lr": 0.1}}).train
-    for name in ("eval_interval", "on_worker_failure", "max_restarts", "worker_timeout",
-                 "diverge_after"):  # fmt: skip
-        assert parsed[name] == DEFAULTS[name], name
+    assert parsed["failures"] == sw.Failures() and parsed["metrics"] == sw.Metrics()
     # a changed default reaches the config through DEFAULTS (nothing restates it)
     changed = dict(DEFAULTS, max_restarts=7, worker_timeout=11.0)
     with mock.patch.dict(DEFAULTS, changed):
         parsed = config.parse({"task": task, "optimizer": {"name": "sgd", "lr": 0.1}}).train
-    assert (parsed["max_restarts"], parsed["worker_timeout"]) == (7, 11.0)
+    assert (parsed["failures"].max_restarts, parsed["failures"].worker_timeout) == (7, 11.0)
 
 
 @pytest.mark.parametrize(
@@ -566,22 +570,24 @@ def test_config_false_means_never_for_max_restarts_worker_timeout_and_diverge_af
     raw = {"max_restarts": False, "worker_timeout": False, "diverge_after": False}
     task = {"name": "least-squares", "args": {"n": 64, "d": 4}}
     parsed = config.parse({"task": task, "optimizer": {"name": "sgd", "lr": 0.1}, "run": raw})
-    assert [parsed.train[k] for k in raw] == [None, None, None]
+    assert [getattr(parsed.train["failures"], k) for k in raw] == [None, None, None]
 
 
-def test_sim_seed_is_the_simulators_and_seed_its_old_name_warns():
+def test_the_simulators_seed_is_simulations_and_sim_seed_its_old_spelling_warns():
     job = sw.Job({"x": np.ones(3, np.float32)}, optimizer=sw.optim.sgd(0.1))
-    kw = {"data": lambda w, n: iter([None] * 1000), "workers": 2, "steps": 20, "runtime": "sim"}
-    new = job.train(_quadratic, sim_seed=5, **kw)
-    with pytest.warns(DeprecationWarning, match="seed= is now sim_seed="):
-        old = job.train(_quadratic, seed=5, **kw)
-    other = job.train(_quadratic, sim_seed=6, **kw)
+    kw = {"data": lambda w, n: iter([None] * 1000), "workers": 2, "steps": 20}
+    new = job.train(_quadratic, runtime=sw.Simulation(seed=5), **kw)
+    with pytest.warns(DeprecationWarning, match=r"sim_seed= is now runtime=sw.Simulation\(seed"):
+        old = job.train(_quadratic, runtime="sim", sim_seed=5, **kw)
+    other = job.train(_quadratic, runtime=sw.Simulation(seed=6), **kw)
     assert new.time == old.time and new.time != other.time
     assert _options(sim_seed=4).sim_seed == 4  # RunOptions(seed=) is gone
-    with pytest.raises(TypeError, match="sim_seed= only"):
-        job.train(_quadratic, seed=5, sim_seed=6, **kw)
-    with pytest.raises(ValueError, match="sim_seed must be an integer >= 0"):
-        _options(sim_seed=-1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'seed'"):
+        job.train(_quadratic, runtime="sim", seed=5, **kw)  # removed after its release
+    with pytest.raises(TypeError, match=r"inside runtime=sw.Simulation\(...\) only"):
+        job.train(_quadratic, runtime=sw.Simulation(seed=5), sim_seed=6, **kw)
+    with pytest.raises(ValueError, match=r"Simulation\.seed must be an integer >= 0"):
+        sw.Simulation(seed=-1)
 
 
 def _quadratic(params, batch):

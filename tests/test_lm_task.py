@@ -186,8 +186,15 @@ def test_trains_in_the_simulator_well_below_uniform():
     params = task.init_params(0)
     start = task.evaluate(params)["loss"]
     job = sw.Job(params, optimizer=sw.optim.adam(3e-3), consistency=sw.BSP())
-    result = job.train(task.loss_and_grad, data=task.batches, evaluate=task.evaluate,
-                       workers=2, steps=300, runtime="sim", eval_interval=0.05)  # fmt: skip
+    result = job.train(
+        task.loss_and_grad,
+        data=task.batches,
+        evaluate=task.evaluate,
+        workers=2,
+        steps=300,
+        runtime="sim",
+        metrics=sw.Metrics(every=0.05),
+    )
     end = result.records[-1]["loss"]
     assert result.pushes >= 300
     assert end < start - 1.5, (start, end)  # 5.4 -> about 3.0 nats per byte
@@ -199,8 +206,15 @@ def test_trains_on_two_local_worker_processes(no_leaks):
     params = task.init_params(0)
     start = task.evaluate(params)["loss"]
     job = sw.Job(params, optimizer=sw.optim.adam(3e-3))
-    result = job.train(task.loss_and_grad, data=task.batches, evaluate=task.evaluate,
-                       workers=2, steps=300, eval_interval=0.5, timeout=240)  # fmt: skip
+    result = job.train(
+        task.loss_and_grad,
+        data=task.batches,
+        evaluate=task.evaluate,
+        workers=2,
+        steps=300,
+        metrics=sw.Metrics(every=0.5),
+        timeouts=sw.Timeouts(total=240),
+    )
     end = task.evaluate(result.params)["loss"]
     assert result.pushes >= 300 and not result.failures
     assert end < start - 1.0, (start, end)

@@ -207,9 +207,8 @@ def test_train_converges_and_leaves_nothing_behind(no_leaks, consistency):
         data=mp_helpers.quadratic_data,
         workers=3,
         steps=240,
-        stragglers={2: 2.0},
-        delays={0: 0.001, 1: 0.001, 2: 0.001},
-        eval_interval=0.05,
+        emulation=sw.Emulation(stragglers={2: 2.0}, delays={0: 0.001, 1: 0.001, 2: 0.001}),
+        metrics=sw.Metrics(every=0.05),
     )
     np.testing.assert_allclose(result.params["x"], np.arange(8), atol=0.05)
     assert 240 <= result.pushes < 240 + 3
@@ -229,7 +228,7 @@ def test_error_in_user_code_shows_traceback_and_cleans_up(no_leaks):
             data=mp_helpers.counting_data,
             workers=2,
             steps=100,
-            on_worker_failure="fail",  # the default restarts it first: see test_faults.py
+            failures=sw.Failures("fail"),  # the default restarts it first: see test_faults.py
         )
 
 
@@ -244,7 +243,7 @@ def test_unpicklable_loss_is_refused_with_a_clear_error(no_leaks):
             data=mp_helpers.quadratic_data,
             workers=2,
             steps=1,
-            stragglers={5: 2.0},
+            emulation=sw.Emulation(stragglers={5: 2.0}),
         )
 
 
@@ -264,7 +263,7 @@ def test_ctrl_c_stops_every_process_and_frees_shared_memory(tmp_path):
             if __name__ == "__main__":
                 job = sw.Job({{"x": np.zeros(8, np.float32)}}, optimizer=sw.optim.sgd(0.1))
                 job.train(mp_helpers.slow_loss_and_grad, data=mp_helpers.counting_data, workers=2,
-                          steps=10**6, on_record=on_record, eval_interval=0.1)
+                          steps=10**6, metrics=sw.Metrics(every=0.1, on_record=on_record))
             """
         )
     )

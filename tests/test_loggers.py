@@ -112,9 +112,10 @@ def test_scalars_and_staleness_histogram_match_the_records_in_the_simulator(tmp_
             workers=4,
             steps=300,
             runtime="sim",
-            eval_interval=0.05,
-            on_record=writer.write,
-            loggers=TensorBoardLogger(tmp_path / "tb"),  # one logger need not be in a list
+            # one logger need not be in a list
+            metrics=sw.Metrics(
+                0.05, on_record=writer.write, loggers=TensorBoardLogger(tmp_path / "tb")
+            ),
         )
     records = report.read_metrics(tmp_path / "metrics.jsonl")
     assert len(records) == len(result.records) >= 5
@@ -154,10 +155,11 @@ def test_a_failing_logger_is_dropped_with_one_warning_and_training_goes_on(
             data=task.batches,
             workers=2,
             steps=200,
-            delays={0: 0.002, 1: 0.002},
-            eval_interval=0.02,
-            loggers=[bad, seen.append, TensorBoardLogger(tmp_path / "tb")],
-            timeout=120,
+            emulation=sw.Emulation(delays={0: 0.002, 1: 0.002}),
+            metrics=sw.Metrics(
+                every=0.02, loggers=[bad, seen.append, TensorBoardLogger(tmp_path / "tb")]
+            ),
+            timeouts=sw.Timeouts(total=120),
         )
     assert result.pushes >= 200
     assert bad.calls == 1 and bad.closed  # left out after the first failure, closed at the end
@@ -193,11 +195,11 @@ def test_finish_after_a_run_close_however_it_ends():
     job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.05))
     kw = dict(data=task.batches, workers=2, steps=20, runtime="sim")
     ok = Recording()
-    job.train(task.loss_and_grad, loggers=[ok], **kw)
+    job.train(task.loss_and_grad, metrics=sw.Metrics(loggers=[ok]), **kw)
     assert ok.events[-2:] == [("finish", 20), "close"] and "log" in ok.events
     failed = Recording()
     with pytest.raises(sw.WorkerError, match="bad batch"):
-        job.train(_fails, loggers=[failed], **kw)
+        job.train(_fails, metrics=sw.Metrics(loggers=[failed]), **kw)
     assert failed.events[-1] == "close" and not any(isinstance(e, tuple) for e in failed.events)
 
 
@@ -206,7 +208,7 @@ def test_bad_loggers_are_refused_by_index(tmp_path):
     job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.05))
     kw = dict(data=task.batches, workers=1, steps=5, runtime="sim")
     with pytest.raises(TypeError, match=r"loggers\[1\]: expected a function f\(record\) .*int 3"):
-        job.train(task.loss_and_grad, loggers=[print, 3], **kw)
+        job.train(task.loss_and_grad, metrics=sw.Metrics(loggers=[print, 3]), **kw)
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="logdir: cannot make the folder"):
         TensorBoardLogger(tmp_path / "file")

@@ -134,7 +134,7 @@ def test_torch_cnn_with_batchnorm_keeps_its_running_statistics(no_leaks):
         data=digit_batches(1.0),  # raw pixels: far from BatchNorm's 0/1 start
         workers=WORKERS,
         steps=CNN_STEPS,
-        timeout=TIMEOUT,
+        timeouts=sw.Timeouts(total=TIMEOUT),
     )
     trained = make_cnn()
     tree.unflatten_into(trained, result.flat, spec)  # what server.pull(into=model) does
@@ -356,7 +356,7 @@ def test_gpt2_with_tied_embeddings_is_stored_once_and_stays_tied(no_leaks):
         data=[tokens(w, 40) for w in range(WORKERS)],
         workers=WORKERS,
         steps=80,
-        timeout=TIMEOUT,
+        timeouts=sw.Timeouts(total=TIMEOUT),
     )
     assert result.params["lm_head.weight"] is result.params["transformer.wte.weight"]
     trained = make_gpt2()
@@ -429,7 +429,11 @@ def test_flax_nnx_mlp_with_batchnorm(no_leaks):
     assert job.config.spec.buffers == ("bn.mean", "bn.var")
     before = nnx_eval_loss(model)
     result = job.train(
-        nnx_loss_and_grad, data=digit_batches(1.0), workers=WORKERS, steps=240, timeout=TIMEOUT
+        nnx_loss_and_grad,
+        data=digit_batches(1.0),
+        workers=WORKERS,
+        steps=240,
+        timeouts=sw.Timeouts(total=TIMEOUT),
     )
     assert isinstance(result.params, nnx.State)
     tree.unflatten_into(model, result.flat, job.config.spec)  # writes the module's Variables
@@ -493,7 +497,11 @@ def test_equinox_mlp(no_leaks):
     assert job.config.spec.size == 64 * 32 + 32 + 32 * 10 + 10
     before = eqx_eval_loss(model)
     result = job.train(
-        eqx_loss_and_grad, data=digit_batches(1 / 16), workers=WORKERS, steps=200, timeout=TIMEOUT
+        eqx_loss_and_grad,
+        data=digit_batches(1 / 16),
+        workers=WORKERS,
+        steps=200,
+        timeouts=sw.Timeouts(total=TIMEOUT),
     )
     assert result.params.activation is None  # as eqx.filter(model, eqx.is_array)
     trained = eqx.combine(result.params, eqx.filter(model, eqx.is_array, inverse=True))
@@ -556,7 +564,7 @@ def test_keras_sequential_on_tensorflow(no_leaks):
         data=digit_batches(1 / 16),
         workers=WORKERS,
         steps=200,
-        timeout=TIMEOUT,
+        timeouts=sw.Timeouts(total=TIMEOUT),
     )
     tree.unflatten_into(model.trainable_variables, result.flat, spec)  # assigns the variables
     after = keras_eval_loss(model)

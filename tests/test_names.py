@@ -101,6 +101,7 @@ def test_strategy_classes_have_one_public_name_each():
     assert sw.LocalSGD.__module__ == "stalewise.loops"
     assert "LocalSGD" not in strategies.__all__ and "LocalSGDStrategy" in strategies.__all__
     assert not hasattr(strategies, "LocalSGD")  # the old name, removed
+    assert not hasattr(averaging, "LocalSGD")  # and its module's alias
     assert strategies.LocalSGDStrategy is averaging.LocalSGDStrategy
     assert type(strategies.diloco()) is strategies.LocalSGDStrategy
 
@@ -113,7 +114,7 @@ def test_sw_load_params_is_the_one_public_name(tmp_path):
         workers=1,
         steps=3,
         runtime="sim",
-        checkpoint_dir=tmp_path,
+        checkpoints=sw.Checkpoints(tmp_path),
     )
     assert "load_params" in sw.__all__ and "load" not in sw.__all__
     params = sw.load_params(tmp_path)

@@ -248,10 +248,9 @@ def _digits(pull_codec, codec=None, steps=600, model_bytes=None, consistency=Non
         data=task.batches,
         workers=4,
         steps=steps,
-        runtime="sim",
-        sim=dataclasses.replace(SIM, model_bytes=model_bytes),
+        runtime=sw.Simulation(dataclasses.replace(SIM, model_bytes=model_bytes)),
         evaluate=task.evaluate,
-        eval_interval=1e9,
+        metrics=sw.Metrics(every=1e9),
     )
 
 
@@ -297,8 +296,15 @@ def test_a_restarted_worker_gets_a_full_pull_and_goes_on():
     task = tasks.get("digits")
     job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1), pull_codec=codecs.int8())
     sim = dataclasses.replace(SIM, failures=(Failure(worker=1, time=0.5),), restart_delay=0.1)
-    r = job.train(task.loss_and_grad, data=task.batches, workers=3, steps=400, runtime="sim",
-                  sim=sim, evaluate=task.evaluate, eval_interval=1e9)  # fmt: skip
+    r = job.train(
+        task.loss_and_grad,
+        data=task.batches,
+        workers=3,
+        steps=400,
+        runtime=sw.Simulation(sim),
+        evaluate=task.evaluate,
+        metrics=sw.Metrics(every=1e9),
+    )
     assert [e["action"] for e in r.failures] == ["restarted"]
     assert r.stats["applied"] == 400 and r.records[-1]["accuracy"] > 0.85
 

@@ -44,7 +44,12 @@ def test_a_run_starts_and_stops_its_own_ray_instance_when_none_is_connected(monk
     task = tasks.get("least-squares", n=256, d=16)
     job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.05))
     result = job.train(
-        task.loss_and_grad, data=task.batches, workers=2, steps=300, runtime="ray", timeout=TIMEOUT
+        task.loss_and_grad,
+        data=task.batches,
+        workers=2,
+        steps=300,
+        runtime="ray",
+        timeouts=sw.Timeouts(total=TIMEOUT),
     )
     assert not ray.is_initialized()
     assert result.pushes >= 300 and result.stats["shards"] == 1
@@ -80,10 +85,15 @@ def least_squares_job(shards=2):
     return task, job
 
 
-def train(task, job, **kw):
-    kw = {"workers": 3, "steps": 600, "eval_interval": 0.1, "timeout": TIMEOUT} | kw
+def train(task, job, *, run="run", on_record=None, every=0.1, **kw):
+    kw = {"workers": 3, "steps": 600, "timeouts": sw.Timeouts(total=TIMEOUT)} | kw
     return job.train(
-        task.loss_and_grad, data=task.batches, evaluate=task.evaluate, runtime="ray", **kw
+        task.loss_and_grad,
+        data=task.batches,
+        evaluate=task.evaluate,
+        runtime="ray",
+        metrics=sw.Metrics(every=every, name=run, on_record=on_record),
+        **kw,
     )
 
 
@@ -183,7 +193,7 @@ def test_a_killed_worker_actor_is_dropped_under_the_drop_policy(cluster, caplog)
     task, job = least_squares_job()
     kill = KillAt("drop-worker", "worker-0.", pushes=100)
     result = train(
-        task, job, steps=300, run="drop-worker", on_record=kill, on_worker_failure="drop"
+        task, job, steps=300, run="drop-worker", on_record=kill, failures=sw.Failures("drop")
     )
     assert [(e.get("worker"), e["action"]) for e in result.failures] == [(0, "dropped")]
     assert result.pushes >= 300  # the other two workers spent the budget
@@ -200,8 +210,7 @@ def test_a_killed_shard_actor_is_restarted_from_the_last_checkpoint(cluster, cap
         steps=500,
         run="kill-shard",
         on_record=kill,
-        checkpoint_dir=tmp_path,
-        checkpoint_every=50,
+        checkpoints=sw.Checkpoints(tmp_path, every=50),
     )
     assert kill.killed is not None
     assert [(e.get("shard"), e["action"]) for e in result.failures] == [(1, "restarted")]
@@ -248,13 +257,13 @@ def test_a_killed_shard_process_with_evaluate_restarts_or_fails_with_shard_error
     run, steps = f"kill-shard-eval-{policy}", 600
     at = [200, steps] if policy == "restart" else [150]  # mid-run, and at the final calls
     kill = KillShardProcess(run, 1, at)
-    kw = dict(steps=steps, run=run, on_record=kill, eval_interval=0.02, max_restarts=len(at))
+    kw = dict(steps=steps, run=run, on_record=kill, every=0.02)
     if policy == "fail":
         with pytest.raises(sw.ShardError, match=r"^shard 1 failed: its actor died"):
-            train(task, job, on_worker_failure="fail", **kw)
+            train(task, job, failures=sw.Failures("fail", max_restarts=len(at)), **kw)
         assert len(kill.pids) == 1
         return
-    result = train(task, job, **kw)
+    result = train(task, job, failures=sw.Failures(max_restarts=len(at)), **kw)
     assert len(kill.pids) == len(at), kill.pids
     shards = [(e.get("shard"), e["action"]) for e in result.failures]
     assert shards == [(1, "restarted")] * len(at), result.failures
@@ -392,10 +401,16 @@ def feedback_job():
     return sw.Job({"x": np.zeros(D)}, optimizer=sw.optim.sgd(LR), codec=codecs.topk(0.01), shards=2)
 
 
-def train_feedback(d, steps, **kw):
-    kw = {"workers": 2, "eval_interval": 0.1, "timeout": TIMEOUT, "checkpoint_dir": d} | kw
+def train_feedback(d, steps, *, run="run", on_record=None, **checkpoints):
     return feedback_job().train(
-        constant_gradient(G), data=endless(), runtime="ray", steps=steps, **kw
+        constant_gradient(G),
+        data=endless(),
+        runtime="ray",
+        steps=steps,
+        workers=2,
+        metrics=sw.Metrics(every=0.1, name=run, on_record=on_record),
+        timeouts=sw.Timeouts(total=TIMEOUT),
+        checkpoints=sw.Checkpoints(d, **checkpoints),
     )
 
 
@@ -410,7 +425,7 @@ def assert_nothing_lost(flat, applied, residuals):
 
 @pytest.mark.slow
 def test_topk_residuals_are_checkpointed_and_a_resume_continues_them(cluster, tmp_path):
-    first = train_feedback(tmp_path, 60, checkpoint_every=10)
+    first = train_feedback(tmp_path, 60, every=10)
     assert first.stats["applied"] == first.stats["version"] == first.pushes >= 60
     saved = checkpoint.load(tmp_path)
     assert saved.step["pushes"] == first.pushes and len(saved.residuals) == 2
@@ -633,13 +648,10 @@ def hang_run(tmp_path, policy, how="sleep"):
             workers=2,
             steps=400,
             runtime="ray",
-            timeout=TIMEOUT,
-            worker_timeout=2,
-            on_worker_failure=policy,
-            on_record=on_record,
-            run=f"hang-{policy}",
-            eval_interval=0.1,
             evaluate=task.evaluate,
+            timeouts=sw.Timeouts(total=TIMEOUT),
+            failures=sw.Failures(policy=policy, worker_timeout=2),
+            metrics=sw.Metrics(every=0.1, name=f"hang-{policy}", on_record=on_record),
         )
     except WorkerError as e:
         out = e
@@ -686,14 +698,26 @@ def nan_gradients():
 
 def test_every_push_refused_ends_the_run_as_diverged_or_says_none_was_applied(cluster):
     task, job = least_squares_job()
-    kw = dict(data=task.batches, workers=2, runtime="ray", timeout=TIMEOUT, eval_interval=0.1)
+    kw = dict(data=task.batches, workers=2, runtime="ray", timeouts=sw.Timeouts(TIMEOUT))
     with pytest.raises(
         sw.DivergedError,
         match=r"^training diverged: worker\(s\) 0, 1 stopped because their pushes kept being "
         r"refused \(worker \d diverged: its last 3 pushes were refused",
     ):
-        job.train(nan_gradients(), steps=10_000, diverge_after=3, run="diverge", **kw)
-    result = job.train(nan_gradients(), steps=40, diverge_after=None, **kw)
+        job.train(
+            nan_gradients(),
+            steps=10_000,
+            failures=sw.Failures(diverge_after=3),
+            metrics=sw.Metrics(every=0.1, name="diverge"),
+            **kw,
+        )
+    result = job.train(
+        nan_gradients(),
+        steps=40,
+        failures=sw.Failures(diverge_after=None),
+        metrics=sw.Metrics(every=0.1),
+        **kw,
+    )
     assert result.stats["applied"] == 0 and result.stats["rejected"]["not_finite"] >= 40
     assert result.stop_reason.startswith(
         "the budget of 40 pushes is spent; no push was applied, every one was refused "
@@ -706,14 +730,14 @@ def test_checkpoints_and_resume_on_ray(cluster, tmp_path):
     task, job = least_squares_job()
     seen = tmp_path / "seen"
     loss = bad_batch(task.loss_and_grad, -1, -1, str(seen))  # no bad batch: it records them
-    kw = dict(data=indexed(task.batches), workers=3, runtime="ray", timeout=TIMEOUT)
-    first = job.train(loss, steps=150, checkpoint_dir=tmp_path, checkpoint_every=50, **kw)
+    kw = dict(data=indexed(task.batches), workers=3, runtime="ray", timeouts=sw.Timeouts(TIMEOUT))
+    first = job.train(loss, steps=150, checkpoints=sw.Checkpoints(tmp_path, every=50), **kw)
     assert (tmp_path / "latest").exists()
     drawn = checkpoint.load(tmp_path).step["drawn"]
     before = mp_helpers.read_records(seen)
     assert drawn == [max(before[w]) + 1 for w in range(3)], (drawn, before)
     seen.unlink()
-    again = job.train(loss, steps=300, checkpoint_dir=tmp_path, resume=True, **kw)
+    again = job.train(loss, steps=300, checkpoints=sw.Checkpoints(tmp_path, resume=True), **kw)
     assert again.pushes >= 300  # steps is the job's total budget, pushes before included
     assert again.stats["version"] > first.stats["version"]
     assert sw.load_params(tmp_path)["x"].shape == (16,)
@@ -729,8 +753,8 @@ def test_a_batch_that_always_raises_costs_one_restart_not_the_job(cluster):
         workers=2,
         steps=300,
         runtime="ray",
-        timeout=TIMEOUT,
-        max_restarts=1,
+        timeouts=sw.Timeouts(total=TIMEOUT),
+        failures=sw.Failures(max_restarts=1),
     )
     assert [(e["worker"], e["action"]) for e in result.failures] == [(1, "restarted")]
     assert result.failures[0]["cause"] == "raised ValueError: worker 1's batch 30 is bad"

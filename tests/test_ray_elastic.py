@@ -65,8 +65,8 @@ def _until(check, what, timeout=WAIT):
 def test_auto_workers_follow_a_node_that_joins_and_leaves(cluster, consistency, steps):
     """Under BSP the rounds go over the live workers: 3 while the node is there, then 1
     (a departure mid-round must not stall them), and the budget is whole rounds of the
-    one worker expected (``workers="auto"``: min 1), so the run makes at least ``steps``
-    pushes."""
+    one worker expected (``workers=(1, 4)``, ``"auto"`` with room for 4: min 1), so the
+    run makes at least ``steps`` pushes."""
     task = tasks.get("least-squares", n=512, d=16)
     job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.05), consistency=consistency)
     start_loss = task.evaluate(task.init_params(0))["loss"]
@@ -79,14 +79,12 @@ def test_auto_workers_follow_a_node_that_joins_and_leaves(cluster, consistency, 
             out["result"] = job.train(
                 functools.partial(mp_helpers.slowed, task.loss_and_grad, 0.02),
                 data=task.batches,
-                workers="auto",
-                max_workers=4,  # each worker id's data: a quarter of the rows
+                workers=(1, 4),  # each worker id's data: a quarter of the rows
                 steps=steps,
                 runtime="ray",
-                eval_interval=0.2,
                 evaluate=task.evaluate,
-                on_record=records.append,
-                timeout=TIMEOUT,
+                metrics=sw.Metrics(every=0.2, on_record=records.append),
+                timeouts=sw.Timeouts(total=TIMEOUT),
             )
         except BaseException as e:  # reported by the test
             out["error"] = e

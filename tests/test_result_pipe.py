@@ -137,8 +137,8 @@ def test_a_malformed_result_message_is_that_workers_failure_and_nothing_is_unpic
         data=mp_helpers.counting_data,
         workers=2,
         steps=300,
-        eval_interval=0.05,
-        timeout=120,
+        metrics=sw.Metrics(every=0.05),
+        timeouts=sw.Timeouts(total=120),
     )
     assert os.path.exists(loss.flag), "no worker wrote into its result pipe"
     with open(loss.flag) as f:

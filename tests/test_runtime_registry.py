@@ -89,7 +89,7 @@ def test_a_registered_runtime_is_known_to_train_serve_the_config_and_the_cli(reg
     cfg, strategy, options = ran.value.args
     assert cfg is j.config and strategy == sw.strategies.gradients() and options.steps == 1
     with pytest.raises(Ran) as ran:
-        j.serve(workers=3, join_timeout=5.0, runtime="mine")
+        j.serve(workers=3, runtime="mine", timeouts=sw.Timeouts(join=5.0))
     assert ran.value.args == (j.config, 3, 5.0)
     registry.register("mine", "stalewise.runtime.sim:run")  # again, by path, without a server
     assert registry.get("mine") is registry.get("sim")

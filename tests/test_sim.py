@@ -729,7 +729,7 @@ def test_sweep_over_workers_and_consistency(tmp_path):
         workers=4,
         steps=2000,
         target=1e-3,
-        sim=cfg,
+        sim=sw.Simulation(cfg),
         out=tmp_path,
     )
     assert [r["run"] for r in rows] == ["ASP", "SSP(2)", "BSP"]

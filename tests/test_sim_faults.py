@@ -71,10 +71,16 @@ def job(**kw):
     return sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1), **kw)
 
 
-def train(loss, *, sim=None, steps=40, workers=2, shards=1, **kw):
+def train(loss, *, sim=None, steps=40, workers=2, shards=1, **policy):
+    """A simulated run; ``policy``: the fields of sw.Failures."""
     sim = sim if sim is not None else SimConfig(compute=Fixed(1.0), **FREE)
     return job(shards=shards).train(
-        loss, data=tagged, workers=workers, steps=steps, runtime="sim", sim=sim, **kw
+        loss,
+        data=tagged,
+        workers=workers,
+        steps=steps,
+        runtime=sw.Simulation(sim),
+        failures=sw.Failures(**policy),
     )
 
 
@@ -122,7 +128,7 @@ def test_restarts_beyond_max_restarts_fail_the_job_naming_the_worker_and_cause()
 
 def test_drop_lets_the_others_spend_the_budget():
     loss = Quadratic()
-    r = train(loss, sim=scripted(Failure(1, 5.5)), on_worker_failure="drop")
+    r = train(loss, sim=scripted(Failure(1, 5.5)), policy="drop")
     assert [(e["worker"], e["action"]) for e in r.failures] == [(1, "dropped")]
     assert r.restarts == 0 and r.pushes == 40
     assert loss.batches(1) == [0, 1, 2, 3, 4, 5]  # never back
@@ -131,14 +137,14 @@ def test_drop_lets_the_others_spend_the_budget():
 
 def test_fail_stops_the_job_at_once():
     with pytest.raises(sw.WorkerError, match=r"^worker 1 failed: scripted failure"):
-        train(Quadratic(), sim=scripted(Failure(1, 5.5)), on_worker_failure="fail")
+        train(Quadratic(), sim=scripted(Failure(1, 5.5)), policy="fail")
 
 
 @pytest.mark.parametrize("policy", ["restart", "drop", "fail"])
 def test_a_failure_answered_by_a_scripted_join_keeps_the_worker_away_until_it(policy):
     loss = Quadratic()
     cfg = scripted(Failure(1, 5.5), Join(1, 20.0))
-    r = train(loss, sim=cfg, steps=60, on_worker_failure=policy, max_restarts=0)
+    r = train(loss, sim=cfg, steps=60, policy=policy, max_restarts=0)
     assert r.failures == [
         {
             "worker": 1,
@@ -202,7 +208,7 @@ def test_a_batch_that_always_raises_costs_one_restart_not_the_job():
 
 def test_a_persistent_error_under_drop_leaves_the_budget_to_the_others():
     loss = Quadratic(lambda w, i: w == 1 and i == 3)
-    r = train(loss, on_worker_failure="drop")
+    r = train(loss, policy="drop")
     assert [(e["worker"], e["action"], e["cause"]) for e in r.failures] == [
         (1, "dropped", "raised ValueError: boom at batch 3")
     ]
@@ -217,7 +223,7 @@ def test_an_error_in_the_first_step_fails_the_job_whatever_the_policy(policy):
         sw.WorkerError,
         match=r"(?s)^worker 1 failed: ValueError: boom at batch 0\nTraceback.*boom at batch 0",
     ):
-        train(loss, on_worker_failure=policy, max_restarts=None)
+        train(loss, policy=policy, max_restarts=None)
 
 
 # -- determinism and checkpoints ---------------------------------------------------------
@@ -241,7 +247,7 @@ def _faulty_run(seed):
         restart_delay=0.7,
     )
     return job(shards=2).train(
-        Quadratic(boom), data=tagged, workers=3, steps=300, runtime="sim", sim=cfg, sim_seed=seed
+        Quadratic(boom), data=tagged, workers=3, steps=300, runtime=sw.Simulation(cfg, seed=seed)
     )
 
 
@@ -333,7 +339,9 @@ def test_a_diverged_worker_is_not_restarted_and_the_others_finish():
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])
 def test_bad_diverge_after_is_refused_naming_it(bad):
-    with pytest.raises(ValueError, match=r"diverge_after must be an integer >= 1 or None, got "):
+    with pytest.raises(
+        ValueError, match=r"Failures.diverge_after must be an integer >= 1 or None, got "
+    ):
         train(Quadratic(), diverge_after=bad)
 
 

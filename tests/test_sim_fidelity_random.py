@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import stalewise as sw
 from stalewise import calibrate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,7 +102,7 @@ def test_drawn_settings_run_in_the_simulator_with_an_interval():
 
         def predict(sim, d=d, task=task, job=job):
             opts = fid.drawn_run(d, steps=6 * d.workers)
-            r = job.train(task.loss_and_grad, runtime="sim", sim=sim, **opts)
+            r = job.train(task.loss_and_grad, runtime=sw.Simulation(sim), **opts)
             return fid.figures(r, "loss", math.inf, "min")
 
         got = cal.interval(predict)

@@ -48,8 +48,7 @@ def _sim(strategy, consistency, workers, steps, **kw):
         data=TASK.batches,
         workers=workers,
         steps=steps,
-        runtime="sim",
-        sim=SimConfig(compute=Fixed(0.01)),
+        runtime=sw.Simulation(SimConfig(compute=Fixed(0.01))),
     )
 
 
@@ -271,7 +270,9 @@ def test_two_workers_converge_in_the_local_runtime(no_leaks):
         every=2,
     )
     job = sw.Job(init_params(), strategy=s)
-    result = job.train(loss_and_grad, data=TASK.batches, workers=2, steps=60, timeout=120)
+    result = job.train(
+        loss_and_grad, data=TASK.batches, workers=2, steps=60, timeouts=sw.Timeouts(total=120)
+    )
     assert result.pushes >= 60
     assert evaluate(result.params) < 0.1 * start
 

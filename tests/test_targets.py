@@ -342,15 +342,27 @@ def test_progress_says_why_a_run_stopped_in_plain_lines_when_not_a_terminal(caps
 
     task = tasks.get("least-squares", n=64, d=4)
     job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
-    run = job.train(task.loss_and_grad, data=task.batches, evaluate=task.evaluate, workers=4,
-                    steps=5000, runtime="sim", eval_interval=0.05, progress=True,
-                    stop_at={"loss": 1e-2})  # fmt: skip
+    run = job.train(
+        task.loss_and_grad,
+        data=task.batches,
+        evaluate=task.evaluate,
+        workers=4,
+        steps=5000,
+        runtime="sim",
+        stop_at={"loss": 1e-2},
+        metrics=sw.Metrics(every=0.05, progress=True),
+    )
     err = capsys.readouterr().err  # pytest's capture is not a terminal
     lines = err.strip().splitlines()
     assert "\r" not in err and len(lines) <= 5, lines
     assert lines[-1] == f"run: stopped after {run.pushes} pushes: loss <= 0.01 reached"
     sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1)).train(
-        task.loss_and_grad, data=task.batches, workers=2, steps=30, runtime="sim", progress=True
+        task.loss_and_grad,
+        data=task.batches,
+        workers=2,
+        steps=30,
+        runtime="sim",
+        metrics=sw.Metrics(progress=True),
     )
     assert (
         capsys.readouterr()

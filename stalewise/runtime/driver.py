@@ -145,7 +145,8 @@ def failures_for(options: Any) -> Failures:
     if options.checkpoint_dir is not None:
         hint = (
             f"\nCheckpoints are in {options.checkpoint_dir}: resume with Job.train(..., "
-            "resume=True) or `stalewise train CONFIG --resume RUN_DIR`."
+            "checkpoints=sw.Checkpoints(DIR, resume=True)) or `stalewise train CONFIG --resume "
+            "RUN_DIR`."
         )
     return Failures(options.on_worker_failure, options.max_restarts, hint=hint)
 

@@ -173,7 +173,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,20 +188,6 @@ from stalewise.strategies.base import LossAndGrad, Step, Strategy
 log = logging.getLogger(__name__)
 
 __all__ = ["EASGD", "AveragingState", "LocalSGDStrategy", "diloco", "easgd", "local_sgd"]
-
-
-def __getattr__(name: str) -> Any:
-    """``LocalSGD``, this class's old name, still works with a DeprecationWarning (it is
-    ``sw.LocalSGD``'s name, the wrapper of :mod:`stalewise.loops`)."""
-    if name == "LocalSGD":
-        warnings.warn(
-            "stalewise.strategies.averaging.LocalSGD is now LocalSGDStrategy (sw.LocalSGD is "
-            "the wrapper for your own loop, stalewise.loops.LocalSGD)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return LocalSGDStrategy
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- inner optimizers ----------------------------------------------------------------

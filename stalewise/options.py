@@ -1,0 +1,315 @@
+"""The option groups of ``Job.train``: what a first run does not need, in small frozen objects.
+
+``Job.train`` takes as keywords what a first run needs (``data``, ``workers``, ``steps``,
+``runtime``, ``evaluate``, ``stop_at``) and one object per group of the rest::
+
+    job.train(loss_and_grad, data=data, workers=4, steps=2000,
+              checkpoints=sw.Checkpoints("ckpt", every=500, resume=True),
+              failures=sw.Failures("drop", max_restarts=1),
+              timeouts=sw.Timeouts(total=600),
+              emulation=sw.Emulation(stragglers={3: 4.0}),
+              metrics=sw.Metrics(every=1.0, loggers=[...]))
+    job.train(..., runtime=sw.Simulation(sim_config, seed=1))  # the simulator, configured
+
+Each group is defined here once; ``Job.train``, ``Job.serve`` (``timeouts``), the config
+file (``[run]``) and the sweep (``sim``) build them, and every value is checked when the
+object is made by the check :class:`~stalewise.runtime.options.RunOptions` runs (a bad one
+is an :class:`~stalewise.runtime.options.OptionError` naming ``Group.field``). Runtimes
+never see them: :func:`run_options` flattens them into the one ``RunOptions``.
+
+Every default is :data:`~stalewise.runtime.options.DEFAULTS`'s. The old flat keywords
+(``checkpoint_dir=``, ``max_restarts=``, ``sim_seed=``, ...) still work for one release,
+with a DeprecationWarning naming the new spelling (:func:`fold_legacy`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from stalewise.runtime.options import _CHECKS, DEFAULTS, OptionError, OptionTypeError
+
+__all__ = ["Checkpoints", "Emulation", "Failures", "Metrics", "Simulation", "Timeouts"]
+
+
+class _Group:
+    """A frozen group of run options; ``FIELDS`` maps each field to its RunOptions name."""
+
+    FIELDS: ClassVar[dict[str, str]]
+    KEYWORD: ClassVar[str]  # its keyword of Job.train
+
+    def __post_init__(self) -> None:
+        for name, option in self.FIELDS.items():
+            check = _CHECKS.get(option)
+            if check is None:
+                continue
+            try:
+                object.__setattr__(self, name, check(getattr(self, name)))
+            except OptionError as e:
+                kind = OptionTypeError if isinstance(e, TypeError) else OptionError
+                raise kind(f"{type(self).__name__}.{name}", e.problem) from None
+
+    def run_options(self) -> dict[str, Any]:
+        """The group's values under their :class:`RunOptions` names."""
+        return {option: getattr(self, name) for name, option in self.FIELDS.items()}
+
+
+@dataclass(frozen=True)
+class Checkpoints(_Group):
+    """Checkpoints of the job (:mod:`stalewise.checkpoint`) in folder ``dir``: one at the end
+    of the run, and every ``every`` updates and/or ``seconds`` seconds (virtual in the
+    simulator); the newest ``keep`` are kept. ``resume``: start from the newest usable one
+    (its shards' params, optimizer state, version and counters; workers restart as new
+    incarnations; ``steps`` stays the job's total budget). With none there yet the run
+    starts afresh (a warning says so); another job's is refused
+    (:class:`stalewise.CheckpointError`). ``sw.load_params(dir, like=params)`` reads the
+    saved params; a checkpoint that cannot be written warns and never stops the run.
+
+    Example:
+        >>> Checkpoints("ckpt", every=0)
+        Traceback (most recent call last):
+        ...
+        stalewise.runtime.options.OptionError: Checkpoints.every must be an integer >= 1 (updates) or None, got 0
+    """
+
+    dir: str | os.PathLike
+    every: int | None = DEFAULTS["checkpoint_every"]
+    seconds: float | None = DEFAULTS["checkpoint_seconds"]
+    keep: int = DEFAULTS["checkpoint_keep"]
+    resume: bool = DEFAULTS["resume"]
+
+    KEYWORD: ClassVar[str] = "checkpoints"
+    FIELDS: ClassVar[dict[str, str]] = {"dir": "checkpoint_dir", "every": "checkpoint_every",
+        "seconds": "checkpoint_seconds", "keep": "checkpoint_keep", "resume": "resume"}  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.dir is None:
+            raise OptionTypeError(
+                "Checkpoints.dir", "must be a path (str or os.PathLike), got None"
+            )
+        super().__post_init__()
+
+
+@dataclass(frozen=True)
+class Failures(_Group):
+    """What happens to a worker whose process dies, hangs or whose code raises (see
+    ``docs/reliability.md``; ``TrainResult.failures`` lists what happened).
+
+    Args:
+        policy: ``"restart"`` it as a new incarnation at the current params, ``"drop"`` it
+            (the others spend the budget), or ``"fail"`` the job (:class:`WorkerError`).
+            A dead shard is restarted unless ``"fail"``.
+        max_restarts: restarts allowed per worker id (and per shard); None: no limit.
+        worker_timeout: seconds without a heartbeat after which a worker counts as hung
+            and is killed (local runtime); one call of ``loss_and_grad`` must be shorter.
+            None: never.
+        diverge_after: a worker whose last this many pushes were all refused as NaN/Inf
+            or overflow has diverged and stops; once every worker has, the job raises
+            :class:`DivergedError`. None: never.
+    """
+
+    policy: str = DEFAULTS["on_worker_failure"]
+    max_restarts: int | None = DEFAULTS["max_restarts"]
+    worker_timeout: float | None = DEFAULTS["worker_timeout"]
+    diverge_after: int | None = DEFAULTS["diverge_after"]
+
+    KEYWORD: ClassVar[str] = "failures"
+    FIELDS: ClassVar[dict[str, str]] = {"policy": "on_worker_failure",
+        "max_restarts": "max_restarts", "worker_timeout": "worker_timeout",
+        "diverge_after": "diverge_after"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Timeouts(_Group):
+    """Wall seconds things may take: ``total``, the whole run (TimeoutError; None: no
+    limit); a worker's ``start`` (spawn, data, warm-up step), a shard's ``shard_start``, a
+    late worker's ``join`` (an expected worker that never joins stops holding back SSP/BSP
+    gates), the last ``ack`` of a worker's pushes and a process's ``stop`` (exit)."""
+
+    total: float | None = DEFAULTS["timeout"]
+    start: float = DEFAULTS["start_timeout"]
+    shard_start: float = DEFAULTS["shard_start_timeout"]
+    join: float = DEFAULTS["join_timeout"]
+    ack: float = DEFAULTS["ack_timeout"]
+    stop: float = DEFAULTS["stop_timeout"]
+
+    KEYWORD: ClassVar[str] = "timeouts"
+    FIELDS: ClassVar[dict[str, str]] = {"total": "timeout", "start": "start_timeout",
+        "shard_start": "shard_start_timeout", "join": "join_timeout", "ack": "ack_timeout",
+        "stop": "stop_timeout"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Emulation(_Group):
+    """A slower cluster, emulated: ``stragglers``, a slowdown factor per worker (``{3:
+    4.0}`` or one per worker), and ``delays``, extra seconds per step for some workers
+    (virtual in the simulator). Checked against the run's workers by ``Job.train``."""
+
+    stragglers: Mapping[int, float] | Sequence[float] | None = DEFAULTS["stragglers"]
+    delays: Mapping[int, float] | None = DEFAULTS["delays"]
+
+    KEYWORD: ClassVar[str] = "emulation"
+    FIELDS: ClassVar[dict[str, str]] = {"stragglers": "stragglers", "delays": "delays"}
+
+
+@dataclass(frozen=True)
+class Metrics(_Group):
+    """The run's metrics records: one ``every`` seconds (virtual in the simulator), with
+    an evaluation when ``evaluate`` is given; ``name``, the run's name in them;
+    ``on_record(record)``, called with each as it is made; ``loggers``, more consumers,
+    e.g. ``[sw.loggers.TensorBoardLogger("runs/tb")]`` (:mod:`stalewise.loggers`; one that
+    raises is dropped with a warning); ``progress``: a progress bar."""
+
+    every: float = DEFAULTS["eval_interval"]
+    name: str = DEFAULTS["run"]
+    on_record: Callable[[dict], None] | None = DEFAULTS["on_record"]
+    loggers: Any = None
+    progress: bool = DEFAULTS["progress"]
+
+    KEYWORD: ClassVar[str] = "metrics"
+    # on_record and loggers reach RunOptions as one callback (stalewise.loggers.Loggers)
+    FIELDS: ClassVar[dict[str, str]] = {
+        "every": "eval_interval",
+        "name": "run",
+        "progress": "progress",
+    }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.on_record is not None and not callable(self.on_record):
+            raise OptionTypeError("Metrics.on_record", f"must be a function f(record), got "
+                                  f"{self.on_record!r}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Simulation(_Group):
+    """The simulator, configured: pass it as ``runtime=`` (``runtime="sim"`` is
+    ``Simulation()``). ``config``: its timing and network model, a
+    :class:`~stalewise.runtime.sim.config.SimConfig` (None: the default one); ``seed``:
+    its random seed (compute times, scripted randomness), not the task's (the initial
+    params and the data's shuffling)."""
+
+    config: Any = DEFAULTS["sim"]
+    seed: int = DEFAULTS["sim_seed"]
+
+    KEYWORD: ClassVar[str] = "runtime"
+    FIELDS: ClassVar[dict[str, str]] = {"config": "sim", "seed": "sim_seed"}
+    name: ClassVar[str] = "sim"  # the runtime it configures
+
+    def __post_init__(self) -> None:
+        from stalewise.runtime.sim.config import SimConfig
+
+        if self.config is not None and not isinstance(self.config, SimConfig):
+            raise OptionTypeError(
+                "Simulation.config", f"must be a SimConfig or None, got {self.config!r}"
+            )
+        super().__post_init__()
+
+
+#: Job.train's groups, in the order of its keywords; then the simulator's (``runtime=``).
+TRAIN_GROUPS = (Metrics, Checkpoints, Failures, Timeouts, Emulation)
+GROUPS: tuple[type[_Group], ...] = (*TRAIN_GROUPS, Simulation)
+#: The old flat keyword of each grouped option: ``{old: (group, field)}``.
+LEGACY: dict[str, tuple[type[_Group], str]] = {
+    option: (group, name) for group in GROUPS for name, option in group.FIELDS.items()
+} | {"loggers": (Metrics, "loggers"), "on_record": (Metrics, "on_record")}
+
+
+def _spelled(group: type[_Group], name: str) -> str:
+    if group is Simulation:
+        return f"runtime=sw.Simulation({name}=...)"
+    return f"{group.KEYWORD}=sw.{group.__name__}({name}=...)"
+
+
+def fold_legacy(where: str, old: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The keywords ``given`` with the old flat keywords ``old`` folded into their groups,
+    each with a DeprecationWarning naming its new spelling. An old keyword beside its
+    group's object is a TypeError; old keywords all at their defaults (e.g.
+    ``checkpoint_dir=None`` passed through) make no group. ``sim=``/``sim_seed=`` make
+    ``runtime=sw.Simulation(...)`` when ``runtime`` is ``"sim"`` (``sim_seed`` is ignored
+    elsewhere, as it was); ``max_workers=N`` makes ``workers="auto"`` ``(1, N)``."""
+    folded: dict[type[_Group], dict[str, Any]] = {}
+    out = dict(given)
+    for key, value in old.items():
+        if key == "max_workers" and "workers" in given:
+            _warn(where, key, "workers=(1, N)")
+            if out["workers"] == "auto":
+                out["workers"] = (1, value)
+            continue
+        if key not in LEGACY:
+            raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
+        group, name = LEGACY[key]
+        if out.get(group.KEYWORD) is not None and group is not Simulation:
+            raise TypeError(f"{where}: pass {key}= inside {group.KEYWORD}= only, not beside it")
+        if group is Simulation and isinstance(out.get("runtime"), Simulation):
+            raise TypeError(f"{where}: pass {key}= inside runtime=sw.Simulation(...) only")
+        off_sim = group is Simulation and out.get("runtime") != "sim"
+        if off_sim and key == "sim" and value is not None:
+            raise ValueError(
+                "sim= configures the simulator; pass runtime=sw.Simulation(sim_config) to use it"
+            )
+        _warn(where, key, _spelled(group, name))
+        if off_sim:
+            continue  # sim_seed off the simulator: ignored, as it was
+        folded.setdefault(group, {})[name] = value
+    for group, fields in folded.items():
+        at_default = all(
+            DEFAULTS.get(group.FIELDS.get(k, ""), None) == v for k, v in fields.items()
+        )
+        if at_default and group is not Simulation:
+            continue  # every old keyword at its default: as if none were given
+        if group is Checkpoints:
+            fields.setdefault("dir", None)
+        out[group.KEYWORD] = group(**fields)
+    return out
+
+
+def legacy_keywords(where: str) -> Callable[[Any], Any]:
+    """A decorator: the function still takes the old flat keywords (:func:`fold_legacy`)
+    for one release; its signature shows only the new ones."""
+
+    def wrap(fn: Any) -> Any:
+        params = inspect.signature(fn).parameters
+        runtime = params["runtime"].default if "runtime" in params else None
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            old = {k: kwargs.pop(k) for k in list(kwargs) if k not in params}
+            if old:
+                kwargs = fold_legacy(where, old, {"runtime": runtime, **kwargs})
+                if kwargs["runtime"] is None:
+                    del kwargs["runtime"]
+            return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+def _warn(where: str, old: str, new: str) -> None:
+    warnings.warn(
+        f"{where}: {old}= is now {new}; the old keyword will be removed in the next release",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+
+
+def run_options(*groups: _Group | None) -> dict[str, Any]:
+    """The :class:`RunOptions` keywords of ``groups`` (None: that group's defaults)."""
+    out: dict[str, Any] = {}
+    for group in groups:
+        if group is not None:
+            out |= group.run_options()
+    return out
+
+
+def check_group(value: Any, kind: type[_Group]) -> Any:
+    """``value`` if it is a ``kind`` or None, else a one-line TypeError naming its keyword."""
+    if value is None or isinstance(value, kind):
+        return value
+    raise OptionTypeError(kind.KEYWORD, f"must be a sw.{kind.__name__}(...) or None, got {value!r}")
