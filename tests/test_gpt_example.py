@@ -189,7 +189,7 @@ def test_a_killed_launch_resumes_from_its_checkpoint(tmp_path, no_leaks):
 
     ((out, err),) = run((cmd, {"OUT_DIR": str(out_dir)}))
     log = f"first run:\n{first_log}\nstdout:\n{out}\nstderr:\n{err}"
-    resumed = re.search(r"^stalewise run: resumed from \S+ \(version \d+, (\d+) pushes\)$",
+    resumed = re.search(r"^stalewise: resumed from \S+ \(version \d+, (\d+) pushes\)$",
                         err, re.MULTILINE)  # fmt: skip
     assert resumed and 0 < int(resumed[1]) < 160, log
     (init,) = {float(v) for v in INIT_LINE.findall(out)}
