@@ -213,6 +213,7 @@ class Job:
         checkpoint_every: int | None = None,
         resume: bool = False,
         timeouts: options_lib.Timeouts | None = None,
+        checkpoints: options_lib.Checkpoints | None = None,
     ):
         """Starts the shards for a loop you own; use as a context manager.
 
@@ -244,7 +245,8 @@ class Job:
         ``checkpoint_dir``, ``checkpoint_every``, ``resume``: as ``sw.init``'s (local
         runtime): the shards are restored from the newest checkpoint before any worker
         joins, saved every ``checkpoint_every`` pushes of the job and when the server
-        closes (:mod:`stalewise.launch.checkpoints`, the code ``stalewise run`` saves with).
+        closes (:mod:`stalewise.launch.checkpoints`, the code ``stalewise run`` saves with);
+        or ``checkpoints=sw.Checkpoints(dir, every=, resume=)``, as ``Job.train`` takes them.
 
         Example:
             >>> with job.serve(workers=2) as server:        # doctest: +SKIP
@@ -261,7 +263,10 @@ class Job:
         from stalewise.launch.checkpoints import served
 
         start = functools.partial(factory, self.config, workers, join_timeout=join, **named)
-        return served(self, start, runtime, checkpoint_dir, checkpoint_every, resume)
+        saves = options_lib.checkpoint_fields(
+            "Job.serve", checkpoints, checkpoint_dir, checkpoint_every, resume
+        )
+        return served(self, start, runtime, *saves)
 
     def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):
         """Measures on this machine what the simulator needs for this job and returns a

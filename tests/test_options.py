@@ -199,3 +199,28 @@ def test_the_config_builds_the_groups_from_their_one_definition():
         warnings.simplefilter("error", DeprecationWarning)  # the config speaks the new spelling
         result = cfg.run("sim", timeouts=sw.Timeouts(total=120))
     assert result.pushes >= 1000 and {r["run"] for r in result.records} == {"run"}
+
+
+def test_serve_and_init_take_the_checkpoints_group_too(tmp_path, no_leaks):
+    from stalewise import checkpoint
+
+    job = _job()
+    with job.serve(workers=1, checkpoints=sw.Checkpoints(tmp_path, every=2)) as server:
+        client = server.client(0)
+        for _ in range(3):
+            client.pull(timeout=30)
+            client.push({"x": np.ones(3, np.float32)})
+            assert client.wait(timeout=30).status == "applied"
+        client.close()
+    assert checkpoint.load(tmp_path).version == 3  # the last one, written as the server closed
+    with job.serve(workers=1, checkpoints=sw.Checkpoints(tmp_path, resume=True)) as server:
+        np.testing.assert_allclose(server.pull()["x"], 1 - 3 * 0.1, rtol=1e-6)
+    with pytest.raises(TypeError, match="pass checkpoints= or checkpoint_dir="):
+        job.serve(workers=1, checkpoints=sw.Checkpoints(tmp_path), checkpoint_every=2)
+    with pytest.raises(OptionError, match=r"^Checkpoints\.seconds is for Job\.train"):
+        job.serve(workers=1, checkpoints=sw.Checkpoints(tmp_path, seconds=5.0))
+    with pytest.raises(TypeError, match=r"^checkpoints must be a sw\.Checkpoints"):
+        job.serve(workers=1, checkpoints=str(tmp_path))
+    # sw.init refuses both spellings before it does anything (it may be called once only)
+    with pytest.raises(TypeError, match=r"sw\.init: pass checkpoints= or checkpoint_dir="):
+        sw.init(job, checkpoints=sw.Checkpoints(tmp_path), resume=True)

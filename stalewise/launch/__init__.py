@@ -159,10 +159,12 @@ from typing import Any
 
 from stalewise import runtime as runtime_lib
 from stalewise.launch import checkpoints, context
+from stalewise.launch import checkpoints as saving  # init's checkpoints= is the option group
 from stalewise.launch.context import RENDEZVOUS_TIMEOUT, Context, LaunchError  # noqa: F401
 from stalewise.launch.progress import Progress, end_lines  # noqa: F401 (Ray's launcher's)
 from stalewise.launch.ranks import RANK_TIMEOUT, STOP_GRACE, rank_env  # noqa: F401
 from stalewise.launch.ranks import serve_workers as _serve_workers  # noqa: F401 (the registry's)
+from stalewise.options import checkpoint_fields
 from stalewise.runtime.base import BudgetSpent
 
 __all__ = ["BudgetSpent", "Context", "LaunchError", "Terminated", "init", "launch"]
@@ -198,6 +200,7 @@ def init(
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
+    checkpoints: Any = None,
 ) -> Context:
     """This process's part of a launched job; see the module docstring.
 
@@ -211,6 +214,7 @@ def init(
             rank's ``ctx.state`` (see "Checkpoints" in the module docstring); the
             launcher's ``--checkpoint-dir``, ``--checkpoint-every`` and ``--resume``, if
             given, win. Ignored in a launched worker (the launcher's hold).
+        checkpoints: or ``sw.Checkpoints(dir, every=, resume=)``, as ``Job.train`` takes them.
 
     Returns:
         The worker's :class:`Context` (in the launcher's own process it does not
@@ -222,6 +226,9 @@ def init(
         raise TypeError(f"sw.init(job): job must be a sw.Job, got {type(job).__name__}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"sw.init: steps must be an integer >= 1 or None, got {steps!r}")
+    checkpoint_dir, checkpoint_every, resume = checkpoint_fields(
+        "sw.init", checkpoints, checkpoint_dir, checkpoint_every, resume
+    )
     if context.INITIALISED:
         raise RuntimeError("sw.init() was called twice in this process: call it once")
     context.INITIALISED = True
@@ -236,10 +243,10 @@ def init(
             )
         if ctx.steps is None:  # no --steps: the script's own budget
             ctx.budget(steps)
-        checkpoints.RankStates.join(ctx)  # --checkpoint-dir: ctx.state restored, and saved
+        saving.RankStates.join(ctx)  # --checkpoint-dir: ctx.state restored, and saved
         context.rendezvous(ctx)
         return ctx
-    checkpoints.check(checkpoint_dir, checkpoint_every, ValueError)
+    saving.check(checkpoint_dir, checkpoint_every, ValueError)
     if _LAUNCH is not None:  # the runtime's launch: ranks.serve_workers here, Ray's on Ray
         if _LAUNCH.checkpoint_dir is None and checkpoint_dir is not None:
             if _LAUNCH.runtime != "local":
@@ -253,15 +260,13 @@ def init(
     saves = None
     if checkpoint_dir is not None:
         try:
-            saves = checkpoints.Saves(
-                job, server, os.fspath(checkpoint_dir), checkpoint_every, resume
-            )
+            saves = saving.Saves(job, server, os.fspath(checkpoint_dir), checkpoint_every, resume)
         except BaseException:
             server.close()
             raise
     ctx = Context(0, 1, server.client(0), steps=steps, launched=False, _server=server)
     if saves is not None:
-        ctx.state, ctx._ckpt = saves.ranks[0], checkpoints.InProcess(saves)
+        ctx.state, ctx._ckpt = saves.ranks[0], saving.InProcess(saves)
     atexit.register(ctx.close)
     return ctx
 
