@@ -141,7 +141,7 @@ def test_an_idle_shard_publishes_before_it_acks_so_a_pull_after_the_ack_reads_th
 
 
 def test_a_pull_right_after_a_push_asks_before_the_ack_and_is_answered_before_the_publish(
-    shards,
+    shards, monkeypatch
 ):
     """The pull does not wait for the push's ack to ask: its request is in the pipe
     behind the push before the shard has run at all (before the fix it waited for the
@@ -149,6 +149,7 @@ def test_a_pull_right_after_a_push_asks_before_the_ack_and_is_answered_before_th
     handles both in one turn, and sends the ack and the served pull before it
     publishes, if it does (as a busy turn, at most every PUBLISH_EVERY): the worker
     waits for no copy into the snapshot."""
+    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)  # no publish due: a copy
     s = shards(1, run=False)  # the test turns the shard's loop itself
     client = s.clients[0]
     client.pull(timeout=TIMEOUT)  # the snapshot published at start
@@ -167,6 +168,50 @@ def test_a_pull_right_after_a_push_asks_before_the_ack_and_is_answered_before_th
     assert client.pull_has_own and client.last_result.versions == (1,)
     np.testing.assert_array_equal(params["w"], np.full(N, -1.0, np.float32))
     assert client.own_requests == 1  # the request of the timed-out pull was answered
+
+
+def _push_and_ask(client) -> None:
+    """A push, then a pull that asks behind it and gives up (the shard has not run)."""
+    client.push({"w": np.ones(N, np.float32)})
+    with pytest.raises(TimeoutError):
+        client.pull(timeout=0.01)
+
+
+def test_when_a_publish_is_due_the_pull_is_answered_by_the_snapshot(shards, monkeypatch):
+    """A publish due anyway (here PUBLISH_EVERY is 0) answers the waiting pull: the shard
+    publishes once and replies ``published``, copying nothing into the pull buffer, and
+    the worker reads the snapshot, which holds its push."""
+    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 0.0)
+    s = shards(1, run=False)
+    client = s.clients[0]
+    client.pull(timeout=TIMEOUT)
+    published = s.proc.publishes
+    _push_and_ask(client)
+    s.proc.turn(TIMEOUT)
+    s.proc.settle()
+    assert (s.proc.served, s.proc.published_answers, s.proc.publishes) == (0, 1, published + 1)
+    params = client.pull(timeout=TIMEOUT)
+    assert client.pull_has_own and client.last_result.versions == (1,)
+    np.testing.assert_array_equal(params["w"], np.full(N, -1.0, np.float32))
+
+
+def test_pulls_waiting_together_are_answered_by_one_publish(shards, monkeypatch):
+    """Two workers' pulls wait behind their pushes in one turn: one publish answers both
+    (no copy per worker on the shard), though no publish was due by time."""
+    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)
+    s = shards(2, run=False)
+    for c in s.clients:
+        c.pull(timeout=TIMEOUT)
+    published = s.proc.publishes
+    for c in s.clients:
+        _push_and_ask(c)
+    while len(s.proc.waiting) + s.proc.published_answers < 2:  # both pipes read
+        s.proc.turn(TIMEOUT)
+    s.proc.settle()
+    assert (s.proc.served, s.proc.published_answers, s.proc.publishes) == (0, 2, published + 1)
+    for c in s.clients:
+        np.testing.assert_array_equal(c.pull(timeout=TIMEOUT)["w"], np.full(N, -2.0, np.float32))
+        assert c.pull_has_own
 
 
 def test_own_false_reads_the_snapshot_and_may_miss_the_push(shards, monkeypatch):

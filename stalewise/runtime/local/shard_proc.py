@@ -143,6 +143,10 @@ class ShardProcess:
         self.answers: list[tuple[WorkerPipe, bytes]] = []  # this turn's acks, sent in settle()
         self.publishes = 0  # snapshots published
         self.served = 0  # pulls served into a worker's pull buffer
+        self.published_answers = 0  # pulls answered by the snapshot (see serve_waiting_pulls)
+        # every pull may read a snapshot: no gate (the shard's), no DC-ASGD (which keeps
+        # what each worker pulled); see stalewise.protocol.pipeline.reads_snapshots
+        self.snapshot_answers = not (config.consistency.gated or config.staleness.dc_lambda)
 
     # -- snapshots -----------------------------------------------------------------
 
@@ -260,18 +264,38 @@ class ShardProcess:
         starts = [p.partial_since for p in self.pipes if p.partial_since is not None]
         return min(starts) + PARTIAL_TIMEOUT if starts else None
 
-    def serve_waiting_pulls(self) -> int:
-        """Serves the pulls whose gate is open into their pull buffers; their replies go
-        out behind this turn's acks (:meth:`answer`). Returns how many it served."""
-        served = 0
-        for w in sorted(self.waiting):
-            if self.shard.live[w] and self.shard.may_start(w):
-                self.waiting.discard(w)
-                version = self.shard.pull(w, self.pulls[w], now=time.monotonic())
-                self.answers.append((self.current[w], wire.pulled(version)))
-                served += 1
-        self.served += served
-        return served
+    def serve_waiting_pulls(self) -> bool:
+        """Answers the pulls asked for whose gate is open, behind this turn's acks
+        (:meth:`answer`); returns whether it copied the slice into a pull buffer.
+
+        Under ASP without DC-ASGD (:attr:`snapshot_answers`) a pull is answered by the
+        snapshot, ``published``, when that holds the shard's version already, or when
+        a publish is due anyway (PUBLISH_EVERY since the last) or would serve several
+        pulls at once: the workers copy it themselves, in parallel. Otherwise, and
+        always for exact pulls (a gate, DC-ASGD), the shard copies its slice into each
+        pull buffer, ``pulled``, which keeps a lone waiting worker's path to one copy.
+        """
+        ready = [w for w in sorted(self.waiting) if self.shard.live[w] and self.shard.may_start(w)]
+        if not ready:
+            return False
+        self.waiting.difference_update(ready)
+        now, shard = time.monotonic(), self.shard
+        snapshot = self.snapshot_answers and (
+            shard.version == self.published
+            or len(ready) > 1
+            or now - self.published_at > PUBLISH_EVERY
+        )
+        if snapshot and shard.version != self.published:
+            self.publish_now()
+        reply = wire.published if snapshot else wire.pulled
+        for w in ready:
+            version = shard.pull(w, None if snapshot else self.pulls[w], now=now)
+            self.answers.append((self.current[w], reply(version)))
+        if snapshot:
+            self.published_answers += len(ready)
+        else:
+            self.served += len(ready)
+        return not snapshot
 
     # -- the loop ------------------------------------------------------------------
 
@@ -299,11 +323,11 @@ class ShardProcess:
         others. Otherwise the publish goes first, so an idle shard's snapshot holds a
         push when its ack arrives (see the module docstring)."""
         busy = self.busy()
-        served = self.serve_waiting_pulls()
-        if not served:
+        copied = self.serve_waiting_pulls()
+        if not copied:
             self.publish(busy=busy)
         self.answer()
-        if served:
+        if copied:
             self.publish(busy=True)
         if not busy:
             self.shard.prepare()  # the next step's undo copy, made while no push waits for it
