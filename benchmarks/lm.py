@@ -13,7 +13,11 @@ that the 2 cores of a small machine are not what is measured. Methods:
   Nesterov and a round of about ``period`` seconds for every worker (the straggler
   runs about a third of the fast workers' ``H``);
 * ``DiLoCo H=20 + int8``: DiLoCo H=20 with ``sw.codecs.int8()`` on its pushes
-  (``--codec topk`` for ``topk(0.01)``).
+  (``--codec topk`` for ``topk(0.01)``);
+* ``streaming DiLoCo + int4`` (BSP) and ``async streaming DiLoCo + int4`` (ASP,
+  delayed Nesterov per leaf): ``streaming_diloco(local_steps=20, fragments=FRAGMENTS,
+  delay=TAU, alpha=ALPHA)`` with ``sw.codecs.int4()`` segment pushes (each push
+  carries its fragment only).
 
 Each method runs at every learning rate of a small grid (the server Adam's
 for gradients, the inner AdamW's for DiLoCo), every DiLoCo row (torchft's too)
@@ -52,13 +56,20 @@ outer Nesterov SGD, straggler and emulated step time; it is run only if
 ``torchft`` imports (``pip install 'stalewise[peers]'``), otherwise the
 benchmark says it was skipped and why. It is not in the bars.
 
-    .venv/bin/python benchmarks/lm.py [--quick] [--codec int8|topk] [--json PATH] [--check]
+    .venv/bin/python benchmarks/lm.py [--quick | --medium] [--codec int8|topk] [--json PATH]
+                                      [--methods NAME,...] [--check]
     .venv/bin/python benchmarks/lm.py --markdown PATH   # the README's table from a --json file
 
 ``--quick`` (a tiny model, a short budget, three or four learning rates per
-method, three outer settings per DiLoCo row) takes about 26 minutes on 2 quiet cores; the full
-mode (the small model, 4x the tokens, the same grids) is for a quiet machine.
-Wall-time figures on a shared machine are noisy.
+method, three outer settings per DiLoCo row) took about 26 minutes on 2 quiet
+cores before the streaming rows (each adds 9 runs); ``--medium`` (a 1.23 M
+parameter GPT, 600 local steps per worker: 30 outer rounds at H=20, one
+learning rate per method and the outer 0.7/0.3) is sized for at most 90
+minutes on 2 quiet cores (``docs/lm.md``: the estimate); the full mode (the
+small model, 4x the quick tokens, the quick grids) is for a quiet machine.
+``--methods`` runs only the named rows (the synchronous baseline always runs;
+a bar whose rows did not run is left out). Wall-time figures on a shared
+machine are noisy.
 """
 
 from __future__ import annotations
@@ -90,12 +101,18 @@ MODES = {
     "quick": dict(size="tiny", context=32, batch_size=16, steps=150, delay=0.02,
                   grad_lrs=(3e-4, 1e-3, 3e-3, 1e-2), inner_lrs=(3e-3, 1e-2, 2e-2), eval_interval=0.5,
                   outer=OUTER),
+    "medium": dict(size="medium", context=64, batch_size=16, steps=600, delay=0.03,
+                   grad_lrs=(2e-3,), inner_lrs=(5e-3,), eval_interval=5.0, outer=OUTER[1:2]),
     "full": dict(size="small", context=64, batch_size=16, steps=600, delay=0.03,
                  grad_lrs=(3e-4, 1e-3, 3e-3, 1e-2), inner_lrs=(3e-3, 1e-2, 2e-2), eval_interval=1.0,
                  outer=OUTER),
 }  # fmt: skip
 ASYNC_H = 20  # async DiLoCo's cap on H; its period is about 1.25 H fast steps
+# streaming DiLoCo: fragments (equal slices at leaf boundaries), the merge delay tau in inner
+# steps and the merge's local weight alpha (the paper's overlap: tau > 0, alpha 0.5)
+FRAGMENTS, TAU, ALPHA = 4, 2, 0.5
 BASELINE = "sync gradients"
+STREAM, ASYNC_STREAM = "streaming DiLoCo + int4", "async streaming DiLoCo + int4"
 
 
 _PROCESS: dict = {}  # in a worker process: its worker id and the counts file
@@ -146,13 +163,20 @@ class CountingLocalSGD(type(sw.strategies.diloco())):
         return _pending(super().step(state, params, loss_and_grad, batches))
 
 
+class CountingStreaming(sw.strategies.StreamingDiLoCo):
+    def step(self, state, params, loss_and_grad, batches):
+        _begin()
+        return _pending(super().step(state, params, loss_and_grad, batches))
+
+
 def counting(strategy):
     """The same strategy, counting the local steps of each step once it has been pushed
     (when the worker begins its next step): the tokens a record's model has seen, a
     round's tokens counting once it is sent, not while the emulated compute of its
     steps (slept before the push) still runs. The last push of each worker is counted
     at the end of the run."""
-    cls = {c.__base__: c for c in (CountingGradients, CountingLocalSGD)}[type(strategy)]
+    counters = (CountingGradients, CountingLocalSGD, CountingStreaming)
+    cls = {c.__base__: c for c in counters}[type(strategy)]
     new = cls.__new__(cls)
     new.__dict__.update(vars(strategy))
     return new
@@ -162,6 +186,8 @@ def methods(m: dict, codec: str) -> list[tuple[str, tuple, tuple, object, float]
     """(name, lr grid, outer grid, make(lr[, (outer_lr, outer_momentum)]) -> Job keywords,
     local steps per push for the budget). Gradient rows have no outer grid (``(None,)``)."""
     bsp, asp, dl, adamw = sw.BSP(), sw.ASP(), sw.strategies.diloco, sw.optim.adamw
+    sdl, int4 = sw.strategies.streaming_diloco, sw.codecs.int4()
+    stream = dict(local_steps=20, fragments=FRAGMENTS, delay=TAU, alpha=ALPHA)
     step = m["delay"] + m["compute"]
     period = 1.25 * ASYNC_H * step
     # A round is `period` seconds of the clock, so the steps per push depend on the
@@ -194,6 +220,14 @@ def methods(m: dict, codec: str) -> list[tuple[str, tuple, tuple, object, float]
          lambda lr, o: dict(strategy=dl(local_steps=20, inner=adamw(lr), outer_lr=o[0],
                                         outer_momentum=o[1]),
                             consistency=bsp, codec=push_codec), 20),
+        (STREAM, m["inner_lrs"], outs,
+         lambda lr, o: dict(strategy=sdl(**stream, inner=adamw(lr), outer_lr=o[0],
+                                         outer_momentum=o[1]),
+                            consistency=bsp, codec=int4), 20 / FRAGMENTS),
+        (ASYNC_STREAM, m["inner_lrs"], outs,
+         lambda lr, o: dict(strategy=sdl(**stream, inner=adamw(lr), asynchronous=True,
+                                         every=WORKERS, outer_lr=o[0], outer_momentum=o[1]),
+                            consistency=asp, codec=int4), 20 / FRAGMENTS),
     ]  # fmt: skip
 
 
@@ -336,7 +370,13 @@ def markdown(out: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model, short budget")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="tiny model, short budget")
+    size.add_argument("--medium", action="store_true", help="a 1.23 M parameter GPT, 30 rounds")
+    ap.add_argument("--methods", help="comma-separated rows to run (the baseline always runs)")
+    ap.add_argument("--grad-lrs", help="comma-separated: the gradient rows' learning rates")
+    ap.add_argument("--inner-lrs", help="comma-separated: the DiLoCo rows' inner learning rates")
+    ap.add_argument("--outer", help="comma-separated outer lr/momentum pairs, e.g. 1/0,0.7/0.3")
     ap.add_argument("--codec", choices=("int8", "topk"), default="int8")
     ap.add_argument("--steps", type=int, help="local steps per worker of the budget B")
     _report.add_json_arg(ap)
@@ -352,10 +392,18 @@ def main() -> int:
         print(markdown(doc.get("figures", doc)))
         return 0
     json_out = _report.json_path(ap, args, "lm")
-    mode = "quick" if args.quick else "full"
+    mode = "quick" if args.quick else "medium" if args.medium else "full"
     m = dict(MODES[mode])
     if args.steps:
         m["steps"] = args.steps
+    try:  # a smaller grid than the mode's (a busy machine)
+        for key, value in (("grad_lrs", args.grad_lrs), ("inner_lrs", args.inner_lrs)):
+            if value:
+                m[key] = tuple(float(x) for x in value.split(","))
+        if args.outer:
+            m["outer"] = tuple(tuple(float(y) for y in x.split("/")) for x in args.outer.split(","))
+    except ValueError as e:
+        ap.error(f"--grad-lrs/--inner-lrs/--outer: {e}")
     torch.set_num_threads(1)  # the parent evaluates; the workers are capped by the runtime
     task = tasks.get("lm", size=m["size"], context=m["context"], batch_size=m["batch_size"])
     probe_it, probe = task.batches(0, 1), task.init_params(0)
@@ -409,7 +457,14 @@ def main() -> int:
         if edge:
             print(f"  {name}: the best lr {best[name]['lr']:g} is at the grid's edge", flush=True)
 
-    for name, lrs, outers, make, h in methods(m, args.codec):
+    rows_all = methods(m, args.codec)
+    wanted = None if not args.methods else {n.strip() for n in args.methods.split(",")}
+    known = [r[0] for r in rows_all] + [PEER]
+    if wanted is not None and wanted - set(known):
+        ap.error(f"--methods: unknown {sorted(wanted - set(known))} (known: {', '.join(known)})")
+    for name, lrs, outers, make, h in rows_all:
+        if wanted is not None and name != BASELINE and name not in wanted:
+            continue
         rows = []
         for o, lr in itertools.product(outers, lrs):
             try:
@@ -425,7 +480,7 @@ def main() -> int:
             print(f"  {name}: every point failed; no bars", flush=True)
             return 1
         keep(name, rows)
-    peer = torchft_peer(task, m)
+    peer = torchft_peer(task, m) if wanted is None or PEER in wanted else {"skipped": "--methods"}
     out["torchft"] = {k: v for k, v in peer.items() if k != "rows"}
     if "skipped" in peer:
         print(f"  {PEER}: skipped: {peer['skipped']}", flush=True)
@@ -472,35 +527,68 @@ def main() -> int:
     print(report.format_table(table, list(table[0])))
     out["target_loss"], out["equal_time_s"] = target, t_eq
 
-    bars = []
-    a = out["best"]["async DiLoCo"]
-    r = a["time_vs_sync"]
-    bars.append(("async DiLoCo / sync gradients, wall time to the target",
-                 r is not None and r <= 0.6, f"{fmt(r, '.2f')} (<= 0.6)"))  # fmt: skip
-    rel = None if a["loss_at_B"] is None else a["loss_at_B"] / target - 1
-    bars.append(("async DiLoCo val loss at B tokens vs sync gradients",
-                 rel is not None and rel <= 0.02,
-                 f"{fmt(a['loss_at_B'], '.4f')} vs {fmt(target, '.4f')}: "
-                 f"{fmt(None if rel is None else 100 * rel, '+.2f')}% (<= +2%)"))  # fmt: skip
-    dil = {k: v for k, v in out["best"].items() if "DiLoCo" in k and k != PEER}
-    k = max(dil, key=lambda k: dil[k]["bytes_fewer_than_sync"] or 0.0)
-    f = dil[k]["bytes_fewer_than_sync"]
-    bars.append((f"DiLoCo bytes per worker to the target, fewer than sync gradients (best: {k})",
-                 f is not None and f >= 50,
-                 f"{fmt(f, '.1f')}x (>= 50; "
-                 + ", ".join(f"{n}: {fmt(v['bytes_fewer_than_sync'], '.1f')}x"
-                             for n, v in dil.items()) + ")"))  # fmt: skip
+    bars, report_bars = [], []
+
+    def bar(name: str, value, op: str, limit: float, detail: str) -> None:
+        ok = value is not None and (value <= limit if op == "<=" else value >= limit)
+        bars.append((name, ok, detail))
+        report_bars.append(_report.bar(name, value, op, limit))
+
+    def pct(x, y):
+        return None if x is None or y is None else 100 * (x / y - 1)
+
+    best_rows = out["best"]
+    if "async DiLoCo" in best_rows:
+        a = best_rows["async DiLoCo"]
+        r = a["time_vs_sync"]
+        bar("async DiLoCo / sync gradients, wall time to the target", r, "<=", 0.6,
+            f"{fmt(r, '.2f')} (<= 0.6)")  # fmt: skip
+        rel = pct(a["loss_at_B"], target)
+        bar(
+            "async DiLoCo val loss at B vs sync gradients, % above",
+            rel,
+            "<=",
+            2.0,
+            f"{fmt(a['loss_at_B'], '.4f')} vs {fmt(target, '.4f')}: {fmt(rel, '+.2f')}% (<= +2%)",
+        )
+    dil = {k: v for k, v in best_rows.items() if "DiLoCo" in k and k != PEER}
+    if dil:
+        k = max(dil, key=lambda k: dil[k]["bytes_fewer_than_sync"] or 0.0)
+        f = dil[k]["bytes_fewer_than_sync"]
+        each = ", ".join(f"{n}: {fmt(v['bytes_fewer_than_sync'], '.1f')}x" for n, v in dil.items())
+        bar("DiLoCo bytes per worker to the target, x fewer than sync gradients", f, ">=", 50,
+            f"{fmt(f, '.1f')}x, best {k} (>= 50; {each})")  # fmt: skip
+    d = best_rows.get("DiLoCo H=20")
+    if d is not None and STREAM in best_rows:
+        st = best_rows[STREAM]
+        rel = pct(st["loss_at_B"], d["loss_at_B"])
+        bar(f"{STREAM} val loss at B vs DiLoCo H=20, % above", rel, "<=", 1.0,
+            f"{fmt(st['loss_at_B'], '.4f')} vs {fmt(d['loss_at_B'], '.4f')}: "
+            f"{fmt(rel, '+.2f')}% (<= +1%)")  # fmt: skip
+        # peak bandwidth: a push must cross the wire within its overlap window (a few inner
+        # steps in both), so the peak rate goes with the largest push
+        x = d["bytes_per_push"] / st["bytes_per_push"] if st["bytes_per_push"] else None
+        bar(f"{STREAM} peak bytes per push (per worker), x fewer than DiLoCo H=20", x, ">=",
+            5.0, f"{fmt(x, '.1f')}x: {st['bytes_per_push']:.0f} vs {d['bytes_per_push']:.0f} B "
+            "(>= 5)")  # fmt: skip
+        f = st["bytes_fewer_than_sync"]
+        bar(f"{STREAM} bytes per worker to the target, x fewer than sync gradients", f, ">=",
+            200, f"{fmt(f, '.1f')}x (>= 200)")  # fmt: skip
+    if d is not None and ASYNC_STREAM in best_rows:
+        st = best_rows[ASYNC_STREAM]
+        rel = pct(st["loss_at_B"], d["loss_at_B"])
+        bar(f"{ASYNC_STREAM} val loss at B vs DiLoCo H=20, % above", rel, "<=", 3.0,
+            f"{fmt(st['loss_at_B'], '.4f')} vs {fmt(d['loss_at_B'], '.4f')}: "
+            f"{fmt(rel, '+.2f')}% (<= +3%)")  # fmt: skip
+        t, td = st["time_to_target_s"], d["time_to_target_s"]
+        x = None if t is None or not td else t / td
+        bar(f"{ASYNC_STREAM} / DiLoCo H=20, wall time to the target", x, "<=", 0.6,
+            f"{fmt(t, '.1f')} s vs {fmt(td, '.1f')} s: {fmt(x, '.2f')} (<= 0.6)")  # fmt: skip
     for name, ok, detail in bars:
         print(f"{'PASS' if ok else 'FAIL'}: {name}: {detail}")
         out["bars"].append({"bar": name, "pass": ok, "detail": detail})
     out["setting"]["load_end"] = os.getloadavg()
-    _report.write(json_out, figures=out, bars=[
-        _report.bar("async DiLoCo / sync gradients, wall time to the target", r, "<=", 0.6),
-        _report.bar("async DiLoCo val loss at B vs sync gradients, % above",
-                    None if rel is None else 100 * rel, "<=", 2.0),
-        _report.bar("DiLoCo bytes per worker to the target, x fewer than sync gradients",
-                    f, ">=", 50),
-    ])  # fmt: skip
+    _report.write(json_out, figures=out, bars=report_bars)
     return 0 if all(ok for _, ok, _ in bars) or not args.check else 1
 
 

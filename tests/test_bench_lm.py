@@ -72,3 +72,19 @@ def test_tokens_count_sent_rounds_and_the_run_stops_at_its_token_budget(bench, t
     # the last record, made once every push was applied, stands at every push's tokens
     assert r["records"][-1]["pushes"] == r["pushes"]
     assert r["records"][-1]["tokens"] == r["pushes"] * 5 * task.tokens_per_batch
+
+
+def test_the_medium_gpt_has_a_million_parameters_and_the_streaming_rows_count_tokens(bench):
+    lm, _ = bench
+    task = tasks.get("lm", size="medium", corpus_bytes=200_000, eval_windows=8)
+    assert task.num_params() >= 1_000_000
+    m = dict(lm.MODES["medium"], compute=0.01)
+    assert m["steps"] >= 30 * 20  # 30 outer rounds at H=20 per worker
+    rows = {name: (make, h) for name, _, _, make, h in lm.methods(m, "int8")}
+    for name, asynchronous in ((lm.STREAM, False), (lm.ASYNC_STREAM, True)):
+        make, h = rows[name]
+        kw = make(1e-2, (0.7, 0.9))
+        s = kw["strategy"]
+        assert (s.count, s.delay, s.alpha, s.asynchronous) == (4, 2, 0.5, asynchronous)
+        assert h == 5 and repr(kw["codec"]) == "int4()"
+        assert isinstance(lm.counting(s), lm.CountingStreaming)

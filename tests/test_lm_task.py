@@ -163,7 +163,9 @@ def test_task_pickles_without_its_corpus_and_rejects_bad_options():
     assert repr(clone) == repr(task)
     params, batch = task.init_params(0), next(task.batches(0, 2))
     assert clone.loss_and_grad(params, batch)[0] == task.loss_and_grad(params, batch)[0]
-    with pytest.raises(ValueError, match="size must be one of tiny, small, base, got 'huge'"):
+    with pytest.raises(
+        ValueError, match="size must be one of tiny, small, base, medium, got 'huge'"
+    ):
         tasks.get("lm", size="huge")
     with pytest.raises(ValueError, match="dim=30 is not a multiple of heads=4"):
         tasks.get("lm", dim=30, heads=4)

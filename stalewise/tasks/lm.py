@@ -83,6 +83,7 @@ SIZES = {
     "tiny": {"dim": 32, "layers": 1, "heads": 2},
     "small": {"dim": 64, "layers": 2, "heads": 4},
     "base": {"dim": 128, "layers": 4, "heads": 4},
+    "medium": {"dim": 128, "layers": 6, "heads": 4},  # 1.23 M parameters at context 64
 }
 
 
@@ -162,7 +163,7 @@ class LanguageModel:
     cross-entropy per predicted byte, in nats.
 
     Args:
-        size: ``"tiny"``, ``"small"`` or ``"base"`` (:data:`SIZES`).
+        size: ``"tiny"``, ``"small"``, ``"base"`` or ``"medium"`` (:data:`SIZES`).
         context: bytes the model sees (the length of a training window).
         batch_size: windows per minibatch.
         dim, layers, heads: override the size's width, depth and heads (``dim``
