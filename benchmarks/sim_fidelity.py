@@ -7,7 +7,8 @@ MLP and the byte-level GPT of ``tasks.get("lm")``), this script
    compute times of the task's real steps in as many processes as the run has
    workers, with the run's held-out evaluation every ``eval_interval`` beside them
    as the local run's parent makes it, the shard's apply time, the local runtime's
-   pull and push times);
+   pull and push times, and how much slower a step and an apply run with 1, 2, ...
+   processes runnable: the simulator's contention model);
 2. runs the job on the local runtime (real processes, wall time);
 3. runs the same job in the simulator with the calibrated ``[sim]`` table (the
    same stragglers and emulated delays), and
@@ -383,7 +384,8 @@ def run_drawn(i: int, d: Drawn, repeats: int = RANDOM_REPEATS) -> dict:
     row["ok"] = all(met.values())
     row["calibrate_s"] = round(t_cal, 1)
     row["warnings"] = cal.warnings()
-    row["table"] = cal.table()
+    row["table"] = cal.table()  # with the contention factors (contention_step, _apply)
+    row["runnable while calibrated"] = round(cal.runnable, 2)
     print(f"  [{i}] {d.name}: " + ", ".join(
         f"{k} {row[f'{k} sim'] or '-'} / {_f(row[f'{k} local'])} "
         f"({'met' if met[k] else 'MISSED'})" for k in BARS
@@ -408,7 +410,9 @@ def random_main(args: argparse.Namespace, out) -> int:
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
           f"on {os.cpu_count()} cores")  # fmt: skip
     t0 = time.perf_counter()
-    rows = []
+    rows: list[dict] = []
+    head = {"random": args.random, "seed": args.seed, "space": SPACE,
+            "seconds": RANDOM_SECONDS, "repeats": RANDOM_REPEATS}  # fmt: skip
     for i, d in enumerate(draw(args.random, args.seed)):
         try:
             rows.append(run_drawn(i, d))
@@ -416,6 +420,8 @@ def random_main(args: argparse.Namespace, out) -> int:
             print(f"  [{i}] {d.name}: FAILED: {type(e).__name__}: {e}", flush=True)
             rows.append({"#": i, "setting": d.name, "drawn": dataclasses.asdict(d),
                          "error": f"{type(e).__name__}: {e}", "ok": False})  # fmt: skip
+        if i + 1 < args.random:  # the settings so far, in case the run is cut short
+            _report.write(out, {**head, "done": i + 1, "rows": rows})
     cols = ["#", "setting"] + [f"{k} {w}" for k in BARS for w in ("sim", "local", "err")]
     print(report.format_table(rows, [*cols, "ok"]))
     need = math.ceil(RANDOM_SHARE * len(rows))
@@ -432,9 +438,7 @@ def random_main(args: argparse.Namespace, out) -> int:
     print(f"(staleness below 1 version: within {STALENESS_ABS} versions counts as within 15%)")
     print(f"total {time.perf_counter() - t0:.0f} s; load average at end: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
-    figures_ = {"random": args.random, "seed": args.seed, "space": SPACE,
-                "seconds": RANDOM_SECONDS, "repeats": RANDOM_REPEATS, "rows": rows}  # fmt: skip
-    _report.write(out, figures_, bars=bars)
+    _report.write(out, {**head, "done": len(rows), "rows": rows}, bars=bars)
     return 1 if args.check and not bars[0]["met"] else 0
 
 
