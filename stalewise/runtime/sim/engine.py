@@ -868,10 +868,13 @@ class Simulation:
     def may_begin(self, wk: _SimWorker | None = None) -> bool:
         """The budget rule (:mod:`stalewise.protocol.budget`), with both counts exact: the
         pushes committed, and every worker's steps begun and not committed. Under BSP,
-        worker ``wk``'s step counts whole rounds: its round is the clock it joined at plus
-        its pushes since."""
+        worker ``wk``'s step counts whole rounds of the shards' round
+        (:func:`~stalewise.protocol.budget.round_of`): the clock it joined at plus its
+        pushes since, or the shards' slowest counted clock if later."""
         if wk is not None and self.config.consistency.averages_rounds:
-            return budget.may_begin_round(wk.joined_at + wk.sender.seq, self.P, self.steps)
+            shards = max(s.min_clock() for s in self.shards)
+            r = budget.round_of(wk.joined_at + wk.sender.seq, shards)
+            return budget.may_begin_round(r, self.P, self.steps)
         return budget.may_begin(self.pushes, self.started - self.pushes, self.steps)
 
     def stats(self, *, settled: bool = False) -> dict[str, Any]:
