@@ -157,24 +157,19 @@ def test_a_killed_launcher_resumes_from_its_last_checkpoint(tmp_path):
     assert max(reference) < 1e-3 * max(start_loss, 1.0), reference
 
 
-def test_resume_without_a_checkpoint_starts_from_the_start(tmp_path):
-    script, ckpts, out = _script(tmp_path), tmp_path / "ckpt", tmp_path / "run"
-    done = _run(tmp_path, "--workers", "2", "--steps", "40", "--checkpoint-dir", str(ckpts),
-                "--resume", str(script), str(out), "0")  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert f"no checkpoint in {ckpts} yet; starting from the start" in done.stderr
-    assert checkpoint.load(ckpts).step["pushes"] >= 40  # the end's checkpoint
-
-
-def test_a_checkpoint_of_another_job_is_refused_in_one_line(tmp_path):
+def test_resume_starts_from_the_start_without_a_checkpoint_and_refuses_another_jobs(tmp_path):
+    """--resume with no checkpoint in the folder yet starts from the start (the run's end
+    saves one); --resume from it with a job of other parameters is refused in one line."""
     script, ckpts, out = _script(tmp_path), tmp_path / "ckpt", tmp_path / "run"
     other = tmp_path / "other.py"
     other.write_text(SCRIPT.replace("np.zeros(8, np.float32)", "np.zeros(5, np.float32)")
                      .replace("A @ w - b", "A[:, :5] @ w - b").replace("A[i] @ w", "A[i, :5] @ w")
                      .replace("A[i].T @", "A[i, :5].T @"))  # fmt: skip
-    done = _run(tmp_path, "--workers", "2", "--steps", "20", "--checkpoint-dir", str(ckpts),
-                str(other), str(out), "0")  # fmt: skip
+    done = _run(tmp_path, "--workers", "2", "--steps", "40", "--checkpoint-dir", str(ckpts),
+                "--resume", str(other), str(out), "0")  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert f"no checkpoint in {ckpts} yet; starting from the start" in done.stderr
+    assert checkpoint.load(ckpts).step["pushes"] >= 40  # the end's checkpoint
     done = _run(tmp_path, "--workers", "2", "--steps", "20", "--checkpoint-dir", str(ckpts),
                 "--resume", str(script), str(out), "0")  # fmt: skip
     assert done.returncode == 2, done.stderr
