@@ -99,7 +99,7 @@ def test_a_late_joiner_left_alone_is_not_held_by_a_floor_of_zero():
     assert shard.counted[2] and shard.min_clock() == 5
 
 
-def test_a_restart_counts_at_once_and_a_pending_joiner_survives_a_checkpoint():
+def test_a_restart_counts_from_its_first_pull_and_a_pending_joiner_survives_a_checkpoint():
     shard = _shard(workers=4, expected=3, consistency=BSP())
     for w in range(3):
         shard.join(w, 1)
@@ -107,7 +107,9 @@ def test_a_restart_counts_at_once_and_a_pending_joiner_survives_a_checkpoint():
     for w in range(3):
         assert _push(shard, w, 0).ok
     assert shard.version == 1
-    shard.join(0, 2)  # worker 0 restarts: its client counts its budget from this clock
+    shard.join(0, 2)  # worker 0 restarts: not in the rounds until its first pull or push
+    assert not shard.counted[0] and int(shard.clocks[0]) == 1
+    shard.pull(0)  # its budget counts the shards' round, so it starts in the one under way
     assert shard.counted[0] and int(shard.clocks[0]) == 1
     shard.join(3, 1)  # a late joiner: not in the rounds until its first pull or push
     assert not shard.counted[3]

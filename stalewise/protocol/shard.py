@@ -30,18 +30,16 @@ the step is a round's mean; a round that would overflow is dropped, with a
 warning, and its pushes are counted as refused.
 Workers the shard was built for are *expected*: they count for the gates from
 the start, and :meth:`Shard.expire_unstarted` drops those that never joined.
-A late joiner (a first incarnation joining once the slowest clock is past 0)
-counts for the gates from its first pull or push, not from its join: a process
-that attaches and then spends seconds building its model holds no round and no
-bound meanwhile (``counted``). It then starts at the slowest counted clock (or
-its own, if later), in the round under way. A first incarnation joining while
-the slowest clock is 0 counts from its join, as the expected workers do,
-because its client counts its clock from 0 itself and may read the published
-snapshots without the shard seeing its pull
-(:func:`stalewise.protocol.pipeline.reads_snapshots`). A restart (a later
-incarnation) counts from its join too: its client counts its BSP budget from
-the clock it joined at, so a restarted worker that skipped the rounds run
-without it would overshoot the budget by them.
+A joiner (a late first incarnation, or a restart) joining once the slowest
+clock is past 0 counts for the gates from its first pull or push, not from its
+join: a process that attaches (or restarts) and then spends seconds building its
+model holds no round and no bound meanwhile (``counted``). It then starts at the
+slowest counted clock (or its own, if later), in the round under way; its BSP
+budget counts that round, the shards' (:func:`stalewise.protocol.budget.round_of`),
+so the rounds it skipped do not stretch the budget. A joiner while the slowest
+clock is 0 counts from its join, as the expected workers do, because its client
+counts its clock from 0 itself and may read the published snapshots without the
+shard seeing its pull (:func:`stalewise.protocol.pipeline.reads_snapshots`).
 A shard may hold room for more worker ids than it expects (``expected <
 workers``: an elastic job): the others count for nothing until they join, and
 any id may leave and join again, so BSP rounds, SSP bounds and the hybrid pace
@@ -364,8 +362,8 @@ class Shard:
         pushes are taken) and starts at the slowest counted clock of the others (or
         its own, if later). A late joiner counts for the gates only from its first
         pull or push: one that takes seconds to build its model holds no round
-        meanwhile. A first incarnation joining while the slowest clock is 0, and a
-        restart, count at once (see the module docstring).
+        meanwhile; so does a restart. A joiner while the slowest clock is 0 counts at
+        once (see the module docstring).
 
         Raises:
             ValueError: ``incarnation`` is not newer than the worker's current one.
@@ -386,7 +384,7 @@ class Shard:
         clock = self.clocks[worker] = max(int(self.clocks[worker]), self.min_clock())
         self.live[worker] = True
         self._round_done[worker] = False
-        if incarnation > 1 or clock == 0:  # a restart, or a client counting from 0 itself
+        if clock == 0:  # a client counting from 0 itself
             self._start(worker)
         if self._pace is not None:
             self._pace.forget(worker)
