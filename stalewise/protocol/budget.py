@@ -71,6 +71,8 @@ Example:
     [True, True, True, False]
     >>> round_of(own=3, shards=9)  # a joiner that built its model while 6 rounds ran
     9
+    >>> held(pushed=48, committed=24, handled=23)  # a checkpoint: one push in flight
+    47
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=False)  # asked: granted
     False
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=True)  # BSP: asked again
@@ -113,6 +115,17 @@ def round_of(own: int, shards: int) -> int:
     way (their slowest counted clock), if that is later: a worker that starts counting
     after it joined (a late joiner at its first pull, a restart) starts there."""
     return max(own, shards)
+
+
+def held(pushed: int, committed: int, handled: int) -> int:
+    """What a checkpoint counts of a worker id's pushes: the pushes its saved state holds.
+    ``pushed``: the id's count over its incarnations (bumped at each commit);
+    ``committed``: its current incarnation's pushes committed, as read with ``pushed``;
+    ``handled``: how many of those the saved state holds (the least over the shards). The
+    pushes committed and not yet handled when the state was read are in no state, so a
+    run resumed from it counts them as not made: counting them made a resumed BSP run,
+    whose rounds go on from the saved version, end at 162 pushes of a 160 budget."""
+    return max(pushed - max(committed - handled, 0), 0)
 
 
 def refuses(

@@ -433,10 +433,10 @@ class Client(PullsIntoTrees):
         if rounds:
             self._round = self._round_now() + 1
         seq = self._commit()
+        self._done[0] += 1  # this worker id's pushes, the job's budget count: committed
         self._sender.committed()  # the new residual is the one a successor takes
         for k in range(len(self._conns)):
             self._send(k, wire.push(seq))
-        self._done[0] += 1  # this worker id's pushes, the job's budget count
         self._acks_due = [True] * len(self._conns)
 
     def _encode(self) -> None:

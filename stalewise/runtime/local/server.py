@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.protocol import ServerConfig, wire
+from stalewise.protocol import ServerConfig, budget, wire
 from stalewise.runtime.base import ShardError, worker_range
 from stalewise.runtime.local import layout as layout_lib
 from stalewise.runtime.local.attach import Door
@@ -515,9 +515,23 @@ class LocalServer:
     def checkpoint_parts(self, timeout: float | None = 60.0) -> tuple[list, dict, Any]:
         """What a checkpoint of this server holds: ``(states, step, residuals)``, ``step``
         with the job's ``pushes`` and each worker id's (``pushed``). Consistent per shard;
-        across shards the states can differ by the pushes in flight."""
+        across shards the states can differ by the pushes in flight, which count as not
+        made (:func:`~stalewise.protocol.budget.held`: a push committed after the states
+        were read is in none of them)."""
         states = self.state_dicts(timeout)
-        pushed = [int(n) for n in self.control[self.layout.pushes_done]]
+        records, counts = self.layout.records(self._block), self.control[self.layout.pushes_done]
+        pushed = []
+        for w in range(self.workers):
+            n = -1
+            while n != int(counts[w]):  # the count and the record of the same commit
+                n, rec = int(counts[w]), records[w].copy()
+            # the commit word is seq + 1, or 0 while the next push's record is written
+            committed = int(rec[layout_lib.R_COMMIT]) or int(rec[layout_lib.R_SEQ])
+            inc = int(rec[layout_lib.R_INC])
+            handled = min(
+                int(s["next_seq"][w]) if int(s["incarnation"][w]) == inc else 0 for s in states
+            )
+            pushed.append(budget.held(n, committed, handled))
         return states, {"pushes": sum(pushed), "pushed": pushed}, self.residuals()
 
     def published_version(self, k: int = 0) -> int:
