@@ -156,7 +156,7 @@ def test_a_pull_right_after_a_push_asks_before_the_ack_and_is_answered_before_th
     order = []
     for name in ("answer", "publish_now"):
         method = getattr(s.proc, name)
-        setattr(s.proc, name, lambda m=method, n=name: (order.append(n), m())[1])
+        setattr(s.proc, name, lambda *a, m=method, n=name: (order.append(n), m(*a))[1])
     client.push({"w": np.ones(N, np.float32)})
     with pytest.raises(TimeoutError):
         client.pull(timeout=0.01)  # the shard does not run: no ack
@@ -168,6 +168,28 @@ def test_a_pull_right_after_a_push_asks_before_the_ack_and_is_answered_before_th
     assert client.pull_has_own and client.last_result.versions == (1,)
     np.testing.assert_array_equal(params["w"], np.full(N, -1.0, np.float32))
     assert client.own_requests == 1  # the request of the timed-out pull was answered
+
+
+def test_an_ack_waits_for_the_pull_asked_behind_its_push(shards, monkeypatch):
+    """The shard read the push alone, and the pull's request arrived during the apply:
+    the ack waits for the next turn and goes out with the pull's answer, so the worker
+    wakes up once for both (before, the ack went out alone)."""
+    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)
+    s = shards(1, run=False)
+    client = s.clients[0]
+    client.pull(timeout=TIMEOUT)
+    client.push({"w": np.ones(N, np.float32)})
+    s.proc.turn(TIMEOUT)  # the push alone
+    with pytest.raises(TimeoutError):
+        client.pull(timeout=0.01)  # asks behind the push; no answer yet
+    s.proc.settle()
+    assert not client._conns[0].poll(0)  # the ack is held: the request waits in the pipe
+    s.proc.turn(TIMEOUT)
+    s.proc.settle()
+    assert client._conns[0].poll(0) and s.proc.served + s.proc.published_answers == 1
+    params = client.pull(timeout=TIMEOUT)
+    assert client.pull_has_own and client.last_result.versions == (1,)
+    np.testing.assert_array_equal(params["w"], np.full(N, -1.0, np.float32))
 
 
 def _push_and_ask(client) -> None:

@@ -141,6 +141,7 @@ class ShardProcess:
         self.waiting: set[int] = set()  # workers whose pull waits on the gate
         self.published, self.published_at = -1, 0.0
         self.answers: list[tuple[WorkerPipe, bytes]] = []  # this turn's acks, sent in settle()
+        self.held: set = set()  # pipes whose answers the last turn kept for this one
         self.publishes = 0  # snapshots published
         self.served = 0  # pulls served into a worker's pull buffer
         self.published_answers = 0  # pulls answered by the snapshot (see serve_waiting_pulls)
@@ -242,11 +243,14 @@ class ShardProcess:
         ack = self.shard.push(header, payload, verdict=verdict, now=time.monotonic())
         self.answers.append((p, wire.ack(ack)))  # sent after this turn's publish (settle)
 
-    def answer(self) -> None:
-        """Sends this turn's acks, in order, to the pipes still connected."""
+    def answer(self, held: set | frozenset = frozenset()) -> None:
+        """Sends this turn's answers, in order, to the pipes still connected, but those to
+        the pipes ``held``, which wait for the next turn's (at most one turn)."""
         answers, self.answers = self.answers, []
         for p, body in answers:
-            if p in self.pipes:
+            if p in held:
+                self.answers.append((p, body))
+            elif p in self.pipes:
                 self.reply(p, body)
 
     def expire_partial(self) -> None:
@@ -326,7 +330,11 @@ class ShardProcess:
         copied = self.serve_waiting_pulls()
         if not copied:
             self.publish(busy=busy)
-        self.answer()
+        # a worker whose pipe has a message waiting (its pull, asked behind its push) gets
+        # its ack with the next turn's answer, which starts at once: one wake-up, not two
+        held = set(connection.wait(list(self.pipes), 0)) - self.held if busy else set()
+        self.answer(held)
+        self.held = held
         if copied:
             self.publish(busy=True)
         if not busy:
