@@ -231,6 +231,7 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
     shard = make_shard(workers=workers, consistency=consistency, lr=0.0)
     clocks = [0] * workers
     live = [True] * workers
+    counted = [True] * workers  # for the gates: a rejoin past clock 0 from its first push
     seq = [0] * workers
     done: set[int] = set()  # BSP: workers that pushed in the open round (live or not)
     merged = 0  # BSP: pushes merged into the open round
@@ -239,11 +240,15 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
     seen = {"nobody_live": 0, "blocked": 0}  # the test must reach these states
 
     def brute_min():
-        return min((c for c, ok in zip(clocks, live, strict=True) if ok), default=0)
+        floor = [c for c, ok, n in zip(clocks, live, counted, strict=True) if ok and n]
+        return min(floor or [c for c, ok in zip(clocks, live, strict=True) if ok], default=0)
+
+    def start_clock(v):
+        return clocks[v] if counted[v] else max(clocks[v], brute_min())
 
     def maybe_close_round():
         nonlocal merged, version, rounds_closed
-        alive = {w for w in range(workers) if live[w]}
+        alive = {w for w in range(workers) if live[w] and counted[w]}
         # a round closes when every live worker pushed in it, or when the last live
         # worker left it holding pushes (they were acknowledged as applied)
         if consistency.averages_rounds and ((alive and alive <= done) or (not alive and merged)):
@@ -257,15 +262,16 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
         w = int(rng.integers(workers))
         if r < 0.12:
             shard.leave(w)
-            live[w] = False
+            live[w] = counted[w] = False
             maybe_close_round()
         elif r < 0.24:  # a new incarnation of w: a live one departs first, seq starts at 0
             shard.join(w, int(shard.incarnation[w]) + 1)
             if live[w]:
-                live[w] = False
+                live[w] = counted[w] = False
                 maybe_close_round()
             clocks[w] = max(clocks[w], brute_min())
             live[w] = True
+            counted[w] = clocks[w] == 0
             done.discard(w)
             seq[w] = 0
         elif r < 0.28:  # a replay of the worker's last push: acknowledged, nothing changes
@@ -282,6 +288,7 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
             ack = push(shard, w, seq[w], shard.version, g)
             assert ack.ok == (live[w] and not bad)
             if live[w]:
+                clocks[w], counted[w] = start_clock(w), True
                 seq[w] += 1
                 clocks[w] += 1
                 done.add(w)
@@ -296,7 +303,7 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
         assert shard.min_clock() == brute_min()
         assert shard.version == version
         for v in range(workers):
-            assert shard.may_start(v) == consistency.may_start(clocks[v], brute_min())
+            assert shard.may_start(v) == consistency.may_start(start_clock(v), brute_min())
             seen["blocked"] += live[v] and not shard.may_start(v)
         seen["nobody_live"] += not any(live)
     assert seen["nobody_live"] > 0
