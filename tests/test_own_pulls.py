@@ -106,8 +106,9 @@ def test_a_pull_after_a_push_on_a_busy_shard_is_served_without_waiting_for_a_pub
 ):
     """The shard is busy and publishes rarely (PUBLISH_EVERY of an hour; worker 1 never
     pushes, so the slowest clock never moves, which would publish too). Before the fix
-    the pull waited for a snapshot that never came (TimeoutError); now the shard serves
-    it behind the push: it holds the push, and nothing was published for it."""
+    the pull waited for a snapshot that never came (TimeoutError); now the shard answers
+    it behind the push, publishing for it at once (a busy shard answers by its snapshot,
+    which the worker copies, rather than copy into each pull buffer)."""
     monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)
     s = shards(2, busy=True)
     client = s.clients[0]
@@ -119,8 +120,9 @@ def test_a_pull_after_a_push_on_a_busy_shard_is_served_without_waiting_for_a_pub
         assert client.pull_has_own
         np.testing.assert_array_equal(params["w"], np.full(N, -float(step), np.float32))
         assert client.last_result.versions == (step,)
-    assert s.proc.publishes == published  # the shard stayed busy: no publish helped
-    assert s.proc.served == client.own_requests == 3  # each pull served behind its push
+    # each pull answered behind its push: by a publish made for it, the shard being busy
+    assert s.proc.published_answers == client.own_requests == 3
+    assert s.proc.publishes == published + 3 and s.proc.served == 0
     assert s.layout.params(s.block)[0] == -3.0
 
 

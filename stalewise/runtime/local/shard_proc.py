@@ -268,14 +268,15 @@ class ShardProcess:
         starts = [p.partial_since for p in self.pipes if p.partial_since is not None]
         return min(starts) + PARTIAL_TIMEOUT if starts else None
 
-    def serve_waiting_pulls(self) -> bool:
+    def serve_waiting_pulls(self, busy: bool = False) -> bool:
         """Answers the pulls asked for whose gate is open, behind this turn's acks
         (:meth:`answer`); returns whether it copied the slice into a pull buffer.
 
         Under ASP without DC-ASGD (:attr:`snapshot_answers`) a pull is answered by the
         snapshot, ``published``, when that holds the shard's version already, or when
-        a publish is due anyway (PUBLISH_EVERY since the last) or would serve several
-        pulls at once: the workers copy it themselves, in parallel. Otherwise, and
+        a publish is due anyway (PUBLISH_EVERY since the last), would serve several
+        pulls at once, or the shard is ``busy`` (the copies would hold up the next
+        push: a large slice): the workers copy it themselves, in parallel. Otherwise, and
         always for exact pulls (a gate, DC-ASGD), the shard copies its slice into each
         pull buffer, ``pulled``, which keeps a lone waiting worker's path to one copy.
         """
@@ -287,6 +288,7 @@ class ShardProcess:
         snapshot = self.snapshot_answers and (
             shard.version == self.published
             or len(ready) > 1
+            or busy
             or now - self.published_at > PUBLISH_EVERY
         )
         if snapshot and shard.version != self.published:
@@ -327,7 +329,7 @@ class ShardProcess:
         others. Otherwise the publish goes first, so an idle shard's snapshot holds a
         push when its ack arrives (see the module docstring)."""
         busy = self.busy()
-        copied = self.serve_waiting_pulls()
+        copied = self.serve_waiting_pulls(busy)
         if not copied:
             self.publish(busy=busy)
         # a worker whose pipe has a message waiting (its pull, asked behind its push) gets
