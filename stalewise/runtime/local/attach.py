@@ -170,12 +170,21 @@ def _read_key(keyfile: Path) -> bytes:
 class Door:
     """The server side: a thread that accepts attaching processes for ``server``."""
 
+    @staticmethod
+    def check(name: str) -> tuple[Path, Path]:
+        """The door's socket and key paths, once the name, the folder and any file left
+        there are checked: a server calls this before it starts its shards, so a refusal
+        costs nothing (``__init__`` checks again: the folder may change meanwhile)."""
+        sock, keyfile = _paths(check_name(name))
+        if _own(sock, stat.S_IFSOCK) and _in_use(sock):
+            raise ValueError(f"a job named {name!r} is already served ({sock})")
+        _own(keyfile, stat.S_IFREG)
+        return sock, keyfile
+
     def __init__(self, server: LocalServer, name: str):
-        self.server, self.name = server, check_name(name)
-        self.sock, self.keyfile = _paths(name)
+        self.server, self.name = server, name
+        self.sock, self.keyfile = self.check(name)
         if _own(self.sock, stat.S_IFSOCK):
-            if _in_use(self.sock):
-                raise ValueError(f"a job named {name!r} is already served ({self.sock})")
             self.sock.unlink()  # left by a server that was killed
         if _own(self.keyfile, stat.S_IFREG):
             self.keyfile.unlink()  # the same

@@ -137,6 +137,8 @@ class LocalServer:
         name: str | None = None,
     ):
         expected, workers = worker_range(workers)
+        if name is not None:
+            Door.check(name)  # a refused name or folder before any shard starts
         self.config = config
         self.workers = workers  # the worker ids this server has room for
         self.expected = expected  # the first ids, which gates wait for from the start
