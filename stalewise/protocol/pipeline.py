@@ -25,12 +25,11 @@ and ``PULL`` for its next step. Between them:
   the shard handles the push first, serves the pull when its gate lets the
   worker start, so the pull holds the push.
 * **A pull that must hold the worker's own push** (a loop you own: ``pull()``
-  after ``push()``, read-your-writes) asks each shard whose ack of that push has
-  not arrived at once (a request behind the push, as above); the shard answers
-  it with its slice, or, for a pull that reads snapshots, by a snapshot holding
-  the push. A shard whose ack is in (it names the version that holds the push)
-  is read from its snapshot if that is at least the acked version, else asked.
-  So the pull waits for the apply, never for a busy shard's next publication.
+  after ``push()``, read-your-writes) waits for that push's acks, which name the
+  version each shard reached; it reads a shard's snapshot if that is at least
+  the acked version, and otherwise asks that shard to serve it (a request
+  behind the push, as above), so it never waits for a busy shard's next
+  publication.
 
 Example:
     >>> import stalewise as sw

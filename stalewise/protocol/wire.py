@@ -11,7 +11,7 @@ carries.
 Who sends what::
 
     worker -> shard    push(seq), pull, leave                  fixed, <= MAX_WORKER_MESSAGE bytes
-    shard  -> worker   ack, pulled(version), published(version), error(text)   <= MAX_REPLY bytes
+    shard  -> worker   ack, pulled(version), error(text)       at most MAX_REPLY bytes
     parent -> shard    join(worker, incarnation), pull, stats, state, load(pickle), stop
     shard  -> parent   ready(k), joined(clock), pulled, stats(pickle), state(pickle), loaded, stopped(pickle)
     worker -> parent   worker_ready, beat(time), done, diverged(text),   at most MAX_RESULT bytes
@@ -64,7 +64,7 @@ MAX_TEXT = 8192  # bytes of UTF-8 kept of a reason or an error (longer ones are 
 # kinds, one byte. worker -> shard
 _PUSH, _PULL, _LEAVE = 0x01, 0x02, 0x03
 # shard -> worker (PULLED also to the parent)
-_ACK, _PULLED, _ERROR, _PUBLISHED = 0x11, 0x12, 0x13, 0x14
+_ACK, _PULLED, _ERROR = 0x11, 0x12, 0x13
 # parent -> shard (PULL too: the observer's)
 _JOIN, _STATS, _STATE, _LOAD, _STOP = 0x21, 0x22, 0x23, 0x24, 0x25
 # shard -> parent
@@ -205,12 +205,6 @@ def pulled(version: int) -> bytes:
     return _INT.pack(_PULLED, version)
 
 
-def published(version: int) -> bytes:
-    """A pull is answered by the shard's snapshot: it holds ``version`` or a later one,
-    and the puller copies it itself (an ASP pull that reads snapshots, issue #29)."""
-    return _INT.pack(_PUBLISHED, version)
-
-
 def error(text: str) -> bytes:
     """The shard refuses to go on with this connection (it closes it next)."""
     return _KIND.pack(_ERROR) + _text(text)
@@ -244,10 +238,10 @@ def stopped(stats: dict) -> bytes:
 
 def decode_reply(body: bytes, *, trusted: bool = False) -> tuple:
     """A shard's message as the tuple it stands for: ``("ack", Ack)``, ``("pulled", version)``,
-    ``("published", version)``, ``("error", text)``, ``("ready", k)``,
-    ``("joined", worker, incarnation)``, ``("loaded", version or None, error or None)``,
-    and with ``trusted`` (the parent reading its own shard's control pipe) the pickled
-    ``("stats", dict)``, ``("state", dict)`` and ``("stopped", dict)``.
+    ``("error", text)``, ``("ready", k)``, ``("joined", worker, incarnation)``,
+    ``("loaded", version or None, error or None)``, and with ``trusted`` (the
+    parent reading its own shard's control pipe) the pickled ``("stats", dict)``,
+    ``("state", dict)`` and ``("stopped", dict)``.
     """
     kind = _kind_of(body)
     size = {_ACK: _ACK_HEAD.size, _LOADED: _LOADED_HEAD.size, _ERROR: _KIND.size}.get(kind)
@@ -275,12 +269,7 @@ def decode_reply(body: bytes, *, trusted: bool = False) -> tuple:
         _, version, has_error = _LOADED_HEAD.unpack_from(body)
         err = body[_LOADED_HEAD.size :].decode("utf-8", "replace") if has_error else None
         return ("loaded", None if version < 0 else version, err)
-    ints = {
-        _PULLED: ("pulled", _INT),
-        _PUBLISHED: ("published", _INT),
-        _READY: ("ready", _INT),
-        _JOINED: ("joined", _THREE),
-    }
+    ints = {_PULLED: ("pulled", _INT), _READY: ("ready", _INT), _JOINED: ("joined", _THREE)}
     if kind in ints:
         name, record = ints[kind]
         if len(body) != record.size:

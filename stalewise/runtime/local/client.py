@@ -16,13 +16,13 @@ shared block too (:class:`~stalewise.runtime.local.layout.Residuals`): the
 parent saves it in checkpoints and hands it to the worker's next incarnation.
 Messages are the fixed binary records of :mod:`stalewise.protocol.wire`.
 
-Read-your-writes (:meth:`Client.pull`, ``own=True``): a shard whose ack of the
-last push has not arrived is asked at once to serve the pull, behind the push
-on the same pipe: it applies the push, copies its slice into the pull buffer
-and replies, and publishes only after that (:mod:`~stalewise.runtime.local.shard_proc`).
-A shard whose ack is in reads its snapshot if that is at least the acked
-version (an idle shard publishes before it acks), else it is asked too. The
-pull never waits for a publish, nor for a round trip after the ack (issue #29).
+Read-your-writes (:meth:`Client.pull`, ``own=True``): the pull waits for the
+last push's acks, each naming the version that holds the push, then reads a
+shard's snapshot only if it is at least that version. A shard answers pushes
+after it publishes, so an idle shard's snapshot holds them; a busy one defers
+publishing (up to ``PUBLISH_EVERY``, :mod:`~stalewise.runtime.local.shard_proc`),
+and the client then asks it for a served pull, which it handles behind the push:
+the pull never waits for a publish (issue #29).
 
 A client that learns a shard has closed its connection (the shard stopped, or
 it disconnected this worker for a protocol fault) raises :class:`ServerClosed`
@@ -166,9 +166,8 @@ class Client(PullsIntoTrees):
         self._done: np.ndarray | None = None  # this worker id's pushes (workers only)
         #: whether the last pull includes this worker's last push (see :meth:`pull`'s ``own``)
         self.pull_has_own = True
-        #: pulls served by a shard behind this worker's push instead of read from its
-        #: snapshot, which lacked or might lack the push (read-your-writes, see
-        #: :meth:`pull_flat`)
+        #: pulls from a shard whose snapshot lacked this worker's acknowledged push, so
+        #: served by the shard instead (read-your-writes, see :meth:`pull_flat`)
         self.own_requests = 0
         self._lease: connection.Connection | None = None  # an attached process's socket
         #: the job's budget of pushes this client refuses to pass at commit (None: none;
@@ -258,52 +257,43 @@ class Client(PullsIntoTrees):
         self._attach()
         shards = range(len(self._ranges))
         snaps = self._snapshots  # None for the observer: its pulls are served
-        reads = False  # whether the shards' snapshots may be read (else every pull is asked)
         if snaps is not None:  # a shard that died, or closed this client's pipe, says so now
             self._check_open()
             for k in shards:
                 self._drain(k)
-            reads = self._direct and pipeline.may_read(
+            if own:  # read-your-writes: the last push's acks first, then a snapshot holding it
+                self.wait(timeout=timeout)
+        # served pulls go after the push on the same pipe, so they hold it too
+        self.pull_has_own = not any(self._acks_due) or snaps is None or not self._direct
+        if (
+            snaps is not None
+            and self._direct
+            and not any(self._pulls_due)
+            and pipeline.may_read(
                 self._consistency, self._sender.seq, (snaps.min_clock(k) for k in shards)
             )
-        for k in shards:  # a request goes behind the last push on the same pipe: it holds it
-            if not self._pulls_due[k] and (
-                not reads or (own and self._acks_due[k] and not self._has(k, "ack"))
-            ):  # read-your-writes: served behind the push, so no wait for a publish
-                self._ask(k, own and reads)
-        self.pull_has_own = snaps is None or all(
-            r or not a for r, a in zip(self._pulls_due, self._acks_due, strict=True)
-        )
-        if own and snaps is not None:  # the acks name the versions that hold the push
-            self.wait(timeout=timeout)
-            self.pull_has_own = True
-        if reads:
+        ):
+            # read-your-writes: once an ack is in, only a snapshot that holds it will do;
+            # a shard whose snapshot is older (it was busy and deferred publishing) is
+            # asked instead, and serves the pull behind the push: no waiting for a publish
             for k in shards:
-                if self._pulls_due[k]:
-                    continue
-                if own and snaps.version(k) < self._acked(k):  # acked, not published yet
-                    self._ask(k, True)
+                if snaps.version(k) < self._acked(k):
+                    self._send(k, wire.pull())
+                    self._pulls_due[k] = True
                 else:
                     self._sender.pulled(k, snaps.read(k, self._pull_buf))
-        for k in shards:
-            if self._pulls_due[k]:  # served into the pull buffer, or answered by the snapshot
-                kind, version = self._take(k, ("pulled", "published"), timeout)
-                if kind == "published":  # it holds version (or later): copied here
-                    version = snaps.read(k, self._pull_buf)
-                self._sender.pulled(k, version)
-                self._pulls_due[k] = False
+            self.own_requests += sum(self._pulls_due)
+        elif not any(self._pulls_due):
+            for k in shards:  # sent before reading the last push's acks: saves a round trip
+                self._send(k, wire.pull())
+            self._pulls_due = [True] * len(self._conns)
+        if any(self._pulls_due):
+            self.wait(timeout=timeout)
+            for k in shards:
+                if self._pulls_due[k]:
+                    self._sender.pulled(k, self._take(k, "pulled", timeout)[1])
+                    self._pulls_due[k] = False
         return self._pull_buf
-
-    def _ask(self, k: int, own: bool) -> None:
-        """Asks shard ``k`` to serve the pull into the pull buffer (``own``: instead of a
-        snapshot, to hold this worker's push)."""
-        self._send(k, wire.pull())
-        self._pulls_due[k] = True
-        self.own_requests += int(own)
-
-    def _has(self, k: int, kind: str) -> bool:
-        """Whether a reply of ``kind`` from shard ``k`` has been read (it waits in the inbox)."""
-        return any(msg[0] == kind for msg in self._inbox[k])
 
     def _acked(self, k: int) -> int:
         """The version shard ``k`` named in its ack of this worker's last push, once read

@@ -20,9 +20,9 @@ last: from that store on the push is committed, and a shard that finds the
 worker gone delivers a committed push it has not handled from this record.
 
 *Snapshots* let a worker pull without asking its shard. After an update (when
-it has no other message waiting and served no pull, or at least every 20 ms
-under load) a shard copies its slice into the snapshot buffer readers are not
-using, then flips ``cur`` (a double buffer). Each buffer has a sequence counter that is odd
+it has no other message waiting, or at least every 20 ms under load) a shard
+copies its slice into the snapshot buffer readers are not using, then
+flips ``cur`` (a double buffer). Each buffer has a sequence counter that is odd
 while the shard writes it (a seqlock): a reader copies the current buffer and
 keeps the copy only if the counter was even and unchanged across the copy, so a
 pull never returns a torn mix of two versions. The shard also publishes its

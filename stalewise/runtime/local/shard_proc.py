@@ -6,15 +6,15 @@ snapshots for pulls, and answers control messages from the parent
 (:class:`~stalewise.runtime.local.server.LocalServer`).
 
 One turn of its loop (:meth:`ShardProcess.turn`, then :meth:`ShardProcess.settle`)
-handles every message that has arrived, serves the pulls asked for (their gates
-open), answers the turn's pushes and pulls, and publishes a snapshot (at once
-when idle, every :data:`PUBLISH_EVERY` seconds at most while more messages wait).
-A worker reading its own push back (read-your-writes, :meth:`Client.pull
-<stalewise.runtime.local.client.Client.pull>`) asks for its pull behind the push
-on the same pipe, so a turn that served pulls replies first and publishes
-after, as a busy turn does: those workers wait for the apply and one copy,
-never for a publish. A turn that served none publishes before it acks, so an
-idle shard's snapshot holds a push by the time its ack arrives.
+handles every message that has arrived, then publishes a snapshot (at once when
+idle, every :data:`PUBLISH_EVERY` seconds at most while more messages wait), then
+answers the turn's pushes, then serves the pulls asked for. The acks go out
+after the publish so that a worker reading its own push back (read-your-writes,
+:meth:`Client.pull <stalewise.runtime.local.client.Client.pull>`) finds it in the
+snapshot whenever the shard was idle; when the shard was busy and deferred the
+publish, that worker asks for a served pull instead, which the shard handles
+behind the push on the same pipe: a read-your-writes pull never waits for the
+next publish.
 
 Messages are the fixed binary records of :mod:`stalewise.protocol.wire`. A
 worker's pipe is read without blocking, as bytes arrive (:class:`WorkerPipe`),
@@ -141,13 +141,8 @@ class ShardProcess:
         self.waiting: set[int] = set()  # workers whose pull waits on the gate
         self.published, self.published_at = -1, 0.0
         self.answers: list[tuple[WorkerPipe, bytes]] = []  # this turn's acks, sent in settle()
-        self.held: set = set()  # pipes whose answers the last turn kept for this one
         self.publishes = 0  # snapshots published
         self.served = 0  # pulls served into a worker's pull buffer
-        self.published_answers = 0  # pulls answered by the snapshot (see serve_waiting_pulls)
-        # every pull may read a snapshot: no gate (the shard's), no DC-ASGD (which keeps
-        # what each worker pulled); see stalewise.protocol.pipeline.reads_snapshots
-        self.snapshot_answers = not (config.consistency.gated or config.staleness.dc_lambda)
 
     # -- snapshots -----------------------------------------------------------------
 
@@ -243,14 +238,11 @@ class ShardProcess:
         ack = self.shard.push(header, payload, verdict=verdict, now=time.monotonic())
         self.answers.append((p, wire.ack(ack)))  # sent after this turn's publish (settle)
 
-    def answer(self, held: set | frozenset = frozenset()) -> None:
-        """Sends this turn's answers, in order, to the pipes still connected, but those to
-        the pipes ``held``, which wait for the next turn's (at most one turn)."""
+    def answer(self) -> None:
+        """Sends this turn's acks, in order, to the pipes still connected."""
         answers, self.answers = self.answers, []
         for p, body in answers:
-            if p in held:
-                self.answers.append((p, body))
-            elif p in self.pipes:
+            if p in self.pipes:
                 self.reply(p, body)
 
     def expire_partial(self) -> None:
@@ -268,40 +260,13 @@ class ShardProcess:
         starts = [p.partial_since for p in self.pipes if p.partial_since is not None]
         return min(starts) + PARTIAL_TIMEOUT if starts else None
 
-    def serve_waiting_pulls(self, busy: bool = False) -> bool:
-        """Answers the pulls asked for whose gate is open, behind this turn's acks
-        (:meth:`answer`); returns whether it copied the slice into a pull buffer.
-
-        Under ASP without DC-ASGD (:attr:`snapshot_answers`) a pull is answered by the
-        snapshot, ``published``, when that holds the shard's version already, or when
-        a publish is due anyway (PUBLISH_EVERY since the last), would serve several
-        pulls at once, or the shard is ``busy`` (the copies would hold up the next
-        push: a large slice): the workers copy it themselves, in parallel. Otherwise, and
-        always for exact pulls (a gate, DC-ASGD), the shard copies its slice into each
-        pull buffer, ``pulled``, which keeps a lone waiting worker's path to one copy.
-        """
-        ready = [w for w in sorted(self.waiting) if self.shard.live[w] and self.shard.may_start(w)]
-        if not ready:
-            return False
-        self.waiting.difference_update(ready)
-        now, shard = time.monotonic(), self.shard
-        snapshot = self.snapshot_answers and (
-            shard.version == self.published
-            or len(ready) > 1
-            or busy
-            or now - self.published_at > PUBLISH_EVERY
-        )
-        if snapshot and shard.version != self.published:
-            self.publish_now()
-        reply = wire.published if snapshot else wire.pulled
-        for w in ready:
-            version = shard.pull(w, None if snapshot else self.pulls[w], now=now)
-            self.answers.append((self.current[w], reply(version)))
-        if snapshot:
-            self.published_answers += len(ready)
-        else:
-            self.served += len(ready)
-        return not snapshot
+    def serve_waiting_pulls(self) -> None:
+        for w in sorted(self.waiting):
+            if self.shard.live[w] and self.shard.may_start(w):
+                self.waiting.discard(w)
+                version = self.shard.pull(w, self.pulls[w], now=time.monotonic())
+                self.served += 1
+                self.reply(self.current[w], wire.pulled(version))
 
     # -- the loop ------------------------------------------------------------------
 
@@ -323,22 +288,14 @@ class ShardProcess:
         return True
 
     def settle(self) -> None:
-        """After a turn: the served pulls, the acks, and a publish (or not, see
-        :meth:`publish`). A turn that served pulls answers first, and then publishes as
-        a busy one would: those workers have their copy, the snapshot is for the
-        others. Otherwise the publish goes first, so an idle shard's snapshot holds a
-        push when its ack arrives (see the module docstring)."""
+        """After a turn: publish (or not, see :meth:`publish`), then the acks, then the
+        served pulls. An ack sent after the publish lets its worker read its own push
+        from the snapshot when the shard was idle; when it was busy, that worker asks for
+        a served pull, handled behind the push (see the module docstring)."""
         busy = self.busy()
-        copied = self.serve_waiting_pulls(busy)
-        if not copied:
-            self.publish(busy=busy)
-        # a worker whose pipe has a message waiting (its pull, asked behind its push) gets
-        # its ack with the next turn's answer, which starts at once: one wake-up, not two
-        held = set(connection.wait(list(self.pipes), 0)) - self.held if busy else set()
-        self.answer(held)
-        self.held = held
-        if copied:
-            self.publish(busy=True)
+        self.publish(busy=busy)
+        self.answer()
+        self.serve_waiting_pulls()
         if not busy:
             self.shard.prepare()  # the next step's undo copy, made while no push waits for it
 
