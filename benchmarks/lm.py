@@ -537,20 +537,18 @@ def main() -> int:
     def pct(x, y):
         return None if x is None or y is None else 100 * (x / y - 1)
 
+    def loss_bar(name: str, loss, ref, ref_name: str, limit: float) -> None:
+        rel = pct(loss, ref)
+        bar(f"{name} val loss at B vs {ref_name}, % above", rel, "<=", limit,
+            f"{fmt(loss, '.4f')} vs {fmt(ref, '.4f')}: {fmt(rel, '+.2f')}% (<= +{limit:g}%)")  # fmt: skip
+
     best_rows = out["best"]
     if "async DiLoCo" in best_rows:
         a = best_rows["async DiLoCo"]
         r = a["time_vs_sync"]
         bar("async DiLoCo / sync gradients, wall time to the target", r, "<=", 0.6,
             f"{fmt(r, '.2f')} (<= 0.6)")  # fmt: skip
-        rel = pct(a["loss_at_B"], target)
-        bar(
-            "async DiLoCo val loss at B vs sync gradients, % above",
-            rel,
-            "<=",
-            2.0,
-            f"{fmt(a['loss_at_B'], '.4f')} vs {fmt(target, '.4f')}: {fmt(rel, '+.2f')}% (<= +2%)",
-        )
+        loss_bar("async DiLoCo", a["loss_at_B"], target, "sync gradients", 2.0)
     dil = {k: v for k, v in best_rows.items() if "DiLoCo" in k and k != PEER}
     if dil:
         k = max(dil, key=lambda k: dil[k]["bytes_fewer_than_sync"] or 0.0)
@@ -561,10 +559,7 @@ def main() -> int:
     d = best_rows.get("DiLoCo H=20")
     if d is not None and STREAM in best_rows:
         st = best_rows[STREAM]
-        rel = pct(st["loss_at_B"], d["loss_at_B"])
-        bar(f"{STREAM} val loss at B vs DiLoCo H=20, % above", rel, "<=", 1.0,
-            f"{fmt(st['loss_at_B'], '.4f')} vs {fmt(d['loss_at_B'], '.4f')}: "
-            f"{fmt(rel, '+.2f')}% (<= +1%)")  # fmt: skip
+        loss_bar(STREAM, st["loss_at_B"], d["loss_at_B"], "DiLoCo H=20", 1.0)
         # peak bandwidth: a push must cross the wire within its overlap window (a few inner
         # steps in both), so the peak rate goes with the largest push
         x = d["bytes_per_push"] / st["bytes_per_push"] if st["bytes_per_push"] else None
@@ -576,10 +571,7 @@ def main() -> int:
             200, f"{fmt(f, '.1f')}x (>= 200)")  # fmt: skip
     if d is not None and ASYNC_STREAM in best_rows:
         st = best_rows[ASYNC_STREAM]
-        rel = pct(st["loss_at_B"], d["loss_at_B"])
-        bar(f"{ASYNC_STREAM} val loss at B vs DiLoCo H=20, % above", rel, "<=", 3.0,
-            f"{fmt(st['loss_at_B'], '.4f')} vs {fmt(d['loss_at_B'], '.4f')}: "
-            f"{fmt(rel, '+.2f')}% (<= +3%)")  # fmt: skip
+        loss_bar(ASYNC_STREAM, st["loss_at_B"], d["loss_at_B"], "DiLoCo H=20", 3.0)
         t, td = st["time_to_target_s"], d["time_to_target_s"]
         x = None if t is None or not td else t / td
         bar(f"{ASYNC_STREAM} / DiLoCo H=20, wall time to the target", x, "<=", 0.6,
