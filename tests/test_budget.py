@@ -6,14 +6,12 @@ joiner stays inside the budget. Real processes attach by name; the rule itself i
 
 from __future__ import annotations
 
-import queue
-import subprocess
-import sys
 import textwrap
 import threading
 import time
 import uuid
 
+import child_procs
 import numpy as np
 import pytest
 
@@ -60,41 +58,7 @@ GREEDY = textwrap.dedent(
 def _child(tmp_path, source, *args, stdin=False):
     script = tmp_path / "child.py"
     script.write_text(source)
-    p = subprocess.Popen(
-        [sys.executable, str(script), *map(str, args)],
-        stdin=subprocess.PIPE if stdin else None,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    p.lines = queue.Queue()
-
-    def read():
-        for line in p.stdout:
-            p.lines.put(line)
-        p.lines.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    return p
-
-
-def _line(p, timeout=TIMEOUT):
-    try:
-        line = p.lines.get(timeout=timeout)
-    except queue.Empty:
-        pytest.fail(f"no output from the child within {timeout} s")
-    if line is None:
-        pytest.fail(f"the child exited ({p.wait(10)}): {p.stderr.read()}")
-    return line.split()
-
-
-def _end(p):
-    if p.poll() is None:
-        p.kill()
-    p.wait(10)
-    for stream in (p.stdin, p.stdout, p.stderr):
-        if stream is not None:
-            stream.close()
+    return child_procs.start(script, *args, stdin=stdin)
 
 
 @pytest.mark.parametrize("consistency", [sw.ASP(), sw.BSP()], ids=["asp", "bsp"])
@@ -106,19 +70,22 @@ def test_an_attached_client_given_a_budget_refuses_the_push_past_it(tmp_path, co
     with job.serve(workers=(1, 1), name=name) as server:
         p = _child(tmp_path, GREEDY, name, 7, "greedy")
         try:
-            assert _line(p) == ["refused", "after", "7", "7", "1"]
-            assert _line(p) == ["pushed", "7"]
+            assert child_procs.line(p, TIMEOUT) == ["refused", "after", "7", "7", "1"]
+            assert child_procs.line(p, TIMEOUT) == ["pushed", "7"]
             assert p.wait(30) == 0
         finally:
-            _end(p)
+            child_procs.end(p)
         assert server.job_pushes == 7
         np.testing.assert_allclose(server.pull()["w"], -7.0)
         p = _child(tmp_path, GREEDY, name, 9, "ask")  # asks may_begin: never refused
         try:
-            assert _line(p) == ["pushed", "2"]  # 7 of the budget of 9 were spent already
+            assert child_procs.line(p, TIMEOUT) == [
+                "pushed",
+                "2",
+            ]  # 7 of the budget of 9 were spent already
             assert p.wait(30) == 0
         finally:
-            _end(p)
+            child_procs.end(p)
         assert server.job_pushes == 9
 
 
@@ -181,7 +148,7 @@ def test_a_late_bsp_joiner_ends_with_the_shards_rounds_at_the_budget(tmp_path, n
             t.start()
         p = _child(tmp_path, JOINER, name, steps, stdin=True)
         try:
-            assert _line(p) == ["attached", "2"]
+            assert child_procs.line(p, TIMEOUT) == ["attached", "2"]
             at = _version(server)
             attached.set()
             while _version(server) < at + 20 and all(t.is_alive() for t in loops):
@@ -189,13 +156,13 @@ def test_a_late_bsp_joiner_ends_with_the_shards_rounds_at_the_budget(tmp_path, n
             assert at + 20 <= _version(server) < steps // 2 - 50, _version(server)
             p.stdin.write("go\n")
             p.stdin.flush()
-            kind, n = _line(p)
+            kind, n = child_procs.line(p, TIMEOUT)
             assert kind == "pushed" and int(n) > 0
             assert p.wait(30) == 0
         finally:
             for t in loops:
                 t.join(TIMEOUT)
-            _end(p)
+            child_procs.end(p)
         assert not any(t.is_alive() for t in loops)
         assert [s["version"] for s in server.stats()] == [steps // 2]  # 200 rounds, whole
         assert sorted(done) == [steps // 2] * 2

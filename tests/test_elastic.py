@@ -3,13 +3,12 @@
 import os
 import queue
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
 import uuid
 
+import child_procs
 import numpy as np
 import pytest
 
@@ -168,45 +167,16 @@ def child(tmp_path):
     started = []
 
     def start(name, pushes, then="exit"):
-        p = subprocess.Popen(
-            [sys.executable, str(script), name, str(pushes), then],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        p.lines = queue.Queue()  # its output, line by line (None: it ended)
-        threading.Thread(target=_read, args=(p,), daemon=True).start()
-        started.append(p)
-        return p
+        started.append(child_procs.start(script, name, pushes, then))
+        return started[-1]
 
     yield start
     for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait(10)
-        p.stdout.close()
-        p.stderr.close()
+        child_procs.end(p)
 
 
 def _name():
     return f"test-{uuid.uuid4().hex[:8]}"
-
-
-def _read(p):
-    for line in p.stdout:
-        p.lines.put(line)
-    p.lines.put(None)
-
-
-def _line(p, timeout=60):
-    """The child's next line of output, split (fails with its stderr if it ends first)."""
-    try:
-        line = p.lines.get(timeout=timeout)
-    except queue.Empty:
-        pytest.fail(f"no output from the child within {timeout} s")
-    if line is None:
-        pytest.fail(f"the child exited ({p.wait(10)}): {p.stderr.read()}")
-    return line.split()
 
 
 def test_a_process_you_start_attaches_by_name_and_its_id_is_free_once_it_ends(child, no_leaks):
@@ -214,13 +184,13 @@ def test_a_process_you_start_attaches_by_name_and_its_id_is_free_once_it_ends(ch
     name = _name()
     with job.serve(workers=(0, 2), name=name) as server:
         first = child(name, 5)
-        assert _line(first) == ["worker", "0", "1"]
-        assert _line(first) == ["pushed"]
+        assert child_procs.line(first) == ["worker", "0", "1"]
+        assert child_procs.line(first) == ["pushed"]
         assert first.wait(30) == 0
         np.testing.assert_allclose(server.pull()["w"], -5.0)
         again = child(name, 2)  # worker 0 has gone: its id is free again
-        assert _line(again) == ["worker", "0", "2"]
-        assert _line(again) == ["pushed"]
+        assert child_procs.line(again) == ["worker", "0", "2"]
+        assert child_procs.line(again) == ["pushed"]
         assert again.wait(30) == 0
         np.testing.assert_allclose(server.pull()["w"], -7.0)
 
@@ -230,8 +200,8 @@ def test_a_killed_attached_worker_stops_holding_back_a_bsp_round(child, no_leaks
     name = _name()
     with job.serve(workers=(0, 3), name=name) as server:
         idle = child(name, 1, "hang")  # pushes once (a round of its own), then idles
-        assert _line(idle) == ["worker", "0", "1"]
-        assert _line(idle) == ["pushed"]
+        assert child_procs.line(idle) == ["worker", "0", "1"]
+        assert child_procs.line(idle) == ["pushed"]
         assert server.attached() == {0}
         mine = server.client()  # a worker joins the running job from this process: id 1
         assert mine.worker == 1
@@ -261,7 +231,7 @@ def test_attach_errors_are_one_line(child):
         with pytest.raises(ValueError, match="already served"):
             job.serve(workers=1, name=name)
         first = child(name, 1, "hang")
-        assert _line(first)[0] == "worker"
+        assert child_procs.line(first)[0] == "worker"
         with pytest.raises(sw.AttachError, match="the job is full"):
             sw.attach(name, timeout=10)
         with pytest.raises(sw.AttachError, match="worker 0 is held by an attached process"):
@@ -395,17 +365,9 @@ def test_an_attached_joiner_holds_no_bsp_round_until_its_first_pull(tmp_path, no
         loops = [threading.Thread(target=_rounds, args=(c, stop), daemon=True) for c in clients]
         for t in loops:
             t.start()
-        p = subprocess.Popen(
-            [sys.executable, str(script), name],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        p.lines = queue.Queue()
-        threading.Thread(target=_read, args=(p,), daemon=True).start()
+        p = child_procs.start(script, name, stdin=True)
         try:
-            assert _line(p) == ["worker", "2", "1"]
+            assert child_procs.line(p) == ["worker", "2", "1"]
             attached = _version(server)
             deadline = time.monotonic() + 30  # on a loaded machine; rounds take ms
             while _version(server) < attached + 10 and time.monotonic() < deadline:
@@ -415,13 +377,13 @@ def test_an_attached_joiner_holds_no_bsp_round_until_its_first_pull(tmp_path, no
             assert server.attached() == {2}
             p.stdin.write("go\n")
             p.stdin.flush()
-            assert _line(p) == ["pulled"]
+            assert child_procs.line(p) == ["pulled"]
             in_rounds = _version(server)
             time.sleep(1.0)
             assert _version(server) == in_rounds  # after its first pull the rounds wait for it
             p.stdin.write("go\n")
             p.stdin.flush()
-            assert _line(p) == ["pushed"]
+            assert child_procs.line(p) == ["pushed"]
             assert _version(server) >= in_rounds + 3  # its three pushes, three rounds
             assert p.wait(30) == 0
         finally:
@@ -430,9 +392,4 @@ def test_an_attached_joiner_holds_no_bsp_round_until_its_first_pull(tmp_path, no
                 t.join(10)
             for c in clients:
                 c.close()
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
-            p.stdin.close()
-            p.stdout.close()
-            p.stderr.close()
+            child_procs.end(p)

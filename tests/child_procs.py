@@ -1,0 +1,51 @@
+"""A child Python process whose output a test reads line by line (see test_elastic)."""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import threading
+
+import pytest
+
+
+def start(script, *args, stdin: bool = False) -> subprocess.Popen:
+    """Runs ``python script args...``; its output lines go to ``p.lines`` (None: it ended)."""
+    p = subprocess.Popen(
+        [sys.executable, str(script), *map(str, args)],
+        stdin=subprocess.PIPE if stdin else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    p.lines = queue.Queue()
+
+    def read():
+        for out in p.stdout:
+            p.lines.put(out)
+        p.lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return p
+
+
+def line(p: subprocess.Popen, timeout: float = 60) -> list[str]:
+    """The child's next line of output, split (fails with its stderr if it ends first)."""
+    try:
+        out = p.lines.get(timeout=timeout)
+    except queue.Empty:
+        pytest.fail(f"no output from the child within {timeout} s")
+    if out is None:
+        pytest.fail(f"the child exited ({p.wait(10)}): {p.stderr.read()}")
+    return out.split()
+
+
+def end(p: subprocess.Popen) -> None:
+    """Kills the child if it still runs, reaps it and closes its pipes."""
+    if p.poll() is None:
+        p.kill()
+    p.wait(10)
+    for stream in (p.stdin, p.stdout, p.stderr):
+        if stream is not None:
+            stream.close()
