@@ -32,7 +32,15 @@ Printed, with the bars of issue #19:
 * held-out accuracy at the end, elastic minus undisturbed (bar >= -1 point);
 * where a join's time goes (``sw.attach``, then the first push), and each
   worker's push rate by how many workers were live: on 2 shared cores it falls
-  with more workers, whatever the events (CPU, not membership).
+  with more workers, whatever the events (CPU, not membership);
+* where the stalls come from (:func:`stalls_by_event`): the stall each kind of
+  event cost the others (a SIGKILL, a leave, a joiner's first pull), with a bar
+  for the SIGKILL's (issue #29 item 3: a departure costs the survivors at most 2
+  step-times), every gap over 2 step-times by what happened within it, and the
+  pulls whose shards answered at different versions (under BSP, a joiner that
+  two shards counted in different rounds);
+* the pushes per worker-second with the joiners' ``--build`` seconds left out,
+  beside the bar's figure, which counts them as live (see the design notes).
 
 With ``--consistency bsp`` the job runs BSP rounds (issue #29 item 3) under the
 same bars. A worker counts for the rounds from its first pull or push, so a
@@ -90,18 +98,22 @@ def worker_main(name: str, orders, budget: int, pace: float, build: float = 0.0)
             time.sleep(build)
         batches = task.batches(client.worker, MAX)
         times: list[float] = []
+        skewed = 0  # pulls whose shards answered at different versions (see stalls_by_event)
+        if not orders.poll(0):
+            orders.send((stint, "pulling", time.monotonic()))
         while not orders.poll(0) and client.job_pushes < budget:
             params = client.pull()
+            skewed += len(set(client._sender.bases)) > 1  # the versions it pulled, per shard
             _, grads = task.loss_and_grad(params, next(batches))
             if pace:
                 time.sleep(pace)
             client.push(grads)
             times.append(time.monotonic())
             if len(times) == 50:
-                orders.send((stint, times))
-                times = []
+                orders.send((stint, times, skewed))
+                times, skewed = [], 0
         client.close()
-        orders.send((stint, times))
+        orders.send((stint, times, skewed))
 
 
 class Pool:
@@ -123,6 +135,11 @@ class Pool:
         self.stints: dict[int, int] = {}  # per process: the stints it was told to join
         self.ordered: dict[tuple, float] = {}  # per (process, stint): when it was told to join
         self.attached: dict[tuple, float] = {}  # per (process, stint): when sw.attach returned
+        self.pulling: dict[tuple, float] = {}  # per (process, stint): its first pull began
+        self.skewed: dict[tuple, int] = {}  # per (process, stint): pulls of unequal versions
+        self.events: list[tuple[float, str, tuple]] = []  # (time, join/leave/kill, stint)
+        self.started_at: dict[int, float] = {}  # per process: when it was started
+        self.ready_at: dict[int, float] = {}  # per process: when it said it was ready (about)
         self.timeline: list[tuple[float, int]] = []  # (time, live workers from then on)
 
     def start(self) -> None:
@@ -131,6 +148,7 @@ class Pool:
             target=worker_main, args=(self.name, theirs, self.budget, self.pace, self.build)
         )
         p.start()
+        self.started_at[p.pid] = time.monotonic()
         theirs.close()
         self.spares.append((p, mine))
 
@@ -145,18 +163,21 @@ class Pool:
         stint = self.stints.get(p.pid, 0)
         self.stints[p.pid] = stint + 1
         self.ordered[(p.pid, stint)] = time.monotonic()
+        self.events.append((time.monotonic(), "join", (p.pid, stint)))
         conn.send("join")
         self.live.append((p, conn))
         self.timeline.append((time.monotonic(), len(self.live)))
 
     def leave(self, rng: random.Random) -> None:
         p, conn = self.live.pop(rng.randrange(len(self.live)))
+        self.events.append((time.monotonic(), "leave", (p.pid, self.stints[p.pid] - 1)))
         conn.send("leave")
         self.spares.insert(0, (p, conn))
         self.timeline.append((time.monotonic(), len(self.live)))
 
     def kill(self, rng: random.Random) -> None:
         p, conn = self.live.pop(rng.randrange(len(self.live)))
+        self.events.append((time.monotonic(), "kill", (p.pid, self.stints[p.pid] - 1)))
         os.kill(p.pid, signal.SIGKILL)
         self.timeline.append((time.monotonic(), len(self.live)))
         p.join(10)
@@ -170,12 +191,14 @@ class Pool:
                 msg = conn.recv()
                 if msg == "ready":
                     self.ready.add(pid)
+                    self.ready_at[pid] = time.monotonic()
                     continue
-                if msg[1] == "attached":
-                    self.attached[(pid, msg[0])] = msg[2]
+                if msg[1] in ("attached", "pulling"):
+                    getattr(self, msg[1])[(pid, msg[0])] = msg[2]
                     continue
-                stint, times = msg
+                stint, times, skewed = msg
                 self.times.setdefault((pid, stint), []).extend(times)
+                self.skewed[(pid, stint)] = self.skewed.get((pid, stint), 0) + skewed
         except (EOFError, OSError):
             pass
 
@@ -254,6 +277,7 @@ def run(
         gaps = np.diff(sorted(t))
         if len(gaps) >= 20:
             stalls.append(float(gaps.max() / np.median(gaps)))
+    building = build_seconds(pool, started, ended)
     return {
         "events": sum(kinds.values()),
         **kinds,
@@ -261,11 +285,81 @@ def run(
         "applied": applied,
         "live_worker_s": live_seconds,
         "pushes_per_worker_s": applied / live_seconds,
+        "build_worker_s": building,
+        "pushes_per_pulling_worker_s": applied / (live_seconds - building),
         "pushes_per_s": applied / wall,
         "stall_max": max(stalls) if stalls else None,
         "stall_p90": float(np.percentile(stalls, 90)) if stalls else None,
         "accuracy": final["accuracy"],
         **phases,
+    }
+
+
+def build_seconds(pool: Pool, started: float, ended: float) -> float:
+    """The live worker-seconds the joiners spent between ``sw.attach`` and their first
+    pull (building their model), when they cannot push: until the first pull began, or
+    the stint ended (a leave or a kill during the build)."""
+    ends = {key: t for t, kind, key in pool.events if kind in ("leave", "kill")}
+    total = 0.0
+    for key, attached in pool.attached.items():
+        if pool.ordered[key] <= started:
+            continue
+        until = pool.pulling.get(key, ends.get(key, ended))
+        total += max(0.0, min(until, ends.get(key, ended), ended) - attached)
+    return total
+
+
+def stalls_by_event(pool: Pool, started: float) -> dict:
+    """Where the stalls come from.
+
+    * ``at``: for each event after the start (a kill, a leave order, a joiner's first
+      pull), the longest gap of another worker across it, in that worker's step-times
+      (its median gap): the stall that event cost the workers that stay; the median
+      and the largest per kind.
+    * ``causes``: every gap over 2 step-times of any worker, by what happened within it
+      (its worker's push before and after): a kill, a leave, a joiner's first pull or
+      its first push (the round then waited for it), a replacement process starting
+      (CPU), or nothing of these (this machine's noise); their count and the largest.
+    """
+    pushes = {k: np.sort(np.asarray(t)) for k, t in pool.times.items() if len(t) >= 21}
+    medians = {k: float(np.median(np.diff(t))) for k, t in pushes.items()}
+    events = [(t, kind, key) for t, kind, key in pool.events if t > started]
+    events += [(t, "first pull", k) for k, t in pool.pulling.items() if pool.ordered[k] > started]
+    firsts = [(float(min(t)), "first push", k) for k, t in pool.times.items()
+              if t and pool.ordered[k] > started]  # fmt: skip
+    spares = [(t, pool.ready_at.get(pid)) for pid, t in pool.started_at.items() if t > started]
+    at: dict[str, list[float]] = {}
+    for t, kind, key in events:
+        if kind == "join":
+            continue  # the order to join: its stint's first pull is the event that counts
+        worst = 0.0
+        for k, ts in pushes.items():
+            i = int(np.searchsorted(ts, t))
+            if k != key and 0 < i < len(ts):
+                worst = max(worst, float(ts[i] - ts[i - 1]) / medians[k])
+        if worst:
+            at.setdefault(kind, []).append(worst)
+    causes: dict[str, list] = {}
+    for k, ts in pushes.items():
+        gaps = np.diff(ts) / medians[k]
+        for i in np.flatnonzero(gaps > 2.0):
+            a, b = ts[i], ts[i + 1]
+            why = {kind for t, kind, key in events + firsts if a < t <= b and key != k}
+            why.discard("join")
+            if any(s < b and (r is None or r > a) for s, r in spares):
+                why.add("spare starting")
+            label = " + ".join(sorted(why)) or "none of these"
+            got = causes.setdefault(label, [0, 0.0])
+            got[0] += 1
+            got[1] = max(got[1], round(float(gaps[i]), 2))
+    return {
+        "stall_at": {
+            kind: {"n": len(v), "median": round(float(np.median(v)), 2), "max": round(max(v), 2)}
+            for kind, v in sorted(at.items())
+        },
+        "stall_causes": dict(sorted(causes.items(), key=lambda kv: -kv[1][1])),
+        "skewed_pulls": sum(pool.skewed.values()),
+        "skewed_stints": sum(1 for n in pool.skewed.values() if n),
     }
 
 
@@ -288,12 +382,17 @@ def diagnose(pool: Pool, started: float, ended: float) -> dict:
         got[1] += n * (b - a)
     med = lambda x: float(np.median(x)) if x else None  # noqa: E731
     return {
+        **stalls_by_event(pool, started),
         "attach_s_median": med(attach),
         "attach_s_max": max(attach) if attach else None,
         "first_push_s_median": med(first),
         "first_push_s_max": max(first) if first else None,
         "rate_by_live": {n: round(float(c / s), 2) for n, (c, s) in sorted(by_n.items()) if s > 1},
     }
+
+
+def _load(avg: tuple) -> str:
+    return ", ".join(f"{x:.2f}" for x in avg)
 
 
 def main() -> int:
@@ -314,6 +413,8 @@ def main() -> int:
     budget = 2000 if args.quick else 5000
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the pool's processes: one thread each
     model = dict(consistency=args.consistency, build=args.build)
+    load = [os.getloadavg()]
+    print(f"load average (1, 5, 15 min) at the start: {_load(load[0])}", flush=True)
     base = run(0, budget, args.pace, args.seed, **model)
     print(f"  undisturbed: {base['applied']} pushes in {base['wall_s']:.1f} s", flush=True)
     el = run(events, budget, args.pace, args.seed, **model)
@@ -324,25 +425,42 @@ def main() -> int:
             "pushes_per_s", "stall_max", "stall_p90", "accuracy"]  # fmt: skip
     print(report.format_table(rows, cols))
     ratio = el["pushes_per_worker_s"] / base["pushes_per_worker_s"]
+    kill = el["stall_at"].get("kill", {}).get("max")
     bars = [
         _report.bar("useful pushes per live worker-second, elastic/undisturbed", ratio, ">=", 0.9),
         _report.bar(
             "longest stall of a worker that stays (step-times)", el["stall_max"], "<=", 2.0
         ),
+        _report.bar("longest stall of a survivor across a SIGKILL (step-times)", kill, "<=", 2.0),
         _report.bar(
             "accuracy, elastic - undisturbed", el["accuracy"] - base["accuracy"], ">=", -0.01
         ),
     ]
     for b in bars:
-        print(f"{b['name']}: {b['value']:.3g} (bar {b['bar']}) "
-              f"{'met' if b['met'] else 'MISSED'}")  # fmt: skip
+        value = "none" if b["value"] is None else f"{b['value']:.3g}"
+        print(f"{b['name']}: {value} (bar {b['bar']}) {'met' if b['met'] else 'MISSED'}")
+    print(f"the same per worker-second that could push (the joiners' {el['build_worker_s']:.1f} s "
+          f"of building left out): "
+          f"{el['pushes_per_pulling_worker_s'] / base['pushes_per_pulling_worker_s']:.3g}")  # fmt: skip
+    print(f"stall across each event (the longest gap of another worker, step-times): "
+          f"{el['stall_at']}")  # fmt: skip
+    print(f"gaps over 2 step-times by what happened in them: {el['stall_causes']} "
+          f"(undisturbed: {base['stall_causes']})")  # fmt: skip
+    print(f"pulls whose shards answered at different versions: {el['skewed_pulls']} "
+          f"in {el['skewed_stints']} stints")  # fmt: skip
     print(f"(undisturbed longest stall: {base['stall_max']:.3g} step-times: this machine's noise)")
     print(f"a join: attach {el['attach_s_median']:.3f} s median ({el['attach_s_max']:.3f} max), "
           f"then the first push {el['first_push_s_median']:.3f} s "
           f"({el['first_push_s_max']:.3f} max) after it")  # fmt: skip
     print(f"pushes per worker-second by live workers: undisturbed {base['rate_by_live']}, "
           f"elastic {el['rate_by_live']}")  # fmt: skip
-    _report.write(out, {"quick": args.quick, "pace": args.pace, **model, "rows": rows}, bars=bars)
+    load.append(os.getloadavg())
+    print(f"load average (1, 5, 15 min) at the end: {_load(load[1])}")
+    _report.write(
+        out,
+        {"quick": args.quick, "pace": args.pace, **model, "rows": rows, "load": load},
+        bars=bars,
+    )
     return 1 if args.check and not all(b["met"] for b in bars) else 0
 
 
