@@ -125,32 +125,67 @@ def test_a_worker_that_raises_makes_the_launcher_fail_naming_its_rank(tmp_path, 
     assert re.fullmatch(r"stalewise run: 1 of 2 workers done, 1 failed, \d+ pushes", last), last
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--workers", "0", "train.py"], "--workers must be an integer in 1..256, got 0"),
-        (["--steps", "0", "train.py"], "--steps must be an integer >= 1, got 0"),
-        (["missing.py"], "missing.py: no such script"),
-        (["noinit.py"], "noinit.py ended without calling sw.init(job)"),
-        (["/bin/true"], "/bin/true is not valid Python: source code string cannot contain null"),
-        (["typo.py"], "typo.py is not valid Python: '(' was never closed at line 1"),
-        (["--timeout", "0", "train.py"], "--timeout must be a number of seconds > 0, got 0.0"),
-        (["--rank-timeout", "-1", "train.py"], "--rank-timeout must be a number of seconds >= 0"),
-        (
-            ["--runtime", "ray", "--rank-timeout", "5", "train.py"],
-            "--rank-timeout is for --runtime local",
-        ),
-        (["--address", "auto", "train.py"], "--address is for --runtime ray"),
-    ],
-)
-def test_launch_errors_are_one_line(tmp_path, args, message):
+LAUNCH_ERRORS = [
+    (["--workers", "0", "train.py"], "--workers must be an integer in 1..256, got 0"),
+    (["--steps", "0", "train.py"], "--steps must be an integer >= 1, got 0"),
+    (["missing.py"], "missing.py: no such script"),
+    (["/bin/true"], "/bin/true is not valid Python: source code string cannot contain null"),
+    (["typo.py"], "typo.py is not valid Python: '(' was never closed at line 1"),
+    (["--timeout", "0", "train.py"], "--timeout must be a number of seconds > 0, got 0.0"),
+    (["--rank-timeout", "-1", "train.py"], "--rank-timeout must be a number of seconds >= 0"),
+    (
+        ["--runtime", "ray", "--rank-timeout", "5", "train.py"],
+        "--rank-timeout is for --runtime local",
+    ),
+    (["--address", "auto", "train.py"], "--address is for --runtime ray"),
+    (["noinit.py"], "noinit.py ended without calling sw.init(job)"),  # last: it runs the script
+]
+
+# One interpreter runs ``stalewise run ARGS`` of every case above in turn (each refused
+# before any job starts, so the cases are independent): the command's exit status, and
+# what reached file descriptor 2 while it ran (not just sys.stderr), a JSON line each.
+LAUNCH_ERRORS_CHILD = """
+import json, os, sys, tempfile
+from stalewise.cli import main
+
+for args in json.loads(sys.argv[1]):
+    with tempfile.TemporaryFile("w+") as err:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = main(["run", *args])
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        print("CASE", json.dumps([code, err.read()]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def launch_errors(tmp_path_factory) -> list[tuple[int, str]]:
+    """Each case's (exit status, stderr), from one interpreter."""
+    tmp_path = tmp_path_factory.mktemp("errors")
     _script(tmp_path)
     (tmp_path / "noinit.py").write_text("print('training without stalewise')\n")
     (tmp_path / "typo.py").write_text("print('a typo'\n")
-    done = _run("run", *args, cwd=tmp_path)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"stalewise: run: {message}"), done.stderr
+    cases = json.dumps([args for args, _ in LAUNCH_ERRORS])
+    done = _exec([sys.executable, "-c", LAUNCH_ERRORS_CHILD, cases], tmp_path)
+    assert done.returncode == 0, done.stderr
+    found = [json.loads(line[5:]) for line in done.stdout.splitlines() if line.startswith("CASE ")]
+    assert len(found) == len(LAUNCH_ERRORS), done.stdout + done.stderr
+    return found
+
+
+@pytest.mark.parametrize("case", range(len(LAUNCH_ERRORS)), ids=[m for _, m in LAUNCH_ERRORS])
+def test_launch_errors_are_one_line(launch_errors, case):
+    code, stderr = launch_errors[case]
+    message = LAUNCH_ERRORS[case][1]
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"stalewise: run: {message}"), stderr
 
 
 def test_a_worker_whose_job_differs_from_the_launchers_is_refused(tmp_path, no_leaks):
