@@ -655,33 +655,71 @@ def test_a_save_that_fails_at_its_last_step_leaves_the_folder_as_it_was(tmp_path
 # the dtype and shape its manifest declares. Each refusal is one CheckpointError naming the
 # file, and loading a folder of checkpoints (so resuming) falls back to the previous one, as
 # for a bad checksum. A load that could hang, or read /dev/zero until memory runs out, runs
-# in a child with a timeout and an address-space limit, so a regression fails, never hangs.
+# in a child with a timeout and an address-space limit, so a regression fails, never hangs:
+# one child loads every case in turn, each case's stdout and stderr (file descriptors 1
+# and 2) captured on their own, and an exception of one case recorded, not fatal to others.
 
 _LOAD_CHILD = """
-import logging, sys
+import json, logging, os, sys, tempfile, traceback
 from stalewise import checkpoint
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
-try:
-    checkpoint.load(sys.argv[1])
-    print("loaded")
-except checkpoint.CheckpointError as e:
-    print("CheckpointError:", e)
-print("fallback:", checkpoint.load(sys.argv[2]).path.name)
+
+
+def load(newest, root):
+    try:
+        checkpoint.load(newest)
+        print("loaded")
+    except checkpoint.CheckpointError as e:
+        print("CheckpointError:", e)
+    print("fallback:", checkpoint.load(root).path.name)
+
+
+for case, newest, root in json.loads(sys.argv[1]):
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush(), sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        try:
+            load(newest, root)
+            ok = True
+        except BaseException:
+            traceback.print_exc()
+            ok = False
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+        out.seek(0), err.seek(0)
+        print(json.dumps({"case": case, "ok": ok, "stdout": out.read(), "stderr": err.read()}))
 """
 
 
-def _load_in_child(newest: Path, root: Path) -> subprocess.CompletedProcess:
+class _Loaded(NamedTuple):
+    ok: bool  # no exception escaped the case's loads
+    stdout: str
+    stderr: str
+
+
+def _load_in_child(cases: dict[str, tuple[Path, Path]]) -> dict[str, _Loaded]:
+    """Loads each case's ``(newest, root)`` in one child: what each printed."""
+
     def limit_memory():
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 
-    return subprocess.run(
-        [sys.executable, "-c", _LOAD_CHILD, str(newest), str(root)],
+    jobs = json.dumps([[case, str(newest), str(root)] for case, (newest, root) in cases.items()])
+    child = subprocess.run(
+        [sys.executable, "-c", _LOAD_CHILD, jobs],
         capture_output=True,
         text=True,
         timeout=120,  # today's code hangs here (or reads /dev/zero): TimeoutExpired; 120 s for a loaded machine's imports
         preexec_fn=limit_memory,
         env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
     )
+    assert child.returncode == 0, child.stderr[-2000:]
+    found = {r["case"]: _Loaded(r["ok"], r["stdout"], r["stderr"])
+             for r in map(json.loads, child.stdout.splitlines())}  # fmt: skip
+    assert list(found) == list(cases), child.stdout
+    return found
 
 
 def _two_ckpts(d: Path) -> tuple[Path, Path]:
@@ -741,26 +779,39 @@ NOT_WHAT_THEY_CLAIM = {
 }
 
 
+@pytest.fixture(scope="module")
+def loaded_in_child(tmp_path_factory) -> dict[str, tuple[Path, Path, _Loaded]]:
+    """Each case of NOT_WHAT_THEY_CLAIM, and a ``latest`` pointer that is a FIFO, made in
+    a folder of two checkpoints, then loaded in one child: (older, newer, what it printed)."""
+    cases = {}
+    for case, (make, _) in NOT_WHAT_THEY_CLAIM.items():
+        d = tmp_path_factory.mktemp("case") / "ckpt"
+        cases[case] = (d, *_two_ckpts(d))
+        make(cases[case][2])
+    d = tmp_path_factory.mktemp("latest") / "ckpt"
+    cases["latest-fifo"] = (d, *_two_ckpts(d))
+    _replace(d / "latest", os.mkfifo)
+    found = _load_in_child({case: (newer, d) for case, (d, _, newer) in cases.items()})
+    return {case: (older, newer, found[case]) for case, (_, older, newer) in cases.items()}
+
+
 @pytest.mark.parametrize("case", list(NOT_WHAT_THEY_CLAIM))
-def test_a_checkpoint_file_that_is_not_a_regular_file_is_refused_without_hanging(tmp_path, case):
-    make, message = NOT_WHAT_THEY_CLAIM[case]
-    d = tmp_path / "ckpt"
-    older, newer = _two_ckpts(d)
-    make(newer)
-    child = _load_in_child(newer, d)
+def test_a_checkpoint_file_that_is_not_a_regular_file_is_refused_without_hanging(
+    loaded_in_child, case
+):
+    message = NOT_WHAT_THEY_CLAIM[case][1]
+    older, newer, child = loaded_in_child[case]
     lines = child.stdout.splitlines()
-    assert child.returncode == 0 and len(lines) == 2, (child.stdout, child.stderr[-2000:])
+    assert child.ok and len(lines) == 2, (child.stdout, child.stderr[-2000:])
     assert lines[0].startswith(f"CheckpointError: {newer}"), lines
     assert re.search(message, lines[0]), lines
     assert lines[1] == f"fallback: {older.name}"  # as after a bad checksum
     assert f"using {older.name} instead of {newer.name}" in child.stderr
 
 
-def test_a_latest_pointer_that_is_a_fifo_is_ignored_without_hanging(tmp_path):
-    d = tmp_path / "ckpt"
-    _, newer = _two_ckpts(d)
-    _replace(d / "latest", os.mkfifo)
-    child = _load_in_child(newer, d)
+def test_a_latest_pointer_that_is_a_fifo_is_ignored_without_hanging(loaded_in_child):
+    _, newer, child = loaded_in_child["latest-fifo"]
+    assert child.ok, child.stderr
     assert child.stdout.splitlines() == ["loaded", f"fallback: {newer.name}"], child.stderr
 
 
