@@ -6,17 +6,19 @@
   worker loop does around it every step: the pulled vector made into the job's
   params tree, the gradient flattened into one vector for the push), in
   ``workers`` spawned processes running at once, each with the math-library
-  thread cap the local runtime gives its workers (cores / workers). Running them
-  together measures the contention for the cores that a local run has; with
+  thread cap the local runtime gives its workers (cores / workers); with
   ``evaluate`` and ``eval_interval``, this process evaluates the parameters
-  every ``eval_interval`` seconds meanwhile, as the local run's parent does (on
-  a machine with fewer cores than workers, the held-out evaluation takes CPU
-  time from the workers, often more than the shards do). The step
-  times of all workers are fitted by a shifted exponential (``shift`` = the
-  fastest step, ``1 / rate`` = the mean above it); when a worker's median step
-  differs from the median of all by more than :data:`SPEED_TOLERANCE` and lies
-  outside the interquartile range of the other workers' steps, every worker
-  gets a ``speeds`` entry.
+  every ``eval_interval`` seconds meanwhile, as the local run's parent does.
+  Each step is timed on the wall clock and on its process's CPU clock. With the
+  contention measurement (the default: :func:`measure_contention`, a step's and
+  an apply's wall time over their CPU time with 1, 2, ... processes runnable)
+  the table takes the CPU times and the simulator stretches them by those
+  factors; without it, the wall-clock times, which hold the sharing of the
+  cores while they ran. The step times of all workers are fitted by a shifted
+  exponential (``shift`` = the fastest step, ``1 / rate`` = the mean above it);
+  when a worker's median step differs from the median of all by more than
+  :data:`SPEED_TOLERANCE` and lies outside the interquartile range of the other
+  workers' steps, every worker gets a ``speeds`` entry.
 * **the shard's apply time**: a :class:`~stalewise.protocol.Shard` built with the
   job's optimizer, staleness rule and codec, handling pushes in this process
   (``Shard.push`` and the undo copy ``Shard.prepare`` the local shard makes after
@@ -107,6 +109,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+Steps = tuple[tuple[float, ...], ...]  # each worker's step times, seconds
 
 #: A worker's mean step time must differ from the mean of all by more than this fraction
 #: for the table to give it its own ``speeds`` entry (below it, the difference is noise).
@@ -266,7 +270,8 @@ class Calibration:
     Attributes:
         workers: the processes that computed at once.
         threads: the math-library threads each had (the local runtime's cap).
-        step_times: each worker's timed steps, seconds.
+        step_times: each worker's timed steps, wall-clock seconds (a sleep's overshoot,
+            the wait for a core after the emulated delay, included).
         apply: the shard's apply time per push (bytes of the slice -> seconds).
         pull: the time a pull takes a worker (bytes of the model -> seconds).
         push: a push's round trip, until its acknowledgement (bytes -> seconds).
@@ -290,16 +295,18 @@ class Calibration:
             ``"message ..."``, ``"worker loop"``; the compute's are
             :attr:`step_times` themselves).
         load_end: the load averages when it ended (None: not taken).
-        contention: how much slower a step and an apply run with 1, 2, ... processes
-            runnable (:func:`measure_contention`); None: not measured, and the table
-            has no contention.
-        delay: the emulated seconds each compute process slept after a step (their
-            mean), which sets how many of them were runnable at once.
+        contention: how much longer than its CPU time a step and an apply take on the
+            wall clock with 1, 2, ... processes runnable (:func:`measure_contention`);
+            None: not measured, and the table has no contention.
+        cpu_times: each worker's timed steps, CPU seconds of its process (empty: not
+            measured). With :attr:`contention` the table fits these
+            (:attr:`compute_times`): the contention model alone accounts for the
+            sharing of the cores, which the wall-clock times hold already.
     """
 
     workers: int
     threads: int
-    step_times: tuple[tuple[float, ...], ...]
+    step_times: Steps
     apply: Fit
     pull: Fit
     push: Fit
@@ -314,19 +321,26 @@ class Calibration:
     spreads: tuple[tuple[str, Spread], ...] = ()
     load_end: tuple[float, float, float] | None = None
     contention: Contention | None = None
-    delay: float = 0.0
+    cpu_times: Steps = ()
 
     # -- the compute model -------------------------------------------------------------
 
     @property
+    def compute_times(self) -> Steps:
+        """The step times the table's compute model is fitted to: the CPU times when
+        :attr:`contention` is measured (the simulator stretches them by its factors), else
+        the wall-clock times (the sharing of the cores while they were timed is in them)."""
+        return self.cpu_times if self.contention is not None and self.cpu_times else self.step_times
+
+    @property
     def shift(self) -> float:
-        """The fastest step of any worker, seconds."""
-        return min(min(t) for t in self.step_times)
+        """The fastest step of any worker (:attr:`compute_times`), seconds."""
+        return min(min(t) for t in self.compute_times)
 
     @property
     def mean(self) -> float:
-        """The mean step time over all workers, seconds."""
-        return float(np.mean([x for t in self.step_times for x in t]))
+        """The mean step time over all workers (:attr:`compute_times`), seconds."""
+        return float(np.mean([x for t in self.compute_times for x in t]))
 
     def speeds(self) -> tuple[float, ...] | None:
         """Each worker's speed relative to the others, by medians (one step preempted by
@@ -335,8 +349,8 @@ class Calibration:
         inside the interquartile range of the other workers' steps (on a busy machine
         the medians of identical workers differ by 10-20%, and under BSP one spurious
         slow worker sets every round's pace)."""
-        means = [float(np.median(t)) for t in self.step_times]
-        overall = float(np.median([x for t in self.step_times for x in t]))
+        means = [float(np.median(t)) for t in self.compute_times]
+        overall = float(np.median([x for t in self.compute_times for x in t]))
         if len(means) < 2 or not any(self._apart(w, m, overall) for w, m in enumerate(means)):
             return None
         return tuple(round(overall / m, 4) for m in means)
@@ -345,28 +359,18 @@ class Calibration:
         """Whether worker ``w``'s median step is set apart from the other workers' steps."""
         if abs(median / overall - 1) <= SPEED_TOLERANCE:
             return False
-        others = [x for i, t in enumerate(self.step_times) if i != w for x in t]
+        others = [x for i, t in enumerate(self.compute_times) if i != w for x in t]
         low, high = np.quantile(others, [0.25, 0.75])
         return bool(median < low or median > high)
 
-    @property
-    def runnable(self) -> float:
-        """How many processes were runnable, on average, while the compute was timed: each
-        worker's process computes ``mean`` seconds and then sleeps ``delay``."""
-        mean = self.mean
-        return 1.0 + (self.workers - 1) * mean / (mean + self.delay) if mean > 0 else 1.0
-
     def table(self) -> dict[str, Any]:
-        """The ``[sim]`` table, as :meth:`SimConfig.from_dict` reads it. With a measured
-        :attr:`contention`, the compute times are the measured ones over the compute's
-        factor at :attr:`runnable` (the time a step takes alone): the simulator stretches
-        them by the factor for the processes runnable as it runs."""
+        """The ``[sim]`` table, as :meth:`SimConfig.from_dict` reads it; the compute model
+        is fitted to :attr:`compute_times`."""
         t: dict[str, Any] = {}
-        alone = 1.0 if self.contention is None else self.contention.step_at(self.runnable)
-        shift, tail = self.shift / alone, (self.mean - self.shift) / alone
+        shift, tail = self.shift, self.mean - self.shift
         extra = self.loop or 0.0  # the worker loop's own time: every step has it
         if tail <= FIXED_BELOW * shift:
-            t |= {"compute": "fixed", "step_time": _sig(self.mean / alone + extra)}
+            t |= {"compute": "fixed", "step_time": _sig(self.mean + extra)}
         else:
             t |= {"compute": "exponential", "shift": _sig(shift + extra), "rate": _sig(1.0 / tail)}
         speeds = self.speeds()
@@ -402,9 +406,13 @@ class Calibration:
             raise ValueError(f"bound = {bound!r}: must be one of {BOUNDS}")
         if bound is None:
             return self
-        pooled = Spread.of([x for t in self.step_times for x in t])
-        f = pooled.at(bound) / pooled.median if pooled.median > 0 else 1.0
-        steps = tuple(tuple(x * f for x in t) for t in self.step_times)
+
+        def scaled(times: Steps) -> Steps:
+            if not times:
+                return times
+            pooled = Spread.of([x for t in times for x in t])
+            f = pooled.at(bound) / pooled.median if pooled.median > 0 else 1.0
+            return tuple(tuple(x * f for x in t) for t in times)
 
         def fit(name: str, measured: Fit) -> Fit:
             spreads = [self.spread(_key(name, b)) for b, _ in measured.points]
@@ -416,7 +424,8 @@ class Calibration:
         loop = self.spread("worker loop")
         return replace(
             self,
-            step_times=steps,
+            step_times=scaled(self.step_times),
+            cpu_times=scaled(self.cpu_times),
             apply=fit("apply", self.apply),
             message=fit("message", self.message),
             loop=self.loop if loop is None else loop.at(bound),
@@ -452,9 +461,10 @@ class Calibration:
         ]
         for w, t in enumerate(self.step_times):
             a = np.asarray(t)
+            cpu = f", CPU mean {np.mean(self.cpu_times[w]) * 1e3:.3f} ms" if self.cpu_times else ""
             lines.append(
                 f"  worker {w}: {len(a)} steps, mean {a.mean() * 1e3:.3f} ms, min "
-                f"{a.min() * 1e3:.3f} ms, p90 {np.quantile(a, 0.9) * 1e3:.3f} ms"
+                f"{a.min() * 1e3:.3f} ms, p90 {np.quantile(a, 0.9) * 1e3:.3f} ms{cpu}"
             )
         lines.append(
             f"shard apply ({self.optimizer}): "
@@ -485,10 +495,9 @@ class Calibration:
         if self.contention is not None:
             c = self.contention
             lines.append(
-                f"contention: with 1, 2, ... {len(c.step)} processes runnable, a step "
-                f"{_listed(c.step)}x and an apply {_listed(c.apply)}x as long as alone; the "
-                f"compute above ran with {self.runnable:.2f} runnable on average (x"
-                f"{c.step_at(self.runnable):.3g}), the table's is alone"
+                f"contention: with 1, 2, ... {len(c.step)} processes runnable, a step takes "
+                f"{_listed(c.step)}x and an apply {_listed(c.apply)}x its CPU time; the "
+                "table's compute is the steps' CPU time"
             )
         if self.spreads or self.step_times:
             lines.append("spread over the repeats: median [25th, 75th percentile] (min, max)")
@@ -565,11 +574,12 @@ def _rate(slope: float) -> float:
 def _compute_main(
     loss_and_grad, data, spec, init, w, workers, repeats, warmup, delay, conn, contend=False
 ):
-    """A spawned process's body: time ``repeats`` steps of worker ``w`` on its batches
-    (each followed by the emulated ``delay``, slept as the local worker sleeps it; the
-    time beyond ``delay`` counts as the step's). With ``contend``, it then times steps
-    (no delay) on command, for the contention measurement: ``("time", seconds)`` is
-    answered with ``("mean", seconds a step)``, anything else ends it."""
+    """A spawned process's body: time ``repeats`` steps of worker ``w`` on its batches,
+    on the wall clock and on the process's CPU clock (each step followed by the emulated
+    ``delay``, slept as the local worker sleeps it; the wall time beyond ``delay`` counts
+    as the step's). With ``contend``, it then times steps (no delay) on command, for the
+    contention measurement: ``("time", seconds)`` is answered with ``("mean", wall
+    seconds a step, CPU seconds a step)``, anything else ends it."""
     from stalewise.runtime.base import batch_iterator
     from stalewise.runtime.local.procs import die_with_parent
 
@@ -584,24 +594,26 @@ def _compute_main(
         conn.send(("ready", w))
         if conn.recv() != "go":  # every worker is warmed up: the timed steps run together
             return
-        times = []
+        walls, cpus = [], []
         for _ in range(repeats):
             batch = next(batches)  # drawing a batch is part of a worker's step too
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             params = tree.unflatten(flat, spec, copy=False)  # as the worker loop gets its pull
             _, grads = loss_and_grad(params, batch)
             tree.flatten(grads, spec=spec, out=out)
             if delay > 0:
                 _sleep(delay)
-            times.append(time.perf_counter() - t - delay)
-        conn.send(("times", times))
+            cpus.append(time.process_time() - c)
+            walls.append(time.perf_counter() - t - delay)
+        conn.send(("times", (walls, cpus)))
         while contend and (msg := conn.recv())[0] == "time":
-            n, t, end = 0, time.perf_counter(), time.perf_counter() + msg[1]
+            n, t, c = 0, time.perf_counter(), time.process_time()
+            end = t + msg[1]
             while n < 3 or time.perf_counter() < end:
                 _, grads = loss_and_grad(tree.unflatten(flat, spec, copy=False), next(batches))
                 tree.flatten(grads, spec=spec, out=out)
                 n += 1
-            conn.send(("mean", (time.perf_counter() - t) / n))
+            conn.send(("mean", (time.perf_counter() - t) / n, (time.process_time() - c) / n))
     except BaseException as e:  # reported in the parent, one line
         conn.send(("error", f"worker {w}: {type(e).__name__}: {e}"))
 
@@ -618,13 +630,14 @@ def measure_compute(
     evaluate: Callable | None = None,
     eval_interval: float | None = None,
     contention: int = 0,
-) -> tuple[tuple[tuple[float, ...], ...], int, Contention | None]:
-    """Each worker's step times, measured in ``workers`` processes at once; their
-    thread cap; and with ``contention`` > 0, the :class:`Contention` for 1 to that many
-    runnable processes (:func:`measure_contention`, with worker 0's process timing the
-    steps once the others are done; else None). ``delays``: each worker's emulated
-    seconds per step (``sw.Emulation(delays=)``), slept after each step; what the sleep
-    overshoots counts as the step's time. ``evaluate``: called on the initial
+) -> tuple[Steps, Steps, int, Contention | None]:
+    """Each worker's step times on the wall clock and on its process's CPU clock,
+    measured in ``workers`` processes at once; their thread cap; and with ``contention``
+    > 0, the :class:`Contention` for 1 to that many runnable processes
+    (:func:`measure_contention`, with worker 0's process timing the steps once the
+    others are done; else None). ``delays``: each worker's emulated seconds per step
+    (``sw.Emulation(delays=)``), slept after each step; what the sleep overshoots counts
+    as the step's wall time, not its CPU time. ``evaluate``: called on the initial
     parameters in this process every ``eval_interval`` seconds while the steps are
     timed, as a local run's parent does."""
     import multiprocessing as mp
@@ -678,7 +691,8 @@ def measure_compute(
             for p in procs[1:]:  # done: they must not be runnable while it is measured
                 p.join(max(0.0, deadline - time.monotonic()))
             measured = measure_contention(config, contention, conns[0], deadline)
-        return tuple(tuple(t) for t in got), threads, measured
+        walls, cpus = (tuple(tuple(w[i]) for w in got) for i in (0, 1))
+        return walls, cpus, threads, measured
     finally:
         if contention > 0:
             with contextlib.suppress(OSError):
@@ -737,14 +751,9 @@ def _synthetic(config: ServerConfig, size: int, shards: int) -> ServerConfig:
     return replace(config, spec=spec, init=flat, shards=shards, pull_codec=None)
 
 
-def measure_apply(config: ServerConfig, size: int, repeats: int) -> float:
-    """Median seconds one shard takes to handle a push of ``size`` floats (and to make the
-    undo copy the local shard makes after it)."""
-    return statistics.median(apply_times(config, size, repeats))
-
-
 def apply_times(config: ServerConfig, size: int, repeats: int) -> list[float]:
-    """The ``repeats`` timed pushes of :func:`measure_apply`, seconds each."""
+    """Seconds one shard takes to handle a push of ``size`` floats (and to make the undo
+    copy the local shard makes after it), ``repeats`` times."""
     push = _pusher(config, size)
     times = []
     for i in range(repeats + 2):
@@ -794,14 +803,13 @@ _SPIN = (
 def measure_contention(
     config: ServerConfig, most: int, stepper: Any, deadline: float = math.inf
 ) -> Contention:
-    """How much slower a step and a shard's apply run with 1 to ``most`` processes
-    runnable: with ``k - 1`` busy processes (Python loops that never sleep: :data:`_SPIN`)
-    beside it, the mean time of the job's step (timed by the compute process at the
-    other end of the pipe ``stepper``, for :data:`CONTENTION_SECONDS`) and of a push's
-    apply at one shard's slice (timed here, for half as long), over the same with
-    none beside. Each factor is at least 1 and at least the one before it (one more
-    runnable process never makes the others faster; the noise of a loaded machine
-    does). The busy processes are stopped before it returns."""
+    """How much longer than its CPU time a step and a shard's apply take on the wall
+    clock with 1 to ``most`` processes runnable (``k - 1`` busy processes, :data:`_SPIN`,
+    beside it): the job's step timed by the compute process at the other end of the pipe
+    ``stepper`` for :data:`CONTENTION_SECONDS`, an apply of one shard's slice timed here
+    for half as long. The factors hold all the sharing of the cores, other users'
+    processes included; each is at least the one before it (one more runnable process
+    never makes the others faster; the noise of a loaded machine does)."""
     shards = min(config.shards, config.spec.size)
     push = _pusher(config, -(-config.spec.size // shards))
     push()
@@ -817,46 +825,39 @@ def measure_contention(
             msg = stepper.recv()
             if msg[0] == "error":
                 raise RuntimeError(f"calibrate: {msg[1]}")
-            steps.append(msg[1])
-            n, t, end = 0, time.perf_counter(), time.perf_counter() + CONTENTION_SECONDS / 2
+            steps.append(msg[1] / msg[2] if msg[2] > 0 else 1.0)
+            n, t, c = 0, time.perf_counter(), time.thread_time()
+            end = t + CONTENTION_SECONDS / 2
             while n < 3 or time.perf_counter() < end:
                 push()
                 n += 1
-            applies.append((time.perf_counter() - t) / n)
+            cpu = time.thread_time() - c
+            applies.append((time.perf_counter() - t) / cpu if cpu > 0 else 1.0)
     finally:
         for p in spinners:
             p.kill()
             p.wait()
-    log.debug("calibrate: contention, step %s s, apply %s s", steps, applies)
+    log.debug("calibrate: contention, wall over CPU time, step %s, apply %s", steps, applies)
     return Contention(step=_factors(steps), apply=_factors(applies))
 
 
-def _factors(means: Sequence[float]) -> tuple[float, ...]:
-    """Each mean over the first, at least 1 and at least the one before, 4 digits."""
-    out, floor = [], 1.0
-    for m in means:
-        floor = max(floor, m / means[0])
-        out.append(_sig(floor))
-    return tuple(out)
+def _factors(ratios: Sequence[float]) -> tuple[float, ...]:
+    """Each ratio, at least the one before, 4 digits."""
+    return tuple(_sig(x) for x in itertools.accumulate(ratios, max))
 
 
 # -- pulls and pushes -----------------------------------------------------------------
 
 
-def measure_transport(job: Any, size: int, repeats: int) -> tuple[float, float, float]:
-    """Median seconds of a pull (``own=False``), of a push until its acknowledgement,
-    and of the push's send alone, by a client of a local server of ``size`` floats (the
-    job's optimizer, consistency model, codec and number of shards). Under BSP the pull
-    that follows a push waits for its round to close, as a local worker's does: it is
-    served by the shard (a round trip through it), not read from a snapshot."""
-    pulls, pushes, sends = transport_times(job, size, repeats)
-    return statistics.median(pulls), statistics.median(pushes), statistics.median(sends)
-
-
 def transport_times(
     job: Any, size: int, repeats: int
 ) -> tuple[list[float], list[float], list[float]]:
-    """The ``repeats`` timed pulls, pushes and sends of :func:`measure_transport`."""
+    """Seconds of a pull (``own=False``), of a push until its acknowledgement, and of
+    the push's send alone, ``repeats`` times each, by a client of a local server of
+    ``size`` floats (the job's optimizer, consistency model, codec and number of
+    shards). Under BSP the pull that follows a push waits for its round to close, as a
+    local worker's does: it is served by the shard (a round trip through it), not read
+    from a snapshot."""
     job = _synthetic_job(job, size, min(job.config.shards, size))
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
     pulls, pushes, sends = [], [], []
@@ -894,20 +895,13 @@ def _no_data(worker: int, workers: int) -> Any:
         yield None
 
 
-def measure_loop(job: Any, size: int, send: float, pull: float) -> float:
-    """Seconds a local worker's step takes besides its compute, its ``send`` and its
-    ``pull`` (both measured at ``size``): a real local run of one worker, on a job of
-    ``size`` floats (the job's optimizer, consistency model, codec and shards), whose
-    steps are :data:`LOOP_COMPUTE` seconds of busy compute; its time per step is the
-    median over the intervals between its records after its first push (a step
-    preempted by another process must not set it)."""
-    per_step = loop_times(job, size)
-    return max(0.0, statistics.median(per_step) - LOOP_COMPUTE - send - pull)
-
-
 def loop_times(job: Any, size: int) -> list[float]:
-    """The times per step (intervals between records, after the first push) of
-    :func:`measure_loop`'s one-worker run, compute, send and pull included."""
+    """Seconds a local worker's step takes, compute, send and pull included: a real
+    local run of one worker, on a job of ``size`` floats (the job's optimizer,
+    consistency model, codec and shards), whose steps are :data:`LOOP_COMPUTE` seconds
+    of busy compute; its times per step over the intervals between its records after
+    its first push (:func:`calibrate` takes their median, less the compute, send and
+    pull: a step preempted by another process must not set it)."""
     job = _synthetic_job(job, size, min(job.config.shards, size))
     result = job.train(_busy_step, data=_no_data, workers=1, steps=LOOP_STEPS,
                        metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
@@ -923,7 +917,7 @@ def loop_times(job: Any, size: int) -> list[float]:
 
 
 def served_pull(config: ServerConfig) -> bool:
-    """Whether the pull :func:`measure_transport` times is a request the shard serves
+    """Whether the pull :func:`transport_times` times is a request the shard serves
     behind the push (else a snapshot read): the pipelining rule
     (:mod:`stalewise.protocol.pipeline`) for a lone worker whose first push is in flight."""
     shards = min(config.shards, config.spec.size)
@@ -967,17 +961,19 @@ def calibrate(
         delays: the run's emulated compute seconds per step (``sw.Emulation(delays=)``: a
             number for every worker, or ``{worker: seconds}``). The local runtime sleeps
             them after each step, and a sleep on a busy machine ends late: the compute
-            processes sleep them too, and the time a step takes beyond its delay counts
-            as its compute time (the simulator adds the delay itself).
+            processes sleep them too, and the wall time a step takes beyond its delay
+            counts as its wall-clock compute time (the simulator adds the delay itself);
+            its CPU time does not count the wait.
         evaluate: the run's ``evaluate(params)``; with ``eval_interval`` (the run's,
             seconds), called in this process on that cadence while the compute is
             timed, as the local runtime's parent evaluates while its workers run.
         eval_interval: see ``evaluate``.
         timeout: seconds the compute processes may take in all.
-        contention: measure how much slower a step and an apply run with 1 to
-            ``workers + shards + 1`` processes runnable (at most
+        contention: measure how much longer than their CPU time a step and an apply
+            take with 1 to ``workers + shards + 1`` processes runnable (at most
             :data:`MOST_PROCESSES`; :func:`measure_contention`), for the simulator's
-            contention model; False: no contention in the table.
+            contention model, and fit the compute to the steps' CPU times; False: no
+            contention in the table, the compute fitted to the wall-clock times.
 
     Raises:
         ValueError: a bad argument, naming it.
@@ -1010,7 +1006,7 @@ def calibrate(
     load = os.getloadavg()
     t0 = time.perf_counter()
     most = min(workers + min(config.shards, config.spec.size) + 1, MOST_PROCESSES)
-    step_times, threads, contended = measure_compute(
+    step_times, cpu_times, threads, contended = measure_compute(
         config, loss_and_grad, data, workers, repeats, timeout=timeout, delays=per_worker,
         evaluate=evaluate, eval_interval=eval_interval, contention=most if contention else 0,
     )  # fmt: skip
@@ -1025,11 +1021,10 @@ def calibrate(
         pulls, pushes, sends = transport_times(job, n, repeats)
         pull, push, send = (statistics.median(x) for x in (pulls, pushes, sends))
         shards = min(config.shards, n)
-        a_slice = measure_apply(config, -(-n // shards), repeats) if shards > 1 else a
-        apply_pts.append((nbytes, a))
-        pull_pts.append((nbytes, pull))
-        push_pts.append((nbytes, push))
-        send_pts.append((nbytes, send))
+        a_slice = a if shards == 1 else statistics.median(
+            apply_times(config, -(-n // shards), repeats))  # fmt: skip
+        for pts, x in ((apply_pts, a), (pull_pts, pull), (push_pts, push), (send_pts, send)):
+            pts.append((nbytes, x))
         # what a simulated step waits for besides compute and the shard: see the docstring
         less = 2 * a_slice if served else 0.0
         msg_pts.append((nbytes, max(0.0, send + pull - less)))
@@ -1061,7 +1056,7 @@ def calibrate(
         spreads=tuple(spreads),
         load_end=(round(load_end[0], 2), round(load_end[1], 2), round(load_end[2], 2)),
         contention=contended,
-        delay=float(np.mean(per_worker)),
+        cpu_times=cpu_times,
     )
     for w in cal.warnings():
         log.warning("calibrate: the machine was too busy for a stable figure: %s", w)

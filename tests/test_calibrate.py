@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import (
     MAX_SECONDS,
     MIN_BYTES_PER_S,
+    Contention,
     Fixed,
     ShiftedExponential,
 )
@@ -50,17 +52,18 @@ def check_sane(sim: SimConfig, cal: calibrate.Calibration) -> None:
         return math.inf if slope <= 0 else max(1 / slope, MIN_BYTES_PER_S)
 
     c, loop = sim.compute, cal.loop or 0.0
-    # the compute model is the timed steps' (their mean and fastest) as they run alone (over
-    # the contention factor they were timed at), plus the worker loop
-    assert cal.mean == np.mean([x for t in cal.step_times for x in t]) and cal.mean > 0
-    alone = 1.0 if cal.contention is None else cal.contention.step_at(cal.runnable)
+    # the compute model is the timed steps' (their mean and fastest): their CPU times with
+    # the contention model (which stretches them), else their wall-clock times; plus the loop
+    times = cal.step_times if cal.contention is None else cal.cpu_times
+    assert cal.compute_times == times and len(times) == cal.workers
+    assert cal.mean == np.mean([x for t in times for x in t]) and cal.mean > 0
     assert sim.contention == cal.contention
     if isinstance(c, Fixed):
-        assert close(c.time, cal.mean / alone + loop)
+        assert close(c.time, cal.mean + loop)
     else:
         assert isinstance(c, ShiftedExponential)
-        assert close(c.shift, cal.shift / alone + loop)
-        assert close(1 / c.rate, (cal.mean - cal.shift) / alone)
+        assert close(c.shift, cal.shift + loop)
+        assert close(1 / c.rate, cal.mean - cal.shift)
     net, service = sim.network, sim.service
     assert close(net.latency, min(cal.message.intercept / 2, MAX_SECONDS))
     assert close(net.bandwidth, rate(cal.message.slope))
@@ -95,14 +98,19 @@ def test_calibrate_measures_and_its_table_reads_back(tmp_path):
     assert all(s.min <= s.low <= s.median <= s.high <= s.max for _, s in cal.spreads)
     assert "spread over the repeats" in cal.summary() and cal.load_end is not None
     assert cal.workers == 2 and len(cal.step_times) == 2
-    # contention: 1 .. workers + shards + 1 runnable processes, each factor >= the one before
+    # contention: 1 .. workers + shards + 1 runnable processes, each factor (wall-clock time
+    # over CPU time) >= the one before
     con = cal.contention
     assert con is not None and len(con.step) == len(con.apply) == 2 + 2 + 1
-    assert con.step[0] == con.apply[0] == 1.0 and list(con.step) == sorted(con.step)
-    if (os.cpu_count() or 1) <= 2:  # 5 busy processes on 2 cores: a step is slower
+    assert list(con.step) == sorted(con.step) and list(con.apply) == sorted(con.apply)
+    if (os.cpu_count() or 1) <= 2:  # 5 busy processes on 2 cores: a step waits for a core
         assert con.step[-1] > 1.2 and con.apply[-1] > 1.2
-    assert cal.delay == 0.002 and "contention: with 1, 2, ... 5" in cal.summary()
-    assert all(len(t) == 4 and min(t) > 0 for t in cal.step_times)
+    assert "contention: with 1, 2, ... 5" in cal.summary() and "CPU mean" in cal.summary()
+    assert all(len(t) == 4 and min(t) > 0 for t in cal.step_times + cal.cpu_times)
+    # one math thread each: a step's CPU time is within its wall time (with its 2 ms delay)
+    for walls, cpus in zip(cal.step_times, cal.cpu_times, strict=True):
+        ok = cal.threads > 1 or all(c <= w + 0.002 + 1e-4 for w, c in zip(walls, cpus, strict=True))
+        assert ok, (walls, cpus)
     assert [b for b, _ in cal.apply.points] == [512 * 4, 4096 * 4]
     assert all(s > 0 for fit in (cal.apply, cal.pull, cal.push) for _, s in fit.points)
     text = cal.toml()
@@ -124,6 +132,46 @@ def test_calibrate_measures_and_its_table_reads_back(tmp_path):
         emulation=sw.Emulation(delays={0: 0.002, 1: 0.002}),
     )
     assert r.pushes == 20 and r.time > 20 / 2 * 0.002
+
+
+def _waits(params, batch):
+    """A step that waits 20 ms (as a step waits for a core) and computes next to nothing."""
+    time.sleep(0.02)
+    return 0.0, {"w": np.zeros_like(params["w"])}
+
+
+def test_a_steps_wait_is_wall_time_not_cpu_time():
+    """The compute processes time each step on both clocks: a step that sleeps 20 ms, and
+    then its emulated 10 ms delay, is 20 ms or more beyond its delay on the wall clock and
+    nearly nothing on the CPU clock (the wait for a core after a sleep is not compute)."""
+    job = sw.Job({"w": np.zeros(64, np.float32)}, optimizer=sw.optim.sgd(0.1))
+    walls, cpus, threads, con = calibrate.measure_compute(
+        job.config, _waits, calibrate._no_data, workers=2, repeats=4, delays=[0.01, 0.01]
+    )
+    assert con is None and threads >= 1 and len(walls) == len(cpus) == 2
+    assert all(len(w) == len(c) == 4 for w, c in zip(walls, cpus, strict=True))
+    assert min(min(w) for w in walls) >= 0.02
+    assert max(max(c) for c in cpus) < 0.01
+
+
+def test_the_table_takes_cpu_times_with_the_contention_model_and_wall_times_without():
+    flat = calibrate.Fit.of([(4096, 1e-4), (16384, 1e-4)])
+    walls = ((0.010, 0.012, 0.011), (0.010, 0.013, 0.011))
+    cpus = ((0.004, 0.005, 0.0045), (0.004, 0.0052, 0.0044))
+    con = Contention(step=(1.1, 2.0, 3.0), apply=(1.0, 1.5, 2.0))
+    cal = calibrate.Calibration(2, 1, walls, flat, flat, flat, flat, 4096, contention=con,
+                                cpu_times=cpus)  # fmt: skip
+    t = cal.table()
+    assert t["shift"] == 0.004 and t["rate"] == pytest.approx(1 / (np.mean(cpus) - 0.004), 1e-3)
+    assert t["contention_step"] == [1.1, 2.0, 3.0]
+    plain = replace(cal, contention=None).table()  # calibrate(contention=False)'s table
+    assert plain["shift"] == 0.010 and "contention_step" not in plain
+    assert plain["rate"] == pytest.approx(1 / (np.mean(walls) - 0.010), 1e-3)
+    # the low and high tables scale both clocks' times
+    assert cal.bounded("high").cpu_times[0][0] > 0.004
+    assert cal.bounded("low").step_times[0][2] < 0.011
+    # the factors start from the first, not from 1 (under 1: a step on more threads than one)
+    assert calibrate._factors([0.5, 0.9]) == (0.5, 0.9)
 
 
 def test_the_cli_prints_or_writes_the_table(tmp_path, capsys, monkeypatch):
@@ -337,7 +385,7 @@ def test_calibrate_logs_its_busy_warnings(monkeypatch, caplog):
     task = tasks.get("least-squares", n=64, d=4)
     job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
     wide = ((0.001, 0.002, 0.004, 0.008), (0.001, 0.002, 0.004, 0.008))
-    monkeypatch.setattr(calibrate, "measure_compute", lambda *a, **k: (wide, 1, None))
+    monkeypatch.setattr(calibrate, "measure_compute", lambda *a, **k: (wide, wide, 1, None))
     monkeypatch.setattr(calibrate, "apply_times", lambda c, n, r: [1e-5] * r)
     monkeypatch.setattr(calibrate, "transport_times", lambda j, n, r: ([2e-5] * r,) * 3)
     monkeypatch.setattr(calibrate, "loop_times", lambda j, n: [3e-3] * 5)

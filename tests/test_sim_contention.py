@@ -92,14 +92,15 @@ def test_a_shards_apply_stretches_with_the_workers_computing():
     assert a.stats["sim"]["compute_time_mean"] == pytest.approx(0.01)
 
 
-def test_the_table_is_the_step_alone_and_carries_the_factors():
-    """Calibrated with 4 processes computing without a pause (4 runnable), the table's step
-    is the measured one over the factor at 4; the factors go into the [sim] table."""
+def test_the_table_is_the_steps_cpu_time_and_carries_the_factors():
+    """Calibrated with the contention model, the table's step is the steps' CPU time (the
+    factors, wall-clock over CPU time, stretch it); the factors go into the [sim] table."""
     steps = tuple((0.012,) * 10 for _ in range(4))
+    cpus = tuple((0.004,) * 10 for _ in range(4))
     flat = calibrate.Fit.of([(4096, 1e-5), (16384, 1e-5)])
     c = Contention(step=(1.0, 1.0, 2.0, 3.0), apply=(1.0, 1.0, 1.5, 2.0))
-    cal = calibrate.Calibration(4, 1, steps, flat, flat, flat, flat, 4096, contention=c)
-    assert cal.runnable == 4.0
+    cal = calibrate.Calibration(4, 1, steps, flat, flat, flat, flat, 4096, contention=c,
+                                cpu_times=cpus)  # fmt: skip
     t = cal.table()
     assert t["compute"] == "fixed" and t["step_time"] == pytest.approx(0.004)
     assert t["contention_step"] == [1.0, 1.0, 2.0, 3.0] and t["contention_apply"][-1] == 2.0
@@ -107,15 +108,10 @@ def test_the_table_is_the_step_alone_and_carries_the_factors():
     assert cal.sim_config().contention == c and cal.sim_config("high").contention == c
     assert calibrate.with_table(SimConfig(), cal).contention == c
     assert "contention: with 1, 2, ... 4 processes runnable" in cal.summary()
-    # each process sleeping 3x its step: 1 + 3 * 1/4 runnable on average
-    slept = calibrate.Calibration(4, 1, steps, flat, flat, flat, flat, 4096, contention=c,
-                                  delay=0.036)  # fmt: skip
-    assert slept.runnable == pytest.approx(1.75)
-    assert slept.table()["step_time"] == pytest.approx(0.012 / c.step_at(1.75))
-    # not measured: the measured step, no contention keys
+    # not measured: the wall-clock step, no contention keys
     plain = calibrate.Calibration(4, 1, steps, flat, flat, flat, flat, 4096).table()
     assert plain["step_time"] == 0.012 and "contention_step" not in plain
 
 
-def test_factors_are_monotone_and_at_least_one():
-    assert calibrate._factors([2.0, 1.8, 3.0, 2.9, 5.0]) == (1.0, 1.0, 1.5, 1.5, 2.5)
+def test_factors_are_monotone():
+    assert calibrate._factors([2.0, 1.8, 3.0, 2.9, 5.0]) == (2.0, 2.0, 3.0, 3.0, 5.0)

@@ -10,6 +10,7 @@ import pytest
 
 import stalewise as sw
 from stalewise import calibrate
+from stalewise.runtime.sim.models import Contention
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports _report as a sibling
@@ -119,3 +120,16 @@ def test_halfway_target_and_errors():
     assert fid._error("updates/s", 110.0, 100.0) == pytest.approx(0.1)
     assert fid._error("staleness", 0.5, 0.4) == pytest.approx(0.1)  # absolute below 1 version
     assert fid._error("time_to_target", None, 1.0) is None
+
+
+def test_each_setting_is_simulated_with_and_without_the_contention_model():
+    flat = calibrate.Fit.of([(4096, 5e-5), (16384, 6e-5)])
+    con = Contention(step=(1.0, 2.0), apply=(1.0, 1.5))
+    walls, cpus = ((0.004, 0.005, 0.006),) * 2, ((0.002, 0.0025, 0.003),) * 2
+    cal = calibrate.Calibration(2, 1, walls, flat, flat, flat, flat, 4096, contention=con,
+                                cpu_times=cpus)  # fmt: skip
+    (a, measured), (b, plain) = fid.tables(cal)
+    assert (a, b) == ("", fid.PLAIN) and measured is cal
+    assert measured.sim_config().contention == con and plain.sim_config().contention is None
+    assert measured.sim_config().compute.shift == 0.002  # the CPU times, stretched by con
+    assert plain.sim_config().compute.shift == 0.004  # the wall-clock times
