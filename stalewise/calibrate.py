@@ -376,8 +376,7 @@ class Calibration:
         speeds = self.speeds()
         if speeds is not None:
             t["speeds"] = list(speeds)
-        lat = min(self.message.intercept / 2, MAX_SECONDS)
-        t["latency"] = _sig(lat)
+        t["latency"] = _sig(min(self.message.intercept / 2, MAX_SECONDS))
         t["bandwidth"] = _rate(self.message.slope)
         t["service_time"] = _sig(min(self.apply.intercept, MAX_SECONDS))
         t["service_rate"] = _rate(self.apply.slope)
@@ -665,6 +664,7 @@ def measure_compute(
     try:
         deadline = time.monotonic() + timeout
         params = None if evaluate is None else tree.unflatten(config.init, config.spec)
+        beside = 0.0
         for kind in ("ready", "times"):
             if kind == "times":
                 if evaluate is not None:
@@ -672,25 +672,13 @@ def measure_compute(
                 for c in conns:
                     c.send("go")
                 if evaluate is not None:
-                    _observe(conns, evaluate, params, eval_interval, deadline)
-            got = []
-            for w, c in enumerate(conns):
-                if not c.poll(max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(f"calibrate: worker {w} did not answer within {timeout} s")
-                try:
-                    msg = c.recv()
-                except EOFError:
-                    raise RuntimeError(
-                        f"calibrate: worker {w}'s process died (exit code {procs[w].exitcode})"
-                    ) from None
-                if msg[0] == "error":
-                    raise RuntimeError(f"calibrate: {msg[1]}")
-                got.append(msg[1])
+                    beside = _observe(conns, evaluate, params, eval_interval, deadline)
+            got = [_recv(c, deadline, p)[1] for c, p in zip(conns, procs, strict=True)]
         measured = None
         if contention > 0:
             for p in procs[1:]:  # done: they must not be runnable while it is measured
                 p.join(max(0.0, deadline - time.monotonic()))
-            measured = measure_contention(config, contention, conns[0], deadline)
+            measured = measure_contention(config, contention, conns[0], deadline, beside)
         walls, cpus = (tuple(tuple(w[i]) for w in got) for i in (0, 1))
         return walls, cpus, threads, measured
     finally:
@@ -708,23 +696,23 @@ def measure_compute(
 
 def _observe(
     conns: list, evaluate: Callable, params: Any, interval: float, deadline: float
-) -> None:
+) -> float:
     """Evaluates ``params`` every ``interval`` seconds (at once, then on the grid
     ``k * interval``, as the local runtime's driver records) until every worker has
-    sent its times (or the deadline)."""
+    sent its times (or the deadline); returns the share of a core it took (CPU time
+    over wall time)."""
     from multiprocessing import connection
 
-    t0, k = time.monotonic(), 0
-    while time.monotonic() < deadline:
+    t0, k, c0 = time.monotonic(), 0, time.process_time()
+    while time.monotonic() < deadline and not all(c.poll(0) for c in conns):
         evaluate(params)
         now = time.monotonic()
         k = max(k + 1, math.floor((now - t0) / interval) + 1)
         while (left := t0 + k * interval - time.monotonic()) > 0:
             if all(c.poll(0) for c in conns):
-                return
+                break
             connection.wait(conns, min(left, 0.01))
-        if all(c.poll(0) for c in conns):
-            return
+    return (time.process_time() - c0) / max(time.monotonic() - t0, 1e-9)
 
 
 # -- the shard's apply time -----------------------------------------------------------
@@ -801,7 +789,7 @@ _SPIN = (
 
 
 def measure_contention(
-    config: ServerConfig, most: int, stepper: Any, deadline: float = math.inf
+    config: ServerConfig, most: int, stepper: Any, deadline: float = math.inf, beside: float = 0
 ) -> Contention:
     """How much longer than its CPU time a step and a shard's apply take on the wall
     clock with 1 to ``most`` processes runnable (``k - 1`` busy processes, :data:`_SPIN`,
@@ -809,7 +797,10 @@ def measure_contention(
     ``stepper`` for :data:`CONTENTION_SECONDS`, an apply of one shard's slice timed here
     for half as long. The factors hold all the sharing of the cores, other users'
     processes included; each is at least the one before it (one more runnable process
-    never makes the others faster; the noise of a loaded machine does)."""
+    never makes the others faster; the noise of a loaded machine does). ``beside``: the
+    share of a core the run's parent takes evaluating (measured by :func:`_observe`),
+    which the simulator does not count: the factors for ``n`` are those for ``n +
+    beside``."""
     shards = min(config.shards, config.spec.size)
     push = _pusher(config, -(-config.spec.size // shards))
     push()
@@ -820,11 +811,7 @@ def measure_contention(
             if k > 1:
                 spinners.append(subprocess.Popen([sys.executable, "-S", "-c", _SPIN]))
             stepper.send(("time", CONTENTION_SECONDS))
-            if not stepper.poll(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError("calibrate: the contention measurement's step timed out")
-            msg = stepper.recv()
-            if msg[0] == "error":
-                raise RuntimeError(f"calibrate: {msg[1]}")
+            msg = _recv(stepper, deadline)
             steps.append(msg[1] / msg[2] if msg[2] > 0 else 1.0)
             n, t, c = 0, time.perf_counter(), time.thread_time()
             end = t + CONTENTION_SECONDS / 2
@@ -837,13 +824,31 @@ def measure_contention(
         for p in spinners:
             p.kill()
             p.wait()
-    log.debug("calibrate: contention, wall over CPU time, step %s, apply %s", steps, applies)
-    return Contention(step=_factors(steps), apply=_factors(applies))
+    log.debug("calibrate: contention, wall over CPU time, step %s, apply %s; evaluation "
+              "beside: %.3g of a core", steps, applies, beside)  # fmt: skip
+    return Contention(step=_factors(steps, beside), apply=_factors(applies, beside))
 
 
-def _factors(ratios: Sequence[float]) -> tuple[float, ...]:
-    """Each ratio, at least the one before, 4 digits."""
-    return tuple(_sig(x) for x in itertools.accumulate(ratios, max))
+def _factors(ratios: Sequence[float], beside: float = 0.0) -> tuple[float, ...]:
+    """Each ratio at least the one before; at ``n``, the factor for ``n + beside``
+    processes (as :class:`Contention` reads a table between and beyond its entries)."""
+    at = Contention(tuple(itertools.accumulate(ratios, max)), (1.0,)).step_at
+    return tuple(_sig(at(n + beside)) for n in range(1, len(ratios) + 1))
+
+
+def _recv(conn: Any, deadline: float, proc: Any = None) -> Any:
+    """The next message of a compute process (``proc``, if given), or a one-line error."""
+    name = "the contention measurement's step" if proc is None else f"process {proc.name}"
+    if not conn.poll(max(0.0, deadline - time.monotonic())):
+        raise TimeoutError(f"calibrate: {name} did not answer in time")
+    try:
+        msg = conn.recv()
+    except EOFError:
+        code = getattr(proc, "exitcode", None)
+        raise RuntimeError(f"calibrate: {name} died (exit code {code})") from None
+    if msg[0] == "error":
+        raise RuntimeError(f"calibrate: {msg[1]}")
+    return msg
 
 
 # -- pulls and pushes -----------------------------------------------------------------

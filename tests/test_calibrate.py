@@ -172,6 +172,30 @@ def test_the_table_takes_cpu_times_with_the_contention_model_and_wall_times_with
     assert cal.bounded("low").step_times[0][2] < 0.011
     # the factors start from the first, not from 1 (under 1: a step on more threads than one)
     assert calibrate._factors([0.5, 0.9]) == (0.5, 0.9)
+    # the parent's evaluation took half a core: at n, the factor for n + 0.5 runnable
+    assert calibrate._factors([1.0, 2.0, 3.0], beside=0.5) == (1.5, 2.5, 3.5)
+
+
+def test_the_evaluation_beside_the_steps_is_measured_as_a_share_of_a_core():
+    """_observe evaluates until the compute processes answer and returns the CPU time the
+    evaluations took over the wall time: an evaluation that waits takes next to none."""
+    import multiprocessing as mp
+    import threading
+
+    def share(evaluate):
+        mine, theirs = mp.Pipe()
+        timer = threading.Timer(0.3, theirs.send, args=(("times", []),))
+        timer.start()
+        try:
+            return calibrate._observe([mine], evaluate, None, 0.02, time.monotonic() + 30)
+        finally:
+            timer.cancel()
+            mine.close()
+            theirs.close()
+
+    waits = share(lambda params: time.sleep(0.01))
+    burns = share(lambda params: sum(range(200_000)))
+    assert 0 <= waits < 0.05 and burns > 2 * waits
 
 
 def test_the_cli_prints_or_writes_the_table(tmp_path, capsys, monkeypatch):
