@@ -126,16 +126,15 @@ class _SimWorker:
     """One worker id's state in a run, over its incarnations."""
 
     id: int
+    sender: Sender  # its incarnation's sender (at first a new one's predecessor)
     pull_bytes: list[float]  # the wire size of each pull slice (model_bytes scaled)
     acks: list  # each shard's ack of the push in flight (None: not handled yet)
     behind: list[bool]  # its pull request at shard k waits behind its push there
-    joins: list[float]  # the times of its scripted joins
+    joins: list[float] = field(default_factory=list)  # the times of its scripted joins
     inc: int = 0  # incarnation: events of an earlier life are dropped
     phase: int = _IDLE
     loop: Any = None  # the incarnation's protocol loop (a generator)
     loop_stats: Any = None  # the loop's stats, once it has ended
-    sender: Sender | None = None  # one per incarnation, each its predecessor's successor
-    feedback: Any = None  # the error feedback a resumed run starts from
     payloads: list[bytearray] | None = None  # its push's payloads, one per shard
     push_bytes: list[float] | None = None  # the wire size of each slice of its push in flight
     replica: pulls.Replica | None = None  # the incarnation's copy (delta pulls)
@@ -216,19 +215,21 @@ class Simulation:
         self.busy: list[tuple | None] = [None] * S  # request in service at each shard
         self.queue: list[deque] = [deque() for _ in range(S)]
         self.waiting: list[list] = [[] for _ in range(S)]  # gated pulls: (clock, ctr, wk, inc)
-        joins: dict[int, list[float]] = {}
-        for e in sorted(sim.joins, key=lambda e: e.time):
-            joins.setdefault(e.worker, []).append(e.time)
+        dtype = self.params.dtype
+        sends = (config.spec.segments, config.staleness, S, self.compressor)  # each id's Sender
         self.workers = [
-            _SimWorker(w, list(self.slice_bytes), [None] * S, [False] * S, joins.get(w, []))
+            _SimWorker(w, Sender(*sends, dtype=dtype), [0.0] * S, [None] * S, [False] * S)
             for w in range(workers)
         ]
+        for e in sorted(sim.joins, key=lambda e: e.time):
+            self.workers[e.worker].joins.append(e.time)
         # by worker id, read by the driver and by batch_iterator: each worker's last loss,
         # and the batches each worker id has drawn, over its lives
         self.last_loss = np.full(workers, np.nan)
         self.consumed = [0] * workers
         self.pool: list[np.ndarray] = []  # free parameter-sized buffers
         self.started = self.pushes = self.events = self.queued = 0
+        self.ends = itertools.count()  # the order in which the workers' loops end
         self.totals = {"pull": 0.0, "push": 0.0, "compute": 0.0, "steps": 0}
         self.checkpointer: Any = None  # called after every event by run() when set
         self.diverged: dict[int, str] = {}  # worker -> why its loop raised loop.Diverged
@@ -387,12 +388,7 @@ class Simulation:
         its worker id's last committed push.
         """
         w, cfg = wk.id, self.config
-        if wk.sender is not None:
-            wk.sender = wk.sender.successor()
-        else:  # its first, with the residual a resumed run gave it
-            start = None if wk.feedback is None else wk.feedback.residual
-            wk.sender = Sender(cfg.spec.segments, cfg.staleness, self.S, self.compressor,
-                               residual=start, dtype=self.params.dtype)  # fmt: skip
+        wk.sender = wk.sender.successor()
         wk.joined_at = max(int(shard.clocks[w]) for shard in self.shards)
         wk.fresh = pipeline.reads_snapshots(cfg, incarnation=wk.inc, joined_at=wk.joined_at)
         wk.results, wk.loop_stats, wk.replica = [], None, None
@@ -419,7 +415,7 @@ class Simulation:
             return
         if request is None:  # the loop has ended: the worker leaves the job
             wk.phase, wk.loop = _DONE, None
-            wk.ended = (self.now, sum(x.ended is not None for x in self.workers))
+            wk.ended = (self.now, next(self.ends))
             if not wk.acking:  # else it leaves once its last push is acked
                 self.leave(wk)
             return
@@ -621,17 +617,12 @@ class Simulation:
                 delivered.append(k)
             self.release(k)
         if delivered:
-            log.info(
-                "sim: worker %d's committed push %d delivered to shard(s) %s at its failure",
-                wk.id,
-                out.seq,
-                delivered,
-            )
+            msg = "sim: worker %d's committed push %d delivered to shard(s) %s at its failure"
+            log.info(msg, wk.id, out.seq, delivered)
         wk.inc += 1  # the push's messages still in flight are dropped: exactly once
         self.pool += [b for b in (wk.pull_buf, wk.upd_buf, wk.next_buf) if b is not None]
         wk.pull_buf = wk.upd_buf = wk.next_buf = None
-        if wk.sender is not None:  # a push encoded, never committed: the residual stays
-            wk.sender.abandoned()
+        wk.sender.abandoned()  # a push encoded, never committed: the residual stays
 
     def join(self, wk: _SimWorker) -> None:
         if wk.phase not in (_DEAD, _DONE):
@@ -661,14 +652,17 @@ class Simulation:
         run start each worker when and in the order it would have gone on.
         """
         # a worker waiting for its restart is live: a resumed run restarts it at once
-        dead = [wk.phase == _DEAD and not self.restarting(wk.id) for wk in self.workers]
+        back = [self.restarting(w) for w in range(self.P)]
         return {
             "now": self.now,
             "pushes": self.pushes,
             "quiescent": not self.queued
             and all(wk.phase in (_DONE, _DEAD) for wk in self.workers)
-            and not any(map(self.restarting, range(self.P))),
-            "phase": ["dead" if d else "live" for d in dead],
+            and not any(back),
+            "phase": [
+                "dead" if wk.phase == _DEAD and not b else "live"
+                for wk, b in zip(self.workers, back, strict=True)
+            ],
             "ended": [None if wk.ended is None else list(wk.ended) for wk in self.workers],
             "consumed": list(self.consumed),
             "last_loss": [None if math.isnan(x) else float(x) for x in self.last_loss],
@@ -685,11 +679,7 @@ class Simulation:
         comp = self.compressor
         if comp is None or not comp.error_feedback:
             return None
-        zeros, out = np.zeros(self.spec.size, self.params.dtype), []
-        for wk in self.workers:  # its sender's, or the one a resumed run gave it
-            held = wk.sender if wk.sender is not None else wk.feedback
-            out.append(zeros if held is None else held.residual)
-        return out
+        return [wk.sender.residual for wk in self.workers]
 
     def restore(
         self, states: list[dict], saved: dict[str, Any], feedback: list[Any] | None = None
@@ -705,7 +695,7 @@ class Simulation:
             shard.load_state_dict(state)
         if feedback is not None and self.compressor is not None:
             for wk, f in zip(self.workers, feedback, strict=True):
-                wk.feedback = f  # each worker id continues with its residual
+                np.copyto(wk.sender.residual, f.residual)  # each id goes on with its residual
         self.now = self.end = float(saved["now"])
         self.pushes = self.started = int(saved["pushes"])
         self.consumed = [int(n) for n in saved["consumed"]]  # each stream skips as many
