@@ -302,6 +302,9 @@ class Calibration:
             measured). With :attr:`contention` the table fits these
             (:attr:`compute_times`): the contention model alone accounts for the
             sharing of the cores, which the wall-clock times hold already.
+        wall_spread: with :attr:`contention`, fit each worker's wall-clock times scaled
+            to its mean CPU time instead: the level of the CPU clock, the spread of the
+            wall clock (how much a step's waits for a core vary).
     """
 
     workers: int
@@ -322,6 +325,7 @@ class Calibration:
     load_end: tuple[float, float, float] | None = None
     contention: Contention | None = None
     cpu_times: Steps = ()
+    wall_spread: bool = False
 
     # -- the compute model -------------------------------------------------------------
 
@@ -329,8 +333,14 @@ class Calibration:
     def compute_times(self) -> Steps:
         """The step times the table's compute model is fitted to: the CPU times when
         :attr:`contention` is measured (the simulator stretches them by its factors), else
-        the wall-clock times (the sharing of the cores while they were timed is in them)."""
-        return self.cpu_times if self.contention is not None and self.cpu_times else self.step_times
+        the wall-clock times (the sharing of the cores while they were timed is in them);
+        with :attr:`wall_spread`, the wall-clock times at the CPU times' mean."""
+        if self.contention is None or not self.cpu_times:
+            return self.step_times
+        if not self.wall_spread:
+            return self.cpu_times
+        return tuple(tuple(x * sum(c) / sum(w) for x in w)
+                     for w, c in zip(self.step_times, self.cpu_times, strict=True))  # fmt: skip
 
     @property
     def shift(self) -> float:

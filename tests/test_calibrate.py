@@ -164,6 +164,9 @@ def test_the_table_takes_cpu_times_with_the_contention_model_and_wall_times_with
     t = cal.table()
     assert t["shift"] == 0.004 and t["rate"] == pytest.approx(1 / (np.mean(cpus) - 0.004), 1e-3)
     assert t["contention_step"] == [1.1, 2.0, 3.0]
+    # the wall clock's spread at the CPU clock's level: worker 0's 0.010-0.012 times 0.0135/0.033
+    spread = replace(cal, wall_spread=True)
+    assert spread.compute_times[0] == pytest.approx((0.0040909, 0.0049091, 0.0045), rel=1e-4)
     plain = replace(cal, contention=None).table()  # calibrate(contention=False)'s table
     assert plain["shift"] == 0.010 and "contention_step" not in plain
     assert plain["rate"] == pytest.approx(1 / (np.mean(walls) - 0.010), 1e-3)

@@ -128,8 +128,10 @@ def test_each_setting_is_simulated_with_and_without_the_contention_model():
     walls, cpus = ((0.004, 0.005, 0.006),) * 2, ((0.002, 0.0025, 0.003),) * 2
     cal = calibrate.Calibration(2, 1, walls, flat, flat, flat, flat, 4096, contention=con,
                                 cpu_times=cpus)  # fmt: skip
-    (a, measured), (b, plain) = fid.tables(cal)
-    assert (a, b) == ("", fid.PLAIN) and measured is cal
-    assert measured.sim_config().contention == con and plain.sim_config().contention is None
+    (a, measured), (b, spread), (c, plain) = fid.tables(cal)
+    assert (a, b, c) == ("", fid.WALL, fid.PLAIN) and measured is cal
+    assert measured.sim_config().contention == spread.sim_config().contention == con
+    assert plain.sim_config().contention is None
     assert measured.sim_config().compute.shift == 0.002  # the CPU times, stretched by con
+    assert spread.sim_config().compute.shift == 0.002  # the wall times at the CPU times' mean
     assert plain.sim_config().compute.shift == 0.004  # the wall-clock times
