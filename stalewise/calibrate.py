@@ -505,7 +505,7 @@ class Calibration:
             c = self.contention
             lines.append(
                 f"contention: with 1, 2, ... {len(c.step)} processes runnable, a step takes "
-                f"{_listed(c.step)}x and an apply {_listed(c.apply)}x its CPU time; the "
+                f"{list(c.step)}x and an apply {list(c.apply)}x its CPU time; the "
                 "table's compute is the steps' CPU time"
             )
         if self.spreads or self.step_times:
@@ -547,10 +547,6 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, float) and math.isinf(v):
         return "inf"
     return repr(v)
-
-
-def _listed(xs: Sequence[float]) -> str:
-    return ", ".join(f"{x:.3g}" for x in xs)
 
 
 def _key(name: str, nbytes: int) -> str:
