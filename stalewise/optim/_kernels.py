@@ -23,7 +23,9 @@ Conventions shared by every kernel:
 
 ``error_model="numpy"`` lets divisions vectorize (numba otherwise checks every
 divisor for zero). ``fastmath`` stays off: results are reproducible, on any
-machine, and the norms use fixed partial sums instead of reassociation.
+machine, and the norms use fixed partial sums instead of reassociation. The one
+exception is the finiteness flags of a checked step (``check``, :func:`_flag`):
+a flag only tells finite from not, so its sums may be reassociated.
 ``nogil``: a server may apply an update in one thread while others serve pulls.
 """
 
@@ -36,11 +38,15 @@ import numpy as np
 
 BLOCK = 1024  # elements per block of pass 1: four float32 blocks fit in L1
 LANES = 64  # partial sums per norm (fewer do not vectorize)
+CHECK_BLOCK = 65536  # elements per block of a checked step: checked while in L2
 
 Vec = np.ndarray
 Num = float  # a NumPy scalar of the vectors' dtype
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
+# the finiteness flags only: reassociation lets their sums vectorize, and without the
+# no-NaN/no-Inf flags x*0 stays NaN for a NaN or an Inf
+_flags_jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc"}, error_model="numpy")
 
 
 @_jit
@@ -70,6 +76,21 @@ def _sumsq(x: Vec, lanes: Vec) -> float:
 def sumsq(x: Vec) -> float:
     """Sum of squares of ``x``, accumulated in float64."""
     return _sumsq(x, np.empty(LANES))
+
+
+@_flags_jit
+def _flag(x: Vec, square: bool) -> Num:
+    """The sum of ``x*x`` (``square``) or of ``x*0``, in the dtype of ``x``: NaN or Inf
+    once an element is, and, squared, once the sum of squares overflows that dtype."""
+    acc = x.dtype.type(0)
+    zero = x.dtype.type(0)
+    if square:
+        for i in range(x.size):
+            acc += x[i] * x[i]
+    else:
+        for i in range(x.size):
+            acc += x[i] * zero
+    return acc
 
 
 @_jit
@@ -124,22 +145,29 @@ def sgd(
     nesterov: bool,
     wd: Num,
     into_params: bool,
+    check: Vec,
 ) -> None:
     """SGD as torch.optim.SGD: ``g += wd*p; buf = momentum*buf + g; p -= lr*(g or buf)``.
 
     ``buf`` is ignored when ``momentum`` is zero (it may then be empty). With
     leaves (``offsets`` not empty), ``decay[s]`` False drops ``wd*p`` on leaf
-    ``s``; empty ``offsets`` decay the whole vector.
+    ``s``; empty ``offsets`` decay the whole vector. A non-empty ``check`` (see
+    :func:`_checks`) takes the fused finiteness checks of ``g`` and of what the
+    step writes, block by block while the block is in cache.
     """
-    if offsets.size == 0:
-        _sgd(g, buf, p, lr, momentum, nesterov, wd, into_params)
-        return
     zero = p.dtype.type(0)
-    for s in range(offsets.size):
-        lo = offsets[s]
-        hi = lo + sizes[s]
-        leaf_wd = wd if decay[s] else zero
-        _sgd(g[lo:hi], buf[lo:hi], p[lo:hi], lr, momentum, nesterov, leaf_wd, into_params)
+    use_buf = momentum != 0
+    for s in range(max(offsets.size, 1)):
+        lo = offsets[s] if offsets.size else 0
+        hi = lo + sizes[s] if offsets.size else g.size
+        leaf_wd = wd if offsets.size == 0 or decay[s] else zero
+        step = max(hi - lo, 1) if check.size == 0 else CHECK_BLOCK
+        for b in range(lo, hi, step):
+            e = min(b + step, hi)
+            bb = buf[b:e] if use_buf else buf
+            _sgd(g[b:e], bb, p[b:e], lr, momentum, nesterov, leaf_wd, into_params)
+            if check.size:
+                _checks(check, g[b:e], p[b:e], bb, bb[:0])
 
 
 @_jit
@@ -194,6 +222,7 @@ def adam(
     l2: Num,
     wd: Num,
     into_params: bool,
+    check: Vec,
 ) -> None:
     """Adam with coupled L2 (``l2``, torch Adam) and decoupled decay (``wd``, AdamW).
 
@@ -201,33 +230,47 @@ def adam(
     ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd*p)``. ``inv_c1 = 1/(1-b1^t)``
     and ``inv_sqrt_c2 = 1/sqrt(1-b2^t)`` are the bias corrections. With leaves
     (``offsets`` not empty), ``decay[s]`` False drops both ``l2`` and ``wd`` on
-    leaf ``s``; empty ``offsets`` decay the whole vector.
+    leaf ``s``; empty ``offsets`` decay the whole vector. ``check``: as in :func:`sgd`.
     """
-    if offsets.size == 0:
-        _adam(g, m, v, p, lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps, l2, wd, into_params)
-        return
     zero = p.dtype.type(0)
-    for s in range(offsets.size):
-        lo = offsets[s]
-        hi = lo + sizes[s]
-        on = decay[s]
-        _adam(
-            g[lo:hi],
-            m[lo:hi],
-            v[lo:hi],
-            p[lo:hi],
-            lr,
-            b1,
-            w1,
-            b2,
-            w2,
-            inv_c1,
-            inv_sqrt_c2,
-            eps,
-            l2 if on else zero,
-            wd if on else zero,
-            into_params,
-        )
+    for s in range(max(offsets.size, 1)):
+        lo = offsets[s] if offsets.size else 0
+        hi = lo + sizes[s] if offsets.size else g.size
+        on = offsets.size == 0 or decay[s]
+        step = max(hi - lo, 1) if check.size == 0 else CHECK_BLOCK
+        for b in range(lo, hi, step):
+            e = min(b + step, hi)
+            gb, mb, vb, pb = g[b:e], m[b:e], v[b:e], p[b:e]
+            _adam(
+                gb,
+                mb,
+                vb,
+                pb,
+                lr,
+                b1,
+                w1,
+                b2,
+                w2,
+                inv_c1,
+                inv_sqrt_c2,
+                eps,
+                l2 if on else zero,
+                wd if on else zero,
+                into_params,
+            )
+            if check.size:
+                _checks(check, gb, pb, mb, vb)
+
+
+@_jit
+def _checks(check: Vec, g: Vec, p: Vec, a: Vec, b: Vec) -> None:
+    """The fused checks of one block after its in-place step (``g`` untouched by it):
+    ``check[0]`` sums the squares of ``g``, ``check[1]`` zero times each value written
+    (``p``, and the state blocks ``a`` and ``b``, either may be empty): each sum is
+    finite exactly when its values are (and, for ``g``, when its squared norm does not
+    overflow the dtype)."""
+    check[0] += _flag(g, True)
+    check[1] += _flag(p, False) + _flag(a, False) + _flag(b, False)
 
 
 @_jit

@@ -46,6 +46,7 @@ class MaskedAdamState(NamedTuple):
 
 @dataclass(frozen=True)
 class _Adam(Rule):
+    fused_checks = True  # run() takes check= (Rule.apply_checked)
     lr: LearningRate
     b1: float
     b2: float
@@ -72,6 +73,7 @@ class _Adam(Rule):
         params: np.ndarray,
         scale: float,
         into_params: bool,
+        check: np.ndarray | None = None,
     ) -> None:
         check_vectors(grads, params, write_grads=True, write_params=into_params)
         check_buffers("adam", params, mu=state.mu, nu=state.nu)
@@ -97,6 +99,7 @@ class _Adam(Rule):
             dt(self.l2),
             dt(self.decay),
             into_params,
+            params[:0] if check is None else check,
         )
         state.count[...] = t
 

@@ -180,6 +180,24 @@ class Rule(abc.ABC):
         """``params`` and ``state`` advance in place; ``grads`` may be overwritten."""
         self.run(grads, state, params, scale, True)
 
+    fused_checks = False  # run() takes check=, the fused checks of apply_checked
+
+    def apply_checked(
+        self, grads: np.ndarray, state: State, params: np.ndarray, *, scale: float = 1.0
+    ) -> tuple[float, float]:
+        """:meth:`apply` with the checks a parameter server makes fused into the step
+        (block by block, while each block is in cache), for rules with ``fused_checks``.
+
+        ``grads`` is left untouched. Returns the sum of the squares of ``grads`` and the
+        sum of zero times every value the step wrote, both in the dtype of ``params``:
+        the second is finite exactly when the params and state stayed finite, the first
+        when ``grads`` is finite and its squared norm does not overflow (an Inf or NaN
+        sends a server to its exact checks). The step is taken either way.
+        """
+        check = np.zeros(2, params.dtype)
+        self.run(grads, state, params, scale, True, check=check)  # type: ignore[call-arg]
+        return float(check[0]), float(check[1])
+
     def optimizer(self) -> Optimizer:
         """The :class:`Optimizer` of this rule."""
         update = functools.partial(pure_update, self.update_inplace)

@@ -43,6 +43,7 @@ class MaskedSgdState(NamedTuple):
 
 @dataclass(frozen=True)
 class _Sgd(Rule):
+    fused_checks = True  # run() takes check= (Rule.apply_checked)
     lr: LearningRate
     momentum: float
     nesterov: bool
@@ -68,6 +69,7 @@ class _Sgd(Rule):
         params: np.ndarray,
         scale: float,
         into_params: bool,
+        check: np.ndarray | None = None,
     ) -> None:
         check_vectors(grads, params, write_grads=True, write_params=into_params)
         if self.momentum:
@@ -86,6 +88,7 @@ class _Sgd(Rule):
             self.nesterov,
             dt(self.weight_decay),
             into_params,
+            params[:0] if check is None else check,
         )
         state.count[...] = count + 1
 

@@ -178,6 +178,9 @@ class Shard:
         self._whole = self.job_segments.total == segments.total
         self.optimizer = optimizer
         self.opt_state = optimizer.init(params, segments)
+        # a rule that checks values in its own pass over the slice (Rule.apply_checked)
+        rule = getattr(optimizer.apply, "__self__", None)
+        self._fused = rule.apply_checked if getattr(rule, "fused_checks", False) else None
         self.workers = workers
         self.consistency = consistency or consistency_lib.ASP()
         self.staleness = staleness or staleness_lib.constant()
@@ -337,16 +340,21 @@ class Shard:
             if verdict is not None and not verdict.ok:
                 raise self._refusal(verdict, self.job_segments)
             payload, nbytes = self._decode(payload)  # compressed: the values it decodes to
-            self._check_payload(payload, judge_overflow=verdict is None or self._whole)
-            if verdict is None and not self.staleness.accepts(tau):
+            judge = verdict is None or self._whole
+            stale = verdict is None and not self.staleness.accepts(tau)
+            compensate = bool(self.staleness.dc_lambda) and worker in self._pulled
+            # the step checks the payload's values itself when it is taken at once, as sent
+            in_step = self._fused is not None and not (self.synchronous or stale or compensate)
+            self._check_payload(payload, judge_overflow=judge, values=not in_step)
+            if stale:
                 raise self._refusal(commit.Verdict(commit.TOO_STALE, tau))
             if not self.synchronous:
-                if self.staleness.dc_lambda and worker in self._pulled:
+                if compensate:
                     self.staleness.compensate(payload, self.params, self._pulled[worker])
                 scale = self.staleness.weight(tau)
                 if self.hybrid:  # the square-root scaling rule: see protocol/hybrid.py
                     scale /= math.sqrt(max(self._clocks.live, 1))
-                self._step(payload, scale)  # or Rejected: overflow
+                self._step(payload, scale, judge if in_step else None)  # or Rejected
         except Rejected as e:
             self._advance(worker, seq)
             return self._reject(worker, seq, e, tau)
@@ -513,29 +521,46 @@ class Shard:
 
     # -- internals -------------------------------------------------------------------
 
-    def _step(self, update: np.ndarray, scale: float) -> None:
+    def _step(self, update: np.ndarray, scale: float, judge: bool | None = None) -> None:
         """One optimizer step, or none: a step that makes a value non-finite is undone.
 
         The params and the optimizer state's arrays are copied first (into buffers
         kept from step to step, unless :meth:`prepare` did it already), the step
-        is taken in place, and every float value is checked (one dot product per
-        array); if one is NaN/Inf, the copies are restored, bit for bit, and
-        Rejected("overflow") names what overflowed.
+        is taken in place, and every float value is checked: in the step's own
+        pass for a rule with fused checks (:meth:`Rule.apply_checked
+        <stalewise.optim.base.Rule.apply_checked>`), else one dot product per
+        array; if one is NaN/Inf, the copies are restored, bit for bit, and
+        Rejected("overflow") names what overflowed. ``judge`` not None: the
+        update is a payload whose values are unchecked (fused checks only); a
+        NaN/Inf in it (or, if ``judge``, an overflow of its norm) undoes the step
+        and is refused as :meth:`_check_payload` would have refused it.
         """
         self.prepare()
         arrays, undo = self._undo_buffers()
         self._undo_fresh = False
-        self.optimizer.apply(update, self.opt_state, self.params, scale=scale)
-        bad = next((i for i, a in enumerate(arrays) if not _all_finite(a)), None)
+        err = None
+        if self._fused is None:
+            self.optimizer.apply(update, self.opt_state, self.params, scale=scale)
+            written_ok = False
+        else:
+            sq, written = self._fused(update, self.opt_state, self.params, scale=scale)
+            written_ok = math.isfinite(written)
+            if judge is not None and not math.isfinite(sq):  # exact, on the untouched payload
+                err = self._values_refusal(update, judge_overflow=judge)
+        bad = None
+        if err is None and not written_ok:
+            bad = next((i for i, a in enumerate(arrays) if not _all_finite(a)), None)
         if bad is not None:
             what = self._describe_non_finite(arrays, bad)
-            for a, copy in zip(arrays, undo, strict=True):
-                np.copyto(a, copy)
-            self._undo_fresh = True
-            raise Rejected(
+            err = Rejected(
                 "overflow",
                 f"the step would make {what} non-finite on shard {self.shard_id}; not taken",
             )
+        if err is not None:
+            for a, copy in zip(arrays, undo, strict=True):
+                np.copyto(a, copy)
+            self._undo_fresh = True
+            raise err
         self.version += 1
         self.stats.rounds += 1
 
@@ -706,7 +731,7 @@ class Shard:
             raise Rejected("bad_payload", str(e)) from None
         return values, self.decoder.length(payload)
 
-    def _check_payload(self, payload: Any, *, judge_overflow: bool) -> None:
+    def _check_payload(self, payload: Any, *, judge_overflow: bool, values: bool = True) -> None:
         if not isinstance(payload, np.ndarray):
             raise Rejected(
                 "bad_payload", f"payload must be a numpy array, got {type(payload).__name__}"
@@ -720,13 +745,21 @@ class Shard:
                 "bad_length",
                 f"payload has shape {payload.shape}, expected ({self.params.size},) for shard {self.shard_id}",
             )
-        # NaN/Inf is exact per element; overflow is a rule on the whole push's norm, judged
-        # here only when no sender judged it (with several shards, the verdict decides)
+        if values:  # else the step checks them (_step)
+            err = self._values_refusal(payload, judge_overflow=judge_overflow)
+            if err is not None:
+                raise err
+
+    def _values_refusal(self, payload: np.ndarray, *, judge_overflow: bool) -> Rejected | None:
+        """The refusal a payload's values earn, if any: NaN/Inf is exact per element;
+        overflow is a rule on the whole push's norm, judged here only when no sender
+        judged it (with several shards, the verdict decides)."""
         verdict = commit.check_values(payload)
         if verdict.code == commit.NOT_FINITE or (
             verdict.code == commit.OVERFLOW and judge_overflow
         ):
-            raise self._refusal(verdict, self.segments)  # named by the slice's leaves
+            return self._refusal(verdict, self.segments)  # named by the slice's leaves
+        return None
 
     def _refusal(self, verdict: commit.Verdict, segments: Segments | None = None) -> Rejected:
         """The refusal a verdict stands for, worded once (:meth:`commit.Verdict.message`)."""

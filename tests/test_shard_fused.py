@@ -1,0 +1,88 @@
+"""A shard's step with fused checks (SGD, Adam): the payload's and the result's values are
+checked in the step's own pass, block by block, and a push that fails either is refused
+as the separate checks refused it, with the params and the optimizer state bit for bit
+as they were, wherever in the slice the bad value sits."""
+
+import numpy as np
+import pytest
+
+from stalewise import optim
+from stalewise.optim import _kernels
+from stalewise.protocol import PushHeader, Shard
+from stalewise.protocol.state import _flatten_state
+from stalewise.segments import Segments
+
+N = 3 * _kernels.CHECK_BLOCK + 77  # three blocks and a tail
+SEG = Segments.from_sizes(["a.w", "a.b", "c.w"], [1000, 5, N - 1005])
+OPTIMIZERS = {
+    "sgd": lambda: optim.sgd(0.1),
+    "momentum": lambda: optim.sgd(
+        0.1, momentum=0.9, weight_decay=0.01, exclude_from_weight_decay=[r"\.b$"]
+    ),
+    "adamw": lambda: optim.adamw(1e-2, exclude_from_weight_decay=[r"\.b$"]),
+}
+
+
+def frozen(shard):
+    arrays = _flatten_state(shard.opt_state)[1]
+    return shard.params.tobytes(), {k: a.tobytes() for k, a in arrays.items()}, shard.version
+
+
+def started(name, dtype=np.float32, fused=True):
+    rng = np.random.default_rng(1)
+    shard = Shard(rng.normal(size=N).astype(dtype), SEG, OPTIMIZERS[name](), workers=1)
+    assert shard._fused is not None
+    if not fused:
+        shard._fused = None  # the separate passes: the reference
+    shard.join(0, 1)
+    for seq in range(3):  # moments that are not trivial
+        assert shard.push(PushHeader(0, seq, shard.version, 1), rng.normal(size=N).astype(dtype)).ok
+    return shard
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_the_fused_step_takes_the_step_the_separate_passes_take(name, dtype):
+    fused, plain = started(name, dtype), started(name, dtype, fused=False)
+    assert frozen(fused) == frozen(plain)
+
+
+@pytest.mark.parametrize("where", [0, _kernels.CHECK_BLOCK + 3, N - 1])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_non_finite_payload_is_refused_wherever_it_sits_and_changes_nothing(name, where):
+    shard = started(name)
+    before = frozen(shard)
+    for seq, bad in enumerate((np.nan, np.inf, -np.inf), start=3):
+        payload = np.ones(N, np.float32)
+        payload[where] = bad
+        ack = shard.push(PushHeader(0, seq, shard.version, 1), payload)
+        assert not ack.ok and ack.kind == "not_finite", ack
+        assert f"first at element {where}," in ack.reason
+        assert frozen(shard) == before
+    huge = np.zeros(N, np.float32)
+    huge[where] = 2e19  # finite, but its square overflows float32: the norm rule
+    ack = shard.push(PushHeader(0, 6, shard.version, 1), huge)
+    assert ack.kind == "overflow" and "overflows the dtype" in ack.reason
+    assert frozen(shard) == before
+    ack = shard.push(PushHeader(0, 7, shard.version, 1), np.ones(N, np.float32))
+    assert ack.ok and shard.version == before[2] + 1
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_step_that_overflows_in_the_last_block_only_is_undone(name):
+    """A modest push, one parameter near float32's limit in the tail and a huge step
+    size: the blocks before it were stepped already, and are restored bit for bit."""
+    opt = {
+        "sgd": optim.sgd(1e38),
+        "momentum": optim.sgd(1e38, momentum=0.9),
+        "adamw": optim.adamw(1e38),
+    }
+    params = np.random.default_rng(2).normal(size=N).astype(np.float32)
+    params[N - 2] = 3e38
+    shard = Shard(params, SEG, opt[name], workers=1)
+    shard.join(0, 1)
+    before = frozen(shard)
+    ack = shard.push(PushHeader(0, 0, 0, 1), -np.ones(N, np.float32))
+    assert not ack.ok and ack.kind == "overflow", ack
+    assert f"would make parameter {N - 2} (leaf 'c.w') non-finite" in ack.reason
+    assert frozen(shard) == before and shard.clocks[0] == 1  # still the worker's step
