@@ -147,14 +147,18 @@ class Timeouts(_Group):
 @dataclass(frozen=True)
 class Emulation(_Group):
     """A slower cluster, emulated: ``stragglers``, a slowdown factor per worker (``{3:
-    4.0}`` or one per worker), and ``delays``, extra seconds per step for some workers
-    (virtual in the simulator). Checked against the run's workers by ``Job.train``."""
+    4.0}`` or one per worker), ``delays``, extra seconds per step for some workers
+    (virtual in the simulator), and ``transport``, seconds each push spends in transit
+    before the shards see it (local runtime). Checked against the run's workers by
+    ``Job.train``."""
 
     stragglers: Mapping[int, float] | Sequence[float] | None = DEFAULTS["stragglers"]
     delays: Mapping[int, float] | None = DEFAULTS["delays"]
+    transport: float = DEFAULTS["transport"]
 
     KEYWORD: ClassVar[str] = "emulation"
-    FIELDS: ClassVar[dict[str, str]] = {"stragglers": "stragglers", "delays": "delays"}
+    FIELDS: ClassVar[dict[str, str]] = {"stragglers": "stragglers", "delays": "delays",
+                                        "transport": "transport"}  # fmt: skip
 
 
 @dataclass(frozen=True)

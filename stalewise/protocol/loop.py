@@ -27,6 +27,19 @@ actors) and an event-driven one (the simulator) run the very same loop:
   runtime answers a push and what the next pull may read meanwhile is the rule
   of :mod:`stalewise.protocol.pipeline`.
 
+* it yields an :class:`Ahead`, only in a runtime that overlaps (``worker_loop(...,
+  overlap=True)``) and for a strategy whose ``overlaps`` is true (streaming
+  DiLoCo with a merge delay), right after each push is answered: the loop has
+  taken ``local_steps`` inner steps that need no pull while that push was in
+  flight (the strategy's ``ahead``). Emulate their compute time and answer with
+  the results of the pushes that completed meanwhile. The push before it
+  (``Push.overlap``) is answered as soon as it is sent, even when it settles;
+  the next PULL then waits for its acks and holds it (read-your-writes, as
+  after a settled push). The pushes, their values and the merges are those of
+  the order without overlap; only the pull is later. The inner steps taken
+  ahead of a BEGIN answered False are lost (a worker does not know the budget
+  is spent until it asks).
+
 :func:`run` drives it with a function that answers each request.
 
 The loop also says what became of the worker's pushes (:func:`report`): a
@@ -111,6 +124,15 @@ class Push(NamedTuple):
     local_steps: int  # minibatches the step consumed
     compute: float  # wall seconds the strategy step took
     settle: bool = False  # answer once acknowledged; the next PULL includes it
+    overlap: bool = False  # answer once sent; an Ahead follows, the next PULL includes it
+
+
+class Ahead(NamedTuple):
+    """The loop took ``local_steps`` inner steps, ``compute`` wall seconds, while its last
+    push was in flight; the runtime emulates their time (the push may land meanwhile)."""
+
+    local_steps: int
+    compute: float
 
 
 @dataclass
@@ -131,11 +153,14 @@ def worker_loop(
     *,
     worker: int = 0,
     diverge_after: int | None = DIVERGE_AFTER,
+    overlap: bool = False,
 ) -> Generator[Any, Any, LoopStats]:
     """A worker's whole life: see the module docstring for the requests it makes.
 
     ``diverge_after``: raise :class:`Diverged` after this many pushes in a row
-    refused for a numerical fault (None: never).
+    refused for a numerical fault (None: never). ``overlap``: the runtime answers
+    :class:`Ahead` and ``Push.overlap``; a strategy that ``overlaps`` then computes
+    while its push is in flight.
     """
     if diverge_after is not None and (
         isinstance(diverge_after, bool) or not isinstance(diverge_after, int) or diverge_after < 1
@@ -146,6 +171,7 @@ def worker_loop(
     first = True
     timed = bool(getattr(strategy, "timed", False))
     settles = bool(getattr(strategy, "settles", False))
+    ahead = overlap and settles and bool(getattr(strategy, "overlaps", False))
     while (yield BEGIN):
         params = yield PULL
         now = (yield CLOCK) if timed else None
@@ -162,12 +188,18 @@ def worker_loop(
             int(step.local_steps),
             time.perf_counter() - t0,
             settles,
+            ahead,
         )
         del step, params  # not kept alive (a model-sized array each) while the runtime works
         results = yield push
         del push
         stats.steps += 1
         report(results, stats, worker, diverge_after=diverge_after)
+        if ahead:  # the steps that need no pull, while the push is in flight
+            t0 = time.perf_counter()
+            n = strategy.ahead(state, loss_and_grad, batches)
+            results = yield Ahead(int(n), time.perf_counter() - t0)
+            report(results, stats, worker, diverge_after=diverge_after)
     return stats
 
 

@@ -103,6 +103,12 @@ def _integer(name: str, low: int, *, none: bool = False, unit: str = "") -> Call
     return check
 
 
+def _transport(t: Any) -> Any:
+    if not (_real(t) and 0 <= t <= 60):
+        raise OptionError("transport", f"must be a number of seconds in [0, 60], got {t!r}")
+    return float(t)
+
+
 def _on_worker_failure(value: Any) -> Any:
     if value not in FAILURE_POLICIES:
         raise OptionError(
@@ -198,6 +204,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "on_worker_failure": _on_worker_failure,
     "max_restarts": _integer("max_restarts", 0, none=True),
     "worker_timeout": _worker_timeout,
+    "transport": _transport,
     "diverge_after": _integer("diverge_after", 1, none=True),
     "stop_at": _stop_at,
 }
@@ -229,6 +236,7 @@ class RunOptions:
     eval_interval: float = 0.5  # seconds between evaluations (virtual in the simulator)
     stragglers: Mapping[int, float] | Sequence[float] | None = None
     delays: Mapping[int, float] | None = None
+    transport: float = 0.0  # emulated seconds each push spends in transit (local runtime)
     stop_at: Any = None  # anything stalewise.targets.parse accepts
     run: str = "run"
     on_record: Callable[[dict], None] | None = None
@@ -288,6 +296,10 @@ class RunOptions:
     def check_runtime(self, runtime: str) -> None:
         """Raises :class:`OptionError` (``workers``) if this run is elastic and ``runtime``'s
         ``Job.train`` does not support that (its :class:`~stalewise.runtime.Runtime`)."""
+        if self.transport and runtime != "local":
+            raise OptionError(
+                "transport", f"is emulated by the local runtime only, not {runtime!r}"
+            )
         if self.elastic and not runtime_lib.describe(runtime).elastic_train:
             able = " or ".join(map(repr, runtime_lib.names("elastic_train")))
             raise OptionError(

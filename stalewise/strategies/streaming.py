@@ -48,11 +48,16 @@ an ordinary push, applied on arrival; with :func:`lazy_leaves` of
 workers' pushes of a fragment make one momentum step of that fragment, as
 asynchronous DiLoCo does for the whole model. A slow worker holds nobody back.
 
-What is not done here: the push still blocks the worker (the loop pulls
-before the next inner step), so the ``delay`` models *when* the global
-fragment is merged, not wall-clock overlap of communication with computation;
-and without a codec a push is the whole vector, zeros included (see
-``docs/design-notes.md``, "Streaming DiLoCo").
+Overlap (``delay >= 1``, :attr:`StreamingDiLoCo.overlaps`): in a runtime that
+overlaps (the local one), the worker loop (:mod:`stalewise.protocol.loop`) has
+the push answered at once and calls :meth:`StreamingDiLoCo.ahead` while it is
+in flight: the inner steps that need no pull, up to the merge of the pushed
+fragment (``delay`` steps on) or the next sync point. Only then does it pull
+(waiting for the push's acks). The pushes and merges are those of the
+non-overlapped order, step for step; only the pull is read later, so under
+BSP the values are the same and under ASP the pull may hold more of the other
+workers' pushes. Without a codec a push is the whole vector, zeros included
+(see ``docs/design-notes.md``, "Streaming DiLoCo").
 
 Example:
     >>> import numpy as np, stalewise as sw
@@ -193,6 +198,7 @@ class StreamingState(AveragingState):
     last: int | None = None  # the fragment pushed by the last step (None: none yet)
     pending: list[tuple[int, int, list[np.ndarray]]] = field(default_factory=list)
     pushed: list[tuple[int, int]] = field(default_factory=list)  # (inner step, fragment) pushes
+    early: list[tuple[int, float]] = field(default_factory=list)  # ahead's (steps, mean loss)
 
 
 class StreamingDiLoCo(LocalSGDStrategy):
@@ -211,6 +217,7 @@ class StreamingDiLoCo(LocalSGDStrategy):
         outer_momentum: float = 0.9,
         asynchronous: bool = False,
         every: int | None = None,
+        overlap: bool = True,
     ):
         where = "streaming_diloco"
         super().__init__(
@@ -245,6 +252,9 @@ class StreamingDiLoCo(LocalSGDStrategy):
         if isinstance(alpha, bool) or not 0.0 <= a <= 1.0:
             raise ValueError(f"{where}: alpha must be a number in [0, 1], got {alpha!r}")
         self.alpha = a
+        if not isinstance(overlap, bool):
+            raise ValueError(f"{where}: overlap must be True or False, got {overlap!r}")
+        self.overlap = overlap
 
     @property
     def count(self) -> int:
@@ -264,36 +274,66 @@ class StreamingDiLoCo(LocalSGDStrategy):
         best = min(o + ((t - o) // h + 1) * h for o in self.offsets)  # t' > t, t' = o (mod H)
         return best, self.offsets.index(best % h)
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether a push may be in flight while the worker takes inner steps (``overlap``
+        and ``delay >= 1``): the worker loop then calls :meth:`ahead` before the next pull."""
+        return self.overlap and self.delay > 0
+
+    def ahead(self, state: StreamingState, loss_and_grad: LossAndGrad, batches: Iterator) -> int:
+        """The inner steps that need no pull, taken while the last push is in flight: up
+        to the merge of its fragment (``delay`` steps after the push) or the next sync
+        point, whichever comes first. Returns how many (0 before the first push); their
+        losses count in the next step's."""
+        if state.last is None:
+            return 0
+        end = min(state.pushed[-1][0] + self.delay, self.schedule(state.pushed[-1][0])[0])
+        return self._advance(state, loss_and_grad, batches, end, state.early)
+
     def step(
         self, state: StreamingState, params: Any, loss_and_grad: LossAndGrad, batches: Iterator
     ) -> Step:
         tree.flatten(params, spec=state.spec, out=state.pulled)
+        since = state.pushed[-1][0] if state.pushed else state.t  # the last push's inner step
         if not state.pushes:  # the first round: the pull is everything
             np.copyto(state.local, state.pulled)
             np.copyto(state.ref, state.pulled)
         elif state.last is not None:  # the global fragment of the last push, merged later
             values = [state.pulled[a:b].copy() for a, b in state.runs[state.last]]
-            state.pending.append((state.t + self.delay, state.last, values))
-        end, frag = self.schedule(state.t)
-        steps, losses = 0, []
-        while True:
-            self._merge_due(state)
-            stop = min([end, *(at for at, _, _ in state.pending)])
-            if stop == state.t:
-                break
-            n, loss = _run_local(self._inner, state, loss_and_grad, batches, stop - state.t, None)
-            state.t += n
-            steps += n
-            losses.append((n, loss))
+            state.pending.append((since + self.delay, state.last, values))
+        end, frag = self.schedule(since)
+        losses, state.early = state.early, []
+        steps = self._advance(state, loss_and_grad, batches, end, losses)
         delta = np.zeros_like(state.local)  # the push's own vector
         for a, b in state.runs[frag]:
             np.subtract(state.ref[a:b], state.local[a:b], out=delta[a:b])
         tree.copy_buffers(delta, state.local, state.spec)  # a buffer's slot: its value
-        state.taken, state.last = steps, frag
+        state.taken, state.last = sum(n for n, _ in losses), frag
         state.pushed.append((state.t, frag))
         state.pushes += 1
-        loss = losses[0][1] if len(losses) == 1 else sum(n * x for n, x in losses) / steps
+        loss = losses[0][1] if len(losses) == 1 else sum(n * x for n, x in losses) / state.taken
         return Step(tree.unflatten(delta, state.spec), steps, loss, state)
+
+    def _advance(
+        self,
+        state: StreamingState,
+        loss_and_grad: LossAndGrad,
+        batches: Iterator,
+        end: int,
+        losses: list[tuple[int, float]],
+    ) -> int:
+        """Inner steps up to inner step ``end``, merging the pending global fragments as
+        they fall due; appends ``(steps, mean loss)`` runs to ``losses``, returns the steps."""
+        steps = 0
+        while True:
+            self._merge_due(state)
+            stop = min([end, *(at for at, _, _ in state.pending)])
+            if stop <= state.t:
+                return steps
+            n, loss = _run_local(self._inner, state, loss_and_grad, batches, stop - state.t, None)
+            state.t += n
+            steps += n
+            losses.append((n, loss))
 
     def _merge_due(self, state: StreamingState) -> None:
         """Merges the pending global fragments due at inner step ``state.t``."""
@@ -319,6 +359,8 @@ class StreamingDiLoCo(LocalSGDStrategy):
         parts.append(f"inner={_describe_inner(self.inner)}")
         if self.asynchronous:
             parts.append(f"asynchronous=True, every={self.every}")
+        if not self.overlap:
+            parts.append("overlap=False")
         return f"streaming_diloco({', '.join(parts)})"
 
 
@@ -445,6 +487,7 @@ def streaming_diloco(
     outer_momentum: float = 0.9,
     asynchronous: bool = False,
     every: int | None = None,
+    overlap: bool = True,
 ) -> StreamingDiLoCo:
     """Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping
     communication"), synchronous (BSP) or asynchronous (ASP, delayed Nesterov).
@@ -465,6 +508,9 @@ def streaming_diloco(
             global``, in ``[0, 1]``; 0 takes the global fragment.
         outer_lr, outer_momentum, asynchronous, every: the server optimizer, as for
             :func:`diloco`; with ``P > 1`` it is wrapped in :func:`lazy_leaves`.
+        overlap: with ``delay >= 1``, take the inner steps before the merge while the push
+            is in flight (in a runtime that overlaps: the local one); False waits for
+            the push and its pull first. The pushes and merges are the same.
 
     Example:
         >>> s = streaming_diloco(local_steps=30, fragments=3, delay=5, alpha=0.5)
@@ -486,4 +532,5 @@ def streaming_diloco(
         outer_momentum=check_number("streaming_diloco", "outer_momentum", outer_momentum, 0.0, 1.0),
         asynchronous=asynchronous,
         every=every,
+        overlap=overlap,
     )

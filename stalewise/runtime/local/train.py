@@ -168,25 +168,47 @@ def _worker_main(
             return
         beat.last = time.monotonic()  # the parent counts "go" as a beat
         loss_slot = _DONE0 + workers + w
+        transit: list = []  # a push in transit (options.transport): [arrival time, update]
+        settle = False  # an overlapped push the next pull must hold
+
+        def land(by: float = math.inf) -> None:
+            """The push in transit reaches the shards, if it arrives by ``by``."""
+            if transit and transit[0] <= by:
+                beat.sleep(transit[0] - time.monotonic())
+                client.push(transit.pop())  # the client counts it toward the budget
+                transit.clear()
 
         def answer(request: Any) -> Any:
+            nonlocal settle
             beat()
             if request is loop.BEGIN:
+                land()  # the budget counts it
                 return not client.stopping and client.may_begin(options.steps)
             if request is loop.PULL:
                 # the pipelining rule (stalewise.protocol.pipeline): the pull does not wait
                 # for the last push's acks (a settling push was answered at them, below)
+                land()
+                if settle:  # read-your-writes, as for a settled push
+                    beat.wait(lambda t: client.wait(timeout=t))
+                settle = False
                 beat.wait(lambda t: client.pull_flat(timeout=t, own=False))
                 return client.last_pull(copy=False)
             if request is loop.CLOCK:  # a strategy pacing itself asks the runtime's clock
                 return time.monotonic()
-            # a Push: emulate the compute time, then push; a straggler is slow at everything
+            # a Push or an Ahead: emulate the compute time; a straggler is slow at everything
             emulated = (request.compute + delay * request.local_steps) * slowdown - request.compute
-            if emulated > 0:
-                beat.sleep(emulated)
+            end = time.monotonic() + max(emulated, 0.0)
+            land(end)  # an overlapped push lands during the steps taken ahead
+            beat.sleep(end - time.monotonic())
+            if isinstance(request, loop.Ahead):
+                return client.take_results()
             beat.wait(lambda t: client.wait(timeout=t))  # the previous push's acks (IN_FLIGHT)
-            client.push(request.update)  # the client counts it toward the budget
             ctrl[loss_slot] = request.loss
+            transit[:] = [time.monotonic() + options.transport, request.update]
+            if request.overlap:
+                settle = True
+                return client.take_results()
+            land()
             if pipeline.answer_at_acks(request):  # read-your-writes: the next pull holds it
                 beat.wait(lambda t: client.wait(timeout=t))
             return client.take_results()
@@ -198,9 +220,11 @@ def _worker_main(
                 batches,
                 worker=w,
                 diverge_after=options.diverge_after,
+                overlap=True,
             ),
             answer,
         )
+        land()
         beat.wait(lambda t: client.wait(timeout=t), total=options.ack_timeout)
         loop.report(client.take_results(), stats, w)
         client.close()
