@@ -38,7 +38,7 @@ import numpy as np
 
 BLOCK = 1024  # elements per block of pass 1: four float32 blocks fit in L1
 LANES = 64  # partial sums per norm (fewer do not vectorize)
-CHECK_BLOCK = 65536  # elements per block of a checked step: checked while in L2
+CHECK_BLOCK = 8192  # elements per block of a checked step (32 KB of float32): checked in L1/L2
 
 Vec = np.ndarray
 Num = float  # a NumPy scalar of the vectors' dtype
