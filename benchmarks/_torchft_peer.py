@@ -1,4 +1,5 @@
-"""torchft's DiLoCo on the language-model task: the peer row of ``benchmarks/lm.py``.
+"""torchft's DiLoCo and Streaming DiLoCo on the language-model task: the peer rows of
+``benchmarks/lm.py``.
 
 Each worker is one torchft replica group of one process (CPU, gloo): its own
 ``TCPStore`` and ``Manager`` (``use_async_quorum=False``, as DiLoCo needs, and
@@ -21,6 +22,19 @@ all-reduces each worker's float32 pseudo-gradient (``4 * params`` bytes per
 worker per sync; a ring all-reduce puts ``2 (n-1)/n`` times that on each
 worker's link), counted here as ``4 * params`` per sync so that it compares with
 a stalewise DiLoCo push of the same delta.
+
+Streaming (``fragments=``, lists of leaf names, e.g. stalewise's
+``fragment_runs``): ``torchft.local_sgd.DiLoCo`` with one ``nn.Module`` per
+fragment (the model's own parameters), ``sync_every=H``,
+``fragment_sync_delay=delay``, ``fragment_update_alpha=alpha`` and
+``should_quantize``. torchft syncs fragment ``step % P`` every ``H / P`` inner
+steps: its all-reduce starts ``delay`` steps before and is merged (``lerp``
+with ``alpha``) at the sync, so the fragments are given in the order stalewise
+pushes them. A record is the *global* model (each fragment's outer-stepped
+values, torchft's ``original_parameters``), as stalewise evaluates the shards'
+parameters; its tokens are ``workers * H / P * batch_size * context`` per sync.
+On CPU torchft's quantized all-reduce (Triton, a GPU) is not used: a push is
+the fragment's float32 pseudo-gradient (``quantized`` in the row says which).
 """
 
 from __future__ import annotations
@@ -55,7 +69,7 @@ def _tree(mod) -> dict:
 
 
 def _worker(w, workers, lighthouse, task, lr, outer, h, syncs, delay, slowdown, ready, go, out,
-            log):  # fmt: skip
+            log, stream):  # fmt: skip
     import os
 
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -66,12 +80,24 @@ def _worker(w, workers, lighthouse, task, lr, outer, h, syncs, delay, slowdown, 
     import torch.distributed as dist
     import torch.nn.functional as F
     from torchft import Manager, ProcessGroupGloo
+    from torchft import manager as ft_manager
     from torchft.local_sgd import DiLoCo
 
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
         model = _module(task.init_params(0))
+        parts, kw = [model], {}
+        if stream is not None:  # one module per fragment, holding the model's own parameters
+            named = dict(model.named_parameters())
+            parts = []
+            for names in stream["fragments"]:
+                part = torch.nn.Module()
+                for n in names:
+                    part.register_parameter(n.replace(".", "__"), named[n])
+                parts.append(part)
+            kw = dict(fragment_sync_delay=stream["delay"], fragment_update_alpha=stream["alpha"],
+                      should_quantize=stream["quantize"])  # fmt: skip
         inner = torch.optim.AdamW(
             model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
         )
@@ -109,7 +135,8 @@ def _worker(w, workers, lighthouse, task, lr, outer, h, syncs, delay, slowdown, 
         drawn = 0
         ready.put(w)
         go.wait()
-        with DiLoCo(manager, [model], inner, outer_opt, sync_every=h, pin_memory=False):
+        with DiLoCo(manager, parts, inner, outer_opt, sync_every=h, pin_memory=False,
+                    **kw) as diloco:  # fmt: skip
             while manager.current_step() < syncs:
                 t = time.perf_counter()
                 inner.zero_grad()
@@ -122,9 +149,17 @@ def _worker(w, workers, lighthouse, task, lr, outer, h, syncs, delay, slowdown, 
                 before = manager.current_step()
                 inner.step()  # DiLoCo syncs in this step's hook every h steps
                 if w == 0 and manager.current_step() != before:
-                    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+                    if stream is None:
+                        state = {
+                            k: v.detach().numpy().copy() for k, v in model.state_dict().items()
+                        }
+                    else:  # the global model: each fragment's outer-stepped values
+                        state = {k.replace("__", "."): v.detach().numpy().copy()
+                                 for f in diloco._fragments
+                                 for k, v in f.original_parameters.items()}  # fmt: skip
                     out.put(("record", time.monotonic(), manager.current_step(), state))
-        out.put(("done", w, time.monotonic(), drawn))
+        quantized = bool(stream and stream["quantize"] and ft_manager.IS_TRITON_AVAILABLE)
+        out.put(("done", w, time.monotonic(), drawn, quantized))
         manager.shutdown(wait=False)
     except BaseException as e:  # the parent reports it
         out.put(("failed", w, f"{type(e).__name__}: {e}"))
@@ -156,8 +191,12 @@ def _check(out, procs, logs: str, deadline: float, timeout: float, lr: float) ->
 
 
 def run(task, lr: float, h: int, syncs: int, workers: int, delay: float,
-        slowdowns: list[float], timeout: float = 900.0, outer=(0.7, 0.9)) -> dict:  # fmt: skip
-    """One torchft DiLoCo run of ``syncs`` syncs; returns the fields of a benchmark row."""
+        slowdowns: list[float], timeout: float = 900.0, outer=(0.7, 0.9), fragments=None,
+        tau: int = 0, alpha: float = 0.0, quantize: bool = False, keep=None) -> dict:  # fmt: skip
+    """One torchft DiLoCo run of ``syncs`` syncs (fragment syncs when ``fragments``, lists
+    of leaf names in the order they sync, makes it Streaming DiLoCo with ``tau`` and
+    ``alpha``); returns the fields of a benchmark row. ``keep``: a list that receives each
+    record's model (leaf name -> array)."""
     import torch
     from torchft.coordination import LighthouseServer
 
@@ -183,6 +222,14 @@ def run(task, lr: float, h: int, syncs: int, workers: int, delay: float,
                 go,
                 out,
                 os.path.join(logs, f"worker{w}.log"),
+                None
+                if fragments is None
+                else dict(
+                    fragments=[list(f) for f in fragments],
+                    delay=tau,
+                    alpha=alpha,
+                    quantize=quantize,
+                ),
             ),
             daemon=True,
         )
@@ -221,24 +268,28 @@ def run(task, lr: float, h: int, syncs: int, workers: int, delay: float,
                 p.join(timeout=5)
         lighthouse.shutdown()
         shutil.rmtree(logs, ignore_errors=True)
-    per_sync = workers * h * task.tokens_per_batch
+    per_sync = workers * h * task.tokens_per_batch // (1 if fragments is None else len(fragments))
     model = _module(task.init_params(0))
     records = [{"time": 0.0, "tokens": 0, "pushes": 0,
                 "loss": task.evaluate(task.init_params(0))["loss"]}]  # fmt: skip
     for t, step, state in raw:
+        if keep is not None:
+            keep.append(state)
         model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
         with torch.no_grad():
             loss = task.evaluate(_tree(model))["loss"]
         records.append({"time": t - t0, "tokens": step * per_sync, "pushes": step * workers,
                         "loss": loss})  # fmt: skip
-    end = max(t for t, _ in done.values()) - t0
-    drawn = sum(d for _, d in done.values()) * task.tokens_per_batch
+    end = max(t for t, *_ in done.values()) - t0
+    drawn = sum(d for _, d, _ in done.values()) * task.tokens_per_batch
+    params = task.num_params() / (1 if fragments is None else len(fragments))  # per push
     return {
         "lr": lr,
         "outer_lr": outer[0],
         "outer_momentum": outer[1],
         "pushes": records[-1]["pushes"],
-        "bytes_per_push": 4.0 * task.num_params(),
+        "bytes_per_push": 4.0 * params,
+        "quantized": any(q for *_, q in done.values()),
         "time": end,
         "tokens": records[-1]["tokens"],
         "tokens_per_s": drawn / end,

@@ -144,10 +144,10 @@ def _begin() -> None:
         counts[2, w] = 0
 
 
-def _pending(step):
+def _pending(step, ahead: int = 0):
     counts = _PROCESS.get("counts")
     if counts is not None:
-        counts[2, _PROCESS["worker"]] = step.local_steps
+        counts[2, _PROCESS["worker"]] = step.local_steps + ahead
     return step
 
 
@@ -164,9 +164,15 @@ class CountingLocalSGD(type(sw.strategies.diloco())):
 
 
 class CountingStreaming(sw.strategies.StreamingDiLoCo):
+    def ahead(self, state, loss_and_grad, batches):  # steps taken while a push is in flight
+        n = super().ahead(state, loss_and_grad, batches)
+        _PROCESS["ahead"] = _PROCESS.get("ahead", 0) + n  # they go out with the next push
+        return n
+
     def step(self, state, params, loss_and_grad, batches):
         _begin()
-        return _pending(super().step(state, params, loss_and_grad, batches))
+        step = super().step(state, params, loss_and_grad, batches)
+        return _pending(step, _PROCESS.pop("ahead", 0))
 
 
 def counting(strategy):
@@ -316,12 +322,27 @@ def fmt(x, spec=".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
-PEER = "torchft DiLoCo H=20"
+PEER, PEER_STREAM = "torchft DiLoCo H=20", "torchft streaming DiLoCo"
+PEERS = (PEER, PEER_STREAM)
 
 
-def torchft_peer(task, m: dict) -> dict:
-    """torchft's DiLoCo (H=20) on the same model and data, if torchft imports: each
-    inner learning rate of the grid, as ``{"rows": [...]}``, else ``{"skipped": why}``."""
+def stream_fragments(task) -> list[list[str]]:
+    """The leaf names of each fragment of the streaming rows, in the order they are pushed."""
+    s = sw.strategies.streaming_diloco(local_steps=20, fragments=FRAGMENTS, delay=TAU)
+    state = s.init(task.init_params(0))
+    seg = state.spec.segments
+    order, t = [], 0
+    for _ in range(FRAGMENTS):
+        t, f = s.schedule(t)
+        order.append(f)
+    return [[n for n, o in zip(seg.names, seg.offsets, strict=True)
+             if any(a <= o < b for a, b in state.runs[f])] for f in order]  # fmt: skip
+
+
+def torchft_peer(task, m: dict, name: str = PEER) -> dict:
+    """torchft's DiLoCo (H=20), or its Streaming DiLoCo with the streaming rows' fragments,
+    tau, alpha and 4-bit flag (``name``), on the same model and data, if torchft imports:
+    each inner learning rate of the grid, as ``{"rows": [...]}``, else ``{"skipped": why}``."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum tick
     try:
         import _torchft_peer
@@ -329,20 +350,22 @@ def torchft_peer(task, m: dict) -> dict:
     except ImportError as e:
         why = f"torchft is not installed ({e})"
         return {"skipped": f"{why}; `pip install 'stalewise[peers]'` adds the peer"}
-    h = 20
-    syncs = math.ceil(EXTRA * m["steps"] / h)  # per worker, EXTRA x B tokens as the others
+    h, kw = 20, {}
+    if name == PEER_STREAM:
+        kw = dict(fragments=stream_fragments(task), tau=TAU, alpha=ALPHA, quantize=True)
+    syncs = math.ceil(EXTRA * m["steps"] / (h / len(kw.get("fragments", [0]))))  # per worker
     slow = [SLOWDOWN if w == SLOW else 1.0 for w in range(WORKERS)]
     rows, failed = [], []
     for o, lr in itertools.product(m["outer"], m["inner_lrs"]):
         try:
-            r = _torchft_peer.run(task, lr, h, syncs, WORKERS, m["delay"], slow, outer=o)
+            r = _torchft_peer.run(task, lr, h, syncs, WORKERS, m["delay"], slow, outer=o, **kw)
         except Exception as e:  # reported, left out of the best
-            print(f"  {PEER:22s} lr={lr:<7g} outer={outer_text(outer_keys(o))} FAILED: "
+            print(f"  {name:22s} lr={lr:<7g} outer={outer_text(outer_keys(o))} FAILED: "
                   f"{type(e).__name__}: {e}", flush=True)  # fmt: skip
-            failed.append({"method": PEER, "lr": lr, **outer_keys(o),
+            failed.append({"method": name, "lr": lr, **outer_keys(o),
                            "error": f"{type(e).__name__}: {e}"})  # fmt: skip
             continue
-        rows.append(dict(r, method=PEER))
+        rows.append(dict(r, method=name))
     return {"rows": rows, "failed": failed, "version": importlib.metadata.version("torchft")}
 
 
@@ -459,7 +482,7 @@ def main() -> int:
 
     rows_all = methods(m, args.codec)
     wanted = None if not args.methods else {n.strip() for n in args.methods.split(",")}
-    known = [r[0] for r in rows_all] + [PEER]
+    known = [r[0] for r in rows_all] + list(PEERS)
     if wanted is not None and wanted - set(known):
         ap.error(f"--methods: unknown {sorted(wanted - set(known))} (known: {', '.join(known)})")
     for name, lrs, outers, make, h in rows_all:
@@ -480,16 +503,19 @@ def main() -> int:
             print(f"  {name}: every point failed; no bars", flush=True)
             return 1
         keep(name, rows)
-    peer = torchft_peer(task, m) if wanted is None or PEER in wanted else {"skipped": "--methods"}
-    out["torchft"] = {k: v for k, v in peer.items() if k != "rows"}
-    if "skipped" in peer:
-        print(f"  {PEER}: skipped: {peer['skipped']}", flush=True)
-    else:
+    out["torchft"] = {}
+    for name in PEERS:
+        wants = wanted is None or name in wanted
+        peer = torchft_peer(task, m, name) if wants else {"skipped": "--methods"}
+        out["torchft"][name] = {k: v for k, v in peer.items() if k != "rows"}
+        if "skipped" in peer:
+            print(f"  {name}: skipped: {peer['skipped']}", flush=True)
+            continue
         out["failed"] += peer["failed"]
         for r in peer["rows"]:
-            show(PEER, r)
+            show(name, r)
         if peer["rows"]:
-            keep(PEER, peer["rows"])
+            keep(name, peer["rows"])
 
     base = best[BASELINE]
     target = base["loss_at_B"]
@@ -549,7 +575,7 @@ def main() -> int:
         bar("async DiLoCo / sync gradients, wall time to the target", r, "<=", 0.6,
             f"{fmt(r, '.2f')} (<= 0.6)")  # fmt: skip
         loss_bar("async DiLoCo", a["loss_at_B"], target, "sync gradients", 2.0)
-    dil = {k: v for k, v in best_rows.items() if "DiLoCo" in k and k != PEER}
+    dil = {k: v for k, v in best_rows.items() if "DiLoCo" in k and k not in PEERS}
     if dil:
         k = max(dil, key=lambda k: dil[k]["bytes_fewer_than_sync"] or 0.0)
         f = dil[k]["bytes_fewer_than_sync"]
@@ -576,6 +602,18 @@ def main() -> int:
         x = None if t is None or not td else t / td
         bar(f"{ASYNC_STREAM} / DiLoCo H=20, wall time to the target", x, "<=", 0.6,
             f"{fmt(t, '.1f')} s vs {fmt(td, '.1f')} s: {fmt(x, '.2f')} (<= 0.6)")  # fmt: skip
+    if STREAM in best_rows and PEER_STREAM in best_rows:
+        st, ft = best_rows[STREAM], best_rows[PEER_STREAM]
+        loss_bar(STREAM, st["loss_at_B"], ft["loss_at_B"], PEER_STREAM, 0.0)
+        key = f"loss_at_{t_eq:.0f}s"
+        rel = pct(st[key], ft[key])
+        bar(
+            f"{STREAM} val loss at {t_eq:.0f} s vs {PEER_STREAM}, % above",
+            rel,
+            "<=",
+            0.0,
+            f"{fmt(st[key], '.4f')} vs {fmt(ft[key], '.4f')}: {fmt(rel, '+.2f')}% (<= +0%)",
+        )
     for name, ok, detail in bars:
         print(f"{'PASS' if ok else 'FAIL'}: {name}: {detail}")
         out["bars"].append({"bar": name, "pass": ok, "detail": detail})
