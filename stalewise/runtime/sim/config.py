@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -169,17 +169,15 @@ class SimConfig:
     def from_dict(cls, table: Mapping[str, Any], where: str = "sim") -> SimConfig:
         """Builds a config from a flat table, as a TOML ``[sim]`` table spells it.
 
-        Keys: ``compute`` ("fixed" | "exponential"), ``step_time`` (fixed),
-        ``shift`` and ``rate`` (exponential), ``speeds`` (list), ``stragglers``
-        ({count, slowdown}), ``slowdowns`` (list of {worker, factor, start, end}),
-        ``failures`` and ``joins`` (lists of {worker, time}), ``latency``,
-        ``bandwidth``, ``worker_bandwidth``, ``shard_bandwidth``,
-        ``service_time``, ``service_rate``, ``model_bytes``, ``restart_delay``,
-        ``contention_step`` and ``contention_apply`` (lists of factors, both or neither).
+        Its keys (:data:`TOML_KEYS`) are SimConfig's fields, ``stragglers`` a table and
+        :data:`TOML_LISTS` lists of tables, but for the models' fields, spelled flat
+        (:data:`_FLAT`): ``compute`` ("fixed" | "exponential") with ``step_time`` (fixed) or
+        ``shift`` and ``rate``, the fields of :class:`Network`, ``service_time`` and
+        ``service_rate``, ``contention_step`` and ``contention_apply`` (both or neither).
 
         Raises:
             SimConfigError: naming the bad field and value (``sim: ShiftedExponential.rate =
-                -1: ...``); a ValueError for an unknown key or a missing field.
+                -1: ...``), with its key in the table as ``path`` (``failures[0].time``).
 
         Example:
             >>> cfg = SimConfig.from_dict({"compute": "fixed", "step_time": 0.5,
@@ -187,62 +185,90 @@ class SimConfig:
             >>> cfg.compute, cfg.failures[0].time
             (Fixed(time=0.5), 3.0)
         """
-        for key in table:
+        t = dict(table)
+        for key in t:
             if key not in TOML_KEYS:
                 known = ", ".join(sorted(TOML_KEYS))
-                raise ValueError(f"{where}.{key}: unknown option (known: {known})")
-        t = dict(table)
-        try:
-            return cls(
-                compute=_compute_from(t),
-                speeds=tuple(t["speeds"]) if "speeds" in t else None,
-                stragglers=Stragglers(**t["stragglers"]) if "stragglers" in t else None,
-                **{k: tuple(kind(**d) for d in t.get(k, ())) for k, kind in TOML_LISTS.items()},
-                network=Network(**{k: t[n] for n, k in _NET_KEYS.items() if n in t}),
-                service=Service(**{k: t[n] for n, k in _SERVICE_KEYS.items() if n in t}),
-                model_bytes=t.get("model_bytes"),
-                restart_delay=t.get("restart_delay", 1.0),
-                contention=_contention_from(t),
+                raise SimConfigError("", key, ..., f"unknown option (known: {known})", where)
+        kind = t.pop("compute", "exponential")
+        if not isinstance(kind, str) or kind not in _COMPUTE:
+            need = "known models are 'fixed' and 'exponential'"
+            raise SimConfigError("", "compute", kind, need, where)
+        if ("contention_step" in t) != ("contention_apply" in t):
+            have, need = sorted(("contention_step", "contention_apply"), key=lambda k: k not in t)
+            raise SimConfigError("", "", ..., f"{have} needs {need} too", where)
+        models = {"compute": _COMPUTE[kind][0], "network": Network, "service": Service}
+        flat: dict[str, dict] = {name: {} for name in (*models, "contention")}
+        for key, (name, f) in _FLAT.items():
+            if key in t and f not in _field_names(models.get(name, Contention)):
+                raise SimConfigError("", key, ..., _COMPUTE[kind][1], where)
+            if key in t:
+                flat[name][f] = t.pop(key)
+        for name, kwargs in flat.items():
+            if kwargs or name in models:  # contention: both keys or neither (None)
+                keys = {f: k for k, (n, f) in _FLAT.items() if n == name}
+                t[name] = _make(models.get(name, Contention), kwargs, where, keys.get)
+        for key, model in TOML_LISTS.items():
+            if not isinstance(t.get(key, ()), list | tuple):
+                need = f"expected a list of tables ({', '.join(_field_names(model))})"
+                raise SimConfigError("", key, t[key], need, where)
+            t[key] = tuple(
+                _table(model, d, f"{key}[{i}]", where) for i, d in enumerate(t.get(key, ()))
             )
-        except SimConfigError as e:
-            raise SimConfigError(e.owner, e.key, e.value, e.need, where) from None
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {e}") from None
+        if "stragglers" in t:
+            t["stragglers"] = _table(Stragglers, t["stragglers"], "stragglers", where)
+        return _make(cls, t, where, str)
 
 
-_NET_KEYS = {k: k for k in ("latency", "bandwidth", "worker_bandwidth", "shard_bandwidth")}
-_SERVICE_KEYS = {"service_time": "time", "service_rate": "rate"}
 #: The [sim] keys that are lists of tables, and the model each table makes.
 TOML_LISTS = {"slowdowns": Slowdown, "failures": Failure, "joins": Join}
-_OTHER_KEYS = ("compute", "step_time", "shift", "rate", "speeds", "stragglers")
-_CONTENTION_KEYS = ("contention_step", "contention_apply")
-#: Every key of a TOML [sim] table.
+#: The [sim] keys of a model's field, spelled flat: key -> (SimConfig's field, the model's).
+_FLAT = {
+    "step_time": ("compute", "time"),
+    **{k: ("compute", k) for k in ("shift", "rate")},
+    **{f.name: ("network", f.name) for f in fields(Network)},
+    **{f"service_{f.name}": ("service", f.name) for f in fields(Service)},
+    **{f"contention_{f.name}": ("contention", f.name) for f in fields(Contention)},
+}
+#: Every key of a TOML [sim] table: SimConfig's fields, with its models' fields spelled flat.
 TOML_KEYS = frozenset(
-    (*_OTHER_KEYS, *TOML_LISTS, "restart_delay", "model_bytes", *_NET_KEYS, *_SERVICE_KEYS,
-     *_CONTENTION_KEYS)
-)  # fmt: skip
+    {f.name for f in fields(SimConfig)} - {"network", "service", "contention"} | set(_FLAT)
+)
+#: compute = "fixed" | "exponential": the model, and what a key of the other one is told.
+_COMPUTE = {
+    "fixed": (Fixed, "shift and rate belong to compute = 'exponential'"),
+    "exponential": (
+        ShiftedExponential,
+        "step_time belongs to compute = 'fixed' (exponential: shift + 1/rate)",
+    ),
+}
 
 
-def _contention_from(t: dict) -> Contention | None:
-    have = [k for k in _CONTENTION_KEYS if k in t]
-    if not have:
-        return None
-    if len(have) == 1:
-        raise ValueError(f"{have[0]} needs {set(_CONTENTION_KEYS).difference(have).pop()} too")
-    return Contention(step=t["contention_step"], apply=t["contention_apply"])
+def _field_names(model: Any) -> list[str]:
+    return [f.name for f in fields(model)]
 
 
-def _compute_from(t: dict) -> Fixed | ShiftedExponential:
-    kind = t.get("compute", "exponential")
-    if kind == "fixed":
-        if "shift" in t or "rate" in t:
-            raise ValueError("shift and rate belong to compute = 'exponential'")
-        return Fixed(**({"time": t["step_time"]} if "step_time" in t else {}))
-    if kind == "exponential":
-        if "step_time" in t:
-            raise ValueError("step_time belongs to compute = 'fixed' (exponential: shift + 1/rate)")
-        return ShiftedExponential(**{k: t[k] for k in ("shift", "rate") if k in t})
-    raise SimConfigError("", "compute", kind, "known models are 'fixed' and 'exponential'")
+def _make(model: Any, kwargs: dict, where: str, path: Any) -> Any:
+    """``model(**kwargs)``; an error's ``path`` is ``path(field)``, its key in the [sim] table."""
+    try:
+        return model(**kwargs)
+    except SimConfigError as e:
+        key = path(e.key.partition("[")[0])
+        raise SimConfigError(e.owner, e.key, e.value, e.need, where, key) from None
+
+
+def _table(model: Any, value: Any, path: str, where: str) -> Any:
+    """The table at ``path`` (``stragglers``, ``failures[0]``) as a ``model``."""
+    known = ", ".join(_field_names(model))
+    if not isinstance(value, Mapping):
+        raise SimConfigError("", path, value, f"expected a table ({known})", where)
+    for k in value:
+        if k not in _field_names(model):
+            raise SimConfigError("", f"{path}.{k}", ..., f"unknown option (known: {known})", where)
+    try:
+        return _make(model, dict(value), where, f"{path}.{{}}".format)
+    except TypeError as e:  # a field missing
+        raise SimConfigError("", path, ..., str(e), where) from None
 
 
 def _names(kind: Any) -> str:

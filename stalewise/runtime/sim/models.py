@@ -63,15 +63,26 @@ _STREAM = 0x51A1E  # separates the simulator's random streams from the tasks' da
 class SimConfigError(ValueError):
     """A bad simulator setting, named: ``owner`` is its model (``Failure``; empty for a
     ``[sim]`` key), ``key`` the field (``time``, ``speeds[1]``, ``failures[0].worker``),
-    ``value`` the bad value, ``need`` what it must be and ``where`` the table it came from."""
+    ``value`` the bad value (``...`` for a table of the wrong shape: an unknown key, a
+    field missing), ``need`` what it must be, ``where`` the table it came from and ``path``
+    the key there (``failures[0].time``)."""
 
-    def __init__(self, owner: str, key: str, value: Any, need: str, where: str = ""):
+    def __init__(self, owner: str, key: str, value: Any, need: str, where: str = "", path=None):
         self.owner, self.key, self.value, self.need, self.where = owner, key, value, need, where
+        self.path = key if path is None else path
         name = f"{owner}.{key}" if owner else key
-        super().__init__(f"{where}: " * bool(where) + f"{name} = {value!r}: {need}")
+        if value is ...:
+            super().__init__(".".join(filter(None, (where, key))) + f": {need}")
+        else:
+            super().__init__(f"{where}: " * bool(where) + f"{name} = {value!r}: {need}")
+
+    @property
+    def problem(self) -> str:
+        """What is wrong, as a config error says it after the key."""
+        return self.need if self.value is ... else f"{self.need}, got {self.value!r}"
 
     def __reduce__(self) -> tuple:
-        return type(self), (self.owner, self.key, self.value, self.need, self.where)
+        return type(self), (self.owner, self.key, self.value, self.need, self.where, self.path)
 
 
 _bad = SimConfigError
