@@ -47,7 +47,7 @@ import bisect
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -393,30 +393,30 @@ class WorkerTiming:
             scale /= np.asarray(sim.speeds, dtype=float)
         if sim.stragglers is not None and sim.stragglers.count:
             scale[workers - sim.stragglers.count :] *= sim.stragglers.slowdown
-        self.scale = scale.tolist()
-        # the share of a step that is compute, not sleep: a local straggler and an emulated
-        # delay sleep (the runnable processes the contention model counts)
-        self.cpu = [1.0 / s for s in sim.speeds] if sim.speeds is not None else [1.0] * workers
-        self.busy = 0.0  # the compute seconds of the last step (finish)
-        self.delays = [0.0] * workers if delays is None else [float(d) for d in delays]
-        self._random = not isinstance(sim.compute, Fixed)
-        rngs = [np.random.default_rng([seed, w, _STREAM]) for w in range(workers)]
-        self._rngs = rngs if self._random else None
-        self._transient: dict[int, tuple[list[float], list[Slowdown]]] = {}
+        speeds = [1.0] * workers if sim.speeds is None else sim.speeds
+        delays = [0.0] * workers if delays is None else delays
+        self.paces = [  # one record per worker
+            _Pace(x, 1.0 / speeds[w], float(delays[w])) for w, x in enumerate(scale.tolist())
+        ]
+        if not isinstance(sim.compute, Fixed):
+            for w, p in enumerate(self.paces):
+                p.rng = np.random.default_rng([seed, w, _STREAM])
         for s in sim.slowdowns:
-            self._transient.setdefault(s.worker, ([], []))[1].append(s)
-        for points, items in self._transient.values():
-            points.extend(sorted({p for s in items for p in (s.start, s.end) if math.isfinite(p)}))
+            self.paces[s.worker].slowdowns.append(s)
+        for p in self.paces:  # an end may be inf, a start may not
+            p.points = sorted({t for s in p.slowdowns for t in (s.start, s.end)} - {math.inf})
+        self.busy = 0.0  # the compute seconds of the last step (finish)
 
     def rng_states(self) -> list[dict] | None:
         """Each worker's random stream state, for a checkpoint (None: fixed step times)."""
-        return None if self._rngs is None else [r.bit_generator.state for r in self._rngs]
+        fixed = isinstance(self.compute, Fixed)
+        return None if fixed else [p.rng.bit_generator.state for p in self.paces]
 
     def load_rng_states(self, states: list[dict] | None) -> None:
         """Sets each worker's random stream state from :meth:`rng_states`'s list."""
-        if states is not None and self._rngs is not None:
-            for rng, state in zip(self._rngs, states, strict=True):
-                rng.bit_generator.state = state
+        if states is not None and not isinstance(self.compute, Fixed):
+            for p, state in zip(self.paces, states, strict=True):
+                p.rng.bit_generator.state = state
 
     def finish(
         self, worker: int, start: float, local_steps: int = 1, stretch: float = 1.0
@@ -429,35 +429,46 @@ class WorkerTiming:
         factor, :class:`Contention`) stretches the sampled compute, not the delays;
         :attr:`busy` is then the step's compute seconds.
         """
+        p = self.paces[worker]
         if local_steps == 1:
-            base = self.compute.sample(self._rngs[worker]) if self._random else self.compute.time
+            base = self.compute.sample(p.rng)  # Fixed: its time
             if stretch != 1.0:
                 base *= stretch
-            work = (base + self.delays[worker]) * self.scale[worker]
+            work = (base + p.delay) * p.scale
         else:
-            if self._random:
-                rng, sample, base = self._rngs[worker], self.compute.sample, 0.0
+            if p.rng is not None:
+                rng, sample, base = p.rng, self.compute.sample, 0.0
                 for _ in range(local_steps):
                     base += sample(rng)  # the samples of the local steps, in order
             else:
                 base = self.compute.time * local_steps
             if stretch != 1.0:
                 base *= stretch
-            work = (base + self.delays[worker] * local_steps) * self.scale[worker]
-        self.busy = base * self.cpu[worker]
-        spans = self._transient.get(worker)
-        if spans is None:
+            work = (base + p.delay * local_steps) * p.scale
+        self.busy = base * p.cpu
+        if not p.slowdowns:
             return start + work
-        points, items = spans
-        t = start
+        points, t = p.points, start
         i = bisect.bisect_right(points, t)
         while True:
-            f = math.prod(s.factor for s in items if s.start <= t < s.end)
+            f = math.prod(s.factor for s in p.slowdowns if s.start <= t < s.end)
             nxt = points[i] if i < len(points) else math.inf
             if work * f <= nxt - t:
                 return t + work * f
             work -= (nxt - t) / f
             t, i = nxt, i + 1
+
+
+@dataclass(slots=True, eq=False)
+class _Pace:
+    """One worker's share of :class:`WorkerTiming`."""
+
+    scale: float  # its step time's factor: stragglers (the run's and the config's) / speed
+    cpu: float  # the share of a step that is compute, not sleep (a straggler's, a delay)
+    delay: float  # extra seconds a local step
+    rng: np.random.Generator | None = None  # its stream of step times (None: Fixed)
+    slowdowns: list[Slowdown] = field(default_factory=list)  # its transient slowdowns
+    points: list[float] = field(default_factory=list)  # their finite starts and ends, sorted
 
 
 class Links:
