@@ -655,17 +655,14 @@ class Simulation:
         run start each worker when and in the order it would have gone on.
         """
         # a worker waiting for its restart is live: a resumed run restarts it at once
-        back = [self.restarting(w) for w in range(self.P)]
+        dead = [wk.phase == _DEAD and not self.restarting(wk.id) for wk in self.workers]
         return {
             "now": self.now,
             "pushes": self.pushes,
             "quiescent": not self.queued
             and all(wk.phase in (_DONE, _DEAD) for wk in self.workers)
-            and not any(back),
-            "phase": [
-                "dead" if wk.phase == _DEAD and not b else "live"
-                for wk, b in zip(self.workers, back, strict=True)
-            ],
+            and not any(map(self.restarting, range(self.P))),
+            "phase": ["dead" if d else "live" for d in dead],
             "ended": [None if wk.ended is None else list(wk.ended) for wk in self.workers],
             "consumed": list(self.consumed),
             "last_loss": [None if math.isnan(x) else float(x) for x in self.last_loss],
@@ -805,8 +802,7 @@ class Simulation:
             elif kind == _PULL_HEAD:
                 self.at(self.links.receive(w, wk.pull_bytes[k], t, x), _PULL_RESP, w, k, i)
             elif kind == _PUSH_HEAD:
-                done = self.links.receive(self.P + k, wk.push_bytes[k], t, x)
-                self.at(done, _PUSH_IN, w, k, i)
+                self.at(self.links.receive(self.P + k, wk.push_bytes[k], t, x), _PUSH_IN, w, k, i)
             elif kind == _PULL_RESP:
                 wk.pending -= 1
                 if not wk.pending:

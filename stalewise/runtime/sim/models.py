@@ -215,12 +215,8 @@ class Slowdown:
         end = self.end
         ok = isinstance(end, int | float | np.integer | np.floating) and not isinstance(end, bool)
         if not (ok and end > self.start and (end <= MAX_SECONDS or end == math.inf)):
-            raise _bad(
-                "Slowdown",
-                "end",
-                self.end,
-                f"must be a time > start ({self.start}), <= {MAX_SECONDS:g} or inf",
-            )
+            need = f"must be a time > start ({self.start}), <= {MAX_SECONDS:g} or inf"
+            raise _bad("Slowdown", "end", self.end, need)
 
 
 @dataclass(frozen=True)
