@@ -220,7 +220,19 @@ class Slowdown:
 
 
 @dataclass(frozen=True)
-class Failure:
+class _Scripted:
+    """A scripted event of ``worker`` at virtual ``time`` (:class:`Failure`, :class:`Join`)."""
+
+    worker: int
+    time: float
+
+    def __post_init__(self) -> None:
+        _worker_id(type(self).__name__, "worker", self.worker)
+        _seconds(type(self).__name__, "time", self.time)
+
+
+@dataclass(frozen=True)
+class Failure(_Scripted):
     """``worker`` fails at virtual ``time``: its unfinished work is lost and the shards
     are told (``Shard.depart``) at once; a push it had committed is still applied.
 
@@ -234,26 +246,12 @@ class Failure:
     no restart is counted. A failure of a worker that is already away is ignored.
     """
 
-    worker: int
-    time: float
-
-    def __post_init__(self) -> None:
-        _worker_id("Failure", "worker", self.worker)
-        _seconds("Failure", "time", self.time)
-
 
 @dataclass(frozen=True)
-class Join:
+class Join(_Scripted):
     """``worker`` (re)joins at virtual ``time`` (``Shard.join``) as a new incarnation,
     continuing its stream of batches; a worker whose first event is a join is
     absent from the start. A join of a worker that is live is ignored."""
-
-    worker: int
-    time: float
-
-    def __post_init__(self) -> None:
-        _worker_id("Join", "worker", self.worker)
-        _seconds("Join", "time", self.time)
 
 
 # -- network and server models ---------------------------------------------------------
