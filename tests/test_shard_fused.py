@@ -47,12 +47,19 @@ def test_the_fused_step_takes_the_step_the_separate_passes_take(name, dtype):
     assert frozen(fused) == frozen(plain)
 
 
+@pytest.mark.parametrize("prepared", [False, True])  # the undo copy: made idle, or by the step
 @pytest.mark.parametrize("where", [0, _kernels.CHECK_BLOCK + 3, N - 1])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_a_non_finite_payload_is_refused_wherever_it_sits_and_changes_nothing(name, where):
+def test_a_non_finite_payload_is_refused_wherever_it_sits_and_changes_nothing(
+    name, where, prepared
+):
     shard = started(name)
     before = frozen(shard)
     for seq, bad in enumerate((np.nan, np.inf, -np.inf), start=3):
+        if prepared:
+            shard.prepare()
+        else:
+            shard._undo_fresh = False  # as after a checkpoint's load: the step copies
         payload = np.ones(N, np.float32)
         payload[where] = bad
         ack = shard.push(PushHeader(0, seq, shard.version, 1), payload)
@@ -86,3 +93,18 @@ def test_a_step_that_overflows_in_the_last_block_only_is_undone(name):
     assert not ack.ok and ack.kind == "overflow", ack
     assert f"would make parameter {N - 2} (leaf 'c.w') non-finite" in ack.reason
     assert frozen(shard) == before and shard.clocks[0] == 1  # still the worker's step
+
+
+def test_a_checked_step_refuses_undo_copies_that_do_not_fit():
+    rule = optim.adamw(1e-3).apply.__self__
+    params = np.ones(10, np.float32)
+    state = rule.init(params)
+    with pytest.raises(ValueError, match=r"undo must be 3 writeable contiguous copies"):
+        rule.apply_checked(
+            np.ones(10, np.float32), state, params, undo=(np.empty(10, np.float32),) * 2
+        )
+    with pytest.raises(ValueError, match=r"undo must be 3"):
+        rule.apply_checked(
+            np.ones(10, np.float32), state, params, undo=(np.empty(9, np.float32),) * 3
+        )
+    assert int(state.count) == 0 and np.all(params == 1)  # nothing taken

@@ -146,28 +146,55 @@ def sgd(
     wd: Num,
     into_params: bool,
     check: Vec,
+    undo_p: Vec,
+    undo_buf: Vec,
 ) -> None:
     """SGD as torch.optim.SGD: ``g += wd*p; buf = momentum*buf + g; p -= lr*(g or buf)``.
 
     ``buf`` is ignored when ``momentum`` is zero (it may then be empty). With
     leaves (``offsets`` not empty), ``decay[s]`` False drops ``wd*p`` on leaf
-    ``s``; empty ``offsets`` decay the whole vector. A non-empty ``check`` (see
-    :func:`_checks`) takes the fused finiteness checks of ``g`` and of what the
-    step writes, block by block while the block is in cache.
+    ``s``; empty ``offsets`` decay the whole vector. A checked step (see
+    :func:`_checks`) goes block by block: a non-empty ``check`` takes the
+    finiteness checks of ``g`` and of what the step writes while the block is in
+    cache, and non-empty ``undo_p`` (``undo_buf``) get the block's values of ``p``
+    (``buf``) before it changes them, all of them whatever the leaves.
     """
     zero = p.dtype.type(0)
     use_buf = momentum != 0
-    for s in range(max(offsets.size, 1)):
-        lo = offsets[s] if offsets.size else 0
-        hi = lo + sizes[s] if offsets.size else g.size
-        leaf_wd = wd if offsets.size == 0 or decay[s] else zero
-        step = max(hi - lo, 1) if check.size == 0 else CHECK_BLOCK
-        for b in range(lo, hi, step):
-            e = min(b + step, hi)
+    copy = undo_p.size != 0
+    step = CHECK_BLOCK if check.size or copy else max(g.size, 1)
+    for b in range(0, g.size, step):
+        e = min(b + step, g.size)
+        if copy:
+            _copy(p, undo_p, b, e)
+            if use_buf:
+                _copy(buf, undo_buf, b, e)
+        for s in range(max(offsets.size, 1)):
+            lo, hi, on = _leaf(offsets, sizes, decay, s, b, e)
+            bb = buf[lo:hi] if use_buf else buf
+            leaf_wd = wd if on else zero
+            _sgd(g[lo:hi], bb, p[lo:hi], lr, momentum, nesterov, leaf_wd, into_params)
+        if check.size:
             bb = buf[b:e] if use_buf else buf
-            _sgd(g[b:e], bb, p[b:e], lr, momentum, nesterov, leaf_wd, into_params)
-            if check.size:
-                _checks(check, g[b:e], p[b:e], bb, bb[:0])
+            _checks(check, g[b:e], p[b:e], bb, bb[:0])
+
+
+@_jit
+def _copy(src: Vec, dst: Vec, b: int, e: int) -> None:
+    """``dst[b:e] = src[b:e]`` as a plain loop from 0, which vectorizes (a slice
+    assignment checks for overlap and may go through a temporary)."""
+    d, s = dst[b:e], src[b:e]
+    for i in range(d.size):
+        d[i] = s[i]
+
+
+@_jit
+def _leaf(offsets: Vec, sizes: Vec, decay: Vec, s: int, b: int, e: int) -> tuple[int, int, bool]:
+    """Leaf ``s``'s part of the block ``[b, e)`` (empty: ``lo >= hi``) and whether it
+    decays; without leaves (empty ``offsets``) the whole block, decaying."""
+    if offsets.size == 0:
+        return b, e, True
+    return max(offsets[s], b), min(offsets[s] + sizes[s], e), bool(decay[s])
 
 
 @_jit
@@ -223,6 +250,9 @@ def adam(
     wd: Num,
     into_params: bool,
     check: Vec,
+    undo_p: Vec,
+    undo_m: Vec,
+    undo_v: Vec,
 ) -> None:
     """Adam with coupled L2 (``l2``, torch Adam) and decoupled decay (``wd``, AdamW).
 
@@ -230,22 +260,25 @@ def adam(
     ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd*p)``. ``inv_c1 = 1/(1-b1^t)``
     and ``inv_sqrt_c2 = 1/sqrt(1-b2^t)`` are the bias corrections. With leaves
     (``offsets`` not empty), ``decay[s]`` False drops both ``l2`` and ``wd`` on
-    leaf ``s``; empty ``offsets`` decay the whole vector. ``check``: as in :func:`sgd`.
+    leaf ``s``; empty ``offsets`` decay the whole vector. ``check`` and ``undo_*``:
+    as in :func:`sgd`.
     """
     zero = p.dtype.type(0)
-    for s in range(max(offsets.size, 1)):
-        lo = offsets[s] if offsets.size else 0
-        hi = lo + sizes[s] if offsets.size else g.size
-        on = offsets.size == 0 or decay[s]
-        step = max(hi - lo, 1) if check.size == 0 else CHECK_BLOCK
-        for b in range(lo, hi, step):
-            e = min(b + step, hi)
-            gb, mb, vb, pb = g[b:e], m[b:e], v[b:e], p[b:e]
+    copy = undo_p.size != 0
+    step = CHECK_BLOCK if check.size or copy else max(g.size, 1)
+    for b in range(0, g.size, step):
+        e = min(b + step, g.size)
+        if copy:
+            _copy(p, undo_p, b, e)
+            _copy(m, undo_m, b, e)
+            _copy(v, undo_v, b, e)
+        for s in range(max(offsets.size, 1)):
+            lo, hi, on = _leaf(offsets, sizes, decay, s, b, e)
             _adam(
-                gb,
-                mb,
-                vb,
-                pb,
+                g[lo:hi],
+                m[lo:hi],
+                v[lo:hi],
+                p[lo:hi],
                 lr,
                 b1,
                 w1,
@@ -258,8 +291,8 @@ def adam(
                 wd if on else zero,
                 into_params,
             )
-            if check.size:
-                _checks(check, gb, pb, mb, vb)
+        if check.size:
+            _checks(check, g[b:e], p[b:e], m[b:e], v[b:e])
 
 
 @_jit

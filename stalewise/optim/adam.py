@@ -66,6 +66,9 @@ class _Adam(Rule):
             *moments, *_leaves.decay_table(segments, self.exclude_from_weight_decay)
         )
 
+    def written(self, state, params: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (params, state.mu, state.nu)
+
     def run(
         self,
         grads: np.ndarray,
@@ -74,6 +77,7 @@ class _Adam(Rule):
         scale: float,
         into_params: bool,
         check: np.ndarray | None = None,
+        undo: tuple[np.ndarray, ...] | None = None,
     ) -> None:
         check_vectors(grads, params, write_grads=True, write_params=into_params)
         check_buffers("adam", params, mu=state.mu, nu=state.nu)
@@ -100,6 +104,7 @@ class _Adam(Rule):
             dt(self.decay),
             into_params,
             params[:0] if check is None else check,
+            *(undo or (params[:0],) * 3),
         )
         state.count[...] = t
 

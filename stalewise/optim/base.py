@@ -180,23 +180,48 @@ class Rule(abc.ABC):
         """``params`` and ``state`` advance in place; ``grads`` may be overwritten."""
         self.run(grads, state, params, scale, True)
 
-    fused_checks = False  # run() takes check=, the fused checks of apply_checked
+    fused_checks = False  # run() takes check= and undo=, the fused work of apply_checked
 
     def apply_checked(
-        self, grads: np.ndarray, state: State, params: np.ndarray, *, scale: float = 1.0
+        self,
+        grads: np.ndarray,
+        state: State,
+        params: np.ndarray,
+        *,
+        scale: float = 1.0,
+        undo: tuple[np.ndarray, ...] | None = None,
     ) -> tuple[float, float]:
-        """:meth:`apply` with the checks a parameter server makes fused into the step
+        """:meth:`apply` with what a parameter server does around it fused into the step
         (block by block, while each block is in cache), for rules with ``fused_checks``.
 
-        ``grads`` is left untouched. Returns the sum of the squares of ``grads`` and the
-        sum of zero times every value the step wrote, both in the dtype of ``params``:
-        the second is finite exactly when the params and state stayed finite, the first
-        when ``grads`` is finite and its squared norm does not overflow (an Inf or NaN
-        sends a server to its exact checks). The step is taken either way.
+        ``undo``: copies of the vectors :meth:`written` names, in its order, that get
+        their values before the step changes them (the state's other arrays are the
+        caller's to copy). ``grads`` is left untouched. Returns the sum of the squares
+        of ``grads`` and the sum of zero times every value the step wrote, both in the
+        dtype of ``params``: the second is finite exactly when the params and state
+        stayed finite, the first when ``grads`` is finite and its squared norm does not
+        overflow (an Inf or NaN sends a server to its exact checks). The step is taken
+        either way.
         """
+        if undo is not None:
+            written = self.written(state, params)
+            if len(undo) != len(written) or any(
+                not isinstance(c, np.ndarray)
+                or (c.shape, c.dtype) != (w.shape, w.dtype)
+                or not (c.flags.c_contiguous and c.flags.writeable)
+                for c, w in zip(undo, written, strict=False)
+            ):
+                raise ValueError(
+                    f"apply_checked: undo must be {len(written)} writeable contiguous copies "
+                    f"shaped like {[f'{w.dtype}{w.shape}' for w in written]}"
+                )
         check = np.zeros(2, params.dtype)
-        self.run(grads, state, params, scale, True, check=check)  # type: ignore[call-arg]
+        self.run(grads, state, params, scale, True, check=check, undo=undo)  # type: ignore[call-arg]
         return float(check[0]), float(check[1])
+
+    def written(self, state: State, params: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The vectors a checked step writes (``fused_checks`` rules): ``params`` first."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused checks")
 
     def optimizer(self) -> Optimizer:
         """The :class:`Optimizer` of this rule."""

@@ -62,6 +62,9 @@ class _Sgd(Rule):
             *velocity, *_leaves.decay_table(segments, self.exclude_from_weight_decay)
         )
 
+    def written(self, state, params: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (params, state.momentum)
+
     def run(
         self,
         grads: np.ndarray,
@@ -70,6 +73,7 @@ class _Sgd(Rule):
         scale: float,
         into_params: bool,
         check: np.ndarray | None = None,
+        undo: tuple[np.ndarray, ...] | None = None,
     ) -> None:
         check_vectors(grads, params, write_grads=True, write_params=into_params)
         if self.momentum:
@@ -89,6 +93,7 @@ class _Sgd(Rule):
             dt(self.weight_decay),
             into_params,
             params[:0] if check is None else check,
+            *(undo or (params[:0],) * 2),
         )
         state.count[...] = count + 1
 

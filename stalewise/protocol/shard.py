@@ -180,7 +180,7 @@ class Shard:
         self.opt_state = optimizer.init(params, segments)
         # a rule that checks values in its own pass over the slice (Rule.apply_checked)
         rule = getattr(optimizer.apply, "__self__", None)
-        self._fused = rule.apply_checked if getattr(rule, "fused_checks", False) else None
+        self._fused = rule if getattr(rule, "fused_checks", False) else None
         self.workers = workers
         self.consistency = consistency or consistency_lib.ASP()
         self.staleness = staleness or staleness_lib.constant()
@@ -531,8 +531,10 @@ class Shard:
         """One optimizer step, or none: a step that makes a value non-finite is undone.
 
         The params and the optimizer state's arrays are copied first (into buffers
-        kept from step to step, unless :meth:`prepare` did it already), the step
-        is taken in place, and every float value is checked: in the step's own
+        kept from step to step, unless :meth:`prepare` did it already; a rule with
+        fused checks copies the vectors it writes in its own pass, each block before
+        it changes it), the step is taken in place, and every float value is
+        checked: in the step's own
         pass for a rule with fused checks (:meth:`Rule.apply_checked
         <stalewise.optim.base.Rule.apply_checked>`), else one dot product per
         array; if one is NaN/Inf, the copies are restored, bit for bit, and
@@ -541,15 +543,19 @@ class Shard:
         NaN/Inf in it (or, if ``judge``, an overflow of its norm) undoes the step
         and is refused as :meth:`_check_payload` would have refused it.
         """
-        self.prepare()
         arrays, undo = self._undo_buffers()
-        self._undo_fresh = False
         err = None
         if self._fused is None:
+            self.prepare()
+            self._undo_fresh = False
             self.optimizer.apply(update, self.opt_state, self.params, scale=scale)
             written_ok = False
         else:
-            sq, written = self._fused(update, self.opt_state, self.params, scale=scale)
+            copies = None if self._undo_fresh else self._copy_unwritten(arrays, undo)
+            self._undo_fresh = False
+            sq, written = self._fused.apply_checked(
+                update, self.opt_state, self.params, scale=scale, undo=copies
+            )
             written_ok = math.isfinite(written)
             if judge is not None and not math.isfinite(sq):  # exact, on the untouched payload
                 err = self._values_refusal(update, judge_overflow=judge)
@@ -569,6 +575,16 @@ class Shard:
             raise err
         self.version += 1
         self.stats.rounds += 1
+
+    def _copy_unwritten(self, arrays: list[np.ndarray], undo: list[np.ndarray]) -> tuple:
+        """The undo copy a checked step makes itself: copies here the arrays it does not
+        write (the step count, leaf tables) and returns the copies of those it writes, for
+        the step to fill block by block as it goes."""
+        written = self._fused.written(self.opt_state, self.params)
+        for a, copy in zip(arrays, undo, strict=True):
+            if not any(a is w for w in written):
+                np.copyto(copy, a)
+        return tuple(next(c for a, c in zip(arrays, undo, strict=True) if a is w) for w in written)
 
     def _undo_buffers(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The arrays a step changes (params, then the optimizer state's) and their undo copies."""
