@@ -1,8 +1,12 @@
 """The examples in examples/ run as scripts and their asynchronous training works."""
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,15 +41,43 @@ def test_example_trains_asynchronously(script, backend):
 README = EXAMPLES.parent / "README.md"
 
 
-@pytest.mark.parametrize("index", range(4))
-def test_readme_python_snippets_run_as_pasted(index, tmp_path):
+def readme_snippets() -> list[str]:
     snippets = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     assert len(snippets) == 4, "a snippet was added or removed: update this test"
-    script = tmp_path / "snippet.py"
-    script.write_text(snippets[index])
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
+    return snippets
+
+
+@pytest.fixture(scope="module")
+def snippets_run(tmp_path_factory) -> list[subprocess.CompletedProcess]:
+    """Each README snippet run as pasted (``python snippet.py`` in a folder of its own),
+    the four at once, each in its own session; every session still there after 300 s or
+    when this ends is killed."""
+    procs = []
+    try:
+        for snippet in readme_snippets():
+            folder = tmp_path_factory.mktemp("snippet")
+            (folder / "snippet.py").write_text(snippet)
+            procs.append(subprocess.Popen(
+                [sys.executable, "snippet.py"], cwd=folder, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True, start_new_session=True,
+            ))  # fmt: skip
+        deadline = time.monotonic() + 300
+        outs = [p.communicate(timeout=max(deadline - time.monotonic(), 0.1)) for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):  # the snippet and its children
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, *out)
+        for p, out in zip(procs, outs, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_readme_python_snippets_run_as_pasted(index, snippets_run):
+    assert len(readme_snippets()) == 4, "a snippet was added or removed: update this test"
+    proc = snippets_run[index]
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     expected = ["'loss':", "2 applied (3,)", "w = 2.99", "held-out accuracy"][index]
     assert expected in proc.stdout, proc.stdout
