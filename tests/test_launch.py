@@ -114,15 +114,29 @@ def test_the_same_script_without_the_launcher_trains_as_one_worker(tmp_path, no_
     assert report["pushes"] == 100 and report["loss"] < 1e-2 * report["start"]
 
 
-def test_a_worker_that_raises_makes_the_launcher_fail_naming_its_rank(tmp_path, no_leaks):
-    script, out = _script(tmp_path), tmp_path / "RAISE"
-    done = _run("run", "--workers", "2", "--steps", "60", str(script), str(out), cwd=tmp_path)
+def test_workers_that_fail_before_or_after_init_make_the_launcher_fail_naming_them(
+    tmp_path, no_leaks
+):
+    """Rank 1 raises after sw.init, rank 2 before it: the start barrier is broken at once
+    (rank 2 does not hold the others), the launcher names both, and rank 0 carries on to
+    the budget alone."""
+    text = SCRIPT.replace(
+        "    out = sys.argv[1]\n",
+        "    out = sys.argv[1]\n"
+        "    if os.environ.get('STALEWISE_RANK') == '2':\n"
+        "        raise ImportError('rank 2 lacks a package')\n",
+    ).replace("import json, sys", "import json, os, sys")
+    script, out = _script(tmp_path, text), tmp_path / "RAISE"
+    start = time.monotonic()
+    done = _run("run", "--workers", "3", "--steps", "60", str(script), str(out), cwd=tmp_path)
     assert done.returncode == 1
     assert "ValueError: rank 1 cannot train" in done.stderr  # its traceback, on stderr
     assert "stalewise run: rank 1 failed (exit code 1)" in done.stderr
+    assert "stalewise run: rank 2 failed" in done.stderr
     assert _reports(out, 1)[0]["pushes"] >= 60  # rank 0 carried on to the budget alone
-    last = done.stderr.strip().splitlines()[-1]  # and the last line counts the failed rank
-    assert re.fullmatch(r"stalewise run: 1 of 2 workers done, 1 failed, \d+ pushes", last), last
+    assert time.monotonic() - start < 0.5 * RENDEZVOUS_TIMEOUT  # not held at the barrier
+    last = done.stderr.strip().splitlines()[-1]  # and the last line counts the failed ranks
+    assert re.fullmatch(r"stalewise run: 1 of 3 workers done, 2 failed, \d+ pushes", last), last
 
 
 LAUNCH_ERRORS = [
@@ -207,22 +221,6 @@ def test_init_checks_its_arguments():
     with pytest.raises(ValueError, match=r"^sw.init: steps must be an integer >= 1 or None"):
         sw.init(job, steps=0)
     assert "STALEWISE_RANK" not in os.environ
-
-
-def test_a_worker_that_dies_before_init_does_not_hold_the_others(tmp_path, no_leaks):
-    """The start barrier is broken at once when a worker fails before reaching it."""
-    text = SCRIPT.replace(
-        "    out = sys.argv[1]\n",
-        "    out = sys.argv[1]\n"
-        "    if os.environ.get('STALEWISE_RANK') == '1':\n"
-        "        raise ImportError('rank 1 lacks a package')\n",
-    ).replace("import json, sys", "import json, os, sys")
-    script, out = _script(tmp_path, text), tmp_path / "report"
-    start = time.monotonic()
-    done = _run("run", "--workers", "2", "--steps", "40", str(script), str(out), cwd=tmp_path)
-    assert done.returncode == 1 and "stalewise run: rank 1 failed" in done.stderr
-    assert _reports(out, 1)[0]["pushes"] >= 40
-    assert time.monotonic() - start < 0.5 * RENDEZVOUS_TIMEOUT  # not held at the barrier
 
 
 LINES = textwrap.dedent(
