@@ -40,7 +40,7 @@ TABLES = {
         "address",
         *Failures.FIELDS.values(),  # on_worker_failure, max_restarts, worker_timeout, ...
     },
-    "sim": None,  # checked key by key against SimConfig.from_dict
+    "sim": None,  # checked by SimConfig.from_dict (its TOML_KEYS)
     "strategy": None,  # checked against the chosen strategy's signature
 }
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb", "lars")
