@@ -627,13 +627,6 @@ class Simulation:
         wk.pull_buf = wk.upd_buf = wk.next_buf = None
         wk.sender.abandoned()  # a push encoded, never committed: the residual stays
 
-    def join(self, wk: _SimWorker) -> None:
-        if wk.phase not in (_DEAD, _DONE):
-            log.debug("sim: worker %d joins at t=%.6g but is live; ignored", wk.id, self.now)
-            return
-        log.info("sim: worker %d joins at t=%.6g", wk.id, self.now)
-        self.rejoin(wk)
-
     def rejoin(self, wk: _SimWorker) -> None:
         """Worker ``wk`` comes back as a new incarnation (a scripted join or a restart)."""
         wk.inc += 1
@@ -785,10 +778,11 @@ class Simulation:
                     continue  # the job is over, or the worker is back already (a join)
                 if kind == _FAIL:
                     self.fail(wk)
-                elif kind == _JOIN:
-                    self.join(wk)
-                else:
-                    log.info("sim: worker %d restarts at t=%.6g", w, self.now)
+                elif kind == _JOIN and wk.phase not in (_DEAD, _DONE):
+                    log.debug("sim: worker %d joins at t=%.6g but is live; ignored", w, t)
+                else:  # back by a scripted join or a restart
+                    how = "joins" if kind == _JOIN else "restarts"
+                    log.info("sim: worker %d %s at t=%.6g", w, how, t)
                     self.rejoin(wk)
             elif i != (wk := workers[w]).inc:
                 continue  # a message of (or to) an earlier life of worker w
