@@ -16,15 +16,15 @@ from stalewise.launch import BudgetSpent, Context, init
 from stalewise.loops import LocalSGD, LocalSGDOptax
 from stalewise.options import Checkpoints, Emulation, Failures, Metrics, Simulation, Timeouts
 from stalewise.runtime.attach import AttachError, attach
-from stalewise.runtime.base import (
+from stalewise.runtime.errors import (
     DivergedError,
     FailureWarning,
     ServerClosed,
     ShardError,
-    TrainResult,
     WorkerError,
 )
 from stalewise.runtime.options import RunOptions
+from stalewise.runtime.result import TrainResult
 
 __version__ = "0.1.0"
 

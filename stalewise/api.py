@@ -19,8 +19,9 @@ from stalewise import strategies as strategies_lib
 from stalewise.backends import backend_of
 from stalewise.optim import buffers as optim_buffers
 from stalewise.protocol import ServerConfig
-from stalewise.runtime.base import TrainResult, warn_summary
+from stalewise.runtime.errors import warn_summary
 from stalewise.runtime.options import RunOptions
+from stalewise.runtime.result import TrainResult
 
 log = logging.getLogger(__name__)
 

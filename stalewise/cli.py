@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     from stalewise.config import ConfigError
-    from stalewise.runtime.base import DivergedError, FailureWarning
+    from stalewise.runtime.errors import DivergedError, FailureWarning
     from stalewise.runtime.sim.config import TooLongError
 
     try:

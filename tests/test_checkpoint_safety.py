@@ -244,8 +244,9 @@ def test_loading_neither_unpickles_nor_imports(tmp_path):
     assert not marker.exists()
 
 
-def test_the_load_and_resume_modules_import_neither_pickle_nor_importlib():
-    source = ast.parse(Path(checkpoint.__file__).read_text())
+@pytest.mark.parametrize("module", sorted(Path(checkpoint.__file__).parent.glob("*.py")))
+def test_the_load_and_resume_modules_import_neither_pickle_nor_importlib(module):
+    source = ast.parse(module.read_text())
     imported = {
         alias.name.partition(".")[0]
         for node in ast.walk(source)
@@ -745,7 +746,7 @@ def _folder_elsewhere(newer: Path) -> None:
 def _huge_manifest(newer: Path) -> None:
     """A valid manifest padded with whitespace past the cap, its checksum recomputed."""
     text = (newer / "manifest.json").read_text()
-    text += " " * (checkpoint.MAX_MANIFEST_BYTES + 1 - len(text))
+    text += " " * (checkpoint.store.MAX_MANIFEST_BYTES + 1 - len(text))
     (newer / "manifest.json").write_text(text)
     (newer / "manifest.sha256").write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
 
@@ -879,7 +880,7 @@ def test_a_manifest_past_the_cap_is_not_written(tmp_path, monkeypatch):
     and goes on, and the folder stays as it was."""
     job = sw.Job(_params(), optimizer=sw.optim.sgd(0.1))
     states = _trained_states(job, pushes=1, workers=1)
-    monkeypatch.setattr(checkpoint, "MAX_MANIFEST_BYTES", 1000)
+    monkeypatch.setattr(checkpoint.store, "MAX_MANIFEST_BYTES", 1000)
     with pytest.raises(OSError, match=r"manifest.json would be \d+ bytes, more than the 1000 "):
         checkpoint.save(
             tmp_path,

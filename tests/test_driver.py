@@ -19,7 +19,7 @@ import stalewise as sw
 from stalewise import checkpoint
 from stalewise.protocol import PushHeader
 from stalewise.runtime import driver
-from stalewise.runtime.base import DivergedError, WorkerError
+from stalewise.runtime.errors import DivergedError, WorkerError
 from stalewise.runtime.options import RunOptions
 
 TARGET = np.array([1.0, -2.0, 3.0])

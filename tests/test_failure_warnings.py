@@ -299,7 +299,7 @@ def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     # shards start without the user's __main__ now: the first worker to import it dies
-    assert re.match(r"stalewise\.runtime\.base\.WorkerError: worker \d failed: ", last), last
+    assert re.match(r"stalewise\.runtime\.errors\.WorkerError: worker \d failed: ", last), last
     assert 'put the code that starts training under `if __name__ == "__main__":`' in last
 
 

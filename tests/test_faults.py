@@ -25,7 +25,7 @@ import stalewise as sw
 from stalewise import checkpoint
 from stalewise import config as config_lib
 from stalewise.protocol import liveness
-from stalewise.runtime.base import DivergedError, ShardError
+from stalewise.runtime.errors import DivergedError, ShardError
 from stalewise.runtime.local.shm import held_blocks, leaked_blocks
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import Fixed
@@ -201,11 +201,11 @@ def test_a_checkpoint_with_bad_batch_counts_is_refused(tmp_path, drawn, message)
         step_info={"pushes": 0, "drawn": [5, 3]},
     )
     saved = checkpoint.load(tmp_path)
-    checkpoint.check_compatible(saved, config, 2)  # as written, it is accepted
+    checkpoint.resume.check_compatible(saved, config, 2)  # as written, it is accepted
     assert checkpoint.drawn_of(saved, 2) == [5, 3]
     saved.manifest["step"]["drawn"] = drawn
     with pytest.raises(sw.CheckpointError, match=message):
-        checkpoint.check_compatible(saved, job().config, 2)
+        checkpoint.resume.check_compatible(saved, job().config, 2)
 
 
 def test_a_stopped_worker_is_detected_within_worker_timeout_and_restarted(no_leaks):

@@ -105,7 +105,7 @@ def _rewrite_residuals(d, residuals):
     checkpoint.save(
         d,
         ckpt.states,
-        spec=checkpoint.spec_from_json(ckpt.manifest["spec"]),
+        spec=checkpoint.spec.spec_from_json(ckpt.manifest["spec"]),
         config_info=ckpt.manifest["config"],
         step_info=ckpt.step,
         residuals=residuals,
@@ -149,7 +149,7 @@ def test_old_checkpoints_resume_with_zero_residuals_and_feedback_of(tmp_path):
     _rewrite_residuals(tmp_path, None)
     old = checkpoint.load(tmp_path)
     assert old.residuals is None and "feedback" not in old.manifest
-    assert not (old.path / checkpoint.FEEDBACK).exists()
+    assert not (old.path / checkpoint.store.FEEDBACK).exists()
     job = _sim_job()
     fb = checkpoint.feedback_of(old, job.config, 2)
     assert [f.residual.tolist() for f in fb] == [[0.0] * 2000] * 2
@@ -175,13 +175,13 @@ def test_a_corrupt_residual_file_is_refused_and_the_previous_checkpoint_used(tmp
     _sim_train(_sim_job(), tmp_path, 20)
     _sim_train(_sim_job(), tmp_path, 40, resume=True)
     newest = checkpoint.load(tmp_path)
-    with open(newest.path / checkpoint.FEEDBACK, "r+b") as f:
+    with open(newest.path / checkpoint.store.FEEDBACK, "r+b") as f:
         f.seek(-3, os.SEEK_END)
         f.write(b"\x00\x01\x02")
     with caplog.at_level("WARNING", logger="stalewise.checkpoint"):
         used = checkpoint.load(tmp_path)
     assert used.path != newest.path and used.step["pushes"] == 20
-    assert f"{checkpoint.FEEDBACK}: checksum mismatch" in caplog.text
+    assert f"{checkpoint.store.FEEDBACK}: checksum mismatch" in caplog.text
 
 
 # -- the shared-memory residuals ----------------------------------------------------------

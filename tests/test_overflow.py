@@ -12,7 +12,7 @@ from stalewise import optim
 from stalewise.consistency import BSP
 from stalewise.protocol import Ack, Diverged, PushHeader, PushResult, Shard, commit, loop
 from stalewise.protocol.state import _flatten_state
-from stalewise.runtime.base import DivergedError
+from stalewise.runtime.errors import DivergedError
 from stalewise.segments import Segments
 
 F32_MAX = float(np.finfo(np.float32).max)

@@ -24,7 +24,7 @@ import ray_helpers
 
 import stalewise as sw
 from stalewise import checkpoint, codecs, tasks
-from stalewise.runtime.base import WorkerError
+from stalewise.runtime.errors import WorkerError
 
 ACCURACY = 0.95  # held-out accuracy a record of every digits run must reach (it then stops)
 FINAL = 0.90  # ... and the final parameters (pushes in flight at the stop still land)

@@ -535,11 +535,11 @@ def test_max_staleness_is_judged_once_for_all_shards():
 
 
 def test_merge_stats_takes_per_push_counters_from_shard_0_and_names_torn_shards(caplog):
-    from stalewise.runtime.base import merge_stats
+    from stalewise.runtime.result import merge_stats
 
     s = {"applied": 5, "rejected": {"not_finite": 2}, "duplicates": 1, "staleness_mean": 1.0,
          "staleness_max": 2, "bytes_in": 10, "bytes_out": 20}  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="stalewise.runtime.base"):
+    with caplog.at_level(logging.WARNING, logger="stalewise.runtime.result"):
         merged = merge_stats([s, s | {"rejected": {"not_finite": 2, "too_stale": 0}}], settled=True)
         assert not caplog.messages  # a zero count is no disagreement
         assert merged["rejected"] == {"not_finite": 2} and merged["applied"] == 5

@@ -11,7 +11,7 @@ import pytest
 from stalewise import config, report
 from stalewise import sweep as sweep_lib
 from stalewise.cli import main
-from stalewise.runtime.base import Recorder
+from stalewise.runtime.result import Recorder
 from stalewise.targets import Target, all_reached, infer_mode, parse, time_to_target
 
 ROOT = Path(__file__).resolve().parent.parent

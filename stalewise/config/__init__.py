@@ -147,7 +147,8 @@ from stalewise.config.build import strategy_from_table
 from stalewise.config.schema import TABLES, ConfigError, parse_strategy_value
 from stalewise.config.schema import max_workers as max_workers
 from stalewise.options import Emulation, Failures, Metrics, Simulation
-from stalewise.runtime.base import MAX_DELAY, TrainResult
+from stalewise.runtime.base import MAX_DELAY
+from stalewise.runtime.result import TrainResult
 from stalewise.runtime.sim.config import SimConfig, TooLongError
 
 

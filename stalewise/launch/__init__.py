@@ -80,7 +80,7 @@ Ctrl-C or SIGTERM. A checkpoint holds the shards' state (parameters, optimizer
 state, versions), the job's push counts, and each rank's ``ctx.state``: a dict the
 script fills (its data position, an inner optimizer's state, an RNG's
 ``bit_generator.state``) with JSON values and numpy arrays, nested dicts of them;
-nothing is pickled (:func:`stalewise.checkpoint.flat_state`). A rank hands its
+nothing is pickled (:func:`stalewise.checkpoint.store.flat_state`). A rank hands its
 ``ctx.state`` over in ``ctx.should_stop()`` once the job's pushes pass a multiple of
 ``N`` (the launcher waits :data:`~stalewise.launch.checkpoints.RANK_STATE_WAIT` seconds
 for it, else keeps the rank's previous one) and at ``ctx.close()``, through files in ``DIR/.ranks``.
@@ -165,7 +165,7 @@ from stalewise.launch.progress import Progress, end_lines  # noqa: F401 (Ray's l
 from stalewise.launch.ranks import RANK_TIMEOUT, STOP_GRACE, rank_env  # noqa: F401
 from stalewise.launch.ranks import serve_workers as _serve_workers  # noqa: F401 (the registry's)
 from stalewise.options import checkpoint_fields
-from stalewise.runtime.base import BudgetSpent
+from stalewise.runtime.errors import BudgetSpent
 
 __all__ = ["BudgetSpent", "Context", "LaunchError", "Terminated", "init", "launch"]
 

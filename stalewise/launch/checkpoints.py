@@ -202,7 +202,7 @@ def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resum
 class RankStates:
     """A launched rank's side: ``ctx.state`` from the launcher's folder at ``sw.init``, and
     into it from ``should_stop()`` once the job's pushes pass a multiple of ``every``, and
-    at ``close()`` (data only: :func:`stalewise.checkpoint.flat_state`)."""
+    at ``close()`` (data only: :func:`stalewise.checkpoint.store.flat_state`)."""
 
     def __init__(self, folder: Path, every: int | None):
         self.folder, self.every = folder, every
@@ -241,7 +241,7 @@ def write_rank_state(folder: Path, rank: int, state: Any, pushes: int) -> None:
     and the job's ``pushes`` in the header's metadata (no pickle)."""
     from safetensors.numpy import save_file
 
-    from stalewise import checkpoint
+    from stalewise.checkpoint import store as checkpoint
 
     arrays, values = checkpoint.flat_state(state, f"rank {rank}: ctx.state")
     path = _rank_file(folder, rank)
@@ -260,7 +260,7 @@ def _metadata(f: Any) -> dict:
 def read_rank_state(folder: Path, rank: int) -> dict | None:
     from safetensors.numpy import load
 
-    from stalewise import checkpoint
+    from stalewise.checkpoint import store as checkpoint
 
     try:
         data = _rank_file(folder, rank).read_bytes()

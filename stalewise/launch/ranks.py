@@ -19,7 +19,7 @@ from typing import Any
 from stalewise.launch import checkpoints, context
 from stalewise.launch.progress import Progress, end_lines, say
 from stalewise.protocol.liveness import silent_rank
-from stalewise.runtime.base import BudgetSpent, ServerClosed
+from stalewise.runtime.errors import BudgetSpent, ServerClosed
 
 log = logging.getLogger(__name__)
 

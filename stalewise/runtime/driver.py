@@ -9,7 +9,7 @@ every runtime:
   which checks it fits the job), with the pushes, batches drawn and
   error-feedback residuals it holds, handed to :meth:`Host.start` as
   :attr:`Run.resume`, :attr:`Run.drawn` and :attr:`Run.feedback`;
-* the failure policy's log (:class:`~stalewise.runtime.base.Failures`, with the
+* the failure policy's log (:class:`~stalewise.runtime.errors.Failures`, with the
   hint on how to resume when checkpoints are written), which the host applies;
 * the cadence: a record at once, then one per ``eval_interval`` on the grid
   ``k * eval_interval`` of the host's clock (a record taking longer than an
@@ -18,7 +18,7 @@ every runtime:
   :class:`WorkerError` to resume from, and the final one;
 * ``stop_at`` (the :class:`Recorder` says it is reached: the driver tells the host
   to stop), the wall-clock ``timeout``, the end reason
-  (:func:`~stalewise.runtime.base.end_reason`) and the :class:`TrainResult`.
+  (:func:`~stalewise.runtime.result.end_reason`) and the :class:`TrainResult`.
 
 Time is the host's: wall seconds since :meth:`Host.go` in a real runtime,
 virtual seconds in the simulator. The driver asks the host to
@@ -42,14 +42,8 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from stalewise import checkpoint, tree
-from stalewise.runtime.base import (
-    Failures,
-    Recorder,
-    TrainResult,
-    WorkerError,
-    end_reason,
-    mean_loss,
-)
+from stalewise.runtime.errors import Failures, WorkerError
+from stalewise.runtime.result import Recorder, TrainResult, end_reason, mean_loss
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +103,7 @@ class Host(Protocol):
         """Shard 0's version (for ``checkpoint_every``)."""
 
     def stats(self, *, settled: bool = False) -> dict:
-        """The shards' counters merged (:func:`~stalewise.runtime.base.merge_stats`)."""
+        """The shards' counters merged (:func:`~stalewise.runtime.result.merge_stats`)."""
 
     def losses(self) -> Sequence[float]:
         """Each worker's last loss (NaN: it has not pushed)."""

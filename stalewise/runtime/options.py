@@ -22,7 +22,8 @@ from typing import Any
 
 from stalewise import runtime as runtime_lib
 from stalewise.protocol.loop import DIVERGE_AFTER
-from stalewise.runtime.base import FAILURE_POLICIES, check_run
+from stalewise.runtime.base import check_run
+from stalewise.runtime.errors import FAILURE_POLICIES
 
 #: The shortest ``eval_interval``, in seconds (virtual in the simulator). A run records once
 #: per interval; 1 ms is finer than any real evaluation and keeps a simulated run's records
@@ -257,7 +258,7 @@ class RunOptions:
     checkpoint_keep: int = 2  # checkpoints kept (the newest)
     resume: bool = False  # start from the newest usable checkpoint in checkpoint_dir
     on_worker_failure: str = (
-        "restart"  # "restart" | "drop" | "fail" (stalewise.runtime.base.Failures)
+        "restart"  # "restart" | "drop" | "fail" (stalewise.runtime.errors.Failures)
     )
     max_restarts: int | None = 3  # restarts per worker id (and per shard); None: no limit
     worker_timeout: float | None = 60.0  # seconds without a heartbeat before a worker is hung

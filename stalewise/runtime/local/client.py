@@ -29,7 +29,7 @@ it disconnected this worker for a protocol fault) raises :class:`ServerClosed`
 naming the shard, and every later call raises it again: it commits no more
 pushes, which the other shards would apply alone.
 
-A shard whose process dies is a :class:`~stalewise.runtime.base.ShardError`
+A shard whose process dies is a :class:`~stalewise.runtime.errors.ShardError`
 naming it, from every call of every client from then on (until the server
 restarts it, when the workers rejoin as new incarnations). The server watches
 its shard processes and writes how each one ended into the shared control
@@ -51,7 +51,8 @@ import numpy as np
 from stalewise import tree
 from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline, wire
 from stalewise.protocol.sender import Sender
-from stalewise.runtime.base import BudgetSpent, PullsIntoTrees, ServerClosed, ShardError
+from stalewise.runtime.base import PullsIntoTrees
+from stalewise.runtime.errors import BudgetSpent, ServerClosed, ShardError
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit

@@ -45,7 +45,7 @@ A thread of the server watches the shard processes: when one exits before the
 server closes, it writes how it ended into the shared control words
 (:attr:`Layout.shard_exits <stalewise.runtime.local.layout.Layout.shard_exits>`),
 and every client's next call, or the one waiting, raises
-:class:`~stalewise.runtime.base.ShardError` naming it
+:class:`~stalewise.runtime.errors.ShardError` naming it
 (:mod:`~stalewise.runtime.local.client`).
 """
 
@@ -65,7 +65,8 @@ from typing import Any
 import numpy as np
 
 from stalewise.protocol import ServerConfig, budget, wire
-from stalewise.runtime.base import ShardError, worker_range
+from stalewise.runtime.base import worker_range
+from stalewise.runtime.errors import ShardError
 from stalewise.runtime.local import layout as layout_lib
 from stalewise.runtime.local.attach import Door
 from stalewise.runtime.local.client import Client, ControlPipe, ServerClosed, recv_reply
@@ -494,7 +495,7 @@ class LocalServer:
 
     def resume(self, ckpt: Any) -> None:
         """Puts a :class:`~stalewise.checkpoint.Checkpoint` of this job into the shards
-        (call it before any worker joins, after ``checkpoint.check_compatible``): the
+        (call it before any worker joins, after ``checkpoint.resume.check_compatible``): the
         shards' states (params, optimizer state, versions), the workers' error-feedback
         residuals, and the job's push counts, so versions and the budget go on from it."""
         from stalewise import checkpoint

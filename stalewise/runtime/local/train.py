@@ -6,7 +6,7 @@ evaluates the parameters every ``eval_interval`` seconds as an observer, writes
 metrics records, drives the progress bar, and stops the job at the step budget,
 the stop condition, a failure its policy does not survive, or Ctrl-C.
 
-Failures (the policy is :class:`~stalewise.runtime.base.Failures`):
+Failures (the policy is :class:`~stalewise.runtime.errors.Failures`):
 
 * a worker fails when its process dies (its pipe to the parent closes), when
   user code raises in it, when its heartbeats stop for longer than its own
@@ -27,7 +27,7 @@ Failures (the policy is :class:`~stalewise.runtime.base.Failures`):
   workers' budgets.
 * a worker whose pushes are refused too many times in a row raises the worker
   loop's ``Diverged`` and leaves, never restarted; when no worker is left and
-  none finished, the job raises :class:`~stalewise.runtime.base.DivergedError`.
+  none finished, the job raises :class:`~stalewise.runtime.errors.DivergedError`.
 
 A worker that fails before the job has started (loading its data, its warm-up
 step) fails the job whatever the policy: that is a bug to fix, not a fault.
@@ -66,14 +66,8 @@ from stalewise import runtime as runtime_lib
 from stalewise.protocol import ServerConfig, loop, pipeline, wire
 from stalewise.protocol.liveness import Silence
 from stalewise.runtime import driver
-from stalewise.runtime.base import (
-    ShardError,
-    TrainResult,
-    WorkerError,
-    batch_iterator,
-    merge_stats,
-    worker_failed,
-)
+from stalewise.runtime.base import batch_iterator
+from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
 from stalewise.runtime.local.client import Client
 from stalewise.runtime.local.procs import (
     describe_exit,
@@ -83,6 +77,7 @@ from stalewise.runtime.local.procs import (
 from stalewise.runtime.local.server import LocalServer
 from stalewise.runtime.logs import child_logging
 from stalewise.runtime.options import RunOptions
+from stalewise.runtime.result import TrainResult, merge_stats
 from stalewise.strategies import Strategy
 
 log = logging.getLogger(__name__)

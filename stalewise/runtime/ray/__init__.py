@@ -57,7 +57,7 @@ once, and copies of the shards' states (checkpoints, the driver's backups every
 ``BACKUP_EVERY`` seconds) are consistent cuts (:mod:`stalewise.protocol.delivery`).
 
 Faults, under the job's failure policy (``on_worker_failure``, ``max_restarts``;
-see :class:`stalewise.runtime.base.Failures`): a worker whose actor dies, whose
+see :class:`stalewise.runtime.errors.Failures`): a worker whose actor dies, whose
 code raises or that makes no progress for ``worker_timeout`` seconds
 (:mod:`~stalewise.runtime.ray.liveness`) is restarted as a new incarnation,
 dropped, or stops the job; a shard whose actor dies is restarted by Ray and

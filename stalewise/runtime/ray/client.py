@@ -42,7 +42,8 @@ from typing import Any
 import numpy as np
 
 from stalewise.protocol import PushResult, ServerConfig, budget, pipeline
-from stalewise.runtime.base import BudgetSpent, PullsIntoTrees, ServerClosed, ShardError
+from stalewise.runtime.base import PullsIntoTrees
+from stalewise.runtime.errors import BudgetSpent, ServerClosed, ShardError
 from stalewise.runtime.ray import import_ray
 from stalewise.runtime.ray.outbox import Outbox
 

@@ -18,7 +18,7 @@ asked for), admits each incarnation on every shard, and takes it off again when
 its client closes or its process dies (see :mod:`~stalewise.runtime.ray.client`),
 through the commit rule (:func:`stalewise.runtime.ray.cluster.depart`). The
 shard actors ask for no CPU (they wait on messages); a served job has no driver
-backups: a shard actor that dies is a :class:`~stalewise.runtime.base.ShardError`
+backups: a shard actor that dies is a :class:`~stalewise.runtime.errors.ShardError`
 for every client (no restart). Every actor is owned by the process that served
 the job and ends with it, or with :meth:`RayServer.close`.
 """

@@ -34,17 +34,12 @@ from stalewise import tree
 from stalewise.protocol import ServerConfig
 from stalewise.protocol.sender import History
 from stalewise.runtime import driver
-from stalewise.runtime.base import (
-    ShardError,
-    TrainResult,
-    WorkerError,
-    merge_stats,
-    worker_failed,
-)
+from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.ray import cluster, import_ray, liveness
 from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
 from stalewise.runtime.ray.worker import WorkerActor
+from stalewise.runtime.result import TrainResult, merge_stats
 from stalewise.strategies import Strategy
 
 log = logging.getLogger(__name__)

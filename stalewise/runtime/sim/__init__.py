@@ -54,8 +54,8 @@ import numpy as np
 from stalewise import tree
 from stalewise.protocol import ServerConfig
 from stalewise.runtime import driver
-from stalewise.runtime.base import TrainResult
 from stalewise.runtime.options import RunOptions
+from stalewise.runtime.result import TrainResult
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.engine import Simulation
 from stalewise.runtime.sim.models import WorkerTiming

@@ -59,7 +59,7 @@ encoded but not committed when the worker failed takes its residual with it).
 
 A worker fails by a scripted :class:`~stalewise.runtime.sim.models.Failure`
 or when the user's code raises in it (its data, its strategy step); the job's
-failure policy (:class:`~stalewise.runtime.base.Failures`, as in the local
+failure policy (:class:`~stalewise.runtime.errors.Failures`, as in the local
 runtime) then restarts it ``SimConfig.restart_delay`` virtual seconds later
 (a new incarnation whose stream skips the batches its worker id has drawn),
 drops it, or fails the job. Two exceptions: a scripted failure answered by a
@@ -103,7 +103,9 @@ from stalewise import tree
 from stalewise.protocol import PushHeader, ServerConfig, budget, compress, loop, pipeline, pulls
 from stalewise.protocol.sender import Outgoing, Sender
 from stalewise.runtime import driver
-from stalewise.runtime.base import Failures, batch_iterator, merge_stats, worker_failed
+from stalewise.runtime.base import batch_iterator
+from stalewise.runtime.errors import Failures, worker_failed
+from stalewise.runtime.result import merge_stats
 from stalewise.runtime.sim.config import MAX_RECORDS, SimConfig, TooLongError
 from stalewise.runtime.sim.models import Join, Links, WorkerTiming
 

@@ -240,7 +240,7 @@ class Failure(_Scripted):
     worker process that dies in the local runtime: under ``"restart"`` it comes
     back as a new incarnation ``SimConfig.restart_delay`` seconds later (up to
     ``max_restarts`` times), under ``"drop"`` it stays away, under ``"fail"``
-    the job stops with :class:`~stalewise.runtime.base.WorkerError`. A scripted
+    the job stops with :class:`~stalewise.runtime.errors.WorkerError`. A scripted
     failure that a later :class:`Join` of the same worker answers is not the
     policy's: the worker stays away until that join, whatever the policy, and
     no restart is counted. A failure of a worker that is already away is ignored.

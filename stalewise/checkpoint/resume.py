@@ -1,0 +1,247 @@
+"""A run's checkpoints: what a run resumes from (checked against its job), and the
+:class:`Saver` that writes them during the run, in every runtime."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stalewise import runtime as runtime_lib
+from stalewise.checkpoint.store import Checkpoint, CheckpointError, candidates, exists, load, save
+from stalewise.runtime.errors import warn_user
+
+log = logging.getLogger(__name__)
+
+
+def config_info(config: Any, **extra: Any) -> dict[str, Any]:
+    """The job facts a checkpoint records (and :func:`check_compatible` compares)."""
+    from stalewise.strategies import config_key
+
+    return {
+        # by configuration: the Optimizer's own repr holds function addresses, which
+        # differ from process to process (a resume in a new process was refused)
+        "optimizer": repr(config_key(config.optimizer)),
+        "consistency": repr(config.consistency),
+        "staleness": repr(config.staleness),
+        "shards": int(config.shards),
+        "ranges": [[int(lo), int(hi)] for lo, hi in config.ranges],
+        "size": int(config.spec.size),
+        "dtype": config.spec.dtype.name,
+        **extra,
+    }
+
+
+def check_compatible(ckpt: Checkpoint, config: Any, workers: int | None = None) -> None:
+    """Raises CheckpointError (one line) unless ``ckpt`` was made by a job like ``config``."""
+    info, saved, name = config_info(config), ckpt.manifest["config"], ckpt.path.name
+    for key in ("shards", "ranges", "size", "dtype", "optimizer", "consistency", "staleness"):
+        if saved.get(key) != info[key]:
+            raise CheckpointError(
+                f"{name} is of another job: {key} is {saved.get(key)!r} there, {info[key]!r} here"
+            )
+    names = [leaf["name"] for leaf in ckpt.manifest["spec"]["leaves"]]
+    if names != [leaf.name for leaf in config.spec.leaves]:
+        raise CheckpointError(f"{name} is of another job: its leaves are {names}")
+    had = ckpt.states[0].get("workers")
+    if workers is not None and had != workers:
+        raise CheckpointError(f"{name} is of a run with {had} workers, this one has {workers}")
+    if ckpt.residuals is not None:
+        if workers is not None and len(ckpt.residuals) != workers:
+            raise CheckpointError(
+                f"{name} holds the error-feedback residuals of {len(ckpt.residuals)} workers, "
+                f"this run has {workers}"
+            )
+        want, dtype = (int(config.spec.size),), np.dtype(config.spec.dtype)
+        for w, r in enumerate(ckpt.residuals):
+            if r.shape != want or r.dtype != dtype:
+                raise CheckpointError(
+                    f"{name}: worker {w}'s error-feedback residual is {r.dtype} of shape "
+                    f"{r.shape}, this job's parameters are {dtype} of shape {want}"
+                )
+    drawn = ckpt.step.get("drawn")
+    if drawn is not None:
+        if not isinstance(drawn, list) or (workers is not None and len(drawn) != workers):
+            raise CheckpointError(
+                f"{name}: 'drawn' must list the batches each of this run's {workers} workers "
+                f"drew, got {drawn!r}"
+            )
+        for w, n in enumerate(drawn):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise CheckpointError(
+                    f"{name}: worker {w}'s count of batches drawn is {n!r}, not an integer >= 0"
+                )
+
+
+def resume_point(config: Any, options: Any, *, runtime: str) -> Checkpoint | None:
+    """The checkpoint a run with ``options.resume`` continues from (None: start afresh).
+
+    Refuses a checkpoint of another job, and one without the step key the runtime
+    resumes from (its :class:`~stalewise.runtime.Runtime`'s ``resumes_from``: the
+    simulator resumes only from its own checkpoints, which carry its virtual clock).
+    """
+    if not options.resume:
+        return None
+    where = options.checkpoint_dir
+    if not exists(where):
+        log.warning("%s: resume: no checkpoint in %s yet; starting from the start", runtime, where)
+        return None
+    ckpt = load(where)
+    check_compatible(ckpt, config, options.room)
+    # a host outside the registry (a test's, a user's own driver) has no such rule
+    own = runtime_lib.describe(runtime).resumes_from if runtime in runtime_lib.names() else None
+    if own is not None and own not in ckpt.step:
+        raise CheckpointError(
+            f"{ckpt.path.name} was not written by runtime {runtime!r} (runtime "
+            f"{ckpt.manifest['config'].get('runtime')!r}); it resumes only its own"
+        )
+    return ckpt
+
+
+def feedback_of(ckpt: Checkpoint | None, config: Any, workers: int) -> list[Any] | None:
+    """Each worker's error-feedback state (a ``compress.Feedback``) for a run of ``config``
+    resumed from ``ckpt``, worker ``w``'s at index ``w``; None when this job's codec keeps
+    no feedback.
+
+    A checkpoint without residuals (older, or of a job without feedback) gives zero
+    residuals; the values of leaves whose codec keeps no feedback here are zeroed
+    (:meth:`~stalewise.protocol.compress.Compressor.adopt`). Call it after
+    :func:`check_compatible`, which refuses residuals of another shape or worker count.
+    """
+    comp = config.compressor()
+    saved = None if ckpt is None else ckpt.residuals
+    if comp is None or not comp.error_feedback:
+        if saved is not None and any(np.any(r) for r in saved):
+            log.warning(
+                "%s holds error-feedback residuals, but this job's codec (%r) keeps none: "
+                "they are not used",
+                ckpt.path.name,
+                config.codec,
+            )
+        return None
+    dtype = config.init.dtype
+    if saved is None:
+        return [comp.init(dtype) for _ in range(workers)]
+    try:
+        return [comp.adopt(r, dtype, worker=w) for w, r in enumerate(saved)]
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt.path.name}: {e}") from None
+
+
+def drawn_of(ckpt: Checkpoint | None, workers: int) -> list[int]:
+    """How many batches each worker id had drawn at ``ckpt``: a resumed worker's new
+    stream skips them (:func:`~stalewise.runtime.base.batch_iterator`). Zeros without
+    a checkpoint or with an older one, which did not count them. Call it after
+    :func:`check_compatible`, which refuses counts of another worker count."""
+    drawn = None if ckpt is None else ckpt.step.get("drawn")
+    return [0] * workers if drawn is None else list(drawn)
+
+
+class Saver:
+    """A run's checkpoints into ``options.checkpoint_dir``: when :meth:`due` says so
+    (every ``checkpoint_every`` updates of shard 0 and/or ``checkpoint_seconds``
+    seconds, virtual in the simulator), and at the end of the run.
+
+    A checkpoint that cannot be written (disk full, a read-only folder, ...) never
+    costs the run: :meth:`save` warns (:class:`~stalewise.runtime.errors.FailureWarning`,
+    naming the folder and the OS error), logs it, records it in ``failures`` (the
+    run's :class:`~stalewise.runtime.errors.Failures`, so ``TrainResult.failures``),
+    leaves the previous checkpoint as it was, and returns None; the run goes on and
+    the next one is tried a period later. :attr:`failed`: whether the last attempt
+    failed.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        strategy: Any,
+        options: Any,
+        *,
+        runtime: str,
+        version: int,
+        now: float = 0.0,
+        failures: Any = None,
+        **info: Any,
+    ):
+        self.config, self.options, self.failures = config, options, failures
+        self.info = config_info(
+            config, workers=options.room, strategy=repr(strategy), runtime=runtime, **info
+        )
+        self.version, self.time = int(version), float(now)  # of the last checkpoint (attempt)
+        self.last: Path | None = None  # the last checkpoint this saver wrote
+        self.failed = False
+
+    @property
+    def periodic(self) -> bool:
+        """Whether checkpoints are taken during the run, not only at its end."""
+        o = self.options
+        return o.checkpoint_every is not None or o.checkpoint_seconds is not None
+
+    def due(self, version: int, now: float) -> bool:
+        """Whether a periodic checkpoint is due at shard 0's ``version`` and time ``now``."""
+        o = self.options
+        return (
+            o.checkpoint_every is not None and version - self.version >= o.checkpoint_every
+        ) or (o.checkpoint_seconds is not None and now - self.time >= o.checkpoint_seconds)
+
+    def save(
+        self,
+        states: Sequence[dict[str, Any]],
+        step: dict[str, Any],
+        residuals: Sequence[np.ndarray] | None = None,
+        *,
+        final: bool = False,
+        ranks: Sequence[dict[str, Any]] | None = None,
+    ) -> Path | None:
+        """Writes the shards' ``states`` and the workers' error-feedback ``residuals``
+        (None: the job keeps none); ``step`` holds at least ``pushes`` and ``time``.
+        ``final``: the run's last checkpoint. Returns its folder, or None if it could
+        not be written (see the class)."""
+        from safetensors import SafetensorError
+
+        # the next periodic one is due a period after this attempt, written or not
+        self.version, self.time = int(states[0]["version"]), float(step["time"])
+        directory = Path(self.options.checkpoint_dir)
+        try:
+            path = save(
+                directory,
+                states,
+                spec=self.config.spec,
+                config_info=self.info,
+                step_info={**step, "run": self.options.run},
+                keep=self.options.checkpoint_keep,
+                residuals=residuals,
+                ranks=ranks,
+            )
+            self.last, self.failed = path, False
+            return path
+        except (OSError, SafetensorError) as e:  # warned, logged, recorded; returns None
+            self.failed, cause = True, " ".join(str(e).split()) or type(e).__name__
+        cause = cause if len(cause) <= 300 else cause[:297] + "..."
+        kept = self.last.name if self.last is not None else None
+        with contextlib.suppress(OSError, IndexError):  # the one load would try first
+            kept = kept or candidates(directory)[0].name
+        action = f"kept {kept or 'none'}"
+        if self.failures is not None:
+            self.failures.checkpoint(
+                str(directory), cause, time=self.time, action=action, final=final
+            )
+        then = (
+            "the run's result is returned without it"
+            if final
+            else "the run goes on; the next checkpoint is tried a period later"
+        )
+        previous = f"the previous checkpoint, {kept}, is kept" if kept else "no checkpoint kept"
+        message = (
+            f"{'the final' if final else 'a'} checkpoint could not be written to {directory}: "
+            f"{cause}; {previous}; {then}"
+        )
+        log.warning("checkpoint: %s", message)
+        if final or self.failures is None:
+            warn_user(message)  # the run's last: always
+        else:  # the first of a run; the end of the run counts the others
+            self.failures.warn_once("checkpoint", message)

@@ -1,0 +1,267 @@
+"""What goes wrong in a run, in every runtime: the errors a run or a client raises, the
+:class:`FailureWarning` users see, and the failure policy with its log (:class:`Failures`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A worker failed and the job's failure policy stopped the job.
+
+    User code raised (the message carries the worker's traceback), or the
+    worker's process died or hung (the message says how); the worker is named.
+    """
+
+
+def worker_failed(w: int, detail: str, what: str = "") -> WorkerError:
+    r"""The error of worker ``w`` failing before the job has started: its first line says how
+    (``what``, else ``detail``'s last line: the exception of a traceback), then ``detail``.
+
+    Example:
+        >>> tb = 'Traceback (most recent call last):\n  File "x.py"\nValueError: bad batch\n'
+        >>> str(worker_failed(1, tb)).splitlines()[0]
+        'worker 1 failed: ValueError: bad batch'
+    """
+    lines = [line for line in detail.splitlines() if line.strip()]
+    head = what or (lines[-1].strip() if lines else "no reason given")
+    rest = "" if lines == [head] else "\n" + detail.rstrip()
+    return WorkerError(f"worker {w} failed: {head}{rest}")
+
+
+class ShardError(RuntimeError):
+    """A shard's process died and the job could not go on; the message names the shard."""
+
+
+class ServerClosed(ConnectionError):
+    """A client's job has ended (its shards stopped) or a shard cut this client off; a
+    shard whose process died is a :class:`ShardError` instead. Raised by the clients of
+    every runtime (``server.client(w)``, ``sw.attach``, ``sw.init``)."""
+
+
+class BudgetSpent(ServerClosed):
+    """A push refused at its commit because the job's budget of pushes is spent (nothing
+    was sent): raised by a client given a budget (``client.budget``, set by ``sw.init``
+    and ``stalewise run``) for a push its ``may_begin`` did not grant
+    (:mod:`stalewise.protocol.budget`). A :class:`ServerClosed`, so a loop that ends on
+    that ends on this too. ``steps`` is the budget."""
+
+    def __init__(self, steps: int):
+        super().__init__(
+            f"the job's budget of {steps} pushes is spent: this push was refused (nothing "
+            "was sent); end the loop when ctx.should_stop() (or client.may_begin) is false"
+        )
+        self.steps = steps
+
+
+class DivergedError(RuntimeError):
+    """Training diverged: every worker stopped because its pushes kept being refused."""
+
+
+class FailureWarning(UserWarning):
+    """Something failed during a run and changed its result (a worker or shard restarted,
+    updates lost, a checkpoint not written); the event is also in ``TrainResult.failures``."""
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def warn_user(message: str) -> None:
+    """Warns ``message`` as a :class:`FailureWarning`, attributed to the first caller outside
+    stalewise (the user's ``Job.train`` call), so Python users see it, not only the log."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, FailureWarning, stacklevel=level)
+
+
+def warn_summary(events: Sequence[Mapping[str, Any]]) -> None:
+    """At the end of a run: one :class:`FailureWarning` per kind of failure that happened
+    more than once, with the counts (the first of each kind warned when it happened).
+
+    ``Job.train`` calls it for every runtime, with ``TrainResult.failures``.
+
+    Example:
+        >>> import warnings
+        >>> events = [{"worker": 1, "action": "restarted"}, {"worker": 2, "action": "dropped"}]
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_summary(events)
+        >>> str(caught[0].message)
+        'worker failures this run: 2 (restarted 1, dropped 1); see result.failures'
+    """
+    kinds: dict[str, Counter] = {}
+    lost: Counter = Counter()
+    for e in events:  # of kind "worker", "shard", "checkpoint"... (an event's first key)
+        if e.get("action") == "left":  # a scripted departure (the simulator's): no failure
+            continue
+        kind = "diverged" if e.get("action") == "diverged" else next(iter(e), None)
+        kinds.setdefault(kind, Counter())[e.get("action", "?")] += 1
+        if isinstance(e.get("lost"), int):
+            lost[kind] += e["lost"]
+    for kind, actions in kinds.items():
+        n = sum(actions.values())
+        if n < 2:
+            continue
+        what = ", ".join(f"{a} {c}" for a, c in actions.items() if a != "diverged")
+        if lost[kind]:
+            what += f"{', ' if what else ''}{lost[kind]} updates lost"
+        name = "workers that diverged" if kind == "diverged" else f"{kind} failures"
+        warn_user(f"{name} this run: {n}{f' ({what})' if what else ''}; see result.failures")
+
+
+FAILURE_POLICIES = ("restart", "drop", "fail")
+
+
+class Failures:
+    """A job's failure policy, and the log of what it did (``TrainResult.failures``).
+
+    ``policy`` says what happens to a worker that fails (its process dies, it
+    hangs, or user code raises):
+
+    * ``"restart"``: it starts again as a new incarnation at the current
+      parameters, up to ``max_restarts`` times per worker id (None: no limit);
+      one more failure stops the job with :class:`WorkerError`;
+    * ``"drop"``: it leaves; the others carry on;
+    * ``"fail"``: the job stops with :class:`WorkerError`.
+
+    A shard that fails is restarted under ``"restart"`` and ``"drop"`` (up to
+    ``max_restarts`` times per shard) and stops the job under ``"fail"``
+    (:class:`ShardError`). A worker that diverged is never restarted. Every
+    event is logged as a warning and kept in :attr:`events`; the first event of
+    each kind in a run (a worker failure, a shard restart, a divergence) is also
+    warned as a :class:`FailureWarning`, and :func:`warn_summary` counts the
+    rest at the end of the run. ``hint`` ends the
+    message of an error that stops the job (e.g. how to resume it).
+
+    Example:
+        >>> f = Failures("restart", max_restarts=1)
+        >>> f.worker(2, "killed by SIGKILL", time=1.5)
+        'restart'
+        >>> f.worker(2, "killed by SIGKILL", time=2.0)
+        Traceback (most recent call last):
+        stalewise.runtime.errors.WorkerError: worker 2 failed 2 times, more than max_restarts=1 allows; the last time: killed by SIGKILL
+        >>> f.restarts, [e["action"] for e in f.events]
+        (1, ['restarted', 'failed'])
+    """
+
+    def __init__(self, policy: str = "restart", max_restarts: int | None = 3, *, hint: str = ""):
+        if policy not in FAILURE_POLICIES:
+            raise ValueError(
+                f"on_worker_failure must be one of {', '.join(map(repr, FAILURE_POLICIES))}, "
+                f"got {policy!r}"
+            )
+        self.policy, self.max_restarts, self.hint = policy, max_restarts, hint
+        self.events: list[dict[str, Any]] = []
+        self._restarts: Counter = Counter()  # ("worker" | "shard", id) -> restarts so far
+        self._warned: set[str] = set()  # the kinds of event warned this run
+
+    def warn_once(self, kind: str, message: str) -> None:
+        """Warns ``message`` (a :class:`FailureWarning`) if it is the first event of ``kind``
+        in this run; :func:`warn_summary` counts the later ones at the end of the run."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warn_user(message + "; later failures of this kind are counted at the end of the run")
+
+    @property
+    def restarts(self) -> int:
+        """Restarts so far, of workers and shards."""
+        return sum(self._restarts.values())
+
+    def _event(self, kind: str, i: Any, cause: str, time: float, action: str) -> None:
+        self.events.append({kind: i, "time": time, "cause": cause, "action": action})
+
+    def _stop_or_count(self, kind: str, i: int, cause: str, time: float, detail: str) -> None:
+        """Raises (:class:`WorkerError`, :class:`ShardError`) if the failure of ``kind``
+        ``i`` stops the job; else counts its restart, unless a worker is dropped."""
+        key, restarts = (kind, i), kind == "shard" or self.policy == "restart"
+        n = self._restarts[key] + 1
+        over = self.max_restarts is not None and n > self.max_restarts
+        if self.policy != "fail" and not (restarts and over):
+            self._restarts[key] += int(restarts)
+            return
+        self._event(kind, i, cause, time, "failed")
+        head = (
+            f"{kind} {i} failed: {cause}"
+            if self.policy == "fail"
+            else f"{kind} {i} failed {'once' if n == 1 else f'{n} times'}, more than "
+            f"max_restarts={self.max_restarts} allows; the last time: {cause}"
+        )
+        error = WorkerError if kind == "worker" else ShardError
+        raise error(head + (f"\n{detail.rstrip()}" if detail else "") + self.hint)
+
+    def worker(self, w: int, cause: str, *, time: float, detail: str = "") -> str:
+        """Worker ``w`` failed (``cause``: how; ``detail``: its traceback, if any).
+
+        Returns ``"restart"`` or ``"drop"``; raises :class:`WorkerError` when the
+        policy is ``"fail"`` or the restart budget is spent.
+        """
+        self._stop_or_count("worker", w, cause, time, detail)
+        if self.policy == "drop":
+            self._event("worker", w, cause, time, "dropped")
+            log.warning("worker %d failed (%s); dropped, the other workers carry on", w, cause)
+            self.warn_once("worker", f"worker {w} failed ({cause}); dropped, the others carry on")
+            return "drop"
+        self._event("worker", w, cause, time, "restarted")
+        log.warning(
+            "worker %d failed (%s); restarting it (restart %d%s)",
+            w,
+            cause,
+            self._restarts["worker", w],
+            "" if self.max_restarts is None else f" of {self.max_restarts}",
+        )
+        self.warn_once(
+            "worker",
+            f"worker {w} failed ({cause}); restarted at the current parameters, its "
+            "unfinished step lost",
+        )
+        return "restart"
+
+    def shard(self, k: int, cause: str, *, time: float) -> None:
+        """Shard ``k`` failed: returns if it is to be restarted, else raises :class:`ShardError`."""
+        self._stop_or_count("shard", k, cause, time, "")
+        self._event("shard", k, cause, time, "restarted")
+        log.warning("shard %d failed (%s); restarting it", k, cause)
+
+    def shard_restarted(
+        self, event: dict[str, Any], *, version: int | None = None, lost: int | None = None
+    ) -> None:
+        """The shard of ``event`` (:meth:`shard`'s) is back at ``version``, ``lost`` updates
+        of its slice lost (None: unknown); the first shard restart of a run is warned."""
+        event.update(lost=lost, version=version)
+        at = "" if version is None else f" at version {version}"
+        self.warn_once(
+            "shard",
+            f"shard {event['shard']} failed ({event['cause']}); restarted{at}, "
+            f"{'an unknown number of' if lost is None else lost} updates of its slice lost, "
+            "the workers restarted",
+        )
+
+    def left(self, w: int, cause: str, *, time: float) -> None:
+        """Worker ``w`` left the job without failing (e.g. its node left an elastic Ray
+        run): its id is free for a worker to come; no restart is counted."""
+        self._event("worker", w, cause, time, "left")
+        log.warning("worker %d left the job (%s); the other workers carry on", w, cause)
+
+    def diverged(self, w: int, message: str, *, time: float) -> None:
+        """Worker ``w`` stopped because its pushes kept being refused; it is not restarted."""
+        self._event("worker", w, message, time, "diverged")
+        log.warning("worker %d diverged and stopped: %s", w, message)
+        self.warn_once("diverged", f"worker {w} diverged and stopped: {message}")
+
+    def checkpoint(
+        self, directory: str, cause: str, *, time: float, action: str, final: bool
+    ) -> None:
+        """A checkpoint could not be written into ``directory`` (``cause``: the OS error;
+        ``action``: what was kept; ``final``: the run's last one). The run goes on; the
+        caller (:class:`stalewise.checkpoint.Saver`) has warned."""
+        self._event("checkpoint", directory, cause, time, action)
+        self.events[-1]["final"] = final
