@@ -54,7 +54,11 @@ torchft's DiLoCo is the peer named in the issue (``torchft DiLoCo H=20``, see
 (gloo, a lighthouse on loopback), the same GPT, data shards, inner AdamW grid,
 outer Nesterov SGD, straggler and emulated step time; it is run only if
 ``torchft`` imports (``pip install 'stalewise[peers]'``), otherwise the
-benchmark says it was skipped and why. It is not in the bars.
+benchmark says it was skipped and why. It is not in the bars. ``torchft
+streaming DiLoCo`` is torchft's Streaming DiLoCo with the streaming rows'
+fragments (in the order they are pushed), H, tau, alpha and 4-bit flag (not
+applied on CPU); the streaming row must be at least as good at equal tokens and
+at equal wall time.
 
     .venv/bin/python benchmarks/lm.py [--quick | --medium] [--codec int8|topk] [--json PATH]
                                       [--methods NAME,...] [--check]
