@@ -303,8 +303,7 @@ class Calibration:
             (:attr:`compute_times`): the contention model alone accounts for the
             sharing of the cores, which the wall-clock times hold already.
         wall_spread: with :attr:`contention`, fit each worker's wall-clock times scaled
-            to its mean CPU time instead: the level of the CPU clock, the spread of the
-            wall clock (how much a step's waits for a core vary).
+            to its mean CPU time: the CPU clock's level, the wall clock's spread.
     """
 
     workers: int
@@ -939,12 +938,6 @@ def served_pull(config: ServerConfig) -> bool:
 # -- the whole ------------------------------------------------------------------------
 
 
-def sizes_for(config: ServerConfig) -> tuple[int, int]:
-    """The two sizes (floats) transport and apply are timed at: the job's, and 4x it."""
-    n = max(config.spec.size, MIN_SIZE)
-    return n, 4 * n
-
-
 def calibrate(
     job: Any,
     loss_and_grad: Callable,
@@ -967,8 +960,8 @@ def calibrate(
         data: ``data(worker, workers)`` or one sequence of batches per worker (picklable).
         workers: the processes that compute at once (the run's workers).
         repeats: timed steps per worker, and timed pushes per size.
-        sizes: the parameter counts transport and apply are timed at (default:
-            :func:`sizes_for`); two or more.
+        sizes: the parameter counts transport and apply are timed at (default: the
+            job's, at least :data:`MIN_SIZE`, and 4x it); two or more.
         delays: the run's emulated compute seconds per step (``sw.Emulation(delays=)``: a
             number for every worker, or ``{worker: seconds}``). The local runtime sleeps
             them after each step, and a sleep on a busy machine ends late: the compute
@@ -990,13 +983,14 @@ def calibrate(
         ValueError: a bad argument, naming it.
     """
     config = job.config
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+    if not _int_in(workers, 1, sys.maxsize):
         raise ValueError(f"workers = {workers!r}: must be an integer >= 1")
     if not _int_in(repeats, MIN_REPEATS, MAX_REPEATS):
         raise ValueError(
             f"repeats = {repeats!r}: must be an integer in {MIN_REPEATS}..{MAX_REPEATS}"
         )
-    sizes = tuple(sizes_for(config) if sizes is None else sizes)
+    n = max(config.spec.size, MIN_SIZE)
+    sizes = tuple((n, 4 * n) if sizes is None else sizes)
     if len(set(sizes)) < 2 or any(not isinstance(n, int) or n < 1 for n in sizes):
         raise ValueError(f"sizes = {sizes!r}: must be two or more different integers >= 1")
     ok = isinstance(timeout, int | float) and not isinstance(timeout, bool)
