@@ -2,12 +2,13 @@
 
 train_launched.py is train.py with at most 10 changed lines (model.py and data.py
 shared, unchanged); launched with ``stalewise run --workers 4``, on local processes
-and on a two-node Ray cluster (``ray.cluster_utils``: two raylets of 2 CPUs each on
-this machine), every rank reports a validation loss well below the initial model's
-and writes its own output file (``OUT_DIR``, named after torchrun's ``RANK``); run
-as a plain script it trains as train.py does; and a launch with ``--checkpoint-dir``
-killed with SIGKILL goes on from its last checkpoint when started again with
-``--resume`` (the server's state, and each rank's batches through ``ctx.state``).
+and on the two-node Ray cluster the Ray test files share (``ray.cluster_utils``: two
+raylets of 2 CPUs each on this machine), every rank reports a validation loss well
+below the initial model's and writes its own output file (``OUT_DIR``, named after
+torchrun's ``RANK``); run as a plain script it trains as train.py does; and a launch
+with ``--checkpoint-dir`` killed with SIGKILL goes on from its last checkpoint when
+started again with ``--resume`` (the server's state, and each rank's batches through
+``ctx.state``).
 """
 
 import contextlib
@@ -21,7 +22,6 @@ import time
 from pathlib import Path
 
 import pytest
-import ray_helpers
 
 from stalewise import checkpoint
 
@@ -57,14 +57,6 @@ def test_the_launched_script_changes_at_most_ten_lines():
 def test_the_readme_shows_the_true_diff():
     shown = re.findall(r"```diff\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert "\n".join(gpt_diff()) + "\n" in shown
-
-
-@pytest.fixture
-def two_nodes():
-    """A two-node Ray cluster, 2 CPUs a node (a worker needs one): the environment that
-    points ``stalewise run --runtime ray`` at it. Shut down whatever happens."""
-    with ray_helpers.two_nodes() as nodes:
-        yield {"RAY_ADDRESS": nodes.address}
 
 
 def launch_command(runtime: str, workers: int, steps: int, *flags: str) -> list[str]:
@@ -114,8 +106,9 @@ def test_the_launched_gpt_trains_on_four_workers(runtime, request, tmp_path, no_
     rounds): every rank reports a validation loss at least 2 nats below the initial
     model's (ln 256 = 5.55 is a uniform guess; byte frequencies alone give about 3.4)
     and writes its own model file. On Ray the workers run on both nodes of the cluster."""
-    env = request.getfixturevalue("two_nodes") if runtime == "ray" else {}
-    env = {**env, "OUT_DIR": str(tmp_path / "out")}
+    env = {"OUT_DIR": str(tmp_path / "out")}
+    if runtime == "ray":  # the cluster the Ray test files share (conftest.py)
+        env["RAY_ADDRESS"] = request.getfixturevalue("ray_address")
     ((out, err),) = run((launch_command(runtime, workers=4, steps=200), env))
     log = f"stdout:\n{out}\nstderr:\n{err}"
     inits = {float(v) for v in INIT_LINE.findall(out)}

@@ -1,8 +1,8 @@
 """The Ray runtime on real Ray: a local instance, then a two-node cluster on this machine.
 
-The first test lets the runtime start (and stop) a local Ray instance; then one
-cluster (``ray.cluster_utils``: two raylets, 2 + 1 CPUs) serves the rest of the
-module, and the fixture's finalizer shuts it down whatever happens. Every run has a ``timeout``.
+The first test lets the runtime start (and stop) a local Ray instance; the rest run on
+the cluster the Ray test files share (``ray_cluster`` in conftest.py: ``ray.cluster_utils``,
+two raylets of 2 CPUs each), which is shut down whatever happens. Every run has a ``timeout``.
 Failures are injected for real: ``ray.kill`` of a worker's or a shard's actor,
 found by the names the runtime gives its actors, a worker whose ``loss_and_grad``
 sleeps for 1000 s, and corrupt compressed payloads sent to real shard actors.
@@ -20,7 +20,6 @@ import mp_helpers
 import numpy as np
 import pytest
 import ray
-import ray_helpers
 
 import stalewise as sw
 from stalewise import checkpoint, codecs, tasks
@@ -34,9 +33,11 @@ TIMEOUT = 120.0  # wall seconds before a run is declared hung
 
 
 @pytest.mark.slow
-def test_a_run_starts_and_stops_its_own_ray_instance_when_none_is_connected(monkeypatch):
-    """Runs first, before the module's cluster exists: ``ray.init()`` starts a local
-    instance, which the run shuts down. One shard: pulls view the object store's copy."""
+def test_a_run_starts_and_stops_its_own_ray_instance_when_none_is_connected(
+    monkeypatch, no_ray_driver
+):
+    """This process is a driver of no cluster: ``ray.init()`` starts a local instance,
+    which the run shuts down. One shard: pulls view the object store's copy."""
     assert not ray.is_initialized()
     # Ray's rule for no address: RAY_ADDRESS, else a cluster already running on this
     # machine (another job's), else a new one; "local" makes it the new one here
@@ -54,17 +55,6 @@ def test_a_run_starts_and_stops_its_own_ray_instance_when_none_is_connected(monk
     assert not ray.is_initialized()
     assert result.pushes >= 300 and result.stats["shards"] == 1
     assert task.evaluate(result.params)["loss"] < 1e-3 * task.evaluate(task.init_params(0))["loss"]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A head node (2 CPUs) and a second node (1 CPU); the driver connects to it."""
-    with ray_helpers.two_nodes(node_cpus=1, head_store_mb=150) as nodes:
-        ray.init(address=nodes.address, include_dashboard=False, logging_level="warning")
-        try:
-            yield nodes
-        finally:
-            ray.shutdown()
 
 
 def digits_job(consistency, staleness, shards=2):
@@ -136,7 +126,7 @@ class KillAt:
     ids=["asp", "ssp", "bsp", "hybrid"],
 )
 def test_digits_reaches_the_bar_under_each_consistency_model(
-    cluster, consistency, staleness, caplog
+    ray_cluster, consistency, staleness, caplog
 ):
     task, job = digits_job(consistency, staleness)
     result = train(task, job, steps=BUDGET, stop_at=STOP_AT)
@@ -155,18 +145,7 @@ def test_digits_reaches_the_bar_under_each_consistency_model(
     no_torn_pushes(caplog)
 
 
-def test_shards_go_on_separate_nodes(cluster):
-    task, job = least_squares_job(shards=2)
-    result = train(task, job, steps=200)
-    nodes = result.stats["ray"]["nodes"]
-    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    assert len(alive) == 2
-    assert len(set(nodes)) == 2 and set(nodes) == alive, (nodes, alive)
-    assert 0 < result.stats["ray"]["cpus_per_actor"] <= 3 / 5  # 5 actors, 3 CPUs
-    assert task.evaluate(result.params)["loss"] < task.evaluate(task.init_params(0))["loss"]
-
-
-def test_a_bsp_run_ends_at_its_budget(cluster, caplog):
+def test_a_bsp_run_ends_at_its_budget(ray_cluster, caplog):
     """A worker whose loop ends leaves the shards, so the others' rounds stop waiting for it."""
     task = tasks.get("least-squares", n=256, d=16)
     job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.05), consistency=sw.BSP(), shards=2)
@@ -176,10 +155,20 @@ def test_a_bsp_run_ends_at_its_budget(cluster, caplog):
     no_torn_pushes(caplog)
 
 
-def test_a_killed_worker_actor_is_restarted_as_a_new_incarnation(cluster, caplog):
-    task, job = least_squares_job()
+def test_shards_go_on_separate_nodes_and_a_killed_worker_actor_is_a_new_incarnation(
+    ray_cluster, caplog
+):
+    """Two shards and three workers on the two nodes; worker 1's actor is killed mid-run
+    and restarted as its second incarnation."""
+    task, job = least_squares_job(shards=2)
     kill = KillAt("kill-worker", "worker-1.", pushes=150)
     result = train(task, job, steps=450, run="kill-worker", on_record=kill)
+    nodes = result.stats["ray"]["nodes"]  # each shard's, as started
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(alive) == 2
+    assert len(set(nodes)) == 2 and set(nodes) == alive, (nodes, alive)
+    cpus = sum(n["Resources"]["CPU"] for n in ray.nodes() if n["Alive"])
+    assert 0 < result.stats["ray"]["cpus_per_actor"] <= cpus / 5  # 5 actors on 4 CPUs
     assert kill.killed is not None and kill.killed.endswith("worker-1.1")
     assert [(e.get("worker"), e["action"]) for e in result.failures] == [(1, "restarted")]
     assert result.restarts == 1
@@ -189,7 +178,7 @@ def test_a_killed_worker_actor_is_restarted_as_a_new_incarnation(cluster, caplog
     no_torn_pushes(caplog)
 
 
-def test_a_killed_worker_actor_is_dropped_under_the_drop_policy(cluster, caplog):
+def test_a_killed_worker_actor_is_dropped_under_the_drop_policy(ray_cluster, caplog):
     task, job = least_squares_job()
     kill = KillAt("drop-worker", "worker-0.", pushes=100)
     result = train(
@@ -201,7 +190,7 @@ def test_a_killed_worker_actor_is_dropped_under_the_drop_policy(cluster, caplog)
 
 
 @pytest.mark.slow
-def test_a_killed_shard_actor_is_restarted_from_the_last_checkpoint(cluster, caplog, tmp_path):
+def test_a_killed_shard_actor_is_restarted_from_the_last_checkpoint(ray_cluster, caplog, tmp_path):
     task, job = least_squares_job()
     kill = KillAt("kill-shard", "shard-1", pushes=200, restart=True)
     result = train(
@@ -249,7 +238,9 @@ class KillShardProcess:
 
 
 @pytest.mark.parametrize("policy", [pytest.param("restart", marks=pytest.mark.slow), "fail"])
-def test_a_killed_shard_process_with_evaluate_restarts_or_fails_with_shard_error(cluster, policy):
+def test_a_killed_shard_process_with_evaluate_restarts_or_fails_with_shard_error(
+    ray_cluster, policy
+):
     """Every shard call of the driver (the evaluation pull, stats, states for backups,
     the final stats and pull) goes through the restart path: never a private exception.
     The last kill comes with the run's last record, just before the final calls."""
@@ -273,7 +264,7 @@ def test_a_killed_shard_process_with_evaluate_restarts_or_fails_with_shard_error
     assert task.evaluate(result.params)["loss"] < 1e-2 * initial
 
 
-def test_a_push_that_reached_one_shard_is_delivered_to_the_other(cluster):
+def test_a_push_that_reached_one_shard_is_delivered_to_the_other(ray_cluster):
     """The commit rule when a worker dies mid-send: its last push everywhere, exactly once."""
     from stalewise.runtime.ray.cluster import depart
     from stalewise.runtime.ray.shard import ShardActor
@@ -311,7 +302,7 @@ def test_a_push_that_reached_one_shard_is_delivered_to_the_other(cluster):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", [codecs.topk(0.01), codecs.int8()], ids=repr)
-def test_compressed_pushes_train_digits_with_two_shards(cluster, codec, caplog):
+def test_compressed_pushes_train_digits_with_two_shards(ray_cluster, codec, caplog):
     """Each push is the codec's payloads, exactly ``nbytes`` per shard; topk keeps error
     feedback in the worker. Both reach the bar; the shards apply the same pushes."""
     task = tasks.get("digits")
@@ -331,7 +322,7 @@ def test_compressed_pushes_train_digits_with_two_shards(cluster, codec, caplog):
     no_torn_pushes(caplog)
 
 
-def test_a_corrupt_compressed_push_is_refused_by_real_shard_actors(cluster):
+def test_a_corrupt_compressed_push_is_refused_by_real_shard_actors(ray_cluster):
     """A payload that does not decode is refused by every shard (the protocol decodes it)
     and changes nothing, while an honest worker's pushes are still applied."""
     from stalewise.runtime.ray.shard import ShardActor, payload_spans
@@ -424,7 +415,7 @@ def assert_nothing_lost(flat, applied, residuals):
 
 
 @pytest.mark.slow
-def test_topk_residuals_are_checkpointed_and_a_resume_continues_them(cluster, tmp_path):
+def test_topk_residuals_are_checkpointed_and_a_resume_continues_them(ray_cluster, tmp_path):
     first = train_feedback(tmp_path, 60, every=10)
     assert first.stats["applied"] == first.stats["version"] == first.pushes >= 60
     saved = checkpoint.load(tmp_path)
@@ -446,7 +437,7 @@ def test_topk_residuals_are_checkpointed_and_a_resume_continues_them(cluster, tm
     )
 
 
-def test_a_killed_worker_actors_residual_reaches_its_restarted_incarnation(cluster, tmp_path):
+def test_a_killed_worker_actors_residual_reaches_its_restarted_incarnation(ray_cluster, tmp_path):
     kill = KillAt("fb-kill", "worker-0.", pushes=40)
     r = train_feedback(tmp_path, 150, run="fb-kill", on_record=kill)
     assert kill.killed is not None and r.restarts == 1
@@ -457,7 +448,7 @@ def test_a_killed_worker_actors_residual_reaches_its_restarted_incarnation(clust
 
 
 @pytest.mark.slow
-def test_delta_pulls_train_digits_with_two_shards(cluster, caplog):
+def test_delta_pulls_train_digits_with_two_shards(ray_cluster, caplog):
     """int8 delta pulls (ASP: the standing requests carry deltas): the run learns, and its
     pulls are several times smaller than the full slices."""
     task = tasks.get("digits")
@@ -474,7 +465,7 @@ def test_delta_pulls_train_digits_with_two_shards(cluster, caplog):
     no_torn_pushes(caplog)
 
 
-def test_delta_pulls_under_ssp(cluster):
+def test_delta_pulls_under_ssp(ray_cluster):
     """Gated pulls carry deltas too (one request per step and shard)."""
     task = tasks.get("least-squares", n=256, d=2000)
     job = sw.Job(
@@ -491,7 +482,7 @@ def test_delta_pulls_under_ssp(cluster):
     assert result.stats["ray"]["pull_bytes"] < job.config.spec.nbytes / 3
 
 
-def test_a_corrupt_pull_payload_is_refused_and_the_next_pull_repairs_it(cluster):
+def test_a_corrupt_pull_payload_is_refused_and_the_next_pull_repairs_it(ray_cluster):
     """A real shard actor serves delta pulls; the worker's copy refuses a corrupt one and
     stays as it was, and the pull after it (naming the reference it still holds) is full."""
     from stalewise.protocol import pulls
@@ -660,7 +651,9 @@ def hang_run(tmp_path, policy, how="sleep"):
 
 
 @pytest.mark.parametrize("how", ["sleep", "stop"])
-def test_a_hung_worker_is_killed_after_worker_timeout_and_restarted(cluster, tmp_path, caplog, how):
+def test_a_hung_worker_is_killed_after_worker_timeout_and_restarted(
+    ray_cluster, tmp_path, caplog, how
+):
     task, result, hung_at, start = hang_run(tmp_path, "restart", how)
     assert [(e.get("worker"), e["action"]) for e in result.failures] == [(1, "restarted")]
     cause = result.failures[0]["cause"]
@@ -676,7 +669,7 @@ def test_a_hung_worker_is_killed_after_worker_timeout_and_restarted(cluster, tmp
     no_torn_pushes(caplog)
 
 
-def test_a_hung_worker_fails_the_job_under_the_fail_policy(cluster, tmp_path):
+def test_a_hung_worker_fails_the_job_under_the_fail_policy(ray_cluster, tmp_path):
     _, error, _, _ = hang_run(tmp_path, "fail")
     assert isinstance(error, WorkerError), error
     assert str(error).startswith("worker 1 failed: no heartbeat for"), error
@@ -696,7 +689,7 @@ def nan_gradients():
     return loss_and_grad
 
 
-def test_every_push_refused_ends_the_run_as_diverged_or_says_none_was_applied(cluster):
+def test_every_push_refused_ends_the_run_as_diverged_or_says_none_was_applied(ray_cluster):
     task, job = least_squares_job()
     kw = dict(data=task.batches, workers=2, runtime="ray", timeouts=sw.Timeouts(TIMEOUT))
     with pytest.raises(
@@ -726,7 +719,7 @@ def test_every_push_refused_ends_the_run_as_diverged_or_says_none_was_applied(cl
 
 
 @pytest.mark.slow
-def test_checkpoints_and_resume_on_ray(cluster, tmp_path):
+def test_checkpoints_and_resume_on_ray(ray_cluster, tmp_path):
     task, job = least_squares_job()
     seen = tmp_path / "seen"
     loss = bad_batch(task.loss_and_grad, -1, -1, str(seen))  # no bad batch: it records them
@@ -745,7 +738,7 @@ def test_checkpoints_and_resume_on_ray(cluster, tmp_path):
     assert [min(after[w]) for w in range(3)] == drawn  # each stream goes on where it stopped
 
 
-def test_a_batch_that_always_raises_costs_one_restart_not_the_job(cluster):
+def test_a_batch_that_always_raises_costs_one_restart_not_the_job(ray_cluster):
     task, job = least_squares_job()
     result = job.train(
         bad_batch(task.loss_and_grad, 1, 30),
@@ -761,7 +754,7 @@ def test_a_batch_that_always_raises_costs_one_restart_not_the_job(cluster):
     assert result.pushes >= 300 and result.stop_reason.startswith("the budget")
 
 
-def test_cli_trains_on_ray_with_an_address(cluster, tmp_path):
+def test_cli_trains_on_ray_with_an_address(ray_cluster, tmp_path):
     from stalewise import cli
 
     toml = tmp_path / "ls.toml"
@@ -785,7 +778,7 @@ def test_cli_trains_on_ray_with_an_address(cluster, tmp_path):
         )
     )
     out = tmp_path / "run"
-    argv = ["train", str(toml), "--address", cluster.address, "--out", str(out), "-q"]
+    argv = ["train", str(toml), "--address", ray_cluster.address, "--out", str(out), "-q"]
     assert cli.main(argv) == 0
     assert (out / "metrics.jsonl").stat().st_size > 0
 

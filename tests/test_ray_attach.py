@@ -1,9 +1,9 @@
 """Loops you own on Ray: ``job.serve(runtime="ray")``, ``sw.attach(name)`` from drivers,
 tasks and actors, and ``stalewise run --runtime ray``.
 
-One two-node cluster (``ray.cluster_utils``: two raylets of 2 CPUs each on this
-machine) serves the module; the fixture's finalizer shuts it down whatever
-happens, and every served job is closed by its ``with`` block. Deaths are real:
+The cluster the Ray test files share (``ray_cluster`` in conftest.py:
+``ray.cluster_utils``, two raylets of 2 CPUs each on this machine) serves the module;
+it is shut down whatever happens, and every served job is closed by its ``with`` block. Deaths are real:
 ``ray.kill`` of an attached actor. Every wait has a timeout.
 """
 
@@ -20,22 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-import ray_helpers
 
 import stalewise as sw
 
 TIMEOUT = 60.0  # seconds any one wait may take before the test is declared hung
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """Two nodes of 2 CPUs each; this process is a driver of it."""
-    with ray_helpers.two_nodes() as nodes:
-        ray.init(address=nodes.address, include_dashboard=False, logging_level="warning")
-        try:
-            yield nodes
-        finally:
-            ray.shutdown()
 
 
 def _job(consistency=None, shards=2, lr=0.5):
@@ -54,7 +42,7 @@ def _until(check, timeout=TIMEOUT, every=0.1):
         time.sleep(every)
 
 
-def test_attach_from_the_driver_and_a_task_ids_given_at_attach_and_freed_on_close(cluster):
+def test_attach_from_the_driver_and_a_task_ids_given_at_attach_and_freed_on_close(ray_cluster):
     with _job().serve(runtime="ray", workers=(1, 3), name="attach-ids") as server:
         me = sw.attach("attach-ids")  # Ray is initialised and no local door: Ray
         assert (me.worker, me.incarnation) == (0, 1)
@@ -98,7 +86,7 @@ def test_attach_from_the_driver_and_a_task_ids_given_at_attach_and_freed_on_clos
         assert versions == [6, 6] and server.job_pushes == 6
 
 
-def test_a_killed_attached_actor_stops_holding_back_a_bsp_round(cluster):
+def test_a_killed_attached_actor_stops_holding_back_a_bsp_round(ray_cluster):
     with _job(sw.BSP(), lr=1.0).serve(runtime="ray", workers=(0, 2), name="bsp-kill") as server:
 
         @ray.remote(num_cpus=0)
@@ -139,7 +127,7 @@ def test_a_killed_attached_actor_stops_holding_back_a_bsp_round(cluster):
         me.close()
 
 
-def test_compressed_pushes_and_the_residual_goes_to_the_ids_next_incarnation(cluster):
+def test_compressed_pushes_and_the_residual_goes_to_the_ids_next_incarnation(ray_cluster):
     target = np.arange(4096, dtype=np.float32)
     job = sw.Job(
         {"w": np.zeros(4096, np.float32)},
@@ -178,9 +166,9 @@ OTHER_DRIVER = textwrap.dedent(
 )
 
 
-def test_another_driver_attaches_by_name_through_ray_address(cluster, tmp_path):
+def test_another_driver_attaches_by_name_through_ray_address(ray_cluster, tmp_path):
     with _job().serve(runtime="ray", workers=(0, 2), name="other-driver") as server:
-        env = dict(os.environ, RAY_ADDRESS=cluster.address)
+        env = dict(os.environ, RAY_ADDRESS=ray_cluster.address)
         done = subprocess.run(
             [sys.executable, "-c", OTHER_DRIVER],
             cwd=tmp_path,
@@ -217,7 +205,7 @@ def test_launch_refuses_an_unknown_runtime_in_one_line(tmp_path):
         launch.launch(str(script), [], workers=2, runtime="mars")
 
 
-def test_attach_errors_are_one_line(cluster):
+def test_attach_errors_are_one_line(ray_cluster):
     with pytest.raises(sw.AttachError, match="no job named 'nobody-here' is served on this Ray"):
         sw.attach("nobody-here")
     with pytest.raises(sw.AttachError, match="runtime 'mars'"):
@@ -280,10 +268,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _launch(cluster, tmp_path: Path, out: str, steps: int) -> subprocess.CompletedProcess:
+def _launch(ray_cluster, tmp_path: Path, out: str, steps: int) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, RAY_ADDRESS=cluster.address)
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.address)
     env.pop("OMP_NUM_THREADS", None)
     cmd = [sys.executable, "-m", "stalewise", "run", "--runtime", "ray", "--workers", "2"]
     return subprocess.run(
@@ -297,8 +285,8 @@ def _launch(cluster, tmp_path: Path, out: str, steps: int) -> subprocess.Complet
 
 
 @pytest.mark.slow
-def test_stalewise_run_on_ray_trains_with_workers_on_both_nodes(cluster, tmp_path):
-    done = _launch(cluster, tmp_path, "out", 400)
+def test_stalewise_run_on_ray_trains_with_workers_on_both_nodes(ray_cluster, tmp_path):
+    done = _launch(ray_cluster, tmp_path, "out", 400)
     assert done.returncode == 0, done.stderr[-2000:]
     reports = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in reports] == [0, 1] and {r["world"] for r in reports} == {2}
@@ -314,8 +302,8 @@ def test_stalewise_run_on_ray_trains_with_workers_on_both_nodes(cluster, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_failed_ray_worker_makes_the_launcher_exit_1_naming_its_rank(cluster, tmp_path):
-    done = _launch(cluster, tmp_path, "RAISE", 100)
+def test_a_failed_ray_worker_makes_the_launcher_exit_1_naming_its_rank(ray_cluster, tmp_path):
+    done = _launch(ray_cluster, tmp_path, "RAISE", 100)
     assert done.returncode == 1
     assert "stalewise run: rank 1 failed (ValueError: rank 1 cannot train)" in done.stderr
     # rank 0 trained on alone, to the budget
