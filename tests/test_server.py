@@ -239,9 +239,19 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
     rounds_closed = 0
     seen = {"nobody_live": 0, "blocked": 0}  # the test must reach these states
 
+    floor = 0  # the slowest counted clock when the last counted worker left
+
     def brute_min():
-        floor = [c for c, ok, n in zip(clocks, live, counted, strict=True) if ok and n]
-        return min(floor or [c for c, ok in zip(clocks, live, strict=True) if ok], default=0)
+        going = [c for c, ok, n in zip(clocks, live, counted, strict=True) if ok and n]
+        if going:
+            return min(going)
+        return max(min([c for c, ok in zip(clocks, live, strict=True) if ok], default=0), floor)
+
+    def gone(v):  # v leaves: the last counted worker leaves the floor at the slowest clock
+        nonlocal floor
+        if live[v] and counted[v] and sum(ok and n for ok, n in zip(live, counted)) == 1:
+            floor = max(floor, brute_min())
+        live[v] = counted[v] = False
 
     def start_clock(v):
         return clocks[v] if counted[v] else max(clocks[v], brute_min())
@@ -274,12 +284,12 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
         w = int(rng.integers(workers))
         if r < 0.12:
             shard.leave(w)
-            live[w] = counted[w] = False
+            gone(w)
             maybe_close_round()
         elif r < 0.24:  # a new incarnation of w: a live one departs first, seq starts at 0
             shard.join(w, int(shard.incarnation[w]) + 1)
             if live[w]:
-                live[w] = counted[w] = False
+                gone(w)
                 maybe_close_round()
             clocks[w] = max(clocks[w], brute_min())
             live[w] = True

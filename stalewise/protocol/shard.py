@@ -199,6 +199,9 @@ class Shard:
         self.admitted = np.zeros(workers, dtype=np.int64)
         self.retired = np.zeros(workers, dtype=np.int64)  # the newest incarnation cut off
         self._clocks = _ClockTracker(expected)  # counted workers per clock, slowest clock
+        # the slowest counted clock when the last counted worker left: where a joiner starts
+        # then (a restart slower to start than the others were to finish starts at their end)
+        self._floor = 0
         self.stats = ShardStats()
         # DC-ASGD: the params each worker pulled (only kept when compensation is on).
         self._pulled: dict[int, np.ndarray] = {}
@@ -230,11 +233,13 @@ class Shard:
     def min_clock(self) -> int:
         """Clock of the slowest counted worker; while none is counted, of the slowest
         live one, where the first to start will start (0 when none is live): every
-        worker of a resumed job rejoins uncounted, and a floor of 0 would hold them all."""
+        worker of a resumed job rejoins uncounted, and a floor of 0 would hold them all;
+        but not below the slowest counted clock when the last counted worker left, so a
+        restart that starts after the others finished does not replay their rounds."""
         if self._clocks.live:
             return self._clocks.min()
         live = self.clocks[self.live]
-        return int(live.min()) if live.size else 0
+        return max(int(live.min()) if live.size else 0, self._floor)
 
     def may_start(self, worker: int, shards: int = 0) -> bool:
         """Whether ``worker`` may start its next step under the consistency model
@@ -381,6 +386,8 @@ class Shard:
         self.live[worker] = False
         if self.counted[worker]:
             self.counted[worker] = False
+            if self._clocks.live == 1:
+                self._floor = max(self._floor, self._clocks.min())
             self._clocks.remove(int(self.clocks[worker]))
             if not self._round_done[worker]:
                 self._round_waiting -= 1

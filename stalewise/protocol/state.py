@@ -52,7 +52,8 @@ def save(shard: Shard) -> dict[str, Any]:
     joiner has not pulled or pushed yet: the live workers the gates count; without
     it, all the live ones), the BSP
     round (``round.sum``: empty when no round buffer exists yet,
-    ``round.done``, ``round.count``, ``round.waiting``), the hybrid model's
+    ``round.done``, ``round.count``, ``round.waiting``, and ``round.floor`` only once
+    every counted worker has left: the clock a joiner starts at), the hybrid model's
     mode and measured paces (``synchronous``, ``pace``), the DC-ASGD copies
     (``pulled.workers`` and one row of ``pulled.params`` each), the
     optimizer state (``opt_structure``, a signature such as
@@ -100,6 +101,8 @@ def save(shard: Shard) -> dict[str, Any]:
         "live": shard.live.copy(),
         # only while a joiner has not pulled or pushed yet (the gates do not count it)
         **({"counted": shard.counted.copy()} if (shard.live & ~shard.counted).any() else {}),
+        # only once every counted worker has left (where a joiner starts: Shard.min_clock)
+        **({"round.floor": int(shard._floor)} if shard._floor else {}),
         "round.sum": (
             np.empty(0, shard.params.dtype) if shard._round_sum is None else shard._round_sum.copy()
         ),
@@ -153,6 +156,7 @@ def load(shard: Shard, state: Mapping[str, Any]) -> None:
         np.copyto(shard._round_sum, round_sum)
     shard._round_count = int(state["round.count"])
     shard._round_waiting = int(state["round.waiting"])
+    shard._floor = _count(state, "round.floor") if "round.floor" in state else 0
     shard.synchronous = bool(state["synchronous"])
     if shard._pace is not None:
         shard._pace.load(state["pace"])
@@ -211,7 +215,7 @@ def _checked(shard: Shard, state: Any) -> tuple[Any, dict, np.ndarray | None, di
         )
     expected = [*_STATE_KEYS, *opt_arrays]
     for key in state:
-        if key not in expected and key != "counted":  # counted: optional, see save()
+        if key not in expected and key not in ("counted", "round.floor"):  # optional: save()
             raise _bad(key, "unknown key")
     for key in expected:
         if key not in state:
@@ -239,6 +243,8 @@ def _checked(shard: Shard, state: Any) -> tuple[Any, dict, np.ndarray | None, di
             f"{state['round.waiting']} does not match the {waiting} counted workers "
             "that have not pushed in this round",
         )
+    if "round.floor" in state:
+        _count(state, "round.floor")
     round_count = _count(state, "round.count")
     round_sum = state["round.sum"]
     empty = isinstance(round_sum, np.ndarray) and round_sum.shape == (0,)
