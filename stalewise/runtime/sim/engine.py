@@ -321,8 +321,6 @@ class Simulation:
             wk.sender.pulled(k, wk.replica.apply(k, pulled.payload))
             np.copyto(wk.pull_buf[lo:hi], wk.replica.params[lo:hi])
             nbytes = pulled.nbytes(self.scale)
-        # the pull's answer is its clock, for the budget: a BSP joiner starts in a later round
-        wk.joined_at = max(wk.joined_at, int(self.shards[k].clocks[wk.id]) - wk.sender.seq)
         wk.pull_bytes[k] = nbytes
         self.pulled[0] += nbytes
         self.pulled[1] += 1
@@ -331,8 +329,7 @@ class Simulation:
     def ask(self, wk: _SimWorker, k: int, inc: int) -> None:
         """Worker ``wk``'s pull request at shard ``k``: it waits for the gate, then queues."""
         shard = self.shards[k]
-        # the shards' round under way: a BSP joiner's first pull picks its round by it
-        if self.gated and not shard.may_start(wk.id, max(s.min_clock() for s in self.shards)):
+        if self.gated and not shard.may_start(wk.id):
             entry = (int(shard.clocks[wk.id]), next(self.counter), wk, inc)
             heapq.heappush(self.waiting[k], entry)
         else:
