@@ -111,30 +111,6 @@ def test_a_bsp_joiner_enters_at_a_round_boundary_and_never_holds_the_round_under
     assert alone.may_start(1) and int(alone.clocks[1]) == 1
 
 
-def test_bsp_workers_rejoining_together_share_the_round_a_late_one_waits():
-    """Every worker restarts (a resumed job): they rejoin one after the other, and those
-    that pull before any push are in the same round, not one round each; one that pulls
-    after a push of that round waits for it to close."""
-    shard = _shard(workers=3, expected=3, consistency=BSP())
-    for w in range(3):
-        shard.join(w, 1)
-    for w in range(3):
-        assert _push(shard, w, 0).ok
-    for w in range(3):
-        shard.join(w, 2)  # a new incarnation of every worker: none counted
-    assert not shard.counted.any()
-    assert shard.may_start(0)  # nobody counted: it starts at once
-    shard.pull(0)
-    assert shard.may_start(1)  # no push in the round, and worker 0 started in it: with it
-    shard.pull(1)
-    assert _push(shard, 0, 0, inc=2).ok and shard.version == 1  # the round waits for 1
-    assert not shard.may_start(2)  # a push is in the round: it enters the next one
-    assert _push(shard, 1, 0, inc=2).ok and shard.version == 2
-    assert shard.may_start(2)
-    shard.pull(2)
-    assert shard.clocks.tolist() == [2, 2, 2] and shard.counted.all()
-
-
 def test_bsp_shards_that_close_a_round_apart_give_a_joiner_the_same_round():
     """The last push of round 1 has reached shard a, not yet shard b, when the joiner's
     pull arrives: b, told the round a has under way (published), picks the round a

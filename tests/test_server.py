@@ -257,15 +257,12 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
         return clocks[v] if counted[v] else max(clocks[v], brute_min())
 
     asked = [False] * workers  # BSP: a joiner's first pull fixed the round it enters
-    entered = [-1] * workers  # the clock a joiner started at
 
-    def may_start(v):  # Shard.may_start: under BSP, a joiner's first one enters the next
-        if consistency.averages_rounds and live[v] and not asked[v]:  # round, or this one
-            asked[v] = True  # if no push is in it and every counted worker started in it
-            alive = [u for u in range(workers) if live[u] and counted[u]]
-            if not counted[v] and alive:
-                fresh = all(u not in done and entered[u] == brute_min() for u in alive)
-                clocks[v] = max(clocks[v], brute_min() + (not fresh))
+    def may_start(v):  # Shard.may_start: under BSP, a joiner's first one enters the next round
+        if consistency.averages_rounds and live[v] and not asked[v]:
+            asked[v] = True
+            if not counted[v] and any(ok and n for ok, n in zip(live, counted, strict=True)):
+                clocks[v] = max(clocks[v], brute_min() + 1)
         return shard.may_start(v)
 
     def maybe_close_round():
@@ -294,7 +291,6 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
             clocks[w] = max(clocks[w], brute_min())
             live[w] = True
             counted[w] = clocks[w] == 0
-            entered[w] = 0 if counted[w] else entered[w]
             asked[w] = False
             done.discard(w)
             seq[w] = 0
@@ -312,7 +308,6 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
             ack = push(shard, w, seq[w], shard.version, g)
             assert ack.ok == (live[w] and not bad)
             if live[w]:
-                entered[w] = entered[w] if counted[w] else start_clock(w)
                 clocks[w], counted[w] = start_clock(w), True
                 seq[w] += 1
                 clocks[w] += 1

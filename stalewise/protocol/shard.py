@@ -194,7 +194,6 @@ class Shard:
         # pull or push (a joiner that has not started holds no round and no bound)
         self.counted = self.live.copy()
         self._asked = np.zeros(workers, dtype=bool)  # BSP: its entry round is fixed (may_start)
-        self._entered = np.full(workers, -1, dtype=np.int64)  # the clock a joiner started at
         # a runtime whose channels outlive an incarnation (Ray): the one it hears (0: none)
         self.admitted = np.zeros(workers, dtype=np.int64)
         self.retired = np.zeros(workers, dtype=np.int64)  # the newest incarnation cut off
@@ -248,9 +247,7 @@ class Shard:
         It is the question a worker's pull asks. Under BSP a joiner's first one fixes
         the round it enters: the next one, while other workers are counted (its pull
         is answered when the round under way closes, with theirs), so that it never
-        joins a round under way, which would wait its whole first step; the round
-        under way if no push is in it yet and every counted worker started in it
-        (workers of a resumed job rejoining one after the other). ``shards``:
+        joins a round under way, which would wait its whole first step. ``shards``:
         the round the other shards have under way, as the runtime last read it (their
         slowest counted clocks, published), if later than this shard's: a shard that
         has not yet closed the round another one just closed still picks the same
@@ -262,10 +259,7 @@ class Shard:
             self._asked[worker] = True
             if not self.counted[worker] and self._clocks.live:
                 under_way = max(self.min_clock(), shards)
-                fresh = self._round_waiting == self._clocks.live and bool(
-                    (self._entered[self.counted] == under_way).all()
-                )
-                self.clocks[worker] = max(int(self.clocks[worker]), under_way + (not fresh))
+                self.clocks[worker] = max(int(self.clocks[worker]), under_way + 1)
         return self.consistency.may_start(self._start_clock(worker), self.min_clock())
 
     def _start_clock(self, worker: int) -> int:
@@ -280,7 +274,7 @@ class Shard:
         the slowest counted clock (or its own, if later), in the round under way."""
         if not self.live[worker] or self.counted[worker]:
             return
-        clock = self.clocks[worker] = self._entered[worker] = self._start_clock(worker)
+        clock = self.clocks[worker] = self._start_clock(worker)
         self.counted[worker] = True
         self._clocks.add(clock)
         if not self._round_done[worker]:
