@@ -111,27 +111,6 @@ def test_a_bsp_joiner_enters_at_a_round_boundary_and_never_holds_the_round_under
     assert alone.may_start(1) and int(alone.clocks[1]) == 1
 
 
-def test_bsp_shards_that_close_a_round_apart_give_a_joiner_the_same_round():
-    """The last push of round 1 has reached shard a, not yet shard b, when the joiner's
-    pull arrives: b, told the round a has under way (published), picks the round a
-    picks. By its own clock alone it would pick round 2 where a picks 3, and every
-    round from then on would wait for the joiner's step on one shard or the other."""
-    a, b = (_shard(workers=3, expected=2, consistency=BSP()) for _ in range(2))
-    for s in (a, b):
-        s.join(0, 1)
-        s.join(1, 1)
-        assert _push(s, 0, 0).ok and _push(s, 1, 0).ok and _push(s, 0, 1).ok
-        s.join(2, 1)
-    assert _push(a, 1, 1).ok and a.min_clock() == 2 and b.min_clock() == 1
-    assert not a.may_start(2, b.min_clock()) and not b.may_start(2, a.min_clock())
-    assert int(a.clocks[2]) == int(b.clocks[2]) == 3
-    assert _push(b, 1, 1).ok and not b.may_start(2)  # b closes round 1: still round 3
-    for s in (a, b):
-        assert _push(s, 0, 2).ok and _push(s, 1, 2).ok and s.may_start(2)
-        s.pull(2)
-        assert s.counted[2] and int(s.clocks[2]) == 3 == s.min_clock()
-
-
 def test_a_late_joiner_left_alone_is_not_held_by_a_floor_of_zero():
     """When every counted worker has left, the gates' floor is the slowest live clock,
     not 0, or an SSP bound would hold the late joiner left alone forever."""

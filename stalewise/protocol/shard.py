@@ -240,26 +240,21 @@ class Shard:
         live = self.clocks[self.live]
         return max(int(live.min()) if live.size else 0, self._floor)
 
-    def may_start(self, worker: int, shards: int = 0) -> bool:
+    def may_start(self, worker: int) -> bool:
         """Whether ``worker`` may start its next step under the consistency model
         (a joiner not counted yet: at the clock its first pull would start it at).
 
         It is the question a worker's pull asks. Under BSP a joiner's first one fixes
         the round it enters: the next one, while other workers are counted (its pull
         is answered when the round under way closes, with theirs), so that it never
-        joins a round under way, which would wait its whole first step. ``shards``:
-        the round the other shards have under way, as the runtime last read it (their
-        slowest counted clocks, published), if later than this shard's: a shard that
-        has not yet closed the round another one just closed still picks the same
-        round for the joiner, which every shard must count in the same rounds."""
+        joins a round under way, which would wait its whole first step."""
         self._check_worker(worker)
         if self._pace is not None:  # hybrid: in a synchronous round, once per worker
             return not (self.synchronous and self._round_done[worker])
         if self.synchronous and not self._asked[worker] and self.live[worker]:
             self._asked[worker] = True
             if not self.counted[worker] and self._clocks.live:
-                under_way = max(self.min_clock(), shards)
-                self.clocks[worker] = max(int(self.clocks[worker]), under_way + 1)
+                self.clocks[worker] = max(int(self.clocks[worker]), self.min_clock() + 1)
         return self.consistency.may_start(self._start_clock(worker), self.min_clock())
 
     def _start_clock(self, worker: int) -> int:

@@ -261,10 +261,8 @@ class ShardProcess:
         return min(starts) + PARTIAL_TIMEOUT if starts else None
 
     def serve_waiting_pulls(self) -> None:
-        snaps = self.snapshots  # the round the shards have under way, for a BSP joiner
-        shards = max(snaps.min_clock(j) for j in range(len(snaps.ranges))) if self.waiting else 0
         for w in sorted(self.waiting):
-            if self.shard.live[w] and self.shard.may_start(w, shards):
+            if self.shard.live[w] and self.shard.may_start(w):
                 self.waiting.discard(w)
                 version = self.shard.pull(w, self.pulls[w], now=time.monotonic())
                 self.served += 1
