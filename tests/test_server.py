@@ -256,15 +256,6 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
     def start_clock(v):
         return clocks[v] if counted[v] else max(clocks[v], brute_min())
 
-    asked = [False] * workers  # BSP: a joiner's first pull fixed the round it enters
-
-    def may_start(v):  # Shard.may_start: under BSP, a joiner's first one enters the next round
-        if consistency.averages_rounds and live[v] and not asked[v]:
-            asked[v] = True
-            if not counted[v] and any(ok and n for ok, n in zip(live, counted, strict=True)):
-                clocks[v] = max(clocks[v], brute_min() + 1)
-        return shard.may_start(v)
-
     def maybe_close_round():
         nonlocal merged, version, rounds_closed
         alive = {w for w in range(workers) if live[w] and counted[w]}
@@ -291,7 +282,6 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
             clocks[w] = max(clocks[w], brute_min())
             live[w] = True
             counted[w] = clocks[w] == 0
-            asked[w] = False
             done.discard(w)
             seq[w] = 0
         elif r < 0.28:  # a replay of the worker's last push: acknowledged, nothing changes
@@ -299,7 +289,7 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
             assert ack.ok == ack.duplicate == (live[w] and seq[w] > 0)
         else:
             if r < 0.85:  # a well-behaved worker: a live one its gate lets start
-                ready = [v for v in range(workers) if live[v] and may_start(v)]
+                ready = [v for v in range(workers) if live[v] and shard.may_start(v)]
                 if not ready:
                     continue
                 w = ready[int(rng.integers(len(ready)))]
@@ -323,7 +313,7 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
         assert shard.min_clock() == brute_min()
         assert shard.version == version
         for v in range(workers):
-            assert may_start(v) == consistency.may_start(start_clock(v), brute_min())
+            assert shard.may_start(v) == consistency.may_start(start_clock(v), brute_min())
             seen["blocked"] += live[v] and not shard.may_start(v)
         seen["nobody_live"] += not any(live)
     assert seen["nobody_live"] > 0

@@ -34,12 +34,9 @@ A joiner (a late first incarnation, or a restart) joining once the slowest
 clock is past 0 counts for the gates from its first pull or push, not from its
 join: a process that attaches (or restarts) and then spends seconds building its
 model holds no round and no bound meanwhile (``counted``). It then starts at the
-slowest counted clock (or its own, if later), in the round under way; under BSP
-in the next round instead, while others are counted: its first pull is answered
-when the round under way closes (:meth:`Shard.may_start`), so no round waits its
-first step. Its BSP budget counts the shards' round
-(:func:`stalewise.protocol.budget.round_of`), so the rounds it skipped do not
-stretch the budget. A joiner while the slowest
+slowest counted clock (or its own, if later), in the round under way; its BSP
+budget counts that round, the shards' (:func:`stalewise.protocol.budget.round_of`),
+so the rounds it skipped do not stretch the budget. A joiner while the slowest
 clock is 0 counts from its join, as the expected workers do, because its client
 counts its clock from 0 itself and may read the published snapshots without the
 shard seeing its pull (:func:`stalewise.protocol.pipeline.reads_snapshots`).
@@ -193,7 +190,6 @@ class Shard:
         # the live workers the gates count: expected ones, and joiners from their first
         # pull or push (a joiner that has not started holds no round and no bound)
         self.counted = self.live.copy()
-        self._asked = np.zeros(workers, dtype=bool)  # BSP: its entry round is fixed (may_start)
         # a runtime whose channels outlive an incarnation (Ray): the one it hears (0: none)
         self.admitted = np.zeros(workers, dtype=np.int64)
         self.retired = np.zeros(workers, dtype=np.int64)  # the newest incarnation cut off
@@ -242,19 +238,10 @@ class Shard:
 
     def may_start(self, worker: int) -> bool:
         """Whether ``worker`` may start its next step under the consistency model
-        (a joiner not counted yet: at the clock its first pull would start it at).
-
-        It is the question a worker's pull asks. Under BSP a joiner's first one fixes
-        the round it enters: the next one, while other workers are counted (its pull
-        is answered when the round under way closes, with theirs), so that it never
-        joins a round under way, which would wait its whole first step."""
+        (a joiner not counted yet: at the clock its first pull would start it at)."""
         self._check_worker(worker)
         if self._pace is not None:  # hybrid: in a synchronous round, once per worker
             return not (self.synchronous and self._round_done[worker])
-        if self.synchronous and not self._asked[worker] and self.live[worker]:
-            self._asked[worker] = True
-            if not self.counted[worker] and self._clocks.live:
-                self.clocks[worker] = max(int(self.clocks[worker]), self.min_clock() + 1)
         return self.consistency.may_start(self._start_clock(worker), self.min_clock())
 
     def _start_clock(self, worker: int) -> int:
@@ -412,7 +399,6 @@ class Shard:
         clock = self.clocks[worker] = max(int(self.clocks[worker]), self.min_clock())
         self.live[worker] = True
         self._round_done[worker] = False
-        self._asked[worker] = False
         if clock == 0:  # a client counting from 0 itself
             self._start(worker)
         if self._pace is not None:
