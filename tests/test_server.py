@@ -249,7 +249,11 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
 
     def gone(v):  # v leaves: the last counted worker leaves the floor at the slowest clock
         nonlocal floor
-        if live[v] and counted[v] and sum(ok and n for ok, n in zip(live, counted)) == 1:
+        if (
+            live[v]
+            and counted[v]
+            and sum(ok and n for ok, n in zip(live, counted, strict=True)) == 1
+        ):
             floor = max(floor, brute_min())
         live[v] = counted[v] = False
 
