@@ -17,12 +17,14 @@ import io
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from stalewise.checkpoint import CheckpointError
 from stalewise.launch.context import LaunchError
 
 log = logging.getLogger(__name__)
@@ -111,7 +113,11 @@ class Saves:
             return
         if self.folder is not None:
             for r in range(len(self.ranks)):
-                got = read_rank_state(self.folder, r)
+                try:
+                    got = read_rank_state(self.folder, r)
+                except CheckpointError as e:  # its last state read stays the one saved
+                    log.warning("checkpoint: rank %d's state is not read: %s", r, e)
+                    continue
                 if got is not None:
                     self.ranks[r] = got
         step["time"] = time.monotonic() - self.started
@@ -251,9 +257,15 @@ def write_rank_state(folder: Path, rank: int, state: Any, pushes: int) -> None:
     os.replace(tmp, path)
 
 
+MAX_RANK_STATE = 1 << 36  # bytes of one rank's ctx.state file read back (64 GiB)
+_MAX_HEADER = 100 << 20  # a safetensors header's bytes, as safetensors itself bounds it
+
+
 def _metadata(f: Any) -> dict:
     """The metadata of the safetensors file open as ``f`` (read from its header)."""
     n = int.from_bytes(f.read(8), "little")
+    if n > _MAX_HEADER:
+        raise ValueError(f"a header of {n} bytes, more than {_MAX_HEADER}")
     return json.loads(f.read(n)).get("__metadata__", {})
 
 
@@ -262,21 +274,32 @@ def read_rank_state(folder: Path, rank: int) -> dict | None:
 
     from stalewise.checkpoint import store as checkpoint
 
-    try:
-        data = _rank_file(folder, rank).read_bytes()
-    except FileNotFoundError:
+    path = _rank_file(folder, rank)
+    if not os.path.lexists(path):
         return None
-    meta = _metadata(io.BytesIO(data))
-    return checkpoint._nested({**json.loads(meta["values"]), **load(data)})
+    # read as every checkpoint file is: no symlink followed, no FIFO waited on, bounded
+    data = checkpoint._read_file(folder, path.name, MAX_RANK_STATE, "MAX_RANK_STATE")
+    try:
+        values, arrays = json.loads(_metadata(io.BytesIO(data))["values"]), load(data)
+    except Exception as e:  # whatever the bytes are: one line naming the file
+        raise CheckpointError(f"{path}: not a rank's state file ({e})") from None
+    return checkpoint._nested({**values, **arrays})
 
 
 def rank_epoch(folder: Path | None, rank: int, every: int) -> int:
     """The epoch (job pushes // every) of rank ``rank``'s last saved state (-1: none)."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # as read_rank_state
     try:
-        with open(_rank_file(folder, rank), "rb") as f:  # type: ignore[arg-type]
-            return int(_metadata(f)["pushes"]) // every
-    except (OSError, ValueError, KeyError, TypeError):
+        fd = os.open(_rank_file(folder, rank), flags)  # type: ignore[arg-type]
+    except OSError:
         return -1
+    with os.fdopen(fd, "rb") as f:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return -1
+            return int(_metadata(f)["pushes"]) // every
+        except (OSError, ValueError, KeyError, TypeError):
+            return -1
 
 
 @contextlib.contextmanager
