@@ -239,7 +239,7 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
     rounds_closed = 0
     seen = {"nobody_live": 0, "blocked": 0}  # the test must reach these states
 
-    floor = 0  # the slowest counted clock when the last counted worker left
+    floor = 0  # BSP: the slowest counted clock when the last counted worker left
 
     def brute_min():
         going = [c for c, ok, n in zip(clocks, live, counted, strict=True) if ok and n]
@@ -247,10 +247,11 @@ def test_clock_and_round_bookkeeping_matches_brute_force(consistency, seed):
             return min(going)
         return max(min([c for c, ok in zip(clocks, live, strict=True) if ok], default=0), floor)
 
-    def gone(v):  # v leaves: the last counted worker leaves the floor at the slowest clock
+    def gone(v):  # v leaves; under BSP the last counted one leaves the floor at its round
         nonlocal floor
         if (
-            live[v]
+            consistency.averages_rounds
+            and live[v]
             and counted[v]
             and sum(ok and n for ok, n in zip(live, counted, strict=True)) == 1
         ):

@@ -194,7 +194,7 @@ class Shard:
         self.admitted = np.zeros(workers, dtype=np.int64)
         self.retired = np.zeros(workers, dtype=np.int64)  # the newest incarnation cut off
         self._clocks = _ClockTracker(expected)  # counted workers per clock, slowest clock
-        # the slowest counted clock when the last counted worker left: where a joiner starts
+        # BSP: the round under way when the last counted worker left, where a joiner starts
         # then (a restart slower to start than the others were to finish starts at their end)
         self._floor = 0
         self.stats = ShardStats()
@@ -229,7 +229,7 @@ class Shard:
         """Clock of the slowest counted worker; while none is counted, of the slowest
         live one, where the first to start will start (0 when none is live): every
         worker of a resumed job rejoins uncounted, and a floor of 0 would hold them all;
-        but not below the slowest counted clock when the last counted worker left, so a
+        under BSP not below the round under way when the last counted worker left, so a
         restart that starts after the others finished does not replay their rounds."""
         if self._clocks.live:
             return self._clocks.min()
@@ -362,7 +362,7 @@ class Shard:
         self.live[worker] = False
         if self.counted[worker]:
             self.counted[worker] = False
-            if self._clocks.live == 1:
+            if self.synchronous and self._clocks.live == 1:  # BSP: the round it left in
                 self._floor = max(self._floor, self._clocks.min())
             self._clocks.remove(int(self.clocks[worker]))
             if not self._round_done[worker]:
