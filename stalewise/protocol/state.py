@@ -156,7 +156,7 @@ def load(shard: Shard, state: Mapping[str, Any]) -> None:
         np.copyto(shard._round_sum, round_sum)
     shard._round_count = int(state["round.count"])
     shard._round_waiting = int(state["round.waiting"])
-    shard._floor = _count(state, "round.floor") if "round.floor" in state else 0
+    shard._floor = int(state.get("round.floor", 0))  # checked by _checked
     shard.synchronous = bool(state["synchronous"])
     if shard._pace is not None:
         shard._pace.load(state["pace"])
