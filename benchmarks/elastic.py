@@ -94,8 +94,8 @@ def worker_main(name: str, orders, budget: int, pace: float, build: float = 0.0)
             order = orders.recv()  # a "leave" that came after the budget was spent
         client = sw.attach(name)
         orders.send((stint, "attached", time.monotonic()))
-        if build:  # builds its model after attaching, before its first pull
-            time.sleep(build)
+        if build:  # builds its model after attaching, before its first pull; an order
+            orders.poll(build)  # to leave meanwhile is obeyed at once, freeing its worker id
         batches = task.batches(client.worker, MAX)
         times: list[float] = []
         skewed = 0  # pulls whose shards answered at different versions (see stalls_by_event)
@@ -178,7 +178,10 @@ class Pool:
     def kill(self, rng: random.Random) -> None:
         p, conn = self.live.pop(rng.randrange(len(self.live)))
         self.events.append((time.monotonic(), "kill", (p.pid, self.stints[p.pid] - 1)))
-        os.kill(p.pid, signal.SIGKILL)
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it died on its own (its traceback is above): said, counted
+            print(f"worker process {p.pid} had already exited", file=sys.stderr)
         self.timeline.append((time.monotonic(), len(self.live)))
         p.join(10)
         self.collect(conn, p.pid)
