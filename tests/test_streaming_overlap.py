@@ -13,23 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
+from test_streaming import TASK, init_params, loss_and_grad
 
 import stalewise as sw
-from stalewise import tasks
 from stalewise.protocol import loop
 from stalewise.strategies import streaming_diloco
-
-TASK = tasks.get("least-squares", n=512, d=16, batch_size=32, noise=0.1)
-
-
-def init_params() -> dict:
-    x = TASK.init_params()["x"]
-    return {"a": x[:8].copy(), "b": x[8:].copy()}
-
-
-def loss_and_grad(params, batch):  # module level: the local runtime's workers import it
-    loss, g = TASK.loss_and_grad({"x": np.concatenate([params["a"], params["b"]])}, batch)
-    return loss, {"a": g["x"][:8], "b": g["x"][8:]}
 
 
 def _strategy(delay: int, overlap: bool):

@@ -411,14 +411,13 @@ def _read(path: Path) -> Checkpoint:
     return Checkpoint(states, manifest, path, residuals, spec, ranks)
 
 
-def _read_file(
-    folder: Path, name: str, limit: int, bound: str = "", *, folder_may_be_a_link: bool = False
-) -> bytes:
-    """The bytes of ``folder/name``, at most ``limit`` of them: how every checkpoint file is
-    read. The file must be a regular file, opened without following a symlink (and
-    without blocking: a FIFO is refused, not waited on), inside ``folder``, which must
-    not be a symlink either (unless ``folder_may_be_a_link``: the user's directory of
-    checkpoints, for ``latest``). ``bound`` names where ``limit`` comes from.
+def open_file(
+    folder: Path, name: str, *, folder_may_be_a_link: bool = False
+) -> tuple[int, os.stat_result]:
+    """A descriptor of ``folder/name`` and its stat, opened as every checkpoint file is: a
+    regular file, opened without following a symlink (and without blocking: a FIFO is
+    refused, not waited on), inside ``folder``, which must not be a symlink either (unless
+    ``folder_may_be_a_link``: the user's directory of checkpoints, for ``latest``).
 
     Raises:
         CheckpointError: one line naming the file and what is wrong with it.
@@ -440,18 +439,37 @@ def _read_file(
         os.close(top)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "a special file")
-            raise CheckpointError(f"{file}: {kind}, not a regular file")
+    except OSError as e:
+        os.close(fd)
+        raise CheckpointError(f"{file}: cannot read: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "a special file")
+        raise CheckpointError(f"{file}: {kind}, not a regular file")
+    return fd, st
+
+
+def _read_file(
+    folder: Path, name: str, limit: int, bound: str = "", *, folder_may_be_a_link: bool = False
+) -> bytes:
+    """The bytes of ``folder/name`` (opened by :func:`open_file`), at most ``limit`` of
+    them: how every checkpoint file is read. ``bound`` names where ``limit`` comes from.
+
+    Raises:
+        CheckpointError: one line naming the file and what is wrong with it.
+    """
+    file = folder / name
+    fd, st = open_file(folder, name, folder_may_be_a_link=folder_may_be_a_link)
+    size = st.st_size
+    try:
         chunks, got = [], 0
-        while st.st_size <= limit and (chunk := os.read(fd, min(limit + 1 - got, 1 << 30))):
+        while size <= limit and (chunk := os.read(fd, min(limit + 1 - got, 1 << 30))):
             chunks.append(chunk)  # up to one byte past the limit: a file that grows is seen
             got += len(chunk)
             if got > limit:
                 break
-        if max(got, st.st_size) > limit:
-            size = max(got, st.st_size)
-            raise CheckpointError(f"{file}: {size} bytes, more than {limit} ({bound})")
+        if max(got, size) > limit:
+            raise CheckpointError(f"{file}: {max(got, size)} bytes, more than {limit} ({bound})")
         return b"".join(chunks)
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read: {e.strerror or e}") from None

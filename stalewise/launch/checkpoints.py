@@ -17,7 +17,6 @@ import io
 import json
 import logging
 import os
-import stat
 import sys
 import threading
 import time
@@ -288,15 +287,16 @@ def read_rank_state(folder: Path, rank: int) -> dict | None:
 
 def rank_epoch(folder: Path | None, rank: int, every: int) -> int:
     """The epoch (job pushes // every) of rank ``rank``'s last saved state (-1: none)."""
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # as read_rank_state
-    try:
-        fd = os.open(_rank_file(folder, rank), flags)  # type: ignore[arg-type]
-    except OSError:
+    from stalewise.checkpoint import store as checkpoint
+
+    if folder is None:
+        return -1
+    try:  # opened as every checkpoint file is: no symlink followed, no FIFO waited on
+        fd, _ = checkpoint.open_file(folder, _rank_file(folder, rank).name)
+    except CheckpointError:
         return -1
     with os.fdopen(fd, "rb") as f:
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return -1
             return int(_metadata(f)["pushes"]) // every
         except (OSError, ValueError, KeyError, TypeError):
             return -1
