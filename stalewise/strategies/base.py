@@ -44,12 +44,16 @@ class Strategy:
         """The worker's initial state, from the first parameters it pulled."""
         return None
 
-    def warm_up(self) -> None:
+    def warm_up(self, params: Any = None) -> None:
         """Loads what this strategy's steps run compiled, before the runtime's clock starts:
         by default the optimizer kernels (numba, imported at first use, see
-        :mod:`stalewise._lazy`), which an inner optimizer runs on the worker. Without
-        this, model-averaging workers paid the import in their first timed round."""
+        :mod:`stalewise._lazy`), which an inner optimizer runs on the worker, and, given
+        the job's initial ``params``, a worker state built on them and thrown away (an
+        inner optimizer's first step on the job's own leaves loads its compiled kernels:
+        half a second a process, paid in the first timed round before)."""
         importlib.import_module("stalewise.optim._kernels")
+        if params is not None:
+            self.init(params)
 
     def started(self, state: Any, now: float) -> None:
         """A round starts: its pull has arrived at ``now`` seconds of the runtime's clock.
@@ -123,7 +127,7 @@ class Gradients(Strategy):
 
     name = "gradients"
 
-    def warm_up(self) -> None:
+    def warm_up(self, params: Any = None) -> None:
         """Nothing: a gradient step runs only the user's code."""
 
     def step(self, state: Any, params: Any, loss_and_grad: LossAndGrad, batches: Iterator) -> Step:

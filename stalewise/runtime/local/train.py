@@ -155,8 +155,9 @@ def _worker_main(
         first = next(batches)
         # Set-up, not training: load the data and run one step whose result is thrown
         # away, so a JIT compile of the user's function (JAX, numba) happens before the clock.
-        options.loss_and_grad(client.pull(copy=False), first)
-        strategy.warm_up()  # an inner optimizer's kernels, likewise
+        params = client.pull(copy=False)
+        options.loss_and_grad(params, first)
+        strategy.warm_up(params)  # an inner optimizer's kernels, likewise
         batches = beat.batches(itertools.chain([first], batches))
         results.send_bytes(wire.worker_ready(w))
         if results.recv_bytes(wire.MAX_RESULT) != wire.go():

@@ -138,8 +138,9 @@ class WorkerActor:
 
         batches = batch_iterator(self.o.data, self.w, self.o.room, drawn=self.drawn)
         first = next(batches)
-        self.o.loss_and_grad(tree.unflatten(self.config.init, self.spec, copy=True), first)
-        self.strategy.warm_up()  # an inner optimizer's kernels, likewise
+        params = tree.unflatten(self.config.init, self.spec, copy=True)
+        self.o.loss_and_grad(params, first)
+        self.strategy.warm_up(params)  # an inner optimizer's kernels, likewise
         if self.compressor is not None:
             self.compressor.warm_up()  # its kernels load now, not at the first push
         self.batches = self._beating(itertools.chain([first], batches))
