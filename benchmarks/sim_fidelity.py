@@ -56,8 +56,13 @@ the local run's lowest (a run that does not improve has no time to target: that
 bar is missed). Bar: at least 8 in 10 of the settings (``ceil(0.8 N)``) meet all
 three bars; ``--check`` exits 1 otherwise.
 
+``--runtime ray`` calibrates the Ray runtime (``calibrate(runtime="ray")``) and runs
+the fixed settings on it, on a new local Ray instance of this machine's cores, beside
+their simulations: the rows' "local" figures are then the runs on Ray.
+
     .venv/bin/python benchmarks/sim_fidelity.py [--quick] [--check] [--json PATH]
     .venv/bin/python benchmarks/sim_fidelity.py --random 10 --seed 1 [--check]
+    .venv/bin/python benchmarks/sim_fidelity.py --runtime ray --only "digits 2w ASP"
 """
 
 from __future__ import annotations
@@ -152,7 +157,9 @@ def figures(result, metric: str, target: float, mode: str) -> dict:
     }
 
 
-def run_setting(s: Setting, quick: bool, repeats: int) -> dict:
+def run_setting(s: Setting, quick: bool, repeats: int, runtime: str = "local") -> dict:
+    """Calibrates the runtime ``runtime`` for setting ``s``, runs it there and simulates it
+    on the calibrated tables: one row (its "local" figures are the run on ``runtime``)."""
     task = make_task(s.task)
     job = make_job(s, task)
     steps = s.steps if quick else s.steps * 3 // 2
@@ -172,13 +179,14 @@ def run_setting(s: Setting, quick: bool, repeats: int) -> dict:
     t0 = time.perf_counter()
     cal = job.calibrate(
         task.loss_and_grad, task.batches, workers=s.workers, repeats=repeats, delays=s.delay,
-        evaluate=task.evaluate, eval_interval=eval_interval, contention=True,
+        evaluate=task.evaluate, eval_interval=eval_interval, contention=True, runtime=runtime,
     )  # fmt: skip
     t_cal = time.perf_counter() - t0
     load = os.getloadavg()[0]
-    local = job.train(task.loss_and_grad, **common)
+    local = job.train(task.loss_and_grad, runtime=runtime, **common)
     measured = figures(local, metric, s.target, mode)
-    row: dict[str, Any] = {"setting": s.name, "load": round(load, 2)}
+    name = s.name if runtime == "local" else f"{s.name} on {runtime}"
+    row: dict[str, Any] = {"setting": name, "load": round(load, 2), "runtime": runtime}
     for suffix, table in tables(cal):
         sim = job.train(task.loss_and_grad, runtime=sw.Simulation(table.sim_config()), **common)
         predicted = figures(sim, metric, s.target, mode)
@@ -191,10 +199,10 @@ def run_setting(s: Setting, quick: bool, repeats: int) -> dict:
             (e := row[f"{k} err{suffix}"]) is not None and e <= BARS[k] for k in BARS
         )
         print(
-            f"  {s.name}{suffix}: updates/s {_f(predicted['updates/s'])}/"
+            f"  {name}{suffix}: updates/s {_f(predicted['updates/s'])}/"
             f"{_f(measured['updates/s'])}, staleness {_f(predicted['staleness'])}/"
             f"{_f(measured['staleness'])}, time to target {_f(predicted['time_to_target'])}/"
-            f"{_f(measured['time_to_target'])} (sim/local; load {load:.2f}, calibration "
+            f"{_f(measured['time_to_target'])} (sim/{runtime}; load {load:.2f}, calibration "
             f"{t_cal:.1f} s)",
             flush=True,
         )
@@ -482,11 +490,21 @@ def main() -> int:
         help="N settings drawn from the stated space instead of the fixed 7",
     )
     ap.add_argument("--seed", type=int, default=0, help="the draw's seed (--random)")
+    ap.add_argument(
+        "--runtime",
+        choices=("local", "ray"),
+        default="local",
+        help="the runtime calibrated and run beside the simulation (ray: a new local Ray "
+        "instance of this machine's cores; the fixed settings only)",
+    )
     _report.add_json_arg(ap)
     args = ap.parse_args()
     if args.random is not None and args.random < 1:
         ap.error(f"--random: expected an integer >= 1, got {args.random}")
+    if args.random is not None and args.runtime != "local":
+        ap.error(f"--runtime {args.runtime}: the random settings run on the local runtime only")
     name = "sim_fidelity" if args.random is None else f"sim_fidelity-random{args.seed}"
+    name += "" if args.runtime == "local" else f"-{args.runtime}"
     out = _report.json_path(ap, args, name)
     if args.random is not None:
         return random_main(args, out)
@@ -497,7 +515,16 @@ def main() -> int:
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
           f"on {os.cpu_count()} cores")  # fmt: skip
     t0 = time.perf_counter()
-    rows = [run_setting(s, args.quick, repeats) for s in chosen]
+    if args.runtime == "ray":  # one instance for every calibration and run, stopped at the end
+        from stalewise.runtime.ray import connect, import_ray
+
+        connect("local", num_cpus=os.cpu_count())
+        print("runtime ray: the 'local' columns are the runs on Ray")
+    try:
+        rows = [run_setting(s, args.quick, repeats, args.runtime) for s in chosen]
+    finally:
+        if args.runtime == "ray":
+            import_ray().shutdown()
     bars = []
     for suffix in ("", WALL, PLAIN):
         cols = ["setting", "load"] + [
@@ -516,7 +543,8 @@ def main() -> int:
     print(f"(staleness below 1 version: within {STALENESS_ABS} versions counts as within 15%)")
     print(f"total {time.perf_counter() - t0:.0f} s; load average at end: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
-    _report.write(out, {"quick": args.quick, "repeats": repeats, "rows": rows}, bars=bars)
+    head = {"quick": args.quick, "repeats": repeats, "runtime": args.runtime}
+    _report.write(out, {**head, "rows": rows}, bars=bars)
     return 1 if args.check and not all(b["met"] for b in bars) else 0
 
 

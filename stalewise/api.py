@@ -275,7 +275,8 @@ class Job:
         ``train(runtime=sw.Simulation(...))``, ``.toml()`` for a config's ``[sim]`` table).
         ``options``: ``repeats``, ``sizes``, ``delays``, ``evaluate`` and ``eval_interval``
         (the run's: the compute is timed with the evaluations a local run makes beside it),
-        ``timeout`` of :func:`stalewise.calibrate.calibrate`.
+        ``timeout`` and ``runtime`` (``"ray"``: the pulls, pushes, shard and worker loop
+        timed on Ray) of :func:`stalewise.calibrate.calibrate`.
         """
         from stalewise import calibrate as calibrate_lib
 

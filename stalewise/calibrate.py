@@ -27,7 +27,8 @@
   optimizer, consistency model, codec and shard count) pushes (the *send*:
   flattened, judged, committed and told to the shards), pulls right after
   (``own=False``, as the local worker loop does) and then waits for the push's
-  acknowledgement, at two sizes.
+  acknowledgement, at two sizes. With ``runtime="ray"`` the server is a served job
+  on Ray, and the shard's apply time is its actor's own, publishing included.
 * **the worker loop**: what a local worker's step costs besides its compute, its
   send and its pull (the protocol's worker loop, the strategy, heartbeats, the
   runtime's answers: 0.1-0.4 ms a step here): a real local run of one worker
@@ -85,7 +86,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -138,6 +139,15 @@ CONTENTION_SECONDS, MOST_PROCESSES = 0.2, 16
 #: The tables :meth:`Calibration.sim_config` makes: the measured figures (None), or every
 #: time at its 25th ("low") or 75th ("high") percentile over the repeats.
 BOUNDS = (None, "low", "high")
+#: The runtimes whose pulls, pushes, shard and worker loop :func:`calibrate` times.
+RUNTIMES = ("local", "ray")
+#: What a Ray calibration times elsewhere, said in its summary and logged.
+ON_RAY = (
+    "runtime ray: pulls, pushes, the shard's time per push (its actor's: the apply and the "
+    "snapshots it published, the object store's copy) and the worker loop are timed on Ray; "
+    "the compute and the contention for the cores in processes of this machine, not in Ray "
+    "actors (a local Ray cluster's actors share these cores; another machine's are not measured)"
+)
 
 
 @dataclass(frozen=True)
@@ -304,6 +314,9 @@ class Calibration:
             sharing of the cores, which the wall-clock times hold already.
         wall_spread: with :attr:`contention`, fit each worker's wall-clock times scaled
             to its mean CPU time: the CPU clock's level, the wall clock's spread.
+        runtime: the runtime the transport, the shard and the worker loop were timed on
+            (:data:`RUNTIMES`); on Ray :attr:`apply` is the shard actor's time per push
+            at the bytes of its slice.
     """
 
     workers: int
@@ -325,6 +338,7 @@ class Calibration:
     contention: Contention | None = None
     cpu_times: Steps = ()
     wall_spread: bool = False
+    runtime: str = "local"
 
     # -- the compute model -------------------------------------------------------------
 
@@ -474,8 +488,11 @@ class Calibration:
                 f"  worker {w}: {len(a)} steps, mean {a.mean() * 1e3:.3f} ms, min "
                 f"{a.min() * 1e3:.3f} ms, p90 {np.quantile(a, 0.9) * 1e3:.3f} ms{cpu}"
             )
+        if self.runtime != "local":
+            lines.append(ON_RAY)
         lines.append(
-            f"shard apply ({self.optimizer}): "
+            ("shard apply" if self.runtime == "local" else "shard actor's time a push")
+            + f" ({self.optimizer}): "
             + ", ".join(f"{b:,} B {s * us:.1f} us" for b, s in self.apply.points)
             + f" -> {self.apply.intercept * us:.1f} us + bytes / {_rate(self.apply.slope):.3g} B/s"
         )
@@ -860,33 +877,44 @@ def _recv(conn: Any, deadline: float, proc: Any = None) -> Any:
 
 
 def transport_times(
-    job: Any, size: int, repeats: int
+    job: Any, size: int, repeats: int, runtime: str = "local", shard: list | None = None
 ) -> tuple[list[float], list[float], list[float]]:
     """Seconds of a pull (``own=False``), of a push until its acknowledgement, and of
-    the push's send alone, ``repeats`` times each, by a client of a local server of
-    ``size`` floats (the job's optimizer, consistency model, codec and number of
-    shards). Under BSP the pull that follows a push waits for its round to close, as a
-    local worker's does: it is served by the shard (a round trip through it), not read
-    from a snapshot."""
+    the push's send alone, ``repeats`` times each, by a client of a server of ``runtime``
+    (``job.serve``) of ``size`` floats (the job's optimizer, consistency model, codec and
+    number of shards). Under BSP the pull that follows a push waits for its round to
+    close, as a worker's does: it is served by the shard (a round trip through it), not
+    read from a snapshot. On Ray, ``shard`` (a list) gets shard 0's actor's own seconds
+    for each push: handling it and publishing the snapshots since the last (the object
+    store's copy), read from its ``busy`` counters."""
     job = _synthetic_job(job, size, min(job.config.shards, size))
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
     pulls, pushes, sends = [], [], []
-    with job.serve(workers=1) as server:
+
+    def busy() -> float:  # shard 0's actor on Ray: its seconds of pushes, publishing, pulls
+        return sum(server.stats()[0]["busy"].values())
+
+    with job.serve(workers=1, runtime=runtime) as server:
         client = server.client(0)
+        spent = busy() if shard is not None else 0.0
         for i in range(repeats + 2):
             # in the order of the local worker loop: a pull follows the push at once, its
             # ack is read later (a pull after the ack would wait for the snapshot holding it)
             t0 = time.perf_counter()
             client.push(update)
             t1 = time.perf_counter()
-            client.pull_flat(own=False)
+            client.pull_flat(own=False, timeout=60.0)  # a server that hangs: TimeoutError
             t2 = time.perf_counter()
-            client.wait()
+            client.wait(60.0)
             t3 = time.perf_counter()
+            if shard is not None:
+                spent, before = busy(), spent
             if i >= 2:
                 pulls.append(t2 - t1)
                 pushes.append((t1 - t0) + (t3 - t2))
                 sends.append(t1 - t0)
+                if shard is not None:
+                    shard.append(spent - before)
         client.close()
     return pulls, pushes, sends
 
@@ -905,15 +933,15 @@ def _no_data(worker: int, workers: int) -> Any:
         yield None
 
 
-def loop_times(job: Any, size: int) -> list[float]:
-    """Seconds a local worker's step takes, compute, send and pull included: a real
-    local run of one worker, on a job of ``size`` floats (the job's optimizer,
+def loop_times(job: Any, size: int, runtime: str = "local") -> list[float]:
+    """Seconds a worker's step takes, compute, send and pull included: a real run on
+    ``runtime`` of one worker, on a job of ``size`` floats (the job's optimizer,
     consistency model, codec and shards), whose steps are :data:`LOOP_COMPUTE` seconds
     of busy compute; its times per step over the intervals between its records after
     its first push (:func:`calibrate` takes their median, less the compute, send and
     pull: a step preempted by another process must not set it)."""
     job = _synthetic_job(job, size, min(job.config.shards, size))
-    result = job.train(_busy_step, data=_no_data, workers=1, steps=LOOP_STEPS,
+    result = job.train(_busy_step, data=_no_data, workers=1, steps=LOOP_STEPS, runtime=runtime,
                        metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]
     per_step = [
@@ -951,6 +979,7 @@ def calibrate(
     eval_interval: float | None = None,
     timeout: float = 600.0,
     contention: bool = True,
+    runtime: str = "local",
 ) -> Calibration:
     """Measures compute, apply, pull and push times on this machine; see the module docstring.
 
@@ -978,6 +1007,11 @@ def calibrate(
             :data:`MOST_PROCESSES`; :func:`measure_contention`), for the simulator's
             contention model, and fit the compute to the steps' CPU times; False: no
             contention in the table, the compute fitted to the wall-clock times.
+        runtime: the runtime whose pulls, pushes, shard and worker loop are timed:
+            ``"local"``, or ``"ray"`` (the Ray instance this process is connected to;
+            else ``ray.init()``'s, shut down at the end if it started one here): a
+            served job's client and shard actor (:data:`RUNTIMES`). The compute and
+            the contention are timed in processes of this machine either way.
 
     Raises:
         ValueError: a bad argument, naming it.
@@ -998,6 +1032,8 @@ def calibrate(
         raise ValueError(
             f"timeout = {timeout!r}: must be a number of seconds in (0, {MAX_TIMEOUT:g}]"
         )
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime = {runtime!r}: calibrate measures one of {RUNTIMES}")
     per_worker = _delays(delays, workers)
     if evaluate is not None:
         if not callable(evaluate):
@@ -1019,26 +1055,33 @@ def calibrate(
     served = served_pull(config)
     apply_pts, pull_pts, push_pts, send_pts, msg_pts = [], [], [], [], []
     spreads: list[tuple[str, Spread]] = []
-    for n in sizes:
-        nbytes = n * itemsize
-        a_times = apply_times(config, n, repeats)
-        a = statistics.median(a_times)
-        pulls, pushes, sends = transport_times(job, n, repeats)
-        pull, push, send = (statistics.median(x) for x in (pulls, pushes, sends))
-        shards = min(config.shards, n)
-        a_slice = a if shards == 1 else statistics.median(
-            apply_times(config, -(-n // shards), repeats))  # fmt: skip
-        for pts, x in ((apply_pts, a), (pull_pts, pull), (push_pts, push), (send_pts, send)):
-            pts.append((nbytes, x))
-        # what a simulated step waits for besides compute and the shard: see the docstring
-        less = 2 * a_slice if served else 0.0
-        msg_pts.append((nbytes, max(0.0, send + pull - less)))
-        msgs = [max(0.0, s + p - less) for s, p in zip(sends, pulls, strict=True)]
-        for name, xs in (("apply", a_times), ("pull", pulls), ("send", sends),
-                         ("push", pushes), ("message", msgs)):  # fmt: skip
-            spreads.append((_key(name, nbytes), Spread.of(xs)))
-    fixed = LOOP_COMPUTE + send_pts[0][1] + pull_pts[0][1]
-    per_step = loop_times(job, sizes[0])
+    with _connected(runtime):
+        for n in sizes:
+            nbytes, shards = n * itemsize, min(config.shards, n)
+            actor: list[float] = []  # on Ray: shard 0's actor's own time per push
+            on = {} if runtime == "local" else {"runtime": runtime, "shard": actor}
+            pulls, pushes, sends = transport_times(job, n, repeats, **on)
+            pull, push, send = (statistics.median(x) for x in (pulls, pushes, sends))
+            if actor:  # the apply as the shard actor times it, at its slice's size
+                a_times, nbytes_a = actor, -(-n // shards) * itemsize
+            else:  # the apply timed in this process, on one shard of the whole size
+                a_times, nbytes_a = apply_times(config, n, repeats), nbytes
+            a = statistics.median(a_times)
+            a_slice = a if shards == 1 or actor else statistics.median(
+                apply_times(config, -(-n // shards), repeats))  # fmt: skip
+            apply_pts.append((nbytes_a, a))
+            for pts, x in ((pull_pts, pull), (push_pts, push), (send_pts, send)):
+                pts.append((nbytes, x))
+            # what a simulated step waits for besides compute and the shard: see the docstring
+            less = 2 * a_slice if served else 0.0
+            msg_pts.append((nbytes, max(0.0, send + pull - less)))
+            msgs = [max(0.0, s + p - less) for s, p in zip(sends, pulls, strict=True)]
+            spreads.append((_key("apply", nbytes_a), Spread.of(a_times)))
+            for name, xs in (("pull", pulls), ("send", sends), ("push", pushes),
+                             ("message", msgs)):  # fmt: skip
+                spreads.append((_key(name, nbytes), Spread.of(xs)))
+        fixed = LOOP_COMPUTE + send_pts[0][1] + pull_pts[0][1]
+        per_step = loop_times(job, sizes[0], **({"runtime": runtime} if on else {}))
     loop_s = max(0.0, statistics.median(per_step) - fixed)
     spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in per_step])))
     load_end = os.getloadavg()
@@ -1062,10 +1105,29 @@ def calibrate(
         load_end=(round(load_end[0], 2), round(load_end[1], 2), round(load_end[2], 2)),
         contention=contended,
         cpu_times=cpu_times,
+        runtime=runtime,
     )
     for w in cal.warnings():
         log.warning("calibrate: the machine was too busy for a stable figure: %s", w)
     return cal
+
+
+@contextlib.contextmanager
+def _connected(runtime: str) -> Iterator[None]:
+    """On Ray: this process connected to Ray while the transport and the worker loop are
+    timed (one instance for all; one this call started is shut down after)."""
+    if runtime == "local":
+        yield
+        return
+    from stalewise.runtime.ray import connect, import_ray
+
+    log.info("calibrate: %s", ON_RAY)
+    started = connect()
+    try:
+        yield
+    finally:
+        if started:
+            import_ray().shutdown()
 
 
 def _int_in(value: Any, low: int, high: int) -> bool:

@@ -286,7 +286,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         cal = cfg.job.calibrate(
             cfg.task.loss_and_grad, cfg.data, workers=workers, repeats=args.repeats,
             delays=cfg.delay, evaluate=cfg.task.evaluate,
-            eval_interval=cfg.train["metrics"].every,
+            eval_interval=cfg.train["metrics"].every, runtime=args.runtime,
         )  # fmt: skip
     text = cal.toml()
     if out is None:
@@ -398,6 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--repeats", type=int, default=30, help="timed steps per worker and pushes per size"
+    )
+    c.add_argument(
+        "--runtime",
+        choices=("local", "ray"),
+        default="local",
+        help="the runtime whose pulls, pushes, shard and worker loop are timed (ray: the "
+        "cluster ray.init() finds, or a new local instance)",
     )
     c.set_defaults(func=cmd_calibrate)
 
