@@ -161,8 +161,8 @@ def test_shards_go_on_separate_nodes_and_a_killed_worker_actor_is_a_new_incarnat
     """Two shards and three workers on the two nodes; worker 1's actor is killed mid-run
     and restarted as its second incarnation."""
     task, job = least_squares_job(shards=2)
-    kill = KillAt("kill-worker", "worker-1.", pushes=150)
-    result = train(task, job, steps=450, run="kill-worker", on_record=kill)
+    kill = KillAt("kill-worker", "worker-1.", pushes=100)
+    result = train(task, job, steps=300, run="kill-worker", on_record=kill)
     nodes = result.stats["ray"]["nodes"]  # each shard's, as started
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert len(alive) == 2
@@ -172,7 +172,7 @@ def test_shards_go_on_separate_nodes_and_a_killed_worker_actor_is_a_new_incarnat
     assert kill.killed is not None and kill.killed.endswith("worker-1.1")
     assert [(e.get("worker"), e["action"]) for e in result.failures] == [(1, "restarted")]
     assert result.restarts == 1
-    assert result.pushes >= 450 and result.stop_reason.startswith("the budget")
+    assert result.pushes >= 300 and result.stop_reason.startswith("the budget")
     initial = task.evaluate(task.init_params(0))["loss"]
     assert task.evaluate(result.params)["loss"] < 1e-3 * initial
     no_torn_pushes(caplog)
@@ -192,18 +192,18 @@ def test_a_killed_worker_actor_is_dropped_under_the_drop_policy(ray_cluster, cap
 @pytest.mark.slow
 def test_a_killed_shard_actor_is_restarted_from_the_last_checkpoint(ray_cluster, caplog, tmp_path):
     task, job = least_squares_job()
-    kill = KillAt("kill-shard", "shard-1", pushes=200, restart=True)
+    kill = KillAt("kill-shard", "shard-1", pushes=150, restart=True)
     result = train(
         task,
         job,
-        steps=500,
+        steps=300,
         run="kill-shard",
         on_record=kill,
         checkpoints=sw.Checkpoints(tmp_path, every=50),
     )
     assert kill.killed is not None
     assert [(e.get("shard"), e["action"]) for e in result.failures] == [(1, "restarted")]
-    assert result.pushes >= 500 and result.stop_reason.startswith("the budget")
+    assert result.pushes >= 300 and result.stop_reason.startswith("the budget")
     initial = task.evaluate(task.init_params(0))["loss"]
     assert task.evaluate(result.params)["loss"] < 1e-3 * initial
     rolled = [re.search(r"rolled back to version (\d+)", r.getMessage()) for r in caplog.records]
@@ -245,8 +245,8 @@ def test_a_killed_shard_process_with_evaluate_restarts_or_fails_with_shard_error
     the final stats and pull) goes through the restart path: never a private exception.
     The last kill comes with the run's last record, just before the final calls."""
     task, job = least_squares_job()
-    run, steps = f"kill-shard-eval-{policy}", 600
-    at = [200, steps] if policy == "restart" else [150]  # mid-run, and at the final calls
+    run, steps = f"kill-shard-eval-{policy}", 300
+    at = [100, steps] if policy == "restart" else [150]  # mid-run, and at the final calls
     kill = KillShardProcess(run, 1, at)
     kw = dict(steps=steps, run=run, on_record=kill, every=0.02)
     if policy == "fail":
