@@ -29,7 +29,8 @@ lowest held-out loss at the equal-token budget ``B`` (the tokens that the
 synchronous baseline's ``steps`` local steps consume). Every run stops at
 ``EXTRA`` x ``B`` tokens (``stop_at`` on the records' ``tokens``; its push
 budget is only a cap), so that a method slightly behind per token can still
-reach the target. A best point at the edge of its grid is flagged
+reach the target; the baseline stops at ``B``, past which nothing reads it. A
+best point at the edge of its grid is flagged
 (``lr_at_edge``). A record's tokens are those of the local steps its workers
 have pushed (``batch_size * context`` bytes a step; a DiLoCo round's count once
 it is sent, so work still inside a round, or in its emulated compute time, does
@@ -40,7 +41,11 @@ round apply, by at most a round). Figures (all measured in this run):
 * tokens/s (minibatches drawn over the run's wall time);
 * time, and bytes pushed per worker, to the target: the synchronous
   baseline's val loss at ``B`` tokens (bytes per push are the shards'
-  ``bytes_in`` over the pushes, so a codec's size counts).
+  ``bytes_in`` over the pushes, so a codec's size counts);
+* the streaming row again in the simulator (its best point; each step's compute
+  the timed step, the same straggler and emulated time): its bytes per second
+  per worker against the run's, a bar of issue #32 (within 10%), and whether
+  the bytes are the same.
 
 Bars (issue #20), ratios against the synchronous baseline of the same run:
 
@@ -61,19 +66,23 @@ applied on CPU); the streaming row must be at least as good at equal tokens and
 at equal wall time.
 
     .venv/bin/python benchmarks/lm.py [--quick | --medium] [--codec int8|topk] [--json PATH]
-                                      [--methods NAME,...] [--check]
+                                      [--methods NAME,...] [--resume] [--check]
     .venv/bin/python benchmarks/lm.py --markdown PATH   # the README's table from a --json file
 
 ``--quick`` (a tiny model, a short budget, three or four learning rates per
 method, three outer settings per DiLoCo row) took about 26 minutes on 2 quiet
 cores before the streaming rows (each adds 9 runs); ``--medium`` (a 1.23 M
-parameter GPT, 600 local steps per worker: 30 outer rounds at H=20, one
-learning rate per method and the outer 0.7/0.3) is sized for at most 90
-minutes on 2 quiet cores (``docs/lm.md``: the estimate); the full mode (the
-small model, 4x the quick tokens, the quick grids) is for a quiet machine.
-``--methods`` runs only the named rows (the synchronous baseline always runs;
-a bar whose rows did not run is left out). Wall-time figures on a shared
-machine are noisy.
+parameter GPT at batch 8, 600 local steps per worker: 30 outer rounds at H=20,
+one learning rate per method and the outer 0.7/0.3) runs the rows issue #32's
+bars compare (``MODES["medium"]["rows"]`` and the baseline), estimated at about
+an hour on 2 quiet cores (``docs/lm.md``: the estimate per row); the full mode
+(the small model, 4x the quick tokens, the quick grids) is for a quiet machine.
+``--methods`` runs only the named rows (the synchronous baseline always runs, or
+is kept; a bar whose rows did not run is left out). The ``--json`` file is written after
+every row; with ``--resume`` the rows it already holds (same mode, setting and
+commit; each row records its own time, commit and load average) are kept and
+only the missing ones run, so a mode can run in pieces. Wall-time figures on a
+shared machine are noisy.
 """
 
 from __future__ import annotations
@@ -97,26 +106,31 @@ import stalewise as sw
 from stalewise import report, tasks
 
 WORKERS, SLOW, SLOWDOWN = 4, 3, 3.0
-EXTRA = 1.3  # every run may draw this many times the equal-token budget
+EXTRA = 1.3  # every run but the baseline may draw this many times the equal-token budget
+BASELINE = "sync gradients"
+STREAM, ASYNC_STREAM = "streaming DiLoCo + int4", "async streaming DiLoCo + int4"
+PEER, PEER_STREAM = "torchft DiLoCo H=20", "torchft streaming DiLoCo"
+PEERS = (PEER, PEER_STREAM)
 # DiLoCo's outer (Nesterov SGD) learning rate and momentum: the paper's (and the library's
 # default), a lower momentum, and plain averaging of the workers' models (lr 1, no momentum)
 OUTER = ((0.7, 0.9), (0.7, 0.3), (1.0, 0.0))
+# rows: those a mode runs without --methods (None: every row); the medium mode's are the
+# ones issue #32's bars compare, beside the baseline that sets their target
 MODES = {
     "quick": dict(size="tiny", context=32, batch_size=16, steps=150, delay=0.02,
                   grad_lrs=(3e-4, 1e-3, 3e-3, 1e-2), inner_lrs=(3e-3, 1e-2, 2e-2), eval_interval=0.5,
-                  outer=OUTER),
-    "medium": dict(size="medium", context=64, batch_size=16, steps=600, delay=0.03,
-                   grad_lrs=(2e-3,), inner_lrs=(5e-3,), eval_interval=5.0, outer=OUTER[1:2]),
+                  outer=OUTER, rows=None, timeout=1800),
+    "medium": dict(size="medium", context=64, batch_size=8, steps=600, delay=0.03,
+                   grad_lrs=(2e-3,), inner_lrs=(5e-3,), eval_interval=5.0, outer=OUTER[1:2],
+                   rows=("DiLoCo H=20", STREAM, ASYNC_STREAM, PEER_STREAM), timeout=3600),
     "full": dict(size="small", context=64, batch_size=16, steps=600, delay=0.03,
                  grad_lrs=(3e-4, 1e-3, 3e-3, 1e-2), inner_lrs=(3e-3, 1e-2, 2e-2), eval_interval=1.0,
-                 outer=OUTER),
+                 outer=OUTER, rows=None, timeout=1800),
 }  # fmt: skip
 ASYNC_H = 20  # async DiLoCo's cap on H; its period is about 1.25 H fast steps
 # streaming DiLoCo: fragments (equal slices at leaf boundaries), the merge delay tau in inner
 # steps and the merge's local weight alpha (the paper's overlap: tau > 0, alpha 0.5)
 FRAGMENTS, TAU, ALPHA = 4, 2, 0.5
-BASELINE = "sync gradients"
-STREAM, ASYNC_STREAM = "streaming DiLoCo + int4", "async streaming DiLoCo + int4"
 
 
 _PROCESS: dict = {}  # in a worker process: its worker id and the counts file
@@ -241,10 +255,17 @@ def methods(m: dict, codec: str) -> list[tuple[str, tuple, tuple, object, float]
     ]  # fmt: skip
 
 
-def run_one(task, m: dict, name: str, lr: float, make, h: float, outer=None) -> dict:
+def emulation(m: dict) -> sw.Emulation:
+    """Worker SLOW SLOWDOWN times slower, every step padded with the mode's emulated time."""
+    delays = dict.fromkeys(range(WORKERS), m["delay"])
+    return sw.Emulation(stragglers={SLOW: SLOWDOWN}, delays=delays)
+
+
+def run_one(task, m: dict, name: str, lr: float, make, h: float, outer=None,
+            extra: float = EXTRA) -> dict:  # fmt: skip
     """One training run (``make(lr)``, or ``make(lr, outer)`` for DiLoCo's outer
-    ``(lr, momentum)``); its records carry ``tokens``."""
-    budget_steps = math.ceil(EXTRA * WORKERS * m["steps"])  # local steps of all workers
+    ``(lr, momentum)``), stopped at ``extra`` x B tokens; its records carry ``tokens``."""
+    budget_steps = math.ceil(extra * WORKERS * m["steps"])  # local steps of all workers
     pushes = max(math.ceil(budget_steps / h), WORKERS)  # at most; the run stops at the tokens
     per_batch = task.tokens_per_batch
     with tempfile.TemporaryDirectory() as tmp:
@@ -270,10 +291,8 @@ def run_one(task, m: dict, name: str, lr: float, make, h: float, outer=None) -> 
             steps=pushes,
             stop_at={"tokens": (budget_steps * per_batch, "max")},
             metrics=sw.Metrics(every=m["eval_interval"], name=name, on_record=on_record),
-            emulation=sw.Emulation(
-                stragglers={SLOW: SLOWDOWN}, delays=dict.fromkeys(range(WORKERS), m["delay"])
-            ),
-            timeouts=sw.Timeouts(total=1800),
+            emulation=emulation(m),
+            timeouts=sw.Timeouts(total=m.get("timeout", 1800)),
         )
         drawn, sent, last = (int(x) for x in counts.sum(axis=1) * per_batch)
         pushed = sent + last  # every worker's last push too
@@ -287,6 +306,7 @@ def run_one(task, m: dict, name: str, lr: float, make, h: float, outer=None) -> 
         "lr": lr,
         **outer_keys(outer),
         "pushes": result.pushes,
+        "bytes_in": result.stats["bytes_in"],
         "bytes_per_push": result.stats["bytes_in"] / max(result.pushes, 1),
         "time": result.time,
         "tokens": pushed,
@@ -326,10 +346,6 @@ def fmt(x, spec=".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
-PEER, PEER_STREAM = "torchft DiLoCo H=20", "torchft streaming DiLoCo"
-PEERS = (PEER, PEER_STREAM)
-
-
 def stream_fragments(task) -> list[list[str]]:
     """The leaf names of each fragment of the streaming rows, in the order they are pushed."""
     s = sw.strategies.streaming_diloco(local_steps=20, fragments=FRAGMENTS, delay=TAU)
@@ -343,191 +359,151 @@ def stream_fragments(task) -> list[list[str]]:
              if any(a <= o < b for a, b in state.runs[f])] for f in order]  # fmt: skip
 
 
-def torchft_peer(task, m: dict, name: str = PEER) -> dict:
-    """torchft's DiLoCo (H=20), or its Streaming DiLoCo with the streaming rows' fragments,
-    tau, alpha and 4-bit flag (``name``), on the same model and data, if torchft imports:
-    each inner learning rate of the grid, as ``{"rows": [...]}``, else ``{"skipped": why}``."""
+def torchft_peer(task, m: dict, name: str = PEER):
+    """How to run torchft's DiLoCo (H=20), or its Streaming DiLoCo with the streaming rows'
+    fragments, tau, alpha and 4-bit flag (``name``), on the same model and data:
+    ``(run(lr, outer) -> row, torchft's version)``, or ``(None, why)`` when torchft does not
+    import."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum tick
     try:
         import _torchft_peer
         import torchft  # noqa: F401
     except ImportError as e:
-        why = f"torchft is not installed ({e})"
-        return {"skipped": f"{why}; `pip install 'stalewise[peers]'` adds the peer"}
+        return None, f"torchft is not installed ({e}); `pip install 'stalewise[peers]'` adds it"
     h, kw = 20, {}
     if name == PEER_STREAM:
         kw = dict(fragments=stream_fragments(task), tau=TAU, alpha=ALPHA, quantize=True)
     syncs = math.ceil(EXTRA * m["steps"] / (h / len(kw.get("fragments", [0]))))  # per worker
     slow = [SLOWDOWN if w == SLOW else 1.0 for w in range(WORKERS)]
-    rows, failed = [], []
-    for o, lr in itertools.product(m["outer"], m["inner_lrs"]):
-        try:
-            r = _torchft_peer.run(task, lr, h, syncs, WORKERS, m["delay"], slow, outer=o, **kw)
-        except Exception as e:  # reported, left out of the best
-            print(f"  {name:22s} lr={lr:<7g} outer={outer_text(outer_keys(o))} FAILED: "
-                  f"{type(e).__name__}: {e}", flush=True)  # fmt: skip
-            failed.append({"method": name, "lr": lr, **outer_keys(o),
-                           "error": f"{type(e).__name__}: {e}"})  # fmt: skip
-            continue
-        rows.append(dict(r, method=name))
-    return {"rows": rows, "failed": failed, "version": importlib.metadata.version("torchft")}
+
+    def run(lr: float, outer) -> dict:
+        return _torchft_peer.run(task, lr, h, syncs, WORKERS, m["delay"], slow, outer=outer,
+                                 timeout=m.get("timeout", 1800), **kw)  # fmt: skip
+
+    return run, importlib.metadata.version("torchft")
 
 
-def markdown(out: dict) -> str:
-    """The README's "Language model" table and bars, from the JSON of a run."""
-    cols = [("method", "method", "s"), ("best lr", "best_lr", "g"), ("lr grid", "lr_at_edge", ""),
-            ("outer lr", "outer_lr", "g"), ("outer momentum", "outer_momentum", "g"),
-            ("val loss at B", "loss_at_B", ".3f"),
-            (f"val loss at {out['equal_time_s']:.0f} s", f"loss_at_{out['equal_time_s']:.0f}s", ".3f"),
-            ("tokens/s", "tokens_per_s", ".0f"), ("s to target", "time_to_target_s", ".1f"),
-            ("x sync time", "time_vs_sync", ".2f"),
-            ("MB/worker to target", "MB_per_worker_to_target", ".3f"),
-            ("x fewer bytes", "bytes_fewer_than_sync", ".1f")]  # fmt: skip
-    lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + " --- |" * len(cols)]
-    for row in out["best"].values():
-        cells = [{True: "edge", False: ""}.get(row.get(k), fmt(row.get(k), f)) if k == "lr_at_edge"
-                 else fmt(row.get(k), f) for _, k, f in cols]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
-    lines += [
-        f"- {'PASS' if b['pass'] else 'FAIL'}: {b['bar']}: {b['detail']}" for b in out["bars"]
-    ]
-    return "\n".join(lines)
+def simulate(task, m: dict, make, run: dict) -> dict:
+    """A run of the streaming row again in the simulator, to see whether it predicts the
+    run's bytes per second (issue #32): the same job (``make`` at the run's learning rate
+    and outer setting), workers, straggler and emulated time, each step's compute
+    ``m["compute"]`` (the benchmark's own timed step), the run's pushes as the budget, no
+    evaluations. The bytes are deterministic (the same segment pushes); the time is the
+    simulator's model of the run."""
+    from stalewise.runtime.sim.config import SimConfig
+    from stalewise.runtime.sim.models import Fixed
 
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="tiny model, short budget")
-    size.add_argument("--medium", action="store_true", help="a 1.23 M parameter GPT, 30 rounds")
-    ap.add_argument("--methods", help="comma-separated rows to run (the baseline always runs)")
-    ap.add_argument("--grad-lrs", help="comma-separated: the gradient rows' learning rates")
-    ap.add_argument("--inner-lrs", help="comma-separated: the DiLoCo rows' inner learning rates")
-    ap.add_argument("--outer", help="comma-separated outer lr/momentum pairs, e.g. 1/0,0.7/0.3")
-    ap.add_argument("--codec", choices=("int8", "topk"), default="int8")
-    ap.add_argument("--steps", type=int, help="local steps per worker of the budget B")
-    _report.add_json_arg(ap)
-    ap.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
-    ap.add_argument(
-        "--markdown",
-        metavar="JSON",
-        help="print the README's table and bars from a --json file, run nothing",
+    kw = make(run["lr"], (run["outer_lr"], run["outer_momentum"]))
+    result = sw.Job(task.init_params(0), **kw).train(
+        task.loss_and_grad,
+        data=task.batches,
+        workers=WORKERS,
+        steps=run["pushes"],
+        runtime=sw.Simulation(SimConfig(compute=Fixed(m["compute"]))),
+        metrics=sw.Metrics(every=m["eval_interval"], name=f"{run['method']} (sim)"),
+        emulation=emulation(m),
+        timeouts=sw.Timeouts(total=m.get("timeout", 1800)),
     )
-    args = ap.parse_args()  # fmt: skip
-    if args.markdown:
-        doc = json.loads(Path(args.markdown).read_text())
-        print(markdown(doc.get("figures", doc)))
-        return 0
-    json_out = _report.json_path(ap, args, "lm")
-    mode = "quick" if args.quick else "medium" if args.medium else "full"
-    m = dict(MODES[mode])
-    if args.steps:
-        m["steps"] = args.steps
-    try:  # a smaller grid than the mode's (a busy machine)
-        for key, value in (("grad_lrs", args.grad_lrs), ("inner_lrs", args.inner_lrs)):
-            if value:
-                m[key] = tuple(float(x) for x in value.split(","))
-        if args.outer:
-            m["outer"] = tuple(tuple(float(y) for y in x.split("/")) for x in args.outer.split(","))
-    except ValueError as e:
-        ap.error(f"--grad-lrs/--inner-lrs/--outer: {e}")
-    torch.set_num_threads(1)  # the parent evaluates; the workers are capped by the runtime
-    task = tasks.get("lm", size=m["size"], context=m["context"], batch_size=m["batch_size"])
-    probe_it, probe = task.batches(0, 1), task.init_params(0)
-    task.loss_and_grad(probe, next(probe_it))
-    times = []  # the fastest of 3 x 5 steps: the machine may be busy
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(5):
-            task.loss_and_grad(probe, next(probe_it))
-        times.append((time.perf_counter() - t0) / 5)
-    m["compute"] = min(times)
-    budget = WORKERS * m["steps"] * task.tokens_per_batch  # B: equal-token budget
-    out: dict = {
-        "mode": mode,
-        "setting": {
-            "task": repr(task), "params": task.num_params(), "corpus_sha256": task.corpus_sha256,
-            "python": sys.version.split()[0], "workers": WORKERS, "stragglers": {SLOW: SLOWDOWN},
-            "delay_s": m["delay"], "compute_s_per_step": m["compute"], "equal_tokens": budget,
-            "extra": EXTRA, "load_start": os.getloadavg(),
-        },
-        "grid": {}, "best": {}, "bars": [], "failed": [],
+    return {"pushes": result.pushes, "bytes_in": result.stats["bytes_in"], "time": result.time,
+            "compute_s": m["compute"], "wall_s": result.stats["sim"]["wall_time"]}  # fmt: skip
+
+
+RUN_KEYS = ("lr", "pushes", "bytes_per_push", "time", "tokens", "tokens_per_s", "final_loss",
+            "loss_at_B")  # fmt: skip
+
+
+def load_text(run: dict) -> str | None:
+    """A run's 1-minute load average at its start and end, "0.4-1.9" (None: not recorded)."""
+    a, b = run.get("load_start"), run.get("load_end")
+    return None if a is None or b is None else f"{a[0]:.1f}-{b[0]:.1f}"
+
+
+def best_of(runs: list[dict]) -> dict:
+    """A row's best point: reached B tokens first, then the lowest loss there (else the
+    lowest final loss)."""
+
+    def key(r: dict):
+        loss = r["final_loss"] if r["loss_at_B"] is None else r["loss_at_B"]
+        return r["loss_at_B"] is None, loss if loss is not None and loss == loss else math.inf
+
+    return min(runs, key=key)
+
+
+def plain(x):
+    """``x`` as it reads back from a --json file."""
+    return json.loads(json.dumps(_report._clean(x)))
+
+
+def setting_of(task, m: dict, codec: str) -> dict:
+    """What makes a run's rows comparable, and must match for --resume to keep them."""
+    return {
+        "task": repr(task), "params": task.num_params(), "corpus_sha256": task.corpus_sha256,
+        "python": sys.version.split()[0], "workers": WORKERS, "stragglers": {SLOW: SLOWDOWN},
+        "delay_s": m["delay"], "equal_tokens": WORKERS * m["steps"] * task.tokens_per_batch,
+        "extra": EXTRA, "codec": codec, "grad_lrs": m["grad_lrs"], "inner_lrs": m["inner_lrs"],
+        "outer": m["outer"],
     }  # fmt: skip
-    print(
-        f"lm benchmark ({mode}): {task!r}, {task.num_params()} parameters, corpus sha256 "
-        f"{task.corpus_sha256[:12]}; {WORKERS} workers, worker {SLOW} {SLOWDOWN:g}x slower, "
-        f"{m['delay'] * 1e3:g} ms emulated + {m['compute'] * 1e3:.1f} ms measured compute per "
-        f"step; B = {budget} tokens ({m['steps']} local steps per worker)",
-        flush=True,
-    )
+
+
+def earlier(path: Path, mode: str, setting: dict, commit: str | None, known) -> dict:
+    """The figures of an earlier piece of this run, whose rows ``--resume`` keeps: what
+    ``path`` holds, if it is of the same mode, setting (all but the timed step) and commit,
+    each row well formed; ``{}`` when there is no such file. Raises ValueError, one line
+    naming what does not match, before anything runs or is written."""
+    if not path.exists():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"cannot read it: {e}") from None
+    fig = doc.get("figures") if isinstance(doc, dict) else None
+    if not isinstance(fig, dict) or not isinstance(fig.get("runs"), dict):
+        raise ValueError("it holds no rows to resume (no figures.runs)")
+    if fig.get("mode") != mode:
+        raise ValueError(f"it holds a --{fig.get('mode')} run, not --{mode}")
+    if commit is None:
+        raise ValueError("this checkout's commit is unknown (no git), so no row can match it")
+    have = fig.get("setting") if isinstance(fig.get("setting"), dict) else {}
+    if not isinstance(have.get("compute_s_per_step"), float):
+        raise ValueError("its setting has no compute_s_per_step (the timed step)")
+    for key, value in plain(setting).items():
+        if key != "compute_s_per_step" and have.get(key) != value:
+            raise ValueError(f"its setting {key} is {have.get(key)!r}, this run's is {value!r}")
+    for name, runs in fig["runs"].items():
+        if name not in known:
+            raise ValueError(f"it holds an unknown row {name!r}")
+        if not isinstance(runs, list) or not runs or not all(isinstance(r, dict) for r in runs):
+            raise ValueError(f"its row {name!r} is not a list of runs")
+        for r in runs:
+            if r.get("commit") != commit:
+                raise ValueError(f"its row {name!r} ran at commit {r.get('commit')}, this "
+                                 f"checkout is at {commit}")  # fmt: skip
+            missing = [k for k in RUN_KEYS if k not in r]
+            if missing:
+                raise ValueError(f"its row {name!r} has a run without {missing[0]!r}")
+        if not isinstance(best_of(runs).get("records"), list):
+            raise ValueError(f"its row {name!r} has no records for its best point")
+    return fig
+
+
+def summary(out: dict, order: list[str], budget: int) -> list[dict]:
+    """Each row's best point (``out["runs"]``, this piece's and an earlier one's alike), the
+    table and the bars, into ``out`` (``best``, ``target_loss``, ``equal_time_s``,
+    ``bars``); returns the report's bars."""
     best: dict[str, dict] = {}
-
-    def show(name: str, r: dict) -> None:
-        r["loss_at_B"] = at(r["records"], "tokens", budget)
-        print(
-            f"  {name:22s} lr={r['lr']:<7g} outer={outer_text(r):<7s} "
-            f"loss@B {fmt(r['loss_at_B'])}  final "
-            f"{fmt(r['final_loss'])}  {r['tokens']} tokens in {r['time']:.1f} s "
-            f"({r['tokens_per_s']:.0f} tok/s, {r['pushes']} pushes)",
-            flush=True,
-        )
-
-    def keep(name: str, rows: list[dict]) -> None:
-        """The best point: reached B tokens first, then the lowest loss there (else the
-        lowest final loss)."""
-        out["grid"][name] = [{k: v for k, v in r.items() if k != "records"} for r in rows]
-        best[name] = min(rows, key=lambda r: (r["loss_at_B"] is None,
-                                              r["loss_at_B"] or r["final_loss"]))  # fmt: skip
-        best[name]["grid"] = grid = sorted({r["lr"] for r in rows})
-        edge = len(grid) > 1 and best[name]["lr"] in (min(grid), max(grid))
-        best[name]["edge"] = edge
-        if edge:
-            print(f"  {name}: the best lr {best[name]['lr']:g} is at the grid's edge", flush=True)
-
-    rows_all = methods(m, args.codec)
-    wanted = None if not args.methods else {n.strip() for n in args.methods.split(",")}
-    known = [r[0] for r in rows_all] + list(PEERS)
-    if wanted is not None and wanted - set(known):
-        ap.error(f"--methods: unknown {sorted(wanted - set(known))} (known: {', '.join(known)})")
-    for name, lrs, outers, make, h in rows_all:
-        if wanted is not None and name != BASELINE and name not in wanted:
-            continue
-        rows = []
-        for o, lr in itertools.product(outers, lrs):
-            try:
-                rows.append(run_one(task, m, name, lr, make, h, outer=o))
-            except Exception as e:  # a failed point is reported and left out of the best
-                print(f"  {name:22s} lr={lr:<7g} outer={outer_text(outer_keys(o))} FAILED: "
-                      f"{type(e).__name__}: {e}", flush=True)  # fmt: skip
-                out["failed"].append({"method": name, "lr": lr, **outer_keys(o),
-                                      "error": f"{type(e).__name__}: {e}"})  # fmt: skip
-                continue
-            show(name, rows[-1])
-        if not rows:
-            print(f"  {name}: every point failed; no bars", flush=True)
-            return 1
-        keep(name, rows)
-    out["torchft"] = {}
-    for name in PEERS:
-        wants = wanted is None or name in wanted
-        peer = torchft_peer(task, m, name) if wants else {"skipped": "--methods"}
-        out["torchft"][name] = {k: v for k, v in peer.items() if k != "rows"}
-        if "skipped" in peer:
-            print(f"  {name}: skipped: {peer['skipped']}", flush=True)
-            continue
-        out["failed"] += peer["failed"]
-        for r in peer["rows"]:
-            show(name, r)
-        if peer["rows"]:
-            keep(name, peer["rows"])
-
+    for name in order:
+        runs = out["runs"].get(name)
+        if runs:
+            grid = sorted({r["lr"] for r in runs})
+            b = best[name] = dict(best_of(runs), grid=grid)
+            b["edge"] = len(grid) > 1 and b["lr"] in (min(grid), max(grid))
     base = best[BASELINE]
     target = base["loss_at_B"]
     t_eq = min(r["time"] for r in best.values())
     base_time = first_reaching(base["records"], target, "time")
     base_pushes = first_reaching(base["records"], target, "pushes")
     base_bytes = None if base_pushes is None else base_pushes * base["bytes_per_push"] / WORKERS
-    table = []
+    out["best"] = {}
     for name, r in best.items():
         t = first_reaching(r["records"], target, "time")
         p = first_reaching(r["records"], target, "pushes")
@@ -545,23 +521,19 @@ def main() -> int:
             "time_vs_sync": None if t is None or not base_time else t / base_time,
             "MB_per_worker_to_target": None if b is None else b / 1e6,
             "bytes_fewer_than_sync": None if b is None or not base_bytes else base_bytes / b,
+            "load": load_text(r),
         }
-        table.append(row)
         out["best"][name] = dict(row, pushes=r["pushes"], time=r["time"], tokens=r["tokens"],
                                  bytes_per_push=r["bytes_per_push"], lr_grid=r["grid"],
-                                 records=r["records"])  # fmt: skip
-    print(
-        f"\nat best lr (lowest loss at B = {budget} tokens); target = {BASELINE}'s loss at B = "
-        f"{fmt(target, '.4f')}; equal wall time = {t_eq:.1f} s (the shortest run)"
-    )
-    print(report.format_table(table, list(table[0])))
+                                 records=r["records"], sim=r.get("sim"),
+                                 time_utc=r.get("time_utc"))  # fmt: skip
     out["target_loss"], out["equal_time_s"] = target, t_eq
 
     bars, report_bars = [], []
 
     def bar(name: str, value, op: str, limit: float, detail: str) -> None:
         ok = value is not None and (value <= limit if op == "<=" else value >= limit)
-        bars.append((name, ok, detail))
+        bars.append({"bar": name, "pass": ok, "detail": detail})
         report_bars.append(_report.bar(name, value, op, limit))
 
     def pct(x, y):
@@ -599,6 +571,22 @@ def main() -> int:
         f = st["bytes_fewer_than_sync"]
         bar(f"{STREAM} bytes per worker to the target, x fewer than sync gradients", f, ">=",
             200, f"{fmt(f, '.1f')}x (>= 200)")  # fmt: skip
+    sim = (best_rows.get(STREAM) or {}).get("sim")
+    sent = best.get(STREAM, {}).get("bytes_in")
+    if sim and "error" not in sim and sent:
+        st = best_rows[STREAM]
+        ours, predicted = sent / WORKERS / st["time"], sim["bytes_in"] / WORKERS / sim["time"]
+        off = 100 * abs(predicted / ours - 1)
+        if sim["pushes"] == st["pushes"]:
+            same = "equal" if sim["bytes_in"] == sent else "differ"
+            sizes = f"bytes {same}: {sim['bytes_in']} vs {sent}"
+        else:  # a BSP budget is whole rounds, and a run stopped by its tokens may end in one
+            sizes = (
+                f"bytes per push {sim['bytes_in'] / sim['pushes']:.1f} vs {sent / st['pushes']:.1f}"
+            )
+        bar(f"simulator's bytes/s per worker for {STREAM}, % off the run's", off, "<=", 10.0,
+            f"{predicted:.0f} vs {ours:.0f} B/s: {off:.1f}% (<= 10%; {sim['time']:.1f} virtual s "
+            f"vs {st['time']:.1f} s, {sim['pushes']} vs {st['pushes']} pushes); {sizes}")  # fmt: skip
     if d is not None and ASYNC_STREAM in best_rows:
         st = best_rows[ASYNC_STREAM]
         loss_bar(ASYNC_STREAM, st["loss_at_B"], d["loss_at_B"], "DiLoCo H=20", 3.0)
@@ -618,12 +606,204 @@ def main() -> int:
             0.0,
             f"{fmt(st[key], '.4f')} vs {fmt(ft[key], '.4f')}: {fmt(rel, '+.2f')}% (<= +0%)",
         )
-    for name, ok, detail in bars:
-        print(f"{'PASS' if ok else 'FAIL'}: {name}: {detail}")
-        out["bars"].append({"bar": name, "pass": ok, "detail": detail})
-    out["setting"]["load_end"] = os.getloadavg()
-    _report.write(json_out, figures=out, bars=report_bars)
-    return 0 if all(ok for _, ok, _ in bars) or not args.check else 1
+    out["bars"] = bars
+    return report_bars
+
+
+def markdown(out: dict) -> str:
+    """The README's "Language model" table and bars, from the JSON of a run."""
+    cols = [("method", "method", "s"), ("best lr", "best_lr", "g"), ("lr grid", "lr_at_edge", ""),
+            ("outer lr", "outer_lr", "g"), ("outer momentum", "outer_momentum", "g"),
+            ("val loss at B", "loss_at_B", ".3f"),
+            (f"val loss at {out['equal_time_s']:.0f} s", f"loss_at_{out['equal_time_s']:.0f}s", ".3f"),
+            ("tokens/s", "tokens_per_s", ".0f"), ("s to target", "time_to_target_s", ".1f"),
+            ("x sync time", "time_vs_sync", ".2f"),
+            ("MB/worker to target", "MB_per_worker_to_target", ".3f"),
+            ("x fewer bytes", "bytes_fewer_than_sync", ".1f"), ("load", "load", "s")]  # fmt: skip
+    lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + " --- |" * len(cols)]
+    for row in out["best"].values():
+        cells = [{True: "edge", False: ""}.get(row.get(k), fmt(row.get(k), f)) if k == "lr_at_edge"
+                 else fmt(row.get(k), f) for _, k, f in cols]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [
+        f"- {'PASS' if b['pass'] else 'FAIL'}: {b['bar']}: {b['detail']}" for b in out["bars"]
+    ]
+    return "\n".join(lines)
+
+
+DETAIL = ("pushes", "time", "tokens", "bytes_per_push", "lr_grid", "records", "sim", "time_utc")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="tiny model, short budget")
+    size.add_argument("--medium", action="store_true", help="a 1.23 M parameter GPT, 30 rounds")
+    ap.add_argument("--methods", help="comma-separated rows to run (and the baseline)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows the --json file holds (same mode, setting and commit) "
+                         "and run only the missing ones")  # fmt: skip
+    ap.add_argument("--grad-lrs", help="comma-separated: the gradient rows' learning rates")
+    ap.add_argument("--inner-lrs", help="comma-separated: the DiLoCo rows' inner learning rates")
+    ap.add_argument("--outer", help="comma-separated outer lr/momentum pairs, e.g. 1/0,0.7/0.3")
+    ap.add_argument("--codec", choices=("int8", "topk"), default="int8")
+    ap.add_argument("--steps", type=int, help="local steps per worker of the budget B")
+    _report.add_json_arg(ap)
+    ap.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
+    ap.add_argument(
+        "--markdown",
+        metavar="JSON",
+        help="print the README's table and bars from a --json file, run nothing",
+    )
+    args = ap.parse_args()  # fmt: skip
+    if args.markdown:
+        doc = json.loads(Path(args.markdown).read_text())
+        print(markdown(doc.get("figures", doc)))
+        return 0
+    json_out = _report.json_path(ap, args, "lm")
+    if args.resume and json_out is None:
+        ap.error("--resume needs --json PATH (the file whose rows it keeps)")
+    mode = "quick" if args.quick else "medium" if args.medium else "full"
+    m = dict(MODES[mode])
+    if args.steps:
+        m["steps"] = args.steps
+    try:  # a smaller grid than the mode's (a busy machine)
+        for key, value in (("grad_lrs", args.grad_lrs), ("inner_lrs", args.inner_lrs)):
+            if value:
+                m[key] = tuple(float(x) for x in value.split(","))
+        if args.outer:
+            m["outer"] = tuple(tuple(float(y) for y in x.split("/")) for x in args.outer.split(","))
+    except ValueError as e:
+        ap.error(f"--grad-lrs/--inner-lrs/--outer: {e}")
+    torch.set_num_threads(1)  # the parent evaluates; the workers are capped by the runtime
+    task = tasks.get("lm", size=m["size"], context=m["context"], batch_size=m["batch_size"])
+    budget = WORKERS * m["steps"] * task.tokens_per_batch  # B: equal-token budget
+    setting = setting_of(task, m, args.codec)
+    rows_all = methods(dict(m, compute=0.0), args.codec)  # names only, before the timed step
+    known = [r[0] for r in rows_all] + list(PEERS)
+    wanted = set(m["rows"] or known) if not args.methods else {
+        n.strip() for n in args.methods.split(",")}  # fmt: skip
+    if wanted - set(known):
+        ap.error(f"--methods: unknown {sorted(wanted - set(known))} (known: {', '.join(known)})")
+    wanted.add(BASELINE)
+    commit, dirty = _report._git()
+    kept = {}
+    if args.resume:
+        try:
+            kept = earlier(json_out, mode, setting, commit, known)
+        except ValueError as e:
+            ap.error(f"--resume: {json_out}: {e}")
+        if not kept:
+            print(f"--resume: {json_out} does not exist yet: every row runs", flush=True)
+    if kept:  # the rows of an earlier piece: the same timed step, so the same async period
+        setting["compute_s_per_step"] = kept["setting"]["compute_s_per_step"]
+    else:
+        probe_it, probe = task.batches(0, 1), task.init_params(0)
+        task.loss_and_grad(probe, next(probe_it))
+        times = []  # the fastest of 3 x 5 steps: the machine may be busy
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(5):
+                task.loss_and_grad(probe, next(probe_it))
+            times.append((time.perf_counter() - t0) / 5)
+        setting["compute_s_per_step"] = min(times)
+    m["compute"] = setting["compute_s_per_step"]
+    rows_all = methods(m, args.codec)
+    out: dict = {
+        "mode": mode, "setting": setting, "runs": dict(kept.get("runs", {})),
+        "torchft": dict(kept.get("torchft", {})), "failed": list(kept.get("failed", [])),
+        "best": {}, "bars": [],
+    }  # fmt: skip
+    print(
+        f"lm benchmark ({mode}): {task!r}, {task.num_params()} parameters, corpus sha256 "
+        f"{task.corpus_sha256[:12]}; {WORKERS} workers, worker {SLOW} {SLOWDOWN:g}x slower, "
+        f"{m['delay'] * 1e3:g} ms emulated + {m['compute'] * 1e3:.1f} ms measured compute per "
+        f"step; B = {budget} tokens ({m['steps']} local steps per worker)",
+        flush=True,
+    )
+    for name, runs in out["runs"].items():
+        b = best_of(runs)
+        print(f"  {name:22s} kept from {json_out} ({b.get('time_utc')}, load {load_text(b)}): "
+              f"loss@B {fmt(b['loss_at_B'])}", flush=True)  # fmt: skip
+
+    def point(name: str, lr: float, o, run) -> dict | None:
+        """One point of a row, stamped with its load, time and commit (None: it failed)."""
+        load, when = os.getloadavg(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            r = run(lr, o)
+        except Exception as e:  # a failed point is reported and left out of the best
+            print(f"  {name:22s} lr={lr:<7g} outer={outer_text(outer_keys(o))} FAILED: "
+                  f"{type(e).__name__}: {e}", flush=True)  # fmt: skip
+            out["failed"].append({"method": name, "lr": lr, **outer_keys(o),
+                                  "error": f"{type(e).__name__}: {e}"})  # fmt: skip
+            return None
+        r.update(method=name, load_start=load, load_end=os.getloadavg(), time_utc=when,
+                 commit=commit, dirty=dirty, loss_at_B=at(r["records"], "tokens", budget))  # fmt: skip
+        print(
+            f"  {name:22s} lr={r['lr']:<7g} outer={outer_text(r):<7s} "
+            f"loss@B {fmt(r['loss_at_B'])}  final "
+            f"{fmt(r['final_loss'])}  {r['tokens']} tokens in {r['time']:.1f} s "
+            f"({r['tokens_per_s']:.0f} tok/s, {r['pushes']} pushes, load {load[0]:.1f})",
+            flush=True,
+        )
+        return r
+
+    def save() -> list[dict]:
+        report_bars = summary(out, known, budget) if BASELINE in out["runs"] else []
+        _report.write(json_out, figures=out, bars=report_bars)
+        return report_bars
+
+    plan = rows_all + [(name, m["inner_lrs"], m["outer"], None, None) for name in PEERS]
+    whole = True  # no row whose every point failed
+    for name, lrs, outers, make, h in plan:
+        if name not in wanted or name in out["runs"]:
+            continue
+        if make is None:  # torchft's
+            run, version = torchft_peer(task, m, name)
+            out["torchft"][name] = {"version": version} if run else {"skipped": version}
+            if run is None:
+                print(f"  {name}: skipped: {version}", flush=True)
+                continue
+        else:
+            extra = 1.0 if name == BASELINE else EXTRA  # nothing reads the baseline past B
+
+            def run(lr, o, name=name, make=make, h=h, extra=extra):
+                return run_one(task, m, name, lr, make, h, outer=o, extra=extra)
+
+        out["failed"] = [f for f in out["failed"] if f["method"] != name]
+        runs = [r for o, lr in itertools.product(outers, lrs) if (r := point(name, lr, o, run))]
+        if not runs:
+            print(f"  {name}: every point failed", flush=True)
+            whole = False
+            continue
+        b = best_of(runs)
+        if name == STREAM:  # does the simulator predict its bytes per second?
+            try:
+                b["sim"] = simulate(task, m, make, b)
+            except Exception as e:  # reported in the row; no bar
+                b["sim"] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"  {name:22s} simulated: {b['sim']}", flush=True)
+        out["runs"][name] = [r if r is b else {k: v for k, v in r.items() if k != "records"}
+                             for r in runs]  # fmt: skip
+        save()
+    if BASELINE not in out["runs"]:
+        print(f"no {BASELINE} row: no table and no bars", flush=True)
+        _report.write(json_out, figures=out)
+        return 1
+    report_bars = save()
+    print(f"\nat best lr (lowest loss at B = {budget} tokens); target = {BASELINE}'s loss at B = "
+          f"{fmt(out['target_loss'], '.4f')}; equal wall time = {out['equal_time_s']:.1f} s "
+          "(the shortest run)")  # fmt: skip
+    table = [{k: v for k, v in r.items() if k not in DETAIL} for r in out["best"].values()]
+    print(report.format_table(table, list(table[0])))
+    for name, r in out["best"].items():
+        if r["lr_at_edge"]:
+            print(f"  {name}: the best lr {r['best_lr']:g} is at the grid's edge")
+    for b in out["bars"]:
+        print(f"{'PASS' if b['pass'] else 'FAIL'}: {b['bar']}: {b['detail']}")
+    missed = args.check and not all(b["met"] for b in report_bars)
+    return 0 if whole and not missed else 1
 
 
 if __name__ == "__main__":
