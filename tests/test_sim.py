@@ -156,6 +156,7 @@ def _train_until(task, consistency, cfg, target):
         staleness=sw.staleness.inverse(),
         lr=0.2,
         sim=cfg,
+        stop_at={"loss": target},  # the records up to it are those of the run to its budget
     )
     t = report.time_to_target(r.records, "loss", target, mode="min")
     assert t is not None, f"{consistency} never reached {target}"
