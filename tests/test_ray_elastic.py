@@ -4,8 +4,8 @@ A real ``ray.cluster_utils`` cluster on this machine: a head node of 2 CPUs (one
 for the shard, one for a worker). Mid-run a second node of 2 CPUs joins, and the
 run starts a worker on each free CPU; then that node is removed, its workers die
 with it and leave the job (no restart counted), and the run still spends its
-budget and converges. The fixture shuts the cluster down whatever happens; every
-wait is bounded.
+budget and converges. The module's tests share the head (a fixture that shuts it down
+whatever happens); every wait is bounded.
 """
 
 import functools
@@ -24,9 +24,10 @@ TIMEOUT = 90.0  # wall seconds before the run is declared hung
 WAIT = 45.0  # wall seconds any one step of the scenario may take
 
 
-@pytest.fixture
-def cluster():
-    """A head node of 2 CPUs; this process is its driver. Shut down even on failure."""
+@pytest.fixture(scope="module")
+def head():
+    """A head node of 2 CPUs for the module's tests; this process is its driver. Shut down
+    even on failure."""
     from ray.cluster_utils import Cluster
 
     nodes = Cluster(
@@ -48,6 +49,21 @@ def cluster():
         ray.cloudpickle.unregister_pickle_by_value(mp_helpers)
         ray.shutdown()
         nodes.shutdown()
+
+
+@pytest.fixture
+def cluster(head):
+    """The head alone, its CPUs free (the actors of a test before die asynchronously); a
+    node a test added and did not remove is removed after it."""
+    import ray_helpers
+
+    _until(lambda: sum(n["Alive"] for n in ray.nodes()) == 1, "the head alone")
+    ray_helpers.wait_idle(head)
+    try:
+        yield head
+    finally:
+        for node in list(head.worker_nodes):
+            head.remove_node(node)
 
 
 def _until(check, what, timeout=WAIT):
