@@ -641,3 +641,22 @@ def test_int4_refuses_invalid_codes_and_foreign_payloads():
     assert repr(codecs.int4(block=32, error_feedback=True)) == "int4(block=32, error_feedback=True)"
     assert codecs.parse("int4") == codecs.int4() and codecs.int4().error_feedback is False
     assert codecs.parse({"name": "int4", "block": 64}) == codecs.int4(block=64)
+
+
+def test_the_warm_up_loads_the_kernels_of_a_large_pushs_path():
+    """Top-k picks a large vector's values through a sampled threshold and a compiled
+    kernel (from 64k values on); the warm-up, run before the clock starts, loads it too
+    (in a fresh process: this one may have loaded it already)."""
+    import subprocess
+    import sys
+
+    check = (
+        "import types, stalewise as sw\n"
+        "from stalewise import _codec_kernels as K\n"
+        "from stalewise.protocol.compress import warm_up\n"
+        "warm_up([types.SimpleNamespace(codec=sw.codecs.topk(0.1))])\n"
+        "print(len(K.topk_candidates.signatures))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()  # fmt: skip
+    assert out == ["1"], out
