@@ -509,8 +509,8 @@ class Calibration:
         if self.loop is not None:
             lines.append(
                 f"worker loop: {self.loop * us:.1f} us a step besides compute, send and pull "
-                f"(one local worker, {LOOP_STEPS} steps of {LOOP_COMPUTE * 1e3:g} ms), added "
-                "to every step's compute"
+                f"(one {self.runtime} worker, {LOOP_STEPS} steps of {LOOP_COMPUTE * 1e3:g} ms), "
+                "added to every step's compute"
             )
         lines.append(
             f"per pull besides the shard: {self.message.intercept * us:.1f} us + bytes / "
