@@ -27,6 +27,17 @@ _RAY_FIXTURES = {"ray_cluster", "ray_address"}
 _last_ray_test: str | None = None  # the node id of the last selected test that names one
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "shared_ray: asks for the shared cluster only inside (request.getfixturevalue)"
+    )
+
+
+def _uses_shared_ray(item) -> bool:
+    named = _RAY_FIXTURES & set(item.fixturenames)
+    return bool(named) or item.get_closest_marker("shared_ray") is not None
+
+
 @pytest.fixture
 def ray_address():
     """The shared cluster's address (for a child's ``RAY_ADDRESS``), every CPU free."""
@@ -75,9 +86,20 @@ def no_ray_driver():
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    """The tests that name the shared cluster run one after the other, where the last of
+    them was (the others keep their order): the cluster is up only while they run, not
+    idling beside the files between them (test_gpt_example's Ray case came some ten
+    files before test_ray)."""
     global _last_ray_test
-    users = [item.nodeid for item in items if _RAY_FIXTURES & set(item.fixturenames)]
-    _last_ray_test = users[-1] if users else None
+    uses = [_uses_shared_ray(item) for item in items]
+    if not any(uses):
+        _last_ray_test = None
+        return
+    last = max(i for i, used in enumerate(uses) if used)
+    before = [item for item, used in zip(items[:last], uses, strict=False) if not used]
+    users = [item for item, used in zip(items, uses, strict=True) if used]
+    items[:] = before + users + items[last + 1 :]
+    _last_ray_test = users[-1].nodeid
 
 
 @pytest.hookimpl(wrapper=True)

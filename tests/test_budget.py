@@ -172,39 +172,34 @@ def _version(server):
     return min(s["version"] for s in server.stats())
 
 
-def test_on_ray_a_late_joiners_round_is_the_shards_and_its_push_past_the_budget_is_refused():
+def test_on_ray_a_late_joiners_round_is_the_shards_and_its_push_past_the_budget_is_refused(
+    ray_cluster,
+):
     """The Ray client: a joiner that attached at round 6 and stayed silent while 4 more ran
     counts the shards' round (10, from shard 0's count), not its attach clock plus its
     pushes (6); given a budget, its push into a round past it is refused at the commit
-    even after may_begin said yes to a larger one."""
-    ray = pytest.importorskip("ray")
-    import ray_helpers
-
+    even after may_begin said yes to a larger one. On the cluster the Ray test files share
+    (conftest.py)."""
     job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(1.0),
                  consistency=sw.BSP())  # fmt: skip
     name = f"test-{uuid.uuid4().hex[:8]}"
     ones = {"w": np.ones(3, np.float32)}
-    with ray_helpers.two_nodes() as nodes:
-        ray.init(address=nodes.address, include_dashboard=False, logging_level="warning")
-        try:
-            with job.serve(runtime="ray", workers=(1, 2), name=name) as server:
-                first = server.client()
-                for _ in range(6):
-                    first.pull(timeout=60)
-                    first.push(ones)
-                late = sw.attach(name, runtime="ray")
-                assert (first.worker, late.worker, late.joined_at) == (0, 1, 6)
-                for _ in range(4):  # the late one builds its model: holds no round
-                    first.pull(timeout=60)
-                    first.push(ones)
-                first.wait(timeout=60)
-                assert not late.may_begin(10) and late.may_begin(11)  # round 10
-                late.budget = 10
-                late.pull(timeout=60)
-                with pytest.raises(sw.BudgetSpent):
-                    late.push(ones)
-                assert late.budget_refused == 1 and server.job_pushes == 10
-                late.close()
-                first.close()
-        finally:
-            ray.shutdown()
+    with job.serve(runtime="ray", workers=(1, 2), name=name) as server:
+        first = server.client()
+        for _ in range(6):
+            first.pull(timeout=60)
+            first.push(ones)
+        late = sw.attach(name, runtime="ray")
+        assert (first.worker, late.worker, late.joined_at) == (0, 1, 6)
+        for _ in range(4):  # the late one builds its model: holds no round
+            first.pull(timeout=60)
+            first.push(ones)
+        first.wait(timeout=60)
+        assert not late.may_begin(10) and late.may_begin(11)  # round 10
+        late.budget = 10
+        late.pull(timeout=60)
+        with pytest.raises(sw.BudgetSpent):
+            late.push(ones)
+        assert late.budget_refused == 1 and server.job_pushes == 10
+        late.close()
+        first.close()
