@@ -100,9 +100,7 @@ def run(*runs: tuple[list[str], dict | None]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "runtime", ["local", pytest.param("ray", marks=pytest.mark.shared_ray)]
-)
+@pytest.mark.parametrize("runtime", ["local", pytest.param("ray", marks=pytest.mark.shared_ray)])
 def test_the_launched_gpt_trains_on_four_workers(runtime, request, tmp_path, no_leaks):
     """200 pushes in all, exactly (50 BSP rounds of 4 batches: the budget is whole
     rounds): every rank reports a validation loss at least 2 nats below the initial
