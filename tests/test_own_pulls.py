@@ -2,10 +2,12 @@
 
 A loop you own pulls right after it pushes, and the default ``client.pull()``
 must hold that push. A busy shard publishes a snapshot only every
-``PUBLISH_EVERY``; before this fix the pull waited for that publish (the own
-loop ran 17-30% slower). Now a shard answers a turn's pushes after its publish,
-so after an idle turn the snapshot holds the push, and a worker whose snapshot
-lacks it asks the shard, which serves the pull behind the push at once.
+``PUBLISH_EVERY``; once the pull waited for that publish (the own loop ran
+17-30% slower). Now a shard acks a turn's pushes before it publishes, and the
+worker copies its push from the shard's live params (seqlocked), or from the
+snapshot a busy shard announced; if steps keep changing the live params as it copies and
+no snapshot holds the push, it asks the shard, which serves the pull behind the
+push at once. (tests/test_own_live_reads.py races real shard processes.)
 
 These tests run one shard's loop (:class:`ShardProcess`, the body of a shard
 process) on a thread of the test process, so that it can be made busy and its
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 import stalewise as sw
+from stalewise.runtime.local import client as client_lib
 from stalewise.runtime.local import shard_proc
 from stalewise.runtime.local.client import Client
 from stalewise.runtime.local.layout import Layout
@@ -97,13 +100,13 @@ def shards(monkeypatch):
         s.close()
 
 
-def test_a_pull_after_a_push_on_a_busy_shard_is_served_without_waiting_for_a_publish(
+def test_a_pull_after_a_push_on_a_busy_shard_reads_the_live_params_without_a_publish(
     shards, monkeypatch
 ):
     """The shard is busy and publishes rarely (PUBLISH_EVERY of an hour; worker 1 never
-    pushes, so the slowest clock never moves, which would publish too). Before the fix
-    the pull waited for a snapshot that never came (TimeoutError); now the shard serves
-    it behind the push: it holds the push, and nothing was published for it."""
+    pushes, so the slowest clock never moves, which would publish too). Once the pull
+    waited for a snapshot that never came (TimeoutError); now it copies the live params,
+    which hold the push: nothing was published or served for it."""
     monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)
     s = shards(2, busy=True)
     client = s.clients[0]
@@ -116,21 +119,78 @@ def test_a_pull_after_a_push_on_a_busy_shard_is_served_without_waiting_for_a_pub
         np.testing.assert_array_equal(params["w"], np.full(N, -float(step), np.float32))
         assert client.last_result.versions == (step,)
     assert s.proc.publishes == published  # the shard stayed busy: no publish helped
-    assert s.proc.served == client.own_requests == 3  # each pull served behind its push
+    assert s.proc.served == client.own_requests == 0  # no pull asked of the shard
     assert s.layout.params(s.block)[0] == -3.0
 
 
-def test_an_idle_shard_publishes_before_it_acks_so_the_pull_reads_the_snapshot(shards):
-    """An idle shard publishes at once, and answers the push after that publish, so the
-    worker's pull reads the snapshot that holds its push: no request, no served pull."""
-    s = shards(1)
+def test_a_pull_waits_while_a_step_changes_the_live_params_then_copies_them(shards, monkeypatch):
+    """The busy shard's live params are being written when the worker comes to read them
+    (the seqlock is odd, as during another worker's step) and no snapshot holds its push:
+    the pull copies nothing and asks nothing until the step is over, then reads them."""
+    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)
+    s = shards(2, busy=True)
+    client = s.clients[0]
+    client.pull(timeout=TIMEOUT)
+    client.push({"w": np.ones(N, np.float32)})
+    assert client.wait(timeout=TIMEOUT).versions == (1,)
+    s.proc.snapshots.changing(0)  # a step under way
+    pulled = []
+    puller = threading.Thread(target=lambda: pulled.append(client.pull(timeout=TIMEOUT)))
+    puller.start()
+    puller.join(0.3)
+    assert puller.is_alive() and not pulled  # it waits for the step, asking nothing
+    assert client.own_requests == 0
+    s.proc.snapshots.changed(0, 1)  # the step is over
+    puller.join(TIMEOUT)
+    np.testing.assert_array_equal(pulled[0]["w"], np.full(N, -1.0, np.float32))
+    assert s.proc.served == client.own_requests == 0
+
+
+def test_a_pull_the_live_params_cannot_give_is_served_behind_the_push(shards, monkeypatch):
+    """When copies of the live params keep failing (here: no copy is tried) and no
+    snapshot holds the push, the pull asks the shard, which serves it behind the push."""
+    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)
+    monkeypatch.setattr(client_lib, "LIVE_COPIES", 0)
+    s = shards(2, busy=True)
+    client = s.clients[0]
+    client.pull(timeout=TIMEOUT)
+    published = s.proc.publishes
+    for step in range(1, 3):
+        client.push({"w": np.ones(N, np.float32)})
+        params = client.pull(timeout=TIMEOUT)
+        np.testing.assert_array_equal(params["w"], np.full(N, -float(step), np.float32))
+    assert s.proc.publishes == published
+    assert s.proc.served == client.own_requests == 2
+
+
+def test_a_busy_shard_announces_its_publish_and_the_pull_reads_that_snapshot(shards, monkeypatch):
+    """A busy shard that publishes after its acks says which version first, so the worker
+    waits for that snapshot rather than copy live params the next step is changing."""
+    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 0.0)  # a busy shard publishes each turn
+    s = shards(2, busy=True)
     client = s.clients[0]
     client.pull(timeout=TIMEOUT)
     for step in range(1, 4):
         client.push({"w": np.ones(N, np.float32)})
         params = client.pull(timeout=TIMEOUT)
         np.testing.assert_array_equal(params["w"], np.full(N, -float(step), np.float32))
+        assert s.proc.snapshots.announced(0) == step
+    assert s.proc.served == client.own_requests == 0
+
+
+def test_an_idle_shard_acks_then_publishes_and_the_pull_never_asks(shards):
+    """An idle shard acks the push, then publishes at once: the worker's pull reads the
+    live params or that snapshot, both holding its push: no request, no served pull."""
+    s = shards(1)
+    client = s.clients[0]
+    client.pull(timeout=TIMEOUT)
+    published = s.proc.publishes
+    for step in range(1, 4):
+        client.push({"w": np.ones(N, np.float32)})
+        params = client.pull(timeout=TIMEOUT)
+        np.testing.assert_array_equal(params["w"], np.full(N, -float(step), np.float32))
     assert client.own_requests == 0 and s.proc.served == 0
+    assert s.proc.publishes >= published + 2  # each idle turn published (the last may lag)
 
 
 def test_own_false_reads_the_snapshot_and_may_miss_the_push(shards, monkeypatch):
@@ -149,8 +209,8 @@ def test_own_false_reads_the_snapshot_and_may_miss_the_push(shards, monkeypatch)
 
 
 def test_ssp_read_your_writes_on_a_busy_shard(shards, monkeypatch):
-    """Under SSP the snapshot's gate lets the worker read, and the busy shard serves its
-    own version as under ASP; the served pull is gated by the shard as any."""
+    """Under SSP the snapshot's gate lets the worker read, and it reads its own version
+    from the busy shard's live params as under ASP; a pull the gate holds is served."""
     monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)
     s = shards(2, busy=True, consistency=sw.SSP(3))
     client = s.clients[0]
@@ -159,4 +219,4 @@ def test_ssp_read_your_writes_on_a_busy_shard(shards, monkeypatch):
         client.push({"w": np.ones(N, np.float32)})
         params = client.pull(timeout=TIMEOUT)
         np.testing.assert_array_equal(params["w"], np.full(N, -float(step), np.float32))
-    assert s.proc.served == 2
+    assert s.proc.served == client.own_requests == 0

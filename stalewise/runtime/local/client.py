@@ -18,11 +18,16 @@ Messages are the fixed binary records of :mod:`stalewise.protocol.wire`.
 
 Read-your-writes (:meth:`Client.pull`, ``own=True``): the pull waits for the
 last push's acks, each naming the version that holds the push, then reads a
-shard's snapshot only if it is at least that version. A shard answers pushes
-after it publishes, so an idle shard's snapshot holds them; a busy one defers
-publishing (up to ``PUBLISH_EVERY``, :mod:`~stalewise.runtime.local.shard_proc`),
-and the client then asks it for a served pull, which it handles behind the push:
-the pull never waits for a publish (issue #29).
+shard's snapshot if it is at least that version, else the shard's live params
+under their seqlock (:mod:`~stalewise.runtime.local.layout`): a shard acks a
+push once its step is taken, before it publishes. A busy shard, whose next push
+is about to change the live params, announces the snapshot it publishes after
+its acks, and the client waits for that copy instead; while a step changes the
+live params, it waits for the step's end. If steps changed them during
+:data:`LIVE_COPIES` copies and no snapshot holds the push (a busy shard defers
+publishing, up to ``PUBLISH_EVERY``, :mod:`~stalewise.runtime.local.shard_proc`),
+the client asks for a served pull, handled behind the push: the pull never waits
+for a deferred publish (issue #29).
 
 A client that learns a shard has closed its connection (the shard stopped, or
 it disconnected this worker for a protocol fault) raises :class:`ServerClosed`
@@ -60,6 +65,10 @@ from stalewise.runtime.local.shm import SharedBlock
 
 EXIT_WAIT = 1.0  # seconds a client whose pipe to a shard ended waits for the server's word
 SLICE = 0.05  # seconds between two looks at the shards' exits while a client waits
+# seconds between two looks at a busy shard's snapshot or live params: the first pause,
+# doubled up to the longest (a step of a large slice takes milliseconds)
+SPIN, SPIN_MAX = 5e-5, 1e-3
+LIVE_COPIES = 2  # copies of a shard's live params a read-your-writes pull tries before asking
 
 
 def recv_reply(
@@ -167,8 +176,8 @@ class Client(PullsIntoTrees):
         self._done: np.ndarray | None = None  # this worker id's pushes (workers only)
         #: whether the last pull includes this worker's last push (see :meth:`pull`'s ``own``)
         self.pull_has_own = True
-        #: pulls from a shard whose snapshot lacked this worker's acknowledged push, so
-        #: served by the shard instead (read-your-writes, see :meth:`pull_flat`)
+        #: pulls from a shard whose snapshot lacked this worker's acknowledged push and whose
+        #: live params kept changing while read, so served by the shard (read-your-writes)
         self.own_requests = 0
         self._lease: connection.Connection | None = None  # an attached process's socket
         #: the job's budget of pushes this client refuses to pass at commit (None: none;
@@ -274,15 +283,16 @@ class Client(PullsIntoTrees):
                 self._consistency, self._sender.seq, (snaps.min_clock(k) for k in shards)
             )
         ):
-            # read-your-writes: once an ack is in, only a snapshot that holds it will do;
-            # a shard whose snapshot is older (it was busy and deferred publishing) is
-            # asked instead, and serves the pull behind the push: no waiting for a publish
+            # read-your-writes: once an ack is in, only params that hold it will do; a
+            # shard none of whose copies holds it is asked, and serves the pull behind
+            # the push: no waiting for a deferred publish
             for k in shards:
-                if snaps.version(k) < self._acked(k):
+                version = self._read(k, timeout)
+                if version is None:
                     self._send(k, wire.pull())
                     self._pulls_due[k] = True
                 else:
-                    self._sender.pulled(k, snaps.read(k, self._pull_buf))
+                    self._sender.pulled(k, version)
             self.own_requests += sum(self._pulls_due)
         elif not any(self._pulls_due):
             for k in shards:  # sent before reading the last push's acks: saves a round trip
@@ -295,6 +305,32 @@ class Client(PullsIntoTrees):
                     self._sender.pulled(k, self._take(k, "pulled", timeout)[1])
                     self._pulls_due[k] = False
         return self._pull_buf
+
+    def _read(self, k: int, timeout: float | None) -> int | None:
+        """Copies shard ``k``'s params holding this worker's acked push (if any) into the
+        pull buffer and returns their version: its snapshot once that holds the push
+        (at once, or when the publish a busy shard announced is done), else its live
+        params once no step is changing them; None after :data:`LIVE_COPIES` copies of
+        live params that a step changed meanwhile (the shard is busy: ask it)."""
+        snaps, acked = self._snapshots, self._acked(k)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        copies, pause = 0, SPIN
+        while snaps.version(k) < acked:
+            if snaps.announced(k) < acked and snaps.steady(k):  # no publish of it under way
+                if copies == LIVE_COPIES:
+                    return None
+                copies += 1
+                version = snaps.read_live(k, self._pull_buf)
+                if version is not None and version >= acked:
+                    return version
+                continue
+            self._check_shards()
+            self._drain(k)  # the pipe's end: the shard stopped
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"shard {k} had no version {acked} to read in {timeout} s")
+            time.sleep(pause)
+            pause = min(2 * pause, SPIN_MAX)
+        return snaps.read(k, self._pull_buf)
 
     def _acked(self, k: int) -> int:
         """The version shard ``k`` named in its ack of this worker's last push, once read

@@ -30,6 +30,17 @@ slowest live clock, which lets a worker check an SSP/BSP gate locally; the
 published value can only lag behind the truth, so the local check is
 conservative, and a worker that it holds back asks the shard (which is exact).
 
+A worker that must read its own push (read-your-writes) may also read the
+shard's *live* params, under a seqlock of their own: the shard makes the
+counter odd before any call that may write its slice (a push's step, a
+departure's delivered push, a closed BSP round, a loaded checkpoint) and even
+again after it, with the version it reached. The shard acks a push once its
+step is taken, before it publishes, so a worker reads its push from the live
+params at once, or from the snapshot if one holds it. A busy shard, whose next
+push follows at once, says which version it publishes after its acks
+(:meth:`Snapshots.announce`): a reader waits for that snapshot (it is being
+copied) rather than copy live params the next step is about to change.
+
 *Residuals* (a codec with error feedback, :mod:`stalewise.protocol.compress`)
 keep each worker's error-feedback state in the block, so the parent saves it
 in a checkpoint without asking the worker, and a restarted incarnation takes
@@ -65,8 +76,10 @@ if TYPE_CHECKING:
     from stalewise.protocol import ServerConfig
 
 _ALIGN = 64  # bytes; every region starts on a cache line
-_CUR, _SEQ, _VER, _MIN_CLOCK = 0, 1, 3, 5  # shard table columns: cur, seq[2], ver[2], min clock
-_TABLE_COLUMNS = 6
+# shard table columns: cur, seq[2], ver[2], min clock, the live params' seq and version,
+# the version a busy shard publishes after its acks
+_CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED = 0, 1, 3, 5, 6, 7, 8
+_TABLE_COLUMNS = 9
 # push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases...
 R_COMMIT, R_INC, R_SEQ, R_CODE, R_DETAIL, R_BASES = range(6)
 
@@ -294,12 +307,49 @@ class Residuals:
 
 
 class Snapshots:
-    """Seqlocked double-buffered copies of each shard's slice, in a shared block."""
+    """Seqlocked double-buffered copies of each shard's slice, in a shared block, and
+    the seqlock of the live params (see the module docstring)."""
 
     def __init__(self, layout: Layout, block: SharedBlock, ranges: list[tuple[int, int]]):
         self.table = layout.table(block)
         self.buffers = (layout.snapshot(block, 0), layout.snapshot(block, 1))
+        self.params = layout.params(block)
         self.ranges = ranges
+
+    def changing(self, k: int) -> None:
+        """Shard ``k`` may write its live params from now on (odd: readers retry)."""
+        row = self.table[k]
+        row[_LIVE_SEQ] = int(row[_LIVE_SEQ]) | 1
+
+    def changed(self, k: int, version: int) -> None:
+        """Shard ``k``'s live params are consistent again, at ``version`` (even)."""
+        row = self.table[k]
+        row[_LIVE_VER] = version
+        row[_LIVE_SEQ] = (int(row[_LIVE_SEQ]) | 1) + 1
+
+    def steady(self, k: int) -> bool:
+        """Whether shard ``k`` is not changing its live params right now."""
+        return not int(self.table[k, _LIVE_SEQ]) & 1
+
+    def read_live(self, k: int, out: np.ndarray) -> int | None:
+        """Copies shard ``k``'s live params into ``out[lo:hi]``; returns their version, or
+        None if the shard was changing them (the copy may be torn: do not use it)."""
+        row = self.table[k]
+        lo, hi = self.ranges[k]
+        seq = int(row[_LIVE_SEQ])
+        if seq & 1:
+            return None
+        np.copyto(out[lo:hi], self.params[lo:hi])
+        version = int(row[_LIVE_VER])
+        return version if int(row[_LIVE_SEQ]) == seq else None
+
+    def announce(self, k: int, version: int) -> None:
+        """Shard ``k``, busy, publishes ``version`` right after the acks it is sending."""
+        self.table[k, _ANNOUNCED] = version
+
+    def announced(self, k: int) -> int:
+        """The version shard ``k`` last said it publishes after its acks (see announce)."""
+        return int(self.table[k, _ANNOUNCED])
 
     def publish(self, k: int, params: np.ndarray, version: int, min_clock: int) -> None:
         """Shard ``k`` (the only writer of its row) publishes its slice at ``version``."""

@@ -6,15 +6,18 @@ snapshots for pulls, and answers control messages from the parent
 (:class:`~stalewise.runtime.local.server.LocalServer`).
 
 One turn of its loop (:meth:`ShardProcess.turn`, then :meth:`ShardProcess.settle`)
-handles every message that has arrived, then publishes a snapshot (at once when
-idle, every :data:`PUBLISH_EVERY` seconds at most while more messages wait), then
-answers the turn's pushes, then serves the pulls asked for. The acks go out
-after the publish so that a worker reading its own push back (read-your-writes,
-:meth:`Client.pull <stalewise.runtime.local.client.Client.pull>`) finds it in the
-snapshot whenever the shard was idle; when the shard was busy and deferred the
-publish, that worker asks for a served pull instead, which the shard handles
-behind the push on the same pipe: a read-your-writes pull never waits for the
-next publish.
+handles every message that has arrived, then answers the turn's pushes, then
+publishes a snapshot (at once when idle, every :data:`PUBLISH_EVERY` seconds at
+most while more messages wait), then serves the pulls asked for. The acks go out
+before the publish: a worker reading its own push back (read-your-writes,
+:meth:`Client.pull <stalewise.runtime.local.client.Client.pull>`) copies it from
+the live params, which the shard seqlocks around every call that may write them
+(:meth:`ShardProcess.write`, see :mod:`~stalewise.runtime.local.layout`), or
+from the snapshot a busy shard announces it is publishing; if neither holds the
+push, it asks for a served pull, which the shard handles behind the push on the
+same pipe: a read-your-writes pull never waits for a deferred publish. Only a
+gated shard (SSP, BSP) whose slowest clock moved publishes before its acks: a
+worker its gate lets through must find that round's params in the snapshot.
 
 Messages are the fixed binary records of :mod:`stalewise.protocol.wire`. A
 worker's pipe is read without blocking, as bytes arrive (:class:`WorkerPipe`),
@@ -136,6 +139,8 @@ class ShardProcess:
         self.records = layout.records(block)
         self.observer = layout.observer(block)[lo:hi]
         self.snapshots = Snapshots(layout, block, config.ranges)
+        self.snapshots.announce(k, 0)  # nothing announced (a restart's predecessor may have)
+        self.snapshots.changed(k, self.shard.version)  # the live params are consistent
         self.pipes: dict[WorkerPipe, None] = {}  # the live pipes, in the order they joined
         self.current: dict[int, WorkerPipe] = {}  # worker -> the pipe of its current incarnation
         self.waiting: set[int] = set()  # workers whose pull waits on the gate
@@ -152,22 +157,32 @@ class ShardProcess:
         self.published, self.published_at = shard.version, time.monotonic()
         self.publishes += 1
 
-    def publish(self, busy: bool) -> None:
-        """Copies the params out for pulls: when idle, or every PUBLISH_EVERY s under load.
+    def publish_due(self, busy: bool) -> bool:
+        """Whether to copy the params out for pulls now: when idle, or every
+        PUBLISH_EVERY s under load, and at once when the slowest clock moved.
 
         The clock never gets ahead of the published params (a worker the gate lets
         through must read the params of the round it waited for): alone only while
-        the params are unchanged, else together with them, at once when it moved.
+        the params are unchanged (published here), else together with them.
         """
         clock = self.shard.min_clock()
         if self.shard.version == self.published:
             self.snapshots.publish_clock(self.k, clock)
-        elif (
+            return False
+        return (
             not busy
             or clock != self.snapshots.min_clock(self.k)
             or time.monotonic() - self.published_at > PUBLISH_EVERY
-        ):
-            self.publish_now()
+        )
+
+    def write(self, call, *args, **kwargs):
+        """``call(*args, **kwargs)``, a call that may write the shard's params, inside the
+        live params' seqlock (:meth:`Snapshots.read_live
+        <stalewise.runtime.local.layout.Snapshots.read_live>`)."""
+        self.snapshots.changing(self.k)
+        out = call(*args, **kwargs)
+        self.snapshots.changed(self.k, self.shard.version)
+        return out
 
     # -- workers -------------------------------------------------------------------
 
@@ -180,7 +195,7 @@ class ShardProcess:
             del self.current[w]
             self.waiting.discard(w)
         got = committed_push(self.layout, self.records, self.pushes, w, self.k)
-        self.shard.depart(w, p.incarnation, got)
+        self.write(self.shard.depart, w, p.incarnation, got)
 
     def disconnect(self, p: WorkerPipe, reason: str) -> None:
         """Cuts off a worker that broke the protocol: a warning, an error reply, then depart."""
@@ -235,8 +250,8 @@ class ShardProcess:
             self.disconnect(p, f"sent push {seq}, which has no committed record")
             return
         header, payload, verdict = got
-        ack = self.shard.push(header, payload, verdict=verdict, now=time.monotonic())
-        self.answers.append((p, wire.ack(ack)))  # sent after this turn's publish (settle)
+        ack = self.write(self.shard.push, header, payload, verdict=verdict, now=time.monotonic())
+        self.answers.append((p, wire.ack(ack)))  # sent at the end of this turn (settle)
 
     def answer(self) -> None:
         """Sends this turn's acks, in order, to the pipes still connected."""
@@ -288,13 +303,21 @@ class ShardProcess:
         return True
 
     def settle(self) -> None:
-        """After a turn: publish (or not, see :meth:`publish`), then the acks, then the
-        served pulls. An ack sent after the publish lets its worker read its own push
-        from the snapshot when the shard was idle; when it was busy, that worker asks for
-        a served pull, handled behind the push (see the module docstring)."""
+        """After a turn: the acks, then the publish (or not, see :meth:`publish_due`),
+        then the served pulls (see the module docstring). A busy shard announces the
+        version it publishes before its acks; a gated one whose slowest clock moved
+        publishes first (the clock goes out with its round's params)."""
         busy = self.busy()
-        self.publish(busy=busy)
+        due = self.publish_due(busy)
+        gate = self.shard.consistency.gated
+        if due and gate and self.shard.min_clock() != self.snapshots.min_clock(self.k):
+            self.publish_now()
+            due = False
+        elif due and busy:
+            self.snapshots.announce(self.k, self.shard.version)
         self.answer()
+        if due:
+            self.publish_now()
         self.serve_waiting_pulls()
         if not busy:
             self.shard.prepare()  # the next step's undo copy, made while no push waits for it
@@ -325,8 +348,9 @@ class ShardProcess:
                 c.send_bytes(wire.loaded(None, "workers have joined; load before they do"))
                 return True
             try:
-                shard.load_state_dict(msg[1])
-            except ValueError as e:
+                self.write(shard.load_state_dict, msg[1])
+            except ValueError as e:  # refused before anything was written
+                self.snapshots.changed(self.k, shard.version)
                 c.send_bytes(wire.loaded(None, str(e)))
                 return True
             self.publish_now()
@@ -346,7 +370,7 @@ class ShardProcess:
         old = self.current.get(w)
         if old is not None:
             self.depart(old)  # the old incarnation's committed push first, then it leaves
-        self.shard.join(w, inc)
+        self.write(self.shard.join, w, inc)
         self.pipes[p], self.current[w] = None, p
 
 
@@ -378,7 +402,7 @@ def shard_main(
             return
         if lease_ends is not None and time.monotonic() >= lease_ends:
             lease_ends = None
-            gone = shard.expire_unstarted()
+            gone = proc.write(shard.expire_unstarted)
             if gone:
                 log.error(
                     "shard %d: worker(s) %s did not start within %g s (join_timeout); "
