@@ -60,20 +60,28 @@ three bars; ``--check`` exits 1 otherwise.
 the fixed settings on it, on a new local Ray instance of this machine's cores, beside
 their simulations: the rows' "local" figures are then the runs on Ray.
 
+``--replay JSON`` re-simulates the rows of a JSON this wrote on the tables stored in it
+(equal to the calibrated ones within the table's rounding) and compares them with the
+local figures stored in it: a change to the simulator is judged on quiet measurements in
+seconds, on any machine, at any load.
+
     .venv/bin/python benchmarks/sim_fidelity.py [--quick] [--check] [--json PATH]
     .venv/bin/python benchmarks/sim_fidelity.py --random 10 --seed 1 [--check]
     .venv/bin/python benchmarks/sim_fidelity.py --runtime ray --only "digits 2w ASP"
+    .venv/bin/python benchmarks/sim_fidelity.py --replay benchmarks/results/sim_fidelity-random1.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import _report
@@ -157,25 +165,34 @@ def figures(result, metric: str, target: float, mode: str) -> dict:
     }
 
 
+def setting_run(s: Setting, quick: bool) -> tuple[Any, sw.Job, dict]:
+    """Setting ``s``'s task, job and ``job.train`` options (besides the runtime)."""
+    task = make_task(s.task)
+    steps = s.steps if quick else s.steps * 3 // 2
+    eval_interval = 0.05 if s.task == "digits" else 0.2
+    return (
+        task,
+        make_job(s, task),
+        dict(
+            data=task.batches,
+            evaluate=task.evaluate,
+            workers=s.workers,
+            steps=steps,
+            emulation=sw.Emulation(
+                stragglers=s.stragglers or None,
+                delays=dict.fromkeys(range(s.workers), s.delay) if s.delay else None,
+            ),
+            metrics=sw.Metrics(every=eval_interval),
+        ),
+    )
+
+
 def run_setting(s: Setting, quick: bool, repeats: int, runtime: str = "local") -> dict:
     """Calibrates the runtime ``runtime`` for setting ``s``, runs it there and simulates it
     on the calibrated tables: one row (its "local" figures are the run on ``runtime``)."""
-    task = make_task(s.task)
-    job = make_job(s, task)
-    steps = s.steps if quick else s.steps * 3 // 2
+    task, job, common = setting_run(s, quick)
     metric, mode = "loss", "min"
-    eval_interval = 0.05 if s.task == "digits" else 0.2
-    common = dict(
-        data=task.batches,
-        evaluate=task.evaluate,
-        workers=s.workers,
-        steps=steps,
-        emulation=sw.Emulation(
-            stragglers=s.stragglers or None,
-            delays=dict.fromkeys(range(s.workers), s.delay) if s.delay else None,
-        ),
-        metrics=sw.Metrics(every=eval_interval),
-    )
+    eval_interval = common["metrics"].every
     t0 = time.perf_counter()
     cal = job.calibrate(
         task.loss_and_grad, task.batches, workers=s.workers, repeats=repeats, delays=s.delay,
@@ -476,6 +493,39 @@ def random_main(args: argparse.Namespace, out) -> int:
     return 1 if args.check and not bars[0]["met"] else 0
 
 
+def replay(path: str) -> int:
+    """Re-simulates every row of a JSON this benchmark wrote on the table stored with it,
+    against the local figures stored with it: no calibration, no local run, so a change
+    of the simulator is judged at once on measurements taken on a quiet machine."""
+    from stalewise.runtime.sim.config import SimConfig
+
+    data = json.loads(Path(path).read_text())["figures"]
+    ok = 0
+    for r in data["rows"]:
+        if "drawn" in r:
+            d = Drawn(**{**r["drawn"], "stragglers": tuple(map(tuple, r["drawn"]["stragglers"]))})
+            task = drawn_task(d)
+            job, opts = drawn_job(d, task), drawn_run(d, r["steps"])
+            target = -math.inf if r["target"] is None else r["target"]
+        elif r.get("runtime", "local") == "local" and "table" in r:
+            s = next(x for x in settings() if x.name == r["setting"])
+            task, job, opts = setting_run(s, data["quick"])
+            target = s.target
+        else:
+            continue  # a row of another runtime, or one that failed
+        table = SimConfig.from_dict({k: v for k, v in r["table"].items() if v is not None})
+        sim = job.train(task.loss_and_grad, runtime=sw.Simulation(table), **opts)
+        got = figures(sim, "loss", target, "min")
+        errs = {k: _error(k, got[k], r[f"{k} local"]) for k in BARS}
+        met = {k: e is not None and e <= BARS[k] for k, e in errs.items()}
+        ok += all(met.values())
+        print(f"  {r['setting']}: " + ", ".join(
+            f"{k} {_f(got[k])}/{_f(r[f'{k} local'])} ({'met' if met[k] else 'MISSED'})"
+            for k in BARS) + " (sim now / local then)", flush=True)  # fmt: skip
+    print(f"{ok} of {len(data['rows'])} rows meet all three bars on the simulator as it is now")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -497,8 +547,12 @@ def main() -> int:
         help="the runtime calibrated and run beside the simulation (ray: a new local Ray "
         "instance of this machine's cores; the fixed settings only)",
     )
+    ap.add_argument("--replay", metavar="JSON", help="re-simulate the rows of a JSON this wrote "
+                    "on their stored tables, against their stored local figures")  # fmt: skip
     _report.add_json_arg(ap)
     args = ap.parse_args()
+    if args.replay is not None:
+        return replay(args.replay)
     if args.random is not None and args.random < 1:
         ap.error(f"--random: expected an integer >= 1, got {args.random}")
     if args.random is not None and args.runtime != "local":
