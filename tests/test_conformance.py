@@ -18,7 +18,7 @@ of pushes (the budget rule) and the same final parameters.
 
 import itertools
 import math
-import os
+import sys
 import time
 
 import numpy as np
@@ -207,23 +207,18 @@ def three_way_data(worker, workers):
     return itertools.count()
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    """A local Ray instance for this module's Ray runs, shut down whatever happens; its
-    workers import this module's functions from the tests' directory."""
-    ray = pytest.importorskip("ray")
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="warning",
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
-    )
+@pytest.fixture
+def ray_instance(ray_cluster):
+    """The cluster the Ray test files share (conftest.py), this process a driver of it; this
+    module's functions travel to its workers by value (they cannot import the tests)."""
+    import ray
+
+    module = sys.modules[__name__]
+    ray.cloudpickle.register_pickle_by_value(module)
     try:
         yield ray
     finally:
-        ray.shutdown()
+        ray.cloudpickle.unregister_pickle_by_value(module)
 
 
 def train_three_ways(job_kw, **train_kw):
