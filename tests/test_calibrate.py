@@ -218,11 +218,14 @@ def test_the_cli_prints_or_writes_the_table(tmp_path, capsys, monkeypatch):
     evaluate = seen.pop("evaluate")  # the task's, timed beside the compute
     assert callable(evaluate)
     # run.workers, run.delay and run.eval_interval (its default, 0.5 s)
-    assert seen == {"workers": 2, "repeats": 3, "delays": 0.002, "eval_interval": 0.5}
+    assert seen == {"workers": 2, "repeats": 3, "delays": 0.002, "eval_interval": 0.5,
+                    "runtime": "local"}  # fmt: skip
     assert capsys.readouterr().out == fake.toml()
     out = tmp_path / "tables" / "sim.toml"
     assert main(["calibrate", str(cfg), "--out", str(out), "--workers", "3"]) == 0
     assert seen["workers"] == 3
+    assert main(["calibrate", str(cfg), "--out", str(out), "--runtime", "ray"]) == 0
+    assert seen["runtime"] == "ray"
     printed = capsys.readouterr().out
     assert "worker 1:" in printed and f"written to {out}" in printed
     assert out.read_text() == fake.toml()
