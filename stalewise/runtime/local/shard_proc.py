@@ -178,11 +178,13 @@ class ShardProcess:
     def write(self, call, *args, **kwargs):
         """``call(*args, **kwargs)``, a call that may write the shard's params, inside the
         live params' seqlock (:meth:`Snapshots.read_live
-        <stalewise.runtime.local.layout.Snapshots.read_live>`)."""
+        <stalewise.runtime.local.layout.Snapshots.read_live>`); the lock is released at
+        the version reached whether the call returns or raises (a refusal writes nothing)."""
         self.snapshots.changing(self.k)
-        out = call(*args, **kwargs)
-        self.snapshots.changed(self.k, self.shard.version)
-        return out
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.snapshots.changed(self.k, self.shard.version)
 
     # -- workers -------------------------------------------------------------------
 
@@ -350,7 +352,6 @@ class ShardProcess:
             try:
                 self.write(shard.load_state_dict, msg[1])
             except ValueError as e:  # refused before anything was written
-                self.snapshots.changed(self.k, shard.version)
                 c.send_bytes(wire.loaded(None, str(e)))
                 return True
             self.publish_now()
