@@ -1059,8 +1059,9 @@ def calibrate(
         for n in sizes:
             nbytes, shards = n * itemsize, min(config.shards, n)
             actor: list[float] = []  # on Ray: shard 0's actor's own time per push
-            on = {} if runtime == "local" else {"runtime": runtime, "shard": actor}
-            pulls, pushes, sends = transport_times(job, n, repeats, **on)
+            pulls, pushes, sends = transport_times(
+                job, n, repeats, runtime, shard=None if runtime == "local" else actor
+            )
             pull, push, send = (statistics.median(x) for x in (pulls, pushes, sends))
             if actor:  # the apply as the shard actor times it, at its slice's size
                 a_times, nbytes_a = actor, -(-n // shards) * itemsize
@@ -1081,7 +1082,7 @@ def calibrate(
                              ("message", msgs)):  # fmt: skip
                 spreads.append((_key(name, nbytes), Spread.of(xs)))
         fixed = LOOP_COMPUTE + send_pts[0][1] + pull_pts[0][1]
-        per_step = loop_times(job, sizes[0], **({"runtime": runtime} if on else {}))
+        per_step = loop_times(job, sizes[0], runtime)
     loop_s = max(0.0, statistics.median(per_step) - fixed)
     spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in per_step])))
     load_end = os.getloadavg()

@@ -417,8 +417,10 @@ def test_calibrate_logs_its_busy_warnings(monkeypatch, caplog):
     wide = ((0.001, 0.002, 0.004, 0.008), (0.001, 0.002, 0.004, 0.008))
     monkeypatch.setattr(calibrate, "measure_compute", lambda *a, **k: (wide, wide, 1, None))
     monkeypatch.setattr(calibrate, "apply_times", lambda c, n, r: [1e-5] * r)
-    monkeypatch.setattr(calibrate, "transport_times", lambda j, n, r: ([2e-5] * r,) * 3)
-    monkeypatch.setattr(calibrate, "loop_times", lambda j, n: [3e-3] * 5)
+    monkeypatch.setattr(
+        calibrate, "transport_times", lambda j, n, r, runtime, shard: ([2e-5] * r,) * 3
+    )
+    monkeypatch.setattr(calibrate, "loop_times", lambda j, n, runtime: [3e-3] * 5)
     with caplog.at_level(logging.WARNING, logger="stalewise.calibrate"):
         cal = job.calibrate(task.loss_and_grad, task.batches, workers=2, repeats=3)
     msgs = [r.getMessage() for r in caplog.records]
