@@ -195,6 +195,40 @@ def test_init_checkpoints_and_resumes_in_one_process(tmp_path):
         assert ckpt.step["pushes"] == want and ckpt.ranks[0]["steps"] == 60, ckpt.step
 
 
+def test_a_bsp_job_saved_mid_round_resumes_that_round(tmp_path):
+    """Saved while worker 1 still owed a BSP round (worker 0's push waiting in it), the
+    resumed job keeps the round: both workers rejoin, worker 1's push closes it with the
+    mean of the two, as in the run that was never stopped. (A rejoin that departed the
+    old incarnation first closed the round with worker 0's push alone.)"""
+    import stalewise as sw
+
+    def serve(**kwargs):
+        job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(0.5),
+                     consistency=sw.BSP())  # fmt: skip
+        return job.serve(workers=2, checkpoint_dir=tmp_path, checkpoint_every=1000, **kwargs)
+
+    def push(client, value):
+        client.pull(timeout=30)
+        client.push({"w": np.full(3, value, np.float32)})
+        client.wait()
+
+    with serve() as server:
+        first = [server.client(w) for w in range(2)]
+        push(first[0], 1.0)
+        push(first[1], 2.0)
+        push(first[0], 6.0)  # round 2: worker 1's push is still owed
+        assert server.stats()[0]["version"] == 1 and server.job_pushes == 3
+    with serve(resume=True) as server:
+        again = [server.client(w) for w in range(2)]
+        assert server.stats()[0]["version"] == 1  # the joins closed no round
+        push(again[1], 8.0)
+        assert server.stats()[0]["version"] == 2
+        # rounds of means 1.5 and 7 at a learning rate of 0.5
+        np.testing.assert_allclose(server.pull()["w"], np.full(3, -4.25), rtol=1e-6)
+        for c in again:
+            c.close()
+
+
 @pytest.mark.parametrize("args", [["--resume"], ["--checkpoint-every", "5"]])
 def test_checkpoint_flags_need_a_directory(tmp_path, args):
     script = _script(tmp_path)

@@ -368,3 +368,58 @@ def test_a_shard_between_rounds_keeps_no_round_buffer():
     other = make("sgd", "asp", "constant", seed=3)
     other.load_state_dict(shard.state_dict())
     assert other._round_sum is None
+
+
+def mid_round(consistency="bsp"):
+    """Two workers, 3 rounds, then worker 0's push of round 3: worker 1 owes round 3."""
+    shard = make("sgd", consistency, "constant", workers=2)
+    for w in range(2):
+        shard.join(w, 1)
+    for seq in range(3):
+        for w in range(2):
+            shard.push(PushHeader(w, seq, shard.version, 1), payload(seq * 2 + w, np.float32))
+    shard.push(PushHeader(0, 3, shard.version, 1), payload(6, np.float32))
+    assert shard.clocks.tolist() == [4, 3] and shard.state_dict()["round.count"] == 1
+    return shard
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_a_resumed_job_keeps_the_round_its_workers_owe(order):
+    """Resumed mid-round, each worker's next incarnation takes its saved seat: worker 1
+    still owes round 3, whose waiting push stays; the round closes with both pushes,
+    as in the run that was never stopped (a rejoin that departed first closed it with
+    worker 0's push alone and moved worker 1 past it)."""
+    a = mid_round()
+    b = make("sgd", "bsp", "constant", workers=2, seed=5)
+    b.load_state_dict(a.state_dict())
+    b.resume()
+    for w in order:
+        b.join(w, 2)
+    assert b.clocks.tolist() == [4, 3] and b.version == a.version == 3
+    assert gates(b) == gates(a) == (3, [False, True])
+    last = payload(7, np.float32)
+    assert a.push(PushHeader(1, 3, a.version, 1), last.copy()).ok
+    assert b.push(PushHeader(1, 0, b.version, 2), last.copy()).ok
+    assert b.version == a.version == 4 and b.clocks.tolist() == [4, 4]
+    assert_same(b.params, a.params)
+    assert gates(b) == gates(a) == (4, [True, True])
+
+
+def test_a_resumed_seat_nobody_takes_is_dropped_when_the_lease_ends():
+    shard = make("sgd", "bsp", "constant", workers=2)
+    shard.load_state_dict(mid_round().state_dict())
+    shard.resume()
+    shard.join(0, 2)
+    assert shard.expire_unstarted() == [1]
+    assert shard.version == 4 and not shard.live[1]  # the round closed without worker 1
+    assert shard.may_start(0)
+
+
+def test_load_alone_is_exact_and_a_rejoin_then_departs_the_old_incarnation():
+    """Without resume() the loaded shard is the saved one: a join is a restart mid-run."""
+    a, b = mid_round(), make("sgd", "bsp", "constant", workers=2)
+    b.load_state_dict(a.state_dict())
+    for s in (a, b):
+        s.join(1, 2)
+    assert a.clocks.tolist() == b.clocks.tolist() == [4, 4] and a.version == b.version == 4
+    assert b.expire_unstarted() == []

@@ -44,6 +44,10 @@ A shard may hold room for more worker ids than it expects (``expected <
 workers``: an elastic job): the others count for nothing until they join, and
 any id may leave and join again, so BSP rounds, SSP bounds and the hybrid pace
 are always taken over the live workers.
+A resumed job (:meth:`Shard.resume`, after loading its checkpoint) is not a
+restart mid-run: no worker ran on meanwhile, so each live worker's next
+incarnation takes its seat as saved, with its clock and its place in the BSP
+round under way, instead of departing it first.
 
 Example:
     >>> import numpy as np
@@ -193,6 +197,8 @@ class Shard:
         # a runtime whose channels outlive an incarnation (Ray): the one it hears (0: none)
         self.admitted = np.zeros(workers, dtype=np.int64)
         self.retired = np.zeros(workers, dtype=np.int64)  # the newest incarnation cut off
+        # a resumed job's live workers whose next incarnation has not taken its seat yet
+        self._resumed = np.zeros(workers, dtype=bool)
         self._clocks = _ClockTracker(expected)  # counted workers per clock, slowest clock
         # BSP: the round under way when the last counted worker left, where a joiner starts
         # then (a restart slower to start than the others were to finish starts at their end)
@@ -360,6 +366,7 @@ class Shard:
         """Marks a worker as gone: gates and BSP rounds stop waiting for it."""
         self._check_worker(worker)
         self.live[worker] = False
+        self._resumed[worker] = False
         if self.counted[worker]:
             self.counted[worker] = False
             if self.synchronous and self._clocks.live == 1:  # BSP: the round it left in
@@ -378,7 +385,8 @@ class Shard:
         its own, if later). A late joiner counts for the gates only from its first
         pull or push: one that takes seconds to build its model holds no round
         meanwhile; so does a restart. A joiner while the slowest clock is 0 counts at
-        once (see the module docstring).
+        once (see the module docstring). In a resumed job (:meth:`resume`) the first
+        incarnation to join takes the saved seat as it is: no departure.
 
         Raises:
             ValueError: ``incarnation`` is not newer than the worker's current one.
@@ -391,18 +399,31 @@ class Shard:
                 f"worker {worker}: incarnation {incarnation!r} is not newer than "
                 f"{int(self.incarnation[worker])}"
             )
-        if self.live[worker]:
+        seat = bool(self._resumed[worker] and self.counted[worker])
+        self._resumed[worker] = False
+        if self.live[worker] and not seat:
             self.leave(worker)
         self.incarnation[worker] = incarnation
         self.next_seq[worker] = 0
         self._pulled.pop(worker, None)  # DC-ASGD: an old incarnation's pull is not this one's
+        if self._pace is not None:
+            self._pace.forget(worker)
+        if seat:  # its clock, and its push in the round under way (or the one it owes)
+            return
         clock = self.clocks[worker] = max(int(self.clocks[worker]), self.min_clock())
         self.live[worker] = True
         self._round_done[worker] = False
         if clock == 0:  # a client counting from 0 itself
             self._start(worker)
-        if self._pace is not None:
-            self._pace.forget(worker)
+
+    def resume(self) -> None:
+        """The loaded state is a stopped job's, resumed: its live workers are gone with
+        it, and none ran on since. Each counted one's next incarnation takes its seat
+        (:meth:`join`) with its clock and its place in the BSP round under way, where a
+        restart mid-run departs the old incarnation first; that would close a round
+        without the pushes still owed to it, and skip them. A seat no incarnation takes
+        before the start-up lease runs out is dropped (:meth:`expire_unstarted`)."""
+        np.copyto(self._resumed, self.live)
 
     def admit(self, worker: int, incarnation: int) -> None:
         """:meth:`join`, and from now on the runtime hears only this incarnation of
@@ -473,12 +494,17 @@ class Shard:
         return None
 
     def expire_unstarted(self) -> list[int]:
-        """Drops the expected workers that never joined (a start-up lease ran out).
+        """Drops the expected workers that never joined, and a resumed job's seats no
+        incarnation took (a start-up lease ran out).
 
         Returns their ids, so the runtime can name them; gates and BSP rounds stop
         waiting for them, and they may still join later.
         """
-        gone = [w for w in range(self.workers) if self.live[w] and self.incarnation[w] == 0]
+        gone = [
+            w
+            for w in range(self.workers)
+            if self.live[w] and (self.incarnation[w] == 0 or self._resumed[w])
+        ]
         for w in gone:
             self.leave(w)
         return gone
@@ -493,6 +519,7 @@ class Shard:
         """Restores a :meth:`state_dict` in place, after checking all of it (:func:`state.load`)."""
         state_lib.load(self, state)
         self._undo_fresh = False
+        self._resumed[:] = False  # a resumed job says so: resume()
 
     def prepare(self) -> None:
         """Copies the params and optimizer state a step may have to be undone from.

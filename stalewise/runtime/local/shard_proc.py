@@ -354,6 +354,7 @@ class ShardProcess:
             except ValueError as e:  # refused before anything was written
                 c.send_bytes(wire.loaded(None, str(e)))
                 return True
+            shard.resume()  # the saved workers' next incarnations take their seats
             self.publish_now()
             c.send_bytes(wire.loaded(shard.version, None))
         else:  # stop

@@ -136,13 +136,17 @@ class ShardActor:
         joins: dict[int, int],
         gone: list[int],
         init: np.ndarray | None = None,
+        resume: bool = False,
     ) -> int:
         """Opens the shard: loads ``state`` (a checkpoint or a backup) or, if None, the
         initial slice ``init``; makes the ``gone`` workers leave and admits ``joins``
-        (worker -> new incarnation). Returns the version. A bad state raises
+        (worker -> new incarnation), which take their saved seats if ``resume`` (a
+        resumed job: :meth:`Shard.resume`). Returns the version. A bad state raises
         ValueError and changes nothing."""
         if state is not None:
             self.shard.load_state_dict(state)
+            if resume:
+                self.shard.resume()
         elif init is not None:  # a fresh shard over the initial values
             self.shard = self.config.build_shard(
                 self.k, np.array(init), self.workers, self.expected

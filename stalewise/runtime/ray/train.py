@@ -175,7 +175,7 @@ class _Host:
             for w, f in enumerate(run.feedback):
                 self.fb[w].keep(self.incs[w], 0, f.residual, acked=0)
         refs = [
-            s.load.remote(states[k], base, joins, [], init=self.config.init[lo:hi])
+            s.load.remote(states[k], base, joins, [], init=self.config.init[lo:hi], resume=True)
             for k, (s, (lo, hi)) in enumerate(zip(self.shards, self.config.ranges, strict=True))
         ]
         self._get(refs, self.o.shard_start_timeout, "load")

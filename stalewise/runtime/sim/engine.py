@@ -685,6 +685,7 @@ class Simulation:
         """
         for shard, state in zip(self.shards, states, strict=True):
             shard.load_state_dict(state)
+            shard.resume()
         if feedback is not None and self.compressor is not None:
             for wk, f in zip(self.workers, feedback, strict=True):
                 np.copyto(wk.sender.residual, f.residual)  # each id goes on with its residual
