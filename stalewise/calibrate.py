@@ -300,6 +300,9 @@ class Calibration:
         loop: seconds a local worker's step takes besides its compute, send and pull
             (the worker loop's own time), added to every simulated step; None if not
             measured.
+        own_read: the share of the worker-loop run's pushes whose next pull already held
+            them (its pulls read the snapshots); the table's ``own_read``. None: not
+            measured, or its pulls are requests served behind the push.
         spreads: each timed figure's :class:`Spread` over its repeats, by name
             (``"apply 16,384 B"``, ``"pull ..."``, ``"send ..."``, ``"push ..."``,
             ``"message ..."``, ``"worker loop"``; the compute's are
@@ -333,6 +336,7 @@ class Calibration:
     served: bool = False
     evaluated: float | None = None
     loop: float | None = None
+    own_read: float | None = None
     spreads: tuple[tuple[str, Spread], ...] = ()
     load_end: tuple[float, float, float] | None = None
     contention: Contention | None = None
@@ -406,6 +410,8 @@ class Calibration:
         if self.contention is not None:
             t["contention_step"] = list(self.contention.step)
             t["contention_apply"] = list(self.contention.apply)
+        if self.own_read is not None:
+            t["own_read"] = round(self.own_read, 3)
         return t
 
     def sim_config(self, bound: str | None = None) -> SimConfig:
@@ -511,6 +517,11 @@ class Calibration:
                 f"worker loop: {self.loop * us:.1f} us a step besides compute, send and pull "
                 f"(one {self.runtime} worker, {LOOP_STEPS} steps of {LOOP_COMPUTE * 1e3:g} ms), "
                 "added to every step's compute"
+            )
+        if self.own_read is not None:
+            lines.append(
+                f"own push read: {self.own_read:.0%} of that worker's snapshot reads right "
+                "after a push already held it"
             )
         lines.append(
             f"per pull besides the shard: {self.message.intercept * us:.1f} us + bytes / "
@@ -933,13 +944,16 @@ def _no_data(worker: int, workers: int) -> Any:
         yield None
 
 
-def loop_times(job: Any, size: int, runtime: str = "local") -> list[float]:
+def loop_times(job: Any, size: int, runtime: str = "local") -> tuple[list[float], float | None]:
     """Seconds a worker's step takes, compute, send and pull included: a real run on
     ``runtime`` of one worker, on a job of ``size`` floats (the job's optimizer,
     consistency model, codec and shards), whose steps are :data:`LOOP_COMPUTE` seconds
     of busy compute; its times per step over the intervals between its records after
     its first push (:func:`calibrate` takes their median, less the compute, send and
-    pull: a step preempted by another process must not set it)."""
+    pull: a step preempted by another process must not set it). Second, when its pulls
+    read the snapshots (:func:`served_pull`), the share of its pushes after the first
+    that were applied with staleness 0: the chance its read after a push held that
+    push (``own_read`` in the table); else None."""
     job = _synthetic_job(job, size, min(job.config.shards, size))
     result = job.train(_busy_step, data=_no_data, workers=1, steps=LOOP_STEPS, runtime=runtime,
                        metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
@@ -951,7 +965,11 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> list[float]:
     ]
     if not per_step:
         raise RuntimeError(f"calibrate: the worker-loop run made too few records ({result!r})")
-    return per_step
+    counts = {int(t): int(n) for t, n in result.stats.get("staleness_counts", {}).items()}
+    later = sum(counts.values()) - 1  # the first push has nothing in flight before it
+    if served_pull(job.config) or later < 1:
+        return per_step, None
+    return per_step, (counts.get(0, 0) - 1) / later
 
 
 def served_pull(config: ServerConfig) -> bool:
@@ -1082,7 +1100,7 @@ def calibrate(
                              ("message", msgs)):  # fmt: skip
                 spreads.append((_key(name, nbytes), Spread.of(xs)))
         fixed = LOOP_COMPUTE + send_pts[0][1] + pull_pts[0][1]
-        per_step = loop_times(job, sizes[0], runtime)
+        per_step, own_read = loop_times(job, sizes[0], runtime)
     loop_s = max(0.0, statistics.median(per_step) - fixed)
     spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in per_step])))
     load_end = os.getloadavg()
@@ -1102,6 +1120,7 @@ def calibrate(
         served=served,
         evaluated=None if evaluate is None else float(eval_interval),
         loop=loop_s,
+        own_read=own_read,
         spreads=tuple(spreads),
         load_end=(round(load_end[0], 2), round(load_end[1], 2), round(load_end[2], 2)),
         contention=contended,

@@ -92,6 +92,9 @@ def test_calibrate_measures_and_its_table_reads_back(tmp_path):
     # a real one-worker local run of 2 ms steps: the loop's own time, a fraction of a ms here
     assert cal.loop is not None and 0 <= cal.loop < 10 * calibrate.LOOP_COMPUTE
     assert "worker loop: " in cal.summary()
+    # its pulls read the snapshots (ASP): how often one held the push just sent, in the table
+    assert cal.own_read is not None and 0 <= cal.own_read <= 1
+    assert cal.table()["own_read"] == round(cal.own_read, 3) and "own push read: " in cal.summary()
     # every timed figure's spread over its repeats, in the summary (the table's comments)
     assert {n.split()[0] for n, _ in cal.spreads} == {"apply", "pull", "send", "push", "message",
                                                       "worker"}  # fmt: skip
@@ -420,7 +423,7 @@ def test_calibrate_logs_its_busy_warnings(monkeypatch, caplog):
     monkeypatch.setattr(
         calibrate, "transport_times", lambda j, n, r, runtime, shard: ([2e-5] * r,) * 3
     )
-    monkeypatch.setattr(calibrate, "loop_times", lambda j, n, runtime: [3e-3] * 5)
+    monkeypatch.setattr(calibrate, "loop_times", lambda j, n, runtime: ([3e-3] * 5, None))
     with caplog.at_level(logging.WARNING, logger="stalewise.calibrate"):
         cal = job.calibrate(task.loss_and_grad, task.batches, workers=2, repeats=3)
     msgs = [r.getMessage() for r in caplog.records]

@@ -100,6 +100,43 @@ def test_asp_mean_staleness_is_p_with_pipelined_pushes():
     assert r.stats["staleness_mean"] == pytest.approx(workers, rel=0.05)
 
 
+def _held(result) -> float:
+    """The share of a run's pushes after the first that were applied with staleness 0."""
+    counts = {int(t): n for t, n in result.stats["staleness_counts"].items()}
+    return (counts.get(0, 0) - 1) / (sum(counts.values()) - 1)
+
+
+RACE = {
+    "compute": ShiftedExponential(shift=0.002, rate=1000.0),
+    "network": Network(latency=1e-4, bandwidth=math.inf),
+    "service": Service(time=2e-4, rate=math.inf),
+}
+
+
+@pytest.mark.parametrize("own_read", [0.0, 0.3, 0.8, 1.0])
+def test_a_lone_workers_read_holds_its_own_push_as_often_as_own_read_says(own_read):
+    """SimConfig.own_read: the chance a lone worker's snapshot read right after its push
+    holds that push (calibrate measures it in a one-worker run); the simulated worker's
+    next push is then applied with staleness 0, else 1."""
+    cfg = SimConfig(**RACE, own_read=own_read)
+    r = _train(_cheap_task(), workers=1, steps=400, sim=cfg, eval_interval=100.0)
+    assert _held(r) == pytest.approx(own_read, abs=0.02)
+
+
+def test_four_workers_are_less_stale_the_more_often_a_read_holds_its_own_push():
+    """With other workers' pushes queued before its own at the shard, the race still
+    goes both ways: the mean staleness falls as own_read grows (with no race model the
+    pipelined read never holds the push)."""
+    task, stale = _cheap_task(), {}
+    for own_read in (None, 0.0, 0.5, 1.0):
+        cfg = SimConfig(**RACE, own_read=own_read)
+        r = _train(task, workers=4, steps=800, sim=cfg, eval_interval=100.0)
+        stale[own_read] = r.stats["staleness_mean"]
+    print(stale)
+    assert stale[None] == stale[0.0] > stale[0.5] > stale[1.0]
+    assert stale[None] - stale[1.0] > 0.9  # its own push is one version of it
+
+
 def test_asp_mean_staleness_is_p_minus_one_when_pushes_settle():
     """A settling push (model averaging) is answered at its acks, and the next pull
     holds it: only the other P - 1 workers' pushes make it stale."""

@@ -33,6 +33,7 @@ from stalewise.runtime.sim.models import (
     Stragglers,
     _bad,
     _factor,
+    _number,
     _seconds,
 )
 
@@ -86,6 +87,15 @@ class SimConfig:
             processes runnable than alone (:class:`Contention`, measured by
             ``stalewise calibrate``); None (the default): no contention, every
             worker and shard runs at its own speed whatever the others do.
+        own_read: the chance that a lone worker's snapshot read, right after its push,
+            already holds that push (measured by ``stalewise calibrate``: a local
+            shard that is idle may apply a push in less time than the worker's loop
+            takes to its next read). A read's own delay after the request is then
+            drawn from an exponential whose mean makes an idle shard's push land
+            within it with this chance (:mod:`stalewise.runtime.sim.engine`); a
+            busy shard's lands later, and is held less often. None (the default):
+            the read takes the slice as it is when the request arrives, which never
+            holds a push still in flight.
         model_bytes: pretend the full parameter vector has this many bytes on the
             wire and at the shards (each shard's slice and each push scaled alike),
             while computing on the real, smaller task. It changes timing only:
@@ -114,6 +124,7 @@ class SimConfig:
     model_bytes: int | None = None
     restart_delay: float = 1.0
     contention: Contention | None = None
+    own_read: float | None = None
 
     def __post_init__(self) -> None:
         kinds = {"compute": (Fixed, ShiftedExponential), "network": Network, "service": Service}
@@ -141,6 +152,8 @@ class SimConfig:
                 "SimConfig", "model_bytes", mb, f"must be <= {MAX_MODEL_BYTES:g} (a petabyte)"
             )
         _seconds("SimConfig", "restart_delay", self.restart_delay)
+        if self.own_read is not None:
+            _number("SimConfig", "own_read", self.own_read, high=1.0)
 
     def check_workers(self, workers: int) -> None:
         """Checks the fields that depend on the number of workers of a run."""

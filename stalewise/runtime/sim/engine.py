@@ -18,7 +18,9 @@ step with ``send``, so the simulator runs the very loop the local runtime runs:
   count of committed pushes (the one in flight included) passes every shard's
   gate, each shard's slice as it is when the request arrives, with no queueing
   at the shard (a local worker reads the published snapshot in shared memory),
-  so it may lack the worker's push still in flight; or a *request* behind that
+  so it may lack the worker's push still in flight (with ``SimConfig.own_read``,
+  a read at a shard that has not handled that push yet waits a drawn delay for it:
+  :meth:`Simulation.race`); or a *request* behind that
   push: each shard takes it once it has handled the push, checks its gate
   (``Shard.may_start``; a blocked pull waits at the shard and is re-checked
   after every applied push or leave) and queues it behind the requests already
@@ -112,10 +114,15 @@ from stalewise.runtime.sim.models import Join, Links, WorkerTiming
 log = logging.getLogger(__name__)
 
 # event kinds
-_PULL_REQ, _SERVED, _PULL_HEAD, _PULL_RESP, _COMPUTED, _PUSH_HEAD, _PUSH_IN = range(7)
-_ACK, _LEAVE, _FAIL, _JOIN, _EVAL, _RESTART = range(7, 13)
+_PULL_REQ, _SERVED, _PULL_HEAD, _PULL_RESP, _COMPUTED, _PUSH_HEAD, _PUSH_IN, _RACE = range(8)
+_ACK, _LEAVE, _FAIL, _JOIN, _EVAL, _RESTART = range(8, 14)
 # request kinds at a shard
 _PULL, _PUSH = 0, 1
+# what a worker's pull at shard k does once the shard has handled its push (_SimWorker.behind)
+_ASK, _READ = 1, 2
+# the race of a snapshot read with the worker's own push (SimConfig.own_read): the n-th
+# push's draw is frac(n * _GOLDEN + worker * _PLASTIC), evenly spread and no state to save
+_GOLDEN, _PLASTIC = (math.sqrt(5) - 1) / 2, 0.7548776662466927
 # worker phases (of its loop; a push of its may be in flight meanwhile: ``acking``)
 # _HELD: its step is computed, its push waits for the last one's acks (pipeline.IN_FLIGHT);
 # _SETTLING: its settling push is committed, the loop is answered at its acks
@@ -131,7 +138,7 @@ class _SimWorker:
     sender: Sender  # its incarnation's sender (at first a new one's predecessor)
     pull_bytes: list[float]  # the wire size of each pull slice (model_bytes scaled)
     acks: list  # each shard's ack of the push in flight (None: not handled yet)
-    behind: list[bool]  # its pull request at shard k waits behind its push there
+    behind: list[int]  # its pull at shard k waits for its push there: 0, _ASK or _READ
     joins: list[float] = field(default_factory=list)  # the times of its scripted joins
     inc: int = 0  # incarnation: events of an earlier life are dropped
     phase: int = _IDLE
@@ -205,6 +212,7 @@ class Simulation:
         self.pulled = [0.0, 0]  # bytes of every pull slice served (model_bytes scaled), slices
         self.links = Links(sim.network, workers, S)
         self.lat, self.service = sim.network.latency, sim.service
+        self.own_read = sim.own_read
         self.contention = sim.contention
         self.computing: list[float] = []  # contention: when each compute under way ends (heap)
         self.serving = 0  # shards serving a request
@@ -220,7 +228,7 @@ class Simulation:
         dtype = self.params.dtype
         sends = (config.spec.segments, config.staleness, S, self.compressor)  # each id's Sender
         self.workers = [
-            _SimWorker(w, Sender(*sends, dtype=dtype), [0.0] * S, [None] * S, [False] * S)
+            _SimWorker(w, Sender(*sends, dtype=dtype), [0.0] * S, [None] * S, [0] * S)
             for w in range(workers)
         ]
         for e in sorted(sim.joins, key=lambda e: e.time):
@@ -295,9 +303,11 @@ class Simulation:
                     log.debug("sim: shard %d rejected worker %d's push: %s", k, wk.id, ack.reason)
                 self.at(self.now + self.lat, _ACK, wk.id, k, inc)
                 self.release(k)
-                if wk.behind[k]:  # its pull came behind the push: its turn now
-                    wk.behind[k] = False
+                how, wk.behind[k] = wk.behind[k], 0
+                if how == _ASK:  # its pull came behind the push: its turn now
                     self.ask(wk, k, inc)
+                elif how == _READ:  # a snapshot read that waited for it (race): it holds it
+                    self.read(wk, k)
         q = self.queue[k]
         while q:
             req = q.popleft()
@@ -325,6 +335,22 @@ class Simulation:
         self.pulled[0] += nbytes
         self.pulled[1] += 1
         self.transfer(self.P + k, wk.id, nbytes, _PULL_HEAD, wk, k)
+
+    def race(self, wk: _SimWorker, k: int) -> None:
+        """Worker ``wk`` reads shard ``k``'s snapshot while its own push is not handled there
+        yet (``SimConfig.own_read``): the read takes place a drawn delay after now, or as
+        soon as the shard handles the push if that is sooner (then it holds the push). The
+        delay is exponential, with the mean that makes a push to an idle shard (its transfer
+        and its service) land within it with the chance ``own_read``."""
+        p = self.own_read
+        idle = self.wire_bytes[k] / self.links.bw[wk.id] + self.service.seconds(self.slice_bytes[k])
+        if p <= 0.0 or idle <= 0.0:
+            self.read(wk, k)
+            return
+        wk.behind[k] = _READ
+        if p < 1.0:  # else it always waits for the push
+            u = (wk.sender.seq * _GOLDEN + wk.id * _PLASTIC) % 1.0
+            self.at(self.now + idle / -math.log(p) * -math.log1p(-u), _RACE, wk.id, k, wk.inc)
 
     def ask(self, wk: _SimWorker, k: int, inc: int) -> None:
         """Worker ``wk``'s pull request at shard ``k``: it waits for the gate, then queues."""
@@ -603,7 +629,7 @@ class Simulation:
         if wk.phase in (_PULLING, _COMPUTING, _HELD):
             self.started -= 1  # nothing was committed: the step is not done
         flying, wk.acking = wk.acking, 0
-        wk.behind = [False] * self.S
+        wk.behind = [0] * self.S
         wk.results = []
         wk.phase = _DEAD
         if wk.loop is not None:
@@ -787,12 +813,19 @@ class Simulation:
             elif i != (wk := workers[w]).inc:
                 continue  # a message of (or to) an earlier life of worker w
             elif kind == _PULL_REQ:
-                if x:  # the newest snapshot (pipeline.may_read): no queue at the shard
+                unhandled = wk.acking and wk.acks[k] is None  # its push, at shard k
+                if x and unhandled and self.own_read is not None:
+                    self.race(wk, k)
+                elif x:  # the newest snapshot (pipeline.may_read): no queue at the shard
                     self.read(wk, k)
-                elif wk.acking and wk.acks[k] is None:
-                    wk.behind[k] = True  # behind its push, which shard k has not handled
+                elif unhandled:
+                    wk.behind[k] = _ASK  # behind its push, which shard k has not handled
                 else:
                     self.ask(wk, k, i)
+            elif kind == _RACE:
+                if wk.behind[k] == _READ:  # its push was not handled in time: the read misses it
+                    wk.behind[k] = 0
+                    self.read(wk, k)
             elif kind == _PULL_HEAD:
                 self.at(self.links.receive(w, wk.pull_bytes[k], t, x), _PULL_RESP, w, k, i)
             elif kind == _PUSH_HEAD:
