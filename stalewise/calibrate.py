@@ -298,8 +298,8 @@ class Calibration:
         evaluated: the seconds between the evaluations made while the compute was
             timed (None: none were made).
         loop: seconds a local worker's step takes besides its compute, send and pull
-            (the worker loop's own time), added to every simulated step; None if not
-            measured.
+            (the worker loop's own time), the table's ``loop`` (``SimConfig.loop``:
+            once a push, unscaled by stragglers and local steps); None if not measured.
         own_read: the share of the worker-loop run's pushes whose next pull already held
             them (its pulls read the snapshots); the table's ``own_read``. None: not
             measured, or its pulls are requests served behind the push.
@@ -395,11 +395,12 @@ class Calibration:
         is fitted to :attr:`compute_times`."""
         t: dict[str, Any] = {}
         shift, tail = self.shift, self.mean - self.shift
-        extra = self.loop or 0.0  # the worker loop's own time: every step has it
         if tail <= FIXED_BELOW * shift:
-            t |= {"compute": "fixed", "step_time": _sig(self.mean + extra)}
+            t |= {"compute": "fixed", "step_time": _sig(self.mean)}
         else:
-            t |= {"compute": "exponential", "shift": _sig(shift + extra), "rate": _sig(1.0 / tail)}
+            t |= {"compute": "exponential", "shift": _sig(shift), "rate": _sig(1.0 / tail)}
+        if self.loop:  # the worker loop's own time: once a push, at no worker's pace
+            t["loop"] = _sig(self.loop)
         speeds = self.speeds()
         if speeds is not None:
             t["speeds"] = list(speeds)
@@ -516,7 +517,7 @@ class Calibration:
             lines.append(
                 f"worker loop: {self.loop * us:.1f} us a step besides compute, send and pull "
                 f"(one {self.runtime} worker, {LOOP_STEPS} steps of {LOOP_COMPUTE * 1e3:g} ms), "
-                "added to every step's compute"
+                "added once to every push's step"
             )
         if self.own_read is not None:
             lines.append(

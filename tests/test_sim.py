@@ -14,7 +14,7 @@ import stalewise as sw
 from stalewise import report, tasks
 from stalewise import sweep as sweep_lib
 from stalewise.runtime import sim
-from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.sim.config import SimConfig, SimConfigError
 from stalewise.runtime.sim.models import (
     Failure,
     Fixed,
@@ -98,6 +98,21 @@ def test_asp_mean_staleness_is_p_with_pipelined_pushes():
     r = _train(_cheap_task(), workers=workers, steps=4000, sim=cfg, eval_interval=100.0)
     print(f"ASP P={workers}: mean staleness {r.stats['staleness_mean']:.3f}")
     assert r.stats["staleness_mean"] == pytest.approx(workers, rel=0.05)
+
+
+def test_the_worker_loop_is_charged_once_a_push_at_no_stragglers_pace():
+    """SimConfig.loop: a worker's own time besides its compute, once a push. An emulated
+    straggler sleeps in proportion to its compute only, and DiLoCo's local steps each
+    compute, but the loop runs once: neither scales it."""
+    cfg = SimConfig(compute=Fixed(0.01), loop=0.002)
+    timing = WorkerTiming(cfg, 2, factors=[1.0, 3.0])
+    assert timing.finish(0, 0.0) == pytest.approx(0.012)
+    assert timing.finish(1, 0.0) == pytest.approx(0.032)
+    assert timing.finish(0, 1.0, local_steps=4) == pytest.approx(1.042)
+    assert timing.busy == pytest.approx(0.042)  # the loop is CPU time too
+    assert WorkerTiming(SimConfig(compute=Fixed(0.01)), 1).finish(0, 0.0) == 0.01
+    with pytest.raises(SimConfigError, match="loop"):
+        SimConfig(loop=-1.0)
 
 
 def _held(result) -> float:

@@ -87,6 +87,12 @@ class SimConfig:
             processes runnable than alone (:class:`Contention`, measured by
             ``stalewise calibrate``); None (the default): no contention, every
             worker and shard runs at its own speed whatever the others do.
+        loop: seconds every step of every worker takes besides its compute, its delays
+            and its transfers (the worker loop's own time, measured by ``stalewise
+            calibrate``): charged once a push, whatever its local steps, and not scaled
+            by the worker's speed or straggler factor (an emulated straggler sleeps in
+            proportion to its compute only); stretched by the contention model as the
+            compute is. Default 0.
         own_read: the chance that a lone worker's snapshot read, right after its push,
             already holds that push (measured by ``stalewise calibrate``: a local
             shard that is idle may apply a push in less time than the worker's loop
@@ -124,6 +130,7 @@ class SimConfig:
     model_bytes: int | None = None
     restart_delay: float = 1.0
     contention: Contention | None = None
+    loop: float = 0.0
     own_read: float | None = None
 
     def __post_init__(self) -> None:
@@ -152,6 +159,7 @@ class SimConfig:
                 "SimConfig", "model_bytes", mb, f"must be <= {MAX_MODEL_BYTES:g} (a petabyte)"
             )
         _seconds("SimConfig", "restart_delay", self.restart_delay)
+        _seconds("SimConfig", "loop", self.loop)
         if self.own_read is not None:
             _number("SimConfig", "own_read", self.own_read, high=1.0)
 

@@ -379,7 +379,7 @@ class WorkerTiming:
         seed: int = 0,
     ):
         sim.check_workers(workers)
-        self.compute = sim.compute
+        self.compute, self.loop = sim.compute, sim.loop
         scale = np.ones(workers)
         if factors is not None:
             scale *= np.asarray(factors, dtype=float)
@@ -421,7 +421,8 @@ class WorkerTiming:
         (and delays); one local step draws exactly what a plain step draws, so
         the same seed gives the same bits. ``stretch`` (the contention model's
         factor, :class:`Contention`) stretches the sampled compute, not the delays;
-        :attr:`busy` is then the step's compute seconds.
+        ``SimConfig.loop`` is added once, stretched but at no worker's pace;
+        :attr:`busy` is then the step's compute seconds (the loop's included).
         """
         p = self.paces[worker]
         if local_steps == 1:
@@ -440,6 +441,9 @@ class WorkerTiming:
                 base *= stretch
             work = (base + p.delay * local_steps) * p.scale
         self.busy = base * p.cpu
+        if self.loop:  # the worker loop's own time: once a push, at no worker's pace
+            work += self.loop * stretch
+            self.busy += self.loop * stretch
         if not p.slowdowns:
             return start + work
         points, t = p.points, start
