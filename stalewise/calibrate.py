@@ -752,9 +752,9 @@ def _observe(
 # -- the shard's apply time -----------------------------------------------------------
 
 
-def _synthetic_job(job: Any, size: int, shards: int) -> Any:
+def _synthetic_job(job: Any, size: int, shards: int, strategy: Any = None) -> Any:
     """A job like ``job`` (its class, optimizer, consistency model, staleness rule and
-    codec) over one leaf of ``size`` floats."""
+    codec; and ``strategy``, None: gradients) over one leaf of ``size`` floats."""
     config = job.config
     return type(job)(
         {"w": np.zeros(size, np.float32)},
@@ -763,6 +763,7 @@ def _synthetic_job(job: Any, size: int, shards: int) -> Any:
         staleness=config.staleness,
         shards=shards,
         codec=config.codec,
+        strategy=strategy,
     )
 
 
@@ -946,31 +947,35 @@ def _no_data(worker: int, workers: int) -> Any:
 
 
 def loop_times(job: Any, size: int, runtime: str = "local") -> tuple[list[float], float | None]:
-    """Seconds a worker's step takes, compute, send and pull included: a real run on
-    ``runtime`` of one worker, on a job of ``size`` floats (the job's optimizer,
-    consistency model, codec and shards), whose steps are :data:`LOOP_COMPUTE` seconds
-    of busy compute; its times per step over the intervals between its records after
-    its first push (:func:`calibrate` takes their median, less the compute, send and
-    pull: a step preempted by another process must not set it). Second, when its pulls
-    read the snapshots (:func:`served_pull`), the share of its pushes after the first
-    that were applied with staleness 0: the chance its read after a push held that
-    push (``own_read`` in the table); else None."""
-    job = _synthetic_job(job, size, min(job.config.shards, size))
-    result = job.train(_busy_step, data=_no_data, workers=1, steps=LOOP_STEPS, runtime=runtime,
-                       metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
+    """Seconds a worker's push takes besides its compute, send and pull included: a real
+    run on ``runtime`` of one worker, on a job of ``size`` floats (the job's optimizer,
+    consistency model, codec, shards and strategy: a model-averaging strategy's inner
+    updates are in it, ``H`` a push), whose local steps are :data:`LOOP_COMPUTE` seconds
+    of busy compute; its times per push over the intervals between its records after its
+    first push, less ``H`` computes (``H``: the strategy's ``local_steps``, an adaptive
+    schedule's first; :func:`calibrate` takes their median, less the send and pull: a
+    push preempted by another process must not set it). Second, when its pulls read the
+    snapshots (:func:`served_pull`), the share of its pushes after the first that were
+    applied with staleness 0: the chance its read after a push held that push
+    (``own_read`` in the table); else None."""
+    h = max(1, int(getattr(job.strategy, "local_steps", 1) or 1))
+    job = _synthetic_job(job, size, min(job.config.shards, size), job.strategy)
+    result = job.train(_busy_step, data=_no_data, workers=1, steps=max(30, LOOP_STEPS // h),
+                       runtime=runtime, metrics=Metrics(every=0.05),
+                       timeouts=Timeouts(total=120))  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]
-    per_step = [
-        (b["time"] - a["time"]) / (b["pushes"] - a["pushes"])
+    per_push = [
+        (b["time"] - a["time"]) / (b["pushes"] - a["pushes"]) - h * LOOP_COMPUTE
         for a, b in itertools.pairwise(recs)
         if b["pushes"] > a["pushes"]
     ]
-    if not per_step:
+    if not per_push:
         raise RuntimeError(f"calibrate: the worker-loop run made too few records ({result!r})")
     counts = {int(t): int(n) for t, n in result.stats.get("staleness_counts", {}).items()}
     later = sum(counts.values()) - 1  # the first push has nothing in flight before it
     if served_pull(job.config) or later < 1:
-        return per_step, None
-    return per_step, (counts.get(0, 0) - 1) / later
+        return per_push, None
+    return per_push, (counts.get(0, 0) - 1) / later
 
 
 def served_pull(config: ServerConfig) -> bool:
@@ -1100,10 +1105,10 @@ def calibrate(
             for name, xs in (("pull", pulls), ("send", sends), ("push", pushes),
                              ("message", msgs)):  # fmt: skip
                 spreads.append((_key(name, nbytes), Spread.of(xs)))
-        fixed = LOOP_COMPUTE + send_pts[0][1] + pull_pts[0][1]
-        per_step, own_read = loop_times(job, sizes[0], runtime)
-    loop_s = max(0.0, statistics.median(per_step) - fixed)
-    spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in per_step])))
+        fixed = send_pts[0][1] + pull_pts[0][1]
+        per_push, own_read = loop_times(job, sizes[0], runtime)
+    loop_s = max(0.0, statistics.median(per_push) - fixed)
+    spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in per_push])))
     load_end = os.getloadavg()
     log.info("calibrate: measured in %.1f s", time.perf_counter() - t0)
     cal = Calibration(
