@@ -752,9 +752,9 @@ def _observe(
 # -- the shard's apply time -----------------------------------------------------------
 
 
-def _synthetic_job(job: Any, size: int, shards: int, strategy: Any = None) -> Any:
+def _synthetic_job(job: Any, size: int, shards: int) -> Any:
     """A job like ``job`` (its class, optimizer, consistency model, staleness rule and
-    codec; and ``strategy``, None: gradients) over one leaf of ``size`` floats."""
+    codec) over one leaf of ``size`` floats."""
     config = job.config
     return type(job)(
         {"w": np.zeros(size, np.float32)},
@@ -763,7 +763,6 @@ def _synthetic_job(job: Any, size: int, shards: int, strategy: Any = None) -> An
         staleness=config.staleness,
         shards=shards,
         codec=config.codec,
-        strategy=strategy,
     )
 
 
@@ -934,11 +933,17 @@ def transport_times(
 
 def _busy_step(params: Any, batch: Any) -> tuple[float, Any]:
     """The worker-loop measurement's step: :data:`LOOP_COMPUTE` seconds of busy compute,
-    a zero gradient."""
+    a zero gradient of the params' tree (made once a process: the same zeros each time)."""
     end = time.perf_counter() + LOOP_COMPUTE
     while time.perf_counter() < end:
         pass
-    return 0.0, {"w": np.zeros_like(params["w"])}
+    if (zeros := _ZEROS.get("grads")) is None:
+        flat, spec = tree.flatten(params)
+        zeros = _ZEROS["grads"] = tree.unflatten(np.zeros_like(flat), spec)
+    return 0.0, zeros
+
+
+_ZEROS: dict[str, Any] = {}
 
 
 def _no_data(worker: int, workers: int) -> Any:
@@ -946,21 +951,35 @@ def _no_data(worker: int, workers: int) -> Any:
         yield None
 
 
+def steps_per_push(job: Any, pushes: int = 3) -> float:
+    """The mean local steps of the first ``pushes`` pushes of ``job``'s strategy (1 for
+    gradients): its steps taken here, on the job's initial parameters and zero
+    gradients."""
+    strategy, config = job.strategy, job.config
+    params = tree.unflatten(config.init, config.spec)
+    zeros = tree.unflatten(np.zeros_like(config.init), config.spec)
+    state, batches = strategy.init(params), itertools.repeat(None)
+    steps = [strategy.step(state, params, lambda p, b: (0.0, zeros), batches).local_steps
+             for _ in range(pushes)]  # fmt: skip
+    return sum(steps) / pushes
+
+
 def loop_times(job: Any, size: int, runtime: str = "local") -> tuple[list[float], float | None]:
     """Seconds a worker's push takes besides its compute, send and pull included: a real
-    run on ``runtime`` of one worker, on a job of ``size`` floats (the job's optimizer,
-    consistency model, codec, shards and strategy: a model-averaging strategy's inner
-    updates are in it, ``H`` a push), whose local steps are :data:`LOOP_COMPUTE` seconds
-    of busy compute; its times per push over the intervals between its records after its
-    first push, less ``H`` computes (``H``: the strategy's ``local_steps``, an adaptive
-    schedule's first; :func:`calibrate` takes their median, less the send and pull: a
-    push preempted by another process must not set it). Second, when its pulls read the
+    run on ``runtime`` of one worker whose local steps are :data:`LOOP_COMPUTE` seconds of
+    busy compute; for gradient pushes on a job of ``size`` floats (the job's optimizer,
+    consistency model, codec and shards), for a strategy of local steps on the job itself
+    (its inner optimizer updates, its fragments); its times per push over the intervals
+    between its records after its first push, less the computes of
+    :func:`steps_per_push` (:func:`calibrate` takes their median, less the send and pull:
+    a push preempted by another process must not set it). Second, when its pulls read the
     snapshots (:func:`served_pull`), the share of its pushes after the first that were
     applied with staleness 0: the chance its read after a push held that push
     (``own_read`` in the table); else None."""
-    h = max(1, int(getattr(job.strategy, "local_steps", 1) or 1))
-    job = _synthetic_job(job, size, min(job.config.shards, size), job.strategy)
-    result = job.train(_busy_step, data=_no_data, workers=1, steps=max(30, LOOP_STEPS // h),
+    h = steps_per_push(job)
+    if h == 1:
+        job = _synthetic_job(job, size, min(job.config.shards, size))
+    result = job.train(_busy_step, data=_no_data, workers=1, steps=max(30, int(LOOP_STEPS / h)),
                        runtime=runtime, metrics=Metrics(every=0.05),
                        timeouts=Timeouts(total=120))  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]

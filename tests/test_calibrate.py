@@ -417,17 +417,24 @@ def test_busy_warnings_on_a_stated_condition():
 
 def test_the_worker_loop_run_has_the_jobs_strategy_and_its_inner_updates():
     """A DiLoCo worker's push costs H inner optimizer updates besides its H computes: the
-    loop run uses the job's strategy, so they are in the loop's time (the simulator
-    charges it once a push)."""
-    n = 300_000
-    plain = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=sw.optim.sgd(0.1))
-    local = sw.Job({"w": np.zeros(n, np.float32)}, consistency=sw.BSP(),
-                   strategy=sw.strategies.diloco(local_steps=4))  # fmt: skip
-    grads, _ = calibrate.loop_times(plain, n)
-    inner, _ = calibrate.loop_times(local, n)
+    loop run is the job itself (its strategy, its fragments), so they are in the loop's
+    time (the simulator charges it once a push); the computes are taken out, as many as
+    the strategy's pushes take local steps."""
+    from stalewise.strategies import streaming_diloco
+
+    params = {k: np.zeros(75_000, np.float32) for k in "abcd"}
+    plain = sw.Job(params, optimizer=sw.optim.sgd(0.1))
+    local = sw.Job(params, consistency=sw.BSP(), strategy=sw.strategies.diloco(local_steps=4))
+    stream = sw.Job(params, consistency=sw.BSP(), codec=sw.codecs.int4(),
+                    strategy=streaming_diloco(local_steps=8, fragments=4, delay=1))  # fmt: skip
+    assert [calibrate.steps_per_push(j) for j in (plain, local, stream)] == [1, 4, 2]
+    grads, _ = calibrate.loop_times(plain, 300_000)
+    inner, _ = calibrate.loop_times(local, 300_000)
     # 4 AdamW updates of 300k floats: about 4 ms here (1 ms each, the gradient push's
     # loop 0.4 ms)
     assert np.median(inner) > np.median(grads) + 1e-3
+    # a fragment a push, cut at the job's leaves (one synthetic leaf could not be cut)
+    assert np.median(calibrate.loop_times(stream, 300_000)[0]) > 0
 
 
 def test_calibrate_logs_its_busy_warnings(monkeypatch, caplog):
