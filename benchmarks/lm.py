@@ -386,26 +386,35 @@ def torchft_peer(task, m: dict, name: str = PEER):
 def simulate(task, m: dict, make, run: dict) -> dict:
     """A run of the streaming row again in the simulator, to see whether it predicts the
     run's bytes per second (issue #32): the same job (``make`` at the run's learning rate
-    and outer setting), workers, straggler and emulated time, each step's compute
-    ``m["compute"]`` (the benchmark's own timed step), the run's pushes as the budget, no
-    evaluations. The bytes are deterministic (the same segment pushes); the time is the
-    simulator's model of the run."""
-    from stalewise.runtime.sim.config import SimConfig
-    from stalewise.runtime.sim.models import Fixed
-
+    and outer setting), workers, straggler and emulated time, the run's pushes as the
+    budget, no evaluations, on this machine's calibration (``job.calibrate``: the LM's
+    steps in 4 processes beside the parent's evaluations, the contention for the cores,
+    the worker loop with the strategy's inner updates, the transport). The bytes are
+    deterministic (the same segment pushes); the time is the simulator's model of the
+    run."""
     kw = make(run["lr"], (run["outer_lr"], run["outer_momentum"]))
-    result = sw.Job(task.init_params(0), **kw).train(
+    job = sw.Job(task.init_params(0), **kw)
+    load, t0 = os.getloadavg(), time.perf_counter()
+    cal = job.calibrate(task.loss_and_grad, task.batches, workers=WORKERS, repeats=5,
+                        delays=m["delay"], evaluate=task.evaluate,
+                        eval_interval=m["eval_interval"])  # fmt: skip
+    calibrate_s = time.perf_counter() - t0
+    result = job.train(
         task.loss_and_grad,
         data=task.batches,
         workers=WORKERS,
         steps=run["pushes"],
-        runtime=sw.Simulation(SimConfig(compute=Fixed(m["compute"]))),
+        runtime=sw.Simulation(cal.sim_config()),
         metrics=sw.Metrics(every=m["eval_interval"], name=f"{run['method']} (sim)"),
         emulation=emulation(m),
         timeouts=sw.Timeouts(total=m.get("timeout", 1800)),
     )
+    commit, dirty = _report._git()
     return {"pushes": result.pushes, "bytes_in": result.stats["bytes_in"], "time": result.time,
-            "compute_s": m["compute"], "wall_s": result.stats["sim"]["wall_time"]}  # fmt: skip
+            "table": cal.table(), "calibrate_s": round(calibrate_s, 1),
+            "warnings": cal.warnings(), "load_start": load, "load_end": os.getloadavg(),
+            "commit": commit, "dirty": dirty,
+            "wall_s": result.stats["sim"]["wall_time"]}  # fmt: skip
 
 
 RUN_KEYS = ("lr", "pushes", "bytes_per_push", "time", "tokens", "tokens_per_s", "final_loss",
@@ -445,11 +454,14 @@ def setting_of(task, m: dict, codec: str) -> dict:
     }  # fmt: skip
 
 
-def earlier(path: Path, mode: str, setting: dict, commit: str | None, known) -> dict:
+def earlier(
+    path: Path, mode: str, setting: dict, commit: str | None, known, any_commit: bool = False
+) -> dict:
     """The figures of an earlier piece of this run, whose rows ``--resume`` keeps: what
     ``path`` holds, if it is of the same mode, setting (all but the timed step) and commit,
-    each row well formed; ``{}`` when there is no such file. Raises ValueError, one line
-    naming what does not match, before anything runs or is written."""
+    each row well formed (``any_commit``: of any commit); ``{}`` when there is no such
+    file. Raises ValueError, one line naming what does not match, before anything runs or
+    is written."""
     if not path.exists():
         return {}
     try:
@@ -461,7 +473,7 @@ def earlier(path: Path, mode: str, setting: dict, commit: str | None, known) -> 
         raise ValueError("it holds no rows to resume (no figures.runs)")
     if fig.get("mode") != mode:
         raise ValueError(f"it holds a --{fig.get('mode')} run, not --{mode}")
-    if commit is None:
+    if commit is None and not any_commit:
         raise ValueError("this checkout's commit is unknown (no git), so no row can match it")
     have = fig.get("setting") if isinstance(fig.get("setting"), dict) else {}
     if not isinstance(have.get("compute_s_per_step"), float):
@@ -475,7 +487,7 @@ def earlier(path: Path, mode: str, setting: dict, commit: str | None, known) -> 
         if not isinstance(runs, list) or not runs or not all(isinstance(r, dict) for r in runs):
             raise ValueError(f"its row {name!r} is not a list of runs")
         for r in runs:
-            if r.get("commit") != commit:
+            if r.get("commit") != commit and not any_commit:
                 raise ValueError(f"its row {name!r} ran at commit {r.get('commit')}, this "
                                  f"checkout is at {commit}")  # fmt: skip
             missing = [k for k in RUN_KEYS if k not in r]
@@ -649,6 +661,9 @@ def main() -> int:
     ap.add_argument("--outer", help="comma-separated outer lr/momentum pairs, e.g. 1/0,0.7/0.3")
     ap.add_argument("--codec", choices=("int8", "topk"), default="int8")
     ap.add_argument("--steps", type=int, help="local steps per worker of the budget B")
+    ap.add_argument("--simulate", action="store_true",
+                    help="with --resume: run no row, simulate the streaming row the --json "
+                         "file holds (of any commit) again on a fresh calibration")  # fmt: skip
     _report.add_json_arg(ap)
     ap.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
     ap.add_argument(
@@ -664,6 +679,10 @@ def main() -> int:
     json_out = _report.json_path(ap, args, "lm")
     if args.resume and json_out is None:
         ap.error("--resume needs --json PATH (the file whose rows it keeps)")
+    if args.simulate and not args.resume:
+        ap.error(
+            "--simulate needs --resume --json PATH (the file whose streaming row it simulates)"
+        )
     mode = "quick" if args.quick else "medium" if args.medium else "full"
     m = dict(MODES[mode])
     if args.steps:
@@ -691,7 +710,7 @@ def main() -> int:
     kept = {}
     if args.resume:
         try:
-            kept = earlier(json_out, mode, setting, commit, known)
+            kept = earlier(json_out, mode, setting, commit, known, any_commit=args.simulate)
         except ValueError as e:
             ap.error(f"--resume: {json_out}: {e}")
         if not kept:
@@ -754,8 +773,20 @@ def main() -> int:
         _report.write(json_out, figures=out, bars=report_bars)
         return report_bars
 
+    def simulated(b: dict, make) -> None:
+        try:
+            b["sim"] = simulate(task, m, make, b)
+        except Exception as e:  # reported in the row; no bar
+            b["sim"] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"  {STREAM:22s} simulated: {b['sim']}", flush=True)
+
     plan = rows_all + [(name, m["inner_lrs"], m["outer"], None, None) for name in PEERS]
     whole = True  # no row whose every point failed
+    if args.simulate:
+        if STREAM not in out["runs"]:
+            ap.error(f"--simulate: {json_out} has no {STREAM!r} row")
+        simulated(best_of(out["runs"][STREAM]), next(r[3] for r in plan if r[0] == STREAM))
+        plan = []
     for name, lrs, outers, make, h in plan:
         if name not in wanted or name in out["runs"]:
             continue
@@ -779,11 +810,7 @@ def main() -> int:
             continue
         b = best_of(runs)
         if name == STREAM:  # does the simulator predict its bytes per second?
-            try:
-                b["sim"] = simulate(task, m, make, b)
-            except Exception as e:  # reported in the row; no bar
-                b["sim"] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"  {name:22s} simulated: {b['sim']}", flush=True)
+            simulated(b, make)
         out["runs"][name] = [r if r is b else {k: v for k, v in r.items() if k != "records"}
                              for r in runs]  # fmt: skip
         save()

@@ -154,6 +154,8 @@ def test_resume_keeps_an_earlier_pieces_rows_and_refuses_another_mode_setting_or
         with pytest.raises(ValueError, match=msg):
             lm.earlier(path, args[0], args[1], args[2], known)
     assert path.read_bytes() == before
+    # --simulate keeps rows of any commit (it runs none: it simulates the streaming row)
+    assert lm.earlier(path, "quick", setting, "b" * 40, known, any_commit=True) == kept
 
 
 def test_a_resumed_run_whose_rows_are_all_kept_runs_nothing_and_writes_the_merge(bench, tmp_path):
