@@ -42,10 +42,11 @@ round apply, by at most a round). Figures (all measured in this run):
 * time, and bytes pushed per worker, to the target: the synchronous
   baseline's val loss at ``B`` tokens (bytes per push are the shards'
   ``bytes_in`` over the pushes, so a codec's size counts);
-* the streaming row again in the simulator (its best point; each step's compute
-  the timed step, the same straggler and emulated time): its bytes per second
-  per worker against the run's, a bar of issue #32 (within 10%), and whether
-  the bytes are the same.
+* the streaming row again in the simulator (its best point, the same straggler
+  and emulated time, on a calibration of this machine made right after the row:
+  ``job.calibrate`` with the LM's steps): its bytes per second per worker
+  against the run's, a bar of issue #32 (within 10%), and whether the bytes are
+  the same.
 
 Bars (issue #20), ratios against the synchronous baseline of the same run:
 
@@ -68,14 +69,15 @@ at equal wall time.
     .venv/bin/python benchmarks/lm.py [--quick | --medium] [--codec int8|topk] [--json PATH]
                                       [--methods NAME,...] [--resume] [--check]
     .venv/bin/python benchmarks/lm.py --markdown PATH   # the README's table from a --json file
+    .venv/bin/python benchmarks/lm.py --medium --resume --simulate --json PATH  # the sim again
 
 ``--quick`` (a tiny model, a short budget, three or four learning rates per
 method, three outer settings per DiLoCo row) took about 26 minutes on 2 quiet
 cores before the streaming rows (each adds 9 runs); ``--medium`` (a 1.23 M
 parameter GPT at batch 8, 600 local steps per worker: 30 outer rounds at H=20,
 one learning rate per method and the outer 0.7/0.3) runs the rows issue #32's
-bars compare (``MODES["medium"]["rows"]`` and the baseline), estimated at about
-an hour on 2 quiet cores (``docs/lm.md``: the estimate per row); the full mode
+bars compare (``MODES["medium"]["rows"]`` and the baseline) in about 25 minutes on
+2 quiet cores (``docs/lm.md``: the time per row); the full mode
 (the small model, 4x the quick tokens, the quick grids) is for a quiet machine.
 ``--methods`` runs only the named rows (the synchronous baseline always runs, or
 is kept; a bar whose rows did not run is left out). The ``--json`` file is written after
