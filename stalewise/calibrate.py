@@ -297,9 +297,13 @@ class Calibration:
             the push (else it read the snapshots; :mod:`stalewise.protocol.pipeline`).
         evaluated: the seconds between the evaluations made while the compute was
             timed (None: none were made).
-        loop: seconds a local worker's step takes besides its compute, send and pull
-            (the worker loop's own time), the table's ``loop`` (``SimConfig.loop``:
+        loop: seconds a local worker's push takes besides its compute, send and pull
+            (the worker loop's own time, a strategy's inner updates), the table's ``loop`` (``SimConfig.loop``:
             once a push, unscaled by stragglers and local steps); None if not measured.
+        inner: seconds a strategy of local steps takes a local step besides the
+            gradient (an inner optimizer's update), timed in the calibrating process;
+            added to the compute, as a local straggler and DiLoCo's H scale it. None:
+            gradient pushes.
         own_read: the share of the worker-loop run's pushes whose next pull already held
             them (its pulls read the snapshots); the table's ``own_read``. None: not
             measured, or its pulls are requests served behind the push.
@@ -337,6 +341,7 @@ class Calibration:
     evaluated: float | None = None
     loop: float | None = None
     own_read: float | None = None
+    inner: float | None = None
     spreads: tuple[tuple[str, Spread], ...] = ()
     load_end: tuple[float, float, float] | None = None
     contention: Contention | None = None
@@ -395,10 +400,11 @@ class Calibration:
         is fitted to :attr:`compute_times`."""
         t: dict[str, Any] = {}
         shift, tail = self.shift, self.mean - self.shift
+        inner = self.inner or 0.0  # a strategy's own work: every local step has it
         if tail <= FIXED_BELOW * shift:
-            t |= {"compute": "fixed", "step_time": _sig(self.mean)}
+            t |= {"compute": "fixed", "step_time": _sig(self.mean + inner)}
         else:
-            t |= {"compute": "exponential", "shift": _sig(shift), "rate": _sig(1.0 / tail)}
+            t |= {"compute": "exponential", "shift": _sig(shift + inner), "rate": _sig(1.0 / tail)}
         if self.loop:  # the worker loop's own time: once a push, at no worker's pace
             t["loop"] = _sig(self.loop)
         speeds = self.speeds()
@@ -515,9 +521,14 @@ class Calibration:
             )
         if self.loop is not None:
             lines.append(
-                f"worker loop: {self.loop * us:.1f} us a step besides compute, send and pull "
-                f"(one {self.runtime} worker, {LOOP_STEPS} steps of {LOOP_COMPUTE * 1e3:g} ms), "
-                "added once to every push's step"
+                f"worker loop: {self.loop * us:.1f} us a push besides compute, send and pull "
+                f"(one {self.runtime} worker, local steps of {LOOP_COMPUTE * 1e3:g} ms), "
+                "charged once a push"
+            )
+        if self.inner is not None:
+            lines.append(
+                f"strategy: {self.inner * us:.1f} us a local step besides the gradient (its "
+                "inner update, timed in this process), added to the compute"
             )
         if self.own_read is not None:
             lines.append(
@@ -931,19 +942,18 @@ def transport_times(
     return pulls, pushes, sends
 
 
-def _busy_step(params: Any, batch: Any) -> tuple[float, Any]:
+@dataclass(frozen=True)
+class _BusyStep:
     """The worker-loop measurement's step: :data:`LOOP_COMPUTE` seconds of busy compute,
-    a zero gradient of the params' tree (made once a process: the same zeros each time)."""
-    end = time.perf_counter() + LOOP_COMPUTE
-    while time.perf_counter() < end:
-        pass
-    if (zeros := _ZEROS.get("grads")) is None:
-        flat, spec = tree.flatten(params)
-        zeros = _ZEROS["grads"] = tree.unflatten(np.zeros_like(flat), spec)
-    return 0.0, zeros
+    and ``grads``, a zero gradient of the job's tree."""
 
+    grads: Any
 
-_ZEROS: dict[str, Any] = {}
+    def __call__(self, params: Any, batch: Any) -> tuple[float, Any]:
+        end = time.perf_counter() + LOOP_COMPUTE
+        while time.perf_counter() < end:
+            pass
+        return 0.0, self.grads
 
 
 def _no_data(worker: int, workers: int) -> Any:
@@ -951,40 +961,56 @@ def _no_data(worker: int, workers: int) -> Any:
         yield None
 
 
-def steps_per_push(job: Any, pushes: int = 3) -> float:
-    """The mean local steps of the first ``pushes`` pushes of ``job``'s strategy (1 for
-    gradients): its steps taken here, on the job's initial parameters and zero
-    gradients."""
+class LoopTimes(NamedTuple):
+    """What :func:`loop_times` measures."""
+
+    per_push: list[float]  # seconds a push besides its computes and its strategy's work
+    own_read: float | None  # the share of pushes the next read held (None: not measured)
+    steps: float  # local steps a push (strategy_steps)
+    inner: float  # seconds of the strategy's own work a local step (strategy_steps)
+
+
+def strategy_steps(job: Any, pushes: int = 3) -> tuple[float, float]:
+    """The mean local steps of a push of ``job``'s strategy (1 for gradients), and the
+    seconds of its own work a local step (an inner optimizer's update): a push and then
+    ``pushes`` timed ones taken here, on the job's initial parameters and a zero gradient
+    that costs nothing."""
     strategy, config = job.strategy, job.config
     params = tree.unflatten(config.init, config.spec)
     zeros = tree.unflatten(np.zeros_like(config.init), config.spec)
     state, batches = strategy.init(params), itertools.repeat(None)
-    steps = [strategy.step(state, params, lambda p, b: (0.0, zeros), batches).local_steps
-             for _ in range(pushes)]  # fmt: skip
-    return sum(steps) / pushes
+
+    def push() -> int:
+        return strategy.step(state, params, lambda p, b: (0.0, zeros), batches).local_steps
+
+    push()  # the first allocates the state's buffers
+    t = time.perf_counter()
+    steps = sum(push() for _ in range(pushes))
+    return steps / pushes, (time.perf_counter() - t) / max(steps, 1)
 
 
-def loop_times(job: Any, size: int, runtime: str = "local") -> tuple[list[float], float | None]:
-    """Seconds a worker's push takes besides its compute, send and pull included: a real
-    run on ``runtime`` of one worker whose local steps are :data:`LOOP_COMPUTE` seconds of
-    busy compute; for gradient pushes on a job of ``size`` floats (the job's optimizer,
-    consistency model, codec and shards), for a strategy of local steps on the job itself
-    (its inner optimizer updates, its fragments); its times per push over the intervals
-    between its records after its first push, less the computes of
-    :func:`steps_per_push` (:func:`calibrate` takes their median, less the send and pull:
-    a push preempted by another process must not set it). Second, when its pulls read the
-    snapshots (:func:`served_pull`), the share of its pushes after the first that were
-    applied with staleness 0: the chance its read after a push held that push
-    (``own_read`` in the table); else None."""
-    h = steps_per_push(job)
+def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
+    """Seconds a worker's push takes besides its computes and its strategy's own work
+    (send and pull included): a real run on ``runtime`` of one worker whose local steps
+    are :data:`LOOP_COMPUTE` seconds of busy compute; for gradient pushes on a job of
+    ``size`` floats (the job's optimizer, consistency model, codec and shards), for a
+    strategy of local steps on the job itself (its fragments); its times per push over
+    the intervals between its records after its first push, less the local steps'
+    computes and strategy work of :func:`strategy_steps` (:func:`calibrate` takes their
+    median, less the send and pull: a push preempted by another process must not set
+    it). With, when its pulls read the snapshots (:func:`served_pull`), the share of its
+    pushes after the first that were applied with staleness 0: the chance its read after
+    a push held that push (``own_read`` in the table)."""
+    h, inner = strategy_steps(job)
     if h == 1:
         job = _synthetic_job(job, size, min(job.config.shards, size))
-    result = job.train(_busy_step, data=_no_data, workers=1, steps=max(30, int(LOOP_STEPS / h)),
-                       runtime=runtime, metrics=Metrics(every=0.05),
-                       timeouts=Timeouts(total=120))  # fmt: skip
+    zeros = tree.unflatten(np.zeros_like(job.config.init), job.config.spec)
+    result = job.train(_BusyStep(zeros), data=_no_data, workers=1,
+                       steps=max(30, int(LOOP_STEPS / h)), runtime=runtime,
+                       metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]
     per_push = [
-        (b["time"] - a["time"]) / (b["pushes"] - a["pushes"]) - h * LOOP_COMPUTE
+        (b["time"] - a["time"]) / (b["pushes"] - a["pushes"]) - h * (LOOP_COMPUTE + inner)
         for a, b in itertools.pairwise(recs)
         if b["pushes"] > a["pushes"]
     ]
@@ -992,9 +1018,8 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> tuple[list[float]
         raise RuntimeError(f"calibrate: the worker-loop run made too few records ({result!r})")
     counts = {int(t): int(n) for t, n in result.stats.get("staleness_counts", {}).items()}
     later = sum(counts.values()) - 1  # the first push has nothing in flight before it
-    if served_pull(job.config) or later < 1:
-        return per_push, None
-    return per_push, (counts.get(0, 0) - 1) / later
+    own = None if served_pull(job.config) or later < 1 else (counts.get(0, 0) - 1) / later
+    return LoopTimes(per_push, own, h, inner)
 
 
 def served_pull(config: ServerConfig) -> bool:
@@ -1125,9 +1150,9 @@ def calibrate(
                              ("message", msgs)):  # fmt: skip
                 spreads.append((_key(name, nbytes), Spread.of(xs)))
         fixed = send_pts[0][1] + pull_pts[0][1]
-        per_push, own_read = loop_times(job, sizes[0], runtime)
-    loop_s = max(0.0, statistics.median(per_push) - fixed)
-    spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in per_push])))
+        looped = loop_times(job, sizes[0], runtime)
+    loop_s = max(0.0, statistics.median(looped.per_push) - fixed)
+    spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in looped.per_push])))
     load_end = os.getloadavg()
     log.info("calibrate: measured in %.1f s", time.perf_counter() - t0)
     cal = Calibration(
@@ -1145,7 +1170,8 @@ def calibrate(
         served=served,
         evaluated=None if evaluate is None else float(eval_interval),
         loop=loop_s,
-        own_read=own_read,
+        own_read=looped.own_read,
+        inner=looped.inner if looped.steps > 1 else None,
         spreads=tuple(spreads),
         load_end=(round(load_end[0], 2), round(load_end[1], 2), round(load_end[2], 2)),
         contention=contended,
