@@ -51,11 +51,14 @@ def test_every_sim_key_is_read_from_the_one_definition():
         "restart_delay": 0.5,
         "contention_step": [1.0, 1.5],
         "contention_apply": [1.0, 1.2],
+        "loop": 3e-4,
+        "own_read": 0.4,
     }
     assert set(table) | {"step_time"} == TOML_KEYS  # step_time is compute = "fixed"'s
     cfg = SimConfig.from_dict(table)
     assert (cfg.compute.shift, cfg.network.shard_bandwidth, cfg.service.rate) == (0.01, 3e9, 5e9)
     assert (cfg.contention.apply, cfg.restart_delay, cfg.joins[0].time) == ((1.0, 1.2), 0.5, 4.0)
+    assert (cfg.loop, cfg.own_read) == (3e-4, 0.4)
     assert SimConfig.from_dict({"compute": "fixed", "step_time": 0.2}).compute.time == 0.2
     assert set(TOML_LISTS) <= TOML_KEYS
 
