@@ -297,9 +297,10 @@ class Calibration:
             the push (else it read the snapshots; :mod:`stalewise.protocol.pipeline`).
         evaluated: the seconds between the evaluations made while the compute was
             timed (None: none were made).
-        loop: seconds a local worker's push takes besides its compute, send and pull
-            (the worker loop's own time, a strategy's inner updates), the table's ``loop`` (``SimConfig.loop``:
-            once a push, unscaled by stragglers and local steps); None if not measured.
+        loop: seconds a local worker's push takes besides its compute, its strategy's
+            inner updates, send and pull (the worker loop's own time), the table's
+            ``loop`` (``SimConfig.loop``: once a push, unscaled by stragglers and local
+            steps); None if not measured.
         inner: seconds a strategy of local steps takes a local step besides the
             gradient (an inner optimizer's update), timed in the calibrating process;
             added to the compute, as a local straggler and DiLoCo's H scale it. None:
@@ -956,6 +957,11 @@ class _BusyStep:
         return 0.0, self.grads
 
 
+def _zero_grads(config: ServerConfig) -> Any:
+    """A zero gradient of ``config``'s parameter tree."""
+    return tree.unflatten(np.zeros_like(config.init), config.spec)
+
+
 def _no_data(worker: int, workers: int) -> Any:
     while True:
         yield None
@@ -967,7 +973,7 @@ class LoopTimes(NamedTuple):
     per_push: list[float]  # seconds a push besides its computes and its strategy's work
     own_read: float | None  # the share of pushes the next read held (None: not measured)
     steps: float  # local steps a push (strategy_steps)
-    inner: float  # seconds of the strategy's own work a local step (strategy_steps)
+    inner: float  # seconds of the strategy's own work a local step (0: gradient pushes)
 
 
 def strategy_steps(job: Any, pushes: int = 3) -> tuple[float, float]:
@@ -976,8 +982,7 @@ def strategy_steps(job: Any, pushes: int = 3) -> tuple[float, float]:
     ``pushes`` timed ones taken here, on the job's initial parameters and a zero gradient
     that costs nothing."""
     strategy, config = job.strategy, job.config
-    params = tree.unflatten(config.init, config.spec)
-    zeros = tree.unflatten(np.zeros_like(config.init), config.spec)
+    params, zeros = tree.unflatten(config.init, config.spec), _zero_grads(config)
     state, batches = strategy.init(params), itertools.repeat(None)
 
     def push() -> int:
@@ -1002,10 +1007,9 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
     pushes after the first that were applied with staleness 0: the chance its read after
     a push held that push (``own_read`` in the table)."""
     h, inner = strategy_steps(job)
-    if h == 1:
-        job = _synthetic_job(job, size, min(job.config.shards, size))
-    zeros = tree.unflatten(np.zeros_like(job.config.init), job.config.spec)
-    result = job.train(_BusyStep(zeros), data=_no_data, workers=1,
+    if h == 1:  # gradient pushes: the synthetic job, no strategy work
+        job, inner = _synthetic_job(job, size, min(job.config.shards, size)), 0.0
+    result = job.train(_BusyStep(_zero_grads(job.config)), data=_no_data, workers=1,
                        steps=max(30, int(LOOP_STEPS / h)), runtime=runtime,
                        metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]
@@ -1171,7 +1175,7 @@ def calibrate(
         evaluated=None if evaluate is None else float(eval_interval),
         loop=loop_s,
         own_read=looped.own_read,
-        inner=looped.inner if looped.steps > 1 else None,
+        inner=looped.inner or None,
         spreads=tuple(spreads),
         load_end=(round(load_end[0], 2), round(load_end[1], 2), round(load_end[2], 2)),
         contention=contended,
