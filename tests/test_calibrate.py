@@ -440,9 +440,10 @@ def test_a_strategys_inner_updates_are_compute_and_the_loop_run_is_the_job_itsel
     assert adamw > 1e-4 and adamw > 10 * grads
     looped = calibrate.loop_times(local, 300_000)
     assert looped.steps == 4 and looped.inner > 0
-    # 4 updates and 4 computes a push are out of the loop's time: what stays is the send,
-    # the pull and the loop's own (about 0.6 ms here, the 4 updates about 4 ms)
-    assert np.median(looped.per_push) < 4 * looped.inner
+    # the 4 computes a push (8 ms) are out of the loop's time: what stays is the send, the
+    # pull and the loop's own, 0.3-3 ms here (the updates, 2-4 ms, are out too, but they
+    # are within that spread: no bound on them holds on a shared machine)
+    assert np.median(looped.per_push) < 4 * calibrate.LOOP_COMPUTE
     # a fragment a push, cut at the job's leaves (one synthetic leaf could not be cut)
     assert calibrate.loop_times(stream, 300_000).steps == 2
 
