@@ -1,6 +1,7 @@
 """The local runtime: real processes, real shared memory, clean shutdown."""
 
 import contextlib
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -218,6 +219,23 @@ def test_train_converges_and_leaves_nothing_behind(no_leaks, consistency):
         assert result.stats["version"] <= result.pushes / 3 + 1  # one averaged update per round
     else:
         assert result.stats["version"] == result.stats["applied"] == result.pushes
+
+
+def test_records_are_taken_on_the_evaluation_grid(no_leaks):
+    # the driver's cadence (a record at once, then at k * eval_interval), as the simulator
+    # keeps it: the local host waits no longer than the next record's time (it used to
+    # wait a fixed 50 ms, so the first record came at 0.05 s and the others up to 50 ms late)
+    every = 0.07
+    result = quadratic_job().train(
+        mp_helpers.quadratic_loss_and_grad, data=mp_helpers.quadratic_data, workers=2,
+        steps=300, emulation=sw.Emulation(delays={0: 0.002, 1: 0.002}),
+        metrics=sw.Metrics(every=every),
+    )  # fmt: skip
+    times = [r["time"] for r in result.records[:-1]]  # the last is the end's, off the grid
+    assert len(times) >= 5, times
+    lags = [t - math.floor(t / every + 1e-9) * every for t in times]
+    assert times[0] < 0.03, times
+    assert float(np.median(lags)) < 0.01, lags
 
 
 def test_error_in_user_code_shows_traceback_and_cleans_up(no_leaks):

@@ -530,7 +530,7 @@ class _Host:
             self.running(wk)
 
     def advance(self, until: float, due: Any) -> str:
-        self.poll(0.05)
+        self.poll(min(0.05, max(0.0, until - self.now())))  # a record is taken on time
         return driver.TICK if any(wk.state in _LIVE for wk in self.workers) else driver.END
 
     def pushes(self) -> int:
