@@ -327,8 +327,8 @@ def test_fit_and_table_rules():
     # range: noise (the other processes of a busy machine), no speeds
     noisy = ((0.008, 0.011, 0.012, 0.020), (0.008, 0.0125, 0.013, 0.021))
     assert "speeds" not in calibrate.Calibration(2, 1, noisy, flat, flat, flat, flat, 4000).table()
-    # a worker a third faster than the others, apart from their steps: still the scheduler's
-    # noise for identical workers on shared cores (measured: up to 34%), no speeds
+    # a worker 1.5x faster than the others, apart from their steps: still the scheduler's
+    # noise for identical workers on shared cores (measured: up to 1.5x), no speeds
     third = ((0.0066, 0.0067, 0.0068), (0.0100, 0.0101, 0.0102), (0.0100, 0.0102, 0.0101))
     assert "speeds" not in calibrate.Calibration(3, 1, third, flat, flat, flat, flat, 4000).table()
     SimConfig.from_dict(tomllib.loads(calibrate.table_toml(t))["sim"]).check_workers(2)
