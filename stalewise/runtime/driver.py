@@ -23,7 +23,8 @@ every runtime:
 Time is the host's: wall seconds since :meth:`Host.go` in a real runtime,
 virtual seconds in the simulator. The driver asks the host to
 :meth:`~Host.advance` the run towards the next record time; a real-time host
-returns after one short wait (``TICK``: anything may be due now), an
+returns after one short wait, never past that time (:func:`wait_for`; ``TICK``:
+anything may be due now), an
 event-driven host runs its events and returns exactly at that time
 (``RECORD``), after the event that made a checkpoint due (``CHECKPOINT``), or
 when the run is over (``END``).
@@ -52,6 +53,13 @@ TICK = "tick"  # the clock moved on (a real-time host's wait): records and check
 RECORD = "record"  # the clock reached the record time asked for, nothing else is due
 CHECKPOINT = "checkpoint"  # an event made a checkpoint due (the ``due`` predicate said so)
 END = "end"  # the run is over: every worker's loop ended or no worker is left
+
+
+def wait_for(until: float, now: float, tick: float) -> float:
+    """Seconds a real-time host's :meth:`Host.advance` may wait at ``now`` for what its
+    workers say: one ``tick`` at most, and none past the record time ``until`` (so its
+    records are taken on their grid, as the simulator's are)."""
+    return min(tick, max(0.0, until - now))
 
 
 class Snapshot(NamedTuple):

@@ -530,7 +530,7 @@ class _Host:
             self.running(wk)
 
     def advance(self, until: float, due: Any) -> str:
-        self.poll(min(0.05, max(0.0, until - self.now())))  # a record is taken on time
+        self.poll(driver.wait_for(until, self.now(), 0.05))
         return driver.TICK if any(wk.state in _LIVE for wk in self.workers) else driver.END
 
     def pushes(self) -> int:

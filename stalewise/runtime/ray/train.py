@@ -276,17 +276,16 @@ class _Host:
 
     def advance(self, until: float, due: Any) -> str:
         """One look at the run: a backup of the shards when one is due (after the driver's
-        last record and checkpoint), then up to one tick's wait for what ends (no longer
-        than to the next record's time: records are taken on their grid)."""
+        last record and checkpoint), then up to one tick's wait for what ends
+        (:func:`driver.wait_for`)."""
         ray = self.ray
         if self.tick and self.now() - self.last_backup >= BACKUP_EVERY:
             now = self.now()
             if self._retrying(self._take_backup):
                 self.last_backup = now
         refs = [*self.runs, *self.watches]
-        done, _ = ray.wait(
-            refs, num_returns=len(refs), timeout=min(TICK, max(0.0, until - self.now()))
-        )
+        wait = driver.wait_for(until, self.now(), TICK)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
         for ref in sorted(done, key=lambda r: r not in self.watches):  # shards first
             if ref in self.watches:
                 self._shard_ended(ref)
