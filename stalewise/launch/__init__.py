@@ -185,6 +185,8 @@ class _Launch:
     runtime: str
     rank_timeout: float  # the liveness rule's silence (0: off)
     address: str | None  # --address, runtime ray (None: RAY_ADDRESS, else a new local one)
+    env: list[str]  # --env NAME ...: variables each rank on Ray gets from the launcher
+    env_all: bool  # --env-all: every variable but the launcher's session and credentials
     checkpoint_dir: str | None  # where the launcher saves the job (None: nowhere)
     checkpoint_every: int | None  # every this many pushes of the job (and at the end)
     resume: bool  # start from checkpoint_dir's last checkpoint, if there is one
@@ -313,6 +315,8 @@ def launch(
     runtime: str = "local",
     rank_timeout: float | None = None,
     address: str | None = None,
+    env: list[str] = (),
+    env_all: bool = False,
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
@@ -328,8 +332,9 @@ def launch(
     over ``sw.init``'s). See the module docstring.
 
     ``address``: the Ray cluster to run on, runtime ray only (None: ``RAY_ADDRESS``, else
-    a new local instance, never a cluster another user started on this machine; see
-    :func:`stalewise.runtime.ray.launch.ray_address`).
+    a new local instance; :func:`stalewise.runtime.ray.cluster_address`). ``env``,
+    ``env_all``: the environment variables each rank on Ray gets besides stalewise's,
+    torchrun's and the thread counts (:func:`stalewise.runtime.ray.launch.shipped_env`).
 
     Called from the main thread, it handles SIGTERM as Ctrl-C while it runs: the job is
     stopped in order and :class:`Terminated` (a ``KeyboardInterrupt``) is raised.
@@ -353,8 +358,9 @@ def launch(
         )
     if runtime == "ray" and rank_timeout is not None:
         raise LaunchError("--rank-timeout is for --runtime local (Ray's ranks are not watched)")
-    if address is not None and runtime != "ray":
-        raise LaunchError("--address is for --runtime ray (the Ray cluster to run on)")
+    for flag, given in (("--address", address is not None), ("--env", env), ("--env-all", env_all)):
+        if given and runtime != "ray":
+            raise LaunchError(f"{flag} is for --runtime ray (a local rank has this environment)")
     if rank_timeout is None:
         rank_timeout = RANK_TIMEOUT
     checkpoints.check(checkpoint_dir, checkpoint_every, LaunchError)
@@ -370,7 +376,7 @@ def launch(
     if missing is not None:
         raise LaunchError(missing)
     _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout, runtime, rank_timeout,
-                      address, checkpoint_dir, checkpoint_every, bool(resume))  # fmt: skip
+                      address, list(env), env_all, checkpoint_dir, checkpoint_every, bool(resume))  # fmt: skip
     saved = sys.argv, list(sys.path)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None

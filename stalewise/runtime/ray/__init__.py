@@ -15,11 +15,10 @@ with your ``loss_and_grad`` and data, and this process (the *driver*,
 stops the job as the local runtime's parent does. ``import stalewise`` does
 not import Ray; this runtime imports it when it runs.
 
-Where it runs: the Ray instance this process is connected to (call
-:func:`connect` or ``ray.init`` first, e.g. ``connect("auto")`` on a node of a
-cluster started with ``ray start``); if there is none, ``ray.init()`` decides
-(``RAY_ADDRESS``, else the cluster last started on this machine, else a new
-local instance, which is shut down when the run ends). Each shard goes on a
+Where it runs: the Ray instance this process is connected to, else the one
+:func:`connect` picks: the address you gave, else ``RAY_ADDRESS``, else a new
+local instance (shut down when the run ends), never the cluster Ray's own
+default would join (see :func:`cluster_address`). Each shard goes on a
 node of its own when the cluster has enough nodes (a ``STRICT_SPREAD``
 placement group; else ``SPREAD``), and the workers are spread too (a second one). Each actor asks for one CPU, or for the largest
 equal share that the nodes' CPUs hold when there are fewer CPUs than actors.
@@ -74,39 +73,63 @@ from zero, with a warning).
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import sys
 from typing import Any
 
-__all__ = ["connect"]
+__all__ = ["cluster_address", "connect"]
 
 
 def connect(address: str | None = None, **init_kwargs: Any) -> bool:
     """Connects this process to Ray unless it already is; True if this call connected.
 
     Args:
-        address: ``"auto"`` (the cluster this machine is part of, started with
-            ``ray start``), ``"HOST:PORT"`` of a head node, ``"ray://HOST:PORT"``
-            (Ray Client), ``"local"`` (a new local instance), or None: Ray's
-            own rule (``RAY_ADDRESS``, else the cluster last started on this
-            machine, else a new local instance).
-        **init_kwargs: more arguments of ``ray.init`` (``num_cpus``,
-            ``runtime_env``, ...).
+        address: ``"HOST:PORT"`` of a head node, ``"ray://HOST:PORT"`` (Ray Client),
+            ``"auto"``, ``"local"`` (a new local instance) or None (see
+            :func:`cluster_address`).
+        **init_kwargs: more arguments of ``ray.init`` (``num_cpus``, ...).
 
     Raises:
         ImportError: Ray is not installed.
-        ConnectionError: no cluster at ``address``.
-
-    Example:
-        >>> from stalewise.runtime import ray as ray_runtime
-        >>> ray_runtime.connect("auto")  # doctest: +SKIP
-        True
+        ConnectionError: no cluster at ``address``, or "auto" and no cluster of yours.
     """
     ray = import_ray()
     if ray.is_initialized():
         return False
-    ray.init(address=address, include_dashboard=False, **init_kwargs)
+    ray.init(address=cluster_address(address), include_dashboard=False, **init_kwargs)
     return True
+
+
+def cluster_address(address: str | None = None) -> str:
+    """Where :func:`connect` goes: ``address``, else ``RAY_ADDRESS``, else ``"local"``, a
+    new local instance. Never Ray's own default, the cluster last recorded in the file
+    ``ray/ray_current_cluster`` of the temporary folder every user of the machine shares:
+    it may be another user's, who would then run your functions and read your data.
+    ``"auto"`` is the address ``ray start`` recorded there, only if the file is yours.
+    """
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
+    if address != "auto":
+        return address
+    base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    record = os.path.join(base, "ray", "ray_current_cluster")
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        why = "a symlink" if e.errno == errno.ELOOP else e.strerror
+        raise ConnectionError(f"address 'auto': {record}: {why}; give HOST:PORT") from None
+    with os.fdopen(fd) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise ConnectionError(
+                f"address 'auto': {record} is not a file of yours (its owner is uid "
+                f"{st.st_uid}, you are uid {os.getuid()}): give HOST:PORT of your cluster"
+            )
+        found = f.read(1024).strip()
+    if not found:
+        raise ConnectionError(f"address 'auto': {record} is empty; give HOST:PORT")
+    return found
 
 
 def import_ray() -> Any:

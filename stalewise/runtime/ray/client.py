@@ -312,8 +312,8 @@ class RayClient(PullsIntoTrees):
 
 def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0) -> RayClient:
     """A client for a worker of the job served on Ray under ``name`` (see the module
-    docstring). Connects to Ray first if this process is not (``RAY_ADDRESS``, else the
-    cluster started on this machine).
+    docstring). Connects to Ray first if this process is not (``RAY_ADDRESS``, else
+    ``"auto"``: the cluster ``ray start`` recorded on this machine, if the record is yours).
 
     Raises:
         AttachError: no job of that name is served on the cluster, or the door refused.
