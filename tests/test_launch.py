@@ -649,7 +649,7 @@ def test_ray_joins_the_cluster_asked_for_and_auto_only_a_cluster_recorded_by_thi
 
 
 def test_a_rank_on_ray_is_shipped_what_it_needs_and_credentials_only_when_named():
-    from stalewise.runtime.ray.launch import shipped_env
+    from stalewise.launch.ray import shipped_env
 
     env = {
         "STALEWISE_PROGRESS": "0", "MASTER_ADDR": "h", "OMP_NUM_THREADS": "3", "DATA": "/d",

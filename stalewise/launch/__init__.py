@@ -25,7 +25,7 @@ trains, as one worker, and ``ctx.close()`` (or the end of the process) stops
 the shards. ``steps`` then comes from ``init(job, steps=...)``, if given.
 
 ``stalewise run --runtime ray`` runs each worker as a Ray actor across the
-cluster instead (one CPU each; see :mod:`stalewise.runtime.ray.launch`): the
+cluster instead (one CPU each; see :mod:`stalewise.launch.ray`): the
 same script, the same :class:`Context`, with a client of the job's shard actors.
 
 Rank and world size come from the launcher, and so does each worker's client:
@@ -161,8 +161,7 @@ from stalewise import runtime as runtime_lib
 from stalewise.launch import checkpoints, context
 from stalewise.launch import checkpoints as saving  # init's checkpoints= is the option group
 from stalewise.launch.context import RENDEZVOUS_TIMEOUT, Context, LaunchError  # noqa: F401
-from stalewise.launch.progress import Progress, end_lines  # noqa: F401 (Ray's launcher's)
-from stalewise.launch.ranks import RANK_TIMEOUT, STOP_GRACE, rank_env  # noqa: F401
+from stalewise.launch.ranks import RANK_TIMEOUT, STOP_GRACE  # noqa: F401
 from stalewise.launch.ranks import serve_workers as _serve_workers  # noqa: F401 (the registry's)
 from stalewise.options import checkpoint_fields
 from stalewise.runtime.errors import BudgetSpent
@@ -324,7 +323,7 @@ def launch(
     """Runs ``script`` with ``argv`` as ``stalewise run`` does; returns the exit status.
 
     ``runtime``: ``"local"`` (worker processes on this machine) or ``"ray"`` (Ray actors
-    across the cluster this process connects to; see :mod:`stalewise.runtime.ray.launch`).
+    across the cluster this process connects to; see :mod:`stalewise.launch.ray`).
     ``timeout``: seconds for the whole run, from the start of the ranks (None: no bound);
     ``rank_timeout``: the liveness rule's silence, local runtime only (None:
     :data:`~stalewise.launch.ranks.RANK_TIMEOUT`; 0: off). ``checkpoint_dir``,
@@ -334,7 +333,7 @@ def launch(
     ``address``: the Ray cluster to run on, runtime ray only (None: ``RAY_ADDRESS``, else
     a new local instance; :func:`stalewise.runtime.ray.cluster_address`). ``env``,
     ``env_all``: the environment variables each rank on Ray gets besides stalewise's,
-    torchrun's and the thread counts (:func:`stalewise.runtime.ray.launch.shipped_env`).
+    torchrun's and the thread counts (:func:`stalewise.launch.ray.shipped_env`).
 
     Called from the main thread, it handles SIGTERM as Ctrl-C while it runs: the job is
     stopped in order and :class:`Terminated` (a ``KeyboardInterrupt``) is raised.

@@ -1,46 +1,19 @@
 """``stalewise run --runtime ray``: a script you own, once per worker, as Ray actors.
 
 The launcher's process runs the script until :func:`stalewise.init`; there it
-connects to Ray (:func:`ray_address`: ``--address``, else ``RAY_ADDRESS``, else a
-new local instance) and says which cluster on a line of stderr, serves the job on
-Ray (:class:`~stalewise.runtime.ray.server.RayServer`, under a new name) and
-starts one :class:`ScriptWorker` actor per rank, spread over the nodes
-(``num_cpus=1`` each; ``OMP_NUM_THREADS`` and friends 1 unless the launcher's
-environment sets them). Each actor attaches to the job as worker ``rank``
-(:func:`stalewise.runtime.ray.client.attach`), runs the script as
-``__main__`` with that context set, so its :func:`stalewise.init` returns a
+connects to Ray (:func:`stalewise.runtime.ray.connect`: ``--address``, else
+``RAY_ADDRESS``, else a new local instance), says which cluster and which
+environment variables each rank gets (:func:`shipped_env`) on lines of stderr,
+serves the job on Ray and starts one :class:`ScriptWorker` actor per rank,
+spread over the nodes, one CPU each. Each actor attaches to the job as worker
+``rank``, enters the launcher's working directory if it exists on its node, sets
+torchrun's variables (``RANK``, ``LOCAL_RANK`` counting the ranks on its node,
+...) and runs the script as ``__main__``, so its :func:`stalewise.init` returns a
 :class:`~stalewise.launch.Context` whose client is a
-:class:`~stalewise.runtime.ray.client.RayClient`, and closes the client when the
-script ends. The workers start together (a rendezvous at the job's door). What
-they print reaches the launcher's stdout through Ray, each line labelled
-``(rank R pid=...)``, none folded into another (``RAY_DEDUP_LOGS=0`` unless set).
-
-The script must be at the same path on every node, or self-contained: an actor
-that does not find it there runs the launcher's copy of its text (modules beside
-it must then be importable on the nodes, e.g. through Ray's ``runtime_env``).
-
-What a rank gets from the launcher (:func:`shipped_env`): its working directory
-(``os.chdir`` when that path exists on the node, else a warning), and in its
-actor's ``runtime_env`` only the environment variables a rank needs, since Ray
-keeps a ``runtime_env`` where whoever reaches the cluster can read it:
-stalewise's own (``STALEWISE_*``), torchrun's (``MASTER_ADDR``, ...), the
-thread counts (``OMP_NUM_THREADS`` and friends, 1 unless set), and those you
-name with ``--env NAME``. ``--env-all`` adds every other variable except those
-that describe the launcher's machine or session (:data:`NOT_SHIPPED`) and
-those whose names look like credentials (:data:`SECRET`), which go only when
-named. The launcher says on a line of stderr which names went. Before the
-script runs, the rank's environment also holds ``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and ``STALEWISE_RANK`` /
-``STALEWISE_WORLD_SIZE`` (:mod:`stalewise.launch`), ``LOCAL_RANK`` counting
-the ranks on the actor's node in rank order.
-
-Which cluster: ``--address`` (``auto``: the cluster ``ray start`` recorded on
-this machine, if the record is yours; ``HOST:PORT`` of a head node), else
-``RAY_ADDRESS``, else a new local instance, shut down at the end
-(:func:`stalewise.runtime.ray.cluster_address`). The launcher says which on a
-line of stderr: ``stalewise run: Ray cluster at ADDR (a new local instance;
-...)``, ``(an existing cluster, ...)``, or ``(the instance this process was
-already connected to)`` when the script called ``ray.init`` itself.
+:class:`~stalewise.runtime.ray.client.RayClient`. The workers start together (a
+rendezvous at the job's door); what they print reaches the launcher's stdout,
+each line labelled ``(rank R pid=...)``. A script not at the same path on a node
+runs from the launcher's copy of its text. ``docs/ray.md`` tells the whole of it.
 """
 
 from __future__ import annotations
@@ -54,7 +27,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from stalewise.launch import context
+from stalewise.launch.context import Context
+from stalewise.launch.progress import Progress, end_lines
+from stalewise.launch.ranks import rank_env
 from stalewise.runtime.base import THREAD_VARS
+from stalewise.runtime.errors import BudgetSpent
 from stalewise.runtime.ray import cluster_address, connect, import_ray
 
 log = logging.getLogger(__name__)
@@ -156,7 +134,6 @@ class ScriptWorker:
         ``cwd``: the launcher's working directory, entered if it exists here."""
         import ray
 
-        from stalewise.launch import BudgetSpent, Context, context, rank_env
         from stalewise.runtime.logs import child_logging
         from stalewise.runtime.ray.client import attach
 
@@ -199,8 +176,6 @@ def serve_workers(job: Any, launch: Any) -> int:
     runs ``launch.workers`` workers of ``launch.script``, waits; the exit status (1 if a
     worker failed, each named on a line of stderr)."""
     import uuid
-
-    from stalewise.launch import Progress, end_lines
 
     script, argv, workers = launch.script, launch.argv, launch.workers
     steps, timeout = launch.steps, launch.timeout
