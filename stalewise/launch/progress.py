@@ -1,5 +1,5 @@
 """The launcher's lines on stderr, on both runtimes: progress while the ranks run, and how
-they ended (see "Progress" in :mod:`stalewise.launch`)."""
+they ended."""
 
 from __future__ import annotations
 
