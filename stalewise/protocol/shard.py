@@ -6,7 +6,7 @@ runtime hosts the same object and only decides how messages reach it; exactly
 one thread calls its methods, one message at a time. Every push is validated
 before it touches state; incarnations, the commit rule, overflow refusals,
 expected and late-joining workers and resumed seats are described in
-``docs/design-notes.md`` ("Protocol").
+``docs/design-notes.md``.
 
 Example:
     >>> import numpy as np

@@ -14,7 +14,7 @@ per shard...]`` (int64s), ``commit = seq + 1`` stored last (the commit rule,
 seqlocked double buffer (:class:`Snapshots`) with its slowest live clock, and
 holds a seqlock of its own around any write of its live params. Each worker id
 has two residual buffers, tagged with the commit word of the push they follow
-(:class:`Residuals`). The reasoning: ``docs/design-notes.md`` ("Local runtime").
+(:class:`Residuals`). The reasoning: ``docs/design-notes.md``.
 
 Threading contract: one writer per shard slice (the shard process), any number of
 readers. Relies on aligned 8-byte loads and stores being atomic and on CPython's
