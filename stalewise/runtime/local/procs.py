@@ -157,10 +157,10 @@ def die_with_parent(cleanup: Callable[[], None] | None = None) -> None:
     """Makes this spawned process exit as soon as the process that started it dies; call
     it first thing in the child.
 
-    On Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (when the parent *thread* exits, so
-    start processes from a thread that outlives them), checked against the parent's
-    pid; everywhere a daemon thread waiting on the parent's sentinel, which runs
-    ``cleanup`` (then the kernel signal is not used)."""
+    On Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (it fires when the parent *thread*
+    exits, so start processes from a thread that outlives them), checked against the
+    parent's pid; everywhere a daemon thread that waits on the parent's sentinel and
+    runs ``cleanup``. With ``cleanup`` the kernel signal is not used (no time to clean up)."""
     parent = mp.parent_process()
     ppid = parent.pid if parent is not None else os.getppid()
     if cleanup is None and sys.platform.startswith("linux"):
