@@ -45,16 +45,10 @@ _STATE_KEYS = (
 def save(shard: Shard) -> dict[str, Any]:
     """Everything needed to continue exactly where this shard is, as a flat dict of copies.
 
-    Arrays are numpy copies, counters JSON-able values (safetensors plus JSON). Keys:
-    ``format``, ``workers``, ``params``, ``version``, ``clocks``, ``next_seq``,
-    ``incarnation``, ``live``, ``counted`` (only while a live joiner has not pulled or
-    pushed yet), the BSP round (``round.sum``, ``round.done``, ``round.count``,
-    ``round.waiting``, ``round.floor``), the hybrid model's ``synchronous`` and
-    ``pace``, the DC-ASGD copies (``pulled.workers``, ``pulled.params``), the optimizer
-    state (``opt_structure``, e.g. ``"(EmptyState(), AdamState(count, mu, nu))"``, and
-    one ``opt.<path>`` array per leaf) and the stats (``stats.applied``,
-    ``stats.rounds``, ``stats.rejected``, ``stats.duplicates``, ``stats.staleness``,
-    ``stats.bytes_in``, ``stats.bytes_out``).
+    Arrays are numpy copies, counters JSON-able values (safetensors plus JSON): the
+    params, version, clocks, sequence numbers, incarnations, live and counted workers,
+    the BSP round, the hybrid mode and paces, the DC-ASGD copies, the optimizer state
+    (``opt_structure`` and one ``opt.<path>`` array per leaf) and the stats.
 
     Example:
         >>> import numpy as np
