@@ -25,7 +25,8 @@ Example:
     >>> path = save(d, [shard.state_dict()], spec=job.config.spec,
     ...             config_info=config_info(job.config), step_info={"pushes": 0})
     >>> path.name, load(d).states[0]["version"], sw.load_params(d)["w"].tolist()
-    ('ckpt-000000000', 0, [0.0, 0.0, 0.0])"""
+    ('ckpt-000000000', 0, [0.0, 0.0, 0.0])
+"""
 
 from stalewise.checkpoint.resume import Saver, config_info, drawn_of, feedback_of, resume_point
 from stalewise.checkpoint.store import Checkpoint, CheckpointError, exists, load, load_params, save

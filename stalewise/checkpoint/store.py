@@ -680,7 +680,8 @@ def load_params(path: str | os.PathLike, *, like: Any = None, backend: str | Non
 
     Example:
         >>> import stalewise as sw
-        >>> params = sw.load_params("checkpoints/", like=model)  # doctest: +SKIP"""
+        >>> params = sw.load_params("checkpoints/", like=model)  # doctest: +SKIP
+    """
     if backend is not None:
         from stalewise.backends import get_backend
 

@@ -40,7 +40,8 @@ Example (``train.py``; ``stalewise run --workers 4 --steps 2000 train.py``):
             loss = loss_fn(model, batch)
             loss.backward()
             ctx.client.push({n: p.grad for n, p in model.named_parameters()})
-        ctx.close()"""
+        ctx.close()
+"""
 
 from __future__ import annotations
 
@@ -164,8 +165,7 @@ def init(
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM reached the launcher, which stops the job as Ctrl-C does (``stalewise run``
-    then exits with status 143)."""
+    """SIGTERM reached the launcher: it stops the job as Ctrl-C does (exit status 143)."""
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -173,8 +173,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _check_python(path: Path) -> None:
-    """Refuses a script that is not Python (``stalewise run /bin/true``) on one line,
-    before anything starts."""
+    """Refuses a script that is not Python (``stalewise run /bin/true``) before anything starts."""
     try:
         source = path.read_bytes()
     except OSError as e:

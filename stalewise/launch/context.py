@@ -89,8 +89,7 @@ INITIALISED = False  # stalewise.init() has been called in this process
 
 
 def become(ctx: Context) -> None:
-    """This process is a launched rank with context ``ctx``: the script it runs next gets
-    ``ctx`` from :func:`stalewise.init`, once."""
+    """This process is a launched rank: :func:`stalewise.init` returns ``ctx`` to its script."""
     global WORKER, INITIALISED
     WORKER, INITIALISED = ctx, False
 

@@ -1,5 +1,4 @@
-"""``stalewise run`` on the local runtime: one process per rank, started, released
-together, watched and stopped by the launcher."""
+"""``stalewise run`` on the local runtime: one process per rank, watched by the launcher."""
 
 from __future__ import annotations
 
@@ -232,8 +231,7 @@ class Ranks:
 
 
 def whole_lines() -> None:
-    """Makes each line a worker prints one write to the stdout and stderr it shares with
-    the others (line buffering), so two workers' lines never tear."""
+    """Line-buffers each worker's stdout and stderr, so two workers' lines never tear."""
     for stream in (sys.stdout, sys.stderr):
         if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
             stream.reconfigure(write_through=False, line_buffering=True)
@@ -302,8 +300,7 @@ def worker_main(
 
 
 def rank_env(rank: int, world: int, local_rank: int, local_world: int) -> dict[str, str]:
-    """The variables a rank's environment holds before its script runs (torchrun's names
-    and stalewise's; see :mod:`stalewise.launch`)."""
+    """A rank's environment variables before its script runs (torchrun's and stalewise's)."""
     return {
         "RANK": str(rank),
         "WORLD_SIZE": str(world),

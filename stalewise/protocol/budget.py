@@ -26,7 +26,8 @@ Example:
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=False)  # asked: granted
     False
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=True)  # BSP: asked again
-    True"""
+    True
+"""
 
 from __future__ import annotations
 

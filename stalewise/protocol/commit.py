@@ -19,7 +19,8 @@ Example:
     >>> v = judge(np.array([0, 1, np.nan, 0], np.float32), seg, [0], [0], staleness.constant(),
     ...           whole=True)
     >>> v.kind, v.message(seg)
-    ('not_finite', "payload has NaN or Inf (first at element 2, leaf 'b')")"""
+    ('not_finite', "payload has NaN or Inf (first at element 2, leaf 'b')")
+"""
 
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ Example:
     >>> [len(p) for p in payloads] == [comp.nbytes(0), comp.nbytes(1)]
     True
     >>> comp.decoder(1).decode(payloads[1])[-6:].tolist()  # 1% of the 500 values of w here
-    [0.0, 999.0, 1000.0, 1001.0, 1002.0, 1003.0]"""
+    [0.0, 999.0, 1000.0, 1001.0, 1002.0, 1003.0]
+"""
 
 from __future__ import annotations
 
@@ -67,8 +68,7 @@ class Piece(NamedTuple):
 
 @dataclass
 class Feedback:
-    """A worker's error-feedback state: ``residual``, a flat vector (zero where no codec
-    keeps feedback)."""
+    """A worker's error-feedback state: ``residual``, a flat vector (zero where none is kept)."""
 
     residual: np.ndarray
 
@@ -315,8 +315,7 @@ class Compressor:
         return [p for ps in self.pieces for p in ps if p.codec.error_feedback]
 
     def encode(self, flat: np.ndarray, state: Feedback | None = None) -> tuple[list, Any]:
-        """Every shard's payload of ``flat``, and the error-feedback ``state`` (None: a fresh
-        one), updated in place."""
+        """Every shard's payload of ``flat``, and ``state`` (None: a fresh one) updated in place."""
         flat = self._check(flat)
         bufs = [bytearray(self.nbytes(k, flat.dtype)) for k in range(len(self.ranges))]
         return bufs, self.encode_into(flat, bufs, state)

@@ -35,8 +35,7 @@ class ServerConfig:
         return sharding.plan(self.spec.segments, self.shards)
 
     def compressor(self) -> compress.Compressor | None:
-        """The workers' encoder of pushes, or None when every leaf travels as it is (buffer
-        leaves always do)."""
+        """The workers' encoder of pushes, or None when every leaf travels as it is."""
         if compress.is_identity(self.codec):
             return None
         return compress.Compressor(self.codec, self.spec.segments, self.ranges, self.spec.buffers)

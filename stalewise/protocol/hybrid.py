@@ -17,7 +17,8 @@ Example:
     >>> pace.straggling([True, True, True], tolerance=2.0)
     True
     >>> pace.straggling([True, True, False], tolerance=2.0)  # worker 2 left
-    False"""
+    False
+"""
 
 from __future__ import annotations
 

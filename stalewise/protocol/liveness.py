@@ -20,7 +20,8 @@ Example:
     >>> s.hung(29.5)
     'no heartbeat for 10.5 s, 10.5x its usual interval of 1 s (phi 80.1 >= 8): hung or stopped'
     >>> silent_rank(silence=301.0, others=5, limit=300.0), silent_rank(301.0, 0, 300.0)
-    (True, False)"""
+    (True, False)
+"""
 
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ Example:
     ...         return {"x": np.ones(2)}
     ...     return []
     >>> run(loop, answer).steps
-    2"""
+    2
+"""
 
 from __future__ import annotations
 

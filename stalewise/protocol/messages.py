@@ -1,5 +1,4 @@
-"""What workers and shards say to each other: push headers, acks, push results (plain
-values; the rules are :mod:`stalewise.protocol.shard` and :mod:`stalewise.protocol.commit`)."""
+"""What workers and shards say to each other: push headers, acks, push results."""
 
 from __future__ import annotations
 
@@ -48,7 +47,8 @@ class PushResult(NamedTuple):
         >>> a = Ack(0, 3, True, None, 7, 1)
         >>> r = PushResult.of([a, a._replace(version=8)])
         >>> r.status, r.versions, r.staleness
-        ('applied', (7, 8), 1)"""
+        ('applied', (7, 8), 1)
+    """
 
     seq: int
     status: str  # "applied", "refused", "duplicate" or "split"

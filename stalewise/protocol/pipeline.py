@@ -17,7 +17,8 @@ Example:
     >>> may_read(sw.BSP(), committed=3, min_clocks=[2, 3])    # the round is not closed
     False
     >>> may_read(sw.Hybrid(), committed=0, min_clocks=[0])    # only the shard knows its mode
-    False"""
+    False
+"""
 
 from __future__ import annotations
 
@@ -36,8 +37,7 @@ def answer_at_acks(push: Any) -> bool:
 
 
 def exact_pulls(config: Any) -> bool:
-    """Whether a worker's pull must be served by the shard (a gated model, DC-ASGD)
-    rather than read from its newest snapshot."""
+    """Whether a worker's pull must be served by the shard (a gated model, DC-ASGD)."""
     return config.consistency.gated or bool(config.staleness.dc_lambda)
 
 

@@ -34,7 +34,8 @@ Example:
     >>> p.full, len(p.payload) == p.nbytes() < 4096 // 10, worker.apply(0, p.payload)
     (False, True, 0)
     >>> bool((worker.params == shard.params).all())
-    True"""
+    True
+"""
 
 from __future__ import annotations
 

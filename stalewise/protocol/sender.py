@@ -30,7 +30,8 @@ Example:
     (990.0, 1)
     >>> s.observed(1, 9)  # a newer version of shard 1: the next push would be too stale
     >>> s.encode(np.ones(1000, np.float32), payloads); s.judge().verdict.kind
-    'too_stale'"""
+    'too_stale'
+"""
 
 from __future__ import annotations
 

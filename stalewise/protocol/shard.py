@@ -19,7 +19,8 @@ Example:
     >>> header = PushHeader(worker=0, seq=0, base_version=0, incarnation=1)
     >>> ack = shard.push(header, np.ones(4, np.float32))
     >>> ack.ok, shard.version, params.tolist()
-    (True, 1, [-0.5, -0.5, -0.5, -0.5])"""
+    (True, 1, [-0.5, -0.5, -0.5, -0.5])
+"""
 
 from __future__ import annotations
 

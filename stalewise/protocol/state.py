@@ -68,7 +68,8 @@ def save(shard: Shard) -> dict[str, Any]:
         (1, True)
         >>> restored.load_state_dict(state | {"workers": 2})
         Traceback (most recent call last):
-        ValueError: Shard.load_state_dict: 'workers': the state is of 2 workers, this shard has 1"""
+        ValueError: Shard.load_state_dict: 'workers': the state is of 2 workers, this shard has 1
+    """
     structure, opt_arrays = _flatten_state(shard.opt_state)
     pulled = sorted(shard._pulled)
     pulled_params = np.empty((len(pulled), shard.params.size), dtype=shard.params.dtype)

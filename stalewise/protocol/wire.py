@@ -26,7 +26,8 @@ Example:
     ('ack', Ack(worker=0, seq=7, ok=False, reason='too old', version=3, staleness=5, duplicate=False, kind='too_stale'))
     >>> decode_from_worker(b"\\x80\\x04K\\x01.")  # a pickle is not a message
     Traceback (most recent call last):
-    stalewise.protocol.wire.WireError: a message of unknown kind 0x80 (5 bytes)"""
+    stalewise.protocol.wire.WireError: a message of unknown kind 0x80 (5 bytes)
+"""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ class FrameReader:
         >>> r.feed(frame(b"ab") + frame(b"c")[:3]), r.pending
         ([b'ab'], 3)
         >>> r.feed(frame(b"c")[3:] + b"\\x00\\x00\\x10\\x00"), r.error
-        ([b'c'], 'an oversize message (4096 bytes, the most is 16)')"""
+        ([b'c'], 'an oversize message (4096 bytes, the most is 16)')
+    """
 
     def __init__(self, max_size: int):
         self.max_size = max_size
@@ -298,7 +300,8 @@ def decode_result(body: bytes, worker: int) -> tuple:
         ('beat', 2, 1.5)
         >>> decode_result(done(1), 2)
         Traceback (most recent call last):
-        stalewise.protocol.wire.WireError: a message naming worker 1 on worker 2's pipe"""
+        stalewise.protocol.wire.WireError: a message naming worker 1 on worker 2's pipe
+    """
     kind = _kind_of(body)
     sizes = {
         _W_READY: _INT.size,

@@ -19,7 +19,8 @@ Example:
     >>> runtime.get("nowhere")
     Traceback (most recent call last):
     ...
-    ValueError: unknown runtime 'nowhere'; known: local, sim, ray"""
+    ValueError: unknown runtime 'nowhere'; known: local, sim, ray
+"""
 
 from __future__ import annotations
 

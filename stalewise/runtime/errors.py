@@ -87,7 +87,8 @@ def warn_summary(events: Sequence[Mapping[str, Any]]) -> None:
         ...     warnings.simplefilter("always")
         ...     warn_summary(events)
         >>> str(caught[0].message)
-        'worker failures this run: 2 (restarted 1, dropped 1); see result.failures'"""
+        'worker failures this run: 2 (restarted 1, dropped 1); see result.failures'
+    """
     kinds: dict[str, Counter] = {}
     lost: Counter = Counter()
     for e in events:  # of kind "worker", "shard", "checkpoint"... (an event's first key)
@@ -129,7 +130,8 @@ class Failures:
         Traceback (most recent call last):
         stalewise.runtime.errors.WorkerError: worker 2 failed 2 times, more than max_restarts=1 allows; the last time: killed by SIGKILL
         >>> f.restarts, [e["action"] for e in f.events]
-        (1, ['restarted', 'failed'])"""
+        (1, ['restarted', 'failed'])
+    """
 
     def __init__(self, policy: str = "restart", max_restarts: int | None = 3, *, hint: str = ""):
         if policy not in FAILURE_POLICIES:

@@ -21,8 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def mean_loss(last_losses: Any) -> float:
-    """The train loss of a record: the mean of each worker's last loss over the workers
-    that pushed (NaN when none has)."""
+    """The mean of each worker's last loss over the workers that pushed (NaN: none has)."""
     seen = np.asarray(last_losses, dtype=np.float64)
     seen = seen[~np.isnan(seen)]
     return float(seen.mean()) if seen.size else math.nan
@@ -50,7 +49,8 @@ class Recorder:
         >>> r = Recorder("run", 10, stop_at={"loss": 1e-3})
         >>> stats = {"version": 1, "staleness_mean": 0.0, "staleness_max": 0}
         >>> r.record(0.1, 1, stats, 0.5, None, dict), r.record(0.2, 2, stats, 1e-4, None, dict)
-        (False, True)"""
+        (False, True)
+    """
 
     def __init__(
         self,
@@ -181,7 +181,8 @@ def merge_stats(per_shard: Sequence[Mapping[str, Any]], *, settled: bool = False
         ...      "staleness_mean": 0.5, "staleness_max": 1, "bytes_in": 8, "bytes_out": 4}
         >>> m = merge_stats([s, s], settled=True)
         >>> m["applied"], m["rejected"], m["bytes_in"], m["shards"]
-        (3, {'not_finite': 1}, 16, 2)"""
+        (3, {'not_finite': 1}, 16, 2)
+    """
     if not per_shard:
         return {}
     first = per_shard[0]

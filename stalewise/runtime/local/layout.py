@@ -18,7 +18,8 @@ has two residual buffers, tagged with the commit word of the push they follow
 
 Threading contract: one writer per shard slice (the shard process), any number of
 readers. Relies on aligned 8-byte loads and stores being atomic and on CPython's
-calls ordering memory (true on x86-64 and ARM)."""
+calls ordering memory (true on x86-64 and ARM).
+"""
 
 from __future__ import annotations
 

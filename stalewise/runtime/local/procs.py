@@ -141,7 +141,8 @@ def refers_to_main(obj: object) -> bool:
 
     Example:
         >>> refers_to_main({"lr": 0.1}), refers_to_main(refers_to_main)
-        (False, False)"""
+        (False, False)
+    """
     finder = _MainFinder(_Nowhere(), protocol=5, buffer_callback=lambda buf: False)
     try:
         finder.dump(obj)

@@ -342,8 +342,7 @@ class LocalServer:
             return [self.observer._take(k, kind, timeout)[1] for k in range(len(self._controls))]
 
     def residuals(self, timeout: float = 10.0) -> list[np.ndarray] | None:
-        """Each worker's error-feedback residual after its last committed push (copies); None
-        when the codec keeps no feedback."""
+        """Each worker's residual after its last committed push (None: the codec keeps none)."""
         if self._residuals is None:
             return None
         out = []
@@ -438,8 +437,7 @@ class LocalServer:
         return [int(msg[1]) for msg in replies]
 
     def resume(self, ckpt: Any) -> None:
-        """Puts a :class:`~stalewise.checkpoint.Checkpoint` of this job into the shards (before
-        any worker joins): states, residuals and the job's push counts."""
+        """Puts a :class:`~stalewise.checkpoint.Checkpoint` of this job into the shards first."""
         from stalewise import checkpoint
 
         self.load_state_dicts(ckpt.states)

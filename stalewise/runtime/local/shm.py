@@ -16,7 +16,8 @@ Example:
     >>> other = SharedBlock.attach(block.handle)
     >>> float(other.array(np.float32, 0, 4).sum())
     6.0
-    >>> other.close(); block.unlink(); block.close()"""
+    >>> other.close(); block.unlink(); block.close()
+"""
 
 from __future__ import annotations
 
@@ -99,8 +100,7 @@ def _create_error(
 
 
 class SharedBlock:
-    """A mapping of a shared-memory file; numpy arrays view into it. ``handle`` is what
-    another process passes to :meth:`attach`."""
+    """A mapping of a shared-memory file; numpy arrays view into it."""
 
     def __init__(self, name: str, path: str, mm: mmap.mmap, owner: bool, fd: int | None = None):
         self.name = name

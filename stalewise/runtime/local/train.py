@@ -238,8 +238,7 @@ class _Worker:
 
 
 class _Host:
-    """The local runtime as a :class:`~stalewise.runtime.driver.Host`: starts, watches and
-    restarts the shard and worker processes of one run; see the module docstring."""
+    """The local runtime as a :class:`~stalewise.runtime.driver.Host` of one run."""
 
     runtime, virtual, checkpoint_info = "local", False, {}
 
@@ -550,8 +549,7 @@ class _Host:
         return self.server.final_params
 
     def close(self) -> None:
-        """Stops every worker process (politely, then by force), closes the pipes, then
-        stops the shards."""
+        """Stops every worker process (politely, then by force), the pipes, then the shards."""
         server = self.server
         if server is None:
             return

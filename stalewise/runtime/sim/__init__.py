@@ -47,7 +47,8 @@ def train(config: ServerConfig, loss_and_grad: Callable, *, strategy: Strategy, 
         >>> result = sim_rt.train(job.config, task.loss_and_grad, data=task.batches,
         ...                       workers=8, steps=200, strategy=job.strategy)
         >>> result.pushes, result.stats["applied"]
-        (200, 200)"""
+        (200, 200)
+    """
     return run(config, strategy, RunOptions(loss_and_grad=loss_and_grad, **options))
 
 

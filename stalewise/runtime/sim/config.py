@@ -98,7 +98,8 @@ class SimConfig:
         >>> SimConfig(model_bytes=-1)
         Traceback (most recent call last):
         ...
-        stalewise.runtime.sim.models.SimConfigError: SimConfig.model_bytes = -1: must be None or an integer > 0"""
+        stalewise.runtime.sim.models.SimConfigError: SimConfig.model_bytes = -1: must be None or an integer > 0
+    """
 
     compute: Fixed | ShiftedExponential = field(default_factory=ShiftedExponential)
     speeds: tuple[float, ...] | None = None
@@ -183,7 +184,8 @@ class SimConfig:
             >>> cfg = SimConfig.from_dict({"compute": "fixed", "step_time": 0.5,
             ...                            "failures": [{"worker": 1, "time": 3.0}]})
             >>> cfg.compute, cfg.failures[0].time
-            (Fixed(time=0.5), 3.0)"""
+            (Fixed(time=0.5), 3.0)
+        """
         t = dict(table)
         for key in t:
             if key not in TOML_KEYS:

@@ -585,8 +585,7 @@ class Simulation:
     # -- checkpoints -------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The simulator's own state for a checkpoint (JSON-able), beside the shards' states.
-        ``quiescent``: no work in flight and every loop has ended."""
+        """The simulator's own state for a checkpoint (JSON-able), beside the shards' states."""
         # a worker waiting for its restart is live: a resumed run restarts it at once
         dead = [wk.phase == _DEAD and not self.restarting(wk.id) for wk in self.workers]
         return {
@@ -607,8 +606,7 @@ class Simulation:
         }
 
     def residuals(self) -> list[np.ndarray] | None:
-        """Each worker id's error-feedback residual after its last committed push, for a
-        checkpoint (None when the codec keeps no feedback)."""
+        """Each worker id's residual after its last committed push (None: the codec keeps none)."""
         comp = self.compressor
         if comp is None or not comp.error_feedback:
             return None
@@ -767,8 +765,7 @@ class Simulation:
         deadline: float,
         starts: list[tuple[float, int]] | None = None,
     ) -> bool:
-        """Runs the whole simulation without a driver (tests, tools); returns whether
-        ``record`` said stop."""
+        """Runs the whole simulation without a driver; returns whether ``record`` said stop."""
         self.begin(eval_interval, starts)
         hook = self.checkpointer
         after = None if hook is None else (lambda: hook(self))  # returns None: runs on

@@ -21,7 +21,8 @@ Example:
     >>> Network(latency=-1.0)
     Traceback (most recent call last):
     ...
-    stalewise.runtime.sim.models.SimConfigError: Network.latency = -1.0: must be a finite number >= 0"""
+    stalewise.runtime.sim.models.SimConfigError: Network.latency = -1.0: must be a finite number >= 0
+"""
 
 from __future__ import annotations
 
@@ -143,8 +144,7 @@ class Fixed:
 
 @dataclass(frozen=True)
 class ShiftedExponential:
-    """A step takes ``shift + Exp(rate)`` seconds (Dutta et al., 2018); the mean is
-    ``shift + 1 / rate``."""
+    """A step takes ``shift + Exp(rate)`` seconds (Dutta et al., 2018)."""
 
     shift: float = 0.008
     rate: float = 500.0
@@ -275,7 +275,8 @@ class Contention:
     Example:
         >>> c = Contention(step=(1.0, 1.0, 1.5, 2.0), apply=(1.0, 1.5))
         >>> c.step_at(1), c.step_at(3), c.step_at(3.5), c.step_at(6), c.apply_at(4)
-        (1.0, 1.5, 1.75, 3.0, 2.5)"""
+        (1.0, 1.5, 1.75, 3.0, 2.5)
+    """
 
     step: tuple[float, ...]
     apply: tuple[float, ...]
@@ -324,7 +325,8 @@ class WorkerTiming:
         >>> timing = WorkerTiming(SimConfig(compute=Fixed(1.0),
         ...     slowdowns=[Slowdown(worker=0, factor=2.0, start=0.5, end=1.0)]), workers=2)
         >>> timing.finish(0, 0.0), timing.finish(1, 0.0), timing.finish(1, 0.0, local_steps=4)
-        (1.25, 1.0, 4.0)"""
+        (1.25, 1.0, 4.0)
+    """
 
     def __init__(
         self,
@@ -430,7 +432,8 @@ class Links:
         >>> links = Links(Network(latency=0.1, bandwidth=10.0), workers=2, shards=1)
         >>> head, tail = links.send(0, 2, 10.0, now=0.0)   # worker 0 -> shard 0, 10 bytes
         >>> head, tail, links.receive(2, 10.0, now=head, tail=tail)
-        (0.1, 1.1, 1.1)"""
+        (0.1, 1.1, 1.1)
+    """
 
     def __init__(self, net: Network, workers: int, shards: int):
         self.latency = net.latency
