@@ -152,6 +152,8 @@ LAUNCH_ERRORS = [
         "--rank-timeout is for --runtime local",
     ),
     (["--address", "auto", "train.py"], "--address is for --runtime ray"),
+    (["--env", "DATA", "train.py"], "--env is for --runtime ray"),
+    (["--env-all", "train.py"], "--env-all is for --runtime ray"),
     (["noinit.py"], "noinit.py ended without calling sw.init(job)"),  # last: it runs the script
 ]
 

@@ -242,7 +242,7 @@ def launch(
         raise LaunchError("--rank-timeout is for --runtime local (Ray's ranks are not watched)")
     for flag, given in (("--address", address is not None), ("--env", env), ("--env-all", env_all)):
         if given and runtime != "ray":
-            raise LaunchError(f"{flag} is for --runtime ray (a local rank has this environment)")
+            raise LaunchError(f"{flag} is for --runtime ray")
     if rank_timeout is None:
         rank_timeout = RANK_TIMEOUT
     checkpoints.check(checkpoint_dir, checkpoint_every, LaunchError)
