@@ -59,8 +59,7 @@ from stalewise import runtime as runtime_lib
 from stalewise.launch import checkpoints, context
 from stalewise.launch import checkpoints as saving  # init's checkpoints= is the option group
 from stalewise.launch.context import RENDEZVOUS_TIMEOUT, Context, LaunchError  # noqa: F401
-from stalewise.launch.progress import Progress, end_lines  # noqa: F401 (Ray's launcher's)
-from stalewise.launch.ranks import RANK_TIMEOUT, STOP_GRACE, rank_env  # noqa: F401
+from stalewise.launch.ranks import RANK_TIMEOUT, STOP_GRACE  # noqa: F401
 from stalewise.launch.ranks import serve_workers as _serve_workers  # noqa: F401 (the registry's)
 from stalewise.options import checkpoint_fields
 from stalewise.runtime.errors import BudgetSpent
@@ -83,6 +82,8 @@ class _Launch:
     runtime: str
     rank_timeout: float  # the liveness rule's silence (0: off)
     address: str | None  # --address, runtime ray (None: RAY_ADDRESS, else a new local one)
+    env: list[str]  # --env NAME ...: variables each rank on Ray gets from the launcher
+    env_all: bool  # --env-all: every variable but the launcher's session and credentials
     checkpoint_dir: str | None  # where the launcher saves the job (None: nowhere)
     checkpoint_every: int | None  # every this many pushes of the job (and at the end)
     resume: bool  # start from checkpoint_dir's last checkpoint, if there is one
@@ -204,6 +205,8 @@ def launch(
     runtime: str = "local",
     rank_timeout: float | None = None,
     address: str | None = None,
+    env: list[str] = (),
+    env_all: bool = False,
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
@@ -214,7 +217,9 @@ def launch(
     no bound); ``rank_timeout``: the liveness rule's silence, local only (None:
     :data:`~stalewise.launch.ranks.RANK_TIMEOUT`; 0: off); ``checkpoint_dir``,
     ``checkpoint_every``, ``resume``: local only; ``address``: the Ray cluster (None:
-    ``RAY_ADDRESS``, else a new local instance). From the main thread, SIGTERM is
+    ``RAY_ADDRESS``, else a new local instance); ``env``, ``env_all``: what each rank on
+    Ray gets of this environment (:func:`stalewise.launch.ray.shipped_env`). From the
+    main thread, SIGTERM is
     handled as Ctrl-C: the job stops in order and :class:`Terminated` is raised.
 
     Raises:
@@ -235,8 +240,9 @@ def launch(
         )
     if runtime == "ray" and rank_timeout is not None:
         raise LaunchError("--rank-timeout is for --runtime local (Ray's ranks are not watched)")
-    if address is not None and runtime != "ray":
-        raise LaunchError("--address is for --runtime ray (the Ray cluster to run on)")
+    for flag, given in (("--address", address is not None), ("--env", env), ("--env-all", env_all)):
+        if given and runtime != "ray":
+            raise LaunchError(f"{flag} is for --runtime ray")
     if rank_timeout is None:
         rank_timeout = RANK_TIMEOUT
     checkpoints.check(checkpoint_dir, checkpoint_every, LaunchError)
@@ -252,7 +258,7 @@ def launch(
     if missing is not None:
         raise LaunchError(missing)
     _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout, runtime, rank_timeout,
-                      address, checkpoint_dir, checkpoint_every, bool(resume))  # fmt: skip
+                      address, list(env), env_all, checkpoint_dir, checkpoint_every, bool(resume))  # fmt: skip
     saved = sys.argv, list(sys.path)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
