@@ -62,9 +62,7 @@ constructor itself (``strategy.local_steps: must be an integer >= 1, got 0``).
 
 ``local_steps`` is ``H``, the local steps per push, in every strategy;
 ``every`` is only delayed Nesterov's ``N`` (asynchronous DiLoCo), ``period``
-only seconds (``dynamic``). The old keys ``steps`` (``local_sgd``, ``diloco``,
-``fixed``), ``every`` (``easgd``) and ``start`` (``adaptive``, ``comm_budget``,
-``adacomm``) still work for one release, with a DeprecationWarning naming the new key.
+only seconds (``dynamic``).
 
 ``inner`` is a table built exactly like ``[optimizer]`` (``name``, ``lr`` or
 ``schedule``, any option of that optimizer); its errors name
@@ -216,10 +214,9 @@ class RunConfig:
         fn = getattr(strategies_lib, name)
         sig = build.signature(fn)
         accepted = set(sig.parameters) if sig is not None else set()
-        table = build.new_keys(fn, self.strategy_table, "strategy")
-        table = {k: v for k, v in table.items() if k in accepted}
+        table = {k: v for k, v in self.strategy_table.items() if k in accepted}
         if period is not None:
-            table[schema.PERIOD_KEY[name]] = period
+            table["local_steps"] = period
         try:
             strategy = strategy_from_table({"name": name, **table})
         except ConfigError as e:
