@@ -165,6 +165,7 @@ from stalewise.launch.progress import Progress, end_lines  # noqa: F401 (Ray's l
 from stalewise.launch.ranks import RANK_TIMEOUT, STOP_GRACE, rank_env  # noqa: F401
 from stalewise.launch.ranks import serve_workers as _serve_workers  # noqa: F401 (the registry's)
 from stalewise.options import checkpoint_fields
+from stalewise.protocol.config import ServerConfig
 from stalewise.runtime.errors import BudgetSpent
 
 __all__ = ["BudgetSpent", "Context", "LaunchError", "Terminated", "init", "launch"]
@@ -220,9 +221,7 @@ def init(
         The worker's :class:`Context` (in the launcher's own process it does not
         return: the launcher ends there, once the workers are done).
     """
-    from stalewise.api import Job
-
-    if not isinstance(job, Job):
+    if not (isinstance(getattr(job, "config", None), ServerConfig) and hasattr(job, "serve")):
         raise TypeError(f"sw.init(job): job must be a sw.Job, got {type(job).__name__}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"sw.init: steps must be an integer >= 1 or None, got {steps!r}")

@@ -14,7 +14,7 @@ the worker's push region, and the verdict judges the payloads decoded, the
 values the shards will apply. The codec's error-feedback residual lives in the
 shared block too (:class:`~stalewise.runtime.local.layout.Residuals`): the
 parent saves it in checkpoints and hands it to the worker's next incarnation.
-Messages are the fixed binary records of :mod:`stalewise.protocol.wire`.
+Messages are the fixed binary records of :mod:`stalewise.runtime.local.wire`.
 
 Read-your-writes (:meth:`Client.pull`, ``own=True``): the pull waits for the
 last push's acks, each naming the version that holds the push, then reads a
@@ -54,11 +54,12 @@ from typing import Any, NoReturn
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline, wire
+from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline
 from stalewise.protocol.sender import Sender
 from stalewise.runtime.base import PullsIntoTrees
 from stalewise.runtime.errors import BudgetSpent, ServerClosed, ShardError
 from stalewise.runtime.local import layout as L
+from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit
 from stalewise.runtime.local.shm import SharedBlock
@@ -96,7 +97,7 @@ class ControlPipe:
 
     ``send(("join", w, incarnation))``, ``send(("stats",))`` and the like are
     encoded by :func:`wire.encode_control`; ``recv()`` decodes a reply (the
-    parent trusts its own shard, see :mod:`stalewise.protocol.wire`). Anything
+    parent trusts its own shard, see :mod:`stalewise.runtime.local.wire`). Anything
     else (``poll``, ``fileno``, ``recv_bytes``, ``close``, ...) is the wrapped
     connection's.
     """

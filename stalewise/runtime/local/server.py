@@ -1,7 +1,7 @@
 """The local runtime: shards and workers as OS processes on one machine.
 
 Bytes move through one shared-memory block (see :mod:`stalewise.runtime.local.layout`);
-only small control messages (:mod:`stalewise.protocol.wire`) go through pipes.
+only small control messages (:mod:`stalewise.runtime.local.wire`) go through pipes.
 
 A pull normally asks no one: the worker copies each shard's latest published
 snapshot (seqlocked, so never torn) into its pull buffer. When the worker's
@@ -64,10 +64,11 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.protocol import ServerConfig, budget, wire
+from stalewise.protocol import ServerConfig, budget
 from stalewise.runtime.base import worker_range
 from stalewise.runtime.errors import ShardError
 from stalewise.runtime.local import layout as layout_lib
+from stalewise.runtime.local import wire
 from stalewise.runtime.local.attach import Door
 from stalewise.runtime.local.client import Client, ControlPipe, ServerClosed, recv_reply
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
@@ -204,7 +205,7 @@ class LocalServer:
         with thread_budget(1), stalewise_main(self._needs_main):
             p.start()
         theirs.close()
-        return p, ControlPipe(mine)  # control messages are binary records (protocol.wire)
+        return p, ControlPipe(mine)  # control messages are binary records (runtime.local.wire)
 
     def _wait_ready(self, k: int) -> None:
         try:
@@ -549,7 +550,7 @@ class LocalServer:
 
         The new shard starts from what this process can still read: the slice
         as last published for pulls (consistent, and at most
-        ``shard_proc.PUBLISH_EVERY`` seconds of updates behind the dead shard),
+        ``pipeline.PUBLISH_EVERY`` seconds of updates behind the dead shard),
         with the optimizer state and counters of ``base`` (shard ``k``'s
         :meth:`state_dict`, e.g. from the last checkpoint; a newer ``base`` is
         used whole) or fresh ones. With other shards alive, it takes their

@@ -7,7 +7,7 @@ snapshots for pulls, and answers control messages from the parent
 
 One turn of its loop (:meth:`ShardProcess.turn`, then :meth:`ShardProcess.settle`)
 handles every message that has arrived, then answers the turn's pushes, then
-publishes a snapshot (at once when idle, every :data:`PUBLISH_EVERY` seconds at
+publishes a snapshot (at once when idle, every :data:`~stalewise.protocol.pipeline.PUBLISH_EVERY` seconds at
 most while more messages wait), then serves the pulls asked for. The acks go out
 before the publish: a worker reading its own push back (read-your-writes,
 :meth:`Client.pull <stalewise.runtime.local.client.Client.pull>`) copies it from
@@ -19,7 +19,7 @@ same pipe: a read-your-writes pull never waits for a deferred publish. Only a
 gated shard (SSP, BSP) whose slowest clock moved publishes before its acks: a
 worker its gate lets through must find that round's params in the snapshot.
 
-Messages are the fixed binary records of :mod:`stalewise.protocol.wire`. A
+Messages are the fixed binary records of :mod:`stalewise.runtime.local.wire`. A
 worker's pipe is read without blocking, as bytes arrive (:class:`WorkerPipe`),
 so one worker can never stall the shard's single loop: a message that is
 malformed, of an unknown kind or too long, or one left incomplete for
@@ -46,8 +46,9 @@ from multiprocessing import connection, reduction
 
 import numpy as np
 
-from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, wire
+from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, pipeline
 from stalewise.runtime.local import layout as L
+from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Snapshots
 from stalewise.runtime.local.shm import SharedBlock
 from stalewise.runtime.logs import child_logging
@@ -55,7 +56,6 @@ from stalewise.runtime.logs import child_logging
 log = logging.getLogger(__name__)
 
 
-PUBLISH_EVERY = 0.02  # seconds: the longest a busy shard defers publishing a new version
 PARTIAL_TIMEOUT = 1.0  # seconds a worker's message may stay incomplete before it is cut off
 READ_CHUNK = 4096  # bytes read from one worker's pipe per turn of the loop
 
@@ -172,7 +172,7 @@ class ShardProcess:
         return (
             not busy
             or clock != self.snapshots.min_clock(self.k)
-            or time.monotonic() - self.published_at > PUBLISH_EVERY
+            or time.monotonic() - self.published_at > pipeline.PUBLISH_EVERY
         )
 
     def write(self, call, *args, **kwargs):

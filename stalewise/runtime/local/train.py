@@ -14,7 +14,7 @@ Failures (the policy is :class:`~stalewise.runtime.errors.Failures`):
   at most ``worker_timeout``; it hangs or is stopped, and is then killed), or
   when its result pipe
   carries bytes that are no message (it is then killed: the parent reads the
-  fixed records of :func:`stalewise.protocol.wire.decode_result` and unpickles
+  fixed records of :func:`stalewise.runtime.local.wire.decode_result` and unpickles
   nothing a worker sends). It is restarted as a new
   incarnation at the current parameters, dropped, or fails the job. Its
   committed push, if any, is delivered by the shards either way, and a restart
@@ -63,11 +63,12 @@ import numpy as np
 
 from stalewise import checkpoint
 from stalewise import runtime as runtime_lib
-from stalewise.protocol import ServerConfig, loop, pipeline, wire
+from stalewise.protocol import ServerConfig, loop, pipeline
 from stalewise.protocol.liveness import Silence
 from stalewise.runtime import driver
 from stalewise.runtime.base import batch_iterator
 from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
+from stalewise.runtime.local import wire
 from stalewise.runtime.local.client import Client
 from stalewise.runtime.local.procs import (
     describe_exit,
