@@ -179,7 +179,7 @@ class Job:
         for value, kind in zip(groups, options_lib.TRAIN_GROUPS, strict=True):
             options_lib.check_group(value, kind)
         simulation = runtime if isinstance(runtime, options_lib.Simulation) else None
-        name = "sim" if simulation is not None else runtime
+        name = simulation.name if simulation is not None else runtime
         runner = runtime_lib.get(name)
         self._check_pulls(name)
         metrics = metrics or options_lib.Metrics()
@@ -256,7 +256,7 @@ class Job:
         from stalewise.launch.checkpoints import served
 
         start = functools.partial(factory, self.config, workers, join_timeout=join, **named)
-        saves = options_lib.checkpoint_fields("Job.serve", checkpoints, None, None, False)
+        saves = options_lib.checkpoint_fields("Job.serve", checkpoints)
         return served(self, start, runtime, *saves)
 
     def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):

@@ -231,16 +231,12 @@ def check_group(value: Any, kind: type[_Group]) -> Any:
     raise OptionTypeError(kind.KEYWORD, f"must be a sw.{kind.__name__}(...) or None, got {value!r}")
 
 
-def checkpoint_fields(
-    where: str, checkpoints: Any, directory: Any, every: Any, resume: Any
-) -> tuple[Any, Any, Any]:
-    """``(dir, every, resume)`` of ``sw.init`` and ``Job.serve``: from ``checkpoints``, a
-    :class:`Checkpoints`, or their own keywords (not both). They save by pushes only, and
-    keep what ``stalewise run`` keeps: ``seconds`` and ``keep`` are ``Job.train``'s."""
+def checkpoint_fields(where: str, checkpoints: Any) -> tuple[Any, Any, bool]:
+    """``(dir, every, resume)`` of ``sw.init``'s and ``Job.serve``'s ``checkpoints`` (None:
+    none). They save by pushes only, and keep what ``stalewise run`` keeps: ``seconds``
+    and ``keep`` are ``Job.train``'s."""
     if check_group(checkpoints, Checkpoints) is None:
-        return directory, every, resume
-    if directory is not None or every is not None or resume:
-        raise TypeError(f"{where}: pass checkpoints= or checkpoint_dir=/every=/resume=, not both")
+        return None, None, False
     for name in ("seconds", "keep"):
         if getattr(checkpoints, name) != DEFAULTS[Checkpoints.FIELDS[name]]:
             raise OptionError(f"Checkpoints.{name}", f"is for Job.train; {where} saves by pushes")

@@ -520,7 +520,7 @@ def test_run_option_defaults_are_stated_once_in_run_options():
     fields = {f.name for f in dataclasses.fields(sw.RunOptions) if f.init}
     grouped = {name for g in options.GROUPS for name in g.FIELDS.values()}
     # every run option is a keyword of Job.train or a field of one of its groups
-    assert fields - {"on_record", "max_workers"} <= set(train) | grouped
+    assert fields - {"on_record"} <= set(train) | grouped
     for group in options.GROUPS:
         made = group() if group is not sw.Checkpoints else group("ckpt")
         for name, option in group.FIELDS.items():

@@ -175,6 +175,8 @@ def test_serve_and_init_take_the_checkpoints_group_too(tmp_path, no_leaks):
         job.serve(workers=1, checkpoints=sw.Checkpoints(tmp_path, seconds=5.0))
     with pytest.raises(TypeError, match=r"^checkpoints must be a sw\.Checkpoints"):
         job.serve(workers=1, checkpoints=str(tmp_path))
-    # sw.init refuses both spellings before it does anything (it may be called once only)
-    with pytest.raises(TypeError, match=r"sw\.init: pass checkpoints= or checkpoint_dir="):
-        sw.init(job, checkpoints=sw.Checkpoints(tmp_path), resume=True)
+    # sw.init refuses a bad group before it does anything (it may be called once only)
+    with pytest.raises(
+        OptionError, match=r"^Checkpoints\.seconds is for Job\.train; sw\.init saves"
+    ):
+        sw.init(job, checkpoints=sw.Checkpoints(tmp_path, seconds=5.0))

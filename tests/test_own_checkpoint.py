@@ -1,5 +1,5 @@
 """Checkpoints of a loop you own (issue #29 item 4): ``stalewise run --checkpoint-dir DIR
-[--checkpoint-every N] [--resume]`` and ``sw.init(job, checkpoint_dir=..., ...)``.
+[--checkpoint-every N] [--resume]`` and ``sw.init(job, checkpoints=...)``.
 
 The launcher is SIGKILLed mid-run once a checkpoint exists, started again with
 ``--resume``, and the run goes on from that checkpoint (the job's pushes and versions,
@@ -178,12 +178,12 @@ def test_resume_starts_from_the_start_without_a_checkpoint_and_refuses_another_j
 
 
 def test_init_checkpoints_and_resumes_in_one_process(tmp_path):
-    """Without the launcher, ``sw.init(job, checkpoint_dir=..., resume=True)`` serves the
+    """Without the launcher, ``sw.init(job, checkpoints=sw.Checkpoints(...))`` serves the
     job here, saves every N pushes and at the end, and resumes from it."""
     text = SCRIPT.replace(
         "ctx = sw.init(job)",
-        f"ctx = sw.init(job, steps=60, checkpoint_dir={str(tmp_path / 'ckpt')!r}, "
-        "checkpoint_every=20, resume=True)",
+        f"ctx = sw.init(job, steps=60, checkpoints=sw.Checkpoints({str(tmp_path / 'ckpt')!r}, "
+        "every=20, resume=True))",
     )
     script, out = tmp_path / "own.py", tmp_path / "own"
     script.write_text(text)

@@ -173,7 +173,7 @@ def check_runtime(name: str | None, key: str) -> None:
 def check_workers(workers: int, runtime: str, key: str) -> None:
     limit = max_workers(runtime)
     if workers > limit:
-        what = "local worker processes" if runtime == "local" else f"workers on runtime {runtime!r}"
+        what = f"workers on runtime {runtime!r}"
         most = max(runtime_lib.names(), key=max_workers)
         hint = f"; runtime {most!r} takes up to {max_workers(most)}" if most != runtime else ""
         raise ConfigError(key, f"at most {limit} {what}, got {workers}{hint}")

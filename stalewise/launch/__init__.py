@@ -69,8 +69,8 @@ launcher, which exits with status 1; the others carry on to the budget.
 
 *Checkpoints* (local runtime, :mod:`stalewise.launch.checkpoints`): ``stalewise run
 --checkpoint-dir DIR [--checkpoint-every N] [--resume]``, or ``sw.init(job,
-checkpoint_dir=DIR, checkpoint_every=N, resume=True)`` (the flags win), or
-``job.serve(workers=..., checkpoint_dir=DIR, checkpoint_every=N, resume=True)`` for
+checkpoints=sw.Checkpoints(DIR, every=N, resume=True))`` (the flags win), or
+``job.serve(workers=..., checkpoints=sw.Checkpoints(DIR, every=N, resume=True))`` for
 processes you start and attach yourself (then a thread of the serving process saves,
 and closing the server saves the last one; there are no ranks' states). The
 launcher, which holds the shards, saves the job in ``Job.train``'s data-only format
@@ -198,9 +198,6 @@ def init(
     job: Any,
     *,
     steps: int | None = None,
-    checkpoint_dir: str | os.PathLike | None = None,
-    checkpoint_every: int | None = None,
-    resume: bool = False,
     checkpoints: Any = None,
 ) -> Context:
     """This process's part of a launched job; see the module docstring.
@@ -211,11 +208,10 @@ def init(
             have the launcher's layout.
         steps: the job's budget of pushes in all (the launcher's ``--steps``, if
             given, wins).
-        checkpoint_dir, checkpoint_every, resume: checkpoints of the job and of each
-            rank's ``ctx.state`` (see "Checkpoints" in the module docstring); the
+        checkpoints: ``sw.Checkpoints(dir, every=, resume=)``, checkpoints of the job and
+            of each rank's ``ctx.state`` (see "Checkpoints" in the module docstring); the
             launcher's ``--checkpoint-dir``, ``--checkpoint-every`` and ``--resume``, if
             given, win. Ignored in a launched worker (the launcher's hold).
-        checkpoints: or ``sw.Checkpoints(dir, every=, resume=)``, as ``Job.train`` takes them.
 
     Returns:
         The worker's :class:`Context` (in the launcher's own process it does not
@@ -225,9 +221,7 @@ def init(
         raise TypeError(f"sw.init(job): job must be a sw.Job, got {type(job).__name__}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"sw.init: steps must be an integer >= 1 or None, got {steps!r}")
-    checkpoint_dir, checkpoint_every, resume = checkpoint_fields(
-        "sw.init", checkpoints, checkpoint_dir, checkpoint_every, resume
-    )
+    checkpoint_dir, checkpoint_every, resume = checkpoint_fields("sw.init", checkpoints)
     if context.INITIALISED:
         raise RuntimeError("sw.init() was called twice in this process: call it once")
     context.INITIALISED = True
@@ -245,11 +239,11 @@ def init(
         saving.RankStates.join(ctx)  # --checkpoint-dir: ctx.state restored, and saved
         context.rendezvous(ctx)
         return ctx
-    saving.check(checkpoint_dir, checkpoint_every, ValueError)
     if _LAUNCH is not None:  # the runtime's launch: ranks.serve_workers here, Ray's on Ray
         if _LAUNCH.checkpoint_dir is None and checkpoint_dir is not None:
-            if _LAUNCH.runtime != "local":
-                raise LaunchError("checkpoints of a launched job are for --runtime local")
+            if not runtime_lib.describe(_LAUNCH.runtime).saves_served:
+                raise LaunchError("checkpoints of a launched job are for --runtime "
+                                  + runtime_lib.able("saves_served"))  # fmt: skip
             _LAUNCH.checkpoint_dir = os.fspath(checkpoint_dir)
             _LAUNCH.resume = _LAUNCH.resume or bool(resume)
         if _LAUNCH.checkpoint_every is None:
@@ -350,22 +344,25 @@ def launch(
         raise LaunchError(
             f"--rank-timeout must be a number of seconds >= 0 (0: off), got {rank_timeout!r}"
         )
-    if runtime == "ray" and rank_timeout is not None:
-        raise LaunchError("--rank-timeout is for --runtime local (Ray's ranks are not watched)")
-    if address is not None and runtime != "ray":
-        raise LaunchError("--address is for --runtime ray (the Ray cluster to run on)")
+    described = runtime_lib.describe(runtime)
+    if rank_timeout is not None and not described.watches_ranks:
+        raise LaunchError(f"--rank-timeout is for --runtime {runtime_lib.able('watches_ranks')} "
+                          f"({runtime}'s ranks are not watched)")  # fmt: skip
+    if address is not None and described.connect is None:
+        raise LaunchError(f"--address is for --runtime {runtime_lib.able('connect')} (the "
+                          "cluster to run on)")  # fmt: skip
     if rank_timeout is None:
         rank_timeout = RANK_TIMEOUT
     checkpoints.check(checkpoint_dir, checkpoint_every, LaunchError)
     if resume and checkpoint_dir is None:
         raise LaunchError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
-    if runtime != "local" and checkpoint_dir is not None:
-        raise LaunchError("--checkpoint-dir is for --runtime local")
+    if checkpoint_dir is not None and not described.saves_served:
+        raise LaunchError(f"--checkpoint-dir is for --runtime {runtime_lib.able('saves_served')}")
     path = Path(script)
     if not path.is_file():
         raise LaunchError(f"{script}: no such script")
     _check_python(path)
-    missing = runtime_lib.describe(runtime).missing()
+    missing = described.missing()
     if missing is not None:
         raise LaunchError(missing)
     _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout, runtime, rank_timeout,

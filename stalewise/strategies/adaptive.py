@@ -555,7 +555,7 @@ def adaptive(
             state)`` (and optionally ``observe``; see the module docstring).
         local_steps: shorthand for ``schedule=comm_budget(local_steps=local_steps, ...)``,
             the first rounds' ``H`` (default 4; ``max_steps`` becomes ``local_steps`` if it
-            exceeds 64). Old name: ``start``.
+            exceeds 64).
         min_steps: shorthand for ``schedule=comm_budget(min_steps=min_steps, ...)``
             (default 1).
         outer: ``"local_sgd"`` (recommended server optimizer ``sgd(1.0)``) or

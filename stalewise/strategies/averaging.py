@@ -588,7 +588,7 @@ def local_sgd(
 
     Args:
         local_steps: ``H``, local steps (minibatches) per push; the cap when ``dynamic``.
-            Not the job's push budget (``Job.train(steps=)``). Old name: ``steps``.
+            Not the job's push budget (``Job.train(steps=)``).
         inner: the worker's optimizer: a :mod:`stalewise.optim` optimizer, an
             optax ``GradientTransformation`` or a torch optimizer factory (see
             the module docstring).
@@ -646,7 +646,7 @@ def diloco(
 
     Args:
         local_steps: ``H``, local steps per push (500 in the paper); the cap when
-            ``dynamic``. Old name: ``steps``.
+            ``dynamic``.
         inner: the inner optimizer (default ``sw.optim.adamw(1e-3)``, weight
             decay 0.01; the paper used AdamW with lr 4e-4, warmup and cosine
             decay, weight decay 0.1 on language models).
@@ -739,7 +739,7 @@ def easgd(alpha: float, *, local_steps: int, inner: Any, reset_inner: bool = Fal
     Args:
         alpha: the moving rate, in ``(0, 1]`` (the paper's ``beta / p`` for ``p``
             workers; ``beta = 0.9`` there).
-        local_steps: ``tau``, local steps between elastic exchanges. Old name: ``every``.
+        local_steps: ``tau``, local steps between elastic exchanges.
         inner: the worker's optimizer (see the module docstring).
         reset_inner: make a fresh inner optimizer state at every pull.
 

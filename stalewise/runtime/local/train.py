@@ -193,8 +193,7 @@ def _worker_main(
             if request is loop.CLOCK:  # a strategy pacing itself asks the runtime's clock
                 return time.monotonic()
             # a Push or an Ahead: emulate the compute time; a straggler is slow at everything
-            emulated = (request.compute + delay * request.local_steps) * slowdown - request.compute
-            end = time.monotonic() + max(emulated, 0.0)
+            end = time.monotonic() + loop.emulated(request, slowdown, delay)
             land(end)  # an overlapped push lands during the steps taken ahead
             beat.sleep(end - time.monotonic())
             if isinstance(request, loop.Ahead):
