@@ -36,8 +36,6 @@ from stalewise.runtime.logs import child_logging
 
 log = logging.getLogger(__name__)
 
-PUBLISH_EVERY = 0.02  # seconds: the longest an ASP pull may be served an older snapshot
-
 
 def payload_spans(config: ServerConfig) -> list[tuple[int, int]] | None:
     """Where each shard's payload lies in a compressed push (``[start, stop)`` in bytes: the
