@@ -1,14 +1,9 @@
 """Model-averaging strategies: local SGD (FedAvg), DiLoCo, asynchronous DiLoCo and EASGD.
 
-A model-averaging worker runs several *local steps* between two pushes and
-pushes a *pseudo-gradient* built from how far its local parameters moved. The
-server shards treat it like any update: the job's server optimizer applies it,
-the consistency model decides when (ASP on arrival, SSP within a bound, BSP the
-mean of a round) and the staleness rule scales its step. So one server serves
-gradient pushes and model averaging alike, and the choice of averaging method
-is the pair (strategy, server optimizer).
-
-Constructors (also under ``sw.strategies``):
+A worker runs ``local_steps`` (``H``) local steps with an *inner* optimizer between two
+pushes and pushes a pseudo-gradient; the server treats it as any update, so an averaging
+method is the pair (strategy, server optimizer). ``sw.Job(params, strategy=s)`` without
+``optimizer=`` uses ``s.server_optimizer()``:
 
 ============================================  ================================  =======================================
 strategy                                      pushes                            recommended server optimizer
@@ -19,140 +14,13 @@ strategy                                      pushes                            
 ``easgd(alpha, local_steps=tau, inner=opt)``  ``alpha * (centre - local)``      ``sgd(1.0)``
 ============================================  ================================  =======================================
 
-Names: ``local_steps`` is always ``H``, a worker's local steps per push (the
-cap with dynamic local updates; the first rounds' ``H`` of
-:func:`~stalewise.strategies.adaptive.adaptive` and its schedules);
-``period`` is always seconds (a dynamic round's budget); ``every`` is only
-delayed Nesterov's ``N``, the arrivals per momentum step; ``steps`` is only
-the job's push budget (``Job.train(steps=)``). The old spellings
-(``local_sgd(steps=)``, ``diloco(steps=)``, ``easgd(every=)``,
-``adaptive(start=)``...) still work for one release, with a DeprecationWarning.
-
-``sw.Job(params, strategy=s)`` without ``optimizer=`` uses
-``s.server_optimizer()``; any other server optimizer may be passed instead.
-
-The worker's state
-------------------
-Each worker keeps an :class:`AveragingState` (made by ``init`` from its first
-pull, living in the worker process, never pickled): the spec of the flat
-vector, its local parameters ``local`` (one flat vector), the last pulled
-parameters ``pulled``, a gradient buffer, the inner optimizer's state
-``inner``, its number of pushes and the mean wall time of its last local steps
-(and, for strategies that pace themselves, the runtime's clock at the last
-round's start and the fit of its rounds' lengths, :mod:`stalewise.pacing`).
-``init`` also runs a :mod:`stalewise.optim` inner optimizer once on a
-throw-away model (the same leaf names, one element each), so its compiled
-kernels load then and not during the first round, whose compute time the
-runtimes scale to emulate slower workers.
-
-* **Inner optimizer state persists across pushes** by default: Adam's moments
-  and step count carry over from one round to the next, as in DiLoCo, where
-  each worker keeps its inner AdamW. ``reset_inner=True`` makes a fresh inner
-  state at every pull instead (FedAvg with stateful clients reset per round).
-* **Local parameters after a push:**
-
-  - ``local_sgd`` and ``diloco``: they are *replaced* by the next pull; every
-    round starts from the freshly pulled global parameters (the local SGD /
-    DiLoCo rule), so the pseudo-gradient of a round is exactly
-    ``pulled - local`` of that round.
-  - ``easgd``: they are *not* replaced. With ``x`` the local parameters and
-    ``c`` the centre pulled at the start of the round, the worker runs ``tau``
-    local steps on ``x``, then pushes ``alpha * (c - x)`` and moves itself
-    ``x -= alpha * (x - c)``; with server ``sgd(1.0)`` the centre moves
-    ``c += alpha * (x - c)`` (Zhang, Choromanska and LeCun 2015,
-    asynchronous EASGD). The next pull only supplies the next centre. A worker
-    whose local parameters became NaN/Inf restarts from the centre (its push is
-    refused by the server, as any non-finite push).
-
-How the server merges pseudo-gradients
---------------------------------------
-With server ``sgd(1.0)``: under ASP each delta is added in full on arrival
-(asynchronous local SGD); under BSP the server applies the mean of a round's
-deltas, which is FedAvg: the new global parameters are the mean of the
-workers' local parameters. ``local_sgd(local_steps=1, inner=sgd(lr))`` under BSP is
-synchronous data-parallel SGD with learning rate ``lr``. (Under BSP, EASGD's
-centre moves by ``alpha`` times the *mean* of ``x_i - c``; the paper's
-synchronous rule uses the sum, which is server ``sgd(workers)``.)
-
-DiLoCo (Douillard et al. 2023) is local SGD with an inner AdamW and an outer
-Nesterov SGD (lr 0.7, momentum 0.9) applied to the round's mean
-pseudo-gradient: run it under BSP (``sw.Job`` refuses it under ASP/SSP with the
-recommended optimizer, and ``asynchronous=True`` under BSP; see :func:`diloco`).
-Asynchronous DiLoCo (Liu et al. 2024,
-"Asynchronous Local-SGD Training for Language Modeling") runs it under ASP
-with two changes:
-
-* the server optimizer is :func:`stalewise.optim.delayed_nesterov` with
-  ``every = N`` = the number of workers: each pseudo-gradient ``g`` is applied
-  on arrival as a plain step ``lr * g / N``, and once every ``N`` arrivals the
-  momentum takes the mean of the last ``N`` and makes its Nesterov step, so
-  ``N`` arrivals add up to one synchronous DiLoCo outer step on their mean.
-  The strategy does not know the worker count when the Job is made: pass
-  ``every=`` to ``diloco`` (or an explicit ``optimizer=`` to the Job);
-  ``server_optimizer(workers)`` takes it when the caller knows it.
-* dynamic local updates (``dynamic=True, period=seconds``), so that a slow
-  worker pushes as often as a fast one (see below).
-
-Staleness. The shard's staleness of a push counts server updates since the
-worker pulled; under ASP with ``W`` workers of equal speed each
-pseudo-gradient is about ``W - 1`` updates old even when nothing is wrong, so
-``sw.staleness.inverse()`` would shrink every push by about ``1 / (W - 1)``
-(a smaller outer learning rate, not a correction). Recommended: the default
-``sw.staleness.constant()`` with dynamic local updates (which make every
-worker's pushes equally old) and delayed Nesterov, as in the paper; add
-``sw.staleness.polynomial(0.5)`` to damp pushes from workers that are much
-slower than the rest when dynamic local updates are off, and
-``max_staleness=`` to drop pushes that are hopelessly old.
-
-Dynamic local updates
----------------------
-``dynamic=True`` with ``period=seconds`` gives every round a time budget
-instead of a fixed ``H``: each worker picks its ``H`` so that its round, from
-one pull's arrival to the next, lasts about ``period`` seconds by the
-runtime's clock (wall time in the local and Ray runtimes, virtual time in the
-simulator). So every worker pushes about once per ``period``, and a worker 4x
-slower runs about a quarter of the steps (the paper's DyLU sets ``H_i = H *
-v_i / v_max`` from measured speeds; a shared time budget gives the same ratio
-without a coordinator). The round is timed by the runtime, so the local
-runtime's emulated ``stragglers=``/``delays=`` and the simulator's timing
-model count, and a simulated run stays bit-reproducible.
-
-The rule (:mod:`stalewise.pacing`): the worker fits its rounds' lengths ``T =
-c + s * H`` (``c`` communication and waiting, ``s`` one local step) and runs
-``H = floor((period - c) / s)`` steps, at least 1 and at most ``local_steps``
-(the cap), and at most 4x the last round's. Its first round runs 1 step, to
-measure; until two rounds of different ``H`` were seen, ``c`` counts as 0
-(``H = floor(H_last * period / T_last)``).
-Set ``period`` to ``H`` times the fastest worker's step time plus a round's
-communication and the fastest worker runs about ``H`` steps.
-
-Without a runtime (``step`` called directly, no clock given) the worker
-times its own local steps instead (``loss_and_grad`` plus the inner update,
-real wall time) and stops when the next step, at this round's mean, would
-not fit in ``period``.
-
-Inner optimizers
-----------------
-``inner`` is one of:
-
-* a :mod:`stalewise.optim` optimizer (``sgd``, ``adam``, ``adamw``, ``lamb``,
-  ``lars``, ``chain``...): it runs in place on the flat local vector with the
-  job's segment table, so LAMB's per-leaf trust ratios (``max_trust_ratio``
-  included) and its exclusion regexes work on the leaf names;
-* an optax ``GradientTransformation`` (anything with ``init`` and ``update``
-  that is not a stalewise optimizer): it sees a ``dict`` of leaf name (the
-  dotted key path, e.g. ``"layer1.w"``) -> JAX array of the leaf's shape, for
-  params of any backend; per-leaf transforms (``optax.lamb``'s trust ratio)
-  therefore work per leaf, and a mask must be given as a callable of that
-  dict or a dict with those keys. The optax state lives on the worker. optax
-  transforms are closures and do not pickle: use them with the simulator (or
-  your own loop with ``Job.serve``), not the local runtime;
-* a PyTorch optimizer *factory*: a callable that takes a list of torch tensors
-  (one per leaf, in the spec's leaf order, sharing memory with the flat local
-  vector) and returns a ``torch.optim.Optimizer``, e.g.
-  ``functools.partial(torch.optim.AdamW, lr=1e-3)``. It works for params of any
-  backend. For the local runtime it must pickle: a ``functools.partial`` of an
-  optimizer class or a module-level function, not a lambda.
+``inner`` is a :mod:`stalewise.optim` optimizer (in place on the flat local vector, with
+the leaf names), an optax ``GradientTransformation`` (on a dict of dotted leaf name -> JAX
+array; it does not pickle, so not for the local runtime) or a PyTorch optimizer factory
+taking one tensor per leaf, e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)``. Its
+state persists across pushes unless ``reset_inner=True``. ``dynamic=True,
+period=seconds`` gives each round a time budget instead of a fixed ``H``
+(:mod:`stalewise.pacing`). Why: docs/design-notes.md, "Model averaging".
 
 Example:
     >>> import numpy as np
@@ -163,9 +31,6 @@ Example:
     >>> step = strat.step(strat.init(params), params, lg, iter([None] * 2))
     >>> step.update["x"].tolist(), step.local_steps, step.loss  # 1 -> 0 -> 0
     ([1.0, 1.0], 2, 1.0)
-    >>> job = sw.Job(params, strategy=diloco(local_steps=10), consistency=sw.BSP())  # outer Nesterov
-    >>> job.strategy.server_optimizer() is not None
-    True
 """
 
 from __future__ import annotations
@@ -211,9 +76,7 @@ class _StalewiseInner:
         return state
 
     def warm(self, local: np.ndarray, spec: tree.FlatSpec) -> None:
-        """One step on a throw-away model with the same leaf names, one element each, so the
-        optimizer's compiled kernels (numba) load now, not in the first round's compute time,
-        which the runtimes scale to emulate and simulate slower workers."""
+        """One step on a one-element-per-leaf model, so compiled kernels load now."""
         tiny, tiny_spec = tree.flatten({x.name: np.zeros(1, local.dtype) for x in spec.leaves})
         self.opt.apply(np.full_like(tiny, 1e-3), self.opt.init(tiny, tiny_spec.segments), tiny)
 
@@ -317,12 +180,7 @@ def _describe_inner(inner: Any) -> str:
 
 @dataclass(eq=False)
 class AveragingState:
-    """One worker's state for :func:`local_sgd`, :func:`diloco` and :func:`easgd`.
-
-    Made by the strategy's ``init`` from the first pull; it lives in the worker
-    and is never pickled. See the module docstring for what each field becomes
-    after a push.
-    """
+    """One worker's state for :func:`local_sgd`, :func:`diloco` and :func:`easgd`."""
 
     spec: tree.FlatSpec  # layout of the flat vectors (the job's)
     local: np.ndarray  # the worker's local parameters, flat
@@ -429,15 +287,10 @@ def _check_positive(where: str, name: str, value: Any, hi: float = math.inf) -> 
 
 
 class LocalSGDStrategy(Strategy):
-    """Local SGD / DiLoCo: ``H`` local steps from the pulled parameters, push ``pulled - local``.
-
-    Build it with :func:`local_sgd` or :func:`diloco`; see the module docstring. (Its
-    old name, ``LocalSGD``, still works with a DeprecationWarning; ``sw.LocalSGD`` is the
-    wrapper for a loop you own, :class:`stalewise.loops.LocalSGD`.)
-    """
+    """Local SGD / DiLoCo: ``H`` local steps from the pull, push ``pulled - local``; build it
+    with :func:`local_sgd` or :func:`diloco`."""
 
     #: every round starts from the pull, which must include this worker's last push
-    #: (read-your-writes; see "Read-your-writes" in the module docstring)
     settles = True
 
     @renames("LocalSGDStrategy", steps="local_steps")
@@ -521,9 +374,7 @@ class LocalSGDStrategy(Strategy):
         return Step(tree.unflatten(delta, state.spec), n, loss, state)
 
     def check_consistency(self, consistency: Any, *, recommended: bool) -> None:
-        """Refuses DiLoCo under the consistency model its outer optimizer is not made for
-        (see :func:`diloco`): ``asynchronous=True`` under BSP, and, when the Job takes the
-        recommended Nesterov SGD, synchronous DiLoCo under ASP or SSP."""
+        """Refuses DiLoCo under a consistency model its outer optimizer is not made for."""
         why = _outer_mismatch(self, consistency, recommended, self.name)
         if why is not None:
             raise ValueError(why)
@@ -587,17 +438,12 @@ def local_sgd(
 ) -> LocalSGDStrategy:
     """Local SGD: ``local_steps`` local steps with ``inner``, then push ``pulled - local``.
 
-    Recommended server optimizer ``sgd(1.0)``: under ASP every delta is added
-    in full (asynchronous local SGD), under BSP the round's mean is applied
-    (FedAvg). Local parameters restart from each pull; the inner optimizer's
-    state persists across pushes unless ``reset_inner``.
+    Recommended server optimizer ``sgd(1.0)`` (under BSP: FedAvg).
 
     Args:
         local_steps: ``H``, local steps (minibatches) per push; the cap when ``dynamic``.
             Not the job's push budget (``Job.train(steps=)``). Old name: ``steps``.
-        inner: the worker's optimizer: a :mod:`stalewise.optim` optimizer, an
-            optax ``GradientTransformation`` or a torch optimizer factory (see
-            the module docstring).
+        inner: the worker's optimizer (see the module docstring).
         reset_inner: make a fresh inner optimizer state at every pull.
         dynamic: dynamic local updates: pick ``H`` so that a round lasts about ``period``.
         period: seconds per round when ``dynamic``, by the runtime's clock.
@@ -633,23 +479,10 @@ def diloco(
 ) -> LocalSGDStrategy:
     """DiLoCo (Douillard et al. 2023) and asynchronous DiLoCo (Liu et al. 2024).
 
-    The worker side is :func:`local_sgd` with an inner AdamW whose state
-    persists across rounds. The recommended server optimizer (the Job's
-    default) is the published outer optimizer, ``sgd(outer_lr=0.7,
-    outer_momentum=0.9, nesterov=True)``, meant for BSP. With
-    ``asynchronous=True`` it is ``delayed_nesterov(0.7, 0.9, every=N)`` for
-    ASP, ``N`` being ``every`` (the number of workers).
-
-    Synchronous DiLoCo is for BSP, asynchronous DiLoCo for ASP or SSP, and
-    ``sw.Job`` refuses the two other pairings: ``asynchronous=True`` under BSP
-    (delayed Nesterov counts the pushes as they arrive; BSP applies one mean per
-    round), and, when the Job takes the recommended optimizer, synchronous DiLoCo
-    under ASP or SSP (every push would take a Nesterov momentum step of its own,
-    ``N`` a round instead of one; with one worker pass ``consistency=sw.BSP()``,
-    which is then the same run). An ``optimizer=`` you choose is yours: e.g.
-    ``optimizer=sw.optim.sgd(0.7, momentum=0.9, nesterov=True)`` under ASP runs
-    that per-push rule, the baseline delayed Nesterov improves on. ``sw.Hybrid``
-    switches between BSP and ASP and is accepted with either.
+    :func:`local_sgd` with an inner AdamW; the recommended server optimizer is Nesterov
+    ``sgd(outer_lr, outer_momentum)`` for BSP, or with ``asynchronous=True``
+    ``delayed_nesterov(every=N)`` for ASP/SSP. ``sw.Job`` refuses the other two pairings
+    unless you pass your own ``optimizer=``; ``sw.Hybrid`` is accepted with either.
 
     Args:
         local_steps: ``H``, local steps per push (500 in the paper); the cap when
@@ -739,11 +572,8 @@ class EASGD(Strategy):
 def easgd(alpha: float, *, local_steps: int, inner: Any, reset_inner: bool = False) -> EASGD:
     """Asynchronous EASGD (Zhang, Choromanska and LeCun 2015).
 
-    Each round: ``local_steps`` (``tau``) local steps with ``inner`` on the worker's
-    own parameters ``x``; then, with ``c`` the centre pulled at the start of the
-    round, push ``alpha * (c - x)`` and move ``x -= alpha * (x - c)``. With the
-    recommended server optimizer ``sgd(1.0)`` the centre moves ``c += alpha *
-    (x - c)``. The worker's parameters are not replaced by the pull.
+    Each round: ``local_steps`` (``tau``) steps on the worker's own ``x``, then push
+    ``alpha * (c - x)`` and move ``x -= alpha * (x - c)``, ``c`` the pulled centre.
 
     Args:
         alpha: the moving rate, in ``(0, 1]`` (the paper's ``beta / p`` for ``p``

@@ -1,63 +1,16 @@
 """Streaming DiLoCo (Douillard et al. 2025), synchronous and asynchronous.
 
-DiLoCo pushes the whole model's pseudo-gradient once every ``H`` inner steps.
-Streaming DiLoCo cuts the model into ``P`` *fragments* and syncs each on its own
-schedule inside the period: fragment ``p`` is pushed after inner steps ``t``
-with ``t = offset_p (mod H)``, ``t > 0`` (offsets staggered by default,
-``offset_p = round(p * H / P)``), so a worker pushes ``P`` times a period, one
-fragment (about ``1 / P`` of the model) each time. After pushing fragment
-``p`` the worker goes on with its inner steps, and ``delay`` (the paper's
-``tau``) inner steps later it merges the global fragment the server returned:
-``local_p = alpha * local_p + (1 - alpha) * global_p`` (``alpha = 0``, the
-default, takes the global fragment, as torchft's ``fragment_update_alpha``);
-the fragment's next pseudo-gradient is measured from that global fragment.
-
-``streaming_diloco(local_steps=H, fragments=1, delay=0)`` is DiLoCo: the same
-pushes, the same server optimizer, bit for bit (``tests/test_streaming.py``).
-
-How it maps on the parameter server
------------------------------------
-A strategy step is one pull, the inner steps up to the next sync point, and
-one push. The push is the fragment's pseudo-gradient ``ref_p - local_p`` and
-zeros elsewhere (a model's buffers report their values in every push, as in
-DiLoCo); with a codec (``int4``, ``int8``...) it travels as a *segment push*:
-each shard's payload carries only the leaves that are not all zero, with their
-indices (:mod:`stalewise.protocol.compress`), so a push costs the bytes of its
-fragment, and a shard holding none of it gets a 12-byte header (every push
-reaches every shard: sequence numbers, clocks and BSP rounds stay in step).
-The global fragment to merge is read from the pull that follows the push (the
-strategy ``settles``: the pull includes the push), kept, and merged ``delay``
-inner steps later; the other fragments of that pull are not used.
-
-The server must step only the pushed fragment: Nesterov momentum stepped on
-the zeros of the other fragments would keep moving them. The recommended
-server optimizer for ``P > 1`` is :func:`lazy_leaves` of DiLoCo's (Nesterov
-SGD, or delayed Nesterov when ``asynchronous``): every leaf keeps its own
-optimizer state, and a push steps the leaves it touches (not all zero) and
-leaves the others, state included, as they were. Fragments are unions of whole
-leaves (patterns match leaf names; ``fragments=P`` cuts the leaf order into
-``P`` runs of about equal size, at leaf boundaries), so a fragment's push steps
-exactly its leaves; a leaf whose pseudo-gradient is exactly zero everywhere
-(it did not move) is left alone, where a per-fragment optimizer would still
-take a momentum step on it. The rule needs no fragment table on the server and
-works on any sharding (a leaf cut by shards is decided piece by piece).
-
-Asynchronous streaming DiLoCo (``asynchronous=True``, under ASP): each push is
-an ordinary push, applied on arrival; with :func:`lazy_leaves` of
-``delayed_nesterov(every=N)`` each leaf counts its own arrivals, so the ``N``
-workers' pushes of a fragment make one momentum step of that fragment, as
-asynchronous DiLoCo does for the whole model. A slow worker holds nobody back.
-
-Overlap (``delay >= 1``, :attr:`StreamingDiLoCo.overlaps`): in a runtime that
-overlaps (the local one), the worker loop (:mod:`stalewise.protocol.loop`) has
-the push answered at once and calls :meth:`StreamingDiLoCo.ahead` while it is
-in flight: the inner steps that need no pull, up to the merge of the pushed
-fragment (``delay`` steps on) or the next sync point. Only then does it pull
-(waiting for the push's acks). The pushes and merges are those of the
-non-overlapped order, step for step; only the pull is read later, so under
-BSP the values are the same and under ASP the pull may hold more of the other
-workers' pushes. Without a codec a push is the whole vector, zeros included
-(see ``docs/design-notes.md``, "Streaming DiLoCo").
+The model is cut into ``P`` *fragments* (unions of whole leaves), each synced on its own
+schedule inside DiLoCo's period ``H``: fragment ``p`` is pushed after inner steps ``t =
+offset_p (mod H)`` (staggered by default), as its pseudo-gradient with zeros elsewhere
+(with a codec, a segment push costing the fragment's bytes). ``delay`` (``tau``) inner
+steps later the worker merges the global fragment read from the pull after the push:
+``local_p = alpha * local_p + (1 - alpha) * global_p``. The recommended server optimizer
+for ``P > 1`` is :func:`lazy_leaves` of DiLoCo's, which steps only the leaves a push
+touches. ``streaming_diloco(local_steps=H, fragments=1, delay=0)`` is DiLoCo bit for bit.
+With ``delay >= 1`` a runtime that overlaps (the local one) answers the push at once and
+runs :meth:`StreamingDiLoCo.ahead` while it is in flight. Why: docs/design-notes.md,
+"Streaming DiLoCo".
 
 Example:
     >>> import numpy as np, stalewise as sw
