@@ -1,77 +1,11 @@
 """Pytrees of NumPy, PyTorch, JAX or TensorFlow arrays <-> one flat vector.
 
-The server and the optimizers work on one contiguous NumPy vector; users work
-with the structure they trained with. :func:`flatten` turns a tree into the
-vector and a :class:`FlatSpec` (key paths, shapes, dtypes, offsets, and the
-structure), :func:`unflatten` builds the tree back, :func:`unflatten_into`
-writes a vector into an existing tree in place.
-
-Rules:
-
-- Containers: ``dict`` (keys in the order of sorted ``str(key)``, so the layout
-  does not depend on insertion order; ``OrderedDict`` is kept, other mappings
-  come back as ``dict``), ``list``, ``tuple``, namedtuples, dataclass
-  instances (their fields in declaration order; fields with
-  ``metadata={"static": True}`` are kept in the structure, not flattened) and
-  ``None`` (no leaves, restored as ``None``). Any other container goes
-  through its ecosystem's own pytree registry
-  (:mod:`stalewise.backends.containers`): JAX's (flax nnx ``State``, flax
-  structs, equinox modules), PyTorch's, TensorFlow's nest protocol. Inside
-  such a container, integer arrays and PRNG keys are constants of the spec
-  (:func:`unflatten` restores them as they were) and leaves that are not
-  arrays (an equinox module's activation function, a Python number) are
-  filtered out: :func:`unflatten` puts ``None`` there, as
-  ``eqx.filter(model, eqx.is_array)`` does (``eqx.combine`` them back). A
-  flax nnx ``GraphDef`` is a constant too, so ``nnx.split(model)`` is a tree.
-- Models (each treated as a ``dict`` of name -> leaf, which :func:`unflatten`
-  returns): a ``torch.nn.Module`` shares its ``state_dict`` entries that are
-  parameters requiring grad or floating buffers; a Keras model its
-  ``trainable_variables`` and floating ``non_trainable_variables``; a
-  ``tf.Module`` its trainable variables (see the backends). A flax nnx
-  ``Module`` is its ``nnx.State`` without RNG state. What a model keeps
-  besides (integer buffers such as ``num_batches_tracked``, frozen
-  parameters, RNG counters) stays in each worker's model: an update may
-  carry it under its name, and it is ignored.
-- Leaves: NumPy arrays and NumPy scalars (0-d leaves, restored as 0-d
-  arrays), torch tensors (detached, copied to the CPU), JAX arrays, TensorFlow
-  tensors, variables and ``IndexedSlices``. Python scalars in the built-in
-  containers are refused (they cannot be written in place); use
-  ``np.float32(...)`` or a static dataclass field.
-- Only floating leaves are stored: float16, bfloat16, float32, float64.
-  An integer or bool leaf of a built-in container is refused with a
-  TypeError naming the key path and dtype, unless ``keep_integers=True``
-  (what ``sw.Job`` passes), which keeps it as a constant, like those of
-  registered containers. Complex leaves are refused.
-- Buffers: leaves marked ``buffer`` in the spec (a model's floating buffers,
-  nnx Variables other than ``nnx.Param``, or leaves named by
-  :func:`mark_buffers`) hold non-trainable state. In an update their slot
-  carries the buffer's value after the worker's step, not a gradient; see
-  :mod:`stalewise.optim.buffers` for what the server makes of it.
-- Tied leaves: a mutable array found under several names (torch tensors
-  viewing the same storage at the same offset and shape, the same NumPy array
-  or TensorFlow variable object) is stored once, under the name that comes
-  first; :func:`unflatten` puts the same object under every name and
-  :func:`unflatten_into` writes every name. An update may hold a tied leaf
-  under any of its names; values under several names that are not the same
-  array are added (``jax.grad`` returns one gradient per use). Immutable
-  arrays (JAX, ``tf.Tensor``) are values: one in two places is two leaves.
-- The flat vector is float32, or float64 when some leaf is float64, so the
-  round trip is exact. ``dtype=`` forces float32 or float64; a forced float32
-  rounds float64 leaves.
-- Order is depth first. Leaf names (for :class:`~stalewise.segments.Segments`
-  and exclusion regexes) are the key path joined by dots, e.g. ``"layer1.w"``
-  (an nnx Variable's ``value`` is left out: ``"linear.kernel"``); the leaves of
-  a list of TensorFlow variables are named by variable path.
-- Zero-copy: ``unflatten(copy=False)`` returns NumPy leaves that are views of
-  the flat vector and CPU torch tensors sharing its memory when the leaf
-  dtype equals the flat dtype; other leaves are copies (JAX arrays always).
-  ``flatten(out=buf)`` fills ``buf`` without a parameter-sized temporary for
-  NumPy and CPU torch leaves of the flat dtype.
-- With ``spec=``, the tree must match the spec (structure, shapes, dtypes;
-  the backend may differ, e.g. JAX gradients for NumPy parameters); errors
-  name the key path: ``params['layer1']['w']: expected shape (64, 32), got (32, 64)``.
-- A tree made by :func:`unflatten` flattens back (without ``spec=``) to the
-  spec it was made from, its buffers, constants and tied names included.
+The server and the optimizers work on one contiguous NumPy vector; users work with the
+structure they trained with. :func:`flatten` turns a tree into the vector and a
+:class:`FlatSpec` (key paths, shapes, dtypes, offsets, buffers, tied names and the
+structure), :func:`unflatten` builds the tree back, :func:`unflatten_into` writes a vector
+into an existing tree in place. What counts as a container, a model and a leaf, dtypes,
+buffers and tied leaves: docs/models.md.
 
 Example:
     >>> import numpy as np
