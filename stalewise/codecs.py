@@ -1,41 +1,15 @@
 """Codecs: how an update is encoded on the wire (``sw.codecs``).
 
-A codec turns a float vector into bytes and back. Each is a small frozen
-(picklable, comparable) class with :meth:`Codec.encode`, :meth:`Codec.decode`
-and an exact byte count, :meth:`Codec.nbytes`, equal to ``len(encode(x))``.
-
-===========  ======================================  ================================  ==============
-codec        bytes for ``n`` float32 values          decoded value                     error feedback
-===========  ======================================  ================================  ==============
-``none()``   ``12 + 4n`` (float64: ``8n``)           exact                             no
-``fp16()``   ``12 + 2n``                             float16, clamped to +-65504       off
-``bf16()``   ``12 + 2n``                             bfloat16, clamped                 off
-``int8()``   ``12 + n + 4 ceil(n / 4096)``           one float32 scale per block       off
-``int4()``   ``12 + ceil(n / 2) + 4 ceil(n / 256)``  levels -7..7 times a block scale  off
-``topk(f)``  ``12 + k (4 + index bytes)``            the ``k = round(f n)`` largest    on
-``sign()``   ``12 + 4 + ceil(n / 8)``                ``mean|x| * sign(x)``             on
-===========  ======================================  ================================  ==============
-
-Each class's docstring states its error bound. Lossy codecs work in float32
-(a float64 vector is rounded first); ``none`` keeps float64.
-
-The payload is raw bytes, never a pickle: a fixed 12-byte header (a magic byte,
-the codec's id, the dtype of the values, one parameter byte, ``n`` as a uint64)
-then the body. :meth:`Codec.decode` checks the header against the codec doing
-the decoding, the length against :meth:`Codec.nbytes` and ``topk``'s indices; a
-truncated, padded, foreign or structurally corrupt payload raises
-:class:`PayloadError`. There is no checksum (the transports are reliable): a
-flipped bit among the values decodes to a wrong value, which validation catches
-only when it is not finite.
-
-NaN and infinity are carried through as values (``int8`` and ``int4`` turn a block
-holding one into NaNs), so that the shard's validation refuses such an update.
-
-Per-leaf policy: a codec given to ``sw.Job(codec=...)`` compresses the leaves of
-at least :data:`SMALL_LEAF` elements; smaller ones (biases, norms) travel
-uncompressed. :func:`size_adaptive` sets the threshold and both codecs.
-:mod:`stalewise.protocol.compress` applies the policy to a whole update, one
-payload per shard, with error feedback.
+A codec is a small frozen class that turns a float vector into bytes
+(:meth:`Codec.encode`) and back (:meth:`Codec.decode`), with an exact byte count
+(:meth:`Codec.nbytes`): ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``topk`` and
+``sign``; each class's docstring states its error bound. The payload is raw bytes, never
+a pickle: a 12-byte header (magic, codec id, dtype, parameter, ``n``) then the body;
+a truncated, padded, foreign or corrupt payload raises :class:`PayloadError`. NaN and
+infinity travel as values, so that the shard refuses such an update. A Job's codec
+compresses leaves of at least :data:`SMALL_LEAF` elements (:func:`size_adaptive` sets
+the threshold); :mod:`stalewise.protocol.compress` applies it per shard with error
+feedback. Sizes, speeds and errors: docs/codecs.md.
 
 Example:
     >>> import numpy as np

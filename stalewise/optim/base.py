@@ -16,15 +16,9 @@ which leaf. It is a NamedTuple of functions, in the spirit of optax:
   becomes the updates and ``state`` is advanced; ``params`` is untouched. This is
   what :func:`chain` uses for all but its last element.
 
-``scale`` multiplies the step size of this one update (a parameter server
-passes a staleness weight through it); it never changes what enters the
-moments. Gradient transforms such as :func:`clip_by_global_norm` ignore it.
-
-Each rule is written once, in place (a :class:`Rule`); ``update`` is derived
-from it by running it on copies, so ``update`` and ``apply`` cannot disagree.
-
-Threading: optimizers hold no mutable data; a state must not be used by two
-updates at the same time.
+``scale`` multiplies the step size of this one update (a staleness weight), never what
+enters the moments. Each rule is written once, in place (a :class:`Rule`); ``update`` runs
+it on copies. A state must not be used by two updates at the same time.
 """
 
 from __future__ import annotations

@@ -1,41 +1,20 @@
 """Delayed Nesterov: the server optimizer of asynchronous DiLoCo (Liu et al. 2024).
 
-In asynchronous local SGD every push is a pseudo-gradient (``pulled - local``)
-and the server applies it on arrival. Plain Nesterov momentum on the server
-then folds each stale pseudo-gradient into many later steps, which the paper
-("Asynchronous Local-SGD Training for Language Modeling", Liu et al. 2024)
-identifies as what makes naive asynchronous DiLoCo slower than synchronous
-DiLoCo. Delayed Nesterov updates the momentum only once every ``N`` arrivals
-(``N`` = the number of workers in the paper), with the mean of the
-pseudo-gradients that arrived since its last update, and moves the parameters
-by plain gradient steps in between.
-
-The rule, for the ``t``-th pseudo-gradient ``g_t`` (``t = 1, 2, ...``), with
-momentum ``m`` and buffer ``b`` starting at zero and ``s`` the step's ``scale``
-(the staleness weight a shard passes)::
+Plain Nesterov on the server folds each stale pseudo-gradient into many later steps;
+delayed Nesterov updates the momentum once every ``N`` arrivals (``N`` = the workers),
+with their mean, and takes plain steps in between. For the ``t``-th pseudo-gradient
+``g_t``, with ``m`` and ``b`` starting at zero and ``s`` the staleness ``scale``::
 
     b = b + g_t
     p = p - lr * s * g_t / N                # every arrival: a plain gradient step
     if t % N == 0:                          # every N-th arrival:
-        m = momentum * m + b / N            #   the momentum takes the mean of the
-        b = 0                               #   N buffered pseudo-gradients
+        m = momentum * m + b / N            #   the momentum takes the buffer's mean
+        b = 0
         p = p - lr * s * momentum * m       #   and makes its Nesterov look-ahead step
 
-So without staleness weights, ``N`` arrivals move the parameters by
-``-lr * (mean(g) + momentum * m)``: exactly one step of synchronous DiLoCo's
-outer Nesterov SGD on the mean of the ``N`` pseudo-gradients, but each
-pseudo-gradient is applied (divided by ``N``) as soon as it arrives. With
-``N = 1`` it is Nesterov SGD as ``torch.optim.SGD(nesterov=True)``
-(``m = momentum * m + g; p -= lr * (g + momentum * m)``). This is the paper's
-rule with its optional in-between momentum fraction ``c`` set to 0 (the
-default there). ``scale`` scales both parts of the step of that arrival and
-never what enters the buffer or the momentum (as everywhere in
-:mod:`stalewise.optim`). A learning-rate schedule is evaluated at the number
-of arrivals already applied.
-
-The state is a :class:`DelayedNesterovState` of numpy arrays (a 0-d int64
-``count`` of arrivals, the momentum and the buffer), so a shard can checkpoint
-it as it is.
+``N`` arrivals add up to one outer Nesterov step of synchronous DiLoCo on their mean;
+``N = 1`` is ``torch.optim.SGD(nesterov=True)``. A schedule is evaluated at the arrivals
+already applied. The state (:class:`DelayedNesterovState`) is NumPy arrays.
 """
 
 from __future__ import annotations
