@@ -24,16 +24,25 @@ it on copies. A state must not be used by two updates at the same time.
 from __future__ import annotations
 
 import abc
+import collections
 import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from stalewise._lazy import Lazy
-from stalewise.optim._validate import check_number, check_params, check_scale, check_vectors
+from stalewise.optim import _leaves
+from stalewise.optim._validate import (
+    check_buffers,
+    check_count,
+    check_number,
+    check_params,
+    check_scale,
+    check_vectors,
+)
 from stalewise.segments import Segments
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
@@ -221,6 +230,58 @@ class Rule(abc.ABC):
         """The :class:`Optimizer` of this rule."""
         update = functools.partial(pure_update, self.update_inplace)
         return Optimizer(self.init, update, self.apply, self.update_inplace)
+
+
+def state_type(name: str, module: str, moments: tuple[str, ...], table: Any = None) -> type:
+    """A state class: ``count`` (0-d int64), the parameter-sized ``moments``, then the
+    fields of ``table`` (a leaf table of :mod:`stalewise.optim._leaves`)."""
+    fields = ("count", *moments, *(table._fields if table else ()))
+    cls = collections.namedtuple(name, fields, module=module)
+    cls._moments = moments
+    return cls
+
+
+class Moments(Rule):
+    """A rule whose state is :func:`state_type`'s: :meth:`init` and the checks that open
+    every step (:meth:`begin`) are written here once. Subclasses set ``where`` (the name
+    in messages), ``State`` and, with per-leaf exclusions, ``Masked``."""
+
+    where: ClassVar[str]
+    State: ClassVar[type]
+    Masked: ClassVar[type | None] = None
+    per_leaf: ClassVar[bool] = False  # LAMB, LARS: the leaf table is always kept
+
+    def moments(self) -> tuple[str, ...]:
+        """The state's parameter-sized arrays (the others are kept empty)."""
+        return self.State._moments
+
+    def masked(self) -> bool:
+        return self.per_leaf or bool(getattr(self, "exclude_from_weight_decay", ()))
+
+    def init(self, params: np.ndarray, segments: Segments | None = None) -> State:
+        segments = check_params(params, segments)
+        kept = self.moments()
+        moments = [
+            np.zeros(params.size if m in kept else 0, params.dtype) for m in self.State._moments
+        ]
+        if not self.masked():
+            return self.State(new_count(), *moments)
+        no_decay = getattr(self, "exclude_from_weight_decay", ())
+        if self.per_leaf:
+            table = _leaves.build(segments, no_decay, self.exclude_from_adaptation)  # type: ignore[attr-defined]
+        else:
+            table = _leaves.decay_table(segments, no_decay)
+        return self.Masked(new_count(), *moments, *table)  # type: ignore[misc]
+
+    def begin(
+        self, grads: np.ndarray, state: State, params: np.ndarray, scale: float, into_params: bool
+    ) -> tuple[int, float, _leaves.DecayTable]:
+        """The checks of a step: returns ``(count, lr * scale, leaf table)``."""
+        check_vectors(grads, params, write_grads=True, write_params=into_params)
+        check_buffers(self.where, params, **{m: getattr(state, m) for m in self.moments()})
+        table = _leaves.decay_of(self.where, state, params.size, self.masked())
+        count = check_count(self.where, state.count)
+        return count, learning_rate(self.lr, count) * check_scale(scale), table  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)

@@ -20,54 +20,36 @@ already applied. The state (:class:`DelayedNesterovState`) is NumPy arrays.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
-from stalewise.optim._validate import (
-    check_buffers,
-    check_count,
-    check_int,
-    check_learning_rate,
-    check_number,
-    check_params,
-    check_scale,
-    check_vectors,
-)
-from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
-from stalewise.segments import Segments
+from stalewise.optim._validate import check_int, check_learning_rate, check_number
+from stalewise.optim.base import LearningRate, Moments, Optimizer, state_type
 
 __all__ = ["DelayedNesterovState", "delayed_nesterov"]
 
 
-class DelayedNesterovState(NamedTuple):
-    count: np.ndarray  # 0-d int64: pseudo-gradients applied so far
-    momentum: np.ndarray  # m, like params
-    buffer: np.ndarray  # sum of the pseudo-gradients since the last momentum update, like params
+# m, and the sum of the pseudo-gradients since the last momentum update
+DelayedNesterovState = state_type("DelayedNesterovState", __name__, ("momentum", "buffer"))
 
 
 @dataclass(frozen=True)
-class _DelayedNesterov(Rule):
+class _DelayedNesterov(Moments):
+    where, State = "delayed_nesterov", DelayedNesterovState
     lr: LearningRate
     momentum: float
     every: int
 
-    def init(self, params: np.ndarray, segments: Segments | None = None) -> DelayedNesterovState:
-        check_params(params, segments)
-        return DelayedNesterovState(new_count(), np.zeros_like(params), np.zeros_like(params))
-
     def run(
         self,
         grads: np.ndarray,
-        state: DelayedNesterovState,
+        state: tuple,
         params: np.ndarray,
         scale: float,
         into_params: bool,
     ) -> None:
-        check_vectors(grads, params, write_grads=True, write_params=into_params)
-        check_buffers("delayed_nesterov", params, momentum=state.momentum, buffer=state.buffer)
-        count = check_count("delayed_nesterov", state.count)
-        step = -learning_rate(self.lr, count) * check_scale(scale)
+        count, lr, _ = self.begin(grads, state, params, scale, into_params)
+        step = -lr
         t = count + 1
         buf, mom = state.buffer, state.momentum
         buf += grads

@@ -19,41 +19,24 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from stalewise._lazy import Lazy
-from stalewise.optim import _leaves
-from stalewise.optim._validate import (
-    check_buffers,
-    check_count,
-    check_learning_rate,
-    check_number,
-    check_params,
-    check_scale,
-    check_vectors,
-    compile_patterns,
-)
-from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
-from stalewise.segments import Segments
+from stalewise.optim._leaves import LeafTable
+from stalewise.optim._validate import check_learning_rate, check_number, compile_patterns
+from stalewise.optim.base import LearningRate, Moments, Optimizer, state_type
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
 
-class LambState(NamedTuple):
-    count: np.ndarray  # 0-d int64: updates applied so far (drives bias correction)
-    mu: np.ndarray  # first moment of the gradient, like params
-    nu: np.ndarray  # second moment of the gradient, like params
-    offsets: np.ndarray  # int64 start of each leaf
-    sizes: np.ndarray  # int64 length of each leaf
-    decay: np.ndarray  # bool per leaf: weight decay applies
-    adapt: np.ndarray  # bool per leaf: the trust ratio applies (else it is 1)
-    trust_ratio: np.ndarray  # float64 per leaf: the ratio used by the last update
+# the moments, then the leaf table (exclusions and last trust ratios)
+LambState = state_type("LambState", __name__, ("mu", "nu"), LeafTable)
 
 
 @dataclass(frozen=True)
-class _Lamb(Rule):
+class _Lamb(Moments):
+    where, State, Masked, per_leaf = "lamb", LambState, LambState, True
     lr: LearningRate
     b1: float
     b2: float
@@ -64,26 +47,15 @@ class _Lamb(Rule):
     exclude_from_weight_decay: tuple[str, ...]
     exclude_from_adaptation: tuple[str, ...]
 
-    def init(self, params: np.ndarray, segments: Segments | None = None) -> LambState:
-        segments = check_params(params, segments)
-        table = _leaves.build(
-            segments, self.exclude_from_weight_decay, self.exclude_from_adaptation
-        )
-        return LambState(new_count(), np.zeros_like(params), np.zeros_like(params), *table)
-
     def run(
         self,
         grads: np.ndarray,
-        state: LambState,
+        state: tuple,
         params: np.ndarray,
         scale: float,
         into_params: bool,
     ) -> None:
-        check_vectors(grads, params, write_grads=True, write_params=into_params)
-        check_buffers("lamb", params, mu=state.mu, nu=state.nu)
-        _leaves.check("lamb", state, params.size)
-        count = check_count("lamb", state.count)
-        lr = learning_rate(self.lr, count) * check_scale(scale)
+        count, lr, _ = self.begin(grads, state, params, scale, into_params)
         t = count + 1
         dt = params.dtype.type
         _kernels.lamb(
