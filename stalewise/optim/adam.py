@@ -112,16 +112,8 @@ def adam(
     ``g' = g + weight_decay * p``; ``m = b1*m + (1-b1)*g'``;
     ``v = b2*v + (1-b2)*g'^2``; ``p -= lr * scale * m_hat / (sqrt(v_hat) + eps)``
     with the bias corrections ``m_hat = m / (1 - b1^t)``, ``v_hat = v / (1 - b2^t)``
-    at step ``t = count + 1``.
-
-    Args:
-        lr: learning rate, a float >= 0 or a schedule.
-        b1: decay of the first moment, in ``[0, 1)``.
-        b2: decay of the second moment, in ``[0, 1)``.
-        eps: added to ``sqrt(v_hat)``, > 0.
-        weight_decay: L2 coefficient added to the gradient, >= 0.
-        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
-            get no L2 term, as a parameter group with ``weight_decay=0`` in torch.
+    at step ``t = count + 1``. ``exclude_from_weight_decay``: regexes (``re.search``) on
+    leaf names that get no L2 term, as a torch parameter group with ``weight_decay=0``.
 
     Example:
         >>> opt = adam(0.1)
@@ -146,15 +138,6 @@ def adamw(
 
     As :func:`adam` without the L2 term, and the step is
     ``p -= lr * scale * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``.
-
-    Args:
-        lr: learning rate, a float >= 0 or a schedule.
-        b1: decay of the first moment, in ``[0, 1)``.
-        b2: decay of the second moment, in ``[0, 1)``.
-        eps: added to ``sqrt(v_hat)``, > 0.
-        weight_decay: decoupled decay coefficient (multiplied by the step size), >= 0.
-        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
-            get no decay, e.g. ``("bias$", "ln_")`` for nanoGPT's 1-D tensors.
 
     Example:
         >>> opt = adamw(0.1, weight_decay=0.5)

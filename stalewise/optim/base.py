@@ -194,17 +194,12 @@ class Rule(abc.ABC):
         scale: float = 1.0,
         undo: tuple[np.ndarray, ...] | None = None,
     ) -> tuple[float, float]:
-        """:meth:`apply` with what a parameter server does around it fused into the step
-        (block by block, while each block is in cache), for rules with ``fused_checks``.
+        """:meth:`apply` with a server's checks fused into the step (``fused_checks`` rules).
 
-        ``undo``: copies of the vectors :meth:`written` names, in its order, that get
-        their values before the step changes them (the state's other arrays are the
-        caller's to copy). ``grads`` is left untouched. Returns the sum of the squares
-        of ``grads`` and the sum of zero times every value the step wrote, both in the
-        dtype of ``params``: the second is finite exactly when the params and state
-        stayed finite, the first when ``grads`` is finite and its squared norm does not
-        overflow (an Inf or NaN sends a server to its exact checks). The step is taken
-        either way.
+        ``undo``: copies of :meth:`written`'s vectors that get their values before the step.
+        ``grads`` is left untouched. Returns the sum of the squares of ``grads`` and the sum
+        of zero times every value written (finite exactly when params and state stayed
+        finite); the step is taken either way.
         """
         if undo is not None:
             written = self.written(state, params)

@@ -72,17 +72,8 @@ class _DelayedNesterov(Moments):
 def delayed_nesterov(lr: LearningRate = 0.7, momentum: float = 0.9, every: int = 1) -> Optimizer:
     """Delayed Nesterov momentum (Liu et al. 2024), a server optimizer for asynchronous DiLoCo.
 
-    Every pseudo-gradient is applied at once as a plain step ``lr * g / N``;
-    once every ``N`` arrivals the momentum absorbs the mean of the buffered
-    pseudo-gradients and takes its Nesterov step ``lr * momentum * m`` (see the
-    module docstring for the exact rule). ``N`` arrivals make one synchronous
-    Nesterov step on their mean; ``every=1`` is Nesterov SGD.
-
-    Args:
-        lr: outer learning rate, a float >= 0 or a schedule (default 0.7, DiLoCo's).
-        momentum: momentum decay in ``[0, 1)`` (default 0.9).
-        every: ``N``, the number of arrivals between momentum updates, an
-            integer >= 1; the paper uses the number of workers.
+    ``every`` is ``N``, the arrivals per momentum update (the number of workers); the rule
+    is in the module docstring.
 
     Example:
         >>> opt = delayed_nesterov(lr=0.5, momentum=0.5, every=2)

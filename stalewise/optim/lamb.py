@@ -1,17 +1,8 @@
 """LAMB: Adam directions scaled leaf by leaf by a trust ratio (You et al., 2020).
 
-What this implementation guarantees, where well-known ones differ:
-
-- decoupled weight decay is part of the applied step, not only of the norm;
-- the trust ratio is clipped to ``[min_trust_ratio, max_trust_ratio]``
-  (default at most 10), so a tiny update norm cannot blow a leaf up;
-- the ratio is 1 when either norm is zero, so zero-initialised leaves (biases)
-  still train;
-- leaves can be excluded from weight decay and from adaptation by regex on
-  their names;
-- the step counter is in the state, so a restored optimizer continues the bias
-  correction where it stopped;
-- a staleness ``scale`` multiplies the step, never the moments.
+Where well-known ones differ: the decoupled weight decay is part of the applied step, the
+trust ratio is clipped (at most 10 by default) and is 1 when either norm is zero (so
+zero-initialised biases train), and leaves can be excluded from decay and adaptation.
 """
 
 from __future__ import annotations
@@ -102,23 +93,9 @@ def lamb(
     ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * p``,
     ``r = clip(||p|| / ||u||, min_trust_ratio, max_trust_ratio)`` (1 when either
     norm is zero or the leaf is excluded from adaptation), and
-    ``p -= lr * scale * r * u``. The ratios of the last update are kept in
-    ``state.trust_ratio`` for monitoring.
-
-    A leaf split across server shards gets the trust ratio of its local part.
-
-    Args:
-        lr: learning rate, a float >= 0 or a schedule.
-        b1: decay of the first moment, in ``[0, 1)``.
-        b2: decay of the second moment, in ``[0, 1)``.
-        eps: added to ``sqrt(v_hat)``, > 0.
-        weight_decay: decoupled decay coefficient, part of ``u``, >= 0.
-        min_trust_ratio: lower clip of the trust ratio, >= 0.
-        max_trust_ratio: upper clip of the trust ratio, >= ``min_trust_ratio``
-            (``math.inf`` for no clip, as optax).
-        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
-            get no weight decay, e.g. ``("bias", "norm")``.
-        exclude_from_adaptation: regexes on leaf names whose trust ratio is 1.
+    ``p -= lr * scale * r * u``; the last ratios are kept in ``state.trust_ratio``. A leaf
+    split across shards gets the ratio of its local part. ``max_trust_ratio=math.inf``:
+    no clip, as optax. The exclusions are regexes (``re.search``) on leaf names.
 
     Example:
         >>> from stalewise.segments import Segments

@@ -73,21 +73,9 @@ def lars(
     For each leaf: ``u = g + weight_decay * p``,
     ``r = trust_coefficient * ||p|| / (||u|| + eps)`` (1 when either norm is
     zero or the leaf is excluded from adaptation), ``buf = momentum*buf + r*u``
-    and ``p -= lr * scale * buf``. This is optax's ``lars`` with the learning
-    rate moved outside the velocity, so that a schedule or a staleness
-    ``scale`` changes the step only; with a constant rate the two coincide.
-
-    A leaf split across server shards gets the trust ratio of its local part.
-
-    Args:
-        lr: learning rate, a float >= 0 or a schedule.
-        momentum: velocity decay, in ``[0, 1)``.
-        weight_decay: L2 coefficient added to the gradient before the ratio, >= 0.
-        trust_coefficient: multiplier of the trust ratio, > 0.
-        eps: added to ``||u||``, >= 0 (zero norms are handled without it).
-        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
-            get no weight decay, e.g. ``("bias", "bn")``.
-        exclude_from_adaptation: regexes on leaf names whose trust ratio is 1.
+    and ``p -= lr * scale * buf``: optax's ``lars`` with the learning rate outside the
+    velocity. A leaf split across shards gets the ratio of its local part. The exclusions
+    are regexes (``re.search``) on leaf names.
 
     Example:
         >>> opt = lars(1.0, momentum=0.0, trust_coefficient=0.1)

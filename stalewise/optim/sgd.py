@@ -75,16 +75,8 @@ def sgd(
 
     ``g' = g + weight_decay * p``; with momentum ``buf = momentum * buf + g'``
     and the step direction is ``buf`` (or ``g' + momentum * buf`` with
-    Nesterov); ``p -= lr * scale * direction``. The learning rate sits outside
-    the velocity, so a schedule or a staleness ``scale`` changes the step only.
-
-    Args:
-        lr: learning rate, a float >= 0 or a schedule (see :mod:`.schedules`).
-        momentum: velocity decay in ``[0, 1)``; 0 keeps no velocity buffer.
-        nesterov: use Nesterov momentum (needs ``momentum > 0``).
-        weight_decay: coefficient of the L2 term added to the gradient, >= 0.
-        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
-            get no L2 term, as a parameter group with ``weight_decay=0`` in torch.
+    Nesterov); ``p -= lr * scale * direction``. ``exclude_from_weight_decay``: regexes
+    (``re.search``) on leaf names that get no L2 term.
 
     Example:
         >>> opt = sgd(0.1, momentum=0.9)

@@ -129,20 +129,9 @@ def _unflatten(tree: dict, it: Iterator) -> dict:
 class LanguageModel:
     """A byte-level GPT on standard-library source (see the module's docstring).
 
-    Batches are int64 tensors ``(batch_size, context + 1)`` of byte values:
-    the model reads ``[:, :-1]`` and predicts ``[:, 1:]``. The loss is the mean
-    cross-entropy per predicted byte, in nats.
-
-    Args:
-        size: ``"tiny"``, ``"small"``, ``"base"`` or ``"medium"`` (:data:`SIZES`).
-        context: bytes the model sees (the length of a training window).
-        batch_size: windows per minibatch.
-        dim, layers, heads: override the size's width, depth and heads (``dim``
-            must be a multiple of ``heads``).
-        corpus_bytes: the corpus's size cap (2 MiB by default; the full module list
-            holds about 2.8 MB on Python 3.11).
-        val_fraction: the held-out share at the end of the corpus.
-        eval_windows: how many held-out windows :meth:`evaluate` scores.
+    Batches are int64 tensors ``(batch_size, context + 1)`` of bytes: the model reads
+    ``[:, :-1]`` and predicts ``[:, 1:]``; the loss is the mean cross-entropy per byte, in
+    nats. ``size`` is one of :data:`SIZES`; ``dim``, ``layers`` and ``heads`` override it.
 
     Example:
         >>> task = LanguageModel(size="tiny", context=16, batch_size=4, corpus_bytes=50_000)
