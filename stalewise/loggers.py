@@ -1,18 +1,11 @@
 """Loggers: metrics records sent where people look at them, such as TensorBoard.
 
-``Job.train(..., metrics=sw.Metrics(loggers=[...]))`` hands every metrics record (the schema of
-:mod:`stalewise.report`, the same as ``metrics.jsonl``) to each logger, in the
-parent process, as the record is made, in every runtime. A logger is either a
-function ``f(record)`` or an object with
-
-- ``log(record)``: called with each record;
-- ``finish(result)`` (optional): called with the :class:`~stalewise.TrainResult`
-  when the run has ended normally;
-- ``close()`` (optional): called when the run ends, however it ends.
-
-A logger that raises is reported by one warning and left out for the rest of
-the run: a broken dashboard never stops training. ``on_record``, the plain
-callback, is not guarded: an exception there still ends the run.
+``Job.train(..., metrics=sw.Metrics(loggers=[...]))`` hands every metrics record to each
+logger in the parent process, in every runtime. A logger is a function ``f(record)`` or
+an object with ``log(record)`` and optionally ``finish(result)`` (the run ended
+normally) and ``close()`` (it ended, however). A logger that raises is reported by one
+warning and left out for the rest of the run; ``on_record`` is not guarded. See
+docs/loggers.md.
 
 Example:
     >>> seen = []
@@ -140,28 +133,11 @@ def tensorboard_writer() -> type:
 
 
 class TensorBoardLogger:
-    """Writes the records as TensorBoard scalars, and the staleness histogram at the end.
+    """Writes the records as TensorBoard scalars into ``logdir``, and the staleness histogram at the end.
 
-    Each numeric field of a record becomes a scalar of that name (``loss``,
-    ``accuracy``, ``train_loss``, ``staleness_mean``, ``staleness_max``,
-    ``updates``, ``time``, any metric of ``evaluate``), at step ``pushes``;
-    a NaN or infinite value (``train_loss`` before the first push, a diverged
-    loss) is left out, and stays in ``metrics.jsonl``.
-    ``pushes_per_s`` is the rate over the interval since the previous record
-    (from the second record on; per virtual second in the simulator). When
-    the run ends, ``staleness`` is a histogram of the staleness of every push
-    the shards applied (shard 0's counts, like ``staleness_mean``), at the
-    last step. Events reach the file at once and are flushed (fsynced) every
-    ``flush_secs`` seconds and at the end of the run.
-
-    Args:
-        logdir: the folder of the event files (made if missing); point
-            ``tensorboard --logdir`` at it or at a folder above it.
-        flush_secs: seconds between flushes of the event file.
-
-    Raises:
-        ImportError: without tensorboardX (``pip install 'stalewise[tensorboard]'``).
-        ValueError: ``logdir`` cannot be made.
+    Each finite numeric field becomes a scalar at step ``pushes``, beside ``pushes_per_s``
+    over each interval (docs/loggers.md); events are flushed every ``flush_secs`` seconds
+    and at the end. Needs tensorboardX (``pip install 'stalewise[tensorboard]'``).
 
     Example:
         >>> logger = TensorBoardLogger(tmp / "tb")  # doctest: +SKIP
