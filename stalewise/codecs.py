@@ -303,13 +303,8 @@ class Int4(Codec):
     ``q * scale``. Two values a byte: the nibble ``q + 8`` (1..15, 8 is zero), value
     ``2i`` in the low nibble of byte ``i``, value ``2i + 1`` in the high one (an odd
     ``n`` leaves the last high nibble 0). Body: the scales, then the ``ceil(n / 2)``
-    packed bytes.
-
-    Symmetric levels, not an asymmetric min/max scheme: zero is exact (a zero
-    pseudo-gradient stays zero), the sign of every value survives, and the scale
-    is the only float a block carries (an asymmetric scheme needs two, and its
-    zero is off by up to half a step). 15 levels, not 16: the code ``0`` (level
-    -8) is never written, and the decoder refuses a payload holding it.
+    packed bytes. Symmetric levels keep zero exact (why: docs/codecs.md); the code ``0``
+    (level -8) is never written, and the decoder refuses it.
 
     Bound: ``|d - x| <= absmax(block) / 14 * (1 + 1e-4)``, i.e. half the block's
     step ``scale``, plus ``2**-146`` (about 1.1e-44) in a block whose absmax is

@@ -648,27 +648,13 @@ def flatten(
     dtype: Any = None,
     keep_integers: bool = False,
 ) -> tuple[np.ndarray, FlatSpec]:
-    """Copies the leaves of ``tree`` into one flat vector.
+    """Copies the leaves of ``tree`` (a pytree of any backend, or a model) into one flat
+    vector; returns ``(flat, spec)``.
 
-    Args:
-      tree: a pytree of arrays of any backend, or a model (torch, Keras,
-        ``tf.Module``, flax nnx).
-      spec: an existing spec that ``tree`` must match (e.g. gradients against
-        the parameters' spec); it is returned unchanged.
-      out: a C-contiguous vector of ``spec.size`` elements and the flat dtype
-        to fill instead of allocating one.
-      dtype: force the flat dtype (float32 or float64); by default float32, or
-        float64 when some leaf is float64.
-      keep_integers: keep integer and bool leaves as constants of the spec
-        instead of refusing them (without ``spec=``).
-
-    Returns:
-      ``(flat, spec)``.
-
-    Raises:
-      TypeError: a leaf is not floating, an object is not a container or leaf,
-        or a leaf's dtype differs from ``spec``.
-      ValueError: the structure or a shape differs from ``spec``.
+    ``spec``: one ``tree`` must match (gradients against the parameters'), returned as it
+    is; ``out``: a vector to fill instead of allocating; ``dtype``: force float32 or
+    float64; ``keep_integers``: keep integer leaves as constants instead of refusing them.
+    A mismatch raises TypeError or ValueError naming the key path.
 
     Example:
         >>> import numpy as np
@@ -726,17 +712,9 @@ def _rebuild(node: TreeDef, leaves: Iterator[Any], stored: list) -> Any:
 def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
     """Builds a tree with the structure, backends and dtypes of ``spec`` from ``flat``.
 
-    Models come back as a dict of name -> tensor (an nnx Module as its
-    ``nnx.State``); ``tf.Variable`` and ``nn.Parameter`` leaves as plain
-    tensors; a tied leaf as one object under each of its names; constants as
-    they were when the spec was made.
-
-    Args:
-      flat: a 1-D floating vector of ``spec.size`` elements.
-      spec: from :func:`flatten`.
-      copy: if False, NumPy leaves are views of ``flat`` and CPU torch leaves
-        share its memory whenever the leaf dtype equals ``flat``'s dtype, so
-        later writes to ``flat`` show in them. If True, every leaf is a copy.
+    Models come back as a dict of name -> tensor (an nnx Module as its ``nnx.State``), a
+    tied leaf as one object under each name. ``copy=False``: NumPy and CPU torch leaves of
+    the flat dtype share ``flat``'s memory.
 
     Example:
         >>> import numpy as np
@@ -757,12 +735,9 @@ def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
 def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
     """Copies ``flat`` into the leaves of ``target`` in place.
 
-    ``target`` must match ``spec`` like a tree passed to ``flatten(spec=...)``
-    and its leaves must be mutable: NumPy arrays, torch tensors (written under
-    ``torch.no_grad``), ``tf.Variable`` or Keras variables, or flax nnx
-    Variables (a Module or its State). Every name of a tied leaf is written;
-    constants (a model's integer buffers) are left alone. Nothing is written
-    unless every leaf is.
+    ``target`` must match ``spec`` and its leaves be mutable (NumPy, torch, TF/Keras
+    variables, nnx Variables); constants are left alone, and nothing is written unless
+    every leaf can be.
 
     Example:
         >>> import numpy as np
@@ -796,12 +771,8 @@ def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
 def mark_buffers(spec: FlatSpec, patterns: str | Iterable[str]) -> FlatSpec:
     """The spec with the leaves whose names match a regex (``re.search``) marked as buffers.
 
-    For trees that do not say which leaves are buffers themselves, e.g. a
-    ``state_dict`` (``r"running_(mean|var)$"``) or flax linen variables
-    (``r"^batch_stats\\."``).
-
-    Raises:
-      ValueError: a pattern is not a valid regex or matches no leaf.
+    For trees that do not mark them, e.g. flax linen variables (``r"^batch_stats\\."``).
+    ValueError if a pattern is not a valid regex or matches no leaf.
 
     Example:
         >>> import numpy as np
@@ -835,10 +806,6 @@ def mark_buffers(spec: FlatSpec, patterns: str | Iterable[str]) -> FlatSpec:
 def take_buffers(flat: np.ndarray, spec: FlatSpec) -> np.ndarray | None:
     """The buffers' slots of ``flat`` (a copy, in order), zeroed in ``flat``; None without buffers.
 
-    A worker that applies its own optimizer to an update keeps the buffers'
-    values (which the update carries) away from it with this and
-    :func:`put_buffers`.
-
     Example:
         >>> import numpy as np
         >>> _, spec = flatten({"w": np.zeros(2), "bn": np.zeros(1)})
@@ -868,15 +835,6 @@ def put_buffers(flat: np.ndarray, values: np.ndarray | None, spec: FlatSpec) -> 
 
 
 def copy_buffers(dst: np.ndarray, src: np.ndarray, spec: FlatSpec) -> None:
-    """Copies the buffers' slots of ``src`` into ``dst`` (say, into a pseudo-gradient).
-
-    Example:
-        >>> import numpy as np
-        >>> _, spec = flatten({"w": np.zeros(1), "bn": np.zeros(1)})
-        >>> delta = np.array([0.5, 0.1])
-        >>> copy_buffers(delta, np.array([7.0, 3.0]), mark_buffers(spec, "bn"))
-        >>> delta.tolist()
-        [7.0, 0.1]
-    """
+    """Copies the buffers' slots of ``src`` into ``dst`` (say, into a pseudo-gradient)."""
     for s in spec._buffer_slices:
         dst[s] = src[s]
