@@ -20,6 +20,8 @@ import math
 import numbers
 from typing import NamedTuple
 
+__all__ = ["ASP", "BSP", "SSP", "Consistency", "Hybrid", "from_name"]
+
 
 class Consistency(NamedTuple):
     """A consistency model. Build one with :func:`ASP`, :func:`BSP`, :func:`SSP` or :func:`Hybrid`."""

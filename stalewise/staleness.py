@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+__all__ = ["Staleness", "constant", "exponential", "from_name", "inverse", "polynomial"]
+
 _KINDS = ("constant", "inverse", "exponential", "polynomial")
 
 
