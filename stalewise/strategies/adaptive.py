@@ -21,13 +21,6 @@ docs/design-notes.md, "Model averaging".
 Example:
     >>> import numpy as np
     >>> import stalewise as sw
-    >>> sched = adacomm(local_steps=32, min_steps=2)
-    >>> state, periods = sched.init(), []
-    >>> for loss in (4.0, 4.0, 1.0, 0.04, 1e-6):
-    ...     h, state = sched.next(state, loss)
-    ...     periods.append(h)
-    >>> periods  # ceil(sqrt(F / 4) * 32), within [2, 32]
-    [32, 32, 16, 4, 2]
     >>> budget = comm_budget(fraction=0.2)
     >>> state, periods = budget.init(), []
     >>> for _ in range(8):  # rounds of 1 s of communication plus 0.25 s a local step
@@ -423,26 +416,13 @@ def adaptive(
     """Local SGD (or DiLoCo) whose local steps per push, ``H``, follow a schedule.
 
     Args:
-        inner: the worker's optimizer, as for :func:`~stalewise.strategies.averaging.local_sgd`
-            (required with ``outer="local_sgd"``; DiLoCo's default
-            ``sw.optim.adamw(1e-3)`` with ``outer="diloco"``).
-        schedule: picks ``H``: :func:`comm_budget` (the default), :func:`adacomm`,
-            :func:`fixed` or any object with ``init()`` and ``next(state, loss) -> (H,
-            state)`` (and optionally ``observe``; see the module docstring).
-        local_steps: shorthand for ``schedule=comm_budget(local_steps=local_steps, ...)``,
-            the first rounds' ``H`` (default 4; ``max_steps`` becomes ``local_steps`` if it
-            exceeds 64). Old name: ``start``.
-        min_steps: shorthand for ``schedule=comm_budget(min_steps=min_steps, ...)``
-            (default 1).
-        outer: ``"local_sgd"`` (recommended server optimizer ``sgd(1.0)``) or
-            ``"diloco"`` (DiLoCo's Nesterov SGD; delayed Nesterov if ``asynchronous``).
+        inner: the worker's optimizer, as for ``local_sgd`` (DiLoCo's ``adamw(1e-3)`` by
+            default with ``outer="diloco"``).
+        schedule: picks ``H`` (default :func:`comm_budget`; see the module docstring).
+        local_steps, min_steps: shorthands for ``comm_budget(local_steps=, min_steps=)``.
+        outer: ``"local_sgd"`` or ``"diloco"``, whose server optimizer is recommended.
         smoothing: the per-local-step decay of the loss's moving average, in ``[0, 1)``.
-        reset_inner: make a fresh inner optimizer state at every pull.
-        outer_lr: DiLoCo's outer learning rate (``outer="diloco"`` only; default 0.7).
-        outer_momentum: DiLoCo's outer Nesterov momentum (``outer="diloco"`` only; default 0.9).
-        asynchronous: recommend delayed Nesterov, for ASP (``outer="diloco"`` only).
-        every: delayed Nesterov's ``N``, the pushes per momentum step: the number of
-            workers (not local steps).
+        reset_inner, outer_lr, outer_momentum, asynchronous, every: as for ``diloco``.
 
     Example:
         >>> import stalewise as sw

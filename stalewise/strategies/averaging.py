@@ -485,19 +485,11 @@ def diloco(
     unless you pass your own ``optimizer=``; ``sw.Hybrid`` is accepted with either.
 
     Args:
-        local_steps: ``H``, local steps per push (500 in the paper); the cap when
-            ``dynamic``. Old name: ``steps``.
-        inner: the inner optimizer (default ``sw.optim.adamw(1e-3)``, weight
-            decay 0.01; the paper used AdamW with lr 4e-4, warmup and cosine
-            decay, weight decay 0.1 on language models).
-        outer_lr: learning rate of the recommended server optimizer.
-        outer_momentum: its (Nesterov) momentum.
+        local_steps, inner, reset_inner, dynamic, period: as for :func:`local_sgd`
+            (``inner`` defaults to ``sw.optim.adamw(1e-3)``).
+        outer_lr, outer_momentum: the recommended server optimizer's.
         asynchronous: recommend delayed Nesterov (for ASP) instead of Nesterov SGD.
-        every: ``N`` of delayed Nesterov, the pushes per momentum step: the number of
-            workers (not a number of local steps: that is ``local_steps``).
-        reset_inner: make a fresh inner optimizer state at every pull.
-        dynamic: dynamic local updates: pick ``H`` so that a round lasts about ``period``.
-        period: seconds per round when ``dynamic``, by the runtime's clock.
+        every: ``N`` of delayed Nesterov, the pushes per momentum step: the workers.
 
     Example:
         >>> s = diloco(local_steps=100, asynchronous=True, every=4)
@@ -576,11 +568,8 @@ def easgd(alpha: float, *, local_steps: int, inner: Any, reset_inner: bool = Fal
     ``alpha * (c - x)`` and move ``x -= alpha * (x - c)``, ``c`` the pulled centre.
 
     Args:
-        alpha: the moving rate, in ``(0, 1]`` (the paper's ``beta / p`` for ``p``
-            workers; ``beta = 0.9`` there).
-        local_steps: ``tau``, local steps between elastic exchanges. Old name: ``every``.
-        inner: the worker's optimizer (see the module docstring).
-        reset_inner: make a fresh inner optimizer state at every pull.
+        alpha: the moving rate, in ``(0, 1]`` (the paper's ``beta / p`` for ``p`` workers).
+        local_steps, inner, reset_inner: as for :func:`local_sgd` (``local_steps`` is ``tau``).
 
     Example:
         >>> import numpy as np, stalewise as sw

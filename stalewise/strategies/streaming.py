@@ -111,11 +111,8 @@ class LazyLeaves:
 def lazy_leaves(opt: optim.Optimizer) -> optim.Optimizer:
     """``opt`` with a state per leaf, stepping only the leaves an update touches.
 
-    A leaf whose update is all zero takes no step and its state (momentum,
-    step count) is left as it was: the server optimizer of streaming DiLoCo,
-    whose pushes carry one fragment's pseudo-gradient and zeros elsewhere. The
-    wrapped optimizer must keep a parameter-sized state (``sgd`` with momentum,
-    ``delayed_nesterov``, ``adam``...).
+    A leaf whose update is all zero keeps its params and state as they were. ``opt``
+    must keep a parameter-sized state (``sgd`` with momentum, ``delayed_nesterov``...).
 
     Example:
         >>> import numpy as np
@@ -448,22 +445,16 @@ def streaming_diloco(
     Args:
         local_steps: ``H``, the period: each fragment is pushed once every ``H`` inner steps.
         inner: the inner optimizer (default ``sw.optim.adamw(1e-3)``), as for :func:`diloco`.
-        fragments: ``P``, an integer: the leaves in order, cut at leaf boundaries into
-            ``P`` runs of about equal size; or a list with one leaf-name regex (or a
-            list of them) per fragment, e.g. ``["^blocks\\.[01]\\.", "^blocks\\.[23]\\.",
-            "."]`` (the first matching fragment takes a leaf).
-        offsets: each fragment's sync offset in ``[0, H)``, distinct: fragment ``p`` is
-            pushed after inner steps ``t = offsets[p] (mod H)``, ``t > 0``. Default
-            ``round(p * H / P)``, evenly staggered.
-        delay: ``tau``, inner steps between a fragment's push and the merge of the
-            global fragment, in ``[0, H)``.
-        alpha: the local weight of the merge, ``local = alpha * local + (1 - alpha) *
-            global``, in ``[0, 1]``; 0 takes the global fragment.
+        fragments: ``P``, the leaf order cut into ``P`` runs of about equal size, or one
+            leaf-name regex (or list of them) per fragment, the first match taking a leaf.
+        offsets: each fragment's distinct sync offset in ``[0, H)`` (default evenly
+            staggered, ``round(p * H / P)``).
+        delay: ``tau``, inner steps from a fragment's push to its merge, in ``[0, H)``.
+        alpha: the local weight of the merge, in ``[0, 1]``; 0 takes the global fragment.
         outer_lr, outer_momentum, asynchronous, every: the server optimizer, as for
-            :func:`diloco`; with ``P > 1`` it is wrapped in :func:`lazy_leaves`.
-        overlap: with ``delay >= 1``, take the inner steps before the merge while the push
-            is in flight (in a runtime that overlaps: the local one); False waits for
-            the push and its pull first. The pushes and merges are the same.
+            :func:`diloco` (wrapped in :func:`lazy_leaves` when ``P > 1``).
+        overlap: with ``delay >= 1``, take the steps before the merge while the push is
+            in flight (local runtime); the pushes and merges are the same either way.
 
     Example:
         >>> s = streaming_diloco(local_steps=30, fragments=3, delay=5, alpha=0.5)
