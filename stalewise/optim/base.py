@@ -85,11 +85,8 @@ def copy_state(state: State) -> State:
 
 
 def learning_rate(lr: LearningRate, count: np.ndarray | int) -> float:
-    """The learning rate for the update that follows ``count`` applied updates.
-
-    A schedule is evaluated at the 0-based index of the step being taken, as
-    optax does and as torch does when ``scheduler.step()`` follows
-    ``optimizer.step()``: the first update uses ``lr(0)``.
+    """The learning rate for the update that follows ``count`` applied updates (``lr(0)``
+    first, see :mod:`.schedules`).
 
     Example:
         >>> learning_rate(0.1, 7), learning_rate(lambda n: 1.0 / (n + 1), 3)
@@ -301,9 +298,7 @@ class _Chain(Rule):
 def chain(*optimizers: Optimizer) -> Optimizer:
     """Composes optimizers: each transforms the updates of the one before.
 
-    The state is the tuple of the parts' states. The last part usually applies
-    the learning rate; the ones before transform the gradient. ``scale`` is
-    passed to every part.
+    The state is the tuple of the parts' states; ``scale`` is passed to every part.
 
     Example:
         >>> from stalewise.optim import lamb
@@ -342,11 +337,8 @@ class _ClipByGlobalNorm(Rule):
 def clip_by_global_norm(max_norm: float) -> Optimizer:
     """Rescales the gradient to norm ``max_norm`` when its L2 norm exceeds it.
 
-    A gradient transform: put it first in a :func:`chain`. The norm is taken
-    over the whole vector (all leaves of this shard), accumulated in float64.
-
-    Args:
-        max_norm: the largest L2 norm let through, > 0.
+    A gradient transform: put it first in a :func:`chain`. The norm is over this
+    shard's whole vector.
 
     Example:
         >>> clip = clip_by_global_norm(1.0)

@@ -123,10 +123,8 @@ class LeastSquares:
         return self._data()[2]
 
     def optimum(self) -> np.ndarray:
-        """Returns a minimiser of the full-data loss, as float32.
-
-        That is ``x*`` when there is no noise and ``n >= d``; otherwise the
-        minimum-norm least-squares solution (computed once, in float64).
+        """A minimiser of the full-data loss, as float32: ``x*`` without noise and with
+        ``n >= d``, else the minimum-norm least-squares solution.
 
         Example:
             >>> task = LeastSquares(n=64, d=4)

@@ -80,11 +80,8 @@ def _module_file(stdlib: str, module: str) -> str:
 
 @functools.lru_cache(maxsize=4)
 def load_corpus(corpus_bytes: int = 1 << 21, val_fraction: float = 0.05) -> Corpus:
-    """Reads the corpus (cached per process: the tasks of one process share one copy).
-
-    Args:
-        corpus_bytes: cap on the corpus's size; the files are read in order until it is reached.
-        val_fraction: the held-out share, taken from the end.
+    """Reads the corpus, up to ``corpus_bytes``, the last ``val_fraction`` held out
+    (cached per process).
 
     Example:
         >>> c = load_corpus(100_000, 0.1)
