@@ -299,12 +299,10 @@ class Calibration:
         return float(np.mean([x for t in self.compute_times for x in t]))
 
     def speeds(self) -> tuple[float, ...] | None:
-        """Each worker's speed relative to the others, by medians (one step preempted by
-        another process must not make a worker a straggler); None when no worker is
-        *apart*: its median is within :data:`SPEED_FACTOR` of the other workers' median,
-        or inside the interquartile range of their steps (the medians of identical
-        workers sharing the cores differ by up to 1.5x, and under BSP one spurious slow
-        worker sets every round's pace)."""
+        """Each worker's speed relative to the others, by medians; None when no worker is *apart*
+        (within :data:`SPEED_FACTOR` of the others' median, or inside their interquartile
+        range: identical workers sharing the cores differ by up to 1.5x).
+        """
         means = [float(np.median(t)) for t in self.compute_times]
         overall = float(np.median([x for t in self.compute_times for x in t]))
         if len(means) < 2 or not any(self._apart(w, m) for w, m in enumerate(means)):
@@ -357,10 +355,8 @@ class Calibration:
 
     def bounded(self, bound: str | None) -> Calibration:
         """This calibration with every time at its 25th (``"low"``) or 75th (``"high"``)
-        percentile over the repeats (None: itself): the step times scaled by the pooled
-        steps' quartile over their median, the apply and per-pull fits through the
-        quartiles at each size, the worker loop's quartile. A figure without a spread
-        (a calibration made by hand) stays as measured."""
+        percentile over the repeats (None: itself).
+        """
         if bound not in BOUNDS:
             raise ValueError(f"bound = {bound!r}: must be one of {BOUNDS}")
         if bound is None:
@@ -542,12 +538,10 @@ def _rate(slope: float) -> float:
 def _compute_main(
     loss_and_grad, data, spec, init, w, workers, repeats, warmup, delay, conn, contend=False
 ):
-    """A spawned process's body: time ``repeats`` steps of worker ``w`` on its batches,
-    on the wall clock and on the process's CPU clock (each step followed by the emulated
-    ``delay``, slept as the local worker sleeps it; the wall time beyond ``delay`` counts
-    as the step's). With ``contend``, it then times steps (no delay) on command, for the
-    contention measurement: ``("time", seconds)`` is answered with ``("mean", wall
-    seconds a step, CPU seconds a step)``, anything else ends it."""
+    """A spawned process's body: time ``repeats`` steps of worker ``w`` on the wall and CPU
+    clocks, each followed by the emulated ``delay``. With ``contend``, it then answers
+    ``("time", seconds)`` with ``("mean", wall, CPU seconds a step)``; anything else ends it.
+    """
     from stalewise.runtime.base import batch_iterator
     from stalewise.runtime.local.procs import die_with_parent
 
@@ -760,16 +754,11 @@ _SPIN = (
 def measure_contention(
     config: ServerConfig, most: int, stepper: Any, deadline: float = math.inf, beside: float = 0
 ) -> Contention:
-    """How much longer than its CPU time a step and a shard's apply take on the wall
-    clock with 1 to ``most`` processes runnable (``k - 1`` busy processes, :data:`_SPIN`,
-    beside it): the job's step timed by the compute process at the other end of the pipe
-    ``stepper`` for :data:`CONTENTION_SECONDS`, an apply of one shard's slice timed here
-    for half as long. The factors hold all the sharing of the cores, other users'
-    processes included; each is at least the one before it (one more runnable process
-    never makes the others faster; the noise of a loaded machine does). ``beside``: the
-    share of a core the run's parent takes evaluating (measured by :func:`_observe`),
-    which the simulator does not count: the factors for ``n`` are those for ``n +
-    beside``."""
+    """How much longer than its CPU time a step (timed by the compute process at the other end
+    of ``stepper``) and a shard's apply take on the wall clock with 1 to ``most`` processes
+    runnable, each factor at least the one before. The factors for ``n`` are those measured
+    for ``n + beside``, the share of a core the parent's evaluation takes.
+    """
     shards = min(config.shards, config.spec.size)
     push = _pusher(config, -(-config.spec.size // shards))
     push()
@@ -918,17 +907,11 @@ def strategy_steps(job: Any, pushes: int = 3) -> tuple[float, float]:
 
 
 def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
-    """Seconds a worker's push takes besides its computes and its strategy's own work
-    (send and pull included): a real run on ``runtime`` of one worker whose local steps
-    are :data:`LOOP_COMPUTE` seconds of busy compute; for gradient pushes on a job of
-    ``size`` floats (the job's optimizer, consistency model, codec and shards), for a
-    strategy of local steps on the job itself (its fragments); its times per push over
-    the intervals between its records after its first push, less the local steps'
-    computes and strategy work of :func:`strategy_steps` (:func:`calibrate` takes their
-    median, less the send and pull: a push preempted by another process must not set
-    it). With, when its pulls read the snapshots (:func:`served_pull`), the share of its
-    pushes after the first that were applied with staleness 0: the chance its read after
-    a push held that push (``own_read`` in the table)."""
+    """Seconds a worker's push takes besides its computes and its strategy's own work (send and
+    pull included), from a real run on ``runtime`` of one worker whose steps are
+    :data:`LOOP_COMPUTE` seconds of busy compute; with it, when its pulls read the snapshots,
+    the share of its pushes its next read already held (``own_read``).
+    """
     h, inner = strategy_steps(job)
     if h == 1:  # gradient pushes: the synthetic job, no strategy work
         job, inner = _synthetic_job(job, size, min(job.config.shards, size)), 0.0

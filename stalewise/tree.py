@@ -68,14 +68,7 @@ class HiddenKey(AttrKey):
 
 
 def path_str(path: tuple, root: str = "params") -> str:
-    """A key path as Python-like access syntax, for error messages.
-
-    Example:
-        >>> path_str(("layer1", "w"))
-        "params['layer1']['w']"
-        >>> path_str((0, AttrKey("bias")), root="grads")
-        'grads[0].bias'
-    """
+    """A key path as Python-like access syntax, e.g. ``params['layer1'].bias``, for error messages."""
     return root + "".join(f".{e}" if isinstance(e, AttrKey) else f"[{e!r}]" for e in path)
 
 

@@ -114,16 +114,7 @@ def with_seed(task: Any, seed: int = 0) -> SeededTask:
 
 
 def check_int(name: str, value: Any, low: int = 1) -> int:
-    """Returns ``value`` if it is an integer >= ``low``, else raises ValueError naming ``name``.
-
-    Example:
-        >>> check_int("hidden", 64)
-        64
-        >>> check_int("hidden", "64")
-        Traceback (most recent call last):
-        ...
-        ValueError: hidden must be an integer >= 1, got '64'
-    """
+    """Returns ``value`` if it is an integer >= ``low``, else raises ValueError naming ``name``."""
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
@@ -132,17 +123,8 @@ def check_int(name: str, value: Any, low: int = 1) -> int:
 def check_number(
     name: str, value: Any, low: float, high: float = np.inf, *, open_: str = ""
 ) -> float:
-    """Returns ``value`` as a float if it is a finite number in the interval, else raises ValueError.
-
-    The interval is closed unless ``open_`` names an open end ("low", "high" or "both").
-
-    Example:
-        >>> check_number("noise", 0.5, 0.0)
-        0.5
-        >>> check_number("test_fraction", 1.0, 0.0, 1.0, open_="both")
-        Traceback (most recent call last):
-        ...
-        ValueError: test_fraction must be a number in (0, 1), got 1.0
+    """``value`` as a float if it is a finite number in ``[low, high]`` (``open_``: "low", "high"
+    or "both" ends open), else ValueError naming ``name``.
     """
     lo_open, hi_open = open_ in ("low", "both"), open_ in ("high", "both")
     ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
