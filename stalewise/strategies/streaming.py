@@ -326,11 +326,8 @@ def merge(local: np.ndarray, global_: np.ndarray, alpha: float) -> None:
 def fragment_runs(segments: Segments, fragments: int | tuple) -> list[Runs]:
     """Each fragment's contiguous ranges of the flat vector (whole leaves).
 
-    ``fragments`` an int ``P``: the leaves in order, cut at leaf boundaries into
-    ``P`` runs of about equal size; a tuple of pattern tuples: fragment ``i``
-    holds the leaves whose name matches one of its regexes (``re.search``),
-    the first fragment that matches taking a leaf. Every leaf must belong to a
-    fragment and every fragment must hold one.
+    ``fragments`` as for :func:`streaming_diloco`; every leaf must belong to a fragment and
+    every fragment hold one.
     """
     names, sizes = segments.names, [int(s) for s in segments.sizes]
     ends = np.cumsum(sizes)
