@@ -18,13 +18,12 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
+
+from stalewise.targets import finite
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +32,6 @@ __all__ = ["Loggers", "TensorBoardLogger"]
 TENSORBOARD_MISSING = (
     "TensorBoard logging needs the tensorboardX package: pip install 'stalewise[tensorboard]'"
 )
-
-
-def _finite(value: Any) -> bool:
-    """A finite real number (a bool is not one)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _name(logger: Any) -> str:
@@ -114,12 +108,7 @@ class Loggers:
     def __enter__(self) -> Loggers:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -146,7 +135,7 @@ class TensorBoardLogger:
 
     def __init__(self, logdir: str | os.PathLike[str], *, flush_secs: float = 5.0):
         self._writer_class = tensorboard_writer()
-        if not (_finite(flush_secs) and flush_secs > 0):
+        if not (finite(flush_secs) and flush_secs > 0):
             raise ValueError(f"flush_secs must be a number of seconds > 0, got {flush_secs!r}")
         self.flush_secs = flush_secs
         if not isinstance(logdir, str | os.PathLike) or not str(logdir):
@@ -171,10 +160,10 @@ class TensorBoardLogger:
         writer = self._open()
         step = int(record["pushes"])
         for key, value in record.items():
-            if key != "pushes" and _finite(value):
+            if key != "pushes" and finite(value):
                 writer.add_scalar(key, float(value), step)
         now = record.get("time")
-        if _finite(now):
+        if finite(now):
             if self._last is not None and now > self._last[0]:
                 rate = (step - self._last[1]) / (now - self._last[0])
                 writer.add_scalar("pushes_per_s", rate, step)

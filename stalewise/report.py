@@ -19,10 +19,10 @@ import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 from stalewise import targets
+from stalewise.targets import by_run, finite
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +86,7 @@ class MetricsWriter:
     def __enter__(self) -> MetricsWriter:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -125,18 +120,6 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{number}: expected a JSON object, got {line[:40]!r}")
         records.append(record)
     return records
-
-
-def _runs(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
-    """Groups records by ``run`` in order of first appearance."""
-    runs: dict[str, list[Mapping[str, Any]]] = {}
-    for r in records:
-        runs.setdefault(str(r.get("run", "")), []).append(r)
-    return runs
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and math.isfinite(value)
 
 
 def time_to_target(
@@ -188,8 +171,8 @@ def plot_runs(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    runs = _runs(records)
-    present = [k for k in keys if any(_finite(r.get(k)) for rs in runs.values() for r in rs)]
+    runs = by_run(records)
+    present = [k for k in keys if any(finite(r.get(k)) for rs in runs.values() for r in rs)]
     if not present:
         raise ValueError(f"none of the keys {list(keys)} occurs in the records")
     targets = dict(targets or {})
@@ -200,7 +183,7 @@ def plot_runs(
     for ax, key in zip(axes, present, strict=True):
         values = []
         for name, rs in runs.items():
-            points = sorted((r[x], r[key]) for r in rs if _finite(r.get(x)) and _finite(r.get(key)))
+            points = sorted((r[x], r[key]) for r in rs if finite(r.get(x)) and finite(r.get(key)))
             if points:
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, label=name or "run", linewidth=1.5)

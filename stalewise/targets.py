@@ -126,6 +126,19 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def finite(value: Any) -> bool:
+    """A finite real number (a bool is not one)."""
+    return _is_number(value) and math.isfinite(value)
+
+
+def by_run(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """The records grouped by ``run``, in order of first appearance."""
+    runs: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        runs.setdefault(str(r.get("run", "")), []).append(r)
+    return runs
+
+
 @dataclass(frozen=True)
 class Target:
     """A metric and the value it should reach, going down (``"min"``) or up (``"max"``).
@@ -290,9 +303,7 @@ def time_to_target(
     """
     if not isinstance(target, Target):
         raise TypeError(f"target must be a Target, got {target!r}")
-    runs: dict[str, list[Mapping[str, Any]]] = {}
-    for r in records:
-        runs.setdefault(str(r.get("run", "")), []).append(r)
+    runs = by_run(records)
     if run is None:
         if len(runs) > 1:
             raise ValueError(f"records hold several runs, pass run= one of {list(runs)}")
@@ -301,8 +312,7 @@ def time_to_target(
         selected = runs[run]
     else:
         raise ValueError(f"no run {run!r} in the records; runs: {list(runs)}")
-    timed = (r for r in selected if _is_number(r.get(x)) and math.isfinite(r[x]))
-    for r in sorted(timed, key=lambda r: r[x]):
+    for r in sorted((r for r in selected if finite(r.get(x))), key=lambda r: r[x]):
         if target.reached(r.get(target.metric)):
             return r[x]
     return None
