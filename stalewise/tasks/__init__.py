@@ -66,10 +66,7 @@ def get(name: str, **kwargs: Any) -> Task:
 
 
 def task_class(name: str) -> type:
-    """The class of a built-in task (importing its backend), e.g. to read its signature.
-
-    Raises:
-        ValueError: if ``name`` is unknown (the message lists the known names).
+    """The class of a built-in task (importing its backend); ValueError if unknown.
 
     Example:
         >>> task_class("least-squares").__name__
