@@ -19,8 +19,6 @@ makes the worker loop read the runtime's clock. The rules' reasoning:
 docs/design-notes.md, "Model averaging".
 
 Example:
-    >>> import numpy as np
-    >>> import stalewise as sw
     >>> budget = comm_budget(fraction=0.2)
     >>> state, periods = budget.init(), []
     >>> for _ in range(8):  # rounds of 1 s of communication plus 0.25 s a local step
