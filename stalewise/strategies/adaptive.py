@@ -84,7 +84,7 @@ class AdaComm:
     """``H_k = ceil(sqrt(F_k / F_0) * local_steps)`` within ``[min_steps, local_steps]``; see
     :func:`adacomm`."""
 
-    local_steps: int = 32  # H_0 (old name: start)
+    local_steps: int = 32  # H_0
     min_steps: int = 1
 
     def __post_init__(self) -> None:
@@ -134,7 +134,7 @@ class CommBudget:
     :func:`comm_budget`."""
 
     fraction: float = 0.1
-    local_steps: int = 4  # the first rounds' H (old name: start)
+    local_steps: int = 4  # the first rounds' H
     min_steps: int = 1
     max_steps: int = 64
     memory: float = 0.9
@@ -212,7 +212,7 @@ class CommBudget:
 class Fixed:
     """``H = local_steps`` at every push; see :func:`fixed`."""
 
-    local_steps: int  # old name: steps
+    local_steps: int
 
     def __post_init__(self) -> None:
         value = _check_steps("fixed", "local_steps", self.local_steps)
@@ -236,7 +236,7 @@ def adacomm(local_steps: int = 32, min_steps: int = 1) -> AdaComm:
     ``H_0 = local_steps`` and ``F_0`` the first finite loss; ``F_0 <= 0`` raises ValueError.
 
     Args:
-        local_steps: ``H_0``, the first period and the largest (old name: ``start``).
+        local_steps: ``H_0``, the first period and the largest.
         min_steps: the smallest period.
 
     Example:
@@ -263,7 +263,7 @@ def comm_budget(
     Args:
         fraction: the most of a round that communication may take, in ``(0, 1)``.
         local_steps: the first two rounds' ``H`` (the third runs ``4 * local_steps``, to
-            measure; old name: ``start``).
+            measure).
         min_steps: the smallest period.
         max_steps: the largest period.
         memory: per-round decay of the weight of older rounds in the fit, in ``[0, 1)``.
@@ -279,8 +279,7 @@ def comm_budget(
 
 @renames(steps="local_steps")
 def fixed(local_steps: int) -> Fixed:
-    """The trivial schedule: ``H = local_steps`` at every push (``local_sgd(local_steps=H)``;
-    old name of the argument: ``steps``).
+    """The trivial schedule: ``H = local_steps`` at every push (``local_sgd(local_steps=H)``).
 
     Example:
         >>> fixed(4).next(fixed(4).init(), 1.0)

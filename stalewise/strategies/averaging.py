@@ -442,7 +442,7 @@ def local_sgd(
 
     Args:
         local_steps: ``H``, local steps (minibatches) per push; the cap when ``dynamic``.
-            Not the job's push budget (``Job.train(steps=)``). Old name: ``steps``.
+            Not the job's push budget (``Job.train(steps=)``).
         inner: the worker's optimizer (see the module docstring).
         reset_inner: make a fresh inner optimizer state at every pull.
         dynamic: dynamic local updates: pick ``H`` so that a round lasts about ``period``.
