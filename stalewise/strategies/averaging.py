@@ -3,16 +3,11 @@
 A worker runs ``local_steps`` (``H``) local steps with an *inner* optimizer between two
 pushes and pushes a pseudo-gradient; the server treats it as any update, so an averaging
 method is the pair (strategy, server optimizer). ``sw.Job(params, strategy=s)`` without
-``optimizer=`` uses ``s.server_optimizer()``:
-
-============================================  ================================  =======================================
-strategy                                      pushes                            recommended server optimizer
-============================================  ================================  =======================================
-``local_sgd(local_steps=H, inner=opt)``       ``pulled - local`` after H steps  ``sgd(1.0)``
-``diloco(local_steps=H, inner=adamw(1e-3))``  ``pulled - local`` after H steps  ``sgd(0.7, 0.9, nesterov=True)``
-``diloco(..., asynchronous=True, every=N)``   ``pulled - local`` after H steps  ``delayed_nesterov(0.7, 0.9, every=N)``
-``easgd(alpha, local_steps=tau, inner=opt)``  ``alpha * (centre - local)``      ``sgd(1.0)``
-============================================  ================================  =======================================
+``optimizer=`` uses ``s.server_optimizer()``: ``local_sgd(local_steps=H, inner=opt)`` pushes
+``pulled - local`` after ``H`` steps (server ``sgd(1.0)``); ``diloco(local_steps=H)`` too,
+with ``sgd(0.7, 0.9, nesterov=True)``, or with ``asynchronous=True, every=N``
+``delayed_nesterov(0.7, 0.9, every=N)``; ``easgd(alpha, local_steps=tau, inner=opt)``
+pushes ``alpha * (centre - local)`` (``sgd(1.0)``).
 
 ``inner`` is a :mod:`stalewise.optim` optimizer (in place on the flat local vector, with
 the leaf names), an optax ``GradientTransformation`` (on a dict of dotted leaf name -> JAX
