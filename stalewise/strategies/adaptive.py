@@ -427,7 +427,7 @@ def adaptive(
         >>> s.schedule, s.local.name
         (comm_budget(fraction=0.1, local_steps=8, min_steps=2, max_steps=64, memory=0.9), 'diloco')
         >>> s.server_optimizer().apply.__self__
-        _Sgd(lr=0.7, momentum=0.9, nesterov=True, weight_decay=0.0)
+        _Sgd(lr=0.7, momentum=0.9, nesterov=True, weight_decay=0.0, exclude_from_weight_decay=())
     """
     if schedule is None:
         first = 4 if local_steps is None else local_steps

@@ -447,7 +447,7 @@ def local_sgd(
         >>> import stalewise as sw
         >>> s = local_sgd(local_steps=5, inner=sw.optim.sgd(0.1))
         >>> s.server_optimizer().apply.__self__
-        _Sgd(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0)
+        _Sgd(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0, exclude_from_weight_decay=())
     """
     return LocalSGDStrategy(
         local_steps,
