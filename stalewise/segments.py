@@ -5,7 +5,7 @@ dotted name (``"layer1.w"``), offset into the flat vector and size.
 
 Example:
     >>> seg = Segments.from_sizes(["w", "b"], [6, 3])
-    >>> seg.total, list(seg.offsets)
+    >>> seg.total, seg.offsets.tolist()
     (9, [0, 6])
     >>> seg.slice(4, 9).names
     ('w', 'b')
