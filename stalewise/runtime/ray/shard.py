@@ -151,9 +151,7 @@ class ShardActor:
         handled (None: unknown here)."""
         self.shard.retire(w, inc)
         self._notify()
-        if self.shard.incarnation[w] != inc:
-            return None
-        return int(self.shard.next_seq[w])
+        return self.shard.handled(w, inc)
 
     async def leave(self, w: int, inc: int) -> None:
         """``w``'s incarnation ``inc`` leaves (its loop ended with its acks)."""
@@ -189,7 +187,7 @@ class ShardActor:
         if not self.exact:
             self._publish_soon()
         self._notify()
-        return int(self.shard.next_seq[w]) if self.shard.incarnation[w] == inc else None
+        return self.shard.handled(w, inc)
 
     async def stop(self) -> None:
         """The job is ending: every pull, waiting or new, is answered "stop"."""

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import ServerConfig
+from stalewise.protocol import ServerConfig, delivery
 from stalewise.protocol.sender import History
 from stalewise.runtime import driver
 from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
@@ -474,14 +474,7 @@ class _Host:
     def _worker_left(self, w: int) -> None:
         """Worker ``w``'s node left an elastic run: a departure (commit rule, free id),
         not a failure."""
-        timeout = self.o.ack_timeout
-        counts: list = []
-        with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
-            counts = self._get(
-                cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart"
-            )
-        if self.ef:
-            self._inherit(w, max((n for n in counts if n is not None), default=None))
+        self._depart(w)
         self.live.discard(w)
         self.left.append(w)
         self.run.failures.left(w, "its node left the cluster", time=self.now())
@@ -497,14 +490,7 @@ class _Host:
         """The commit rule for worker ``w``, then the failure policy: restart, drop or
         WorkerError."""
         self.ray.kill(self.actors[w], no_restart=True)  # it may live on after raising
-        timeout = self.o.ack_timeout
-        counts: list = []
-        with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
-            counts = self._get(
-                cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart"
-            )
-        if self.ef:  # its pushes every shard now has: the residual after the last of them
-            self._inherit(w, max((n for n in counts if n is not None), default=None))
+        self._depart(w)
         now = self.now()
         action = self.run.failures.worker(w, cause, time=now, detail=detail)
         if action == "drop" or self.stopping:
@@ -514,9 +500,22 @@ class _Host:
             return
         self.incs[w] += 1
         with contextlib.suppress(_ShardDown):  # else the restore to come admits it
-            self._get([s.join.remote(w, self.incs[w]) for s in self.shards], timeout, "join")
+            joins = [s.join.remote(w, self.incs[w]) for s in self.shards]
+            self._get(joins, self.o.ack_timeout, "join")
         self.runs[self._spawn(w).run.remote()] = w
         self.liveness.watch(w, self.actors[w], ready=False)  # it sets up inside run()
+
+    def _depart(self, w: int) -> None:
+        """The commit rule for worker ``w``'s gone incarnation; with error feedback, keeps
+        its residual after the pushes every shard now has."""
+        timeout = self.o.ack_timeout
+        counts: list = []
+        with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
+            counts = self._get(
+                cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart"
+            )
+        if self.ef:
+            self._inherit(w, delivery.committed(counts))
 
     def _inherit(self, w: int, pushes: int | None) -> None:
         """Keeps worker ``w``'s residual after its gone incarnation's ``pushes`` (None:
