@@ -18,6 +18,7 @@ import re
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -206,19 +207,19 @@ def serve_workers(job: Any, launch: Any) -> int:
             log.info("stalewise run: %d workers started on Ray (job %r)", workers, name)
             nodes = set(where)
             pending = list(refs)
-            deadline = None if timeout is None else _now() + timeout
+            deadline = None if timeout is None else time.monotonic() + timeout
             progress = Progress(workers)
             while pending:
-                left = None if deadline is None else max(deadline - _now(), 0)
+                left = None if deadline is None else max(deadline - time.monotonic(), 0)
                 if progress.every:
                     left = progress.every if left is None else min(left, progress.every)
                 done, pending = ray.wait(pending, num_returns=1, timeout=left)
                 if not done:
-                    if deadline is not None and _now() >= deadline:
+                    if deadline is not None and time.monotonic() >= deadline:
                         failed.append(f"timed out after {timeout} s")
                         lost += len(pending)
                         break
-                    progress.tick(_now(), server.job_pushes, len(pending))
+                    progress.tick(time.monotonic(), server.job_pushes, len(pending))
                     continue
                 rank = refs[done[0]]
                 try:
@@ -227,7 +228,7 @@ def serve_workers(job: Any, launch: Any) -> int:
                     failed.append(f"rank {rank} failed ({_cause(e)})")
                     lost += 1
                     ray.get(server.door.abort.remote())  # the others start without it
-                progress.tick(_now(), server.job_pushes, len(pending))
+                progress.tick(time.monotonic(), server.job_pushes, len(pending))
             pushes = server.job_pushes
     finally:
         for a in actors:
@@ -253,12 +254,6 @@ def _say_cluster(ray: Any, address: str, started: bool) -> None:
     else:
         what = f"an existing cluster, --address/RAY_ADDRESS {address}"
     print(f"stalewise run: Ray cluster at {at} ({what})", file=sys.stderr, flush=True)
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
 
 
 def _cause(e: Exception) -> str:

@@ -71,8 +71,6 @@ class RayClient(PullsIntoTrees):
         self._shards = list(info["shards"])
         self._spec = config.spec
         self._gated = pipeline.exact_pulls(config)
-        # the protocol's sending side; with error feedback, from the residual the id's
-        # last incarnation left with (None: zeros)
         self._out = Outbox(config, self._shards, self.worker, residual=info["residual"], buffers=1)
         self._pull_buf = np.empty(self._spec.size, self._spec.dtype)
         self._pending: tuple[int, list] | None = None  # (seq, ack refs) of the last push
@@ -149,8 +147,7 @@ class RayClient(PullsIntoTrees):
         # a gated pull waits at every shard until this worker's pushes have arrived
         self.pull_has_own = self._pending is None or self._gated
         w, inc, sender = self.worker, self.incarnation, self._out.sender
-        # answered when the gate lets this worker start (at once under ASP), with a
-        # snapshot that holds this worker's last acknowledged push (read-your-writes)
+        # read-your-writes: a snapshot holding this worker's last acknowledged push
         fresh = [0] * len(self._shards) if self._own is None or not own else self._own
         refs = [s.pull.remote(w, inc, sender.seq, 0, fresh[k]) for k, s in enumerate(self._shards)]
         replies = self._get(refs, timeout, "pull")
@@ -231,8 +228,7 @@ class RayClient(PullsIntoTrees):
                 self.wait(timeout=CLOSE_WAIT)
         except (TimeoutError, ServerClosed, ShardError, ray.exceptions.RayError) as e:
             log.warning("worker %d: its last push was not acknowledged (%s)", self.worker, e)
-        # the residual of the last push, if it was acknowledged (else it may be torn off
-        # with the push: the next incarnation starts from zeros)
+        # a push not acknowledged may be torn off: its residual is not kept
         residual = self.residual if self._pending is None else None
         self._pending = None
         self._closed_by = self._closed_by or "this client was closed"

@@ -104,8 +104,7 @@ def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0) -> list
             "delivering them",
             *(w, start, stop - 1, source, k),
         )
-    # Ray does not keep the order of calls to an async actor: the source must have read
-    # them before its own departure makes it forget them
+    # Ray does not order an async actor's calls: read them before the source departs
     reading = [m for m in missing if m is not None]
     if reading:
         ray.wait(reading, num_returns=len(reading), timeout=timeout, fetch_local=False)

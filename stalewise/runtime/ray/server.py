@@ -59,8 +59,7 @@ class Door:
         self.workers, self.expected = workers, expected
         self.incs = [0] * workers  # the newest incarnation of each worker id
         self.held: dict[int, int] = {}  # worker id -> its attached incarnation
-        # with a codec's error feedback: the residual each worker id left with on close,
-        # for its next incarnation (one that died leaves none: it is lost with it)
+        # error feedback: the residual each worker id closed with, for its next incarnation
         self.residuals: dict[int, Any] = {}
         self.leases: dict[Any, tuple[int, int]] = {}  # a lease's watch ref -> (w, inc)
         self.lock = threading.RLock()

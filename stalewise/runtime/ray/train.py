@@ -56,9 +56,7 @@ class _Host:
         self.ray = import_ray()
         self.config, self.strategy, self.o = config, strategy, options
         self.W, self.S = options.room, config.shards  # W: the worker ids' room
-        # an elastic run (workers=(min, max) or "auto"): the workers that fit the cluster's
-        # free CPUs, at least `expected`, more as CPUs free up; a worker whose node left
-        # is a departure (see _worker_left)
+        # an elastic run (workers=(min, max) or "auto") grows with the free CPUs
         self.elastic, self.expected = options.elastic, options.expected
         self.started = list(range(self.W))  # the worker ids the run starts with
         self.retired: set[int] = set()  # ids never used again (dropped, diverged)
@@ -80,9 +78,7 @@ class _Host:
         self.pgs: list = []  # the placement groups: shards, workers
         self.backup: tuple[list, int] | None = None  # (shard states, pushes handled)
         self.targets: dict[int, tuple[int, int]] = {}  # the backup's pushes of each worker
-        # with error feedback: each worker's residual at the start of its incarnation or
-        # the end of one that ended, as far as the driver knows it, and each worker id's
-        # keeper (a History actor: the residual of each push, kept before any shard has it)
+        # error feedback: each worker's residuals as the driver knows them, and its keeper
         comp = config.compressor()
         self.ef = comp is not None and comp.error_feedback
         self.fb = [History() for _ in range(self.W)]
@@ -118,9 +114,8 @@ class _Host:
             self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
             self.pgs.append(cluster.place(self.W, self.share, wait, "workers"))
         restarts = 0 if o.on_worker_failure == "fail" else o.max_restarts
-        # the shards' own copy of the config, without the initial params (load() sends
-        # them): small enough to travel inside the actor's creation task, which Ray
-        # replays when it restarts the actor
+        # without the initial params (load() sends them): small enough for the creation
+        # task, which Ray replays when it restarts the actor
         config = dataclasses.replace(self.config, init=self.config.init[:0])
         actor = ray.remote(ShardActor)
         self.shards = [
@@ -359,7 +354,8 @@ class _Host:
         return tree.unflatten(self._flat(), self.config.spec)
 
     def stop(self) -> bool:
-        self._stop()
+        self.stopping = True
+        self._retrying(lambda: self._each("stop"))
         return False
 
     def snapshot(self, now: float, *, failure: bool = False) -> driver.Snapshot | None:
@@ -391,8 +387,6 @@ class _Host:
             # the mean bytes of one pull of every shard (a delta pull's payload, or the slice)
             "pull_bytes": sum(s["pulled"][0] / max(s["pulled"][1], 1) for s in per_shard),
             "pulls": [s["pulled"][1] for s in per_shard],
-            # an elastic run: the workers it started with, the most live at once, the
-            # workers started for free ids, and the ids whose node left (in order)
             "workers": {
                 "started": len(self.started),
                 "peak": self.peak,
@@ -621,7 +615,7 @@ class _Host:
             try:
                 versions = self._get(refs, self.o.shard_start_timeout, "restore")
                 if self.stopping:  # a restarted shard has forgotten the stop
-                    self._get([s.stop.remote() for s in self.shards], self.o.ack_timeout, "stop")
+                    self._each("stop")
                 break
             except _ShardDown as down:
                 events += self._await_down(down)
@@ -667,26 +661,22 @@ class _Host:
         with self._shard_calls(what, f"the shards did not answer {what} within {timeout} s"):
             return self.ray.get(refs, timeout=timeout)
 
+    def _each(self, method: str, what: str | None = None) -> list:
+        """Every shard's answer to ``method`` (within ``ack_timeout``)."""
+        refs = [getattr(s, method).remote() for s in self.shards]
+        return self._get(refs, self.o.ack_timeout, what or method)
+
     def _stats(self) -> list[dict]:
-        timeout = self.o.ack_timeout
-        return self._retrying(
-            lambda: self._get([s.stats.remote() for s in self.shards], timeout, "stats")
-        )
+        return self._retrying(lambda: self._each("stats"))
 
     def _flat(self) -> np.ndarray:
         return self._retrying(self._observe)
 
     def _observe(self) -> np.ndarray:
-        timeout = self.o.ack_timeout
-        replies = self._get([s.observe.remote() for s in self.shards], timeout, "pull")
+        replies = self._each("observe", "pull")
         # each slice is an object its shard owns: lost with the shard (ObjectLostError)
-        slices = self._get([r[1] for r in replies], timeout, "pull")
+        slices = self._get([r[1] for r in replies], self.o.ack_timeout, "pull")
         return np.concatenate(slices) if len(slices) > 1 else np.array(slices[0])
-
-    def _stop(self) -> None:
-        self.stopping = True
-        timeout = self.o.ack_timeout
-        self._retrying(lambda: self._get([s.stop.remote() for s in self.shards], timeout, "stop"))
 
     def _take_backup(self) -> bool:
         """A consistent copy of the shards into ``self.backup`` (False: none this time)."""
