@@ -24,17 +24,9 @@ log = logging.getLogger(__name__)
 
 
 class Outbox:
-    """Worker ``w``'s pushes to ``shards``.
-
-    Args:
-        config: the job's server config.
-        shards: the shard actors' handles, in order.
-        w: the worker id.
-        residual: the error-feedback residual to start from (None: zeros).
-        keeper: the worker id's residual keeper actor (None: residuals are not kept).
-        buffers: how many push buffers to keep (:attr:`free`).
-        ack_timeout: seconds to wait for a keeper's answer.
-    """
+    """Worker ``w``'s pushes to the shard actors ``shards``, starting from ``residual``
+    (None: zeros), with ``buffers`` push buffers (:attr:`free`) and the residual keeper
+    actor ``keeper`` (None: none), which answers within ``ack_timeout`` seconds."""
 
     def __init__(
         self,
