@@ -48,7 +48,6 @@ RULES: dict[str, dict[str, list[str]]] = {
         "Liveness.__init__": ["min(1.0, worker_timeout / 4)"],
         "Liveness.check": [
             "if beats != x.beats or ready != x.ready:",
-            "if now - x.since > self.start_timeout:",
             "now - x.asked > self.timeout",
         ],
     },

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from stalewise.protocol.liveness import Silence
+from stalewise.protocol.liveness import Silence, late_start
 from stalewise.runtime.ray import import_ray
 
 GROUP = "beat"  # the worker actors' concurrency group for progress()
@@ -86,8 +86,8 @@ class Liveness:
                 x.ref = x.actor.progress.options(concurrency_group=GROUP).remote()
                 x.asked = now
             if not x.ready:
-                if now - x.since > self.start_timeout:
-                    out.append((w, f"did not start within start_timeout={self.start_timeout:g} s"))
+                if (late := late_start(x.since, now, self.start_timeout)) is not None:
+                    out.append((w, late))
             elif x.silence is not None:
                 cause = x.silence.hung(x.seen)
                 if cause is None and x.ref is not None and now - x.asked > self.timeout:
