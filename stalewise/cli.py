@@ -96,6 +96,7 @@ def _check_runtime(runtime: str | None) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from stalewise import config, report
+    from stalewise import runtime as runtime_lib
     from stalewise.options import Checkpoints
 
     _check_runtime(args.runtime)
@@ -109,9 +110,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config.load(
         args.config, runtime=args.runtime, codec=args.codec, pull_codec=args.pull_codec
     )
-    runtime = cfg.train_kwargs(args.runtime)["runtime"]
-    if args.address is not None and runtime != "ray":
-        raise _config_error("--address", f"is for --runtime ray; this run's runtime is {runtime!r}")
+    runtime = runtime_lib.describe(cfg.train_kwargs(args.runtime)["runtime"])
+    if args.address is not None and runtime.connect is None:
+        raise _config_error("--address", f"is for --runtime {runtime_lib.able('connect')}; "
+                            f"this run's runtime is {runtime.name!r}")  # fmt: skip
     board = _tensorboard_dir(args.tensorboard)
     out = _out_dir(args.resume or args.out, Path(args.config).stem)
     loggers = []
@@ -129,7 +131,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         metrics = dataclasses.replace(cfg.train["metrics"], name=run,
             on_record=writer.write, loggers=loggers, progress=not args.quiet)  # fmt: skip
         result = cfg.run(args.runtime, address=args.address, metrics=metrics, checkpoints=ckpt)
-    simulated = cfg.train_kwargs(args.runtime)["runtime"] == "sim"
+    simulated = runtime.simulated
     report.plot_runs(
         result.records,
         out / "train.png",

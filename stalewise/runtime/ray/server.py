@@ -28,10 +28,11 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import ServerConfig
+from stalewise.protocol.pipeline import PUBLISH_EVERY
 from stalewise.runtime.base import worker_range
 from stalewise.runtime.ray import cluster, connect, import_ray
 from stalewise.runtime.ray.client import NAMESPACE, RayClient, door_name
-from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
+from stalewise.runtime.ray.shard import ShardActor
 
 log = logging.getLogger(__name__)
 

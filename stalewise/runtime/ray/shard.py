@@ -28,8 +28,6 @@ from stalewise.runtime.logs import child_logging
 
 log = logging.getLogger(__name__)
 
-PUBLISH_EVERY = 0.02  # seconds: the longest an ASP pull may be served an older snapshot
-
 
 def payload_spans(config: ServerConfig) -> list[tuple[int, int]] | None:
     """Each shard's ``[start, stop)`` bytes in a compressed push (None: plain vectors)."""

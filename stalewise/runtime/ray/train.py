@@ -25,12 +25,13 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import ServerConfig, delivery
+from stalewise.protocol.pipeline import PUBLISH_EVERY
 from stalewise.protocol.sender import History
 from stalewise.runtime import driver
 from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.ray import cluster, import_ray, liveness
-from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
+from stalewise.runtime.ray.shard import ShardActor
 from stalewise.runtime.ray.worker import WorkerActor
 from stalewise.runtime.result import TrainResult, merge_stats
 from stalewise.strategies import Strategy
