@@ -1,21 +1,16 @@
 """A worker as a Ray actor: the protocol's one worker loop, answered with Ray calls.
 
-:class:`WorkerActor` runs :func:`stalewise.protocol.loop.worker_loop` with the
-user's ``loss_and_grad`` and data, and answers its requests. ``BEGIN`` is True
-unless a shard says the job is stopping or the budget rule
-(:mod:`stalewise.protocol.budget`) says no, once the step's parameters are in:
-under SSP/BSP and with DC-ASGD a pull to every shard, answered when its gate
-opens; under ASP the newest snapshots a *receiver* thread holds (a standing
-request at every shard, :meth:`ShardActor.follow
-<stalewise.runtime.ray.shard.ShardActor.follow>`). ``PULL`` answers with them:
-with one shard and NumPy leaves a view of the object store's read-only copy,
-else a copy in the pull buffer (with delta pulls, after the worker's
-:class:`~stalewise.protocol.pulls.Replica` has checked and applied each payload).
-A ``Push`` is committed by the :class:`~stalewise.runtime.ray.outbox.Outbox` and
-sent by a *sender* thread while the loop goes on (one push in flight). Each
-request, batch and ``POLL`` seconds of waiting is a heartbeat
-(:meth:`WorkerActor.progress`). A call to a shard that died is retried until the
-driver restores it; the worker then carries on as the incarnation announced.
+:class:`WorkerActor` runs :func:`stalewise.protocol.loop.worker_loop` and answers
+its requests. ``BEGIN`` fetches the step's parameters: a pull to every shard when
+pulls are exact, else the newest snapshots a *receiver* thread holds (a standing
+:meth:`ShardActor.follow <stalewise.runtime.ray.shard.ShardActor.follow>` at every
+shard); with one shard and NumPy leaves ``PULL`` gets a view of the object store's
+read-only copy. A ``Push`` is committed by the
+:class:`~stalewise.runtime.ray.outbox.Outbox` and sent by a *sender* thread while
+the loop goes on (one push in flight). Each request, batch and ``POLL`` seconds of
+waiting is a heartbeat (:meth:`WorkerActor.progress`). A call to a shard that died
+is retried until the driver restores it; the worker then carries on as the
+incarnation announced.
 """
 
 from __future__ import annotations
