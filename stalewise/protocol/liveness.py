@@ -109,6 +109,12 @@ class Silence:
         )
 
 
+def late_start(since: float, now: float, limit: float) -> str | None:
+    """Why a worker setting up since ``since`` fails at ``now`` (None: it may go on): it is
+    not set up within ``limit`` seconds (``start_timeout``)."""
+    return f"did not start within start_timeout={limit:g} s" if now - since > limit else None
+
+
 def silent_rank(silence: float | None, others: int, limit: float) -> bool:
     """Whether a launched rank is hung: ``silence``, the seconds since its last push (None:
     none yet); ``others``, the other ranks' pushes since; ``limit``, the bound (0: never)."""
