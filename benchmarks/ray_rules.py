@@ -133,7 +133,6 @@ RULES: dict[str, dict[str, list[str]]] = {
     },
     "worker.py": {
         "WorkerActor._answerer.answer": [
-            "emulated = (request.compute + delay * request.local_steps) * slowdown",
             "if not request.settle:",
             "self.settled = (self.inc, list(self.out.sender.known))",
         ],

@@ -199,10 +199,10 @@ class WorkerActor:
                 return self.params
             if request is loop.CLOCK:  # a strategy pacing itself asks the runtime's clock
                 return time.monotonic()
-            emulated = (request.compute + delay * request.local_steps) * slowdown - request.compute
+            emulated = loop.emulated(request, slowdown, delay)
             if emulated > 0:
                 self._sleep(emulated)
-            times["compute"] += max(emulated, 0.0) + request.compute
+            times["compute"] += emulated + request.compute
             t = clock()
             self._push(request.update, request.loss)
             times["push"] += clock() - t
