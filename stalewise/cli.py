@@ -34,6 +34,13 @@ class _Parser(argparse.ArgumentParser):
         raise _FlagError(f"{message} (see {self.prog} --help)")
 
 
+def _updates(text: str) -> int:
+    """--checkpoint-every's value: an integer >= 1, the one rule of ``run`` and ``train``."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def _config_error(key: str, problem: str) -> Exception:
     from stalewise.config import ConfigError
 
@@ -123,8 +130,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise _config_error("--tensorboard", str(e)) from None
     run = Path(args.config).stem
-    every = args.checkpoint_every or None
-    ckpt = Checkpoints(out / "checkpoints", every=every, resume=args.resume is not None)
+    ckpt = Checkpoints(
+        out / "checkpoints", every=args.checkpoint_every, resume=args.resume is not None
+    )
     with report.MetricsWriter(out / "metrics.jsonl") as writer:
         metrics = dataclasses.replace(cfg.train["metrics"], name=run,
             on_record=writer.write, loggers=loggers, progress=not args.quiet)  # fmt: skip
@@ -348,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=_updates,
         metavar="N",
         help="also checkpoint every N updates (a checkpoint is always written at the end)",
     )
@@ -452,7 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and every --checkpoint-every pushes (local runtime only)",
     )
     r.add_argument(
-        "--checkpoint-every", type=int, metavar="N", help="a checkpoint every N pushes of the job"
+        "--checkpoint-every",
+        type=_updates,
+        metavar="N",
+        help="a checkpoint every N pushes of the job",
     )
     r.add_argument(
         "--resume",

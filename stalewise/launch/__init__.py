@@ -114,13 +114,14 @@ How a launch ends, on the local runtime:
   whole run. At the deadline the launcher names each rank still running and how
   far it got (``rank 1 (3 pushes, the last 18.2 s ago)``), stops the job as
   above, and exits 1. This is what catches a rank that hangs before its first
-  push, or every rank at once (a BSP round waiting on a hung rank).
+  push, every rank at once, and a BSP rank that hangs (the round waits on it).
 * **The liveness rule** (``--rank-timeout SECONDS``, default
   :data:`~stalewise.launch.ranks.RANK_TIMEOUT`; 0 turns it off): the launcher reads
   each rank's push counter (in the shared block) every quarter of a second. A rank
   that has pushed at least once, then pushes nothing for that long while the other
-  ranks push, is taken for hung (the rule and why it is a fixed bound:
-  :func:`stalewise.protocol.liveness.silent_rank`): named (``rank 1 hung: no push for
+  ranks push on (in the second half of its silence; under BSP they wait for it, so a
+  BSP rank is left to ``--timeout``), is taken for hung (the rule and why it is a
+  fixed bound: :func:`stalewise.protocol.liveness.silent_rank`): named (``rank 1 hung: no push for
   300.2 s while the other ranks pushed 81234 times``), killed, and the others carry on
   to the budget; the launcher exits 1. Pulls are not counted (they read the shared
   block without a trace), hence "pushes nothing".
