@@ -314,3 +314,38 @@ def test_a_first_resume_says_once_that_there_is_no_checkpoint_yet(tmp_path):
     done = _run(tmp_path, "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume")
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("no checkpoint in") == 1, done.stderr
+
+
+# -- issue 43 item 3: one tree-to-JSON codec for checkpoints and the attach door ---------------
+
+
+def test_the_live_codec_carries_a_tree_to_another_process_of_the_job_whole():
+    from collections import OrderedDict
+
+    from test_checkpoint_safety import Conf, Pair
+
+    from stalewise import tree
+    from stalewise.checkpoint.spec import NotData, spec_from_json, spec_to_json
+
+    w = np.arange(4, dtype=np.float32)
+    params = OrderedDict(
+        pair=Pair(w, np.zeros(2, np.float32)),
+        conf=Conf(np.ones(3, np.float32), name="kept"),
+        rows=[w, {("a", 1): np.full(2, 7.0, np.float32)}],  # a tied leaf, a tuple key
+    )
+    flat, spec = tree.flatten(params)
+    sent = json.loads(json.dumps(spec_to_json(spec, live=True)))
+    back = tree.unflatten(flat, spec_from_json(sent, live=True))
+    assert type(back) is OrderedDict and sorted(back) == sorted(params)
+    assert type(back["pair"]) is Pair and type(back["conf"]) is Conf
+    assert back["conf"].name == "kept"  # a static field
+    assert list(back["rows"][1]) == [("a", 1)]
+    np.testing.assert_array_equal(back["rows"][0], w)
+    saved = spec_from_json(json.loads(json.dumps(spec_to_json(spec))))  # a checkpoint's
+    plain = tree.unflatten(flat, saved)
+    assert type(plain["pair"]) is dict and type(plain["conf"]) is dict
+    sent["tree"]["children"][0]["type"] = ["os", "system"]
+    with pytest.raises(
+        NotData, match=r"a dataclass of class os\.system, which this process has not imported"
+    ):
+        spec_from_json(sent, live=True)

@@ -1,16 +1,27 @@
-"""The tree spec of a checkpoint's parameters as JSON: plain data only.
+"""A parameter tree's spec as JSON, plain data only: the one codec of checkpoints'
+manifests and of the attach door's answer (:mod:`stalewise.runtime.local.door_state`).
 
-Nothing in a manifest is unpickled or imported. A node of the tree is {"kind", "keys",
-"children"} with kind from :data:`KINDS`, plus "leaf" (an alias: the stored leaf it
-names), "ordered" (an OrderedDict) or "type" (a namedtuple's, dataclass's or registered
+Nothing is unpickled or imported. A node of the tree is {"kind", "keys", "children"}
+with kind from :data:`KINDS`, plus "leaf" (an alias: the stored leaf it names),
+"ordered" (an OrderedDict) or "type" (a namedtuple's, dataclass's or registered
 container's class, "module.QualName": for people reading it, never imported). A key is
 [kind, value]: "str", "int", "attr" (a field), "hidden" (a field left out of leaf names),
-or "repr" (any other key, as its repr; it comes back as that string).
+or "repr" (any other key, as its repr; it comes back as that string). A checkpoint's
+spec comes back of plain containers (see :func:`stalewise.checkpoint.load_params`).
+
+``live`` (the door, whose reader is a process of the same job): keys and every static
+value (a constant, a model's fields) are tagged data (:func:`_data`), and a namedtuple's
+or dataclass's "type" is [module, qualname], looked up among the modules the reader has
+already imported (:class:`NotImported` if it has not); a registered container cannot
+travel (:class:`NotData`).
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import math
+import sys
 from collections import OrderedDict
 from typing import Any
 
@@ -25,6 +36,14 @@ MAX_COUNT = 2**62  # counts and sizes in a manifest are ints in [0, 2**62)
 _MAX_DEPTH = 256  # nesting of the tree
 
 
+class NotData(ValueError):
+    """What cannot travel as data, or a document no writer writes (says what)."""
+
+
+class NotImported(NotData):
+    """A class of the tree's structure that this process has not imported."""
+
+
 def short(value: Any, limit: int = 60) -> str:
     """``repr(value)``, cut to ``limit`` characters (a message stays one short line)."""
     text = repr(value)
@@ -35,14 +54,16 @@ def is_count(value: Any, limit: int = MAX_COUNT) -> bool:
     return type(value) is int and 0 <= value < limit
 
 
-def spec_to_json(spec: tree_lib.FlatSpec) -> dict[str, Any]:
-    """A FlatSpec as plain JSON data (no pickles, no import paths to follow)."""
+def spec_to_json(spec: tree_lib.FlatSpec, *, live: bool = False) -> dict[str, Any]:
+    """A FlatSpec as plain JSON data (no pickles, no import paths to follow); ``live``:
+    for the attach door (see the module docstring; raises NotData)."""
+    key = _data if live else _key_to_json
     return {
         "dtype": spec.dtype.name,
         "size": int(spec.size),
         "leaves": [
             {
-                "path": [_key_to_json(k) for k in leaf.path],
+                "path": [key(k) for k in leaf.path],
                 "name": leaf.name,
                 "shape": [int(n) for n in leaf.shape],
                 "dtype": leaf.dtype,
@@ -53,21 +74,23 @@ def spec_to_json(spec: tree_lib.FlatSpec) -> dict[str, Any]:
             }
             for leaf in spec.leaves
         ],
-        "tree": _treedef_to_json(spec.treedef),
+        "tree": _treedef_to_json(spec.treedef, live),
     }
 
 
-def spec_from_json(data: Any, where: str = "spec") -> tree_lib.FlatSpec:
-    """The FlatSpec of :func:`spec_to_json`'s data, of plain containers only (see
-    :func:`stalewise.checkpoint.load_params`); every field checked. Imports and
-    unpickles nothing.
+def spec_from_json(data: Any, where: str = "spec", *, live: bool = False) -> tree_lib.FlatSpec:
+    """The FlatSpec of :func:`spec_to_json`'s data (``live`` as written), every field
+    checked. Imports and unpickles nothing.
 
     Raises:
-        ValueError: one line naming the bad field (a CheckpointError when loading).
+        NotData: one line naming the bad field (a CheckpointError when loading).
     """
 
-    def bad(what: str) -> ValueError:
-        return ValueError(f"{where}: {what}")
+    def bad(what: str) -> NotData:
+        return NotData(f"{where}: {what}")
+
+    def key(k: Any, at: str) -> Any:
+        return _value(k) if live else _key_from_json(k, f"{where}: {at}")
 
     from stalewise.backends import FLOAT_DTYPES, get_backend
 
@@ -87,7 +110,7 @@ def spec_from_json(data: Any, where: str = "spec") -> tree_lib.FlatSpec:
         path = leaf.get("path")
         if not isinstance(path, list) or len(path) > _MAX_DEPTH:
             raise bad(f"{at}: path is {short(path)}, expected a list of keys")
-        keys = tuple(_key_from_json(k, f"{where}: {at}: path") for k in path)
+        keys = tuple(key(k, f"{at}: path") for k in path)
         name, shape = leaf.get("name"), leaf.get("shape")
         if not isinstance(name, str):
             raise bad(f"{at}: name is {short(name)}, expected a string")
@@ -137,6 +160,12 @@ def spec_from_json(data: Any, where: str = "spec") -> tree_lib.FlatSpec:
             raise bad(f"a {kind} node's keys and children are not two lists of one length")
         if kind in ("leaf", "alias", "const", "none") and keys:
             raise bad(f"a {kind} node has children")
+        static = data.get("static", []) if live else []
+        if not isinstance(static, list):
+            raise bad(f"a {kind} node's static fields are {short(static)}, expected a list")
+        static = tuple(_pair(p) for p in static)
+        if live and kind == "alias":
+            data = {"leaf": dict(static).get("leaf")}
         if kind == "leaf":
             counted += 1
             return tree_lib.TreeDef("leaf")
@@ -145,21 +174,25 @@ def spec_from_json(data: Any, where: str = "spec") -> tree_lib.FlatSpec:
             if not is_count(index, len(leaves)):
                 raise bad(f"an alias names leaf {short(index)}, there are {len(leaves)}")
             return tree_lib.TreeDef("alias", static=(("leaf", index),))
-        if kind == "const":  # not stored: the value is the job's own (from like=), else None
-            return tree_lib.TreeDef("const", static=(("value", None),))
+        if kind == "const":  # a checkpoint's is the job's own (from like=), else None
+            return tree_lib.TreeDef("const", static=static or (("value", None),))
         if kind == "none":
             return tree_lib.TreeDef("none")
-        keys = tuple(_key_from_json(k, f"{where}: a {kind} node") for k in keys)
+        keys = tuple(key(k, f"a {kind} node") for k in keys)
         kids = tuple(node(c, depth + 1) for c in children)
         if kind in ("list", "tuple"):
             if keys != tuple(range(len(kids))):
                 raise bad(f"a {kind} node's keys are not 0..{len(kids) - 1}")
-            return tree_lib.TreeDef(kind, keys, kids)
+            return tree_lib.TreeDef(kind, keys, kids, None, static)
+        ordered = kind == "dict" and data.get("ordered") is True
+        if live and kind != "dict":
+            return tree_lib.TreeDef(kind, keys, kids, _class(kind, data.get("type")), static)
+        if live:
+            return tree_lib.TreeDef(kind, keys, kids, OrderedDict if ordered else dict, static)
         # a dict, or a user's container as a dict of its field names
         plain = tuple(str(k) if isinstance(k, str) else k for k in keys)
         if len(set(plain)) != len(plain):
             raise bad(f"a {kind} node has a key twice: {short(list(plain))}")
-        ordered = kind == "dict" and data.get("ordered") is True
         return tree_lib.TreeDef("dict", plain, kids, OrderedDict if ordered else dict)
 
     treedef = node(data.get("tree"), 0)
@@ -197,16 +230,86 @@ def _key_from_json(k: Any, where: str) -> Any:
     return value
 
 
-def _treedef_to_json(node: tree_lib.TreeDef) -> dict[str, Any]:
+def _treedef_to_json(node: tree_lib.TreeDef, live: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "kind": node.kind,
-        "keys": [_key_to_json(k) for k in node.keys],
-        "children": [_treedef_to_json(c) for c in node.children],
+        "keys": [_data(k) if live else _key_to_json(k) for k in node.keys],
+        "children": [_treedef_to_json(c, live) for c in node.children],
     }
-    if node.kind == "alias":
+    if live:  # the door: every static value, and a class the reader looks up
+        if node.kind == "registry":
+            raise NotData(f"a registry container of type {node.cls.__qualname__}")
+        out["static"] = [[name, _data(value)] for name, value in node.static]
+    if node.kind == "alias" and not live:
         out["leaf"] = int(dict(node.static)["leaf"])
     elif node.kind == "dict" and node.cls is OrderedDict:
         out["ordered"] = True
+    elif live and node.kind in ("namedtuple", "dataclass"):
+        out["type"] = [node.cls.__module__, node.cls.__qualname__]
     elif node.kind in ("namedtuple", "dataclass", "registry") and node.cls is not None:
         out["type"] = f"{node.cls.__module__}.{node.cls.__qualname__}"  # never imported
     return out
+
+
+def _data(x: Any) -> Any:
+    """``x`` as JSON, tagged where JSON alone would lose its type (the door's keys and
+    static values); :func:`_value` reads it back."""
+    if x is None or type(x) in (bool, int, float, str):
+        return x
+    if isinstance(x, tree_lib.HiddenKey | tree_lib.AttrKey):
+        return {"hidden" if isinstance(x, tree_lib.HiddenKey) else "attr": str(x)}
+    if type(x) in (tuple, list):
+        return {type(x).__name__: [_data(v) for v in x]}
+    if isinstance(x, np.ndarray | np.generic) and x.dtype.kind in "biuf":
+        a = np.ascontiguousarray(x)
+        data = base64.b64encode(a.tobytes()).decode()
+        return {"array": a.dtype.str, "shape": list(a.shape), "data": data,
+                "scalar": isinstance(x, np.generic)}  # fmt: skip
+    raise NotData(f"a constant of type {type(x).__qualname__}")
+
+
+def _value(x: Any) -> Any:
+    """What :func:`_data` wrote, back."""
+    if x is None or type(x) in (bool, int, float, str):
+        return x
+    tag = next(iter(x), None) if isinstance(x, dict) else None
+    if len(x or ()) == 1 and tag in ("hidden", "attr") and isinstance(x[tag], str):
+        return (tree_lib.HiddenKey if tag == "hidden" else tree_lib.AttrKey)(x[tag])
+    if len(x or ()) == 1 and tag in ("tuple", "list") and isinstance(x[tag], list):
+        items = [_value(v) for v in x[tag]]
+        return tuple(items) if tag == "tuple" else items
+    if tag is not None and sorted(x) == ["array", "data", "scalar", "shape"]:
+        dtype, shape, data = np.dtype(str(x["array"])), x["shape"], x["data"]
+        if dtype.kind not in "biuf" or not isinstance(shape, list) or not all(map(is_count, shape)):
+            raise NotData(f"an array of dtype {dtype} and shape {short(shape)}")
+        a = np.frombuffer(base64.b64decode(str(data), validate=True), dtype).reshape(shape)
+        return a.copy()[()] if x["scalar"] is True else a.copy()
+    raise NotData(f"a value {short(x)}")
+
+
+def _pair(v: Any) -> tuple[str, Any]:
+    if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)):
+        raise NotData(f"a static field {short(v)}")
+    return v[0], _value(v[1])
+
+
+def _class(kind: str, cls: Any) -> type:
+    """The namedtuple or dataclass ``cls`` ([module, qualname]) names, among the modules
+    this process has imported (it imports nothing by name)."""
+    if not (kind in ("namedtuple", "dataclass") and isinstance(cls, list) and len(cls) == 2):
+        raise NotData(f"a {kind} of class {short(cls)}")
+    module, qualname = cls
+    found = sys.modules.get(module) if isinstance(module, str) else None
+    for part in qualname.split(".") if isinstance(qualname, str) and found is not None else ():
+        found = getattr(found, part, None)
+    is_kind = isinstance(found, type) and (
+        issubclass(found, tuple) and hasattr(found, "_fields")
+        if kind == "namedtuple"
+        else dataclasses.is_dataclass(found)
+    )
+    if not is_kind:
+        raise NotImported(
+            f"the parameters hold a {kind} of class {module}.{qualname}, which this process has "
+            "not imported: import its module before attaching"
+        )
+    return found
