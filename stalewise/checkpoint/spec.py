@@ -54,6 +54,13 @@ def is_count(value: Any, limit: int = MAX_COUNT) -> bool:
     return type(value) is int and 0 <= value < limit
 
 
+def need(ok: Any, where: str, field: str, value: Any, want: str) -> None:
+    """The one check of a manifest, a spec and a shard's saved values: unless ``ok``,
+    NotData "``where``: ``field`` is ``value``, expected ``want``" (one line)."""
+    if not ok:
+        raise NotData(f"{where}: {field} is {short(value)}, expected {want}")
+
+
 def spec_to_json(spec: tree_lib.FlatSpec, *, live: bool = False) -> dict[str, Any]:
     """A FlatSpec as plain JSON data (no pickles, no import paths to follow); ``live``:
     for the attach door (see the module docstring; raises NotData)."""
@@ -96,42 +103,32 @@ def spec_from_json(data: Any, where: str = "spec", *, live: bool = False) -> tre
 
     if not isinstance(data, dict):
         raise bad(f"expected an object, got {short(data)}")
-    dtype = data.get("dtype")
-    if dtype not in ("float32", "float64"):
-        raise bad(f"dtype is {short(dtype)}, expected 'float32' or 'float64'")
-    raw = data.get("leaves")
-    if not isinstance(raw, list):
-        raise bad(f"leaves is {short(raw)}, expected a list")
+    dtype, raw = data.get("dtype"), data.get("leaves")
+    need(dtype in ("float32", "float64"), where, "dtype", dtype, "'float32' or 'float64'")
+    need(isinstance(raw, list), where, "leaves", raw, "a list")
     leaves, offset = [], 0
     for i, leaf in enumerate(raw):
-        at = f"leaf {i}"
-        if not isinstance(leaf, dict):
-            raise bad(f"{at} is {short(leaf)}, expected an object")
-        path = leaf.get("path")
-        if not isinstance(path, list) or len(path) > _MAX_DEPTH:
-            raise bad(f"{at}: path is {short(path)}, expected a list of keys")
-        keys = tuple(key(k, f"{at}: path") for k in path)
-        name, shape = leaf.get("name"), leaf.get("shape")
-        if not isinstance(name, str):
-            raise bad(f"{at}: name is {short(name)}, expected a string")
+        need(isinstance(leaf, dict), where, f"leaf {i}", leaf, "an object")
+        path, name, shape = leaf.get("path"), leaf.get("name"), leaf.get("shape")
+        ok = isinstance(path, list) and len(path) <= _MAX_DEPTH
+        need(ok, where, f"leaf {i}: path", path, "a list of keys")
+        keys = tuple(key(k, f"leaf {i}: path") for k in path)
+        need(isinstance(name, str), where, f"leaf {i}: name", name, "a string")
         at = f"leaf {name!r}"
-        if not isinstance(shape, list) or len(shape) > 64 or not all(map(is_count, shape)):
-            raise bad(f"{at}: shape is {short(shape)}, expected a list of counts")
-        if leaf.get("dtype") not in FLOAT_DTYPES:
-            raise bad(f"{at}: dtype is {short(leaf.get('dtype'))}, expected one of {FLOAT_DTYPES}")
+        ok = isinstance(shape, list) and len(shape) <= 64 and all(map(is_count, shape))
+        need(ok, where, f"{at}: shape", shape, "a list of counts")
+        need(leaf.get("dtype") in FLOAT_DTYPES, where, f"{at}: dtype", leaf.get("dtype"),
+             f"one of {FLOAT_DTYPES}")  # fmt: skip
         backend = leaf.get("backend")
         try:
             get_backend(backend) if isinstance(backend, str) else get_backend("")
         except ValueError:
             raise bad(f"{at}: unknown backend {short(backend)}") from None
-        size = math.prod(shape)
-        if leaf.get("size") != size or size >= MAX_COUNT:
-            raise bad(f"{at}: size is {short(leaf.get('size'))}, its shape {shape} says {size}")
-        if leaf.get("offset") != offset:
-            raise bad(f"{at}: offset is {short(leaf.get('offset'))}, expected {offset}")
-        buffer = leaf.get("buffer", False)
-        if not isinstance(buffer, bool):
-            raise bad(f"{at}: buffer is {short(buffer)}, expected true or false")
+        size, buffer = math.prod(shape), leaf.get("buffer", False)
+        ok = leaf.get("size") == size < MAX_COUNT
+        need(ok, where, f"{at}: size", leaf.get("size"), f"{size}, as its shape {shape} says")
+        need(leaf.get("offset") == offset, where, f"{at}: offset", leaf.get("offset"), offset)
+        need(isinstance(buffer, bool), where, f"{at}: buffer", buffer, "true or false")
         leaves.append(
             tree_lib.LeafSpec(
                 keys, name, tuple(shape), leaf["dtype"], backend, offset, size, buffer
@@ -140,8 +137,7 @@ def spec_from_json(data: Any, where: str = "spec", *, live: bool = False) -> tre
         offset += size
         if offset >= MAX_COUNT:
             raise bad(f"{at}: the leaves hold 2**62 elements or more")
-    if data.get("size") != offset:
-        raise bad(f"size is {short(data.get('size'))}, its leaves hold {offset} elements")
+    need(data.get("size") == offset, where, "size", data.get("size"), f"{offset}, as its leaves")
     counted = 0  # the stored leaves the tree's nodes name
 
     def node(data: Any, depth: int) -> tree_lib.TreeDef:
@@ -149,8 +145,7 @@ def spec_from_json(data: Any, where: str = "spec", *, live: bool = False) -> tre
         nonlocal counted
         if depth > _MAX_DEPTH:
             raise bad(f"the tree is nested more than {_MAX_DEPTH} levels deep")
-        if not isinstance(data, dict):
-            raise bad(f"a tree node is {short(data)}, expected an object")
+        need(isinstance(data, dict), where, "a tree node", data, "an object")
         kind, keys, children = data.get("kind"), data.get("keys", []), data.get("children", [])
         if kind not in KINDS:
             raise bad(f"unknown tree node kind {short(kind)} (known: {', '.join(KINDS)})")
@@ -161,8 +156,7 @@ def spec_from_json(data: Any, where: str = "spec", *, live: bool = False) -> tre
         if kind in ("leaf", "alias", "const", "none") and keys:
             raise bad(f"a {kind} node has children")
         static = data.get("static", []) if live else []
-        if not isinstance(static, list):
-            raise bad(f"a {kind} node's static fields are {short(static)}, expected a list")
+        need(isinstance(static, list), where, f"a {kind} node's static", static, "a list")
         static = tuple(_pair(p) for p in static)
         if live and kind == "alias":
             data = {"leaf": dict(static).get("leaf")}
@@ -215,14 +209,14 @@ def _key_to_json(k: Any) -> list:
 
 def _key_from_json(k: Any, where: str) -> Any:
     if not (isinstance(k, list) and len(k) == 2 and k[0] in _KEY_KINDS):
-        raise ValueError(f"{where}: key {short(k)} is not one of [{'|'.join(_KEY_KINDS)}, x]")
+        raise NotData(f"{where}: key {short(k)} is not one of [{'|'.join(_KEY_KINDS)}, x]")
     kind, value = k
     if kind == "int":
         if type(value) is not int:
-            raise ValueError(f"{where}: key {short(k)}: expected an integer")
+            raise NotData(f"{where}: key {short(k)}: expected an integer")
         return value
     if not isinstance(value, str):
-        raise ValueError(f"{where}: key {short(k)}: expected a string")
+        raise NotData(f"{where}: key {short(k)}: expected a string")
     if kind == "hidden":
         return tree_lib.HiddenKey(value)
     if kind == "attr":

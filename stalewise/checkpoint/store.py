@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree as tree_lib
+from stalewise.checkpoint import spec as _spec
 from stalewise.checkpoint.spec import MAX_COUNT, is_count, short, spec_from_json, spec_to_json
 
 log = logging.getLogger(__name__)
@@ -379,7 +380,10 @@ def _read(path: Path) -> Checkpoint:
         manifest = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{path / MANIFEST}: not JSON: {short(str(e), 80)}") from None
-    spec = _checked_manifest(manifest, f"{path / MANIFEST}")
+    try:
+        spec = _checked_manifest(manifest, f"{path / MANIFEST}")
+    except _spec.NotData as e:
+        raise CheckpointError(str(e)) from None
     from safetensors import SafetensorError
     from safetensors.numpy import load as from_bytes
 
@@ -548,8 +552,7 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
     """
 
     def need(ok: Any, field: str, value: Any, want: str) -> None:
-        if not ok:
-            raise CheckpointError(f"{where}: {field} is {short(value)}, expected {want}")
+        _spec.need(ok, where, field, value, want)
 
     count = "an integer in [0, 2**62)"
     need(isinstance(m, dict), "the manifest", m, "a JSON object")
@@ -630,10 +633,7 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
             and all(isinstance(v, dict) for v in values)
         )
         need(ok, "ranks", ranked, f'{{"file": "{RANKS}", "values": [{{...}} per rank]}}')
-    try:
-        spec = spec_from_json(m.get("spec"), f"{where}: spec")
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
+    spec = spec_from_json(m.get("spec"), f"{where}: spec")
     # what each file must hold: its size bounds the read, its arrays' dtypes and shapes are
     # checked exactly on reading; the parameters' and residuals' must be the spec's
     expected = {shard["file"]: shard["arrays"] for shard in shards}
