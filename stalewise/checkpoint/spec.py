@@ -1,19 +1,14 @@
 """A parameter tree's spec as JSON, plain data only: the one codec of checkpoints'
-manifests and of the attach door's answer (:mod:`stalewise.runtime.local.door_state`).
+manifests and of the attach door (:mod:`stalewise.runtime.local.door_state`).
 
-Nothing is unpickled or imported. A node of the tree is {"kind", "keys", "children"}
-with kind from :data:`KINDS`, plus "leaf" (an alias: the stored leaf it names),
-"ordered" (an OrderedDict) or "type" (a namedtuple's, dataclass's or registered
-container's class, "module.QualName": for people reading it, never imported). A key is
-[kind, value]: "str", "int", "attr" (a field), "hidden" (a field left out of leaf names),
-or "repr" (any other key, as its repr; it comes back as that string). A checkpoint's
-spec comes back of plain containers (see :func:`stalewise.checkpoint.load_params`).
-
-``live`` (the door, whose reader is a process of the same job): keys and every static
-value (a constant, a model's fields) are tagged data (:func:`_data`), and a namedtuple's
-or dataclass's "type" is [module, qualname], looked up among the modules the reader has
-already imported (:class:`NotImported` if it has not); a registered container cannot
-travel (:class:`NotData`).
+A node of the tree is {"kind", "keys", "children"} with kind from :data:`KINDS`, plus
+"leaf" (an alias: the stored leaf it names), "ordered" (an OrderedDict) or "type" (a
+namedtuple's, dataclass's or registered container's class, "module.QualName", never
+imported). A key is [kind, value]: "str", "int", "attr" (a field), "hidden" (a field left
+out of leaf names), or "repr" (any other key, as its repr, which comes back as a string).
+``live`` (the door, read by a process of the same job): keys and static values are tagged
+data (:func:`_data`), "type" is [module, qualname], looked up among the modules already
+imported (:class:`NotImported`); a registered container cannot travel (:class:`NotData`).
 """
 
 from __future__ import annotations

@@ -8,16 +8,9 @@ model, the staleness rule, the shard count and the codec. :func:`encode` writes
 them as one JSON document, :func:`decode` checks every field and builds the
 :class:`~stalewise.runtime.local.client.Client` from them.
 
-A tree's structure travels as data, in checkpoints' codec (``live``, see
-:mod:`stalewise.checkpoint.spec`): dicts (``OrderedDict`` kept), lists,
-tuples, ``None``, tied and constant leaves (numbers, strings, NumPy arrays of
-numbers), models' state dicts, and namedtuples and dataclasses named by module
-and qualified name. The attaching process looks such a class up only among
-the modules it has already imported (it imports nothing by name) and uses it
-only if it is a namedtuple class or a dataclass. A structure that holds
-anything else (another ecosystem's registered containers, such as a flax
-``State``, or a constant that is not plain data) cannot travel: the door
-refuses the attach, naming what it met.
+A tree's structure travels in checkpoints' codec (``live``: classes looked up
+among the modules already imported, never imported; see :mod:`stalewise.checkpoint.spec`);
+a structure it cannot carry is refused at the door, naming what it met.
 """
 
 from __future__ import annotations
