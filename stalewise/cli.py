@@ -517,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    from stalewise.checkpoint import CheckpointError
     from stalewise.config import ConfigError
     from stalewise.runtime.errors import DivergedError, FailureWarning
     from stalewise.runtime.sim.config import TooLongError
@@ -537,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     except DivergedError as e:  # the run's result (its message says why and what to change)
         print(f"stalewise: {_one_line(str(e))}", file=sys.stderr)
         return 1
+    except CheckpointError as e:  # --resume from none that may be used
+        print(f"stalewise: {_one_line(str(e))}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("stalewise: interrupted", file=sys.stderr)
         return 130

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,6 +102,16 @@ def test_checkpoints_are_written_for_the_owner_alone_whatever_the_umask(tmp_path
     assert checkpoint.load(tmp_path / "ckpt").path == newer
     for path in [tmp_path / "ckpt", newer, *newer.iterdir()]:
         assert not path.stat().st_mode & 0o022, path
+
+
+def test_train_resuming_from_a_folder_others_can_write_says_so_in_one_line(tmp_path, capsys):
+    config = Path(__file__).parent.parent / "examples" / "least_squares.toml"
+    run = ["train", str(config), "--runtime", "sim", "-q"]
+    assert main([*run, "--out", str(tmp_path / "run")]) == 0
+    (tmp_path / "run" / "checkpoints").chmod(0o777)
+    capsys.readouterr()
+    assert main([*run, "--resume", str(tmp_path / "run")]) == 2
+    _one_line(capsys.readouterr().err, "writable by others (mode 0777)")
 
 
 # -- item 4: one line, not a traceback ------------------------------------------------------
@@ -281,6 +292,7 @@ BSP_SCRIPT = textwrap.dedent(
         pushes = 0
         while not ctx.should_stop():
             ctx.client.pull(timeout=120)
+            time.sleep(0.5)  # a step's work: the launcher sees each push on its own
             ctx.client.push({"w": np.ones(3, np.float32)})
             pushes += 1
             if ctx.rank == 1 and pushes == 3:  # a long evaluation, or a hang

@@ -119,12 +119,11 @@ How a launch ends, on the local runtime:
   :data:`~stalewise.launch.ranks.RANK_TIMEOUT`; 0 turns it off): the launcher reads
   each rank's push counter (in the shared block) every quarter of a second. A rank
   that has pushed at least once, then pushes nothing for that long while the other
-  ranks push on (in the second half of its silence; under BSP they wait for it, so a
-  BSP rank is left to ``--timeout``), is taken for hung (the rule and why it is a
-  fixed bound: :func:`stalewise.protocol.liveness.silent_rank`): named (``rank 1 hung: no push for
-  300.2 s while the other ranks pushed 81234 times``), killed, and the others carry on
-  to the budget; the launcher exits 1. Pulls are not counted (they read the shared
-  block without a trace), hence "pushes nothing".
+  ranks push, is taken for hung (the rule, why it is a fixed bound and why a BSP rank
+  is left to ``--timeout``: :func:`stalewise.protocol.liveness.silent_rank`): named
+  (``rank 1 hung: no push for 300.2 s while the other ranks pushed 81234 times``),
+  killed, and the others carry on to the budget; the launcher exits 1. Pulls are not
+  counted (they read the shared block without a trace), hence "pushes nothing".
 
 Example (``train.py``; ``stalewise run --workers 4 --steps 2000 train.py``):
 

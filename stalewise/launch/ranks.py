@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 #: a step; the ranks still running after that are killed.
 STOP_GRACE = 5.0
 #: ``--rank-timeout``'s default: seconds without a push, once a rank has pushed, while the
-#: other ranks push on, before the launcher takes that rank for hung.
+#: other ranks push, before the launcher takes that rank for hung.
 RANK_TIMEOUT = 300.0
 POLL = 0.25  # seconds between the launcher's looks at the ranks' push counters
 
@@ -164,12 +164,10 @@ class Ranks:
             n = int(counts[r.rank])
             if n != r.pushes:
                 r.pushes, r.last_push, r.job_then = n, now, job
-        limit = self.launch.rank_timeout
+        limit, rounds = self.launch.rank_timeout, self.server.config.consistency.averages_rounds
         for r in self.running():
             silence = None if r.last_push is None else now - r.last_push
-            last = [o.last_push for o in self.ranks if o is not r and o.last_push is not None]
-            others = now - max(last) if last else None
-            if r.judged or not silent_rank(silence, others, limit):
+            if r.judged or not silent_rank(silence, job - r.job_then, limit, rounds=rounds):
                 continue
             r.judged = True
             r.proc.kill()

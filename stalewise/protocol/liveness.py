@@ -32,12 +32,11 @@ A rank of a script you own (``stalewise run``) is judged by a fixed bound instea
 (:func:`silent_rank`): between two pushes such a script may evaluate or save for a
 long while, which a worker loop of the library never does, so its rhythm says little.
 It is hung when it has pushed at least once, then pushed nothing for ``limit``
-seconds while the job went on without it: the other ranks pushed in the second half
-of its silence. Its clock starts at its first push, so a rank slow to start (importing
-torch, loading data) is never taken for hung. Under BSP the others wait for it once
-they have pushed into the round it owes, so a BSP rank that pauses (evaluates, saves)
-or hangs stops the whole job, and neither is judged here: that, and a job where no
-rank pushes, is left to the run's overall timeout (``--timeout``), which names it.
+seconds while the job went on without it (the other ranks pushed since its last
+push). Its clock starts at its first push, so a rank slow to start (importing
+torch, loading data) is never taken for hung; a job where no rank pushes is left to
+the run's overall timeout, and so is a BSP rank (``rounds``): the others push into
+the round it owes and then wait on it, a pause (an evaluation) as a hang.
 
 Example:
     >>> s = Silence(upper=60.0)
@@ -47,9 +46,9 @@ Example:
     (True, True)
     >>> s.hung(29.5)
     'no heartbeat for 10.5 s, 10.5x its usual interval of 1 s (phi 80.1 >= 8): hung or stopped'
-    >>> silent_rank(silence=301.0, others=0.5, limit=300.0)  # the others push on
-    True
-    >>> silent_rank(silence=301.0, others=300.8, limit=300.0)  # they wait on it (BSP)
+    >>> silent_rank(silence=301.0, others=5, limit=300.0), silent_rank(301.0, 0, 300.0)
+    (True, False)
+    >>> silent_rank(silence=301.0, others=1, limit=300.0, rounds=True)  # BSP: they wait
     False
 """
 
@@ -140,10 +139,8 @@ class Silence:
         )
 
 
-def silent_rank(silence: float | None, others: float | None, limit: float) -> bool:
+def silent_rank(silence: float | None, others: int, limit: float, *, rounds: bool = False) -> bool:
     """Whether a launched rank is hung (see the module docstring): ``silence``, the
-    seconds since its last push (None: it has not pushed yet); ``others``, the seconds
-    since the other ranks' last push (None: none yet); ``limit``, the bound (0: never)."""
-    if not limit or silence is None or others is None:
-        return False
-    return silence >= limit and others <= silence / 2
+    seconds since its last push (None: it has not pushed yet); ``others``, the other
+    ranks' pushes since then; ``limit``, the bound (0: never); ``rounds``: BSP."""
+    return bool(limit) and not rounds and silence is not None and silence >= limit and others > 0
