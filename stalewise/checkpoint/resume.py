@@ -103,10 +103,9 @@ def resume_point(config: Any, options: Any, *, runtime: str) -> Checkpoint | Non
 
 
 def _states_fit(ckpt: Checkpoint, config: Any, workers: int) -> None:
-    """Refuses (CheckpointError) shard states that ``Shard.load_state_dict`` would refuse,
-    and ranks' states of another count than the workers', so that loading falls back to
-    the previous checkpoint; one of another job is left to :func:`check_compatible`, which
-    refuses it without a fallback."""
+    """Refuses (CheckpointError, so loading falls back) shard states that
+    ``Shard.load_state_dict`` refuses, and ranks' states of another count than workers';
+    a checkpoint of another job is :func:`check_compatible`'s to refuse (no fallback)."""
     try:
         check_compatible(ckpt, config, workers)
     except CheckpointError:

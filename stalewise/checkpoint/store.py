@@ -556,18 +556,14 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
 
     count = "an integer in [0, 2**62)"
     need(isinstance(m, dict), "the manifest", m, "a JSON object")
-    if m.get("format") != FORMAT:
-        fmt = m.get("format")
+    if (fmt := m.get("format")) != FORMAT:
         old = {
             1: "kept parts of the tree as pickles, which are never loaded",
             2: "declared neither its files' sizes nor its arrays' dtypes and shapes",
         }.get(fmt)
-        old = (
-            f" (format {fmt} {old}: resume or sw.load_params it with the stalewise that wrote it)"
-            if old
-            else ""
-        )
-        raise CheckpointError(f"{where}: unknown format {short(fmt)}, expected {FORMAT}{old}")
+        old = f" (format {fmt} {old}: resume or sw.load_params it with the stalewise that wrote it)"
+        raise CheckpointError(f"{where}: unknown format {short(fmt)}, expected {FORMAT}"
+                              f"{old if fmt in (1, 2) else ''}")  # fmt: skip
     need(is_count(m.get("version")), "version", m.get("version"), count)
     shards = m.get("shards")
     ok = isinstance(shards, list) and 1 <= len(shards) <= _MAX_WORKERS

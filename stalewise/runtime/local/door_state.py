@@ -66,12 +66,8 @@ def encode(config: ServerConfig, client: Client, workers: int) -> bytes:
 def _codec(policy: codecs.Policy) -> dict:
     """The table :func:`stalewise.codecs.parse` reads back as ``policy``."""
     if isinstance(policy, codecs.SizeAdaptive):
-        return {
-            "name": "size_adaptive",
-            "threshold": policy.threshold,
-            "small": _codec(policy.small),
-            "large": _codec(policy.large),
-        }
+        return {"name": "size_adaptive", "threshold": policy.threshold,
+                "small": _codec(policy.small), "large": _codec(policy.large)}  # fmt: skip
     fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
     return {"name": policy.name, **fields}
 
@@ -103,16 +99,10 @@ def decode(body: bytes) -> tuple[str | None, Plan | None]:
         layout = _layout(_get(state, "layout", dict))
         if layout.shards != config.shards or layout.size != spec.size:
             raise NotData(f"a layout of {layout.shards} shards, {layout.size} values")
-        plan = Plan(
-            _count(_get(state, "worker", int)),
-            _get(state, "block", str),
-            layout,
-            config,
-            _count(_get(state, "incarnation", int), 1),
-            _count(_get(state, "joined_at", int)),
-            _count(_get(state, "workers", int), 1),
-        )
-        return None, plan
+        return None, Plan(_count(_get(state, "worker", int)), _get(state, "block", str), layout,
+                          config, _count(_get(state, "incarnation", int), 1),
+                          _count(_get(state, "joined_at", int)),
+                          _count(_get(state, "workers", int), 1))  # fmt: skip
     except NotData:
         raise
     except (ValueError, TypeError, KeyError, RecursionError) as e:
@@ -136,15 +126,8 @@ class Plan:
         from stalewise.runtime.local.client import Client
 
         try:
-            return Client(
-                self.worker,
-                self.block,
-                self.layout,
-                self.config,
-                conns,
-                incarnation=self.incarnation,
-                joined_at=self.joined_at,
-            )
+            return Client(self.worker, self.block, self.layout, self.config, conns,
+                          incarnation=self.incarnation, joined_at=self.joined_at)  # fmt: skip
         except (ValueError, TypeError) as e:  # e.g. a codec's plan that does not fit the spec
             raise NotData(str(e)) from None
 
@@ -178,15 +161,9 @@ def _layout(d: dict) -> Layout:
     expected = d["expected"]
     if d["dtype"] not in ("float32", "float64") or not isinstance(d["feedback"], bool):
         raise NotData(f"a layout of dtype {d['dtype']!r:.40}")
-    return Layout(
-        _count(d["size"]),
-        d["dtype"],
-        _count(d["workers"], 1),
-        _count(d["shards"], 1),
-        tuple(_count(p) for p in payloads),
-        d["feedback"],
-        None if expected is None else _count(expected),
-    )
+    return Layout(_count(d["size"]), d["dtype"], _count(d["workers"], 1), _count(d["shards"], 1),
+                  tuple(_count(p) for p in payloads), d["feedback"],
+                  None if expected is None else _count(expected))  # fmt: skip
 
 
 def _consistency(v: list) -> Consistency:
