@@ -191,32 +191,21 @@ def spec_from_json(data: Any, where: str = "spec", *, live: bool = False) -> tre
 
 
 def _key_to_json(k: Any) -> list:
-    if isinstance(k, tree_lib.HiddenKey):
-        return ["hidden", str(k)]
-    if isinstance(k, tree_lib.AttrKey):
-        return ["attr", str(k)]
-    if isinstance(k, str):
-        return ["str", str(k)]
-    if isinstance(k, int) and not isinstance(k, bool):
-        return ["int", int(k)]
-    return ["repr", repr(k)]
+    for cls, kind in ((tree_lib.HiddenKey, "hidden"), (tree_lib.AttrKey, "attr"), (str, "str")):
+        if isinstance(k, cls):
+            return [kind, str(k)]
+    return ["int", int(k)] if isinstance(k, int) and not isinstance(k, bool) else ["repr", repr(k)]
 
 
 def _key_from_json(k: Any, where: str) -> Any:
     if not (isinstance(k, list) and len(k) == 2 and k[0] in _KEY_KINDS):
         raise NotData(f"{where}: key {short(k)} is not one of [{'|'.join(_KEY_KINDS)}, x]")
     kind, value = k
-    if kind == "int":
-        if type(value) is not int:
-            raise NotData(f"{where}: key {short(k)}: expected an integer")
-        return value
-    if not isinstance(value, str):
-        raise NotData(f"{where}: key {short(k)}: expected a string")
-    if kind == "hidden":
-        return tree_lib.HiddenKey(value)
-    if kind == "attr":
-        return tree_lib.AttrKey(value)
-    return value
+    if type(value) is not (int if kind == "int" else str):
+        raise NotData(
+            f"{where}: key {short(k)}: expected {'an integer' if kind == 'int' else 'a string'}"
+        )
+    return {"hidden": tree_lib.HiddenKey, "attr": tree_lib.AttrKey}.get(kind, lambda v: v)(value)
 
 
 def _treedef_to_json(node: tree_lib.TreeDef, live: bool = False) -> dict[str, Any]:
