@@ -51,6 +51,10 @@ class RayClient(PullsIntoTrees):
     """One incarnation of a worker id of a job served on Ray, made by :func:`attach`; for
     one thread. Every blocking call takes a ``timeout`` in seconds."""
 
+    #: the job's budget of pushes this client refuses to pass at commit (None: none; see
+    #: :meth:`may_begin`), checked when set
+    budget = budget.Budget()
+
     def __init__(
         self,
         name: str,
@@ -83,9 +87,7 @@ class RayClient(PullsIntoTrees):
         self.last_result: PushResult | None = None
         #: whether the last pull includes this worker's last push (see :meth:`pull`'s ``own``)
         self.pull_has_own = True
-        #: the job's budget of pushes refused at commit (None: none), as the local client's
-        self.budget: int | None = None
-        self.budget_refused = 0
+        self.budget_refused = 0  # pushes refused past the budget
         self._granted = False  # may_begin said yes since the last push
         self._round = self.joined_at  # under BSP: this worker's clock as it knows it
         self._shard_round = 0  # under BSP: shard 0's round under way, as last heard
