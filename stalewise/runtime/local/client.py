@@ -159,6 +159,7 @@ class Client(PullsIntoTrees):
         self._conns = conns
         self._block: SharedBlock | None = None
         self._snapshots: Snapshots | None = None  # set on attach (workers only)
+        self._last: np.ndarray | None = None  # what the last pull filled (see last_pull)
         if worker is None:  # the server's own observer shares its mapping
             assert block is not None
             self._block = block
@@ -262,9 +263,28 @@ class Client(PullsIntoTrees):
             )
         return self._block
 
-    def pull_flat(self, *, timeout: float | None = None, own: bool = True) -> np.ndarray:
-        """Like :meth:`pull` but returns the flat pull buffer itself (no copy)."""
+    def pull(self, *, copy: bool = True, into: Any = None, timeout=None, own: bool = True) -> Any:
+        if not copy or into is not None:
+            return super().pull(copy=copy, into=into, timeout=timeout, own=own)
+        # fresh arrays: the snapshots are read straight into new memory (one copy, not two)
+        flat = self.pull_flat(
+            timeout=timeout, own=own, out=np.empty(self._layout.size, self._layout.dtype)
+        )
+        return tree.unflatten(flat, self._spec)  # its leaves view the fresh vector
+
+    def last_pull(self, *, copy: bool = True, into: Any = None) -> Any:
+        if self._last is not None and self._last is not self._pull_buf:  # into fresh memory
+            np.copyto(self._pull_buf, self._last)
+            self._last = self._pull_buf
+        return super().last_pull(copy=copy, into=into)
+
+    def pull_flat(
+        self, *, timeout: float | None = None, own: bool = True, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Like :meth:`pull` but returns the flat pull buffer itself (no copy), or ``out``
+        (a flat vector) filled with the pull."""
         self._attach()
+        out = self._last = self._pull_buf if out is None else out
         shards = range(len(self._ranges))
         snaps = self._snapshots  # None for the observer: its pulls are served
         if snaps is not None:  # a shard that died, or closed this client's pipe, says so now
@@ -287,7 +307,7 @@ class Client(PullsIntoTrees):
             # shard none of whose copies holds it is asked, and serves the pull behind
             # the push: no waiting for a deferred publish
             for k in shards:
-                version = self._read(k, timeout)
+                version = self._read(k, timeout, out)
                 if version is None:
                     self._send(k, wire.pull())
                     self._pulls_due[k] = True
@@ -304,11 +324,14 @@ class Client(PullsIntoTrees):
                 if self._pulls_due[k]:
                     self._sender.pulled(k, self._take(k, "pulled", timeout)[1])
                     self._pulls_due[k] = False
-        return self._pull_buf
+                    if out is not self._pull_buf:  # served into the pull buffer
+                        lo, hi = self._ranges[k]
+                        np.copyto(out[lo:hi], self._pull_buf[lo:hi])
+        return out
 
-    def _read(self, k: int, timeout: float | None) -> int | None:
-        """Copies shard ``k``'s params holding this worker's acked push (if any) into the
-        pull buffer and returns their version: its snapshot once that holds the push
+    def _read(self, k: int, timeout: float | None, out: np.ndarray) -> int | None:
+        """Copies shard ``k``'s params holding this worker's acked push (if any) into
+        ``out`` and returns their version: its snapshot once that holds the push
         (at once, or when the publish a busy shard announced is done), else its live
         params once no step is changing them; None after :data:`LIVE_COPIES` copies of
         live params that a step changed meanwhile (the shard is busy: ask it)."""
@@ -320,7 +343,7 @@ class Client(PullsIntoTrees):
                 if copies == LIVE_COPIES:
                     return None
                 copies += 1
-                version = snaps.read_live(k, self._pull_buf)
+                version = snaps.read_live(k, out)
                 if version is not None and version >= acked:
                     return version
                 continue
@@ -330,7 +353,7 @@ class Client(PullsIntoTrees):
                 raise TimeoutError(f"shard {k} had no version {acked} to read in {timeout} s")
             time.sleep(pause)
             pause = min(2 * pause, SPIN_MAX)
-        return snaps.read(k, self._pull_buf)
+        return snaps.read(k, out)
 
     def _acked(self, k: int) -> int:
         """The version shard ``k`` named in its ack of this worker's last push, once read
