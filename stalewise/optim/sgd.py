@@ -65,6 +65,22 @@ class _Sgd(Rule):
     def written(self, state, params: np.ndarray) -> tuple[np.ndarray, ...]:
         return (params, state.momentum)
 
+    def maxima(self, state, params: np.ndarray) -> tuple[float, float]:
+        """The largest magnitudes in ``params`` and the momentum (NaN: a value is not finite)."""
+        return _kernels.max_abs(params), _kernels.max_abs(state.momentum)
+
+    def bound(
+        self, state, scale: float, g: float, maxima: tuple[float, float]
+    ) -> tuple[float, float]:
+        """Bounds of :meth:`maxima` after the next step, given an update of largest
+        magnitude ``g``: a step within the dtype's range needs no undo copy (the shard's)."""
+        lr = learning_rate(self.lr, check_count("sgd", state.count)) * float(scale)
+        p, b = maxima
+        d = g + abs(self.weight_decay) * p
+        b = self.momentum * b + d if self.momentum else 0.0
+        u = (d + self.momentum * b if self.nesterov else b) if self.momentum else d
+        return p + lr * u, b
+
     def run(
         self,
         grads: np.ndarray,

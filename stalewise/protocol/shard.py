@@ -74,6 +74,7 @@ import numpy as np
 
 from stalewise import consistency as consistency_lib
 from stalewise import staleness as staleness_lib
+from stalewise._lazy import Lazy
 from stalewise.codecs import PayloadError
 from stalewise.protocol import commit, hybrid
 from stalewise.protocol import state as state_lib
@@ -82,6 +83,7 @@ from stalewise.protocol.stats import ShardStats, _ClockTracker
 from stalewise.segments import Segments
 
 log = logging.getLogger(__name__)
+_kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
 
 class Rejected(Exception):
@@ -217,12 +219,17 @@ class Shard:
         # the step's undo copy: params and the optimizer state's arrays (see _step)
         self._undo: tuple[Any, list[np.ndarray], list[np.ndarray]] = (None, [], [])
         self._undo_fresh = False  # the undo copy holds the current values
+        # a rule that bounds its step (Rule.bound): the opt_state the bounds are of, and
+        # the bounds of the largest magnitudes in the params and state (see _bounded)
+        self._maxima: tuple[Any, tuple[float, ...]] | None = None
 
     def warm_up(self) -> None:
         """Runs the optimizer once on a scratch copy so JIT compilation happens before training."""
         scratch = self.params.copy()
         state = self.optimizer.init(scratch, self.segments)
         self.optimizer.apply(np.zeros_like(scratch), state, scratch, scale=1.0)
+        if hasattr(self._fused, "bound"):
+            _kernels.max_abs(scratch)
 
     # -- pulls and gates -------------------------------------------------------------
 
@@ -522,13 +529,16 @@ class Shard:
         self._resumed[:] = False  # a resumed job says so: resume()
 
     def prepare(self) -> None:
-        """Copies the params and optimizer state a step may have to be undone from.
+        """Copies the params and optimizer state a step may have to be undone from, or
+        with a rule that bounds its step, measures what bounds it (see :meth:`_bounded`).
 
-        A step needs that copy (see :meth:`push`); a runtime that calls this while
-        the shard is idle takes the copy off the next push's path. Otherwise the
-        step makes it itself.
+        A runtime that calls this while the shard is idle takes that work off the next
+        push's path. Otherwise the step does it itself.
         """
-        if not self._undo_fresh:
+        if hasattr(self._fused, "bound"):
+            if self._maxima is None or self._maxima[0] is not self.opt_state:
+                self._maxima = (self.opt_state, self._fused.maxima(self.opt_state, self.params))
+        elif not self._undo_fresh:
             arrays, undo = self._undo_buffers()
             for a, copy in zip(arrays, undo, strict=True):
                 np.copyto(copy, a)
@@ -552,6 +562,12 @@ class Shard:
         NaN/Inf in it (or, if ``judge``, an overflow of its norm) undoes the step
         and is refused as :meth:`_check_payload` would have refused it.
         """
+        if self._bounded(update, scale, judge):
+            self.optimizer.apply(update, self.opt_state, self.params, scale=scale)
+            self._undo_fresh = False
+            self.version += 1
+            self.stats.rounds += 1
+            return
         arrays, undo = self._undo_buffers()
         err = None
         if self._fused is None:
@@ -584,6 +600,25 @@ class Shard:
             raise err
         self.version += 1
         self.stats.rounds += 1
+
+    def _bounded(self, update: np.ndarray, scale: float, judge: bool | None) -> bool:
+        """Whether the step provably leaves every value finite, so that it needs no undo
+        copy: the rule bounds the magnitudes it writes (``bound``) from the update's
+        largest one (a read of it) and the bounds it gave after the step before (after a
+        step it did not bound, or a checkpoint's load, ``maxima`` measures them again).
+        With ``judge``, the update's squared norm must not overflow either."""
+        rule = self._fused
+        if not hasattr(rule, "bound"):
+            return False
+        self.prepare()  # the bounds, unless known
+        g = float(_kernels.max_abs(update))
+        limit = float(np.finfo(self.params.dtype).max) / 4  # room for the roundings
+        maxima = rule.bound(self.opt_state, scale, g, self._maxima[1])
+        if (judge and not g * g * update.size < limit) or not all(m < limit for m in maxima):
+            self._maxima = None
+            return False
+        self._maxima = (self.opt_state, maxima)
+        return True
 
     def _copy_unwritten(self, arrays: list[np.ndarray], undo: list[np.ndarray]) -> tuple:
         """The undo copy a checked step makes itself: copies here the arrays it does not
