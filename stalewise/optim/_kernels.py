@@ -295,16 +295,6 @@ def adam(
             _checks(check, g[b:e], p[b:e], m[b:e], v[b:e])
 
 
-@_flags_jit
-def max_abs(x: Vec) -> float:
-    """The largest magnitude in ``x`` (0 if empty), NaN if a value is NaN or infinite."""
-    m, flag = 0.0, 0.0
-    for i in range(x.size):
-        m = max(m, abs(x[i]))
-        flag += x[i] * 0
-    return m + flag
-
-
 @_jit
 def _checks(check: Vec, g: Vec, p: Vec, a: Vec, b: Vec) -> None:
     """The fused checks of one block after its in-place step (``g`` untouched by it):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -66,14 +67,14 @@ class _Sgd(Rule):
         return (params, state.momentum)
 
     def maxima(self, state, params: np.ndarray) -> tuple[float, float]:
-        """The largest magnitudes in ``params`` and the momentum (NaN: a value is not finite)."""
-        return _kernels.max_abs(params), _kernels.max_abs(state.momentum)
+        """Bounds of the largest magnitudes in ``params`` and the momentum: their norms."""
+        return math.sqrt(_kernels.sumsq(params)), math.sqrt(_kernels.sumsq(state.momentum))
 
     def bound(
         self, state, scale: float, g: float, maxima: tuple[float, float]
     ) -> tuple[float, float]:
         """Bounds of :meth:`maxima` after the next step, given an update of largest
-        magnitude ``g``: a step within the dtype's range needs no undo copy (the shard's)."""
+        magnitude ``g`` or less: a step within the dtype's range needs no undo copy (the shard's)."""
         lr = learning_rate(self.lr, check_count("sgd", state.count)) * float(scale)
         p, b = maxima
         d = g + abs(self.weight_decay) * p

@@ -229,7 +229,7 @@ class Shard:
         state = self.optimizer.init(scratch, self.segments)
         self.optimizer.apply(np.zeros_like(scratch), state, scratch, scale=1.0)
         if hasattr(self._fused, "bound"):
-            _kernels.max_abs(scratch)
+            _kernels.sumsq(scratch)
 
     # -- pulls and gates -------------------------------------------------------------
 
@@ -603,18 +603,18 @@ class Shard:
 
     def _bounded(self, update: np.ndarray, scale: float, judge: bool | None) -> bool:
         """Whether the step provably leaves every value finite, so that it needs no undo
-        copy: the rule bounds the magnitudes it writes (``bound``) from the update's
-        largest one (a read of it) and the bounds it gave after the step before (after a
-        step it did not bound, or a checkpoint's load, ``maxima`` measures them again).
-        With ``judge``, the update's squared norm must not overflow either."""
+        copy: the rule bounds the magnitudes it writes (``bound``) from the update's norm
+        (NaN if a value is not finite) and the bounds it gave after the step before
+        (after a step it did not bound, or a checkpoint's load, ``maxima`` measures them
+        again). With ``judge``, the update's squared norm must not overflow either."""
         rule = self._fused
         if not hasattr(rule, "bound"):
             return False
         self.prepare()  # the bounds, unless known
-        g = float(_kernels.max_abs(update))
+        g = math.sqrt(_kernels.sumsq(update))  # in float64: >= its largest magnitude
         limit = float(np.finfo(self.params.dtype).max) / 4  # room for the roundings
         maxima = rule.bound(self.opt_state, scale, g, self._maxima[1])
-        if (judge and not g * g * update.size < limit) or not all(m < limit for m in maxima):
+        if (judge and not g * g < limit) or not all(m < limit for m in maxima):
             self._maxima = None
             return False
         self._maxima = (self.opt_state, maxima)
