@@ -73,8 +73,7 @@ class _Sgd(Rule):
     def bound(
         self, state, scale: float, g: float, maxima: tuple[float, float]
     ) -> tuple[float, float]:
-        """Bounds of :meth:`maxima` after the next step, given an update of largest
-        magnitude ``g`` or less: a step within the dtype's range needs no undo copy (the shard's)."""
+        """Bounds of :meth:`maxima` after the next step of an update of norm ``g``."""
         lr = learning_rate(self.lr, check_count("sgd", state.count)) * float(scale)
         p, b = maxima
         d = g + abs(self.weight_decay) * p

@@ -24,7 +24,7 @@ of a push already handled is acknowledged as a duplicate and not applied.
 
 Numerical faults: a step that would make any parameter or any value of the
 optimizer state non-finite is not taken: the shard restores the copy it kept
-and refuses the push as ``overflow`` (see :mod:`stalewise.protocol.commit` for
+(none for a step its rule proves finite) and refuses the push as ``overflow`` (see :mod:`stalewise.protocol.commit` for
 why this one refusal is the shard's own, and when it can split a push). In BSP
 the step is a round's mean; a round that would overflow is dropped, with a
 warning, and its pushes are counted as refused.
@@ -219,8 +219,7 @@ class Shard:
         # the step's undo copy: params and the optimizer state's arrays (see _step)
         self._undo: tuple[Any, list[np.ndarray], list[np.ndarray]] = (None, [], [])
         self._undo_fresh = False  # the undo copy holds the current values
-        # a rule that bounds its step (Rule.bound): the opt_state the bounds are of, and
-        # the bounds of the largest magnitudes in the params and state (see _bounded)
+        # a rule that bounds its step: the state they are of, its bounds (see _bounded)
         self._maxima: tuple[Any, tuple[float, ...]] | None = None
 
     def warm_up(self) -> None:
@@ -228,8 +227,6 @@ class Shard:
         scratch = self.params.copy()
         state = self.optimizer.init(scratch, self.segments)
         self.optimizer.apply(np.zeros_like(scratch), state, scratch, scale=1.0)
-        if hasattr(self._fused, "bound"):
-            _kernels.sumsq(scratch)
 
     # -- pulls and gates -------------------------------------------------------------
 
@@ -602,11 +599,9 @@ class Shard:
         self.stats.rounds += 1
 
     def _bounded(self, update: np.ndarray, scale: float, judge: bool | None) -> bool:
-        """Whether the step provably leaves every value finite, so that it needs no undo
-        copy: the rule bounds the magnitudes it writes (``bound``) from the update's norm
-        (NaN if a value is not finite) and the bounds it gave after the step before
-        (after a step it did not bound, or a checkpoint's load, ``maxima`` measures them
-        again). With ``judge``, the update's squared norm must not overflow either."""
+        """Whether the step provably stays finite (no undo copy needed): the rule bounds
+        what it writes from the update's norm and its bounds after the step before
+        (``maxima`` measures them again when unknown); with ``judge``, the norm too."""
         rule = self._fused
         if not hasattr(rule, "bound"):
             return False
