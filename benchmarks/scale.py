@@ -9,6 +9,8 @@ figure is a ratio that a shared machine's load moves less than a time.
   its apply until acknowledged (``client.wait()``), each as a multiple of a copy
   (medians). Their sum is the copies an update costs; one memory bus serving them
   all bounds the rate at ``1 / (copies x copy)`` (and the workers' ideal, 162.5/s).
+  ``shard_cpu``: the shards' CPU time per update, in copies (what they do while
+  idle, an undo copy or a publish, counted too; ticks of 10 ms: coarse at 1M).
 * **rates**: the own-loop client of the README (4 processes, ASP, 20 ms steps, one
   worker 4x slower, ``client.pull()`` then ``client.push(grads)``), updates/s
   after a warm-up, as a share of that bound; and ``Job.train`` with gradients and
@@ -60,6 +62,15 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """The CPU time (user and system) the processes ``pids`` have used so far."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            total += sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def copy_time(n: int, repeats: int = 7) -> float:
     """The median time of ``np.copyto`` of ``n`` float32 into warm memory."""
     src, dst = np.ones(n, np.float32), np.zeros(n, np.float32)
@@ -80,6 +91,8 @@ def stages(n: int, shards: int, repeats: int) -> dict:
     with job.serve(workers=1) as server:
         client = server.client(0)
         client.pull()
+        shards_pids = children(os.getpid())
+        cpu = cpu_seconds(shards_pids)
         for _ in range(repeats + 1):  # a copy between stages: the load falls on both alike
             t["copy"].append(copy_time(n, 1))
             t0 = time.perf_counter()
@@ -97,7 +110,8 @@ def stages(n: int, shards: int, repeats: int) -> dict:
             t6 = time.perf_counter()
             for name, d in zip(t, (t1 - t0, t3 - t2, t5 - t4, t6 - t5), strict=False):
                 t[name].append(d)
-        peaks = {"client": hwm(), "shards": [hwm(c) for c in children(os.getpid())]}
+        cpu = (cpu_seconds(shards_pids) - cpu) / (repeats + 1)  # the shards', per update
+        peaks = {"client": hwm(), "shards": [hwm(c) for c in shards_pids]}
         client.close()
     med = {k: float(np.median(v[3 if k == "copy" else 1 :])) for k, v in t.items()}
     copy = med.pop("copy")
@@ -106,6 +120,8 @@ def stages(n: int, shards: int, repeats: int) -> dict:
     # an update: a pull into the caller's memory, a push, its apply
     row["copies"] = row["pull(into=buffers)"] + row["push"] + row["apply"]
     row["bound/s"] = min(IDEAL, 1.0 / (row["copies"] * copy))
+    # all the shards' work for an update (its apply, undo copy, publish), idle time's too
+    row["shard_cpu"] = cpu / copy
     nbytes = 4 * n
     row["mem_client"] = peaks["client"] / nbytes
     row["mem_shard"] = max(peaks["shards"], default=0) / nbytes
