@@ -24,10 +24,11 @@ of a push already handled is acknowledged as a duplicate and not applied.
 
 Numerical faults: a step that would make any parameter or any value of the
 optimizer state non-finite is not taken: the shard restores the copy it kept
-(none for a step its rule proves finite) and refuses the push as ``overflow`` (see :mod:`stalewise.protocol.commit` for
-why this one refusal is the shard's own, and when it can split a push). In BSP
-the step is a round's mean; a round that would overflow is dropped, with a
-warning, and its pushes are counted as refused.
+(none for a step its rule proves finite) and refuses the push as ``overflow``
+(see :mod:`stalewise.protocol.commit` for why this one refusal is the shard's
+own, and when it can split a push). In BSP the step is a round's mean; a round
+that would overflow is dropped, with a warning, and its pushes are counted as
+refused.
 Workers the shard was built for are *expected*: they count for the gates from
 the start, and :meth:`Shard.expire_unstarted` drops those that never joined.
 A joiner (a late first incarnation, or a restart) joining once the slowest
