@@ -10,7 +10,9 @@ figure is a ratio that a shared machine's load moves less than a time.
   (medians). Their sum is the copies an update costs; one memory bus serving them
   all bounds the rate at ``1 / (copies x copy)`` (and the workers' ideal, 162.5/s).
   ``shard_cpu``: the shards' CPU time per update, in copies (what they do while
-  idle, an undo copy or a publish, counted too; ticks of 10 ms: coarse at 1M).
+  idle, an undo copy or a publish, counted too; ticks of 10 ms: coarse at 1M);
+  ``sgd_push``/``sgd_idle`` (and with momentum): a ``Shard``'s push and its idle
+  ``prepare()`` (the undo copy, where it makes one) in one process, in copies.
 * **rates**: the own-loop client of the README (4 processes, ASP, 20 ms steps, one
   worker 4x slower, ``client.pull()`` then ``client.push(grads)``), updates/s
   after a warm-up, as a share of that bound; and ``Job.train`` with gradients and
@@ -32,6 +34,8 @@ import _report
 import numpy as np
 
 import stalewise as sw
+from stalewise.protocol import PushHeader, Shard
+from stalewise.segments import Segments
 
 COMPUTE, SLOWDOWN, WORKERS = 0.020, 4.0, 4
 IDEAL = (WORKERS - 1) / COMPUTE + 1 / (COMPUTE * SLOWDOWN)
@@ -82,6 +86,25 @@ def copy_time(n: int, repeats: int = 7) -> float:
     return float(np.median(times))
 
 
+def shard_work(n: int, optimizer, repeats: int) -> tuple[float, float]:
+    """A ``Shard``'s push and idle ``prepare()`` in this process (no pipes), in copies."""
+    shard = Shard(np.zeros(n, np.float32), Segments.single(n), optimizer, workers=1)
+    shard.warm_up()
+    shard.join(0, 1)
+    g = np.full(n, 1e-3, np.float32)
+    t = {"push": [], "prepare": [], "copy": []}
+    for seq in range(repeats + 1):
+        t["copy"].append(copy_time(n, 1))
+        t0 = time.perf_counter()
+        assert shard.push(PushHeader(0, seq, shard.version, 1), g).ok
+        t1 = time.perf_counter()
+        shard.prepare()
+        t["push"].append(t1 - t0)
+        t["prepare"].append(time.perf_counter() - t1)
+    med = {k: float(np.median(v[1:])) for k, v in t.items()}
+    return med["push"] / med["copy"], med["prepare"] / med["copy"]
+
+
 def stages(n: int, shards: int, repeats: int) -> dict:
     """Each stage's median time over ``repeats`` updates, as a multiple of a copy."""
     job = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=sw.optim.sgd(1e-3), shards=shards)
@@ -125,6 +148,9 @@ def stages(n: int, shards: int, repeats: int) -> dict:
     nbytes = 4 * n
     row["mem_client"] = peaks["client"] / nbytes
     row["mem_shard"] = max(peaks["shards"], default=0) / nbytes
+    if shards == 1:  # the shard's own work per update: its step and its idle undo copy
+        for name, opt in (("sgd", sw.optim.sgd(1e-3)), ("momentum", sw.optim.sgd(1e-3, 0.9))):
+            row[f"{name}_push"], row[f"{name}_idle"] = shard_work(n, opt, repeats)
     return row
 
 
