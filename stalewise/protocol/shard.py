@@ -228,6 +228,8 @@ class Shard:
         scratch = self.params.copy()
         state = self.optimizer.init(scratch, self.segments)
         self.optimizer.apply(np.zeros_like(scratch), state, scratch, scale=1.0)
+        if hasattr(self._fused, "bound"):
+            _kernels.sumsq(scratch)  # the bound's kernel (see _bounded)
 
     # -- pulls and gates -------------------------------------------------------------
 
