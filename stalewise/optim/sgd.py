@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,21 @@ class _Sgd(Moments):
 
     def written(self, state, params: np.ndarray) -> tuple[np.ndarray, ...]:
         return (params, state.momentum)
+
+    def maxima(self, state, params: np.ndarray) -> tuple[float, float]:
+        """Bounds of the largest magnitudes in ``params`` and the momentum: their norms."""
+        return math.sqrt(_kernels.sumsq(params)), math.sqrt(_kernels.sumsq(state.momentum))
+
+    def bound(
+        self, state, scale: float, g: float, maxima: tuple[float, float]
+    ) -> tuple[float, float]:
+        """Bounds of :meth:`maxima` after the next step of an update of norm ``g``."""
+        lr = learning_rate(self.lr, check_count("sgd", state.count)) * float(scale)
+        p, b = maxima
+        d = g + abs(self.weight_decay) * p
+        b = self.momentum * b + d if self.momentum else 0.0
+        u = (d + self.momentum * b if self.nesterov else b) if self.momentum else d
+        return p + lr * u, b
 
     def run(
         self,
