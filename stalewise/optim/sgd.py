@@ -10,8 +10,13 @@ import numpy as np
 
 from stalewise._lazy import Lazy
 from stalewise.optim._leaves import DecayTable
-from stalewise.optim._validate import check_learning_rate, check_number, compile_patterns
-from stalewise.optim.base import LearningRate, Moments, Optimizer, state_type
+from stalewise.optim._validate import (
+    check_count,
+    check_learning_rate,
+    check_number,
+    compile_patterns,
+)
+from stalewise.optim.base import LearningRate, Moments, Optimizer, learning_rate, state_type
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
@@ -45,7 +50,7 @@ class _Sgd(Moments):
         self, state, scale: float, g: float, maxima: tuple[float, float]
     ) -> tuple[float, float]:
         """Bounds of :meth:`maxima` after the next step of an update of norm ``g``."""
-        lr = learning_rate(self.lr, check_count("sgd", state.count)) * float(scale)
+        lr = learning_rate(self.lr, check_count(self.where, state.count)) * float(scale)
         p, b = maxima
         d = g + abs(self.weight_decay) * p
         b = self.momentum * b + d if self.momentum else 0.0
