@@ -19,15 +19,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "SeededTask",
-    "Task",
-    "available_memory",
-    "check_memory",
-    "shard_batches",
-    "shard_indices",
-    "with_seed",
-]
+__all__ = ["SeededTask", "Task", "available_memory", "check_memory", "shard_batches"]
+__all__ += ["shard_indices", "with_seed"]
 
 
 @runtime_checkable
