@@ -36,31 +36,13 @@ class _Sgd(Moments):
     def written(self, state, params: np.ndarray) -> tuple[np.ndarray, ...]:
         return (params, state.momentum)
 
-    def run(
-        self,
-        grads: np.ndarray,
-        state: tuple,
-        params: np.ndarray,
-        scale: float,
-        into_params: bool,
-        check: np.ndarray | None = None,
-        undo: tuple[np.ndarray, ...] | None = None,
-    ) -> None:
+    def run(self, grads, state, params, scale, into_params, check=None, undo=None) -> None:
         count, lr, table = self.begin(grads, state, params, scale, into_params)
         dt = params.dtype.type
-        _kernels.sgd(
-            grads,
-            state.momentum,
-            params,
-            *table,
-            lr,
-            dt(self.momentum),
-            self.nesterov,
-            dt(self.weight_decay),
-            into_params,
-            params[:0] if check is None else check,
-            *(undo or (params[:0],) * 2),
-        )
+        _kernels.sgd(grads, state.momentum, params, *table, lr, dt(self.momentum),
+                     self.nesterov, dt(self.weight_decay), into_params,
+                     params[:0] if check is None else check,
+                     *(undo or (params[:0],) * 2))  # fmt: skip
         state.count[...] = count + 1
 
 
