@@ -253,11 +253,7 @@ def all_reached(targets: Iterable[Target], record: Mapping[str, Any]) -> bool:
 
 
 def time_to_target(
-    records: Iterable[Mapping[str, Any]],
-    target: Target,
-    run: str | None = None,
-    *,
-    x: str = "time",
+    records: Iterable[Mapping[str, Any]], target: Target, run: str | None = None, *, x: str = "time"
 ) -> Any:
     """The first ``x`` at which a run's records reach ``target``, or None.
 
