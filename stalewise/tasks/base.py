@@ -106,6 +106,12 @@ def with_seed(task: Any, seed: int = 0) -> SeededTask:
     return SeededTask(task, seed)
 
 
+def fields_repr(obj: Any, *names: str) -> str:
+    """``Type(name=value, ...)`` of ``obj``'s attributes ``names`` (strings quoted)."""
+    shown = (f"{n}={v!r}" if isinstance(v := getattr(obj, n), str) else f"{n}={v}" for n in names)
+    return f"{type(obj).__name__}({', '.join(shown)})"
+
+
 def check_int(name: str, value: Any, low: int = 1) -> int:
     """Returns ``value`` if it is an integer >= ``low``, else raises ValueError naming ``name``."""
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < low:
