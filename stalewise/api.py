@@ -188,10 +188,8 @@ class Job:
         ``timeouts.join`` seconds stops holding back the gates. ``workers=(min, max)``
         makes an elastic job; ``name=`` lets other processes join with ``sw.attach(name)``.
 
-        ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local runtime): the shards
-        are restored from the newest checkpoint before any worker joins, saved every
-        ``every`` pushes of the job and when the server closes
-        (:mod:`stalewise.launch.checkpoints`, the code ``stalewise run`` saves with).
+        ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local runtime): the shards are
+        restored before any worker joins, saved every ``every`` pushes and at the close.
 
         Example:
             >>> with job.serve(workers=2) as server:        # doctest: +SKIP

@@ -96,11 +96,8 @@ def sweep(
         on_record: called with every metrics record of every run.
         progress: show a progress bar per run.
 
-    Every run's options are one :class:`~stalewise.runtime.options.RunOptions`, built
-    (and so checked) for all values before the first run starts; defaults are its own.
-
-    Returns one row per value with the keys of :data:`COLUMNS` (``time_to_target`` None
-    when never reached).
+    Every run's options are checked before the first run starts. Returns one row per value
+    with the keys of :data:`COLUMNS` (``time_to_target`` None when never reached).
 
     Example:
         >>> import os, stalewise as sw, tempfile
