@@ -65,10 +65,15 @@ class Job:
         pull_codec: codecs_lib.Policy | None = None,
         buffers: str | Sequence[str] | None = None,
     ):
-        if strategy is not None:
-            _check_arg(
-                "strategy", strategy, strategies_lib.Strategy, "e.g. sw.strategies.gradients()"
-            )
+        for arg, value, kind, example in (
+            ("strategy", strategy, strategies_lib.Strategy, "e.g. sw.strategies.gradients()"),
+            ("consistency", consistency, consistency_lib.Consistency, "e.g. sw.SSP(4)"),
+            ("staleness", staleness, staleness_lib.Staleness, "e.g. sw.staleness.inverse()"),
+            ("codec", codec, codecs_lib.Policy, "e.g. sw.codecs.topk(0.01)"),
+            ("pull_codec", pull_codec, codecs_lib.Policy, "e.g. sw.codecs.int8()"),
+        ):
+            if value is not None:
+                _check_arg(arg, value, kind, example)
         self.strategy = strategy or strategies_lib.gradients()
         recommended = optimizer is None
         if optimizer is None:
@@ -79,16 +84,6 @@ class Job:
                     "optimizer (pass e.g. optimizer=sw.optim.sgd(0.1))"
                 )
         _check_optimizer(optimizer)
-        if consistency is not None:
-            _check_arg("consistency", consistency, consistency_lib.Consistency, "e.g. sw.SSP(4)")
-        if staleness is not None:
-            _check_arg(
-                "staleness", staleness, staleness_lib.Staleness, "e.g. sw.staleness.inverse()"
-            )
-        if codec is not None:
-            _check_arg("codec", codec, codecs_lib.Policy, "e.g. sw.codecs.topk(0.01)")
-        if pull_codec is not None:
-            _check_arg("pull_codec", pull_codec, codecs_lib.Policy, "e.g. sw.codecs.int8()")
         if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
         consistency = consistency or consistency_lib.ASP()
@@ -144,18 +139,10 @@ class Job:
             stop_at: stop early once every target is reached, e.g. ``{"accuracy": 0.97}``
                 or ``{"loss": 1e-3}`` (the direction follows the metric's name; pass a
                 :class:`stalewise.targets.Target` to set it).
-            metrics, checkpoints, failures, timeouts, emulation: the rest, grouped
-                (:mod:`stalewise.options`): ``sw.Metrics`` (the records' interval, name,
-                callback, loggers, progress bar), ``sw.Checkpoints`` (folder, period,
-                resume), ``sw.Failures`` (restart, drop or fail; hung and diverged
-                workers), ``sw.Timeouts`` (the run's and its processes') and
-                ``sw.Emulation`` (stragglers and delays). None: their defaults.
+            metrics, checkpoints, failures, timeouts, emulation: the option groups of
+                :mod:`stalewise.options`; None: their defaults.
 
-        Every value is checked by :class:`stalewise.RunOptions`, the options the runtime
-        gets.
-
-        Returns:
-            A :class:`TrainResult` with the final params, metrics records and shard stats.
+        Returns a :class:`TrainResult`: the final params, metrics records and shard stats.
         """
         groups = (metrics, checkpoints, failures, timeouts, emulation)
         for value, kind in zip(groups, options_lib.TRAIN_GROUPS, strict=True):
@@ -201,10 +188,8 @@ class Job:
         ``timeouts.join`` seconds stops holding back the gates. ``workers=(min, max)``
         makes an elastic job; ``name=`` lets other processes join with ``sw.attach(name)``.
 
-        ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local runtime): the shards
-        are restored from the newest checkpoint before any worker joins, saved every
-        ``every`` pushes of the job and when the server closes
-        (:mod:`stalewise.launch.checkpoints`, the code ``stalewise run`` saves with).
+        ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local runtime): the shards are
+        restored before any worker joins, saved every ``every`` pushes and at the close.
 
         Example:
             >>> with job.serve(workers=2) as server:        # doctest: +SKIP

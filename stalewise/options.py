@@ -11,13 +11,8 @@
               metrics=sw.Metrics(every=1.0, loggers=[...]))
     job.train(..., runtime=sw.Simulation(sim_config, seed=1))  # the simulator, configured
 
-Each group is defined here once; ``Job.train``, ``Job.serve`` (``timeouts``), the config
-file (``[run]``) and the sweep (``sim``) build them, and every value is checked when the
-object is made by the check :class:`~stalewise.runtime.options.RunOptions` runs (a bad one
-is an :class:`~stalewise.runtime.options.OptionError` naming ``Group.field``). Runtimes
-never see them: :func:`run_options` flattens them into the one ``RunOptions``.
-
-Every default is :data:`~stalewise.runtime.options.DEFAULTS`'s.
+Every value is checked when its group is made, by :class:`~stalewise.runtime.options.RunOptions`'
+check (an ``OptionError`` naming ``Group.field``); every default is ``DEFAULTS``'s.
 """
 
 from __future__ import annotations

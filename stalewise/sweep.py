@@ -28,19 +28,8 @@ log = logging.getLogger(__name__)
 __all__ = ["COLUMNS", "parse_consistency", "sweep"]
 
 #: Columns of a sweep's rows, in the order a table should show them.
-COLUMNS = (
-    "run",
-    "workers",
-    "consistency",
-    "time_to_target",
-    "updates_to_target",
-    "final",
-    "time",
-    "updates",
-    "staleness_mean",
-    "events",
-    "wall_s",
-)
+COLUMNS = ("run", "workers", "consistency", "time_to_target", "updates_to_target", "final")
+COLUMNS += ("time", "updates", "staleness_mean", "events", "wall_s")
 
 
 def parse_consistency(value: Any) -> consistency_lib.Consistency:
@@ -107,11 +96,8 @@ def sweep(
         on_record: called with every metrics record of every run.
         progress: show a progress bar per run.
 
-    Every run's options are one :class:`~stalewise.runtime.options.RunOptions`, built
-    (and so checked) for all values before the first run starts; defaults are its own.
-
-    Returns one row per value with the keys of :data:`COLUMNS` (``time_to_target`` None
-    when never reached).
+    Every run's options are checked before the first run starts. Returns one row per value
+    with the keys of :data:`COLUMNS` (``time_to_target`` None when never reached).
 
     Example:
         >>> import os, stalewise as sw, tempfile

@@ -33,40 +33,11 @@ __all__ = ["Mode", "StopAt", "Target", "all_reached", "infer_mode", "parse", "ti
 Mode: TypeAlias = Literal["min", "max"]
 
 #: Name parts of metrics that should go down (checked as whole words, see :func:`infer_mode`).
-MIN_WORDS = frozenset(
-    {
-        "loss",
-        "error",
-        "err",
-        "perplexity",
-        "ppl",
-        "mse",
-        "mae",
-        "rmse",
-        "nll",
-        "time",
-        "distance",
-        "dist",
-        "cost",
-        "regret",
-    }
-)
+MIN_WORDS = frozenset({"loss", "error", "err", "perplexity", "ppl", "mse", "mae", "rmse", "nll"})
+MIN_WORDS |= {"time", "distance", "dist", "cost", "regret"}
 #: Name parts of metrics that should go up.
-MAX_WORDS = frozenset(
-    {
-        "acc",
-        "accuracy",
-        "f1",
-        "auc",
-        "precision",
-        "recall",
-        "score",
-        "bleu",
-        "r2",
-        "reward",
-        "iou",
-    }
-)
+MAX_WORDS = frozenset({"acc", "accuracy", "f1", "auc", "precision", "recall", "score", "bleu"})
+MAX_WORDS |= {"r2", "reward", "iou"}
 # Words also recognised at the end of a run-together part ("valloss", "top5acc", "rocauc").
 # Left out: "time" ("uptime" goes up) and two-letter words ("layer2" is not an r2).
 _SUFFIXES = tuple(
@@ -282,11 +253,7 @@ def all_reached(targets: Iterable[Target], record: Mapping[str, Any]) -> bool:
 
 
 def time_to_target(
-    records: Iterable[Mapping[str, Any]],
-    target: Target,
-    run: str | None = None,
-    *,
-    x: str = "time",
+    records: Iterable[Mapping[str, Any]], target: Target, run: str | None = None, *, x: str = "time"
 ) -> Any:
     """The first ``x`` at which a run's records reach ``target``, or None.
 

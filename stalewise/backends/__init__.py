@@ -83,16 +83,6 @@ for _b in (NumpyBackend(), TorchBackend(), JaxBackend(), TensorFlowBackend()):
     register(_b)
 del _b
 
-__all__ = [
-    "FLOAT_DTYPES",
-    "Backend",
-    "JaxBackend",
-    "ModelState",
-    "NumpyBackend",
-    "TensorFlowBackend",
-    "TorchBackend",
-    "backend_of",
-    "get_backend",
-    "numpy_dtype",
-    "register",
-]
+__all__ = ["FLOAT_DTYPES", "Backend", "JaxBackend", "ModelState", "NumpyBackend"]
+__all__ += ["TensorFlowBackend", "TorchBackend", "backend_of", "get_backend", "numpy_dtype"]
+__all__ += ["register"]

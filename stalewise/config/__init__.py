@@ -137,10 +137,7 @@ class RunConfig:
         with self.importable():
             try:
                 return self.job.train(
-                    self.task.loss_and_grad,
-                    data=self.data,
-                    evaluate=self.task.evaluate,
-                    **train,
+                    self.task.loss_and_grad, data=self.data, evaluate=self.task.evaluate, **train
                 )
             except TooLongError as e:  # the config's times make the simulated run endless
                 key = "sim" if self.sim not in (None, SimConfig()) else "run.eval_interval"

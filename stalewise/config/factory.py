@@ -74,8 +74,7 @@ def _load_factory(target: str, base: str | os.PathLike[str] | None) -> tuple[Any
     folders = list(dict.fromkeys(str(Path(d).resolve()) for d in (base, os.getcwd()) if d))
     importlib.invalidate_caches()  # the module may have been written after start-up
     found = next(
-        (d for d in folders if importlib.machinery.PathFinder.find_spec(top, [d]) is not None),
-        None,
+        (d for d in folders if importlib.machinery.PathFinder.find_spec(top, [d]) is not None), None
     )
     paths = (found,) if found else ()
     loaded = sys.modules.get(top)

@@ -39,31 +39,8 @@ from stalewise.optim.lars import LarsState, lars
 from stalewise.optim.schedules import constant, step_decay, warmup_cosine
 from stalewise.optim.sgd import MaskedSgdState, SgdState, sgd
 
-__all__ = [
-    "AdamState",
-    "DelayedNesterovState",
-    "EmptyState",
-    "LambState",
-    "LarsState",
-    "LearningRate",
-    "MaskedAdamState",
-    "MaskedSgdState",
-    "Optimizer",
-    "Rule",
-    "Schedule",
-    "SgdState",
-    "State",
-    "adam",
-    "adamw",
-    "chain",
-    "clip_by_global_norm",
-    "constant",
-    "copy_state",
-    "delayed_nesterov",
-    "lamb",
-    "lars",
-    "learning_rate",
-    "sgd",
-    "step_decay",
-    "warmup_cosine",
-]
+__all__ = ["AdamState", "DelayedNesterovState", "EmptyState", "LambState", "LarsState"]
+__all__ += ["LearningRate", "MaskedAdamState", "MaskedSgdState", "Optimizer", "Rule", "Schedule"]
+__all__ += ["SgdState", "State", "adam", "adamw", "chain", "clip_by_global_norm", "constant"]
+__all__ += ["copy_state", "delayed_nesterov", "lamb", "lars", "learning_rate", "sgd", "step_decay"]
+__all__ += ["warmup_cosine"]

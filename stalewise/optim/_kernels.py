@@ -22,9 +22,6 @@ BLOCK = 1024  # elements per block of pass 1: four float32 blocks fit in L1
 LANES = 64  # partial sums per norm (fewer do not vectorize)
 CHECK_BLOCK = 8192  # elements per block of a checked step (32 KB of float32): checked in L1/L2
 
-Vec = np.ndarray
-Num = float  # a NumPy scalar of the vectors' dtype
-
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
 # the finiteness flags only: reassociation lets their sums vectorize, and without the
 # no-NaN/no-Inf flags x*0 stays NaN for a NaN or an Inf
@@ -32,7 +29,7 @@ _flags_jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc"}, error_mode
 
 
 @_jit
-def _sumsq(x: Vec, lanes: Vec) -> float:
+def _sumsq(x, lanes):
     """Sum of squares of ``x`` in float64, as ``LANES`` partial sums added at the end.
 
     ``lanes`` is float64 scratch of length ``LANES``. Independent partial sums
@@ -55,13 +52,13 @@ def _sumsq(x: Vec, lanes: Vec) -> float:
 
 
 @_jit
-def sumsq(x: Vec) -> float:
+def sumsq(x):
     """Sum of squares of ``x``, accumulated in float64."""
     return _sumsq(x, np.empty(LANES))
 
 
 @_flags_jit
-def _flag(x: Vec, square: bool) -> Num:
+def _flag(x, square):
     """The sum of ``x*x`` (``square``) or of ``x*0``, in the dtype of ``x``: NaN or Inf
     once an element is, and, squared, once the sum of squares overflows that dtype."""
     acc = x.dtype.type(0)
@@ -76,7 +73,7 @@ def _flag(x: Vec, square: bool) -> Num:
 
 
 @_jit
-def scale(x: Vec, factor: float) -> None:
+def scale(x, factor):
     """``x *= factor`` with ``factor`` rounded to the dtype of ``x``."""
     f = x.dtype.type(factor)
     for i in range(x.size):
@@ -84,7 +81,7 @@ def scale(x: Vec, factor: float) -> None:
 
 
 @_jit
-def _step(u: Vec, p: Vec, factor: float, into_params: bool) -> None:
+def _step(u, p, factor, into_params):
     """``p += factor * u`` (into_params) or ``u = factor * u``."""
     f = p.dtype.type(factor)
     if into_params:
@@ -96,9 +93,7 @@ def _step(u: Vec, p: Vec, factor: float, into_params: bool) -> None:
 
 
 @_jit
-def _sgd(
-    g: Vec, buf: Vec, p: Vec, lr: float, momentum: Num, nesterov: bool, wd: Num, into_params: bool
-) -> None:
+def _sgd(g, buf, p, lr, momentum, nesterov, wd, into_params):
     step = p.dtype.type(-lr)
     use_buf = momentum != 0
     for i in range(g.size):
@@ -115,22 +110,8 @@ def _sgd(
 
 
 @_jit
-def sgd(
-    g: Vec,
-    buf: Vec,
-    p: Vec,
-    offsets: Vec,
-    sizes: Vec,
-    decay: Vec,
-    lr: float,
-    momentum: Num,
-    nesterov: bool,
-    wd: Num,
-    into_params: bool,
-    check: Vec,
-    undo_p: Vec,
-    undo_buf: Vec,
-) -> None:
+def sgd(g, buf, p, offsets, sizes, decay, lr, momentum, nesterov, wd, into_params, check,
+        undo_p, undo_buf):  # fmt: skip
     """SGD as torch.optim.SGD: ``g += wd*p; buf = momentum*buf + g; p -= lr*(g or buf)``.
 
     ``buf`` is ignored when ``momentum`` is zero (it may then be empty). With
@@ -162,7 +143,7 @@ def sgd(
 
 
 @_jit
-def _copy(src: Vec, dst: Vec, b: int, e: int) -> None:
+def _copy(src, dst, b, e):
     """``dst[b:e] = src[b:e]`` as a plain loop from 0, which vectorizes (a slice
     assignment checks for overlap and may go through a temporary)."""
     d, s = dst[b:e], src[b:e]
@@ -171,7 +152,7 @@ def _copy(src: Vec, dst: Vec, b: int, e: int) -> None:
 
 
 @_jit
-def _leaf(offsets: Vec, sizes: Vec, decay: Vec, s: int, b: int, e: int) -> tuple[int, int, bool]:
+def _leaf(offsets, sizes, decay, s, b, e):
     """Leaf ``s``'s part of the block ``[b, e)`` (empty: ``lo >= hi``) and whether it
     decays; without leaves (empty ``offsets``) the whole block, decaying."""
     if offsets.size == 0:
@@ -180,23 +161,7 @@ def _leaf(offsets: Vec, sizes: Vec, decay: Vec, s: int, b: int, e: int) -> tuple
 
 
 @_jit
-def _adam(
-    g: Vec,
-    m: Vec,
-    v: Vec,
-    p: Vec,
-    lr: float,
-    b1: Num,
-    w1: Num,
-    b2: Num,
-    w2: Num,
-    inv_c1: Num,
-    inv_sqrt_c2: Num,
-    eps: Num,
-    l2: Num,
-    wd: Num,
-    into_params: bool,
-) -> None:
+def _adam(g, m, v, p, lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps, l2, wd, into_params):
     step = p.dtype.type(-lr)
     for i in range(g.size):
         gi = g[i] + l2 * p[i]
@@ -212,30 +177,8 @@ def _adam(
 
 
 @_jit
-def adam(
-    g: Vec,
-    m: Vec,
-    v: Vec,
-    p: Vec,
-    offsets: Vec,
-    sizes: Vec,
-    decay: Vec,
-    lr: float,
-    b1: Num,
-    w1: Num,
-    b2: Num,
-    w2: Num,
-    inv_c1: Num,
-    inv_sqrt_c2: Num,
-    eps: Num,
-    l2: Num,
-    wd: Num,
-    into_params: bool,
-    check: Vec,
-    undo_p: Vec,
-    undo_m: Vec,
-    undo_v: Vec,
-) -> None:
+def adam(g, m, v, p, offsets, sizes, decay, lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps,
+         l2, wd, into_params, check, undo_p, undo_m, undo_v):  # fmt: skip
     """Adam with coupled L2 (``l2``, torch Adam) and decoupled decay (``wd``, AdamW).
 
     ``m = b1*m + w1*g'`` and ``v = b2*v + w2*g'^2`` with ``g' = g + l2*p``;
@@ -256,29 +199,14 @@ def adam(
             _copy(v, undo_v, b, e)
         for s in range(max(offsets.size, 1)):
             lo, hi, on = _leaf(offsets, sizes, decay, s, b, e)
-            _adam(
-                g[lo:hi],
-                m[lo:hi],
-                v[lo:hi],
-                p[lo:hi],
-                lr,
-                b1,
-                w1,
-                b2,
-                w2,
-                inv_c1,
-                inv_sqrt_c2,
-                eps,
-                l2 if on else zero,
-                wd if on else zero,
-                into_params,
-            )
+            _adam(g[lo:hi], m[lo:hi], v[lo:hi], p[lo:hi], lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2,
+                  eps, l2 if on else zero, wd if on else zero, into_params)  # fmt: skip
         if check.size:
             _checks(check, g[b:e], p[b:e], m[b:e], v[b:e])
 
 
 @_jit
-def _checks(check: Vec, g: Vec, p: Vec, a: Vec, b: Vec) -> None:
+def _checks(check, g, p, a, b):
     """The fused checks of one block after its in-place step (``g`` untouched by it):
     ``check[0]`` sums the squares of ``g``, ``check[1]`` zero times each value written
     (``p``, and the state blocks ``a`` and ``b``, either may be empty): each sum is
@@ -289,20 +217,7 @@ def _checks(check: Vec, g: Vec, p: Vec, a: Vec, b: Vec) -> None:
 
 
 @_jit
-def _lamb_direction(
-    g: Vec,
-    m: Vec,
-    v: Vec,
-    p: Vec,
-    b1: Num,
-    w1: Num,
-    b2: Num,
-    w2: Num,
-    inv_c1: Num,
-    inv_sqrt_c2: Num,
-    eps: Num,
-    wd: Num,
-) -> None:
+def _lamb_direction(g, m, v, p, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps, wd):
     """Pass 1 of LAMB on one block: update m, v and write ``u`` into ``g``."""
     for i in range(g.size):
         gi = g[i]
@@ -314,29 +229,8 @@ def _lamb_direction(
 
 
 @_jit
-def lamb(
-    g: Vec,
-    m: Vec,
-    v: Vec,
-    p: Vec,
-    offsets: Vec,
-    sizes: Vec,
-    decay: Vec,
-    adapt: Vec,
-    ratios: Vec,
-    lr: float,
-    b1: Num,
-    w1: Num,
-    b2: Num,
-    w2: Num,
-    inv_c1: Num,
-    inv_sqrt_c2: Num,
-    eps: Num,
-    wd: Num,
-    min_ratio: float,
-    max_ratio: float,
-    into_params: bool,
-) -> None:
+def lamb(g, m, v, p, offsets, sizes, decay, adapt, ratios, lr, b1, w1, b2, w2, inv_c1,
+         inv_sqrt_c2, eps, wd, min_ratio, max_ratio, into_params):  # fmt: skip
     """LAMB, leaf by leaf: ``p -= lr * r * u`` with ``u = m_hat/(sqrt(v_hat)+eps) + wd*p``.
 
     ``r = clip(||p|| / ||u||, min_ratio, max_ratio)`` where ``adapt[s]``, and 1
@@ -353,20 +247,8 @@ def lamb(
         u_sq = 0.0
         for lo in range(start, stop, BLOCK):
             hi = min(lo + BLOCK, stop)
-            _lamb_direction(
-                g[lo:hi],
-                m[lo:hi],
-                v[lo:hi],
-                p[lo:hi],
-                b1,
-                w1,
-                b2,
-                w2,
-                inv_c1,
-                inv_sqrt_c2,
-                eps,
-                leaf_wd,
-            )
+            _lamb_direction(g[lo:hi], m[lo:hi], v[lo:hi], p[lo:hi], b1, w1, b2, w2, inv_c1,
+                            inv_sqrt_c2, eps, leaf_wd)  # fmt: skip
             p_sq += _sumsq(p[lo:hi], lanes)
             u_sq += _sumsq(g[lo:hi], lanes)
         r = 1.0
@@ -377,22 +259,8 @@ def lamb(
 
 
 @_jit
-def lars(
-    g: Vec,
-    buf: Vec,
-    p: Vec,
-    offsets: Vec,
-    sizes: Vec,
-    decay: Vec,
-    adapt: Vec,
-    ratios: Vec,
-    lr: float,
-    momentum: Num,
-    wd: Num,
-    trust_coefficient: float,
-    eps: float,
-    into_params: bool,
-) -> None:
+def lars(g, buf, p, offsets, sizes, decay, adapt, ratios, lr, momentum, wd,
+         trust_coefficient, eps, into_params):  # fmt: skip
     """LARS, leaf by leaf: ``buf = momentum*buf + r*u; p -= lr*buf`` with ``u = g + wd*p``.
 
     ``r = trust_coefficient * ||p|| / (||u|| + eps)`` where ``adapt[s]``, and 1

@@ -36,39 +36,17 @@ class _Adam(Moments):
     def written(self, state, params: np.ndarray) -> tuple[np.ndarray, ...]:
         return (params, state.mu, state.nu)
 
-    def run(
-        self,
-        grads: np.ndarray,
-        state: tuple,
-        params: np.ndarray,
-        scale: float,
-        into_params: bool,
-        check: np.ndarray | None = None,
-        undo: tuple[np.ndarray, ...] | None = None,
-    ) -> None:
+    def run(self, grads, state, params, scale, into_params, check=None, undo=None) -> None:
         count, lr, table = self.begin(grads, state, params, scale, into_params)
         t = count + 1
         dt = params.dtype.type
-        _kernels.adam(
-            grads,
-            state.mu,
-            state.nu,
-            params,
-            *table,
-            lr,
-            dt(self.b1),
-            dt(1.0 - self.b1),
-            dt(self.b2),
-            dt(1.0 - self.b2),
-            dt(1.0 / (1.0 - self.b1**t)),
-            dt(1.0 / math.sqrt(1.0 - self.b2**t)),
-            dt(self.eps),
-            dt(self.l2),
-            dt(self.decay),
-            into_params,
-            params[:0] if check is None else check,
-            *(undo or (params[:0],) * 3),
-        )
+        _kernels.adam(grads, state.mu, state.nu, params, *table, lr, dt(self.b1),
+                      dt(1.0 - self.b1), dt(self.b2), dt(1.0 - self.b2),
+                      dt(1.0 / (1.0 - self.b1**t)),
+                      dt(1.0 / math.sqrt(1.0 - self.b2**t)), dt(self.eps),
+                      dt(self.l2), dt(self.decay), into_params,
+                      params[:0] if check is None else check,
+                      *(undo or (params[:0],) * 3))  # fmt: skip
         state.count[...] = t
 
 

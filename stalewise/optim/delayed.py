@@ -40,14 +40,7 @@ class _DelayedNesterov(Moments):
     momentum: float
     every: int
 
-    def run(
-        self,
-        grads: np.ndarray,
-        state: tuple,
-        params: np.ndarray,
-        scale: float,
-        into_params: bool,
-    ) -> None:
+    def run(self, grads, state, params, scale, into_params) -> None:
         count, lr, _ = self.begin(grads, state, params, scale, into_params)
         step = -lr
         t = count + 1

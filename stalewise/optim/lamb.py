@@ -11,8 +11,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from stalewise._lazy import Lazy
 from stalewise.optim._leaves import LeafTable
 from stalewise.optim._validate import check_learning_rate, check_number, compile_patterns
@@ -38,40 +36,17 @@ class _Lamb(Moments):
     exclude_from_weight_decay: tuple[str, ...]
     exclude_from_adaptation: tuple[str, ...]
 
-    def run(
-        self,
-        grads: np.ndarray,
-        state: tuple,
-        params: np.ndarray,
-        scale: float,
-        into_params: bool,
-    ) -> None:
+    def run(self, grads, state, params, scale, into_params) -> None:
         count, lr, _ = self.begin(grads, state, params, scale, into_params)
         t = count + 1
         dt = params.dtype.type
-        _kernels.lamb(
-            grads,
-            state.mu,
-            state.nu,
-            params,
-            state.offsets,
-            state.sizes,
-            state.decay,
-            state.adapt,
-            state.trust_ratio,
-            lr,
-            dt(self.b1),
-            dt(1.0 - self.b1),
-            dt(self.b2),
-            dt(1.0 - self.b2),
-            dt(1.0 / (1.0 - self.b1**t)),
-            dt(1.0 / math.sqrt(1.0 - self.b2**t)),
-            dt(self.eps),
-            dt(self.weight_decay),
-            self.min_trust_ratio,
-            self.max_trust_ratio,
-            into_params,
-        )
+        _kernels.lamb(grads, state.mu, state.nu, params, state.offsets, state.sizes,
+                      state.decay, state.adapt, state.trust_ratio, lr, dt(self.b1),
+                      dt(1.0 - self.b1), dt(self.b2), dt(1.0 - self.b2),
+                      dt(1.0 / (1.0 - self.b1**t)),
+                      dt(1.0 / math.sqrt(1.0 - self.b2**t)), dt(self.eps),
+                      dt(self.weight_decay), self.min_trust_ratio,
+                      self.max_trust_ratio, into_params)  # fmt: skip
         state.count[...] = t
 
 
@@ -98,6 +73,7 @@ def lamb(
     no clip, as optax. The exclusions are regexes (``re.search``) on leaf names.
 
     Example:
+        >>> import numpy as np
         >>> from stalewise.segments import Segments
         >>> opt = lamb(0.01, weight_decay=0.01, exclude_from_weight_decay=["bias"])
         >>> params = np.array([1.0, 2.0, 0.0], np.float32)  # weights, then a zero bias

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from stalewise._lazy import Lazy
 from stalewise.optim._leaves import LeafTable
 from stalewise.optim._validate import check_learning_rate, check_number, compile_patterns
@@ -30,32 +28,13 @@ class _Lars(Moments):
     exclude_from_weight_decay: tuple[str, ...]
     exclude_from_adaptation: tuple[str, ...]
 
-    def run(
-        self,
-        grads: np.ndarray,
-        state: tuple,
-        params: np.ndarray,
-        scale: float,
-        into_params: bool,
-    ) -> None:
+    def run(self, grads, state, params, scale, into_params) -> None:
         count, lr, _ = self.begin(grads, state, params, scale, into_params)
         dt = params.dtype.type
-        _kernels.lars(
-            grads,
-            state.momentum,
-            params,
-            state.offsets,
-            state.sizes,
-            state.decay,
-            state.adapt,
-            state.trust_ratio,
-            lr,
-            dt(self.momentum),
-            dt(self.weight_decay),
-            self.trust_coefficient,
-            self.eps,
-            into_params,
-        )
+        _kernels.lars(grads, state.momentum, params, state.offsets, state.sizes,
+                      state.decay, state.adapt, state.trust_ratio, lr,
+                      dt(self.momentum), dt(self.weight_decay),
+                      self.trust_coefficient, self.eps, into_params)  # fmt: skip
         state.count[...] = count + 1
 
 
@@ -78,6 +57,7 @@ def lars(
     are regexes (``re.search``) on leaf names.
 
     Example:
+        >>> import numpy as np
         >>> opt = lars(1.0, momentum=0.0, trust_coefficient=0.1)
         >>> params = np.array([3.0, 4.0], np.float32)  # ||p|| = 5
         >>> state = opt.init(params)

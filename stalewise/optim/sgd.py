@@ -69,19 +69,10 @@ class _Sgd(Moments):
     ) -> None:
         count, lr, table = self.begin(grads, state, params, scale, into_params)
         dt = params.dtype.type
-        _kernels.sgd(
-            grads,
-            state.momentum,
-            params,
-            *table,
-            lr,
-            dt(self.momentum),
-            self.nesterov,
-            dt(self.weight_decay),
-            into_params,
-            params[:0] if check is None else check,
-            *(undo or (params[:0],) * 2),
-        )
+        _kernels.sgd(grads, state.momentum, params, *table, lr, dt(self.momentum),
+                     self.nesterov, dt(self.weight_decay), into_params,
+                     params[:0] if check is None else check,
+                     *(undo or (params[:0],) * 2))  # fmt: skip
         state.count[...] = count + 1
 
 

@@ -12,15 +12,5 @@ from stalewise.protocol.loop import Diverged
 from stalewise.protocol.messages import Ack, PushHeader, PushResult
 from stalewise.protocol.shard import Rejected, Shard, ShardStats
 
-__all__ = [
-    "Ack",
-    "Diverged",
-    "PushHeader",
-    "PushResult",
-    "Rejected",
-    "ServerConfig",
-    "Shard",
-    "ShardStats",
-    "Verdict",
-    "judge",
-]
+__all__ = ["Ack", "Diverged", "PushHeader", "PushResult", "Rejected", "ServerConfig", "Shard"]
+__all__ += ["ShardStats", "Verdict", "judge"]

@@ -46,13 +46,7 @@ class Silence:
             (None: only phi judges).
         threshold, floor: as ``THRESHOLD`` and ``FLOOR``."""
 
-    def __init__(
-        self,
-        upper: float | None,
-        *,
-        threshold: float = THRESHOLD,
-        floor: float = FLOOR,
-    ):
+    def __init__(self, upper: float | None, *, threshold: float = THRESHOLD, floor: float = FLOOR):
         self.upper, self.threshold, self.floor = upper, threshold, floor
         self.last: float | None = None  # when the last beat was heard
         self.intervals: deque[float] = deque(maxlen=WINDOW)

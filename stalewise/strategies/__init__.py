@@ -58,33 +58,8 @@ from stalewise.strategies.streaming import (
     streaming_diloco,
 )
 
-__all__ = [
-    "EASGD",
-    "AdaComm",
-    "AdaCommState",
-    "Adaptive",
-    "AdaptiveState",
-    "AveragingState",
-    "CommBudget",
-    "CommBudgetState",
-    "Fixed",
-    "Gradients",
-    "LazyLeaves",
-    "LocalSGDStrategy",
-    "LossAndGrad",
-    "Step",
-    "Strategy",
-    "StreamingDiLoCo",
-    "StreamingState",
-    "adacomm",
-    "adaptive",
-    "comm_budget",
-    "config_key",
-    "diloco",
-    "easgd",
-    "fixed",
-    "gradients",
-    "lazy_leaves",
-    "local_sgd",
-    "streaming_diloco",
-]
+__all__ = ["EASGD", "AdaComm", "AdaCommState", "Adaptive", "AdaptiveState", "AveragingState"]
+__all__ += ["CommBudget", "CommBudgetState", "Fixed", "Gradients", "LazyLeaves", "LocalSGDStrategy"]
+__all__ += ["LossAndGrad", "Step", "Strategy", "StreamingDiLoCo", "StreamingState", "adacomm"]
+__all__ += ["adaptive", "comm_budget", "config_key", "diloco", "easgd", "fixed", "gradients"]
+__all__ += ["lazy_leaves", "local_sgd", "streaming_diloco"]

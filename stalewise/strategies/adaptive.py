@@ -52,19 +52,8 @@ from stalewise.strategies.averaging import (
 )
 from stalewise.strategies.base import LossAndGrad, Step, Strategy
 
-__all__ = [
-    "AdaComm",
-    "AdaCommState",
-    "Adaptive",
-    "AdaptiveState",
-    "CommBudget",
-    "CommBudgetState",
-    "Fixed",
-    "adacomm",
-    "adaptive",
-    "comm_budget",
-    "fixed",
-]
+__all__ = ["AdaComm", "AdaCommState", "Adaptive", "AdaptiveState", "CommBudget", "CommBudgetState"]
+__all__ += ["Fixed", "adacomm", "adaptive", "comm_budget", "fixed"]
 
 
 # -- schedules -------------------------------------------------------------------------

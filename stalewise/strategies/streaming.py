@@ -181,7 +181,7 @@ class StreamingDiLoCo(LocalSGDStrategy):
         )
         h = self.local_steps
         self.fragments = _check_fragments(fragments)
-        count = self.fragments if isinstance(self.fragments, int) else len(self.fragments)
+        count = self.count
         if count > h:
             raise ValueError(
                 f"{where}: fragments: {count} fragments need local_steps >= {count} (one sync "

@@ -23,16 +23,8 @@ from typing import Any
 
 from stalewise.tasks.base import SeededTask, Task, shard_batches, shard_indices, with_seed
 
-__all__ = [
-    "SeededTask",
-    "Task",
-    "get",
-    "names",
-    "shard_batches",
-    "shard_indices",
-    "task_class",
-    "with_seed",
-]
+__all__ = ["SeededTask", "Task", "get", "names", "shard_batches", "shard_indices", "task_class"]
+__all__ += ["with_seed"]
 
 _REGISTRY: dict[str, tuple[str, str]] = {
     "digits": ("stalewise.tasks.digits", "Digits"),

@@ -19,15 +19,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "SeededTask",
-    "Task",
-    "available_memory",
-    "check_memory",
-    "shard_batches",
-    "shard_indices",
-    "with_seed",
-]
+__all__ = ["SeededTask", "Task", "available_memory", "check_memory", "shard_batches"]
+__all__ += ["shard_indices", "with_seed"]
 
 
 @runtime_checkable
@@ -111,6 +104,12 @@ def with_seed(task: Any, seed: int = 0) -> SeededTask:
         True
     """
     return SeededTask(task, seed)
+
+
+def fields_repr(obj: Any, *names: str) -> str:
+    """``Type(name=value, ...)`` of ``obj``'s attributes ``names`` (strings quoted)."""
+    shown = (f"{n}={v!r}" if isinstance(v := getattr(obj, n), str) else f"{n}={v}" for n in names)
+    return f"{type(obj).__name__}({', '.join(shown)})"
 
 
 def check_int(name: str, value: Any, low: int = 1) -> int:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stalewise.tasks.base import check_int, check_memory, check_number, shard_batches
+from stalewise.tasks.base import check_int, check_memory, check_number, fields_repr, shard_batches
 
 logger = logging.getLogger(__name__)
 
@@ -173,10 +173,8 @@ class Digits:
         return 3 * total * NUM_FEATURES * 4 + hidden * fan * (8 + 3 * 4) + 4 * 4 * rows * hidden
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(hidden={self.hidden}, activation={self.activation!r}, "
-            f"batch_size={self.batch_size}, test_fraction={self.test_fraction}, "
-            f"split_seed={self.split_seed})"
+        return fields_repr(
+            self, "hidden", "activation", "batch_size", "test_fraction", "split_seed"
         )
 
     @property

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.tasks.base import check_int, check_memory, check_number, shard_batches
+from stalewise.tasks.base import check_int, check_memory, check_number, fields_repr, shard_batches
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +88,7 @@ class LeastSquares:
         return nbytes
 
     def __repr__(self) -> str:
-        return (
-            f"LeastSquares(n={self.n}, d={self.d}, noise={self.noise}, "
-            f"condition={self.condition}, batch_size={self.batch_size}, "
-            f"exact={self.exact}, seed={self.seed})"
-        )
+        return fields_repr(self, "n", "d", "noise", "condition", "batch_size", "exact", "seed")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

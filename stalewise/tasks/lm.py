@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stalewise.tasks.base import check_int, check_memory, check_number, shard_batches
+from stalewise.tasks.base import check_int, check_memory, check_number, fields_repr, shard_batches
 
 logger = logging.getLogger(__name__)
 
@@ -210,12 +210,8 @@ class LanguageModel:
         return 4 * (3 * params + max(train, held_out))
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(size={self.size!r}, context={self.context}, "
-            f"batch_size={self.batch_size}, dim={self.dim}, layers={self.layers}, "
-            f"heads={self.heads}, corpus_bytes={self.corpus_bytes}, "
-            f"val_fraction={self.val_fraction}, eval_windows={self.eval_windows})"
-        )
+        shown = ("size", "context", "batch_size", "dim", "layers", "heads", "corpus_bytes")
+        return fields_repr(self, *shown, "val_fraction", "eval_windows")
 
     @property
     def corpus(self) -> Corpus:
