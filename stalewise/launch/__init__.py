@@ -80,10 +80,14 @@ Ctrl-C or SIGTERM. A checkpoint holds the shards' state (parameters, optimizer
 state, versions), the job's push counts, and each rank's ``ctx.state``: a dict the
 script fills (its data position, an inner optimizer's state, an RNG's
 ``bit_generator.state``) with JSON values and numpy arrays, nested dicts of them;
-nothing is pickled (:func:`stalewise.checkpoint.store.flat_state`). A rank hands its
-``ctx.state`` over in ``ctx.should_stop()`` once the job's pushes pass a multiple of
-``N`` (the launcher waits :data:`~stalewise.launch.checkpoints.RANK_STATE_WAIT` seconds
-for it, else keeps the rank's previous one) and at ``ctx.close()``, through files in ``DIR/.ranks``.
+nothing is pickled (:func:`stalewise.checkpoint.store.flat_state`). A checkpoint is
+one cut: a rank hands its ``ctx.state`` over in ``ctx.should_stop()`` once the job's
+pushes pass a multiple of ``N``, with its pushes acknowledged, and waits there until
+the launcher has read the shards (a pause of about the slowest rank's step; the
+launcher waits :data:`~stalewise.launch.checkpoints.RANK_STATE_WAIT` seconds for it,
+else keeps the rank's previous state and warns), and at ``ctx.close()``, through
+files in ``DIR/.ranks``; so the state must be the one after the pushes made so far
+whenever ``should_stop()`` is asked.
 ``--resume`` restores the newest usable checkpoint before any rank starts: the
 versions and the job's pushes (so ``--steps`` stays the total budget) go on from it,
 and each rank's ``ctx.state`` is filled before ``sw.init`` returns. With no

@@ -73,6 +73,11 @@ Example:
     9
     >>> held(pushed=48, committed=24, handled=23)  # a checkpoint: one push in flight
     47
+    >>> shard = {"incarnation": [2], "next_seq": [23]}
+    >>> off_cut([shard, shard], worker=0, held=47, state=47) is None  # one cut
+    True
+    >>> off_cut([shard], worker=0, held=47, state=45)
+    "rank 0's ctx.state is after 45 of its pushes, the shards' after 47: a resume repeats 2 of them"
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=False)  # asked: granted
     False
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=True)  # BSP: asked again
@@ -81,7 +86,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 
 def may_begin(committed: int, in_progress: int, steps: int) -> bool:
@@ -126,6 +132,25 @@ def held(pushed: int, committed: int, handled: int) -> int:
     run resumed from it counts them as not made: counting them made a resumed BSP run,
     whose rounds go on from the saved version, end at 162 pushes of a 160 budget."""
     return max(pushed - max(committed - handled, 0), 0)
+
+
+def off_cut(
+    states: Sequence[Mapping[str, Any]], worker: int, held: int, state: int | None
+) -> str | None:
+    """Why a checkpoint is not one cut for ``worker`` (None: it is). One cut: every shard's
+    saved state (``states``) holds the same pushes of the worker's incarnation, and its
+    saved ``ctx.state``, after ``state`` of its pushes (None: it has none), is after the
+    ``held`` ones (:func:`held`), so a resume applies each of its pushes once."""
+    seats = {(int(s["incarnation"][worker]), int(s["next_seq"][worker])) for s in states}
+    if len(seats) > 1:
+        return f"worker {worker}: the shards hold different pushes of it, {sorted(seats)}"
+    if state is None or state == held:
+        return None
+    n = held - state
+    return (
+        f"rank {worker}'s ctx.state is after {state} of its pushes, the shards' after {held}: "
+        f"a resume {'repeats' if n > 0 else 'skips'} {abs(n)} of them"
+    )
 
 
 def refuses(
