@@ -1,5 +1,4 @@
-"""The launcher's lines on stderr, on both runtimes: progress while the ranks run, and how
-they ended (see "Progress" in :mod:`stalewise.launch`)."""
+"""The launcher's lines on stderr: progress while the ranks run, and how they ended."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ def progress_every() -> float:
 
 
 class Progress:
-    """The launcher's progress line: the job's pushes, their rate since the last line, and
-    the ranks still running."""
+    """The launcher's progress line: the job's pushes, their rate and the ranks still running."""
 
     def __init__(self, workers: int):
         self.workers = workers

@@ -1,7 +1,4 @@
-"""``stalewise run`` on the local runtime: one process per rank, started, released
-together, watched and stopped by the launcher (the ``"local"`` runtime's ``launch``; see
-"How a launch ends" in :mod:`stalewise.launch`).
-"""
+"""``stalewise run`` on the local runtime: one process per rank, watched by the launcher."""
 
 from __future__ import annotations
 
@@ -34,10 +31,8 @@ POLL = 0.25  # seconds between the launcher's looks at the ranks' push counters
 
 
 def serve_workers(job: Any, launch: Any) -> int:
-    """The launcher's side: serves ``job``, runs the workers, waits; the exit status.
-
-    However it ends (the ranks done, a timeout, Ctrl-C, SIGTERM), the ranks are stopped
-    before the shards: :meth:`Ranks.stop`."""
+    """The launcher's side: serves ``job``, runs the workers, waits; returns the exit
+    status. However it ends, the ranks are stopped before the shards."""
     ctx = mp.get_context("spawn")
     directory, every = launch.checkpoint_dir, launch.checkpoint_every
     with job.serve(workers=launch.workers) as server, \
@@ -207,10 +202,9 @@ class Ranks:
                     self._ended(r)
 
     def stop(self) -> None:
-        """Stops the ranks still running, before the shards close: sets the job's stop flag
-        (``ctx.should_stop()`` turns true), lets the ranks waiting at the rendezvous go,
-        gives them :data:`STOP_GRACE` seconds to end, then kills the rest. A second
-        Ctrl-C (or SIGTERM) meanwhile kills them at once."""
+        """Stops the ranks still running, before the shards close: sets the job's stop flag,
+        gives them :data:`STOP_GRACE` seconds, then kills the rest (at once on a second
+        Ctrl-C or SIGTERM)."""
         self.stopping = True
         if not self.running():
             return
@@ -238,19 +232,15 @@ class Ranks:
 
 
 def whole_lines() -> None:
-    """Makes each line a worker prints one write to the stdout and stderr it shares with
-    the others. Unbuffered (``PYTHONUNBUFFERED``, ``-u``), ``print`` writes its text and
-    its newline separately, and two workers' lines tear (``rank 2: 2.9rank 1: 2.9``);
-    line buffering keeps them whole and still shows each line as it ends."""
+    """Line-buffers each worker's stdout and stderr, so two workers' lines never tear."""
     for stream in (sys.stdout, sys.stderr):
         if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
             stream.reconfigure(write_through=False, line_buffering=True)
 
 
 class Gate:
-    """A rank's side of the launcher's start rendezvous: its pipe to the launcher, on
-    which it says ``ready`` and waits for ``go`` (``alone``: a rank ended before it got
-    there). No named semaphore: nothing of it can stay in ``/dev/shm``."""
+    """A rank's side of the launcher's start rendezvous: says ``ready`` on its pipe and
+    waits for ``go`` (``alone``: a rank ended before it got there)."""
 
     def __init__(self, conn: Any):
         self.conn = conn
@@ -274,12 +264,8 @@ def worker_main(
     steps: int | None,
     conn: Any,
 ) -> None:
-    """A worker process (a rank): runs the script as ``__main__`` with its context set,
-    once (it was spawned without the launcher's ``__main__``, see :class:`Ranks`).
-
-    It dies with the launcher (:func:`~stalewise.runtime.local.procs.die_with_parent`,
-    first thing). Interrupted (Ctrl-C reaches every process of the terminal's group),
-    or stopped by the launcher while it waits on the shards, it says so on one line."""
+    """A worker process (a rank): runs the script once as ``__main__`` with its context set;
+    it dies with the launcher, and says on one line when interrupted or stopped."""
     from stalewise.runtime.local.procs import die_with_parent
 
     die_with_parent()
@@ -315,8 +301,7 @@ def worker_main(
 
 
 def rank_env(rank: int, world: int, local_rank: int, local_world: int) -> dict[str, str]:
-    """The variables a rank's environment holds before its script runs (torchrun's names
-    and stalewise's; see :mod:`stalewise.launch`)."""
+    """A rank's environment variables before its script runs (torchrun's and stalewise's)."""
     return {
         "RANK": str(rank),
         "WORLD_SIZE": str(world),
