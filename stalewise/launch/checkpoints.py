@@ -94,11 +94,8 @@ class Saves:
                 write_rank_state(folder, r, state, self.pushes, self.pushed[r])
 
     def poll(self, idle: float) -> float:
-        """Seconds to the next :meth:`tick`: ranks wait at the cut while a checkpoint is due,
-        so the launcher looks often then, and soon after one comes due."""
-        if self.every is None:
-            return idle
-        return CUT_POLL if self.due is not None else min(idle, 20 * CUT_POLL)
+        """Seconds to the launcher's next :meth:`tick` (ranks wait at the cut meanwhile)."""
+        return idle if self.every is None else CUT_POLL if self.due else 5 * CUT_POLL
 
     def tick(self, running: list[int]) -> None:
         """A look: a checkpoint once the job's pushes reach the next multiple of ``every``
