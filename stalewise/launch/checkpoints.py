@@ -33,8 +33,7 @@ CUT = "cut"  # the file of the epoch of the launcher's last read of the shards
 RANKS_ENV = "STALEWISE_CHECKPOINT_RANKS"  # a rank's folder for its ctx.state (launched)
 EVERY_ENV = "STALEWISE_CHECKPOINT_EVERY"
 #: Seconds the launcher waits for the ranks' ``ctx.state`` once a checkpoint is due; a
-#: rank that has not called ``ctx.should_stop()`` since is saved with its previous state,
-#: and the checkpoint says it is not of the cut (a resume repeats that rank's pushes since).
+#: rank that has not called ``ctx.should_stop()`` since is saved with its previous state.
 RANK_STATE_WAIT = 10.0
 #: Seconds between a paused rank's looks at the cut, and the launcher's while one is due.
 CUT_POLL = 0.002
@@ -81,7 +80,6 @@ class Saves:
         self.pushed: list[int | None] = [None] * workers  # the pushes each rank's state is after
         if ckpt is not None and ckpt.ranks is not None:
             self.ranks[: len(ckpt.ranks)] = ckpt.ranks[:workers]
-            self.pushed[: len(ckpt.ranks)] = (ckpt.step.get("pushed") or [None] * workers)[:workers]
         self.pushes = 0 if ckpt is None else int(ckpt.step.get("pushes", 0))
         self.saver = checkpoint.Saver(job.config, None, o, runtime="local", version=0)
         self.started = time.monotonic()
@@ -91,7 +89,7 @@ class Saves:
                   f"{self.pushes} pushes)", file=sys.stderr, flush=True)  # fmt: skip
         if folder is not None:
             for r, state in enumerate(self.ranks):  # what each rank starts from
-                write_rank_state(folder, r, state, self.pushes, self.pushed[r])
+                write_rank_state(folder, r, state, self.pushes)
 
     def poll(self, idle: float) -> float:
         """Seconds to the launcher's next :meth:`tick` (ranks wait at the cut meanwhile)."""
@@ -126,7 +124,9 @@ class Saves:
         finally:
             if self.folder is not None:  # the ranks' states are read before they go on
                 self._read_ranks()
-                _write(self.folder, CUT, str(self.server.job_pushes // (self.every or 1)))
+                tmp = self.folder / f".tmp-{CUT}"  # the ranks go on: the cut is read
+                tmp.write_text(str(self.server.job_pushes // (self.every or 1)))
+                os.replace(tmp, self.folder / CUT)
         for r, (state, pushed) in enumerate(zip(self.ranks, self.pushed, strict=True)):
             why = budget.off_cut(states, r, step["pushed"][r], pushed if state else None)
             if why is not None:
@@ -263,12 +263,6 @@ class RankStates:
 
 def _rank_file(folder: Path, rank: int) -> Path:
     return folder / f"rank-{rank}.safetensors"
-
-
-def _write(folder: Path, name: str, text: str) -> None:
-    tmp = folder / f".tmp-{name}-{os.getpid()}"
-    tmp.write_text(text)
-    os.replace(tmp, folder / name)
 
 
 def _cut(folder: Path) -> int:
