@@ -118,7 +118,6 @@ class Job:
             pull_codec=pull_codec,
         )
 
-    @options_lib.legacy_keywords("Job.train")
     def train(
         self,
         loss_and_grad: Callable[[Any, Any], tuple[float, Any]],
@@ -170,8 +169,6 @@ class Job:
                 workers), ``sw.Timeouts`` (the run's and its processes') and
                 ``sw.Emulation`` (stragglers and delays). None: their defaults.
 
-        The old flat keywords (``checkpoint_dir=``, ``max_restarts=``, ``timeout=``, ...)
-        still work for one release with a DeprecationWarning naming the new spelling.
         Every value is checked by :class:`stalewise.RunOptions`, the options the runtime
         gets.
 
@@ -182,7 +179,7 @@ class Job:
         for value, kind in zip(groups, options_lib.TRAIN_GROUPS, strict=True):
             options_lib.check_group(value, kind)
         simulation = runtime if isinstance(runtime, options_lib.Simulation) else None
-        name = "sim" if simulation is not None else runtime
+        name = simulation.name if simulation is not None else runtime
         runner = runtime_lib.get(name)
         self._check_pulls(name)
         metrics = metrics or options_lib.Metrics()
@@ -203,16 +200,12 @@ class Job:
             warn_summary(result.failures)  # every runtime's: the first of each kind warned
             return sinks.finish(result)
 
-    @options_lib.legacy_keywords("Job.serve")
     def serve(
         self,
         *,
         workers: int | tuple[int, int],
         runtime: str = "local",
         name: str | None = None,
-        checkpoint_dir: str | None = None,
-        checkpoint_every: int | None = None,
-        resume: bool = False,
         timeouts: options_lib.Timeouts | None = None,
         checkpoints: options_lib.Checkpoints | None = None,
     ):
@@ -243,11 +236,10 @@ class Job:
         in any process of this user on this machine returns a client for the
         lowest free worker id (see :mod:`stalewise.runtime.local.attach`).
 
-        ``checkpoint_dir``, ``checkpoint_every``, ``resume``: as ``sw.init``'s (local
-        runtime): the shards are restored from the newest checkpoint before any worker
-        joins, saved every ``checkpoint_every`` pushes of the job and when the server
-        closes (:mod:`stalewise.launch.checkpoints`, the code ``stalewise run`` saves with);
-        or ``checkpoints=sw.Checkpoints(dir, every=, resume=)``, as ``Job.train`` takes them.
+        ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local runtime): the shards
+        are restored from the newest checkpoint before any worker joins, saved every
+        ``every`` pushes of the job and when the server closes
+        (:mod:`stalewise.launch.checkpoints`, the code ``stalewise run`` saves with).
 
         Example:
             >>> with job.serve(workers=2) as server:        # doctest: +SKIP
@@ -264,9 +256,7 @@ class Job:
         from stalewise.launch.checkpoints import served
 
         start = functools.partial(factory, self.config, workers, join_timeout=join, **named)
-        saves = options_lib.checkpoint_fields(
-            "Job.serve", checkpoints, checkpoint_dir, checkpoint_every, resume
-        )
+        saves = options_lib.checkpoint_fields("Job.serve", checkpoints)
         return served(self, start, runtime, *saves)
 
     def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):

@@ -92,6 +92,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from stalewise import runtime as runtime_lib
 from stalewise import tree
 from stalewise.options import Metrics, Timeouts
 from stalewise.protocol import PushHeader, ServerConfig, pipeline
@@ -143,8 +144,6 @@ CONTENTION_SECONDS, MOST_PROCESSES = 0.2, 16
 #: The tables :meth:`Calibration.sim_config` makes: the measured figures (None), or every
 #: time at its 25th ("low") or 75th ("high") percentile over the repeats.
 BOUNDS = (None, "low", "high")
-#: The runtimes whose pulls, pushes, shard and worker loop :func:`calibrate` times.
-RUNTIMES = ("local", "ray")
 #: What a Ray calibration times elsewhere, said in its summary and logged.
 ON_RAY = (
     "runtime ray: pulls, pushes, the shard's time per push (its actor's: the apply and the "
@@ -327,7 +326,7 @@ class Calibration:
         wall_spread: with :attr:`contention`, fit each worker's wall-clock times scaled
             to its mean CPU time: the CPU clock's level, the wall clock's spread.
         runtime: the runtime the transport, the shard and the worker loop were timed on
-            (:data:`RUNTIMES`); on Ray :attr:`apply` is the shard actor's time per push
+            (``stalewise.runtime.names("calibrates")``); on Ray :attr:`apply` is the shard actor's time per push
             at the bytes of its slice.
     """
 
@@ -506,10 +505,11 @@ class Calibration:
                 f"  worker {w}: {len(a)} steps, mean {a.mean() * 1e3:.3f} ms, min "
                 f"{a.min() * 1e3:.3f} ms, p90 {np.quantile(a, 0.9) * 1e3:.3f} ms{cpu}"
             )
-        if self.runtime != "local":
+        on_cluster = _on_cluster(self.runtime)
+        if on_cluster:
             lines.append(ON_RAY)
         lines.append(
-            ("shard apply" if self.runtime == "local" else "shard actor's time a push")
+            ("shard actor's time a push" if on_cluster else "shard apply")
             + f" ({self.optimizer}): "
             + ", ".join(f"{b:,} B {s * us:.1f} us" for b, s in self.apply.points)
             + f" -> {self.apply.intercept * us:.1f} us + bytes / {_rate(self.apply.slope):.3g} B/s"
@@ -1085,8 +1085,8 @@ def calibrate(
             contention in the table, the compute fitted to the wall-clock times.
         runtime: the runtime whose pulls, pushes, shard and worker loop are timed:
             ``"local"``, or ``"ray"`` (the Ray instance this process is connected to;
-            else ``ray.init()``'s, shut down at the end if it started one here): a
-            served job's client and shard actor (:data:`RUNTIMES`). The compute and
+            else ``RAY_ADDRESS``, else a new one, shut down at the end): a
+            served job's client and shard actor (``stalewise.runtime.names("calibrates")``). The compute and
             the contention are timed in processes of this machine either way.
 
     Raises:
@@ -1108,8 +1108,9 @@ def calibrate(
         raise ValueError(
             f"timeout = {timeout!r}: must be a number of seconds in (0, {MAX_TIMEOUT:g}]"
         )
-    if runtime not in RUNTIMES:
-        raise ValueError(f"runtime = {runtime!r}: calibrate measures one of {RUNTIMES}")
+    able = runtime_lib.names("calibrates")
+    if runtime not in able:
+        raise ValueError(f"runtime = {runtime!r}: calibrate measures one of {able}")
     per_worker = _delays(delays, workers)
     if evaluate is not None:
         if not callable(evaluate):
@@ -1136,7 +1137,7 @@ def calibrate(
             nbytes, shards = n * itemsize, min(config.shards, n)
             actor: list[float] = []  # on Ray: shard 0's actor's own time per push
             pulls, pushes, sends = transport_times(
-                job, n, repeats, runtime, shard=None if runtime == "local" else actor
+                job, n, repeats, runtime, shard=actor if _on_cluster(runtime) else None
             )
             pull, push, send = (statistics.median(x) for x in (pulls, pushes, sends))
             if actor:  # the apply as the shard actor times it, at its slice's size
@@ -1195,18 +1196,23 @@ def calibrate(
 def _connected(runtime: str) -> Iterator[None]:
     """On Ray: this process connected to Ray while the transport and the worker loop are
     timed (one instance for all; one this call started is shut down after)."""
-    if runtime == "local":
+    if not _on_cluster(runtime):
         yield
         return
-    from stalewise.runtime.ray import connect, import_ray
+    from stalewise.runtime.ray import import_ray
 
     log.info("calibrate: %s", ON_RAY)
-    started = connect()
+    started = runtime_lib.describe(runtime).load("connect")()
     try:
         yield
     finally:
         if started:
             import_ray().shutdown()
+
+
+def _on_cluster(runtime: str) -> bool:
+    """Whether ``runtime``'s shards are actors of a cluster it connects to (Ray's)."""
+    return runtime_lib.describe(runtime).connect is not None
 
 
 def _int_in(value: Any, low: int, high: int) -> bool:

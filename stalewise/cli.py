@@ -96,6 +96,7 @@ def _check_runtime(runtime: str | None) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from stalewise import config, report
+    from stalewise import runtime as runtime_lib
     from stalewise.options import Checkpoints
 
     _check_runtime(args.runtime)
@@ -109,9 +110,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config.load(
         args.config, runtime=args.runtime, codec=args.codec, pull_codec=args.pull_codec
     )
-    runtime = cfg.train_kwargs(args.runtime)["runtime"]
-    if args.address is not None and runtime != "ray":
-        raise _config_error("--address", f"is for --runtime ray; this run's runtime is {runtime!r}")
+    runtime = runtime_lib.describe(cfg.train_kwargs(args.runtime)["runtime"])
+    if args.address is not None and runtime.connect is None:
+        raise _config_error("--address", f"is for --runtime {runtime_lib.able('connect')}; "
+                            f"this run's runtime is {runtime.name!r}")  # fmt: skip
     board = _tensorboard_dir(args.tensorboard)
     out = _out_dir(args.resume or args.out, Path(args.config).stem)
     loggers = []
@@ -129,7 +131,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         metrics = dataclasses.replace(cfg.train["metrics"], name=run,
             on_record=writer.write, loggers=loggers, progress=not args.quiet)  # fmt: skip
         result = cfg.run(args.runtime, address=args.address, metrics=metrics, checkpoints=ckpt)
-    simulated = cfg.train_kwargs(args.runtime)["runtime"] == "sim"
+    simulated = runtime.simulated
     report.plot_runs(
         result.records,
         out / "train.png",
@@ -337,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--address",
         help="with --runtime ray: the Ray cluster, e.g. auto (this machine's, from ray start) "
-        "or HOST:PORT of its head node (default: run.address, else Ray's own rule)",
+        "or HOST:PORT of its head node (default: run.address, else RAY_ADDRESS, else a new "
+        "local instance)",
     )
     t.add_argument("--codec", help=CODEC_HELP)
     t.add_argument("--pull-codec", help=PULL_CODEC_HELP)
@@ -404,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("local", "ray"),
         default="local",
         help="the runtime whose pulls, pushes, shard and worker loop are timed (ray: the "
-        "cluster ray.init() finds, or a new local instance)",
+        "cluster RAY_ADDRESS names, else a new local instance)",
     )
     c.set_defaults(func=cmd_calibrate)
 
@@ -428,9 +431,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--address",
-        help="--runtime ray: the Ray cluster, 'auto' (the one started on this machine with "
+        help="--runtime ray: the Ray cluster, 'auto' (the one you started on this machine with "
         "ray start) or HOST:PORT of its head node (default: RAY_ADDRESS, else a new local "
         "instance, never another user's cluster on this machine)",
+    )
+    r.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="--runtime ray: give each rank this variable of this environment (repeatable); "
+        "each gets STALEWISE_*, torchrun's and the thread counts' without it",
+    )
+    r.add_argument(
+        "--env-all",
+        action="store_true",
+        help="--runtime ray: give each rank every variable of this environment but this "
+        "machine's session and those named like credentials (--env NAME for one of those)",
     )
     r.add_argument(
         "--timeout",
@@ -478,6 +495,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             rank_timeout=args.rank_timeout,
             address=args.address,
+            env=args.env,
+            env_all=args.env_all,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,

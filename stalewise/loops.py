@@ -66,7 +66,6 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise._renames import renames
 from stalewise.protocol import PushResult
 from stalewise.strategies.averaging import _check_steps
 
@@ -138,7 +137,7 @@ class LocalSGD(_Averager):
         optimizer: the worker's ``torch.optim.Optimizer`` (DiLoCo: AdamW); its
             ``step()`` is hooked while the ``with`` block runs.
         local_steps: ``H``, optimizer steps per push (the name of ``H`` in every
-            strategy; old name: ``every``, with a DeprecationWarning).
+            strategy).
         timeout: seconds to wait for the shards at a pull or push (None: forever).
         remainder: ``"drop"`` (default) or ``"push"``: what leaving the block does
             with the steps since the last sync (see the module docstring).
@@ -150,7 +149,6 @@ class LocalSGD(_Averager):
     raise), and removes the hook. :meth:`sync` syncs at once.
     """
 
-    @renames("LocalSGD", every="local_steps")
     def __init__(
         self,
         client: Any,
@@ -209,7 +207,7 @@ class LocalSGDOptax(_Averager):
 
     Args:
         client: this worker's client (``server.client(rank)``).
-        local_steps: ``H``, steps per push (old name: ``every``, with a DeprecationWarning).
+        local_steps: ``H``, steps per push.
         timeout: seconds to wait for the shards at a pull or push (None: forever).
         remainder: ``"drop"`` (default) or ``"push"``: what ``__exit__`` does with
             the steps since the last sync (see the module docstring).
@@ -224,7 +222,6 @@ class LocalSGDOptax(_Averager):
     persists across pulls, as in DiLoCo.
     """
 
-    @renames("LocalSGDOptax", every="local_steps")
     def __init__(
         self,
         client: Any,

@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import math
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -94,7 +93,6 @@ def sweep(
     out: str | os.PathLike[str] | None = None,
     on_record: Callable[[dict], None] | None = None,
     progress: bool = DEFAULTS["progress"],
-    sim_seed: int | None = None,
 ) -> list[dict[str, Any]]:
     """Runs ``job`` in the simulator once per value and compares the time to a target.
 
@@ -119,7 +117,7 @@ def sweep(
         workers: the worker count when sweeping over consistency models or strategies.
         sim: the simulator of every run, ``sw.Simulation(sim_config, seed=1)``
             (default ``sw.Simulation()``: ``SimConfig()``, seed 0; the task's seed is its
-            ``batches``'). A bare ``SimConfig`` is its old form (DeprecationWarning).
+            ``batches``').
         eval_interval: virtual seconds between evaluations (the resolution of the
             time to target); default: five mean step times of ``sim.compute``.
         delay: extra virtual seconds per step, every worker.
@@ -127,7 +125,6 @@ def sweep(
         out: a folder; if given, ``sweep.png`` and ``metrics.jsonl`` are written there.
         on_record: called with every metrics record of every run.
         progress: show a progress bar per run.
-        sim_seed: the old spelling of ``sim=sw.Simulation(seed=)`` (DeprecationWarning).
 
     Every run's options are one :class:`~stalewise.runtime.options.RunOptions`, built
     (and so checked) for all values before the first run starts; defaults are its own.
@@ -155,7 +152,9 @@ def sweep(
         raise ValueError("values is empty: nothing to sweep")
     if not (delay >= 0 and math.isfinite(delay)):
         raise ValueError(f"delay must be a finite number of seconds >= 0, got {delay!r}")
-    sim = _simulation(sim, sim_seed)
+    if sim is not None and not isinstance(sim, Simulation):
+        raise TypeError(f"sim must be a sw.Simulation(...) or None, got {sim!r}")
+    sim = sim or Simulation()
     model = SimConfig() if sim.config is None else sim.config
     if eval_interval is None:
         eval_interval = 5 * (model.compute.mean + delay) or 1.0
@@ -241,21 +240,6 @@ def sweep(
     if out is not None:
         plot(rows, records, Path(out) / "sweep.png", over=over, metric=metric, target=target)
     return rows
-
-
-def _simulation(sim: Any, sim_seed: int | None) -> Simulation:
-    """``sim=`` as a Simulation: a bare SimConfig and ``sim_seed=`` are its old spelling."""
-    if isinstance(sim, SimConfig) or sim_seed is not None:
-        old = "sim=SimConfig" if isinstance(sim, SimConfig) else "sim_seed="
-        warnings.warn(f"sweep: {old} is now sim=sw.Simulation(config, seed=); the old form "
-                      "will be removed in the next release", DeprecationWarning, stacklevel=3)  # fmt: skip
-        if isinstance(sim, Simulation):
-            raise TypeError("sweep: pass the seed inside sim=sw.Simulation(...) only")
-        seed = DEFAULTS["sim_seed"] if sim_seed is None else sim_seed
-        return Simulation(sim, seed=seed)
-    if sim is not None and not isinstance(sim, Simulation):
-        raise TypeError(f"sim must be a sw.Simulation(...) or None, got {sim!r}")
-    return sim or Simulation()
 
 
 def plot(

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stalewise import runtime as runtime_lib
 from stalewise.checkpoint import CheckpointError
 from stalewise.launch.context import LaunchError
 from stalewise.protocol import budget
@@ -209,11 +210,9 @@ def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resum
     (:class:`Served`), or as it is without one. Bad settings are refused before the
     server starts; the server is closed if its checkpoints cannot start (a refused
     resume: :class:`LaunchError`, one line)."""
-    check(directory, every, ValueError)
-    if resume and directory is None:
-        raise ValueError("job.serve: resume needs checkpoint_dir (where the checkpoints are)")
-    if directory is not None and runtime != "local":
-        raise ValueError(f"job.serve: checkpoint_dir is for runtime='local', not {runtime!r}")
+    if directory is not None and not runtime_lib.describe(runtime).saves_served:
+        able = runtime_lib.able("saves_served")
+        raise ValueError(f"job.serve: checkpoint_dir is for runtime={able!r}, not {runtime!r}")
     server = start()
     if directory is None:
         return server

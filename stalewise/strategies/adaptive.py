@@ -21,8 +21,7 @@ Constructors (also under ``sw.strategies``):
   ``local_sgd(local_steps=H)``.
 
 ``local_steps`` is ``H`` here as in every strategy (for a schedule, the first
-rounds' ``H``); the old spelling ``start=`` (``steps=`` of ``fixed``) still
-works for one release, with a DeprecationWarning.
+rounds' ``H``).
 
 The recommended server optimizer is the worker side's: ``sgd(1.0)`` for
 ``outer="local_sgd"``, DiLoCo's Nesterov ``sgd(0.7, 0.9)`` for
@@ -161,7 +160,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stalewise import optim
-from stalewise._renames import renames
 from stalewise.optim._validate import check_number
 from stalewise.pacing import RoundCost
 from stalewise.strategies.averaging import (
@@ -208,7 +206,7 @@ class AdaComm:
     """``H_k = ceil(sqrt(F_k / F_0) * local_steps)`` within ``[min_steps, local_steps]``; see
     :func:`adacomm`."""
 
-    local_steps: int = 32  # H_0 (old name: start)
+    local_steps: int = 32  # H_0
     min_steps: int = 1
 
     def __post_init__(self) -> None:
@@ -258,7 +256,7 @@ class CommBudget:
     :func:`comm_budget`."""
 
     fraction: float = 0.1
-    local_steps: int = 4  # the first rounds' H (old name: start)
+    local_steps: int = 4  # the first rounds' H
     min_steps: int = 1
     max_steps: int = 64
     memory: float = 0.9
@@ -336,7 +334,7 @@ class CommBudget:
 class Fixed:
     """``H = local_steps`` at every push; see :func:`fixed`."""
 
-    local_steps: int  # old name: steps
+    local_steps: int
 
     def __post_init__(self) -> None:
         value = _check_steps("fixed", "local_steps", self.local_steps)
@@ -352,7 +350,6 @@ class Fixed:
         return f"fixed({self.local_steps})"
 
 
-@renames(start="local_steps")
 def adacomm(local_steps: int = 32, min_steps: int = 1) -> AdaComm:
     """The AdaComm schedule (Wang and Joshi 2019): ``H`` shrinks as ``sqrt`` of the loss.
 
@@ -361,7 +358,7 @@ def adacomm(local_steps: int = 32, min_steps: int = 1) -> AdaComm:
     worker's smoothed loss at round ``k``; see the module docstring.
 
     Args:
-        local_steps: ``H_0``, the first period and the largest (old name: ``start``).
+        local_steps: ``H_0``, the first period and the largest.
         min_steps: the smallest period.
 
     Example:
@@ -373,7 +370,6 @@ def adacomm(local_steps: int = 32, min_steps: int = 1) -> AdaComm:
     return AdaComm(local_steps, min_steps)
 
 
-@renames(start="local_steps")
 def comm_budget(
     fraction: float = 0.1,
     local_steps: int = 4,
@@ -393,7 +389,7 @@ def comm_budget(
     Args:
         fraction: the most of a round that communication may take, in ``(0, 1)``.
         local_steps: the first two rounds' ``H`` (the third runs ``4 * local_steps``, to
-            measure; old name: ``start``).
+            measure).
         min_steps: the smallest period.
         max_steps: the largest period.
         memory: per-round decay of the weight of older rounds in the fit, in ``[0, 1)``.
@@ -407,10 +403,8 @@ def comm_budget(
     return CommBudget(fraction, local_steps, min_steps, max_steps, memory)
 
 
-@renames(steps="local_steps")
 def fixed(local_steps: int) -> Fixed:
-    """The trivial schedule: ``H = local_steps`` at every push (``local_sgd(local_steps=H)``;
-    old name of the argument: ``steps``).
+    """The trivial schedule: ``H = local_steps`` at every push (``local_sgd(local_steps=H)``).
 
     Example:
         >>> fixed(4).next(fixed(4).init(), 1.0)
@@ -529,7 +523,6 @@ class Adaptive(Strategy):
         return f"adaptive({', '.join(parts)})"
 
 
-@renames(start="local_steps")
 def adaptive(
     inner: Any = None,
     *,
@@ -562,7 +555,7 @@ def adaptive(
             state)`` (and optionally ``observe``; see the module docstring).
         local_steps: shorthand for ``schedule=comm_budget(local_steps=local_steps, ...)``,
             the first rounds' ``H`` (default 4; ``max_steps`` becomes ``local_steps`` if it
-            exceeds 64). Old name: ``start``.
+            exceeds 64).
         min_steps: shorthand for ``schedule=comm_budget(min_steps=min_steps, ...)``
             (default 1).
         outer: ``"local_sgd"`` (recommended server optimizer ``sgd(1.0)``) or
@@ -617,9 +610,3 @@ def adaptive(
     else:
         raise ValueError(f"adaptive: outer must be 'local_sgd' or 'diloco', got {outer!r}")
     return Adaptive(schedule, local, smoothing=smoothing)
-
-
-# the classes take the old keywords too (AdaComm(start=...)), as their constructors do
-for _cls, _old in ((AdaComm, "start"), (CommBudget, "start"), (Fixed, "steps")):
-    _cls.__init__ = renames(_cls.__name__, **{_old: "local_steps"})(_cls.__init__)  # type: ignore[method-assign]
-del _cls, _old

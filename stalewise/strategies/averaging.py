@@ -24,9 +24,7 @@ cap with dynamic local updates; the first rounds' ``H`` of
 :func:`~stalewise.strategies.adaptive.adaptive` and its schedules);
 ``period`` is always seconds (a dynamic round's budget); ``every`` is only
 delayed Nesterov's ``N``, the arrivals per momentum step; ``steps`` is only
-the job's push budget (``Job.train(steps=)``). The old spellings
-(``local_sgd(steps=)``, ``diloco(steps=)``, ``easgd(every=)``,
-``adaptive(start=)``...) still work for one release, with a DeprecationWarning.
+the job's push budget (``Job.train(steps=)``).
 
 ``sw.Job(params, strategy=s)`` without ``optimizer=`` uses
 ``s.server_optimizer()``; any other server optimizer may be passed instead.
@@ -180,7 +178,6 @@ from typing import Any
 import numpy as np
 
 from stalewise import optim, tree
-from stalewise._renames import renames
 from stalewise.optim._validate import check_number
 from stalewise.pacing import RoundCost
 from stalewise.strategies.base import LossAndGrad, Step, Strategy
@@ -431,8 +428,7 @@ def _check_positive(where: str, name: str, value: Any, hi: float = math.inf) -> 
 class LocalSGDStrategy(Strategy):
     """Local SGD / DiLoCo: ``H`` local steps from the pulled parameters, push ``pulled - local``.
 
-    Build it with :func:`local_sgd` or :func:`diloco`; see the module docstring. (Its
-    old name, ``LocalSGD``, still works with a DeprecationWarning; ``sw.LocalSGD`` is the
+    Build it with :func:`local_sgd` or :func:`diloco`; see the module docstring. (``sw.LocalSGD`` is the
     wrapper for a loop you own, :class:`stalewise.loops.LocalSGD`.)
     """
 
@@ -440,7 +436,6 @@ class LocalSGDStrategy(Strategy):
     #: (read-your-writes; see "Read-your-writes" in the module docstring)
     settles = True
 
-    @renames("LocalSGDStrategy", steps="local_steps")
     def __init__(
         self,
         local_steps: int,
@@ -576,7 +571,6 @@ def _outer_mismatch(
     return None
 
 
-@renames(steps="local_steps")
 def local_sgd(
     local_steps: int,
     inner: Any,
@@ -594,7 +588,7 @@ def local_sgd(
 
     Args:
         local_steps: ``H``, local steps (minibatches) per push; the cap when ``dynamic``.
-            Not the job's push budget (``Job.train(steps=)``). Old name: ``steps``.
+            Not the job's push budget (``Job.train(steps=)``).
         inner: the worker's optimizer: a :mod:`stalewise.optim` optimizer, an
             optax ``GradientTransformation`` or a torch optimizer factory (see
             the module docstring).
@@ -618,7 +612,6 @@ def local_sgd(
     )
 
 
-@renames(steps="local_steps")
 def diloco(
     local_steps: int = 500,
     inner: Any = None,
@@ -653,7 +646,7 @@ def diloco(
 
     Args:
         local_steps: ``H``, local steps per push (500 in the paper); the cap when
-            ``dynamic``. Old name: ``steps``.
+            ``dynamic``.
         inner: the inner optimizer (default ``sw.optim.adamw(1e-3)``, weight
             decay 0.01; the paper used AdamW with lr 4e-4, warmup and cosine
             decay, weight decay 0.1 on language models).
@@ -696,7 +689,6 @@ class EASGD(Strategy):
     name = "easgd"
     settles = True  # the next centre must include this worker's elastic push
 
-    @renames("EASGD", every="local_steps")
     def __init__(self, alpha: float, local_steps: int, inner: Any, *, reset_inner: bool = False):
         self.alpha = _check_positive("easgd", "alpha", alpha, hi=1.0)
         self.local_steps = _check_steps("easgd", "local_steps", local_steps)
@@ -735,7 +727,6 @@ class EASGD(Strategy):
         return f"easgd(alpha={self.alpha:g}, local_steps={self.local_steps}, inner={inner}{extra})"
 
 
-@renames(every="local_steps")
 def easgd(alpha: float, *, local_steps: int, inner: Any, reset_inner: bool = False) -> EASGD:
     """Asynchronous EASGD (Zhang, Choromanska and LeCun 2015).
 
@@ -748,7 +739,7 @@ def easgd(alpha: float, *, local_steps: int, inner: Any, reset_inner: bool = Fal
     Args:
         alpha: the moving rate, in ``(0, 1]`` (the paper's ``beta / p`` for ``p``
             workers; ``beta = 0.9`` there).
-        local_steps: ``tau``, local steps between elastic exchanges. Old name: ``every``.
+        local_steps: ``tau``, local steps between elastic exchanges.
         inner: the worker's optimizer (see the module docstring).
         reset_inner: make a fresh inner optimizer state at every pull.
 

@@ -3,7 +3,7 @@
 A :class:`Client` is one incarnation of its worker id and belongs to one thread of
 one process; every blocking call takes a ``timeout`` in seconds (None waits
 forever). A push is committed (:mod:`stalewise.protocol.commit`) in shared memory
-before any shard is told; messages are the records of :mod:`stalewise.protocol.wire`.
+before any shard is told; messages are the records of :mod:`stalewise.runtime.local.wire`.
 A shard that closed its connection makes every later call raise
 :class:`ServerClosed`; a shard whose process died, read from the shared control
 words, raises :class:`~stalewise.runtime.errors.ShardError` naming it, so no call
@@ -19,11 +19,12 @@ from typing import Any, NoReturn
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline, wire
+from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline
 from stalewise.protocol.sender import Sender
 from stalewise.runtime.base import PullsIntoTrees
 from stalewise.runtime.errors import BudgetSpent, ServerClosed, ShardError
 from stalewise.runtime.local import layout as L
+from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit
 from stalewise.runtime.local.shm import SharedBlock

@@ -1,7 +1,7 @@
 """The local runtime's server: shards as OS processes on one machine.
 
 Bytes move through one shared-memory block (:mod:`stalewise.runtime.local.layout`);
-small control messages (:mod:`stalewise.protocol.wire`) go through pipes, one pair
+small control messages (:mod:`stalewise.runtime.local.wire`) go through pipes, one pair
 per incarnation of a worker, handed to the shard processes by file-descriptor
 passing so a shard knows who sent a message from its pipe. :class:`LocalServer`
 starts and stops the shard processes (:mod:`stalewise.runtime.local.shard_proc`),
@@ -27,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.protocol import ServerConfig, budget, wire
+from stalewise.protocol import ServerConfig, budget
 from stalewise.runtime.base import worker_range
 from stalewise.runtime.errors import ShardError
 from stalewise.runtime.local import layout as layout_lib
+from stalewise.runtime.local import wire
 from stalewise.runtime.local.attach import Door
 from stalewise.runtime.local.client import Client, ControlPipe, ServerClosed, recv_reply
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
@@ -167,7 +168,7 @@ class LocalServer:
         with thread_budget(1), stalewise_main(self._needs_main):
             p.start()
         theirs.close()
-        return p, ControlPipe(mine)  # control messages are binary records (protocol.wire)
+        return p, ControlPipe(mine)  # control messages are binary records (runtime.local.wire)
 
     def _wait_ready(self, k: int) -> None:
         try:

@@ -32,12 +32,13 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import ServerConfig
+from stalewise.protocol.pipeline import PUBLISH_EVERY
 from stalewise.protocol.sender import History
 from stalewise.runtime import driver
 from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.ray import cluster, import_ray, liveness
-from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
+from stalewise.runtime.ray.shard import ShardActor
 from stalewise.runtime.ray.worker import WorkerActor
 from stalewise.runtime.result import TrainResult, merge_stats
 from stalewise.strategies import Strategy
@@ -770,9 +771,9 @@ class _Host:
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
     """Trains on Ray (the ``"ray"`` runtime; see :mod:`stalewise.runtime.ray`).
 
-    Uses the Ray instance this process is connected to; if none, ``ray.init()``
-    starts or finds one (see :func:`stalewise.runtime.ray.connect`), and a
-    connection made here is closed at the end of the run.
+    Uses the Ray instance this process is connected to, else
+    :func:`stalewise.runtime.ray.connect`'s (``RAY_ADDRESS``, else a new local
+    instance); a connection made here is closed at the end of the run.
     """
     from stalewise.runtime.ray import connect
 
