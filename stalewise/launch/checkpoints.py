@@ -68,9 +68,6 @@ class Saves:
         o = SimpleNamespace(checkpoint_dir=directory, checkpoint_every=every, resume=resume,
                             checkpoint_seconds=None, checkpoint_keep=2, room=workers,
                             run=None)  # fmt: skip
-        if resume and not checkpoint.exists(directory):
-            print(f"stalewise: resume: no checkpoint in {directory} yet; starting from the start",
-                  file=sys.stderr, flush=True)  # fmt: skip
         try:
             ckpt = checkpoint.resume_point(job.config, o, runtime="local")
             if ckpt is not None:
