@@ -34,6 +34,13 @@ class _Parser(argparse.ArgumentParser):
         raise _FlagError(f"{message} (see {self.prog} --help)")
 
 
+def _updates(text: str) -> int:
+    """--checkpoint-every's value: an integer >= 1, the one rule of ``run`` and ``train``."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def _config_error(key: str, problem: str) -> Exception:
     from stalewise.config import ConfigError
 
@@ -125,8 +132,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise _config_error("--tensorboard", str(e)) from None
     run = Path(args.config).stem
-    every = args.checkpoint_every or None
-    ckpt = Checkpoints(out / "checkpoints", every=every, resume=args.resume is not None)
+    ckpt = Checkpoints(
+        out / "checkpoints", every=args.checkpoint_every, resume=args.resume is not None
+    )
     with report.MetricsWriter(out / "metrics.jsonl") as writer:
         metrics = dataclasses.replace(cfg.train["metrics"], name=run,
             on_record=writer.write, loggers=loggers, progress=not args.quiet)  # fmt: skip
@@ -351,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=_updates,
         metavar="N",
         help="also checkpoint every N updates (a checkpoint is always written at the end)",
     )
@@ -469,7 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and every --checkpoint-every pushes (local runtime only)",
     )
     r.add_argument(
-        "--checkpoint-every", type=int, metavar="N", help="a checkpoint every N pushes of the job"
+        "--checkpoint-every",
+        type=_updates,
+        metavar="N",
+        help="a checkpoint every N pushes of the job",
     )
     r.add_argument(
         "--resume",
@@ -525,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    from stalewise.checkpoint import CheckpointError
     from stalewise.config import ConfigError
     from stalewise.runtime.errors import DivergedError, FailureWarning
     from stalewise.runtime.sim.config import TooLongError
@@ -545,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     except DivergedError as e:  # the run's result (its message says why and what to change)
         print(f"stalewise: {_one_line(str(e))}", file=sys.stderr)
         return 1
+    except CheckpointError as e:  # --resume from none that may be used
+        print(f"stalewise: {_one_line(str(e))}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("stalewise: interrupted", file=sys.stderr)
         return 130

@@ -1,20 +1,8 @@
 """Parameter sweeps in the simulator: one job over worker counts, consistency models or strategies.
 
-:func:`sweep` runs the same job once per value on the virtual clock (see
-:mod:`stalewise.runtime.sim`), measures the virtual time each run needs to
-reach a target metric, and draws one comparison figure: the metric against
-virtual time for every run, and time-to-target against the worker count (or
-per consistency model).
-
-Example:
-    >>> import stalewise as sw
-    >>> from stalewise import tasks
-    >>> task = tasks.get("least-squares", n=256, d=8)
-    >>> job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
-    >>> rows = sweep(job, task, over="consistency", values=["asp", "ssp:2", "bsp"],
-    ...              workers=4, steps=400, metric="loss", target=1e-3)
-    >>> [row["run"] for row in rows]
-    ['ASP', 'SSP(2)', 'BSP']
+:func:`sweep` runs the same job once per value on the virtual clock, measures the
+virtual time each run needs to reach a target metric, and draws the metric against
+virtual time for every run and time-to-target per value.
 """
 
 from __future__ import annotations
@@ -97,23 +85,16 @@ def sweep(
     """Runs ``job`` in the simulator once per value and compares the time to a target.
 
     Args:
-        job: a :class:`stalewise.Job` (anything with ``.config``, a ServerConfig,
-            and ``.strategy``); for ``over="consistency"`` its consistency model is
-            replaced by each value, everything else is kept.
-        task: the task (``loss_and_grad``, ``batches``, ``evaluate``), e.g. from
-            :func:`stalewise.tasks.get` or a parsed config's ``task``.
-        over: "workers" (values are worker counts), "consistency" (values are
-            Consistency objects or names: "asp", "bsp", "ssp", "ssp:4") or
-            "strategy" (values are :class:`~stalewise.strategies.Strategy` objects
-            or ``(label, strategy)`` pairs; each runs with its recommended server
-            optimizer, ``strategy.server_optimizer(workers)``, or the job's when it
-            recommends none).
+        job: a :class:`stalewise.Job`; only what ``over`` names is replaced per value.
+        task: the task (``loss_and_grad``, ``batches``, ``evaluate``).
+        over: "workers" (worker counts), "consistency" (Consistency objects or names:
+            "asp", "bsp", "ssp:4") or "strategy" (strategies or ``(label, strategy)``
+            pairs, each with its recommended server optimizer, else the job's).
         values: the values to sweep, in plot order.
         steps: push budget of each run.
         target: the value of ``metric`` to reach.
         metric: a key of ``task.evaluate``'s result.
-        mode: "min" if smaller is better (a loss), "max" if larger is (accuracy);
-            None (default) infers it from ``metric`` (see :func:`stalewise.targets.infer_mode`).
+        mode: "min" or "max"; None infers it from ``metric``.
         workers: the worker count when sweeping over consistency models or strategies.
         sim: the simulator of every run, ``sw.Simulation(sim_config, seed=1)``
             (default ``sw.Simulation()``: ``SimConfig()``, seed 0; the task's seed is its
@@ -122,16 +103,15 @@ def sweep(
             time to target); default: five mean step times of ``sim.compute``.
         delay: extra virtual seconds per step, every worker.
         stop_at_target: stop each run at its first evaluation that reaches ``target``.
-        out: a folder; if given, ``sweep.png`` and ``metrics.jsonl`` are written there.
+        out: a folder for ``sweep.png`` and ``metrics.jsonl``.
         on_record: called with every metrics record of every run.
         progress: show a progress bar per run.
 
     Every run's options are one :class:`~stalewise.runtime.options.RunOptions`, built
     (and so checked) for all values before the first run starts; defaults are its own.
 
-    Returns:
-        One row per value with the keys of :data:`COLUMNS` (``final`` is the last
-        value of ``metric``; ``time_to_target`` is None when it was never reached).
+    Returns one row per value with the keys of :data:`COLUMNS` (``time_to_target`` None
+    when never reached).
 
     Example:
         >>> import os, stalewise as sw, tempfile

@@ -43,11 +43,25 @@ SERVED_POLL = 0.25
 
 
 def check(directory: Any, every: Any, error: type[Exception]) -> None:
-    """Refuses checkpoint settings that do not fit together, in one line (``error``)."""
+    """Refuses checkpoint settings that do not fit together, in one line (``error``), and
+    makes ``directory`` (with its parents) unless it is there: a folder of this user's
+    that no one else can write (:func:`stalewise.checkpoint.store.untrusted`)."""
+    from stalewise.checkpoint.store import untrusted
+
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise error(f"checkpoint_every (--checkpoint-every) must be an integer >= 1, got {every!r}")
     if every is not None and directory is None:
         raise error("checkpoint_every (--checkpoint-every) needs checkpoint_dir (--checkpoint-dir)")
+    if directory is None:
+        return
+    try:
+        with contextlib.suppress(FileExistsError):  # a file there: untrusted says so
+            Path(directory).mkdir(0o755, parents=True, exist_ok=True)
+        problem = untrusted(os.stat(directory))
+    except OSError as e:
+        problem = f"cannot make it: {e.strerror or e}"
+    if problem:
+        raise error(f"checkpoint_dir (--checkpoint-dir) {os.fspath(directory)}: {problem}")
 
 
 class Saves:
@@ -76,8 +90,8 @@ class Saves:
             raise LaunchError(f"--resume from {directory}: {' '.join(str(e).split())}") from None
         self.ranks: list[dict] = [{} for _ in range(workers)]
         self.pushed: list[int | None] = [None] * workers  # the pushes each rank's state is after
-        if ckpt is not None and ckpt.ranks is not None:
-            self.ranks[: len(ckpt.ranks)] = ckpt.ranks[:workers]
+        if ckpt is not None and ckpt.ranks is not None:  # one per worker: resume_point checked
+            self.ranks = ckpt.ranks
         self.pushes = 0 if ckpt is None else int(ckpt.step.get("pushes", 0))
         self.saver = checkpoint.Saver(job.config, None, o, runtime="local", version=0)
         self.started = time.monotonic()
@@ -124,6 +138,7 @@ class Saves:
                 self._read_ranks()
                 tmp = self.folder / f".tmp-{CUT}"  # the ranks go on: the cut is read
                 tmp.write_text(str(self.server.job_pushes // (self.every or 1)))
+                os.chmod(tmp, 0o644)  # as a rank's file: read back only if no one else can write
                 os.replace(tmp, self.folder / CUT)
         for r, (state, pushed) in enumerate(zip(self.ranks, self.pushed, strict=True)):
             why = budget.off_cut(states, r, step["pushed"][r], pushed if state else None)
@@ -288,6 +303,7 @@ def write_rank_state(
     if pushed is not None:
         meta["pushed"] = str(int(pushed))
     save_file({k: checkpoint._contiguous(a) for k, a in arrays.items()}, str(tmp), metadata=meta)
+    os.chmod(tmp, 0o644)  # whatever the umask: the launcher refuses what others can write
     os.replace(tmp, path)
 
 
@@ -349,9 +365,14 @@ def rank_files(directory: str | None, every: int | None):
         return
     import shutil
 
-    folder = Path(directory) / ".ranks"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    from stalewise.checkpoint.store import untrusted
+
+    folder = Path(directory) / ".ranks"  # made afresh, 0700, in a folder of ours (check)
+    with contextlib.suppress(FileNotFoundError):
+        if problem := untrusted(os.lstat(folder)):
+            raise LaunchError(f"{folder} is {problem}, which stalewise never makes: remove it")
+        shutil.rmtree(folder)
+    folder.mkdir(0o700)
     saved = {k: os.environ.get(k) for k in (RANKS_ENV, EVERY_ENV)}
     os.environ[RANKS_ENV] = str(folder)
     os.environ[EVERY_ENV] = str(every or "")

@@ -76,6 +76,10 @@ class Client(PullsIntoTrees):
 
     Made by :meth:`LocalServer.client`; picklable until first used."""
 
+    #: the job's budget of pushes this client refuses to pass at commit (None: none; see
+    #: :meth:`may_begin`), checked when set
+    budget = budget.Budget()
+
     def __init__(
         self,
         worker: int | None,
@@ -135,10 +139,7 @@ class Client(PullsIntoTrees):
         #: live params kept changing while read, so served by the shard (read-your-writes)
         self.own_requests = 0
         self._lease: connection.Connection | None = None  # an attached process's socket
-        #: the job's budget of pushes this client refuses to pass at commit (None: none;
-        #: see :meth:`may_begin`); ``budget_refused`` counts the pushes it refused
-        self.budget: int | None = None
-        self.budget_refused = 0
+        self.budget_refused = 0  # pushes refused past the budget
         self._granted = False  # may_begin said yes since the last push
         self._round = joined_at  # under BSP: this worker's clock as it knows it
 
@@ -188,6 +189,12 @@ class Client(PullsIntoTrees):
         return self.__dict__.copy()
 
     def _attach(self) -> SharedBlock:
+        if self._conns and self._conns[0].closed and self._closed_by is None:
+            w = self.worker
+            raise RuntimeError(
+                f"worker {w}'s client was released: server.release({w}) hands it to the "
+                f"process it was sent to, which alone uses it (server.client({w}) makes another)"
+            )
         if self._block is None:  # a worker's client, first used in its own process
             self._block = SharedBlock.attach(self._block_name)
             self._pull_buf = self._layout.pull_buffer(self._block, self.worker)
@@ -479,6 +486,7 @@ class Client(PullsIntoTrees):
             pass
         for c in self._conns:
             c.close()
+        self._closed_by = self._closed_by or "this client is closed"
         if self._lease is not None:  # the server gives this worker id back (see .attach)
             self._lease.close()
         self._pull_buf = self._push_buf = None  # type: ignore[assignment]

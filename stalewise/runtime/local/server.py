@@ -223,7 +223,7 @@ class LocalServer:
             return self._client(worker)
 
     def _client(self, worker: int) -> Client:
-        if not (isinstance(worker, int) and 0 <= worker < self.workers):
+        if type(worker) is not int or not 0 <= worker < self.workers:
             raise ValueError(
                 f"unknown worker {worker!r}: this server has workers 0..{self.workers - 1}"
             )
@@ -265,13 +265,9 @@ class LocalServer:
         Raises:
             ValueError: ``want`` is out of range or taken, or every id is (the job is full)."""
         if want is not None:
-            if not (isinstance(want, int) and 0 <= want < self.workers):
-                raise ValueError(
-                    f"unknown worker {want!r}: this server has workers 0..{self.workers - 1}"
-                )
-            if want in taken:
+            if type(want) is int and want in taken:
                 raise ValueError(f"worker {want} is held by an attached process")
-            return want
+            return want  # checked by _client
         for w in range(self.workers):
             if w not in taken and (self._clients[w] == 0 or w in self._attached):
                 return w

@@ -33,7 +33,7 @@ import numpy as np
 from stalewise import checkpoint
 from stalewise import runtime as runtime_lib
 from stalewise.protocol import ServerConfig, loop, pipeline
-from stalewise.protocol.liveness import Silence
+from stalewise.protocol.liveness import Silence, late_start
 from stalewise.runtime import driver
 from stalewise.runtime.base import batch_iterator
 from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
@@ -374,9 +374,9 @@ class _Host:
                 if cause is not None:
                     wk.proc.kill()  # SIGKILL works on a stopped process too
                     self.failed(w, f"{cause}, so it was killed")
-            elif wk.state == "starting" and now - wk.since > o.start_timeout:
+            elif wk.state == "starting" and (late := late_start(wk.since, now, o.start_timeout)):
                 wk.proc.kill()
-                self.failed(w, f"did not start within start_timeout={o.start_timeout:g} s")
+                self.failed(w, late)
 
     def failed(self, w: int, cause: str, detail: str = "") -> None:
         """Worker ``w`` failed: stop its process, then apply the policy."""
