@@ -220,3 +220,20 @@ def test_ssp_read_your_writes_on_a_busy_shard(shards, monkeypatch):
         params = client.pull(timeout=TIMEOUT)
         np.testing.assert_array_equal(params["w"], np.full(N, -float(step), np.float32))
     assert s.proc.served == client.own_requests == 0
+
+
+def test_pull_reads_into_fresh_memory_and_last_pull_still_gives_it(shards, monkeypatch):
+    """The default pull copies each shard's params once, straight into new memory (not
+    through the shared pull buffer, here not even for a served shard); ``last_pull``
+    gives the same values afterwards, and no pull's arrays share memory with another's."""
+    monkeypatch.setattr(client_lib, "LIVE_COPIES", 0)  # served: through the pull buffer
+    s = shards(1)
+    client = s.clients[0]
+    first = client.pull(timeout=TIMEOUT)
+    client.push({"w": np.ones(N, np.float32)})
+    second = client.pull(timeout=TIMEOUT)
+    shared = (s.layout.params(s.block), client._pull_buf, first["w"])
+    assert not any(np.shares_memory(second["w"], a) for a in shared)
+    np.testing.assert_array_equal(first["w"], np.zeros(N, np.float32))
+    np.testing.assert_array_equal(second["w"], np.full(N, -1.0, np.float32))
+    np.testing.assert_array_equal(client.last_pull()["w"], second["w"])

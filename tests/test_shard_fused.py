@@ -108,3 +108,39 @@ def test_a_checked_step_refuses_undo_copies_that_do_not_fit():
             np.ones(10, np.float32), state, params, undo=(np.empty(9, np.float32),) * 3
         )
     assert int(state.count) == 0 and np.all(params == 1)  # nothing taken
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum"])
+def test_an_sgd_step_within_its_bound_takes_no_undo_copy(name):
+    """SGD bounds what its step can write from the largest magnitudes of the update, the
+    params and the momentum: a step well within the dtype's range is taken in place with
+    no undo copy at all (none is ever made, idle or not), as the reference takes it."""
+    shard, plain = started(name), started(name, fused=False)
+    rng = np.random.default_rng(3)
+    for seq in range(3, 8):
+        shard.prepare()  # what a runtime does while idle
+        g = rng.normal(size=N).astype(np.float32)
+        assert shard.push(PushHeader(0, seq, shard.version, 1), g.copy()).ok
+        assert plain.push(PushHeader(0, seq, plain.version, 1), g).ok
+    assert shard._undo[1] == [] and not shard._undo_fresh  # no undo buffer was ever made
+    assert frozen(shard) == frozen(plain)
+
+
+def test_a_step_near_the_dtypes_limit_is_not_bounded_and_is_undone_when_it_overflows():
+    """Params within a quarter of float32's limit: the bound does not clear the step, which
+    then keeps its undo copy; the one that overflows is refused and changes nothing, and
+    one that does not is taken (the bounds are measured again after it)."""
+    params = np.zeros(N, np.float32)
+    params[5] = 1e38
+    shard = Shard(params, SEG, optim.sgd(1e30), workers=1)
+    shard.join(0, 1)
+    before = frozen(shard)
+    g = np.zeros(N, np.float32)
+    g[5] = -3e8  # 1e38 + 3e38 overflows
+    ack = shard.push(PushHeader(0, 0, 0, 1), g)
+    assert ack.kind == "overflow" and frozen(shard) == before
+    g[5] = 1e8
+    assert shard.push(PushHeader(0, 1, 0, 1), g).ok and shard.params[5] == 0.0
+    assert shard._maxima is None and shard._undo[1]  # the undo path was taken
+    shard.prepare()
+    assert shard._maxima[1] == (0.0, 0.0)  # measured again: the next step is bounded

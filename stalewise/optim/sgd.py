@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -9,8 +10,13 @@ import numpy as np
 
 from stalewise._lazy import Lazy
 from stalewise.optim._leaves import DecayTable
-from stalewise.optim._validate import check_learning_rate, check_number, compile_patterns
-from stalewise.optim.base import LearningRate, Moments, Optimizer, state_type
+from stalewise.optim._validate import (
+    check_count,
+    check_learning_rate,
+    check_number,
+    compile_patterns,
+)
+from stalewise.optim.base import LearningRate, Moments, Optimizer, learning_rate, state_type
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
@@ -35,6 +41,21 @@ class _Sgd(Moments):
 
     def written(self, state, params: np.ndarray) -> tuple[np.ndarray, ...]:
         return (params, state.momentum)
+
+    def maxima(self, state, params: np.ndarray) -> tuple[float, float]:
+        """Bounds of the largest magnitudes in ``params`` and the momentum: their norms."""
+        return math.sqrt(_kernels.sumsq(params)), math.sqrt(_kernels.sumsq(state.momentum))
+
+    def bound(
+        self, state, scale: float, g: float, maxima: tuple[float, float]
+    ) -> tuple[float, float]:
+        """Bounds of :meth:`maxima` after the next step of an update of norm ``g``."""
+        lr = learning_rate(self.lr, check_count(self.where, state.count)) * float(scale)
+        p, b = maxima
+        d = g + abs(self.weight_decay) * p
+        b = self.momentum * b + d if self.momentum else 0.0
+        u = (d + self.momentum * b if self.nesterov else b) if self.momentum else d
+        return p + lr * u, b
 
     def run(
         self,

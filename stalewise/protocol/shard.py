@@ -33,6 +33,7 @@ import numpy as np
 
 from stalewise import consistency as consistency_lib
 from stalewise import staleness as staleness_lib
+from stalewise._lazy import Lazy
 from stalewise.codecs import PayloadError
 from stalewise.protocol import commit, hybrid
 from stalewise.protocol import state as state_lib
@@ -41,6 +42,7 @@ from stalewise.protocol.stats import ShardStats, _ClockTracker
 from stalewise.segments import Segments
 
 log = logging.getLogger(__name__)
+_kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
 
 class Rejected(Exception):
@@ -171,12 +173,16 @@ class Shard:
         # the step's undo copy: params and the optimizer state's arrays (see _step)
         self._undo: tuple[Any, list[np.ndarray], list[np.ndarray]] = (None, [], [])
         self._undo_fresh = False  # the undo copy holds the current values
+        # a rule that bounds its step: the state they are of, its bounds (see _bounded)
+        self._maxima: tuple[Any, tuple[float, ...]] | None = None
 
     def warm_up(self) -> None:
         """Runs the optimizer once on a scratch copy so JIT compilation happens before training."""
         scratch = self.params.copy()
         state = self.optimizer.init(scratch, self.segments)
         self.optimizer.apply(np.zeros_like(scratch), state, scratch, scale=1.0)
+        if hasattr(self._fused, "bound"):
+            _kernels.sumsq(scratch)  # the bound's kernel (see _bounded)
 
     # -- pulls and gates -------------------------------------------------------------
 
@@ -448,9 +454,13 @@ class Shard:
         self._resumed[:] = False  # a resumed job says so: resume()
 
     def prepare(self) -> None:
-        """Copies the params and optimizer state a step may have to be undone from (off the
-        next push's path, when the shard is idle)."""
-        if not self._undo_fresh:
+        """Copies the params and optimizer state a step may have to be undone from or, for a
+        rule that bounds its step, measures what bounds it (:meth:`_bounded`); off the next
+        push's path when a runtime calls it while the shard is idle."""
+        if hasattr(self._fused, "bound"):
+            if self._maxima is None or self._maxima[0] is not self.opt_state:
+                self._maxima = (self.opt_state, self._fused.maxima(self.opt_state, self.params))
+        elif not self._undo_fresh:
             arrays, undo = self._undo_buffers()
             for a, copy in zip(arrays, undo, strict=True):
                 np.copyto(copy, a)
@@ -460,8 +470,15 @@ class Shard:
 
     def _step(self, update: np.ndarray, scale: float, judge: bool | None = None) -> None:
         """One optimizer step, or none: a step that makes a value non-finite is undone,
-        bit for bit, and raises Rejected("overflow"). ``judge`` not None: the update's
+        bit for bit, and raises Rejected("overflow"); a step its rule bounds below overflow
+        (:meth:`_bounded`) is taken with no undo copy. ``judge`` not None: the update's
         values are unchecked (fused checks only) and are judged in the step's pass."""
+        if self._bounded(update, scale, judge):
+            self.optimizer.apply(update, self.opt_state, self.params, scale=scale)
+            self._undo_fresh = False
+            self.version += 1
+            self.stats.rounds += 1
+            return
         arrays, undo = self._undo_buffers()
         err = None
         if self._fused is None:
@@ -494,6 +511,23 @@ class Shard:
             raise err
         self.version += 1
         self.stats.rounds += 1
+
+    def _bounded(self, update: np.ndarray, scale: float, judge: bool | None) -> bool:
+        """Whether the step provably stays finite (no undo copy needed): the rule bounds
+        what it writes from the update's norm and its bounds after the step before
+        (``maxima`` measures them again when unknown); with ``judge``, the norm too."""
+        rule = self._fused
+        if not hasattr(rule, "bound"):
+            return False
+        self.prepare()  # the bounds, unless known
+        g = math.sqrt(_kernels.sumsq(update))  # in float64: >= its largest magnitude
+        limit = float(np.finfo(self.params.dtype).max) / 4  # room for the roundings
+        maxima = rule.bound(self.opt_state, scale, g, self._maxima[1])
+        if (judge and not g * g < limit) or not all(m < limit for m in maxima):
+            self._maxima = None
+            return False
+        self._maxima = (self.opt_state, maxima)
+        return True
 
     def _copy_unwritten(self, arrays: list[np.ndarray], undo: list[np.ndarray]) -> tuple:
         """Copies the arrays a checked step does not write; returns copies of those it writes."""

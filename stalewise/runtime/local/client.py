@@ -118,6 +118,7 @@ class Client(PullsIntoTrees):
         self._conns = conns
         self._block: SharedBlock | None = None
         self._snapshots: Snapshots | None = None  # set on attach (workers only)
+        self._last: np.ndarray | None = None  # what the last pull filled (see last_pull)
         if worker is None:  # the server's own observer shares its mapping
             assert block is not None
             self._block = block
@@ -226,9 +227,28 @@ class Client(PullsIntoTrees):
             )
         return self._block
 
-    def pull_flat(self, *, timeout: float | None = None, own: bool = True) -> np.ndarray:
-        """Like :meth:`pull` but returns the flat pull buffer itself (no copy)."""
+    def pull(self, *, copy: bool = True, into: Any = None, timeout=None, own: bool = True) -> Any:
+        if not copy or into is not None:
+            return super().pull(copy=copy, into=into, timeout=timeout, own=own)
+        # fresh arrays: the snapshots are read straight into new memory (one copy, not two)
+        flat = self.pull_flat(
+            timeout=timeout, own=own, out=np.empty(self._layout.size, self._layout.dtype)
+        )
+        return tree.unflatten(flat, self._spec)  # its leaves view the fresh vector
+
+    def last_pull(self, *, copy: bool = True, into: Any = None) -> Any:
+        if self._last is not None and self._last is not self._pull_buf:  # into fresh memory
+            np.copyto(self._pull_buf, self._last)
+            self._last = self._pull_buf
+        return super().last_pull(copy=copy, into=into)
+
+    def pull_flat(
+        self, *, timeout: float | None = None, own: bool = True, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Like :meth:`pull` but returns the flat pull buffer itself (no copy), or ``out``
+        (a flat vector) filled with the pull."""
         self._attach()
+        out = self._last = self._pull_buf if out is None else out
         shards = range(len(self._ranges))
         snaps = self._snapshots  # None for the observer: its pulls are served
         if snaps is not None:  # a shard that died, or closed this client's pipe, says so now
@@ -251,7 +271,7 @@ class Client(PullsIntoTrees):
             # shard none of whose copies holds it is asked, and serves the pull behind
             # the push: no waiting for a deferred publish
             for k in shards:
-                version = self._read(k, timeout)
+                version = self._read(k, timeout, out)
                 if version is None:
                     self._send(k, wire.pull())
                     self._pulls_due[k] = True
@@ -268,11 +288,14 @@ class Client(PullsIntoTrees):
                 if self._pulls_due[k]:
                     self._sender.pulled(k, self._take(k, "pulled", timeout)[1])
                     self._pulls_due[k] = False
-        return self._pull_buf
+                    if out is not self._pull_buf:  # served into the pull buffer
+                        lo, hi = self._ranges[k]
+                        np.copyto(out[lo:hi], self._pull_buf[lo:hi])
+        return out
 
-    def _read(self, k: int, timeout: float | None) -> int | None:
-        """Copies shard ``k``'s params holding this worker's acked push into the pull buffer
-        and returns their version; None after :data:`LIVE_COPIES` torn copies (ask the shard)."""
+    def _read(self, k: int, timeout: float | None, out: np.ndarray) -> int | None:
+        """Copies shard ``k``'s params holding this worker's acked push into ``out`` and
+        returns their version; None after :data:`LIVE_COPIES` torn copies (ask the shard)."""
         snaps, acked = self._snapshots, self._acked(k)
         deadline = None if timeout is None else time.monotonic() + timeout
         copies, pause = 0, SPIN
@@ -281,7 +304,7 @@ class Client(PullsIntoTrees):
                 if copies == LIVE_COPIES:
                     return None
                 copies += 1
-                version = snaps.read_live(k, self._pull_buf)
+                version = snaps.read_live(k, out)
                 if version is not None and version >= acked:
                     return version
                 continue
@@ -291,7 +314,7 @@ class Client(PullsIntoTrees):
                 raise TimeoutError(f"shard {k} had no version {acked} to read in {timeout} s")
             time.sleep(pause)
             pause = min(2 * pause, SPIN_MAX)
-        return snaps.read(k, self._pull_buf)
+        return snaps.read(k, out)
 
     def _acked(self, k: int) -> int:
         """The version shard ``k`` named in its ack of this worker's last push, once read

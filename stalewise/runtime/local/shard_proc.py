@@ -287,7 +287,7 @@ class ShardProcess:
             self.publish_now()
         self.serve_waiting_pulls()
         if not busy:
-            self.shard.prepare()  # the next step's undo copy, made while no push waits for it
+            self.shard.prepare()  # the next step's undo copy (or bounds), while no push waits
 
     # -- the parent ----------------------------------------------------------------
 

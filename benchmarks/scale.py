@@ -1,0 +1,283 @@
+"""What an update costs from 1M to 100M float32 parameters, counted in copies (issue 44).
+
+A *copy* is ``np.copyto`` of the parameters' bytes into warm memory: it reads and
+writes them once. It is measured in the same run as everything else, so every
+figure is a ratio that a shared machine's load moves less than a time.
+
+* **stages**: one process, ``job.serve`` with 1, 2 or 4 shards, SGD: the time of
+  ``pull()`` (fresh arrays), ``pull(into=buffers)``, a push until it returns, and
+  its apply until acknowledged (``client.wait()``), each as a multiple of a copy
+  (medians). Their sum is the copies an update costs; one memory bus serving them
+  all bounds the rate at ``1 / (copies x copy)`` (and the workers' ideal, 162.5/s).
+  ``shard_cpu``: the shards' CPU time per update, in copies (what they do while
+  idle, an undo copy or a publish, counted too; ticks of 10 ms: coarse at 1M);
+  ``sgd_push``/``sgd_idle`` (and with momentum): a ``Shard``'s push and its idle
+  ``prepare()`` (the undo copy, where it makes one) in one process, in copies.
+* **rates**: the own-loop client of the README (4 processes, ASP, 20 ms steps, one
+  worker 4x slower, ``client.pull()`` then ``client.push(grads)``), updates/s
+  after a warm-up, as a share of that bound; and ``Job.train`` with gradients and
+  with DiLoCo H=20 (``--train``).
+* **memory**: each process's peak resident memory (``VmHWM``, the shared block
+  counted in every process that touched it) as a multiple of the parameters' bytes.
+
+    .venv/bin/python benchmarks/scale.py [--sizes 1000000 10000000] [--shards 1 2 4]
+        [--seconds 4] [--train] [--json benchmarks/results/scale.json]
+"""
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import _report
+import numpy as np
+
+import stalewise as sw
+from stalewise.protocol import PushHeader, Shard
+from stalewise.segments import Segments
+
+COMPUTE, SLOWDOWN, WORKERS = 0.020, 4.0, 4
+IDEAL = (WORKERS - 1) / COMPUTE + 1 / (COMPUTE * SLOWDOWN)
+WARMUP = 1.0  # seconds of the own loop not counted
+
+
+def hwm(pid: int | str = "self") -> int:
+    """A process's peak resident memory in bytes (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux: /proc/<pid>/task/*/children)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """The CPU time (user and system) the processes ``pids`` have used so far."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            total += sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def copy_time(n: int, repeats: int = 7) -> float:
+    """The median time of ``np.copyto`` of ``n`` float32 into warm memory."""
+    src, dst = np.ones(n, np.float32), np.zeros(n, np.float32)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def shard_work(n: int, optimizer, repeats: int) -> tuple[float, float]:
+    """A ``Shard``'s push and idle ``prepare()`` in this process (no pipes), in copies."""
+    shard = Shard(np.zeros(n, np.float32), Segments.single(n), optimizer, workers=1)
+    shard.warm_up()
+    shard.join(0, 1)
+    g = np.full(n, 1e-3, np.float32)
+    t = {"push": [], "prepare": [], "copy": []}
+    for seq in range(repeats + 1):
+        t["copy"].append(copy_time(n, 1))
+        t0 = time.perf_counter()
+        assert shard.push(PushHeader(0, seq, shard.version, 1), g).ok
+        t1 = time.perf_counter()
+        shard.prepare()
+        t["push"].append(t1 - t0)
+        t["prepare"].append(time.perf_counter() - t1)
+    med = {k: float(np.median(v[1:])) for k, v in t.items()}
+    return med["push"] / med["copy"], med["prepare"] / med["copy"]
+
+
+def stages(n: int, shards: int, repeats: int) -> dict:
+    """Each stage's median time over ``repeats`` updates, as a multiple of a copy."""
+    job = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=sw.optim.sgd(1e-3), shards=shards)
+    grads = {"w": np.full(n, 1e-3, np.float32)}
+    into = {"w": np.zeros(n, np.float32)}
+    t = {"pull()": [], "pull(into=buffers)": [], "push": [], "apply": [], "copy": []}
+    with job.serve(workers=1) as server:
+        client = server.client(0)
+        client.pull()
+        shards_pids = children(os.getpid())
+        cpu = cpu_seconds(shards_pids)
+        for _ in range(repeats + 1):  # a copy between stages: the load falls on both alike
+            t["copy"].append(copy_time(n, 1))
+            t0 = time.perf_counter()
+            client.pull()
+            t1 = time.perf_counter()
+            t["copy"].append(copy_time(n, 1))
+            t2 = time.perf_counter()
+            client.pull(into=into)
+            t3 = time.perf_counter()
+            t["copy"].append(copy_time(n, 1))
+            t4 = time.perf_counter()
+            client.push(grads)
+            t5 = time.perf_counter()
+            client.wait()
+            t6 = time.perf_counter()
+            for name, d in zip(t, (t1 - t0, t3 - t2, t5 - t4, t6 - t5), strict=False):
+                t[name].append(d)
+        cpu = (cpu_seconds(shards_pids) - cpu) / (repeats + 1)  # the shards', per update
+        peaks = {"client": hwm(), "shards": [hwm(c) for c in shards_pids]}
+        client.close()
+    med = {k: float(np.median(v[3 if k == "copy" else 1 :])) for k, v in t.items()}
+    copy = med.pop("copy")
+    row = {"params": n, "shards": shards, "copy_ms": copy * 1e3}
+    row |= {k: v / copy for k, v in med.items()}
+    # an update: a pull into the caller's memory, a push, its apply
+    row["copies"] = row["pull(into=buffers)"] + row["push"] + row["apply"]
+    row["bound/s"] = min(IDEAL, 1.0 / (row["copies"] * copy))
+    # all the shards' work for an update (its apply, undo copy, publish), idle time's too
+    row["shard_cpu"] = cpu / copy
+    nbytes = 4 * n
+    row["mem_client"] = peaks["client"] / nbytes
+    row["mem_shard"] = max(peaks["shards"], default=0) / nbytes
+    if shards == 1:  # the shard's own work per update: its step and its idle undo copy
+        for name, opt in (("sgd", sw.optim.sgd(1e-3)), ("momentum", sw.optim.sgd(1e-3, 0.9))):
+            row[f"{name}_push"], row[f"{name}_idle"] = shard_work(n, opt, repeats)
+    return row
+
+
+def own_worker(client, w: int, n: int, seconds: float, start, out) -> None:
+    """The README's own loop: pull(), emulated compute, push; counts pushes after a warm-up."""
+    step = COMPUTE * (SLOWDOWN if w == WORKERS - 1 else 1.0)
+    grads = {"w": np.full(n, 1e-6, np.float32)}
+    client.pull()
+    out.put(("ready", w))
+    t0 = start.get()
+    count = 0
+    while (now := time.monotonic()) < t0 + WARMUP + seconds:
+        client.pull()
+        time.sleep(step)
+        client.push(grads)
+        count += now >= t0 + WARMUP
+    out.put(("done", w, count, hwm()))
+    client.close()
+
+
+def own_rate(n: int, shards: int, seconds: float) -> dict:
+    job = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=sw.optim.sgd(0.01), shards=shards)
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Queue(), ctx.Queue()
+    with job.serve(workers=WORKERS) as server:
+        procs = []
+        for w in range(WORKERS):
+            p = ctx.Process(
+                target=own_worker, args=(server.client(w), w, n, seconds, start, out), daemon=True
+            )
+            p.start()
+            server.release(w)
+            procs.append(p)
+        shard_pids = [c for c in children(os.getpid()) if c not in {p.pid for p in procs}]
+        for _ in range(WORKERS):
+            out.get(timeout=600)
+        t0 = time.monotonic() + 0.2
+        for _ in range(WORKERS):
+            start.put(t0)
+        load = os.getloadavg()[0]
+        done = [out.get(timeout=WARMUP + seconds + 600) for _ in range(WORKERS)]
+        shard_peak = max(hwm(c) for c in shard_pids)
+        for p in procs:
+            p.join(60)
+    pushes = sum(d[2] for d in done)
+    return {
+        "updates/s": pushes / seconds,
+        "load1": max(load, os.getloadavg()[0]),
+        "mem_worker": max(d[3] for d in done) / (4 * n),
+        "mem_shard_4w": shard_peak / (4 * n),
+    }
+
+
+_GRADS: dict[int, dict] = {}
+
+
+def emulated_step(params, batch):
+    """A fixed small gradient at once; the runtime emulates the compute time."""
+    n = params["w"].size
+    if n not in _GRADS:
+        _GRADS[n] = {"w": np.full(n, 1e-6, np.float32)}
+    return 0.0, _GRADS[n]
+
+
+def no_data(worker, workers):
+    while True:
+        yield None
+
+
+def train_rate(n: int, shards: int, seconds: float, strategy) -> float:
+    """``Job.train``'s updates/s (emulated 20 ms steps, one worker 4x slower)."""
+    job = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=sw.optim.sgd(0.01), shards=shards,
+                 strategy=strategy)  # fmt: skip
+    local = getattr(strategy, "local_steps", 1)
+    r = job.train(
+        emulated_step,
+        data=no_data,
+        workers=WORKERS,
+        steps=max(8, int(IDEAL * seconds / local)),
+        emulation=sw.Emulation(
+            stragglers={WORKERS - 1: SLOWDOWN}, delays=dict.fromkeys(range(WORKERS), COMPUTE)
+        ),
+    )
+    return r.stats["version"] / r.time
+
+
+def main() -> int:
+    from stalewise.report import format_table
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    ap.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--seconds", type=float, default=4.0, help="own loop: seconds counted")
+    ap.add_argument("--repeats", type=int, default=9, help="stages: updates timed")
+    ap.add_argument("--train", action="store_true", help="also Job.train: gradients, DiLoCo H=20")
+    _report.add_json_arg(ap)
+    args = ap.parse_args()
+    out = _report.json_path(ap, args, "scale")
+    began, loads = time.monotonic(), [os.getloadavg()[0]]
+    rows = []
+    for n in args.sizes:
+        for s in args.shards:
+            row = stages(n, s, args.repeats)
+            if s == args.shards[0]:  # the rates: one shard count per size
+                row |= own_rate(n, s, args.seconds * (1 if n <= 2e6 else 3))
+                row["of_bound"] = row["updates/s"] / row["bound/s"]
+                if args.train:
+                    row["train/s"] = train_rate(n, s, args.seconds, None)
+                    row["diloco20/s"] = train_rate(n, s, args.seconds * 4, sw.strategies.diloco(20))
+            loads.append(os.getloadavg()[0])
+            rows.append(row)
+            print(format_table([row], list(row)), flush=True)
+    print(
+        f"\n{WORKERS} processes, ASP, {COMPUTE * 1e3:.0f} ms steps, one {SLOWDOWN:g}x slower "
+        f"(ideal {IDEAL:.1f}/s); stages in copies of the parameters' bytes; memory in "
+        f"multiples of them; load average (1 min) {min(loads):.2f}-{max(loads):.2f} on "
+        f"{os.cpu_count()} cores ({time.monotonic() - began:.0f} s)"
+    )
+    cols = sorted(
+        {k for r in rows for k in r}, key=lambda k: next(list(r).index(k) for r in rows if k in r)
+    )
+    print(format_table([{k: r.get(k, "") for k in cols} for r in rows], cols))
+    _report.write(
+        out, {"ideal_updates_per_s": IDEAL, "load1": [min(loads), max(loads)], "rows": rows}
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
