@@ -314,3 +314,18 @@ def test_sim_interrupted_and_resumed_is_bit_identical(tmp_path, consistency, sim
     assert resumed.stats["version"] == whole.stats["version"]
     assert resumed.flat.tobytes() == whole.flat.tobytes()
     assert not np.array_equal(cut.flat, whole.flat)
+
+
+def test_the_simulator_resumes_only_its_own_checkpoints(tmp_path):
+    """A checkpoint without the simulator's clock (another runtime's) is refused on one
+    line; the rule is the runtime registry's (``resumes_from``), asked by the driver."""
+    task = tasks.get("least-squares", n=64, d=4, exact=True)
+    job = sw.Job(task.init_params(), optimizer=sw.optim.adam(0.05))
+    shard = job.config.build_shard(0, job.config.init.copy(), workers=2)
+    info = checkpoint.config_info(job.config, runtime="local")
+    checkpoint.save(tmp_path, [shard.state_dict()], spec=job.config.spec, config_info=info,
+                    step_info={"pushes": 0})  # fmt: skip
+    with pytest.raises(sw.CheckpointError, match=r"not written by runtime 'sim' \(runtime "
+                       r"'local'\); it resumes only its own"):  # fmt: skip
+        job.train(task.loss_and_grad, data=task.batches, workers=2, steps=4, runtime="sim",
+                  checkpoints=sw.Checkpoints(tmp_path, resume=True))  # fmt: skip

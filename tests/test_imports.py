@@ -205,8 +205,7 @@ LAYERS = {
 
 #: Arrows up the layers that other changes of this round remove; each line goes with its arrow.
 KNOWN_UP = {
-    # checkpoint/resume.py reads the runtime's options and errors (checkpoint saving, issue 43)
-    "stalewise.checkpoint.resume -> stalewise.runtime",
+    # checkpoint/resume.py's Saver warns through the runtime's errors (issue 43)
     "stalewise.checkpoint.resume -> stalewise.runtime.errors",
 }
 

@@ -11,9 +11,9 @@ from stalewise.launch import checkpoints as ck
 
 
 def test_a_rank_state_round_trips(tmp_path):
-    ck.write_rank_state(tmp_path, 0, {"step": 7, "rng": np.arange(3)}, pushes=40)
-    got = ck.read_rank_state(tmp_path, 0)
-    assert got["step"] == 7 and got["rng"].tolist() == [0, 1, 2]
+    ck.write_rank_state(tmp_path, 0, {"step": 7, "rng": np.arange(3)}, pushes=40, pushed=19)
+    got, pushed = ck.read_rank_state(tmp_path, 0)
+    assert got["step"] == 7 and got["rng"].tolist() == [0, 1, 2] and pushed == 19
     assert ck.rank_epoch(tmp_path, 0, every=10) == 4
     assert ck.read_rank_state(tmp_path, 1) is None and ck.rank_epoch(tmp_path, 1, 10) == -1
 

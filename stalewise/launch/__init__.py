@@ -17,8 +17,10 @@ before the script runs. The budget (``--steps``) also binds a loop that never as
 beyond it (:func:`~stalewise.protocol.budget.overshoot_bound`). The launcher prints
 progress to stderr (``STALEWISE_PROGRESS=SECONDS``, 0: none). ``--checkpoint-dir DIR
 [--checkpoint-every N] [--resume]`` saves the shards and each rank's ``ctx.state``
-(JSON values and numpy arrays, never pickled; a rank hands it over in
-``should_stop()`` every ``N`` pushes and at ``ctx.close()``) and resumes from the newest
+(JSON values and numpy arrays, never pickled) as one cut: a rank hands its state over
+in ``should_stop()`` every ``N`` pushes, its pushes acknowledged, and waits there until
+the launcher has read the shards (and at ``ctx.close()``), so the state it holds there
+must be the one after its pushes so far. It resumes from the newest
 usable checkpoint (none yet: it says so and starts afresh; another job's: refused,
 exit status 2). How a launch ends (the launcher killed, Ctrl-C or SIGTERM, ``--timeout``,
 ``--rank-timeout``): ``docs/reliability.md``.

@@ -26,14 +26,18 @@ from typing import Any
 from stalewise import runtime as runtime_lib
 from stalewise.checkpoint import CheckpointError
 from stalewise.launch.context import LaunchError
+from stalewise.protocol import budget
 
 log = logging.getLogger(__name__)
 
+CUT = "cut"  # the file of the epoch of the launcher's last read of the shards
 RANKS_ENV = "STALEWISE_CHECKPOINT_RANKS"  # a rank's folder for its ctx.state (launched)
 EVERY_ENV = "STALEWISE_CHECKPOINT_EVERY"
 #: Seconds the launcher waits for the ranks' ``ctx.state`` once a checkpoint is due; a
 #: rank that has not called ``ctx.should_stop()`` since is saved with its previous state.
 RANK_STATE_WAIT = 10.0
+#: Seconds between a paused rank's looks at the cut, and the launcher's while one is due.
+CUT_POLL = 0.002
 #: Seconds between a served job's looks at its pushes (``job.serve(checkpoint_every=)``).
 SERVED_POLL = 0.25
 
@@ -85,6 +89,7 @@ class Saves:
         except (checkpoint.CheckpointError, ValueError) as e:
             raise LaunchError(f"--resume from {directory}: {' '.join(str(e).split())}") from None
         self.ranks: list[dict] = [{} for _ in range(workers)]
+        self.pushed: list[int | None] = [None] * workers  # the pushes each rank's state is after
         if ckpt is not None and ckpt.ranks is not None:  # one per worker: resume_point checked
             self.ranks = ckpt.ranks
         self.pushes = 0 if ckpt is None else int(ckpt.step.get("pushes", 0))
@@ -98,10 +103,14 @@ class Saves:
             for r, state in enumerate(self.ranks):  # what each rank starts from
                 write_rank_state(folder, r, state, self.pushes)
 
+    def poll(self, idle: float) -> float:
+        """Seconds to the launcher's next :meth:`tick` (ranks wait at the cut meanwhile)."""
+        return idle if self.every is None else CUT_POLL if self.due else 5 * CUT_POLL
+
     def tick(self, running: list[int]) -> None:
-        """A look (every quarter of a second): a checkpoint once the job's pushes reach
-        the next multiple of ``every`` and the ``running`` ranks have saved their state
-        for it (or :data:`RANK_STATE_WAIT` passed)."""
+        """A look: a checkpoint once the job's pushes reach the next multiple of ``every``
+        and the ``running`` ranks have saved their state for it and wait (the cut), or
+        :data:`RANK_STATE_WAIT` passed."""
         if self.every is None:
             return
         epoch = self.server.job_pushes // self.every
@@ -115,25 +124,39 @@ class Saves:
             self.save()
 
     def save(self, *, final: bool = False) -> None:
-        """Writes a checkpoint (``final``: the run's last) of the server and the ranks' states."""
+        """Writes a checkpoint (``final``: the run's last) of the server and the ranks'
+        states, read while the ranks wait (then they go on), and warns of a rank whose
+        state is not of the shards' cut (:func:`stalewise.protocol.budget.off_cut`)."""
         self.due = None
         try:
             states, step, residuals = self.server.checkpoint_parts()
         except Exception as e:  # a shard died: the last checkpoint stays the one to resume
             log.warning("checkpoint: cannot read the shards' state: %s", e)
             return
-        if self.folder is not None:
-            for r in range(len(self.ranks)):
-                try:
-                    got = read_rank_state(self.folder, r)
-                except CheckpointError as e:  # its last state read stays the one saved
-                    log.warning("checkpoint: rank %d's state is not read: %s", r, e)
-                    continue
-                if got is not None:
-                    self.ranks[r] = got
+        finally:
+            if self.folder is not None:  # the ranks' states are read before they go on
+                self._read_ranks()
+                tmp = self.folder / f".tmp-{CUT}"  # the ranks go on: the cut is read
+                tmp.write_text(str(self.server.job_pushes // (self.every or 1)))
+                os.chmod(tmp, 0o644)  # as a rank's file: read back only if no one else can write
+                os.replace(tmp, self.folder / CUT)
+        for r, (state, pushed) in enumerate(zip(self.ranks, self.pushed, strict=True)):
+            why = budget.off_cut(states, r, step["pushed"][r], pushed if state else None)
+            if why is not None:
+                log.warning("checkpoint: %s", why)
         step["time"] = time.monotonic() - self.started
         self.pushes = step["pushes"]
         self.saver.save(states, step, residuals, final=final, ranks=self.ranks)
+
+    def _read_ranks(self) -> None:
+        for r in range(len(self.ranks)):
+            try:
+                got = read_rank_state(self.folder, r)
+            except CheckpointError as e:  # its last state read stays the one saved
+                log.warning("checkpoint: rank %d's state is not read: %s", r, e)
+                continue
+            if got is not None:
+                self.ranks[r], self.pushed[r] = got
 
 
 class InProcess:
@@ -148,14 +171,12 @@ class InProcess:
         if saves.every is not None and ctx.client.job_pushes // saves.every > (
             saves.pushes // saves.every
         ):
-            ctx.client.wait()  # its pushes acknowledged: in the shards' state
-            saves.ranks[0] = ctx.state
-            saves.save()
+            self.close(ctx, final=False)
 
-    def close(self, ctx: Any) -> None:
-        ctx.client.wait()
-        self.saves.ranks[0] = ctx.state
-        self.saves.save(final=True)
+    def close(self, ctx: Any, final: bool = True) -> None:
+        ctx.client.wait()  # its pushes acknowledged: in the shards' state
+        self.saves.ranks[0], self.saves.pushed[0] = ctx.state, ctx.client.pushed
+        self.saves.save(final=final)
 
 
 class Served:
@@ -216,12 +237,14 @@ def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resum
 
 class RankStates:
     """A launched rank's side: ``ctx.state`` from the launcher's folder at ``sw.init``, and
-    into it from ``should_stop()`` once the job's pushes pass a multiple of ``every``, and
-    at ``close()`` (data only: :func:`stalewise.checkpoint.store.flat_state`)."""
+    into it at ``close()`` and from ``should_stop()`` once the job's pushes pass a multiple
+    of ``every``: with its pushes acknowledged (in the shards' state) and their count, after
+    which it waits until the launcher has read the shards (the cut) or
+    :data:`RANK_STATE_WAIT` passed (data only: :func:`stalewise.checkpoint.store.flat_state`)."""
 
-    def __init__(self, folder: Path, every: int | None):
+    def __init__(self, folder: Path, every: int | None, rank: int):
         self.folder, self.every = folder, every
-        self.epoch: int | None = None
+        self.epoch = rank_epoch(folder, rank, every) if every else -1  # the launcher's start
 
     @classmethod
     def join(cls, ctx: Any) -> None:
@@ -229,31 +252,46 @@ class RankStates:
         if not folder:
             return
         every = os.environ.get(EVERY_ENV)
-        ctx._ckpt = cls(Path(folder), int(every) if every else None)
-        ctx.state = read_rank_state(Path(folder), ctx.rank) or {}
+        ctx._ckpt = cls(Path(folder), int(every) if every else None, ctx.rank)
+        ctx.state = (read_rank_state(Path(folder), ctx.rank) or ({}, None))[0]
 
     def tick(self, ctx: Any) -> None:
-        if self.every is None:
+        if self.every is None or ctx.client.job_pushes // self.every <= self.epoch:
             return
-        pushes = ctx.client.job_pushes
-        epoch = pushes // self.every
-        if self.epoch is None:
-            self.epoch = epoch
-        elif epoch > self.epoch:
-            self.epoch = epoch
-            write_rank_state(self.folder, ctx.rank, ctx.state, pushes)
+        self.epoch = self.close(ctx) // self.every
+        deadline = time.monotonic() + RANK_STATE_WAIT + 1.0
+        while self.epoch > _cut(self.folder) and time.monotonic() < deadline:
+            if ctx.client.stopping:
+                break
+            time.sleep(CUT_POLL)
 
-    def close(self, ctx: Any) -> None:
-        write_rank_state(self.folder, ctx.rank, ctx.state, ctx.client.job_pushes)
+    def close(self, ctx: Any) -> int:
+        ctx.client.wait()  # its pushes acknowledged: in the shards' state
+        pushes = ctx.client.job_pushes
+        write_rank_state(self.folder, ctx.rank, ctx.state, pushes, ctx.client.pushed)
+        return pushes
 
 
 def _rank_file(folder: Path, rank: int) -> Path:
     return folder / f"rank-{rank}.safetensors"
 
 
-def write_rank_state(folder: Path, rank: int, state: Any, pushes: int) -> None:
-    """Rank ``rank``'s state into its file, atomically: arrays as tensors, the JSON values
-    and the job's ``pushes`` in the header's metadata (no pickle)."""
+def _cut(folder: Path) -> int:
+    """The epoch of the launcher's last read of the shards (-1: none yet)."""
+    from stalewise.checkpoint import store as checkpoint
+
+    try:
+        return int(checkpoint._read_file(folder, CUT, 64))
+    except (CheckpointError, ValueError):
+        return -1
+
+
+def write_rank_state(
+    folder: Path, rank: int, state: Any, pushes: int, pushed: int | None = None
+) -> None:
+    """Rank ``rank``'s state into its file, atomically: arrays as tensors, the JSON values,
+    the job's ``pushes`` and the rank's own (``pushed``, which its state is after) in the
+    header's metadata (no pickle)."""
     from safetensors.numpy import save_file
 
     from stalewise.checkpoint import store as checkpoint
@@ -262,6 +300,8 @@ def write_rank_state(folder: Path, rank: int, state: Any, pushes: int) -> None:
     path = _rank_file(folder, rank)
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     meta = {"values": json.dumps(values, allow_nan=True), "pushes": str(int(pushes))}
+    if pushed is not None:
+        meta["pushed"] = str(int(pushed))
     save_file({k: checkpoint._contiguous(a) for k, a in arrays.items()}, str(tmp), metadata=meta)
     os.chmod(tmp, 0o644)  # whatever the umask: the launcher refuses what others can write
     os.replace(tmp, path)
@@ -279,7 +319,8 @@ def _metadata(f: Any) -> dict:
     return json.loads(f.read(n)).get("__metadata__", {})
 
 
-def read_rank_state(folder: Path, rank: int) -> dict | None:
+def read_rank_state(folder: Path, rank: int) -> tuple[dict, int | None] | None:
+    """Rank ``rank``'s state and the count of its pushes it is after (None: unknown)."""
     from safetensors.numpy import load
 
     from stalewise.checkpoint import store as checkpoint
@@ -290,10 +331,12 @@ def read_rank_state(folder: Path, rank: int) -> dict | None:
     # read as every checkpoint file is: no symlink followed, no FIFO waited on, bounded
     data = checkpoint._read_file(folder, path.name, MAX_RANK_STATE, "MAX_RANK_STATE")
     try:
-        values, arrays = json.loads(_metadata(io.BytesIO(data))["values"]), load(data)
+        meta = _metadata(io.BytesIO(data))
+        values, arrays = json.loads(meta["values"]), load(data)
+        pushed = int(meta["pushed"]) if "pushed" in meta else None
     except Exception as e:  # whatever the bytes are: one line naming the file
         raise CheckpointError(f"{path}: not a rank's state file ({e})") from None
-    return checkpoint._nested({**values, **arrays})
+    return checkpoint._nested({**values, **arrays}), pushed
 
 
 def rank_epoch(folder: Path | None, rank: int, every: int) -> int:

@@ -189,7 +189,8 @@ class Ranks:
                 self._release(b"go")
             waiting = {r.conn: r for r in running if not r.ready}
             ends = {r.proc.sentinel: r for r in running}
-            left = POLL if deadline is None else max(0.0, min(POLL, deadline - now))
+            poll = POLL if self.saves is None else self.saves.poll(POLL)
+            left = poll if deadline is None else max(0.0, min(poll, deadline - now))
             for obj in connection.wait([*waiting, *ends], left):
                 if obj in waiting:
                     r = waiting[obj]

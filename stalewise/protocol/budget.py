@@ -4,7 +4,9 @@ What counts: the pushes committed (:mod:`stalewise.protocol.commit`) by every wo
 id over its incarnations, whatever the shards answer. A worker may begin a step while
 ``committed + in_progress < steps`` (:func:`may_begin`); under BSP in whole rounds of
 the shards' round (:func:`may_begin_round`, :func:`round_of`). A client given a
-budget refuses at commit a push the rule would not begin (:func:`refuses`). How each
+budget refuses at commit a push the rule would not begin (:func:`refuses`). A checkpoint
+counts the pushes its shards' states hold (:func:`held`), and is one cut when every rank's
+saved state is after exactly those (:func:`off_cut`). How each
 runtime reads the counts, and the overshoot it allows (:func:`overshoot_bound`), is
 in ``docs/design-notes.md`` ("One budget rule").
 
@@ -23,6 +25,11 @@ Example:
     9
     >>> held(pushed=48, committed=24, handled=23)  # a checkpoint: one push in flight
     47
+    >>> shard = {"incarnation": [2], "next_seq": [23]}
+    >>> off_cut([shard, shard], worker=0, held=47, state=47) is None  # one cut
+    True
+    >>> off_cut([shard], worker=0, held=47, state=45)
+    "rank 0's ctx.state is after 45 of its pushes, the shards' after 47: a resume repeats 2 of them"
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=False)  # asked: granted
     False
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=True)  # BSP: asked again
@@ -31,7 +38,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -82,6 +89,25 @@ def held(pushed: int, committed: int, handled: int) -> int:
     """What a checkpoint counts of a worker id's pushes (``pushed`` over its incarnations):
     those committed and not yet ``handled`` by every shard are counted as not made."""
     return max(pushed - max(committed - handled, 0), 0)
+
+
+def off_cut(
+    states: Sequence[Mapping[str, Any]], worker: int, held: int, state: int | None
+) -> str | None:
+    """Why a checkpoint is not one cut for ``worker`` (None: it is). One cut: every shard's
+    saved state (``states``) holds the same pushes of the worker's incarnation, and its
+    saved ``ctx.state``, after ``state`` of its pushes (None: it has none), is after the
+    ``held`` ones (:func:`held`), so a resume applies each of its pushes once."""
+    seats = {(int(s["incarnation"][worker]), int(s["next_seq"][worker])) for s in states}
+    if len(seats) > 1:
+        return f"worker {worker}: the shards hold different pushes of it, {sorted(seats)}"
+    if state is None or state == held:
+        return None
+    n = held - state
+    return (
+        f"rank {worker}'s ctx.state is after {state} of its pushes, the shards' after {held}: "
+        f"a resume {'repeats' if n > 0 else 'skips'} {abs(n)} of them"
+    )
 
 
 def refuses(

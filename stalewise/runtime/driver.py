@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from stalewise import checkpoint, tree
+from stalewise import runtime as runtime_lib
 from stalewise.runtime.errors import Failures, WorkerError
 from stalewise.runtime.result import Recorder, TrainResult, end_reason, mean_loss
 
@@ -135,7 +136,12 @@ class Run:
     def __init__(self, host: Host, config: Any, strategy: Any, options: Any):
         self.host, self.config, self.strategy, self.options = host, config, strategy, options
         self.failures = failures_for(options)
-        self.resume = checkpoint.resume_point(config, options, runtime=host.runtime)
+        # a host outside the registry (a test's, a user's own driver) has no such rule
+        known = host.runtime in runtime_lib.names()
+        own = runtime_lib.describe(host.runtime).resumes_from if known else None
+        self.resume = checkpoint.resume_point(
+            config, options, runtime=host.runtime, resumes_from=own
+        )
         self.saver: checkpoint.Saver | None = None
         self.recorder: Recorder | None = None
 

@@ -145,6 +145,12 @@ class Client(PullsIntoTrees):
         self._round = joined_at  # under BSP: this worker's clock as it knows it
 
     @property
+    def pushed(self) -> int:
+        """This worker id's pushes committed, over its incarnations (a checkpoint's cut)."""
+        self._attach()
+        return int(self._control[self._layout.pushes_done][self.worker])
+
+    @property
     def job_pushes(self) -> int:
         """Pushes committed by all the job's workers so far (each id over its incarnations):
         what a budget of ``steps`` counts."""
