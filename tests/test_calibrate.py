@@ -460,7 +460,7 @@ def test_calibrate_logs_its_busy_warnings(monkeypatch, caplog):
     monkeypatch.setattr(calibrate, "measure_compute", lambda *a, **k: (wide, wide, 1, None))
     monkeypatch.setattr(calibrate, "apply_times", lambda c, n, r: [1e-5] * r)
     monkeypatch.setattr(
-        calibrate, "transport_times", lambda j, n, r, runtime, shard: ([2e-5] * r,) * 3
+        calibrate, "transport_times", lambda j, n, r, runtime, shard, cpu: ([2e-5] * r,) * 3
     )
     monkeypatch.setattr(
         calibrate, "loop_times", lambda j, n, runtime: calibrate.LoopTimes([3e-3] * 5, None, 1, 0)
