@@ -310,8 +310,8 @@ class Copies:
     are the CPU seconds a worker's whole pull and push take besides their copies.
 
     Example:
-        >>> Copies(rate=1e9, bus=1.5e9).seconds(2.0, 1e6, copying=2)
-        0.002666666666666667
+        >>> Copies(rate=1e9, bus=1.5e9).seconds(2.0, 1.5e6, copying=2)  # 3 MB at 0.75 GB/s
+        0.004
     """
 
     rate: float
