@@ -875,8 +875,9 @@ _COPIER = (
 
 
 def copy_times(nbytes: int, repeats: int, beside: int = 0) -> list[float]:
-    """Seconds of one copy of ``nbytes`` (``np.copyto``, warm; the mean of those in 1 MB),
-    ``repeats`` times, with ``beside`` other processes copying as many bytes meanwhile."""
+    """CPU seconds of one copy of ``nbytes`` (``np.copyto``, warm; the mean of those in
+    1 MB), ``repeats`` times, with ``beside`` other processes copying as many bytes
+    meanwhile: the clock of the stages' CPU times, and the bus's stalls count in it."""
     src, dst, n = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8), max(1, 2**20 // nbytes)
     procs = [subprocess.Popen([sys.executable, "-c", _COPIER, str(nbytes)], stdout=subprocess.PIPE)
              for _ in range(beside)]  # fmt: skip
@@ -885,11 +886,11 @@ def copy_times(nbytes: int, repeats: int, beside: int = 0) -> list[float]:
             p.stdout.readline()  # it copies
         times = []
         for i in range(repeats + 2):
-            t = time.perf_counter()
+            t = time.thread_time()
             for _ in range(n):
                 np.copyto(dst, src)
             if i >= 2:  # the first two fault the pages in and warm the caches
-                times.append((time.perf_counter() - t) / n)
+                times.append((time.thread_time() - t) / n)
         return times
     finally:
         for p in procs:
