@@ -247,6 +247,13 @@ class Calibration:
         contention: wall over CPU time of a step and an apply with 1, 2, ... processes
             runnable (:func:`measure_contention`); None: not measured.
         runtime: the runtime transport, shard and worker loop were timed on (``stalewise.runtime.names("calibrates")``).
+        copy: one copy's seconds by bytes (``np.copyto``, one process; None: not measured);
+            the table then charges the pull's, send's and apply's seconds per byte as copies
+            (``copy_*``) on the cores, not as link and shard rates.
+        bus: bytes a second copied in all with every core copying (None: not measured).
+        cpu: the pull's and the send's CPU seconds on the worker by bytes (``"pull"``,
+            ``"send"``): their slopes over :attr:`copy`'s are their copies, their intercepts
+            CPU time besides.
     """
 
     workers: int
@@ -271,6 +278,9 @@ class Calibration:
     cpu_times: Steps = ()
     wall_spread: bool = False
     runtime: str = "local"
+    copy: Fit | None = None
+    bus: float | None = None
+    cpu: dict[str, Fit] | None = None
 
     # -- the compute model -------------------------------------------------------------
 
@@ -331,15 +341,31 @@ class Calibration:
         speeds = self.speeds()
         if speeds is not None:
             t["speeds"] = list(speeds)
-        t["latency"] = _sig(min(self.message.intercept / 2, MAX_SECONDS))
-        t["bandwidth"] = _rate(self.message.slope)
+        # with a copy measured, the bytes cost copies on the cores (and the worker's CPU time
+        # besides is charged there too, out of the latency), not link or service rates
+        copies = self.copy is not None and self.copy.slope > 0
+        cpu = self.cpu if copies and self.cpu else None
+        fixed = 0.0 if cpu is None else cpu["pull"].intercept + cpu["send"].intercept
+        t["latency"] = _sig(min(max(0.0, self.message.intercept - fixed) / 2, MAX_SECONDS))
+        t["bandwidth"] = math.inf if copies else _rate(self.message.slope)
         t["service_time"] = _sig(min(self.apply.intercept, MAX_SECONDS))
-        t["service_rate"] = _rate(self.apply.slope)
+        t["service_rate"] = math.inf if copies else _rate(self.apply.slope)
         if self.contention is not None:
             t["contention_step"] = list(self.contention.step)
             t["contention_apply"] = list(self.contention.apply)
         if self.own_read is not None:
             t["own_read"] = round(self.own_read, 3)
+        if copies:
+            per = self.copy.slope
+            t["copy_rate"], t["copy_bus"] = _rate(per), _sig(self.bus) if self.bus else math.inf
+            pull, push = (
+                (self.pull, self.send or self.push) if cpu is None else (cpu["pull"], cpu["send"])
+            )
+            for key, fit in (("pull", pull), ("push", push), ("apply", self.apply)):
+                t[f"copy_{key}"] = _sig(min(fit.slope / per, 1e6))
+            if cpu is not None:
+                t["copy_pull_time"] = _sig(min(cpu["pull"].intercept, MAX_SECONDS))
+                t["copy_push_time"] = _sig(min(cpu["send"].intercept, MAX_SECONDS))
         return t
 
     def sim_config(self, bound: str | None = None) -> SimConfig:
@@ -460,6 +486,14 @@ class Calibration:
             f"{_rate(self.message.slope):.3g} B/s (latency = half the fixed part); "
             f"this job's model: {self.model_bytes:,} B"
         )
+        if self.copy is not None:
+            t = self.table()
+            lines.append(
+                f"copies: one process copies {_rate(self.copy.slope):.3g} B/s, every core at "
+                f"once {t['copy_bus']:.3g} B/s in all; a pull costs {t.get('copy_pull')} "
+                f"copies of its bytes, a send {t.get('copy_push')}, an apply "
+                f"{t.get('copy_apply')}, charged to the cores and the bus"
+            )
         if self.contention is not None:
             c = self.contention
             lines.append(
@@ -740,6 +774,44 @@ def _pusher(config: ServerConfig, size: int) -> Callable[[], None]:
     return push
 
 
+# -- copies ----------------------------------------------------------------------------
+
+
+#: A process of :func:`copy_times` copying beside the timed copies: says so once it runs,
+#: ends with its parent (or after 10 minutes).
+_COPIER = (
+    "import os, sys, time\nimport numpy as np\nn = int(sys.argv[1])\n"
+    "a, b = np.ones(n, np.uint8), np.empty(n, np.uint8)\nnp.copyto(b, a)\nprint(flush=True)\n"
+    "p, end = os.getppid(), time.monotonic() + 600\n"
+    "while os.getppid() == p and time.monotonic() < end:\n    np.copyto(b, a)"
+)
+
+
+def copy_times(nbytes: int, repeats: int, beside: int = 0) -> list[float]:
+    """CPU seconds of one copy of ``nbytes`` (``np.copyto``, warm; the mean of those in
+    1 MB), ``repeats`` times, with ``beside`` other processes copying as many bytes
+    meanwhile: the clock of the stages' CPU times, and the bus's stalls count in it."""
+    src, dst, n = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8), max(1, 2**20 // nbytes)
+    procs = [subprocess.Popen([sys.executable, "-c", _COPIER, str(nbytes)], stdout=subprocess.PIPE)
+             for _ in range(beside)]  # fmt: skip
+    try:
+        for p in procs:
+            p.stdout.readline()  # it copies
+        times = []
+        for i in range(repeats + 2):
+            t = time.thread_time()
+            for _ in range(n):
+                np.copyto(dst, src)
+            if i >= 2:  # the first two fault the pages in and warm the caches
+                times.append((time.thread_time() - t) / n)
+        return times
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+
+
 # -- contention ------------------------------------------------------------------------
 
 
@@ -813,7 +885,12 @@ def _recv(conn: Any, deadline: float, proc: Any = None) -> Any:
 
 
 def transport_times(
-    job: Any, size: int, repeats: int, runtime: str = "local", shard: list | None = None
+    job: Any,
+    size: int,
+    repeats: int,
+    runtime: str = "local",
+    shard: list | None = None,
+    cpu: list | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """Seconds of a pull (``own=False``), of a push until its acknowledgement, and of
     the push's send alone, ``repeats`` times each, by a client of a server of ``runtime``
@@ -822,7 +899,8 @@ def transport_times(
     close, as a worker's does: it is served by the shard (a round trip through it), not
     read from a snapshot. On Ray, ``shard`` (a list) gets shard 0's actor's own seconds
     for each push: handling it and publishing the snapshots since the last (the object
-    store's copy), read from its ``busy`` counters."""
+    store's copy), read from its ``busy`` counters. ``cpu`` (a list) gets each repeat's
+    ``(pull, send)`` CPU seconds of this thread: the worker's own work, not its waits."""
     job = _synthetic_job(job, size, min(job.config.shards, size))
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
     pulls, pushes, sends = [], [], []
@@ -836,11 +914,11 @@ def transport_times(
         for i in range(repeats + 2):
             # in the order of the local worker loop: a pull follows the push at once, its
             # ack is read later (a pull after the ack would wait for the snapshot holding it)
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             client.push(update)
-            t1 = time.perf_counter()
+            c1, t1 = time.thread_time(), time.perf_counter()
             client.pull_flat(own=False, timeout=60.0)  # a server that hangs: TimeoutError
-            t2 = time.perf_counter()
+            c2, t2 = time.thread_time(), time.perf_counter()
             client.wait(60.0)
             t3 = time.perf_counter()
             if shard is not None:
@@ -849,6 +927,8 @@ def transport_times(
                 pulls.append(t2 - t1)
                 pushes.append((t1 - t0) + (t3 - t2))
                 sends.append(t1 - t0)
+                if cpu is not None:
+                    cpu.append((c2 - c1, c1 - c0))
                 if shard is not None:
                     shard.append(spent - before)
         client.close()
@@ -1021,14 +1101,16 @@ def calibrate(
     )  # fmt: skip
     itemsize = config.init.dtype.itemsize
     served = served_pull(config)
-    apply_pts, pull_pts, push_pts, send_pts, msg_pts = [], [], [], [], []
+    apply_pts, pull_pts, push_pts, send_pts, msg_pts, copy_pts = [], [], [], [], [], []
+    cpu_pts: dict[str, list] = {"pull": [], "send": []}
     spreads: list[tuple[str, Spread]] = []
     with _connected(runtime):
         for n in sizes:
             nbytes, shards = n * itemsize, min(config.shards, n)
             actor: list[float] = []  # on Ray: shard 0's actor's own time per push
+            cpu: list[tuple[float, float]] = []  # the pull's and the send's CPU time
             pulls, pushes, sends = transport_times(
-                job, n, repeats, runtime, shard=actor if _on_cluster(runtime) else None
+                job, n, repeats, runtime, shard=actor if _on_cluster(runtime) else None, cpu=cpu
             )
             pull, push, send = (statistics.median(x) for x in (pulls, pushes, sends))
             if actor:  # the apply as the shard actor times it, at its slice's size
@@ -1039,8 +1121,15 @@ def calibrate(
             a_slice = a if shards == 1 or actor else statistics.median(
                 apply_times(config, -(-n // shards), repeats))  # fmt: skip
             apply_pts.append((nbytes_a, a))
+            copies = copy_times(nbytes, repeats)
             for pts, x in ((pull_pts, pull), (push_pts, push), (send_pts, send)):
                 pts.append((nbytes, x))
+            copy_pts.append((nbytes, statistics.median(copies)))
+            spreads.append((_key("copy", nbytes), Spread.of(copies)))
+            for j, name in enumerate(("pull", "send")):  # CPU times: what costs copies
+                xs = [c[j] for c in cpu] or [0.0]
+                cpu_pts[name].append((nbytes, statistics.median(xs)))
+                spreads.append((_key(f"{name} CPU", nbytes), Spread.of(xs)))
             # what a simulated step waits for besides compute and the shard: see the docstring
             less = 2 * a_slice if served else 0.0
             msg_pts.append((nbytes, max(0.0, send + pull - less)))
@@ -1049,6 +1138,8 @@ def calibrate(
             for name, xs in (("pull", pulls), ("send", sends), ("push", pushes),
                              ("message", msgs)):  # fmt: skip
                 spreads.append((_key(name, nbytes), Spread.of(xs)))
+        cores = os.cpu_count() or 1
+        bus = cores * nbytes / statistics.median(copy_times(nbytes, repeats, cores - 1))
         fixed = send_pts[0][1] + pull_pts[0][1]
         looped = loop_times(job, sizes[0], runtime)
     loop_s = max(0.0, statistics.median(looped.per_push) - fixed)
@@ -1077,6 +1168,9 @@ def calibrate(
         contention=contended,
         cpu_times=cpu_times,
         runtime=runtime,
+        copy=Fit.of(copy_pts),
+        bus=bus,
+        cpu={name: Fit.of(pts) for name, pts in cpu_pts.items()},
     )
     for w in cal.warnings():
         log.warning("calibrate: the machine was too busy for a stable figure: %s", w)
@@ -1152,4 +1246,4 @@ def with_table(
     if sim is None:
         return cal
     return replace(sim, compute=cal.compute, speeds=cal.speeds, network=cal.network,
-                   service=cal.service, contention=cal.contention)  # fmt: skip
+                   service=cal.service, contention=cal.contention, copies=cal.copies)  # fmt: skip

@@ -65,12 +65,25 @@ def check_sane(sim: SimConfig, cal: calibrate.Calibration) -> None:
         assert isinstance(c, ShiftedExponential)
         assert close(c.shift, cal.shift + inner)
         assert close(1 / c.rate, cal.mean - cal.shift)
-    net, service = sim.network, sim.service
-    assert close(net.latency, min(cal.message.intercept / 2, MAX_SECONDS))
-    assert close(net.bandwidth, rate(cal.message.slope))
+    net, service, copied = sim.network, sim.service, sim.copies
+    if cal.copy is None or cal.copy.slope <= 0:  # the bytes go through links and the shard
+        assert copied is None
+        assert close(net.latency, min(cal.message.intercept / 2, MAX_SECONDS))
+        assert close(net.bandwidth, rate(cal.message.slope))
+        assert close(service.rate, rate(cal.apply.slope))
+    else:  # the bytes are copies on the cores; the pull's and send's fixed CPU time too
+        pull, send = cal.cpu["pull"], cal.cpu["send"]
+        fixed = pull.intercept + send.intercept
+        assert close(net.latency, max(0.0, cal.message.intercept - fixed) / 2)
+        assert net.bandwidth == service.rate == math.inf
+        assert close(copied.rate, rate(cal.copy.slope)) and copied.bus == pytest.approx(
+            cal.bus, 1e-3
+        )
+        for got, fit in ((copied.pull, pull), (copied.push, send), (copied.apply, cal.apply)):
+            assert close(got, fit.slope / cal.copy.slope)
+        assert close(copied.pull_time, pull.intercept) and close(copied.push_time, send.intercept)
     assert close(service.time, min(cal.apply.intercept, MAX_SECONDS))
     assert close(sim.loop, loop)
-    assert close(service.rate, rate(cal.apply.slope))
     assert sim.stragglers is None and not sim.failures and sim.model_bytes is None
 
 
@@ -99,7 +112,8 @@ def test_calibrate_measures_and_its_table_reads_back(tmp_path):
     assert cal.table()["own_read"] == round(cal.own_read, 3) and "own push read: " in cal.summary()
     # every timed figure's spread over its repeats, in the summary (the table's comments)
     assert {n.split()[0] for n, _ in cal.spreads} == {"apply", "pull", "send", "push", "message",
-                                                      "worker"}  # fmt: skip
+                                                      "worker", "copy"}  # fmt: skip
+    assert cal.copy is not None and cal.bus > 0  # a copy, by size; the bus with 2 copying
     assert all(s.min <= s.low <= s.median <= s.high <= s.max for _, s in cal.spreads)
     assert "spread over the repeats" in cal.summary() and cal.load_end is not None
     assert cal.workers == 2 and len(cal.step_times) == 2
@@ -460,7 +474,7 @@ def test_calibrate_logs_its_busy_warnings(monkeypatch, caplog):
     monkeypatch.setattr(calibrate, "measure_compute", lambda *a, **k: (wide, wide, 1, None))
     monkeypatch.setattr(calibrate, "apply_times", lambda c, n, r: [1e-5] * r)
     monkeypatch.setattr(
-        calibrate, "transport_times", lambda j, n, r, runtime, shard: ([2e-5] * r,) * 3
+        calibrate, "transport_times", lambda j, n, r, runtime, shard, cpu: ([2e-5] * r,) * 3
     )
     monkeypatch.setattr(
         calibrate, "loop_times", lambda j, n, runtime: calibrate.LoopTimes([3e-3] * 5, None, 1, 0)

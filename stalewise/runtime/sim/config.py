@@ -22,6 +22,7 @@ import numpy as np
 
 from stalewise.runtime.sim.models import (
     Contention,
+    Copies,
     Failure,
     Fixed,
     Join,
@@ -86,6 +87,9 @@ class SimConfig:
             worker loop's own time; default 0).
         own_read: the chance that a lone worker's snapshot read right after its push
             already holds it (None, the default: never).
+        copies: what copying the parameters' bytes costs the processes on the cores and
+            the memory bus (:class:`Copies`; None, the default: only the links and the
+            shard's ``service`` charge bytes).
         model_bytes: pretend the parameter vector has this many bytes on the wire and at
             the shards; only the timing changes. (``docs/calibrate.md`` says how
             ``stalewise calibrate`` measures each.)
@@ -114,14 +118,18 @@ class SimConfig:
     contention: Contention | None = None
     loop: float = 0.0
     own_read: float | None = None
+    copies: Copies | None = None
 
     def __post_init__(self) -> None:
         kinds = {"compute": (Fixed, ShiftedExponential), "network": Network, "service": Service}
         for name, kind in kinds.items():
             if not isinstance(getattr(self, name), kind):
                 raise _bad("SimConfig", name, getattr(self, name), f"must be a {_names(kind)}")
-        if self.contention is not None and not isinstance(self.contention, Contention):
-            raise _bad("SimConfig", "contention", self.contention, "must be None or a Contention")
+        for name, kind in (("contention", Contention), ("copies", Copies)):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
+                raise _bad(
+                    "SimConfig", name, getattr(self, name), f"must be None or a {_names(kind)}"
+                )
         if self.stragglers is not None and not isinstance(self.stragglers, Stragglers):
             raise _bad("SimConfig", "stragglers", self.stragglers, "must be None or a Stragglers")
         if self.speeds is not None:
@@ -175,7 +183,8 @@ class SimConfig:
         Its keys (:data:`TOML_KEYS`) are SimConfig's fields, with the models' fields spelled
         flat (:data:`_FLAT`): ``compute`` ("fixed" | "exponential") with ``step_time`` or
         ``shift`` and ``rate``, :class:`Network`'s fields, ``service_time`` and
-        ``service_rate``, ``contention_step`` and ``contention_apply``.
+        ``service_rate``, ``contention_step`` and ``contention_apply``, and :class:`Copies`'s
+        fields as ``copy_rate``, ``copy_bus``, ``copy_pull``, ``copy_push``, ``copy_apply``.
 
         Raises:
             SimConfigError: naming the bad field and value, with its key as ``path``.
@@ -198,17 +207,20 @@ class SimConfig:
         if ("contention_step" in t) != ("contention_apply" in t):
             have, need = sorted(("contention_step", "contention_apply"), key=lambda k: k not in t)
             raise SimConfigError("", "", ..., f"{have} needs {need} too", where)
-        models = {"compute": _COMPUTE[kind][0], "network": Network, "service": Service}
-        flat: dict[str, dict] = {name: {} for name in (*models, "contention")}
+        copy = sorted(k for k in t if k.startswith("copy_"))
+        if copy and "copy_rate" not in t:
+            raise SimConfigError("", "", ..., f"{copy[0]} needs copy_rate too", where)
+        models = {"compute": _COMPUTE[kind][0], "network": Network, "service": Service, **_OPTIONAL}
+        flat: dict[str, dict] = {name: {} for name in models}
         for key, (name, f) in _FLAT.items():
-            if key in t and f not in _field_names(models.get(name, Contention)):
+            if key in t and f not in _field_names(models[name]):
                 raise SimConfigError("", key, ..., _COMPUTE[kind][1], where)
             if key in t:
                 flat[name][f] = t.pop(key)
         for name, kwargs in flat.items():
-            if kwargs or name in models:  # contention: both keys or neither (None)
+            if kwargs or name not in _OPTIONAL:  # an optional model: its keys or None
                 keys = {f: k for k, (n, f) in _FLAT.items() if n == name}
-                t[name] = _make(models.get(name, Contention), kwargs, where, keys.get)
+                t[name] = _make(models[name], kwargs, where, keys.get)
         for key, model in TOML_LISTS.items():
             if not isinstance(t.get(key, ()), list | tuple):
                 need = f"expected a list of tables ({', '.join(_field_names(model))})"
@@ -230,10 +242,13 @@ _FLAT = {
     **{f.name: ("network", f.name) for f in fields(Network)},
     **{f"service_{f.name}": ("service", f.name) for f in fields(Service)},
     **{f"contention_{f.name}": ("contention", f.name) for f in fields(Contention)},
+    **{f"copy_{f.name}": ("copies", f.name) for f in fields(Copies)},
 }
+#: The models a [sim] table may leave out (None): their flat keys make them.
+_OPTIONAL = {"contention": Contention, "copies": Copies}
 #: Every key of a TOML [sim] table: SimConfig's fields, with its models' fields spelled flat.
 TOML_KEYS = frozenset(
-    {f.name for f in fields(SimConfig)} - {"network", "service", "contention"} | set(_FLAT)
+    {f.name for f in fields(SimConfig)} - {"network", "service", *_OPTIONAL} | set(_FLAT)
 )
 #: compute = "fixed" | "exponential": the model, and what a key of the other one is told.
 _COMPUTE = {

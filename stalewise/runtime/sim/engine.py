@@ -90,6 +90,7 @@ class _SimWorker:
     next_buf: np.ndarray | None = None  # computed, not committed
     loss_next: float = math.nan  # the computed step's loss
     t_mark: float = 0.0  # when its pull or compute began
+    cpu_free: float = 0.0  # when its copies under way end (SimConfig.copies)
     push_mark: float = 0.0  # when the push in flight was committed
     ended: tuple[float, int] | None = None  # (time, order) when its loop ended
     awaiting: dict | None = None  # its failure event, until it is back
@@ -142,8 +143,9 @@ class Simulation:
         self.links = Links(sim.network, workers, S)
         self.lat, self.service = sim.network.latency, sim.service
         self.own_read = sim.own_read
-        self.contention = sim.contention
+        self.contention, self.copies = sim.contention, sim.copies
         self.computing: list[float] = []  # contention: when each compute under way ends (heap)
+        self.copying: list[float] = []  # copies: when each copy under way ends (heap)
         self.serving = 0  # shards serving a request
         self.gated = self.shards[0].consistency.gated
         # the verdict looks at the versions only with a max_staleness: else no need to tell it
@@ -183,8 +185,10 @@ class Simulation:
             self.queued += 1  # work in flight (not an evaluation, failure or join)
         heapq.heappush(self.heap, (t, next(self.counter), kind, w, k, inc, x))
 
-    def transfer(self, src: int, dst: int, nbytes: float, head_kind: int, wk: _SimWorker, k: int):
-        head, tail = self.links.send(src, dst, nbytes, self.now)
+    def transfer(
+        self, src: int, dst: int, nbytes: float, head_kind: int, wk: _SimWorker, k: int, at=None
+    ):
+        head, tail = self.links.send(src, dst, nbytes, self.now if at is None else at)
         if self.links.instant(dst, nbytes, head, tail):
             self.at(head, head_kind + 1, wk.id, k, wk.inc)  # skip the ingress step
         else:
@@ -206,9 +210,33 @@ class Simulation:
             self.serving += 1
         self.busy[k] = req
         seconds = self.service.seconds(self.slice_bytes[k])
+        if self.copies is not None and req[0] == _PUSH:  # the apply's copies, on the bus
+            seconds += self.copy(self.now, self.copies.apply, self.slice_bytes[k])
         if self.contention is not None:
             seconds *= self.contention.apply_at(self.runnable())
         self.at(self.now + seconds, _SERVED, k=k)
+
+    def copy(self, start: float, copies: float, nbytes: float) -> float:
+        """Seconds of ``copies`` copies of ``nbytes`` from ``start``, sharing the memory bus
+        with the copies under way then (``SimConfig.copies``)."""
+        h = self.copying
+        while h and h[0] <= start:
+            heapq.heappop(h)
+        seconds = self.copies.seconds(copies, nbytes, len(h) + 1)
+        heapq.heappush(h, start + seconds)
+        return seconds
+
+    def worker_copy(self, wk: _SimWorker, copies: float, nbytes: float, cpu: float) -> float:
+        """When worker ``wk``'s copies of ``nbytes`` and ``cpu`` seconds besides end: after
+        its copies under way, on the bus, and runnable on the cores (the contention model
+        stretches them)."""
+        start = max(self.now, wk.cpu_free)
+        seconds = cpu + self.copy(start, copies, nbytes)
+        if self.contention is not None:
+            seconds *= self.contention.apply_at(self.runnable() + 1)
+            heapq.heappush(self.computing, start + seconds)
+        wk.cpu_free = start + seconds
+        return wk.cpu_free
 
     def runnable(self) -> int:
         """The processes runnable now (contention): workers computing, shards serving."""
@@ -380,8 +408,9 @@ class Simulation:
         if self.contention is not None:  # the pull's two latencies, stretched: it runs too
             lat += 2 * lat * (self.contention.step_at(self.runnable() + 1) - 1)
             heapq.heappush(self.computing, self.now + lat + self.lat)
+        start = max(self.now, wk.cpu_free)  # after the copies of its push
         for k in range(self.S):
-            self.at(self.now + lat, _PULL_REQ, wk.id, k, wk.inc, float(snapshot))
+            self.at(start + lat, _PULL_REQ, wk.id, k, wk.inc, float(snapshot))
 
     def leave(self, wk: _SimWorker) -> None:
         """Worker ``wk``'s loop has ended and its last push is acked: it leaves the shards."""
@@ -464,8 +493,11 @@ class Simulation:
         sender.committed()
         wk.acks = [None] * self.S
         wk.acking, wk.push_mark = self.S, self.now
-        for k in range(self.S):
-            self.transfer(wk.id, self.P + k, wk.push_bytes[k], _PUSH_HEAD, wk, k)
+        for k in range(self.S):  # with copies: each slice leaves once the worker has copied it
+            c = self.copies
+            at = None if c is None else self.worker_copy(wk, c.push, wk.push_bytes[k],
+                                                         c.push_time / self.S)  # fmt: skip
+            self.transfer(wk.id, self.P + k, wk.push_bytes[k], _PUSH_HEAD, wk, k, at)
         if wk.settle:
             wk.phase = _SETTLING
             return
@@ -732,6 +764,10 @@ class Simulation:
                 self.at(self.links.receive(w, wk.pull_bytes[k], t, x), _PULL_RESP, w, k, i)
             elif kind == _PUSH_HEAD:
                 self.at(self.links.receive(self.P + k, wk.push_bytes[k], t, x), _PUSH_IN, w, k, i)
+            elif kind == _PULL_RESP and self.copies is not None and not x:  # the worker copies it
+                c = self.copies
+                done = self.worker_copy(wk, c.pull, wk.pull_bytes[k], c.pull_time / self.S)
+                self.at(done, _PULL_RESP, w, k, i, 1.0)
             elif kind == _PULL_RESP:
                 wk.pending -= 1
                 if not wk.pending:

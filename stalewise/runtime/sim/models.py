@@ -11,7 +11,8 @@ gathers them. One local step takes, in virtual seconds::
 stretched by any :class:`Slowdown` active meanwhile. A message of ``B`` bytes leaves
 its sender's egress link (FIFO, ``B / bandwidth``), travels ``latency`` seconds and
 enters its receiver's ingress link (cut-through); control messages cost ``latency``
-only. Every time is at most :data:`MAX_SECONDS`, every rate at least
+only; with :class:`Copies` the bytes also cost copies on the cores and the memory bus
+of the process that makes them. Every time is at most :data:`MAX_SECONDS`, every rate at least
 :data:`MIN_BYTES_PER_S` (or ``math.inf``), every factor within :data:`MAX_FACTOR`
 of 1, so that no run records for ever.
 
@@ -296,6 +297,42 @@ class Contention:
     def apply_at(self, n: float) -> float:
         """The apply's factor with ``n`` processes runnable."""
         return _along(self.apply, n)
+
+
+@dataclass(frozen=True)
+class Copies:
+    """The CPU cost of copying the parameters' bytes, charged to the process that copies
+    (not to a link): one core copies ``rate`` bytes a second (reading and writing them
+    once), every process copying at once ``bus`` bytes a second in all. A worker's pull
+    makes ``pull`` copies of each slice it reads, its push ``push`` copies of each slice it
+    sends; a shard's apply makes ``apply`` copies of its slice (an SGD step reads the
+    gradient and reads and writes the parameters: 1.5). ``pull_time`` and ``push_time``
+    are the CPU seconds a worker's whole pull and push take besides their copies.
+
+    Example:
+        >>> Copies(rate=1e9, bus=1.5e9).seconds(2.0, 1.5e6, copying=2)  # 3 MB at 0.75 GB/s
+        0.004
+    """
+
+    rate: float
+    bus: float = math.inf
+    pull: float = 1.0
+    push: float = 1.0
+    apply: float = 1.5
+    pull_time: float = 0.0
+    push_time: float = 0.0
+
+    def __post_init__(self) -> None:
+        _bytes_per_s("Copies", "rate", self.rate)
+        _bytes_per_s("Copies", "bus", self.bus)
+        _seconds("Copies", "pull_time", self.pull_time)
+        _seconds("Copies", "push_time", self.push_time)
+        for name in ("pull", "push", "apply"):
+            _number("Copies", name, getattr(self, name), high=MAX_FACTOR)
+
+    def seconds(self, copies: float, nbytes: float, copying: int = 1) -> float:
+        """Seconds of ``copies`` copies of ``nbytes`` with ``copying`` processes copying."""
+        return copies * nbytes / min(self.rate, self.bus / max(copying, 1))
 
 
 def _along(table: tuple[float, ...], n: float) -> float:

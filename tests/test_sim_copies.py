@@ -1,0 +1,101 @@
+"""The simulator charges a pull's, a push's and an apply's copies of the parameters' bytes
+to the process that copies, on the cores and the memory bus (SimConfig.copies), and the
+table stalewise calibrate makes of a copy's measured cost."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+
+import pytest
+
+import stalewise as sw
+from stalewise import calibrate, tasks
+from stalewise.runtime import sim as sim_rt
+from stalewise.runtime.sim.config import SimConfig
+from stalewise.runtime.sim.models import Contention, Copies, Fixed, Network, Service
+
+FREE = {
+    "network": Network(latency=0.0, bandwidth=math.inf),
+    "service": Service(time=0.0, rate=math.inf),
+}
+ONE_CORE = Contention(step=(1.0, 2.0, 3.0), apply=(1.0, 2.0, 3.0))
+
+
+def _rate(workers: int, model_bytes: int, copies=None, contention=None) -> float:
+    """Updates a virtual second of an ASP job of 1 ms steps whose bytes are ``model_bytes``."""
+    task = tasks.get("least-squares", n=64, d=4, exact=True)
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.05), consistency=sw.ASP())
+    sim = SimConfig(compute=Fixed(0.001), model_bytes=model_bytes, copies=copies,
+                    contention=contention, **FREE)  # fmt: skip
+    r = sim_rt.train(job.config, task.loss_and_grad, data=task.batches, workers=workers,
+                     steps=200, strategy=job.strategy, sim=sim, evaluate=None)  # fmt: skip
+    return r.pushes / r.time
+
+
+def test_more_bytes_a_push_is_slower_through_the_cores_and_copies_on_one_core_serialize():
+    """Links free (as calibrated on one machine): without copies the bytes cost nothing;
+    with them 4x the bytes is about 4x slower, and two workers' copies on one core take
+    turns (no faster than one worker), while on two cores they overlap."""
+    assert _rate(2, 10**6) == _rate(2, 4 * 10**6)  # links and shards free: bytes are free
+    c = Copies(rate=1e9)
+    small, big = _rate(1, 10**6, c, ONE_CORE), _rate(1, 4 * 10**6, c, ONE_CORE)
+    assert 3.0 < small / big <= 4.0
+    two = _rate(2, 10**6, c, ONE_CORE)
+    assert two == pytest.approx(small, rel=0.05)  # one core: serialized
+    assert _rate(2, 10**6, c) > 1.6 * _rate(1, 10**6, c)  # cores unshared: overlapped
+    assert _rate(2, 10**6, c, ONE_CORE) == two  # deterministic
+    # a pull's and a push's CPU time besides their copies take the core likewise
+    cpu = Copies(rate=math.inf, pull_time=0.001, push_time=0.002)
+    assert _rate(2, 10**6, cpu, ONE_CORE) == pytest.approx(_rate(1, 10**6, cpu, ONE_CORE), rel=0.05)
+
+
+def test_the_bus_caps_copies_at_once():
+    """Two workers on two cores copying at once share a bus of one copy's rate."""
+    free, capped = Copies(rate=1e9), Copies(rate=1e9, bus=1e9)
+    assert _rate(2, 4 * 10**6, capped) < 0.8 * _rate(2, 4 * 10**6, free)
+    assert Copies(rate=1e9, bus=1.5e9).seconds(1.0, 1.5e6, copying=3) == pytest.approx(3e-3)
+
+
+def test_copy_keys_in_a_table_name_what_is_wrong():
+    got = SimConfig.from_dict({"copy_rate": 2e9, "copy_bus": 3e9, "copy_apply": 2.5})
+    assert got.copies == Copies(rate=2e9, bus=3e9, pull=1.0, push=1.0, apply=2.5)
+    assert SimConfig.from_dict({}).copies is None
+    with pytest.raises(ValueError, match="sim: copy_pull needs copy_rate too"):
+        SimConfig.from_dict({"copy_pull": 1.0})
+    with pytest.raises(ValueError, match=r"Copies.push = -1: must be a finite number >= 0"):
+        SimConfig.from_dict({"copy_rate": 1e9, "copy_push": -1})
+    with pytest.raises(ValueError, match=r"SimConfig.copies = 3: must be None or a Copies"):
+        SimConfig(copies=3)
+
+
+def test_a_measured_copy_puts_the_bytes_on_the_cores_not_on_links():
+    """A copy of 1 us per kB: a pull of 2 us per kB is 2 copies, the send 1, the apply 1.5;
+    the links and the shard's rate are then free (their bytes are the copies)."""
+    steps = tuple((0.004,) * 10 for _ in range(2))
+    per = 1e-9
+    pull, send = calibrate.Fit(5e-5, 2 * per), calibrate.Fit(2e-5, per)
+    apply = calibrate.Fit(1e-5, 1.5 * per)
+    cal = calibrate.Calibration(2, 1, steps, apply, pull, send, calibrate.Fit(7e-5, 3 * per),
+                                4096, send=send, copy=calibrate.Fit(1e-6, per), bus=1.5e9)  # fmt: skip
+    t = cal.table()
+    assert (t["copy_rate"], t["copy_bus"]) == (1e9, 1.5e9)
+    assert (t["copy_pull"], t["copy_push"], t["copy_apply"]) == (2.0, 1.0, 1.5)
+    assert t["bandwidth"] == t["service_rate"] == math.inf and t["latency"] == 3.5e-5
+    assert tomllib.loads(calibrate.table_toml(t))["sim"] == t
+    assert cal.sim_config().copies == Copies(1e9, 1.5e9, 2.0, 1.0, 1.5)
+    assert calibrate.with_table(SimConfig(), cal).copies == cal.sim_config().copies
+    assert "a pull costs 2.0 copies of its bytes" in cal.summary()
+    # the worker's CPU times, when measured, say the copies: not its waits
+    cpu = {"pull": calibrate.Fit(1e-5, per), "send": calibrate.Fit(1e-5, 0.5 * per)}
+    t = dataclasses.replace(cal, cpu=cpu).table()
+    assert (t["copy_pull"], t["copy_push"], t["copy_apply"]) == (1.0, 0.5, 1.5)
+    assert t["copy_pull_time"] == t["copy_push_time"] == 1e-5  # on the cores: out of latency
+    assert t["latency"] == 2.5e-5
+
+
+def test_copy_times_time_one_copy_alone_and_beside_others():
+    alone = calibrate.copy_times(1 << 20, 5)
+    beside = calibrate.copy_times(1 << 20, 5, beside=1)
+    assert len(alone) == len(beside) == 5 and min(alone) > 0 and min(beside) > 0
