@@ -32,6 +32,7 @@ import time
 
 import _report
 import numpy as np
+from stragglers import emulated_step, no_data  # the same emulated job as the straggler runs
 
 import stalewise as sw
 from stalewise.protocol import PushHeader, Shard
@@ -202,22 +203,6 @@ def own_rate(n: int, shards: int, seconds: float) -> dict:
         "mem_worker": max(d[3] for d in done) / (4 * n),
         "mem_shard_4w": shard_peak / (4 * n),
     }
-
-
-_GRADS: dict[int, dict] = {}
-
-
-def emulated_step(params, batch):
-    """A fixed small gradient at once; the runtime emulates the compute time."""
-    n = params["w"].size
-    if n not in _GRADS:
-        _GRADS[n] = {"w": np.full(n, 1e-6, np.float32)}
-    return 0.0, _GRADS[n]
-
-
-def no_data(worker, workers):
-    while True:
-        yield None
 
 
 def train_rate(n: int, shards: int, seconds: float, strategy) -> float:
