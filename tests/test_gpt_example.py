@@ -60,9 +60,10 @@ def test_the_readme_shows_the_true_diff():
 
 
 def launch_command(runtime: str, workers: int, steps: int, *flags: str) -> list[str]:
-    """The ``stalewise run`` command line for ``runtime`` ("local"; "ray" adds its flag)."""
+    """The ``stalewise run`` command line for ``runtime`` ("local"; "ray" adds its flag, and
+    ships ``OUT_DIR``, which a rank on Ray gets only when named)."""
     if runtime != "local":
-        flags = ("--runtime", runtime, *flags)
+        flags = ("--runtime", runtime, "--env", "OUT_DIR", *flags)
     return [sys.executable, "-m", "stalewise", "run", *flags, "--workers", str(workers),
             "--steps", str(steps), str(GPT / "train_launched.py")]  # fmt: skip
 
