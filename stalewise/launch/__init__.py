@@ -60,12 +60,21 @@ so late joiners and restarts stay inside it too.
 *Progress* (:mod:`stalewise.launch.progress`): while the ranks run, the launcher
 prints a line to stderr every :data:`~stalewise.launch.progress.PROGRESS_TTY` seconds
 when stderr is a terminal, else every :data:`~stalewise.launch.progress.PROGRESS_EVERY`
-seconds (logs stay short): ``stalewise run: 1200 pushes, 310.5 pushes/s, 4 of 4 ranks
-live``. ``STALEWISE_PROGRESS=SECONDS`` sets the
+seconds (logs stay short): ``stalewise run: 1200 pushes (1188 applied, 12 refused),
+310.5 pushes/s, loss 2.31, 4 of 4 ranks live`` (the loss: the mean of the ranks'
+``ctx.log(loss=...)``, local runtime). ``STALEWISE_PROGRESS=SECONDS`` sets the
 interval (0: no progress lines). The last line says how the ranks ended:
-``stalewise run: 4 workers done, 1201 pushes``, or ``stalewise run: 4 workers,
-1 failed, 1201 pushes`` when a rank failed. A worker that dies is reported by the
-launcher, which exits with status 1; the others carry on to the budget.
+``stalewise run: 4 workers done, 1201 pushes``, or ``stalewise run: 3 of 4 workers
+done, 1 failed, 1201 pushes (40 not_finite refused)``. A rank's error is one line
+(``rank 1 failed: ValueError: ... (train.py, line 12); traceback in FILE``), and the
+launcher exits with status 1; the others carry on to the budget.
+
+*Refusals* are judged as in ``Job.train`` (:class:`stalewise.protocol.loop.Watch`):
+the first is a warning with its reason, and 20 in a row as NaN/Inf end the rank
+(:class:`~stalewise.protocol.loop.Diverged`). A push before the first pull, and an
+``exclude_from_*`` pattern that matches no leaf, warn once. The launcher's run of the
+script up to :func:`init` sees rank 0's ``RANK``... (not ``STALEWISE_RANK``) and is stopped at
+:data:`INIT_TIMEOUT`. ``--name NAME``: ``sw.attach(NAME)`` joins, ``--workers`` more ids.
 
 *Checkpoints* (local runtime, :mod:`stalewise.launch.checkpoints`): ``stalewise run
 --checkpoint-dir DIR [--checkpoint-every N] [--resume]``, or ``sw.init(job,
@@ -84,7 +93,8 @@ nothing is pickled (:func:`stalewise.checkpoint.store.flat_state`). A rank hands
 ``ctx.state`` over in ``ctx.should_stop()`` once the job's pushes pass a multiple of
 ``N`` (the launcher waits :data:`~stalewise.launch.checkpoints.RANK_STATE_WAIT` seconds
 for it, else keeps the rank's previous one) and at ``ctx.close()``, through files in ``DIR/.ranks``.
-``--resume`` restores the newest usable checkpoint before any rank starts: the
+``--resume`` restores the newest usable checkpoint before any rank starts (one of a
+job whose ``--steps`` are spent says so, and no rank starts): the
 versions and the job's pushes (so ``--steps`` stays the total budget) go on from it,
 and each rank's ``ctx.state`` is filled before ``sw.init`` returns. With no
 checkpoint in ``DIR`` yet it says so on one line and starts from the start (so the
@@ -149,6 +159,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import math
 import os
 import signal
@@ -161,16 +172,24 @@ from stalewise import runtime as runtime_lib
 from stalewise.launch import checkpoints, context
 from stalewise.launch import checkpoints as saving  # init's checkpoints= is the option group
 from stalewise.launch.context import RENDEZVOUS_TIMEOUT, Context, LaunchError  # noqa: F401
-from stalewise.launch.progress import Progress, end_lines  # noqa: F401 (Ray's launcher's)
 from stalewise.launch.ranks import RANK_TIMEOUT, STOP_GRACE, rank_env  # noqa: F401
 from stalewise.launch.ranks import serve_workers as _serve_workers  # noqa: F401 (the registry's)
 from stalewise.options import checkpoint_fields
 from stalewise.runtime.errors import BudgetSpent
 
+log = logging.getLogger(__name__)
+
 __all__ = ["BudgetSpent", "Context", "LaunchError", "Terminated", "init", "launch"]
 
 #: The most worker processes ``stalewise run`` starts on one machine.
 MAX_WORKERS = 256
+#: Seconds the launcher runs the script before it says that ``sw.init`` is not called yet,
+#: and before it stops the script (which would otherwise train alone in the launcher).
+INIT_NOTE, INIT_TIMEOUT = 10.0, 120.0
+
+
+class _NoInit(Exception):
+    """The launcher's run of the script reached :data:`INIT_TIMEOUT` before ``sw.init``."""
 
 
 @dataclasses.dataclass
@@ -188,6 +207,8 @@ class _Launch:
     checkpoint_dir: str | None  # where the launcher saves the job (None: nowhere)
     checkpoint_every: int | None  # every this many pushes of the job (and at the end)
     resume: bool  # start from checkpoint_dir's last checkpoint, if there is one
+    timed: bool = False  # SIGALRM bounds the run up to sw.init (INIT_TIMEOUT)
+    name: str | None = None  # --name: the job is served under it, for sw.attach
 
 
 _LAUNCH: _Launch | None = None  # set in the launcher's process while it runs the script
@@ -247,6 +268,11 @@ def init(
         context.rendezvous(ctx)
         return ctx
     saving.check(checkpoint_dir, checkpoint_every, ValueError)
+    if _LAUNCH is None:
+        from stalewise.runtime.logs import child_logging
+
+        child_logging("worker 0")  # unlaunched: its warnings reach stderr
+    _unmatched(job)
     if _LAUNCH is not None:  # the runtime's launch: ranks.serve_workers here, Ray's on Ray
         if _LAUNCH.checkpoint_dir is None and checkpoint_dir is not None:
             if _LAUNCH.runtime != "local":
@@ -255,6 +281,10 @@ def init(
             _LAUNCH.resume = _LAUNCH.resume or bool(resume)
         if _LAUNCH.checkpoint_every is None:
             _LAUNCH.checkpoint_every = checkpoint_every
+        if _LAUNCH.steps is None:  # the ranks' own init(steps=) will say the same
+            _LAUNCH.steps = steps
+        if _LAUNCH.timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # the script reached sw.init in time
         raise SystemExit(runtime_lib.describe(_LAUNCH.runtime).load("launch")(job, _LAUNCH))
     server = job.serve(workers=1)
     saves = None
@@ -271,6 +301,21 @@ def init(
     return ctx
 
 
+def _unmatched(job: Any) -> None:
+    """Warns of an optimizer's exclusion pattern that matches no leaf of the job."""
+    from stalewise.optim._leaves import unmatched
+
+    segments = job.config.spec.segments
+    for field, pattern in unmatched(job.config.optimizer, segments):
+        log.warning(
+            "%s pattern %r matches no parameter of the job, so it excludes nothing; "
+            "patterns are re.search'ed on names such as %s",
+            field,
+            pattern,
+            ", ".join(map(repr, segments.names[:3])),
+        )
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM reached the launcher, which stops the job as Ctrl-C does (``stalewise run``
     then exits with status 143)."""
@@ -278,6 +323,29 @@ class Terminated(KeyboardInterrupt):
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated("SIGTERM")
+
+
+def _init_alarm(script: str) -> Any:
+    """The launcher's SIGALRM while it runs the script up to ``sw.init``: a line at
+    :data:`INIT_NOTE` seconds, :class:`_NoInit` at :data:`INIT_TIMEOUT`."""
+    noted = []
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        if context.INITIALISED:
+            return
+        if noted:
+            raise _NoInit
+        noted.append(True)
+        print(
+            f"stalewise run: {script} has not called sw.init(job) after {INIT_NOTE:g} s "
+            f"(the launcher runs it up to there, then starts the ranks); it stops it at "
+            f"{INIT_TIMEOUT:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        signal.setitimer(signal.ITIMER_REAL, INIT_TIMEOUT - INIT_NOTE)
+
+    return on_alarm
 
 
 def _check_python(path: Path) -> None:
@@ -316,6 +384,7 @@ def launch(
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
+    name: str | None = None,
 ) -> int:
     """Runs ``script`` with ``argv`` as ``stalewise run`` does; returns the exit status.
 
@@ -326,6 +395,9 @@ def launch(
     :data:`~stalewise.launch.ranks.RANK_TIMEOUT`; 0: off). ``checkpoint_dir``,
     ``checkpoint_every``, ``resume``: the job's checkpoints, local runtime only (they win
     over ``sw.init``'s). See the module docstring.
+
+    ``name``: serve the job under this name, with room for ``workers`` more worker ids,
+    so that other processes join it with ``sw.attach(name)``.
 
     ``address``: the Ray cluster to run on, runtime ray only (None: ``RAY_ADDRESS``, else
     a new local instance, never a cluster another user started on this machine; see
@@ -357,6 +429,13 @@ def launch(
         raise LaunchError("--address is for --runtime ray (the Ray cluster to run on)")
     if rank_timeout is None:
         rank_timeout = RANK_TIMEOUT
+    if name is not None:
+        from stalewise.runtime.attach import check_name
+
+        try:
+            check_name(name)
+        except ValueError as e:
+            raise LaunchError(f"--name: {e}") from None
     checkpoints.check(checkpoint_dir, checkpoint_every, LaunchError)
     if resume and checkpoint_dir is None:
         raise LaunchError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
@@ -370,21 +449,37 @@ def launch(
     if missing is not None:
         raise LaunchError(missing)
     _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout, runtime, rank_timeout,
-                      address, checkpoint_dir, checkpoint_every, bool(resume))  # fmt: skip
-    saved = sys.argv, list(sys.path)
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
+                      address, checkpoint_dir, checkpoint_every, bool(resume), name=name)  # fmt: skip
+    saved = sys.argv, list(sys.path), dict(os.environ)
+    main = _LAUNCH.timed = threading.current_thread() is threading.main_thread()
+    if main:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        alarm = signal.signal(signal.SIGALRM, _init_alarm(script))
+        signal.setitimer(signal.ITIMER_REAL, INIT_NOTE)
+    # up to sw.init, torchrun's variables say rank 0 (so are its outputs); STALEWISE_RANK
+    # stays unset: the launcher's run, not a rank
+    env = rank_env(0, workers, 0, workers)
+    os.environ.update({k: v for k, v in env.items() if not k.startswith("STALEWISE_")})
     try:
         context.run_script(path, argv)
     except SystemExit as e:
         if context.INITIALISED:  # init() served the workers and ended the script: their status
             return int(e.code or 0)
         raise
+    except _NoInit:
+        raise LaunchError(
+            f"{script} did not call sw.init(job) within {INIT_TIMEOUT:g} s, so the launcher "
+            "stopped it: call sw.init right after building the Job, before training"
+        ) from None
     finally:
         if main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGALRM, alarm)
         _LAUNCH = None
-        sys.argv, sys.path[:] = saved
+        sys.argv, sys.path[:] = saved[:2]
+        os.environ.clear()
+        os.environ.update(saved[2])
     raise LaunchError(
         f"{script} ended without calling sw.init(job): a launched script calls it once, "
         "after building its Job, and trains with the context it returns"

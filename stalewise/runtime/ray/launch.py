@@ -197,7 +197,8 @@ def serve_workers(job: Any, launch: Any) -> int:
     worker failed, each named on a line of stderr)."""
     import uuid
 
-    from stalewise.launch import Progress, end_lines
+    from stalewise.launch.progress import Progress, end_lines, pushes_of
+    from stalewise.launch.ranks import room
 
     script, argv, workers = launch.script, launch.argv, launch.workers
     steps, timeout = launch.steps, launch.timeout
@@ -213,8 +214,8 @@ def serve_workers(job: Any, launch: Any) -> int:
     try:
         env = {**shipped_env(), **{k: os.environ.get(k, "1") for k in THREAD_VARS}}
         source = Path(script).read_text()
-        name = f"run-{uuid.uuid4().hex[:8]}"
-        with job.serve(runtime="ray", workers=workers, name=name) as server:
+        name = launch.name or f"run-{uuid.uuid4().hex[:8]}"
+        with job.serve(runtime="ray", workers=room(launch), name=name) as server:
             remote = ray.remote(ScriptWorker)
             actors = [
                 remote.options(
@@ -240,7 +241,7 @@ def serve_workers(job: Any, launch: Any) -> int:
             nodes = set(where)
             pending = list(refs)
             deadline = None if timeout is None else _now() + timeout
-            progress = Progress(workers)
+            progress = Progress(workers, server)
             while pending:
                 left = None if deadline is None else max(deadline - _now(), 0)
                 if progress.every:
@@ -261,7 +262,7 @@ def serve_workers(job: Any, launch: Any) -> int:
                     lost += 1
                     ray.get(server.door.abort.remote())  # the others start without it
                 progress.tick(_now(), server.job_pushes, len(pending))
-            pushes = server.job_pushes
+            pushes = pushes_of(server)
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
