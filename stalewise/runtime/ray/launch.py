@@ -48,6 +48,7 @@ instance; ...)``, ``(an existing cluster, ...)`` with the address asked for, or
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -115,8 +116,12 @@ class _Barrier:
 def quiet_driver() -> None:
     """Before the launcher imports Ray: every line the workers print reaches its stdout.
     Ray's driver folds lines that differ only in numbers (``rank 0: loss 2.9`` and
-    ``rank 1: loss 2.9``) into one by default; ``RAY_DEDUP_LOGS=0`` unless you set it."""
+    ``rank 1: loss 2.9``) into one by default; ``RAY_DEDUP_LOGS=0`` unless you set it.
+    Its ``(rank 0 pid=...)`` prefixes carry no colour codes into a file or pipe
+    (``RAY_COLOR_PREFIX=0`` unless set, when stdout or stderr is not a terminal)."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 class ScriptWorker:
@@ -148,12 +153,13 @@ class ScriptWorker:
         cwd: str | None = None,
     ) -> dict:
         """Runs the script as ``__main__`` with rank ``rank``'s context; returns where it
-        ran (``node``), how many pushes it made, and how many were refused past the
-        budget (``refused``). ``local``: its ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``;
+        ran (``node``), the pushes refused past the budget (``refused``) and its error's
+        line (``failed``, :func:`~stalewise.launch.ranks.failure`; None). ``local``: its ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``;
         ``cwd``: the launcher's working directory, entered if it exists here."""
         import ray
 
         from stalewise.launch import BudgetSpent, Context, context, rank_env
+        from stalewise.launch.ranks import failure
         from stalewise.runtime.logs import child_logging
         from stalewise.runtime.ray.client import attach
 
@@ -171,7 +177,7 @@ class ScriptWorker:
             else:
                 log.warning("rank %d: the launcher's directory %s is not on this node", rank, cwd)
         os.environ.update(rank_env(rank, world, *local))
-        pushes = 0
+        failed = None  # the error's line, as the local runtime's (ranks.failure)
         try:
             try:
                 context.run_script(path, argv)
@@ -180,15 +186,14 @@ class ScriptWorker:
             except SystemExit as e:
                 if e.code not in (0, None):
                     raise RuntimeError(f"the script exited with status {e.code}") from None
-            pushes = client._out.sender.seq
+            except Exception as e:
+                failed = failure(e, str(path), rank, tempfile.mkdtemp(prefix="stalewise-run-"))
         finally:
             if ctx.client is not None:  # the script did not close it
-                ctx.close()
-        return {
-            "node": ray.get_runtime_context().get_node_id(),
-            "pushes": pushes,
-            "refused": ctx.refused,
-        }
+                with contextlib.suppress(Exception):
+                    ctx.close()
+        node = ray.get_runtime_context().get_node_id()
+        return {"node": node, "refused": ctx.refused, "failed": failed}
 
 
 def serve_workers(job: Any, launch: Any) -> int:
@@ -256,9 +261,13 @@ def serve_workers(job: Any, launch: Any) -> int:
                     continue
                 rank = refs[done[0]]
                 try:
-                    refused += ray.get(done[0])["refused"]
+                    got = ray.get(done[0])
+                    refused += got["refused"]
+                    why = got["failed"]
                 except ray.exceptions.RayError as e:
-                    failed.append(f"rank {rank} failed ({_cause(e)})")
+                    why = f"rank {rank} failed ({_cause(e)})"
+                if why is not None:
+                    failed.append(why)
                     lost += 1
                     ray.get(server.door.abort.remote())  # the others start without it
                 progress.tick(_now(), server.job_pushes, len(pending))
