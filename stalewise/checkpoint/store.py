@@ -88,11 +88,9 @@ def save(
 ) -> Path:
     """Writes one checkpoint atomically; returns its folder. Keeps the newest ``keep``.
 
-    A checkpoint of a version that already exists replaces it. ``residuals``:
-    each worker's error-feedback residual (worker ``w``'s at index ``w``), saved
-    in ``feedback.safetensors``; None saves none. ``ranks``: each rank's state
-    (``ctx.state`` of a loop you own, see :func:`flat_state`), in ``ranks.safetensors``.
-    """
+    A checkpoint of a version that already exists replaces it. ``residuals``: each
+    worker's error-feedback residual (worker ``w``'s at index ``w``; None: none);
+    ``ranks``: each rank's state (see :func:`flat_state`)."""
     if not shard_states:
         raise ValueError("save: no shard states")
     if not isinstance(keep, int) or keep < 1:
@@ -186,13 +184,10 @@ def save(
 
 def flat_state(state: Any, what: str = "ctx.state") -> tuple[dict[str, np.ndarray], dict]:
     """A rank's state as data: ``(arrays, values)`` by path (nested dict keys joined by
-    ``/``). A dict nests; a numpy array (of a dtype safetensors keeps) is an array; any
-    other value must be JSON (numbers, strings, bools, None, lists and objects of them;
-    a numpy scalar counts as its Python number). Nothing else is kept: no pickle.
+    ``/``): numpy arrays, and JSON values (a numpy scalar counts as its number); no pickle.
 
     Raises:
-        ValueError: one line naming the path of a value that is not data.
-    """
+        ValueError: one line naming the path of a value that is not data."""
     arrays: dict[str, np.ndarray] = {}
     values: dict[str, Any] = {}
 
@@ -323,16 +318,11 @@ def exists(directory: str | os.PathLike) -> bool:
 
 
 def load(directory: str | os.PathLike) -> Checkpoint:
-    """The newest usable checkpoint of ``directory`` (or the checkpoint folder itself), whole:
-    its shards' state, feedback and manifest, what ``resume`` reads. Users who want the
-    parameters call :func:`load_params` (``sw.load_params``).
-
-    The one ``latest`` names is tried first, then the others, newest first; a
-    refused one is logged (a warning naming the bad file) and the next is used.
+    """The newest usable checkpoint of ``directory`` (or the checkpoint folder itself),
+    whole, as ``resume`` reads it; a refused one is logged and the next newest is used.
 
     Raises:
-        CheckpointError: none is usable.
-    """
+        CheckpointError: none is usable."""
     root = Path(directory)
     if _NAME.match(root.name) and os.path.lexists(root / MANIFEST):
         return _read(root)  # one checkpoint, named: no fallback
@@ -414,14 +404,12 @@ def _read(path: Path) -> Checkpoint:
 def open_file(
     folder: Path, name: str, *, folder_may_be_a_link: bool = False
 ) -> tuple[int, os.stat_result]:
-    """A descriptor of ``folder/name`` and its stat, opened as every checkpoint file is: a
-    regular file, opened without following a symlink (and without blocking: a FIFO is
-    refused, not waited on), inside ``folder``, which must not be a symlink either (unless
-    ``folder_may_be_a_link``: the user's directory of checkpoints, for ``latest``).
+    """A descriptor of ``folder/name`` and its stat: a regular file, opened without
+    following a symlink or blocking, in a ``folder`` that is no symlink either (unless
+    ``folder_may_be_a_link``).
 
     Raises:
-        CheckpointError: one line naming the file and what is wrong with it.
-    """
+        CheckpointError: one line naming the file and what is wrong with it."""
     file = folder / name
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NOFOLLOW
     folder_flags = flags | os.O_DIRECTORY
@@ -453,11 +441,10 @@ def _read_file(
     folder: Path, name: str, limit: int, bound: str = "", *, folder_may_be_a_link: bool = False
 ) -> bytes:
     """The bytes of ``folder/name`` (opened by :func:`open_file`), at most ``limit`` of
-    them: how every checkpoint file is read. ``bound`` names where ``limit`` comes from.
+    them; ``bound`` names where ``limit`` comes from.
 
     Raises:
-        CheckpointError: one line naming the file and what is wrong with it.
-    """
+        CheckpointError: one line naming the file and what is wrong with it."""
     file = folder / name
     fd, st = open_file(folder, name, folder_may_be_a_link=folder_may_be_a_link)
     size = st.st_size
@@ -509,13 +496,10 @@ _MAX_WORKERS = 1 << 20
 
 
 def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
-    """Checks every field of a manifest that loading or resuming reads, in one place;
-    returns its spec. Counts must be ints in [0, 2**62), times finite and >= 0, files
-    the names :func:`save` writes, so nothing later fails half-way or overflows.
+    """Checks every field of a manifest that loading or resuming reads; returns its spec.
 
     Raises:
-        CheckpointError: one line naming the manifest and the field.
-    """
+        CheckpointError: one line naming the manifest and the field."""
 
     def need(ok: Any, field: str, value: Any, want: str) -> None:
         if not ok:
@@ -675,29 +659,24 @@ def _plain_problem(value: Any, depth: int) -> str | None:
 def load_params(path: str | os.PathLike, *, like: Any = None, backend: str | None = None) -> Any:
     """The parameters of a checkpoint (``sw.load_params``).
 
-    ``path`` is a checkpoint directory (its newest usable checkpoint is read)
-    or one ``ckpt-*`` folder. Loading runs no code from the checkpoint: the
-    manifest's tree is plain data (key paths, shapes, dtypes and container
-    kinds), so the user's own classes come back only from ``like``:
+    ``path`` is a checkpoint directory (its newest usable checkpoint is read) or one
+    ``ckpt-*`` folder. Loading runs no code from the checkpoint, so your own classes
+    come back only from ``like``:
 
-    - ``like=`` a tree of the job's structure (the params the job was made
-      with, a model, or a ``TrainResult.params``): the result is what
-      ``TrainResult.params`` gives for a job of ``like`` (its namedtuples,
-      dataclasses, registered containers, backends; a model as a dict of name
-      -> tensor). Its leaves must be the checkpoint's, in order, with the same
-      names, shapes and dtypes, else a one-line :class:`CheckpointError` names
-      the first that differs.
-    - without ``like``: plain data. Dicts (``OrderedDict`` kept), lists, tuples
-      and ``None`` as saved; a namedtuple, a dataclass or a registered container
-      (flax, equinox, ...) as a dict of its field names; a model as a dict of
-      name -> tensor; a constant of the job's tree (an integer buffer, a static
-      field, a filtered-out non-array) as ``None``.
+    - ``like=`` a tree of the job's structure (its params, a model, a
+      ``TrainResult.params``): the result is what ``TrainResult.params`` gives for a
+      job of ``like``; its leaves must match the checkpoint's in order, names, shapes
+      and dtypes.
+    - without ``like``: plain data (dicts, lists, tuples, ``None``; a namedtuple,
+      dataclass or registered container as a dict of its fields; a model as a dict of
+      name -> tensor; a constant of the tree as ``None``).
 
-    Leaves come back in the backend they were saved from (a torch job's as
-    tensors); ``backend="numpy"`` gives NumPy arrays whatever the job used.
+    Leaves come back in the backend they were saved from; ``backend="numpy"`` gives
+    NumPy arrays.
 
     Raises:
-        CheckpointError: no usable checkpoint, or ``like`` differs from it.
+        CheckpointError: no usable checkpoint, or ``like`` differs from it (naming the
+            first leaf that differs).
 
     Example:
         >>> import stalewise as sw

@@ -1,131 +1,10 @@
 """Job configuration files (TOML) for ``stalewise train`` and ``stalewise sim``.
 
-A config has six tables; every key and value is checked before anything runs,
-and a bad one is reported with its full name and what was expected
-(``optimizer.b3: unknown option for adam``, ``optimizer.lr: expected a number,
-got '0.01'``)::
-
-    [task]                        # what to train
-    name = "digits"               # a built-in task (stalewise.tasks.names()) ...
-    # factory = "mytask:make"     # ... or a module:function returning a task object
-    args = { hidden = 64 }        # keyword arguments for the task (checked against its signature)
-    seed = 0                      # passed to init_params(seed) and batches(worker, workers, seed)
-
-    [optimizer]                   # the server optimizer (stalewise.optim); optional with a [strategy]
-    name = "lamb"                 # sgd | adam | adamw | lamb | lars  # that recommends one
-    lr = 0.01                     # or: schedule = { name = "warmup_cosine", peak = 0.01, warmup = 50, total = 2000 }
-    weight_decay = 0.0            # any other option of that optimizer
-
-    [strategy]                    # what workers push (stalewise.strategies); default: gradients
-    name = "diloco"               # gradients | local_sgd | diloco | easgd | adaptive
-    local_steps = 20              # any option of that constructor (see below): H
-    inner = { name = "adamw", lr = 0.003 }  # the worker's optimizer: a table like [optimizer]
-
-    [server]
-    consistency = "ssp"           # asp | ssp | bsp | hybrid
-    bound = 4                     # ssp only
-    tolerance = 2.0               # hybrid only: a straggler is this many times the median's pace
-    staleness = "inverse"         # constant | inverse | exponential | polynomial
-    staleness_param = 0.5         # exponential (base) and polynomial (power) only
-    max_staleness = 16            # optional: an integer >= 0 (versions)
-    dc_lambda = 0.0               # DC-ASGD delay compensation (0: off)
-    shards = 2                    # 1 .. min(1024, number of parameters)
-    codec = "topk:0.01"           # none | fp16 | bf16 | int8 | sign | topk:F, or a table (stalewise.codecs)
-    pull_codec = "int8"           # delta pulls (runtime "sim"): a codec as above; default "full"
-
-    [run]                         # defaults and checks: stalewise.RunOptions (Job.train's)
-    workers = 4                   # 1 .. 4096 local processes (16384 simulated)
-    steps = 2000                  # pushes in all, 1 .. 10**9
-    delay = 0.005                 # emulated compute seconds per step, every worker
-    stragglers = { 3 = 4.0 }      # worker -> slowdown factor (1 .. 10000)
-    eval_interval = 0.5           # seconds between evaluations (>= 0.001)
-    stop_at = { accuracy = 0.95 } # a loss stops at <= (stalewise.targets); or { x = [0.9, "max"] }
-    runtime = "local"             # or "sim" (the simulator; see the [sim] table), or "ray"
-    address = "auto"              # runtime "ray": the cluster (stalewise.runtime.ray.connect)
-    on_worker_failure = "restart" # restart | drop | fail: a worker that dies, hangs or raises
-    max_restarts = 3              # restarts allowed per worker id (and per shard; false: no limit)
-    worker_timeout = 60           # seconds without a heartbeat: hung (>= 0.1; false: never)
-    diverge_after = 20            # pushes in a row refused as NaN/Inf: diverged (false: never)
-
-    [sim]                         # the simulator's timing/network model (stalewise.runtime.sim.config)
-    compute = "exponential"       # fixed | exponential (shifted)
-    latency = 0.0005              # seconds per message (times: 0 .. 1e7 virtual seconds)
-    bandwidth = 1.25e9            # bytes/s of every link (rates: >= 1, or inf)
-
-The [strategy] table
---------------------
-``name`` picks a constructor of :mod:`stalewise.strategies`; every other key is
-one of its keyword arguments, checked against its signature and by the
-constructor itself (``strategy.local_steps: must be an integer >= 1, got 0``).
-``gradients``, the default, takes none; ``local_sgd`` needs ``inner``, ``easgd`` ``alpha``,
-``local_steps`` and ``inner``.
-
-``local_steps`` is ``H``, the local steps per push, in every strategy;
-``every`` is only delayed Nesterov's ``N`` (asynchronous DiLoCo), ``period``
-only seconds (``dynamic``). The old keys ``steps`` (``local_sgd``, ``diloco``,
-``fixed``), ``every`` (``easgd``) and ``start`` (``adaptive``, ``comm_budget``,
-``adacomm``) still work for one release, with a DeprecationWarning naming the new key.
-
-``inner`` is a table built exactly like ``[optimizer]`` (``name``, ``lr`` or
-``schedule``, any option of that optimizer); its errors name
-``strategy.inner.lr`` and so on. ``schedule`` (``adaptive`` only) is
-``{ name = "adacomm", local_steps = 32, min_steps = 1 }`` or ``{ name = "fixed", local_steps = 8 }``.
-
-Without an ``[optimizer]`` table the job uses the strategy's recommended server
-optimizer (``sgd(1.0)`` for local SGD and EASGD, Nesterov ``sgd(0.7,
-momentum=0.9)`` for DiLoCo; with ``asynchronous = true`` delayed Nesterov with
-``every`` or, if not given, ``run.workers``); an ``[optimizer]`` table
-overrides it. ``gradients`` recommends none, so it needs an ``[optimizer]``.
-``stalewise sim CONFIG --over strategy --values gradients,local_sgd:8,diloco:20``
-compares strategies: see :meth:`RunConfig.sweep_strategy`.
-
-The task contract
------------------
-A task object (built-in, or returned by the factory) needs four methods:
-
-* ``init_params(seed)``: the initial parameters (any pytree stalewise.tree takes);
-* ``loss_and_grad(params, batch) -> (loss, grads)``;
-* ``batches(worker, workers, seed)``: an iterator over ``worker``'s minibatches
-  (of ``workers`` in all), shuffled by ``seed``. stalewise always calls it with
-  the three arguments, ``seed`` being the config's ``[task] seed`` (see
-  :func:`stalewise.tasks.with_seed`); the built-in tasks default ``seed`` to 0 so
-  that ``data=task.batches`` also works in ``Job.train``, which calls
-  ``data(worker, workers)``;
-* ``evaluate(params) -> {"loss": ..., ...}``: held-out metrics.
-
-Their signatures are checked when the config is loaded, ``batches`` is asked
-for one batch of the last worker and, if ``run.stop_at`` is given, ``evaluate``
-is run once to check that the metrics exist. The task and its methods must be
-picklable (module-level classes and functions): the local runtime sends them
-to worker processes.
-
-A factory runs code
--------------------
-``factory = "mytask:make"`` imports the module ``mytask`` and calls ``make(**args)``:
-loading a config with a factory runs that module's code, with your rights, as
-running a training script would. Load only configs you would run as scripts.
-
-The module is looked up first in the config file's folder, then in the current
-working directory, then on ``sys.path`` (installed packages). A folder it was
-found in is put on ``sys.path`` only while the module is imported, and again,
-together with ``PYTHONPATH``, while :meth:`RunConfig.run` (``stalewise train``)
-or ``stalewise sim`` runs the job (see :meth:`RunConfig.importable`), so that
-the worker processes of the local runtime can import the task by module name;
-both are restored afterwards. If you pass the task's functions to ``Job.train``
-yourself, do it inside ``with cfg.importable():``.
-
-Limits
-------
-Absurd sizes are refused before anything is allocated: at most
-:func:`max_workers` workers (4096 local processes, 16384 simulated workers) and
-the limits of :mod:`stalewise.config.schema` (shards, steps, nesting) and
-:data:`~stalewise.runtime.base.MAX_DELAY`. Times and rates are bounded so that no
-run can be endless: ``eval_interval`` at least 1 ms, ``worker_timeout`` at least
-0.1 s, straggler factors at most 10000, and the [sim] table's as
-:mod:`stalewise.runtime.sim.models` says; a simulated run that would still record
-more than :data:`~stalewise.runtime.sim.config.MAX_RECORDS` times stops with a
-``sim`` (or ``run.eval_interval``) error.
-"""
+:func:`load` reads a file, :func:`parse` checks a dict of its tables and builds the
+task and the job into a :class:`RunConfig`. Every key and value is checked before
+anything runs; a bad one is a :class:`ConfigError` naming it. A ``[task]`` factory
+runs your module's code: load only configs you would run as scripts. The format
+(tables, keys, the task contract, limits) is documented in ``docs/config.md``."""
 
 from __future__ import annotations
 
@@ -190,11 +69,8 @@ class RunConfig:
         return kwargs
 
     def check_workers(self, workers: int, runtime: str, key: str) -> None:
-        """Checks that a run on ``runtime`` may have ``workers`` workers; errors name ``key``.
-
-        The limit of the runtime, the [sim] table's per-worker settings (runtime
-        "sim") and the task's batches for that many workers are checked.
-        """
+        """Checks that a run on ``runtime`` may have ``workers`` workers (the runtime's limit,
+        the [sim] table, the task's batches); errors name ``key``."""
         schema.check_workers(workers, runtime, key)
         if runtime == "sim" and self.sim is not None:
             build.check_sim_workers(self.sim, workers, key)
@@ -203,12 +79,8 @@ class RunConfig:
     def sweep_strategy(self, value: str, key: str = "--values") -> strategies_lib.Strategy:
         """The strategy of one ``stalewise sim --over strategy`` value, ``NAME`` or ``NAME:H``.
 
-        It takes the options of the config's [strategy] table that ``NAME``'s
-        constructor accepts (``inner``, ``reset_inner``, ``alpha``...); ``H``
-        sets ``local_steps``. In a sweep each strategy runs with its
-        recommended server optimizer; ``gradients``, which recommends none, with
-        the [optimizer] table's, which it then requires. Errors name ``key``.
-        """
+        It takes the [strategy] table's options that ``NAME`` accepts; ``H`` sets
+        ``local_steps``. Errors name ``key``."""
         try:
             name, period = parse_strategy_value(value)
         except ValueError as e:
@@ -243,9 +115,7 @@ class RunConfig:
     @contextlib.contextmanager
     def importable(self) -> Iterator[None]:
         """Within the block, the task factory's module can be imported by name, here and in
-        processes started here: its folder is put first on ``sys.path`` and on ``PYTHONPATH``
-        (nothing happens if the module came from ``sys.path`` itself). Both are restored after.
-        """
+        processes started here (``sys.path`` and ``PYTHONPATH`` are restored after)."""
         with factory.on_path(self.paths, env=True):
             yield
 
@@ -254,13 +124,8 @@ class RunConfig:
     ) -> TrainResult:
         """Trains the job on the task: ``job.train`` with the config's run settings.
 
-        Args:
-            runtime: overrides ``run.runtime``.
-            address: overrides ``run.address``: the Ray cluster to connect to first
-                (runtime "ray"; see :func:`stalewise.runtime.ray.connect`).
-            **kwargs: more keyword arguments of ``Job.train`` (``metrics``, ``checkpoints``,
-                ``timeouts``, ...); a group given here replaces the config's.
-        """
+        ``runtime`` and ``address`` override ``run.runtime`` and ``run.address``;
+        ``kwargs`` are more keyword arguments of ``Job.train`` (a group replaces the config's)."""
         train = self.train_kwargs(runtime) | kwargs
         if train["runtime"] == "sim":  # the task's seed also seeds the simulator
             train["runtime"] = Simulation(self.sim, seed=self.seed)
@@ -324,22 +189,14 @@ def parse(
 ) -> RunConfig:
     """Checks a config already read into a dict and builds the task and the job.
 
-    Everything a value can be checked against without the task is checked
-    first; then the task is built (running a factory's code), its parameters
-    made and the job built.
-
     Args:
         raw: the config's tables.
-        base: the config file's folder, where a task factory's module is looked
-            for first (then the current working directory, then ``sys.path``).
-        runtime: overrides ``run.runtime`` (``stalewise train --runtime``); the limits
-            and the [sim] table are checked for it.
-        codec: overrides ``server.codec`` (``stalewise train --codec``).
-        pull_codec: overrides ``server.pull_codec`` (``--pull-codec``; ``"full"``: off).
+        base: the config file's folder, where a task factory's module is looked for first.
+        runtime, codec, pull_codec: override ``run.runtime``, ``server.codec`` and
+            ``server.pull_codec`` (``"full"``: off).
 
     Raises:
-        ConfigError: naming the bad key.
-    """
+        ConfigError: naming the bad key."""
     if not isinstance(raw, Mapping):
         raise ConfigError("config", f"expected tables, got {raw!r}")
     schema.check_depth(raw)

@@ -24,11 +24,8 @@ from stalewise.runtime.sim.models import SimConfigError
 
 
 def _kinds(annotation: Any) -> list[tuple[str, Callable[[Any], bool]]] | None:
-    """What a TOML value may be for a parameter annotation: (description, check) pairs.
-
-    None means "not checked" (no annotation, ``Any`` or a type we cannot read);
-    an empty list means nothing TOML can spell (a callable, a class) fits.
-    """
+    """What a TOML value may be for a parameter annotation: (description, check) pairs;
+    None: not checked; []: nothing TOML can spell fits."""
     if annotation is inspect.Parameter.empty or annotation is Any or isinstance(annotation, str):
         return None
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -91,14 +88,9 @@ def call(
     extra: Mapping[str, Any] | None = None,
     user_code: bool = False,
 ) -> Any:
-    """Calls ``fn(**kwargs, **extra)`` after checking ``kwargs`` against its signature.
-
-    Unknown, missing and ill-typed keyword arguments are ConfigErrors naming
-    ``where.key`` (or ``keys[name]``); so are the ``TypeError``, ``ValueError`` and
-    ``OSError`` the call raises, named after the argument the message mentions
-    first (else ``where``, or ``task.factory`` for ``user_code``). ``extra``
-    arguments are passed unchecked.
-    """
+    """Calls ``fn(**kwargs, **extra)`` after checking ``kwargs`` against its signature;
+    every error (and a ``TypeError``, ``ValueError`` or ``OSError`` of the call) is a
+    ConfigError naming ``where.key``. ``extra`` arguments are passed unchecked."""
     keys = dict(keys or {})
     extra = dict(extra or {})
 
@@ -223,13 +215,8 @@ def server_optimizer(
 def strategy_from_table(
     table: Mapping[str, Any], where: str = "strategy"
 ) -> strategies_lib.Strategy | None:
-    """The [strategy] table as a strategy (None for an absent or empty table).
-
-    ``inner`` is an [optimizer]-like table (errors name ``strategy.inner.lr``...),
-    ``schedule`` (``adaptive`` only) a table ``{ name = "comm_budget" | "adacomm" | "fixed", ... }``,
-    every other key an option of the strategy's constructor in
-    :mod:`stalewise.strategies`.
-    """
+    """The [strategy] table as a strategy (None for an absent or empty table); ``inner`` is
+    an [optimizer]-like table, every other key an option of the strategy's constructor."""
     if not table:
         return None
     if not isinstance(table, Mapping):

@@ -1,5 +1,4 @@
-"""The [task] table: a built-in task or a factory's (loading a module runs its code), and
-the checks that its object has the task methods stalewise calls."""
+"""The [task] table: a built-in task or a factory's (running its module's code), checked."""
 
 from __future__ import annotations
 

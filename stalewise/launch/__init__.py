@@ -1,139 +1,36 @@
 """Run a training script you own once per worker: ``stalewise run`` and :func:`init`.
 
-A script written for one process becomes an asynchronous job in the manner of
-``torchrun``: it builds its model and a :class:`~stalewise.Job` as before, calls
-``ctx = sw.init(job)`` once, and trains with ``ctx.client`` (pull the global
-parameters, push gradients or pseudo-gradients) while ``not ctx.should_stop()``.
+A script builds its model and a :class:`~stalewise.Job`, calls ``ctx = sw.init(job)``
+once, and trains with ``ctx.client`` while ``not ctx.should_stop()``.
+``stalewise run --workers N [--steps S] script.py args...`` runs the script until
+:func:`init`, which serves the job's shards, starts ``N`` worker processes that run
+the script again (``--runtime ray``: Ray actors), waits for them and ends the
+launcher's run (``SystemExit``: 0, or 1 if a worker failed). In a worker,
+:func:`init` returns its :class:`Context`. Without the launcher (``python
+script.py``) it serves the job in this process with one worker.
 
-``stalewise run --workers N [--steps S] script.py args...`` runs the script in
-the launcher's process until it calls :func:`init`; there :func:`init` starts
-the job's shards (:meth:`stalewise.Job.serve`), starts ``N`` worker processes
-that each run ``script.py args...`` again as ``__main__``, once (a worker starts
-from stalewise's entry point, without importing the launcher's ``__main__``, and
-the shards import none of the script: see
-:func:`~stalewise.runtime.local.procs.stalewise_main`), waits for them, and
-ends the launcher's run of the script (``SystemExit``: 0, or 1 if a worker
-failed). In each worker, :func:`init` returns its :class:`Context`: ``rank``,
-``world_size``, its ``client``, and ``should_stop()``, true once the job's
-workers have pushed ``S`` times in all (or the launcher stops the job). The
-workers' math libraries are capped at ``cores // N`` threads each (unless you
-set ``OMP_NUM_THREADS`` and friends yourself).
+Each rank's environment holds ``RANK``/``STALEWISE_RANK``,
+``WORLD_SIZE``/``STALEWISE_WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
+before the script runs. The budget (``--steps``) also binds a loop that never asks
+``should_stop()``: its push past it raises :class:`BudgetSpent` (a
+:class:`~stalewise.ServerClosed`); the job commits at most ``workers - 1`` pushes
+beyond it (:func:`~stalewise.protocol.budget.overshoot_bound`). The launcher prints
+progress to stderr (``STALEWISE_PROGRESS=SECONDS``, 0: none). ``--checkpoint-dir DIR
+[--checkpoint-every N] [--resume]`` saves the shards and each rank's ``ctx.state``
+(JSON values and numpy arrays, never pickled; a rank hands it over in
+``should_stop()`` every ``N`` pushes and at ``ctx.close()``) and resumes from the newest
+usable checkpoint (none yet: it says so and starts afresh; another job's: refused,
+exit status 2). How a launch ends (the launcher killed, Ctrl-C or SIGTERM, ``--timeout``,
+``--rank-timeout``): ``docs/reliability.md``.
 
-Run without the launcher (``python script.py``), :func:`init` serves the job
-in this process with one worker and returns its context: the same script still
-trains, as one worker, and ``ctx.close()`` (or the end of the process) stops
-the shards. ``steps`` then comes from ``init(job, steps=...)``, if given.
-
-``stalewise run --runtime ray`` runs each worker as a Ray actor across the
-cluster instead (one CPU each; see :mod:`stalewise.runtime.ray.launch`): the
-same script, the same :class:`Context`, with a client of the job's shard actors.
-
-Rank and world size come from the launcher, and so does each worker's client:
-a worker id of the job for each rank. Each rank's environment holds them before
-the script runs (on both runtimes), so a script can pick per-rank outputs before
-:func:`init`, as under ``torchrun``:
-
-* ``RANK`` and ``STALEWISE_RANK``: the rank, ``0 .. world_size - 1``;
-* ``WORLD_SIZE`` and ``STALEWISE_WORLD_SIZE``: the number of ranks (``--workers``);
-* ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``: the rank among those on this machine, and
-  how many there are. On the local runtime every rank is on this machine
-  (``LOCAL_RANK = RANK``); on Ray, the ranks that Ray placed on the same node are
-  numbered in rank order (the launcher asks each actor for its node first).
-
-*The budget* (``--steps`` or ``init(job, steps=...)``) holds for a loop that never
-asks ``ctx.should_stop()``: the context gives it to its client (``client.budget``),
-which refuses a push past it at the commit, before anything is sent
-(:func:`stalewise.protocol.budget.refuses`), unless a ``should_stop()`` that answered
-False since the last push granted it: ``ctx.client.push`` raises :class:`BudgetSpent`
-(a :class:`~stalewise.ServerClosed`, so ``except sw.ServerClosed`` ends such a loop
-too). A client of ``job.serve`` or ``sw.attach`` does the same once given one
-(``client.budget = steps``; ``client.may_begin(steps)`` grants). A rank that lets it
-through ends with status 0, as if its loop had ended, and the launcher says once
-``stalewise run: the budget of 50 pushes is spent; 3 pushes past it were refused``.
-A loop that asks ``should_stop()`` is never refused, except under BSP when the round
-moved on between its question and its push (a late joiner's first pull). Either way
-the job commits at most ``workers - 1`` pushes beyond the budget
-(:func:`~stalewise.protocol.budget.overshoot_bound`: the ranks' checks are not
-atomic with the other ranks' commits); under BSP, whole rounds of the shards' count,
-so late joiners and restarts stay inside it too.
-
-*Progress* (:mod:`stalewise.launch.progress`): while the ranks run, the launcher
-prints a line to stderr every :data:`~stalewise.launch.progress.PROGRESS_TTY` seconds
-when stderr is a terminal, else every :data:`~stalewise.launch.progress.PROGRESS_EVERY`
-seconds (logs stay short): ``stalewise run: 1200 pushes (1188 applied, 12 refused),
-310.5 pushes/s, loss 2.31, 4 of 4 ranks live`` (the loss: the mean of the ranks'
-``ctx.log(loss=...)``, local runtime). ``STALEWISE_PROGRESS=SECONDS`` sets the
-interval (0: no progress lines). The last line says how the ranks ended:
-``stalewise run: 4 workers done, 1201 pushes``, or ``stalewise run: 3 of 4 workers
-done, 1 failed, 1201 pushes (40 not_finite refused)``. A rank's error is one line
-(``rank 1 failed: ValueError: ... (train.py, line 12); traceback in FILE``), and the
-launcher exits with status 1; the others carry on to the budget.
-
-*Refusals* are judged as in ``Job.train`` (:class:`stalewise.protocol.loop.Watch`):
-the first is a warning with its reason, and 20 in a row as NaN/Inf end the rank
-(:class:`~stalewise.protocol.loop.Diverged`). A push before the first pull, and an
-``exclude_from_*`` pattern that matches no leaf, warn once. The launcher's run of the
-script up to :func:`init` sees rank 0's ``RANK``... (not ``STALEWISE_RANK``) and is stopped at
-:data:`INIT_TIMEOUT`. ``--name NAME``: ``sw.attach(NAME)`` joins, ``--workers`` more ids.
-
-*Checkpoints* (local runtime, :mod:`stalewise.launch.checkpoints`): ``stalewise run
---checkpoint-dir DIR [--checkpoint-every N] [--resume]``, or ``sw.init(job,
-checkpoint_dir=DIR, checkpoint_every=N, resume=True)`` (the flags win), or
-``job.serve(workers=..., checkpoint_dir=DIR, checkpoint_every=N, resume=True)`` for
-processes you start and attach yourself (then a thread of the serving process saves,
-and closing the server saves the last one; there are no ranks' states). The
-launcher, which holds the shards, saves the job in ``Job.train``'s data-only format
-(:mod:`stalewise.checkpoint`, through its :class:`~stalewise.checkpoint.Saver`):
-every ``N`` pushes of the job (counted by the server) and at the end, also after
-Ctrl-C or SIGTERM. A checkpoint holds the shards' state (parameters, optimizer
-state, versions), the job's push counts, and each rank's ``ctx.state``: a dict the
-script fills (its data position, an inner optimizer's state, an RNG's
-``bit_generator.state``) with JSON values and numpy arrays, nested dicts of them;
-nothing is pickled (:func:`stalewise.checkpoint.store.flat_state`). A rank hands its
-``ctx.state`` over in ``ctx.should_stop()`` once the job's pushes pass a multiple of
-``N`` (the launcher waits :data:`~stalewise.launch.checkpoints.RANK_STATE_WAIT` seconds
-for it, else keeps the rank's previous one) and at ``ctx.close()``, through files in ``DIR/.ranks``.
-``--resume`` restores the newest usable checkpoint before any rank starts (one of a
-job whose ``--steps`` are spent says so, and no rank starts): the
-versions and the job's pushes (so ``--steps`` stays the total budget) go on from it,
-and each rank's ``ctx.state`` is filled before ``sw.init`` returns. With no
-checkpoint in ``DIR`` yet it says so on one line and starts from the start (so the
-same command serves the first launch and every restart); a checkpoint of another job
-(other parameters, optimizer, shards or ``--workers``) is refused on one line, exit
-status 2. Unlaunched (``python script.py``), ``sw.init`` saves from ``should_stop()``
-and ``close()`` in the script's own process.
-
-How a launch ends, on the local runtime:
-
-* **The launcher killed** (even ``kill -9``): each rank, like each shard
-  process, dies with it, and so does everything started from them through
-  stalewise (:func:`~stalewise.runtime.local.procs.die_with_parent`, the first
-  thing a rank does: on Linux a parent-death signal, checked against the race
-  by the parent's pid, and everywhere a thread watching the pipe from the
-  launcher). The shared block has no name in ``/dev/shm``
-  (:mod:`stalewise.runtime.local.shm`), the start rendezvous is a pipe per rank
-  (no named semaphore), and ``multiprocessing``'s resource tracker ends with
-  the last process that holds its pipe, so nothing of the job stays.
-* **Ctrl-C or SIGTERM to the launcher**: an orderly stop. The job's stop flag
-  is set (``ctx.should_stop()`` turns true), the ranks get
-  :data:`~stalewise.launch.ranks.STOP_GRACE` seconds to end, those still running are
-  killed (a line each), then the shards close. ``stalewise run`` exits 130 (Ctrl-C) or 143 (SIGTERM,
-  :class:`Terminated`). A rank interrupted itself (Ctrl-C in a terminal reaches
-  every process of its group) says so on one line, with no traceback.
-* **--timeout SECONDS**: counted from the start of the ranks, it bounds the
-  whole run. At the deadline the launcher names each rank still running and how
-  far it got (``rank 1 (3 pushes, the last 18.2 s ago)``), stops the job as
-  above, and exits 1. This is what catches a rank that hangs before its first
-  push, or every rank at once (a BSP round waiting on a hung rank).
-* **The liveness rule** (``--rank-timeout SECONDS``, default
-  :data:`~stalewise.launch.ranks.RANK_TIMEOUT`; 0 turns it off): the launcher reads
-  each rank's push counter (in the shared block) every quarter of a second. A rank
-  that has pushed at least once, then pushes nothing for that long while the other
-  ranks push, is taken for hung (the rule and why it is a fixed bound:
-  :func:`stalewise.protocol.liveness.silent_rank`): named (``rank 1 hung: no push for
-  300.2 s while the other ranks pushed 81234 times``), killed, and the others carry on
-  to the budget; the launcher exits 1. Pulls are not counted (they read the shared
-  block without a trace), hence "pushes nothing".
+A rank's first refused push is a warning with its reason; 20 in a row refused as NaN/Inf
+(``Job.train``'s ``diverge_after``: :class:`stalewise.protocol.loop.Watch`) end it. A
+rank's error is one line (where in the script; the traceback in a file). The progress
+line counts applied and refused pushes and shows the ranks' ``ctx.log(loss=...)``
+(local). The launcher's run of the script up to :func:`init` sees rank 0's ``RANK``
+(not ``STALEWISE_RANK``) and is stopped at :data:`INIT_TIMEOUT`. ``--resume`` of a job
+whose budget is spent says so and starts no rank. ``--name NAME``: other processes join
+with ``sw.attach(NAME)``.
 
 Example (``train.py``; ``stalewise run --workers 4 --steps 2000 train.py``):
 
@@ -226,21 +123,16 @@ def init(
     """This process's part of a launched job; see the module docstring.
 
     Args:
-        job: the :class:`~stalewise.Job` the script trains (its parameters and
-            server optimizer): in the launcher it is served; in a worker it must
-            have the launcher's layout.
-        steps: the job's budget of pushes in all (the launcher's ``--steps``, if
-            given, wins).
-        checkpoint_dir, checkpoint_every, resume: checkpoints of the job and of each
-            rank's ``ctx.state`` (see "Checkpoints" in the module docstring); the
-            launcher's ``--checkpoint-dir``, ``--checkpoint-every`` and ``--resume``, if
-            given, win. Ignored in a launched worker (the launcher's hold).
+        job: the :class:`~stalewise.Job` the script trains: served in the launcher; in a
+            worker it must have the launcher's layout.
+        steps: the job's budget of pushes in all (``--steps`` wins).
+        checkpoint_dir, checkpoint_every, resume: the job's and each rank's checkpoints
+            (``--checkpoint-dir``, ``--checkpoint-every``, ``--resume`` win; ignored in a
+            launched worker).
         checkpoints: or ``sw.Checkpoints(dir, every=, resume=)``, as ``Job.train`` takes them.
 
     Returns:
-        The worker's :class:`Context` (in the launcher's own process it does not
-        return: the launcher ends there, once the workers are done).
-    """
+        The worker's :class:`Context` (in the launcher it does not return)."""
     from stalewise.api import Job
 
     if not isinstance(job, Job):
@@ -317,8 +209,7 @@ def _unmatched(job: Any) -> None:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM reached the launcher, which stops the job as Ctrl-C does (``stalewise run``
-    then exits with status 143)."""
+    """SIGTERM reached the launcher: it stops the job as Ctrl-C does (exit status 143)."""
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -349,8 +240,7 @@ def _init_alarm(script: str) -> Any:
 
 
 def _check_python(path: Path) -> None:
-    """Refuses a script that is not Python (``stalewise run /bin/true``) on one line,
-    before anything starts."""
+    """Refuses a script that is not Python (``stalewise run /bin/true``) before anything starts."""
     try:
         source = path.read_bytes()
     except OSError as e:
@@ -388,27 +278,16 @@ def launch(
 ) -> int:
     """Runs ``script`` with ``argv`` as ``stalewise run`` does; returns the exit status.
 
-    ``runtime``: ``"local"`` (worker processes on this machine) or ``"ray"`` (Ray actors
-    across the cluster this process connects to; see :mod:`stalewise.runtime.ray.launch`).
-    ``timeout``: seconds for the whole run, from the start of the ranks (None: no bound);
-    ``rank_timeout``: the liveness rule's silence, local runtime only (None:
-    :data:`~stalewise.launch.ranks.RANK_TIMEOUT`; 0: off). ``checkpoint_dir``,
-    ``checkpoint_every``, ``resume``: the job's checkpoints, local runtime only (they win
-    over ``sw.init``'s). See the module docstring.
-
-    ``name``: serve the job under this name, with room for ``workers`` more worker ids,
-    so that other processes join it with ``sw.attach(name)``.
-
-    ``address``: the Ray cluster to run on, runtime ray only (None: ``RAY_ADDRESS``, else
-    a new local instance, never a cluster another user started on this machine; see
-    :func:`stalewise.runtime.ray.launch.ray_address`).
-
-    Called from the main thread, it handles SIGTERM as Ctrl-C while it runs: the job is
-    stopped in order and :class:`Terminated` (a ``KeyboardInterrupt``) is raised.
+    ``runtime``: ``"local"`` or ``"ray"``; ``timeout``: seconds for the whole run (None:
+    no bound); ``rank_timeout``: the liveness rule's silence, local only (None:
+    :data:`~stalewise.launch.ranks.RANK_TIMEOUT`; 0: off); ``checkpoint_dir``,
+    ``checkpoint_every``, ``resume``: local only; ``address``: the Ray cluster (None:
+    ``RAY_ADDRESS``, else a new local instance); ``name``: the job is served under it, with
+    room for ``workers`` more ids, for ``sw.attach(name)``. From the main thread, SIGTERM is
+    handled as Ctrl-C: the job stops in order and :class:`Terminated` is raised.
 
     Raises:
-        LaunchError: a bad argument, or a script that ends without calling :func:`init`.
-    """
+        LaunchError: a bad argument, or a script that ends without calling :func:`init`."""
     global _LAUNCH
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
         raise LaunchError(f"--workers must be an integer in 1..{MAX_WORKERS}, got {workers!r}")

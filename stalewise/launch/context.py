@@ -57,9 +57,8 @@ class Context:
             self.client.log_loss(float(loss))
 
     def budget(self, steps: int | None) -> None:
-        """Sets the job's budget: ``should_stop()`` asks it, and the client refuses a push
-        past it that ``should_stop()`` did not grant (:class:`~stalewise.BudgetSpent`,
-        :func:`stalewise.protocol.budget.refuses`)."""
+        """Sets the job's budget: ``should_stop()`` asks it, and the client refuses a push past
+        it that ``should_stop()`` did not grant (:class:`~stalewise.BudgetSpent`)."""
         self.steps = steps
         if self.client is not None:
             self.client.budget = steps
@@ -114,8 +113,7 @@ INITIALISED = False  # stalewise.init() has been called in this process
 
 
 def become(ctx: Context) -> None:
-    """This process is a launched rank with context ``ctx``: the script it runs next gets
-    ``ctx`` from :func:`stalewise.init`, once."""
+    """This process is a launched rank: :func:`stalewise.init` returns ``ctx`` to its script."""
     global WORKER, INITIALISED
     WORKER, INITIALISED = ctx, False
 
@@ -129,10 +127,8 @@ def run_script(script: str | Path, argv: list[str]) -> None:
 
 def rendezvous(ctx: Context) -> None:
     """Waits until every launched worker has reached :func:`stalewise.init`, so that they
-    start together (a worker that is first by the time its imports take would otherwise
-    spend the budget alone). A worker that never gets there holds the others up for
-    :data:`RENDEZVOUS_TIMEOUT` seconds at most, and one that ends first not at all;
-    then they start without it."""
+    start together; one that never gets there holds the others up for
+    :data:`RENDEZVOUS_TIMEOUT` seconds at most."""
     if ctx._barrier is None:
         return
     try:

@@ -1,5 +1,4 @@
-"""The launcher's lines on stderr, on both runtimes: progress while the ranks run, and how
-they ended (see "Progress" in :mod:`stalewise.launch`)."""
+"""The launcher's lines on stderr: progress while the ranks run, and how they ended."""
 
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ def progress_every() -> float:
 
 
 class Progress:
-    """The launcher's progress line: the job's pushes (applied and refused, as the shards
-    count them), their rate since the last line (a resumed job's restored pushes aside),
-    the ranks' mean loss (``ctx.log(loss=...)``, local runtime), and the ranks running."""
+    """The launcher's progress line: the job's pushes (applied, refused), their rate (a
+    resumed job's restored pushes aside), the ranks' mean ``ctx.log`` loss, the ranks live."""
 
     def __init__(self, workers: int, server: Any):
         self.workers, self.server = workers, server

@@ -1,7 +1,4 @@
-"""``stalewise run`` on the local runtime: one process per rank, started, released
-together, watched and stopped by the launcher (the ``"local"`` runtime's ``launch``; see
-"How a launch ends" in :mod:`stalewise.launch`).
-"""
+"""``stalewise run`` on the local runtime: one process per rank, watched by the launcher."""
 
 from __future__ import annotations
 
@@ -37,10 +34,8 @@ POLL = 0.25  # seconds between the launcher's looks at the ranks' push counters
 
 
 def serve_workers(job: Any, launch: Any) -> int:
-    """The launcher's side: serves ``job``, runs the workers, waits; the exit status.
-
-    However it ends (the ranks done, a timeout, Ctrl-C, SIGTERM), the ranks are stopped
-    before the shards: :meth:`Ranks.stop`."""
+    """The launcher's side: serves ``job``, runs the workers, waits; returns the exit
+    status. However it ends, the ranks are stopped before the shards."""
     ctx = mp.get_context("spawn")
     directory, every = launch.checkpoint_dir, launch.checkpoint_every
     with job.serve(workers=room(launch), name=launch.name) as server, \
@@ -224,10 +219,9 @@ class Ranks:
                     self._ended(r)
 
     def stop(self) -> None:
-        """Stops the ranks still running, before the shards close: sets the job's stop flag
-        (``ctx.should_stop()`` turns true), lets the ranks waiting at the rendezvous go,
-        gives them :data:`STOP_GRACE` seconds to end, then kills the rest. A second
-        Ctrl-C (or SIGTERM) meanwhile kills them at once."""
+        """Stops the ranks still running, before the shards close: sets the job's stop flag,
+        gives them :data:`STOP_GRACE` seconds, then kills the rest (at once on a second
+        Ctrl-C or SIGTERM)."""
         self.stopping = True
         if not self.running():
             return
@@ -255,19 +249,15 @@ class Ranks:
 
 
 def whole_lines() -> None:
-    """Makes each line a worker prints one write to the stdout and stderr it shares with
-    the others. Unbuffered (``PYTHONUNBUFFERED``, ``-u``), ``print`` writes its text and
-    its newline separately, and two workers' lines tear (``rank 2: 2.9rank 1: 2.9``);
-    line buffering keeps them whole and still shows each line as it ends."""
+    """Line-buffers each worker's stdout and stderr, so two workers' lines never tear."""
     for stream in (sys.stdout, sys.stderr):
         if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
             stream.reconfigure(write_through=False, line_buffering=True)
 
 
 class Gate:
-    """A rank's side of the launcher's start rendezvous: its pipe to the launcher, on
-    which it says ``ready`` and waits for ``go`` (``alone``: a rank ended before it got
-    there). No named semaphore: nothing of it can stay in ``/dev/shm``."""
+    """A rank's side of the launcher's start rendezvous: says ``ready`` on its pipe and
+    waits for ``go`` (``alone``: a rank ended before it got there)."""
 
     def __init__(self, conn: Any):
         self.conn = conn
@@ -292,13 +282,9 @@ def worker_main(
     conn: Any,
     logs: str,
 ) -> None:
-    """A worker process (a rank): runs the script as ``__main__`` with its context set,
-    once (it was spawned without the launcher's ``__main__``, see :class:`Ranks`).
-
-    It dies with the launcher (:func:`~stalewise.runtime.local.procs.die_with_parent`,
-    first thing). Interrupted (Ctrl-C reaches every process of the terminal's group),
-    or stopped by the launcher while it waits on the shards, it says so on one line; an
-    error becomes the launcher's line (:func:`failure`)."""
+    """A worker process (a rank): runs the script once as ``__main__`` with its context set;
+    it dies with the launcher, says on one line when interrupted or stopped, and sends
+    its error's line to the launcher (:func:`failure`)."""
     from stalewise.runtime.local.procs import die_with_parent
 
     die_with_parent()
@@ -339,8 +325,7 @@ def worker_main(
 
 
 def failure(e: BaseException, script: str, rank: int, logs: str) -> str:
-    """A rank's error in one line, with where it happened in the script (else the
-    innermost frame); its whole traceback goes to ``logs/rank-R.log``, named there."""
+    """A rank's error in one line and where in the script; the traceback in ``logs``."""
     frames = traceback.extract_tb(e.__traceback__)
     at = next((f for f in reversed(frames) if f.filename == script), frames[-1] if frames else None)
     where = f" ({Path(at.filename).name}, line {at.lineno})" if at else ""
@@ -355,14 +340,12 @@ def failure(e: BaseException, script: str, rank: int, logs: str) -> str:
 
 
 def room(launch: Any) -> int | tuple[int, int]:
-    """The worker ids a launch serves: its ranks', and with ``--name`` as many more for
-    the processes that ``sw.attach`` to it (an elastic job: see :meth:`stalewise.Job.serve`)."""
+    """The worker ids a launch serves: with ``--name``, as many more for ``sw.attach``."""
     return launch.workers if launch.name is None else (launch.workers, 2 * launch.workers)
 
 
 def rank_env(rank: int, world: int, local_rank: int, local_world: int) -> dict[str, str]:
-    """The variables a rank's environment holds before its script runs (torchrun's names
-    and stalewise's; see :mod:`stalewise.launch`)."""
+    """A rank's environment variables before its script runs (torchrun's and stalewise's)."""
     return {
         "RANK": str(rank),
         "WORLD_SIZE": str(world),

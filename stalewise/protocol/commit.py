@@ -1,41 +1,15 @@
 """The commit rule: a push is applied by every shard or by none.
 
-Each shard sees only its slice of a push, so no shard alone can tell whether
-another slice holds a NaN or whether the push is too stale elsewhere. The
-sender therefore judges the whole push once, before any shard sees it, and
-writes that :class:`Verdict` into the push's record. The push is *committed*
-when its record is complete (in the local runtime: when the record's commit
-word is stored in shared memory). From then on every shard follows the same
-verdict, and a shard that learns its sender died delivers a committed push it
-has not handled yet (:meth:`~stalewise.protocol.shard.Shard.depart`), so a
-push whose sender is killed at any instant is applied everywhere or nowhere:
-
-* killed before the commit word: no shard was told, none applies it;
-* killed after it: every shard applies it, from a message or at departure.
-
-What is judged at commit:
-
-* ``not_finite``: NaN or Inf anywhere in the update (only needed with several
-  shards; a single shard checks its whole slice itself);
-* ``overflow``: the update's squared norm overflows its dtype (beyond about
-  3.4e38 in float32, so every element whose square overflows, from about
-  1.84e19, is caught). Such a push would freeze Adam (its second moment turns
-  Inf) or blow the parameters up; a sane gradient is nowhere near it;
-* ``too_stale``: ``max_staleness`` against the versions the sender knows at
-  commit (the largest ``known - base`` over shards), one answer for all shards.
-
-A verdict is two integers, so it fits a fixed binary record.
-
-What cannot be judged at commit: whether a step would overflow the *shard's*
-state. Each shard keeps a copy of its slice's parameters and optimizer state,
-takes the step, and if any value turned non-finite it restores the copy and
-refuses the push as ``overflow`` (:meth:`~stalewise.protocol.shard.Shard.push`).
-That depends on the shard's own values, which the sender does not know, so this
-is the one refusal that can *split* a push: applied by some shards, refused by
-others. With the ``overflow`` verdict above it needs parameters or optimizer
-state already within a step of the dtype's limit (or an absurd learning rate);
-the sender sees it in the acks and the push's result says ``split``
-(:class:`~stalewise.protocol.messages.PushResult`).
+The sender judges the whole push once, before any shard sees it, into a
+:class:`Verdict` (two integers) written into the push's record; once the record is
+complete the push is *committed*, every shard follows the verdict, and a shard that
+learns its sender died delivers a committed push it has not handled
+(:meth:`~stalewise.protocol.shard.Shard.depart`). Judged at commit: ``not_finite``
+(NaN/Inf anywhere; with several shards), ``overflow`` (the update's squared norm
+overflows its dtype) and ``too_stale`` (``max_staleness`` against the versions the
+sender knows). A step that would overflow a shard's own state is refused by that
+shard alone, the one refusal that can split a push (``PushResult.split``). Why:
+``docs/design-notes.md`` ("Protocol").
 
 Example:
     >>> import numpy as np

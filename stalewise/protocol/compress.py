@@ -1,48 +1,16 @@
 """Compressed pushes: a whole flat update -> one payload per shard, and back.
 
-The job's codec (:mod:`stalewise.codecs`) is a per-leaf policy; the shards
-cut the flat vector into ranges (:mod:`stalewise.sharding`), possibly through
-a leaf. A *piece* is the part of one leaf inside one shard's range; it is
-encoded with the codec its whole leaf's size calls for, so a large leaf cut
-in two is compressed alike on both shards. A shard's payload is the payloads
-of its pieces, back to back, in order (zero-sized pieces are skipped).
-
-* The worker side, :class:`Compressor`, encodes an update into every shard's
-  payload with error feedback (EF-SGD) for the codecs that ask for it: with
-  ``e`` the residual, it sends ``C(g + e)`` and keeps ``e = g + e - C(g + e)``,
-  so what a lossy codec drops is sent later rather than lost. The residual is
-  a plain vector in a :class:`Feedback`, part of the worker's state that
-  checkpoints save (:meth:`Compressor.adopt` checks one read back). An update
-  holding NaN or infinity is encoded as it is (the shards will refuse it) and
-  leaves the residual untouched. ``encode_into(..., out=)`` writes the new
-  residual into a second buffer, leaving the old one as it was: a sender keeps
-  the residual of its last *committed* push until the new push commits, so a
-  sender that dies in between leaves a residual consistent with what the
-  shards applied. With several shards the sender's verdict
-  (:mod:`stalewise.protocol.commit`) judges the payloads decoded back
-  (:meth:`Compressor.decode`), the values the shards will apply.
-* The shard side, :class:`Decoder`, decodes one shard's payload into its slice
-  and checks it on the way: every piece's header (codec, size, parameters),
-  the lengths, and nothing left over. A corrupt, truncated or foreign payload
-  raises :class:`~stalewise.codecs.PayloadError` naming the shard and the leaf;
-  the shard turns it into a refusal and applies nothing. The decoded values are
-  then validated like any push (finite, the right length).
-
-Segment pushes: a piece whose update is exactly zero everywhere (a leaf that
-did not move: the fragments a streaming DiLoCo push leaves out) is not sent.
-A payload that leaves pieces out, when that makes it shorter, is a *segment
-payload*: a header (``SEGMENTS``: magic ``0xE5``, the count of pieces sent
-and the payload's length in bytes), the indices of the pieces sent (in the
-shard's piece table, increasing, uint32), then their codec payloads; the
-shard decodes zeros for the others. A piece's error-feedback residual is left
-as it was while the piece is not sent. A shard with nothing to apply still
-gets a header-only payload (12 bytes): every push reaches every shard, so
-sequence numbers, clocks and BSP rounds stay the same on all of them.
-
-Byte counts are exact: :meth:`Compressor.nbytes` is the longest payload (every
-piece sent, ``len(payload)`` of a dense push); :meth:`Compressor.sent_nbytes`
-the length of the push just encoded, which depends only on the sizes of the
-pieces it sent, so a simulator charges the real wire size.
+A *piece* is the part of one leaf inside one shard's range, encoded with the codec
+its whole leaf's size calls for; a shard's payload is its pieces' payloads back to
+back. :class:`Compressor` (the worker side) encodes with error feedback (EF-SGD,
+``docs/codecs.md``) for the codecs that ask for it; ``encode_into(..., out=)`` keeps
+the old residual until the push commits. :class:`Decoder` (the shard side) decodes
+and checks every piece's header, raising :class:`~stalewise.codecs.PayloadError`
+naming the shard and the leaf. A piece that is zero everywhere is not sent: such a
+*segment payload* is a header (``SEGMENTS``: magic ``0xE5``, the count of pieces
+sent, the length in bytes), the pieces' indices (uint32, increasing), then their
+payloads; a shard with nothing to apply still gets the 12-byte header. Byte counts
+are exact (:meth:`Compressor.nbytes`, :meth:`Compressor.sent_nbytes`).
 
 Example:
     >>> import numpy as np
@@ -100,11 +68,7 @@ class Piece(NamedTuple):
 
 @dataclass
 class Feedback:
-    """A worker's error-feedback state: what its codecs have not sent yet.
-
-    ``residual`` is a plain vector the length of the flat parameters (zero
-    where no codec keeps feedback), so a checkpoint can save it as it is.
-    """
+    """A worker's error-feedback state: ``residual``, a flat vector (zero where none is kept)."""
 
     residual: np.ndarray
 
@@ -123,12 +87,8 @@ def plan(
     ranges: Sequence[tuple[int, int]],
     exact: Collection[str] = (),
 ) -> list[list[Piece]]:
-    """The pieces of each shard's range, each with the codec its whole leaf's size gets.
-
-    ``exact``: leaves that always travel as ``none()`` whatever their size: a
-    model's buffers (``FlatSpec.buffers``), whose slot in an update carries a value
-    (a running mean), not a gradient a lossy codec could drop or defer.
-    """
+    """The pieces of each shard's range, each with the codec its whole leaf's size gets;
+    ``exact`` leaves (a model's buffers) always travel as ``none()``."""
     if not isinstance(policy, codecs.Policy):
         raise TypeError(f"codec must be a codec (e.g. sw.codecs.topk(0.01)), got {policy!r}")
     ends = segments.offsets + segments.sizes
@@ -151,11 +111,8 @@ def _piece_nbytes(p: Piece, dtype: Any) -> int:
 
 
 def warm_up(pieces: Sequence[Piece]) -> None:
-    """Runs each codec of ``pieces`` once, so that loading (or compiling) its kernels
-    happens before the first push rather than during it. The vector is long enough for
-    the paths codecs take on large ones (top-k estimates its threshold from a sample
-    from 64k values on, a kernel a 1024-value warm-up never ran: 0.4-0.6 s at the first
-    push)."""
+    """Runs each codec of ``pieces`` once on a long vector, so that loading its kernels
+    happens before the first push rather than during it."""
     x = np.linspace(-1.0, 1.0, 1 << 16, dtype=np.float32)
     for codec in {p.codec for p in pieces}:
         payload = codec.encode(x)
@@ -164,13 +121,12 @@ def warm_up(pieces: Sequence[Piece]) -> None:
 
 
 class Decoder:
-    """Decodes one shard's payloads into its slice (the shard side); see the module docstring.
+    """Decodes one shard's payloads into its slice (the shard side).
 
     Args:
         pieces: the shard's pieces (from :func:`plan`), offsets in the flat vector.
         start: where the shard's range starts in the flat vector.
-        shard: the shard's number, for error messages.
-    """
+        shard: the shard's number, for error messages."""
 
     def __init__(self, pieces: Sequence[Piece], start: int, shard: int = 0):
         self.pieces = list(pieces)
@@ -186,9 +142,7 @@ class Decoder:
         k: int,
         exact: Collection[str] = (),
     ) -> Decoder:
-        """The decoder of shard ``k`` of a job (``config.codec``, ``config.spec.segments``,
-        ``config.ranges``, ``config.spec.buffers``), as :meth:`ServerConfig.build_shard`
-        makes it."""
+        """The decoder of shard ``k`` of a job, as :meth:`ServerConfig.build_shard` makes it."""
         lo, hi = ranges[k]
         return cls(plan(policy, segments, [(lo, hi)], exact)[0], lo, k)
 
@@ -267,8 +221,7 @@ class Compressor:
         policy: the job's codec (``ServerConfig.codec``).
         segments: the job's segment table (``spec.segments``).
         ranges: each shard's ``[start, stop)`` (``ServerConfig.ranges``).
-        exact: leaves sent as ``none()`` whatever the policy (``spec.buffers``; see :func:`plan`).
-    """
+        exact: leaves sent as ``none()`` whatever the policy (see :func:`plan`)."""
 
     def __init__(
         self,
@@ -299,12 +252,7 @@ class Compressor:
         warm_up([p for pieces in self.pieces for p in pieces])
 
     def nbytes(self, k: int, dtype: Any = np.float32, scale: float = 1.0) -> int:
-        """The exact length of shard ``k``'s payload.
-
-        ``scale``: the byte count of a model ``scale`` times larger, with every
-        piece scaled alike (what a simulator's ``model_bytes`` models); 1 gives
-        ``len(payload)``.
-        """
+        """The exact length of shard ``k``'s payload (of a model ``scale`` times larger)."""
         if scale == 1.0:
             return self.decoders[k].nbytes(dtype)
         return sum(
@@ -324,13 +272,11 @@ class Compressor:
         return segment_nbytes([p.codec.nbytes(m, dtype) for p, m in zip(pieces, n, strict=True)])
 
     def decode(self, payloads: Sequence[Any], out: np.ndarray) -> np.ndarray:
-        """Every shard's payload decoded into its slice of ``out`` (the whole flat vector),
-        as the shards will decode them: what a sender's verdict judges
-        (:func:`stalewise.protocol.commit.judge`).
+        """Every shard's payload decoded into its slice of ``out``, as the shards will decode
+        them (what a sender's verdict judges).
 
         Raises:
-            PayloadError: a payload is corrupt, naming the shard and the leaf.
-        """
+            PayloadError: a payload is corrupt, naming the shard and the leaf."""
         for k, (lo, hi) in enumerate(self.ranges):
             self.decoders[k].decode(payloads[k], out[lo:hi])
         return out
@@ -340,16 +286,11 @@ class Compressor:
         return Feedback(np.zeros(self.size, dtype)) if self.error_feedback else None
 
     def adopt(self, residual: Any, dtype: Any = np.float32, worker: Any = None) -> Feedback | None:
-        """A worker's error-feedback state from a saved residual (a checkpoint's), or None
-        when no codec of this job keeps feedback.
-
-        The values of the leaves whose codec keeps no feedback are zeroed (a job
-        resumed with another codec per leaf); the rest is copied.
+        """A worker's error-feedback state from a saved residual, or None when no codec keeps
+        feedback (leaves whose codec keeps none are zeroed).
 
         Raises:
-            ValueError: ``residual`` is not a vector of this job's size and ``dtype``
-                (naming ``worker`` when given).
-        """
+            ValueError: ``residual`` is not a vector of this job's size and ``dtype``."""
         who = "" if worker is None else f"worker {worker}'s "
         if not isinstance(residual, np.ndarray) or residual.shape != (self.size,):
             shape = getattr(residual, "shape", type(residual).__name__)
@@ -374,11 +315,7 @@ class Compressor:
         return [p for ps in self.pieces for p in ps if p.codec.error_feedback]
 
     def encode(self, flat: np.ndarray, state: Feedback | None = None) -> tuple[list, Any]:
-        """Every shard's payload of the update ``flat``, and the new error-feedback state.
-
-        ``state`` (from :meth:`init`, or None for a fresh one) is updated in place
-        and returned.
-        """
+        """Every shard's payload of ``flat``, and ``state`` (None: a fresh one) updated in place."""
         flat = self._check(flat)
         bufs = [bytearray(self.nbytes(k, flat.dtype)) for k in range(len(self.ranges))]
         return bufs, self.encode_into(flat, bufs, state)
@@ -390,13 +327,8 @@ class Compressor:
         state: Feedback | None = None,
         out: Feedback | None = None,
     ) -> Feedback | None:
-        """Like :meth:`encode`, into writable buffers of exactly :meth:`nbytes` bytes
-        (e.g. slices of a shared-memory block); returns the new state.
-
-        ``out``: a second state to write the new residual into, leaving ``state``
-        unchanged (None: ``state`` is updated in place). It costs no extra pass:
-        ``p = g + e`` is written into ``out`` instead of into ``e``.
-        """
+        """Like :meth:`encode`, into writable buffers of exactly :meth:`nbytes` bytes; ``out``:
+        a second state to write the new residual into, leaving ``state`` unchanged."""
         flat = self._check(flat)
         if self.error_feedback and state is None:
             state = self.init(flat.dtype)

@@ -35,9 +35,7 @@ class ServerConfig:
         return sharding.plan(self.spec.segments, self.shards)
 
     def compressor(self) -> compress.Compressor | None:
-        """The workers' encoder of pushes (one payload per shard), or None when the codec
-        sends every leaf as it is and pushes travel as plain float vectors. Buffer
-        leaves (``spec.buffers``) always travel as they are: their slot holds a value."""
+        """The workers' encoder of pushes, or None when every leaf travels as it is."""
         if compress.is_identity(self.codec):
             return None
         return compress.Compressor(self.codec, self.spec.segments, self.ranges, self.spec.buffers)
@@ -45,14 +43,9 @@ class ServerConfig:
     def build_shard(
         self, k: int, params: np.ndarray, workers: int, expected: int | None = None
     ) -> Shard:
-        """Builds shard ``k`` over ``params`` (its slice, already holding the values), with
-        room for ``workers`` worker ids of which the first ``expected`` (default: all) are
-        expected from the start.
-
-        With a codec the shard takes encoded payloads and decodes them itself
-        (:class:`~stalewise.protocol.compress.Decoder`), so a push is validated on
-        the values it decodes to, and a corrupt payload is refused.
-        """
+        """Builds shard ``k`` over ``params`` (its slice, holding the values), with room for
+        ``workers`` worker ids, the first ``expected`` (default: all) expected from the
+        start; with a codec it decodes the payloads itself."""
         ranges = self.ranges
         lo, hi = ranges[k]
         decoder = None

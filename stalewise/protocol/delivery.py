@@ -77,8 +77,7 @@ class Cut:
         self.targets: dict[int, tuple[int, int]] = {}
 
     def freeze(self, shard: Any) -> list[tuple[int, int]]:
-        """Holds every push from now on; returns each worker's (incarnation, pushes
-        handled) on ``shard``."""
+        """Holds every push from now on; returns each worker's (incarnation, pushes handled)."""
         self.frozen, self.targets = True, {}
         return [(int(shard.incarnation[w]), int(shard.next_seq[w])) for w in range(shard.workers)]
 

@@ -1,35 +1,13 @@
 """The hybrid consistency model's rule: synchronous while workers keep pace, else asynchronous.
 
-Under :func:`stalewise.consistency.Hybrid` a shard runs in one of two modes:
-
-* **synchronous** (BSP): a worker that pushed in the current round waits until
-  every live worker has pushed; the round's mean is applied once;
-* **asynchronous** (ASP): no waiting; every push is applied on arrival, with
-  the job's staleness weight divided by ``sqrt(live workers)``. One learning
-  rate then suits both modes: a synchronous round applies the mean of ``W``
-  pushes once, and by the square-root scaling rule (Krizhevsky 2014; Hoffer et
-  al. 2017) a step on a ``W``-times larger batch takes about ``sqrt(W)`` times
-  the learning rate of one push. (Dividing by ``W``, the linear rule, made the
-  asynchronous phases crawl with 16 workers; not dividing made a rate tuned for
-  BSP overshoot with 4.)
-
-The shard measures each worker's *pace*: the time from the pull it served to
-that worker's next push (compute plus transfer; the runtime passes ``now``, wall
-seconds in the local runtime, virtual seconds in the simulator), smoothed over
-pushes. A worker is a *straggler* when its pace exceeds ``tolerance`` times the
-median pace of the live workers. The mode is decided at round boundaries only
-(in the asynchronous mode, a round is over when every live worker has pushed
-since the last decision), so a shard switches between whole rounds:
-
-* synchronous -> asynchronous when the round just closed had a straggler;
-* asynchronous -> synchronous when no worker's pace exceeds ``tolerance / 1.25``
-  times the median (the margin keeps a worker near the limit from flapping).
-
-A shard starts synchronous. Every shard measures the same pushes and decides
-by the same rule; as each measures its own arrival times, two shards can
-switch one round apart near the limit. Every push is still applied exactly
-once by every shard (or by none): only how a round's pushes are merged (mean
-or one by one) can differ in that round.
+Under :func:`stalewise.consistency.Hybrid` a shard runs synchronous (BSP rounds) or
+asynchronous (every push applied on arrival, its staleness weight divided by
+``sqrt(live workers)``). Each worker's *pace* is the smoothed time from the pull the
+shard served to that worker's next push (``now``: the runtime's clock). At a round's
+end the shard turns asynchronous when the round had a straggler (a pace over
+``tolerance`` times the live workers' median), and synchronous again when every pace
+is within ``tolerance / 1.25`` of it. A shard starts synchronous. Why:
+``docs/design-notes.md`` ("Protocol").
 
 Example:
     >>> pace = Pace(workers=3)

@@ -1,41 +1,15 @@
 """When is a silent worker hung? Each worker is judged by its own rhythm.
 
-A runtime hears a worker's heartbeats (the local runtime: a message at most
-every second while it makes progress; Ray: a progress count the driver polls).
-A fixed ``worker_timeout`` must be long enough for the slowest step of the
-slowest worker, so it is slow to notice a hang of a fast one (60 s by default,
-where beats come every second). :class:`Silence` instead keeps the intervals
-between one worker's beats and asks how unlikely the silence since its last
-beat is under them, in the manner of the phi-accrual failure detector
-(Hayashibara et al., 2004):
-
-    phi = -log10 P(an interval >= the silence so far)
-
-with the intervals taken as normal, of their measured mean ``m`` and a
-deviation of at least ``MIN_SPREAD * m`` (beats of a steady worker vary
-little, and a deviation near zero would suspect it at the first late beat).
-The worker is hung when ``phi >= THRESHOLD`` (a silence that long had odds
-below 1e-8) and the silence is at least ``FLOOR`` seconds, once
-``MIN_SAMPLES`` intervals are known; or, whatever its history, when the
-silence exceeds ``worker_timeout``, which stays the upper bound. So a worker
-beating every second is found hung after ``FLOOR`` (10 s), one whose beats
-come every 20 s after about 77 s (3.8 of its intervals), and none later than
-``worker_timeout``. The floor keeps a busy machine, where a process can go
-unscheduled for seconds, from costing restarts; the spread floor keeps a
-worker whose step time wanders (a slower phase, an evaluation elsewhere) from
-being taken for hung before about 3.8 of its usual intervals.
-
-This is the one rule both process runtimes apply to their own workers (the
-simulator's workers never hang: its failures are scripted).
-
-A rank of a script you own (``stalewise run``) is judged by a fixed bound instead
-(:func:`silent_rank`): between two pushes such a script may evaluate or save for a
-long while, which a worker loop of the library never does, so its rhythm says little.
-It is hung when it has pushed at least once, then pushed nothing for ``limit``
-seconds while the job went on without it (the other ranks pushed since its last
-push). Its clock starts at its first push, so a rank slow to start (importing
-torch, loading data) is never taken for hung; a job where no rank pushes, or every
-rank waits (a BSP round on a hung rank), is left to the run's overall timeout.
+:class:`Silence` keeps the intervals between one worker's heartbeats and asks how
+unlikely the silence since its last beat is under them (phi accrual, Hayashibara et
+al., 2004): ``phi = -log10 P(an interval >= the silence so far)``, the intervals
+taken as normal with a deviation of at least ``MIN_SPREAD`` times their mean. The
+worker is hung when ``phi >= THRESHOLD`` and the silence is at least ``FLOOR``
+seconds, once ``MIN_SAMPLES`` intervals are known, or whatever its history past
+``worker_timeout``. Both process runtimes apply it. A rank of a script you own
+(``stalewise run``) is judged by a fixed bound instead (:func:`silent_rank`): it
+has pushed, then nothing for ``limit`` seconds while the other ranks pushed. Why:
+``docs/design-notes.md``.
 
 Example:
     >>> s = Silence(upper=60.0)
@@ -65,10 +39,9 @@ class Silence:
     """One worker's heartbeats, and whether its silence now means it hung.
 
     Args:
-        upper: ``worker_timeout``: a silence longer than this is a hang whatever the
-            history (None: no upper bound; then only phi judges).
-        threshold, floor: see the module docstring.
-    """
+        upper: ``worker_timeout``: a longer silence is a hang whatever the history
+            (None: only phi judges).
+        threshold, floor: as ``THRESHOLD`` and ``FLOOR``."""
 
     def __init__(
         self,
@@ -137,7 +110,6 @@ class Silence:
 
 
 def silent_rank(silence: float | None, others: int, limit: float) -> bool:
-    """Whether a launched rank is hung (see the module docstring): ``silence``, the
-    seconds since its last push (None: it has not pushed yet); ``others``, the other
-    ranks' pushes since then; ``limit``, the bound (0: never)."""
+    """Whether a launched rank is hung: ``silence``, the seconds since its last push (None:
+    none yet); ``others``, the other ranks' pushes since; ``limit``, the bound (0: never)."""
     return bool(limit) and silence is not None and silence >= limit and others > 0

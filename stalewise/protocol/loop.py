@@ -1,56 +1,23 @@
 """The one worker loop every runtime drives: begin, pull, strategy step, push.
 
-The loop is a generator that does no I/O: it *asks* its runtime for what it
-needs and the runtime answers, so a blocking runtime (local processes, Ray
-actors) and an event-driven one (the simulator) run the very same loop:
+The loop is a generator without I/O that asks its runtime, so blocking runtimes
+and the simulator run the same loop:
 
-* it yields :data:`BEGIN`: answer True to start a step (budget left, not
-  stopped) or False to end the loop;
-* it yields :data:`PULL`: answer with the pulled parameters (the user's tree);
-* it yields :data:`CLOCK`, only for a strategy that paces itself (its
-  ``timed`` is true), right after each PULL is answered: answer with the
-  runtime's clock in seconds, monotonic wall time (local processes, Ray) or
-  virtual time (the simulator). The loop hands it to the strategy's
-  ``started(state, now)`` before the step, so the strategy times its rounds
-  (pull to pull: compute, push, pull and gate waiting) by the runtime's own
-  clock, emulated and simulated stragglers included (:mod:`stalewise.pacing`);
-* it yields a :class:`Push`: push ``update``, emulate or simulate the compute
-  time, and answer with the :class:`~stalewise.protocol.messages.PushResult` of
-  every push that completed since the last answer (a list, maybe empty). A
-  push with ``settle=True`` is answered only once it is acknowledged, and the
-  next PULL must then return parameters that include it (read-your-writes).
-  The loop asks for it when the strategy's ``settles`` is true: model
-  averaging (local SGD, DiLoCo, EASGD) starts every round from the pull, and a
-  pull that misses the worker's own last pseudo-gradient makes the worker redo
-  that round's progress, which the server then applies twice (with DiLoCo's
-  outer momentum, about ten times). Gradient pushes stay pipelined: when a
-  runtime answers a push and what the next pull may read meanwhile is the rule
-  of :mod:`stalewise.protocol.pipeline`.
+* :data:`BEGIN`: answer True to start a step, False to end the loop;
+* :data:`PULL`: answer with the pulled parameters (the user's tree);
+* :data:`CLOCK` (only for a strategy whose ``timed`` is true, after each PULL):
+  answer with the runtime's clock in seconds (virtual in the simulator);
+* a :class:`Push`: push ``update``, emulate the compute time, and answer with the
+  :class:`~stalewise.protocol.messages.PushResult` of every push completed since the
+  last answer; a push with ``settle=True`` is answered once acknowledged, and the
+  next PULL must include it (read-your-writes; see :mod:`stalewise.protocol.pipeline`);
+* an :class:`Ahead` (only with ``overlap=True`` and a strategy that ``overlaps``):
+  emulate the compute of the inner steps taken while the push was in flight and
+  answer with the results completed meanwhile.
 
-* it yields an :class:`Ahead`, only in a runtime that overlaps (``worker_loop(...,
-  overlap=True)``) and for a strategy whose ``overlaps`` is true (streaming
-  DiLoCo with a merge delay), right after each push is answered: the loop has
-  taken ``local_steps`` inner steps that need no pull while that push was in
-  flight (the strategy's ``ahead``). Emulate their compute time and answer with
-  the results of the pushes that completed meanwhile. The push before it
-  (``Push.overlap``) is answered as soon as it is sent, even when it settles;
-  the next PULL then waits for its acks and holds it (read-your-writes, as
-  after a settled push). The pushes, their values and the merges are those of
-  the order without overlap; only the pull is later. The inner steps taken
-  ahead of a BEGIN answered False are lost (a worker does not know the budget
-  is spent until it asks).
-
-:func:`run` drives it with a function that answers each request.
-
-The loop also says what became of the worker's pushes (:func:`report`): a
-refused push is logged as a warning when it is learned, the first of each kind
-with its reason, later ones in summaries with the counts (rate-limited, so a
-flood stays legible). After ``diverge_after`` pushes in a row refused for a
-numerical fault (``not_finite`` or ``overflow``: the training has diverged) it
-raises :class:`Diverged`, naming the worker, the count and the last reason; the
-runtime stops that worker, and stops the job once every worker has diverged.
-Refusals for timing or identity (``too_stale``, ``seq_gap``, ...) neither
-count nor break the run; an applied push starts the count again.
+:func:`run` drives it with a function that answers each request. Refused pushes
+are reported by :func:`report`; ``diverge_after`` numerical refusals in a row raise
+:class:`Diverged`.
 
 Example:
     >>> import numpy as np
@@ -89,11 +56,8 @@ WARN_EVERY = 10.0  # wall seconds: after the first, a worker's refusals are summ
 
 
 class Diverged(RuntimeError):
-    """A worker's last ``pushes`` pushes were all refused for NaN/Inf or overflow.
-
-    Raised by :func:`worker_loop` (from :func:`report`); the runtime stops the
-    worker, and the job once every worker has diverged.
-    """
+    """A worker's last ``pushes`` pushes were all refused for NaN/Inf or overflow; the
+    runtime stops the worker, and the job once every worker has diverged."""
 
     def __init__(self, worker: int, pushes: int, reason: str | None):
         super().__init__(
@@ -155,13 +119,10 @@ def worker_loop(
     diverge_after: int | None = DIVERGE_AFTER,
     overlap: bool = False,
 ) -> Generator[Any, Any, LoopStats]:
-    """A worker's whole life: see the module docstring for the requests it makes.
+    """A worker's whole life (the requests it makes: see the module docstring).
 
-    ``diverge_after``: raise :class:`Diverged` after this many pushes in a row
-    refused for a numerical fault (None: never). ``overlap``: the runtime answers
-    :class:`Ahead` and ``Push.overlap``; a strategy that ``overlaps`` then computes
-    while its push is in flight.
-    """
+    ``diverge_after``: raise :class:`Diverged` after this many numerical refusals in a
+    row (None: never). ``overlap``: the runtime answers :class:`Ahead` and ``Push.overlap``."""
     if diverge_after is not None and (
         isinstance(diverge_after, bool) or not isinstance(diverge_after, int) or diverge_after < 1
     ):
@@ -244,17 +205,12 @@ def report(
     *,
     diverge_after: int | None = None,
 ) -> None:
-    """Counts push outcomes, warns about refusals as they are learned, detects divergence.
-
-    The first refusal of each kind is reported with its reason; after it, the
-    10th, 100th, ... of a kind, and otherwise at most one refusal every
-    ``WARN_EVERY`` seconds, with the counts, so a run refusing thousands of
-    pushes stays legible. A ``split`` push (refused by some shards only) is
-    reported as a refusal.
+    """Counts push outcomes, warns about refusals as they are learned (the first of each
+    kind, the 10th, 100th, ..., else at most one every ``WARN_EVERY`` seconds), and
+    detects divergence.
 
     Raises:
-        Diverged: ``diverge_after`` pushes in a row were refused for a numerical fault.
-    """
+        Diverged: ``diverge_after`` pushes in a row were refused for a numerical fault."""
     for r in results or ():
         stats.outcomes[r.status] += 1
         if r.status == APPLIED:

@@ -1,9 +1,4 @@
-"""What workers and shards say to each other: push headers, acks, push results.
-
-These are plain values; runtimes move them however they like (pipes, events,
-Ray calls). The rules that give them meaning live in :mod:`stalewise.protocol.shard`
-and :mod:`stalewise.protocol.commit`.
-"""
+"""What workers and shards say to each other: push headers, acks, push results."""
 
 from __future__ import annotations
 
@@ -12,11 +7,8 @@ from typing import NamedTuple
 
 
 class PushHeader(NamedTuple):
-    """What identifies a push: ``(worker, incarnation, seq)`` makes it exactly-once.
-
-    A runtime fills ``worker`` and ``incarnation`` from the connection the push
-    arrived on, never from what the sender claims.
-    """
+    """What identifies a push: ``(worker, incarnation, seq)`` makes it exactly-once; a
+    runtime fills ``worker`` and ``incarnation`` from the connection, never the sender."""
 
     worker: int  # id of the pushing worker, 0 <= worker < workers
     seq: int  # the incarnation's sequence number for this push (0, 1, 2, ...)
@@ -48,10 +40,8 @@ class Ack(NamedTuple):
 
 
 class PushResult(NamedTuple):
-    """What happened to one push, over all shards (the commit rule makes them agree).
-
-    ``split``: applied by some shards and refused by others, which only a
-    shard's own ``overflow`` refusal can cause (see :mod:`stalewise.protocol.commit`).
+    """What happened to one push, over all shards; ``split``: applied by some shards and
+    refused (``overflow``) by others.
 
     Example:
         >>> a = Ack(0, 3, True, None, 7, 1)

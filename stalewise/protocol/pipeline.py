@@ -1,35 +1,14 @@
 """A worker's pull and its own push in flight: the pipelining rule every runtime follows.
 
-The worker loop (:mod:`stalewise.protocol.loop`) yields a ``Push``, then ``BEGIN``
-and ``PULL`` for its next step. Between them:
-
-* **Answering the push.** A gradient push is answered as soon as it is committed
-  and sent: the worker's next pull and step overlap its acknowledgement. A
-  settling push (``Push.settle``: model averaging) is answered only once every
-  shard has acknowledged it, and the next pull holds it (read-your-writes):
-  :func:`answer_at_acks`.
-* **At most one push in flight** (:data:`IN_FLIGHT`): a worker commits its next
-  push only once every shard has acknowledged the previous one (its one push
-  buffer is free again). Every runtime follows it.
-* **What the next pull reads.** A worker whose clock the shards count from 0
-  with it (its first incarnation, joined at clock 0) and that needs no record of
-  its pull at the shard (no DC-ASGD) *reads the shards' newest snapshots*
-  (:func:`reads_snapshots`), without a request the shard would queue behind its
-  work, when its own clock, its pushes committed *including the one in flight*,
-  passes every shard's gate against that shard's slowest clock
-  (:func:`may_read`; always under ASP). The snapshot may lack the push in
-  flight: that push then reaches the shards while the worker computes, and the
-  worker's next push is one version staler. Otherwise (the gate is closed, a
-  hybrid shard decides its mode itself, DC-ASGD, a restarted or late worker) the
-  pull is a *request* to each shard, sent behind the push on the same channel:
-  the shard handles the push first, serves the pull when its gate lets the
-  worker start, so the pull holds the push.
-* **A pull that must hold the worker's own push** (a loop you own: ``pull()``
-  after ``push()``, read-your-writes) waits for that push's acks, which name the
-  version each shard reached; it reads a shard's snapshot if that is at least
-  the acked version, and otherwise asks that shard to serve it (a request
-  behind the push, as above), so it never waits for a busy shard's next
-  publication.
+Between a ``Push`` of the worker loop and its next ``PULL``: a gradient push is
+answered once committed and sent, a settling push once every shard acknowledged it
+(:func:`answer_at_acks`); a worker has at most :data:`IN_FLIGHT` push in flight;
+its next pull reads the shards' newest snapshots when it may
+(:func:`reads_snapshots`, :func:`may_read`: its committed pushes, the one in flight
+included, pass every gate), else it is a request behind the push, which then holds
+the push. A pull that must hold the worker's own push waits for its acks, and reads
+a snapshot at least at the acked version or asks the shard. Why:
+``docs/design-notes.md`` ("Local runtime").
 
 Example:
     >>> import stalewise as sw
@@ -58,9 +37,7 @@ def answer_at_acks(push: Any) -> bool:
 
 
 def exact_pulls(config: Any) -> bool:
-    """Whether a worker's pull must be served the shard's current parameters, asked of
-    the shard (a gated model: the gate is the shard's; DC-ASGD: the shard keeps the pull),
-    rather than the newest snapshot it published."""
+    """Whether a worker's pull must be served by the shard (a gated model, DC-ASGD)."""
     return config.consistency.gated or bool(config.staleness.dc_lambda)
 
 
@@ -71,9 +48,7 @@ def reads_snapshots(config: Any, *, incarnation: int, joined_at: int) -> bool:
     Args:
         config: the job's :class:`~stalewise.protocol.ServerConfig`.
         incarnation: the worker's incarnation (1: its first).
-        joined_at: the worker's clock at the shards when it joined (the slowest
-            live clock): its own count of pushes is its clock only from 0.
-    """
+        joined_at: the worker's clock at the shards when it joined."""
     if config.staleness.dc_lambda:  # the shard keeps what each worker pulled
         return False
     return not config.consistency.gated or (incarnation <= 1 and joined_at == 0)
@@ -81,18 +56,14 @@ def reads_snapshots(config: Any, *, incarnation: int, joined_at: int) -> bool:
 
 def may_read(consistency: Consistency, committed: int, min_clocks: Iterable[int]) -> bool:
     """Whether a worker that has committed ``committed`` pushes (the one in flight
-    included) may read the snapshots, the shards' slowest live clocks being
-    ``min_clocks``: every shard's gate lets it start."""
+    included) passes every shard's gate, the slowest live clocks being ``min_clocks``."""
     return all(consistency.may_start(committed, int(c)) for c in min_clocks)
 
 
 class Publication:
-    """When a shard publishes a new snapshot of its slice for the pulls that read one
-    (ASP; Ray's shard actors): at once for an exact pull (:func:`exact_pulls`, or a
-    read-your-writes pull that needs a newer version), else at most every ``every``
-    seconds, and more rarely if publishing would take more than ``share`` of the
-    shard's time (a large slice under a stream of pushes).
-    """
+    """When a shard publishes a new snapshot of its slice: at once for an exact pull, else
+    at most every ``every`` seconds, and more rarely if publishing would take more than
+    ``share`` of the shard's time."""
 
     def __init__(self, every: float, share: float = 0.25):
         self.every, self.share = every, share

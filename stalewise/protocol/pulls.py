@@ -1,49 +1,20 @@
 """Delta pulls: a worker downloads what changed since its last pull, encoded with a codec.
 
-With a pull codec (``ServerConfig.pull_codec``) a shard keeps, for each worker
-(each incarnation), a *reference*: the copy of the shard's slice that worker
-holds. A pull sends ``C(params - reference)``, leaf piece by leaf piece with
-the same per-leaf policy and the same codec payloads as compressed pushes
-(:mod:`stalewise.protocol.compress`), and both sides add the *decoded* delta
-to their reference. The two references therefore stay bit-identical, and
-whatever a lossy codec did not send stays in ``params - reference`` and goes
-out with a later pull: the error feedback is implicit, and with no new pushes
-the worker's copy converges to the shard's parameters.
+With a pull codec (``ServerConfig.pull_codec``) a shard keeps, per worker
+incarnation, a *reference*: the copy of its slice that worker holds. A pull sends
+``C(params - reference)`` per piece (the payloads of
+:mod:`stalewise.protocol.compress`), or an exact sparse block of the changed values
+when that is smaller, and both sides add the decoded delta to their reference, so
+the references stay bit-identical and what a lossy codec left out goes with a later
+pull (``docs/codecs.md``). A pull without the reference the shard holds (a first
+pull, a new incarnation, after a shard restart) is *full*: the slice, exact.
 
-Per piece the shard sends the smaller of two encodings:
-
-* the codec's payload: of the delta for a lossy codec, of the new values for
-  a lossless one (``none()``), so that lossless pulls are exact;
-* an exact sparse block: the indices where the values changed and the new
-  values there. It wins when few values changed (a ``topk`` push under SGD
-  moves 1% of them), and it makes the worker's copy exactly equal to the
-  shard's at those indices.
-
-A pull with no reference to start from is *full*: the slice, exact (the
-codec ``none()``). That is a worker's first pull, a new incarnation's, any
-pull after a shard restarted (references are not checkpointed), and any pull
-whose request does not name the reference the shard holds. The request
-carries the worker's reference number (:meth:`Replica.have`, 0 for none), so
-a lost or refused reply costs one full pull, never a wrong copy.
-
-Wire format: a 24-byte header (magic ``0xD7``, kind 0 full or 1 delta, the
-values' dtype, 0, the shard's number as a uint32, the version and the
-reference number the worker holds after applying it, as uint64s), then for a
-full pull one ``none()`` payload of the slice, for a delta one block per
-piece: a codec payload (its own 12-byte header, magic ``0xC5``) or a sparse
-block (magic ``0xD5``, index bytes, dtype, 0, ``n`` and the count as
-uint64s, then the indices in increasing order in the narrowest unsigned type
-that holds ``n - 1``, then the values). The worker (:meth:`Replica.apply`)
-checks all of it (header, shard, reference number, every piece's header and
-length, the indices, that the values are finite and that nothing is left
-over) before it changes anything; a bad payload raises
-:class:`~stalewise.codecs.PayloadError` naming the shard and leaf, and the
-copy is left as it was.
-
-Cost: the shard keeps one reference (a copy of its slice) per worker, and a
-pull costs it a pass to subtract, the encoding, and a decode into the
-reference; the worker decodes once. Byte counts depend on what changed (the
-sparse blocks), so :meth:`Pull.nbytes` reports each pull's exact length.
+Wire format: a 24-byte header (magic ``0xD7``, kind 0 full or 1 delta, the dtype,
+0, the shard as uint32, the version and the reference number as uint64s), then a
+full pull's ``none()`` payload, or per piece a codec payload (magic ``0xC5``) or a
+sparse block (magic ``0xD5``, index bytes, dtype, 0, ``n`` and the count as uint64s,
+the increasing indices in the narrowest unsigned type holding ``n - 1``, the values).
+:meth:`Replica.apply` checks all of it before it changes anything.
 
 Example:
     >>> import numpy as np
@@ -94,12 +65,8 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 
 
 class Pull(NamedTuple):
-    """What a shard sends a worker for one pull, and what it is made of.
-
-    ``parts``: per piece, ``(codec, n, count)``: the codec whose payload carries
-    it, or None for a sparse block of ``count`` changed values; a full pull is one
-    ``none()`` part of the whole slice.
-    """
+    """What a shard sends a worker for one pull; ``parts``: per piece ``(codec, n, count)``
+    (codec None: a sparse block of ``count`` values)."""
 
     version: int
     payload: bytearray
@@ -108,9 +75,7 @@ class Pull(NamedTuple):
     dtype: np.dtype
 
     def nbytes(self, scale: float = 1.0) -> int:
-        """The payload's length; with ``scale``, that of a model ``scale`` times larger
-        with every piece (and every sparse block's count) scaled alike, what a
-        simulator's ``model_bytes`` models. 1 gives ``len(payload)``."""
+        """The payload's length (with ``scale``, a model ``scale`` times larger's)."""
         total = HEADER.size
         for codec, n, count in self.parts:
             m = n if scale == 1.0 else max(round(n * scale), 0)
@@ -133,12 +98,9 @@ class PullServer:
     """The shard side of delta pulls, beside one :class:`~stalewise.protocol.shard.Shard`.
 
     Args:
-        shard: the shard whose slice is pulled (its ``params``, ``incarnation`` and
-            :meth:`~stalewise.protocol.shard.Shard.pull` for the gate bookkeeping).
-        pieces: the shard's pieces (:func:`~stalewise.protocol.compress.plan`),
-            offsets in the flat vector.
-        start: where the shard's range starts in the flat vector.
-    """
+        shard: the shard whose slice is pulled.
+        pieces: the shard's pieces (:func:`~stalewise.protocol.compress.plan`).
+        start: where the shard's range starts in the flat vector."""
 
     def __init__(self, shard: Any, pieces: Sequence[Piece], start: int = 0):
         self.shard = shard
@@ -167,14 +129,8 @@ class PullServer:
         self._refs.pop(worker, None)
 
     def pull(self, worker: int, have: int = 0, *, now: float | None = None) -> Pull:
-        """Serves one pull of ``worker``, which holds reference number ``have`` (0: none).
-
-        Calls ``shard.pull`` for its bookkeeping (the hybrid model's pace, DC-ASGD's
-        copy), then sends a delta against the reference when the worker holds the one
-        the shard kept for its current incarnation, else the full slice. The
-        reference is updated as the worker will update its copy, and the payload's
-        length is counted in the shard's ``bytes_out``. Gating is the caller's job.
-        """
+        """Serves one pull of ``worker``, which holds reference number ``have`` (0: none): a
+        delta against it, or the full slice. Gating is the caller's job."""
         version = self.shard.pull(worker, now=now)
         incarnation = int(self.shard.incarnation[worker])
         ref = self._refs.get(worker)
@@ -243,18 +199,12 @@ class PullServer:
 
 
 class Replica:
-    """The worker side of delta pulls: its copy of the flat parameters, one reference
-    per shard, updated by the shards' pull payloads.
+    """The worker side of delta pulls: its copy ``params`` and one reference per shard.
 
     Args:
-        pieces: each shard's pieces (:func:`~stalewise.protocol.compress.plan` of the
-            job's pull codec), offsets in the flat vector.
+        pieces: each shard's pieces (:func:`~stalewise.protocol.compress.plan`).
         ranges: each shard's ``[start, stop)``.
-        dtype: the parameters' dtype.
-
-    ``params`` is the worker's copy; :meth:`have` is what its next pull request
-    names; :meth:`reset` forgets everything (a new incarnation).
-    """
+        dtype: the parameters' dtype."""
 
     def __init__(
         self,
@@ -288,10 +238,7 @@ class Replica:
         """Applies shard ``k``'s pull payload to the copy; returns the version it carries.
 
         Raises:
-            PayloadError: corrupt, truncated, foreign, for another shard or another
-                reference, or decoding to non-finite values, naming the shard and the
-                leaf; the copy is unchanged.
-        """
+            PayloadError: a bad payload, naming the shard and the leaf; the copy is unchanged."""
         where = f"pull from shard {k}"
         try:
             mv = codecs.as_bytes(payload)

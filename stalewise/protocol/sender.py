@@ -1,34 +1,14 @@
 """The worker's half of a push: one :class:`Sender` per worker incarnation, no I/O.
 
 Every runtime drives a :class:`Sender` for each push, in this order:
-
-1. :meth:`Sender.pulled` for each shard's version of the pull the step starts
-   from (the push's *bases*), :meth:`Sender.observed` for any newer version the
-   worker sees (a published snapshot);
-2. with a codec, :meth:`Sender.encode`: the update (the flat vector) into one
-   payload per shard, in buffers the runtime provides (shared memory, byte
-   arrays, a buffer for the object store), with the codec's error feedback;
-3. :meth:`Sender.judge`, once: the commit rule's :class:`~stalewise.protocol.commit.Verdict`
-   for the whole push (:func:`~stalewise.protocol.commit.judge`, against the
-   versions known now; with several shards and a codec, on the payloads decoded
-   back, the values the shards will apply), with the push's sequence number and
-   bases: an :class:`Outgoing`;
-4. the runtime commits the push its own way (a commit word in shared memory, a
-   simulated departure that delivers it, a residual keeper) and then calls
-   :meth:`Sender.committed`; a push that will never be committed (its worker
-   fails first) is :meth:`Sender.abandoned`;
-5. :meth:`Sender.result` folds the push's acks into a
-   :class:`~stalewise.protocol.messages.PushResult` and learns the versions they carry.
-
-The residual rule: the sender keeps two residual buffers, the residual after
-its last *committed* push (:attr:`Sender.residual`) and the one being written
-by :meth:`Sender.encode`. :meth:`Sender.committed` makes the new one current;
-until then (and after :meth:`Sender.abandoned`) the old one stays, so a worker
-that dies between encoding and committing leaves the residual consistent with
-what the shards applied. A worker's next incarnation starts from its
-predecessor's residual (:meth:`Sender.successor`; ``residual=``, copied; or
-``buffers=`` and ``current=``, adopted as they are: the local runtime's buffers
-are in shared memory).
+:meth:`Sender.pulled` (the push's bases) and :meth:`Sender.observed` (newer
+versions seen); with a codec :meth:`Sender.encode`; :meth:`Sender.judge` once, the
+commit rule's verdict as an :class:`Outgoing`; the runtime commits the push its own
+way, then :meth:`Sender.committed` (or :meth:`Sender.abandoned`); and
+:meth:`Sender.result` folds the acks into a
+:class:`~stalewise.protocol.messages.PushResult`. The error-feedback residual of
+the last committed push stays current until the next push commits; a next
+incarnation starts from it (:meth:`Sender.successor`).
 
 Example:
     >>> import numpy as np
@@ -77,19 +57,17 @@ class Outgoing(NamedTuple):
 
 
 class Sender:
-    """A worker incarnation's sending side; see the module docstring.
+    """A worker incarnation's sending side.
 
     Args:
-        segments: the job's leaf table (``config.spec.segments``), for verdict messages.
+        segments: the job's leaf table, for verdict messages.
         staleness: the job's :class:`~stalewise.staleness.Staleness` rule.
         shards: the number of shards.
-        compressor: the job's codec on the worker side (``config.compressor()``;
-            None: updates travel as they are, :meth:`encode` is not used).
+        compressor: the job's codec on the worker side (None: updates travel as they are).
         residual: the error-feedback residual to start from (copied; None: zeros).
-        buffers: two residual buffers to use as they are, instead (e.g. in shared memory);
-            ``current`` is the one holding the residual to start from.
-        dtype: the updates' dtype (the residual's).
-    """
+        buffers: two residual buffers to use as they are instead (e.g. in shared
+            memory); ``current`` is the one holding the residual to start from.
+        dtype: the updates' dtype."""
 
     def __init__(
         self,
@@ -157,9 +135,8 @@ class Sender:
         return self._buffers
 
     def encode(self, flat: np.ndarray, payloads: Sequence[Any]) -> None:
-        """Encodes the update ``flat`` into ``payloads`` (shard ``k``'s into ``payloads[k]``,
-        writable, of exactly ``compressor.nbytes(k)`` bytes), reading the committed
-        residual and writing the new one into the other buffer."""
+        """Encodes the update ``flat`` into ``payloads`` (each writable, of exactly
+        ``compressor.nbytes(k)`` bytes), the new residual into the other buffer."""
         comp = self.compressor
         if comp is None:
             raise ValueError("this job has no codec: its updates are not encoded")
@@ -174,19 +151,14 @@ class Sender:
         self._sent = list(comp.sent)  # per shard, the pieces sent (a segment push) or None
 
     def sent_nbytes(self, k: int, dtype: Any = np.float32, scale: float = 1.0) -> int:
-        """The length of shard ``k``'s payload of the push encoded last (only its pieces
-        that are not all zero, :mod:`~stalewise.protocol.compress`), ``scale`` as in
-        :meth:`Compressor.nbytes <stalewise.protocol.compress.Compressor.nbytes>`."""
+        """The length of shard ``k``'s payload of the push encoded last (``scale`` as in
+        :meth:`Compressor.nbytes <stalewise.protocol.compress.Compressor.nbytes>`)."""
         return self.compressor.sent_nbytes(k, dtype, scale, self._sent[k])
 
     def judge(self, flat: np.ndarray | None = None, *, into: np.ndarray | None = None) -> Outgoing:
-        """The commit rule's verdict on the push being prepared, judged once for every shard
-        against the versions known now, with its sequence number and bases.
-
-        ``flat``: the update (needed without a codec, or with a single shard). With a
-        codec and several shards the verdict judges the payloads of :meth:`encode`
-        decoded back, into ``into`` when given (a buffer of the update's size).
-        """
+        """The commit rule's verdict on the push being prepared, with its sequence number and
+        bases. ``flat``: the update (needed without a codec, or with one shard); ``into``:
+        a buffer for the payloads decoded back."""
         whole = self.shards > 1  # one shard checks its whole slice itself
         if self._payloads is not None and whole:
             if into is None:
@@ -212,9 +184,8 @@ class Sender:
         self.seq += 1
 
     def successor(self) -> Sender:
-        """The sending side of this worker's next incarnation: the same job, sequence
-        numbers from 0, no version known, and this sender's residual buffers as they are
-        (call it once this incarnation sends nothing more)."""
+        """The sending side of this worker's next incarnation, with this sender's residual
+        buffers (call it once this incarnation sends nothing more)."""
         return Sender(
             self.segments,
             self.staleness,
@@ -242,20 +213,16 @@ class Sender:
 
 
 class History:
-    """A worker id's error-feedback residuals after its recent pushes, over incarnations:
-    where a runtime finds the residual that matches the pushes the shards applied (a
-    checkpoint's cut, or the point a dead incarnation's successor resumes from) when
-    the sender itself is gone with its worker (Ray keeps one in each worker id's keeper
-    actor, and one in the driver).
-    """
+    """A worker id's error-feedback residuals after its recent pushes, over incarnations,
+    for a runtime whose sender is gone with its worker (Ray's keeper and driver)."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[int, int], np.ndarray] = {}  # (incarnation, pushes) -> residual
 
     def keep(self, inc: int, pushes: int, residual: np.ndarray, *, acked: int) -> None:
-        """Keeps (a copy of) the residual after the first ``pushes`` pushes of incarnation
-        ``inc``. ``acked``: that incarnation's pushes every shard has acknowledged; the
-        residuals after fewer, and every other incarnation's, are no longer wanted."""
+        """Keeps a copy of the residual after the first ``pushes`` pushes of incarnation
+        ``inc``; ``acked``: that incarnation's pushes every shard acknowledged (older
+        residuals are dropped)."""
         for key in [k for k in self._kept if k[0] != inc or k[1] < acked]:
             del self._kept[key]
         self._kept[(inc, pushes)] = np.array(residual)

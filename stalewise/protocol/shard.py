@@ -2,52 +2,11 @@
 
 A :class:`Shard` holds one contiguous slice of the flat parameters, the server
 optimizer's state for it and a version (the count of updates applied). Every
-runtime (local processes, the simulator, Ray) hosts the same object and only
-decides how messages reach it.
-
-Threading contract: a shard is not thread-safe; exactly one thread of one
-process calls its methods, one message at a time.
-
-Everything a worker sends is validated before it touches state. A push is
-``(header, payload)``: the :class:`PushHeader` names the worker and its
-incarnation (both filled in by the runtime from the connection), the
-incarnation's sequence number and the version it pulled; the payload is a flat
-vector the length of the shard (with a codec, its encoded bytes, which the shard
-decodes before any check). The shard may overwrite the payload (it is used as
-scratch).
-
-Incarnations: each (re)start of a worker id is a new incarnation
-(:meth:`Shard.join`), whose sequence numbers start again at 0. A push of an
-older incarnation, one from an incarnation that has not joined, or one that
-skips sequence numbers is refused with a reason and changes nothing; a replay
-of a push already handled is acknowledged as a duplicate and not applied.
-
-Numerical faults: a step that would make any parameter or any value of the
-optimizer state non-finite is not taken: the shard restores the copy it kept
-and refuses the push as ``overflow`` (see :mod:`stalewise.protocol.commit` for
-why this one refusal is the shard's own, and when it can split a push). In BSP
-the step is a round's mean; a round that would overflow is dropped, with a
-warning, and its pushes are counted as refused.
-Workers the shard was built for are *expected*: they count for the gates from
-the start, and :meth:`Shard.expire_unstarted` drops those that never joined.
-A joiner (a late first incarnation, or a restart) joining once the slowest
-clock is past 0 counts for the gates from its first pull or push, not from its
-join: a process that attaches (or restarts) and then spends seconds building its
-model holds no round and no bound meanwhile (``counted``). It then starts at the
-slowest counted clock (or its own, if later), in the round under way; its BSP
-budget counts that round, the shards' (:func:`stalewise.protocol.budget.round_of`),
-so the rounds it skipped do not stretch the budget. A joiner while the slowest
-clock is 0 counts from its join, as the expected workers do, because its client
-counts its clock from 0 itself and may read the published snapshots without the
-shard seeing its pull (:func:`stalewise.protocol.pipeline.reads_snapshots`).
-A shard may hold room for more worker ids than it expects (``expected <
-workers``: an elastic job): the others count for nothing until they join, and
-any id may leave and join again, so BSP rounds, SSP bounds and the hybrid pace
-are always taken over the live workers.
-A resumed job (:meth:`Shard.resume`, after loading its checkpoint) is not a
-restart mid-run: no worker ran on meanwhile, so each live worker's next
-incarnation takes its seat as saved, with its clock and its place in the BSP
-round under way, instead of departing it first.
+runtime hosts the same object and only decides how messages reach it; exactly
+one thread calls its methods, one message at a time. Every push is validated
+before it touches state; incarnations, the commit rule, overflow refusals,
+expected and late-joining workers and resumed seats are described in
+``docs/design-notes.md``.
 
 Example:
     >>> import numpy as np
@@ -126,24 +85,19 @@ class Shard:
     """One parameter-server shard.
 
     Args:
-        params: this shard's slice of the flat parameters (float32 or float64, 1-D).
-            The shard updates it in place; a runtime may pass a shared-memory view.
-        segments: the leaf table of ``params`` (per-leaf optimizers need it).
-        optimizer: a :class:`stalewise.optim.Optimizer` applied to each merged push.
-        workers: number of workers; ids are ``0 .. workers-1``.
+        params: this shard's slice of the flat parameters (float32 or float64, 1-D),
+            updated in place (a runtime may pass a shared-memory view).
+        segments: the leaf table of ``params``.
+        optimizer: the :class:`stalewise.optim.Optimizer` applied to each merged push.
+        workers: number of worker ids, ``0 .. workers-1``.
         consistency: ASP, SSP or BSP (default ASP).
         staleness: how much a stale push counts (default: constant).
         shard_id: used in log and error messages.
-        job_segments: the leaf table of the whole job (verdicts name leaves by it).
-        decoder: with a codec, the :class:`~stalewise.protocol.compress.Decoder` of this
-            shard's payloads: a push's payload is then its encoded bytes, decoded here
-            before any check, and one that does not decode is refused as ``bad_payload``.
+        job_segments: the whole job's leaf table (verdicts name leaves by it).
+        decoder: with a codec, the :class:`~stalewise.protocol.compress.Decoder` of
+            this shard's payloads; one that does not decode is refused as ``bad_payload``.
 
-    ``clocks``, ``live`` and ``counted`` are read-only outside the shard:
-    :meth:`pull`, :meth:`push`, :meth:`leave` and :meth:`join` keep them in step
-    with the O(1) counts behind :meth:`min_clock` and the BSP rounds, which are
-    taken over the ``counted`` workers (live, and expected or started).
-    """
+    ``clocks``, ``live`` and ``counted`` are read-only outside the shard."""
 
     def __init__(
         self,
@@ -232,11 +186,9 @@ class Shard:
         return self._pace is not None
 
     def min_clock(self) -> int:
-        """Clock of the slowest counted worker; while none is counted, of the slowest
-        live one, where the first to start will start (0 when none is live): every
-        worker of a resumed job rejoins uncounted, and a floor of 0 would hold them all;
-        under BSP not below the round under way when the last counted worker left, so a
-        restart that starts after the others finished does not replay their rounds."""
+        """Clock of the slowest counted worker (of the slowest live one while none is
+        counted; 0 when none is live); under BSP not below the round under way when the
+        last counted worker left."""
         if self._clocks.live:
             return self._clocks.min()
         live = self.clocks[self.live]
@@ -273,11 +225,8 @@ class Shard:
     ) -> int:
         """Copies the parameters into ``out`` (if given) and returns their version.
 
-        ``worker`` None is an observer (evaluation, checkpoints): never gated, not
-        tracked. Gating is the caller's job: ask :meth:`may_start` first. ``now``
-        (the runtime's clock, in seconds) times the worker's pace for the hybrid model.
-        A joiner's first pull (or push) makes it count for the gates.
-        """
+        ``worker`` None is an observer (never gated, not tracked); gating is the caller's
+        job (:meth:`may_start`). ``now`` is the runtime's clock in seconds."""
         if worker is not None:
             self._check_worker(worker)
             self._start(worker)
@@ -310,16 +259,10 @@ class Shard:
     ) -> Ack:
         """Validates and handles one push; never raises for bad input, returns an Ack.
 
-        ``verdict`` is the sender's judgement of the whole push under the commit
-        rule (:mod:`stalewise.protocol.commit`): when given, it alone decides
-        ``not_finite`` across shards, ``overflow`` of the update and
-        ``too_stale``, so every shard decides alike; a refused push still
-        counts as the worker's step. Without it (one shard, used directly) the
-        shard judges staleness itself. Either way a step that would make the
-        shard's parameters or optimizer state non-finite is refused as
-        ``overflow`` and changes nothing. ``now`` is the runtime's clock in
-        seconds (the hybrid model times each worker's pace with it).
-        """
+        ``verdict``, the sender's judgement under the commit rule
+        (:mod:`stalewise.protocol.commit`), decides ``not_finite``, ``overflow`` and
+        ``too_stale`` when given; without it the shard judges staleness itself. ``now``
+        is the runtime's clock in seconds."""
         try:
             worker, seq, base = self._check_header(header)
         except Rejected as e:
@@ -380,17 +323,8 @@ class Shard:
     def join(self, worker: int, incarnation: int) -> None:
         """Starts a new incarnation of ``worker``: its sequence numbers start at 0.
 
-        An incarnation still live departs first. The new one is live at once (its
-        pushes are taken) and starts at the slowest counted clock of the others (or
-        its own, if later). A late joiner counts for the gates only from its first
-        pull or push: one that takes seconds to build its model holds no round
-        meanwhile; so does a restart. A joiner while the slowest clock is 0 counts at
-        once (see the module docstring). In a resumed job (:meth:`resume`) the first
-        incarnation to join takes the saved seat as it is: no departure.
-
         Raises:
-            ValueError: ``incarnation`` is not newer than the worker's current one.
-        """
+            ValueError: ``incarnation`` is not newer than the worker's current one."""
         self._check_worker(worker)
         if not (
             isinstance(incarnation, int | np.integer) and incarnation > self.incarnation[worker]
@@ -417,12 +351,8 @@ class Shard:
             self._start(worker)
 
     def resume(self) -> None:
-        """The loaded state is a stopped job's, resumed: its live workers are gone with
-        it, and none ran on since. Each counted one's next incarnation takes its seat
-        (:meth:`join`) with its clock and its place in the BSP round under way, where a
-        restart mid-run departs the old incarnation first; that would close a round
-        without the pushes still owed to it, and skip them. A seat no incarnation takes
-        before the start-up lease runs out is dropped (:meth:`expire_unstarted`)."""
+        """Marks the loaded state as a stopped job's: each counted worker's next incarnation
+        takes its saved seat (clock and BSP round) without departing it first."""
         np.copyto(self._resumed, self.live)
 
     def admit(self, worker: int, incarnation: int) -> None:
@@ -440,9 +370,7 @@ class Shard:
             self.admitted[worker] = 0
 
     def may_serve(self, worker: int, incarnation: int, pushed: int = 0) -> bool:
-        """Whether a pull of ``worker``'s admitted ``incarnation`` may be answered now: it is
-        live, :meth:`may_start` lets it, and under a gated model its ``pushed`` pushes have
-        all arrived (the gate must see its clock)."""
+        """Whether a pull of ``worker``'s admitted ``incarnation`` may be answered now."""
         return bool(
             self.admitted[worker] == incarnation
             and self.live[worker]
@@ -451,9 +379,8 @@ class Shard:
         )
 
     def dropped(self, worker: int, incarnation: int) -> int | None:
-        """Why the runtime drops what ``worker``'s ``incarnation`` sends: the newer
-        incarnation admitted since, 0 (it was cut off), or None (it is admitted, or not
-        yet: wait)."""
+        """Why the runtime drops what ``worker``'s ``incarnation`` sends: the newer incarnation
+        admitted since, 0 (it was cut off), or None (admitted, or not yet: wait)."""
         if self.admitted[worker] > incarnation:
             return int(self.admitted[worker])
         return 0 if self.retired[worker] >= incarnation else None
@@ -466,12 +393,9 @@ class Shard:
     ) -> Ack | None:
         """The connection of ``worker``'s ``incarnation`` is gone (it left or died).
 
-        Under the commit rule, a push that its sender committed but this shard has
-        not handled is delivered first (``committed``: its header, payload and
-        verdict, as recorded by the sender), so it is applied by all shards or by
-        none however the sender died. Then the worker leaves. Nothing happens if a
-        newer incarnation has joined since. Returns the delivered push's ack, if any.
-        """
+        A push its sender ``committed`` that this shard has not handled is delivered
+        first; then the worker leaves (unless a newer incarnation joined). Returns the
+        delivered push's ack, if any."""
         self._check_worker(worker)
         if incarnation != self.incarnation[worker]:
             return None
@@ -494,12 +418,7 @@ class Shard:
         return None
 
     def expire_unstarted(self) -> list[int]:
-        """Drops the expected workers that never joined, and a resumed job's seats no
-        incarnation took (a start-up lease ran out).
-
-        Returns their ids, so the runtime can name them; gates and BSP rounds stop
-        waiting for them, and they may still join later.
-        """
+        """Drops the expected workers (and resumed seats) that never joined; returns their ids."""
         gone = [
             w
             for w in range(self.workers)
@@ -522,12 +441,8 @@ class Shard:
         self._resumed[:] = False  # a resumed job says so: resume()
 
     def prepare(self) -> None:
-        """Copies the params and optimizer state a step may have to be undone from.
-
-        A step needs that copy (see :meth:`push`); a runtime that calls this while
-        the shard is idle takes the copy off the next push's path. Otherwise the
-        step makes it itself.
-        """
+        """Copies the params and optimizer state a step may have to be undone from (off the
+        next push's path, when the shard is idle)."""
         if not self._undo_fresh:
             arrays, undo = self._undo_buffers()
             for a, copy in zip(arrays, undo, strict=True):
@@ -537,21 +452,9 @@ class Shard:
     # -- internals -------------------------------------------------------------------
 
     def _step(self, update: np.ndarray, scale: float, judge: bool | None = None) -> None:
-        """One optimizer step, or none: a step that makes a value non-finite is undone.
-
-        The params and the optimizer state's arrays are copied first (into buffers
-        kept from step to step, unless :meth:`prepare` did it already; a rule with
-        fused checks copies the vectors it writes in its own pass, each block before
-        it changes it), the step is taken in place, and every float value is
-        checked: in the step's own
-        pass for a rule with fused checks (:meth:`Rule.apply_checked
-        <stalewise.optim.base.Rule.apply_checked>`), else one dot product per
-        array; if one is NaN/Inf, the copies are restored, bit for bit, and
-        Rejected("overflow") names what overflowed. ``judge`` not None: the
-        update is a payload whose values are unchecked (fused checks only); a
-        NaN/Inf in it (or, if ``judge``, an overflow of its norm) undoes the step
-        and is refused as :meth:`_check_payload` would have refused it.
-        """
+        """One optimizer step, or none: a step that makes a value non-finite is undone,
+        bit for bit, and raises Rejected("overflow"). ``judge`` not None: the update's
+        values are unchecked (fused checks only) and are judged in the step's pass."""
         arrays, undo = self._undo_buffers()
         err = None
         if self._fused is None:
@@ -586,9 +489,7 @@ class Shard:
         self.stats.rounds += 1
 
     def _copy_unwritten(self, arrays: list[np.ndarray], undo: list[np.ndarray]) -> tuple:
-        """The undo copy a checked step makes itself: copies here the arrays it does not
-        write (the step count, leaf tables) and returns the copies of those it writes, for
-        the step to fill block by block as it goes."""
+        """Copies the arrays a checked step does not write; returns copies of those it writes."""
         written = self._fused.written(self.opt_state, self.params)
         for a, copy in zip(arrays, undo, strict=True):
             if not any(a is w for w in written):
@@ -620,13 +521,8 @@ class Shard:
         self._round_count += 1
 
     def _maybe_close_round(self) -> None:
-        """Applies the round's mean once no live worker owes a push to it.
-
-        When the last live worker leaves, a round holding merged pushes is applied
-        too: those pushes were acknowledged as applied. Under the hybrid model a
-        round also ends in the asynchronous mode (every live worker has pushed
-        since the last one), and the mode of the next round is decided here.
-        """
+        """Applies the round's mean once no live worker owes a push to it (or the last one
+        left); under the hybrid model also decides the next round's mode."""
         if not self.synchronous and self._pace is None:
             return
         if self._clocks.live and self._round_waiting:
@@ -745,13 +641,10 @@ class Shard:
         return int(worker), int(seq), int(base)
 
     def _decode(self, payload: Any) -> tuple[Any, int]:
-        """A push's values and its size as received: without a decoder the payload itself;
-        with one, its bytes decoded into a buffer kept from push to push (a segment
-        payload's length is its own: it may sit in a longer buffer).
+        """A push's values and size as received (decoded into a kept buffer with a decoder).
 
         Raises:
-            Rejected: ``bad_payload``, a compressed payload that does not decode.
-        """
+            Rejected: ``bad_payload``, a compressed payload that does not decode."""
         if self.decoder is None:
             return payload, getattr(payload, "nbytes", 0)
         if self._decoded is None:
@@ -782,9 +675,7 @@ class Shard:
                 raise err
 
     def _values_refusal(self, payload: np.ndarray, *, judge_overflow: bool) -> Rejected | None:
-        """The refusal a payload's values earn, if any: NaN/Inf is exact per element;
-        overflow is a rule on the whole push's norm, judged here only when no sender
-        judged it (with several shards, the verdict decides)."""
+        """The refusal a payload's values earn, if any (overflow only when no sender judged it)."""
         verdict = commit.check_values(payload)
         if verdict.code == commit.NOT_FINITE or (
             verdict.code == commit.OVERFLOW and judge_overflow

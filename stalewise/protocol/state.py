@@ -45,24 +45,10 @@ _STATE_KEYS = (
 def save(shard: Shard) -> dict[str, Any]:
     """Everything needed to continue exactly where this shard is, as a flat dict of copies.
 
-    Array data are numpy arrays (copies, never views of the live state);
-    counters are JSON-able Python values, so the dict can be written as
-    safetensors plus JSON. Keys: ``format``, ``workers``, ``params``,
-    ``version``, ``clocks``, ``next_seq``, ``incarnation``, ``live``, ``counted`` (only while a live
-    joiner has not pulled or pushed yet: the live workers the gates count; without
-    it, all the live ones), the BSP
-    round (``round.sum``: empty when no round buffer exists yet,
-    ``round.done``, ``round.count``, ``round.waiting``, and ``round.floor`` only once
-    every counted worker has left: the clock a joiner starts at), the hybrid model's
-    mode and measured paces (``synchronous``, ``pace``), the DC-ASGD copies
-    (``pulled.workers`` and one row of ``pulled.params`` each), the
-    optimizer state (``opt_structure``, a signature such as
-    ``"(EmptyState(), AdamState(count, mu, nu))"``, and one ``opt.<path>``
-    array per leaf, e.g. ``opt.1.mu``) and the stats (``stats.applied``,
-    ``stats.rounds``, ``stats.rejected``: kind -> count, ``stats.duplicates``,
-    ``stats.staleness``: ``[tau, count]`` pairs, ``stats.bytes_in``,
-    ``stats.bytes_out``). The slowest-clock bookkeeping is not stored: it is
-    rebuilt from ``clocks`` and ``live``.
+    Arrays are numpy copies, counters JSON-able values (safetensors plus JSON): the
+    params, version, clocks, sequence numbers, incarnations, live and counted workers,
+    the BSP round, the hybrid mode and paces, the DC-ASGD copies, the optimizer state
+    (``opt_structure`` and one ``opt.<path>`` array per leaf) and the stats.
 
     Example:
         >>> import numpy as np
@@ -129,18 +115,12 @@ def save(shard: Shard) -> dict[str, Any]:
 
 
 def load(shard: Shard, state: Mapping[str, Any]) -> None:
-    """Restores a :meth:`state_dict` in place, after checking all of it.
-
-    The parameters are written into the existing ``params`` array (which may
-    be a shared-memory view) and the optimizer state into a fresh ``init`` of
-    this shard's optimizer, so the shard must be built as the one that made
-    ``state`` (same optimizer, length, dtype and worker count).
+    """Restores a :meth:`state_dict` in place, after checking all of it; the shard must be
+    built as the one that made ``state`` (same optimizer, length, dtype and workers).
 
     Raises:
-        ValueError: a key is missing, unknown or holds a value of the wrong
-            type, dtype, shape or structure; the message names the key and
-            the shard is left unchanged.
-    """
+        ValueError: a key is missing, unknown or of the wrong type, dtype, shape or
+            structure (named); the shard is left unchanged."""
     opt_state, pulled, round_sum, stats = _checked(shard, state)
     # Everything is checked: from here on nothing can fail half-way.
     np.copyto(shard.params, state["params"])
@@ -189,12 +169,8 @@ def _worker_arrays(shard: Shard) -> dict[str, np.ndarray]:
 
 
 def _checked(shard: Shard, state: Any) -> tuple[Any, dict, np.ndarray | None, dict]:
-    """Checks a state dict against this shard without changing it.
-
-    Returns what :meth:`load_state_dict` installs: the optimizer state (a
-    fresh ``init`` holding copies of the saved arrays), the DC-ASGD copies,
-    the BSP round sum (None: no buffer) and the stats counters.
-    """
+    """Checks a state dict against this shard without changing it; returns what
+    :meth:`load_state_dict` installs."""
     if not isinstance(state, Mapping):
         raise ValueError(
             f"Shard.load_state_dict: expected a dict from state_dict(), got {type(state).__name__}"
@@ -324,12 +300,9 @@ def _count(container: Any, key: Any, name: str | None = None) -> int:
 
 
 def _flatten_state(state: Any) -> tuple[str, dict[str, np.ndarray]]:
-    """The structure signature of an optimizer state and its arrays by key (not copied).
-
-    A NamedTuple names its children by field, a plain tuple (:func:`chain`) by
-    index: ``chain(clip, adam)`` gives ``"(EmptyState(), AdamState(count, mu, nu))"``
-    and the keys ``opt.1.count``, ``opt.1.mu`` and ``opt.1.nu``.
-    """
+    """The structure signature of an optimizer state and its arrays by key (not copied):
+    ``chain(clip, adam)`` gives ``"(EmptyState(), AdamState(count, mu, nu))"`` and the
+    keys ``opt.1.count``, ``opt.1.mu`` and ``opt.1.nu``."""
     arrays: dict[str, np.ndarray] = {}
 
     def walk(node: Any, path: str) -> str | None:  # None: an array

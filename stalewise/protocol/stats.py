@@ -1,8 +1,4 @@
-"""A shard's counters (:class:`ShardStats`) and its live-clock bookkeeping (``_ClockTracker``).
-
-Both live with :class:`~stalewise.protocol.shard.Shard` and are imported back
-into :mod:`stalewise.protocol.shard`; they are here only to keep that module short.
-"""
+"""A shard's counters (:class:`ShardStats`) and its live-clock bookkeeping (``_ClockTracker``)."""
 
 from __future__ import annotations
 
@@ -49,13 +45,8 @@ class ShardStats:
 
 
 class _ClockTracker:
-    """How many live workers are at each clock, and the slowest live clock.
-
-    Clocks only grow and a joining worker starts at the slowest live clock or
-    later, so the stored minimum only moves up (it is reset when the first
-    worker joins an empty job): :meth:`min` is O(1) and keeping it costs O(1)
-    amortised per push.
-    """
+    """How many live workers are at each clock, and the slowest live clock: clocks only
+    grow, so :meth:`min` is O(1), amortised O(1) per push."""
 
     def __init__(self, workers: int):
         self.live = workers  # number of live workers

@@ -1,14 +1,9 @@
 """Control messages as fixed binary records: what goes over the pipes, byte for byte.
 
-A shard unpickles nothing a worker sends. Every message is one *frame* as
-:meth:`multiprocessing.connection.Connection.send_bytes` writes it (a 4-byte
-big-endian signed length, then the body), and a body is one byte naming its
-kind followed by that kind's fixed fields (little-endian ``struct``). A few
-kinds end with a tail: UTF-8 text (a refusal's reason, an error), or a pickle,
-which only the control pipe between a shard and the parent that started it
-carries.
-
-Who sends what::
+Every message is one *frame* as :meth:`multiprocessing.connection.Connection.send_bytes`
+writes it (a 4-byte big-endian signed length, then the body); a body is one byte
+naming its kind and that kind's fixed little-endian fields, a few with a UTF-8 tail
+or, only on the control pipe from the parent that started a shard, a pickle::
 
     worker -> shard    push(seq), pull, leave                  fixed, <= MAX_WORKER_MESSAGE bytes
     shard  -> worker   ack, pulled(version), error(text)       at most MAX_REPLY bytes
@@ -18,25 +13,11 @@ Who sends what::
                        failed(traceback, summary)
     parent -> worker   go
 
-Trust: a worker runs user code in another process, and a bug there may write
-anything into its pipe, so a shard decodes a worker's bytes with
-:func:`decode_from_worker`, which knows three fixed records and nothing else: a
-frame that is too long, of an unknown kind or of the wrong size is a
-:class:`WireError`, and the shard disconnects that worker (its identity comes
-from the pipe, never from the message). The parent is the program that started
-the shard, so the bulk values of its control pipe (a checkpoint's state, the
-stats dicts) stay pickles: they are large, nested and change with the code, and
-that pipe carries nothing a worker wrote. The simple control messages are
-fixed records too. A worker's *result pipe* to the parent of the local runtime
-(its heartbeats, and how its loop ended) is read the same way as a worker's
-pipe to a shard: :func:`decode_result` knows five records, each naming the
-worker whose pipe it must come on, with UTF-8 tails; anything else, or a frame
-over :data:`MAX_RESULT`, is a :class:`WireError`, which the parent counts as
-that worker's failure (:mod:`stalewise.runtime.local.train`).
-
-:class:`FrameReader` splits a byte stream into frames without blocking, so a
-shard can read a worker's pipe as bytes arrive and notice a message that never
-completes (see :mod:`stalewise.runtime.local.shard_proc`).
+Nothing a worker writes is unpickled: :func:`decode_from_worker` and
+:func:`decode_result` know their fixed records and nothing else, and any other
+frame is a :class:`WireError` (the shard disconnects that worker; the parent counts
+it as that worker's failure). :class:`FrameReader` splits a byte stream into frames
+without blocking.
 
 Example:
     >>> decode_from_worker(push(7))
@@ -104,10 +85,8 @@ def frame(body: bytes) -> bytes:
 class FrameReader:
     """Splits a byte stream into frame bodies as the bytes arrive; never blocks.
 
-    A length header that is negative (multiprocessing's mark of a body over
-    2 GiB) or above ``max_size`` stops the stream: :attr:`error` says why, and
-    nothing after it is read. :attr:`pending` counts the bytes of a frame not yet
-    complete, so its reader can give up on a message that never completes.
+    A length header that is negative or above ``max_size`` stops the stream
+    (:attr:`error` says why); :attr:`pending` counts the bytes of a frame not yet complete.
 
     Example:
         >>> r = FrameReader(16)
@@ -168,10 +147,7 @@ def leave() -> bytes:
 
 
 def decode_from_worker(body: bytes) -> tuple:
-    """``("push", seq)``, ``("pull",)`` or ``("leave",)``; anything else is a WireError.
-
-    Unpickles nothing, allocates nothing in proportion to the input beyond ``body``.
-    """
+    """``("push", seq)``, ``("pull",)`` or ``("leave",)``; anything else is a WireError."""
     kind = _kind_of(body)
     if kind == _PUSH and len(body) == _INT.size:
         return ("push", _INT.unpack(body)[1])
@@ -237,12 +213,8 @@ def stopped(stats: dict) -> bytes:
 
 
 def decode_reply(body: bytes, *, trusted: bool = False) -> tuple:
-    """A shard's message as the tuple it stands for: ``("ack", Ack)``, ``("pulled", version)``,
-    ``("error", text)``, ``("ready", k)``, ``("joined", worker, incarnation)``,
-    ``("loaded", version or None, error or None)``, and with ``trusted`` (the
-    parent reading its own shard's control pipe) the pickled ``("stats", dict)``,
-    ``("state", dict)`` and ``("stopped", dict)``.
-    """
+    """A shard's message as the tuple it stands for (``("ack", Ack)``, ``("pulled", version)``,
+    ...); the pickled ``stats``, ``state`` and ``stopped`` only with ``trusted``."""
     kind = _kind_of(body)
     size = {_ACK: _ACK_HEAD.size, _LOADED: _LOADED_HEAD.size, _ERROR: _KIND.size}.get(kind)
     if size is not None and len(body) < size:
@@ -321,10 +293,7 @@ def go() -> bytes:
 def decode_result(body: bytes, worker: int) -> tuple:
     """A message from worker ``worker``'s result pipe: ``("ready", w)``, ``("beat", w,
     time)``, ``("done", w)``, ``("diverged", w, text)`` or ``("error", w, traceback,
-    summary)``. Anything else is a WireError: an unknown kind, a wrong size, a
-    record naming another worker, a time that is not finite.
-
-    Unpickles nothing; text is UTF-8 (undecodable bytes are replaced).
+    summary)``; anything else (another worker's, a non-finite time) is a WireError.
 
     Example:
         >>> decode_result(beat(2, 1.5), 2)
@@ -412,11 +381,7 @@ def encode_control(msg: tuple) -> bytes:
 
 def decode_control(body: bytes) -> tuple:
     """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
-    ``("stats",)``, ``("state",)``, ``("load", state)`` or ``("stop",)``.
-
-    Only for the control pipe from the parent that started the shard: ``load``
-    unpickles its state.
-    """
+    ``("stats",)``, ``("state",)``, ``("load", state)`` (unpickled) or ``("stop",)``."""
     kind = _kind_of(body)
     if kind == _JOIN and len(body) == _TWO.size:
         return ("join", *_TWO.unpack(body)[1:])

@@ -1,18 +1,12 @@
 """Runtimes host the protocol's shards and worker loop; each is described once, by name.
 
 A :class:`Runtime` says everything the rest of stalewise needs to know of one
-runtime: its ``run(config, strategy, options) -> TrainResult`` (``config`` a
-:class:`~stalewise.protocol.ServerConfig`, ``options`` a
-:class:`~stalewise.runtime.options.RunOptions`), and what else it can do: a
-*server* for a loop the user owns (:meth:`stalewise.Job.serve`), ``sw.attach``,
-``stalewise run``, an elastic ``Job.train``, delta pulls, its worker limit, the
-checkpoints it resumes from. Functions are given as ``"module:name"`` strings,
-imported only when used. Built in: ``"local"`` (OS processes on this machine),
-``"sim"`` (the deterministic simulator) and ``"ray"`` (Ray actors, on a cluster;
-needs ``pip install stalewise[ray]``). :func:`register` adds one. Everything that
-lists or checks runtimes (``Job.train``, ``Job.serve``, ``sw.attach``, ``stalewise
-run``, the config file, the CLI, checkpoints) reads this registry when it runs, so
-a runtime registered later is known to all of them.
+runtime: its ``run(config, strategy, options) -> TrainResult`` and what else it can
+do (a server for a loop you own, ``sw.attach``, ``stalewise run``, elastic runs,
+delta pulls, its worker limit, the checkpoints it resumes from), functions given as
+``"module:name"`` strings imported when used. Built in: ``"local"``, ``"sim"`` and
+``"ray"`` (``pip install stalewise[ray]``); :func:`register` adds one, and
+everything that lists or checks runtimes reads this registry when it runs.
 
 Example:
     >>> from stalewise import runtime

@@ -1,16 +1,9 @@
 """``sw.attach(name)``: a client for a loop you own, of a job served under a name.
 
-A job served with a name (``job.serve(workers=..., name="gpt")``, locally or with
-``runtime="ray"``) is found by that name, through the ``attach`` of a runtime of
-the registry (:mod:`stalewise.runtime`): on this machine through its door
-(:mod:`stalewise.runtime.local.attach`), or on the Ray cluster this process is
-connected to through its door actor (:mod:`stalewise.runtime.ray.client`).
-``runtime=None`` picks the first runtime whose ``serves(name)`` says it may serve
-the name: a local door of that name first, else Ray when this process is connected
-to Ray (``ray.init``, or inside a Ray task or actor) or ``RAY_ADDRESS`` names a
-cluster. ``import stalewise`` does not import Ray, and attaching to a local job
-never does.
-"""
+A job served with a name (``job.serve(workers=..., name="gpt")``, locally or on Ray)
+is found through the ``attach`` of a runtime of the registry: a local door of that
+name first, else Ray when this process is connected to Ray or ``RAY_ADDRESS`` names
+a cluster. Attaching to a local job never imports Ray."""
 
 from __future__ import annotations
 
@@ -49,18 +42,14 @@ def attach(
         name: the ``name=`` the job was served with (:meth:`stalewise.Job.serve`).
         worker: the worker id to take (a new incarnation of it); None: the lowest free one.
         timeout: seconds to wait for the job's door (None: no limit).
-        runtime: a runtime with an ``attach`` (``"local"`` or ``"ray"``); None: the one
-            that serves ``name`` (see the module docstring).
+        runtime: ``"local"`` or ``"ray"``; None: the one that serves ``name``.
 
     Returns:
-        A client whose ``worker`` and ``incarnation`` say who it is: the local
-        runtime's :class:`~stalewise.runtime.local.client.Client`, or a
-        :class:`~stalewise.runtime.ray.client.RayClient`. Closing it (or the end of
-        this process) gives its worker id back.
+        A client whose ``worker`` and ``incarnation`` say who it is; closing it (or the
+        end of this process) gives its worker id back.
 
     Raises:
-        AttachError: no job of that name is served, or its door refused (why).
-    """
+        AttachError: no job of that name is served, or its door refused (why)."""
     check_name(name)
     able = runtime_lib.names("attach")
     if runtime is not None and runtime not in able:

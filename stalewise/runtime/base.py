@@ -20,13 +20,9 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NU
 def batch_iterator(data: Any, worker: int, workers: int, drawn: Any = None) -> Iterator[Any]:
     """A worker's batches: ``data(worker, workers)`` if callable, else ``data[worker]`` cycled.
 
-    ``drawn``: the count of batches each worker id has drawn (anything indexed by
-    worker id). The stream then skips ``drawn[worker]`` batches and adds one to it
-    for each batch it yields. Every runtime continues a worker id's stream this
-    way: a new incarnation (a restart, a resumed run) starts a new stream and skips
-    what its worker id has drawn, including a batch it died on, so a batch that
-    makes the user's code raise is not drawn again.
-    """
+    ``drawn``: the count of batches each worker id has drawn; the stream skips
+    ``drawn[worker]`` batches and counts each one it yields, so a new incarnation goes
+    on after every batch its worker id drew (including one it died on)."""
     batches = iter(data(worker, workers)) if callable(data) else itertools.cycle(data[worker])
     if drawn is None:
         return batches
@@ -43,8 +39,7 @@ def _counting(batches: Iterator[Any], drawn: Any, worker: int) -> Iterator[Any]:
 
 class PullsIntoTrees:
     """The part of a worker's client that every runtime shares: a pull fills the flat
-    ``_pull_buf`` (the runtime's :meth:`pull_flat`), and the parameters come back in the
-    structure and backend the job was made with (``_spec``)."""
+    ``_pull_buf`` and comes back in the job's structure and backend."""
 
     _pull_buf: np.ndarray
     _spec: tree.FlatSpec
@@ -67,23 +62,19 @@ class PullsIntoTrees:
     ) -> Any:
         """Blocks until the consistency model lets this worker start, then returns the params.
 
-        Read-your-writes: the parameters include this worker's last push, if the
-        shards applied it (a refused push changed nothing): the pull first waits
-        for that push's acknowledgement, then for a snapshot that holds it.
-        ``own=False`` does not wait: the push may still be in flight, and
-        ``pull_has_own`` then says whether the pull includes it (a pipelined loop
-        that overlaps its push with its next step).
+        The parameters include this worker's last push if the shards applied it
+        (read-your-writes); ``own=False`` does not wait for it, and ``pull_has_own`` then
+        says whether they do.
 
         Args:
             copy: False returns leaves that view the pull buffer (valid until the next pull).
-            into: an existing tree or model (e.g. a ``torch.nn.Module``) to copy the
-                values into, in place; it is returned.
+            into: an existing tree or model (e.g. a ``torch.nn.Module``) to copy the values
+                into, in place; it is returned.
             timeout: seconds to wait for the shards (None: forever).
             own: wait for this worker's last push to be acknowledged (default).
 
         Returns:
-            The parameters in the structure and backend the job was made with.
-        """
+            The parameters in the structure and backend the job was made with."""
         self.pull_flat(timeout=timeout, own=own)
         return self.last_pull(copy=copy, into=into)
 
@@ -98,10 +89,8 @@ class PullsIntoTrees:
 def slowdowns(
     stragglers: Mapping[int, float] | Sequence[float] | None, workers: int
 ) -> list[float]:
-    """Normalises a straggler setting to one slowdown factor (>= 1) per worker.
-
-    ``{3: 4.0}`` makes worker 3 four times slower; a list gives every worker's factor.
-    """
+    """Normalises a straggler setting to one slowdown factor (>= 1) per worker: ``{3: 4.0}``
+    makes worker 3 four times slower; a list gives every worker's factor."""
     factors = [1.0] * workers
     if stragglers is None:
         return factors

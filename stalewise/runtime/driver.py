@@ -1,34 +1,16 @@
 """The run skeleton every runtime shares: :func:`drive` runs a job over a :class:`Host`.
 
-A runtime (local processes, the simulator, Ray) implements a :class:`Host`: it
-starts shards and workers, moves their bytes, applies the failure policy to
-what fails, and reports what it sees. The driver owns what is the same in
-every runtime:
-
-* the resume point: the checkpoint to continue from (:func:`checkpoint.resume_point`,
-  which checks it fits the job), with the pushes, batches drawn and
-  error-feedback residuals it holds, handed to :meth:`Host.start` as
-  :attr:`Run.resume`, :attr:`Run.drawn` and :attr:`Run.feedback`;
-* the failure policy's log (:class:`~stalewise.runtime.errors.Failures`, with the
-  hint on how to resume when checkpoints are written), which the host applies;
-* the cadence: a record at once, then one per ``eval_interval`` on the grid
-  ``k * eval_interval`` of the host's clock (a record taking longer than an
-  interval skips the grid points it missed), periodic checkpoints when the
-  :class:`~stalewise.checkpoint.Saver` says they are due, a checkpoint at a
-  :class:`WorkerError` to resume from, and the final one;
-* ``stop_at`` (the :class:`Recorder` says it is reached: the driver tells the host
-  to stop), the wall-clock ``timeout``, the end reason
-  (:func:`~stalewise.runtime.result.end_reason`) and the :class:`TrainResult`.
-
-Time is the host's: wall seconds since :meth:`Host.go` in a real runtime,
-virtual seconds in the simulator. The driver asks the host to
-:meth:`~Host.advance` the run towards the next record time; a real-time host
-returns after one short wait, never past that time (:func:`wait_for`; ``TICK``:
-anything may be due now), an
-event-driven host runs its events and returns exactly at that time
-(``RECORD``), after the event that made a checkpoint due (``CHECKPOINT``), or
-when the run is over (``END``).
-"""
+A runtime implements a :class:`Host` (it starts shards and workers, moves their
+bytes, applies the failure policy and reports what it sees). The driver owns what
+every runtime does alike: the resume point (:func:`checkpoint.resume_point`), the
+failure policy's log, the cadence (a record at once, then one per ``eval_interval``
+of the host's clock, periodic checkpoints when the
+:class:`~stalewise.checkpoint.Saver` says so, one at a :class:`WorkerError` and the
+final one), ``stop_at``, the wall-clock ``timeout``, the end reason and the
+:class:`TrainResult`. The host's clock is wall seconds since :meth:`Host.go`, or
+virtual seconds in the simulator; :meth:`Host.advance` returns ``TICK`` (a
+real-time host, after one short wait: :func:`wait_for`), ``RECORD``,
+``CHECKPOINT`` or ``END``."""
 
 from __future__ import annotations
 
@@ -56,9 +38,8 @@ END = "end"  # the run is over: every worker's loop ended or no worker is left
 
 
 def wait_for(until: float, now: float, tick: float) -> float:
-    """Seconds a real-time host's :meth:`Host.advance` may wait at ``now`` for what its
-    workers say: one ``tick`` at most, and none past the record time ``until`` (so its
-    records are taken on their grid, as the simulator's are)."""
+    """Seconds a real-time host may wait at ``now``: one ``tick`` at most, none past the
+    record time ``until``."""
     return min(tick, max(0.0, until - now))
 
 
@@ -74,31 +55,26 @@ class Host(Protocol):
     """What a runtime implements for :func:`drive`; every call comes from the driver.
 
     Attributes:
-        runtime: its name, written into checkpoints and log lines ("local", "sim", "ray").
-        virtual: its clock is virtual: evaluations cost no time on it, so the driver
-            makes no warm-up call of ``evaluate`` before the clock starts.
-        checkpoint_info: what it adds to a checkpoint's manifest (e.g. the sim's seed).
-    """
+        runtime: its name, written into checkpoints and log lines.
+        virtual: its clock is virtual (no warm-up ``evaluate`` before the clock starts).
+        checkpoint_info: what it adds to a checkpoint's manifest (e.g. the sim's seed)."""
 
     runtime: str
     virtual: bool
     checkpoint_info: dict
 
     def start(self, run: Run) -> None:
-        """Starts the shards (from ``run.resume``'s states, if any) and every worker, each
-        worker id's stream skipping ``run.drawn`` and with ``run.feedback``'s residual;
-        returns when all are ready, not yet released. ``run.failures`` is the policy to
-        apply from now on; ``run.saver`` is set before :meth:`go`."""
+        """Starts the shards (from ``run.resume``'s states, if any) and every worker (skipping
+        ``run.drawn`` batches, with ``run.feedback``'s residual); returns when all are
+        ready, not yet released."""
 
     def go(self) -> None:
         """Releases the workers together; the host's clock starts (or goes on, resumed)."""
 
     def advance(self, until: float, due: Callable[[], bool] | None) -> str:
-        """Runs the job on, handling failures by the policy, towards time ``until``;
-        returns ``TICK``, ``RECORD``, ``CHECKPOINT`` or ``END`` (see the module). An
-        event-driven host calls ``due`` (if given) after each event and returns
-        ``CHECKPOINT`` when it says True; it returns ``RECORD`` at once if ``until`` is
-        not after its clock."""
+        """Runs the job on towards time ``until``; returns ``TICK``, ``RECORD`` (at once if
+        ``until`` is not after its clock), ``CHECKPOINT`` (an event-driven host, once
+        ``due()`` says so) or ``END``."""
 
     def now(self) -> float:
         """The host's clock: seconds since :meth:`go` (virtual in the simulator); before

@@ -15,11 +15,8 @@ log = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
-    """A worker failed and the job's failure policy stopped the job.
-
-    User code raised (the message carries the worker's traceback), or the
-    worker's process died or hung (the message says how); the worker is named.
-    """
+    """A worker failed and the job's failure policy stopped the job; the message names
+    the worker and says how (with its traceback if user code raised)."""
 
 
 def worker_failed(w: int, detail: str, what: str = "") -> WorkerError:
@@ -42,17 +39,13 @@ class ShardError(RuntimeError):
 
 
 class ServerClosed(ConnectionError):
-    """A client's job has ended (its shards stopped) or a shard cut this client off; a
-    shard whose process died is a :class:`ShardError` instead. Raised by the clients of
-    every runtime (``server.client(w)``, ``sw.attach``, ``sw.init``)."""
+    """A client's job has ended or a shard cut this client off (a dead shard's process is
+    a :class:`ShardError` instead)."""
 
 
 class BudgetSpent(ServerClosed):
-    """A push refused at its commit because the job's budget of pushes is spent (nothing
-    was sent): raised by a client given a budget (``client.budget``, set by ``sw.init``
-    and ``stalewise run``) for a push its ``may_begin`` did not grant
-    (:mod:`stalewise.protocol.budget`). A :class:`ServerClosed`, so a loop that ends on
-    that ends on this too. ``steps`` is the budget."""
+    """A push refused at its commit because the job's budget of ``steps`` pushes is spent
+    (nothing was sent); a :class:`ServerClosed`, so a loop that ends on that ends on this."""
 
     def __init__(self, steps: int):
         super().__init__(
@@ -85,9 +78,7 @@ def warn_user(message: str) -> None:
 
 def warn_summary(events: Sequence[Mapping[str, Any]]) -> None:
     """At the end of a run: one :class:`FailureWarning` per kind of failure that happened
-    more than once, with the counts (the first of each kind warned when it happened).
-
-    ``Job.train`` calls it for every runtime, with ``TrainResult.failures``.
+    more than once, with the counts.
 
     Example:
         >>> import warnings
@@ -124,23 +115,12 @@ FAILURE_POLICIES = ("restart", "drop", "fail")
 class Failures:
     """A job's failure policy, and the log of what it did (``TrainResult.failures``).
 
-    ``policy`` says what happens to a worker that fails (its process dies, it
-    hangs, or user code raises):
-
-    * ``"restart"``: it starts again as a new incarnation at the current
-      parameters, up to ``max_restarts`` times per worker id (None: no limit);
-      one more failure stops the job with :class:`WorkerError`;
-    * ``"drop"``: it leaves; the others carry on;
-    * ``"fail"``: the job stops with :class:`WorkerError`.
-
-    A shard that fails is restarted under ``"restart"`` and ``"drop"`` (up to
-    ``max_restarts`` times per shard) and stops the job under ``"fail"``
-    (:class:`ShardError`). A worker that diverged is never restarted. Every
-    event is logged as a warning and kept in :attr:`events`; the first event of
-    each kind in a run (a worker failure, a shard restart, a divergence) is also
-    warned as a :class:`FailureWarning`, and :func:`warn_summary` counts the
-    rest at the end of the run. ``hint`` ends the
-    message of an error that stops the job (e.g. how to resume it).
+    ``policy``: ``"restart"`` (a new incarnation, up to ``max_restarts`` per worker id
+    or shard; None: no limit), ``"drop"`` (the others carry on; a dead shard is still
+    restarted) or ``"fail"`` (:class:`WorkerError` or :class:`ShardError`). A diverged
+    worker is never restarted. Every event is logged and kept in :attr:`events`; the
+    first of each kind is warned as a :class:`FailureWarning`. ``hint`` ends the
+    message of an error that stops the job.
 
     Example:
         >>> f = Failures("restart", max_restarts=1)
@@ -199,11 +179,8 @@ class Failures:
         raise error(head + (f"\n{detail.rstrip()}" if detail else "") + self.hint)
 
     def worker(self, w: int, cause: str, *, time: float, detail: str = "") -> str:
-        """Worker ``w`` failed (``cause``: how; ``detail``: its traceback, if any).
-
-        Returns ``"restart"`` or ``"drop"``; raises :class:`WorkerError` when the
-        policy is ``"fail"`` or the restart budget is spent.
-        """
+        """Worker ``w`` failed (``cause``: how; ``detail``: its traceback, if any); returns
+        ``"restart"`` or ``"drop"``, or raises :class:`WorkerError`."""
         self._stop_or_count("worker", w, cause, time, detail)
         if self.policy == "drop":
             self._event("worker", w, cause, time, "dropped")
@@ -260,8 +237,7 @@ class Failures:
     def checkpoint(
         self, directory: str, cause: str, *, time: float, action: str, final: bool
     ) -> None:
-        """A checkpoint could not be written into ``directory`` (``cause``: the OS error;
-        ``action``: what was kept; ``final``: the run's last one). The run goes on; the
-        caller (:class:`stalewise.checkpoint.Saver`) has warned."""
+        """A checkpoint could not be written into ``directory``; the run goes on (the caller
+        has warned)."""
         self._event("checkpoint", directory, cause, time, action)
         self.events[-1]["final"] = final

@@ -1,8 +1,4 @@
-"""Logging of the processes a runtime starts (local processes, Ray actors).
-
-Every runtime imports this module, and it imports none of them: no runtime
-depends on another.
-"""
+"""Logging of the processes a runtime starts (local processes, Ray actors)."""
 
 from __future__ import annotations
 
@@ -10,17 +6,9 @@ import logging
 
 
 def child_logging(name: str) -> None:
-    """Sends a spawned process's stalewise warnings and errors to stderr, named.
-
-    A spawned child starts with no logging set up, and the package's NullHandler
-    would swallow what the user must see (a refused push, a worker that never
-    started); the parent's stderr is inherited, so that is where they go.
-    ``name`` says which process wrote a line (``"worker 1"``, ``"shard 0"``).
-    Does nothing when the ``stalewise`` logger already has a real handler.
-
-    Example:
-        >>> child_logging("worker 0")  # doctest: +SKIP
-    """
+    """Sends a spawned process's stalewise warnings and errors to stderr, named by
+    ``name`` (``"worker 1"``, ``"shard 0"``), unless the ``stalewise`` logger already
+    has a real handler."""
     logger = logging.getLogger("stalewise")
     if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
         return

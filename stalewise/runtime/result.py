@@ -21,11 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def mean_loss(last_losses: Any) -> float:
-    """The train loss of a record: the mean of each worker's last loss, over workers that pushed.
-
-    A worker that has not pushed yet has NaN there and does not count (as 0 it
-    would pull the mean down); NaN when no worker has pushed.
-    """
+    """The mean of each worker's last loss over the workers that pushed (NaN: none has)."""
     seen = np.asarray(last_losses, dtype=np.float64)
     seen = seen[~np.isnan(seen)]
     return float(seen.mean()) if seen.size else math.nan
@@ -44,14 +40,10 @@ PLAIN_EVERY = 10.0  # seconds between progress lines when output is not a termin
 class Recorder:
     """A run's metrics records: builds them, shows progress, says when to stop.
 
-    Every runtime records the same schema (see :mod:`stalewise.report`), so a
-    simulated run and a real one of the same job compare line by line.
-
-    ``stop_at`` is anything :func:`stalewise.targets.parse` accepts; the run stops
-    at the first record that reaches every target. A runtime calls
-    :meth:`finish` with why the run ended, which the progress output says.
-    Progress is a tqdm bar on a terminal, and one plain line every
-    ``PLAIN_EVERY`` seconds otherwise (logs are not flooded with redraws).
+    Every runtime records the same schema (:mod:`stalewise.report`). ``stop_at`` is
+    anything :func:`stalewise.targets.parse` accepts; the run stops at the first record
+    that reaches every target. Progress is a tqdm bar on a terminal, else one line every
+    ``PLAIN_EVERY`` seconds.
 
     Example:
         >>> r = Recorder("run", 10, stop_at={"loss": 1e-3})
@@ -150,12 +142,8 @@ ENDINGS = ("budget", "stop_at", "no_workers")
 
 @dataclass
 class TrainResult:
-    """What :meth:`stalewise.Job.train` returns.
-
-    ``ended`` says how the run ended in one word of :data:`ENDINGS`, for code
-    (``result.ended == "budget"``); ``stop_reason`` says it in words, with what
-    went wrong on the way (no push applied, a loss that is not finite at the end).
-    """
+    """What :meth:`stalewise.Job.train` returns: ``ended`` is how the run ended in one word
+    of :data:`ENDINGS`, ``stop_reason`` the same in words, with what went wrong."""
 
     params: Any  # final parameters, in the structure and backend the job was made with
     flat: np.ndarray  # the same, as the flat vector
@@ -184,18 +172,9 @@ class TrainResult:
 
 
 def merge_stats(per_shard: Sequence[Mapping[str, Any]], *, settled: bool = False) -> dict[str, Any]:
-    """Merges the shards' counters: per-push counters from shard 0, bytes summed.
-
-    Under the commit rule (:mod:`stalewise.protocol.commit`) a push is applied
-    by every shard or by none, so the per-push counters (``applied``,
-    ``rejected`` by kind, ``duplicates``) are the same on every shard and are
-    taken from shard 0, as are the version and the staleness; a push refused
-    for NaN counts once, not once per shard. Bytes are per shard and add up.
-
-    Mid-run, a push may have reached some shards and not yet the others, so
-    their counters may differ for a moment. ``settled=True`` says no push is in
-    flight (the run is over): then shards whose per-push counters differ from
-    shard 0's are named in a warning, as that would be a torn push (a bug).
+    """Merges the shards' counters: per-push counters, version and staleness from shard 0
+    (the commit rule keeps them equal), bytes summed. With ``settled=True`` (no push in
+    flight) shards whose counters differ from shard 0's are named in a warning.
 
     Example:
         >>> s = {"applied": 3, "rejected": {"not_finite": 1}, "duplicates": 0,
@@ -254,16 +233,11 @@ def end_reason(
     run: str = "",
 ) -> tuple[str, str]:
     """How and why a run ended, in every runtime: ``(ended, reason)``, ``ended`` one of
-    :data:`ENDINGS` (:attr:`TrainResult.ended`), ``reason`` in words.
+    :data:`ENDINGS`. A run with no push applied, or whose last loss is not finite, says
+    so in the reason and with a :class:`FailureWarning`.
 
-    The recorder's reason (``stop_at`` reached), else the budget of ``steps``
-    pushes (``budget_spent``: a worker's loop ended with it), else, when no worker
-    is left: :class:`DivergedError` if some diverged (the last cause in
-    ``failures``), or every worker failed and was dropped. A run that pushed but
-    had no push applied (the merged shard ``stats``), or whose last record has a
-    loss that is not finite (NaN, inf), says so in the reason and with a
-    :class:`FailureWarning`: it is not a silent success.
-    """
+    Raises:
+        DivergedError: no worker is left and some diverged."""
     if recorder.stop_reason:
         ended, reason = "stop_at", recorder.stop_reason
     elif pushes >= steps or budget_spent:

@@ -1,50 +1,17 @@
 """Attach a process you started to a job served on this machine, by the job's name.
 
-``job.serve(workers=(1, 8), name="gpt")`` opens a door beside its shards: a
-Unix socket ``stalewise-<uid>/gpt.sock`` in the runtime directory
-(``$XDG_RUNTIME_DIR``, else the temporary directory), readable by this user
-only, and a key file beside it. Any process of the same user then calls
-``client = sw.attach("gpt")``: the server chooses the worker id (the lowest
-one free) and the incarnation, makes that incarnation's pipes to every shard
-(:meth:`LocalServer.client <stalewise.runtime.local.server.LocalServer.client>`)
-and passes them over the socket (file-descriptor passing), with what a client
-needs to map the job's shared memory. ``sw.attach("gpt", worker=3)`` asks for
-worker id 3 (a new incarnation of it, if it ran before).
-
-The socket stays open for as long as the attached client lives: the server
-sees it close when the process exits or calls ``client.close()``, and its worker
-id is free again for the next process that attaches. Its pipes to the shards
-close at the same moment, so the shards drop it from the gates and BSP rounds
-(a push it had committed is delivered first, as for every worker that leaves).
-
-Who may attach: this user on this machine. The folder must be a real
-directory (not a symlink) owned by this user with mode 0700, as OpenSSH's
-StrictModes wants of ``~/.ssh``: stalewise makes it so when it is missing and
-refuses one that is not (:func:`door_dir`), in one line naming the folder and
-the fix; it never changes a folder it did not make. The key file (mode 0600)
-and the socket are made fresh (``O_EXCL | O_NOFOLLOW``, a socket's ``bind``),
-and nothing in the folder is followed if it is a symlink: an attaching process
-reads the key only from a regular file of its own, of the key's exact length.
-
-The socket is authenticated with the key, both ways (``multiprocessing.connection``'s
-challenges). Nothing read from it is unpickled, on either side: the server reads a
-small JSON request from an attaching process, and the attaching process reads
-its client's description as JSON data (:mod:`stalewise.runtime.local.door_state`);
-every read is bounded.
-
-Each attaching process is handled on a thread of its own, and its handshake
-(authentication, request, taking the pipes) has :data:`HANDSHAKE_TIMEOUT`
-seconds: the socket is shut down when they pass. At most :data:`MAX_HANDSHAKES`
-run at once: a connection beyond them cuts off the oldest one that has not yet
-authenticated (a process that holds the key answers at once), so connections
-that stay silent hold neither threads nor file descriptors for long. When
-accepting fails (out of file descriptors: ``EMFILE``, ``ENFILE``) the door
-waits before it tries again, doubling the wait up to :data:`ACCEPT_BACKOFF`
-seconds, and logs the first failure and then how many there were. The server's
-lock is held only to choose the id and make the client, never while waiting for
-the attaching process, so one that connects and stays silent delays no server
-call and no other attach.
-"""
+``job.serve(workers=(1, 8), name="gpt")`` opens a door beside its shards: a Unix
+socket ``stalewise-<uid>/gpt.sock`` in the runtime directory (``$XDG_RUNTIME_DIR``,
+else the temporary directory) with a key file beside it, in a folder that must be
+a real directory of this user's with mode 0700 (:func:`door_dir`). A process of the
+same user calls ``client = sw.attach("gpt")`` (or ``worker=3``): the server picks
+the worker id and incarnation, makes its pipes to every shard and passes them over
+the socket, authenticated with the key both ways, with the client's description as
+JSON (:mod:`stalewise.runtime.local.door_state`; nothing is unpickled, every read
+is bounded). The worker id is free again once the socket closes. Each handshake runs
+on its own thread within :data:`HANDSHAKE_TIMEOUT` seconds, at most
+:data:`MAX_HANDSHAKES` at once; a failing ``accept`` backs off up to
+:data:`ACCEPT_BACKOFF` seconds. Threat model: ``docs/reliability.md``."""
 
 from __future__ import annotations
 
@@ -85,9 +52,8 @@ def door_dir() -> Path:
     """The folder of this user's doors: made, mode 0700, if missing.
 
     Raises:
-        AttachError: it is not a real directory of this user's with mode 0700
-            (one line naming the folder and the fix).
-    """
+        AttachError: it is not a real directory of this user's with mode 0700 (naming
+            the folder and the fix)."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     path = Path(base) / f"stalewise-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
@@ -172,9 +138,8 @@ class Door:
 
     @staticmethod
     def check(name: str) -> tuple[Path, Path]:
-        """The door's socket and key paths, once the name, the folder and any file left
-        there are checked: a server calls this before it starts its shards, so a refusal
-        costs nothing (``__init__`` checks again: the folder may change meanwhile)."""
+        """The door's socket and key paths, once the name, the folder and any file left there
+        are checked (a server calls it before starting its shards)."""
         sock, keyfile = _paths(check_name(name))
         if _own(sock, stat.S_IFSOCK) and _in_use(sock):
             raise ValueError(f"a job named {name!r} is already served ({sock})")
@@ -380,11 +345,7 @@ class Door:
 
 class _Deadline:
     """Shuts ``conn``'s socket down after ``seconds`` (or at :meth:`expire`) unless
-    cancelled first: a blocked read or write on it then fails at once (EOFError, OSError).
-
-    Cancel it before closing ``conn``: until then its descriptor is ``conn``'s socket,
-    and after, a shutdown could not reach another file that took the number.
-    """
+    cancelled first; cancel it before closing ``conn``."""
 
     def __init__(self, conn: connection.Connection, seconds: float | None):
         self._fd = conn.fileno()
@@ -454,16 +415,14 @@ def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0
     Args:
         name: the ``name=`` the job was served with (:meth:`stalewise.Job.serve`).
         worker: the worker id to take (a new incarnation of it); None: the lowest free one.
-        timeout: seconds the whole handshake with the server may take (None: no limit).
+        timeout: seconds the whole handshake may take (None: no limit).
 
     Returns:
-        A :class:`~stalewise.runtime.local.client.Client` of this process, as
-        ``server.client(w)`` gives; its ``worker`` and ``incarnation`` say who it is.
-        Closing it (or the end of this process) gives its worker id back.
+        A :class:`~stalewise.runtime.local.client.Client` of this process; closing it
+        (or the end of this process) gives its worker id back.
 
     Raises:
-        AttachError: no job of that name is served, or the server refused (why).
-    """
+        AttachError: no job of that name is served, or the server refused (why)."""
     from stalewise.runtime.local.procs import cap_threads_here
 
     sock, keyfile = _paths(check_name(name))

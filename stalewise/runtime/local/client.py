@@ -1,49 +1,14 @@
 """A worker's handle on the local runtime's shards: pull, push, wait.
 
-Threading contract: a :class:`Client` belongs to one thread of one process.
-Every blocking call takes a ``timeout`` in seconds (None waits forever).
-See :mod:`stalewise.runtime.local.server` for how pulls and pushes move.
-
-A client is one *incarnation* of its worker id: its pipes to the shards were
-made for it by :meth:`LocalServer.client`, and the shards know the worker and
-incarnation from the pipe a message arrives on, never from the message. A push
-is committed (:mod:`stalewise.protocol.commit`) by writing its record into
-shared memory before any shard is told of it. With a codec
-(``ServerConfig.codec``) the update is encoded into one payload per shard, in
-the worker's push region, and the verdict judges the payloads decoded, the
-values the shards will apply. The codec's error-feedback residual lives in the
-shared block too (:class:`~stalewise.runtime.local.layout.Residuals`): the
-parent saves it in checkpoints and hands it to the worker's next incarnation.
-Messages are the fixed binary records of :mod:`stalewise.protocol.wire`.
-
-Read-your-writes (:meth:`Client.pull`, ``own=True``): the pull waits for the
-last push's acks, each naming the version that holds the push, then reads a
-shard's snapshot if it is at least that version, else the shard's live params
-under their seqlock (:mod:`~stalewise.runtime.local.layout`): a shard acks a
-push once its step is taken, before it publishes. A busy shard, whose next push
-is about to change the live params, announces the snapshot it publishes after
-its acks, and the client waits for that copy instead; while a step changes the
-live params, it waits for the step's end. If steps changed them during
-:data:`LIVE_COPIES` copies and no snapshot holds the push (a busy shard defers
-publishing, up to ``PUBLISH_EVERY``, :mod:`~stalewise.runtime.local.shard_proc`),
-the client asks for a served pull, handled behind the push: the pull never waits
-for a deferred publish (issue #29).
-
-A client that learns a shard has closed its connection (the shard stopped, or
-it disconnected this worker for a protocol fault) raises :class:`ServerClosed`
-naming the shard, and every later call raises it again: it commits no more
-pushes, which the other shards would apply alone.
-
-A shard whose process dies is a :class:`~stalewise.runtime.errors.ShardError`
-naming it, from every call of every client from then on (until the server
-restarts it, when the workers rejoin as new incarnations). The server watches
-its shard processes and writes how each one ended into the shared control
-words (:attr:`Layout.shard_exits <stalewise.runtime.local.layout.Layout.shard_exits>`),
-which a client reads at every call and while it waits; a pipe to a shard that
-reaches its end (the process exited) also makes the client look, waiting up to
-:data:`EXIT_WAIT` seconds for the server's word. So a pull never returns a dead
-shard's last snapshot as current, and no call waits forever on a dead shard.
-"""
+A :class:`Client` is one incarnation of its worker id and belongs to one thread of
+one process; every blocking call takes a ``timeout`` in seconds (None waits
+forever). A push is committed (:mod:`stalewise.protocol.commit`) in shared memory
+before any shard is told; messages are the records of :mod:`stalewise.protocol.wire`.
+A shard that closed its connection makes every later call raise
+:class:`ServerClosed`; a shard whose process died, read from the shared control
+words, raises :class:`~stalewise.runtime.errors.ShardError` naming it, so no call
+waits forever on a dead shard. Read-your-writes pulls (``own=True``) and the dead
+shard's detection are described in ``docs/design-notes.md`` ("Local runtime")."""
 
 from __future__ import annotations
 
@@ -74,11 +39,8 @@ LIVE_COPIES = 2  # copies of a shard's live params a read-your-writes pull tries
 def recv_reply(
     conn: connection.Connection, timeout: float | None, what: str, *, trusted: bool = False
 ) -> tuple:
-    """The next message from a shard, decoded (:func:`wire.decode_reply`).
-
-    ``trusted``: ``conn`` is a control pipe of the parent that started the shard,
-    whose bulk replies (stats, state) are pickles and of any length.
-    """
+    """The next message from a shard, decoded (:func:`wire.decode_reply`); ``trusted``:
+    ``conn`` is the parent's control pipe, whose bulk replies may be of any length."""
     if not conn.poll(timeout):
         raise TimeoutError(f"no answer to {what} within {timeout} s")
     try:
@@ -92,14 +54,8 @@ def recv_reply(
 
 
 class ControlPipe:
-    """The parent's end of a shard's control pipe: control tuples go out as binary records.
-
-    ``send(("join", w, incarnation))``, ``send(("stats",))`` and the like are
-    encoded by :func:`wire.encode_control`; ``recv()`` decodes a reply (the
-    parent trusts its own shard, see :mod:`stalewise.protocol.wire`). Anything
-    else (``poll``, ``fileno``, ``recv_bytes``, ``close``, ...) is the wrapped
-    connection's.
-    """
+    """The parent's end of a shard's control pipe: control tuples go out as binary records
+    (:func:`wire.encode_control`), replies are decoded; the rest is the connection's."""
 
     def __init__(self, conn: connection.Connection):
         self._conn = conn
@@ -117,9 +73,7 @@ class ControlPipe:
 class Client(PullsIntoTrees):
     """A worker's handle on the shards: ``pull()`` params, ``push()`` updates.
 
-    Made by :meth:`LocalServer.client`; picklable until first used, so it can be
-    handed to a ``multiprocessing`` process (spawn or fork).
-    """
+    Made by :meth:`LocalServer.client`; picklable until first used."""
 
     def __init__(
         self,
@@ -197,12 +151,8 @@ class Client(PullsIntoTrees):
 
     def may_begin(self, steps: int) -> bool:
         """The budget rule (:mod:`stalewise.protocol.budget`): whether this worker may begin
-        another step of a job of ``steps`` pushes. Its own steps in progress are none
-        here (a push commits before the next step begins); the other workers' are not
-        seen, so a job may commit up to ``workers - 1`` pushes beyond ``steps``. Under
-        BSP it counts whole rounds (:func:`~stalewise.protocol.budget.may_begin_round`)
-        of the shards' round (:func:`~stalewise.protocol.budget.round_of`). A yes grants
-        the next push past :attr:`budget`'s check at commit (under BSP it is asked again)."""
+        another step of a job of ``steps`` pushes (up to ``workers - 1`` pushes may pass
+        it); a yes grants the next push past :attr:`budget`'s check at commit."""
         self._granted = self._may_begin(steps)
         return self._granted
 
@@ -310,11 +260,8 @@ class Client(PullsIntoTrees):
         return self._pull_buf
 
     def _read(self, k: int, timeout: float | None) -> int | None:
-        """Copies shard ``k``'s params holding this worker's acked push (if any) into the
-        pull buffer and returns their version: its snapshot once that holds the push
-        (at once, or when the publish a busy shard announced is done), else its live
-        params once no step is changing them; None after :data:`LIVE_COPIES` copies of
-        live params that a step changed meanwhile (the shard is busy: ask it)."""
+        """Copies shard ``k``'s params holding this worker's acked push into the pull buffer
+        and returns their version; None after :data:`LIVE_COPIES` torn copies (ask the shard)."""
         snaps, acked = self._snapshots, self._acked(k)
         deadline = None if timeout is None else time.monotonic() + timeout
         copies, pause = 0, SPIN
@@ -342,12 +289,8 @@ class Client(PullsIntoTrees):
         return ack.version if ack is not None and not self._acks_due[k] else 0
 
     def _take(self, k: int, kind: str | tuple[str, ...], timeout: float | None) -> Any:
-        """The next reply of ``kind`` (or one of those kinds) from shard ``k``, keeping
-        replies of other kinds.
-
-        A worker's client waits in slices of :data:`SLICE` seconds, looking at the
-        shards' exits between them: a shard that dies ends the wait (ShardError).
-        """
+        """The next reply of ``kind`` (or one of those kinds) from shard ``k``, keeping others;
+        waits in slices of :data:`SLICE` seconds, ending when a shard dies (ShardError)."""
         kinds = (kind,) if isinstance(kind, str) else kind
         for i, msg in enumerate(self._inbox[k]):
             if msg[0] in kinds:
@@ -430,11 +373,8 @@ class Client(PullsIntoTrees):
             raise ServerClosed(self._closed_by)
 
     def push(self, update: Any, *, timeout: float | None = None) -> None:
-        """Sends an update (same structure as the params) to every shard; returns at once.
-
-        The previous push must have been acknowledged first; this waits for that
-        (its result is then in :attr:`last_result` and :meth:`take_results`).
-        """
+        """Sends an update (same structure as the params) to every shard; returns at once,
+        once the previous push was acknowledged (see :attr:`last_result`)."""
         if self.worker is None:
             raise ValueError("an observer client cannot push")
         self._attach()
@@ -443,14 +383,7 @@ class Client(PullsIntoTrees):
         self.push_flat_sent()
 
     def push_flat_sent(self) -> None:
-        """Commits the update already written into :attr:`push_buffer` and tells every shard.
-
-        The commit rule: the whole push is judged once (:meth:`Sender.judge
-        <stalewise.protocol.sender.Sender.judge>`), its record is written, and the
-        commit word is stored last; only then does any shard hear of it. A sender
-        killed before that store pushed nothing; one killed after it pushed to every
-        shard (they deliver it when it is gone).
-        """
+        """Commits the update already written into :attr:`push_buffer` and tells every shard."""
         self._check_open()  # a shard has cut this worker off: commit nothing more
         granted, self._granted = self._granted, False
         rounds = self._consistency.averages_rounds
@@ -472,10 +405,8 @@ class Client(PullsIntoTrees):
         self._acks_due = [True] * len(self._conns)
 
     def _encode(self) -> None:
-        """Encodes the push buffer into the payloads (:meth:`Sender.encode
-        <stalewise.protocol.sender.Sender.encode>`); with error feedback the new residual
-        goes into the other shared buffer, tagged with this push's commit word before
-        the push commits (see :mod:`~stalewise.runtime.local.layout`)."""
+        """Encodes the push buffer into the payloads; a new residual goes into the other
+        shared buffer, tagged with this push's commit word."""
         res, sender = self._residuals, self._sender
         if res is None:
             sender.encode(self._push_buf, self._payloads)
@@ -510,21 +441,14 @@ class Client(PullsIntoTrees):
 
     @property
     def push_buffer(self) -> np.ndarray:
-        """The flat push buffer (write an update here, then call :meth:`push_flat_sent`).
-
-        With a codec it is this process's memory: :meth:`push_flat_sent` encodes it
-        into the shared payloads (with the codec's error feedback), leaving it as is.
-        """
+        """The flat push buffer (write an update here, then call :meth:`push_flat_sent`)."""
         self._attach()
         self.wait()
         return self._push_buf
 
     def wait(self, timeout: float | None = None) -> PushResult | None:
-        """Waits for the acks of the last push; returns what happened to it.
-
-        The :class:`~stalewise.protocol.PushResult` says ``applied``, ``refused``
-        (with the reason) or ``duplicate``; None before the first push.
-        """
+        """Waits for the acks of the last push; returns its
+        :class:`~stalewise.protocol.PushResult` (None before the first push)."""
         if not any(self._acks_due):
             return self.last_result
         for k, due in enumerate(self._acks_due):

@@ -1,23 +1,12 @@
 """What a job's door tells an attaching process, as JSON data: nothing is unpickled.
 
-The door (:mod:`stalewise.runtime.local.attach`) hands an attaching process its
-worker id, incarnation, the name of the job's shared block, the block's layout
-and what the job's :class:`~stalewise.protocol.ServerConfig` says a worker
-needs: the parameters' :class:`~stalewise.tree.FlatSpec`, the consistency
-model, the staleness rule, the shard count and the codec. :func:`encode` writes
-them as one JSON document, :func:`decode` checks every field and builds the
-:class:`~stalewise.runtime.local.client.Client` from them.
-
-A tree's structure travels as data: dicts (``OrderedDict`` kept), lists,
-tuples, ``None``, tied and constant leaves (numbers, strings, NumPy arrays of
-numbers), models' state dicts, and namedtuples and dataclasses named by module
-and qualified name. The attaching process looks such a class up only among
-the modules it has already imported (it imports nothing by name) and uses it
-only if it is a namedtuple class or a dataclass. A structure that holds
-anything else (another ecosystem's registered containers, such as a flax
-``State``, or a constant that is not plain data) cannot travel: the door
-refuses the attach, naming what it met.
-"""
+:func:`encode` writes the worker id, incarnation, shared block and layout and what
+the job's :class:`~stalewise.protocol.ServerConfig` says a worker needs as one JSON
+document; :func:`decode` checks every field and builds the
+:class:`~stalewise.runtime.local.client.Client`. A tree's structure travels as
+plain data; a namedtuple or dataclass is looked up only among the modules the
+attaching process has imported, and anything else (a flax ``State``, a constant
+that is not plain data) makes the door refuse the attach, naming it."""
 
 from __future__ import annotations
 

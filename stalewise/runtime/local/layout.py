@@ -6,60 +6,19 @@ One block holds everything a job moves between processes::
       | w0 pull | w1 pull | ... | w0 push | w1 push | ...
       | residual tags | w0 residual 0 | w0 residual 1 | w1 residual 0 | ... ]
 
-A worker's *push region* holds its update as a flat vector, or, with a codec
-(``ServerConfig.codec``), one encoded payload per shard, each of exactly the
-bytes :meth:`~stalewise.protocol.compress.Compressor.nbytes` says, each on its own
-cache line (:meth:`Layout.payload`). The worker encodes straight into them, and
-shard ``k`` hands its payload's bytes to its shard, which decodes them.
+A worker's push region holds its update as a flat vector or, with a codec, one
+payload per shard, each on its own cache line (:meth:`Layout.payload`). A push
+record is ``[commit, incarnation, seq, verdict code, verdict detail, base version
+per shard...]`` (int64s), ``commit = seq + 1`` stored last (the commit rule,
+:mod:`stalewise.protocol.commit`). Each shard publishes its slice into a
+seqlocked double buffer (:class:`Snapshots`) with its slowest live clock, and
+holds a seqlock of its own around any write of its live params. Each worker id
+has two residual buffers, tagged with the commit word of the push they follow
+(:class:`Residuals`). The reasoning: ``docs/design-notes.md``.
 
-*Push records* carry the commit rule (:mod:`stalewise.protocol.commit`): one
-fixed record of int64s per worker id, ``[commit, incarnation, seq, verdict code,
-verdict detail, base version per shard...]``. A worker writes its update into
-its push buffer and every field of the record, then stores ``commit = seq + 1``
-last: from that store on the push is committed, and a shard that finds the
-worker gone delivers a committed push it has not handled from this record.
-
-*Snapshots* let a worker pull without asking its shard. After an update (when
-it has no other message waiting, or at least every 20 ms under load) a shard
-copies its slice into the snapshot buffer readers are not using, then
-flips ``cur`` (a double buffer). Each buffer has a sequence counter that is odd
-while the shard writes it (a seqlock): a reader copies the current buffer and
-keeps the copy only if the counter was even and unchanged across the copy, so a
-pull never returns a torn mix of two versions. The shard also publishes its
-slowest live clock, which lets a worker check an SSP/BSP gate locally; the
-published value can only lag behind the truth, so the local check is
-conservative, and a worker that it holds back asks the shard (which is exact).
-
-A worker that must read its own push (read-your-writes) may also read the
-shard's *live* params, under a seqlock of their own: the shard makes the
-counter odd before any call that may write its slice (a push's step, a
-departure's delivered push, a closed BSP round, a loaded checkpoint) and even
-again after it, with the version it reached. The shard acks a push once its
-step is taken, before it publishes, so a worker reads its push from the live
-params at once, or from the snapshot if one holds it. A busy shard, whose next
-push follows at once, says which version it publishes after its acks
-(:meth:`Snapshots.announce`): a reader waits for that snapshot (it is being
-copied) rather than copy live params the next step is about to change.
-
-*Residuals* (a codec with error feedback, :mod:`stalewise.protocol.compress`)
-keep each worker's error-feedback state in the block, so the parent saves it
-in a checkpoint without asking the worker, and a restarted incarnation takes
-over what its predecessor had not sent. Each worker id has two residual
-buffers, each with a *tag*: the commit word of the push whose residual it
-holds (0: before any push of this incarnation), or -1 while it is written.
-Push ``s`` (commit word ``c = s + 1``) reads the residual in the buffer tagged
-``c - 1`` and writes ``p - C(p)`` into the other one, tagged -1 meanwhile and
-``c`` once done, all before the push's record is committed. So the buffer of
-the last committed push is never written, and :class:`Residuals` finds it
-from the tags and the worker's record: the higher tag if the record commits
-that push, else the lower one (a push encoded but never committed gave nothing
-to the shards, so its residual must not count). A reader copies the buffer and
-keeps the copy only if its tag is unchanged, a seqlock like the snapshots'.
-
-Threading contract: one writer per shard slice (the shard process), any number
-of readers. Relies on aligned 8-byte loads and stores being atomic and on the
-interpreter's calls ordering memory (true on x86-64 and on ARM with CPython,
-whose GIL operations are full barriers).
+Threading contract: one writer per shard slice (the shard process), any number of
+readers. Relies on aligned 8-byte loads and stores being atomic and on CPython's
+calls ordering memory (true on x86-64 and ARM).
 """
 
 from __future__ import annotations
@@ -103,8 +62,7 @@ class Layout:
     @classmethod
     def of(cls, config: ServerConfig, workers: int, expected: int | None = None) -> Layout:
         """The layout of ``config``'s job with room for ``workers`` worker ids, the first
-        ``expected`` of them (default: all) expected from the start (push regions sized
-        by its codec)."""
+        ``expected`` (default: all) expected from the start."""
         comp = config.compressor()
         dtype = config.init.dtype
         payloads = (
@@ -135,9 +93,8 @@ class Layout:
 
     @property
     def shard_exits(self) -> slice:
-        """The control words saying how each shard's process ended: NaN while it runs,
-        its exit code once the server has seen it die (:class:`LocalServer` writes them,
-        every client reads them: see :mod:`~stalewise.runtime.local.client`)."""
+        """How each shard's process ended: NaN while it runs, else its exit code (written by
+        :class:`LocalServer`, read by every client)."""
         return slice(1 + 3 * self.workers, 1 + 3 * self.workers + self.shards)
 
     @property
@@ -228,14 +185,12 @@ class Layout:
 
 
 class Residuals:
-    """The workers' error-feedback residuals in a shared block; see the module docstring.
+    """The workers' error-feedback residuals in a shared block.
 
-    One writer per worker id at a time (its current incarnation's client), which
-    calls :meth:`writing` and :meth:`written` around each encode; readers find the
-    residual of the last committed push (:meth:`read`). While no incarnation of a
-    worker runs, its parent moves that residual into place for the next one
-    (:meth:`hand_over`) or sets a saved one (:meth:`put`).
-    """
+    One writer per worker id at a time calls :meth:`writing` and :meth:`written` around
+    each encode; :meth:`read` finds the residual of the last committed push (the
+    buffer whose tag the worker's record commits); between incarnations the parent
+    calls :meth:`hand_over` or :meth:`put`."""
 
     def __init__(self, layout: Layout, block: SharedBlock):
         self.tags = layout.residual_tags(block)
@@ -273,12 +228,11 @@ class Residuals:
         return (hi, max(t0, t1)) if committed else (1 - hi, min(t0, t1))
 
     def read(self, w: int, incarnation: int, out: np.ndarray, timeout: float = 10.0) -> int:
-        """Copies worker ``w``'s residual after its last committed push of ``incarnation``
-        into ``out`` (never torn: retried while the worker overwrites it); returns its tag.
+        """Copies worker ``w``'s residual after its last committed push of ``incarnation`` into
+        ``out`` (never torn); returns its tag.
 
         Raises:
-            TimeoutError: no consistent copy within ``timeout`` seconds.
-        """
+            TimeoutError: no consistent copy within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
             found = self.current(w, incarnation)
@@ -298,9 +252,8 @@ class Residuals:
         self.tags[w, 1] = 0
 
     def hand_over(self, w: int, incarnation: int) -> None:
-        """Moves the residual of ``incarnation``'s last committed push into place for
-        the next incarnation of worker ``w`` (:meth:`put`), once ``incarnation`` has
-        stopped for good."""
+        """Moves the residual of ``incarnation``'s last committed push into place for worker
+        ``w``'s next incarnation, once ``incarnation`` has stopped for good."""
         found = self.current(w, incarnation)
         if found is None:  # cannot happen with a writer that follows the protocol
             self.put(w, np.zeros_like(self.buffers[w][0]))

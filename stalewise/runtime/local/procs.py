@@ -22,12 +22,8 @@ from stalewise.runtime.base import THREAD_VARS
 
 @contextlib.contextmanager
 def thread_budget(threads: int) -> Iterator[None]:
-    """Caps the math-library threads of processes spawned inside the block.
-
-    Several worker processes that each start one thread per core fight over the
-    cores (torch on 2 cores with 2 workers ran 10x slower per push). Variables the
-    user set are respected; the parent's environment is restored afterwards.
-    """
+    """Caps the math-library threads of processes spawned inside the block (variables the
+    user set are respected; the environment is restored afterwards)."""
     check_main_guard()  # every process the local runtime starts is started in this block
     saved = {k: os.environ.get(k) for k in THREAD_VARS}
     for k in THREAD_VARS:
@@ -41,9 +37,8 @@ def thread_budget(threads: int) -> Iterator[None]:
 
 
 def cap_threads_here(workers: int) -> None:
-    """Caps torch's threads in this process to a share of the cores, for a process that
-    joins a job after its math libraries loaded (:func:`stalewise.attach`); a process
-    whose environment sets ``OMP_NUM_THREADS`` (or friends) is left as it is."""
+    """Caps torch's threads in this process to a share of the cores, unless its
+    environment sets ``OMP_NUM_THREADS`` (or friends)."""
     if any(k in os.environ for k in THREAD_VARS):
         return
     torch = sys.modules.get("torch")
@@ -61,14 +56,8 @@ MAIN_GUARD_HINT = (
 
 
 def check_main_guard() -> None:
-    """Exits with :data:`NO_MAIN_GUARD` if this is a spawned process still importing the
-    user's main module (multiprocessing's bootstrap), which is about to start processes.
-
-    That happens when a script starts training at its top level, without the
-    ``__main__`` guard: each spawned shard or worker runs the script again. The
-    process says why on stderr and exits; the parent sees the exit code and says
-    so (:func:`describe_exit`), instead of a bare "died while starting".
-    """
+    """Exits with :data:`NO_MAIN_GUARD`, saying why on stderr, if this is a spawned process
+    still importing the user's main module (a script without the ``__main__`` guard)."""
     if getattr(mp.current_process(), "_inheriting", False):
         print(f"stalewise: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
         raise SystemExit(NO_MAIN_GUARD)
@@ -98,9 +87,8 @@ def _preparation_data(name: str, _original: Callable[[str], dict]) -> dict:
 
 
 def _install() -> None:
-    """Wraps ``multiprocessing.spawn.get_preparation_data`` once (popen_spawn_posix calls
-    it through the module, at each start): unchanged unless the calling thread is inside
-    :func:`stalewise_main`."""
+    """Wraps ``multiprocessing.spawn.get_preparation_data`` once; it changes nothing unless
+    the calling thread is inside :func:`stalewise_main`."""
     with _install_lock:
         current = mp_spawn.get_preparation_data
         if getattr(current, "_stalewise", False):
@@ -116,12 +104,7 @@ def _install() -> None:
 @contextlib.contextmanager
 def stalewise_main(needs_main: bool = False) -> Iterator[None]:
     """Processes this thread spawns inside the block do not import the parent's
-    ``__main__`` (the user's script): their entry point is stalewise's own.
-
-    ``needs_main``: what they are given refers to something defined in ``__main__`` (say a
-    learning-rate schedule written in the script, see :func:`refers_to_main`), which
-    they can only unpickle by importing it: then the block changes nothing.
-    """
+    ``__main__``; with ``needs_main`` (see :func:`refers_to_main`) nothing changes."""
     _install()
     before = getattr(_own_main, "on", False)
     _own_main.on = not needs_main
@@ -153,10 +136,8 @@ class _Nowhere(io.RawIOBase):
 
 
 def refers_to_main(obj: object) -> bool:
-    """Whether pickling ``obj`` refers to a class or function of ``__main__`` (which a
-    process that does not import ``__main__`` could not unpickle). Arrays are not copied
-    (out-of-band buffers, dropped); something that does not pickle here says True, so the
-    real start raises the real error as before.
+    """Whether pickling ``obj`` refers to a class or function of ``__main__`` (True if it
+    does not pickle here, so the real start raises the real error).
 
     Example:
         >>> refers_to_main({"lr": 0.1}), refers_to_main(refers_to_main)
@@ -174,26 +155,13 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with_parent(cleanup: Callable[[], None] | None = None) -> None:
-    """Makes this spawned process exit as soon as the process that started it dies.
+    """Makes this spawned process exit as soon as the process that started it dies; call
+    it first thing in the child.
 
-    Two mechanisms, so that no shard, worker or launched rank outlives a parent
-    killed with ``kill -9``; call it first thing in the child:
-
-    * on Linux, ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills this
-      process when its parent exits, even if this one is stopped or stuck in C
-      code; a parent already gone by then is caught by comparing ``os.getppid()``
-      with the parent's pid. (Strictly, when the parent *thread* that started it
-      exits, so start processes from a thread that outlives them; ``Job.train``
-      does, and ``stalewise run`` starts its ranks from the thread that waits
-      for them.)
-    * everywhere, a daemon thread that waits on the parent's sentinel (the pipe
-      ``multiprocessing`` keeps from parent to spawned child, which reads as
-      closed once the parent is gone), runs ``cleanup`` and exits.
-
-    With ``cleanup`` the kernel signal is not used, as it would leave no time
-    for the cleanup (the local runtime uses one only where shared memory has a
-    name to unlink, i.e. where ``memfd_create`` is missing).
-    """
+    On Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (it fires when the parent *thread*
+    exits, so start processes from a thread that outlives them), checked against the
+    parent's pid; everywhere a daemon thread that waits on the parent's sentinel and
+    runs ``cleanup``. With ``cleanup`` the kernel signal is not used (no time to clean up)."""
     parent = mp.parent_process()
     ppid = parent.pid if parent is not None else os.getppid()
     if cleanup is None and sys.platform.startswith("linux"):

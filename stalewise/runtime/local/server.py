@@ -1,53 +1,16 @@
-"""The local runtime: shards and workers as OS processes on one machine.
+"""The local runtime's server: shards as OS processes on one machine.
 
-Bytes move through one shared-memory block (see :mod:`stalewise.runtime.local.layout`);
-only small control messages (:mod:`stalewise.protocol.wire`) go through pipes.
-
-A pull normally asks no one: the worker copies each shard's latest published
-snapshot (seqlocked, so never torn) into its pull buffer. When the worker's
-clock is too far ahead for the consistency model by the published clocks, or
-when DC-ASGD needs the shard to remember what the worker pulled, the pull is
-served: the shard answers when the gate opens, copying its slice itself. The
-server's own observer pull (evaluation, ``LocalServer.pull``) is always served,
-so it sees every acknowledged push. A push writes the flattened update into
-the worker's push buffer, commits its record (see
-:mod:`stalewise.runtime.local.layout`) and sends ``("push", seq)`` to every
-shard; the buffer is reused only after every shard acknowledged it.
-
-Each incarnation of a worker gets its own pipes, made by
-:meth:`LocalServer.client` and handed to the shard processes over their control
-pipes (file-descriptor passing), so a shard knows who sent a message from the
-pipe it came on. When a worker's pipe closes (it left, or its process died),
-the shard delivers a push the worker committed but the shard has not handled,
-then drops the worker. The worker's side is
-:class:`stalewise.runtime.local.client.Client`; a shard process's body is
-:mod:`stalewise.runtime.local.shard_proc`; this module holds
-:class:`LocalServer`, which starts and stops them, and restarts a shard whose
-process died (:meth:`LocalServer.restart_shard`).
-
-With a codec that keeps error feedback, each worker's residual lives in the
-shared block (:class:`~stalewise.runtime.local.layout.Residuals`): the server
-reads the residual of each worker's last committed push for a checkpoint
-(:meth:`LocalServer.residuals`), sets saved ones on resume
-(:meth:`LocalServer.load_residuals`), and gives a worker's next incarnation
-the residual its predecessor had not sent (:meth:`LocalServer.client`).
-
-A shard process imports stalewise's modules and none of the user's: it is spawned
-without the parent's ``__main__`` (:func:`~stalewise.runtime.local.procs.stalewise_main`),
-unless the job's config refers to something defined there (a learning-rate schedule
-written in the script), which it then imports to unpickle it.
-
-Every shard process exits when the process that started it dies
-(:func:`~stalewise.runtime.local.procs.die_with_parent`), and the shared memory
-has no name that could outlive them (:mod:`stalewise.runtime.local.shm`).
-
-A thread of the server watches the shard processes: when one exits before the
-server closes, it writes how it ended into the shared control words
-(:attr:`Layout.shard_exits <stalewise.runtime.local.layout.Layout.shard_exits>`),
-and every client's next call, or the one waiting, raises
-:class:`~stalewise.runtime.errors.ShardError` naming it
-(:mod:`~stalewise.runtime.local.client`).
-"""
+Bytes move through one shared-memory block (:mod:`stalewise.runtime.local.layout`);
+small control messages (:mod:`stalewise.protocol.wire`) go through pipes, one pair
+per incarnation of a worker, handed to the shard processes by file-descriptor
+passing so a shard knows who sent a message from its pipe. :class:`LocalServer`
+starts and stops the shard processes (:mod:`stalewise.runtime.local.shard_proc`),
+restarts one that died, holds the workers' error-feedback residuals for
+checkpoints, and watches the shards: one that exits early is written into the
+shared control words, and every client's next call raises
+:class:`~stalewise.runtime.errors.ShardError` naming it. The worker's side is
+:class:`stalewise.runtime.local.client.Client`. How pulls, pushes and commits move
+is in ``docs/design-notes.md`` ("Local runtime")."""
 
 from __future__ import annotations
 
@@ -247,16 +210,11 @@ class LocalServer:
         self.close()
 
     def client(self, worker: int | None = None) -> Client:
-        """A client for a new incarnation of ``worker`` (0 <= worker < workers; None: the
-        lowest id that no client was made for yet).
+        """A client for a new incarnation of ``worker`` (None: the lowest id without a client).
 
-        The first call for an id starts that worker; a later call restarts it: the
-        shards first finish the old incarnation (a push it committed is delivered
-        everywhere) and drop it, then the new one starts from the current
-        parameters with fresh sequence numbers, and the old one's pipes are cut.
-        Restart a worker only once its old process has exited or been killed: both
-        would write the same shared push buffer.
-        """
+        A later call for an id restarts it: the old incarnation is finished (a push it
+        committed is delivered everywhere) and its pipes cut. Restart a worker only once
+        its old process has exited: both would write the same push buffer."""
         with self._lock:
             if worker is None:
                 worker = self.free_worker(None, taken=self._door.taken() if self._door else set())
@@ -300,13 +258,11 @@ class LocalServer:
         )
 
     def free_worker(self, want: int | None, *, taken: set[int]) -> int:
-        """The worker id a joining process gets: ``want`` if it is not ``taken`` (held by
-        an attached process), else the lowest id that never had a client or whose
-        attached process has gone.
+        """The worker id a joining process gets: ``want`` if not ``taken``, else the lowest
+        free one.
 
         Raises:
-            ValueError: ``want`` is out of range or taken, or every id is (the job is full).
-        """
+            ValueError: ``want`` is out of range or taken, or every id is (the job is full)."""
         if want is not None:
             if not (isinstance(want, int) and 0 <= want < self.workers):
                 raise ValueError(
@@ -347,20 +303,15 @@ class LocalServer:
         return set() if self._door is None else self._door.attached()
 
     def release(self, worker: int) -> None:
-        """Closes this process's copies of ``worker``'s pipes once its process holds them.
-
-        Call it after starting the worker's process: then, if that process dies,
-        the shards see its pipes close and stop waiting for it (gates, BSP rounds).
-        """
+        """Closes this process's copies of ``worker``'s pipes (call it after starting its
+        process, so that the shards see them close if it dies)."""
         for c in self._worker_ends[worker]:
             c.close()
         self._worker_ends[worker] = []
 
     @property
     def job_pushes(self) -> int:
-        """Pushes committed by all the job's workers so far (each id over its incarnations):
-        what a budget of ``steps`` counts, as :attr:`RayServer.job_pushes
-        <stalewise.runtime.ray.server.RayServer.job_pushes>` (read from shared memory)."""
+        """Pushes committed by all the job's workers so far (each id over its incarnations)."""
         return int(self.control[self.layout.pushes_done].sum())
 
     @_locked
@@ -395,9 +346,7 @@ class LocalServer:
             return [self.observer._take(k, kind, timeout)[1] for k in range(len(self._controls))]
 
     def residuals(self, timeout: float = 10.0) -> list[np.ndarray] | None:
-        """Each worker's error-feedback residual after its last committed push (copies,
-        never torn, read from shared memory without asking the workers); None when the
-        codec keeps no feedback."""
+        """Each worker's residual after its last committed push (None: the codec keeps none)."""
         if self._residuals is None:
             return None
         out = []
@@ -408,13 +357,11 @@ class LocalServer:
         return out
 
     def load_residuals(self, residuals: list[np.ndarray]) -> None:
-        """Sets each worker's error-feedback residual (a checkpoint's, worker ``w``'s at
-        index ``w``) for its first incarnation on this server: call it before
-        :meth:`client`. Ignored when the codec keeps no feedback.
+        """Sets each worker's error-feedback residual for its first incarnation (before
+        :meth:`client`); ignored when the codec keeps no feedback.
 
         Raises:
-            ValueError: the wrong number of residuals, or one of the wrong shape (named).
-        """
+            ValueError: the wrong number of residuals, or one of the wrong shape (named)."""
         if self._residuals is None:
             return
         if len(residuals) != self.workers:
@@ -475,15 +422,11 @@ class LocalServer:
 
     @_locked
     def load_state_dicts(self, states: list[dict], timeout: float | None = 60.0) -> list[int]:
-        """Loads one :meth:`Shard.state_dict` into each shard (a checkpoint); returns the versions.
+        """Loads one :meth:`Shard.state_dict` into each shard before any worker joins;
+        returns the versions.
 
-        Call it before any worker joins. Every shard checks its state before
-        changing anything (:meth:`Shard.load_state_dict`); a refusal raises
-        ValueError naming the shard and the key. The loaded incarnation numbers
-        are remembered, so :meth:`client` starts new incarnations above them.
-        The loaded workers that were live count for the gates until their new
-        incarnations join (which first makes the old ones leave).
-        """
+        Raises:
+            ValueError: a shard refused its state (naming the shard and the key)."""
         if len(states) != len(self._controls):
             raise ValueError(f"{len(states)} shard states for {len(self._controls)} shards")
         for c, state in zip(self._controls, states, strict=True):
@@ -498,10 +441,7 @@ class LocalServer:
         return [int(msg[1]) for msg in replies]
 
     def resume(self, ckpt: Any) -> None:
-        """Puts a :class:`~stalewise.checkpoint.Checkpoint` of this job into the shards
-        (call it before any worker joins, after ``checkpoint.resume.check_compatible``): the
-        shards' states (params, optimizer state, versions), the workers' error-feedback
-        residuals, and the job's push counts, so versions and the budget go on from it."""
+        """Puts a :class:`~stalewise.checkpoint.Checkpoint` of this job into the shards first."""
         from stalewise import checkpoint
 
         self.load_state_dicts(ckpt.states)
@@ -520,11 +460,8 @@ class LocalServer:
             counts[0] = int(ckpt.step.get("pushes", 0))
 
     def checkpoint_parts(self, timeout: float | None = 60.0) -> tuple[list, dict, Any]:
-        """What a checkpoint of this server holds: ``(states, step, residuals)``, ``step``
-        with the job's ``pushes`` and each worker id's (``pushed``). Consistent per shard;
-        across shards the states can differ by the pushes in flight, which count as not
-        made (:func:`~stalewise.protocol.budget.held`: a push committed after the states
-        were read is in none of them)."""
+        """What a checkpoint of this server holds: ``(states, step, residuals)``; pushes in
+        flight count as not made (:func:`~stalewise.protocol.budget.held`)."""
         states = self.state_dicts(timeout)
         records, counts = self.layout.records(self._block), self.control[self.layout.pushes_done]
         pushed = []
@@ -551,22 +488,13 @@ class LocalServer:
     def restart_shard(self, k: int, base: dict | None = None, timeout: float = 60.0) -> dict:
         """Starts a new process for shard ``k``, whose process has died, and restores its state.
 
-        The new shard starts from what this process can still read: the slice
-        as last published for pulls (consistent, and at most
-        ``shard_proc.PUBLISH_EVERY`` seconds of updates behind the dead shard),
-        with the optimizer state and counters of ``base`` (shard ``k``'s
-        :meth:`state_dict`, e.g. from the last checkpoint; a newer ``base`` is
-        used whole) or fresh ones. With other shards alive, it takes their
-        version and per-push counters, so the shards stay in step and only its
-        slice lacks the updates it had not published. No worker is live on the
-        new shard: every worker must rejoin as a new incarnation
-        (:meth:`client`), after its old process has been stopped.
+        Its slice comes from the last published snapshot, its optimizer state and
+        counters from ``base`` (shard ``k``'s :meth:`state_dict`) or fresh ones, its
+        version from the live shards. Every worker must then rejoin as a new incarnation.
 
         Returns:
-            ``{"shard", "version", "lost", "source"}``: the version the shard
-            resumes at, the updates its slice lacks (None when unknown: a job
-            with one shard), and where the params came from.
-        """
+            ``{"shard", "version", "lost", "source"}``: the version it resumes at, the
+            updates its slice lacks (None when unknown) and where the params came from."""
         p = self._procs[k]
         p.join(1)
         if p.is_alive():
@@ -625,20 +553,13 @@ class LocalServer:
         return {"shard": k, "version": int(reply[1]), "lost": lost, "source": source}
 
     def unlink(self) -> None:
-        """Removes the shared-memory name early, if it has one (see :mod:`.shm`).
-
-        After that no other process can attach a named block: a worker started
-        later could not join. An anonymous block (Linux) has no name to remove.
-        """
+        """Removes the shared-memory name early, if it has one (later workers cannot join)."""
         self._block.unlink()
 
     @_locked
     def close(self, timeout: float = 10.0) -> list[dict]:
-        """Stops the shards and frees the shared memory; returns the shards' final stats.
-
-        One dict per shard; a shard whose process had died is logged as an error
-        and its entry is ``{"shard": k, "dead": "killed by SIGKILL"}`` (how it ended).
-        """
+        """Stops the shards and frees the shared memory; returns one stats dict per shard (a
+        dead shard's is ``{"shard": k, "dead": "killed by SIGKILL"}``)."""
         if self._block is None:
             return []
         if self._door is not None:

@@ -1,39 +1,17 @@
 """The body of a local shard process: one :class:`~stalewise.protocol.Shard` behind pipes.
 
-The shard reads pushes from workers' push buffers in shared memory once their
-record is committed (see :mod:`stalewise.runtime.local.layout`), publishes
-snapshots for pulls, and answers control messages from the parent
-(:class:`~stalewise.runtime.local.server.LocalServer`).
-
-One turn of its loop (:meth:`ShardProcess.turn`, then :meth:`ShardProcess.settle`)
-handles every message that has arrived, then answers the turn's pushes, then
-publishes a snapshot (at once when idle, every :data:`PUBLISH_EVERY` seconds at
-most while more messages wait), then serves the pulls asked for. The acks go out
-before the publish: a worker reading its own push back (read-your-writes,
-:meth:`Client.pull <stalewise.runtime.local.client.Client.pull>`) copies it from
-the live params, which the shard seqlocks around every call that may write them
-(:meth:`ShardProcess.write`, see :mod:`~stalewise.runtime.local.layout`), or
-from the snapshot a busy shard announces it is publishing; if neither holds the
-push, it asks for a served pull, which the shard handles behind the push on the
-same pipe: a read-your-writes pull never waits for a deferred publish. Only a
-gated shard (SSP, BSP) whose slowest clock moved publishes before its acks: a
-worker its gate lets through must find that round's params in the snapshot.
-
-Messages are the fixed binary records of :mod:`stalewise.protocol.wire`. A
-worker's pipe is read without blocking, as bytes arrive (:class:`WorkerPipe`),
-so one worker can never stall the shard's single loop: a message that is
-malformed, of an unknown kind or too long, or one left incomplete for
-``PARTIAL_TIMEOUT`` seconds (say, a length header without its body), and a
-worker that stops reading its replies, get that worker disconnected with a
-warning naming the worker and the shard, exactly as if it had died (its
-committed push is delivered first, see :meth:`Shard.depart`). The control pipe
-comes from the parent that started the shard and is read blocking.
-
-A disconnected worker learns it from the error reply and its pipe closing; it
-must stop there. A push it commits after the cut and before it notices reaches
-only the other shards: the commit rule holds for workers that follow the
-protocol, and a worker that writes junk into its pipe does not.
-"""
+The shard reads pushes from the workers' push buffers in shared memory once their
+record is committed (:mod:`stalewise.runtime.local.layout`), publishes snapshots for
+pulls, and answers the parent's control messages
+(:class:`~stalewise.runtime.local.server.LocalServer`). One turn of its loop
+(:meth:`ShardProcess.turn`, then :meth:`ShardProcess.settle`) handles every message
+that has arrived, acks the turn's pushes, publishes (see
+:meth:`ShardProcess.publish_due`) and serves the pulls asked for. A worker's pipe is
+read without blocking (:class:`WorkerPipe`): a malformed, oversized or (after
+``PARTIAL_TIMEOUT`` seconds) incomplete message, or a worker that stops reading its
+replies, gets that worker disconnected with a warning, as if it had died. The
+control pipe from the parent is read blocking. Why: ``docs/design-notes.md``
+("Local runtime")."""
 
 from __future__ import annotations
 
@@ -63,10 +41,8 @@ READ_CHUNK = 4096  # bytes read from one worker's pipe per turn of the loop
 def committed_push(
     layout: Layout, records: np.ndarray, pushes: list, w: int, k: int
 ) -> tuple[PushHeader, np.ndarray, commit.Verdict] | None:
-    """Worker ``w``'s committed push as shard ``k`` reads it from its record, or None.
-
-    ``pushes[w]``: shard ``k``'s part of worker ``w``'s push region (its slice of the
-    update, or its encoded payload with a codec)."""
+    """Worker ``w``'s committed push as shard ``k`` reads it from its record, or None
+    (``pushes[w]``: shard ``k``'s part of worker ``w``'s push region)."""
     rec = records[w]
     seq_plus_one = int(rec[L.R_COMMIT])
     if not seq_plus_one or int(rec[L.R_SEQ]) != seq_plus_one - 1:
@@ -91,8 +67,7 @@ class WorkerPipe:
         """The bodies of the messages now complete ([] if none); None at end of file.
 
         Raises:
-            OSError: the pipe broke (the worker is gone).
-        """
+            OSError: the pipe broke (the worker is gone)."""
         try:
             data = os.read(self.fd, READ_CHUNK)
         except BlockingIOError:
@@ -111,8 +86,7 @@ class WorkerPipe:
 
         Raises:
             BlockingIOError: the pipe is full: the worker does not read its replies.
-            OSError: the pipe broke (the worker is gone).
-        """
+            OSError: the pipe broke (the worker is gone)."""
         data = wire.frame(body)
         if os.write(self.fd, data) != len(data):
             raise BlockingIOError("the pipe is full")
@@ -158,13 +132,8 @@ class ShardProcess:
         self.publishes += 1
 
     def publish_due(self, busy: bool) -> bool:
-        """Whether to copy the params out for pulls now: when idle, or every
-        PUBLISH_EVERY s under load, and at once when the slowest clock moved.
-
-        The clock never gets ahead of the published params (a worker the gate lets
-        through must read the params of the round it waited for): alone only while
-        the params are unchanged (published here), else together with them.
-        """
+        """Whether to copy the params out for pulls now: when idle, every PUBLISH_EVERY s
+        under load, and at once when the slowest clock moved (never ahead of the params)."""
         clock = self.shard.min_clock()
         if self.shard.version == self.published:
             self.snapshots.publish_clock(self.k, clock)
@@ -176,10 +145,8 @@ class ShardProcess:
         )
 
     def write(self, call, *args, **kwargs):
-        """``call(*args, **kwargs)``, a call that may write the shard's params, inside the
-        live params' seqlock (:meth:`Snapshots.read_live
-        <stalewise.runtime.local.layout.Snapshots.read_live>`); the lock is released at
-        the version reached whether the call returns or raises (a refusal writes nothing)."""
+        """``call(*args, **kwargs)``, a call that may write the shard's params, inside the live
+        params' seqlock (released at the version reached, even if it raises)."""
         self.snapshots.changing(self.k)
         try:
             return call(*args, **kwargs)
@@ -305,10 +272,8 @@ class ShardProcess:
         return True
 
     def settle(self) -> None:
-        """After a turn: the acks, then the publish (or not, see :meth:`publish_due`),
-        then the served pulls (see the module docstring). A busy shard announces the
-        version it publishes before its acks; a gated one whose slowest clock moved
-        publishes first (the clock goes out with its round's params)."""
+        """After a turn: the acks, the publish (:meth:`publish_due`; a gated shard whose
+        slowest clock moved publishes first), then the served pulls."""
         busy = self.busy()
         due = self.publish_due(busy)
         gate = self.shard.consistency.gated

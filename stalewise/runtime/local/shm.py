@@ -1,24 +1,13 @@
 """Shared-memory blocks that cannot leak.
 
-A block is a file in a RAM file system mapped into every process that uses it.
-On Linux it is an anonymous memory file (``memfd_create``): it has no name in
-``/dev/shm`` at any moment, so a crash or a ``kill -9`` of any process, at
-any time, leaves nothing behind; the memory is freed with the last process
-that maps it or holds it open. Other processes attach through the creator's
-open descriptor (``/proc/<pid>/fd/<fd>``, the block's :attr:`~SharedBlock.handle`),
-so they can attach as long as the creator lives, e.g. a worker restarted late
-in a job. It is not limited by the size of ``/dev/shm`` (64 MB in a default
-Docker container).
-
-Elsewhere (no ``memfd_create`` or no ``/proc``) a block is a named file in
-``/dev/shm`` (or the temporary folder). Its creator unlinks it when the job
-ends; if the creator is killed first, the local runtime's shard processes
-unlink it when they see their parent die (see
-:func:`stalewise.runtime.local.procs.die_with_parent`).
-
-We do not use :mod:`multiprocessing.shared_memory` because on Python 3.11 every
-process that attaches a segment registers it with the resource tracker, which
-then warns about, or unlinks, segments it does not own.
+On Linux a block is an anonymous memory file (``memfd_create``): it never has a
+name in ``/dev/shm``, so no crash or ``kill -9`` leaves anything behind, and other
+processes attach through the creator's descriptor (``/proc/<pid>/fd/<fd>``, the
+block's :attr:`~SharedBlock.handle`) while it lives. Elsewhere a block is a named
+file in ``/dev/shm`` (or the temporary folder), unlinked by its creator or, if that
+is killed, by the shard processes (:func:`stalewise.runtime.local.procs.die_with_parent`).
+:mod:`multiprocessing.shared_memory` is not used: on Python 3.11 its resource
+tracker warns about, or unlinks, segments a process does not own.
 
 Example:
     >>> block = SharedBlock.create(1024)
@@ -111,11 +100,7 @@ def _create_error(
 
 
 class SharedBlock:
-    """A mapping of a shared-memory file; numpy arrays view into it.
-
-    ``name`` identifies the block in messages and in ``/dev/shm`` (named blocks);
-    ``handle`` is what another process passes to :meth:`attach`.
-    """
+    """A mapping of a shared-memory file; numpy arrays view into it."""
 
     def __init__(self, name: str, path: str, mm: mmap.mmap, owner: bool, fd: int | None = None):
         self.name = name
@@ -140,10 +125,8 @@ class SharedBlock:
         """Creates a zero-filled block of ``nbytes`` bytes with a fresh unique name.
 
         Raises:
-            OSError: one line saying that the block of ``nbytes`` bytes could not be
-                made and why (the file size limit, ``ulimit -f``; a full ``/dev/shm``;
-                memory), with the OS error's ``errno``.
-        """
+            OSError: one line saying why the block could not be made (``ulimit -f``, a full
+                ``/dev/shm``, memory), with the OS error's ``errno``."""
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         size = max(nbytes, 1)
         memfd = _memfd_available()
@@ -203,20 +186,13 @@ class SharedBlock:
         return np.frombuffer(self._mm, dtype=dtype, count=count, offset=offset)
 
     def unlink(self) -> None:
-        """Removes a named block's name; mappings stay valid until closed. Safe to call twice.
-
-        An anonymous block has no name: nothing to do.
-        """
+        """Removes a named block's name (mappings stay valid); safe to call twice."""
         if not self.anonymous:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
     def close(self) -> None:
-        """Unmaps the block if no array still views it (else the OS unmaps at exit).
-
-        The creator's descriptor of an anonymous block is closed too: no other
-        process can attach after that.
-        """
+        """Unmaps the block if no array still views it; no process can attach after that."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -234,10 +210,7 @@ def leaked_blocks() -> list[str]:
 
 
 def held_blocks(pid: int) -> list[str]:
-    """Names of the anonymous stalewise blocks process ``pid`` holds open or maps.
-
-    Linux only (reads ``/proc``); an empty list for a process that is gone.
-    """
+    """Names of the anonymous stalewise blocks process ``pid`` holds (Linux; [] if it is gone)."""
     names = set()
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):

@@ -1,47 +1,16 @@
 """``Job.train`` on the local runtime: one OS process per worker, driven by the parent.
 
 The parent starts the shards (:class:`~stalewise.runtime.local.LocalServer`) and
-one spawned process per worker, releases them together, then watches: it
-evaluates the parameters every ``eval_interval`` seconds as an observer, writes
-metrics records, drives the progress bar, and stops the job at the step budget,
-the stop condition, a failure its policy does not survive, or Ctrl-C.
-
-Failures (the policy is :class:`~stalewise.runtime.errors.Failures`):
-
-* a worker fails when its process dies (its pipe to the parent closes), when
-  user code raises in it, when its heartbeats stop for longer than its own
-  rhythm allows (:class:`~stalewise.protocol.liveness.Silence`: at least 10 s,
-  at most ``worker_timeout``; it hangs or is stopped, and is then killed), or
-  when its result pipe
-  carries bytes that are no message (it is then killed: the parent reads the
-  fixed records of :func:`stalewise.protocol.wire.decode_result` and unpickles
-  nothing a worker sends). It is restarted as a new
-  incarnation at the current parameters, dropped, or fails the job. Its
-  committed push, if any, is delivered by the shards either way, and a restart
-  continues with the error-feedback residual of that push (the codec's, kept
-  in shared memory by :class:`~stalewise.runtime.local.layout.Residuals`).
-* a shard fails when its process dies. Every worker is stopped, the shard is
-  restarted (:meth:`LocalServer.restart_shard`: its last published params, the
-  optimizer state of the last checkpoint if there is one) and the workers
-  restart as new incarnations; these restarts do not count against the
-  workers' budgets.
-* a worker whose pushes are refused too many times in a row raises the worker
-  loop's ``Diverged`` and leaves, never restarted; when no worker is left and
-  none finished, the job raises :class:`~stalewise.runtime.errors.DivergedError`.
-
-A worker that fails before the job has started (loading its data, its warm-up
-step) fails the job whatever the policy: that is a bug to fix, not a fault.
-
-Heartbeats: a worker tells the parent it is alive (a small message, at most
-every ``min(1, worker_timeout / 4)`` seconds) when it begins a step, for every
-minibatch it draws, and while it waits for a pull or its acks. One call of the
-user's ``loss_and_grad`` (and a strategy step drawing no batch) must therefore
-take less than ``worker_timeout``, and less than about 4 of that worker's usual
-intervals between beats once they exceed 2.5 s.
-
-Whatever happens, every process the parent started is stopped, and none
-outlives the parent (:func:`~stalewise.runtime.local.procs.die_with_parent`).
-"""
+one spawned process per worker, releases them together, then evaluates every
+``eval_interval`` seconds as an observer, writes records and stops the job at the
+budget, the stop condition, a failure its policy does not survive, or Ctrl-C. A
+worker fails when its process dies, user code raises in it, its heartbeats stop
+(:class:`~stalewise.protocol.liveness.Silence`) or its result pipe carries bytes
+that are no message (:func:`stalewise.protocol.wire.decode_result`); a shard fails
+when its process dies (every worker is stopped, the shard restarted, the workers
+rejoin). A failure before the job has started fails it whatever the policy. What a
+user sees: ``docs/reliability.md``. No process the parent started outlives it
+(:func:`~stalewise.runtime.local.procs.die_with_parent`)."""
 
 from __future__ import annotations
 
@@ -269,8 +238,7 @@ class _Worker:
 
 
 class _Host:
-    """The local runtime as a :class:`~stalewise.runtime.driver.Host`: starts, watches and
-    restarts the shard and worker processes of one run; see the module docstring."""
+    """The local runtime as a :class:`~stalewise.runtime.driver.Host` of one run."""
 
     runtime, virtual, checkpoint_info = "local", False, {}
 
@@ -332,9 +300,11 @@ class _Host:
         self.check_hung()
 
     def receive(self, w: int) -> list[tuple] | None:
-        """The messages on worker ``w``'s result pipe now, decoded (:func:`wire.decode_result`:
-        nothing is unpickled), after one read that does not block; [] while a message is
-        incomplete, None at the pipe's end. Raises WireError for bytes that are no message."""
+        """The messages on worker ``w``'s result pipe now, decoded (nothing is unpickled); []
+        while a message is incomplete, None at the pipe's end.
+
+        Raises:
+            WireError: bytes that are no message."""
         wk = self.workers[w]
         try:
             data = os.read(wk.conn.fileno(), READ_CHUNK)
@@ -579,8 +549,7 @@ class _Host:
         return self.server.final_params
 
     def close(self) -> None:
-        """Stops every worker process (politely, then by force), closes the pipes, then
-        stops the shards."""
+        """Stops every worker process (politely, then by force), the pipes, then the shards."""
         server = self.server
         if server is None:
             return

@@ -1,45 +1,14 @@
 """The simulator runtime: thousands of workers on one machine, on a virtual clock.
 
-It hosts the same protocol objects as the local runtime (shards built by
-:meth:`ServerConfig.build_shard`, their consistency gates, staleness rules and
-optimizers, the commit rule, and the one worker loop
-:func:`~stalewise.protocol.loop.worker_loop` running the job's
-:class:`~stalewise.strategies.Strategy`); only time is simulated. Gradients
-are computed for real, on the real task, in the
-single-threaded discrete-event loop of :mod:`stalewise.runtime.sim.engine`;
-:class:`~stalewise.runtime.sim.config.SimConfig` says how long steps,
-transfers and requests take.
-
-Determinism: the event order and the virtual times depend only on the config
-and the seed (IEEE arithmetic and numpy's PCG64 streams), never on the machine.
-The parameters are then as reproducible as the user's ``loss_and_grad``: NumPy
-code on one machine gives bit-identical results run after run.
-
-Checkpoints (``checkpoint_dir``, ``checkpoint_every`` updates,
-``checkpoint_seconds`` virtual seconds, and always at the end of the run) hold
-the shards' states plus the simulator's own: the virtual time, each worker's
-batches drawn, its timing RNG state and the instant its loop ended, the links'
-queues and the push count; and each worker's error-feedback residual. ``resume=True`` loads them and restarts the workers
-as new incarnations (fresh strategy states, their data streams fast-forwarded
-past the batches drawn). A run interrupted by its ``steps`` budget and resumed
-with a larger one ends bit-identical to an uninterrupted run when the
-checkpoint is *quiescent* (the run ended by its budget: nothing in flight,
-every loop ended) and the workers carry nothing across steps that the
-checkpoint lacks: a stateless strategy (``gradients()``), a deterministic data
-stream per worker, no failures or joins before the cut; and the cut is a
-synchronisation point: a BSP round's end (the budget is whole rounds;
-tested with random compute times and latency). Under ASP/SSP a worker's next
-pull overlaps its push in flight and reads the newest published snapshots
-(:mod:`stalewise.protocol.pipeline`), and the workers that finished early
-would have started their next step while the others' last pushes were still
-arriving; the resumed run cannot replay that interleaving (even in lockstep,
-it turns on the order of same-time events), so it is a valid continuation,
-not a bit-identical one. A mid-run (periodic) checkpoint is not quiescent: the
-resumed workers start at its time (a worker waiting for its restart then
-restarts at once), and a push in flight at that moment is lost on the shards
-that had not yet applied it. The failure policy's restart counts start afresh
-in a resumed run, as in the local runtime.
-"""
+It hosts the same protocol objects as the local runtime (shards, gates, staleness
+rules, optimizers, the commit rule and the one worker loop); only time is
+simulated, by the discrete-event loop of :mod:`stalewise.runtime.sim.engine` as
+:class:`~stalewise.runtime.sim.config.SimConfig` says. Gradients are real. The
+event order and virtual times depend only on the config and the seed, so NumPy
+code on one machine gives bit-identical results run after run. Checkpoints also
+hold the simulator's own state (virtual time, batches drawn, RNG states, link
+queues); when a resume is bit-identical and when it is only a valid continuation
+is in ``docs/design-notes.md`` ("Checkpoints")."""
 
 from __future__ import annotations
 
@@ -86,21 +55,12 @@ def train(config: ServerConfig, loss_and_grad: Callable, *, strategy: Strategy, 
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
     """Trains on the virtual clock (the ``"sim"`` runtime; see :meth:`stalewise.Job.train`).
 
-    Differences from the local runtime: ``eval_interval``, the records' ``time``
-    and ``TrainResult.time`` are virtual seconds; ``timeout`` is wall seconds. A
-    step's virtual compute time is ``(sim.compute sample + delays[w]) *
-    stragglers[w]`` per local step (and the factors of ``options.sim``, see
-    :mod:`stalewise.runtime.sim.config`). ``options.sim_seed`` drives the random
-    compute times. Failures (a scripted ``Failure`` or an error in the user's
-    code) follow ``on_worker_failure`` and ``max_restarts`` as in the local
-    runtime, with restarts ``sim.restart_delay`` virtual seconds later (see
-    :mod:`stalewise.runtime.sim.engine`); ``worker_timeout`` does not apply
-    (nothing hangs on a virtual clock). ``stats["sim"]`` adds the event count,
-    wall time, the mean pull, compute and push time of a step, and ``shards``:
-    each shard's version and per-push counters (``applied``, ``rejected``,
-    ``duplicates``), which the commit rule keeps equal on every shard once the
-    run is over.
-    """
+    ``eval_interval`` and the records' times are virtual seconds, ``timeout`` wall
+    seconds; ``options.sim_seed`` drives the random compute times; failures follow the
+    policy with restarts ``sim.restart_delay`` virtual seconds later, and
+    ``worker_timeout`` does not apply. ``stats["sim"]`` adds the event count, wall time,
+    the mean pull, compute and push time of a step, and each shard's version and
+    counters."""
     return driver.drive(_Host(config, strategy, options), config, strategy, options)
 
 

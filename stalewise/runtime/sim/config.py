@@ -74,39 +74,21 @@ class SimConfig:
         speeds: optional per-worker speed (step time is divided by it), one per worker.
         stragglers: optional persistent stragglers (the last ``count`` workers).
         slowdowns: transient slowdowns.
-        failures: workers that fail at given virtual times. A failure is handled by the
-            job's failure policy (``on_worker_failure``), as in the local runtime,
-            unless a later :class:`Join` of that worker says when it comes back.
+        failures: workers that fail at given virtual times (handled by the job's
+            failure policy unless a later :class:`Join` says when they come back).
         joins: workers that (re)join at given virtual times.
-        restart_delay: virtual seconds a worker restarted by the failure policy
-            takes to come back (default 1 s: a new process starting, loading its
-            data and running a first step on one machine).
+        restart_delay: virtual seconds a restarted worker takes to come back (default 1).
         network: latency and link bandwidths.
         service: per-shard service time of a request.
-        contention: how much slower a step's compute and a shard's apply run with more
-            processes runnable than alone (:class:`Contention`, measured by
-            ``stalewise calibrate``); None (the default): no contention, every
-            worker and shard runs at its own speed whatever the others do.
-        loop: seconds every step of every worker takes besides its compute, its delays
-            and its transfers (the worker loop's own time, measured by ``stalewise
-            calibrate``): charged once a push, whatever its local steps, and not scaled
-            by the worker's speed or straggler factor (an emulated straggler sleeps in
-            proportion to its compute only); stretched by the contention model as the
-            compute is. Default 0.
-        own_read: the chance that a lone worker's snapshot read, right after its push,
-            already holds that push (measured by ``stalewise calibrate``: a local
-            shard that is idle may apply a push in less time than the worker's loop
-            takes to its next read). A read's own delay after the request is then
-            drawn from an exponential whose mean makes an idle shard's push land
-            within it with this chance (:mod:`stalewise.runtime.sim.engine`); a
-            busy shard's lands later, and is held less often. None (the default):
-            the read takes the slice as it is when the request arrives, which never
-            holds a push still in flight.
-        model_bytes: pretend the full parameter vector has this many bytes on the
-            wire and at the shards (each shard's slice and each push scaled alike),
-            while computing on the real, smaller task. It changes timing only:
-            the numbers the optimizer sees are those of the real task, so the
-            loss curve is the small model's on the big model's clock.
+        contention: the slowdown with more processes runnable (:class:`Contention`;
+            None, the default: none).
+        loop: seconds every push takes besides its compute, delays and transfers (the
+            worker loop's own time; default 0).
+        own_read: the chance that a lone worker's snapshot read right after its push
+            already holds it (None, the default: never).
+        model_bytes: pretend the parameter vector has this many bytes on the wire and at
+            the shards; only the timing changes. (``docs/calibrate.md`` says how
+            ``stalewise calibrate`` measures each.)
 
     Example:
         >>> cfg = SimConfig(stragglers=Stragglers(count=1, slowdown=4.0),
@@ -190,15 +172,13 @@ class SimConfig:
     def from_dict(cls, table: Mapping[str, Any], where: str = "sim") -> SimConfig:
         """Builds a config from a flat table, as a TOML ``[sim]`` table spells it.
 
-        Its keys (:data:`TOML_KEYS`) are SimConfig's fields, ``stragglers`` a table and
-        :data:`TOML_LISTS` lists of tables, but for the models' fields, spelled flat
-        (:data:`_FLAT`): ``compute`` ("fixed" | "exponential") with ``step_time`` (fixed) or
-        ``shift`` and ``rate``, the fields of :class:`Network`, ``service_time`` and
-        ``service_rate``, ``contention_step`` and ``contention_apply`` (both or neither).
+        Its keys (:data:`TOML_KEYS`) are SimConfig's fields, with the models' fields spelled
+        flat (:data:`_FLAT`): ``compute`` ("fixed" | "exponential") with ``step_time`` or
+        ``shift`` and ``rate``, :class:`Network`'s fields, ``service_time`` and
+        ``service_rate``, ``contention_step`` and ``contention_apply``.
 
         Raises:
-            SimConfigError: naming the bad field and value (``sim: ShiftedExponential.rate =
-                -1: ...``), with its key in the table as ``path`` (``failures[0].time``).
+            SimConfigError: naming the bad field and value, with its key as ``path``.
 
         Example:
             >>> cfg = SimConfig.from_dict({"compute": "fixed", "step_time": 0.5,

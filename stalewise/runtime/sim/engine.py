@@ -1,90 +1,19 @@
 """The simulator's discrete-event engine: one run's shards and workers on a virtual clock.
 
 :class:`Simulation` holds the state of one run of :func:`stalewise.runtime.sim.train`.
-Events sit in a heap of ``(virtual time, insertion counter, event)`` entries,
-so ties are broken by the order in which events were scheduled and a run is
-deterministic.
+Events sit in a heap of ``(virtual time, insertion counter, event)``, so ties break
+by scheduling order and a run is deterministic. Each worker runs the protocol's
+worker loop (:func:`stalewise.protocol.loop.worker_loop`), stepped by the event
+handlers with ``send``: ``BEGIN`` is answered by the budget rule, ``PULL`` by a
+snapshot read or a request queued at each shard (the pipelining rule,
+:mod:`stalewise.protocol.pipeline`), and a ``Push`` is committed
+(:mod:`stalewise.protocol.commit`), encoded with the codec if any, and served by
+each shard's FIFO queue. Faults follow the job's failure policy as in the local
+runtime; a push committed before a failure is still delivered to every shard
+(``Shard.depart``). What the simulator models (timing, contention, the race of a
+read with the worker's own push) is described in ``docs/calibrate.md``.
 
-Each worker runs the protocol's one worker loop
-(:func:`stalewise.protocol.loop.worker_loop`), a generator the event handlers
-step with ``send``, so the simulator runs the very loop the local runtime runs:
-
-* ``BEGIN`` (a worker starts a step): answered by the budget rule
-  (:mod:`stalewise.protocol.budget`): pushes committed plus steps under way
-  (``started``, both exact here) below ``steps``; False ends the loop and the
-  worker leaves the shards.
-* ``PULL``: as the pipelining rule says (:mod:`stalewise.protocol.pipeline`,
-  the local runtime's rule too), either a *snapshot read*: when the worker's own
-  count of committed pushes (the one in flight included) passes every shard's
-  gate, each shard's slice as it is when the request arrives, with no queueing
-  at the shard (a local worker reads the published snapshot in shared memory),
-  so it may lack the worker's push still in flight (with ``SimConfig.own_read``,
-  a read at a shard that has not handled that push yet waits a drawn delay for it:
-  :meth:`Simulation.race`); or a *request* behind that
-  push: each shard takes it once it has handled the push, checks its gate
-  (``Shard.may_start``; a blocked pull waits at the shard and is re-checked
-  after every applied push or leave) and queues it behind the requests already
-  waiting (one FIFO server per shard, service time from
-  :class:`~stalewise.runtime.sim.models.Service`). Either way the slice goes
-  back over the links. With every slice in, the loop gets the params tree and
-  runs the strategy step for real, at once, on the snapshot it got. With a pull
-  codec (``ServerConfig.pull_codec``) the slice is a delta pull
-  (:mod:`stalewise.protocol.pulls`): the shard's pull server encodes it, the
-  worker's copy decodes it, and it costs its payload's exact byte count.
-* ``Push``: after the virtual compute time of the step's ``local_steps``
-  minibatches, and once the worker's previous push is acknowledged (one push in
-  flight, ``pipeline.IN_FLIGHT``), the worker commits the push
-  (:mod:`stalewise.protocol.commit`: the whole update is judged once, against
-  the versions it pulled and each shard's version at that instant) and sends
-  every shard its slice with that verdict; each shard queues, serves and
-  handles the push and acks it. A gradient push is answered at once, with the
-  results of the pushes acknowledged since the last answer, and the next step's
-  pull overlaps it; a settling push (model averaging) is answered with its
-  :class:`~stalewise.protocol.PushResult` once every ack is in.
-  With a codec (``ServerConfig.codec``), the update is encoded into one payload
-  per shard (:class:`~stalewise.protocol.compress.Compressor`, with the
-  worker's error feedback); each shard decodes its payload itself, as in the
-  local runtime, and with several shards the verdict judges the payloads
-  decoded, the values the shards apply. A push slice costs its payload's exact
-  byte count (scaled by ``model_bytes``).
-
-Faults: a worker that fails while pulling or computing pushes nothing (but a
-push of its still in flight, committed before, is delivered). One
-that fails after committing its push (while pushing) still delivers it to
-every shard: the shards that have not handled it yet get it from
-``Shard.depart`` at the instant of the failure, and the push's messages still
-in flight are dropped, so it is applied exactly once everywhere or refused
-everywhere, never torn. A (re)join starts a new incarnation, with a new loop
-(and a fresh strategy state) whose sequence numbers start at 0; it keeps the
-worker id's error-feedback residual as of its last committed push (a push
-encoded but not committed when the worker failed takes its residual with it).
-
-A worker fails by a scripted :class:`~stalewise.runtime.sim.models.Failure`
-or when the user's code raises in it (its data, its strategy step); the job's
-failure policy (:class:`~stalewise.runtime.errors.Failures`, as in the local
-runtime) then restarts it ``SimConfig.restart_delay`` virtual seconds later
-(a new incarnation whose stream skips the batches its worker id has drawn),
-drops it, or fails the job. Two exceptions: a scripted failure answered by a
-later scripted :class:`~stalewise.runtime.sim.models.Join` of that worker
-keeps it away until that join (the script says when it is back; no restart is
-counted), and an error before a worker id's first step is done fails the job
-whatever the policy (the local runtime's warm-up step finds the same bugs
-before its clock starts). A worker whose loop raises ``loop.Diverged`` stops
-and is not restarted.
-
-Contention (``SimConfig.contention``, measured by ``stalewise calibrate``; off
-when None): a step's compute is stretched by the compute's factor for the
-processes runnable when it starts (the workers whose compute, not their sleep,
-or pull is under way, the shards serving a request, and itself), its pull's two
-latencies likewise, and a shard's service by the apply's factor for the
-processes runnable when it starts. The factor is fixed at the start (no event
-is moved when the count changes later), so a run stays deterministic.
-
-Cost: O(log n) per event (heap) and O(1) per-worker state per event. Under
-SSP/BSP a shard asks ``Shard.min_clock`` (O(1) amortised) once per pull request
-and once per applied push, never once per waiting worker. Each worker id's
-state, over its incarnations, is one :class:`_SimWorker` record.
-"""
+Cost: O(log n) per event and O(1) per-worker state per event."""
 
 from __future__ import annotations
 
@@ -338,10 +267,8 @@ class Simulation:
 
     def race(self, wk: _SimWorker, k: int) -> None:
         """Worker ``wk`` reads shard ``k``'s snapshot while its own push is not handled there
-        yet (``SimConfig.own_read``): the read takes place a drawn delay after now, or as
-        soon as the shard handles the push if that is sooner (then it holds the push). The
-        delay is exponential, with the mean that makes a push to an idle shard (its transfer
-        and its service) land within it with the chance ``own_read``."""
+        yet (``SimConfig.own_read``): the read happens after a drawn delay, or when the shard
+        handles the push if that is sooner."""
         p = self.own_read
         idle = self.wire_bytes[k] / self.links.bw[wk.id] + self.service.seconds(self.slice_bytes[k])
         if p <= 0.0 or idle <= 0.0:
@@ -407,14 +334,9 @@ class Simulation:
             return _GONE
 
     def start_loop(self, wk: _SimWorker) -> None:
-        """Starts a new loop for worker ``wk``'s new incarnation (it asks BEGIN at once).
-
-        A worker id keeps one stream of batches over its lives; a restart
-        (:meth:`policy`) or a resumed run starts a new one, as a new process
-        would, after the batches its worker id has drawn. The incarnation's
-        :class:`~stalewise.protocol.sender.Sender` takes over the residual of
-        its worker id's last committed push.
-        """
+        """Starts a new loop for worker ``wk``'s new incarnation (it asks BEGIN at once); its
+        batches go on after those its worker id has drawn, its residual from its last
+        committed push."""
         w, cfg = wk.id, self.config
         wk.sender = wk.sender.successor()
         wk.joined_at = max(int(shard.clocks[w]) for shard in self.shards)
@@ -597,13 +519,10 @@ class Simulation:
         wk.awaiting = event
 
     def crash(self, wk: _SimWorker, error: Exception) -> None:
-        """The user's code raised ``error`` in worker ``wk`` (call it in the ``except``
-        block): the worker fails now, and the failure policy says what follows.
+        """The user's code raised ``error`` in worker ``wk`` (call it in the ``except`` block).
 
         Raises:
-            WorkerError: before worker id ``wk`` has done a step (a bug in its data or
-                first step, whatever the policy), or as the policy decides.
-        """
+            WorkerError: before worker id ``wk`` has done a step, or as the policy decides."""
         detail = traceback.format_exc()
         if not wk.stepped:
             raise worker_failed(wk.id, detail, f"{type(error).__name__}: {error}") from None
@@ -666,12 +585,7 @@ class Simulation:
     # -- checkpoints -------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The simulator's own state for a checkpoint (JSON-able), beside the shards' states.
-
-        ``quiescent``: no work in flight and every worker's loop has ended (the end
-        of a run that used its whole budget); only such a checkpoint lets a resumed
-        run start each worker when and in the order it would have gone on.
-        """
+        """The simulator's own state for a checkpoint (JSON-able), beside the shards' states."""
         # a worker waiting for its restart is live: a resumed run restarts it at once
         dead = [wk.phase == _DEAD and not self.restarting(wk.id) for wk in self.workers]
         return {
@@ -692,8 +606,7 @@ class Simulation:
         }
 
     def residuals(self) -> list[np.ndarray] | None:
-        """Each worker id's error-feedback residual after its last committed push, for a
-        checkpoint (None when the codec keeps no feedback)."""
+        """Each worker id's residual after its last committed push (None: the codec keeps none)."""
         comp = self.compressor
         if comp is None or not comp.error_feedback:
             return None
@@ -702,13 +615,8 @@ class Simulation:
     def restore(
         self, states: list[dict], saved: dict[str, Any], feedback: list[Any] | None = None
     ) -> list[tuple[float, int]]:
-        """Loads a checkpoint (shard states, :meth:`checkpoint_state` and the workers'
-        error feedback, from :func:`stalewise.checkpoint.feedback_of`) before :meth:`run`.
-
-        Returns when and in which order to start the workers: for a quiescent
-        checkpoint each at the instant its loop ended, in that order; otherwise
-        every worker that was not dead at the checkpoint's time, by id.
-        """
+        """Loads a checkpoint (shard states, :meth:`checkpoint_state`, the workers' error
+        feedback) before :meth:`run`; returns the ``(time, worker)`` starts."""
         for shard, state in zip(self.shards, states, strict=True):
             shard.load_state_dict(state)
             shard.resume()
@@ -740,10 +648,8 @@ class Simulation:
     # -- the loop ------------------------------------------------------------------
 
     def begin(self, eval_interval: float, starts: list[tuple[float, int]] | None = None) -> None:
-        """Schedules the scripted failures and joins and starts the workers' loops at the
-        run's start (``starts``: a resumed run's ``(time, worker)`` starts, from
-        :meth:`restore`); then :meth:`advance` runs the events. ``eval_interval`` names
-        the interval in a :class:`TooLongError`."""
+        """Schedules the scripted failures and joins and starts the workers' loops (``starts``:
+        a resumed run's, from :meth:`restore`)."""
         t0, self.eval_interval, self.evals, self.eval_at = self.now, eval_interval, 0, None
         if starts is None:
             absent = self.sim.absent_at_start()
@@ -763,16 +669,12 @@ class Simulation:
         self.now = t0
 
     def advance(self, until: float, deadline: float, due: Callable[[], bool] | None = None) -> str:
-        """Runs events up to the record time ``until`` (an evaluation event there, ordered
-        with the others at that time by when it was scheduled); returns the driver's
-        ``RECORD`` there (at once if ``until`` is not after :attr:`now`), ``CHECKPOINT``
-        after an event once ``due()`` says so, or ``END`` when the run is over (no work in
-        flight and none to come; :attr:`now` is then the last event's time).
+        """Runs events up to the record time ``until``; returns ``RECORD`` there, ``CHECKPOINT``
+        once ``due()`` says so, or ``END`` when the run is over.
 
         Raises:
             TooLongError: more than ``MAX_RECORDS`` evaluation times in this run.
-            TimeoutError: past the wall-clock ``deadline`` (``time.perf_counter``).
-        """
+            TimeoutError: past the wall-clock ``deadline`` (``time.perf_counter``)."""
         if until <= self.now:
             return driver.RECORD
         if self.eval_at != until:
@@ -863,9 +765,7 @@ class Simulation:
         deadline: float,
         starts: list[tuple[float, int]] | None = None,
     ) -> bool:
-        """Runs the whole simulation without a driver (tests, tools): ``record`` at the
-        start and every ``eval_interval``, :attr:`checkpointer` (if set) after every
-        event. Returns whether ``record`` said stop (else the work is done)."""
+        """Runs the whole simulation without a driver; returns whether ``record`` said stop."""
         self.begin(eval_interval, starts)
         hook = self.checkpointer
         after = None if hook is None else (lambda: hook(self))  # returns None: runs on
@@ -882,11 +782,8 @@ class Simulation:
         return not self.queued and not (self.returns and self.may_begin())
 
     def may_begin(self, wk: _SimWorker | None = None) -> bool:
-        """The budget rule (:mod:`stalewise.protocol.budget`), with both counts exact: the
-        pushes committed, and every worker's steps begun and not committed. Under BSP,
-        worker ``wk``'s step counts whole rounds of the shards' round
-        (:func:`~stalewise.protocol.budget.round_of`): the clock it joined at plus its
-        pushes since, or the shards' slowest counted clock if later."""
+        """The budget rule (:mod:`stalewise.protocol.budget`) with exact counts; under BSP in
+        whole rounds of the shards' round."""
         if wk is not None and self.config.consistency.averages_rounds:
             shards = max(s.min_clock() for s in self.shards)
             r = budget.round_of(wk.joined_at + wk.sender.seq, shards)

@@ -1,36 +1,19 @@
 """Timing, network and fault models of the simulator, and their per-run state.
 
-The models are frozen, picklable dataclasses that check their fields when they
-are made and name the bad field and value. Nothing here knows about shards or
-events: per run, :class:`WorkerTiming` answers "when does this step end",
-:class:`Links` "when is this message in" and :class:`Service` "how long does
-this request take"; :class:`~stalewise.runtime.sim.config.SimConfig` gathers
-the models of a run and :mod:`stalewise.runtime.sim` puts them on a virtual clock.
-
-Compute time of one local step (one minibatch), in virtual seconds::
+The models are frozen, picklable dataclasses that check their fields when made
+(naming the bad field and value). Per run, :class:`WorkerTiming` answers "when does
+this step end", :class:`Links` "when is this message in" and :class:`Service` "how
+long does this request take"; :class:`~stalewise.runtime.sim.config.SimConfig`
+gathers them. One local step takes, in virtual seconds::
 
     (compute.sample() + delays[w]) * stragglers[w] * persistent[w] / speeds[w]
 
-A strategy step of ``H`` local steps takes ``H`` such times (``H`` samples,
-drawn in order from the worker's stream), stretched by any transient
-:class:`Slowdown` active while the step runs (the step's work is integrated
-over the slowdown's piecewise-constant speed).
-
-Network: a message of ``B`` bytes leaves its sender's egress link (FIFO,
-``B / bandwidth``), travels ``latency`` seconds and enters its receiver's
-ingress link (FIFO, ``B / bandwidth``). Transfers are cut-through: a message
-is complete at ``max(ingress start + B / bw_receiver, egress end + latency)``,
-so a fast receiver cannot outrun a slow sender. Every worker and every shard
-node has its own full-duplex link. Control messages (pull requests, acks,
-leave notices) cost ``latency`` only.
-
-Bounds: every virtual time a model gives or names (a step, a latency, a request,
-a restart, a scripted event) is at most :data:`MAX_SECONDS`; bandwidths and
-service rates are at least :data:`MIN_BYTES_PER_S` (or ``math.inf``, free);
-speed and slowdown factors lie within :data:`MAX_FACTOR` of 1. A run walks its
-virtual time in evaluations of ``eval_interval``, so one absurd value (a
-bandwidth of 1e-300 bytes/s, a latency of 1e300 s) would otherwise keep the
-simulator recording for ever.
+stretched by any :class:`Slowdown` active meanwhile. A message of ``B`` bytes leaves
+its sender's egress link (FIFO, ``B / bandwidth``), travels ``latency`` seconds and
+enters its receiver's ingress link (cut-through); control messages cost ``latency``
+only. Every time is at most :data:`MAX_SECONDS`, every rate at least
+:data:`MIN_BYTES_PER_S` (or ``math.inf``), every factor within :data:`MAX_FACTOR`
+of 1, so that no run records for ever.
 
 Example:
     >>> ShiftedExponential(shift=0.0, rate=1.0).mean, Service(time=0.5, rate=2.0).seconds(1.0)
@@ -61,11 +44,8 @@ _STREAM = 0x51A1E  # separates the simulator's random streams from the tasks' da
 
 
 class SimConfigError(ValueError):
-    """A bad simulator setting, named: ``owner`` is its model (``Failure``; empty for a
-    ``[sim]`` key), ``key`` the field (``time``, ``speeds[1]``, ``failures[0].worker``),
-    ``value`` the bad value (``...`` for a table of the wrong shape: an unknown key, a
-    field missing), ``need`` what it must be, ``where`` the table it came from and ``path``
-    the key there (``failures[0].time``)."""
+    """A bad simulator setting, named by ``owner`` (its model), ``key``, ``value``,
+    ``need`` (what it must be), ``where`` (its table) and ``path`` (the key there)."""
 
     def __init__(self, owner: str, key: str, value: Any, need: str, where: str = "", path=None):
         self.owner, self.key, self.value, self.need, self.where = owner, key, value, need, where
@@ -164,11 +144,7 @@ class Fixed:
 
 @dataclass(frozen=True)
 class ShiftedExponential:
-    """A step takes ``shift + Exp(rate)`` seconds, the model of Dutta et al. (2018).
-
-    ``shift`` is the smallest possible step time, ``1 / rate`` the mean of the
-    random tail; the mean step time is ``shift + 1 / rate``.
-    """
+    """A step takes ``shift + Exp(rate)`` seconds (Dutta et al., 2018)."""
 
     shift: float = 0.008
     rate: float = 500.0
@@ -233,25 +209,15 @@ class _Scripted:
 
 @dataclass(frozen=True)
 class Failure(_Scripted):
-    """``worker`` fails at virtual ``time``: its unfinished work is lost and the shards
-    are told (``Shard.depart``) at once; a push it had committed is still applied.
-
-    What follows is the job's failure policy (``on_worker_failure``), as for a
-    worker process that dies in the local runtime: under ``"restart"`` it comes
-    back as a new incarnation ``SimConfig.restart_delay`` seconds later (up to
-    ``max_restarts`` times), under ``"drop"`` it stays away, under ``"fail"``
-    the job stops with :class:`~stalewise.runtime.errors.WorkerError`. A scripted
-    failure that a later :class:`Join` of the same worker answers is not the
-    policy's: the worker stays away until that join, whatever the policy, and
-    no restart is counted. A failure of a worker that is already away is ignored.
-    """
+    """``worker`` fails at virtual ``time``: its unfinished work is lost (a push it had
+    committed is still applied), and the job's failure policy decides what follows,
+    unless a later :class:`Join` of the same worker answers it (no restart counted)."""
 
 
 @dataclass(frozen=True)
 class Join(_Scripted):
-    """``worker`` (re)joins at virtual ``time`` (``Shard.join``) as a new incarnation,
-    continuing its stream of batches; a worker whose first event is a join is
-    absent from the start. A join of a worker that is live is ignored."""
+    """``worker`` (re)joins at virtual ``time`` as a new incarnation; a worker whose first
+    event is a join is absent from the start."""
 
 
 # -- network and server models ---------------------------------------------------------
@@ -259,11 +225,8 @@ class Join(_Scripted):
 
 @dataclass(frozen=True)
 class Network:
-    """Per-message latency and per-link bandwidth (bytes per second; 1.25e9 is 10 Gbit/s).
-
-    ``worker_bandwidth`` and ``shard_bandwidth`` override ``bandwidth`` for the
-    links of worker nodes and of shard nodes; ``math.inf`` makes transfers free.
-    """
+    """Per-message latency and per-link bandwidth (bytes per second; 1.25e9 is 10 Gbit/s);
+    ``worker_bandwidth`` and ``shard_bandwidth`` override ``bandwidth``."""
 
     latency: float = 50e-6
     bandwidth: float = 1.25e9
@@ -305,12 +268,9 @@ class Service:
 @dataclass(frozen=True)
 class Contention:
     """How much slower a worker's compute (``step``) and a shard's apply (``apply``) run
-    with ``n`` processes runnable on the machine's cores: ``step[n - 1]`` is the factor
-    with ``n`` (``step[0]``: alone), linear between the entries and, beyond the last, on
-    the last segment's slope. :func:`stalewise.calibrate.measure_contention` measures it
-    (busy processes beside a timed step and a timed apply); the simulator stretches a
-    step's compute and a shard's service by the factor for the processes runnable when
-    they start (the workers computing and the shards serving, itself included).
+    with ``n`` processes runnable: ``step[n - 1]`` is the factor with ``n``, linear
+    between entries and beyond the last on its slope
+    (:func:`stalewise.calibrate.measure_contention` measures it).
 
     Example:
         >>> c = Contention(step=(1.0, 1.0, 1.5, 2.0), apply=(1.0, 1.5))
@@ -351,14 +311,13 @@ def _along(table: tuple[float, ...], n: float) -> float:
 
 
 class WorkerTiming:
-    """Step durations of one run: O(1) per step (plus the worker's own transient slowdowns).
+    """Step durations of one run: O(1) per step.
 
     Args:
         sim: the run's :class:`SimConfig`.
         workers: number of workers.
         factors: extra per-worker slowdown factors (``train(stragglers=...)``).
-        delays: extra seconds added to every step, one per worker (``train(delays=...)``,
-            checked by :func:`stalewise.runtime.base.check_run`).
+        delays: extra seconds added to every step, one per worker.
         seed: run seed; worker ``w`` draws from ``default_rng([seed, w, _STREAM])``.
 
     Example:
@@ -417,13 +376,9 @@ class WorkerTiming:
     ) -> float:
         """The virtual time at which a step of ``worker`` started at ``start`` ends.
 
-        A step of ``local_steps`` minibatches takes that many sampled step times
-        (and delays); one local step draws exactly what a plain step draws, so
-        the same seed gives the same bits. ``stretch`` (the contention model's
-        factor, :class:`Contention`) stretches the sampled compute, not the delays;
-        ``SimConfig.loop`` is added once, stretched but at no worker's pace;
-        :attr:`busy` is then the step's compute seconds (the loop's included).
-        """
+        ``local_steps`` sampled step times (one draws what a plain step draws);
+        ``stretch`` (the contention factor) stretches the compute, not the delays;
+        :attr:`busy` is then the step's compute seconds."""
         p = self.paces[worker]
         if local_steps == 1:
             base = self.compute.sample(p.rng)  # Fixed: its time
@@ -470,11 +425,8 @@ class _Pace:
 
 
 class Links:
-    """The links of one run: when each node's egress and ingress link is next free.
-
-    Nodes ``0 .. workers-1`` are the workers, ``workers + k`` is shard ``k``'s node.
-    A transfer is :meth:`send` (FIFO on the sender's egress link) then, when its
-    head reaches the receiver, :meth:`receive` (FIFO on the receiver's ingress).
+    """The links of one run: when each node's egress and ingress link is next free
+    (nodes ``0 .. workers-1`` are the workers, ``workers + k`` shard ``k``).
 
     Example:
         >>> links = Links(Network(latency=0.1, bandwidth=10.0), workers=2, shards=1)
