@@ -1,50 +1,15 @@
 """Local SGD / DiLoCo for a training loop you own: the worker side, as a wrapper.
 
-With :meth:`stalewise.Job.serve` each worker process runs your loop with a
-:class:`~stalewise.runtime.local.client.Client`. These wrappers turn that loop
-into a local-SGD worker: every ``local_steps`` optimizer steps (``H``) they push
-``pulled - current``, how far the worker moved since its last pull, and pull the
-new global parameters. The server's optimizer merges those pseudo-gradients:
-``sgd(1.0)`` for local SGD (FedAvg under BSP), Nesterov ``sgd(0.7,
-momentum=0.9)`` for DiLoCo, ``delayed_nesterov`` for asynchronous DiLoCo (see
-:mod:`stalewise.strategies.averaging`). The worker side of local SGD and DiLoCo is the
-same, so there is one wrapper per kind of loop; the method is chosen by the
-Job's ``optimizer=`` (or ``strategy=``, whose recommendation the Job takes).
-
-* :class:`LocalSGD`, for PyTorch: hooks ``optimizer.step()`` (with
-  ``register_step_post_hook``) and copies the pulled parameters into your
-  model in place. Your optimizer's state (Adam's moments) persists across pulls.
-* :class:`LocalSGDOptax`, for functional loops (JAX / optax, NumPy): you hand it
-  the params after each step, it returns them, or the newly pulled global
-  params after a sync.
-
-Both work on the job's flat layout: the model (or params tree) must match the
-params the Job was made with (a Job made from ``model`` or from
-``dict(model.named_parameters())`` has the same layout). Each push's result
-(``applied``, ``refused``...) is kept in ``results``.
-
-The last, partial round: on leaving the ``with`` block, the steps taken since
-the last sync (fewer than ``local_steps``) are *dropped* by default
-(``remainder="drop"``): the global parameters stay those of the last full
-round. Pushing them (``remainder="push"``, or an explicit :meth:`sync` /
-:meth:`~LocalSGDOptax.finish`) gives the server one more pseudo-gradient,
-which an outer optimizer with momentum (DiLoCo's Nesterov SGD) turns into a
-full outer step for a fraction of a round's progress (with nanoGPT it raised
-the validation loss by 0.05-0.10). Nothing is pushed after an exception. The
-model then holds the worker's local parameters, not the global ones:
-``server.pull(into=model)`` gives those.
-
-Example (PyTorch, in a worker process; ``client = server.client(rank)``):
-
-.. code-block:: python
-
-    with sw.LocalSGD(client, model, optimizer, local_steps=20):  # pulls into model
-        for x, y in batches:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()                 # every 20th: push, then pull into model
-            optimizer.zero_grad()
-    client.close()                           # steps past the last sync: dropped
+Every ``local_steps`` optimizer steps (``H``) the wrapper pushes ``pulled - current``
+(how far the worker moved since its last pull) and pulls the new global parameters;
+the Job's optimizer merges these pseudo-gradients (``sgd(1.0)``: local SGD; Nesterov
+SGD: DiLoCo; see :mod:`stalewise.strategies.averaging`). :class:`LocalSGD` hooks a
+PyTorch ``optimizer.step()`` and pulls into the model in place; :class:`LocalSGDOptax`
+takes and returns the params of a functional loop (JAX / optax, NumPy). The model must
+have the Job's layout; each push's result is kept in ``results``. On leaving the
+``with`` block the steps since the last sync are dropped (``remainder="drop"``; why:
+``docs/design-notes.md``) unless ``remainder="push"``; nothing is pushed after an
+exception, and the model keeps its local parameters.
 
 Example (functional):
     >>> import numpy as np, stalewise as sw
@@ -127,10 +92,6 @@ class _Averager:
 class LocalSGD(_Averager):
     """Local SGD / DiLoCo for a PyTorch loop: push and pull every ``local_steps`` optimizer steps.
 
-    (The strategy of :meth:`stalewise.Job.train` that does the same inside the
-    runtimes is :class:`stalewise.strategies.LocalSGDStrategy`, built by
-    ``sw.strategies.local_sgd``; this wrapper is for a loop you own.)
-
     Args:
         client: this worker's client (``server.client(rank)``).
         model: the ``torch.nn.Module`` (or tree of tensors) the optimizer trains;
@@ -143,11 +104,15 @@ class LocalSGD(_Averager):
         remainder: ``"drop"`` (default) or ``"push"``: what leaving the block does
             with the steps since the last sync (see the module docstring).
 
-    ``__enter__`` pulls the global parameters into ``model``; after every
-    ``local_steps``-th ``optimizer.step()``, it pushes ``pulled - model``, waits for
-    the acknowledgement and pulls into ``model``; ``__exit__`` pushes the
-    pending steps only with ``remainder="push"`` (and if the block did not
-    raise), and removes the hook. :meth:`sync` syncs at once.
+    Example (in a worker process; ``client = server.client(rank)``):
+
+    .. code-block:: python
+
+        with sw.LocalSGD(client, model, optimizer, local_steps=20):  # pulls into model
+            for x, y in batches:
+                loss_fn(model(x), y).backward()
+                optimizer.step()            # every 20th: push, then pull into model
+                optimizer.zero_grad()
     """
 
     @renames("LocalSGD", every="local_steps")
@@ -214,14 +179,7 @@ class LocalSGDOptax(_Averager):
         remainder: ``"drop"`` (default) or ``"push"``: what ``__exit__`` does with
             the steps since the last sync (see the module docstring).
 
-    ``__enter__`` (or :meth:`pull`) pulls the global params into :attr:`params`
-    (the Job's structure and backend). Call :meth:`after_step` with the params
-    after each optimizer step: it returns them, or, every ``local_steps``-th call,
-    pushes ``pulled - params``, waits for the acknowledgement and returns the
-    newly pulled global params. :meth:`finish` pushes the params of the last
-    ``after_step`` if steps are pending; ``__exit__`` calls it only with
-    ``remainder="push"``. The optimizer state (``opt_state``) is yours: it
-    persists across pulls, as in DiLoCo.
+    The optimizer state is yours: it persists across pulls, as in DiLoCo.
     """
 
     @renames("LocalSGDOptax", every="local_steps")

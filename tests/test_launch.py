@@ -729,6 +729,27 @@ def test_a_named_launch_is_joined_with_sw_attach(tmp_path, no_leaks):
         assert run.stderr().splitlines()[-1] == "stalewise run: 2 workers done, 5 pushes"
 
 
+def test_ctx_loop_pulls_before_each_step_and_once_at_the_end(tmp_path, no_leaks):
+    text = textwrap.dedent(
+        """
+        import numpy as np
+        import stalewise as sw
+
+        params = {"x": np.zeros(4, np.float32)}
+        ctx = sw.init(sw.Job(params, optimizer=sw.optim.sgd(1.0)), steps=3)
+        seen = []
+        for step in ctx.loop(into=params):
+            seen.append((step, float(params["x"][0])))
+            ctx.client.push({"x": np.ones(4, np.float32)})
+        print(seen, float(params["x"][0]))
+        """
+    )
+    done = _exec([sys.executable, str(_script(tmp_path, text))], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[(0, 0.0), (1, -1.0), (2, -2.0)] -3.0", done.stdout
+    assert "pushed before its first pull" not in done.stderr
+
+
 def test_the_local_server_counts_the_job_pushes():
     job = sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1))
     with job.serve(workers=2) as server:
