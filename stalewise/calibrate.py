@@ -1085,7 +1085,7 @@ def calibrate(
             contention in the table, the compute fitted to the wall-clock times.
         runtime: the runtime whose pulls, pushes, shard and worker loop are timed:
             ``"local"``, or ``"ray"`` (the Ray instance this process is connected to;
-            else ``ray.init()``'s, shut down at the end if it started one here): a
+            else ``RAY_ADDRESS``, else a new one, shut down at the end): a
             served job's client and shard actor (:data:`RUNTIMES`). The compute and
             the contention are timed in processes of this machine either way.
 

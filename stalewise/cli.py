@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--address",
         help="with --runtime ray: the Ray cluster, e.g. auto (this machine's, from ray start) "
-        "or HOST:PORT of its head node (default: run.address, else Ray's own rule)",
+        "or HOST:PORT of its head node (default: run.address, else RAY_ADDRESS, else a new "
+        "local instance)",
     )
     t.add_argument("--codec", help=CODEC_HELP)
     t.add_argument("--pull-codec", help=PULL_CODEC_HELP)
@@ -404,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("local", "ray"),
         default="local",
         help="the runtime whose pulls, pushes, shard and worker loop are timed (ray: the "
-        "cluster ray.init() finds, or a new local instance)",
+        "cluster RAY_ADDRESS names, else a new local instance)",
     )
     c.set_defaults(func=cmd_calibrate)
 
@@ -428,9 +429,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--address",
-        help="--runtime ray: the Ray cluster, 'auto' (the one started on this machine with "
+        help="--runtime ray: the Ray cluster, 'auto' (the one you started on this machine with "
         "ray start) or HOST:PORT of its head node (default: RAY_ADDRESS, else a new local "
         "instance, never another user's cluster on this machine)",
+    )
+    r.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="--runtime ray: give each rank this variable of this environment (repeatable); "
+        "each gets STALEWISE_*, torchrun's and the thread counts' without it",
+    )
+    r.add_argument(
+        "--env-all",
+        action="store_true",
+        help="--runtime ray: give each rank every variable of this environment but this "
+        "machine's session and those named like credentials (--env NAME for one of those)",
     )
     r.add_argument(
         "--timeout",
@@ -483,6 +498,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             rank_timeout=args.rank_timeout,
             address=args.address,
+            env=args.env,
+            env_all=args.env_all,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,

@@ -162,6 +162,8 @@ LAUNCH_ERRORS = [
     ),
     (["--address", "auto", "train.py"], "--address is for --runtime ray"),
     (["--name", "a b", "train.py"], "--name: job name 'a b': use 1-64 letters, digits"),
+    (["--env", "DATA", "train.py"], "--env is for --runtime ray"),
+    (["--env-all", "train.py"], "--env-all is for --runtime ray"),
     (["noinit.py"], "noinit.py ended without calling sw.init(job)"),  # last: it runs the script
 ]
 
@@ -763,14 +765,63 @@ def test_the_local_server_counts_the_job_pushes():
         assert server.job_pushes == 6
 
 
-def test_ray_ranks_join_the_cluster_asked_for_and_never_another_users():
-    from stalewise.runtime.ray.launch import ray_address, shipped_env
+def test_ray_joins_the_cluster_asked_for_and_auto_only_a_cluster_recorded_by_this_user(
+    tmp_path, monkeypatch
+):
+    """Every Ray entry point connects through cluster_address: the address given, else
+    RAY_ADDRESS, else a new local instance ("local", not Ray's default, the cluster
+    recorded in the machine's shared temporary folder); "auto" reads that record only
+    from a regular file of this user's, else says why in one line."""
+    from stalewise.runtime.ray import cluster_address
 
-    assert ray_address(None, {}) == "local"  # not Ray's default: the cluster found in /tmp/ray
-    assert ray_address(None, {"RAY_ADDRESS": "h:6379"}) == "h:6379"
-    assert ray_address("auto", {"RAY_ADDRESS": "h:6379"}) == "auto"
-    env = {"DATA": "/d", "PYTHONPATH": "/p", "PWD": "/x", "RAY_ADDRESS": "h:1", "SSH_TTY": "t"}
-    assert shipped_env(env) == {"DATA": "/d", "PYTHONPATH": "/p"}
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    record = tmp_path / "ray" / "ray_current_cluster"
+    assert cluster_address() == "local" and cluster_address("h:1") == "h:1"
+    with pytest.raises(ConnectionError, match=rf"^address 'auto': {record}: No such file"):
+        cluster_address("auto")
+    record.parent.mkdir()
+    record.write_text("10.0.0.7:6379\n")
+    assert cluster_address() == "local"  # a record is never used unless asked for
+    assert cluster_address("auto") == "10.0.0.7:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    assert cluster_address() == "10.0.0.7:6379" and cluster_address("h:1") == "h:1"
+    monkeypatch.setenv("RAY_ADDRESS", "h:2")
+    assert cluster_address() == "h:2"
+    if os.getuid() == 0:  # another user's record (root can make one)
+        os.chown(record, 65534, 65534)
+        with pytest.raises(ConnectionError) as e:
+            cluster_address("auto")
+        assert str(e.value) == (
+            f"address 'auto': {record} is not a file of yours (its owner is uid 65534, you "
+            "are uid 0): give HOST:PORT of your cluster"
+        )
+    mine = tmp_path / "mine"
+    mine.write_text("10.0.0.8:6379")
+    record.unlink()
+    record.symlink_to(mine)
+    with pytest.raises(ConnectionError, match=r": a symlink; give HOST:PORT$"):
+        cluster_address("auto")
+
+
+def test_a_rank_on_ray_is_shipped_what_it_needs_and_credentials_only_when_named():
+    from stalewise.launch.ray import shipped_env
+
+    env = {
+        "STALEWISE_PROGRESS": "0", "MASTER_ADDR": "h", "OMP_NUM_THREADS": "3", "DATA": "/d",
+        "PATH": "/bin", "PYTHONPATH": "/p", "LD_PRELOAD": "x.so", "VIRTUAL_ENV": "/v",
+        "HIP_VISIBLE_DEVICES": "0", "PWD": "/x", "RAY_ADDRESS": "h:1", "SSH_TTY": "t",
+        "AWS_SECRET_ACCESS_KEY": "s", "AWS_ACCESS_KEY_ID": "i", "GITHUB_TOKEN": "g",
+        "DB_PASSWORD": "p", "GOOGLE_APPLICATION_CREDENTIALS": "c", "KRB5CCNAME": "k",
+        "KUBECONFIG": "k", "WANDB_API_KEY": "w",
+    }  # fmt: skip
+    own = {"STALEWISE_PROGRESS": "0", "MASTER_ADDR": "h", "OMP_NUM_THREADS": "3"}
+    assert shipped_env(environ=env) == own
+    named = shipped_env(["DATA", "GITHUB_TOKEN", "NOT_SET"], environ=env)
+    assert named == own | {"DATA": "/d", "GITHUB_TOKEN": "g"}
+    machine = {"DATA", "PATH", "PYTHONPATH", "LD_PRELOAD", "VIRTUAL_ENV"}  # and no devices
+    assert shipped_env(every=True, environ=env) == own | {k: env[k] for k in machine}
+    assert shipped_env(["KUBECONFIG"], every=True, environ=env)["KUBECONFIG"] == "k"
 
 
 @pytest.mark.slow

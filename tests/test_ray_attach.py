@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -233,6 +234,7 @@ SCRIPT = textwrap.dedent(
     import numpy as np
     import stalewise as sw
 
+    PROBED = PROBE_NAMES
     rng = np.random.default_rng(0)
     A = rng.normal(size=(256, 16)).astype(np.float32)
     x_star = rng.normal(size=16).astype(np.float32)
@@ -263,17 +265,27 @@ SCRIPT = textwrap.dedent(
         with open(f"{out}-{ctx.rank}.json", "w") as f:
             json.dump({"rank": ctx.rank, "world": ctx.world_size, "pushes": pushes,
                        "loss": loss(final), "start": loss(0 * final), "node": node,
-                       "threads": os.environ.get("OMP_NUM_THREADS")}, f)
+                       "env": {k: os.environ.get(k) for k in PROBED}}, f)
     """
 )
 
 
-def _launch(ray_cluster, tmp_path: Path, out: str, steps: int) -> subprocess.CompletedProcess:
+# The launcher's environment in the test below: what its ranks on the shared cluster (whose
+# processes never had these values) may see only if the launcher ships it
+LAUNCHER_ENV = {
+    "OMP_NUM_THREADS": None, "STALEWISE_PROBE": "ours", "SW_MARK": "named", "SW_PLAIN": "p",
+    "HF_TOKEN": "named secret", "GITHUB_TOKEN": "g", "AWS_SECRET_ACCESS_KEY": "a",
+    "DB_PASSWORD": "d", "KUBECONFIG": "/k", "VIRTUAL_ENV": "/launcher/venv",
+}  # fmt: skip
+
+
+def _launch(ray_cluster, tmp_path: Path, out: str, steps: int, *flags: str):
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(SCRIPT.replace("PROBE_NAMES", repr(tuple(LAUNCHER_ENV))))
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.address)
+    env.update({k: v for k, v in LAUNCHER_ENV.items() if v is not None})
     env.pop("OMP_NUM_THREADS", None)
-    cmd = [sys.executable, "-m", "stalewise", "run", "--runtime", "ray", "--workers", "2"]
+    cmd = [sys.executable, "-m", "stalewise", "run", "--runtime", "ray", "--workers", "2", *flags]
     return subprocess.run(
         [*cmd, str(script), str(tmp_path / out), str(steps)],
         cwd=tmp_path,
@@ -286,8 +298,17 @@ def _launch(ray_cluster, tmp_path: Path, out: str, steps: int) -> subprocess.Com
 
 @pytest.mark.slow
 def test_stalewise_run_on_ray_trains_with_workers_on_both_nodes(ray_cluster, tmp_path):
-    done = _launch(ray_cluster, tmp_path, "out", 200)
+    """... and each rank sees, of the launcher's environment, stalewise's own variables,
+    the thread counts (1 unless set) and what --env names, a credential only when named:
+    Ray keeps a rank's runtime_env where whoever reaches the cluster reads it."""
+    done = _launch(ray_cluster, tmp_path, "out", 200, "--env", "SW_MARK", "--env", "HF_TOKEN")
     assert done.returncode == 0, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if "each rank gets" in line]
+    assert said == [
+        "stalewise run: each rank gets HF_TOKEN, MKL_NUM_THREADS, NUMEXPR_NUM_THREADS, "
+        "OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, STALEWISE_PROBE, SW_MARK from this "
+        "environment (--env NAME for more)"
+    ], done.stderr
     reports = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in reports] == [0, 1] and {r["world"] for r in reports} == {2}
     # the budget, spent by both; the budget rule's overshoot is at most workers - 1
@@ -295,7 +316,10 @@ def test_stalewise_run_on_ray_trains_with_workers_on_both_nodes(ray_cluster, tmp
     assert min(r["pushes"] for r in reports) > 0
     for r in reports:  # least squares, from 9.0 at the start
         assert r["loss"] < 1e-3 * r["start"], r
-        assert r["threads"] == "1"  # capped like the local launcher's workers
+        shipped = {"STALEWISE_PROBE", "SW_MARK", "HF_TOKEN"}
+        for k, v in LAUNCHER_ENV.items():
+            assert (r["env"][k] == v) == (k in shipped), (k, r["env"][k])
+        assert r["env"]["OMP_NUM_THREADS"] == "1"  # capped like the local launcher's workers
     nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert {r["node"] for r in reports} == nodes and len(nodes) == 2  # one on each node
     assert "2 workers done on 2 Ray node(s)" in done.stderr
@@ -308,3 +332,99 @@ def test_a_failed_ray_worker_makes_the_launcher_exit_1_naming_its_rank(ray_clust
     assert "stalewise run: rank 1 failed (ValueError: rank 1 cannot train)" in done.stderr
     # rank 0 trained on alone, to the budget
     assert json.loads((tmp_path / "RAISE-0.json").read_text())["pushes"] >= 100
+
+
+# Each Ray entry point of the library, in one interpreter that is connected to no cluster:
+# where Job.train's driver, job.serve and calibrate's connection ran, and what sw.attach said
+ENTRY_POINTS = """
+import json
+import ray
+import stalewise as sw
+from stalewise import calibrate, tasks
+
+where = {}
+
+def evaluate(params):
+    where["Job.train"] = ray.get_runtime_context().gcs_address
+    return {"loss": 0.0}
+
+task = tasks.get("least-squares", n=64, d=4)
+job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.05))
+job.train(task.loss_and_grad, data=task.batches, workers=1, steps=20, runtime="ray",
+          evaluate=evaluate)
+with job.serve(runtime="ray", workers=1):
+    where["job.serve"] = ray.get_runtime_context().gcs_address
+with calibrate._connected("ray"):
+    where["calibrate"] = ray.get_runtime_context().gcs_address
+try:
+    sw.attach("anyone", runtime="ray")
+except sw.AttachError as e:
+    where["sw.attach"] = str(e)
+print(json.dumps(where))
+"""
+
+TOML = """
+[task]
+name = "least-squares"
+args = { n = 64, d = 4 }
+[optimizer]
+name = "sgd"
+lr = 0.05
+[run]
+workers = 1
+steps = 20
+runtime = "ray"
+"""
+
+
+@pytest.mark.slow
+def test_no_entry_point_joins_the_cluster_another_user_recorded(ray_address, tmp_path):
+    """Ray's default (ray.init() with no address) joins the cluster recorded in
+    RAY_TMPDIR/ray/ray_current_cluster, whoever wrote it. Here the record names a real
+    cluster (the shared one) and belongs to uid 65534: Job.train, job.serve, calibrate,
+    stalewise train and stalewise run each start a new local instance instead, and
+    sw.attach (whose default is "auto") refuses in one line. The cluster's own table of
+    drivers shows that none of them joined it."""
+    import tempfile
+
+    import ray_helpers
+
+    if os.getuid() != 0:
+        pytest.skip("making a file of another user's needs root")
+    drivers = ray_helpers.shared().global_state.job_table
+    before = len(drivers())
+    base = Path(tempfile.mkdtemp(prefix="swr", dir="/tmp"))  # short: Ray's socket paths
+    try:
+        record = base / "ray" / "ray_current_cluster"
+        record.parent.mkdir()
+        record.write_text(ray_address)
+        os.chown(record, 65534, 65534)
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["RAY_TMPDIR"] = str(base)
+
+        def run(*cmd: str) -> subprocess.CompletedProcess:
+            done = subprocess.run(
+                [sys.executable, *cmd], cwd=tmp_path, env=env, capture_output=True,
+                text=True, timeout=300,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert ray_address not in done.stdout + done.stderr, done.stderr[-3000:]
+            return done
+
+        where = json.loads(run("-c", ENTRY_POINTS).stdout.strip().splitlines()[-1])
+        assert set(where) == {"Job.train", "job.serve", "calibrate", "sw.attach"}, where
+        assert ray_address not in where.values()
+        assert where["sw.attach"] == (
+            f"job 'anyone': this process cannot reach a Ray cluster (address 'auto': {record} "
+            "is not a file of yours (its owner is uid 65534, you are uid 0): give HOST:PORT "
+            "of your cluster)"
+        )
+        (tmp_path / "ls.toml").write_text(TOML)
+        run("-m", "stalewise", "train", "ls.toml", "--out", "out", "-q")
+        (tmp_path / "train.py").write_text(SCRIPT.replace("PROBE_NAMES", "()"))
+        done = run("-m", "stalewise", "run", "--runtime", "ray", "--workers", "1", "train.py",
+                   str(tmp_path / "r"), "20")  # fmt: skip
+        assert "(a new local instance;" in done.stderr
+        assert len(drivers()) == before
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

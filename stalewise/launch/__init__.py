@@ -101,6 +101,8 @@ class _Launch:
     runtime: str
     rank_timeout: float  # the liveness rule's silence (0: off)
     address: str | None  # --address, runtime ray (None: RAY_ADDRESS, else a new local one)
+    env: list[str]  # --env NAME ...: variables each rank on Ray gets from the launcher
+    env_all: bool  # --env-all: every variable but the launcher's session and credentials
     checkpoint_dir: str | None  # where the launcher saves the job (None: nowhere)
     checkpoint_every: int | None  # every this many pushes of the job (and at the end)
     resume: bool  # start from checkpoint_dir's last checkpoint, if there is one
@@ -271,6 +273,8 @@ def launch(
     runtime: str = "local",
     rank_timeout: float | None = None,
     address: str | None = None,
+    env: list[str] = (),
+    env_all: bool = False,
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
@@ -282,8 +286,10 @@ def launch(
     no bound); ``rank_timeout``: the liveness rule's silence, local only (None:
     :data:`~stalewise.launch.ranks.RANK_TIMEOUT`; 0: off); ``checkpoint_dir``,
     ``checkpoint_every``, ``resume``: local only; ``address``: the Ray cluster (None:
-    ``RAY_ADDRESS``, else a new local instance); ``name``: the job is served under it, with
-    room for ``workers`` more ids, for ``sw.attach(name)``. From the main thread, SIGTERM is
+    ``RAY_ADDRESS``, else a new local instance); ``env``, ``env_all``: what each rank on
+    Ray gets of this environment (:func:`stalewise.launch.ray.shipped_env`); ``name``: the
+    job is served under it, with room for ``workers`` more ids, for ``sw.attach(name)``.
+    From the main thread, SIGTERM is
     handled as Ctrl-C: the job stops in order and :class:`Terminated` is raised.
 
     Raises:
@@ -304,8 +310,9 @@ def launch(
         )
     if runtime == "ray" and rank_timeout is not None:
         raise LaunchError("--rank-timeout is for --runtime local (Ray's ranks are not watched)")
-    if address is not None and runtime != "ray":
-        raise LaunchError("--address is for --runtime ray (the Ray cluster to run on)")
+    for flag, given in (("--address", address is not None), ("--env", env), ("--env-all", env_all)):
+        if given and runtime != "ray":
+            raise LaunchError(f"{flag} is for --runtime ray")
     if rank_timeout is None:
         rank_timeout = RANK_TIMEOUT
     if name is not None:
@@ -328,7 +335,8 @@ def launch(
     if missing is not None:
         raise LaunchError(missing)
     _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout, runtime, rank_timeout,
-                      address, checkpoint_dir, checkpoint_every, bool(resume), name=name)  # fmt: skip
+                      address, list(env), env_all, checkpoint_dir, checkpoint_every, bool(resume),
+                      name=name)  # fmt: skip
     saved = sys.argv, list(sys.path), dict(os.environ)
     main = _LAUNCH.timed = threading.current_thread() is threading.main_thread()
     if main:
@@ -337,8 +345,8 @@ def launch(
         signal.setitimer(signal.ITIMER_REAL, INIT_NOTE)
     # up to sw.init, torchrun's variables say rank 0 (so are its outputs); STALEWISE_RANK
     # stays unset: the launcher's run, not a rank
-    env = rank_env(0, workers, 0, workers)
-    os.environ.update({k: v for k, v in env.items() if not k.startswith("STALEWISE_")})
+    rank0 = rank_env(0, workers, 0, workers)
+    os.environ.update({k: v for k, v in rank0.items() if not k.startswith("STALEWISE_")})
     try:
         context.run_script(path, argv)
     except SystemExit as e:

@@ -118,7 +118,7 @@ register(
     server="stalewise.runtime.ray.server:RayServer",
     attach="stalewise.runtime.ray.client:attach",
     serves="stalewise.runtime.ray:serves",
-    launch="stalewise.runtime.ray.launch:serve_workers",
+    launch="stalewise.launch.ray:serve_workers",
     elastic_train=True,
     delta_pulls=True,
     needs="ray",

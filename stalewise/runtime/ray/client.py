@@ -1,35 +1,22 @@
 """A loop you own, on Ray: a client of a served job's shard actors, attached by name.
 
 ``job.serve(runtime="ray", workers=(1, 8), name="gpt")`` starts the job's shard
-actors and a *door* actor, all named (``stalewise:gpt`` and
-``stalewise:gpt:shard-K``, in the ``stalewise`` namespace), see
-:mod:`stalewise.runtime.ray.server`. Any Ray driver, task or actor of the
-cluster then calls ``client = sw.attach("gpt")``: the door chooses the worker id
-(the lowest free one, or ``worker=``) and a new incarnation of it, has every
-shard admit it (a late joiner starts at the slowest live clock, which the shards
-return: :attr:`RayClient.joined_at`), and hands back the shards' handles.
+actors and a *door* actor, named in the ``stalewise`` namespace
+(:mod:`stalewise.runtime.ray.server`); any driver, task or actor of the cluster
+then calls ``sw.attach("gpt")`` (:func:`attach`): the door chooses the worker id
+and a new incarnation of it, every shard admits it (a late joiner at the slowest
+live clock, :attr:`RayClient.joined_at`), and the client gets the shards' handles.
 
-The client is the local runtime's :class:`~stalewise.runtime.local.client.Client`
-on Ray, with the same calls and meaning: :meth:`RayClient.pull` (``into=``,
-read-your-writes: it first waits for the acks of this worker's last push and is
-then served a snapshot that holds it; ``own=False`` does not wait, and
-:attr:`RayClient.pull_has_own` says whether the pull includes it), :meth:`push`,
-:meth:`wait`, :meth:`close`, the job's budget (:attr:`job_pushes`,
-:meth:`may_begin`, by :mod:`stalewise.protocol.budget`) and :attr:`stopping`.
-Its pushes go through the same :class:`~stalewise.runtime.ray.outbox.Outbox` as
-the worker actors' (the protocol's :class:`~stalewise.protocol.sender.Sender`
-judges and commits each one); one push is in flight at a time.
-
-Leaving and dying: :meth:`RayClient.close` waits for the last push's acks and
-asks the door to let the worker go, which applies the commit rule
-(:func:`stalewise.runtime.ray.cluster.depart`: every shard cuts the incarnation
-off, a push some shard handled is delivered to those that lack it, then it
-leaves), so the last push is on every shard or on none. The attaching process
-also starts a small *lease* actor (no CPU) that it owns: Ray kills an actor
-whose owner dies, so when the attached driver, task or actor dies, its lease
-dies with it, the door's call on the lease fails, and the door applies the same
-departure and frees the worker id. BSP rounds and SSP bounds then count the live
-workers only.
+:class:`RayClient` has the local runtime's client's calls and meaning: ``pull``
+(read-your-writes unless ``own=False``; :attr:`~RayClient.pull_has_own`),
+``push``, ``wait``, ``close``, the budget (:attr:`~RayClient.job_pushes`,
+:meth:`~RayClient.may_begin`) and :attr:`~RayClient.stopping`. Its pushes go
+through the worker actors' :class:`~stalewise.runtime.ray.outbox.Outbox`; one
+is in flight at a time. :meth:`~RayClient.close` has the door apply the commit
+rule (:func:`stalewise.runtime.ray.cluster.depart`), so the last push is on
+every shard or on none. A small *lease* actor owned by the attaching process
+dies with it (Ray's fate-sharing), and the door then departs the worker the
+same way and frees its id.
 """
 
 from __future__ import annotations
@@ -319,8 +306,8 @@ class RayClient(PullsIntoTrees):
 
 def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0) -> RayClient:
     """A client for a worker of the job served on Ray under ``name`` (see the module
-    docstring). Connects to Ray first if this process is not (``RAY_ADDRESS``, else the
-    cluster started on this machine).
+    docstring). Connects to Ray first if this process is not (``RAY_ADDRESS``, else
+    ``"auto"``: the cluster ``ray start`` recorded on this machine, if the record is yours).
 
     Raises:
         AttachError: no job of that name is served on the cluster, or the door refused.

@@ -36,7 +36,7 @@ import numpy as np
 from stalewise import tree
 from stalewise.protocol import ServerConfig
 from stalewise.runtime.base import worker_range
-from stalewise.runtime.ray import cluster, import_ray
+from stalewise.runtime.ray import cluster, connect, import_ray
 from stalewise.runtime.ray.client import NAMESPACE, RayClient, door_name
 from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
 
@@ -219,7 +219,6 @@ class RayServer:
         start_timeout: float = 120.0,
     ):
         from stalewise.runtime.attach import check_name
-        from stalewise.runtime.ray import connect
 
         if config.pull_codec is not None:
             raise ValueError(
@@ -230,13 +229,13 @@ class RayServer:
         self.name = check_name(name) if name is not None else f"job-{uuid.uuid4().hex[:8]}"
         self.config, self.timeout = config, start_timeout
         self.ray = ray = import_ray()
+        self._started = connect()  # before any call of Ray's, which would join its default
         try:
             ray.get_actor(door_name(self.name), namespace=NAMESPACE)
         except ValueError:
             pass
         else:
             raise ValueError(f"a job named {self.name!r} is already served on this Ray cluster")
-        self._started = connect()
         self.shards: list = []
         self.door: Any = None
         try:

@@ -1,39 +1,23 @@
 """A parameter-server shard as a Ray actor: one protocol :class:`~stalewise.protocol.Shard`.
 
-:class:`ShardActor` is an asyncio actor: Ray runs all its methods on one event
-loop thread, one at a time between ``await`` points, which is the threading
-contract of :class:`~stalewise.protocol.Shard`. Nothing here is a rule of the
-protocol; the actor only moves pushes and pulls to and from the shard.
-
-* **Snapshots**: the shard's slice, put into the object store once per
-  version and shared by every pull of that version, so a pull costs the shard
-  no copy of its own.
-* **Pulls** under SSP/BSP and with DC-ASGD (:meth:`pull`) wait (``await``, no
-  polling) until :meth:`Shard.may_serve <stalewise.protocol.Shard.may_serve>`
-  lets them; every state change wakes them. They are served the current snapshot.
-* **Under ASP** a worker does not ask before each step: it keeps a standing
-  request (:meth:`follow`) that the shard answers when it publishes a newer
-  snapshot (when :class:`~stalewise.protocol.pipeline.Publication` says so).
-* **Pushes** arrive as one ObjectRef of the whole flat update, put once by the
-  sender; Ray hands the actor a read-only zero-copy view, from which the shard
-  copies its slice into a scratch buffer (the optimizers use the update as
-  scratch), with the sender's verdict. With a codec the object is every shard's
-  payload back to back (:func:`payload_spans`), and the protocol's shard decodes
-  and checks its own bytes: a corrupt payload is refused and changes nothing.
-* **Delta pulls** (``ServerConfig.pull_codec``): a
-  :class:`~stalewise.protocol.pulls.PullServer` beside the shard answers each
-  pull, gated or standing, with that worker's own payload, the delta against
-  the reference its request names (or the full slice); nothing is put into
-  the object store but what a reply carries. References are not kept across
-  a :meth:`load`, so the pulls after a restore are full.
-* **Snapshots of the state** (backups, checkpoints) are a consistent cut
-  (:meth:`freeze`, :meth:`snapshot`, :meth:`thaw`; :class:`~stalewise.protocol.delivery.Cut`).
-* **Connections**: the driver *admits* one incarnation per worker id
-  (:meth:`Shard.admit <stalewise.protocol.Shard.admit>`); messages of any other
-  incarnation are dropped, as the local runtime cuts an old incarnation's pipes.
-  :meth:`cut` ends an incarnation's connection and returns how far this shard
-  got, and :meth:`depart` delivers the pushes the shard lacks, kept by the shard
-  that has them (:mod:`stalewise.protocol.delivery`).
+:class:`ShardActor` is an asyncio actor: Ray runs its methods on one event loop
+thread, one at a time between ``await`` points, the threading contract of
+:class:`~stalewise.protocol.Shard`. It moves pushes and pulls to and from the
+shard and decides no rule. Its slice goes into the object store once per version
+and every pull of that version reads it. Gated pulls (SSP/BSP, DC-ASGD;
+:meth:`pull`) ``await`` until :meth:`Shard.may_serve
+<stalewise.protocol.Shard.may_serve>` lets them; under ASP a worker keeps a
+standing request (:meth:`follow`) answered at each publication
+(:class:`~stalewise.protocol.pipeline.Publication`). A push is one ObjectRef of
+the whole update (with a codec, every shard's payload back to back,
+:func:`payload_spans`) from which the shard copies or decodes its own slice;
+a corrupt payload is refused and changes nothing. Delta pulls: a
+:class:`~stalewise.protocol.pulls.PullServer` beside the shard answers each pull
+with the worker's own payload (full after a :meth:`load`). Backups and
+checkpoints are consistent cuts (:meth:`freeze`, :meth:`snapshot`, :meth:`thaw`).
+The driver admits one incarnation per worker id; :meth:`cut` ends one and
+:meth:`depart` delivers the pushes this shard lacks
+(:mod:`stalewise.protocol.delivery`).
 """
 
 from __future__ import annotations

@@ -770,9 +770,9 @@ class _Host:
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
     """Trains on Ray (the ``"ray"`` runtime; see :mod:`stalewise.runtime.ray`).
 
-    Uses the Ray instance this process is connected to; if none, ``ray.init()``
-    starts or finds one (see :func:`stalewise.runtime.ray.connect`), and a
-    connection made here is closed at the end of the run.
+    Uses the Ray instance this process is connected to, else
+    :func:`stalewise.runtime.ray.connect`'s (``RAY_ADDRESS``, else a new local
+    instance); a connection made here is closed at the end of the run.
     """
     from stalewise.runtime.ray import connect
 

@@ -1,45 +1,27 @@
 """A worker as a Ray actor: the protocol's one worker loop, answered with Ray calls.
 
 :class:`WorkerActor` runs :func:`stalewise.protocol.loop.worker_loop` with the
-user's ``loss_and_grad`` and data, and answers its requests:
+user's ``loss_and_grad`` and data, and answers its requests. ``BEGIN`` is True
+unless a shard says the job is stopping or the budget rule
+(:mod:`stalewise.protocol.budget`) says no, once the step's parameters are in:
+under SSP/BSP and with DC-ASGD a pull to every shard, answered when its gate
+opens; under ASP the newest snapshots a *receiver* thread holds (a standing
+request at every shard, :meth:`ShardActor.follow
+<stalewise.runtime.ray.shard.ShardActor.follow>`). ``PULL`` answers with them:
+with one shard and NumPy leaves a view of the object store's read-only copy,
+else a copy in the pull buffer (with delta pulls, after the worker's
+:class:`~stalewise.protocol.pulls.Replica` has checked and applied each payload).
+A ``Push`` emulates the compute time and has the
+:class:`~stalewise.runtime.ray.outbox.Outbox` judge and commit it; a *sender*
+thread puts it into the object store once, sends it to every shard and reads
+the acks while the loop goes on (one push in flight,
+:data:`stalewise.protocol.pipeline.IN_FLIGHT`).
 
-* ``BEGIN``: True unless a shard says the job is stopping or the budget rule
-  (:mod:`stalewise.protocol.budget`, with shard 0's count of pushes and this
-  worker's pushes in flight) says no, once the parameters for the step are in:
-  under SSP/BSP and with DC-ASGD a pull to every shard, answered when the gate
-  lets the worker start; under ASP the newest snapshots the worker holds (a
-  *receiver* thread keeps a standing request at every shard,
-  :meth:`ShardActor.follow <stalewise.runtime.ray.shard.ShardActor.follow>`,
-  so a step starts without asking anyone);
-* ``PULL``: those parameters. With one shard and NumPy leaves the tree handed
-  to the user views the object store's read-only copy (no copy at all);
-  otherwise the slices are copied into the worker's pull buffer. With delta
-  pulls (``ServerConfig.pull_codec``) each reply is a payload that the
-  worker's :class:`~stalewise.protocol.pulls.Replica` checks and applies (the
-  receiver thread does it under ASP), and the copy goes into the pull buffer;
-* a ``Push``: emulates the compute time and has the
-  :class:`~stalewise.runtime.ray.outbox.Outbox` flatten or encode, judge and
-  commit it; a *sender* thread puts it into the object store once, sends its
-  ObjectRef with the verdict to every shard and reads the acks, while the loop
-  goes on with its next step. As in every runtime, the loop commits its next
-  push only once every shard has acknowledged the last
-  (:data:`stalewise.protocol.pipeline.IN_FLIGHT`); the answer to a ``Push`` is
-  the results of the pushes acknowledged since the last one.
-
-Heartbeats: the loop counts its progress (:meth:`WorkerActor.progress`): each
-request it makes (a step), each batch it draws, and every ``POLL`` seconds
-while it waits on the shards or emulates compute time. The driver reads the
-count on the actor's own ``"beat"`` concurrency group, so it is answered while
-:meth:`WorkerActor.run` is busy, and kills a worker whose count stands still
-for ``worker_timeout`` seconds (:mod:`stalewise.runtime.ray.liveness`). One
-call of the user's ``loss_and_grad`` must therefore take less than that.
-
-A shard that dies makes the calls in flight to it fail; the worker retries
-until the driver has restored the shard (``shard_start_timeout``), and the
-push whose acks were lost reports no result. When the driver restores the
-shards it gives every worker a new incarnation, which the shards announce
-(``"moved"``); the worker carries on as that incarnation, sequence numbers
-from 0.
+Heartbeats: each request, batch drawn and ``POLL`` seconds of waiting counts
+(:meth:`WorkerActor.progress`, read on the actor's ``"beat"`` group;
+:mod:`~stalewise.runtime.ray.liveness`). A call to a shard that died is retried
+until the driver restores it (``shard_start_timeout``); the worker then carries
+on as the new incarnation the shards announce (``"moved"``).
 """
 
 from __future__ import annotations

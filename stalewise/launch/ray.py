@@ -1,49 +1,19 @@
 """``stalewise run --runtime ray``: a script you own, once per worker, as Ray actors.
 
 The launcher's process runs the script until :func:`stalewise.init`; there it
-connects to Ray (:func:`ray_address`: ``--address``, else ``RAY_ADDRESS``, else a
-new local instance) and says which cluster on a line of stderr, serves the job on
-Ray (:class:`~stalewise.runtime.ray.server.RayServer`, under a new name) and
-starts one :class:`ScriptWorker` actor per rank, spread over the nodes
-(``num_cpus=1`` each; ``OMP_NUM_THREADS`` and friends 1 unless the launcher's
-environment sets them). Each actor attaches to the job as worker ``rank``
-(:func:`stalewise.runtime.ray.client.attach`), runs the script as
-``__main__`` with that context set, so its :func:`stalewise.init` returns a
+connects to Ray (:func:`stalewise.runtime.ray.connect`: ``--address``, else
+``RAY_ADDRESS``, else a new local instance), says which cluster and which
+environment variables each rank gets (:func:`shipped_env`) on lines of stderr,
+serves the job on Ray and starts one :class:`ScriptWorker` actor per rank,
+spread over the nodes, one CPU each. Each actor attaches to the job as worker
+``rank``, enters the launcher's working directory if it exists on its node, sets
+torchrun's variables (``RANK``, ``LOCAL_RANK`` counting the ranks on its node,
+...) and runs the script as ``__main__``, so its :func:`stalewise.init` returns a
 :class:`~stalewise.launch.Context` whose client is a
-:class:`~stalewise.runtime.ray.client.RayClient`, and closes the client when the
-script ends. The workers start together (a rendezvous at the job's door). What
-they print reaches the launcher's stdout through Ray, each line labelled
-``(rank R pid=...)``, none folded into another (``RAY_DEDUP_LOGS=0`` unless set).
-
-The script must be at the same path on every node, or self-contained: an actor
-that does not find it there runs the launcher's copy of its text (modules beside
-it must then be importable on the nodes, e.g. through Ray's ``runtime_env``).
-
-Each rank gets the launcher's environment and working directory, as a local rank
-does, without shipping files: its actor's ``runtime_env`` holds the launcher's
-environment variables (``env_vars``) except those that describe the launcher's
-own machine, terminal or Ray session (:data:`NOT_SHIPPED`: ``PWD``, ``HOME``,
-``SSH_*``, ``RAY_*``, ...), and the actor changes to the launcher's working
-directory (``os.chdir``) when that path exists on its node (else it stays in
-Ray's and logs a warning). Ray's ``working_dir`` would upload the directory to
-every node at each run; a cluster with a shared file system needs no copy, and
-one without should set it through ``RAY_RUNTIME_ENV``-style configuration of its
-own. Before the script runs, the rank's environment also holds ``RANK``,
-``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and ``STALEWISE_RANK`` /
-``STALEWISE_WORLD_SIZE`` (:mod:`stalewise.launch`), ``LOCAL_RANK`` counting the
-ranks on the actor's node in rank order.
-
-Which cluster (:func:`ray_address`): ``stalewise run --address ADDR`` (``auto``:
-the cluster this machine is part of, started with ``ray start``; ``HOST:PORT``
-of a head node), else ``RAY_ADDRESS``, else a new local instance, shut down at
-the end. Never Ray's own default (``ray.init()`` with no address), which joins
-the cluster last started on this machine, found through the file
-``/tmp/ray/ray_current_cluster`` that every user of the machine shares, so a run
-would join another user's cluster, and read its environment, without a word.
-The launcher prints ``stalewise run: Ray cluster at ADDR (a new local
-instance; ...)``, ``(an existing cluster, ...)`` with the address asked for, or
-``(the instance this process was already connected to)`` when the script called
-``ray.init`` itself.
+:class:`~stalewise.runtime.ray.client.RayClient`. The workers start together (a
+rendezvous at the job's door); what they print reaches the launcher's stdout,
+each line labelled ``(rank R pid=...)``. A script not at the same path on a node
+runs from the launcher's copy of its text. ``docs/ray.md`` tells the whole of it.
 """
 
 from __future__ import annotations
@@ -51,54 +21,65 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
+from stalewise.launch import context
+from stalewise.launch.context import Context
+from stalewise.launch.progress import Progress, end_lines, pushes_of
+from stalewise.launch.ranks import failure, rank_env, room
 from stalewise.runtime.base import THREAD_VARS
-from stalewise.runtime.ray import connect, import_ray
+from stalewise.runtime.errors import BudgetSpent
+from stalewise.runtime.ray import cluster_address, connect, import_ray
 
 log = logging.getLogger(__name__)
 
-#: Environment variables a rank on Ray does not take from the launcher: they describe the
-#: launcher's machine, terminal, session or Ray instance (names, and prefixes ending "_").
+#: What a rank on Ray gets from the launcher's environment unless ``--env`` names more
+#: (names, and prefixes ending "_"); the thread counts default to 1.
+SHIPPED = ("STALEWISE_", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", *THREAD_VARS)
+#: What ``--env-all`` leaves out unless named: the launcher's machine, devices and session.
 NOT_SHIPPED = (
-    "PWD", "OLDPWD", "HOME", "USER", "LOGNAME", "SHELL", "SHLVL", "HOSTNAME", "_",
-    "TERM", "COLORTERM", "DISPLAY", "LS_COLORS", "PS1", "TMUX", "STY", "WINDOW",
-    "TMPDIR", "MAIL", "CUDA_VISIBLE_DEVICES", "SSH_", "XDG_", "RAY_", "TERM_",
-    "PYTEST_", "STALEWISE_PROGRESS", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE", "STALEWISE_RANK", "STALEWISE_WORLD_SIZE",
+    "PWD", "OLDPWD", "HOME", "USER", "LOGNAME", "SHELL", "SHLVL", "HOSTNAME", "_", "TERM",
+    "DISPLAY", "TMPDIR", "MAIL", "CUDA_VISIBLE_DEVICES", "NVIDIA_", "ROCR_", "HIP_", "SSH_",
+    "XDG_", "RAY_", "PYTEST_",
 )  # fmt: skip
+#: ... and every name that may be a credential's.
+SECRET = re.compile(
+    r"SECRET|TOKEN|PASSW|CREDENTIAL|(^|_)KEY($|_)|AUTH|COOKIE|KRB5|KUBECONFIG|PRIVATE|NETRC"
+    r"|SESSION|CERT"
+)
 
 
-def shipped_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The launcher's environment variables a rank on Ray gets (see :data:`NOT_SHIPPED`).
-
-    Example:
-        >>> shipped_env({"DATA": "/d", "PWD": "/x", "RAY_ADDRESS": "a:1", "SSH_TTY": "t"})
-        {'DATA': '/d'}
-    """
-    environ = dict(os.environ if environ is None else environ)
-    names = {n for n in NOT_SHIPPED if not n.endswith("_") or n == "_"}
-    prefixes = tuple(n for n in NOT_SHIPPED if n.endswith("_") and n != "_")
-    return {k: v for k, v in environ.items() if k not in names and not k.startswith(prefixes)}
-
-
-def ray_address(address: str | None, environ: dict[str, str] | None = None) -> str:
-    """The Ray cluster ``stalewise run --runtime ray`` connects to: ``address`` (its
-    ``--address``), else ``RAY_ADDRESS``, else ``"local"``: a new local instance, never
-    the cluster Ray's own default would pick up on this machine (see the module docstring).
+def shipped_env(
+    named: list[str] = (), every: bool = False, environ: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The launcher's environment variables a rank on Ray gets (see the module docstring):
+    :data:`SHIPPED`, the ``named`` ones, and with ``every`` (``--env-all``) the rest but
+    :data:`NOT_SHIPPED` and :data:`SECRET`.
 
     Example:
-        >>> ray_address(None, {}), ray_address(None, {"RAY_ADDRESS": "h:6379"})
-        ('local', 'h:6379')
-        >>> ray_address("auto", {"RAY_ADDRESS": "h:6379"})
-        'auto'
+        >>> env = {"OMP_NUM_THREADS": "4", "DATA": "/d", "GITHUB_TOKEN": "t", "PWD": "/x"}
+        >>> shipped_env(environ=env), shipped_env(every=True, environ=env)
+        ({'OMP_NUM_THREADS': '4'}, {'OMP_NUM_THREADS': '4', 'DATA': '/d'})
+        >>> shipped_env(["GITHUB_TOKEN"], environ=env)
+        {'OMP_NUM_THREADS': '4', 'GITHUB_TOKEN': 't'}
     """
     environ = os.environ if environ is None else environ
-    return address or environ.get("RAY_ADDRESS") or "local"
+
+    def among(name: str, names: tuple) -> bool:
+        return name in names or name.startswith(tuple(n for n in names if n.endswith("_")))
+
+    return {
+        k: v
+        for k, v in environ.items()
+        if k in named
+        or among(k, SHIPPED)
+        or (every and not among(k, NOT_SHIPPED) and not SECRET.search(k))
+    }
 
 
 class _Barrier:
@@ -154,12 +135,11 @@ class ScriptWorker:
     ) -> dict:
         """Runs the script as ``__main__`` with rank ``rank``'s context; returns where it
         ran (``node``), the pushes refused past the budget (``refused``) and its error's
-        line (``failed``, :func:`~stalewise.launch.ranks.failure`; None). ``local``: its ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``;
-        ``cwd``: the launcher's working directory, entered if it exists here."""
+        line (``failed``, :func:`~stalewise.launch.ranks.failure`; None). ``local``: its
+        ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; ``cwd``: the launcher's working directory,
+        entered if it exists here."""
         import ray
 
-        from stalewise.launch import BudgetSpent, Context, context, rank_env
-        from stalewise.launch.ranks import failure
         from stalewise.runtime.logs import child_logging
         from stalewise.runtime.ray.client import attach
 
@@ -202,22 +182,21 @@ def serve_workers(job: Any, launch: Any) -> int:
     worker failed, each named on a line of stderr)."""
     import uuid
 
-    from stalewise.launch.progress import Progress, end_lines, pushes_of
-    from stalewise.launch.ranks import room
-
     script, argv, workers = launch.script, launch.argv, launch.workers
     steps, timeout = launch.steps, launch.timeout
     quiet_driver()
     ray = import_ray()
-    address = ray_address(getattr(launch, "address", None))
+    address = cluster_address(launch.address)
     started = connect(address)
     _say_cluster(ray, address, started)
+    env = {**{k: "1" for k in THREAD_VARS}, **shipped_env(launch.env, launch.env_all)}
+    print(f"stalewise run: each rank gets {', '.join(sorted(env))} from this environment "
+          "(--env NAME for more)", file=sys.stderr, flush=True)  # fmt: skip
     actors: list = []
     failed: list[str] = []
     lost = 0  # ranks that failed or were still running at the timeout
     refused = 0
     try:
-        env = {**shipped_env(), **{k: os.environ.get(k, "1") for k in THREAD_VARS}}
         source = Path(script).read_text()
         name = launch.name or f"run-{uuid.uuid4().hex[:8]}"
         with job.serve(runtime="ray", workers=room(launch), name=name) as server:
