@@ -49,13 +49,14 @@ class Progress:
             return
         rate = (pushes - self.pushes) / max(now - self.last, 1e-9)
         self.last, self.pushes = now, pushes
-        shard = self.server.stats()[0]
-        refused = sum(shard.get("rejected", {}).values())
+        applied, rejected = _counts(self.server)
+        judged = (
+            "" if applied is None else f" ({applied} applied, {sum(rejected.values())} refused)"
+        )
         losses = [x for x in getattr(self.server, "losses", list)() if math.isfinite(x)]
         loss = f", loss {sum(losses) / len(losses):.4g}" if losses else ""
         say(
-            f"{pushes} pushes ({shard['applied']} applied, {refused} refused), {rate:.1f} "
-            f"pushes/s{loss}, {live} of {self.workers} ranks live"
+            f"{pushes} pushes{judged}, {rate:.1f} pushes/s{loss}, {live} of {self.workers} ranks live"
         )
 
 
@@ -80,7 +81,16 @@ def end_lines(
 
 def pushes_of(server: Any) -> tuple[int, dict]:
     """The job's pushes, and those its shards refused by reason (``{"not_finite": 40}``)."""
-    return server.job_pushes, dict(server.stats()[0].get("rejected", {}))
+    return server.job_pushes, _counts(server)[1]
+
+
+def _counts(server: Any) -> tuple[int | None, dict]:
+    """The pushes shard 0 applied, and refused by reason (a dead shard: None, {})."""
+    try:
+        shard = server.stats(timeout=10)[0]
+    except Exception:  # the launcher's lines go on without them (the failure says more)
+        return None, {}
+    return shard["applied"], dict(shard.get("rejected", {}))
 
 
 def say(line: str) -> None:
