@@ -99,6 +99,7 @@ class Context:
             ckpt.close(self)
         self._refused = self.client.budget_refused
         client, self.client = self.client, None
+        client.watch = None  # the loop is over: its last result ends nothing
         try:
             client.wait()
         finally:
