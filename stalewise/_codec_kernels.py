@@ -1,15 +1,10 @@
-"""Numba kernels behind :mod:`stalewise.codecs` (one pass over memory each), and
-the O(n) top-k selection (:func:`top_indices`).
+"""Numba kernels behind :mod:`stalewise.codecs`, one pass over memory each, and the O(n)
+top-k selection (:func:`top_indices`).
 
-The float16 and bfloat16 conversions are written on the bits (NumPy's own
-float32 -> float16 cast runs about 9x slower than a copy, and NumPy has no
-bfloat16), with branch-free selects so that the loops vectorize. The bits of a
-float are read and written with two LLVM bitcasts (:func:`bits` and
-:func:`from_bits`), which numba does not offer itself.
-
-Conventions: inputs are 1-D float32 arrays; 16-bit codes are int16 arrays
-(the bit patterns, not numbers). No kernel allocates, raises or warns: a NaN or
-an infinity is carried through as a value, for the shard's validation to refuse.
+The 16-bit conversions work on the bits (NumPy's float16 cast is about 9x slower than a
+copy; NumPy has no bfloat16), read through two LLVM bitcasts (:func:`bits`,
+:func:`from_bits`). Inputs are 1-D float32, 16-bit codes int16 bit patterns. No kernel
+allocates, raises or warns: NaN and infinity are carried as values.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Modules imported when first used.
-
-The numba kernels (``optim/_kernels.py``, ``_codec_kernels.py``) cost about
-0.3 s to import, most of ``import stalewise``. Every worker process pays for
-the package's import, and most never run a kernel (the optimizer runs on the
-shards; a codec only when the job has one), so the modules that call them hold
-a :class:`Lazy` stand-in, which imports the real module at its first attribute.
+"""Modules imported when first used: the numba kernels cost about 0.3 s of ``import
+stalewise``, which every worker pays and most never need (:class:`Lazy`).
 
 Example:
     >>> json = Lazy("json")

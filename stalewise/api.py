@@ -30,11 +30,8 @@ class Job:
     """An asynchronous training job: parameters plus the rules the servers apply.
 
     Args:
-        params: the initial parameters: any pytree of NumPy / PyTorch / JAX /
-            TensorFlow float arrays, or a model (``torch.nn.Module``, Keras model, flax
-            nnx ``Module``); see docs/models.md. Integer leaves stay per worker; float
-            buffers travel with pushes (:mod:`stalewise.optim.buffers`); tied tensors
-            are stored once.
+        params: the initial parameters: a pytree of NumPy / PyTorch / JAX / TensorFlow
+            float arrays, or a model; see docs/models.md.
         optimizer: the server optimizer, e.g. ``sw.optim.lamb(1e-3)``. Default: the
             strategy's recommended one (``strategy.server_optimizer()``, e.g. DiLoCo's
             outer Nesterov SGD); required with ``gradients()``, which recommends none.
@@ -42,18 +39,11 @@ class Job:
         staleness: how much a stale push counts (default ``sw.staleness.constant()``).
         strategy: what workers push (default ``sw.strategies.gradients()``).
         shards: number of parameter-server shards the parameters are split across.
-        codec: how pushes travel, e.g. ``sw.codecs.topk(0.01)`` or ``sw.codecs.int8()``
-            (default ``sw.codecs.none()``; see :mod:`stalewise.codecs`). Every runtime
-            sends them ("local", "sim", "ray").
-        pull_codec: delta pulls (simulator only): a worker downloads only what changed
-            since its last pull, encoded with this codec, e.g. ``sw.codecs.int8()``;
-            ``sw.codecs.none()`` sends the changed values exactly. Default None: every
-            pull is the full slice. See :mod:`stalewise.protocol.pulls`.
-        buffers: regexes naming the leaves that are buffers (non-trainable state whose
-            values workers report), for params that do not say so themselves, e.g. flax
-            linen variables (``[r"^batch_stats\\."]``). Models mark their own; in a torch
-            ``state_dict``, BatchNorm's running statistics (beside an integer
-            ``num_batches_tracked``) are buffers unless ``buffers=`` says otherwise.
+        codec: how pushes travel, e.g. ``sw.codecs.int8()`` (default ``sw.codecs.none()``).
+        pull_codec: delta pulls (simulator and Ray): a worker downloads only what changed
+            since its last pull, in this codec (:mod:`stalewise.protocol.pulls`).
+        buffers: regexes naming the leaves that are buffers, for params that do not mark
+            them, e.g. flax linen variables (``[r"^batch_stats\\."]``).
 
     Example:
         >>> import numpy as np, stalewise as sw
@@ -118,7 +108,6 @@ class Job:
             pull_codec=pull_codec,
         )
 
-    @options_lib.legacy_keywords("Job.train")
     def train(
         self,
         loss_and_grad: Callable[[Any, Any], tuple[float, Any]],
@@ -144,20 +133,12 @@ class Job:
             data: ``data(worker, workers) -> iterable of batches`` (picklable), or one
                 sequence of batches per worker (cycled).
             workers: number of worker processes; on runtime "ray" also ``(min, max)`` or
-                ``"auto"`` (an elastic run, ``(1, 16)``): room for ``max`` worker ids
-                (``data(worker, max)``), starting with the workers the cluster's free CPUs
-                hold (at least ``min``) and adding one whenever a CPU is free; a worker
-                whose node leaves is a departure (``result.failures``, action ``"left"``),
-                not a failure. See ``docs/ray.md``.
-            steps: total pushes across all workers (the job's budget; workers check it
-                before each step, so up to ``workers - 1`` pushes in flight may overshoot it).
-                Under BSP it is ``ceil(steps / workers)`` whole rounds (no partial last
-                round; a round a worker misses has fewer pushes).
-            runtime: where to run, a name in :func:`stalewise.runtime.names`: "local"
-                (processes on this machine), "sim" (the deterministic simulator: same
-                shards, virtual time; see :mod:`stalewise.runtime.sim`; or
-                ``sw.Simulation(sim_config, seed=1)``, the simulator configured), "ray"
-                (Ray actors), or one added with :func:`stalewise.runtime.register`.
+                ``"auto"``, an elastic run (docs/ray.md).
+            steps: total pushes across all workers (up to ``workers - 1`` in flight may
+                overshoot it; under BSP, ``ceil(steps / workers)`` whole rounds).
+            runtime: a name in :func:`stalewise.runtime.names`: "local" (processes on this
+                machine), "sim" (the deterministic simulator; ``sw.Simulation(...)``
+                configures it), "ray", or one added with :func:`stalewise.runtime.register`.
             evaluate: ``f(params) -> {"loss": ..., "accuracy": ...}`` on held-out data,
                 called in the parent with each metrics record (``sw.Metrics(every=)``).
             stop_at: stop early once every target is reached, e.g. ``{"accuracy": 0.97}``
@@ -170,8 +151,6 @@ class Job:
                 workers), ``sw.Timeouts`` (the run's and its processes') and
                 ``sw.Emulation`` (stragglers and delays). None: their defaults.
 
-        The old flat keywords (``checkpoint_dir=``, ``max_restarts=``, ``timeout=``, ...)
-        still work for one release with a DeprecationWarning naming the new spelling.
         Every value is checked by :class:`stalewise.RunOptions`, the options the runtime
         gets.
 
@@ -182,7 +161,7 @@ class Job:
         for value, kind in zip(groups, options_lib.TRAIN_GROUPS, strict=True):
             options_lib.check_group(value, kind)
         simulation = runtime if isinstance(runtime, options_lib.Simulation) else None
-        name = "sim" if simulation is not None else runtime
+        name = simulation.name if simulation is not None else runtime
         runner = runtime_lib.get(name)
         self._check_pulls(name)
         metrics = metrics or options_lib.Metrics()
@@ -203,51 +182,29 @@ class Job:
             warn_summary(result.failures)  # every runtime's: the first of each kind warned
             return sinks.finish(result)
 
-    @options_lib.legacy_keywords("Job.serve")
     def serve(
         self,
         *,
         workers: int | tuple[int, int],
         runtime: str = "local",
         name: str | None = None,
-        checkpoint_dir: str | None = None,
-        checkpoint_every: int | None = None,
-        resume: bool = False,
         timeouts: options_lib.Timeouts | None = None,
         checkpoints: options_lib.Checkpoints | None = None,
     ):
         """Starts the shards for a loop you own; use as a context manager.
 
-        ``runtime`` names a registered runtime that has a server
-        (``stalewise.runtime.names("server")``); the built-in ones are ``"local"``: the
-        shards run as processes on this machine, and the rest of this docstring
-        describes it; and ``"ray"``: the shards run as named Ray actors, and any
-        driver, task or actor of the cluster attaches with ``sw.attach(name)``
-        (:mod:`stalewise.runtime.ray.server`, :mod:`stalewise.runtime.ray.client`).
-        Another name is refused with the list of those that have one.
+        ``runtime``: one of ``stalewise.runtime.names("server")``: ``"local"`` (shard
+        processes on this machine) or ``"ray"`` (named Ray actors). Hand
+        ``server.client(w)`` to worker ``w``'s process, then call ``server.release(w)``
+        once it has started, so the shards notice if it dies; calling ``server.client(w)``
+        again restarts it as a new incarnation. A worker that has not started within
+        ``timeouts.join`` seconds stops holding back the gates. ``workers=(min, max)``
+        makes an elastic job; ``name=`` lets other processes join with ``sw.attach(name)``.
 
-        Hand ``server.client(w)`` to worker ``w``'s process, then call
-        ``server.release(w)`` once that process has started, so that the shards
-        notice if it dies. The shared memory is freed when the block exits.
-
-        Calling ``server.client(w)`` again restarts worker ``w`` as a new
-        incarnation (after its old process has exited). A worker id that has not
-        started within ``timeouts.join`` seconds (``sw.Timeouts(join=)``, default 300)
-        stops holding back SSP/BSP gates.
-
-        ``workers=(min, max)`` makes an elastic job: room for ``max`` worker ids,
-        of which the first ``min`` are expected from the start; the others count
-        for the gates (BSP rounds, SSP bounds) once they join, and any worker may
-        leave (``client.close()``) or die and stop counting. ``name=`` lets
-        processes you start yourself join by the job's name: ``sw.attach(name)``
-        in any process of this user on this machine returns a client for the
-        lowest free worker id (see :mod:`stalewise.runtime.local.attach`).
-
-        ``checkpoint_dir``, ``checkpoint_every``, ``resume``: as ``sw.init``'s (local
-        runtime): the shards are restored from the newest checkpoint before any worker
-        joins, saved every ``checkpoint_every`` pushes of the job and when the server
-        closes (:mod:`stalewise.launch.checkpoints`, the code ``stalewise run`` saves with);
-        or ``checkpoints=sw.Checkpoints(dir, every=, resume=)``, as ``Job.train`` takes them.
+        ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local runtime): the shards
+        are restored from the newest checkpoint before any worker joins, saved every
+        ``every`` pushes of the job and when the server closes
+        (:mod:`stalewise.launch.checkpoints`, the code ``stalewise run`` saves with).
 
         Example:
             >>> with job.serve(workers=2) as server:        # doctest: +SKIP
@@ -264,9 +221,7 @@ class Job:
         from stalewise.launch.checkpoints import served
 
         start = functools.partial(factory, self.config, workers, join_timeout=join, **named)
-        saves = options_lib.checkpoint_fields(
-            "Job.serve", checkpoints, checkpoint_dir, checkpoint_every, resume
-        )
+        saves = options_lib.checkpoint_fields("Job.serve", checkpoints)
         return served(self, start, runtime, *saves)
 
     def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):

@@ -1,70 +1,15 @@
 """Calibration: measure on this machine what the simulator needs, and write its ``[sim]`` table.
 
-:func:`calibrate` (``Job.calibrate``, ``stalewise calibrate CONFIG``) times four things:
-
-* **compute**: ``loss_and_grad`` on each worker's real batches (with what the local
-  worker loop does around it every step: the pulled vector made into the job's
-  params tree, the gradient flattened into one vector for the push), in
-  ``workers`` spawned processes running at once, each with the math-library
-  thread cap the local runtime gives its workers (cores / workers); with
-  ``evaluate`` and ``eval_interval``, this process evaluates the parameters
-  every ``eval_interval`` seconds meanwhile, as the local run's parent does.
-  Each step is timed on the wall clock and on its process's CPU clock. With the
-  contention measurement (the default: :func:`measure_contention`, a step's and
-  an apply's wall time over their CPU time with 1, 2, ... processes runnable)
-  the table takes the CPU times and the simulator stretches them by those
-  factors; without it, the wall-clock times, which hold the sharing of the
-  cores while they ran. The step times of all workers are fitted by a shifted
-  exponential (``shift`` = the fastest step, ``1 / rate`` = the mean above it);
-  when a worker's median step is :data:`SPEED_FACTOR` (2x) apart from the other
-  workers' median (its batches differ, say) and outside the interquartile range of
-  their steps, every worker gets a ``speeds`` entry.
-* **the shard's apply time**: a :class:`~stalewise.protocol.Shard` built with the
-  job's optimizer, staleness rule and codec, handling pushes in this process
-  (``Shard.push`` and the undo copy ``Shard.prepare`` the local shard makes after
-  each), at two sizes; fitted as ``service_time + bytes / service_rate``.
-* **pulls and pushes**: a client of a real local server (``job.serve``, the job's
-  optimizer, consistency model, codec and shard count) pushes (the *send*:
-  flattened, judged, committed and told to the shards), pulls right after
-  (``own=False``, as the local worker loop does) and then waits for the push's
-  acknowledgement, at two sizes. With ``runtime="ray"`` the server is a served job
-  on Ray, and the shard's apply time is its actor's own, publishing included.
-* **the worker loop**: what a local worker's step costs besides its compute, its
-  send and its pull (the protocol's worker loop, the strategy, heartbeats, the
-  runtime's answers: 0.1-0.4 ms a step here): a real local run of one worker
-  whose steps are :data:`LOOP_COMPUTE` seconds of busy compute, at the job's
-  size, its time per step less that compute, the send and the pull. The
-  simulator adds it to every step's compute time (the table's ``shift``, or
-  ``step_time``).
-
-Both runtimes' workers follow the pipelining rule
-(:mod:`stalewise.protocol.pipeline`): a gradient push is sent and the next pull
-follows at once, the acks come in while the worker computes. What a worker
-waits for besides its compute is then the send and the pull. A pull that reads
-the snapshots (ASP, SSP with a bound >= 1: the lone worker's clock is one ahead
-with its push in flight) costs a simulated worker ``2 * latency + bytes /
-bandwidth`` and nothing at the shard; one that is a request behind the push
-(BSP, hybrid, DC-ASGD) costs that, the push's apply and its own service at the
-shard. So ``latency`` and ``bandwidth`` are fitted (least squares over the two
-sizes) to ``send + pull``, less two service times (the slice's apply) for a
-request: a simulated step then waits what a step waits here. ``model_bytes``,
-stragglers, delays and fault scripts are not measured: they stay the run's.
-
-The result is a :class:`Calibration`; :meth:`Calibration.toml` is the ``[sim]``
-table (what it measured as comments above it), :meth:`Calibration.sim_config`
-the :class:`~stalewise.runtime.sim.config.SimConfig` it reads as.
-
-**How sure it is.** Every figure is timed ``repeats`` times, and the spread of
-the repeats (25th-75th percentile, min and max: :class:`Spread`) is kept
-(:attr:`Calibration.spreads`) and printed in the summary. ``sim_config("low")``
-and ``sim_config("high")`` are the tables of every time at its 25th and 75th
-percentile (the compute times scaled by the pooled steps' quartile over their
-median); :meth:`Calibration.interval` runs a prediction on the three tables and
-gives it as ``point [low, high]``. :func:`busy_warnings` judges whether the
-machine was too busy for a stable figure: the 1-minute load average when the
-calibration started or ended above the core count, or a worker's step times
-spread (interquartile range over median) above :data:`SPREAD_LIMIT`;
-:func:`calibrate` logs each warning and the summary (hence the CLI) prints it.
+:func:`calibrate` (``Job.calibrate``, ``stalewise calibrate CONFIG``) times a step's
+compute in as many processes as the run has workers, the shard's apply time, pulls and
+pushes through a real server, the contention for the cores (:func:`measure_contention`),
+a strategy's own work per local step and the worker loop's own time per push. Each figure
+is timed ``repeats`` times and its spread kept (:class:`Spread`); :func:`busy_warnings`
+says when the machine was too busy for a stable figure. The result is a
+:class:`Calibration`: :meth:`Calibration.toml` is the ``[sim]`` table,
+:meth:`Calibration.sim_config` the :class:`~stalewise.runtime.sim.config.SimConfig` it
+reads as, :meth:`Calibration.interval` a prediction as ``point [low, high]``. What each
+figure is and how it is fitted: docs/calibrate.md.
 
 Example:
     >>> from stalewise.calibrate import table_toml
@@ -92,6 +37,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from stalewise import runtime as runtime_lib
 from stalewise import tree
 from stalewise.options import Metrics, Timeouts
 from stalewise.protocol import PushHeader, ServerConfig, pipeline
@@ -143,8 +89,6 @@ CONTENTION_SECONDS, MOST_PROCESSES = 0.2, 16
 #: The tables :meth:`Calibration.sim_config` makes: the measured figures (None), or every
 #: time at its 25th ("low") or 75th ("high") percentile over the repeats.
 BOUNDS = (None, "low", "high")
-#: The runtimes whose pulls, pushes, shard and worker loop :func:`calibrate` times.
-RUNTIMES = ("local", "ray")
 #: What a Ray calibration times elsewhere, said in its summary and logged.
 ON_RAY = (
     "runtime ray: pulls, pushes, the shard's time per push (its actor's: the apply and the "
@@ -279,56 +223,30 @@ class Fit:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What :func:`calibrate` measured, and the ``[sim]`` table it makes of it.
+    """What :func:`calibrate` measured, and the ``[sim]`` table it makes of it (docs/calibrate.md).
 
     Attributes:
-        workers: the processes that computed at once.
-        threads: the math-library threads each had (the local runtime's cap).
-        step_times: each worker's timed steps, wall-clock seconds (a sleep's overshoot,
-            the wait for a core after the emulated delay, included).
-        apply: the shard's apply time per push (bytes of the slice -> seconds).
-        pull: the time a pull takes a worker (bytes of the model -> seconds).
-        push: a push's round trip, until its acknowledgement (bytes -> seconds).
-        message: what the simulator charges a pull besides the shard's service
-            time: ``send + pull`` (less ``2 * apply`` for a pull served by the
-            shard), fitted.
-        model_bytes: the job's parameters, bytes.
-        optimizer: the job's server optimizer, as text.
-        load: the machine's load averages (1, 5, 15 minutes) when it started.
-        send: the part of ``push`` the worker waits for: flatten, judge, commit and
-            tell the shards (bytes -> seconds); None if not measured.
-        served: whether the measured pull was a request served by the shard behind
-            the push (else it read the snapshots; :mod:`stalewise.protocol.pipeline`).
-        evaluated: the seconds between the evaluations made while the compute was
-            timed (None: none were made).
-        loop: seconds a local worker's push takes besides its compute, its strategy's
-            inner updates, send and pull (the worker loop's own time), the table's
-            ``loop`` (``SimConfig.loop``: once a push, unscaled by stragglers and local
-            steps); None if not measured.
-        inner: seconds a strategy of local steps takes a local step besides the
-            gradient (an inner optimizer's update), timed in the calibrating process;
-            added to the compute, as a local straggler and DiLoCo's H scale it. None:
-            gradient pushes.
-        own_read: the share of the worker-loop run's pushes whose next pull already held
-            them (its pulls read the snapshots); the table's ``own_read``. None: not
-            measured, or its pulls are requests served behind the push.
-        spreads: each timed figure's :class:`Spread` over its repeats, by name
-            (``"apply 16,384 B"``, ``"pull ..."``, ``"send ..."``, ``"push ..."``,
-            ``"message ..."``, ``"worker loop"``; the compute's are
-            :attr:`step_times` themselves).
-        load_end: the load averages when it ended (None: not taken).
-        contention: how much longer than its CPU time a step and an apply take on the
-            wall clock with 1, 2, ... processes runnable (:func:`measure_contention`);
-            None: not measured, and the table has no contention.
-        cpu_times: each worker's timed steps, CPU seconds of its process (empty: not
-            measured). With :attr:`contention` the table fits these
-            (:attr:`compute_times`): the contention model alone accounts for the
-            sharing of the cores, which the wall-clock times hold already.
-        wall_spread: with :attr:`contention`, fit each worker's wall-clock times scaled
-            to its mean CPU time: the CPU clock's level, the wall clock's spread.
-        runtime: the runtime the transport, the shard and the worker loop were timed on
-            (:data:`RUNTIMES`); on Ray :attr:`apply` is the shard actor's time per push
-            at the bytes of its slice.
+        workers, threads: the processes that computed at once, and each one's thread cap.
+        step_times, cpu_times: each worker's timed steps, wall-clock and CPU seconds
+            (``cpu_times`` empty: not measured); with :attr:`contention` the table fits the
+            CPU times (:attr:`compute_times`), scaled to the wall clock's spread if
+            ``wall_spread``.
+        apply, pull, push, send: bytes -> seconds of the shard's apply per push, a pull, a
+            push's round trip and the part of it the worker waits for (``send``; None: not
+            measured).
+        message: ``send + pull`` (less ``2 * apply`` for a pull served by the shard), fitted.
+        served: whether the measured pull was a request served behind the push.
+        model_bytes, optimizer: the job's parameter bytes and server optimizer (text).
+        load, load_end: the load averages when it started and ended (None: not taken).
+        evaluated: seconds between evaluations while the compute was timed (None: none).
+        loop: a local worker's own seconds per push besides compute, inner updates, send and
+            pull (``SimConfig.loop``); None if not measured.
+        inner: a strategy's seconds per local step besides the gradient; None: gradient pushes.
+        own_read: the share of pushes the next pull already held; None: not measured.
+        spreads: each timed figure's :class:`Spread` over its repeats, by name.
+        contention: wall over CPU time of a step and an apply with 1, 2, ... processes
+            runnable (:func:`measure_contention`); None: not measured.
+        runtime: the runtime transport, shard and worker loop were timed on (``stalewise.runtime.names("calibrates")``).
     """
 
     workers: int
@@ -380,12 +298,10 @@ class Calibration:
         return float(np.mean([x for t in self.compute_times for x in t]))
 
     def speeds(self) -> tuple[float, ...] | None:
-        """Each worker's speed relative to the others, by medians (one step preempted by
-        another process must not make a worker a straggler); None when no worker is
-        *apart*: its median is within :data:`SPEED_FACTOR` of the other workers' median,
-        or inside the interquartile range of their steps (the medians of identical
-        workers sharing the cores differ by up to 1.5x, and under BSP one spurious slow
-        worker sets every round's pace)."""
+        """Each worker's speed relative to the others, by medians; None when no worker is *apart*
+        (within :data:`SPEED_FACTOR` of the others' median, or inside their interquartile
+        range: identical workers sharing the cores differ by up to 1.5x).
+        """
         means = [float(np.median(t)) for t in self.compute_times]
         overall = float(np.median([x for t in self.compute_times for x in t]))
         if len(means) < 2 or not any(self._apart(w, m) for w, m in enumerate(means)):
@@ -438,10 +354,8 @@ class Calibration:
 
     def bounded(self, bound: str | None) -> Calibration:
         """This calibration with every time at its 25th (``"low"``) or 75th (``"high"``)
-        percentile over the repeats (None: itself): the step times scaled by the pooled
-        steps' quartile over their median, the apply and per-pull fits through the
-        quartiles at each size, the worker loop's quartile. A figure without a spread
-        (a calibration made by hand) stays as measured."""
+        percentile over the repeats (None: itself).
+        """
         if bound not in BOUNDS:
             raise ValueError(f"bound = {bound!r}: must be one of {BOUNDS}")
         if bound is None:
@@ -506,10 +420,11 @@ class Calibration:
                 f"  worker {w}: {len(a)} steps, mean {a.mean() * 1e3:.3f} ms, min "
                 f"{a.min() * 1e3:.3f} ms, p90 {np.quantile(a, 0.9) * 1e3:.3f} ms{cpu}"
             )
-        if self.runtime != "local":
+        on_cluster = _on_cluster(self.runtime)
+        if on_cluster:
             lines.append(ON_RAY)
         lines.append(
-            ("shard apply" if self.runtime == "local" else "shard actor's time a push")
+            ("shard actor's time a push" if on_cluster else "shard apply")
             + f" ({self.optimizer}): "
             + ", ".join(f"{b:,} B {s * us:.1f} us" for b, s in self.apply.points)
             + f" -> {self.apply.intercept * us:.1f} us + bytes / {_rate(self.apply.slope):.3g} B/s"
@@ -623,12 +538,10 @@ def _rate(slope: float) -> float:
 def _compute_main(
     loss_and_grad, data, spec, init, w, workers, repeats, warmup, delay, conn, contend=False
 ):
-    """A spawned process's body: time ``repeats`` steps of worker ``w`` on its batches,
-    on the wall clock and on the process's CPU clock (each step followed by the emulated
-    ``delay``, slept as the local worker sleeps it; the wall time beyond ``delay`` counts
-    as the step's). With ``contend``, it then times steps (no delay) on command, for the
-    contention measurement: ``("time", seconds)`` is answered with ``("mean", wall
-    seconds a step, CPU seconds a step)``, anything else ends it."""
+    """A spawned process's body: time ``repeats`` steps of worker ``w`` on the wall and CPU
+    clocks, each followed by the emulated ``delay``. With ``contend``, it then answers
+    ``("time", seconds)`` with ``("mean", wall, CPU seconds a step)``; anything else ends it.
+    """
     from stalewise.runtime.base import batch_iterator
     from stalewise.runtime.local.procs import die_with_parent
 
@@ -841,16 +754,11 @@ _SPIN = (
 def measure_contention(
     config: ServerConfig, most: int, stepper: Any, deadline: float = math.inf, beside: float = 0
 ) -> Contention:
-    """How much longer than its CPU time a step and a shard's apply take on the wall
-    clock with 1 to ``most`` processes runnable (``k - 1`` busy processes, :data:`_SPIN`,
-    beside it): the job's step timed by the compute process at the other end of the pipe
-    ``stepper`` for :data:`CONTENTION_SECONDS`, an apply of one shard's slice timed here
-    for half as long. The factors hold all the sharing of the cores, other users'
-    processes included; each is at least the one before it (one more runnable process
-    never makes the others faster; the noise of a loaded machine does). ``beside``: the
-    share of a core the run's parent takes evaluating (measured by :func:`_observe`),
-    which the simulator does not count: the factors for ``n`` are those for ``n +
-    beside``."""
+    """How much longer than its CPU time a step (timed by the compute process at the other end
+    of ``stepper``) and a shard's apply take on the wall clock with 1 to ``most`` processes
+    runnable, each factor at least the one before. The factors for ``n`` are those measured
+    for ``n + beside``, the share of a core the parent's evaluation takes.
+    """
     shards = min(config.shards, config.spec.size)
     push = _pusher(config, -(-config.spec.size // shards))
     push()
@@ -999,17 +907,11 @@ def strategy_steps(job: Any, pushes: int = 3) -> tuple[float, float]:
 
 
 def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
-    """Seconds a worker's push takes besides its computes and its strategy's own work
-    (send and pull included): a real run on ``runtime`` of one worker whose local steps
-    are :data:`LOOP_COMPUTE` seconds of busy compute; for gradient pushes on a job of
-    ``size`` floats (the job's optimizer, consistency model, codec and shards), for a
-    strategy of local steps on the job itself (its fragments); its times per push over
-    the intervals between its records after its first push, less the local steps'
-    computes and strategy work of :func:`strategy_steps` (:func:`calibrate` takes their
-    median, less the send and pull: a push preempted by another process must not set
-    it). With, when its pulls read the snapshots (:func:`served_pull`), the share of its
-    pushes after the first that were applied with staleness 0: the chance its read after
-    a push held that push (``own_read`` in the table)."""
+    """Seconds a worker's push takes besides its computes and its strategy's own work (send and
+    pull included), from a real run on ``runtime`` of one worker whose steps are
+    :data:`LOOP_COMPUTE` seconds of busy compute; with it, when its pulls read the snapshots,
+    the share of its pushes its next read already held (``own_read``).
+    """
     h, inner = strategy_steps(job)
     if h == 1:  # gradient pushes: the synthetic job, no strategy work
         job, inner = _synthetic_job(job, size, min(job.config.shards, size)), 0.0
@@ -1068,26 +970,15 @@ def calibrate(
         sizes: the parameter counts transport and apply are timed at (default: the
             job's, at least :data:`MIN_SIZE`, and 4x it); two or more.
         delays: the run's emulated compute seconds per step (``sw.Emulation(delays=)``: a
-            number for every worker, or ``{worker: seconds}``). The local runtime sleeps
-            them after each step, and a sleep on a busy machine ends late: the compute
-            processes sleep them too, and the wall time a step takes beyond its delay
-            counts as its wall-clock compute time (the simulator adds the delay itself);
-            its CPU time does not count the wait.
-        evaluate: the run's ``evaluate(params)``; with ``eval_interval`` (the run's,
-            seconds), called in this process on that cadence while the compute is
-            timed, as the local runtime's parent evaluates while its workers run.
+            number, or ``{worker: seconds}``), slept after each step as a worker sleeps them.
+        evaluate: the run's ``evaluate(params)``, called every ``eval_interval`` seconds
+            while the compute is timed, as the local runtime's parent does.
         eval_interval: see ``evaluate``.
         timeout: seconds the compute processes may take in all.
-        contention: measure how much longer than their CPU time a step and an apply
-            take with 1 to ``workers + shards + 1`` processes runnable (at most
-            :data:`MOST_PROCESSES`; :func:`measure_contention`), for the simulator's
-            contention model, and fit the compute to the steps' CPU times; False: no
-            contention in the table, the compute fitted to the wall-clock times.
+        contention: measure the contention model (:func:`measure_contention`) and fit the
+            compute to CPU times; False: no contention, wall-clock times.
         runtime: the runtime whose pulls, pushes, shard and worker loop are timed:
-            ``"local"``, or ``"ray"`` (the Ray instance this process is connected to;
-            else ``RAY_ADDRESS``, else a new one, shut down at the end): a
-            served job's client and shard actor (:data:`RUNTIMES`). The compute and
-            the contention are timed in processes of this machine either way.
+            ``"local"`` or ``"ray"`` (``stalewise.runtime.names("calibrates")``); compute is timed locally either way.
 
     Raises:
         ValueError: a bad argument, naming it.
@@ -1108,8 +999,9 @@ def calibrate(
         raise ValueError(
             f"timeout = {timeout!r}: must be a number of seconds in (0, {MAX_TIMEOUT:g}]"
         )
-    if runtime not in RUNTIMES:
-        raise ValueError(f"runtime = {runtime!r}: calibrate measures one of {RUNTIMES}")
+    able = runtime_lib.names("calibrates")
+    if runtime not in able:
+        raise ValueError(f"runtime = {runtime!r}: calibrate measures one of {able}")
     per_worker = _delays(delays, workers)
     if evaluate is not None:
         if not callable(evaluate):
@@ -1136,7 +1028,7 @@ def calibrate(
             nbytes, shards = n * itemsize, min(config.shards, n)
             actor: list[float] = []  # on Ray: shard 0's actor's own time per push
             pulls, pushes, sends = transport_times(
-                job, n, repeats, runtime, shard=None if runtime == "local" else actor
+                job, n, repeats, runtime, shard=actor if _on_cluster(runtime) else None
             )
             pull, push, send = (statistics.median(x) for x in (pulls, pushes, sends))
             if actor:  # the apply as the shard actor times it, at its slice's size
@@ -1195,18 +1087,23 @@ def calibrate(
 def _connected(runtime: str) -> Iterator[None]:
     """On Ray: this process connected to Ray while the transport and the worker loop are
     timed (one instance for all; one this call started is shut down after)."""
-    if runtime == "local":
+    if not _on_cluster(runtime):
         yield
         return
-    from stalewise.runtime.ray import connect, import_ray
+    from stalewise.runtime.ray import import_ray
 
     log.info("calibrate: %s", ON_RAY)
-    started = connect()
+    started = runtime_lib.describe(runtime).load("connect")()
     try:
         yield
     finally:
         if started:
             import_ray().shutdown()
+
+
+def _on_cluster(runtime: str) -> bool:
+    """Whether ``runtime``'s shards are actors of a cluster it connects to (Ray's)."""
+    return runtime_lib.describe(runtime).connect is not None
 
 
 def _int_in(value: Any, low: int, high: int) -> bool:

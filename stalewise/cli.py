@@ -34,6 +34,13 @@ class _Parser(argparse.ArgumentParser):
         raise _FlagError(f"{message} (see {self.prog} --help)")
 
 
+def _updates(text: str) -> int:
+    """--checkpoint-every's value: an integer >= 1, the one rule of ``run`` and ``train``."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def _config_error(key: str, problem: str) -> Exception:
     from stalewise.config import ConfigError
 
@@ -96,6 +103,7 @@ def _check_runtime(runtime: str | None) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from stalewise import config, report
+    from stalewise import runtime as runtime_lib
     from stalewise.options import Checkpoints
 
     _check_runtime(args.runtime)
@@ -109,9 +117,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config.load(
         args.config, runtime=args.runtime, codec=args.codec, pull_codec=args.pull_codec
     )
-    runtime = cfg.train_kwargs(args.runtime)["runtime"]
-    if args.address is not None and runtime != "ray":
-        raise _config_error("--address", f"is for --runtime ray; this run's runtime is {runtime!r}")
+    runtime = runtime_lib.describe(cfg.train_kwargs(args.runtime)["runtime"])
+    if args.address is not None and runtime.connect is None:
+        raise _config_error("--address", f"is for --runtime {runtime_lib.able('connect')}; "
+                            f"this run's runtime is {runtime.name!r}")  # fmt: skip
     board = _tensorboard_dir(args.tensorboard)
     out = _out_dir(args.resume or args.out, Path(args.config).stem)
     loggers = []
@@ -123,13 +132,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise _config_error("--tensorboard", str(e)) from None
     run = Path(args.config).stem
-    every = args.checkpoint_every or None
-    ckpt = Checkpoints(out / "checkpoints", every=every, resume=args.resume is not None)
+    ckpt = Checkpoints(
+        out / "checkpoints", every=args.checkpoint_every, resume=args.resume is not None
+    )
     with report.MetricsWriter(out / "metrics.jsonl") as writer:
         metrics = dataclasses.replace(cfg.train["metrics"], name=run,
             on_record=writer.write, loggers=loggers, progress=not args.quiet)  # fmt: skip
         result = cfg.run(args.runtime, address=args.address, metrics=metrics, checkpoints=ckpt)
-    simulated = cfg.train_kwargs(args.runtime)["runtime"] == "sim"
+    simulated = runtime.simulated
     report.plot_runs(
         result.records,
         out / "train.png",
@@ -349,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=_updates,
         metavar="N",
         help="also checkpoint every N updates (a checkpoint is always written at the end)",
     )
@@ -467,7 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and every --checkpoint-every pushes (local runtime only)",
     )
     r.add_argument(
-        "--checkpoint-every", type=int, metavar="N", help="a checkpoint every N pushes of the job"
+        "--checkpoint-every",
+        type=_updates,
+        metavar="N",
+        help="a checkpoint every N pushes of the job",
     )
     r.add_argument(
         "--resume",
@@ -529,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    from stalewise.checkpoint import CheckpointError
     from stalewise.config import ConfigError
     from stalewise.runtime.errors import DivergedError, FailureWarning
     from stalewise.runtime.sim.config import TooLongError
@@ -549,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     except DivergedError as e:  # the run's result (its message says why and what to change)
         print(f"stalewise: {_one_line(str(e))}", file=sys.stderr)
         return 1
+    except CheckpointError as e:  # --resume from none that may be used
+        print(f"stalewise: {_one_line(str(e))}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("stalewise: interrupted", file=sys.stderr)
         return 130

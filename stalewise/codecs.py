@@ -1,41 +1,15 @@
 """Codecs: how an update is encoded on the wire (``sw.codecs``).
 
-A codec turns a float vector into bytes and back. Each is a small frozen
-(picklable, comparable) class with :meth:`Codec.encode`, :meth:`Codec.decode`
-and an exact byte count, :meth:`Codec.nbytes`, equal to ``len(encode(x))``.
-
-===========  ======================================  ================================  ==============
-codec        bytes for ``n`` float32 values          decoded value                     error feedback
-===========  ======================================  ================================  ==============
-``none()``   ``12 + 4n`` (float64: ``8n``)           exact                             no
-``fp16()``   ``12 + 2n``                             float16, clamped to +-65504       off
-``bf16()``   ``12 + 2n``                             bfloat16, clamped                 off
-``int8()``   ``12 + n + 4 ceil(n / 4096)``           one float32 scale per block       off
-``int4()``   ``12 + ceil(n / 2) + 4 ceil(n / 256)``  levels -7..7 times a block scale  off
-``topk(f)``  ``12 + k (4 + index bytes)``            the ``k = round(f n)`` largest    on
-``sign()``   ``12 + 4 + ceil(n / 8)``                ``mean|x| * sign(x)``             on
-===========  ======================================  ================================  ==============
-
-Each class's docstring states its error bound. Lossy codecs work in float32
-(a float64 vector is rounded first); ``none`` keeps float64.
-
-The payload is raw bytes, never a pickle: a fixed 12-byte header (a magic byte,
-the codec's id, the dtype of the values, one parameter byte, ``n`` as a uint64)
-then the body. :meth:`Codec.decode` checks the header against the codec doing
-the decoding, the length against :meth:`Codec.nbytes` and ``topk``'s indices; a
-truncated, padded, foreign or structurally corrupt payload raises
-:class:`PayloadError`. There is no checksum (the transports are reliable): a
-flipped bit among the values decodes to a wrong value, which validation catches
-only when it is not finite.
-
-NaN and infinity are carried through as values (``int8`` and ``int4`` turn a block
-holding one into NaNs), so that the shard's validation refuses such an update.
-
-Per-leaf policy: a codec given to ``sw.Job(codec=...)`` compresses the leaves of
-at least :data:`SMALL_LEAF` elements; smaller ones (biases, norms) travel
-uncompressed. :func:`size_adaptive` sets the threshold and both codecs.
-:mod:`stalewise.protocol.compress` applies the policy to a whole update, one
-payload per shard, with error feedback.
+A codec is a small frozen class that turns a float vector into bytes
+(:meth:`Codec.encode`) and back (:meth:`Codec.decode`), with an exact byte count
+(:meth:`Codec.nbytes`): ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``topk`` and
+``sign``; each class's docstring states its error bound. The payload is raw bytes, never
+a pickle: a 12-byte header (magic, codec id, dtype, parameter, ``n``) then the body;
+a truncated, padded, foreign or corrupt payload raises :class:`PayloadError`. NaN and
+infinity travel as values, so that the shard refuses such an update. A Job's codec
+compresses leaves of at least :data:`SMALL_LEAF` elements (:func:`size_adaptive` sets
+the threshold); :mod:`stalewise.protocol.compress` applies it per shard with error
+feedback. Sizes, speeds and errors: docs/codecs.md.
 
 Example:
     >>> import numpy as np
@@ -53,7 +27,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -204,7 +178,9 @@ class Codec(Policy):
         r -= self.decode(payload, np.empty_like(r) if scratch is None else scratch)
 
     def __repr__(self) -> str:
-        return f"{self.name}()"
+        """``name(field=value, ...)`` of the fields that differ from their defaults."""
+        args = [f"{f.name}={v}" for f in fields(self) if (v := getattr(self, f.name)) != f.default]
+        return f"{self.name}({', '.join(args)})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -228,7 +204,23 @@ class NoCodec(Codec):
 
 
 @dataclass(frozen=True, repr=False)
-class FP16(Codec):
+class _Half(Codec):
+    """A 16-bit float per value, its bits written by ``{name}_encode`` and ``_decode``."""
+
+    error_feedback: bool = False
+
+    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
+        return 2 * n
+
+    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
+        getattr(kernels, f"{self.name}_encode")(x, np.frombuffer(body, np.int16, x.size))
+
+    def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
+        _into(out, getattr(kernels, f"{self.name}_decode"), np.frombuffer(body, np.int16, n))
+
+
+@dataclass(frozen=True, repr=False)
+class FP16(_Half):
     """IEEE half precision, rounded to nearest even. Finite values beyond +-65504
     are clamped to it; infinities and NaN stay non-finite.
 
@@ -237,23 +229,10 @@ class FP16(Codec):
 
     name: ClassVar[str] = "fp16"
     id: ClassVar[int] = 1
-    error_feedback: bool = False
-
-    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
-        return 2 * n
-
-    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
-        kernels.fp16_encode(x, np.frombuffer(body, np.int16, x.size))
-
-    def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
-        _into(out, kernels.fp16_decode, np.frombuffer(body, np.int16, n))
-
-    def __repr__(self) -> str:
-        return "fp16(error_feedback=True)" if self.error_feedback else "fp16()"
 
 
 @dataclass(frozen=True, repr=False)
-class BF16(Codec):
+class BF16(_Half):
     """bfloat16 (float32's range, 8 bits of mantissa), rounded to nearest even.
     Finite values that would round to infinity are clamped to +-3.3895e38.
 
@@ -262,23 +241,24 @@ class BF16(Codec):
 
     name: ClassVar[str] = "bf16"
     id: ClassVar[int] = 2
-    error_feedback: bool = False
 
-    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
-        return 2 * n
 
-    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
-        kernels.bf16_encode(x, np.frombuffer(body, np.int16, x.size))
+class _Blocks(Codec):
+    """A codec of blocks of ``block`` values (a power of two, sent as its log2)."""
 
-    def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
-        _into(out, kernels.bf16_decode, np.frombuffer(body, np.int16, n))
+    block: int
 
-    def __repr__(self) -> str:
-        return "bf16(error_feedback=True)" if self.error_feedback else "bf16()"
+    def __post_init__(self) -> None:
+        b = self.block
+        if not _is_int(b) or b < 1 or b > 2**30 or b & (b - 1):
+            raise ValueError(f"{self.name}: block must be a power of two in 1..2**30, got {b!r}")
+
+    def _param(self, n: int) -> int:
+        return self.block.bit_length() - 1
 
 
 @dataclass(frozen=True, repr=False)
-class Int8(Codec):
+class Int8(_Blocks):
     """Blockwise int8: each block of ``block`` values is sent as int8 codes in
     ``[-127, 127]`` and one float32 scale, its absolute maximum / 127.
 
@@ -293,16 +273,8 @@ class Int8(Codec):
     block: int = 4096
     error_feedback: bool = False
 
-    def __post_init__(self) -> None:
-        b = self.block
-        if not _is_int(b) or b < 1 or b > 2**30 or b & (b - 1):
-            raise ValueError(f"int8: block must be a power of two in 1..2**30, got {b!r}")
-
     def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
         return n + 4 * -(-n // self.block)
-
-    def _param(self, n: int) -> int:
-        return self.block.bit_length() - 1
 
     def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
         blocks = -(-x.size // self.block)
@@ -316,26 +288,16 @@ class Int8(Codec):
         q = np.frombuffer(body, np.int8, n, 4 * blocks)
         _into(out, kernels.int8_decode, q, scales, self.block)
 
-    def __repr__(self) -> str:
-        args = [] if self.block == 4096 else [f"block={self.block}"]
-        args += ["error_feedback=True"] if self.error_feedback else []
-        return f"int8({', '.join(args)})"
-
 
 @dataclass(frozen=True, repr=False)
-class Int4(Codec):
+class Int4(_Blocks):
     """Blockwise 4-bit, symmetric: each block of ``block`` values is sent as levels
     ``q`` in ``[-7, 7]`` and one float32 scale, its absolute maximum / 7; decoded
     ``q * scale``. Two values a byte: the nibble ``q + 8`` (1..15, 8 is zero), value
     ``2i`` in the low nibble of byte ``i``, value ``2i + 1`` in the high one (an odd
     ``n`` leaves the last high nibble 0). Body: the scales, then the ``ceil(n / 2)``
-    packed bytes.
-
-    Symmetric levels, not an asymmetric min/max scheme: zero is exact (a zero
-    pseudo-gradient stays zero), the sign of every value survives, and the scale
-    is the only float a block carries (an asymmetric scheme needs two, and its
-    zero is off by up to half a step). 15 levels, not 16: the code ``0`` (level
-    -8) is never written, and the decoder refuses a payload holding it.
+    packed bytes. Symmetric levels keep zero exact (why: docs/codecs.md); the code ``0``
+    (level -8) is never written, and the decoder refuses it.
 
     Bound: ``|d - x| <= absmax(block) / 14 * (1 + 1e-4)``, i.e. half the block's
     step ``scale``, plus ``2**-146`` (about 1.1e-44) in a block whose absmax is
@@ -350,16 +312,8 @@ class Int4(Codec):
     block: int = 256
     error_feedback: bool = False
 
-    def __post_init__(self) -> None:
-        b = self.block
-        if not _is_int(b) or b < 1 or b > 2**30 or b & (b - 1):
-            raise ValueError(f"int4: block must be a power of two in 1..2**30, got {b!r}")
-
     def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
         return -(-n // 2) + 4 * -(-n // self.block)
-
-    def _param(self, n: int) -> int:
-        return self.block.bit_length() - 1
 
     def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
         blocks = -(-x.size // self.block)
@@ -382,11 +336,6 @@ class Int4(Codec):
                 f"{where}: {bad} invalid 4-bit codes (level -8 or a non-zero padding "
                 "nibble): corrupt payload"
             )
-
-    def __repr__(self) -> str:
-        args = [] if self.block == 256 else [f"block={self.block}"]
-        args += ["error_feedback=True"] if self.error_feedback else []
-        return f"int4({', '.join(args)})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -477,9 +426,6 @@ class Sign(Codec):
         scale = np.frombuffer(body, np.float32, 1)[0]
         packed = np.frombuffer(body, np.uint8, -(-n // 8), 4)
         _into(out, kernels.sign_decode, packed, n, scale)
-
-    def __repr__(self) -> str:
-        return "sign()" if self.error_feedback else "sign(error_feedback=False)"
 
 
 @dataclass(frozen=True)

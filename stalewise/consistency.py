@@ -1,19 +1,11 @@
 """Consistency models: when may a worker start its next step, and how pushes merge.
 
-A worker's *clock* is the number of pushes it has completed. Before a step, a
-worker at clock ``c`` asks its shards whether it may start; the answer depends
-only on the clocks of the live workers:
-
-* ``ASP()``: always (fully asynchronous; every push is applied on arrival).
-* ``SSP(bound=s)``: only if ``c - min(live clocks) <= s``; pushes are applied on
-  arrival. ``SSP(0)`` gates like BSP, ``SSP(inf)`` is ASP.
-* ``BSP()``: gates like ``SSP(0)`` and merges the pushes of a round: the mean of
-  the round's pushes is applied once, when every live worker has pushed.
-* ``Hybrid(tolerance=2)``: BSP while the workers keep pace, ASP while one is a
-  straggler (its steps take more than ``tolerance`` times the median's), and
-  back; each shard measures and decides at round boundaries (see
-  :mod:`stalewise.protocol.hybrid`). Only the shard knows its mode, so
-  :meth:`Consistency.may_start` answers False ("ask the shard").
+A worker's *clock* is its completed pushes; a worker at clock ``c`` may start when:
+``ASP()`` always (pushes applied on arrival); ``SSP(bound=s)`` if ``c - min(live
+clocks) <= s``; ``BSP()`` as ``SSP(0)``, and a round's pushes are applied once, as
+their mean; ``Hybrid(tolerance=2)`` BSP while the workers keep pace, ASP while one is a
+straggler (each shard decides at round boundaries, :mod:`stalewise.protocol.hybrid`, so
+:meth:`Consistency.may_start` answers False: "ask the shard").
 
 Example:
     >>> from stalewise import SSP
@@ -27,6 +19,8 @@ from __future__ import annotations
 import math
 import numbers
 from typing import NamedTuple
+
+__all__ = ["ASP", "BSP", "SSP", "Consistency", "Hybrid", "from_name"]
 
 
 class Consistency(NamedTuple):

@@ -1,17 +1,10 @@
 """``stalewise demo``: synchronous vs asynchronous training with a straggler.
 
-Trains the built-in digits MLP (scikit-learn's bundled 8x8 digits) with local
-worker processes, the last of them ``slowdown`` times slower, first with BSP
-(every round waits for the straggler and applies the round's mean gradient) and
-then with ASP (nobody waits; each push is applied on arrival, its LAMB step
-divided by its staleness), and reports the wall time each needs to reach 95%
-held-out accuracy. Both runs use the same server optimizer (LAMB, lr 0.01,
-trust ratio clipped at 10) and the same emulated compute time per step.
-
-The learning rate is one shared value, not tuned per consistency model (tuning
-would make the demo, the README's first command, several times slower), and
-the summary line says so. ``benchmarks/time_to_accuracy.py`` compares the two
-with each at its best of a small learning-rate grid.
+Trains the digits MLP with local worker processes, the last ``slowdown`` times slower,
+first under BSP, then under ASP (each push's LAMB step divided by its staleness), and
+reports the wall time each needs to reach 95% held-out accuracy. The learning rate is
+one shared value, not tuned per model (the summary says so);
+``benchmarks/time_to_accuracy.py`` compares each at its best.
 """
 
 from __future__ import annotations

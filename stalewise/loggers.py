@@ -1,18 +1,11 @@
 """Loggers: metrics records sent where people look at them, such as TensorBoard.
 
-``Job.train(..., metrics=sw.Metrics(loggers=[...]))`` hands every metrics record (the schema of
-:mod:`stalewise.report`, the same as ``metrics.jsonl``) to each logger, in the
-parent process, as the record is made, in every runtime. A logger is either a
-function ``f(record)`` or an object with
-
-- ``log(record)``: called with each record;
-- ``finish(result)`` (optional): called with the :class:`~stalewise.TrainResult`
-  when the run has ended normally;
-- ``close()`` (optional): called when the run ends, however it ends.
-
-A logger that raises is reported by one warning and left out for the rest of
-the run: a broken dashboard never stops training. ``on_record``, the plain
-callback, is not guarded: an exception there still ends the run.
+``Job.train(..., metrics=sw.Metrics(loggers=[...]))`` hands every metrics record to each
+logger in the parent process, in every runtime. A logger is a function ``f(record)`` or
+an object with ``log(record)`` and optionally ``finish(result)`` (the run ended
+normally) and ``close()`` (it ended, however). A logger that raises is reported by one
+warning and left out for the rest of the run; ``on_record`` is not guarded. See
+docs/loggers.md.
 
 Example:
     >>> seen = []
@@ -25,13 +18,12 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
+
+from stalewise.targets import finite
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +32,6 @@ __all__ = ["Loggers", "TensorBoardLogger"]
 TENSORBOARD_MISSING = (
     "TensorBoard logging needs the tensorboardX package: pip install 'stalewise[tensorboard]'"
 )
-
-
-def _finite(value: Any) -> bool:
-    """A finite real number (a bool is not one)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _name(logger: Any) -> str:
@@ -121,12 +108,7 @@ class Loggers:
     def __enter__(self) -> Loggers:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -140,28 +122,11 @@ def tensorboard_writer() -> type:
 
 
 class TensorBoardLogger:
-    """Writes the records as TensorBoard scalars, and the staleness histogram at the end.
+    """Writes the records as TensorBoard scalars into ``logdir``, and the staleness histogram at the end.
 
-    Each numeric field of a record becomes a scalar of that name (``loss``,
-    ``accuracy``, ``train_loss``, ``staleness_mean``, ``staleness_max``,
-    ``updates``, ``time``, any metric of ``evaluate``), at step ``pushes``;
-    a NaN or infinite value (``train_loss`` before the first push, a diverged
-    loss) is left out, and stays in ``metrics.jsonl``.
-    ``pushes_per_s`` is the rate over the interval since the previous record
-    (from the second record on; per virtual second in the simulator). When
-    the run ends, ``staleness`` is a histogram of the staleness of every push
-    the shards applied (shard 0's counts, like ``staleness_mean``), at the
-    last step. Events reach the file at once and are flushed (fsynced) every
-    ``flush_secs`` seconds and at the end of the run.
-
-    Args:
-        logdir: the folder of the event files (made if missing); point
-            ``tensorboard --logdir`` at it or at a folder above it.
-        flush_secs: seconds between flushes of the event file.
-
-    Raises:
-        ImportError: without tensorboardX (``pip install 'stalewise[tensorboard]'``).
-        ValueError: ``logdir`` cannot be made.
+    Each finite numeric field becomes a scalar at step ``pushes``, beside ``pushes_per_s``
+    over each interval (docs/loggers.md); events are flushed every ``flush_secs`` seconds
+    and at the end. Needs tensorboardX (``pip install 'stalewise[tensorboard]'``).
 
     Example:
         >>> logger = TensorBoardLogger(tmp / "tb")  # doctest: +SKIP
@@ -170,7 +135,7 @@ class TensorBoardLogger:
 
     def __init__(self, logdir: str | os.PathLike[str], *, flush_secs: float = 5.0):
         self._writer_class = tensorboard_writer()
-        if not (_finite(flush_secs) and flush_secs > 0):
+        if not (finite(flush_secs) and flush_secs > 0):
             raise ValueError(f"flush_secs must be a number of seconds > 0, got {flush_secs!r}")
         self.flush_secs = flush_secs
         if not isinstance(logdir, str | os.PathLike) or not str(logdir):
@@ -195,10 +160,10 @@ class TensorBoardLogger:
         writer = self._open()
         step = int(record["pushes"])
         for key, value in record.items():
-            if key != "pushes" and _finite(value):
+            if key != "pushes" and finite(value):
                 writer.add_scalar(key, float(value), step)
         now = record.get("time")
-        if _finite(now):
+        if finite(now):
             if self._last is not None and now > self._last[0]:
                 rate = (step - self._last[1]) / (now - self._last[0])
                 writer.add_scalar("pushes_per_s", rate, step)

@@ -1,15 +1,26 @@
 """Local SGD / DiLoCo for a training loop you own: the worker side, as a wrapper.
 
-Every ``local_steps`` optimizer steps (``H``) the wrapper pushes ``pulled - current``
-(how far the worker moved since its last pull) and pulls the new global parameters;
-the Job's optimizer merges these pseudo-gradients (``sgd(1.0)``: local SGD; Nesterov
-SGD: DiLoCo; see :mod:`stalewise.strategies.averaging`). :class:`LocalSGD` hooks a
-PyTorch ``optimizer.step()`` and pulls into the model in place; :class:`LocalSGDOptax`
-takes and returns the params of a functional loop (JAX / optax, NumPy). The model must
-have the Job's layout; each push's result is kept in ``results``. On leaving the
-``with`` block the steps since the last sync are dropped (``remainder="drop"``; why:
-``docs/design-notes.md``) unless ``remainder="push"``; nothing is pushed after an
-exception, and the model keeps its local parameters.
+In a :meth:`stalewise.Job.serve` worker, these wrappers push ``pulled - current`` every
+``local_steps`` optimizer steps (``H``) and pull the new global parameters; the Job's
+``optimizer=`` (or ``strategy=``) picks the method (:mod:`stalewise.strategies.averaging`).
+:class:`LocalSGD` hooks a PyTorch ``optimizer.step()`` and pulls into your model in place;
+:class:`LocalSGDOptax`, for functional loops, takes the params after each step and returns
+them (or the newly pulled ones). The model or tree must match the Job's params; each
+push's result is kept in ``results``. On leaving the ``with`` block the steps since the
+last sync are dropped (``remainder="drop"``; design notes, "Model averaging"); nothing is
+pushed after an exception.
+
+Example (PyTorch, in a worker process; ``client = server.client(rank)``):
+
+.. code-block:: python
+
+    with sw.LocalSGD(client, model, optimizer, local_steps=20):  # pulls into model
+        for x, y in batches:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()                 # every 20th: push, then pull into model
+            optimizer.zero_grad()
+    client.close()                           # steps past the last sync: dropped
 
 Example (functional):
     >>> import numpy as np, stalewise as sw
@@ -31,7 +42,6 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise._renames import renames
 from stalewise.protocol import PushResult
 from stalewise.strategies.averaging import _check_steps
 
@@ -98,24 +108,12 @@ class LocalSGD(_Averager):
             it must match the Job's params.
         optimizer: the worker's ``torch.optim.Optimizer`` (DiLoCo: AdamW); its
             ``step()`` is hooked while the ``with`` block runs.
-        local_steps: ``H``, optimizer steps per push (the name of ``H`` in every
-            strategy; old name: ``every``, with a DeprecationWarning).
+        local_steps: ``H``, optimizer steps per push.
         timeout: seconds to wait for the shards at a pull or push (None: forever).
         remainder: ``"drop"`` (default) or ``"push"``: what leaving the block does
-            with the steps since the last sync (see the module docstring).
-
-    Example (in a worker process; ``client = server.client(rank)``):
-
-    .. code-block:: python
-
-        with sw.LocalSGD(client, model, optimizer, local_steps=20):  # pulls into model
-            for x, y in batches:
-                loss_fn(model(x), y).backward()
-                optimizer.step()            # every 20th: push, then pull into model
-                optimizer.zero_grad()
+            with the steps since the last sync. :meth:`sync` syncs at once.
     """
 
-    @renames("LocalSGD", every="local_steps")
     def __init__(
         self,
         client: Any,
@@ -174,15 +172,12 @@ class LocalSGDOptax(_Averager):
 
     Args:
         client: this worker's client (``server.client(rank)``).
-        local_steps: ``H``, steps per push (old name: ``every``, with a DeprecationWarning).
+        local_steps: ``H``, steps per push.
         timeout: seconds to wait for the shards at a pull or push (None: forever).
         remainder: ``"drop"`` (default) or ``"push"``: what ``__exit__`` does with
-            the steps since the last sync (see the module docstring).
-
-    The optimizer state is yours: it persists across pulls, as in DiLoCo.
+            the steps since the last sync; :meth:`finish` pushes them at once.
     """
 
-    @renames("LocalSGDOptax", every="local_steps")
     def __init__(
         self,
         client: Any,

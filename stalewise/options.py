@@ -17,17 +17,12 @@ object is made by the check :class:`~stalewise.runtime.options.RunOptions` runs 
 is an :class:`~stalewise.runtime.options.OptionError` naming ``Group.field``). Runtimes
 never see them: :func:`run_options` flattens them into the one ``RunOptions``.
 
-Every default is :data:`~stalewise.runtime.options.DEFAULTS`'s. The old flat keywords
-(``checkpoint_dir=``, ``max_restarts=``, ``sim_seed=``, ...) still work for one release,
-with a DeprecationWarning naming the new spelling (:func:`fold_legacy`).
+Every default is :data:`~stalewise.runtime.options.DEFAULTS`'s.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -218,89 +213,6 @@ class Simulation(_Group):
 #: Job.train's groups, in the order of its keywords; then the simulator's (``runtime=``).
 TRAIN_GROUPS = (Metrics, Checkpoints, Failures, Timeouts, Emulation)
 GROUPS: tuple[type[_Group], ...] = (*TRAIN_GROUPS, Simulation)
-#: The old flat keyword of each grouped option: ``{old: (group, field)}``.
-LEGACY: dict[str, tuple[type[_Group], str]] = {
-    option: (group, name) for group in GROUPS for name, option in group.FIELDS.items()
-} | {"loggers": (Metrics, "loggers"), "on_record": (Metrics, "on_record")}
-
-
-def _spelled(group: type[_Group], name: str) -> str:
-    if group is Simulation:
-        return f"runtime=sw.Simulation({name}=...)"
-    return f"{group.KEYWORD}=sw.{group.__name__}({name}=...)"
-
-
-def fold_legacy(where: str, old: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """The keywords ``given`` with the old flat keywords ``old`` folded into their groups,
-    each with a DeprecationWarning naming its new spelling. An old keyword beside its
-    group's object is a TypeError; old keywords all at their defaults (e.g.
-    ``checkpoint_dir=None`` passed through) make no group. ``sim=``/``sim_seed=`` make
-    ``runtime=sw.Simulation(...)`` when ``runtime`` is ``"sim"`` (``sim_seed`` is ignored
-    elsewhere, as it was); ``max_workers=N`` makes ``workers="auto"`` ``(1, N)``."""
-    folded: dict[type[_Group], dict[str, Any]] = {}
-    out = dict(given)
-    for key, value in old.items():
-        if key == "max_workers" and "workers" in given:
-            _warn(where, key, "workers=(1, N)")
-            if out["workers"] == "auto":
-                out["workers"] = (1, value)
-            continue
-        if key not in LEGACY:
-            raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
-        group, name = LEGACY[key]
-        if out.get(group.KEYWORD) is not None and group is not Simulation:
-            raise TypeError(f"{where}: pass {key}= inside {group.KEYWORD}= only, not beside it")
-        if group is Simulation and isinstance(out.get("runtime"), Simulation):
-            raise TypeError(f"{where}: pass {key}= inside runtime=sw.Simulation(...) only")
-        off_sim = group is Simulation and out.get("runtime") != "sim"
-        if off_sim and key == "sim" and value is not None:
-            raise ValueError(
-                "sim= configures the simulator; pass runtime=sw.Simulation(sim_config) to use it"
-            )
-        _warn(where, key, _spelled(group, name))
-        if off_sim:
-            continue  # sim_seed off the simulator: ignored, as it was
-        folded.setdefault(group, {})[name] = value
-    for group, fields in folded.items():
-        at_default = all(
-            DEFAULTS.get(group.FIELDS.get(k, ""), None) == v for k, v in fields.items()
-        )
-        if at_default and group is not Simulation:
-            continue  # every old keyword at its default: as if none were given
-        if group is Checkpoints:
-            fields.setdefault("dir", None)
-        out[group.KEYWORD] = group(**fields)
-    return out
-
-
-def legacy_keywords(where: str) -> Callable[[Any], Any]:
-    """A decorator: the function still takes the old flat keywords (:func:`fold_legacy`)
-    for one release; its signature shows only the new ones."""
-
-    def wrap(fn: Any) -> Any:
-        params = inspect.signature(fn).parameters
-        runtime = params["runtime"].default if "runtime" in params else None
-
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            old = {k: kwargs.pop(k) for k in list(kwargs) if k not in params}
-            if old:
-                kwargs = fold_legacy(where, old, {"runtime": runtime, **kwargs})
-                if kwargs["runtime"] is None:
-                    del kwargs["runtime"]
-            return fn(*args, **kwargs)
-
-        return call
-
-    return wrap
-
-
-def _warn(where: str, old: str, new: str) -> None:
-    warnings.warn(
-        f"{where}: {old}= is now {new}; the old keyword will be removed in the next release",
-        DeprecationWarning,
-        stacklevel=4,
-    )
 
 
 def run_options(*groups: _Group | None) -> dict[str, Any]:
@@ -319,16 +231,12 @@ def check_group(value: Any, kind: type[_Group]) -> Any:
     raise OptionTypeError(kind.KEYWORD, f"must be a sw.{kind.__name__}(...) or None, got {value!r}")
 
 
-def checkpoint_fields(
-    where: str, checkpoints: Any, directory: Any, every: Any, resume: Any
-) -> tuple[Any, Any, Any]:
-    """``(dir, every, resume)`` of ``sw.init`` and ``Job.serve``: from ``checkpoints``, a
-    :class:`Checkpoints`, or their own keywords (not both). They save by pushes only, and
-    keep what ``stalewise run`` keeps: ``seconds`` and ``keep`` are ``Job.train``'s."""
+def checkpoint_fields(where: str, checkpoints: Any) -> tuple[Any, Any, bool]:
+    """``(dir, every, resume)`` of ``sw.init``'s and ``Job.serve``'s ``checkpoints`` (None:
+    none). They save by pushes only, and keep what ``stalewise run`` keeps: ``seconds``
+    and ``keep`` are ``Job.train``'s."""
     if check_group(checkpoints, Checkpoints) is None:
-        return directory, every, resume
-    if directory is not None or every is not None or resume:
-        raise TypeError(f"{where}: pass checkpoints= or checkpoint_dir=/every=/resume=, not both")
+        return None, None, False
     for name in ("seconds", "keep"):
         if getattr(checkpoints, name) != DEFAULTS[Checkpoints.FIELDS[name]]:
             raise OptionError(f"Checkpoints.{name}", f"is for Job.train; {where} saves by pushes")

@@ -1,26 +1,13 @@
 """A worker's rounds timed by its runtime's clock: what one round and one local step cost.
 
-Strategies that pace themselves (:func:`stalewise.strategies.adaptive.comm_budget`, dynamic
-local updates of :func:`stalewise.strategies.averaging.local_sgd`) ask the worker loop for
-the runtime's clock (:data:`stalewise.protocol.loop.CLOCK`): monotonic wall time
-in the local and Ray runtimes, virtual time in the simulator. The loop hands it
-to :meth:`stalewise.strategies.Strategy.started` after every pull, so a round is
-the time from one pull's arrival to the next: the local steps (compute, real,
-emulated or simulated, a straggler's slowness included), the push, the pull and
-any waiting at the SSP/BSP gate. Under BSP a fast worker's rounds therefore
-last as long as the slowest worker's, which is what its choice of ``H`` costs.
-
-:class:`RoundCost` fits the round's length ``T`` against its local steps ``H``
-with the model ``T = c + s * H``: ``c`` the seconds of a round that do not grow
-with ``H`` (communication, per-round overhead) and ``s`` the seconds of one
-local step. It is an exponentially weighted least-squares fit (each new round
-has weight 1, older ones ``memory`` times their previous weight), so it follows
-a worker that slows down or speeds up within about ``1 / (1 - memory)`` rounds.
-The fit needs rounds of different ``H``: while the weighted spread of ``H`` is
-below ``SPREAD`` of its mean, or the fit is not physical (``c < 0`` or ``s <=
-0``), it falls back to ``c = 0, s = mean T / mean H`` (every second is charged
-to the local steps), or, when the round time does not grow with ``H`` at all,
-``s = 0`` and ``c = mean T``.
+Strategies that pace themselves (``comm_budget``, dynamic local updates) get the
+runtime's clock (:data:`stalewise.protocol.loop.CLOCK`: wall time, or the simulator's
+virtual time) at every pull, so a round is the time from one pull's arrival to the next,
+gate waits included. :class:`RoundCost` fits a round's length ``T`` against its local
+steps ``H`` as ``T = c + s * H`` by exponentially weighted least squares (older rounds
+weigh ``memory`` times less). Without enough spread of ``H`` (below ``SPREAD`` of its
+mean) or with ``c < 0`` or ``s <= 0`` it charges every second to the steps (``c = 0``),
+or, when ``T`` does not grow with ``H``, to the round (``s = 0``).
 
 Example:
     >>> cost = RoundCost()

@@ -1,26 +1,12 @@
 """Metrics files, time-to-target, plots and text tables.
 
-Runtimes append one JSON object per line to a metrics file (JSON Lines, UTF-8,
-flushed after every record, so a crashed or still-running job leaves a
-readable file). Every record describes one evaluation of one run:
-
-| key              | type           | meaning                                                  |
-| ---------------- | -------------- | -------------------------------------------------------- |
-| `run`            | str            | run label; one file may hold several runs                |
-| `time`           | float          | seconds since the run started (wall clock or virtual)    |
-| `updates`        | int            | updates applied by the server(s) so far                  |
-| `loss`           | float          | held-out loss (NaN if training diverged)                 |
-| `accuracy`       | float          | held-out accuracy in [0, 1] (classifiers only, optional) |
-| `staleness_mean` | float          | mean staleness of the pushes applied since the last record |
-| `staleness_max`  | int            | largest staleness seen since the last record             |
-
-Any other key (``"distance"``, ``"workers"``, ``"lr"``, ...) is allowed and
-kept. NumPy scalars and arrays are converted to plain JSON numbers and lists;
-non-finite floats are written as ``NaN``/``Infinity``, which Python's
-``json`` module reads back.
-
-Plots use Matplotlib's object-oriented API on an Agg canvas: no window, no
-global ``pyplot`` state, safe in worker threads.
+Runtimes append one JSON object per line to a metrics file (JSON Lines, flushed after
+every record, so a crashed or running job leaves a readable file). A record is one
+evaluation of one run: ``run`` (its label), ``time`` (seconds since the start, wall or
+virtual), ``updates`` (applied so far), ``loss``, optionally ``accuracy``,
+``staleness_mean`` and ``staleness_max`` (since the last record), and any other key.
+NumPy values are written as JSON numbers and lists, non-finite floats as
+``NaN``/``Infinity``. Plots use Matplotlib's Agg canvas: no window, no global state.
 """
 
 from __future__ import annotations
@@ -33,10 +19,10 @@ import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 from stalewise import targets
+from stalewise.targets import by_run, finite
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +49,10 @@ def _to_json(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends metric records to a JSON Lines file.
+    """Appends metric records to a JSON Lines file at ``path`` (parent folders are created).
 
-    Opening appends to an existing file (resuming a job keeps its history);
-    parent directories are created. Each :meth:`write` is one flushed
-    ``write`` call of one line, guarded by a lock, so threads may share a
-    writer; separate processes should write separate files.
-
-    Args:
-        path: the metrics file, conventionally ``*.jsonl``.
+    Opening appends (a resumed job keeps its history); each :meth:`write` is one flushed line
+    under a lock, so threads may share a writer; processes should write separate files.
 
     Example:
         >>> import tempfile, os
@@ -105,29 +86,15 @@ class MetricsWriter:
     def __enter__(self) -> MetricsWriter:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Reads all records of a metrics file, in file order.
+    """The records of a metrics file, in file order, as dicts.
 
-    Blank lines are skipped. A truncated last line (a writer killed mid-write)
-    is skipped with a logged warning; a malformed line elsewhere raises.
-
-    Args:
-        path: a file written by :class:`MetricsWriter`.
-
-    Returns:
-        The records as dicts.
-
-    Raises:
-        ValueError: on a malformed line that is not the last one.
+    Blank lines and a truncated last line (a writer killed mid-write; logged) are skipped; a
+    malformed line elsewhere raises ValueError naming it.
 
     Example:
         >>> import tempfile, os
@@ -155,18 +122,6 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
-def _runs(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
-    """Groups records by ``run`` in order of first appearance."""
-    runs: dict[str, list[Mapping[str, Any]]] = {}
-    for r in records:
-        runs.setdefault(str(r.get("run", "")), []).append(r)
-    return runs
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and math.isfinite(value)
-
-
 def time_to_target(
     records: Iterable[Mapping[str, Any]],
     key: str,
@@ -176,29 +131,9 @@ def time_to_target(
     run: str | None = None,
     x: str = "time",
 ) -> float | None:
-    """Returns the first ``x`` at which a run's metric reaches ``target``.
-
-    A shorthand for :func:`stalewise.targets.time_to_target` with
-    ``Target(key, target, mode)``.
-
-    Args:
-        records: metric records (see the module docstring).
-        key: the metric, e.g. ``"accuracy"``.
-        target: the value to reach.
-        mode: ``"max"`` if larger is better (reached when ``value >= target``),
-            ``"min"`` if smaller is better (reached when ``value <= target``);
-            None (default) infers it from ``key`` (see :func:`stalewise.targets.infer_mode`).
-        run: the run to look at; may be omitted when the records hold one run.
-        x: the clock to report, ``"time"`` (default) or e.g. ``"updates"``.
-
-    Returns:
-        The ``x`` of the first such record (records are ordered by ``x``), or
-        None if the target is never reached.
-
-    Raises:
-        ValueError: on a bad ``mode``, or none given for a ``key`` whose name tells
-            no direction, or if ``run`` is None but the records hold several runs,
-            or ``run`` is not among them.
+    """The first ``x`` (``"time"`` or e.g. ``"updates"``) at which ``run``'s ``key`` reaches
+    ``target``, or None; :func:`stalewise.targets.time_to_target` with ``Target(key,
+    target, mode)``. ``run`` may be omitted when the records hold one run.
 
     Example:
         >>> recs = [{"run": "a", "time": t, "loss": 1 / (1 + t)} for t in range(10)]
@@ -220,27 +155,11 @@ def plot_runs(
     targets: Mapping[str, float] | None = None,
     xlabel: str | None = None,
 ) -> Path:
-    """Plots metrics against ``x``: one subplot per key, one line per run.
+    """Plots metrics against ``x`` into the PNG ``path``: one subplot per key, one line per run.
 
-    Keys that no record has are left out (``"accuracy"`` for a regression
-    task); a key whose positive values span more than two decades (a loss,
-    usually) gets a log scale.
-
-    Args:
-        records: metric records (see the module docstring).
-        path: the PNG to write; parent directories are created.
-        x: the horizontal axis, ``"time"`` or ``"updates"`` (or any numeric key).
-        keys: the metrics to plot, one subplot each.
-        title: the figure title.
-        targets: optional ``{key: value}`` drawn as dashed horizontal lines.
-        xlabel: the horizontal axis's label (e.g. ``"virtual time (s)"`` for a
-            simulated run); default from ``x``.
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
-
-    Raises:
-        ValueError: if none of ``keys`` occurs in the records.
+    Keys no record has are left out (ValueError if none is left); a key whose positive values
+    span more than two decades gets a log scale; ``targets`` (``{key: value}``) are drawn
+    as dashed lines. Returns ``path`` as a :class:`~pathlib.Path`.
 
     Example:
         >>> import tempfile, os
@@ -252,8 +171,8 @@ def plot_runs(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    runs = _runs(records)
-    present = [k for k in keys if any(_finite(r.get(k)) for rs in runs.values() for r in rs)]
+    runs = by_run(records)
+    present = [k for k in keys if any(finite(r.get(k)) for rs in runs.values() for r in rs)]
     if not present:
         raise ValueError(f"none of the keys {list(keys)} occurs in the records")
     targets = dict(targets or {})
@@ -264,7 +183,7 @@ def plot_runs(
     for ax, key in zip(axes, present, strict=True):
         values = []
         for name, rs in runs.items():
-            points = sorted((r[x], r[key]) for r in rs if _finite(r.get(x)) and _finite(r.get(key)))
+            points = sorted((r[x], r[key]) for r in rs if finite(r.get(x)) and finite(r.get(key)))
             if points:
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, label=name or "run", linewidth=1.5)
@@ -310,18 +229,10 @@ def _format_cell(value: Any) -> str:
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    """Formats rows as a plain, aligned text table.
+    """Formats rows (mappings) as an aligned text table of ``columns``, no trailing newline.
 
-    Numbers are right-aligned (integers in full, floats to about four
-    significant digits, very large or small ones in scientific notation),
-    other values left-aligned; missing values and None show as ``—``.
-
-    Args:
-        rows: one mapping per row.
-        columns: the keys to show, in order; they are also the headers.
-
-    Returns:
-        The table, lines joined with ``\\n``, no trailing newline.
+    Numbers are right-aligned (floats to about four significant digits), other values
+    left-aligned; missing values and None show as ``—``.
 
     Example:
         >>> print(format_table([{"run": "asp", "loss": 0.123456, "updates": 1200},

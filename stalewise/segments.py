@@ -1,14 +1,11 @@
 """The segment table: which slice of a flat parameter vector belongs to which leaf.
 
-Optimizers that work per leaf (LAMB and LARS trust ratios, weight-decay masks)
-and the sharding of parameters across server shards both need to know where one
-leaf ends and the next begins. A :class:`Segments` table says so with three
-parallel sequences: a name (the leaf's dotted key path, e.g. ``"layer1.w"``), an
-offset into the flat vector and a size.
+Per-leaf optimizers and the sharding need it: a :class:`Segments` table holds each leaf's
+dotted name (``"layer1.w"``), offset into the flat vector and size.
 
 Example:
     >>> seg = Segments.from_sizes(["w", "b"], [6, 3])
-    >>> seg.total, list(seg.offsets)
+    >>> seg.total, seg.offsets.tolist()
     (9, [0, 6])
     >>> seg.slice(4, 9).names
     ('w', 'b')

@@ -24,15 +24,8 @@ from stalewise.segments import Segments
 
 
 def plan(segments: Segments, shards: int) -> list[tuple[int, int]]:
-    """Splits ``[0, segments.total)`` into ``shards`` contiguous ranges of about equal size.
-
-    Args:
-        segments: the leaf table of the whole parameter vector.
-        shards: number of server shards (>= 1).
-
-    Returns:
-        ``shards`` half-open ranges ``(start, stop)`` covering the vector in order.
-        Some ranges may be empty when there are fewer elements than shards.
+    """``shards`` (>= 1) contiguous half-open ranges ``(start, stop)`` of about equal size
+    covering ``[0, segments.total)`` in order (some empty when elements are fewer).
     """
     if not isinstance(shards, int) or shards < 1:
         raise ValueError(f"shards must be an integer >= 1, got {shards!r}")

@@ -1,25 +1,13 @@
 """How much a stale push counts.
 
-The staleness ``tau`` of a push is the shard's version when the push is applied
-minus the version the worker pulled. ``max_staleness`` is judged once per push,
-when the push is committed, against the newest versions its sender knows (see
-:mod:`stalewise.protocol.commit`), so every shard applies or refuses it alike;
-the staleness recorded when the push is applied can exceed it by the pushes
-applied while it was in flight. A :class:`Staleness` rule turns ``tau`` into
-a weight that scales the server optimizer's step for that push, may reject pushes
-older than ``max_staleness``, and may switch on DC-ASGD delay compensation
-(Zheng et al. 2017): ``g + dc_lambda * g * g * (w_now - w_pulled)``.
-
-Rules:
-
-=============  ==============================  ================================
-rule           weight(tau)                     source
-=============  ==============================  ================================
-constant       1                               plain ASGD
-inverse        1 / max(1, tau)                 Zhang et al. 2016 (lr / tau)
-exponential    base ** tau                     exponential discounting
-polynomial     (1 + tau) ** -power             1/sqrt(1+tau) for power=0.5
-=============  ==============================  ================================
+The staleness ``tau`` of a push is the shard's version when it is applied minus the
+version the worker pulled. A :class:`Staleness` rule turns ``tau`` into a weight that
+scales the server optimizer's step, may refuse pushes older than ``max_staleness``
+(judged once per push, at commit, so every shard agrees: :mod:`stalewise.protocol.commit`)
+and may switch on DC-ASGD delay compensation (Zheng et al. 2017): ``g + dc_lambda * g *
+g * (w_now - w_pulled)``. Rules: ``constant`` (1, plain ASGD), ``inverse`` (``1 / max(1,
+tau)``, Zhang et al. 2016), ``exponential`` (``base ** tau``) and ``polynomial`` (``(1 +
+tau) ** -power``).
 
 Example:
     >>> from stalewise import staleness
@@ -37,6 +25,8 @@ import numbers
 from typing import NamedTuple
 
 import numpy as np
+
+__all__ = ["Staleness", "constant", "exponential", "from_name", "inverse", "polynomial"]
 
 _KINDS = ("constant", "inverse", "exponential", "polynomial")
 

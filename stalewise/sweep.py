@@ -1,20 +1,8 @@
 """Parameter sweeps in the simulator: one job over worker counts, consistency models or strategies.
 
-:func:`sweep` runs the same job once per value on the virtual clock (see
-:mod:`stalewise.runtime.sim`), measures the virtual time each run needs to
-reach a target metric, and draws one comparison figure: the metric against
-virtual time for every run, and time-to-target against the worker count (or
-per consistency model).
-
-Example:
-    >>> import stalewise as sw
-    >>> from stalewise import tasks
-    >>> task = tasks.get("least-squares", n=256, d=8)
-    >>> job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
-    >>> rows = sweep(job, task, over="consistency", values=["asp", "ssp:2", "bsp"],
-    ...              workers=4, steps=400, metric="loss", target=1e-3)
-    >>> [row["run"] for row in rows]
-    ['ASP', 'SSP(2)', 'BSP']
+:func:`sweep` runs the same job once per value on the virtual clock, measures the
+virtual time each run needs to reach a target metric, and draws the metric against
+virtual time for every run and time-to-target per value.
 """
 
 from __future__ import annotations
@@ -23,7 +11,6 @@ import dataclasses
 import logging
 import math
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -94,47 +81,37 @@ def sweep(
     out: str | os.PathLike[str] | None = None,
     on_record: Callable[[dict], None] | None = None,
     progress: bool = DEFAULTS["progress"],
-    sim_seed: int | None = None,
 ) -> list[dict[str, Any]]:
     """Runs ``job`` in the simulator once per value and compares the time to a target.
 
     Args:
-        job: a :class:`stalewise.Job` (anything with ``.config``, a ServerConfig,
-            and ``.strategy``); for ``over="consistency"`` its consistency model is
-            replaced by each value, everything else is kept.
-        task: the task (``loss_and_grad``, ``batches``, ``evaluate``), e.g. from
-            :func:`stalewise.tasks.get` or a parsed config's ``task``.
-        over: "workers" (values are worker counts), "consistency" (values are
-            Consistency objects or names: "asp", "bsp", "ssp", "ssp:4") or
-            "strategy" (values are :class:`~stalewise.strategies.Strategy` objects
-            or ``(label, strategy)`` pairs; each runs with its recommended server
-            optimizer, ``strategy.server_optimizer(workers)``, or the job's when it
-            recommends none).
+        job: a :class:`stalewise.Job`; only what ``over`` names is replaced per value.
+        task: the task (``loss_and_grad``, ``batches``, ``evaluate``).
+        over: "workers" (worker counts), "consistency" (Consistency objects or names:
+            "asp", "bsp", "ssp:4") or "strategy" (strategies or ``(label, strategy)``
+            pairs, each with its recommended server optimizer, else the job's).
         values: the values to sweep, in plot order.
         steps: push budget of each run.
         target: the value of ``metric`` to reach.
         metric: a key of ``task.evaluate``'s result.
-        mode: "min" if smaller is better (a loss), "max" if larger is (accuracy);
-            None (default) infers it from ``metric`` (see :func:`stalewise.targets.infer_mode`).
+        mode: "min" or "max"; None infers it from ``metric``.
         workers: the worker count when sweeping over consistency models or strategies.
         sim: the simulator of every run, ``sw.Simulation(sim_config, seed=1)``
             (default ``sw.Simulation()``: ``SimConfig()``, seed 0; the task's seed is its
-            ``batches``'). A bare ``SimConfig`` is its old form (DeprecationWarning).
+            ``batches``').
         eval_interval: virtual seconds between evaluations (the resolution of the
             time to target); default: five mean step times of ``sim.compute``.
         delay: extra virtual seconds per step, every worker.
         stop_at_target: stop each run at its first evaluation that reaches ``target``.
-        out: a folder; if given, ``sweep.png`` and ``metrics.jsonl`` are written there.
+        out: a folder for ``sweep.png`` and ``metrics.jsonl``.
         on_record: called with every metrics record of every run.
         progress: show a progress bar per run.
-        sim_seed: the old spelling of ``sim=sw.Simulation(seed=)`` (DeprecationWarning).
 
     Every run's options are one :class:`~stalewise.runtime.options.RunOptions`, built
     (and so checked) for all values before the first run starts; defaults are its own.
 
-    Returns:
-        One row per value with the keys of :data:`COLUMNS` (``final`` is the last
-        value of ``metric``; ``time_to_target`` is None when it was never reached).
+    Returns one row per value with the keys of :data:`COLUMNS` (``time_to_target`` None
+    when never reached).
 
     Example:
         >>> import os, stalewise as sw, tempfile
@@ -155,7 +132,9 @@ def sweep(
         raise ValueError("values is empty: nothing to sweep")
     if not (delay >= 0 and math.isfinite(delay)):
         raise ValueError(f"delay must be a finite number of seconds >= 0, got {delay!r}")
-    sim = _simulation(sim, sim_seed)
+    if sim is not None and not isinstance(sim, Simulation):
+        raise TypeError(f"sim must be a sw.Simulation(...) or None, got {sim!r}")
+    sim = sim or Simulation()
     model = SimConfig() if sim.config is None else sim.config
     if eval_interval is None:
         eval_interval = 5 * (model.compute.mean + delay) or 1.0
@@ -241,21 +220,6 @@ def sweep(
     if out is not None:
         plot(rows, records, Path(out) / "sweep.png", over=over, metric=metric, target=target)
     return rows
-
-
-def _simulation(sim: Any, sim_seed: int | None) -> Simulation:
-    """``sim=`` as a Simulation: a bare SimConfig and ``sim_seed=`` are its old spelling."""
-    if isinstance(sim, SimConfig) or sim_seed is not None:
-        old = "sim=SimConfig" if isinstance(sim, SimConfig) else "sim_seed="
-        warnings.warn(f"sweep: {old} is now sim=sw.Simulation(config, seed=); the old form "
-                      "will be removed in the next release", DeprecationWarning, stacklevel=3)  # fmt: skip
-        if isinstance(sim, Simulation):
-            raise TypeError("sweep: pass the seed inside sim=sw.Simulation(...) only")
-        seed = DEFAULTS["sim_seed"] if sim_seed is None else sim_seed
-        return Simulation(sim, seed=seed)
-    if sim is not None and not isinstance(sim, Simulation):
-        raise TypeError(f"sim must be a sw.Simulation(...) or None, got {sim!r}")
-    return sim or Simulation()
 
 
 def plot(

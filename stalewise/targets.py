@@ -1,13 +1,10 @@
 """Targets: "this metric reaches that value", with the right direction.
 
-A :class:`Target` says which way a metric should go: a loss is reached when it
-drops to the value (``mode="min"``), an accuracy when it climbs to it
-(``mode="max"``). The direction is inferred from the metric's name when it is
-not given, and a name that tells neither way is an error rather than a guess.
-
-Everything that asks "was the target reached?" goes through here: the runtimes'
-``stop_at`` (see :func:`parse` and :func:`all_reached`), :func:`stalewise.sweep.sweep`
-and :func:`stalewise.report.time_to_target` (see :func:`time_to_target`).
+A :class:`Target` is reached when a loss drops to its value (``mode="min"``) or an
+accuracy climbs to it (``mode="max"``); the direction is inferred from the metric's name
+when not given, and a name that tells neither way is an error, not a guess. Every "was
+the target reached?" goes through here: ``stop_at`` (:func:`parse`, :func:`all_reached`),
+the sweep and :func:`time_to_target`.
 
 Example:
     >>> loss, acc = parse({"loss": 1e-3, "accuracy": 0.9})
@@ -95,14 +92,9 @@ def _word_mode(word: str) -> Mode | None:
 def infer_mode(metric: str) -> Mode:
     """The direction of a metric, from its name: "min" for a loss, "max" for an accuracy.
 
-    The name is split into words (at ``_``, ``-``, ``/``, ``.``, spaces and
-    camelCase), and each word is looked up in :data:`MIN_WORDS` and
-    :data:`MAX_WORDS` (also with trailing digits dropped, ``acc1``, and at the end
-    of a run-together word, ``valloss``). A leading ``neg`` flips the direction.
-
-    Raises:
-        ValueError: if no word tells the direction, or words point both ways
-            (``"time_to_accuracy"``); the message names the metric.
+    Each word of the name (split at punctuation and camelCase) is looked up in
+    :data:`MIN_WORDS` and :data:`MAX_WORDS`; a leading ``neg`` flips it. ValueError if no
+    word tells the direction or words point both ways (``"time_to_accuracy"``).
 
     Example:
         >>> infer_mode("train_loss"), infer_mode("top5_accuracy"), infer_mode("valPerplexity")
@@ -132,6 +124,19 @@ def infer_mode(metric: str) -> Mode:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def finite(value: Any) -> bool:
+    """A finite real number (a bool is not one)."""
+    return _is_number(value) and math.isfinite(value)
+
+
+def by_run(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """The records grouped by ``run``, in order of first appearance."""
+    runs: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        runs.setdefault(str(r.get("run", "")), []).append(r)
+    return runs
 
 
 @dataclass(frozen=True)
@@ -225,18 +230,9 @@ def _entry(key: Any, spec: Any, where: str) -> Target:
 def parse(stop_at: Any, *, where: str = "stop_at") -> tuple[Target, ...]:
     """Normalises a ``stop_at`` setting to a tuple of Targets.
 
-    Accepted: None or an empty mapping (no targets); a :class:`Target`; a list or
-    tuple of Targets; a mapping from metric names to the value to reach, where a
-    value may also be ``(value, mode)`` or ``{"value": v, "mode": m}``. Directions
-    not given are inferred from the metric names.
-
-    Args:
-        stop_at: the setting.
-        where: the setting's name in error messages, e.g. ``"run.stop_at"``.
-
-    Raises:
-        TypeError: for a setting of the wrong shape (``stop_at=0.95``: no metric).
-        ValueError: for a bad metric name, value or mode; the message names the entry.
+    Accepted: None, a :class:`Target` or a list of them, or a mapping of metric name to
+    the value to reach (or ``(value, mode)``, or ``{"value": v, "mode": m}``). Errors
+    name the entry, prefixed by ``where``.
 
     Example:
         >>> parse(None), parse({})
@@ -294,18 +290,9 @@ def time_to_target(
 ) -> Any:
     """The first ``x`` at which a run's records reach ``target``, or None.
 
-    Records without a finite ``x`` are skipped, the rest taken in order of ``x``;
-    a record whose metric is missing, NaN or infinite does not reach the target.
-
-    Args:
-        records: metric records (see :mod:`stalewise.report`).
-        target: what to reach.
-        run: the records' ``run`` to look at; may be omitted when they hold one run.
-        x: the clock to report, ``"time"`` (default) or e.g. ``"updates"``.
-
-    Raises:
-        ValueError: if ``run`` is None but the records hold several runs, or
-            ``run`` is not among them.
+    Records are taken in order of a finite ``x`` (``"time"``, ``"updates"``...); a missing
+    or non-finite metric does not reach it. ``run`` may be omitted when the records hold
+    one run, else ValueError.
 
     Example:
         >>> recs = [{"run": "a", "time": t, "loss": 1 / (1 + t)} for t in range(10)]
@@ -316,9 +303,7 @@ def time_to_target(
     """
     if not isinstance(target, Target):
         raise TypeError(f"target must be a Target, got {target!r}")
-    runs: dict[str, list[Mapping[str, Any]]] = {}
-    for r in records:
-        runs.setdefault(str(r.get("run", "")), []).append(r)
+    runs = by_run(records)
     if run is None:
         if len(runs) > 1:
             raise ValueError(f"records hold several runs, pass run= one of {list(runs)}")
@@ -327,8 +312,7 @@ def time_to_target(
         selected = runs[run]
     else:
         raise ValueError(f"no run {run!r} in the records; runs: {list(runs)}")
-    timed = (r for r in selected if _is_number(r.get(x)) and math.isfinite(r[x]))
-    for r in sorted(timed, key=lambda r: r[x]):
+    for r in sorted((r for r in selected if finite(r.get(x))), key=lambda r: r[x]):
         if target.reached(r.get(target.metric)):
             return r[x]
     return None

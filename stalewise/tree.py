@@ -1,77 +1,11 @@
 """Pytrees of NumPy, PyTorch, JAX or TensorFlow arrays <-> one flat vector.
 
-The server and the optimizers work on one contiguous NumPy vector; users work
-with the structure they trained with. :func:`flatten` turns a tree into the
-vector and a :class:`FlatSpec` (key paths, shapes, dtypes, offsets, and the
-structure), :func:`unflatten` builds the tree back, :func:`unflatten_into`
-writes a vector into an existing tree in place.
-
-Rules:
-
-- Containers: ``dict`` (keys in the order of sorted ``str(key)``, so the layout
-  does not depend on insertion order; ``OrderedDict`` is kept, other mappings
-  come back as ``dict``), ``list``, ``tuple``, namedtuples, dataclass
-  instances (their fields in declaration order; fields with
-  ``metadata={"static": True}`` are kept in the structure, not flattened) and
-  ``None`` (no leaves, restored as ``None``). Any other container goes
-  through its ecosystem's own pytree registry
-  (:mod:`stalewise.backends.containers`): JAX's (flax nnx ``State``, flax
-  structs, equinox modules), PyTorch's, TensorFlow's nest protocol. Inside
-  such a container, integer arrays and PRNG keys are constants of the spec
-  (:func:`unflatten` restores them as they were) and leaves that are not
-  arrays (an equinox module's activation function, a Python number) are
-  filtered out: :func:`unflatten` puts ``None`` there, as
-  ``eqx.filter(model, eqx.is_array)`` does (``eqx.combine`` them back). A
-  flax nnx ``GraphDef`` is a constant too, so ``nnx.split(model)`` is a tree.
-- Models (each treated as a ``dict`` of name -> leaf, which :func:`unflatten`
-  returns): a ``torch.nn.Module`` shares its ``state_dict`` entries that are
-  parameters requiring grad or floating buffers; a Keras model its
-  ``trainable_variables`` and floating ``non_trainable_variables``; a
-  ``tf.Module`` its trainable variables (see the backends). A flax nnx
-  ``Module`` is its ``nnx.State`` without RNG state. What a model keeps
-  besides (integer buffers such as ``num_batches_tracked``, frozen
-  parameters, RNG counters) stays in each worker's model: an update may
-  carry it under its name, and it is ignored.
-- Leaves: NumPy arrays and NumPy scalars (0-d leaves, restored as 0-d
-  arrays), torch tensors (detached, copied to the CPU), JAX arrays, TensorFlow
-  tensors, variables and ``IndexedSlices``. Python scalars in the built-in
-  containers are refused (they cannot be written in place); use
-  ``np.float32(...)`` or a static dataclass field.
-- Only floating leaves are stored: float16, bfloat16, float32, float64.
-  An integer or bool leaf of a built-in container is refused with a
-  TypeError naming the key path and dtype, unless ``keep_integers=True``
-  (what ``sw.Job`` passes), which keeps it as a constant, like those of
-  registered containers. Complex leaves are refused.
-- Buffers: leaves marked ``buffer`` in the spec (a model's floating buffers,
-  nnx Variables other than ``nnx.Param``, or leaves named by
-  :func:`mark_buffers`) hold non-trainable state. In an update their slot
-  carries the buffer's value after the worker's step, not a gradient; see
-  :mod:`stalewise.optim.buffers` for what the server makes of it.
-- Tied leaves: a mutable array found under several names (torch tensors
-  viewing the same storage at the same offset and shape, the same NumPy array
-  or TensorFlow variable object) is stored once, under the name that comes
-  first; :func:`unflatten` puts the same object under every name and
-  :func:`unflatten_into` writes every name. An update may hold a tied leaf
-  under any of its names; values under several names that are not the same
-  array are added (``jax.grad`` returns one gradient per use). Immutable
-  arrays (JAX, ``tf.Tensor``) are values: one in two places is two leaves.
-- The flat vector is float32, or float64 when some leaf is float64, so the
-  round trip is exact. ``dtype=`` forces float32 or float64; a forced float32
-  rounds float64 leaves.
-- Order is depth first. Leaf names (for :class:`~stalewise.segments.Segments`
-  and exclusion regexes) are the key path joined by dots, e.g. ``"layer1.w"``
-  (an nnx Variable's ``value`` is left out: ``"linear.kernel"``); the leaves of
-  a list of TensorFlow variables are named by variable path.
-- Zero-copy: ``unflatten(copy=False)`` returns NumPy leaves that are views of
-  the flat vector and CPU torch tensors sharing its memory when the leaf
-  dtype equals the flat dtype; other leaves are copies (JAX arrays always).
-  ``flatten(out=buf)`` fills ``buf`` without a parameter-sized temporary for
-  NumPy and CPU torch leaves of the flat dtype.
-- With ``spec=``, the tree must match the spec (structure, shapes, dtypes;
-  the backend may differ, e.g. JAX gradients for NumPy parameters); errors
-  name the key path: ``params['layer1']['w']: expected shape (64, 32), got (32, 64)``.
-- A tree made by :func:`unflatten` flattens back (without ``spec=``) to the
-  spec it was made from, its buffers, constants and tied names included.
+The server and the optimizers work on one contiguous NumPy vector; users work with the
+structure they trained with. :func:`flatten` turns a tree into the vector and a
+:class:`FlatSpec` (key paths, shapes, dtypes, offsets, buffers, tied names and the
+structure), :func:`unflatten` builds the tree back, :func:`unflatten_into` writes a vector
+into an existing tree in place. What counts as a container, a model and a leaf, dtypes,
+buffers and tied leaves: docs/models.md.
 
 Example:
     >>> import numpy as np
@@ -134,14 +68,7 @@ class HiddenKey(AttrKey):
 
 
 def path_str(path: tuple, root: str = "params") -> str:
-    """A key path as Python-like access syntax, for error messages.
-
-    Example:
-        >>> path_str(("layer1", "w"))
-        "params['layer1']['w']"
-        >>> path_str((0, AttrKey("bias")), root="grads")
-        'grads[0].bias'
-    """
+    """A key path as Python-like access syntax, e.g. ``params['layer1'].bias``, for error messages."""
     return root + "".join(f".{e}" if isinstance(e, AttrKey) else f"[{e!r}]" for e in path)
 
 
@@ -714,27 +641,13 @@ def flatten(
     dtype: Any = None,
     keep_integers: bool = False,
 ) -> tuple[np.ndarray, FlatSpec]:
-    """Copies the leaves of ``tree`` into one flat vector.
+    """Copies the leaves of ``tree`` (a pytree of any backend, or a model) into one flat
+    vector; returns ``(flat, spec)``.
 
-    Args:
-      tree: a pytree of arrays of any backend, or a model (torch, Keras,
-        ``tf.Module``, flax nnx).
-      spec: an existing spec that ``tree`` must match (e.g. gradients against
-        the parameters' spec); it is returned unchanged.
-      out: a C-contiguous vector of ``spec.size`` elements and the flat dtype
-        to fill instead of allocating one.
-      dtype: force the flat dtype (float32 or float64); by default float32, or
-        float64 when some leaf is float64.
-      keep_integers: keep integer and bool leaves as constants of the spec
-        instead of refusing them (without ``spec=``).
-
-    Returns:
-      ``(flat, spec)``.
-
-    Raises:
-      TypeError: a leaf is not floating, an object is not a container or leaf,
-        or a leaf's dtype differs from ``spec``.
-      ValueError: the structure or a shape differs from ``spec``.
+    ``spec``: one ``tree`` must match (gradients against the parameters'), returned as it
+    is; ``out``: a vector to fill instead of allocating; ``dtype``: force float32 or
+    float64; ``keep_integers``: keep integer leaves as constants instead of refusing them.
+    A mismatch raises TypeError or ValueError naming the key path.
 
     Example:
         >>> import numpy as np
@@ -792,17 +705,9 @@ def _rebuild(node: TreeDef, leaves: Iterator[Any], stored: list) -> Any:
 def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
     """Builds a tree with the structure, backends and dtypes of ``spec`` from ``flat``.
 
-    Models come back as a dict of name -> tensor (an nnx Module as its
-    ``nnx.State``); ``tf.Variable`` and ``nn.Parameter`` leaves as plain
-    tensors; a tied leaf as one object under each of its names; constants as
-    they were when the spec was made.
-
-    Args:
-      flat: a 1-D floating vector of ``spec.size`` elements.
-      spec: from :func:`flatten`.
-      copy: if False, NumPy leaves are views of ``flat`` and CPU torch leaves
-        share its memory whenever the leaf dtype equals ``flat``'s dtype, so
-        later writes to ``flat`` show in them. If True, every leaf is a copy.
+    Models come back as a dict of name -> tensor (an nnx Module as its ``nnx.State``), a
+    tied leaf as one object under each name. ``copy=False``: NumPy and CPU torch leaves of
+    the flat dtype share ``flat``'s memory.
 
     Example:
         >>> import numpy as np
@@ -823,12 +728,9 @@ def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
 def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
     """Copies ``flat`` into the leaves of ``target`` in place.
 
-    ``target`` must match ``spec`` like a tree passed to ``flatten(spec=...)``
-    and its leaves must be mutable: NumPy arrays, torch tensors (written under
-    ``torch.no_grad``), ``tf.Variable`` or Keras variables, or flax nnx
-    Variables (a Module or its State). Every name of a tied leaf is written;
-    constants (a model's integer buffers) are left alone. Nothing is written
-    unless every leaf is.
+    ``target`` must match ``spec`` and its leaves be mutable (NumPy, torch, TF/Keras
+    variables, nnx Variables); constants are left alone, and nothing is written unless
+    every leaf can be.
 
     Example:
         >>> import numpy as np
@@ -862,12 +764,8 @@ def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
 def mark_buffers(spec: FlatSpec, patterns: str | Iterable[str]) -> FlatSpec:
     """The spec with the leaves whose names match a regex (``re.search``) marked as buffers.
 
-    For trees that do not say which leaves are buffers themselves, e.g. a
-    ``state_dict`` (``r"running_(mean|var)$"``) or flax linen variables
-    (``r"^batch_stats\\."``).
-
-    Raises:
-      ValueError: a pattern is not a valid regex or matches no leaf.
+    For trees that do not mark them, e.g. flax linen variables (``r"^batch_stats\\."``).
+    ValueError if a pattern is not a valid regex or matches no leaf.
 
     Example:
         >>> import numpy as np
@@ -901,10 +799,6 @@ def mark_buffers(spec: FlatSpec, patterns: str | Iterable[str]) -> FlatSpec:
 def take_buffers(flat: np.ndarray, spec: FlatSpec) -> np.ndarray | None:
     """The buffers' slots of ``flat`` (a copy, in order), zeroed in ``flat``; None without buffers.
 
-    A worker that applies its own optimizer to an update keeps the buffers'
-    values (which the update carries) away from it with this and
-    :func:`put_buffers`.
-
     Example:
         >>> import numpy as np
         >>> _, spec = flatten({"w": np.zeros(2), "bn": np.zeros(1)})
@@ -934,15 +828,6 @@ def put_buffers(flat: np.ndarray, values: np.ndarray | None, spec: FlatSpec) -> 
 
 
 def copy_buffers(dst: np.ndarray, src: np.ndarray, spec: FlatSpec) -> None:
-    """Copies the buffers' slots of ``src`` into ``dst`` (say, into a pseudo-gradient).
-
-    Example:
-        >>> import numpy as np
-        >>> _, spec = flatten({"w": np.zeros(1), "bn": np.zeros(1)})
-        >>> delta = np.array([0.5, 0.1])
-        >>> copy_buffers(delta, np.array([7.0, 3.0]), mark_buffers(spec, "bn"))
-        >>> delta.tolist()
-        [7.0, 0.1]
-    """
+    """Copies the buffers' slots of ``src`` into ``dst`` (say, into a pseudo-gradient)."""
     for s in spec._buffer_slices:
         dst[s] = src[s]

@@ -317,7 +317,12 @@ def test_user_errors_are_one_line_naming_the_key(tmp_path, capsys, edit, argv, k
 @pytest.mark.parametrize(
     ("edit", "argv", "key", "problem"),
     [
-        (("workers = 2", "workers = 5000"), [], "run.workers", "at most 4096 local worker"),
+        (
+            ("workers = 2", "workers = 5000"),
+            [],
+            "run.workers",
+            "at most 4096 workers on runtime 'local'",
+        ),
         (
             ("workers = 2", 'workers = 20000\nruntime = "sim"'),
             [],
@@ -598,7 +603,7 @@ def test_strategy_table_builds_the_strategy_and_the_server_optimizer():
         (
             'name = "diloco"\nsteps = 4\nlocal_steps = 4',
             "strategy.steps",
-            "the old name of strategy.local_steps",
+            "unknown option for diloco (known: local_steps,",
         ),
         ('name = "diloco"\nevery = 4', "strategy.every", "it needs asynchronous=True"),
         ('name = "diloco"\nouter_momentum = 1.0', "strategy.outer_momentum", "[0, 1), got 1.0"),

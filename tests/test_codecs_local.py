@@ -15,8 +15,9 @@ import pytest
 
 import stalewise as sw
 from stalewise import codecs, tasks
-from stalewise.protocol import compress, wire
+from stalewise.protocol import compress
 from stalewise.runtime.local import layout as L
+from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout
 
 

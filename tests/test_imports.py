@@ -1,5 +1,5 @@
 """The package's import structure (issue 30), read from the source with ``ast``, nothing
-imported: no import circle, no import between two runtimes, no runtime named in
+imported: no import circle, none up the layers, no import between two runtimes, no runtime named in
 ``protocol/``.
 
 What counts as an import of module A by module B: every ``import``/``from ... import``
@@ -191,6 +191,43 @@ def runtimes_named_in(
     return found
 
 
+#: The layers, bottom to top (docs/design-notes.md, "Layers"), by top-level module or
+#: package: a module imports only from its own layer and those below it.
+LAYERS = {
+    "arrays": ("tree", "backends", "segments", "_lazy"),
+    "maths": ("optim", "staleness", "codecs", "_codec_kernels", "targets", "pacing"),
+    "protocol": ("protocol", "consistency", "strategies", "sharding", "checkpoint"),
+    "runtimes": ("runtime",),
+    "ways in": ("launch", "options"),  # stalewise run / sw.init, the option groups
+    "surfaces": ("api", "cli", "config", "sweep", "demo", "report", "tasks", "calibrate",
+                 "loggers", "loops", "__init__", "__main__"),
+}  # fmt: skip
+
+#: Arrows up the layers that other changes of this round remove; each line goes with its arrow.
+KNOWN_UP = {
+    # checkpoint/resume.py reads the runtime's options and errors (checkpoint saving, issue 43)
+    "stalewise.checkpoint.resume -> stalewise.runtime",
+    "stalewise.checkpoint.resume -> stalewise.runtime.errors",
+}
+
+
+def upward(graph: dict[str, dict[str, int]], layers: dict[str, tuple[str, ...]]):
+    """``A:LINE imports B`` for each import from a lower layer to a higher one, and each
+    top-level module no layer names."""
+    rank = {name: i for i, names in enumerate(layers.values()) for name in names}
+
+    def layer(module: str) -> int | None:
+        return rank.get((module.split(".")[1:] or ["__init__"])[0])
+
+    found = sorted({f"{(a.split('.')[1:] or ['__init__'])[0]} is in no layer"
+                    for a in graph if layer(a) is None})  # fmt: skip
+    for a, edges in sorted(graph.items()):
+        for b, line in sorted(edges.items()):
+            if None not in (layer(a), layer(b)) and layer(b) > layer(a):
+                found.append(f"{a}:{line} imports {b}")
+    return found
+
+
 GRAPH = imports(modules())
 
 
@@ -206,6 +243,12 @@ def test_no_import_between_two_runtimes():
     assert names == ["local", "ray", "sim"]
     found = cross_runtime(GRAPH, names, "stalewise")
     assert not found, "imports between runtimes:\n" + "\n".join(found)
+
+
+def test_no_import_points_up_the_layers():
+    found = upward(GRAPH, LAYERS)
+    unknown = [f for f in found if f"{f.split(':')[0]} -> {f.split()[-1]}" not in KNOWN_UP]
+    assert not unknown, "imports from a lower layer to a higher one:\n" + "\n".join(unknown)
 
 
 def test_protocol_names_no_runtime():
@@ -240,6 +283,8 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     assert circles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
     names = runtimes(tmp_path / "pkg")
     assert cross_runtime(graph, names, "pkg") == ["pkg.runtime.local.x:1 imports pkg.runtime.sim.y"]
+    layers = {"low": ("a", "b", "runtime", "protocol"), "high": ("c", "d")}
+    assert upward(graph, layers) == ["__init__ is in no layer", "pkg.b:2 imports pkg.c"]
     assert runtimes_named_in(mods, graph, names, "pkg") == [
         "pkg.protocol.p:1 imports pkg.runtime.local.x",
         "pkg.protocol.p:2 names runtime 'sim': 'sim'",

@@ -13,7 +13,8 @@ import pytest
 
 import stalewise as sw
 from stalewise import ServerClosed
-from stalewise.protocol import PushHeader, wire
+from stalewise.protocol import PushHeader
+from stalewise.runtime.local import wire
 
 
 def two_shard_job(n=4, **kw):

@@ -520,7 +520,7 @@ def test_run_option_defaults_are_stated_once_in_run_options():
     fields = {f.name for f in dataclasses.fields(sw.RunOptions) if f.init}
     grouped = {name for g in options.GROUPS for name in g.FIELDS.values()}
     # every run option is a keyword of Job.train or a field of one of its groups
-    assert fields - {"on_record", "max_workers"} <= set(train) | grouped
+    assert fields - {"on_record"} <= set(train) | grouped
     for group in options.GROUPS:
         made = group() if group is not sw.Checkpoints else group("ckpt")
         for name, option in group.FIELDS.items():
@@ -573,18 +573,17 @@ def test_config_false_means_never_for_max_restarts_worker_timeout_and_diverge_af
     assert [getattr(parsed.train["failures"], k) for k in raw] == [None, None, None]
 
 
-def test_the_simulators_seed_is_simulations_and_sim_seed_its_old_spelling_warns():
+def test_the_simulators_seed_is_simulations():
     job = sw.Job({"x": np.ones(3, np.float32)}, optimizer=sw.optim.sgd(0.1))
     kw = {"data": lambda w, n: iter([None] * 1000), "workers": 2, "steps": 20}
     new = job.train(_quadratic, runtime=sw.Simulation(seed=5), **kw)
-    with pytest.warns(DeprecationWarning, match=r"sim_seed= is now runtime=sw.Simulation\(seed"):
-        old = job.train(_quadratic, runtime="sim", sim_seed=5, **kw)
+    again = job.train(_quadratic, runtime=sw.Simulation(seed=5), **kw)
     other = job.train(_quadratic, runtime=sw.Simulation(seed=6), **kw)
-    assert new.time == old.time and new.time != other.time
+    assert new.time == again.time and new.time != other.time
     assert _options(sim_seed=4).sim_seed == 4  # RunOptions(seed=) is gone
     with pytest.raises(TypeError, match="unexpected keyword argument 'seed'"):
         job.train(_quadratic, runtime="sim", seed=5, **kw)  # removed after its release
-    with pytest.raises(TypeError, match=r"inside runtime=sw.Simulation\(...\) only"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sim_seed'"):
         job.train(_quadratic, runtime=sw.Simulation(seed=5), sim_seed=6, **kw)
     with pytest.raises(ValueError, match=r"Simulation\.seed must be an integer >= 0"):
         sw.Simulation(seed=-1)

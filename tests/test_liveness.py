@@ -34,6 +34,11 @@ def test_a_slow_worker_is_given_time_in_proportion_to_its_steps():
     assert s.hung(last + 4 * 20.0) is not None  # four: hung
 
 
+def test_a_worker_not_set_up_within_start_timeout_is_late_after_it_not_at_it():
+    assert liveness.late_start(since=5.0, now=65.0, limit=60.0) is None
+    assert liveness.late_start(5.0, 65.5, 60.0) == "did not start within start_timeout=60 s"
+
+
 def test_worker_timeout_bounds_the_wait_whatever_the_rhythm():
     s = Silence(upper=30.0)
     last = beats(s, [20.0 * i for i in range(10)])

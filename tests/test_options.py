@@ -1,6 +1,5 @@
 """Job.train's option groups (stalewise/options.py): a first run's keywords, the rest in
-small frozen objects read by Job.train, Job.serve, the config and the sweep; the old flat
-keywords still work for one release with a DeprecationWarning naming the new spelling."""
+small frozen objects read by Job.train, Job.serve, the config and the sweep."""
 
 import dataclasses
 import inspect
@@ -83,7 +82,7 @@ def test_a_group_of_the_wrong_kind_is_refused_naming_the_keyword():
         _job().train(_quadratic, runtime="sim", stragler={0: 2.0}, **KW)
 
 
-def test_the_groups_reach_the_run_as_the_old_keywords_did():
+def test_the_groups_reach_the_run():
     sim = SimConfig(compute=Fixed(0.01))
     new = _job().train(
         _quadratic,
@@ -92,50 +91,9 @@ def test_the_groups_reach_the_run_as_the_old_keywords_did():
         emulation=sw.Emulation(stragglers={1: 3.0}, delays={0: 0.01}),
         **KW,
     )
-    with pytest.warns(DeprecationWarning) as caught:
-        old = _job().train(
-            _quadratic, runtime="sim", sim=sim, sim_seed=3, eval_interval=0.05, run="grouped",
-            stragglers={1: 3.0}, delays={0: 0.01}, **KW,
-        )  # fmt: skip
-    said = sorted(str(w.message) for w in caught)
-    assert len(said) == 6 and all("the old keyword will be removed" in m for m in said)
-    assert (
-        "Job.train: stragglers= is now emulation=sw.Emulation(stragglers=...); the old "
-        "keyword will be removed in the next release" in said
-    )
-    assert any("sim_seed= is now runtime=sw.Simulation(seed=...)" in m for m in said)
-    assert all(w.filename == __file__ for w in caught)  # points at the caller's line
-    assert new.flat.tobytes() == old.flat.tobytes() and new.time == old.time
-    assert [r["run"] for r in new.records] == [r["run"] for r in old.records]
     assert {r["run"] for r in new.records} == {"grouped"}
     plain = _job().train(_quadratic, runtime=sw.Simulation(sim, seed=3), **KW)
     assert plain.time < new.time  # the emulation reached the run
-
-
-def test_an_old_keyword_beside_its_group_is_a_type_error():
-    with pytest.raises(TypeError, match=r"pass max_restarts= inside failures= only"):
-        _job().train(_quadratic, runtime="sim", failures=sw.Failures(), max_restarts=1, **KW)
-    with pytest.raises(TypeError, match=r"inside runtime=sw.Simulation\(...\) only"):
-        _job().train(_quadratic, runtime=sw.Simulation(), sim_seed=1, **KW)
-    with pytest.raises(ValueError, match="sim= configures the simulator"):
-        _job().train(_quadratic, sim=SimConfig(), **KW)
-
-
-def test_old_keywords_at_their_defaults_make_no_group_and_a_checkpoint_needs_its_folder():
-    with pytest.warns(DeprecationWarning, match="checkpoint_dir= is now checkpoints="):
-        r = _job().train(_quadratic, runtime="sim", checkpoint_dir=None, **KW)
-    assert r.pushes >= 40
-    with (
-        pytest.warns(DeprecationWarning, match="resume= is now checkpoints="),
-        pytest.raises(OptionError, match=r"^Checkpoints\.dir must be a path"),
-    ):
-        _job().train(_quadratic, runtime="sim", resume=True, **KW)
-
-
-def test_max_workers_is_now_the_max_of_workers():
-    with pytest.warns(DeprecationWarning, match=r"max_workers= is now workers=\(1, N\)"):
-        got = options.fold_legacy("Job.train", {"max_workers": 4}, {"workers": "auto"})
-    assert got["workers"] == (1, 4)
 
 
 def test_the_removed_seed_keywords_are_gone():
@@ -147,29 +105,25 @@ def test_the_removed_seed_keywords_are_gone():
         sweep_lib.sweep(job, task, over="workers", values=[1], steps=10, target=1.0, seed=1)
 
 
-def test_serve_takes_timeouts_and_join_timeout_warns(no_leaks):
+def test_serve_takes_timeouts(no_leaks):
     assert "join_timeout" not in inspect.signature(sw.Job.serve).parameters
-    with pytest.warns(DeprecationWarning, match=r"Job.serve: join_timeout= is now timeouts="):
-        server = _job().serve(workers=1, join_timeout=5.0)
-    with server:
-        pass
     with pytest.raises(OptionError, match=r"^Timeouts\.join must be"):
         _job().serve(workers=1, timeouts=sw.Timeouts(join=-1))
     with _job().serve(workers=1, timeouts=sw.Timeouts(join=5.0)):
         pass
 
 
-def test_sweep_takes_a_simulation_and_its_old_forms_warn():
+def test_sweep_takes_a_simulation():
     task = tasks.get("least-squares", n=64, d=4)
     job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
     kw = dict(over="workers", values=[2], steps=40, target=1e-9, stop_at_target=False)
     sim = SimConfig(compute=Fixed(0.01))
     new = sweep_lib.sweep(job, task, sim=sw.Simulation(sim, seed=2), **kw)
-    with pytest.warns(DeprecationWarning, match=r"sweep: sim=SimConfig is now sim=sw.Simulation"):
-        old = sweep_lib.sweep(job, task, sim=sim, sim_seed=2, **kw)
-    assert new == [dict(row, wall_s=new[0]["wall_s"]) for row in old]
-    with pytest.raises(TypeError, match=r"sim must be a sw\.Simulation"):
-        sweep_lib.sweep(job, task, sim="fast", **kw)
+    again = sweep_lib.sweep(job, task, sim=sw.Simulation(sim, seed=2), **kw)
+    assert new == [dict(row, wall_s=new[0]["wall_s"]) for row in again]
+    for bad in ("fast", sim):  # a bare SimConfig too: sw.Simulation(config) is its one form
+        with pytest.raises(TypeError, match=r"sim must be a sw\.Simulation"):
+            sweep_lib.sweep(job, task, sim=bad, **kw)
 
 
 def test_the_config_builds_the_groups_from_their_one_definition():
@@ -215,12 +169,14 @@ def test_serve_and_init_take_the_checkpoints_group_too(tmp_path, no_leaks):
     assert checkpoint.load(tmp_path).version == 3  # the last one, written as the server closed
     with job.serve(workers=1, checkpoints=sw.Checkpoints(tmp_path, resume=True)) as server:
         np.testing.assert_allclose(server.pull()["x"], 1 - 3 * 0.1, rtol=1e-6)
-    with pytest.raises(TypeError, match="pass checkpoints= or checkpoint_dir="):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'checkpoint_every'"):
         job.serve(workers=1, checkpoints=sw.Checkpoints(tmp_path), checkpoint_every=2)
     with pytest.raises(OptionError, match=r"^Checkpoints\.seconds is for Job\.train"):
         job.serve(workers=1, checkpoints=sw.Checkpoints(tmp_path, seconds=5.0))
     with pytest.raises(TypeError, match=r"^checkpoints must be a sw\.Checkpoints"):
         job.serve(workers=1, checkpoints=str(tmp_path))
-    # sw.init refuses both spellings before it does anything (it may be called once only)
-    with pytest.raises(TypeError, match=r"sw\.init: pass checkpoints= or checkpoint_dir="):
-        sw.init(job, checkpoints=sw.Checkpoints(tmp_path), resume=True)
+    # sw.init refuses a bad group before it does anything (it may be called once only)
+    with pytest.raises(
+        OptionError, match=r"^Checkpoints\.seconds is for Job\.train; sw\.init saves"
+    ):
+        sw.init(job, checkpoints=sw.Checkpoints(tmp_path, seconds=5.0))

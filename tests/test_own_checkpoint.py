@@ -1,5 +1,5 @@
 """Checkpoints of a loop you own (issue #29 item 4): ``stalewise run --checkpoint-dir DIR
-[--checkpoint-every N] [--resume]`` and ``sw.init(job, checkpoint_dir=..., ...)``.
+[--checkpoint-every N] [--resume]`` and ``sw.init(job, checkpoints=...)``.
 
 The launcher is SIGKILLed mid-run once a checkpoint exists, started again with
 ``--resume``, and the run goes on from that checkpoint (the job's pushes and versions,
@@ -188,12 +188,12 @@ def test_resume_starts_from_the_start_without_a_checkpoint_and_refuses_another_j
 
 
 def test_init_checkpoints_and_resumes_in_one_process(tmp_path):
-    """Without the launcher, ``sw.init(job, checkpoint_dir=..., resume=True)`` serves the
+    """Without the launcher, ``sw.init(job, checkpoints=sw.Checkpoints(...))`` serves the
     job here, saves every N pushes and at the end, and resumes from it."""
     text = SCRIPT.replace(
         "ctx = sw.init(job)",
-        f"ctx = sw.init(job, steps=60, checkpoint_dir={str(tmp_path / 'ckpt')!r}, "
-        "checkpoint_every=20, resume=True)",
+        f"ctx = sw.init(job, steps=60, checkpoints=sw.Checkpoints({str(tmp_path / 'ckpt')!r}, "
+        "every=20, resume=True))",
     )
     script, out = tmp_path / "own.py", tmp_path / "own"
     script.write_text(text)
@@ -212,10 +212,11 @@ def test_a_bsp_job_saved_mid_round_resumes_that_round(tmp_path):
     old incarnation first closed the round with worker 0's push alone.)"""
     import stalewise as sw
 
-    def serve(**kwargs):
+    def serve(resume=False):
         job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(0.5),
                      consistency=sw.BSP())  # fmt: skip
-        return job.serve(workers=2, checkpoint_dir=tmp_path, checkpoint_every=1000, **kwargs)
+        return job.serve(workers=2, checkpoints=sw.Checkpoints(tmp_path, every=1000,
+                                                               resume=resume))  # fmt: skip
 
     def push(client, value):
         client.pull(timeout=30)
@@ -256,8 +257,8 @@ SERVER = textwrap.dedent(
 
     name, ckpts = sys.argv[1], sys.argv[2]
     job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.adam(0.1))
-    with job.serve(workers=(0, 1), name=name, checkpoint_dir=ckpts, checkpoint_every=4,
-                   resume=True) as server:
+    with job.serve(workers=(0, 1), name=name,
+                   checkpoints=sw.Checkpoints(ckpts, every=4, resume=True)) as server:
         version = server.stats()[0]["version"]
         print("served", version, server.job_pushes, *server.pull()["w"].tolist(), flush=True)
         sys.stdin.readline()
@@ -346,7 +347,7 @@ def _stop(proc: subprocess.Popen, how: str) -> None:
 
 
 def test_serve_checkpoints_and_resumes_for_processes_you_attach(tmp_path):
-    """``job.serve(checkpoint_dir=, checkpoint_every=, resume=)``: a process attaches and
+    """``job.serve(checkpoints=sw.Checkpoints(dir, every=, resume=))``: a process attaches and
     pushes; the server saves every 4 pushes; it is SIGKILLed, served again with resume,
     and its versions, push count, params and Adam state go on from the last periodic
     checkpoint; closed in order, it saves a last checkpoint that the next serve resumes."""
@@ -390,9 +391,5 @@ def test_serve_refuses_checkpoint_settings_that_do_not_fit(tmp_path):
     import stalewise as sw
 
     job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(0.1))
-    with pytest.raises(ValueError, match="resume needs checkpoint_dir"):
-        job.serve(workers=1, resume=True)
-    with pytest.raises(ValueError, match=r"checkpoint_every .* needs checkpoint_dir"):
-        job.serve(workers=1, checkpoint_every=3)
     with pytest.raises(ValueError, match="checkpoint_dir is for runtime='local'"):
-        job.serve(workers=1, runtime="ray", checkpoint_dir=str(tmp_path))
+        job.serve(workers=1, runtime="ray", checkpoints=sw.Checkpoints(tmp_path))

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 import stalewise as sw
+from stalewise.protocol import pipeline
 from stalewise.runtime.local import client as client_lib
-from stalewise.runtime.local import shard_proc
 from stalewise.runtime.local.client import Client
 from stalewise.runtime.local.layout import Layout
 from stalewise.runtime.local.shard_proc import ShardProcess
@@ -107,7 +107,7 @@ def test_a_pull_after_a_push_on_a_busy_shard_reads_the_live_params_without_a_pub
     pushes, so the slowest clock never moves, which would publish too). Once the pull
     waited for a snapshot that never came (TimeoutError); now it copies the live params,
     which hold the push: nothing was published or served for it."""
-    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)
+    monkeypatch.setattr(pipeline, "PUBLISH_EVERY", 3600.0)
     s = shards(2, busy=True)
     client = s.clients[0]
     client.pull(timeout=TIMEOUT)
@@ -127,7 +127,7 @@ def test_a_pull_waits_while_a_step_changes_the_live_params_then_copies_them(shar
     """The busy shard's live params are being written when the worker comes to read them
     (the seqlock is odd, as during another worker's step) and no snapshot holds its push:
     the pull copies nothing and asks nothing until the step is over, then reads them."""
-    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)
+    monkeypatch.setattr(pipeline, "PUBLISH_EVERY", 3600.0)
     s = shards(2, busy=True)
     client = s.clients[0]
     client.pull(timeout=TIMEOUT)
@@ -149,7 +149,7 @@ def test_a_pull_waits_while_a_step_changes_the_live_params_then_copies_them(shar
 def test_a_pull_the_live_params_cannot_give_is_served_behind_the_push(shards, monkeypatch):
     """When copies of the live params keep failing (here: no copy is tried) and no
     snapshot holds the push, the pull asks the shard, which serves it behind the push."""
-    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)
+    monkeypatch.setattr(pipeline, "PUBLISH_EVERY", 3600.0)
     monkeypatch.setattr(client_lib, "LIVE_COPIES", 0)
     s = shards(2, busy=True)
     client = s.clients[0]
@@ -166,7 +166,7 @@ def test_a_pull_the_live_params_cannot_give_is_served_behind_the_push(shards, mo
 def test_a_busy_shard_announces_its_publish_and_the_pull_reads_that_snapshot(shards, monkeypatch):
     """A busy shard that publishes after its acks says which version first, so the worker
     waits for that snapshot rather than copy live params the next step is changing."""
-    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 0.0)  # a busy shard publishes each turn
+    monkeypatch.setattr(pipeline, "PUBLISH_EVERY", 0.0)  # a busy shard publishes each turn
     s = shards(2, busy=True)
     client = s.clients[0]
     client.pull(timeout=TIMEOUT)
@@ -196,7 +196,7 @@ def test_an_idle_shard_acks_then_publishes_and_the_pull_never_asks(shards):
 def test_own_false_reads_the_snapshot_and_may_miss_the_push(shards, monkeypatch):
     """``pull(own=False)`` neither waits nor asks: on a busy shard that has not published,
     it reads the old snapshot and says so."""
-    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)
+    monkeypatch.setattr(pipeline, "PUBLISH_EVERY", 3600.0)
     s = shards(2, busy=True)
     client = s.clients[0]
     client.pull(timeout=TIMEOUT)
@@ -211,7 +211,7 @@ def test_own_false_reads_the_snapshot_and_may_miss_the_push(shards, monkeypatch)
 def test_ssp_read_your_writes_on_a_busy_shard(shards, monkeypatch):
     """Under SSP the snapshot's gate lets the worker read, and it reads its own version
     from the busy shard's live params as under ASP; a pull the gate holds is served."""
-    monkeypatch.setattr(shard_proc, "PUBLISH_EVERY", 3600.0)
+    monkeypatch.setattr(pipeline, "PUBLISH_EVERY", 3600.0)
     s = shards(2, busy=True, consistency=sw.SSP(3))
     client = s.clients[0]
     client.pull(timeout=TIMEOUT)

@@ -71,7 +71,8 @@ def test_a_push_that_reached_one_shard_is_delivered_to_the_other_exactly_once():
     assert push(shards[0], ledgers[0], 0, 1, 1, acked=1).ok  # shard 1 never gets push 1
     for s in shards:
         s.retire(0, 1)  # the sender is gone: cut it off everywhere first
-    counts = [int(s.next_seq[0]) for s in shards]
+    counts = [s.handled(0, 1) for s in shards]
+    assert counts == [2, 1] and shards[0].handled(0, 2) is None  # another incarnation
     source, lacking = delivery.departure(counts)
     assert (source, lacking) == (0, {1: (1, 2)})
     (header,) = ledgers[source].between(0, 1, *lacking[1])
@@ -79,6 +80,7 @@ def test_a_push_that_reached_one_shard_is_delivered_to_the_other_exactly_once():
     assert ack is not None and ack.ok
     shards[0].depart(0, 1)
     assert [s.version for s in shards] == [2, 2]
+    assert delivery.committed([s.handled(0, 1) for s in shards]) == 2  # on both now
     # a late copy from the dead incarnation changes nothing
     ack = shards[1].push(PushHeader(0, 1, 2, 1), np.ones(2, np.float32))
     assert not ack.ok and [s.version for s in shards] == [2, 2]
@@ -89,6 +91,8 @@ def test_a_departure_with_nothing_lacking_reads_nothing():
     assert delivery.departure([0, 0]) == (None, {})
     assert delivery.departure([None, None]) == (None, {})
     assert delivery.departure([None, 2, 1]) == (1, {2: (1, 2)})
+    every = [delivery.committed(c) for c in ([3, 3], [0, 0], [None, None], [None, 2, 1])]
+    assert every == [3, 0, None, 2]
 
 
 def test_a_cut_holds_pushes_past_the_furthest_shard_and_waits_for_the_others():

@@ -166,12 +166,10 @@ def test_the_elastic_options_read_as_room_and_expected_workers():
     assert (opts.workers, opts.room, opts.expected, opts.elastic) == ((2, 5), 5, 2, True)
     again = opts.for_workers()  # a copy (as the worker actors get it) keeps them
     assert (again.workers, again.room, again.expected, again.elastic) == ((2, 5), 5, 2, True)
-    auto = options("auto", max_workers=6)
-    assert (auto.room, auto.expected, auto.elastic) == (6, 1, True)
+    auto = options("auto")
+    assert (auto.room, auto.expected, auto.elastic) == (16, 1, True)
     assert (options(3).room, options(3).expected, options(3).elastic) == (3, 3, False)
     assert not options((3, 3)).elastic
-    with pytest.raises(OptionError, match=r"^max_workers must be an integer >= 1, got 0$"):
-        options("auto", max_workers=0)
     # a sequence of batches per worker id: one for each of the room's ids
     with pytest.raises(ValueError, match="data has 2 per-worker shards for 4 workers"):
         sw.RunOptions(loss_and_grad=mp_helpers.quadratic_loss_and_grad, data=[[1], [2]],

@@ -1,7 +1,7 @@
 """The local runtime's result pipe (worker -> parent): fixed binary records, nothing unpickled.
 
 A worker's heartbeats and how its loop ended reach the parent as the records of
-:mod:`stalewise.protocol.wire` (``decode_result``). Bytes that are no such
+:mod:`stalewise.runtime.local.wire` (``decode_result``). Bytes that are no such
 record are that worker's failure, under the job's failure policy; a pickle is
 never loaded. The runs below have a worker whose ``loss_and_grad`` writes into
 its own result pipe (found on the stack, as a bug in user code could): junk, a
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import stalewise as sw
-from stalewise.protocol import wire
+from stalewise.runtime.local import wire
 
 # -- the records ---------------------------------------------------------------------------
 

@@ -57,6 +57,37 @@ def test_one_description_of_each_runtime():
         sim.max_workers = 1
 
 
+def test_what_a_runtime_can_do_is_its_descriptors_and_no_module_compares_its_name(registry):
+    assert runtime.names("connect") == ("ray",) and runtime.names("simulated") == ("sim",)
+    assert runtime.names("transport") == runtime.names("saves_served") == ("local",)
+    assert runtime.names("watches_ranks") == ("local",)
+    assert runtime.names("calibrates") == ("local", "ray")
+    kw = {"loss_and_grad": lambda p, b: (0.0, p), "data": [[None]], "workers": 1, "steps": 1}
+    options = sw.RunOptions(**kw, transport=0.5)
+    with pytest.raises(ValueError, match="transport is emulated by runtime local only, not 'sim'"):
+        options.check_runtime("sim")
+    runtime.register("wire", runner, transport=True)  # a runtime that emulates it too
+    options.check_runtime("wire")
+    with pytest.raises(ValueError, match="by runtime local or wire only, not 'sim'"):
+        options.check_runtime("sim")
+    # the facts are read from the registry: no module outside it compares a runtime's name
+    import ast
+    from pathlib import Path
+
+    names, found = set(runtime.names()), []
+    for path in sorted(Path(runtime.__file__).parents[1].rglob("*.py")):
+        if path == Path(runtime.__file__):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            strings = {n.value for s in sides for n in ast.walk(s) if isinstance(n, ast.Constant)}
+            if strings & names and "runtime" in ast.unparse(node):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "runtime names compared outside the registry:\n" + "\n".join(found)
+
+
 def test_a_registered_runtime_is_described_to_attach_and_pulls(registry):
     registry.register("mine", runner, attach=lambda name, **kw: ("mine", name, kw))
     assert sw.attach("job", runtime="mine") == ("mine", "job", {"worker": None, "timeout": 30.0})

@@ -98,7 +98,20 @@ def test_transport_is_checked_and_emulated_by_the_local_runtime_only():
                                          r"in \[0, 60\], got -1"):  # fmt: skip
         sw.Emulation(transport=-1)
     job = sw.Job(init_params(), strategy=_strategy(1, True), consistency=sw.BSP())
-    with pytest.raises(ValueError, match=r"transport is emulated by the local "
-                       r"runtime only, not 'sim'"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"transport is emulated by runtime local only, "
+                       r"not 'sim'"):  # fmt: skip
         job.train(loss_and_grad, data=TASK.batches, workers=2, steps=4, runtime="sim",
                   emulation=sw.Emulation(transport=0.1))  # fmt: skip
+
+
+def test_the_emulated_wait_is_one_rule_for_pushes_and_steps_ahead():
+    """A straggler ``slowdown`` times slower with ``delay`` seconds more per local step: the
+    real-time runtimes wait ``(compute + delay * local_steps) * slowdown - compute``."""
+    ahead = loop.Ahead(local_steps=2, compute=1.0)
+    assert loop.emulated(ahead, slowdown=3.0, delay=0.5) == 5.0
+    push = loop.Push(update=None, loss=0.0, local_steps=4, compute=0.2)
+    assert loop.emulated(push, slowdown=1.0, delay=0.25) == pytest.approx(1.0)
+    assert loop.emulated(push, slowdown=1.0, delay=0.0) == 0.0  # no emulation: no wait
+    import doctest
+
+    assert doctest.testmod(loop, raise_on_error=True).failed == 0

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import stalewise as sw
 from stalewise import ServerClosed
-from stalewise.protocol import Ack, wire
+from stalewise.protocol import Ack
+from stalewise.runtime.local import wire
 
 FRAME = struct.Struct("!i")
 SETTLE = 10.0  # seconds: the longest a shard may take to cut off a worker (PARTIAL_TIMEOUT is 1 s)

@@ -1,14 +1,9 @@
 """Array backends: how a leaf of NumPy, PyTorch, JAX or TensorFlow is read and written.
 
-A :class:`Backend` knows one framework's arrays: whether an object is a leaf,
-its shape and dtype, how to copy it into (a slice of) a NumPy buffer, how to
-build a new array from NumPy data and how to write into an existing mutable
-leaf. :func:`backend_of` finds the backend of an object from the modules of
-its class hierarchy, without importing any framework: an object can only come
-from PyTorch if PyTorch is already imported, so ``import stalewise`` stays
-fast and works with NumPy alone.
-
-Backends are stateless and thread-safe.
+A :class:`Backend` (stateless, thread-safe) reads one framework's leaves into NumPy
+buffers, builds new arrays and writes into mutable ones. :func:`backend_of` finds it
+from the modules of the object's class hierarchy without importing any framework, so
+``import stalewise`` stays fast and works with NumPy alone.
 
 Example:
     >>> import numpy as np

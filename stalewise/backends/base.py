@@ -62,12 +62,8 @@ class Backend:
     def from_numpy(self, a: np.ndarray, dtype: str, like: Any = None, *, copy: bool = True) -> Any:
         """A leaf of this backend with the values of ``a`` and dtype ``dtype``.
 
-        Args:
-          a: the values.
-          dtype: the dtype name of the result (one of :data:`FLOAT_DTYPES`).
-          like: an existing leaf whose placement (e.g. torch device) the result takes.
-          copy: if False, the result may share memory with ``a`` when the dtype
-            already matches (NumPy and CPU torch only).
+        ``like``: a leaf whose placement (torch device) the result takes; ``copy=False``:
+        it may share ``a``'s memory when the dtype matches (NumPy and CPU torch).
         """
         raise NotImplementedError
 
@@ -86,9 +82,7 @@ class Backend:
     def identity(self, x: Any) -> Hashable | None:
         """Equal for two leaves that are the same mutable array (tied weights), else None.
 
-        None (the default, and always for immutable arrays such as JAX's) means
-        the leaf is tied to nothing: a value in two places is two leaves, as
-        ``jax.grad`` sees it.
+        Immutable arrays (JAX's) are tied to nothing.
         """
         return None
 

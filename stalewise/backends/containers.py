@@ -1,23 +1,12 @@
 """Containers from each ecosystem's own pytree registry, one level at a time.
 
-:mod:`stalewise.tree` handles dicts, lists, tuples, namedtuples and dataclasses
-itself; any other container is split by the registry of the framework that
-knows it, when that framework is already imported:
-
-- JAX's (``jax.tree_util``): flax nnx ``State`` and ``Variable``, flax
-  structs, equinox modules, and anything registered with JAX;
-- PyTorch's (``torch.utils._pytree``): containers registered there;
-- TensorFlow's nest protocol (``__tf_flatten__`` / ``__tf_unflatten__``).
-
-A flax nnx ``GraphDef`` is structure, not data (:func:`is_static`): a tree
-may hold one, as ``nnx.split(model)`` returns ``(graphdef, state)``.
-
-A :class:`Level` is one container split into keyed children, with a
-picklable ``template`` that :func:`rebuild` turns back into a container of
-the same kind around new children. The children of a flax nnx ``Variable``
-are its value, written back through the variable itself (its ``holder``);
-those of a Variable that is not an ``nnx.Param`` (``BatchStat`` and the
-like) are buffers.
+:mod:`stalewise.tree` handles the built-in containers itself; any other is split by the
+registry of a framework already imported: JAX's (flax nnx ``State`` and ``Variable``,
+flax structs, equinox modules), PyTorch's ``torch.utils._pytree`` or TensorFlow's nest
+protocol. A :class:`Level` is one container split into keyed children with a picklable
+``template`` that :func:`rebuild` turns back into one; an nnx ``Variable``'s value is
+written back through the variable (its ``holder``), and a Variable that is not an
+``nnx.Param`` is a buffer. An nnx ``GraphDef`` is structure (:func:`is_static`).
 
 Example:
     >>> import jax.numpy as jnp

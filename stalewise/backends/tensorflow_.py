@@ -1,20 +1,11 @@
 """The TensorFlow backend: ``tf.Tensor`` / ``tf.Variable`` / Keras variable leaves and models.
 
-Models are Keras models and layers and ``tf.Module`` objects. A Keras model
-shares its ``trainable_variables`` and, as buffers, its floating
-``non_trainable_variables`` (BatchNormalization's moving statistics), named
-by variable path without the model's own name, e.g. ``"dense/kernel"``;
-integer ones (seed generator states) stay in each worker's model. An update
-for it may also be a list: ``tape.gradient(loss, model.trainable_variables)``,
-followed by ``model.non_trainable_variables`` when the model has buffers. A
-``tf.Module`` shares its trainable variables, named by attribute path, e.g.
-``"layers.0.w"``. A list of variables (``model.trainable_variables``) names
-its leaves by variable path. Keras layer names come from a global counter
-unless given: name the layers when the same model is built in several
-processes so that the names agree.
-
-Leaves are ``tf.Tensor``, ``tf.Variable``, Keras variables and
-``tf.IndexedSlices`` (the gradient of an embedding lookup, read densely).
+A Keras model shares its trainable and, as buffers, floating non-trainable variables,
+named by variable path (``"dense/kernel"``); an update may also be the list
+``tape.gradient(...)`` (+ ``non_trainable_variables``). A ``tf.Module`` shares its
+trainable variables by attribute path. Keras layer names come from a global counter:
+name the layers when several processes build the model. ``tf.IndexedSlices`` are read
+densely. See docs/models.md.
 
 Example:
     >>> import numpy as np

@@ -1,13 +1,9 @@
 """The PyTorch backend: ``torch.Tensor`` leaves (incl. ``nn.Parameter``) and ``nn.Module`` models.
 
-Tensors that require grad are detached, tensors on another device are copied
-to the CPU. New tensors live on the CPU unless ``like`` says otherwise. A
-module shares what its ``state_dict`` holds, by the same names: the
-parameters that require grad, and the floating buffers (BatchNorm running
-statistics) as buffers. Integer buffers (``num_batches_tracked``), frozen
-parameters and non-persistent buffers stay in each worker's module. Two
-tensors are the same leaf (tied weights) when they view the same storage at
-the same offset with the same shape and strides.
+Tensors are detached and copied to the CPU; new ones live on the CPU unless ``like``
+says otherwise. A module shares its ``state_dict``'s parameters that require grad and
+floating buffers (as buffers); two tensors viewing the same storage, offset, shape and
+strides are one (tied) leaf.
 
 Example:
     >>> import numpy as np, torch

@@ -90,7 +90,7 @@ def resume_point(config: Any, options: Any, *, runtime: str) -> Checkpoint | Non
     if not exists(where):
         log.warning("%s: resume: no checkpoint in %s yet; starting from the start", runtime, where)
         return None
-    ckpt = load(where)
+    ckpt = load(where, check=lambda c: _states_fit(c, config, options.room))
     check_compatible(ckpt, config, options.room)
     # a host outside the registry (a test's, a user's own driver) has no such rule
     own = runtime_lib.describe(runtime).resumes_from if runtime in runtime_lib.names() else None
@@ -100,6 +100,26 @@ def resume_point(config: Any, options: Any, *, runtime: str) -> Checkpoint | Non
             f"{ckpt.manifest['config'].get('runtime')!r}); it resumes only its own"
         )
     return ckpt
+
+
+def _states_fit(ckpt: Checkpoint, config: Any, workers: int) -> None:
+    """Refuses (CheckpointError, so loading falls back) shard states that
+    ``Shard.load_state_dict`` refuses, and ranks' states of another count than workers';
+    a checkpoint of another job is :func:`check_compatible`'s to refuse (no fallback)."""
+    try:
+        check_compatible(ckpt, config, workers)
+    except CheckpointError:
+        return
+    if ckpt.ranks is not None and len(ckpt.ranks) != workers:
+        raise CheckpointError(
+            f"{ckpt.path.name} holds the ctx.state of {len(ckpt.ranks)} ranks, not {workers}"
+        )
+    for k, state in enumerate(ckpt.states):
+        lo, hi = config.ranges[k]
+        try:
+            config.build_shard(k, config.init[lo:hi].copy(), workers).load_state_dict(state)
+        except ValueError as e:
+            raise CheckpointError(f"{ckpt.path.name}: shard {k}: {e}") from None
 
 
 def feedback_of(ckpt: Checkpoint | None, config: Any, workers: int) -> list[Any] | None:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree as tree_lib
+from stalewise.checkpoint import spec as _spec
 from stalewise.checkpoint.spec import MAX_COUNT, is_count, short, spec_from_json, spec_to_json
 
 log = logging.getLogger(__name__)
@@ -96,12 +97,12 @@ def save(
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    _clean_tmp(root)
+    root.mkdir(0o755, parents=True, exist_ok=True)  # 0755 (and files 0644) whatever the umask:
+    _clean_tmp(root)  # loading refuses what others can write
     version = int(shard_states[0]["version"])
     final = root / f"ckpt-{version:09d}"
     tmp = root / f"{_TMP}{final.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp.mkdir(0o755)
     try:
         from safetensors.numpy import save_file
 
@@ -119,6 +120,7 @@ def save(
 
         def write(name: str, arrays: dict[str, np.ndarray]) -> None:
             save_file(arrays, str(tmp / name))
+            os.chmod(tmp / name, 0o644)
             _fsync(tmp / name)
             manifest["sha256"][name] = _sha256(tmp / name)
             layout = {key: [a.dtype.name, list(a.shape)] for key, a in sorted(arrays.items())}
@@ -242,7 +244,7 @@ def _contiguous(a: np.ndarray) -> np.ndarray:
 
 
 def _write(path: Path, text: str) -> None:
-    with open(path, "w") as f:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -317,21 +319,31 @@ def exists(directory: str | os.PathLike) -> bool:
     return root.is_dir() and bool(_complete(root))
 
 
-def load(directory: str | os.PathLike) -> Checkpoint:
+def load(directory: str | os.PathLike, check: Any = None) -> Checkpoint:
     """The newest usable checkpoint of ``directory`` (or the checkpoint folder itself),
-    whole, as ``resume`` reads it; a refused one is logged and the next newest is used.
+    whole, as ``resume`` reads it; a refused one (or one ``check(ckpt)`` refuses with a
+    :class:`CheckpointError`) is logged and the next newest is used.
 
     Raises:
         CheckpointError: none is usable."""
     root = Path(directory)
     if _NAME.match(root.name) and os.path.lexists(root / MANIFEST):
-        return _read(root)  # one checkpoint, named: no fallback
-    if not root.is_dir():
-        raise CheckpointError(f"no checkpoint: {root} is not a directory")
+        ckpt = _read(root)  # one checkpoint, named: no fallback
+        if check is not None:
+            check(ckpt)
+        return ckpt
+    try:  # the user's folder may be a symlink; where it leads must be trusted
+        problem = untrusted(os.stat(root))
+    except OSError as e:
+        problem = e.strerror or str(e)
+    if problem:
+        raise CheckpointError(f"no checkpoint: {root}: {problem}")
     refused, newest = [], None
     for path in candidates(root):
         try:
             ckpt = _read(path)
+            if check is not None:
+                check(ckpt)
         except CheckpointError as e:
             refused.append(path.name)
             newest = newest or e
@@ -358,7 +370,10 @@ def _read(path: Path) -> Checkpoint:
         manifest = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{path / MANIFEST}: not JSON: {short(str(e), 80)}") from None
-    spec = _checked_manifest(manifest, f"{path / MANIFEST}")
+    try:
+        spec = _checked_manifest(manifest, f"{path / MANIFEST}")
+    except _spec.NotData as e:
+        raise CheckpointError(str(e)) from None
     from safetensors import SafetensorError
     from safetensors.numpy import load as from_bytes
 
@@ -420,6 +435,8 @@ def open_file(
     except OSError as e:
         raise CheckpointError(f"{folder}: {_open_problem(e, folder)}") from None
     try:
+        if problem := untrusted(os.fstat(top)):
+            raise CheckpointError(f"{folder}: {problem}")
         fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=top)
     except OSError as e:
         raise CheckpointError(f"{file}: {_open_problem(e, file)}") from None
@@ -430,10 +447,9 @@ def open_file(
     except OSError as e:
         os.close(fd)
         raise CheckpointError(f"{file}: cannot read: {e.strerror or e}") from None
-    if not stat.S_ISREG(st.st_mode):
+    if problem := untrusted(st, stat.S_IFREG):
         os.close(fd)
-        kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "a special file")
-        raise CheckpointError(f"{file}: {kind}, not a regular file")
+        raise CheckpointError(f"{file}: {problem}")
     return fd, st
 
 
@@ -472,13 +488,31 @@ def _read_text(folder: Path, name: str, *, folder_may_be_a_link: bool = False) -
     return data.decode("utf-8", "replace").strip()
 
 
-_FILE_KINDS = {
+_KINDS = {
     stat.S_IFDIR: "a directory",
+    stat.S_IFREG: "a regular file",
+    stat.S_IFLNK: "a symlink",
     stat.S_IFIFO: "a FIFO",
     stat.S_IFCHR: "a character device",
     stat.S_IFBLK: "a block device",
     stat.S_IFSOCK: "a socket",
 }
+
+
+def untrusted(st: os.stat_result, kind: int = stat.S_IFDIR) -> str | None:
+    """Why a folder (or a file of ``kind``) with this stat is not to be trusted, or None:
+    the one rule for every folder and file stalewise reads back (a checkpoint, ``latest``,
+    ``.ranks``, the attach door's folder). It must be of ``kind`` (an lstat's symlink
+    never is), belong to this user, and be writable by no one else: a folder another user
+    can write holds whatever they put there (see docs/reliability.md's threat model)."""
+    got, me = stat.S_IFMT(st.st_mode), os.getuid()
+    if got != kind:
+        return f"{_KINDS.get(got, 'a special file')}, not {_KINDS[kind]}"
+    if st.st_uid != me:
+        return f"belongs to uid {st.st_uid}, not to you (uid {me})"
+    if st.st_mode & 0o022:
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
 
 def _open_problem(e: OSError, path: Path) -> str:
@@ -502,23 +536,18 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
         CheckpointError: one line naming the manifest and the field."""
 
     def need(ok: Any, field: str, value: Any, want: str) -> None:
-        if not ok:
-            raise CheckpointError(f"{where}: {field} is {short(value)}, expected {want}")
+        _spec.need(ok, where, field, value, want)
 
     count = "an integer in [0, 2**62)"
     need(isinstance(m, dict), "the manifest", m, "a JSON object")
-    if m.get("format") != FORMAT:
-        fmt = m.get("format")
+    if (fmt := m.get("format")) != FORMAT:
         old = {
             1: "kept parts of the tree as pickles, which are never loaded",
             2: "declared neither its files' sizes nor its arrays' dtypes and shapes",
         }.get(fmt)
-        old = (
-            f" (format {fmt} {old}: resume or sw.load_params it with the stalewise that wrote it)"
-            if old
-            else ""
-        )
-        raise CheckpointError(f"{where}: unknown format {short(fmt)}, expected {FORMAT}{old}")
+        old = f" (format {fmt} {old}: resume or sw.load_params it with the stalewise that wrote it)"
+        raise CheckpointError(f"{where}: unknown format {short(fmt)}, expected {FORMAT}"
+                              f"{old if fmt in (1, 2) else ''}")  # fmt: skip
     need(is_count(m.get("version")), "version", m.get("version"), count)
     shards = m.get("shards")
     ok = isinstance(shards, list) and 1 <= len(shards) <= _MAX_WORKERS
@@ -584,10 +613,7 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
             and all(isinstance(v, dict) for v in values)
         )
         need(ok, "ranks", ranked, f'{{"file": "{RANKS}", "values": [{{...}} per rank]}}')
-    try:
-        spec = spec_from_json(m.get("spec"), f"{where}: spec")
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
+    spec = spec_from_json(m.get("spec"), f"{where}: spec")
     # what each file must hold: its size bounds the read, its arrays' dtypes and shapes are
     # checked exactly on reading; the parameters' and residuals' must be the spec's
     expected = {shard["file"]: shard["arrays"] for shard in shards}
@@ -597,7 +623,10 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
         entry = (m.get("files") or {}).get(RANKS)
         names = entry.get("arrays") if isinstance(entry, dict) else None
         ok = isinstance(names, dict) and all(
-            isinstance(k, str) and re.fullmatch(r"rank-(\d{1,7})/[^/].*", k) for k in names
+            isinstance(k, str)
+            and (r := re.fullmatch(r"rank-(\d{1,7})/[^/].*", k))
+            and int(r.group(1)) < len(ranked["values"])
+            for k in names
         )
         need(ok, f"files[{RANKS!r}].arrays", names, "rank-<r>/<path> names")
         expected[RANKS] = list(names)

@@ -72,7 +72,7 @@ class RunConfig:
         """Checks that a run on ``runtime`` may have ``workers`` workers (the runtime's limit,
         the [sim] table, the task's batches); errors name ``key``."""
         schema.check_workers(workers, runtime, key)
-        if runtime == "sim" and self.sim is not None:
+        if runtime_lib.describe(runtime).simulated and self.sim is not None:
             build.check_sim_workers(self.sim, workers, key)
         factory.check_batches(self.task, workers, self.seed, key)
 
@@ -88,10 +88,9 @@ class RunConfig:
         fn = getattr(strategies_lib, name)
         sig = build.signature(fn)
         accepted = set(sig.parameters) if sig is not None else set()
-        table = build.new_keys(fn, self.strategy_table, "strategy")
-        table = {k: v for k, v in table.items() if k in accepted}
+        table = {k: v for k, v in self.strategy_table.items() if k in accepted}
         if period is not None:
-            table[schema.PERIOD_KEY[name]] = period
+            table["local_steps"] = period
         try:
             strategy = strategy_from_table({"name": name, **table})
         except ConfigError as e:
@@ -127,13 +126,12 @@ class RunConfig:
         ``runtime`` and ``address`` override ``run.runtime`` and ``run.address``;
         ``kwargs`` are more keyword arguments of ``Job.train`` (a group replaces the config's)."""
         train = self.train_kwargs(runtime) | kwargs
-        if train["runtime"] == "sim":  # the task's seed also seeds the simulator
+        described = runtime_lib.describe(train["runtime"])
+        if described.simulated:  # the task's seed also seeds the simulator
             train["runtime"] = Simulation(self.sim, seed=self.seed)
-        if train["runtime"] == "ray" and (address or self.address):
-            from stalewise.runtime import ray as ray_runtime
-
+        if described.connect is not None and (address or self.address):
             try:
-                ray_runtime.connect(address or self.address)
+                described.load("connect")(address or self.address)
             except ConnectionError as e:
                 raise ConfigError("--address" if address else "run.address", str(e)) from None
         with self.importable():
@@ -223,8 +221,9 @@ def parse(
     address = r.get("address")
     if address is not None and not (isinstance(address, str) and address.strip()):
         raise ConfigError("run.address", f"expected an address such as 'auto', got {address!r}")
-    if address is not None and configured != "ray":
-        raise ConfigError("run.address", f"is for runtime 'ray'; run.runtime is {configured!r}")
+    if address is not None and runtime_lib.describe(configured).connect is None:
+        raise ConfigError("run.address", f"is for runtime {runtime_lib.able('connect')!r}; "
+                          f"run.runtime is {configured!r}")  # fmt: skip
     runtime = runtime or configured
     workers = schema.get(r, "run.workers", int, 4, low=1)
     schema.check_workers(workers, runtime, "run.workers")
@@ -255,7 +254,7 @@ def parse(
         except ValueError as e:
             raise ConfigError("server.consistency", str(e)) from None
     sim_config = _sim(sim_table)
-    if runtime == "sim":
+    if runtime_lib.describe(runtime).simulated:
         build.check_sim_workers(sim_config, workers, "run.workers")
 
     # 2. the task (a factory runs user code), its parameters, the job

@@ -8,7 +8,6 @@ import inspect
 import re
 import types
 import typing
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -177,7 +176,7 @@ def _schedule(
         )
     name = spec["name"]
     fn = getattr(lib, one_of(name, known, f"{where}.name", "schedule"))
-    kwargs = {k: v for k, v in new_keys(fn, spec, where).items() if k != "name"}
+    kwargs = {k: v for k, v in spec.items() if k != "name"}
     return call(fn, kwargs, where, name)
 
 
@@ -227,7 +226,6 @@ def strategy_from_table(
             f"{where}.name", f"missing: name the strategy ({', '.join(schema.STRATEGIES)})"
         )
     fn = getattr(strategies_lib, one_of(name, schema.STRATEGIES, f"{where}.name", "strategy"))
-    table = new_keys(fn, table, where)
     sig = signature(fn)
     known = list(sig.parameters) if sig is not None else []
     for key in table:
@@ -252,27 +250,6 @@ def strategy_from_table(
     for key in extra:  # passed unchecked by call: name them if the call fails on them
         kwargs.pop(key, None)
     return call(fn, kwargs, where, name, extra=extra)
-
-
-def new_keys(fn: Any, table: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """``table`` with the old keys of ``fn``'s renamed keywords (``fn.renamed``, see
-    :func:`stalewise._renames.renames`) under their new names, each with a
-    DeprecationWarning naming both keys; an old key beside its new one is an error."""
-    out = dict(table)
-    for old, new in getattr(fn, "renamed", {}).items():
-        if old not in out:
-            continue
-        if new in out:
-            raise ConfigError(
-                f"{where}.{old}", f"is the old name of {where}.{new}; give only {new}"
-            )
-        warnings.warn(
-            f"{where}.{old} is now {where}.{new} (the old key will be removed in the next release)",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-        out[new] = out.pop(old)
-    return out
 
 
 def codec(spec: Any, key: str) -> codecs.Policy:

@@ -47,10 +47,8 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "lamb", "lars")
 SCHEDULES = ("constant", "warmup_cosine", "step_decay")
 STRATEGIES = ("gradients", "local_sgd", "diloco", "streaming_diloco", "easgd", "adaptive")
 PERIOD_SCHEDULES = ("comm_budget", "adacomm", "fixed")  # strategy.schedule of "adaptive"
-#: The option a ``NAME:H`` value of ``stalewise sim --over strategy`` sets, per strategy.
-PERIOD_KEY = dict.fromkeys(
-    ("local_sgd", "diloco", "streaming_diloco", "easgd", "adaptive"), "local_steps"
-)
+#: The strategies a ``NAME:H`` value of ``stalewise sim --over strategy`` sets ``local_steps`` of.
+LOCAL_STEPS = ("local_sgd", "diloco", "streaming_diloco", "easgd", "adaptive")
 CONSISTENCY = ("asp", "ssp", "bsp", "hybrid")
 STALENESS_PARAM = {"exponential": "base", "polynomial": "power"}  # server.staleness_param
 
@@ -175,7 +173,7 @@ def check_runtime(name: str | None, key: str) -> None:
 def check_workers(workers: int, runtime: str, key: str) -> None:
     limit = max_workers(runtime)
     if workers > limit:
-        what = "local worker processes" if runtime == "local" else f"workers on runtime {runtime!r}"
+        what = f"workers on runtime {runtime!r}"
         most = max(runtime_lib.names(), key=max_workers)
         hint = f"; runtime {most!r} takes up to {max_workers(most)}" if most != runtime else ""
         raise ConfigError(key, f"at most {limit} {what}, got {workers}{hint}")
@@ -264,7 +262,7 @@ def parse_strategy_value(value: str) -> tuple[str, int | None]:
         )
     if not sep:
         return name, None
-    if name not in PERIOD_KEY:
+    if name not in LOCAL_STEPS:
         raise ValueError(f"{value!r}: {name} takes no number of local steps")
     try:
         steps = int(period)

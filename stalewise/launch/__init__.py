@@ -72,6 +72,7 @@ from stalewise.launch.context import RENDEZVOUS_TIMEOUT, Context, LaunchError  #
 from stalewise.launch.ranks import RANK_TIMEOUT, STOP_GRACE, rank_env  # noqa: F401
 from stalewise.launch.ranks import serve_workers as _serve_workers  # noqa: F401 (the registry's)
 from stalewise.options import checkpoint_fields
+from stalewise.protocol.config import ServerConfig
 from stalewise.runtime.errors import BudgetSpent
 
 log = logging.getLogger(__name__)
@@ -117,9 +118,6 @@ def init(
     job: Any,
     *,
     steps: int | None = None,
-    checkpoint_dir: str | os.PathLike | None = None,
-    checkpoint_every: int | None = None,
-    resume: bool = False,
     checkpoints: Any = None,
 ) -> Context:
     """This process's part of a launched job; see the module docstring.
@@ -128,22 +126,17 @@ def init(
         job: the :class:`~stalewise.Job` the script trains: served in the launcher; in a
             worker it must have the launcher's layout.
         steps: the job's budget of pushes in all (``--steps`` wins).
-        checkpoint_dir, checkpoint_every, resume: the job's and each rank's checkpoints
-            (``--checkpoint-dir``, ``--checkpoint-every``, ``--resume`` win; ignored in a
-            launched worker).
-        checkpoints: or ``sw.Checkpoints(dir, every=, resume=)``, as ``Job.train`` takes them.
+        checkpoints: ``sw.Checkpoints(dir, every=, resume=)``, the job's and each rank's
+            checkpoints (``--checkpoint-dir``, ``--checkpoint-every``, ``--resume`` win;
+            ignored in a launched worker).
 
     Returns:
         The worker's :class:`Context` (in the launcher it does not return)."""
-    from stalewise.api import Job
-
-    if not isinstance(job, Job):
+    if not (isinstance(getattr(job, "config", None), ServerConfig) and hasattr(job, "serve")):
         raise TypeError(f"sw.init(job): job must be a sw.Job, got {type(job).__name__}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"sw.init: steps must be an integer >= 1 or None, got {steps!r}")
-    checkpoint_dir, checkpoint_every, resume = checkpoint_fields(
-        "sw.init", checkpoints, checkpoint_dir, checkpoint_every, resume
-    )
+    checkpoint_dir, checkpoint_every, resume = checkpoint_fields("sw.init", checkpoints)
     if context.INITIALISED:
         raise RuntimeError("sw.init() was called twice in this process: call it once")
     context.INITIALISED = True
@@ -161,7 +154,6 @@ def init(
         saving.RankStates.join(ctx)  # --checkpoint-dir: ctx.state restored, and saved
         context.rendezvous(ctx)
         return ctx
-    saving.check(checkpoint_dir, checkpoint_every, ValueError)
     if _LAUNCH is None:
         from stalewise.runtime.logs import child_logging
 
@@ -169,8 +161,9 @@ def init(
     _unmatched(job)
     if _LAUNCH is not None:  # the runtime's launch: ranks.serve_workers here, Ray's on Ray
         if _LAUNCH.checkpoint_dir is None and checkpoint_dir is not None:
-            if _LAUNCH.runtime != "local":
-                raise LaunchError("checkpoints of a launched job are for --runtime local")
+            if not runtime_lib.describe(_LAUNCH.runtime).saves_served:
+                raise LaunchError("checkpoints of a launched job are for --runtime "
+                                  + runtime_lib.able("saves_served"))  # fmt: skip
             _LAUNCH.checkpoint_dir = os.fspath(checkpoint_dir)
             _LAUNCH.resume = _LAUNCH.resume or bool(resume)
         if _LAUNCH.checkpoint_every is None:
@@ -308,11 +301,13 @@ def launch(
         raise LaunchError(
             f"--rank-timeout must be a number of seconds >= 0 (0: off), got {rank_timeout!r}"
         )
-    if runtime == "ray" and rank_timeout is not None:
-        raise LaunchError("--rank-timeout is for --runtime local (Ray's ranks are not watched)")
+    described = runtime_lib.describe(runtime)
+    if rank_timeout is not None and not described.watches_ranks:
+        raise LaunchError(f"--rank-timeout is for --runtime {runtime_lib.able('watches_ranks')} "
+                          f"({runtime}'s ranks are not watched)")  # fmt: skip
     for flag, given in (("--address", address is not None), ("--env", env), ("--env-all", env_all)):
-        if given and runtime != "ray":
-            raise LaunchError(f"{flag} is for --runtime ray")
+        if given and described.connect is None:
+            raise LaunchError(f"{flag} is for --runtime {runtime_lib.able('connect')}")
     if rank_timeout is None:
         rank_timeout = RANK_TIMEOUT
     if name is not None:
@@ -325,13 +320,13 @@ def launch(
     checkpoints.check(checkpoint_dir, checkpoint_every, LaunchError)
     if resume and checkpoint_dir is None:
         raise LaunchError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
-    if runtime != "local" and checkpoint_dir is not None:
-        raise LaunchError("--checkpoint-dir is for --runtime local")
+    if checkpoint_dir is not None and not described.saves_served:
+        raise LaunchError(f"--checkpoint-dir is for --runtime {runtime_lib.able('saves_served')}")
     path = Path(script)
     if not path.is_file():
         raise LaunchError(f"{script}: no such script")
     _check_python(path)
-    missing = runtime_lib.describe(runtime).missing()
+    missing = described.missing()
     if missing is not None:
         raise LaunchError(missing)
     _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout, runtime, rank_timeout,

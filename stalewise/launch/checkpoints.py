@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stalewise import runtime as runtime_lib
 from stalewise.checkpoint import CheckpointError
 from stalewise.launch.context import LaunchError
 
@@ -38,11 +39,25 @@ SERVED_POLL = 0.25
 
 
 def check(directory: Any, every: Any, error: type[Exception]) -> None:
-    """Refuses checkpoint settings that do not fit together, in one line (``error``)."""
+    """Refuses checkpoint settings that do not fit together, in one line (``error``), and
+    makes ``directory`` (with its parents) unless it is there: a folder of this user's
+    that no one else can write (:func:`stalewise.checkpoint.store.untrusted`)."""
+    from stalewise.checkpoint.store import untrusted
+
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise error(f"checkpoint_every (--checkpoint-every) must be an integer >= 1, got {every!r}")
     if every is not None and directory is None:
         raise error("checkpoint_every (--checkpoint-every) needs checkpoint_dir (--checkpoint-dir)")
+    if directory is None:
+        return
+    try:
+        with contextlib.suppress(FileExistsError):  # a file there: untrusted says so
+            Path(directory).mkdir(0o755, parents=True, exist_ok=True)
+        problem = untrusted(os.stat(directory))
+    except OSError as e:
+        problem = f"cannot make it: {e.strerror or e}"
+    if problem:
+        raise error(f"checkpoint_dir (--checkpoint-dir) {os.fspath(directory)}: {problem}")
 
 
 class Saves:
@@ -63,9 +78,6 @@ class Saves:
         o = SimpleNamespace(checkpoint_dir=directory, checkpoint_every=every, resume=resume,
                             checkpoint_seconds=None, checkpoint_keep=2, room=workers,
                             run=None)  # fmt: skip
-        if resume and not checkpoint.exists(directory):
-            print(f"stalewise: resume: no checkpoint in {directory} yet; starting from the start",
-                  file=sys.stderr, flush=True)  # fmt: skip
         try:
             ckpt = checkpoint.resume_point(job.config, o, runtime="local")
             if ckpt is not None:
@@ -73,8 +85,8 @@ class Saves:
         except (checkpoint.CheckpointError, ValueError) as e:
             raise LaunchError(f"--resume from {directory}: {' '.join(str(e).split())}") from None
         self.ranks: list[dict] = [{} for _ in range(workers)]
-        if ckpt is not None and ckpt.ranks is not None:
-            self.ranks[: len(ckpt.ranks)] = ckpt.ranks[:workers]
+        if ckpt is not None and ckpt.ranks is not None:  # one per worker: resume_point checked
+            self.ranks = ckpt.ranks
         self.pushes = 0 if ckpt is None else int(ckpt.step.get("pushes", 0))
         self.saver = checkpoint.Saver(job.config, None, o, runtime="local", version=0)
         self.started = time.monotonic()
@@ -189,11 +201,9 @@ def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resum
     (:class:`Served`), or as it is without one. Bad settings are refused before the
     server starts; the server is closed if its checkpoints cannot start (a refused
     resume: :class:`LaunchError`, one line)."""
-    check(directory, every, ValueError)
-    if resume and directory is None:
-        raise ValueError("job.serve: resume needs checkpoint_dir (where the checkpoints are)")
-    if directory is not None and runtime != "local":
-        raise ValueError(f"job.serve: checkpoint_dir is for runtime='local', not {runtime!r}")
+    if directory is not None and not runtime_lib.describe(runtime).saves_served:
+        able = runtime_lib.able("saves_served")
+        raise ValueError(f"job.serve: checkpoint_dir is for runtime={able!r}, not {runtime!r}")
     server = start()
     if directory is None:
         return server
@@ -253,6 +263,7 @@ def write_rank_state(folder: Path, rank: int, state: Any, pushes: int) -> None:
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     meta = {"values": json.dumps(values, allow_nan=True), "pushes": str(int(pushes))}
     save_file({k: checkpoint._contiguous(a) for k, a in arrays.items()}, str(tmp), metadata=meta)
+    os.chmod(tmp, 0o644)  # whatever the umask: the launcher refuses what others can write
     os.replace(tmp, path)
 
 
@@ -311,9 +322,14 @@ def rank_files(directory: str | None, every: int | None):
         return
     import shutil
 
-    folder = Path(directory) / ".ranks"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    from stalewise.checkpoint.store import untrusted
+
+    folder = Path(directory) / ".ranks"  # made afresh, 0700, in a folder of ours (check)
+    with contextlib.suppress(FileNotFoundError):
+        if problem := untrusted(os.lstat(folder)):
+            raise LaunchError(f"{folder} is {problem}, which stalewise never makes: remove it")
+        shutil.rmtree(folder)
+    folder.mkdir(0o700)
     saved = {k: os.environ.get(k) for k in (RANKS_ENV, EVERY_ENV)}
     os.environ[RANKS_ENV] = str(folder)
     os.environ[EVERY_ENV] = str(every or "")

@@ -177,10 +177,10 @@ class Ranks:
             n = int(counts[r.rank])
             if n != r.pushes:
                 r.pushes, r.last_push, r.job_then = n, now, job
-        limit = self.launch.rank_timeout
+        limit, rounds = self.launch.rank_timeout, self.server.config.consistency.averages_rounds
         for r in self.running():
             silence = None if r.last_push is None else now - r.last_push
-            if r.judged or not silent_rank(silence, job - r.job_then, limit):
+            if r.judged or not silent_rank(silence, job - r.job_then, limit, rounds=rounds):
                 continue
             r.judged = True
             r.proc.kill()

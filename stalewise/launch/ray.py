@@ -1,19 +1,13 @@
 """``stalewise run --runtime ray``: a script you own, once per worker, as Ray actors.
 
-The launcher's process runs the script until :func:`stalewise.init`; there it
-connects to Ray (:func:`stalewise.runtime.ray.connect`: ``--address``, else
-``RAY_ADDRESS``, else a new local instance), says which cluster and which
-environment variables each rank gets (:func:`shipped_env`) on lines of stderr,
-serves the job on Ray and starts one :class:`ScriptWorker` actor per rank,
-spread over the nodes, one CPU each. Each actor attaches to the job as worker
-``rank``, enters the launcher's working directory if it exists on its node, sets
-torchrun's variables (``RANK``, ``LOCAL_RANK`` counting the ranks on its node,
-...) and runs the script as ``__main__``, so its :func:`stalewise.init` returns a
-:class:`~stalewise.launch.Context` whose client is a
-:class:`~stalewise.runtime.ray.client.RayClient`. The workers start together (a
-rendezvous at the job's door); what they print reaches the launcher's stdout,
-each line labelled ``(rank R pid=...)``. A script not at the same path on a node
-runs from the launcher's copy of its text. ``docs/ray.md`` tells the whole of it.
+At :func:`stalewise.init` the launcher connects to Ray
+(:func:`stalewise.runtime.ray.connect`), says on stderr which cluster and which
+environment variables each rank gets (:func:`shipped_env`), serves the job and
+starts one :class:`ScriptWorker` actor per rank (spread, one CPU each), which
+attaches as worker ``rank``, sets torchrun's variables and runs the script as
+``__main__``. The ranks start together (a rendezvous at the job's door); their
+output reaches the launcher's stdout labelled ``(rank R pid=...)``. ``docs/ray.md``
+tells the whole of it.
 """
 
 from __future__ import annotations
@@ -25,6 +19,7 @@ import re
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +52,8 @@ SECRET = re.compile(
 def shipped_env(
     named: list[str] = (), every: bool = False, environ: dict[str, str] | None = None
 ) -> dict[str, str]:
-    """The launcher's environment variables a rank on Ray gets (see the module docstring):
-    :data:`SHIPPED`, the ``named`` ones, and with ``every`` (``--env-all``) the rest but
-    :data:`NOT_SHIPPED` and :data:`SECRET`.
+    """The variables of ``environ`` a rank on Ray gets: :data:`SHIPPED`, the ``named`` ones,
+    and with ``every`` (``--env-all``) the rest but :data:`NOT_SHIPPED` and :data:`SECRET`.
 
     Example:
         >>> env = {"OMP_NUM_THREADS": "4", "DATA": "/d", "GITHUB_TOKEN": "t", "PWD": "/x"}
@@ -83,7 +77,7 @@ def shipped_env(
 
 
 class _Barrier:
-    """The launcher's start barrier on Ray: the job's door counts the arrivals."""
+    """The launcher's start barrier on Ray (the door's rendezvous)."""
 
     def __init__(self, door: Any, parties: int):
         self.door, self.parties = door, parties
@@ -106,8 +100,7 @@ def quiet_driver() -> None:
 
 
 class ScriptWorker:
-    """One rank of a launched script (made remote by :func:`serve_workers`); Ray labels
-    the lines it prints ``(rank R pid=...)``."""
+    """One rank of a launched script, as a Ray actor."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -116,7 +109,6 @@ class ScriptWorker:
         return f"rank {self.rank}"
 
     def node(self) -> str:
-        """The id of the node this actor runs on (the launcher numbers ``LOCAL_RANK``)."""
         import ray
 
         return ray.get_runtime_context().get_node_id()
@@ -133,11 +125,9 @@ class ScriptWorker:
         local: tuple[int, int] = (0, 1),
         cwd: str | None = None,
     ) -> dict:
-        """Runs the script as ``__main__`` with rank ``rank``'s context; returns where it
-        ran (``node``), the pushes refused past the budget (``refused``) and its error's
-        line (``failed``, :func:`~stalewise.launch.ranks.failure`; None). ``local``: its
-        ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; ``cwd``: the launcher's working directory,
-        entered if it exists here."""
+        """Runs the script as ``__main__`` as rank ``rank`` (``local``: ``LOCAL_RANK``,
+        ``LOCAL_WORLD_SIZE``; ``cwd``: entered if it exists here); returns ``node``,
+        ``refused`` (pushes past the budget) and ``failed`` (its error's line, or None)."""
         import ray
 
         from stalewise.runtime.logs import child_logging
@@ -177,9 +167,8 @@ class ScriptWorker:
 
 
 def serve_workers(job: Any, launch: Any) -> int:
-    """The launcher's side on Ray (the ``"ray"`` runtime's ``launch``): serves ``job``,
-    runs ``launch.workers`` workers of ``launch.script``, waits; the exit status (1 if a
-    worker failed, each named on a line of stderr)."""
+    """Serves ``job`` on Ray and runs ``launch.workers`` ranks of ``launch.script``;
+    returns the exit status (1 if a rank failed, named on stderr)."""
     import uuid
 
     script, argv, workers = launch.script, launch.argv, launch.workers
@@ -224,19 +213,19 @@ def serve_workers(job: Any, launch: Any) -> int:
             log.info("stalewise run: %d workers started on Ray (job %r)", workers, name)
             nodes = set(where)
             pending = list(refs)
-            deadline = None if timeout is None else _now() + timeout
+            deadline = None if timeout is None else time.monotonic() + timeout
             progress = Progress(workers, server)
             while pending:
-                left = None if deadline is None else max(deadline - _now(), 0)
+                left = None if deadline is None else max(deadline - time.monotonic(), 0)
                 if progress.every:
                     left = progress.every if left is None else min(left, progress.every)
                 done, pending = ray.wait(pending, num_returns=1, timeout=left)
                 if not done:
-                    if deadline is not None and _now() >= deadline:
+                    if deadline is not None and time.monotonic() >= deadline:
                         failed.append(f"timed out after {timeout} s")
                         lost += len(pending)
                         break
-                    progress.tick(_now(), server.job_pushes, len(pending))
+                    progress.tick(time.monotonic(), server.job_pushes, len(pending))
                     continue
                 rank = refs[done[0]]
                 try:
@@ -249,7 +238,7 @@ def serve_workers(job: Any, launch: Any) -> int:
                     failed.append(why)
                     lost += 1
                     ray.get(server.door.abort.remote())  # the others start without it
-                progress.tick(_now(), server.job_pushes, len(pending))
+                progress.tick(time.monotonic(), server.job_pushes, len(pending))
             pushes = pushes_of(server)
     finally:
         for a in actors:
@@ -263,8 +252,7 @@ def serve_workers(job: Any, launch: Any) -> int:
 
 
 def _say_cluster(ray: Any, address: str, started: bool) -> None:
-    """One line of stderr: the Ray cluster the launcher connected to, and whether it is a
-    new local instance (see the module docstring)."""
+    """Says on stderr which Ray cluster the launcher connected to."""
     try:
         at = ray.get_runtime_context().gcs_address
     except Exception:  # an older Ray: the address asked for
@@ -278,14 +266,8 @@ def _say_cluster(ray: Any, address: str, started: bool) -> None:
     print(f"stalewise run: Ray cluster at {at} ({what})", file=sys.stderr, flush=True)
 
 
-def _now() -> float:
-    import time
-
-    return time.monotonic()
-
-
 def _cause(e: Exception) -> str:
-    """One line for a worker's failure: the exception's type and first line."""
+    """A rank's failure in one line."""
     cause = getattr(e, "cause", None) or e
     text = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {text[-1] if text else ''}".rstrip(": ")

@@ -1,32 +1,14 @@
-"""Fused numba kernels behind the in-place optimizer updates.
+"""Fused numba kernels behind the in-place optimizer updates, one per rule.
 
-One kernel per rule. Each makes one pass over memory (SGD, Adam) or two per leaf
-(LAMB, LARS: the trust ratio needs the leaf's norms before the step), and the
-second pass of a leaf runs while the leaf is still in cache.
-
-Conventions shared by every kernel:
-
-- ``g``, ``p`` and the state buffers are 1-D, C-contiguous, of one float dtype.
-  Element-wise maths runs in that dtype, so the coefficients (``b1``, ``eps``,
-  ...) arrive already cast to it by the caller, who also computes ``w1 = 1 - b1``
-  and ``w2 = 1 - b2`` in float64 (``1 - float32(0.999)`` is off by 1e-5).
-  Norms accumulate in float64.
-- ``lr`` is the step size already multiplied by the caller's ``scale``; it
-  stays a Python float and is cast only once it is known (after the trust
-  ratio for LAMB and LARS).
-- ``into_params``: True adds the update to ``p`` (``apply``); False leaves
-  ``p`` untouched and writes the update into ``g`` (``update``). Both paths
-  round the update to the vector dtype before the addition, so
-  ``params + updates`` equals the in-place result bit for bit.
-- ``g`` may be used as scratch: LAMB keeps each leaf's direction there between
-  its two passes.
-
-``error_model="numpy"`` lets divisions vectorize (numba otherwise checks every
-divisor for zero). ``fastmath`` stays off: results are reproducible, on any
-machine, and the norms use fixed partial sums instead of reassociation. The one
-exception is the finiteness flags of a checked step (``check``, :func:`_flag`):
-a flag only tells finite from not, so its sums may be reassociated.
-``nogil``: a server may apply an update in one thread while others serve pulls.
+Each makes one pass over memory (SGD, Adam) or two per leaf (LAMB, LARS: the trust
+ratio needs the leaf's norms first). Conventions: ``g``, ``p`` and the state are 1-D,
+C-contiguous, of one float dtype, in which the element-wise maths runs (the caller casts
+the coefficients and computes ``w1 = 1 - b1``, ``w2 = 1 - b2`` in float64); norms
+accumulate in float64. ``lr`` arrives multiplied by ``scale``. ``into_params`` True adds
+the update to ``p`` (``apply``), False writes it into ``g`` (``update``), both rounded
+alike so the two agree bit for bit; ``g`` may be scratch. ``fastmath`` stays off so
+results reproduce (except the finiteness flags of a checked step, :func:`_flag`);
+``nogil`` lets a server apply while other threads serve pulls.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The per-leaf table kept in the state of LAMB and LARS, and of SGD and Adam(W) with exclusions.
 
-``update`` and ``apply`` do not receive the segment table, so the optimizers
-that work leaf by leaf copy what they need of it into their state at ``init``:
-offsets, sizes, which leaves get weight decay and (LAMB, LARS) which are
-adapted by the trust ratio. Which leaves are excluded is decided here only:
-by regex (``re.search``) on the leaf names. The table is checked before every
-update, because the kernels index the vectors with it and do no bounds checks
-of their own.
+``update`` and ``apply`` do not receive the segments, so these optimizers keep offsets,
+sizes and the exclusions (by ``re.search`` on leaf names, decided here only) in their
+state; the table is checked before every update, as the kernels do no bounds checks.
 """
 
 from __future__ import annotations

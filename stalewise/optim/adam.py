@@ -5,47 +5,25 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from stalewise._lazy import Lazy
-from stalewise.optim import _leaves
-from stalewise.optim._validate import (
-    check_buffers,
-    check_count,
-    check_learning_rate,
-    check_number,
-    check_params,
-    check_scale,
-    check_vectors,
-    compile_patterns,
-)
-from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
-from stalewise.segments import Segments
+from stalewise.optim._leaves import DecayTable
+from stalewise.optim._validate import check_learning_rate, check_number, compile_patterns
+from stalewise.optim.base import LearningRate, Moments, Optimizer, state_type
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
 
-class AdamState(NamedTuple):
-    count: np.ndarray  # 0-d int64: updates applied so far (drives bias correction)
-    mu: np.ndarray  # first moment of the gradient, like params
-    nu: np.ndarray  # second moment of the gradient, like params
-
-
-class MaskedAdamState(NamedTuple):
-    """The state of :func:`adam` and :func:`adamw` given ``exclude_from_weight_decay``."""
-
-    count: np.ndarray  # 0-d int64: updates applied so far (drives bias correction)
-    mu: np.ndarray  # first moment of the gradient, like params
-    nu: np.ndarray  # second moment of the gradient, like params
-    offsets: np.ndarray  # int64 start of each leaf
-    sizes: np.ndarray  # int64 length of each leaf
-    decay: np.ndarray  # bool per leaf: weight decay applies
+# the gradient's first and second moments; Masked: with exclusions
+AdamState = state_type("AdamState", __name__, ("mu", "nu"))
+MaskedAdamState = state_type("MaskedAdamState", __name__, ("mu", "nu"), DecayTable)
 
 
 @dataclass(frozen=True)
-class _Adam(Rule):
+class _Adam(Moments):
+    where, State, Masked = "adam", AdamState, MaskedAdamState
     fused_checks = True  # run() takes check= (Rule.apply_checked)
     lr: LearningRate
     b1: float
@@ -55,35 +33,20 @@ class _Adam(Rule):
     decay: float  # decoupled: part of the step, outside the moments (AdamW)
     exclude_from_weight_decay: tuple[str, ...] = ()
 
-    def init(
-        self, params: np.ndarray, segments: Segments | None = None
-    ) -> AdamState | MaskedAdamState:
-        segments = check_params(params, segments)
-        moments = (new_count(), np.zeros_like(params), np.zeros_like(params))
-        if not self.exclude_from_weight_decay:
-            return AdamState(*moments)
-        return MaskedAdamState(
-            *moments, *_leaves.decay_table(segments, self.exclude_from_weight_decay)
-        )
-
     def written(self, state, params: np.ndarray) -> tuple[np.ndarray, ...]:
         return (params, state.mu, state.nu)
 
     def run(
         self,
         grads: np.ndarray,
-        state: AdamState | MaskedAdamState,
+        state: tuple,
         params: np.ndarray,
         scale: float,
         into_params: bool,
         check: np.ndarray | None = None,
         undo: tuple[np.ndarray, ...] | None = None,
     ) -> None:
-        check_vectors(grads, params, write_grads=True, write_params=into_params)
-        check_buffers("adam", params, mu=state.mu, nu=state.nu)
-        table = _leaves.decay_of("adam", state, params.size, bool(self.exclude_from_weight_decay))
-        count = check_count("adam", state.count)
-        lr = learning_rate(self.lr, count) * check_scale(scale)
+        count, lr, table = self.begin(grads, state, params, scale, into_params)
         t = count + 1
         dt = params.dtype.type
         _kernels.adam(
@@ -149,16 +112,8 @@ def adam(
     ``g' = g + weight_decay * p``; ``m = b1*m + (1-b1)*g'``;
     ``v = b2*v + (1-b2)*g'^2``; ``p -= lr * scale * m_hat / (sqrt(v_hat) + eps)``
     with the bias corrections ``m_hat = m / (1 - b1^t)``, ``v_hat = v / (1 - b2^t)``
-    at step ``t = count + 1``.
-
-    Args:
-        lr: learning rate, a float >= 0 or a schedule.
-        b1: decay of the first moment, in ``[0, 1)``.
-        b2: decay of the second moment, in ``[0, 1)``.
-        eps: added to ``sqrt(v_hat)``, > 0.
-        weight_decay: L2 coefficient added to the gradient, >= 0.
-        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
-            get no L2 term, as a parameter group with ``weight_decay=0`` in torch.
+    at step ``t = count + 1``. ``exclude_from_weight_decay``: regexes (``re.search``) on
+    leaf names that get no L2 term, as a torch parameter group with ``weight_decay=0``.
 
     Example:
         >>> opt = adam(0.1)
@@ -183,15 +138,6 @@ def adamw(
 
     As :func:`adam` without the L2 term, and the step is
     ``p -= lr * scale * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``.
-
-    Args:
-        lr: learning rate, a float >= 0 or a schedule.
-        b1: decay of the first moment, in ``[0, 1)``.
-        b2: decay of the second moment, in ``[0, 1)``.
-        eps: added to ``sqrt(v_hat)``, > 0.
-        weight_decay: decoupled decay coefficient (multiplied by the step size), >= 0.
-        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
-            get no decay, e.g. ``("bias$", "ln_")`` for nanoGPT's 1-D tensors.
 
     Example:
         >>> opt = adamw(0.1, weight_decay=0.5)

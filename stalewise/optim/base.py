@@ -16,30 +16,33 @@ which leaf. It is a NamedTuple of functions, in the spirit of optax:
   becomes the updates and ``state`` is advanced; ``params`` is untouched. This is
   what :func:`chain` uses for all but its last element.
 
-``scale`` multiplies the step size of this one update (a parameter server
-passes a staleness weight through it); it never changes what enters the
-moments. Gradient transforms such as :func:`clip_by_global_norm` ignore it.
-
-Each rule is written once, in place (a :class:`Rule`); ``update`` is derived
-from it by running it on copies, so ``update`` and ``apply`` cannot disagree.
-
-Threading: optimizers hold no mutable data; a state must not be used by two
-updates at the same time.
+``scale`` multiplies the step size of this one update (a staleness weight), never what
+enters the moments. Each rule is written once, in place (a :class:`Rule`); ``update`` runs
+it on copies. A state must not be used by two updates at the same time.
 """
 
 from __future__ import annotations
 
 import abc
+import collections
 import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from stalewise._lazy import Lazy
-from stalewise.optim._validate import check_number, check_params, check_scale, check_vectors
+from stalewise.optim import _leaves
+from stalewise.optim._validate import (
+    check_buffers,
+    check_count,
+    check_number,
+    check_params,
+    check_scale,
+    check_vectors,
+)
 from stalewise.segments import Segments
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
@@ -82,11 +85,8 @@ def copy_state(state: State) -> State:
 
 
 def learning_rate(lr: LearningRate, count: np.ndarray | int) -> float:
-    """The learning rate for the update that follows ``count`` applied updates.
-
-    A schedule is evaluated at the 0-based index of the step being taken, as
-    optax does and as torch does when ``scheduler.step()`` follows
-    ``optimizer.step()``: the first update uses ``lr(0)``.
+    """The learning rate for the update that follows ``count`` applied updates (``lr(0)``
+    first, see :mod:`.schedules`).
 
     Example:
         >>> learning_rate(0.1, 7), learning_rate(lambda n: 1.0 / (n + 1), 3)
@@ -191,17 +191,12 @@ class Rule(abc.ABC):
         scale: float = 1.0,
         undo: tuple[np.ndarray, ...] | None = None,
     ) -> tuple[float, float]:
-        """:meth:`apply` with what a parameter server does around it fused into the step
-        (block by block, while each block is in cache), for rules with ``fused_checks``.
+        """:meth:`apply` with a server's checks fused into the step (``fused_checks`` rules).
 
-        ``undo``: copies of the vectors :meth:`written` names, in its order, that get
-        their values before the step changes them (the state's other arrays are the
-        caller's to copy). ``grads`` is left untouched. Returns the sum of the squares
-        of ``grads`` and the sum of zero times every value the step wrote, both in the
-        dtype of ``params``: the second is finite exactly when the params and state
-        stayed finite, the first when ``grads`` is finite and its squared norm does not
-        overflow (an Inf or NaN sends a server to its exact checks). The step is taken
-        either way.
+        ``undo``: copies of :meth:`written`'s vectors that get their values before the step.
+        ``grads`` is left untouched. Returns the sum of the squares of ``grads`` and the sum
+        of zero times every value written (finite exactly when params and state stayed
+        finite); the step is taken either way.
         """
         if undo is not None:
             written = self.written(state, params)
@@ -229,6 +224,58 @@ class Rule(abc.ABC):
         return Optimizer(self.init, update, self.apply, self.update_inplace)
 
 
+def state_type(name: str, module: str, moments: tuple[str, ...], table: Any = None) -> type:
+    """A state class: ``count`` (0-d int64), the parameter-sized ``moments``, then the
+    fields of ``table`` (a leaf table of :mod:`stalewise.optim._leaves`)."""
+    fields = ("count", *moments, *(table._fields if table else ()))
+    cls = collections.namedtuple(name, fields, module=module)
+    cls._moments = moments
+    return cls
+
+
+class Moments(Rule):
+    """A rule whose state is :func:`state_type`'s: :meth:`init` and the checks that open
+    every step (:meth:`begin`) are written here once. Subclasses set ``where`` (the name
+    in messages), ``State`` and, with per-leaf exclusions, ``Masked``."""
+
+    where: ClassVar[str]
+    State: ClassVar[type]
+    Masked: ClassVar[type | None] = None
+    per_leaf: ClassVar[bool] = False  # LAMB, LARS: the leaf table is always kept
+
+    def moments(self) -> tuple[str, ...]:
+        """The state's parameter-sized arrays (the others are kept empty)."""
+        return self.State._moments
+
+    def masked(self) -> bool:
+        return self.per_leaf or bool(getattr(self, "exclude_from_weight_decay", ()))
+
+    def init(self, params: np.ndarray, segments: Segments | None = None) -> State:
+        segments = check_params(params, segments)
+        kept = self.moments()
+        moments = [
+            np.zeros(params.size if m in kept else 0, params.dtype) for m in self.State._moments
+        ]
+        if not self.masked():
+            return self.State(new_count(), *moments)
+        no_decay = getattr(self, "exclude_from_weight_decay", ())
+        if self.per_leaf:
+            table = _leaves.build(segments, no_decay, self.exclude_from_adaptation)  # type: ignore[attr-defined]
+        else:
+            table = _leaves.decay_table(segments, no_decay)
+        return self.Masked(new_count(), *moments, *table)  # type: ignore[misc]
+
+    def begin(
+        self, grads: np.ndarray, state: State, params: np.ndarray, scale: float, into_params: bool
+    ) -> tuple[int, float, _leaves.DecayTable]:
+        """The checks of a step: returns ``(count, lr * scale, leaf table)``."""
+        check_vectors(grads, params, write_grads=True, write_params=into_params)
+        check_buffers(self.where, params, **{m: getattr(state, m) for m in self.moments()})
+        table = _leaves.decay_of(self.where, state, params.size, self.masked())
+        count = check_count(self.where, state.count)
+        return count, learning_rate(self.lr, count) * check_scale(scale), table  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
 class _Chain(Rule):
     parts: tuple[Optimizer, ...]
@@ -251,9 +298,7 @@ class _Chain(Rule):
 def chain(*optimizers: Optimizer) -> Optimizer:
     """Composes optimizers: each transforms the updates of the one before.
 
-    The state is the tuple of the parts' states. The last part usually applies
-    the learning rate; the ones before transform the gradient. ``scale`` is
-    passed to every part.
+    The state is the tuple of the parts' states; ``scale`` is passed to every part.
 
     Example:
         >>> from stalewise.optim import lamb
@@ -292,11 +337,8 @@ class _ClipByGlobalNorm(Rule):
 def clip_by_global_norm(max_norm: float) -> Optimizer:
     """Rescales the gradient to norm ``max_norm`` when its L2 norm exceeds it.
 
-    A gradient transform: put it first in a :func:`chain`. The norm is taken
-    over the whole vector (all leaves of this shard), accumulated in float64.
-
-    Args:
-        max_norm: the largest L2 norm let through, > 0.
+    A gradient transform: put it first in a :func:`chain`. The norm is over this
+    shard's whole vector.
 
     Example:
         >>> clip = clip_by_global_norm(1.0)

@@ -1,29 +1,14 @@
 """Buffers on the server: non-trainable state that follows what the workers report.
 
-A model's buffers (BatchNorm running statistics and the like) are not
-trained by gradients: each worker's forward pass updates them. They travel in
-the flat vector with the parameters (:mod:`stalewise.tree` marks them), and
-in every push a buffer's slot carries the buffer's *value* after the
-worker's step instead of a gradient. :func:`with_buffers` wraps the job's
-optimizer so that, per push,
-
-- the optimizer runs on the trainable leaves only (it sees zeros in the
-  buffers' slots, which therefore count for no gradient norm and keep no
-  momentum), and
-- each buffer moves toward the reported value ``v`` by the running-average
-  rule ``b <- b + rate * scale * (v - b)``, ``scale`` being the staleness
-  weight of the push (so stale reports count less).
-
-With the default ``rate = 1`` a fresh report replaces the server's value.
-Since a worker's BatchNorm update is itself a running average started from
-the values it pulled (``v = (1 - m) b + m * batch_mean``), the server's
-statistics follow the running average a single process would keep, over the
-batches of all workers. Under BSP the round's reports are averaged first, so
-a buffer becomes the mean of the workers' values: for the model-averaging
-strategies (``local_sgd``, ``diloco``), which report each buffer's value
-after their local steps, that is FedAvg of the buffers, averaged like the
-parameters (``easgd`` reports the value it keeps after its elastic move). ``sw.Job`` wraps its optimizer so when its params have
-buffers; the wrapper shows in the job's ``config.optimizer``.
+A model's buffers (BatchNorm running statistics...) travel in the flat vector, and in a
+push a buffer's slot carries its *value* after the worker's step, not a gradient.
+:func:`with_buffers` wraps the job's optimizer (``sw.Job`` does it when its params have
+buffers) so that the optimizer sees zeros in the buffers' slots and each buffer moves
+toward the reported value ``v`` as ``b <- b + rate * scale * (v - b)`` (``scale`` the
+push's staleness weight; ``rate = 1``: a fresh report replaces it). The server's
+statistics then follow the running average one process would keep over all workers'
+batches; under BSP a round's reports are averaged (for model averaging, FedAvg of the
+buffers).
 
 Example:
     >>> import numpy as np
@@ -124,15 +109,9 @@ class _WithBuffers(Rule):
 
 
 def with_buffers(optimizer: Optimizer, names: Iterable[str], rate: float = 1.0) -> Optimizer:
-    """``optimizer`` for the trainable leaves; the leaves called ``names`` are buffers.
-
-    Args:
-        optimizer: the server optimizer of the trainable leaves (any
-            :class:`~stalewise.optim.Optimizer`, a ``chain`` too).
-        names: the buffer leaves' names (``FlatSpec.buffers``).
-        rate: how far a report moves a buffer, in ``(0, 1]``; see the module docstring.
-
-    An optimizer already wrapped is wrapped anew around its inner optimizer.
+    """``optimizer`` (any :class:`~stalewise.optim.Optimizer`) for the trainable leaves; the
+    leaves called ``names`` are buffers, a report moving one by ``rate`` in ``(0, 1]``. An
+    optimizer already wrapped is wrapped anew around its inner one.
     """
     rate = check_number("with_buffers", "rate", rate, 0.0, 1.0, lo_open=True, hi_open=False)
     rule = getattr(optimizer.apply, "__self__", None)

@@ -1,17 +1,8 @@
 """LAMB: Adam directions scaled leaf by leaf by a trust ratio (You et al., 2020).
 
-What this implementation guarantees, where well-known ones differ:
-
-- decoupled weight decay is part of the applied step, not only of the norm;
-- the trust ratio is clipped to ``[min_trust_ratio, max_trust_ratio]``
-  (default at most 10), so a tiny update norm cannot blow a leaf up;
-- the ratio is 1 when either norm is zero, so zero-initialised leaves (biases)
-  still train;
-- leaves can be excluded from weight decay and from adaptation by regex on
-  their names;
-- the step counter is in the state, so a restored optimizer continues the bias
-  correction where it stopped;
-- a staleness ``scale`` multiplies the step, never the moments.
+Where well-known ones differ: the decoupled weight decay is part of the applied step, the
+trust ratio is clipped (at most 10 by default) and is 1 when either norm is zero (so
+zero-initialised biases train), and leaves can be excluded from decay and adaptation.
 """
 
 from __future__ import annotations
@@ -19,41 +10,24 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from stalewise._lazy import Lazy
-from stalewise.optim import _leaves
-from stalewise.optim._validate import (
-    check_buffers,
-    check_count,
-    check_learning_rate,
-    check_number,
-    check_params,
-    check_scale,
-    check_vectors,
-    compile_patterns,
-)
-from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
-from stalewise.segments import Segments
+from stalewise.optim._leaves import LeafTable
+from stalewise.optim._validate import check_learning_rate, check_number, compile_patterns
+from stalewise.optim.base import LearningRate, Moments, Optimizer, state_type
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
 
-class LambState(NamedTuple):
-    count: np.ndarray  # 0-d int64: updates applied so far (drives bias correction)
-    mu: np.ndarray  # first moment of the gradient, like params
-    nu: np.ndarray  # second moment of the gradient, like params
-    offsets: np.ndarray  # int64 start of each leaf
-    sizes: np.ndarray  # int64 length of each leaf
-    decay: np.ndarray  # bool per leaf: weight decay applies
-    adapt: np.ndarray  # bool per leaf: the trust ratio applies (else it is 1)
-    trust_ratio: np.ndarray  # float64 per leaf: the ratio used by the last update
+# the moments, then the leaf table (exclusions and last trust ratios)
+LambState = state_type("LambState", __name__, ("mu", "nu"), LeafTable)
 
 
 @dataclass(frozen=True)
-class _Lamb(Rule):
+class _Lamb(Moments):
+    where, State, Masked, per_leaf = "lamb", LambState, LambState, True
     lr: LearningRate
     b1: float
     b2: float
@@ -64,26 +38,15 @@ class _Lamb(Rule):
     exclude_from_weight_decay: tuple[str, ...]
     exclude_from_adaptation: tuple[str, ...]
 
-    def init(self, params: np.ndarray, segments: Segments | None = None) -> LambState:
-        segments = check_params(params, segments)
-        table = _leaves.build(
-            segments, self.exclude_from_weight_decay, self.exclude_from_adaptation
-        )
-        return LambState(new_count(), np.zeros_like(params), np.zeros_like(params), *table)
-
     def run(
         self,
         grads: np.ndarray,
-        state: LambState,
+        state: tuple,
         params: np.ndarray,
         scale: float,
         into_params: bool,
     ) -> None:
-        check_vectors(grads, params, write_grads=True, write_params=into_params)
-        check_buffers("lamb", params, mu=state.mu, nu=state.nu)
-        _leaves.check("lamb", state, params.size)
-        count = check_count("lamb", state.count)
-        lr = learning_rate(self.lr, count) * check_scale(scale)
+        count, lr, _ = self.begin(grads, state, params, scale, into_params)
         t = count + 1
         dt = params.dtype.type
         _kernels.lamb(
@@ -130,23 +93,9 @@ def lamb(
     ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * p``,
     ``r = clip(||p|| / ||u||, min_trust_ratio, max_trust_ratio)`` (1 when either
     norm is zero or the leaf is excluded from adaptation), and
-    ``p -= lr * scale * r * u``. The ratios of the last update are kept in
-    ``state.trust_ratio`` for monitoring.
-
-    A leaf split across server shards gets the trust ratio of its local part.
-
-    Args:
-        lr: learning rate, a float >= 0 or a schedule.
-        b1: decay of the first moment, in ``[0, 1)``.
-        b2: decay of the second moment, in ``[0, 1)``.
-        eps: added to ``sqrt(v_hat)``, > 0.
-        weight_decay: decoupled decay coefficient, part of ``u``, >= 0.
-        min_trust_ratio: lower clip of the trust ratio, >= 0.
-        max_trust_ratio: upper clip of the trust ratio, >= ``min_trust_ratio``
-            (``math.inf`` for no clip, as optax).
-        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
-            get no weight decay, e.g. ``("bias", "norm")``.
-        exclude_from_adaptation: regexes on leaf names whose trust ratio is 1.
+    ``p -= lr * scale * r * u``; the last ratios are kept in ``state.trust_ratio``. A leaf
+    split across shards gets the ratio of its local part. ``max_trust_ratio=math.inf``:
+    no clip, as optax. The exclusions are regexes (``re.search``) on leaf names.
 
     Example:
         >>> from stalewise.segments import Segments

@@ -4,40 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from stalewise._lazy import Lazy
-from stalewise.optim import _leaves
-from stalewise.optim._validate import (
-    check_buffers,
-    check_count,
-    check_learning_rate,
-    check_number,
-    check_params,
-    check_scale,
-    check_vectors,
-    compile_patterns,
-)
-from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
-from stalewise.segments import Segments
+from stalewise.optim._leaves import LeafTable
+from stalewise.optim._validate import check_learning_rate, check_number, compile_patterns
+from stalewise.optim.base import LearningRate, Moments, Optimizer, state_type
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
 
-class LarsState(NamedTuple):
-    count: np.ndarray  # 0-d int64: updates applied so far
-    momentum: np.ndarray  # velocity, like params
-    offsets: np.ndarray  # int64 start of each leaf
-    sizes: np.ndarray  # int64 length of each leaf
-    decay: np.ndarray  # bool per leaf: weight decay applies
-    adapt: np.ndarray  # bool per leaf: the trust ratio applies (else it is 1)
-    trust_ratio: np.ndarray  # float64 per leaf: the ratio used by the last update
+# the moments, then the leaf table (exclusions and last trust ratios)
+LarsState = state_type("LarsState", __name__, ("momentum",), LeafTable)
 
 
 @dataclass(frozen=True)
-class _Lars(Rule):
+class _Lars(Moments):
+    where, State, Masked, per_leaf = "lars", LarsState, LarsState, True
     lr: LearningRate
     momentum: float
     weight_decay: float
@@ -46,26 +30,15 @@ class _Lars(Rule):
     exclude_from_weight_decay: tuple[str, ...]
     exclude_from_adaptation: tuple[str, ...]
 
-    def init(self, params: np.ndarray, segments: Segments | None = None) -> LarsState:
-        segments = check_params(params, segments)
-        table = _leaves.build(
-            segments, self.exclude_from_weight_decay, self.exclude_from_adaptation
-        )
-        return LarsState(new_count(), np.zeros_like(params), *table)
-
     def run(
         self,
         grads: np.ndarray,
-        state: LarsState,
+        state: tuple,
         params: np.ndarray,
         scale: float,
         into_params: bool,
     ) -> None:
-        check_vectors(grads, params, write_grads=True, write_params=into_params)
-        check_buffers("lars", params, momentum=state.momentum)
-        _leaves.check("lars", state, params.size)
-        count = check_count("lars", state.count)
-        lr = learning_rate(self.lr, count) * check_scale(scale)
+        count, lr, _ = self.begin(grads, state, params, scale, into_params)
         dt = params.dtype.type
         _kernels.lars(
             grads,
@@ -100,21 +73,9 @@ def lars(
     For each leaf: ``u = g + weight_decay * p``,
     ``r = trust_coefficient * ||p|| / (||u|| + eps)`` (1 when either norm is
     zero or the leaf is excluded from adaptation), ``buf = momentum*buf + r*u``
-    and ``p -= lr * scale * buf``. This is optax's ``lars`` with the learning
-    rate moved outside the velocity, so that a schedule or a staleness
-    ``scale`` changes the step only; with a constant rate the two coincide.
-
-    A leaf split across server shards gets the trust ratio of its local part.
-
-    Args:
-        lr: learning rate, a float >= 0 or a schedule.
-        momentum: velocity decay, in ``[0, 1)``.
-        weight_decay: L2 coefficient added to the gradient before the ratio, >= 0.
-        trust_coefficient: multiplier of the trust ratio, > 0.
-        eps: added to ``||u||``, >= 0 (zero norms are handled without it).
-        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
-            get no weight decay, e.g. ``("bias", "bn")``.
-        exclude_from_adaptation: regexes on leaf names whose trust ratio is 1.
+    and ``p -= lr * scale * buf``: optax's ``lars`` with the learning rate outside the
+    velocity. A leaf split across shards gets the ratio of its local part. The exclusions
+    are regexes (``re.search``) on leaf names.
 
     Example:
         >>> opt = lars(1.0, momentum=0.0, trust_coefficient=0.1)

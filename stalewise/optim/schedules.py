@@ -1,10 +1,7 @@
 """Learning-rate schedules: callables from a step count to a learning rate.
 
-Convention: a schedule is evaluated at the count of updates already applied,
-so the first update uses ``schedule(0)``. This is optax's convention, and
-torch's when ``scheduler.step()`` is called after each ``optimizer.step()``.
-
-Schedules are frozen dataclasses, so optimizers built with them pickle.
+A schedule is evaluated at the count of updates already applied, so the first update
+uses ``schedule(0)`` (optax's convention). Schedules are frozen dataclasses: they pickle.
 """
 
 from __future__ import annotations
@@ -70,13 +67,7 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.0) -> W
 
     ``peak * n / warmup`` for ``n < warmup``; then
     ``floor + (peak - floor) * (1 + cos(pi * (n - warmup) / (total - warmup))) / 2``
-    for ``warmup <= n < total``; ``floor`` from ``total`` on.
-
-    Args:
-        peak: the value reached at the end of warmup, >= 0.
-        warmup: number of warmup steps, >= 0 (0 starts at ``peak``).
-        total: the step at which ``floor`` is reached, >= ``warmup``.
-        floor: the final value, in ``[0, peak]``.
+    for ``warmup <= n < total``; ``floor`` (in ``[0, peak]``) from ``total`` on.
 
     Example:
         >>> s = warmup_cosine(1.0, warmup=10, total=110, floor=0.1)
@@ -92,11 +83,6 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.0) -> W
 
 def step_decay(lr: float, every: int, gamma: float) -> StepDecay:
     """Multiplies the learning rate by ``gamma`` every ``every`` steps (torch's ``StepLR``).
-
-    Args:
-        lr: the initial value, >= 0.
-        every: the period in steps, >= 1.
-        gamma: the factor applied at each period, >= 0.
 
     Example:
         >>> s = step_decay(1.0, every=10, gamma=0.5)

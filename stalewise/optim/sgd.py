@@ -4,45 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from stalewise._lazy import Lazy
-from stalewise.optim import _leaves
-from stalewise.optim._validate import (
-    check_buffers,
-    check_count,
-    check_learning_rate,
-    check_number,
-    check_params,
-    check_scale,
-    check_vectors,
-    compile_patterns,
-)
-from stalewise.optim.base import LearningRate, Optimizer, Rule, learning_rate, new_count
-from stalewise.segments import Segments
+from stalewise.optim._leaves import DecayTable
+from stalewise.optim._validate import check_learning_rate, check_number, compile_patterns
+from stalewise.optim.base import LearningRate, Moments, Optimizer, state_type
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
 
-class SgdState(NamedTuple):
-    count: np.ndarray  # 0-d int64: updates applied so far
-    momentum: np.ndarray  # velocity, like params (empty when momentum is 0)
-
-
-class MaskedSgdState(NamedTuple):
-    """The state of :func:`sgd` given ``exclude_from_weight_decay``."""
-
-    count: np.ndarray  # 0-d int64: updates applied so far
-    momentum: np.ndarray  # velocity, like params (empty when momentum is 0)
-    offsets: np.ndarray  # int64 start of each leaf
-    sizes: np.ndarray  # int64 length of each leaf
-    decay: np.ndarray  # bool per leaf: weight decay applies
+# the velocity, like params (empty when momentum is 0); Masked: with exclusions
+SgdState = state_type("SgdState", __name__, ("momentum",))
+MaskedSgdState = state_type("MaskedSgdState", __name__, ("momentum",), DecayTable)
 
 
 @dataclass(frozen=True)
-class _Sgd(Rule):
+class _Sgd(Moments):
+    where, State, Masked = "sgd", SgdState, MaskedSgdState
     fused_checks = True  # run() takes check= (Rule.apply_checked)
     lr: LearningRate
     momentum: float
@@ -50,17 +30,8 @@ class _Sgd(Rule):
     weight_decay: float
     exclude_from_weight_decay: tuple[str, ...] = ()
 
-    def init(
-        self, params: np.ndarray, segments: Segments | None = None
-    ) -> SgdState | MaskedSgdState:
-        segments = check_params(params, segments)
-        size = params.size if self.momentum else 0
-        velocity = (new_count(), np.zeros(size, dtype=params.dtype))
-        if not self.exclude_from_weight_decay:
-            return SgdState(*velocity)
-        return MaskedSgdState(
-            *velocity, *_leaves.decay_table(segments, self.exclude_from_weight_decay)
-        )
+    def moments(self) -> tuple[str, ...]:
+        return ("momentum",) if self.momentum else ()
 
     def written(self, state, params: np.ndarray) -> tuple[np.ndarray, ...]:
         return (params, state.momentum)
@@ -68,19 +39,14 @@ class _Sgd(Rule):
     def run(
         self,
         grads: np.ndarray,
-        state: SgdState | MaskedSgdState,
+        state: tuple,
         params: np.ndarray,
         scale: float,
         into_params: bool,
         check: np.ndarray | None = None,
         undo: tuple[np.ndarray, ...] | None = None,
     ) -> None:
-        check_vectors(grads, params, write_grads=True, write_params=into_params)
-        if self.momentum:
-            check_buffers("sgd", params, momentum=state.momentum)
-        table = _leaves.decay_of("sgd", state, params.size, bool(self.exclude_from_weight_decay))
-        count = check_count("sgd", state.count)
-        lr = learning_rate(self.lr, count) * check_scale(scale)
+        count, lr, table = self.begin(grads, state, params, scale, into_params)
         dt = params.dtype.type
         _kernels.sgd(
             grads,
@@ -109,16 +75,8 @@ def sgd(
 
     ``g' = g + weight_decay * p``; with momentum ``buf = momentum * buf + g'``
     and the step direction is ``buf`` (or ``g' + momentum * buf`` with
-    Nesterov); ``p -= lr * scale * direction``. The learning rate sits outside
-    the velocity, so a schedule or a staleness ``scale`` changes the step only.
-
-    Args:
-        lr: learning rate, a float >= 0 or a schedule (see :mod:`.schedules`).
-        momentum: velocity decay in ``[0, 1)``; 0 keeps no velocity buffer.
-        nesterov: use Nesterov momentum (needs ``momentum > 0``).
-        weight_decay: coefficient of the L2 term added to the gradient, >= 0.
-        exclude_from_weight_decay: regexes (``re.search``) on leaf names that
-            get no L2 term, as a parameter group with ``weight_decay=0`` in torch.
+    Nesterov); ``p -= lr * scale * direction``. ``exclude_from_weight_decay``: regexes
+    (``re.search``) on leaf names that get no L2 term.
 
     Example:
         >>> opt = sgd(0.1, momentum=0.9)

@@ -32,6 +32,21 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
+
+
+class Budget:
+    """A client's ``budget`` attribute: None (no budget) or the job's pushes in all, an
+    integer in [1, 2**62), checked when it is set (one line naming the value)."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        return self if obj is None else obj.__dict__.get("_budget")
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        ok = value is None or (type(value) is int and 1 <= value < 2**62)
+        if not ok:
+            raise ValueError(f"client.budget must be None or an integer >= 1, got {value!r}")
+        obj.__dict__["_budget"] = value
 
 
 def may_begin(committed: int, in_progress: int, steps: int) -> bool:

@@ -49,12 +49,18 @@ def departure(counts: Sequence[int | None]) -> tuple[int | None, dict[int, tuple
     them shard ``k`` handled (None: the incarnation is unknown there). Returns the shard
     that handled the most (None: no shard handled any) and, for each shard that knows
     the incarnation and handled fewer, the ``(start, stop)`` of the pushes it lacks."""
-    top = max((n for n in counts if n is not None), default=0)
+    top = committed(counts)
     if not top:
         return None, {}
     return counts.index(top), {
         k: (n, top) for k, n in enumerate(counts) if n is not None and n < top
     }
+
+
+def committed(counts: Sequence[int | None]) -> int | None:
+    """How many of a gone incarnation's pushes every shard that knows it has once it has
+    departed (``counts`` as :func:`departure` takes them; None: no shard knows it)."""
+    return max((n for n in counts if n is not None), default=None)
 
 
 def targets(progress: Sequence[Sequence[tuple[int, int]]]) -> dict[int, tuple[int, int]]:

@@ -8,8 +8,9 @@ worker is hung when ``phi >= THRESHOLD`` and the silence is at least ``FLOOR``
 seconds, once ``MIN_SAMPLES`` intervals are known, or whatever its history past
 ``worker_timeout``. Both process runtimes apply it. A rank of a script you own
 (``stalewise run``) is judged by a fixed bound instead (:func:`silent_rank`): it
-has pushed, then nothing for ``limit`` seconds while the other ranks pushed. Why:
-``docs/design-notes.md``.
+has pushed, then nothing for ``limit`` seconds while the other ranks pushed; a BSP
+rank is left to the run's ``--timeout`` (the others wait on the round it owes, so a
+pause looks like a hang). Why: ``docs/design-notes.md``.
 
 Example:
     >>> s = Silence(upper=60.0)
@@ -21,6 +22,8 @@ Example:
     'no heartbeat for 10.5 s, 10.5x its usual interval of 1 s (phi 80.1 >= 8): hung or stopped'
     >>> silent_rank(silence=301.0, others=5, limit=300.0), silent_rank(301.0, 0, 300.0)
     (True, False)
+    >>> silent_rank(silence=301.0, others=1, limit=300.0, rounds=True)  # BSP: they wait
+    False
 """
 
 from __future__ import annotations
@@ -109,7 +112,14 @@ class Silence:
         )
 
 
-def silent_rank(silence: float | None, others: int, limit: float) -> bool:
-    """Whether a launched rank is hung: ``silence``, the seconds since its last push (None:
-    none yet); ``others``, the other ranks' pushes since; ``limit``, the bound (0: never)."""
-    return bool(limit) and silence is not None and silence >= limit and others > 0
+def late_start(since: float, now: float, limit: float) -> str | None:
+    """Why a worker setting up since ``since`` fails at ``now`` (None: it may go on): it is
+    not set up within ``limit`` seconds (``start_timeout``)."""
+    return f"did not start within start_timeout={limit:g} s" if now - since > limit else None
+
+
+def silent_rank(silence: float | None, others: int, limit: float, *, rounds: bool = False) -> bool:
+    """Whether a launched rank is hung (see the module docstring): ``silence``, the
+    seconds since its last push (None: it has not pushed yet); ``others``, the other
+    ranks' pushes since then; ``limit``, the bound (0: never); ``rounds``: BSP."""
+    return bool(limit) and not rounds and silence is not None and silence >= limit and others > 0

@@ -99,6 +99,18 @@ class Ahead(NamedTuple):
     compute: float
 
 
+def emulated(request: Push | Ahead, slowdown: float, delay: float) -> float:
+    """Seconds a real-time runtime waits after ``request``'s real compute so that its steps
+    take as long as on a worker ``slowdown`` times slower with ``delay`` more seconds per
+    local step (``sw.Emulation``): a straggler is slow at everything. Never negative.
+
+    Example:
+        >>> emulated(Ahead(local_steps=2, compute=1.0), slowdown=3.0, delay=0.5)
+        5.0
+    """
+    return max((request.compute + delay * request.local_steps) * slowdown - request.compute, 0.0)
+
+
 @dataclass
 class LoopStats:
     """What one worker's loop did; the generator's return value."""

@@ -29,6 +29,8 @@ from stalewise.consistency import Consistency
 
 #: Pushes a worker may have committed and not seen acknowledged by every shard.
 IN_FLIGHT = 1
+#: Seconds: the longest a busy shard defers publishing a new version (every runtime's).
+PUBLISH_EVERY = 0.02
 
 
 def answer_at_acks(push: Any) -> bool:

@@ -385,6 +385,13 @@ class Shard:
             return int(self.admitted[worker])
         return 0 if self.retired[worker] >= incarnation else None
 
+    def handled(self, worker: int, incarnation: int) -> int | None:
+        """How many pushes of ``worker``'s ``incarnation`` this shard has handled (None: it
+        knows another incarnation)."""
+        if self.incarnation[worker] != incarnation:
+            return None
+        return int(self.next_seq[worker])
+
     def depart(
         self,
         worker: int,

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 Target = str | Callable[..., Any]  # a callable, or its "module:name"
-_CALLABLES = ("run", "server", "attach", "serves", "launch")
+_CALLABLES = ("run", "server", "attach", "serves", "launch", "connect")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +47,20 @@ class Runtime:
     # phrase); sw.attach(runtime=None) takes the first attachable runtime that may
     serves: Target | None = None
     launch: Target | None = None  # launch(job, launch) -> exit status (stalewise run)
+    # connect(address=None) -> True if it started one: joins the runtime's cluster first
+    # (run.address, --address, calibrate)
+    connect: Target | None = None
     elastic_train: bool = False  # Job.train takes workers=(min, max) or "auto"
     delta_pulls: bool = False  # it sends pulls compressed by the job's pull_codec
     no_delta_pulls: str = ""  # why not, when it does not (one phrase)
     max_workers: int = 4096  # the most workers a run may have
     resumes_from: str | None = None  # a key a checkpoint's step must carry (None: any)
     needs: str | None = None  # a module it needs, installed with pip install stalewise[NEEDS]
+    simulated: bool = False  # its time is virtual (the [sim] table, sw.Simulation)
+    transport: bool = False  # it emulates a push's transit (sw.Emulation(transport=))
+    saves_served: bool = False  # job.serve and stalewise run save checkpoints on it
+    watches_ranks: bool = False  # stalewise run's --rank-timeout watches its ranks
+    calibrates: bool = False  # Job.calibrate measures its transport and worker loop
 
     def missing(self) -> str | None:
         """Why this runtime cannot run here (what to install), or None."""
@@ -106,12 +114,15 @@ register(
     attach="stalewise.runtime.local.attach:attach",
     serves="stalewise.runtime.local.attach:serves",
     launch="stalewise.launch:_serve_workers",
+    transport=True,
+    saves_served=True,
+    watches_ranks=True,
+    calibrates=True,
     no_delta_pulls="the local runtime's pulls read a shared-memory snapshot (a memcpy, no "
     "network), so a delta pull would only add work",
 )
-register(
-    "sim", "stalewise.runtime.sim:run", delta_pulls=True, max_workers=16384, resumes_from="sim"
-)
+register("sim", "stalewise.runtime.sim:run", delta_pulls=True, max_workers=16384,
+         resumes_from="sim", simulated=True)  # fmt: skip
 register(
     "ray",
     "stalewise.runtime.ray.train:run",
@@ -119,6 +130,8 @@ register(
     attach="stalewise.runtime.ray.client:attach",
     serves="stalewise.runtime.ray:serves",
     launch="stalewise.launch.ray:serve_workers",
+    connect="stalewise.runtime.ray:connect",
+    calibrates=True,
     elastic_train=True,
     delta_pulls=True,
     needs="ray",
@@ -152,6 +165,12 @@ def server(name: str) -> Callable[..., Any]:
             f"{', '.join(names('server')) or 'none'}"
         )
     return runtime.load("server")
+
+
+def able(what: str) -> str:
+    """The runtimes that have ``what`` (a field of :class:`Runtime`), for a message:
+    ``"ray"``, ``"local or ray"``."""
+    return " or ".join(names(what)) or "none"
 
 
 def pull_refusal(pull_codec: Any, name: str) -> str | None:

@@ -157,14 +157,14 @@ def _resume(resume: Any) -> Any:
     return resume
 
 
-#: The worker ids ``workers="auto"`` makes room for unless ``max_workers`` says otherwise.
+#: The worker ids ``workers="auto"`` makes room for.
 MAX_WORKERS = 16
 
 
 def _workers(value: Any) -> Any:
     """``workers``: an int >= 1, ``(min, max)`` with ``1 <= min <= max`` (an elastic run:
     room for ``max`` worker ids, ``min`` of them expected), or ``"auto"`` (elastic, ``(1,
-    max_workers)``, following the cluster's free CPUs). Returns it, a list as a tuple."""
+    MAX_WORKERS)``, following the cluster's free CPUs). Returns it, a list as a tuple."""
     if value == "auto" and isinstance(value, str):
         return value
     if isinstance(value, tuple | list):
@@ -192,7 +192,6 @@ _TIMEOUTS = ("timeout", "start_timeout", "shard_start_timeout", "join_timeout", 
 #: runs one (the config file and ``Job.serve`` check single options with it).
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "workers": _workers,
-    "max_workers": _integer("max_workers", 1),
     "eval_interval": _eval_interval,
     "evaluate": _function("evaluate", "f(params) -> dict"),
     **{name: functools.partial(_timeout, name) for name in _TIMEOUTS},
@@ -264,9 +263,6 @@ class RunOptions:
     worker_timeout: float | None = 60.0  # seconds without a heartbeat before a worker is hung
     # pushes in a row refused as NaN/Inf or overflow before a worker has diverged; None: never
     diverge_after: int | None = DIVERGE_AFTER
-    # the worker ids workers="auto" makes room for (each id's data is its own shard of
-    # data(worker, max_workers), so keep it near the workers the cluster may hold)
-    max_workers: int = MAX_WORKERS
     # derived in __post_init__
     slowdowns: tuple[float, ...] = field(init=False)  # per worker, >= 1
     extra_delays: tuple[float, ...] = field(init=False)  # per worker, seconds
@@ -297,10 +293,9 @@ class RunOptions:
     def check_runtime(self, runtime: str) -> None:
         """Raises :class:`OptionError` (``workers``) if this run is elastic and ``runtime``'s
         ``Job.train`` does not support that (its :class:`~stalewise.runtime.Runtime`)."""
-        if self.transport and runtime != "local":
-            raise OptionError(
-                "transport", f"is emulated by the local runtime only, not {runtime!r}"
-            )
+        if self.transport and not runtime_lib.describe(runtime).transport:
+            raise OptionError("transport", f"is emulated by runtime "
+                              f"{runtime_lib.able('transport')} only, not {runtime!r}")  # fmt: skip
         if self.elastic and not runtime_lib.describe(runtime).elastic_train:
             able = " or ".join(map(repr, runtime_lib.names("elastic_train")))
             raise OptionError(
@@ -313,11 +308,11 @@ class RunOptions:
 
     def _elastic_workers(self) -> None:
         """``room`` and ``expected`` from ``workers``: N of N, ``(min, max)``, or ``"auto"``
-        (``(1, max_workers)``). The budget's whole BSP rounds count ``expected`` pushes each
+        (``(1, MAX_WORKERS)``). The budget's whole BSP rounds count ``expected`` pushes each
         (:func:`budget.may_begin_round <stalewise.protocol.budget.may_begin_round>`)."""
         workers = _workers(self.workers)
         if workers == "auto":
-            lo, hi = 1, _CHECKS["max_workers"](self.max_workers)
+            lo, hi = 1, MAX_WORKERS
         elif isinstance(workers, tuple):
             lo, hi = workers
         else:

@@ -1,29 +1,15 @@
 """What a worker computes and pushes between two pulls.
 
-A strategy turns the pulled parameters and the worker's data into one update.
-The server's optimizer treats whatever arrives as a (pseudo-)gradient, which is
-how plain asynchronous SGD and model averaging share one server.
-
-A strategy is stateful per worker: :meth:`Strategy.init` makes a worker's state
-from the first parameters it pulls, and each :meth:`Strategy.step` gets the
-state back, so a strategy can keep an inner optimizer's moments, local
-parameters or an error-feedback residual across pushes. One step may run
-several local steps; it returns the update, how many local steps it took (the
-runtimes scale emulated and simulated compute time by it) and the loss. A
-strategy that paces itself by time sets ``timed = True`` and gets the runtime's
-clock at the start of every round (:meth:`Strategy.started`).
-
-* ``gradients()``: one minibatch gradient per push (the default);
-* model averaging (:mod:`stalewise.strategies.averaging`): ``local_sgd``,
-  ``diloco`` (synchronous and asynchronous) and ``easgd``;
-* streaming DiLoCo (:mod:`stalewise.strategies.streaming`): ``streaming_diloco``,
-  fragments synced on staggered schedules, and its server optimizer ``lazy_leaves``;
-* adaptive periods (:mod:`stalewise.strategies.adaptive`): ``adaptive`` with the
-  schedules ``comm_budget``, ``adacomm`` and ``fixed``.
-
-The package: :mod:`~stalewise.strategies.base` holds :class:`Strategy`,
-:class:`Step` and :func:`gradients`; the methods import it, never the other way
-round. Everything public is re-exported here (``sw.strategies.diloco``...).
+A strategy turns the pulled parameters and the worker's data into one update, which the
+server's optimizer treats as a (pseudo-)gradient. :meth:`Strategy.init` makes a worker's
+state from its first pull; each :meth:`Strategy.step` may run several local steps and
+returns the update, its local steps and the loss. A strategy that paces itself sets
+``timed = True`` and gets the runtime's clock at every round (:meth:`Strategy.started`).
+``gradients()`` (the default) pushes one minibatch gradient; model averaging
+(:mod:`~stalewise.strategies.averaging`): ``local_sgd``, ``diloco``, ``easgd``; streaming
+DiLoCo (:mod:`~stalewise.strategies.streaming`): ``streaming_diloco``, ``lazy_leaves``;
+adaptive periods (:mod:`~stalewise.strategies.adaptive`): ``adaptive``, ``comm_budget``,
+``adacomm``, ``fixed``.
 
 Example:
     >>> import numpy as np

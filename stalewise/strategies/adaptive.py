@@ -1,138 +1,24 @@
 """Adaptive local SGD / DiLoCo: a communication period ``H`` that tunes itself.
 
-``adaptive(inner, schedule=...)`` is :func:`~stalewise.strategies.averaging.local_sgd`
-(or, with ``outer="diloco"``, :func:`~stalewise.strategies.averaging.diloco`) whose number
-of local steps per push, ``H``, is chosen anew at every push by a *schedule*.
-The default schedule, :func:`comm_budget`, times the worker's rounds by the
-runtime's clock and picks the smallest ``H`` that keeps communication (and
-waiting at the SSP/BSP gate for other workers' pushes) under a fraction of a
-round; it needs no hint of a good ``H``. :func:`adacomm` (Wang and Joshi 2019)
-shrinks ``H`` as the training loss falls instead.
+``adaptive(inner, schedule=comm_budget(), outer="local_sgd")`` is
+:func:`~stalewise.strategies.averaging.local_sgd` (``outer="diloco"``:
+:func:`~stalewise.strategies.averaging.diloco`, with its server optimizer and its
+consistency checks) whose ``H`` a *schedule* picks anew at every push, after the round's
+first local step, from the worker's smoothed training loss ``F`` and its rounds' lengths:
 
-Constructors (also under ``sw.strategies``):
+* :func:`comm_budget` (the default) keeps communication under ``fraction`` of a round,
+  timed by the runtime's clock; it needs no hint of a good ``H``;
+* :func:`adacomm` (Wang and Joshi 2019) shrinks ``H`` as ``F`` falls;
+* :func:`fixed` keeps ``H``, which is ``local_sgd(local_steps=H)``.
 
-* ``adaptive(inner, schedule=comm_budget(), outer="local_sgd")``;
-  ``adaptive(inner, local_steps=4, min_steps=1)`` is a shorthand for options of that
-  default schedule;
-* ``comm_budget(fraction=0.1, local_steps=4, min_steps=1, max_steps=64)``: the
-  schedule that prices a round by the runtime's clock (the default);
-* ``adacomm(local_steps, min_steps)``: the AdaComm schedule;
-* ``fixed(local_steps)``: ``H = local_steps`` at every push, which is
-  ``local_sgd(local_steps=H)``.
-
-``local_steps`` is ``H`` here as in every strategy (for a schedule, the first
-rounds' ``H``); the old spelling ``start=`` (``steps=`` of ``fixed``) still
-works for one release, with a DeprecationWarning.
-
-The recommended server optimizer is the worker side's: ``sgd(1.0)`` for
-``outer="local_sgd"``, DiLoCo's Nesterov ``sgd(0.7, 0.9)`` for
-``outer="diloco"`` (delayed Nesterov with ``asynchronous=True, every=N``);
-``sw.Job`` refuses the same pairings with a consistency model as for
-:func:`~stalewise.strategies.averaging.diloco` (synchronous with the recommended
-optimizer under ASP/SSP, asynchronous under BSP).
-
-One round (one push) of a worker
---------------------------------
-Round ``k`` of a worker, with ``F`` its smoothed training loss:
-
-1. pull the global parameters ``x_k``; the local parameters restart from them
-   (the inner optimizer's state persists, unless ``reset_inner``), as in
-   local SGD. With a schedule that times rounds (one with an ``observe``
-   method, as :func:`comm_budget`), the worker loop reads the runtime's clock
-   as the pull arrives (:meth:`~stalewise.strategies.Strategy.started`) and the
-   schedule observes the previous round: its ``H`` and its length from pull to
-   pull (:mod:`stalewise.pacing`);
-2. run **one** local step from ``x_k``; its loss, the loss at the pulled
-   parameters on one minibatch, enters ``F``;
-3. ask the schedule: ``H_k, s = schedule.next(s, F)`` (``H_k`` an integer >= 1,
-   the round's local steps *including* the one just taken);
-4. run the other ``H_k - 1`` local steps (each loss enters ``F``), push
-   ``x_k - local`` and report ``local_steps = H_k``, so the runtimes scale
-   emulated and simulated compute time by it.
-
-``F`` is an exponential moving average over the worker's local steps, all
-rounds together: the first finite loss sets ``F``, each later one makes ``F =
-smoothing * F + (1 - smoothing) * loss`` (``smoothing=0.9`` by default; ``0``
-makes ``F`` the loss at the pulled parameters). Non-finite losses are skipped;
-``F`` is NaN until a finite loss was seen. ``F`` and the schedule's state live
-in the worker's state (:class:`AdaptiveState`); a worker that rejoins (a new
-incarnation) starts over with a fresh state.
-
-The communication-budget rule (the default)
--------------------------------------------
-``comm_budget(fraction=f, local_steps=H_0, min_steps=h_min, max_steps=h_max)``
-fits the worker's rounds by the runtime's clock to ``T = c + s * H``
-(:class:`~stalewise.pacing.RoundCost`, an exponentially weighted least-squares
-fit with ``memory=0.9`` per round): ``c`` the seconds of a round that do not
-grow with ``H`` (pull, push, per-round overhead), ``s`` the seconds that one
-more local step adds to a round. Under BSP, ``s`` of every worker is the
-slowest worker's step time (the others wait for it at the gate), so a
-straggler makes long periods cheap and cheap communication makes short ones
-cheap. The rule: the smallest ``H`` whose communication is at most ``f`` of
-the round::
-
-    c <= f * (c + s * H)    <=>    H_k = ceil(c * (1 - f) / (f * s))
-
-within ``[h_min, h_max]``, and at most 4x the last round's ``H`` (``H_k =
-h_max`` if rounds do not grow with ``H``, ``s = 0``). To measure both ``c``
-and ``s``: the first two rounds run ``H_0`` steps and the third ``4 * H_0``
-(or ``H_0 // 4`` if that exceeds ``h_max``); the first round is not timed (it
-includes the job's start-up: other workers starting, caches warming). From
-the fourth on, rounds 6, 10, 14... run half the rule's ``H`` (twice it if
-half is below ``h_min``), so the rounds keep differing in ``H`` and ``c``
-stays measurable at long periods. The time is the runtime's: wall time in
-the local and Ray runtimes (emulated ``delays=``/``stragglers=`` included),
-virtual time in the simulator, whose runs stay deterministic.
-
-The AdaComm rule
-----------------
-``adacomm(local_steps=H_0, min_steps=h_min)`` takes ``F_0`` = the first finite ``F``
-it is given, which is the loss of the worker's very first local step, at the
-initial parameters, and at every round::
-
-    H_k = min(H_0, max(h_min, ceil(sqrt(max(F_k, 0) / F_0) * H_0)))
-
-so the first round runs ``H_0`` steps, and a loss down by 4x halves ``H``. A
-non-finite ``F_k`` keeps the previous ``H``. The rule assumes a loss bounded
-below by 0: a first loss ``F_0 <= 0`` raises ``ValueError``. It knows nothing
-of what a round costs: started long (``H_0 = 64``) where communication is
-cheap, its first rounds are slow.
-
-Differences from the paper: there, all workers average synchronously and the
-period is updated every ``T_0`` wall-clock seconds from the loss at the
-averaged model; here each worker updates its own ``H`` at each of its pushes
-from its own smoothed training loss (which includes the loss at the pulled
-global parameters), so under ASP workers may run different ``H``; under BSP
-they differ only by the noise of their minibatches.
-
-Custom schedules
-----------------
-A schedule is any picklable object (it travels with the strategy) with two
-methods, and an optional third:
-
-* ``init() -> state``: the state of one worker's schedule (anything);
-* ``next(state, loss) -> (H, state)``: called once per round, after the round's
-  first local step, with the smoothed loss ``F`` (a float, NaN if no finite
-  loss was seen yet); returns the round's number of local steps ``H`` (an
-  integer >= 1, the first step included) and the next state;
-* ``observe(state, steps, seconds) -> state`` (optional): called at the start
-  of every round but the first, before ``next``, with the previous round's
-  ``H`` and its length in seconds of the runtime's clock (pull to pull). A
-  schedule that has it makes the worker loop ask the runtime for its clock.
-
-Frozen dataclasses make good schedules: they pickle and compare by value, so
-strategies built with equal schedules are equal.
+A custom schedule is a picklable object (a frozen dataclass is ideal) with
+``init() -> state`` and ``next(state, loss) -> (H, state)`` (``H >= 1``, the first step
+included; ``loss`` NaN until a finite one), and optionally ``observe(state, steps,
+seconds) -> state``, called before ``next`` with the last round's ``H`` and length, which
+makes the worker loop read the runtime's clock. The rules' reasoning:
+docs/design-notes.md, "Model averaging".
 
 Example:
-    >>> import numpy as np
-    >>> import stalewise as sw
-    >>> sched = adacomm(local_steps=32, min_steps=2)
-    >>> state, periods = sched.init(), []
-    >>> for loss in (4.0, 4.0, 1.0, 0.04, 1e-6):
-    ...     h, state = sched.next(state, loss)
-    ...     periods.append(h)
-    >>> periods  # ceil(sqrt(F / 4) * 32), within [2, 32]
-    [32, 32, 16, 4, 2]
     >>> budget = comm_budget(fraction=0.2)
     >>> state, periods = budget.init(), []
     >>> for _ in range(8):  # rounds of 1 s of communication plus 0.25 s a local step
@@ -141,16 +27,6 @@ Example:
     ...     state = budget.observe(state, h, 1.0 + 0.25 * h)
     >>> periods  # 4 (not timed), probes 4 and 16, then ceil(1 * 0.8 / (0.2 * 0.25)) = 16
     [4, 4, 16, 16, 16, 16, 8, 16]
-    >>> strat = adaptive(sw.optim.sgd(0.05), schedule=adacomm(local_steps=8), smoothing=0.0)
-    >>> lg = lambda p, b: (float((p["x"] ** 2).sum()), {"x": 2 * p["x"]})
-    >>> params = {"x": np.ones(1)}
-    >>> state, taken = strat.init(params), []
-    >>> for _ in range(7):  # one worker, server sgd(1.0): the pull is its local params
-    ...     step = strat.step(state, params, lg, iter(lambda: None, 1))
-    ...     params = {"x": params["x"] - step.update["x"]}
-    ...     taken.append(step.local_steps)
-    >>> taken  # F_k / F_0 = x_k ** 2, so H_k = ceil(8 |x_k|); x shrinks by 0.9 a step
-    [8, 4, 3, 2, 2, 2, 1]
 """
 
 from __future__ import annotations
@@ -161,7 +37,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stalewise import optim
-from stalewise._renames import renames
 from stalewise.optim._validate import check_number
 from stalewise.pacing import RoundCost
 from stalewise.strategies.averaging import (
@@ -208,7 +83,7 @@ class AdaComm:
     """``H_k = ceil(sqrt(F_k / F_0) * local_steps)`` within ``[min_steps, local_steps]``; see
     :func:`adacomm`."""
 
-    local_steps: int = 32  # H_0 (old name: start)
+    local_steps: int = 32  # H_0
     min_steps: int = 1
 
     def __post_init__(self) -> None:
@@ -258,7 +133,7 @@ class CommBudget:
     :func:`comm_budget`."""
 
     fraction: float = 0.1
-    local_steps: int = 4  # the first rounds' H (old name: start)
+    local_steps: int = 4  # the first rounds' H
     min_steps: int = 1
     max_steps: int = 64
     memory: float = 0.9
@@ -336,7 +211,7 @@ class CommBudget:
 class Fixed:
     """``H = local_steps`` at every push; see :func:`fixed`."""
 
-    local_steps: int  # old name: steps
+    local_steps: int
 
     def __post_init__(self) -> None:
         value = _check_steps("fixed", "local_steps", self.local_steps)
@@ -352,16 +227,14 @@ class Fixed:
         return f"fixed({self.local_steps})"
 
 
-@renames(start="local_steps")
 def adacomm(local_steps: int = 32, min_steps: int = 1) -> AdaComm:
     """The AdaComm schedule (Wang and Joshi 2019): ``H`` shrinks as ``sqrt`` of the loss.
 
     ``H_k = min(H_0, max(min_steps, ceil(sqrt(max(F_k, 0) / F_0) * H_0)))``, with
-    ``H_0 = local_steps``, ``F_0`` the first finite loss the schedule is given and ``F_k`` the
-    worker's smoothed loss at round ``k``; see the module docstring.
+    ``H_0 = local_steps`` and ``F_0`` the first finite loss; ``F_0 <= 0`` raises ValueError.
 
     Args:
-        local_steps: ``H_0``, the first period and the largest (old name: ``start``).
+        local_steps: ``H_0``, the first period and the largest.
         min_steps: the smallest period.
 
     Example:
@@ -373,7 +246,6 @@ def adacomm(local_steps: int = 32, min_steps: int = 1) -> AdaComm:
     return AdaComm(local_steps, min_steps)
 
 
-@renames(start="local_steps")
 def comm_budget(
     fraction: float = 0.1,
     local_steps: int = 4,
@@ -381,19 +253,14 @@ def comm_budget(
     max_steps: int = 64,
     memory: float = 0.9,
 ) -> CommBudget:
-    """Prices a round by the runtime's clock: the smallest ``H`` with communication at most
-    ``fraction`` of the round.
-
-    Fits the worker's rounds to ``T = c + s * H`` (``c`` communication and other
-    per-round seconds, ``s`` the seconds of a local step, the wait at a BSP gate
-    for a slower worker included) and runs ``H = ceil(c * (1 - fraction) /
-    (fraction * s))`` within ``[min_steps, max_steps]``; see the module
-    docstring for the probes and the half-period rounds that keep the fit current.
+    """The smallest ``H`` with communication at most ``fraction`` of a round: with the
+    rounds fitted to ``T = c + s * H`` by the runtime's clock, ``H = ceil(c * (1 -
+    fraction) / (fraction * s))`` within ``[min_steps, max_steps]``.
 
     Args:
         fraction: the most of a round that communication may take, in ``(0, 1)``.
         local_steps: the first two rounds' ``H`` (the third runs ``4 * local_steps``, to
-            measure; old name: ``start``).
+            measure).
         min_steps: the smallest period.
         max_steps: the largest period.
         memory: per-round decay of the weight of older rounds in the fit, in ``[0, 1)``.
@@ -407,10 +274,8 @@ def comm_budget(
     return CommBudget(fraction, local_steps, min_steps, max_steps, memory)
 
 
-@renames(steps="local_steps")
 def fixed(local_steps: int) -> Fixed:
-    """The trivial schedule: ``H = local_steps`` at every push (``local_sgd(local_steps=H)``;
-    old name of the argument: ``steps``).
+    """The trivial schedule: ``H = local_steps`` at every push (``local_sgd(local_steps=H)``).
 
     Example:
         >>> fixed(4).next(fixed(4).init(), 1.0)
@@ -424,10 +289,7 @@ def fixed(local_steps: int) -> Fixed:
 
 @dataclass(eq=False)
 class AdaptiveState(AveragingState):
-    """One worker's state for :func:`adaptive`: local SGD's, plus the schedule's.
-
-    Made by the strategy's ``init`` from the first pull; it lives in the worker.
-    """
+    """One worker's state for :func:`adaptive`: local SGD's, plus the schedule's."""
 
     schedule: Any = None  # the schedule's state (from schedule.init(), then schedule.next)
     loss: float = math.nan  # F: the smoothed training loss of the local steps (NaN: none yet)
@@ -529,7 +391,6 @@ class Adaptive(Strategy):
         return f"adaptive({', '.join(parts)})"
 
 
-@renames(start="local_steps")
 def adaptive(
     inner: Any = None,
     *,
@@ -546,34 +407,14 @@ def adaptive(
 ) -> Adaptive:
     """Local SGD (or DiLoCo) whose local steps per push, ``H``, follow a schedule.
 
-    Each round takes one local step from the pulled parameters, asks the
-    schedule for ``H`` with the worker's smoothed training loss, then takes the
-    other ``H - 1`` steps and pushes ``pulled - local``; the step reports
-    ``local_steps = H``. The default schedule, :func:`comm_budget`, prices each
-    round by the runtime's clock and keeps communication under 10% of it. See
-    the module docstring for the exact rules.
-
     Args:
-        inner: the worker's optimizer, as for :func:`~stalewise.strategies.averaging.local_sgd`
-            (required with ``outer="local_sgd"``; DiLoCo's default
-            ``sw.optim.adamw(1e-3)`` with ``outer="diloco"``).
-        schedule: picks ``H``: :func:`comm_budget` (the default), :func:`adacomm`,
-            :func:`fixed` or any object with ``init()`` and ``next(state, loss) -> (H,
-            state)`` (and optionally ``observe``; see the module docstring).
-        local_steps: shorthand for ``schedule=comm_budget(local_steps=local_steps, ...)``,
-            the first rounds' ``H`` (default 4; ``max_steps`` becomes ``local_steps`` if it
-            exceeds 64). Old name: ``start``.
-        min_steps: shorthand for ``schedule=comm_budget(min_steps=min_steps, ...)``
-            (default 1).
-        outer: ``"local_sgd"`` (recommended server optimizer ``sgd(1.0)``) or
-            ``"diloco"`` (DiLoCo's Nesterov SGD; delayed Nesterov if ``asynchronous``).
+        inner: the worker's optimizer, as for ``local_sgd`` (DiLoCo's ``adamw(1e-3)`` by
+            default with ``outer="diloco"``).
+        schedule: picks ``H`` (default :func:`comm_budget`; see the module docstring).
+        local_steps, min_steps: shorthands for ``comm_budget(local_steps=, min_steps=)``.
+        outer: ``"local_sgd"`` or ``"diloco"``, whose server optimizer is recommended.
         smoothing: the per-local-step decay of the loss's moving average, in ``[0, 1)``.
-        reset_inner: make a fresh inner optimizer state at every pull.
-        outer_lr: DiLoCo's outer learning rate (``outer="diloco"`` only; default 0.7).
-        outer_momentum: DiLoCo's outer Nesterov momentum (``outer="diloco"`` only; default 0.9).
-        asynchronous: recommend delayed Nesterov, for ASP (``outer="diloco"`` only).
-        every: delayed Nesterov's ``N``, the pushes per momentum step: the number of
-            workers (not local steps).
+        reset_inner, outer_lr, outer_momentum, asynchronous, every: as for ``diloco``.
 
     Example:
         >>> import stalewise as sw
@@ -581,7 +422,7 @@ def adaptive(
         >>> s.schedule, s.local.name
         (comm_budget(fraction=0.1, local_steps=8, min_steps=2, max_steps=64, memory=0.9), 'diloco')
         >>> s.server_optimizer().apply.__self__
-        _Sgd(lr=0.7, momentum=0.9, nesterov=True, weight_decay=0.0)
+        _Sgd(lr=0.7, momentum=0.9, nesterov=True, weight_decay=0.0, exclude_from_weight_decay=())
     """
     if schedule is None:
         first = 4 if local_steps is None else local_steps
@@ -617,9 +458,3 @@ def adaptive(
     else:
         raise ValueError(f"adaptive: outer must be 'local_sgd' or 'diloco', got {outer!r}")
     return Adaptive(schedule, local, smoothing=smoothing)
-
-
-# the classes take the old keywords too (AdaComm(start=...)), as their constructors do
-for _cls, _old in ((AdaComm, "start"), (CommBudget, "start"), (Fixed, "steps")):
-    _cls.__init__ = renames(_cls.__name__, **{_old: "local_steps"})(_cls.__init__)  # type: ignore[method-assign]
-del _cls, _old

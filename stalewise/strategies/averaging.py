@@ -1,16 +1,14 @@
 """Model-averaging strategies: local SGD (FedAvg), DiLoCo, asynchronous DiLoCo and EASGD.
 
-A model-averaging worker runs several *local steps* between two pushes and
-pushes a *pseudo-gradient* built from how far its local parameters moved. The
-server shards treat it like any update: the job's server optimizer applies it,
-the consistency model decides when (ASP on arrival, SSP within a bound, BSP the
-mean of a round) and the staleness rule scales its step. So one server serves
-gradient pushes and model averaging alike, and the choice of averaging method
-is the pair (strategy, server optimizer).
+A worker runs ``local_steps`` (``H``) local steps with an *inner* optimizer between two
+pushes and pushes a pseudo-gradient; the server treats it as any update, so an averaging
+method is the pair (strategy, server optimizer). ``sw.Job(params, strategy=s)`` without
+``optimizer=`` uses ``s.server_optimizer()``: ``local_sgd(local_steps=H, inner=opt)`` pushes
+``pulled - local`` after ``H`` steps (server ``sgd(1.0)``); ``diloco(local_steps=H)`` too,
+with ``sgd(0.7, 0.9, nesterov=True)``, or with ``asynchronous=True, every=N``
+``delayed_nesterov(0.7, 0.9, every=N)``; ``easgd(alpha, local_steps=tau, inner=opt)``
+pushes ``alpha * (centre - local)`` (``sgd(1.0)``).
 
-Constructors (also under ``sw.strategies``):
-
-============================================  ================================  =======================================
 strategy                                      pushes                            recommended server optimizer
 ============================================  ================================  =======================================
 ``local_sgd(local_steps=H, inner=opt)``       ``pulled - local`` after H steps  ``sgd(1.0)``
@@ -24,9 +22,7 @@ cap with dynamic local updates; the first rounds' ``H`` of
 :func:`~stalewise.strategies.adaptive.adaptive` and its schedules);
 ``period`` is always seconds (a dynamic round's budget); ``every`` is only
 delayed Nesterov's ``N``, the arrivals per momentum step; ``steps`` is only
-the job's push budget (``Job.train(steps=)``). The old spellings
-(``local_sgd(steps=)``, ``diloco(steps=)``, ``easgd(every=)``,
-``adaptive(start=)``...) still work for one release, with a DeprecationWarning.
+the job's push budget (``Job.train(steps=)``).
 
 ``sw.Job(params, strategy=s)`` without ``optimizer=`` uses
 ``s.server_optimizer()``; any other server optimizer may be passed instead.
@@ -153,6 +149,14 @@ Inner optimizers
   ``functools.partial(torch.optim.AdamW, lr=1e-3)``. It works for params of any
   backend. For the local runtime it must pickle: a ``functools.partial`` of an
   optimizer class or a module-level function, not a lambda.
+=======
+``inner`` is a :mod:`stalewise.optim` optimizer (in place on the flat local vector, with
+the leaf names), an optax ``GradientTransformation`` (on a dict of dotted leaf name -> JAX
+array; it does not pickle, so not for the local runtime) or a PyTorch optimizer factory
+taking one tensor per leaf, e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)``. Its
+state persists across pushes unless ``reset_inner=True``. ``dynamic=True,
+period=seconds`` gives each round a time budget instead of a fixed ``H``
+(:mod:`stalewise.pacing`). Why: docs/design-notes.md, "Model averaging".
 
 Example:
     >>> import numpy as np
@@ -163,9 +167,6 @@ Example:
     >>> step = strat.step(strat.init(params), params, lg, iter([None] * 2))
     >>> step.update["x"].tolist(), step.local_steps, step.loss  # 1 -> 0 -> 0
     ([1.0, 1.0], 2, 1.0)
-    >>> job = sw.Job(params, strategy=diloco(local_steps=10), consistency=sw.BSP())  # outer Nesterov
-    >>> job.strategy.server_optimizer() is not None
-    True
 """
 
 from __future__ import annotations
@@ -180,7 +181,6 @@ from typing import Any
 import numpy as np
 
 from stalewise import optim, tree
-from stalewise._renames import renames
 from stalewise.optim._validate import check_number
 from stalewise.pacing import RoundCost
 from stalewise.strategies.base import LossAndGrad, Step, Strategy
@@ -211,9 +211,7 @@ class _StalewiseInner:
         return state
 
     def warm(self, local: np.ndarray, spec: tree.FlatSpec) -> None:
-        """One step on a throw-away model with the same leaf names, one element each, so the
-        optimizer's compiled kernels (numba) load now, not in the first round's compute time,
-        which the runtimes scale to emulate and simulate slower workers."""
+        """One step on a one-element-per-leaf model, so compiled kernels load now."""
         tiny, tiny_spec = tree.flatten({x.name: np.zeros(1, local.dtype) for x in spec.leaves})
         self.opt.apply(np.full_like(tiny, 1e-3), self.opt.init(tiny, tiny_spec.segments), tiny)
 
@@ -317,12 +315,7 @@ def _describe_inner(inner: Any) -> str:
 
 @dataclass(eq=False)
 class AveragingState:
-    """One worker's state for :func:`local_sgd`, :func:`diloco` and :func:`easgd`.
-
-    Made by the strategy's ``init`` from the first pull; it lives in the worker
-    and is never pickled. See the module docstring for what each field becomes
-    after a push.
-    """
+    """One worker's state for :func:`local_sgd`, :func:`diloco` and :func:`easgd`."""
 
     spec: tree.FlatSpec  # layout of the flat vectors (the job's)
     local: np.ndarray  # the worker's local parameters, flat
@@ -429,18 +422,12 @@ def _check_positive(where: str, name: str, value: Any, hi: float = math.inf) -> 
 
 
 class LocalSGDStrategy(Strategy):
-    """Local SGD / DiLoCo: ``H`` local steps from the pulled parameters, push ``pulled - local``.
-
-    Build it with :func:`local_sgd` or :func:`diloco`; see the module docstring. (Its
-    old name, ``LocalSGD``, still works with a DeprecationWarning; ``sw.LocalSGD`` is the
-    wrapper for a loop you own, :class:`stalewise.loops.LocalSGD`.)
-    """
+    """Local SGD / DiLoCo: ``H`` local steps from the pull, push ``pulled - local``; build it
+    with :func:`local_sgd` or :func:`diloco`."""
 
     #: every round starts from the pull, which must include this worker's last push
-    #: (read-your-writes; see "Read-your-writes" in the module docstring)
     settles = True
 
-    @renames("LocalSGDStrategy", steps="local_steps")
     def __init__(
         self,
         local_steps: int,
@@ -521,9 +508,7 @@ class LocalSGDStrategy(Strategy):
         return Step(tree.unflatten(delta, state.spec), n, loss, state)
 
     def check_consistency(self, consistency: Any, *, recommended: bool) -> None:
-        """Refuses DiLoCo under the consistency model its outer optimizer is not made for
-        (see :func:`diloco`): ``asynchronous=True`` under BSP, and, when the Job takes the
-        recommended Nesterov SGD, synchronous DiLoCo under ASP or SSP."""
+        """Refuses DiLoCo under a consistency model its outer optimizer is not made for."""
         why = _outer_mismatch(self, consistency, recommended, self.name)
         if why is not None:
             raise ValueError(why)
@@ -576,7 +561,6 @@ def _outer_mismatch(
     return None
 
 
-@renames(steps="local_steps")
 def local_sgd(
     local_steps: int,
     inner: Any,
@@ -587,17 +571,12 @@ def local_sgd(
 ) -> LocalSGDStrategy:
     """Local SGD: ``local_steps`` local steps with ``inner``, then push ``pulled - local``.
 
-    Recommended server optimizer ``sgd(1.0)``: under ASP every delta is added
-    in full (asynchronous local SGD), under BSP the round's mean is applied
-    (FedAvg). Local parameters restart from each pull; the inner optimizer's
-    state persists across pushes unless ``reset_inner``.
+    Recommended server optimizer ``sgd(1.0)`` (under BSP: FedAvg).
 
     Args:
         local_steps: ``H``, local steps (minibatches) per push; the cap when ``dynamic``.
-            Not the job's push budget (``Job.train(steps=)``). Old name: ``steps``.
-        inner: the worker's optimizer: a :mod:`stalewise.optim` optimizer, an
-            optax ``GradientTransformation`` or a torch optimizer factory (see
-            the module docstring).
+            Not the job's push budget (``Job.train(steps=)``).
+        inner: the worker's optimizer (see the module docstring).
         reset_inner: make a fresh inner optimizer state at every pull.
         dynamic: dynamic local updates: pick ``H`` so that a round lasts about ``period``.
         period: seconds per round when ``dynamic``, by the runtime's clock.
@@ -606,7 +585,7 @@ def local_sgd(
         >>> import stalewise as sw
         >>> s = local_sgd(local_steps=5, inner=sw.optim.sgd(0.1))
         >>> s.server_optimizer().apply.__self__
-        _Sgd(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0)
+        _Sgd(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0, exclude_from_weight_decay=())
     """
     return LocalSGDStrategy(
         local_steps,
@@ -618,7 +597,6 @@ def local_sgd(
     )
 
 
-@renames(steps="local_steps")
 def diloco(
     local_steps: int = 500,
     inner: Any = None,
@@ -633,38 +611,17 @@ def diloco(
 ) -> LocalSGDStrategy:
     """DiLoCo (Douillard et al. 2023) and asynchronous DiLoCo (Liu et al. 2024).
 
-    The worker side is :func:`local_sgd` with an inner AdamW whose state
-    persists across rounds. The recommended server optimizer (the Job's
-    default) is the published outer optimizer, ``sgd(outer_lr=0.7,
-    outer_momentum=0.9, nesterov=True)``, meant for BSP. With
-    ``asynchronous=True`` it is ``delayed_nesterov(0.7, 0.9, every=N)`` for
-    ASP, ``N`` being ``every`` (the number of workers).
-
-    Synchronous DiLoCo is for BSP, asynchronous DiLoCo for ASP or SSP, and
-    ``sw.Job`` refuses the two other pairings: ``asynchronous=True`` under BSP
-    (delayed Nesterov counts the pushes as they arrive; BSP applies one mean per
-    round), and, when the Job takes the recommended optimizer, synchronous DiLoCo
-    under ASP or SSP (every push would take a Nesterov momentum step of its own,
-    ``N`` a round instead of one; with one worker pass ``consistency=sw.BSP()``,
-    which is then the same run). An ``optimizer=`` you choose is yours: e.g.
-    ``optimizer=sw.optim.sgd(0.7, momentum=0.9, nesterov=True)`` under ASP runs
-    that per-push rule, the baseline delayed Nesterov improves on. ``sw.Hybrid``
-    switches between BSP and ASP and is accepted with either.
+    :func:`local_sgd` with an inner AdamW; the recommended server optimizer is Nesterov
+    ``sgd(outer_lr, outer_momentum)`` for BSP, or with ``asynchronous=True``
+    ``delayed_nesterov(every=N)`` for ASP/SSP. ``sw.Job`` refuses the other two pairings
+    unless you pass your own ``optimizer=``; ``sw.Hybrid`` is accepted with either.
 
     Args:
-        local_steps: ``H``, local steps per push (500 in the paper); the cap when
-            ``dynamic``. Old name: ``steps``.
-        inner: the inner optimizer (default ``sw.optim.adamw(1e-3)``, weight
-            decay 0.01; the paper used AdamW with lr 4e-4, warmup and cosine
-            decay, weight decay 0.1 on language models).
-        outer_lr: learning rate of the recommended server optimizer.
-        outer_momentum: its (Nesterov) momentum.
+        local_steps, inner, reset_inner, dynamic, period: as for :func:`local_sgd`
+            (``inner`` defaults to ``sw.optim.adamw(1e-3)``).
+        outer_lr, outer_momentum: the recommended server optimizer's.
         asynchronous: recommend delayed Nesterov (for ASP) instead of Nesterov SGD.
-        every: ``N`` of delayed Nesterov, the pushes per momentum step: the number of
-            workers (not a number of local steps: that is ``local_steps``).
-        reset_inner: make a fresh inner optimizer state at every pull.
-        dynamic: dynamic local updates: pick ``H`` so that a round lasts about ``period``.
-        period: seconds per round when ``dynamic``, by the runtime's clock.
+        every: ``N`` of delayed Nesterov, the pushes per momentum step: the workers.
 
     Example:
         >>> s = diloco(local_steps=100, asynchronous=True, every=4)
@@ -696,7 +653,6 @@ class EASGD(Strategy):
     name = "easgd"
     settles = True  # the next centre must include this worker's elastic push
 
-    @renames("EASGD", every="local_steps")
     def __init__(self, alpha: float, local_steps: int, inner: Any, *, reset_inner: bool = False):
         self.alpha = _check_positive("easgd", "alpha", alpha, hi=1.0)
         self.local_steps = _check_steps("easgd", "local_steps", local_steps)
@@ -735,22 +691,15 @@ class EASGD(Strategy):
         return f"easgd(alpha={self.alpha:g}, local_steps={self.local_steps}, inner={inner}{extra})"
 
 
-@renames(every="local_steps")
 def easgd(alpha: float, *, local_steps: int, inner: Any, reset_inner: bool = False) -> EASGD:
     """Asynchronous EASGD (Zhang, Choromanska and LeCun 2015).
 
-    Each round: ``local_steps`` (``tau``) local steps with ``inner`` on the worker's
-    own parameters ``x``; then, with ``c`` the centre pulled at the start of the
-    round, push ``alpha * (c - x)`` and move ``x -= alpha * (x - c)``. With the
-    recommended server optimizer ``sgd(1.0)`` the centre moves ``c += alpha *
-    (x - c)``. The worker's parameters are not replaced by the pull.
+    Each round: ``local_steps`` (``tau``) steps on the worker's own ``x``, then push
+    ``alpha * (c - x)`` and move ``x -= alpha * (x - c)``, ``c`` the pulled centre.
 
     Args:
-        alpha: the moving rate, in ``(0, 1]`` (the paper's ``beta / p`` for ``p``
-            workers; ``beta = 0.9`` there).
-        local_steps: ``tau``, local steps between elastic exchanges. Old name: ``every``.
-        inner: the worker's optimizer (see the module docstring).
-        reset_inner: make a fresh inner optimizer state at every pull.
+        alpha: the moving rate, in ``(0, 1]`` (the paper's ``beta / p`` for ``p`` workers).
+        local_steps, inner, reset_inner: as for :func:`local_sgd` (``local_steps`` is ``tau``).
 
     Example:
         >>> import numpy as np, stalewise as sw

@@ -45,23 +45,15 @@ class Strategy:
         return None
 
     def warm_up(self, params: Any = None) -> None:
-        """Loads what this strategy's steps run compiled, before the runtime's clock starts:
-        by default the optimizer kernels (numba, imported at first use, see
-        :mod:`stalewise._lazy`), which an inner optimizer runs on the worker, and, given
-        the job's initial ``params``, a worker state built on them and thrown away (an
-        inner optimizer's first step on the job's own leaves loads its compiled kernels:
-        half a second a process, paid in the first timed round before)."""
+        """Loads what this strategy's steps run compiled (the optimizer kernels, and a
+        worker state built on ``params`` and thrown away) before the runtime's clock starts."""
         importlib.import_module("stalewise.optim._kernels")
         if params is not None:
             self.init(params)
 
     def started(self, state: Any, now: float) -> None:
-        """A round starts: its pull has arrived at ``now`` seconds of the runtime's clock.
-
-        Called by the worker loop before every :meth:`step` of a ``timed`` strategy
-        (monotonic wall time in the local and Ray runtimes, virtual time in the
-        simulator; see :mod:`stalewise.pacing`). The default does nothing.
-        """
+        """A round of a ``timed`` strategy starts: its pull arrived at ``now`` seconds of the
+        runtime's clock (:mod:`stalewise.pacing`). The default does nothing."""
 
     def step(self, state: Any, params: Any, loss_and_grad: LossAndGrad, batches: Iterator) -> Step:
         """Computes one update from ``params`` (the tree just pulled)."""
@@ -71,17 +63,14 @@ class Strategy:
         """Raises ValueError (one line, saying why) if this strategy must not run under
         ``consistency``; the default accepts every consistency model.
 
-        ``sw.Job`` (and a config file) calls it with the job's consistency model;
-        ``recommended`` is True when the server optimizer is this strategy's
-        :meth:`server_optimizer`, False when the user chose it.
+        ``recommended``: the server optimizer is this strategy's :meth:`server_optimizer`.
         """
 
     def server_optimizer(self, workers: int | None = None) -> Any:
         """The server optimizer this strategy recommends, or None to have the user choose.
 
-        ``sw.Job(params, strategy=s)`` without ``optimizer=`` uses it. ``workers``
-        is the number of workers when the caller knows it (a strategy whose
-        recommendation depends on it may raise ``TypeError`` without it).
+        ``workers``: the number of workers when the caller knows it (a recommendation that
+        depends on it may raise ``TypeError`` without it).
         """
         return None
 

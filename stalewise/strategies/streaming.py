@@ -1,63 +1,16 @@
 """Streaming DiLoCo (Douillard et al. 2025), synchronous and asynchronous.
 
-DiLoCo pushes the whole model's pseudo-gradient once every ``H`` inner steps.
-Streaming DiLoCo cuts the model into ``P`` *fragments* and syncs each on its own
-schedule inside the period: fragment ``p`` is pushed after inner steps ``t``
-with ``t = offset_p (mod H)``, ``t > 0`` (offsets staggered by default,
-``offset_p = round(p * H / P)``), so a worker pushes ``P`` times a period, one
-fragment (about ``1 / P`` of the model) each time. After pushing fragment
-``p`` the worker goes on with its inner steps, and ``delay`` (the paper's
-``tau``) inner steps later it merges the global fragment the server returned:
-``local_p = alpha * local_p + (1 - alpha) * global_p`` (``alpha = 0``, the
-default, takes the global fragment, as torchft's ``fragment_update_alpha``);
-the fragment's next pseudo-gradient is measured from that global fragment.
-
-``streaming_diloco(local_steps=H, fragments=1, delay=0)`` is DiLoCo: the same
-pushes, the same server optimizer, bit for bit (``tests/test_streaming.py``).
-
-How it maps on the parameter server
------------------------------------
-A strategy step is one pull, the inner steps up to the next sync point, and
-one push. The push is the fragment's pseudo-gradient ``ref_p - local_p`` and
-zeros elsewhere (a model's buffers report their values in every push, as in
-DiLoCo); with a codec (``int4``, ``int8``...) it travels as a *segment push*:
-each shard's payload carries only the leaves that are not all zero, with their
-indices (:mod:`stalewise.protocol.compress`), so a push costs the bytes of its
-fragment, and a shard holding none of it gets a 12-byte header (every push
-reaches every shard: sequence numbers, clocks and BSP rounds stay in step).
-The global fragment to merge is read from the pull that follows the push (the
-strategy ``settles``: the pull includes the push), kept, and merged ``delay``
-inner steps later; the other fragments of that pull are not used.
-
-The server must step only the pushed fragment: Nesterov momentum stepped on
-the zeros of the other fragments would keep moving them. The recommended
-server optimizer for ``P > 1`` is :func:`lazy_leaves` of DiLoCo's (Nesterov
-SGD, or delayed Nesterov when ``asynchronous``): every leaf keeps its own
-optimizer state, and a push steps the leaves it touches (not all zero) and
-leaves the others, state included, as they were. Fragments are unions of whole
-leaves (patterns match leaf names; ``fragments=P`` cuts the leaf order into
-``P`` runs of about equal size, at leaf boundaries), so a fragment's push steps
-exactly its leaves; a leaf whose pseudo-gradient is exactly zero everywhere
-(it did not move) is left alone, where a per-fragment optimizer would still
-take a momentum step on it. The rule needs no fragment table on the server and
-works on any sharding (a leaf cut by shards is decided piece by piece).
-
-Asynchronous streaming DiLoCo (``asynchronous=True``, under ASP): each push is
-an ordinary push, applied on arrival; with :func:`lazy_leaves` of
-``delayed_nesterov(every=N)`` each leaf counts its own arrivals, so the ``N``
-workers' pushes of a fragment make one momentum step of that fragment, as
-asynchronous DiLoCo does for the whole model. A slow worker holds nobody back.
-
-Overlap (``delay >= 1``, :attr:`StreamingDiLoCo.overlaps`): in a runtime that
-overlaps (the local one), the worker loop (:mod:`stalewise.protocol.loop`) has
-the push answered at once and calls :meth:`StreamingDiLoCo.ahead` while it is
-in flight: the inner steps that need no pull, up to the merge of the pushed
-fragment (``delay`` steps on) or the next sync point. Only then does it pull
-(waiting for the push's acks). The pushes and merges are those of the
-non-overlapped order, step for step; only the pull is read later, so under
-BSP the values are the same and under ASP the pull may hold more of the other
-workers' pushes. Without a codec a push is the whole vector, zeros included
-(see ``docs/design-notes.md``, "Streaming DiLoCo").
+The model is cut into ``P`` *fragments* (unions of whole leaves), each synced on its own
+schedule inside DiLoCo's period ``H``: fragment ``p`` is pushed after inner steps ``t =
+offset_p (mod H)`` (staggered by default), as its pseudo-gradient with zeros elsewhere
+(with a codec, a segment push costing the fragment's bytes). ``delay`` (``tau``) inner
+steps later the worker merges the global fragment read from the pull after the push:
+``local_p = alpha * local_p + (1 - alpha) * global_p``. The recommended server optimizer
+for ``P > 1`` is :func:`lazy_leaves` of DiLoCo's, which steps only the leaves a push
+touches. ``streaming_diloco(local_steps=H, fragments=1, delay=0)`` is DiLoCo bit for bit.
+With ``delay >= 1`` a runtime that overlaps (the local one) answers the push at once and
+runs :meth:`StreamingDiLoCo.ahead` while it is in flight. Why: docs/design-notes.md,
+"Streaming DiLoCo".
 
 Example:
     >>> import numpy as np, stalewise as sw
@@ -158,11 +111,8 @@ class LazyLeaves:
 def lazy_leaves(opt: optim.Optimizer) -> optim.Optimizer:
     """``opt`` with a state per leaf, stepping only the leaves an update touches.
 
-    A leaf whose update is all zero takes no step and its state (momentum,
-    step count) is left as it was: the server optimizer of streaming DiLoCo,
-    whose pushes carry one fragment's pseudo-gradient and zeros elsewhere. The
-    wrapped optimizer must keep a parameter-sized state (``sgd`` with momentum,
-    ``delayed_nesterov``, ``adam``...).
+    A leaf whose update is all zero keeps its params and state as they were. ``opt``
+    must keep a parameter-sized state (``sgd`` with momentum, ``delayed_nesterov``...).
 
     Example:
         >>> import numpy as np
@@ -376,11 +326,8 @@ def merge(local: np.ndarray, global_: np.ndarray, alpha: float) -> None:
 def fragment_runs(segments: Segments, fragments: int | tuple) -> list[Runs]:
     """Each fragment's contiguous ranges of the flat vector (whole leaves).
 
-    ``fragments`` an int ``P``: the leaves in order, cut at leaf boundaries into
-    ``P`` runs of about equal size; a tuple of pattern tuples: fragment ``i``
-    holds the leaves whose name matches one of its regexes (``re.search``),
-    the first fragment that matches taking a leaf. Every leaf must belong to a
-    fragment and every fragment must hold one.
+    ``fragments`` as for :func:`streaming_diloco`; every leaf must belong to a fragment and
+    every fragment hold one.
     """
     names, sizes = segments.names, [int(s) for s in segments.sizes]
     ends = np.cumsum(sizes)
@@ -495,22 +442,16 @@ def streaming_diloco(
     Args:
         local_steps: ``H``, the period: each fragment is pushed once every ``H`` inner steps.
         inner: the inner optimizer (default ``sw.optim.adamw(1e-3)``), as for :func:`diloco`.
-        fragments: ``P``, an integer: the leaves in order, cut at leaf boundaries into
-            ``P`` runs of about equal size; or a list with one leaf-name regex (or a
-            list of them) per fragment, e.g. ``["^blocks\\.[01]\\.", "^blocks\\.[23]\\.",
-            "."]`` (the first matching fragment takes a leaf).
-        offsets: each fragment's sync offset in ``[0, H)``, distinct: fragment ``p`` is
-            pushed after inner steps ``t = offsets[p] (mod H)``, ``t > 0``. Default
-            ``round(p * H / P)``, evenly staggered.
-        delay: ``tau``, inner steps between a fragment's push and the merge of the
-            global fragment, in ``[0, H)``.
-        alpha: the local weight of the merge, ``local = alpha * local + (1 - alpha) *
-            global``, in ``[0, 1]``; 0 takes the global fragment.
+        fragments: ``P``, the leaf order cut into ``P`` runs of about equal size, or one
+            leaf-name regex (or list of them) per fragment, the first match taking a leaf.
+        offsets: each fragment's distinct sync offset in ``[0, H)`` (default evenly
+            staggered, ``round(p * H / P)``).
+        delay: ``tau``, inner steps from a fragment's push to its merge, in ``[0, H)``.
+        alpha: the local weight of the merge, in ``[0, 1]``; 0 takes the global fragment.
         outer_lr, outer_momentum, asynchronous, every: the server optimizer, as for
-            :func:`diloco`; with ``P > 1`` it is wrapped in :func:`lazy_leaves`.
-        overlap: with ``delay >= 1``, take the inner steps before the merge while the push
-            is in flight (in a runtime that overlaps: the local one); False waits for
-            the push and its pull first. The pushes and merges are the same.
+            :func:`diloco` (wrapped in :func:`lazy_leaves` when ``P > 1``).
+        overlap: with ``delay >= 1``, take the steps before the merge while the push is
+            in flight (local runtime); the pushes and merges are the same either way.
 
     Example:
         >>> s = streaming_diloco(local_steps=30, fragments=3, delay=5, alpha=0.5)

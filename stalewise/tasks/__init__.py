@@ -54,18 +54,8 @@ def names() -> list[str]:
 
 
 def get(name: str, **kwargs: Any) -> Task:
-    """Builds a built-in task by name.
-
-    Args:
-        name: one of :func:`names`.
-        **kwargs: constructor arguments of the task class, e.g. ``hidden=32``
-            for the digits tasks or ``d=10_000`` for ``least-squares``.
-
-    Returns:
-        A new task object.
-
-    Raises:
-        ValueError: if ``name`` is unknown (the message lists the known names).
+    """A new built-in task ``name`` (one of :func:`names`, else ValueError listing them)
+    built with ``kwargs``, e.g. ``hidden=32`` for digits.
 
     Example:
         >>> task = get("digits", hidden=16, batch_size=8)
@@ -76,10 +66,7 @@ def get(name: str, **kwargs: Any) -> Task:
 
 
 def task_class(name: str) -> type:
-    """The class of a built-in task (importing its backend), e.g. to read its signature.
-
-    Raises:
-        ValueError: if ``name`` is unknown (the message lists the known names).
+    """The class of a built-in task (importing its backend); ValueError if unknown.
 
     Example:
         >>> task_class("least-squares").__name__

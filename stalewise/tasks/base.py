@@ -1,24 +1,11 @@
 """The task interface and the data plumbing shared by the built-in tasks.
 
-A task bundles a model, its data and its loss so that a runtime can train it
-without knowing anything about either. Tasks are plain, picklable objects:
-runtimes send them to worker processes, where each worker calls
-:meth:`Task.batches` once and then alternates pulls, :meth:`Task.loss_and_grad`
-and pushes. Tasks never sleep, log progress or emulate slow hardware; that
-belongs to the runtime.
-
-Sharding contract: for a fixed task, ``batches(w, W, seed)`` for
-``w = 0 .. W-1`` draw from pairwise disjoint subsets of the training data whose
-union is the whole training set. Each epoch over a shard is reshuffled with a
-generator seeded by ``(seed, worker, epoch)``, so a run is reproducible and
-workers do not walk their shards in lock-step.
-
-Calling contract: stalewise's configs (``stalewise train``, ``stalewise sim``)
-call ``task.batches(worker, workers, seed)`` with three positional arguments,
-through :func:`with_seed`, which turns it into the ``data(worker, workers)``
-that ``Job.train`` and the runtimes call. A task written for configs may
-therefore require ``seed``; the built-in tasks default it to 0, so that
-``data=task.batches`` can also be passed to ``Job.train`` directly.
+A task bundles a model, its data and its loss; it is a plain, picklable object that never
+sleeps, logs progress or emulates slow hardware (the runtime's business). For a fixed
+task, ``batches(w, W, seed)`` for ``w = 0 .. W-1`` draw from disjoint shards covering
+the training set, each epoch reshuffled by ``(seed, worker, epoch)``. Configs call
+``task.batches(worker, workers, seed)`` through :func:`with_seed`; the built-in tasks
+default ``seed`` to 0, so ``data=task.batches`` also works with ``Job.train``.
 """
 
 from __future__ import annotations
@@ -47,13 +34,9 @@ __all__ = [
 class Task(Protocol):
     """What a runtime needs from a task.
 
-    Implementations must be picklable and cheap to construct. ``params`` and
-    ``grads`` are pytrees (nested dicts of arrays) of the task's backend; the
-    gradient pytree has the structure, backend and dtype of ``params``.
-
-    Threading contract: methods do not mutate the task except to fill private
-    caches, so one task object may serve many workers of a single-threaded
-    simulator; use one task per thread if the backend is not thread-safe.
+    Picklable and cheap to construct; ``grads`` have the structure, backend and dtype of
+    ``params``. Methods mutate nothing but private caches, so one task may serve the
+    simulator's workers.
 
     Example:
         >>> from stalewise import tasks
@@ -77,10 +60,7 @@ class Task(Protocol):
         ...
 
     def batches(self, worker: int, workers: int, seed: int = 0) -> Iterator[Any]:
-        """Returns an endless iterator over minibatches of ``worker``'s shard.
-
-        Called as ``batches(worker, workers, seed)`` by configs (see :func:`with_seed`).
-        """
+        """Returns an endless iterator over minibatches of ``worker``'s shard."""
         ...
 
     def evaluate(self, params: Any) -> dict[str, float]:
@@ -89,12 +69,7 @@ class Task(Protocol):
 
 
 class SeededTask:
-    """A task whose ``batches(worker, workers)`` passes a fixed ``seed``: see :func:`with_seed`.
-
-    ``loss_and_grad`` and ``evaluate`` are the task's own (bound) methods, so
-    they pickle as the task does; ``batches`` pickles with this wrapper, which
-    holds only the task and the seed.
-    """
+    """A task whose ``batches(worker, workers)`` passes a fixed ``seed``: see :func:`with_seed`."""
 
     def __init__(self, task: Any, seed: int = 0) -> None:
         self.task = task
@@ -127,9 +102,6 @@ class SeededTask:
 def with_seed(task: Any, seed: int = 0) -> SeededTask:
     """The task with ``seed`` bound: its ``batches`` is the ``data(worker, workers)`` of ``Job.train``.
 
-    This is how configs call a task: ``task.batches(worker, workers, seed)``,
-    always with the three arguments.
-
     Example:
         >>> from stalewise import tasks
         >>> task = tasks.get("least-squares", n=64, d=4)
@@ -142,16 +114,7 @@ def with_seed(task: Any, seed: int = 0) -> SeededTask:
 
 
 def check_int(name: str, value: Any, low: int = 1) -> int:
-    """Returns ``value`` if it is an integer >= ``low``, else raises ValueError naming ``name``.
-
-    Example:
-        >>> check_int("hidden", 64)
-        64
-        >>> check_int("hidden", "64")
-        Traceback (most recent call last):
-        ...
-        ValueError: hidden must be an integer >= 1, got '64'
-    """
+    """Returns ``value`` if it is an integer >= ``low``, else raises ValueError naming ``name``."""
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
@@ -160,17 +123,8 @@ def check_int(name: str, value: Any, low: int = 1) -> int:
 def check_number(
     name: str, value: Any, low: float, high: float = np.inf, *, open_: str = ""
 ) -> float:
-    """Returns ``value`` as a float if it is a finite number in the interval, else raises ValueError.
-
-    The interval is closed unless ``open_`` names an open end ("low", "high" or "both").
-
-    Example:
-        >>> check_number("noise", 0.5, 0.0)
-        0.5
-        >>> check_number("test_fraction", 1.0, 0.0, 1.0, open_="both")
-        Traceback (most recent call last):
-        ...
-        ValueError: test_fraction must be a number in (0, 1), got 1.0
+    """``value`` as a float if it is a finite number in ``[low, high]`` (``open_``: "low", "high"
+    or "both" ends open), else ValueError naming ``name``.
     """
     lo_open, hi_open = open_ in ("low", "both"), open_ in ("high", "both")
     ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
@@ -212,17 +166,9 @@ def _size(nbytes: float) -> str:
 
 
 def check_memory(task: str, nbytes: float, sizes: dict[str, tuple[Any, Any]]) -> None:
-    """Refuses a task whose data and model would not fit in the memory available.
-
-    Every built-in task calls it from its constructor with its estimate of the
-    bytes one process allocates for it (its data, parameters, gradients and the
-    activations of a batch), before anything is allocated: an absurd size is a
-    one-line ``ValueError`` naming the key, not a ``MemoryError`` deep in NumPy or
-    a machine that swaps until the kernel kills the run. The key named is the one
-    of ``sizes`` (``{key: (value, default)}``) furthest above its default.
-
-    Raises:
-        ValueError: ``nbytes`` is more than :func:`available_memory`.
+    """Raises ValueError if ``nbytes`` (a task's estimate for one process) exceeds
+    :func:`available_memory`, naming the key of ``sizes`` (``{key: (value, default)}``)
+    furthest above its default. The built-in tasks call it before allocating anything.
 
     Example:
         >>> check_memory("least-squares", 1e18, {"n": (512, 2048), "d": (10**14, 64)})
@@ -244,23 +190,9 @@ def check_memory(task: str, nbytes: float, sizes: dict[str, tuple[Any, Any]]) ->
 
 
 def shard_indices(n: int, worker: int, workers: int) -> np.ndarray:
-    """Returns the indices of ``worker``'s shard of ``n`` examples.
-
-    Shards are strided (``worker, worker + workers, ...``), so they are
-    disjoint, cover ``range(n)`` and differ in size by at most one. Tasks
-    store their training data in a random order, which makes strided shards
-    statistically alike.
-
-    Args:
-        n: number of training examples.
-        worker: this worker's index, ``0 <= worker < workers``.
-        workers: total number of workers, at most ``n``.
-
-    Returns:
-        A sorted int64 array of indices.
-
-    Raises:
-        ValueError: if ``worker`` is out of range or ``workers > n``.
+    """The sorted int64 indices of ``worker``'s shard of ``n`` examples: strided (``worker,
+    worker + workers, ...``), so shards are disjoint, cover ``range(n)`` and differ in size
+    by at most one. ValueError if ``worker`` is out of range or ``workers > n``.
 
     Example:
         >>> shard_indices(10, 1, 3).tolist()
@@ -276,21 +208,11 @@ def shard_indices(n: int, worker: int, workers: int) -> np.ndarray:
 def shard_batches(
     n: int, batch_size: int, worker: int, workers: int, seed: int = 0
 ) -> Iterator[np.ndarray]:
-    """Yields index minibatches of ``worker``'s shard, forever.
+    """Yields int64 index minibatches of ``worker``'s shard of ``n``, forever.
 
-    Every batch has the same size (``min(batch_size, shard size)``) so that
-    compiled backends see one shape; the remainder of an epoch is dropped and
-    the shard is reshuffled for the next one.
-
-    Args:
-        n: number of training examples.
-        batch_size: requested minibatch size.
-        worker: this worker's index.
-        workers: total number of workers.
-        seed: run seed; shuffling uses ``(seed, worker, epoch)``.
-
-    Yields:
-        int64 index arrays into the training set.
+    Every batch has ``min(batch_size, shard size)`` indices (one shape for compiled
+    backends); an epoch's remainder is dropped and each epoch reshuffled by ``(seed,
+    worker, epoch)``.
 
     Example:
         >>> it = shard_batches(10, 2, worker=0, workers=2, seed=0)

@@ -1,17 +1,11 @@
 """Handwritten digits: a small MLP classifier on scikit-learn's bundled digits.
 
-The data are the 1797 8x8 images of ``sklearn.datasets.load_digits`` (read
-from the scikit-learn wheel, no network). A fixed stratified split keeps
-``test_fraction`` of every class for evaluation; features are standardised
-with the training-set mean and standard deviation. The model is
-
-    64 -> hidden (tanh or relu) -> 10, softmax cross-entropy (mean over the batch)
-
-with parameters ``{"layer1": {"w", "b"}, "layer2": {"w", "b"}}``, weights
-stored ``(fan_in, fan_out)``, Glorot-uniform init for tanh, He-normal for
-relu, zero biases, float32. This module holds the NumPy version (manual
-backprop); ``digits_torch`` and ``digits_jax`` reuse its data and init, so
-the three backends start from the same numbers for the same seed.
+The 1797 8x8 images of ``sklearn.datasets.load_digits`` (no network), split stratified
+by class and standardised with the training statistics. The model is ``64 -> hidden
+(tanh or relu) -> 10``, softmax cross-entropy, parameters ``{"layer1": {"w", "b"},
+"layer2": {"w", "b"}}`` in float32. This is the NumPy version (manual backprop);
+``digits_torch`` and ``digits_jax`` reuse its data and init, so the three backends start
+from the same numbers.
 """
 
 from __future__ import annotations
@@ -45,16 +39,8 @@ class DigitsData(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
-    """Loads the digits and splits them, stratified by class.
-
-    Cached per process: the tasks of one worker process share one copy.
-
-    Args:
-        seed: seed of the split and of the order of the training examples.
-        test_fraction: share of each class held out for evaluation.
-
-    Returns:
-        The split as read-only arrays.
+    """The digits split by class (``test_fraction`` of each held out), read-only, cached
+    per process; ``seed`` sets the split and the training order.
 
     Example:
         >>> data = load_digits_split(seed=0)
@@ -92,16 +78,8 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
 
 
 def init_mlp(hidden: int = 64, activation: str = "tanh", seed: int = 0) -> dict:
-    """Returns NumPy float32 parameters of the digits MLP.
-
-    Args:
-        hidden: width of the hidden layer.
-        activation: ``"tanh"`` (Glorot-uniform weights) or ``"relu"`` (He-normal).
-        seed: initialisation seed.
-
-    Returns:
-        ``{"layer1": {"w": (64, hidden), "b": (hidden,)},
-        "layer2": {"w": (hidden, 10), "b": (10,)}}`` (shapes shown).
+    """NumPy float32 parameters of the digits MLP: Glorot-uniform weights for ``"tanh"``,
+    He-normal for ``"relu"``, zero biases.
 
     Example:
         >>> p = init_mlp(hidden=16, seed=0)
@@ -145,17 +123,9 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 class Digits:
     """Digits MLP classifier with NumPy arrays and manual backprop.
 
-    Batches are ``(x, y)`` pairs: ``x`` float32 ``(batch_size, 64)``, ``y`` int64.
-    The computation runs in the dtype of the parameters (float32 unless the
-    caller passes float64 parameters, e.g. for a finite-difference check).
-
-    Args:
-        hidden: width of the hidden layer.
-        activation: ``"tanh"`` or ``"relu"``.
-        batch_size: minibatch size of :meth:`batches`.
-        test_fraction: held-out share of each class.
-        split_seed: seed of the train/test split (fixed for a task, unlike the
-            init and shuffling seeds, which are per call).
+    Batches are ``(x, y)``: ``x`` float32 ``(batch_size, 64)``, ``y`` int64; the maths runs
+    in the parameters' dtype. ``activation`` is ``"tanh"`` or ``"relu"``; ``split_seed``
+    fixes the train/test split (the init and shuffling seeds are per call).
 
     Example:
         >>> task = Digits(hidden=32)

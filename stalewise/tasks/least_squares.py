@@ -1,23 +1,12 @@
 """Synthetic linear least squares with a known solution.
 
-``A`` is an ``(n, d)`` float32 Gaussian matrix drawn from a seeded generator
-(columns optionally rescaled to reach a target condition number of the
-Hessian), ``x*`` a Gaussian vector and ``b = A x* + noise * N(0, 1)``. The
-loss of a set of rows ``B`` is ``0.5 * mean((A_B x - b_B) ** 2)``, whose
-Hessian over the full data is ``A^T A / n``, close to the identity for
-well-conditioned problems with ``n >> d``.
-
-Two gradient modes:
-
-* minibatch (default): workers own disjoint row shards and batches are
-  ``(A_rows, b_rows)`` pairs, as for any data-parallel task;
-* ``exact=True``: batches are ``None`` and the gradient is the full-data one.
-  When ``d <= min(n, 2048)`` it costs one ``d x d`` matrix-vector product with
-  a precomputed Gram matrix, so a simulator can afford thousands of workers
-  (every worker sees all data; there is no shard to run out of).
-
-The data are generated on first use and never pickled: a task sent to a
-worker process regenerates the same numbers from its seed.
+``A`` is a seeded ``(n, d)`` float32 Gaussian matrix (columns optionally rescaled to a
+target condition number), ``b = A x* + noise * N(0, 1)`` and the loss of rows ``B`` is
+``0.5 * mean((A_B x - b_B) ** 2)``. Batches are ``(A_rows, b_rows)`` of disjoint row
+shards, or with ``exact=True`` ``None`` and the gradient is the full-data one (one
+``d x d`` product with a precomputed Gram matrix when ``d <= min(n, 2048)``, so a
+simulator can afford thousands of workers). The data are generated on first use, never
+pickled: a worker process regenerates them from the seed.
 """
 
 from __future__ import annotations
@@ -41,16 +30,9 @@ _MAX_GRAM_DIM = 2048
 class LeastSquares:
     """Linear regression ``min_x 0.5 * mean((A x - b) ** 2)`` with known ``x*``.
 
-    Args:
-        n: number of rows (examples).
-        d: number of unknowns; ``d = 10_000`` with ``n = 2048`` is a 80 MB problem.
-        noise: standard deviation of the Gaussian noise added to ``b``.
-        condition: target condition number of ``A^T A`` (1 keeps the columns
-            as drawn; larger values scale column ``j`` by
-            ``condition ** (-j / (2 (d - 1)))``).
-        batch_size: rows per minibatch.
-        exact: if True, batches are ``None`` and gradients are full-data ones.
-        seed: seed of ``A``, ``x*`` and the noise.
+    ``n`` rows, ``d`` unknowns, ``noise`` the standard deviation added to ``b``,
+    ``condition`` the target condition number of ``A^T A`` (column ``j`` scaled by
+    ``condition ** (-j / (2 (d - 1)))``), ``seed`` that of ``A``, ``x*`` and the noise.
 
     Example:
         >>> task = LeastSquares(n=256, d=8)
@@ -141,10 +123,8 @@ class LeastSquares:
         return self._data()[2]
 
     def optimum(self) -> np.ndarray:
-        """Returns a minimiser of the full-data loss, as float32.
-
-        That is ``x*`` when there is no noise and ``n >= d``; otherwise the
-        minimum-norm least-squares solution (computed once, in float64).
+        """A minimiser of the full-data loss, as float32: ``x*`` without noise and with
+        ``n >= d``, else the minimum-norm least-squares solution.
 
         Example:
             >>> task = LeastSquares(n=64, d=4)

@@ -1,42 +1,13 @@
 """A small byte-level GPT on the Python standard library's own source (PyTorch).
 
-The corpus exists offline on every machine: the source files of a fixed list
-of standard-library modules (:data:`CORPUS_MODULES`, each read from
-``sysconfig.get_paths()["stdlib"]`` as ``name.py`` or ``name/__init__.py``),
-concatenated in that (sorted) order, each followed by a NUL byte, and cut at
-``corpus_bytes``. Nothing is downloaded. The bytes are the same on every
-machine with the same Python version (the stdlib's files change between
-minor versions and, rarely, between patch releases or distributions' patched
-builds); :attr:`LanguageModel.corpus_sha256` names the corpus a run used.
-
-The last ``val_fraction`` of the corpus is held out: training windows end
-before it, evaluation windows lie inside it. Training windows are the
-``context + 1`` bytes starting at every multiple of ``context`` (inputs and
-shifted targets), shared among the workers by
-:func:`~stalewise.tasks.base.shard_batches`; :meth:`LanguageModel.evaluate`
-scores a fixed, evenly spaced sample of ``eval_windows`` held-out windows, so
-its figures are deterministic.
-
-The model (vocabulary 256, one token per byte) is GPT-2-like: token and
-position embeddings, ``layers`` pre-LayerNorm blocks of causal multi-head
-self-attention (``torch.nn.functional.scaled_dot_product_attention``) and a
-4x GELU MLP, a final LayerNorm and an output head tied to the token
-embedding (the logits are ``h @ wte.T``: one leaf, used twice, so
-stalewise's flat vector holds it once). Parameters are a nested dict of CPU
-float32 tensors::
-
-    {"wte": (256, dim), "wpe": (context, dim),
-     "blocks": {"0": {"ln1": {"w", "b"}, "attn": {"qkv": {"w", "b"}, "proj": {"w", "b"}},
-                      "ln2": {"w", "b"}, "mlp": {"fc": {"w", "b"}, "proj": {"w", "b"}}}, ...},
-     "ln_f": {"w", "b"}}
-
-weights stored ``(fan_in, fan_out)``, initialised N(0, 0.02) (residual
-projections N(0, 0.02 / sqrt(2 layers))), biases 0, LayerNorm gains 1. A
-uniform model's loss is ln 256 = 5.545 nats per byte.
-
-Threads: the local runtime caps each worker process's math threads
-(``OMP_NUM_THREADS``, read when torch is imported) to its share of the cores;
-the task does not change torch's thread settings.
+The corpus is the source of :data:`CORPUS_MODULES`, read from this Python's stdlib,
+concatenated in sorted order with a NUL after each file and cut at ``corpus_bytes``:
+nothing is downloaded, and :attr:`LanguageModel.corpus_sha256` names the corpus a run
+used. The last ``val_fraction`` is held out; :meth:`LanguageModel.evaluate` scores a
+fixed, evenly spaced sample of held-out windows, so its figures are deterministic. The
+model (one token per byte) is GPT-2-like, its output head tied to the token embedding;
+parameters are a nested dict of CPU float32 tensors. A uniform model's loss is ln 256 =
+5.545 nats per byte. The corpus, the model and its sizes: docs/lm.md.
 """
 
 from __future__ import annotations
@@ -109,11 +80,8 @@ def _module_file(stdlib: str, module: str) -> str:
 
 @functools.lru_cache(maxsize=4)
 def load_corpus(corpus_bytes: int = 1 << 21, val_fraction: float = 0.05) -> Corpus:
-    """Reads the corpus (cached per process: the tasks of one process share one copy).
-
-    Args:
-        corpus_bytes: cap on the corpus's size; the files are read in order until it is reached.
-        val_fraction: the held-out share, taken from the end.
+    """Reads the corpus, up to ``corpus_bytes``, the last ``val_fraction`` held out
+    (cached per process).
 
     Example:
         >>> c = load_corpus(100_000, 0.1)
@@ -158,20 +126,9 @@ def _unflatten(tree: dict, it: Iterator) -> dict:
 class LanguageModel:
     """A byte-level GPT on standard-library source (see the module's docstring).
 
-    Batches are int64 tensors ``(batch_size, context + 1)`` of byte values:
-    the model reads ``[:, :-1]`` and predicts ``[:, 1:]``. The loss is the mean
-    cross-entropy per predicted byte, in nats.
-
-    Args:
-        size: ``"tiny"``, ``"small"``, ``"base"`` or ``"medium"`` (:data:`SIZES`).
-        context: bytes the model sees (the length of a training window).
-        batch_size: windows per minibatch.
-        dim, layers, heads: override the size's width, depth and heads (``dim``
-            must be a multiple of ``heads``).
-        corpus_bytes: the corpus's size cap (2 MiB by default; the full module list
-            holds about 2.8 MB on Python 3.11).
-        val_fraction: the held-out share at the end of the corpus.
-        eval_windows: how many held-out windows :meth:`evaluate` scores.
+    Batches are int64 tensors ``(batch_size, context + 1)`` of bytes: the model reads
+    ``[:, :-1]`` and predicts ``[:, 1:]``; the loss is the mean cross-entropy per byte, in
+    nats. ``size`` is one of :data:`SIZES`; ``dim``, ``layers`` and ``heads`` override it.
 
     Example:
         >>> task = LanguageModel(size="tiny", context=16, batch_size=4, corpus_bytes=50_000)

@@ -30,6 +30,7 @@ from multiprocessing import connection, reduction
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stalewise.checkpoint.store import untrusted
 from stalewise.runtime.attach import AttachError, check_name
 from stalewise.runtime.local import door_state
 
@@ -59,19 +60,12 @@ def door_dir() -> Path:
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     st = os.lstat(path)
-    mode, me = stat.S_IMODE(st.st_mode), os.getuid()
-    fix = "remove it (as its owner or root), or set XDG_RUNTIME_DIR to a folder of yours"
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
-        raise AttachError(f"the attach folder {path} is {what}: {fix}")
-    if st.st_uid != me:
-        raise AttachError(
-            f"the attach folder {path} belongs to uid {st.st_uid}, not to you (uid {me}): {fix}"
-        )
-    if mode != 0o700:
-        raise AttachError(
-            f"the attach folder {path} has mode {mode:04o}, not 0700: run chmod 700 {path}"
-        )
+    mode = stat.S_IMODE(st.st_mode)
+    if problem := untrusted(st) or (mode != 0o700 and f"of mode {mode:04o}, not 0700"):
+        mine = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+        fix = "remove it (as its owner or root), or set XDG_RUNTIME_DIR to a folder of yours"
+        fix = f"run chmod 700 {path}" if mine else fix
+        raise AttachError(f"the attach folder {path} is {problem}: {fix}")
     return path
 
 
@@ -109,13 +103,9 @@ def _own(path: Path, kind: int) -> os.stat_result | None:
         st = os.lstat(path)
     except FileNotFoundError:
         return None
-    if stat.S_IFMT(st.st_mode) != kind or st.st_uid != os.getuid():
-        what = "a symlink" if stat.S_ISLNK(st.st_mode) else f"not a {_KINDS[kind]} of yours"
-        raise AttachError(f"{path} is {what}, which stalewise never makes: remove it")
+    if problem := untrusted(st, kind):
+        raise AttachError(f"{path} is {problem}, which stalewise never makes: remove it")
     return st
-
-
-_KINDS = {stat.S_IFREG: "regular file", stat.S_IFSOCK: "socket"}
 
 
 def _read_key(keyfile: Path) -> bytes:
@@ -288,7 +278,7 @@ class Door:
         """Hands a worker's pipes to an authenticated process; True once it holds them."""
         request = json.loads(conn.recv_bytes(256))
         want, pid = request.get("worker"), request.get("pid")
-        if not isinstance(pid, int):
+        if type(pid) is not int or pid < 1:
             raise AttachError(f"a request without its process id: {request!r}")
         with self.lock:  # only to choose the id and make its pipes: no waiting on the attacher
             if self.closed.is_set():

@@ -3,7 +3,7 @@
 A :class:`Client` is one incarnation of its worker id and belongs to one thread of
 one process; every blocking call takes a ``timeout`` in seconds (None waits
 forever). A push is committed (:mod:`stalewise.protocol.commit`) in shared memory
-before any shard is told; messages are the records of :mod:`stalewise.protocol.wire`.
+before any shard is told; messages are the records of :mod:`stalewise.runtime.local.wire`.
 A shard that closed its connection makes every later call raise
 :class:`ServerClosed`; a shard whose process died, read from the shared control
 words, raises :class:`~stalewise.runtime.errors.ShardError` naming it, so no call
@@ -19,11 +19,12 @@ from typing import Any, NoReturn
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline, wire
+from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline
 from stalewise.protocol.sender import Sender
 from stalewise.runtime.base import PullsIntoTrees
 from stalewise.runtime.errors import BudgetSpent, ServerClosed, ShardError
 from stalewise.runtime.local import layout as L
+from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit
 from stalewise.runtime.local.shm import SharedBlock
@@ -74,6 +75,10 @@ class Client(PullsIntoTrees):
     """A worker's handle on the shards: ``pull()`` params, ``push()`` updates.
 
     Made by :meth:`LocalServer.client`; picklable until first used."""
+
+    #: the job's budget of pushes this client refuses to pass at commit (None: none; see
+    #: :meth:`may_begin`), checked when set
+    budget = budget.Budget()
 
     def __init__(
         self,
@@ -134,10 +139,7 @@ class Client(PullsIntoTrees):
         #: live params kept changing while read, so served by the shard (read-your-writes)
         self.own_requests = 0
         self._lease: connection.Connection | None = None  # an attached process's socket
-        #: the job's budget of pushes this client refuses to pass at commit (None: none;
-        #: see :meth:`may_begin`); ``budget_refused`` counts the pushes it refused
-        self.budget: int | None = None
-        self.budget_refused = 0
+        self.budget_refused = 0  # pushes refused past the budget
         self._granted = False  # may_begin said yes since the last push
         self._round = joined_at  # under BSP: this worker's clock as it knows it
         self.watch: Any = None  # a loop the user owns: its protocol.loop.Watch
@@ -182,6 +184,12 @@ class Client(PullsIntoTrees):
         return self.__dict__.copy()
 
     def _attach(self) -> SharedBlock:
+        if self._conns and self._conns[0].closed and self._closed_by is None:
+            w = self.worker
+            raise RuntimeError(
+                f"worker {w}'s client was released: server.release({w}) hands it to the "
+                f"process it was sent to, which alone uses it (server.client({w}) makes another)"
+            )
         if self._block is None:  # a worker's client, first used in its own process
             self._block = SharedBlock.attach(self._block_name)
             self._pull_buf = self._layout.pull_buffer(self._block, self.worker)
@@ -484,6 +492,7 @@ class Client(PullsIntoTrees):
             pass
         for c in self._conns:
             c.close()
+        self._closed_by = self._closed_by or "this client is closed"
         if self._lease is not None:  # the server gives this worker id back (see .attach)
             self._lease.close()
         self._pull_buf = self._push_buf = None  # type: ignore[assignment]

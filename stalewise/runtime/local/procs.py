@@ -86,19 +86,43 @@ def _preparation_data(name: str, _original: Callable[[str], dict]) -> dict:
     return data
 
 
+# A child's entry point when its parent may die while starting it (``kill -9`` of the
+# launcher): multiprocessing's own, but a child whose parent is gone (reparented) exits
+# quietly instead of printing a traceback from the half-written pipe (EOFError).
+_QUIET_ENTRY = """import os
+from multiprocessing.spawn import spawn_main
+try:
+    spawn_main({args})
+except Exception:
+    if os.getppid() == {parent}:
+        raise
+    os._exit(70)
+"""
+
+
 def _install() -> None:
-    """Wraps ``multiprocessing.spawn.get_preparation_data`` once; it changes nothing unless
-    the calling thread is inside :func:`stalewise_main`."""
+    """Wraps ``multiprocessing.spawn.get_preparation_data`` and ``get_command_line`` once
+    (popen_spawn_posix calls them through the module, at each start): unchanged unless the
+    calling thread is inside :func:`stalewise_main`."""
     with _install_lock:
-        current = mp_spawn.get_preparation_data
+        current, line = mp_spawn.get_preparation_data, mp_spawn.get_command_line
         if getattr(current, "_stalewise", False):
             return
 
         def get_preparation_data(name: str) -> dict:
             return _preparation_data(name, current)
 
+        def get_command_line(**kwds: object) -> list[str]:
+            cmd = line(**kwds)
+            if getattr(_own_main, "inside", False) and "-c" in cmd:
+                at = cmd.index("-c") + 1
+                args = ", ".join(f"{k}={v!r}" for k, v in kwds.items())
+                cmd[at] = _QUIET_ENTRY.format(args=args, parent=os.getpid())
+            return cmd
+
         get_preparation_data._stalewise = True  # type: ignore[attr-defined]
         mp_spawn.get_preparation_data = get_preparation_data
+        mp_spawn.get_command_line = get_command_line
 
 
 @contextlib.contextmanager
@@ -106,12 +130,12 @@ def stalewise_main(needs_main: bool = False) -> Iterator[None]:
     """Processes this thread spawns inside the block do not import the parent's
     ``__main__``; with ``needs_main`` (see :func:`refers_to_main`) nothing changes."""
     _install()
-    before = getattr(_own_main, "on", False)
-    _own_main.on = not needs_main
+    before = getattr(_own_main, "on", False), getattr(_own_main, "inside", False)
+    _own_main.on, _own_main.inside = not needs_main, True
     try:
         yield
     finally:
-        _own_main.on = before
+        _own_main.on, _own_main.inside = before
 
 
 class _MainFinder(pickle.Pickler):

@@ -1,7 +1,7 @@
 """The local runtime's server: shards as OS processes on one machine.
 
 Bytes move through one shared-memory block (:mod:`stalewise.runtime.local.layout`);
-small control messages (:mod:`stalewise.protocol.wire`) go through pipes, one pair
+small control messages (:mod:`stalewise.runtime.local.wire`) go through pipes, one pair
 per incarnation of a worker, handed to the shard processes by file-descriptor
 passing so a shard knows who sent a message from its pipe. :class:`LocalServer`
 starts and stops the shard processes (:mod:`stalewise.runtime.local.shard_proc`),
@@ -27,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.protocol import ServerConfig, budget, wire
+from stalewise.protocol import ServerConfig, budget
 from stalewise.runtime.base import worker_range
 from stalewise.runtime.errors import ShardError
 from stalewise.runtime.local import layout as layout_lib
+from stalewise.runtime.local import wire
 from stalewise.runtime.local.attach import Door
 from stalewise.runtime.local.client import Client, ControlPipe, ServerClosed, recv_reply
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
@@ -167,7 +168,7 @@ class LocalServer:
         with thread_budget(1), stalewise_main(self._needs_main):
             p.start()
         theirs.close()
-        return p, ControlPipe(mine)  # control messages are binary records (protocol.wire)
+        return p, ControlPipe(mine)  # control messages are binary records (runtime.local.wire)
 
     def _wait_ready(self, k: int) -> None:
         try:
@@ -222,7 +223,7 @@ class LocalServer:
             return self._client(worker)
 
     def _client(self, worker: int) -> Client:
-        if not (isinstance(worker, int) and 0 <= worker < self.workers):
+        if type(worker) is not int or not 0 <= worker < self.workers:
             raise ValueError(
                 f"unknown worker {worker!r}: this server has workers 0..{self.workers - 1}"
             )
@@ -264,13 +265,9 @@ class LocalServer:
         Raises:
             ValueError: ``want`` is out of range or taken, or every id is (the job is full)."""
         if want is not None:
-            if not (isinstance(want, int) and 0 <= want < self.workers):
-                raise ValueError(
-                    f"unknown worker {want!r}: this server has workers 0..{self.workers - 1}"
-                )
-            if want in taken:
+            if type(want) is int and want in taken:
                 raise ValueError(f"worker {want} is held by an attached process")
-            return want
+            return want  # checked by _client
         for w in range(self.workers):
             if w not in taken and (self._clients[w] == 0 or w in self._attached):
                 return w

@@ -24,8 +24,9 @@ from multiprocessing import connection, reduction
 
 import numpy as np
 
-from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, wire
+from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, pipeline
 from stalewise.runtime.local import layout as L
+from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Snapshots
 from stalewise.runtime.local.shm import SharedBlock
 from stalewise.runtime.logs import child_logging
@@ -33,7 +34,6 @@ from stalewise.runtime.logs import child_logging
 log = logging.getLogger(__name__)
 
 
-PUBLISH_EVERY = 0.02  # seconds: the longest a busy shard defers publishing a new version
 PARTIAL_TIMEOUT = 1.0  # seconds a worker's message may stay incomplete before it is cut off
 READ_CHUNK = 4096  # bytes read from one worker's pipe per turn of the loop
 
@@ -141,7 +141,7 @@ class ShardProcess:
         return (
             not busy
             or clock != self.snapshots.min_clock(self.k)
-            or time.monotonic() - self.published_at > PUBLISH_EVERY
+            or time.monotonic() - self.published_at > pipeline.PUBLISH_EVERY
         )
 
     def write(self, call, *args, **kwargs):

@@ -6,7 +6,7 @@ one spawned process per worker, releases them together, then evaluates every
 budget, the stop condition, a failure its policy does not survive, or Ctrl-C. A
 worker fails when its process dies, user code raises in it, its heartbeats stop
 (:class:`~stalewise.protocol.liveness.Silence`) or its result pipe carries bytes
-that are no message (:func:`stalewise.protocol.wire.decode_result`); a shard fails
+that are no message (:func:`stalewise.runtime.local.wire.decode_result`); a shard fails
 when its process dies (every worker is stopped, the shard restarted, the workers
 rejoin). A failure before the job has started fails it whatever the policy. What a
 user sees: ``docs/reliability.md``. No process the parent started outlives it
@@ -32,11 +32,12 @@ import numpy as np
 
 from stalewise import checkpoint
 from stalewise import runtime as runtime_lib
-from stalewise.protocol import ServerConfig, loop, pipeline, wire
-from stalewise.protocol.liveness import Silence
+from stalewise.protocol import ServerConfig, loop, pipeline
+from stalewise.protocol.liveness import Silence, late_start
 from stalewise.runtime import driver
 from stalewise.runtime.base import batch_iterator
 from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
+from stalewise.runtime.local import wire
 from stalewise.runtime.local.client import Client
 from stalewise.runtime.local.procs import (
     describe_exit,
@@ -161,8 +162,7 @@ def _worker_main(
             if request is loop.CLOCK:  # a strategy pacing itself asks the runtime's clock
                 return time.monotonic()
             # a Push or an Ahead: emulate the compute time; a straggler is slow at everything
-            emulated = (request.compute + delay * request.local_steps) * slowdown - request.compute
-            end = time.monotonic() + max(emulated, 0.0)
+            end = time.monotonic() + loop.emulated(request, slowdown, delay)
             land(end)  # an overlapped push lands during the steps taken ahead
             beat.sleep(end - time.monotonic())
             if isinstance(request, loop.Ahead):
@@ -374,9 +374,9 @@ class _Host:
                 if cause is not None:
                     wk.proc.kill()  # SIGKILL works on a stopped process too
                     self.failed(w, f"{cause}, so it was killed")
-            elif wk.state == "starting" and now - wk.since > o.start_timeout:
+            elif wk.state == "starting" and (late := late_start(wk.since, now, o.start_timeout)):
                 wk.proc.kill()
-                self.failed(w, f"did not start within start_timeout={o.start_timeout:g} s")
+                self.failed(w, late)
 
     def failed(self, w: int, cause: str, detail: str = "") -> None:
         """Worker ``w`` failed: stop its process, then apply the policy."""

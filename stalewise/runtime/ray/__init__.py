@@ -1,24 +1,15 @@
 """The Ray runtime: the job's shards and workers as Ray actors, on one machine or a cluster.
 
-``job.train(..., runtime="ray")`` (``stalewise train CONFIG --runtime ray``) hosts
-the same protocol objects as the local runtime: each shard is a
-:class:`~stalewise.runtime.ray.shard.ShardActor` holding one
-:class:`~stalewise.protocol.Shard`, each worker a
-:class:`~stalewise.runtime.ray.worker.WorkerActor` running the one worker loop,
-and this process, the driver (:mod:`~stalewise.runtime.ray.train`), evaluates,
-records, checkpoints and applies the failure policy as the local runtime's
-parent does. ``job.serve(runtime="ray", name=...)`` serves the shards for a loop
-you own and ``sw.attach(name)`` attaches from any driver, task or actor
-(:mod:`~stalewise.runtime.ray.server`, :mod:`~stalewise.runtime.ray.client`);
-``stalewise run --runtime ray`` runs a script once per worker as actors
-(:mod:`stalewise.launch.ray`). ``import stalewise`` does not import Ray.
-
-Where it runs: the Ray instance this process is connected to, else the one
-:func:`connect` picks (:func:`cluster_address`: the address given, else
-``RAY_ADDRESS``, else a new local instance, shut down at the end). Placement,
-the object store's copies, the commit rule, a dead shard's rollback of every
-shard, codecs and their residual keepers, delta pulls and what is not exact are
-in ``docs/ray.md``.
+``job.train(..., runtime="ray")`` hosts the same protocol objects as the local
+runtime: each shard a :class:`~stalewise.runtime.ray.shard.ShardActor`, each worker
+a :class:`~stalewise.runtime.ray.worker.WorkerActor` running the one worker loop,
+and this process the driver (:mod:`~stalewise.runtime.ray.train`).
+``job.serve(runtime="ray", name=...)`` serves the shards for a loop you own and
+``sw.attach(name)`` attaches from any driver, task or actor
+(:mod:`~stalewise.runtime.ray.server`, :mod:`~stalewise.runtime.ray.client`).
+It runs on the Ray instance this process is connected to, else on
+:func:`cluster_address`'s. ``import stalewise`` does not import Ray; the rest is in
+``docs/ray.md``.
 """
 
 from __future__ import annotations
@@ -53,11 +44,9 @@ def connect(address: str | None = None, **init_kwargs: Any) -> bool:
 
 
 def cluster_address(address: str | None = None) -> str:
-    """Where :func:`connect` goes: ``address``, else ``RAY_ADDRESS``, else ``"local"``, a
-    new local instance. Never Ray's own default, the cluster last recorded in the file
-    ``ray/ray_current_cluster`` of the temporary folder every user of the machine shares:
-    it may be another user's, who would then run your functions and read your data.
-    ``"auto"`` is the address ``ray start`` recorded there, only if the file is yours.
+    """Where :func:`connect` goes: ``address``, else ``RAY_ADDRESS``, else ``"local"`` (a
+    new local instance); never Ray's default, the machine-wide record of the last
+    cluster. ``"auto"`` is that record's address, only if the file is yours.
     """
     address = address or os.environ.get("RAY_ADDRESS") or "local"
     if address != "auto":
@@ -94,8 +83,8 @@ def import_ray() -> Any:
 
 
 def serves(name: str) -> str | None:
-    """None if a job called ``name`` may be served on Ray: this process is connected to Ray,
-    or ``RAY_ADDRESS`` names a cluster (``sw.attach``); else why not. Imports no Ray."""
+    """None if a job may be served on Ray (connected, or ``RAY_ADDRESS`` names a
+    cluster); else why not. Imports no Ray."""
     ray = sys.modules.get("ray")
     if ray is not None and getattr(ray, "is_initialized", lambda: False)():
         return None

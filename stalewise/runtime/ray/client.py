@@ -7,16 +7,10 @@ then calls ``sw.attach("gpt")`` (:func:`attach`): the door chooses the worker id
 and a new incarnation of it, every shard admits it (a late joiner at the slowest
 live clock, :attr:`RayClient.joined_at`), and the client gets the shards' handles.
 
-:class:`RayClient` has the local runtime's client's calls and meaning: ``pull``
-(read-your-writes unless ``own=False``; :attr:`~RayClient.pull_has_own`),
-``push``, ``wait``, ``close``, the budget (:attr:`~RayClient.job_pushes`,
-:meth:`~RayClient.may_begin`) and :attr:`~RayClient.stopping`. Its pushes go
-through the worker actors' :class:`~stalewise.runtime.ray.outbox.Outbox`; one
-is in flight at a time. :meth:`~RayClient.close` has the door apply the commit
-rule (:func:`stalewise.runtime.ray.cluster.depart`), so the last push is on
-every shard or on none. A small *lease* actor owned by the attaching process
-dies with it (Ray's fate-sharing), and the door then departs the worker the
-same way and frees its id.
+:class:`RayClient` has the local runtime's client's calls and meaning, one push in
+flight. :meth:`~RayClient.close`, or the death of the attaching process (a *lease*
+actor it owns dies with it), has the door apply the commit rule
+(:func:`stalewise.runtime.ray.cluster.depart`) and free the worker id.
 """
 
 from __future__ import annotations
@@ -41,13 +35,11 @@ CLOSE_WAIT = 30.0  # seconds close() waits for the last push's acks and the door
 
 
 def door_name(name: str) -> str:
-    """The Ray actor name of the door of the job served as ``name``."""
     return f"stalewise:{name}"
 
 
 class Lease:
-    """An actor owned by the attached process: it dies with that process (Ray's
-    fate-sharing), which the door sees as its :meth:`watch` failing."""
+    """An actor owned by the attached process, dying with it (the door watches it)."""
 
     async def watch(self) -> None:
         import asyncio
@@ -56,11 +48,12 @@ class Lease:
 
 
 class RayClient(PullsIntoTrees):
-    """One incarnation of a worker id of a job served on Ray; see the module docstring.
+    """One incarnation of a worker id of a job served on Ray, made by :func:`attach`; for
+    one thread. Every blocking call takes a ``timeout`` in seconds."""
 
-    Made by :func:`attach` (or ``server.client()``); belongs to one thread of the
-    process that made it. Every blocking call takes a ``timeout`` in seconds.
-    """
+    #: the job's budget of pushes this client refuses to pass at commit (None: none; see
+    #: :meth:`may_begin`), checked when set
+    budget = budget.Budget()
 
     def __init__(
         self,
@@ -82,8 +75,6 @@ class RayClient(PullsIntoTrees):
         self._shards = list(info["shards"])
         self._spec = config.spec
         self._gated = pipeline.exact_pulls(config)
-        # the protocol's sending side; with error feedback, from the residual the id's
-        # last incarnation left with (None: zeros)
         self._out = Outbox(config, self._shards, self.worker, residual=info["residual"], buffers=1)
         self._pull_buf = np.empty(self._spec.size, self._spec.dtype)
         self._pending: tuple[int, list] | None = None  # (seq, ack refs) of the last push
@@ -96,9 +87,7 @@ class RayClient(PullsIntoTrees):
         self.last_result: PushResult | None = None
         #: whether the last pull includes this worker's last push (see :meth:`pull`'s ``own``)
         self.pull_has_own = True
-        #: the job's budget of pushes refused at commit (None: none), as the local client's
-        self.budget: int | None = None
-        self.budget_refused = 0
+        self.budget_refused = 0  # pushes refused past the budget
         self._granted = False  # may_begin said yes since the last push
         self._round = self.joined_at  # under BSP: this worker's clock as it knows it
         self._shard_round = 0  # under BSP: shard 0's round under way, as last heard
@@ -113,20 +102,14 @@ class RayClient(PullsIntoTrees):
         return self._handled
 
     def may_begin(self, steps: int) -> bool:
-        """The budget rule (:mod:`stalewise.protocol.budget`): whether this worker may begin
-        another step of a job of ``steps`` pushes. Its push in flight is its step in
-        progress; while the rule refuses with it in flight, the client waits for its acks
-        and asks again. The other workers' steps are not seen: a job may commit up to
-        ``workers - 1`` pushes beyond ``steps``. Under BSP it counts whole rounds
-        (:func:`~stalewise.protocol.budget.may_begin_round`) of the shards' round
-        (:func:`~stalewise.protocol.budget.round_of`). A yes grants the next push past
-        :attr:`budget`'s check at commit (under BSP it is asked again)."""
+        """Whether this worker may begin another step of a job of ``steps`` pushes (the
+        budget rule, :mod:`stalewise.protocol.budget`; up to ``workers - 1`` pushes may
+        go beyond ``steps``). A yes lets the next push past :attr:`budget`'s check."""
         self._granted = self._may_begin(steps)
         return self._granted
 
     def _may_begin(self, steps: int, *, ask: bool = True) -> bool:
-        """The rule; ``ask``: under BSP, asks shard 0 for its round (else: as last heard,
-        at commit, after this push's pull)."""
+        """``ask``: under BSP, asks shard 0 its round (else as last heard)."""
         if self._rounds:
             if ask:
                 self._count()
@@ -160,7 +143,7 @@ class RayClient(PullsIntoTrees):
     # -- pulls ------------------------------------------------------------------------
 
     def pull_flat(self, *, timeout: float | None = None, own: bool = True) -> np.ndarray:
-        """Like :meth:`pull` but returns the flat pull buffer itself (no copy)."""
+        """:meth:`pull`'s flat buffer itself (no copy)."""
         self._check_open()
         if self.watch is not None:
             self.watch.pulled = True
@@ -169,8 +152,7 @@ class RayClient(PullsIntoTrees):
         # a gated pull waits at every shard until this worker's pushes have arrived
         self.pull_has_own = self._pending is None or self._gated
         w, inc, sender = self.worker, self.incarnation, self._out.sender
-        # answered when the gate lets this worker start (at once under ASP), with a
-        # snapshot that holds this worker's last acknowledged push (read-your-writes)
+        # read-your-writes: a snapshot holding this worker's last acknowledged push
         fresh = [0] * len(self._shards) if self._own is None or not own else self._own
         refs = [s.pull.remote(w, inc, sender.seq, 0, fresh[k]) for k, s in enumerate(self._shards)]
         replies = self._get(refs, timeout, "pull")
@@ -193,9 +175,9 @@ class RayClient(PullsIntoTrees):
     # -- pushes -----------------------------------------------------------------------
 
     def push(self, update: Any, loss: float = math.nan) -> None:
-        """Commits ``update`` (the job's structure: gradients, or a strategy's update) and
-        sends it to every shard; returns at once (its acks are read by :meth:`wait`, or by
-        the next pull or push). ``loss``: this step's loss, recorded by the shards."""
+        """Commits ``update`` (the job's structure) and sends it; returns at once (its acks
+        are read by :meth:`wait` or the next pull or push). ``loss`` is recorded by the
+        shards. Raises BudgetSpent past :attr:`budget`."""
         self._check_open()
         self.wait()  # one push in flight: the next waits for the last one's acks
         granted, self._granted = self._granted, False
@@ -212,8 +194,7 @@ class RayClient(PullsIntoTrees):
         self._round += 1
 
     def wait(self, timeout: float | None = None) -> PushResult | None:
-        """Waits for the acks of the last push; returns what happened to it (None before
-        the first push)."""
+        """The last push's result, once acknowledged (None before the first push)."""
         if self._pending is None:
             return self.last_result
         seq, refs = self._pending
@@ -239,16 +220,14 @@ class RayClient(PullsIntoTrees):
 
     @property
     def residual(self) -> np.ndarray | None:
-        """This worker's error-feedback residual after its last committed push (None when
-        the codec keeps no feedback)."""
+        """The error-feedback residual after the last committed push (None: no feedback)."""
         return self._out.sender.residual
 
     # -- leaving ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leaves the job: the last push's acks are awaited, then the door applies the
-        commit rule (the push on every shard or on none) and frees the worker id. Calling
-        it again does nothing."""
+        """Leaves the job (the last push on every shard or on none) and frees the worker
+        id; idempotent."""
         ray = import_ray()
         if self._door is None:
             return
@@ -258,8 +237,7 @@ class RayClient(PullsIntoTrees):
                 self.wait(timeout=CLOSE_WAIT)
         except (TimeoutError, ServerClosed, ShardError, ray.exceptions.RayError) as e:
             log.warning("worker %d: its last push was not acknowledged (%s)", self.worker, e)
-        # the residual of the last push, if it was acknowledged (else it may be torn off
-        # with the push: the next incarnation starts from zeros)
+        # a push not acknowledged may be torn off: its residual is not kept
         residual = self.residual if self._pending is None else None
         self._pending = None
         self._closed_by = self._closed_by or "this client was closed"
@@ -305,9 +283,8 @@ class RayClient(PullsIntoTrees):
 
 
 def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0) -> RayClient:
-    """A client for a worker of the job served on Ray under ``name`` (see the module
-    docstring). Connects to Ray first if this process is not (``RAY_ADDRESS``, else
-    ``"auto"``: the cluster ``ray start`` recorded on this machine, if the record is yours).
+    """A client for a worker of the job served on Ray as ``name``, connecting first if
+    needed (``RAY_ADDRESS``, else ``"auto"``, :func:`~stalewise.runtime.ray.cluster_address`).
 
     Raises:
         AttachError: no job of that name is served on the cluster, or the door refused.

@@ -22,8 +22,8 @@ POLL = 0.05  # seconds between two looks while the shards reach a consistent cut
 
 
 def cpu_share(cpus: list[float], actors: int) -> float:
-    """CPUs per actor: 1 if every actor can have one, else the largest equal share of which
-    the nodes (``cpus``: each node's CPUs) hold ``actors``, counting whole shares per node.
+    """CPUs per actor: 1 if every actor can have one, else the largest share of which the
+    nodes (``cpus``: each node's CPUs) hold ``actors`` whole.
 
     Example:
         >>> cpu_share([8.0, 8.0], 10), cpu_share([2.0, 1.0], 5), cpu_share([2.0], 6)
@@ -49,9 +49,8 @@ def node_cpus() -> list[float]:
 
 
 def place(n: int, share: float, timeout: float, what: str, *, apart: bool = False) -> Any:
-    """A placement group of ``n`` bundles of ``share`` CPU, spread over the nodes as evenly
-    as Ray can (``SPREAD``), once Ray has placed it. ``apart``: each bundle on its own
-    node (``STRICT_SPREAD``) when the cluster has ``n`` nodes that can hold one."""
+    """A placed placement group of ``n`` bundles of ``share`` CPU, spread (``apart``: each
+    on its own node when the cluster has ``n`` such nodes)."""
     from ray.util.placement_group import placement_group
 
     ray = import_ray()
@@ -70,12 +69,9 @@ def place(n: int, share: float, timeout: float, what: str, *, apart: bool = Fals
 def consistent_states(
     shards: list, runs: list, timeout: float, limit: float
 ) -> tuple[list, int, dict] | None:
-    """Every shard's state after the same pushes, a consistent cut
-    (:class:`~stalewise.protocol.delivery.Cut`): ``(states, pushes handled on shard 0,
-    targets)``, ``targets`` each worker's ``(incarnation, pushes)`` in the states. None
-    (nothing copied) if a worker's ``run()`` in ``runs`` ends meanwhile, or after
-    ``limit`` seconds: a push some shard lacks waits for :func:`depart`. Raises what
-    the shards raise."""
+    """A consistent cut (:class:`~stalewise.protocol.delivery.Cut`): ``(states, pushes
+    handled on shard 0, targets)``; None if one of ``runs`` ends meanwhile, or after
+    ``limit`` seconds."""
     ray = import_ray()
     try:
         targets = delivery.targets(ray.get([s.freeze.remote() for s in shards], timeout=timeout))
@@ -93,11 +89,9 @@ def consistent_states(
 
 
 def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0) -> list:
-    """The commit rule for worker ``w``'s incarnation ``inc``, gone: all or none
-    (:func:`~stalewise.protocol.delivery.departure`: cut it off everywhere, deliver what
-    some shard lacks from one that has it, then it leaves). Returns the ObjectRefs of
-    the departures, each the count of that incarnation's pushes its shard has handled
-    (None: unknown there), the same on every shard that knows it."""
+    """The commit rule for worker ``w``'s gone incarnation ``inc``
+    (:func:`~stalewise.protocol.delivery.departure`). Returns the departures' ObjectRefs:
+    each shard's count of its pushes (None: unknown there)."""
     ray = import_ray()
     source, lacking = delivery.departure(
         ray.get([s.cut.remote(w, inc) for s in shards], timeout=timeout)
@@ -110,8 +104,7 @@ def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0) -> list
             "delivering them",
             *(w, start, stop - 1, source, k),
         )
-    # Ray does not keep the order of calls to an async actor: the source must have read
-    # them before its own departure makes it forget them
+    # Ray does not order an async actor's calls: read them before the source departs
     reading = [m for m in missing if m is not None]
     if reading:
         ray.wait(reading, num_returns=len(reading), timeout=timeout, fetch_local=False)

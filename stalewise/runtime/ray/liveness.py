@@ -1,27 +1,13 @@
 """Heartbeats on Ray: the driver's view of whether each worker actor makes progress.
 
-A worker actor counts its progress (each step, each batch, and every fraction
-of a second while it waits on the shards; see
-:mod:`stalewise.runtime.ray.worker`). :class:`Liveness` asks each watched
-actor for that count (:meth:`WorkerActor.progress
-<stalewise.runtime.ray.worker.WorkerActor.progress>`, on the actor's own
-``"beat"`` concurrency group, so it is answered while the worker's loop runs)
-every ``min(1, worker_timeout / 4)`` seconds, one question at a time, and
-names the workers that stand still:
-
-* a worker is *hung* when an answer shows its count unmoved for longer than
-  its own rhythm allows (:class:`stalewise.protocol.liveness.Silence`: the
-  intervals between the answers that showed it move, judged by phi accrual,
-  never later than ``worker_timeout``), or when a question has gone unanswered
-  for ``worker_timeout`` seconds (the actor cannot even answer: its process is
-  stopped, or user code holds the GIL). Time in which the driver asked nothing
-  (it was busy elsewhere) is no evidence either way: the silence is measured
-  up to the last question answered;
-* a worker that is still setting up (a restarted incarnation loads its data
-  and runs its warm-up step inside ``run()``) fails when it is not set up
-  within ``start_timeout``.
-
-Each time is the driver's own clock, so the nodes' clocks need not agree.
+:class:`Liveness` asks each watched worker actor for its progress count
+(:meth:`WorkerActor.progress <stalewise.runtime.ray.worker.WorkerActor.progress>`,
+on its ``"beat"`` concurrency group) every ``min(1, worker_timeout / 4)`` seconds,
+one question at a time, on the driver's clock. A worker is hung when its count
+stands still longer than its rhythm allows
+(:class:`stalewise.protocol.liveness.Silence`, judged up to the last answer), or a
+question goes unanswered for ``worker_timeout``; one still setting up fails after
+``start_timeout``.
 """
 
 from __future__ import annotations
@@ -30,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from stalewise.protocol.liveness import Silence
+from stalewise.protocol.liveness import Silence, late_start
 from stalewise.runtime.ray import import_ray
 
 GROUP = "beat"  # the worker actors' concurrency group for progress()
@@ -50,7 +36,7 @@ class _Watch:
 
 
 class Liveness:
-    """Watches worker actors' progress for the driver (see the module docstring)."""
+    """Watches worker actors' progress for the driver."""
 
     def __init__(self, worker_timeout: float | None, start_timeout: float):
         self.timeout, self.start_timeout = worker_timeout, start_timeout
@@ -59,7 +45,7 @@ class Liveness:
         self.drawn: dict[int, int] = {}  # the batches each worker id had drawn, as last heard
 
     def watch(self, w: int, actor: Any, *, ready: bool, now: float | None = None) -> None:
-        """Worker ``w``'s actor has just been sent ``run()`` (``ready``: it is set up)."""
+        """Watches ``w``'s actor, just sent ``run()`` (``ready``: it is set up)."""
         now = time.monotonic() if now is None else now
         silence = None if self.timeout is None else Silence(self.timeout)
         if silence is not None:
@@ -75,8 +61,8 @@ class Liveness:
         self.watched.pop(w, None)
 
     def check(self, now: float | None = None) -> list[tuple[int, str]]:
-        """Reads the answers in, asks again where due; returns ``(worker, cause)`` for each
-        worker to be failed (hung, or not set up in time), in the failure policy's words."""
+        """Reads the answers, asks again where due; returns ``(worker, cause)`` for each
+        worker to fail."""
         ray = import_ray()
         now = time.monotonic() if now is None else now
         pending = [x.ref for x in self.watched.values() if x.ref is not None]
@@ -100,8 +86,8 @@ class Liveness:
                 x.ref = x.actor.progress.options(concurrency_group=GROUP).remote()
                 x.asked = now
             if not x.ready:
-                if now - x.since > self.start_timeout:
-                    out.append((w, f"did not start within start_timeout={self.start_timeout:g} s"))
+                if (late := late_start(x.since, now, self.start_timeout)) is not None:
+                    out.append((w, late))
             elif x.silence is not None:
                 cause = x.silence.hung(x.seen)
                 if cause is None and x.ref is not None and now - x.asked > self.timeout:

@@ -1,17 +1,10 @@
 """A worker's sending side on Ray, shared by the worker actor and the attached client.
 
 :class:`Outbox` wraps one worker id's :class:`~stalewise.protocol.sender.Sender`
-(versions, the commit rule's verdict, the codec's error-feedback residual) with
-what Ray adds: the push buffers (plain vectors, or every shard's payload back to
-back, :func:`~stalewise.runtime.ray.shard.payload_spans`), the worker id's
-residual keeper (a :class:`~stalewise.protocol.sender.History` actor that outlives
-the worker's, see ``docs/ray.md``) that gets each new residual before any shard
-gets the push, one ``ray.put`` of each push read by every shard, and the
-reading of its acks into a :class:`~stalewise.protocol.PushResult`.
-
-The worker actor prepares on the loop's thread and sends and collects on a thread
-of its own; the attached client does all three on the caller's thread. Nothing
-here is a protocol rule: the rules are the sender's.
+with what Ray adds: the push buffers (with a codec, every shard's payload back to
+back), the residual keeper (a :class:`~stalewise.protocol.sender.History` actor,
+given each residual before any shard gets the push; ``docs/ray.md``), one
+``ray.put`` per push, and the reading of its acks.
 """
 
 from __future__ import annotations
@@ -31,18 +24,9 @@ log = logging.getLogger(__name__)
 
 
 class Outbox:
-    """Worker ``w``'s pushes to ``shards`` (see the module docstring).
-
-    Args:
-        config: the job's server config.
-        shards: the shard actors' handles, in order.
-        w: the worker id.
-        residual: the error-feedback residual to start from (None: zeros).
-        keeper: the worker id's residual keeper actor (None: residuals are not kept).
-        buffers: how many push buffers to keep (a push's buffer is free again once it
-            is in the object store).
-        ack_timeout: seconds to wait for a keeper's answer.
-    """
+    """Worker ``w``'s pushes to the shard actors ``shards``, starting from ``residual``
+    (None: zeros), with ``buffers`` push buffers (:attr:`free`) and the residual keeper
+    actor ``keeper`` (None: none), which answers within ``ack_timeout`` seconds."""
 
     def __init__(
         self,
@@ -75,8 +59,7 @@ class Outbox:
             self.flat_buf = np.empty(self.spec.size, self.spec.dtype)
 
     def prepare(self, update: Any, buf: np.ndarray) -> tuple:
-        """Flattens ``update`` into the free buffer ``buf`` (with a codec: encodes every
-        shard's payload into it), has the sender judge it and commits it. Returns
+        """Flattens (encodes) ``update`` into ``buf``, judges and commits it; returns
         ``(buf, seq, bases, verdict, residual)`` for :meth:`send`."""
         sender = self.sender
         if self.compressor is None:
@@ -101,9 +84,8 @@ class Outbox:
         acked: int,
         residual: np.ndarray | None,
     ) -> list:
-        """Keeps the residual (if a keeper is set), puts the push into the object store
-        once and sends it to every shard; returns the acks' ObjectRefs. ``sent`` may be
-        reused once this returns."""
+        """Keeps the residual, then sends the push to every shard; returns the acks'
+        ObjectRefs (``sent`` may be reused at once)."""
         ray = import_ray()
         if residual is not None:  # kept before any shard can have handled the push
             self._keep(inc, seq, acked, residual)
@@ -113,7 +95,6 @@ class Outbox:
         ]
 
     def _keep(self, inc: int, seq: int, acked: int, residual: np.ndarray) -> None:
-        """Hands the residual after push ``seq`` to the keeper and waits until it is kept."""
         ray = import_ray()
         if self.keeper is None:
             return
@@ -127,8 +108,8 @@ class Outbox:
     def collect(
         self, refs: list, seq: int, timeout: float | None
     ) -> tuple[PushResult | None, int | None]:
-        """The result of push ``seq`` from its acks, and shard 0's count of pushes handled;
-        ``(None, None)`` if the push was lost with a shard or its incarnation was cut off.
+        """``(result, shard 0's pushes handled)`` of push ``seq``; ``(None, None)`` if it was
+        lost with a shard or cut off.
 
         Raises:
             TimeoutError: no acks within ``timeout`` seconds.

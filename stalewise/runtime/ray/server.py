@@ -8,19 +8,12 @@ and a :class:`Door` actor, all named after the job (``stalewise:NAME`` and
 task or actor of the cluster attaches by the name
 (:func:`stalewise.runtime.ray.client.attach`, ``sw.attach(NAME)``).
 
-``workers=N`` or ``workers=(min, max)``: the shards have room for ``max``
-worker ids, of which the first ``min`` count for the gates from the start (the
-others once they join); an expected id that has not joined within
-``join_timeout`` seconds stops holding the gates back (it may still join).
-
-The door gives out worker ids and incarnations (the lowest free id, or the one
-asked for), admits each incarnation on every shard, and takes it off again when
-its client closes or its process dies (see :mod:`~stalewise.runtime.ray.client`),
-through the commit rule (:func:`stalewise.runtime.ray.cluster.depart`). The
-shard actors ask for no CPU (they wait on messages); a served job has no driver
-backups: a shard actor that dies is a :class:`~stalewise.runtime.errors.ShardError`
-for every client (no restart). Every actor is owned by the process that served
-the job and ends with it, or with :meth:`RayServer.close`.
+``workers=(min, max)``: room for ``max`` worker ids, the first ``min`` counted by
+the gates from the start (until ``join_timeout``), the others once they join. The
+door gives out worker ids and incarnations and takes them back through the commit
+rule when a client closes or its process dies. A served job has no backups: a shard
+actor that dies is a :class:`~stalewise.runtime.errors.ShardError` for every client.
+Every actor ends with the serving process, or with :meth:`RayServer.close`.
 """
 
 from __future__ import annotations
@@ -35,10 +28,11 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import ServerConfig
+from stalewise.protocol.pipeline import PUBLISH_EVERY
 from stalewise.runtime.base import worker_range
 from stalewise.runtime.ray import cluster, connect, import_ray
 from stalewise.runtime.ray.client import NAMESPACE, RayClient, door_name
-from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
+from stalewise.runtime.ray.shard import ShardActor
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +42,7 @@ DOOR_THREADS = 1000  # the door's calls at once (rendezvous calls wait, one per 
 
 
 class Door:
-    """The served job's door (a threaded actor): worker ids, incarnations, leases.
-
-    Its methods run on threads of the actor (``max_concurrency``), one at a time where
-    they change the table of ids (``lock``); a watcher thread waits on every lease's
-    :meth:`~stalewise.runtime.ray.client.Lease.watch` and departs the worker whose
-    lease ends first.
-    """
+    """The served job's door (a threaded actor): worker ids, incarnations, leases."""
 
     def __init__(
         self,
@@ -72,8 +60,7 @@ class Door:
         self.workers, self.expected = workers, expected
         self.incs = [0] * workers  # the newest incarnation of each worker id
         self.held: dict[int, int] = {}  # worker id -> its attached incarnation
-        # with a codec's error feedback: the residual each worker id left with on close,
-        # for its next incarnation (one that died leaves none: it is lost with it)
+        # error feedback: the residual each worker id closed with, for its next incarnation
         self.residuals: dict[int, Any] = {}
         self.leases: dict[Any, tuple[int, int]] = {}  # a lease's watch ref -> (w, inc)
         self.lock = threading.RLock()
@@ -104,8 +91,7 @@ class Door:
             )
 
     def attach(self, want: int | None, lease: Any) -> dict:
-        """A new incarnation of worker ``want`` (None: the lowest free id), admitted on
-        every shard; its client's parts."""
+        """Admits a new incarnation of ``want`` (None: the lowest free id); its client's parts."""
         import ray
 
         with self.lock:
@@ -146,8 +132,7 @@ class Door:
         )
 
     def _watch(self) -> None:
-        """The watcher thread: a lease whose watch ends (its owner died, or its client
-        closed and killed it) departs its worker, if it still holds the id."""
+        """The watcher thread: departs the worker whose lease ended, if it holds its id."""
         import ray
 
         while True:
@@ -168,8 +153,7 @@ class Door:
                         self._depart(w, inc)
 
     def detach(self, w: int, inc: int, residual: Any = None) -> None:
-        """Incarnation ``inc`` of worker ``w`` leaves on purpose (``residual``: its codec's
-        error-feedback residual after its last push, for its id's next incarnation)."""
+        """``w``'s incarnation ``inc`` leaves (``residual``: for its id's next incarnation)."""
         with self.lock:
             if self.held.get(w) == inc:
                 self._depart(w, inc)
@@ -178,19 +162,17 @@ class Door:
                 log.info("job %r: worker %d left", self.name, w)
 
     def _depart(self, w: int, inc: int) -> None:
-        """The commit rule for a worker gone: its last push on every shard or none."""
         import ray
 
         ray.get(cluster.depart(self.shards, w, inc, DEPART_TIMEOUT), timeout=DEPART_TIMEOUT)
         self.held.pop(w, None)
 
     def attached(self) -> list[int]:
-        """The worker ids held by attached clients."""
         with self.lock:
             return sorted(self.held)
 
     def rendezvous(self, n: int, timeout: float) -> bool:
-        """Waits until ``n`` callers have arrived (False: timed out, or aborted)."""
+        """Waits for ``n`` callers (False: timed out or aborted)."""
         with self.lock:
             self.arrived += 1
             if self.arrived >= n:
@@ -198,14 +180,14 @@ class Door:
         return self.arrival.wait(timeout) and not self.aborted
 
     def abort(self) -> None:
-        """Lets every waiting rendezvous go (a launched worker failed)."""
+        """Lets every waiting rendezvous fail."""
         self.aborted = True
         self.arrival.set()
 
 
 class RayServer:
-    """A job's shards on Ray for loops you own; a context manager (see the module
-    docstring). ``name``: the job's name (default: a new one, :attr:`name`)."""
+    """A job's shards on Ray for loops you own; a context manager. ``name``: the job's
+    name (default: a new one)."""
 
     runtime = "ray"
 
@@ -287,15 +269,13 @@ class RayServer:
         self.close()
 
     def client(self, worker: int | None = None) -> RayClient:
-        """A client in this process for a new incarnation of ``worker`` (None: the lowest
-        free id), as :func:`sw.attach(name) <stalewise.attach>` gives one."""
+        """:func:`sw.attach(name) <stalewise.attach>` in this process."""
         from stalewise.runtime.ray.client import attach
 
         return attach(self.name, worker=worker, timeout=self.timeout)
 
     def release(self, worker: int) -> None:
-        """Nothing to do on Ray (the door watches every client's process); kept so that
-        code written for the local server runs unchanged."""
+        """Nothing to do on Ray (the door watches every client's process)."""
 
     def attached(self) -> set[int]:
         """The worker ids held by attached clients now."""
@@ -307,7 +287,7 @@ class RayServer:
         return int(self.ray.get(self.shards[0].count.remote(), timeout=self.timeout)[0])
 
     def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = 60.0) -> Any:
-        """The current parameters, as an observer (never gated, not counted as a worker)."""
+        """The current parameters, as an observer (never gated)."""
         ray = self.ray
         replies = ray.get([s.observe.remote() for s in self.shards], timeout=timeout)
         slices = ray.get([r[1] for r in replies], timeout=timeout)
@@ -322,7 +302,7 @@ class RayServer:
         return self.ray.get([s.stats.remote() for s in self.shards], timeout=timeout)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stops the shards (pulls answer "stop"), then ends every actor of the job."""
+        """Stops the shards, then ends every actor of the job."""
         ray = self.ray
         if self.shards:
             try:

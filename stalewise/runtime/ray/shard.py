@@ -2,22 +2,14 @@
 
 :class:`ShardActor` is an asyncio actor: Ray runs its methods on one event loop
 thread, one at a time between ``await`` points, the threading contract of
-:class:`~stalewise.protocol.Shard`. It moves pushes and pulls to and from the
-shard and decides no rule. Its slice goes into the object store once per version
-and every pull of that version reads it. Gated pulls (SSP/BSP, DC-ASGD;
-:meth:`pull`) ``await`` until :meth:`Shard.may_serve
-<stalewise.protocol.Shard.may_serve>` lets them; under ASP a worker keeps a
-standing request (:meth:`follow`) answered at each publication
-(:class:`~stalewise.protocol.pipeline.Publication`). A push is one ObjectRef of
-the whole update (with a codec, every shard's payload back to back,
-:func:`payload_spans`) from which the shard copies or decodes its own slice;
-a corrupt payload is refused and changes nothing. Delta pulls: a
-:class:`~stalewise.protocol.pulls.PullServer` beside the shard answers each pull
-with the worker's own payload (full after a :meth:`load`). Backups and
-checkpoints are consistent cuts (:meth:`freeze`, :meth:`snapshot`, :meth:`thaw`).
-The driver admits one incarnation per worker id; :meth:`cut` ends one and
-:meth:`depart` delivers the pushes this shard lacks
-(:mod:`stalewise.protocol.delivery`).
+:class:`~stalewise.protocol.Shard`; it moves pushes and pulls and decides no rule.
+Its slice goes into the object store once per version. Gated pulls (:meth:`pull`)
+wait until :meth:`Shard.may_serve <stalewise.protocol.Shard.may_serve>`; under ASP
+a worker's standing request (:meth:`follow`) is answered at each publication
+(:class:`~stalewise.protocol.pipeline.Publication`). A push is one ObjectRef of the
+whole update, of which the shard reads its slice. Consistent cuts (:meth:`freeze`,
+:meth:`snapshot`, :meth:`thaw`) and departures (:meth:`cut`, :meth:`depart`) follow
+:mod:`stalewise.protocol.delivery`.
 """
 
 from __future__ import annotations
@@ -36,12 +28,9 @@ from stalewise.runtime.logs import child_logging
 
 log = logging.getLogger(__name__)
 
-PUBLISH_EVERY = 0.02  # seconds: the longest an ASP pull may be served an older snapshot
-
 
 def payload_spans(config: ServerConfig) -> list[tuple[int, int]] | None:
-    """Where each shard's payload lies in a compressed push (``[start, stop)`` in bytes: the
-    payloads back to back, shard 0 first), or None when the job sends plain vectors."""
+    """Each shard's ``[start, stop)`` bytes in a compressed push (None: plain vectors)."""
     compressor = config.compressor()
     if compressor is None:
         return None
@@ -50,13 +39,7 @@ def payload_spans(config: ServerConfig) -> list[tuple[int, int]] | None:
 
 
 class ShardActor:
-    """Shard ``k`` of a job with ``workers`` workers (made remote by the driver).
-
-    ``config`` may lack the initial parameters (``init`` empty, of the right
-    dtype): the actor starts *closed*, and pulls wait and pushes are dropped
-    until the driver calls :meth:`load` with the initial slice, a checkpoint,
-    or, after Ray restarted the actor, the state it is to come back with.
-    """
+    """Shard ``k`` of a job with ``workers`` workers; closed (pulls wait) until :meth:`load`."""
 
     def __init__(
         self,
@@ -103,14 +86,14 @@ class ShardActor:
     # -- the driver's side ----------------------------------------------------------
 
     async def ready(self) -> dict:
-        """Where this actor runs (node id, pid) and its version: the driver's start check."""
+        """``{"node", "pid", "version"}``: the driver's start check."""
         import ray
 
         node = ray.get_runtime_context().get_node_id()
         return {"node": node, "pid": os.getpid(), "version": self.shard.version}
 
     async def watch(self) -> None:
-        """Never returns: its ObjectRef fails when this actor dies (the driver waits on it)."""
+        """Never returns: its ObjectRef fails when this actor dies."""
         await asyncio.get_running_loop().create_future()
 
     async def load(
@@ -122,11 +105,9 @@ class ShardActor:
         init: np.ndarray | None = None,
         resume: bool = False,
     ) -> int:
-        """Opens the shard: loads ``state`` (a checkpoint or a backup) or, if None, the
-        initial slice ``init``; makes the ``gone`` workers leave and admits ``joins``
-        (worker -> new incarnation), which take their saved seats if ``resume`` (a
-        resumed job: :meth:`Shard.resume`). Returns the version. A bad state raises
-        ValueError and changes nothing."""
+        """Opens the shard on ``state`` (None: the initial slice ``init``), makes ``gone``
+        leave and admits ``joins`` (worker -> incarnation; ``resume``: into their saved
+        seats). Returns the version; a bad state raises ValueError and changes nothing."""
         if state is not None:
             self.shard.load_state_dict(state)
             if resume:
@@ -151,38 +132,33 @@ class ShardActor:
         return self.shard.version
 
     async def join(self, w: int, inc: int) -> int:
-        """Admits incarnation ``inc`` of worker ``w`` (a live older one leaves first);
-        returns the clock it joins at (the pushes it counts as done, for the gates)."""
+        """Admits incarnation ``inc`` of worker ``w``; returns the clock it joins at."""
         self.shard.admit(w, inc)
         self.last.forget(w)
         self._notify()
         return int(self.shard.clocks[w])
 
     async def expire_unstarted(self) -> list[int]:
-        """Drops the expected workers that never joined (a served job's ``join_timeout``);
-        returns their ids."""
+        """Drops the expected workers that never joined; returns their ids."""
         gone = self.shard.expire_unstarted()
         self._notify()
         return gone
 
     async def cut(self, w: int, inc: int) -> int | None:
-        """Ends the connection of ``w``'s incarnation ``inc``: from now on nothing it sent
-        is handled. Returns the number of its pushes this shard handled (None: unknown here)."""
+        """Cuts ``w``'s incarnation ``inc`` off; returns how many of its pushes this shard
+        handled (None: unknown here)."""
         self.shard.retire(w, inc)
         self._notify()
-        if self.shard.incarnation[w] != inc:
-            return None
-        return int(self.shard.next_seq[w])
+        return self.shard.handled(w, inc)
 
     async def leave(self, w: int, inc: int) -> None:
-        """``w``'s incarnation ``inc`` leaves the job (its loop ended; it has its acks)."""
+        """``w``'s incarnation ``inc`` leaves (its loop ended with its acks)."""
         self.shard.retire(w, inc)
         await self.depart(w, inc, None)
 
     async def committed(self, w: int, inc: int, start: int, stop: int) -> list | None:
-        """The pushes ``start .. stop - 1`` of ``w``'s incarnation ``inc``, among the last
-        ones this shard handled: ``[(seq, bases, verdict, update), ...]`` for a shard that
-        lacks them (None if this shard no longer holds them all)."""
+        """``[(seq, bases, verdict, update), ...]`` of pushes ``start .. stop - 1`` of
+        ``w``'s incarnation ``inc`` (None: no longer all kept here)."""
         got = self.last.between(w, inc, start, stop)
         if got is not None:
             return [(seq, *entry) for seq, entry in zip(range(start, stop), got, strict=True)]
@@ -197,11 +173,8 @@ class ShardActor:
         return None
 
     async def depart(self, w: int, inc: int, committed: list | None) -> int | None:
-        """``w``'s incarnation ``inc`` is gone: delivers ``committed`` (pushes it sent that
-        this shard has not handled, :meth:`Shard.deliver <stalewise.protocol.Shard.deliver>`)
-        and makes it leave (:meth:`Shard.depart <stalewise.protocol.Shard.depart>`).
-        Returns how many of that incarnation's pushes this shard has now handled (None:
-        another incarnation is known here)."""
+        """``w``'s incarnation ``inc`` is gone: delivers ``committed`` (from :meth:`committed`)
+        and makes it leave; returns :meth:`cut`'s count after."""
         for seq, bases, verdict, update in committed or ():  # in order, each if it is the next
             header = PushHeader(w, seq, int(bases[self.k]), inc)
             ack = self.shard.deliver(w, inc, (header, self._payload(update), Verdict(*verdict)))
@@ -212,7 +185,7 @@ class ShardActor:
         if not self.exact:
             self._publish_soon()
         self._notify()
-        return int(self.shard.next_seq[w]) if self.shard.incarnation[w] == inc else None
+        return self.shard.handled(w, inc)
 
     async def stop(self) -> None:
         """The job is ending: every pull, waiting or new, is answered "stop"."""
@@ -220,8 +193,7 @@ class ShardActor:
         self._notify()
 
     async def stats(self) -> dict:
-        """The shard's counters, version, pushes handled, each worker's last loss and the
-        pull slices served (``pulled``: bytes, count)."""
+        """The shard's counters with ``version``, ``handled``, ``losses``, ``busy``, ``pulled``."""
         return self.shard.stats.as_dict() | {
             "version": self.shard.version,
             "handled": self.handled,
@@ -231,9 +203,7 @@ class ShardActor:
         }
 
     async def count(self) -> tuple[int, bool, int]:
-        """``(pushes handled, stopping, round)``: the job's push count (on shard 0), whether
-        the job is ending and the round under way (the slowest counted clock); cheap, for
-        an attached client's budget and stop flag."""
+        """``(pushes handled, stopping, round under way)``, for an attached client."""
         return self.handled, self.stopped, self.shard.min_clock()
 
     async def freeze(self) -> list[tuple[int, int]]:
@@ -241,10 +211,8 @@ class ShardActor:
         return self.cutting.freeze(self.shard)
 
     async def snapshot(self, targets: dict[int, tuple[int, int]]) -> tuple[dict, int]:
-        """Once frozen: handles the held pushes below ``targets`` (worker -> (incarnation,
-        seq)), waits until it has handled every push below them, and returns
-        ``(Shard.state_dict(), pushes handled)``. Every shard given the same targets
-        returns the state after the same pushes."""
+        """Once frozen: ``(Shard.state_dict(), pushes handled)`` after every push below
+        ``targets`` (worker -> (incarnation, seq)), the same pushes on every shard."""
         self.cutting.aim(targets)
         self._notify()
         while not self.cutting.reached(self.shard):
@@ -267,21 +235,12 @@ class ShardActor:
     # -- the workers' side ----------------------------------------------------------
 
     async def pull(self, w: int, inc: int, pushed: int, have: int = 0, fresh: int = 0) -> tuple:
-        """Worker ``w``'s pull for its next step, once the shard lets it start.
+        """Worker ``w``'s pull, once the shard lets it start (:meth:`Shard.may_serve
+        <stalewise.protocol.Shard.may_serve>` with ``pushed``, the pushes it has sent).
+        ``have``: its delta-pull reference; ``fresh``: a version the snapshot must have.
 
-        ``pushed``: the pushes this incarnation has sent; under SSP/BSP the pull
-        also waits until they have all arrived, so the gate sees the worker's clock.
-        ``have``: with delta pulls, the reference number the worker holds of this
-        shard (:meth:`pulls.Replica.have <stalewise.protocol.pulls.Replica.have>`).
-        ``fresh``: a version the snapshot must have reached (an attached client's
-        read-your-writes under ASP): an older snapshot is published anew at once.
-
-        Returns ``("ok", version, snapshot ref, pushes handled, w's clock)`` (with delta
-        pulls the pull's payload, :meth:`pulls.PullServer.pull
-        <stalewise.protocol.pulls.PullServer.pull>`, instead of the ref), ``("stop",)``
-        (the job is ending), ``("moved", inc)`` (the driver gave ``w`` a newer
-        incarnation: continue as that one) or ``("gone",)`` (this incarnation
-        was cut off).
+        Returns ``("ok", version, snapshot ref or delta payload, pushes handled, w's
+        clock)``, ``("stop",)``, ``("moved", newer inc)`` or ``("gone",)``.
         """
         await self.opened.wait()
         shard = self.shard
@@ -300,9 +259,8 @@ class ShardActor:
         return ("ok", version, ref, self.handled, int(shard.clocks[w]))
 
     async def follow(self, w: int, inc: int, seen: int, have: int = 0) -> tuple:
-        """Worker ``w``'s standing request for snapshots (ASP): answered once a snapshot
-        newer than version ``seen`` is published, with what :meth:`pull` answers (with
-        delta pulls the delta against reference ``have``, computed then)."""
+        """ASP: :meth:`pull`'s answer (without the clock) once a version above ``seen`` is
+        published."""
         await self.opened.wait()
         while True:
             if (end := self._ended(w, inc)) is not None:
@@ -318,8 +276,7 @@ class ShardActor:
             await self._changed()
 
     def _ended(self, w: int, inc: int) -> tuple | None:
-        """Why a pull of incarnation ``inc`` of worker ``w`` gets no snapshot, if it does not:
-        ``("stop",)``, ``("moved", newer incarnation)`` or ``("gone",)``."""
+        """``("stop",)``, ``("moved", inc)`` or ``("gone",)`` if the pull gets no snapshot."""
         if self.stopped:
             return ("stop",)
         dropped = self.shard.dropped(w, inc)
@@ -336,12 +293,9 @@ class ShardActor:
         acked: int,
         update: Any,
     ) -> tuple | None:
-        """One push: ``update`` is the whole flat update (a read-only view of the object
-        the sender put; with a codec, every shard's payload), ``bases`` the version it
-        pulled from each shard, ``verdict`` its judgement, ``acked`` how many of its
-        pushes every shard has acknowledged (this shard stops keeping those). Returns
-        ``(Ack, pushes handled)``, or None for a cut-off incarnation. A worker's pushes
-        are applied in order, whatever the order they arrive in."""
+        """One push of the whole flat ``update`` (with a codec, every shard's payload);
+        ``acked``: its pushes every shard acknowledged. Returns ``(Ack, pushes handled)``,
+        or None for a cut-off incarnation."""
         shard = self.shard
         while self.cutting.waits(shard, w, inc, seq):
             await self._changed()
@@ -364,8 +318,7 @@ class ShardActor:
     # -- internals ------------------------------------------------------------------
 
     def _payload(self, update: Any) -> Any:
-        """This shard's slice of ``update``, copied into the scratch buffer; with a codec, a
-        view of this shard's payload in it (the protocol's shard decodes it)."""
+        """This shard's slice of ``update`` (anything malformed as is: the shard refuses it)."""
         if self.span is not None:
             if (
                 isinstance(update, np.ndarray)
@@ -373,13 +326,13 @@ class ShardActor:
                 and update.shape == (self.push_bytes,)
             ):
                 return update[self.span[0] : self.span[1]]
-            return update  # the shard refuses it: it does not decode
+            return update
         if not (
             isinstance(update, np.ndarray)
             and update.shape == (self.size,)
             and update.dtype == self.dtype
         ):
-            return update  # the shard refuses it, naming what is wrong
+            return update
         np.copyto(self.scratch, update[self.lo : self.hi])
         return self.scratch
 
@@ -390,14 +343,12 @@ class ShardActor:
                 self.losses[w] = loss
 
     def _pull_server(self) -> pulls.PullServer | None:
-        """The shard's delta-pull server (None: the job sends full pulls)."""
         if self.config.pull_codec is None:
             return None
         return pulls.PullServer.for_shard(self.config, self.k, self.shard)
 
     def _delta(self, w: int, have: int) -> tuple[int, np.ndarray]:
-        """Serves worker ``w``'s delta pull against its reference ``have``: ``(version,
-        payload)``, the payload as bytes (a NumPy array: Ray sends it without a copy)."""
+        """``(version, payload bytes)`` of ``w``'s delta pull against ``have``."""
         t = time.perf_counter()
         pulled = self.pulls.pull(w, have, now=time.monotonic())
         spent = time.perf_counter() - t
@@ -411,9 +362,7 @@ class ShardActor:
         self.pulled[1] += 1
 
     def _publish(self, exact: bool) -> tuple[int, Any]:
-        """The snapshot to serve: a new one (one copy into the object store) when
-        :class:`pipeline.Publication` says so. With delta pulls nothing is copied (each
-        pull is its own payload): only the version followers are to be served is marked."""
+        """``(version, ref)`` of the snapshot to serve, published anew when due."""
         import ray
 
         start, version = time.monotonic(), self.shard.version
@@ -424,8 +373,7 @@ class ShardActor:
         return self.pub.version, self.snap
 
     def _publish_soon(self) -> None:
-        """ASP, after a push: publishes now or once :class:`pipeline.Publication` says so
-        (with delta pulls, a publication costs a pull per follower too)."""
+        """ASP, after a push: publishes now or schedules it."""
         followers = int(np.count_nonzero(self.shard.admitted)) if self.pulls is not None else 0
         wait = self.pub.wait(self.shard.version, time.monotonic(), self.pull_cost * followers)
         if self.timer is not None or wait is None:
@@ -442,7 +390,6 @@ class ShardActor:
             self._notify()
 
     def _notify(self) -> None:
-        """Wakes every waiting pull (the shard's state changed)."""
         self.changed.set()
         self.changed = asyncio.Event()
 

@@ -1,19 +1,12 @@
 """``Job.train`` on Ray: shard and worker actors, driven by this process.
 
-The driver starts the shard actors (a placement group of one bundle per shard,
-each on its own node when the cluster has enough nodes), loads a checkpoint if
-resuming, admits every worker's first incarnation, starts one worker actor per
-worker (a second placement group, spread over the nodes; with a codec that keeps
-error feedback, a residual keeper per worker id in the same bundle, a
-:class:`~stalewise.protocol.sender.History`), waits until all are
-set up, then releases them together and watches:
-it evaluates the parameters every ``eval_interval`` seconds as an observer,
-writes metrics records, drives the progress bar, takes checkpoints and
-backups, watches the workers' heartbeats (:mod:`~stalewise.runtime.ray.liveness`:
-one that makes no progress for ``worker_timeout`` seconds is killed), applies
-the failure policy, and stops the job at the budget, the stop condition or the
-timeout. Whatever happens, every actor it started is killed.
-See :mod:`stalewise.runtime.ray` for the guarantees.
+The driver places the shard actors (one bundle each, on its own node when it can)
+and the worker actors (with error feedback, a residual keeper per worker id, a
+:class:`~stalewise.protocol.sender.History`), loads a checkpoint if resuming,
+releases the workers together and watches: it evaluates, records, checkpoints and
+backs up the shards, applies the failure policy to shards and to workers that fail
+or stand still (:mod:`~stalewise.runtime.ray.liveness`), and stops the job at the
+budget, the stop condition or the timeout. Every actor it started is killed.
 """
 
 from __future__ import annotations
@@ -31,13 +24,14 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import ServerConfig
+from stalewise.protocol import ServerConfig, delivery
+from stalewise.protocol.pipeline import PUBLISH_EVERY
 from stalewise.protocol.sender import History
 from stalewise.runtime import driver
 from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.ray import cluster, import_ray, liveness
-from stalewise.runtime.ray.shard import PUBLISH_EVERY, ShardActor
+from stalewise.runtime.ray.shard import ShardActor
 from stalewise.runtime.ray.worker import WorkerActor
 from stalewise.runtime.result import TrainResult, merge_stats
 from stalewise.strategies import Strategy
@@ -51,15 +45,11 @@ GROW_EVERY = 2.0  # seconds between two looks for a free CPU (an elastic run)
 
 
 class _ShardDown(Exception):
-    """A shard did not answer because its actor died (or answered from a restarted,
-    not yet restored actor); its watch() reports it. Never leaves this module: every
-    shard call goes through :meth:`_Host._retrying` (the restart path), and before
-    the watch begins it becomes a :class:`ShardError`."""
+    """A shard's actor died under a call (:meth:`_Host._retrying` restores it)."""
 
 
 class _Host:
-    """One run on Ray, as a :class:`~stalewise.runtime.driver.Host`; :meth:`close` kills
-    what it started."""
+    """One run on Ray, as a :class:`~stalewise.runtime.driver.Host`."""
 
     runtime, virtual, checkpoint_info = "ray", False, {}
 
@@ -67,9 +57,7 @@ class _Host:
         self.ray = import_ray()
         self.config, self.strategy, self.o = config, strategy, options
         self.W, self.S = options.room, config.shards  # W: the worker ids' room
-        # an elastic run (workers=(min, max) or "auto"): the workers that fit the cluster's
-        # free CPUs, at least `expected`, more as CPUs free up; a worker whose node left
-        # is a departure (see _worker_left)
+        # an elastic run (workers=(min, max) or "auto") grows with the free CPUs
         self.elastic, self.expected = options.elastic, options.expected
         self.started = list(range(self.W))  # the worker ids the run starts with
         self.retired: set[int] = set()  # ids never used again (dropped, diverged)
@@ -91,9 +79,7 @@ class _Host:
         self.pgs: list = []  # the placement groups: shards, workers
         self.backup: tuple[list, int] | None = None  # (shard states, pushes handled)
         self.targets: dict[int, tuple[int, int]] = {}  # the backup's pushes of each worker
-        # with error feedback: each worker's residual at the start of its incarnation or
-        # the end of one that ended, as far as the driver knows it, and each worker id's
-        # keeper (a History actor: the residual of each push, kept before any shard has it)
+        # error feedback: each worker's residuals as the driver knows them, and its keeper
         comp = config.compressor()
         self.ef = comp is not None and comp.error_feedback
         self.fb = [History() for _ in range(self.W)]
@@ -129,9 +115,8 @@ class _Host:
             self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
             self.pgs.append(cluster.place(self.W, self.share, wait, "workers"))
         restarts = 0 if o.on_worker_failure == "fail" else o.max_restarts
-        # the shards' own copy of the config, without the initial params (load() sends
-        # them): small enough to travel inside the actor's creation task, which Ray
-        # replays when it restarts the actor
+        # without the initial params (load() sends them): small enough for the creation
+        # task, which Ray replays when it restarts the actor
         config = dataclasses.replace(self.config, init=self.config.init[:0])
         actor = ray.remote(ShardActor)
         self.shards = [
@@ -148,17 +133,15 @@ class _Host:
         self.nodes = [i["node"] for i in info]
 
     def _free_cpus(self) -> float:
-        """The CPUs of the cluster no actor holds now."""
         return float(self.ray.available_resources().get("CPU", 0.0))
 
     def _fitting(self) -> int:
-        """An elastic run's workers to start with: as many as the free CPUs hold, at least
-        ``expected`` (they wait for room up to ``start_timeout``), at most the ids' room."""
+        """An elastic run's first workers: as many as the free CPUs hold, within
+        ``expected .. room``."""
         fit = math.floor(self._free_cpus() / self.share + 1e-9)
         return max(self.expected, min(self.W, fit))
 
     def _open_shards(self, run: driver.Run) -> None:
-        """Loads the checkpoint to resume from (if any), admits every worker."""
         states: list = [None] * self.S
         base = run.pushes_at_start
         if run.resume is not None:
@@ -275,9 +258,7 @@ class _Host:
         self.watches = {s.watch.remote(): k for k, s in enumerate(self.shards)}
 
     def advance(self, until: float, due: Any) -> str:
-        """One look at the run: a backup of the shards when one is due (after the driver's
-        last record and checkpoint), then up to one tick's wait for what ends
-        (:func:`driver.wait_for`)."""
+        """A backup when due, then up to one tick's wait for what ends."""
         ray = self.ray
         if self.tick and self.now() - self.last_backup >= BACKUP_EVERY:
             now = self.now()
@@ -302,12 +283,8 @@ class _Host:
         return driver.TICK if self.live else driver.END
 
     def _grow(self) -> None:
-        """An elastic run: a new worker (the lowest free id, as its next incarnation, its
-        data stream going on where that id's stopped) for each CPU free now, unless the
-        run is ending or a worker started earlier has not set up yet (it may be waiting
-        for the very CPU Ray still shows as free). It sets up (:meth:`WorkerActor.prepare
-        <stalewise.runtime.ray.worker.WorkerActor.prepare>`) before it joins the shards,
-        so BSP rounds and SSP bounds never wait for a worker that is loading its data."""
+        """An elastic run: prepares a worker on a free id for each free CPU (unless one is
+        still setting up); it joins the shards once set up (:meth:`_arrive`)."""
         if self.stopping or self.ended or self.coming:
             return
         free = [w for w in range(self.W) if w not in self.live and w not in self.retired]
@@ -317,9 +294,8 @@ class _Host:
             self.coming[self._spawn(w).prepare.remote()] = (w, time.monotonic())
 
     def _arrive(self) -> None:
-        """The workers :meth:`_grow` started that have set up join the shards and run; one
-        that failed to set up, or did not within ``start_timeout``, is killed and its id
-        stays free (no restart is counted: it never joined)."""
+        """Workers :meth:`_grow` started join once set up; one that failed or is late
+        within ``start_timeout`` is killed (no restart counted)."""
         ray = self.ray
         refs = list(self.coming)
         done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
@@ -379,7 +355,8 @@ class _Host:
         return tree.unflatten(self._flat(), self.config.spec)
 
     def stop(self) -> bool:
-        self._stop()
+        self.stopping = True
+        self._retrying(lambda: self._each("stop"))
         return False
 
     def snapshot(self, now: float, *, failure: bool = False) -> driver.Snapshot | None:
@@ -411,8 +388,6 @@ class _Host:
             # the mean bytes of one pull of every shard (a delta pull's payload, or the slice)
             "pull_bytes": sum(s["pulled"][0] / max(s["pulled"][1], 1) for s in per_shard),
             "pulls": [s["pulled"][1] for s in per_shard],
-            # an elastic run: the workers it started with, the most live at once, the
-            # workers started for free ids, and the ids whose node left (in order)
             "workers": {
                 "started": len(self.started),
                 "peak": self.peak,
@@ -470,9 +445,7 @@ class _Host:
                 self.ended.append(ended)
 
     def _node_left(self, w: int, error: Exception) -> bool:
-        """An elastic run: whether worker ``w``'s actor died (``error``) because its node
-        left the cluster: the node Ray names in ``error``, or the one the actor said it
-        runs on, is no longer alive."""
+        """An elastic run: whether worker ``w`` died (``error``) because its node left."""
         ray = self.ray
         if not self.elastic:
             return False
@@ -494,42 +467,25 @@ class _Host:
             time.sleep(TICK * 4)
 
     def _worker_left(self, w: int) -> None:
-        """Worker ``w``'s node left an elastic run: a departure, not a failure. Its last
-        push is committed everywhere or nowhere (:func:`cluster.depart`), its id is free
-        for a worker to come (its data stream goes on where it stopped), no restart is
-        counted, and the run goes on over the live workers."""
-        timeout = self.o.ack_timeout
-        counts: list = []
-        with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
-            counts = self._get(
-                cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart"
-            )
-        if self.ef:
-            self._inherit(w, max((n for n in counts if n is not None), default=None))
+        """Worker ``w``'s node left an elastic run: a departure (commit rule, free id),
+        not a failure."""
+        self._depart(w)
         self.live.discard(w)
         self.left.append(w)
         self.run.failures.left(w, "its node left the cluster", time=self.now())
 
     def _worker_hung(self, w: int, cause: str) -> None:
-        """Worker ``w`` made no progress for ``worker_timeout`` (or did not set up in time):
-        its run() is forgotten, its actor killed, and the failure policy applies."""
+        """Worker ``w`` stood still or did not set up in time: the failure policy."""
         self.liveness.forget(w)
         for ref in [r for r, v in self.runs.items() if v == w]:
             del self.runs[ref]
         self._worker_failed(w, cause)
 
     def _worker_failed(self, w: int, cause: str, detail: str = "") -> None:
-        """The failure policy for worker ``w``: its last push everywhere or nowhere, then
-        restart it as a new incarnation, drop it, or stop the job (WorkerError)."""
+        """The commit rule for worker ``w``, then the failure policy: restart, drop or
+        WorkerError."""
         self.ray.kill(self.actors[w], no_restart=True)  # it may live on after raising
-        timeout = self.o.ack_timeout
-        counts: list = []
-        with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
-            counts = self._get(
-                cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart"
-            )
-        if self.ef:  # its pushes every shard now has: the residual after the last of them
-            self._inherit(w, max((n for n in counts if n is not None), default=None))
+        self._depart(w)
         now = self.now()
         action = self.run.failures.worker(w, cause, time=now, detail=detail)
         if action == "drop" or self.stopping:
@@ -539,14 +495,26 @@ class _Host:
             return
         self.incs[w] += 1
         with contextlib.suppress(_ShardDown):  # else the restore to come admits it
-            self._get([s.join.remote(w, self.incs[w]) for s in self.shards], timeout, "join")
+            joins = [s.join.remote(w, self.incs[w]) for s in self.shards]
+            self._get(joins, self.o.ack_timeout, "join")
         self.runs[self._spawn(w).run.remote()] = w
         self.liveness.watch(w, self.actors[w], ready=False)  # it sets up inside run()
 
+    def _depart(self, w: int) -> None:
+        """The commit rule for worker ``w``'s gone incarnation; with error feedback, keeps
+        its residual after the pushes every shard now has."""
+        timeout = self.o.ack_timeout
+        counts: list = []
+        with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
+            counts = self._get(
+                cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart"
+            )
+        if self.ef:
+            self._inherit(w, delivery.committed(counts))
+
     def _inherit(self, w: int, pushes: int | None) -> None:
-        """With error feedback: worker ``w``'s residual after the last push its dead
-        incarnation committed (``pushes``: how many it committed, None: unknown), for its
-        next incarnation (or its id, if it is dropped)."""
+        """Keeps worker ``w``'s residual after its gone incarnation's ``pushes`` (None:
+        unknown) for its next one."""
         residual = self._residual(w, self.incs[w], pushes)
         if residual is None:
             log.warning(
@@ -559,8 +527,7 @@ class _Host:
             self.fb[w].keep(self.incs[w], pushes, residual, acked=pushes)
 
     def _residual(self, w: int, inc: int, pushes: int | None) -> np.ndarray | None:
-        """Worker ``w``'s residual after the first ``pushes`` pushes of incarnation ``inc``:
-        the driver's, else its keeper's (None: unknown)."""
+        """Worker ``w``'s residual after ``pushes`` of incarnation ``inc`` (None: unknown)."""
         residual = self.fb[w].at(inc, pushes)
         if residual is None and pushes and self.keepers[w] is not None:
             ray = self.ray
@@ -572,16 +539,14 @@ class _Host:
         return residual
 
     def _shard_ended(self, ref: Any) -> None:
-        """Shard ``watches[ref]``'s actor died: the failure policy, then (restarted) every
-        shard rolls back to the newest backup."""
+        """Shard ``watches[ref]`` died: the failure policy, then every shard rolls back."""
         event = self._revive(ref)
         if event is not None:
             self._restore([event])
 
     def _revive(self, ref: Any) -> dict | None:
-        """The failure policy for the shard whose watch ``ref`` ended (ShardError unless it
-        is to be restarted); waits until Ray has restarted its actor and watches it again.
-        Returns the failure's event (None: its watch ended normally, the job is ending)."""
+        """The failure policy for the shard whose watch ``ref`` ended; once Ray restarted
+        it, watches it again. Returns the failure's event (None: the job is ending)."""
         ray = self.ray
         k = self.watches.pop(ref)
         try:
@@ -610,10 +575,8 @@ class _Host:
         return event
 
     def _await_down(self, down: _ShardDown) -> list[dict]:
-        """A shard call failed (``down``): waits (up to ``shard_start_timeout``) for the
-        watch of the shard that died to report it, and revives every shard whose watch
-        ended; returns their failure events. Raises ShardError if none ends, or before
-        the watch began."""
+        """After a failed shard call: revives every shard whose watch ended (ShardError if
+        none does within ``shard_start_timeout``); returns their failure events."""
         ray = self.ray
         if not self.watches:
             raise ShardError(f"{down} while the run was starting or ending") from None
@@ -628,10 +591,7 @@ class _Host:
         return [e for e in events if e is not None]
 
     def _retrying(self, call: Any) -> Any:
-        """``call()`` (a call to the shards), through the restart path: if a shard died
-        under it, the failure policy applies (ShardError under "fail" or past
-        ``max_restarts``), every shard rolls back to the newest backup, and ``call`` is
-        made again. Each retry follows a shard failure the policy counted."""
+        """``call()``, made again after each shard failure it met (once restored)."""
         while True:
             try:
                 return call()
@@ -639,10 +599,8 @@ class _Host:
                 self._restore(self._await_down(down))
 
     def _restore(self, events: list[dict]) -> int:
-        """Rolls every shard back to the newest backup after the shard failures ``events``;
-        live workers become new incarnations. A shard that dies meanwhile is revived (the
-        failure policy) and the roll-back made again; if the job is stopping, the shards
-        are told again. Returns the version they are back at."""
+        """Rolls every shard back to the newest backup (live workers as new incarnations)
+        after the failures ``events``; returns the version."""
         assert self.backup is not None
         states, handled = self.backup
         while True:
@@ -658,7 +616,7 @@ class _Host:
             try:
                 versions = self._get(refs, self.o.shard_start_timeout, "restore")
                 if self.stopping:  # a restarted shard has forgotten the stop
-                    self._get([s.stop.remote() for s in self.shards], self.o.ack_timeout, "stop")
+                    self._each("stop")
                 break
             except _ShardDown as down:
                 events += self._await_down(down)
@@ -677,10 +635,8 @@ class _Host:
 
     @contextlib.contextmanager
     def _shard_calls(self, what: str, late: str) -> Iterator[None]:
-        """Ray's errors from calls to the shards as this runtime's: ``TimeoutError(late)``,
-        a shard's own exception as itself, a lost shard as :class:`_ShardDown`. Answers
-        are trusted only if no shard's watch has ended meanwhile: a call made while Ray
-        restarts an actor waits for the new actor, which answers before its restore."""
+        """Ray's errors from shard calls as ``TimeoutError(late)``, the shard's own
+        exception, or :class:`_ShardDown` (also when a watch ended meanwhile)."""
         ray = self.ray
         try:
             yield
@@ -695,7 +651,6 @@ class _Host:
             raise _ShardDown(f"a shard's actor died during {what}")
 
     def _who(self, e: Exception) -> str:
-        """``shard K`` for a Ray error that names shard K's actor, else ``a shard``."""
         actor = getattr(e, "actor_id", None)
         for k, s in enumerate(self.shards):
             ident = getattr(s, "_actor_id", None)  # Ray's handle; absent: not named
@@ -704,36 +659,28 @@ class _Host:
         return "a shard"
 
     def _get(self, refs: list, timeout: float | None, what: str) -> list:
-        """``ray.get`` with a timeout; a shard's own exception comes back as itself."""
         with self._shard_calls(what, f"the shards did not answer {what} within {timeout} s"):
             return self.ray.get(refs, timeout=timeout)
 
+    def _each(self, method: str, what: str | None = None) -> list:
+        """Every shard's answer to ``method`` (within ``ack_timeout``)."""
+        refs = [getattr(s, method).remote() for s in self.shards]
+        return self._get(refs, self.o.ack_timeout, what or method)
+
     def _stats(self) -> list[dict]:
-        """Every shard's counters (through the restart path)."""
-        timeout = self.o.ack_timeout
-        return self._retrying(
-            lambda: self._get([s.stats.remote() for s in self.shards], timeout, "stats")
-        )
+        return self._retrying(lambda: self._each("stats"))
 
     def _flat(self) -> np.ndarray:
-        """The current flat parameters, as an observer (a copy; through the restart path)."""
         return self._retrying(self._observe)
 
     def _observe(self) -> np.ndarray:
-        timeout = self.o.ack_timeout
-        replies = self._get([s.observe.remote() for s in self.shards], timeout, "pull")
+        replies = self._each("observe", "pull")
         # each slice is an object its shard owns: lost with the shard (ObjectLostError)
-        slices = self._get([r[1] for r in replies], timeout, "pull")
+        slices = self._get([r[1] for r in replies], self.o.ack_timeout, "pull")
         return np.concatenate(slices) if len(slices) > 1 else np.array(slices[0])
 
-    def _stop(self) -> None:
-        self.stopping = True
-        timeout = self.o.ack_timeout
-        self._retrying(lambda: self._get([s.stop.remote() for s in self.shards], timeout, "stop"))
-
     def _take_backup(self) -> bool:
-        """A consistent copy of every shard's state into ``self.backup`` (False: none was
-        taken this time; see :func:`cluster.consistent_states`)."""
+        """A consistent copy of the shards into ``self.backup`` (False: none this time)."""
         with self._shard_calls("state", f"the shards did not freeze within {self.o.ack_timeout} s"):
             got = cluster.consistent_states(
                 self.shards, list(self.runs), self.o.ack_timeout, SNAPSHOT_LIMIT
@@ -743,8 +690,7 @@ class _Host:
         return got is not None
 
     def _snapshot(self, now: float) -> driver.Snapshot | None:
-        """A consistent cut of the shards (a backup too) and the workers' residuals at it;
-        None: none this time (see :meth:`_take_backup` and :meth:`_residuals`)."""
+        """A backup and the workers' residuals at it (None: none this time)."""
         if not self._take_backup():
             return None
         assert self.backup is not None
@@ -756,9 +702,7 @@ class _Host:
         return driver.Snapshot(self.backup[0], step, residuals)
 
     def _residuals(self) -> list[np.ndarray] | None:
-        """Each worker's error-feedback residual after the last of its pushes in the
-        backup just taken (from the driver, or its keeper); None (no checkpoint this
-        time) if one is not known yet."""
+        """Each worker's residual at the backup's cut (None: one is not known yet)."""
         out = [self._residual(w, *self.targets[w]) for w in range(self.W)]
         for w, residual in enumerate(out):
             if residual is None:  # e.g. a worker carrying on after a restore, before it pushed
@@ -768,12 +712,8 @@ class _Host:
 
 
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
-    """Trains on Ray (the ``"ray"`` runtime; see :mod:`stalewise.runtime.ray`).
-
-    Uses the Ray instance this process is connected to, else
-    :func:`stalewise.runtime.ray.connect`'s (``RAY_ADDRESS``, else a new local
-    instance); a connection made here is closed at the end of the run.
-    """
+    """Trains on Ray (the ``"ray"`` runtime), connecting first if needed
+    (:func:`stalewise.runtime.ray.connect`; that connection ends with the run)."""
     from stalewise.runtime.ray import connect
 
     ray = import_ray()

@@ -1,27 +1,16 @@
 """A worker as a Ray actor: the protocol's one worker loop, answered with Ray calls.
 
-:class:`WorkerActor` runs :func:`stalewise.protocol.loop.worker_loop` with the
-user's ``loss_and_grad`` and data, and answers its requests. ``BEGIN`` is True
-unless a shard says the job is stopping or the budget rule
-(:mod:`stalewise.protocol.budget`) says no, once the step's parameters are in:
-under SSP/BSP and with DC-ASGD a pull to every shard, answered when its gate
-opens; under ASP the newest snapshots a *receiver* thread holds (a standing
-request at every shard, :meth:`ShardActor.follow
-<stalewise.runtime.ray.shard.ShardActor.follow>`). ``PULL`` answers with them:
-with one shard and NumPy leaves a view of the object store's read-only copy,
-else a copy in the pull buffer (with delta pulls, after the worker's
-:class:`~stalewise.protocol.pulls.Replica` has checked and applied each payload).
-A ``Push`` emulates the compute time and has the
-:class:`~stalewise.runtime.ray.outbox.Outbox` judge and commit it; a *sender*
-thread puts it into the object store once, sends it to every shard and reads
-the acks while the loop goes on (one push in flight,
-:data:`stalewise.protocol.pipeline.IN_FLIGHT`).
-
-Heartbeats: each request, batch drawn and ``POLL`` seconds of waiting counts
-(:meth:`WorkerActor.progress`, read on the actor's ``"beat"`` group;
-:mod:`~stalewise.runtime.ray.liveness`). A call to a shard that died is retried
-until the driver restores it (``shard_start_timeout``); the worker then carries
-on as the new incarnation the shards announce (``"moved"``).
+:class:`WorkerActor` runs :func:`stalewise.protocol.loop.worker_loop` and answers
+its requests. ``BEGIN`` fetches the step's parameters: a pull to every shard when
+pulls are exact, else the newest snapshots a *receiver* thread holds (a standing
+:meth:`ShardActor.follow <stalewise.runtime.ray.shard.ShardActor.follow>` at every
+shard); with one shard and NumPy leaves ``PULL`` gets a view of the object store's
+read-only copy. A ``Push`` is committed by the
+:class:`~stalewise.runtime.ray.outbox.Outbox` and sent by a *sender* thread while
+the loop goes on (one push in flight). Each request, batch and ``POLL`` seconds of
+waiting is a heartbeat (:meth:`WorkerActor.progress`). A call to a shard that died
+is retried until the driver restores it; the worker then carries on as the
+incarnation announced.
 """
 
 from __future__ import annotations
@@ -52,8 +41,7 @@ POLL = 0.2  # seconds: how often the receiver thread looks whether the run is ov
 
 
 class WorkerActor:
-    """Worker ``w``'s incarnation ``inc`` (made remote by the driver); ``shards`` are
-    the shard actors' handles, in order."""
+    """Worker ``w``'s incarnation ``inc`` over the shard actors ``shards``, in order."""
 
     def __init__(
         self,
@@ -77,9 +65,6 @@ class WorkerActor:
         numpy_only = all(leaf.backend == "numpy" for leaf in self.spec.leaves)
         self.views = self.S == 1 and numpy_only and self.replica is None  # the snapshot itself
         self.pull_buf = None if self.views else np.empty(self.spec.size, self.spec.dtype)
-        # the protocol's sending side (versions, verdict and the codec's error feedback,
-        # starting from `residual`, the predecessor's or a checkpoint's) with its push
-        # buffers; `keeper` keeps the residual of every push before any shard gets it
         self.out = Outbox(
             config,
             self.shards,
@@ -112,8 +97,8 @@ class WorkerActor:
         self.closing = False
 
     def prepare(self) -> dict:
-        """Set-up, not training: the data, and one step on the initial params whose result
-        is thrown away (a JIT compile happens here). Returns where this actor runs."""
+        """Loads the data and runs one discarded step (JIT warm-up); returns
+        ``{"node", "pid"}``."""
         import os
 
         import ray
@@ -129,21 +114,16 @@ class WorkerActor:
         return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def progress(self) -> tuple[bool, int, int]:
-        """``(set up, beats, drawn)``: whether :meth:`prepare` is done, the loop's progress
-        count, which grows at each step, batch and wait, and the batches this worker id
-        has drawn. The driver calls it on the ``"beat"`` concurrency group, beside a
-        running :meth:`run`."""
+        """``(prepared, beats, batches drawn)``; called on the ``"beat"`` group beside :meth:`run`."""
         return self.batches is not None, self.beats, self.drawn[self.w]
 
     def where(self) -> str:
-        """The id of the node this actor runs on (on the ``"beat"`` group, like
-        :meth:`progress`): the driver tells a worker whose node left from one that failed."""
+        """This actor's node id (on the ``"beat"`` group)."""
         import ray
 
         return ray.get_runtime_context().get_node_id()
 
     def _beating(self, batches: Any) -> Any:
-        """``batches``, beating for each one drawn."""
         for batch in batches:
             self.beats += 1
             yield batch
@@ -156,14 +136,10 @@ class WorkerActor:
             time.sleep(min(left, POLL))
 
     def run(self) -> dict:
-        """The worker loop until the budget is spent, the job stops or the worker diverges
-        (the loop's ``Diverged``); then it leaves the shards. Returns its counts
-        (``steps``, ``outcomes``), ``diverged`` (the message, if it diverged) and
-        ``times``: seconds spent pulling, pushing, waiting for acks and computing
-        (measured plus emulated) on the loop's path, and sending (the sender thread's
-        put and calls, off that path); and ``feedback``, ``(incarnation, pushes,
-        residual)``: the codec's error-feedback residual after this incarnation's last
-        push (None without error feedback), every push acknowledged."""
+        """The worker loop until the budget is spent, the job stops or it diverges; then
+        leaves the shards. Returns ``steps``, ``outcomes``, ``diverged`` (if it did),
+        ``times`` (seconds per phase), ``drawn`` and ``feedback`` (``(incarnation,
+        pushes, residual)``)."""
         if self.batches is None:
             self.prepare()
         threads = [threading.Thread(target=self._guard(self._send_loop), daemon=True)]
@@ -201,7 +177,6 @@ class WorkerActor:
         return ended
 
     def _leave(self) -> None:
-        """Leaves every shard, so that their gates and BSP rounds stop waiting for it."""
         import ray
 
         try:
@@ -224,10 +199,10 @@ class WorkerActor:
                 return self.params
             if request is loop.CLOCK:  # a strategy pacing itself asks the runtime's clock
                 return time.monotonic()
-            emulated = (request.compute + delay * request.local_steps) * slowdown - request.compute
+            emulated = loop.emulated(request, slowdown, delay)
             if emulated > 0:
                 self._sleep(emulated)
-            times["compute"] += max(emulated, 0.0) + request.compute
+            times["compute"] += emulated + request.compute
             t = clock()
             self._push(request.update, request.loss)
             times["push"] += clock() - t
@@ -243,8 +218,7 @@ class WorkerActor:
     # -- the parameters for a step ---------------------------------------------------
 
     def _begin(self) -> bool:
-        """The parameters for the next step; False when the job is stopping or the budget
-        is spent."""
+        """Fetches the next step's parameters; False: the job stops or the budget is spent."""
         got = self._newest() if self.following else self._pull()
         if got is None:
             return False
@@ -263,7 +237,6 @@ class WorkerActor:
         return True
 
     def _newest(self) -> tuple[list, list] | None:
-        """ASP: the newest snapshot of every shard that the receiver holds."""
         with self.cond:
             while True:
                 self._check()
@@ -283,14 +256,12 @@ class WorkerActor:
             return [v for v, _ in self.latest], [a for _, a in self.latest]
 
     def _holds_own(self) -> bool:
-        """Whether the receiver's snapshots hold this worker's settled pushes (a settling
-        strategy's read-your-writes; call with ``cond`` held)."""
+        """Whether the snapshots hold this worker's settled pushes (``cond`` held)."""
         if self.settled is None or self.settled[0] != self.inc:  # none, or shards restored
             return True
         return all(s[0] >= v for s, v in zip(self.latest, self.settled[1], strict=True))
 
     def _pull(self) -> tuple[list, list] | None:
-        """SSP/BSP, DC-ASGD: a pull to every shard, answered when its gate opens."""
         import ray
 
         failed_at = None
@@ -328,12 +299,7 @@ class WorkerActor:
         return [r[1] for r in replies], slices
 
     def _budget_spent(self, *, round_: int | None = None) -> bool:
-        """The budget rule (:mod:`stalewise.protocol.budget`): shard 0's count of pushes
-        as the pushes committed, this worker's pushes in flight as its steps in progress;
-        while the rule refuses with some in flight, waits for their acks (which bring
-        shard 0's count) and asks again. Under BSP, called once the round's gate is open,
-        it counts whole rounds: ``round_`` is this worker's clock, the round it would
-        begin, as its pull's answer gives it. Call with ``cond`` held."""
+        """The budget rule on shard 0's count (under BSP, on ``round_``); ``cond`` held."""
         steps = self.o.steps
         if round_ is not None and self.config.consistency.averages_rounds:
             return not budget.may_begin_round(round_, self.o.expected, steps)
@@ -346,12 +312,10 @@ class WorkerActor:
             self.beats += 1
 
     def _have(self, k: int) -> int:
-        """With delta pulls, the reference number held of shard ``k`` (0: none)."""
         return 0 if self.replica is None else self.replica.have(k)
 
     def _apply(self, k: int, payload: Any) -> bool:
-        """Applies shard ``k``'s delta-pull payload to the copy; False if it is refused
-        (the copy is unchanged, and the next pull from that shard is a full one)."""
+        """Applies shard ``k``'s delta payload; False if refused (the next pull is full)."""
         try:
             self.replica.apply(k, payload)
         except PayloadError as e:
@@ -360,8 +324,7 @@ class WorkerActor:
         return True
 
     def _become(self, inc: int) -> None:
-        """Carries on as incarnation ``inc`` (the driver restored the shards). The error-
-        feedback residual is kept; the delta-pull copy starts again (full pulls)."""
+        """Carries on as incarnation ``inc`` (the shards were restored)."""
         log.warning(
             "worker %d: continuing as incarnation %d (the shards were restored)", self.w, inc
         )
@@ -372,7 +335,7 @@ class WorkerActor:
         self.moved_to = max(self.moved_to, inc)
 
     def _retry(self, failed_at: float | None, error: Exception) -> float:
-        """Waits a little before trying a shard again; raises after ``shard_start_timeout``."""
+        """Waits before a retry; RuntimeError after ``shard_start_timeout``."""
         failed_at = failed_at or time.monotonic()
         if time.monotonic() - failed_at > self.o.shard_start_timeout:
             raise RuntimeError(
@@ -383,8 +346,7 @@ class WorkerActor:
         return failed_at
 
     def _get(self, refs: list, timeout: float | None = None) -> list:
-        """``ray.get(refs)``, beating every ``POLL`` seconds while it waits (GetTimeoutError
-        after ``timeout``)."""
+        """``ray.get(refs, timeout)``, beating while it waits."""
         import ray
 
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -400,8 +362,7 @@ class WorkerActor:
     # -- pushes ---------------------------------------------------------------------
 
     def _push(self, update: Any, loss: float) -> None:
-        """Commits the update and hands it to the sender, once the pushes in flight
-        allow another (:data:`pipeline.IN_FLIGHT`: the last one's acks are in)."""
+        """Commits the update and queues it for the sender (at most ``IN_FLIGHT``)."""
         t = time.perf_counter()
         with self.cond:
             while len(self.jobs) >= pipeline.IN_FLIGHT:
@@ -416,7 +377,7 @@ class WorkerActor:
             self.cond.notify_all()
 
     def _results(self, wait: bool = False) -> list[PushResult]:
-        """The results of the pushes acknowledged since the last call (``wait``: of all)."""
+        """The results acknowledged since the last call (``wait``: of every push)."""
         with self.cond:
             while wait and self.jobs:
                 self._check()
@@ -440,13 +401,11 @@ class WorkerActor:
         return guarded
 
     def _check(self) -> None:
-        """Raises what a thread raised (call with ``cond`` held)."""
         if self.error is not None:
             raise RuntimeError(f"worker {self.w}: {self.error}") from self.error
 
     def _send_loop(self) -> None:
-        """The sender: puts each push into the object store once, sends it to every shard
-        and reads its acks, in order."""
+        """The sender thread: sends each queued push and reads its acks, in order."""
         while True:
             with self.cond:
                 while not self.closing and not self.jobs:
@@ -468,7 +427,6 @@ class WorkerActor:
                 self.cond.notify_all()
 
     def _acks(self, refs: list, seq: int) -> PushResult | None:
-        """The result of push ``seq`` from its acks (None if it was lost or cut off)."""
         try:
             result, handled = self.out.collect(refs, seq, self.o.ack_timeout)
         except TimeoutError:
@@ -481,7 +439,7 @@ class WorkerActor:
         return result
 
     def _receive_loop(self) -> None:
-        """The receiver (ASP): a standing request at every shard for its next snapshot."""
+        """The receiver thread (ASP): a standing :meth:`ShardActor.follow` at every shard."""
         import ray
 
         seen, inc = [-1] * self.S, self.inc

@@ -26,7 +26,7 @@ Example:
     ('ack', Ack(worker=0, seq=7, ok=False, reason='too old', version=3, staleness=5, duplicate=False, kind='too_stale'))
     >>> decode_from_worker(b"\\x80\\x04K\\x01.")  # a pickle is not a message
     Traceback (most recent call last):
-    stalewise.protocol.wire.WireError: a message of unknown kind 0x80 (5 bytes)
+    stalewise.runtime.local.wire.WireError: a message of unknown kind 0x80 (5 bytes)
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ def decode_result(body: bytes, worker: int) -> tuple:
         ('beat', 2, 1.5)
         >>> decode_result(done(1), 2)
         Traceback (most recent call last):
-        stalewise.protocol.wire.WireError: a message naming worker 1 on worker 2's pipe
+        stalewise.runtime.local.wire.WireError: a message naming worker 1 on worker 2's pipe
     """
     kind = _kind_of(body)
     sizes = {
