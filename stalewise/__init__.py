@@ -65,6 +65,13 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> object:
+    """An old name says its new one (for one release): ``sw.load`` is ``sw.load_params``."""
+    new = {"load": "load_params"}.get(name)
+    hint = f": it is now sw.{new}" if new else ""
+    raise AttributeError(f"module 'stalewise' has no attribute {name!r}{hint}")
+
+
 def __dir__() -> list[str]:
     """The public names only (``__all__``), not the submodules and helpers imported here."""
     return sorted([*__all__, "__version__"])

@@ -487,6 +487,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue from DIR's last checkpoint (none yet: start from the start)",
     )
+    r.add_argument(
+        "--name",
+        help="serve the job under this name: another process joins it with sw.attach(NAME) "
+        "(room for --workers more worker ids)",
+    )
     r.add_argument("script", help="the training script (python file)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     r.set_defaults(func=cmd_run)
@@ -511,6 +516,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,
+            name=args.name,
         )
     except launch.LaunchError as e:
         print(f"stalewise: run: {_one_line(e)}", file=sys.stderr)

@@ -46,12 +46,12 @@ def gpt_diff() -> list[str]:
     )  # fmt: skip
 
 
-def test_the_launched_script_changes_at_most_ten_lines():
+def test_the_launched_script_changes_at_most_ten_lines_with_checkpoints():
     body = gpt_diff()[2:]  # past the ---/+++ header
-    added = [line for line in body if line.startswith("+")]
-    removed = [line for line in body if line.startswith("-")]
-    assert 0 < len(added) <= 10, "\n".join(body)  # the bar
-    assert len(removed) <= len(added), "\n".join(body)
+    added = [line for line in body if line.startswith("+") and line[1:].strip()]
+    removed = [line for line in body if line.startswith("-") and line[1:].strip()]
+    assert 0 < len(added) + len(removed) <= 10, "\n".join(body)  # the bar, with resume
+    assert "--resume" in "\n".join(added)  # ctx.state restored
 
 
 def test_the_readme_shows_the_true_diff():

@@ -130,9 +130,18 @@ def test_workers_that_fail_before_or_after_init_make_the_launcher_fail_naming_th
     start = time.monotonic()
     done = _run("run", "--workers", "3", "--steps", "60", str(script), str(out), cwd=tmp_path)
     assert done.returncode == 1
-    assert "ValueError: rank 1 cannot train" in done.stderr  # its traceback, on stderr
-    assert "stalewise run: rank 1 failed (exit code 1)" in done.stderr
-    assert "stalewise run: rank 2 failed" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr  # a line each; tracebacks in files
+    one = re.search(
+        r"stalewise run: rank 1 failed: ValueError: rank 1 cannot train "
+        r"\(train.py, line \d+\); traceback in (\S+)\n",
+        done.stderr,
+    )
+    assert one, done.stderr
+    assert 'raise ValueError("rank 1 cannot train")' in Path(one.group(1)).read_text()
+    assert re.search(
+        r"stalewise run: rank 2 failed: ImportError: rank 2 lacks a package \(train.py, line",
+        done.stderr,
+    ), done.stderr
     assert _reports(out, 1)[0]["pushes"] >= 60  # rank 0 carried on to the budget alone
     assert time.monotonic() - start < 0.5 * RENDEZVOUS_TIMEOUT  # not held at the barrier
     last = done.stderr.strip().splitlines()[-1]  # and the last line counts the failed ranks
@@ -152,6 +161,7 @@ LAUNCH_ERRORS = [
         "--rank-timeout is for --runtime local",
     ),
     (["--address", "auto", "train.py"], "--address is for --runtime ray"),
+    (["--name", "a b", "train.py"], "--name: job name 'a b': use 1-64 letters, digits"),
     (["--env", "DATA", "train.py"], "--env is for --runtime ray"),
     (["--env-all", "train.py"], "--env-all is for --runtime ray"),
     (["noinit.py"], "noinit.py ended without calling sw.init(job)"),  # last: it runs the script
@@ -273,6 +283,7 @@ TOY = textwrap.dedent(
             while not ctx.should_stop():
                 ctx.client.pull()
                 ctx.client.push({"x": np.ones(4, np.float32)})
+                ctx.log(loss=float(ctx.rank))  # the progress line shows the ranks' mean
                 n += 1
                 if n == 3 and ctx.rank == {"liveness": 1, "hang": 2}.get(mode):
                     time.sleep(3600)
@@ -587,15 +598,158 @@ def test_the_launcher_prints_progress_lines(tmp_path, no_leaks):
         for line in lines
         if (
             m := re.fullmatch(
-                r"stalewise run: (\d+) pushes, ([\d.]+) pushes/s, (\d) of 2 "
-                r"ranks live",
+                r"stalewise run: (\d+) pushes \((\d+) applied, 0 refused\), ([\d.]+) "
+                r"pushes/s(, loss [\d.]+)?, (\d) of 2 ranks live",
                 line,
             )
         )
     ]
     assert rows, done.stderr  # 300 pushes, one each 10 ms or more a rank: 1.5 s at least
-    assert all(int(m.group(3)) <= 2 for m in rows)
+    assert all(int(m.group(5)) <= 2 and int(m.group(2)) <= int(m.group(1)) for m in rows)
+    assert ", loss 0.5, " in done.stderr  # ranks 0 and 1 log 0.0 and 1.0
     assert re.fullmatch(r"stalewise run: 2 workers done, 30[01] pushes", lines[-1]), lines
+
+
+# A loop you own: "nan" pushes a NaN in leaf "b"; "nopull" never pulls. Its AdamW
+# excludes "bias" from weight decay, which no leaf is called. Before sw.init it makes
+# a folder named after RANK (the launcher's own run of the script sees rank 0's).
+OWN = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    import stalewise as sw
+
+    if __name__ == "__main__":
+        mode = sys.argv[1]
+        os.makedirs(f"out-{os.environ.get('RANK', 'solo')}", exist_ok=True)
+        params = {"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}
+        opt = sw.optim.adamw(0.01, weight_decay=0.1, exclude_from_weight_decay=["bias"])
+        ctx = sw.init(sw.Job(params, optimizer=opt), steps=int(sys.argv[2]))
+        while not ctx.should_stop():
+            if mode != "nopull":
+                ctx.client.pull()
+            b = np.array([1.0, np.nan if mode == "nan" else 1.0], np.float32)
+            ctx.client.push({"w": np.ones(4, np.float32), "b": b})
+        ctx.close()
+    """
+)
+
+
+def test_refused_pushes_warn_at_once_and_ranks_that_keep_being_refused_end_the_run(
+    tmp_path, no_leaks
+):
+    """Job.train's rule (diverge_after=20 numerical refusals in a row) ends each rank's
+    loop; each says so on one line, and the run exits 1 long before its budget."""
+    script = _script(tmp_path, OWN)
+    done = _run("run", "--workers", "2", str(script), "nan", "5000", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    err = done.stderr
+    for r in (0, 1):
+        first = f"rank {r}: WARNING: worker {r}: push 0 refused: shard 0: not_finite: "
+        assert err.count(first) == 1, err
+        assert f"{first}payload has NaN or Inf (first at element 1, leaf 'b')" in err, err
+        assert re.search(
+            rf"\nstalewise run: rank {r} failed: Diverged: worker {r} diverged: its last 20 "
+            r"pushes were refused as NaN/Inf", err
+        ), err  # fmt: skip
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    m = re.fullmatch(r"stalewise run: 0 of 2 workers done, 2 failed, (\d+) pushes \((\d+) "
+                     r"not_finite refused\)", last)  # fmt: skip
+    assert m and m.group(1) == m.group(2) and int(m.group(1)) <= 42, last
+
+
+def test_a_loop_that_never_pulls_and_an_exclusion_that_matches_nothing_warn_once(
+    tmp_path, no_leaks
+):
+    script = _script(tmp_path, OWN)
+    done = _run("run", "--workers", "2", str(script), "nopull", "40", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for r in (0, 1):
+        assert done.stderr.count(f"worker {r} pushed before its first pull") == 1, done.stderr
+    assert "pull before each step (ctx.client.pull(into=model))" in done.stderr
+    unmatched = "exclude_from_weight_decay pattern 'bias' matches no parameter of the job"
+    assert done.stderr.count(unmatched) == 1, done.stderr  # the launcher's, not each rank's
+    assert sorted(p.name for p in tmp_path.glob("out-*")) == ["out-0", "out-1"]  # no out-solo
+    alone = _exec([sys.executable, str(script), "nopull", "5"], tmp_path)
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stderr.count("worker 0 pushed before its first pull") == 1, alone.stderr
+    assert alone.stderr.count(unmatched) == 1, alone.stderr
+
+
+def test_a_script_that_never_calls_init_is_told_early_and_stopped(tmp_path, monkeypatch, capsys):
+    """The launcher runs the script up to sw.init: one that trains without it (here 10 s
+    of sleeps) hears so at INIT_NOTE seconds and is stopped at INIT_TIMEOUT."""
+    import stalewise.launch as launch_lib
+
+    script = tmp_path / "forgot.py"
+    script.write_text("import time\nfor _ in range(200):\n    time.sleep(0.05)\n")
+    monkeypatch.setattr(launch_lib, "INIT_NOTE", 0.5)
+    monkeypatch.setattr(launch_lib, "INIT_TIMEOUT", 2.0)
+    start, rank = time.monotonic(), os.environ.get("RANK")
+    with pytest.raises(launch_lib.LaunchError, match=r"did not call sw.init\(job\) within 2 s"):
+        launch_lib.launch(str(script), [], workers=2)
+    assert time.monotonic() - start < 5
+    assert f"{script} has not called sw.init(job) after 0.5 s" in capsys.readouterr().err
+    assert os.environ.get("RANK") == rank  # rank 0's variables were the script's only
+
+
+def test_the_progress_rate_leaves_out_the_pushes_before_it_started(capsys):
+    """After a resume the job's restored pushes are not counted as pushed meanwhile."""
+    from stalewise.launch.progress import Progress
+
+    job = sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1))
+    with job.serve(workers=1) as server:
+        client = server.client(0)
+        for _ in range(5):
+            client.push({"x": np.ones(4, np.float32)})
+        client.wait()
+        progress = Progress(1, server)  # as the launcher makes it after a resume
+        progress.every, progress.last = 1.0, 0.0
+        progress.tick(2.0, server.job_pushes, 1)
+        client.close()
+    line = capsys.readouterr().err.strip()
+    assert line == "stalewise run: 5 pushes (5 applied, 0 refused), 0.0 pushes/s, 1 of 1 ranks live"
+
+
+def test_a_named_launch_is_joined_with_sw_attach(tmp_path, no_leaks):
+    """``--name``: the ranks only poll should_stop(); the budget is spent by a process
+    that joined by the job's name, after which the ranks end and the launch with them."""
+    name = f"run-{os.getpid()}-{time.time_ns()}"
+    script = _script(tmp_path, TOY)
+    with _Launcher(
+        tmp_path, "--workers", "2", "--steps", "5", "--name", name, str(script), "poll"
+    ) as run:
+        run.wait_ready(2)
+        client = sw.attach(name)
+        assert client.worker == 2  # the ids after the ranks'
+        for _ in range(5):
+            client.pull()
+            client.push({"x": np.ones(4, np.float32)})
+        client.close()
+        assert run.proc.wait(TIMEOUT) == 0, run.stderr()
+        assert run.stderr().splitlines()[-1] == "stalewise run: 2 workers done, 5 pushes"
+
+
+def test_ctx_loop_pulls_before_each_step_and_once_at_the_end(tmp_path, no_leaks):
+    text = textwrap.dedent(
+        """
+        import numpy as np
+        import stalewise as sw
+
+        params = {"x": np.zeros(4, np.float32)}
+        ctx = sw.init(sw.Job(params, optimizer=sw.optim.sgd(1.0)), steps=3)
+        seen = []
+        for step in ctx.loop(into=params):
+            seen.append((step, float(params["x"][0])))
+            ctx.client.push({"x": np.ones(4, np.float32)})
+        print(seen, float(params["x"][0]))
+        """
+    )
+    done = _exec([sys.executable, str(_script(tmp_path, text))], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[(0, 0.0), (1, -1.0), (2, -2.0)] -3.0", done.stdout
+    assert "pushed before its first pull" not in done.stderr
 
 
 def test_the_local_server_counts_the_job_pushes():

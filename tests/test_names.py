@@ -82,6 +82,14 @@ def test_sw_load_params_is_the_one_public_name(tmp_path):
     assert checkpoint.load(tmp_path).version == 3
 
 
+def test_the_old_name_sw_load_says_the_new_one_in_one_line():
+    new = r"^module 'stalewise' has no attribute 'load': it is now sw.load_params$"
+    with pytest.raises(AttributeError, match=new):
+        sw.load  # noqa: B018
+    with pytest.raises(AttributeError, match=r"^module 'stalewise' has no attribute 'lod'$"):
+        sw.lod  # noqa: B018
+
+
 def test_dir_of_the_package_shows_only_its_public_names():
     shown = {name for name in dir(sw) if not name.startswith("__")}
     assert shown == set(sw.__all__)

@@ -159,7 +159,8 @@ def test_a_killed_launcher_resumes_from_its_last_checkpoint(tmp_path):
 
 def test_resume_starts_from_the_start_without_a_checkpoint_and_refuses_another_jobs(tmp_path):
     """--resume with no checkpoint in the folder yet starts from the start (the run's end
-    saves one); --resume from it with a job of other parameters is refused in one line."""
+    saves one); again, its budget spent, it says so; from it, a job of other parameters
+    is refused in one line."""
     script, ckpts, out = _script(tmp_path), tmp_path / "ckpt", tmp_path / "run"
     other = tmp_path / "other.py"
     other.write_text(SCRIPT.replace("np.zeros(8, np.float32)", "np.zeros(5, np.float32)")
@@ -170,6 +171,15 @@ def test_resume_starts_from_the_start_without_a_checkpoint_and_refuses_another_j
     assert done.returncode == 0, done.stderr
     assert f"no checkpoint in {ckpts} yet; starting from the start" in done.stderr
     assert checkpoint.load(ckpts).step["pushes"] >= 40  # the end's checkpoint
+    pushes = checkpoint.load(ckpts).step["pushes"]
+    for f in tmp_path.glob("run-start-*"):
+        f.unlink()
+    done = _run(tmp_path, "--workers", "2", "--steps", "40", "--checkpoint-dir", str(ckpts),
+                "--resume", str(other), str(out), "0")  # fmt: skip
+    assert done.returncode == 0, done.stderr  # its budget is spent: it says so, starts no rank
+    assert f"the job is complete: {pushes} of 40 pushes, as checkpointed in {ckpts}; no rank " \
+        "started" in done.stderr, done.stderr  # fmt: skip
+    assert not list(tmp_path.glob("run-start-*"))
     done = _run(tmp_path, "--workers", "2", "--steps", "20", "--checkpoint-dir", str(ckpts),
                 "--resume", str(script), str(out), "0")  # fmt: skip
     assert done.returncode == 2, done.stderr

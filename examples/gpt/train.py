@@ -16,7 +16,9 @@ it, so ranks never write over each other. The batches' position is the generator
 ``gen``; train_launched.py keeps its state in ``ctx.state``, which
 ``stalewise run --checkpoint-dir DIR`` saves with the server's weights and
 optimizer state, and ``--resume`` restores (the same command for the first
-launch and every restart).
+launch and every restart; local runtime only: ``--runtime ray`` refuses
+``--checkpoint-dir``). ``ctx.loop(into=model)`` pulls the global weights into
+the model before each step and once more at the end.
 """
 
 import os

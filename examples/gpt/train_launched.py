@@ -16,7 +16,9 @@ it, so ranks never write over each other. The batches' position is the generator
 ``gen``; train_launched.py keeps its state in ``ctx.state``, which
 ``stalewise run --checkpoint-dir DIR`` saves with the server's weights and
 optimizer state, and ``--resume`` restores (the same command for the first
-launch and every restart).
+launch and every restart; local runtime only: ``--runtime ray`` refuses
+``--checkpoint-dir``). ``ctx.loop(into=model)`` pulls the global weights into
+the model before each step and once more at the end.
 """
 
 import os
@@ -43,15 +45,13 @@ def main():
     gen = torch.Generator().manual_seed(1337 + RANK)  # this rank's batches (its data position)
     if "gen" in ctx.state:  # resumed (stalewise run --resume): where this rank's batches were
         gen.set_state(torch.from_numpy(ctx.state["gen"]))
-    while not ctx.should_stop():
-        ctx.client.pull(into=model)
+    for _ in ctx.loop(into=model):  # pulls the job's weights before each step, and at the end
         x, y = get_batch(train, BATCH, cfg.block_size, gen)
         ctx.state["gen"] = gen.get_state().numpy()  # saved with each checkpoint
         _, loss = model(x, y)
         model.zero_grad(set_to_none=True)
         loss.backward()
         ctx.client.push({n: p.grad for n, p in model.named_parameters()})
-    ctx.client.pull(into=model)
     print(f"rank {RANK}: val loss {estimate_loss(model, val):.3f}", flush=True)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), OUT_DIR / f"model_rank{RANK}.pt")

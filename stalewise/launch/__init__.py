@@ -25,6 +25,15 @@ usable checkpoint (none yet: it says so and starts afresh; another job's: refuse
 exit status 2). How a launch ends (the launcher killed, Ctrl-C or SIGTERM, ``--timeout``,
 ``--rank-timeout``): ``docs/reliability.md``.
 
+A rank's first refused push is a warning with its reason; 20 in a row refused as NaN/Inf
+(``Job.train``'s ``diverge_after``: :class:`stalewise.protocol.loop.Watch`) end it. A
+rank's error is one line (where in the script; the traceback in a file). The progress
+line counts applied and refused pushes and shows the ranks' ``ctx.log(loss=...)``
+(local). The launcher's run of the script up to :func:`init` sees rank 0's ``RANK``
+(not ``STALEWISE_RANK``) and is stopped at :data:`INIT_TIMEOUT`. ``--resume`` of a job
+whose budget is spent says so and starts no rank. ``--name NAME``: other processes join
+with ``sw.attach(NAME)``.
+
 Example (``train.py``; ``stalewise run --workers 4 --steps 2000 train.py``):
 
 .. code-block:: python
@@ -49,6 +58,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import math
 import os
 import signal
@@ -61,16 +71,25 @@ from stalewise import runtime as runtime_lib
 from stalewise.launch import checkpoints, context
 from stalewise.launch import checkpoints as saving  # init's checkpoints= is the option group
 from stalewise.launch.context import RENDEZVOUS_TIMEOUT, Context, LaunchError  # noqa: F401
-from stalewise.launch.ranks import RANK_TIMEOUT, STOP_GRACE  # noqa: F401
+from stalewise.launch.ranks import RANK_TIMEOUT, STOP_GRACE, rank_env  # noqa: F401
 from stalewise.launch.ranks import serve_workers as _serve_workers  # noqa: F401 (the registry's)
 from stalewise.options import checkpoint_fields
 from stalewise.protocol.config import ServerConfig
 from stalewise.runtime.errors import BudgetSpent
 
+log = logging.getLogger(__name__)
+
 __all__ = ["BudgetSpent", "Context", "LaunchError", "Terminated", "init", "launch"]
 
 #: The most worker processes ``stalewise run`` starts on one machine.
 MAX_WORKERS = 256
+#: Seconds the launcher runs the script before it says that ``sw.init`` is not called yet,
+#: and before it stops the script (which would otherwise train alone in the launcher).
+INIT_NOTE, INIT_TIMEOUT = 10.0, 120.0
+
+
+class _NoInit(Exception):
+    """The launcher's run of the script reached :data:`INIT_TIMEOUT` before ``sw.init``."""
 
 
 @dataclasses.dataclass
@@ -90,6 +109,8 @@ class _Launch:
     checkpoint_dir: str | None  # where the launcher saves the job (None: nowhere)
     checkpoint_every: int | None  # every this many pushes of the job (and at the end)
     resume: bool  # start from checkpoint_dir's last checkpoint, if there is one
+    timed: bool = False  # SIGALRM bounds the run up to sw.init (INIT_TIMEOUT)
+    name: str | None = None  # --name: the job is served under it, for sw.attach
 
 
 _LAUNCH: _Launch | None = None  # set in the launcher's process while it runs the script
@@ -135,6 +156,11 @@ def init(
         saving.RankStates.join(ctx)  # --checkpoint-dir: ctx.state restored, and saved
         context.rendezvous(ctx)
         return ctx
+    if _LAUNCH is None:
+        from stalewise.runtime.logs import child_logging
+
+        child_logging("worker 0")  # unlaunched: its warnings reach stderr
+    _unmatched(job)
     if _LAUNCH is not None:  # the runtime's launch: ranks.serve_workers here, Ray's on Ray
         if _LAUNCH.checkpoint_dir is None and checkpoint_dir is not None:
             if not runtime_lib.describe(_LAUNCH.runtime).saves_served:
@@ -144,6 +170,10 @@ def init(
             _LAUNCH.resume = _LAUNCH.resume or bool(resume)
         if _LAUNCH.checkpoint_every is None:
             _LAUNCH.checkpoint_every = checkpoint_every
+        if _LAUNCH.steps is None:  # the ranks' own init(steps=) will say the same
+            _LAUNCH.steps = steps
+        if _LAUNCH.timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # the script reached sw.init in time
         raise SystemExit(runtime_lib.describe(_LAUNCH.runtime).load("launch")(job, _LAUNCH))
     server = job.serve(workers=1)
     saves = None
@@ -160,12 +190,50 @@ def init(
     return ctx
 
 
+def _unmatched(job: Any) -> None:
+    """Warns of an optimizer's exclusion pattern that matches no leaf of the job."""
+    from stalewise.optim._leaves import unmatched
+
+    segments = job.config.spec.segments
+    for field, pattern in unmatched(job.config.optimizer, segments):
+        log.warning(
+            "%s pattern %r matches no parameter of the job, so it excludes nothing; "
+            "patterns are re.search'ed on names such as %s",
+            field,
+            pattern,
+            ", ".join(map(repr, segments.names[:3])),
+        )
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM reached the launcher: it stops the job as Ctrl-C does (exit status 143)."""
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated("SIGTERM")
+
+
+def _init_alarm(script: str) -> Any:
+    """The launcher's SIGALRM while it runs the script up to ``sw.init``: a line at
+    :data:`INIT_NOTE` seconds, :class:`_NoInit` at :data:`INIT_TIMEOUT`."""
+    noted = []
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        if context.INITIALISED:
+            return
+        if noted:
+            raise _NoInit
+        noted.append(True)
+        print(
+            f"stalewise run: {script} has not called sw.init(job) after {INIT_NOTE:g} s "
+            f"(the launcher runs it up to there, then starts the ranks); it stops it at "
+            f"{INIT_TIMEOUT:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        signal.setitimer(signal.ITIMER_REAL, INIT_TIMEOUT - INIT_NOTE)
+
+    return on_alarm
 
 
 def _check_python(path: Path) -> None:
@@ -205,6 +273,7 @@ def launch(
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
+    name: str | None = None,
 ) -> int:
     """Runs ``script`` with ``argv`` as ``stalewise run`` does; returns the exit status.
 
@@ -213,8 +282,9 @@ def launch(
     :data:`~stalewise.launch.ranks.RANK_TIMEOUT`; 0: off); ``checkpoint_dir``,
     ``checkpoint_every``, ``resume``: local only; ``address``: the Ray cluster (None:
     ``RAY_ADDRESS``, else a new local instance); ``env``, ``env_all``: what each rank on
-    Ray gets of this environment (:func:`stalewise.launch.ray.shipped_env`). From the
-    main thread, SIGTERM is
+    Ray gets of this environment (:func:`stalewise.launch.ray.shipped_env`); ``name``: the
+    job is served under it, with room for ``workers`` more ids, for ``sw.attach(name)``.
+    From the main thread, SIGTERM is
     handled as Ctrl-C: the job stops in order and :class:`Terminated` is raised.
 
     Raises:
@@ -242,6 +312,13 @@ def launch(
             raise LaunchError(f"{flag} is for --runtime {runtime_lib.able('connect')}")
     if rank_timeout is None:
         rank_timeout = RANK_TIMEOUT
+    if name is not None:
+        from stalewise.runtime.attach import check_name
+
+        try:
+            check_name(name)
+        except ValueError as e:
+            raise LaunchError(f"--name: {e}") from None
     checkpoints.check(checkpoint_dir, checkpoint_every, LaunchError)
     if resume and checkpoint_dir is None:
         raise LaunchError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
@@ -255,21 +332,38 @@ def launch(
     if missing is not None:
         raise LaunchError(missing)
     _LAUNCH = _Launch(str(path), list(argv), workers, steps, timeout, runtime, rank_timeout,
-                      address, list(env), env_all, checkpoint_dir, checkpoint_every, bool(resume))  # fmt: skip
-    saved = sys.argv, list(sys.path)
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
+                      address, list(env), env_all, checkpoint_dir, checkpoint_every, bool(resume),
+                      name=name)  # fmt: skip
+    saved = sys.argv, list(sys.path), dict(os.environ)
+    main = _LAUNCH.timed = threading.current_thread() is threading.main_thread()
+    if main:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        alarm = signal.signal(signal.SIGALRM, _init_alarm(script))
+        signal.setitimer(signal.ITIMER_REAL, INIT_NOTE)
+    # up to sw.init, torchrun's variables say rank 0 (so are its outputs); STALEWISE_RANK
+    # stays unset: the launcher's run, not a rank
+    rank0 = rank_env(0, workers, 0, workers)
+    os.environ.update({k: v for k, v in rank0.items() if not k.startswith("STALEWISE_")})
     try:
         context.run_script(path, argv)
     except SystemExit as e:
         if context.INITIALISED:  # init() served the workers and ended the script: their status
             return int(e.code or 0)
         raise
+    except _NoInit:
+        raise LaunchError(
+            f"{script} did not call sw.init(job) within {INIT_TIMEOUT:g} s, so the launcher "
+            "stopped it: call sw.init right after building the Job, before training"
+        ) from None
     finally:
         if main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGALRM, alarm)
         _LAUNCH = None
-        sys.argv, sys.path[:] = saved
+        sys.argv, sys.path[:] = saved[:2]
+        os.environ.clear()
+        os.environ.update(saved[2])
     raise LaunchError(
         f"{script} ended without calling sw.init(job): a launched script calls it once, "
         "after building its Job, and trains with the context it returns"

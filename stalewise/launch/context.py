@@ -12,8 +12,11 @@ import logging
 import runpy
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from stalewise.protocol.loop import Watch
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,14 @@ class Context:
 
     def __post_init__(self) -> None:
         self.budget(self.steps)
+        if self.client is not None:  # its pushes' refusals warn, and end a diverged loop
+            self.client.watch = Watch(self.rank)
+
+    def log(self, *, loss: float) -> None:
+        """Reports this rank's latest training loss: the launcher's progress line shows
+        the ranks' mean (local runtime)."""
+        if hasattr(self.client, "log_loss"):
+            self.client.log_loss(float(loss))
 
     def budget(self, steps: int | None) -> None:
         """Sets the job's budget: ``should_stop()`` asks it, and the client refuses a push past
@@ -65,6 +76,19 @@ class Context:
             return True
         return self.steps is not None and not self.client.may_begin(self.steps)
 
+    def loop(self, into: Any = None) -> Iterator[int]:
+        """``for step in ctx.loop(into=model)``: steps 0, 1, ... until :meth:`should_stop`,
+        each first pulling the job's parameters into ``into`` (if given), as does the end
+        of the loop (not a ``break``): ``into`` then holds the job's final parameters."""
+        step = 0
+        while not self.should_stop():
+            if into is not None:
+                self.client.pull(into=into)
+            yield step
+            step += 1
+        if into is not None:
+            self.client.pull(into=into)
+
     def close(self) -> None:
         """Waits for this worker's last push and leaves the job (and, unlaunched, stops
         the shards served in this process). Calling it again does nothing."""
@@ -75,6 +99,7 @@ class Context:
             ckpt.close(self)
         self._refused = self.client.budget_refused
         client, self.client = self.client, None
+        client.watch = None  # the loop is over: its last result ends nothing
         try:
             client.wait()
         finally:

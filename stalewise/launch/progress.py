@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +34,14 @@ def progress_every() -> float:
 
 
 class Progress:
-    """The launcher's progress line: the job's pushes, their rate and the ranks still running."""
+    """The launcher's progress line: the job's pushes (applied, refused), their rate (a
+    resumed job's restored pushes aside), the ranks' mean ``ctx.log`` loss, the ranks live."""
 
-    def __init__(self, workers: int):
-        self.workers = workers
+    def __init__(self, workers: int, server: Any):
+        self.workers, self.server = workers, server
         self.every = progress_every()
         self.last = time.monotonic()
-        self.pushes = 0
+        self.pushes = server.job_pushes
 
     def tick(self, now: float, pushes: int, live: int) -> None:
         """Prints a line if the interval has passed since the last one (or the start)."""
@@ -47,19 +49,48 @@ class Progress:
             return
         rate = (pushes - self.pushes) / max(now - self.last, 1e-9)
         self.last, self.pushes = now, pushes
-        say(f"{pushes} pushes, {rate:.1f} pushes/s, {live} of {self.workers} ranks live")
+        applied, rejected = _counts(self.server)
+        judged = (
+            "" if applied is None else f" ({applied} applied, {sum(rejected.values())} refused)"
+        )
+        losses = [x for x in getattr(self.server, "losses", list)() if math.isfinite(x)]
+        loss = f", loss {sum(losses) / len(losses):.4g}" if losses else ""
+        say(
+            f"{pushes} pushes{judged}, {rate:.1f} pushes/s{loss}, {live} of {self.workers} ranks live"
+        )
 
 
 def end_lines(
-    workers: int, failed: int, pushes: int, steps: int | None, refused: int, where: str = ""
+    workers: int,
+    failed: int,
+    pushes: tuple[int, dict],
+    steps: int | None,
+    refused: int,
+    where: str = "",
 ) -> None:
     """The launcher's last lines: the pushes refused past the budget (once, if any), then
-    how the ranks ended (``where``: e.g. `` on 2 Ray node(s)``)."""
+    how the ranks ended and the job's pushes, with those the shards refused by reason
+    (``pushes``: :func:`pushes_of` the server; ``where``: e.g. `` on 2 Ray node(s)``)."""
     if refused and steps is not None:
         say(f"the budget of {steps} pushes is spent; {refused} pushes past it were refused")
     ended = f"{workers} workers done" if not failed else (
         f"{workers - failed} of {workers} workers done, {failed} failed")  # fmt: skip
-    say(f"{ended}{where}, {pushes} pushes")
+    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(pushes[1].items()) if n)
+    say(f"{ended}{where}, {pushes[0]} pushes" + (f" ({kinds} refused)" if kinds else ""))
+
+
+def pushes_of(server: Any) -> tuple[int, dict]:
+    """The job's pushes, and those its shards refused by reason (``{"not_finite": 40}``)."""
+    return server.job_pushes, _counts(server)[1]
+
+
+def _counts(server: Any) -> tuple[int | None, dict]:
+    """The pushes shard 0 applied, and refused by reason (a dead shard: None, {})."""
+    try:
+        shard = server.stats(timeout=10)[0]
+    except Exception:  # the launcher's lines go on without them (the failure says more)
+        return None, {}
+    return shard["applied"], dict(shard.get("rejected", {}))
 
 
 def say(line: str) -> None:

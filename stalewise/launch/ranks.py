@@ -8,13 +8,16 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
+import traceback
 from multiprocessing import connection
+from pathlib import Path
 from typing import Any
 
 from stalewise.launch import checkpoints, context
-from stalewise.launch.progress import Progress, end_lines, say
+from stalewise.launch.progress import Progress, end_lines, pushes_of, say
 from stalewise.protocol.liveness import silent_rank
 from stalewise.runtime.errors import BudgetSpent, ServerClosed
 
@@ -35,11 +38,15 @@ def serve_workers(job: Any, launch: Any) -> int:
     status. However it ends, the ranks are stopped before the shards."""
     ctx = mp.get_context("spawn")
     directory, every = launch.checkpoint_dir, launch.checkpoint_every
-    with job.serve(workers=launch.workers) as server, \
+    with job.serve(workers=room(launch), name=launch.name) as server, \
             checkpoints.rank_files(directory, every) as folder:  # fmt: skip
         saves = None  # the checkpoints (--checkpoint-dir): restored here, before any rank
         if directory is not None:
             saves = checkpoints.Saves(job, server, directory, every, launch.resume, folder=folder)
+            if launch.steps is not None and server.job_pushes >= launch.steps:
+                say(f"the job is complete: {server.job_pushes} of {launch.steps} pushes, as "
+                    f"checkpointed in {directory}; no rank started")  # fmt: skip
+                return 0
         ranks = Ranks(server, launch, saves)
         try:
             for rank in range(launch.workers):
@@ -50,7 +57,9 @@ def serve_workers(job: Any, launch: Any) -> int:
             ranks.stop()
             if saves is not None:  # the last checkpoint: the job as the ranks left it
                 saves.save(final=True)
-        pushes = server.job_pushes
+        pushes = pushes_of(server)
+    with contextlib.suppress(OSError):  # the rank logs' folder, if no rank failed
+        os.rmdir(ranks.logs)
     failed = sum(r.proc.exitcode != 0 for r in ranks.ranks) + launch.workers - len(ranks.ranks)
     end_lines(launch.workers, failed, pushes, launch.steps, ranks.refused)
     return 1 if ranks.failed else 0
@@ -68,6 +77,7 @@ class Rank:
         self.pushes = 0
         self.last_push: float | None = None  # when the launcher saw its count last rise
         self.job_then = 0  # the job's pushes at that moment
+        self.why: str | None = None  # its error, in the line it sent
 
     def progress(self, now: float) -> str:
         if self.last_push is None:
@@ -94,7 +104,8 @@ class Ranks:
         self.started = time.monotonic()
         self.refused = 0  # pushes past the budget refused (BudgetSpent), as the ranks said
         self.pushes = 0  # the job's pushes at the last look
-        self.progress = Progress(launch.workers)
+        self.progress = Progress(launch.workers, server)
+        self.logs = tempfile.mkdtemp(prefix="stalewise-run-")  # a failed rank's traceback
         from stalewise.runtime.local.procs import refers_to_main
 
         # a rank runs the script once, with runpy: it is spawned without the launcher's
@@ -108,7 +119,8 @@ class Ranks:
         launch = self.launch
         mine, theirs = ctx.Pipe()
         client = self.server.client(rank)
-        args = (launch.script, launch.argv, client, rank, launch.workers, launch.steps, theirs)
+        args = (launch.script, launch.argv, client, rank, launch.workers, launch.steps, theirs,
+                self.logs)  # fmt: skip
         # started from this thread, which waits for them: a rank's parent-death signal
         # (procs.die_with_parent) fires when the thread that started it ends
         p = ctx.Process(target=worker_main, args=args, name=f"stalewise-run-{rank}")
@@ -135,19 +147,25 @@ class Ranks:
                 with contextlib.suppress(OSError):
                     r.conn.send_bytes(word)
 
+    def _heard(self, r: Rank, word: bytes) -> None:
+        """A rank's word: ``ready``, ``failed LINE`` (its error), ``refused N`` (pushes
+        refused past the budget)."""
+        if word.startswith(b"refused "):
+            self.refused += int(word.split()[1])
+        elif word.startswith(b"failed "):
+            r.why = word[7:].decode(errors="replace")
+
     def _ended(self, r: Rank) -> None:
         r.proc.join()
         r.ended = r.ready = True
         with contextlib.suppress(EOFError, OSError):
-            while r.conn.poll():  # b"ready" unread, then b"refused N" (pushes past the budget)
-                word = r.conn.recv_bytes()
-                if word.startswith(b"refused "):
-                    self.refused += int(word.split()[1])
+            while r.conn.poll():
+                self._heard(r, r.conn.recv_bytes())
         r.conn.close()
         if r.proc.exitcode != 0 and not r.judged and not self.stopping:
             from stalewise.runtime.local.procs import describe_exit
 
-            self._fail(f"rank {r.rank} failed ({describe_exit(r.proc.exitcode)})")
+            self._fail(r.why or f"rank {r.rank} failed ({describe_exit(r.proc.exitcode)})")
             self._release(b"alone")  # the others start without it, at once
 
     def _look(self, now: float) -> None:
@@ -195,7 +213,7 @@ class Ranks:
                 if obj in waiting:
                     r = waiting[obj]
                     with contextlib.suppress(EOFError, OSError):  # else its end will say
-                        r.conn.recv_bytes()  # b"ready"
+                        self._heard(r, r.conn.recv_bytes())
                     r.ready = True
             for r in ends.values():
                 if not r.ended and not r.proc.is_alive():
@@ -263,9 +281,11 @@ def worker_main(
     world: int,
     steps: int | None,
     conn: Any,
+    logs: str,
 ) -> None:
     """A worker process (a rank): runs the script once as ``__main__`` with its context set;
-    it dies with the launcher, and says on one line when interrupted or stopped."""
+    it dies with the launcher, says on one line when interrupted or stopped, and sends
+    its error's line to the launcher (:func:`failure`)."""
     from stalewise.runtime.local.procs import die_with_parent
 
     die_with_parent()
@@ -289,7 +309,12 @@ def worker_main(
         _leave_quietly(ctx)
         print(f"stalewise run: rank {rank}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    except BaseException:  # its traceback (or exit status) tells the rest
+    except Exception as e:  # one line to the launcher, the traceback to the rank's log
+        _leave_quietly(ctx)
+        with contextlib.suppress(OSError):
+            conn.send_bytes(b"failed " + failure(e, script, rank, logs).encode())
+        raise SystemExit(1) from None
+    except BaseException:  # its exit status tells the rest
         _leave_quietly(ctx)
         raise
     finally:
@@ -298,6 +323,26 @@ def worker_main(
                 conn.send_bytes(b"refused %d" % ctx.refused)
     if ctx.client is not None:  # the script did not close it
         ctx.close()
+
+
+def failure(e: BaseException, script: str, rank: int, logs: str) -> str:
+    """A rank's error in one line and where in the script; the traceback in ``logs``."""
+    frames = traceback.extract_tb(e.__traceback__)
+    at = next((f for f in reversed(frames) if f.filename == script), frames[-1] if frames else None)
+    where = f" ({Path(at.filename).name}, line {at.lineno})" if at else ""
+    path = Path(logs) / f"rank-{rank}.log"
+    try:
+        path.write_text("".join(traceback.format_exception(e)))
+        where += f"; traceback in {path}"
+    except OSError:
+        traceback.print_exception(e)
+    what = (str(e).strip().splitlines() or [""])[0]
+    return f"rank {rank} failed: {type(e).__name__}: {what}{where}"
+
+
+def room(launch: Any) -> int | tuple[int, int]:
+    """The worker ids a launch serves: with ``--name``, as many more for ``sw.attach``."""
+    return launch.workers if launch.name is None else (launch.workers, 2 * launch.workers)
 
 
 def rank_env(rank: int, world: int, local_rank: int, local_world: int) -> dict[str, str]:

@@ -12,6 +12,7 @@ tells the whole of it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -24,8 +25,8 @@ from typing import Any
 
 from stalewise.launch import context
 from stalewise.launch.context import Context
-from stalewise.launch.progress import Progress, end_lines
-from stalewise.launch.ranks import rank_env
+from stalewise.launch.progress import Progress, end_lines, pushes_of
+from stalewise.launch.ranks import failure, rank_env, room
 from stalewise.runtime.base import THREAD_VARS
 from stalewise.runtime.errors import BudgetSpent
 from stalewise.runtime.ray import cluster_address, connect, import_ray
@@ -88,8 +89,14 @@ class _Barrier:
 
 
 def quiet_driver() -> None:
-    """``RAY_DEDUP_LOGS=0`` unless set: Ray's driver would fold the ranks' alike lines."""
+    """Before the launcher imports Ray: every line the workers print reaches its stdout.
+    Ray's driver folds lines that differ only in numbers (``rank 0: loss 2.9`` and
+    ``rank 1: loss 2.9``) into one by default; ``RAY_DEDUP_LOGS=0`` unless you set it.
+    Its ``(rank 0 pid=...)`` prefixes carry no colour codes into a file or pipe
+    (``RAY_COLOR_PREFIX=0`` unless set, when stdout or stderr is not a terminal)."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 class ScriptWorker:
@@ -120,7 +127,7 @@ class ScriptWorker:
     ) -> dict:
         """Runs the script as ``__main__`` as rank ``rank`` (``local``: ``LOCAL_RANK``,
         ``LOCAL_WORLD_SIZE``; ``cwd``: entered if it exists here); returns ``node``,
-        ``pushes`` and ``refused``."""
+        ``refused`` (pushes past the budget) and ``failed`` (its error's line, or None)."""
         import ray
 
         from stalewise.runtime.logs import child_logging
@@ -140,7 +147,7 @@ class ScriptWorker:
             else:
                 log.warning("rank %d: the launcher's directory %s is not on this node", rank, cwd)
         os.environ.update(rank_env(rank, world, *local))
-        pushes = 0
+        failed = None  # the error's line, as the local runtime's (ranks.failure)
         try:
             try:
                 context.run_script(path, argv)
@@ -149,15 +156,14 @@ class ScriptWorker:
             except SystemExit as e:
                 if e.code not in (0, None):
                     raise RuntimeError(f"the script exited with status {e.code}") from None
-            pushes = client._out.sender.seq
+            except Exception as e:
+                failed = failure(e, str(path), rank, tempfile.mkdtemp(prefix="stalewise-run-"))
         finally:
             if ctx.client is not None:  # the script did not close it
-                ctx.close()
-        return {
-            "node": ray.get_runtime_context().get_node_id(),
-            "pushes": pushes,
-            "refused": ctx.refused,
-        }
+                with contextlib.suppress(Exception):
+                    ctx.close()
+        node = ray.get_runtime_context().get_node_id()
+        return {"node": node, "refused": ctx.refused, "failed": failed}
 
 
 def serve_workers(job: Any, launch: Any) -> int:
@@ -181,8 +187,8 @@ def serve_workers(job: Any, launch: Any) -> int:
     refused = 0
     try:
         source = Path(script).read_text()
-        name = f"run-{uuid.uuid4().hex[:8]}"
-        with job.serve(runtime="ray", workers=workers, name=name) as server:
+        name = launch.name or f"run-{uuid.uuid4().hex[:8]}"
+        with job.serve(runtime="ray", workers=room(launch), name=name) as server:
             remote = ray.remote(ScriptWorker)
             actors = [
                 remote.options(
@@ -208,7 +214,7 @@ def serve_workers(job: Any, launch: Any) -> int:
             nodes = set(where)
             pending = list(refs)
             deadline = None if timeout is None else time.monotonic() + timeout
-            progress = Progress(workers)
+            progress = Progress(workers, server)
             while pending:
                 left = None if deadline is None else max(deadline - time.monotonic(), 0)
                 if progress.every:
@@ -223,13 +229,17 @@ def serve_workers(job: Any, launch: Any) -> int:
                     continue
                 rank = refs[done[0]]
                 try:
-                    refused += ray.get(done[0])["refused"]
+                    got = ray.get(done[0])
+                    refused += got["refused"]
+                    why = got["failed"]
                 except ray.exceptions.RayError as e:
-                    failed.append(f"rank {rank} failed ({_cause(e)})")
+                    why = f"rank {rank} failed ({_cause(e)})"
+                if why is not None:
+                    failed.append(why)
                     lost += 1
                     ray.get(server.door.abort.remote())  # the others start without it
                 progress.tick(time.monotonic(), server.job_pushes, len(pending))
-            pushes = server.job_pushes
+            pushes = pushes_of(server)
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)

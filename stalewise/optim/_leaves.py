@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,6 +56,16 @@ def build(
         adapt=~no_adapt,
         trust_ratio=np.ones(len(segments), dtype=np.float64),
     )
+
+
+def unmatched(optimizer: Any, segments: Segments) -> list[tuple[str, str]]:
+    """The exclusion patterns of ``optimizer`` (and of the rules it chains), as
+    ``(field, pattern)``, that match no leaf of ``segments``."""
+    rule = getattr(optimizer.init, "__self__", None)
+    out = [hit for part in getattr(rule, "parts", ()) for hit in unmatched(part, segments)]
+    for field in ("exclude_from_weight_decay", "exclude_from_adaptation"):
+        out += [(field, p) for p in getattr(rule, field, ()) if not segments.mask([p]).any()]
+    return out
 
 
 def _log(what: str, segments: Segments, excluded: np.ndarray) -> None:

@@ -176,6 +176,31 @@ def worker_loop(
     return stats
 
 
+class Watch:
+    """A loop the user owns (``sw.init``'s context), watched as :func:`worker_loop` watches
+    its own: its client hands each push's result to :func:`report` (warnings, and
+    :class:`Diverged` after ``diverge_after`` numerical refusals in a row), and a push
+    before the worker's first pull is named once."""
+
+    def __init__(self, worker: int, diverge_after: int | None = DIVERGE_AFTER):
+        self.worker, self.diverge_after = worker, diverge_after
+        self.stats = LoopStats()
+        self.pulled = False  # the client pulled at least once
+
+    def pushing(self) -> None:
+        self.stats.steps += 1
+        if not self.pulled and self.stats.steps == 1:
+            log.warning(
+                "worker %d pushed before its first pull: the job's parameters never reach "
+                "its model, so it trains nothing; pull before each step "
+                "(ctx.client.pull(into=model))",
+                self.worker,
+            )
+
+    def result(self, result: PushResult) -> None:
+        report([result], self.stats, self.worker, diverge_after=self.diverge_after)
+
+
 def _clock(now: Any, worker: int) -> float:
     if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
         raise TypeError(

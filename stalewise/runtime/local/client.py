@@ -143,6 +143,7 @@ class Client(PullsIntoTrees):
         self.budget_refused = 0  # pushes refused past the budget
         self._granted = False  # may_begin said yes since the last push
         self._round = joined_at  # under BSP: this worker's clock as it knows it
+        self.watch: Any = None  # a loop the user owns: its protocol.loop.Watch
 
     @property
     def pushed(self) -> int:
@@ -249,6 +250,8 @@ class Client(PullsIntoTrees):
         (a flat vector) filled with the pull."""
         self._attach()
         out = self._last = self._pull_buf if out is None else out
+        if self.watch is not None:
+            self.watch.pulled = True
         shards = range(len(self._ranges))
         snaps = self._snapshots  # None for the observer: its pulls are served
         if snaps is not None:  # a shard that died, or closed this client's pipe, says so now
@@ -424,6 +427,8 @@ class Client(PullsIntoTrees):
         if budget.refuses(self.budget, granted, self._may_begin, rounds=rounds):
             self.budget_refused += 1
             raise BudgetSpent(self.budget)
+        if self.watch is not None:
+            self.watch.pushing()
         if self._compressor is not None:
             self.wait()  # the shards read the payloads until they have acked the last push
             self._encode()
@@ -490,7 +495,14 @@ class Client(PullsIntoTrees):
                 self._acks_due[k] = False
         self.last_result = self._sender.result(self._acks)
         self._results.append(self.last_result)
+        if self.watch is not None:
+            self.watch.result(self.last_result)
         return self.last_result
+
+    def log_loss(self, loss: float) -> None:
+        """Publishes this worker's latest training loss (the control block's slot)."""
+        self._attach()
+        self._control[self._layout.losses][self.worker] = loss
 
     def take_results(self) -> list[PushResult]:
         """The results of the pushes acknowledged since the last call."""

@@ -87,6 +87,11 @@ class Layout:
         return slice(1, 1 + self.workers)
 
     @property
+    def losses(self) -> slice:
+        """The control words holding each worker id's last training loss (NaN: none)."""
+        return slice(1 + self.workers, 1 + 2 * self.workers)
+
+    @property
     def shard_exits(self) -> slice:
         """How each shard's process ended: NaN while it runs, else its exit code (written by
         :class:`LocalServer`, read by every client)."""

@@ -134,7 +134,7 @@ class LocalServer:
         try:
             self.layout.params(self._block)[:] = config.init
             self.control = self.layout.control(self._block)
-            self.control[1 + workers : 1 + 2 * workers] = np.nan  # last loss per worker: none yet
+            self.control[self.layout.losses] = np.nan  # last loss per worker: none yet
             self.control[self.layout.shard_exits] = np.nan  # every shard runs
             self._residuals: Residuals | None = None
             if self.layout.feedback:  # zero residuals, in buffer 1 (Residuals.put)
@@ -321,6 +321,10 @@ class LocalServer:
         self.check()
         with self._naming_dead_shards():
             return self.observer.pull(copy=copy, into=into, timeout=timeout)
+
+    def losses(self) -> np.ndarray:
+        """Each worker id's last training loss, as its client published it (NaN: none)."""
+        return self.control[self.layout.losses]
 
     def stats(self, timeout: float | None = 60.0) -> list[dict]:
         """Each shard's counters (applied, rejected, staleness, bytes, version)."""

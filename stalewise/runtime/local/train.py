@@ -513,7 +513,7 @@ class _Host:
         return merge_stats(self._retrying(self.server.stats), settled=settled)
 
     def losses(self) -> Any:
-        return self.server.control[_DONE0 + self.o.workers : _DONE0 + 2 * self.o.workers]
+        return self.server.losses()
 
     def params(self) -> Any:
         return self._retrying(self.server.pull)

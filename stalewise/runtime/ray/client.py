@@ -91,6 +91,7 @@ class RayClient(PullsIntoTrees):
         self._granted = False  # may_begin said yes since the last push
         self._round = self.joined_at  # under BSP: this worker's clock as it knows it
         self._shard_round = 0  # under BSP: shard 0's round under way, as last heard
+        self.watch: Any = None  # a loop the user owns: its protocol.loop.Watch
 
     # -- the job ----------------------------------------------------------------------
 
@@ -144,6 +145,8 @@ class RayClient(PullsIntoTrees):
     def pull_flat(self, *, timeout: float | None = None, own: bool = True) -> np.ndarray:
         """:meth:`pull`'s flat buffer itself (no copy)."""
         self._check_open()
+        if self.watch is not None:
+            self.watch.pulled = True
         if own:
             self.wait(timeout=timeout)
         # a gated pull waits at every shard until this worker's pushes have arrived
@@ -182,6 +185,8 @@ class RayClient(PullsIntoTrees):
         if budget.refuses(self.budget, granted, ask, rounds=self._rounds):
             self.budget_refused += 1
             raise BudgetSpent(self.budget)
+        if self.watch is not None:
+            self.watch.pushing()
         out = self._out
         sent, seq, bases, verdict, residual = out.prepare(update, out.free[0])
         refs = out.send(sent, self.incarnation, seq, bases, verdict, loss, self._acked, residual)
@@ -204,6 +209,8 @@ class RayClient(PullsIntoTrees):
         self._own = list(result.versions)
         self.last_result = result
         self._results.append(result)
+        if self.watch is not None:
+            self.watch.result(result)
         return result
 
     def take_results(self) -> list[PushResult]:
