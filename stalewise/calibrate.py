@@ -1,15 +1,10 @@
 """Calibration: measure on this machine what the simulator needs, and write its ``[sim]`` table.
 
 :func:`calibrate` (``Job.calibrate``, ``stalewise calibrate CONFIG``) times a step's
-compute in as many processes as the run has workers, the shard's apply time, pulls and
-pushes through a real server, the contention for the cores (:func:`measure_contention`),
-a strategy's own work per local step and the worker loop's own time per push. Each figure
-is timed ``repeats`` times and its spread kept (:class:`Spread`); :func:`busy_warnings`
-says when the machine was too busy for a stable figure. The result is a
-:class:`Calibration`: :meth:`Calibration.toml` is the ``[sim]`` table,
-:meth:`Calibration.sim_config` the :class:`~stalewise.runtime.sim.config.SimConfig` it
-reads as, :meth:`Calibration.interval` a prediction as ``point [low, high]``. What each
-figure is and how it is fitted: docs/calibrate.md.
+compute, the shard's apply, pulls and pushes, the contention for the cores, a strategy's
+own work and the worker loop's, each ``repeats`` times (:class:`Spread`). The result is a
+:class:`Calibration` (:meth:`Calibration.toml`: the ``[sim]`` table;
+:meth:`Calibration.interval`: a prediction as ``point [low, high]``). See docs/calibrate.md.
 
 Example:
     >>> from stalewise.calibrate import table_toml
@@ -59,19 +54,14 @@ log = logging.getLogger(__name__)
 
 Steps = tuple[tuple[float, ...], ...]  # each worker's step times, seconds
 
-#: A worker's median step time must be this factor apart from the other workers' median
-#: (slower or faster) for the table to give it its own ``speeds`` entry. Closer, the
-#: difference is which process the scheduler favoured while they were timed, not a
-#: property of the worker: identical workers sharing 2 cores differed by up to 1.5x (and a
-#: per-worker speed that is noise moved the simulated mode of a Hybrid job and an SSP
-#: gate's staleness).
+#: How far apart (either way) a worker's median step must be from the others' for its own
+#: ``speeds`` entry: identical workers sharing 2 cores differed by up to 1.5x.
 SPEED_FACTOR = 2.0
 #: The tail's mean below this fraction of the shift makes the compute model ``"fixed"``.
 FIXED_BELOW = 0.01
 #: Timed repeats of one measurement, the default.
 REPEATS = 30
-#: The fewest and the most timed repeats (``repeats``, ``stalewise calibrate --repeats``):
-#: the most is minutes of measurement for a step of 10 ms, not a run that never ends.
+#: The fewest and the most timed repeats (``repeats``, ``stalewise calibrate --repeats``).
 MIN_REPEATS, MAX_REPEATS = 3, 10_000
 #: The most seconds the compute processes may take in all (``timeout``): one day.
 MAX_TIMEOUT = 86_400.0
@@ -80,14 +70,12 @@ MIN_SIZE = 4096
 #: Busy seconds of each step of the worker-loop measurement, and its steps.
 LOOP_COMPUTE, LOOP_STEPS = 0.002, 300
 #: A worker's step times whose interquartile range exceeds this fraction of their median
-#: make :func:`calibrate` warn that the machine was too busy for a stable figure (steps of
-#: the same batches on a quiet machine differ by a few percent).
+#: make :func:`calibrate` warn that the machine was too busy for a stable figure.
 SPREAD_LIMIT = 0.5
 #: Seconds the contention measurement times steps at each count of runnable processes
 #: (the apply: half as long); and the most processes it counts to.
 CONTENTION_SECONDS, MOST_PROCESSES = 0.2, 16
-#: The tables :meth:`Calibration.sim_config` makes: the measured figures (None), or every
-#: time at its 25th ("low") or 75th ("high") percentile over the repeats.
+#: The bounds :meth:`Calibration.sim_config` takes: measured (None), 25th or 75th percentile.
 BOUNDS = (None, "low", "high")
 #: What a Ray calibration times elsewhere, said in its summary and logged.
 ON_RAY = (
@@ -204,9 +192,7 @@ class Fit:
 
     @classmethod
     def of(cls, points: Sequence[tuple[int, float]]) -> Fit:
-        """The least-squares line through ``points`` (bytes, seconds); a slope < 0 (noise)
-        becomes 0 with the intercept the mean, an intercept < 0 becomes 0 with the slope
-        through the origin."""
+        """The least-squares line through ``points`` (bytes, seconds), slope and intercept >= 0."""
         x = np.array([p[0] for p in points], dtype=float)
         y = np.array([p[1] for p in points], dtype=float)
         slope = float(np.polyfit(x, y, 1)[0]) if len(set(x.tolist())) > 1 else 0.0
@@ -286,10 +272,8 @@ class Calibration:
 
     @property
     def compute_times(self) -> Steps:
-        """The step times the table's compute model is fitted to: the CPU times when
-        :attr:`contention` is measured (the simulator stretches them by its factors), else
-        the wall-clock times (the sharing of the cores while they were timed is in them);
-        with :attr:`wall_spread`, the wall-clock times at the CPU times' mean."""
+        """The step times the compute model is fitted to: the CPU times with :attr:`contention`
+        (with :attr:`wall_spread`: the wall-clock times at their mean), else the wall-clock."""
         if self.contention is None or not self.cpu_times:
             return self.step_times
         if not self.wall_spread:
@@ -308,10 +292,8 @@ class Calibration:
         return float(np.mean([x for t in self.compute_times for x in t]))
 
     def speeds(self) -> tuple[float, ...] | None:
-        """Each worker's speed relative to the others, by medians; None when no worker is *apart*
-        (within :data:`SPEED_FACTOR` of the others' median, or inside their interquartile
-        range: identical workers sharing the cores differ by up to 1.5x).
-        """
+        """Each worker's speed relative to the others, by medians; None when no worker is
+        :data:`SPEED_FACTOR` apart from the others and outside their interquartile range."""
         means = [float(np.median(t)) for t in self.compute_times]
         overall = float(np.median([x for t in self.compute_times for x in t]))
         if len(means) < 2 or not any(self._apart(w, m) for w, m in enumerate(means)):
@@ -327,8 +309,7 @@ class Calibration:
         return bool(median < low or median > high)
 
     def table(self) -> dict[str, Any]:
-        """The ``[sim]`` table, as :meth:`SimConfig.from_dict` reads it; the compute model
-        is fitted to :attr:`compute_times`."""
+        """The ``[sim]`` table, as :meth:`SimConfig.from_dict` reads it."""
         t: dict[str, Any] = {}
         shift, tail = self.shift, self.mean - self.shift
         inner = self.inner or 0.0  # a strategy's own work: every local step has it
@@ -341,8 +322,7 @@ class Calibration:
         speeds = self.speeds()
         if speeds is not None:
             t["speeds"] = list(speeds)
-        # with a copy measured, the bytes cost copies on the cores (and the worker's CPU time
-        # besides is charged there too, out of the latency), not link or service rates
+        # with a copy measured, bytes cost copies on the cores, not link or service rates
         copies = self.copy is not None and self.copy.slope > 0
         cpu = self.cpu if copies and self.cpu else None
         fixed = 0.0 if cpu is None else cpu["pull"].intercept + cpu["send"].intercept
@@ -369,9 +349,8 @@ class Calibration:
         return t
 
     def sim_config(self, bound: str | None = None) -> SimConfig:
-        """The table as the simulator reads it; ``bound="low"`` (``"high"``): the table
-        of every measured time at its 25th (75th) percentile over the repeats (see
-        :meth:`bounded`)."""
+        """The table as the simulator reads it; ``bound="low"`` (``"high"``): every measured
+        time at its 25th (75th) percentile over the repeats."""
         return SimConfig.from_dict(self.bounded(bound).table())
 
     def spread(self, name: str) -> Spread | None:
@@ -379,9 +358,7 @@ class Calibration:
         return dict(self.spreads).get(name)
 
     def bounded(self, bound: str | None) -> Calibration:
-        """This calibration with every time at its 25th (``"low"``) or 75th (``"high"``)
-        percentile over the repeats (None: itself).
-        """
+        """This calibration at ``bound`` (see :meth:`sim_config`; None: itself)."""
         if bound not in BOUNDS:
             raise ValueError(f"bound = {bound!r}: must be one of {BOUNDS}")
         if bound is None:
@@ -572,10 +549,7 @@ def _rate(slope: float) -> float:
 def _compute_main(
     loss_and_grad, data, spec, init, w, workers, repeats, warmup, delay, conn, contend=False
 ):
-    """A spawned process's body: time ``repeats`` steps of worker ``w`` on the wall and CPU
-    clocks, each followed by the emulated ``delay``. With ``contend``, it then answers
-    ``("time", seconds)`` with ``("mean", wall, CPU seconds a step)``; anything else ends it.
-    """
+    """A compute process: times worker ``w``'s steps; with ``contend``, answers ``("time", s)``."""
     from stalewise.runtime.base import batch_iterator
     from stalewise.runtime.local.procs import die_with_parent
 
@@ -627,15 +601,10 @@ def measure_compute(
     eval_interval: float | None = None,
     contention: int = 0,
 ) -> tuple[Steps, Steps, int, Contention | None]:
-    """Each worker's step times on the wall clock and on its process's CPU clock,
-    measured in ``workers`` processes at once; their thread cap; and with ``contention``
-    > 0, the :class:`Contention` for 1 to that many runnable processes
-    (:func:`measure_contention`, with worker 0's process timing the steps once the
-    others are done; else None). ``delays``: each worker's emulated seconds per step
-    (``sw.Emulation(delays=)``), slept after each step; what the sleep overshoots counts
-    as the step's wall time, not its CPU time. ``evaluate``: called on the initial
-    parameters in this process every ``eval_interval`` seconds while the steps are
-    timed, as a local run's parent does."""
+    """Each worker's step times, wall-clock and CPU, timed in ``workers`` processes at once;
+    their thread cap; and with ``contention`` > 0, the :class:`Contention` for 1 to that
+    many runnable processes (else None). ``delays``: each worker's emulated seconds slept
+    after each step. ``evaluate``: called every ``eval_interval`` seconds meanwhile."""
     import multiprocessing as mp
 
     from stalewise.runtime.local.procs import thread_budget
@@ -694,10 +663,7 @@ def measure_compute(
 def _observe(
     conns: list, evaluate: Callable, params: Any, interval: float, deadline: float
 ) -> float:
-    """Evaluates ``params`` every ``interval`` seconds (at once, then on the grid
-    ``k * interval``, as the local runtime's driver records) until every worker has
-    sent its times (or the deadline); returns the share of a core it took (CPU time
-    over wall time)."""
+    """Evaluates ``params`` every ``interval`` seconds until the times come; its share of a core."""
     from multiprocessing import connection
 
     t0, k, c0 = time.monotonic(), 0, time.process_time()
@@ -716,8 +682,7 @@ def _observe(
 
 
 def _synthetic_job(job: Any, size: int, shards: int) -> Any:
-    """A job like ``job`` (its class, optimizer, consistency model, staleness rule and
-    codec) over one leaf of ``size`` floats."""
+    """A job like ``job`` over one leaf of ``size`` floats."""
     config = job.config
     return type(job)(
         {"w": np.zeros(size, np.float32)},
@@ -730,8 +695,7 @@ def _synthetic_job(job: Any, size: int, shards: int) -> Any:
 
 
 def _synthetic(config: ServerConfig, size: int, shards: int) -> ServerConfig:
-    """``config`` (its optimizer, consistency model, staleness rule and codec) over one
-    leaf of ``size`` floats, as :func:`_synthetic_job` makes it."""
+    """``config`` over one leaf of ``size`` floats, as :func:`_synthetic_job` makes it."""
     flat, spec = tree.flatten({"w": np.zeros(size, np.float32)})
     return replace(config, spec=spec, init=flat, shards=shards, pull_codec=None)
 
@@ -750,8 +714,7 @@ def apply_times(config: ServerConfig, size: int, repeats: int) -> list[float]:
 
 
 def _pusher(config: ServerConfig, size: int) -> Callable[[], None]:
-    """One shard of ``config`` over ``size`` floats, and a call that makes it handle a push
-    (and the undo copy the local shard makes after it)."""
+    """A call that makes one shard of ``config`` over ``size`` floats handle a push."""
     cfg = _synthetic(config, size, 1)
     shard = cfg.build_shard(0, cfg.init.copy(), 1)
     shard.warm_up()
@@ -777,8 +740,7 @@ def _pusher(config: ServerConfig, size: int) -> Callable[[], None]:
 # -- copies ----------------------------------------------------------------------------
 
 
-#: A process of :func:`copy_times` copying beside the timed copies: says so once it runs,
-#: ends with its parent (or after 10 minutes).
+#: A process copying beside :func:`copy_times`'s timed copies (at most 10 minutes).
 _COPIER = (
     "import os, sys, time\nimport numpy as np\nn = int(sys.argv[1])\n"
     "a, b = np.ones(n, np.uint8), np.empty(n, np.uint8)\nnp.copyto(b, a)\nprint(flush=True)\n"
@@ -815,8 +777,7 @@ def copy_times(nbytes: int, repeats: int, beside: int = 0) -> list[float]:
 # -- contention ------------------------------------------------------------------------
 
 
-#: A busy process of :func:`measure_contention`: it never sleeps, and ends with its parent
-#: (or after 10 minutes) if it is not stopped.
+#: A busy process of :func:`measure_contention` (at most 10 minutes).
 _SPIN = (
     "import os, time\np, end = os.getppid(), time.monotonic() + 600\n"
     "while os.getppid() == p and time.monotonic() < end:\n    for _ in range(100000): pass"
@@ -826,11 +787,8 @@ _SPIN = (
 def measure_contention(
     config: ServerConfig, most: int, stepper: Any, deadline: float = math.inf, beside: float = 0
 ) -> Contention:
-    """How much longer than its CPU time a step (timed by the compute process at the other end
-    of ``stepper``) and a shard's apply take on the wall clock with 1 to ``most`` processes
-    runnable, each factor at least the one before. The factors for ``n`` are those measured
-    for ``n + beside``, the share of a core the parent's evaluation takes.
-    """
+    """Wall over CPU time of a step (timed at the other end of ``stepper``) and of an apply
+    with 1 to ``most`` processes runnable, plus ``beside`` (the evaluation's share of a core)."""
     shards = min(config.shards, config.spec.size)
     push = _pusher(config, -(-config.spec.size // shards))
     push()
@@ -860,8 +818,7 @@ def measure_contention(
 
 
 def _factors(ratios: Sequence[float], beside: float = 0.0) -> tuple[float, ...]:
-    """Each ratio at least the one before; at ``n``, the factor for ``n + beside``
-    processes (as :class:`Contention` reads a table between and beyond its entries)."""
+    """Each ratio at least the one before; at ``n``, the factor for ``n + beside``."""
     at = Contention(tuple(itertools.accumulate(ratios, max)), (1.0,)).step_at
     return tuple(_sig(at(n + beside)) for n in range(1, len(ratios) + 1))
 
@@ -892,15 +849,10 @@ def transport_times(
     shard: list | None = None,
     cpu: list | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
-    """Seconds of a pull (``own=False``), of a push until its acknowledgement, and of
-    the push's send alone, ``repeats`` times each, by a client of a server of ``runtime``
-    (``job.serve``) of ``size`` floats (the job's optimizer, consistency model, codec and
-    number of shards). Under BSP the pull that follows a push waits for its round to
-    close, as a worker's does: it is served by the shard (a round trip through it), not
-    read from a snapshot. On Ray, ``shard`` (a list) gets shard 0's actor's own seconds
-    for each push: handling it and publishing the snapshots since the last (the object
-    store's copy), read from its ``busy`` counters. ``cpu`` (a list) gets each repeat's
-    ``(pull, send)`` CPU seconds of this thread: the worker's own work, not its waits."""
+    """Seconds of a pull, of a push until its acknowledgement, and of its send alone,
+    ``repeats`` times each, through a server of ``runtime`` of ``size`` floats. ``shard``
+    (a list) gets shard 0's actor's own seconds per push on Ray; ``cpu`` (a list) each
+    repeat's ``(pull, send)`` CPU seconds of this thread."""
     job = _synthetic_job(job, size, min(job.config.shards, size))
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
     pulls, pushes, sends = [], [], []
@@ -912,8 +864,7 @@ def transport_times(
         client = server.client(0)
         spent = busy() if shard is not None else 0.0
         for i in range(repeats + 2):
-            # in the order of the local worker loop: a pull follows the push at once, its
-            # ack is read later (a pull after the ack would wait for the snapshot holding it)
+            # as the local worker loop: the pull follows the push at once, the ack is read later
             c0, t0 = time.thread_time(), time.perf_counter()
             client.push(update)
             c1, t1 = time.thread_time(), time.perf_counter()
@@ -937,8 +888,7 @@ def transport_times(
 
 @dataclass(frozen=True)
 class _BusyStep:
-    """The worker-loop measurement's step: :data:`LOOP_COMPUTE` seconds of busy compute,
-    and ``grads``, a zero gradient of the job's tree."""
+    """:data:`LOOP_COMPUTE` seconds of busy compute, then ``grads``."""
 
     grads: Any
 
@@ -970,9 +920,7 @@ class LoopTimes(NamedTuple):
 
 def strategy_steps(job: Any, pushes: int = 3) -> tuple[float, float]:
     """The mean local steps of a push of ``job``'s strategy (1 for gradients), and the
-    seconds of its own work a local step (an inner optimizer's update): a push and then
-    ``pushes`` timed ones taken here, on the job's initial parameters and a zero gradient
-    that costs nothing."""
+    seconds of its own work a local step, timed over ``pushes`` pushes here."""
     strategy, config = job.strategy, job.config
     params, zeros = tree.unflatten(config.init, config.spec), _zero_grads(config)
     state, batches = strategy.init(params), itertools.repeat(None)
@@ -987,11 +935,8 @@ def strategy_steps(job: Any, pushes: int = 3) -> tuple[float, float]:
 
 
 def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
-    """Seconds a worker's push takes besides its computes and its strategy's own work (send and
-    pull included), from a real run on ``runtime`` of one worker whose steps are
-    :data:`LOOP_COMPUTE` seconds of busy compute; with it, when its pulls read the snapshots,
-    the share of its pushes its next read already held (``own_read``).
-    """
+    """Seconds a worker's push takes besides its computes and strategy work (send and pull
+    included), from a run of one worker on ``runtime``; and ``own_read`` when measurable."""
     h, inner = strategy_steps(job)
     if h == 1:  # gradient pushes: the synthetic job, no strategy work
         job, inner = _synthetic_job(job, size, min(job.config.shards, size)), 0.0
@@ -1013,9 +958,8 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
 
 
 def served_pull(config: ServerConfig) -> bool:
-    """Whether the pull :func:`transport_times` times is a request the shard serves
-    behind the push (else a snapshot read): the pipelining rule
-    (:mod:`stalewise.protocol.pipeline`) for a lone worker whose first push is in flight."""
+    """Whether the pull :func:`transport_times` times is served behind the push (else a
+    snapshot read), by :mod:`stalewise.protocol.pipeline`."""
     shards = min(config.shards, config.spec.size)
     snapshot = pipeline.reads_snapshots(config, incarnation=1, joined_at=0)
     return not (snapshot and pipeline.may_read(config.consistency, 1, [0] * shards))
@@ -1179,8 +1123,7 @@ def calibrate(
 
 @contextlib.contextmanager
 def _connected(runtime: str) -> Iterator[None]:
-    """On Ray: this process connected to Ray while the transport and the worker loop are
-    timed (one instance for all; one this call started is shut down after)."""
+    """On Ray: this process connected to Ray meanwhile (an instance it started is shut down)."""
     if not _on_cluster(runtime):
         yield
         return
@@ -1239,9 +1182,8 @@ def _describe(optimizer: Any) -> str:
 def with_table(
     sim: SimConfig | None, calibration: Calibration, bound: str | None = None
 ) -> SimConfig:
-    """``sim`` (the run's fault scripts, stragglers, model_bytes) with the calibrated
-    timing models (compute, speeds, network, service) in place of its own; ``bound``
-    as for :meth:`Calibration.sim_config`."""
+    """``sim`` with the calibrated timing models in place of its own; ``bound`` as for
+    :meth:`Calibration.sim_config`."""
     cal = calibration.sim_config(bound)
     if sim is None:
         return cal

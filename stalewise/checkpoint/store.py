@@ -31,11 +31,9 @@ from stalewise.checkpoint.spec import MAX_COUNT, is_count, short, spec_from_json
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # the manifest's layout (3: it declares each file's size and arrays; 2 did not;
-# 1 pickled parts of the tree)
+FORMAT = 3  # the manifest's layout (3: it declares each file's size and arrays)
 MANIFEST = "manifest.json"
-# the cap on manifest.json, read whole and parsed: its leaf table takes ~460 bytes a leaf,
-# so 32 MiB holds ~70,000 leaves; save refuses to write a larger one (EFBIG)
+# the cap on manifest.json (~70,000 leaves); save refuses to write a larger one (EFBIG)
 MAX_MANIFEST_BYTES = 32 << 20
 _MAX_SMALL_FILE = 4096  # the cap on manifest.sha256 and the latest pointer
 FEEDBACK = "feedback.safetensors"  # the workers' error-feedback residuals
@@ -157,8 +155,7 @@ def save(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    # Into place. Until ``latest`` names it, a failure puts back what was there, so a
-    # checkpoint that could not be written in full leaves the directory as it was.
+    # into place: until ``latest`` names it, a failure puts back what was there
     replaced = None
     try:
         if final.exists():  # the same version again (e.g. the end of a run): replace it
@@ -456,11 +453,7 @@ def open_file(
 def _read_file(
     folder: Path, name: str, limit: int, bound: str = "", *, folder_may_be_a_link: bool = False
 ) -> bytes:
-    """The bytes of ``folder/name`` (opened by :func:`open_file`), at most ``limit`` of
-    them; ``bound`` names where ``limit`` comes from.
-
-    Raises:
-        CheckpointError: one line naming the file and what is wrong with it."""
+    """The bytes of ``folder/name`` (:func:`open_file`), at most ``limit`` (``bound``: whence)."""
     file = folder / name
     fd, st = open_file(folder, name, folder_may_be_a_link=folder_may_be_a_link)
     size = st.st_size
@@ -500,11 +493,9 @@ _KINDS = {
 
 
 def untrusted(st: os.stat_result, kind: int = stat.S_IFDIR) -> str | None:
-    """Why a folder (or a file of ``kind``) with this stat is not to be trusted, or None:
-    the one rule for every folder and file stalewise reads back (a checkpoint, ``latest``,
-    ``.ranks``, the attach door's folder). It must be of ``kind`` (an lstat's symlink
-    never is), belong to this user, and be writable by no one else: a folder another user
-    can write holds whatever they put there (see docs/reliability.md's threat model)."""
+    """Why a folder (or a file of ``kind``) with this stat is not to be trusted, or None: it
+    must be of ``kind``, belong to this user and be writable by no one else (the rule for
+    every folder and file stalewise reads back; docs/reliability.md's threat model)."""
     got, me = stat.S_IFMT(st.st_mode), os.getuid()
     if got != kind:
         return f"{_KINDS.get(got, 'a special file')}, not {_KINDS[kind]}"
@@ -516,8 +507,7 @@ def untrusted(st: os.stat_result, kind: int = stat.S_IFDIR) -> str | None:
 
 
 def _open_problem(e: OSError, path: Path) -> str:
-    """What an ``os.open`` of a checkpoint's folder or file with O_NOFOLLOW says (a folder
-    is opened with O_DIRECTORY too, for which a symlink is ENOTDIR)."""
+    """What an ``os.open`` (O_NOFOLLOW) of a checkpoint's folder or file failing says."""
     if e.errno in (errno.ELOOP, errno.ENOTDIR) and path.is_symlink():
         return "a symbolic link, never followed in a checkpoint"
     if e.errno == errno.ENOENT:
@@ -530,10 +520,7 @@ _MAX_WORKERS = 1 << 20
 
 
 def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
-    """Checks every field of a manifest that loading or resuming reads; returns its spec.
-
-    Raises:
-        CheckpointError: one line naming the manifest and the field."""
+    """Checks every manifest field that loading reads; returns its spec (CheckpointError)."""
 
     def need(ok: Any, field: str, value: Any, want: str) -> None:
         _spec.need(ok, where, field, value, want)
@@ -614,8 +601,7 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
         )
         need(ok, "ranks", ranked, f'{{"file": "{RANKS}", "values": [{{...}} per rank]}}')
     spec = spec_from_json(m.get("spec"), f"{where}: spec")
-    # what each file must hold: its size bounds the read, its arrays' dtypes and shapes are
-    # checked exactly on reading; the parameters' and residuals' must be the spec's
+    # what each file must hold, checked exactly on reading
     expected = {shard["file"]: shard["arrays"] for shard in shards}
     if feedback is not None:
         expected[FEEDBACK] = [f"worker-{w}" for w in range(feedback["workers"])]

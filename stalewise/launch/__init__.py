@@ -340,8 +340,7 @@ def launch(
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         alarm = signal.signal(signal.SIGALRM, _init_alarm(script))
         signal.setitimer(signal.ITIMER_REAL, INIT_NOTE)
-    # up to sw.init, torchrun's variables say rank 0 (so are its outputs); STALEWISE_RANK
-    # stays unset: the launcher's run, not a rank
+    # up to sw.init, torchrun's variables say rank 0; STALEWISE_RANK stays unset (not a rank)
     rank0 = rank_env(0, workers, 0, workers)
     os.environ.update({k: v for k, v in rank0.items() if not k.startswith("STALEWISE_")})
     try:

@@ -1,17 +1,11 @@
 """The simulator's discrete-event engine: one run's shards and workers on a virtual clock.
 
 :class:`Simulation` holds the state of one run of :func:`stalewise.runtime.sim.train`.
-Events sit in a heap of ``(virtual time, insertion counter, event)``, so ties break
-by scheduling order and a run is deterministic. Each worker runs the protocol's
-worker loop (:func:`stalewise.protocol.loop.worker_loop`), stepped by the event
-handlers with ``send``: ``BEGIN`` is answered by the budget rule, ``PULL`` by a
-snapshot read or a request queued at each shard (the pipelining rule,
-:mod:`stalewise.protocol.pipeline`), and a ``Push`` is committed
-(:mod:`stalewise.protocol.commit`), encoded with the codec if any, and served by
-each shard's FIFO queue. Faults follow the job's failure policy as in the local
-runtime; a push committed before a failure is still delivered to every shard
-(``Shard.depart``). What the simulator models (timing, contention, the race of a
-read with the worker's own push) is described in ``docs/calibrate.md``.
+Events sit in a heap of ``(virtual time, insertion counter, event)``, so a run is
+deterministic. Each worker runs the protocol's worker loop
+(:func:`stalewise.protocol.loop.worker_loop`), stepped by the event handlers; each
+shard serves a FIFO queue. Faults follow the job's failure policy as in the local
+runtime. What the simulator models: ``docs/calibrate.md``.
 
 Cost: O(log n) per event and O(1) per-worker state per event."""
 
@@ -49,12 +43,9 @@ _ACK, _LEAVE, _FAIL, _JOIN, _EVAL, _RESTART = range(8, 14)
 _PULL, _PUSH = 0, 1
 # what a worker's pull at shard k does once the shard has handled its push (_SimWorker.behind)
 _ASK, _READ = 1, 2
-# the race of a snapshot read with the worker's own push (SimConfig.own_read): the n-th
-# push's draw is frac(n * _GOLDEN + worker * _PLASTIC), evenly spread and no state to save
+# SimConfig.own_read's race: the n-th push draws frac(n * _GOLDEN + worker * _PLASTIC)
 _GOLDEN, _PLASTIC = (math.sqrt(5) - 1) / 2, 0.7548776662466927
-# worker phases (of its loop; a push of its may be in flight meanwhile: ``acking``)
-# _HELD: its step is computed, its push waits for the last one's acks (pipeline.IN_FLIGHT);
-# _SETTLING: its settling push is committed, the loop is answered at its acks
+# worker phases (a push may be in flight meanwhile); _HELD: its push waits for the last acks
 _IDLE, _PULLING, _COMPUTING, _HELD, _SETTLING, _DONE, _DEAD = range(7)
 _GONE = object()  # what Simulation.send returns when the worker failed meanwhile
 
@@ -131,8 +122,7 @@ class Simulation:
             self.compressor = config.compressor()
             dtype = self.params.dtype
             self.wire_bytes = [self.compressor.nbytes(k, dtype, self.scale) for k in range(S)]
-        # delta pulls (ServerConfig.pull_codec): a pull server beside each shard, and each
-        # worker's copy (a pulls.Replica per incarnation); a pull slice costs its payload
+        # delta pulls (ServerConfig.pull_codec): a pull server beside each shard
         self.pull_servers = None
         if config.pull_codec is not None:
             self.pull_servers = [
@@ -164,8 +154,7 @@ class Simulation:
         ]
         for e in sorted(sim.joins, key=lambda e: e.time):
             self.workers[e.worker].joins.append(e.time)
-        # by worker id, read by the driver and by batch_iterator: each worker's last loss,
-        # and the batches each worker id has drawn, over its lives
+        # by worker id, for the driver and batch_iterator: last loss, batches drawn
         self.last_loss = np.full(workers, np.nan)
         self.consumed = [0] * workers
         self.pool: list[np.ndarray] = []  # free parameter-sized buffers
@@ -227,9 +216,7 @@ class Simulation:
         return seconds
 
     def worker_copy(self, wk: _SimWorker, copies: float, nbytes: float, cpu: float) -> float:
-        """When worker ``wk``'s copies of ``nbytes`` and ``cpu`` seconds besides end: after
-        its copies under way, on the bus, and runnable on the cores (the contention model
-        stretches them)."""
+        """When worker ``wk``'s copies of ``nbytes`` and ``cpu`` seconds besides end."""
         start = max(self.now, wk.cpu_free)
         seconds = cpu + self.copy(start, copies, nbytes)
         if self.contention is not None:
@@ -294,9 +281,7 @@ class Simulation:
         self.transfer(self.P + k, wk.id, nbytes, _PULL_HEAD, wk, k)
 
     def race(self, wk: _SimWorker, k: int) -> None:
-        """Worker ``wk`` reads shard ``k``'s snapshot while its own push is not handled there
-        yet (``SimConfig.own_read``): the read happens after a drawn delay, or when the shard
-        handles the push if that is sooner."""
+        """Worker ``wk``'s snapshot read at shard ``k`` racing its own push (``own_read``)."""
         p = self.own_read
         idle = self.wire_bytes[k] / self.links.bw[wk.id] + self.service.seconds(self.slice_bytes[k])
         if p <= 0.0 or idle <= 0.0:
@@ -362,9 +347,7 @@ class Simulation:
             return _GONE
 
     def start_loop(self, wk: _SimWorker) -> None:
-        """Starts a new loop for worker ``wk``'s new incarnation (it asks BEGIN at once); its
-        batches go on after those its worker id has drawn, its residual from its last
-        committed push."""
+        """Starts a new loop for worker ``wk``'s new incarnation (it asks BEGIN at once)."""
         w, cfg = wk.id, self.config
         wk.sender = wk.sender.successor()
         wk.joined_at = max(int(shard.clocks[w]) for shard in self.shards)

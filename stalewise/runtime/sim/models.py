@@ -70,9 +70,7 @@ _bad = SimConfigError
 
 
 #: The longest virtual time a model may give or name, in seconds (about 116 days): a step,
-#: a transfer's latency, a request, a restart, a scripted event. A run goes through
-#: its virtual time in evaluations of ``eval_interval``, so a time beyond any
-#: real run would keep the simulator busy (and growing) for ever.
+#: a latency, a request, a restart, a scripted event.
 MAX_SECONDS = 1e7
 #: The slowest link or shard, in bytes per second (math.inf: free).
 MIN_BYTES_PER_S = 1.0
