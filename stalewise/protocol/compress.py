@@ -111,8 +111,7 @@ def _piece_nbytes(p: Piece, dtype: Any) -> int:
 
 
 def warm_up(pieces: Sequence[Piece]) -> None:
-    """Runs each codec of ``pieces`` once on a long vector, so that loading its kernels
-    happens before the first push rather than during it."""
+    """Runs each codec of ``pieces`` once, so that its kernels load before the first push."""
     x = np.linspace(-1.0, 1.0, 1 << 16, dtype=np.float32)
     for codec in {p.codec for p in pieces}:
         payload = codec.encode(x)
@@ -121,12 +120,8 @@ def warm_up(pieces: Sequence[Piece]) -> None:
 
 
 class Decoder:
-    """Decodes one shard's payloads into its slice (the shard side).
-
-    Args:
-        pieces: the shard's pieces (from :func:`plan`), offsets in the flat vector.
-        start: where the shard's range starts in the flat vector.
-        shard: the shard's number, for error messages."""
+    """Decodes one shard's payloads (its ``pieces``, from :func:`plan`) into its slice, which
+    starts at ``start`` in the flat vector; ``shard`` is its number, for error messages."""
 
     def __init__(self, pieces: Sequence[Piece], start: int, shard: int = 0):
         self.pieces = list(pieces)
@@ -184,16 +179,14 @@ class Decoder:
         return out
 
     def length(self, payload: Any) -> int:
-        """The bytes of ``payload`` that carry the push: a segment payload's own length
-        (it may sit in a longer buffer), else all of them."""
+        """The bytes of ``payload`` carrying the push (a segment payload may be in a longer one)."""
         mv = codecs.as_bytes(payload)
         if len(mv) >= SEGMENTS.size and mv[0] == SEGMENT_MAGIC:
             return min(SEGMENTS.unpack_from(mv)[4], len(mv))
         return len(mv)
 
     def _segments(self, mv: memoryview) -> tuple[list[int] | None, int, int]:
-        """A segment payload's pieces sent, where their payloads start, and its length;
-        ``(None, 0, len(mv))`` for a dense payload (every piece, back to back)."""
+        """A segment payload's ``(pieces sent, their start, length)``; dense: ``(None, 0, len)``."""
         if not len(mv) or mv[0] != SEGMENT_MAGIC:
             return None, 0, len(mv)
         if len(mv) < SEGMENTS.size:
@@ -272,8 +265,7 @@ class Compressor:
         return segment_nbytes([p.codec.nbytes(m, dtype) for p, m in zip(pieces, n, strict=True)])
 
     def decode(self, payloads: Sequence[Any], out: np.ndarray) -> np.ndarray:
-        """Every shard's payload decoded into its slice of ``out``, as the shards will decode
-        them (what a sender's verdict judges).
+        """Every shard's payload decoded into its slice of ``out``, as the shards will decode it.
 
         Raises:
             PayloadError: a payload is corrupt, naming the shard and the leaf."""

@@ -98,7 +98,6 @@ class PullServer:
     """The shard side of delta pulls, beside one :class:`~stalewise.protocol.shard.Shard`.
 
     Args:
-        shard: the shard whose slice is pulled.
         pieces: the shard's pieces (:func:`~stalewise.protocol.compress.plan`).
         start: where the shard's range starts in the flat vector."""
 
@@ -158,8 +157,7 @@ class PullServer:
         return Pull(version, buf, True, parts, params.dtype)
 
     def _delta_pull(self, ref: _Reference, version: int) -> Pull | None:
-        """The delta against ``ref`` (updated), or None when it cannot be sent (the
-        subtraction overflowed): the caller sends the full slice instead."""
+        """The delta against ``ref`` (updated), or None if the subtraction overflowed."""
         params, d, dtype = self.shard.params, self._delta, self.shard.params.dtype
         np.subtract(params, ref.values, out=d)
         if commit.first_non_finite(d) is not None:
@@ -203,8 +201,7 @@ class Replica:
 
     Args:
         pieces: each shard's pieces (:func:`~stalewise.protocol.compress.plan`).
-        ranges: each shard's ``[start, stop)``.
-        dtype: the parameters' dtype."""
+        ranges: each shard's ``[start, stop)``."""
 
     def __init__(
         self,
@@ -276,8 +273,7 @@ class Replica:
         return int(version)
 
     def _apply_delta(self, k: int, mv: memoryview, new: np.ndarray, where: str) -> None:
-        """Decodes every piece into ``new`` (the slice's next values) and checks them,
-        then copies it in: a payload that fails anywhere changes nothing."""
+        """Decodes and checks every piece into ``new``, then copies it in (a failure: no change)."""
         lo, hi = self.ranges[k]
         new[:] = self.params[lo:hi]
         offset = HEADER.size
@@ -296,9 +292,6 @@ class Replica:
         if commit.first_non_finite(new) is not None:
             raise PayloadError(f"{where}: the values decode to non-finite numbers")
         self.params[lo:hi] = new
-
-
-# -- sparse blocks ------------------------------------------------------------------------
 
 
 def _sparse_nbytes(n: int, count: int, dtype: np.dtype) -> int:

@@ -62,12 +62,10 @@ class Sender:
     Args:
         segments: the job's leaf table, for verdict messages.
         staleness: the job's :class:`~stalewise.staleness.Staleness` rule.
-        shards: the number of shards.
         compressor: the job's codec on the worker side (None: updates travel as they are).
         residual: the error-feedback residual to start from (copied; None: zeros).
         buffers: two residual buffers to use as they are instead (e.g. in shared
-            memory); ``current`` is the one holding the residual to start from.
-        dtype: the updates' dtype."""
+            memory); ``current`` is the one holding the residual to start from."""
 
     def __init__(
         self,
@@ -105,8 +103,6 @@ class Sender:
         self._decoded: np.ndarray | None = None  # the payloads decoded back, for the verdict
         self._sent: list[Any] = [None] * self.shards
 
-    # -- versions ---------------------------------------------------------------------
-
     def pulled(self, k: int, version: int) -> None:
         """The step's pull got ``version`` of shard ``k``: the push's base there."""
         self.bases[k] = version
@@ -116,8 +112,6 @@ class Sender:
         """The worker saw ``version`` of shard ``k`` (a published snapshot, an ack)."""
         if version > self.known[k]:
             self.known[k] = version
-
-    # -- a push -----------------------------------------------------------------------
 
     @property
     def feedback(self) -> bool:
@@ -156,9 +150,8 @@ class Sender:
         return self.compressor.sent_nbytes(k, dtype, scale, self._sent[k])
 
     def judge(self, flat: np.ndarray | None = None, *, into: np.ndarray | None = None) -> Outgoing:
-        """The commit rule's verdict on the push being prepared, with its sequence number and
-        bases. ``flat``: the update (needed without a codec, or with one shard); ``into``:
-        a buffer for the payloads decoded back."""
+        """The commit rule's verdict on the push being prepared. ``flat``: the update (needed
+        without a codec, or with one shard); ``into``: a buffer for the payloads decoded back."""
         whole = self.shards > 1  # one shard checks its whole slice itself
         if self._payloads is not None and whole:
             if into is None:
@@ -176,8 +169,7 @@ class Sender:
         return Outgoing(self.seq, tuple(self.bases), verdict)
 
     def committed(self) -> None:
-        """The push judged last is committed: its residual becomes current, and the next
-        push takes the next sequence number."""
+        """The push judged last is committed: its residual becomes current, ``seq`` moves on."""
         if self._encoded:
             self.current = 1 - self.current
         self._encoded, self._payloads = False, None
@@ -200,8 +192,7 @@ class Sender:
         self._encoded, self._payloads = False, None
 
     def result(self, acks: Sequence[Ack]) -> PushResult:
-        """Folds one push's acks (one per shard, in order) into its result and learns the
-        versions they carry."""
+        """Folds one push's acks (one per shard, in order) into its result; notes their versions."""
         for k, ack in enumerate(acks):
             self.observed(k, ack.version)
         return PushResult.of(acks)
@@ -220,16 +211,14 @@ class History:
         self._kept: dict[tuple[int, int], np.ndarray] = {}  # (incarnation, pushes) -> residual
 
     def keep(self, inc: int, pushes: int, residual: np.ndarray, *, acked: int) -> None:
-        """Keeps a copy of the residual after the first ``pushes`` pushes of incarnation
-        ``inc``; ``acked``: that incarnation's pushes every shard acknowledged (older
-        residuals are dropped)."""
+        """Keeps a copy of the residual after the first ``pushes`` pushes of incarnation ``inc``;
+        ``acked``: its pushes every shard acknowledged (older residuals are dropped)."""
         for key in [k for k in self._kept if k[0] != inc or k[1] < acked]:
             del self._kept[key]
         self._kept[(inc, pushes)] = np.array(residual)
 
     def at(self, inc: int, pushes: int | None) -> np.ndarray | None:
-        """The residual after the first ``pushes`` pushes of incarnation ``inc`` (None: not
-        kept, or ``pushes`` unknown)."""
+        """The residual after the first ``pushes`` pushes of ``inc`` (None: not kept or unknown)."""
         return self._kept.get((inc, pushes))
 
     def latest(self) -> np.ndarray | None:

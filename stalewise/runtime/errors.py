@@ -15,8 +15,7 @@ log = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
-    """A worker failed and the job's failure policy stopped the job; the message names
-    the worker and says how (with its traceback if user code raised)."""
+    """A worker failed and the failure policy stopped the job; the message names it and how."""
 
 
 def worker_failed(w: int, detail: str, what: str = "") -> WorkerError:
@@ -68,8 +67,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def warn_user(message: str) -> None:
-    """Warns ``message`` as a :class:`FailureWarning`, attributed to the first caller outside
-    stalewise (the user's ``Job.train`` call), so Python users see it, not only the log."""
+    """Warns ``message`` as a :class:`FailureWarning` at the first caller outside stalewise."""
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
@@ -77,8 +75,7 @@ def warn_user(message: str) -> None:
 
 
 def warn_summary(events: Sequence[Mapping[str, Any]]) -> None:
-    """At the end of a run: one :class:`FailureWarning` per kind of failure that happened
-    more than once, with the counts.
+    """One :class:`FailureWarning` per kind of failure seen more than once in a run, with counts.
 
     Example:
         >>> import warnings
@@ -145,8 +142,7 @@ class Failures:
         self._warned: set[str] = set()  # the kinds of event warned this run
 
     def warn_once(self, kind: str, message: str) -> None:
-        """Warns ``message`` (a :class:`FailureWarning`) if it is the first event of ``kind``
-        in this run; :func:`warn_summary` counts the later ones at the end of the run."""
+        """Warns ``message`` on the run's first ``kind`` event (later: :func:`warn_summary`)."""
         if kind not in self._warned:
             self._warned.add(kind)
             warn_user(message + "; later failures of this kind are counted at the end of the run")
@@ -160,8 +156,7 @@ class Failures:
         self.events.append({kind: i, "time": time, "cause": cause, "action": action})
 
     def _stop_or_count(self, kind: str, i: int, cause: str, time: float, detail: str) -> None:
-        """Raises (:class:`WorkerError`, :class:`ShardError`) if the failure of ``kind``
-        ``i`` stops the job; else counts its restart, unless a worker is dropped."""
+        """Raises if the failure of ``kind`` ``i`` stops the job; else counts any restart."""
         key, restarts = (kind, i), kind == "shard" or self.policy == "restart"
         n = self._restarts[key] + 1
         over = self.max_restarts is not None and n > self.max_restarts
@@ -223,8 +218,7 @@ class Failures:
         )
 
     def left(self, w: int, cause: str, *, time: float) -> None:
-        """Worker ``w`` left the job without failing (e.g. its node left an elastic Ray
-        run): its id is free for a worker to come; no restart is counted."""
+        """Worker ``w`` left without failing (e.g. an elastic Ray node left); no restart counted."""
         self._event("worker", w, cause, time, "left")
         log.warning("worker %d left the job (%s); the other workers carry on", w, cause)
 
@@ -237,7 +231,6 @@ class Failures:
     def checkpoint(
         self, directory: str, cause: str, *, time: float, action: str, final: bool
     ) -> None:
-        """A checkpoint could not be written into ``directory``; the run goes on (the caller
-        has warned)."""
+        """A checkpoint could not be written into ``directory``; the run goes on (caller warned)."""
         self._event("checkpoint", directory, cause, time, action)
         self.events[-1]["final"] = final

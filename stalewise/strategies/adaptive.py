@@ -56,9 +56,6 @@ __all__ = ["AdaComm", "AdaCommState", "Adaptive", "AdaptiveState", "CommBudget",
 __all__ += ["Fixed", "adacomm", "adaptive", "comm_budget", "fixed"]
 
 
-# -- schedules -------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class AdaCommState:
     """One worker's AdaComm state: ``F_0`` (NaN until a finite loss was seen) and the last ``H``."""
@@ -69,8 +66,7 @@ class AdaCommState:
 
 @dataclass(frozen=True)
 class AdaComm:
-    """``H_k = ceil(sqrt(F_k / F_0) * local_steps)`` within ``[min_steps, local_steps]``; see
-    :func:`adacomm`."""
+    """The AdaComm schedule; see :func:`adacomm`."""
 
     local_steps: int = 32  # H_0
     min_steps: int = 1
@@ -118,8 +114,7 @@ class CommBudgetState:
 
 @dataclass(frozen=True)
 class CommBudget:
-    """The smallest ``H`` whose communication is at most ``fraction`` of a round; see
-    :func:`comm_budget`."""
+    """The communication-budget schedule; see :func:`comm_budget`."""
 
     fraction: float = 0.1
     local_steps: int = 4  # the first rounds' H
@@ -248,10 +243,8 @@ def comm_budget(
 
     Args:
         fraction: the most of a round that communication may take, in ``(0, 1)``.
-        local_steps: the first two rounds' ``H`` (the third runs ``4 * local_steps``, to
-            measure).
-        min_steps: the smallest period.
-        max_steps: the largest period.
+        local_steps: the first two rounds' ``H`` (the third runs ``4 * local_steps``).
+        min_steps, max_steps: the smallest and the largest period.
         memory: per-round decay of the weight of older rounds in the fit, in ``[0, 1)``.
 
     Example:
@@ -271,9 +264,6 @@ def fixed(local_steps: int) -> Fixed:
         (4, None)
     """
     return Fixed(local_steps)
-
-
-# -- the strategy ------------------------------------------------------------------------
 
 
 @dataclass(eq=False)
@@ -353,8 +343,7 @@ class Adaptive(Strategy):
         return self.local._round(state, params, run)
 
     def check_consistency(self, consistency: Any, *, recommended: bool) -> None:
-        """As :meth:`~stalewise.strategies.averaging.LocalSGDStrategy.check_consistency` of its
-        outer side: DiLoCo's outer optimizers are made for one consistency model each."""
+        """Refuses DiLoCo under a consistency model its outer optimizer is not made for."""
         why = _outer_mismatch(self.local, consistency, recommended, "adaptive(outer='diloco')")
         if why is not None:
             raise ValueError(why)
@@ -397,8 +386,7 @@ def adaptive(
     """Local SGD (or DiLoCo) whose local steps per push, ``H``, follow a schedule.
 
     Args:
-        inner: the worker's optimizer, as for ``local_sgd`` (DiLoCo's ``adamw(1e-3)`` by
-            default with ``outer="diloco"``).
+        inner: as for ``local_sgd`` (with ``outer="diloco"``, default ``adamw(1e-3)``).
         schedule: picks ``H`` (default :func:`comm_budget`; see the module docstring).
         local_steps, min_steps: shorthands for ``comm_budget(local_steps=, min_steps=)``.
         outer: ``"local_sgd"`` or ``"diloco"``, whose server optimizer is recommended.

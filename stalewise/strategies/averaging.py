@@ -49,9 +49,6 @@ log = logging.getLogger(__name__)
 __all__ = ["EASGD", "AveragingState", "LocalSGDStrategy", "diloco", "easgd", "local_sgd"]
 
 
-# -- inner optimizers ----------------------------------------------------------------
-
-
 def _segment(flat: np.ndarray, leaf: tree.LeafSpec) -> np.ndarray:
     return flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape)
 
@@ -169,9 +166,6 @@ def _describe_inner(inner: Any) -> str:
     return repr(inner)
 
 
-# -- the worker's state --------------------------------------------------------------
-
-
 @dataclass(eq=False)
 class AveragingState:
     """One worker's state for :func:`local_sgd`, :func:`diloco` and :func:`easgd`."""
@@ -211,11 +205,7 @@ def _run_local(
     steps: int,
     period: float | None,
 ) -> tuple[int, float]:
-    """Runs local steps on ``state.local``; returns ``(steps taken, mean loss)``.
-
-    ``period=None``: exactly ``steps``. Otherwise as many as fit in ``period``
-    wall seconds by this round's mean step time, at least 1, at most ``steps``.
-    """
+    """``steps`` local steps, or as many as fit in ``period`` s (>= 1); ``(taken, mean loss)``."""
     spec, local, grads = state.spec, state.local, state.grads
     total, n = 0.0, 0
     t0 = time.perf_counter()
@@ -257,9 +247,6 @@ def _paced_steps(cost: RoundCost, cap: int, period: float, last: int) -> int:
     return max(1, min(hi, math.floor((period - c) / s)))
 
 
-# -- checks ----------------------------------------------------------------------------
-
-
 def _check_steps(where: str, name: str, value: Any) -> int:
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{where}: {name} must be an integer >= 1, got {value!r}")
@@ -277,12 +264,8 @@ def _check_positive(where: str, name: str, value: Any, hi: float = math.inf) -> 
     return x
 
 
-# -- local SGD and DiLoCo ----------------------------------------------------------------
-
-
 class LocalSGDStrategy(Strategy):
-    """Local SGD / DiLoCo: ``H`` local steps from the pull, push ``pulled - local``; build it
-    with :func:`local_sgd` or :func:`diloco`."""
+    """Local SGD / DiLoCo; build it with :func:`local_sgd` or :func:`diloco`."""
 
     #: every round starts from the pull, which must include this worker's last push
     settles = True
@@ -350,11 +333,7 @@ class LocalSGDStrategy(Strategy):
     def _round(
         self, state: AveragingState, params: Any, run: Callable[[], tuple[int, float]]
     ) -> Step:
-        """One round from the pulled ``params``; ``run()`` takes the local steps on ``state.local``.
-
-        ``run`` returns ``(steps taken, mean loss)``; :mod:`stalewise.strategies.adaptive`
-        passes its own, which picks the number of steps during the round.
-        """
+        """One round from the pulled ``params``; ``run()`` steps, giving ``(taken, mean loss)``."""
         tree.flatten(params, spec=state.spec, out=state.pulled)
         np.copyto(state.local, state.pulled)  # every round starts from the global parameters
         if self.reset_inner and state.pushes:
@@ -401,8 +380,7 @@ class LocalSGDStrategy(Strategy):
 def _outer_mismatch(
     local: LocalSGDStrategy, consistency: Any, recommended: bool, what: str
 ) -> str | None:
-    """Why DiLoCo's outer optimizer does not fit ``consistency`` (None: it fits); ``what``
-    names the strategy in the message (``"diloco"``, ``"adaptive(outer='diloco')"``)."""
+    """Why DiLoCo's outer optimizer does not fit ``consistency`` (None: it fits)."""
     kind = getattr(consistency, "kind", None)
     if local.asynchronous and kind == "bsp":
         return (
@@ -501,9 +479,6 @@ def diloco(
         every=every,
         name="diloco",
     )
-
-
-# -- EASGD -------------------------------------------------------------------------------
 
 
 class EASGD(Strategy):

@@ -57,8 +57,7 @@ Runs = list[tuple[int, int]]  # contiguous [start, stop) ranges of the flat vect
 
 
 class LazyLeavesState(NamedTuple):
-    """Each leaf piece's range (``bounds``, int64 rows ``start, stop`` of the slice) and
-    its own state of the wrapped optimizer (``leaves``), in the slice's order."""
+    """Per leaf: its ``bounds`` (int64 rows ``start, stop``) and its ``opt`` state (``leaves``)."""
 
     bounds: np.ndarray
     leaves: tuple
@@ -137,9 +136,8 @@ def lazy_leaves(opt: optim.Optimizer) -> optim.Optimizer:
 class StreamingState(AveragingState):
     """A worker's state for :func:`streaming_diloco`: :class:`AveragingState` and the fragments.
 
-    ``ref`` holds, per fragment, the global values its next pseudo-gradient is
-    measured from (the last merged global fragment); ``pending`` the global
-    fragments pulled and not merged yet, as ``(inner step, fragment, values)``.
+    ``ref``: per fragment, the last merged global values, its pseudo-gradient's base;
+    ``pending``: global fragments pulled, not merged, as ``(inner step, fragment, values)``.
     """
 
     ref: np.ndarray = field(default_factory=lambda: np.empty(0))
@@ -226,14 +224,12 @@ class StreamingDiLoCo(LocalSGDStrategy):
 
     @property
     def overlaps(self) -> bool:
-        """Whether a push may be in flight while the worker takes inner steps (``overlap``
-        and ``delay >= 1``): the worker loop then calls :meth:`ahead` before the next pull."""
+        """``overlap`` and ``delay >= 1``: the worker loop calls :meth:`ahead` before a pull."""
         return self.overlap and self.delay > 0
 
     def ahead(self, state: StreamingState, loss_and_grad: LossAndGrad, batches: Iterator) -> int:
-        """The inner steps that need no pull, taken while the last push is in flight: up
-        to the merge of its fragment (``delay`` steps after the push) or the next sync
-        point, whichever comes first. Returns how many (0 before the first push); their
+        """Takes the inner steps that need no pull (up to the last push's merge or the next sync
+        point) while that push is in flight; returns how many (0 before the first push), whose
         losses count in the next step's."""
         if state.last is None:
             return 0
@@ -272,8 +268,7 @@ class StreamingDiLoCo(LocalSGDStrategy):
         end: int,
         losses: list[tuple[int, float]],
     ) -> int:
-        """Inner steps up to inner step ``end``, merging the pending global fragments as
-        they fall due; appends ``(steps, mean loss)`` runs to ``losses``, returns the steps."""
+        """Inner steps up to ``end``, merging as due; appends ``(steps, mean loss)`` to losses."""
         steps = 0
         while True:
             self._merge_due(state)
@@ -298,8 +293,7 @@ class StreamingDiLoCo(LocalSGDStrategy):
         state.pending = keep
 
     def server_optimizer(self, workers: int | None = None) -> optim.Optimizer:
-        """DiLoCo's (:meth:`LocalSGDStrategy.server_optimizer`) for one fragment; for more,
-        :func:`lazy_leaves` of it, which steps only the pushed fragment's leaves."""
+        """DiLoCo's for one fragment; for more, :func:`lazy_leaves` of it."""
         opt = super().server_optimizer(workers)
         return opt if self.count == 1 else lazy_leaves(opt)
 
@@ -324,11 +318,8 @@ def merge(local: np.ndarray, global_: np.ndarray, alpha: float) -> None:
 
 
 def fragment_runs(segments: Segments, fragments: int | tuple) -> list[Runs]:
-    """Each fragment's contiguous ranges of the flat vector (whole leaves).
-
-    ``fragments`` as for :func:`streaming_diloco`; every leaf must belong to a fragment and
-    every fragment hold one.
-    """
+    """Each fragment's ranges of the flat vector (``fragments`` as for :func:`streaming_diloco`);
+    every leaf must belong to a fragment and every fragment hold one."""
     names, sizes = segments.names, [int(s) for s in segments.sizes]
     ends = np.cumsum(sizes)
     if isinstance(fragments, int):
@@ -444,8 +435,7 @@ def streaming_diloco(
         inner: the inner optimizer (default ``sw.optim.adamw(1e-3)``), as for :func:`diloco`.
         fragments: ``P``, the leaf order cut into ``P`` runs of about equal size, or one
             leaf-name regex (or list of them) per fragment, the first match taking a leaf.
-        offsets: each fragment's distinct sync offset in ``[0, H)`` (default evenly
-            staggered, ``round(p * H / P)``).
+        offsets: each fragment's distinct sync offset in ``[0, H)`` (default ``round(p * H / P)``).
         delay: ``tau``, inner steps from a fragment's push to its merge, in ``[0, H)``.
         alpha: the local weight of the merge, in ``[0, 1]``; 0 takes the global fragment.
         outer_lr, outer_momentum, asynchronous, every: the server optimizer, as for

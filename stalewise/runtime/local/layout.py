@@ -35,8 +35,7 @@ if TYPE_CHECKING:
     from stalewise.protocol import ServerConfig
 
 _ALIGN = 64  # bytes; every region starts on a cache line
-# shard table columns: cur, seq[2], ver[2], min clock, the live params' seq and version,
-# the version a busy shard publishes after its acks
+# shard table columns: cur, seq[2], ver[2], min clock, live seq, live version, announced
 _CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED = 0, 1, 3, 5, 6, 7, 8
 _TABLE_COLUMNS = 9
 # push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases...
@@ -61,8 +60,7 @@ class Layout:
 
     @classmethod
     def of(cls, config: ServerConfig, workers: int, expected: int | None = None) -> Layout:
-        """The layout of ``config``'s job with room for ``workers`` worker ids, the first
-        ``expected`` (default: all) expected from the start."""
+        """The layout for ``workers`` ids, the first ``expected`` (default: all) from the start."""
         comp = config.compressor()
         dtype = config.init.dtype
         payloads = (
@@ -76,14 +74,12 @@ class Layout:
 
     @property
     def control_items(self) -> int:
-        # [stop flag, pushes done per worker..., last loss per worker...,
-        #  batches drawn per worker id, over its incarnations..., shard exits...]
+        # [stop flag, per worker: pushes done..., last loss..., batches drawn...; shard exits...]
         return 1 + 3 * self.workers + self.shards
 
     @property
     def pushes_done(self) -> slice:
-        """The control words counting each worker id's pushes, over its incarnations: its
-        client adds one at every push it commits (the job's budget is their sum)."""
+        """Each worker id's pushes committed, over incarnations (their sum: the budget spent)."""
         return slice(1, 1 + self.workers)
 
     @property
@@ -93,8 +89,7 @@ class Layout:
 
     @property
     def shard_exits(self) -> slice:
-        """How each shard's process ended: NaN while it runs, else its exit code (written by
-        :class:`LocalServer`, read by every client)."""
+        """How each shard's process ended: NaN while it runs, else its exit code."""
         return slice(1 + 3 * self.workers, 1 + 3 * self.workers + self.shards)
 
     @property
@@ -185,12 +180,10 @@ class Layout:
 
 
 class Residuals:
-    """The workers' error-feedback residuals in a shared block.
-
-    One writer per worker id at a time calls :meth:`writing` and :meth:`written` around
-    each encode; :meth:`read` finds the residual of the last committed push (the
-    buffer whose tag the worker's record commits); between incarnations the parent
-    calls :meth:`hand_over` or :meth:`put`."""
+    """The workers' error-feedback residuals in a shared block: one writer per worker id calls
+    :meth:`writing` and :meth:`written` around each encode; :meth:`read` finds the residual
+    of the last committed push; between incarnations the parent calls :meth:`hand_over` or
+    :meth:`put`."""
 
     def __init__(self, layout: Layout, block: SharedBlock):
         self.tags = layout.residual_tags(block)
@@ -252,8 +245,7 @@ class Residuals:
         self.tags[w, 1] = 0
 
     def hand_over(self, w: int, incarnation: int) -> None:
-        """Moves the residual of ``incarnation``'s last committed push into place for worker
-        ``w``'s next incarnation, once ``incarnation`` has stopped for good."""
+        """Puts ``incarnation``'s last residual in place for ``w``'s next (once it stopped)."""
         found = self.current(w, incarnation)
         if found is None:  # cannot happen with a writer that follows the protocol
             self.put(w, np.zeros_like(self.buffers[w][0]))
@@ -265,8 +257,7 @@ class Residuals:
 
 
 class Snapshots:
-    """Seqlocked double-buffered copies of each shard's slice, in a shared block, and
-    the seqlock of the live params (see the module docstring)."""
+    """Seqlocked double-buffered copies of each shard's slice, and its live params' seqlock."""
 
     def __init__(self, layout: Layout, block: SharedBlock, ranges: list[tuple[int, int]]):
         self.table = layout.table(block)

@@ -57,8 +57,7 @@ _KIND = struct.Struct("<B")
 _INT = struct.Struct("<Bq")  # kind, one int64
 _TWO = struct.Struct("<Bqq")  # kind, two int64s
 _THREE = struct.Struct("<Bqqq")  # kind, three int64s
-# kind, worker, seq, flags, version, staleness, length of the refusal's kind; then the
-# kind's text, then the reason's
+# kind, worker, seq, flags, version, staleness, len(refusal kind); then that text, the reason
 _ACK_HEAD = struct.Struct("<BqqBqqH")
 _OK, _DUPLICATE, _HAS_TAU, _HAS_REASON, _HAS_KIND = 1, 2, 4, 8, 16
 _LOADED_HEAD = struct.Struct("<BqB")  # kind, version, has error; then the error's text
@@ -277,8 +276,7 @@ def diverged(worker: int, text: str) -> bytes:
 
 
 def failed(worker: int, trace: str, summary: str) -> bytes:
-    """User code raised in the worker: its traceback (the end of it, if long) and its
-    one-line ``Type: message`` summary."""
+    """User code raised in the worker: its traceback (its end, if long) and ``Type: message``."""
     tb = trace.encode("utf-8", "replace")
     if len(tb) > MAX_TRACEBACK:
         tb = b"...\n" + tb[len(tb) - MAX_TRACEBACK + 4 :]
@@ -391,9 +389,6 @@ def decode_control(body: bytes) -> tuple:
     if kind in simple and len(body) == _KIND.size:
         return (simple[kind],)
     raise WireError(f"a control message of unknown kind or size: 0x{kind:02x}, {len(body)} bytes")
-
-
-# -- helpers -------------------------------------------------------------------------------
 
 
 def _kind_of(body: bytes) -> int:
