@@ -180,16 +180,13 @@ class Job:
     ):
         """Starts the shards for a loop you own; use as a context manager.
 
-        ``runtime``: one of ``stalewise.runtime.names("server")``: ``"local"`` (shard
-        processes on this machine) or ``"ray"`` (named Ray actors). Hand
-        ``server.client(w)`` to worker ``w``'s process, then call ``server.release(w)``
-        once it has started, so the shards notice if it dies; calling ``server.client(w)``
-        again restarts it as a new incarnation. A worker that has not started within
-        ``timeouts.join`` seconds stops holding back the gates. ``workers=(min, max)``
-        makes an elastic job; ``name=`` lets other processes join with ``sw.attach(name)``.
-
-        ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local runtime): the shards are
-        restored before any worker joins, saved every ``every`` pushes and at the close.
+        ``runtime``: ``"local"`` (shard processes) or ``"ray"`` (named Ray actors). Hand
+        ``server.client(w)`` to worker ``w``'s process, then call ``server.release(w)`` once it
+        has started, so the shards notice if it dies; ``server.client(w)`` again restarts it as
+        a new incarnation. A worker not started within ``timeouts.join`` seconds stops holding
+        back the gates. ``workers=(min, max)``: an elastic job; ``name=``: others join with
+        ``sw.attach(name)``. ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local): the
+        shards are restored before any worker joins, saved every ``every`` pushes and at close.
 
         Example:
             >>> with job.serve(workers=2) as server:        # doctest: +SKIP
@@ -210,13 +207,11 @@ class Job:
         return served(self, start, runtime, *saves)
 
     def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):
-        """Measures on this machine what the simulator needs for this job and returns a
+        """Measures on this machine what the simulator needs for this job: a
         :class:`stalewise.calibrate.Calibration` (``.sim_config()`` for
         ``train(runtime=sw.Simulation(...))``, ``.toml()`` for a config's ``[sim]`` table).
-        ``options``: ``repeats``, ``sizes``, ``delays``, ``evaluate`` and ``eval_interval``
-        (the run's: the compute is timed with the evaluations a local run makes beside it),
-        ``timeout`` and ``runtime`` (``"ray"``: the pulls, pushes, shard and worker loop
-        timed on Ray) of :func:`stalewise.calibrate.calibrate`.
+        ``options``: those of :func:`stalewise.calibrate.calibrate` (``repeats``, ``sizes``,
+        ``delays``, ``evaluate``, ``eval_interval``, ``timeout``, ``runtime``).
         """
         from stalewise import calibrate as calibrate_lib
 
@@ -247,8 +242,7 @@ def _with_buffers(
 
 
 def _batchnorm_statistics(params: Any) -> list[str]:
-    """The BatchNorm running statistics of a torch ``state_dict``: ``P.running_mean`` and
-    ``P.running_var`` beside an integer tensor ``P.num_batches_tracked``."""
+    """The BatchNorm running statistics (beside ``num_batches_tracked``) of a ``state_dict``."""
     if not isinstance(params, Mapping):
         return []
     names = []
@@ -270,8 +264,7 @@ def _torch_int(x: Any) -> bool:
 
 
 def _check_optimizer(optimizer: Any) -> None:
-    """The server optimizer must be a stalewise one; a torch or optax optimizer is a worker's
-    (``inner=`` of a strategy), which the error says in one line."""
+    """TypeError unless a stalewise optimizer; a torch or optax one is told to go to ``inner=``."""
     if isinstance(optimizer, optim.Optimizer):
         return
     target = optimizer.func if isinstance(optimizer, functools.partial) else optimizer

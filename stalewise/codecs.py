@@ -1,15 +1,11 @@
 """Codecs: how an update is encoded on the wire (``sw.codecs``).
 
-A codec is a small frozen class that turns a float vector into bytes
-(:meth:`Codec.encode`) and back (:meth:`Codec.decode`), with an exact byte count
-(:meth:`Codec.nbytes`): ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``topk`` and
-``sign``; each class's docstring states its error bound. The payload is raw bytes, never
-a pickle: a 12-byte header (magic, codec id, dtype, parameter, ``n``) then the body;
-a truncated, padded, foreign or corrupt payload raises :class:`PayloadError`. NaN and
-infinity travel as values, so that the shard refuses such an update. A Job's codec
-compresses leaves of at least :data:`SMALL_LEAF` elements (:func:`size_adaptive` sets
-the threshold); :mod:`stalewise.protocol.compress` applies it per shard with error
-feedback. Sizes, speeds and errors: docs/codecs.md.
+A codec turns a float vector into raw bytes (never a pickle: a 12-byte header, then the
+body) and back, with an exact byte count: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``,
+``topk`` and ``sign``, each class stating its error bound. A truncated, padded, foreign or
+corrupt payload raises :class:`PayloadError`; NaN and infinity travel as values, so that the
+shard refuses the update. A Job's codec compresses leaves of at least :data:`SMALL_LEAF`
+elements (:func:`size_adaptive` sets the threshold). Sizes, speeds, errors: docs/codecs.md.
 
 Example:
     >>> import numpy as np
@@ -73,8 +69,6 @@ class Codec(Policy):
         """Itself, or ``none()`` for a leaf of fewer than :data:`SMALL_LEAF` elements."""
         return NONE if size < SMALL_LEAF and not self.lossless else self
 
-    # -- sizes ---------------------------------------------------------------------------
-
     def nbytes(self, n: int, dtype: Any = np.float32) -> int:
         """The exact length of the payload of ``n`` values (``dtype`` matters to ``none`` only)."""
         return HEADER.size + self._body_nbytes(int(n), np.dtype(dtype))
@@ -84,8 +78,6 @@ class Codec(Policy):
 
     def _param(self, n: int) -> int:
         return 0
-
-    # -- encoding ------------------------------------------------------------------------
 
     def encode(self, x: np.ndarray) -> bytearray:
         """The payload of the 1-D float vector ``x``."""
@@ -111,14 +103,9 @@ class Codec(Policy):
     def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
         raise NotImplementedError
 
-    # -- decoding ------------------------------------------------------------------------
-
     def decode(self, payload: Any, out: np.ndarray | None = None) -> np.ndarray:
-        """The values of a payload, written into ``out`` (a float vector) when given.
-
-        Raises:
-            PayloadError: the payload is not one this codec made (header, length).
-        """
+        """The values of a payload, written into ``out`` (a float vector) when given;
+        PayloadError if the payload is not one this codec made (header, length)."""
         mv = as_bytes(payload)
         n = _peek_n(mv, 0)
         if out is None:
@@ -133,8 +120,8 @@ class Codec(Policy):
         return out
 
     def decode_at(self, buf: memoryview, offset: int, out: np.ndarray, where: str = "") -> int:
-        """Decodes the payload at ``offset`` of ``buf`` into ``out`` (whose size is the
-        expected ``n``) and returns where it ends; ``where`` prefixes error messages."""
+        """Decodes the payload at ``offset`` of ``buf`` into ``out`` (of the expected size);
+        returns where it ends. ``where`` prefixes error messages."""
         where = where or repr(self)
         if len(buf) - offset < HEADER.size:
             raise PayloadError(
@@ -170,11 +157,7 @@ class Codec(Policy):
     def subtract_decoded(
         self, payload: Any, r: np.ndarray, scratch: np.ndarray | None = None
     ) -> None:
-        """``r -= decode(payload)``: the error-feedback update ``e = p - C(p)``.
-
-        ``scratch``: a buffer like ``r`` to decode into (kept by the caller from push
-        to push, it saves allocating and faulting in a vector each time).
-        """
+        """``r -= decode(payload)`` (error feedback), decoding into ``scratch`` when given."""
         r -= self.decode(payload, np.empty_like(r) if scratch is None else scratch)
 
     def __repr__(self) -> str:
@@ -259,13 +242,12 @@ class _Blocks(Codec):
 
 @dataclass(frozen=True, repr=False)
 class Int8(_Blocks):
-    """Blockwise int8: each block of ``block`` values is sent as int8 codes in
-    ``[-127, 127]`` and one float32 scale, its absolute maximum / 127.
+    """Blockwise int8: each block of ``block`` values is sent as int8 codes in ``[-127, 127]``
+    and one float32 scale, its absolute maximum / 127.
 
-    Bound: ``|d - x| <= absmax(block) / 254 * (1 + 1e-4)`` (the factor covers
-    float32 rounding), plus ``2**-143`` (about 9e-44) in a block whose absmax is
-    below ``2**-119`` (about 1.5e-36), where the scale is a subnormal float32
-    and keeps only a few bits. A block holding a NaN or an infinity decodes to NaN.
+    Bound: ``|d - x| <= absmax(block) / 254 * (1 + 1e-4)``, plus ``2**-143`` (about 9e-44) in
+    a block whose absmax is below ``2**-119`` (about 1.5e-36), where the scale is a subnormal
+    float32. A block holding a NaN or an infinity decodes to NaN.
     """
 
     name: ClassVar[str] = "int8"
@@ -291,20 +273,15 @@ class Int8(_Blocks):
 
 @dataclass(frozen=True, repr=False)
 class Int4(_Blocks):
-    """Blockwise 4-bit, symmetric: each block of ``block`` values is sent as levels
-    ``q`` in ``[-7, 7]`` and one float32 scale, its absolute maximum / 7; decoded
-    ``q * scale``. Two values a byte: the nibble ``q + 8`` (1..15, 8 is zero), value
-    ``2i`` in the low nibble of byte ``i``, value ``2i + 1`` in the high one (an odd
-    ``n`` leaves the last high nibble 0). Body: the scales, then the ``ceil(n / 2)``
-    packed bytes. Symmetric levels keep zero exact (why: docs/codecs.md); the code ``0``
-    (level -8) is never written, and the decoder refuses it.
+    """Blockwise 4-bit, symmetric: each block of ``block`` values is sent as levels ``q`` in
+    ``[-7, 7]``, two a byte, and one float32 scale, its absolute maximum / 7; decoded
+    ``q * scale``. Zero stays exact (docs/codecs.md); level -8 is refused as corrupt.
 
-    Bound: ``|d - x| <= absmax(block) / 14 * (1 + 1e-4)``, i.e. half the block's
-    step ``scale``, plus ``2**-146`` (about 1.1e-44) in a block whose absmax is
-    below ``2**-119``, where the scale is a subnormal float32. Values on the grid
-    (``k * scale`` with ``|k| <= 7`` and the block's absmax ``7 * scale`` exact in
-    float32, e.g. a power-of-two ``scale``) round-trip exactly. A block holding a
-    NaN or an infinity decodes to NaN.
+    Bound: ``|d - x| <= absmax(block) / 14 * (1 + 1e-4)``, plus ``2**-146`` (about 1.1e-44)
+    in a block whose absmax is below ``2**-119``, where the scale is a subnormal float32.
+    Values on the grid (``k * scale``, ``|k| <= 7``, ``7 * scale`` exact in float32, e.g. a
+    power-of-two ``scale``) round-trip exactly. A block holding a NaN or an infinity
+    decodes to NaN.
     """
 
     name: ClassVar[str] = "int4"
@@ -343,12 +320,8 @@ class TopK(Codec):
     """The ``k = max(1, round(fraction * n))`` values of largest magnitude, as their
     indices (the narrowest unsigned type that holds ``n - 1``) and float32 values.
 
-    Bound: each decoded value is ``x_i`` (kept, exact in float32) or 0 (dropped),
-    and no dropped ``|x_i|`` exceeds a kept one; NaNs are always kept. The
-    selection is O(n): a threshold from a fixed sample of ``|x|``, one pass to
-    collect the candidates, and an exact selection among them (a full
-    ``argpartition`` only when the sample misleads, e.g. mostly-zero updates).
-    Indices travel in increasing order; the decoder checks they do.
+    Bound: each decoded value is ``x_i`` (kept, exact in float32) or 0 (dropped), and no
+    dropped ``|x_i|`` exceeds a kept one; NaNs are always kept. The selection is O(n).
     """
 
     name: ClassVar[str] = "topk"
@@ -479,8 +452,7 @@ def int8(block: int = 4096, *, error_feedback: bool = False) -> Codec:
 
 
 def int4(block: int = 256, *, error_feedback: bool = False) -> Codec:
-    """Blockwise 4-bit, levels -7..7 times one float32 absmax scale per ``block`` values
-    (~0.52 byte a value with the default block): see :class:`Int4`."""
+    """Blockwise 4-bit (~0.52 byte a value with the default block): see :class:`Int4`."""
     return Int4(block, _flag(error_feedback))
 
 
@@ -514,10 +486,8 @@ NAMES = (*_MAKERS, "size_adaptive")
 def parse(spec: Any) -> Policy:
     """A codec from a config value: ``"int8"``, ``"int4"``, ``"topk:0.01"``, or a table such as
     ``{"name": "topk", "fraction": 0.01, "error_feedback": False}`` or
-    ``{"name": "size_adaptive", "threshold": 4096, "large": "topk:0.01"}``.
-
-    Raises:
-        ValueError: naming what is wrong.
+    ``{"name": "size_adaptive", "threshold": 4096, "large": "topk:0.01"}``; else ValueError
+    naming what is wrong.
     """
     if isinstance(spec, Policy):
         return spec
@@ -560,9 +530,6 @@ def parse(spec: Any) -> Policy:
         except TypeError as e:
             raise ValueError(f"codec {name!r}: {e}") from None
     raise ValueError(f"expected a codec name such as 'int8' or 'topk:0.01', got {spec!r}")
-
-
-# -- helpers ---------------------------------------------------------------------------------
 
 
 def _is_int(x: Any) -> bool:

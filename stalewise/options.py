@@ -54,11 +54,9 @@ class Checkpoints(_Group):
     """Checkpoints of the job (:mod:`stalewise.checkpoint`) in folder ``dir``: one at the end
     of the run, and every ``every`` updates and/or ``seconds`` seconds (virtual in the
     simulator); the newest ``keep`` are kept. ``resume``: start from the newest usable one
-    (its shards' params, optimizer state, version and counters; workers restart as new
-    incarnations; ``steps`` stays the job's total budget). With none there yet the run
-    starts afresh (a warning says so); another job's is refused
-    (:class:`stalewise.CheckpointError`). ``sw.load_params(dir, like=params)`` reads the
-    saved params; a checkpoint that cannot be written warns and never stops the run.
+    (``steps`` stays the job's total budget); with none yet the run starts afresh (warned),
+    another job's is refused (:class:`stalewise.CheckpointError`). ``sw.load_params(dir,
+    like=params)`` reads the params; a checkpoint that cannot be written only warns.
 
     Example:
         >>> Checkpoints("ckpt", every=0)
@@ -116,10 +114,10 @@ class Failures(_Group):
 
 @dataclass(frozen=True)
 class Timeouts(_Group):
-    """Wall seconds things may take: ``total``, the whole run (TimeoutError; None: no
-    limit); a worker's ``start`` (spawn, data, warm-up step), a shard's ``shard_start``, a
-    late worker's ``join`` (an expected worker that never joins stops holding back SSP/BSP
-    gates), the last ``ack`` of a worker's pushes and a process's ``stop`` (exit)."""
+    """Wall seconds things may take: ``total``, the whole run (TimeoutError; None: no limit);
+    a worker's ``start`` (spawn, data, warm-up step), a shard's ``shard_start``, a late
+    worker's ``join`` (one that never joins then stops holding back SSP/BSP gates), the last
+    ``ack`` of a worker's pushes and a process's ``stop`` (exit)."""
 
     total: float | None = DEFAULTS["timeout"]
     start: float = DEFAULTS["start_timeout"]
@@ -136,11 +134,10 @@ class Timeouts(_Group):
 
 @dataclass(frozen=True)
 class Emulation(_Group):
-    """A slower cluster, emulated: ``stragglers``, a slowdown factor per worker (``{3:
-    4.0}`` or one per worker), ``delays``, extra seconds per step for some workers
-    (virtual in the simulator), and ``transport``, seconds each push spends in transit
-    before the shards see it (local runtime). Checked against the run's workers by
-    ``Job.train``."""
+    """A slower cluster, emulated: ``stragglers``, a slowdown factor per worker (``{3: 4.0}``
+    or one per worker), ``delays``, extra seconds per step for some workers (virtual in the
+    simulator), and ``transport``, seconds each push spends in transit before the shards see
+    it (local runtime). Checked against the run's workers by ``Job.train``."""
 
     stragglers: Mapping[int, float] | Sequence[float] | None = DEFAULTS["stragglers"]
     delays: Mapping[int, float] | None = DEFAULTS["delays"]
@@ -182,11 +179,9 @@ class Metrics(_Group):
 
 @dataclass(frozen=True)
 class Simulation(_Group):
-    """The simulator, configured: pass it as ``runtime=`` (``runtime="sim"`` is
-    ``Simulation()``). ``config``: its timing and network model, a
-    :class:`~stalewise.runtime.sim.config.SimConfig` (None: the default one); ``seed``:
-    its random seed (compute times, scripted randomness), not the task's (the initial
-    params and the data's shuffling)."""
+    """The simulator, configured, as ``runtime=`` (``runtime="sim"`` is ``Simulation()``).
+    ``config``: a :class:`~stalewise.runtime.sim.config.SimConfig` (None: the default);
+    ``seed``: the simulator's own (compute times, scripted randomness), not the task's."""
 
     config: Any = DEFAULTS["sim"]
     seed: int = DEFAULTS["sim_seed"]
@@ -228,8 +223,7 @@ def check_group(value: Any, kind: type[_Group]) -> Any:
 
 def checkpoint_fields(where: str, checkpoints: Any) -> tuple[Any, Any, bool]:
     """``(dir, every, resume)`` of ``sw.init``'s and ``Job.serve``'s ``checkpoints`` (None:
-    none). They save by pushes only, and keep what ``stalewise run`` keeps: ``seconds``
-    and ``keep`` are ``Job.train``'s."""
+    none); they save by pushes only, so ``seconds`` and ``keep`` are refused."""
     if check_group(checkpoints, Checkpoints) is None:
         return None, None, False
     for name in ("seconds", "keep"):

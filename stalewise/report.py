@@ -1,9 +1,8 @@
 """Metrics files, time-to-target, plots and text tables.
 
-Runtimes append one JSON object per line to a metrics file (JSON Lines, flushed after
-every record, so a crashed or running job leaves a readable file). A record is one
-evaluation of one run: ``run`` (its label), ``time`` (seconds since the start, wall or
-virtual), ``updates`` (applied so far), ``loss``, optionally ``accuracy``,
+Runtimes append one JSON object per line to a metrics file (JSON Lines, flushed after every
+record). A record is one evaluation of one run: ``run`` (its label), ``time`` (seconds since
+the start, wall or virtual), ``updates`` (applied so far), ``loss``, optionally ``accuracy``,
 ``staleness_mean`` and ``staleness_max`` (since the last record), and any other key.
 NumPy values are written as JSON numbers and lists, non-finite floats as
 ``NaN``/``Infinity``. Plots use Matplotlib's Agg canvas: no window, no global state.
@@ -91,10 +90,8 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of a metrics file, in file order, as dicts.
-
-    Blank lines and a truncated last line (a writer killed mid-write; logged) are skipped; a
-    malformed line elsewhere raises ValueError naming it.
+    """The records of a metrics file, in order. Blank lines and a truncated last line (logged)
+    are skipped; a malformed line elsewhere raises ValueError naming it.
 
     Example:
         >>> import tempfile, os
@@ -155,11 +152,10 @@ def plot_runs(
     targets: Mapping[str, float] | None = None,
     xlabel: str | None = None,
 ) -> Path:
-    """Plots metrics against ``x`` into the PNG ``path``: one subplot per key, one line per run.
-
-    Keys no record has are left out (ValueError if none is left); a key whose positive values
-    span more than two decades gets a log scale; ``targets`` (``{key: value}``) are drawn
-    as dashed lines. Returns ``path`` as a :class:`~pathlib.Path`.
+    """Plots metrics against ``x`` into the PNG ``path`` (returned as a :class:`~pathlib.Path`):
+    one subplot per key (keys no record has left out; ValueError if none is left), one line
+    per run, ``targets`` (``{key: value}``) dashed, a log scale for positive values spanning
+    more than two decades.
 
     Example:
         >>> import tempfile, os
@@ -229,10 +225,8 @@ def _format_cell(value: Any) -> str:
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    """Formats rows (mappings) as an aligned text table of ``columns``, no trailing newline.
-
-    Numbers are right-aligned (floats to about four significant digits), other values
-    left-aligned; missing values and None show as ``—``.
+    """Rows (mappings) as an aligned text table of ``columns``, no trailing newline; numbers
+    right-aligned (floats to about four significant digits), missing values and None as ``—``.
 
     Example:
         >>> print(format_table([{"run": "asp", "loss": 0.123456, "updates": 1200},

@@ -1,10 +1,7 @@
 """Targets: "this metric reaches that value", with the right direction.
 
 A :class:`Target` is reached when a loss drops to its value (``mode="min"``) or an
-accuracy climbs to it (``mode="max"``); the direction is inferred from the metric's name
-when not given, and a name that tells neither way is an error, not a guess. Every "was
-the target reached?" goes through here: ``stop_at`` (:func:`parse`, :func:`all_reached`),
-the sweep and :func:`time_to_target`.
+accuracy climbs to it (``mode="max"``); without a mode, the metric's name must tell which.
 
 Example:
     >>> loss, acc = parse({"loss": 1e-3, "accuracy": 0.9})
@@ -38,8 +35,7 @@ MIN_WORDS |= {"time", "distance", "dist", "cost", "regret"}
 #: Name parts of metrics that should go up.
 MAX_WORDS = frozenset({"acc", "accuracy", "f1", "auc", "precision", "recall", "score", "bleu"})
 MAX_WORDS |= {"r2", "reward", "iou"}
-# Words also recognised at the end of a run-together part ("valloss", "top5acc", "rocauc").
-# Left out: "time" ("uptime" goes up) and two-letter words ("layer2" is not an r2).
+# Also found ending a run-together word ("valloss"); not "time" ("uptime") nor "r2" ("layer2").
 _SUFFIXES = tuple(
     (w, mode)
     for words, mode in ((MIN_WORDS, "min"), (MAX_WORDS, "max"))
@@ -112,8 +108,7 @@ def by_run(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, 
 
 @dataclass(frozen=True)
 class Target:
-    """A metric and the value it should reach, going down (``"min"``) or up (``"max"``).
-
+    """A metric and the value it should reach, going down (``"min"``) or up (``"max"``);
     ``mode=None`` infers the direction from the metric's name (see :func:`infer_mode`).
 
     Example:
@@ -233,9 +228,7 @@ def parse(stop_at: Any, *, where: str = "stop_at") -> tuple[Target, ...]:
 
 
 def all_reached(targets: Iterable[Target], record: Mapping[str, Any]) -> bool:
-    """True if ``record`` meets every target; False if there are none.
-
-    A record without a target's metric does not meet it.
+    """True if ``record`` meets every target (a missing metric does not); False if there are none.
 
     Example:
         >>> ts = parse({"loss": 0.1, "accuracy": 0.9})

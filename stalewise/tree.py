@@ -1,11 +1,9 @@
 """Pytrees of NumPy, PyTorch, JAX or TensorFlow arrays <-> one flat vector.
 
-The server and the optimizers work on one contiguous NumPy vector; users work with the
-structure they trained with. :func:`flatten` turns a tree into the vector and a
-:class:`FlatSpec` (key paths, shapes, dtypes, offsets, buffers, tied names and the
-structure), :func:`unflatten` builds the tree back, :func:`unflatten_into` writes a vector
-into an existing tree in place. What counts as a container, a model and a leaf, dtypes,
-buffers and tied leaves: docs/models.md.
+The server and the optimizers work on one flat NumPy vector: :func:`flatten` makes it and a
+:class:`FlatSpec`, :func:`unflatten` builds the tree back, :func:`unflatten_into` writes into
+an existing tree in place. Containers, models, leaves, dtypes, buffers, tied leaves:
+docs/models.md.
 
 Example:
     >>> import numpy as np
@@ -95,14 +93,7 @@ class LeafSpec:
 
 
 class TreeDef(NamedTuple):
-    """The structure of a tree without its leaves (opaque; picklable when its classes are).
-
-    Kinds: ``leaf`` (a stored leaf, the next in order), ``alias`` (another name
-    of stored leaf ``static["leaf"]``), ``const`` (``static["value"]``, not
-    stored), ``none``, ``dict``, ``list``, ``tuple``, ``namedtuple``,
-    ``dataclass`` and ``registry`` (a container of an ecosystem's registry:
-    ``static["via"]`` and ``static["template"]``).
-    """
+    """The structure of a tree without its leaves (opaque; picklable when its classes are)."""
 
     kind: str
     keys: tuple = ()  # dict keys in flattening order, field names, or list/tuple indices
@@ -277,8 +268,7 @@ def _build(
     holder: Any = None,
     label: str | None = None,
 ) -> TreeDef:
-    """The treedef of ``x``; its stored leaves go to ``b``. ``lenient``: inside a
-    registered container, where other arrays are constants and other objects are dropped."""
+    """The treedef of ``x``; stored leaves go to ``b`` (``lenient``: in a registered container)."""
     backend, x, model = _view(x)
     if backend is not None:
         return _build_leaf(_Leaf(path, x, backend, buffer, label, holder), b, lenient)
@@ -465,9 +455,7 @@ def _match(x: Any, path: tuple, node: TreeDef, m: _Matcher, holder: Any = None) 
 def _match_keyed(
     items: dict, path: tuple, node: TreeDef, m: _Matcher, holder: Any, local: Iterable = ()
 ) -> None:
-    """Matches a mapping by key. A tied leaf under another name, a constant and the
-    model's own per-worker state may be missing; keys the model keeps per worker
-    (``local``) may be there and are ignored."""
+    """Matches a mapping by key; tied leaves, constants and ``local`` keys are optional."""
     if len(items) == len(node.keys) and all(k in items for k in node.keys):  # the usual case
         for k, child in zip(node.keys, node.children, strict=True):
             _match(items[k], (*path, k), child, m, holder)
@@ -641,13 +629,12 @@ def flatten(
     dtype: Any = None,
     keep_integers: bool = False,
 ) -> tuple[np.ndarray, FlatSpec]:
-    """Copies the leaves of ``tree`` (a pytree of any backend, or a model) into one flat
-    vector; returns ``(flat, spec)``.
+    """``(flat, spec)``: the leaves of ``tree`` (any backend's pytree, or a model) in one vector.
 
-    ``spec``: one ``tree`` must match (gradients against the parameters'), returned as it
-    is; ``out``: a vector to fill instead of allocating; ``dtype``: force float32 or
-    float64; ``keep_integers``: keep integer leaves as constants instead of refusing them.
-    A mismatch raises TypeError or ValueError naming the key path.
+    ``spec``: one ``tree`` must match (gradients against the parameters'), returned as is;
+    ``out``: a vector to fill; ``dtype``: force float32 or float64; ``keep_integers``: keep
+    integer leaves as constants instead of refusing them. A mismatch raises TypeError or
+    ValueError naming the key path.
 
     Example:
         >>> import numpy as np

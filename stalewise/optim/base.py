@@ -9,16 +9,13 @@ which leaf. It is a NamedTuple of functions, in the spirit of optax:
   place and checkpoint it as it is.
 - ``update(grads, state, params, *, scale=1.0) -> (updates, new_state)``: pure;
   ``params + updates`` is the new parameter vector; no input is modified.
-- ``apply(grads, state, params, *, scale=1.0) -> None``: in place; ``params``
-  and ``state`` are updated, ``grads`` may be overwritten (it is used as
-  scratch), and no parameter-sized memory is allocated.
-- ``update_inplace(grads, state, params, *, scale=1.0) -> None``: ``grads``
-  becomes the updates and ``state`` is advanced; ``params`` is untouched. This is
-  what :func:`chain` uses for all but its last element.
+- ``apply(grads, state, params, *, scale=1.0) -> None``: ``params`` and ``state`` updated
+  in place, ``grads`` may be overwritten (scratch); allocates no parameter-sized memory.
+- ``update_inplace(grads, state, params, *, scale=1.0) -> None``: ``grads`` becomes the
+  updates and ``state`` is advanced; ``params`` is untouched.
 
 ``scale`` multiplies the step size of this one update (a staleness weight), never what
-enters the moments. Each rule is written once, in place (a :class:`Rule`); ``update`` runs
-it on copies. A state must not be used by two updates at the same time.
+enters the moments. A state must not be used by two updates at the same time.
 """
 
 from __future__ import annotations
@@ -85,8 +82,7 @@ def copy_state(state: State) -> State:
 
 
 def learning_rate(lr: LearningRate, count: np.ndarray | int) -> float:
-    """The learning rate for the update that follows ``count`` applied updates (``lr(0)``
-    first, see :mod:`.schedules`).
+    """The learning rate after ``count`` applied updates (``lr(0)`` first, :mod:`.schedules`).
 
     Example:
         >>> learning_rate(0.1, 7), learning_rate(lambda n: 1.0 / (n + 1), 3)
@@ -134,9 +130,7 @@ def pure_update(
 
 class Rule(abc.ABC):
     """An update rule written once, in place; :meth:`optimizer` derives the four functions.
-
-    Subclasses are frozen dataclasses of hyperparameters (so optimizers pickle)
-    and implement :meth:`init` and :meth:`run`.
+    Subclasses are frozen dataclasses of hyperparameters implementing :meth:`init`, :meth:`run`.
 
     Example:
         >>> @dataclass(frozen=True)
@@ -193,10 +187,9 @@ class Rule(abc.ABC):
     ) -> tuple[float, float]:
         """:meth:`apply` with a server's checks fused into the step (``fused_checks`` rules).
 
-        ``undo``: copies of :meth:`written`'s vectors that get their values before the step.
-        ``grads`` is left untouched. Returns the sum of the squares of ``grads`` and the sum
-        of zero times every value written (finite exactly when params and state stayed
-        finite); the step is taken either way.
+        ``undo``: copies of :meth:`written`'s vectors, given their values before the step;
+        ``grads`` is left untouched. Returns the sum of squares of ``grads`` and a sum that is
+        finite exactly when params and state stayed finite; the step is taken either way.
         """
         if undo is not None:
             written = self.written(state, params)
@@ -234,9 +227,8 @@ def state_type(name: str, module: str, moments: tuple[str, ...], table: Any = No
 
 
 class Moments(Rule):
-    """A rule whose state is :func:`state_type`'s: :meth:`init` and the checks that open
-    every step (:meth:`begin`) are written here once. Subclasses set ``where`` (the name
-    in messages), ``State`` and, with per-leaf exclusions, ``Masked``."""
+    """A rule whose state is :func:`state_type`'s. Subclasses set ``where`` (the name in
+    messages), ``State`` and, with per-leaf exclusions, ``Masked``."""
 
     where: ClassVar[str]
     State: ClassVar[type]
@@ -296,9 +288,8 @@ class _Chain(Rule):
 
 
 def chain(*optimizers: Optimizer) -> Optimizer:
-    """Composes optimizers: each transforms the updates of the one before.
-
-    The state is the tuple of the parts' states; ``scale`` is passed to every part.
+    """Composes optimizers, each transforming the updates of the one before; the state is the
+    tuple of the parts' states, and ``scale`` is passed to every part.
 
     Example:
         >>> from stalewise.optim import lamb
@@ -335,10 +326,8 @@ class _ClipByGlobalNorm(Rule):
 
 
 def clip_by_global_norm(max_norm: float) -> Optimizer:
-    """Rescales the gradient to norm ``max_norm`` when its L2 norm exceeds it.
-
-    A gradient transform: put it first in a :func:`chain`. The norm is over this
-    shard's whole vector.
+    """Rescales the gradient to norm ``max_norm`` when its L2 norm (over this shard's whole
+    vector) exceeds it; put it first in a :func:`chain`.
 
     Example:
         >>> clip = clip_by_global_norm(1.0)

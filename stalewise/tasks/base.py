@@ -1,11 +1,10 @@
 """The task interface and the data plumbing shared by the built-in tasks.
 
-A task bundles a model, its data and its loss; it is a plain, picklable object that never
-sleeps, logs progress or emulates slow hardware (the runtime's business). For a fixed
-task, ``batches(w, W, seed)`` for ``w = 0 .. W-1`` draw from disjoint shards covering
-the training set, each epoch reshuffled by ``(seed, worker, epoch)``. Configs call
-``task.batches(worker, workers, seed)`` through :func:`with_seed`; the built-in tasks
-default ``seed`` to 0, so ``data=task.batches`` also works with ``Job.train``.
+A task bundles a model, its data and its loss in a plain, picklable object that never sleeps,
+logs progress or emulates slow hardware (the runtime's business). ``batches(w, W, seed)`` for
+``w = 0 .. W-1`` draw from disjoint shards covering the training set, each epoch reshuffled by
+``(seed, worker, epoch)``; the built-in tasks default ``seed`` to 0, so ``data=task.batches``
+works with ``Job.train`` (another seed: :func:`with_seed`).
 """
 
 from __future__ import annotations
@@ -123,8 +122,7 @@ def check_number(
     name: str, value: Any, low: float, high: float = np.inf, *, open_: str = ""
 ) -> float:
     """``value`` as a float if it is a finite number in ``[low, high]`` (``open_``: "low", "high"
-    or "both" ends open), else ValueError naming ``name``.
-    """
+    or "both" ends open), else ValueError naming ``name``."""
     lo_open, hi_open = open_ in ("low", "both"), open_ in ("high", "both")
     ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
     x = float(value) if ok else np.nan
@@ -139,9 +137,8 @@ def check_number(
 
 
 def available_memory() -> int | None:
-    """Bytes of memory this process may still allocate: ``MemAvailable`` of
-    ``/proc/meminfo`` (Linux), else the machine's physical memory
-    (``SC_PHYS_PAGES * SC_PAGE_SIZE``); None when neither can be read."""
+    """Bytes this process may still allocate (Linux's ``MemAvailable``, else the physical
+    memory); None when neither can be read."""
     try:
         with open("/proc/meminfo", "rb") as f:
             for line in f:
@@ -167,7 +164,7 @@ def _size(nbytes: float) -> str:
 def check_memory(task: str, nbytes: float, sizes: dict[str, tuple[Any, Any]]) -> None:
     """Raises ValueError if ``nbytes`` (a task's estimate for one process) exceeds
     :func:`available_memory`, naming the key of ``sizes`` (``{key: (value, default)}``)
-    furthest above its default. The built-in tasks call it before allocating anything.
+    furthest above its default.
 
     Example:
         >>> check_memory("least-squares", 1e18, {"n": (512, 2048), "d": (10**14, 64)})
@@ -207,11 +204,8 @@ def shard_indices(n: int, worker: int, workers: int) -> np.ndarray:
 def shard_batches(
     n: int, batch_size: int, worker: int, workers: int, seed: int = 0
 ) -> Iterator[np.ndarray]:
-    """Yields int64 index minibatches of ``worker``'s shard of ``n``, forever.
-
-    Every batch has ``min(batch_size, shard size)`` indices (one shape for compiled
-    backends); an epoch's remainder is dropped and each epoch reshuffled by ``(seed,
-    worker, epoch)``.
+    """Yields int64 index minibatches of ``min(batch_size, shard size)`` indices of ``worker``'s
+    shard of ``n``, forever; an epoch's remainder is dropped, each epoch reshuffled.
 
     Example:
         >>> it = shard_batches(10, 2, worker=0, workers=2, seed=0)
