@@ -15,14 +15,9 @@ from stalewise.consistency import ASP, BSP, SSP, Hybrid
 from stalewise.launch import BudgetSpent, Context, init
 from stalewise.loops import LocalSGD, LocalSGDOptax
 from stalewise.options import Checkpoints, Emulation, Failures, Metrics, Simulation, Timeouts
+from stalewise.protocol.notices import FailureWarning
 from stalewise.runtime.attach import AttachError, attach
-from stalewise.runtime.errors import (
-    DivergedError,
-    FailureWarning,
-    ServerClosed,
-    ShardError,
-    WorkerError,
-)
+from stalewise.runtime.errors import DivergedError, ServerClosed, ShardError, WorkerError
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.result import TrainResult
 

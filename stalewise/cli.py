@@ -544,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     from stalewise.checkpoint import CheckpointError
     from stalewise.config import ConfigError
-    from stalewise.runtime.errors import DivergedError, FailureWarning
+    from stalewise.protocol.notices import FailureWarning
+    from stalewise.runtime.errors import DivergedError
     from stalewise.runtime.sim.config import TooLongError
 
     try:

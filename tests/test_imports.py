@@ -204,10 +204,7 @@ LAYERS = {
 }  # fmt: skip
 
 #: Arrows up the layers that other changes of this round remove; each line goes with its arrow.
-KNOWN_UP = {
-    # checkpoint/resume.py's Saver warns through the runtime's errors (issue 43)
-    "stalewise.checkpoint.resume -> stalewise.runtime.errors",
-}
+KNOWN_UP: set[str] = set()  # none: every arrow points down
 
 
 def upward(graph: dict[str, dict[str, int]], layers: dict[str, tuple[str, ...]]):

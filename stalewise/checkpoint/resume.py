@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from stalewise.checkpoint.store import Checkpoint, CheckpointError, candidates, exists, load, save
-from stalewise.runtime.errors import warn_user
+from stalewise.protocol.notices import warn_user
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class Saver:
     seconds, virtual in the simulator), and at the end of the run.
 
     A checkpoint that cannot be written (disk full, a read-only folder, ...) never
-    costs the run: :meth:`save` warns (:class:`~stalewise.runtime.errors.FailureWarning`,
+    costs the run: :meth:`save` warns (:class:`~stalewise.FailureWarning`,
     naming the folder and the OS error), logs it, records it in ``failures`` (the
     run's :class:`~stalewise.runtime.errors.Failures`, so ``TrainResult.failures``),
     leaves the previous checkpoint as it was, and returns None; the run goes on and

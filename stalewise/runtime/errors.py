@@ -1,15 +1,15 @@
-"""What goes wrong in a run, in every runtime: the errors a run or a client raises, the
-:class:`FailureWarning` users see, and the failure policy with its log (:class:`Failures`)."""
+"""What goes wrong in a run, in every runtime: the errors a run or a client raises, and the
+failure policy with its log (:class:`Failures`), which warns users through
+:mod:`stalewise.protocol.notices`."""
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from stalewise.protocol.notices import warn_user
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +56,6 @@ class BudgetSpent(ServerClosed):
 
 class DivergedError(RuntimeError):
     """Training diverged: every worker stopped because its pushes kept being refused."""
-
-
-class FailureWarning(UserWarning):
-    """Something failed during a run and changed its result (a worker or shard restarted,
-    updates lost, a checkpoint not written); the event is also in ``TrainResult.failures``."""
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def warn_user(message: str) -> None:
-    """Warns ``message`` as a :class:`FailureWarning` at the first caller outside stalewise."""
-    frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, FailureWarning, stacklevel=level)
 
 
 def warn_summary(events: Sequence[Mapping[str, Any]]) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from stalewise import targets
-from stalewise.runtime.errors import DivergedError, Failures, warn_user
+from stalewise.protocol.notices import warn_user
+from stalewise.runtime.errors import DivergedError, Failures
 
 log = logging.getLogger(__name__)
 
