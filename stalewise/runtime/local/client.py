@@ -191,7 +191,7 @@ class Client(PullsIntoTrees):
         return self.__dict__.copy()
 
     def _attach(self) -> SharedBlock:
-        if self._conns and self._conns[0].closed and self._closed_by is None:
+        if self._conns and getattr(self._conns[0], "handed_on", False):
             w = self.worker
             raise RuntimeError(
                 f"worker {w}'s client was released: server.release({w}) hands it to the "

@@ -227,7 +227,7 @@ class LocalServer:
             raise ValueError(
                 f"unknown worker {worker!r}: this server has workers 0..{self.workers - 1}"
             )
-        self.release(worker)
+        self._cut(worker)  # the old incarnation's pipes
         self.check()
         if self._residuals is not None:  # the successor takes over the residual not yet sent
             self._residuals.hand_over(worker, self._incarnations[worker])
@@ -302,6 +302,11 @@ class LocalServer:
     def release(self, worker: int) -> None:
         """Closes this process's copies of ``worker``'s pipes (call it after starting its
         process, so that the shards see them close if it dies)."""
+        for c in self._worker_ends[worker]:
+            c.handed_on = True  # the client here says so if used (Client._attach)
+        self._cut(worker)
+
+    def _cut(self, worker: int) -> None:
         for c in self._worker_ends[worker]:
             c.close()
         self._worker_ends[worker] = []
