@@ -463,8 +463,8 @@ class Calibration:
             f"{_rate(self.message.slope):.3g} B/s (latency = half the fixed part); "
             f"this job's model: {self.model_bytes:,} B"
         )
-        if self.copy is not None:
-            t = self.table()
+        t = self.table()
+        if "copy_rate" in t:  # a copy measured, and bytes charged as copies
             lines.append(
                 f"copies: one process copies {_rate(self.copy.slope):.3g} B/s, every core at "
                 f"once {t['copy_bus']:.3g} B/s in all; a pull costs {t.get('copy_pull')} "

@@ -53,12 +53,23 @@ def test_every_sim_key_is_read_from_the_one_definition():
         "contention_apply": [1.0, 1.2],
         "loop": 3e-4,
         "own_read": 0.4,
+        "copy_rate": 4e10,
+        "copy_bus": 8e10,
+        "copy_pull": 2.0,
+        "copy_push": 1.5,
+        "copy_apply": 1.25,
+        "copy_pull_time": 1e-5,
+        "copy_push_time": 2e-5,
     }
     assert set(table) | {"step_time"} == TOML_KEYS  # step_time is compute = "fixed"'s
     cfg = SimConfig.from_dict(table)
     assert (cfg.compute.shift, cfg.network.shard_bandwidth, cfg.service.rate) == (0.01, 3e9, 5e9)
     assert (cfg.contention.apply, cfg.restart_delay, cfg.joins[0].time) == ((1.0, 1.2), 0.5, 4.0)
     assert (cfg.loop, cfg.own_read) == (3e-4, 0.4)
+    copies = cfg.copies
+    assert (copies.rate, copies.bus, copies.pull, copies.push, copies.apply) == (
+        4e10, 8e10, 2.0, 1.5, 1.25)  # fmt: skip
+    assert (copies.pull_time, copies.push_time) == (1e-5, 2e-5)
     assert SimConfig.from_dict({"compute": "fixed", "step_time": 0.2}).compute.time == 0.2
     assert set(TOML_LISTS) <= TOML_KEYS
 
