@@ -244,16 +244,22 @@ class WorkerActor:
                     return None
                 if self.moved_to > self.inc:
                     self._become(self.moved_to)
-                if all(s is not None for s in self.latest) and self._holds_own():
-                    break
+                if self._whole():
+                    if self._budget_spent():
+                        return None
+                    if self._whole():  # the budget's wait lets a restore clear the snapshots
+                        break
+                    continue
                 self.cond.wait(POLL)
                 self.beats += 1
-            if self._budget_spent():
-                return None
             if self.replica is not None:  # the receiver applies the deltas: copy it whole
                 np.copyto(self.pull_buf, self.replica.params)
                 return [v for v, _ in self.latest], None
             return [v for v, _ in self.latest], [a for _, a in self.latest]
+
+    def _whole(self) -> bool:
+        """Whether a snapshot of every shard is in, holding this worker's settled pushes."""
+        return all(s is not None for s in self.latest) and self._holds_own()
 
     def _holds_own(self) -> bool:
         """Whether the snapshots hold this worker's settled pushes (``cond`` held)."""
