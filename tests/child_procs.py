@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -49,3 +52,24 @@ def end(p: subprocess.Popen) -> None:
     for stream in (p.stdin, p.stdout, p.stderr):
         if stream is not None:
             stream.close()
+
+
+@contextlib.contextmanager
+def launched(cwd, *args: str, stdout=subprocess.PIPE):
+    """``stalewise run ARGS`` in ``cwd``, in its own session; its process group is
+    SIGKILLed at the end, whatever happens."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stalewise", "run", *args],
+        cwd=cwd,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=30)

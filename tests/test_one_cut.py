@@ -6,15 +6,13 @@ pushes made after a rank's saved ``ctx.state``) or skipped shows in the final on
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 
+import child_procs
 import numpy as np
 import pytest
 
@@ -75,33 +73,13 @@ def test_the_cut_rule_names_a_push_on_one_shard_and_a_rank_state_off_the_cut():
     )
 
 
-def _launch(tmp_path, consistency: str, resume: bool) -> subprocess.Popen:
+def _launch(tmp_path, consistency: str, resume: bool):
     args = ["--workers", str(WORKERS), "--steps", str(STEPS), "--checkpoint-dir", "ckpt"]
     args += ["--checkpoint-every", str(EVERY), *(["--resume"] if resume else [])]
     args += ["job.py", str(STEPS), str(WORKERS), consistency]
-    return subprocess.Popen(
-        [sys.executable, "-m", "stalewise", "run", *args],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    return child_procs.launched(tmp_path, *args, stdout=subprocess.DEVNULL)
 
 
-@contextlib.contextmanager
-def _group(proc: subprocess.Popen):
-    """The launcher's process group is SIGKILLed at the end, whatever happens."""
-    try:
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.communicate(timeout=30)
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("consistency", ["asp", "bsp"])
 def test_every_item_is_applied_once_across_random_kills(tmp_path, consistency):
     (tmp_path / "job.py").write_text(SCRIPT)
@@ -109,7 +87,7 @@ def test_every_item_is_applied_once_across_random_kills(tmp_path, consistency):
     ckpts = tmp_path / "ckpt"
     kills = 0
     for attempt in range(KILLS + 1):
-        with _group(_launch(tmp_path, consistency, resume=attempt > 0)) as proc:
+        with _launch(tmp_path, consistency, resume=attempt > 0) as proc:
             if attempt < KILLS:  # killed at a random moment once it has saved something new
                 seen = checkpoint.load(ckpts).version if checkpoint.exists(ckpts) else -1
                 deadline = time.monotonic() + 120

@@ -22,6 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
+import child_procs
 import numpy as np
 import pytest
 
@@ -75,24 +76,9 @@ def _script(tmp_path: Path) -> Path:
     return path
 
 
-@contextlib.contextmanager
 def _launcher(tmp_path: Path, *args: str):
     """``stalewise run ARGS`` in its own session; its group is SIGKILLed at the end."""
-    proc = subprocess.Popen(
-        [*STALEWISE, "run", *args],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.communicate(timeout=30)
+    return child_procs.launched(tmp_path, *args)
 
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
