@@ -337,7 +337,8 @@ class Calibration:
             t["own_read"] = round(self.own_read, 3)
         if copies:
             per = self.copy.slope
-            t["copy_rate"], t["copy_bus"] = _rate(per), _sig(self.bus) if self.bus else math.inf
+            t["copy_rate"] = _rate(per)
+            t["copy_bus"] = _sig(self.bus) if self.bus else math.inf
             pull, push = (
                 (self.pull, self.send or self.push) if cpu is None else (cpu["pull"], cpu["send"])
             )
