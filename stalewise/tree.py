@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AttrKey", "FlatSpec", "HiddenKey", "LeafSpec", "TreeDef"]
 __all__ += ["copy_buffers", "flatten", "mark_buffers", "path_str", "put_buffers"]
-__all__ += ["take_buffers", "unflatten", "unflatten_into"]
+__all__ += ["take_buffers", "unflatten", "unflatten_into", "views_into"]
 
 
 class AttrKey(str):
@@ -743,6 +744,25 @@ def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
                 containers.set_value(f.holder, f.backend.from_numpy(segment, leaf.dtype))
             else:
                 f.backend.assign(f.x, segment)
+
+
+def views_into(target: Any, spec: FlatSpec) -> list[tuple[int, np.ndarray]] | None:
+    """``(offset, flat view)`` of each leaf of ``target`` for a copy straight into it, or
+    None unless each is one writeable C-contiguous NumPy array or CPU torch tensor of the
+    flat dtype (then :func:`unflatten_into`)."""
+    views = []
+    for values, leaf in zip(_collect(target, spec), spec.leaves, strict=True):
+        f = values[0]
+        x = f.x if f.backend.name == "numpy" else None
+        if f.backend.name == "torch" and f.x.device.type == "cpu":
+            with contextlib.suppress(TypeError, RuntimeError):  # sparse, conjugate...
+                x = f.x.detach().numpy()  # shares the tensor's memory
+        if len(values) > 1 or f.holder is not None or leaf.dtype != spec.dtype.name:
+            return None
+        if not (isinstance(x, np.ndarray) and x.flags.writeable and x.flags.c_contiguous):
+            return None
+        views.append((leaf.offset, x.reshape(-1)))
+    return views
 
 
 # -- buffers ------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import multiprocessing as mp
 
 import mp_helpers
 import numpy as np
+import pytest
 
 import stalewise as sw
 from stalewise import optim
@@ -22,7 +23,8 @@ HAMMER_PUSHES = 400  # each of the two other workers'
 MIN_PULLS = 200  # worker 0's pulls, at least (more while the others push)
 
 
-def test_a_pull_racing_other_workers_steps_is_never_torn_nor_older_than_its_push(no_leaks):
+@pytest.mark.parametrize("into", [False, True])  # into the pull buffer, or a tree's arrays
+def test_a_pull_racing_other_workers_steps_is_never_torn_nor_older_than_its_push(no_leaks, into):
     job = sw.Job({"x": np.zeros(N, np.float32)}, optimizer=optim.sgd(1.0), shards=2)
     ranges = job.config.ranges
     ctx = mp.get_context("spawn")
@@ -38,11 +40,11 @@ def test_a_pull_racing_other_workers_steps_is_never_torn_nor_older_than_its_push
                 server.release(w)
                 procs.append(p)
             client.pull(timeout=60)
-            ones = {"x": np.ones(N, np.float32)}
+            ones, mine = {"x": np.ones(N, np.float32)}, {"x": np.zeros(N, np.float32)}
             pulls, raced = 0, 0
             while pulls < MIN_PULLS or any(p.is_alive() for p in procs):
                 client.push(ones, timeout=60)
-                x = client.pull(copy=False, timeout=60)["x"]
+                x = client.pull(copy=False, into=mine if into else None, timeout=60)["x"]
                 acked = client.last_result.versions
                 for k, (lo, hi) in enumerate(ranges):
                     value = float(x[lo])

@@ -237,3 +237,53 @@ def test_pull_reads_into_fresh_memory_and_last_pull_still_gives_it(shards, monke
     np.testing.assert_array_equal(first["w"], np.zeros(N, np.float32))
     np.testing.assert_array_equal(second["w"], np.full(N, -1.0, np.float32))
     np.testing.assert_array_equal(client.last_pull()["w"], second["w"])
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_pull_into_a_tree_writes_its_own_arrays_once(shards, monkeypatch, served):
+    """``pull(into=tree)`` reads each shard's params straight into the tree's arrays: the
+    pull buffer is left alone unless the shard served the pull there; ``last_pull`` gives
+    the same values. A leaf it cannot view (not contiguous) takes the copy through the
+    pull buffer, and gets the same values."""
+    if served:
+        monkeypatch.setattr(client_lib, "LIVE_COPIES", 0)
+    s = shards(1)
+    client = s.clients[0]
+    client.pull(timeout=TIMEOUT)
+    client.push({"w": np.ones(N, np.float32)})
+    client._pull_buf[:] = np.nan  # what a copy through the pull buffer would overwrite
+    into = {"w": np.full(N, 7.0, np.float32)}
+    w = into["w"]
+    assert client.pull(into=into, timeout=TIMEOUT) is into and into["w"] is w
+    np.testing.assert_array_equal(w, np.full(N, -1.0, np.float32))
+    assert np.isnan(client._pull_buf).all() != served
+    np.testing.assert_array_equal(client.last_pull()["w"], w)
+    strided = {"w": np.zeros(2 * N, np.float32)[::2]}
+    client.pull(into=strided, timeout=TIMEOUT)
+    np.testing.assert_array_equal(strided["w"], w)
+
+
+def test_pull_into_numpy_and_torch_leaves_across_shards(no_leaks):
+    """Leaves that straddle the shards' ranges, NumPy arrays and a torch module's tensors,
+    get what a fresh pull gives, in their own memory, not through the pull buffer."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 7))
+    tree = {"a": np.zeros((3, 5), np.float32), "b": np.zeros(7, np.float32)}
+    for params in (tree, model):
+        job = sw.Job(params, optimizer=sw.optim.sgd(1.0), shards=3)
+        with job.serve(workers=1) as server:
+            client = server.client(0)
+            size = client.pull_flat(timeout=TIMEOUT).size
+            grads = sw.tree.unflatten(np.arange(size, dtype=np.float32), client.spec)
+            client.push(grads)  # a distinct value in every element
+            expected = client.pull(timeout=TIMEOUT)
+            client._pull_buf[:] = np.nan
+            leaves = dict(model.state_dict(keep_vars=True)) if params is model else dict(tree)
+            ptrs = {k: v.data_ptr() for k, v in leaves.items()} if params is model else None
+            client.pull(into=params, timeout=TIMEOUT)
+            for k, v in leaves.items():
+                got = v.detach().numpy() if params is model else v
+                np.testing.assert_array_equal(got, np.asarray(expected[k]), err_msg=k)
+                assert ptrs is None or v.data_ptr() == ptrs[k]
+            assert (client.own_requests, np.isnan(client._pull_buf).all()) == (0, True)
+            client.close()

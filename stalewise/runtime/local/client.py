@@ -118,7 +118,7 @@ class Client(PullsIntoTrees):
         self._conns = conns
         self._block: SharedBlock | None = None
         self._snapshots: Snapshots | None = None  # set on attach (workers only)
-        self._last: np.ndarray | None = None  # what the last pull filled (see last_pull)
+        self._last: np.ndarray | list | None = None  # what the last pull filled (last_pull)
         if worker is None:  # the server's own observer shares its mapping
             assert block is not None
             self._block = block
@@ -229,25 +229,32 @@ class Client(PullsIntoTrees):
         return self._block
 
     def pull(self, *, copy: bool = True, into: Any = None, timeout=None, own: bool = True) -> Any:
-        if not copy or into is not None:
+        # one copy: the snapshots are read straight into new memory, or into `into`'s
+        # leaves (a pull that raises may have written some of them)
+        views = None if into is None else tree.views_into(into, self._spec)
+        if (not copy and into is None) or (into is not None and views is None):
             return super().pull(copy=copy, into=into, timeout=timeout, own=own)
-        # fresh arrays: the snapshots are read straight into new memory (one copy, not two)
-        flat = self.pull_flat(
-            timeout=timeout, own=own, out=np.empty(self._layout.size, self._layout.dtype)
-        )
-        return tree.unflatten(flat, self._spec)  # its leaves view the fresh vector
+        out = np.empty(self._layout.size, self._layout.dtype) if views is None else views
+        flat = self.pull_flat(timeout=timeout, own=own, out=out)
+        return into if views is not None else tree.unflatten(flat, self._spec)  # views `flat`
 
     def last_pull(self, *, copy: bool = True, into: Any = None) -> Any:
-        if self._last is not None and self._last is not self._pull_buf:  # into fresh memory
-            np.copyto(self._pull_buf, self._last)
-            self._last = self._pull_buf
+        last, buf = self._last, self._pull_buf
+        if last is not None and last is not buf:  # read into fresh memory or a tree's leaves
+            for at, view in [(0, last)] if isinstance(last, np.ndarray) else last:
+                np.copyto(buf[at : at + view.size], view)
+            self._last = buf
         return super().last_pull(copy=copy, into=into)
 
     def pull_flat(
-        self, *, timeout: float | None = None, own: bool = True, out: np.ndarray | None = None
-    ) -> np.ndarray:
+        self,
+        *,
+        timeout: float | None = None,
+        own: bool = True,
+        out: np.ndarray | list | None = None,
+    ) -> np.ndarray | list:
         """Like :meth:`pull` but returns the flat pull buffer itself (no copy), or ``out``
-        (a flat vector) filled with the pull."""
+        (a flat vector, or pieces of one: :func:`layout.copy_range`) filled with the pull."""
         self._attach()
         out = self._last = self._pull_buf if out is None else out
         if self.watch is not None:
@@ -292,11 +299,10 @@ class Client(PullsIntoTrees):
                     self._sender.pulled(k, self._take(k, "pulled", timeout)[1])
                     self._pulls_due[k] = False
                     if out is not self._pull_buf:  # served into the pull buffer
-                        lo, hi = self._ranges[k]
-                        np.copyto(out[lo:hi], self._pull_buf[lo:hi])
+                        L.copy_range(out, self._pull_buf, *self._ranges[k])
         return out
 
-    def _read(self, k: int, timeout: float | None, out: np.ndarray) -> int | None:
+    def _read(self, k: int, timeout: float | None, out: np.ndarray | list) -> int | None:
         """Copies shard ``k``'s params holding this worker's acked push into ``out`` and
         returns their version; None after :data:`LIVE_COPIES` torn copies (ask the shard)."""
         snaps, acked = self._snapshots, self._acked(k)

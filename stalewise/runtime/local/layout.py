@@ -46,6 +46,18 @@ def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def copy_range(out: np.ndarray | list, src: np.ndarray, lo: int, hi: int) -> None:
+    """``out[lo:hi] = src[lo:hi]``; ``out`` a flat vector or ``(offset, flat view)`` pieces
+    of one (a tree's leaves, :func:`stalewise.tree.views_into`)."""
+    if isinstance(out, np.ndarray):
+        np.copyto(out[lo:hi], src[lo:hi])
+        return
+    for at, view in out:
+        a, b = max(lo, at), min(hi, at + view.size)
+        if a < b:
+            np.copyto(view[a - at : b - at], src[a:b])
+
+
 @dataclass(frozen=True)
 class Layout:
     """Byte offsets of the regions of a job's shared-memory block."""
@@ -280,7 +292,7 @@ class Snapshots:
         """Whether shard ``k`` is not changing its live params right now."""
         return not int(self.table[k, _LIVE_SEQ]) & 1
 
-    def read_live(self, k: int, out: np.ndarray) -> int | None:
+    def read_live(self, k: int, out: np.ndarray | list) -> int | None:
         """Copies shard ``k``'s live params into ``out[lo:hi]``; returns their version, or
         None if the shard was changing them (the copy may be torn: do not use it)."""
         row = self.table[k]
@@ -288,7 +300,7 @@ class Snapshots:
         seq = int(row[_LIVE_SEQ])
         if seq & 1:
             return None
-        np.copyto(out[lo:hi], self.params[lo:hi])
+        copy_range(out, self.params, lo, hi)
         version = int(row[_LIVE_VER])
         return version if int(row[_LIVE_SEQ]) == seq else None
 
@@ -323,8 +335,9 @@ class Snapshots:
         row = self.table[k]
         return int(row[_VER + int(row[_CUR])])
 
-    def read(self, k: int, out: np.ndarray) -> int:
-        """Copies shard ``k``'s latest snapshot into ``out[lo:hi]``; returns its version."""
+    def read(self, k: int, out: np.ndarray | list) -> int:
+        """Copies shard ``k``'s latest snapshot into ``out[lo:hi]`` (:func:`copy_range`);
+        returns its version."""
         row = self.table[k]
         lo, hi = self.ranges[k]
         while True:
@@ -332,7 +345,7 @@ class Snapshots:
             seq = int(row[_SEQ + i])
             if seq & 1:
                 continue  # the shard is writing it; it will flip `cur` when done
-            np.copyto(out[lo:hi], self.buffers[i][lo:hi])
+            copy_range(out, self.buffers[i], lo, hi)
             version = int(row[_VER + i])
             if int(row[_SEQ + i]) == seq:
                 return version
