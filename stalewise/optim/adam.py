@@ -36,6 +36,13 @@ class _Adam(Moments):
     def written(self, state, params: np.ndarray) -> tuple[np.ndarray, ...]:
         return (params, state.mu, state.nu)
 
+    def bound(self, state, scale: float, g: float, maxima: tuple) -> tuple[float, ...]:
+        """Bounds of :meth:`maxima` after the next step of an update of norm ``g``, and of
+        the step's intermediate values."""
+        lr, p, m, v, q, d = self.adam_bounds(state, scale, g, maxima, self.l2)
+        u = q + self.decay * p
+        return p + lr * u, m, v, max(u, d * d)
+
     def run(self, grads, state, params, scale, into_params, check=None, undo=None) -> None:
         count, lr, table = self.begin(grads, state, params, scale, into_params)
         t = count + 1

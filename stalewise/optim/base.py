@@ -257,6 +257,22 @@ class Moments(Rule):
             table = _leaves.decay_table(segments, no_decay)
         return self.Masked(new_count(), *moments, *table)  # type: ignore[misc]
 
+    def maxima(self, state: State, params: np.ndarray) -> tuple[float, ...]:
+        """Bounds of the largest magnitudes in ``params`` and each moment: their norms."""
+        arrays = (params, *(getattr(state, m) for m in self.State._moments))
+        return tuple(math.sqrt(_kernels.sumsq(a)) for a in arrays)
+
+    def adam_bounds(self, state: State, scale: float, g: float, maxima: tuple, l2: float) -> tuple:
+        """An Adam direction's bounds after an update of norm ``g`` (see :meth:`maxima`):
+        ``(lr * scale, params, mu, nu, direction and m_hat, g + l2 * p)``."""
+        count = check_count(self.where, state.count)
+        lr = learning_rate(self.lr, count) * float(scale)  # type: ignore[attr-defined]
+        b1, b2, eps = self.b1, self.b2, self.eps  # type: ignore[attr-defined]
+        p, m, v = maxima[:3]
+        d = g + l2 * p
+        m, v = b1 * m + (1 - b1) * d, b2 * v + (1 - b2) * d * d
+        return lr, p, m, v, m / (1 - b1 ** (count + 1)) / min(eps, 1.0), d
+
     def begin(
         self, grads: np.ndarray, state: State, params: np.ndarray, scale: float, into_params: bool
     ) -> tuple[int, float, _leaves.DecayTable]:

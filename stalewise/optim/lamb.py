@@ -36,6 +36,15 @@ class _Lamb(Moments):
     exclude_from_weight_decay: tuple[str, ...]
     exclude_from_adaptation: tuple[str, ...]
 
+    def bound(self, state, scale: float, g: float, maxima: tuple) -> tuple[float, ...]:
+        """As Adam's (:meth:`Moments.adam_bounds`); a leaf's step ``r * ||u||`` is at most
+        ``||p||`` or ``max(1, min_trust_ratio) * ||u||``, and ``r`` at most the clip."""
+        lr, p, m, v, q, d = self.adam_bounds(state, scale, g, maxima, 0.0)
+        u = q + self.weight_decay * p
+        ratio = lr * max(self.max_trust_ratio, 1.0)
+        step = lr * (p + max(1.0, self.min_trust_ratio) * u)
+        return p + step, m, v, max(u, d * d, p * p, u * u, ratio)
+
     def run(self, grads, state, params, scale, into_params) -> None:
         count, lr, _ = self.begin(grads, state, params, scale, into_params)
         t = count + 1

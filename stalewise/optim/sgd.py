@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,10 +40,6 @@ class _Sgd(Moments):
 
     def written(self, state, params: np.ndarray) -> tuple[np.ndarray, ...]:
         return (params, state.momentum)
-
-    def maxima(self, state, params: np.ndarray) -> tuple[float, float]:
-        """Bounds of the largest magnitudes in ``params`` and the momentum: their norms."""
-        return math.sqrt(_kernels.sumsq(params)), math.sqrt(_kernels.sumsq(state.momentum))
 
     def bound(
         self, state, scale: float, g: float, maxima: tuple[float, float]

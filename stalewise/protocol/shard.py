@@ -138,6 +138,7 @@ class Shard:
         # a rule that checks values in its own pass over the slice (Rule.apply_checked)
         rule = getattr(optimizer.apply, "__self__", None)
         self._fused = rule if getattr(rule, "fused_checks", False) else None
+        self._bounds = rule if hasattr(rule, "bound") else None  # see _bounded
         self.workers = workers
         self.consistency = consistency or consistency_lib.ASP()
         self.staleness = staleness or staleness_lib.constant()
@@ -181,7 +182,7 @@ class Shard:
         scratch = self.params.copy()
         state = self.optimizer.init(scratch, self.segments)
         self.optimizer.apply(np.zeros_like(scratch), state, scratch, scale=1.0)
-        if hasattr(self._fused, "bound"):
+        if self._bounds is not None:
             _kernels.sumsq(scratch)  # the bound's kernel (see _bounded)
 
     # -- pulls and gates -------------------------------------------------------------
@@ -453,13 +454,13 @@ class Shard:
         self._undo_fresh = False
         self._resumed[:] = False  # a resumed job says so: resume()
 
-    def prepare(self) -> None:
+    def prepare(self, undo: bool = False) -> None:
         """Copies the params and optimizer state a step may have to be undone from or, for a
-        rule that bounds its step, measures what bounds it (:meth:`_bounded`); off the next
-        push's path when a runtime calls it while the shard is idle."""
-        if hasattr(self._fused, "bound"):
+        rule that bounds its step (unless ``undo``), measures what bounds it (:meth:`_bounded`);
+        off the next push's path when a runtime calls it while the shard is idle."""
+        if self._bounds is not None and not undo:
             if self._maxima is None or self._maxima[0] is not self.opt_state:
-                self._maxima = (self.opt_state, self._fused.maxima(self.opt_state, self.params))
+                self._maxima = (self.opt_state, self._bounds.maxima(self.opt_state, self.params))
         elif not self._undo_fresh:
             arrays, undo = self._undo_buffers()
             for a, copy in zip(arrays, undo, strict=True):
@@ -482,7 +483,7 @@ class Shard:
         arrays, undo = self._undo_buffers()
         err = None
         if self._fused is None:
-            self.prepare()
+            self.prepare(undo=True)
             self._undo_fresh = False
             self.optimizer.apply(update, self.opt_state, self.params, scale=scale)
             written_ok = False
@@ -516,8 +517,8 @@ class Shard:
         """Whether the step provably stays finite (no undo copy needed): the rule bounds
         what it writes from the update's norm and its bounds after the step before
         (``maxima`` measures them again when unknown); with ``judge``, the norm too."""
-        rule = self._fused
-        if not hasattr(rule, "bound"):
+        rule = self._bounds
+        if rule is None:
             return False
         self.prepare()  # the bounds, unless known
         g = math.sqrt(_kernels.sumsq(update))  # in float64: >= its largest magnitude
