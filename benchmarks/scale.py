@@ -11,7 +11,7 @@ figure is a ratio that a shared machine's load moves less than a time.
   all bounds the rate at ``1 / (copies x copy)`` (and the workers' ideal, 162.5/s).
   ``shard_cpu``: the shards' CPU time per update, in copies (what they do while
   idle, an undo copy or a publish, counted too; ticks of 10 ms: coarse at 1M);
-  ``sgd_push``/``sgd_idle`` (and with momentum): a ``Shard``'s push and its idle
+  ``sgd_push``/``sgd_idle`` (and with momentum, Adam): a ``Shard``'s push and its idle
   ``prepare()`` (the undo copy, where it makes one) in one process, in copies.
 * **rates**: the own-loop client of the README (4 processes, ASP, 20 ms steps, one
   worker 4x slower, ``client.pull()`` then ``client.push(grads)``), updates/s
@@ -21,7 +21,7 @@ figure is a ratio that a shared machine's load moves less than a time.
   counted in every process that touched it) as a multiple of the parameters' bytes.
 
     .venv/bin/python benchmarks/scale.py [--sizes 1000000 10000000] [--shards 1 2 4]
-        [--seconds 4] [--train] [--json benchmarks/results/scale.json]
+        [--seconds 4] [--train] [--optimizer sgd|adam] [--json benchmarks/results/scale.json]
 """
 
 import argparse
@@ -106,9 +106,13 @@ def shard_work(n: int, optimizer, repeats: int) -> tuple[float, float]:
     return med["push"] / med["copy"], med["prepare"] / med["copy"]
 
 
-def stages(n: int, shards: int, repeats: int) -> dict:
+OPTIMIZERS = {"sgd": lambda: sw.optim.sgd(1e-3), "adam": lambda: sw.optim.adam(1e-3)}
+
+
+def stages(n: int, shards: int, repeats: int, optimizer: str = "sgd") -> dict:
     """Each stage's median time over ``repeats`` updates, as a multiple of a copy."""
-    job = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=sw.optim.sgd(1e-3), shards=shards)
+    opt = OPTIMIZERS[optimizer]()
+    job = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=opt, shards=shards)
     grads = {"w": np.full(n, 1e-3, np.float32)}
     into = {"w": np.zeros(n, np.float32)}
     t = {"pull()": [], "pull(into=buffers)": [], "push": [], "apply": [], "copy": []}
@@ -150,7 +154,11 @@ def stages(n: int, shards: int, repeats: int) -> dict:
     row["mem_client"] = peaks["client"] / nbytes
     row["mem_shard"] = max(peaks["shards"], default=0) / nbytes
     if shards == 1:  # the shard's own work per update: its step and its idle undo copy
-        for name, opt in (("sgd", sw.optim.sgd(1e-3)), ("momentum", sw.optim.sgd(1e-3, 0.9))):
+        for name, opt in (
+            ("sgd", sw.optim.sgd(1e-3)),
+            ("momentum", sw.optim.sgd(1e-3, 0.9)),
+            ("adam", sw.optim.adam(1e-3)),
+        ):
             row[f"{name}_push"], row[f"{name}_idle"] = shard_work(n, opt, repeats)
     return row
 
@@ -172,8 +180,9 @@ def own_worker(client, w: int, n: int, seconds: float, start, out) -> None:
     client.close()
 
 
-def own_rate(n: int, shards: int, seconds: float) -> dict:
-    job = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=sw.optim.sgd(0.01), shards=shards)
+def own_rate(n: int, shards: int, seconds: float, optimizer: str = "sgd") -> dict:
+    opt = OPTIMIZERS[optimizer]()
+    job = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=opt, shards=shards)
     ctx = mp.get_context("spawn")
     start, out = ctx.Queue(), ctx.Queue()
     with job.serve(workers=WORKERS) as server:
@@ -231,6 +240,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=4.0, help="own loop: seconds counted")
     ap.add_argument("--repeats", type=int, default=9, help="stages: updates timed")
     ap.add_argument("--train", action="store_true", help="also Job.train: gradients, DiLoCo H=20")
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="the shards'")
     _report.add_json_arg(ap)
     args = ap.parse_args()
     out = _report.json_path(ap, args, "scale")
@@ -238,9 +248,9 @@ def main() -> int:
     rows = []
     for n in args.sizes:
         for s in args.shards:
-            row = stages(n, s, args.repeats)
+            row = stages(n, s, args.repeats, args.optimizer)
             if s == args.shards[0]:  # the rates: one shard count per size
-                row |= own_rate(n, s, args.seconds * (1 if n <= 2e6 else 3))
+                row |= own_rate(n, s, args.seconds * (1 if n <= 2e6 else 3), args.optimizer)
                 row["of_bound"] = row["updates/s"] / row["bound/s"]
                 if args.train:
                     row["train/s"] = train_rate(n, s, args.seconds, None)
@@ -259,7 +269,13 @@ def main() -> int:
     )
     print(format_table([{k: r.get(k, "") for k in cols} for r in rows], cols))
     _report.write(
-        out, {"ideal_updates_per_s": IDEAL, "load1": [min(loads), max(loads)], "rows": rows}
+        out,
+        {
+            "ideal_updates_per_s": IDEAL,
+            "load1": [min(loads), max(loads)],
+            "optimizer": args.optimizer,
+            "rows": rows,
+        },
     )
     return 0
 

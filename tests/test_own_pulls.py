@@ -245,9 +245,10 @@ def test_pull_into_a_tree_writes_its_own_arrays_once(shards, monkeypatch, served
     pull buffer is left alone unless the shard served the pull there; ``last_pull`` gives
     the same values. A leaf it cannot view (not contiguous) takes the copy through the
     pull buffer, and gets the same values."""
+    monkeypatch.setattr(pipeline, "PUBLISH_EVERY", 3600.0)  # busy: the pull reads live or asks
     if served:
         monkeypatch.setattr(client_lib, "LIVE_COPIES", 0)
-    s = shards(1)
+    s = shards(2, busy=True)  # worker 1 never pushes: the slowest clock stays
     client = s.clients[0]
     client.pull(timeout=TIMEOUT)
     client.push({"w": np.ones(N, np.float32)})
@@ -256,7 +257,7 @@ def test_pull_into_a_tree_writes_its_own_arrays_once(shards, monkeypatch, served
     w = into["w"]
     assert client.pull(into=into, timeout=TIMEOUT) is into and into["w"] is w
     np.testing.assert_array_equal(w, np.full(N, -1.0, np.float32))
-    assert np.isnan(client._pull_buf).all() != served
+    assert (np.isnan(client._pull_buf).all(), client.own_requests) == (not served, served)
     np.testing.assert_array_equal(client.last_pull()["w"], w)
     strided = {"w": np.zeros(2 * N, np.float32)[::2]}
     client.pull(into=strided, timeout=TIMEOUT)
@@ -287,3 +288,25 @@ def test_pull_into_numpy_and_torch_leaves_across_shards(no_leaks):
                 assert ptrs is None or v.data_ptr() == ptrs[k]
             assert (client.own_requests, np.isnan(client._pull_buf).all()) == (0, True)
             client.close()
+
+
+def test_a_pull_reuses_the_memory_of_an_earlier_pull_once_nothing_refers_to_it(shards):
+    """Fresh arrays come from one of the last two pulls' memory once the caller dropped
+    every array of it (no page faults), never from memory still referred to: a kept leaf,
+    a torch tensor made from one, or the tree in ``params = client.pull()`` is not
+    overwritten by the pulls after it."""
+    torch = pytest.importorskip("torch")
+    s = shards(1)
+    client = s.clients[0]
+    address = client.pull(timeout=TIMEOUT)["w"].__array_interface__["data"][0]
+    again = client.pull(timeout=TIMEOUT)["w"]  # the first tree is gone: its memory again
+    assert again.__array_interface__["data"][0] == address
+    kept, tensor = again, torch.from_numpy(client.pull(timeout=TIMEOUT)["w"])
+    params = client.pull(timeout=TIMEOUT)
+    for step in range(1, 4):
+        client.push({"w": np.ones(N, np.float32)})
+        params = client.pull(timeout=TIMEOUT)  # the tree from two pulls ago is free
+        np.testing.assert_array_equal(params["w"], np.full(N, -float(step), np.float32))
+    np.testing.assert_array_equal(kept, np.zeros(N, np.float32))
+    np.testing.assert_array_equal(tensor.numpy(), np.zeros(N, np.float32))
+    assert len({id(a) for a in client._spares}) == 2  # two held, no more made than that

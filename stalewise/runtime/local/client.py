@@ -12,6 +12,7 @@ shard's detection are described in ``docs/design-notes.md`` ("Local runtime").""
 
 from __future__ import annotations
 
+import sys
 import time
 from multiprocessing import connection
 from typing import Any, NoReturn
@@ -119,6 +120,7 @@ class Client(PullsIntoTrees):
         self._block: SharedBlock | None = None
         self._snapshots: Snapshots | None = None  # set on attach (workers only)
         self._last: np.ndarray | list | None = None  # what the last pull filled (last_pull)
+        self._spares: list[np.ndarray] = []  # the last pulls' new memory (see _fresh)
         if worker is None:  # the server's own observer shares its mapping
             assert block is not None
             self._block = block
@@ -234,9 +236,19 @@ class Client(PullsIntoTrees):
         views = None if into is None else tree.views_into(into, self._spec)
         if (not copy and into is None) or (into is not None and views is None):
             return super().pull(copy=copy, into=into, timeout=timeout, own=own)
-        out = np.empty(self._layout.size, self._layout.dtype) if views is None else views
-        flat = self.pull_flat(timeout=timeout, own=own, out=out)
+        flat = self.pull_flat(
+            timeout=timeout, own=own, out=self._fresh() if views is None else views
+        )
         return into if views is not None else tree.unflatten(flat, self._spec)  # views `flat`
+
+    def _fresh(self) -> np.ndarray:
+        """Memory for a pull's new arrays: one of the last two pulls' once nothing outside
+        this client refers to it (CPython's reference count: no page faults), else new."""
+        for a in self._spares:  # referred to by the list, `a`, getrefcount and maybe _last
+            if sys.getrefcount(a) == 3 + (a is self._last):
+                return a
+        self._spares = [np.empty(self._layout.size, self._layout.dtype), *self._spares[:1]]
+        return self._spares[0]
 
     def last_pull(self, *, copy: bool = True, into: Any = None) -> Any:
         last, buf = self._last, self._pull_buf
@@ -531,7 +543,7 @@ class Client(PullsIntoTrees):
         if self._lease is not None:  # the server gives this worker id back (see .attach)
             self._lease.close()
         self._pull_buf = self._push_buf = None  # type: ignore[assignment]
-        self._payloads = []
+        self._payloads, self._spares = [], []
         self._residuals = None
         if self._block is not None:
             self._block.close()
