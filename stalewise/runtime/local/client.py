@@ -119,7 +119,7 @@ class Client(PullsIntoTrees):
         self._conns = conns
         self._block: SharedBlock | None = None
         self._snapshots: Snapshots | None = None  # set on attach (workers only)
-        self._last: np.ndarray | list | None = None  # what the last pull filled (last_pull)
+        self._last: Any = None  # what the last pull filled (see last_pull)
         self._spares: list[np.ndarray] = []  # the last pulls' new memory (see _fresh)
         if worker is None:  # the server's own observer shares its mapping
             assert block is not None
@@ -258,13 +258,7 @@ class Client(PullsIntoTrees):
             self._last = buf
         return super().last_pull(copy=copy, into=into)
 
-    def pull_flat(
-        self,
-        *,
-        timeout: float | None = None,
-        own: bool = True,
-        out: np.ndarray | list | None = None,
-    ) -> np.ndarray | list:
+    def pull_flat(self, *, timeout: float | None = None, own: bool = True, out: Any = None) -> Any:
         """Like :meth:`pull` but returns the flat pull buffer itself (no copy), or ``out``
         (a flat vector, or pieces of one: :func:`layout.copy_range`) filled with the pull."""
         self._attach()
@@ -314,7 +308,7 @@ class Client(PullsIntoTrees):
                         L.copy_range(out, self._pull_buf, *self._ranges[k])
         return out
 
-    def _read(self, k: int, timeout: float | None, out: np.ndarray | list) -> int | None:
+    def _read(self, k: int, timeout: float | None, out: Any) -> int | None:
         """Copies shard ``k``'s params holding this worker's acked push into ``out`` and
         returns their version; None after :data:`LIVE_COPIES` torn copies (ask the shard)."""
         snaps, acked = self._snapshots, self._acked(k)
