@@ -24,6 +24,7 @@ import functools
 import logging
 import math
 import re
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -757,6 +758,7 @@ def views_into(target: Any, spec: FlatSpec) -> list[tuple[int, np.ndarray]] | No
         if f.backend.name == "torch" and f.x.device.type == "cpu":
             with contextlib.suppress(TypeError, RuntimeError):  # sparse, conjugate...
                 x = f.x.detach().numpy()  # shares the tensor's memory
+                sys.modules["torch"].autograd.graph.increment_version(f.x)  # a write, to autograd
         if len(values) > 1 or f.holder is not None or leaf.dtype != spec.dtype.name:
             return None
         if not (isinstance(x, np.ndarray) and x.flags.writeable and x.flags.c_contiguous):

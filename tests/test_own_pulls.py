@@ -287,6 +287,11 @@ def test_pull_into_numpy_and_torch_leaves_across_shards(no_leaks):
                 np.testing.assert_array_equal(got, np.asarray(expected[k]), err_msg=k)
                 assert ptrs is None or v.data_ptr() == ptrs[k]
             assert (client.own_requests, np.isnan(client._pull_buf).all()) == (0, True)
+            if params is model:  # autograd sees the write, as it saw copy_() before
+                y = model(torch.ones(1, 5, requires_grad=True)).sum()
+                client.pull(into=model, timeout=TIMEOUT)
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    y.backward()
             client.close()
 
 
