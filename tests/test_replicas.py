@@ -405,3 +405,32 @@ def test_kill_each_process_before_each_event_of_the_job(consistency, kind):
     runs, retried, clean = fault_cases(consistency, kind, pushes=4, every_event=True)
     assert runs == 1 + len(TARGETS_KILLED) * (clean.events + 1)
     assert retried > 10
+
+
+def test_rules_of_the_two_copies():
+    """Replies wait for the backup (not when alone); a forward of another view is ignored,
+    an overlap applied once, a gap or a garbled entry refused in one line."""
+    primary = Primary(make_shard(0, "asp", "grad"))
+    assert primary.reply("alone") == ["alone"]
+    backup = Backup(make_shard(0, "asp", "grad"), primary.attach())
+    primary.join(0, 1)
+    primary.join(0, 1)  # resent: nothing changes, no entry
+    assert primary.reply("joined") == [] and primary.entries == 1
+    first = primary.forward()
+    assert backup.receive(first._replace(view=0)) is None and backup.entries == 0
+    for _ in range(2):
+        primary.shard.pull(0)
+    second = primary.forward()
+    with pytest.raises(pushlog.LogError, match="shard 0, view 1, entry 0: entry 1 arrived first"):
+        backup.receive(second)
+    assert backup.entries == 0
+    assert primary.held(backup.receive(first)) == ["joined"]
+    overlap = second._replace(first=0, entries=first.entries + second.entries)
+    assert backup.receive(overlap) == (1, 3) and backup.shard.stats.bytes_out == 0
+    garbled = second._replace(first=3, entries=(b"SWJ1" + bytes(8),))
+    with pytest.raises(pushlog.LogError, match=r"shard 0, view 1, entry 3: .* not JSON"):
+        backup.receive(garbled)
+    assert backup.entries == 3
+    primary.reply("pulled")
+    assert primary.detach() == ["pulled"]
+    assert_same_state(backup.promote().shard.state_dict(), primary.shard.state_dict())

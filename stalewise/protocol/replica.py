@@ -141,12 +141,14 @@ class Backup:
             pushlog.LogError: a gap (entries were lost), or an entry the shard refuses."""
         if forward is None or forward.view != self.view:
             return None
-        if forward.first > self.entries:
-            raise pushlog.LogError(
-                f"view {self.view}: entries from {forward.first} arrived, {self.entries} expected"
-            )
-        for data in forward.entries[self.entries - forward.first :]:
-            pushlog.replay(self.shard, pushlog.decode(data))
+        for data in forward.entries[max(self.entries - forward.first, 0) :]:
+            at = f"shard {self.shard.shard_id}, view {self.view}, entry {self.entries}"
+            if forward.first > self.entries:
+                raise pushlog.LogError(f"{at}: entry {forward.first} arrived first (a gap)")
+            try:
+                pushlog.replay(self.shard, pushlog.decode(data))
+            except pushlog.LogError as e:
+                raise pushlog.LogError(f"{at}: {e}") from None
             self.entries += 1
         return Held(self.view, self.entries)
 
