@@ -1,13 +1,14 @@
 """protocol/replica.py, proved by killing every process at every message boundary.
 
 A deterministic message-level model of a small job: 2 workers, 2 shards each kept by a
-primary and a backup, 20 pushes per worker; every message (join, pull, push, leave, their
-replies, forward, held, catch-up) is one event, in the order of its arrival time (worker 1
-computes its pushes 3 times slower than worker 0). Each run kills one
-process (a worker, a primary, a backup) before one event of the fault-free run, restarts
-or promotes per the rules, and runs to the end. Then: every push a worker was told was
-applied is applied exactly once in every live copy, the copies agree bit for bit, and a
-replay of the log from the initial state gives the same state."""
+primary and a backup; every message (join, pull, push, leave, their replies, forward,
+held, catch-up) is one event, in the order of its arrival time (worker 1 computes its
+pushes 3 times slower than worker 0). Each run kills one process (a worker, a primary, a
+backup) at one boundary: before a message it receives or after one it sends (20 pushes
+per worker), or before any event of the job (4 pushes); then restarts or promotes per
+the rules and runs to the end. Then: every worker finished, every push a worker was told
+was applied is applied exactly once in every live copy, the copies agree bit for bit,
+and a replay of the log from the initial state gives the same state."""
 
 import copy
 import heapq
@@ -38,7 +39,12 @@ def make_shard(k, consistency, kind):
     params = np.linspace(-1, 1, 2 * SIZE, dtype=np.float32)[k * SIZE : (k + 1) * SIZE].copy()
     seg = Segments.single(SIZE)
     return Shard(
-        params, seg, SERVER[kind](), workers=WORKERS, consistency=CONSISTENCY[consistency]()
+        params,
+        seg,
+        SERVER[kind](),
+        workers=WORKERS,
+        consistency=CONSISTENCY[consistency](),
+        shard_id=k,
     )
 
 
@@ -387,7 +393,7 @@ def fault_cases(consistency, kind, pushes=PUSHES, every_event=False):
 
 @pytest.mark.slow  # about 20 s of CPU each
 @pytest.mark.parametrize("kind", ["grad", "diloco"])
-@pytest.mark.parametrize("consistency", ["asp", "bsp"])
+@pytest.mark.parametrize("consistency", ["asp", "bsp", "ssp"])
 def test_kill_each_process_at_each_of_its_messages(consistency, kind):
     """20 pushes per worker: each process killed before each message it receives (and
     after its last) and after each message it sends."""
