@@ -73,6 +73,6 @@ class Pace:
     def state(self) -> np.ndarray:
         return self.pace.copy()
 
-    def load(self, pace: np.ndarray) -> None:
+    def load(self, pace: np.ndarray, since: np.ndarray | None = None) -> None:
         self.pace[:] = pace
-        self._since[:] = math.nan
+        self._since[:] = math.nan if since is None else since

@@ -35,7 +35,7 @@ from stalewise import consistency as consistency_lib
 from stalewise import staleness as staleness_lib
 from stalewise._lazy import Lazy
 from stalewise.codecs import PayloadError
-from stalewise.protocol import commit, hybrid
+from stalewise.protocol import commit, hybrid, pushlog
 from stalewise.protocol import state as state_lib
 from stalewise.protocol.messages import Ack, PushHeader
 from stalewise.protocol.stats import ShardStats, _ClockTracker
@@ -176,6 +176,7 @@ class Shard:
         self._undo_fresh = False  # the undo copy holds the current values
         # a rule that bounds its step: the state they are of, its bounds (see _bounded)
         self._maxima: tuple[Any, tuple[float, ...]] | None = None
+        self.journal: Any = None  # where the state's changes go (pushlog.journaled)
 
     def warm_up(self) -> None:
         """Runs the optimizer once on a scratch copy so JIT compilation happens before training."""
@@ -227,6 +228,7 @@ class Shard:
         if not self._round_done[worker]:
             self._round_waiting += 1
 
+    @pushlog.journaled
     def pull(
         self, worker: int | None = None, out: np.ndarray | None = None, *, now: float | None = None
     ) -> int:
@@ -256,6 +258,7 @@ class Shard:
 
     # -- pushes ----------------------------------------------------------------------
 
+    @pushlog.journaled
     def push(
         self,
         header: PushHeader,
@@ -312,6 +315,7 @@ class Shard:
         self._maybe_close_round()
         return Ack(worker, seq, True, None, self.version, tau)
 
+    @pushlog.journaled
     def leave(self, worker: int) -> None:
         """Marks a worker as gone: gates and BSP rounds stop waiting for it."""
         self._check_worker(worker)
@@ -327,6 +331,7 @@ class Shard:
         self._pulled.pop(worker, None)
         self._maybe_close_round()
 
+    @pushlog.journaled
     def join(self, worker: int, incarnation: int) -> None:
         """Starts a new incarnation of ``worker``: its sequence numbers start at 0.
 
@@ -357,11 +362,13 @@ class Shard:
         if clock == 0:  # a client counting from 0 itself
             self._start(worker)
 
+    @pushlog.journaled
     def resume(self) -> None:
         """Marks the loaded state as a stopped job's: each counted worker's next incarnation
         takes its saved seat (clock and BSP round) without departing it first."""
         np.copyto(self._resumed, self.live)
 
+    @pushlog.journaled
     def admit(self, worker: int, incarnation: int) -> None:
         """:meth:`join`, and from now on the runtime hears only this incarnation of
         ``worker`` (:meth:`dropped`); the one it heard before is cut off."""
@@ -369,6 +376,7 @@ class Shard:
         self.retire(worker)
         self.admitted[worker] = incarnation
 
+    @pushlog.journaled
     def retire(self, worker: int, incarnation: int | None = None) -> None:
         """Cuts ``worker``'s admitted incarnation off (if it is ``incarnation``, when given):
         nothing it sends is handled from now on, though it stays live until it departs."""
@@ -399,6 +407,7 @@ class Shard:
             return None
         return int(self.next_seq[worker])
 
+    @pushlog.journaled
     def depart(
         self,
         worker: int,
@@ -417,6 +426,7 @@ class Shard:
         self.leave(worker)
         return ack
 
+    @pushlog.journaled
     def deliver(
         self, worker: int, incarnation: int, committed: tuple[PushHeader, Any, commit.Verdict]
     ) -> Ack | None:
@@ -431,6 +441,7 @@ class Shard:
             return self.push(header, payload, verdict=verdict)
         return None
 
+    @pushlog.journaled
     def expire_unstarted(self) -> list[int]:
         """Drops the expected workers (and resumed seats) that never joined; returns their ids."""
         gone = [
@@ -452,7 +463,6 @@ class Shard:
         """Restores a :meth:`state_dict` in place, after checking all of it (:func:`state.load`)."""
         state_lib.load(self, state)
         self._undo_fresh = False
-        self._resumed[:] = False  # a resumed job says so: resume()
 
     def prepare(self, undo: bool = False) -> None:
         """Copies the params and optimizer state a step may have to be undone from or, for a

@@ -42,6 +42,9 @@ _STATE_KEYS = (
 )
 
 
+_OPTIONAL = ("counted", "resumed", "round.floor", "pace.since")  # see save()
+
+
 def save(shard: Shard) -> dict[str, Any]:
     """Everything needed to continue exactly where this shard is, as a flat dict of copies.
 
@@ -87,6 +90,8 @@ def save(shard: Shard) -> dict[str, Any]:
         "live": shard.live.copy(),
         # only while a joiner has not pulled or pushed yet (the gates do not count it)
         **({"counted": shard.counted.copy()} if (shard.live & ~shard.counted).any() else {}),
+        # only while a resumed job's seat waits for its worker's next incarnation
+        **({"resumed": shard._resumed.copy()} if shard._resumed.any() else {}),
         # only once every counted worker has left (where a joiner starts: Shard.min_clock)
         **({"round.floor": int(shard._floor)} if shard._floor else {}),
         "round.sum": (
@@ -99,6 +104,8 @@ def save(shard: Shard) -> dict[str, Any]:
         "pace": (
             shard._pace.state() if shard._pace is not None else np.full(shard.workers, np.nan)
         ),
+        # hybrid, only while a served pull awaits its push (replaying a journal times it)
+        **({"pace.since": shard._pace._since.copy()} if _timing(shard) else {}),
         "pulled.workers": np.array(pulled, dtype=np.int64),
         "pulled.params": pulled_params,
         "opt_structure": structure,
@@ -129,6 +136,7 @@ def load(shard: Shard, state: Mapping[str, Any]) -> None:
     for key, array in _worker_arrays(shard).items():
         np.copyto(array, state[key])
     np.copyto(shard.counted, _counted(state, shard.workers))
+    np.copyto(shard._resumed, state.get("resumed", False))
     shard._clocks = _ClockTracker.of(shard.clocks, shard.counted)
     if round_sum is None or shard._round_sum is None:
         shard._round_sum = round_sum
@@ -139,9 +147,14 @@ def load(shard: Shard, state: Mapping[str, Any]) -> None:
     shard._floor = int(state.get("round.floor", 0))  # checked by _checked
     shard.synchronous = bool(state["synchronous"])
     if shard._pace is not None:
-        shard._pace.load(state["pace"])
+        shard._pace.load(state["pace"], state.get("pace.since"))
     shard._pulled = pulled
     vars(shard.stats).update(stats)  # the same object: a runtime may hold it
+
+
+def _timing(shard: Shard) -> bool:
+    """Whether a hybrid shard has timed a pull whose push has not come yet."""
+    return shard._pace is not None and not np.isnan(shard._pace._since).all()
 
 
 def _counted(state: Mapping[str, Any], workers: int) -> np.ndarray:
@@ -191,7 +204,7 @@ def _checked(shard: Shard, state: Any) -> tuple[Any, dict, np.ndarray | None, di
         )
     expected = [*_STATE_KEYS, *opt_arrays]
     for key in state:
-        if key not in expected and key not in ("counted", "round.floor"):  # optional: save()
+        if key not in expected and key not in _OPTIONAL:
             raise _bad(key, "unknown key")
     for key in expected:
         if key not in state:
@@ -221,6 +234,11 @@ def _checked(shard: Shard, state: Any) -> tuple[Any, dict, np.ndarray | None, di
         )
     if "round.floor" in state:
         _count(state, "round.floor")
+    if (
+        "resumed" in state
+        and (_array(state, "resumed", np.bool_, (workers,)) & ~state["live"]).any()
+    ):
+        raise _bad("resumed", "a seat kept for a worker that is not live")
     round_count = _count(state, "round.count")
     round_sum = state["round.sum"]
     empty = isinstance(round_sum, np.ndarray) and round_sum.shape == (0,)
@@ -238,6 +256,8 @@ def _checked(shard: Shard, state: Any) -> tuple[Any, dict, np.ndarray | None, di
     if round_count and not synchronous:
         raise _bad("round.count", f"{round_count} pushes of a round, but the round is asynchronous")
     _array(state, "pace", np.float64, (workers,))
+    if "pace.since" in state:  # optional: save()
+        _array(state, "pace.since", np.float64, (workers,))
     if round_count and not round_sum.size:
         raise _bad("round.sum", f"empty, but round.count is {round_count}")
 

@@ -1,0 +1,310 @@
+"""A shard's journal: every call that changed its state, in order, as bytes (no pickle).
+
+A :class:`~stalewise.protocol.Shard` whose ``journal`` is a callable (say a binary
+file's ``writelines``) hands it each call of a :func:`journaled` method as the buffers
+of one encoded entry, after the call returns (a call that raised changed nothing and
+is not recorded); a call such a method makes is part of it. Loading the state the
+journal began at into a shard built alike and :func:`replay`-ing the entries gives the
+same params, optimizer state, version, clocks and acks, bit for bit. An entry is
+``<4sII`` (``MAGIC``, header length, CRC-32 of the header), a JSON header, then the
+payload's raw bytes, as sent. Format and cost: ``docs/design-notes.md`` ("Push log").
+
+Example:
+    >>> import numpy as np
+    >>> from stalewise import optim, segments
+    >>> from stalewise.protocol import PushHeader, Shard
+    >>> def make():
+    ...     params = np.zeros(2, np.float32)
+    ...     return Shard(params, segments.Segments.single(2), optim.adam(0.1), workers=1)
+    >>> live, chunks = make(), []
+    >>> state, live.journal = live.state_dict(), chunks.extend
+    >>> live.join(0, 1)
+    >>> acks = [live.push(PushHeader(0, s, 0, 1), np.ones(2, np.float32)) for s in (0, 0)]
+    >>> copy = make()
+    >>> copy.load_state_dict(state)
+    >>> replay(copy, decode(b"".join(chunks)))[1:] == acks  # the second one a duplicate
+    True
+    >>> copy.params.tobytes() == live.params.tobytes()
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import io
+import json
+import logging
+import math
+import struct
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO, NamedTuple
+
+import numpy as np
+
+from stalewise.protocol.commit import Verdict
+from stalewise.protocol.messages import PushHeader
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"SWJ1"
+_PREFIX = struct.Struct("<4sII")
+MAX_HEADER = 4096  # bytes of an entry's JSON header
+
+
+class LogError(ValueError):
+    """A journal that does not decode, or does not fit the shard replaying it (one line)."""
+
+
+class Entry(NamedTuple):
+    """One journaled call: its method, its arguments (JSON values) and its payload."""
+
+    op: str
+    fields: dict[str, Any]
+    payload: Any = None  # an array, bytes or None
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _opt_int(x: Any) -> bool:
+    return x is None or _int(x)
+
+
+def _ints(n: int) -> Callable[[Any], bool]:
+    return lambda x: x is None or (isinstance(x, list) and len(x) == n and all(map(_int, x)))
+
+
+def _time(x: Any) -> bool:
+    return x is None or (isinstance(x, int | float) and not isinstance(x, bool))
+
+
+_COMMITTED = {"committed": lambda x: isinstance(x, bool), "header": _ints(4), "verdict": _ints(2)}
+# each journaled method's fields and their checks (a payload's fields come on top)
+FIELDS: dict[str, dict[str, Callable[[Any], bool]]] = {
+    "push": {"header": _ints(4), "verdict": _ints(2), "now": _time},
+    "pull": {"worker": _opt_int, "out": lambda x: isinstance(x, bool), "now": _time},
+    "leave": {"worker": _int},
+    "join": {"worker": _int, "incarnation": _int},
+    "admit": {"worker": _int, "incarnation": _int},
+    "retire": {"worker": _int, "incarnation": _opt_int},
+    "depart": {"worker": _int, "incarnation": _int, **_COMMITTED},
+    "deliver": {"worker": _int, "incarnation": _int, **_COMMITTED},
+    "resume": {},
+    "expire_unstarted": {},
+}
+
+
+def journaled(method: Callable) -> Callable:
+    """Makes a :class:`Shard` method hand its calls to ``shard.journal`` (when not None)."""
+    op, signature = method.__name__, inspect.signature(method)
+    assert op in FIELDS, op
+
+    @functools.wraps(method)
+    def call(shard: Any, *args: Any, **kwargs: Any) -> Any:
+        journal = shard.journal
+        if journal is None:
+            return method(shard, *args, **kwargs)
+        bound = signature.bind(shard, *args, **kwargs)
+        bound.apply_defaults()
+        entry = encode(op, bound.arguments)  # before: DC-ASGD changes a payload in place
+        shard.journal = None  # the calls it makes are part of this one
+        try:
+            result = method(shard, *args, **kwargs)
+        finally:
+            shard.journal = journal
+        journal(entry)
+        return result
+
+    return call
+
+
+def encode(op: str, arguments: dict[str, Any]) -> list[bytes]:
+    """The buffers of one entry for a call of ``op`` with ``arguments`` (by parameter name)."""
+    fields: dict[str, Any] = {"op": op}
+    payload = None
+    for name, value in arguments.items():
+        if name == "out":
+            fields["out"] = value is not None
+        elif name == "committed":
+            fields["committed"] = value is not None
+            if value is not None:
+                header, payload, verdict = value
+                fields.update(header=_header(header), verdict=_verdict(verdict))
+        elif name == "header":
+            fields["header"] = _header(value)
+        elif name == "verdict":
+            fields["verdict"] = _verdict(value)
+        elif name == "payload":
+            payload = value
+        elif name == "now":
+            fields["now"] = None if value is None else float(value)
+        elif name != "self":
+            fields[name] = int(value) if isinstance(value, np.integer) else value
+    data = b""
+    if payload is not None:  # one that is neither an array nor bytes is replayed as None
+        if isinstance(payload, bytes | bytearray | memoryview):
+            fields["dtype"], data = "bytes", bytes(payload)
+        elif isinstance(payload, np.ndarray) and payload.dtype.kind in "biuf":
+            fields.update(dtype=payload.dtype.str, shape=list(payload.shape))
+            data = payload.tobytes()
+        if data or "dtype" in fields:
+            fields.update(n=len(data), sum=_sum(data))
+    header = json.dumps(fields, separators=(",", ":"), default=repr).encode()
+    return [_PREFIX.pack(MAGIC, len(header), zlib.crc32(header)), header, data]
+
+
+def _header(h: Any) -> list[int] | None:
+    """A push header as JSON (None: malformed, which replays as malformed)."""
+    ok = isinstance(h, tuple) and len(h) == 4
+    ok = ok and all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in h)
+    return [int(x) for x in h] if ok else None
+
+
+def _verdict(v: Any) -> list[int] | None:
+    return None if v is None else [int(v[0]), int(v[1])]
+
+
+def _sum(data: Any) -> int:
+    """The payload's 64-bit words summed mod 2**64 (a CRC of a 4 MB payload costs 1 ms)."""
+    mv = memoryview(data).cast("B")
+    whole = len(mv) // 8 * 8
+    total = int(np.frombuffer(mv[:whole], np.uint64).sum(dtype=np.uint64)) if whole else 0
+    return (total + int.from_bytes(mv[whole:], "little")) % 2**64
+
+
+# -- reading ---------------------------------------------------------------------------
+
+
+def read(stream: BinaryIO, *, max_payload: int, where: str = "journal") -> Iterator[Entry]:
+    """The entries of a journal, each checked as read: every length bounded (a payload by
+    ``max_payload`` bytes), every field typed. A torn last entry (a crash mid-write) is
+    logged and dropped.
+
+    Raises:
+        LogError: one line naming ``where``, the entry, its byte offset and the bad field."""
+    offset = 0
+    for i in range(2**62):
+        at = f"{where}: entry {i} at byte {offset}"
+        prefix = stream.read(_PREFIX.size)
+        if not prefix:
+            return
+        if len(prefix) < _PREFIX.size:
+            return _torn(at)
+        magic, size, crc = _PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise LogError(f"{at}: not a journal entry (magic {magic!r})")
+        if size > MAX_HEADER:
+            raise LogError(f"{at}: header of {size} bytes, more than {MAX_HEADER}")
+        raw = stream.read(size)
+        if len(raw) < size:
+            return _torn(at)
+        if zlib.crc32(raw) != crc:
+            raise LogError(f"{at}: header checksum mismatch (garbled)")
+        fields = _fields(raw, at)
+        payload, n = None, fields.pop("n", None)
+        if n is not None:
+            if n > max_payload:
+                raise LogError(f"{at}: 'n': a payload of {n} bytes, more than {max_payload}")
+            buf = bytearray(n)
+            if stream.readinto(buf) < n:
+                return _torn(at)
+            if _sum(buf) != fields.pop("sum"):
+                raise LogError(f"{at}: 'sum': the payload's checksum does not match (garbled)")
+            payload = _array(buf, fields.pop("dtype"), fields.pop("shape", None), at)
+        offset += _PREFIX.size + size + (n or 0)
+        yield Entry(fields.pop("op"), fields, payload)
+
+
+def decode(data: bytes, *, max_payload: int = 2**40, where: str = "journal") -> list[Entry]:
+    """The entries of a journal held in memory (:func:`read`)."""
+    return list(read(io.BytesIO(data), max_payload=max_payload, where=where))
+
+
+def _torn(at: str) -> None:
+    log.warning("%s: torn (a crash while it was written); dropped", at)
+
+
+def _fields(raw: bytes, at: str) -> dict[str, Any]:
+    """An entry's header, every field checked."""
+    try:
+        fields = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise LogError(f"{at}: the header is not JSON") from None
+    if not isinstance(fields, dict) or fields.get("op") not in FIELDS:
+        raise LogError(f"{at}: 'op': expected one of {', '.join(FIELDS)}")
+    checks = dict(FIELDS[fields["op"]])
+    if "n" in fields:
+        checks.update(n=lambda x: _int(x) and x >= 0, sum=_int, dtype=_dtype)
+        if fields.get("dtype") != "bytes":
+            checks["shape"] = lambda x: isinstance(x, list) and len(x) <= 8 and all(map(_int, x))
+    for key, ok in checks.items():
+        if key not in fields and not (key in ("header", "verdict") and not fields.get("committed")):
+            raise LogError(f"{at}: {key!r}: missing")
+        if key in fields and not ok(fields[key]):
+            raise LogError(f"{at}: {key!r}: {str(fields[key])[:60]} is not valid here")
+    unknown = set(fields) - set(checks) - {"op"}
+    if unknown:
+        raise LogError(f"{at}: {sorted(unknown)[0]!r}: unknown field")
+    return fields
+
+
+def _dtype(x: Any) -> bool:
+    """Whether ``x`` names a payload's dtype: ``bytes`` or a number's (``<f4``, ``|u1``)."""
+    try:
+        return x == "bytes" or (isinstance(x, str) and np.dtype(x).kind in "biuf" and len(x) < 8)
+    except (TypeError, ValueError):
+        return False
+
+
+def _array(buf: bytearray, dtype: str, shape: list[int] | None, at: str) -> np.ndarray:
+    """A payload's values, writable (DC-ASGD compensates a push in place)."""
+    if dtype == "bytes":
+        return bytes(buf)
+    a = np.frombuffer(buf, np.dtype(dtype)) if len(buf) % np.dtype(dtype).itemsize == 0 else None
+    if a is None or any(s < 0 for s in shape) or math.prod(shape) != a.size:
+        raise LogError(f"{at}: 'shape': {shape} does not hold {len(buf)} bytes of {dtype}")
+    return a.reshape(shape)
+
+
+# -- replaying -------------------------------------------------------------------------
+
+
+def replay(shard: Any, entries: Any) -> list[Any]:
+    """Makes each entry's call on ``shard`` (loaded with the state its journal began at);
+    returns the calls' results (the acks of pushes) in order.
+
+    Raises:
+        LogError: an entry the shard refuses (the journal is not of this shard or state)."""
+    scratch = None
+    results = []
+    for i, (op, f, payload) in enumerate(entries):
+        try:
+            if op == "push":
+                args = (_push_header(f["header"]), payload)
+                kwargs = {"verdict": _push_verdict(f["verdict"]), "now": f["now"]}
+            elif op == "pull":
+                if f["out"] and scratch is None:
+                    scratch = np.empty_like(shard.params)
+                args, kwargs = (f["worker"], scratch if f["out"] else None), {"now": f["now"]}
+            elif op in ("depart", "deliver"):
+                committed = None
+                if f["committed"]:
+                    committed = (_push_header(f["header"]), payload, _push_verdict(f["verdict"]))
+                args, kwargs = (f["worker"], f["incarnation"], committed), {}
+            else:
+                args, kwargs = tuple(f[key] for key in FIELDS[op]), {}
+            results.append(getattr(shard, op)(*args, **kwargs))
+        except (ValueError, TypeError, KeyError) as e:
+            raise LogError(f"entry {i} ({op}): {e}") from None
+    return results
+
+
+def _push_header(h: list[int] | None) -> PushHeader | None:
+    return None if h is None else PushHeader(*h)
+
+
+def _push_verdict(v: list[int] | None) -> Verdict | None:
+    return None if v is None else Verdict(*v)

@@ -1,0 +1,176 @@
+"""A shard kept on two processes, as pure objects (no I/O): the rules every runtime follows.
+
+The :class:`Primary` serves: it makes each call on its shard, whose journal
+(:mod:`~stalewise.protocol.pushlog`) numbers the entries in the order it decides, and
+:meth:`~Primary.forward`\\ s them to the :class:`Backup`, which replays them in that order.
+A reply (an ack, a pull's params, a join) leaves only once the backup holds every entry
+up to it (:meth:`~Primary.reply`), so what a worker was told survives either copy. When
+the primary dies, the backup is :meth:`~Backup.promote`\\ d (it holds every entry it
+acknowledged, all applied) and each worker resends what it was not answered
+(:class:`Outstanding`); ``(worker, incarnation, seq)`` makes a resent push count once.
+When either dies the other serves alone until a new backup starts from
+:meth:`~Primary.attach` (the state at entry n, then the entries after n). Messages between
+the copies carry the view (one per promotion or attach); one of an older view is ignored.
+Rules and costs: ``docs/design-notes.md`` ("Replicated shards").
+
+Example:
+    >>> import numpy as np
+    >>> from stalewise import optim, segments
+    >>> from stalewise.protocol import PushHeader, Shard
+    >>> def make():
+    ...     return Shard(np.zeros(2, np.float32), segments.Segments.single(2), optim.sgd(1.0), workers=1)
+    >>> primary = Primary(make())
+    >>> backup = Backup(make(), primary.attach())
+    >>> primary.join(0, 1)
+    >>> ack = primary.shard.push(PushHeader(0, 0, 0, 1), np.ones(2, np.float32))
+    >>> primary.reply(ack)  # the backup holds nothing yet: the ack waits
+    []
+    >>> primary.held(backup.receive(primary.forward())) == [ack]
+    True
+    >>> survivor = backup.promote()  # the primary died: the backup serves alone
+    >>> survivor.shard.push(PushHeader(0, 0, 0, 1), np.ones(2, np.float32)).duplicate
+    True
+    >>> survivor.shard.params.tolist()
+    [-1.0, -1.0]
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, NamedTuple
+
+from stalewise.protocol import pushlog
+
+
+class Forward(NamedTuple):
+    """Journal entries ``first, first + 1, ...`` of the primary of ``view``, encoded."""
+
+    view: int
+    first: int
+    entries: tuple[bytes, ...]
+
+
+class Held(NamedTuple):
+    """The backup of ``view`` holds (has applied) the first ``entries`` entries."""
+
+    view: int
+    entries: int
+
+
+class CatchUp(NamedTuple):
+    """A new backup's start: the primary's ``state_dict()`` after its first ``entries``."""
+
+    view: int
+    entries: int
+    state: dict[str, Any]
+
+
+class Primary:
+    """The serving copy of a shard: numbers its entries, holds replies until the backup does.
+
+    ``entries``: how many entries the shard's state is after; ``view``: its view."""
+
+    def __init__(self, shard: Any, *, entries: int = 0, view: int = 0):
+        self.shard, self.entries, self.view = shard, entries, view
+        self.backed = False  # a backup is attached
+        self.acked = entries  # entries the backup holds
+        self._unsent: list[bytes] = []
+        self._waiting: deque[tuple[int, Any]] = deque()
+        shard.journal = self._record
+
+    def _record(self, buffers: list[bytes]) -> None:
+        self._unsent.append(b"".join(buffers))
+        self.entries += 1
+
+    def join(self, worker: int, incarnation: int) -> None:
+        """``shard.join`` of a newer incarnation; a resent one changes nothing."""
+        if incarnation > self.shard.incarnation[worker]:
+            self.shard.join(worker, incarnation)
+
+    def reply(self, message: Any) -> list[Any]:
+        """Queues ``message`` until the backup holds every entry so far; returns the
+        replies free to go (alone: at once)."""
+        self._waiting.append((self.entries, message))
+        return self._free()
+
+    def forward(self) -> Forward | None:
+        """The entries made since the last call (None: none), for the backup if
+        :attr:`backed` (and for a log on disk)."""
+        if not self._unsent:
+            return None
+        entries, self._unsent = tuple(self._unsent), []
+        return Forward(self.view, self.entries - len(entries), entries)
+
+    def held(self, held: Held | None) -> list[Any]:
+        """The backup's :class:`Held`; returns the replies it frees."""
+        if held is not None and held.view == self.view and self.backed:
+            self.acked = max(self.acked, held.entries)
+        return self._free()
+
+    def detach(self) -> list[Any]:
+        """The backup died: serve alone; returns the replies that waited for it."""
+        self.backed = False
+        return self._free()
+
+    def attach(self) -> CatchUp:
+        """Starts a new backup (a new view): the state now; the entries after it follow."""
+        self.view += 1
+        self.backed, self.acked = True, self.entries
+        return CatchUp(self.view, self.entries, self.shard.state_dict())
+
+    def _free(self) -> list[Any]:
+        free = []
+        while self._waiting and (not self.backed or self._waiting[0][0] <= self.acked):
+            free.append(self._waiting.popleft()[1])
+        return free
+
+
+class Backup:
+    """A copy of a shard that replays its primary's entries in order (``shard``: built as
+    the primary's was; ``start``: from :meth:`Primary.attach`)."""
+
+    def __init__(self, shard: Any, start: CatchUp):
+        shard.load_state_dict(start.state)
+        self.shard, self.entries, self.view = shard, start.entries, start.view
+
+    def receive(self, forward: Forward | None) -> Held | None:
+        """Applies the entries it does not hold yet; returns what it holds (None: ignored,
+        a forward of another view).
+
+        Raises:
+            pushlog.LogError: a gap (entries were lost), or an entry the shard refuses."""
+        if forward is None or forward.view != self.view:
+            return None
+        for data in forward.entries[max(self.entries - forward.first, 0) :]:
+            at = f"shard {self.shard.shard_id}, view {self.view}, entry {self.entries}"
+            if forward.first > self.entries:
+                raise pushlog.LogError(f"{at}: entry {forward.first} arrived first (a gap)")
+            try:
+                pushlog.replay(self.shard, pushlog.decode(data))
+            except pushlog.LogError as e:
+                raise pushlog.LogError(f"{at}: {e}") from None
+            self.entries += 1
+        return Held(self.view, self.entries)
+
+    def promote(self) -> Primary:
+        """The primary died: this copy serves (alone), in a new view."""
+        return Primary(self.shard, entries=self.entries, view=self.view + 1)
+
+
+class Outstanding:
+    """A worker's requests each shard's primary has not answered, to resend to a promoted
+    one (a push it was not told was applied, a pull, a join)."""
+
+    def __init__(self, shards: int):
+        self._sent: list[dict[Any, Any]] = [{} for _ in range(shards)]
+
+    def sent(self, k: int, key: Any, request: Any) -> None:
+        self._sent[k][key] = request
+
+    def answered(self, k: int, key: Any) -> bool:
+        """Whether ``key`` was outstanding at shard ``k`` (False: a late second answer)."""
+        return self._sent[k].pop(key, None) is not None
+
+    def resend(self, k: int) -> list[Any]:
+        """What to send the new primary of shard ``k``, in the order first sent."""
+        return list(self._sent[k].values())
