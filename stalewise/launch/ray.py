@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import threading
@@ -74,6 +75,71 @@ def shipped_env(
         or among(k, SHIPPED)
         or (every and not among(k, NOT_SHIPPED) and not SECRET.search(k))
     }
+
+
+#: The launcher's reaper (stdlib only): every 0.5 s while its stdin, a pipe only the
+#: launcher holds, is open, it notes the launcher's descendants (pid, start time); once
+#: the pipe closes (the launcher ended, even by SIGKILL) it stops those still running,
+#: the processes whose environment holds the launcher's mark (a Ray worker started as
+#: its raylet died is orphaned), and their descendants, then kills them all. Ray's
+#: agents otherwise outlive a killed driver by a minute or more.
+REAPER = r"""
+import os, select, signal, sys
+root, me, mark = int(sys.argv[1]), os.getpid(), b"\0%s\0" % os.fsencode(sys.argv[2])
+def read(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+def start(p):
+    return read(f"/proc/{p}/stat").rsplit(b")", 1)[-1].split()[19:20]
+def tree(roots):
+    seen, todo = {}, list(roots)
+    while todo:
+        p = todo.pop()
+        if p in seen or not (t := start(p)):
+            continue
+        seen[p] = t
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                todo += map(int, read(f"/proc/{p}/task/{task}/children").split())
+        except OSError:  # it ended meanwhile
+            pass
+    return seen
+known = {}
+while not select.select([0], [], [], 0.5)[0]:
+    known.update(tree([root]))  # kept: a scan as the launcher dies finds none
+alive = [p for p, t in known.items() if start(p) == t]
+for p in filter(str.isdigit, os.listdir("/proc")):
+    if mark in b"\0" + read(f"/proc/{p}/environ"):
+        alive.append(int(p))
+for sig in (signal.SIGSTOP, signal.SIGKILL):
+    alive = [p for p in tree(alive) if p not in (root, me)]
+    for p in alive:
+        try:
+            os.kill(p, sig)
+        except OSError:
+            pass
+"""
+_reapers: list[subprocess.Popen] = []  # held: the pipe closes when this process ends
+
+
+def reap_with_me() -> None:
+    """Starts :data:`REAPER` for this process (Linux): what it starts from now on dies with
+    it, however it ends."""
+    if sys.platform.startswith("linux") and not _reapers:
+        os.environ["STALEWISE_REAPED_WITH"] = f"{os.getpid()}-{time.time_ns()}"
+        mark = f"STALEWISE_REAPED_WITH={os.environ['STALEWISE_REAPED_WITH']}"
+        _reapers.append(
+            subprocess.Popen(
+                [sys.executable, "-I", "-c", REAPER, str(os.getpid()), mark],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # not in the launcher's group: a Ctrl-C there spares it
+            )
+        )
 
 
 class _Barrier:
@@ -176,9 +242,11 @@ def serve_workers(job: Any, launch: Any) -> int:
     quiet_driver()
     ray = import_ray()
     address = cluster_address(launch.address)
+    env = {**{k: "1" for k in THREAD_VARS}, **shipped_env(launch.env, launch.env_all)}
+    if address == "local":  # Ray's processes, started here, die with the launcher
+        reap_with_me()
     started = connect(address)
     _say_cluster(ray, address, started)
-    env = {**{k: "1" for k in THREAD_VARS}, **shipped_env(launch.env, launch.env_all)}
     print(f"stalewise run: each rank gets {', '.join(sorted(env))} from this environment "
           "(--env NAME for more)", file=sys.stderr, flush=True)  # fmt: skip
     actors: list = []
