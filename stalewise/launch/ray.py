@@ -77,14 +77,12 @@ def shipped_env(
     }
 
 
-#: The launcher's reaper (stdlib only): every 0.5 s while its stdin, a pipe only the
-#: launcher holds, is open, it notes the launcher's descendants (pid, start time); once
-#: the pipe closes (the launcher ended, even by SIGKILL) it stops those still running,
-#: the processes whose environment holds the launcher's mark (a Ray worker started as
-#: its raylet died is orphaned), and their descendants, then kills them all. Ray's
-#: agents otherwise outlive a killed driver by a minute or more.
+#: The launcher's reaper: while its stdin (a pipe only the launcher holds) is open, it
+#: notes the launcher's descendants every 0.5 s; once it closes (the launcher ended, even
+#: by SIGKILL) it stops those, the processes with the launcher's mark in their environment
+#: (orphans) and their descendants, then kills them (Ray's agents lived a minute more).
 REAPER = r"""
-import os, select, signal, sys
+import glob, os, select, signal, sys
 root, me, mark = int(sys.argv[1]), os.getpid(), b"\0%s\0" % os.fsencode(sys.argv[2])
 def read(path):
     try:
@@ -97,23 +95,15 @@ def start(p):
 def tree(roots):
     seen, todo = {}, list(roots)
     while todo:
-        p = todo.pop()
-        if p in seen or not (t := start(p)):
-            continue
-        seen[p] = t
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                todo += map(int, read(f"/proc/{p}/task/{task}/children").split())
-        except OSError:  # it ended meanwhile
-            pass
+        if (p := todo.pop()) not in seen and (t := start(p)):
+            seen[p] = t
+            todo += [int(c) for f in glob.glob(f"/proc/{p}/task/*/children") for c in read(f).split()]
     return seen
 known = {}
 while not select.select([0], [], [], 0.5)[0]:
     known.update(tree([root]))  # kept: a scan as the launcher dies finds none
 alive = [p for p, t in known.items() if start(p) == t]
-for p in filter(str.isdigit, os.listdir("/proc")):
-    if mark in b"\0" + read(f"/proc/{p}/environ"):
-        alive.append(int(p))
+alive += [int(f.split("/")[2]) for f in glob.glob("/proc/[0-9]*/environ") if mark in b"\0" + read(f)]
 for sig in (signal.SIGSTOP, signal.SIGKILL):
     alive = [p for p in tree(alive) if p not in (root, me)]
     for p in alive:
@@ -126,8 +116,7 @@ _reapers: list[subprocess.Popen] = []  # held: the pipe closes when this process
 
 
 def reap_with_me() -> None:
-    """Starts :data:`REAPER` for this process (Linux): what it starts from now on dies with
-    it, however it ends."""
+    """Starts :data:`REAPER` (Linux): what this process starts dies with it, however it ends."""
     if sys.platform.startswith("linux") and not _reapers:
         os.environ["STALEWISE_REAPED_WITH"] = f"{os.getpid()}-{time.time_ns()}"
         mark = f"STALEWISE_REAPED_WITH={os.environ['STALEWISE_REAPED_WITH']}"
@@ -155,11 +144,8 @@ class _Barrier:
 
 
 def quiet_driver() -> None:
-    """Before the launcher imports Ray: every line the workers print reaches its stdout.
-    Ray's driver folds lines that differ only in numbers (``rank 0: loss 2.9`` and
-    ``rank 1: loss 2.9``) into one by default; ``RAY_DEDUP_LOGS=0`` unless you set it.
-    Its ``(rank 0 pid=...)`` prefixes carry no colour codes into a file or pipe
-    (``RAY_COLOR_PREFIX=0`` unless set, when stdout or stderr is not a terminal)."""
+    """Before the launcher imports Ray, unless set: ``RAY_DEDUP_LOGS=0`` (Ray folds lines
+    that differ only in numbers) and, off a terminal, ``RAY_COLOR_PREFIX=0`` (no colours)."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not (sys.stdout.isatty() and sys.stderr.isatty()):
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
