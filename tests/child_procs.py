@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -73,3 +74,31 @@ def launched(cwd, *args: str, stdout=subprocess.PIPE):
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.communicate(timeout=30)
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes ``pid`` started, and theirs, down the tree (from /proc)."""
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = {int(c) for c in f.read().split()} - found
+                    found |= kids
+                    todo += kids
+    return found
+
+
+def left(pids: set[int], within: float) -> set[int]:
+    """Those of ``pids`` still running (not zombies) after up to ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = set()
+        for pid in pids:
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.add(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)

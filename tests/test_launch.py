@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import child_procs
 import mp_helpers
 import numpy as np
 import pytest
@@ -389,20 +390,6 @@ def _children(pid: int) -> set[int]:
     return kids
 
 
-def _left(pids: set[int], within: float) -> set[int]:
-    """Those of ``pids`` still running (not zombies) after up to ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        alive = set()
-        for pid in pids:
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.add(pid)
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc (Linux)")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_killed_launcher_leaves_no_rank_shard_tracker_or_block(tmp_path, sig):
@@ -419,7 +406,7 @@ def test_a_killed_launcher_leaves_no_rank_shard_tracker_or_block(tmp_path, sig):
         files = _shared_files(job | {launcher.proc.pid})
         launcher.proc.send_signal(sig)
         launcher.proc.wait(STOP_GRACE + 30)
-        left = _left(job, 5.0)
+        left = child_procs.left(job, 5.0)
         assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
         assert not [f for f in files if os.path.exists(f)]
         assert not [
@@ -448,7 +435,7 @@ def test_ctrl_c_stops_ranks_sleeping_in_user_code_with_a_line_each(tmp_path):
         lines = err.splitlines()
         assert len(lines) <= 2 + 2, err  # a line per rank at most, and the launcher's
         assert "stalewise: interrupted" in lines, err
-        assert not _left(job, 5.0)
+        assert not child_procs.left(job, 5.0)
 
 
 def test_hung_ranks_end_the_run_at_timeout_naming_them(tmp_path):

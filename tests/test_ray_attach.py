@@ -9,16 +9,21 @@ it is shut down whatever happens, and every served job is closed by its ``with``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
+import child_procs
 import numpy as np
 import pytest
 import ray
@@ -249,6 +254,7 @@ SCRIPT = textwrap.dedent(
         params = {"x": np.zeros(16, np.float32)}
         job = sw.Job(params, optimizer=sw.optim.sgd(0.1), shards=2)
         ctx = sw.init(job, steps=int(sys.argv[2]))
+        print(f"rank {ctx.rank} starts", flush=True)
         if "RAISE" in out and ctx.rank == 1:
             raise ValueError("rank 1 cannot train")
         gen = np.random.default_rng(ctx.rank)
@@ -257,6 +263,7 @@ SCRIPT = textwrap.dedent(
             x = ctx.client.pull()["x"]
             idx = gen.integers(0, len(A), 32)
             grad = A[idx].T @ (A[idx] @ x - b[idx]) / len(idx)
+            ctx.log(loss=loss(x))  # carried by the push: the launcher's progress line shows it
             ctx.client.push({"x": grad.astype(np.float32)})
             pushes += 1
         final = ctx.client.pull()["x"]
@@ -277,6 +284,7 @@ LAUNCHER_ENV = {
     "OMP_NUM_THREADS": None, "STALEWISE_PROBE": "ours", "SW_MARK": "named", "SW_PLAIN": "p",
     "HF_TOKEN": "named secret", "GITHUB_TOKEN": "g", "AWS_SECRET_ACCESS_KEY": "a",
     "DB_PASSWORD": "d", "KUBECONFIG": "/k", "VIRTUAL_ENV": "/launcher/venv",
+    "STALEWISE_PROGRESS": "0.1",
 }  # fmt: skip
 
 
@@ -286,6 +294,7 @@ def _launch(ray_cluster, tmp_path: Path, out: str, steps: int, *flags: str):
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.address)
     env.update({k: v for k, v in LAUNCHER_ENV.items() if v is not None})
     env.pop("OMP_NUM_THREADS", None)
+    env.pop("RAY_COLOR_PREFIX", None)  # the launcher's default
     cmd = [sys.executable, "-m", "stalewise", "run", "--runtime", "ray", "--workers", "2", *flags]
     return subprocess.run(
         [*cmd, str(script), str(tmp_path / out), str(steps)],
@@ -307,7 +316,8 @@ def test_stalewise_run_on_ray_trains_with_workers_on_both_nodes(ray_cluster, tmp
     said = [line for line in done.stderr.splitlines() if "each rank gets" in line]
     assert said == [
         "stalewise run: each rank gets HF_TOKEN, MKL_NUM_THREADS, NUMEXPR_NUM_THREADS, "
-        "OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, STALEWISE_PROBE, SW_MARK from this "
+        "OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, STALEWISE_PROBE, STALEWISE_PROGRESS, SW_MARK "
+        "from this "
         "environment (--env NAME for more)"
     ], done.stderr
     reports = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
@@ -317,13 +327,16 @@ def test_stalewise_run_on_ray_trains_with_workers_on_both_nodes(ray_cluster, tmp
     assert min(r["pushes"] for r in reports) > 0
     for r in reports:  # least squares, from 9.0 at the start
         assert r["loss"] < 1e-3 * r["start"], r
-        shipped = {"STALEWISE_PROBE", "SW_MARK", "HF_TOKEN"}
+        shipped = {"STALEWISE_PROBE", "STALEWISE_PROGRESS", "SW_MARK", "HF_TOKEN"}
         for k, v in LAUNCHER_ENV.items():
             assert (r["env"][k] == v) == (k in shipped), (k, r["env"][k])
         assert r["env"]["OMP_NUM_THREADS"] == "1"  # capped like the local launcher's workers
     nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert {r["node"] for r in reports} == nodes and len(nodes) == 2  # one on each node
     assert "2 workers done on 2 Ray node(s)" in done.stderr
+    # progress lines (every 0.1 s) show the ranks' ctx.log(loss=...), as their pushes carried it
+    losses = re.findall(r"pushes/s, loss ([-+.e0-9]+), \d of 2 ranks live", done.stderr)
+    assert losses and all(0 <= float(x) < 10 for x in losses), done.stderr
 
 
 @pytest.mark.slow
@@ -336,9 +349,105 @@ def test_a_failed_ray_worker_makes_the_launcher_exit_1_naming_its_rank(ray_clust
         done.stderr,
     )
     assert one and "Traceback" not in done.stderr, done.stderr
-    assert "rank 1 cannot train" in Path(one.group(1)).read_text()
+    log = Path(one.group(1)).read_text()
+    assert "rank 1 cannot train" in log
+    # Ray's labels of the ranks' lines, in a pipe as in a file: no colour codes anywhere
+    assert re.search(r"^\(rank 1 pid=\d+[^)]*\) rank 1 starts$", done.stdout, re.M), done.stdout
+    assert "\x1b" not in done.stdout + done.stderr + log
     # rank 0 trained on alone, to the budget
     assert json.loads((tmp_path / "RAISE-0.json").read_text())["pushes"] >= 100
+
+
+# A launched script whose ranks only poll should_stop(): the budget is spent by others
+POLL = """
+import time
+import numpy as np
+import stalewise as sw
+
+if __name__ == "__main__":
+    ctx = sw.init(sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1)))
+    print(f"rank {ctx.rank} ready", flush=True)
+    while not ctx.should_stop():
+        time.sleep(0.05)
+    ctx.close()
+"""
+
+
+@contextlib.contextmanager
+def _poll_launch(tmp_path: Path, env: dict, *flags: str):
+    """``stalewise run --runtime ray --workers 2 FLAGS poll.py`` in its own session, once
+    both ranks said they are ready; at the end it and every process it started are killed."""
+    script = tmp_path / "poll.py"
+    script.write_text(POLL)
+    cmd = [sys.executable, "-m", "stalewise", "run", "--runtime", "ray", "--workers", "2"]
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(
+            [*cmd, *flags, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+            stderr=err, text=True, start_new_session=True,
+        )  # fmt: skip
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    started: set[int] = set()
+    try:
+        ready, deadline = 0, time.monotonic() + 180
+        while ready < 2:
+            try:
+                ready += lines.get(timeout=max(deadline - time.monotonic(), 0)).endswith(" ready\n")
+            except queue.Empty:
+                raise AssertionError(f"no 2 ranks ready within 180 s: {_err(tmp_path)}") from None
+        started = child_procs.descendants(proc.pid)
+        yield proc, started
+    finally:
+        for pid in {proc.pid} | started | child_procs.descendants(proc.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        proc.stdout.close()
+
+
+def _err(tmp_path: Path) -> str:
+    return (tmp_path / "stderr.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_named_ray_launch_is_joined_with_sw_attach_from_another_process(ray_cluster, tmp_path):
+    """``stalewise run --runtime ray --name N``: this process (a driver of the cluster, not
+    the launcher) attaches by the name and spends the budget; the ranks end, the launch too."""
+    name = f"ray-run-{os.getpid()}-{time.time_ns()}"
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.address)
+    with _poll_launch(tmp_path, env, "--steps", "5", "--name", name) as (proc, _):
+        client = sw.attach(name, runtime="ray")
+        assert client.worker == 2  # the ids after the ranks'
+        for _ in range(5):
+            client.pull()
+            client.push({"x": np.ones(4, np.float32)})
+        client.close()
+        assert proc.wait(120) == 0, _err(tmp_path)
+        err = _err(tmp_path)
+        assert re.search(r"stalewise run: 2 workers done on \d Ray node\(s\), 5 pushes$", err), err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc (Linux)")
+def test_a_killed_ray_launcher_leaves_no_process_it_started(tmp_path):
+    """The launcher's own Ray instance (no RAY_ADDRESS): after ``kill -9`` of the launcher,
+    every process it started (Ray's GCS, raylet, agents, the ranks' and shards' actors)
+    is gone within 10 s. Ray's agents lived on for about a minute before."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with _poll_launch(tmp_path, env) as (proc, started):
+        names = [_name(pid) for pid in started]
+        assert names.count("ray::ScriptWorker.run") == 2, names  # Ray's processes are found
+        proc.kill()
+        proc.wait(30)
+        left = child_procs.left(started, 10.0)
+        assert not left, [_name(pid) for pid in left]
+
+
+def _name(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode().strip()[:80]
+    return "(gone)"
 
 
 # Each Ray entry point of the library, in one interpreter that is connected to no cluster:

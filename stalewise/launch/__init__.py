@@ -29,7 +29,7 @@ A rank's first refused push is a warning with its reason; 20 in a row refused as
 (``Job.train``'s ``diverge_after``: :class:`stalewise.protocol.loop.Watch`) end it. A
 rank's error is one line (where in the script; the traceback in a file). The progress
 line counts applied and refused pushes and shows the ranks' ``ctx.log(loss=...)``
-(local). The launcher's run of the script up to :func:`init` sees rank 0's ``RANK``
+(local and Ray). The launcher's run of the script up to :func:`init` sees rank 0's ``RANK``
 (not ``STALEWISE_RANK``) and is stopped at :data:`INIT_TIMEOUT`. ``--resume`` of a job
 whose budget is spent says so and starts no rank. ``--name NAME``: other processes join
 with ``sw.attach(NAME)``.

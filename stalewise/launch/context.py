@@ -52,7 +52,7 @@ class Context:
 
     def log(self, *, loss: float) -> None:
         """Reports this rank's latest training loss: the launcher's progress line shows
-        the ranks' mean (local runtime)."""
+        the ranks' mean (on Ray, once the rank has pushed since)."""
         if hasattr(self.client, "log_loss"):
             self.client.log_loss(float(loss))
 

@@ -49,11 +49,11 @@ class Progress:
             return
         rate = (pushes - self.pushes) / max(now - self.last, 1e-9)
         self.last, self.pushes = now, pushes
-        applied, rejected = _counts(self.server)
+        applied, rejected, losses = _counts(self.server)
         judged = (
             "" if applied is None else f" ({applied} applied, {sum(rejected.values())} refused)"
         )
-        losses = [x for x in getattr(self.server, "losses", list)() if math.isfinite(x)]
+        losses = [x for x in losses if math.isfinite(x)]
         loss = f", loss {sum(losses) / len(losses):.4g}" if losses else ""
         say(
             f"{pushes} pushes{judged}, {rate:.1f} pushes/s{loss}, {live} of {self.workers} ranks live"
@@ -84,13 +84,15 @@ def pushes_of(server: Any) -> tuple[int, dict]:
     return server.job_pushes, _counts(server)[1]
 
 
-def _counts(server: Any) -> tuple[int | None, dict]:
-    """The pushes shard 0 applied, and refused by reason (a dead shard: None, {})."""
+def _counts(server: Any) -> tuple[int | None, dict, list[float]]:
+    """The pushes shard 0 applied, refused by reason, and each rank's last loss (on Ray, as
+    its push carried it; a dead shard: None, {}, [])."""
     try:
         shard = server.stats(timeout=10)[0]
+        losses = shard["losses"] if "losses" in shard else server.losses()
     except Exception:  # the launcher's lines go on without them (the failure says more)
-        return None, {}
-    return shard["applied"], dict(shard.get("rejected", {}))
+        return None, {}, []
+    return shard["applied"], dict(shard.get("rejected", {})), list(losses)
 
 
 def say(line: str) -> None:

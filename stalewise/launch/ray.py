@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import threading
@@ -76,6 +77,60 @@ def shipped_env(
     }
 
 
+#: The launcher's reaper: while its stdin (a pipe only the launcher holds) is open, it
+#: notes the launcher's descendants every 0.5 s; once it closes (the launcher ended, even
+#: by SIGKILL) it stops those, the processes with the launcher's mark in their environment
+#: (orphans) and their descendants, then kills them (Ray's agents lived a minute more).
+REAPER = r"""
+import glob, os, select, signal, sys
+root, me, mark = int(sys.argv[1]), os.getpid(), b"\0%s\0" % os.fsencode(sys.argv[2])
+def read(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+def start(p):
+    return read(f"/proc/{p}/stat").rsplit(b")", 1)[-1].split()[19:20]
+def tree(roots):
+    seen, todo = {}, list(roots)
+    while todo:
+        if (p := todo.pop()) not in seen and (t := start(p)):
+            seen[p] = t
+            todo += [int(c) for f in glob.glob(f"/proc/{p}/task/*/children") for c in read(f).split()]
+    return seen
+known = {}
+while not select.select([0], [], [], 0.5)[0]:
+    known.update(tree([root]))  # kept: a scan as the launcher dies finds none
+alive = [p for p, t in known.items() if start(p) == t]
+alive += [int(f.split("/")[2]) for f in glob.glob("/proc/[0-9]*/environ") if mark in b"\0" + read(f)]
+for sig in (signal.SIGSTOP, signal.SIGKILL):
+    alive = [p for p in tree(alive) if p not in (root, me)]
+    for p in alive:
+        try:
+            os.kill(p, sig)
+        except OSError:
+            pass
+"""
+_reapers: list[subprocess.Popen] = []  # held: the pipe closes when this process ends
+
+
+def reap_with_me() -> None:
+    """Starts :data:`REAPER` (Linux): what this process starts dies with it, however it ends."""
+    if sys.platform.startswith("linux") and not _reapers:
+        os.environ["STALEWISE_REAPED_WITH"] = f"{os.getpid()}-{time.time_ns()}"
+        mark = f"STALEWISE_REAPED_WITH={os.environ['STALEWISE_REAPED_WITH']}"
+        _reapers.append(
+            subprocess.Popen(
+                [sys.executable, "-I", "-c", REAPER, str(os.getpid()), mark],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # not in the launcher's group: a Ctrl-C there spares it
+            )
+        )
+
+
 class _Barrier:
     """The launcher's start barrier on Ray (the door's rendezvous)."""
 
@@ -89,11 +144,8 @@ class _Barrier:
 
 
 def quiet_driver() -> None:
-    """Before the launcher imports Ray: every line the workers print reaches its stdout.
-    Ray's driver folds lines that differ only in numbers (``rank 0: loss 2.9`` and
-    ``rank 1: loss 2.9``) into one by default; ``RAY_DEDUP_LOGS=0`` unless you set it.
-    Its ``(rank 0 pid=...)`` prefixes carry no colour codes into a file or pipe
-    (``RAY_COLOR_PREFIX=0`` unless set, when stdout or stderr is not a terminal)."""
+    """Before the launcher imports Ray, unless set: ``RAY_DEDUP_LOGS=0`` (Ray folds lines
+    that differ only in numbers) and, off a terminal, ``RAY_COLOR_PREFIX=0`` (no colours)."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not (sys.stdout.isatty() and sys.stderr.isatty()):
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
@@ -176,9 +228,11 @@ def serve_workers(job: Any, launch: Any) -> int:
     quiet_driver()
     ray = import_ray()
     address = cluster_address(launch.address)
+    env = {**{k: "1" for k in THREAD_VARS}, **shipped_env(launch.env, launch.env_all)}
+    if address == "local":  # Ray's processes, started here, die with the launcher
+        reap_with_me()
     started = connect(address)
     _say_cluster(ray, address, started)
-    env = {**{k: "1" for k in THREAD_VARS}, **shipped_env(launch.env, launch.env_all)}
     print(f"stalewise run: each rank gets {', '.join(sorted(env))} from this environment "
           "(--env NAME for more)", file=sys.stderr, flush=True)  # fmt: skip
     actors: list = []

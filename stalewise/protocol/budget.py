@@ -6,7 +6,8 @@ id over its incarnations, whatever the shards answer. A worker may begin a step 
 the shards' round (:func:`may_begin_round`, :func:`round_of`). A client given a
 budget refuses at commit a push the rule would not begin (:func:`refuses`). A checkpoint
 counts the pushes its shards' states hold (:func:`held`), and is one cut when every rank's
-saved state is after exactly those (:func:`off_cut`). How each
+saved state is after exactly those (:func:`off_cut`). A rollback of the shards uncounts
+the pushes after its copy: who carries on is :func:`after_rollback`. How each
 runtime reads the counts, and the overshoot it allows (:func:`overshoot_bound`), is
 in ``docs/design-notes.md`` ("One budget rule").
 
@@ -30,6 +31,8 @@ Example:
     True
     >>> off_cut([shard], worker=0, held=47, state=45)
     "rank 0's ctx.state is after 45 of its pushes, the shards' after 47: a resume repeats 2 of them"
+    >>> after_rollback(live={2}, ended={0})  # worker 0's loop ended after the copy
+    [0, 2]
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=False)  # asked: granted
     False
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=True)  # BSP: asked again
@@ -38,7 +41,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 
@@ -108,6 +111,14 @@ def off_cut(
         f"rank {worker}'s ctx.state is after {state} of its pushes, the shards' after {held}: "
         f"a resume {'repeats' if n > 0 else 'skips'} {abs(n)} of them"
     )
+
+
+def after_rollback(live: Iterable[int], ended: Iterable[int]) -> list[int]:
+    """The worker ids that carry on, as new incarnations, when the shards roll back to a
+    copy: the ``live`` ones, and those whose loop ``ended`` on the budget after the copy
+    (a loop that ended as an incarnation older than the one the shards admit ended unseen
+    by a rollback): each new loop asks :func:`may_begin` again."""
+    return sorted({*live, *ended})
 
 
 def refuses(

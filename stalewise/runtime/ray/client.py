@@ -92,6 +92,7 @@ class RayClient(PullsIntoTrees):
         self._round = self.joined_at  # under BSP: this worker's clock as it knows it
         self._shard_round = 0  # under BSP: shard 0's round under way, as last heard
         self.watch: Any = None  # a loop the user owns: its protocol.loop.Watch
+        self._loss = math.nan  # the last log_loss, carried by the next push
 
     # -- the job ----------------------------------------------------------------------
 
@@ -179,6 +180,7 @@ class RayClient(PullsIntoTrees):
         are read by :meth:`wait` or the next pull or push). ``loss`` is recorded by the
         shards. Raises BudgetSpent past :attr:`budget`."""
         self._check_open()
+        loss = self._loss if math.isnan(loss) else loss
         self.wait()  # one push in flight: the next waits for the last one's acks
         granted, self._granted = self._granted, False
         ask = lambda steps: self._may_begin(steps, ask=False)  # noqa: E731
@@ -192,6 +194,10 @@ class RayClient(PullsIntoTrees):
         refs = out.send(sent, self.incarnation, seq, bases, verdict, loss, self._acked, residual)
         self._pending = (seq, refs)
         self._round += 1
+
+    def log_loss(self, loss: float) -> None:
+        """This worker's latest training loss, for the shards with its next push."""
+        self._loss = loss
 
     def wait(self, timeout: float | None = None) -> PushResult | None:
         """The last push's result, once acknowledged (None before the first push)."""

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import ServerConfig, delivery
+from stalewise.protocol import ServerConfig, budget, delivery
 from stalewise.protocol.pipeline import PUBLISH_EVERY
 from stalewise.protocol.sender import History
 from stalewise.runtime import driver
@@ -85,6 +85,7 @@ class _Host:
         self.fb = [History() for _ in range(self.W)]
         self.keepers: list[Any] = [None] * self.W
         self.ended: list[dict] = []  # what each worker loop that ended normally returned
+        self.owed: set[int] = set()  # the workers whose loop ended on the budget since the backup
         self.dead: list[int] = []  # the workers that diverged
         self.tick: list[dict] = []  # each shard's counters, as of the last advance()
         self.final: list[dict] = []  # ... and at the end of the run
@@ -274,13 +275,15 @@ class _Host:
                 self._worker_ended(ref)
         for w, cause in self.liveness.check():
             self._worker_hung(w, cause)
+        if self.owed and not self.live:  # the end: a backup holds every push
+            self._retrying(self._take_backup)
         if self.coming:
             self._arrive()
         if self.elastic and self.live and self.now() - self.last_grow >= GROW_EVERY:
             self.last_grow = self.now()
             self._grow()
         self.tick = self._stats()
-        return driver.TICK if self.live else driver.END
+        return driver.TICK if self.live or self.owed else driver.END
 
     def _grow(self) -> None:
         """An elastic run: prepares a worker on a free id for each free CPU (unless one is
@@ -443,6 +446,10 @@ class _Host:
                 self.run.failures.diverged(w, ended["diverged"], time=self.now())
             else:
                 self.ended.append(ended)
+                if not self.stopping and ended["feedback"][0] < self.incs[w]:
+                    self._respawn(w)  # its loop ended unseen by a rollback
+                elif not self.stopping:
+                    self.owed.add(w)
 
     def _node_left(self, w: int, error: Exception) -> bool:
         """An elastic run: whether worker ``w`` died (``error``) because its node left."""
@@ -497,8 +504,14 @@ class _Host:
         with contextlib.suppress(_ShardDown):  # else the restore to come admits it
             joins = [s.join.remote(w, self.incs[w]) for s in self.shards]
             self._get(joins, self.o.ack_timeout, "join")
+        self._respawn(w)
+
+    def _respawn(self, w: int) -> None:
+        """A new actor for worker ``w``'s admitted incarnation, in place of its old one."""
+        self.ray.kill(self.actors[w], no_restart=True)
         self.runs[self._spawn(w).run.remote()] = w
         self.liveness.watch(w, self.actors[w], ready=False)  # it sets up inside run()
+        self.live.add(w)
 
     def _depart(self, w: int) -> None:
         """The commit rule for worker ``w``'s gone incarnation; with error feedback, keeps
@@ -603,13 +616,14 @@ class _Host:
         after the failures ``events``; returns the version."""
         assert self.backup is not None
         states, handled = self.backup
+        owed, self.owed = set() if self.stopping else self.owed, set()
         while True:
             joins = {}
-            for w in sorted(self.live):
+            for w in budget.after_rollback(self.live, owed):
                 self.incs[w] += 1
                 joins[w] = self.incs[w]
                 self.fb[w].clear()  # it keeps its own residual, unknown here until it pushes
-            gone = [w for w in range(self.W) if w not in self.live]
+            gone = [w for w in range(self.W) if w not in joins]
             refs = [
                 s.load.remote(states[k], handled, joins, gone) for k, s in enumerate(self.shards)
             ]
@@ -620,6 +634,8 @@ class _Host:
                 break
             except _ShardDown as down:
                 events += self._await_down(down)
+        for w in sorted(owed):
+            self._respawn(w)
         log.warning(
             "ray: the shards were rolled back to version %d (%d pushes); workers %s carry on "
             "as new incarnations",
@@ -687,6 +703,7 @@ class _Host:
             )
         if got is not None:
             self.backup, self.targets = got[:2], got[2]
+            self.owed.clear()
         return got is not None
 
     def _snapshot(self, now: float) -> driver.Snapshot | None:
