@@ -272,7 +272,7 @@ def _array(buf: bytearray, dtype: str, shape: list[int] | None, at: str) -> np.n
 # -- replaying -------------------------------------------------------------------------
 
 
-def replay(shard: Any, entries: Any) -> list[Any]:
+def replay(shard: Any, entries: Any, where: str = "journal") -> list[Any]:
     """Makes each entry's call on ``shard`` (loaded with the state its journal began at);
     returns the calls' results (the acks of pushes) in order.
 
@@ -298,7 +298,7 @@ def replay(shard: Any, entries: Any) -> list[Any]:
                 args, kwargs = tuple(f[key] for key in FIELDS[op]), {}
             results.append(getattr(shard, op)(*args, **kwargs))
         except (ValueError, TypeError, KeyError) as e:
-            raise LogError(f"entry {i} ({op}): {e}") from None
+            raise LogError(f"{where}: entry {i} ({op}): {e}") from None
     return results
 
 
