@@ -90,12 +90,22 @@ def test_stalewise_replay_checks_a_run_and_names_a_bad_log_in_one_line(
     )
 
     logs = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("log-"))
-    log = max(logs, key=lambda p: p.stat().st_size)  # one with pushes in it
+    for name in store.load(run / "checkpoints" / oldest).step["logs"]:  # pruned before it
+        assert min(p.name for p in logs if p.name[:-6] == name[:-6]) == name, logs
+    log = max(logs, key=lambda p: p.stat().st_size)  # one with pushes, and logs after it
+    later = {p: p.read_bytes() for p in logs if p.name[:-6] == log.name[:-6] and p > log}
     data = log.read_bytes()
-    log.write_bytes(data[: len(data) // 2])  # torn in an entry: the ones before replay
-    assert main(argv) == 1
+    log.write_bytes(data[: len(data) // 2])  # torn in an entry
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{log}: entry " in err and "torn, though a later log follows it" in err
+    for p in later:  # as if the run had been killed while it wrote that log
+        p.unlink()
+    assert main(argv) == 1  # the entries before the torn one replay
     assert "differs from" in capsys.readouterr().out
-    assert f"{log}: entry " in caplog.text and "torn" in caplog.text
+    assert f"{log}: entry " in caplog.text and "torn (a crash" in caplog.text
+    for p, b in later.items():
+        p.write_bytes(b)
     garbled = bytearray(data)
     garbled[len(data) // 2] ^= 0xFF
     log.write_bytes(bytes(garbled))

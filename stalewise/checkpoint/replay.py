@@ -38,16 +38,18 @@ def replay(directory: str | os.PathLike, config: Any, start: str | None = None) 
         shard.load_state_dict(state)
         chain, n = LOG.match(name).groups()
         limit = 2 * shard.params.nbytes + (1 << 20)  # a payload as sent, a codec's or not
-        while os.path.lexists(ckpt.path.parent / (name := f"{chain}-{int(n):06d}")):
-            fd, _ = open_file(ckpt.path.parent, name)
-            where = str(ckpt.path.parent / name)
+        folder, n = ckpt.path.parent, int(n)
+        while os.path.lexists(folder / (name := f"{chain}-{n:06d}")):
+            fd, _ = open_file(folder, name)
+            where, last = str(folder / name), not os.path.lexists(folder / f"{chain}-{n + 1:06d}")
             with os.fdopen(fd, "rb") as f:
                 try:
-                    pushlog.replay(shard, pushlog.read(f, max_payload=limit, where=where), where)
+                    entries = pushlog.read(f, max_payload=limit, where=where, last=last)
+                    pushlog.replay(shard, entries, where)
                 except pushlog.LogError as e:
                     raise CheckpointError(str(e)) from None
             read.append(name)
-            n = int(n) + 1
+            n += 1
         flats.append(shard.params)
     return np.concatenate(flats), ckpt, read
 

@@ -178,10 +178,12 @@ def _sum(data: Any) -> int:
 # -- reading ---------------------------------------------------------------------------
 
 
-def read(stream: BinaryIO, *, max_payload: int, where: str = "journal") -> Iterator[Entry]:
+def read(
+    stream: BinaryIO, *, max_payload: int, where: str = "journal", last: bool = True
+) -> Iterator[Entry]:
     """The entries of a journal, each checked as read: every length bounded (a payload by
     ``max_payload`` bytes), every field typed. A torn last entry (a crash mid-write) is
-    logged and dropped.
+    logged and dropped, or with ``last`` False (more journals follow) refused.
 
     Raises:
         LogError: one line naming ``where``, the entry, its byte offset and the bad field."""
@@ -192,7 +194,7 @@ def read(stream: BinaryIO, *, max_payload: int, where: str = "journal") -> Itera
         if not prefix:
             return
         if len(prefix) < _PREFIX.size:
-            return _torn(at)
+            return _torn(at, last)
         magic, size, crc = _PREFIX.unpack(prefix)
         if magic != MAGIC:
             raise LogError(f"{at}: not a journal entry (magic {magic!r})")
@@ -200,7 +202,7 @@ def read(stream: BinaryIO, *, max_payload: int, where: str = "journal") -> Itera
             raise LogError(f"{at}: header of {size} bytes, more than {MAX_HEADER}")
         raw = stream.read(size)
         if len(raw) < size:
-            return _torn(at)
+            return _torn(at, last)
         if zlib.crc32(raw) != crc:
             raise LogError(f"{at}: header checksum mismatch (garbled)")
         fields = _fields(raw, at)
@@ -210,7 +212,7 @@ def read(stream: BinaryIO, *, max_payload: int, where: str = "journal") -> Itera
                 raise LogError(f"{at}: 'n': a payload of {n} bytes, more than {max_payload}")
             buf = bytearray(n)
             if stream.readinto(buf) < n:
-                return _torn(at)
+                return _torn(at, last)
             if _sum(buf) != fields.pop("sum"):
                 raise LogError(f"{at}: 'sum': the payload's checksum does not match (garbled)")
             payload = _array(buf, fields.pop("dtype"), fields.pop("shape", None), at)
@@ -223,7 +225,9 @@ def decode(data: bytes, *, max_payload: int = 2**40, where: str = "journal") -> 
     return list(read(io.BytesIO(data), max_payload=max_payload, where=where))
 
 
-def _torn(at: str) -> None:
+def _torn(at: str, last: bool) -> None:
+    if not last:
+        raise LogError(f"{at}: torn, though a later log follows it")
     log.warning("%s: torn (a crash while it was written); dropped", at)
 
 

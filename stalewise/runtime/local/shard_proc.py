@@ -122,7 +122,7 @@ class ShardProcess:
         self.published, self.published_at = -1, 0.0
         self.answers: list[tuple[WorkerPipe, bytes]] = []  # this turn's acks, sent in settle()
         self.publishes = 0  # snapshots published
-        self.log = None  # the push log file the shard's journal goes to (begin_log)
+        self.log, self.log_path = None, ""  # the push log the journal goes to (begin_log)
         self.served = 0  # pulls served into a worker's pull buffer
 
     # -- snapshots -----------------------------------------------------------------
@@ -307,10 +307,17 @@ class ShardProcess:
         except OSError as e:
             log.warning("shard %d: no push log: %s: %s", self.k, path, e.strerror or e)
             return
-        self.shard.journal = self.log.writelines
+        self.log_path, self.shard.journal = path, self.journal
+
+    def journal(self, entry: list) -> None:
+        try:
+            self.log.writelines(entry)
+        except OSError as e:
+            self.end_log(e)
 
     def end_log(self, error: OSError | None = None) -> None:
-        """Closes the push log, flushed and fsynced (``error``: a write failed; it ends)."""
+        """Closes the push log, flushed and fsynced; one that fails to (``error``) is
+        removed, so a replay stops before it instead of skipping what it lacks."""
         f, self.log, self.shard.journal = self.log, None, None
         try:
             if f is not None and error is None:
@@ -318,11 +325,13 @@ class ShardProcess:
                 os.fsync(f.fileno())
         except OSError as e:
             error = e
-        if error is not None:
-            log.warning("shard %d: the push log ends: %s", self.k, error.strerror or error)
         if f is not None:
             with contextlib.suppress(OSError):
                 f.close()
+        if error is not None:
+            log.warning("shard %d: push log %s removed: %s", self.k, self.log_path, error)
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
 
     # -- the parent ----------------------------------------------------------------
 
