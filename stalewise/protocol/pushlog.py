@@ -69,18 +69,12 @@ def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _opt_int(x: Any) -> bool:
-    return x is None or _int(x)
-
-
 def _ints(n: int) -> Callable[[Any], bool]:
     return lambda x: x is None or (isinstance(x, list) and len(x) == n and all(map(_int, x)))
 
 
-def _time(x: Any) -> bool:
-    return x is None or (isinstance(x, int | float) and not isinstance(x, bool))
-
-
+_opt_int = lambda x: x is None or _int(x)  # noqa: E731
+_time = lambda x: x is None or (isinstance(x, int | float) and not isinstance(x, bool))  # noqa: E731
 _COMMITTED = {"committed": lambda x: isinstance(x, bool), "header": _ints(4), "verdict": _ints(2)}
 # each journaled method's fields and their checks (a payload's fields come on top)
 FIELDS: dict[str, dict[str, Callable[[Any], bool]]] = {
@@ -286,17 +280,16 @@ def replay(shard: Any, entries: Any, where: str = "journal") -> list[Any]:
     results = []
     for i, (op, f, payload) in enumerate(entries):
         try:
+            h, v = f.get("header"), f.get("verdict")
+            h, v = h and PushHeader(*h), v and Verdict(*v)  # None stays None
             if op == "push":
-                args = (_push_header(f["header"]), payload)
-                kwargs = {"verdict": _push_verdict(f["verdict"]), "now": f["now"]}
+                args, kwargs = (h, payload), {"verdict": v, "now": f["now"]}
             elif op == "pull":
                 if f["out"] and scratch is None:
                     scratch = np.empty_like(shard.params)
                 args, kwargs = (f["worker"], scratch if f["out"] else None), {"now": f["now"]}
             elif op in ("depart", "deliver"):
-                committed = None
-                if f["committed"]:
-                    committed = (_push_header(f["header"]), payload, _push_verdict(f["verdict"]))
+                committed = (h, payload, v) if f["committed"] else None
                 args, kwargs = (f["worker"], f["incarnation"], committed), {}
             else:
                 args, kwargs = tuple(f[key] for key in FIELDS[op]), {}
@@ -304,11 +297,3 @@ def replay(shard: Any, entries: Any, where: str = "journal") -> list[Any]:
         except (ValueError, TypeError, KeyError) as e:
             raise LogError(f"{where}: entry {i} ({op}): {e}") from None
     return results
-
-
-def _push_header(h: list[int] | None) -> PushHeader | None:
-    return None if h is None else PushHeader(*h)
-
-
-def _push_verdict(v: list[int] | None) -> Verdict | None:
-    return None if v is None else Verdict(*v)

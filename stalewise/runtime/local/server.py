@@ -342,24 +342,22 @@ class LocalServer:
     def state_dicts(self, timeout: float | None = 60.0, log_dir: str | None = None) -> list[dict]:
         """Each shard's whole state (:meth:`Shard.state_dict`), between two messages it handles;
         with ``log_dir``, each shard begins a push log there at that state (named in ``logs``)."""
-        logs = [""] * len(self._controls)
-        if log_dir is not None:
+        return self._ask_all("state", timeout, log_dir)
+
+    @_locked
+    def _ask_all(self, kind: str, timeout: float | None, log_dir: str | None = None) -> list:
+        self.check()
+        logs = None
+        if log_dir is not None:  # numbered once no shard is known dead: a chain has no gap
             with contextlib.suppress(OSError):  # else the shards say why they write none
                 os.makedirs(log_dir, 0o755, exist_ok=True)
             self._log_n += 1
-            logs = [
-                f"log-shard-{k}-{tag}-{self._log_n:06d}" for k, tag in sorted(self._tags.items())
-            ]
-        states = self._ask_all("state", timeout, [os.path.join(log_dir or "", n) for n in logs])
-        self.logs = logs if log_dir is not None else None
-        return states
-
-    @_locked
-    def _ask_all(self, kind: str, timeout: float | None, logs: list[str] | None = None) -> list:
-        self.check()
+            logs = [f"log-shard-{k}-{t}-{self._log_n:06d}" for k, t in self._tags.items()]
+            self.logs = logs
         with self._naming_dead_shards():
-            for c, name in zip(self._controls, logs or [""] * len(self._controls), strict=True):
-                c.send_bytes(wire.stats() if kind == "stats" else wire.state(name))
+            for k, c in enumerate(self._controls):
+                log = "" if logs is None else os.path.join(log_dir, logs[k])
+                c.send_bytes(wire.stats() if kind == "stats" else wire.state(log))
             return [self.observer._take(k, kind, timeout)[1] for k in range(len(self._controls))]
 
     def residuals(self, timeout: float = 10.0) -> list[np.ndarray] | None:
