@@ -1,14 +1,19 @@
 """Push logs of the local runtime, for real: a run's checkpoint and the logs after it
 replay to the run's final parameters bit for bit (``stalewise replay``), a worker killed
-mid-run included; a garbled or foreign log is one line."""
+mid-run included, and past the last checkpoint of a launcher killed mid-run; a garbled or
+foreign log is one line. Every launcher's process group is killed at the end."""
 
 import os
+import signal
+import time
 
+import child_procs
 import mp_helpers
 import numpy as np
 import pytest
 from test_cli import LS_CONFIG, write
 from test_faults import Once, paced_loss_and_grad
+from test_own_checkpoint import SCRIPT, TIMEOUT
 
 import stalewise as sw
 from stalewise.checkpoint import replay, store
@@ -124,3 +129,29 @@ def test_a_run_without_logs_is_said_in_one_line(tmp_path, capsys):
     cfg = write(tmp_path, LS_CONFIG)
     assert main(["replay", str(cfg), str(tmp_path)]) == 2
     assert "no checkpoint in" in capsys.readouterr().err
+
+
+def test_a_killed_launchers_logs_replay_past_its_last_checkpoint(tmp_path):
+    """``stalewise run --checkpoint-dir`` (a loop you own), its process group SIGKILLed
+    mid-run: each checkpoint and the logs after it replay to the same parameters, past
+    the newest checkpoint's (the pushes the shards applied after it)."""
+    script, ckpts = tmp_path / "train.py", tmp_path / "ckpt"
+    script.write_text(SCRIPT.replace("sw.optim.sgd(0.05)", "sw.optim.adam(0.05)"))
+    args = ["--workers", "2", "--steps", "5000", "--checkpoint-dir", str(ckpts)]
+    args += ["--checkpoint-every", "30", str(script), str(tmp_path / "run"), "0.005"]
+    with child_procs.launched(tmp_path, *args) as proc:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and proc.poll() is None:
+            if ckpts.is_dir() and len(store._complete(ckpts)) >= 2:
+                break
+            time.sleep(0.05)
+        logs = store.load(ckpts).step["logs"]
+        while time.monotonic() < deadline and (ckpts / logs[0]).stat().st_size < 4000:
+            time.sleep(0.01)  # pushes after the newest checkpoint (one is 200 bytes)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.killpg(proc.pid, signal.SIGKILL)
+    config = sw.Job({"w": np.zeros(8, np.float32)}, optimizer=sw.optim.adam(0.05)).config
+    flat, ckpt, logs = replay.replay(ckpts, config)  # from the one `latest` names
+    assert logs and flat.tobytes() != ckpt.flat().tobytes()  # the log holds pushes after it
+    for name in [p.name for p in store._complete(ckpts)]:
+        assert replay.replay(ckpts, config, name)[0].tobytes() == flat.tobytes()
