@@ -117,36 +117,30 @@ def journaled(method: Callable) -> Callable:
 
 def encode(op: str, arguments: dict[str, Any]) -> list[bytes]:
     """The buffers of one entry for a call of ``op`` with ``arguments`` (by parameter name)."""
-    fields: dict[str, Any] = {"op": op}
-    payload = None
-    for name, value in arguments.items():
-        if name == "out":
-            fields["out"] = value is not None
-        elif name == "committed":
-            fields["committed"] = value is not None
-            if value is not None:
-                header, payload, verdict = value
-                fields.update(header=_header(header), verdict=_verdict(verdict))
-        elif name == "header":
-            fields["header"] = _header(value)
-        elif name == "verdict":
-            fields["verdict"] = _verdict(value)
-        elif name == "payload":
-            payload = value
-        elif name == "now":
-            fields["now"] = None if value is None else float(value)
-        elif name != "self":
-            fields[name] = int(value) if isinstance(value, np.integer) else value
+    a = {k: int(v) if isinstance(v, np.integer) else v for k, v in arguments.items()}
+    a.pop("self")
+    payload, committed = a.pop("payload", None), a.pop("committed", 0)
+    if committed != 0:  # depart, deliver
+        a["committed"] = committed is not None
+        if committed is not None:
+            a["header"], payload, a["verdict"] = committed
+    if "out" in a:
+        a["out"] = a["out"] is not None
+    if "header" in a:
+        a["header"] = _header(a["header"])
+    if a.get("verdict") is not None:
+        a["verdict"] = [int(a["verdict"][0]), int(a["verdict"][1])]
+    if a.get("now") is not None:
+        a["now"] = float(a["now"])
     data = b""
-    if payload is not None:  # one that is neither an array nor bytes is replayed as None
-        if isinstance(payload, bytes | bytearray | memoryview):
-            fields["dtype"], data = "bytes", bytes(payload)
-        elif isinstance(payload, np.ndarray) and payload.dtype.kind in "biuf":
-            fields.update(dtype=payload.dtype.str, shape=list(payload.shape))
-            data = payload.tobytes()
-        if data or "dtype" in fields:
-            fields.update(n=len(data), sum=_sum(data))
-    header = json.dumps(fields, separators=(",", ":"), default=repr).encode()
+    if isinstance(payload, bytes | bytearray | memoryview):
+        a["dtype"], data = "bytes", bytes(payload)
+    elif isinstance(payload, np.ndarray) and payload.dtype.kind in "biuf":
+        a.update(dtype=payload.dtype.str, shape=list(payload.shape))
+        data = payload.tobytes()
+    if "dtype" in a:  # else none, or one of no such type: replayed as None
+        a.update(n=len(data), sum=_sum(data))
+    header = json.dumps({"op": op, **a}, separators=(",", ":"), default=repr).encode()
     return [_PREFIX.pack(MAGIC, len(header), zlib.crc32(header)), header, data]
 
 
@@ -155,10 +149,6 @@ def _header(h: Any) -> list[int] | None:
     ok = isinstance(h, tuple) and len(h) == 4
     ok = ok and all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in h)
     return [int(x) for x in h] if ok else None
-
-
-def _verdict(v: Any) -> list[int] | None:
-    return None if v is None else [int(v[0]), int(v[1])]
 
 
 def _sum(data: Any) -> int:
