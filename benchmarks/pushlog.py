@@ -8,6 +8,8 @@ Two measures, each with and without the log, alternately, medians of ``--repeats
 - ``train``: ``Job.train`` on the local runtime (2 workers, gradients, adam, a checkpoint every
   100 updates) with the shards' logs, against the same run with the logs switched off.
 
+``--fsync``: the log is fsynced before each ack (``sw.Checkpoints(fsync=True)``).
+
 Run: ``.venv/bin/python benchmarks/pushlog.py [--size 1000000] [--repeats 3] [--dir D]``
 (``--dir /dev/shm``: the CPU's cost alone; on a disk the log is bound by its bandwidth, 4 MB
 per push at 1M parameters). The machine may be shared: say its load beside the figures.
@@ -29,7 +31,7 @@ from stalewise.runtime.local import server as server_lib
 from stalewise.segments import Segments
 
 
-def shard_rate(size: int, pushes: int, log: bool, where: str | None) -> float:
+def shard_rate(size: int, pushes: int, log: bool, where: str | None, fsync: bool) -> float:
     shard = Shard(np.zeros(size, np.float32), Segments.single(size), sw.optim.adam(1e-3), workers=1)
     shard.join(0, 1)
     g = np.random.default_rng(0).standard_normal(size).astype(np.float32)
@@ -39,6 +41,8 @@ def shard_rate(size: int, pushes: int, log: bool, where: str | None) -> float:
         for seq in range(pushes):
             shard.push(PushHeader(0, seq, shard.version, 1), g)
             f.flush()
+            if fsync and log:
+                os.fdatasync(f.fileno())
         return pushes / (time.perf_counter() - start)
 
 
@@ -50,7 +54,7 @@ def data(worker, workers):
     return iter(range(10**9))
 
 
-def train_rate(size: int, steps: int, log: bool, where: str | None) -> float:
+def train_rate(size: int, steps: int, log: bool, where: str | None, fsync: bool) -> float:
     original = server_lib.LocalServer.state_dicts
     if not log:  # the same checkpoints, no push log begun at them
         server_lib.LocalServer.state_dicts = lambda self, timeout=60.0, log_dir=None: original(
@@ -64,7 +68,7 @@ def train_rate(size: int, steps: int, log: bool, where: str | None) -> float:
                 data=data,
                 workers=2,
                 steps=steps,
-                checkpoints=sw.Checkpoints(d, every=100),
+                checkpoints=sw.Checkpoints(d, every=100, fsync=fsync),
             )
             return result.pushes / result.time
     finally:
@@ -78,6 +82,7 @@ def main() -> None:
     p.add_argument("--pushes", type=int, default=200)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--dir", help="where the logs and checkpoints go (/dev/shm: no disk)")
+    p.add_argument("--fsync", action="store_true", help="the log fsynced before each ack")
     a = p.parse_args()
     print(
         f"in {a.dir or tempfile.gettempdir()}; load average {os.getloadavg()}, {os.cpu_count()} cores"
@@ -86,7 +91,7 @@ def main() -> None:
         rates: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(a.repeats):
             for log in (False, True):
-                rates[log].append(measure(a.size, n, log, a.dir))
+                rates[log].append(measure(a.size, n, log, a.dir, a.fsync))
         off, on = (statistics.median(rates[x]) for x in (False, True))
         print(
             f"{name}: {off:.0f} pushes/s without the log, {on:.0f} with it "

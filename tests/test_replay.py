@@ -52,7 +52,7 @@ def test_each_checkpoint_and_the_logs_after_it_replay_to_the_final_params(case, 
         data=mp_helpers.counting_data,
         workers=2,
         steps=160,
-        checkpoints=sw.Checkpoints(tmp_path, every=20, keep=20),
+        checkpoints=sw.Checkpoints(tmp_path, every=20, keep=20, fsync=case == "asp-adam"),
         metrics=sw.Metrics(every=0.05, on_record=killer),
         timeouts=sw.Timeouts(total=120),
     )

@@ -339,13 +339,18 @@ class LocalServer:
         """Each shard's counters (applied, rejected, staleness, bytes, version)."""
         return self._ask_all("stats", timeout)
 
-    def state_dicts(self, timeout: float | None = 60.0, log_dir: str | None = None) -> list[dict]:
+    def state_dicts(
+        self, timeout: float | None = 60.0, log_dir: str | None = None, fsync: bool = False
+    ) -> list[dict]:
         """Each shard's whole state (:meth:`Shard.state_dict`), between two messages it handles;
-        with ``log_dir``, each shard begins a push log there at that state (named in ``logs``)."""
-        return self._ask_all("state", timeout, log_dir)
+        with ``log_dir``, each shard begins a push log there at that state (named in ``logs``;
+        ``fsync``: each turn's entries are fsynced before its acks)."""
+        return self._ask_all("state", timeout, log_dir, fsync)
 
     @_locked
-    def _ask_all(self, kind: str, timeout: float | None, log_dir: str | None = None) -> list:
+    def _ask_all(
+        self, kind: str, timeout: float | None, log_dir: str | None = None, fsync: bool = False
+    ) -> list:
         self.check()
         logs = None
         if log_dir is not None:  # numbered once no shard is known dead: a chain has no gap
@@ -357,7 +362,7 @@ class LocalServer:
         with self._naming_dead_shards():
             for k, c in enumerate(self._controls):
                 log = "" if logs is None else os.path.join(log_dir, logs[k])
-                c.send_bytes(wire.stats() if kind == "stats" else wire.state(log))
+                c.send_bytes(wire.stats() if kind == "stats" else wire.state(log, fsync))
             return [self.observer._take(k, kind, timeout)[1] for k in range(len(self._controls))]
 
     def residuals(self, timeout: float = 10.0) -> list[np.ndarray] | None:

@@ -230,6 +230,8 @@ class ShardProcess:
         if self.log is not None:
             try:
                 self.log.flush()
+                if self.log_fsync:
+                    os.fdatasync(self.log.fileno())
             except OSError as e:
                 self.end_log(e)
         answers, self.answers = self.answers, []
@@ -299,15 +301,16 @@ class ShardProcess:
 
     # -- the push log --------------------------------------------------------------
 
-    def begin_log(self, path: str) -> None:
-        """Ends the push log and begins ``path``, at the shard's state now (a checkpoint's)."""
+    def begin_log(self, path: str, fsync: bool = False) -> None:
+        """Ends the push log and begins ``path``, at the shard's state now (a checkpoint's);
+        ``fsync``: each turn's entries reach the disk before its acks."""
         self.end_log()
         try:
             self.log = open(create_file(path), "wb", buffering=1 << 16)  # noqa: SIM115
         except OSError as e:
             log.warning("shard %d: no push log: %s: %s", self.k, path, e.strerror or e)
             return
-        self.log_path, self.shard.journal = path, self.journal
+        self.log_path, self.log_fsync, self.shard.journal = path, fsync, self.journal
 
     def journal(self, entry: list) -> None:
         try:
@@ -355,7 +358,7 @@ class ShardProcess:
         elif kind == "state":
             state = shard.state_dict()
             if msg[1]:
-                self.begin_log(msg[1])
+                self.begin_log(msg[1], msg[2])
             c.send_bytes(wire.state_reply(state))
         elif kind == "load":  # a checkpoint, before any worker joins (resume)
             if self.pipes:

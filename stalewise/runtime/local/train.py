@@ -530,7 +530,8 @@ class _Host:
             return None
 
         def take() -> driver.Snapshot:
-            states = server.state_dicts(log_dir=self.o.checkpoint_dir)  # push logs begin
+            o = self.o  # the push logs begin at these states
+            states = server.state_dicts(log_dir=o.checkpoint_dir, fsync=o.checkpoint_fsync)
             residuals = server.residuals()  # each worker's, as of its last committed push
             drawn = [int(n) for n in server.control[_drawn(self.o.workers)]]
             step = {"pushes": server.observer.job_pushes, "time": now, "drawn": drawn}
