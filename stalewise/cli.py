@@ -1,5 +1,5 @@
 """The ``stalewise`` command: ``demo``, ``train CONFIG.toml``, ``sim CONFIG.toml``,
-``calibrate CONFIG.toml``, ``run SCRIPT``.
+``calibrate CONFIG.toml``, ``replay CONFIG.toml RUN_DIR``, ``run SCRIPT``.
 
 Every flag and config value is checked before anything starts; a user error
 prints one line, ``stalewise: <key or flag>: <what was expected, got what>``,
@@ -419,6 +419,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(func=cmd_calibrate)
 
+    p = sub.add_parser(
+        "replay",
+        help="replay a run's checkpoint and the push logs after it into its parameters",
+        description="Loads RUN_DIR's newest checkpoint (or --from's), replays the push logs "
+        "its shards wrote after it (local runtime, with a checkpoint folder), and says the "
+        "parameters reached (docs/design-notes.md, 'Push log'). CONFIG is the run's: the "
+        "optimizer is code, which a checkpoint does not hold.",
+    )
+    p.add_argument("config", help="the run's TOML config")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder, or its checkpoint folder")
+    p.add_argument("--from", dest="start", metavar="CKPT", help="replay from this ckpt-* folder")
+    p.add_argument("--out", metavar="FILE", help="write the parameters here (safetensors)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="compare with the newest checkpoint's parameters (the run's final ones): "
+        "identical, or the first leaf that differs (exit 1)",
+    )
+    p.set_defaults(func=cmd_replay)
+
     r = sub.add_parser(
         "run",
         help="run a training script you own once per worker (it calls sw.init(job))",
@@ -496,6 +516,36 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     r.set_defaults(func=cmd_run)
     return parser
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    import hashlib
+
+    from stalewise import config
+    from stalewise.checkpoint import replay
+
+    cfg = config.load(args.config)
+    root = Path(args.run_dir)
+    root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+    flat, ckpt, logs = replay.replay(root, cfg.job.config, args.start)
+    digest = hashlib.sha256(flat.tobytes()).hexdigest()[:16]
+    print(f"replayed {ckpt.path.name} and {len(logs)} push logs: params sha256 {digest}...")
+    if args.out is not None:
+        from safetensors.numpy import save_file
+
+        leaves = {
+            x.name: flat[x.offset : x.offset + x.size].reshape(x.shape) for x in ckpt.spec.leaves
+        }
+        save_file(leaves, args.out)
+        print(f"params: {args.out}")
+    if args.check:
+        newest = replay.load(root)
+        leaf = replay.first_difference(flat, newest)
+        print(
+            f"{'identical to' if leaf is None else f'leaf {leaf!r} differs from'} {newest.path.name}"
+        )
+        return 0 if leaf is None else 1
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:

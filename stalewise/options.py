@@ -57,6 +57,8 @@ class Checkpoints(_Group):
     (``steps`` stays the job's total budget); with none yet the run starts afresh (warned),
     another job's is refused (:class:`stalewise.CheckpointError`). ``sw.load_params(dir,
     like=params)`` reads the params; a checkpoint that cannot be written only warns.
+    ``fsync`` (local runtime): the shards' push logs reach the disk before each ack, not
+    only the OS (docs/design-notes.md, "Push log").
 
     Example:
         >>> Checkpoints("ckpt", every=0)
@@ -69,11 +71,13 @@ class Checkpoints(_Group):
     every: int | None = DEFAULTS["checkpoint_every"]
     seconds: float | None = DEFAULTS["checkpoint_seconds"]
     keep: int = DEFAULTS["checkpoint_keep"]
+    fsync: bool = DEFAULTS["checkpoint_fsync"]
     resume: bool = DEFAULTS["resume"]
 
     KEYWORD: ClassVar[str] = "checkpoints"
     FIELDS: ClassVar[dict[str, str]] = {"dir": "checkpoint_dir", "every": "checkpoint_every",
-        "seconds": "checkpoint_seconds", "keep": "checkpoint_keep", "resume": "resume"}  # fmt: skip
+        "seconds": "checkpoint_seconds", "keep": "checkpoint_keep", "resume": "resume",
+        "fsync": "checkpoint_fsync"}  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.dir is None:

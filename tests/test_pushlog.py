@@ -180,7 +180,9 @@ def test_a_journal_that_does_not_fit_the_shard_is_refused():
     data = journal_of_pushes()[2]
     other = Scenario("adam", "asp", "dc", 1, False, np.float32).shard(seed=0)
     other.join(0, 1)  # incarnation 1 again: not newer
-    with pytest.raises(pushlog.LogError, match=r"^entry 0 \(join\): worker 0: incarnation 1"):
+    with pytest.raises(
+        pushlog.LogError, match=r"^journal: entry 0 \(join\): worker 0: incarnation 1"
+    ):
         pushlog.replay(other, pushlog.decode(data))
 
 

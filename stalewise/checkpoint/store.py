@@ -40,6 +40,7 @@ FEEDBACK = "feedback.safetensors"  # the workers' error-feedback residuals
 RANKS = "ranks.safetensors"  # the arrays of each rank's ctx.state (a loop you own)
 LATEST = "latest"  # the pointer file naming the newest checkpoint folder
 _NAME = re.compile(r"^ckpt-(\d{9,})$")  # a checkpoint folder
+LOG = re.compile(r"^(log-shard-\d{1,6}-[0-9a-f]{8})-(\d{6})$")  # a push log: its chain, its place
 _TMP = ".tmp-"  # what a save writes before renaming it into place
 
 
@@ -177,8 +178,24 @@ def save(
         shutil.rmtree(replaced, ignore_errors=True)
     for old in _complete(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
+    _prune_logs(root)
     log.info("checkpoint: wrote %s", final)
     return final
+
+
+def _prune_logs(root: Path) -> None:
+    """Removes the push logs no kept checkpoint begins at or is followed by (its chain's
+    later files)."""
+    first: dict[str, int] = {}  # chain -> the first file a checkpoint needs
+    for path in _complete(root):
+        with contextlib.suppress(CheckpointError, ValueError, TypeError, AttributeError):
+            step = json.loads(_read_file(path, MANIFEST, MAX_MANIFEST_BYTES))["step"]
+            for chain, n in (LOG.match(name).groups() for name in step.get("logs") or ()):
+                first[chain] = min(first.get(chain, int(n)), int(n))
+    for p in root.iterdir():
+        m = LOG.match(p.name)
+        if m and int(m[2]) < first.get(m[1], math.inf):
+            p.unlink(missing_ok=True)
 
 
 def flat_state(state: Any, what: str = "ctx.state") -> tuple[dict[str, np.ndarray], dict]:
@@ -506,6 +523,23 @@ def untrusted(st: os.stat_result, kind: int = stat.S_IFDIR) -> str | None:
     return None
 
 
+def create_file(path: str | os.PathLike) -> int:
+    """A descriptor of the new file ``path`` (mode 0644) for writing, in a folder of this
+    user's that no one else can write; the file itself no symlink (``O_EXCL``).
+
+    Raises:
+        OSError: the folder is not to be trusted (:func:`untrusted`), or the file exists."""
+    folder, name = os.path.split(os.fspath(path))
+    top = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if problem := untrusted(os.fstat(top)):
+            raise PermissionError(errno.EPERM, f"{folder}: {problem}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        return os.open(name, flags, 0o644, dir_fd=top)
+    finally:
+        os.close(top)
+
+
 def _open_problem(e: OSError, path: Path) -> str:
     """What an ``os.open`` (O_NOFOLLOW) of a checkpoint's folder or file failing says."""
     if e.errno in (errno.ELOOP, errno.ENOTDIR) and path.is_symlink():
@@ -572,6 +606,13 @@ def _checked_manifest(m: Any, where: str) -> tree_lib.FlatSpec:
         isinstance(drawn, list) and len(drawn) <= _MAX_WORKERS and all(map(is_count, drawn))
     )
     need(ok, "step.drawn", drawn, "a list of counts in [0, 2**62)")
+    logs = step.get("logs")
+    ok = logs is None or (
+        isinstance(logs, list)
+        and len(logs) == len(shards)
+        and all(isinstance(x, str) and LOG.match(x) for x in logs)
+    )
+    need(ok, "step.logs", logs, "a push log name (log-shard-K-TAG-N) per shard")
     sim = step.get("sim")
     if sim is not None:
         need(isinstance(sim, dict), "step.sim", sim, "an object")

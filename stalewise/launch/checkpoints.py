@@ -77,7 +77,7 @@ class Saves:
 
         from stalewise import checkpoint
 
-        self.server, self.every, self.folder = server, every, folder
+        self.server, self.every, self.folder, self.directory = server, every, folder, directory
         workers = server.workers
         o = SimpleNamespace(checkpoint_dir=directory, checkpoint_every=every, resume=resume,
                             checkpoint_seconds=None, checkpoint_keep=2, room=workers,
@@ -129,7 +129,7 @@ class Saves:
         state is not of the shards' cut (:func:`stalewise.protocol.budget.off_cut`)."""
         self.due = None
         try:
-            states, step, residuals = self.server.checkpoint_parts()
+            states, step, residuals = self.server.checkpoint_parts(log_dir=self.directory)
         except Exception as e:  # a shard died: the last checkpoint stays the one to resume
             log.warning("checkpoint: cannot read the shards' state: %s", e)
             return

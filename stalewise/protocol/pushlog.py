@@ -69,18 +69,12 @@ def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _opt_int(x: Any) -> bool:
-    return x is None or _int(x)
-
-
 def _ints(n: int) -> Callable[[Any], bool]:
     return lambda x: x is None or (isinstance(x, list) and len(x) == n and all(map(_int, x)))
 
 
-def _time(x: Any) -> bool:
-    return x is None or (isinstance(x, int | float) and not isinstance(x, bool))
-
-
+_opt_int = lambda x: x is None or _int(x)  # noqa: E731
+_time = lambda x: x is None or (isinstance(x, int | float) and not isinstance(x, bool))  # noqa: E731
 _COMMITTED = {"committed": lambda x: isinstance(x, bool), "header": _ints(4), "verdict": _ints(2)}
 # each journaled method's fields and their checks (a payload's fields come on top)
 FIELDS: dict[str, dict[str, Callable[[Any], bool]]] = {
@@ -123,36 +117,30 @@ def journaled(method: Callable) -> Callable:
 
 def encode(op: str, arguments: dict[str, Any]) -> list[bytes]:
     """The buffers of one entry for a call of ``op`` with ``arguments`` (by parameter name)."""
-    fields: dict[str, Any] = {"op": op}
-    payload = None
-    for name, value in arguments.items():
-        if name == "out":
-            fields["out"] = value is not None
-        elif name == "committed":
-            fields["committed"] = value is not None
-            if value is not None:
-                header, payload, verdict = value
-                fields.update(header=_header(header), verdict=_verdict(verdict))
-        elif name == "header":
-            fields["header"] = _header(value)
-        elif name == "verdict":
-            fields["verdict"] = _verdict(value)
-        elif name == "payload":
-            payload = value
-        elif name == "now":
-            fields["now"] = None if value is None else float(value)
-        elif name != "self":
-            fields[name] = int(value) if isinstance(value, np.integer) else value
+    a = {k: int(v) if isinstance(v, np.integer) else v for k, v in arguments.items()}
+    a.pop("self")
+    payload, committed = a.pop("payload", None), a.pop("committed", 0)
+    if committed != 0:  # depart, deliver
+        a["committed"] = committed is not None
+        if committed is not None:
+            a["header"], payload, a["verdict"] = committed
+    if "out" in a:
+        a["out"] = a["out"] is not None
+    if "header" in a:
+        a["header"] = _header(a["header"])
+    if a.get("verdict") is not None:
+        a["verdict"] = [int(a["verdict"][0]), int(a["verdict"][1])]
+    if a.get("now") is not None:
+        a["now"] = float(a["now"])
     data = b""
-    if payload is not None:  # one that is neither an array nor bytes is replayed as None
-        if isinstance(payload, bytes | bytearray | memoryview):
-            fields["dtype"], data = "bytes", bytes(payload)
-        elif isinstance(payload, np.ndarray) and payload.dtype.kind in "biuf":
-            fields.update(dtype=payload.dtype.str, shape=list(payload.shape))
-            data = payload.tobytes()
-        if data or "dtype" in fields:
-            fields.update(n=len(data), sum=_sum(data))
-    header = json.dumps(fields, separators=(",", ":"), default=repr).encode()
+    if isinstance(payload, bytes | bytearray | memoryview):
+        a["dtype"], data = "bytes", bytes(payload)
+    elif isinstance(payload, np.ndarray) and payload.dtype.kind in "biuf":
+        a.update(dtype=payload.dtype.str, shape=list(payload.shape))
+        data = payload.tobytes()
+    if "dtype" in a:  # else none, or one of no such type: replayed as None
+        a.update(n=len(data), sum=_sum(data))
+    header = json.dumps({"op": op, **a}, separators=(",", ":"), default=repr).encode()
     return [_PREFIX.pack(MAGIC, len(header), zlib.crc32(header)), header, data]
 
 
@@ -161,10 +149,6 @@ def _header(h: Any) -> list[int] | None:
     ok = isinstance(h, tuple) and len(h) == 4
     ok = ok and all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in h)
     return [int(x) for x in h] if ok else None
-
-
-def _verdict(v: Any) -> list[int] | None:
-    return None if v is None else [int(v[0]), int(v[1])]
 
 
 def _sum(data: Any) -> int:
@@ -178,10 +162,12 @@ def _sum(data: Any) -> int:
 # -- reading ---------------------------------------------------------------------------
 
 
-def read(stream: BinaryIO, *, max_payload: int, where: str = "journal") -> Iterator[Entry]:
+def read(
+    stream: BinaryIO, *, max_payload: int, where: str = "journal", last: bool = True
+) -> Iterator[Entry]:
     """The entries of a journal, each checked as read: every length bounded (a payload by
     ``max_payload`` bytes), every field typed. A torn last entry (a crash mid-write) is
-    logged and dropped.
+    logged and dropped, or with ``last`` False (more journals follow) refused.
 
     Raises:
         LogError: one line naming ``where``, the entry, its byte offset and the bad field."""
@@ -192,7 +178,7 @@ def read(stream: BinaryIO, *, max_payload: int, where: str = "journal") -> Itera
         if not prefix:
             return
         if len(prefix) < _PREFIX.size:
-            return _torn(at)
+            return _torn(at, last)
         magic, size, crc = _PREFIX.unpack(prefix)
         if magic != MAGIC:
             raise LogError(f"{at}: not a journal entry (magic {magic!r})")
@@ -200,7 +186,7 @@ def read(stream: BinaryIO, *, max_payload: int, where: str = "journal") -> Itera
             raise LogError(f"{at}: header of {size} bytes, more than {MAX_HEADER}")
         raw = stream.read(size)
         if len(raw) < size:
-            return _torn(at)
+            return _torn(at, last)
         if zlib.crc32(raw) != crc:
             raise LogError(f"{at}: header checksum mismatch (garbled)")
         fields = _fields(raw, at)
@@ -210,7 +196,7 @@ def read(stream: BinaryIO, *, max_payload: int, where: str = "journal") -> Itera
                 raise LogError(f"{at}: 'n': a payload of {n} bytes, more than {max_payload}")
             buf = bytearray(n)
             if stream.readinto(buf) < n:
-                return _torn(at)
+                return _torn(at, last)
             if _sum(buf) != fields.pop("sum"):
                 raise LogError(f"{at}: 'sum': the payload's checksum does not match (garbled)")
             payload = _array(buf, fields.pop("dtype"), fields.pop("shape", None), at)
@@ -223,7 +209,9 @@ def decode(data: bytes, *, max_payload: int = 2**40, where: str = "journal") -> 
     return list(read(io.BytesIO(data), max_payload=max_payload, where=where))
 
 
-def _torn(at: str) -> None:
+def _torn(at: str, last: bool) -> None:
+    if not last:
+        raise LogError(f"{at}: torn, though a later log follows it")
     log.warning("%s: torn (a crash while it was written); dropped", at)
 
 
@@ -272,7 +260,7 @@ def _array(buf: bytearray, dtype: str, shape: list[int] | None, at: str) -> np.n
 # -- replaying -------------------------------------------------------------------------
 
 
-def replay(shard: Any, entries: Any) -> list[Any]:
+def replay(shard: Any, entries: Any, where: str = "journal") -> list[Any]:
     """Makes each entry's call on ``shard`` (loaded with the state its journal began at);
     returns the calls' results (the acks of pushes) in order.
 
@@ -282,29 +270,20 @@ def replay(shard: Any, entries: Any) -> list[Any]:
     results = []
     for i, (op, f, payload) in enumerate(entries):
         try:
+            h, v = f.get("header"), f.get("verdict")
+            h, v = h and PushHeader(*h), v and Verdict(*v)  # None stays None
             if op == "push":
-                args = (_push_header(f["header"]), payload)
-                kwargs = {"verdict": _push_verdict(f["verdict"]), "now": f["now"]}
+                args, kwargs = (h, payload), {"verdict": v, "now": f["now"]}
             elif op == "pull":
                 if f["out"] and scratch is None:
                     scratch = np.empty_like(shard.params)
                 args, kwargs = (f["worker"], scratch if f["out"] else None), {"now": f["now"]}
             elif op in ("depart", "deliver"):
-                committed = None
-                if f["committed"]:
-                    committed = (_push_header(f["header"]), payload, _push_verdict(f["verdict"]))
+                committed = (h, payload, v) if f["committed"] else None
                 args, kwargs = (f["worker"], f["incarnation"], committed), {}
             else:
                 args, kwargs = tuple(f[key] for key in FIELDS[op]), {}
             results.append(getattr(shard, op)(*args, **kwargs))
         except (ValueError, TypeError, KeyError) as e:
-            raise LogError(f"entry {i} ({op}): {e}") from None
+            raise LogError(f"{where}: entry {i} ({op}): {e}") from None
     return results
-
-
-def _push_header(h: list[int] | None) -> PushHeader | None:
-    return None if h is None else PushHeader(*h)
-
-
-def _push_verdict(v: list[int] | None) -> Verdict | None:
-    return None if v is None else Verdict(*v)

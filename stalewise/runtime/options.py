@@ -151,10 +151,13 @@ def _checkpoint_seconds(secs: Any) -> Any:
     return secs
 
 
-def _resume(resume: Any) -> Any:
-    if not isinstance(resume, bool):
-        raise OptionTypeError("resume", f"must be True or False, got {resume!r}")
-    return resume
+def _flag(name: str) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if not isinstance(value, bool):
+            raise OptionTypeError(name, f"must be True or False, got {value!r}")
+        return value
+
+    return check
 
 
 #: The worker ids ``workers="auto"`` makes room for.
@@ -200,7 +203,8 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "checkpoint_every": _integer("checkpoint_every", 1, none=True, unit=" (updates)"),
     "checkpoint_seconds": _checkpoint_seconds,
     "checkpoint_keep": _integer("checkpoint_keep", 1),
-    "resume": _resume,
+    "checkpoint_fsync": _flag("checkpoint_fsync"),
+    "resume": _flag("resume"),
     "on_worker_failure": _on_worker_failure,
     "max_restarts": _integer("max_restarts", 0, none=True),
     "worker_timeout": _worker_timeout,
@@ -255,6 +259,7 @@ class RunOptions:
     checkpoint_every: int | None = None  # a checkpoint every this many updates (shard 0's version)
     checkpoint_seconds: float | None = None  # ... and/or every this many seconds (virtual in sim)
     checkpoint_keep: int = 2  # checkpoints kept (the newest)
+    checkpoint_fsync: bool = False  # push logs fsynced before each turn's acks (local runtime)
     resume: bool = False  # start from the newest usable checkpoint in checkpoint_dir
     on_worker_failure: str = (
         "restart"  # "restart" | "drop" | "fail" (stalewise.runtime.errors.Failures)

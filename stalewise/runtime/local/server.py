@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+import uuid
 from multiprocessing import connection, reduction
 from typing import Any
 
@@ -114,6 +115,8 @@ class LocalServer:
         self._needs_main = refers_to_main(config)
         self._block = SharedBlock.create(self.layout.nbytes)
         self._procs: list = []
+        self._tags: dict[int, str] = {}  # each shard process's push logs (state_dicts), and
+        self._log_n, self.logs = 0, None  # the last logs begun: ["log-shard-K-TAG-N", ...]
         self._controls: list = []
         self._incarnations = [0] * workers  # the newest incarnation of each worker id
         self._clients = [0] * workers  # clients made for each worker id by this server
@@ -160,6 +163,7 @@ class LocalServer:
             raise
 
     def _start_shard(self, k: int) -> tuple[Any, Any]:
+        self._tags[k] = uuid.uuid4().hex[:8]  # its push logs' (a new process: a new chain)
         mine, theirs = self._ctx.Pipe()
         args = (self.config, k, self._block.handle, self.layout, theirs, self.join_timeout)
         p = self._ctx.Process(
@@ -335,16 +339,30 @@ class LocalServer:
         """Each shard's counters (applied, rejected, staleness, bytes, version)."""
         return self._ask_all("stats", timeout)
 
-    def state_dicts(self, timeout: float | None = 60.0) -> list[dict]:
-        """Each shard's whole state (:meth:`Shard.state_dict`), between two messages it handles."""
-        return self._ask_all("state", timeout)
+    def state_dicts(
+        self, timeout: float | None = 60.0, log_dir: str | None = None, fsync: bool = False
+    ) -> list[dict]:
+        """Each shard's whole state (:meth:`Shard.state_dict`), between two messages it handles;
+        with ``log_dir``, each shard begins a push log there at that state (named in ``logs``;
+        ``fsync``: each turn's entries are fsynced before its acks)."""
+        return self._ask_all("state", timeout, log_dir, fsync)
 
     @_locked
-    def _ask_all(self, kind: str, timeout: float | None) -> list:
+    def _ask_all(
+        self, kind: str, timeout: float | None, log_dir: str | None = None, fsync: bool = False
+    ) -> list:
         self.check()
+        logs = None
+        if log_dir is not None:  # numbered once no shard is known dead: a chain has no gap
+            with contextlib.suppress(OSError):  # else the shards say why they write none
+                os.makedirs(log_dir, 0o755, exist_ok=True)
+            self._log_n += 1
+            logs = [f"log-shard-{k}-{t}-{self._log_n:06d}" for k, t in self._tags.items()]
+            self.logs = logs
         with self._naming_dead_shards():
-            for c in self._controls:
-                c.send_bytes(wire.stats() if kind == "stats" else wire.state())
+            for k, c in enumerate(self._controls):
+                log = "" if logs is None else os.path.join(log_dir, logs[k])
+                c.send_bytes(wire.stats() if kind == "stats" else wire.state(log, fsync))
             return [self.observer._take(k, kind, timeout)[1] for k in range(len(self._controls))]
 
     def residuals(self, timeout: float = 10.0) -> list[np.ndarray] | None:
@@ -461,10 +479,13 @@ class LocalServer:
         else:  # the job's total: what a budget of steps counts
             counts[0] = int(ckpt.step.get("pushes", 0))
 
-    def checkpoint_parts(self, timeout: float | None = 60.0) -> tuple[list, dict, Any]:
+    def checkpoint_parts(
+        self, timeout: float | None = 60.0, log_dir: str | None = None
+    ) -> tuple[list, dict, Any]:
         """What a checkpoint of this server holds: ``(states, step, residuals)``; pushes in
-        flight count as not made (:func:`~stalewise.protocol.budget.held`)."""
-        states = self.state_dicts(timeout)
+        flight count as not made (:func:`~stalewise.protocol.budget.held`); ``log_dir``:
+        see :meth:`state_dicts`."""
+        states = self.state_dicts(timeout, log_dir)
         records, counts = self.layout.records(self._block), self.control[self.layout.pushes_done]
         pushed = []
         for w in range(self.workers):
@@ -478,7 +499,8 @@ class LocalServer:
                 int(s["next_seq"][w]) if int(s["incarnation"][w]) == inc else 0 for s in states
             )
             pushed.append(budget.held(n, committed, handled))
-        return states, {"pushes": sum(pushed), "pushed": pushed}, self.residuals()
+        step = {"pushes": sum(pushed), "pushed": pushed, **({"logs": self.logs} if log_dir else {})}
+        return states, step, self.residuals()
 
     def published_version(self, k: int = 0) -> int:
         """Shard ``k``'s version as last published for pulls (shared memory: asks no one)."""

@@ -24,6 +24,7 @@ from multiprocessing import connection, reduction
 
 import numpy as np
 
+from stalewise.checkpoint.store import create_file
 from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, pipeline
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
@@ -121,6 +122,7 @@ class ShardProcess:
         self.published, self.published_at = -1, 0.0
         self.answers: list[tuple[WorkerPipe, bytes]] = []  # this turn's acks, sent in settle()
         self.publishes = 0  # snapshots published
+        self.log, self.log_path = None, ""  # the push log the journal goes to (begin_log)
         self.served = 0  # pulls served into a worker's pull buffer
 
     # -- snapshots -----------------------------------------------------------------
@@ -223,7 +225,15 @@ class ShardProcess:
         self.answers.append((p, wire.ack(ack)))  # sent at the end of this turn (settle)
 
     def answer(self) -> None:
-        """Sends this turn's acks, in order, to the pipes still connected."""
+        """Sends this turn's acks, in order, to the pipes still connected (after the push
+        log's entries reach the OS)."""
+        if self.log is not None:
+            try:
+                self.log.flush()
+                if self.log_fsync:
+                    os.fdatasync(self.log.fileno())
+            except OSError as e:
+                self.end_log(e)
         answers, self.answers = self.answers, []
         for p, body in answers:
             if p in self.pipes:
@@ -289,6 +299,43 @@ class ShardProcess:
         if not busy:
             self.shard.prepare()  # the next step's undo copy (or bounds), while no push waits
 
+    # -- the push log --------------------------------------------------------------
+
+    def begin_log(self, path: str, fsync: bool = False) -> None:
+        """Ends the push log and begins ``path``, at the shard's state now (a checkpoint's);
+        ``fsync``: each turn's entries reach the disk before its acks."""
+        self.end_log()
+        try:
+            self.log = open(create_file(path), "wb", buffering=1 << 16)  # noqa: SIM115
+        except OSError as e:
+            log.warning("shard %d: no push log: %s: %s", self.k, path, e.strerror or e)
+            return
+        self.log_path, self.log_fsync, self.shard.journal = path, fsync, self.journal
+
+    def journal(self, entry: list) -> None:
+        try:
+            self.log.writelines(entry)
+        except OSError as e:
+            self.end_log(e)
+
+    def end_log(self, error: OSError | None = None) -> None:
+        """Closes the push log, flushed and fsynced; one that fails to (``error``) is
+        removed, so a replay stops before it instead of skipping what it lacks."""
+        f, self.log, self.shard.journal = self.log, None, None
+        try:
+            if f is not None and error is None:
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            error = e
+        if f is not None:
+            with contextlib.suppress(OSError):
+                f.close()
+        if error is not None:
+            log.warning("shard %d: push log %s removed: %s", self.k, self.log_path, error)
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
+
     # -- the parent ----------------------------------------------------------------
 
     def on_control(self) -> bool:
@@ -309,7 +356,10 @@ class ShardProcess:
         elif kind == "stats":
             c.send_bytes(wire.stats_reply(shard.stats.as_dict() | {"version": shard.version}))
         elif kind == "state":
-            c.send_bytes(wire.state_reply(shard.state_dict()))
+            state = shard.state_dict()
+            if msg[1]:
+                self.begin_log(msg[1], msg[2])
+            c.send_bytes(wire.state_reply(state))
         elif kind == "load":  # a checkpoint, before any worker joins (resume)
             if self.pipes:
                 c.send_bytes(wire.loaded(None, "workers have joined; load before they do"))
@@ -323,6 +373,7 @@ class ShardProcess:
             self.publish_now()
             c.send_bytes(wire.loaded(shard.version, None))
         else:  # stop
+            self.end_log()
             c.send_bytes(wire.stopped(shard.stats.as_dict() | {"version": shard.version}))
             return False
         return True
@@ -366,6 +417,7 @@ def shard_main(
         deadlines = [d for d in (lease_ends, proc.next_deadline()) if d is not None]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         if not proc.turn(timeout):
+            proc.end_log()
             return
         if lease_ends is not None and time.monotonic() >= lease_ends:
             lease_ends = None

@@ -530,10 +530,12 @@ class _Host:
             return None
 
         def take() -> driver.Snapshot:
-            states = server.state_dicts()
+            o = self.o  # the push logs begin at these states
+            states = server.state_dicts(log_dir=o.checkpoint_dir, fsync=o.checkpoint_fsync)
             residuals = server.residuals()  # each worker's, as of its last committed push
             drawn = [int(n) for n in server.control[_drawn(self.o.workers)]]
             step = {"pushes": server.observer.job_pushes, "time": now, "drawn": drawn}
+            step["logs"] = server.logs
             return driver.Snapshot(states, step, residuals)
 
         return take() if failure else self._retrying(take)

@@ -346,8 +346,9 @@ def stats() -> bytes:
     return _KIND.pack(_STATS)
 
 
-def state() -> bytes:
-    return _KIND.pack(_STATE)
+def state(log: str = "", fsync: bool = False) -> bytes:
+    """Asks for the shard's state; ``log``: the push log file it begins at that state."""
+    return _KIND.pack(_STATE) + bytes([fsync]) + log.encode()
 
 
 def load(state_dict: dict) -> bytes:
@@ -371,6 +372,8 @@ def encode_control(msg: tuple) -> bytes:
         return join(msg[1], msg[2])
     if kind == "load" and len(msg) == 2:
         return load(msg[1])
+    if kind == "state" and len(msg) == 3:
+        return state(msg[1], msg[2])
     simple = {"pull": pull, "stats": stats, "state": state, "stop": stop}
     if kind in simple and len(msg) == 1:
         return simple[kind]()
@@ -379,13 +382,15 @@ def encode_control(msg: tuple) -> bytes:
 
 def decode_control(body: bytes) -> tuple:
     """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
-    ``("stats",)``, ``("state",)``, ``("load", state)`` (unpickled) or ``("stop",)``."""
+    ``("stats",)``, ``("state", log, fsync)``, ``("load", state)`` (unpickled) or ``("stop",)``."""
     kind = _kind_of(body)
     if kind == _JOIN and len(body) == _TWO.size:
         return ("join", *_TWO.unpack(body)[1:])
     if kind == _LOAD:
         return ("load", pickle.loads(body[_KIND.size :]))
-    simple = {_PULL: "pull", _STATS: "stats", _STATE: "state", _STOP: "stop"}
+    if kind == _STATE and len(body) > _KIND.size:
+        return ("state", body[_KIND.size + 1 :].decode(), body[_KIND.size] == 1)
+    simple = {_PULL: "pull", _STATS: "stats", _STOP: "stop"}
     if kind in simple and len(body) == _KIND.size:
         return (simple[kind],)
     raise WireError(f"a control message of unknown kind or size: 0x{kind:02x}, {len(body)} bytes")

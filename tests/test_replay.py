@@ -1,0 +1,157 @@
+"""Push logs of the local runtime, for real: a run's checkpoint and the logs after it
+replay to the run's final parameters bit for bit (``stalewise replay``), a worker killed
+mid-run included, and past the last checkpoint of a launcher killed mid-run; a garbled or
+foreign log is one line. Every launcher's process group is killed at the end."""
+
+import os
+import signal
+import time
+
+import child_procs
+import mp_helpers
+import numpy as np
+import pytest
+from test_cli import LS_CONFIG, write
+from test_faults import Once, paced_loss_and_grad
+from test_own_checkpoint import SCRIPT, TIMEOUT
+
+import stalewise as sw
+from stalewise.checkpoint import replay, store
+from stalewise.cli import main
+
+CASES = {  # consistency, strategy, optimizer, shards, codec, kill worker 1
+    "asp-adam": (sw.ASP(), None, sw.optim.adam(0.05), 2, None, False),
+    "bsp-lamb-killed": (sw.BSP(), None, sw.optim.lamb(0.05, weight_decay=0.01), 1, None, True),
+    "asp-diloco-int8-killed": (
+        sw.ASP(),
+        sw.strategies.diloco(4, sw.optim.adam(0.01), asynchronous=True, every=2),
+        None,
+        2,
+        sw.codecs.int8(),
+        True,
+    ),
+    "bsp-diloco": (sw.BSP(), sw.strategies.diloco(4, sw.optim.adam(0.01)), None, 1, None, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_checkpoint_and_the_logs_after_it_replay_to_the_final_params(case, tmp_path, no_leaks):
+    consistency, strategy, optimizer, shards, codec, kill = CASES[case]
+    params = {"x": np.zeros(8, np.float32), "b": np.ones(300, np.float32)}
+    job = sw.Job(
+        params,
+        optimizer=optimizer,
+        strategy=strategy,
+        consistency=consistency,
+        shards=shards,
+        codec=codec,
+    )
+    killer = Once("stalewise-worker-1", after=60) if kill else None
+    result = job.train(
+        paced_loss_and_grad_b,
+        data=mp_helpers.counting_data,
+        workers=2,
+        steps=160,
+        checkpoints=sw.Checkpoints(tmp_path, every=20, keep=20, fsync=case == "asp-adam"),
+        metrics=sw.Metrics(every=0.05, on_record=killer),
+        timeouts=sw.Timeouts(total=120),
+    )
+    if kill:
+        assert killer.pid is not None and result.restarts == 1
+    kept = [p.name for p in store._complete(tmp_path)]
+    assert len(kept) >= 3, kept
+    final = store.load(tmp_path)
+    assert np.array_equal(final.flat(), result.flat)  # the final checkpoint is the run's end
+    for name in kept:
+        flat, _, logs = replay.replay(tmp_path, job.config, name)
+        assert flat.tobytes() == result.flat.tobytes(), (name, logs)
+        assert replay.first_difference(flat, final) is None
+
+
+def paced_loss_and_grad_b(params, batch):
+    """paced_loss_and_grad, and a gradient for ``b`` as well."""
+    loss, grads = paced_loss_and_grad({"x": params["x"]}, batch)
+    return loss, {**grads, "b": params["b"] * np.float32(0.01 * (batch % 7))}
+
+
+def test_stalewise_replay_checks_a_run_and_names_a_bad_log_in_one_line(
+    tmp_path, capsys, caplog, no_leaks
+):
+    cfg = write(tmp_path, LS_CONFIG)
+    run = tmp_path / "run"
+    assert main(["train", str(cfg), "--out", str(run), "-q", "--checkpoint-every", "60"]) == 0
+    kept = [p.name for p in store._complete(run / "checkpoints")]
+    oldest, out = kept[-1], tmp_path / "params.safetensors"
+    capsys.readouterr()
+    argv = ["replay", str(cfg), str(run), "--from", oldest, "--check"]
+    assert main([*argv, "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"replayed {oldest} and " in said and f"identical to {kept[0]}" in said
+    from safetensors.numpy import load_file
+
+    leaves = load_file(str(out))
+    assert np.concatenate([a.ravel() for a in leaves.values()]).tobytes() == (
+        store.load(run / "checkpoints").flat().tobytes()
+    )
+
+    logs = sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("log-"))
+    for name in store.load(run / "checkpoints" / oldest).step["logs"]:  # pruned before it
+        assert min(p.name for p in logs if p.name[:-6] == name[:-6]) == name, logs
+    log = max(logs, key=lambda p: p.stat().st_size)  # one with pushes, and logs after it
+    later = {p: p.read_bytes() for p in logs if p.name[:-6] == log.name[:-6] and p > log}
+    data = log.read_bytes()
+    log.write_bytes(data[: len(data) // 2])  # torn in an entry
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{log}: entry " in err and "torn, though a later log follows it" in err
+    for p in later:  # as if the run had been killed while it wrote that log
+        p.unlink()
+    assert main(argv) == 1  # the entries before the torn one replay
+    assert "differs from" in capsys.readouterr().out
+    assert f"{log}: entry " in caplog.text and "torn (a crash" in caplog.text
+    for p, b in later.items():
+        p.write_bytes(b)
+    garbled = bytearray(data)
+    garbled[len(data) // 2] ^= 0xFF
+    log.write_bytes(bytes(garbled))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{log}: entry " in err and "(garbled)" in err
+    log.write_bytes(data)
+    os.chmod(log, 0o666)
+    assert main(argv) == 2
+    assert f"{log}: writable by others (mode 0666)" in capsys.readouterr().err
+    os.chmod(log, 0o644)
+    assert main(argv) == 0
+
+
+def test_a_run_without_logs_is_said_in_one_line(tmp_path, capsys):
+    cfg = write(tmp_path, LS_CONFIG)
+    assert main(["replay", str(cfg), str(tmp_path)]) == 2
+    assert "no checkpoint in" in capsys.readouterr().err
+
+
+def test_a_killed_launchers_logs_replay_past_its_last_checkpoint(tmp_path):
+    """``stalewise run --checkpoint-dir`` (a loop you own), its process group SIGKILLed
+    mid-run: each checkpoint and the logs after it replay to the same parameters, past
+    the newest checkpoint's (the pushes the shards applied after it)."""
+    script, ckpts = tmp_path / "train.py", tmp_path / "ckpt"
+    script.write_text(SCRIPT.replace("sw.optim.sgd(0.05)", "sw.optim.adam(0.05)"))
+    args = ["--workers", "2", "--steps", "5000", "--checkpoint-dir", str(ckpts)]
+    args += ["--checkpoint-every", "30", str(script), str(tmp_path / "run"), "0.005"]
+    with child_procs.launched(tmp_path, *args) as proc:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and proc.poll() is None:
+            if ckpts.is_dir() and len(store._complete(ckpts)) >= 2:
+                break
+            time.sleep(0.05)
+        logs = store.load(ckpts).step["logs"]
+        while time.monotonic() < deadline and (ckpts / logs[0]).stat().st_size < 4000:
+            time.sleep(0.01)  # pushes after the newest checkpoint (one is 200 bytes)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.killpg(proc.pid, signal.SIGKILL)
+    config = sw.Job({"w": np.zeros(8, np.float32)}, optimizer=sw.optim.adam(0.05)).config
+    flat, ckpt, logs = replay.replay(ckpts, config)  # from the one `latest` names
+    assert logs and flat.tobytes() != ckpt.flat().tobytes()  # the log holds pushes after it
+    for name in [p.name for p in store._complete(ckpts)]:
+        assert replay.replay(ckpts, config, name)[0].tobytes() == flat.tobytes()
