@@ -42,9 +42,9 @@ from stalewise.pacing import RoundCost
 from stalewise.strategies.averaging import (
     AveragingState,
     LocalSGDStrategy,
+    _check_outer,
     _check_steps,
     _describe_inner,
-    _outer_mismatch,
     _run_local,
     _timed_round,
     diloco,
@@ -344,9 +344,7 @@ class Adaptive(Strategy):
 
     def check_consistency(self, consistency: Any, *, recommended: bool) -> None:
         """Refuses DiLoCo under a consistency model its outer optimizer is not made for."""
-        why = _outer_mismatch(self.local, consistency, recommended, "adaptive(outer='diloco')")
-        if why is not None:
-            raise ValueError(why)
+        _check_outer(self.local, consistency, recommended, "adaptive(outer='diloco')")
 
     def server_optimizer(self, workers: int | None = None) -> optim.Optimizer:
         """The worker side's: ``sgd(1.0)``, DiLoCo's Nesterov SGD or delayed Nesterov."""

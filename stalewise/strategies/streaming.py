@@ -34,14 +34,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stalewise import optim, tree
-from stalewise.optim._validate import check_number
 from stalewise.optim.base import copy_state
 from stalewise.segments import Segments
 from stalewise.strategies.averaging import (
     AveragingState,
     LocalSGDStrategy,
-    _check_positive,
-    _check_steps,
     _describe_inner,
     _new_state,
     _run_local,
@@ -448,19 +445,15 @@ def streaming_diloco(
         >>> s.offsets, s.schedule(0), s.schedule(10), s.schedule(29)
         ((0, 10, 20), (10, 1), (20, 2), (30, 0))
     """
-    if every is not None and not asynchronous:
-        raise ValueError(
-            "streaming_diloco: every= is delayed Nesterov's N; it needs asynchronous=True"
-        )
     return StreamingDiLoCo(
-        _check_steps("streaming_diloco", "local_steps", local_steps),
+        local_steps,
         optim.adamw(1e-3) if inner is None else inner,
         fragments=fragments,
         offsets=offsets,
         delay=delay,
         alpha=alpha,
-        outer_lr=_check_positive("streaming_diloco", "outer_lr", outer_lr),
-        outer_momentum=check_number("streaming_diloco", "outer_momentum", outer_momentum, 0.0, 1.0),
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
         asynchronous=asynchronous,
         every=every,
         overlap=overlap,
