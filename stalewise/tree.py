@@ -740,7 +740,7 @@ def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
         segment = _segment(flat, leaf)
         for f in values:
             if f.holder is not None:
-                containers.set_value(f.holder, f.backend.from_numpy(segment, leaf.dtype))
+                f.holder.set_value(f.backend.from_numpy(segment, leaf.dtype))  # an nnx Variable
             else:
                 f.backend.assign(f.x, segment)
 

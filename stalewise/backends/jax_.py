@@ -31,12 +31,6 @@ class JaxBackend(Backend):
 
         return isinstance(x, jax.Array)
 
-    def dtype(self, x: Any) -> str:
-        return x.dtype.name
-
-    def to_numpy(self, x: Any) -> np.ndarray:
-        return np.asarray(x)
-
     def from_numpy(self, a: np.ndarray, dtype: str, like: Any = None, *, copy: bool = True) -> Any:
         import jax.numpy as jnp
 

@@ -30,15 +30,6 @@ class NumpyBackend(Backend):
     def shape(self, x: Any) -> tuple[int, ...]:
         return tuple(np.shape(x))
 
-    def dtype(self, x: Any) -> str:
-        return x.dtype.name
-
-    def to_numpy(self, x: Any) -> np.ndarray:
-        return np.asarray(x)
-
-    def copy_into(self, x: Any, out: np.ndarray) -> None:
-        np.copyto(out, x, casting="unsafe")
-
     def from_numpy(self, a: np.ndarray, dtype: str, like: Any = None, *, copy: bool = True) -> Any:
         target = numpy_dtype(dtype)
         if a.dtype != target:
