@@ -229,30 +229,9 @@ def plot(
         ...      metric="loss", target=0.3).stat().st_size > 1000
         True
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11.0, 4.0), layout="constrained")
-    FigureCanvasAgg(fig)
-    curves, bars = fig.subplots(1, 2)
-    values = []
-    for row in rows:
-        pts = sorted(
-            (r["time"], r[metric])
-            for r in records
-            if r.get("run") == row["run"] and _finite(r.get(metric))
-        )
-        if pts:
-            curves.plot(*zip(*pts, strict=True), label=row["run"], linewidth=1.5)
-            values.extend(v for _, v in pts)
-    curves.axhline(target, color="0.3", linestyle="--", linewidth=1.0, label="target")
-    if values and min(values) > 0 and max(values) > 100 * min(values):
-        curves.set_yscale("log")
-    curves.set_xlabel("virtual time (s)")
-    curves.set_ylabel(metric)
-    curves.grid(True, alpha=0.3)
-    curves.legend(fontsize="small")
-
+    fig, (curves, bars) = report.figure(11.0, 4.0, 2)
+    runs = {row["run"]: [r for r in records if r.get("run") == row["run"]] for row in rows}
+    report.draw(curves, runs, "time", metric, target, "virtual time (s)", metric)
     done = [r for r in rows if r["time_to_target"] is not None]
     missed = [r["run"] for r in rows if r["time_to_target"] is None]
     if over == "workers":
@@ -272,11 +251,4 @@ def plot(
     if missed:
         bars.set_title(f"target not reached: {', '.join(missed)}", fontsize="small")
     fig.suptitle(f"simulated time to target, over {over}")
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=100)
-    return out
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
+    return report.save(fig, path)
