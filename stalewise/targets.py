@@ -15,15 +15,12 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import math
 import numbers
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
-
-log = logging.getLogger(__name__)
 
 __all__ = ["Mode", "StopAt", "Target", "all_reached", "infer_mode", "parse", "time_to_target"]
 
@@ -182,12 +179,7 @@ def _entry(key: Any, spec: Any, where: str) -> Target:
         value, mode = spec, None
     if not _is_number(value):
         raise ValueError(f"{name}: the value to reach must be a number, got {value!r}")
-    if mode is None:
-        try:
-            mode = infer_mode(key)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-    try:
+    try:  # Target infers a mode of None from the name
         return Target(key, value, mode)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None

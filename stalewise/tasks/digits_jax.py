@@ -9,15 +9,11 @@ shares one compilation cache.
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from stalewise.tasks.digits import Digits
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["DigitsJax"]
 
