@@ -107,10 +107,7 @@ _NONE = TreeDef("none")
 
 
 def _static(node: TreeDef, name: str, default: Any = None) -> Any:
-    for key, value in node.static:
-        if key == name:
-            return value
-    return default
+    return dict(node.static).get(name, default)
 
 
 def _walk(node: TreeDef) -> Iterator[TreeDef]:
@@ -335,12 +332,6 @@ def _labels(values: tuple) -> list[str] | None:
             return None
         labels.append(label)
     return labels if len(set(labels)) == len(labels) else None
-
-
-def _refuse_nonfloat(nonfloat: list[tuple[tuple, str]], keep_integers: bool) -> None:
-    for path, dtype in nonfloat:
-        if not (keep_integers and not dtype.startswith("complex")):
-            raise _nonfloat_error(path, dtype)
 
 
 def _nonfloat_error(path: tuple, dtype: str) -> TypeError:
@@ -617,7 +608,9 @@ def _new_spec(tree: Any, dtype: Any, keep_integers: bool) -> tuple[FlatSpec, lis
             return made, _collect(tree, made)
         except (TypeError, ValueError):  # changed since: a spec of its own
             pass
-    _refuse_nonfloat(b.nonfloat, keep_integers)
+    for path, leaf_dtype in b.nonfloat:
+        if not keep_integers or leaf_dtype.startswith("complex"):
+            raise _nonfloat_error(path, leaf_dtype)
     return _make_spec(b.found, treedef, dtype), [[f] for f in b.found]
 
 
