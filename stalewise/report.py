@@ -131,13 +131,6 @@ def time_to_target(
     """The first ``x`` (``"time"`` or e.g. ``"updates"``) at which ``run``'s ``key`` reaches
     ``target``, or None; :func:`stalewise.targets.time_to_target` with ``Target(key,
     target, mode)``. ``run`` may be omitted when the records hold one run.
-
-    Example:
-        >>> recs = [{"run": "a", "time": t, "loss": 1 / (1 + t)} for t in range(10)]
-        >>> time_to_target(recs, "loss", 0.2)
-        4
-        >>> time_to_target(recs, "loss", 0.01, mode="min") is None
-        True
     """
     return targets.time_to_target(records, targets.Target(key, target, mode), run, x=x)
 

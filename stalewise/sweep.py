@@ -106,8 +106,8 @@ def sweep(
         >>> job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
         >>> out = tempfile.mkdtemp()
         >>> rows = sweep(job, task, over="workers", values=[1, 4], steps=400, target=1e-3, out=out)
-        >>> [(row["run"], row["time_to_target"]) for row in rows]
-        [('P=1', 0.4), ('P=4', 0.1)]
+        >>> [(row["run"], round(row["time_to_target"], 2)) for row in rows]
+        [('P=1', 0.35), ('P=4', 0.1)]
         >>> sorted(os.listdir(out))
         ['metrics.jsonl', 'sweep.png']
     """

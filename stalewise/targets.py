@@ -142,12 +142,7 @@ class Target:
         return "<=" if self.mode == "min" else ">="
 
     def reached(self, value: Any) -> bool:
-        """True if ``value`` meets the target; NaN, infinities and non-numbers never do.
-
-        Example:
-            >>> Target("loss", 1e-3).reached(1e-4), Target("loss", 1e-3).reached(0.5)
-            (True, False)
-        """
+        """True if ``value`` meets the target; NaN, infinities and non-numbers never do."""
         if not _is_number(value) or not math.isfinite(value):
             return False
         return value <= self.value if self.mode == "min" else value >= self.value
@@ -220,15 +215,7 @@ def parse(stop_at: Any, *, where: str = "stop_at") -> tuple[Target, ...]:
 
 
 def all_reached(targets: Iterable[Target], record: Mapping[str, Any]) -> bool:
-    """True if ``record`` meets every target (a missing metric does not); False if there are none.
-
-    Example:
-        >>> ts = parse({"loss": 0.1, "accuracy": 0.9})
-        >>> all_reached(ts, {"loss": 0.05, "accuracy": 0.95}), all_reached(ts, {"loss": 0.05})
-        (True, False)
-        >>> all_reached((), {"loss": 0.0})
-        False
-    """
+    """True if ``record`` meets every target (a missing metric does not); False if there are none."""
     found = False
     for t in targets:
         if not t.reached(record.get(t.metric)):

@@ -95,12 +95,7 @@ class Backend:
 
 
 def numpy_dtype(name: str) -> np.dtype:
-    """The NumPy dtype for a dtype name; ``"bfloat16"`` needs ``ml_dtypes``.
-
-    Example:
-        >>> numpy_dtype("float16")
-        dtype('float16')
-    """
+    """The NumPy dtype for a dtype name; ``"bfloat16"`` needs ``ml_dtypes``."""
     if name == "bfloat16":
         try:
             import ml_dtypes

@@ -1,15 +1,8 @@
 """Adaptive local SGD / DiLoCo: a communication period ``H`` that tunes itself.
 
-``adaptive(inner, schedule=comm_budget(), outer="local_sgd")`` is
-:func:`~stalewise.strategies.averaging.local_sgd` (``outer="diloco"``:
-:func:`~stalewise.strategies.averaging.diloco`, with its server optimizer and its
-consistency checks) whose ``H`` a *schedule* picks anew at every push, after the round's
-first local step, from the worker's smoothed training loss ``F`` and its rounds' lengths:
-
-* :func:`comm_budget` (the default) keeps communication under ``fraction`` of a round,
-  timed by the runtime's clock; it needs no hint of a good ``H``;
-* :func:`adacomm` (Wang and Joshi 2019) shrinks ``H`` as ``F`` falls;
-* :func:`fixed` keeps ``H``, which is ``local_sgd(local_steps=H)``.
+:func:`adaptive` is ``local_sgd`` (or ``diloco``) whose ``H`` a *schedule* picks anew at
+every push, after the round's first local step, from the worker's smoothed training loss
+and its rounds' lengths: :func:`comm_budget` (the default), :func:`adacomm` or :func:`fixed`.
 
 A custom schedule is a picklable object (a frozen dataclass is ideal) with
 ``init() -> state`` and ``next(state, loss) -> (H, state)`` (``H >= 1``, the first step
@@ -257,12 +250,7 @@ def comm_budget(
 
 
 def fixed(local_steps: int) -> Fixed:
-    """The trivial schedule: ``H = local_steps`` at every push (``local_sgd(local_steps=H)``).
-
-    Example:
-        >>> fixed(4).next(fixed(4).init(), 1.0)
-        (4, None)
-    """
+    """The trivial schedule: ``H = local_steps`` at every push (``local_sgd(local_steps=H)``)."""
     return Fixed(local_steps)
 
 

@@ -158,22 +158,12 @@ class StreamingDiLoCo(LocalSGDStrategy):
         offsets: Sequence[int] | None = None,
         delay: int = 0,
         alpha: float = 0.0,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        asynchronous: bool = False,
-        every: int | None = None,
         overlap: bool = True,
+        **outer: Any,
     ):
+        """``outer``: ``outer_lr``, ``outer_momentum``, ``asynchronous``, ``every``."""
         where = "streaming_diloco"
-        super().__init__(
-            local_steps,
-            inner,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            asynchronous=asynchronous,
-            every=every,
-            name=where,
-        )
+        super().__init__(local_steps, inner, name=where, **outer)
         h = self.local_steps
         self.fragments = _check_fragments(fragments)
         count = self.count
