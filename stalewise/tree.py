@@ -72,15 +72,7 @@ def path_str(path: tuple, root: str = "params") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
-    """Where one stored leaf lives in the flat vector.
-
-    Example:
-        >>> import numpy as np
-        >>> _, spec = flatten({"layer1": {"w": np.zeros((4, 2), np.float16)}})
-        >>> leaf = spec.leaves[0]
-        >>> leaf.name, leaf.shape, leaf.dtype, leaf.backend, leaf.offset, leaf.size
-        ('layer1.w', (4, 2), 'float16', 'numpy', 0, 8)
-    """
+    """Where one stored leaf lives in the flat vector."""
 
     path: tuple  # key path entries, e.g. ("layer1", "w") or (0, AttrKey("bias"))
     name: str  # dotted name, e.g. "layer1.w" ("params" for a tree that is one leaf)
@@ -118,14 +110,7 @@ def _walk(node: TreeDef) -> Iterator[TreeDef]:
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class FlatSpec:
-    """Everything needed to rebuild a tree from its flat vector; picklable.
-
-    Example:
-        >>> import numpy as np
-        >>> _, spec = flatten([np.zeros(3), np.zeros((2, 2), np.float32)])
-        >>> spec.size, spec.dtype.name, spec.nbytes, spec.segments.names
-        (7, 'float64', 56, ('0', '1'))
-    """
+    """Everything needed to rebuild a tree from its flat vector; picklable."""
 
     leaves: tuple[LeafSpec, ...]
     treedef: TreeDef

@@ -1,13 +1,4 @@
-"""The NumPy backend: ``np.ndarray`` leaves (and NumPy scalars, as 0-d leaves).
-
-Example:
-    >>> import numpy as np
-    >>> from stalewise.backends import get_backend
-    >>> b = get_backend("numpy")
-    >>> flat = np.arange(4, dtype=np.float32)
-    >>> np.shares_memory(b.from_numpy(flat, "float32", copy=False), flat)
-    True
-"""
+"""The NumPy backend: ``np.ndarray`` leaves (and NumPy scalars, as 0-d leaves)."""
 
 from __future__ import annotations
 

@@ -121,9 +121,9 @@ class CommBudget:
             raise ValueError(f"comm_budget: fraction must be a number in (0, 1), got {fraction!r}")
         if not 0 < fraction < 1:
             raise ValueError(f"comm_budget: fraction must be in (0, 1), got {fraction!r}")
-        start = _check_steps("comm_budget", "local_steps", self.local_steps)
-        lo = _check_steps("comm_budget", "min_steps", self.min_steps)
-        hi = _check_steps("comm_budget", "max_steps", self.max_steps)
+        for name in ("local_steps", "min_steps", "max_steps"):
+            object.__setattr__(self, name, _check_steps("comm_budget", name, getattr(self, name)))
+        lo, start, hi = self.min_steps, self.local_steps, self.max_steps
         if not lo <= start <= hi:
             raise ValueError(
                 f"comm_budget: need min_steps <= local_steps <= max_steps, got min_steps={lo}, "
@@ -131,9 +131,6 @@ class CommBudget:
             )
         memory = check_number("comm_budget", "memory", self.memory, 0.0, 1.0)
         object.__setattr__(self, "fraction", float(fraction))
-        object.__setattr__(self, "local_steps", start)
-        object.__setattr__(self, "min_steps", lo)
-        object.__setattr__(self, "max_steps", hi)
         object.__setattr__(self, "memory", memory)
 
     def init(self) -> CommBudgetState:
