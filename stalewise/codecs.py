@@ -512,11 +512,8 @@ def parse(spec: Any) -> Policy:
             raise ValueError(f"unknown codec {name!r} (known: {', '.join(NAMES)})")
         if name == "size_adaptive":
             for key in ("small", "large"):
-                if key in table:
-                    inner = parse(table[key])
-                    if not isinstance(inner, Codec):
-                        raise ValueError(f"size_adaptive.{key} must be a codec, got {inner!r}")
-                    table[key] = inner
+                if key in table:  # SizeAdaptive refuses a policy that is not a codec
+                    table[key] = parse(table[key])
         maker = size_adaptive if name == "size_adaptive" else _MAKERS[name]
         try:
             return maker(**table)
@@ -537,14 +534,9 @@ def _flag(x: Any) -> bool:
 
 def _vector(x: Any) -> np.ndarray:
     if not isinstance(x, np.ndarray) or x.ndim != 1 or x.dtype not in _CODES:
-        raise ValueError(f"expected a 1-D float32 or float64 array, got {_describe(x)}")
+        got = f"a {x.ndim}-D {x.dtype} array" if isinstance(x, np.ndarray) else type(x).__name__
+        raise ValueError(f"expected a 1-D float32 or float64 array, got {got}")
     return np.ascontiguousarray(x)
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, np.ndarray):
-        return f"a {x.ndim}-D {x.dtype} array"
-    return type(x).__name__
 
 
 def _values(x: np.ndarray, dtype: np.dtype, codec: Codec) -> np.ndarray:

@@ -73,21 +73,13 @@ def run(
 ) -> list[dict]:
     """Runs the demo, writes ``metrics.jsonl`` and ``demo.png`` into ``out``; returns table rows."""
     check_args(workers, slowdown, delay, steps)
+    settings = {"lr": lr, "workers": workers, "slowdown": slowdown, "delay": delay, "steps": steps}
     rows = []
     records: list[dict] = []
     with report.MetricsWriter(out / "metrics.jsonl") as writer:
         for name, consistency, staleness in runs():
             row, recs = train_one(
-                name,
-                consistency,
-                staleness,
-                lr=lr,
-                workers=workers,
-                slowdown=slowdown,
-                delay=delay,
-                steps=steps,
-                on_record=writer.write,
-                progress=progress,
+                name, consistency, staleness, on_record=writer.write, progress=progress, **settings
             )
             rows.append(row)
             records += recs

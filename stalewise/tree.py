@@ -330,16 +330,9 @@ def _name(path: tuple) -> str:
     return ".".join(str(e) for e in path if not isinstance(e, HiddenKey)) or "params"
 
 
-def _flat_dtype(dtype: Any, leaf_dtypes: list[str]) -> np.dtype:
-    if dtype is None:
-        return np.dtype(np.float64 if "float64" in leaf_dtypes else np.float32)
-    forced = np.dtype(dtype)
-    if forced not in (np.float32, np.float64):
-        raise ValueError(f"flat dtype must be float32 or float64, got {forced}")
-    return forced
-
-
 def _make_spec(found: list[_Leaf], treedef: TreeDef, dtype: Any) -> FlatSpec:
+    if dtype is not None and np.dtype(dtype) not in (np.float32, np.float64):
+        raise ValueError(f"flat dtype must be float32 or float64, got {np.dtype(dtype)}")
     leaves, offset = [], 0
     for f in found:
         shape = f.backend.shape(f.x)
@@ -350,7 +343,8 @@ def _make_spec(found: list[_Leaf], treedef: TreeDef, dtype: Any) -> FlatSpec:
             LeafSpec(f.path, name, shape, leaf_dtype, f.backend.name, offset, size, f.buffer)
         )
         offset += size
-    flat_dtype = _flat_dtype(dtype, [leaf.dtype for leaf in leaves])
+    wide = any(leaf.dtype == "float64" for leaf in leaves)
+    flat_dtype = np.dtype(dtype if dtype is not None else np.float64 if wide else np.float32)
     logger.debug("flat spec: %d leaves, %d elements, %s", len(leaves), offset, flat_dtype)
     return FlatSpec(tuple(leaves), treedef, flat_dtype, offset)
 

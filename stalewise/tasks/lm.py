@@ -160,14 +160,9 @@ class LanguageModel:
             self.memory_bytes(
                 self.dim, self.layers, self.heads, self.context, self.batch_size, self.eval_windows
             ),
-            {
-                "dim": (self.dim, SIZES[size]["dim"]),
-                "layers": (self.layers, SIZES[size]["layers"]),
-                "heads": (self.heads, SIZES[size]["heads"]),
-                "context": (self.context, 64),
-                "batch_size": (self.batch_size, 16),
-                "eval_windows": (self.eval_windows, 64),
-            },
+            {k: (shape[k], SIZES[size][k]) for k in shape}
+            | {"context": (self.context, 64), "batch_size": (self.batch_size, 16)}
+            | {"eval_windows": (self.eval_windows, 64)},
         )
         corpus = self.corpus  # reads the files once here, so a bad size fails at construction
         if len(corpus.val) < self.context + 1:
@@ -261,10 +256,7 @@ class LanguageModel:
         return params
 
     def batches(self, worker: int, workers: int, seed: int = 0) -> Iterator[torch.Tensor]:
-        """Yields ``worker``'s ``(batch_size, context + 1)`` int64 windows forever.
-
-        See :func:`~stalewise.tasks.base.shard_batches` for sharding and shuffling.
-        """
+        """Yields ``worker``'s ``(batch_size, context + 1)`` int64 windows forever."""
         train = self.corpus.train
         starts = self.train_window_starts()
         offsets = np.arange(self.context + 1)
