@@ -213,12 +213,10 @@ def save(fig: Any, path: str | os.PathLike[str]) -> Path:
 def _format_cell(value: Any) -> str:
     if value is None:
         return "—"
-    if isinstance(value, bool) or not isinstance(value, numbers.Number):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return str(value)
     if isinstance(value, numbers.Integral):
         return f"{int(value):d}"
-    if not isinstance(value, numbers.Real):
-        return str(value)
     v = float(value)
     if not math.isfinite(v):
         return str(v)

@@ -8,6 +8,7 @@ virtual time for every run and time-to-target per value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -148,15 +149,12 @@ def sweep(
             raise KeyError(f"metric {metric!r} is not among the task's metrics {sorted(m)}")
         return m
 
-    def emit_for(p: int) -> Callable[[dict], None]:
-        def emit(rec: dict) -> None:
-            rec["workers"] = p
-            if writer is not None:
-                writer.write(rec)
-            if on_record is not None:
-                on_record(rec)
-
-        return emit
+    def emit(p: int, rec: dict) -> None:
+        rec["workers"] = p
+        if writer is not None:
+            writer.write(rec)
+        if on_record is not None:
+            on_record(rec)
 
     options = [
         RunOptions(
@@ -169,7 +167,7 @@ def sweep(
             delays=dict.fromkeys(range(p), delay) if delay else None,
             stop_at=goal if stop_at_target else None,
             run=label,
-            on_record=emit_for(p),
+            on_record=functools.partial(emit, p),
             progress=progress,
             sim=model,
             sim_seed=sim.seed,

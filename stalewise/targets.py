@@ -127,14 +127,10 @@ class Target:
             raise ValueError(
                 f"target for {self.metric!r} must be a finite number, got {self.value!r}"
             )
-        if self.mode is None:
-            mode = infer_mode(self.metric)
-        elif self.mode in ("min", "max"):
-            mode = self.mode
-        else:
+        if self.mode not in (None, "min", "max"):
             raise ValueError(f"target mode must be 'min' or 'max', got {self.mode!r}")
         object.__setattr__(self, "value", float(self.value))
-        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "mode", self.mode or infer_mode(self.metric))
 
     @property
     def op(self) -> str:
