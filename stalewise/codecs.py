@@ -107,10 +107,9 @@ class Codec(Policy):
         """The values of a payload, written into ``out`` (a float vector) when given;
         PayloadError if the payload is not one this codec made (header, length)."""
         mv = as_bytes(payload)
-        n = _peek_n(mv, 0)
+        n = _peek_n(mv, 0)  # a whole header: its dtype code is mv[2]
         if out is None:
-            code = mv[2] if len(mv) > 2 else 0
-            out = np.empty(n, _DTYPES.get(code, np.dtype(np.float32)))
+            out = np.empty(n, _DTYPES.get(mv[2], np.dtype(np.float32)))
         end = self.decode_at(mv, 0, out)
         if end != len(mv):
             raise PayloadError(

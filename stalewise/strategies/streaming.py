@@ -352,13 +352,10 @@ def fragment_runs(segments: Segments, fragments: int | tuple) -> list[Runs]:
 
 def _check_fragments(fragments: Any) -> int | tuple:
     where = "streaming_diloco: fragments"
-    if isinstance(fragments, int | np.integer) and not isinstance(fragments, bool):
-        if fragments < 1:
-            raise ValueError(
-                f"{where} must be an integer >= 1 or a list of patterns, got {fragments!r}"
-            )
+    is_int = isinstance(fragments, int | np.integer) and not isinstance(fragments, bool)
+    if is_int and fragments >= 1:
         return int(fragments)
-    if isinstance(fragments, str) or not isinstance(fragments, Sequence) or not fragments:
+    if is_int or isinstance(fragments, str) or not isinstance(fragments, Sequence) or not fragments:
         raise ValueError(
             f"{where} must be an integer >= 1 or a non-empty list of leaf-name patterns "
             f"(one per fragment, e.g. ['^layer0\\\\.', '^layer1\\\\.']), got {fragments!r}"
