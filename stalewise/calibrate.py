@@ -211,35 +211,26 @@ class Fit:
 class Calibration:
     """What :func:`calibrate` measured, and the ``[sim]`` table it makes of it (docs/calibrate.md).
 
-    Attributes:
+    Attributes (None: not measured):
         workers, threads: the processes that computed at once, and each one's thread cap.
-        step_times, cpu_times: each worker's timed steps, wall-clock and CPU seconds
-            (``cpu_times`` empty: not measured); with :attr:`contention` the table fits the
-            CPU times (:attr:`compute_times`), scaled to the wall clock's spread if
-            ``wall_spread``.
+        step_times, cpu_times: each worker's timed steps, wall-clock and CPU seconds; with
+            :attr:`contention` the table fits :attr:`compute_times`.
         apply, pull, push, send: bytes -> seconds of the shard's apply per push, a pull, a
-            push's round trip and the part of it the worker waits for (``send``; None: not
-            measured).
+            push's round trip and the part of it the worker waits for.
         message: ``send + pull`` (less ``2 * apply`` for a pull served by the shard), fitted.
         served: whether the measured pull was a request served behind the push.
         model_bytes, optimizer: the job's parameter bytes and server optimizer (text).
-        load, load_end: the load averages when it started and ended (None: not taken).
-        evaluated: seconds between evaluations while the compute was timed (None: none).
-        loop: a local worker's own seconds per push besides compute, inner updates, send and
-            pull (``SimConfig.loop``); None if not measured.
-        inner: a strategy's seconds per local step besides the gradient; None: gradient pushes.
-        own_read: the share of pushes the next pull already held; None: not measured.
+        load, load_end: the load averages when it started and ended.
+        evaluated: seconds between evaluations while the compute was timed.
+        loop: a worker's own seconds per push besides compute, inner updates, send and pull.
+        inner: a strategy's seconds per local step besides the gradient.
+        own_read: the share of pushes the next pull already held.
         spreads: each timed figure's :class:`Spread` over its repeats, by name.
-        contention: wall over CPU time of a step and an apply with 1, 2, ... processes
-            runnable (:func:`measure_contention`); None: not measured.
-        runtime: the runtime transport, shard and worker loop were timed on (``stalewise.runtime.names("calibrates")``).
-        copy: one copy's seconds by bytes (``np.copyto``, one process; None: not measured);
-            the table then charges the pull's, send's and apply's seconds per byte as copies
-            (``copy_*``) on the cores, not as link and shard rates.
-        bus: bytes a second copied in all with every core copying (None: not measured).
-        cpu: the pull's and the send's CPU seconds on the worker by bytes (``"pull"``,
-            ``"send"``): their slopes over :attr:`copy`'s are their copies, their intercepts
-            CPU time besides.
+        contention: wall over CPU time of a step and an apply with 1, 2, ... processes runnable.
+        runtime: the runtime transport, shard and worker loop were timed on.
+        copy, bus: one copy's seconds by bytes, and bytes a second copied with every core
+            copying; with them the table charges bytes as copies on the cores (``copy_*``).
+        cpu: the pull's and the send's CPU seconds by bytes (``"pull"``, ``"send"``).
     """
 
     workers: int
@@ -427,22 +418,15 @@ class Calibration:
         on_cluster = _on_cluster(self.runtime)
         if on_cluster:
             lines.append(ON_RAY)
-        lines.append(
-            ("shard actor's time a push" if on_cluster else "shard apply")
-            + f" ({self.optimizer}): "
-            + ", ".join(f"{b:,} B {s * us:.1f} us" for b, s in self.apply.points)
-            + f" -> {self.apply.intercept * us:.1f} us + bytes / {_rate(self.apply.slope):.3g} B/s"
-        )
+        shard = "shard actor's time a push" if on_cluster else "shard apply"
         pull = "pull (served behind the push)" if self.served else "pull (snapshot read)"
-        fits = [(pull, self.pull), ("push round trip", self.push)]
-        if self.send is not None:
-            fits.append(("push send", self.send))
+        fits = [(f"{shard} ({self.optimizer})", self.apply), (pull, self.pull)]
+        fits += [("push round trip", self.push), ("push send", self.send)]
         for name, fit in fits:
-            lines.append(
-                f"{name}: "
-                + ", ".join(f"{b:,} B {s * us:.1f} us" for b, s in fit.points)
-                + f" -> {fit.intercept * us:.1f} us + bytes / {_rate(fit.slope):.3g} B/s"
-            )
+            if fit is not None:
+                points = ", ".join(f"{b:,} B {s * us:.1f} us" for b, s in fit.points)
+                rate = f"{fit.intercept * us:.1f} us + bytes / {_rate(fit.slope):.3g} B/s"
+                lines.append(f"{name}: {points} -> {rate}")
         if self.loop is not None:
             lines.append(
                 f"worker loop: {self.loop * us:.1f} us a push besides compute, send and pull "
@@ -695,12 +679,6 @@ def _synthetic_job(job: Any, size: int, shards: int) -> Any:
     )
 
 
-def _synthetic(config: ServerConfig, size: int, shards: int) -> ServerConfig:
-    """``config`` over one leaf of ``size`` floats, as :func:`_synthetic_job` makes it."""
-    flat, spec = tree.flatten({"w": np.zeros(size, np.float32)})
-    return replace(config, spec=spec, init=flat, shards=shards, pull_codec=None)
-
-
 def apply_times(config: ServerConfig, size: int, repeats: int) -> list[float]:
     """Seconds one shard takes to handle a push of ``size`` floats (and to make the undo
     copy the local shard makes after it), ``repeats`` times."""
@@ -716,7 +694,8 @@ def apply_times(config: ServerConfig, size: int, repeats: int) -> list[float]:
 
 def _pusher(config: ServerConfig, size: int) -> Callable[[], None]:
     """A call that makes one shard of ``config`` over ``size`` floats handle a push."""
-    cfg = _synthetic(config, size, 1)
+    flat, spec = tree.flatten({"w": np.zeros(size, np.float32)})  # as _synthetic_job's
+    cfg = replace(config, spec=spec, init=flat, shards=1, pull_codec=None)
     shard = cfg.build_shard(0, cfg.init.copy(), 1)
     shard.warm_up()
     shard.join(0, 1)
@@ -1019,8 +998,7 @@ def calibrate(
     sizes = tuple((n, 4 * n) if sizes is None else sizes)
     if len(set(sizes)) < 2 or any(not isinstance(n, int) or n < 1 for n in sizes):
         raise ValueError(f"sizes = {sizes!r}: must be two or more different integers >= 1")
-    ok = isinstance(timeout, int | float) and not isinstance(timeout, bool)
-    if not (ok and math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT):
+    if not (_number_in(timeout, 0, MAX_TIMEOUT) and timeout > 0):
         raise ValueError(
             f"timeout = {timeout!r}: must be a number of seconds in (0, {MAX_TIMEOUT:g}]"
         )
@@ -1031,8 +1009,7 @@ def calibrate(
     if evaluate is not None:
         if not callable(evaluate):
             raise ValueError(f"evaluate = {evaluate!r}: must be a callable evaluate(params)")
-        ok = isinstance(eval_interval, int | float) and not isinstance(eval_interval, bool)
-        if not (ok and math.isfinite(eval_interval) and eval_interval > 0):
+        if not (_number_in(eval_interval, 0, math.inf) and eval_interval > 0):
             raise ValueError(
                 f"eval_interval = {eval_interval!r}: must be a finite number of seconds > 0 "
                 "with evaluate"
@@ -1046,9 +1023,9 @@ def calibrate(
     )  # fmt: skip
     itemsize = config.init.dtype.itemsize
     served = served_pull(config)
-    apply_pts, pull_pts, push_pts, send_pts, msg_pts, copy_pts = [], [], [], [], [], []
-    cpu_pts: dict[str, list] = {"pull": [], "send": []}
+    series: dict[str, list[tuple[int, list[float]]]] = {}  # name -> (bytes, seconds) a size
     spreads: list[tuple[str, Spread]] = []
+    msg_pts = []
     with _connected(runtime):
         for n in sizes:
             nbytes, shards = n * itemsize, min(config.shards, n)
@@ -1057,65 +1034,64 @@ def calibrate(
             pulls, pushes, sends = transport_times(
                 job, n, repeats, runtime, shard=actor if _on_cluster(runtime) else None, cpu=cpu
             )
-            pull, push, send = (statistics.median(x) for x in (pulls, pushes, sends))
             if actor:  # the apply as the shard actor times it, at its slice's size
                 a_times, nbytes_a = actor, -(-n // shards) * itemsize
             else:  # the apply timed in this process, on one shard of the whole size
                 a_times, nbytes_a = apply_times(config, n, repeats), nbytes
-            a = statistics.median(a_times)
-            a_slice = a if shards == 1 or actor else statistics.median(
-                apply_times(config, -(-n // shards), repeats))  # fmt: skip
-            apply_pts.append((nbytes_a, a))
-            copies = copy_times(nbytes, repeats)
-            for pts, x in ((pull_pts, pull), (push_pts, push), (send_pts, send)):
-                pts.append((nbytes, x))
-            copy_pts.append((nbytes, statistics.median(copies)))
-            spreads.append((_key("copy", nbytes), Spread.of(copies)))
-            for j, name in enumerate(("pull", "send")):  # CPU times: what costs copies
-                xs = [c[j] for c in cpu] or [0.0]
-                cpu_pts[name].append((nbytes, statistics.median(xs)))
-                spreads.append((_key(f"{name} CPU", nbytes), Spread.of(xs)))
+            sliced = shards == 1 or actor
+            a_slice = statistics.median(
+                a_times if sliced else apply_times(config, -(-n // shards), repeats)
+            )
             # what a simulated step waits for besides compute and the shard: see the docstring
             less = 2 * a_slice if served else 0.0
+            pull, send = statistics.median(pulls), statistics.median(sends)
             msg_pts.append((nbytes, max(0.0, send + pull - less)))
             msgs = [max(0.0, s + p - less) for s, p in zip(sends, pulls, strict=True)]
-            spreads.append((_key("apply", nbytes_a), Spread.of(a_times)))
-            for name, xs in (("pull", pulls), ("send", sends), ("push", pushes),
-                             ("message", msgs)):  # fmt: skip
-                spreads.append((_key(name, nbytes), Spread.of(xs)))
+            timed = [("copy", nbytes, copy_times(nbytes, repeats))]
+            for j, name in enumerate(("pull CPU", "send CPU")):  # CPU times: what costs copies
+                timed.append((name, nbytes, [c[j] for c in cpu] or [0.0]))
+            timed += [("apply", nbytes_a, a_times), ("pull", nbytes, pulls)]
+            timed += [("send", nbytes, sends), ("push", nbytes, pushes), ("message", nbytes, msgs)]
+            for name, b, xs in timed:
+                series.setdefault(name, []).append((b, xs))
+                spreads.append((_key(name, b), Spread.of(xs)))
         cores = os.cpu_count() or 1
         bus = cores * nbytes / statistics.median(copy_times(nbytes, repeats, cores - 1))
-        fixed = send_pts[0][1] + pull_pts[0][1]
+        fixed = statistics.median(series["send"][0][1]) + statistics.median(series["pull"][0][1])
         looped = loop_times(job, sizes[0], runtime)
     loop_s = max(0.0, statistics.median(looped.per_push) - fixed)
     spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in looped.per_push])))
     load_end = os.getloadavg()
     log.info("calibrate: measured in %.1f s", time.perf_counter() - t0)
+
+    def fit(name: str) -> Fit:
+        return Fit.of([(b, statistics.median(xs)) for b, xs in series[name]])
+
     cal = Calibration(
         workers=workers,
         threads=threads,
         step_times=step_times,
-        apply=Fit.of(apply_pts),
-        pull=Fit.of(pull_pts),
-        push=Fit.of(push_pts),
+        apply=fit("apply"),
+        pull=fit("pull"),
+        push=fit("push"),
         message=Fit.of(msg_pts),
         model_bytes=int(config.spec.size * itemsize),
         optimizer=_describe(config.optimizer),
-        load=(round(load[0], 2), round(load[1], 2), round(load[2], 2)),
-        send=Fit.of(send_pts),
+        load=tuple(round(x, 2) for x in load),
+        send=fit("send"),
         served=served,
         evaluated=None if evaluate is None else float(eval_interval),
         loop=loop_s,
         own_read=looped.own_read,
         inner=looped.inner or None,
         spreads=tuple(spreads),
-        load_end=(round(load_end[0], 2), round(load_end[1], 2), round(load_end[2], 2)),
+        load_end=tuple(round(x, 2) for x in load_end),
         contention=contended,
         cpu_times=cpu_times,
         runtime=runtime,
-        copy=Fit.of(copy_pts),
+        copy=fit("copy"),
         bus=bus,
-        cpu={name: Fit.of(pts) for name, pts in cpu_pts.items()},
+        cpu={name: fit(f"{name} CPU") for name in ("pull", "send")},
     )
     for w in cal.warnings():
         log.warning("calibrate: the machine was too busy for a stable figure: %s", w)
@@ -1149,6 +1125,12 @@ def _int_in(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
+def _number_in(value: Any, low: float, high: float) -> bool:
+    """Whether ``value`` is a finite number (not a bool) in ``[low, high]``."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return ok and math.isfinite(value) and low <= value <= high
+
+
 def _delays(delays: Any, workers: int) -> list[float]:
     """``delays`` (None, a number, or {worker: seconds}) as one number per worker, checked."""
     if delays is None:
@@ -1158,8 +1140,7 @@ def _delays(delays: Any, workers: int) -> list[float]:
     for w, d in items:
         if not isinstance(w, int) or not 0 <= w < workers:
             raise ValueError(f"delays[{w!r}]: not a worker of this run (0..{workers - 1})")
-        ok = isinstance(d, int | float) and not isinstance(d, bool) and 0 <= d <= MAX_DELAY
-        if not ok:
+        if not _number_in(d, 0, MAX_DELAY):
             raise ValueError(
                 f"delays[{w}] = {d!r}: must be a number of seconds in [0, {MAX_DELAY:g}]"
             )

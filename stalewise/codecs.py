@@ -107,10 +107,9 @@ class Codec(Policy):
         """The values of a payload, written into ``out`` (a float vector) when given;
         PayloadError if the payload is not one this codec made (header, length)."""
         mv = as_bytes(payload)
-        n = _peek_n(mv, 0)
+        n = _peek_n(mv, 0)  # a whole header: its dtype code is mv[2]
         if out is None:
-            code = mv[2] if len(mv) > 2 else 0
-            out = np.empty(n, _DTYPES.get(code, np.dtype(np.float32)))
+            out = np.empty(n, _DTYPES.get(mv[2], np.dtype(np.float32)))
         end = self.decode_at(mv, 0, out)
         if end != len(mv):
             raise PayloadError(
@@ -230,6 +229,7 @@ class _Blocks(Codec):
     """A codec of blocks of ``block`` values (a power of two, sent as its log2)."""
 
     block: int
+    code: ClassVar[type]
 
     def __post_init__(self) -> None:
         b = self.block
@@ -238,6 +238,23 @@ class _Blocks(Codec):
 
     def _param(self, n: int) -> int:
         return self.block.bit_length() - 1
+
+    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
+        return self._codes(n) + 4 * -(-n // self.block)
+
+    def _codes(self, n: int) -> int:
+        return n if self.code is np.int8 else -(-n // 2)
+
+    def _split(self, body: memoryview, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The block scales and the codes in ``body``."""
+        blocks = -(-n // self.block)
+        return np.frombuffer(body, np.float32, blocks), np.frombuffer(
+            body, self.code, self._codes(n), 4 * blocks
+        )
+
+    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
+        scales, codes = self._split(body, x.size)
+        getattr(kernels, f"{self.name}_encode")(x, self.block, codes, scales)
 
 
 @dataclass(frozen=True, repr=False)
@@ -254,20 +271,10 @@ class Int8(_Blocks):
     id: ClassVar[int] = 3
     block: int = 4096
     error_feedback: bool = False
-
-    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
-        return n + 4 * -(-n // self.block)
-
-    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
-        blocks = -(-x.size // self.block)
-        scales = np.frombuffer(body, np.float32, blocks)
-        q = np.frombuffer(body, np.int8, x.size, 4 * blocks)
-        kernels.int8_encode(x, self.block, q, scales)
+    code: ClassVar[type] = np.int8
 
     def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
-        blocks = -(-n // self.block)
-        scales = np.frombuffer(body, np.float32, blocks)
-        q = np.frombuffer(body, np.int8, n, 4 * blocks)
+        scales, q = self._split(body, n)
         _into(out, kernels.int8_decode, q, scales, self.block)
 
 
@@ -288,26 +295,11 @@ class Int4(_Blocks):
     id: ClassVar[int] = 6
     block: int = 256
     error_feedback: bool = False
-
-    def _body_nbytes(self, n: int, dtype: np.dtype) -> int:
-        return -(-n // 2) + 4 * -(-n // self.block)
-
-    def _encode_body(self, x: np.ndarray, body: memoryview) -> None:
-        blocks = -(-x.size // self.block)
-        scales = np.frombuffer(body, np.float32, blocks)
-        packed = np.frombuffer(body, np.uint8, -(-x.size // 2), 4 * blocks)
-        kernels.int4_encode(x, self.block, packed, scales)
+    code: ClassVar[type] = np.uint8  # two values a byte
 
     def _decode_body(self, body, n, dtype, out, where):  # type: ignore[no-untyped-def]
-        blocks = -(-n // self.block)
-        scales = np.frombuffer(body, np.float32, blocks)
-        packed = np.frombuffer(body, np.uint8, -(-n // 2), 4 * blocks)
-        if out.dtype == np.float32 and out.flags.c_contiguous:
-            bad = kernels.int4_decode(packed, scales, self.block, n, out)
-        else:
-            tmp = np.empty(n, np.float32)
-            bad = kernels.int4_decode(packed, scales, self.block, n, tmp)
-            out[:] = tmp
+        scales, packed = self._split(body, n)
+        bad = _into(out, kernels.int4_decode, packed, scales, self.block, n)
         if bad:
             raise PayloadError(
                 f"{where}: {bad} invalid 4-bit codes (level -8 or a non-zero padding "
@@ -519,11 +511,8 @@ def parse(spec: Any) -> Policy:
             raise ValueError(f"unknown codec {name!r} (known: {', '.join(NAMES)})")
         if name == "size_adaptive":
             for key in ("small", "large"):
-                if key in table:
-                    inner = parse(table[key])
-                    if not isinstance(inner, Codec):
-                        raise ValueError(f"size_adaptive.{key} must be a codec, got {inner!r}")
-                    table[key] = inner
+                if key in table:  # SizeAdaptive refuses a policy that is not a codec
+                    table[key] = parse(table[key])
         maker = size_adaptive if name == "size_adaptive" else _MAKERS[name]
         try:
             return maker(**table)
@@ -544,14 +533,9 @@ def _flag(x: Any) -> bool:
 
 def _vector(x: Any) -> np.ndarray:
     if not isinstance(x, np.ndarray) or x.ndim != 1 or x.dtype not in _CODES:
-        raise ValueError(f"expected a 1-D float32 or float64 array, got {_describe(x)}")
+        got = f"a {x.ndim}-D {x.dtype} array" if isinstance(x, np.ndarray) else type(x).__name__
+        raise ValueError(f"expected a 1-D float32 or float64 array, got {got}")
     return np.ascontiguousarray(x)
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, np.ndarray):
-        return f"a {x.ndim}-D {x.dtype} array"
-    return type(x).__name__
 
 
 def _values(x: np.ndarray, dtype: np.dtype, codec: Codec) -> np.ndarray:
@@ -584,14 +568,14 @@ def _peek_n(mv: memoryview, offset: int) -> int:
     return int(HEADER.unpack_from(mv, offset)[4])
 
 
-def _into(out: np.ndarray, kernel: Any, *args: Any) -> None:
-    """Runs a decoding kernel into ``out``, through a float32 temporary when needed."""
+def _into(out: np.ndarray, kernel: Any, *args: Any) -> Any:
+    """Runs a decoding kernel into ``out``, through a float32 temporary when needed; its result."""
     if out.dtype == np.float32 and out.flags.c_contiguous:
-        kernel(*args, out)
-    else:
-        tmp = np.empty(out.size, np.float32)
-        kernel(*args, tmp)
-        out[:] = tmp
+        return kernel(*args, out)
+    tmp = np.empty(out.size, np.float32)
+    result = kernel(*args, tmp)
+    out[:] = tmp
+    return result
 
 
 @functools.lru_cache(maxsize=256)

@@ -9,7 +9,6 @@ one shared value, not tuned per model (the summary says so);
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,6 @@ from stalewise.api import Job
 from stalewise.config import MAX_DELAY, ConfigError, max_workers
 from stalewise.consistency import ASP, BSP
 from stalewise.options import Emulation, Metrics
-
-log = logging.getLogger(__name__)
 
 TARGET = 0.95
 LR = 0.01  # LAMB's learning rate, shared by both runs
@@ -76,21 +73,13 @@ def run(
 ) -> list[dict]:
     """Runs the demo, writes ``metrics.jsonl`` and ``demo.png`` into ``out``; returns table rows."""
     check_args(workers, slowdown, delay, steps)
+    settings = {"lr": lr, "workers": workers, "slowdown": slowdown, "delay": delay, "steps": steps}
     rows = []
     records: list[dict] = []
     with report.MetricsWriter(out / "metrics.jsonl") as writer:
         for name, consistency, staleness in runs():
             row, recs = train_one(
-                name,
-                consistency,
-                staleness,
-                lr=lr,
-                workers=workers,
-                slowdown=slowdown,
-                delay=delay,
-                steps=steps,
-                on_record=writer.write,
-                progress=progress,
+                name, consistency, staleness, on_record=writer.write, progress=progress, **settings
             )
             rows.append(row)
             records += recs

@@ -131,13 +131,6 @@ def time_to_target(
     """The first ``x`` (``"time"`` or e.g. ``"updates"``) at which ``run``'s ``key`` reaches
     ``target``, or None; :func:`stalewise.targets.time_to_target` with ``Target(key,
     target, mode)``. ``run`` may be omitted when the records hold one run.
-
-    Example:
-        >>> recs = [{"run": "a", "time": t, "loss": 1 / (1 + t)} for t in range(10)]
-        >>> time_to_target(recs, "loss", 0.2)
-        4
-        >>> time_to_target(recs, "loss", 0.01, mode="min") is None
-        True
     """
     return targets.time_to_target(records, targets.Target(key, target, mode), run, x=x)
 
@@ -164,53 +157,66 @@ def plot_runs(
         >>> out.stat().st_size > 1000
         True
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     runs = by_run(records)
     present = [k for k in keys if any(finite(r.get(k)) for rs in runs.values() for r in rs)]
     if not present:
         raise ValueError(f"none of the keys {list(keys)} occurs in the records")
     targets = dict(targets or {})
-
-    fig = Figure(figsize=(5.0 * len(present), 3.8), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(present), squeeze=False)[0]
+    fig, axes = figure(5.0 * len(present), 3.8, len(present))
     for ax, key in zip(axes, present, strict=True):
-        values = []
-        for name, rs in runs.items():
-            points = sorted((r[x], r[key]) for r in rs if finite(r.get(x)) and finite(r.get(key)))
-            if points:
-                xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, label=name or "run", linewidth=1.5)
-                values.extend(ys)
-        if key in targets:
-            ax.axhline(targets[key], color="0.3", linestyle="--", linewidth=1.0, label="target")
-        positive = [v for v in values if v > 0]
-        if positive and len(positive) == len(values) and max(positive) > 100 * min(positive):
-            ax.set_yscale("log")
-        ax.set_xlabel(xlabel or _LABELS.get(x, x))
-        ax.set_ylabel(_LABELS.get(key, key))
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
+        draw(ax, runs, x, key, targets.get(key), xlabel or _LABELS.get(x, x), _LABELS.get(key, key))
     if title:
         fig.suptitle(title)
+    logger.debug("wrote plot %s (%d runs, keys %s)", path, len(runs), present)
+    return save(fig, path)
+
+
+def figure(width: float, height: float, columns: int) -> tuple[Any, Any]:
+    """A Matplotlib figure on the Agg canvas and its row of ``columns`` axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(1, columns, squeeze=False)[0]
+
+
+def draw(ax: Any, runs: Mapping, x: str, key: str, target: Any, xlabel: str, ylabel: str) -> None:
+    """``key`` against ``x``, a line per run (``{name: records}``) and ``target`` (if not None)
+    dashed; a log scale for positive values spanning more than two decades."""
+    values = []
+    for name, rs in runs.items():
+        points = sorted((r[x], r[key]) for r in rs if finite(r.get(x)) and finite(r.get(key)))
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, label=name or "run", linewidth=1.5)
+            values.extend(ys)
+    if target is not None:
+        ax.axhline(target, color="0.3", linestyle="--", linewidth=1.0, label="target")
+    positive = [v for v in values if v > 0]
+    if positive and len(positive) == len(values) and max(positive) > 100 * min(positive):
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def save(fig: Any, path: str | os.PathLike[str]) -> Path:
+    """Writes ``fig`` as the PNG ``path`` (its folder created); the path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100)
-    logger.debug("wrote plot %s (%d runs, keys %s)", out, len(runs), present)
     return out
 
 
 def _format_cell(value: Any) -> str:
     if value is None:
         return "—"
-    if isinstance(value, bool) or not isinstance(value, numbers.Number):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return str(value)
     if isinstance(value, numbers.Integral):
         return f"{int(value):d}"
-    if not isinstance(value, numbers.Real):
-        return str(value)
     v = float(value)
     if not math.isfinite(v):
         return str(v)

@@ -8,6 +8,7 @@ virtual time for every run and time-to-target per value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -106,8 +107,8 @@ def sweep(
         >>> job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
         >>> out = tempfile.mkdtemp()
         >>> rows = sweep(job, task, over="workers", values=[1, 4], steps=400, target=1e-3, out=out)
-        >>> [(row["run"], row["time_to_target"]) for row in rows]
-        [('P=1', 0.4), ('P=4', 0.1)]
+        >>> [(row["run"], round(row["time_to_target"], 2)) for row in rows]
+        [('P=1', 0.35), ('P=4', 0.1)]
         >>> sorted(os.listdir(out))
         ['metrics.jsonl', 'sweep.png']
     """
@@ -148,15 +149,12 @@ def sweep(
             raise KeyError(f"metric {metric!r} is not among the task's metrics {sorted(m)}")
         return m
 
-    def emit_for(p: int) -> Callable[[dict], None]:
-        def emit(rec: dict) -> None:
-            rec["workers"] = p
-            if writer is not None:
-                writer.write(rec)
-            if on_record is not None:
-                on_record(rec)
-
-        return emit
+    def emit(p: int, rec: dict) -> None:
+        rec["workers"] = p
+        if writer is not None:
+            writer.write(rec)
+        if on_record is not None:
+            on_record(rec)
 
     options = [
         RunOptions(
@@ -169,7 +167,7 @@ def sweep(
             delays=dict.fromkeys(range(p), delay) if delay else None,
             stop_at=goal if stop_at_target else None,
             run=label,
-            on_record=emit_for(p),
+            on_record=functools.partial(emit, p),
             progress=progress,
             sim=model,
             sim_seed=sim.seed,
@@ -229,30 +227,9 @@ def plot(
         ...      metric="loss", target=0.3).stat().st_size > 1000
         True
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11.0, 4.0), layout="constrained")
-    FigureCanvasAgg(fig)
-    curves, bars = fig.subplots(1, 2)
-    values = []
-    for row in rows:
-        pts = sorted(
-            (r["time"], r[metric])
-            for r in records
-            if r.get("run") == row["run"] and _finite(r.get(metric))
-        )
-        if pts:
-            curves.plot(*zip(*pts, strict=True), label=row["run"], linewidth=1.5)
-            values.extend(v for _, v in pts)
-    curves.axhline(target, color="0.3", linestyle="--", linewidth=1.0, label="target")
-    if values and min(values) > 0 and max(values) > 100 * min(values):
-        curves.set_yscale("log")
-    curves.set_xlabel("virtual time (s)")
-    curves.set_ylabel(metric)
-    curves.grid(True, alpha=0.3)
-    curves.legend(fontsize="small")
-
+    fig, (curves, bars) = report.figure(11.0, 4.0, 2)
+    runs = {row["run"]: [r for r in records if r.get("run") == row["run"]] for row in rows}
+    report.draw(curves, runs, "time", metric, target, "virtual time (s)", metric)
     done = [r for r in rows if r["time_to_target"] is not None]
     missed = [r["run"] for r in rows if r["time_to_target"] is None]
     if over == "workers":
@@ -272,11 +249,4 @@ def plot(
     if missed:
         bars.set_title(f"target not reached: {', '.join(missed)}", fontsize="small")
     fig.suptitle(f"simulated time to target, over {over}")
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=100)
-    return out
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
+    return report.save(fig, path)

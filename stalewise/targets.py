@@ -15,15 +15,12 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import math
 import numbers
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
-
-log = logging.getLogger(__name__)
 
 __all__ = ["Mode", "StopAt", "Target", "all_reached", "infer_mode", "parse", "time_to_target"]
 
@@ -130,14 +127,10 @@ class Target:
             raise ValueError(
                 f"target for {self.metric!r} must be a finite number, got {self.value!r}"
             )
-        if self.mode is None:
-            mode = infer_mode(self.metric)
-        elif self.mode in ("min", "max"):
-            mode = self.mode
-        else:
+        if self.mode not in (None, "min", "max"):
             raise ValueError(f"target mode must be 'min' or 'max', got {self.mode!r}")
         object.__setattr__(self, "value", float(self.value))
-        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "mode", self.mode or infer_mode(self.metric))
 
     @property
     def op(self) -> str:
@@ -145,12 +138,7 @@ class Target:
         return "<=" if self.mode == "min" else ">="
 
     def reached(self, value: Any) -> bool:
-        """True if ``value`` meets the target; NaN, infinities and non-numbers never do.
-
-        Example:
-            >>> Target("loss", 1e-3).reached(1e-4), Target("loss", 1e-3).reached(0.5)
-            (True, False)
-        """
+        """True if ``value`` meets the target; NaN, infinities and non-numbers never do."""
         if not _is_number(value) or not math.isfinite(value):
             return False
         return value <= self.value if self.mode == "min" else value >= self.value
@@ -182,12 +170,7 @@ def _entry(key: Any, spec: Any, where: str) -> Target:
         value, mode = spec, None
     if not _is_number(value):
         raise ValueError(f"{name}: the value to reach must be a number, got {value!r}")
-    if mode is None:
-        try:
-            mode = infer_mode(key)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-    try:
+    try:  # Target infers a mode of None from the name
         return Target(key, value, mode)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
@@ -228,15 +211,7 @@ def parse(stop_at: Any, *, where: str = "stop_at") -> tuple[Target, ...]:
 
 
 def all_reached(targets: Iterable[Target], record: Mapping[str, Any]) -> bool:
-    """True if ``record`` meets every target (a missing metric does not); False if there are none.
-
-    Example:
-        >>> ts = parse({"loss": 0.1, "accuracy": 0.9})
-        >>> all_reached(ts, {"loss": 0.05, "accuracy": 0.95}), all_reached(ts, {"loss": 0.05})
-        (True, False)
-        >>> all_reached((), {"loss": 0.0})
-        False
-    """
+    """True if ``record`` meets every target (a missing metric does not); False if there are none."""
     found = False
     for t in targets:
         if not t.reached(record.get(t.metric)):

@@ -74,15 +74,7 @@ def path_str(path: tuple, root: str = "params") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
-    """Where one stored leaf lives in the flat vector.
-
-    Example:
-        >>> import numpy as np
-        >>> _, spec = flatten({"layer1": {"w": np.zeros((4, 2), np.float16)}})
-        >>> leaf = spec.leaves[0]
-        >>> leaf.name, leaf.shape, leaf.dtype, leaf.backend, leaf.offset, leaf.size
-        ('layer1.w', (4, 2), 'float16', 'numpy', 0, 8)
-    """
+    """Where one stored leaf lives in the flat vector."""
 
     path: tuple  # key path entries, e.g. ("layer1", "w") or (0, AttrKey("bias"))
     name: str  # dotted name, e.g. "layer1.w" ("params" for a tree that is one leaf)
@@ -109,10 +101,7 @@ _NONE = TreeDef("none")
 
 
 def _static(node: TreeDef, name: str, default: Any = None) -> Any:
-    for key, value in node.static:
-        if key == name:
-            return value
-    return default
+    return dict(node.static).get(name, default)
 
 
 def _walk(node: TreeDef) -> Iterator[TreeDef]:
@@ -123,14 +112,7 @@ def _walk(node: TreeDef) -> Iterator[TreeDef]:
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class FlatSpec:
-    """Everything needed to rebuild a tree from its flat vector; picklable.
-
-    Example:
-        >>> import numpy as np
-        >>> _, spec = flatten([np.zeros(3), np.zeros((2, 2), np.float32)])
-        >>> spec.size, spec.dtype.name, spec.nbytes, spec.segments.names
-        (7, 'float64', 56, ('0', '1'))
-    """
+    """Everything needed to rebuild a tree from its flat vector; picklable."""
 
     leaves: tuple[LeafSpec, ...]
     treedef: TreeDef
@@ -339,12 +321,6 @@ def _labels(values: tuple) -> list[str] | None:
     return labels if len(set(labels)) == len(labels) else None
 
 
-def _refuse_nonfloat(nonfloat: list[tuple[tuple, str]], keep_integers: bool) -> None:
-    for path, dtype in nonfloat:
-        if not (keep_integers and not dtype.startswith("complex")):
-            raise _nonfloat_error(path, dtype)
-
-
 def _nonfloat_error(path: tuple, dtype: str) -> TypeError:
     return TypeError(
         f"{path_str(path)}: leaf has dtype {dtype}; only floating leaves "
@@ -356,16 +332,9 @@ def _name(path: tuple) -> str:
     return ".".join(str(e) for e in path if not isinstance(e, HiddenKey)) or "params"
 
 
-def _flat_dtype(dtype: Any, leaf_dtypes: list[str]) -> np.dtype:
-    if dtype is None:
-        return np.dtype(np.float64 if "float64" in leaf_dtypes else np.float32)
-    forced = np.dtype(dtype)
-    if forced not in (np.float32, np.float64):
-        raise ValueError(f"flat dtype must be float32 or float64, got {forced}")
-    return forced
-
-
 def _make_spec(found: list[_Leaf], treedef: TreeDef, dtype: Any) -> FlatSpec:
+    if dtype is not None and np.dtype(dtype) not in (np.float32, np.float64):
+        raise ValueError(f"flat dtype must be float32 or float64, got {np.dtype(dtype)}")
     leaves, offset = [], 0
     for f in found:
         shape = f.backend.shape(f.x)
@@ -376,7 +345,8 @@ def _make_spec(found: list[_Leaf], treedef: TreeDef, dtype: Any) -> FlatSpec:
             LeafSpec(f.path, name, shape, leaf_dtype, f.backend.name, offset, size, f.buffer)
         )
         offset += size
-    flat_dtype = _flat_dtype(dtype, [leaf.dtype for leaf in leaves])
+    wide = any(leaf.dtype == "float64" for leaf in leaves)
+    flat_dtype = np.dtype(dtype if dtype is not None else np.float64 if wide else np.float32)
     logger.debug("flat spec: %d leaves, %d elements, %s", len(leaves), offset, flat_dtype)
     return FlatSpec(tuple(leaves), treedef, flat_dtype, offset)
 
@@ -619,7 +589,9 @@ def _new_spec(tree: Any, dtype: Any, keep_integers: bool) -> tuple[FlatSpec, lis
             return made, _collect(tree, made)
         except (TypeError, ValueError):  # changed since: a spec of its own
             pass
-    _refuse_nonfloat(b.nonfloat, keep_integers)
+    for path, leaf_dtype in b.nonfloat:
+        if not keep_integers or leaf_dtype.startswith("complex"):
+            raise _nonfloat_error(path, leaf_dtype)
     return _make_spec(b.found, treedef, dtype), [[f] for f in b.found]
 
 
@@ -742,7 +714,7 @@ def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
         segment = _segment(flat, leaf)
         for f in values:
             if f.holder is not None:
-                containers.set_value(f.holder, f.backend.from_numpy(segment, leaf.dtype))
+                f.holder.set_value(f.backend.from_numpy(segment, leaf.dtype))  # an nnx Variable
             else:
                 f.backend.assign(f.x, segment)
 

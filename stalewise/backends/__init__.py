@@ -30,12 +30,7 @@ _BY_ROOT: dict[str, Backend] = {}
 
 
 def register(backend: Backend) -> Backend:
-    """Adds a backend to the registry (replacing one of the same name) and returns it.
-
-    Example:
-        >>> register(get_backend("numpy")).name
-        'numpy'
-    """
+    """Adds a backend to the registry (replacing one of the same name) and returns it."""
     _BACKENDS[backend.name] = backend
     for root in backend.roots:
         _BY_ROOT[root] = backend
@@ -44,12 +39,7 @@ def register(backend: Backend) -> Backend:
 
 
 def get_backend(name: str) -> Backend:
-    """The registered backend called ``name``.
-
-    Example:
-        >>> get_backend("torch").name
-        'torch'
-    """
+    """The registered backend called ``name``."""
     try:
         return _BACKENDS[name]
     except KeyError:
@@ -70,11 +60,6 @@ def backend_of(x: Any) -> Backend | None:
 
     The match uses the modules of ``type(x)`` and its base classes, so a user's
     ``torch.nn.Module`` subclass belongs to torch; no framework is imported.
-
-    Example:
-        >>> import numpy as np
-        >>> backend_of(np.float32(1.0)).name
-        'numpy'
     """
     return _backend_of_type(type(x))
 

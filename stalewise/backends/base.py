@@ -49,11 +49,11 @@ class Backend:
 
     def dtype(self, x: Any) -> str:
         """The dtype name of leaf ``x``, e.g. ``"float32"`` or ``"bfloat16"``."""
-        raise NotImplementedError
+        return x.dtype.name
 
     def to_numpy(self, x: Any) -> np.ndarray:
         """Leaf ``x`` as a NumPy array (a view when the framework allows; do not write to it)."""
-        raise NotImplementedError
+        return np.asarray(x)
 
     def copy_into(self, x: Any, out: np.ndarray) -> None:
         """Copies leaf ``x`` into ``out`` (same shape, any float dtype), casting as needed."""
@@ -95,12 +95,7 @@ class Backend:
 
 
 def numpy_dtype(name: str) -> np.dtype:
-    """The NumPy dtype for a dtype name; ``"bfloat16"`` needs ``ml_dtypes``.
-
-    Example:
-        >>> numpy_dtype("float16")
-        dtype('float16')
-    """
+    """The NumPy dtype for a dtype name; ``"bfloat16"`` needs ``ml_dtypes``."""
     if name == "bfloat16":
         try:
             import ml_dtypes

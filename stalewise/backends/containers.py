@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from typing import Any, NamedTuple
 
-__all__ = ["Level", "is_static", "model_view", "rebuild", "set_value", "split"]
+__all__ = ["Level", "is_static", "model_view", "rebuild", "split"]
 
 
 class Level(NamedTuple):
@@ -80,11 +80,6 @@ def is_static(x: Any) -> bool:
     """Whether ``x`` is structure, not data: a flax nnx ``GraphDef`` (``nnx.split``'s first part)."""
     nnx = sys.modules.get("flax.nnx")
     return nnx is not None and isinstance(x, nnx.GraphDef)
-
-
-def set_value(holder: Any, value: Any) -> None:
-    """Writes ``value`` into the nnx ``Variable`` ``holder``."""
-    holder.set_value(value)
 
 
 def _split_jax(x: Any) -> Level | None:

@@ -2,13 +2,6 @@
 
 New arrays are always copies: a JAX array must not change when the flat
 vector it came from is updated. ``float64`` leaves need ``jax_enable_x64``.
-
-Example:
-    >>> import numpy as np
-    >>> from stalewise.backends import get_backend
-    >>> b = get_backend("jax")
-    >>> b.from_numpy(np.ones(3, np.float32), "bfloat16").dtype.name
-    'bfloat16'
 """
 
 from __future__ import annotations
@@ -30,12 +23,6 @@ class JaxBackend(Backend):
         import jax
 
         return isinstance(x, jax.Array)
-
-    def dtype(self, x: Any) -> str:
-        return x.dtype.name
-
-    def to_numpy(self, x: Any) -> np.ndarray:
-        return np.asarray(x)
 
     def from_numpy(self, a: np.ndarray, dtype: str, like: Any = None, *, copy: bool = True) -> Any:
         import jax.numpy as jnp

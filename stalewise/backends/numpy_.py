@@ -1,13 +1,4 @@
-"""The NumPy backend: ``np.ndarray`` leaves (and NumPy scalars, as 0-d leaves).
-
-Example:
-    >>> import numpy as np
-    >>> from stalewise.backends import get_backend
-    >>> b = get_backend("numpy")
-    >>> flat = np.arange(4, dtype=np.float32)
-    >>> np.shares_memory(b.from_numpy(flat, "float32", copy=False), flat)
-    True
-"""
+"""The NumPy backend: ``np.ndarray`` leaves (and NumPy scalars, as 0-d leaves)."""
 
 from __future__ import annotations
 
@@ -29,15 +20,6 @@ class NumpyBackend(Backend):
 
     def shape(self, x: Any) -> tuple[int, ...]:
         return tuple(np.shape(x))
-
-    def dtype(self, x: Any) -> str:
-        return x.dtype.name
-
-    def to_numpy(self, x: Any) -> np.ndarray:
-        return np.asarray(x)
-
-    def copy_into(self, x: Any, out: np.ndarray) -> None:
-        np.copyto(out, x, casting="unsafe")
 
     def from_numpy(self, a: np.ndarray, dtype: str, like: Any = None, *, copy: bool = True) -> Any:
         target = numpy_dtype(dtype)

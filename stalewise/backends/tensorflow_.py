@@ -6,13 +6,6 @@ named by variable path (``"dense/kernel"``); an update may also be the list
 trainable variables by attribute path. Keras layer names come from a global counter:
 name the layers when several processes build the model. ``tf.IndexedSlices`` are read
 densely. See docs/models.md.
-
-Example:
-    >>> import numpy as np
-    >>> from stalewise.backends import get_backend
-    >>> b = get_backend("tensorflow")
-    >>> b.from_numpy(np.ones(3, np.float32), "float16").dtype.name
-    'float16'
 """
 
 from __future__ import annotations

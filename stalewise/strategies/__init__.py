@@ -1,15 +1,10 @@
 """What a worker computes and pushes between two pulls.
 
 A strategy turns the pulled parameters and the worker's data into one update, which the
-server's optimizer treats as a (pseudo-)gradient. :meth:`Strategy.init` makes a worker's
-state from its first pull; each :meth:`Strategy.step` may run several local steps and
-returns the update, its local steps and the loss. A strategy that paces itself sets
-``timed = True`` and gets the runtime's clock at every round (:meth:`Strategy.started`).
-``gradients()`` (the default) pushes one minibatch gradient; model averaging
-(:mod:`~stalewise.strategies.averaging`): ``local_sgd``, ``diloco``, ``easgd``; streaming
-DiLoCo (:mod:`~stalewise.strategies.streaming`): ``streaming_diloco``, ``lazy_leaves``;
-adaptive periods (:mod:`~stalewise.strategies.adaptive`): ``adaptive``, ``comm_budget``,
-``adacomm``, ``fixed``.
+server's optimizer treats as a (pseudo-)gradient: ``gradients()`` (the default), model
+averaging (:mod:`~stalewise.strategies.averaging`), streaming DiLoCo
+(:mod:`~stalewise.strategies.streaming`) and adaptive periods
+(:mod:`~stalewise.strategies.adaptive`).
 
 Example:
     >>> import numpy as np

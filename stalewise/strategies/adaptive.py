@@ -1,15 +1,8 @@
 """Adaptive local SGD / DiLoCo: a communication period ``H`` that tunes itself.
 
-``adaptive(inner, schedule=comm_budget(), outer="local_sgd")`` is
-:func:`~stalewise.strategies.averaging.local_sgd` (``outer="diloco"``:
-:func:`~stalewise.strategies.averaging.diloco`, with its server optimizer and its
-consistency checks) whose ``H`` a *schedule* picks anew at every push, after the round's
-first local step, from the worker's smoothed training loss ``F`` and its rounds' lengths:
-
-* :func:`comm_budget` (the default) keeps communication under ``fraction`` of a round,
-  timed by the runtime's clock; it needs no hint of a good ``H``;
-* :func:`adacomm` (Wang and Joshi 2019) shrinks ``H`` as ``F`` falls;
-* :func:`fixed` keeps ``H``, which is ``local_sgd(local_steps=H)``.
+:func:`adaptive` is ``local_sgd`` (or ``diloco``) whose ``H`` a *schedule* picks anew at
+every push, after the round's first local step, from the worker's smoothed training loss
+and its rounds' lengths: :func:`comm_budget` (the default), :func:`adacomm` or :func:`fixed`.
 
 A custom schedule is a picklable object (a frozen dataclass is ideal) with
 ``init() -> state`` and ``next(state, loss) -> (H, state)`` (``H >= 1``, the first step
@@ -42,9 +35,9 @@ from stalewise.pacing import RoundCost
 from stalewise.strategies.averaging import (
     AveragingState,
     LocalSGDStrategy,
+    _check_outer,
     _check_steps,
     _describe_inner,
-    _outer_mismatch,
     _run_local,
     _timed_round,
     diloco,
@@ -128,9 +121,9 @@ class CommBudget:
             raise ValueError(f"comm_budget: fraction must be a number in (0, 1), got {fraction!r}")
         if not 0 < fraction < 1:
             raise ValueError(f"comm_budget: fraction must be in (0, 1), got {fraction!r}")
-        start = _check_steps("comm_budget", "local_steps", self.local_steps)
-        lo = _check_steps("comm_budget", "min_steps", self.min_steps)
-        hi = _check_steps("comm_budget", "max_steps", self.max_steps)
+        for name in ("local_steps", "min_steps", "max_steps"):
+            object.__setattr__(self, name, _check_steps("comm_budget", name, getattr(self, name)))
+        lo, start, hi = self.min_steps, self.local_steps, self.max_steps
         if not lo <= start <= hi:
             raise ValueError(
                 f"comm_budget: need min_steps <= local_steps <= max_steps, got min_steps={lo}, "
@@ -138,9 +131,6 @@ class CommBudget:
             )
         memory = check_number("comm_budget", "memory", self.memory, 0.0, 1.0)
         object.__setattr__(self, "fraction", float(fraction))
-        object.__setattr__(self, "local_steps", start)
-        object.__setattr__(self, "min_steps", lo)
-        object.__setattr__(self, "max_steps", hi)
         object.__setattr__(self, "memory", memory)
 
     def init(self) -> CommBudgetState:
@@ -257,12 +247,7 @@ def comm_budget(
 
 
 def fixed(local_steps: int) -> Fixed:
-    """The trivial schedule: ``H = local_steps`` at every push (``local_sgd(local_steps=H)``).
-
-    Example:
-        >>> fixed(4).next(fixed(4).init(), 1.0)
-        (4, None)
-    """
+    """The trivial schedule: ``H = local_steps`` at every push (``local_sgd(local_steps=H)``)."""
     return Fixed(local_steps)
 
 
@@ -344,9 +329,7 @@ class Adaptive(Strategy):
 
     def check_consistency(self, consistency: Any, *, recommended: bool) -> None:
         """Refuses DiLoCo under a consistency model its outer optimizer is not made for."""
-        why = _outer_mismatch(self.local, consistency, recommended, "adaptive(outer='diloco')")
-        if why is not None:
-            raise ValueError(why)
+        _check_outer(self.local, consistency, recommended, "adaptive(outer='diloco')")
 
     def server_optimizer(self, workers: int | None = None) -> optim.Optimizer:
         """The worker side's: ``sgd(1.0)``, DiLoCo's Nesterov SGD or delayed Nesterov."""

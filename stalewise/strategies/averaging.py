@@ -1,13 +1,8 @@
 """Model-averaging strategies: local SGD (FedAvg), DiLoCo, asynchronous DiLoCo and EASGD.
 
 A worker runs ``local_steps`` (``H``) local steps with an *inner* optimizer between two
-pushes and pushes a pseudo-gradient; the server treats it as any update, so an averaging
-method is the pair (strategy, server optimizer). ``sw.Job(params, strategy=s)`` without
-``optimizer=`` uses ``s.server_optimizer()``: ``local_sgd(local_steps=H, inner=opt)`` pushes
-``pulled - local`` after ``H`` steps (server ``sgd(1.0)``); ``diloco(local_steps=H)`` too,
-with ``sgd(0.7, 0.9, nesterov=True)``, or with ``asynchronous=True, every=N``
-``delayed_nesterov(0.7, 0.9, every=N)``; ``easgd(alpha, local_steps=tau, inner=opt)``
-pushes ``alpha * (centre - local)`` (``sgd(1.0)``).
+pushes and pushes a pseudo-gradient, which the server applies as any update; ``sw.Job``
+without ``optimizer=`` uses the strategy's ``server_optimizer()`` (each function names it).
 
 ``inner`` is a :mod:`stalewise.optim` optimizer (in place on the flat local vector, with
 the leaf names), an optax ``GradientTransformation`` (on a dict of dotted leaf name -> JAX
@@ -284,8 +279,7 @@ class LocalSGDStrategy(Strategy):
         every: int | None = None,
         name: str = "local_sgd",
     ):
-        where = name
-        self.name = name
+        where = self.name = name
         self.local_steps = _check_steps(where, "local_steps", local_steps)
         self.inner = inner
         self._inner = _inner_adapter(inner, where)
@@ -299,8 +293,10 @@ class LocalSGDStrategy(Strategy):
             raise ValueError(f"{where}: period= is the budget of dynamic=True; pass dynamic=True")
         self.dynamic = bool(dynamic)
         self.period = None if period is None else _check_positive(where, "period", period)
-        self.outer_lr = outer_lr
-        self.outer_momentum = outer_momentum
+        self.outer_lr = _check_positive(where, "outer_lr", outer_lr)
+        self.outer_momentum = check_number(where, "outer_momentum", outer_momentum, 0.0, 1.0)
+        if every is not None and not asynchronous:
+            raise ValueError(f"{where}: every= is delayed Nesterov's N; it needs asynchronous=True")
         self.asynchronous = bool(asynchronous)
         self.every = None if every is None else _check_steps(where, "every", every)
 
@@ -347,9 +343,7 @@ class LocalSGDStrategy(Strategy):
 
     def check_consistency(self, consistency: Any, *, recommended: bool) -> None:
         """Refuses DiLoCo under a consistency model its outer optimizer is not made for."""
-        why = _outer_mismatch(self, consistency, recommended, self.name)
-        if why is not None:
-            raise ValueError(why)
+        _check_outer(self, consistency, recommended, self.name)
 
     def server_optimizer(self, workers: int | None = None) -> optim.Optimizer:
         """``sgd(outer_lr, outer_momentum, nesterov)``, or delayed Nesterov when asynchronous."""
@@ -377,25 +371,22 @@ class LocalSGDStrategy(Strategy):
         return f"{self.name}({', '.join(parts)})"
 
 
-def _outer_mismatch(
-    local: LocalSGDStrategy, consistency: Any, recommended: bool, what: str
-) -> str | None:
-    """Why DiLoCo's outer optimizer does not fit ``consistency`` (None: it fits)."""
+def _check_outer(local: LocalSGDStrategy, consistency: Any, recommended: bool, what: str) -> None:
+    """Refuses DiLoCo's outer optimizer under a ``consistency`` it does not fit."""
     kind = getattr(consistency, "kind", None)
     if local.asynchronous and kind == "bsp":
-        return (
+        raise ValueError(
             f"{what} with asynchronous=True is for ASP or SSP: its delayed Nesterov counts the "
             "pushes as they arrive, and BSP applies one mean per round; under BSP leave "
             "asynchronous off (synchronous DiLoCo)"
         )
     if recommended and not local.asynchronous and local.outer_momentum and kind in ("asp", "ssp"):
-        return (
+        raise ValueError(
             f"{what} recommends Nesterov SGD on each round's mean, for BSP; under "
             f"{consistency} every push would take a momentum step of its own: pass "
             "consistency=sw.BSP(), or asynchronous=True with every=<workers> (delayed "
             "Nesterov, for ASP/SSP), or choose the server optimizer (optimizer=)"
         )
-    return None
 
 
 def local_sgd(
@@ -465,16 +456,14 @@ def diloco(
         >>> s.server_optimizer().apply.__self__
         _DelayedNesterov(lr=0.7, momentum=0.9, every=4)
     """
-    if every is not None and not asynchronous:
-        raise ValueError("diloco: every= is delayed Nesterov's N; it needs asynchronous=True")
     return LocalSGDStrategy(
         local_steps,
         optim.adamw(1e-3) if inner is None else inner,
         reset_inner=reset_inner,
         dynamic=dynamic,
         period=period,
-        outer_lr=_check_positive("diloco", "outer_lr", outer_lr),
-        outer_momentum=check_number("diloco", "outer_momentum", outer_momentum, 0.0, 1.0),
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
         asynchronous=asynchronous,
         every=every,
         name="diloco",

@@ -1,10 +1,5 @@
 """The base of every strategy: :class:`Strategy`, what a step returns (:class:`Step`),
-how strategies compare (:func:`config_key`) and the default one, :func:`gradients`.
-
-The methods beside it (:mod:`stalewise.strategies.averaging`,
-:mod:`stalewise.strategies.adaptive`) import this module; it imports none of them.
-See :mod:`stalewise.strategies` for what a strategy is.
-"""
+how strategies compare (:func:`config_key`) and the default one, :func:`gradients`."""
 
 from __future__ import annotations
 
@@ -93,11 +88,7 @@ class Strategy:
 
 
 def config_key(x: Any) -> Any:
-    """A value that compares (and hashes) by configuration, also after pickling.
-
-    stalewise optimizers hold ``functools.partial`` objects, which compare by
-    identity; their rules are frozen dataclasses, which compare by value.
-    """
+    """A value that compares (and hashes) by configuration, also after pickling."""
     if isinstance(x, optim.Optimizer):
         rule = getattr(x.apply, "__self__", None)
         return ("optimizer", config_key(rule)) if rule is not None else tuple(map(config_key, x))

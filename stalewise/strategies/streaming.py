@@ -34,14 +34,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stalewise import optim, tree
-from stalewise.optim._validate import check_number
 from stalewise.optim.base import copy_state
 from stalewise.segments import Segments
 from stalewise.strategies.averaging import (
     AveragingState,
     LocalSGDStrategy,
-    _check_positive,
-    _check_steps,
     _describe_inner,
     _new_state,
     _run_local,
@@ -161,22 +158,12 @@ class StreamingDiLoCo(LocalSGDStrategy):
         offsets: Sequence[int] | None = None,
         delay: int = 0,
         alpha: float = 0.0,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        asynchronous: bool = False,
-        every: int | None = None,
         overlap: bool = True,
+        **outer: Any,
     ):
+        """``outer``: ``outer_lr``, ``outer_momentum``, ``asynchronous``, ``every``."""
         where = "streaming_diloco"
-        super().__init__(
-            local_steps,
-            inner,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            asynchronous=asynchronous,
-            every=every,
-            name=where,
-        )
+        super().__init__(local_steps, inner, name=where, **outer)
         h = self.local_steps
         self.fragments = _check_fragments(fragments)
         count = self.count
@@ -365,13 +352,10 @@ def fragment_runs(segments: Segments, fragments: int | tuple) -> list[Runs]:
 
 def _check_fragments(fragments: Any) -> int | tuple:
     where = "streaming_diloco: fragments"
-    if isinstance(fragments, int | np.integer) and not isinstance(fragments, bool):
-        if fragments < 1:
-            raise ValueError(
-                f"{where} must be an integer >= 1 or a list of patterns, got {fragments!r}"
-            )
+    is_int = isinstance(fragments, int | np.integer) and not isinstance(fragments, bool)
+    if is_int and fragments >= 1:
         return int(fragments)
-    if isinstance(fragments, str) or not isinstance(fragments, Sequence) or not fragments:
+    if is_int or isinstance(fragments, str) or not isinstance(fragments, Sequence) or not fragments:
         raise ValueError(
             f"{where} must be an integer >= 1 or a non-empty list of leaf-name patterns "
             f"(one per fragment, e.g. ['^layer0\\\\.', '^layer1\\\\.']), got {fragments!r}"
@@ -448,19 +432,15 @@ def streaming_diloco(
         >>> s.offsets, s.schedule(0), s.schedule(10), s.schedule(29)
         ((0, 10, 20), (10, 1), (20, 2), (30, 0))
     """
-    if every is not None and not asynchronous:
-        raise ValueError(
-            "streaming_diloco: every= is delayed Nesterov's N; it needs asynchronous=True"
-        )
     return StreamingDiLoCo(
-        _check_steps("streaming_diloco", "local_steps", local_steps),
+        local_steps,
         optim.adamw(1e-3) if inner is None else inner,
         fragments=fragments,
         offsets=offsets,
         delay=delay,
         alpha=alpha,
-        outer_lr=_check_positive("streaming_diloco", "outer_lr", outer_lr),
-        outer_momentum=check_number("streaming_diloco", "outer_momentum", outer_momentum, 0.0, 1.0),
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
         asynchronous=asynchronous,
         every=every,
         overlap=overlap,

@@ -36,12 +36,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 
 
 def names() -> list[str]:
-    """Returns the names accepted by :func:`get`.
-
-    Example:
-        >>> names()
-        ['digits', 'digits-jax', 'digits-torch', 'least-squares', 'lm']
-    """
+    """The names :func:`get` accepts, sorted."""
     return sorted(_REGISTRY)
 
 
@@ -58,12 +53,7 @@ def get(name: str, **kwargs: Any) -> Task:
 
 
 def task_class(name: str) -> type:
-    """The class of a built-in task (importing its backend); ValueError if unknown.
-
-    Example:
-        >>> task_class("least-squares").__name__
-        'LeastSquares'
-    """
+    """The class of a built-in task (importing its backend); ValueError if unknown."""
     try:
         module_name, class_name = _REGISTRY[name]
     except (KeyError, TypeError):

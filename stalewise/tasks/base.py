@@ -105,6 +105,19 @@ def with_seed(task: Any, seed: int = 0) -> SeededTask:
     return SeededTask(task, seed)
 
 
+def map_dict(fn: Any, tree: dict) -> dict:
+    """``fn`` of every leaf of a nested dict, as a dict of the same structure."""
+    return {k: map_dict(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
+
+
+def dict_leaves(tree: dict) -> list:
+    """The leaves of a nested dict, in order."""
+    out = []
+    for v in tree.values():
+        out += dict_leaves(v) if isinstance(v, dict) else [v]
+    return out
+
+
 def fields_repr(obj: Any, *names: str) -> str:
     """``Type(name=value, ...)`` of ``obj``'s attributes ``names`` (strings quoted)."""
     shown = (f"{n}={v!r}" if isinstance(v := getattr(obj, n), str) else f"{n}={v}" for n in names)

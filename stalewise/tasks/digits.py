@@ -192,10 +192,7 @@ class Digits:
         return self._from_numpy(init_mlp(self.hidden, self.activation, seed))
 
     def batches(self, worker: int, workers: int, seed: int = 0) -> Iterator[Any]:
-        """Yields ``worker``'s ``(x, y)`` minibatches forever.
-
-        See :func:`~stalewise.tasks.base.shard_batches` for sharding and shuffling.
-        """
+        """Yields ``worker``'s ``(x, y)`` minibatches forever (:func:`shard_batches`)."""
         data = self.data
         for idx in shard_batches(len(data.y_train), self.batch_size, worker, workers, seed):
             yield self._batch(data.x_train[idx], data.y_train[idx])

@@ -2,22 +2,16 @@
 
 Same data, model and initial numbers as :class:`stalewise.tasks.digits.Digits`;
 parameters and gradients are float32 ``jax.Array`` leaves of the same nested
-dict, batches are ``(x float32, y int32)`` array pairs. The jitted function
-lives at module level, so tasks stay picklable and every task of a process
-shares one compilation cache.
+dict, batches are ``(x float32, y int32)`` array pairs.
 """
 
 from __future__ import annotations
-
-import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from stalewise.tasks.digits import Digits
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["DigitsJax"]
 

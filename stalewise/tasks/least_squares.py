@@ -157,10 +157,7 @@ class LeastSquares:
         return {"x": np.zeros(self.d, np.float32)}
 
     def batches(self, worker: int, workers: int, seed: int = 0) -> Iterator[Any]:
-        """Yields ``(A_rows, b_rows)`` minibatches of ``worker``'s row shard forever.
-
-        With ``exact=True`` yields ``None`` forever (any number of workers).
-        """
+        """Yields ``(A_rows, b_rows)`` of ``worker``'s row shard forever (``exact``: None)."""
         if self.exact:
             if workers < 1 or not 0 <= worker < workers:
                 raise ValueError(f"need 0 <= worker < workers, got {worker}, {workers}")

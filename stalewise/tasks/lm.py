@@ -19,12 +19,13 @@ import math
 import os
 import sysconfig
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from stalewise.tasks import base
 from stalewise.tasks.base import check_int, check_memory, check_number, fields_repr, shard_batches
 
 logger = logging.getLogger(__name__)
@@ -69,12 +70,12 @@ class Corpus(NamedTuple):
 
 def _module_file(stdlib: str, module: str) -> str:
     """``a.b`` -> ``a/b.py`` or ``a/b/__init__.py`` (whichever this Python has)."""
-    base = module.replace(".", "/")
-    for rel in (base + ".py", base + "/__init__.py"):
+    stem = module.replace(".", "/")
+    for rel in (stem + ".py", stem + "/__init__.py"):
         if os.path.isfile(os.path.join(stdlib, rel)):
             return rel
     raise FileNotFoundError(
-        f"corpus module {module!r}: no {base}.py nor {base}/__init__.py in {stdlib}"
+        f"corpus module {module!r}: no {stem}.py nor {stem}/__init__.py in {stdlib}"
     )
 
 
@@ -106,21 +107,6 @@ def load_corpus(corpus_bytes: int = 1 << 21, val_fraction: float = 0.05) -> Corp
     sha = hashlib.sha256(data.tobytes()).hexdigest()
     logger.debug("lm corpus: %d bytes from %d files, sha256 %s", len(data), len(files), sha)
     return Corpus(train, val, sha, tuple(files))
-
-
-def _map(fn: Any, tree: dict) -> dict:
-    return {k: _map(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
-
-
-def _leaves(tree: dict) -> list:
-    out = []
-    for v in tree.values():
-        out += _leaves(v) if isinstance(v, dict) else [v]
-    return out
-
-
-def _unflatten(tree: dict, it: Iterator) -> dict:
-    return {k: _unflatten(v, it) if isinstance(v, dict) else next(it) for k, v in tree.items()}
 
 
 class LanguageModel:
@@ -174,14 +160,9 @@ class LanguageModel:
             self.memory_bytes(
                 self.dim, self.layers, self.heads, self.context, self.batch_size, self.eval_windows
             ),
-            {
-                "dim": (self.dim, SIZES[size]["dim"]),
-                "layers": (self.layers, SIZES[size]["layers"]),
-                "heads": (self.heads, SIZES[size]["heads"]),
-                "context": (self.context, 64),
-                "batch_size": (self.batch_size, 16),
-                "eval_windows": (self.eval_windows, 64),
-            },
+            {k: (shape[k], SIZES[size][k]) for k in shape}
+            | {"context": (self.context, 64), "batch_size": (self.batch_size, 16)}
+            | {"eval_windows": (self.eval_windows, 64)},
         )
         corpus = self.corpus  # reads the files once here, so a bad size fails at construction
         if len(corpus.val) < self.context + 1:
@@ -246,7 +227,7 @@ class LanguageModel:
 
     def num_params(self) -> int:
         """Number of scalar parameters."""
-        return sum(t.numel() for t in _leaves(self.init_params(0)))
+        return sum(t.numel() for t in base.dict_leaves(self.init_params(0)))
 
     def init_params(self, seed: int = 0) -> dict:
         """Returns fresh float32 parameters, deterministic by ``seed``."""
@@ -275,10 +256,7 @@ class LanguageModel:
         return params
 
     def batches(self, worker: int, workers: int, seed: int = 0) -> Iterator[torch.Tensor]:
-        """Yields ``worker``'s ``(batch_size, context + 1)`` int64 windows forever.
-
-        See :func:`~stalewise.tasks.base.shard_batches` for sharding and shuffling.
-        """
+        """Yields ``worker``'s ``(batch_size, context + 1)`` int64 windows forever."""
         train = self.corpus.train
         starts = self.train_window_starts()
         offsets = np.arange(self.context + 1)
@@ -310,10 +288,10 @@ class LanguageModel:
 
     def loss_and_grad(self, params: dict, batch: torch.Tensor) -> tuple[float, dict]:
         """Returns the mean cross-entropy per byte of ``batch`` and its gradient (autograd)."""
-        leaves = _map(lambda t: t.detach().requires_grad_(True), params)
+        leaves = base.map_dict(lambda t: t.detach().requires_grad_(True), params)
         loss = self._loss(leaves, batch)
-        grads = torch.autograd.grad(loss, _leaves(leaves))
-        return float(loss.detach()), _unflatten(leaves, iter(grads))
+        grads = iter(torch.autograd.grad(loss, base.dict_leaves(leaves)))
+        return float(loss.detach()), base.map_dict(lambda _: next(grads), leaves)
 
     def evaluate(self, params: dict) -> dict[str, float]:
         """Returns the held-out ``loss`` (nats per byte) and ``perplexity`` (per byte)."""
@@ -321,6 +299,6 @@ class LanguageModel:
         starts = self.eval_window_starts() - len(corpus.train)
         windows = corpus.val[starts[:, None] + np.arange(self.context + 1)].astype(np.int64)
         with torch.no_grad():
-            p = _map(lambda t: torch.as_tensor(t, dtype=torch.float32), params)
+            p = base.map_dict(lambda t: torch.as_tensor(t, dtype=torch.float32), params)
             loss = float(self._loss(p, torch.from_numpy(windows)))
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
