@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.protocol import ServerConfig, budget
+from stalewise.protocol import ServerConfig, budget, delivery
 from stalewise.runtime.base import worker_range
 from stalewise.runtime.errors import ShardError
 from stalewise.runtime.local import layout as layout_lib
@@ -333,18 +333,21 @@ class LocalServer:
 
     def stats(self, timeout: float | None = 60.0) -> list[dict]:
         """Each shard's counters (applied, rejected, staleness, bytes, version)."""
-        return self._ask_all("stats", timeout)
-
-    def state_dicts(self, timeout: float | None = 60.0) -> list[dict]:
-        """Each shard's whole state (:meth:`Shard.state_dict`), between two messages it handles."""
-        return self._ask_all("state", timeout)
+        return self._ask_all(wire.stats(), "stats", timeout)
 
     @_locked
-    def _ask_all(self, kind: str, timeout: float | None) -> list:
+    def state_dicts(self, timeout: float | None = 60.0) -> list[dict]:
+        """Each shard's whole state (:meth:`Shard.state_dict`), every one as of the same
+        pushes of every worker (a consistent cut: :class:`~stalewise.protocol.delivery.Cut`)."""
+        progress = self._ask_all(wire.cut(None), "state", timeout)
+        return self._ask_all(wire.cut(delivery.targets(progress)), "state", timeout)
+
+    @_locked
+    def _ask_all(self, body: bytes, kind: str, timeout: float | None) -> list:
         self.check()
         with self._naming_dead_shards():
             for c in self._controls:
-                c.send_bytes(wire.stats() if kind == "stats" else wire.state())
+                c.send_bytes(body)
             return [self.observer._take(k, kind, timeout)[1] for k in range(len(self._controls))]
 
     def residuals(self, timeout: float = 10.0) -> list[np.ndarray] | None:
@@ -474,8 +477,9 @@ class LocalServer:
             # the commit word is seq + 1, or 0 while the next push's record is written
             committed = int(rec[layout_lib.R_COMMIT]) or int(rec[layout_lib.R_SEQ])
             inc = int(rec[layout_lib.R_INC])
-            handled = min(
-                int(s["next_seq"][w]) if int(s["incarnation"][w]) == inc else 0 for s in states
+            handled = min(  # a later incarnation's join delivered every push of this one
+                int(s["next_seq"][w]) if int(s["incarnation"][w]) == inc else committed
+                for s in states
             )
             pushed.append(budget.held(n, committed, handled))
         return states, {"pushes": sum(pushed), "pushed": pushed}, self.residuals()

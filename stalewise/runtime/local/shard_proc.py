@@ -24,7 +24,7 @@ from multiprocessing import connection, reduction
 
 import numpy as np
 
-from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, pipeline
+from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Snapshots
@@ -120,6 +120,8 @@ class ShardProcess:
         self.waiting: set[int] = set()  # workers whose pull waits on the gate
         self.published, self.published_at = -1, 0.0
         self.answers: list[tuple[WorkerPipe, bytes]] = []  # this turn's acks, sent in settle()
+        self.cutting = delivery.Cut()  # a consistent cut under way: held pipes are not read
+        self.cut_aimed = False  # its targets are in: the state is sent once they are reached
         self.publishes = 0  # snapshots published
         self.served = 0  # pulls served into a worker's pull buffer
 
@@ -261,15 +263,25 @@ class ShardProcess:
     def turn(self, timeout: float | None) -> bool:
         """Handles what arrives within ``timeout`` seconds (None: waits for something)
         and cuts off incomplete messages that timed out; False when the shard must stop."""
-        for c in connection.wait([self.control, *self.pipes], timeout=timeout):
+        readable = [p for p in self.pipes if not self.held(p)]
+        for c in connection.wait([self.control, *readable], timeout=timeout):
             if c is self.control:
                 if not self.on_control():
                     self.answer()  # the pushes handled before the stop are answered
                     return False
-            elif c in self.pipes:  # else: departed while this batch was being handled
+            elif c in self.pipes and not self.held(c):  # else: departed, or a cut began
                 self.receive(c)
         self.expire_partial()
+        if self.cut_aimed and self.cutting.reached(self.shard):
+            self.control.send_bytes(wire.state_reply(self.shard.state_dict()))
+            self.cutting.thaw()
+            self.cut_aimed = False
         return True
+
+    def held(self, p: WorkerPipe) -> bool:
+        """Whether pipe ``p`` is not read now: under a cut, unless its next push is below its
+        target (a worker has one push in flight at most, so nothing past it is read)."""
+        return self.cutting.holds(p.worker, p.incarnation, int(self.shard.next_seq[p.worker]))
 
     def settle(self) -> None:
         """After a turn: the acks, the publish (:meth:`publish_due`; a gated shard whose
@@ -310,6 +322,11 @@ class ShardProcess:
             c.send_bytes(wire.stats_reply(shard.stats.as_dict() | {"version": shard.version}))
         elif kind == "state":
             c.send_bytes(wire.state_reply(shard.state_dict()))
+        elif kind == "cut" and msg[1] is None:  # frozen: each worker's (incarnation, pushes)
+            c.send_bytes(wire.state_reply(self.cutting.freeze(shard)))
+        elif kind == "cut":
+            self.cutting.aim(msg[1])
+            self.cut_aimed = True
         elif kind == "load":  # a checkpoint, before any worker joins (resume)
             if self.pipes:
                 c.send_bytes(wire.loaded(None, "workers have joined; load before they do"))

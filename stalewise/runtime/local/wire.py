@@ -47,7 +47,7 @@ _PUSH, _PULL, _LEAVE = 0x01, 0x02, 0x03
 # shard -> worker (PULLED also to the parent)
 _ACK, _PULLED, _ERROR = 0x11, 0x12, 0x13
 # parent -> shard (PULL too: the observer's)
-_JOIN, _STATS, _STATE, _LOAD, _STOP = 0x21, 0x22, 0x23, 0x24, 0x25
+_JOIN, _STATS, _STATE, _LOAD, _STOP, _CUT = 0x21, 0x22, 0x23, 0x24, 0x25, 0x26
 # shard -> parent
 _READY, _JOINED, _STATS_REPLY, _STATE_REPLY, _LOADED, _STOPPED = 0x31, 0x32, 0x33, 0x34, 0x35, 0x36
 # worker -> parent (the result pipe), and parent -> worker
@@ -359,6 +359,12 @@ def stop() -> bytes:
     return _KIND.pack(_STOP)
 
 
+def cut(targets: dict | None) -> bytes:
+    """A consistent cut (:class:`~stalewise.protocol.delivery.Cut`): None freezes the shard,
+    which replies its progress; then ``targets``, and it replies its state once there."""
+    return _KIND.pack(_CUT) + _pickle(targets)
+
+
 def encode_control(msg: tuple) -> bytes:
     """A control message written as its tuple, e.g. ``("join", 0, 1)`` or ``("stats",)``.
 
@@ -369,8 +375,8 @@ def encode_control(msg: tuple) -> bytes:
     kind = msg[0] if isinstance(msg, tuple) and msg else None
     if kind == "join" and len(msg) == 3:
         return join(msg[1], msg[2])
-    if kind == "load" and len(msg) == 2:
-        return load(msg[1])
+    if kind in ("load", "cut") and len(msg) == 2:
+        return (load if kind == "load" else cut)(msg[1])
     simple = {"pull": pull, "stats": stats, "state": state, "stop": stop}
     if kind in simple and len(msg) == 1:
         return simple[kind]()
@@ -379,12 +385,13 @@ def encode_control(msg: tuple) -> bytes:
 
 def decode_control(body: bytes) -> tuple:
     """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
-    ``("stats",)``, ``("state",)``, ``("load", state)`` (unpickled) or ``("stop",)``."""
+    ``("stats",)``, ``("state",)``, ``("load", state)``, ``("cut", targets)`` (unpickled)
+    or ``("stop",)``."""
     kind = _kind_of(body)
     if kind == _JOIN and len(body) == _TWO.size:
         return ("join", *_TWO.unpack(body)[1:])
-    if kind == _LOAD:
-        return ("load", pickle.loads(body[_KIND.size :]))
+    if kind in (_LOAD, _CUT):
+        return ("load" if kind == _LOAD else "cut", pickle.loads(body[_KIND.size :]))
     simple = {_PULL: "pull", _STATS: "stats", _STATE: "state", _STOP: "stop"}
     if kind in simple and len(body) == _KIND.size:
         return (simple[kind],)
