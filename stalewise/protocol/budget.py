@@ -5,8 +5,9 @@ id over its incarnations, whatever the shards answer. A worker may begin a step 
 ``committed + in_progress < steps`` (:func:`may_begin`); under BSP in whole rounds of
 the shards' round (:func:`may_begin_round`, :func:`round_of`). A client given a
 budget refuses at commit a push the rule would not begin (:func:`refuses`). A checkpoint
-counts the pushes its shards' states hold (:func:`held`), and is one cut when every rank's
-saved state is after exactly those (:func:`off_cut`). How each
+counts the pushes its shards' states hold (:func:`held`), is one cut when every rank's
+saved state is after exactly those (:func:`off_cut`), and is due when the count passes a
+multiple of ``checkpoint_every`` (:func:`checkpoint_due`). How each
 runtime reads the counts, and the overshoot it allows (:func:`overshoot_bound`), is
 in ``docs/design-notes.md`` ("One budget rule").
 
@@ -30,6 +31,8 @@ Example:
     True
     >>> off_cut([shard], worker=0, held=47, state=45)
     "rank 0's ctx.state is after 45 of its pushes, the shards' after 47: a resume repeats 2 of them"
+    >>> checkpoint_due(pushes=41, last=20, every=20), checkpoint_due(pushes=39, last=21, every=20)
+    (True, False)
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=False)  # asked: granted
     False
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=True)  # BSP: asked again
@@ -108,6 +111,12 @@ def off_cut(
         f"rank {worker}'s ctx.state is after {state} of its pushes, the shards' after {held}: "
         f"a resume {'repeats' if n > 0 else 'skips'} {abs(n)} of them"
     )
+
+
+def checkpoint_due(pushes: int, last: int, every: int) -> bool:
+    """Whether a checkpoint is due at the job's ``pushes`` (as :func:`may_begin` counts them),
+    the last one's at ``last``: the count has passed a multiple of ``every`` since."""
+    return pushes // every > last // every
 
 
 def refuses(
