@@ -89,10 +89,9 @@ class Saves:
                 server.resume(ckpt)
         except (checkpoint.CheckpointError, ValueError) as e:
             raise LaunchError(f"--resume from {directory}: {' '.join(str(e).split())}") from None
-        self.ranks: list[dict] = [{} for _ in range(workers)]
-        self.pushed: list[int | None] = [None] * workers  # the pushes each rank's state is after
-        if ckpt is not None and ckpt.ranks is not None:  # one per worker: resume_point checked
-            self.ranks = ckpt.ranks
+        # one per worker (resume_point checked), and the pushes each rank's state is after
+        self.ranks: list[dict] = getattr(ckpt, "ranks", None) or [{} for _ in range(workers)]
+        self.pushed: list[int | None] = [None] * workers
         pushes = 0 if ckpt is None else int(ckpt.step.get("pushes", 0))
         self.saver = checkpoint.Saver(job.config, None, o, runtime="local", pushes=pushes)
         self.started = time.monotonic()

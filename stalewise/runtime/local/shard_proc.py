@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 
 PARTIAL_TIMEOUT = 1.0  # seconds a worker's message may stay incomplete before it is cut off
+CUT_LIMIT = 60.0  # seconds a shard stays frozen for a cut (the parent gave up: it thaws)
 READ_CHUNK = 4096  # bytes read from one worker's pipe per turn of the loop
 
 
@@ -122,6 +123,7 @@ class ShardProcess:
         self.answers: list[tuple[WorkerPipe, bytes]] = []  # this turn's acks, sent in settle()
         self.cutting = delivery.Cut()  # a consistent cut under way: held pipes are not read
         self.cut_aimed = False  # its targets are in: the state is sent once they are reached
+        self.cut_until = 0.0  # when a cut under way is given up
         self.publishes = 0  # snapshots published
         self.served = 0  # pulls served into a worker's pull buffer
 
@@ -243,8 +245,10 @@ class ShardProcess:
                 )
 
     def next_deadline(self) -> float | None:
-        starts = [p.partial_since for p in self.pipes if p.partial_since is not None]
-        return min(starts) + PARTIAL_TIMEOUT if starts else None
+        starts = [
+            p.partial_since + PARTIAL_TIMEOUT for p in self.pipes if p.partial_since is not None
+        ]
+        return min(starts + [self.cut_until] * self.cutting.frozen, default=None)
 
     def serve_waiting_pulls(self) -> None:
         for w in sorted(self.waiting):
@@ -274,8 +278,12 @@ class ShardProcess:
         self.expire_partial()
         if self.cut_aimed and self.cutting.reached(self.shard):
             self.control.send_bytes(wire.state_reply(self.shard.state_dict()))
-            self.cutting.thaw()
-            self.cut_aimed = False
+        elif not self.cutting.frozen or time.monotonic() < self.cut_until:
+            return True
+        else:
+            log.error("shard %d: no consistent cut within %g s; thawed", self.k, CUT_LIMIT)
+        self.cutting.thaw()
+        self.cut_aimed = False
         return True
 
     def held(self, p: WorkerPipe) -> bool:
@@ -323,6 +331,7 @@ class ShardProcess:
         elif kind == "state":
             c.send_bytes(wire.state_reply(shard.state_dict()))
         elif kind == "cut" and msg[1] is None:  # frozen: each worker's (incarnation, pushes)
+            self.cut_until = time.monotonic() + CUT_LIMIT
             c.send_bytes(wire.state_reply(self.cutting.freeze(shard)))
         elif kind == "cut":
             self.cutting.aim(msg[1])
