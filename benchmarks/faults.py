@@ -10,7 +10,7 @@ undisturbed, then once per fault, with the same budget of pushes:
   (c) worker-stop   one worker SIGSTOPped for 10 s (worker_timeout 3 s: it is found
                     hung, killed and restarted);
   (d) bad-pushes    worker 3 pushes NaN 10 times, then 1e38 from then on;
-  (e) ckpt-full     checkpoints every 250 updates, all kept, into a real tmpfs of
+  (e) ckpt-full     checkpoints every 250 pushes, all kept, into a real tmpfs of
                     room for about three of them: the folder fills up mid-run, and
                     the final checkpoint cannot be written either.
 

@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-every",
         type=_updates,
         metavar="N",
-        help="also checkpoint every N updates (a checkpoint is always written at the end)",
+        help="also checkpoint every N pushes of the job (a checkpoint is always written at the end)",
     )
     t.add_argument(
         "--tensorboard",

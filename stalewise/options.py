@@ -64,7 +64,7 @@ class Checkpoints(_Group):
         >>> Checkpoints("ckpt", every=0)
         Traceback (most recent call last):
         ...
-        stalewise.runtime.options.OptionError: Checkpoints.every must be an integer >= 1 (updates) or None, got 0
+        stalewise.runtime.options.OptionError: Checkpoints.every must be an integer >= 1 (pushes) or None, got 0
     """
 
     dir: str | os.PathLike

@@ -106,9 +106,6 @@ class Host:
     def pushes(self):
         return self.count
 
-    def version(self):
-        return self.shard.version
-
     def stats(self, *, settled=False):
         return self.shard.stats.as_dict() | {"version": self.shard.version}
 
@@ -203,10 +200,10 @@ def test_an_event_driven_host_evaluates_no_warm_up_call():
 def test_checkpoints_are_taken_when_due_after_an_event_and_at_the_end(tmp_path):
     host, result = _drive(checkpoint_dir=tmp_path, checkpoint_every=5, checkpoint_keep=100)
     taken = [t for t, failure in host.snapshots if not failure]
-    # 5 updates after the last one: version 6 at t=4, 12 at t=8, 18 at t=12; the end at t=14
-    assert taken == [4.0, 8.0, 12.0, 14.0]
-    versions = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("ckpt-*"))
-    assert versions == [6, 12, 18, 20]
+    # the job's pushes pass a multiple of 5: 6 at t=4, 10 at t=7, 15 at t=10; the end at t=14
+    assert taken == [4.0, 7.0, 10.0, 14.0]
+    numbers = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("ckpt-*"))
+    assert numbers == [6, 10, 15, 20]  # folders numbered by the job's pushes
     ckpt = checkpoint.load(tmp_path)
     assert ckpt.step["pushes"] == 20 and ckpt.manifest["config"]["host"] == "tiny"
     assert ckpt.manifest["config"]["runtime"] == "tiny"

@@ -6,11 +6,14 @@ pushes made after a rank's saved ``ctx.state``) or skipped shows in the final on
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import subprocess
+import sys
 import textwrap
 import time
+import uuid
 
 import child_procs
 import numpy as np
@@ -21,6 +24,7 @@ from stalewise import checkpoint
 from stalewise.protocol import PushHeader, budget
 
 STEPS, EVERY, WORKERS, KILLS = 1200, 20, 2, 3
+TIMEOUT = 180  # seconds for one process's step (a loaded machine)
 
 SCRIPT = textwrap.dedent(
     """
@@ -105,6 +109,8 @@ def test_every_item_is_applied_once_across_random_kills(tmp_path, consistency):
             assert proc.returncode == 0, err
     assert kills >= 2, "the runs ended before they could be killed"
     final = checkpoint.load(ckpts)
+    for path in ckpts.glob("ckpt-*"):  # numbered by the job's pushes, as --checkpoint-every counts
+        assert path.name == f"ckpt-{checkpoint.load(path).step['pushes']:09d}"
     items = final.flat().reshape(WORKERS, STEPS)
     made = [int(r["i"]) for r in final.ranks]
     assert sum(made) == final.step["pushes"] >= STEPS, (made, final.step)
@@ -114,3 +120,208 @@ def test_every_item_is_applied_once_across_random_kills(tmp_path, consistency):
         assert not twice and not skipped, f"rank {r}: twice {twice}, skipped {skipped}"
         np.testing.assert_array_equal(items[r, :n], 1.0)
         np.testing.assert_array_equal(items[r, n:], 0.0)
+
+
+def test_job_train_counts_checkpoint_every_in_pushes_and_loads_a_folder_numbered_by_version(
+    tmp_path,
+):
+    """``Job.train``'s ``checkpoint_every`` counts the job's pushes, as ``stalewise run``'s
+    does (one rule: ``budget.checkpoint_due``), and its folders are numbered by them: a BSP
+    round of 2 workers is one version and 2 pushes. A folder of the older numbering (by
+    shard 0's version) still loads and resumes."""
+    job = sw.Job({"w": np.zeros(3, np.float32)}, optimizer=sw.optim.sgd(0.1), consistency=sw.BSP())
+
+    def train(steps, **ckpt):
+        return job.train(lambda p, b: (0.0, {"w": p["w"] - 1.0}), data=[[0], [0]], workers=2,
+                         steps=steps, runtime=sw.Simulation(seed=1),
+                         checkpoints=sw.Checkpoints(tmp_path, keep=100, **ckpt))  # fmt: skip
+
+    train(40, every=10)
+    saved = [checkpoint.load(p) for p in sorted(tmp_path.glob("ckpt-*"))]
+    pushes = [c.step["pushes"] for c in saved]
+    assert [c.path.name for c in saved] == [f"ckpt-{n:09d}" for n in pushes]
+    # due at the commit of push 10, 20, ... (not yet applied: not in it), and the end
+    assert pushes == [9, 19, 29, 39, 40], pushes
+    assert [c.version for c in saved] == [n // 2 for n in pushes]  # rounds of 2 pushes
+    last = saved[-1]
+    older = last.path.rename(tmp_path / f"ckpt-{last.version:09d}")  # as before: by version
+    (tmp_path / "latest").write_text(older.name + "\n")
+    assert checkpoint.load(tmp_path).path == older
+    resumed = train(60, resume=True)
+    assert resumed.stats["version"] == 30 and resumed.pushes == 60
+
+
+NEVER_STOPS = textwrap.dedent(
+    """
+    import json, sys, time
+    import numpy as np
+    import stalewise as sw
+
+    if __name__ == "__main__":
+        steps = int(sys.argv[1])
+        job = sw.Job({"w": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.01))
+        ctx = sw.init(job)
+        if ctx.rank == 1:
+            ctx.budget(None)  # it counts on its own
+        paused = 0.0
+        while True:
+            if ctx.rank == 0:  # asks should_stop() between steps: saved at the cut
+                t = time.monotonic()
+                stop = ctx.should_stop()
+                paused += time.monotonic() - t
+            else:  # counts on its own: never calls should_stop()
+                stop = ctx.client.job_pushes >= steps
+            if stop:
+                break
+            ctx.client.pull()
+            ctx.client.push({"w": np.ones(4, np.float32)})
+            ctx.state["i"] = ctx.state.get("i", 0) + 1
+            time.sleep(0.005 if ctx.rank == 0 else 0.03)
+        ctx.close()
+        with open(f"paused-{ctx.rank}.json", "w") as f:
+            json.dump(paused, f)
+    """
+)
+
+
+def test_a_rank_that_never_calls_should_stop_costs_the_checkpoints_no_wait(tmp_path):
+    """Issue #42: the launcher waited ``RANK_STATE_WAIT`` (10 s) per checkpoint for a rank
+    that never offers its state, and the ranks that do waited at the cut meanwhile. Now
+    it does not wait for a rank that has never called ``ctx.should_stop()`` (said once):
+    rank 0 pauses less than 5 s in all over at least 3 checkpoints."""
+    (tmp_path / "job.py").write_text(NEVER_STOPS)
+    steps, every = 300, 75  # 3 checkpoints while both run, and the end
+    args = ["--workers", "2", "--steps", str(steps), "--checkpoint-dir", "ckpt"]
+    args += ["--checkpoint-every", str(every), "job.py", str(steps)]
+    seen = set()
+    with child_procs.launched(tmp_path, *args, stdout=subprocess.DEVNULL) as proc:
+        deadline = time.monotonic() + 180
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen.update(p.name for p in (tmp_path / "ckpt").glob("ckpt-*"))
+            time.sleep(0.01)
+        proc.wait(timeout=30)
+        err = proc.stderr.read()
+    assert proc.returncode == 0, err
+    periodic = sorted(n for n in (int(s.split("-")[1]) for s in seen) if n < steps)
+    assert len(periodic) >= 3, (periodic, err)
+    paused = json.loads((tmp_path / "paused-0.json").read_text())
+    assert paused < 5.0, (paused, periodic)
+    assert err.count("rank 1 has not called ctx.should_stop()") == 1, err
+    assert "rank 0's ctx.state is after" not in err, err  # rank 0's states are of the cut
+
+
+SERVER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import stalewise as sw
+
+    name, ckpts, workers, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    job = sw.Job({"items": np.zeros((workers, n), np.float32)}, optimizer=sw.optim.sgd(1.0),
+                 shards=2)
+    saves = sw.Checkpoints(ckpts, every=30, resume=True)
+    with job.serve(workers=workers, name=name, checkpoints=saves) as server:
+        print("served", flush=True)
+        sys.stdin.readline()
+    print("closed", flush=True)
+    """
+)
+
+PUSHER = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import stalewise as sw
+
+    name, w, start, workers, n = sys.argv[1], *map(int, sys.argv[2:])
+    client = sw.attach(name, worker=w)
+    for i in range(start, n):  # push i of worker w sets item (w, i)
+        g = np.zeros((workers, n), np.float32)
+        g[w, i] = -1.0
+        client.push({"items": g})
+        time.sleep(0.005)
+    client.close()
+    """
+)
+
+
+def test_a_served_jobs_checkpoints_are_one_cut_and_a_resume_applies_each_push_once(tmp_path):
+    """Issue #45 item 1: ``job.serve(checkpoints=...)`` saved each shard between two of its
+    own messages, so a push in flight was in one shard's state and not the other's ("shards
+    hold different pushes"). Several processes push into a 2-shard job while it saves every
+    30 pushes; the serving process is SIGKILLed and served again with resume, each process
+    goes on from its pushes the checkpoint holds: every checkpoint's shards hold the same
+    pushes of every worker, and every item is applied exactly once."""
+    workers, n, name = 3, 500, f"cut-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "server.py").write_text(SERVER)
+    (tmp_path / "pusher.py").write_text(PUSHER)
+    ckpts, errs, checked = tmp_path / "ckpt", [], set()
+
+    def check_new():  # each checkpoint as it appears (2 are kept)
+        for path in ckpts.glob("ckpt-*"):
+            if path.name in checked:
+                continue
+            try:
+                ckpt = checkpoint.load(path)
+            except sw.CheckpointError:  # removed meanwhile (or half-written: not named yet)
+                continue
+            checked.add(path.name)
+            for w in range(workers):
+                why = budget.off_cut(ckpt.states, w, ckpt.step["pushed"][w], None)
+                assert why is None, f"{path.name}: {why}"
+
+    def pushers(tag, starts):
+        return [subprocess.Popen([sys.executable, "pusher.py", f"{name}-{tag}", str(w), str(s),
+                                  str(workers), str(n)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+                for w, s in enumerate(starts)]  # fmt: skip
+
+    def serve(tag):
+        proc = child_procs.start(tmp_path / "server.py", f"{name}-{tag}", ckpts, workers, n,
+                                 stdin=True)  # fmt: skip
+        assert child_procs.line(proc, TIMEOUT) == ["served"]
+        return proc
+
+    first, ps = serve("a"), []
+    try:
+        ps = pushers("a", [0] * workers)
+        deadline = time.monotonic() + TIMEOUT
+        while not (checkpoint.exists(ckpts) and checkpoint.load(ckpts).step["pushes"] >= 600):
+            assert time.monotonic() < deadline, "no checkpoint at 600 pushes"
+            check_new()
+            time.sleep(0.01)
+        first.kill()  # the serving process: its shards die with it
+        first.wait(30)
+        errs.append(first.stderr.read())
+        for p in ps:
+            p.wait(TIMEOUT)  # each fails (its shards are gone) or ended
+    finally:
+        for p in [first, *ps]:
+            child_procs.end(p)
+    second = serve("b")
+    try:
+        resumed = checkpoint.load(ckpts)  # the one the server resumed from
+        assert resumed.step["pushes"] >= 600
+        ps = pushers("b", resumed.step["pushed"])
+        deadline = time.monotonic() + TIMEOUT
+        while any(p.poll() is None for p in ps) and time.monotonic() < deadline:
+            check_new()
+            time.sleep(0.01)
+        for p in ps:
+            assert p.wait(30) == 0, p.stderr.read()
+        second.stdin.write("stop\n")
+        second.stdin.flush()
+        assert child_procs.line(second, TIMEOUT) == ["closed"]
+        second.wait(30)
+        errs.append(second.stderr.read())
+    finally:
+        for p in [second, *ps]:
+            child_procs.end(p)
+    check_new()
+    assert len(checked) >= 6, checked  # taken while pushes were in flight
+    assert not any("different pushes" in e for e in errs), errs
+    final = checkpoint.load(ckpts)
+    assert final.step["pushed"] == [n] * workers, final.step
+    items = final.flat().reshape(workers, n)
+    twice, skipped = np.argwhere(items > 1.5).tolist(), np.argwhere(items < 0.5).tolist()
+    assert not twice and not skipped, f"twice {twice}, skipped {skipped}"

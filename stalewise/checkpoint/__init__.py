@@ -1,6 +1,6 @@
 """Checkpoints of a job's shards on disk: atomic, checksummed, with fallback.
 
-A checkpoint is one folder ``<directory>/ckpt-<version:09d>/`` holding
+A checkpoint is one folder ``<directory>/ckpt-<pushes:09d>/`` (the job's pushes) holding
 ``shard-<k>.safetensors`` (the arrays of shard ``k``'s
 :meth:`~stalewise.protocol.Shard.state_dict`), ``manifest.json`` (``format``,
 ``created``, ``version``, ``shards``: each one's file, arrays and JSON values;

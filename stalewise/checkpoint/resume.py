@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from stalewise.checkpoint.store import Checkpoint, CheckpointError, candidates, exists, load, save
+from stalewise.protocol import budget
 from stalewise.protocol.notices import warn_user
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,8 @@ def drawn_of(ckpt: Checkpoint | None, workers: int) -> list[int]:
 
 class Saver:
     """A run's checkpoints into ``options.checkpoint_dir``: when :meth:`due` says so
-    (every ``checkpoint_every`` updates of shard 0 and/or ``checkpoint_seconds``
-    seconds, virtual in the simulator), and at the end of the run.
+    (every ``checkpoint_every`` pushes of the job and/or ``checkpoint_seconds`` seconds,
+    virtual in the simulator), and at the end of the run.
 
     A checkpoint that cannot be written (disk full, a read-only folder, ...) never
     costs the run: :meth:`save` warns (:class:`~stalewise.FailureWarning`,
@@ -181,7 +182,7 @@ class Saver:
         options: Any,
         *,
         runtime: str,
-        version: int,
+        pushes: int,
         now: float = 0.0,
         failures: Any = None,
         **info: Any,
@@ -190,7 +191,8 @@ class Saver:
         self.info = config_info(
             config, workers=options.room, strategy=repr(strategy), runtime=runtime, **info
         )
-        self.version, self.time = int(version), float(now)  # of the last checkpoint (attempt)
+        self.pushes, self.time = int(pushes), float(now)  # of the last checkpoint (attempt)
+        self.asked = self.pushes  # the job's pushes at the last look (:meth:`due`)
         self.last: Path | None = None  # the last checkpoint this saver wrote
         self.failed = False
 
@@ -200,12 +202,12 @@ class Saver:
         o = self.options
         return o.checkpoint_every is not None or o.checkpoint_seconds is not None
 
-    def due(self, version: int, now: float) -> bool:
-        """Whether a periodic checkpoint is due at shard 0's ``version`` and time ``now``."""
-        o = self.options
-        return (
-            o.checkpoint_every is not None and version - self.version >= o.checkpoint_every
-        ) or (o.checkpoint_seconds is not None and now - self.time >= o.checkpoint_seconds)
+    def due(self, pushes: int, now: float) -> bool:
+        """Whether a periodic checkpoint is due at the job's ``pushes`` and time ``now``."""
+        o, every, self.asked = self.options, self.options.checkpoint_every, pushes
+        return (every is not None and budget.checkpoint_due(pushes, self.pushes, every)) or (
+            o.checkpoint_seconds is not None and now - self.time >= o.checkpoint_seconds
+        )
 
     def save(
         self,
@@ -222,8 +224,9 @@ class Saver:
         not be written (see the class)."""
         from safetensors import SafetensorError
 
-        # the next periodic one is due a period after this attempt, written or not
-        self.version, self.time = int(states[0]["version"]), float(step["time"])
+        # the next one is due a period after this attempt (written or not), after the pushes
+        # that made it due (those in flight are not in it: budget.held)
+        self.pushes, self.time = max(int(step["pushes"]), self.asked), float(step["time"])
         directory = Path(self.options.checkpoint_dir)
         try:
             path = save(

@@ -88,7 +88,7 @@ def save(
 ) -> Path:
     """Writes one checkpoint atomically; returns its folder. Keeps the newest ``keep``.
 
-    A checkpoint of a version that already exists replaces it. ``residuals``: each
+    Its folder is ``ckpt-<step_info["pushes"]>``; one of those pushes replaces it. ``residuals``: each
     worker's error-feedback residual (worker ``w``'s at index ``w``; None: none);
     ``ranks``: each rank's state (see :func:`flat_state`)."""
     if not shard_states:
@@ -99,7 +99,7 @@ def save(
     root.mkdir(0o755, parents=True, exist_ok=True)  # 0755 (and files 0644) whatever the umask:
     _clean_tmp(root)  # loading refuses what others can write
     version = int(shard_states[0]["version"])
-    final = root / f"ckpt-{version:09d}"
+    final = root / f"ckpt-{int(step_info['pushes']):09d}"
     tmp = root / f"{_TMP}{final.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(0o755)
     try:
@@ -159,7 +159,7 @@ def save(
     # into place: until ``latest`` names it, a failure puts back what was there
     replaced = None
     try:
-        if final.exists():  # the same version again (e.g. the end of a run): replace it
+        if final.exists():  # the same pushes again (e.g. the end of a run): replace it
             replaced = root / f"{_TMP}old-{final.name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, replaced)
         os.rename(tmp, final)
@@ -307,7 +307,7 @@ def _clean_tmp(root: Path) -> None:
 
 
 def _complete(root: Path) -> list[Path]:
-    """The checkpoint folders of ``root``, newest (highest version) first."""
+    """The checkpoint folders of ``root``, newest (highest number) first."""
     found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)), reverse=True)
 

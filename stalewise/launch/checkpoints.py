@@ -31,6 +31,7 @@ from stalewise.protocol import budget
 log = logging.getLogger(__name__)
 
 CUT = "cut"  # the file of the epoch of the launcher's last read of the shards
+TICKS = "ticks"  # a rank's file once its loop calls ctx.should_stop() (``ticks-<rank>``)
 RANKS_ENV = "STALEWISE_CHECKPOINT_RANKS"  # a rank's folder for its ctx.state (launched)
 EVERY_ENV = "STALEWISE_CHECKPOINT_EVERY"
 #: Seconds the launcher waits for the ranks' ``ctx.state`` once a checkpoint is due; a
@@ -88,38 +89,43 @@ class Saves:
                 server.resume(ckpt)
         except (checkpoint.CheckpointError, ValueError) as e:
             raise LaunchError(f"--resume from {directory}: {' '.join(str(e).split())}") from None
-        self.ranks: list[dict] = [{} for _ in range(workers)]
-        self.pushed: list[int | None] = [None] * workers  # the pushes each rank's state is after
-        if ckpt is not None and ckpt.ranks is not None:  # one per worker: resume_point checked
-            self.ranks = ckpt.ranks
-        self.pushes = 0 if ckpt is None else int(ckpt.step.get("pushes", 0))
-        self.saver = checkpoint.Saver(job.config, None, o, runtime="local", version=0)
+        # one per worker (resume_point checked), and the pushes each rank's state is after
+        self.ranks: list[dict] = getattr(ckpt, "ranks", None) or [{} for _ in range(workers)]
+        self.pushed: list[int | None] = [None] * workers
+        pushes = 0 if ckpt is None else int(ckpt.step.get("pushes", 0))
+        self.saver = checkpoint.Saver(job.config, None, o, runtime="local", pushes=pushes)
         self.started = time.monotonic()
         self.due: tuple[int, float] | None = None  # (the epoch due, since when)
+        self.unticked: set[int] = set()  # ranks named as never calling ctx.should_stop()
         if ckpt is not None:
             print(f"stalewise: resumed from {ckpt.path} (version {ckpt.version}, "
-                  f"{self.pushes} pushes)", file=sys.stderr, flush=True)  # fmt: skip
+                  f"{pushes} pushes)", file=sys.stderr, flush=True)  # fmt: skip
         if folder is not None:
             for r, state in enumerate(self.ranks):  # what each rank starts from
-                write_rank_state(folder, r, state, self.pushes)
+                write_rank_state(folder, r, state, pushes)
 
     def poll(self, idle: float) -> float:
         """Seconds to the launcher's next :meth:`tick` (ranks wait at the cut meanwhile)."""
         return idle if self.every is None else CUT_POLL if self.due else 5 * CUT_POLL
 
     def tick(self, running: list[int]) -> None:
-        """A look: a checkpoint once the job's pushes reach the next multiple of ``every``
-        and the ``running`` ranks have saved their state for it and wait (the cut), or
-        :data:`RANK_STATE_WAIT` passed."""
+        """A look: a checkpoint once due (:meth:`Saver.due <stalewise.checkpoint.Saver.due>`)
+        and the ``running`` ranks that call ``ctx.should_stop()`` have saved their state for
+        it and wait (the cut), or :data:`RANK_STATE_WAIT` passed."""
         if self.every is None:
             return
-        epoch = self.server.job_pushes // self.every
         if self.due is None:
-            if epoch > self.pushes // self.every:
-                self.due = (epoch, time.monotonic())
+            if self.saver.due(pushes := self.server.job_pushes, 0.0):
+                self.due = (pushes // self.every, time.monotonic())
             return
         want, since = self.due
-        ready = all(rank_epoch(self.folder, r, self.every) >= want for r in running)
+        folder = self.folder
+        ticking = [r for r in running if folder is None or (folder / f"{TICKS}-{r}").exists()]
+        for r in set(running) - set(ticking) - self.unticked:
+            self.unticked.add(r)
+            log.warning("checkpoint: rank %d has not called ctx.should_stop(): checkpoints do not "
+                        "wait for it and hold the ctx.state it started with", r)  # fmt: skip
+        ready = all(rank_epoch(self.folder, r, self.every) >= want for r in ticking)
         if ready or time.monotonic() - since >= RANK_STATE_WAIT:
             self.save()
 
@@ -145,7 +151,6 @@ class Saves:
             if why is not None:
                 log.warning("checkpoint: %s", why)
         step["time"] = time.monotonic() - self.started
-        self.pushes = step["pushes"]
         self.saver.save(states, step, residuals, final=final, ranks=self.ranks)
 
     def _read_ranks(self) -> None:
@@ -167,10 +172,7 @@ class InProcess:
         self.saves = saves
 
     def tick(self, ctx: Any) -> None:
-        saves = self.saves
-        if saves.every is not None and ctx.client.job_pushes // saves.every > (
-            saves.pushes // saves.every
-        ):
+        if self.saves.every is not None and self.saves.saver.due(ctx.client.job_pushes, 0.0):
             self.close(ctx, final=False)
 
     def close(self, ctx: Any, final: bool = True) -> None:
@@ -245,6 +247,7 @@ class RankStates:
     def __init__(self, folder: Path, every: int | None, rank: int):
         self.folder, self.every = folder, every
         self.epoch = rank_epoch(folder, rank, every) if every else -1  # the launcher's start
+        self.ticks = False  # its loop has called ctx.should_stop()
 
     @classmethod
     def join(cls, ctx: Any) -> None:
@@ -256,7 +259,13 @@ class RankStates:
         ctx.state = (read_rank_state(Path(folder), ctx.rank) or ({}, None))[0]
 
     def tick(self, ctx: Any) -> None:
-        if self.every is None or ctx.client.job_pushes // self.every <= self.epoch:
+        if not self.ticks:  # the launcher waits at the cut only for ranks that tick
+            self.ticks = True
+            (self.folder / f"{TICKS}-{ctx.rank}").touch(0o644)
+        every = self.every
+        if every is None or not budget.checkpoint_due(
+            ctx.client.job_pushes, self.epoch * every, every
+        ):
             return
         self.epoch = self.close(ctx) // self.every
         deadline = time.monotonic() + RANK_STATE_WAIT + 1.0

@@ -5,8 +5,9 @@ id over its incarnations, whatever the shards answer. A worker may begin a step 
 ``committed + in_progress < steps`` (:func:`may_begin`); under BSP in whole rounds of
 the shards' round (:func:`may_begin_round`, :func:`round_of`). A client given a
 budget refuses at commit a push the rule would not begin (:func:`refuses`). A checkpoint
-counts the pushes its shards' states hold (:func:`held`), and is one cut when every rank's
-saved state is after exactly those (:func:`off_cut`). A rollback of the shards uncounts
+counts the pushes its shards' states hold (:func:`held`), is one cut when every rank's
+saved state is after exactly those (:func:`off_cut`), and is due when the count passes a
+multiple of ``checkpoint_every`` (:func:`checkpoint_due`). A rollback of the shards uncounts
 the pushes after its copy: who carries on is :func:`after_rollback`. How each
 runtime reads the counts, and the overshoot it allows (:func:`overshoot_bound`), is
 in ``docs/design-notes.md`` ("One budget rule").
@@ -33,6 +34,8 @@ Example:
     "rank 0's ctx.state is after 45 of its pushes, the shards' after 47: a resume repeats 2 of them"
     >>> after_rollback(live={2}, ended={0})  # worker 0's loop ended after the copy
     [0, 2]
+    >>> checkpoint_due(pushes=41, last=20, every=20), checkpoint_due(pushes=39, last=21, every=20)
+    (True, False)
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=False)  # asked: granted
     False
     >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=True)  # BSP: asked again
@@ -119,6 +122,12 @@ def after_rollback(live: Iterable[int], ended: Iterable[int]) -> list[int]:
     (a loop that ended as an incarnation older than the one the shards admit ended unseen
     by a rollback): each new loop asks :func:`may_begin` again."""
     return sorted({*live, *ended})
+
+
+def checkpoint_due(pushes: int, last: int, every: int) -> bool:
+    """Whether a checkpoint is due at the job's ``pushes`` (as :func:`may_begin` counts them),
+    the last one's at ``last``: the count has passed a multiple of ``every`` since."""
+    return pushes // every > last // every
 
 
 def refuses(

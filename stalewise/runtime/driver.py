@@ -82,10 +82,7 @@ class Host(Protocol):
         :meth:`go`, the time the run starts at (0, or a resumed simulation's time)."""
 
     def pushes(self) -> int:
-        """Pushes counted toward ``steps`` so far (as of the last :meth:`advance`)."""
-
-    def version(self) -> int:
-        """Shard 0's version (for ``checkpoint_every``)."""
+        """Pushes counted toward ``steps`` and ``checkpoint_every`` (at the last :meth:`advance`)."""
 
     def stats(self, *, settled: bool = False) -> dict:
         """The shards' counters merged (:func:`~stalewise.runtime.result.merge_stats`)."""
@@ -202,14 +199,14 @@ class Run:
         assert recorder is not None
         if o.checkpoint_dir is not None:
             self.saver = checkpoint.Saver(
-                self.config, self.strategy, o, runtime=host.runtime, version=host.version(),
+                self.config, self.strategy, o, runtime=host.runtime, pushes=host.pushes(),
                 now=host.now(), failures=self.failures,
                 **host.checkpoint_info,
             )  # fmt: skip
         saver = self.saver
         due = None
         if saver is not None and saver.periodic:
-            due = lambda: saver.due(host.version(), host.now())  # noqa: E731
+            due = lambda: saver.due(host.pushes(), host.now())  # noqa: E731
         settled = True  # no push is left in flight at the end
         try:
             host.go()
@@ -227,7 +224,7 @@ class Run:
                     if self._record(now, pushes) and host.stop():
                         settled = False  # the run ends at once, pushes in flight
                         break
-                if step != RECORD and saver is not None and saver.due(host.version(), now):
+                if step != RECORD and saver is not None and saver.due(pushes, now):
                     self._save(now)
                 if time.perf_counter() > deadline:
                     raise TimeoutError(

@@ -200,7 +200,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     **{name: functools.partial(_timeout, name) for name in _TIMEOUTS},
     "sim_seed": _integer("sim_seed", 0),
     "checkpoint_dir": _checkpoint_dir,
-    "checkpoint_every": _integer("checkpoint_every", 1, none=True, unit=" (updates)"),
+    "checkpoint_every": _integer("checkpoint_every", 1, none=True, unit=" (pushes)"),
     "checkpoint_seconds": _checkpoint_seconds,
     "checkpoint_keep": _integer("checkpoint_keep", 1),
     "checkpoint_fsync": _flag("checkpoint_fsync"),
@@ -256,7 +256,7 @@ class RunOptions:
     # the initial params and shuffles the data (tasks' init_params(seed), batches(..., seed))
     sim_seed: int = 0
     checkpoint_dir: str | os.PathLike | None = None  # where checkpoints go (stalewise.checkpoint)
-    checkpoint_every: int | None = None  # a checkpoint every this many updates (shard 0's version)
+    checkpoint_every: int | None = None  # a checkpoint every this many pushes of the job
     checkpoint_seconds: float | None = None  # ... and/or every this many seconds (virtual in sim)
     checkpoint_keep: int = 2  # checkpoints kept (the newest)
     checkpoint_fsync: bool = False  # push logs fsynced before each turn's acks (local runtime)

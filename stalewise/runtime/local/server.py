@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.protocol import ServerConfig, budget
+from stalewise.protocol import ServerConfig, budget, delivery
 from stalewise.runtime.base import worker_range
 from stalewise.runtime.errors import ShardError
 from stalewise.runtime.local import layout as layout_lib
@@ -337,32 +337,34 @@ class LocalServer:
 
     def stats(self, timeout: float | None = 60.0) -> list[dict]:
         """Each shard's counters (applied, rejected, staleness, bytes, version)."""
-        return self._ask_all("stats", timeout)
+        return self._ask_all([wire.stats()] * len(self._controls), "stats", timeout)
 
+    @_locked
     def state_dicts(
         self, timeout: float | None = 60.0, log_dir: str | None = None, fsync: bool = False
     ) -> list[dict]:
-        """Each shard's whole state (:meth:`Shard.state_dict`), between two messages it handles;
+        """Each shard's whole state (:meth:`Shard.state_dict`), every one as of the same
+        pushes of every worker (a consistent cut: :class:`~stalewise.protocol.delivery.Cut`);
         with ``log_dir``, each shard begins a push log there at that state (named in ``logs``;
         ``fsync``: each turn's entries are fsynced before its acks)."""
-        return self._ask_all("state", timeout, log_dir, fsync)
-
-    @_locked
-    def _ask_all(
-        self, kind: str, timeout: float | None, log_dir: str | None = None, fsync: bool = False
-    ) -> list:
-        self.check()
-        logs = None
+        n = len(self._controls)
+        progress = self._ask_all([wire.cut(None)] * n, "state", timeout)
+        logs = [""] * n
         if log_dir is not None:  # numbered once no shard is known dead: a chain has no gap
             with contextlib.suppress(OSError):  # else the shards say why they write none
                 os.makedirs(log_dir, 0o755, exist_ok=True)
             self._log_n += 1
-            logs = [f"log-shard-{k}-{t}-{self._log_n:06d}" for k, t in self._tags.items()]
-            self.logs = logs
+            self.logs = [f"log-shard-{k}-{t}-{self._log_n:06d}" for k, t in self._tags.items()]
+            logs = [os.path.join(log_dir, name) for name in self.logs]
+        targets = delivery.targets(progress)
+        return self._ask_all([wire.cut(targets, log, fsync) for log in logs], "state", timeout)
+
+    @_locked
+    def _ask_all(self, bodies: list[bytes], kind: str, timeout: float | None) -> list:
+        self.check()
         with self._naming_dead_shards():
-            for k, c in enumerate(self._controls):
-                log = "" if logs is None else os.path.join(log_dir, logs[k])
-                c.send_bytes(wire.stats() if kind == "stats" else wire.state(log, fsync))
+            for c, body in zip(self._controls, bodies, strict=True):
+                c.send_bytes(body)
             return [self.observer._take(k, kind, timeout)[1] for k in range(len(self._controls))]
 
     def residuals(self, timeout: float = 10.0) -> list[np.ndarray] | None:
@@ -480,12 +482,12 @@ class LocalServer:
             counts[0] = int(ckpt.step.get("pushes", 0))
 
     def checkpoint_parts(
-        self, timeout: float | None = 60.0, log_dir: str | None = None
+        self, timeout: float | None = 60.0, log_dir: str | None = None, fsync: bool = False
     ) -> tuple[list, dict, Any]:
         """What a checkpoint of this server holds: ``(states, step, residuals)``; pushes in
-        flight count as not made (:func:`~stalewise.protocol.budget.held`); ``log_dir``:
-        see :meth:`state_dicts`."""
-        states = self.state_dicts(timeout, log_dir)
+        flight count as not made (:func:`~stalewise.protocol.budget.held`); ``log_dir``,
+        ``fsync``: see :meth:`state_dicts`."""
+        states = self.state_dicts(timeout, log_dir, fsync)
         records, counts = self.layout.records(self._block), self.control[self.layout.pushes_done]
         pushed = []
         for w in range(self.workers):
@@ -495,8 +497,9 @@ class LocalServer:
             # the commit word is seq + 1, or 0 while the next push's record is written
             committed = int(rec[layout_lib.R_COMMIT]) or int(rec[layout_lib.R_SEQ])
             inc = int(rec[layout_lib.R_INC])
-            handled = min(
-                int(s["next_seq"][w]) if int(s["incarnation"][w]) == inc else 0 for s in states
+            handled = min(  # a later incarnation's join delivered every push of this one
+                int(s["next_seq"][w]) if int(s["incarnation"][w]) == inc else committed
+                for s in states
             )
             pushed.append(budget.held(n, committed, handled))
         step = {"pushes": sum(pushed), "pushed": pushed, **({"logs": self.logs} if log_dir else {})}

@@ -25,7 +25,7 @@ from multiprocessing import connection, reduction
 import numpy as np
 
 from stalewise.checkpoint.store import create_file
-from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, pipeline
+from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Snapshots
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 
 PARTIAL_TIMEOUT = 1.0  # seconds a worker's message may stay incomplete before it is cut off
+CUT_LIMIT = 60.0  # seconds a shard stays frozen for a cut (the parent gave up: it thaws)
 READ_CHUNK = 4096  # bytes read from one worker's pipe per turn of the loop
 
 
@@ -121,6 +122,10 @@ class ShardProcess:
         self.waiting: set[int] = set()  # workers whose pull waits on the gate
         self.published, self.published_at = -1, 0.0
         self.answers: list[tuple[WorkerPipe, bytes]] = []  # this turn's acks, sent in settle()
+        self.cutting = delivery.Cut()  # a consistent cut under way: held pipes are not read
+        self.cut_aimed = False  # its targets are in: the state is sent once they are reached
+        self.cut_log: tuple = ("", False)  # and the push log begun then: (path, fsync)
+        self.cut_until = 0.0  # when a cut under way is given up
         self.publishes = 0  # snapshots published
         self.log, self.log_path = None, ""  # the push log the journal goes to (begin_log)
         self.served = 0  # pulls served into a worker's pull buffer
@@ -251,8 +256,10 @@ class ShardProcess:
                 )
 
     def next_deadline(self) -> float | None:
-        starts = [p.partial_since for p in self.pipes if p.partial_since is not None]
-        return min(starts) + PARTIAL_TIMEOUT if starts else None
+        starts = [
+            p.partial_since + PARTIAL_TIMEOUT for p in self.pipes if p.partial_since is not None
+        ]
+        return min(starts + [self.cut_until] * self.cutting.frozen, default=None)
 
     def serve_waiting_pulls(self) -> None:
         for w in sorted(self.waiting):
@@ -271,15 +278,32 @@ class ShardProcess:
     def turn(self, timeout: float | None) -> bool:
         """Handles what arrives within ``timeout`` seconds (None: waits for something)
         and cuts off incomplete messages that timed out; False when the shard must stop."""
-        for c in connection.wait([self.control, *self.pipes], timeout=timeout):
+        readable = [p for p in self.pipes if not self.held(p)]
+        for c in connection.wait([self.control, *readable], timeout=timeout):
             if c is self.control:
                 if not self.on_control():
                     self.answer()  # the pushes handled before the stop are answered
                     return False
-            elif c in self.pipes:  # else: departed while this batch was being handled
+            elif c in self.pipes and not self.held(c):  # else: departed, or a cut began
                 self.receive(c)
         self.expire_partial()
+        if self.cut_aimed and self.cutting.reached(self.shard):
+            state = self.shard.state_dict()
+            if self.cut_log[0]:  # the push log begins at the state the checkpoint holds
+                self.begin_log(*self.cut_log)
+            self.control.send_bytes(wire.state_reply(state))
+        elif not self.cutting.frozen or time.monotonic() < self.cut_until:
+            return True
+        else:
+            log.error("shard %d: no consistent cut within %g s; thawed", self.k, CUT_LIMIT)
+        self.cutting.thaw()
+        self.cut_aimed = False
         return True
+
+    def held(self, p: WorkerPipe) -> bool:
+        """Whether pipe ``p`` is not read now: under a cut, unless its next push is below its
+        target (a worker has one push in flight at most, so nothing past it is read)."""
+        return self.cutting.holds(p.worker, p.incarnation, int(self.shard.next_seq[p.worker]))
 
     def settle(self) -> None:
         """After a turn: the acks, the publish (:meth:`publish_due`; a gated shard whose
@@ -356,10 +380,13 @@ class ShardProcess:
         elif kind == "stats":
             c.send_bytes(wire.stats_reply(shard.stats.as_dict() | {"version": shard.version}))
         elif kind == "state":
-            state = shard.state_dict()
-            if msg[1]:
-                self.begin_log(msg[1], msg[2])
-            c.send_bytes(wire.state_reply(state))
+            c.send_bytes(wire.state_reply(shard.state_dict()))
+        elif kind == "cut" and msg[1] is None:  # frozen: each worker's (incarnation, pushes)
+            self.cut_until = time.monotonic() + CUT_LIMIT
+            c.send_bytes(wire.state_reply(self.cutting.freeze(shard)))
+        elif kind == "cut":
+            self.cutting.aim(msg[1])
+            self.cut_aimed, self.cut_log = True, msg[2:]
         elif kind == "load":  # a checkpoint, before any worker joins (resume)
             if self.pipes:
                 c.send_bytes(wire.loaded(None, "workers have joined; load before they do"))

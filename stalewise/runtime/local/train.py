@@ -506,9 +506,6 @@ class _Host:
     def pushes(self) -> int:
         return self.server.observer.job_pushes  # as the workers' budget counts them
 
-    def version(self) -> int:
-        return self.server.published_version()
-
     def stats(self, *, settled: bool = False) -> dict:
         return merge_stats(self._retrying(self.server.stats), settled=settled)
 
@@ -523,20 +520,19 @@ class _Host:
         return False  # the workers see it at their next step
 
     def snapshot(self, now: float, *, failure: bool = False) -> driver.Snapshot | None:
-        """Consistent per shard; across shards the states can differ by the pushes in
-        flight, which a resumed run loses (its workers are new incarnations)."""
+        """One consistent cut (:meth:`LocalServer.checkpoint_parts`); the pushes in flight
+        then are lost to a resumed run (its workers are new incarnations)."""
         server = self.server
         if failure and server.dead_shards():
             return None
 
         def take() -> driver.Snapshot:
             o = self.o  # the push logs begin at these states
-            states = server.state_dicts(log_dir=o.checkpoint_dir, fsync=o.checkpoint_fsync)
-            residuals = server.residuals()  # each worker's, as of its last committed push
+            states, step, residuals = server.checkpoint_parts(
+                log_dir=o.checkpoint_dir, fsync=o.checkpoint_fsync
+            )
             drawn = [int(n) for n in server.control[_drawn(self.o.workers)]]
-            step = {"pushes": server.observer.job_pushes, "time": now, "drawn": drawn}
-            step["logs"] = server.logs
-            return driver.Snapshot(states, step, residuals)
+            return driver.Snapshot(states, step | {"time": now, "drawn": drawn}, residuals)
 
         return take() if failure else self._retrying(take)
 

@@ -47,7 +47,7 @@ _PUSH, _PULL, _LEAVE = 0x01, 0x02, 0x03
 # shard -> worker (PULLED also to the parent)
 _ACK, _PULLED, _ERROR = 0x11, 0x12, 0x13
 # parent -> shard (PULL too: the observer's)
-_JOIN, _STATS, _STATE, _LOAD, _STOP = 0x21, 0x22, 0x23, 0x24, 0x25
+_JOIN, _STATS, _STATE, _LOAD, _STOP, _CUT = 0x21, 0x22, 0x23, 0x24, 0x25, 0x26
 # shard -> parent
 _READY, _JOINED, _STATS_REPLY, _STATE_REPLY, _LOADED, _STOPPED = 0x31, 0x32, 0x33, 0x34, 0x35, 0x36
 # worker -> parent (the result pipe), and parent -> worker
@@ -346,9 +346,8 @@ def stats() -> bytes:
     return _KIND.pack(_STATS)
 
 
-def state(log: str = "", fsync: bool = False) -> bytes:
-    """Asks for the shard's state; ``log``: the push log file it begins at that state."""
-    return _KIND.pack(_STATE) + bytes([fsync]) + log.encode()
+def state() -> bytes:
+    return _KIND.pack(_STATE)
 
 
 def load(state_dict: dict) -> bytes:
@@ -358,6 +357,13 @@ def load(state_dict: dict) -> bytes:
 
 def stop() -> bytes:
     return _KIND.pack(_STOP)
+
+
+def cut(targets: dict | None, log: str = "", fsync: bool = False) -> bytes:
+    """A consistent cut (:class:`~stalewise.protocol.delivery.Cut`): None freezes the shard,
+    which replies its progress; then ``targets``, and it replies its state once there and
+    begins the push ``log`` file at it (``fsync``: each turn's entries before its acks)."""
+    return _KIND.pack(_CUT) + _pickle((targets, log, fsync))
 
 
 def encode_control(msg: tuple) -> bytes:
@@ -372,8 +378,8 @@ def encode_control(msg: tuple) -> bytes:
         return join(msg[1], msg[2])
     if kind == "load" and len(msg) == 2:
         return load(msg[1])
-    if kind == "state" and len(msg) == 3:
-        return state(msg[1], msg[2])
+    if kind == "cut" and len(msg) == 4:
+        return cut(*msg[1:])
     simple = {"pull": pull, "stats": stats, "state": state, "stop": stop}
     if kind in simple and len(msg) == 1:
         return simple[kind]()
@@ -382,15 +388,16 @@ def encode_control(msg: tuple) -> bytes:
 
 def decode_control(body: bytes) -> tuple:
     """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
-    ``("stats",)``, ``("state", log, fsync)``, ``("load", state)`` (unpickled) or ``("stop",)``."""
+    ``("stats",)``, ``("state",)``, ``("load", state)``, ``("cut", targets, log, fsync)``
+    (unpickled) or ``("stop",)``."""
     kind = _kind_of(body)
     if kind == _JOIN and len(body) == _TWO.size:
         return ("join", *_TWO.unpack(body)[1:])
     if kind == _LOAD:
         return ("load", pickle.loads(body[_KIND.size :]))
-    if kind == _STATE and len(body) > _KIND.size:
-        return ("state", body[_KIND.size + 1 :].decode(), body[_KIND.size] == 1)
-    simple = {_PULL: "pull", _STATS: "stats", _STOP: "stop"}
+    if kind == _CUT:
+        return ("cut", *pickle.loads(body[_KIND.size :]))
+    simple = {_PULL: "pull", _STATS: "stats", _STATE: "state", _STOP: "stop"}
     if kind in simple and len(body) == _KIND.size:
         return (simple[kind],)
     raise WireError(f"a control message of unknown kind or size: 0x{kind:02x}, {len(body)} bytes")

@@ -339,10 +339,7 @@ class _Host:
         return 0.0 if self.t0 is None else time.perf_counter() - self.t0
 
     def pushes(self) -> int:
-        return self.tick[0]["handled"]
-
-    def version(self) -> int:
-        return (self.tick or self._stats())[0]["version"]
+        return (self.tick or self._stats())[0]["handled"]
 
     def stats(self, *, settled: bool = False) -> dict:
         if not settled:

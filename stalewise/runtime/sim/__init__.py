@@ -105,9 +105,6 @@ class _Host:
     def pushes(self) -> int:
         return self.state.pushes
 
-    def version(self) -> int:
-        return self.state.shards[0].version
-
     def stats(self, *, settled: bool = False) -> dict:
         return self.state.stats(settled=settled)
 
@@ -126,7 +123,8 @@ class _Host:
 
     def snapshot(self, now: float, *, failure: bool = False) -> driver.Snapshot:
         state = self.state
-        step = {"pushes": state.pushes, "time": state.now, "sim": state.checkpoint_state()}
+        sim = state.checkpoint_state()
+        step = {"pushes": sim["pushes"], "time": state.now, "sim": sim}
         return driver.Snapshot([s.state_dict() for s in state.shards], step, state.residuals())
 
     def budget_spent(self) -> bool:

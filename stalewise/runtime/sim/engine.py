@@ -603,9 +603,14 @@ class Simulation:
         """The simulator's own state for a checkpoint (JSON-able), beside the shards' states."""
         # a worker waiting for its restart is live: a resumed run restarts it at once
         dead = [wk.phase == _DEAD and not self.restarting(wk.id) for wk in self.workers]
+        in_flight = 0  # committed, not yet handled by every shard: lost to a resume
+        for wk in self.workers:
+            w, inc = wk.id, wk.inc
+            handled = min(int(s.next_seq[w]) if s.incarnation[w] == inc else 0 for s in self.shards)
+            in_flight += max(wk.sender.seq - handled, 0)
         return {
             "now": self.now,
-            "pushes": self.pushes,
+            "pushes": self.pushes - in_flight,  # as budget.held counts them
             "quiescent": not self.queued
             and all(wk.phase in (_DONE, _DEAD) for wk in self.workers)
             and not any(map(self.restarting, range(self.P))),
