@@ -521,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_replay(args: argparse.Namespace) -> int:
     import hashlib
 
-    from stalewise import config
+    from stalewise import checkpoint, config
     from stalewise.checkpoint import replay
 
     cfg = config.load(args.config)
@@ -539,7 +539,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         save_file(leaves, args.out)
         print(f"params: {args.out}")
     if args.check:
-        newest = replay.load(root)
+        newest = checkpoint.load(root)
         leaf = replay.first_difference(flat, newest)
         print(
             f"{'identical to' if leaf is None else f'leaf {leaf!r} differs from'} {newest.path.name}"

@@ -114,6 +114,18 @@ def test_the_mode_and_paces_survive_a_state_dict_round_trip():
     del t
 
 
+def test_a_resumed_shard_measures_no_pace_against_the_stopped_process_clock():
+    shard = make_shard()
+    shard.pull(0, now=1000.0)  # a pull the stopped process's clock timed
+    other = make_shard()
+    other.load_state_dict(shard.state_dict())
+    other.resume()  # a new process: its clock starts near 0
+    other.push(PushHeader(0, 0, 0, 1), np.ones(2, np.float32), now=2.0)
+    assert np.isnan(other._pace.pace[0])  # not measured (was 0.0: 2.0 - 1000.0, clipped)
+    shard.push(PushHeader(0, 0, 0, 1), np.ones(2, np.float32), now=1001.5)
+    assert shard._pace.pace[0] == 1.5  # the live shard still measures it
+
+
 def train(consistency, sim: SimConfig, steps: int = 600, lr: float = 0.1, **kw):
     task = tasks.get("digits", hidden=32)
     job = sw.Job(

@@ -40,7 +40,7 @@ def replay(directory: str | os.PathLike, config: Any, start: str | None = None) 
         limit = 2 * shard.params.nbytes + (1 << 20)  # a payload as sent, a codec's or not
         folder, n = ckpt.path.parent, int(n)
         while os.path.lexists(folder / (name := f"{chain}-{n:06d}")):
-            fd, _ = open_file(folder, name)
+            fd, _ = open_file(folder, name, folder_may_be_a_link=True)  # as `latest`
             where, last = str(folder / name), not os.path.lexists(folder / f"{chain}-{n + 1:06d}")
             with os.fdopen(fd, "rb") as f:
                 try:

@@ -88,8 +88,8 @@ def save(
 ) -> Path:
     """Writes one checkpoint atomically; returns its folder. Keeps the newest ``keep``.
 
-    Its folder is ``ckpt-<step_info["pushes"]>``; one of those pushes replaces it. ``residuals``: each
-    worker's error-feedback residual (worker ``w``'s at index ``w``; None: none);
+    Its folder is ``ckpt-<step_info["pushes"]>``; a checkpoint at the same pushes replaces it.
+    ``residuals``: each worker's error-feedback residual (worker ``w``'s at index ``w``; None: none);
     ``ranks``: each rank's state (see :func:`flat_state`)."""
     if not shard_states:
         raise ValueError("save: no shard states")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import inspect
 import io
+import itertools
 import json
 import logging
 import math
@@ -172,7 +173,7 @@ def read(
     Raises:
         LogError: one line naming ``where``, the entry, its byte offset and the bad field."""
     offset = 0
-    for i in range(2**62):
+    for i in itertools.count():
         at = f"{where}: entry {i} at byte {offset}"
         prefix = stream.read(_PREFIX.size)
         if not prefix:

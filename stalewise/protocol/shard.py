@@ -365,8 +365,11 @@ class Shard:
     @pushlog.journaled
     def resume(self) -> None:
         """Marks the loaded state as a stopped job's: each counted worker's next incarnation
-        takes its saved seat (clock and BSP round) without departing it first."""
+        takes its saved seat (clock and BSP round) without departing it first; the pull
+        times the hybrid pace waits on were another process's clock's."""
         np.copyto(self._resumed, self.live)
+        if self._pace is not None:
+            self._pace.load(self._pace.state())
 
     @pushlog.journaled
     def admit(self, worker: int, incarnation: int) -> None:
