@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,9 @@ from stalewise.launch.progress import Progress, end_lines, pushes_of
 from stalewise.launch.ranks import failure, rank_env, room
 from stalewise.runtime.base import THREAD_VARS
 from stalewise.runtime.errors import BudgetSpent
+from stalewise.runtime.logs import child_logging
 from stalewise.runtime.ray import cluster_address, connect, import_ray
+from stalewise.runtime.ray.client import attach
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +168,6 @@ class ScriptWorker:
     ) -> dict:
         """Runs the script as ``__main__`` as rank ``rank``; returns ``node``, ``refused``
         (pushes past the budget) and ``failed`` (its error's line, or None)."""
-        from stalewise.runtime.logs import child_logging
-        from stalewise.runtime.ray.client import attach
-
         child_logging(f"rank {rank}")
         client = attach(name, worker=rank)
         ctx = Context(rank, world, client, steps=steps, _barrier=_Barrier(client._door, world))
@@ -203,8 +203,6 @@ class ScriptWorker:
 def serve_workers(job: Any, launch: Any) -> int:
     """Serves ``job`` on Ray and runs ``launch.workers`` ranks of ``launch.script``;
     returns the exit status (1 if a rank failed, named on stderr)."""
-    import uuid
-
     script, argv, workers = launch.script, launch.argv, launch.workers
     steps, timeout = launch.steps, launch.timeout
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # Ray folds lines that differ in numbers
@@ -234,27 +232,16 @@ def serve_workers(job: Any, launch: Any) -> int:
         source = Path(script).read_text()
         name = launch.name or f"run-{uuid.uuid4().hex[:8]}"
         with job.serve(runtime="ray", workers=room(launch), name=name) as server:
-            remote = ray.remote(ScriptWorker)
-            actors = [
-                remote.options(
-                    num_cpus=1,
-                    max_restarts=0,
-                    scheduling_strategy="SPREAD",
-                    runtime_env={"env_vars": env},
-                ).remote(rank)
-                for rank in range(workers)
-            ]
+            spread = {"num_cpus": 1, "max_restarts": 0, "scheduling_strategy": "SPREAD"}
+            remote = ray.remote(ScriptWorker).options(runtime_env={"env_vars": env}, **spread)
+            actors = [remote.remote(rank) for rank in range(workers)]
             where = ray.get([a.node.remote() for a in actors])
-            local = [
-                (where[:rank].count(node), where.count(node)) for rank, node in enumerate(where)
-            ]
             script, cwd = str(Path(script).resolve()), os.getcwd()
-            refs = {
-                a.run.remote(
-                    script, source, argv, name, rank, workers, steps, local[rank], cwd
-                ): rank
-                for rank, a in enumerate(actors)
-            }
+            refs = {}
+            for rank, (a, node) in enumerate(zip(actors, where, strict=True)):
+                local = (where[:rank].count(node), where.count(node))  # LOCAL_RANK, ..._WORLD_SIZE
+                args = (script, source, argv, name, rank, workers, steps, local, cwd)
+                refs[a.run.remote(*args)] = rank
             log.info("stalewise run: %d workers started on Ray (job %r)", workers, name)
             nodes = set(where)
             pending = list(refs)

@@ -16,12 +16,8 @@ __all__ = ["cluster_address", "connect"]
 
 
 def connect(address: str | None = None, **init_kwargs: Any) -> bool:
-    """Connects this process to Ray unless it already is; True if this call connected.
-
-    ``address``: ``"HOST:PORT"``, ``"ray://HOST:PORT"``, ``"auto"``, ``"local"`` (a new
-    local instance) or None (:func:`cluster_address`); ``init_kwargs`` go to ``ray.init``.
-    Raises ImportError without Ray, ConnectionError if no cluster of yours is there.
-    """
+    """Connects this process to Ray at ``address`` (:func:`cluster_address`) unless it already
+    is; True if this call connected. ConnectionError if no cluster of yours is there."""
     ray = import_ray()
     if ray.is_initialized():
         return False

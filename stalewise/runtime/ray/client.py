@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 
 from stalewise.protocol import PushResult, ServerConfig, budget, pipeline
+from stalewise.runtime.attach import AttachError
 from stalewise.runtime.base import PullsIntoTrees
 from stalewise.runtime.errors import BudgetSpent, ServerClosed, ShardError
-from stalewise.runtime.ray import import_ray
+from stalewise.runtime.ray import connect, import_ray
 from stalewise.runtime.ray.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -269,9 +270,6 @@ class RayClient(PullsIntoTrees):
 def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0) -> RayClient:
     """A client for a worker of the job served on Ray as ``name``, connecting first if
     needed (``RAY_ADDRESS``, else ``"auto"``); AttachError if no such job or refused."""
-    from stalewise.runtime.attach import AttachError
-    from stalewise.runtime.ray import connect
-
     ray = import_ray()
     # a cluster to join, never a new instance of its own (it would serve no job)
     address = os.environ.get("RAY_ADDRESS")

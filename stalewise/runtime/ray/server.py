@@ -17,9 +17,11 @@ import numpy as np
 from stalewise import tree
 from stalewise.protocol import ServerConfig
 from stalewise.protocol.pipeline import PUBLISH_EVERY
+from stalewise.runtime.attach import check_name
 from stalewise.runtime.base import worker_range
+from stalewise.runtime.logs import child_logging
 from stalewise.runtime.ray import cluster, connect, import_ray
-from stalewise.runtime.ray.client import NAMESPACE, RayClient, door_name
+from stalewise.runtime.ray.client import NAMESPACE, RayClient, attach, door_name
 from stalewise.runtime.ray.shard import ShardActor
 
 log = logging.getLogger(__name__)
@@ -41,8 +43,6 @@ class Door:
         expected: int,
         join_timeout: float,
     ):
-        from stalewise.runtime.logs import child_logging
-
         child_logging(f"door {name}")
         self.name, self.config, self.shards = name, config, list(shards)
         self.workers, self.expected = workers, expected
@@ -184,8 +184,6 @@ class RayServer:
         name: str | None = None,
         start_timeout: float = 120.0,
     ):
-        from stalewise.runtime.attach import check_name
-
         if config.pull_codec is not None:
             raise ValueError(
                 "pull_codec: a job served on Ray sends full pulls; delta pulls are for "
@@ -238,8 +236,6 @@ class RayServer:
 
     def client(self, worker: int | None = None) -> RayClient:
         """:func:`sw.attach(name) <stalewise.attach>` in this process."""
-        from stalewise.runtime.ray.client import attach
-
         return attach(self.name, worker=worker, timeout=self.timeout)
 
     def release(self, worker: int) -> None:
