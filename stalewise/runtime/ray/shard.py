@@ -226,12 +226,10 @@ class ShardActor:
         ``("stop",)``, ``("moved", newer inc)`` or ``("gone",)``."""
         await self.opened.wait()
         shard = self.shard
-        while True:
-            if (end := self._ended(w, inc)) is not None:
-                return end
-            if shard.may_serve(w, inc, pushed):
-                break
+        while (end := self._ended(w, inc)) is None and not shard.may_serve(w, inc, pushed):
             await self._changed()
+        if end is not None:
+            return end
         if self.pulls is not None:
             return ("ok", *self._delta(w, have), self.handled, int(shard.clocks[w]))
         version, ref = self._publish(exact=self.exact or self.pub.version < fresh)
