@@ -139,8 +139,8 @@ RULES: dict[str, dict[str, list[str]]] = {
         "WorkerActor._newest": [
             "if self.moved_to > self.inc:",
         ],
-        "WorkerActor._whole": ["return all(s is not None for s in self.latest)"],
-        "WorkerActor._holds_own": [
+        "WorkerActor._whole": [
+            "if any(s is None for s in self.latest):",
             "if self.settled is None or self.settled[0] != self.inc:",
             "return all(s[0] >= v",
         ],

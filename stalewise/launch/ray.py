@@ -1,13 +1,7 @@
 """``stalewise run --runtime ray``: a script you own, once per worker, as Ray actors.
 
-At :func:`stalewise.init` the launcher connects to Ray
-(:func:`stalewise.runtime.ray.connect`), says on stderr which cluster and which
-environment variables each rank gets (:func:`shipped_env`), serves the job and
-starts one :class:`ScriptWorker` actor per rank (spread, one CPU each), which
-attaches as worker ``rank``, sets torchrun's variables and runs the script as
-``__main__``. The ranks start together (a rendezvous at the job's door); their
-output reaches the launcher's stdout labelled ``(rank R pid=...)``. ``docs/ray.md``
-tells the whole of it.
+The launcher serves the job and starts one :class:`ScriptWorker` actor per rank, which
+attaches as worker ``rank`` and runs the script as ``__main__``; ``docs/ray.md`` tells more.
 """
 
 from __future__ import annotations
@@ -21,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +25,9 @@ from stalewise.launch.progress import Progress, end_lines, pushes_of
 from stalewise.launch.ranks import failure, rank_env, room
 from stalewise.runtime.base import THREAD_VARS
 from stalewise.runtime.errors import BudgetSpent
+from stalewise.runtime.logs import child_logging
 from stalewise.runtime.ray import cluster_address, connect, import_ray
+from stalewise.runtime.ray.client import attach
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +140,6 @@ class _Barrier:
             raise threading.BrokenBarrierError
 
 
-def quiet_driver() -> None:
-    """Before the launcher imports Ray, unless set: ``RAY_DEDUP_LOGS=0`` (Ray folds lines
-    that differ only in numbers) and, off a terminal, ``RAY_COLOR_PREFIX=0`` (no colours)."""
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    if not (sys.stdout.isatty() and sys.stderr.isatty()):
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-
-
 class ScriptWorker:
     """One rank of a launched script, as a Ray actor."""
 
@@ -177,14 +166,8 @@ class ScriptWorker:
         local: tuple[int, int] = (0, 1),
         cwd: str | None = None,
     ) -> dict:
-        """Runs the script as ``__main__`` as rank ``rank`` (``local``: ``LOCAL_RANK``,
-        ``LOCAL_WORLD_SIZE``; ``cwd``: entered if it exists here); returns ``node``,
-        ``refused`` (pushes past the budget) and ``failed`` (its error's line, or None)."""
-        import ray
-
-        from stalewise.runtime.logs import child_logging
-        from stalewise.runtime.ray.client import attach
-
+        """Runs the script as ``__main__`` as rank ``rank``; returns ``node``, ``refused``
+        (pushes past the budget) and ``failed`` (its error's line, or None)."""
         child_logging(f"rank {rank}")
         client = attach(name, worker=rank)
         ctx = Context(rank, world, client, steps=steps, _barrier=_Barrier(client._door, world))
@@ -214,25 +197,31 @@ class ScriptWorker:
             if ctx.client is not None:  # the script did not close it
                 with contextlib.suppress(Exception):
                     ctx.close()
-        node = ray.get_runtime_context().get_node_id()
-        return {"node": node, "refused": ctx.refused, "failed": failed}
+        return {"node": self.node(), "refused": ctx.refused, "failed": failed}
 
 
 def serve_workers(job: Any, launch: Any) -> int:
     """Serves ``job`` on Ray and runs ``launch.workers`` ranks of ``launch.script``;
     returns the exit status (1 if a rank failed, named on stderr)."""
-    import uuid
-
     script, argv, workers = launch.script, launch.argv, launch.workers
     steps, timeout = launch.steps, launch.timeout
-    quiet_driver()
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # Ray folds lines that differ in numbers
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no colour codes into files
     ray = import_ray()
     address = cluster_address(launch.address)
     env = {**{k: "1" for k in THREAD_VARS}, **shipped_env(launch.env, launch.env_all)}
     if address == "local":  # Ray's processes, started here, die with the launcher
         reap_with_me()
     started = connect(address)
-    _say_cluster(ray, address, started)
+    if not started:
+        what = "the instance this process was already connected to"
+    elif address == "local":
+        what = "a new local instance; --address or RAY_ADDRESS to join a cluster"
+    else:
+        what = f"an existing cluster, --address/RAY_ADDRESS {address}"
+    at = getattr(ray.get_runtime_context(), "gcs_address", address)  # older Ray: as asked
+    print(f"stalewise run: Ray cluster at {at} ({what})", file=sys.stderr, flush=True)
     print(f"stalewise run: each rank gets {', '.join(sorted(env))} from this environment "
           "(--env NAME for more)", file=sys.stderr, flush=True)  # fmt: skip
     actors: list = []
@@ -243,27 +232,16 @@ def serve_workers(job: Any, launch: Any) -> int:
         source = Path(script).read_text()
         name = launch.name or f"run-{uuid.uuid4().hex[:8]}"
         with job.serve(runtime="ray", workers=room(launch), name=name) as server:
-            remote = ray.remote(ScriptWorker)
-            actors = [
-                remote.options(
-                    num_cpus=1,
-                    max_restarts=0,
-                    scheduling_strategy="SPREAD",
-                    runtime_env={"env_vars": env},
-                ).remote(rank)
-                for rank in range(workers)
-            ]
+            spread = {"num_cpus": 1, "max_restarts": 0, "scheduling_strategy": "SPREAD"}
+            remote = ray.remote(ScriptWorker).options(runtime_env={"env_vars": env}, **spread)
+            actors = [remote.remote(rank) for rank in range(workers)]
             where = ray.get([a.node.remote() for a in actors])
-            local = [
-                (where[:rank].count(node), where.count(node)) for rank, node in enumerate(where)
-            ]
             script, cwd = str(Path(script).resolve()), os.getcwd()
-            refs = {
-                a.run.remote(
-                    script, source, argv, name, rank, workers, steps, local[rank], cwd
-                ): rank
-                for rank, a in enumerate(actors)
-            }
+            refs = {}
+            for rank, (a, node) in enumerate(zip(actors, where, strict=True)):
+                local = (where[:rank].count(node), where.count(node))  # LOCAL_RANK, ..._WORLD_SIZE
+                args = (script, source, argv, name, rank, workers, steps, local, cwd)
+                refs[a.run.remote(*args)] = rank
             log.info("stalewise run: %d workers started on Ray (job %r)", workers, name)
             nodes = set(where)
             pending = list(refs)
@@ -274,24 +252,21 @@ def serve_workers(job: Any, launch: Any) -> int:
                 if progress.every:
                     left = progress.every if left is None else min(left, progress.every)
                 done, pending = ray.wait(pending, num_returns=1, timeout=left)
-                if not done:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        failed.append(f"timed out after {timeout} s")
-                        lost += len(pending)
-                        break
-                    progress.tick(time.monotonic(), server.job_pushes, len(pending))
-                    continue
-                rank = refs[done[0]]
-                try:
-                    got = ray.get(done[0])
-                    refused += got["refused"]
-                    why = got["failed"]
-                except ray.exceptions.RayError as e:
-                    why = f"rank {rank} failed ({_cause(e)})"
-                if why is not None:
-                    failed.append(why)
-                    lost += 1
-                    ray.get(server.door.abort.remote())  # the others start without it
+                if not done and deadline is not None and time.monotonic() >= deadline:
+                    failed.append(f"timed out after {timeout} s")
+                    lost += len(pending)
+                    break
+                for ref in done:
+                    try:
+                        got = ray.get(ref)
+                        refused += got["refused"]
+                        why = got["failed"]
+                    except ray.exceptions.RayError as e:
+                        why = f"rank {refs[ref]} failed ({_cause(e)})"
+                    if why is not None:
+                        failed.append(why)
+                        lost += 1
+                        ray.get(server.door.abort.remote())  # the others start without it
                 progress.tick(time.monotonic(), server.job_pushes, len(pending))
             pushes = pushes_of(server)
     finally:
@@ -303,21 +278,6 @@ def serve_workers(job: Any, launch: Any) -> int:
         print(f"stalewise run: {line}", file=sys.stderr)
     end_lines(workers, lost, pushes, steps, refused, where=f" on {len(nodes)} Ray node(s)")
     return 1 if failed else 0
-
-
-def _say_cluster(ray: Any, address: str, started: bool) -> None:
-    """Says on stderr which Ray cluster the launcher connected to."""
-    try:
-        at = ray.get_runtime_context().gcs_address
-    except Exception:  # an older Ray: the address asked for
-        at = address
-    if not started:
-        what = "the instance this process was already connected to"
-    elif address == "local":
-        what = "a new local instance; --address or RAY_ADDRESS to join a cluster"
-    else:
-        what = f"an existing cluster, --address/RAY_ADDRESS {address}"
-    print(f"stalewise run: Ray cluster at {at} ({what})", file=sys.stderr, flush=True)
 
 
 def _cause(e: Exception) -> str:

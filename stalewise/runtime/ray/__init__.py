@@ -1,15 +1,7 @@
 """The Ray runtime: the job's shards and workers as Ray actors, on one machine or a cluster.
 
-``job.train(..., runtime="ray")`` hosts the same protocol objects as the local
-runtime: each shard a :class:`~stalewise.runtime.ray.shard.ShardActor`, each worker
-a :class:`~stalewise.runtime.ray.worker.WorkerActor` running the one worker loop,
-and this process the driver (:mod:`~stalewise.runtime.ray.train`).
-``job.serve(runtime="ray", name=...)`` serves the shards for a loop you own and
-``sw.attach(name)`` attaches from any driver, task or actor
-(:mod:`~stalewise.runtime.ray.server`, :mod:`~stalewise.runtime.ray.client`).
-It runs on the Ray instance this process is connected to, else on
-:func:`cluster_address`'s. ``import stalewise`` does not import Ray; the rest is in
-``docs/ray.md``.
+It runs on the Ray instance this process is connected to, else on :func:`cluster_address`'s.
+``import stalewise`` does not import Ray; the rest is in ``docs/ray.md``.
 """
 
 from __future__ import annotations
@@ -24,18 +16,8 @@ __all__ = ["cluster_address", "connect"]
 
 
 def connect(address: str | None = None, **init_kwargs: Any) -> bool:
-    """Connects this process to Ray unless it already is; True if this call connected.
-
-    Args:
-        address: ``"HOST:PORT"`` of a head node, ``"ray://HOST:PORT"`` (Ray Client),
-            ``"auto"``, ``"local"`` (a new local instance) or None (see
-            :func:`cluster_address`).
-        **init_kwargs: more arguments of ``ray.init`` (``num_cpus``, ...).
-
-    Raises:
-        ImportError: Ray is not installed.
-        ConnectionError: no cluster at ``address``, or "auto" and no cluster of yours.
-    """
+    """Connects this process to Ray at ``address`` (:func:`cluster_address`) unless it already
+    is; True if this call connected. ConnectionError if no cluster of yours is there."""
     ray = import_ray()
     if ray.is_initialized():
         return False
@@ -44,10 +26,8 @@ def connect(address: str | None = None, **init_kwargs: Any) -> bool:
 
 
 def cluster_address(address: str | None = None) -> str:
-    """Where :func:`connect` goes: ``address``, else ``RAY_ADDRESS``, else ``"local"`` (a
-    new local instance); never Ray's default, the machine-wide record of the last
-    cluster. ``"auto"`` is that record's address, only if the file is yours.
-    """
+    """Where :func:`connect` goes: ``address``, else ``RAY_ADDRESS``, else ``"local"``;
+    ``"auto"`` is Ray's record of the last cluster, only if the file is yours."""
     address = address or os.environ.get("RAY_ADDRESS") or "local"
     if address != "auto":
         return address
@@ -90,7 +70,4 @@ def serves(name: str) -> str | None:
         return None
     if os.environ.get("RAY_ADDRESS") not in (None, "", "local"):  # "local": a new one
         return None
-    return (
-        "this process is not connected to Ray (ray.init() or RAY_ADDRESS, for a job served "
-        "on a Ray cluster)"
-    )
+    return "this process is not connected to Ray (ray.init() or RAY_ADDRESS names a cluster)"

@@ -1,16 +1,7 @@
 """A loop you own, on Ray: a client of a served job's shard actors, attached by name.
 
-``job.serve(runtime="ray", workers=(1, 8), name="gpt")`` starts the job's shard
-actors and a *door* actor, named in the ``stalewise`` namespace
-(:mod:`stalewise.runtime.ray.server`); any driver, task or actor of the cluster
-then calls ``sw.attach("gpt")`` (:func:`attach`): the door chooses the worker id
-and a new incarnation of it, every shard admits it (a late joiner at the slowest
-live clock, :attr:`RayClient.joined_at`), and the client gets the shards' handles.
-
-:class:`RayClient` has the local runtime's client's calls and meaning, one push in
-flight. :meth:`~RayClient.close`, or the death of the attaching process (a *lease*
-actor it owns dies with it), has the door apply the commit rule
-(:func:`stalewise.runtime.ray.cluster.depart`) and free the worker id.
+:func:`attach` (``sw.attach(name)``) asks the job's door for a worker id; :class:`RayClient`
+has the local runtime's client's calls, one push in flight. ``docs/ray.md`` tells the rest.
 """
 
 from __future__ import annotations
@@ -23,9 +14,10 @@ from typing import Any
 import numpy as np
 
 from stalewise.protocol import PushResult, ServerConfig, budget, pipeline
+from stalewise.runtime.attach import AttachError
 from stalewise.runtime.base import PullsIntoTrees
 from stalewise.runtime.errors import BudgetSpent, ServerClosed, ShardError
-from stalewise.runtime.ray import import_ray
+from stalewise.runtime.ray import connect, import_ray
 from stalewise.runtime.ray.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -49,19 +41,12 @@ class Lease:
 
 class RayClient(PullsIntoTrees):
     """One incarnation of a worker id of a job served on Ray, made by :func:`attach`; for
-    one thread. Every blocking call takes a ``timeout`` in seconds."""
+    one thread."""
 
-    #: the job's budget of pushes this client refuses to pass at commit (None: none; see
-    #: :meth:`may_begin`), checked when set
+    #: the job's budget of pushes this client refuses to pass at commit (None: none)
     budget = budget.Budget()
 
-    def __init__(
-        self,
-        name: str,
-        door: Any,
-        lease: Any,
-        info: dict,
-    ):
+    def __init__(self, name: str, door: Any, lease: Any, info: dict):
         self.name = name
         self.worker: int = info["worker"]
         self.incarnation: int = info["incarnation"]
@@ -104,8 +89,7 @@ class RayClient(PullsIntoTrees):
 
     def may_begin(self, steps: int) -> bool:
         """Whether this worker may begin another step of a job of ``steps`` pushes (the
-        budget rule, :mod:`stalewise.protocol.budget`; up to ``workers - 1`` pushes may
-        go beyond ``steps``). A yes lets the next push past :attr:`budget`'s check."""
+        budget rule); a yes lets the next push past :attr:`budget`'s check."""
         self._granted = self._may_begin(steps)
         return self._granted
 
@@ -132,11 +116,8 @@ class RayClient(PullsIntoTrees):
         return self._stopping
 
     def _count(self) -> None:
-        ray = import_ray()
-        try:
-            handled, stopped, round_ = ray.get(self._shards[0].count.remote(), timeout=CLOSE_WAIT)
-        except ray.exceptions.RayActorError:
-            raise ShardError(f"job {self.name!r}: shard 0's actor died") from None
+        ask = [self._shards[0].count.remote()]
+        handled, stopped, round_ = self._get(ask, CLOSE_WAIT, "count")[0]
         self._handled = max(self._handled, int(handled))
         self._shard_round = max(self._shard_round, int(round_))
         self._stopping = self._stopping or bool(stopped)
@@ -176,9 +157,8 @@ class RayClient(PullsIntoTrees):
     # -- pushes -----------------------------------------------------------------------
 
     def push(self, update: Any, loss: float = math.nan) -> None:
-        """Commits ``update`` (the job's structure) and sends it; returns at once (its acks
-        are read by :meth:`wait` or the next pull or push). ``loss`` is recorded by the
-        shards. Raises BudgetSpent past :attr:`budget`."""
+        """Commits ``update`` and sends it; returns at once. Raises BudgetSpent past
+        :attr:`budget`."""
         self._check_open()
         loss = self._loss if math.isnan(loss) else loss
         self.wait()  # one push in flight: the next waits for the last one's acks
@@ -232,8 +212,7 @@ class RayClient(PullsIntoTrees):
     # -- leaving ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leaves the job (the last push on every shard or on none) and frees the worker
-        id; idempotent."""
+        """Leaves the job and frees the worker id; idempotent."""
         ray = import_ray()
         if self._door is None:
             return
@@ -290,14 +269,7 @@ class RayClient(PullsIntoTrees):
 
 def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0) -> RayClient:
     """A client for a worker of the job served on Ray as ``name``, connecting first if
-    needed (``RAY_ADDRESS``, else ``"auto"``, :func:`~stalewise.runtime.ray.cluster_address`).
-
-    Raises:
-        AttachError: no job of that name is served on the cluster, or the door refused.
-    """
-    from stalewise.runtime.attach import AttachError
-    from stalewise.runtime.ray import connect
-
+    needed (``RAY_ADDRESS``, else ``"auto"``); AttachError if no such job or refused."""
     ray = import_ray()
     # a cluster to join, never a new instance of its own (it would serve no job)
     address = os.environ.get("RAY_ADDRESS")
@@ -319,14 +291,12 @@ def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0
     lease = ray.remote(Lease).options(num_cpus=0, max_restarts=0, scheduling_strategy=here).remote()
     try:
         info = ray.get(door.attach.remote(worker, lease), timeout=timeout)
+        return RayClient(name, door, lease, info)
     except ray.exceptions.GetTimeoutError:
-        ray.kill(lease)
-        raise AttachError(f"job {name!r}: no answer from its door within {timeout} s") from None
+        why = f"no answer from its door within {timeout} s"
     except ray.exceptions.RayTaskError as e:
-        ray.kill(lease)
-        cause = e.cause if e.cause is not None else e
-        raise AttachError(f"job {name!r}: {cause}") from None
+        why = e.cause if e.cause is not None else e
     except ray.exceptions.RayActorError:
-        ray.kill(lease)
-        raise AttachError(f"job {name!r}: its door is gone (the job ended)") from None
-    return RayClient(name, door, lease, info)
+        why = "its door is gone (the job ended)"
+    ray.kill(lease)
+    raise AttachError(f"job {name!r}: {why}") from None

@@ -1,19 +1,7 @@
 """``job.serve(runtime="ray")``: a job's shard actors for loops you own, and its door.
 
-:class:`RayServer` (the ``"ray"`` runtime's server, :func:`stalewise.runtime.server`)
-connects to Ray (:func:`stalewise.runtime.ray.connect`), starts one
-:class:`~stalewise.runtime.ray.shard.ShardActor` per shard, spread over the nodes,
-and a :class:`Door` actor, all named after the job (``stalewise:NAME`` and
-``stalewise:NAME:shard-K`` in the ``stalewise`` namespace), so that any driver,
-task or actor of the cluster attaches by the name
-(:func:`stalewise.runtime.ray.client.attach`, ``sw.attach(NAME)``).
-
-``workers=(min, max)``: room for ``max`` worker ids, the first ``min`` counted by
-the gates from the start (until ``join_timeout``), the others once they join. The
-door gives out worker ids and incarnations and takes them back through the commit
-rule when a client closes or its process dies. A served job has no backups: a shard
-actor that dies is a :class:`~stalewise.runtime.errors.ShardError` for every client.
-Every actor ends with the serving process, or with :meth:`RayServer.close`.
+:class:`RayServer` starts the shard actors and a :class:`Door` actor, named after the job
+in the ``stalewise`` namespace, for ``sw.attach(NAME)``. ``docs/ray.md`` tells the rest.
 """
 
 from __future__ import annotations
@@ -29,9 +17,11 @@ import numpy as np
 from stalewise import tree
 from stalewise.protocol import ServerConfig
 from stalewise.protocol.pipeline import PUBLISH_EVERY
+from stalewise.runtime.attach import check_name
 from stalewise.runtime.base import worker_range
+from stalewise.runtime.logs import child_logging
 from stalewise.runtime.ray import cluster, connect, import_ray
-from stalewise.runtime.ray.client import NAMESPACE, RayClient, door_name
+from stalewise.runtime.ray.client import NAMESPACE, RayClient, attach, door_name
 from stalewise.runtime.ray.shard import ShardActor
 
 log = logging.getLogger(__name__)
@@ -53,8 +43,6 @@ class Door:
         expected: int,
         join_timeout: float,
     ):
-        from stalewise.runtime.logs import child_logging
-
         child_logging(f"door {name}")
         self.name, self.config, self.shards = name, config, list(shards)
         self.workers, self.expected = workers, expected
@@ -80,15 +68,11 @@ class Door:
     def _expire(self, join_timeout: float) -> None:
         import ray
 
-        gone = ray.get([s.expire_unstarted.remote() for s in self.shards])
-        if gone[0]:
-            log.warning(
-                "job %r: worker(s) %s did not join within join_timeout=%g s; the gates stop "
-                "waiting for them",
-                self.name,
-                ", ".join(map(str, gone[0])),
-                join_timeout,
-            )
+        gone = ray.get([s.expire_unstarted.remote() for s in self.shards])[0]
+        if gone:
+            why = "did not join within join_timeout=%g s; the gates stop waiting for them"
+            ids = ", ".join(map(str, gone))
+            log.warning("job %r: worker(s) %s " + why, self.name, ids, join_timeout)
 
     def attach(self, want: int | None, lease: Any) -> dict:
         """Admits a new incarnation of ``want`` (None: the lowest free id); its client's parts."""
@@ -200,8 +184,6 @@ class RayServer:
         name: str | None = None,
         start_timeout: float = 120.0,
     ):
-        from stalewise.runtime.attach import check_name
-
         if config.pull_codec is not None:
             raise ValueError(
                 "pull_codec: a job served on Ray sends full pulls; delta pulls are for "
@@ -227,39 +209,23 @@ class RayServer:
             raise
 
     def _start(self, join_timeout: float) -> None:
-        ray, config = self.ray, self.config
+        ray, config, name = self.ray, self.config, door_name(self.name)
         small = dataclasses.replace(config, init=config.init[:0])  # init goes with load()
-        actor = ray.remote(ShardActor)
+        named = {"namespace": NAMESPACE, "num_cpus": 0, "max_restarts": 0}
+        shard = ray.remote(ShardActor)
         self.shards = [
-            actor.options(
-                name=f"{door_name(self.name)}:shard-{k}",
-                namespace=NAMESPACE,
-                num_cpus=0,
-                max_restarts=0,
-                scheduling_strategy="SPREAD",
-            ).remote(small, k, self.workers, PUBLISH_EVERY, self.expected)
+            shard.options(name=f"{name}:shard-{k}", scheduling_strategy="SPREAD", **named).remote(
+                small, k, self.workers, PUBLISH_EVERY, self.expected
+            )
             for k in range(config.shards)
         ]
-        info = ray.get([s.ready.remote() for s in self.shards], timeout=self.timeout)
-        self.nodes = [i["node"] for i in info]
-        ray.get(
-            [
-                s.load.remote(None, 0, {}, [], init=config.init[lo:hi])
-                for s, (lo, hi) in zip(self.shards, config.ranges, strict=True)
-            ],
-            timeout=self.timeout,
-        )
-        self.door = (
-            ray.remote(Door)
-            .options(
-                name=door_name(self.name),
-                namespace=NAMESPACE,
-                num_cpus=0,
-                max_restarts=0,
-                max_concurrency=DOOR_THREADS,
-            )
-            .remote(self.name, small, self.shards, self.workers, self.expected, join_timeout)
-        )
+        ray.get([s.ready.remote() for s in self.shards], timeout=self.timeout)
+        inits = [config.init[lo:hi] for lo, hi in config.ranges]
+        loads = [s.load.remote(None, 0, {}, [], init=inits[k]) for k, s in enumerate(self.shards)]
+        ray.get(loads, timeout=self.timeout)
+        door = ray.remote(Door).options(name=name, max_concurrency=DOOR_THREADS, **named)
+        args = (self.name, small, self.shards, self.workers, self.expected, join_timeout)
+        self.door = door.remote(*args)
         ray.get(self.door.ready.remote(), timeout=self.timeout)
 
     def __enter__(self) -> RayServer:
@@ -270,8 +236,6 @@ class RayServer:
 
     def client(self, worker: int | None = None) -> RayClient:
         """:func:`sw.attach(name) <stalewise.attach>` in this process."""
-        from stalewise.runtime.ray.client import attach
-
         return attach(self.name, worker=worker, timeout=self.timeout)
 
     def release(self, worker: int) -> None:

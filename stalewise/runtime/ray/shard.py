@@ -1,15 +1,7 @@
 """A parameter-server shard as a Ray actor: one protocol :class:`~stalewise.protocol.Shard`.
 
-:class:`ShardActor` is an asyncio actor: Ray runs its methods on one event loop
-thread, one at a time between ``await`` points, the threading contract of
-:class:`~stalewise.protocol.Shard`; it moves pushes and pulls and decides no rule.
-Its slice goes into the object store once per version. Gated pulls (:meth:`pull`)
-wait until :meth:`Shard.may_serve <stalewise.protocol.Shard.may_serve>`; under ASP
-a worker's standing request (:meth:`follow`) is answered at each publication
-(:class:`~stalewise.protocol.pipeline.Publication`). A push is one ObjectRef of the
-whole update, of which the shard reads its slice. Consistent cuts (:meth:`freeze`,
-:meth:`snapshot`, :meth:`thaw`) and departures (:meth:`cut`, :meth:`depart`) follow
-:mod:`stalewise.protocol.delivery`.
+:class:`ShardActor` is an asyncio actor (one event loop thread, the threading contract of
+``Shard``); it moves pushes and pulls and decides no rule. ``docs/ray.md`` tells the rest.
 """
 
 from __future__ import annotations
@@ -106,8 +98,7 @@ class ShardActor:
         resume: bool = False,
     ) -> int:
         """Opens the shard on ``state`` (None: the initial slice ``init``), makes ``gone``
-        leave and admits ``joins`` (worker -> incarnation; ``resume``: into their saved
-        seats). Returns the version; a bad state raises ValueError and changes nothing."""
+        leave and admits ``joins`` (worker -> incarnation); returns the version."""
         if state is not None:
             self.shard.load_state_dict(state)
             if resume:
@@ -162,14 +153,8 @@ class ShardActor:
         got = self.last.between(w, inc, start, stop)
         if got is not None:
             return [(seq, *entry) for seq, entry in zip(range(start, stop), got, strict=True)]
-        log.error(
-            "shard %d: worker %d's pushes %d..%d are no longer kept here; a shard lacking "
-            "them stays without them",
-            self.k,
-            w,
-            start,
-            stop - 1,
-        )
+        why = "are no longer kept here; a shard lacking them stays without them"
+        log.error("shard %d: worker %d's pushes %d..%d " + why, self.k, w, start, stop - 1)
         return None
 
     async def depart(self, w: int, inc: int, committed: list | None) -> int | None:
@@ -235,21 +220,16 @@ class ShardActor:
     # -- the workers' side ----------------------------------------------------------
 
     async def pull(self, w: int, inc: int, pushed: int, have: int = 0, fresh: int = 0) -> tuple:
-        """Worker ``w``'s pull, once the shard lets it start (:meth:`Shard.may_serve
-        <stalewise.protocol.Shard.may_serve>` with ``pushed``, the pushes it has sent).
-        ``have``: its delta-pull reference; ``fresh``: a version the snapshot must have.
-
-        Returns ``("ok", version, snapshot ref or delta payload, pushes handled, w's
-        clock)``, ``("stop",)``, ``("moved", newer inc)`` or ``("gone",)``.
-        """
+        """Worker ``w``'s pull once ``Shard.may_serve`` lets it (``pushed``: pushes it sent;
+        ``have``: its delta-pull reference; ``fresh``: a version the snapshot must have):
+        ``("ok", version, snapshot ref or delta payload, pushes handled, w's clock)``,
+        ``("stop",)``, ``("moved", newer inc)`` or ``("gone",)``."""
         await self.opened.wait()
         shard = self.shard
-        while True:
-            if (end := self._ended(w, inc)) is not None:
-                return end
-            if shard.may_serve(w, inc, pushed):
-                break
+        while (end := self._ended(w, inc)) is None and not shard.may_serve(w, inc, pushed):
             await self._changed()
+        if end is not None:
+            return end
         if self.pulls is not None:
             return ("ok", *self._delta(w, have), self.handled, int(shard.clocks[w]))
         version, ref = self._publish(exact=self.exact or self.pub.version < fresh)
@@ -293,9 +273,8 @@ class ShardActor:
         acked: int,
         update: Any,
     ) -> tuple | None:
-        """One push of the whole flat ``update`` (with a codec, every shard's payload);
-        ``acked``: its pushes every shard acknowledged. Returns ``(Ack, pushes handled)``,
-        or None for a cut-off incarnation."""
+        """One push of the whole flat ``update``; ``(Ack, pushes handled)``, or None for a
+        cut-off incarnation."""
         shard = self.shard
         while self.cutting.waits(shard, w, inc, seq):
             await self._changed()
@@ -319,20 +298,12 @@ class ShardActor:
 
     def _payload(self, update: Any) -> Any:
         """This shard's slice of ``update`` (anything malformed as is: the shard refuses it)."""
-        if self.span is not None:
-            if (
-                isinstance(update, np.ndarray)
-                and update.dtype == np.uint8
-                and update.shape == (self.push_bytes,)
-            ):
-                return update[self.span[0] : self.span[1]]
+        coded = self.span is not None
+        shape, dtype = ((self.push_bytes,), np.uint8) if coded else ((self.size,), self.dtype)
+        if not isinstance(update, np.ndarray) or update.shape != shape or update.dtype != dtype:
             return update
-        if not (
-            isinstance(update, np.ndarray)
-            and update.shape == (self.size,)
-            and update.dtype == self.dtype
-        ):
-            return update
+        if coded:
+            return update[self.span[0] : self.span[1]]
         np.copyto(self.scratch, update[self.lo : self.hi])
         return self.scratch
 

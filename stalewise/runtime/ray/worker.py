@@ -1,22 +1,15 @@
 """A worker as a Ray actor: the protocol's one worker loop, answered with Ray calls.
 
-:class:`WorkerActor` runs :func:`stalewise.protocol.loop.worker_loop` and answers
-its requests. ``BEGIN`` fetches the step's parameters: a pull to every shard when
-pulls are exact, else the newest snapshots a *receiver* thread holds (a standing
-:meth:`ShardActor.follow <stalewise.runtime.ray.shard.ShardActor.follow>` at every
-shard); with one shard and NumPy leaves ``PULL`` gets a view of the object store's
-read-only copy. A ``Push`` is committed by the
-:class:`~stalewise.runtime.ray.outbox.Outbox` and sent by a *sender* thread while
-the loop goes on (one push in flight). Each request, batch and ``POLL`` seconds of
-waiting is a heartbeat (:meth:`WorkerActor.progress`). A call to a shard that died
-is retried until the driver restores it; the worker then carries on as the
-incarnation announced.
+Pulls go to every shard (exact pulls) or come from a receiver thread's standing
+:meth:`ShardActor.follow` (ASP); a sender thread sends the pushes. ``docs/ray.md``
+tells the rest.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -74,8 +67,6 @@ class WorkerActor:
             buffers=pipeline.IN_FLIGHT,
             ack_timeout=options.ack_timeout,
         )
-        self.compressor = self.out.compressor
-        self.free = self.out.free
         self.following = not pipeline.exact_pulls(config)  # ASP: no pull requests
         self.settled: tuple[int, list] | None = None  # (incarnation, versions) to read
         self.params: Any = None
@@ -97,21 +88,16 @@ class WorkerActor:
         self.closing = False
 
     def prepare(self) -> dict:
-        """Loads the data and runs one discarded step (JIT warm-up); returns
-        ``{"node", "pid"}``."""
-        import os
-
-        import ray
-
+        """Loads the data and runs one discarded step (JIT warm-up); ``{"node", "pid"}``."""
         batches = batch_iterator(self.o.data, self.w, self.o.room, drawn=self.drawn)
         first = next(batches)
         params = tree.unflatten(self.config.init, self.spec, copy=True)
         self.o.loss_and_grad(params, first)
         self.strategy.warm_up(params)  # an inner optimizer's kernels, likewise
-        if self.compressor is not None:
-            self.compressor.warm_up()  # its kernels load now, not at the first push
+        if self.out.compressor is not None:
+            self.out.compressor.warm_up()  # its kernels load now, not at the first push
         self.batches = self._beating(itertools.chain([first], batches))
-        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        return {"node": self.where(), "pid": os.getpid()}
 
     def progress(self) -> tuple[bool, int, int]:
         """``(prepared, beats, batches drawn)``; called on the ``"beat"`` group beside :meth:`run`."""
@@ -136,18 +122,15 @@ class WorkerActor:
             time.sleep(min(left, POLL))
 
     def run(self) -> dict:
-        """The worker loop until the budget is spent, the job stops or it diverges; then
-        leaves the shards. Returns ``steps``, ``outcomes``, ``diverged`` (if it did),
-        ``times`` (seconds per phase), ``drawn`` and ``feedback`` (``(incarnation,
-        pushes, residual)``)."""
+        """The worker loop, then leaves the shards; its ``steps``, ``outcomes``, ``diverged``,
+        ``times``, ``drawn`` and ``feedback`` (``(incarnation, pushes, residual)``)."""
+        import ray
+
         if self.batches is None:
             self.prepare()
-        threads = [threading.Thread(target=self._guard(self._send_loop), daemon=True)]
+        threads = [self._start(self._send_loop)]
         if self.following:
-            threads.append(threading.Thread(target=self._guard(self._receive_loop), daemon=True))
-        for t in threads:
-            t.start()
-        diverged = getattr(loop, "Diverged", ())  # raised by the worker loop, where it exists
+            threads.append(self._start(self._receive_loop))
         ended: dict[str, Any] = {"times": self.times}  # and, at the end, "drawn"
         try:
             lp = loop.worker_loop(
@@ -161,7 +144,7 @@ class WorkerActor:
                 stats = loop.run(lp, self._answerer())
                 loop.report(self._results(wait=True), stats, self.w)
                 ended |= {"steps": stats.steps, "outcomes": dict(stats.outcomes)}
-            except diverged as e:  # it leaves; the driver does not restart it
+            except loop.Diverged as e:  # it leaves; the driver does not restart it
                 self._results(wait=True)
                 ended |= {"steps": self.out.sender.seq, "outcomes": {}, "diverged": str(e)}
             ended["feedback"] = (self.inc, self.out.sender.seq, self.out.sender.residual)
@@ -173,16 +156,11 @@ class WorkerActor:
             for t in threads:
                 t.join(timeout=POLL * 5)
             self.params, self.snapshots = None, []
-        self._leave()
-        return ended
-
-    def _leave(self) -> None:
-        import ray
-
         try:
             self._get([s.leave.remote(self.w, self.inc) for s in self.shards], POLL * 25)
         except ray.exceptions.RayError:  # a shard is down: the driver's restore drops it
             log.warning("worker %d: could not leave every shard", self.w)
+        return ended
 
     def _answerer(self) -> Callable[[Any], Any]:
         slowdown, delay = self.o.slowdowns[self.w], self.o.extra_delays[self.w]
@@ -225,15 +203,12 @@ class WorkerActor:
         versions, slices = got
         for k, v in enumerate(versions):
             self.out.sender.pulled(k, v)
-        self.params = None
-        self.snapshots = slices or []
-        if self.views:
-            self.params = tree.unflatten(slices[0], self.spec, copy=False)
-        else:
-            if slices is not None:  # None: delta pulls, already copied into pull_buf
-                for (lo, hi), piece in zip(self.config.ranges, slices, strict=True):
-                    self.pull_buf[lo:hi] = piece
-            self.params = tree.unflatten(self.pull_buf, self.spec, copy=False)
+        self.params, self.snapshots = None, slices or []
+        if not self.views and slices is not None:  # None: delta pulls, already in pull_buf
+            for (lo, hi), piece in zip(self.config.ranges, slices, strict=True):
+                self.pull_buf[lo:hi] = piece
+        flat = slices[0] if self.views else self.pull_buf
+        self.params = tree.unflatten(flat, self.spec, copy=False)
         return True
 
     def _newest(self) -> tuple[list, list] | None:
@@ -250,8 +225,7 @@ class WorkerActor:
                     if self._whole():  # the budget's wait lets a restore clear the snapshots
                         break
                     continue
-                self.cond.wait(POLL)
-                self.beats += 1
+                self._wait()
             if self.replica is not None:  # the receiver applies the deltas: copy it whole
                 np.copyto(self.pull_buf, self.replica.params)
                 return [v for v, _ in self.latest], None
@@ -259,10 +233,8 @@ class WorkerActor:
 
     def _whole(self) -> bool:
         """Whether a snapshot of every shard is in, holding this worker's settled pushes."""
-        return all(s is not None for s in self.latest) and self._holds_own()
-
-    def _holds_own(self) -> bool:
-        """Whether the snapshots hold this worker's settled pushes (``cond`` held)."""
+        if any(s is None for s in self.latest):
+            return False
         if self.settled is None or self.settled[0] != self.inc:  # none, or shards restored
             return True
         return all(s[0] >= v for s, v in zip(self.latest, self.settled[1], strict=True))
@@ -313,9 +285,7 @@ class WorkerActor:
             flying = len(self.jobs)
             if not budget.settle_first(self.handled, flying, steps):
                 return not budget.may_begin(self.handled, flying, steps)
-            self._check()
-            self.cond.wait(POLL)
-            self.beats += 1
+            self._wait()
 
     def _have(self, k: int) -> int:
         return 0 if self.replica is None else self.replica.have(k)
@@ -372,10 +342,8 @@ class WorkerActor:
         t = time.perf_counter()
         with self.cond:
             while len(self.jobs) >= pipeline.IN_FLIGHT:
-                self._check()
-                self.cond.wait(POLL)
-                self.beats += 1
-            buf = self.free.pop()  # one per push in flight: free once its acks are in
+                self._wait()
+            buf = self.out.free.pop()  # one per push in flight: free once its acks are in
         self.times["acks"] += time.perf_counter() - t
         sent, seq, bases, verdict, residual = self.out.prepare(update, buf)
         with self.cond:
@@ -386,16 +354,16 @@ class WorkerActor:
         """The results acknowledged since the last call (``wait``: of every push)."""
         with self.cond:
             while wait and self.jobs:
-                self._check()
-                self.cond.wait(POLL)
-                self.beats += 1
+                self._wait()
             self._check()
             out, self.results = self.results, []
         return out
 
     # -- the threads ----------------------------------------------------------------
 
-    def _guard(self, body: Callable[[], None]) -> Callable[[], None]:
+    def _start(self, body: Callable[[], None]) -> threading.Thread:
+        """Starts a thread running ``body``; what it raises, the loop raises (:meth:`_check`)."""
+
         def guarded() -> None:
             try:
                 body()
@@ -404,7 +372,15 @@ class WorkerActor:
                     self.error = e
                     self.cond.notify_all()
 
-        return guarded
+        thread = threading.Thread(target=guarded, daemon=True)
+        thread.start()
+        return thread
+
+    def _wait(self) -> None:
+        """Waits on ``cond`` (held) for ``POLL`` seconds at most, beating."""
+        self._check()
+        self.cond.wait(POLL)
+        self.beats += 1
 
     def _check(self) -> None:
         if self.error is not None:
@@ -423,26 +399,20 @@ class WorkerActor:
             t = time.perf_counter()
             refs = self.out.send(flat, inc, seq, bases, verdict, loss, acked, residual)
             self.times["send"] += time.perf_counter() - t
-            result = self._acks(refs, seq)
+            try:
+                result, handled = self.out.collect(refs, seq, self.o.ack_timeout)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"worker {self.w}: no acks within {self.o.ack_timeout} s (ack_timeout)"
+                ) from None
             with self.cond:
                 if result is not None:
                     self.results.append(result)
                     self.acked = max(self.acked, seq + 1)
-                self.free.append(flat)
+                    self.handled = max(self.handled, handled)
+                self.out.free.append(flat)
                 self.jobs.popleft()
                 self.cond.notify_all()
-
-    def _acks(self, refs: list, seq: int) -> PushResult | None:
-        try:
-            result, handled = self.out.collect(refs, seq, self.o.ack_timeout)
-        except TimeoutError:
-            raise TimeoutError(
-                f"worker {self.w}: no acks within {self.o.ack_timeout} s (ack_timeout)"
-            ) from None
-        if result is not None:
-            with self.cond:
-                self.handled = max(self.handled, handled)
-        return result
 
     def _receive_loop(self) -> None:
         """The receiver thread (ASP): a standing :meth:`ShardActor.follow` at every shard."""
