@@ -247,20 +247,18 @@ def _batchnorm_statistics(params: Any) -> list[str]:
         return []
     names = []
     for key, value in params.items():
-        if isinstance(key, str) and key.endswith("num_batches_tracked") and _torch_int(value):
+        if not (isinstance(key, str) and key.endswith("num_batches_tracked")):
+            continue
+        backend = backend_of(value)
+        if (
+            backend
+            and backend.name == "torch"
+            and backend.is_leaf(value)
+            and not value.is_floating_point()
+        ):
             prefix = key.removesuffix("num_batches_tracked")
             names += [prefix + s for s in ("running_mean", "running_var") if prefix + s in params]
     return names
-
-
-def _torch_int(x: Any) -> bool:
-    backend = backend_of(x)
-    return (
-        backend is not None
-        and backend.name == "torch"
-        and backend.is_leaf(x)
-        and (not x.is_floating_point())
-    )
 
 
 def _check_optimizer(optimizer: Any) -> None:

@@ -249,13 +249,6 @@ class Ranks:
 # -- a rank's own process -----------------------------------------------------------------
 
 
-def whole_lines() -> None:
-    """Line-buffers each worker's stdout and stderr, so two workers' lines never tear."""
-    for stream in (sys.stdout, sys.stderr):
-        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
-            stream.reconfigure(write_through=False, line_buffering=True)
-
-
 class Gate:
     """A rank's side of the launcher's start rendezvous: says ``ready`` on its pipe and
     waits for ``go`` (``alone``: a rank ended before it got there)."""
@@ -292,7 +285,9 @@ def worker_main(
     from stalewise.runtime.logs import child_logging
 
     child_logging(f"rank {rank}")
-    whole_lines()
+    for stream in (sys.stdout, sys.stderr):  # line-buffered: two ranks' lines never tear
+        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
+            stream.reconfigure(write_through=False, line_buffering=True)
     ctx = context.Context(rank, world, client, steps=steps, _barrier=Gate(conn))
     context.become(ctx)
     os.environ.update(rank_env(rank, world, rank, world))

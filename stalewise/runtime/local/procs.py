@@ -63,27 +63,10 @@ def check_main_guard() -> None:
         raise SystemExit(NO_MAIN_GUARD)
 
 
-# -- the main module of a spawned process ----------------------------------------------
-#
-# multiprocessing's spawn starts a child that imports the parent's ``__main__`` (as
-# ``__mp_main__``) before it unpickles its target: ``spawn.get_preparation_data`` names it
-# (``init_main_from_name`` or ``init_main_from_path``) and ``spawn.prepare`` imports it.
-# In the local runtime that module is the user's script (its imports, torch included,
-# and whatever it does at its top level), which a shard never needs and which a launched
-# rank runs itself, once, with runpy. Processes started under :func:`stalewise_main`
-# leave it out: the child imports only stalewise's modules, those its target and
-# arguments are pickled from.
+# -- the main module of a spawned process (why: docs/design-notes.md, "Local runtime") --
 
 _own_main = threading.local()  # .on: the processes this thread starts leave __main__ out
 _install_lock = threading.Lock()
-
-
-def _preparation_data(name: str, _original: Callable[[str], dict]) -> dict:
-    data = _original(name)
-    if getattr(_own_main, "on", False):
-        data.pop("init_main_from_name", None)
-        data.pop("init_main_from_path", None)
-    return data
 
 
 # A child's entry point when its parent may die while starting it (``kill -9`` of the
@@ -110,7 +93,11 @@ def _install() -> None:
             return
 
         def get_preparation_data(name: str) -> dict:
-            return _preparation_data(name, current)
+            data = current(name)
+            if getattr(_own_main, "on", False):  # the child does not import __main__
+                data.pop("init_main_from_name", None)
+                data.pop("init_main_from_path", None)
+            return data
 
         def get_command_line(**kwds: object) -> list[str]:
             cmd = line(**kwds)

@@ -125,16 +125,12 @@ class SimConfig:
         for name, kind in kinds.items():
             if not isinstance(getattr(self, name), kind):
                 raise _bad("SimConfig", name, getattr(self, name), f"must be a {_names(kind)}")
-        for name, kind in (("contention", Contention), ("copies", Copies)):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
-                raise _bad(
-                    "SimConfig", name, getattr(self, name), f"must be None or a {_names(kind)}"
-                )
-        if self.stragglers is not None and not isinstance(self.stragglers, Stragglers):
-            raise _bad("SimConfig", "stragglers", self.stragglers, "must be None or a Stragglers")
+        for name, kind in {**_OPTIONAL, "stragglers": Stragglers}.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise _bad("SimConfig", name, value, f"must be None or a {kind.__name__}")
         if self.speeds is not None:
-            speeds = _tuple(self, "speeds")
-            for i, s in enumerate(speeds):
+            for i, s in enumerate(_tuple(self, "speeds")):
                 _factor("SimConfig", f"speeds[{i}]", s)
         for name, kind in TOML_LISTS.items():
             for i, item in enumerate(_tuple(self, name)):

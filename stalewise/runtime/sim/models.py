@@ -415,21 +415,15 @@ class WorkerTiming:
         ``stretch`` (the contention factor) stretches the compute, not the delays;
         :attr:`busy` is then the step's compute seconds."""
         p = self.paces[worker]
-        if local_steps == 1:
-            base = self.compute.sample(p.rng)  # Fixed: its time
-            if stretch != 1.0:
-                base *= stretch
-            work = (base + p.delay) * p.scale
+        if p.rng is None:  # Fixed
+            base = self.compute.time * local_steps
         else:
-            if p.rng is not None:
-                rng, sample, base = p.rng, self.compute.sample, 0.0
-                for _ in range(local_steps):
-                    base += sample(rng)  # the samples of the local steps, in order
-            else:
-                base = self.compute.time * local_steps
-            if stretch != 1.0:
-                base *= stretch
-            work = (base + p.delay * local_steps) * p.scale
+            rng, sample, base = p.rng, self.compute.sample, 0.0
+            for _ in range(local_steps):
+                base += sample(rng)  # the samples of the local steps, in order
+        if stretch != 1.0:
+            base *= stretch
+        work = (base + p.delay * local_steps) * p.scale
         self.busy = base * p.cpu
         if self.loop:  # the worker loop's own time: once a push, at no worker's pace
             work += self.loop * stretch
