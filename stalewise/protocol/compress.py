@@ -106,10 +106,6 @@ def plan(
     return out
 
 
-def _piece_nbytes(p: Piece, dtype: Any) -> int:
-    return p.codec.nbytes(p.stop - p.start, dtype)
-
-
 def warm_up(pieces: Sequence[Piece]) -> None:
     """Runs each codec of ``pieces`` once, so that its kernels load before the first push."""
     x = np.linspace(-1.0, 1.0, 1 << 16, dtype=np.float32)
@@ -298,13 +294,9 @@ class Compressor:
         if not self.error_feedback:
             return None
         out = np.zeros(self.size, dtype)
-        for p in self.feedback_pieces():
+        for p in (p for ps in self.pieces for p in ps if p.codec.error_feedback):
             out[p.start : p.stop] = residual[p.start : p.stop]
         return Feedback(out)
-
-    def feedback_pieces(self) -> list[Piece]:
-        """The pieces whose codec keeps error feedback (the residual is zero elsewhere)."""
-        return [p for ps in self.pieces for p in ps if p.codec.error_feedback]
 
     def encode(self, flat: np.ndarray, state: Feedback | None = None) -> tuple[list, Any]:
         """Every shard's payload of ``flat``, and ``state`` (None: a fresh one) updated in place."""
@@ -344,7 +336,9 @@ class Compressor:
                     f"{self.nbytes(k, flat.dtype)}"
                 )
             sent = [i for i, p in enumerate(pieces) if flat[p.start : p.stop].any()]
-            sizes = [_piece_nbytes(pieces[i], flat.dtype) for i in sent]
+            sizes = [
+                pieces[i].codec.nbytes(pieces[i].stop - pieces[i].start, flat.dtype) for i in sent
+            ]
             if len(sent) == len(pieces) or segment_nbytes(sizes) >= len(mv):
                 sent = list(range(len(pieces)))  # dense: every piece, back to back
                 self.sent[k], offset = None, 0

@@ -114,19 +114,9 @@ class Sender:
             self.known[k] = version
 
     @property
-    def feedback(self) -> bool:
-        """Whether this sender keeps an error-feedback residual."""
-        return self._buffers is not None
-
-    @property
     def residual(self) -> np.ndarray | None:
         """The residual after the last committed push (None without error feedback)."""
         return None if self._buffers is None else self._buffers[self.current]
-
-    @property
-    def buffers(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The two residual buffers (:attr:`current` holds :attr:`residual`)."""
-        return self._buffers
 
     def encode(self, flat: np.ndarray, payloads: Sequence[Any]) -> None:
         """Encodes the update ``flat`` into ``payloads`` (each writable, of exactly

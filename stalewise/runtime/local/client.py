@@ -101,13 +101,7 @@ class Client(PullsIntoTrees):
         self._ranges = config.ranges
         self._consistency = config.consistency
         self._staleness = config.staleness
-        # Pulls read the published snapshots unless the shard must see them: DC-ASGD
-        # keeps what was pulled, and a gated model's gate needs this worker's clock,
-        # which the client counts from 0 (its pushes) only for a first incarnation that
-        # joined at clock 0; a restarted, resumed or late one (an elastic job's joiner)
-        # joins at the shard's clock (`joined_at`), so the shard gates it.
-        # (the rule: stalewise.protocol.pipeline)
-        self._direct = pipeline.reads_snapshots(
+        self._direct = pipeline.reads_snapshots(  # else the shards serve each pull
             config, incarnation=incarnation, joined_at=joined_at
         )
         # with a codec: the update is encoded into one payload per shard at push
@@ -216,8 +210,7 @@ class Client(PullsIntoTrees):
             self._control = control = self._layout.control(self._block)
             self._exits, self._stop_word = control[self._layout.shard_exits], control[:1]
             self._done = control[self._layout.pushes_done][self.worker : self.worker + 1]
-        if self._sender is None:
-            # the residual buffers in the block: Residuals.put leaves the current one in 1
+        if self._sender is None:  # residuals in the block: Residuals.put leaves the current in 1
             res = self._residuals
             self._sender = Sender(
                 self._spec.segments,
@@ -231,8 +224,8 @@ class Client(PullsIntoTrees):
         return self._block
 
     def pull(self, *, copy: bool = True, into: Any = None, timeout=None, own: bool = True) -> Any:
-        # one copy: the snapshots are read straight into new memory, or into `into`'s
-        # leaves (a pull that raises may have written some of them)
+        # one copy: into new memory, or into `into`'s leaves (a pull that raises may have
+        # written some of them)
         views = None if into is None else tree.views_into(into, self._spec)
         if (not copy and into is None) or (into is not None and views is None):
             return super().pull(copy=copy, into=into, timeout=timeout, own=own)
@@ -283,10 +276,7 @@ class Client(PullsIntoTrees):
                 self._consistency, self._sender.seq, (snaps.min_clock(k) for k in shards)
             )
         ):
-            # read-your-writes: once an ack is in, only params that hold it will do; a
-            # shard none of whose copies holds it is asked, and serves the pull behind
-            # the push: no waiting for a deferred publish
-            for k in shards:
+            for k in shards:  # a shard whose copies lack the acked push serves the pull
                 version = self._read(k, timeout, out)
                 if version is None:
                     self._send(k, wire.pull())

@@ -1,13 +1,9 @@
 """Shared-memory blocks that cannot leak.
 
-On Linux a block is an anonymous memory file (``memfd_create``): it never has a
-name in ``/dev/shm``, so no crash or ``kill -9`` leaves anything behind, and other
-processes attach through the creator's descriptor (``/proc/<pid>/fd/<fd>``, the
-block's :attr:`~SharedBlock.handle`) while it lives. Elsewhere a block is a named
-file in ``/dev/shm`` (or the temporary folder), unlinked by its creator or, if that
-is killed, by the shard processes (:func:`stalewise.runtime.local.procs.die_with_parent`).
-:mod:`multiprocessing.shared_memory` is not used: on Python 3.11 its resource
-tracker warns about, or unlinks, segments a process does not own.
+On Linux a block is an anonymous memory file (``memfd_create``), attached through the
+creator's descriptor (the block's :attr:`~SharedBlock.handle`) while it lives; elsewhere
+a named file in ``/dev/shm``, unlinked by its creator or its shard processes. Why:
+``docs/design-notes.md`` ("Local runtime").
 
 Example:
     >>> block = SharedBlock.create(1024)
