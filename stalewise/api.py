@@ -208,17 +208,13 @@ class Job:
 
     def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):
         """Measures on this machine what the simulator needs for this job: a
-        :class:`stalewise.calibrate.Calibration` (``.sim_config()`` for
-        ``train(runtime=sw.Simulation(...))``, ``.toml()`` for a config's ``[sim]`` table).
-        ``options``: those of :func:`stalewise.calibrate.calibrate` (``repeats``, ``sizes``,
-        ``delays``, ``evaluate``, ``eval_interval``, ``timeout``, ``runtime``).
-        """
+        :class:`stalewise.calibrate.Calibration`; ``options``: those of
+        :func:`stalewise.calibrate.calibrate`."""
         from stalewise import calibrate as calibrate_lib
 
         return calibrate_lib.calibrate(self, loss_and_grad, data, workers=workers, **options)
 
     def _check_pulls(self, runtime: str) -> None:
-        # every built-in runtime sends compressed pushes; delta pulls: its Runtime says
         why = runtime_lib.pull_refusal(self.config.pull_codec, runtime)
         if why is not None:
             raise ValueError(why)

@@ -18,20 +18,11 @@ Example (``train.py``; ``stalewise run --workers 4 --steps 2000 train.py``):
 
 .. code-block:: python
 
-    import stalewise as sw
-
-    if __name__ == "__main__":
-        model = make_model()
-        job = sw.Job(model, optimizer=sw.optim.adam(1e-3))
-        ctx = sw.init(job)                        # rank, world size, client
-        for batch in batches(ctx.rank, ctx.world_size):
-            if ctx.should_stop():
-                break
-            ctx.client.pull(into=model)
-            loss = loss_fn(model, batch)
-            loss.backward()
-            ctx.client.push({n: p.grad for n, p in model.named_parameters()})
-        ctx.close()
+    model = make_model()
+    ctx = sw.init(sw.Job(model, optimizer=sw.optim.adam(1e-3)))  # rank, world size, client
+    for _ in ctx.loop(into=model):  # until should_stop(), pulling before each step
+        loss_fn(model, next(batches)).backward()
+        ctx.client.push({n: p.grad for n, p in model.named_parameters()})
 """
 
 from __future__ import annotations
@@ -140,7 +131,17 @@ def init(
         from stalewise.runtime.logs import child_logging
 
         child_logging("worker 0")  # unlaunched: its warnings reach stderr
-    _unmatched(job)
+    from stalewise.optim._leaves import unmatched
+
+    segments = job.config.spec.segments
+    for field, pattern in unmatched(job.config.optimizer, segments):
+        log.warning(
+            "%s pattern %r matches no parameter of the job, so it excludes nothing; "
+            "patterns are re.search'ed on names such as %s",
+            field,
+            pattern,
+            ", ".join(map(repr, segments.names[:3])),
+        )
     if _LAUNCH is not None:  # the runtime's launch: ranks.serve_workers here, Ray's on Ray
         if _LAUNCH.checkpoint_dir is None and checkpoint_dir is not None:
             if not runtime_lib.describe(_LAUNCH.runtime).saves_served:
@@ -168,21 +169,6 @@ def init(
         ctx.state, ctx._ckpt = saves.ranks[0], saving.InProcess(saves)
     atexit.register(ctx.close)
     return ctx
-
-
-def _unmatched(job: Any) -> None:
-    """Warns of an optimizer's exclusion pattern that matches no leaf of the job."""
-    from stalewise.optim._leaves import unmatched
-
-    segments = job.config.spec.segments
-    for field, pattern in unmatched(job.config.optimizer, segments):
-        log.warning(
-            "%s pattern %r matches no parameter of the job, so it excludes nothing; "
-            "patterns are re.search'ed on names such as %s",
-            field,
-            pattern,
-            ", ".join(map(repr, segments.names[:3])),
-        )
 
 
 class Terminated(KeyboardInterrupt):

@@ -108,9 +108,7 @@ class Ranks:
         self.logs = tempfile.mkdtemp(prefix="stalewise-run-")  # a failed rank's traceback
         from stalewise.runtime.local.procs import refers_to_main
 
-        # a rank runs the script once, with runpy: it is spawned without the launcher's
-        # __main__ (the script), unless the job's config refers to something defined
-        # there (a schedule written in the script), which only importing it can unpickle
+        # a rank is spawned without the script as __main__ unless the config needs it
         self.needs_main = refers_to_main(server.config)
 
     def start(self, ctx: Any, rank: int) -> None:

@@ -6,11 +6,8 @@ back. :class:`Compressor` (the worker side) encodes with error feedback (EF-SGD,
 ``docs/codecs.md``) for the codecs that ask for it; ``encode_into(..., out=)`` keeps
 the old residual until the push commits. :class:`Decoder` (the shard side) decodes
 and checks every piece's header, raising :class:`~stalewise.codecs.PayloadError`
-naming the shard and the leaf. A piece that is zero everywhere is not sent: such a
-*segment payload* is a header (``SEGMENTS``: magic ``0xE5``, the count of pieces
-sent, the length in bytes), the pieces' indices (uint32, increasing), then their
-payloads; a shard with nothing to apply still gets the 12-byte header. Byte counts
-are exact (:meth:`Compressor.nbytes`, :meth:`Compressor.sent_nbytes`).
+naming the shard and the leaf. A piece that is zero everywhere is not sent (a *segment
+payload*: :data:`SEGMENTS`, the pieces' indices, their payloads). Byte counts are exact.
 
 Example:
     >>> import numpy as np
@@ -242,8 +239,6 @@ class Compressor:
 
     def nbytes(self, k: int, dtype: Any = np.float32, scale: float = 1.0) -> int:
         """The exact length of shard ``k``'s payload (of a model ``scale`` times larger)."""
-        if scale == 1.0:
-            return self.decoders[k].nbytes(dtype)
         return sum(
             p.codec.nbytes(max(round((p.stop - p.start) * scale), 0), dtype) for p in self.pieces[k]
         )

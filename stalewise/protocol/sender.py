@@ -1,14 +1,9 @@
 """The worker's half of a push: one :class:`Sender` per worker incarnation, no I/O.
 
-Every runtime drives a :class:`Sender` for each push, in this order:
-:meth:`Sender.pulled` (the push's bases) and :meth:`Sender.observed` (newer
-versions seen); with a codec :meth:`Sender.encode`; :meth:`Sender.judge` once, the
-commit rule's verdict as an :class:`Outgoing`; the runtime commits the push its own
-way, then :meth:`Sender.committed` (or :meth:`Sender.abandoned`); and
-:meth:`Sender.result` folds the acks into a
-:class:`~stalewise.protocol.messages.PushResult`. The error-feedback residual of
-the last committed push stays current until the next push commits; a next
-incarnation starts from it (:meth:`Sender.successor`).
+Every runtime drives a :class:`Sender` for each push, in this order: ``pulled`` and
+``observed``, ``encode`` (with a codec), ``judge`` once, then, once the runtime committed
+the push its own way, ``committed`` (or ``abandoned``), and ``result`` on the acks. The
+residual of the last committed push stays current; a next incarnation starts from it.
 
 Example:
     >>> import numpy as np

@@ -97,9 +97,8 @@ def check_run(
 ) -> tuple[list[float], list[float]]:
     """Checks the arguments every runtime's ``train`` shares; returns the slowdown factor
     (``{3: 4.0}``: worker 3 four times slower, or a list) and the extra delay per worker."""
-    for name, n in (("workers", workers), ("steps", steps)):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:  # workers: checked
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if not callable(data) and len(data) != workers:
         raise ValueError(f"data has {len(data)} per-worker shards for {workers} workers")
     extra = [0.0] * workers

@@ -2,13 +2,9 @@
 
 A :class:`Client` is one incarnation of its worker id and belongs to one thread of
 one process; every blocking call takes a ``timeout`` in seconds (None waits
-forever). A push is committed (:mod:`stalewise.protocol.commit`) in shared memory
-before any shard is told; messages are the records of :mod:`stalewise.runtime.local.wire`.
-A shard that closed its connection makes every later call raise
-:class:`ServerClosed`; a shard whose process died, read from the shared control
-words, raises :class:`~stalewise.runtime.errors.ShardError` naming it, so no call
-waits forever on a dead shard. Read-your-writes pulls (``own=True``) and the dead
-shard's detection are described in ``docs/design-notes.md`` ("Local runtime")."""
+forever). A shard that closed its connection makes every later call raise
+:class:`ServerClosed`, a shard whose process died :class:`~stalewise.runtime.errors.ShardError`
+naming it. How: ``docs/design-notes.md`` ("Local runtime")."""
 
 from __future__ import annotations
 
@@ -104,12 +100,10 @@ class Client(PullsIntoTrees):
         self._direct = pipeline.reads_snapshots(  # else the shards serve each pull
             config, incarnation=incarnation, joined_at=joined_at
         )
-        # with a codec: the update is encoded into one payload per shard at push
-        self._compressor = config.compressor()
+        self._compressor = config.compressor()  # with a codec: one payload per shard
         self._residuals: Residuals | None = None  # error feedback, in the block (on attach)
         self._payloads: list[np.ndarray] = []  # shard k's payload in the push region
-        # the protocol's sending side (versions, verdict, residual), made on attach
-        self._sender: Sender | None = None
+        self._sender: Sender | None = None  # versions, verdict, residual; made on attach
         self._conns = conns
         self._block: SharedBlock | None = None
         self._snapshots: Snapshots | None = None  # set on attach (workers only)

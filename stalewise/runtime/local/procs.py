@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import io
 import multiprocessing as mp
 import os
 import pickle
@@ -69,9 +68,7 @@ _own_main = threading.local()  # .on: the processes this thread starts leave __m
 _install_lock = threading.Lock()
 
 
-# A child's entry point when its parent may die while starting it (``kill -9`` of the
-# launcher): multiprocessing's own, but a child whose parent is gone (reparented) exits
-# quietly instead of printing a traceback from the half-written pipe (EOFError).
+# multiprocessing's entry point, but a child whose parent died while starting it exits quietly
 _QUIET_ENTRY = """import os
 from multiprocessing.spawn import spawn_main
 try:
@@ -138,14 +135,6 @@ class _MainFinder(pickle.Pickler):
         return NotImplemented
 
 
-class _Nowhere(io.RawIOBase):
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: object) -> int:
-        return len(memoryview(b))  # type: ignore[arg-type]
-
-
 def refers_to_main(obj: object) -> bool:
     """Whether pickling ``obj`` refers to a class or function of ``__main__`` (True if it
     does not pickle here, so the real start raises the real error).
@@ -154,9 +143,10 @@ def refers_to_main(obj: object) -> bool:
         >>> refers_to_main({"lr": 0.1}), refers_to_main(refers_to_main)
         (False, False)
     """
-    finder = _MainFinder(_Nowhere(), protocol=5, buffer_callback=lambda buf: False)
     try:
-        finder.dump(obj)
+        with open(os.devnull, "wb") as nowhere:
+            finder = _MainFinder(nowhere, protocol=5, buffer_callback=lambda buf: False)
+            finder.dump(obj)
     except Exception:
         return True
     return finder.found
