@@ -62,9 +62,7 @@ class Pace:
 
     def decide(self, synchronous: bool, live: Sequence[bool], tolerance: float) -> bool:
         """The mode for the next round: True for synchronous."""
-        if synchronous:
-            return not self.straggling(live, tolerance)
-        return not self.straggling(live, tolerance / HYSTERESIS)
+        return not self.straggling(live, tolerance if synchronous else tolerance / HYSTERESIS)
 
     def state(self) -> np.ndarray:
         return self.pace.copy()

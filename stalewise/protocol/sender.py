@@ -141,7 +141,9 @@ class Sender:
         if self._payloads is not None and whole:
             if into is None:
                 if self._decoded is None:
-                    self._decoded = np.empty(self.compressor.size, self._dtype(flat))
+                    dtype = np.float32 if flat is None else flat.dtype
+                    dtype = self._buffers[0].dtype if self._buffers else dtype
+                    self._decoded = np.empty(self.compressor.size, dtype)
                 into = self._decoded
             values = self.compressor.decode(self._payloads, into)
         elif flat is None:
@@ -181,11 +183,6 @@ class Sender:
         for k, ack in enumerate(acks):
             self.observed(k, ack.version)
         return PushResult.of(acks)
-
-    def _dtype(self, flat: np.ndarray | None) -> Any:
-        if self._buffers is not None:
-            return self._buffers[0].dtype
-        return np.float32 if flat is None else flat.dtype
 
 
 class History:

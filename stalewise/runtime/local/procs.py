@@ -23,7 +23,11 @@ from stalewise.runtime.base import THREAD_VARS
 def thread_budget(threads: int) -> Iterator[None]:
     """Caps the math-library threads of processes spawned inside the block (variables the
     user set are respected; the environment is restored afterwards)."""
-    check_main_guard()  # every process the local runtime starts is started in this block
+    # every process the local runtime starts is started in this block: a spawned process
+    # still importing the user's main module is a script without the __main__ guard
+    if getattr(mp.current_process(), "_inheriting", False):
+        print(f"stalewise: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
+        raise SystemExit(NO_MAIN_GUARD)
     saved = {k: os.environ.get(k) for k in THREAD_VARS}
     for k in THREAD_VARS:
         os.environ.setdefault(k, str(max(1, threads)))
@@ -52,14 +56,6 @@ MAIN_GUARD_HINT = (
     "spawned processes re-import your main module, which started training again: put the "
     'code that starts training under `if __name__ == "__main__":`'
 )
-
-
-def check_main_guard() -> None:
-    """Exits with :data:`NO_MAIN_GUARD`, saying why on stderr, if this is a spawned process
-    still importing the user's main module (a script without the ``__main__`` guard)."""
-    if getattr(mp.current_process(), "_inheriting", False):
-        print(f"stalewise: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
-        raise SystemExit(NO_MAIN_GUARD)
 
 
 # -- the main module of a spawned process (why: docs/design-notes.md, "Local runtime") --

@@ -65,14 +65,6 @@ def _file_size_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
 
 
-def _fallocate(fd: int, size: int) -> None:
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise  # no fallocate on this file system: the pages are found when first written
-
-
 def _create_error(
     size: int, where: str, code: int | None, limit: int | None, cause: OSError | None = None
 ) -> OSError:
@@ -145,7 +137,11 @@ class SharedBlock:
             try:
                 os.ftruncate(fd, size)
                 if hasattr(os, "posix_fallocate"):  # a full /dev/shm fails here, not with SIGBUS
-                    _fallocate(fd, size)
+                    try:
+                        os.posix_fallocate(fd, 0, size)
+                    except OSError as e:  # those three: the pages are found when first written
+                        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                            raise
                 mm = mmap.mmap(fd, size)
             except OSError:
                 os.unlink(path)

@@ -132,10 +132,6 @@ class Fixed:
     def mean(self) -> float:
         return self.time
 
-    def sample(self, rng: np.random.Generator) -> float:
-        del rng
-        return self.time
-
 
 @dataclass(frozen=True)
 class ShiftedExponential:
