@@ -208,17 +208,13 @@ class Job:
 
     def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):
         """Measures on this machine what the simulator needs for this job: a
-        :class:`stalewise.calibrate.Calibration` (``.sim_config()`` for
-        ``train(runtime=sw.Simulation(...))``, ``.toml()`` for a config's ``[sim]`` table).
-        ``options``: those of :func:`stalewise.calibrate.calibrate` (``repeats``, ``sizes``,
-        ``delays``, ``evaluate``, ``eval_interval``, ``timeout``, ``runtime``).
-        """
+        :class:`stalewise.calibrate.Calibration`; ``options``: those of
+        :func:`stalewise.calibrate.calibrate`."""
         from stalewise import calibrate as calibrate_lib
 
         return calibrate_lib.calibrate(self, loss_and_grad, data, workers=workers, **options)
 
     def _check_pulls(self, runtime: str) -> None:
-        # every built-in runtime sends compressed pushes; delta pulls: its Runtime says
         why = runtime_lib.pull_refusal(self.config.pull_codec, runtime)
         if why is not None:
             raise ValueError(why)
@@ -247,20 +243,18 @@ def _batchnorm_statistics(params: Any) -> list[str]:
         return []
     names = []
     for key, value in params.items():
-        if isinstance(key, str) and key.endswith("num_batches_tracked") and _torch_int(value):
+        if not (isinstance(key, str) and key.endswith("num_batches_tracked")):
+            continue
+        backend = backend_of(value)
+        if (
+            backend
+            and backend.name == "torch"
+            and backend.is_leaf(value)
+            and not value.is_floating_point()
+        ):
             prefix = key.removesuffix("num_batches_tracked")
             names += [prefix + s for s in ("running_mean", "running_var") if prefix + s in params]
     return names
-
-
-def _torch_int(x: Any) -> bool:
-    backend = backend_of(x)
-    return (
-        backend is not None
-        and backend.name == "torch"
-        and backend.is_leaf(x)
-        and (not x.is_floating_point())
-    )
 
 
 def _check_optimizer(optimizer: Any) -> None:

@@ -3,12 +3,7 @@
 In a :meth:`stalewise.Job.serve` worker, these wrappers push ``pulled - current`` every
 ``local_steps`` optimizer steps (``H``) and pull the new global parameters; the Job's
 ``optimizer=`` (or ``strategy=``) picks the method (:mod:`stalewise.strategies.averaging`).
-:class:`LocalSGD` hooks a PyTorch ``optimizer.step()`` and pulls into your model in place;
-:class:`LocalSGDOptax`, for functional loops, takes the params after each step and returns
-them (or the newly pulled ones). The model or tree must match the Job's params; each
-push's result is kept in ``results``. On leaving the ``with`` block the steps since the
-last sync are dropped (``remainder="drop"``; design notes, "Model averaging"); nothing is
-pushed after an exception.
+Each push's result is kept in ``results``; nothing is pushed after an exception.
 
 Example (PyTorch, in a worker process; ``client = server.client(rank)``):
 

@@ -9,49 +9,20 @@ launcher's run (``SystemExit``: 0, or 1 if a worker failed). In a worker,
 :func:`init` returns its :class:`Context`. Without the launcher (``python
 script.py``) it serves the job in this process with one worker.
 
-Each rank's environment holds ``RANK``/``STALEWISE_RANK``,
-``WORLD_SIZE``/``STALEWISE_WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
-before the script runs. The budget (``--steps``) also binds a loop that never asks
-``should_stop()``: its push past it raises :class:`BudgetSpent` (a
-:class:`~stalewise.ServerClosed`); the job commits at most ``workers - 1`` pushes
-beyond it (:func:`~stalewise.protocol.budget.overshoot_bound`). The launcher prints
-progress to stderr (``STALEWISE_PROGRESS=SECONDS``, 0: none). ``--checkpoint-dir DIR
-[--checkpoint-every N] [--resume]`` saves the shards and each rank's ``ctx.state``
-(JSON values and numpy arrays, never pickled) as one cut: a rank hands its state over
-in ``should_stop()`` every ``N`` pushes, its pushes acknowledged, and waits there until
-the launcher has read the shards (and at ``ctx.close()``), so the state it holds there
-must be the one after its pushes so far. It resumes from the newest
-usable checkpoint (none yet: it says so and starts afresh; another job's: refused,
-exit status 2). How a launch ends (the launcher killed, Ctrl-C or SIGTERM, ``--timeout``,
-``--rank-timeout``): ``docs/reliability.md``.
-
-A rank's first refused push is a warning with its reason; 20 in a row refused as NaN/Inf
-(``Job.train``'s ``diverge_after``: :class:`stalewise.protocol.loop.Watch`) end it. A
-rank's error is one line (where in the script; the traceback in a file). The progress
-line counts applied and refused pushes and shows the ranks' ``ctx.log(loss=...)``
-(local and Ray). The launcher's run of the script up to :func:`init` sees rank 0's ``RANK``
-(not ``STALEWISE_RANK``) and is stopped at :data:`INIT_TIMEOUT`. ``--resume`` of a job
-whose budget is spent says so and starts no rank. ``--name NAME``: other processes join
-with ``sw.attach(NAME)``.
+Each rank's environment holds ``RANK``/``STALEWISE_RANK``, ``WORLD_SIZE``/
+``STALEWISE_WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``. The budget
+(``--steps``), checkpoints as one cut (``--checkpoint-dir``), refusals and how a launch
+ends: the README, ``docs/reliability.md`` and ``docs/design-notes.md`` ("stalewise run").
 
 Example (``train.py``; ``stalewise run --workers 4 --steps 2000 train.py``):
 
 .. code-block:: python
 
-    import stalewise as sw
-
-    if __name__ == "__main__":
-        model = make_model()
-        job = sw.Job(model, optimizer=sw.optim.adam(1e-3))
-        ctx = sw.init(job)                        # rank, world size, client
-        for batch in batches(ctx.rank, ctx.world_size):
-            if ctx.should_stop():
-                break
-            ctx.client.pull(into=model)
-            loss = loss_fn(model, batch)
-            loss.backward()
-            ctx.client.push({n: p.grad for n, p in model.named_parameters()})
-        ctx.close()
+    model = make_model()
+    ctx = sw.init(sw.Job(model, optimizer=sw.optim.adam(1e-3)))  # rank, world size, client
+    for _ in ctx.loop(into=model):  # until should_stop(), pulling before each step
+        loss_fn(model, next(batches)).backward()
+        ctx.client.push({n: p.grad for n, p in model.named_parameters()})
 """
 
 from __future__ import annotations
@@ -160,7 +131,17 @@ def init(
         from stalewise.runtime.logs import child_logging
 
         child_logging("worker 0")  # unlaunched: its warnings reach stderr
-    _unmatched(job)
+    from stalewise.optim._leaves import unmatched
+
+    segments = job.config.spec.segments
+    for field, pattern in unmatched(job.config.optimizer, segments):
+        log.warning(
+            "%s pattern %r matches no parameter of the job, so it excludes nothing; "
+            "patterns are re.search'ed on names such as %s",
+            field,
+            pattern,
+            ", ".join(map(repr, segments.names[:3])),
+        )
     if _LAUNCH is not None:  # the runtime's launch: ranks.serve_workers here, Ray's on Ray
         if _LAUNCH.checkpoint_dir is None and checkpoint_dir is not None:
             if not runtime_lib.describe(_LAUNCH.runtime).saves_served:
@@ -188,21 +169,6 @@ def init(
         ctx.state, ctx._ckpt = saves.ranks[0], saving.InProcess(saves)
     atexit.register(ctx.close)
     return ctx
-
-
-def _unmatched(job: Any) -> None:
-    """Warns of an optimizer's exclusion pattern that matches no leaf of the job."""
-    from stalewise.optim._leaves import unmatched
-
-    segments = job.config.spec.segments
-    for field, pattern in unmatched(job.config.optimizer, segments):
-        log.warning(
-            "%s pattern %r matches no parameter of the job, so it excludes nothing; "
-            "patterns are re.search'ed on names such as %s",
-            field,
-            pattern,
-            ", ".join(map(repr, segments.names[:3])),
-        )
 
 
 class Terminated(KeyboardInterrupt):

@@ -108,9 +108,7 @@ class Ranks:
         self.logs = tempfile.mkdtemp(prefix="stalewise-run-")  # a failed rank's traceback
         from stalewise.runtime.local.procs import refers_to_main
 
-        # a rank runs the script once, with runpy: it is spawned without the launcher's
-        # __main__ (the script), unless the job's config refers to something defined
-        # there (a schedule written in the script), which only importing it can unpickle
+        # a rank is spawned without the script as __main__ unless the config needs it
         self.needs_main = refers_to_main(server.config)
 
     def start(self, ctx: Any, rank: int) -> None:
@@ -249,13 +247,6 @@ class Ranks:
 # -- a rank's own process -----------------------------------------------------------------
 
 
-def whole_lines() -> None:
-    """Line-buffers each worker's stdout and stderr, so two workers' lines never tear."""
-    for stream in (sys.stdout, sys.stderr):
-        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
-            stream.reconfigure(write_through=False, line_buffering=True)
-
-
 class Gate:
     """A rank's side of the launcher's start rendezvous: says ``ready`` on its pipe and
     waits for ``go`` (``alone``: a rank ended before it got there)."""
@@ -292,7 +283,9 @@ def worker_main(
     from stalewise.runtime.logs import child_logging
 
     child_logging(f"rank {rank}")
-    whole_lines()
+    for stream in (sys.stdout, sys.stderr):  # line-buffered: two ranks' lines never tear
+        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
+            stream.reconfigure(write_through=False, line_buffering=True)
     ctx = context.Context(rank, world, client, steps=steps, _barrier=Gate(conn))
     context.become(ctx)
     os.environ.update(rank_env(rank, world, rank, world))

@@ -89,11 +89,8 @@ def check(where: str, table: NamedTuple, size: int) -> None:
     """
     offsets, sizes = table.offsets, table.sizes  # type: ignore[attr-defined]
     n = np.shape(offsets)
-    for name in table._fields:
-        dtype = _DTYPES.get(name)
-        arr = getattr(table, name)
-        if dtype is None:
-            continue
+    for name in (f for f in table._fields if f in _DTYPES):
+        dtype, arr = _DTYPES[name], getattr(table, name)
         if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.shape != n or n == ():
             raise ValueError(
                 f"{where}: state.{name} must be a {np.dtype(dtype)} vector of shape {n}"

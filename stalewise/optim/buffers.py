@@ -52,8 +52,7 @@ class _WithBuffers(Rule):
     rate: float
 
     def init(self, params: np.ndarray, segments: Segments | None = None) -> BufferState:
-        check_params(params, segments)
-        segments = segments if segments is not None else Segments.single(params.size)
+        segments = check_params(params, segments)
         names = set(self.names)
         mine = np.array([n in names for n in segments.names], dtype=bool)
         sizes = np.asarray(segments.sizes[mine], dtype=np.int64)
@@ -77,7 +76,10 @@ class _WithBuffers(Rule):
         check_vectors(grads, params, write_grads=True, write_params=into_params)
         if state.reports.dtype != params.dtype or state.reports.size != int(state.sizes.sum()):
             raise ValueError("with_buffers: the state does not fit these params")
-        slots = self._slots(state)
+        slots, start = [], 0  # (its slice of params, its slice of reports), per buffer
+        for offset, size in zip(state.offsets.tolist(), state.sizes.tolist(), strict=True):
+            slots.append((slice(offset, offset + size), slice(start, start + size)))
+            start += size
         for s, part in slots:  # the reports out of the optimizer's way
             state.reports[part] = grads[s]
             state.before[part] = params[s]
@@ -93,14 +95,6 @@ class _WithBuffers(Rule):
                 np.add(state.before[part], move, out=params[s])
             else:
                 grads[s] = move  # the update; params are untouched
-
-    @staticmethod
-    def _slots(state: BufferState) -> list[tuple[slice, slice]]:
-        out, start = [], 0
-        for offset, size in zip(state.offsets.tolist(), state.sizes.tolist(), strict=True):
-            out.append((slice(offset, offset + size), slice(start, start + size)))
-            start += size
-        return out
 
     def __repr__(self) -> str:
         rule = getattr(self.inner.apply, "__self__", None)

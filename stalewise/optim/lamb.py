@@ -99,12 +99,9 @@ def lamb(
     eps = check_number(where, "eps", eps, 0.0, lo_open=True)
     weight_decay = check_number(where, "weight_decay", weight_decay, 0.0)
     min_trust_ratio = check_number(where, "min_trust_ratio", min_trust_ratio, 0.0)
-    max_trust_ratio = check_number(where, "max_trust_ratio", max_trust_ratio, 0.0, hi_open=False)
-    if max_trust_ratio < min_trust_ratio:
-        raise ValueError(
-            f"{where}: max_trust_ratio must be >= min_trust_ratio={min_trust_ratio!r}, "
-            f"got {max_trust_ratio!r}"
-        )
+    max_trust_ratio = check_number(
+        where, "max_trust_ratio", max_trust_ratio, min_trust_ratio, hi_open=False
+    )
     return _Lamb(
         lr,
         b1,

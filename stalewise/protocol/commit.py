@@ -1,15 +1,9 @@
 """The commit rule: a push is applied by every shard or by none.
 
-The sender judges the whole push once, before any shard sees it, into a
-:class:`Verdict` (two integers) written into the push's record; once the record is
-complete the push is *committed*, every shard follows the verdict, and a shard that
-learns its sender died delivers a committed push it has not handled
-(:meth:`~stalewise.protocol.shard.Shard.depart`). Judged at commit: ``not_finite``
-(NaN/Inf anywhere; with several shards), ``overflow`` (the update's squared norm
-overflows its dtype) and ``too_stale`` (``max_staleness`` against the versions the
-sender knows). A step that would overflow a shard's own state is refused by that
-shard alone, the one refusal that can split a push (``PushResult.split``). Why:
-``docs/design-notes.md`` ("Protocol").
+The sender judges the whole push once, before any shard sees it, into a :class:`Verdict`
+written into the push's record; once the record is complete the push is *committed* and
+every shard follows the verdict. A step that would overflow a shard's own state is
+refused by that shard alone (``PushResult.split``). Why: ``docs/design-notes.md``.
 
 Example:
     >>> import numpy as np
@@ -75,19 +69,10 @@ def leaf_name(segments: Segments, index: int) -> str:
     return segments.names[max(i, 0)]
 
 
-def _sum_of_squares_is_finite(flat: np.ndarray) -> bool:
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is an answer, not a fault
-        return math.isfinite(np.dot(flat, flat))
-
-
 def first_non_finite(flat: np.ndarray) -> int | None:
     """The index of the first NaN/Inf element, or None; one dot product when all are finite."""
-    # NaN and Inf propagate into the dot product, so a finite result proves every element
-    # finite without a temporary; an overflow of the dot only sends us to the exact check.
-    if _sum_of_squares_is_finite(flat):
-        return None
-    bad = np.flatnonzero(~np.isfinite(flat))
-    return int(bad[0]) if bad.size else None
+    verdict = check_values(flat)
+    return verdict.detail if verdict.code == NOT_FINITE else None
 
 
 def check_values(flat: np.ndarray) -> Verdict:
@@ -100,8 +85,10 @@ def check_values(flat: np.ndarray) -> Verdict:
         >>> check_values(np.array([0, 2e19], np.float32))
         Verdict(code=3, detail=1)
     """
-    if _sum_of_squares_is_finite(flat):
-        return Verdict()
+    # NaN and Inf propagate into the dot product, so a finite one proves every element finite
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is an answer, not a fault
+        if math.isfinite(np.dot(flat, flat)):
+            return Verdict()
     bad = np.flatnonzero(~np.isfinite(flat))
     if bad.size:
         return Verdict(NOT_FINITE, int(bad[0]))

@@ -6,11 +6,8 @@ back. :class:`Compressor` (the worker side) encodes with error feedback (EF-SGD,
 ``docs/codecs.md``) for the codecs that ask for it; ``encode_into(..., out=)`` keeps
 the old residual until the push commits. :class:`Decoder` (the shard side) decodes
 and checks every piece's header, raising :class:`~stalewise.codecs.PayloadError`
-naming the shard and the leaf. A piece that is zero everywhere is not sent: such a
-*segment payload* is a header (``SEGMENTS``: magic ``0xE5``, the count of pieces
-sent, the length in bytes), the pieces' indices (uint32, increasing), then their
-payloads; a shard with nothing to apply still gets the 12-byte header. Byte counts
-are exact (:meth:`Compressor.nbytes`, :meth:`Compressor.sent_nbytes`).
+naming the shard and the leaf. A piece that is zero everywhere is not sent (a *segment
+payload*: :data:`SEGMENTS`, the pieces' indices, their payloads). Byte counts are exact.
 
 Example:
     >>> import numpy as np
@@ -104,10 +101,6 @@ def plan(
             pieces.append(Piece(name, start, stop, leaf))
         out.append(pieces)
     return out
-
-
-def _piece_nbytes(p: Piece, dtype: Any) -> int:
-    return p.codec.nbytes(p.stop - p.start, dtype)
 
 
 def warm_up(pieces: Sequence[Piece]) -> None:
@@ -246,8 +239,6 @@ class Compressor:
 
     def nbytes(self, k: int, dtype: Any = np.float32, scale: float = 1.0) -> int:
         """The exact length of shard ``k``'s payload (of a model ``scale`` times larger)."""
-        if scale == 1.0:
-            return self.decoders[k].nbytes(dtype)
         return sum(
             p.codec.nbytes(max(round((p.stop - p.start) * scale), 0), dtype) for p in self.pieces[k]
         )
@@ -298,13 +289,9 @@ class Compressor:
         if not self.error_feedback:
             return None
         out = np.zeros(self.size, dtype)
-        for p in self.feedback_pieces():
+        for p in (p for ps in self.pieces for p in ps if p.codec.error_feedback):
             out[p.start : p.stop] = residual[p.start : p.stop]
         return Feedback(out)
-
-    def feedback_pieces(self) -> list[Piece]:
-        """The pieces whose codec keeps error feedback (the residual is zero elsewhere)."""
-        return [p for ps in self.pieces for p in ps if p.codec.error_feedback]
 
     def encode(self, flat: np.ndarray, state: Feedback | None = None) -> tuple[list, Any]:
         """Every shard's payload of ``flat``, and ``state`` (None: a fresh one) updated in place."""
@@ -344,7 +331,9 @@ class Compressor:
                     f"{self.nbytes(k, flat.dtype)}"
                 )
             sent = [i for i, p in enumerate(pieces) if flat[p.start : p.stop].any()]
-            sizes = [_piece_nbytes(pieces[i], flat.dtype) for i in sent]
+            sizes = [
+                pieces[i].codec.nbytes(pieces[i].stop - pieces[i].start, flat.dtype) for i in sent
+            ]
             if len(sent) == len(pieces) or segment_nbytes(sizes) >= len(mv):
                 sent = list(range(len(pieces)))  # dense: every piece, back to back
                 self.sent[k], offset = None, 0

@@ -1,13 +1,9 @@
 """The hybrid consistency model's rule: synchronous while workers keep pace, else asynchronous.
 
-Under :func:`stalewise.consistency.Hybrid` a shard runs synchronous (BSP rounds) or
-asynchronous (every push applied on arrival, its staleness weight divided by
-``sqrt(live workers)``). Each worker's *pace* is the smoothed time from the pull the
-shard served to that worker's next push (``now``: the runtime's clock). At a round's
-end the shard turns asynchronous when the round had a straggler (a pace over
-``tolerance`` times the live workers' median), and synchronous again when every pace
-is within ``tolerance / 1.25`` of it. A shard starts synchronous. Why:
-``docs/design-notes.md`` ("Protocol").
+Under :func:`stalewise.consistency.Hybrid` a shard starts synchronous and, at a round's
+end, turns asynchronous when a worker's *pace* (the smoothed time from a served pull to
+its next push) is over ``tolerance`` times the live median, and back below
+``tolerance / 1.25``. Why: ``docs/design-notes.md`` ("Protocol").
 
 Example:
     >>> pace = Pace(workers=3)
@@ -66,9 +62,7 @@ class Pace:
 
     def decide(self, synchronous: bool, live: Sequence[bool], tolerance: float) -> bool:
         """The mode for the next round: True for synchronous."""
-        if synchronous:
-            return not self.straggling(live, tolerance)
-        return not self.straggling(live, tolerance / HYSTERESIS)
+        return not self.straggling(live, tolerance if synchronous else tolerance / HYSTERESIS)
 
     def state(self) -> np.ndarray:
         return self.pace.copy()

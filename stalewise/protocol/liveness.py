@@ -1,16 +1,7 @@
-"""When is a silent worker hung? Each worker is judged by its own rhythm.
-
-:class:`Silence` keeps the intervals between one worker's heartbeats and asks how
-unlikely the silence since its last beat is under them (phi accrual, Hayashibara et
-al., 2004): ``phi = -log10 P(an interval >= the silence so far)``, the intervals
-taken as normal with a deviation of at least ``MIN_SPREAD`` times their mean. The
-worker is hung when ``phi >= THRESHOLD`` and the silence is at least ``FLOOR``
-seconds, once ``MIN_SAMPLES`` intervals are known, or whatever its history past
-``worker_timeout``. Both process runtimes apply it. A rank of a script you own
-(``stalewise run``) is judged by a fixed bound instead (:func:`silent_rank`): it
-has pushed, then nothing for ``limit`` seconds while the other ranks pushed; a BSP
-rank is left to the run's ``--timeout`` (the others wait on the round it owes, so a
-pause looks like a hang). Why: ``docs/design-notes.md``.
+"""When is a silent worker hung? Each worker is judged by its own rhythm: :class:`Silence`,
+phi accrual over its heartbeats (Hayashibara et al., 2004), in both process runtimes. A
+rank of a script you own (``stalewise run``) is judged by a fixed bound instead
+(:func:`silent_rank`). Why: ``docs/design-notes.md``.
 
 Example:
     >>> s = Silence(upper=60.0)
@@ -113,7 +104,8 @@ def late_start(since: float, now: float, limit: float) -> str | None:
 
 
 def silent_rank(silence: float | None, others: int, limit: float, *, rounds: bool = False) -> bool:
-    """Whether a launched rank is hung (see the module docstring): ``silence``, the
-    seconds since its last push (None: it has not pushed yet); ``others``, the other
-    ranks' pushes since then; ``limit``, the bound (0: never); ``rounds``: BSP."""
+    """Whether a launched rank is hung: it has pushed, then nothing for ``limit`` seconds
+    (0: never) while the others pushed. ``silence``: seconds since its last push (None:
+    none yet); ``others``: the other ranks' pushes since; ``rounds``: BSP, where a rank
+    is left to ``--timeout`` (the others wait on the round it owes)."""
     return bool(limit) and not rounds and silence is not None and silence >= limit and others > 0

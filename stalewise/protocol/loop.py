@@ -151,7 +151,12 @@ def worker_loop(
         if first:
             state, first = strategy.init(params), False
         if timed:
-            strategy.started(state, _clock(now, worker))
+            if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+                raise TypeError(
+                    f"worker {worker}: the runtime answered the loop's CLOCK request with "
+                    f"{now!r}; it must answer with its clock in seconds (a finite number)"
+                )
+            strategy.started(state, float(now))
         t0 = time.perf_counter()
         step = strategy.step(state, params, loss_and_grad, batches)
         state = step.state
@@ -199,15 +204,6 @@ class Watch:
 
     def result(self, result: PushResult) -> None:
         report([result], self.stats, self.worker, diverge_after=self.diverge_after)
-
-
-def _clock(now: Any, worker: int) -> float:
-    if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
-        raise TypeError(
-            f"worker {worker}: the runtime answered the loop's CLOCK request with {now!r}; "
-            "it must answer with its clock in seconds (a finite number)"
-        )
-    return float(now)
 
 
 def report(

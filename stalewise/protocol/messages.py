@@ -70,14 +70,8 @@ class PushResult(NamedTuple):
         else:
             status = DUPLICATE if all(a.duplicate for a in acks) else APPLIED
             reason = kind = None
-        return cls(
-            acks[0].seq,
-            status,
-            reason,
-            kind,
-            tuple(a.version for a in acks),
-            max(taus) if taus else None,
-        )
+        versions = tuple(a.version for a in acks)
+        return cls(acks[0].seq, status, reason, kind, versions, max(taus, default=None))
 
     @property
     def applied(self) -> bool:

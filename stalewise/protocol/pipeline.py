@@ -1,14 +1,8 @@
 """A worker's pull and its own push in flight: the pipelining rule every runtime follows.
 
-Between a ``Push`` of the worker loop and its next ``PULL``: a gradient push is
-answered once committed and sent, a settling push once every shard acknowledged it
-(:func:`answer_at_acks`); a worker has at most :data:`IN_FLIGHT` push in flight;
-its next pull reads the shards' newest snapshots when it may
-(:func:`reads_snapshots`, :func:`may_read`: its committed pushes, the one in flight
-included, pass every gate), else it is a request behind the push, which then holds
-the push. A pull that must hold the worker's own push waits for its acks, and reads
-a snapshot at least at the acked version or asks the shard. Why:
-``docs/design-notes.md`` ("Local runtime").
+A worker has at most :data:`IN_FLIGHT` push in flight; its next pull reads the shards'
+newest snapshots when it may (:func:`reads_snapshots`, :func:`may_read`), else it is a
+request behind the push. Why: ``docs/design-notes.md`` ("Local runtime").
 
 Example:
     >>> import stalewise as sw

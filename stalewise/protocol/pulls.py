@@ -9,11 +9,8 @@ the references stay bit-identical and what a lossy codec left out goes with a la
 pull (``docs/codecs.md``). A pull without the reference the shard holds (a first
 pull, a new incarnation, after a shard restart) is *full*: the slice, exact.
 
-Wire format: a 24-byte header (magic ``0xD7``, kind 0 full or 1 delta, the dtype,
-0, the shard as uint32, the version and the reference number as uint64s), then a
-full pull's ``none()`` payload, or per piece a codec payload (magic ``0xC5``) or a
-sparse block (magic ``0xD5``, index bytes, dtype, 0, ``n`` and the count as uint64s,
-the increasing indices in the narrowest unsigned type holding ``n - 1``, the values).
+Wire format: :data:`HEADER`, then a full pull's ``none()`` payload, or per piece a codec
+payload or a :data:`SPARSE` block (increasing indices, then the values).
 :meth:`Replica.apply` checks all of it before it changes anything.
 
 Example:

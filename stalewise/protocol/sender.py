@@ -1,14 +1,9 @@
 """The worker's half of a push: one :class:`Sender` per worker incarnation, no I/O.
 
-Every runtime drives a :class:`Sender` for each push, in this order:
-:meth:`Sender.pulled` (the push's bases) and :meth:`Sender.observed` (newer
-versions seen); with a codec :meth:`Sender.encode`; :meth:`Sender.judge` once, the
-commit rule's verdict as an :class:`Outgoing`; the runtime commits the push its own
-way, then :meth:`Sender.committed` (or :meth:`Sender.abandoned`); and
-:meth:`Sender.result` folds the acks into a
-:class:`~stalewise.protocol.messages.PushResult`. The error-feedback residual of
-the last committed push stays current until the next push commits; a next
-incarnation starts from it (:meth:`Sender.successor`).
+Every runtime drives a :class:`Sender` for each push, in this order: ``pulled`` and
+``observed``, ``encode`` (with a codec), ``judge`` once, then, once the runtime committed
+the push its own way, ``committed`` (or ``abandoned``), and ``result`` on the acks. The
+residual of the last committed push stays current; a next incarnation starts from it.
 
 Example:
     >>> import numpy as np
@@ -114,19 +109,9 @@ class Sender:
             self.known[k] = version
 
     @property
-    def feedback(self) -> bool:
-        """Whether this sender keeps an error-feedback residual."""
-        return self._buffers is not None
-
-    @property
     def residual(self) -> np.ndarray | None:
         """The residual after the last committed push (None without error feedback)."""
         return None if self._buffers is None else self._buffers[self.current]
-
-    @property
-    def buffers(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The two residual buffers (:attr:`current` holds :attr:`residual`)."""
-        return self._buffers
 
     def encode(self, flat: np.ndarray, payloads: Sequence[Any]) -> None:
         """Encodes the update ``flat`` into ``payloads`` (each writable, of exactly
@@ -156,7 +141,9 @@ class Sender:
         if self._payloads is not None and whole:
             if into is None:
                 if self._decoded is None:
-                    self._decoded = np.empty(self.compressor.size, self._dtype(flat))
+                    dtype = np.float32 if flat is None else flat.dtype
+                    dtype = self._buffers[0].dtype if self._buffers else dtype
+                    self._decoded = np.empty(self.compressor.size, dtype)
                 into = self._decoded
             values = self.compressor.decode(self._payloads, into)
         elif flat is None:
@@ -196,11 +183,6 @@ class Sender:
         for k, ack in enumerate(acks):
             self.observed(k, ack.version)
         return PushResult.of(acks)
-
-    def _dtype(self, flat: np.ndarray | None) -> Any:
-        if self._buffers is not None:
-            return self._buffers[0].dtype
-        return np.float32 if flat is None else flat.dtype
 
 
 class History:

@@ -22,21 +22,15 @@ class ShardStats:
     bytes_out: int = 0
     mode_switches: int = 0  # hybrid: switches between synchronous and asynchronous rounds
 
-    def staleness_mean(self) -> float:
-        n = sum(self.staleness.values())
-        return sum(t * c for t, c in self.staleness.items()) / n if n else 0.0
-
-    def staleness_max(self) -> int:
-        return max(self.staleness, default=0)
-
     def as_dict(self) -> dict[str, Any]:
+        n = sum(self.staleness.values())
         return {
             "applied": self.applied,
             "rounds": self.rounds,
             "rejected": dict(self.rejected),
             "duplicates": self.duplicates,
-            "staleness_mean": self.staleness_mean(),
-            "staleness_max": self.staleness_max(),
+            "staleness_mean": sum(t * c for t, c in self.staleness.items()) / n if n else 0.0,
+            "staleness_max": max(self.staleness, default=0),
             "staleness_counts": dict(self.staleness),  # tau -> applied pushes
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,

@@ -5,7 +5,7 @@ pull into the job's trees (:class:`PullsIntoTrees`)."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -86,29 +86,6 @@ class PullsIntoTrees:
         return tree.unflatten(self._pull_buf, self._spec, copy=copy)
 
 
-def slowdowns(
-    stragglers: Mapping[int, float] | Sequence[float] | None, workers: int
-) -> list[float]:
-    """Normalises a straggler setting to one slowdown factor (>= 1) per worker: ``{3: 4.0}``
-    makes worker 3 four times slower; a list gives every worker's factor."""
-    factors = [1.0] * workers
-    if stragglers is None:
-        return factors
-    items = stragglers.items() if isinstance(stragglers, Mapping) else enumerate(stragglers)
-    if not isinstance(stragglers, Mapping) and len(stragglers) != workers:
-        raise ValueError(f"stragglers lists {len(stragglers)} factors for {workers} workers")
-    for w, f in items:
-        if not (isinstance(w, int) and 0 <= w < workers):
-            raise ValueError(f"stragglers: unknown worker {w!r} (workers are 0..{workers - 1})")
-        if not (isinstance(f, int | float) and not isinstance(f, bool) and 1 <= f <= MAX_SLOWDOWN):
-            raise ValueError(
-                f"stragglers[{w}]: slowdown factor must be a number in [1, {MAX_SLOWDOWN:g}], "
-                f"got {f!r}"
-            )
-        factors[w] = float(f)
-    return factors
-
-
 #: The largest straggler factor (``train(stragglers=...)``): a worker this many times slower.
 MAX_SLOWDOWN = 1e4
 #: The longest extra delay per step (``train(delays=...)``), in seconds.
@@ -118,14 +95,10 @@ MAX_DELAY = 3600.0
 def check_run(
     workers: Any, steps: Any, data: Any, stragglers: Any, delays: Mapping[int, float] | None
 ) -> tuple[list[float], list[float]]:
-    """Checks the arguments every runtime's ``train`` shares.
-
-    Returns:
-        ``(slowdown factor per worker, extra delay in seconds per worker)``.
-    """
-    for name, n in (("workers", workers), ("steps", steps)):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
+    """Checks the arguments every runtime's ``train`` shares; returns the slowdown factor
+    (``{3: 4.0}``: worker 3 four times slower, or a list) and the extra delay per worker."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:  # workers: checked
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if not callable(data) and len(data) != workers:
         raise ValueError(f"data has {len(data)} per-worker shards for {workers} workers")
     extra = [0.0] * workers
@@ -138,7 +111,19 @@ def check_run(
                 f"in [0, {MAX_DELAY:g}]"
             )
         extra[w] = float(d)
-    return slowdowns(stragglers, workers), extra
+    factors, given = [1.0] * workers, {} if stragglers is None else stragglers
+    if not isinstance(given, Mapping) and len(given) != workers:
+        raise ValueError(f"stragglers lists {len(given)} factors for {workers} workers")
+    for w, f in given.items() if isinstance(given, Mapping) else enumerate(given):
+        if not (isinstance(w, int) and 0 <= w < workers):
+            raise ValueError(f"stragglers: unknown worker {w!r} (workers are 0..{workers - 1})")
+        if not (isinstance(f, int | float) and not isinstance(f, bool) and 1 <= f <= MAX_SLOWDOWN):
+            raise ValueError(
+                f"stragglers[{w}]: slowdown factor must be a number in [1, {MAX_SLOWDOWN:g}], "
+                f"got {f!r}"
+            )
+        factors[w] = float(f)
+    return factors, extra
 
 
 def worker_range(workers: Any) -> tuple[int, int]:

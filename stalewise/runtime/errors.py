@@ -97,7 +97,7 @@ class Failures:
     """A job's failure policy, and the log of what it did (``TrainResult.failures``).
 
     ``policy``: ``"restart"`` (a new incarnation, up to ``max_restarts`` per worker id
-    or shard; None: no limit), ``"drop"`` (the others carry on; a dead shard is still
+    or shard; None: no limit; checked by the run options), ``"drop"`` (the others carry on; a dead shard is still
     restarted) or ``"fail"`` (:class:`WorkerError` or :class:`ShardError`). A diverged
     worker is never restarted. Every event is logged and kept in :attr:`events`; the
     first of each kind is warned as a :class:`FailureWarning`. ``hint`` ends the
@@ -115,11 +115,6 @@ class Failures:
     """
 
     def __init__(self, policy: str = "restart", max_restarts: int | None = 3, *, hint: str = ""):
-        if policy not in FAILURE_POLICIES:
-            raise ValueError(
-                f"on_worker_failure must be one of {', '.join(map(repr, FAILURE_POLICIES))}, "
-                f"got {policy!r}"
-            )
         self.policy, self.max_restarts, self.hint = policy, max_restarts, hint
         self.events: list[dict[str, Any]] = []
         self._restarts: Counter = Counter()  # ("worker" | "shard", id) -> restarts so far

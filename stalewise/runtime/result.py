@@ -135,9 +135,7 @@ class Recorder:
             self.bar.close()
 
 
-#: How a run can end (:attr:`TrainResult.ended`): its budget of pushes spent, its
-#: ``stop_at`` targets reached, or every worker failed and dropped (a run whose
-#: workers all diverged raises :class:`DivergedError` instead).
+#: How a run can end (:attr:`TrainResult.ended`; all workers diverged: DivergedError).
 ENDINGS = ("budget", "stop_at", "no_workers")
 
 

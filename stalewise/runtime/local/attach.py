@@ -8,10 +8,8 @@ same user calls ``client = sw.attach("gpt")`` (or ``worker=3``): the server pick
 the worker id and incarnation, makes its pipes to every shard and passes them over
 the socket, authenticated with the key both ways, with the client's description as
 JSON (:mod:`stalewise.runtime.local.door_state`; nothing is unpickled, every read
-is bounded). The worker id is free again once the socket closes. Each handshake runs
-on its own thread within :data:`HANDSHAKE_TIMEOUT` seconds, at most
-:data:`MAX_HANDSHAKES` at once; a failing ``accept`` backs off up to
-:data:`ACCEPT_BACKOFF` seconds. Threat model: ``docs/reliability.md``."""
+is bounded). The worker id is free again once the socket closes. Threat model:
+``docs/reliability.md``."""
 
 from __future__ import annotations
 
@@ -152,9 +150,8 @@ class Door:
         with os.fdopen(fd, "wb") as f:
             f.write(key)
         self.key = key
-        # no authkey here: each connection is authenticated on its own thread (_handshake),
-        # under a deadline, so a silent one holds up neither the door nor the server.
-        # bind() makes the socket, and fails if anything has that name (a symlink too)
+        # no authkey: each connection authenticates on its own thread, under a deadline;
+        # bind() fails if anything has that name (a symlink too)
         try:
             self.listener = connection.Listener(str(self.sock), family="AF_UNIX")
             os.chmod(self.sock, 0o600)  # in our 0700 folder: nothing but ours can be there
@@ -169,9 +166,8 @@ class Door:
         self.cut = _Counted(f"cut a silent attach (over {MAX_HANDSHAKES} at once)")
         self.leases: dict[int, connection.Connection] = {}  # worker id -> its open socket
         self.pending: set[int] = set()  # worker ids whose pipes are being handed over
-        # the server's own lock: the door's threads take it to make a client, and the
-        # server's caller takes it to read the leases (two locks taken in both orders
-        # could deadlock); it is never held while waiting for an attaching process
+        # the server's own lock (two locks would be taken in both orders); never held
+        # while waiting for an attaching process
         self.lock = server._lock
         self.closed = threading.Event()
         self.thread = threading.Thread(

@@ -2,13 +2,9 @@
 
 A :class:`Client` is one incarnation of its worker id and belongs to one thread of
 one process; every blocking call takes a ``timeout`` in seconds (None waits
-forever). A push is committed (:mod:`stalewise.protocol.commit`) in shared memory
-before any shard is told; messages are the records of :mod:`stalewise.runtime.local.wire`.
-A shard that closed its connection makes every later call raise
-:class:`ServerClosed`; a shard whose process died, read from the shared control
-words, raises :class:`~stalewise.runtime.errors.ShardError` naming it, so no call
-waits forever on a dead shard. Read-your-writes pulls (``own=True``) and the dead
-shard's detection are described in ``docs/design-notes.md`` ("Local runtime")."""
+forever). A shard that closed its connection makes every later call raise
+:class:`ServerClosed`, a shard whose process died :class:`~stalewise.runtime.errors.ShardError`
+naming it. How: ``docs/design-notes.md`` ("Local runtime")."""
 
 from __future__ import annotations
 
@@ -101,21 +97,13 @@ class Client(PullsIntoTrees):
         self._ranges = config.ranges
         self._consistency = config.consistency
         self._staleness = config.staleness
-        # Pulls read the published snapshots unless the shard must see them: DC-ASGD
-        # keeps what was pulled, and a gated model's gate needs this worker's clock,
-        # which the client counts from 0 (its pushes) only for a first incarnation that
-        # joined at clock 0; a restarted, resumed or late one (an elastic job's joiner)
-        # joins at the shard's clock (`joined_at`), so the shard gates it.
-        # (the rule: stalewise.protocol.pipeline)
-        self._direct = pipeline.reads_snapshots(
+        self._direct = pipeline.reads_snapshots(  # else the shards serve each pull
             config, incarnation=incarnation, joined_at=joined_at
         )
-        # with a codec: the update is encoded into one payload per shard at push
-        self._compressor = config.compressor()
+        self._compressor = config.compressor()  # with a codec: one payload per shard
         self._residuals: Residuals | None = None  # error feedback, in the block (on attach)
         self._payloads: list[np.ndarray] = []  # shard k's payload in the push region
-        # the protocol's sending side (versions, verdict, residual), made on attach
-        self._sender: Sender | None = None
+        self._sender: Sender | None = None  # versions, verdict, residual; made on attach
         self._conns = conns
         self._block: SharedBlock | None = None
         self._snapshots: Snapshots | None = None  # set on attach (workers only)
@@ -216,8 +204,7 @@ class Client(PullsIntoTrees):
             self._control = control = self._layout.control(self._block)
             self._exits, self._stop_word = control[self._layout.shard_exits], control[:1]
             self._done = control[self._layout.pushes_done][self.worker : self.worker + 1]
-        if self._sender is None:
-            # the residual buffers in the block: Residuals.put leaves the current one in 1
+        if self._sender is None:  # residuals in the block: Residuals.put leaves the current in 1
             res = self._residuals
             self._sender = Sender(
                 self._spec.segments,
@@ -231,8 +218,8 @@ class Client(PullsIntoTrees):
         return self._block
 
     def pull(self, *, copy: bool = True, into: Any = None, timeout=None, own: bool = True) -> Any:
-        # one copy: the snapshots are read straight into new memory, or into `into`'s
-        # leaves (a pull that raises may have written some of them)
+        # one copy: into new memory, or into `into`'s leaves (a pull that raises may have
+        # written some of them)
         views = None if into is None else tree.views_into(into, self._spec)
         if (not copy and into is None) or (into is not None and views is None):
             return super().pull(copy=copy, into=into, timeout=timeout, own=own)
@@ -283,10 +270,7 @@ class Client(PullsIntoTrees):
                 self._consistency, self._sender.seq, (snaps.min_clock(k) for k in shards)
             )
         ):
-            # read-your-writes: once an ack is in, only params that hold it will do; a
-            # shard none of whose copies holds it is asked, and serves the pull behind
-            # the push: no waiting for a deferred publish
-            for k in shards:
+            for k in shards:  # a shard whose copies lack the acked push serves the pull
                 version = self._read(k, timeout, out)
                 if version is None:
                     self._send(k, wire.pull())

@@ -111,16 +111,12 @@ class Layout:
     def _records_start(self) -> int:
         return _round_up(self.control_items * 8) + _round_up(self.shards * _TABLE_COLUMNS * 8)
 
-    def _arrays_start(self) -> int:
-        return self._records_start() + _round_up(self.workers * self.record_items * 8)
-
     def _offset(self, region: int) -> int:
         """Where region ``region`` starts: params, observer, 2 snapshots, then each pull."""
-        raw = self.size * np.dtype(self.dtype).itemsize
-        return self._arrays_start() + region * _round_up(raw)
+        arrays = self._records_start() + _round_up(self.workers * self.record_items * 8)
+        return arrays + region * _round_up(self.size * np.dtype(self.dtype).itemsize)
 
     def _push_region(self) -> int:
-        """The bytes of one worker's push region."""
         if not self.payloads:
             return _round_up(self.size * np.dtype(self.dtype).itemsize)
         return sum(_round_up(n) for n in self.payloads)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import io
 import multiprocessing as mp
 import os
 import pickle
@@ -24,7 +23,11 @@ from stalewise.runtime.base import THREAD_VARS
 def thread_budget(threads: int) -> Iterator[None]:
     """Caps the math-library threads of processes spawned inside the block (variables the
     user set are respected; the environment is restored afterwards)."""
-    check_main_guard()  # every process the local runtime starts is started in this block
+    # every process the local runtime starts is started in this block: a spawned process
+    # still importing the user's main module is a script without the __main__ guard
+    if getattr(mp.current_process(), "_inheriting", False):
+        print(f"stalewise: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
+        raise SystemExit(NO_MAIN_GUARD)
     saved = {k: os.environ.get(k) for k in THREAD_VARS}
     for k in THREAD_VARS:
         os.environ.setdefault(k, str(max(1, threads)))
@@ -55,40 +58,13 @@ MAIN_GUARD_HINT = (
 )
 
 
-def check_main_guard() -> None:
-    """Exits with :data:`NO_MAIN_GUARD`, saying why on stderr, if this is a spawned process
-    still importing the user's main module (a script without the ``__main__`` guard)."""
-    if getattr(mp.current_process(), "_inheriting", False):
-        print(f"stalewise: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
-        raise SystemExit(NO_MAIN_GUARD)
-
-
-# -- the main module of a spawned process ----------------------------------------------
-#
-# multiprocessing's spawn starts a child that imports the parent's ``__main__`` (as
-# ``__mp_main__``) before it unpickles its target: ``spawn.get_preparation_data`` names it
-# (``init_main_from_name`` or ``init_main_from_path``) and ``spawn.prepare`` imports it.
-# In the local runtime that module is the user's script (its imports, torch included,
-# and whatever it does at its top level), which a shard never needs and which a launched
-# rank runs itself, once, with runpy. Processes started under :func:`stalewise_main`
-# leave it out: the child imports only stalewise's modules, those its target and
-# arguments are pickled from.
+# -- the main module of a spawned process (why: docs/design-notes.md, "Local runtime") --
 
 _own_main = threading.local()  # .on: the processes this thread starts leave __main__ out
 _install_lock = threading.Lock()
 
 
-def _preparation_data(name: str, _original: Callable[[str], dict]) -> dict:
-    data = _original(name)
-    if getattr(_own_main, "on", False):
-        data.pop("init_main_from_name", None)
-        data.pop("init_main_from_path", None)
-    return data
-
-
-# A child's entry point when its parent may die while starting it (``kill -9`` of the
-# launcher): multiprocessing's own, but a child whose parent is gone (reparented) exits
-# quietly instead of printing a traceback from the half-written pipe (EOFError).
+# multiprocessing's entry point, but a child whose parent died while starting it exits quietly
 _QUIET_ENTRY = """import os
 from multiprocessing.spawn import spawn_main
 try:
@@ -110,7 +86,11 @@ def _install() -> None:
             return
 
         def get_preparation_data(name: str) -> dict:
-            return _preparation_data(name, current)
+            data = current(name)
+            if getattr(_own_main, "on", False):  # the child does not import __main__
+                data.pop("init_main_from_name", None)
+                data.pop("init_main_from_path", None)
+            return data
 
         def get_command_line(**kwds: object) -> list[str]:
             cmd = line(**kwds)
@@ -151,14 +131,6 @@ class _MainFinder(pickle.Pickler):
         return NotImplemented
 
 
-class _Nowhere(io.RawIOBase):
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: object) -> int:
-        return len(memoryview(b))  # type: ignore[arg-type]
-
-
 def refers_to_main(obj: object) -> bool:
     """Whether pickling ``obj`` refers to a class or function of ``__main__`` (True if it
     does not pickle here, so the real start raises the real error).
@@ -167,9 +139,10 @@ def refers_to_main(obj: object) -> bool:
         >>> refers_to_main({"lr": 0.1}), refers_to_main(refers_to_main)
         (False, False)
     """
-    finder = _MainFinder(_Nowhere(), protocol=5, buffer_callback=lambda buf: False)
     try:
-        finder.dump(obj)
+        with open(os.devnull, "wb") as nowhere:
+            finder = _MainFinder(nowhere, protocol=5, buffer_callback=lambda buf: False)
+            finder.dump(obj)
     except Exception:
         return True
     return finder.found

@@ -1,13 +1,9 @@
 """Shared-memory blocks that cannot leak.
 
-On Linux a block is an anonymous memory file (``memfd_create``): it never has a
-name in ``/dev/shm``, so no crash or ``kill -9`` leaves anything behind, and other
-processes attach through the creator's descriptor (``/proc/<pid>/fd/<fd>``, the
-block's :attr:`~SharedBlock.handle`) while it lives. Elsewhere a block is a named
-file in ``/dev/shm`` (or the temporary folder), unlinked by its creator or, if that
-is killed, by the shard processes (:func:`stalewise.runtime.local.procs.die_with_parent`).
-:mod:`multiprocessing.shared_memory` is not used: on Python 3.11 its resource
-tracker warns about, or unlinks, segments a process does not own.
+On Linux a block is an anonymous memory file (``memfd_create``), attached through the
+creator's descriptor (the block's :attr:`~SharedBlock.handle`) while it lives; elsewhere
+a named file in ``/dev/shm``, unlinked by its creator or its shard processes. Why:
+``docs/design-notes.md`` ("Local runtime").
 
 Example:
     >>> block = SharedBlock.create(1024)
@@ -67,14 +63,6 @@ def _file_size_limit() -> int | None:
         return None
     soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
-
-
-def _fallocate(fd: int, size: int) -> None:
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise  # no fallocate on this file system: the pages are found when first written
 
 
 def _create_error(
@@ -149,7 +137,11 @@ class SharedBlock:
             try:
                 os.ftruncate(fd, size)
                 if hasattr(os, "posix_fallocate"):  # a full /dev/shm fails here, not with SIGBUS
-                    _fallocate(fd, size)
+                    try:
+                        os.posix_fallocate(fd, 0, size)
+                    except OSError as e:  # those three: the pages are found when first written
+                        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                            raise
                 mm = mmap.mmap(fd, size)
             except OSError:
                 os.unlink(path)

@@ -1,10 +1,7 @@
 """The simulator's configuration: :class:`SimConfig` and its TOML ``[sim]`` table.
 
-A :class:`SimConfig` gathers the timing, network and fault models of
-:mod:`stalewise.runtime.sim.models` into one frozen, picklable, hashable value
-that checks its fields when it is made and names the bad field and value.
-:meth:`SimConfig.from_dict` reads the flat table a TOML ``[sim]`` section
-spells; :mod:`stalewise.runtime.sim` runs a job on it.
+A :class:`SimConfig` gathers the models of :mod:`stalewise.runtime.sim.models` into one
+frozen, hashable value; :meth:`SimConfig.from_dict` reads a TOML ``[sim]`` table.
 
 Example:
     >>> cfg = SimConfig(compute=Fixed(0.5), failures=[Failure(worker=1, time=3.0)])
@@ -122,19 +119,14 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         kinds = {"compute": (Fixed, ShiftedExponential), "network": Network, "service": Service}
-        for name, kind in kinds.items():
-            if not isinstance(getattr(self, name), kind):
-                raise _bad("SimConfig", name, getattr(self, name), f"must be a {_names(kind)}")
-        for name, kind in (("contention", Contention), ("copies", Copies)):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
-                raise _bad(
-                    "SimConfig", name, getattr(self, name), f"must be None or a {_names(kind)}"
-                )
-        if self.stragglers is not None and not isinstance(self.stragglers, Stragglers):
-            raise _bad("SimConfig", "stragglers", self.stragglers, "must be None or a Stragglers")
+        for name, kind in {**kinds, **_OPTIONAL, "stragglers": Stragglers}.items():
+            value, kind = getattr(self, name), kind if isinstance(kind, tuple) else (kind,)
+            if not isinstance(value, kind) and (name in kinds or value is not None):
+                need = "a" if name in kinds else "None or a"
+                need += " " + " or ".join(k.__name__ for k in kind)
+                raise _bad("SimConfig", name, value, f"must be {need}")
         if self.speeds is not None:
-            speeds = _tuple(self, "speeds")
-            for i, s in enumerate(speeds):
+            for i, s in enumerate(_tuple(self, "speeds")):
                 _factor("SimConfig", f"speeds[{i}]", s)
         for name, kind in TOML_LISTS.items():
             for i, item in enumerate(_tuple(self, name)):
@@ -285,11 +277,6 @@ def _table(model: Any, value: Any, path: str, where: str) -> Any:
         return _make(model, dict(value), where, f"{path}.{{}}".format)
     except TypeError as e:  # a field missing
         raise SimConfigError("", path, ..., str(e), where) from None
-
-
-def _names(kind: Any) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(k.__name__ for k in kinds)
 
 
 def _tuple(cfg: SimConfig, name: str) -> tuple:

@@ -1,10 +1,8 @@
 """Timing, network and fault models of the simulator, and their per-run state.
 
-The models are frozen, picklable dataclasses that check their fields when made
-(naming the bad field and value). Per run, :class:`WorkerTiming` answers "when does
-this step end", :class:`Links` "when is this message in" and :class:`Service` "how
-long does this request take"; :class:`~stalewise.runtime.sim.config.SimConfig`
-gathers them. One local step takes, in virtual seconds::
+Per run, :class:`WorkerTiming` answers "when does this step end", :class:`Links` "when
+is this message in" and :class:`Service` "how long does this request take". One local
+step takes, in virtual seconds::
 
     (compute.sample() + delays[w]) * stragglers[w] * persistent[w] / speeds[w]
 
@@ -12,9 +10,7 @@ stretched by any :class:`Slowdown` active meanwhile. A message of ``B`` bytes le
 its sender's egress link (FIFO, ``B / bandwidth``), travels ``latency`` seconds and
 enters its receiver's ingress link (cut-through); control messages cost ``latency``
 only; with :class:`Copies` the bytes also cost copies on the cores and the memory bus
-of the process that makes them. Every time is at most :data:`MAX_SECONDS`, every rate at least
-:data:`MIN_BYTES_PER_S` (or ``math.inf``), every factor within :data:`MAX_FACTOR`
-of 1, so that no run records for ever.
+of the process that makes them.
 
 Example:
     >>> ShiftedExponential(shift=0.0, rate=1.0).mean, Service(time=0.5, rate=2.0).seconds(1.0)
@@ -134,10 +130,6 @@ class Fixed:
 
     @property
     def mean(self) -> float:
-        return self.time
-
-    def sample(self, rng: np.random.Generator) -> float:
-        del rng
         return self.time
 
 
@@ -415,21 +407,15 @@ class WorkerTiming:
         ``stretch`` (the contention factor) stretches the compute, not the delays;
         :attr:`busy` is then the step's compute seconds."""
         p = self.paces[worker]
-        if local_steps == 1:
-            base = self.compute.sample(p.rng)  # Fixed: its time
-            if stretch != 1.0:
-                base *= stretch
-            work = (base + p.delay) * p.scale
+        if p.rng is None:  # Fixed
+            base = self.compute.time * local_steps
         else:
-            if p.rng is not None:
-                rng, sample, base = p.rng, self.compute.sample, 0.0
-                for _ in range(local_steps):
-                    base += sample(rng)  # the samples of the local steps, in order
-            else:
-                base = self.compute.time * local_steps
-            if stretch != 1.0:
-                base *= stretch
-            work = (base + p.delay * local_steps) * p.scale
+            rng, sample, base = p.rng, self.compute.sample, 0.0
+            for _ in range(local_steps):
+                base += sample(rng)  # the samples of the local steps, in order
+        if stretch != 1.0:
+            base *= stretch
+        work = (base + p.delay * local_steps) * p.scale
         self.busy = base * p.cpu
         if self.loop:  # the worker loop's own time: once a push, at no worker's pace
             work += self.loop * stretch
