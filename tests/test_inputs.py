@@ -322,7 +322,11 @@ def _write(tmp_path, text, name="job.toml"):
             "<= 1e+07",
         ),
         ('[run]\nruntime = "sim"\n[sim]\nlatency = "x"\n', "sim.latency", "got 'x'"),
-        ("[run]\nstragglers = { 1 = 1e300 }\n", "run.stragglers.1", "a number in [1, 10000], got 1e+300"),
+        (
+            "[run]\nstragglers = { 1 = 1e300 }\n",
+            "run.stragglers.1",
+            "a number in [1, 10000], got 1e+300",
+        ),
         ('[server]\nconsistency = "ssp"\nmax_staleness = nan\n', "server.max_staleness", "nan"),
         ("[server]\ndc_lambda = nan\n", "server.dc_lambda", "nan"),
         ('[server]\nconsistency = "ssp"\nbound = nan\n', "server.bound", "nan"),

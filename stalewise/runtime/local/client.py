@@ -238,6 +238,8 @@ class Client(PullsIntoTrees):
         return self._spares[0]
 
     def last_pull(self, *, copy: bool = True, into: Any = None) -> Any:
+        """The parameters of the last completed pull; after ``pull()`` or ``pull(into=)``,
+        read from the arrays that pull filled, so with any change made to them since."""
         last, buf = self._last, self._pull_buf
         if last is not None and last is not buf:  # read into fresh memory or a tree's leaves
             for at, view in [(0, last)] if isinstance(last, np.ndarray) else last:
