@@ -73,8 +73,9 @@ def no_data(worker, workers):
 # -- the plain Ray parameter-server pattern ------------------------------------------------
 
 
-def plain_pattern(ray, size: int, seconds: float) -> dict:
-    """Ray's documented asynchronous parameter server, as a user would write it."""
+def plain_pattern(ray, size: int, seconds: float, warmup: float = 0.0) -> dict:
+    """Ray's documented asynchronous parameter server, as a user would write it; timed for
+    ``seconds`` after ``warmup`` seconds of the same loop."""
 
     @ray.remote(num_cpus=0)
     class ParameterServer:
@@ -109,13 +110,14 @@ def plain_pattern(ray, size: int, seconds: float) -> dict:
     weights = ps.get_weights.remote()
     ray.get([weights, *(w.ready.remote() for w in workers)])  # every actor up: start-up untimed
     pending = {w.compute_gradients.remote(weights): w for w in workers}
-    updates, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        [ready], _ = ray.wait(list(pending), num_returns=1)
-        worker = pending.pop(ready)
-        weights = ps.apply_gradients.remote(ready)
-        pending[worker.compute_gradients.remote(weights)] = worker
-        updates += 1
+    for window in (warmup, seconds):
+        updates, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < window:
+            [ready], _ = ray.wait(list(pending), num_returns=1)
+            worker = pending.pop(ready)
+            weights = ps.apply_gradients.remote(ready)
+            pending[worker.compute_gradients.remote(weights)] = worker
+            updates += 1
     ray.get(weights)  # the last update is applied
     elapsed = time.perf_counter() - t0
     for a in (ps, *workers):

@@ -23,15 +23,22 @@ Two modes:
   (issue #29): the default pull within 5% of ``own=False`` at every size, and at
   least 0.9 of ideal at 1M. ``--quick``: 4 pairs of 1 s phases (3 s at 10M) per
   size, about a minute.
+* ``--baselines`` (implies ``--mode own``; issue 44): after each size's own loop,
+  PyTorch DDP and Ray's parameter-server pattern at that size, 4 s each after a
+  warm-up (``benchmarks/baselines.py``), and the ratio of the default pull's
+  pushes/s to the best baseline's updates/s (DDP's: 4 x its steps/s, the workers'
+  gradients folded in per second). Bar: at least 2x at 10M; with ``--baselines``,
+  ``--check`` exits 1 on that bar only (the own-loop bars are printed and written).
 
 ``--check`` also writes the figures to ``runs/bench-stragglers.json`` (or
-``runs/bench-stragglers-own.json`` in the own mode, or ``--json PATH``).
+``runs/bench-stragglers-own.json`` in the own mode, ``-baselines`` with baselines, or
+``--json PATH``).
 The load average is printed with the figures: the machine may be shared.
 
     .venv/bin/python benchmarks/stragglers.py [--check] [--sizes 1000000 10000] [--seconds 6]
         [--json PATH]
     .venv/bin/python benchmarks/stragglers.py --mode own [--quick] [--check]
-        [--sizes 1000000 10000000] [--seconds 1.5] [--pairs 8]
+        [--sizes 1000000 10000000] [--seconds 1.5] [--pairs 8] [--baselines]
 """
 
 import argparse
@@ -93,6 +100,7 @@ def measure(size: int, consistency, seconds: float) -> dict:
 
 WARMUP = 1.0  # seconds of the own-loop mode's first phase, not counted
 OWN_BAR, OWN_IDEAL_BAR = 0.95, 0.9  # default pull >= 0.95 x own=False; >= 0.9 of ideal at 1M
+BASELINE_BAR, BASELINE_SECONDS = {10_000_000: 2.0}, 4.0  # own loop / best of DDP and Ray PS
 
 
 def phase_modes(pairs: int) -> list[bool]:
@@ -198,8 +206,14 @@ def main_own(args, out) -> int:
     seconds = args.seconds or (1.0 if args.quick else 1.5)
     pairs = args.pairs or (4 if args.quick else 8)
     began = time.monotonic()
-    # a 10M step is slow under load: longer phases, so each holds enough pushes
-    rows = [r for n in sizes for r in measure_own(n, seconds * (3 if n > 2e6 else 1), pairs)]
+    rows, base = [], []
+    for n in sizes:  # a 10M step is slow under load: longer phases, so each holds enough pushes
+        own = measure_own(n, seconds * (3 if n > 2e6 else 1), pairs)  # pull(), pull(own=False)
+        rows += own
+        if args.baselines:
+            import baselines
+
+            base += baselines.compare(n, own[0]["pushes/s"], BASELINE_SECONDS)
     print(
         f"ideal asynchronous rate: {IDEAL:.1f} pushes/s (3 workers at {COMPUTE * 1e3:.0f} ms, "
         f"1 at {COMPUTE * SLOWDOWN * 1e3:.0f} ms); a loop you own, ASP, {pairs} pairs of "
@@ -220,8 +234,20 @@ def main_own(args, out) -> int:
     ok = all(b["met"] for b in bars)
     print(f"\nbar: the default pull within 5% of own=False at every size, >= {OWN_IDEAL_BAR} of ideal at 1M:",
           "met" if ok else "MISSED", "(" + ", ".join(f"{b['name']}: {b['value']:.3f}" for b in bars) + ")")  # fmt: skip
+    figures = {"ideal_pushes_per_s": IDEAL, "mode": "own", "rows": rows}
+    if args.baselines:
+        print("\nthe default pull against DDP (updates/s: 4 x steps/s) and Ray's PS pattern:")
+        print(format_table(base, list(base[0])))
+        mine = [r for r in base if r["system"] == "own loop"]
+        extra = [_report.bar(f"own loop / best baseline at {r['params']:,}", r["vs best"], ">=",
+                             BASELINE_BAR[r["params"]]) for r in mine if r["params"] in BASELINE_BAR]  # fmt: skip
+        bars, ok = bars + extra, all(b["met"] for b in extra)
+        verdict = ("met" if ok else "MISSED") if extra else "no figure (10M not measured)"
+        print("bar: own loop >= 2x the best baseline at 10M:", verdict,
+              "(" + ", ".join(f"{r['params']:,}: {r['vs best']:.2f}x" for r in mine) + ")")  # fmt: skip
+        figures["baselines"] = base
     print(f"({time.monotonic() - began:.0f} s)")
-    _report.write(out, {"ideal_pushes_per_s": IDEAL, "mode": "own", "rows": rows}, bars=bars)
+    _report.write(out, figures, bars=bars)
     return 0 if ok or not args.check else 1
 
 
@@ -233,10 +259,15 @@ def main() -> int:
                     help="approximate length of each ASP run (train; default 6), of each phase (own; 1.5)")  # fmt: skip
     ap.add_argument("--pairs", type=int, default=None, help="own: phases of each pull (default 8)")
     ap.add_argument("--quick", action="store_true", help="own: 4 pairs of 1 s phases per size")
+    ap.add_argument(
+        "--baselines", action="store_true", help="own, and DDP and Ray's PS at each size"
+    )
     ap.add_argument("--check", action="store_true", help="exit 1 if the bar is missed")
     _report.add_json_arg(ap)
     args = ap.parse_args()
-    out = _report.json_path(ap, args, "stragglers" if args.mode == "train" else "stragglers-own")
+    args.mode = "own" if args.baselines else args.mode
+    name = "baselines" if args.baselines else {"train": "", "own": "own"}[args.mode]
+    out = _report.json_path(ap, args, "stragglers" + (f"-{name}" if name else ""))
     if args.mode == "own":
         return main_own(args, out)
     args.sizes = args.sizes or [1_000_000, 10_000]
