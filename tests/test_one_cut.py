@@ -6,7 +6,9 @@ pushes made after a rank's saved ``ctx.state``) or skipped shows in the final on
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -14,14 +16,19 @@ import sys
 import textwrap
 import time
 import uuid
+from multiprocessing import connection
 
 import child_procs
 import numpy as np
 import pytest
+from test_own_pulls import N, ShardThread
 
 import stalewise as sw
 from stalewise import checkpoint
-from stalewise.protocol import PushHeader, budget
+from stalewise.checkpoint import store
+from stalewise.protocol import PushHeader, budget, delivery, pushlog
+from stalewise.runtime.local import shard_proc, wire
+from stalewise.runtime.local.server import LocalServer
 
 STEPS, EVERY, WORKERS, KILLS = 1200, 20, 2, 3
 TIMEOUT = 180  # seconds for one process's step (a loaded machine)
@@ -325,3 +332,135 @@ def test_a_served_jobs_checkpoints_are_one_cut_and_a_resume_applies_each_push_on
     items = final.flat().reshape(workers, n)
     twice, skipped = np.argwhere(items > 1.5).tolist(), np.argwhere(items < 0.5).tolist()
     assert not twice and not skipped, f"twice {twice}, skipped {skipped}"
+
+
+# -- a cut that fails: every shard thaws, its late replies are dropped, no log chain has a gap --
+
+ONES = {"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)}
+
+
+def two_shards() -> sw.Job:
+    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+    return sw.Job(params, optimizer=sw.optim.sgd(1.0), shards=2)
+
+
+def pushes(client, n):
+    for _ in range(n):
+        client.push(ONES, timeout=10)  # a frozen shard holds it for CUT_LIMIT (60 s)
+    assert client.wait(timeout=10).status == "applied"
+
+
+@contextlib.contextmanager
+def stopped(server, k):
+    """Shard ``k``'s process stopped (SIGSTOP) in the block, continued however it ends."""
+    os.kill(server._procs[k].pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server._procs[k].pid, signal.SIGCONT)
+
+
+def test_a_cut_given_up_thaws_every_shard_and_the_next_one_is_right(no_leaks):
+    """A cut that failed left the shards that froze frozen (their workers' pushes held for
+    CUT_LIMIT, 60 s), and its late replies were taken for the next cut's (``state_dicts()``
+    returned ``[(0, 0)]``). Now the shards thaw at once and the replies are dropped: shard 1
+    stopped while the cut waits, pushes flow again and the next cut holds every push."""
+    with LocalServer(two_shards().config, workers=1) as server:
+        client = server.client(0)
+        pushes(client, 1)
+        with contextlib.suppress(TimeoutError):  # its replies come after the call gave up
+            server.state_dicts(timeout=0)
+        with stopped(server, 1), pytest.raises(TimeoutError, match="shard 1"):
+            server.state_dicts(timeout=1)
+        pushes(client, 3)
+        states, step, _ = server.checkpoint_parts(timeout=30)
+        assert [int(s["next_seq"][0]) for s in states] == [4, 4] and step["pushes"] == 4
+        np.testing.assert_array_equal(server.pull(timeout=30)["a"], np.full(4, -4.0))
+        client.close()
+
+
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_a_cut_failed_between_its_phases_leaves_no_gap_in_a_log_chain(
+    tmp_path, monkeypatch, fault, no_leaks
+):
+    """Shard 1 is killed (or stopped) once the shards froze, before they are aimed: the cut
+    fails. Its log number was taken all the same, so each chain went on past a missing
+    file and a replay stopped there. Now each shard's state at the first checkpoint and its
+    logs replay to its params at the end (shard 1's, killed, has a new chain)."""
+    job, folder = two_shards(), str(tmp_path)
+    original = delivery.targets
+
+    def between_phases(progress):
+        os.kill(server._procs[1].pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        assert fault == "stopped" or connection.wait([server.shard_sentinels()[1]], 10)
+        return original(progress)
+
+    with LocalServer(job.config, workers=1) as server:
+        client = server.client(0)
+        pushes(client, 2)
+        first = server.checkpoint_parts(timeout=30, log_dir=folder)
+        pushes(client, 2)
+        monkeypatch.setattr(delivery, "targets", between_phases)
+        try:
+            with pytest.raises(sw.ShardError if fault == "killed" else TimeoutError):
+                server.checkpoint_parts(timeout=3, log_dir=folder)
+        finally:
+            monkeypatch.setattr(delivery, "targets", original)
+            if fault == "stopped":
+                os.kill(server._procs[1].pid, signal.SIGCONT)
+        if fault == "killed":
+            client.close()
+            server.restart_shard(1)
+            client = server.client(0)
+        pushes(client, 2)
+        server.checkpoint_parts(timeout=30, log_dir=folder)
+        pushes(client, 2)
+        client.close()
+        final = server.state_dicts(timeout=30)
+    for k in [0] if fault == "killed" else [0, 1]:
+        state = first[0][k]
+        shard = job.config.build_shard(k, np.array(state["params"]), int(state["workers"]))
+        shard.load_state_dict(state)
+        chain, n = store.LOG.match(first[1]["logs"][k]).groups()
+        read = []
+        while (path := tmp_path / f"{chain}-{int(n) + len(read):06d}").exists():
+            with open(path, "rb") as f:
+                pushlog.replay(shard, pushlog.read(f, max_payload=1 << 20))
+            read.append(path.name)
+        # the first checkpoint's, the failed cut's (once its targets were sent), the next's
+        assert len(read) == (2 if fault == "killed" else 3), read
+        np.testing.assert_array_equal(shard.params, final[k]["params"])
+
+
+def test_a_shard_that_gave_a_cut_up_says_so_and_begins_its_log_all_the_same(tmp_path, monkeypatch):
+    """A shard frozen ``CUT_LIMIT`` seconds thawed and said nothing (a parent that waits
+    without a timeout waited forever), and targets reaching it then gave a state of no cut.
+    Now it replies an error to both; and a log named to it is begun when the cut ends, as
+    when the parent thaws it before its targets are reached (one shard's loop, on a thread)."""
+    monkeypatch.setattr(shard_proc, "CUT_LIMIT", 0.0)
+    s = ShardThread(1, busy=False)
+    try:
+
+        def reply():
+            assert s._control.poll(TIMEOUT)
+            return wire.decode_reply(s._control.recv_bytes(), trusted=True)
+
+        s._control.send_bytes(wire.cut(7, None))
+        assert reply() == ("cut", (7, [(1, 0)], None))  # frozen: worker 0's progress
+        assert reply() == ("cut", (7, None, "shard 0: no consistent cut within 0 s"))
+        s._control.send_bytes(wire.cut(7, {0: (1, 0)}, str(tmp_path / "a"), False))
+        assert reply() == ("cut", (7, None, "shard 0: not frozen for cut 7 (gave it up)"))
+        monkeypatch.setattr(shard_proc, "CUT_LIMIT", 60.0)
+        s._control.send_bytes(wire.cut(8, None))
+        assert reply()[1][0] == 8
+        s._control.send_bytes(wire.cut(8, {0: (1, 1)}, str(tmp_path / "b"), False))
+        s._control.send_bytes(wire.thaw())  # before worker 0's push 0 arrived
+        s.clients[0].push({"w": np.ones(N, np.float32)}, timeout=TIMEOUT)
+        assert s.clients[0].wait(timeout=TIMEOUT).status == "applied"
+        assert not s._control.poll(0.1)  # the thaw has no reply
+        assert (tmp_path / "a").is_file() and (tmp_path / "b").stat().st_size > 0
+    finally:
+        s._stop.set()
+        s._thread.join(10)
+        s.proc.end_log()
+        s.close()

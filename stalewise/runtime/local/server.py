@@ -116,7 +116,8 @@ class LocalServer:
         self._block = SharedBlock.create(self.layout.nbytes)
         self._procs: list = []
         self._tags: dict[int, str] = {}  # each shard process's push logs (state_dicts), and
-        self._log_n, self.logs = 0, None  # the last logs begun: ["log-shard-K-TAG-N", ...]
+        self._log_n, self._logs = 0, None  # the last logs begun: ["log-shard-K-TAG-N", ...]
+        self._cuts = 0  # consistent cuts begun: a shard's replies to one name it
         self._controls: list = []
         self._incarnations = [0] * workers  # the newest incarnation of each worker id
         self._clients = [0] * workers  # clients made for each worker id by this server
@@ -335,9 +336,12 @@ class LocalServer:
         """Each worker id's last training loss, as its client published it (NaN: none)."""
         return self.control[self.layout.losses]
 
+    @_locked
     def stats(self, timeout: float | None = 60.0) -> list[dict]:
         """Each shard's counters (applied, rejected, staleness, bytes, version)."""
-        return self._ask_all([wire.stats()] * len(self._controls), "stats", timeout)
+        self._send_all([wire.stats()] * len(self._controls))
+        with self._naming_dead_shards():
+            return [self.observer._take(k, "stats", timeout)[1] for k in range(len(self._controls))]
 
     @_locked
     def state_dicts(
@@ -345,27 +349,57 @@ class LocalServer:
     ) -> list[dict]:
         """Each shard's whole state (:meth:`Shard.state_dict`), every one as of the same
         pushes of every worker (a consistent cut: :class:`~stalewise.protocol.delivery.Cut`);
-        with ``log_dir``, each shard begins a push log there at that state (named in ``logs``;
-        ``fsync``: each turn's entries are fsynced before its acks)."""
-        n = len(self._controls)
-        progress = self._ask_all([wire.cut(None)] * n, "state", timeout)
-        logs = [""] * n
-        if log_dir is not None:  # numbered once no shard is known dead: a chain has no gap
-            with contextlib.suppress(OSError):  # else the shards say why they write none
-                os.makedirs(log_dir, 0o755, exist_ok=True)
-            self._log_n += 1
-            self.logs = [f"log-shard-{k}-{t}-{self._log_n:06d}" for k, t in self._tags.items()]
-            logs = [os.path.join(log_dir, name) for name in self.logs]
-        targets = delivery.targets(progress)
-        return self._ask_all([wire.cut(targets, log, fsync) for log in logs], "state", timeout)
+        with ``log_dir``, each shard begins a push log there at that state (named in the
+        checkpoint's ``step``; ``fsync``: each turn's entries are fsynced before its acks).
+        A cut that fails thaws every shard (its late replies are dropped)."""
+        self._cuts += 1
+        n, cut, names = len(self._controls), self._cuts, None
+        try:
+            self._send_all([wire.cut(cut, None)] * n)
+            targets = delivery.targets(self._cut_replies(cut, timeout))
+            paths = [""] * n
+            if log_dir is not None:
+                with contextlib.suppress(OSError):  # else the shards say why they write none
+                    os.makedirs(log_dir, 0o755, exist_ok=True)
+                names = [f"log-shard-{k}-{t}-{self._log_n + 1:06d}" for k, t in self._tags.items()]
+                paths = [os.path.join(log_dir, name) for name in names]
+            self._send_all([wire.cut(cut, targets, p, fsync) for p in paths], names is not None)
+            states = self._cut_replies(cut, timeout)
+        except BaseException:
+            for c in self._controls:  # no reply: the next cut drops this one's
+                with contextlib.suppress(OSError):
+                    c.send_bytes(wire.thaw())
+            raise
+        self._logs = names
+        return states
 
-    @_locked
-    def _ask_all(self, bodies: list[bytes], kind: str, timeout: float | None) -> list:
+    def _send_all(self, bodies: list[bytes], logs: bool = False) -> None:
+        """Sends ``bodies[k]`` to each live shard ``k``, even if another's pipe is broken;
+        ``logs``: they name push log N, which each live shard then begins: N is taken."""
         self.check()
-        with self._naming_dead_shards():
-            for c, body in zip(self._controls, bodies, strict=True):
+        broken = None
+        for c, body in zip(self._controls, bodies, strict=True):
+            try:
                 c.send_bytes(body)
-            return [self.observer._take(k, kind, timeout)[1] for k in range(len(self._controls))]
+            except OSError as e:
+                broken = e
+        self._log_n += int(logs)  # (at the cut, or where it gives it up: a chain has no gap)
+        if broken is not None:
+            with self._naming_dead_shards():
+                raise broken
+
+    def _cut_replies(self, cut: int, timeout: float | None) -> list:
+        """Each shard's reply to cut number ``cut`` (earlier cuts', given up, are dropped);
+        TimeoutError if one gave it up (``CUT_LIMIT``) or did not reply in ``timeout`` s."""
+        out = []
+        with self._naming_dead_shards():
+            for k in range(len(self._controls)):
+                while (reply := self.observer._take(k, "cut", timeout)[1])[0] != cut:
+                    continue  # its reply to an earlier cut, given up
+                if reply[2] is not None:
+                    raise TimeoutError(reply[2])
+                out.append(reply[1])
+        return out
 
     def residuals(self, timeout: float = 10.0) -> list[np.ndarray] | None:
         """Each worker's residual after its last committed push (None: the codec keeps none)."""
@@ -481,6 +515,7 @@ class LocalServer:
         else:  # the job's total: what a budget of steps counts
             counts[0] = int(ckpt.step.get("pushes", 0))
 
+    @_locked
     def checkpoint_parts(
         self, timeout: float | None = 60.0, log_dir: str | None = None, fsync: bool = False
     ) -> tuple[list, dict, Any]:
@@ -502,7 +537,7 @@ class LocalServer:
                 for s in states
             )
             pushed.append(budget.held(n, committed, handled))
-        step = {"pushes": sum(pushed), "pushed": pushed, **({"logs": self.logs} if log_dir else {})}
+        step = {"pushes": sum(pushed), "pushed": pushed} | ({"logs": self._logs} if log_dir else {})
         return states, step, self.residuals()
 
     def published_version(self, k: int = 0) -> int:

@@ -125,9 +125,9 @@ class ShardProcess:
         self.cutting = delivery.Cut()  # a consistent cut under way: held pipes are not read
         self.cut_aimed = False  # its targets are in: the state is sent once they are reached
         self.cut_log: tuple = ("", False)  # and the push log begun then: (path, fsync)
-        self.cut_until = 0.0  # when a cut under way is given up
+        self.cut_n, self.cut_until = 0, 0.0  # its number, and when it is given up
         self.publishes = 0  # snapshots published
-        self.log, self.log_path = None, ""  # the push log the journal goes to (begin_log)
+        self.log, self.log_path, self.log_fsync = None, "", False  # the push log (begin_log)
         self.served = 0  # pulls served into a worker's pull buffer
 
     # -- snapshots -----------------------------------------------------------------
@@ -259,7 +259,9 @@ class ShardProcess:
         starts = [
             p.partial_since + PARTIAL_TIMEOUT for p in self.pipes if p.partial_since is not None
         ]
-        return min(starts + [self.cut_until] * self.cutting.frozen, default=None)
+        if self.cutting.frozen:
+            starts.append(self.cut_until)
+        return min(starts, default=None)
 
     def serve_waiting_pulls(self) -> None:
         for w in sorted(self.waiting):
@@ -288,17 +290,21 @@ class ShardProcess:
                 self.receive(c)
         self.expire_partial()
         if self.cut_aimed and self.cutting.reached(self.shard):
-            state = self.shard.state_dict()
-            if self.cut_log[0]:  # the push log begins at the state the checkpoint holds
-                self.begin_log(*self.cut_log)
-            self.control.send_bytes(wire.state_reply(state))
-        elif not self.cutting.frozen or time.monotonic() < self.cut_until:
-            return True
-        else:
+            self.end_cut(self.shard.state_dict())
+        elif self.cutting.frozen and time.monotonic() >= self.cut_until:
             log.error("shard %d: no consistent cut within %g s; thawed", self.k, CUT_LIMIT)
-        self.cutting.thaw()
-        self.cut_aimed = False
+            self.end_cut(None, f"shard {self.k}: no consistent cut within {CUT_LIMIT:g} s")
         return True
+
+    def end_cut(self, *reply) -> None:
+        """Thaws, begins the cut's push log (at its state, or where it was given up: a chain
+        has no gap), then sends ``reply`` (:func:`wire.cut_reply`'s; none: the parent's thaw)."""
+        if self.cut_log[0]:
+            self.begin_log(*self.cut_log)
+        self.cutting.thaw()
+        self.cut_aimed, self.cut_log = False, ("", False)
+        if reply:
+            self.control.send_bytes(wire.cut_reply(self.cut_n, *reply))
 
     def held(self, p: WorkerPipe) -> bool:
         """Whether pipe ``p`` is not read now: under a cut, unless its next push is below its
@@ -381,12 +387,18 @@ class ShardProcess:
             c.send_bytes(wire.stats_reply(shard.stats.as_dict() | {"version": shard.version}))
         elif kind == "state":
             c.send_bytes(wire.state_reply(shard.state_dict()))
-        elif kind == "cut" and msg[1] is None:  # frozen: each worker's (incarnation, pushes)
-            self.cut_until = time.monotonic() + CUT_LIMIT
-            c.send_bytes(wire.state_reply(self.cutting.freeze(shard)))
+        elif kind == "cut" and msg[2] is None:  # frozen: each worker's (incarnation, pushes)
+            self.cut_n, self.cut_until = msg[1], time.monotonic() + CUT_LIMIT
+            c.send_bytes(wire.cut_reply(msg[1], self.cutting.freeze(shard)))
         elif kind == "cut":
-            self.cutting.aim(msg[1])
-            self.cut_aimed, self.cut_log = True, msg[2:]
+            self.cut_n, self.cut_log = msg[1], msg[3:]
+            if self.cutting.frozen:
+                self.cutting.aim(msg[2])
+                self.cut_aimed = True
+            else:  # it gave the cut up (CUT_LIMIT): no consistent state
+                self.end_cut(None, f"shard {self.k}: not frozen for cut {msg[1]} (gave it up)")
+        elif kind == "thaw":
+            self.end_cut()
         elif kind == "load":  # a checkpoint, before any worker joins (resume)
             if self.pipes:
                 c.send_bytes(wire.loaded(None, "workers have joined; load before they do"))
@@ -400,7 +412,6 @@ class ShardProcess:
             self.publish_now()
             c.send_bytes(wire.loaded(shard.version, None))
         else:  # stop
-            self.end_log()
             c.send_bytes(wire.stopped(shard.stats.as_dict() | {"version": shard.version}))
             return False
         return True

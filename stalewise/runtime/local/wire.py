@@ -7,8 +7,8 @@ or, only on the control pipe from the parent that started a shard, a pickle::
 
     worker -> shard    push(seq), pull, leave                  fixed, <= MAX_WORKER_MESSAGE bytes
     shard  -> worker   ack, pulled(version), error(text)       at most MAX_REPLY bytes
-    parent -> shard    join(worker, incarnation), pull, stats, state, load(pickle), stop
-    shard  -> parent   ready(k), joined(clock), pulled, stats(pickle), state(pickle), loaded, stopped(pickle)
+    parent -> shard    join(worker, incarnation), pull, stats, state, stop, thaw, pickled: load, cut
+    shard  -> parent   ready(k), joined(clock), pulled, loaded, pickled: stats, state, stopped, cut
     worker -> parent   worker_ready, beat(time), done, diverged(text),   at most MAX_RESULT bytes
                        failed(traceback, summary)
     parent -> worker   go
@@ -47,9 +47,9 @@ _PUSH, _PULL, _LEAVE = 0x01, 0x02, 0x03
 # shard -> worker (PULLED also to the parent)
 _ACK, _PULLED, _ERROR = 0x11, 0x12, 0x13
 # parent -> shard (PULL too: the observer's)
-_JOIN, _STATS, _STATE, _LOAD, _STOP, _CUT = 0x21, 0x22, 0x23, 0x24, 0x25, 0x26
+_JOIN, _STATS, _STATE, _LOAD, _STOP, _CUT, _THAW = 0x21, 0x22, 0x23, 0x24, 0x25, 0x26, 0x27
 # shard -> parent
-_READY, _JOINED, _STATS_REPLY, _STATE_REPLY, _LOADED, _STOPPED = 0x31, 0x32, 0x33, 0x34, 0x35, 0x36
+_READY, _JOINED, _STATS_REPLY, _STATE_REPLY, _LOADED, _STOPPED, _CUT_REPLY = range(0x31, 0x38)
 # worker -> parent (the result pipe), and parent -> worker
 _W_READY, _BEAT, _DONE, _DIVERGED, _FAILED, _GO = 0x41, 0x42, 0x43, 0x44, 0x45, 0x46
 
@@ -202,6 +202,11 @@ def state_reply(state: dict) -> bytes:
     return _KIND.pack(_STATE_REPLY) + _pickle(state)
 
 
+def cut_reply(n: int, payload: Any, err: str | None = None) -> bytes:
+    """A shard's answer to cut ``n`` (:func:`cut`): its progress, its state, or why it failed."""
+    return _KIND.pack(_CUT_REPLY) + _pickle((n, payload, err))
+
+
 def loaded(version: int | None, err: str | None) -> bytes:
     head = _LOADED_HEAD.pack(_LOADED, -1 if version is None else version, err is not None)
     return head + _text(err)
@@ -213,7 +218,7 @@ def stopped(stats: dict) -> bytes:
 
 def decode_reply(body: bytes, *, trusted: bool = False) -> tuple:
     """A shard's message as the tuple it stands for (``("ack", Ack)``, ``("pulled", version)``,
-    ...); the pickled ``stats``, ``state`` and ``stopped`` only with ``trusted``."""
+    ...); the pickled ones (``stats``, ``state``, ``stopped``, ``cut``) only with ``trusted``."""
     kind = _kind_of(body)
     size = {_ACK: _ACK_HEAD.size, _LOADED: _LOADED_HEAD.size, _ERROR: _KIND.size}.get(kind)
     if size is not None and len(body) < size:
@@ -246,7 +251,7 @@ def decode_reply(body: bytes, *, trusted: bool = False) -> tuple:
         if len(body) != record.size:
             raise _wrong_size(kind, body)
         return (name, *record.unpack(body)[1:])
-    pickled = {_STATS_REPLY: "stats", _STATE_REPLY: "state", _STOPPED: "stopped"}
+    pickled = {_STATS_REPLY: "stats", _STATE_REPLY: "state", _STOPPED: "stopped", _CUT_REPLY: "cut"}
     if kind in pickled and trusted:
         return (pickled[kind], pickle.loads(body[_KIND.size :]))
     raise WireError(f"a reply of unknown kind 0x{kind:02x} ({len(body)} bytes)")
@@ -359,11 +364,17 @@ def stop() -> bytes:
     return _KIND.pack(_STOP)
 
 
-def cut(targets: dict | None, log: str = "", fsync: bool = False) -> bytes:
-    """A consistent cut (:class:`~stalewise.protocol.delivery.Cut`): None freezes the shard,
-    which replies its progress; then ``targets``, and it replies its state once there and
-    begins the push ``log`` file at it (``fsync``: each turn's entries before its acks)."""
-    return _KIND.pack(_CUT) + _pickle((targets, log, fsync))
+def cut(n: int, targets: dict | None, log: str = "", fsync: bool = False) -> bytes:
+    """Consistent cut number ``n`` (:class:`~stalewise.protocol.delivery.Cut`): None freezes
+    the shard, which replies its progress; then ``targets``, and it replies its state once
+    there and begins the push ``log`` file at it (``fsync``: each turn's entries before its
+    acks); :func:`thaw` ends a cut given up. Replies: :func:`cut_reply`, echoing ``n``."""
+    return _KIND.pack(_CUT) + _pickle((n, targets, log, fsync))
+
+
+def thaw() -> bytes:
+    """The parent gave the cut up: the shard thaws (no reply)."""
+    return _KIND.pack(_THAW)
 
 
 def encode_control(msg: tuple) -> bytes:
@@ -378,9 +389,9 @@ def encode_control(msg: tuple) -> bytes:
         return join(msg[1], msg[2])
     if kind == "load" and len(msg) == 2:
         return load(msg[1])
-    if kind == "cut" and len(msg) == 4:
+    if kind == "cut" and len(msg) == 5:
         return cut(*msg[1:])
-    simple = {"pull": pull, "stats": stats, "state": state, "stop": stop}
+    simple = {"pull": pull, "stats": stats, "state": state, "stop": stop, "thaw": thaw}
     if kind in simple and len(msg) == 1:
         return simple[kind]()
     raise WireError(f"not a control message: {msg!r:.80}")
@@ -388,8 +399,8 @@ def encode_control(msg: tuple) -> bytes:
 
 def decode_control(body: bytes) -> tuple:
     """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
-    ``("stats",)``, ``("state",)``, ``("load", state)``, ``("cut", targets, log, fsync)``
-    (unpickled) or ``("stop",)``."""
+    ``("stats",)``, ``("state",)``, ``("load", state)``, ``("cut", n, targets, log, fsync)``
+    (unpickled), ``("thaw",)`` or ``("stop",)``."""
     kind = _kind_of(body)
     if kind == _JOIN and len(body) == _TWO.size:
         return ("join", *_TWO.unpack(body)[1:])
@@ -397,7 +408,7 @@ def decode_control(body: bytes) -> tuple:
         return ("load", pickle.loads(body[_KIND.size :]))
     if kind == _CUT:
         return ("cut", *pickle.loads(body[_KIND.size :]))
-    simple = {_PULL: "pull", _STATS: "stats", _STATE: "state", _STOP: "stop"}
+    simple = {_PULL: "pull", _STATS: "stats", _STATE: "state", _STOP: "stop", _THAW: "thaw"}
     if kind in simple and len(body) == _KIND.size:
         return (simple[kind],)
     raise WireError(f"a control message of unknown kind or size: 0x{kind:02x}, {len(body)} bytes")
