@@ -427,8 +427,9 @@ def test_a_cut_failed_between_its_phases_leaves_no_gap_in_a_log_chain(
             with open(path, "rb") as f:
                 pushlog.replay(shard, pushlog.read(f, max_payload=1 << 20))
             read.append(path.name)
-        # the first checkpoint's, the failed cut's (once its targets were sent), the next's
-        assert len(read) == (2 if fault == "killed" else 3), read
+        # the first checkpoint's, the failed cut's (once its targets were sent: a killed
+        # shard seen dead before they go out stops them, and the number is not taken), the next's
+        assert len(read) in ((2, 3) if fault == "killed" else (3,)), read
         np.testing.assert_array_equal(shard.params, final[k]["params"])
 
 
