@@ -61,6 +61,15 @@ def _child(tmp_path, source, *args, stdin=False):
     return child_procs.start(script, *args, stdin=stdin)
 
 
+def test_what_every_shard_has_handled_of_an_incarnations_pushes():
+    # incarnation 2 committed 5 pushes: a shard of incarnation 2 has handled next_seq of them,
+    # a shard a later incarnation joined has handled them all, one still at 1 none
+    assert budget.handled(2, 5, [(2, 3), (2, 5)]) == 3
+    assert budget.handled(2, 5, [(3, 0), (2, 4)]) == 4
+    assert budget.handled(2, 5, [(1, 9), (2, 5)]) == 0
+    assert budget.held(12, 5, budget.handled(2, 5, [(1, 9), (2, 5)])) == 7
+
+
 @pytest.mark.parametrize("consistency", [sw.ASP(), sw.BSP()], ids=["asp", "bsp"])
 def test_an_attached_client_given_a_budget_refuses_the_push_past_it(tmp_path, consistency,
                                                                     no_leaks):  # fmt: skip

@@ -97,6 +97,13 @@ def held(pushed: int, committed: int, handled: int) -> int:
     return max(pushed - max(committed - handled, 0), 0)
 
 
+def handled(inc: int, committed: int, seats: Iterable[tuple[int, int]]) -> int:
+    """Of incarnation ``inc``'s ``committed`` pushes, how many every shard has handled, from
+    each shard's seat ``(incarnation, next_seq)``: the same incarnation has handled
+    ``next_seq``, a later one's join delivered them all, an earlier one has seen none."""
+    return min(seq if i == inc else committed if i > inc else 0 for i, seq in seats)
+
+
 def off_cut(
     states: Sequence[Mapping[str, Any]], worker: int, held: int, state: int | None
 ) -> str | None:

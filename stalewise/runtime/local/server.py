@@ -531,11 +531,8 @@ class LocalServer:
                 n, rec = int(counts[w]), records[w].copy()
             # the commit word is seq + 1, or 0 while the next push's record is written
             committed = int(rec[layout_lib.R_COMMIT]) or int(rec[layout_lib.R_SEQ])
-            inc = int(rec[layout_lib.R_INC])
-            handled = min(  # a later incarnation's join delivered every push of this one
-                int(s["next_seq"][w]) if int(s["incarnation"][w]) == inc else committed
-                for s in states
-            )
+            seats = ((int(s["incarnation"][w]), int(s["next_seq"][w])) for s in states)
+            handled = budget.handled(int(rec[layout_lib.R_INC]), committed, seats)
             pushed.append(budget.held(n, committed, handled))
         step = {"pushes": sum(pushed), "pushed": pushed} | ({"logs": self._logs} if log_dir else {})
         return states, step, self.residuals()

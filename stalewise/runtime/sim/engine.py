@@ -605,9 +605,8 @@ class Simulation:
         dead = [wk.phase == _DEAD and not self.restarting(wk.id) for wk in self.workers]
         in_flight = 0  # committed, not yet handled by every shard: lost to a resume
         for wk in self.workers:
-            w, inc = wk.id, wk.inc
-            handled = min(int(s.next_seq[w]) if s.incarnation[w] == inc else 0 for s in self.shards)
-            in_flight += max(wk.sender.seq - handled, 0)
+            seats = ((int(s.incarnation[wk.id]), int(s.next_seq[wk.id])) for s in self.shards)
+            in_flight += max(wk.sender.seq - budget.handled(wk.inc, wk.sender.seq, seats), 0)
         return {
             "now": self.now,
             "pushes": self.pushes - in_flight,  # as budget.held counts them
