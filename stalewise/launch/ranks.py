@@ -92,9 +92,7 @@ class Rank:
 
 
 class Ranks:
-    """The launcher's ranks: starts them, releases them together, watches their pushes
-    (the liveness rule, :func:`stalewise.protocol.liveness.silent_rank`), ticks the
-    checkpoints (``saves``), and stops them."""
+    """The launcher's ranks: starts, releases, watches (the liveness rule) and stops them."""
 
     def __init__(self, server: Any, launch: Any, saves: checkpoints.Saves | None = None):
         self.server, self.launch, self.saves = server, launch, saves
@@ -218,9 +216,7 @@ class Ranks:
                     self._ended(r)
 
     def stop(self) -> None:
-        """Stops the ranks still running, before the shards close: sets the job's stop flag,
-        gives them :data:`STOP_GRACE` seconds, then kills the rest (at once on a second
-        Ctrl-C or SIGTERM)."""
+        """Stops the ranks still running: the stop flag, :data:`STOP_GRACE` s, then a kill."""
         self.stopping = True
         if not self.running():
             return
@@ -274,9 +270,7 @@ def worker_main(
     conn: Any,
     logs: str,
 ) -> None:
-    """A worker process (a rank): runs the script once as ``__main__`` with its context set;
-    it dies with the launcher, says on one line when interrupted or stopped, and sends
-    its error's line to the launcher (:func:`failure`)."""
+    """A worker process (a rank): runs the script once as ``__main__`` with its context set."""
     from stalewise.runtime.local.procs import die_with_parent
 
     die_with_parent()
