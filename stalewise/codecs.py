@@ -1,11 +1,9 @@
 """Codecs: how an update is encoded on the wire (``sw.codecs``).
 
-A codec turns a float vector into raw bytes (never a pickle: a 12-byte header, then the
-body) and back, with an exact byte count: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``,
-``topk`` and ``sign``, each class stating its error bound. A truncated, padded, foreign or
-corrupt payload raises :class:`PayloadError`; NaN and infinity travel as values, so that the
-shard refuses the update. A Job's codec compresses leaves of at least :data:`SMALL_LEAF`
-elements (:func:`size_adaptive` sets the threshold). Sizes, speeds, errors: docs/codecs.md.
+A codec turns a float vector into raw bytes (a 12-byte header, then the body; never a
+pickle) and back, each class stating its error bound; a bad payload raises
+:class:`PayloadError`, NaN and infinity travel as values (the shard refuses them). A Job's
+codec compresses leaves of at least :data:`SMALL_LEAF` elements. More: docs/codecs.md.
 
 Example:
     >>> import numpy as np
@@ -87,8 +85,7 @@ class Codec(Policy):
         return buf
 
     def encode_into(self, x: np.ndarray, buf: Any) -> None:
-        """Writes the payload of ``x`` into ``buf``, a writable buffer of exactly
-        ``nbytes(x.size, x.dtype)`` bytes (e.g. a slice of a shared-memory block)."""
+        """Writes the payload of ``x`` into ``buf``, of exactly ``nbytes(x.size, x.dtype)`` bytes."""
         x = _vector(x)
         mv = memoryview(buf).cast("B")
         if len(mv) != self.nbytes(x.size, x.dtype):
@@ -119,8 +116,7 @@ class Codec(Policy):
         return out
 
     def decode_at(self, buf: memoryview, offset: int, out: np.ndarray, where: str = "") -> int:
-        """Decodes the payload at ``offset`` of ``buf`` into ``out`` (of the expected size);
-        returns where it ends. ``where`` prefixes error messages."""
+        """Decodes the payload at ``offset`` of ``buf`` into ``out``; returns where it ends."""
         where = where or repr(self)
         if len(buf) - offset < HEADER.size:
             raise PayloadError(
@@ -160,7 +156,6 @@ class Codec(Policy):
         r -= self.decode(payload, np.empty_like(r) if scratch is None else scratch)
 
     def __repr__(self) -> str:
-        """``name(field=value, ...)`` of the fields that differ from their defaults."""
         args = [f"{f.name}={v}" for f in fields(self) if (v := getattr(self, f.name)) != f.default]
         return f"{self.name}({', '.join(args)})"
 
@@ -476,11 +471,8 @@ NAMES = (*_MAKERS, "size_adaptive")
 
 
 def parse(spec: Any) -> Policy:
-    """A codec from a config value: ``"int8"``, ``"int4"``, ``"topk:0.01"``, or a table such as
-    ``{"name": "topk", "fraction": 0.01, "error_feedback": False}`` or
-    ``{"name": "size_adaptive", "threshold": 4096, "large": "topk:0.01"}``; else ValueError
-    naming what is wrong.
-    """
+    """A codec from a config value: ``"int8"``, ``"topk:0.01"``, or a table such as
+    ``{"name": "size_adaptive", "threshold": 4096, "large": "topk:0.01"}``; else ValueError."""
     if isinstance(spec, Policy):
         return spec
     if isinstance(spec, str):

@@ -1,9 +1,8 @@
 """Local SGD / DiLoCo for a training loop you own: the worker side, as a wrapper.
 
-In a :meth:`stalewise.Job.serve` worker, these wrappers push ``pulled - current`` every
-``local_steps`` optimizer steps (``H``) and pull the new global parameters; the Job's
-``optimizer=`` (or ``strategy=``) picks the method (:mod:`stalewise.strategies.averaging`).
-Each push's result is kept in ``results``; nothing is pushed after an exception.
+These wrappers push ``pulled - current`` every ``local_steps`` optimizer steps and pull;
+the Job's ``optimizer=`` (or ``strategy=``) picks the method. Each push's result is kept in
+``results``; nothing is pushed after an exception.
 
 Example (PyTorch, in a worker process; ``client = server.client(rank)``):
 
@@ -97,16 +96,9 @@ class _Averager:
 class LocalSGD(_Averager):
     """Local SGD / DiLoCo for a PyTorch loop: push and pull every ``local_steps`` optimizer steps.
 
-    Args:
-        client: this worker's client (``server.client(rank)``).
-        model: the ``torch.nn.Module`` (or tree of tensors) the optimizer trains;
-            it must match the Job's params.
-        optimizer: the worker's ``torch.optim.Optimizer`` (DiLoCo: AdamW); its
-            ``step()`` is hooked while the ``with`` block runs.
-        local_steps: ``H``, optimizer steps per push.
-        timeout: seconds to wait for the shards at a pull or push (None: forever).
-        remainder: ``"drop"`` (default) or ``"push"``: what leaving the block does
-            with the steps since the last sync. :meth:`sync` syncs at once.
+    ``optimizer.step()`` is hooked while the ``with`` block runs; ``model`` must match the
+    Job's params; ``timeout`` bounds each pull and push; ``remainder`` (``"drop"`` or
+    ``"push"``) is what leaving the block does with the steps since the last sync.
     """
 
     def __init__(
@@ -165,12 +157,7 @@ class LocalSGD(_Averager):
 class LocalSGDOptax(_Averager):
     """Local SGD / DiLoCo for a functional loop (JAX + optax, NumPy): ``params = sync.after_step(params)``.
 
-    Args:
-        client: this worker's client (``server.client(rank)``).
-        local_steps: ``H``, steps per push.
-        timeout: seconds to wait for the shards at a pull or push (None: forever).
-        remainder: ``"drop"`` (default) or ``"push"``: what ``__exit__`` does with
-            the steps since the last sync; :meth:`finish` pushes them at once.
+    ``timeout`` and ``remainder`` as for :class:`LocalSGD`; :meth:`finish` pushes at once.
     """
 
     def __init__(
