@@ -1,10 +1,5 @@
 """The Ray runtime's cluster-wide steps: CPU shares, placement, consistent state copies,
-and the commit rule for a worker that died.
-
-Each function takes the shard actors' handles and uses only their methods
-(:class:`~stalewise.runtime.ray.shard.ShardActor`); the driver
-(:mod:`stalewise.runtime.ray.train`) decides when to call them.
-"""
+and the commit rule for a worker that died (the driver decides when)."""
 
 from __future__ import annotations
 

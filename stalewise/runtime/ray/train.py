@@ -1,12 +1,8 @@
 """``Job.train`` on Ray: shard and worker actors, driven by this process.
 
-The driver places the shard actors (one bundle each, on its own node when it can)
-and the worker actors (with error feedback, a residual keeper per worker id, a
-:class:`~stalewise.protocol.sender.History`), loads a checkpoint if resuming,
-releases the workers together and watches: it evaluates, records, checkpoints and
-backs up the shards, applies the failure policy to shards and to workers that fail
-or stand still (:mod:`~stalewise.runtime.ray.liveness`), and stops the job at the
-budget, the stop condition or the timeout. Every actor it started is killed.
+The driver places the actors, releases the workers together and watches: it backs up the
+shards, applies the failure policy to shards and to workers that fail or stand still, and
+kills every actor it started at the end.
 """
 
 from __future__ import annotations
