@@ -240,9 +240,6 @@ class Ranks:
                 print(f"stalewise run: rank {r.rank} {why}; killed it", file=sys.stderr)
 
 
-# -- a rank's own process -----------------------------------------------------------------
-
-
 class Gate:
     """A rank's side of the launcher's start rendezvous: says ``ready`` on its pipe and
     waits for ``go`` (``alone``: a rank ended before it got there)."""

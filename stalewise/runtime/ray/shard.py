@@ -75,8 +75,6 @@ class ShardActor:
         self.changed = asyncio.Event()
         self.stopped = False
 
-    # -- the driver's side ----------------------------------------------------------
-
     async def ready(self) -> dict:
         """``{"node", "pid", "version"}``: the driver's start check."""
         import ray
@@ -217,8 +215,6 @@ class ShardActor:
             return self.shard.version, ray.put(self.shard.params)
         return self._publish(exact=True)
 
-    # -- the workers' side ----------------------------------------------------------
-
     async def pull(self, w: int, inc: int, pushed: int, have: int = 0, fresh: int = 0) -> tuple:
         """Worker ``w``'s pull once ``Shard.may_serve`` lets it (``pushed``: pushes it sent;
         ``have``: its delta-pull reference; ``fresh``: a version the snapshot must have):
@@ -293,8 +289,6 @@ class ShardActor:
             self._publish_soon()
         self._notify()
         return ack, self.handled
-
-    # -- internals ------------------------------------------------------------------
 
     def _payload(self, update: Any) -> Any:
         """This shard's slice of ``update`` (anything malformed as is: the shard refuses it)."""

@@ -93,8 +93,6 @@ class _Host:
         self.prefix = f"stalewise:{options.run}:{uuid.uuid4().hex[:8]}"
         self.t0: float | None = None
 
-    # -- start -----------------------------------------------------------------------
-
     def _start_shards(self) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -226,8 +224,6 @@ class _Host:
                 ray.get(ref)
             except ray.exceptions.RayError as e:
                 raise worker_failed(refs[ref], str(e)) from None
-
-    # -- the driver's host ----------------------------------------------------------
 
     def start(self, run: driver.Run) -> None:
         self.run = run
@@ -402,8 +398,6 @@ class _Host:
 
         for pg in self.pgs:
             remove_placement_group(pg)
-
-    # -- failures --------------------------------------------------------------------
 
     def _worker_ended(self, ref: Any) -> None:
         ray = self.ray
@@ -639,8 +633,6 @@ class _Host:
         for event in events:  # the backup's version: how many updates were lost is unknown
             self.run.failures.shard_restarted(event, version=versions[0])
         return versions[0]
-
-    # -- talking to the shards -------------------------------------------------------
 
     @contextlib.contextmanager
     def _shard_calls(self, what: str, late: str) -> Iterator[None]:

@@ -193,8 +193,6 @@ class WorkerActor:
 
         return answer
 
-    # -- the parameters for a step ---------------------------------------------------
-
     def _begin(self) -> bool:
         """Fetches the next step's parameters; False: the job stops or the budget is spent."""
         got = self._newest() if self.following else self._pull()
@@ -335,8 +333,6 @@ class WorkerActor:
                     raise
             self.beats += 1
 
-    # -- pushes ---------------------------------------------------------------------
-
     def _push(self, update: Any, loss: float) -> None:
         """Commits the update and queues it for the sender (at most ``IN_FLIGHT``)."""
         t = time.perf_counter()
@@ -358,8 +354,6 @@ class WorkerActor:
             self._check()
             out, self.results = self.results, []
         return out
-
-    # -- the threads ----------------------------------------------------------------
 
     def _start(self, body: Callable[[], None]) -> threading.Thread:
         """Starts a thread running ``body``; what it raises, the loop raises (:meth:`_check`)."""
