@@ -379,12 +379,8 @@ def adaptive(
             "adaptive: local_steps= and min_steps= configure the default comm_budget schedule; with "
             "schedule= pass them to the schedule instead, e.g. adacomm(local_steps=64, min_steps=2)"
         )
-    diloco_only = {
-        "outer_lr": outer_lr,
-        "outer_momentum": outer_momentum,
-        "asynchronous": asynchronous or None,
-        "every": every,
-    }
+    diloco_only = {"outer_lr": outer_lr, "outer_momentum": outer_momentum}
+    diloco_only |= {"asynchronous": asynchronous or None, "every": every}
     given = {k: v for k, v in diloco_only.items() if v is not None}
     if outer == "local_sgd":
         if given:

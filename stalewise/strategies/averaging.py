@@ -405,12 +405,7 @@ def local_sgd(
         _Sgd(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0, exclude_from_weight_decay=())
     """
     return LocalSGDStrategy(
-        local_steps,
-        inner,
-        reset_inner=reset_inner,
-        dynamic=dynamic,
-        period=period,
-        name="local_sgd",
+        local_steps, inner, reset_inner=reset_inner, dynamic=dynamic, period=period
     )
 
 

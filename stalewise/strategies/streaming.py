@@ -43,9 +43,6 @@ __all__ = ["LazyLeaves", "StreamingDiLoCo", "StreamingState", "lazy_leaves", "st
 Runs = list[tuple[int, int]]  # contiguous [start, stop) ranges of the flat vector
 
 
-# -- the server side ---------------------------------------------------------------------
-
-
 class LazyLeavesState(NamedTuple):
     """Per leaf: its ``bounds`` (int64 rows ``start, stop``) and its ``opt`` state (``leaves``)."""
 
@@ -117,9 +114,6 @@ def lazy_leaves(opt: optim.Optimizer) -> optim.Optimizer:
     if not isinstance(opt, optim.Optimizer):
         raise TypeError(f"lazy_leaves: opt must be a stalewise optimizer, got {opt!r}")
     return LazyLeaves(opt).optimizer()
-
-
-# -- the worker side ---------------------------------------------------------------------
 
 
 @dataclass(eq=False)
@@ -350,11 +344,8 @@ def _check_fragments(fragments: Any) -> int | tuple:
     out = []
     for group in fragments:
         patterns = (group,) if isinstance(group, str) else group
-        if (
-            not isinstance(patterns, Sequence)
-            or not patterns
-            or not all(isinstance(p, str) for p in patterns)
-        ):
+        strings = isinstance(patterns, Sequence) and all(isinstance(p, str) for p in patterns)
+        if not (strings and patterns):
             raise ValueError(
                 f"{where}: each fragment is a pattern or a list of them, got {group!r}"
             )
