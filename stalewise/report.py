@@ -233,22 +233,16 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> s
         ssp      980       —
     """
     cells = [[_format_cell(row.get(c)) for c in columns] for row in rows]
-    numeric = [
-        all(
-            isinstance(row.get(c), numbers.Number) and not isinstance(row.get(c), bool)
-            for row in rows
-            if row.get(c) is not None
-        )
-        for c in columns
-    ]
+
+    def number(v: Any) -> bool:
+        return isinstance(v, numbers.Number) and not isinstance(v, bool)
+
+    numeric = [all(number(r[c]) for r in rows if r.get(c) is not None) for c in columns]
     widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
 
     def fmt(line: Sequence[str]) -> str:
-        parts = [
-            s.rjust(w) if num else s.ljust(w)
-            for s, w, num in zip(line, widths, numeric, strict=True)
-        ]
-        return "  ".join(parts).rstrip()
+        triples = zip(line, widths, numeric, strict=True)
+        return "  ".join(s.rjust(w) if num else s.ljust(w) for s, w, num in triples).rstrip()
 
     out = [fmt(list(columns)), fmt(["-" * w for w in widths])]
     out.extend(fmt(line) for line in cells)
