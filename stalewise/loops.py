@@ -4,19 +4,7 @@ These wrappers push ``pulled - current`` every ``local_steps`` optimizer steps a
 the Job's ``optimizer=`` (or ``strategy=``) picks the method. Each push's result is kept in
 ``results``; nothing is pushed after an exception.
 
-Example (PyTorch, in a worker process; ``client = server.client(rank)``):
-
-.. code-block:: python
-
-    with sw.LocalSGD(client, model, optimizer, local_steps=20):  # pulls into model
-        for x, y in batches:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()                 # every 20th: push, then pull into model
-            optimizer.zero_grad()
-    client.close()                           # steps past the last sync: dropped
-
-Example (functional):
+PyTorch: ``examples/torch_local_sgd.py``. Functional:
     >>> import numpy as np, stalewise as sw
     >>> job = sw.Job({"w": np.zeros(2, np.float32)}, strategy=sw.strategies.local_sgd(
     ...     local_steps=2, inner=sw.optim.sgd(0.1)))    # server sgd(1.0): adds each delta

@@ -5,17 +5,7 @@ serves the job, runs the script again in ``N`` worker processes (or Ray actors) 
 the launcher (``SystemExit``: 0, or 1 if a worker failed); in a worker :func:`init` returns
 its :class:`Context`, and without the launcher it serves the job here with one worker.
 Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (and the
-``STALEWISE_`` ones). More: the README, ``docs/reliability.md``, ``docs/design-notes.md``.
-
-Example (``train.py``; ``stalewise run --workers 4 --steps 2000 train.py``):
-
-.. code-block:: python
-
-    model = make_model()
-    ctx = sw.init(sw.Job(model, optimizer=sw.optim.adam(1e-3)))  # rank, world size, client
-    for _ in ctx.loop(into=model):  # until should_stop(), pulling before each step
-        loss_fn(model, next(batches)).backward()
-        ctx.client.push({n: p.grad for n, p in model.named_parameters()})
+``STALEWISE_`` ones). Example: ``examples/torch_launch.py``; more: the README and docs/.
 """
 
 from __future__ import annotations

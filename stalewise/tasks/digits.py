@@ -151,11 +151,8 @@ class Digits:
             self.memory_bytes(hidden, batch_size, test_fraction),
             {"hidden": (hidden, 64)},
         )
-        self.hidden = hidden
-        self.activation = activation
-        self.batch_size = batch_size
-        self.test_fraction = test_fraction
-        self.split_seed = split_seed
+        self.hidden, self.activation, self.batch_size = hidden, activation, batch_size
+        self.test_fraction, self.split_seed = test_fraction, split_seed
 
     @staticmethod
     def memory_bytes(hidden: int, batch_size: int = 32, test_fraction: float = 0.2) -> int:

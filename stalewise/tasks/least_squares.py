@@ -62,12 +62,8 @@ class LeastSquares:
         check_memory(
             self.name, self.memory_bytes(n, d, noise, exact), {"n": (n, 2048), "d": (d, 64)}
         )
-        self.n, self.d = n, d
-        self.noise = noise
-        self.condition = condition
-        self.batch_size = batch_size
-        self.exact = exact
-        self.seed = seed
+        self.n, self.d, self.noise, self.condition = n, d, noise, condition
+        self.batch_size, self.exact, self.seed = batch_size, exact, seed
         self._cache: dict[str, Any] = {}
 
     @staticmethod
