@@ -1,9 +1,5 @@
-"""Parameter sweeps in the simulator: one job over worker counts, consistency models or strategies.
-
-:func:`sweep` runs the same job once per value on the virtual clock, measures the
-virtual time each run needs to reach a target metric, and draws the metric against
-virtual time for every run and time-to-target per value.
-"""
+"""Parameter sweeps in the simulator: one job over worker counts, consistency models or strategies,
+each run's virtual time to a target measured and plotted."""
 
 from __future__ import annotations
 
