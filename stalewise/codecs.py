@@ -198,11 +198,8 @@ class _Half(Codec):
 
 @dataclass(frozen=True, repr=False)
 class FP16(_Half):
-    """IEEE half precision, rounded to nearest even. Finite values beyond +-65504
-    are clamped to it; infinities and NaN stay non-finite.
-
-    Bound: ``|d - x| <= max(2**-11 |x|, 2**-25)`` for ``|x| <= 65504``.
-    """
+    """IEEE half precision, rounded to nearest even, finite values clamped to +-65504.
+    Bound: ``|d - x| <= max(2**-11 |x|, 2**-25)`` for ``|x| <= 65504``."""
 
     name: ClassVar[str] = "fp16"
     id: ClassVar[int] = 1
@@ -210,11 +207,8 @@ class FP16(_Half):
 
 @dataclass(frozen=True, repr=False)
 class BF16(_Half):
-    """bfloat16 (float32's range, 8 bits of mantissa), rounded to nearest even.
-    Finite values that would round to infinity are clamped to +-3.3895e38.
-
-    Bound: ``|d - x| <= max(2**-8 |x|, 2**-134)``.
-    """
+    """bfloat16, rounded to nearest even, finite values clamped to +-3.3895e38.
+    Bound: ``|d - x| <= max(2**-8 |x|, 2**-134)``."""
 
     name: ClassVar[str] = "bf16"
     id: ClassVar[int] = 2
@@ -254,13 +248,9 @@ class _Blocks(Codec):
 
 @dataclass(frozen=True, repr=False)
 class Int8(_Blocks):
-    """Blockwise int8: each block of ``block`` values is sent as int8 codes in ``[-127, 127]``
-    and one float32 scale, its absolute maximum / 127.
-
-    Bound: ``|d - x| <= absmax(block) / 254 * (1 + 1e-4)``, plus ``2**-143`` (about 9e-44) in
-    a block whose absmax is below ``2**-119`` (about 1.5e-36), where the scale is a subnormal
-    float32. A block holding a NaN or an infinity decodes to NaN.
-    """
+    """Blockwise int8: per ``block`` values, codes in ``[-127, 127]`` and a float32 scale
+    (absmax / 127). Bound: ``|d - x| <= absmax(block) / 254 * (1 + 1e-4)``, plus ``2**-143``
+    where absmax < ``2**-119`` (a subnormal scale). A non-finite block decodes to NaN."""
 
     name: ClassVar[str] = "int8"
     id: ClassVar[int] = 3
@@ -275,16 +265,11 @@ class Int8(_Blocks):
 
 @dataclass(frozen=True, repr=False)
 class Int4(_Blocks):
-    """Blockwise 4-bit, symmetric: each block of ``block`` values is sent as levels ``q`` in
-    ``[-7, 7]``, two a byte, and one float32 scale, its absolute maximum / 7; decoded
-    ``q * scale``. Zero stays exact (docs/codecs.md); level -8 is refused as corrupt.
-
-    Bound: ``|d - x| <= absmax(block) / 14 * (1 + 1e-4)``, plus ``2**-146`` (about 1.1e-44)
-    in a block whose absmax is below ``2**-119``, where the scale is a subnormal float32.
-    Values on the grid (``k * scale``, ``|k| <= 7``, ``7 * scale`` exact in float32, e.g. a
-    power-of-two ``scale``) round-trip exactly. A block holding a NaN or an infinity
-    decodes to NaN.
-    """
+    """Blockwise 4-bit: per ``block`` values, levels ``q`` in ``[-7, 7]`` two a byte and a
+    float32 scale (absmax / 7), decoded ``q * scale``; level -8 is refused as corrupt.
+    Bound: ``|d - x| <= absmax(block) / 14 * (1 + 1e-4)``, plus ``2**-146`` where absmax <
+    ``2**-119``; zero and values on the grid round-trip exactly (docs/codecs.md). A
+    non-finite block decodes to NaN."""
 
     name: ClassVar[str] = "int4"
     id: ClassVar[int] = 6
@@ -304,12 +289,9 @@ class Int4(_Blocks):
 
 @dataclass(frozen=True, repr=False)
 class TopK(Codec):
-    """The ``k = max(1, round(fraction * n))`` values of largest magnitude, as their
-    indices (the narrowest unsigned type that holds ``n - 1``) and float32 values.
-
-    Bound: each decoded value is ``x_i`` (kept, exact in float32) or 0 (dropped), and no
-    dropped ``|x_i|`` exceeds a kept one; NaNs are always kept. The selection is O(n).
-    """
+    """The ``k = max(1, round(fraction * n))`` values of largest magnitude, as indices and
+    float32 values. Bound: each decoded value is ``x_i`` (kept) or 0, no dropped ``|x_i|``
+    exceeds a kept one; NaNs are always kept."""
 
     name: ClassVar[str] = "topk"
     id: ClassVar[int] = 4
@@ -363,13 +345,9 @@ class TopK(Codec):
 
 @dataclass(frozen=True, repr=False)
 class Sign(Codec):
-    """Scaled sign: one bit per value (``np.packbits`` of the sign bits) and one
-    float32 scale, the mean of ``|x|``. Decoded: ``scale`` or ``-scale`` (``+0.0``
-    gives ``+scale``).
-
-    Bound: the signs are kept and ``sum |d| == sum |x|`` (to float32 rounding);
-    a NaN or infinity anywhere makes every value non-finite.
-    """
+    """Scaled sign: a bit per value (``np.packbits`` order) and a float32 scale, the mean of
+    ``|x|``; decoded ``+-scale`` (``+0.0``: ``+scale``). Bound: the signs are kept and
+    ``sum |d| == sum |x|`` (to float32 rounding); any NaN or infinity: all non-finite."""
 
     name: ClassVar[str] = "sign"
     id: ClassVar[int] = 5
