@@ -249,6 +249,5 @@ class Run:
 
 
 def drive(host: Host, config: Any, strategy: Any, options: Any) -> TrainResult:
-    """Runs the job of ``config`` over ``host`` with ``options`` (:class:`RunOptions`);
-    see the module docstring. Whatever happens, :meth:`Host.close` is called."""
+    """Runs the job of ``config`` over ``host`` with ``options``; :meth:`Host.close` at the end."""
     return Run(host, config, strategy, options).train()

@@ -1,8 +1,5 @@
-"""A loop you own, on Ray: a client of a served job's shard actors, attached by name.
-
-:func:`attach` (``sw.attach(name)``) asks the job's door for a worker id; :class:`RayClient`
-has the local runtime's client's calls, one push in flight. ``docs/ray.md`` tells the rest.
-"""
+"""A loop you own, on Ray: :func:`attach` (``sw.attach(name)``) gets a worker id from the job's
+door; :class:`RayClient` has the local client's calls, one push in flight (docs/ray.md)."""
 
 from __future__ import annotations
 

@@ -21,9 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class Outbox:
-    """Worker ``w``'s pushes to the shard actors ``shards``, starting from ``residual``
-    (None: zeros), with ``buffers`` push buffers (:attr:`free`) and the residual keeper
-    actor ``keeper`` (None: none), which answers within ``ack_timeout`` seconds."""
+    """Worker ``w``'s pushes to the shard actors ``shards``, from ``residual`` (None: zeros),
+    with ``buffers`` push buffers and the residual keeper actor ``keeper`` (None: none)."""
 
     def __init__(
         self,

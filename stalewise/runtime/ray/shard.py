@@ -1,8 +1,5 @@
-"""A parameter-server shard as a Ray actor: one protocol :class:`~stalewise.protocol.Shard`.
-
-:class:`ShardActor` is an asyncio actor (one event loop thread, the threading contract of
-``Shard``); it moves pushes and pulls and decides no rule. ``docs/ray.md`` tells the rest.
-"""
+"""A parameter-server shard as an asyncio Ray actor around one protocol
+:class:`~stalewise.protocol.Shard`: it moves pushes and pulls and decides no rule."""
 
 from __future__ import annotations
 

@@ -131,8 +131,7 @@ class _Host:
         return float(self.ray.available_resources().get("CPU", 0.0))
 
     def _fitting(self) -> int:
-        """An elastic run's first workers: as many as the free CPUs hold, within
-        ``expected .. room``."""
+        """An elastic run's first workers: as many as the free CPUs hold (``expected .. room``)."""
         fit = math.floor(self._free_cpus() / self.share + 1e-9)
         return max(self.expected, min(self.W, fit))
 
@@ -278,8 +277,7 @@ class _Host:
         return driver.TICK if self.live or self.owed else driver.END
 
     def _grow(self) -> None:
-        """An elastic run: prepares a worker on a free id for each free CPU (unless one is
-        still setting up); it joins the shards once set up (:meth:`_arrive`)."""
+        """An elastic run: prepares a worker on a free id for each free CPU (:meth:`_arrive`)."""
         if self.stopping or self.ended or self.coming:
             return
         free = [w for w in range(self.W) if w not in self.live and w not in self.retired]
@@ -289,8 +287,7 @@ class _Host:
             self.coming[self._spawn(w).prepare.remote()] = (w, time.monotonic())
 
     def _arrive(self) -> None:
-        """Workers :meth:`_grow` started join once set up; one that failed or is late
-        within ``start_timeout`` is killed (no restart counted)."""
+        """Workers :meth:`_grow` started join once set up; one failed or late is killed."""
         ray = self.ray
         refs = list(self.coming)
         done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
@@ -461,8 +458,7 @@ class _Host:
             time.sleep(TICK * 4)
 
     def _worker_left(self, w: int) -> None:
-        """Worker ``w``'s node left an elastic run: a departure (commit rule, free id),
-        not a failure."""
+        """Worker ``w``'s node left an elastic run: a departure, not a failure."""
         self._depart(w)
         self.live.discard(w)
         self.left.append(w)
@@ -476,8 +472,7 @@ class _Host:
         self._worker_failed(w, cause)
 
     def _worker_failed(self, w: int, cause: str, detail: str = "") -> None:
-        """The commit rule for worker ``w``, then the failure policy: restart, drop or
-        WorkerError."""
+        """The commit rule for worker ``w``, then the failure policy (restart, drop, raise)."""
         self.ray.kill(self.actors[w], no_restart=True)  # it may live on after raising
         self._depart(w)
         now = self.now()
@@ -513,8 +508,7 @@ class _Host:
             self._inherit(w, delivery.committed(counts))
 
     def _inherit(self, w: int, pushes: int | None) -> None:
-        """Keeps worker ``w``'s residual after its gone incarnation's ``pushes`` (None:
-        unknown) for its next one."""
+        """Keeps worker ``w``'s residual after its gone incarnation's ``pushes`` for its next."""
         residual = self._residual(w, self.incs[w], pushes)
         if residual is None:
             log.warning(
@@ -599,8 +593,7 @@ class _Host:
                 self._restore(self._await_down(down))
 
     def _restore(self, events: list[dict]) -> int:
-        """Rolls every shard back to the newest backup (live workers as new incarnations)
-        after the failures ``events``; returns the version."""
+        """Rolls every shard back to the newest backup after ``events``; returns the version."""
         assert self.backup is not None
         states, handled = self.backup
         owed, self.owed = set() if self.stopping else self.owed, set()
@@ -714,8 +707,7 @@ class _Host:
 
 
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
-    """Trains on Ray (the ``"ray"`` runtime), connecting first if needed
-    (:func:`stalewise.runtime.ray.connect`; that connection ends with the run)."""
+    """Trains on Ray (the ``"ray"`` runtime), connecting for the run if needed."""
     from stalewise.runtime.ray import connect
 
     ray = import_ray()

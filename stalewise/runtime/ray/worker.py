@@ -1,9 +1,5 @@
-"""A worker as a Ray actor: the protocol's one worker loop, answered with Ray calls.
-
-Pulls go to every shard (exact pulls) or come from a receiver thread's standing
-:meth:`ShardActor.follow` (ASP); a sender thread sends the pushes. ``docs/ray.md``
-tells the rest.
-"""
+"""A worker as a Ray actor: the protocol's worker loop, its pulls from every shard (or a
+receiver thread's :meth:`ShardActor.follow`, ASP), a sender thread for its pushes."""
 
 from __future__ import annotations
 
