@@ -13,8 +13,7 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 class ModelState(NamedTuple):
-    """What a model object (``nn.Module``, Keras model...) shares, by name; a tied tensor
-    under each of its names."""
+    """What a model object shares, by name (a tied tensor under each of its names)."""
 
     leaves: dict[str, Any]  # name -> trainable parameter or float buffer
     buffers: frozenset[str] = frozenset()  # names in ``leaves`` that are buffers
@@ -49,8 +48,7 @@ class Backend:
         np.copyto(out, self.to_numpy(x), casting="unsafe")
 
     def from_numpy(self, a: np.ndarray, dtype: str, like: Any = None, *, copy: bool = True) -> Any:
-        """A leaf with the values of ``a`` as ``dtype``, placed as ``like``; ``copy=False``: it
-        may share ``a``'s memory."""
+        """A leaf of ``a`` as ``dtype``, placed as ``like`` (``copy=False``: maybe sharing ``a``)."""
         raise NotImplementedError
 
     def is_writable(self, x: Any) -> bool:

@@ -62,8 +62,7 @@ def rebuild(via: str, cls: type, template: Any, children: tuple) -> Any:
 
 
 def model_view(x: Any) -> Any | None:
-    """What a flax nnx ``Module`` shares: its ``nnx.State`` (its own Variables) without RNG
-    state; else None."""
+    """What a flax nnx ``Module`` shares: its ``nnx.State`` without RNG state; else None."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None or not isinstance(x, nnx.Module):
         return None

@@ -135,8 +135,7 @@ class Ranks:
         return [r for r in self.ranks if not r.ended]
 
     def _release(self, word: bytes) -> None:
-        """Lets every rank waiting at the rendezvous go (``go``: all there; ``alone``: a
-        rank ended before it got there)."""
+        """Lets every rank waiting at the rendezvous go with ``word`` (``go`` or ``alone``)."""
         for r in self.ranks:
             if not r.released and not r.ended:
                 r.released = True
@@ -144,8 +143,7 @@ class Ranks:
                     r.conn.send_bytes(word)
 
     def _heard(self, r: Rank, word: bytes) -> None:
-        """A rank's word: ``ready``, ``failed LINE`` (its error), ``refused N`` (pushes
-        refused past the budget)."""
+        """A rank's word: ``ready``, ``failed LINE`` (its error) or ``refused N`` (pushes)."""
         if word.startswith(b"refused "):
             self.refused += int(word.split()[1])
         elif word.startswith(b"failed "):
@@ -186,8 +184,7 @@ class Ranks:
             )
 
     def wait(self) -> None:
-        """Until every rank has ended, or ``--timeout`` (then ``failed`` says which ranks
-        were still running, and how far they had got)."""
+        """Until every rank has ended, or ``--timeout`` (then ``failed`` names those running)."""
         timeout = self.launch.timeout
         deadline = None if timeout is None else self.started + timeout
         while running := self.running():
@@ -241,8 +238,7 @@ class Ranks:
 
 
 class Gate:
-    """A rank's side of the launcher's start rendezvous: says ``ready`` on its pipe and
-    waits for ``go`` (``alone``: a rank ended before it got there)."""
+    """A rank's side of the start rendezvous: says ``ready`` on its pipe, waits for ``go``."""
 
     def __init__(self, conn: Any):
         self.conn = conn

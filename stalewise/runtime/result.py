@@ -29,8 +29,7 @@ def mean_loss(last_losses: Any) -> float:
 
 
 def last_metrics(records: list[dict]) -> dict[str, float]:
-    """The loss and accuracy of the last of ``records`` (those it has as floats), as a
-    progress line or a result's repr shows them."""
+    """The loss and accuracy (those it has as floats) of the last of ``records``."""
     last = records[-1] if records else {}
     return {k: last[k] for k in ("loss", "accuracy") if isinstance(last.get(k), float)}
 

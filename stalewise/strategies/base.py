@@ -64,8 +64,7 @@ class Strategy:
         return f"{self.name}()"
 
     def _config(self) -> tuple:
-        """The configuration, by which strategies compare: public attributes (private ones
-        are derived from them), each by :func:`config_key`."""
+        """The configuration strategies compare by: public attributes, by :func:`config_key`."""
         return tuple(sorted((k, config_key(v)) for k, v in vars(self).items() if k[0] != "_"))
 
     def __eq__(self, other: object) -> bool:

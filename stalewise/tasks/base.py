@@ -144,8 +144,7 @@ def check_number(
 
 
 def available_memory() -> int | None:
-    """Bytes this process may still allocate (Linux's ``MemAvailable``, else the physical
-    memory); None when neither can be read."""
+    """Bytes this process may allocate (``MemAvailable``, else physical memory), or None."""
     try:
         with open("/proc/meminfo", "rb") as f:
             for line in f:
