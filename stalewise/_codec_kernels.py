@@ -1,11 +1,6 @@
 """Numba kernels behind :mod:`stalewise.codecs`, one pass over memory each, and the O(n)
-top-k selection (:func:`top_indices`).
-
-The 16-bit conversions work on the bits (NumPy's float16 cast is about 9x slower than a
-copy; NumPy has no bfloat16), read through two LLVM bitcasts (:func:`bits`,
-:func:`from_bits`). Inputs are 1-D float32, 16-bit codes int16 bit patterns. No kernel
-allocates, raises or warns: NaN and infinity are carried as values.
-"""
+top-k selection (:func:`top_indices`); why: docs/codecs.md. Inputs are 1-D float32, 16-bit
+codes int16 bit patterns; no kernel allocates, raises or warns (NaN travels as a value)."""
 
 from __future__ import annotations
 
@@ -101,13 +96,8 @@ def bf16_decode(h, out):  # type: ignore[no-untyped-def]
 
 @_jit
 def int8_encode(x, block, q, scales):  # type: ignore[no-untyped-def]
-    """Blockwise absmax int8: ``scales[b] = absmax / 127``, ``q = rint(x / scale)``.
-
-    The absmax is a maximum over the bits (which order non-negative floats as
-    their values, with infinity and NaN above every finite value), so that it
-    vectorizes. A block holding a NaN or an infinity gets a NaN scale (and
-    zeros), so it decodes to NaN; an all-zero block gets scale 0.
-    """
+    """Blockwise absmax int8: ``scales[b] = absmax / 127`` (a maximum over the bits, which
+    vectorizes), ``q = rint(x / scale)``; a non-finite block gets a NaN scale, a zero one 0."""
     for b in range(scales.size):
         xs = x[b * block : min((b + 1) * block, x.size)]
         qs = q[b * block : min((b + 1) * block, x.size)]

@@ -148,12 +148,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         xlabel="virtual time (s)" if simulated else None,
     )
     last = result.records[-1] if result.records else {}
-    row = {
-        "run": run,
-        "time_s": result.time,
-        "pushes": result.pushes,
-        **{k: last.get(k) for k in ("loss", "accuracy")},
-    }
+    row = {"run": run, "time_s": result.time, "pushes": result.pushes}
+    row |= {k: last.get(k) for k in ("loss", "accuracy")}
     row |= {k: result.stats.get(k) for k in ("staleness_mean", "staleness_max")}
     print(report.format_table([row], list(row)))
     print(f"\nmetrics: {out / 'metrics.jsonl'}\nplot:    {out / 'train.png'}")
@@ -178,9 +174,8 @@ def _sweep_values(args: argparse.Namespace) -> list[Any]:
     """--values as worker counts, consistency names or strategy names, each checked."""
     from stalewise import config, sweep
 
-    items = [v.strip() for v in args.values.split(",")]
     values: list[Any] = []
-    for v in items:
+    for v in (v.strip() for v in args.values.split(",")):
         if args.over == "workers":
             try:
                 n = int(v)
@@ -212,11 +207,9 @@ def _sweep_values(args: argparse.Namespace) -> list[Any]:
                     f"in {args.values!r}",
                 ) from None
             values.append(v)
-    seen = set()
-    for v in values:
-        if v in seen:
-            raise _config_error("--values", f"{v!r} is given twice in {args.values!r}")
-        seen.add(v)
+    twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if twice is not None:
+        raise _config_error("--values", f"{twice!r} is given twice in {args.values!r}")
     return values
 
 

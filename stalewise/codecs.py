@@ -1,11 +1,9 @@
 """Codecs: how an update is encoded on the wire (``sw.codecs``).
 
-A codec turns a float vector into raw bytes (never a pickle: a 12-byte header, then the
-body) and back, with an exact byte count: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``,
-``topk`` and ``sign``, each class stating its error bound. A truncated, padded, foreign or
-corrupt payload raises :class:`PayloadError`; NaN and infinity travel as values, so that the
-shard refuses the update. A Job's codec compresses leaves of at least :data:`SMALL_LEAF`
-elements (:func:`size_adaptive` sets the threshold). Sizes, speeds, errors: docs/codecs.md.
+A codec turns a float vector into raw bytes (a 12-byte header, then the body; never a
+pickle) and back, each class stating its error bound; a bad payload raises
+:class:`PayloadError`, NaN and infinity travel as values (the shard refuses them). A Job's
+codec compresses leaves of at least :data:`SMALL_LEAF` elements. More: docs/codecs.md.
 
 Example:
     >>> import numpy as np
@@ -87,8 +85,7 @@ class Codec(Policy):
         return buf
 
     def encode_into(self, x: np.ndarray, buf: Any) -> None:
-        """Writes the payload of ``x`` into ``buf``, a writable buffer of exactly
-        ``nbytes(x.size, x.dtype)`` bytes (e.g. a slice of a shared-memory block)."""
+        """Writes the payload of ``x`` into ``buf``, of exactly ``nbytes(x.size, x.dtype)`` bytes."""
         x = _vector(x)
         mv = memoryview(buf).cast("B")
         if len(mv) != self.nbytes(x.size, x.dtype):
@@ -119,8 +116,7 @@ class Codec(Policy):
         return out
 
     def decode_at(self, buf: memoryview, offset: int, out: np.ndarray, where: str = "") -> int:
-        """Decodes the payload at ``offset`` of ``buf`` into ``out`` (of the expected size);
-        returns where it ends. ``where`` prefixes error messages."""
+        """Decodes the payload at ``offset`` of ``buf`` into ``out``; returns where it ends."""
         where = where or repr(self)
         if len(buf) - offset < HEADER.size:
             raise PayloadError(
@@ -160,7 +156,6 @@ class Codec(Policy):
         r -= self.decode(payload, np.empty_like(r) if scratch is None else scratch)
 
     def __repr__(self) -> str:
-        """``name(field=value, ...)`` of the fields that differ from their defaults."""
         args = [f"{f.name}={v}" for f in fields(self) if (v := getattr(self, f.name)) != f.default]
         return f"{self.name}({', '.join(args)})"
 
@@ -203,11 +198,8 @@ class _Half(Codec):
 
 @dataclass(frozen=True, repr=False)
 class FP16(_Half):
-    """IEEE half precision, rounded to nearest even. Finite values beyond +-65504
-    are clamped to it; infinities and NaN stay non-finite.
-
-    Bound: ``|d - x| <= max(2**-11 |x|, 2**-25)`` for ``|x| <= 65504``.
-    """
+    """IEEE half precision, rounded to nearest even, finite values clamped to +-65504.
+    Bound: ``|d - x| <= max(2**-11 |x|, 2**-25)`` for ``|x| <= 65504``."""
 
     name: ClassVar[str] = "fp16"
     id: ClassVar[int] = 1
@@ -215,11 +207,8 @@ class FP16(_Half):
 
 @dataclass(frozen=True, repr=False)
 class BF16(_Half):
-    """bfloat16 (float32's range, 8 bits of mantissa), rounded to nearest even.
-    Finite values that would round to infinity are clamped to +-3.3895e38.
-
-    Bound: ``|d - x| <= max(2**-8 |x|, 2**-134)``.
-    """
+    """bfloat16, rounded to nearest even, finite values clamped to +-3.3895e38.
+    Bound: ``|d - x| <= max(2**-8 |x|, 2**-134)``."""
 
     name: ClassVar[str] = "bf16"
     id: ClassVar[int] = 2
@@ -259,13 +248,9 @@ class _Blocks(Codec):
 
 @dataclass(frozen=True, repr=False)
 class Int8(_Blocks):
-    """Blockwise int8: each block of ``block`` values is sent as int8 codes in ``[-127, 127]``
-    and one float32 scale, its absolute maximum / 127.
-
-    Bound: ``|d - x| <= absmax(block) / 254 * (1 + 1e-4)``, plus ``2**-143`` (about 9e-44) in
-    a block whose absmax is below ``2**-119`` (about 1.5e-36), where the scale is a subnormal
-    float32. A block holding a NaN or an infinity decodes to NaN.
-    """
+    """Blockwise int8: per ``block`` values, codes in ``[-127, 127]`` and a float32 scale
+    (absmax / 127). Bound: ``|d - x| <= absmax(block) / 254 * (1 + 1e-4)``, plus ``2**-143``
+    where absmax < ``2**-119`` (a subnormal scale). A non-finite block decodes to NaN."""
 
     name: ClassVar[str] = "int8"
     id: ClassVar[int] = 3
@@ -280,16 +265,11 @@ class Int8(_Blocks):
 
 @dataclass(frozen=True, repr=False)
 class Int4(_Blocks):
-    """Blockwise 4-bit, symmetric: each block of ``block`` values is sent as levels ``q`` in
-    ``[-7, 7]``, two a byte, and one float32 scale, its absolute maximum / 7; decoded
-    ``q * scale``. Zero stays exact (docs/codecs.md); level -8 is refused as corrupt.
-
-    Bound: ``|d - x| <= absmax(block) / 14 * (1 + 1e-4)``, plus ``2**-146`` (about 1.1e-44)
-    in a block whose absmax is below ``2**-119``, where the scale is a subnormal float32.
-    Values on the grid (``k * scale``, ``|k| <= 7``, ``7 * scale`` exact in float32, e.g. a
-    power-of-two ``scale``) round-trip exactly. A block holding a NaN or an infinity
-    decodes to NaN.
-    """
+    """Blockwise 4-bit: per ``block`` values, levels ``q`` in ``[-7, 7]`` two a byte and a
+    float32 scale (absmax / 7), decoded ``q * scale``; level -8 is refused as corrupt.
+    Bound: ``|d - x| <= absmax(block) / 14 * (1 + 1e-4)``, plus ``2**-146`` where absmax <
+    ``2**-119``; zero and values on the grid round-trip exactly (docs/codecs.md). A
+    non-finite block decodes to NaN."""
 
     name: ClassVar[str] = "int4"
     id: ClassVar[int] = 6
@@ -309,12 +289,9 @@ class Int4(_Blocks):
 
 @dataclass(frozen=True, repr=False)
 class TopK(Codec):
-    """The ``k = max(1, round(fraction * n))`` values of largest magnitude, as their
-    indices (the narrowest unsigned type that holds ``n - 1``) and float32 values.
-
-    Bound: each decoded value is ``x_i`` (kept, exact in float32) or 0 (dropped), and no
-    dropped ``|x_i|`` exceeds a kept one; NaNs are always kept. The selection is O(n).
-    """
+    """The ``k = max(1, round(fraction * n))`` values of largest magnitude, as indices and
+    float32 values. Bound: each decoded value is ``x_i`` (kept) or 0, no dropped ``|x_i|``
+    exceeds a kept one; NaNs are always kept."""
 
     name: ClassVar[str] = "topk"
     id: ClassVar[int] = 4
@@ -368,13 +345,9 @@ class TopK(Codec):
 
 @dataclass(frozen=True, repr=False)
 class Sign(Codec):
-    """Scaled sign: one bit per value (``np.packbits`` of the sign bits) and one
-    float32 scale, the mean of ``|x|``. Decoded: ``scale`` or ``-scale`` (``+0.0``
-    gives ``+scale``).
-
-    Bound: the signs are kept and ``sum |d| == sum |x|`` (to float32 rounding);
-    a NaN or infinity anywhere makes every value non-finite.
-    """
+    """Scaled sign: a bit per value (``np.packbits`` order) and a float32 scale, the mean of
+    ``|x|``; decoded ``+-scale`` (``+0.0``: ``+scale``). Bound: the signs are kept and
+    ``sum |d| == sum |x|`` (to float32 rounding); any NaN or infinity: all non-finite."""
 
     name: ClassVar[str] = "sign"
     id: ClassVar[int] = 5
@@ -476,11 +449,8 @@ NAMES = (*_MAKERS, "size_adaptive")
 
 
 def parse(spec: Any) -> Policy:
-    """A codec from a config value: ``"int8"``, ``"int4"``, ``"topk:0.01"``, or a table such as
-    ``{"name": "topk", "fraction": 0.01, "error_feedback": False}`` or
-    ``{"name": "size_adaptive", "threshold": 4096, "large": "topk:0.01"}``; else ValueError
-    naming what is wrong.
-    """
+    """A codec from a config value: ``"int8"``, ``"topk:0.01"``, or a table such as
+    ``{"name": "size_adaptive", "threshold": 4096, "large": "topk:0.01"}``; else ValueError."""
     if isinstance(spec, Policy):
         return spec
     if isinstance(spec, str):

@@ -1,11 +1,8 @@
 """Loggers: metrics records sent where people look at them, such as TensorBoard.
 
-``Job.train(..., metrics=sw.Metrics(loggers=[...]))`` hands every metrics record to each
-logger in the parent process, in every runtime. A logger is a function ``f(record)`` or
-an object with ``log(record)`` and optionally ``finish(result)`` (the run ended
-normally) and ``close()`` (it ended, however). A logger that raises is reported by one
-warning and left out for the rest of the run; ``on_record`` is not guarded. See
-docs/loggers.md.
+A logger (``sw.Metrics(loggers=[...])``) is a function ``f(record)`` or an object with
+``log(record)`` and optionally ``finish(result)`` and ``close()``, called in the parent
+process; one that raises is warned about and left out. See docs/loggers.md.
 
 Example:
     >>> seen = []
@@ -39,15 +36,8 @@ def _name(logger: Any) -> str:
 
 
 class Loggers:
-    """The loggers of one run, called in the parent with each record; a failing one is dropped.
-
-    Args:
-        loggers: a logger or a list of them (see the module docstring), or None.
-        on_record: the run's plain record callback, called first and unguarded.
-
-    Use :attr:`on_record` as the run's record callback, pass the result to
-    :meth:`finish`, and close the loggers with :meth:`close` (or a ``with`` block).
-    """
+    """The loggers of one run (a logger, a list or None), after the run's own ``on_record``
+    (unguarded): use :attr:`on_record`, then :meth:`finish` and :meth:`close`."""
 
     def __init__(self, loggers: Any = None, on_record: Callable[[dict], None] | None = None):
         if loggers is None:
@@ -122,11 +112,8 @@ def tensorboard_writer() -> type:
 
 
 class TensorBoardLogger:
-    """Writes the records as TensorBoard scalars into ``logdir``, and the staleness histogram at the end.
-
-    Each finite numeric field becomes a scalar at step ``pushes``, beside ``pushes_per_s``
-    over each interval (docs/loggers.md); events are flushed every ``flush_secs`` seconds
-    and at the end. Needs tensorboardX (``pip install 'stalewise[tensorboard]'``).
+    """Writes each record's finite numbers as TensorBoard scalars at step ``pushes`` (and
+    ``pushes_per_s``) into ``logdir``, and the staleness histogram at the end (tensorboardX).
 
     Example:
         >>> logger = TensorBoardLogger(tmp / "tb")  # doctest: +SKIP

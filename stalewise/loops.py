@@ -1,23 +1,10 @@
 """Local SGD / DiLoCo for a training loop you own: the worker side, as a wrapper.
 
-In a :meth:`stalewise.Job.serve` worker, these wrappers push ``pulled - current`` every
-``local_steps`` optimizer steps (``H``) and pull the new global parameters; the Job's
-``optimizer=`` (or ``strategy=``) picks the method (:mod:`stalewise.strategies.averaging`).
-Each push's result is kept in ``results``; nothing is pushed after an exception.
+These wrappers push ``pulled - current`` every ``local_steps`` optimizer steps and pull;
+the Job's ``optimizer=`` (or ``strategy=``) picks the method. Each push's result is kept in
+``results``; nothing is pushed after an exception.
 
-Example (PyTorch, in a worker process; ``client = server.client(rank)``):
-
-.. code-block:: python
-
-    with sw.LocalSGD(client, model, optimizer, local_steps=20):  # pulls into model
-        for x, y in batches:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()                 # every 20th: push, then pull into model
-            optimizer.zero_grad()
-    client.close()                           # steps past the last sync: dropped
-
-Example (functional):
+PyTorch: ``examples/torch_local_sgd.py``. Functional:
     >>> import numpy as np, stalewise as sw
     >>> job = sw.Job({"w": np.zeros(2, np.float32)}, strategy=sw.strategies.local_sgd(
     ...     local_steps=2, inner=sw.optim.sgd(0.1)))    # server sgd(1.0): adds each delta
@@ -97,16 +84,9 @@ class _Averager:
 class LocalSGD(_Averager):
     """Local SGD / DiLoCo for a PyTorch loop: push and pull every ``local_steps`` optimizer steps.
 
-    Args:
-        client: this worker's client (``server.client(rank)``).
-        model: the ``torch.nn.Module`` (or tree of tensors) the optimizer trains;
-            it must match the Job's params.
-        optimizer: the worker's ``torch.optim.Optimizer`` (DiLoCo: AdamW); its
-            ``step()`` is hooked while the ``with`` block runs.
-        local_steps: ``H``, optimizer steps per push.
-        timeout: seconds to wait for the shards at a pull or push (None: forever).
-        remainder: ``"drop"`` (default) or ``"push"``: what leaving the block does
-            with the steps since the last sync. :meth:`sync` syncs at once.
+    ``optimizer.step()`` is hooked while the ``with`` block runs; ``model`` must match the
+    Job's params; ``timeout`` bounds each pull and push; ``remainder`` (``"drop"`` or
+    ``"push"``) is what leaving the block does with the steps since the last sync.
     """
 
     def __init__(
@@ -165,12 +145,7 @@ class LocalSGD(_Averager):
 class LocalSGDOptax(_Averager):
     """Local SGD / DiLoCo for a functional loop (JAX + optax, NumPy): ``params = sync.after_step(params)``.
 
-    Args:
-        client: this worker's client (``server.client(rank)``).
-        local_steps: ``H``, steps per push.
-        timeout: seconds to wait for the shards at a pull or push (None: forever).
-        remainder: ``"drop"`` (default) or ``"push"``: what ``__exit__`` does with
-            the steps since the last sync; :meth:`finish` pushes them at once.
+    ``timeout`` and ``remainder`` as for :class:`LocalSGD`; :meth:`finish` pushes at once.
     """
 
     def __init__(

@@ -1,11 +1,8 @@
 """Metrics files, time-to-target, plots and text tables.
 
-Runtimes append one JSON object per line to a metrics file (JSON Lines, flushed after every
-record). A record is one evaluation of one run: ``run`` (its label), ``time`` (seconds since
-the start, wall or virtual), ``updates`` (applied so far), ``loss``, optionally ``accuracy``,
-``staleness_mean`` and ``staleness_max`` (since the last record), and any other key.
-NumPy values are written as JSON numbers and lists, non-finite floats as
-``NaN``/``Infinity``. Plots use Matplotlib's Agg canvas: no window, no global state.
+A metrics file is JSON Lines, one flushed record per evaluation of a run: ``run``, ``time``
+(wall or virtual seconds), ``updates``, ``loss`` and any other key (non-finite floats as
+``NaN``/``Infinity``). Plots use Matplotlib's Agg canvas: no window, no global state.
 """
 
 from __future__ import annotations
@@ -48,10 +45,8 @@ def _to_json(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends metric records to a JSON Lines file at ``path`` (parent folders are created).
-
-    Opening appends (a resumed job keeps its history); each :meth:`write` is one flushed line
-    under a lock, so threads may share a writer; processes should write separate files.
+    """Appends metric records to the JSON Lines file ``path``, one flushed line per
+    :meth:`write` under a lock (threads may share a writer, processes may not).
 
     Example:
         >>> import tempfile, os
@@ -128,10 +123,7 @@ def time_to_target(
     run: str | None = None,
     x: str = "time",
 ) -> float | None:
-    """The first ``x`` (``"time"`` or e.g. ``"updates"``) at which ``run``'s ``key`` reaches
-    ``target``, or None; :func:`stalewise.targets.time_to_target` with ``Target(key,
-    target, mode)``. ``run`` may be omitted when the records hold one run.
-    """
+    """:func:`stalewise.targets.time_to_target` with ``Target(key, target, mode)``."""
     return targets.time_to_target(records, targets.Target(key, target, mode), run, x=x)
 
 
@@ -145,10 +137,8 @@ def plot_runs(
     targets: Mapping[str, float] | None = None,
     xlabel: str | None = None,
 ) -> Path:
-    """Plots metrics against ``x`` into the PNG ``path`` (returned as a :class:`~pathlib.Path`):
-    one subplot per key (keys no record has left out; ValueError if none is left), one line
-    per run, ``targets`` (``{key: value}``) dashed, a log scale for positive values spanning
-    more than two decades.
+    """Plots metrics against ``x`` into the PNG ``path`` (returned): a subplot per key that
+    some record has (ValueError if none), a line per run, ``targets`` dashed (:func:`draw`).
 
     Example:
         >>> import tempfile, os
@@ -231,8 +221,7 @@ def _format_cell(value: Any) -> str:
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    """Rows (mappings) as an aligned text table of ``columns``, no trailing newline; numbers
-    right-aligned (floats to about four significant digits), missing values and None as ``—``.
+    """Rows (mappings) as an aligned text table of ``columns``, missing values as ``—``.
 
     Example:
         >>> print(format_table([{"run": "asp", "loss": 0.123456, "updates": 1200},
@@ -244,22 +233,16 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> s
         ssp      980       —
     """
     cells = [[_format_cell(row.get(c)) for c in columns] for row in rows]
-    numeric = [
-        all(
-            isinstance(row.get(c), numbers.Number) and not isinstance(row.get(c), bool)
-            for row in rows
-            if row.get(c) is not None
-        )
-        for c in columns
-    ]
+
+    def number(v: Any) -> bool:
+        return isinstance(v, numbers.Number) and not isinstance(v, bool)
+
+    numeric = [all(number(r[c]) for r in rows if r.get(c) is not None) for c in columns]
     widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
 
     def fmt(line: Sequence[str]) -> str:
-        parts = [
-            s.rjust(w) if num else s.ljust(w)
-            for s, w, num in zip(line, widths, numeric, strict=True)
-        ]
-        return "  ".join(parts).rstrip()
+        triples = zip(line, widths, numeric, strict=True)
+        return "  ".join(s.rjust(w) if num else s.ljust(w) for s, w, num in triples).rstrip()
 
     out = [fmt(list(columns)), fmt(["-" * w for w in widths])]
     out.extend(fmt(line) for line in cells)

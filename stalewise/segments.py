@@ -1,7 +1,6 @@
 """The segment table: which slice of a flat parameter vector belongs to which leaf.
 
-Per-leaf optimizers and the sharding need it: a :class:`Segments` table holds each leaf's
-dotted name (``"layer1.w"``), offset into the flat vector and size.
+A :class:`Segments` table holds each leaf's dotted name, offset and size.
 
 Example:
     >>> seg = Segments.from_sizes(["w", "b"], [6, 3])
@@ -59,10 +58,8 @@ class Segments(NamedTuple):
         return len(self.names)
 
     def slice(self, start: int, stop: int) -> Segments:
-        """The part of the table inside ``[start, stop)``, re-based to offset 0.
-
-        A segment cut by the boundary keeps its name; its size is the part inside.
-        """
+        """The part of the table inside ``[start, stop)``, re-based to offset 0 (a cut segment
+        keeps its name)."""
         if not 0 <= start <= stop <= self.total:
             raise ValueError(f"slice [{start}, {stop}) outside [0, {self.total})")
         ends = self.offsets + self.sizes
@@ -75,9 +72,6 @@ class Segments(NamedTuple):
         return Segments(tuple(self.names[i] for i in idx), lo - start, hi - lo)
 
     def mask(self, patterns: Iterable[str] | None) -> np.ndarray:
-        """A boolean per segment: True where the name matches any regex in ``patterns``.
-
-        Matching uses :func:`re.search`, so ``"bias"`` matches ``"layer1.bias"``.
-        """
+        """A boolean per segment: True where ``re.search`` finds any of ``patterns`` in its name."""
         pats = [re.compile(p) for p in (patterns or ())]
         return np.array([any(p.search(n) for p in pats) for n in self.names], dtype=np.bool_)

@@ -1,9 +1,5 @@
-"""Parameter sweeps in the simulator: one job over worker counts, consistency models or strategies.
-
-:func:`sweep` runs the same job once per value on the virtual clock, measures the
-virtual time each run needs to reach a target metric, and draws the metric against
-virtual time for every run and time-to-target per value.
-"""
+"""Parameter sweeps in the simulator: one job over worker counts, consistency models or strategies,
+each run's virtual time to a target measured and plotted."""
 
 from __future__ import annotations
 
@@ -76,29 +72,18 @@ def sweep(
 
     Args:
         job: a :class:`stalewise.Job`; only what ``over`` names is replaced per value.
-        task: the task (``loss_and_grad``, ``batches``, ``evaluate``).
         over: "workers" (worker counts), "consistency" (Consistency objects or names:
             "asp", "bsp", "ssp:4") or "strategy" (strategies or ``(label, strategy)``
             pairs, each with its recommended server optimizer, else the job's).
-        values: the values to sweep, in plot order.
-        steps: push budget of each run.
-        target: the value of ``metric`` to reach.
-        metric: a key of ``task.evaluate``'s result.
-        mode: "min" or "max"; None infers it from ``metric``.
+        steps, target, metric, mode: each run's push budget and its target.
         workers: the worker count when sweeping over consistency models or strategies.
-        sim: the simulator of every run, ``sw.Simulation(sim_config, seed=1)``
-            (default ``sw.Simulation()``: ``SimConfig()``, seed 0; the task's seed is its
-            ``batches``').
-        eval_interval: virtual seconds between evaluations (the resolution of the
-            time to target); default: five mean step times of ``sim.compute``.
+        sim: the simulator of every run (default ``sw.Simulation()``).
+        eval_interval: virtual seconds between evaluations (default: five mean step times).
         delay: extra virtual seconds per step, every worker.
-        stop_at_target: stop each run at its first evaluation that reaches ``target``.
         out: a folder for ``sweep.png`` and ``metrics.jsonl``.
-        on_record: called with every metrics record of every run.
-        progress: show a progress bar per run.
 
-    Every run's options are checked before the first run starts. Returns one row per value
-    with the keys of :data:`COLUMNS` (``time_to_target`` None when never reached).
+    Returns one row per value with the keys of :data:`COLUMNS` (``time_to_target`` None when
+    never reached).
 
     Example:
         >>> import os, stalewise as sw, tempfile

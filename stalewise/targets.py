@@ -56,9 +56,8 @@ def _word_mode(word: str) -> Mode | None:
 def infer_mode(metric: str) -> Mode:
     """The direction of a metric, from its name: "min" for a loss, "max" for an accuracy.
 
-    Each word of the name (split at punctuation and camelCase) is looked up in
-    :data:`MIN_WORDS` and :data:`MAX_WORDS`; a leading ``neg`` flips it. ValueError if no
-    word tells the direction or words point both ways (``"time_to_accuracy"``).
+    Each word of the name is looked up in :data:`MIN_WORDS` and :data:`MAX_WORDS` (a leading
+    ``neg`` flips it); ValueError if none tells or they disagree (``"time_to_accuracy"``).
 
     Example:
         >>> infer_mode("train_loss"), infer_mode("top5_accuracy"), infer_mode("valPerplexity")
@@ -180,8 +179,7 @@ def parse(stop_at: Any, *, where: str = "stop_at") -> tuple[Target, ...]:
     """Normalises a ``stop_at`` setting to a tuple of Targets.
 
     Accepted: None, a :class:`Target` or a list of them, or a mapping of metric name to
-    the value to reach (or ``(value, mode)``, or ``{"value": v, "mode": m}``). Errors
-    name the entry, prefixed by ``where``.
+    the value (or ``(value, mode)``, or ``{"value": v, "mode": m}``).
 
     Example:
         >>> parse(None), parse({})
@@ -225,9 +223,7 @@ def time_to_target(
 ) -> Any:
     """The first ``x`` at which a run's records reach ``target``, or None.
 
-    Records are taken in order of a finite ``x`` (``"time"``, ``"updates"``...); a missing
-    or non-finite metric does not reach it. ``run`` may be omitted when the records hold
-    one run, else ValueError.
+    ``run`` may be omitted when the records hold one run.
 
     Example:
         >>> recs = [{"run": "a", "time": t, "loss": 1 / (1 + t)} for t in range(10)]

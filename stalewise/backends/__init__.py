@@ -1,9 +1,7 @@
 """Array backends: how a leaf of NumPy, PyTorch, JAX or TensorFlow is read and written.
 
-A :class:`Backend` (stateless, thread-safe) reads one framework's leaves into NumPy
-buffers, builds new arrays and writes into mutable ones. :func:`backend_of` finds it
-from the modules of the object's class hierarchy without importing any framework, so
-``import stalewise`` stays fast and works with NumPy alone.
+A :class:`Backend` (stateless) reads one framework's leaves into NumPy buffers and writes
+them back; :func:`backend_of` finds it without importing any framework.
 
 Example:
     >>> import numpy as np
@@ -56,11 +54,7 @@ def _backend_of_type(cls: type) -> Backend | None:
 
 
 def backend_of(x: Any) -> Backend | None:
-    """The backend owning ``x`` (a leaf or a model), or None for other objects.
-
-    The match uses the modules of ``type(x)`` and its base classes, so a user's
-    ``torch.nn.Module`` subclass belongs to torch; no framework is imported.
-    """
+    """The backend owning ``x`` (a leaf or a model, by the modules of its classes), or None."""
     return _backend_of_type(type(x))
 
 

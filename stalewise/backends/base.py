@@ -1,9 +1,5 @@
-"""What every array backend is: :class:`Backend`, the operations one framework's arrays
-offer, :class:`ModelState`, what a model object shares, and the dtype names.
-
-The registry, :func:`~stalewise.backends.backend_of` and the built-in backends are
-in :mod:`stalewise.backends`, which re-exports these names.
-"""
+"""What every array backend is: :class:`Backend`, :class:`ModelState` and the dtype names
+(re-exported by :mod:`stalewise.backends`)."""
 
 from __future__ import annotations
 
@@ -17,11 +13,7 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 class ModelState(NamedTuple):
-    """What a model object (``nn.Module``, Keras model, ``tf.Module``) shares, by name.
-
-    Tied tensors appear under each of their names (the same object), so that
-    :mod:`stalewise.tree` stores them once and writes every name back.
-    """
+    """What a model object shares, by name (a tied tensor under each of its names)."""
 
     leaves: dict[str, Any]  # name -> trainable parameter or float buffer
     buffers: frozenset[str] = frozenset()  # names in ``leaves`` that are buffers
@@ -30,11 +22,7 @@ class ModelState(NamedTuple):
 
 
 class Backend:
-    """The operations :mod:`stalewise.tree` needs from one array framework.
-
-    Subclasses import their framework lazily, inside the methods, and only
-    after :func:`backend_of` has matched an object from that framework.
-    """
+    """The operations :mod:`stalewise.tree` needs from one array framework (imported lazily)."""
 
     name: str = ""
     roots: tuple[str, ...] = ()  # top-level module names whose classes this backend owns
@@ -60,11 +48,7 @@ class Backend:
         np.copyto(out, self.to_numpy(x), casting="unsafe")
 
     def from_numpy(self, a: np.ndarray, dtype: str, like: Any = None, *, copy: bool = True) -> Any:
-        """A leaf of this backend with the values of ``a`` and dtype ``dtype``.
-
-        ``like``: a leaf whose placement (torch device) the result takes; ``copy=False``:
-        it may share ``a``'s memory when the dtype matches (NumPy and CPU torch).
-        """
+        """A leaf of ``a`` as ``dtype``, placed as ``like`` (``copy=False``: maybe sharing ``a``)."""
         raise NotImplementedError
 
     def is_writable(self, x: Any) -> bool:
@@ -80,10 +64,7 @@ class Backend:
         return None
 
     def identity(self, x: Any) -> Hashable | None:
-        """Equal for two leaves that are the same mutable array (tied weights), else None.
-
-        Immutable arrays (JAX's) are tied to nothing.
-        """
+        """Equal for two leaves that are the same mutable array (tied weights), else None."""
         return None
 
     def label(self, x: Any) -> str | None:

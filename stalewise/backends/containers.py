@@ -1,12 +1,9 @@
 """Containers from each ecosystem's own pytree registry, one level at a time.
 
 :mod:`stalewise.tree` handles the built-in containers itself; any other is split by the
-registry of a framework already imported: JAX's (flax nnx ``State`` and ``Variable``,
-flax structs, equinox modules), PyTorch's ``torch.utils._pytree`` or TensorFlow's nest
-protocol. A :class:`Level` is one container split into keyed children with a picklable
-``template`` that :func:`rebuild` turns back into one; an nnx ``Variable``'s value is
-written back through the variable (its ``holder``), and a Variable that is not an
-``nnx.Param`` is a buffer. An nnx ``GraphDef`` is structure (:func:`is_static`).
+registry of a framework already imported (JAX's, PyTorch's or TensorFlow's nest). A
+:class:`Level` is one container split into keyed children with a picklable ``template``
+that :func:`rebuild` turns back into one; an nnx Variable that is not a ``Param`` is a buffer.
 
 Example:
     >>> import jax.numpy as jnp
@@ -65,11 +62,7 @@ def rebuild(via: str, cls: type, template: Any, children: tuple) -> Any:
 
 
 def model_view(x: Any) -> Any | None:
-    """What a flax nnx ``Module`` shares: its ``nnx.State`` without RNG state; else None.
-
-    The state holds the module's own ``Variable`` objects, so writing through
-    them changes the module.
-    """
+    """What a flax nnx ``Module`` shares: its ``nnx.State`` without RNG state; else None."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None or not isinstance(x, nnx.Module):
         return None

@@ -1,8 +1,5 @@
-"""The JAX backend: ``jax.Array`` leaves (immutable, so never written in place).
-
-New arrays are always copies: a JAX array must not change when the flat
-vector it came from is updated. ``float64`` leaves need ``jax_enable_x64``.
-"""
+"""The JAX backend: ``jax.Array`` leaves, immutable, so never written in place and always
+copied; ``float64`` leaves need ``jax_enable_x64``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The TensorFlow backend: ``tf.Tensor`` / ``tf.Variable`` / Keras variable leaves and models.
 
-A Keras model shares its trainable and, as buffers, floating non-trainable variables,
-named by variable path (``"dense/kernel"``); an update may also be the list
-``tape.gradient(...)`` (+ ``non_trainable_variables``). A ``tf.Module`` shares its
-trainable variables by attribute path. Keras layer names come from a global counter:
-name the layers when several processes build the model. ``tf.IndexedSlices`` are read
-densely. See docs/models.md.
+A Keras model shares its trainable and (as buffers) floating non-trainable variables by
+path (``"dense/kernel"``), a ``tf.Module`` its trainable ones. Keras layer names come from
+a global counter: name the layers when several processes build the model. docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The PyTorch backend: ``torch.Tensor`` leaves (incl. ``nn.Parameter``) and ``nn.Module`` models.
 
-Tensors are detached and copied to the CPU; new ones live on the CPU unless ``like``
-says otherwise. A module shares its ``state_dict``'s parameters that require grad and
-floating buffers (as buffers); two tensors viewing the same storage, offset, shape and
-strides are one (tied) leaf.
+A module shares its parameters that require grad and its floating buffers (as buffers);
+two tensors viewing the same storage, offset, shape and strides are one (tied) leaf.
 
 Example:
     >>> import numpy as np, torch

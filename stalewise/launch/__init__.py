@@ -1,28 +1,11 @@
 """Run a training script you own once per worker: ``stalewise run`` and :func:`init`.
 
-A script builds its model and a :class:`~stalewise.Job`, calls ``ctx = sw.init(job)``
-once, and trains with ``ctx.client`` while ``not ctx.should_stop()``.
-``stalewise run --workers N [--steps S] script.py args...`` runs the script until
-:func:`init`, which serves the job's shards, starts ``N`` worker processes that run
-the script again (``--runtime ray``: Ray actors), waits for them and ends the
-launcher's run (``SystemExit``: 0, or 1 if a worker failed). In a worker,
-:func:`init` returns its :class:`Context`. Without the launcher (``python
-script.py``) it serves the job in this process with one worker.
-
-Each rank's environment holds ``RANK``/``STALEWISE_RANK``, ``WORLD_SIZE``/
-``STALEWISE_WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``. The budget
-(``--steps``), checkpoints as one cut (``--checkpoint-dir``), refusals and how a launch
-ends: the README, ``docs/reliability.md`` and ``docs/design-notes.md`` ("stalewise run").
-
-Example (``train.py``; ``stalewise run --workers 4 --steps 2000 train.py``):
-
-.. code-block:: python
-
-    model = make_model()
-    ctx = sw.init(sw.Job(model, optimizer=sw.optim.adam(1e-3)))  # rank, world size, client
-    for _ in ctx.loop(into=model):  # until should_stop(), pulling before each step
-        loss_fn(model, next(batches)).backward()
-        ctx.client.push({n: p.grad for n, p in model.named_parameters()})
+``stalewise run --workers N script.py args...`` runs the script until :func:`init`, which
+serves the job, runs the script again in ``N`` worker processes (or Ray actors) and ends
+the launcher (``SystemExit``: 0, or 1 if a worker failed); in a worker :func:`init` returns
+its :class:`Context`, and without the launcher it serves the job here with one worker.
+Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (and the
+``STALEWISE_`` ones). Example: ``examples/torch_launch.py``; more: the README and docs/.
 """
 
 from __future__ import annotations
@@ -87,24 +70,10 @@ class _Launch:
 _LAUNCH: _Launch | None = None  # set in the launcher's process while it runs the script
 
 
-def init(
-    job: Any,
-    *,
-    steps: int | None = None,
-    checkpoints: Any = None,
-) -> Context:
-    """This process's part of a launched job; see the module docstring.
-
-    Args:
-        job: the :class:`~stalewise.Job` the script trains: served in the launcher; in a
-            worker it must have the launcher's layout.
-        steps: the job's budget of pushes in all (``--steps`` wins).
-        checkpoints: ``sw.Checkpoints(dir, every=, resume=)``, the job's and each rank's
-            checkpoints (``--checkpoint-dir``, ``--checkpoint-every``, ``--resume`` win;
-            ignored in a launched worker).
-
-    Returns:
-        The worker's :class:`Context` (in the launcher it does not return)."""
+def init(job: Any, *, steps: int | None = None, checkpoints: Any = None) -> Context:
+    """This process's part of a launched job: the worker's :class:`Context` (the launcher
+    serves ``job`` and does not return). ``steps`` and ``checkpoints`` are the job's budget
+    and ``sw.Checkpoints`` (the command line's flags win)."""
     if not (isinstance(getattr(job, "config", None), ServerConfig) and hasattr(job, "serve")):
         raise TypeError(f"sw.init(job): job must be a sw.Job, got {type(job).__name__}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
@@ -243,18 +212,9 @@ def launch(
 ) -> int:
     """Runs ``script`` with ``argv`` as ``stalewise run`` does; returns the exit status.
 
-    ``runtime``: ``"local"`` or ``"ray"``; ``timeout``: seconds for the whole run (None:
-    no bound); ``rank_timeout``: the liveness rule's silence, local only (None:
-    :data:`~stalewise.launch.ranks.RANK_TIMEOUT`; 0: off); ``checkpoint_dir``,
-    ``checkpoint_every``, ``resume``: local only; ``address``: the Ray cluster (None:
-    ``RAY_ADDRESS``, else a new local instance); ``env``, ``env_all``: what each rank on
-    Ray gets of this environment (:func:`stalewise.launch.ray.shipped_env`); ``name``: the
-    job is served under it, with room for ``workers`` more ids, for ``sw.attach(name)``.
-    From the main thread, SIGTERM is
-    handled as Ctrl-C: the job stops in order and :class:`Terminated` is raised.
-
-    Raises:
-        LaunchError: a bad argument, or a script that ends without calling :func:`init`."""
+    The arguments are the flags of ``stalewise run --help``. From the main thread, SIGTERM
+    is handled as Ctrl-C and raises :class:`Terminated`; :class:`LaunchError` for a bad
+    argument or a script that ends without calling :func:`init`."""
     global _LAUNCH
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
         raise LaunchError(f"--workers must be an integer in 1..{MAX_WORKERS}, got {workers!r}")

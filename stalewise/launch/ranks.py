@@ -92,9 +92,7 @@ class Rank:
 
 
 class Ranks:
-    """The launcher's ranks: starts them, releases them together, watches their pushes
-    (the liveness rule, :func:`stalewise.protocol.liveness.silent_rank`), ticks the
-    checkpoints (``saves``), and stops them."""
+    """The launcher's ranks: starts, releases, watches (the liveness rule) and stops them."""
 
     def __init__(self, server: Any, launch: Any, saves: checkpoints.Saves | None = None):
         self.server, self.launch, self.saves = server, launch, saves
@@ -137,8 +135,7 @@ class Ranks:
         return [r for r in self.ranks if not r.ended]
 
     def _release(self, word: bytes) -> None:
-        """Lets every rank waiting at the rendezvous go (``go``: all there; ``alone``: a
-        rank ended before it got there)."""
+        """Lets every rank waiting at the rendezvous go with ``word`` (``go`` or ``alone``)."""
         for r in self.ranks:
             if not r.released and not r.ended:
                 r.released = True
@@ -146,8 +143,7 @@ class Ranks:
                     r.conn.send_bytes(word)
 
     def _heard(self, r: Rank, word: bytes) -> None:
-        """A rank's word: ``ready``, ``failed LINE`` (its error), ``refused N`` (pushes
-        refused past the budget)."""
+        """A rank's word: ``ready``, ``failed LINE`` (its error) or ``refused N`` (pushes)."""
         if word.startswith(b"refused "):
             self.refused += int(word.split()[1])
         elif word.startswith(b"failed "):
@@ -188,8 +184,7 @@ class Ranks:
             )
 
     def wait(self) -> None:
-        """Until every rank has ended, or ``--timeout`` (then ``failed`` says which ranks
-        were still running, and how far they had got)."""
+        """Until every rank has ended, or ``--timeout`` (then ``failed`` names those running)."""
         timeout = self.launch.timeout
         deadline = None if timeout is None else self.started + timeout
         while running := self.running():
@@ -218,9 +213,7 @@ class Ranks:
                     self._ended(r)
 
     def stop(self) -> None:
-        """Stops the ranks still running, before the shards close: sets the job's stop flag,
-        gives them :data:`STOP_GRACE` seconds, then kills the rest (at once on a second
-        Ctrl-C or SIGTERM)."""
+        """Stops the ranks still running: the stop flag, :data:`STOP_GRACE` s, then a kill."""
         self.stopping = True
         if not self.running():
             return
@@ -244,12 +237,8 @@ class Ranks:
                 print(f"stalewise run: rank {r.rank} {why}; killed it", file=sys.stderr)
 
 
-# -- a rank's own process -----------------------------------------------------------------
-
-
 class Gate:
-    """A rank's side of the launcher's start rendezvous: says ``ready`` on its pipe and
-    waits for ``go`` (``alone``: a rank ended before it got there)."""
+    """A rank's side of the start rendezvous: says ``ready`` on its pipe, waits for ``go``."""
 
     def __init__(self, conn: Any):
         self.conn = conn
@@ -274,9 +263,7 @@ def worker_main(
     conn: Any,
     logs: str,
 ) -> None:
-    """A worker process (a rank): runs the script once as ``__main__`` with its context set;
-    it dies with the launcher, says on one line when interrupted or stopped, and sends
-    its error's line to the launcher (:func:`failure`)."""
+    """A worker process (a rank): runs the script once as ``__main__`` with its context set."""
     from stalewise.runtime.local.procs import die_with_parent
 
     die_with_parent()

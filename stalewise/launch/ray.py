@@ -1,8 +1,5 @@
-"""``stalewise run --runtime ray``: a script you own, once per worker, as Ray actors.
-
-The launcher serves the job and starts one :class:`ScriptWorker` actor per rank, which
-attaches as worker ``rank`` and runs the script as ``__main__``; ``docs/ray.md`` tells more.
-"""
+"""``stalewise run --runtime ray``: one :class:`ScriptWorker` actor per rank attaches as worker
+``rank`` and runs the script as ``__main__`` (docs/ray.md)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """The run skeleton every runtime shares: :func:`drive` runs a job over a :class:`Host`.
 
-A runtime implements a :class:`Host` (it starts shards and workers, moves their
-bytes, applies the failure policy and reports what it sees). The driver owns what
-every runtime does alike: the resume point (:func:`checkpoint.resume_point`), the
-failure policy's log, the cadence (a record at once, then one per ``eval_interval``
-of the host's clock, periodic checkpoints when the
-:class:`~stalewise.checkpoint.Saver` says so, one at a :class:`WorkerError` and the
-final one), ``stop_at``, the wall-clock ``timeout``, the end reason and the
-:class:`TrainResult`. The host's clock is wall seconds since :meth:`Host.go`, or
-virtual seconds in the simulator; :meth:`Host.advance` returns ``TICK`` (a
-real-time host, after one short wait: :func:`wait_for`), ``RECORD``,
-``CHECKPOINT`` or ``END``."""
+A runtime's :class:`Host` starts shards and workers, moves their bytes and applies the
+failure policy; the driver owns what every runtime does alike: the resume point, the
+records, checkpoints, ``stop_at``, ``timeout``, the end reason and the :class:`TrainResult`.
+The host's clock is wall seconds since :meth:`Host.go`, or virtual in the simulator."""
 
 from __future__ import annotations
 
@@ -53,12 +46,8 @@ class Snapshot(NamedTuple):
 
 
 class Host(Protocol):
-    """What a runtime implements for :func:`drive`; every call comes from the driver.
-
-    Attributes:
-        runtime: its name, written into checkpoints and log lines.
-        virtual: its clock is virtual (no warm-up ``evaluate`` before the clock starts).
-        checkpoint_info: what it adds to a checkpoint's manifest (e.g. the sim's seed)."""
+    """What a runtime implements for :func:`drive`: its ``runtime`` name, whether its clock
+    is ``virtual``, ``checkpoint_info`` for a checkpoint's manifest, and these calls."""
 
     runtime: str
     virtual: bool
@@ -260,6 +249,5 @@ class Run:
 
 
 def drive(host: Host, config: Any, strategy: Any, options: Any) -> TrainResult:
-    """Runs the job of ``config`` over ``host`` with ``options`` (:class:`RunOptions`);
-    see the module docstring. Whatever happens, :meth:`Host.close` is called."""
+    """Runs the job of ``config`` over ``host`` with ``options``; :meth:`Host.close` at the end."""
     return Run(host, config, strategy, options).train()

@@ -96,12 +96,9 @@ FAILURE_POLICIES = ("restart", "drop", "fail")
 class Failures:
     """A job's failure policy, and the log of what it did (``TrainResult.failures``).
 
-    ``policy``: ``"restart"`` (a new incarnation, up to ``max_restarts`` per worker id
-    or shard; None: no limit; checked by the run options), ``"drop"`` (the others carry on; a dead shard is still
-    restarted) or ``"fail"`` (:class:`WorkerError` or :class:`ShardError`). A diverged
-    worker is never restarted. Every event is logged and kept in :attr:`events`; the
-    first of each kind is warned as a :class:`FailureWarning`. ``hint`` ends the
-    message of an error that stops the job.
+    ``policy``: ``"restart"`` (up to ``max_restarts`` per worker id or shard; None: no
+    limit), ``"drop"`` (a dead shard is still restarted) or ``"fail"``. Every event is kept
+    in :attr:`events`, the first of each kind warned; ``hint`` ends a stopping error.
 
     Example:
         >>> f = Failures("restart", max_restarts=1)

@@ -29,8 +29,7 @@ def mean_loss(last_losses: Any) -> float:
 
 
 def last_metrics(records: list[dict]) -> dict[str, float]:
-    """The loss and accuracy of the last of ``records`` (those it has as floats), as a
-    progress line or a result's repr shows them."""
+    """The loss and accuracy (those it has as floats) of the last of ``records``."""
     last = records[-1] if records else {}
     return {k: last[k] for k in ("loss", "accuracy") if isinstance(last.get(k), float)}
 
@@ -39,12 +38,8 @@ PLAIN_EVERY = 10.0  # seconds between progress lines when output is not a termin
 
 
 class Recorder:
-    """A run's metrics records: builds them, shows progress, says when to stop.
-
-    Every runtime records the same schema (:mod:`stalewise.report`). ``stop_at`` is
-    anything :func:`stalewise.targets.parse` accepts; the run stops at the first record
-    that reaches every target. Progress is a tqdm bar on a terminal, else one line every
-    ``PLAIN_EVERY`` seconds.
+    """A run's metrics records (:mod:`stalewise.report`): builds them, shows progress (a tqdm
+    bar, or a line every ``PLAIN_EVERY`` s off a terminal), says when ``stop_at`` is reached.
 
     Example:
         >>> r = Recorder("run", 10, stop_at={"loss": 1e-3})
@@ -171,9 +166,8 @@ class TrainResult:
 
 
 def merge_stats(per_shard: Sequence[Mapping[str, Any]], *, settled: bool = False) -> dict[str, Any]:
-    """Merges the shards' counters: per-push counters, version and staleness from shard 0
-    (the commit rule keeps them equal), bytes summed. With ``settled=True`` (no push in
-    flight) shards whose counters differ from shard 0's are named in a warning.
+    """Merges the shards' counters: shard 0's per-push counters, bytes summed; ``settled``
+    (no push in flight): shards whose counters differ from shard 0's are warned about.
 
     Example:
         >>> s = {"applied": 3, "rejected": {"not_finite": 1}, "duplicates": 0,
@@ -231,12 +225,8 @@ def end_reason(
     version: int | None = None,
     run: str = "",
 ) -> tuple[str, str]:
-    """How and why a run ended, in every runtime: ``(ended, reason)``, ``ended`` one of
-    :data:`ENDINGS`. A run with no push applied, or whose last loss is not finite, says
-    so in the reason and with a :class:`FailureWarning`.
-
-    Raises:
-        DivergedError: no worker is left and some diverged."""
+    """How and why a run ended: ``(ended, reason)``, ``ended`` one of :data:`ENDINGS` (no push
+    applied or a non-finite last loss is also warned); DivergedError if all diverged."""
     if recorder.stop_reason:
         ended, reason = "stop_at", recorder.stop_reason
     elif pushes >= steps or budget_spent:

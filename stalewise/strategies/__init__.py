@@ -37,14 +37,7 @@ from stalewise.strategies.averaging import (
     easgd,
     local_sgd,
 )
-from stalewise.strategies.base import (
-    Gradients,
-    LossAndGrad,
-    Step,
-    Strategy,
-    config_key,
-    gradients,
-)
+from stalewise.strategies.base import Gradients, LossAndGrad, Step, Strategy, config_key, gradients
 from stalewise.strategies.streaming import (
     LazyLeaves,
     StreamingDiLoCo,

@@ -4,12 +4,9 @@
 every push, after the round's first local step, from the worker's smoothed training loss
 and its rounds' lengths: :func:`comm_budget` (the default), :func:`adacomm` or :func:`fixed`.
 
-A custom schedule is a picklable object (a frozen dataclass is ideal) with
-``init() -> state`` and ``next(state, loss) -> (H, state)`` (``H >= 1``, the first step
-included; ``loss`` NaN until a finite one), and optionally ``observe(state, steps,
-seconds) -> state``, called before ``next`` with the last round's ``H`` and length, which
-makes the worker loop read the runtime's clock. The rules' reasoning:
-docs/design-notes.md, "Model averaging".
+A custom schedule is picklable, with ``init() -> state``, ``next(state, loss) -> (H, state)``
+(``loss`` NaN until a finite one) and optionally ``observe(state, steps, seconds) -> state``
+(the last round, by the runtime's clock). Why: docs/design-notes.md, "Model averaging".
 
 Example:
     >>> budget = comm_budget(fraction=0.2)
@@ -207,10 +204,6 @@ def adacomm(local_steps: int = 32, min_steps: int = 1) -> AdaComm:
     ``H_k = min(H_0, max(min_steps, ceil(sqrt(max(F_k, 0) / F_0) * H_0)))``, with
     ``H_0 = local_steps`` and ``F_0`` the first finite loss; ``F_0 <= 0`` raises ValueError.
 
-    Args:
-        local_steps: ``H_0``, the first period and the largest.
-        min_steps: the smallest period.
-
     Example:
         >>> s = adacomm(local_steps=10)
         >>> h, state = s.next(s.init(), 2.0)
@@ -229,13 +222,8 @@ def comm_budget(
 ) -> CommBudget:
     """The smallest ``H`` with communication at most ``fraction`` of a round: with the
     rounds fitted to ``T = c + s * H`` by the runtime's clock, ``H = ceil(c * (1 -
-    fraction) / (fraction * s))`` within ``[min_steps, max_steps]``.
-
-    Args:
-        fraction: the most of a round that communication may take, in ``(0, 1)``.
-        local_steps: the first two rounds' ``H`` (the third runs ``4 * local_steps``).
-        min_steps, max_steps: the smallest and the largest period.
-        memory: per-round decay of the weight of older rounds in the fit, in ``[0, 1)``.
+    fraction) / (fraction * s))`` within ``[min_steps, max_steps]``. ``local_steps`` is the
+    first two rounds' ``H``, ``memory`` the per-round decay of older rounds in the fit.
 
     Example:
         >>> from stalewise.pacing import RoundCost
@@ -368,13 +356,9 @@ def adaptive(
 ) -> Adaptive:
     """Local SGD (or DiLoCo) whose local steps per push, ``H``, follow a schedule.
 
-    Args:
-        inner: as for ``local_sgd`` (with ``outer="diloco"``, default ``adamw(1e-3)``).
-        schedule: picks ``H`` (default :func:`comm_budget`; see the module docstring).
-        local_steps, min_steps: shorthands for ``comm_budget(local_steps=, min_steps=)``.
-        outer: ``"local_sgd"`` or ``"diloco"``, whose server optimizer is recommended.
-        smoothing: the per-local-step decay of the loss's moving average, in ``[0, 1)``.
-        reset_inner, outer_lr, outer_momentum, asynchronous, every: as for ``diloco``.
+    ``schedule`` defaults to :func:`comm_budget` (``local_steps``, ``min_steps`` are its
+    shorthands); ``outer`` is ``"local_sgd"`` or ``"diloco"`` (whose options the others are);
+    ``smoothing`` is the per-step decay of the loss's moving average.
 
     Example:
         >>> import stalewise as sw
@@ -395,12 +379,8 @@ def adaptive(
             "adaptive: local_steps= and min_steps= configure the default comm_budget schedule; with "
             "schedule= pass them to the schedule instead, e.g. adacomm(local_steps=64, min_steps=2)"
         )
-    diloco_only = {
-        "outer_lr": outer_lr,
-        "outer_momentum": outer_momentum,
-        "asynchronous": asynchronous or None,
-        "every": every,
-    }
+    diloco_only = {"outer_lr": outer_lr, "outer_momentum": outer_momentum}
+    diloco_only |= {"asynchronous": asynchronous or None, "every": every}
     given = {k: v for k, v in diloco_only.items() if v is not None}
     if outer == "local_sgd":
         if given:

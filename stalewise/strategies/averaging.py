@@ -1,16 +1,10 @@
 """Model-averaging strategies: local SGD (FedAvg), DiLoCo, asynchronous DiLoCo and EASGD.
 
-A worker runs ``local_steps`` (``H``) local steps with an *inner* optimizer between two
-pushes and pushes a pseudo-gradient, which the server applies as any update; ``sw.Job``
-without ``optimizer=`` uses the strategy's ``server_optimizer()`` (each function names it).
-
-``inner`` is a :mod:`stalewise.optim` optimizer (in place on the flat local vector, with
-the leaf names), an optax ``GradientTransformation`` (on a dict of dotted leaf name -> JAX
-array; it does not pickle, so not for the local runtime) or a PyTorch optimizer factory
-taking one tensor per leaf, e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)``. Its
-state persists across pushes unless ``reset_inner=True``. ``dynamic=True,
-period=seconds`` gives each round a time budget instead of a fixed ``H``
-(:mod:`stalewise.pacing`). Why: docs/design-notes.md, "Model averaging".
+A worker runs ``local_steps`` (``H``) steps of an *inner* optimizer and pushes the
+pseudo-gradient; ``sw.Job`` without ``optimizer=`` uses ``server_optimizer()``. ``inner``:
+a :mod:`stalewise.optim` optimizer, an optax ``GradientTransformation`` (not picklable: not
+for the local runtime) or a torch optimizer factory taking one tensor per leaf, e.g.
+``functools.partial(torch.optim.AdamW, lr=1e-3)``. Why: docs/design-notes.md, "Model averaging".
 
 Example:
     >>> import numpy as np
@@ -399,15 +393,10 @@ def local_sgd(
 ) -> LocalSGDStrategy:
     """Local SGD: ``local_steps`` local steps with ``inner``, then push ``pulled - local``.
 
-    Recommended server optimizer ``sgd(1.0)`` (under BSP: FedAvg).
-
-    Args:
-        local_steps: ``H``, local steps (minibatches) per push; the cap when ``dynamic``.
-            Not the job's push budget (``Job.train(steps=)``).
-        inner: the worker's optimizer (see the module docstring).
-        reset_inner: make a fresh inner optimizer state at every pull.
-        dynamic: dynamic local updates: pick ``H`` so that a round lasts about ``period``.
-        period: seconds per round when ``dynamic``, by the runtime's clock.
+    Recommended server optimizer ``sgd(1.0)`` (under BSP: FedAvg). ``local_steps`` is ``H``
+    (the cap when ``dynamic``), not the job's push budget; ``reset_inner`` makes a fresh inner
+    state at every pull; ``dynamic=True, period=seconds`` picks ``H`` so that a round lasts
+    about ``period`` by the runtime's clock.
 
     Example:
         >>> import stalewise as sw
@@ -416,12 +405,7 @@ def local_sgd(
         _Sgd(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0, exclude_from_weight_decay=())
     """
     return LocalSGDStrategy(
-        local_steps,
-        inner,
-        reset_inner=reset_inner,
-        dynamic=dynamic,
-        period=period,
-        name="local_sgd",
+        local_steps, inner, reset_inner=reset_inner, dynamic=dynamic, period=period
     )
 
 
@@ -439,17 +423,10 @@ def diloco(
 ) -> LocalSGDStrategy:
     """DiLoCo (Douillard et al. 2023) and asynchronous DiLoCo (Liu et al. 2024).
 
-    :func:`local_sgd` with an inner AdamW; the recommended server optimizer is Nesterov
-    ``sgd(outer_lr, outer_momentum)`` for BSP, or with ``asynchronous=True``
-    ``delayed_nesterov(every=N)`` for ASP/SSP. ``sw.Job`` refuses the other two pairings
-    unless you pass your own ``optimizer=``; ``sw.Hybrid`` is accepted with either.
-
-    Args:
-        local_steps, inner, reset_inner, dynamic, period: as for :func:`local_sgd`
-            (``inner`` defaults to ``sw.optim.adamw(1e-3)``).
-        outer_lr, outer_momentum: the recommended server optimizer's.
-        asynchronous: recommend delayed Nesterov (for ASP) instead of Nesterov SGD.
-        every: ``N`` of delayed Nesterov, the pushes per momentum step: the workers.
+    :func:`local_sgd` with an inner ``adamw(1e-3)`` by default; the recommended server
+    optimizer is Nesterov ``sgd(outer_lr, outer_momentum)`` for BSP, or with
+    ``asynchronous=True`` ``delayed_nesterov(every=N workers)`` for ASP/SSP. ``sw.Job``
+    refuses the other two pairings unless you pass your own ``optimizer=``.
 
     Example:
         >>> s = diloco(local_steps=100, asynchronous=True, every=4)
@@ -518,11 +495,8 @@ def easgd(alpha: float, *, local_steps: int, inner: Any, reset_inner: bool = Fal
     """Asynchronous EASGD (Zhang, Choromanska and LeCun 2015).
 
     Each round: ``local_steps`` (``tau``) steps on the worker's own ``x``, then push
-    ``alpha * (c - x)`` and move ``x -= alpha * (x - c)``, ``c`` the pulled centre.
-
-    Args:
-        alpha: the moving rate, in ``(0, 1]`` (the paper's ``beta / p`` for ``p`` workers).
-        local_steps, inner, reset_inner: as for :func:`local_sgd` (``local_steps`` is ``tau``).
+    ``alpha * (c - x)`` and move ``x -= alpha * (x - c)``, ``c`` the pulled centre; ``alpha``
+    in ``(0, 1]`` is the paper's ``beta / p`` for ``p`` workers.
 
     Example:
         >>> import numpy as np, stalewise as sw

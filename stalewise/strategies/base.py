@@ -24,11 +24,8 @@ class Step(NamedTuple):
 
 
 class Strategy:
-    """A worker strategy; subclass it and override :meth:`init` and :meth:`step`.
-
-    Instances must be picklable (they travel to worker processes) and hold only
-    configuration; per-worker mutable data belongs in the state.
-    """
+    """A worker strategy: override :meth:`init` and :meth:`step`. Picklable, configuration
+    only; per-worker mutable data belongs in the state."""
 
     name = "strategy"
     #: True for a strategy that paces itself by the runtime's clock: the worker loop then
@@ -55,26 +52,19 @@ class Strategy:
         raise NotImplementedError
 
     def check_consistency(self, consistency: Any, *, recommended: bool) -> None:
-        """Raises ValueError (one line, saying why) if this strategy must not run under
-        ``consistency``; the default accepts every consistency model.
-
-        ``recommended``: the server optimizer is this strategy's :meth:`server_optimizer`.
-        """
+        """Raises ValueError (one line) if this strategy must not run under ``consistency``
+        (``recommended``: with its own :meth:`server_optimizer`); the default accepts all."""
 
     def server_optimizer(self, workers: int | None = None) -> Any:
-        """The server optimizer this strategy recommends, or None to have the user choose.
-
-        ``workers``: the number of workers when the caller knows it (a recommendation that
-        depends on it may raise ``TypeError`` without it).
-        """
+        """The server optimizer this strategy recommends (None: the user's choice); one that
+        depends on ``workers`` may raise ``TypeError`` without it."""
         return None
 
     def __repr__(self) -> str:
         return f"{self.name}()"
 
     def _config(self) -> tuple:
-        """The configuration, by which strategies compare: public attributes (private ones
-        are derived from them), each by :func:`config_key`."""
+        """The configuration strategies compare by: public attributes, by :func:`config_key`."""
         return tuple(sorted((k, config_key(v)) for k, v in vars(self).items() if k[0] != "_"))
 
     def __eq__(self, other: object) -> bool:

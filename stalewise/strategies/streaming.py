@@ -1,16 +1,9 @@
 """Streaming DiLoCo (Douillard et al. 2025), synchronous and asynchronous.
 
-The model is cut into ``P`` *fragments* (unions of whole leaves), each synced on its own
-schedule inside DiLoCo's period ``H``: fragment ``p`` is pushed after inner steps ``t =
-offset_p (mod H)`` (staggered by default), as its pseudo-gradient with zeros elsewhere
-(with a codec, a segment push costing the fragment's bytes). ``delay`` (``tau``) inner
-steps later the worker merges the global fragment read from the pull after the push:
-``local_p = alpha * local_p + (1 - alpha) * global_p``. The recommended server optimizer
-for ``P > 1`` is :func:`lazy_leaves` of DiLoCo's, which steps only the leaves a push
-touches. ``streaming_diloco(local_steps=H, fragments=1, delay=0)`` is DiLoCo bit for bit.
-With ``delay >= 1`` a runtime that overlaps (the local one) answers the push at once and
-runs :meth:`StreamingDiLoCo.ahead` while it is in flight. Why: docs/design-notes.md,
-"Streaming DiLoCo".
+The model is cut into ``P`` *fragments* (unions of whole leaves); fragment ``p`` is pushed
+after inner steps ``t = offset_p (mod H)`` as its pseudo-gradient (zeros elsewhere) and,
+``delay`` inner steps later, merged: ``local_p = alpha * local_p + (1 - alpha) * global_p``.
+``fragments=1, delay=0`` is DiLoCo bit for bit. Why: docs/design-notes.md, "Streaming DiLoCo".
 
 Example:
     >>> import numpy as np, stalewise as sw
@@ -48,9 +41,6 @@ from stalewise.strategies.base import LossAndGrad, Step
 __all__ = ["LazyLeaves", "StreamingDiLoCo", "StreamingState", "lazy_leaves", "streaming_diloco"]
 
 Runs = list[tuple[int, int]]  # contiguous [start, stop) ranges of the flat vector
-
-
-# -- the server side ---------------------------------------------------------------------
 
 
 class LazyLeavesState(NamedTuple):
@@ -126,22 +116,15 @@ def lazy_leaves(opt: optim.Optimizer) -> optim.Optimizer:
     return LazyLeaves(opt).optimizer()
 
 
-# -- the worker side ---------------------------------------------------------------------
-
-
 @dataclass(eq=False)
 class StreamingState(AveragingState):
-    """A worker's state for :func:`streaming_diloco`: :class:`AveragingState` and the fragments.
+    """A worker's state for :func:`streaming_diloco`: :class:`AveragingState` and the fragments."""
 
-    ``ref``: per fragment, the last merged global values, its pseudo-gradient's base;
-    ``pending``: global fragments pulled, not merged, as ``(inner step, fragment, values)``.
-    """
-
-    ref: np.ndarray = field(default_factory=lambda: np.empty(0))
+    ref: np.ndarray = field(default_factory=lambda: np.empty(0))  # the pseudo-gradients' base
     runs: list[Runs] = field(default_factory=list)  # per fragment, its ranges of the vector
     t: int = 0  # inner steps taken since the start
     last: int | None = None  # the fragment pushed by the last step (None: none yet)
-    pending: list[tuple[int, int, list[np.ndarray]]] = field(default_factory=list)
+    pending: list[tuple[int, int, list[np.ndarray]]] = field(default_factory=list)  # to merge
     pushed: list[tuple[int, int]] = field(default_factory=list)  # (inner step, fragment) pushes
     early: list[tuple[int, float]] = field(default_factory=list)  # ahead's (steps, mean loss)
 
@@ -215,9 +198,7 @@ class StreamingDiLoCo(LocalSGDStrategy):
         return self.overlap and self.delay > 0
 
     def ahead(self, state: StreamingState, loss_and_grad: LossAndGrad, batches: Iterator) -> int:
-        """Takes the inner steps that need no pull (up to the last push's merge or the next sync
-        point) while that push is in flight; returns how many (0 before the first push), whose
-        losses count in the next step's."""
+        """Takes the inner steps that need no pull while the last push is in flight; how many."""
         if state.last is None:
             return 0
         end = min(state.pushed[-1][0] + self.delay, self.schedule(state.pushed[-1][0])[0])
@@ -363,11 +344,8 @@ def _check_fragments(fragments: Any) -> int | tuple:
     out = []
     for group in fragments:
         patterns = (group,) if isinstance(group, str) else group
-        if (
-            not isinstance(patterns, Sequence)
-            or not patterns
-            or not all(isinstance(p, str) for p in patterns)
-        ):
+        strings = isinstance(patterns, Sequence) and all(isinstance(p, str) for p in patterns)
+        if not (strings and patterns):
             raise ValueError(
                 f"{where}: each fragment is a pattern or a list of them, got {group!r}"
             )
@@ -411,19 +389,16 @@ def streaming_diloco(
     every: int | None = None,
     overlap: bool = True,
 ) -> StreamingDiLoCo:
-    """Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping
-    communication"), synchronous (BSP) or asynchronous (ASP, delayed Nesterov).
+    """Streaming DiLoCo (Douillard et al. 2025), synchronous or asynchronous.
 
     Args:
-        local_steps: ``H``, the period: each fragment is pushed once every ``H`` inner steps.
-        inner: the inner optimizer (default ``sw.optim.adamw(1e-3)``), as for :func:`diloco`.
+        local_steps, inner, outer_lr, outer_momentum, asynchronous, every: as for
+            :func:`diloco` (the server optimizer in :func:`lazy_leaves` when ``P > 1``).
         fragments: ``P``, the leaf order cut into ``P`` runs of about equal size, or one
             leaf-name regex (or list of them) per fragment, the first match taking a leaf.
         offsets: each fragment's distinct sync offset in ``[0, H)`` (default ``round(p * H / P)``).
         delay: ``tau``, inner steps from a fragment's push to its merge, in ``[0, H)``.
         alpha: the local weight of the merge, in ``[0, 1]``; 0 takes the global fragment.
-        outer_lr, outer_momentum, asynchronous, every: the server optimizer, as for
-            :func:`diloco` (wrapped in :func:`lazy_leaves` when ``P > 1``).
         overlap: with ``delay >= 1``, take the steps before the merge while the push is
             in flight (local runtime); the pushes and merges are the same either way.
 

@@ -1,11 +1,7 @@
 """Built-in tasks for the demo, the tests and the benchmarks.
 
-A task (see :class:`~stalewise.tasks.base.Task`) owns a model, its data and
-its loss: ``init_params(seed)``, ``loss_and_grad(params, batch)``,
-``batches(worker, workers, seed)`` (one disjoint shard per worker) and
-``evaluate(params)``. Build one by name with :func:`get`; backends (torch, jax)
-are imported only when their task is requested. :func:`with_seed` binds the
-seed, giving the ``data(worker, workers)`` that ``Job.train`` calls.
+A task (:class:`~stalewise.tasks.base.Task`) owns a model, its data and its loss; build one
+by name with :func:`get` (a backend is imported only for its task).
 
 | name            | backend | model                          | evaluate keys        |
 | --------------- | ------- | ------------------------------ | -------------------- |

@@ -1,10 +1,7 @@
 """The task interface and the data plumbing shared by the built-in tasks.
 
-A task bundles a model, its data and its loss in a plain, picklable object that never sleeps,
-logs progress or emulates slow hardware (the runtime's business). ``batches(w, W, seed)`` for
-``w = 0 .. W-1`` draw from disjoint shards covering the training set, each epoch reshuffled by
-``(seed, worker, epoch)``; the built-in tasks default ``seed`` to 0, so ``data=task.batches``
-works with ``Job.train`` (another seed: :func:`with_seed`).
+A task is a picklable model, data and loss (no sleeping or logging: the runtime's business);
+``batches(w, W, seed)`` draw from disjoint shards, each epoch reshuffled by ``(seed, w, epoch)``.
 """
 
 from __future__ import annotations
@@ -24,11 +21,8 @@ __all__ += ["shard_indices", "with_seed"]
 
 @runtime_checkable
 class Task(Protocol):
-    """What a runtime needs from a task.
-
-    Picklable and cheap to construct; ``grads`` have the structure, backend and dtype of
-    ``params``. Methods mutate nothing but private caches, so one task may serve the
-    simulator's workers.
+    """What a runtime needs from a task: picklable, cheap to build, mutating nothing but
+    private caches; ``grads`` have the structure, backend and dtype of ``params``.
 
     Example:
         >>> from stalewise import tasks
@@ -150,8 +144,7 @@ def check_number(
 
 
 def available_memory() -> int | None:
-    """Bytes this process may still allocate (Linux's ``MemAvailable``, else the physical
-    memory); None when neither can be read."""
+    """Bytes this process may allocate (``MemAvailable``, else physical memory), or None."""
     try:
         with open("/proc/meminfo", "rb") as f:
             for line in f:
@@ -175,9 +168,8 @@ def _size(nbytes: float) -> str:
 
 
 def check_memory(task: str, nbytes: float, sizes: dict[str, tuple[Any, Any]]) -> None:
-    """Raises ValueError if ``nbytes`` (a task's estimate for one process) exceeds
-    :func:`available_memory`, naming the key of ``sizes`` (``{key: (value, default)}``)
-    furthest above its default.
+    """ValueError if ``nbytes`` exceeds :func:`available_memory`, naming the key of ``sizes``
+    (``{key: (value, default)}``) furthest above its default.
 
     Example:
         >>> check_memory("least-squares", 1e18, {"n": (512, 2048), "d": (10**14, 64)})
@@ -199,9 +191,7 @@ def check_memory(task: str, nbytes: float, sizes: dict[str, tuple[Any, Any]]) ->
 
 
 def shard_indices(n: int, worker: int, workers: int) -> np.ndarray:
-    """The sorted int64 indices of ``worker``'s shard of ``n`` examples: strided (``worker,
-    worker + workers, ...``), so shards are disjoint, cover ``range(n)`` and differ in size
-    by at most one. ValueError if ``worker`` is out of range or ``workers > n``.
+    """The int64 indices ``worker, worker + workers, ...`` of ``worker``'s shard of ``n``.
 
     Example:
         >>> shard_indices(10, 1, 3).tolist()
@@ -217,8 +207,7 @@ def shard_indices(n: int, worker: int, workers: int) -> np.ndarray:
 def shard_batches(
     n: int, batch_size: int, worker: int, workers: int, seed: int = 0
 ) -> Iterator[np.ndarray]:
-    """Yields int64 index minibatches of ``min(batch_size, shard size)`` indices of ``worker``'s
-    shard of ``n``, forever; an epoch's remainder is dropped, each epoch reshuffled.
+    """Yields index minibatches of ``worker``'s shard forever, each epoch reshuffled.
 
     Example:
         >>> it = shard_batches(10, 2, worker=0, workers=2, seed=0)

@@ -1,11 +1,9 @@
 """Handwritten digits: a small MLP classifier on scikit-learn's bundled digits.
 
-The 1797 8x8 images of ``sklearn.datasets.load_digits`` (no network), split stratified
-by class and standardised with the training statistics. The model is ``64 -> hidden
-(tanh or relu) -> 10``, softmax cross-entropy, parameters ``{"layer1": {"w", "b"},
-"layer2": {"w", "b"}}`` in float32. This is the NumPy version (manual backprop);
-``digits_torch`` and ``digits_jax`` reuse its data and init, so the three backends start
-from the same numbers.
+The 1797 8x8 images of ``sklearn.datasets.load_digits``, split stratified by class and
+standardised; ``64 -> hidden -> 10``, softmax cross-entropy, float32 ``{"layer1": {"w", "b"},
+"layer2": {"w", "b"}}``. NumPy with manual backprop; ``digits_torch`` and ``digits_jax``
+start from the same numbers.
 """
 
 from __future__ import annotations
@@ -121,11 +119,8 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class Digits:
-    """Digits MLP classifier with NumPy arrays and manual backprop.
-
-    Batches are ``(x, y)``: ``x`` float32 ``(batch_size, 64)``, ``y`` int64; the maths runs
-    in the parameters' dtype. ``activation`` is ``"tanh"`` or ``"relu"``; ``split_seed``
-    fixes the train/test split (the init and shuffling seeds are per call).
+    """Digits MLP classifier with NumPy arrays; batches are ``(x float32, y int64)``, the
+    maths in the parameters' dtype; ``split_seed`` fixes the train/test split.
 
     Example:
         >>> task = Digits(hidden=32)
@@ -156,17 +151,12 @@ class Digits:
             self.memory_bytes(hidden, batch_size, test_fraction),
             {"hidden": (hidden, 64)},
         )
-        self.hidden = hidden
-        self.activation = activation
-        self.batch_size = batch_size
-        self.test_fraction = test_fraction
-        self.split_seed = split_seed
+        self.hidden, self.activation, self.batch_size = hidden, activation, batch_size
+        self.test_fraction, self.split_seed = test_fraction, split_seed
 
     @staticmethod
     def memory_bytes(hidden: int, batch_size: int = 32, test_fraction: float = 0.2) -> int:
-        """The bytes one process allocates for the task: the data, the parameters (drawn in
-        float64), their gradients, and four ``(rows, hidden)`` float32 arrays of activations
-        for the largest set of rows one call sees (a batch, or the held-out set)."""
+        """The bytes one process allocates for the task (data, parameters, activations)."""
         total = 1797  # the digits images
         rows = max(round(total * test_fraction), min(batch_size, total))
         fan = NUM_FEATURES + NUM_CLASSES + 1
@@ -228,7 +218,6 @@ class Digits:
         }
         return float(loss), grads
 
-    # Backend hooks, overridden by the torch and jax variants.
     def _from_numpy(self, tree: dict) -> Any:
         return tree
 

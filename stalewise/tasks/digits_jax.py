@@ -1,9 +1,5 @@
-"""The digits MLP with JAX arrays and ``jax.value_and_grad`` (jitted).
-
-Same data, model and initial numbers as :class:`stalewise.tasks.digits.Digits`;
-parameters and gradients are float32 ``jax.Array`` leaves of the same nested
-dict, batches are ``(x float32, y int32)`` array pairs.
-"""
+"""The digits MLP (:class:`stalewise.tasks.digits.Digits`) on JAX: float32 ``jax.Array``
+leaves, batches ``(x float32, y int32)``, a jitted ``jax.value_and_grad``."""
 
 from __future__ import annotations
 

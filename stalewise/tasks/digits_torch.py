@@ -1,9 +1,5 @@
-"""The digits MLP with PyTorch tensors and autograd.
-
-Same data, model and initial numbers as :class:`stalewise.tasks.digits.Digits`;
-parameters and gradients are CPU float32 ``torch.Tensor`` leaves of the same
-nested dict, batches are ``(x float32, y int64)`` tensor pairs.
-"""
+"""The digits MLP (:class:`stalewise.tasks.digits.Digits`) on PyTorch: CPU float32
+``torch.Tensor`` leaves, batches ``(x float32, y int64)``, autograd."""
 
 from __future__ import annotations
 

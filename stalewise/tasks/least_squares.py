@@ -1,12 +1,8 @@
 """Synthetic linear least squares with a known solution.
 
-``A`` is a seeded ``(n, d)`` float32 Gaussian matrix (columns optionally rescaled to a
-target condition number), ``b = A x* + noise * N(0, 1)`` and the loss of rows ``B`` is
-``0.5 * mean((A_B x - b_B) ** 2)``. Batches are ``(A_rows, b_rows)`` of disjoint row
-shards, or with ``exact=True`` ``None`` and the gradient is the full-data one (one
-``d x d`` product with a precomputed Gram matrix when ``d <= min(n, 2048)``, so a
-simulator can afford thousands of workers). The data are generated on first use, never
-pickled: a worker process regenerates them from the seed.
+``b = A x* + noise`` for a seeded Gaussian ``A``; batches are ``(A_rows, b_rows)`` of
+disjoint row shards, or with ``exact=True`` ``None`` for the full-data gradient (through a
+Gram matrix when ``d <= min(n, 2048)``). The data are generated from the seed on first use.
 """
 
 from __future__ import annotations
@@ -30,9 +26,8 @@ _MAX_GRAM_DIM = 2048
 class LeastSquares:
     """Linear regression ``min_x 0.5 * mean((A x - b) ** 2)`` with known ``x*``.
 
-    ``n`` rows, ``d`` unknowns, ``noise`` the standard deviation added to ``b``,
-    ``condition`` the target condition number of ``A^T A`` (column ``j`` scaled by
-    ``condition ** (-j / (2 (d - 1)))``), ``seed`` that of ``A``, ``x*`` and the noise.
+    ``noise`` is the standard deviation added to ``b``, ``condition`` the condition number
+    of ``A^T A`` (column ``j`` scaled by ``condition ** (-j / (2 (d - 1)))``).
 
     Example:
         >>> task = LeastSquares(n=256, d=8)
@@ -67,19 +62,13 @@ class LeastSquares:
         check_memory(
             self.name, self.memory_bytes(n, d, noise, exact), {"n": (n, 2048), "d": (d, 64)}
         )
-        self.n, self.d = n, d
-        self.noise = noise
-        self.condition = condition
-        self.batch_size = batch_size
-        self.exact = exact
-        self.seed = seed
+        self.n, self.d, self.noise, self.condition = n, d, noise, condition
+        self.batch_size, self.exact, self.seed = batch_size, exact, seed
         self._cache: dict[str, Any] = {}
 
     @staticmethod
     def memory_bytes(n: int, d: int, noise: float = 0.0, exact: bool = False) -> int:
-        """The bytes one process allocates for the task: ``A``, ``b`` and ``x*`` (float32),
-        a few parameter-sized vectors, and with ``exact=True`` the Gram matrix (and a
-        float64 least-squares solve when ``x*`` is not the optimum)."""
+        """The bytes one process allocates for the task (data, vectors, the Gram matrix)."""
         nbytes = 4 * n * d + 4 * n + 8 * 4 * d
         if exact and d <= min(n, _MAX_GRAM_DIM):
             nbytes += 4 * d * d
@@ -119,8 +108,7 @@ class LeastSquares:
         return self._data()[2]
 
     def optimum(self) -> np.ndarray:
-        """A minimiser of the full-data loss, as float32: ``x*`` without noise and with
-        ``n >= d``, else the minimum-norm least-squares solution.
+        """A minimiser of the full-data loss (float32): ``x*``, or the minimum-norm solution.
 
         Example:
             >>> task = LeastSquares(n=64, d=4)

@@ -1,15 +1,9 @@
 """Attach a process you started to a job served on this machine, by the job's name.
 
-``job.serve(workers=(1, 8), name="gpt")`` opens a door beside its shards: a Unix
-socket ``stalewise-<uid>/gpt.sock`` in the runtime directory (``$XDG_RUNTIME_DIR``,
-else the temporary directory) with a key file beside it, in a folder that must be
-a real directory of this user's with mode 0700 (:func:`door_dir`). A process of the
-same user calls ``client = sw.attach("gpt")`` (or ``worker=3``): the server picks
-the worker id and incarnation, makes its pipes to every shard and passes them over
-the socket, authenticated with the key both ways, with the client's description as
-JSON (:mod:`stalewise.runtime.local.door_state`; nothing is unpickled, every read
-is bounded). The worker id is free again once the socket closes. Threat model:
-``docs/reliability.md``."""
+``job.serve(name="gpt")`` opens a door: a Unix socket ``stalewise-<uid>/gpt.sock`` with a
+key file, in this user's 0700 folder (:func:`door_dir`). ``sw.attach("gpt")`` gets a worker
+id and its pipes to every shard over the socket, authenticated both ways, described as JSON
+(nothing unpickled, every read bounded). Threat model: ``docs/reliability.md``."""
 
 from __future__ import annotations
 
@@ -48,11 +42,8 @@ KEY_BYTES = 32  # the length of a door's key
 
 
 def door_dir() -> Path:
-    """The folder of this user's doors: made, mode 0700, if missing.
-
-    Raises:
-        AttachError: it is not a real directory of this user's with mode 0700 (naming
-            the folder and the fix)."""
+    """The folder of this user's doors, made (mode 0700) if missing; AttachError if it is
+    not a real directory of this user's with mode 0700."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     path = Path(base) / f"stalewise-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
@@ -398,17 +389,9 @@ def _closed(conn: connection.Connection) -> bool:
 def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0) -> Client:
     """A client for a worker of the job served under ``name`` on this machine.
 
-    Args:
-        name: the ``name=`` the job was served with (:meth:`stalewise.Job.serve`).
-        worker: the worker id to take (a new incarnation of it); None: the lowest free one.
-        timeout: seconds the whole handshake may take (None: no limit).
-
-    Returns:
-        A :class:`~stalewise.runtime.local.client.Client` of this process; closing it
-        (or the end of this process) gives its worker id back.
-
-    Raises:
-        AttachError: no job of that name is served, or the server refused (why)."""
+    ``worker``: the id to take (None: the lowest free one); ``timeout``: seconds for the
+    handshake. Closing the client gives the id back; AttachError if no job of that name is
+    served or the server refused."""
     from stalewise.runtime.local.procs import cap_threads_here
 
     sock, keyfile = _paths(check_name(name))

@@ -1,8 +1,5 @@
-"""The Ray runtime: the job's shards and workers as Ray actors, on one machine or a cluster.
-
-It runs on the Ray instance this process is connected to, else on :func:`cluster_address`'s.
-``import stalewise`` does not import Ray; the rest is in ``docs/ray.md``.
-"""
+"""The Ray runtime: the job's shards and workers as Ray actors, on one machine or a cluster,
+on the Ray instance this process is connected to, else :func:`cluster_address`'s (docs/ray.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""A loop you own, on Ray: a client of a served job's shard actors, attached by name.
-
-:func:`attach` (``sw.attach(name)``) asks the job's door for a worker id; :class:`RayClient`
-has the local runtime's client's calls, one push in flight. ``docs/ray.md`` tells the rest.
-"""
+"""A loop you own, on Ray: :func:`attach` (``sw.attach(name)``) gets a worker id from the job's
+door; :class:`RayClient` has the local client's calls, one push in flight (docs/ray.md)."""
 
 from __future__ import annotations
 
@@ -79,8 +76,6 @@ class RayClient(PullsIntoTrees):
         self.watch: Any = None  # a loop the user owns: its protocol.loop.Watch
         self._loss = math.nan  # the last log_loss, carried by the next push
 
-    # -- the job ----------------------------------------------------------------------
-
     @property
     def job_pushes(self) -> int:
         """Pushes committed by all the job's workers so far (shard 0's count, asked now)."""
@@ -122,8 +117,6 @@ class RayClient(PullsIntoTrees):
         self._shard_round = max(self._shard_round, int(round_))
         self._stopping = self._stopping or bool(stopped)
 
-    # -- pulls ------------------------------------------------------------------------
-
     def pull_flat(self, *, timeout: float | None = None, own: bool = True) -> np.ndarray:
         """:meth:`pull`'s flat buffer itself (no copy)."""
         self._check_open()
@@ -153,8 +146,6 @@ class RayClient(PullsIntoTrees):
         self._handled = max(self._handled, int(replies[0][3]))
         self._round = max(self._round, int(replies[0][4]))  # this worker's clock
         return self._pull_buf
-
-    # -- pushes -----------------------------------------------------------------------
 
     def push(self, update: Any, loss: float = math.nan) -> None:
         """Commits ``update`` and sends it; returns at once. Raises BudgetSpent past
@@ -209,8 +200,6 @@ class RayClient(PullsIntoTrees):
         """The error-feedback residual after the last committed push (None: no feedback)."""
         return self._out.sender.residual
 
-    # -- leaving ----------------------------------------------------------------------
-
     def close(self) -> None:
         """Leaves the job and frees the worker id; idempotent."""
         ray = import_ray()
@@ -240,8 +229,6 @@ class RayClient(PullsIntoTrees):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- internals --------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed_by is not None:

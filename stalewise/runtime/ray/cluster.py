@@ -1,10 +1,5 @@
 """The Ray runtime's cluster-wide steps: CPU shares, placement, consistent state copies,
-and the commit rule for a worker that died.
-
-Each function takes the shard actors' handles and uses only their methods
-(:class:`~stalewise.runtime.ray.shard.ShardActor`); the driver
-(:mod:`stalewise.runtime.ray.train`) decides when to call them.
-"""
+and the commit rule for a worker that died (the driver decides when)."""
 
 from __future__ import annotations
 
@@ -89,9 +84,8 @@ def consistent_states(
 
 
 def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0) -> list:
-    """The commit rule for worker ``w``'s gone incarnation ``inc``
-    (:func:`~stalewise.protocol.delivery.departure`). Returns the departures' ObjectRefs:
-    each shard's count of its pushes (None: unknown there)."""
+    """The commit rule for worker ``w``'s gone incarnation ``inc``: the ObjectRefs of each
+    shard's count of its pushes (None: unknown there)."""
     ray = import_ray()
     source, lacking = delivery.departure(
         ray.get([s.cut.remote(w, inc) for s in shards], timeout=timeout)

@@ -1,13 +1,9 @@
 """Heartbeats on Ray: the driver's view of whether each worker actor makes progress.
 
-:class:`Liveness` asks each watched worker actor for its progress count
-(:meth:`WorkerActor.progress <stalewise.runtime.ray.worker.WorkerActor.progress>`,
-on its ``"beat"`` concurrency group) every ``min(1, worker_timeout / 4)`` seconds,
-one question at a time, on the driver's clock. A worker is hung when its count
-stands still longer than its rhythm allows
-(:class:`stalewise.protocol.liveness.Silence`, judged up to the last answer), or a
-question goes unanswered for ``worker_timeout``; one still setting up fails after
-``start_timeout``.
+:class:`Liveness` asks each watched worker actor for its progress count (on its ``"beat"``
+concurrency group); a worker is hung when its count stands still longer than its rhythm
+allows (:class:`stalewise.protocol.liveness.Silence`) or a question goes unanswered for
+``worker_timeout``; one still setting up fails after ``start_timeout``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """A worker's sending side on Ray, shared by the worker actor and the attached client.
 
-:class:`Outbox` wraps one worker id's :class:`~stalewise.protocol.sender.Sender`
-with what Ray adds: the push buffers (with a codec, every shard's payload back to
-back), the residual keeper (a :class:`~stalewise.protocol.sender.History` actor,
-given each residual before any shard gets the push; ``docs/ray.md``), one
-``ray.put`` per push, and the reading of its acks.
+:class:`Outbox` wraps one worker id's :class:`~stalewise.protocol.sender.Sender` with what
+Ray adds: the push buffers, the residual keeper actor, one ``ray.put`` per push, the acks.
 """
 
 from __future__ import annotations
@@ -24,9 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class Outbox:
-    """Worker ``w``'s pushes to the shard actors ``shards``, starting from ``residual``
-    (None: zeros), with ``buffers`` push buffers (:attr:`free`) and the residual keeper
-    actor ``keeper`` (None: none), which answers within ``ack_timeout`` seconds."""
+    """Worker ``w``'s pushes to the shard actors ``shards``, from ``residual`` (None: zeros),
+    with ``buffers`` push buffers and the residual keeper actor ``keeper`` (None: none)."""
 
     def __init__(
         self,
@@ -109,11 +105,7 @@ class Outbox:
         self, refs: list, seq: int, timeout: float | None
     ) -> tuple[PushResult | None, int | None]:
         """``(result, shard 0's pushes handled)`` of push ``seq``; ``(None, None)`` if it was
-        lost with a shard or cut off.
-
-        Raises:
-            TimeoutError: no acks within ``timeout`` seconds.
-        """
+        lost with a shard or cut off; TimeoutError after ``timeout`` seconds."""
         ray = import_ray()
         try:
             replies = ray.get(refs, timeout=timeout)

@@ -1,8 +1,5 @@
-"""``job.serve(runtime="ray")``: a job's shard actors for loops you own, and its door.
-
-:class:`RayServer` starts the shard actors and a :class:`Door` actor, named after the job
-in the ``stalewise`` namespace, for ``sw.attach(NAME)``. ``docs/ray.md`` tells the rest.
-"""
+"""``job.serve(runtime="ray")``: a job's shard actors for loops you own, and its :class:`Door`
+actor for ``sw.attach(NAME)``, named after the job in the ``stalewise`` namespace."""
 
 from __future__ import annotations
 

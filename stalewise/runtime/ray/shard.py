@@ -1,8 +1,5 @@
-"""A parameter-server shard as a Ray actor: one protocol :class:`~stalewise.protocol.Shard`.
-
-:class:`ShardActor` is an asyncio actor (one event loop thread, the threading contract of
-``Shard``); it moves pushes and pulls and decides no rule. ``docs/ray.md`` tells the rest.
-"""
+"""A parameter-server shard as an asyncio Ray actor around one protocol
+:class:`~stalewise.protocol.Shard`: it moves pushes and pulls and decides no rule."""
 
 from __future__ import annotations
 
@@ -74,8 +71,6 @@ class ShardActor:
         self.opened = asyncio.Event()
         self.changed = asyncio.Event()
         self.stopped = False
-
-    # -- the driver's side ----------------------------------------------------------
 
     async def ready(self) -> dict:
         """``{"node", "pid", "version"}``: the driver's start check."""
@@ -217,8 +212,6 @@ class ShardActor:
             return self.shard.version, ray.put(self.shard.params)
         return self._publish(exact=True)
 
-    # -- the workers' side ----------------------------------------------------------
-
     async def pull(self, w: int, inc: int, pushed: int, have: int = 0, fresh: int = 0) -> tuple:
         """Worker ``w``'s pull once ``Shard.may_serve`` lets it (``pushed``: pushes it sent;
         ``have``: its delta-pull reference; ``fresh``: a version the snapshot must have):
@@ -293,8 +286,6 @@ class ShardActor:
             self._publish_soon()
         self._notify()
         return ack, self.handled
-
-    # -- internals ------------------------------------------------------------------
 
     def _payload(self, update: Any) -> Any:
         """This shard's slice of ``update`` (anything malformed as is: the shard refuses it)."""

@@ -1,12 +1,8 @@
 """``Job.train`` on Ray: shard and worker actors, driven by this process.
 
-The driver places the shard actors (one bundle each, on its own node when it can)
-and the worker actors (with error feedback, a residual keeper per worker id, a
-:class:`~stalewise.protocol.sender.History`), loads a checkpoint if resuming,
-releases the workers together and watches: it evaluates, records, checkpoints and
-backs up the shards, applies the failure policy to shards and to workers that fail
-or stand still (:mod:`~stalewise.runtime.ray.liveness`), and stops the job at the
-budget, the stop condition or the timeout. Every actor it started is killed.
+The driver places the actors, releases the workers together and watches: it backs up the
+shards, applies the failure policy to shards and to workers that fail or stand still, and
+kills every actor it started at the end.
 """
 
 from __future__ import annotations
@@ -97,8 +93,6 @@ class _Host:
         self.prefix = f"stalewise:{options.run}:{uuid.uuid4().hex[:8]}"
         self.t0: float | None = None
 
-    # -- start -----------------------------------------------------------------------
-
     def _start_shards(self) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -137,8 +131,7 @@ class _Host:
         return float(self.ray.available_resources().get("CPU", 0.0))
 
     def _fitting(self) -> int:
-        """An elastic run's first workers: as many as the free CPUs hold, within
-        ``expected .. room``."""
+        """An elastic run's first workers: as many as the free CPUs hold (``expected .. room``)."""
         fit = math.floor(self._free_cpus() / self.share + 1e-9)
         return max(self.expected, min(self.W, fit))
 
@@ -231,8 +224,6 @@ class _Host:
             except ray.exceptions.RayError as e:
                 raise worker_failed(refs[ref], str(e)) from None
 
-    # -- the driver's host ----------------------------------------------------------
-
     def start(self, run: driver.Run) -> None:
         self.run = run
         try:
@@ -286,8 +277,7 @@ class _Host:
         return driver.TICK if self.live or self.owed else driver.END
 
     def _grow(self) -> None:
-        """An elastic run: prepares a worker on a free id for each free CPU (unless one is
-        still setting up); it joins the shards once set up (:meth:`_arrive`)."""
+        """An elastic run: prepares a worker on a free id for each free CPU (:meth:`_arrive`)."""
         if self.stopping or self.ended or self.coming:
             return
         free = [w for w in range(self.W) if w not in self.live and w not in self.retired]
@@ -297,8 +287,7 @@ class _Host:
             self.coming[self._spawn(w).prepare.remote()] = (w, time.monotonic())
 
     def _arrive(self) -> None:
-        """Workers :meth:`_grow` started join once set up; one that failed or is late
-        within ``start_timeout`` is killed (no restart counted)."""
+        """Workers :meth:`_grow` started join once set up; one failed or late is killed."""
         ray = self.ray
         refs = list(self.coming)
         done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
@@ -407,8 +396,6 @@ class _Host:
         for pg in self.pgs:
             remove_placement_group(pg)
 
-    # -- failures --------------------------------------------------------------------
-
     def _worker_ended(self, ref: Any) -> None:
         ray = self.ray
         w = self.runs.pop(ref)
@@ -471,8 +458,7 @@ class _Host:
             time.sleep(TICK * 4)
 
     def _worker_left(self, w: int) -> None:
-        """Worker ``w``'s node left an elastic run: a departure (commit rule, free id),
-        not a failure."""
+        """Worker ``w``'s node left an elastic run: a departure, not a failure."""
         self._depart(w)
         self.live.discard(w)
         self.left.append(w)
@@ -486,8 +472,7 @@ class _Host:
         self._worker_failed(w, cause)
 
     def _worker_failed(self, w: int, cause: str, detail: str = "") -> None:
-        """The commit rule for worker ``w``, then the failure policy: restart, drop or
-        WorkerError."""
+        """The commit rule for worker ``w``, then the failure policy (restart, drop, raise)."""
         self.ray.kill(self.actors[w], no_restart=True)  # it may live on after raising
         self._depart(w)
         now = self.now()
@@ -523,8 +508,7 @@ class _Host:
             self._inherit(w, delivery.committed(counts))
 
     def _inherit(self, w: int, pushes: int | None) -> None:
-        """Keeps worker ``w``'s residual after its gone incarnation's ``pushes`` (None:
-        unknown) for its next one."""
+        """Keeps worker ``w``'s residual after its gone incarnation's ``pushes`` for its next."""
         residual = self._residual(w, self.incs[w], pushes)
         if residual is None:
             log.warning(
@@ -609,8 +593,7 @@ class _Host:
                 self._restore(self._await_down(down))
 
     def _restore(self, events: list[dict]) -> int:
-        """Rolls every shard back to the newest backup (live workers as new incarnations)
-        after the failures ``events``; returns the version."""
+        """Rolls every shard back to the newest backup after ``events``; returns the version."""
         assert self.backup is not None
         states, handled = self.backup
         owed, self.owed = set() if self.stopping else self.owed, set()
@@ -643,8 +626,6 @@ class _Host:
         for event in events:  # the backup's version: how many updates were lost is unknown
             self.run.failures.shard_restarted(event, version=versions[0])
         return versions[0]
-
-    # -- talking to the shards -------------------------------------------------------
 
     @contextlib.contextmanager
     def _shard_calls(self, what: str, late: str) -> Iterator[None]:
@@ -726,8 +707,7 @@ class _Host:
 
 
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
-    """Trains on Ray (the ``"ray"`` runtime), connecting first if needed
-    (:func:`stalewise.runtime.ray.connect`; that connection ends with the run)."""
+    """Trains on Ray (the ``"ray"`` runtime), connecting for the run if needed."""
     from stalewise.runtime.ray import connect
 
     ray = import_ray()

@@ -1,9 +1,5 @@
-"""A worker as a Ray actor: the protocol's one worker loop, answered with Ray calls.
-
-Pulls go to every shard (exact pulls) or come from a receiver thread's standing
-:meth:`ShardActor.follow` (ASP); a sender thread sends the pushes. ``docs/ray.md``
-tells the rest.
-"""
+"""A worker as a Ray actor: the protocol's worker loop, its pulls from every shard (or a
+receiver thread's :meth:`ShardActor.follow`, ASP), a sender thread for its pushes."""
 
 from __future__ import annotations
 
@@ -193,8 +189,6 @@ class WorkerActor:
 
         return answer
 
-    # -- the parameters for a step ---------------------------------------------------
-
     def _begin(self) -> bool:
         """Fetches the next step's parameters; False: the job stops or the budget is spent."""
         got = self._newest() if self.following else self._pull()
@@ -335,8 +329,6 @@ class WorkerActor:
                     raise
             self.beats += 1
 
-    # -- pushes ---------------------------------------------------------------------
-
     def _push(self, update: Any, loss: float) -> None:
         """Commits the update and queues it for the sender (at most ``IN_FLIGHT``)."""
         t = time.perf_counter()
@@ -358,8 +350,6 @@ class WorkerActor:
             self._check()
             out, self.results = self.results, []
         return out
-
-    # -- the threads ----------------------------------------------------------------
 
     def _start(self, body: Callable[[], None]) -> threading.Thread:
         """Starts a thread running ``body``; what it raises, the loop raises (:meth:`_check`)."""
