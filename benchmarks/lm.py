@@ -85,6 +85,15 @@ every row; with ``--resume`` the rows it already holds (same mode, setting and
 commit; each row records its own time, commit and load average) are kept and
 only the missing ones run, so a mode can run in pieces. Wall-time figures on a
 shared machine are noisy.
+
+``--gpt124 [DIM,LAYERS,HEADS]`` runs only DiLoCo H=20 (BSP, inner ``--inner`` at the
+first of ``--inner-lrs``, outer the first of ``--outer``, default 0.7/0.3) through
+``Job.train`` on a GPT of nanoGPT's GPT-2-small shape (768, 12, 12; vocab ``--vocab``,
+context 64, batch 4, no straggler, no emulated time) for ``--rounds`` outer rounds,
+and records each process's peak memory (issue 44; ``docs/design-notes.md``, "Memory
+per process"):
+
+    nice -n 19 .venv/bin/python benchmarks/lm.py --gpt124 --vocab 256 --rounds 2 --json PATH
 """
 
 from __future__ import annotations
