@@ -161,10 +161,7 @@ class LanguageModel:
         self.vocab = check_int("vocab", vocab, VOCAB)
         check_memory(
             self.name,
-            self.memory_bytes(
-                *(self.dim, self.layers, self.heads, self.context, self.batch_size),
-                *(self.eval_windows, self.vocab),
-            ),
+            self.memory_bytes(),
             {k: (shape[k], SIZES[size][k]) for k in shape}
             | {"context": (self.context, 64), "batch_size": (self.batch_size, 16)}
             | {"eval_windows": (self.eval_windows, 64), "vocab": (self.vocab, VOCAB)},
@@ -181,24 +178,16 @@ class LanguageModel:
                 f"{self.context + 1} bytes fits"
             )
 
-    @staticmethod
-    def memory_bytes(
-        dim: int,
-        layers: int,
-        heads: int,
-        context: int,
-        batch_size: int,
-        eval_windows: int = 64,
-        vocab: int = VOCAB,
-    ) -> int:
+    def memory_bytes(self) -> int:
         """The bytes one process allocates for the model (float32): the parameters and their
         gradients, and the activations a training batch keeps for the backward pass (about
         16 ``dim``-wide values and the attention weights of each layer, per token, and the
         logits), or the held-out windows' one layer at a time, whichever is larger."""
-        params = vocab * dim + context * dim + layers * (12 * dim * dim + 13 * dim) + 2 * dim
-        token = 16 * dim + 2 * heads * context
-        train = batch_size * context * (layers * token + 3 * vocab)
-        held_out = eval_windows * context * (token + 3 * vocab)
+        d, layers, ctx, vocab = self.dim, self.layers, self.context, self.vocab
+        params = vocab * d + ctx * d + layers * (12 * d * d + 13 * d) + 2 * d
+        token = 16 * d + 2 * self.heads * ctx
+        train = self.batch_size * ctx * (layers * token + 3 * vocab)
+        held_out = self.eval_windows * ctx * (token + 3 * vocab)
         return 4 * (3 * params + max(train, held_out))
 
     def __repr__(self) -> str:
