@@ -85,6 +85,15 @@ every row; with ``--resume`` the rows it already holds (same mode, setting and
 commit; each row records its own time, commit and load average) are kept and
 only the missing ones run, so a mode can run in pieces. Wall-time figures on a
 shared machine are noisy.
+
+``--gpt124 [DIM,LAYERS,HEADS]`` runs only DiLoCo H=20 (BSP, inner ``--inner`` at the
+first of ``--inner-lrs``, outer the first of ``--outer``, default 0.7/0.3) through
+``Job.train`` on a GPT of nanoGPT's GPT-2-small shape (768, 12, 12; vocab ``--vocab``,
+context 64, batch 4, no straggler, no emulated time) for ``--rounds`` outer rounds,
+and records each process's peak memory (issue 44; ``docs/design-notes.md``, "Memory
+per process"):
+
+    nice -n 19 .venv/bin/python benchmarks/lm.py --gpt124 --vocab 256 --rounds 2 --json PATH
 """
 
 from __future__ import annotations
@@ -97,6 +106,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -649,11 +659,122 @@ def markdown(out: dict) -> str:
 DETAIL = ("pushes", "time", "tokens", "bytes_per_push", "lr_grid", "records", "sim", "time_utc")
 
 
+# --gpt124: nanoGPT's GPT-2-small shape (n_layer 12, n_head 12, n_embd 768, vocab 50304)
+GPT124 = dict(context=64, batch_size=4, eval_windows=16)
+
+
+def _descendants(root: int) -> dict[int, tuple[int, str]]:
+    """``root``'s live descendant processes: pid -> (start time in ticks, command line)."""
+    from scale import children
+
+    out, todo = {}, [root]
+    while todo:
+        for pid in children(todo.pop()):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    start = int(f.read().rsplit(")", 1)[1].split()[19])
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            out[pid] = (start, cmd)
+            todo.append(pid)
+    return out
+
+
+def _memory(pid: int | str) -> dict[str, int]:
+    """A process's peak resident bytes (``VmHWM``), and its private (``RssAnon``) and
+    shared-memory (``RssShmem``: the job's block) resident bytes now ({} if it is gone)."""
+    keys = {"VmHWM:": "peak", "RssAnon:": "private", "RssShmem:": "shared"}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return {keys[w[0]]: int(w[1]) * 1024 for w in map(str.split, f) if w[0] in keys}
+    except OSError:
+        return {}
+
+
+def gpt124(shape: tuple, vocab: int, rounds: int, inner: str, lr: float, outer) -> dict:
+    """DiLoCo H=20 (BSP, 4 workers, one shard) of a GPT through ``Job.train``: each
+    process's peak resident memory (``VmHWM``) and the peaks of its private and shared
+    bytes (read every second while it lives), the wall time, the outer rounds done and
+    the held-out loss after each."""
+    dim, layers, heads = shape
+    task = tasks.get("lm", dim=dim, layers=layers, heads=heads, vocab=vocab, **GPT124)
+    nbytes = 4 * task.num_params()
+    seen: dict[int, tuple[int, str]] = {}
+    peaks: dict[int | str, dict[str, int]] = {}
+    done = threading.Event()
+
+    def watch() -> None:
+        while True:
+            for pid, info in [*_descendants(os.getpid()).items(), ("self", None)]:
+                seen.setdefault(pid, info)
+                old = peaks.setdefault(pid, {})
+                old |= {k: max(v, old.get(k, 0)) for k, v in _memory(pid).items()}
+            if done.wait(1.0):
+                return
+
+    threading.Thread(target=watch, daemon=True).start()
+    records: list[dict] = []
+    opt = {"adamw": sw.optim.adamw, "sgd": sw.optim.sgd}[inner](lr)
+    strategy = sw.strategies.diloco(20, inner=opt, outer_lr=outer[0], outer_momentum=outer[1])
+    load, t0 = [os.getloadavg()], time.monotonic()
+    job = sw.Job(task.init_params(0), strategy=strategy, consistency=sw.BSP())
+    result = job.train(
+        task.loss_and_grad,
+        data=task.batches,
+        evaluate=task.evaluate,
+        workers=WORKERS,
+        steps=WORKERS * rounds,
+        metrics=sw.Metrics(every=60.0, name="gpt124", on_record=records.append),
+        timeouts=sw.Timeouts(total=7200),
+    )
+    wall = time.monotonic() - t0
+    done.set()
+    load.append(os.getloadavg())
+    # spawned in order: the shard, then the workers (a resource tracker, if any, is named)
+    kids = [p for p in seen if p != "self" and "resource_tracker" not in seen[p][1]]
+    roles = ["shard 0"] + [f"worker {w}" for w in range(WORKERS)]
+    procs = {"launcher": peaks["self"]} | {
+        (roles[i] if i < len(roles) else f"pid {p}"): peaks[p]
+        for i, p in enumerate(sorted(kids, key=seen.get))
+    }
+    by_round: dict[int, dict] = {}
+    for r in records:  # the first record at each server version: the model after that round
+        if math.isfinite(r.get("loss", math.nan)):
+            by_round.setdefault(r["updates"], r)
+    return {
+        "task": repr(task),
+        "params": nbytes // 4,
+        "param_bytes": nbytes,
+        "inner": f"{inner}({lr:g})",
+        "outer_lr": outer[0],
+        "outer_momentum": outer[1],
+        "rounds": result.stats["version"],
+        "pushes": result.pushes,
+        "wall_s": wall,
+        "train_s": result.time,
+        "load": load,
+        "gib": {k: {m: v / 2**30 for m, v in p.items()} for k, p in procs.items()},
+        "x_params": {k: {m: v / nbytes for m, v in p.items()} for k, p in procs.items()},
+        "loss_by_round": [
+            {"round": k, "val_loss": r["loss"], "train_loss": r["train_loss"], "time": r["time"]}
+            for k, r in sorted(by_round.items())
+        ],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="tiny model, short budget")
     size.add_argument("--medium", action="store_true", help="a 1.23 M parameter GPT, 30 rounds")
+    size.add_argument("--gpt124", nargs="?", const="768,12,12", metavar="DIM,LAYERS,HEADS",
+                      help="only DiLoCo H=20 of a 124M GPT (or this shape), each process's "
+                           "peak memory")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=3, help="--gpt124: outer rounds")
+    ap.add_argument("--inner", choices=("adamw", "sgd"), default="adamw", help="--gpt124's")
+    ap.add_argument("--vocab", type=int, default=50304, help="--gpt124's (256: one per byte)")
     ap.add_argument("--methods", help="comma-separated rows to run (and the baseline)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows the --json file holds (same mode, setting and commit) "
@@ -679,6 +800,15 @@ def main() -> int:
         print(markdown(doc.get("figures", doc)))
         return 0
     json_out = _report.json_path(ap, args, "lm")
+    if args.gpt124:
+        shape = tuple(int(x) for x in args.gpt124.split(","))
+        lr = float(args.inner_lrs.split(",")[0]) if args.inner_lrs else 1e-3
+        outer = tuple(float(y) for y in (args.outer or "0.7/0.3").split(",")[0].split("/"))
+        torch.set_num_threads(1)
+        row = gpt124(shape, args.vocab, args.rounds, args.inner, lr, outer)
+        print(json.dumps(row, indent=1), flush=True)
+        _report.write(json_out, figures=row)
+        return 0
     if args.resume and json_out is None:
         ap.error("--resume needs --json PATH (the file whose rows it keeps)")
     if args.simulate and not args.resume:

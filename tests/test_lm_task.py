@@ -98,6 +98,18 @@ def test_evaluate_is_deterministic_and_starts_near_uniform():
     assert first["perplexity"] == pytest.approx(math.exp(first["loss"]))
 
 
+def test_vocab_widens_the_tied_embedding_and_starts_near_its_uniform_loss():
+    task = LanguageModel(**TINY, vocab=1000)
+    params = task.init_params(seed=0)
+    assert params["wte"].shape == (1000, task.dim)
+    assert task.num_params() == LanguageModel(**TINY).num_params() + 744 * task.dim
+    assert abs(task.evaluate(params)["loss"] - math.log(1000)) < 0.2
+    loss, grads = task.loss_and_grad(params, next(task.batches(0, 2)))
+    assert grads["wte"].shape == (1000, task.dim) and math.isfinite(loss)
+    with pytest.raises(ValueError, match="vocab must be an integer >= 256, got 255"):
+        LanguageModel(**TINY, vocab=255)
+
+
 # ----------------------------------------------------------------------------- model
 
 

@@ -114,7 +114,9 @@ class LanguageModel:
 
     Batches are int64 tensors ``(batch_size, context + 1)`` of bytes: the model reads
     ``[:, :-1]`` and predicts ``[:, 1:]``; the loss is the mean cross-entropy per byte, in
-    nats. ``size`` is one of :data:`SIZES`; ``dim``, ``layers`` and ``heads`` override it.
+    nats. ``size`` is one of :data:`SIZES`; ``dim``, ``layers`` and ``heads`` override it;
+    ``vocab`` (>= 256) widens the tied embedding and head (GPT-2's 50304: rows past 255 are
+    never a byte).
 
     Example:
         >>> task = LanguageModel(size="tiny", context=16, batch_size=4, corpus_bytes=50_000)
@@ -139,6 +141,7 @@ class LanguageModel:
         corpus_bytes: int = 1 << 21,
         val_fraction: float = 0.05,
         eval_windows: int = 64,
+        vocab: int = VOCAB,
     ) -> None:
         if size not in SIZES:
             raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
@@ -155,14 +158,13 @@ class LanguageModel:
         self.corpus_bytes = check_int("corpus_bytes", corpus_bytes)
         self.val_fraction = check_number("val_fraction", val_fraction, 0.0, 1.0, open_="both")
         self.eval_windows = check_int("eval_windows", eval_windows)
+        self.vocab = check_int("vocab", vocab, VOCAB)
         check_memory(
             self.name,
-            self.memory_bytes(
-                self.dim, self.layers, self.heads, self.context, self.batch_size, self.eval_windows
-            ),
+            self.memory_bytes(),
             {k: (shape[k], SIZES[size][k]) for k in shape}
             | {"context": (self.context, 64), "batch_size": (self.batch_size, 16)}
-            | {"eval_windows": (self.eval_windows, 64)},
+            | {"eval_windows": (self.eval_windows, 64), "vocab": (self.vocab, VOCAB)},
         )
         corpus = self.corpus  # reads the files once here, so a bad size fails at construction
         if len(corpus.val) < self.context + 1:
@@ -176,23 +178,21 @@ class LanguageModel:
                 f"{self.context + 1} bytes fits"
             )
 
-    @staticmethod
-    def memory_bytes(
-        dim: int, layers: int, heads: int, context: int, batch_size: int, eval_windows: int = 64
-    ) -> int:
+    def memory_bytes(self) -> int:
         """The bytes one process allocates for the model (float32): the parameters and their
         gradients, and the activations a training batch keeps for the backward pass (about
         16 ``dim``-wide values and the attention weights of each layer, per token, and the
         logits), or the held-out windows' one layer at a time, whichever is larger."""
-        params = VOCAB * dim + context * dim + layers * (12 * dim * dim + 13 * dim) + 2 * dim
-        token = 16 * dim + 2 * heads * context
-        train = batch_size * context * (layers * token + 3 * VOCAB)
-        held_out = eval_windows * context * (token + 3 * VOCAB)
+        d, layers, ctx, vocab = self.dim, self.layers, self.context, self.vocab
+        params = vocab * d + ctx * d + layers * (12 * d * d + 13 * d) + 2 * d
+        token = 16 * d + 2 * self.heads * ctx
+        train = self.batch_size * ctx * (layers * token + 3 * vocab)
+        held_out = self.eval_windows * ctx * (token + 3 * vocab)
         return 4 * (3 * params + max(train, held_out))
 
     def __repr__(self) -> str:
         shown = ("size", "context", "batch_size", "dim", "layers", "heads", "corpus_bytes")
-        return fields_repr(self, *shown, "val_fraction", "eval_windows")
+        return fields_repr(self, *shown, "val_fraction", "eval_windows", "vocab")
 
     @property
     def corpus(self) -> Corpus:
@@ -244,7 +244,7 @@ class LanguageModel:
         def linear(fan_in: int, fan_out: int, s: float = std) -> dict:
             return {"w": normal(fan_in, fan_out, s=s), "b": torch.zeros(fan_out)}
 
-        params: dict = {"wte": normal(VOCAB, d), "wpe": normal(self.context, d), "blocks": {}}
+        params: dict = {"wte": normal(self.vocab, d), "wpe": normal(self.context, d), "blocks": {}}
         for i in range(self.layers):
             params["blocks"][str(i)] = {
                 "ln1": ln(),
@@ -264,7 +264,7 @@ class LanguageModel:
             yield torch.from_numpy(train[starts[idx, None] + offsets].astype(np.int64))
 
     def logits(self, params: dict, x: torch.Tensor) -> torch.Tensor:
-        """The next-byte logits ``(B, T, 256)`` of inputs ``x`` ``(B, T)``, ``T <= context``."""
+        """The next-byte logits ``(B, T, vocab)`` of inputs ``x`` ``(B, T)``, ``T <= context``."""
         b, t = x.shape
         h = params["wte"][x] + params["wpe"][:t]
         heads, d = self.heads, self.dim
@@ -284,7 +284,7 @@ class LanguageModel:
 
     def _loss(self, params: dict, batch: torch.Tensor) -> torch.Tensor:
         logits = self.logits(params, batch[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].reshape(-1))
 
     def loss_and_grad(self, params: dict, batch: torch.Tensor) -> tuple[float, dict]:
         """Returns the mean cross-entropy per byte of ``batch`` and its gradient (autograd)."""
