@@ -2,7 +2,8 @@
 
 A small job (2 workers, 2 shards, 20 pushes; worker 1 3x slower) runs once clean, then
 once per process (each worker, each shard's primary and backup) and per message that
-process receives, killed just before it. A check: every worker's acknowledged push is
+process receives, killed just before it, and (a shard's copy) per message it sends,
+killed just after it. A check: every worker's acknowledged push is
 applied exactly once in every live copy, each copy's state equals a replay of its log
 (``pushlog.replay``) from the initial state bit for bit, and the copies' logs are equal."""
 
@@ -24,7 +25,7 @@ N, STEPS, WORKERS = 6, 20, 2
 TARGETS = np.random.default_rng(1).standard_normal((WORKERS, N)).astype(np.float32)
 SIM = SimConfig(
     compute=Fixed(1.0),
-    network=Network(latency=0.01, bandwidth=math.inf),
+    network=Network(latency=0.01, bandwidth=1e4),  # a forward (a payload) outlasts an ack
     service=Service(0.001, math.inf),
 )
 
@@ -45,7 +46,7 @@ def make_job(consistency, kind):
         strategy = sw.strategies.diloco(local_steps=3, inner=sw.optim.sgd(0.2))
         optimizer = sw.optim.sgd(0.7, momentum=0.9, nesterov=True)
     params = {"w": np.linspace(-1, 1, N, dtype=np.float32)}
-    consistency = sw.BSP() if consistency == "bsp" else sw.ASP()
+    consistency = {"asp": sw.ASP(), "bsp": sw.BSP(), "ssp": sw.SSP(1)}[consistency]
     return sw.Job(params, optimizer=optimizer, consistency=consistency, strategy=strategy,
                   shards=2, replicas=2)  # fmt: skip
 
@@ -85,9 +86,9 @@ def check(job, sim, case):
 
 
 def sweep(consistency, kind, every=1):
-    """Kills each process before each ``every``-th message it receives; returns the runs."""
+    """Kills each process at each ``every``-th of its message boundaries; returns the runs."""
     job = make_job(consistency, kind)
-    clean = run(job, ("none", 0, 0))
+    clean = run(job, ("none", 0, "in", 0))
     check(job, clean, (consistency, kind, "no kill"))
     assert clean.pushes == STEPS
     kills = [(*name, m) for name, n in sorted(clean.received.items()) for m in range(n)]
@@ -97,7 +98,7 @@ def sweep(consistency, kind, every=1):
     return len(kills[::every])
 
 
-CASES = [(c, k) for c in ("asp", "bsp") for k in ("grad", "diloco")]
+CASES = [(c, k) for c in ("asp", "bsp", "ssp") for k in ("grad", "diloco")]
 
 
 @pytest.mark.slow

@@ -182,9 +182,11 @@ class Simulation:
         self.pid = [0] * S  # each shard's primary process: messages to or from a dead one drop
         self.chan, self.bfree = [0.0] * S, [0.0] * S  # primary-to-backup channel, backup free
         self.notices = rep.Outstanding(S)  # the launcher's joins, leaves, departs not yet held
-        # the fault injector: ("worker" | "primary" | "backup", k, m) dies before its m-th
-        # message in; with it, messages in by process, the copies' logs, the pushes acked
+        # the fault injector: ("worker" | "primary" | "backup", k, "in" | "out", m) dies before
+        # its m-th message in or right after its m-th out; with it, messages by process, the
+        # copies' logs, the pushes acked
         self.kill, self.received = kill, None if kill is None else Counter()
+        self.dying: tuple | None = None  # killed as it sent: dies once its handler is over
         self.logs = None if kill is None else {("p", k): [] for k in range(S)}
         self.told: set[tuple[int, int, int, int]] = set()
 
@@ -302,18 +304,20 @@ class Simulation:
         self.pulled[1] += 1
         self.reply(k, (_PULL_RESP, wk, wk.inc, nbytes))
 
-    def reply(self, k: int, r: tuple) -> None:
+    def reply(self, k: int, message: tuple) -> None:
         """Shard ``k`` answers: at once, or (replicas) once its backup holds what it did."""
-        for r in self.primary[k].reply(r) if self.replicas else (r,):
+        for r in self.primary[k].reply(message) if self.replicas else (message,):
             self.respond(k, r)
 
     def respond(self, k: int, r: tuple) -> None:
         """Sends a reply of shard ``k`` that is free to go."""
         if r[0] == _LEAVE:  # a notice the backup holds
             self.notices.answered(k, r[1])
-        elif r[2] == r[1].inc and r[0] == _ACK:
+        elif r[2] != r[1].inc or not self.sends(("primary", k)):
+            pass
+        elif r[0] == _ACK:
             self.at(self.now + self.lat, _ACK, r[1].id, k, r[2])
-        elif r[2] == r[1].inc:
+        else:
             self.transfer(self.P + k, r[1].id, r[3], _PULL_HEAD, r[1], k)
 
     def notice(self, k: int, request: tuple) -> Any:
@@ -346,6 +350,8 @@ class Simulation:
 
     def channel(self, k: int, nbytes: float, kind: int, x: Any) -> None:
         """A message from shard ``k``'s primary to its backup, in order."""
+        if not self.sends(("primary", k)):
+            return
         t = max(self.now + self.lat + nbytes / self.links.bw[self.P + k], self.chan[k])
         self.chan[k] = t
         self.at(t, kind, k=k, x=x)
@@ -378,7 +384,8 @@ class Simulation:
                 logs["b", k] += x.entries[before - x.first :]
             nbytes = sum(map(len, x.entries[before - x.first :])) * self.scale
             self.bfree[k] = t = max(self.now, self.bfree[k]) + self.service.seconds(nbytes)
-            self.at(t + self.lat, _BACKED, k=k, x=held)
+            if self.sends(("backup", k)):
+                self.at(t + self.lat, _BACKED, k=k, x=held)
 
     def race(self, wk: _SimWorker, k: int) -> None:
         """Worker ``wk``'s snapshot read at shard ``k`` racing its own push (``own_read``)."""
@@ -469,21 +476,41 @@ class Simulation:
             name = ("primary", k)
         else:
             return False
-        m = self.received[name]
-        self.received[name] = m + 1
-        if (*name, m) != self.kill:
+        return self.counts(name, "in") and self.die(name)
+
+    def counts(self, name: tuple, way: str) -> bool:
+        """Counts a message of process ``name``; True if the fault injector kills it there."""
+        m = self.received[(*name, way)]
+        self.received[(*name, way)] = m + 1
+        if (*name, way, m) != self.kill:
             return False
         self.kill = None
-        if name[0] == "primary":
+        return True
+
+    def sends(self, name: tuple) -> bool:
+        """Whether process ``name`` (a shard's copy) sends now (fault injection: not once
+        killed; a kill marks it ``dying``)."""
+        if self.received is None:
+            return True
+        if self.dying == name:
+            return False
+        if self.counts(name, "out"):
+            self.dying = name
+        return True
+
+    def die(self, name: tuple) -> bool:
+        """Process ``name`` dies now: what the launcher does then."""
+        self.dying, (role, k) = None, name
+        if role == "primary":
             self.failover(k)
-        elif name[0] == "backup":
+        elif role == "backup":
             for r in self.primary[k].detach():
                 self.respond(k, r)
             self.attach(k)
-        elif self.workers[w].phase == _DONE:
-            self.depart(self.workers[w])
+        elif self.workers[k].phase == _DONE:
+            self.depart(self.workers[k])
         else:
-            self.fail(self.workers[w], "killed (fault injection)")
+            self.fail(self.workers[k], "killed (fault injection)")
         if self.replicas:
             self.flush()
         return True
@@ -735,7 +762,7 @@ class Simulation:
             wk.loop.close()
             wk.loop = None
         out, delivered = wk.outgoing, []
-        for k, shard in enumerate(self.shards):
+        for k in range(self.S):
             committed = None
             if flying:  # committed: shards that have not handled it get it now
                 header = PushHeader(wk.id, out.seq, out.bases[k], wk.inc)
@@ -963,6 +990,8 @@ class Simulation:
                 self.release(k)
             if self.replicas:
                 self.flush()
+                if self.dying is not None:
+                    self.die(self.dying)
             self.end = t
             self.events += 1
             if not self.events & 0xFFF and time.perf_counter() > deadline:
