@@ -184,7 +184,7 @@ class Simulation:
         self.notices = rep.Outstanding(S)  # the launcher's joins, leaves, departs not yet held
         # the fault injector: ("worker" | "primary" | "backup", k, "in" | "out", m) dies before
         # its m-th message in or right after its m-th out; with it, messages by process, the
-        # copies' logs, the pushes acked
+        # copies' logs, the pushes acknowledged (shard, worker, incarnation, seq)
         self.kill, self.received = kill, None if kill is None else Counter()
         self.dying: tuple | None = None  # killed as it sent: dies once its handler is over
         self.logs = None if kill is None else {("p", k): [] for k in range(S)}
@@ -488,8 +488,8 @@ class Simulation:
         return True
 
     def sends(self, name: tuple) -> bool:
-        """Whether process ``name`` (a shard's copy) sends now (fault injection: not once
-        killed; a kill marks it ``dying``)."""
+        """Whether process ``name`` sends now (fault injection: not once killed; a kill
+        marks it ``dying``)."""
         if self.received is None:
             return True
         if self.dying == name:
@@ -580,14 +580,16 @@ class Simulation:
             heapq.heappush(self.computing, self.now + lat + self.lat)
         start = max(self.now, wk.cpu_free)  # after the copies of its push
         for k in range(self.S):
-            self.at(start + lat, _PULL_REQ, wk.id, k, wk.inc, float(snapshot))
+            if self.sends(("worker", wk.id)):
+                self.at(start + lat, _PULL_REQ, wk.id, k, wk.inc, float(snapshot))
             if wk.out is not None:
                 wk.out.sent(k, _PULL_REQ, _PULL_REQ)
 
     def leave(self, wk: _SimWorker) -> None:
         """Worker ``wk``'s loop has ended and its last push is acked: it leaves the shards."""
         for k in range(self.S):
-            self.at(self.now + self.lat, _LEAVE, wk.id, k, wk.inc)
+            if self.sends(("worker", wk.id)):
+                self.at(self.now + self.lat, _LEAVE, wk.id, k, wk.inc)
             if wk.out is not None:
                 wk.out.sent(k, _LEAVE, _LEAVE)
 
@@ -671,7 +673,8 @@ class Simulation:
             c = self.copies
             at = None if c is None else self.worker_copy(wk, c.push, wk.push_bytes[k],
                                                          c.push_time / self.S)  # fmt: skip
-            self.transfer(wk.id, self.P + k, wk.push_bytes[k], _PUSH_HEAD, wk, k, at)
+            if self.sends(("worker", wk.id)):
+                self.transfer(wk.id, self.P + k, wk.push_bytes[k], _PUSH_HEAD, wk, k, at)
             if wk.out is not None:
                 wk.out.sent(k, _PUSH_HEAD, _PUSH_HEAD)
         if wk.settle:
@@ -990,8 +993,8 @@ class Simulation:
                 self.release(k)
             if self.replicas:
                 self.flush()
-                if self.dying is not None:
-                    self.die(self.dying)
+            if self.dying is not None:
+                self.die(self.dying)
             self.end = t
             self.events += 1
             if not self.events & 0xFFF and time.perf_counter() > deadline:
