@@ -86,16 +86,21 @@ def check(job, sim, case):
 
 
 def sweep(consistency, kind, every=1):
-    """Kills each process at each ``every``-th of its message boundaries; returns the runs."""
+    """Kills each process at each ``every``-th of its message boundaries; returns the runs
+    and those where a resent push was answered as a duplicate (held by the backup)."""
     job = make_job(consistency, kind)
     clean = run(job, ("none", 0, "in", 0))
     check(job, clean, (consistency, kind, "no kill"))
     assert clean.pushes == STEPS
     kills = [(*name, m) for name, n in sorted(clean.received.items()) for m in range(n)]
     assert {k[0] for k in kills} == {"worker", "primary", "backup"}
+    retried = 0
     for kill in kills[::every]:
-        check(job, run(job, kill), (consistency, kind, *kill))
-    return len(kills[::every])
+        sim = run(job, kill)
+        check(job, sim, (consistency, kind, *kill))
+        retried += any(s.stats.duplicates for s in sim.shards)
+    print(f"{consistency} {kind}: {len(kills[::every])} runs, {retried} with a duplicate")
+    return len(kills[::every]), retried
 
 
 CASES = [(c, k) for c in ("asp", "bsp", "ssp") for k in ("grad", "diloco")]
@@ -104,12 +109,14 @@ CASES = [(c, k) for c in ("asp", "bsp", "ssp") for k in ("grad", "diloco")]
 @pytest.mark.slow
 @pytest.mark.parametrize("consistency, kind", CASES)
 def test_kill_each_process_before_each_message(consistency, kind):
-    assert sweep(consistency, kind) > 200
+    runs, retried = sweep(consistency, kind)
+    assert runs > 300 and retried > 10
 
 
 @pytest.mark.parametrize("consistency, kind", CASES)
 def test_kill_each_process_sampled(consistency, kind):
-    assert sweep(consistency, kind, every=29) > 10
+    runs, retried = sweep(consistency, kind, every=29)
+    assert runs > 10 and retried > 0
 
 
 def test_replicas_option():

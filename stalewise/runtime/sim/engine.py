@@ -8,7 +8,7 @@ shard serves a FIFO queue. Faults follow the job's failure policy as in the loca
 runtime. What the simulator models: ``docs/calibrate.md``. With ``replicas=2`` each shard
 is a :class:`~stalewise.protocol.replica.Primary` with a
 :class:`~stalewise.protocol.replica.Backup` on its own simulated process; ``kill`` (the fault
-injector) kills one process before the m-th message it receives.
+injector) kills one process before the m-th message it receives or after the m-th it sends.
 
 Cost: O(log n) per event and O(1) per-worker state per event."""
 
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 _PULL_REQ, _SERVED, _PULL_HEAD, _PULL_RESP, _COMPUTED, _PUSH_HEAD, _PUSH_IN, _RACE = range(8)
 _ACK, _LEAVE, _FORWARD, _BACKED, _CATCHUP = range(8, 13)  # the last 3: between a shard's copies
 _FAIL, _JOIN, _EVAL, _RESTART = range(13, 17)
+_RECEIVER = {_ACK: "worker", _PULL_RESP: "worker", _FORWARD: "backup", _CATCHUP: "backup"}
+_RECEIVER |= dict.fromkeys((_PULL_REQ, _PUSH_IN, _LEAVE, _BACKED), "primary")  # fault injection
 # request kinds at a shard
 _PULL, _PUSH = 0, 1
 # what a worker's pull at shard k does once the shard has handled its push (_SimWorker.behind)
@@ -107,7 +109,7 @@ class Simulation:
         *,
         failures: Failures | None = None,
         diverge_after: int | None = loop.DIVERGE_AFTER,
-        kill: tuple[str, int, int] | None = None,
+        kill: tuple[str, int, str, int] | None = None,
     ):
         self.config, self.spec = config, config.spec
         self.loss_and_grad, self.data, self.strategy = worker_fns
@@ -464,18 +466,10 @@ class Simulation:
 
     def boundary(self, kind: int, w: int, k: int, inc: int, x: Any) -> bool:
         """A message arrives (fault injection): counts it; True if its process dies first."""
-        if w >= 0 and inc != self.workers[w].inc:
-            return False  # to or from an earlier life: dropped anyway
-        if kind in (_ACK, _PULL_RESP):
-            if x:  # the worker's copy of a pull it has received
-                return False
-            name = ("worker", w)
-        elif kind in (_FORWARD, _CATCHUP):
-            name = ("backup", k)
-        elif kind in (_PULL_REQ, _PUSH_IN, _LEAVE, _BACKED):
-            name = ("primary", k)
-        else:
-            return False
+        role = _RECEIVER.get(kind)
+        if role is None or (w >= 0 and inc != self.workers[w].inc) or (role == "worker" and x):
+            return False  # not a message; to or from an earlier life; a worker's copy of one
+        name = (role, w if role == "worker" else k)
         return self.counts(name, "in") and self.die(name)
 
     def counts(self, name: tuple, way: str) -> bool:
