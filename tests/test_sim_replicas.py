@@ -129,3 +129,19 @@ def test_replicas_option():
         job.train(loss_and_grad, data=data, workers=2, steps=2, runtime="local")
     result = job.train(loss_and_grad, data=data, workers=2, steps=8, runtime="sim")
     assert result.pushes == 8 and result.stats["applied"] == 8
+
+
+def test_replicas_in_a_config():
+    """``[server] replicas``: checked by Job, refused by a runtime without replicas."""
+    import tomllib
+
+    import stalewise.config as config
+
+    head = '[task]\nname = "least-squares"\n[optimizer]\nname = "sgd"\nlr = 0.1\n'
+    raw = tomllib.loads(head + "[server]\nshards = 2\nreplicas = 2\n")
+    assert config.parse(raw, runtime="sim").job.config.replicas == 2
+    with pytest.raises(config.ConfigError, match=r"server\.replicas.*runtime 'local' does not"):
+        config.parse(raw)
+    raw["server"]["replicas"] = 3
+    with pytest.raises(config.ConfigError, match=r"server\.replicas.*must be 1 or 2, got 3"):
+        config.parse(raw, runtime="sim")

@@ -178,7 +178,8 @@ def replica_refusal(replicas: int, name: str) -> str | None:
     """Why runtime ``name`` refuses ``replicas`` copies of each shard, in one line; None if not."""
     if replicas == 1 or describe(name).replicas:
         return None
-    return f"replicas={replicas}: runtime {name!r} does not host replicated shards yet; use {able('replicas')}"
+    able = " or ".join(map(repr, names("replicas")))
+    return f"replicas={replicas}: runtime {name!r} does not host replicated shards yet; use {able}"
 
 
 def pull_refusal(pull_codec: Any, name: str) -> str | None:

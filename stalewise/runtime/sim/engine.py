@@ -365,26 +365,29 @@ class Simulation:
         arrays = (v.nbytes for v in start.state.values() if isinstance(v, np.ndarray))
         self.channel(k, sum(arrays) * self.scale, _CATCHUP, start)
 
+    def backup(self, k: int, start: rep.CatchUp) -> None:
+        """Shard ``k``'s backup starts (caught up) at ``start``."""
+        lo, hi = self.ranges[k]
+        shard = self.config.build_shard(k, self.params[lo:hi].copy(), self.P)
+        self.backups[k], self.bfree[k] = rep.Backup(shard, start), self.now
+        if self.logs is not None:
+            self.logs["b", k] = self.logs["p", k][: start.entries]
+
     def between(self, kind: int, k: int, x: Any) -> None:
         """A message between shard ``k``'s copies: a forward, its held, a catch-up."""
-        primary, backup, logs = self.primary[k], self.backups[k], self.logs
+        primary, backup = self.primary[k], self.backups[k]
         if kind == _BACKED:
             for r in primary.held(x):
                 self.respond(k, r)
         elif kind == _CATCHUP and x.view == primary.view:
-            lo, hi = self.ranges[k]
-            shard = self.config.build_shard(k, self.params[lo:hi].copy(), self.P)
-            self.backups[k], self.bfree[k] = rep.Backup(shard, x), self.now
-            if logs is not None:
-                logs["b", k] = logs["p", k][: x.entries]
+            self.backup(k, x)
         elif kind == _FORWARD and backup is not None:
-            before = backup.entries
-            held = backup.receive(x)
-            if held is None:
+            new = x.entries[max(backup.entries - x.first, 0) :]
+            if (held := backup.receive(x)) is None:
                 return
-            if logs is not None:
-                logs["b", k] += x.entries[before - x.first :]
-            nbytes = sum(map(len, x.entries[before - x.first :])) * self.scale
+            if self.logs is not None:
+                self.logs["b", k] += new
+            nbytes = sum(map(len, new)) * self.scale
             self.bfree[k] = t = max(self.now, self.bfree[k]) + self.service.seconds(nbytes)
             if self.sends(("backup", k)):
                 self.at(t + self.lat, _BACKED, k=k, x=held)
@@ -880,11 +883,7 @@ class Simulation:
         self.now = t0
         self.flush()
         for k, primary in enumerate(self.primary):  # each backup starts with the job
-            lo, hi = self.ranges[k]
-            shard = self.config.build_shard(k, self.params[lo:hi].copy(), self.P)
-            self.backups[k] = rep.Backup(shard, primary.attach())
-            if self.logs is not None:
-                self.logs["b", k] = list(self.logs["p", k])
+            self.backup(k, primary.attach())
 
     def advance(self, until: float, deadline: float, due: Callable[[], bool] | None = None) -> str:
         """Runs events up to the record time ``until``; returns ``RECORD`` there, ``CHECKPOINT``
