@@ -234,9 +234,6 @@ def parse(
     staleness = build.staleness(s)
     shards = schema.get(s, "server.shards", int, 1, low=1, high=schema.MAX_SHARDS)
     replicas = schema.get(s, "server.replicas", int, 1)  # Job checks it
-    why = runtime_lib.replica_refusal(replicas, runtime)
-    if why is not None:
-        raise ConfigError("server.replicas", why)
     codec_policy = build.codec(s.get("codec", "none"), "server.codec")
     if codec is not None:
         codec_policy = build.codec(codec, "--codec")
@@ -281,6 +278,9 @@ def parse(
                 "task.args" if t.get("args") else "task",
                 f"the task's parameters or data do not fit in memory: {e or 'MemoryError'}",
             ) from None
+    why = runtime_lib.replica_refusal(replicas, runtime)
+    if why is not None:
+        raise ConfigError("server.replicas", why)
     for target in stop_at or ():
         if target.metric not in metrics and target.metric != "train_loss":
             raise ConfigError(
