@@ -767,7 +767,7 @@ class Simulation:
             if flying:  # committed: shards that have not handled it get it now
                 header = PushHeader(wk.id, out.seq, out.bases[k], wk.inc)
                 payload = self.sent(wk, k)  # a copy: it may be resent to a promoted primary
-                committed = (header, np.array(payload) if self.replicas else payload, out.verdict)
+                committed = (header, payload.copy() if self.replicas else payload, out.verdict)
             if self.notice(k, ("depart", wk.id, wk.inc, committed)) is not None:
                 delivered.append(k)
             self.release(k)
