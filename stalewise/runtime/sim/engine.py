@@ -755,9 +755,7 @@ class Simulation:
         if wk.phase in (_PULLING, _COMPUTING, _HELD):
             self.started -= 1  # nothing was committed: the step is not done
         flying, wk.acking = wk.acking, 0
-        wk.behind = [0] * self.S
-        wk.results = []
-        wk.phase, wk.out = _DEAD, None
+        wk.behind, wk.results, wk.phase, wk.out = [0] * self.S, [], _DEAD, None
         if wk.loop is not None:
             wk.loop.close()
             wk.loop = None
