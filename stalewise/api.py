@@ -42,6 +42,8 @@ class Job:
         codec: how pushes travel, e.g. ``sw.codecs.int8()`` (default ``sw.codecs.none()``).
         pull_codec: delta pulls (simulator and Ray): a worker downloads only what changed
             since its last pull, in this codec (:mod:`stalewise.protocol.pulls`).
+        replicas: copies of each shard, 1 or 2 (a backup: :mod:`stalewise.protocol.replica`;
+            runtime "sim" only so far).
         buffers: regexes naming the leaves that are buffers, for params that do not mark
             them, e.g. flax linen variables (``[r"^batch_stats\\."]``).
 
@@ -64,6 +66,7 @@ class Job:
         codec: codecs_lib.Policy | None = None,
         pull_codec: codecs_lib.Policy | None = None,
         buffers: str | Sequence[str] | None = None,
+        replicas: int = 1,
     ):
         for arg, value, kind, example in (
             ("strategy", strategy, strategies_lib.Strategy, "e.g. sw.strategies.gradients()"),
@@ -86,6 +89,8 @@ class Job:
         _check_optimizer(optimizer)
         if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
+        if replicas not in (1, 2) or isinstance(replicas, bool):
+            raise ValueError(f"replicas must be 1 or 2, got {replicas!r}")
         consistency = consistency or consistency_lib.ASP()
         self.strategy.check_consistency(consistency, recommended=recommended)
         flat, spec = tree.flatten(params, keep_integers=True)
@@ -101,6 +106,7 @@ class Job:
             shards=shards,
             codec=codecs_lib.NONE if codec is None else codec,
             pull_codec=pull_codec,
+            replicas=replicas,
         )
 
     def train(
@@ -216,6 +222,7 @@ class Job:
 
     def _check_pulls(self, runtime: str) -> None:
         why = runtime_lib.pull_refusal(self.config.pull_codec, runtime)
+        why = why or runtime_lib.replica_refusal(self.config.replicas, runtime)
         if why is not None:
             raise ValueError(why)
 

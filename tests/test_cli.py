@@ -67,7 +67,8 @@ def test_train_runs_a_config_and_writes_metrics_and_plot(tmp_path, capsys, no_le
         (('name = "adam"', 'name = "adagrad"'), "optimizer.name: unknown optimizer 'adagrad'"),
         (("workers = 2", 'workers = "two"'), "run.workers: expected an integer, got 'two'"),
         (("workers = 2", "workers = 0"), "run.workers: must be >= 1, got 0"),
-        (("shards = 2", "shards = 2\nreplicas = 3"), "server.replicas: unknown option"),
+        (("shards = 2", "shards = 2\nreplica = 2"), "server.replica: unknown option"),
+        (("shards = 2", "shards = 2\nreplicas = 3"), "server.replicas: must be 1 or 2, got 3"),
         (
             ('consistency = "ssp"', 'consistency = "eventual"'),
             "server.consistency: unknown consistency model",

@@ -233,6 +233,7 @@ def parse(
     consistency = build.consistency(s)
     staleness = build.staleness(s)
     shards = schema.get(s, "server.shards", int, 1, low=1, high=schema.MAX_SHARDS)
+    replicas = schema.get(s, "server.replicas", int, 1)  # Job checks it
     codec_policy = build.codec(s.get("codec", "none"), "server.codec")
     if codec is not None:
         codec_policy = build.codec(codec, "--codec")
@@ -268,6 +269,7 @@ def parse(
                 strategy=strategy,
                 codec=codec_policy,
                 pull_codec=pulls_policy,
+                replicas=replicas,
             )
             factory.check_batches(task, workers, seed, "run.workers")
             metrics = factory.metric_names(task, params) if stop_at else None
@@ -276,6 +278,9 @@ def parse(
                 "task.args" if t.get("args") else "task",
                 f"the task's parameters or data do not fit in memory: {e or 'MemoryError'}",
             ) from None
+    why = runtime_lib.replica_refusal(replicas, runtime)
+    if why is not None:
+        raise ConfigError("server.replicas", why)
     for target in stop_at or ():
         if target.metric not in metrics and target.metric != "train_loss":
             raise ConfigError(

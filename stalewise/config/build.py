@@ -149,6 +149,8 @@ def job(params: Any, **kwargs: Any) -> Job:
     try:
         return Job(params, **kwargs)
     except (TypeError, ValueError) as e:
+        if str(e).startswith("replicas must be "):
+            raise ConfigError("server.replicas", str(e)[len("replicas ") :]) from None
         if str(e).startswith("shards="):
             size = tree.flatten(params)[1].size
             raise ConfigError(

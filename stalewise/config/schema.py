@@ -18,7 +18,7 @@ TABLES = {
     "task": {"name", "factory", "args", "seed"},
     "optimizer": None,  # checked against the chosen optimizer's signature
     "server": {"consistency", "bound", "tolerance", "staleness", "staleness_param"}
-    | {"max_staleness", "dc_lambda", "shards", "codec", "pull_codec"},
+    | {"max_staleness", "dc_lambda", "shards", "codec", "pull_codec", "replicas"},
     "run": {"workers", "steps", "delay", "stragglers", "eval_interval", "stop_at", "runtime"}
     | {"address", *Failures.FIELDS.values()},  # on_worker_failure, max_restarts, ...
     "sim": None,  # checked by SimConfig.from_dict (its TOML_KEYS)

@@ -26,6 +26,7 @@ class ServerConfig:
     shards: int = 1
     codec: codecs_lib.Policy = codecs_lib.NONE  # how pushes travel (stalewise.protocol.compress)
     pull_codec: codecs_lib.Policy | None = None  # delta pulls (protocol.pulls); None: full
+    replicas: int = 1  # copies of each shard (protocol.replica): 1 or 2
 
     @property
     def ranges(self) -> list[tuple[int, int]]:

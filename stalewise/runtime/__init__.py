@@ -52,6 +52,7 @@ class Runtime:
     connect: Target | None = None
     elastic_train: bool = False  # Job.train takes workers=(min, max) or "auto"
     delta_pulls: bool = False  # it sends pulls compressed by the job's pull_codec
+    replicas: bool = False  # it hosts replicated shards (replicas=2)
     no_delta_pulls: str = ""  # why not, when it does not (one phrase)
     max_workers: int = 4096  # the most workers a run may have
     resumes_from: str | None = None  # a key a checkpoint's step must carry (None: any)
@@ -122,7 +123,7 @@ register(
     "network), so a delta pull would only add work",
 )
 register("sim", "stalewise.runtime.sim:run", delta_pulls=True, max_workers=16384,
-         resumes_from="sim", simulated=True)  # fmt: skip
+         resumes_from="sim", simulated=True, replicas=True)  # fmt: skip
 register(
     "ray",
     "stalewise.runtime.ray.train:run",
@@ -171,6 +172,14 @@ def able(what: str) -> str:
     """The runtimes that have ``what`` (a field of :class:`Runtime`), for a message:
     ``"ray"``, ``"local or ray"``."""
     return " or ".join(names(what)) or "none"
+
+
+def replica_refusal(replicas: int, name: str) -> str | None:
+    """Why runtime ``name`` refuses ``replicas`` copies of each shard, in one line; None if not."""
+    if replicas == 1 or describe(name).replicas:
+        return None
+    able = " or ".join(map(repr, names("replicas")))
+    return f"replicas={replicas}: runtime {name!r} does not host replicated shards yet; use {able}"
 
 
 def pull_refusal(pull_codec: Any, name: str) -> str | None:

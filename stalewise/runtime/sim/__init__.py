@@ -158,7 +158,10 @@ class _Host:
                 for shard in state.shards
             ],
         }
-        return state.params.copy()
+        flat = state.params.copy()  # each shard's primary (replicas: maybe a promoted backup)
+        for (lo, hi), shard in zip(state.ranges, state.shards, strict=True):
+            flat[lo:hi] = shard.params
+        return flat
 
     def close(self) -> None:
         pass

@@ -5,7 +5,10 @@ Events sit in a heap of ``(virtual time, insertion counter, event)``, so a run i
 deterministic. Each worker runs the protocol's worker loop
 (:func:`stalewise.protocol.loop.worker_loop`), stepped by the event handlers; each
 shard serves a FIFO queue. Faults follow the job's failure policy as in the local
-runtime. What the simulator models: ``docs/calibrate.md``.
+runtime. What the simulator models: ``docs/calibrate.md``. With ``replicas=2`` each shard
+is a :class:`~stalewise.protocol.replica.Primary` with a
+:class:`~stalewise.protocol.replica.Backup` on its own simulated process; ``kill`` (the fault
+injector) kills one process before the m-th message it receives or after the m-th it sends.
 
 Cost: O(log n) per event and O(1) per-worker state per event."""
 
@@ -17,7 +20,7 @@ import logging
 import math
 import time
 import traceback
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +29,7 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import PushHeader, ServerConfig, budget, compress, loop, pipeline, pulls
+from stalewise.protocol import replica as rep
 from stalewise.protocol.sender import Outgoing, Sender
 from stalewise.runtime import driver
 from stalewise.runtime.base import batch_iterator
@@ -38,7 +42,10 @@ log = logging.getLogger(__name__)
 
 # event kinds
 _PULL_REQ, _SERVED, _PULL_HEAD, _PULL_RESP, _COMPUTED, _PUSH_HEAD, _PUSH_IN, _RACE = range(8)
-_ACK, _LEAVE, _FAIL, _JOIN, _EVAL, _RESTART = range(8, 14)
+_ACK, _LEAVE, _FORWARD, _BACKED, _CATCHUP = range(8, 13)  # the last 3: between a shard's copies
+_FAIL, _JOIN, _EVAL, _RESTART = range(13, 17)
+_RECEIVER = {_ACK: "worker", _PULL_RESP: "worker", _FORWARD: "backup", _CATCHUP: "backup"}
+_RECEIVER |= dict.fromkeys((_PULL_REQ, _PUSH_IN, _LEAVE, _BACKED), "primary")  # fault injection
 # request kinds at a shard
 _PULL, _PUSH = 0, 1
 # what a worker's pull at shard k does once the shard has handled its push (_SimWorker.behind)
@@ -85,6 +92,7 @@ class _SimWorker:
     push_mark: float = 0.0  # when the push in flight was committed
     ended: tuple[float, int] | None = None  # (time, order) when its loop ended
     awaiting: dict | None = None  # its failure event, until it is back
+    out: Any = None  # replicas: its requests each primary has not answered (rep.Outstanding)
 
 
 class Simulation:
@@ -101,6 +109,7 @@ class Simulation:
         *,
         failures: Failures | None = None,
         diverge_after: int | None = loop.DIVERGE_AFTER,
+        kill: tuple[str, int, str, int] | None = None,
     ):
         self.config, self.spec = config, config.spec
         self.loss_and_grad, self.data, self.strategy = worker_fns
@@ -166,13 +175,30 @@ class Simulation:
         self.failures = Failures() if failures is None else failures  # the failure policy
         self.diverge_after = diverge_after  # for the worker loops
         self.returns = 0  # scripted joins and restarts still to come
+        self.replicas = config.replicas > 1
+        if self.replicas and self.pull_servers is not None:
+            raise ValueError("replicas=2: the simulator does not replicate delta pulls yet; "
+                             "leave pull_codec unset")  # fmt: skip
+        self.primary = [rep.Primary(s) for s in self.shards] if self.replicas else []
+        self.backups: list[rep.Backup | None] = [None] * S
+        self.pid = [0] * S  # each shard's primary process: messages to or from a dead one drop
+        self.chan, self.bfree = [0.0] * S, [0.0] * S  # primary-to-backup channel, backup free
+        self.notices = rep.Outstanding(S)  # the launcher's joins, leaves, departs not yet held
+        # the fault injector: ("worker" | "primary" | "backup", k, "in" | "out", m) dies before
+        # its m-th message in or right after its m-th out; with it, messages by process, the
+        # copies' logs, the pushes acknowledged (shard, worker, incarnation, seq)
+        self.kill, self.received = kill, None if kill is None else Counter()
+        self.dying: tuple | None = None  # killed as it sent: dies once its handler is over
+        self.logs = None if kill is None else {("p", k): [] for k in range(S)}
+        self.told: set[tuple[int, int, int, int]] = set()
 
     # -- plumbing ------------------------------------------------------------------
 
     def at(self, t: float, kind: int, w: int = -1, k: int = -1, inc: int = 0, x: float = 0.0):
         if kind < _FAIL:
             self.queued += 1  # work in flight (not an evaluation, failure or join)
-        heapq.heappush(self.heap, (t, next(self.counter), kind, w, k, inc, x))
+        pid = self.pid[k] if k >= 0 else 0
+        heapq.heappush(self.heap, (t, next(self.counter), kind, w, k, inc, x, pid))
 
     def transfer(
         self, src: int, dst: int, nbytes: float, head_kind: int, wk: _SimWorker, k: int, at=None
@@ -245,7 +271,7 @@ class Simulation:
                 )
                 if not ack.ok:
                     log.debug("sim: shard %d rejected worker %d's push: %s", k, wk.id, ack.reason)
-                self.at(self.now + self.lat, _ACK, wk.id, k, inc)
+                self.reply(k, (_ACK, wk, inc))
                 self.release(k)
                 how, wk.behind[k] = wk.behind[k], 0
                 if how == _ASK:  # its pull came behind the push: its turn now
@@ -278,7 +304,93 @@ class Simulation:
         wk.pull_bytes[k] = nbytes
         self.pulled[0] += nbytes
         self.pulled[1] += 1
-        self.transfer(self.P + k, wk.id, nbytes, _PULL_HEAD, wk, k)
+        self.reply(k, (_PULL_RESP, wk, wk.inc, nbytes))
+
+    def reply(self, k: int, message: tuple) -> None:
+        """Shard ``k`` answers: at once, or (replicas) once its backup holds what it did."""
+        for r in self.primary[k].reply(message) if self.replicas else (message,):
+            self.respond(k, r)
+
+    def respond(self, k: int, r: tuple) -> None:
+        """Sends a reply of shard ``k`` that is free to go."""
+        if r[0] == _LEAVE:  # a notice the backup holds
+            self.notices.answered(k, r[1])
+        elif r[2] != r[1].inc or not self.sends(("primary", k)):
+            pass
+        elif r[0] == _ACK:
+            self.at(self.now + self.lat, _ACK, r[1].id, k, r[2])
+        else:
+            self.transfer(self.P + k, r[1].id, r[3], _PULL_HEAD, r[1], k)
+
+    def notice(self, k: int, request: tuple) -> Any:
+        """The launcher's ``("join" | "leave" | "depart", worker, incarnation[, committed])``
+        at shard ``k``; returns the call's result (replicas: resent to a promoted primary
+        until its backup holds it)."""
+        op, w, inc, *committed = request
+        shard = self.shards[k]
+        if op == "join":
+            result = (self.primary[k] if self.replicas else shard).join(w, inc)
+        elif op == "leave":
+            result = shard.leave(w)
+        else:
+            result = shard.depart(w, inc, committed=committed[0])
+        if self.replicas:
+            self.notices.sent(k, request[:3], request)
+            self.reply(k, (_LEAVE, request[:3]))
+        return result
+
+    def flush(self) -> None:
+        """Forwards each primary's new entries to its backup (``replicas``)."""
+        for k, primary in enumerate(self.primary):
+            fwd = primary.forward()
+            if fwd is None:
+                continue
+            if self.logs is not None:
+                self.logs["p", k] += fwd.entries
+            if primary.backed:
+                self.channel(k, sum(map(len, fwd.entries)) * self.scale, _FORWARD, fwd)
+
+    def channel(self, k: int, nbytes: float, kind: int, x: Any) -> None:
+        """A message from shard ``k``'s primary to its backup, in order."""
+        if not self.sends(("primary", k)):
+            return
+        t = max(self.now + self.lat + nbytes / self.links.bw[self.P + k], self.chan[k])
+        self.chan[k] = t
+        self.at(t, kind, k=k, x=x)
+
+    def attach(self, k: int) -> None:
+        """A new backup of shard ``k`` starts from its primary's state now."""
+        start = self.primary[k].attach()
+        self.backups[k] = None
+        arrays = (v.nbytes for v in start.state.values() if isinstance(v, np.ndarray))
+        self.channel(k, sum(arrays) * self.scale, _CATCHUP, start)
+
+    def backup(self, k: int, start: rep.CatchUp) -> None:
+        """Shard ``k``'s backup starts (caught up) at ``start``."""
+        lo, hi = self.ranges[k]
+        shard = self.config.build_shard(k, self.params[lo:hi].copy(), self.P)
+        self.backups[k], self.bfree[k] = rep.Backup(shard, start), self.now
+        if self.logs is not None:
+            self.logs["b", k] = self.logs["p", k][: start.entries]
+
+    def between(self, kind: int, k: int, x: Any) -> None:
+        """A message between shard ``k``'s copies: a forward, its held, a catch-up."""
+        primary, backup = self.primary[k], self.backups[k]
+        if kind == _BACKED:
+            for r in primary.held(x):
+                self.respond(k, r)
+        elif kind == _CATCHUP and x.view == primary.view:
+            self.backup(k, x)
+        elif kind == _FORWARD and backup is not None:
+            new = x.entries[max(backup.entries - x.first, 0) :]
+            if (held := backup.receive(x)) is None:
+                return
+            if self.logs is not None:
+                self.logs["b", k] += new
+            nbytes = sum(map(len, new)) * self.scale
+            self.bfree[k] = t = max(self.now, self.bfree[k]) + self.service.seconds(nbytes)
+            if self.sends(("backup", k)):
+                self.at(t + self.lat, _BACKED, k=k, x=held)
 
     def race(self, wk: _SimWorker, k: int) -> None:
         """Worker ``wk``'s snapshot read at shard ``k`` racing its own push (``own_read``)."""
@@ -327,6 +439,78 @@ class Simulation:
                 return
             heapq.heappop(h)
             self.enqueue(k, (_PULL, wk, inc))
+
+    def failover(self, k: int) -> None:
+        """Shard ``k``'s primary died: its backup serves, the launcher's notices and each
+        worker's unanswered requests are resent to it, and a new backup catches up."""
+        backup = self.backups[k]
+        if backup is None:
+            raise RuntimeError(f"shard {k}: its primary died before a backup caught up")
+        log.info("sim: shard %d's primary died at t=%.6g; its backup serves", k, self.now)
+        self.pid[k] += 1
+        self.serving -= self.busy[k] is not None
+        self.busy[k], self.waiting[k] = None, []
+        self.queue[k].clear()
+        primary = self.primary[k] = backup.promote()
+        self.shards[k] = primary.shard
+        if self.logs is not None:
+            self.logs["p", k] = self.logs.pop(("b", k))
+        for request in self.notices.resend(k):
+            self.notice(k, request)
+        for wk in self.workers:
+            wk.behind[k] = 0
+            for kind in wk.out.resend(k) if wk.out is not None else ():
+                if kind == _PUSH_HEAD:
+                    wk.acks[k] = None
+                    self.transfer(wk.id, self.P + k, wk.push_bytes[k], _PUSH_HEAD, wk, k)
+                else:
+                    self.at(self.now + self.lat, kind, wk.id, k, wk.inc)
+        self.attach(k)
+
+    def boundary(self, kind: int, w: int, k: int, inc: int, x: Any) -> bool:
+        """A message arrives (fault injection): counts it; True if its process dies first."""
+        role = _RECEIVER.get(kind)
+        if role is None or (w >= 0 and inc != self.workers[w].inc) or (role == "worker" and x):
+            return False  # not a message; to or from an earlier life; a worker's copy of one
+        name = (role, w if role == "worker" else k)
+        return self.counts(name, "in") and self.die(name)
+
+    def counts(self, name: tuple, way: str) -> bool:
+        """Counts a message of process ``name``; True if the fault injector kills it there."""
+        m = self.received[(*name, way)]
+        self.received[(*name, way)] = m + 1
+        if (*name, way, m) != self.kill:
+            return False
+        self.kill = None
+        return True
+
+    def sends(self, name: tuple) -> bool:
+        """Whether process ``name`` sends now (fault injection: not once killed; a kill
+        marks it ``dying``)."""
+        if self.received is None:
+            return True
+        if self.dying == name:
+            return False
+        if self.counts(name, "out"):
+            self.dying = name
+        return True
+
+    def die(self, name: tuple) -> bool:
+        """Process ``name`` dies now: what the launcher does then."""
+        self.dying, (role, k) = None, name
+        if role == "primary":
+            self.failover(k)
+        elif role == "backup":
+            for r in self.primary[k].detach():
+                self.respond(k, r)
+            self.attach(k)
+        elif self.workers[k].phase == _DONE:
+            self.depart(self.workers[k])
+        else:
+            self.fail(self.workers[k], "killed (fault injection)")
+        if self.replicas:
+            self.flush()
+        return True
 
     # -- workers ---------------------------------------------------------------------
 
@@ -393,12 +577,18 @@ class Simulation:
             heapq.heappush(self.computing, self.now + lat + self.lat)
         start = max(self.now, wk.cpu_free)  # after the copies of its push
         for k in range(self.S):
-            self.at(start + lat, _PULL_REQ, wk.id, k, wk.inc, float(snapshot))
+            if self.sends(("worker", wk.id)):
+                self.at(start + lat, _PULL_REQ, wk.id, k, wk.inc, float(snapshot))
+            if wk.out is not None:
+                wk.out.sent(k, _PULL_REQ, _PULL_REQ)
 
     def leave(self, wk: _SimWorker) -> None:
         """Worker ``wk``'s loop has ended and its last push is acked: it leaves the shards."""
         for k in range(self.S):
-            self.at(self.now + self.lat, _LEAVE, wk.id, k, wk.inc)
+            if self.sends(("worker", wk.id)):
+                self.at(self.now + self.lat, _LEAVE, wk.id, k, wk.inc)
+            if wk.out is not None:
+                wk.out.sent(k, _LEAVE, _LEAVE)
 
     def compute(self, wk: _SimWorker) -> None:
         """Every slice is in: the loop runs the strategy step, the compute time starts."""
@@ -480,7 +670,10 @@ class Simulation:
             c = self.copies
             at = None if c is None else self.worker_copy(wk, c.push, wk.push_bytes[k],
                                                          c.push_time / self.S)  # fmt: skip
-            self.transfer(wk.id, self.P + k, wk.push_bytes[k], _PUSH_HEAD, wk, k, at)
+            if self.sends(("worker", wk.id)):
+                self.transfer(wk.id, self.P + k, wk.push_bytes[k], _PUSH_HEAD, wk, k, at)
+            if wk.out is not None:
+                wk.out.sent(k, _PUSH_HEAD, _PUSH_HEAD)
         if wk.settle:
             wk.phase = _SETTLING
             return
@@ -511,13 +704,12 @@ class Simulation:
                 loop.report(results, wk.loop_stats, wk.id)
             self.leave(wk)
 
-    def fail(self, wk: _SimWorker) -> None:
-        """A scripted failure of worker ``wk`` (``SimConfig.failures``); see the module docstring."""
+    def fail(self, wk: _SimWorker, cause: str = "scripted failure (SimConfig.failures)") -> None:
+        """A failure of worker ``wk`` (``SimConfig.failures``, or ``kill``)."""
         if wk.phase in (_DEAD, _DONE):
             return
         log.info("sim: worker %d fails at t=%.6g", wk.id, self.now)
         self.depart(wk)
-        cause = "scripted failure (SimConfig.failures)"
         back = next((t for t in wk.joins if t >= self.now), None)
         if back is None:
             self.policy(wk, cause)
@@ -563,19 +755,18 @@ class Simulation:
         if wk.phase in (_PULLING, _COMPUTING, _HELD):
             self.started -= 1  # nothing was committed: the step is not done
         flying, wk.acking = wk.acking, 0
-        wk.behind = [0] * self.S
-        wk.results = []
-        wk.phase = _DEAD
+        wk.behind, wk.results, wk.phase, wk.out = [0] * self.S, [], _DEAD, None
         if wk.loop is not None:
             wk.loop.close()
             wk.loop = None
         out, delivered = wk.outgoing, []
-        for k, shard in enumerate(self.shards):
+        for k in range(self.S):
             committed = None
             if flying:  # committed: shards that have not handled it get it now
                 header = PushHeader(wk.id, out.seq, out.bases[k], wk.inc)
-                committed = (header, self.sent(wk, k), out.verdict)
-            if shard.depart(wk.id, wk.inc, committed=committed) is not None:
+                payload = self.sent(wk, k)  # a copy: it may be resent to a promoted primary
+                committed = (header, payload.copy() if self.replicas else payload, out.verdict)
+            if self.notice(k, ("depart", wk.id, wk.inc, committed)) is not None:
                 delivered.append(k)
             self.release(k)
         if delivered:
@@ -591,8 +782,9 @@ class Simulation:
         wk.inc += 1
         self.diverged.pop(wk.id, None)  # a new incarnation, with a new loop
         event, wk.awaiting = wk.awaiting, None
-        for shard in self.shards:
-            shard.join(wk.id, wk.inc)
+        wk.out = rep.Outstanding(self.S) if self.replicas else None
+        for k in range(self.S):
+            self.notice(k, ("join", wk.id, wk.inc))
         self.start_loop(wk)
         if event is not None and wk.phase != _DEAD:
             event["recovered"] = self.now
@@ -674,8 +866,8 @@ class Simulation:
             absent = self.sim.absent_at_start()
             for w in sorted(absent):
                 self.workers[w].phase = _DEAD
-                for shard in self.shards:
-                    shard.leave(w)
+                for k in range(self.S):
+                    self.notice(k, ("leave", w, 0))
         events = [e for e in self.sim.failures + self.sim.joins if e.time >= t0]
         for e in sorted(events, key=lambda e: e.time):
             self.at(e.time, _JOIN if isinstance(e, Join) else _FAIL, e.worker)
@@ -686,6 +878,9 @@ class Simulation:
             self.now = t
             self.rejoin(self.workers[w])
         self.now = t0
+        self.flush()
+        for k, primary in enumerate(self.primary):  # each backup starts with the job
+            self.backup(k, primary.attach())
 
     def advance(self, until: float, deadline: float, due: Callable[[], bool] | None = None) -> str:
         """Runs events up to the record time ``until``; returns ``RECORD`` there, ``CHECKPOINT``
@@ -701,10 +896,14 @@ class Simulation:
             self.at(until, _EVAL)
         heap, pop, workers = self.heap, heapq.heappop, self.workers
         while heap:
-            t, _, kind, w, k, i, x = pop(heap)
+            t, _, kind, w, k, i, x, e = pop(heap)
             self.now = t
             if kind < _FAIL:
                 self.queued -= 1
+            if k >= 0 and kind < _FORWARD and e != self.pid[k]:
+                continue  # to or from a dead primary
+            if self.received is not None and self.boundary(kind, w, k, i, x):
+                continue  # its process died before it
             if kind == _SERVED:
                 self.served(k)
             elif kind == _EVAL:
@@ -717,6 +916,8 @@ class Simulation:
                 if time.perf_counter() > deadline:  # cheap next to a record
                     raise TimeoutError(f"simulation did not finish within the timeout (t={t:.6g})")
                 return driver.RECORD
+            elif _FORWARD <= kind < _FAIL:
+                self.between(kind, k, x)
             elif kind >= _FAIL:
                 wk = workers[w]
                 idle = self.idle()  # this join or restart counts: it may bring work
@@ -756,10 +957,16 @@ class Simulation:
                 done = self.worker_copy(wk, c.pull, wk.pull_bytes[k], c.pull_time / self.S)
                 self.at(done, _PULL_RESP, w, k, i, 1.0)
             elif kind == _PULL_RESP:
+                if wk.out is not None:
+                    wk.out.answered(k, _PULL_REQ)
                 wk.pending -= 1
                 if not wk.pending:
                     self.compute(wk)
             elif kind == _ACK:
+                if wk.out is not None:
+                    wk.out.answered(k, _PUSH_HEAD)
+                if self.logs is not None and wk.acks[k].ok:
+                    self.told.add((k, w, i, wk.acks[k].seq))
                 wk.acking -= 1
                 if not wk.acking:
                     self.acked(wk)
@@ -768,10 +975,16 @@ class Simulation:
             elif kind == _PUSH_IN:
                 self.enqueue(k, (_PUSH, wk, i))
             elif kind == _LEAVE:
-                self.shards[k].leave(w)
+                if wk.out is not None:
+                    wk.out.answered(k, _LEAVE)
+                self.notice(k, ("leave", w, i))
                 if self.pull_servers is not None:
                     self.pull_servers[k].forget(w)  # its reference: the worker has left
                 self.release(k)
+            if self.replicas:
+                self.flush()
+            if self.dying is not None:
+                self.die(self.dying)
             self.end = t
             self.events += 1
             if not self.events & 0xFFF and time.perf_counter() > deadline:
