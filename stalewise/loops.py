@@ -2,20 +2,8 @@
 
 These wrappers push ``pulled - current`` every ``local_steps`` optimizer steps and pull;
 the Job's ``optimizer=`` (or ``strategy=``) picks the method. Each push's result is kept in
-``results``; nothing is pushed after an exception.
-
-PyTorch: ``examples/torch_local_sgd.py``. Functional:
-    >>> import numpy as np, stalewise as sw
-    >>> job = sw.Job({"w": np.zeros(2, np.float32)}, strategy=sw.strategies.local_sgd(
-    ...     local_steps=2, inner=sw.optim.sgd(0.1)))    # server sgd(1.0): adds each delta
-    >>> with job.serve(workers=1) as server:
-    ...     with LocalSGDOptax(server.client(0), local_steps=2) as sync:
-    ...         params = sync.params                    # pulled at enter
-    ...         for _ in range(3):
-    ...             params = sync.after_step({"w": params["w"] + 1.0})   # a "step"
-    ...     print(len(sync.results), server.pull()["w"].tolist())
-    1 [2.0, 2.0]
-"""
+``results``; nothing is pushed after an exception. PyTorch: ``examples/torch_local_sgd.py``;
+functional: :class:`LocalSGDOptax` (used in ``tests/test_loops.py``)."""
 
 from __future__ import annotations
 

@@ -46,16 +46,7 @@ def _to_json(value: Any) -> Any:
 
 class MetricsWriter:
     """Appends metric records to the JSON Lines file ``path``, one flushed line per
-    :meth:`write` under a lock (threads may share a writer, processes may not).
-
-    Example:
-        >>> import tempfile, os
-        >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
-        >>> with MetricsWriter(path) as w:
-        ...     w.write({"run": "asp", "time": 0.5, "updates": 10, "loss": 1.2})
-        >>> read_metrics(path)[0]["updates"]
-        10
-    """
+    :meth:`write` under a lock (threads may share a writer, processes may not)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -86,16 +77,7 @@ class MetricsWriter:
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a metrics file, in order. Blank lines and a truncated last line (logged)
-    are skipped; a malformed line elsewhere raises ValueError naming it.
-
-    Example:
-        >>> import tempfile, os
-        >>> path = os.path.join(tempfile.mkdtemp(), "m.jsonl")
-        >>> with MetricsWriter(path) as w:
-        ...     w.write({"run": "a", "time": 1.0, "loss": 0.5})
-        >>> read_metrics(path)
-        [{'run': 'a', 'time': 1.0, 'loss': 0.5}]
-    """
+    are skipped; a malformed line elsewhere raises ValueError naming it."""
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     records = []
     for number, line in enumerate(lines, start=1):
@@ -138,15 +120,7 @@ def plot_runs(
     xlabel: str | None = None,
 ) -> Path:
     """Plots metrics against ``x`` into the PNG ``path`` (returned): a subplot per key that
-    some record has (ValueError if none), a line per run, ``targets`` dashed (:func:`draw`).
-
-    Example:
-        >>> import tempfile, os
-        >>> recs = [{"run": "asp", "time": t, "loss": 2.0 / (t + 1)} for t in range(5)]
-        >>> out = plot_runs(recs, os.path.join(tempfile.mkdtemp(), "p.png"), keys=["loss"])
-        >>> out.stat().st_size > 1000
-        True
-    """
+    some record has (ValueError if none), a line per run, ``targets`` dashed (:func:`draw`)."""
     runs = by_run(records)
     present = [k for k in keys if any(finite(r.get(k)) for rs in runs.values() for r in rs)]
     if not present:
@@ -221,17 +195,7 @@ def _format_cell(value: Any) -> str:
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    """Rows (mappings) as an aligned text table of ``columns``, missing values as ``—``.
-
-    Example:
-        >>> print(format_table([{"run": "asp", "loss": 0.123456, "updates": 1200},
-        ...                     {"run": "ssp", "loss": None, "updates": 980}],
-        ...                    ["run", "updates", "loss"]))
-        run  updates    loss
-        ---  -------  ------
-        asp     1200  0.1235
-        ssp      980       —
-    """
+    """Rows (mappings) as an aligned text table of ``columns``, missing values as ``—``."""
     cells = [[_format_cell(row.get(c)) for c in columns] for row in rows]
 
     def number(v: Any) -> bool:

@@ -1,14 +1,6 @@
 """The segment table: which slice of a flat parameter vector belongs to which leaf.
 
-A :class:`Segments` table holds each leaf's dotted name, offset and size.
-
-Example:
-    >>> seg = Segments.from_sizes(["w", "b"], [6, 3])
-    >>> seg.total, seg.offsets.tolist()
-    (9, [0, 6])
-    >>> seg.slice(4, 9).names
-    ('w', 'b')
-"""
+A :class:`Segments` table holds each leaf's dotted name, offset and size."""
 
 from __future__ import annotations
 

@@ -30,12 +30,7 @@ COLUMNS += ("time", "updates", "staleness_mean", "events", "wall_s")
 
 
 def parse_consistency(value: Any) -> consistency_lib.Consistency:
-    """A consistency model from an object or a name: "asp", "bsp", "ssp" or "ssp:4".
-
-    Example:
-        >>> str(parse_consistency("ssp:3")), str(parse_consistency("bsp"))
-        ('SSP(3)', 'BSP')
-    """
+    """A consistency model from an object or a name: "asp", "bsp", "ssp" or "ssp:4"."""
     if isinstance(value, consistency_lib.Consistency):
         return value
     if not isinstance(value, str):
@@ -83,20 +78,7 @@ def sweep(
         out: a folder for ``sweep.png`` and ``metrics.jsonl``.
 
     Returns one row per value with the keys of :data:`COLUMNS` (``time_to_target`` None when
-    never reached).
-
-    Example:
-        >>> import os, stalewise as sw, tempfile
-        >>> from stalewise import tasks
-        >>> task = tasks.get("least-squares", n=256, d=8)
-        >>> job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.1))
-        >>> out = tempfile.mkdtemp()
-        >>> rows = sweep(job, task, over="workers", values=[1, 4], steps=400, target=1e-3, out=out)
-        >>> [(row["run"], round(row["time_to_target"], 2)) for row in rows]
-        [('P=1', 0.35), ('P=4', 0.1)]
-        >>> sorted(os.listdir(out))
-        ['metrics.jsonl', 'sweep.png']
-    """
+    never reached)."""
     if over not in ("workers", "consistency", "strategy"):
         raise ValueError(f"over must be 'workers', 'consistency' or 'strategy', got {over!r}")
     goal = targets.Target(metric, target, mode)

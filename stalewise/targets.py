@@ -1,17 +1,7 @@
 """Targets: "this metric reaches that value", with the right direction.
 
 A :class:`Target` is reached when a loss drops to its value (``mode="min"``) or an
-accuracy climbs to it (``mode="max"``); without a mode, the metric's name must tell which.
-
-Example:
-    >>> loss, acc = parse({"loss": 1e-3, "accuracy": 0.9})
-    >>> str(loss), str(acc)
-    ('loss <= 0.001', 'accuracy >= 0.9')
-    >>> all_reached((loss, acc), {"loss": 5e-4, "accuracy": 0.93})
-    True
-    >>> all_reached((loss, acc), {"loss": 0.5, "accuracy": 0.93})
-    False
-"""
+accuracy climbs to it (``mode="max"``); without a mode, the metric's name must tell which."""
 
 from __future__ import annotations
 
@@ -57,14 +47,7 @@ def infer_mode(metric: str) -> Mode:
     """The direction of a metric, from its name: "min" for a loss, "max" for an accuracy.
 
     Each word of the name is looked up in :data:`MIN_WORDS` and :data:`MAX_WORDS` (a leading
-    ``neg`` flips it); ValueError if none tells or they disagree (``"time_to_accuracy"``).
-
-    Example:
-        >>> infer_mode("train_loss"), infer_mode("top5_accuracy"), infer_mode("valPerplexity")
-        ('min', 'max', 'min')
-        >>> infer_mode("neg_mean_squared_error")
-        'max'
-    """
+    ``neg`` flips it); ValueError if none tells or they disagree (``"time_to_accuracy"``)."""
     words = re.findall(r"[a-z0-9]+", re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", metric).lower())
     negated = bool(words) and words[0] in _NEGATED
     found = {w: m for w in (words[1:] if negated else words) if (m := _word_mode(w)) is not None}
@@ -105,15 +88,7 @@ def by_run(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, 
 @dataclass(frozen=True)
 class Target:
     """A metric and the value it should reach, going down (``"min"``) or up (``"max"``);
-    ``mode=None`` infers the direction from the metric's name (see :func:`infer_mode`).
-
-    Example:
-        >>> t = Target("accuracy", 0.95)
-        >>> t.mode, str(t), t.reached(0.96), t.reached(0.9), t.reached(float("nan"))
-        ('max', 'accuracy >= 0.95', True, False, False)
-        >>> Target("progress", -0.1, mode="max").reached(0.0)
-        True
-    """
+    ``mode=None`` infers the direction from the metric's name (see :func:`infer_mode`)."""
 
     metric: str
     value: float
@@ -179,18 +154,7 @@ def parse(stop_at: Any, *, where: str = "stop_at") -> tuple[Target, ...]:
     """Normalises a ``stop_at`` setting to a tuple of Targets.
 
     Accepted: None, a :class:`Target` or a list of them, or a mapping of metric name to
-    the value (or ``(value, mode)``, or ``{"value": v, "mode": m}``).
-
-    Example:
-        >>> parse(None), parse({})
-        ((), ())
-        >>> [str(t) for t in parse({"loss": 1e-3, "top1": (0.8, "max")})]
-        ['loss <= 0.001', 'top1 >= 0.8']
-        >>> parse({"accuracy": "high"})
-        Traceback (most recent call last):
-        ...
-        ValueError: stop_at.accuracy: the value to reach must be a number, got 'high'
-    """
+    the value (or ``(value, mode)``, or ``{"value": v, "mode": m}``)."""
     if stop_at is None:
         return ()
     if isinstance(stop_at, Target):
@@ -223,15 +187,7 @@ def time_to_target(
 ) -> Any:
     """The first ``x`` at which a run's records reach ``target``, or None.
 
-    ``run`` may be omitted when the records hold one run.
-
-    Example:
-        >>> recs = [{"run": "a", "time": t, "loss": 1 / (1 + t)} for t in range(10)]
-        >>> time_to_target(recs, Target("loss", 0.2))
-        4
-        >>> time_to_target(recs, Target("loss", 0.01)) is None
-        True
-    """
+    ``run`` may be omitted when the records hold one run."""
     if not isinstance(target, Target):
         raise TypeError(f"target must be a Target, got {target!r}")
     runs = by_run(records)

@@ -1,16 +1,7 @@
 """Array backends: how a leaf of NumPy, PyTorch, JAX or TensorFlow is read and written.
 
 A :class:`Backend` (stateless) reads one framework's leaves into NumPy buffers and writes
-them back; :func:`backend_of` finds it without importing any framework.
-
-Example:
-    >>> import numpy as np
-    >>> b = backend_of(np.zeros((2, 3), np.float32))
-    >>> b.name, b.shape(np.zeros((2, 3))), b.dtype(np.zeros(2, np.float16))
-    ('numpy', (2, 3), 'float16')
-    >>> backend_of([1.0]) is None
-    True
-"""
+them back; :func:`backend_of` finds it without importing any framework."""
 
 from __future__ import annotations
 

@@ -3,17 +3,7 @@
 :mod:`stalewise.tree` handles the built-in containers itself; any other is split by the
 registry of a framework already imported (JAX's, PyTorch's or TensorFlow's nest). A
 :class:`Level` is one container split into keyed children with a picklable ``template``
-that :func:`rebuild` turns back into one; an nnx Variable that is not a ``Param`` is a buffer.
-
-Example:
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> level = split(nnx.Param(jnp.ones(2)))
-    >>> level.via, level.keys, level.buffer
-    ('jax', (('hidden', 'value'),), False)
-    >>> type(rebuild(level.via, level.cls, level.template, (jnp.zeros(2),))).__name__
-    'Param'
-"""
+that :func:`rebuild` turns back into one; an nnx Variable that is not a ``Param`` is a buffer."""
 
 from __future__ import annotations
 

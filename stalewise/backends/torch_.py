@@ -1,19 +1,7 @@
 """The PyTorch backend: ``torch.Tensor`` leaves (incl. ``nn.Parameter``) and ``nn.Module`` models.
 
 A module shares its parameters that require grad and its floating buffers (as buffers);
-two tensors viewing the same storage, offset, shape and strides are one (tied) leaf.
-
-Example:
-    >>> import numpy as np, torch
-    >>> from stalewise.backends import get_backend
-    >>> b = get_backend("torch")
-    >>> flat = np.arange(4, dtype=np.float32)
-    >>> t = b.from_numpy(flat, "float32", copy=False)
-    >>> t.data_ptr() == flat.ctypes.data
-    True
-    >>> b.from_numpy(flat, "bfloat16").dtype
-    torch.bfloat16
-"""
+two tensors viewing the same storage, offset, shape and strides are one (tied) leaf."""
 
 from __future__ import annotations
 

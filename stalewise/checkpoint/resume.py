@@ -125,13 +125,9 @@ def _states_fit(ckpt: Checkpoint, config: Any, workers: int) -> None:
 def feedback_of(ckpt: Checkpoint | None, config: Any, workers: int) -> list[Any] | None:
     """Each worker's error-feedback state (a ``compress.Feedback``) for a run of ``config``
     resumed from ``ckpt``, worker ``w``'s at index ``w``; None when this job's codec keeps
-    no feedback.
-
-    A checkpoint without residuals (older, or of a job without feedback) gives zero
-    residuals; the values of leaves whose codec keeps no feedback here are zeroed
-    (:meth:`~stalewise.protocol.compress.Compressor.adopt`). Call it after
-    :func:`check_compatible`, which refuses residuals of another shape or worker count.
-    """
+    no feedback. No saved residuals give zeros, and so do leaves without feedback here
+    (:meth:`~stalewise.protocol.compress.Compressor.adopt`); call it after
+    :func:`check_compatible`, which refuses residuals of another shape or worker count."""
     comp = config.compressor()
     saved = None if ckpt is None else ckpt.residuals
     if comp is None or not comp.error_feedback:
@@ -164,16 +160,9 @@ def drawn_of(ckpt: Checkpoint | None, workers: int) -> list[int]:
 class Saver:
     """A run's checkpoints into ``options.checkpoint_dir``: when :meth:`due` says so
     (every ``checkpoint_every`` pushes of the job and/or ``checkpoint_seconds`` seconds,
-    virtual in the simulator), and at the end of the run.
-
-    A checkpoint that cannot be written (disk full, a read-only folder, ...) never
-    costs the run: :meth:`save` warns (:class:`~stalewise.FailureWarning`,
-    naming the folder and the OS error), logs it, records it in ``failures`` (the
-    run's :class:`~stalewise.runtime.errors.Failures`, so ``TrainResult.failures``),
-    leaves the previous checkpoint as it was, and returns None; the run goes on and
-    the next one is tried a period later. :attr:`failed`: whether the last attempt
-    failed.
-    """
+    virtual in the simulator), and at the end of the run. A write that fails warns
+    (:class:`~stalewise.FailureWarning`), is recorded in ``failures`` and returns None; the
+    run goes on (:attr:`failed`: whether the last attempt failed)."""
 
     def __init__(
         self,

@@ -1,7 +1,6 @@
-"""The store: one checkpoint folder written and read in the data-only format (see
-:mod:`stalewise.checkpoint` for what it holds), every field of its manifest checked, and
-every file read by :func:`_read_file`: a regular file, no symlink followed, never more
-than the bytes it may hold."""
+"""The store: one checkpoint folder written and read in the data-only format, every field
+of its manifest checked, and every file read by :func:`_read_file`: a regular file, no
+symlink followed, never more than the bytes it may hold."""
 
 from __future__ import annotations
 
@@ -732,12 +731,7 @@ def load_params(path: str | os.PathLike, *, like: Any = None, backend: str | Non
 
     Raises:
         CheckpointError: no usable checkpoint, or ``like`` differs from it (naming the
-            first leaf that differs).
-
-    Example:
-        >>> import stalewise as sw
-        >>> params = sw.load_params("checkpoints/", like=model)  # doctest: +SKIP
-    """
+            first leaf that differs)."""
     if backend is not None:
         from stalewise.backends import get_backend
 

@@ -1,14 +1,7 @@
-"""Checkpoints of a loop you own: ``stalewise run --checkpoint-dir``, ``sw.init(job,
-checkpoint_dir=...)`` and ``job.serve(..., checkpoint_dir=...)`` (see "Checkpoints" in
-:mod:`stalewise.launch`).
-
-One saving side for all three, :class:`Saves`, held where the shards are served: it
-restores the job before any worker joins and saves it in ``Job.train``'s data-only
-format through :class:`stalewise.checkpoint.Saver`. What differs is only who ticks it:
-the launcher's watch over its ranks (with each rank's ``ctx.state``, exchanged through
-files: :class:`RankStates`), the one unlaunched worker's ``should_stop()``
-(:class:`InProcess`), or a thread of the serving process (:class:`Served`).
-"""
+"""Checkpoints of a loop you own (``stalewise run --checkpoint-dir``, ``sw.init(job,
+checkpoint_dir=...)``, ``job.serve(..., checkpoint_dir=...)``): one :class:`Saves` where the
+shards are served, ticked by the launcher (:class:`RankStates`), the one unlaunched worker
+(:class:`InProcess`) or a thread of the serving process (:class:`Served`)."""
 
 from __future__ import annotations
 

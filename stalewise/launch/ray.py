@@ -48,15 +48,7 @@ def shipped_env(
     named: list[str] = (), every: bool = False, environ: dict[str, str] | None = None
 ) -> dict[str, str]:
     """The variables of ``environ`` a rank on Ray gets: :data:`SHIPPED`, the ``named`` ones,
-    and with ``every`` (``--env-all``) the rest but :data:`NOT_SHIPPED` and :data:`SECRET`.
-
-    Example:
-        >>> env = {"OMP_NUM_THREADS": "4", "DATA": "/d", "GITHUB_TOKEN": "t", "PWD": "/x"}
-        >>> shipped_env(environ=env), shipped_env(every=True, environ=env)
-        ({'OMP_NUM_THREADS': '4'}, {'OMP_NUM_THREADS': '4', 'DATA': '/d'})
-        >>> shipped_env(["GITHUB_TOKEN"], environ=env)
-        {'OMP_NUM_THREADS': '4', 'GITHUB_TOKEN': 't'}
-    """
+    and with ``every`` (``--env-all``) the rest but :data:`NOT_SHIPPED` and :data:`SECRET`."""
     environ = os.environ if environ is None else environ
 
     def among(name: str, names: tuple) -> bool:

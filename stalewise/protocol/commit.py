@@ -3,18 +3,7 @@
 The sender judges the whole push once, before any shard sees it, into a :class:`Verdict`
 written into the push's record; once the record is complete the push is *committed* and
 every shard follows the verdict. A step that would overflow a shard's own state is
-refused by that shard alone (``PushResult.split``). Why: ``docs/design-notes.md``.
-
-Example:
-    >>> import numpy as np
-    >>> from stalewise import staleness
-    >>> from stalewise.segments import Segments
-    >>> seg = Segments.from_sizes(["a", "b"], [2, 2])
-    >>> v = judge(np.array([0, 1, np.nan, 0], np.float32), seg, [0], [0], staleness.constant(),
-    ...           whole=True)
-    >>> v.kind, v.message(seg)
-    ('not_finite', "payload has NaN or Inf (first at element 2, leaf 'b')")
-"""
+refused by that shard alone (``PushResult.split``). Why: ``docs/design-notes.md``."""
 
 from __future__ import annotations
 

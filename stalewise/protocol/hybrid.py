@@ -3,18 +3,7 @@
 Under :func:`stalewise.consistency.Hybrid` a shard starts synchronous and, at a round's
 end, turns asynchronous when a worker's *pace* (the smoothed time from a served pull to
 its next push) is over ``tolerance`` times the live median, and back below
-``tolerance / 1.25``. Why: ``docs/design-notes.md`` ("Protocol").
-
-Example:
-    >>> pace = Pace(workers=3)
-    >>> for w, took in enumerate([1.0, 1.1, 4.0]):
-    ...     pace.pulled(w, 0.0)
-    ...     pace.pushed(w, took)
-    >>> pace.straggling([True, True, True], tolerance=2.0)
-    True
-    >>> pace.straggling([True, True, False], tolerance=2.0)  # worker 2 left
-    False
-"""
+``tolerance / 1.25``. Why: ``docs/design-notes.md`` ("Protocol")."""
 
 from __future__ import annotations
 

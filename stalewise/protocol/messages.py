@@ -41,14 +41,7 @@ class Ack(NamedTuple):
 
 class PushResult(NamedTuple):
     """What happened to one push, over all shards; ``split``: applied by some shards and
-    refused (``overflow``) by others.
-
-    Example:
-        >>> a = Ack(0, 3, True, None, 7, 1)
-        >>> r = PushResult.of([a, a._replace(version=8)])
-        >>> r.status, r.versions, r.staleness
-        ('applied', (7, 8), 1)
-    """
+    refused (``overflow``) by others."""
 
     seq: int
     status: str  # "applied", "refused", "duplicate" or "split"

@@ -51,28 +51,7 @@ def save(shard: Shard) -> dict[str, Any]:
     Arrays are numpy copies, counters JSON-able values (safetensors plus JSON): the
     params, version, clocks, sequence numbers, incarnations, live and counted workers,
     the BSP round, the hybrid mode and paces, the DC-ASGD copies, the optimizer state
-    (``opt_structure`` and one ``opt.<path>`` array per leaf) and the stats.
-
-    Example:
-        >>> import numpy as np
-        >>> from stalewise import optim, segments
-        >>> from stalewise.protocol import PushHeader, Shard
-        >>> def make(params):
-        ...     return Shard(params, segments.Segments.single(3), optim.adam(0.1), workers=1)
-        >>> shard = make(np.zeros(3, np.float32))
-        >>> shard.join(0, incarnation=1)
-        >>> ack = shard.push(PushHeader(0, 0, 0, 1), np.ones(3, np.float32))
-        >>> state = shard.state_dict()
-        >>> state["version"], state["opt_structure"], int(state["opt.count"])
-        (1, 'AdamState(count, mu, nu)', 1)
-        >>> restored = make(np.full(3, 7.0, np.float32))  # say, after a restart
-        >>> restored.load_state_dict(state)
-        >>> restored.version, restored.params.tolist() == shard.params.tolist()
-        (1, True)
-        >>> restored.load_state_dict(state | {"workers": 2})
-        Traceback (most recent call last):
-        ValueError: Shard.load_state_dict: 'workers': the state is of 2 workers, this shard has 1
-    """
+    (``opt_structure`` and one ``opt.<path>`` array per leaf) and the stats."""
     structure, opt_arrays = _flatten_state(shard.opt_state)
     pulled = sorted(shard._pulled)
     pulled_params = np.empty((len(pulled), shard.params.size), dtype=shard.params.dtype)

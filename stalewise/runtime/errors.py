@@ -59,17 +59,7 @@ class DivergedError(RuntimeError):
 
 
 def warn_summary(events: Sequence[Mapping[str, Any]]) -> None:
-    """One :class:`FailureWarning` per kind of failure seen more than once in a run, with counts.
-
-    Example:
-        >>> import warnings
-        >>> events = [{"worker": 1, "action": "restarted"}, {"worker": 2, "action": "dropped"}]
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     warn_summary(events)
-        >>> str(caught[0].message)
-        'worker failures this run: 2 (restarted 1, dropped 1); see result.failures'
-    """
+    """One :class:`FailureWarning` per kind of failure seen more than once in a run, with counts."""
     kinds: dict[str, Counter] = {}
     lost: Counter = Counter()
     for e in events:  # of kind "worker", "shard", "checkpoint"... (an event's first key)
@@ -98,18 +88,7 @@ class Failures:
 
     ``policy``: ``"restart"`` (up to ``max_restarts`` per worker id or shard; None: no
     limit), ``"drop"`` (a dead shard is still restarted) or ``"fail"``. Every event is kept
-    in :attr:`events`, the first of each kind warned; ``hint`` ends a stopping error.
-
-    Example:
-        >>> f = Failures("restart", max_restarts=1)
-        >>> f.worker(2, "killed by SIGKILL", time=1.5)
-        'restart'
-        >>> f.worker(2, "killed by SIGKILL", time=2.0)
-        Traceback (most recent call last):
-        stalewise.runtime.errors.WorkerError: worker 2 failed 2 times, more than max_restarts=1 allows; the last time: killed by SIGKILL
-        >>> f.restarts, [e["action"] for e in f.events]
-        (1, ['restarted', 'failed'])
-    """
+    in :attr:`events`, the first of each kind warned; ``hint`` ends a stopping error."""
 
     def __init__(self, policy: str = "restart", max_restarts: int | None = 3, *, hint: str = ""):
         self.policy, self.max_restarts, self.hint = policy, max_restarts, hint

@@ -39,14 +39,7 @@ PLAIN_EVERY = 10.0  # seconds between progress lines when output is not a termin
 
 class Recorder:
     """A run's metrics records (:mod:`stalewise.report`): builds them, shows progress (a tqdm
-    bar, or a line every ``PLAIN_EVERY`` s off a terminal), says when ``stop_at`` is reached.
-
-    Example:
-        >>> r = Recorder("run", 10, stop_at={"loss": 1e-3})
-        >>> stats = {"version": 1, "staleness_mean": 0.0, "staleness_max": 0}
-        >>> r.record(0.1, 1, stats, 0.5, None, dict), r.record(0.2, 2, stats, 1e-4, None, dict)
-        (False, True)
-    """
+    bar, or a line every ``PLAIN_EVERY`` s off a terminal), says when ``stop_at`` is reached."""
 
     def __init__(
         self,
@@ -167,15 +160,7 @@ class TrainResult:
 
 def merge_stats(per_shard: Sequence[Mapping[str, Any]], *, settled: bool = False) -> dict[str, Any]:
     """Merges the shards' counters: shard 0's per-push counters, bytes summed; ``settled``
-    (no push in flight): shards whose counters differ from shard 0's are warned about.
-
-    Example:
-        >>> s = {"applied": 3, "rejected": {"not_finite": 1}, "duplicates": 0,
-        ...      "staleness_mean": 0.5, "staleness_max": 1, "bytes_in": 8, "bytes_out": 4}
-        >>> m = merge_stats([s, s], settled=True)
-        >>> m["applied"], m["rejected"], m["bytes_in"], m["shards"]
-        (3, {'not_finite': 1}, 16, 2)
-    """
+    (no push in flight): shards whose counters differ from shard 0's are warned about."""
     if not per_shard:
         return {}
     first = per_shard[0]

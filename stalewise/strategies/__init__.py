@@ -4,17 +4,7 @@ A strategy turns the pulled parameters and the worker's data into one update, wh
 server's optimizer treats as a (pseudo-)gradient: ``gradients()`` (the default), model
 averaging (:mod:`~stalewise.strategies.averaging`), streaming DiLoCo
 (:mod:`~stalewise.strategies.streaming`) and adaptive periods
-(:mod:`~stalewise.strategies.adaptive`).
-
-Example:
-    >>> import numpy as np
-    >>> strat = gradients()
-    >>> lg = lambda p, b: (float((p["x"] ** 2).sum()), {"x": 2 * p["x"]})
-    >>> params = {"x": np.ones(2)}
-    >>> step = strat.step(strat.init(params), params, lg, iter([None]))
-    >>> step.update["x"].tolist(), step.local_steps, step.loss
-    ([2.0, 2.0], 1, 2.0)
-"""
+(:mod:`~stalewise.strategies.adaptive`)."""
 
 from stalewise.strategies.adaptive import (
     AdaComm,

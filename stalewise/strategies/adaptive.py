@@ -6,18 +6,7 @@ and its rounds' lengths: :func:`comm_budget` (the default), :func:`adacomm` or :
 
 A custom schedule is picklable, with ``init() -> state``, ``next(state, loss) -> (H, state)``
 (``loss`` NaN until a finite one) and optionally ``observe(state, steps, seconds) -> state``
-(the last round, by the runtime's clock). Why: docs/design-notes.md, "Model averaging".
-
-Example:
-    >>> budget = comm_budget(fraction=0.2)
-    >>> state, periods = budget.init(), []
-    >>> for _ in range(8):  # rounds of 1 s of communication plus 0.25 s a local step
-    ...     h, state = budget.next(state, math.nan)
-    ...     periods.append(h)
-    ...     state = budget.observe(state, h, 1.0 + 0.25 * h)
-    >>> periods  # 4 (not timed), probes 4 and 16, then ceil(1 * 0.8 / (0.2 * 0.25)) = 16
-    [4, 4, 16, 16, 16, 16, 8, 16]
-"""
+(the last round, by the runtime's clock). Why: docs/design-notes.md, "Model averaging"."""
 
 from __future__ import annotations
 
@@ -202,14 +191,7 @@ def adacomm(local_steps: int = 32, min_steps: int = 1) -> AdaComm:
     """The AdaComm schedule (Wang and Joshi 2019): ``H`` shrinks as ``sqrt`` of the loss.
 
     ``H_k = min(H_0, max(min_steps, ceil(sqrt(max(F_k, 0) / F_0) * H_0)))``, with
-    ``H_0 = local_steps`` and ``F_0`` the first finite loss; ``F_0 <= 0`` raises ValueError.
-
-    Example:
-        >>> s = adacomm(local_steps=10)
-        >>> h, state = s.next(s.init(), 2.0)
-        >>> h, s.next(state, 0.5)[0]  # a quarter of the loss: half the period
-        (10, 5)
-    """
+    ``H_0 = local_steps`` and ``F_0`` the first finite loss; ``F_0 <= 0`` raises ValueError."""
     return AdaComm(local_steps, min_steps)
 
 
@@ -223,14 +205,7 @@ def comm_budget(
     """The smallest ``H`` with communication at most ``fraction`` of a round: with the
     rounds fitted to ``T = c + s * H`` by the runtime's clock, ``H = ceil(c * (1 -
     fraction) / (fraction * s))`` within ``[min_steps, max_steps]``. ``local_steps`` is the
-    first two rounds' ``H``, ``memory`` the per-round decay of older rounds in the fit.
-
-    Example:
-        >>> from stalewise.pacing import RoundCost
-        >>> cost = RoundCost().add(4, 1.0 + 4 * 0.05).add(16, 1.0 + 16 * 0.05)
-        >>> comm_budget(max_steps=32).target(cost, 16)  # c = 1 s, s = 50 ms: 180 steps, capped
-        32
-    """
+    first two rounds' ``H``, ``memory`` the per-round decay of older rounds in the fit."""
     return CommBudget(fraction, local_steps, min_steps, max_steps, memory)
 
 
@@ -358,16 +333,7 @@ def adaptive(
 
     ``schedule`` defaults to :func:`comm_budget` (``local_steps``, ``min_steps`` are its
     shorthands); ``outer`` is ``"local_sgd"`` or ``"diloco"`` (whose options the others are);
-    ``smoothing`` is the per-step decay of the loss's moving average.
-
-    Example:
-        >>> import stalewise as sw
-        >>> s = adaptive(outer="diloco", local_steps=8, min_steps=2)
-        >>> s.schedule, s.local.name
-        (comm_budget(fraction=0.1, local_steps=8, min_steps=2, max_steps=64, memory=0.9), 'diloco')
-        >>> s.server_optimizer().apply.__self__
-        _Sgd(lr=0.7, momentum=0.9, nesterov=True, weight_decay=0.0, exclude_from_weight_decay=())
-    """
+    ``smoothing`` is the per-step decay of the loss's moving average."""
     if schedule is None:
         first = 4 if local_steps is None else local_steps
         most = max(64, first) if isinstance(first, int) else 64  # a bad start: comm_budget says so

@@ -4,18 +4,7 @@ A worker runs ``local_steps`` (``H``) steps of an *inner* optimizer and pushes t
 pseudo-gradient; ``sw.Job`` without ``optimizer=`` uses ``server_optimizer()``. ``inner``:
 a :mod:`stalewise.optim` optimizer, an optax ``GradientTransformation`` (not picklable: not
 for the local runtime) or a torch optimizer factory taking one tensor per leaf, e.g.
-``functools.partial(torch.optim.AdamW, lr=1e-3)``. Why: docs/design-notes.md, "Model averaging".
-
-Example:
-    >>> import numpy as np
-    >>> import stalewise as sw
-    >>> strat = local_sgd(local_steps=2, inner=sw.optim.sgd(0.5))
-    >>> lg = lambda p, b: (float((p["x"] ** 2).sum()), {"x": 2 * p["x"]})
-    >>> params = {"x": np.ones(2)}
-    >>> step = strat.step(strat.init(params), params, lg, iter([None] * 2))
-    >>> step.update["x"].tolist(), step.local_steps, step.loss  # 1 -> 0 -> 0
-    ([1.0, 1.0], 2, 1.0)
-"""
+``functools.partial(torch.optim.AdamW, lr=1e-3)``. Why: docs/design-notes.md, "Model averaging"."""
 
 from __future__ import annotations
 
@@ -396,14 +385,7 @@ def local_sgd(
     Recommended server optimizer ``sgd(1.0)`` (under BSP: FedAvg). ``local_steps`` is ``H``
     (the cap when ``dynamic``), not the job's push budget; ``reset_inner`` makes a fresh inner
     state at every pull; ``dynamic=True, period=seconds`` picks ``H`` so that a round lasts
-    about ``period`` by the runtime's clock.
-
-    Example:
-        >>> import stalewise as sw
-        >>> s = local_sgd(local_steps=5, inner=sw.optim.sgd(0.1))
-        >>> s.server_optimizer().apply.__self__
-        _Sgd(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0, exclude_from_weight_decay=())
-    """
+    about ``period`` by the runtime's clock."""
     return LocalSGDStrategy(
         local_steps, inner, reset_inner=reset_inner, dynamic=dynamic, period=period
     )
@@ -426,13 +408,7 @@ def diloco(
     :func:`local_sgd` with an inner ``adamw(1e-3)`` by default; the recommended server
     optimizer is Nesterov ``sgd(outer_lr, outer_momentum)`` for BSP, or with
     ``asynchronous=True`` ``delayed_nesterov(every=N workers)`` for ASP/SSP. ``sw.Job``
-    refuses the other two pairings unless you pass your own ``optimizer=``.
-
-    Example:
-        >>> s = diloco(local_steps=100, asynchronous=True, every=4)
-        >>> s.server_optimizer().apply.__self__
-        _DelayedNesterov(lr=0.7, momentum=0.9, every=4)
-    """
+    refuses the other two pairings unless you pass your own ``optimizer=``."""
     return LocalSGDStrategy(
         local_steps,
         optim.adamw(1e-3) if inner is None else inner,
@@ -496,15 +472,5 @@ def easgd(alpha: float, *, local_steps: int, inner: Any, reset_inner: bool = Fal
 
     Each round: ``local_steps`` (``tau``) steps on the worker's own ``x``, then push
     ``alpha * (c - x)`` and move ``x -= alpha * (x - c)``, ``c`` the pulled centre; ``alpha``
-    in ``(0, 1]`` is the paper's ``beta / p`` for ``p`` workers.
-
-    Example:
-        >>> import numpy as np, stalewise as sw
-        >>> s = easgd(0.5, local_steps=1, inner=sw.optim.sgd(0.5))
-        >>> lg = lambda p, b: (0.0, {"x": p["x"] - 2.0})  # pulls x towards 2
-        >>> state = s.init({"x": np.zeros(1)})
-        >>> step = s.step(state, {"x": np.zeros(1)}, lg, iter([None]))
-        >>> step.update["x"].tolist(), state.local.tolist()  # x: 0 -> 1 -> 0.5
-        ([-0.5], [0.5])
-    """
+    in ``(0, 1]`` is the paper's ``beta / p`` for ``p`` workers."""
     return EASGD(alpha, local_steps, inner, reset_inner=reset_inner)

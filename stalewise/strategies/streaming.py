@@ -3,18 +3,7 @@
 The model is cut into ``P`` *fragments* (unions of whole leaves); fragment ``p`` is pushed
 after inner steps ``t = offset_p (mod H)`` as its pseudo-gradient (zeros elsewhere) and,
 ``delay`` inner steps later, merged: ``local_p = alpha * local_p + (1 - alpha) * global_p``.
-``fragments=1, delay=0`` is DiLoCo bit for bit. Why: docs/design-notes.md, "Streaming DiLoCo".
-
-Example:
-    >>> import numpy as np, stalewise as sw
-    >>> s = streaming_diloco(local_steps=4, fragments=["a", "b"], inner=sw.optim.sgd(0.5))
-    >>> lg = lambda p, b: (0.0, {"a": p["a"] - 1.0, "b": p["b"] - 1.0})
-    >>> params = {"a": np.zeros(2), "b": np.zeros(2)}
-    >>> state = s.init(params)
-    >>> step = s.step(state, params, lg, iter([None] * 8))  # fragment "b" at t = 2
-    >>> step.local_steps, step.update["a"].tolist(), step.update["b"].tolist()
-    (2, [0.0, 0.0], [-0.75, -0.75])
-"""
+``fragments=1, delay=0`` is DiLoCo bit for bit. Why: docs/design-notes.md, "Streaming DiLoCo"."""
 
 from __future__ import annotations
 
@@ -98,19 +87,7 @@ def lazy_leaves(opt: optim.Optimizer) -> optim.Optimizer:
     """``opt`` with a state per leaf, stepping only the leaves an update touches.
 
     A leaf whose update is all zero keeps its params and state as they were. ``opt``
-    must keep a parameter-sized state (``sgd`` with momentum, ``delayed_nesterov``...).
-
-    Example:
-        >>> import numpy as np
-        >>> from stalewise.segments import Segments
-        >>> opt = lazy_leaves(optim.sgd(1.0, momentum=0.5))
-        >>> p = np.zeros(2)
-        >>> state = opt.init(p, Segments.from_sizes(["a", "b"], [1, 1]))
-        >>> opt.apply(np.array([1.0, 1.0]), state, p)
-        >>> opt.apply(np.array([0.0, 1.0]), state, p)  # "a" untouched: no momentum step
-        >>> p.tolist()
-        [-1.0, -2.5]
-    """
+    must keep a parameter-sized state (``sgd`` with momentum, ``delayed_nesterov``...)."""
     if not isinstance(opt, optim.Optimizer):
         raise TypeError(f"lazy_leaves: opt must be a stalewise optimizer, got {opt!r}")
     return LazyLeaves(opt).optimizer()
@@ -400,13 +377,7 @@ def streaming_diloco(
         delay: ``tau``, inner steps from a fragment's push to its merge, in ``[0, H)``.
         alpha: the local weight of the merge, in ``[0, 1]``; 0 takes the global fragment.
         overlap: with ``delay >= 1``, take the steps before the merge while the push is
-            in flight (local runtime); the pushes and merges are the same either way.
-
-    Example:
-        >>> s = streaming_diloco(local_steps=30, fragments=3, delay=5, alpha=0.5)
-        >>> s.offsets, s.schedule(0), s.schedule(10), s.schedule(29)
-        ((0, 10, 20), (10, 1), (20, 2), (30, 0))
-    """
+            in flight (local runtime); the pushes and merges are the same either way."""
     return StreamingDiLoCo(
         local_steps,
         optim.adamw(1e-3) if inner is None else inner,

@@ -38,13 +38,7 @@ def names() -> list[str]:
 
 def get(name: str, **kwargs: Any) -> Task:
     """A new built-in task ``name`` (one of :func:`names`, else ValueError listing them)
-    built with ``kwargs``, e.g. ``hidden=32`` for digits.
-
-    Example:
-        >>> task = get("digits", hidden=16, batch_size=8)
-        >>> task.name, task.hidden
-        ('digits', 16)
-    """
+    built with ``kwargs``, e.g. ``hidden=32`` for digits."""
     return task_class(name)(**kwargs)
 
 

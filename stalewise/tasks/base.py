@@ -22,18 +22,7 @@ __all__ += ["shard_indices", "with_seed"]
 @runtime_checkable
 class Task(Protocol):
     """What a runtime needs from a task: picklable, cheap to build, mutating nothing but
-    private caches; ``grads`` have the structure, backend and dtype of ``params``.
-
-    Example:
-        >>> from stalewise import tasks
-        >>> task = tasks.get("least-squares", n=64, d=4)
-        >>> isinstance(task, tasks.Task)
-        True
-        >>> params = task.init_params()
-        >>> loss, grads = task.loss_and_grad(params, next(task.batches(0, 2)))
-        >>> sorted(grads), grads["x"].shape
-        (['x'], (4,))
-    """
+    private caches; ``grads`` have the structure, backend and dtype of ``params``."""
 
     name: str
 
@@ -191,12 +180,7 @@ def check_memory(task: str, nbytes: float, sizes: dict[str, tuple[Any, Any]]) ->
 
 
 def shard_indices(n: int, worker: int, workers: int) -> np.ndarray:
-    """The int64 indices ``worker, worker + workers, ...`` of ``worker``'s shard of ``n``.
-
-    Example:
-        >>> shard_indices(10, 1, 3).tolist()
-        [1, 4, 7]
-    """
+    """The int64 indices ``worker, worker + workers, ...`` of ``worker``'s shard of ``n``."""
     if workers < 1 or not 0 <= worker < workers:
         raise ValueError(f"need 0 <= worker < workers, got worker={worker}, workers={workers}")
     if workers > n:
@@ -207,14 +191,7 @@ def shard_indices(n: int, worker: int, workers: int) -> np.ndarray:
 def shard_batches(
     n: int, batch_size: int, worker: int, workers: int, seed: int = 0
 ) -> Iterator[np.ndarray]:
-    """Yields index minibatches of ``worker``'s shard forever, each epoch reshuffled.
-
-    Example:
-        >>> it = shard_batches(10, 2, worker=0, workers=2, seed=0)
-        >>> batch = next(it)
-        >>> len(batch), set(batch.tolist()) <= {0, 2, 4, 6, 8}
-        (2, True)
-    """
+    """Yields index minibatches of ``worker``'s shard forever, each epoch reshuffled."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     shard = shard_indices(n, worker, workers)

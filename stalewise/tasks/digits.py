@@ -38,13 +38,7 @@ class DigitsData(NamedTuple):
 @functools.lru_cache(maxsize=8)
 def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
     """The digits split by class (``test_fraction`` of each held out), read-only, cached
-    per process; ``seed`` sets the split and the training order.
-
-    Example:
-        >>> data = load_digits_split(seed=0)
-        >>> data.x_train.shape, data.x_test.shape
-        ((1438, 64), (359, 64))
-    """
+    per process; ``seed`` sets the split and the training order."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     from sklearn.datasets import load_digits
@@ -77,13 +71,7 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
 
 def init_mlp(hidden: int = 64, activation: str = "tanh", seed: int = 0) -> dict:
     """NumPy float32 parameters of the digits MLP: Glorot-uniform weights for ``"tanh"``,
-    He-normal for ``"relu"``, zero biases.
-
-    Example:
-        >>> p = init_mlp(hidden=16, seed=0)
-        >>> p["layer1"]["w"].shape, p["layer2"]["b"].tolist() == [0.0] * 10
-        ((64, 16), True)
-    """
+    He-normal for ``"relu"``, zero biases."""
     _check_activation(activation)
     rng = np.random.default_rng(seed)
     params = {}
@@ -120,17 +108,7 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 class Digits:
     """Digits MLP classifier with NumPy arrays; batches are ``(x float32, y int64)``, the
-    maths in the parameters' dtype; ``split_seed`` fixes the train/test split.
-
-    Example:
-        >>> task = Digits(hidden=32)
-        >>> params = task.init_params(seed=0)
-        >>> loss, grads = task.loss_and_grad(params, next(task.batches(0, 4)))
-        >>> grads["layer1"]["w"].shape, grads["layer1"]["w"].dtype
-        ((64, 32), dtype('float32'))
-        >>> sorted(task.evaluate(params))
-        ['accuracy', 'loss']
-    """
+    maths in the parameters' dtype; ``split_seed`` fixes the train/test split."""
 
     name = "digits"
 

@@ -13,15 +13,7 @@ __all__ = ["DigitsTorch"]
 
 
 class DigitsTorch(Digits):
-    """Digits MLP classifier on PyTorch (see :class:`~stalewise.tasks.digits.Digits`).
-
-    Example:
-        >>> task = DigitsTorch(hidden=32)
-        >>> params = task.init_params(seed=0)
-        >>> loss, grads = task.loss_and_grad(params, next(task.batches(0, 4)))
-        >>> type(grads["layer2"]["b"]).__name__, grads["layer2"]["b"].dtype
-        ('Tensor', torch.float32)
-    """
+    """Digits MLP classifier on PyTorch (see :class:`~stalewise.tasks.digits.Digits`)."""
 
     name = "digits-torch"
 

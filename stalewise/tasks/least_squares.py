@@ -27,19 +27,7 @@ class LeastSquares:
     """Linear regression ``min_x 0.5 * mean((A x - b) ** 2)`` with known ``x*``.
 
     ``noise`` is the standard deviation added to ``b``, ``condition`` the condition number
-    of ``A^T A`` (column ``j`` scaled by ``condition ** (-j / (2 (d - 1)))``).
-
-    Example:
-        >>> task = LeastSquares(n=256, d=8)
-        >>> params = task.init_params()
-        >>> loss, grads = task.loss_and_grad(params, next(task.batches(0, 2)))
-        >>> grads["x"].shape, grads["x"].dtype
-        ((8,), dtype('float32'))
-        >>> task.evaluate(task.init_params())["distance"]
-        1.0
-        >>> task.evaluate({"x": task.optimum()})["loss"] < 1e-10
-        True
-    """
+    of ``A^T A`` (column ``j`` scaled by ``condition ** (-j / (2 (d - 1)))``)."""
 
     name = "least-squares"
 
@@ -108,13 +96,7 @@ class LeastSquares:
         return self._data()[2]
 
     def optimum(self) -> np.ndarray:
-        """A minimiser of the full-data loss (float32): ``x*``, or the minimum-norm solution.
-
-        Example:
-            >>> task = LeastSquares(n=64, d=4)
-            >>> bool((task.optimum() == task.x_star).all())
-            True
-        """
+        """A minimiser of the full-data loss (float32): ``x*``, or the minimum-norm solution."""
         if "optimum" not in self._cache:
             a, b, x_star = self._data()
             if self.noise == 0 and self.n >= self.d:
