@@ -9,8 +9,8 @@ worker fails when its process dies, user code raises in it, its heartbeats stop
 that are no message (:func:`stalewise.runtime.local.wire.decode_result`); a shard fails
 when its process dies (every worker is stopped, the shard restarted, from its push log
 if there is one, the workers rejoin). A failure before the job has started fails it
-whatever the policy. What a user sees: ``docs/reliability.md``. No process the parent started outlives it
-(:func:`~stalewise.runtime.local.procs.die_with_parent`)."""
+whatever the policy. What a user sees: ``docs/reliability.md``. No process the parent
+started outlives it (:func:`~stalewise.runtime.local.procs.die_with_parent`)."""
 
 from __future__ import annotations
 
