@@ -411,6 +411,7 @@ class _Host:
         for k, event in zip(dead, events, strict=True):
             info = self.server.restart_shard(k, bases[k] if bases else None, self.o.ack_timeout)
             self.run.failures.shard_restarted(event, version=info["version"], lost=info["lost"])
+            event["serving"] = self.now()  # the shard is back (its workers follow)
             log.warning(
                 "shard %d restarted at version %d from its %s (%s updates of its slice lost); "
                 "workers %s restart as new incarnations",
