@@ -420,9 +420,10 @@ class ShardProcess:
                 return True
             if msg[2] is None:
                 shard.resume()  # the saved workers' next incarnations take their seats
-            else:  # its log goes on; the dead process's workers depart, as from the others
+            else:  # its log goes on; the dead process's workers depart (a resumed seat stays)
                 self.begin_log(*msg[2])
-                for w in map(int, np.flatnonzero(shard.live & (shard.incarnation > 0))):
+                gone = shard.live & ~shard._resumed & (shard.incarnation > 0)
+                for w in map(int, np.flatnonzero(gone)):
                     got = committed_push(self.layout, self.records, self.pushes, w, self.k)
                     self.write(shard.depart, w, int(shard.incarnation[w]), got)
                 self.answer()  # the log's entries reach the OS
