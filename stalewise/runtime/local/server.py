@@ -117,8 +117,8 @@ class LocalServer:
         self._block = SharedBlock.create(self.layout.nbytes)
         self._procs: list = []
         self._tags: dict[int, str] = {}  # each shard process's push logs (state_dicts), and
-        self._log_n, self._logs = 0, None  # the last logs begun: ["log-shard-K-TAG-N", ...]
-        self._based = None  # the last logged cut: (states, their logs, folder, fsync)
+        self._log_n = 0  # the last logs' N ("log-shard-K-TAG-N")
+        self._based = None  # the last logged cut: (states, their logs' names, folder, fsync)
         self._cuts = 0  # consistent cuts begun: a shard's replies to one name it
         self._controls: list = []
         self._incarnations = [0] * workers  # the newest incarnation of each worker id
@@ -372,7 +372,6 @@ class LocalServer:
                 with contextlib.suppress(OSError):
                     c.send_bytes(wire.thaw())
             raise
-        self._logs = names
         if names is not None:
             self._based = (states, names, log_dir, fsync)
         return states
@@ -541,7 +540,9 @@ class LocalServer:
                 for s in states
             )
             pushed.append(budget.held(n, committed, handled))
-        step = {"pushes": sum(pushed), "pushed": pushed} | ({"logs": self._logs} if log_dir else {})
+        step = {"pushes": sum(pushed), "pushed": pushed}
+        if log_dir:
+            step["logs"] = self._based[1]
         return states, step, self.residuals()
 
     def published_version(self, k: int = 0) -> int:
@@ -554,13 +555,11 @@ class LocalServer:
     def restart_shard(self, k: int, base: dict | None = None, timeout: float = 60.0) -> dict:
         """Starts a new process for shard ``k``, whose process has died, and restores its state.
 
-        With push logs (a cut named a log folder), its state is the last such cut's plus a
-        replay of its log chain (:func:`~stalewise.checkpoint.replay.replay_chain`): exactly
-        as when it died; it goes on with that chain, and each worker's committed push it
-        lacks is delivered as the worker departs, as on the other shards. Else its slice
-        comes from the last published snapshot, its optimizer state and counters from
-        ``base`` (shard ``k``'s :meth:`state_dict`) or fresh ones, its version from the live
-        shards. Every worker must then rejoin as a new incarnation.
+        With push logs (a cut named a folder) its state is exactly as when it died (the last
+        such cut's, its log chain replayed), and it goes on with the chain. Else its slice is
+        the last published snapshot, its optimizer state and counters ``base``'s (shard
+        ``k``'s :meth:`state_dict`) or fresh, its version the live shards'. Every worker must
+        then rejoin as a new incarnation (its committed push is delivered where lacking).
 
         Returns:
             ``{"shard", "version", "lost", "source"}``: the version it resumes at, the
@@ -620,8 +619,7 @@ class LocalServer:
 
     def _unlogged(self, k: int, base: dict | None, snapshots: Snapshots, survivors: list,
                   timeout: float) -> tuple[dict, int | None, str]:  # fmt: skip
-        """Shard ``k``'s state without a log: the published snapshot, ``base``'s optimizer
-        state, the survivors' version and counters; with the updates lost and the source."""
+        """Shard ``k``'s state without a log, the updates lost and their source."""
         lo, hi = self.config.ranges[k]
         snap = np.empty(self.config.spec.size, self.config.init.dtype)
         published = snapshots.read(k, snap)
