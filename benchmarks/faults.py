@@ -13,6 +13,18 @@ undisturbed, then once per fault, with the same budget of pushes:
   (e) ckpt-full     checkpoints every 250 pushes, all kept, into a real tmpfs of
                     room for about three of them: the folder fills up mid-run, and
                     the final checkpoint cannot be written either.
+  (f) shard-kills   ``--shard-kills N`` runs only this case: N SIGKILLs in all, a
+                    random shard at a random record (every 0.25 s) once the job
+                    has made 20 to 120 pushes since the last (so its workers are
+                    back), up to KILLS_PER_RUN to a run, checkpoints every 500 pushes
+                    into a folder (so each shard keeps a push log and is rebuilt
+                    from it). Columns: ``acked_lost`` (pushes the workers counted
+                    that a shard lacks: a counted push is one acknowledged or about
+                    to be), ``twice`` (as above), ``torn`` (the shards' handled
+                    pushes differ), ``replay_eq`` (the first checkpoint and the
+                    logs replay to the final params bit for bit), ``shard_s``
+                    (from the kill to the shard serving again) and ``recover_s``
+                    (to the last restarted worker back in the run).
 
 Columns: ``completed`` (the run returned, with its budget spent: ``steps`` pushes
 under ASP, ``ceil(steps / workers)`` whole rounds under BSP, so a BSP run in which a
@@ -30,13 +42,13 @@ so and is left out of the bar. Its ``events`` column counts the checkpoints
 that could not be written, and ``kept`` names the newest one that was (it
 must load).
 
-Bar: (a), (b) and (c) complete with nothing applied twice and a final accuracy
+Bar: (f) 0 lost, 0 twice, 0 torn, every replay equal. (a), (b) and (c) complete with nothing applied twice and a final accuracy
 within 1 point of the undisturbed run; (e) completes, returns its result within
 1 point of the undisturbed run, and its kept checkpoint loads. (d) is reported
 as it happens. ``--check``
 also writes the table to ``runs/bench-faults.json`` (or ``--json PATH``).
 
-    .venv/bin/python benchmarks/faults.py [--quick] [--check] [--json PATH]
+    .venv/bin/python benchmarks/faults.py [--quick] [--check] [--json PATH] [--shard-kills N]
 """
 
 from __future__ import annotations
@@ -65,6 +77,7 @@ from stalewise import checkpoint, tasks
 from stalewise.report import format_table
 
 WORKERS, SHARDS, DELAY = 4, 2, 0.010
+KILLS_PER_RUN = 10
 BAD_WORKER, BAD_FROM, NAN_PUSHES = 3, 50, 10
 
 
@@ -109,13 +122,16 @@ class Plain:
 class Faults:
     """An ``on_record`` that injects one case's faults into the running job, and times them."""
 
-    def __init__(self, case: str, expected: float, every: float, stop_for: float, seed: int = 0):
+    def __init__(self, case, expected: float, every: float, stop_for: float, seed=0, kills=0):
         self.case, self.expected, self.every, self.stop_for = case, expected, every, stop_for
         self.rng = random.Random(seed)
+        self.kills = kills  # shard-kills: how many are left
         self.t0 = None
         self.at: list[float] = []  # run time of each fault
         self.stopped: int | None = None  # pid of the stopped worker
         self.next = every if case == "worker-kills" else 0.4 * expected
+        # shard-kills: the next kill once the run has made this many pushes
+        self.after = self.rng.randint(20, 120) if case == "shard-kills" else 0
 
     def _children(self, kind: str) -> list:
         return sorted(
@@ -129,7 +145,7 @@ class Faults:
             with contextlib.suppress(ProcessLookupError):  # unless the runtime killed it
                 os.kill(self.stopped, signal.SIGCONT)
             self.stopped = None
-        if self.next is None or now < self.next:
+        if self.next is None or now < self.next or rec["pushes"] < self.after:
             return
         if self.case == "worker-kills":
             victim = self.rng.choice(self._children("worker"))
@@ -138,6 +154,11 @@ class Faults:
         elif self.case == "shard-kill":
             os.kill(self._children("shard")[1].pid, signal.SIGKILL)
             self.next = None
+        elif self.case == "shard-kills":  # this record comes after the last recovery
+            os.kill(self.rng.choice(self._children("shard")).pid, signal.SIGKILL)
+            self.kills -= 1
+            self.after = rec["pushes"] + self.rng.randint(20, 120)  # the workers are back
+            self.next = now if self.kills else None
         elif self.case == "worker-stop":
             self.stopped = self._children("worker")[1].pid
             os.kill(self.stopped, signal.SIGSTOP)
@@ -160,9 +181,19 @@ class Faults:
         return mean(detect), mean(recover)
 
 
-def run(task, consistency, case: str, steps: int, expected: float, quick: bool, **kwargs) -> dict:
+def run(
+    task,
+    consistency,
+    case: str,
+    steps: int,
+    expected: float,
+    quick: bool,
+    seed=0,
+    kills=0,
+    **kwargs,
+) -> dict:
     every, stop_for, timeout = (2.5, 4.0, 1.5) if quick else (5.0, 10.0, 3.0)
-    faults = Faults(case, expected, every, stop_for)
+    faults = Faults(case, expected, every, stop_for, seed, kills)
     job = sw.Job(
         task.init_params(0),
         optimizer=sw.optim.sgd(0.05, momentum=0.9),
@@ -176,6 +207,8 @@ def run(task, consistency, case: str, steps: int, expected: float, quick: bool, 
         failures = sw.Failures(max_restarts=None, worker_timeout=timeout)
     if case == "ckpt-full":
         checkpoints = sw.Checkpoints(kwargs["ckpt_dir"], every=250, keep=10**6)
+    if case == "shard-kills":
+        checkpoints = sw.Checkpoints(tempfile.mkdtemp(prefix="faults-"), every=500, keep=10**6)
     loss = BadPushes(task) if case == "bad-pushes" else Plain(task)
     row: dict = {"case": case, "consistency": str(consistency)}
     t = time.perf_counter()
@@ -209,6 +242,9 @@ def run(task, consistency, case: str, steps: int, expected: float, quick: bool, 
     killed = sum("worker" in e for e in r.failures) + WORKERS * sum(
         "shard" in e for e in r.failures
     )
+    if case == "shard-kills":
+        row |= _logged(job, r, checkpoints.dir, len(faults.at), killed)
+        shutil.rmtree(checkpoints.dir, ignore_errors=True)
     return row | {
         # the run's own end reason: under BSP its budget is whole rounds, so a run whose
         # worker missed rounds (dead, restarting, dropped) ends with fewer pushes than steps
@@ -224,6 +260,27 @@ def run(task, consistency, case: str, steps: int, expected: float, quick: bool, 
         "refused": ", ".join(f"{k} {n}" for k, n in sorted(s["rejected"].items())) or "-",
         "events": _events(r.failures),
         "kept": _kept(checkpoints.dir) if case == "ckpt-full" else "",
+    }
+
+
+def _logged(job, r, folder: str, kills: int, killed: int) -> dict:
+    """What each shard handled (the final checkpoint's counters) against the pushes the
+    workers counted, and whether the first checkpoint and the logs replay to the end."""
+    from stalewise.checkpoint import replay, store
+
+    states = store.load(folder).states
+    handled = [s["stats.applied"] + sum(s["stats.rejected"].values()) for s in states]
+    flat, _, _ = replay.replay(
+        folder, job.config, min(p.name for p in store._complete(Path(folder)))
+    )
+    serving = [e["serving"] - e["time"] for e in r.failures if "serving" in e]
+    return {
+        "kills": kills,
+        "shard_s": sum(serving) / len(serving) if serving else math.nan,
+        "acked_lost": max(0, r.pushes - min(handled)),
+        "torn": max(handled) - min(handled),
+        "twice_k": max(0, max(handled) - r.pushes - killed),
+        "replay_eq": flat.tobytes() == r.flat.tobytes(),
     }
 
 
@@ -297,12 +354,15 @@ def main() -> int:
         "--quick", action="store_true", help="shorter runs and faults (~1/3 of the time)"
     )
     ap.add_argument("--check", action="store_true", help="exit 1 if the bar is missed")
+    ap.add_argument("--shard-kills", type=int, metavar="N", help="only case (f), N kills")
     _report.add_json_arg(ap)
     args = ap.parse_args()
     out = _report.json_path(ap, args, "faults")
     logging.basicConfig(level=logging.ERROR)  # the runtime's warnings would flood the table
     task = tasks.get("digits")
     steps = 1500 if args.quick else 4000
+    if args.shard_kills:
+        return shard_kills(task, args.shard_kills, steps, args.quick, out, args.check)
     rows = []
     ckpt_bytes = checkpoint_size(task)
     for consistency in (sw.ASP(), sw.BSP()):
@@ -355,6 +415,50 @@ def main() -> int:
         ],
     )
     return 0 if (ok and full_ok) or not args.check else 1
+
+
+def shard_kills(task, n: int, steps: int, quick: bool, out, check: bool) -> int:
+    """Case (f): ``n`` shard kills over runs of KILLS_PER_RUN, ASP and BSP in turn (the
+    figures are written after each run)."""
+    rows: list[dict] = []
+    cols = ["consistency", "completed", "kills", "acked_lost", "twice_k", "torn", "replay_eq",
+            "shard_s", "recover_s", "time_s"]  # fmt: skip
+    while (left := n - sum(r.get("kills", 0) for r in rows)) > 0 and len(rows) < 4 * n:
+        consistency = (sw.ASP(), sw.BSP())[len(rows) % 2]
+        kills = min(left, KILLS_PER_RUN)
+        rows.append(run(task, consistency, "shard-kills", steps, 0.0, quick, len(rows), kills))
+        print(format_table(rows[-1:], cols), flush=True)
+        ok = _shard_kills_total(rows, steps, quick, out)
+    return 0 if ok or not check else 1
+
+
+def _shard_kills_total(rows: list[dict], steps: int, quick: bool, out) -> bool:
+    """Prints and writes case (f)'s totals over ``rows``; whether its bar is met."""
+    keys = ("kills", "acked_lost", "twice_k", "torn")
+    total: dict = {key: sum(r.get(key, 0) for r in rows) for key in keys}
+    mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+    recover = [r["recover_s"] for r in rows if not math.isnan(r.get("recover_s", math.nan))]
+    serving = [r["shard_s"] for r in rows if not math.isnan(r.get("shard_s", math.nan))]
+    total |= {
+        "runs": len(rows),
+        "completed": sum(r["completed"] == "yes" for r in rows),
+        "replay_eq": sum(bool(r.get("replay_eq")) for r in rows),
+        "shard_s_mean": mean(serving),
+        "recover_s_mean": mean(recover),
+        "recover_s_max": max(recover, default=math.nan),
+        "load": os.getloadavg(),
+    }
+    print(f"digits MLP, {WORKERS} workers, {SHARDS} shards, {steps} pushes per run:", total)
+    ok = total["completed"] == len(rows) == total["replay_eq"] and not (
+        total["acked_lost"] or total["twice_k"] or total["torn"]
+    )
+    print("bar: (f) 0 lost, 0 twice, 0 torn, every replay equal:", "met" if ok else "MISSED")
+    _report.write(
+        out,
+        {"steps": steps, "quick": quick, "total": total, "rows": rows},
+        bars=[{"name": "(f) 0 lost, 0 twice, 0 torn, every replay equal", "met": ok}],
+    )
+    return ok
 
 
 if __name__ == "__main__":

@@ -36,22 +36,40 @@ def replay(directory: str | os.PathLike, config: Any, start: str | None = None) 
     for k, (state, name) in enumerate(zip(ckpt.states, names, strict=True)):
         shard = config.build_shard(k, np.array(state["params"]), int(state["workers"]))
         shard.load_state_dict(state)
-        chain, n = LOG.match(name).groups()
-        limit = 2 * shard.params.nbytes + (1 << 20)  # a payload as sent, a codec's or not
-        folder, n = ckpt.path.parent, int(n)
-        while os.path.lexists(folder / (name := f"{chain}-{n:06d}")):
-            fd, _ = open_file(folder, name, folder_may_be_a_link=True)  # as `latest`
-            where, last = str(folder / name), not os.path.lexists(folder / f"{chain}-{n + 1:06d}")
-            with os.fdopen(fd, "rb") as f:
-                try:
-                    entries = pushlog.read(f, max_payload=limit, where=where, last=last)
-                    pushlog.replay(shard, entries, where)
-                except pushlog.LogError as e:
-                    raise CheckpointError(str(e)) from None
-            read.append(name)
-            n += 1
+        read += replay_chain(shard, ckpt.path.parent, name)[0]
         flats.append(shard.params)
     return np.concatenate(flats), ckpt, read
+
+
+def replay_chain(shard: Any, folder: Path, name: str) -> tuple[list[str], int]:
+    """Replays into ``shard`` (loaded with the state log ``name`` began at) that log and the
+    rest of its chain; returns the files read and the bytes of whole entries in the last
+    (a torn last entry is dropped).
+
+    Raises:
+        CheckpointError: a log that is garbled, not ours, or does not fit its shard."""
+    chain, n = LOG.match(name).groups()
+    limit = 2 * shard.params.nbytes + (1 << 20)  # a payload as sent, a codec's or not
+    read, n, end = [], int(n), 0
+
+    def entries(f: Any, where: str, last: bool) -> Any:
+        nonlocal end
+        end = 0
+        for entry in pushlog.read(f, max_payload=limit, where=where, last=last):
+            yield entry
+            end = f.tell()  # once it is replayed
+
+    while os.path.lexists(folder / (name := f"{chain}-{n:06d}")):
+        fd, _ = open_file(folder, name, folder_may_be_a_link=True)  # as `latest`
+        where, last = str(folder / name), not os.path.lexists(folder / f"{chain}-{n + 1:06d}")
+        with os.fdopen(fd, "rb") as f:
+            try:
+                pushlog.replay(shard, entries(f, where, last), where)
+            except pushlog.LogError as e:
+                raise CheckpointError(str(e)) from None
+        read.append(name)
+        n += 1
+    return read, end
 
 
 def first_difference(flat: np.ndarray, ckpt: Checkpoint) -> str | None:

@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from multiprocessing import connection, reduction
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -116,7 +117,8 @@ class LocalServer:
         self._block = SharedBlock.create(self.layout.nbytes)
         self._procs: list = []
         self._tags: dict[int, str] = {}  # each shard process's push logs (state_dicts), and
-        self._log_n, self._logs = 0, None  # the last logs begun: ["log-shard-K-TAG-N", ...]
+        self._log_n = 0  # the last logs' N ("log-shard-K-TAG-N")
+        self._based = None  # the last logged cut: (states, their logs' names, folder, fsync)
         self._cuts = 0  # consistent cuts begun: a shard's replies to one name it
         self._controls: list = []
         self._incarnations = [0] * workers  # the newest incarnation of each worker id
@@ -164,7 +166,7 @@ class LocalServer:
             raise
 
     def _start_shard(self, k: int) -> tuple[Any, Any]:
-        self._tags[k] = uuid.uuid4().hex[:8]  # its push logs' (a new process: a new chain)
+        self._tags.setdefault(k, uuid.uuid4().hex[:8])  # its push logs' chain
         mine, theirs = self._ctx.Pipe()
         args = (self.config, k, self._block.handle, self.layout, theirs, self.join_timeout)
         p = self._ctx.Process(
@@ -370,7 +372,8 @@ class LocalServer:
                 with contextlib.suppress(OSError):
                     c.send_bytes(wire.thaw())
             raise
-        self._logs = names
+        if names is not None:
+            self._based = (states, names, log_dir, fsync)
         return states
 
     def _send_all(self, bodies: list[bytes], logs: bool = False) -> None:
@@ -534,7 +537,9 @@ class LocalServer:
             seats = ((int(s["incarnation"][w]), int(s["next_seq"][w])) for s in states)
             handled = budget.handled(int(rec[layout_lib.R_INC]), committed, seats)
             pushed.append(budget.held(n, committed, handled))
-        step = {"pushes": sum(pushed), "pushed": pushed} | ({"logs": self._logs} if log_dir else {})
+        step = {"pushes": sum(pushed), "pushed": pushed}
+        if log_dir:
+            step["logs"] = self._based[1]
         return states, step, self.residuals()
 
     def published_version(self, k: int = 0) -> int:
@@ -547,9 +552,11 @@ class LocalServer:
     def restart_shard(self, k: int, base: dict | None = None, timeout: float = 60.0) -> dict:
         """Starts a new process for shard ``k``, whose process has died, and restores its state.
 
-        Its slice comes from the last published snapshot, its optimizer state and
-        counters from ``base`` (shard ``k``'s :meth:`state_dict`) or fresh ones, its
-        version from the live shards. Every worker must then rejoin as a new incarnation.
+        With push logs (a cut named a folder) its state is exactly as when it died (the last
+        such cut's, its log chain replayed), and it goes on with the chain. Else its slice is
+        the last published snapshot, its optimizer state and counters ``base``'s (shard
+        ``k``'s :meth:`state_dict`) or fresh, its version the live shards'. Every worker must
+        then rejoin as a new incarnation (its committed push is delivered where lacking).
 
         Returns:
             ``{"shard", "version", "lost", "source"}``: the version it resumes at, the
@@ -559,16 +566,60 @@ class LocalServer:
         if p.is_alive():
             raise ValueError(f"shard {k} is alive; restart_shard replaces a shard that died")
         self._controls[k].close()
-        lo, hi = self.config.ranges[k]
-        snap = np.empty(self.config.spec.size, self.config.init.dtype)
         snapshots = Snapshots(self.layout, self._block, self.config.ranges)
-        published = snapshots.read(k, snap)
         # The dead shard may have been writing its other snapshot buffer: mark that one
         # consistent again (readers only read the current one), or the next publish into
         # it would leave its sequence counter odd and readers spinning.
         row = snapshots.table[k]
         for i in (0, 1):
             row[layout_lib._SEQ + i] += row[layout_lib._SEQ + i] & 1
+        survivors = [j for j in range(len(self._procs)) if j != k and self._procs[j].is_alive()]
+        # The observer may have given up when the shard died, with replies of the others
+        # left unread (a stats call cut short): drop those and start a new observer.
+        for j in survivors:
+            while self._controls[j].poll(0.05):
+                self._controls[j].recv_bytes()
+        self.observer = self._observer()
+        if self._based is not None:
+            state, logged = self._replayed(k)
+            lost, source = 0, "push log"
+        else:
+            log.warning("shard %d: no push log (no checkpoint folder): restarting it from its "
+                        "last published snapshot; its later updates are lost", k)  # fmt: skip
+            self._tags[k] = uuid.uuid4().hex[:8]  # a new chain
+            state, lost, source = self._unlogged(k, base, snapshots, survivors, timeout)
+            logged = None
+        proc, self._controls[k] = self._start_shard(k)
+        with self._procs_lock:  # the watcher now watches the new process
+            self._procs[k] = proc
+            self.control[self.layout.shard_exits][k] = np.nan
+        self._wait_ready(k)
+        self._controls[k].send_bytes(wire.load(state, logged))
+        reply = self.observer._take(k, "loaded", timeout)
+        if reply[2] is not None:
+            raise ShardError(f"shard {k} refused its recovered state: {reply[2]}")
+        return {"shard": k, "version": int(reply[1]), "lost": lost, "source": source}
+
+    def _replayed(self, k: int) -> tuple[dict, tuple]:
+        """Shard ``k``'s state when it died (the last logged cut's and its log chain), and
+        the log it goes on with: ``(path, at, fsync)`` (ShardProcess.begin_log)."""
+        from stalewise.checkpoint.replay import replay_chain
+
+        states, names, folder, fsync = self._based
+        shard = self.config.build_shard(k, np.array(states[k]["params"]), self.workers)
+        shard.load_state_dict(states[k])
+        read, end = replay_chain(shard, Path(folder), names[k])
+        name = f"log-shard-{k}-{self._tags[k]}-{self._log_n:06d}"  # the chain's newest number
+        log.info("shard %d: replayed %s to version %d", k, ", ".join(read), shard.version)
+        at = end if read and read[-1] == name else None  # None: it had not begun it
+        return shard.state_dict(), (os.path.join(folder, name), at, fsync)
+
+    def _unlogged(self, k: int, base: dict | None, snapshots: Snapshots, survivors: list,
+                  timeout: float) -> tuple[dict, int | None, str]:  # fmt: skip
+        """Shard ``k``'s state without a log, the updates lost and their source."""
+        lo, hi = self.config.ranges[k]
+        snap = np.empty(self.config.spec.size, self.config.init.dtype)
+        published = snapshots.read(k, snap)
         shard = self.config.build_shard(k, snap[lo:hi].copy(), self.workers)
         source = "published snapshot"
         if base is not None:
@@ -584,15 +635,7 @@ class LocalServer:
         for w in range(self.workers):  # every worker rejoins as a new incarnation
             if shard.live[w]:
                 shard.leave(w)
-        state = shard.state_dict()
-        survivors = [j for j in range(len(self._procs)) if j != k and self._procs[j].is_alive()]
-        # The observer may have given up when the shard died, with replies of the others
-        # left unread (a stats call cut short): drop those and start a new observer.
-        for j in survivors:
-            while self._controls[j].poll(0.05):
-                self._controls[j].recv_bytes()
-        self.observer = self._observer()
-        lost = None
+        state, lost = shard.state_dict(), None
         if survivors:
             j = survivors[0]
             self._controls[j].send_bytes(wire.state())
@@ -600,16 +643,7 @@ class LocalServer:
             lost = max(0, int(other["version"]) - state["version"])
             state["version"] = other["version"]
             state.update({key: other[key] for key in _PER_PUSH_STATS})
-        proc, self._controls[k] = self._start_shard(k)
-        with self._procs_lock:  # the watcher now watches the new process
-            self._procs[k] = proc
-            self.control[self.layout.shard_exits][k] = np.nan
-        self._wait_ready(k)
-        self._controls[k].send_bytes(wire.load(state))
-        reply = self.observer._take(k, "loaded", timeout)
-        if reply[2] is not None:
-            raise ShardError(f"shard {k} refused its recovered state: {reply[2]}")
-        return {"shard": k, "version": int(reply[1]), "lost": lost, "source": source}
+        return state, lost, source
 
     def unlink(self) -> None:
         """Removes the shared-memory name early, if it has one (later workers cannot join)."""

@@ -16,15 +16,17 @@ control pipe from the parent is read blocking. Why: ``docs/design-notes.md``
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
+import stat
 import time
 from multiprocessing import connection, reduction
 
 import numpy as np
 
-from stalewise.checkpoint.store import create_file
+from stalewise.checkpoint.store import create_file, untrusted
 from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
@@ -300,7 +302,7 @@ class ShardProcess:
         """Thaws, begins the cut's push log (at its state, or where it was given up: a chain
         has no gap), then sends ``reply`` (:func:`wire.cut_reply`'s; none: the parent's thaw)."""
         if self.cut_log[0]:
-            self.begin_log(*self.cut_log)
+            self.begin_log(self.cut_log[0], None, self.cut_log[1])
         self.cutting.thaw()
         self.cut_aimed, self.cut_log = False, ("", False)
         if reply:
@@ -331,12 +333,20 @@ class ShardProcess:
 
     # -- the push log --------------------------------------------------------------
 
-    def begin_log(self, path: str, fsync: bool = False) -> None:
+    def begin_log(self, path: str, at: int | None = None, fsync: bool = False) -> None:
         """Ends the push log and begins ``path``, at the shard's state now (a checkpoint's);
+        ``at``: goes on with that log of this user's, cut to ``at`` bytes (a restart's);
         ``fsync``: each turn's entries reach the disk before its acks."""
         self.end_log()
         try:
-            self.log = open(create_file(path), "wb", buffering=1 << 16)  # noqa: SIM115
+            fd = create_file(path) if at is None else os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+            if at is not None and (problem := untrusted(os.fstat(fd), stat.S_IFREG)):
+                os.close(fd)
+                raise PermissionError(errno.EPERM, problem)
+            if at is not None:
+                os.ftruncate(fd, at)
+                os.lseek(fd, at, os.SEEK_SET)
+            self.log = open(fd, "wb", buffering=1 << 16)  # noqa: SIM115
         except OSError as e:
             log.warning("shard %d: no push log: %s: %s", self.k, path, e.strerror or e)
             return
@@ -399,7 +409,7 @@ class ShardProcess:
                 self.end_cut(None, f"shard {self.k}: not frozen for cut {msg[1]} (gave it up)")
         elif kind == "thaw":
             self.end_cut()
-        elif kind == "load":  # a checkpoint, before any worker joins (resume)
+        elif kind == "load":  # a checkpoint, before any worker joins (resume), or a restart's
             if self.pipes:
                 c.send_bytes(wire.loaded(None, "workers have joined; load before they do"))
                 return True
@@ -408,7 +418,15 @@ class ShardProcess:
             except ValueError as e:  # refused before anything was written
                 c.send_bytes(wire.loaded(None, str(e)))
                 return True
-            shard.resume()  # the saved workers' next incarnations take their seats
+            if msg[2] is None:
+                shard.resume()  # the saved workers' next incarnations take their seats
+            else:  # its log goes on; the dead process's workers depart (a resumed seat stays)
+                self.begin_log(*msg[2])
+                gone = shard.live & ~shard._resumed & (shard.incarnation > 0)
+                for w in map(int, np.flatnonzero(gone)):
+                    got = committed_push(self.layout, self.records, self.pushes, w, self.k)
+                    self.write(shard.depart, w, int(shard.incarnation[w]), got)
+                self.answer()  # the log's entries reach the OS
             self.publish_now()
             c.send_bytes(wire.loaded(shard.version, None))
         else:  # stop

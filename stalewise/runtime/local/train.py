@@ -7,10 +7,10 @@ budget, the stop condition, a failure its policy does not survive, or Ctrl-C. A
 worker fails when its process dies, user code raises in it, its heartbeats stop
 (:class:`~stalewise.protocol.liveness.Silence`) or its result pipe carries bytes
 that are no message (:func:`stalewise.runtime.local.wire.decode_result`); a shard fails
-when its process dies (every worker is stopped, the shard restarted, the workers
-rejoin). A failure before the job has started fails it whatever the policy. What a
-user sees: ``docs/reliability.md``. No process the parent started outlives it
-(:func:`~stalewise.runtime.local.procs.die_with_parent`)."""
+when its process dies (every worker is stopped, the shard restarted, from its push log
+if there is one, the workers rejoin). A failure before the job has started fails it
+whatever the policy. What a user sees: ``docs/reliability.md``. No process the parent
+started outlives it (:func:`~stalewise.runtime.local.procs.die_with_parent`)."""
 
 from __future__ import annotations
 
@@ -407,10 +407,11 @@ class _Host:
             if self.workers[w].state != "down":
                 self.workers[w].proc.kill()
             self.reap(w)
-        bases = self.checkpoint_states()
+        bases = None if self.server._based else self.checkpoint_states()  # logged: unused
         for k, event in zip(dead, events, strict=True):
             info = self.server.restart_shard(k, bases[k] if bases else None, self.o.ack_timeout)
             self.run.failures.shard_restarted(event, version=info["version"], lost=info["lost"])
+            event["serving"] = self.now()  # the shard is back (its workers follow)
             log.warning(
                 "shard %d restarted at version %d from its %s (%s updates of its slice lost); "
                 "workers %s restart as new incarnations",
@@ -462,6 +463,8 @@ class _Host:
                 server.load_residuals([f.residual for f in run.feedback])
             server.control[_DONE0] = run.pushes_at_start  # the job's total budget
             server.control[_drawn(o.workers)] = run.drawn
+        if o.checkpoint_dir is not None:  # push logs from the start: a dead shard replays them
+            server.state_dicts(log_dir=o.checkpoint_dir, fsync=o.checkpoint_fsync)
         for w in range(o.workers):
             self.spawn(w)
         deadline = time.monotonic() + o.start_timeout

@@ -355,9 +355,10 @@ def state() -> bytes:
     return _KIND.pack(_STATE)
 
 
-def load(state_dict: dict) -> bytes:
-    """A checkpoint's state for the shard (pickled: the control pipe only)."""
-    return _KIND.pack(_LOAD) + _pickle(state_dict)
+def load(state_dict: dict, log: tuple | None = None) -> bytes:
+    """A checkpoint's state for the shard (pickled: the control pipe only); ``log``: a
+    restart's, ``(path, at, fsync)`` of the push log it goes on with (ShardProcess.begin_log)."""
+    return _KIND.pack(_LOAD) + _pickle((state_dict, log))
 
 
 def stop() -> bytes:
@@ -387,8 +388,8 @@ def encode_control(msg: tuple) -> bytes:
     kind = msg[0] if isinstance(msg, tuple) and msg else None
     if kind == "join" and len(msg) == 3:
         return join(msg[1], msg[2])
-    if kind == "load" and len(msg) == 2:
-        return load(msg[1])
+    if kind == "load" and len(msg) in (2, 3):
+        return load(*msg[1:])
     if kind == "cut" and len(msg) == 5:
         return cut(*msg[1:])
     simple = {"pull": pull, "stats": stats, "state": state, "stop": stop, "thaw": thaw}
@@ -399,13 +400,13 @@ def encode_control(msg: tuple) -> bytes:
 
 def decode_control(body: bytes) -> tuple:
     """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
-    ``("stats",)``, ``("state",)``, ``("load", state)``, ``("cut", n, targets, log, fsync)``
+    ``("stats",)``, ``("state",)``, ``("load", state, log)``, ``("cut", n, targets, log, fsync)``
     (unpickled), ``("thaw",)`` or ``("stop",)``."""
     kind = _kind_of(body)
     if kind == _JOIN and len(body) == _TWO.size:
         return ("join", *_TWO.unpack(body)[1:])
     if kind == _LOAD:
-        return ("load", pickle.loads(body[_KIND.size :]))
+        return ("load", *pickle.loads(body[_KIND.size :]))
     if kind == _CUT:
         return ("cut", *pickle.loads(body[_KIND.size :]))
     simple = {_PULL: "pull", _STATS: "stats", _STATE: "state", _STOP: "stop", _THAW: "thaw"}

@@ -1,0 +1,144 @@
+"""A SIGKILLed shard of the local runtime is rebuilt from its push log, for real: every push
+a worker counted is handled once by every shard, the optimizer state is kept, and the logs
+replay past each death to the final parameters bit for bit. Job.train stops every process
+it started, even when the test fails (the ``no_leaks`` fixture checks)."""
+
+import logging
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+
+import mp_helpers
+import numpy as np
+import pytest
+from test_one_cut import ONES, pushes
+from test_replay import paced_loss_and_grad_b
+
+import stalewise as sw
+from stalewise.checkpoint import replay, store
+from stalewise.protocol import pushlog
+from stalewise.runtime.local.server import LocalServer
+
+
+class Kills:
+    """An ``on_record`` that SIGKILLs a random shard at random moments, ``n`` times."""
+
+    def __init__(self, n, seed):
+        self.rng, self.left, self.pids = random.Random(seed), n, []
+        self.next = self.rng.uniform(0.3, 1.0)
+
+    def __call__(self, rec):
+        if self.left and rec["time"] >= self.next:
+            shards = [p for p in mp.active_children() if p.name.startswith("stalewise-shard-")]
+            if shards:
+                victim = self.rng.choice(shards)
+                os.kill(victim.pid, signal.SIGKILL)
+                self.pids.append(victim.pid)
+                self.left -= 1
+            self.next = rec["time"] + self.rng.uniform(0.2, 1.0)
+
+
+def train(job, folder, on_record=None, **kw):
+    return job.train(
+        paced_loss_and_grad_b,
+        data=mp_helpers.counting_data,
+        workers=4,
+        steps=400,
+        checkpoints=sw.Checkpoints(folder, every=100, keep=100),
+        metrics=sw.Metrics(every=0.05, on_record=on_record),
+        timeouts=sw.Timeouts(total=150),
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_killed_shards_lose_nothing_and_the_logs_replay_past_each_death(seed, tmp_path, no_leaks):
+    params = {"x": np.zeros(8, np.float32), "b": np.ones(300, np.float32)}
+    job = sw.Job(params, optimizer=sw.optim.adam(0.05), shards=2)
+    kills = Kills(3, seed)
+    result = train(job, tmp_path, kills)
+    assert len(kills.pids) == 3
+    restarted = [e for e in result.failures if "shard" in e]
+    assert len(restarted) == 3 and all(e["action"] == "restarted" for e in restarted)
+    assert all(e["lost"] == 0 for e in restarted), restarted
+    final = store.load(tmp_path)
+    assert final.flat().tobytes() == result.flat.tobytes()
+    # every push handled once by each shard: they agree, and none counted is missing; a
+    # worker the parent killed between committing a push and counting it adds one at most
+    applied = [int(s["stats.applied"]) for s in final.states]
+    versions = [int(s["version"]) for s in final.states]
+    assert applied[0] == applied[1] and versions[0] == versions[1], (applied, versions)
+    workers_killed = 4 * len(restarted)
+    assert result.pushes <= applied[0] <= result.pushes + workers_killed, (applied, result.pushes)
+    assert sum(int(s["stats.duplicates"]) for s in final.states) >= 0
+    # the first checkpoint (before any kill) and its logs replay past every death (adam:
+    # the optimizer state was kept, else the restarted shard's params would differ)
+    kept = [p.name for p in store._complete(tmp_path)]
+    first = min(kept)
+    flat, ckpt, logs = replay.replay(tmp_path, job.config, first)
+    assert ckpt.step["pushes"] < 120, ckpt.step
+    assert flat.tobytes() == result.flat.tobytes(), (first, logs)
+
+
+def wait_for(condition, what, seconds=20.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def kill(server, k):
+    """SIGKILLs shard ``k`` and waits until the OS reports its exit (restart_shard's premise)."""
+    os.kill(server._procs[k].pid, signal.SIGKILL)
+    wait_for(lambda: k in server.dead_shards(), f"shard {k} is seen dead")
+
+
+def test_a_restart_drops_a_torn_entry_completes_a_torn_push_and_goes_on_with_the_chain(
+    tmp_path, no_leaks
+):
+    """Shard 1 is stopped, a push reaches shard 0 only (torn), shard 1 is killed and its log
+    gets half an entry: the restart drops that, delivers the push, and appends to the log."""
+    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+    job = sw.Job(params, optimizer=sw.optim.adam(0.1), shards=2)
+    with LocalServer(job.config, workers=1) as server:
+        client = server.client(0)
+        states, step, _ = server.checkpoint_parts(timeout=30, log_dir=str(tmp_path))
+        pushes(client, 3)
+        os.kill(server._procs[1].pid, signal.SIGSTOP)
+        client.push(ONES, timeout=10)
+        wait_for(lambda: server.published_version(0) == 4, "shard 0 applies the push")
+        kill(server, 1)
+        client.close()
+        with open(tmp_path / step["logs"][1], "ab") as f:
+            f.write(pushlog.MAGIC + b"\x10\x00")  # a crash mid-write
+        info = server.restart_shard(1, timeout=30)
+        assert (info["source"], info["version"], info["lost"]) == ("push log", 4, 0)
+        client = server.client(0)
+        pushes(client, 2)
+        client.close()
+        final = server.state_dicts(timeout=30)
+    assert [s["version"] for s in final] == [6, 6]
+    for k in (0, 1):  # the chain replays across the death to the end, optimizer state too
+        shard = job.config.build_shard(k, np.array(states[k]["params"]), 1)
+        shard.load_state_dict(states[k])
+        read, _ = replay.replay_chain(shard, tmp_path, step["logs"][k])
+        assert read == [step["logs"][k]]
+        for key, value in shard.state_dict().items():
+            if key.startswith(("params", "opt.", "version", "next_seq", "incarnation")):
+                np.testing.assert_array_equal(value, final[k][key], err_msg=f"{k}: {key}")
+
+
+def test_without_a_log_a_restart_is_as_before_and_says_so(caplog, no_leaks):
+    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+    job = sw.Job(params, optimizer=sw.optim.sgd(0.1), shards=2)
+    with LocalServer(job.config, workers=1) as server:
+        client = server.client(0)
+        pushes(client, 2)
+        client.close()
+        kill(server, 1)
+        with caplog.at_level(logging.WARNING):
+            info = server.restart_shard(1, timeout=30)
+    assert info["source"] == "published snapshot"
+    assert "shard 1: no push log (no checkpoint folder)" in caplog.text
