@@ -230,7 +230,8 @@ class Calibration:
         runtime: the runtime transport, shard and worker loop were timed on.
         copy, bus: one copy's seconds by bytes, and bytes a second copied with every core
             copying; with them the table charges bytes as copies on the cores (``copy_*``).
-        cpu: the pull's and the send's CPU seconds by bytes (``"pull"``, ``"send"``).
+        cpu: CPU seconds by bytes of the pull and the send (``"pull"``, ``"send"``), and a
+            local shard process's per push, its publish included (``"shard"``: the apply's copies).
     """
 
     workers: int
@@ -333,7 +334,8 @@ class Calibration:
             pull, push = (
                 (self.pull, self.send or self.push) if cpu is None else (cpu["pull"], cpu["send"])
             )
-            for key, fit in (("pull", pull), ("push", push), ("apply", self.apply)):
+            apply = self.apply if cpu is None else cpu.get("shard", self.apply)
+            for key, fit in (("pull", pull), ("push", push), ("apply", apply)):
                 t[f"copy_{key}"] = _sig(min(fit.slope / per, 1e6))
             if cpu is not None:
                 t["copy_pull_time"] = _sig(min(cpu["pull"].intercept, MAX_SECONDS))
@@ -454,7 +456,8 @@ class Calibration:
                 f"copies: one process copies {_rate(self.copy.slope):.3g} B/s, every core at "
                 f"once {t['copy_bus']:.3g} B/s in all; a pull costs {t.get('copy_pull')} "
                 f"copies of its bytes, a send {t.get('copy_push')}, an apply "
-                f"{t.get('copy_apply')}, charged to the cores and the bus"
+                f"{t.get('copy_apply')}{' with its publish' * ('shard' in (self.cpu or {}))}, "
+                "charged to the cores and the bus"
             )
         if self.contention is not None:
             c = self.contention
@@ -832,10 +835,13 @@ def transport_times(
     """Seconds of a pull, of a push until its acknowledgement, and of its send alone,
     ``repeats`` times each, through a server of ``runtime`` of ``size`` floats. ``shard``
     (a list) gets shard 0's actor's own seconds per push on Ray; ``cpu`` (a list) each
-    repeat's ``(pull, send)`` CPU seconds of this thread."""
-    job = _synthetic_job(job, size, min(job.config.shards, size))
+    repeat's ``(pull, send, shard)`` CPU seconds: this thread's, and a local shard
+    process's on average (its apply, publish and pipes; None on Ray)."""
+    shards = min(job.config.shards, size)
+    job = _synthetic_job(job, size, shards)
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
     pulls, pushes, sends = [], [], []
+    local = not _on_cluster(runtime)
 
     def busy() -> float:  # shard 0's actor on Ray: its seconds of pushes, publishing, pulls
         return sum(server.stats()[0]["busy"].values())
@@ -843,6 +849,8 @@ def transport_times(
     with job.serve(workers=1, runtime=runtime) as server:
         client = server.client(0)
         spent = busy() if shard is not None else 0.0
+        procs = _children() if local else []  # the shard processes (and idle helpers)
+        on_cpu = _on_cpu(procs)
         for i in range(repeats + 2):
             # as the local worker loop: the pull follows the push at once, the ack is read later
             c0, t0 = time.thread_time(), time.perf_counter()
@@ -854,16 +862,45 @@ def transport_times(
             t3 = time.perf_counter()
             if shard is not None:
                 spent, before = busy(), spent
+            was, on_cpu = on_cpu, _on_cpu(procs)  # from this push to the next: its publish too
             if i >= 2:
                 pulls.append(t2 - t1)
                 pushes.append((t1 - t0) + (t3 - t2))
                 sends.append(t1 - t0)
                 if cpu is not None:
-                    cpu.append((c2 - c1, c1 - c0))
+                    ok = on_cpu is not None and was is not None
+                    cpu.append((c2 - c1, c1 - c0, (on_cpu - was) / shards if ok else None))
                 if shard is not None:
                     shard.append(spent - before)
         client.close()
     return pulls, pushes, sends
+
+
+def _children() -> list[int]:
+    """This process's child processes (Linux; none elsewhere)."""
+    try:
+        tasks = os.listdir(f"/proc/{os.getpid()}/task")
+    except OSError:
+        return []
+    out = []
+    for t in tasks:
+        with contextlib.suppress(OSError), open(f"/proc/{os.getpid()}/task/{t}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def _on_cpu(pids: Sequence[int]) -> float | None:
+    """The seconds processes ``pids`` (all their threads) have run on a CPU (Linux's
+    schedstat, in ns); None when one cannot be read."""
+    total = 0
+    try:
+        for pid in pids:
+            for t in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                    total += int(f.read(64).split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9 if pids else None
 
 
 @dataclass(frozen=True)
@@ -1050,6 +1087,8 @@ def calibrate(
             timed = [("copy", nbytes, copy_times(nbytes, repeats))]
             for j, name in enumerate(("pull CPU", "send CPU")):  # CPU times: what costs copies
                 timed.append((name, nbytes, [c[j] for c in cpu] or [0.0]))
+            if cpu and all(c[2] is not None for c in cpu):  # a local shard's, per push
+                timed.append(("shard CPU", -(-n // shards) * itemsize, [c[2] for c in cpu]))
             timed += [("apply", nbytes_a, a_times), ("pull", nbytes, pulls)]
             timed += [("send", nbytes, sends), ("push", nbytes, pushes), ("message", nbytes, msgs)]
             for name, b, xs in timed:
@@ -1091,7 +1130,7 @@ def calibrate(
         runtime=runtime,
         copy=fit("copy"),
         bus=bus,
-        cpu={name: fit(f"{name} CPU") for name in ("pull", "send")},
+        cpu={k: fit(f"{k} CPU") for k in ("pull", "send", "shard") if f"{k} CPU" in series},
     )
     for w in cal.warnings():
         log.warning("calibrate: the machine was too busy for a stable figure: %s", w)
