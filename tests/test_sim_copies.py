@@ -93,6 +93,11 @@ def test_a_measured_copy_puts_the_bytes_on_the_cores_not_on_links():
     assert (t["copy_pull"], t["copy_push"], t["copy_apply"]) == (1.0, 0.5, 1.5)
     assert t["copy_pull_time"] == t["copy_push_time"] == 1e-5  # on the cores: out of latency
     assert t["latency"] == 2.5e-5
+    # a local shard process's CPU time per push, when measured, is the apply's copies
+    cpu["shard"] = calibrate.Fit(3e-5, 2.5 * per)
+    cal = dataclasses.replace(cal, cpu=cpu)
+    assert cal.table()["copy_apply"] == 2.5 and cal.table()["service_time"] == 1e-5
+    assert "an apply 2.5 with its publish" in cal.summary()
 
 
 def test_copy_times_time_one_copy_alone_and_beside_others():
