@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import logging
 import math
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -593,11 +594,9 @@ def measure_compute(
     their thread cap; and with ``contention`` > 0, the :class:`Contention` for 1 to that
     many runnable processes (else None). ``delays``: each worker's emulated seconds slept
     after each step. ``evaluate``: called every ``eval_interval`` seconds meanwhile."""
-    import multiprocessing as mp
-
     from stalewise.runtime.local.procs import thread_budget
 
-    ctx = mp.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // workers)
     procs, conns = [], []
     with thread_budget(threads):
@@ -849,7 +848,7 @@ def transport_times(
     with job.serve(workers=1, runtime=runtime) as server:
         client = server.client(0)
         spent = busy() if shard is not None else 0.0
-        procs = _children() if local else []  # the shard processes (and idle helpers)
+        procs = [p.pid for p in multiprocessing.active_children()] if local else []  # shards
         on_cpu = _on_cpu(procs)
         for i in range(repeats + 2):
             # as the local worker loop: the pull follows the push at once, the ack is read later
@@ -874,19 +873,6 @@ def transport_times(
                     shard.append(spent - before)
         client.close()
     return pulls, pushes, sends
-
-
-def _children() -> list[int]:
-    """This process's child processes (Linux; none elsewhere)."""
-    try:
-        tasks = os.listdir(f"/proc/{os.getpid()}/task")
-    except OSError:
-        return []
-    out = []
-    for t in tasks:
-        with contextlib.suppress(OSError), open(f"/proc/{os.getpid()}/task/{t}/children") as f:
-            out += [int(c) for c in f.read().split()]
-    return out
 
 
 def _on_cpu(pids: Sequence[int]) -> float | None:

@@ -532,7 +532,6 @@ def test_a_processs_time_on_the_cores_is_its_cpu_time_not_its_wall_time():
     p = subprocess.Popen([sys.executable, "-S", "-c", spin], stdout=subprocess.PIPE)
     try:
         p.stdout.readline()
-        assert p.pid in calibrate._children()
         assert 0.3 <= calibrate._on_cpu([p.pid]) < 0.6
         assert calibrate._on_cpu([2**22 + 12345]) is None  # no such process: not measured
     finally:
