@@ -845,10 +845,12 @@ def transport_times(
     def busy() -> float:  # shard 0's actor on Ray: its seconds of pushes, publishing, pulls
         return sum(server.stats()[0]["busy"].values())
 
+    others = {p.pid for p in multiprocessing.active_children()}
     with job.serve(workers=1, runtime=runtime) as server:
         client = server.client(0)
         spent = busy() if shard is not None else 0.0
-        procs = [p.pid for p in multiprocessing.active_children()] if local else []  # shards
+        started = {p.pid for p in multiprocessing.active_children()} - others  # the shards
+        procs = sorted(started) if local else []
         on_cpu = _on_cpu(procs)
         for i in range(repeats + 2):
             # as the local worker loop: the pull follows the push at once, the ack is read later
