@@ -840,7 +840,6 @@ def transport_times(
     job = _synthetic_job(job, size, shards)
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
     pulls, pushes, sends = [], [], []
-    local = not _on_cluster(runtime)
 
     def busy() -> float:  # shard 0's actor on Ray: its seconds of pushes, publishing, pulls
         return sum(server.stats()[0]["busy"].values())
@@ -850,7 +849,7 @@ def transport_times(
         client = server.client(0)
         spent = busy() if shard is not None else 0.0
         started = {p.pid for p in multiprocessing.active_children()} - others  # the shards
-        procs = sorted(started) if local else []
+        procs = [] if _on_cluster(runtime) else sorted(started)
         on_cpu = _on_cpu(procs)
         for i in range(repeats + 2):
             # as the local worker loop: the pull follows the push at once, the ack is read later
@@ -1118,7 +1117,11 @@ def calibrate(
         runtime=runtime,
         copy=fit("copy"),
         bus=bus,
-        cpu={k: fit(f"{k} CPU") for k in ("pull", "send", "shard") if f"{k} CPU" in series},
+        cpu={
+            k: fit(f"{k} CPU")
+            for k in ("pull", "send", "shard")
+            if len(series.get(f"{k} CPU", ())) == len(sizes)
+        },  # the shard's: at every size
     )
     for w in cal.warnings():
         log.warning("calibrate: the machine was too busy for a stable figure: %s", w)
