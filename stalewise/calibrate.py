@@ -68,6 +68,9 @@ MIN_REPEATS, MAX_REPEATS = 3, 10_000
 MAX_TIMEOUT = 86_400.0
 #: The smallest parameter count of the two transport and apply sizes.
 MIN_SIZE = 4096
+#: The shard process's CPU time per push gives the apply's copies when a copy of the larger
+#: size takes this long (seconds); below, its fixed costs' noise swamps the bytes' slope.
+SHARD_COPY = 1e-3
 #: Busy seconds of each step of the worker-loop measurement, and its steps.
 LOOP_COMPUTE, LOOP_STEPS = 0.002, 300
 #: A worker's step times whose interquartile range exceeds this fraction of their median
@@ -335,13 +338,19 @@ class Calibration:
             pull, push = (
                 (self.pull, self.send or self.push) if cpu is None else (cpu["pull"], cpu["send"])
             )
-            apply = self.apply if cpu is None else cpu.get("shard", self.apply)
+            apply = self.shard_apply or self.apply
             for key, fit in (("pull", pull), ("push", push), ("apply", apply)):
                 t[f"copy_{key}"] = _sig(min(fit.slope / per, 1e6))
             if cpu is not None:
                 t["copy_pull_time"] = _sig(min(cpu["pull"].intercept, MAX_SECONDS))
                 t["copy_push_time"] = _sig(min(cpu["send"].intercept, MAX_SECONDS))
         return t
+
+    @property
+    def shard_apply(self) -> Fit | None:
+        """The shard process's CPU per push, when it gives the apply's copies (:data:`SHARD_COPY`)."""
+        copy = self.copy.points if self.copy is not None else ()
+        return (self.cpu or {}).get("shard") if copy and max(copy)[1] >= SHARD_COPY else None
 
     def sim_config(self, bound: str | None = None) -> SimConfig:
         """The table as the simulator reads it; ``bound="low"`` (``"high"``): every measured
@@ -457,7 +466,7 @@ class Calibration:
                 f"copies: one process copies {_rate(self.copy.slope):.3g} B/s, every core at "
                 f"once {t['copy_bus']:.3g} B/s in all; a pull costs {t.get('copy_pull')} "
                 f"copies of its bytes, a send {t.get('copy_push')}, an apply "
-                f"{t.get('copy_apply')}{' with its publish' * ('shard' in (self.cpu or {}))}, "
+                f"{t.get('copy_apply')}{' with its publish' * (self.shard_apply is not None)}, "
                 "charged to the cores and the bus"
             )
         if self.contention is not None:
