@@ -17,14 +17,21 @@ figure is a ratio that a shared machine's load moves less than a time.
   worker 4x slower, ``client.pull()`` then ``client.push(grads)``), updates/s
   after a warm-up, as a share of that bound; and ``Job.train`` with gradients and
   with DiLoCo H=20 (``--train``).
+* **sim**: beside each own-loop rate, the simulator's prediction of it (``sim/s``,
+  ``sim/real``), calibrated in the same run (``job.calibrate`` at n/4 and n floats: the
+  stages' CPU and bus costs, the contention; then the setting simulated with ``model_bytes``
+  of n floats). ``--no-sim`` leaves it out. The bar's run (10M and 100M, quiet machine):
+  ``benchmarks/scale.py --sizes 10000000 100000000 --shards 1 --json
+  benchmarks/results/scale-sim.json`` (its bars: ``|sim/real - 1| <= 0.15``).
 * **memory**: each process's peak resident memory (``VmHWM``, the shared block
   counted in every process that touched it) as a multiple of the parameters' bytes.
 
     .venv/bin/python benchmarks/scale.py [--sizes 1000000 10000000] [--shards 1 2 4]
-        [--seconds 4] [--train] [--optimizer sgd|adam] [--json benchmarks/results/scale.json]
+        [--seconds 4] [--train] [--no-sim] [--optimizer sgd|adam] [--json benchmarks/results/scale.json]
 """
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import sys
@@ -223,6 +230,30 @@ def own_rate(n: int, shards: int, seconds: float, optimizer: str = "sgd") -> dic
     }
 
 
+SIM_SECONDS = 20.0  # virtual seconds of the simulated own loop
+
+
+def sim_rate(n: int, shards: int, repeats: int, optimizer: str = "sgd") -> tuple[float, dict]:
+    """The calibrated simulator's updates/s of :func:`own_rate`'s setting, and its table:
+    calibrated here and now at n/4 and n floats on a small job that pretends n floats."""
+    job = sw.Job({"w": np.zeros(1000, np.float32)}, optimizer=OPTIMIZERS[optimizer](),
+                 shards=shards)  # fmt: skip
+    cal = job.calibrate(emulated_step, no_data, workers=WORKERS, repeats=max(3, repeats),
+                        sizes=(n // 4, n), delays=COMPUTE)  # fmt: skip
+    sim = dataclasses.replace(cal.sim_config(), model_bytes=4 * n)
+    r = job.train(
+        emulated_step,
+        data=no_data,
+        workers=WORKERS,
+        steps=int(IDEAL * SIM_SECONDS),
+        runtime=sw.Simulation(sim),
+        emulation=sw.Emulation(
+            stragglers={WORKERS - 1: SLOWDOWN}, delays=dict.fromkeys(range(WORKERS), COMPUTE)
+        ),
+    )
+    return r.stats["version"] / r.time, cal.table()
+
+
 def train_rate(n: int, shards: int, seconds: float, strategy) -> float:
     """``Job.train``'s updates/s (emulated 20 ms steps, one worker 4x slower)."""
     job = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=sw.optim.sgd(0.01), shards=shards,
@@ -250,17 +281,22 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=9, help="stages: updates timed")
     ap.add_argument("--train", action="store_true", help="also Job.train: gradients, DiLoCo H=20")
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="the shards'")
+    ap.add_argument("--no-sim", action="store_true", help="no simulator column")
     _report.add_json_arg(ap)
     args = ap.parse_args()
     out = _report.json_path(ap, args, "scale")
     began, loads = time.monotonic(), [os.getloadavg()[0]]
-    rows = []
+    rows, tables = [], {}
     for n in args.sizes:
         for s in args.shards:
             row = stages(n, s, args.repeats, args.optimizer)
             if s == args.shards[0]:  # the rates: one shard count per size
                 row |= own_rate(n, s, args.seconds * (1 if n <= 2e6 else 3), args.optimizer)
                 row["of_bound"] = row["updates/s"] / row["bound/s"]
+                if not args.no_sim:
+                    row["sim/s"], tables[n] = sim_rate(n, s, args.repeats, args.optimizer)
+                    row["sim/real"] = row["sim/s"] / row["updates/s"]
+                    row["load1"] = max(row["load1"], os.getloadavg()[0])
                 if args.train:
                     row["train/s"] = train_rate(n, s, args.seconds, None)
                     row["diloco20/s"] = train_rate(n, s, args.seconds * 4, sw.strategies.diloco(20))
@@ -284,7 +320,15 @@ def main() -> int:
             "load1": [min(loads), max(loads)],
             "optimizer": args.optimizer,
             "rows": rows,
+            "sim_tables": tables,  # by size: the [sim] table each sim/s was simulated on
         },
+        bars=[  # the simulator within 15% of the own loop (issue 44: at 10M and 100M)
+            _report.bar(
+                f"{r['params']:,} params: |sim/real - 1|", abs(r["sim/real"] - 1), "<=", 0.15
+            )
+            for r in rows
+            if "sim/real" in r
+        ],
     )
     return 0
 

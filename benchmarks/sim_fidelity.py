@@ -30,7 +30,9 @@ average is printed with the figures: on a shared machine the local runs'
 speeds are noisy.
 
 The 7 fixed settings are the regression set (the default). ``--random N --seed S``
-instead draws N settings from this space (each draw uniform unless said):
+instead draws N settings from this space (each draw uniform unless said); without
+``--seed`` the seed is drawn from the clock (printed and recorded), and ``--seeds K``
+runs K such seeds, each once, into one JSON (``runs``: each seed's rows):
 
 * workers 2-8; shards 1-3;
 * consistency ASP, SSP (bound 1-4), BSP or Hybrid (tolerance 2);
@@ -67,7 +69,7 @@ local figures stored in it: a change to the simulator is judged on quiet measure
 seconds, on any machine, at any load.
 
     .venv/bin/python benchmarks/sim_fidelity.py [--quick] [--check] [--json PATH]
-    .venv/bin/python benchmarks/sim_fidelity.py --random 10 --seed 1 [--check]
+    .venv/bin/python benchmarks/sim_fidelity.py --random 10 [--seed 1 | --seeds 5] [--check]
     .venv/bin/python benchmarks/sim_fidelity.py --runtime ray --only "digits 2w ASP"
     .venv/bin/python benchmarks/sim_fidelity.py --replay benchmarks/results/sim_fidelity-random1.json
 """
@@ -472,43 +474,65 @@ def _error(key: str, p: float | None, m: float | None) -> float | None:
     return abs(p / m - 1) if m != 0 else None
 
 
+def clock_seed() -> int:
+    """A seed drawn from the clock (nanoseconds, below 2**32): a setting nobody tuned on."""
+    return time.time_ns() % 2**32
+
+
 def random_main(args: argparse.Namespace, out) -> int:
+    """``--random N`` for one seed (``--seed``, else drawn from the clock) or for ``--seeds
+    K`` seeds each drawn from the clock when its run begins; every seed's rows in the JSON."""
     print("the space: " + "; ".join(f"{k} {v}" for k, v in SPACE.items()))
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
-          f"on {os.cpu_count()} cores")  # fmt: skip
     t0 = time.perf_counter()
-    rows: list[dict] = []
-    head = {"random": args.random, "seed": args.seed, "space": SPACE,
-            "seconds": RANDOM_SECONDS, "repeats": RANDOM_REPEATS}  # fmt: skip
-    for i, d in enumerate(draw(args.random, args.seed)):
+    head = {"random": args.random, "space": SPACE, "seconds": RANDOM_SECONDS,
+            "repeats": RANDOM_REPEATS, "seeds": []}  # fmt: skip
+    bars: list[dict] = []
+    for _ in range(args.seeds):
+        seed = clock_seed() if args.seed is None else args.seed
+        head["seeds"].append(seed)
+        runs = head.setdefault("runs", [])
+        runs.append({"seed": seed, "load_start": os.getloadavg(), "rows": []})
+        print(f"\nseed {seed}{' (from the clock)' * (args.seed is None)}; load average at "
+              f"start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} "
+              "cores", flush=True)  # fmt: skip
+        bars.append(one_seed(args.random, seed, runs[-1], lambda: _report.write(out, head)))
+        runs[-1]["load_end"] = os.getloadavg()
+        _report.write(out, head, bars=bars)
+    met = sum(b["met"] for b in bars)
+    print(f"\nseeds {head['seeds']}: {met} of {len(bars)} meet the bar; total "
+          f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+    return 1 if args.check and met < len(bars) else 0
+
+
+def one_seed(n: int, seed: int, run: dict, save) -> dict:
+    """Draws ``n`` settings from ``seed``, runs each into ``run["rows"]`` (``save()`` after
+    each); prints the table; returns the bar: ``ceil(RANDOM_SHARE * n)`` meet all three."""
+    rows = run["rows"]
+    for i, d in enumerate(draw(n, seed)):
         try:
             rows.append(run_drawn(i, d))
         except Exception as e:  # one setting's failure is reported, the others still run
             print(f"  [{i}] {d.name}: FAILED: {type(e).__name__}: {e}", flush=True)
             rows.append({"#": i, "setting": d.name, "drawn": dataclasses.asdict(d),
                          "error": f"{type(e).__name__}: {e}", "ok": False})  # fmt: skip
-        if i + 1 < args.random:  # the settings so far, in case the run is cut short
-            _report.write(out, {**head, "done": i + 1, "rows": rows})
+        save()  # the settings so far, in case the run is cut short
     cols = ["#", "setting"] + [f"{k} {w}" for k in BARS for w in ("sim", "local", "err")]
     print(report.format_table(rows, [*cols, "ok"]))
-    need = math.ceil(RANDOM_SHARE * len(rows))
     ok = sum(bool(r["ok"]) for r in rows)
-    bars = [_report.bar("random settings meeting all three bars", ok, ">=", need)]
+    bar = _report.bar(f"seed {seed}: random settings meeting all three bars", ok, ">=",
+                      math.ceil(RANDOM_SHARE * len(rows)))  # fmt: skip
     for suffix in ("", WALL, PLAIN):
         for key, limit in BARS.items():
             within = sum(bool(r.get(f"{key} met{suffix}")) for r in rows)
             print(f"{key}{suffix}: {within} of {len(rows)} within {limit:.0%}")
-    print()
-    print(f"bar: {bars[0]['name']} {bars[0]['bar']}: {ok} of {len(rows)} -> "
-          f"{'met' if bars[0]['met'] else 'MISSED'}; " + ", ".join(
+    print(f"\nbar: {bar['name']} {bar['bar']}: {ok} of {len(rows)} -> "
+          f"{'met' if bar['met'] else 'MISSED'}; " + ", ".join(
           f"{x.strip(' ()')}: {sum(bool(r.get(f'ok{x}')) for r in rows)}" for x in (WALL, PLAIN)))  # fmt: skip
     missed = [f"[{r['#']}] {r['setting']}" for r in rows if not r["ok"]]
     print("settings missing a bar: " + (", ".join(missed) if missed else "none"))
     print(f"(staleness below 1 version: within {STALENESS_ABS} versions counts as within 15%)")
-    print(f"total {time.perf_counter() - t0:.0f} s; load average at end: "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
-    _report.write(out, {**head, "done": len(rows), "rows": rows}, bars=bars)
-    return 1 if args.check and not bars[0]["met"] else 0
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    return bar
 
 
 def replay(path: str) -> int:
@@ -518,8 +542,9 @@ def replay(path: str) -> int:
     from stalewise.runtime.sim.config import SimConfig
 
     data = json.loads(Path(path).read_text())["figures"]
+    rows = data.get("rows") or [r for run in data.get("runs", ()) for r in run["rows"]]
     ok = 0
-    for r in data["rows"]:
+    for r in rows:
         if "drawn" in r:
             d = Drawn(**{**r["drawn"], "stragglers": tuple(map(tuple, r["drawn"]["stragglers"]))})
             task = drawn_task(d)
@@ -540,7 +565,7 @@ def replay(path: str) -> int:
         print(f"  {r['setting']}: " + ", ".join(
             f"{k} {_f(got[k])}/{_f(r[f'{k} local'])} ({'met' if met[k] else 'MISSED'})"
             for k in BARS) + " (sim now / local then)", flush=True)  # fmt: skip
-    print(f"{ok} of {len(data['rows'])} rows meet all three bars on the simulator as it is now")
+    print(f"{ok} of {len(rows)} rows meet all three bars on the simulator as it is now")
     return 0
 
 
@@ -557,7 +582,9 @@ def main() -> int:
         metavar="N",
         help="N settings drawn from the stated space instead of the fixed 7",
     )
-    ap.add_argument("--seed", type=int, default=0, help="the draw's seed (--random)")
+    ap.add_argument("--seed", type=int, help="the draw's seed (--random; default: the clock's)")
+    ap.add_argument("--seeds", type=int, default=1, metavar="K",
+                    help="--random for K seeds, each drawn from the clock, each run once")  # fmt: skip
     ap.add_argument(
         "--runtime",
         choices=("local", "ray"),
@@ -575,7 +602,13 @@ def main() -> int:
         ap.error(f"--random: expected an integer >= 1, got {args.random}")
     if args.random is not None and args.runtime != "local":
         ap.error(f"--runtime {args.runtime}: the random settings run on the local runtime only")
-    name = "sim_fidelity" if args.random is None else f"sim_fidelity-random{args.seed}"
+    if args.seeds < 1 or (args.seeds > 1 and (args.seed is not None or args.random is None)):
+        ap.error(f"--seeds {args.seeds}: expected an integer >= 1, with --random, without --seed")
+    name = (
+        "sim_fidelity"
+        if args.random is None
+        else f"sim_fidelity-random{'' if args.seed is None else args.seed}"
+    )
     name += "" if args.runtime == "local" else f"-{args.runtime}"
     out = _report.json_path(ap, args, name)
     if args.random is not None:

@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import logging
 import math
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -67,6 +68,9 @@ MIN_REPEATS, MAX_REPEATS = 3, 10_000
 MAX_TIMEOUT = 86_400.0
 #: The smallest parameter count of the two transport and apply sizes.
 MIN_SIZE = 4096
+#: The shard process's CPU time per push gives the apply's copies when a copy of the larger
+#: size takes this long (seconds); below, its fixed costs' noise swamps the bytes' slope.
+SHARD_COPY = 1e-3
 #: Busy seconds of each step of the worker-loop measurement, and its steps.
 LOOP_COMPUTE, LOOP_STEPS = 0.002, 300
 #: A worker's step times whose interquartile range exceeds this fraction of their median
@@ -230,7 +234,8 @@ class Calibration:
         runtime: the runtime transport, shard and worker loop were timed on.
         copy, bus: one copy's seconds by bytes, and bytes a second copied with every core
             copying; with them the table charges bytes as copies on the cores (``copy_*``).
-        cpu: the pull's and the send's CPU seconds by bytes (``"pull"``, ``"send"``).
+        cpu: CPU seconds by bytes of the pull and the send (``"pull"``, ``"send"``), and a
+            local shard process's per push, its publish included (``"shard"``: the apply's copies).
     """
 
     workers: int
@@ -333,12 +338,19 @@ class Calibration:
             pull, push = (
                 (self.pull, self.send or self.push) if cpu is None else (cpu["pull"], cpu["send"])
             )
-            for key, fit in (("pull", pull), ("push", push), ("apply", self.apply)):
+            apply = self.shard_apply or self.apply
+            for key, fit in (("pull", pull), ("push", push), ("apply", apply)):
                 t[f"copy_{key}"] = _sig(min(fit.slope / per, 1e6))
             if cpu is not None:
                 t["copy_pull_time"] = _sig(min(cpu["pull"].intercept, MAX_SECONDS))
                 t["copy_push_time"] = _sig(min(cpu["send"].intercept, MAX_SECONDS))
         return t
+
+    @property
+    def shard_apply(self) -> Fit | None:
+        """The shard process's CPU per push, when it gives the apply's copies (:data:`SHARD_COPY`)."""
+        copy = self.copy.points if self.copy is not None else ()
+        return (self.cpu or {}).get("shard") if copy and max(copy)[1] >= SHARD_COPY else None
 
     def sim_config(self, bound: str | None = None) -> SimConfig:
         """The table as the simulator reads it; ``bound="low"`` (``"high"``): every measured
@@ -454,7 +466,8 @@ class Calibration:
                 f"copies: one process copies {_rate(self.copy.slope):.3g} B/s, every core at "
                 f"once {t['copy_bus']:.3g} B/s in all; a pull costs {t.get('copy_pull')} "
                 f"copies of its bytes, a send {t.get('copy_push')}, an apply "
-                f"{t.get('copy_apply')}, charged to the cores and the bus"
+                f"{t.get('copy_apply')}{' with its publish' * (self.shard_apply is not None)}, "
+                "charged to the cores and the bus"
             )
         if self.contention is not None:
             c = self.contention
@@ -590,11 +603,9 @@ def measure_compute(
     their thread cap; and with ``contention`` > 0, the :class:`Contention` for 1 to that
     many runnable processes (else None). ``delays``: each worker's emulated seconds slept
     after each step. ``evaluate``: called every ``eval_interval`` seconds meanwhile."""
-    import multiprocessing as mp
-
     from stalewise.runtime.local.procs import thread_budget
 
-    ctx = mp.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // workers)
     procs, conns = [], []
     with thread_budget(threads):
@@ -832,17 +843,23 @@ def transport_times(
     """Seconds of a pull, of a push until its acknowledgement, and of its send alone,
     ``repeats`` times each, through a server of ``runtime`` of ``size`` floats. ``shard``
     (a list) gets shard 0's actor's own seconds per push on Ray; ``cpu`` (a list) each
-    repeat's ``(pull, send)`` CPU seconds of this thread."""
-    job = _synthetic_job(job, size, min(job.config.shards, size))
+    repeat's ``(pull, send, shard)`` CPU seconds: this thread's, and a local shard
+    process's on average (its apply, publish and pipes; None on Ray)."""
+    shards = min(job.config.shards, size)
+    job = _synthetic_job(job, size, shards)
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
     pulls, pushes, sends = [], [], []
 
     def busy() -> float:  # shard 0's actor on Ray: its seconds of pushes, publishing, pulls
         return sum(server.stats()[0]["busy"].values())
 
+    others = {p.pid for p in multiprocessing.active_children()}
     with job.serve(workers=1, runtime=runtime) as server:
         client = server.client(0)
         spent = busy() if shard is not None else 0.0
+        started = {p.pid for p in multiprocessing.active_children()} - others  # the shards
+        procs = [] if _on_cluster(runtime) else sorted(started)
+        on_cpu = _on_cpu(procs)
         for i in range(repeats + 2):
             # as the local worker loop: the pull follows the push at once, the ack is read later
             c0, t0 = time.thread_time(), time.perf_counter()
@@ -854,16 +871,32 @@ def transport_times(
             t3 = time.perf_counter()
             if shard is not None:
                 spent, before = busy(), spent
+            was, on_cpu = on_cpu, _on_cpu(procs)  # from this push to the next: its publish too
             if i >= 2:
                 pulls.append(t2 - t1)
                 pushes.append((t1 - t0) + (t3 - t2))
                 sends.append(t1 - t0)
                 if cpu is not None:
-                    cpu.append((c2 - c1, c1 - c0))
+                    ok = on_cpu is not None and was is not None
+                    cpu.append((c2 - c1, c1 - c0, (on_cpu - was) / shards if ok else None))
                 if shard is not None:
                     shard.append(spent - before)
         client.close()
     return pulls, pushes, sends
+
+
+def _on_cpu(pids: Sequence[int]) -> float | None:
+    """The seconds processes ``pids`` (all their threads) have run on a CPU (Linux's
+    schedstat, in ns); None when one cannot be read."""
+    total = 0
+    try:
+        for pid in pids:
+            for t in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                    total += int(f.read(64).split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9 if pids else None
 
 
 @dataclass(frozen=True)
@@ -1050,6 +1083,8 @@ def calibrate(
             timed = [("copy", nbytes, copy_times(nbytes, repeats))]
             for j, name in enumerate(("pull CPU", "send CPU")):  # CPU times: what costs copies
                 timed.append((name, nbytes, [c[j] for c in cpu] or [0.0]))
+            if cpu and all(c[2] is not None for c in cpu):  # a local shard's, per push
+                timed.append(("shard CPU", -(-n // shards) * itemsize, [c[2] for c in cpu]))
             timed += [("apply", nbytes_a, a_times), ("pull", nbytes, pulls)]
             timed += [("send", nbytes, sends), ("push", nbytes, pushes), ("message", nbytes, msgs)]
             for name, b, xs in timed:
@@ -1091,7 +1126,11 @@ def calibrate(
         runtime=runtime,
         copy=fit("copy"),
         bus=bus,
-        cpu={name: fit(f"{name} CPU") for name in ("pull", "send")},
+        cpu={
+            k: fit(f"{k} CPU")
+            for k in ("pull", "send", "shard")
+            if len(series.get(f"{k} CPU", ())) == len(sizes)
+        },  # the shard's: at every size
     )
     for w in cal.warnings():
         log.warning("calibrate: the machine was too busy for a stable figure: %s", w)

@@ -79,7 +79,8 @@ def check_sane(sim: SimConfig, cal: calibrate.Calibration) -> None:
         assert close(copied.rate, rate(cal.copy.slope)) and copied.bus == pytest.approx(
             cal.bus, 1e-3
         )
-        for got, fit in ((copied.pull, pull), (copied.push, send), (copied.apply, cal.apply)):
+        apply = cal.shard_apply or cal.apply  # a local shard process's, its publish in it
+        for got, fit in ((copied.pull, pull), (copied.push, send), (copied.apply, apply)):
             assert close(got, fit.slope / cal.copy.slope)
         assert close(copied.pull_time, pull.intercept) and close(copied.push_time, send.intercept)
     assert close(service.time, min(cal.apply.intercept, MAX_SECONDS))
@@ -112,7 +113,10 @@ def test_calibrate_measures_and_its_table_reads_back(tmp_path):
     assert cal.table()["own_read"] == round(cal.own_read, 3) and "own push read: " in cal.summary()
     # every timed figure's spread over its repeats, in the summary (the table's comments)
     assert {n.split()[0] for n, _ in cal.spreads} == {"apply", "pull", "send", "push", "message",
-                                                      "worker", "copy"}  # fmt: skip
+                                                      "worker", "copy", "shard"}  # fmt: skip
+    # the shard processes' CPU time per push, at a slice's bytes (2 shards)
+    assert [b for b, _ in cal.cpu["shard"].points] == [256 * 4, 2048 * 4]
+    assert all(s > 0 for _, s in cal.cpu["shard"].points)
     assert cal.copy is not None and cal.bus > 0  # a copy, by size; the bus with 2 copying
     assert all(s.min <= s.low <= s.median <= s.high <= s.max for _, s in cal.spreads)
     assert "spread over the repeats" in cal.summary() and cal.load_end is not None
@@ -518,3 +522,32 @@ def test_the_interval_brackets_the_point_prediction():
     iv = cal.interval(lambda sim: sim.compute.mean)
     assert iv == calibrate.Interval(point.compute.mean, low.compute.mean, high.compute.mean)
     assert calibrate.with_table(None, cal, "high") == high
+
+
+def test_a_processs_time_on_the_cores_is_its_cpu_time_not_its_wall_time():
+    """_on_cpu reads a process's seconds on a CPU (all its threads): a child that spins for
+    0.3 CPU seconds and then sleeps has run 0.3-0.6 s, however long it waited for a core."""
+    spin = ("import time\nc = time.process_time()\nwhile time.process_time() - c < 0.3: pass\n"
+            "print(flush=True)\ntime.sleep(60)")  # fmt: skip
+    p = subprocess.Popen([sys.executable, "-S", "-c", spin], stdout=subprocess.PIPE)
+    try:
+        p.stdout.readline()
+        assert 0.3 <= calibrate._on_cpu([p.pid]) < 0.6
+        assert calibrate._on_cpu([2**22 + 12345]) is None  # no such process: not measured
+    finally:
+        p.kill()
+        p.wait(10)
+        p.stdout.close()
+
+
+def test_a_local_shards_cpu_per_push_holds_its_apply():
+    """The shard process's CPU time per push (what the table's apply copies come from) holds
+    at least the apply timed in this process on the same bytes, and more: pipes, a publish."""
+    n = 1 << 20
+    job = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=sw.optim.sgd(0.01))
+    cpu = []
+    calibrate.transport_times(job, n, 7, cpu=cpu)
+    applies = calibrate.apply_times(job.config, n, 7)
+    shard = [c[2] for c in cpu]
+    assert len(shard) == 7 and None not in shard
+    assert np.median(shard) > 0.8 * np.median(applies), (shard, applies)

@@ -93,6 +93,14 @@ def test_a_measured_copy_puts_the_bytes_on_the_cores_not_on_links():
     assert (t["copy_pull"], t["copy_push"], t["copy_apply"]) == (1.0, 0.5, 1.5)
     assert t["copy_pull_time"] == t["copy_push_time"] == 1e-5  # on the cores: out of latency
     assert t["latency"] == 2.5e-5
+    # a local shard process's CPU time per push is the apply's copies where a copy of the
+    # larger size takes SHARD_COPY or more; below, the apply timed in-process
+    cpu["shard"] = calibrate.Fit(3e-5, 2.5 * per)
+    for took, copies in ((calibrate.SHARD_COPY, 2.5), (0.9 * calibrate.SHARD_COPY, 1.5)):
+        copy = calibrate.Fit(1e-6, per, ((4096, took / 4), (16384, took)))
+        cal = dataclasses.replace(cal, cpu=cpu, copy=copy)
+        assert cal.table()["copy_apply"] == copies and cal.table()["service_time"] == 1e-5
+        assert ("with its publish" in cal.summary()) == (copies == 2.5)
 
 
 def test_copy_times_time_one_copy_alone_and_beside_others():

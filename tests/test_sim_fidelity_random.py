@@ -2,6 +2,7 @@
 space's bounds) and that every drawn setting makes a valid job; no timing assertions."""
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -135,3 +136,38 @@ def test_each_setting_is_simulated_with_and_without_the_contention_model():
     assert measured.sim_config().compute.shift == 0.002  # the CPU times, stretched by con
     assert spread.sim_config().compute.shift == 0.002  # the wall times at the CPU times' mean
     assert plain.sim_config().compute.shift == 0.004  # the wall-clock times
+
+
+@pytest.mark.parametrize("missed, code", [(2, 0), (3, 1)])
+def test_seeds_from_the_clock_each_run_once_and_recorded(tmp_path, monkeypatch, missed, code):
+    """--random 10 --seeds 2: two seeds drawn from the clock, each seed's 10 settings run
+    once (the run of a setting stubbed: this checks the bookkeeping), all in one JSON, a bar
+    per seed: 8 of 10. The settings' figures are the real benchmark's business."""
+    ran = []
+
+    def run_drawn(i, d):
+        ran.append(d)
+        return {"#": i, "setting": d.name, "ok": i >= missed}
+
+    monkeypatch.setattr(fid, "run_drawn", run_drawn)
+    monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", "--random", "10", "--seeds", "2",
+                                      "--check", "--json", str(tmp_path / "f.json")])  # fmt: skip
+    assert fid.main() == code
+    doc = json.loads((tmp_path / "f.json").read_text())
+    seeds = doc["figures"]["seeds"]
+    assert len(seeds) == 2 and seeds[0] != seeds[1] and all(0 <= s < 2**32 for s in seeds)
+    assert [r["seed"] for r in doc["figures"]["runs"]] == seeds
+    assert ran == fid.draw(10, seeds[0]) + fid.draw(10, seeds[1])  # each seed's draw, once
+    assert [len(r["rows"]) for r in doc["figures"]["runs"]] == [10, 10]
+    assert [b["met"] for b in doc["bars"]] == [code == 0] * 2
+    assert [b["value"] for b in doc["bars"]] == [10 - missed] * 2
+
+
+def test_seeds_and_a_seed_do_not_go_together(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", "--random", "10", "--seeds", "2",
+                                      "--seed", "1"])  # fmt: skip
+    with pytest.raises(SystemExit):
+        fid.main()
+    assert "--seeds 2: expected an integer >= 1, with --random, without --seed" in (
+        capsys.readouterr().err
+    )
