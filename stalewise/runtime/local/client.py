@@ -39,7 +39,7 @@ def recv_reply(
 ) -> tuple:
     """The next message from a shard, decoded (:func:`wire.decode_reply`); ``trusted``:
     ``conn`` is the parent's control pipe, whose bulk replies may be of any length."""
-    if not conn.poll(timeout):
+    if not wire.readable([conn], timeout):
         raise TimeoutError(f"no answer to {what} within {timeout} s")
     try:
         body = conn.recv_bytes(None if trusted else wire.MAX_REPLY)
@@ -338,7 +338,9 @@ class Client(PullsIntoTrees):
                 while True:
                     self._check_shards()
                     left = None if deadline is None else deadline - time.monotonic()
-                    if self._conns[k].poll(SLICE if left is None else max(0.0, min(SLICE, left))):
+                    if wire.readable(
+                        [self._conns[k]], SLICE if left is None else max(0.0, min(SLICE, left))
+                    ):
                         break
                     if left is not None and left <= SLICE:
                         raise TimeoutError(f"no answer to {what} within {timeout} s")
@@ -363,7 +365,7 @@ class Client(PullsIntoTrees):
     def _drain(self, k: int) -> None:
         """Reads what shard ``k`` has sent (into the inbox) without waiting: its pipe's end,
         or a refusal, raises now."""
-        while self._conns[k].poll(0):
+        while wire.readable([self._conns[k]], 0):
             self._inbox[k].append(self._recv(k, 0, f"messages from shard {k}"))
 
     def _send(self, k: int, body: bytes) -> None:

@@ -22,7 +22,7 @@ import os
 import signal
 import stat
 import time
-from multiprocessing import connection, reduction
+from multiprocessing import reduction
 
 import numpy as np
 
@@ -277,13 +277,13 @@ class ShardProcess:
 
     def busy(self) -> bool:
         """Whether a worker's message is waiting (the next turn has work at once)."""
-        return bool(self.pipes) and bool(connection.wait(list(self.pipes), 0))
+        return bool(self.pipes) and bool(wire.readable(self.pipes, 0))
 
     def turn(self, timeout: float | None) -> bool:
         """Handles what arrives within ``timeout`` seconds (None: waits for something)
         and cuts off incomplete messages that timed out; False when the shard must stop."""
         readable = [p for p in self.pipes if not self.held(p)]
-        for c in connection.wait([self.control, *readable], timeout=timeout):
+        for c in wire.readable([self.control, *readable], timeout):
             if c is self.control:
                 if not self.on_control():
                     self.answer()  # the pushes handled before the stop are answered

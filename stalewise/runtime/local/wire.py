@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import select
 import struct
 from typing import Any
 
@@ -431,3 +432,14 @@ def _text(text: str | None) -> bytes:
 
 def _pickle(value: Any) -> bytes:
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def readable(ends, timeout: float | None) -> list:
+    """The ``ends`` (objects with ``fileno()``) readable, or at end of file, within
+    ``timeout`` seconds (None: waits): ``connection.wait`` without its selector (40 us)."""
+    poller, by_fd = select.poll(), {}
+    for end in ends:
+        by_fd[end.fileno()] = end
+        poller.register(end.fileno(), select.POLLIN)
+    ms = -1 if timeout is None else max(0, math.ceil(timeout * 1000))
+    return [by_fd[fd] for fd, _ in poller.poll(ms)]
