@@ -522,21 +522,35 @@ def untrusted(st: os.stat_result, kind: int = stat.S_IFDIR) -> str | None:
     return None
 
 
-def create_file(path: str | os.PathLike) -> int:
+def create_file(path: str | os.PathLike, at: int | None = None) -> int:
     """A descriptor of the new file ``path`` (mode 0644) for writing, in a folder of this
-    user's that no one else can write; the file itself no symlink (``O_EXCL``).
+    user's that no one else can write; the file itself no symlink (``O_EXCL``). ``at``:
+    the existing file instead, a regular file of this user's, cut to ``at`` bytes and
+    written from there.
 
     Raises:
-        OSError: the folder is not to be trusted (:func:`untrusted`), or the file exists."""
+        OSError: the folder or the file is not to be trusted (:func:`untrusted`), or the
+            file exists (missing, with ``at``)."""
     folder, name = os.path.split(os.fspath(path))
     top = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         if problem := untrusted(os.fstat(top)):
             raise PermissionError(errno.EPERM, f"{folder}: {problem}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        return os.open(name, flags, 0o644, dir_fd=top)
+        flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        if at is None:
+            return os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=top)
+        fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=top)  # a FIFO does not block
     finally:
         os.close(top)
+    try:
+        if problem := untrusted(os.fstat(fd), stat.S_IFREG):
+            raise PermissionError(errno.EPERM, f"{path}: {problem}")
+        os.ftruncate(fd, at)
+        os.lseek(fd, at, os.SEEK_SET)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _open_problem(e: OSError, path: Path) -> str:

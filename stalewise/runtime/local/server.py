@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from stalewise.checkpoint.store import CheckpointError
 from stalewise.protocol import ServerConfig, budget, delivery
 from stalewise.runtime.base import worker_range
 from stalewise.runtime.errors import ShardError
@@ -580,12 +581,17 @@ class LocalServer:
             while self._controls[j].poll(0.05):
                 self._controls[j].recv_bytes()
         self.observer = self._observer()
+        state, why = None, "no checkpoint folder"
         if self._based is not None:
-            state, logged = self._replayed(k)
-            lost, source = 0, "push log"
+            try:
+                state, why = self._replayed(k), "it broke: behind what the shard published"
+            except CheckpointError as e:
+                why = str(e)
+        if state is not None and state[0]["version"] >= snapshots.version(k):
+            (state, logged), lost, source = state, 0, "push log"
         else:
-            log.warning("shard %d: no push log (no checkpoint folder): restarting it from its "
-                        "last published snapshot; its later updates are lost", k)  # fmt: skip
+            log.warning("shard %d: no push log (%s): restarting it from its last published "
+                        "snapshot; its later updates are lost", k, why)  # fmt: skip
             self._tags[k] = uuid.uuid4().hex[:8]  # a new chain
             state, lost, source = self._unlogged(k, base, snapshots, survivors, timeout)
             logged = None
@@ -599,6 +605,11 @@ class LocalServer:
         if reply[2] is not None:
             raise ShardError(f"shard {k} refused its recovered state: {reply[2]}")
         return {"shard": k, "version": int(reply[1]), "lost": lost, "source": source}
+
+    @property
+    def logged(self) -> bool:
+        """Whether the shards write push logs, from which a dead one is rebuilt."""
+        return self._based is not None
 
     def _replayed(self, k: int) -> tuple[dict, tuple]:
         """Shard ``k``'s state when it died (the last logged cut's and its log chain), and

@@ -16,17 +16,15 @@ control pipe from the parent is read blocking. Why: ``docs/design-notes.md``
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import signal
-import stat
 import time
 from multiprocessing import reduction
 
 import numpy as np
 
-from stalewise.checkpoint.store import create_file, untrusted
+from stalewise.checkpoint.store import create_file
 from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
@@ -339,14 +337,7 @@ class ShardProcess:
         ``fsync``: each turn's entries reach the disk before its acks."""
         self.end_log()
         try:
-            fd = create_file(path) if at is None else os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
-            if at is not None and (problem := untrusted(os.fstat(fd), stat.S_IFREG)):
-                os.close(fd)
-                raise PermissionError(errno.EPERM, problem)
-            if at is not None:
-                os.ftruncate(fd, at)
-                os.lseek(fd, at, os.SEEK_SET)
-            self.log = open(fd, "wb", buffering=1 << 16)  # noqa: SIM115
+            self.log = open(create_file(path, at), "wb", buffering=1 << 16)  # noqa: SIM115
         except OSError as e:
             log.warning("shard %d: no push log: %s: %s", self.k, path, e.strerror or e)
             return
@@ -422,8 +413,7 @@ class ShardProcess:
                 shard.resume()  # the saved workers' next incarnations take their seats
             else:  # its log goes on; the dead process's workers depart (a resumed seat stays)
                 self.begin_log(*msg[2])
-                gone = shard.live & ~shard._resumed & (shard.incarnation > 0)
-                for w in map(int, np.flatnonzero(gone)):
+                for w in shard.unresumed():
                     got = committed_push(self.layout, self.records, self.pushes, w, self.k)
                     self.write(shard.depart, w, int(shard.incarnation[w]), got)
                 self.answer()  # the log's entries reach the OS

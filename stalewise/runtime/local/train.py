@@ -407,7 +407,7 @@ class _Host:
             if self.workers[w].state != "down":
                 self.workers[w].proc.kill()
             self.reap(w)
-        bases = None if self.server._based else self.checkpoint_states()  # logged: unused
+        bases = None if self.server.logged else self.checkpoint_states()  # logged: unused
         for k, event in zip(dead, events, strict=True):
             info = self.server.restart_shard(k, bases[k] if bases else None, self.o.ack_timeout)
             self.run.failures.shard_restarted(event, version=info["version"], lost=info["lost"])
