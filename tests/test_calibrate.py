@@ -550,4 +550,5 @@ def test_a_local_shards_cpu_per_push_holds_its_apply():
     applies = calibrate.apply_times(job.config, n, 7)
     shard = [c[2] for c in cpu]
     assert len(shard) == 7 and None not in shard
-    assert np.median(shard) > 0.8 * np.median(applies), (shard, applies)
+    # the applies are wall times, which a loaded machine stretches: the fastest is the apply
+    assert np.median(shard) > 0.8 * min(applies), (shard, applies)
