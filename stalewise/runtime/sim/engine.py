@@ -577,18 +577,21 @@ class Simulation:
             heapq.heappush(self.computing, self.now + lat + self.lat)
         start = max(self.now, wk.cpu_free)  # after the copies of its push
         for k in range(self.S):
-            if self.sends(("worker", wk.id)):
+            if self.request(wk, k, _PULL_REQ):
                 self.at(start + lat, _PULL_REQ, wk.id, k, wk.inc, float(snapshot))
-            if wk.out is not None:
-                wk.out.sent(k, _PULL_REQ, _PULL_REQ)
+
+    def request(self, wk: _SimWorker, k: int, kind: int) -> bool:
+        """Whether worker ``wk``'s request ``kind`` to shard ``k`` leaves (fault injection);
+        with replicas it is outstanding until answered."""
+        if wk.out is not None:
+            wk.out.sent(k, kind, kind)
+        return self.sends(("worker", wk.id))
 
     def leave(self, wk: _SimWorker) -> None:
         """Worker ``wk``'s loop has ended and its last push is acked: it leaves the shards."""
         for k in range(self.S):
-            if self.sends(("worker", wk.id)):
+            if self.request(wk, k, _LEAVE):
                 self.at(self.now + self.lat, _LEAVE, wk.id, k, wk.inc)
-            if wk.out is not None:
-                wk.out.sent(k, _LEAVE, _LEAVE)
 
     def compute(self, wk: _SimWorker) -> None:
         """Every slice is in: the loop runs the strategy step, the compute time starts."""
@@ -670,10 +673,8 @@ class Simulation:
             c = self.copies
             at = None if c is None else self.worker_copy(wk, c.push, wk.push_bytes[k],
                                                          c.push_time / self.S)  # fmt: skip
-            if self.sends(("worker", wk.id)):
+            if self.request(wk, k, _PUSH_HEAD):
                 self.transfer(wk.id, self.P + k, wk.push_bytes[k], _PUSH_HEAD, wk, k, at)
-            if wk.out is not None:
-                wk.out.sent(k, _PUSH_HEAD, _PUSH_HEAD)
         if wk.settle:
             wk.phase = _SETTLING
             return
