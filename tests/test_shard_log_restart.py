@@ -94,13 +94,18 @@ def kill(server, k):
     wait_for(lambda: k in server.dead_shards(), f"shard {k} is seen dead")
 
 
+def two_shards(optimizer):
+    """A job of 8 floats on 2 shards (4 each)."""
+    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+    return sw.Job(params, optimizer=optimizer, shards=2)
+
+
 def test_a_restart_drops_a_torn_entry_completes_a_torn_push_and_goes_on_with_the_chain(
     tmp_path, no_leaks
 ):
     """Shard 1 is stopped, a push reaches shard 0 only (torn), shard 1 is killed and its log
     gets half an entry: the restart drops that, delivers the push, and appends to the log."""
-    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
-    job = sw.Job(params, optimizer=sw.optim.adam(0.1), shards=2)
+    job = two_shards(sw.optim.adam(0.1))
     with LocalServer(job.config, workers=1) as server:
         client = server.client(0)
         states, step, _ = server.checkpoint_parts(timeout=30, log_dir=str(tmp_path))
@@ -130,8 +135,7 @@ def test_a_restart_drops_a_torn_entry_completes_a_torn_push_and_goes_on_with_the
 
 
 def test_without_a_log_a_restart_is_as_before_and_says_so(caplog, no_leaks):
-    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
-    job = sw.Job(params, optimizer=sw.optim.sgd(0.1), shards=2)
+    job = two_shards(sw.optim.sgd(0.1))
     with LocalServer(job.config, workers=1) as server:
         client = server.client(0)
         pushes(client, 2)
@@ -148,8 +152,7 @@ def test_a_restart_from_a_broken_log_takes_the_published_snapshot_and_says_so(
 ):
     """A log that is gone (as one that failed to write is removed) replays to less than the
     shard published: the restart takes the snapshot, never rolls the shard back silently."""
-    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
-    job = sw.Job(params, optimizer=sw.optim.sgd(0.1), shards=2)
+    job = two_shards(sw.optim.sgd(0.1))
     with LocalServer(job.config, workers=1) as server:
         client = server.client(0)
         _, step, _ = server.checkpoint_parts(timeout=30, log_dir=str(tmp_path))

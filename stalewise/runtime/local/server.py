@@ -581,14 +581,14 @@ class LocalServer:
             while self._controls[j].poll(0.05):
                 self._controls[j].recv_bytes()
         self.observer = self._observer()
-        state, why = None, "no checkpoint folder"
+        replayed, why = None, "no checkpoint folder"
         if self._based is not None:
             try:
-                state, why = self._replayed(k), "it broke: behind what the shard published"
+                replayed, why = self._replayed(k), "it broke: behind what the shard published"
             except CheckpointError as e:
                 why = str(e)
-        if state is not None and state[0]["version"] >= snapshots.version(k):
-            (state, logged), lost, source = state, 0, "push log"
+        if replayed is not None and replayed[0]["version"] >= snapshots.version(k):
+            (state, logged), lost, source = replayed, 0, "push log"
         else:
             log.warning("shard %d: no push log (%s): restarting it from its last published "
                         "snapshot; its later updates are lost", k, why)  # fmt: skip
