@@ -1,7 +1,8 @@
 """A checkpoint of ``stalewise run`` is one consistent cut (issue #42 item 1): the
-launcher is SIGKILLed at random moments and started again with ``--resume``, and every
-data item is applied exactly once. The one-hot job: rank ``r``'s ``i``-th push adds 1 to
-item ``(r, i)`` of the parameters, so an item applied twice (a resume that repeats the
+launcher is SIGKILLed at random moments and started again with ``--resume``, every data
+item is applied exactly once and no acknowledged push is lost (issue #45: the resume
+replays the push logs). The one-hot job: rank ``r``'s ``i``-th push adds 1 to item
+``(r, i)`` of the parameters, so an item applied twice (a resume that repeats the
 pushes made after a rank's saved ``ctx.state``) or skipped shows in the final ones."""
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ TIMEOUT = 180  # seconds for one process's step (a loaded machine)
 
 SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     import numpy as np
     import stalewise as sw
 
@@ -46,12 +47,17 @@ SCRIPT = textwrap.dedent(
                      optimizer=sw.optim.sgd(float(workers) if bsp else 1.0),
                      consistency=sw.BSP() if bsp else sw.ASP())
         ctx = sw.init(job)
+        # this rank's pushes the shards hold as it starts, then each one acknowledged
+        acked = os.open(f"acked-{ctx.rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(acked, b"start %d\\n" % ctx.client.pushed)
         while not ctx.should_stop():
             i = ctx.state.get("i", 0)
             ctx.client.pull()
             g = np.zeros((workers, steps), np.float32)
             g[ctx.rank, i] = -1.0
             ctx.client.push({"items": g})
+            ctx.client.wait()
+            os.write(acked, b"%d\\n" % ctx.client.pushed)
             ctx.state["i"] = i + 1
             time.sleep(0.004)
         ctx.close()
@@ -91,8 +97,25 @@ def _launch(tmp_path, consistency: str, resume: bool):
     return child_procs.launched(tmp_path, *args, stdout=subprocess.DEVNULL)
 
 
+def acked_lost(folder, workers: int) -> list[int]:
+    """Per rank, the most of its acknowledged pushes (its ``acked-<rank>`` file: ``start
+    N`` as a run starts, then each count acknowledged) a resumed run's shards lacked."""
+    lost = []
+    for r in range(workers):
+        most = worst = 0
+        for line in (folder / f"acked-{r}").read_text().splitlines():
+            n = int(line.split()[-1])
+            if line.startswith("start"):
+                worst = max(worst, most - n)
+            most = max(most, n)
+        lost.append(worst)
+    return lost
+
+
 @pytest.mark.parametrize("consistency", ["asp", "bsp"])
-def test_every_item_is_applied_once_across_random_kills(tmp_path, consistency):
+def test_every_item_is_applied_once_and_no_acked_push_is_lost_across_random_kills(
+    tmp_path, consistency
+):
     (tmp_path / "job.py").write_text(SCRIPT)
     rng = random.Random(42 if consistency == "asp" else 43)
     ckpts = tmp_path / "ckpt"
@@ -115,6 +138,7 @@ def test_every_item_is_applied_once_across_random_kills(tmp_path, consistency):
         if attempt == KILLS:
             assert proc.returncode == 0, err
     assert kills >= 2, "the runs ended before they could be killed"
+    assert acked_lost(tmp_path, WORKERS) == [0] * WORKERS
     final = checkpoint.load(ckpts)
     for path in ckpts.glob("ckpt-*"):  # numbered by the job's pushes, as --checkpoint-every counts
         assert path.name == f"ckpt-{checkpoint.load(path).step['pushes']:09d}"
@@ -209,7 +233,7 @@ def test_a_rank_that_never_calls_should_stop_costs_the_checkpoints_no_wait(tmp_p
         proc.wait(timeout=30)
         err = proc.stderr.read()
     assert proc.returncode == 0, err
-    periodic = sorted(n for n in (int(s.split("-")[1]) for s in seen) if n < steps)
+    periodic = sorted(n for n in (int(s.split("-")[1]) for s in seen) if 0 < n < steps)
     assert len(periodic) >= 3, (periodic, err)
     paused = json.loads((tmp_path / "paused-0.json").read_text())
     assert paused < 5.0, (paused, periodic)

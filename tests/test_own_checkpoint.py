@@ -2,7 +2,7 @@
 [--checkpoint-every N] [--resume]`` and ``sw.init(job, checkpoints=...)``.
 
 The launcher is SIGKILLed mid-run once a checkpoint exists, started again with
-``--resume``, and the run goes on from that checkpoint (the job's pushes and versions,
+``--resume``, and the run goes on from that checkpoint and its push logs (the job's pushes,
 each rank's ``ctx.state``) to a loss within the noise of an uninterrupted run. Every
 launcher runs in its own session and its process group is killed at the end.
 """
@@ -127,8 +127,9 @@ def test_a_killed_launcher_resumes_from_its_last_checkpoint(tmp_path):
         starts[int(f.name.split("-")[2])] = json.loads(f.read_text())
     assert sorted(starts) == [0, 1], starts
     for r, start in starts.items():  # ctx.state restored per rank, the job's pushes go on
-        assert start["steps"] == saved.ranks[r]["steps"], (start, saved.ranks[r])
-        assert start["seen"] == saved.ranks[r]["seen"].tolist() and start["seen"][1] == r
+        # from the checkpoint and the push logs after it (test_one_cut: exactly)
+        assert start["steps"] >= saved.ranks[r]["steps"], (start, saved.ranks[r])
+        assert start["seen"] == [start["steps"], r], start
         assert start["pushes"] >= saved.step["pushes"], (start, saved.step)
     final = checkpoint.load(ckpts)  # the end's checkpoint: the budget, not more
     assert final.version > saved.version

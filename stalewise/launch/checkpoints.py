@@ -70,6 +70,7 @@ class Saves:
         from types import SimpleNamespace
 
         from stalewise import checkpoint
+        from stalewise.checkpoint.replay import logged
 
         self.server, self.every, self.folder, self.directory = server, every, folder, directory
         workers = server.workers
@@ -77,25 +78,35 @@ class Saves:
                             checkpoint_seconds=None, checkpoint_keep=2, room=workers,
                             run=None)  # fmt: skip
         try:
-            ckpt = checkpoint.resume_point(job.config, o, runtime="local")
+            ckpt = start = checkpoint.resume_point(job.config, o, runtime="local")
+            if ckpt is not None and folder is not None:  # launched: the logs' pushes too
+                ckpt = logged(ckpt, job.config)
             if ckpt is not None:
                 server.resume(ckpt)
         except (checkpoint.CheckpointError, ValueError) as e:
             raise LaunchError(f"--resume from {directory}: {' '.join(str(e).split())}") from None
-        # one per worker (resume_point checked), and the pushes each rank's state is after
+        # one per worker (resume_point checked), the pushes each rank's state accounts for
+        # and those of them its rank skips (in the shards already: see RankStates)
         self.ranks: list[dict] = getattr(ckpt, "ranks", None) or [{} for _ in range(workers)]
-        self.pushed: list[int | None] = [None] * workers
+        held = [0] * workers if ckpt is None else ckpt.step.get("pushed") or [None] * workers
+        self.pushed: list[int | None] = list(held)
+        skips = [0] * workers
+        if ckpt is not start:  # each rank from its state as of the pushes the logs hold
+            for r in range(workers):
+                self.ranks[r], skips[r] = _choose(folder, r, held[r], start, self.ranks[r])
         pushes = 0 if ckpt is None else int(ckpt.step.get("pushes", 0))
         self.saver = checkpoint.Saver(job.config, None, o, runtime="local", pushes=pushes)
         self.started = time.monotonic()
         self.due: tuple[int, float] | None = None  # (the epoch due, since when)
         self.unticked: set[int] = set()  # ranks named as never calling ctx.should_stop()
         if ckpt is not None:
-            print(f"stalewise: resumed from {ckpt.path} (version {ckpt.version}, "
-                  f"{pushes} pushes)", file=sys.stderr, flush=True)  # fmt: skip
+            more = f", {ckpt.step['replayed']} from the push logs" if ckpt is not start else ""
+            print(f"stalewise: resumed from {ckpt.path} (version {ckpt.states[0]['version']}, "
+                  f"{pushes} pushes{more})", file=sys.stderr, flush=True)  # fmt: skip
         if folder is not None:
             for r, state in enumerate(self.ranks):  # what each rank starts from
-                write_rank_state(folder, r, state, pushes)
+                write_rank_state(folder, r, state, pushes, self.pushed[r], skips[r], only=True)
+            self.save()  # before any push: the logs from here on are named by a checkpoint
 
     def poll(self, idle: float) -> float:
         """Seconds to the launcher's next :meth:`tick` (ranks wait at the cut meanwhile)."""
@@ -154,7 +165,28 @@ class Saves:
                 log.warning("checkpoint: rank %d's state is not read: %s", r, e)
                 continue
             if got is not None:
-                self.ranks[r], self.pushed[r] = got
+                self.ranks[r], self.pushed[r], _ = got
+
+
+def _choose(folder: Path, rank: int, held: int, ckpt: Any, saved: dict) -> tuple[dict, int]:
+    """Rank ``rank``'s state to resume from when the shards hold ``held`` of its pushes,
+    and how many pushes it skips: its saved generation of that count, else the nearest
+    below (warned), else the checkpoint ``ckpt``'s (``saved``)."""
+    gens = []
+    for slot in (0, 1):
+        try:
+            gens += [g for g in [_read_one(folder, rank, slot)] if g and g[1] is not None]
+        except CheckpointError as e:
+            log.warning("resume: rank %d's state is not read: %s", rank, e)
+    below = [g for g in gens if g[1] <= held]
+    state, n, skip = max(below, key=lambda g: g[1]) if below else (saved, None, 0)
+    if n is None:
+        n = (ckpt.step.get("pushed") or [held] * (rank + 1))[rank]
+    if n != held:
+        log.warning("resume: rank %d's ctx.state is after %d of its pushes (saved: %s), the "
+                    "shards hold %d: it skips its next %d", rank, n - skip,
+                    sorted(g[1] for g in gens), held, held - n + skip)  # fmt: skip
+    return state, skip + held - n
 
 
 class InProcess:
@@ -232,15 +264,18 @@ def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resum
 
 class RankStates:
     """A launched rank's side: ``ctx.state`` from the launcher's folder at ``sw.init``, and
-    into it at ``close()`` and from ``should_stop()`` once the job's pushes pass a multiple
-    of ``every``: with its pushes acknowledged (in the shards' state) and their count, after
-    which it waits until the launcher has read the shards (the cut) or
-    :data:`RANK_STATE_WAIT` passed (data only: :func:`stalewise.checkpoint.store.flat_state`)."""
+    into it at every ``should_stop()`` and at ``close()``, with the count of its pushes it
+    is after (the last two kept: a resume picks the one of the pushes the shards hold).
+    Once the job's pushes pass a multiple of ``every``, ``should_stop()`` writes it with
+    its pushes acknowledged and waits until the launcher has read the shards (the cut) or
+    :data:`RANK_STATE_WAIT` passed (data only: :func:`stalewise.checkpoint.store.flat_state`).
+    A rank resumed from a state before pushes the shards hold skips that many pushes."""
 
     def __init__(self, folder: Path, every: int | None, rank: int):
         self.folder, self.every = folder, every
         self.epoch = rank_epoch(folder, rank, every) if every else -1  # the launcher's start
         self.ticks = False  # its loop has called ctx.should_stop()
+        self.skip = 0  # its next pushes that the shards hold already
 
     @classmethod
     def join(cls, ctx: Any) -> None:
@@ -248,17 +283,30 @@ class RankStates:
         if not folder:
             return
         every = os.environ.get(EVERY_ENV)
-        ctx._ckpt = cls(Path(folder), int(every) if every else None, ctx.rank)
-        ctx.state = (read_rank_state(Path(folder), ctx.rank) or ({}, None))[0]
+        ctx._ckpt = self = cls(Path(folder), int(every) if every else None, ctx.rank)
+        ctx.state, _, self.skip = read_rank_state(Path(folder), ctx.rank) or ({}, None, 0)
+        if self.skip:
+            self._skipping(ctx.client)
+
+    def _skipping(self, client: Any) -> None:
+        sent = client.push_flat_sent
+
+        def push_flat_sent() -> None:  # what client.push sends through
+            if self.skip > 0:
+                self.skip -= 1
+                return
+            del client.push_flat_sent
+            sent()
+
+        client.push_flat_sent = push_flat_sent
 
     def tick(self, ctx: Any) -> None:
         if not self.ticks:  # the launcher waits at the cut only for ranks that tick
             self.ticks = True
             (self.folder / f"{TICKS}-{ctx.rank}").touch(0o644)
-        every = self.every
-        if every is None or not budget.checkpoint_due(
-            ctx.client.job_pushes, self.epoch * every, every
-        ):
+        every, pushes = self.every, ctx.client.job_pushes
+        if every is None or not budget.checkpoint_due(pushes, self.epoch * every, every):
+            self._write(ctx, pushes)  # of this epoch still: the launcher waits on
             return
         self.epoch = self.close(ctx) // self.every
         deadline = time.monotonic() + RANK_STATE_WAIT + 1.0
@@ -270,12 +318,15 @@ class RankStates:
     def close(self, ctx: Any) -> int:
         ctx.client.wait()  # its pushes acknowledged: in the shards' state
         pushes = ctx.client.job_pushes
-        write_rank_state(self.folder, ctx.rank, ctx.state, pushes, ctx.client.pushed)
+        self._write(ctx, pushes)
         return pushes
 
+    def _write(self, ctx: Any, pushes: int) -> None:
+        write_rank_state(self.folder, ctx.rank, ctx.state, pushes, ctx.client.pushed, self.skip)
 
-def _rank_file(folder: Path, rank: int) -> Path:
-    return folder / f"rank-{rank}.safetensors"
+
+def _rank_file(folder: Path, rank: int, slot: int) -> Path:
+    return folder / f"rank-{rank}-{slot}.safetensors"
 
 
 def _cut(folder: Path) -> int:
@@ -288,25 +339,29 @@ def _cut(folder: Path) -> int:
         return -1
 
 
-def write_rank_state(
-    folder: Path, rank: int, state: Any, pushes: int, pushed: int | None = None
-) -> None:
-    """Rank ``rank``'s state into its file, atomically: arrays as tensors, the JSON values,
-    the job's ``pushes`` and the rank's own (``pushed``, which its state is after) in the
-    header's metadata (no pickle)."""
+def write_rank_state(folder: Path, rank: int, state: Any, pushes: int, pushed: int | None = None,
+                     skip: int = 0, *, only: bool = False) -> None:  # fmt: skip
+    """Rank ``rank``'s state into its file of ``pushed`` (the count of its pushes it accounts
+    for, ``skip`` of them still to skip; the other file keeps the previous), atomically:
+    arrays as tensors, the JSON values, the job's ``pushes``, ``pushed`` and ``skip`` in
+    the header's metadata (no pickle). ``only``: the other file is removed."""
     from safetensors.numpy import save_file
 
     from stalewise.checkpoint import store as checkpoint
 
     arrays, values = checkpoint.flat_state(state, f"rank {rank}: ctx.state")
-    path = _rank_file(folder, rank)
+    slot = (pushed or 0) % 2
+    path = _rank_file(folder, rank, slot)
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     meta = {"values": json.dumps(values, allow_nan=True), "pushes": str(int(pushes))}
     if pushed is not None:
-        meta["pushed"] = str(int(pushed))
+        meta |= {"pushed": str(int(pushed)), "skip": str(int(skip))}
     save_file({k: checkpoint._contiguous(a) for k, a in arrays.items()}, str(tmp), metadata=meta)
     os.chmod(tmp, 0o644)  # whatever the umask: the launcher refuses what others can write
     os.replace(tmp, path)
+    if only:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_rank_file(folder, rank, 1 - slot))
 
 
 MAX_RANK_STATE = 1 << 36  # bytes of one rank's ctx.state file read back (64 GiB)
@@ -321,13 +376,19 @@ def _metadata(f: Any) -> dict:
     return json.loads(f.read(n)).get("__metadata__", {})
 
 
-def read_rank_state(folder: Path, rank: int) -> tuple[dict, int | None] | None:
-    """Rank ``rank``'s state and the count of its pushes it is after (None: unknown)."""
+def read_rank_state(folder: Path, rank: int) -> tuple[dict, int | None, int] | None:
+    """Rank ``rank``'s last saved state, the count of its pushes it accounts for (None:
+    unknown) and how many of those it still skips (see :class:`RankStates`)."""
+    gens = [g for g in (_read_one(folder, rank, slot) for slot in (0, 1)) if g is not None]
+    return max(gens, key=lambda g: -1 if g[1] is None else g[1], default=None)
+
+
+def _read_one(folder: Path, rank: int, slot: int) -> tuple[dict, int | None, int] | None:
     from safetensors.numpy import load
 
     from stalewise.checkpoint import store as checkpoint
 
-    path = _rank_file(folder, rank)
+    path = _rank_file(folder, rank, slot)
     if not os.path.lexists(path):
         return None
     # read as every checkpoint file is: no symlink followed, no FIFO waited on, bounded
@@ -336,32 +397,31 @@ def read_rank_state(folder: Path, rank: int) -> tuple[dict, int | None] | None:
         meta = _metadata(io.BytesIO(data))
         values, arrays = json.loads(meta["values"]), load(data)
         pushed = int(meta["pushed"]) if "pushed" in meta else None
+        skip = int(meta.get("skip", 0))
     except Exception as e:  # whatever the bytes are: one line naming the file
         raise CheckpointError(f"{path}: not a rank's state file ({e})") from None
-    return checkpoint._nested({**values, **arrays}), pushed
+    return checkpoint._nested({**values, **arrays}), pushed, skip
 
 
 def rank_epoch(folder: Path | None, rank: int, every: int) -> int:
     """The epoch (job pushes // every) of rank ``rank``'s last saved state (-1: none)."""
     from stalewise.checkpoint import store as checkpoint
 
-    if folder is None:
-        return -1
-    try:  # opened as every checkpoint file is: no symlink followed, no FIFO waited on
-        fd, _ = checkpoint.open_file(folder, _rank_file(folder, rank).name)
-    except CheckpointError:
-        return -1
-    with os.fdopen(fd, "rb") as f:
-        try:
-            return int(_metadata(f)["pushes"]) // every
-        except (OSError, ValueError, KeyError, TypeError):
-            return -1
+    epochs = [-1]
+    for slot in (0, 1) if folder is not None else ():
+        # opened as every checkpoint file is: no symlink followed, no FIFO waited on
+        with contextlib.suppress(CheckpointError, OSError, ValueError, KeyError, TypeError):
+            fd, _ = checkpoint.open_file(folder, _rank_file(folder, rank, slot).name)
+            with os.fdopen(fd, "rb") as f:
+                epochs.append(int(_metadata(f)["pushes"]) // every)
+    return max(epochs)
 
 
 @contextlib.contextmanager
-def rank_files(directory: str | None, every: int | None):
+def rank_files(directory: str | None, every: int | None, resume: bool = False):
     """The folder the ranks exchange their ``ctx.state`` through (``DIRECTORY/.ranks``,
-    emptied first), named in the ranks' environment; None without a ``directory``."""
+    emptied first but for the ranks' states when ``resume``), named in the ranks'
+    environment; None without a ``directory``."""
     if directory is None:
         yield None
         return
@@ -369,12 +429,16 @@ def rank_files(directory: str | None, every: int | None):
 
     from stalewise.checkpoint.store import untrusted
 
-    folder = Path(directory) / ".ranks"  # made afresh, 0700, in a folder of ours (check)
+    folder = Path(directory) / ".ranks"  # 0700, in a folder of ours (check)
     with contextlib.suppress(FileNotFoundError):
         if problem := untrusted(os.lstat(folder)):
             raise LaunchError(f"{folder} is {problem}, which stalewise never makes: remove it")
-        shutil.rmtree(folder)
-    folder.mkdir(0o700)
+        for path in folder.iterdir() if resume else ():  # Saves reads the states, then writes
+            if not path.name.startswith("rank-"):
+                path.unlink()
+        if not resume:
+            shutil.rmtree(folder)
+    folder.mkdir(0o700, exist_ok=resume)
     saved = {k: os.environ.get(k) for k in (RANKS_ENV, EVERY_ENV)}
     os.environ[RANKS_ENV] = str(folder)
     os.environ[EVERY_ENV] = str(every or "")

@@ -39,7 +39,7 @@ def serve_workers(job: Any, launch: Any) -> int:
     ctx = mp.get_context("spawn")
     directory, every = launch.checkpoint_dir, launch.checkpoint_every
     with job.serve(workers=room(launch), name=launch.name) as server, \
-            checkpoints.rank_files(directory, every) as folder:  # fmt: skip
+            checkpoints.rank_files(directory, every, launch.resume) as folder:  # fmt: skip
         saves = None  # the checkpoints (--checkpoint-dir): restored here, before any rank
         if directory is not None:
             saves = checkpoints.Saves(job, server, directory, every, launch.resume, folder=folder)
