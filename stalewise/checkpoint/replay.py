@@ -85,12 +85,12 @@ def _pushed(entry: pushlog.Entry) -> tuple[int, int, int] | None:
 
 
 def chain_entries(folder: Path, name: str, nbytes: int) -> Any:
-    """The entries of log ``name`` and the rest of its chain, in order (read as
-    :func:`replay_chain` reads them; its ``end`` is not kept)."""
+    """The entries of log ``name`` and the rest of its chain, in order, their payloads
+    skipped (:func:`replay_chain` reads and checks them)."""
     for _, f, where, last in _chain(folder, name):
         with f:
             try:
-                yield from _read(f, nbytes, where, last)
+                yield from _read(f, nbytes, where, last, payloads=False)
             except pushlog.LogError as e:
                 raise CheckpointError(str(e)) from None
 
@@ -137,9 +137,10 @@ def replay_chain(shard: Any, folder: Path, name: str, leave_out: Any = ()) -> tu
     return read, end
 
 
-def _read(f: Any, nbytes: int, where: str, last: bool) -> Any:
+def _read(f: Any, nbytes: int, where: str, last: bool, payloads: bool = True) -> Any:
     """:func:`pushlog.read` of a log of a shard of ``nbytes`` bytes of params."""
-    return pushlog.read(f, max_payload=2 * nbytes + (1 << 20), where=where, last=last)
+    limit = 2 * nbytes + (1 << 20)  # a payload as sent, a codec's or not
+    return pushlog.read(f, max_payload=limit, where=where, last=last, payloads=payloads)
 
 
 def first_difference(flat: np.ndarray, ckpt: Checkpoint) -> str | None:
