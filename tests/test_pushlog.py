@@ -1,6 +1,7 @@
 """protocol/pushlog.py: a shard's journal since a checkpoint replays to the same shard, bit
 for bit; a torn last entry is dropped, a garbled one named in one line."""
 
+import io
 import json
 import logging
 import struct
@@ -194,3 +195,23 @@ def test_a_shard_without_a_journal_records_nothing_and_a_raising_call_is_not_rec
     with pytest.raises(ValueError, match="unknown worker 5"):
         a.leave(5)
     assert chunks == []
+
+
+def test_a_read_without_payloads_gives_the_same_entries_and_drops_a_torn_one():
+    """``read(payloads=False)`` skips each payload (None) and finds the same entries, a torn
+    last one dropped as a whole read drops it."""
+    from stalewise import optim, segments
+
+    shard = Shard(np.zeros(4, np.float32), segments.Segments.single(4), optim.sgd(1.0), workers=1)
+    data = bytearray()
+    shard.journal = lambda buffers: data.extend(b"".join(buffers))
+    shard.join(0, 1)
+    for seq in range(3):
+        shard.push(PushHeader(0, seq, seq, 1), np.full(4, seq, np.float32))
+    for cut in (len(data), len(data) - 3):
+        whole = pushlog.decode(bytes(data[:cut]))
+        skipped = list(pushlog.read(io.BytesIO(bytes(data[:cut])), max_payload=64, payloads=False))
+        assert [e.op for e in skipped] == [e.op for e in whole]
+        assert [e.fields.get("header") for e in skipped] == [e.fields.get("header") for e in whole]
+        assert all(e.payload is None for e in skipped)
+    assert [e.op for e in whole] == ["join", "push", "push"]  # the torn push dropped

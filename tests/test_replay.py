@@ -164,3 +164,49 @@ def test_a_killed_launchers_logs_replay_past_its_last_checkpoint(tmp_path):
     assert logs and flat.tobytes() != ckpt.flat().tobytes()  # the log holds pushes after it
     for name in [p.name for p in store._complete(ckpts)]:
         assert replay.replay(ckpts, config, name)[0].tobytes() == flat.tobytes()
+
+
+def test_a_resume_replays_the_logs_less_a_push_torn_across_shards(tmp_path):
+    """``replay.logged``: a checkpoint advanced by its shards' logs holds every push both
+    shards logged, and leaves out the one only shard 0 logged (the processes died while it
+    was applied: never acknowledged), as if it had never been made; its counts follow."""
+    job = sw.Job({"a": np.zeros(3, np.float32), "b": np.zeros(3, np.float32)},
+                 optimizer=sw.optim.adam(0.1), shards=2)  # fmt: skip
+    config = job.config
+
+    def shards():
+        made = [config.build_shard(k, config.init[lo:hi].copy(), workers=2)
+                for k, (lo, hi) in enumerate(config.ranges)]  # fmt: skip
+        for s in made:
+            for w in range(2):
+                s.join(w, 1)
+        return made
+
+    live, want = shards(), shards()
+    names = [f"log-shard-{k}-0000000{k}-000000" for k in range(2)]
+    info = sw.checkpoint.config_info(config, workers=2)
+    step = {"pushes": 0, "pushed": [0, 0], "logs": names, "time": 0.0}
+    store.save(tmp_path, [s.state_dict() for s in live], spec=config.spec,
+               config_info=info, step_info=step)  # fmt: skip
+    files = [open(tmp_path / n, "wb") for n in names]  # noqa: SIM115
+    for s, f in zip(live, files, strict=True):
+        s.journal = lambda buffers, f=f: f.write(b"".join(buffers))
+    rng = np.random.default_rng(0)
+    order = [(0, 0), (1, 0), (0, 1), (1, 1), (1, 2), (0, 2), (0, 3)]  # (worker, seq)
+    for w, seq in order:  # worker 1's seq 2 reaches shard 0 only; worker 0 goes on after it
+        g, header = rng.normal(size=6).astype(np.float32), sw.protocol.PushHeader(w, seq, seq, 1)
+        for k in range(2):
+            if (w, seq) != (1, 2) or k == 0:
+                live[k].push(header, g[3 * k : 3 * k + 3].copy())
+            if (w, seq) != (1, 2):
+                want[k].push(header, g[3 * k : 3 * k + 3].copy())
+    for f in files:
+        f.close()
+    ckpt = store.load(tmp_path)
+    got = replay.logged(ckpt, config)
+    assert got.step["torn"] == [[1, 1, 2]]
+    assert got.step["pushed"] == [4, 2] and got.step["pushes"] == got.step["replayed"] == 6
+    for k in range(2):
+        assert got.states[k]["params"].tobytes() == want[k].params.tobytes()
+        assert list(got.states[k]["next_seq"]) == [4, 2]
+    assert ckpt.step["pushes"] == 0  # the checkpoint read is unchanged
