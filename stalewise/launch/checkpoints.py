@@ -70,7 +70,6 @@ class Saves:
         from types import SimpleNamespace
 
         from stalewise import checkpoint
-        from stalewise.checkpoint.replay import logged
 
         self.server, self.every, self.folder, self.directory = server, every, folder, directory
         workers = server.workers
@@ -80,7 +79,7 @@ class Saves:
         try:
             ckpt = start = checkpoint.resume_point(job.config, o, runtime="local")
             if ckpt is not None and folder is not None:  # launched: the logs' pushes too
-                ckpt = logged(ckpt, job.config)
+                ckpt = _logged(start, job.config)
             if ckpt is not None:
                 server.resume(ckpt)
         except (checkpoint.CheckpointError, ValueError) as e:
@@ -166,6 +165,27 @@ class Saves:
                 continue
             if got is not None:
                 self.ranks[r], self.pushed[r], _ = got
+
+
+def _logged(start: Any, config: Any) -> Any:
+    """``start`` advanced by its push logs; a worker with pushes from them starts with a
+    zero error-feedback residual (the saved one is of fewer of its pushes)."""
+    import dataclasses
+
+    import numpy as np
+
+    from stalewise.checkpoint import replay
+
+    ckpt = replay.logged(start, config)
+    if ckpt is start:
+        return ckpt
+    ckpt.step["pushed"] = pushed = [int(n) for n in ckpt.step["pushed"]]  # server.resume's type
+    if ckpt.residuals is not None:
+        before = start.step.get("pushed") or [None] * len(pushed)
+        residuals = [r if n == m else np.zeros_like(r)
+                     for r, n, m in zip(ckpt.residuals, pushed, before, strict=True)]  # fmt: skip
+        ckpt = dataclasses.replace(ckpt, residuals=residuals)
+    return ckpt
 
 
 def _choose(folder: Path, rank: int, held: int, ckpt: Any, saved: dict) -> tuple[dict, int]:
