@@ -25,6 +25,18 @@ undisturbed, then once per fault, with the same budget of pushes:
                     logs replay to the final params bit for bit), ``shard_s``
                     (from the kill to the shard serving again) and ``recover_s``
                     (to the last restarted worker back in the run).
+  (g) launcher-kills ``--launcher-kills N`` runs only this case: the one-hot job of
+                    ``tests/test_one_cut.py`` (``stalewise run``, 2 ranks, rank r's i-th
+                    push adds 1 to item (r, i), a checkpoint every 50 pushes), its
+                    launcher SIGKILLed N times at a random moment (0 to 1.5 s after
+                    its first push), each followed by ``--resume``, ASP and BSP in
+                    turn, then run to its end. Columns: ``acked_lost`` (pushes a rank
+                    saw acknowledged that the resumed shards lack), ``twice`` and
+                    ``skipped`` (items of the final parameters applied twice or not at
+                    all), ``replayed`` (pushes the resumes took from the push logs),
+                    ``rank_skips`` (pushes the ranks skipped, in the shards already),
+                    ``first_push_s`` (from starting the resumed launcher to its first
+                    acknowledged push; ``fresh_s`` for the first start).
 
 Columns: ``completed`` (the run returned, with its budget spent: ``steps`` pushes
 under ASP, ``ceil(steps / workers)`` whole rounds under BSP, so a BSP run in which a
@@ -42,13 +54,14 @@ so and is left out of the bar. Its ``events`` column counts the checkpoints
 that could not be written, and ``kept`` names the newest one that was (it
 must load).
 
-Bar: (f) 0 lost, 0 twice, 0 torn, every replay equal. (a), (b) and (c) complete with nothing applied twice and a final accuracy
+Bar: (f) 0 lost, 0 twice, 0 torn, every replay equal. (g) 0 lost, 0 twice, 0 skipped. (a), (b) and (c) complete with nothing applied twice and a final accuracy
 within 1 point of the undisturbed run; (e) completes, returns its result within
 1 point of the undisturbed run, and its kept checkpoint loads. (d) is reported
 as it happens. ``--check``
 also writes the table to ``runs/bench-faults.json`` (or ``--json PATH``).
 
     .venv/bin/python benchmarks/faults.py [--quick] [--check] [--json PATH] [--shard-kills N]
+        [--launcher-kills N]
 """
 
 from __future__ import annotations
@@ -60,6 +73,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -355,10 +369,13 @@ def main() -> int:
     )
     ap.add_argument("--check", action="store_true", help="exit 1 if the bar is missed")
     ap.add_argument("--shard-kills", type=int, metavar="N", help="only case (f), N kills")
+    ap.add_argument("--launcher-kills", type=int, metavar="N", help="only case (g), N kills")
     _report.add_json_arg(ap)
     args = ap.parse_args()
     out = _report.json_path(ap, args, "faults")
     logging.basicConfig(level=logging.ERROR)  # the runtime's warnings would flood the table
+    if args.launcher_kills:
+        return launcher_kills(args.launcher_kills, out, args.check)
     task = tasks.get("digits")
     steps = 1500 if args.quick else 4000
     if args.shard_kills:
@@ -459,6 +476,134 @@ def _shard_kills_total(rows: list[dict], steps: int, quick: bool, out) -> bool:
         bars=[{"name": "(f) 0 lost, 0 twice, 0 torn, every replay equal", "met": ok}],
     )
     return ok
+
+
+ONE_HOT = """
+import os, sys, time
+import numpy as np
+import stalewise as sw
+
+if __name__ == "__main__":
+    steps, workers, bsp = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "bsp"
+    job = sw.Job({"items": np.zeros((workers, steps), np.float32)},
+                 optimizer=sw.optim.sgd(float(workers) if bsp else 1.0),
+                 consistency=sw.BSP() if bsp else sw.ASP())
+    ctx = sw.init(job)
+    acked = os.open(f"acked-{ctx.rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(acked, b"start %d %f\\n" % (ctx.client.pushed, time.time()))
+    while not ctx.should_stop():
+        i = ctx.state.get("i", 0)
+        ctx.client.pull()
+        g = np.zeros((workers, steps), np.float32)
+        g[ctx.rank, i] = -1.0
+        ctx.client.push({"items": g})
+        ctx.client.wait()
+        os.write(acked, b"%d %f\\n" % (ctx.client.pushed, time.time()))
+        ctx.state["i"] = i + 1
+        time.sleep(0.004)
+    ctx.close()
+"""
+
+
+def launcher_kills(n: int, out, check: bool, steps: int = 4000, every: int = 50) -> int:
+    """Case (g): ``n`` launcher kills, half under ASP and half under BSP, each run of the
+    one-hot job ended by a run to its budget."""
+    rows, rng = [], random.Random(int(time.time()))
+    cols = ["consistency", "completed", "kills", "acked_lost", "twice", "skipped", "replayed",
+            "rank_skips", "first_push_s", "fresh_s", "time_s"]  # fmt: skip
+    for k, consistency in enumerate(("asp", "bsp")):
+        kills = n // 2 + (k < n % 2)
+        with tempfile.TemporaryDirectory(prefix="faults-launcher-") as folder:
+            rows.append(_one_hot_kills(Path(folder), consistency, kills, steps, every, rng))
+        print(format_table(rows[-1:], cols), flush=True)
+    keys = ("kills", "acked_lost", "twice", "skipped", "replayed", "rank_skips")
+    total: dict = {key: sum(r[key] for r in rows) for key in keys}
+    firsts = [t for r in rows for t in r.pop("firsts")]
+    total |= {"runs": len(rows), "completed": sum(r["completed"] == "yes" for r in rows),
+              "first_push_s_mean": sum(firsts) / len(firsts) if firsts else math.nan,
+              "first_push_s_max": max(firsts, default=math.nan), "load": os.getloadavg()}  # fmt: skip
+    print(f"one-hot job, 2 ranks, {steps} pushes per run, a checkpoint every {every}:", total)
+    ok = total["completed"] == len(rows) and total["kills"] == n
+    ok = ok and not (total["acked_lost"] or total["twice"] or total["skipped"])
+    print("bar: (g) 0 lost, 0 twice, 0 skipped:", "met" if ok else "MISSED")
+    _report.write(out, {"steps": steps, "every": every, "total": total, "rows": rows},
+                  bars=[{"name": "(g) 0 lost, 0 twice, 0 skipped", "met": ok}])  # fmt: skip
+    return 0 if ok or not check else 1
+
+
+def _one_hot_kills(folder: Path, consistency: str, kills: int, steps: int, every: int,
+                   rng: random.Random) -> dict:  # fmt: skip
+    """One job: ``kills`` launcher kills and resumes, then a run to its end."""
+    workers, started, errs, killed = 2, time.monotonic(), [], 0
+    (folder / "job.py").write_text(ONE_HOT)
+    acks = [folder / f"acked-{r}" for r in range(workers)]
+    firsts, row = [], {"consistency": consistency, "completed": "no"}
+    for attempt in range(kills + 1):
+        args = [sys.executable, "-m", "stalewise", "run", "--workers", str(workers), "--steps",
+                str(steps), "--checkpoint-dir", "ckpt", "--checkpoint-every", str(every),
+                *(["--resume"] if attempt else []), "job.py", str(steps), str(workers),
+                consistency]  # fmt: skip
+        begun = time.time()
+        proc = subprocess.Popen(args, cwd=folder, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+        try:
+            first = None
+            while first is None and proc.poll() is None and time.time() - begun < 120:
+                first = _first_ack(acks, begun)
+                time.sleep(0.01)
+            if first is not None:
+                firsts.append(first - begun)
+            if attempt < kills:
+                time.sleep(rng.uniform(0.0, 1.5))
+                if proc.poll() is None:
+                    proc.kill()  # the launcher alone: its ranks and shards die with it
+                    killed += 1
+            errs.append(proc.communicate(timeout=600)[1])
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if attempt == kills and proc.returncode == 0:
+            row["completed"] = "yes"
+    err = "".join(errs)
+    final = checkpoint.load(folder / "ckpt")
+    items = final.flat().reshape(workers, steps)
+    made = [int(r["i"]) for r in final.ranks]
+    row |= {
+        "kills": killed,
+        "acked_lost": sum(_acked_lost(path) for path in acks),
+        "twice": int((items > 1.5).sum()),
+        "skipped": sum(int((items[r, :m] < 0.5).sum()) for r, m in enumerate(made)),
+        "replayed": sum(int(x) for x in re.findall(r"(\d+) from the push logs", err)),
+        "rank_skips": sum(int(x) for x in re.findall(r"it skips its next (\d+)", err)),
+        "first_push_s": sum(firsts[1:]) / max(len(firsts) - 1, 1),
+        "fresh_s": firsts[0] if firsts else math.nan,
+        "time_s": time.monotonic() - started,
+        "firsts": firsts[1:],
+    }
+    return row
+
+
+def _first_ack(acks: list[Path], since: float) -> float | None:
+    """The time of the first push acknowledged in a run started at ``since`` (None: none yet)."""
+    times = []
+    for path in acks:
+        with contextlib.suppress(FileNotFoundError):
+            lines = path.read_text().splitlines()
+            starts = [i for i, line in enumerate(lines) if line.startswith("start ")]
+            if starts and float(lines[starts[-1]].split()[2]) >= since:
+                times += [float(line.split()[1]) for line in lines[starts[-1] + 1 : starts[-1] + 2]]
+    return min(times, default=None)
+
+
+def _acked_lost(path: Path) -> int:
+    """Over a rank's runs (its ack file), the acknowledged pushes each resume lacked."""
+    lost = most = 0
+    for line in path.read_text().splitlines():
+        n = int(line.split()[-2])
+        if line.startswith("start"):
+            lost += max(most - n, 0)
+        most = max(most, n)
+    return lost
 
 
 if __name__ == "__main__":
