@@ -206,6 +206,7 @@ def test_a_resume_replays_the_logs_less_a_push_torn_across_shards(tmp_path):
     got = replay.logged(ckpt, config)
     assert got.step["torn"] == [[1, 1, 2]]
     assert got.step["pushed"] == [4, 2] and got.step["pushes"] == got.step["replayed"] == 6
+    assert all(type(n) is int for n in got.step["pushed"])  # as a checkpoint's are
     for k in range(2):
         assert got.states[k]["params"].tobytes() == want[k].params.tobytes()
         assert list(got.states[k]["next_seq"]) == [4, 2]

@@ -52,7 +52,9 @@ def logged(ckpt: Checkpoint, config: Any) -> Checkpoint:
     before = ckpt.states[0]
     held = list(zip(np.asarray(before["incarnation"]), np.asarray(before["next_seq"]), strict=True))
     for w, inc, seq in common:  # those the checkpoint did not hold yet
-        pushed[w] += inc > held[w][0] or (inc == held[w][0] and seq >= held[w][1])
+        pushed[w] = int(pushed[w]) + bool(
+            inc > held[w][0] or (inc == held[w][0] and seq >= held[w][1])
+        )
     added = sum(pushed) - sum(ckpt.step.get("pushed") or [0])
     step = ckpt.step | {"pushes": ckpt.step.get("pushes", 0) + added, "pushed": pushed,
                         "replayed": added, "torn": sorted(map(list, torn))}  # fmt: skip
