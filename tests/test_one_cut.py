@@ -27,6 +27,7 @@ from test_own_pulls import N, ShardThread
 import stalewise as sw
 from stalewise import checkpoint
 from stalewise.checkpoint import store
+from stalewise.launch import checkpoints as saving
 from stalewise.protocol import PushHeader, budget, delivery, pushlog
 from stalewise.runtime.local import shard_proc, wire
 from stalewise.runtime.local.server import LocalServer
@@ -489,3 +490,55 @@ def test_a_shard_that_gave_a_cut_up_says_so_and_begins_its_log_all_the_same(tmp_
         s._thread.join(10)
         s.proc.end_log()
         s.close()
+
+
+def test_a_resume_from_the_logs_zeroes_the_residual_of_a_worker_they_add_pushes_of(
+    tmp_path, no_leaks
+):
+    """A codec's error-feedback residual in the checkpoint is of the pushes it holds: a
+    worker whose later pushes the logs add would send error already sent, so it starts
+    from zero; a worker with none in the logs keeps its saved residual."""
+    job = sw.Job({"w": np.zeros(4096, np.float32)}, optimizer=sw.optim.sgd(1.0),
+                 codec=sw.codecs.topk(0.1))  # fmt: skip
+    ckpts = tmp_path / "ckpt"
+    (folder := ckpts / ".ranks").mkdir(0o700, parents=True)
+    rng = np.random.default_rng(0)
+    with job.serve(workers=2) as server:
+        saves = saving.Saves(job, server, str(ckpts), None, False, folder=folder)
+        clients = [server.client(w) for w in (0, 1)]
+        for c in clients:
+            c.push({"w": rng.normal(size=4096).astype(np.float32)}, timeout=10)
+            assert c.wait(timeout=10).status == "applied"
+        saves.save()  # both residuals non-zero in it
+        clients[1].push({"w": rng.normal(size=4096).astype(np.float32)}, timeout=10)
+        assert clients[1].wait(timeout=10).status == "applied"  # in the log only
+        saved = checkpoint.load(ckpts).residuals
+        for c in clients:
+            c.close()
+    assert all(np.any(r) for r in saved)
+    with job.serve(workers=2) as server:
+        saving.Saves(job, server, str(ckpts), None, True, folder=folder)
+        assert checkpoint.load(ckpts).step["pushed"] == [1, 2]
+        residuals = server.residuals()
+    np.testing.assert_array_equal(residuals[0], saved[0])
+    assert not np.any(residuals[1])
+
+
+def test_a_resumed_rank_takes_its_state_of_the_pushes_the_shards_hold(tmp_path, caplog):
+    """The rule (no processes): of the two states a rank kept (after 6 and 7 of its pushes),
+    the one of the count the replayed shards hold; else the nearest below, skipping the
+    pushes between (warned); else the checkpoint's own."""
+    for n in (6, 7):
+        saving.write_rank_state(tmp_path, 0, {"i": n}, pushes=0, pushed=n)
+    ckpt = checkpoint.Checkpoint(path=tmp_path, states=[], manifest={"step": {"pushed": [5]}})
+    assert saving._choose(tmp_path, 0, 7, ckpt, {"i": 5}) == ({"i": 7}, 0)
+    assert saving._choose(tmp_path, 0, 6, ckpt, {"i": 5}) == ({"i": 6}, 0)
+    assert saving._choose(tmp_path, 0, 5, ckpt, {"i": 5}) == ({"i": 5}, 0)
+    assert not caplog.records
+    assert saving._choose(tmp_path, 0, 8, ckpt, {"i": 5}) == ({"i": 7}, 1)
+    assert caplog.records[-1].getMessage() == (
+        "resume: rank 0's ctx.state is after 7 of its pushes (saved: [6, 7]), "
+        "the shards hold 8: it skips its next 1"
+    )
+    saving.write_rank_state(tmp_path, 0, {"i": 6}, pushes=0, pushed=7, skip=1)  # a skip to go
+    assert saving._choose(tmp_path, 0, 8, ckpt, {}) == ({"i": 6}, 2)

@@ -177,13 +177,10 @@ def _logged(start: Any, config: Any) -> Any:
     from stalewise.checkpoint import replay
 
     ckpt = replay.logged(start, config)
-    if ckpt is start:
-        return ckpt
-    ckpt.step["pushed"] = pushed = [int(n) for n in ckpt.step["pushed"]]  # server.resume's type
-    if ckpt.residuals is not None:
-        before = start.step.get("pushed") or [None] * len(pushed)
-        residuals = [r if n == m else np.zeros_like(r)
-                     for r, n, m in zip(ckpt.residuals, pushed, before, strict=True)]  # fmt: skip
+    if ckpt is not start and ckpt.residuals is not None:
+        before = start.step.get("pushed") or [None] * len(ckpt.residuals)
+        pairs = zip(ckpt.residuals, ckpt.step["pushed"], before, strict=True)
+        residuals = [r if n == m else np.zeros_like(r) for r, n, m in pairs]
         ckpt = dataclasses.replace(ckpt, residuals=residuals)
     return ckpt
 
