@@ -573,7 +573,7 @@ def _one_hot_kills(folder: Path, consistency: str, kills: int, steps: int, every
         "acked_lost": sum(_acked_lost(path) for path in acks),
         "twice": int((items > 1.5).sum()),
         "skipped": sum(int((items[r, :m] < 0.5).sum()) for r, m in enumerate(made)),
-        "replayed": sum(int(x) for x in re.findall(r"(\d+) from the push logs", err)),
+        "replayed": sum(int(b) - int(a) for a, b in re.findall(RESUMED, err)),
         "rank_skips": sum(int(x) for x in re.findall(r"it skips its next (\d+)", err)),
         "first_push_s": sum(firsts[1:]) / max(len(firsts) - 1, 1),
         "fresh_s": firsts[0] if firsts else math.nan,
@@ -581,6 +581,9 @@ def _one_hot_kills(folder: Path, consistency: str, kills: int, steps: int, every
         "firsts": firsts[1:],
     }
     return row
+
+
+RESUMED = r"resumed from \S*ckpt-(\d+) \(version \d+, (\d+) pushes\)"  # with the logs'
 
 
 def _first_ack(acks: list[Path], since: float) -> float | None:

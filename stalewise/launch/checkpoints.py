@@ -98,10 +98,9 @@ class Saves:
         self.started = time.monotonic()
         self.due: tuple[int, float] | None = None  # (the epoch due, since when)
         self.unticked: set[int] = set()  # ranks named as never calling ctx.should_stop()
-        if ckpt is not None:
-            more = f", {ckpt.step['replayed']} from the push logs" if ckpt is not start else ""
+        if ckpt is not None:  # and its push logs: more pushes than the folder's name says
             print(f"stalewise: resumed from {ckpt.path} (version {ckpt.states[0]['version']}, "
-                  f"{pushes} pushes{more})", file=sys.stderr, flush=True)  # fmt: skip
+                  f"{pushes} pushes)", file=sys.stderr, flush=True)  # fmt: skip
         if folder is not None:
             for r, state in enumerate(self.ranks):  # what each rank starts from
                 write_rank_state(folder, r, state, pushes, self.pushed[r], skips[r], only=True)
