@@ -38,8 +38,9 @@ def recv_reply(
     conn: connection.Connection, timeout: float | None, what: str, *, trusted: bool = False
 ) -> tuple:
     """The next message from a shard, decoded (:func:`wire.decode_reply`); ``trusted``:
-    ``conn`` is the parent's control pipe, whose bulk replies may be of any length."""
-    if not wire.readable([conn], timeout):
+    ``conn`` is the parent's control pipe, whose bulk replies may be of any length;
+    ``timeout`` 0: the caller has seen ``conn`` readable."""
+    if timeout != 0 and not wire.readable([conn], timeout):
         raise TimeoutError(f"no answer to {what} within {timeout} s")
     try:
         body = conn.recv_bytes(None if trusted else wire.MAX_REPLY)
@@ -394,7 +395,7 @@ class Client(PullsIntoTrees):
     def _check_shards(self) -> None:
         """Raises :class:`ShardError` naming every shard the server has seen die."""
         exits = self._exits
-        if exits is None or np.isnan(exits).all():
+        if exits is None or all(c != c for c in exits.tolist()):  # NaN: running
             return
         raise ShardError(
             "; ".join(
@@ -470,9 +471,7 @@ class Client(PullsIntoTrees):
         seq, bases, verdict = sender.judge(self._push_buf)
         rec = self._record
         rec[L.R_COMMIT] = 0  # the old record is void while the new one is written
-        rec[L.R_INC], rec[L.R_SEQ] = self.incarnation, seq
-        rec[L.R_CODE], rec[L.R_DETAIL] = verdict.code, verdict.detail
-        rec[L.R_BASES : L.R_BASES + len(bases)] = bases
+        rec[L.R_INC : L.R_BASES + len(bases)] = (self.incarnation, seq, *verdict, *bases)
         rec[L.R_COMMIT] = seq + 1  # committed: from here on, all shards or none
         return seq
 
