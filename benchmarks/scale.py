@@ -43,7 +43,6 @@ import numpy as np
 from stragglers import emulated_step, no_data  # the same emulated job as the straggler runs
 
 import stalewise as sw
-from stalewise.optim import _kernels
 from stalewise.protocol import PushHeader, Shard
 from stalewise.segments import Segments
 
@@ -131,6 +130,8 @@ def floor(n: int, repeats: int) -> dict:
     step, the publish), with no pipe, process or Python of the runtime: what is left of
     a stage at its floor is the runtime's own cost. At 1M the buffers (36 MB) exceed the
     L3 cache a warm copy stays in."""
+    from stalewise.optim import _kernels  # numba: imported here, after the peaks are read
+
     b = {k: np.full(n, 1e-3, np.float32) for k in ("p", "s0", "s1", "new", "into", "g", "push")}
     opt = sw.optim.sgd(1e-3)
     state = opt.init(b["p"], Segments.single(n))
