@@ -35,12 +35,17 @@ LIVE_COPIES = 2  # copies of a shard's live params a read-your-writes pull tries
 
 
 def recv_reply(
-    conn: connection.Connection, timeout: float | None, what: str, *, trusted: bool = False
+    conn: connection.Connection,
+    timeout: float | None,
+    what: str,
+    *,
+    trusted: bool = False,
+    ready: bool = False,
 ) -> tuple:
     """The next message from a shard, decoded (:func:`wire.decode_reply`); ``trusted``:
     ``conn`` is the parent's control pipe, whose bulk replies may be of any length;
-    ``timeout`` 0: the caller has seen ``conn`` readable."""
-    if timeout != 0 and not wire.readable([conn], timeout):
+    ``ready``: the caller has seen ``conn`` readable."""
+    if not ready and not wire.readable([conn], timeout):
         raise TimeoutError(f"no answer to {what} within {timeout} s")
     try:
         body = conn.recv_bytes(None if trusted else wire.MAX_REPLY)
@@ -345,18 +350,20 @@ class Client(PullsIntoTrees):
                         break
                     if left is not None and left <= SLICE:
                         raise TimeoutError(f"no answer to {what} within {timeout} s")
-                msg = self._recv(k, 0, what)
+                msg = self._recv(k, 0, what, ready=True)
             else:
                 msg = self._recv(k, timeout, what)
             if msg[0] in kinds:
                 return msg
             self._inbox[k].append(msg)
 
-    def _recv(self, k: int, timeout: float | None, what: str) -> tuple:
+    def _recv(self, k: int, timeout: float | None, what: str, ready: bool = False) -> tuple:
         """The next message from shard ``k``: ServerClosed (or ShardError, if it died)
         when the shard closed the pipe or refused to serve this client."""
         try:
-            msg = recv_reply(self._conns[k], timeout, what, trusted=self.worker is None)
+            msg = recv_reply(
+                self._conns[k], timeout, what, trusted=self.worker is None, ready=ready
+            )
         except ServerClosed as e:  # the message names the shard
             self._gone(str(e))
         if msg[0] == "error":  # the shard refused to serve this client
@@ -367,7 +374,7 @@ class Client(PullsIntoTrees):
         """Reads what shard ``k`` has sent (into the inbox) without waiting: its pipe's end,
         or a refusal, raises now."""
         while wire.readable([self._conns[k]], 0):
-            self._inbox[k].append(self._recv(k, 0, f"messages from shard {k}"))
+            self._inbox[k].append(self._recv(k, 0, f"messages from shard {k}", ready=True))
 
     def _send(self, k: int, body: bytes) -> None:
         self._check_open()
