@@ -35,17 +35,11 @@ LIVE_COPIES = 2  # copies of a shard's live params a read-your-writes pull tries
 
 
 def recv_reply(
-    conn: connection.Connection,
-    timeout: float | None,
-    what: str,
-    *,
-    trusted: bool = False,
-    ready: bool = False,
+    conn: connection.Connection, timeout: float | None, what: str, *, trusted: bool = False
 ) -> tuple:
     """The next message from a shard, decoded (:func:`wire.decode_reply`); ``trusted``:
-    ``conn`` is the parent's control pipe, whose bulk replies may be of any length;
-    ``ready``: the caller has seen ``conn`` readable."""
-    if not ready and not wire.readable([conn], timeout):
+    ``conn`` is the parent's control pipe, whose bulk replies may be of any length."""
+    if not wire.readable([conn], timeout):
         raise TimeoutError(f"no answer to {what} within {timeout} s")
     try:
         body = conn.recv_bytes(None if trusted else wire.MAX_REPLY)
@@ -344,26 +338,25 @@ class Client(PullsIntoTrees):
                 while True:
                     self._check_shards()
                     left = None if deadline is None else deadline - time.monotonic()
-                    if wire.readable(
-                        [self._conns[k]], SLICE if left is None else max(0.0, min(SLICE, left))
-                    ):
+                    try:  # one poll of the pipe, then the read
+                        msg = self._recv(
+                            k, SLICE if left is None else max(0.0, min(SLICE, left)), what
+                        )
                         break
-                    if left is not None and left <= SLICE:
-                        raise TimeoutError(f"no answer to {what} within {timeout} s")
-                msg = self._recv(k, 0, what, ready=True)
+                    except TimeoutError:
+                        if left is not None and left <= SLICE:
+                            raise TimeoutError(f"no answer to {what} within {timeout} s") from None
             else:
                 msg = self._recv(k, timeout, what)
             if msg[0] in kinds:
                 return msg
             self._inbox[k].append(msg)
 
-    def _recv(self, k: int, timeout: float | None, what: str, ready: bool = False) -> tuple:
+    def _recv(self, k: int, timeout: float | None, what: str) -> tuple:
         """The next message from shard ``k``: ServerClosed (or ShardError, if it died)
         when the shard closed the pipe or refused to serve this client."""
         try:
-            msg = recv_reply(
-                self._conns[k], timeout, what, trusted=self.worker is None, ready=ready
-            )
+            msg = recv_reply(self._conns[k], timeout, what, trusted=self.worker is None)
         except ServerClosed as e:  # the message names the shard
             self._gone(str(e))
         if msg[0] == "error":  # the shard refused to serve this client
@@ -374,7 +367,7 @@ class Client(PullsIntoTrees):
         """Reads what shard ``k`` has sent (into the inbox) without waiting: its pipe's end,
         or a refusal, raises now."""
         while wire.readable([self._conns[k]], 0):
-            self._inbox[k].append(self._recv(k, 0, f"messages from shard {k}", ready=True))
+            self._inbox[k].append(self._recv(k, 0, f"messages from shard {k}"))
 
     def _send(self, k: int, body: bytes) -> None:
         self._check_open()
