@@ -9,6 +9,7 @@ figure is a ratio that a shared machine's load moves less than a time.
   its apply until acknowledged (``client.wait()``), each as a multiple of a copy
   (medians). Their sum is the copies an update costs; one memory bus serving them
   all bounds the rate at ``1 / (copies x copy)`` (and the workers' ideal, 162.5/s).
+  ``floor ...``: the same stages' copies and step alone, in one process (:func:`floor`).
   ``shard_cpu``: the shards' CPU time per update, in copies (what they do while
   idle, an undo copy or a publish, counted too; ticks of 10 ms: coarse at 1M);
   ``sgd_push``/``sgd_idle`` (and with momentum, Adam): a ``Shard``'s push and its idle
@@ -122,6 +123,39 @@ def shard_work(n: int, optimizer, repeats: int) -> tuple[float, float]:
     return med["push"] / med["copy"], med["prepare"] / med["copy"]
 
 
+def floor(n: int, repeats: int) -> dict:
+    """Each stage's data movement alone, in copies: the same NumPy copies and SGD step in
+    one process, in the order and over as many buffers as :func:`stages` (a pull from a
+    snapshot, into fresh memory then into a tree, a push's copy in, the shard's norm and
+    step, the publish), with no pipe, process or Python of the runtime: what is left of
+    a stage at its floor is the runtime's own cost. At 1M the buffers (36 MB) exceed the
+    L3 cache a warm copy stays in."""
+    from stalewise.optim import _kernels  # numba: imported here, after the peaks are read
+
+    b = {k: np.full(n, 1e-3, np.float32) for k in ("p", "s0", "s1", "new", "into", "g", "push")}
+    opt = sw.optim.sgd(1e-3)
+    state = opt.init(b["p"], Segments.single(n))
+    t = {"pull()": [], "pull(into=buffers)": [], "push": [], "apply": [], "copy": []}
+
+    def timed(name, f, *args):
+        t0 = time.perf_counter()
+        f(*args)
+        t[name].append(time.perf_counter() - t0)
+
+    for i in range(repeats + 3):
+        snap, other = (b["s0"], b["s1"]) if i % 2 else (b["s1"], b["s0"])
+        t["copy"].append(copy_time(n, 1))
+        timed("pull()", np.copyto, b["new"], snap)
+        t["copy"].append(copy_time(n, 1))
+        timed("pull(into=buffers)", np.copyto, b["into"], snap)
+        t["copy"].append(copy_time(n, 1))
+        timed("push", np.copyto, b["push"], b["g"])
+        timed("apply", lambda: (_kernels.sumsq(b["push"]), opt.apply(b["push"], state, b["p"])))
+        np.copyto(other, b["p"])  # the publish
+    copy = float(np.median(t.pop("copy")[9:]))
+    return {f"floor {k}": float(np.median(v[3:])) / copy for k, v in t.items()}
+
+
 OPTIMIZERS = {"sgd": lambda: sw.optim.sgd(1e-3), "adam": lambda: sw.optim.adam(1e-3)}
 
 
@@ -169,7 +203,8 @@ def stages(n: int, shards: int, repeats: int, optimizer: str = "sgd") -> dict:
     nbytes = 4 * n
     row["mem_client"] = peaks["client"] / nbytes
     row["mem_shard"] = max(peaks["shards"], default=0) / nbytes
-    if shards == 1:  # the shard's own work per update: its step and its idle undo copy
+    if shards == 1:  # the stages' data movement alone; the shard's step and idle undo copy
+        row |= floor(n, repeats)
         for name, opt in (
             ("sgd", sw.optim.sgd(1e-3)),
             ("momentum", sw.optim.sgd(1e-3, 0.9)),

@@ -40,6 +40,7 @@ from stalewise.backends import (
     containers,
     get_backend,
 )
+from stalewise.backends.base import dtype_name
 from stalewise.segments import Segments
 
 logger = logging.getLogger(__name__)
@@ -563,7 +564,7 @@ def _check_flat(flat: Any, spec: FlatSpec) -> np.ndarray:
         raise ValueError(f"flat vector must be 1-D, got shape {flat.shape}")
     if flat.size != spec.size:
         raise ValueError(f"flat vector has {flat.size} elements, spec expects {spec.size}")
-    if flat.dtype.name not in FLOAT_DTYPES:
+    if dtype_name(flat.dtype) not in FLOAT_DTYPES:
         raise TypeError(f"flat vector has dtype {flat.dtype}, expected {spec.dtype}")
     return flat
 
@@ -731,7 +732,7 @@ def views_into(target: Any, spec: FlatSpec) -> list[tuple[int, np.ndarray]] | No
             with contextlib.suppress(TypeError, RuntimeError):  # sparse, conjugate...
                 x = f.x.detach().numpy()  # shares the tensor's memory
                 sys.modules["torch"].autograd.graph.increment_version(f.x)  # a write, to autograd
-        if len(values) > 1 or f.holder is not None or leaf.dtype != spec.dtype.name:
+        if len(values) > 1 or f.holder is not None or leaf.dtype != dtype_name(spec.dtype):
             return None
         if not (isinstance(x, np.ndarray) and x.flags.writeable and x.flags.c_contiguous):
             return None

@@ -338,13 +338,14 @@ class Client(PullsIntoTrees):
                 while True:
                     self._check_shards()
                     left = None if deadline is None else deadline - time.monotonic()
-                    if wire.readable(
-                        [self._conns[k]], SLICE if left is None else max(0.0, min(SLICE, left))
-                    ):
+                    try:  # one poll of the pipe, then the read
+                        msg = self._recv(
+                            k, SLICE if left is None else max(0.0, min(SLICE, left)), what
+                        )
                         break
-                    if left is not None and left <= SLICE:
-                        raise TimeoutError(f"no answer to {what} within {timeout} s")
-                msg = self._recv(k, 0, what)
+                    except TimeoutError:
+                        if left is not None and left <= SLICE:
+                            raise TimeoutError(f"no answer to {what} within {timeout} s") from None
             else:
                 msg = self._recv(k, timeout, what)
             if msg[0] in kinds:
@@ -394,7 +395,7 @@ class Client(PullsIntoTrees):
     def _check_shards(self) -> None:
         """Raises :class:`ShardError` naming every shard the server has seen die."""
         exits = self._exits
-        if exits is None or np.isnan(exits).all():
+        if exits is None or all(c != c for c in exits.tolist()):  # NaN: running
             return
         raise ShardError(
             "; ".join(
@@ -470,9 +471,7 @@ class Client(PullsIntoTrees):
         seq, bases, verdict = sender.judge(self._push_buf)
         rec = self._record
         rec[L.R_COMMIT] = 0  # the old record is void while the new one is written
-        rec[L.R_INC], rec[L.R_SEQ] = self.incarnation, seq
-        rec[L.R_CODE], rec[L.R_DETAIL] = verdict.code, verdict.detail
-        rec[L.R_BASES : L.R_BASES + len(bases)] = bases
+        rec[L.R_INC : L.R_BASES + len(bases)] = (self.incarnation, seq, *verdict, *bases)
         rec[L.R_COMMIT] = seq + 1  # committed: from here on, all shards or none
         return seq
 

@@ -45,12 +45,11 @@ def committed_push(
 ) -> tuple[PushHeader, np.ndarray, commit.Verdict] | None:
     """Worker ``w``'s committed push as shard ``k`` reads it from its record, or None
     (``pushes[w]``: shard ``k``'s part of worker ``w``'s push region)."""
-    rec = records[w]
-    seq_plus_one = int(rec[L.R_COMMIT])
-    if not seq_plus_one or int(rec[L.R_SEQ]) != seq_plus_one - 1:
+    rec = records[w].tolist()
+    if not rec[L.R_COMMIT] or rec[L.R_SEQ] != rec[L.R_COMMIT] - 1:
         return None  # nothing committed, or a record caught while being rewritten
-    header = PushHeader(w, int(rec[L.R_SEQ]), int(rec[L.R_BASES + k]), int(rec[L.R_INC]))
-    return header, pushes[w], commit.Verdict(int(rec[L.R_CODE]), int(rec[L.R_DETAIL]))
+    header = PushHeader(w, rec[L.R_SEQ], rec[L.R_BASES + k], rec[L.R_INC])
+    return header, pushes[w], commit.Verdict(rec[L.R_CODE], rec[L.R_DETAIL])
 
 
 class WorkerPipe:
@@ -309,7 +308,8 @@ class ShardProcess:
     def held(self, p: WorkerPipe) -> bool:
         """Whether pipe ``p`` is not read now: under a cut, unless its next push is below its
         target (a worker has one push in flight at most, so nothing past it is read)."""
-        return self.cutting.holds(p.worker, p.incarnation, int(self.shard.next_seq[p.worker]))
+        cut = self.cutting
+        return cut.frozen and cut.holds(p.worker, p.incarnation, int(self.shard.next_seq[p.worker]))
 
     def settle(self) -> None:
         """After a turn: the acks, the publish (:meth:`publish_due`; a gated shard whose
