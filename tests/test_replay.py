@@ -166,48 +166,110 @@ def test_a_killed_launchers_logs_replay_past_its_last_checkpoint(tmp_path):
         assert replay.replay(ckpts, config, name)[0].tobytes() == flat.tobytes()
 
 
-def test_a_resume_replays_the_logs_less_a_push_torn_across_shards(tmp_path):
-    """``replay.logged``: a checkpoint advanced by its shards' logs holds every push both
-    shards logged, and leaves out the one only shard 0 logged (the processes died while it
-    was applied: never acknowledged), as if it had never been made; its counts follow."""
-    job = sw.Job({"a": np.zeros(3, np.float32), "b": np.zeros(3, np.float32)},
-                 optimizer=sw.optim.adam(0.1), shards=2)  # fmt: skip
-    config = job.config
+class Logged:
+    """Two shards of a job as a run's would be, a checkpoint of them in ``folder`` naming the
+    logs their journals write: the calls a test makes are what each shard logged before the
+    processes died; :meth:`logged` is what a resume reads."""
 
-    def shards():
-        made = [config.build_shard(k, config.init[lo:hi].copy(), workers=2)
-                for k, (lo, hi) in enumerate(config.ranges)]  # fmt: skip
+    def __init__(self, folder, consistency=None, optimizer=None):
+        job = sw.Job({"a": np.zeros(3, np.float32), "b": np.zeros(3, np.float32)},
+                     optimizer=optimizer or sw.optim.sgd(0.1), shards=2,
+                     consistency=consistency)  # fmt: skip
+        self.config, self.folder = job.config, folder
+        self.live, self.want = self.shards(), self.shards()  # want: as if nothing was torn
+        names = [f"log-shard-{k}-0000000{k}-000000" for k in range(2)]
+        info = sw.checkpoint.config_info(self.config, workers=2)
+        step = {"pushes": 0, "pushed": [0, 0], "logs": names, "time": 0.0}
+        store.save(folder, [s.state_dict() for s in self.live], spec=self.config.spec,
+                   config_info=info, step_info=step)  # fmt: skip
+        self.files = [open(folder / n, "wb") for n in names]  # noqa: SIM115
+        for s, f in zip(self.live, self.files, strict=True):
+            s.journal = lambda buffers, f=f: f.write(b"".join(buffers))
+
+    def shards(self):
+        c = self.config
+        made = [c.build_shard(k, c.init[lo:hi].copy(), workers=2)
+                for k, (lo, hi) in enumerate(c.ranges)]  # fmt: skip
         for s in made:
             for w in range(2):
                 s.join(w, 1)
         return made
 
-    live, want = shards(), shards()
-    names = [f"log-shard-{k}-0000000{k}-000000" for k in range(2)]
-    info = sw.checkpoint.config_info(config, workers=2)
-    step = {"pushes": 0, "pushed": [0, 0], "logs": names, "time": 0.0}
-    store.save(tmp_path, [s.state_dict() for s in live], spec=config.spec,
-               config_info=info, step_info=step)  # fmt: skip
-    files = [open(tmp_path / n, "wb") for n in names]  # noqa: SIM115
-    for s, f in zip(live, files, strict=True):
-        s.journal = lambda buffers, f=f: f.write(b"".join(buffers))
-    rng = np.random.default_rng(0)
-    order = [(0, 0), (1, 0), (0, 1), (1, 1), (1, 2), (0, 2), (0, 3)]  # (worker, seq)
-    for w, seq in order:  # worker 1's seq 2 reaches shard 0 only; worker 0 goes on after it
-        g, header = rng.normal(size=6).astype(np.float32), sw.protocol.PushHeader(w, seq, seq, 1)
+    def push(self, w, seq, g, only=None):
+        """Worker ``w``'s push ``seq`` of ``g``, based on the version it saw of each shard;
+        ``only``: the one shard that logged it (torn), which ``want`` leaves out."""
         for k in range(2):
-            if (w, seq) != (1, 2) or k == 0:
-                live[k].push(header, g[3 * k : 3 * k + 3].copy())
-            if (w, seq) != (1, 2):
-                want[k].push(header, g[3 * k : 3 * k + 3].copy())
-    for f in files:
-        f.close()
-    ckpt = store.load(tmp_path)
-    got = replay.logged(ckpt, config)
+            part = g[3 * k : 3 * k + 3].copy()
+            if only in (None, k):
+                self.live[k].push(sw.protocol.PushHeader(w, seq, self.live[k].version, 1), part)
+            if only is None:
+                self.want[k].push(sw.protocol.PushHeader(w, seq, self.want[k].version, 1), part)
+
+    def logged(self):
+        for f in self.files:
+            f.close()
+        return store.load(self.folder), replay.logged(store.load(self.folder), self.config)
+
+
+def test_a_resume_replays_the_logs_less_a_push_torn_across_shards(tmp_path):
+    """``replay.logged``: a checkpoint advanced by its shards' logs holds every push both
+    shards logged, and leaves out the one only shard 0 logged (the processes died while it
+    was applied: never acknowledged), as if it had never been made; its counts follow."""
+    run, rng = Logged(tmp_path, optimizer=sw.optim.adam(0.1)), np.random.default_rng(0)
+    for w, seq in [(0, 0), (1, 0), (0, 1), (1, 1), (1, 2), (0, 2), (0, 3)]:
+        run.push(
+            w, seq, rng.normal(size=6).astype(np.float32), only=0 if (w, seq) == (1, 2) else None
+        )
+    ckpt, got = run.logged()
     assert got.step["torn"] == [[1, 1, 2]]
     assert got.step["pushed"] == [4, 2] and got.step["pushes"] == got.step["replayed"] == 6
     assert all(type(n) is int for n in got.step["pushed"])  # as a checkpoint's are
     for k in range(2):
-        assert got.states[k]["params"].tobytes() == want[k].params.tobytes()
+        assert got.states[k]["params"].tobytes() == run.want[k].params.tobytes()
         assert list(got.states[k]["next_seq"]) == [4, 2]
-    assert ckpt.step["pushes"] == 0  # the checkpoint read is unchanged
+    assert ckpt.step["pushes"] == 0
+
+
+def test_a_push_based_on_a_torn_one_is_applied_all_the_same(tmp_path):
+    """Worker 0 pulled shard 0 after worker 1's torn push was applied there, so its pushes
+    name a version the replay without it does not reach: they are applied, not refused."""
+    run = Logged(tmp_path)
+    run.push(1, 0, np.ones(6, np.float32), only=0)
+    run.push(0, 0, np.ones(6, np.float32))
+    run.push(0, 1, np.ones(6, np.float32))
+    _, got = run.logged()
+    assert got.step["torn"] == [[1, 1, 0]] and got.step["pushed"] == [2, 0]
+    for k in range(2):
+        assert list(got.states[k]["next_seq"]) == [2, 0] and got.states[k]["version"] == 2
+        assert got.states[k]["params"].tobytes() == run.want[k].params.tobytes()
+
+
+def test_a_departure_one_shard_logged_is_left_out_and_its_push_delivered(tmp_path):
+    """BSP: shard 0 logged worker 1's departure (delivering its committed push, which
+    shard 1 had as a push) and closed the round; shard 1 died first. The replay delivers
+    the push without the departure: both shards close the round with both workers live."""
+    run = Logged(tmp_path, consistency=sw.BSP())
+    g = np.ones(6, np.float32)
+    run.push(0, 0, g)
+    header = sw.protocol.PushHeader(1, 0, 0, 1)
+    run.live[0].depart(1, 1, (header, g[:3].copy(), sw.protocol.commit.Verdict(0, 0)))
+    run.live[1].push(header, g[3:].copy())
+    run.push(0, 1, g, only=0)  # the next round, begun on shard 0 alone
+    _, got = run.logged()
+    assert got.step["torn"] == [[0, 1, 1]] and got.step["pushed"] == [1, 1]
+    for k in range(2):
+        assert got.states[k]["version"] == 1 and list(got.states[k]["live"]) == [True, True]
+        assert list(got.states[k]["next_seq"]) == [1, 1]
+
+
+def test_logs_of_a_shard_that_could_not_write_its_own_are_not_used(tmp_path, caplog):
+    """A shard whose log failed (removed, the shard went on acknowledging): the other's
+    pushes would all look torn. The checkpoint alone is used, in one warning line."""
+    run = Logged(tmp_path)
+    for seq in range(3):
+        run.push(0, seq, np.ones(6, np.float32))
+    run.files[1].close()
+    (tmp_path / "log-shard-1-00000001-000000").unlink()
+    ckpt, got = run.logged()
+    assert got.step == ckpt.step and got.states[0]["version"] == 0
+    assert "log-shard-1-00000001-000000 is missing" in caplog.text

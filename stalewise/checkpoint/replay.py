@@ -9,7 +9,9 @@ regular file of this user's, no symlink followed, every length bounded."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,8 @@ import numpy as np
 from stalewise.checkpoint.resume import check_compatible
 from stalewise.checkpoint.store import LOG, Checkpoint, CheckpointError, load, open_file
 from stalewise.protocol import pushlog
+
+log = logging.getLogger(__name__)
 
 
 def replay(directory: str | os.PathLike, config: Any, start: str | None = None) -> tuple:
@@ -32,58 +36,99 @@ def replay(directory: str | os.PathLike, config: Any, start: str | None = None) 
     check_compatible(ckpt, config)
     if not ckpt.step.get("logs"):
         raise CheckpointError(f"{ckpt.path.name} names no push logs (a run that wrote none)")
-    states, read, _, _ = _advance(ckpt, config)
+    read: list[str] = []
+    states = [_replayed(k, ckpt, config, None, read) for k in range(len(ckpt.states))]
     return np.concatenate([s["params"] for s in states]), ckpt, read
 
 
 def logged(ckpt: Checkpoint, config: Any) -> Checkpoint:
-    """``ckpt`` advanced by the push logs its shards wrote after it: each shard replayed to
-    the end of its chain, less the pushes some shard logged and another did not (torn by a
-    death: never acknowledged). Its ``step`` counts the pushes replayed in ``pushes``,
-    ``pushed`` (per worker id) and ``replayed``, and lists the ``torn`` ones as ``[worker,
-    incarnation, seq]``; ``ckpt`` itself when it names no logs.
+    """``ckpt`` advanced by the push logs its shards wrote after it, through what every
+    shard logged: a push, or a change of seats (a join, a departure...), that some shard
+    logged and another did not (cut short by a death: never acknowledged) is left out.
+    Its ``step`` counts the pushes replayed in ``pushes``, ``pushed`` (per worker id) and
+    ``replayed``, and lists the ``torn`` ones as ``[worker, incarnation, seq]``. ``ckpt``
+    itself when it names no logs, or (with a warning) when they are not of one run cut
+    short (a shard's log missing).
 
     Raises:
         CheckpointError: a log that is garbled, not ours, or does not fit its shard."""
-    if not ckpt.step.get("logs"):
+    names = ckpt.step.get("logs")
+    if not names:
         return ckpt
-    states, _, torn, common = _advance(ckpt, config)
-    pushed = list(ckpt.step.get("pushed") or [0] * len(states[0]["next_seq"]))
-    before = ckpt.states[0]
-    held = list(zip(np.asarray(before["incarnation"]), np.asarray(before["next_seq"]), strict=True))
-    for w, inc, seq in common:  # those the checkpoint did not hold yet
-        pushed[w] = int(pushed[w]) + bool(
-            inc > held[w][0] or (inc == held[w][0] and seq >= held[w][1])
-        )
+    folder, seen = ckpt.path.parent, []
+    for state, name in zip(ckpt.states, names, strict=True):
+        entries = chain_entries(folder, name, np.asarray(state["params"]).nbytes)
+        seen.append({m for pair in _marks(entries) for m in pair if m is not None})
+    common = set.intersection(*seen)
+    torn = {m for m in set.union(*seen) - common if not isinstance(m[0], str)}
+    why = _not_one_run(folder, names, torn, common)
+    states = None if why else [_replayed(k, ckpt, config, common) for k in range(len(names))]
+    if not why and len({str(_seats(s)) for s in states}) > 1:
+        why = "the shards' replays hold different pushes or workers"
+    if why:
+        log.warning("%s: its push logs are not used (the pushes after it are lost): %s",
+                    ckpt.path.name, why)  # fmt: skip
+        return ckpt
+    workers, before = len(states[0]["next_seq"]), _seats(ckpt.states[0])
+    pushed = [int(n) for n in ckpt.step.get("pushed") or [0] * workers]
+    for m in common:  # the pushes every shard logged that the checkpoint did not hold yet
+        if not isinstance(m[0], str) and 0 <= m[0] < workers and m[1:] >= before[m[0]][:2]:
+            pushed[m[0]] += 1
     added = sum(pushed) - sum(ckpt.step.get("pushed") or [0])
     step = ckpt.step | {"pushes": ckpt.step.get("pushes", 0) + added, "pushed": pushed,
                         "replayed": added, "torn": sorted(map(list, torn))}  # fmt: skip
     return dataclasses.replace(ckpt, states=states, manifest=ckpt.manifest | {"step": step})
 
 
-def _advance(ckpt: Checkpoint, config: Any) -> tuple[list[dict], list[str], set, set]:
-    """The shards' states replayed from ``ckpt`` to the ends of their chains less the torn
-    pushes, the files read, the torn pushes and those every shard logged."""
-    names, folder, keys = ckpt.step["logs"], ckpt.path.parent, []
-    for state, name in zip(ckpt.states, names, strict=True):
-        entries = chain_entries(folder, name, np.asarray(state["params"]).nbytes)
-        keys.append({key for e in entries if (key := _pushed(e)) is not None})
-    torn = set.union(*keys) - set.intersection(*keys)
-    states, read = [], []
-    for k, (state, name) in enumerate(zip(ckpt.states, names, strict=True)):
-        shard = config.build_shard(k, np.array(state["params"]), int(state["workers"]))
-        shard.load_state_dict(state)
-        read += replay_chain(shard, folder, name, leave_out=torn)[0]
-        states.append(shard.state_dict())
-    return states, read, torn, set.intersection(*keys)
+#: the entries that change who is seated: replayed only where every shard logged them
+SEATING = ("join", "admit", "retire", "leave", "depart", "expire_unstarted")
 
 
-def _pushed(entry: pushlog.Entry) -> tuple[int, int, int] | None:
-    """The ``(worker, incarnation, seq)`` of the push an entry hands its shard, if any."""
-    h = entry.fields.get("header")
-    if entry.op == "push" or (entry.op in ("depart", "deliver") and entry.fields["committed"]):
-        return None if h is None else (h[0], h[3], h[1])
+def _marks(entries: Any) -> Any:
+    """Per entry, what every shard must agree on: ``(push, seating)``, the ``(worker,
+    incarnation, seq)`` of a push it hands its shard and ``(op, worker, incarnation, n)``
+    of the ``n``-th such change of seats (None: none)."""
+    count: Counter = Counter()
+    for entry in entries:
+        f, h = entry.fields, entry.fields.get("header")
+        push = (h[0], h[3], h[1]) if h and (entry.op == "push" or f.get("committed")) else None
+        seating = None
+        if entry.op in SEATING:
+            seating = (entry.op, f.get("worker"), f.get("incarnation"))
+            count[seating] += 1
+            seating += (count[seating],)
+        yield push, seating
+
+
+def _not_one_run(folder: Path, names: list[str], torn: set, common: set) -> str | None:
+    """Why the logs are not those of one run cut short (None: they are): a shard's log
+    missing, or a torn push not its incarnation's last (a worker has one push in flight)."""
+    for name in names:
+        if not os.path.lexists(folder / name):
+            return f"{name} is missing (its shard could not write it)"
+    pushes = [m for m in common | torn if not isinstance(m[0], str)]
+    for w, inc, seq in sorted(torn):
+        if any(m[:2] == (w, inc) and m[2] > seq for m in pushes):
+            return f"push {seq} of worker {w} (incarnation {inc}) is in some shards' logs only"
     return None
+
+
+def _seats(state: dict) -> list[tuple]:
+    """Each worker's ``(incarnation, next_seq, live)`` in a shard's state."""
+    keys = ("incarnation", "next_seq", "live")
+    return list(zip(*(np.asarray(state[key]).tolist() for key in keys), strict=True))
+
+
+def _replayed(k: int, ckpt: Checkpoint, config: Any, agreed: set | None, read: Any = None) -> dict:
+    """Shard ``k``'s state replayed from ``ckpt`` (through what every shard logged:
+    ``agreed``, see :func:`replay_chain`), the files read appended to ``read``."""
+    state = ckpt.states[k]
+    shard = config.build_shard(k, np.array(state["params"]), int(state["workers"]))
+    shard.load_state_dict(state)
+    files, _ = replay_chain(shard, ckpt.path.parent, ckpt.step["logs"][k], agreed)
+    if read is not None:
+        read += files
+    return shard.state_dict()
 
 
 def chain_entries(folder: Path, name: str, nbytes: int) -> Any:
@@ -108,35 +153,60 @@ def _chain(folder: Path, name: str) -> Any:
         n += 1
 
 
-def replay_chain(shard: Any, folder: Path, name: str, leave_out: Any = ()) -> tuple[list[str], int]:
+def replay_chain(
+    shard: Any, folder: Path, name: str, agreed: set | None = None
+) -> tuple[list[str], int]:
     """Replays into ``shard`` (loaded with the state log ``name`` began at) that log and the
-    rest of its chain, without the pushes ``leave_out`` names (``(worker, incarnation,
-    seq)``); returns the files read and the bytes of whole entries in the last (a torn last
-    entry is dropped).
+    rest of its chain; returns the files read and the bytes of whole entries in the last
+    (a torn last entry is dropped). With ``agreed`` (the marks every shard's logs hold,
+    :func:`_marks`), a push or change of seats not in it is left out (a departure's
+    push in it is delivered all the same), and once one is, a later push's base version
+    is at most the shard's (a worker may have pulled the left-out push).
 
     Raises:
         CheckpointError: a log that is garbled, not ours, or does not fit its shard."""
-    read, end = [], 0
+    read, end, left_out = [], 0, False
 
-    def entries(f: Any, where: str, last: bool) -> Any:
-        nonlocal end
+    def entries(f: Any, where: str, last: bool, marks: Any) -> Any:
+        nonlocal end, left_out
         end = 0
         for entry in _read(f, shard.params.nbytes, where, last):
-            if _pushed(entry) in leave_out:
-                if entry.op == "push":
-                    continue
-                entry = pushlog.Entry(entry.op, entry.fields | {"committed": False})
-            yield entry
+            if agreed is not None:
+                push, seating = next(marks)
+                entry, left = _agreed(entry, push in agreed, seating is None or seating in agreed)
+                if left_out and entry is not None and entry.fields.get("header"):
+                    h = entry.fields["header"]
+                    h = [h[0], h[1], min(h[2], shard.version), h[3]]
+                    entry = entry._replace(fields=entry.fields | {"header": h})
+                left_out |= left
+            if entry is not None:
+                yield entry
             end = f.tell()  # once it is replayed
 
+    marks = _marks(chain_entries(folder, name, shard.params.nbytes) if agreed else ())
     for file, f, where, last in _chain(folder, name):
         with f:
             try:
-                pushlog.replay(shard, entries(f, where, last), where)
+                pushlog.replay(shard, entries(f, where, last, marks), where)
             except pushlog.LogError as e:
                 raise CheckpointError(str(e)) from None
         read.append(file)
     return read, end
+
+
+def _agreed(entry: pushlog.Entry, push_ok: bool, seating_ok: bool) -> tuple[Any, bool]:
+    """What of ``entry`` to replay (None: nothing) when every shard logged its push
+    (``push_ok``) and its change of seats (``seating_ok``), and whether a part is left out."""
+    pushes = entry.op == "push" or bool(entry.fields.get("committed"))
+    if entry.op != "depart":
+        ok = push_ok if pushes else seating_ok
+        return (entry if ok else None), not ok
+    if seating_ok and (push_ok or not pushes):
+        return entry, False
+    if seating_ok:  # its push some shard did not log: the departure alone
+        return entry._replace(fields=entry.fields | {"committed": False}), True
+    # a departure some shard did not log: its push alone, if every shard logged that
+    return (entry._replace(op="deliver") if pushes and push_ok else None), True
 
 
 def _read(f: Any, nbytes: int, where: str, last: bool, payloads: bool = True) -> Any:

@@ -186,7 +186,7 @@ def read(
         if not prefix:
             return
         if len(prefix) < _PREFIX.size:
-            return _torn(at, last)
+            return _torn(at, last, payloads)
         magic, size, crc = _PREFIX.unpack(prefix)
         if magic != MAGIC:
             raise LogError(f"{at}: not a journal entry (magic {magic!r})")
@@ -194,7 +194,7 @@ def read(
             raise LogError(f"{at}: header of {size} bytes, more than {MAX_HEADER}")
         raw = stream.read(size)
         if len(raw) < size:
-            return _torn(at, last)
+            return _torn(at, last, payloads)
         if zlib.crc32(raw) != crc:
             raise LogError(f"{at}: header checksum mismatch (garbled)")
         fields = _fields(raw, at)
@@ -204,12 +204,12 @@ def read(
                 raise LogError(f"{at}: 'n': a payload of {n} bytes, more than {max_payload}")
             if not payloads:
                 if stream.seek(0, os.SEEK_END) < (end := offset + _PREFIX.size + size + n):
-                    return _torn(at, last)
+                    return _torn(at, last, payloads)
                 stream.seek(end)
             else:
                 buf = bytearray(n)
                 if stream.readinto(buf) < n:
-                    return _torn(at, last)
+                    return _torn(at, last, payloads)
                 if _sum(buf) != fields.pop("sum"):
                     raise LogError(f"{at}: 'sum': the payload's checksum does not match (garbled)")
                 payload = _array(buf, fields.pop("dtype"), fields.pop("shape", None), at)
@@ -222,10 +222,11 @@ def decode(data: bytes, *, max_payload: int = 2**40, where: str = "journal") -> 
     return list(read(io.BytesIO(data), max_payload=max_payload, where=where))
 
 
-def _torn(at: str, last: bool) -> None:
+def _torn(at: str, last: bool, loud: bool = True) -> None:
     if not last:
         raise LogError(f"{at}: torn, though a later log follows it")
-    log.warning("%s: torn (a crash while it was written); dropped", at)
+    if loud:  # the read with payloads says it (a read without them comes first)
+        log.warning("%s: torn (a crash while it was written); dropped", at)
 
 
 def _fields(raw: bytes, at: str) -> dict[str, Any]:
