@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from stalewise.checkpoint import store
 from stalewise.checkpoint.store import Checkpoint, CheckpointError, candidates, exists, load, save
 from stalewise.protocol import budget
 from stalewise.protocol.notices import warn_user
@@ -151,10 +154,61 @@ def feedback_of(ckpt: Checkpoint | None, config: Any, workers: int) -> list[Any]
 def drawn_of(ckpt: Checkpoint | None, workers: int) -> list[int]:
     """How many batches each worker id had drawn at ``ckpt``: a resumed worker's new
     stream skips them (:func:`~stalewise.runtime.base.batch_iterator`). Zeros without
-    a checkpoint or with an older one, which did not count them. Call it after
-    :func:`check_compatible`, which refuses counts of another worker count."""
+    a checkpoint or with an older one, which did not count them; advanced by its logs
+    (``replay.logged``): the position after each worker's last push held (:class:`Positions`).
+    Call it after :func:`check_compatible`, which refuses counts of another worker count."""
     drawn = None if ckpt is None else ckpt.step.get("drawn")
-    return [0] * workers if drawn is None else list(drawn)
+    drawn = [0] * workers if drawn is None else list(drawn)
+    if ckpt is None or "replayed" not in ckpt.step:
+        return drawn
+    seats, missing = ckpt.states[0], []
+    for w in range(workers):
+        if inc := int(seats["incarnation"][w]):  # 0: it never joined
+            at = _position(ckpt.path.parent, w, inc, int(seats["next_seq"][w]) - 1)
+            if at is None:
+                missing.append(w)
+            else:
+                drawn[w] = at
+    if missing:
+        log.warning("%s: no data position of worker(s) %s at their last push held: they go on "
+                    "from the checkpoint's count of batches drawn", ckpt.path.name, missing)  # fmt: skip
+    return drawn
+
+
+POSITION = struct.Struct("<qqq")  # incarnation, seq (-1: at its start), batches drawn by then
+
+
+class Positions:
+    """An incarnation of ``worker`` writes its data position at each push, before its
+    commit, into ``folder/drawn-worker-W`` (4 slots: 2 per incarnation parity; no fsync).
+    OSError: the folder or file is not to be trusted (:func:`~.store.create_file`)."""
+
+    def __init__(self, folder: str | os.PathLike, worker: int, incarnation: int):
+        path = Path(folder) / f"drawn-worker-{worker}"
+        try:
+            self.fd = store.create_file(path)
+        except FileExistsError:
+            self.fd = store.create_file(path, at=4 * POSITION.size)
+        self.incarnation = incarnation
+
+    def write(self, seq: int, drawn: int) -> None:
+        """Push ``seq`` (-1: none yet) is made of the batches before the ``drawn``-th."""
+        slot = 2 * (self.incarnation % 2) + (seq + 1) % 2
+        os.pwrite(self.fd, POSITION.pack(self.incarnation, seq, drawn), slot * POSITION.size)
+
+
+def _position(folder: Path, worker: int, incarnation: int, seq: int) -> int | None:
+    """The position :class:`Positions` wrote for that push (None: none found)."""
+    try:
+        fd, _ = store.open_file(folder, f"drawn-worker-{worker}", folder_may_be_a_link=True)
+    except CheckpointError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(4 * POSITION.size)
+    for entry in POSITION.iter_unpack(data[: len(data) // POSITION.size * POSITION.size]):
+        if entry[:2] == (incarnation, seq) and entry[2] >= 0:
+            return entry[2]
+    return None
 
 
 class Saver:

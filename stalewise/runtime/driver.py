@@ -19,6 +19,7 @@ import numpy as np
 
 from stalewise import checkpoint, tree
 from stalewise import runtime as runtime_lib
+from stalewise.checkpoint import replay
 from stalewise.runtime.errors import Failures, WorkerError
 from stalewise.runtime.result import Recorder, TrainResult, end_reason, mean_loss
 
@@ -128,6 +129,9 @@ class Run:
         self.resume = checkpoint.resume_point(
             config, options, runtime=host.runtime, resumes_from=own
         )
+        self.logs = host.runtime == "local"  # its Job.train writes push logs
+        if self.resume is not None and self.logs:
+            self.resume = replay.logged(self.resume, config)
         self.saver: checkpoint.Saver | None = None
         self.recorder: Recorder | None = None
 
@@ -136,7 +140,7 @@ class Run:
         """The pushes the resumed checkpoint had counted (0: a fresh run)."""
         return 0 if self.resume is None else int(self.resume.step.get("pushes", 0))
 
-    @property
+    @functools.cached_property
     def drawn(self) -> list[int]:
         """The batches each worker id had drawn at the resumed checkpoint (zeros: none)."""
         return checkpoint.drawn_of(self.resume, self.options.room)
@@ -165,10 +169,11 @@ class Run:
         try:
             if self.resume is not None:
                 log.info(
-                    "%s: resumed from %s (version %d)",
+                    "%s: resumed from %s (version %d) and %d pushes of its logs",
                     host.runtime,
                     self.resume.path,
                     self.resume.version,
+                    self.resume.step.get("replayed", 0),
                 )
             host.start(self)
             if o.evaluate is not None and not host.virtual:  # the first call may load data
@@ -197,6 +202,8 @@ class Run:
         if saver is not None and saver.periodic:
             due = lambda: saver.due(host.pushes(), host.now())  # noqa: E731
         settled = True  # no push is left in flight at the end
+        if saver is not None and self.logs:  # before any push: the push logs begin at it
+            self._save(host.now())
         try:
             host.go()
             deadline = math.inf if o.timeout is None else time.perf_counter() + o.timeout

@@ -294,6 +294,14 @@ class Client(PullsIntoTrees):
                         L.copy_range(out, self._pull_buf, *self._ranges[k])
         return out
 
+    def peek(self) -> Any:
+        """The params as the shards last published them, past every gate (a warm-up's: a
+        resumed BSP worker a push ahead waits for the others' pushes at its pull)."""
+        self._attach()
+        for k in range(len(self._ranges)):
+            self._snapshots.read(k, self._pull_buf)
+        return self.last_pull(copy=False)
+
     def _read(self, k: int, timeout: float | None, out: Any) -> int | None:
         """Copies shard ``k``'s params holding this worker's acked push into ``out`` and
         returns their version; None after :data:`LIVE_COPIES` torn copies (ask the shard)."""

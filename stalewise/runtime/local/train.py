@@ -32,6 +32,7 @@ import numpy as np
 
 from stalewise import checkpoint
 from stalewise import runtime as runtime_lib
+from stalewise.checkpoint.resume import Positions
 from stalewise.protocol import ServerConfig, loop, pipeline
 from stalewise.protocol.liveness import Silence, late_start
 from stalewise.runtime import driver
@@ -118,14 +119,19 @@ def _worker_main(
     slowdown, delay = options.slowdowns[w], options.extra_delays[w]
     diverged = getattr(loop, "Diverged", None)  # raised by the worker loop, where it exists
     beat = _Heartbeat(results, w, options.worker_timeout)
+    positions = None  # its data position at each push (checkpoint.Positions)
     try:
         ctrl = client._layout.control(client._attach())
         # counted in shared memory: the parent saves it, the next incarnation skips as many
-        batches = batch_iterator(options.data, w, workers, drawn=ctrl[_drawn(workers)])
+        drawn = ctrl[_drawn(workers)]
+        batches = batch_iterator(options.data, w, workers, drawn=drawn)
+        if options.checkpoint_dir is not None:  # a resume from the push logs goes on from them
+            positions = Positions(options.checkpoint_dir, w, client.incarnation)
+            positions.write(-1, int(drawn[w]))
         first = next(batches)
         # Set-up, not training: load the data and run one step whose result is thrown
         # away, so a JIT compile of the user's function (JAX, numba) happens before the clock.
-        params = client.pull(copy=False)
+        params = client.peek()
         options.loss_and_grad(params, first)
         strategy.warm_up(params)  # an inner optimizer's kernels, likewise
         batches = beat.batches(itertools.chain([first], batches))
@@ -134,14 +140,16 @@ def _worker_main(
             return
         beat.last = time.monotonic()  # the parent counts "go" as a beat
         loss_slot = _DONE0 + workers + w
-        transit: list = []  # a push in transit (options.transport): [arrival time, update]
+        transit: list = []  # a push in transit (options.transport): [arrival, update, drawn]
         settle = False  # an overlapped push the next pull must hold
 
         def land(by: float = math.inf) -> None:
             """The push in transit reaches the shards, if it arrives by ``by``."""
             if transit and transit[0] <= by:
                 beat.sleep(transit[0] - time.monotonic())
-                client.push(transit.pop())  # the client counts it toward the budget
+                if positions is not None:  # the previous push is acknowledged: held at resume
+                    positions.write(client._sender.seq, transit[2])
+                client.push(transit[1])  # the client counts it toward the budget
                 transit.clear()
 
         def answer(request: Any) -> Any:
@@ -169,7 +177,7 @@ def _worker_main(
                 return client.take_results()
             beat.wait(lambda t: client.wait(timeout=t))  # the previous push's acks (IN_FLIGHT)
             ctrl[loss_slot] = request.loss
-            transit[:] = [time.monotonic() + options.transport, request.update]
+            transit[:] = [time.monotonic() + options.transport, request.update, int(drawn[w])]
             if request.overlap:
                 settle = True
                 return client.take_results()
@@ -463,8 +471,8 @@ class _Host:
                 server.load_residuals([f.residual for f in run.feedback])
             server.control[_DONE0] = run.pushes_at_start  # the job's total budget
             server.control[_drawn(o.workers)] = run.drawn
-        if o.checkpoint_dir is not None:  # push logs from the start: a dead shard replays them
-            server.state_dicts(log_dir=o.checkpoint_dir, fsync=o.checkpoint_fsync)
+        if o.checkpoint_dir is not None:  # its workers write their positions there
+            os.makedirs(o.checkpoint_dir, 0o755, exist_ok=True)
         for w in range(o.workers):
             self.spawn(w)
         deadline = time.monotonic() + o.start_timeout
@@ -535,6 +543,8 @@ class _Host:
                 log_dir=o.checkpoint_dir, fsync=o.checkpoint_fsync
             )
             drawn = [int(n) for n in server.control[_drawn(self.o.workers)]]
+            if self.t0 is None:  # before go: the warm-up's batch is the first step's
+                drawn = self.run.drawn
             return driver.Snapshot(states, step | {"time": now, "drawn": drawn}, residuals)
 
         return take() if failure else self._retrying(take)
