@@ -171,7 +171,7 @@ class Logged:
     logs their journals write: the calls a test makes are what each shard logged before the
     processes died; :meth:`logged` is what a resume reads."""
 
-    def __init__(self, folder, consistency=None, optimizer=None):
+    def __init__(self, folder, consistency=None, optimizer=None, residuals=None):
         job = sw.Job({"a": np.zeros(3, np.float32), "b": np.zeros(3, np.float32)},
                      optimizer=optimizer or sw.optim.sgd(0.1), shards=2,
                      consistency=consistency)  # fmt: skip
@@ -181,7 +181,7 @@ class Logged:
         info = sw.checkpoint.config_info(self.config, workers=2)
         step = {"pushes": 0, "pushed": [0, 0], "logs": names, "time": 0.0}
         store.save(folder, [s.state_dict() for s in self.live], spec=self.config.spec,
-                   config_info=info, step_info=step)  # fmt: skip
+                   config_info=info, step_info=step, residuals=residuals)  # fmt: skip
         self.files = [open(folder / n, "wb") for n in names]  # noqa: SIM115
         for s, f in zip(self.live, self.files, strict=True):
             s.journal = lambda buffers, f=f: f.write(b"".join(buffers))
@@ -232,13 +232,15 @@ def test_a_resume_replays_the_logs_less_a_push_torn_across_shards(tmp_path):
 
 def test_a_push_based_on_a_torn_one_is_applied_all_the_same(tmp_path):
     """Worker 0 pulled shard 0 after worker 1's torn push was applied there, so its pushes
-    name a version the replay without it does not reach: they are applied, not refused."""
-    run = Logged(tmp_path)
+    name a version the replay without it does not reach: they are applied, not refused.
+    Worker 0's error-feedback residual is of fewer of its pushes: zero; worker 1's stays."""
+    run = Logged(tmp_path, residuals=[np.ones(6, np.float32), np.full(6, 2, np.float32)])
     run.push(1, 0, np.ones(6, np.float32), only=0)
     run.push(0, 0, np.ones(6, np.float32))
     run.push(0, 1, np.ones(6, np.float32))
     _, got = run.logged()
     assert got.step["torn"] == [[1, 1, 0]] and got.step["pushed"] == [2, 0]
+    assert [r.tolist() for r in got.residuals] == [[0.0] * 6, [2.0] * 6]
     for k in range(2):
         assert list(got.states[k]["next_seq"]) == [2, 0] and got.states[k]["version"] == 2
         assert got.states[k]["params"].tobytes() == run.want[k].params.tobytes()

@@ -46,7 +46,9 @@ def logged(ckpt: Checkpoint, config: Any) -> Checkpoint:
     shard logged: a push, or a change of seats (a join, a departure...), that some shard
     logged and another did not (cut short by a death: never acknowledged) is left out.
     Its ``step`` counts the pushes replayed in ``pushes``, ``pushed`` (per worker id) and
-    ``replayed``, and lists the ``torn`` ones as ``[worker, incarnation, seq]``. ``ckpt``
+    ``replayed``, and lists the ``torn`` ones as ``[worker, incarnation, seq]``; a worker
+    the logs add pushes of has a zero error-feedback residual (the saved one is of fewer
+    of its pushes: it would send their error again). ``ckpt``
     itself when it names no logs, or (with a warning) when they are not of one run cut
     short (a shard's log missing).
 
@@ -70,14 +72,21 @@ def logged(ckpt: Checkpoint, config: Any) -> Checkpoint:
                     ckpt.path.name, why)  # fmt: skip
         return ckpt
     workers, before = len(states[0]["next_seq"]), _seats(ckpt.states[0])
-    pushed = [int(n) for n in ckpt.step.get("pushed") or [0] * workers]
+    had = [int(n) for n in ckpt.step.get("pushed") or [0] * workers]
+    pushed = list(had)
     for m in common:  # the pushes every shard logged that the checkpoint did not hold yet
         if not isinstance(m[0], str) and 0 <= m[0] < workers and m[1:] >= before[m[0]][:2]:
             pushed[m[0]] += 1
-    added = sum(pushed) - sum(ckpt.step.get("pushed") or [0])
-    step = ckpt.step | {"pushes": ckpt.step.get("pushes", 0) + added, "pushed": pushed,
-                        "replayed": added, "torn": sorted(map(list, torn))}  # fmt: skip
-    return dataclasses.replace(ckpt, states=states, manifest=ckpt.manifest | {"step": step})
+    step = ckpt.step | {"pushes": ckpt.step.get("pushes", 0) + sum(pushed) - sum(had),
+                        "pushed": pushed, "replayed": sum(pushed) - sum(had),
+                        "torn": sorted(map(list, torn))}  # fmt: skip
+    residuals = ckpt.residuals  # one of fewer pushes than the logs add would send some twice
+    if residuals is not None:
+        changed = zip(residuals, pushed, had, strict=True)
+        residuals = [r if n == m else np.zeros_like(r) for r, n, m in changed]
+    return dataclasses.replace(
+        ckpt, states=states, residuals=residuals, manifest=ckpt.manifest | {"step": step}
+    )
 
 
 #: the entries that change who is seated: replayed only where every shard logged them
