@@ -20,6 +20,7 @@ from stalewise import runtime as runtime_lib
 from stalewise.checkpoint import CheckpointError
 from stalewise.launch.context import LaunchError
 from stalewise.protocol import budget
+from stalewise.protocol.messages import DUPLICATE, PushResult
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ def _choose(folder: Path, rank: int, held: int, saved: dict, count: int, before:
     below = sorted((g for g in gens if 0 <= g[0] <= held), reverse=True)
     for *_, slot in below:
         try:
-            state, n, skip = _read_one(folder, rank, slot)
+            state, n, skip = read_rank_state(folder, rank, slot)
             break
         except CheckpointError as e:
             errors.append(e)
@@ -224,9 +225,8 @@ def _choose(folder: Path, rank: int, held: int, saved: dict, count: int, before:
 
 class InProcess:
     """A context's side of the checkpoints when ``sw.init`` serves the job in its own
-    process (one worker, no launcher): its ``ctx.state`` (and skip, see :class:`RankStates`)
-    from the checkpoint, saved from ``should_stop()`` when a checkpoint is due and at
-    ``close()``."""
+    process (one worker, no launcher): ``ctx.state`` (and skip: :class:`RankStates`) from
+    the checkpoint, saved from ``should_stop()`` when one is due and at ``close()``."""
 
     def __init__(self, saves: Saves, ctx: Any):
         self.saves, self.skip = saves, saves.skips[0]
@@ -355,8 +355,6 @@ class RankStates:
 
 def _skipping(side: Any, client: Any) -> None:
     """``client``'s next ``side.skip`` pushes skipped (see :class:`RankStates`)."""
-    from stalewise.protocol.messages import DUPLICATE, PushResult
-
     if not side.skip:
         return
     sent = client.push_flat_sent
@@ -424,13 +422,35 @@ def _metadata(f: Any) -> dict:
     return json.loads(f.read(n)).get("__metadata__", {})
 
 
-def read_rank_state(folder: Path, rank: int) -> tuple[dict, int | None, int] | None:
-    """Rank ``rank``'s last saved state (of the most pushes), the count of its pushes it
-    accounts for (None: unknown) and how many more the shards hold (see :class:`RankStates`)."""
-    gens, errors = _headers(folder, rank)
-    if errors and not gens:
-        raise errors[0]
-    return _read_one(folder, rank, max(gens)[-1]) if gens else None
+def read_rank_state(folder: Path, rank: int, slot: int | None = None
+                    ) -> tuple[dict, int | None, int] | None:  # fmt: skip
+    """Rank ``rank``'s saved state (of file ``slot``; None: of the most pushes), the count
+    of its pushes it accounts for (None: unknown) and how many more the shards hold (see
+    :class:`RankStates`); None if there is none. Only the file read is loaded."""
+    from safetensors.numpy import load
+
+    from stalewise.checkpoint import store as checkpoint
+
+    if slot is None:
+        gens, errors = _headers(folder, rank)
+        if errors and not gens:
+            raise errors[0]
+        if not gens:
+            return None
+        slot = max(gens)[-1]
+    path = _rank_file(folder, rank, slot)
+    if not os.path.lexists(path):
+        return None
+    # read as every checkpoint file is: no symlink followed, no FIFO waited on, bounded
+    data = checkpoint._read_file(folder, path.name, MAX_RANK_STATE, "MAX_RANK_STATE")
+    try:
+        meta = _metadata(io.BytesIO(data))
+        values, arrays = json.loads(meta["values"]), load(data)
+        pushed = int(meta["pushed"]) if "pushed" in meta else None
+        skip = int(meta.get("skip", 0))
+    except Exception as e:  # whatever the bytes are: one line naming the file
+        raise CheckpointError(f"{path}: not a rank's state file ({e})") from None
+    return checkpoint._nested({**values, **arrays}), pushed, skip
 
 
 def _headers(folder: Path | None, rank: int) -> tuple[list[tuple[int, int, int, int]], list]:
@@ -449,31 +469,10 @@ def _headers(folder: Path | None, rank: int) -> tuple[list[tuple[int, int, int, 
                 meta = _metadata(f)
             gens.append((int(meta.get("pushed", -1)), int(meta.get("skip", 0)),
                          int(meta["pushes"]), slot))  # fmt: skip
-        except CheckpointError as e:
-            errors.append(e)
         except Exception as e:  # whatever the bytes are: one line naming the file
-            errors.append(CheckpointError(f"{path}: not a rank's state file ({e})"))
+            bad = CheckpointError(f"{path}: not a rank's state file ({e})")
+            errors.append(e if isinstance(e, CheckpointError) else bad)
     return gens, errors
-
-
-def _read_one(folder: Path, rank: int, slot: int) -> tuple[dict, int | None, int] | None:
-    from safetensors.numpy import load
-
-    from stalewise.checkpoint import store as checkpoint
-
-    path = _rank_file(folder, rank, slot)
-    if not os.path.lexists(path):
-        return None
-    # read as every checkpoint file is: no symlink followed, no FIFO waited on, bounded
-    data = checkpoint._read_file(folder, path.name, MAX_RANK_STATE, "MAX_RANK_STATE")
-    try:
-        meta = _metadata(io.BytesIO(data))
-        values, arrays = json.loads(meta["values"]), load(data)
-        pushed = int(meta["pushed"]) if "pushed" in meta else None
-        skip = int(meta.get("skip", 0))
-    except Exception as e:  # whatever the bytes are: one line naming the file
-        raise CheckpointError(f"{path}: not a rank's state file ({e})") from None
-    return checkpoint._nested({**values, **arrays}), pushed, skip
 
 
 def rank_epoch(folder: Path | None, rank: int, every: int) -> int:
