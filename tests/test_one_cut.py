@@ -8,6 +8,7 @@ pushes made after a rank's saved ``ctx.state``) or skipped shows in the final on
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -603,3 +604,21 @@ def test_a_checkpoint_carries_a_pending_skip_to_any_resume(tmp_path, caplog, no_
         ckpt.step["pushed"] == [4] and ckpt.step["ranks_pushed"] == [4] and ckpt.ranks == [{"i": 3}]
     )
     np.testing.assert_array_equal(params["w"], np.full(8, -4.0, np.float32))
+
+
+def test_a_checkpoint_whose_ranks_pushed_is_not_a_count_per_worker_is_refused_in_one_line(
+    tmp_path, no_leaks
+):
+    job = sw.Job({"w": np.zeros(8, np.float32)}, optimizer=sw.optim.sgd(1.0))
+    with job.serve(workers=1) as server:
+        saving.Saves(job, server, str(tmp_path), None, False).save()
+    (path,) = tmp_path.glob("ckpt-*")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["step"]["ranks_pushed"] = ["x"]
+    text = json.dumps(manifest, indent=1)
+    (path / "manifest.json").write_text(text)
+    (path / "manifest.sha256").write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
+    with job.serve(workers=1) as server, pytest.raises(saving.LaunchError) as got:
+        saving.Saves(job, server, str(tmp_path), None, True)
+    assert "step.ranks_pushed is ['x'], not a count per worker" in str(got.value)
+    assert "\n" not in str(got.value)
