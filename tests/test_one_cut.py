@@ -8,6 +8,7 @@ pushes made after a rank's saved ``ctx.state``) or skipped shows in the final on
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -527,18 +528,97 @@ def test_a_resume_from_the_logs_zeroes_the_residual_of_a_worker_they_add_pushes_
 def test_a_resumed_rank_takes_its_state_of_the_pushes_the_shards_hold(tmp_path, caplog):
     """The rule (no processes): of the two states a rank kept (after 6 and 7 of its pushes),
     the one of the count the replayed shards hold; else the nearest below, skipping the
-    pushes between (warned); else the checkpoint's own."""
+    pushes between (warned unless saved with that skip to go); else the checkpoint's own
+    (after 5 of them, taken when the shards held 5)."""
     for n in (6, 7):
         saving.write_rank_state(tmp_path, 0, {"i": n}, pushes=0, pushed=n)
-    ckpt = checkpoint.Checkpoint(path=tmp_path, states=[], manifest={"step": {"pushed": [5]}})
-    assert saving._choose(tmp_path, 0, 7, ckpt, {"i": 5}) == ({"i": 7}, 0)
-    assert saving._choose(tmp_path, 0, 6, ckpt, {"i": 5}) == ({"i": 6}, 0)
-    assert saving._choose(tmp_path, 0, 5, ckpt, {"i": 5}) == ({"i": 5}, 0)
+    assert saving._choose(tmp_path, 0, 7, {"i": 5}, 5, 5) == ({"i": 7}, 7)
+    assert saving._choose(tmp_path, 0, 6, {"i": 5}, 5, 5) == ({"i": 6}, 6)
+    assert saving._choose(tmp_path, 0, 5, {"i": 5}, 5, 5) == ({"i": 5}, 5)
     assert not caplog.records
-    assert saving._choose(tmp_path, 0, 8, ckpt, {"i": 5}) == ({"i": 7}, 1)
+    assert saving._choose(tmp_path, 0, 8, {"i": 5}, 5, 5) == ({"i": 7}, 7)
     assert caplog.records[-1].getMessage() == (
         "resume: rank 0's ctx.state is after 7 of its pushes (saved: [6, 7]), "
         "the shards hold 8: it skips its next 1"
     )
-    saving.write_rank_state(tmp_path, 0, {"i": 6}, pushes=0, pushed=7, skip=1)  # a skip to go
-    assert saving._choose(tmp_path, 0, 8, ckpt, {}) == ({"i": 6}, 2)
+    caplog.clear()
+    (tmp_path / "rank-0-1.safetensors").unlink()  # the rank's last: after 6, a skip to go
+    saving.write_rank_state(tmp_path, 0, {"i": 6}, pushes=0, pushed=6, skip=1)
+    assert saving._choose(tmp_path, 0, 7, {}, 5, 5) == ({"i": 6}, 6)
+    assert not caplog.records  # the skip it was saved with
+    assert saving._choose(tmp_path, 0, 8, {}, 5, 5) == ({"i": 6}, 6)
+    assert caplog.records[-1].getMessage().endswith("the shards hold 8: it skips its next 2")
+    caplog.clear()
+    (tmp_path / "rank-0-0.safetensors").unlink()  # the checkpoint's, after 4, a skip to go
+    assert saving._choose(tmp_path, 0, 5, {"i": 4}, 4, 5) == ({"i": 4}, 4)
+    assert not caplog.records
+
+
+def test_a_checkpoint_carries_a_pending_skip_to_any_resume(tmp_path, caplog, no_leaks):
+    """A rank's state saved one push behind the shards (killed before its should_stop):
+    the launched resume skips that push, and its start-up checkpoint records the state's
+    count, so a resume from that checkpoint alone (the ranks' files gone, or unlaunched)
+    skips it too, unwarned; the skipped push leaves a "duplicate" result, not None."""
+    job = sw.Job({"w": np.zeros(8, np.float32)}, optimizer=sw.optim.sgd(1.0))
+    ckpts = tmp_path / "ckpt"
+    (folder := ckpts / ".ranks").mkdir(0o700, parents=True)
+    with job.serve(workers=1) as server:
+        saving.Saves(job, server, str(ckpts), None, False, folder=folder)
+        with contextlib.closing(server.client(0)) as c:
+            for i in range(3):  # in the logs only
+                c.push({"w": np.ones(8, np.float32)}, timeout=10)
+                assert c.wait(timeout=10).status == "applied"
+                saving.write_rank_state(folder, 0, {"i": i}, pushes=i, pushed=i)  # one behind
+    with job.serve(workers=1) as server:
+        saves = saving.Saves(job, server, str(ckpts), None, True, folder=folder)
+        assert (saves.ranks, saves.pushed, saves.skips) == ([{"i": 2}], [2], [1])
+        assert [r.getMessage()[-16:] for r in caplog.records] == ["skips its next 1"]
+    ckpt = checkpoint.load(ckpts)
+    assert ckpt.step["pushed"] == [3] and ckpt.step["ranks_pushed"] == [2], ckpt.step
+    assert ckpt.ranks == [{"i": 2}]
+    caplog.clear()
+    for path in folder.iterdir():
+        path.unlink()
+    with job.serve(workers=1) as server:  # the checkpoint's rank state, launched
+        saves = saving.Saves(job, server, str(ckpts), None, True, folder=folder)
+        assert (saves.ranks, saves.pushed, saves.skips) == ([{"i": 2}], [2], [1])
+    with job.serve(workers=1) as server:  # and unlaunched: sw.init's own
+        saves = saving.Saves(job, server, str(ckpts), None, True)
+        ctx = sw.Context(0, 1, server.client(0), launched=False)
+        saving.InProcess(saves, ctx)
+        assert ctx.state == {"i": 2} and ctx.client.wait() is None
+        ctx.client.pull()
+        ctx.client.push({"w": np.ones(8, np.float32)}, timeout=10)  # skipped
+        result = ctx.client.wait(timeout=10)
+        assert result.status == "duplicate" and ctx.client.pushed == 3, result
+        ctx.state["i"] = 3
+        ctx.client.pull()
+        ctx.client.push({"w": np.ones(8, np.float32)}, timeout=10)
+        assert ctx.client.wait(timeout=10).status == "applied" and ctx.client.pushed == 4
+        ctx._ckpt.close(ctx)
+        ctx.client.close()
+        params = server.pull()
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    ckpt = checkpoint.load(ckpts)
+    assert (
+        ckpt.step["pushed"] == [4] and ckpt.step["ranks_pushed"] == [4] and ckpt.ranks == [{"i": 3}]
+    )
+    np.testing.assert_array_equal(params["w"], np.full(8, -4.0, np.float32))
+
+
+def test_a_checkpoint_whose_ranks_pushed_is_not_a_count_per_worker_is_refused_in_one_line(
+    tmp_path, no_leaks
+):
+    job = sw.Job({"w": np.zeros(8, np.float32)}, optimizer=sw.optim.sgd(1.0))
+    with job.serve(workers=1) as server:
+        saving.Saves(job, server, str(tmp_path), None, False).save()
+    (path,) = tmp_path.glob("ckpt-*")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["step"]["ranks_pushed"] = ["x"]
+    text = json.dumps(manifest, indent=1)
+    (path / "manifest.json").write_text(text)
+    (path / "manifest.sha256").write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
+    with job.serve(workers=1) as server, pytest.raises(saving.LaunchError) as got:
+        saving.Saves(job, server, str(tmp_path), None, True)
+    assert "step.ranks_pushed is ['x'], not a count per worker" in str(got.value)
+    assert "\n" not in str(got.value)

@@ -135,7 +135,7 @@ def init(job: Any, *, steps: int | None = None, checkpoints: Any = None) -> Cont
             raise
     ctx = Context(0, 1, server.client(0), steps=steps, launched=False, _server=server)
     if saves is not None:
-        ctx.state, ctx._ckpt = saves.ranks[0], saving.InProcess(saves)
+        saving.InProcess(saves, ctx)
     atexit.register(ctx.close)
     return ctx
 

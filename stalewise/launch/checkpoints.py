@@ -20,6 +20,7 @@ from stalewise import runtime as runtime_lib
 from stalewise.checkpoint import CheckpointError
 from stalewise.launch.context import LaunchError
 from stalewise.protocol import budget
+from stalewise.protocol.messages import DUPLICATE, PushResult
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +83,18 @@ class Saves:
                 ckpt = _logged(start, job.config)
             if ckpt is not None:
                 server.resume(ckpt)
+            # one per worker (resume_point checked), the pushes each rank's state accounts
+            # for, and those the shards hold past them, which its rank skips (RankStates)
+            self.ranks: list[dict] = getattr(ckpt, "ranks", None) or [{} for _ in range(workers)]
+            held = [0] * workers if ckpt is None else ckpt.step.get("pushed") or [None] * workers
+            before = _counts(start, "pushed", workers) or held  # the checkpoint's own
+            self.pushed: list[int | None] = list(_counts(start, "ranks_pushed", workers) or before)
+            for r in range(workers) if ckpt is not start else ():  # the logs': ranks' own states
+                self.ranks[r], self.pushed[r] = _choose(folder, r, held[r], self.ranks[r],
+                                                        self.pushed[r], before[r])  # fmt: skip
+            self.skips = [0 if h is None else h - n for h, n in zip(held, self.pushed, strict=True)]
         except (checkpoint.CheckpointError, ValueError) as e:
             raise LaunchError(f"--resume from {directory}: {' '.join(str(e).split())}") from None
-        # one per worker (resume_point checked), the pushes each rank's state accounts for
-        # and those of them its rank skips (in the shards already: see RankStates)
-        self.ranks: list[dict] = getattr(ckpt, "ranks", None) or [{} for _ in range(workers)]
-        held = [0] * workers if ckpt is None else ckpt.step.get("pushed") or [None] * workers
-        self.pushed: list[int | None] = list(held)
-        skips = [0] * workers
-        if ckpt is not start:  # each rank from its state as of the pushes the logs hold
-            for r in range(workers):
-                self.ranks[r], skips[r] = _choose(folder, r, held[r], start, self.ranks[r])
         pushes = 0 if ckpt is None else int(ckpt.step.get("pushes", 0))
         self.saver = checkpoint.Saver(job.config, None, o, runtime="local", pushes=pushes)
         self.started = time.monotonic()
@@ -103,7 +105,7 @@ class Saves:
                   f"{pushes} pushes)", file=sys.stderr, flush=True)  # fmt: skip
         if folder is not None:
             for r, state in enumerate(self.ranks):  # what each rank starts from
-                write_rank_state(folder, r, state, pushes, self.pushed[r], skips[r], only=True)
+                write_rank_state(folder, r, state, pushes, self.pushed[r], self.skips[r], only=True)
             self.save()  # before any push: the logs from here on are named by a checkpoint
 
     def poll(self, idle: float) -> float:
@@ -148,11 +150,13 @@ class Saves:
                 tmp.write_text(str(self.server.job_pushes // (self.every or 1)))
                 os.chmod(tmp, 0o644)  # as a rank's file: read back only if no one else can write
                 os.replace(tmp, self.folder / CUT)
-        for r, (state, pushed) in enumerate(zip(self.ranks, self.pushed, strict=True)):
-            why = budget.off_cut(states, r, step["pushed"][r], pushed if state else None)
-            if why is not None:
+        held, counts = step["pushed"], []  # each rank's state's pushes (ranks_pushed)
+        for r, (state, n, skip) in enumerate(zip(self.ranks, self.pushed, self.skips, strict=True)):
+            known = bool(state) and n is not None  # else none to repeat or skip
+            if why := budget.off_cut(states, r, held[r], n + skip if known else None):
                 log.warning("checkpoint: %s", why)
-        step["time"] = time.monotonic() - self.started
+            counts.append(n if known else held[r])
+        step |= {"time": time.monotonic() - self.started, "ranks_pushed": counts}
         self.saver.save(states, step, residuals, final=final, ranks=self.ranks)
 
     def _read_ranks(self) -> None:
@@ -163,7 +167,7 @@ class Saves:
                 log.warning("checkpoint: rank %d's state is not read: %s", r, e)
                 continue
             if got is not None:
-                self.ranks[r], self.pushed[r], _ = got
+                self.ranks[r], self.pushed[r], self.skips[r] = got
 
 
 def _logged(start: Any, config: Any) -> Any:
@@ -184,33 +188,50 @@ def _logged(start: Any, config: Any) -> Any:
     return ckpt
 
 
-def _choose(folder: Path, rank: int, held: int, ckpt: Any, saved: dict) -> tuple[dict, int]:
+def _counts(ckpt: Any, key: str, workers: int) -> list[int] | None:
+    """``ckpt``'s ``step[key]``: a count per worker (None: no ``ckpt`` or no such key)."""
+    counts = None if ckpt is None else ckpt.step.get(key)
+    ok = counts is None or (isinstance(counts, list) and len(counts) == workers
+                            and all(type(n) is int and n >= 0 for n in counts))  # fmt: skip
+    if not ok:
+        raise CheckpointError(f"{ckpt.path}: step.{key} is {counts!r}, not a count per worker")
+    return counts
+
+
+def _choose(folder: Path, rank: int, held: int, saved: dict, count: int, before: int
+            ) -> tuple[dict, int]:  # fmt: skip
     """Rank ``rank``'s state to resume from when the shards hold ``held`` of its pushes,
-    and how many pushes it skips: its saved generation of that count, else the nearest
-    below (warned), else the checkpoint ``ckpt``'s (``saved``)."""
-    gens = []
-    for slot in (0, 1):
+    and the count of them it accounts for (it skips the rest): its saved state of the
+    most up to ``held``, else the checkpoint's (``saved``, of ``count`` when the shards
+    held ``before``); warned unless saved that far behind (a skip still to go)."""
+    gens, errors = _headers(folder, rank)
+    below = sorted((g for g in gens if 0 <= g[0] <= held), reverse=True)
+    for *_, slot in below:
         try:
-            gens += [g for g in [_read_one(folder, rank, slot)] if g and g[1] is not None]
+            state, n, skip = read_rank_state(folder, rank, slot)
+            break
         except CheckpointError as e:
-            log.warning("resume: rank %d's state is not read: %s", rank, e)
-    below = [g for g in gens if g[1] <= held]
-    state, n, skip = max(below, key=lambda g: g[1]) if below else (saved, None, 0)
-    if n is None:
-        n = (ckpt.step.get("pushed") or [held] * (rank + 1))[rank]
-    if n != held:
+            errors.append(e)
+    else:
+        state, n, skip = saved, count, before - count
+    for e in errors:
+        log.warning("resume: rank %d's state is not read: %s", rank, e)
+    if n + skip != held:
         log.warning("resume: rank %d's ctx.state is after %d of its pushes (saved: %s), the "
-                    "shards hold %d: it skips its next %d", rank, n - skip,
-                    sorted(g[1] for g in gens), held, held - n + skip)  # fmt: skip
-    return state, skip + held - n
+                    "shards hold %d: it skips its next %d", rank, n,
+                    sorted(g[0] for g in gens), held, held - n)  # fmt: skip
+    return state, n
 
 
 class InProcess:
     """A context's side of the checkpoints when ``sw.init`` serves the job in its own
-    process (one worker, no launcher): saves from ``should_stop()`` and ``close()``."""
+    process (one worker, no launcher): ``ctx.state`` (and skip: :class:`RankStates`) from
+    the checkpoint, saved from ``should_stop()`` when one is due and at ``close()``."""
 
-    def __init__(self, saves: Saves):
-        self.saves = saves
+    def __init__(self, saves: Saves, ctx: Any):
+        self.saves, self.skip = saves, saves.skips[0]
+        ctx.state, ctx._ckpt = saves.ranks[0], self
+        _skipping(self, ctx.client)
 
     def tick(self, ctx: Any) -> None:
         if self.saves.every is not None and self.saves.saver.due(ctx.client.job_pushes, 0.0):
@@ -218,8 +239,9 @@ class InProcess:
 
     def close(self, ctx: Any, final: bool = True) -> None:
         ctx.client.wait()  # its pushes acknowledged: in the shards' state
-        self.saves.ranks[0], self.saves.pushed[0] = ctx.state, ctx.client.pushed
-        self.saves.save(final=final)
+        saves, skip = self.saves, self.skip
+        saves.ranks[0], saves.pushed[0], saves.skips[0] = ctx.state, ctx.client.pushed - skip, skip
+        saves.save(final=final)
 
 
 class Served:
@@ -285,7 +307,9 @@ class RankStates:
     Once the job's pushes pass a multiple of ``every``, ``should_stop()`` writes it with
     its pushes acknowledged and waits until the launcher has read the shards (the cut) or
     :data:`RANK_STATE_WAIT` passed (data only: :func:`stalewise.checkpoint.store.flat_state`).
-    A rank resumed from a state before pushes the shards hold skips that many pushes."""
+    A rank resumed from a state before pushes the shards hold skips that many pushes: not
+    sent, each leaves ``client.wait()`` a ``"duplicate"`` result (seq -1, the versions last
+    seen), as a checkpoint taken meanwhile records (its count of pushes and the skip)."""
 
     def __init__(self, folder: Path, every: int | None, rank: int):
         self.folder, self.every = folder, every
@@ -301,20 +325,7 @@ class RankStates:
         every = os.environ.get(EVERY_ENV)
         ctx._ckpt = self = cls(Path(folder), int(every) if every else None, ctx.rank)
         ctx.state, _, self.skip = read_rank_state(Path(folder), ctx.rank) or ({}, None, 0)
-        if self.skip:
-            self._skipping(ctx.client)
-
-    def _skipping(self, client: Any) -> None:
-        sent = client.push_flat_sent
-
-        def push_flat_sent() -> None:  # what client.push sends through
-            if self.skip > 0:
-                self.skip -= 1
-                return
-            del client.push_flat_sent
-            sent()
-
-        client.push_flat_sent = push_flat_sent
+        _skipping(self, ctx.client)
 
     def tick(self, ctx: Any) -> None:
         if not self.ticks:  # the launcher waits at the cut only for ranks that tick
@@ -338,7 +349,26 @@ class RankStates:
         return pushes
 
     def _write(self, ctx: Any, pushes: int) -> None:
-        write_rank_state(self.folder, ctx.rank, ctx.state, pushes, ctx.client.pushed, self.skip)
+        skip = self.skip
+        write_rank_state(self.folder, ctx.rank, ctx.state, pushes, ctx.client.pushed - skip, skip)
+
+
+def _skipping(side: Any, client: Any) -> None:
+    """``client``'s next ``side.skip`` pushes skipped (see :class:`RankStates`)."""
+    if not side.skip:
+        return
+    sent = client.push_flat_sent
+
+    def push_flat_sent() -> None:  # what client.push sends through
+        if side.skip > 0:
+            side.skip -= 1
+            client.last_result = PushResult(-1, DUPLICATE, None, None, tuple(client._sender.known),
+                                            None)  # fmt: skip
+            return
+        del client.push_flat_sent
+        sent()
+
+    client.push_flat_sent = push_flat_sent
 
 
 def _rank_file(folder: Path, rank: int, slot: int) -> Path:
@@ -358,7 +388,7 @@ def _cut(folder: Path) -> int:
 def write_rank_state(folder: Path, rank: int, state: Any, pushes: int, pushed: int | None = None,
                      skip: int = 0, *, only: bool = False) -> None:  # fmt: skip
     """Rank ``rank``'s state into its file of ``pushed`` (the count of its pushes it accounts
-    for, ``skip`` of them still to skip; the other file keeps the previous), atomically:
+    for; ``skip``: the shards hold that many more; the other file keeps the previous), atomically:
     arrays as tensors, the JSON values, the job's ``pushes``, ``pushed`` and ``skip`` in
     the header's metadata (no pickle). ``only``: the other file is removed."""
     from safetensors.numpy import save_file
@@ -392,18 +422,22 @@ def _metadata(f: Any) -> dict:
     return json.loads(f.read(n)).get("__metadata__", {})
 
 
-def read_rank_state(folder: Path, rank: int) -> tuple[dict, int | None, int] | None:
-    """Rank ``rank``'s last saved state, the count of its pushes it accounts for (None:
-    unknown) and how many of those it still skips (see :class:`RankStates`)."""
-    gens = [g for g in (_read_one(folder, rank, slot) for slot in (0, 1)) if g is not None]
-    return max(gens, key=lambda g: -1 if g[1] is None else g[1], default=None)
-
-
-def _read_one(folder: Path, rank: int, slot: int) -> tuple[dict, int | None, int] | None:
+def read_rank_state(folder: Path, rank: int, slot: int | None = None
+                    ) -> tuple[dict, int | None, int] | None:  # fmt: skip
+    """Rank ``rank``'s saved state (of file ``slot``; None: of the most pushes), the count
+    of its pushes it accounts for (None: unknown) and how many more the shards hold (see
+    :class:`RankStates`); None if there is none. Only the file read is loaded."""
     from safetensors.numpy import load
 
     from stalewise.checkpoint import store as checkpoint
 
+    if slot is None:
+        gens, errors = _headers(folder, rank)
+        if errors and not gens:
+            raise errors[0]
+        if not gens:
+            return None
+        slot = max(gens)[-1]
     path = _rank_file(folder, rank, slot)
     if not os.path.lexists(path):
         return None
@@ -419,18 +453,31 @@ def _read_one(folder: Path, rank: int, slot: int) -> tuple[dict, int | None, int
     return checkpoint._nested({**values, **arrays}), pushed, skip
 
 
-def rank_epoch(folder: Path | None, rank: int, every: int) -> int:
-    """The epoch (job pushes // every) of rank ``rank``'s last saved state (-1: none)."""
+def _headers(folder: Path | None, rank: int) -> tuple[list[tuple[int, int, int, int]], list]:
+    """The ``(pushed (-1: unknown), skip, pushes, slot)`` of each of rank ``rank``'s state
+    files, from their headers, and the :class:`CheckpointError` of each that does not read."""
     from stalewise.checkpoint import store as checkpoint
 
-    epochs = [-1]
+    gens, errors = [], []
     for slot in (0, 1) if folder is not None else ():
-        # opened as every checkpoint file is: no symlink followed, no FIFO waited on
-        with contextlib.suppress(CheckpointError, OSError, ValueError, KeyError, TypeError):
-            fd, _ = checkpoint.open_file(folder, _rank_file(folder, rank, slot).name)
+        path = _rank_file(folder, rank, slot)
+        if not os.path.lexists(path):
+            continue
+        try:  # opened as every checkpoint file is: no symlink followed, no FIFO waited on
+            fd, _ = checkpoint.open_file(folder, path.name)
             with os.fdopen(fd, "rb") as f:
-                epochs.append(int(_metadata(f)["pushes"]) // every)
-    return max(epochs)
+                meta = _metadata(f)
+            gens.append((int(meta.get("pushed", -1)), int(meta.get("skip", 0)),
+                         int(meta["pushes"]), slot))  # fmt: skip
+        except Exception as e:  # whatever the bytes are: one line naming the file
+            bad = CheckpointError(f"{path}: not a rank's state file ({e})")
+            errors.append(e if isinstance(e, CheckpointError) else bad)
+    return gens, errors
+
+
+def rank_epoch(folder: Path | None, rank: int, every: int) -> int:
+    """The epoch (job pushes // every) of rank ``rank``'s last saved state (-1: none)."""
+    return max((pushes // every for _, _, pushes, _ in _headers(folder, rank)[0]), default=-1)
 
 
 @contextlib.contextmanager
@@ -450,8 +497,8 @@ def rank_files(directory: str | None, every: int | None, resume: bool = False):
         if problem := untrusted(os.lstat(folder)):
             raise LaunchError(f"{folder} is {problem}, which stalewise never makes: remove it")
         for path in folder.iterdir() if resume else ():  # Saves reads the states, then writes
-            if not path.name.startswith("rank-"):
-                path.unlink()
+            if not path.name.startswith("rank-"):  # ours (0700): a folder is removed too
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
         if not resume:
             shutil.rmtree(folder)
     folder.mkdir(0o700, exist_ok=resume)
