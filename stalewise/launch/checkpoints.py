@@ -71,6 +71,7 @@ class Saves:
         from types import SimpleNamespace
 
         from stalewise import checkpoint
+        from stalewise.checkpoint import replay
 
         self.server, self.every, self.folder, self.directory = server, every, folder, directory
         workers = server.workers
@@ -80,7 +81,7 @@ class Saves:
         try:
             ckpt = start = checkpoint.resume_point(job.config, o, runtime="local")
             if ckpt is not None and folder is not None:  # launched: the logs' pushes too
-                ckpt = _logged(start, job.config)
+                ckpt = replay.logged(start, job.config)
             if ckpt is not None:
                 server.resume(ckpt)
             # one per worker (resume_point checked), the pushes each rank's state accounts
@@ -168,24 +169,6 @@ class Saves:
                 continue
             if got is not None:
                 self.ranks[r], self.pushed[r], self.skips[r] = got
-
-
-def _logged(start: Any, config: Any) -> Any:
-    """``start`` advanced by its push logs; a worker with pushes from them starts with a
-    zero error-feedback residual (the saved one is of fewer of its pushes)."""
-    import dataclasses
-
-    import numpy as np
-
-    from stalewise.checkpoint import replay
-
-    ckpt = replay.logged(start, config)
-    if ckpt is not start and ckpt.residuals is not None:
-        before = start.step.get("pushed") or [None] * len(ckpt.residuals)
-        pairs = zip(ckpt.residuals, ckpt.step["pushed"], before, strict=True)
-        residuals = [r if n == m else np.zeros_like(r) for r, n, m in pairs]
-        ckpt = dataclasses.replace(ckpt, residuals=residuals)
-    return ckpt
 
 
 def _counts(ckpt: Any, key: str, workers: int) -> list[int] | None:
