@@ -37,6 +37,18 @@ undisturbed, then once per fault, with the same budget of pushes:
                     ``rank_skips`` (pushes the ranks skipped, in the shards already),
                     ``first_push_s`` (from starting the resumed launcher to its first
                     acknowledged push; ``fresh_s`` for the first start).
+  (h) parent-kills  ``--parent-kills N`` runs only this case: the one-hot ``Job.train``
+                    job of ``tests/test_parent_kill_resume.py`` (2 workers, 2 shards,
+                    worker w's i-th batch adds 1 to item (w, i), a checkpoint every 50
+                    pushes), its parent SIGKILLed N times (its shards and workers die
+                    with it) once a worker has begun 30 to 120 batches more than before
+                    the last kill, then 0 to 0.3 s (seeded, the seed printed), each
+                    followed by a resume (``sw.Checkpoints(resume=True)``), ASP and BSP
+                    in turn, then run to its end. Columns as (g), except ``acked_lost``
+                    (pushes acknowledged before a kill, every batch up to two before
+                    the last one begun, that the resumed state lacks) and ``ready_s``
+                    (from the relaunch to the first batch begun; ``fresh_s``: the first
+                    start's).
 
 Columns: ``completed`` (the run returned, with its budget spent: ``steps`` pushes
 under ASP, ``ceil(steps / workers)`` whole rounds under BSP, so a BSP run in which a
@@ -54,14 +66,14 @@ so and is left out of the bar. Its ``events`` column counts the checkpoints
 that could not be written, and ``kept`` names the newest one that was (it
 must load).
 
-Bar: (f) 0 lost, 0 twice, 0 torn, every replay equal. (g) 0 lost, 0 twice, 0 skipped. (a), (b) and (c) complete with nothing applied twice and a final accuracy
+Bar: (f) 0 lost, 0 twice, 0 torn, every replay equal. (g), (h) 0 lost, 0 twice, 0 skipped. (a), (b) and (c) complete with nothing applied twice and a final accuracy
 within 1 point of the undisturbed run; (e) completes, returns its result within
 1 point of the undisturbed run, and its kept checkpoint loads. (d) is reported
 as it happens. ``--check``
 also writes the table to ``runs/bench-faults.json`` (or ``--json PATH``).
 
     .venv/bin/python benchmarks/faults.py [--quick] [--check] [--json PATH] [--shard-kills N]
-        [--launcher-kills N]
+        [--launcher-kills N] [--parent-kills N]
 """
 
 from __future__ import annotations
@@ -370,12 +382,15 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if the bar is missed")
     ap.add_argument("--shard-kills", type=int, metavar="N", help="only case (f), N kills")
     ap.add_argument("--launcher-kills", type=int, metavar="N", help="only case (g), N kills")
+    ap.add_argument("--parent-kills", type=int, metavar="N", help="only case (h), N kills")
     _report.add_json_arg(ap)
     args = ap.parse_args()
     out = _report.json_path(ap, args, "faults")
     logging.basicConfig(level=logging.ERROR)  # the runtime's warnings would flood the table
     if args.launcher_kills:
         return launcher_kills(args.launcher_kills, out, args.check)
+    if args.parent_kills:
+        return parent_kills(args.parent_kills, out, args.check)
     task = tasks.get("digits")
     steps = 1500 if args.quick else 4000
     if args.shard_kills:
@@ -607,6 +622,170 @@ def _acked_lost(path: Path) -> int:
             lost += max(most - n, 0)
         most = max(most, n)
     return lost
+
+
+ONE_HOT_TRAIN = """
+import itertools, os, struct, time
+import numpy as np
+
+def data(worker, workers):
+    return ((worker, i) for i in itertools.count())
+
+class OneHot:
+    '''Batch (w, i) adds 1 to item (w, i); the highest i begun is written to begun-A-W.'''
+
+    def __init__(self, attempt, row):
+        self.folder, self.attempt, self.row, self.fd, self.top = os.getcwd(), attempt, row, None, -1
+
+    def __call__(self, params, batch):
+        w, i = batch
+        if i > self.top:  # before the computation: a kill cannot hide it
+            if self.fd is None:
+                path = os.path.join(self.folder, f"begun-{self.attempt}-{w}")
+                self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            self.top = i
+            os.pwrite(self.fd, struct.pack("<q", i), 0)
+        time.sleep(0.003)
+        g = np.zeros((2, self.row), np.float32)
+        g[w, i] = -1.0
+        return 0.0, {"items": g}
+
+class First:
+    '''evaluate: writes the parameters the run starts from (its first call).'''
+
+    def __init__(self, path):
+        self.path = path
+
+    def __call__(self, params):
+        if not os.path.exists(self.path):
+            np.save(self.path, params["items"])
+        return {}
+"""
+
+TRAIN = """
+import logging, sys
+import numpy as np
+import stalewise as sw
+from onehot import First, OneHot, data
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("stalewise.runtime.driver").setLevel(logging.INFO)  # its resume line
+    attempt, bsp, steps, row, every = int(sys.argv[1]), sys.argv[2] == "bsp", *map(int, sys.argv[3:])
+    job = sw.Job({"items": np.zeros((2, row), np.float32)}, shards=2,
+                 optimizer=sw.optim.sgd(2.0 if bsp else 1.0),  # BSP applies a round's mean
+                 consistency=sw.BSP() if bsp else sw.ASP())
+    job.train(OneHot(attempt, row), data=data, workers=2, steps=steps,
+              evaluate=First(f"start-{attempt}.npy"), metrics=sw.Metrics(every=0.2),
+              checkpoints=sw.Checkpoints("ckpt", every=every, keep=100, resume=attempt > 0),
+              timeouts=sw.Timeouts(total=400))
+"""
+
+
+def parent_kills(n: int, out, check: bool, steps: int = 4000, every: int = 50) -> int:
+    """Case (h): ``n`` kills of the ``Job.train`` parent, half under ASP and half under BSP,
+    each run of the one-hot job ended by a run to its budget."""
+    seed = int(time.time())
+    print("seed", seed, flush=True)
+    rows, rng = [], random.Random(seed)
+    cols = ["consistency", "completed", "kills", "acked_lost", "twice", "skipped", "replayed",
+            "ready_s", "fresh_s", "time_s"]  # fmt: skip
+    for k, consistency in enumerate(("asp", "bsp")):
+        kills = n // 2 + (k < n % 2)
+        with tempfile.TemporaryDirectory(prefix="faults-parent-") as folder:
+            rows.append(_train_kills(Path(folder), consistency, kills, steps, every, rng))
+        print(format_table(rows[-1:], cols), flush=True)
+    keys = ("kills", "acked_lost", "twice", "skipped", "replayed")
+    total: dict = {key: sum(r[key] for r in rows) for key in keys}
+    readies = [t for r in rows for t in r.pop("readies")]
+    total |= {"runs": len(rows), "completed": sum(r["completed"] == "yes" for r in rows),
+              "ready_s_median": float(np.median(readies)) if readies else math.nan,
+              "ready_s_max": max(readies, default=math.nan),
+              "fresh_s": [r["fresh_s"] for r in rows], "seed": seed, "load": os.getloadavg()}  # fmt: skip
+    print(f"one-hot Job.train, 2 workers, {steps} pushes per run, a checkpoint every {every}:",
+          total)  # fmt: skip
+    ok = total["completed"] == len(rows) and total["kills"] == n
+    ok = ok and not (total["acked_lost"] or total["twice"] or total["skipped"])
+    print("bar: (h) 0 lost, 0 twice, 0 skipped:", "met" if ok else "MISSED")
+    _report.write(out, {"steps": steps, "every": every, "total": total, "rows": rows},
+                  bars=[{"name": "(h) 0 lost, 0 twice, 0 skipped", "met": ok}])  # fmt: skip
+    return 0 if ok or not check else 1
+
+
+def _train_kills(folder: Path, consistency: str, kills: int, steps: int, every: int,
+                 rng: random.Random) -> dict:  # fmt: skip
+    """One job: ``kills`` parent kills and resumes, then a run to its end."""
+    width, started, errs, killed, lost = 3 * (steps + 2), time.monotonic(), [], 0, 0
+    (folder / "onehot.py").write_text(ONE_HOT_TRAIN)
+    (folder / "job.py").write_text(TRAIN)
+    acked, readies, row = [0, 0], [], {"consistency": consistency, "completed": "no"}
+    for attempt in range(kills + 1):
+        args = [sys.executable, "job.py", str(attempt), consistency, str(steps), str(width),
+                str(every)]  # fmt: skip
+        goal = [b + rng.randint(30, 120) for b in _begun(folder, attempt - 1)]
+        begun, ready = time.monotonic(), None
+        with open(folder / f"stderr-{attempt}", "w") as err:
+            proc = subprocess.Popen(args, cwd=folder, stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)  # fmt: skip
+        try:
+            while proc.poll() is None and time.monotonic() - begun < 600:
+                done = _begun(folder, attempt)
+                if ready is None and max(done) >= 0:
+                    ready = time.monotonic() - begun
+                    readies.append(ready)
+                if attempt < kills and any(b >= g for b, g in zip(done, goal, strict=True)):
+                    break
+                time.sleep(0.01)
+            if attempt < kills:
+                time.sleep(rng.uniform(0.0, 0.3))
+                if proc.poll() is None:
+                    proc.kill()  # the parent alone: its shards and workers die with it
+                    killed += 1
+            proc.wait(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if attempt == 0:
+            row["fresh_s"] = ready if ready is not None else math.nan
+        if attempt == kills and proc.returncode == 0:
+            row["completed"] = "yes"
+        errs.append((folder / f"stderr-{attempt}").read_text())
+        start = folder / f"start-{attempt}.npy"
+        if start.exists():  # (else killed before it started) the state it started from
+            held = [_made(items) for items in np.load(start)]
+            lost += sum(max(a - h, 0) for a, h in zip(acked, held, strict=True))
+        # a batch begun: every push up to two before it was acknowledged (one in flight)
+        acked = [max(b - 1, a) for b, a in zip(_begun(folder, attempt), acked, strict=True)]
+    items = checkpoint.load(folder / "ckpt").flat().reshape(2, width)
+    row |= {
+        "kills": killed,
+        "acked_lost": lost,
+        "twice": int((items > 1.5).sum()),
+        "skipped": sum(int((w[: _made(w)] < 0.5).sum()) for w in items),
+        "replayed": sum(int(x) for x in re.findall(r"and (\d+) pushes of its logs", "".join(errs))),
+        "ready_s": float(np.median(readies[1:])) if readies[1:] else math.nan,
+        "time_s": time.monotonic() - started,
+        "readies": readies[1:],
+    }
+    if row["completed"] != "yes":
+        row["completed"] = (errs[-1].strip().splitlines() or ["no"])[-1]
+    return row
+
+
+def _begun(folder: Path, attempt: int) -> list[int]:
+    """Each worker's highest batch whose computation began in run ``attempt`` (-1: none)."""
+    out = []
+    for w in range(2):
+        path = folder / f"begun-{attempt}-{w}"
+        data = path.read_bytes()[:8] if path.exists() else b""
+        out.append(int.from_bytes(data, "little", signed=True) if len(data) == 8 else -1)
+    return out
+
+
+def _made(items: np.ndarray) -> int:
+    """How many items of a worker's row were reached: one past its last nonzero."""
+    nonzero = np.flatnonzero(items)
+    return int(nonzero[-1]) + 1 if len(nonzero) else 0
 
 
 if __name__ == "__main__":
