@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,6 +48,7 @@ from test_checkpoint import _trained_states
 
 import stalewise as sw
 from stalewise import checkpoint, tree
+from stalewise.checkpoint import store
 from stalewise.cli import main
 
 
@@ -892,3 +894,45 @@ def test_a_manifest_past_the_cap_is_not_written(tmp_path, monkeypatch):
             step_info={"pushes": 1},
         )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_replaced_while_it_is_read_is_read_whole(tmp_path):
+    """A save of the same pushes (a resume's start, a run's end) replaces the folder: the
+    old one renamed away, the new one in. A reader across that once mixed the two (a
+    manifest of one, a shard file of the other) and refused both; it reads again."""
+    import threading
+
+    job = sw.Job({"w": np.zeros(2000, np.float32)}, optimizer=sw.optim.adam(0.1))
+    config, stop, errors, loads = job.config, threading.Event(), [], 0
+
+    def state(n):
+        shard = config.build_shard(0, np.full(2000, n, np.float32), workers=1)
+        return [shard.state_dict()]
+
+    def save(n):
+        store.save(tmp_path, state(n), spec=config.spec,
+                   config_info=sw.checkpoint.config_info(config, workers=1),
+                   step_info={"pushes": 0, "time": float(n)})  # fmt: skip
+
+    def writer():
+        n = 0
+        while not stop.is_set():
+            n += 1
+            save(n)
+
+    save(0)
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            try:
+                ckpt = store.load(tmp_path)
+                loads += 1
+                assert ckpt.states[0]["params"][0] == ckpt.step["time"]  # one save, whole
+            except store.CheckpointError as e:
+                errors.append(str(e))
+    finally:
+        stop.set()
+        thread.join(30)
+    assert loads > 10 and not errors, errors[:1]

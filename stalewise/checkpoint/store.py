@@ -5,6 +5,7 @@ symlink followed, never more than the bytes it may hold."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import datetime
 import errno
@@ -158,14 +159,20 @@ def save(
     # into place: until ``latest`` names it, a failure puts back what was there
     replaced = None
     try:
-        if final.exists():  # the same pushes again (e.g. the end of a run): replace it
+        if final.exists() and _exchange(tmp, final):  # the same pushes again: swapped at once
+            replaced = tmp
+        elif final.exists():  # (without renameat2) the old one away, then the new one in
             replaced = root / f"{_TMP}old-{final.name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, replaced)
-        os.rename(tmp, final)
+        if replaced is not tmp:
+            os.rename(tmp, final)
         _fsync_dir(root)
         _write_atomic(root / LATEST, final.name + "\n")
     except BaseException:
-        if not tmp.exists() and final.exists():  # renamed into place: take it out again
+        if replaced is tmp:  # swapped: swap back
+            _exchange(tmp, final)
+            replaced = None
+        elif not tmp.exists() and final.exists():  # renamed into place: take it out again
             with contextlib.suppress(OSError):
                 os.rename(final, tmp)
         if replaced is not None:
@@ -180,6 +187,15 @@ def save(
     _prune_logs(root)
     log.info("checkpoint: wrote %s", final)
     return final
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps folders ``a`` and ``b`` in one step (Linux ``renameat2``); False: not done."""
+    rename = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if rename is None:
+        return False
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    return rename(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0
 
 
 def _prune_logs(root: Path) -> None:
@@ -332,6 +348,25 @@ def exists(directory: str | os.PathLike) -> bool:
     return root.is_dir() and bool(_complete(root))
 
 
+def _read_steady(path: Path) -> Checkpoint:
+    """:func:`_read`, once more if the folder was replaced meanwhile (a save of the same
+    pushes renames the old one away, then the new one in: a read across that mixed them)."""
+    inode = _inode(path)
+    try:
+        return _read(path)
+    except CheckpointError:
+        if _inode(path) == inode:
+            raise
+    return _read(path)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
 def load(directory: str | os.PathLike, check: Any = None) -> Checkpoint:
     """The newest usable checkpoint of ``directory`` (or the checkpoint folder itself),
     whole, as ``resume`` reads it; a refused one (or one ``check(ckpt)`` refuses with a
@@ -354,7 +389,7 @@ def load(directory: str | os.PathLike, check: Any = None) -> Checkpoint:
     refused, newest = [], None
     for path in candidates(root):
         try:
-            ckpt = _read(path)
+            ckpt = _read_steady(path)
             if check is not None:
                 check(ckpt)
         except CheckpointError as e:
