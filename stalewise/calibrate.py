@@ -155,11 +155,10 @@ def busy_warnings(
     cores: int | None = None,
     limit: float = SPREAD_LIMIT,
 ) -> list[str]:
-    """Why the machine was too busy for a stable figure, one sentence each (empty: no
-    reason seen): the 1-minute load average at the start (``load``) or at the end
-    (``load_end``; the calibration's own processes count in it) above ``cores`` (default
-    ``os.cpu_count()``), or a worker's step times whose interquartile range exceeds
-    ``limit`` times their median.
+    """Why the machine was too busy for a stable figure, one sentence each (empty: no reason seen):
+    the 1-minute load average at the start (``load``) or at the end (``load_end``; the calibration's
+    own processes count in it) above ``cores`` (default ``os.cpu_count()``), or a worker's step
+    times whose interquartile range exceeds ``limit`` times their median.
 
     Example:
         >>> busy_warnings([[0.010, 0.011, 0.010, 0.012]], load=(0.5, 0.5, 0.5), cores=2)
@@ -393,11 +392,10 @@ class Calibration:
         )
 
     def interval(self, predict: Callable[[SimConfig], Any]) -> Any:
-        """``predict`` (``SimConfig -> number``, or a dict of numbers) on the measured
-        table and on the low and high ones (:meth:`sim_config`), as an :class:`Interval`
-        (or a dict of them): the point is the measured table's, the interval spans all
-        three (a faster machine does not always give, say, a lower staleness). A value
-        of None on any table gives None.
+        """``predict`` (``SimConfig -> number``, or a dict of numbers) on the measured table and on
+        the low and high ones (:meth:`sim_config`), as an :class:`Interval` (or a dict of them): the
+        point is the measured table's, the interval spans all three (a faster machine does not
+        always give, say, a lower staleness). A value of None on any table gives None.
 
         Example: ``cal.interval(lambda sim: job.train(f, data=d, workers=4, steps=2000,
         runtime=sw.Simulation(sim)).stats["version"])``.
@@ -913,7 +911,6 @@ class _BusyStep:
 
 
 def _zero_grads(config: ServerConfig) -> Any:
-    """A zero gradient of ``config``'s parameter tree."""
     return tree.unflatten(np.zeros_like(config.init), config.spec)
 
 
@@ -1008,14 +1005,13 @@ def calibrate(
             job's, at least :data:`MIN_SIZE`, and 4x it); two or more.
         delays: the run's emulated compute seconds per step (``sw.Emulation(delays=)``: a
             number, or ``{worker: seconds}``), slept after each step as a worker sleeps them.
-        evaluate: the run's ``evaluate(params)``, called every ``eval_interval`` seconds
-            while the compute is timed, as the local runtime's parent does.
-        eval_interval: see ``evaluate``.
+        evaluate, eval_interval: the run's ``evaluate(params)``, called every
+            ``eval_interval`` seconds while the compute is timed, as the local runtime does.
         timeout: seconds the compute processes may take in all.
         contention: measure the contention model (:func:`measure_contention`) and fit the
             compute to CPU times; False: no contention, wall-clock times.
-        runtime: the runtime whose pulls, pushes, shard and worker loop are timed:
-            ``"local"`` or ``"ray"`` (``stalewise.runtime.names("calibrates")``); compute is timed locally either way.
+        runtime: where pulls, pushes, shard and worker loop are timed (``"local"`` or
+            ``"ray"``: ``stalewise.runtime.names("calibrates")``); compute is timed locally.
 
     Raises:
         ValueError: a bad argument, naming it.
@@ -1160,12 +1156,10 @@ def _on_cluster(runtime: str) -> bool:
 
 
 def _int_in(value: Any, low: int, high: int) -> bool:
-    """Whether ``value`` is an integer (not a bool) in ``low..high``."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def _number_in(value: Any, low: float, high: float) -> bool:
-    """Whether ``value`` is a finite number (not a bool) in ``[low, high]``."""
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     return ok and math.isfinite(value) and low <= value <= high
 

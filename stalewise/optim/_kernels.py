@@ -1,13 +1,12 @@
 """Fused numba kernels behind the in-place optimizer updates, one per rule.
 
-Each makes one pass over memory (SGD, Adam) or two per leaf (LAMB, LARS: the trust
-ratio needs the leaf's norms first). Conventions: ``g``, ``p`` and the state are 1-D,
-C-contiguous, of one float dtype, in which the element-wise maths runs (the caller casts
-the coefficients and computes ``w1 = 1 - b1``, ``w2 = 1 - b2`` in float64); norms
-accumulate in float64. ``lr`` arrives multiplied by ``scale``. ``into_params`` True adds
-the update to ``p`` (``apply``), False writes it into ``g`` (``update``), both rounded
-alike so the two agree bit for bit; ``g`` may be scratch. ``fastmath`` stays off so
-results reproduce (except the finiteness flags of a checked step, :func:`_flag`);
+Each makes one pass over memory (SGD, Adam) or two per leaf (LAMB, LARS: the trust ratio needs the
+leaf's norms first). Conventions: ``g``, ``p`` and the state are 1-D, C-contiguous, of one float
+dtype, in which the element-wise maths runs (the caller casts the coefficients and computes
+``w1 = 1 - b1``, ``w2 = 1 - b2`` in float64); norms accumulate in float64. ``lr`` arrives multiplied
+by ``scale``. ``into_params`` True adds the update to ``p`` (``apply``), False writes it into ``g``
+(``update``), both rounded alike so the two agree bit for bit; ``g`` may be scratch. ``fastmath``
+stays off so results reproduce (except the finiteness flags of a checked step, :func:`_flag`);
 ``nogil`` lets a server apply while other threads serve pulls.
 """
 
@@ -114,13 +113,12 @@ def sgd(g, buf, p, offsets, sizes, decay, lr, momentum, nesterov, wd, into_param
         undo_p, undo_buf):  # fmt: skip
     """SGD as torch.optim.SGD: ``g += wd*p; buf = momentum*buf + g; p -= lr*(g or buf)``.
 
-    ``buf`` is ignored when ``momentum`` is zero (it may then be empty). With
-    leaves (``offsets`` not empty), ``decay[s]`` False drops ``wd*p`` on leaf
-    ``s``; empty ``offsets`` decay the whole vector. A checked step (see
-    :func:`_checks`) goes block by block: a non-empty ``check`` takes the
-    finiteness checks of ``g`` and of what the step writes while the block is in
-    cache, and non-empty ``undo_p`` (``undo_buf``) get the block's values of ``p``
-    (``buf``) before it changes them, all of them whatever the leaves.
+    ``buf`` is ignored when ``momentum`` is zero (it may then be empty). With leaves (``offsets``
+    not empty), ``decay[s]`` False drops ``wd*p`` on leaf ``s``; empty ``offsets`` decay the whole
+    vector. A checked step (see :func:`_checks`) goes block by block: a non-empty ``check`` takes
+    the finiteness checks of ``g`` and of what the step writes while the block is in cache, and
+    non-empty ``undo_p`` (``undo_buf``) get the block's values of ``p`` (``buf``) before it changes
+    them, all of them whatever the leaves.
     """
     zero = p.dtype.type(0)
     use_buf = momentum != 0
@@ -182,11 +180,10 @@ def adam(g, m, v, p, offsets, sizes, decay, lr, b1, w1, b2, w2, inv_c1, inv_sqrt
     """Adam with coupled L2 (``l2``, torch Adam) and decoupled decay (``wd``, AdamW).
 
     ``m = b1*m + w1*g'`` and ``v = b2*v + w2*g'^2`` with ``g' = g + l2*p``;
-    ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd*p)``. ``inv_c1 = 1/(1-b1^t)``
-    and ``inv_sqrt_c2 = 1/sqrt(1-b2^t)`` are the bias corrections. With leaves
-    (``offsets`` not empty), ``decay[s]`` False drops both ``l2`` and ``wd`` on
-    leaf ``s``; empty ``offsets`` decay the whole vector. ``check`` and ``undo_*``:
-    as in :func:`sgd`.
+    ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd*p)``. ``inv_c1 = 1/(1-b1^t)`` and
+    ``inv_sqrt_c2 = 1/sqrt(1-b2^t)`` are the bias corrections. With leaves (``offsets`` not empty),
+    ``decay[s]`` False drops both ``l2`` and ``wd`` on leaf ``s``; empty ``offsets`` decay the whole
+    vector. ``check`` and ``undo_*``: as in :func:`sgd`.
     """
     zero = p.dtype.type(0)
     copy = undo_p.size != 0
@@ -207,11 +204,10 @@ def adam(g, m, v, p, offsets, sizes, decay, lr, b1, w1, b2, w2, inv_c1, inv_sqrt
 
 @_jit
 def _checks(check, g, p, a, b):
-    """The fused checks of one block after its in-place step (``g`` untouched by it):
-    ``check[0]`` sums the squares of ``g``, ``check[1]`` zero times each value written
-    (``p``, and the state blocks ``a`` and ``b``, either may be empty): each sum is
-    finite exactly when its values are (and, for ``g``, when its squared norm does not
-    overflow the dtype)."""
+    """The fused checks of one block after its in-place step (``g`` untouched by it): ``check[0]``
+    sums the squares of ``g``, ``check[1]`` zero times each value written (``p``, and the state
+    blocks ``a`` and ``b``, either may be empty): each sum is finite exactly when its values are
+    (and, for ``g``, when its squared norm does not overflow the dtype)."""
     check[0] += _flag(g, True)
     check[1] += _flag(p, False) + _flag(a, False) + _flag(b, False)
 
@@ -263,10 +259,9 @@ def lars(g, buf, p, offsets, sizes, decay, adapt, ratios, lr, momentum, wd,
          trust_coefficient, eps, into_params):  # fmt: skip
     """LARS, leaf by leaf: ``buf = momentum*buf + r*u; p -= lr*buf`` with ``u = g + wd*p``.
 
-    ``r = trust_coefficient * ||p|| / (||u|| + eps)`` where ``adapt[s]``, and 1
-    where not or where either norm is zero. ``decay[s]`` False drops ``wd*p``.
-    ``u`` is cheap, so pass 1 only reads (it sums ``u^2`` from a block-sized
-    buffer) and pass 2 computes ``u`` again.
+    ``r = trust_coefficient * ||p|| / (||u|| + eps)`` where ``adapt[s]``, and 1 where not or where
+    either norm is zero. ``decay[s]`` False drops ``wd*p``. ``u`` is cheap, so pass 1 only reads (it
+    sums ``u^2`` from a block-sized buffer) and pass 2 computes ``u`` again.
     """
     zero = p.dtype.type(0)
     step = p.dtype.type(-lr)

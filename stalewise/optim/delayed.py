@@ -1,9 +1,7 @@
 """Delayed Nesterov: the server optimizer of asynchronous DiLoCo (Liu et al. 2024).
 
-Plain Nesterov on the server folds each stale pseudo-gradient into many later steps;
-delayed Nesterov updates the momentum once every ``N`` arrivals (``N`` = the workers),
-with their mean, and takes plain steps in between. For the ``t``-th pseudo-gradient
-``g_t``, with ``m`` and ``b`` starting at zero and ``s`` the staleness ``scale``::
+The momentum is updated once every ``N`` arrivals (``N`` = the workers), with their mean;
+for the ``t``-th pseudo-gradient ``g_t``, ``m = b = 0`` at first, ``s`` the ``scale``::
 
     b = b + g_t
     p = p - lr * s * g_t / N                # every arrival: a plain gradient step
@@ -65,8 +63,7 @@ class _DelayedNesterov(Moments):
 def delayed_nesterov(lr: LearningRate = 0.7, momentum: float = 0.9, every: int = 1) -> Optimizer:
     """Delayed Nesterov momentum (Liu et al. 2024), a server optimizer for asynchronous DiLoCo.
 
-    ``every`` is ``N``, the arrivals per momentum update (the number of workers); the rule
-    is in the module docstring.
+    ``every`` is ``N``, the arrivals per momentum update (the workers); see the module docstring.
 
     Example:
         >>> opt = delayed_nesterov(lr=0.5, momentum=0.5, every=2)

@@ -49,12 +49,11 @@ def lars(
 ) -> Optimizer:
     """The LARS optimizer, leaf by leaf over the segments given to ``init``.
 
-    For each leaf: ``u = g + weight_decay * p``,
-    ``r = trust_coefficient * ||p|| / (||u|| + eps)`` (1 when either norm is
-    zero or the leaf is excluded from adaptation), ``buf = momentum*buf + r*u``
-    and ``p -= lr * scale * buf``: optax's ``lars`` with the learning rate outside the
-    velocity. A leaf split across shards gets the ratio of its local part. The exclusions
-    are regexes (``re.search``) on leaf names.
+    For each leaf: ``u = g + weight_decay * p``, ``r = trust_coefficient * ||p|| / (||u|| + eps)``
+    (1 when either norm is zero or the leaf is excluded from adaptation),
+    ``buf = momentum*buf + r*u`` and ``p -= lr * scale * buf``: optax's ``lars`` with the learning
+    rate outside the velocity. A leaf split across shards gets the ratio of its local part. The
+    exclusions are regexes (``re.search``) on leaf names.
 
     Example:
         >>> import numpy as np

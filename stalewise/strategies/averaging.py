@@ -355,7 +355,6 @@ class LocalSGDStrategy(Strategy):
 
 
 def _check_outer(local: LocalSGDStrategy, consistency: Any, recommended: bool, what: str) -> None:
-    """Refuses DiLoCo's outer optimizer under a ``consistency`` it does not fit."""
     kind = getattr(consistency, "kind", None)
     if local.asynchronous and kind == "bsp":
         raise ValueError(

@@ -1,13 +1,10 @@
 """A small byte-level GPT on the Python standard library's own source (PyTorch).
 
-The corpus is the source of :data:`CORPUS_MODULES`, read from this Python's stdlib,
-concatenated in sorted order with a NUL after each file and cut at ``corpus_bytes``:
-nothing is downloaded, and :attr:`LanguageModel.corpus_sha256` names the corpus a run
-used. The last ``val_fraction`` is held out; :meth:`LanguageModel.evaluate` scores a
-fixed, evenly spaced sample of held-out windows, so its figures are deterministic. The
-model (one token per byte) is GPT-2-like, its output head tied to the token embedding;
-parameters are a nested dict of CPU float32 tensors. A uniform model's loss is ln 256 =
-5.545 nats per byte. The corpus, the model and its sizes: docs/lm.md.
+The corpus is the source of :data:`CORPUS_MODULES` in this Python's stdlib (nothing is
+downloaded; :attr:`LanguageModel.corpus_sha256` names it); its last ``val_fraction`` is held
+out and :meth:`LanguageModel.evaluate` scores fixed windows of it (deterministic). One token
+per byte; parameters are a nested dict of CPU float32 tensors; a uniform model's loss is
+ln 256 = 5.545 nats per byte. The corpus, the model and its sizes: docs/lm.md.
 """
 
 from __future__ import annotations
@@ -112,11 +109,10 @@ def load_corpus(corpus_bytes: int = 1 << 21, val_fraction: float = 0.05) -> Corp
 class LanguageModel:
     """A byte-level GPT on standard-library source (see the module's docstring).
 
-    Batches are int64 tensors ``(batch_size, context + 1)`` of bytes: the model reads
-    ``[:, :-1]`` and predicts ``[:, 1:]``; the loss is the mean cross-entropy per byte, in
-    nats. ``size`` is one of :data:`SIZES`; ``dim``, ``layers`` and ``heads`` override it;
-    ``vocab`` (>= 256) widens the tied embedding and head (GPT-2's 50304: rows past 255 are
-    never a byte).
+    Batches are int64 tensors ``(batch_size, context + 1)`` of bytes: the model reads ``[:, :-1]``
+    and predicts ``[:, 1:]``; the loss is the mean cross-entropy per byte, in nats. ``size`` is one
+    of :data:`SIZES`; ``dim``, ``layers`` and ``heads`` override it; ``vocab`` (>= 256) widens the
+    tied embedding and head (GPT-2's 50304: rows past 255 are never a byte).
 
     Example:
         >>> task = LanguageModel(size="tiny", context=16, batch_size=4, corpus_bytes=50_000)

@@ -1,14 +1,9 @@
 """The simulator runtime: thousands of workers on one machine, on a virtual clock.
 
-It hosts the same protocol objects as the local runtime (shards, gates, staleness
-rules, optimizers, the commit rule and the one worker loop); only time is
-simulated, by the discrete-event loop of :mod:`stalewise.runtime.sim.engine` as
-:class:`~stalewise.runtime.sim.config.SimConfig` says. Gradients are real. The
-event order and virtual times depend only on the config and the seed, so NumPy
-code on one machine gives bit-identical results run after run. Checkpoints also
-hold the simulator's own state (virtual time, batches drawn, RNG states, link
-queues); when a resume is bit-identical and when it is only a valid continuation
-is in ``docs/design-notes.md`` ("Checkpoints")."""
+The local runtime's protocol objects with only time simulated (:mod:`.engine`, as
+:class:`~stalewise.runtime.sim.config.SimConfig` says); gradients are real, and a run
+depends only on the config and the seed. Checkpoints also hold the simulator's own state
+(docs/design-notes.md, "Checkpoints")."""
 
 from __future__ import annotations
 
@@ -55,12 +50,10 @@ def train(config: ServerConfig, loss_and_grad: Callable, *, strategy: Strategy, 
 def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainResult:
     """Trains on the virtual clock (the ``"sim"`` runtime; see :meth:`stalewise.Job.train`).
 
-    ``eval_interval`` and the records' times are virtual seconds, ``timeout`` wall
-    seconds; ``options.sim_seed`` drives the random compute times; failures follow the
-    policy with restarts ``sim.restart_delay`` virtual seconds later, and
-    ``worker_timeout`` does not apply. ``stats["sim"]`` adds the event count, wall time,
-    the mean pull, compute and push time of a step, and each shard's version and
-    counters."""
+    ``eval_interval`` and the records' times are virtual seconds, ``timeout`` wall seconds;
+    ``options.sim_seed`` seeds the compute times; restarts come ``sim.restart_delay`` virtual
+    seconds later; ``worker_timeout`` does not apply. ``stats["sim"]``: events, wall time,
+    mean pull, compute and push times, each shard's counters."""
     return driver.drive(_Host(config, strategy, options), config, strategy, options)
 
 

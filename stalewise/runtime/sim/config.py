@@ -37,10 +37,8 @@ from stalewise.runtime.sim.models import (
 
 __all__ = ["MAX_RECORDS", "TOML_KEYS", "SimConfig", "SimConfigError", "TooLongError"]
 
-#: The most records (evaluations, one every ``eval_interval`` virtual seconds) one simulated
-#: run may make: 100000 records of a few kB each, about 14 virtual hours at the default
-#: interval of 0.5 s. A run that would need more stops with :class:`TooLongError` instead of
-#: filling the memory (an interval of 1e-300 s, or a transfer of 1e300 s, would never end).
+#: The most records (one every ``eval_interval`` virtual seconds) a simulated run may make:
+#: a few kB each, about 14 virtual hours at 0.5 s; past it, :class:`TooLongError`.
 MAX_RECORDS = 100_000
 #: The largest ``model_bytes``: a petabyte.
 MAX_MODEL_BYTES = 10**15

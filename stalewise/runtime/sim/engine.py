@@ -1,16 +1,10 @@
 """The simulator's discrete-event engine: one run's shards and workers on a virtual clock.
 
-:class:`Simulation` holds the state of one run of :func:`stalewise.runtime.sim.train`.
-Events sit in a heap of ``(virtual time, insertion counter, event)``, so a run is
-deterministic. Each worker runs the protocol's worker loop
-(:func:`stalewise.protocol.loop.worker_loop`), stepped by the event handlers; each
-shard serves a FIFO queue. Faults follow the job's failure policy as in the local
-runtime. What the simulator models: ``docs/calibrate.md``. With ``replicas=2`` each shard
-is a :class:`~stalewise.protocol.replica.Primary` with a
-:class:`~stalewise.protocol.replica.Backup` on its own simulated process; ``kill`` (the fault
-injector) kills one process before the m-th message it receives or after the m-th it sends.
-
-Cost: O(log n) per event and O(1) per-worker state per event."""
+:class:`Simulation`: events in a heap of ``(virtual time, insertion counter, event)``
+(deterministic, O(log n) each); each worker runs :func:`stalewise.protocol.loop.worker_loop`,
+each shard a FIFO queue. With ``replicas=2`` each shard is a primary with a backup on its own
+process; ``kill`` kills one before its m-th message in or after its m-th out. What is
+modelled: ``docs/calibrate.md``."""
 
 from __future__ import annotations
 

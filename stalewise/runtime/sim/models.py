@@ -6,11 +6,10 @@ step takes, in virtual seconds::
 
     (compute.sample() + delays[w]) * stragglers[w] * persistent[w] / speeds[w]
 
-stretched by any :class:`Slowdown` active meanwhile. A message of ``B`` bytes leaves
-its sender's egress link (FIFO, ``B / bandwidth``), travels ``latency`` seconds and
-enters its receiver's ingress link (cut-through); control messages cost ``latency``
-only; with :class:`Copies` the bytes also cost copies on the cores and the memory bus
-of the process that makes them.
+stretched by any :class:`Slowdown` active meanwhile. A message of ``B`` bytes leaves its sender's
+egress link (FIFO, ``B / bandwidth``), travels ``latency`` seconds and enters its receiver's ingress
+link (cut-through); control messages cost ``latency`` only; with :class:`Copies` the bytes also cost
+copies on the cores and the memory bus of the process that makes them.
 
 Example:
     >>> ShiftedExponential(shift=0.0, rate=1.0).mean, Service(time=0.5, rate=2.0).seconds(1.0)
@@ -96,17 +95,14 @@ def _number(
 
 
 def _seconds(owner: str, name: str, value: Any) -> float:
-    """A virtual time in [0, MAX_SECONDS]."""
     return _number(owner, name, value, high=MAX_SECONDS, why=" (virtual seconds)")
 
 
 def _bytes_per_s(owner: str, name: str, value: Any) -> float:
-    """A link's or a shard's rate, >= MIN_BYTES_PER_S bytes a second, or math.inf."""
     return _number(owner, name, value, low=MIN_BYTES_PER_S, inf_ok=True, why=" (bytes per second)")
 
 
 def _factor(owner: str, name: str, value: Any, low: float = 1 / MAX_FACTOR) -> float:
-    """A speed or slowdown factor, in [low, MAX_FACTOR]."""
     return _number(owner, name, value, low=low, high=MAX_FACTOR)
 
 
@@ -258,10 +254,9 @@ class Service:
 
 @dataclass(frozen=True)
 class Contention:
-    """How much slower a worker's compute (``step``) and a shard's apply (``apply``) run
-    with ``n`` processes runnable: ``step[n - 1]`` is the factor with ``n``, linear
-    between entries and beyond the last on its slope
-    (:func:`stalewise.calibrate.measure_contention` measures it).
+    """How much slower a worker's compute (``step``) and a shard's apply (``apply``) run with ``n``
+    processes runnable: ``step[n - 1]`` is the factor with ``n``, linear between entries and beyond
+    the last on its slope (:func:`stalewise.calibrate.measure_contention` measures it).
 
     Example:
         >>> c = Contention(step=(1.0, 1.0, 1.5, 2.0), apply=(1.0, 1.5))
