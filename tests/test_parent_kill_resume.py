@@ -215,3 +215,22 @@ def test_positions_keep_a_predecessors_last_two_and_read_only_a_trusted_file(tmp
     with caplog.at_level("WARNING"):
         assert resume.drawn_of(ckpt, 2) == [20, 8]  # worker 1's file is a symlink: not read
     assert "no data position of worker(s) [1]" in caplog.text
+
+
+def test_a_checkpoint_folder_others_can_write_costs_the_positions_not_the_run(tmp_path, caplog):
+    """A folder made group-writable (mkdir under umask 002): the workers write no data
+    positions there, say so, and train; the run ends as without a folder."""
+    import stalewise as sw
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir(0o775)
+    os.chmod(folder, 0o775)
+    job = sw.Job({"w": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1))
+    result = job.train(_ones, data=[[0], [0]],
+                       workers=2, steps=20, checkpoints=sw.Checkpoints(folder, every=10))  # fmt: skip
+    assert result.stats["applied"] >= 20
+    assert not list(folder.glob("drawn-worker-*"))
+
+
+def _ones(params, batch):
+    return 0.0, {"w": np.ones(4, np.float32)}

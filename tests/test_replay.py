@@ -275,3 +275,13 @@ def test_logs_of_a_shard_that_could_not_write_its_own_are_not_used(tmp_path, cap
     ckpt, got = run.logged()
     assert got.step == ckpt.step and got.states[0]["version"] == 0
     assert "log-shard-1-00000001-000000 is missing" in caplog.text
+
+
+def test_logs_where_no_entry_is_common_replay_to_the_checkpoint(tmp_path):
+    """The first push after the checkpoint torn (in shard 0's log only): nothing every shard
+    logged, so the resume is the checkpoint's state, the push named torn."""
+    run = Logged(tmp_path)
+    run.push(0, 0, np.ones(6, np.float32), only=0)
+    _, got = run.logged()
+    assert got.step["torn"] == [[0, 1, 0]] and got.step["replayed"] == 0
+    assert [int(s["version"]) for s in got.states] == [0, 0]

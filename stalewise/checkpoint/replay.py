@@ -192,7 +192,7 @@ def replay_chain(
                 yield entry
             end = f.tell()  # once it is replayed
 
-    marks = _marks(chain_entries(folder, name, shard.params.nbytes) if agreed else ())
+    marks = _marks(chain_entries(folder, name, shard.params.nbytes) if agreed is not None else ())
     for file, f, where, last in _chain(folder, name):
         with f:
             try:

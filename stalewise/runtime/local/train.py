@@ -126,8 +126,12 @@ def _worker_main(
         drawn = ctrl[_drawn(workers)]
         batches = batch_iterator(options.data, w, workers, drawn=drawn)
         if options.checkpoint_dir is not None:  # a resume from the push logs goes on from them
-            positions = Positions(options.checkpoint_dir, w, client.incarnation)
-            positions.write(-1, int(drawn[w]))
+            try:
+                positions = Positions(options.checkpoint_dir, w, client.incarnation)
+                positions.write(-1, int(drawn[w]))
+            except OSError as e:  # a folder not to be trusted: the shards log nothing there
+                positions = None
+                log.warning("worker %d: no data positions in %s: %s", w, options.checkpoint_dir, e)
         first = next(batches)
         # Set-up, not training: load the data and run one step whose result is thrown
         # away, so a JIT compile of the user's function (JAX, numba) happens before the clock.
