@@ -62,6 +62,7 @@ class Runtime:
     saves_served: bool = False  # job.serve and stalewise run save checkpoints on it
     watches_ranks: bool = False  # stalewise run's --rank-timeout watches its ranks
     calibrates: bool = False  # Job.calibrate measures its transport and worker loop
+    logs_pushes: bool = False  # its shards write push logs: a resume replays them
 
     def missing(self) -> str | None:
         """Why this runtime cannot run here (what to install), or None."""
@@ -119,6 +120,7 @@ register(
     saves_served=True,
     watches_ranks=True,
     calibrates=True,
+    logs_pushes=True,
     no_delta_pulls="the local runtime's pulls read a shared-memory snapshot (a memcpy, no "
     "network), so a delta pull would only add work",
 )

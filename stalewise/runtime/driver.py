@@ -129,7 +129,7 @@ class Run:
         self.resume = checkpoint.resume_point(
             config, options, runtime=host.runtime, resumes_from=own
         )
-        self.logs = host.runtime == "local"  # its Job.train writes push logs
+        self.logs = known and runtime_lib.describe(host.runtime).logs_pushes
         if self.resume is not None and self.logs:
             self.resume = replay.logged(self.resume, config)
         self.saver: checkpoint.Saver | None = None
