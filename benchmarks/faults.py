@@ -537,12 +537,18 @@ def launcher_kills(n: int, out, check: bool, steps: int = 4000, every: int = 50)
     total |= {"runs": len(rows), "completed": sum(r["completed"] == "yes" for r in rows),
               "first_push_s_mean": sum(firsts) / len(firsts) if firsts else math.nan,
               "first_push_s_max": max(firsts, default=math.nan), "load": os.getloadavg()}  # fmt: skip
-    print(f"one-hot job, 2 ranks, {steps} pushes per run, a checkpoint every {every}:", total)
+    return _kills_bar("g", "one-hot job, 2 ranks", total, rows, n, steps, every, out, check)
+
+
+def _kills_bar(case, what, total, rows, n, steps, every, out, check) -> int:
+    """Prints and writes a kills case's totals; its exit status (1: bar missed, ``check``)."""
+    print(f"{what}, {steps} pushes per run, a checkpoint every {every}:", total)
     ok = total["completed"] == len(rows) and total["kills"] == n
     ok = ok and not (total["acked_lost"] or total["twice"] or total["skipped"])
-    print("bar: (g) 0 lost, 0 twice, 0 skipped:", "met" if ok else "MISSED")
+    name = f"({case}) 0 lost, 0 twice, 0 skipped"
+    print(f"bar: {name}:", "met" if ok else "MISSED")
     _report.write(out, {"steps": steps, "every": every, "total": total, "rows": rows},
-                  bars=[{"name": "(g) 0 lost, 0 twice, 0 skipped", "met": ok}])  # fmt: skip
+                  bars=[{"name": name, "met": ok}])  # fmt: skip
     return 0 if ok or not check else 1
 
 
@@ -702,14 +708,8 @@ def parent_kills(n: int, out, check: bool, steps: int = 4000, every: int = 50) -
               "ready_s_median": float(np.median(readies)) if readies else math.nan,
               "ready_s_max": max(readies, default=math.nan),
               "fresh_s": [r["fresh_s"] for r in rows], "seed": seed, "load": os.getloadavg()}  # fmt: skip
-    print(f"one-hot Job.train, 2 workers, {steps} pushes per run, a checkpoint every {every}:",
-          total)  # fmt: skip
-    ok = total["completed"] == len(rows) and total["kills"] == n
-    ok = ok and not (total["acked_lost"] or total["twice"] or total["skipped"])
-    print("bar: (h) 0 lost, 0 twice, 0 skipped:", "met" if ok else "MISSED")
-    _report.write(out, {"steps": steps, "every": every, "total": total, "rows": rows},
-                  bars=[{"name": "(h) 0 lost, 0 twice, 0 skipped", "met": ok}])  # fmt: skip
-    return 0 if ok or not check else 1
+    what = "one-hot Job.train, 2 workers"
+    return _kills_bar("h", what, total, rows, n, steps, every, out, check)
 
 
 def _train_kills(folder: Path, consistency: str, kills: int, steps: int, every: int,
