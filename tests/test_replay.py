@@ -285,3 +285,19 @@ def test_logs_where_no_entry_is_common_replay_to_the_checkpoint(tmp_path):
     _, got = run.logged()
     assert got.step["torn"] == [[0, 1, 0]] and got.step["replayed"] == 0
     assert [int(s["version"]) for s in got.states] == [0, 0]
+
+
+def test_a_garbled_log_costs_its_pushes_not_the_resume(tmp_path, caplog):
+    """A log whose entry fails its checksum (not a torn end: a later entry follows) is not
+    used: the checkpoint alone is, named in one warning line, as a refused checkpoint is."""
+    run = Logged(tmp_path)
+    for seq in range(3):
+        run.push(0, seq, np.ones(6, np.float32))
+    run.files[0].flush()
+    path = tmp_path / "log-shard-0-00000000-000000"
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0xFF  # in the first entry's JSON header
+    path.write_bytes(bytes(data))
+    ckpt, got = run.logged()
+    assert got is not None and got.step == ckpt.step and got.states[0]["version"] == 0
+    assert "log-shard-0-00000000-000000" in caplog.text and "not used" in caplog.text

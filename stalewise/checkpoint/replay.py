@@ -50,21 +50,22 @@ def logged(ckpt: Checkpoint, config: Any) -> Checkpoint:
     the logs add pushes of has a zero error-feedback residual (the saved one is of fewer
     of its pushes: it would send their error again). ``ckpt``
     itself when it names no logs, or (with a warning) when they are not of one run cut
-    short (a shard's log missing).
-
-    Raises:
-        CheckpointError: a log that is garbled, not ours, or does not fit its shard."""
+    short (a shard's log missing) or cannot be read whole (garbled, not ours, not of its
+    shard)."""
     names = ckpt.step.get("logs")
     if not names:
         return ckpt
-    folder, seen = ckpt.path.parent, []
-    for state, name in zip(ckpt.states, names, strict=True):
-        entries = chain_entries(folder, name, np.asarray(state["params"]).nbytes)
-        seen.append({m for pair in _marks(entries) for m in pair if m is not None})
-    common = set.intersection(*seen)
-    torn = {m for m in set.union(*seen) - common if not isinstance(m[0], str)}
-    why = _not_one_run(folder, names, torn, common)
-    states = None if why else [_replayed(k, ckpt, config, common) for k in range(len(names))]
+    folder, seen, states = ckpt.path.parent, [], None
+    try:
+        for state, name in zip(ckpt.states, names, strict=True):
+            entries = chain_entries(folder, name, np.asarray(state["params"]).nbytes)
+            seen.append({m for pair in _marks(entries) for m in pair if m is not None})
+        common = set.intersection(*seen)
+        torn = {m for m in set.union(*seen) - common if not isinstance(m[0], str)}
+        why = _not_one_run(folder, names, torn, common)
+        states = None if why else [_replayed(k, ckpt, config, common) for k in range(len(names))]
+    except CheckpointError as e:  # garbled, or not ours: as a refused checkpoint, a fallback
+        why = str(e)
     if not why and len({str(_seats(s)) for s in states}) > 1:
         why = "the shards' replays hold different pushes or workers"
     if why:
