@@ -55,15 +55,17 @@ def logged(ckpt: Checkpoint, config: Any) -> Checkpoint:
     names = ckpt.step.get("logs")
     if not names:
         return ckpt
-    folder, seen, states = ckpt.path.parent, [], None
+    folder, marks, states = ckpt.path.parent, [], None
     try:
         for state, name in zip(ckpt.states, names, strict=True):
             entries = chain_entries(folder, name, np.asarray(state["params"]).nbytes)
-            seen.append({m for pair in _marks(entries) for m in pair if m is not None})
+            marks.append(list(_marks(entries)))  # each entry's, for the replay's second pass
+        seen = [{m for pair in shard for m in pair if m is not None} for shard in marks]
         common = set.intersection(*seen)
         torn = {m for m in set.union(*seen) - common if not isinstance(m[0], str)}
         why = _not_one_run(folder, names, torn, common)
-        states = None if why else [_replayed(k, ckpt, config, common) for k in range(len(names))]
+        if not why:
+            states = [_replayed(k, ckpt, config, (common, marks[k])) for k in range(len(names))]
     except CheckpointError as e:  # garbled, or not ours: as a refused checkpoint, a fallback
         why = str(e)
     if not why and len({str(_seats(s)) for s in states}) > 1:
@@ -129,7 +131,7 @@ def _seats(state: dict) -> list[tuple]:
     return list(zip(*(np.asarray(state[key]).tolist() for key in keys), strict=True))
 
 
-def _replayed(k: int, ckpt: Checkpoint, config: Any, agreed: set | None, read: Any = None) -> dict:
+def _replayed(k: int, ckpt: Checkpoint, config: Any, agreed: Any, read: Any = None) -> dict:
     """Shard ``k``'s state replayed from ``ckpt`` (through what every shard logged:
     ``agreed``, see :func:`replay_chain`), the files read appended to ``read``."""
     state = ckpt.states[k]
@@ -164,12 +166,12 @@ def _chain(folder: Path, name: str) -> Any:
 
 
 def replay_chain(
-    shard: Any, folder: Path, name: str, agreed: set | None = None
+    shard: Any, folder: Path, name: str, agreed: tuple[set, list] | None = None
 ) -> tuple[list[str], int]:
     """Replays into ``shard`` (loaded with the state log ``name`` began at) that log and the
     rest of its chain; returns the files read and the bytes of whole entries in the last
     (a torn last entry is dropped). With ``agreed`` (the marks every shard's logs hold,
-    :func:`_marks`), a push or change of seats not in it is left out (a departure's
+    and this chain's entries' marks, :func:`_marks`), a push or change of seats not in it is left out (a departure's
     push in it is delivered all the same), and once one is, a later push's base version
     is at most the shard's (a worker may have pulled the left-out push).
 
@@ -183,7 +185,7 @@ def replay_chain(
         for entry in _read(f, shard.params.nbytes, where, last):
             if agreed is not None:
                 push, seating = next(marks)
-                entry, left = _agreed(entry, push in agreed, seating is None or seating in agreed)
+                entry, left = _agreed(entry, push in common, seating is None or seating in common)
                 if left_out and entry is not None and entry.fields.get("header"):
                     h = entry.fields["header"]
                     h = [h[0], h[1], min(h[2], shard.version), h[3]]
@@ -193,7 +195,8 @@ def replay_chain(
                 yield entry
             end = f.tell()  # once it is replayed
 
-    marks = _marks(chain_entries(folder, name, shard.params.nbytes) if agreed is not None else ())
+    common, marks = agreed if agreed is not None else (set(), [])
+    marks = iter(marks)
     for file, f, where, last in _chain(folder, name):
         with f:
             try:
