@@ -56,17 +56,10 @@ def end(p: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def launched(cwd, *args: str, stdout=subprocess.PIPE):
-    """``stalewise run ARGS`` in ``cwd``, in its own session; its process group is
-    SIGKILLed at the end, whatever happens."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stalewise", "run", *args],
-        cwd=cwd,
-        stdout=stdout,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+def session(argv: list, cwd, **popen):
+    """``argv`` in ``cwd``, in its own session; its process group is SIGKILLed at the end,
+    whatever happens."""
+    proc = subprocess.Popen(argv, cwd=cwd, start_new_session=True, **popen)
     try:
         yield proc
     finally:
@@ -74,6 +67,12 @@ def launched(cwd, *args: str, stdout=subprocess.PIPE):
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.communicate(timeout=30)
+
+
+def launched(cwd, *args: str, stdout=subprocess.PIPE):
+    """``stalewise run ARGS`` in ``cwd``, as :func:`session`."""
+    argv = [sys.executable, "-m", "stalewise", "run", *args]
+    return session(argv, cwd, stdout=stdout, stderr=subprocess.PIPE, text=True)
 
 
 def descendants(pid: int) -> set[int]:

@@ -102,18 +102,15 @@ SCRIPT = textwrap.dedent(
 
 @contextlib.contextmanager
 def started(cwd, attempt: int, kind: str):
-    """The child job in its own session; its process group is SIGKILLed at the end."""
+    """The child job in its own session (:func:`child_procs.session`)."""
     args = [str(attempt), kind, str(STEPS // H[kind]), str(ROW), str(EVERY)]
-    with open(cwd / f"stderr-{attempt}", "w") as err:
-        proc = subprocess.Popen([sys.executable, "job.py", *args], cwd=cwd, stderr=err,
-                                stdout=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    try:
+    with (
+        open(cwd / f"stderr-{attempt}", "w") as err,
+        child_procs.session(
+            [sys.executable, "job.py", *args], cwd, stderr=err, stdout=subprocess.DEVNULL
+        ) as proc,
+    ):
         yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
 
 
 def begun(folder, attempt: int) -> list[int]:
