@@ -42,16 +42,11 @@ def replay(directory: str | os.PathLike, config: Any, start: str | None = None) 
 
 
 def logged(ckpt: Checkpoint, config: Any) -> Checkpoint:
-    """``ckpt`` advanced by the push logs its shards wrote after it, through what every
-    shard logged: a push, or a change of seats (a join, a departure...), that some shard
-    logged and another did not (cut short by a death: never acknowledged) is left out.
-    Its ``step`` counts the pushes replayed in ``pushes``, ``pushed`` (per worker id) and
-    ``replayed``, and lists the ``torn`` ones as ``[worker, incarnation, seq]``; a worker
-    the logs add pushes of has a zero error-feedback residual (the saved one is of fewer
-    of its pushes: it would send their error again). ``ckpt``
-    itself when it names no logs, or (with a warning) when they are not of one run cut
-    short (a shard's log missing) or cannot be read whole (garbled, not ours, not of its
-    shard)."""
+    """``ckpt`` advanced by its shards' push logs through what every shard logged (rules:
+    ``docs/design-notes.md``, "Push log"). Its ``step`` counts the pushes replayed in
+    ``pushes``, ``pushed`` and ``replayed`` and lists the ``torn`` ones; a worker the logs
+    add pushes of has a zero error-feedback residual. ``ckpt`` itself when it names no logs,
+    or (with a warning) when they are not one run's cut short or cannot be read whole."""
     names = ckpt.step.get("logs")
     if not names:
         return ckpt
@@ -170,10 +165,9 @@ def replay_chain(
 ) -> tuple[list[str], int]:
     """Replays into ``shard`` (loaded with the state log ``name`` began at) that log and the
     rest of its chain; returns the files read and the bytes of whole entries in the last
-    (a torn last entry is dropped). With ``agreed`` (the marks every shard's logs hold,
-    and this chain's entries' marks, :func:`_marks`), a push or change of seats not in it is left out (a departure's
-    push in it is delivered all the same), and once one is, a later push's base version
-    is at most the shard's (a worker may have pulled the left-out push).
+    (a torn last entry is dropped). ``agreed``: the marks every shard logged and this
+    chain's entries' (:func:`_marks`); what is not agreed is left out (:func:`_agreed`),
+    and after it a push's base version is at most the shard's.
 
     Raises:
         CheckpointError: a log that is garbled, not ours, or does not fit its shard."""
