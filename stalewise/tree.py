@@ -609,17 +609,7 @@ def flatten(
     ``spec``: one ``tree`` must match (gradients against the parameters'), returned as is;
     ``out``: a vector to fill; ``dtype``: force float32 or float64; ``keep_integers``: keep
     integer leaves as constants instead of refusing them. A mismatch raises TypeError or
-    ValueError naming the key path.
-
-    Example:
-        >>> import numpy as np
-        >>> flat, spec = flatten({"b": np.ones(2), "a": np.zeros((1, 2))})
-        >>> flat.tolist(), [leaf.name for leaf in spec.leaves]
-        ([0.0, 0.0, 1.0, 1.0], ['a', 'b'])
-        >>> grads = {"a": np.full((1, 2), 3.0), "b": np.ones(2)}
-        >>> flatten(grads, spec=spec, out=flat)[0] is flat
-        True
-    """
+    ValueError naming the key path."""
     if spec is None:
         spec, found = _new_spec(tree, dtype, keep_integers)
     else:
@@ -669,15 +659,7 @@ def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
 
     Models come back as a dict of name -> tensor (an nnx Module as its ``nnx.State``), a
     tied leaf as one object under each name. ``copy=False``: NumPy and CPU torch leaves of
-    the flat dtype share ``flat``'s memory.
-
-    Example:
-        >>> import numpy as np
-        >>> flat, spec = flatten({"w": np.zeros(2, np.float32)})
-        >>> tree = unflatten(np.array([1.0, 2.0], np.float32), spec)
-        >>> tree["w"].tolist()
-        [1.0, 2.0]
-    """
+    the flat dtype share ``flat``'s memory."""
     flat = _check_flat(flat, spec)
     leaves = [
         get_backend(leaf.backend).from_numpy(_segment(flat, leaf), leaf.dtype, copy=copy)
@@ -692,16 +674,7 @@ def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
 
     ``target`` must match ``spec`` and its leaves be mutable (NumPy, torch, TF/Keras
     variables, nnx Variables); constants are left alone, and nothing is written unless
-    every leaf can be.
-
-    Example:
-        >>> import numpy as np
-        >>> params = {"w": np.zeros(2, np.float32)}
-        >>> _, spec = flatten(params)
-        >>> unflatten_into(params, np.array([3.0, 4.0], np.float32), spec)
-        >>> params["w"].tolist()
-        [3.0, 4.0]
-    """
+    every leaf can be."""
     flat = _check_flat(flat, spec)
     found = _collect(target, spec)
     for values in found:
@@ -747,14 +720,7 @@ def mark_buffers(spec: FlatSpec, patterns: str | Iterable[str]) -> FlatSpec:
     """The spec with the leaves whose names match a regex (``re.search``) marked as buffers.
 
     For trees that do not mark them, e.g. flax linen variables (``r"^batch_stats\\."``).
-    ValueError if a pattern is not a valid regex or matches no leaf.
-
-    Example:
-        >>> import numpy as np
-        >>> _, spec = flatten({"w": np.zeros(2), "bn": {"mean": np.zeros(2)}})
-        >>> mark_buffers(spec, r"^bn\\.").buffers
-        ('bn.mean',)
-    """
+    ValueError if a pattern is not a valid regex or matches no leaf."""
     pats = [patterns] if isinstance(patterns, str) else list(patterns)
     compiled = []
     for p in pats:
@@ -779,16 +745,7 @@ def mark_buffers(spec: FlatSpec, patterns: str | Iterable[str]) -> FlatSpec:
 
 
 def take_buffers(flat: np.ndarray, spec: FlatSpec) -> np.ndarray | None:
-    """The buffers' slots of ``flat`` (a copy, in order), zeroed in ``flat``; None without buffers.
-
-    Example:
-        >>> import numpy as np
-        >>> _, spec = flatten({"w": np.zeros(2), "bn": np.zeros(1)})
-        >>> spec = mark_buffers(spec, "bn")
-        >>> flat = np.array([5.0, 1.0, 2.0])
-        >>> take_buffers(flat, spec).tolist(), flat.tolist()
-        ([5.0], [0.0, 1.0, 2.0])
-    """
+    """The buffers' slots of ``flat`` (a copy, in order), zeroed in ``flat``; None without buffers."""
     slices = spec._buffer_slices
     if not slices:
         return None

@@ -223,12 +223,7 @@ def _keyed(message: str, default_key: str) -> ConfigError:
 
 
 def parse_strategy_value(value: str) -> tuple[str, int | None]:
-    """``"diloco:20"`` -> ``("diloco", 20)``, ``"gradients"`` -> ``("gradients", None)``.
-
-    Example:
-        >>> parse_strategy_value("local_sgd:8"), parse_strategy_value("gradients")
-        (('local_sgd', 8), ('gradients', None))
-    """
+    """``"diloco:20"`` -> ``("diloco", 20)``, ``"gradients"`` -> ``("gradients", None)``."""
     name, sep, period = value.strip().partition(":")
     name = name.strip()
     if name not in STRATEGIES:

@@ -7,19 +7,7 @@ sees zeros in the buffers' slots and each buffer moves toward the reported value
 ``b <- b + rate * scale * (v - b)`` (``scale`` the push's staleness weight; ``rate = 1``: a fresh
 report replaces it). The server's statistics then follow the running average one process would keep
 over all workers' batches; under BSP a round's reports are averaged (for model averaging, FedAvg of
-the buffers).
-
-Example:
-    >>> import numpy as np
-    >>> from stalewise import optim
-    >>> from stalewise.segments import Segments
-    >>> opt = with_buffers(optim.sgd(0.5), ["bn.mean"])
-    >>> params = np.array([1.0, 1.0, 10.0], np.float32)  # w (2), then bn.mean
-    >>> state = opt.init(params, Segments.from_sizes(["w", "bn.mean"], [2, 1]))
-    >>> opt.apply(np.array([2.0, 2.0, 4.0], np.float32), state, params)  # bn.mean reports 4
-    >>> params.tolist()
-    [0.0, 0.0, 4.0]
-"""
+the buffers)."""
 
 from __future__ import annotations
 

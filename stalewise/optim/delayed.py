@@ -63,18 +63,7 @@ class _DelayedNesterov(Moments):
 def delayed_nesterov(lr: LearningRate = 0.7, momentum: float = 0.9, every: int = 1) -> Optimizer:
     """Delayed Nesterov momentum (Liu et al. 2024), a server optimizer for asynchronous DiLoCo.
 
-    ``every`` is ``N``, the arrivals per momentum update (the workers); see the module docstring.
-
-    Example:
-        >>> opt = delayed_nesterov(lr=0.5, momentum=0.5, every=2)
-        >>> params = np.zeros(1)
-        >>> state = opt.init(params)
-        >>> for g in (1.0, 2.0):  # one Nesterov step on their mean 1.5: -0.5 * (1.5 + 0.5 * 1.5)
-        ...     opt.apply(np.array([g]), state, params)
-        ...     print(params.tolist(), state.momentum.tolist())
-        [-0.25] [0.0]
-        [-1.125] [1.5]
-    """
+    ``every`` is ``N``, the arrivals per momentum update (the workers); see the module docstring."""
     check_learning_rate("delayed_nesterov", lr)
     momentum = check_number("delayed_nesterov", "momentum", momentum, 0.0, 1.0)
     every = check_int("delayed_nesterov", "every", every, 1)

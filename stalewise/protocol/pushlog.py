@@ -7,26 +7,7 @@ is not recorded); a call such a method makes is part of it. Loading the state th
 journal began at into a shard built alike and :func:`replay`-ing the entries gives the
 same params, optimizer state, version, clocks and acks, bit for bit. An entry is
 ``<4sII`` (``MAGIC``, header length, CRC-32 of the header), a JSON header, then the
-payload's raw bytes, as sent. Format and cost: ``docs/design-notes.md`` ("Push log").
-
-Example:
-    >>> import numpy as np
-    >>> from stalewise import optim, segments
-    >>> from stalewise.protocol import PushHeader, Shard
-    >>> def make():
-    ...     params = np.zeros(2, np.float32)
-    ...     return Shard(params, segments.Segments.single(2), optim.adam(0.1), workers=1)
-    >>> live, chunks = make(), []
-    >>> state, live.journal = live.state_dict(), chunks.extend
-    >>> live.join(0, 1)
-    >>> acks = [live.push(PushHeader(0, s, 0, 1), np.ones(2, np.float32)) for s in (0, 0)]
-    >>> copy = make()
-    >>> copy.load_state_dict(state)
-    >>> replay(copy, decode(b"".join(chunks)))[1:] == acks  # the second one a duplicate
-    True
-    >>> copy.params.tobytes() == live.params.tobytes()
-    True
-"""
+payload's raw bytes, as sent. Format and cost: ``docs/design-notes.md`` ("Push log")."""
 
 from __future__ import annotations
 
