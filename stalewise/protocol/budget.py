@@ -1,16 +1,8 @@
 """The budget rule: what counts toward a job's ``steps``, and when a worker may begin a step.
 
-What counts: the pushes committed (:mod:`stalewise.protocol.commit`) by every worker
-id over its incarnations, whatever the shards answer. A worker may begin a step while
-``committed + in_progress < steps`` (:func:`may_begin`); under BSP in whole rounds of
-the shards' round (:func:`may_begin_round`, :func:`round_of`). A client given a
-budget refuses at commit a push the rule would not begin (:func:`refuses`). A checkpoint
-counts the pushes its shards' states hold (:func:`held`), is one cut when every rank's
-saved state is after exactly those (:func:`off_cut`), and is due when the count passes a
-multiple of ``checkpoint_every`` (:func:`checkpoint_due`). A rollback of the shards uncounts
-the pushes after its copy: who carries on is :func:`after_rollback`. How each
-runtime reads the counts, and the overshoot it allows (:func:`overshoot_bound`), is
-in ``docs/design-notes.md`` ("One budget rule").
+What counts: the pushes committed (:mod:`stalewise.protocol.commit`) by every worker id over
+its incarnations, whatever the shards answer. How each runtime reads the counts, and the
+overshoot it allows, is in ``docs/design-notes.md`` ("One budget rule").
 
 Example:
     >>> may_begin(committed=7, in_progress=2, steps=10)

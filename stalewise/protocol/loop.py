@@ -15,10 +15,6 @@ and the simulator run the same loop:
   emulate the compute of the inner steps taken while the push was in flight and
   answer with the results completed meanwhile.
 
-:func:`run` drives it with a function that answers each request. Refused pushes
-are reported by :func:`report`; ``diverge_after`` numerical refusals in a row raise
-:class:`Diverged`.
-
 Example:
     >>> import numpy as np
     >>> from stalewise import strategies

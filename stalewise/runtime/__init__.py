@@ -1,26 +1,8 @@
 """Runtimes host the protocol's shards and worker loop; each is described once, by name.
 
-A :class:`Runtime` says everything the rest of stalewise needs to know of one
-runtime: its ``run(config, strategy, options) -> TrainResult`` and what else it can
-do (a server for a loop you own, ``sw.attach``, ``stalewise run``, elastic runs,
-delta pulls, its worker limit, the checkpoints it resumes from), functions given as
-``"module:name"`` strings imported when used. Built in: ``"local"``, ``"sim"`` and
-``"ray"`` (``pip install stalewise[ray]``); :func:`register` adds one, and
-everything that lists or checks runtimes reads this registry when it runs.
-
-Example:
-    >>> from stalewise import runtime
-    >>> runtime.names()
-    ('local', 'sim', 'ray')
-    >>> runtime.names("server"), runtime.names("delta_pulls")
-    (('local', 'ray'), ('sim', 'ray'))
-    >>> runtime.describe("sim").max_workers
-    16384
-    >>> runtime.get("nowhere")
-    Traceback (most recent call last):
-    ...
-    ValueError: unknown runtime 'nowhere'; known: local, sim, ray
-"""
+Built in: ``"local"``, ``"sim"`` and ``"ray"`` (``pip install stalewise[ray]``);
+:func:`register` adds a :class:`Runtime`, and everything that lists or checks runtimes reads
+this registry when it runs."""
 
 from __future__ import annotations
 
@@ -43,13 +25,9 @@ class Runtime:
     run: Target  # run(config, strategy, options) -> TrainResult
     server: Target | None = None  # server(config, workers, *, join_timeout, name=None)
     attach: Target | None = None  # attach(name, *, worker, timeout) -> a client (sw.attach)
-    # serves(name) -> None if this runtime may serve a job called name, else why not (one
-    # phrase); sw.attach(runtime=None) takes the first attachable runtime that may
-    serves: Target | None = None
+    serves: Target | None = None  # serves(name) -> None if it may serve job name, else why not
     launch: Target | None = None  # launch(job, launch) -> exit status (stalewise run)
-    # connect(address=None) -> True if it started one: joins the runtime's cluster first
-    # (run.address, --address, calibrate)
-    connect: Target | None = None
+    connect: Target | None = None  # connect(address=None) -> True if it started the cluster
     elastic_train: bool = False  # Job.train takes workers=(min, max) or "auto"
     delta_pulls: bool = False  # it sends pulls compressed by the job's pull_codec
     replicas: bool = False  # it hosts replicated shards (replicas=2)

@@ -1,12 +1,8 @@
-"""``RunOptions``: how to run a job, built and checked once by ``Job.train``.
+"""``sw.RunOptions``: how to run a job; every run option's default and check, stated once.
 
-``sw.RunOptions``. Every run option's default and check is stated here, once:
-``Job.train``, ``Job.serve``, the config file (``[run]``) and the sweep read
-:data:`DEFAULTS` and check through :class:`RunOptions` (or
-:meth:`RunOptions.check`, one option alone).
-
-Every runtime takes ``(config, strategy, options)``, so a new option is written
-once, here, and a new runtime needs no copy of the long keyword list.
+``Job.train``, ``Job.serve``, the config file (``[run]``) and the sweep read :data:`DEFAULTS`
+and check through :class:`RunOptions` (:meth:`RunOptions.check`: one option alone); every
+runtime takes ``(config, strategy, options)``.
 """
 
 from __future__ import annotations
@@ -216,13 +212,8 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
 
 @dataclass(frozen=True)
 class RunOptions:
-    """The run-time options of one training run (see :meth:`stalewise.Job.train`).
-
-    The one home of every run option's default and check: ``Job.train``'s and
-    ``Job.serve``'s keyword defaults, the config file's ``[run]`` defaults and
-    :func:`stalewise.sweep.sweep`'s read :data:`DEFAULTS`, and each checks its
-    values here (a bad one raises :class:`OptionError` naming it). Runtimes get
-    one ``RunOptions`` (``run(config, strategy, options)``).
+    """The run-time options of one training run (see :meth:`stalewise.Job.train`); a bad
+    one raises :class:`OptionError` naming it.
 
     Timeouts are in wall seconds, at most :data:`MAX_TIMEOUT`; None waits forever.
     ``eval_interval`` is at least :data:`MIN_EVAL_INTERVAL`, ``worker_timeout``
@@ -233,8 +224,7 @@ class RunOptions:
 
     loss_and_grad: Callable[[Any, Any], tuple[float, Any]]
     data: Any  # data(worker, workers) -> batches, or one sequence of batches per worker
-    # an int, (min, max) or "auto" (see _workers; elastic: Job.train on runtime "ray")
-    workers: Any
+    workers: Any  # an int, (min, max) or "auto" (see _workers)
     steps: int  # pushes in all workers (the job's budget)
     evaluate: Callable[[Any], Mapping[str, float]] | None = None
     eval_interval: float = 0.5  # seconds between evaluations (virtual in the simulator)
@@ -252,22 +242,17 @@ class RunOptions:
     ack_timeout: float = 60.0  # a worker's wait for its last acks at the end
     stop_timeout: float = 10.0  # a process's wait to exit when the job ends
     sim: Any = None  # the simulator's SimConfig (runtime "sim" only)
-    # the simulator's random seed (runtime "sim" only); not the task's seed, which makes
-    # the initial params and shuffles the data (tasks' init_params(seed), batches(..., seed))
-    sim_seed: int = 0
+    sim_seed: int = 0  # the simulator's random seed (runtime "sim" only), not the task's
     checkpoint_dir: str | os.PathLike | None = None  # where checkpoints go (stalewise.checkpoint)
     checkpoint_every: int | None = None  # a checkpoint every this many pushes of the job
     checkpoint_seconds: float | None = None  # ... and/or every this many seconds (virtual in sim)
     checkpoint_keep: int = 2  # checkpoints kept (the newest)
     checkpoint_fsync: bool = False  # push logs fsynced before each turn's acks (local runtime)
     resume: bool = False  # start from the newest usable checkpoint in checkpoint_dir
-    on_worker_failure: str = (
-        "restart"  # "restart" | "drop" | "fail" (stalewise.runtime.errors.Failures)
-    )
+    on_worker_failure: str = "restart"  # "restart" | "drop" | "fail" (errors.Failures)
     max_restarts: int | None = 3  # restarts per worker id (and per shard); None: no limit
     worker_timeout: float | None = 60.0  # seconds without a heartbeat before a worker is hung
-    # pushes in a row refused as NaN/Inf or overflow before a worker has diverged; None: never
-    diverge_after: int | None = DIVERGE_AFTER
+    diverge_after: int | None = DIVERGE_AFTER  # see protocol.loop.worker_loop; None: never
     # derived in __post_init__
     slowdowns: tuple[float, ...] = field(init=False)  # per worker, >= 1
     extra_delays: tuple[float, ...] = field(init=False)  # per worker, seconds
@@ -277,14 +262,7 @@ class RunOptions:
     @staticmethod
     def check(name: str, value: Any) -> Any:
         """Checks one option alone, as ``RunOptions`` would: returns its value (normalized,
-        e.g. ``stop_at`` parsed) or raises :class:`OptionError` naming it.
-
-        Example:
-            >>> RunOptions.check("worker_timeout", 0.01)
-            Traceback (most recent call last):
-            ...
-            stalewise.runtime.options.OptionError: worker_timeout must be >= 0.1 s or None, got 0.01: a worker sends a heartbeat every min(1, worker_timeout / 4) seconds
-        """
+        e.g. ``stop_at`` parsed) or raises :class:`OptionError` naming it."""
         if name not in _CHECKS:
             raise KeyError(f"{name!r} is not a run option checked alone (known: {sorted(_CHECKS)})")
         return _CHECKS[name](value)
@@ -349,9 +327,7 @@ class RunOptions:
                 raise OptionError(name, "needs checkpoint_dir (where checkpoints are kept)")
 
 
-#: Every option's default, from the fields above: ``Job.train``'s and ``Job.serve``'s keyword
-#: defaults, the config's ``[run]`` defaults and the sweep's read them here, so a default is
-#: stated once.
+#: Every option's default, from the fields above.
 DEFAULTS: dict[str, Any] = {
     f.name: f.default
     for f in dataclasses.fields(RunOptions)
