@@ -672,9 +672,8 @@ def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
 def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
     """Copies ``flat`` into the leaves of ``target`` in place.
 
-    ``target`` must match ``spec`` and its leaves be mutable (NumPy, torch, TF/Keras
-    variables, nnx Variables); constants are left alone, and nothing is written unless
-    every leaf can be."""
+    ``target`` must match ``spec`` and its leaves be mutable (NumPy, torch, TF/Keras variables, nnx
+    Variables); constants are left alone, and nothing is written unless every leaf can be."""
     flat = _check_flat(flat, spec)
     found = _collect(target, spec)
     for values in found:

@@ -775,8 +775,7 @@ def load_params(path: str | os.PathLike, *, like: Any = None, backend: str | Non
       dataclass or registered container as a dict of its fields; a model as a dict of
       name -> tensor; a constant of the tree as ``None``).
 
-    Leaves come back in the backend they were saved from; ``backend="numpy"`` gives
-    NumPy arrays.
+    Leaves come back in the backend they were saved from; ``backend="numpy"`` gives NumPy arrays.
 
     Raises:
         CheckpointError: no usable checkpoint, or ``like`` differs from it (naming the

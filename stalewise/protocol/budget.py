@@ -5,33 +5,12 @@ its incarnations, whatever the shards answer. How each runtime reads the counts,
 overshoot it allows, is in ``docs/design-notes.md`` ("One budget rule").
 
 Example:
-    >>> may_begin(committed=7, in_progress=2, steps=10)
-    True
-    >>> may_begin(committed=8, in_progress=2, steps=10)
-    False
-    >>> settle_first(committed=8, in_progress=2, steps=10)  # own pushes in flight: wait, ask again
-    True
-    >>> overshoot_bound(workers=4, exact=True), overshoot_bound(workers=4)
-    (0, 3)
     >>> [may_begin_round(r, workers=4, steps=10) for r in range(4)]  # 3 rounds: 12 pushes
     [True, True, True, False]
-    >>> round_of(own=3, shards=9)  # a joiner that built its model while 6 rounds ran
-    9
-    >>> held(pushed=48, committed=24, handled=23)  # a checkpoint: one push in flight
-    47
-    >>> shard = {"incarnation": [2], "next_seq": [23]}
-    >>> off_cut([shard, shard], worker=0, held=47, state=47) is None  # one cut
-    True
-    >>> off_cut([shard], worker=0, held=47, state=45)
-    "rank 0's ctx.state is after 45 of its pushes, the shards' after 47: a resume repeats 2 of them"
     >>> after_rollback(live={2}, ended={0})  # worker 0's loop ended after the copy
     [0, 2]
     >>> checkpoint_due(pushes=41, last=20, every=20), checkpoint_due(pushes=39, last=21, every=20)
     (True, False)
-    >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=False)  # asked: granted
-    False
-    >>> refuses(10, granted=True, may_begin=lambda s: False, rounds=True)  # BSP: asked again
-    True
 """
 
 from __future__ import annotations

@@ -62,9 +62,8 @@ class PullsIntoTrees:
     ) -> Any:
         """Blocks until the consistency model lets this worker start, then returns the params.
 
-        The parameters include this worker's last push if the shards applied it
-        (read-your-writes); ``own=False`` does not wait for it, and ``pull_has_own`` then
-        says whether they do.
+        The parameters include this worker's last push if the shards applied it (read-your-writes);
+        ``own=False`` does not wait for it, and ``pull_has_own`` then says whether they do.
 
         Args:
             copy: False returns leaves that view the pull buffer (valid until the next pull).
