@@ -152,8 +152,6 @@ class FlatSpec:
 
 
 class _Leaf(NamedTuple):
-    """A leaf found in a tree."""
-
     path: tuple
     x: Any
     backend: Backend
@@ -163,8 +161,6 @@ class _Leaf(NamedTuple):
 
 
 class _Split(NamedTuple):
-    """One level of a container."""
-
     kind: str
     cls: type | None
     keys: tuple
@@ -377,7 +373,6 @@ def _describe(node: TreeDef) -> str:
 
 
 def _count(node: TreeDef) -> int:
-    """The number of stored leaves under ``node``."""
     if node.kind == "leaf":
         return 1
     return sum(_count(c) for c in node.children)

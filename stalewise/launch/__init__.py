@@ -187,7 +187,6 @@ def _check_python(path: Path) -> None:
 
 
 def _seconds(value: Any, least: float) -> bool:
-    """Whether ``value`` is a finite number of seconds >= ``least``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     return math.isfinite(value) and value >= least

@@ -29,12 +29,8 @@ _flags_jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc"}, error_mode
 
 @_jit
 def _sumsq(x, lanes):
-    """Sum of squares of ``x`` in float64, as ``LANES`` partial sums added at the end.
-
-    ``lanes`` is float64 scratch of length ``LANES``. Independent partial sums
-    let the loop vectorize without reassociation, and fix the order of the
-    additions whatever the vector width of the machine.
-    """
+    """Sum of squares of ``x`` in float64, as ``LANES`` partial sums (``lanes``: float64 scratch)
+    added at the end: the loop vectorizes without reassociation, in one order on every machine."""
     n = x.size - x.size % LANES
     rows = x[:n].reshape((n // LANES, LANES))
     lanes[:] = 0.0
@@ -81,7 +77,6 @@ def scale(x, factor):
 
 @_jit
 def _step(u, p, factor, into_params):
-    """``p += factor * u`` (into_params) or ``u = factor * u``."""
     f = p.dtype.type(factor)
     if into_params:
         for i in range(u.size):

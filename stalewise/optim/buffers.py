@@ -1,13 +1,10 @@
 """Buffers on the server: non-trainable state that follows what the workers report.
 
-A model's buffers (BatchNorm running statistics...) travel in the flat vector, and in a push a
-buffer's slot carries its *value* after the worker's step, not a gradient. :func:`with_buffers`
-wraps the job's optimizer (``sw.Job`` does it when its params have buffers) so that the optimizer
-sees zeros in the buffers' slots and each buffer moves toward the reported value ``v`` as
-``b <- b + rate * scale * (v - b)`` (``scale`` the push's staleness weight; ``rate = 1``: a fresh
-report replaces it). The server's statistics then follow the running average one process would keep
-over all workers' batches; under BSP a round's reports are averaged (for model averaging, FedAvg of
-the buffers)."""
+A model's buffers (BatchNorm running statistics...) travel in the flat vector; in a push a buffer's
+slot carries its *value* after the worker's step. :func:`with_buffers` wraps the job's optimizer
+(``sw.Job`` does it when its params have buffers): the optimizer sees zeros in those slots and each
+buffer moves toward the reported value ``v`` as ``b <- b + rate * scale * (v - b)`` (``scale`` the
+push's staleness weight). Why: docs/design-notes.md ("Buffers report values")."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """Compressed pushes: a whole flat update -> one payload per shard, and back.
 
-A *piece* is the part of one leaf inside one shard's range, encoded with the codec
-its whole leaf's size calls for; a shard's payload is its pieces' payloads back to
-back. :class:`Compressor` (the worker side) encodes with error feedback (EF-SGD,
-``docs/codecs.md``) for the codecs that ask for it; ``encode_into(..., out=)`` keeps
-the old residual until the push commits. :class:`Decoder` (the shard side) decodes
-and checks every piece's header, raising :class:`~stalewise.codecs.PayloadError`
-naming the shard and the leaf. A piece that is zero everywhere is not sent (a *segment
-payload*: :data:`SEGMENTS`, the pieces' indices, their payloads). Byte counts are exact.
+A *piece* is the part of one leaf inside one shard's range, encoded with the codec its whole
+leaf's size calls for; a shard's payload is its pieces' payloads back to back (a piece that is
+zero everywhere is not sent: a *segment payload*, :data:`SEGMENTS`). :class:`Compressor` encodes
+(the worker side, with error feedback, ``docs/codecs.md``), :class:`Decoder` decodes and checks
+(the shard side). Byte counts are exact.
 
 Example:
     >>> import numpy as np

@@ -1,13 +1,9 @@
 """The commit rule across shards that a sender reaches one call at a time (Ray).
 
-A sender can die between its calls to the shards. Each shard then keeps what it
-needs to repair the others: its :class:`Ledger` holds a worker's pushes that not
-every shard has acknowledged; once every shard has cut the gone incarnation off
-and said how many of its pushes it handled, :func:`departure` says which shard
-the missing ones are read from and what each other shard lacks. A :class:`Cut`
-brings every shard to the same pushes (:func:`targets`) before its state is
-copied (backups, checkpoints).
-"""
+A sender can die between its calls to the shards: each shard keeps what repairs the others
+(:class:`Ledger`, :func:`departure`), and a :class:`Cut` brings every shard to the same pushes
+before its state is copied (backups, checkpoints). Why: docs/design-notes.md ("The commit
+rule on Ray")."""
 
 from __future__ import annotations
 

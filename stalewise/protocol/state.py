@@ -150,7 +150,6 @@ def _counted(state: Mapping[str, Any], workers: int) -> np.ndarray:
 
 
 def _worker_arrays(shard: Shard) -> dict[str, np.ndarray]:
-    """The per-worker arrays by state-dict key."""
     return {
         "clocks": shard.clocks,
         "next_seq": shard.next_seq,
