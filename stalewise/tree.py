@@ -3,18 +3,7 @@
 The server and the optimizers work on one flat NumPy vector: :func:`flatten` makes it and a
 :class:`FlatSpec`, :func:`unflatten` builds the tree back, :func:`unflatten_into` writes into
 an existing tree in place. Containers, models, leaves, dtypes, buffers, tied leaves:
-docs/models.md.
-
-Example:
-    >>> import numpy as np
-    >>> params = {"w": np.ones((2, 3), np.float32), "b": [np.zeros(3, np.float16), None]}
-    >>> flat, spec = flatten(params)
-    >>> flat.shape, flat.dtype.name, spec.segments.names
-    ((9,), 'float32', ('b.0', 'w'))
-    >>> back = unflatten(flat, spec)
-    >>> back["b"][0].dtype.name, back["b"][1], np.shares_memory(back["w"], flat)
-    ('float16', None, True)
-"""
+docs/models.md."""
 
 from __future__ import annotations
 
