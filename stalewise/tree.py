@@ -728,7 +728,7 @@ def mark_buffers(spec: FlatSpec, patterns: str | Iterable[str]) -> FlatSpec:
 
 
 def take_buffers(flat: np.ndarray, spec: FlatSpec) -> np.ndarray | None:
-    """The buffers' slots of ``flat`` (a copy, in order), zeroed in ``flat``; None without buffers."""
+    """The buffers' slots of ``flat`` (a copy, in order), zeroed there; None without buffers."""
     slices = spec._buffer_slices
     if not slices:
         return None

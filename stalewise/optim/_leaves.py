@@ -85,8 +85,7 @@ _DTYPES = {
 
 def check(where: str, table: NamedTuple, size: int) -> None:
     """Raises ``ValueError`` unless ``table`` (a state with the fields of :class:`DecayTable`,
-    and maybe of :class:`LeafTable`) describes leaves inside ``[0, size)``.
-    """
+    and maybe of :class:`LeafTable`) describes leaves inside ``[0, size)``."""
     offsets, sizes = table.offsets, table.sizes  # type: ignore[attr-defined]
     n = np.shape(offsets)
     for name in (f for f in table._fields if f in _DTYPES):
@@ -104,8 +103,7 @@ _WHOLE = DecayTable(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np
 
 def decay_of(where: str, state: NamedTuple, size: int, masked: bool) -> DecayTable:
     """The table an SGD or Adam kernel reads: the state's own when the optimizer has
-    exclusions, else an empty one (the kernels then decay the whole vector).
-    """
+    exclusions, else an empty one (the kernels then decay the whole vector)."""
     if not masked:
         return _WHOLE
     if "decay" not in getattr(state, "_fields", ()):

@@ -27,11 +27,8 @@ def check_number(
     lo_open: bool = False,
     hi_open: bool = True,
 ) -> float:
-    """Returns ``value`` as a float if it lies in the interval, else raises ``ValueError``.
-
-    The interval is ``[lo, hi)`` by default (so infinity is refused); ``lo_open``
-    and ``hi_open`` choose each end.
-    """
+    """Returns ``value`` as a float if it lies in ``[lo, hi)`` (``lo_open``, ``hi_open``: open
+    ends), else raises ``ValueError``."""
     try:
         if isinstance(value, bool | str | bytes):  # float() takes them: True, "0.1"
             raise TypeError
@@ -91,11 +88,8 @@ def check_params(params: np.ndarray, segments: Segments | None) -> Segments:
 def check_vectors(
     grads: np.ndarray, params: np.ndarray, *, write_grads: bool, write_params: bool
 ) -> None:
-    """Checks that ``grads`` matches ``params`` (length, dtype, layout) before an update.
-
-    The vectors an update writes must be writeable, and ``grads`` must not
-    overlap ``params`` if it is written.
-    """
+    """Checks that ``grads`` matches ``params`` (length, dtype, layout) before an update, that the
+    vectors it writes are writeable, and that a written ``grads`` does not overlap ``params``."""
     if not isinstance(params, np.ndarray) or params.ndim != 1 or params.dtype not in FLOAT_DTYPES:
         raise ValueError(f"params must be a 1-D float32 or float64 array, got {_describe(params)}")
     if not isinstance(grads, np.ndarray) or grads.shape != params.shape:

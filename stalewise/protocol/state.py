@@ -1,9 +1,4 @@
-"""Checkpoints of a shard: :meth:`Shard.state_dict` and :meth:`Shard.load_state_dict`.
-
-A shard's whole state as a flat dict of copies: numpy arrays for array data,
-JSON-able Python values for counters, so it can be written as safetensors plus
-JSON. Loading checks everything first and leaves the shard unchanged on error.
-"""
+"""Checkpoints of a shard: :meth:`Shard.state_dict` and :meth:`Shard.load_state_dict`."""
 
 from __future__ import annotations
 
