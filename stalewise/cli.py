@@ -4,8 +4,7 @@
 Every flag and config value is checked before anything starts; a user error
 prints one line, ``stalewise: <key or flag>: <what was expected, got what>``,
 on stderr and exits with status 2. A run that diverged prints one line (why,
-and what to change) and exits with status 1.
-"""
+and what to change) and exits with status 1."""
 
 from __future__ import annotations
 

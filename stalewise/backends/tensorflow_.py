@@ -2,8 +2,7 @@
 
 A Keras model shares its trainable and (as buffers) floating non-trainable variables by
 path (``"dense/kernel"``), a ``tf.Module`` its trainable ones. Keras layer names come from
-a global counter: name the layers when several processes build the model. docs/models.md.
-"""
+a global counter: name the layers when several processes build the model. docs/models.md."""
 
 from __future__ import annotations
 

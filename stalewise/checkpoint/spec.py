@@ -8,8 +8,7 @@ imported). A key is [kind, value]: "str", "int", "attr" (a field), "hidden" (a f
 out of leaf names), or "repr" (any other key, as its repr, which comes back as a string).
 ``live`` (the door, read by a process of the same job): keys and static values are tagged
 data (:func:`_data`), "type" is [module, qualname], looked up among the modules already
-imported (:class:`NotImported`); a registered container cannot travel (:class:`NotData`).
-"""
+imported (:class:`NotImported`); a registered container cannot travel (:class:`NotData`)."""
 
 from __future__ import annotations
 
@@ -85,8 +84,7 @@ def spec_from_json(data: Any, where: str = "spec", *, live: bool = False) -> tre
     checked. Imports and unpickles nothing.
 
     Raises:
-        NotData: one line naming the bad field (a CheckpointError when loading).
-    """
+        NotData: one line naming the bad field (a CheckpointError when loading)."""
 
     def bad(what: str) -> NotData:
         return NotData(f"{where}: {what}")

@@ -48,8 +48,7 @@ class ConfigError(ValueError):
         key: what is wrong, as the user spells it: ``run.workers``, ``--values``,
             or the config file for an unreadable file.
         problem: what was expected and what was given.
-        path: the config file the key is in (None for flags and file errors).
-    """
+        path: the config file the key is in (None for flags and file errors)."""
 
     def __init__(self, key: str, problem: str, path: str | os.PathLike[str] | None = None):
         self.key, self.problem, self.path = key, problem, path

@@ -5,8 +5,7 @@ serves the job, runs the script again in ``N`` worker processes (or Ray actors) 
 the launcher (``SystemExit``: 0, or 1 if a worker failed); in a worker :func:`init` returns
 its :class:`Context`, and without the launcher it serves the job here with one worker.
 Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (and the
-``STALEWISE_`` ones). Example: ``examples/torch_launch.py``; more: the README and docs/.
-"""
+``STALEWISE_`` ones). Example: ``examples/torch_launch.py``; more: the README and docs/."""
 
 from __future__ import annotations
 

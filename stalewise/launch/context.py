@@ -2,8 +2,7 @@
 
 :func:`stalewise.init` returns the context a rank was given before its script ran
 (:func:`become`: by the local runtime's rank process, :mod:`stalewise.launch.ranks`, or
-Ray's :class:`~stalewise.launch.ray.ScriptWorker`).
-"""
+Ray's :class:`~stalewise.launch.ray.ScriptWorker`)."""
 
 from __future__ import annotations
 

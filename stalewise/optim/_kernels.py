@@ -7,8 +7,7 @@ dtype, in which the element-wise maths runs (the caller casts the coefficients a
 by ``scale``. ``into_params`` True adds the update to ``p`` (``apply``), False writes it into ``g``
 (``update``), both rounded alike so the two agree bit for bit; ``g`` may be scratch. ``fastmath``
 stays off so results reproduce (except the finiteness flags of a checked step, :func:`_flag`);
-``nogil`` lets a server apply while other threads serve pulls.
-"""
+``nogil`` lets a server apply while other threads serve pulls."""
 
 from __future__ import annotations
 
@@ -113,8 +112,7 @@ def sgd(g, buf, p, offsets, sizes, decay, lr, momentum, nesterov, wd, into_param
     vector. A checked step (see :func:`_checks`) goes block by block: a non-empty ``check`` takes
     the finiteness checks of ``g`` and of what the step writes while the block is in cache, and
     non-empty ``undo_p`` (``undo_buf``) get the block's values of ``p`` (``buf``) before it changes
-    them, all of them whatever the leaves.
-    """
+    them, all of them whatever the leaves."""
     zero = p.dtype.type(0)
     use_buf = momentum != 0
     copy = undo_p.size != 0
@@ -178,8 +176,7 @@ def adam(g, m, v, p, offsets, sizes, decay, lr, b1, w1, b2, w2, inv_c1, inv_sqrt
     ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd*p)``. ``inv_c1 = 1/(1-b1^t)`` and
     ``inv_sqrt_c2 = 1/sqrt(1-b2^t)`` are the bias corrections. With leaves (``offsets`` not empty),
     ``decay[s]`` False drops both ``l2`` and ``wd`` on leaf ``s``; empty ``offsets`` decay the whole
-    vector. ``check`` and ``undo_*``: as in :func:`sgd`.
-    """
+    vector. ``check`` and ``undo_*``: as in :func:`sgd`."""
     zero = p.dtype.type(0)
     copy = undo_p.size != 0
     step = CHECK_BLOCK if check.size or copy else max(g.size, 1)
@@ -226,8 +223,7 @@ def lamb(g, m, v, p, offsets, sizes, decay, adapt, ratios, lr, b1, w1, b2, w2, i
 
     ``r = clip(||p|| / ||u||, min_ratio, max_ratio)`` where ``adapt[s]``, and 1
     where not or where either norm is zero. ``decay[s]`` False drops ``wd*p``.
-    The ratio used for each leaf is written to ``ratios[s]``.
-    """
+    The ratio used for each leaf is written to ``ratios[s]``."""
     zero = p.dtype.type(0)
     lanes = np.empty(LANES)
     for s in range(offsets.size):
@@ -256,8 +252,7 @@ def lars(g, buf, p, offsets, sizes, decay, adapt, ratios, lr, momentum, wd,
 
     ``r = trust_coefficient * ||p|| / (||u|| + eps)`` where ``adapt[s]``, and 1 where not or where
     either norm is zero. ``decay[s]`` False drops ``wd*p``. ``u`` is cheap, so pass 1 only reads (it
-    sums ``u^2`` from a block-sized buffer) and pass 2 computes ``u`` again.
-    """
+    sums ``u^2`` from a block-sized buffer) and pass 2 computes ``u`` again."""
     zero = p.dtype.type(0)
     step = p.dtype.type(-lr)
     lanes = np.empty(LANES)

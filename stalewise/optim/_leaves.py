@@ -2,8 +2,7 @@
 
 ``update`` and ``apply`` do not receive the segments, so these optimizers keep offsets,
 sizes and the exclusions (by ``re.search`` on leaf names, decided here only) in their
-state; the table is checked before every update, as the kernels do no bounds checks.
-"""
+state; the table is checked before every update, as the kernels do no bounds checks."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Argument and array checks shared by the optimizers.
 
 Every failure is a ``ValueError`` that names the argument and the bad value,
-raised before any state or parameter is touched.
-"""
+raised before any state or parameter is touched."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ NamedTuple of functions, in the spirit of optax:
   updates and ``state`` is advanced; ``params`` is untouched.
 
 ``scale`` multiplies the step size of this one update (a staleness weight), never what
-enters the moments. A state must not be used by two updates at the same time.
-"""
+enters the moments. A state must not be used by two updates at the same time."""
 
 from __future__ import annotations
 
@@ -188,8 +187,7 @@ class Rule(abc.ABC):
 
         ``undo``: copies of :meth:`written`'s vectors, given their values before the step;
         ``grads`` is left untouched. Returns the sum of squares of ``grads`` and a sum that is
-        finite exactly when params and state stayed finite; the step is taken either way.
-        """
+        finite exactly when params and state stayed finite; the step is taken either way."""
         if undo is not None:
             written = self.written(state, params)
             if len(undo) != len(written) or any(

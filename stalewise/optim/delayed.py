@@ -12,8 +12,7 @@ for the ``t``-th pseudo-gradient ``g_t``, ``m = b = 0`` at first, ``s`` the ``sc
 
 ``N`` arrivals add up to one outer Nesterov step of synchronous DiLoCo on their mean;
 ``N = 1`` is ``torch.optim.SGD(nesterov=True)``. A schedule is evaluated at the arrivals
-already applied. The state (:class:`DelayedNesterovState`) is NumPy arrays.
-"""
+already applied. The state (:class:`DelayedNesterovState`) is NumPy arrays."""
 
 from __future__ import annotations
 

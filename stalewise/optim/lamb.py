@@ -2,8 +2,7 @@
 
 Where well-known ones differ: the decoupled weight decay is part of the applied step, the
 trust ratio is clipped (at most 10 by default) and is 1 when either norm is zero (so
-zero-initialised biases train), and leaves can be excluded from decay and adaptation.
-"""
+zero-initialised biases train), and leaves can be excluded from decay and adaptation."""
 
 from __future__ import annotations
 

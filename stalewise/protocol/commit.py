@@ -101,8 +101,7 @@ def judge(
         bases: per shard, the version the update was computed from.
         known: per shard, the newest version the sender knows of (>= its base).
         staleness: the job's :class:`~stalewise.staleness.Staleness` rule.
-        whole: check the values (NaN/Inf, overflow; needed when there are several shards).
-    """
+        whole: check the values (NaN/Inf, overflow; needed when there are several shards)."""
     if whole:
         verdict = check_values(flat)
         if not verdict.ok:

@@ -143,8 +143,7 @@ class Decoder:
         """The shard's slice of the update, written into ``out`` (its length) when given.
 
         Raises:
-            PayloadError: corrupt, truncated or foreign, naming the shard and the leaf.
-        """
+            PayloadError: corrupt, truncated or foreign, naming the shard and the leaf."""
         try:
             mv = codecs.as_bytes(payload)
         except PayloadError as e:

@@ -2,8 +2,7 @@
 
 ``Job.train``, ``Job.serve``, the config file (``[run]``) and the sweep read :data:`DEFAULTS`
 and check through :class:`RunOptions` (:meth:`RunOptions.check`: one option alone); every
-runtime takes ``(config, strategy, options)``.
-"""
+runtime takes ``(config, strategy, options)``."""
 
 from __future__ import annotations
 
@@ -219,8 +218,7 @@ class RunOptions:
     ``eval_interval`` is at least :data:`MIN_EVAL_INTERVAL`, ``worker_timeout``
     at least :data:`MIN_WORKER_TIMEOUT`, ``checkpoint_seconds`` at least
     :data:`MIN_CHECKPOINT_SECONDS` (straggler factors and delays: see
-    :func:`stalewise.runtime.base.check_run`).
-    """
+    :func:`stalewise.runtime.base.check_run`)."""
 
     loss_and_grad: Callable[[Any, Any], tuple[float, Any]]
     data: Any  # data(worker, workers) -> batches, or one sequence of batches per worker
