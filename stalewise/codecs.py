@@ -34,8 +34,7 @@ __all__ = ["SMALL_LEAF", "Codec", "PayloadError", "Policy", "SizeAdaptive"]
 __all__ += ["as_bytes", "bf16", "fp16", "int4", "int8", "none", "parse", "sign"]
 __all__ += ["size_adaptive", "topk"]
 
-#: Leaves with fewer elements travel uncompressed under a plain codec.
-SMALL_LEAF = 512
+SMALL_LEAF = 512  #: Leaves with fewer elements travel uncompressed under a plain codec.
 
 HEADER = struct.Struct("<BBBBQ")  # magic, codec id, values dtype, parameter, n
 MAGIC = 0xC5

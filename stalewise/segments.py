@@ -1,6 +1,4 @@
-"""The segment table: which slice of a flat parameter vector belongs to which leaf.
-
-A :class:`Segments` table holds each leaf's dotted name, offset and size."""
+"""The segment table: which slice of a flat parameter vector belongs to which leaf."""
 
 from __future__ import annotations
 
@@ -14,9 +12,7 @@ import numpy as np
 class Segments(NamedTuple):
     """A table of contiguous, non-overlapping segments covering ``[0, total)``."""
 
-    names: tuple[
-        str, ...
-    ]  # dotted key path of each leaf (a leaf split across shards keeps its name)
+    names: tuple[str, ...]  # each leaf's dotted key path (a leaf split across shards keeps it)
     offsets: np.ndarray  # int64 start of each segment in the flat vector
     sizes: np.ndarray  # int64 number of elements of each segment
 

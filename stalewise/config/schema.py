@@ -33,12 +33,9 @@ LOCAL_STEPS = ("local_sgd", "diloco", "streaming_diloco", "easgd", "adaptive")
 CONSISTENCY = ("asp", "ssp", "bsp", "hybrid")
 STALENESS_PARAM = {"exponential": "base", "polynomial": "power"}  # server.staleness_param
 
-#: The most parameter-server shards (and never more than the parameters).
-MAX_SHARDS = 1024
-#: The most pushes a run may be given.
-MAX_STEPS = 10**9
-#: The deepest nesting of arrays and tables a config may have.
-MAX_DEPTH = 32
+MAX_SHARDS = 1024  #: The most parameter-server shards (and never more than the parameters).
+MAX_STEPS = 10**9  #: The most pushes a run may be given.
+MAX_DEPTH = 32  #: The deepest nesting of arrays and tables a config may have.
 
 
 class ConfigError(ValueError):

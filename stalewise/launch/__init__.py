@@ -34,8 +34,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["BudgetSpent", "Context", "LaunchError", "Terminated", "init", "launch"]
 
-#: The most worker processes ``stalewise run`` starts on one machine.
-MAX_WORKERS = 256
+MAX_WORKERS = 256  #: The most worker processes ``stalewise run`` starts on one machine.
 #: Seconds the launcher runs the script before it says that ``sw.init`` is not called yet,
 #: and before it stops the script (which would otherwise train alone in the launcher).
 INIT_NOTE, INIT_TIMEOUT = 10.0, 120.0

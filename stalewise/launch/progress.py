@@ -11,10 +11,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: Seconds between the launcher's progress lines when stderr is a terminal.
-PROGRESS_TTY = 2.0
-#: Seconds between them otherwise (a log file, a pipe).
-PROGRESS_EVERY = 10.0
+PROGRESS_TTY = 2.0  #: Seconds between the launcher's progress lines when stderr is a terminal.
+PROGRESS_EVERY = 10.0  #: Seconds between them otherwise (a log file, a pipe).
 
 
 def progress_every() -> float:

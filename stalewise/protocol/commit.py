@@ -15,8 +15,7 @@ import numpy as np
 
 from stalewise.segments import Segments
 
-# verdict codes, as stored in a binary push record
-OK, NOT_FINITE, TOO_STALE, OVERFLOW = 0, 1, 2, 3
+OK, NOT_FINITE, TOO_STALE, OVERFLOW = 0, 1, 2, 3  # verdict codes, as in a binary push record
 _KINDS = {OK: None, NOT_FINITE: "not_finite", TOO_STALE: "too_stale", OVERFLOW: "overflow"}
 
 

@@ -21,8 +21,7 @@ from typing import Any
 
 from stalewise.consistency import Consistency
 
-#: Pushes a worker may have committed and not seen acknowledged by every shard.
-IN_FLIGHT = 1
+IN_FLIGHT = 1  #: Pushes a worker may have committed and not seen acknowledged by every shard.
 #: Seconds: the longest a busy shard defers publishing a new version (every runtime's).
 PUBLISH_EVERY = 0.02
 

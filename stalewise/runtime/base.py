@@ -87,8 +87,7 @@ class PullsIntoTrees:
 
 #: The largest straggler factor (``train(stragglers=...)``): a worker this many times slower.
 MAX_SLOWDOWN = 1e4
-#: The longest extra delay per step (``train(delays=...)``), in seconds.
-MAX_DELAY = 3600.0
+MAX_DELAY = 3600.0  #: The longest extra delay per step (``train(delays=...)``), in seconds.
 
 
 def check_run(

@@ -26,8 +26,7 @@ from stalewise.runtime.errors import FAILURE_POLICIES
 MIN_EVAL_INTERVAL = 1e-3
 #: The shortest ``worker_timeout``: a worker beats every ``min(1, worker_timeout / 4)`` s.
 MIN_WORKER_TIMEOUT = 0.1
-#: The shortest ``checkpoint_seconds`` (virtual in the simulator).
-MIN_CHECKPOINT_SECONDS = 1e-3
+MIN_CHECKPOINT_SECONDS = 1e-3  #: The shortest ``checkpoint_seconds`` (virtual in the simulator).
 #: The longest timeout, in seconds (about 3 years; longer ones overflow the OS's waits).
 MAX_TIMEOUT = 1e8
 
@@ -155,8 +154,7 @@ def _flag(name: str) -> Callable[[Any], Any]:
     return check
 
 
-#: The worker ids ``workers="auto"`` makes room for.
-MAX_WORKERS = 16
+MAX_WORKERS = 16  #: The worker ids ``workers="auto"`` makes room for.
 
 
 def _workers(value: Any) -> Any:

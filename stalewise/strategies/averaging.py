@@ -245,8 +245,7 @@ def _check_positive(where: str, name: str, value: Any, hi: float = math.inf) -> 
 class LocalSGDStrategy(Strategy):
     """Local SGD / DiLoCo; build it with :func:`local_sgd` or :func:`diloco`."""
 
-    #: every round starts from the pull, which must include this worker's last push
-    settles = True
+    settles = True  #: every round starts from the pull, which must include this worker's last push
 
     def __init__(
         self,
