@@ -23,9 +23,8 @@ from stalewise.runtime.errors import BudgetSpent, ServerClosed
 
 log = logging.getLogger(__name__)
 
-#: Seconds the launcher gives its ranks to end by themselves once it stops the job
-#: (Ctrl-C, SIGTERM, ``--timeout``): a rank that polls ``ctx.should_stop()`` ends within
-#: a step; the ranks still running after that are killed.
+#: Seconds the launcher gives its ranks to end by themselves (a rank polling ``ctx.should_stop()``
+#: ends within a step) once it stops the job (Ctrl-C, SIGTERM, ``--timeout``); then it kills them.
 STOP_GRACE = 5.0
 #: ``--rank-timeout``'s default: seconds without a push, once a rank has pushed, while the
 #: other ranks push, before the launcher takes that rank for hung.

@@ -20,9 +20,8 @@ from stalewise.protocol.loop import DIVERGE_AFTER
 from stalewise.runtime.base import check_run
 from stalewise.runtime.errors import FAILURE_POLICIES
 
-#: The shortest ``eval_interval``, in seconds (virtual in the simulator). A run records once
-#: per interval; 1 ms is finer than any real evaluation and keeps a simulated run's records
-#: (and its evaluations) to a thousand per virtual second.
+#: The shortest ``eval_interval``, in seconds (virtual in the simulator): a run records once per
+#: interval, so a simulated run records (and evaluates) a thousand times a virtual second at most.
 MIN_EVAL_INTERVAL = 1e-3
 #: The shortest ``worker_timeout``: a worker beats every ``min(1, worker_timeout / 4)`` s.
 MIN_WORKER_TIMEOUT = 0.1

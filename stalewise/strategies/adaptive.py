@@ -291,7 +291,6 @@ class Adaptive(Strategy):
         return self.local._round(state, params, run)
 
     def check_consistency(self, consistency: Any, *, recommended: bool) -> None:
-        """Refuses DiLoCo under a consistency model its outer optimizer is not made for."""
         _check_outer(self.local, consistency, recommended, "adaptive(outer='diloco')")
 
     def server_optimizer(self, workers: int | None = None) -> optim.Optimizer:
