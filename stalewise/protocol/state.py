@@ -41,12 +41,8 @@ _OPTIONAL = ("counted", "resumed", "round.floor", "pace.since")  # see save()
 
 
 def save(shard: Shard) -> dict[str, Any]:
-    """Everything needed to continue exactly where this shard is, as a flat dict of copies.
-
-    Arrays are numpy copies, counters JSON-able values (safetensors plus JSON): the
-    params, version, clocks, sequence numbers, incarnations, live and counted workers,
-    the BSP round, the hybrid mode and paces, the DC-ASGD copies, the optimizer state
-    (``opt_structure`` and one ``opt.<path>`` array per leaf) and the stats."""
+    """Everything needed to continue exactly where this shard is, as a flat dict of copies:
+    numpy arrays, and JSON-able values for counters (safetensors plus JSON)."""
     structure, opt_arrays = _flatten_state(shard.opt_state)
     pulled = sorted(shard._pulled)
     pulled_params = np.empty((len(pulled), shard.params.size), dtype=shard.params.dtype)
