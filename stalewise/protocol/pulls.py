@@ -1,13 +1,9 @@
 """Delta pulls: a worker downloads what changed since its last pull, encoded with a codec.
 
-With a pull codec (``ServerConfig.pull_codec``) a shard keeps, per worker
-incarnation, a *reference*: the copy of its slice that worker holds. A pull sends
-``C(params - reference)`` per piece (the payloads of
-:mod:`stalewise.protocol.compress`), or an exact sparse block of the changed values
-when that is smaller, and both sides add the decoded delta to their reference, so
-the references stay bit-identical and what a lossy codec left out goes with a later
-pull (``docs/codecs.md``). A pull without the reference the shard holds (a first
-pull, a new incarnation, after a shard restart) is *full*: the slice, exact.
+With a pull codec (``ServerConfig.pull_codec``) a shard keeps, per worker incarnation, a
+*reference*: the copy of its slice that worker holds. A pull sends ``C(params - reference)`` per
+piece, or an exact sparse block of the changed values when smaller; a pull without the reference
+the shard holds is *full* (the slice, exact). Why: ``docs/design-notes.md`` ("Delta pulls").
 
 Wire format: :data:`HEADER`, then a full pull's ``none()`` payload, or per piece a codec
 payload or a :data:`SPARSE` block (increasing indices, then the values).

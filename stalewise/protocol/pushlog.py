@@ -1,12 +1,9 @@
 """A shard's journal: every call that changed its state, in order, as bytes (no pickle).
 
 A :class:`~stalewise.protocol.Shard` whose ``journal`` is a callable (say a binary file's
-``writelines``) hands it each call of a :func:`journaled` method as the buffers of one encoded
-entry, after the call returns (a call that raised changed nothing and is not recorded); a call such
-a method makes is part of it. Loading the state the journal began at into a shard built alike and
-:func:`replay`-ing the entries gives the same params, optimizer state, version, clocks and acks, bit
-for bit. An entry is ``<4sII`` (``MAGIC``, header length, CRC-32 of the header), a JSON header, then
-the payload's raw bytes, as sent. Format and cost: ``docs/design-notes.md`` ("Push log")."""
+``writelines``) hands it each call of a :func:`journaled` method that returns, as the buffers of
+one entry; :func:`replay` on the state the journal began at gives the same shard, bit for bit.
+What it holds, the format and its cost: ``docs/design-notes.md`` ("Push log")."""
 
 from __future__ import annotations
 
