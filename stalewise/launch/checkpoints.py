@@ -80,7 +80,7 @@ class Saves:
                             run=None)  # fmt: skip
         try:
             ckpt = start = checkpoint.resume_point(job.config, o, runtime="local")
-            if ckpt is not None and folder is not None:  # launched: the logs' pushes too
+            if ckpt is not None:  # and the pushes of its logs
                 ckpt = replay.logged(start, job.config)
             if ckpt is not None:
                 server.resume(ckpt)
@@ -90,7 +90,7 @@ class Saves:
             held = [0] * workers if ckpt is None else ckpt.step.get("pushed") or [None] * workers
             before = _counts(start, "pushed", workers) or held  # the checkpoint's own
             self.pushed: list[int | None] = list(_counts(start, "ranks_pushed", workers) or before)
-            for r in range(workers) if ckpt is not start else ():  # the logs': ranks' own states
+            for r in range(workers) if ckpt is not start and (folder or any(self.ranks)) else ():
                 self.ranks[r], self.pushed[r] = _choose(folder, r, held[r], self.ranks[r],
                                                         self.pushed[r], before[r])  # fmt: skip
             self.skips = [0 if h is None else h - n for h, n in zip(held, self.pushed, strict=True)]
@@ -104,10 +104,9 @@ class Saves:
         if ckpt is not None:  # and its push logs: more pushes than the folder's name says
             print(f"stalewise: resumed from {ckpt.path} (version {ckpt.states[0]['version']}, "
                   f"{pushes} pushes)", file=sys.stderr, flush=True)  # fmt: skip
-        if folder is not None:
-            for r, state in enumerate(self.ranks):  # what each rank starts from
-                write_rank_state(folder, r, state, pushes, self.pushed[r], self.skips[r], only=True)
-            self.save()  # before any push: the logs from here on are named by a checkpoint
+        for r, state in enumerate(self.ranks if folder is not None else ()):  # rank's start
+            write_rank_state(folder, r, state, pushes, self.pushed[r], self.skips[r], only=True)
+        self.save()  # before any push: the logs from here on are named by a checkpoint
 
     def poll(self, idle: float) -> float:
         """Seconds to the launcher's next :meth:`tick` (ranks wait at the cut meanwhile)."""
