@@ -60,11 +60,11 @@ def check(directory: Any, every: Any, error: type[Exception]) -> None:
 
 
 class Saves:
-    """The saving side, which holds the server: restores the job (``resume``) before any
-    worker joins, and saves it every ``every`` pushes of the job and at the end, with
-    each rank's ``ctx.state`` (from ``folder``, when the ranks are launched), through
-    :class:`stalewise.checkpoint.Saver` (the format, atomic writes and failure handling
-    of ``Job.train``'s checkpoints)."""
+    """The saving side, which holds the server: restores the job (``resume``: the last
+    checkpoint and its push logs) before any worker joins, and saves it before any push,
+    every ``every`` pushes of the job and at the end, with each rank's ``ctx.state`` (from
+    ``folder``, when the ranks are launched), through :class:`stalewise.checkpoint.Saver`
+    (the format, atomic writes and failure handling of ``Job.train``'s checkpoints)."""
 
     def __init__(self, job: Any, server: Any, directory: str, every: int | None,
                  resume: bool, *, folder: Path | None = None):  # fmt: skip
@@ -81,9 +81,7 @@ class Saves:
         try:
             ckpt = start = checkpoint.resume_point(job.config, o, runtime="local")
             if ckpt is not None:  # and the pushes of its logs
-                ckpt = replay.logged(start, job.config)
-            if ckpt is not None:
-                server.resume(ckpt)
+                server.resume(ckpt := replay.logged(start, job.config))
             # one per worker (resume_point checked), the pushes each rank's state accounts
             # for, and those the shards hold past them, which its rank skips (RankStates)
             self.ranks: list[dict] = getattr(ckpt, "ranks", None) or [{} for _ in range(workers)]
@@ -227,10 +225,10 @@ class InProcess:
 
 
 class Served:
-    """``job.serve(..., checkpoint_dir=...)``: the server, restored from the last
-    checkpoint (``resume``) before any worker joins, saved every ``every`` pushes of the
-    job by a thread of this process, and once more when it closes (before the shards
-    stop). Anything else is the server's (attributes pass through)."""
+    """``job.serve(..., checkpoint_dir=...)``: the server, restored (``resume``) and saved
+    by :class:`Saves`, every ``every`` pushes of the job by a thread of this process, and
+    once more when it closes (before the shards stop). Anything else is the server's
+    (attributes pass through)."""
 
     def __init__(self, job: Any, server: Any, directory: str, every: int | None, resume: bool):
         self._server = server
