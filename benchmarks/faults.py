@@ -49,6 +49,17 @@ undisturbed, then once per fault, with the same budget of pushes:
                     the last one begun, that the resumed state lacks) and ``ready_s``
                     (from the relaunch to the first batch begun; ``fresh_s``: the first
                     start's).
+  (i) serve-kills   ``--serve-kills N`` runs only this case: a one-hot job served by
+                    ``job.serve(workers=2, name=..., checkpoints=sw.Checkpoints(dir,
+                    every=50, resume=...))`` in a child process, 2 shards, 2 worker
+                    processes attached by name, each pushing item ``client.pushed``
+                    (its pushes the shards hold) next, 6,000 pushes; the serving
+                    process SIGKILLed N times (its workers fail and are killed) once a
+                    worker has 20-120 more pushes acknowledged than at the run's start
+                    (then 0-0.3 s; seeded), each followed by serving it again with
+                    resume and new workers, ASP and BSP in turn, then run to its end.
+                    Columns as (g); ``first_push_s`` from the relaunch of the serving
+                    process to the first push acknowledged.
 
 Columns: ``completed`` (the run returned, with its budget spent: ``steps`` pushes
 under ASP, ``ceil(steps / workers)`` whole rounds under BSP, so a BSP run in which a
@@ -66,14 +77,14 @@ so and is left out of the bar. Its ``events`` column counts the checkpoints
 that could not be written, and ``kept`` names the newest one that was (it
 must load).
 
-Bar: (f) 0 lost, 0 twice, 0 torn, every replay equal. (g), (h) 0 lost, 0 twice, 0 skipped. (a), (b) and (c) complete with nothing applied twice and a final accuracy
+Bar: (f) 0 lost, 0 twice, 0 torn, every replay equal. (g), (h), (i) 0 lost, 0 twice, 0 skipped. (a), (b) and (c) complete with nothing applied twice and a final accuracy
 within 1 point of the undisturbed run; (e) completes, returns its result within
 1 point of the undisturbed run, and its kept checkpoint loads. (d) is reported
 as it happens. ``--check``
 also writes the table to ``runs/bench-faults.json`` (or ``--json PATH``).
 
     .venv/bin/python benchmarks/faults.py [--quick] [--check] [--json PATH] [--shard-kills N]
-        [--launcher-kills N] [--parent-kills N]
+        [--launcher-kills N] [--parent-kills N] [--serve-kills N]
 """
 
 from __future__ import annotations
@@ -383,6 +394,7 @@ def main() -> int:
     ap.add_argument("--shard-kills", type=int, metavar="N", help="only case (f), N kills")
     ap.add_argument("--launcher-kills", type=int, metavar="N", help="only case (g), N kills")
     ap.add_argument("--parent-kills", type=int, metavar="N", help="only case (h), N kills")
+    ap.add_argument("--serve-kills", type=int, metavar="N", help="only case (i), N kills")
     _report.add_json_arg(ap)
     args = ap.parse_args()
     out = _report.json_path(ap, args, "faults")
@@ -391,6 +403,8 @@ def main() -> int:
         return launcher_kills(args.launcher_kills, out, args.check)
     if args.parent_kills:
         return parent_kills(args.parent_kills, out, args.check)
+    if args.serve_kills:
+        return serve_kills(args.serve_kills, out, args.check)
     task = tasks.get("digits")
     steps = 1500 if args.quick else 4000
     if args.shard_kills:
@@ -786,6 +800,170 @@ def _made(items: np.ndarray) -> int:
     """How many items of a worker's row were reached: one past its last nonzero."""
     nonzero = np.flatnonzero(items)
     return int(nonzero[-1]) + 1 if len(nonzero) else 0
+
+
+SERVE_ONE_HOT = """
+import os, sys
+import numpy as np
+import stalewise as sw
+
+if __name__ == "__main__":
+    name, steps, bsp, every, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "bsp", *map(int, sys.argv[4:])
+    job = sw.Job({"items": np.zeros((2, steps), np.float32)}, shards=2,
+                 optimizer=sw.optim.sgd(2.0 if bsp else 1.0),  # BSP applies a round's mean
+                 consistency=sw.BSP() if bsp else sw.ASP())
+    saves = sw.Checkpoints("ckpt", every=every, resume=bool(resume))
+    with job.serve(workers=2, name=name, checkpoints=saves) as server:
+        open(f"served-{name}", "w").close()
+        sys.stdin.readline()
+"""
+
+ATTACHED = """
+import os, sys, time
+import numpy as np
+import stalewise as sw
+
+if __name__ == "__main__":
+    name, w, n, steps = sys.argv[1], *map(int, sys.argv[2:])
+    client = sw.attach(name, worker=w)
+    # both join before a push: under BSP an expected worker's join departs its seat first,
+    open(f"attached-{name}-{w}", "w").close()  # closing a round the other pushed in alone
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"attached-{name}-{1 - w}") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    acked = os.open(f"acked-{w}", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(acked, b"start %d %f\\n" % (client.pushed, time.time()))
+    while (i := client.pushed) < n:  # its next item: one past its pushes the shards hold
+        client.pull(timeout=60)
+        g = np.zeros((2, steps), np.float32)
+        g[w, i] = -1.0
+        client.push({"items": g}, timeout=60)
+        client.wait(timeout=60)
+        os.write(acked, b"%d %f\\n" % (client.pushed, time.time()))
+        time.sleep(0.004)
+    client.close()
+"""
+
+
+def serve_kills(n: int, out, check: bool, steps: int = 6000, every: int = 50) -> int:
+    """Case (i): ``n`` kills of the process serving ``job.serve``, half under ASP and half
+    under BSP, each run of the one-hot job ended by a run to its end."""
+    seed = int(time.time())
+    print("seed", seed, flush=True)
+    rows, rng = [], random.Random(seed)
+    cols = ["consistency", "completed", "kills", "acked_lost", "twice", "skipped", "replayed",
+            "first_push_s", "fresh_s", "time_s"]  # fmt: skip
+    for k, consistency in enumerate(("asp", "bsp")):
+        kills = n // 2 + (k < n % 2)
+        with tempfile.TemporaryDirectory(prefix="faults-serve-") as folder:
+            rows.append(_serve_kills(Path(folder), consistency, kills, steps, every, rng))
+        print(format_table(rows[-1:], cols), flush=True)
+    total: dict = {key: sum(r[key] for r in rows) for key in cols[2:7]}
+    firsts = [t for r in rows for t in r.pop("firsts")]
+    total |= {"runs": len(rows), "completed": sum(r["completed"] == "yes" for r in rows),
+              "first_push_s_mean": sum(firsts) / len(firsts) if firsts else math.nan,
+              "first_push_s_max": max(firsts, default=math.nan),
+              "fresh_s": [r["fresh_s"] for r in rows], "seed": seed, "load": os.getloadavg()}  # fmt: skip
+    what = "one-hot job.serve, 2 attached workers, 2 shards"
+    return _kills_bar("i", what, total, rows, n, steps, every, out, check)
+
+
+def _serve_kills(folder: Path, consistency: str, kills: int, steps: int, every: int,
+                 rng: random.Random, timeout: float = 120.0) -> dict:  # fmt: skip
+    """One job: ``kills`` kills of its serving process, each relaunched with resume (and
+    its 2 workers), then a run to its end; each process started is killed at the end."""
+    (folder / "serve.py").write_text(SERVE_ONE_HOT)
+    (folder / "worker.py").write_text(ATTACHED)
+    name, started, killed, firsts = (
+        f"faults-{os.getpid()}-{time.time_ns()}",
+        time.monotonic(),
+        0,
+        [],
+    )
+    acks, row = [folder / f"acked-{w}" for w in range(2)], {"consistency": consistency}
+    row["completed"] = "no"
+    for attempt in range(kills + 1):
+        begun, named, procs = time.time(), f"{name}-{attempt}", []
+        deadline = time.monotonic() + timeout
+        try:
+            server = _started(folder, procs, attempt, "serve.py", named, steps, consistency,
+                              every, int(attempt > 0), stdin=subprocess.PIPE)  # fmt: skip
+            while not (folder / f"served-{named}").exists() and server.poll() is None:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            workers = [_started(folder, procs, attempt, "worker.py", named, w, steps // 2, steps)
+                       for w in range(2)]  # fmt: skip
+            goal = [n + rng.randint(20, 120) for n in _last_acked(acks)]
+            first = None
+            while server.poll() is None and time.monotonic() < deadline:
+                first = first or _first_ack(acks, begun)
+                going = [n < g for n, g in zip(_last_acked(acks), goal, strict=True)]
+                if all(p.poll() is not None for p in workers) or (
+                    attempt < kills and not all(going)
+                ):
+                    break
+                time.sleep(0.01)
+            if first is not None:
+                firsts.append(first - begun)
+            if attempt < kills:
+                time.sleep(rng.uniform(0.0, 0.3))
+                if server.poll() is None:
+                    server.kill()  # the serving process alone: its shards die with it
+                    killed += 1
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    for p in workers:  # they fail (their shards are gone), or are killed
+                        p.wait(timeout=10)
+            else:
+                ok = all(p.wait(timeout=max(deadline - time.monotonic(), 0.1)) == 0
+                         for p in workers)  # fmt: skip
+                server.communicate(b"stop\n", timeout=max(deadline - time.monotonic(), 0.1))
+                row["completed"] = "yes" if ok and server.returncode == 0 else "no"
+        except subprocess.TimeoutExpired:
+            row["completed"] = f"no (run {attempt} timed out)"
+            break
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                if p.stdin:
+                    p.stdin.close()
+    errs = "".join(p.read_text() for p in sorted(folder.glob("err-*")))
+    final = checkpoint.load(folder / "ckpt")
+    items = final.flat().reshape(2, steps)
+    if final.step["pushed"] != [steps // 2] * 2:
+        row["completed"] = f"no (pushed {final.step['pushed']})"
+    row |= {
+        "kills": killed,
+        "acked_lost": sum(_acked_lost(path) for path in acks),
+        "twice": int((items > 1.5).sum()),
+        "skipped": sum(int((w[: _made(w)] < 0.5).sum()) for w in items),
+        "replayed": sum(int(b) - int(a) for a, b in re.findall(RESUMED, errs)),
+        "first_push_s": sum(firsts[1:]) / max(len(firsts) - 1, 1),
+        "fresh_s": firsts[0] if firsts else math.nan,
+        "time_s": time.monotonic() - started,
+        "firsts": firsts[1:],
+    }
+    if row.get("completed") != "yes":
+        row["errors"] = errs[-2000:]
+    return row
+
+
+def _started(folder: Path, procs: list, attempt: int, *args, **popen) -> subprocess.Popen:
+    """``python ARGS`` in ``folder``, in its own session, its stderr to a file; appended to
+    ``procs``."""
+    with open(folder / f"err-{attempt}-{len(procs)}", "w") as err:
+        procs.append(subprocess.Popen([sys.executable, *map(str, args)], cwd=folder,
+                                      stdout=subprocess.DEVNULL, stderr=err,
+                                      start_new_session=True, **popen))  # fmt: skip
+    return procs[-1]
+
+
+def _last_acked(acks: list[Path]) -> list[int]:
+    """Each worker's pushes it last saw acknowledged (or started from), by its ack file."""
+    lines = [path.read_text().splitlines() if path.exists() else [] for path in acks]
+    return [int(ls[-1].split()[-2]) if ls else 0 for ls in lines]
 
 
 if __name__ == "__main__":

@@ -191,8 +191,11 @@ class Job:
         has started, so the shards notice if it dies; ``server.client(w)`` again restarts it as
         a new incarnation. A worker not started within ``timeouts.join`` seconds stops holding
         back the gates. ``workers=(min, max)``: an elastic job; ``name=``: others join with
-        ``sw.attach(name)``. ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local): the
-        shards are restored before any worker joins, saved every ``every`` pushes and at close.
+        ``sw.attach(name)``. ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local): saved
+        before any push, every ``every`` pushes and at close; a resume restores the last one
+        and the pushes of the shards' logs after it before any worker joins, and a client of
+        worker ``w`` (also from ``sw.attach``) then tells in ``client.pushed`` how many of its
+        pushes the shards hold: go on with its data after them.
 
         Example:
             >>> with job.serve(workers=2) as server:        # doctest: +SKIP

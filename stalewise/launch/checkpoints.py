@@ -60,11 +60,11 @@ def check(directory: Any, every: Any, error: type[Exception]) -> None:
 
 
 class Saves:
-    """The saving side, which holds the server: restores the job (``resume``) before any
-    worker joins, and saves it every ``every`` pushes of the job and at the end, with
-    each rank's ``ctx.state`` (from ``folder``, when the ranks are launched), through
-    :class:`stalewise.checkpoint.Saver` (the format, atomic writes and failure handling
-    of ``Job.train``'s checkpoints)."""
+    """The saving side, which holds the server: restores the job (``resume``: the last
+    checkpoint and its push logs) before any worker joins, and saves it before any push,
+    every ``every`` pushes of the job and at the end, with each rank's ``ctx.state`` (from
+    ``folder``, when the ranks are launched), through :class:`stalewise.checkpoint.Saver`
+    (the format, atomic writes and failure handling of ``Job.train``'s checkpoints)."""
 
     def __init__(self, job: Any, server: Any, directory: str, every: int | None,
                  resume: bool, *, folder: Path | None = None):  # fmt: skip
@@ -80,17 +80,15 @@ class Saves:
                             run=None)  # fmt: skip
         try:
             ckpt = start = checkpoint.resume_point(job.config, o, runtime="local")
-            if ckpt is not None and folder is not None:  # launched: the logs' pushes too
-                ckpt = replay.logged(start, job.config)
-            if ckpt is not None:
-                server.resume(ckpt)
+            if ckpt is not None:  # and the pushes of its logs
+                server.resume(ckpt := replay.logged(start, job.config))
             # one per worker (resume_point checked), the pushes each rank's state accounts
             # for, and those the shards hold past them, which its rank skips (RankStates)
             self.ranks: list[dict] = getattr(ckpt, "ranks", None) or [{} for _ in range(workers)]
             held = [0] * workers if ckpt is None else ckpt.step.get("pushed") or [None] * workers
             before = _counts(start, "pushed", workers) or held  # the checkpoint's own
             self.pushed: list[int | None] = list(_counts(start, "ranks_pushed", workers) or before)
-            for r in range(workers) if ckpt is not start else ():  # the logs': ranks' own states
+            for r in range(workers) if ckpt is not start and (folder or any(self.ranks)) else ():
                 self.ranks[r], self.pushed[r] = _choose(folder, r, held[r], self.ranks[r],
                                                         self.pushed[r], before[r])  # fmt: skip
             self.skips = [0 if h is None else h - n for h, n in zip(held, self.pushed, strict=True)]
@@ -104,10 +102,9 @@ class Saves:
         if ckpt is not None:  # and its push logs: more pushes than the folder's name says
             print(f"stalewise: resumed from {ckpt.path} (version {ckpt.states[0]['version']}, "
                   f"{pushes} pushes)", file=sys.stderr, flush=True)  # fmt: skip
-        if folder is not None:
-            for r, state in enumerate(self.ranks):  # what each rank starts from
-                write_rank_state(folder, r, state, pushes, self.pushed[r], self.skips[r], only=True)
-            self.save()  # before any push: the logs from here on are named by a checkpoint
+        for r, state in enumerate(self.ranks if folder is not None else ()):  # rank's start
+            write_rank_state(folder, r, state, pushes, self.pushed[r], self.skips[r], only=True)
+        self.save()  # before any push: the logs from here on are named by a checkpoint
 
     def poll(self, idle: float) -> float:
         """Seconds to the launcher's next :meth:`tick` (ranks wait at the cut meanwhile)."""
@@ -228,10 +225,10 @@ class InProcess:
 
 
 class Served:
-    """``job.serve(..., checkpoint_dir=...)``: the server, restored from the last
-    checkpoint (``resume``) before any worker joins, saved every ``every`` pushes of the
-    job by a thread of this process, and once more when it closes (before the shards
-    stop). Anything else is the server's (attributes pass through)."""
+    """``job.serve(..., checkpoint_dir=...)``: the server, restored (``resume``) and saved
+    by :class:`Saves`, every ``every`` pushes of the job by a thread of this process, and
+    once more when it closes (before the shards stop). Anything else is the server's
+    (attributes pass through)."""
 
     def __init__(self, job: Any, server: Any, directory: str, every: int | None, resume: bool):
         self._server = server
