@@ -45,6 +45,18 @@ def test_bsp_rounds_are_taken_over_the_workers_live_now():
     assert shard.version == 3
 
 
+def test_an_expected_worker_joining_late_takes_its_seat_in_the_round_under_way():
+    shard = _shard(workers=2, expected=2, consistency=BSP())
+    shard.join(0, 1)
+    assert _push(shard, 0, 0).ok and shard.version == 0  # the round waits for worker 1
+    shard.join(1, 1)  # its first incarnation, after worker 0 pushed: the round still waits
+    assert shard.version == 0 and shard.counted[1] and int(shard.clocks[1]) == 0
+    assert _push(shard, 1, 0, value=3.0).ok and shard.version == 1
+    assert shard.params.tolist() == [-2.0, -2.0]  # mean(1, 3): both in the first round
+    shard.join(1, 2)  # a restart is not a first incarnation: the round it owed closes
+    assert _push(shard, 0, 1).ok and shard.version == 2
+
+
 def test_ssp_bounds_count_only_the_live_workers():
     shard = _shard(workers=2, expected=1, consistency=SSP(1))
     shard.join(0, 1)

@@ -345,7 +345,10 @@ class Shard:
                 f"worker {worker}: incarnation {incarnation!r} is not newer than "
                 f"{int(self.incarnation[worker])}"
             )
-        seat = bool(self._resumed[worker] and self.counted[worker])
+        # an expected worker's first incarnation, or a resumed one, takes the seat held for it
+        seat = bool(
+            (self._resumed[worker] or not self.incarnation[worker]) and self.counted[worker]
+        )
         self._resumed[worker] = False
         if self.live[worker] and not seat:
             self.leave(worker)
