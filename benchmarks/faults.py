@@ -826,11 +826,6 @@ import stalewise as sw
 if __name__ == "__main__":
     name, w, n, steps = sys.argv[1], *map(int, sys.argv[2:])
     client = sw.attach(name, worker=w)
-    # both join before a push: under BSP an expected worker's join departs its seat first,
-    open(f"attached-{name}-{w}", "w").close()  # closing a round the other pushed in alone
-    deadline = time.monotonic() + 60
-    while not os.path.exists(f"attached-{name}-{1 - w}") and time.monotonic() < deadline:
-        time.sleep(0.005)
     acked = os.open(f"acked-{w}", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.write(acked, b"start %d %f\\n" % (client.pushed, time.time()))
     while (i := client.pushed) < n:  # its next item: one past its pushes the shards hold
