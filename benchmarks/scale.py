@@ -20,8 +20,9 @@ figure is a ratio that a shared machine's load moves less than a time.
   with DiLoCo H=20 (``--train``).
 * **sim**: beside each own-loop rate, the simulator's prediction of it (``sim/s``,
   ``sim/real``), calibrated in the same run (``job.calibrate`` at n/4 and n floats: the
-  stages' CPU and bus costs, the contention; then the setting simulated with ``model_bytes``
-  of n floats). ``--no-sim`` leaves it out. The bar's run (10M and 100M, quiet machine):
+  stages' CPU costs, the contention; then the setting simulated with ``model_bytes`` of n
+  floats). ``--no-sim`` leaves it out; ``--resim JSON [--drop KEY]`` only simulates again
+  on a recorded run's tables (``sim_tables``). The bar's run (10M and 100M, quiet machine):
   ``benchmarks/scale.py --sizes 10000000 100000000 --shards 1 --json
   benchmarks/results/scale-sim.json`` (its bars: ``|sim/real - 1| <= 0.15``).
 * **memory**: each process's peak resident memory (``VmHWM``, the shared block
@@ -33,6 +34,8 @@ figure is a ratio that a shared machine's load moves less than a time.
 
 import argparse
 import dataclasses
+import json
+import math
 import multiprocessing as mp
 import os
 import sys
@@ -44,6 +47,7 @@ from stragglers import emulated_step, no_data  # the same emulated job as the st
 
 import stalewise as sw
 from stalewise.protocol import PushHeader, Shard
+from stalewise.runtime.sim import SimConfig
 from stalewise.segments import Segments
 
 COMPUTE, SLOWDOWN, WORKERS = 0.020, 4.0, 4
@@ -275,7 +279,17 @@ def sim_rate(n: int, shards: int, repeats: int, optimizer: str = "sgd") -> tuple
                  shards=shards)  # fmt: skip
     cal = job.calibrate(emulated_step, no_data, workers=WORKERS, repeats=max(3, repeats),
                         sizes=(n // 4, n), delays=COMPUTE)  # fmt: skip
-    sim = dataclasses.replace(cal.sim_config(), model_bytes=4 * n)
+    table = cal.table()
+    return simulate(n, shards, table, optimizer), table
+
+
+def simulate(n: int, shards: int, table: dict, optimizer: str = "sgd") -> float:
+    """The simulator's updates/s of :func:`own_rate`'s setting on the ``[sim]`` ``table``
+    (JSON's nulls read as infinite rates), as if of ``n`` floats."""
+    table = {k: math.inf if v is None else v for k, v in table.items()}
+    sim = dataclasses.replace(SimConfig.from_dict(table), model_bytes=4 * n)
+    job = sw.Job({"w": np.zeros(1000, np.float32)}, optimizer=OPTIMIZERS[optimizer](),
+                 shards=shards)  # fmt: skip
     r = job.train(
         emulated_step,
         data=no_data,
@@ -286,7 +300,23 @@ def sim_rate(n: int, shards: int, repeats: int, optimizer: str = "sgd") -> tuple
             stragglers={WORKERS - 1: SLOWDOWN}, delays=dict.fromkeys(range(WORKERS), COMPUTE)
         ),
     )
-    return r.stats["version"] / r.time, cal.table()
+    return r.stats["version"] / r.time
+
+
+def resimulate(path: str, drop: tuple[str, ...] = ()) -> list[dict]:
+    """Each own-loop row of a scale JSON beside the simulator's updates/s on the table it
+    recorded (``sim_tables``) less the keys ``drop``: a change checked against recorded runs."""
+    with open(path) as f:
+        fig = json.load(f)["figures"]
+    out = []
+    for r in fig["rows"]:
+        table = fig.get("sim_tables", {}).get(str(r["params"]))
+        if table is not None and "updates/s" in r:
+            table = {k: v for k, v in table.items() if k not in drop}
+            sim = simulate(r["params"], r["shards"], table, fig.get("optimizer", "sgd"))
+            out.append({"params": r["params"], "load1": r["load1"], "updates/s": r["updates/s"],
+                        "sim/s": sim, "sim/real": sim / r["updates/s"]})  # fmt: skip
+    return out
 
 
 def train_rate(n: int, shards: int, seconds: float, strategy) -> float:
@@ -317,8 +347,17 @@ def main() -> int:
     ap.add_argument("--train", action="store_true", help="also Job.train: gradients, DiLoCo H=20")
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="the shards'")
     ap.add_argument("--no-sim", action="store_true", help="no simulator column")
+    ap.add_argument(
+        "--resim", nargs="+", metavar="JSON", help="only re-simulate these runs' tables"
+    )
+    ap.add_argument("--drop", nargs="+", default=(), metavar="KEY", help="--resim: less these keys")
     _report.add_json_arg(ap)
     args = ap.parse_args()
+    if args.resim:
+        for path in args.resim:
+            rows = resimulate(path, tuple(args.drop))
+            print(path, "\n", format_table(rows, list(rows[0]) if rows else []), sep="")
+        return 0
     out = _report.json_path(ap, args, "scale")
     began, loads = time.monotonic(), [os.getloadavg()[0]]
     rows, tables = [], {}

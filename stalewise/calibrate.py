@@ -231,8 +231,8 @@ class Calibration:
         spreads: each timed figure's :class:`Spread` over its repeats, by name.
         contention: wall over CPU time of a step and an apply with 1, 2, ... processes runnable.
         runtime: the runtime transport, shard and worker loop were timed on.
-        copy, bus: one copy's seconds by bytes, and bytes a second copied with every core
-            copying; with them the table charges bytes as copies on the cores (``copy_*``).
+        copy: one copy's seconds by bytes; with it the table charges bytes as copies on the
+            cores (``copy_*``).
         cpu: CPU seconds by bytes of the pull and the send (``"pull"``, ``"send"``), and a
             local shard process's per push, its publish included (``"shard"``: the apply's copies).
     """
@@ -260,7 +260,6 @@ class Calibration:
     wall_spread: bool = False
     runtime: str = "local"
     copy: Fit | None = None
-    bus: float | None = None
     cpu: dict[str, Fit] | None = None
 
     # -- the compute model -------------------------------------------------------------
@@ -332,8 +331,7 @@ class Calibration:
             t["own_read"] = round(self.own_read, 3)
         if copies:
             per = self.copy.slope
-            t["copy_rate"] = _rate(per)
-            t["copy_bus"] = _sig(self.bus) if self.bus else math.inf
+            t["copy_rate"] = _rate(per)  # no copy_bus: the bus is shared in the stages' figures
             pull, push = (
                 (self.pull, self.send or self.push) if cpu is None else (cpu["pull"], cpu["send"])
             )
@@ -461,11 +459,10 @@ class Calibration:
         t = self.table()
         if "copy_rate" in t:  # a copy measured, and bytes charged as copies
             lines.append(
-                f"copies: one process copies {_rate(self.copy.slope):.3g} B/s, every core at "
-                f"once {t['copy_bus']:.3g} B/s in all; a pull costs {t.get('copy_pull')} "
-                f"copies of its bytes, a send {t.get('copy_push')}, an apply "
+                f"copies: one process copies {_rate(self.copy.slope):.3g} B/s; a pull costs "
+                f"{t.get('copy_pull')} copies of its bytes, a send {t.get('copy_push')}, an apply "
                 f"{t.get('copy_apply')}{' with its publish' * (self.shard_apply is not None)}, "
-                "charged to the cores and the bus"
+                "charged to the cores"
             )
         if self.contention is not None:
             c = self.contention
@@ -729,38 +726,18 @@ def _pusher(config: ServerConfig, size: int) -> Callable[[], None]:
 # -- copies ----------------------------------------------------------------------------
 
 
-#: A process copying beside :func:`copy_times`'s timed copies (at most 10 minutes).
-_COPIER = (
-    "import os, sys, time\nimport numpy as np\nn = int(sys.argv[1])\n"
-    "a, b = np.ones(n, np.uint8), np.empty(n, np.uint8)\nnp.copyto(b, a)\nprint(flush=True)\n"
-    "p, end = os.getppid(), time.monotonic() + 600\n"
-    "while os.getppid() == p and time.monotonic() < end:\n    np.copyto(b, a)"
-)
-
-
-def copy_times(nbytes: int, repeats: int, beside: int = 0) -> list[float]:
+def copy_times(nbytes: int, repeats: int) -> list[float]:
     """CPU seconds of one copy of ``nbytes`` (``np.copyto``, warm; the mean of those in
-    1 MB), ``repeats`` times, with ``beside`` other processes copying as many bytes
-    meanwhile: the clock of the stages' CPU times, and the bus's stalls count in it."""
+    1 MB), ``repeats`` times: the clock of the stages' CPU times."""
     src, dst, n = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8), max(1, 2**20 // nbytes)
-    procs = [subprocess.Popen([sys.executable, "-c", _COPIER, str(nbytes)], stdout=subprocess.PIPE)
-             for _ in range(beside)]  # fmt: skip
-    try:
-        for p in procs:
-            p.stdout.readline()  # it copies
-        times = []
-        for i in range(repeats + 2):
-            t = time.thread_time()
-            for _ in range(n):
-                np.copyto(dst, src)
-            if i >= 2:  # the first two fault the pages in and warm the caches
-                times.append((time.thread_time() - t) / n)
-        return times
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-            p.stdout.close()
+    times = []
+    for i in range(repeats + 2):
+        t = time.thread_time()
+        for _ in range(n):
+            np.copyto(dst, src)
+        if i >= 2:  # the first two fault the pages in and warm the caches
+            times.append((time.thread_time() - t) / n)
+    return times
 
 
 # -- contention ------------------------------------------------------------------------
@@ -1086,8 +1063,6 @@ def calibrate(
             for name, b, xs in timed:
                 series.setdefault(name, []).append((b, xs))
                 spreads.append((_key(name, b), Spread.of(xs)))
-        cores = os.cpu_count() or 1
-        bus = cores * nbytes / statistics.median(copy_times(nbytes, repeats, cores - 1))
         fixed = statistics.median(series["send"][0][1]) + statistics.median(series["pull"][0][1])
         looped = loop_times(job, sizes[0], runtime)
     loop_s = max(0.0, statistics.median(looped.per_push) - fixed)
@@ -1121,7 +1096,6 @@ def calibrate(
         cpu_times=cpu_times,
         runtime=runtime,
         copy=fit("copy"),
-        bus=bus,
         cpu={
             k: fit(f"{k} CPU")
             for k in ("pull", "send", "shard")

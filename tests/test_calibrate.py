@@ -76,9 +76,7 @@ def check_sane(sim: SimConfig, cal: calibrate.Calibration) -> None:
         fixed = pull.intercept + send.intercept
         assert close(net.latency, max(0.0, cal.message.intercept - fixed) / 2)
         assert net.bandwidth == service.rate == math.inf
-        assert close(copied.rate, rate(cal.copy.slope)) and copied.bus == pytest.approx(
-            cal.bus, 1e-3
-        )
+        assert close(copied.rate, rate(cal.copy.slope)) and copied.bus == math.inf
         apply = cal.shard_apply or cal.apply  # a local shard process's, its publish in it
         for got, fit in ((copied.pull, pull), (copied.push, send), (copied.apply, apply)):
             assert close(got, fit.slope / cal.copy.slope)
@@ -117,7 +115,7 @@ def test_calibrate_measures_and_its_table_reads_back(tmp_path):
     # the shard processes' CPU time per push, at a slice's bytes (2 shards)
     assert [b for b, _ in cal.cpu["shard"].points] == [256 * 4, 2048 * 4]
     assert all(s > 0 for _, s in cal.cpu["shard"].points)
-    assert cal.copy is not None and cal.bus > 0  # a copy, by size; the bus with 2 copying
+    assert cal.copy is not None  # a copy, by size
     assert all(s.min <= s.low <= s.median <= s.high <= s.max for _, s in cal.spreads)
     assert "spread over the repeats" in cal.summary() and cal.load_end is not None
     assert cal.workers == 2 and len(cal.step_times) == 2

@@ -60,6 +60,7 @@ def test_every_sim_key_is_read_from_the_one_definition():
         "copy_apply": 1.25,
         "copy_pull_time": 1e-5,
         "copy_push_time": 2e-5,
+        "copy_cores": 2,
     }
     assert set(table) | {"step_time"} == TOML_KEYS  # step_time is compute = "fixed"'s
     cfg = SimConfig.from_dict(table)
@@ -69,7 +70,7 @@ def test_every_sim_key_is_read_from_the_one_definition():
     copies = cfg.copies
     assert (copies.rate, copies.bus, copies.pull, copies.push, copies.apply) == (
         4e10, 8e10, 2.0, 1.5, 1.25)  # fmt: skip
-    assert (copies.pull_time, copies.push_time) == (1e-5, 2e-5)
+    assert (copies.pull_time, copies.push_time, copies.cores) == (1e-5, 2e-5, 2)
     assert SimConfig.from_dict({"compute": "fixed", "step_time": 0.2}).compute.time == 0.2
     assert set(TOML_LISTS) <= TOML_KEYS
 

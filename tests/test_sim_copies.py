@@ -51,16 +51,24 @@ def test_more_bytes_a_push_is_slower_through_the_cores_and_copies_on_one_core_se
     assert _rate(2, 10**6, cpu, ONE_CORE) == pytest.approx(_rate(1, 10**6, cpu, ONE_CORE), rel=0.05)
 
 
-def test_the_bus_caps_copies_at_once():
-    """Two workers on two cores copying at once share a bus of one copy's rate."""
+def test_the_bus_caps_copies_at_once_on_as_many_cores():
+    """Two workers on two cores copying at once share a bus of one copy's rate; copies
+    beyond the cores wait for a core (the contention model's), not for the bus too."""
     free, capped = Copies(rate=1e9), Copies(rate=1e9, bus=1e9)
     assert _rate(2, 4 * 10**6, capped) < 0.8 * _rate(2, 4 * 10**6, free)
     assert Copies(rate=1e9, bus=1.5e9).seconds(1.0, 1.5e6, copying=3) == pytest.approx(3e-3)
+    assert Copies(rate=1e9, bus=1.5e9, cores=2).seconds(1.0, 1.5e6, copying=3) == 2e-3
+    cores = Contention(step=(1.0, 1.0, 1.5, 2.0), apply=(1.0, 1.0, 1.5, 2.0))  # two cores
+    two = Copies(rate=1e9, bus=1e9, cores=2)
+    assert _rate(3, 4 * 10**6, two, cores) > 1.15 * _rate(3, 4 * 10**6, capped, cores)
+    with pytest.raises(ValueError, match=r"Copies.cores = 0.5: must be a number >= 1"):
+        Copies(rate=1e9, cores=0.5)
 
 
 def test_copy_keys_in_a_table_name_what_is_wrong():
-    got = SimConfig.from_dict({"copy_rate": 2e9, "copy_bus": 3e9, "copy_apply": 2.5})
-    assert got.copies == Copies(rate=2e9, bus=3e9, pull=1.0, push=1.0, apply=2.5)
+    got = SimConfig.from_dict({"copy_rate": 2e9, "copy_bus": 3e9, "copy_apply": 2.5,
+                               "copy_cores": 2})  # fmt: skip
+    assert got.copies == Copies(rate=2e9, bus=3e9, pull=1.0, push=1.0, apply=2.5, cores=2)
     assert SimConfig.from_dict({}).copies is None
     with pytest.raises(ValueError, match="sim: copy_pull needs copy_rate too"):
         SimConfig.from_dict({"copy_pull": 1.0})
@@ -72,19 +80,20 @@ def test_copy_keys_in_a_table_name_what_is_wrong():
 
 def test_a_measured_copy_puts_the_bytes_on_the_cores_not_on_links():
     """A copy of 1 us per kB: a pull of 2 us per kB is 2 copies, the send 1, the apply 1.5;
-    the links and the shard's rate are then free (their bytes are the copies)."""
+    the links and the shard's rate are then free (their bytes are the copies), and so is the
+    bus: each stage was timed beside the others' copies, its share of the bus is in it."""
     steps = tuple((0.004,) * 10 for _ in range(2))
     per = 1e-9
     pull, send = calibrate.Fit(5e-5, 2 * per), calibrate.Fit(2e-5, per)
     apply = calibrate.Fit(1e-5, 1.5 * per)
     cal = calibrate.Calibration(2, 1, steps, apply, pull, send, calibrate.Fit(7e-5, 3 * per),
-                                4096, send=send, copy=calibrate.Fit(1e-6, per), bus=1.5e9)  # fmt: skip
+                                4096, send=send, copy=calibrate.Fit(1e-6, per))  # fmt: skip
     t = cal.table()
-    assert (t["copy_rate"], t["copy_bus"]) == (1e9, 1.5e9)
+    assert t["copy_rate"] == 1e9 and "copy_bus" not in t and cal.sim_config().copies.bus == math.inf
     assert (t["copy_pull"], t["copy_push"], t["copy_apply"]) == (2.0, 1.0, 1.5)
     assert t["bandwidth"] == t["service_rate"] == math.inf and t["latency"] == 3.5e-5
     assert tomllib.loads(calibrate.table_toml(t))["sim"] == t
-    assert cal.sim_config().copies == Copies(1e9, 1.5e9, 2.0, 1.0, 1.5)
+    assert cal.sim_config().copies == Copies(1e9, math.inf, 2.0, 1.0, 1.5)
     assert calibrate.with_table(SimConfig(), cal).copies == cal.sim_config().copies
     assert "a pull costs 2.0 copies of its bytes" in cal.summary()
     # the worker's CPU times, when measured, say the copies: not its waits
@@ -103,7 +112,6 @@ def test_a_measured_copy_puts_the_bytes_on_the_cores_not_on_links():
         assert ("with its publish" in cal.summary()) == (copies == 2.5)
 
 
-def test_copy_times_time_one_copy_alone_and_beside_others():
-    alone = calibrate.copy_times(1 << 20, 5)
-    beside = calibrate.copy_times(1 << 20, 5, beside=1)
-    assert len(alone) == len(beside) == 5 and min(alone) > 0 and min(beside) > 0
+def test_copy_times_time_one_copy():
+    times = calibrate.copy_times(1 << 20, 5)
+    assert len(times) == 5 and min(times) > 0

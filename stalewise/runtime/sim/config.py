@@ -174,7 +174,7 @@ class SimConfig:
         flat (:data:`_FLAT`): ``compute`` ("fixed" | "exponential") with ``step_time`` or
         ``shift`` and ``rate``, :class:`Network`'s fields, ``service_time`` and
         ``service_rate``, ``contention_step`` and ``contention_apply``, and :class:`Copies`'s
-        fields as ``copy_rate``, ``copy_bus``, ``copy_pull``, ``copy_push``, ``copy_apply``.
+        fields prefixed ``copy_`` (``copy_rate``, ``copy_bus``, ``copy_cores``, ...).
 
         Raises:
             SimConfigError: naming the bad field and value, with its key as ``path``.

@@ -288,14 +288,14 @@ class Contention:
 class Copies:
     """The CPU cost of copying the parameters' bytes, charged to the process that copies
     (not to a link): one core copies ``rate`` bytes a second (reading and writing them
-    once), every process copying at once ``bus`` bytes a second in all. A worker's pull
-    makes ``pull`` copies of each slice it reads, its push ``push`` copies of each slice it
-    sends; a shard's apply makes ``apply`` copies of its slice (an SGD step reads the
-    gradient and reads and writes the parameters: 1.5). ``pull_time`` and ``push_time``
-    are the CPU seconds a worker's whole pull and push take besides their copies.
+    once), the copies on ``cores`` cores at once ``bus`` bytes a second in all (more wait for
+    a core: the contention model's). A worker's pull makes ``pull`` copies of each slice it
+    reads, its push ``push`` copies of each slice it sends; a shard's apply makes ``apply``
+    copies of its slice (an SGD step: 1.5). ``pull_time`` and ``push_time`` are the CPU
+    seconds a worker's whole pull and push take besides their copies.
 
     Example:
-        >>> Copies(rate=1e9, bus=1.5e9).seconds(2.0, 1.5e6, copying=2)  # 3 MB at 0.75 GB/s
+        >>> Copies(rate=1e9, bus=1.5e9, cores=2).seconds(2.0, 1.5e6, copying=3)  # 0.75 GB/s
         0.004
     """
 
@@ -306,8 +306,10 @@ class Copies:
     apply: float = 1.5
     pull_time: float = 0.0
     push_time: float = 0.0
+    cores: float = math.inf
 
     def __post_init__(self) -> None:
+        _number("Copies", "cores", self.cores, low=1, inf_ok=True)
         _bytes_per_s("Copies", "rate", self.rate)
         _bytes_per_s("Copies", "bus", self.bus)
         _seconds("Copies", "pull_time", self.pull_time)
@@ -317,7 +319,7 @@ class Copies:
 
     def seconds(self, copies: float, nbytes: float, copying: int = 1) -> float:
         """Seconds of ``copies`` copies of ``nbytes`` with ``copying`` processes copying."""
-        return copies * nbytes / min(self.rate, self.bus / max(copying, 1))
+        return copies * nbytes / min(self.rate, self.bus / min(max(copying, 1), self.cores))
 
 
 def _along(table: tuple[float, ...], n: float) -> float:
