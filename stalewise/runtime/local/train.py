@@ -117,7 +117,7 @@ class _Rejoin:
         while k not in self.ends and (left := deadline - time.monotonic()) > 0:
             self.beat()
             try:
-                if self.conn.poll(min(left, 1.0)):
+                if self.conn.poll(min(left, self.beat.every or 1.0)):
                     j = wire.decode_rejoin(self.conn.recv_bytes(wire.MAX_RESULT))
                     self.ends[j] = connection.Connection(reduction.recv_handle(self.conn))
             except (OSError, EOFError, wire.WireError) as e:  # the parent is gone or gave up
