@@ -20,11 +20,14 @@ undisturbed, then once per fault, with the same budget of pushes:
                     into a folder (so each shard keeps a push log and is rebuilt
                     from it). Columns: ``acked_lost`` (pushes the workers counted
                     that a shard lacks: a counted push is one acknowledged or about
-                    to be), ``twice`` (as above), ``torn`` (the shards' handled
-                    pushes differ), ``replay_eq`` (the first checkpoint and the
-                    logs replay to the final params bit for bit), ``shard_s``
-                    (from the kill to the shard serving again) and ``recover_s``
-                    (to the last restarted worker back in the run).
+                    to be), ``applied_twice`` (pushes a shard handled twice by
+                    worker, incarnation and seq, its log chain replayed from the
+                    first checkpoint), ``torn`` (the shards' handled pushes
+                    differ), ``replay_eq`` (the first checkpoint and the logs
+                    replay to the final params bit for bit), ``shard_s`` (from the
+                    kill to the shard serving again) and ``recover_s`` (to every
+                    running worker handed its pipe to it, or the last restarted
+                    worker back in the run).
   (g) launcher-kills ``--launcher-kills N`` runs only this case: the one-hot job of
                     ``tests/test_one_cut.py`` (``stalewise run``, 2 ranks, rank r's i-th
                     push adds 1 to item (r, i), a checkpoint every 50 pushes), its
@@ -306,7 +309,7 @@ def _logged(job, r, folder: str, kills: int, killed: int) -> dict:
         "shard_s": sum(serving) / len(serving) if serving else math.nan,
         "acked_lost": max(0, r.pushes - min(handled)),
         "torn": max(handled) - min(handled),
-        "twice": sum(_twice(job, ckpt, k, Path(folder)) for k in range(len(ckpt.states))),
+        "applied_twice": sum(_twice(job, ckpt, k, Path(folder)) for k in range(len(ckpt.states))),
         "replay_eq": flat.tobytes() == r.flat.tobytes(),
     }
 
@@ -473,7 +476,7 @@ def shard_kills(task, n: int, steps: int, quick: bool, out, check: bool) -> int:
     """Case (f): ``n`` shard kills over runs of KILLS_PER_RUN, ASP and BSP in turn (the
     figures are written after each run)."""
     rows: list[dict] = []
-    cols = ["consistency", "completed", "kills", "acked_lost", "twice", "torn", "replay_eq",
+    cols = ["consistency", "completed", "kills", "acked_lost", "applied_twice", "torn", "replay_eq",
             "shard_s", "recover_s", "time_s"]  # fmt: skip
     while (left := n - sum(r.get("kills", 0) for r in rows)) > 0 and len(rows) < 4 * n:
         consistency = (sw.ASP(), sw.BSP())[len(rows) % 2]
@@ -486,7 +489,7 @@ def shard_kills(task, n: int, steps: int, quick: bool, out, check: bool) -> int:
 
 def _shard_kills_total(rows: list[dict], steps: int, quick: bool, out) -> bool:
     """Prints and writes case (f)'s totals over ``rows``; whether its bar is met."""
-    keys = ("kills", "acked_lost", "twice", "torn")
+    keys = ("kills", "acked_lost", "applied_twice", "torn")
     total: dict = {key: sum(r.get(key, 0) for r in rows) for key in keys}
     mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
     recover = [r["recover_s"] for r in rows if not math.isnan(r.get("recover_s", math.nan))]
@@ -502,7 +505,7 @@ def _shard_kills_total(rows: list[dict], steps: int, quick: bool, out) -> bool:
     }
     print(f"digits MLP, {WORKERS} workers, {SHARDS} shards, {steps} pushes per run:", total)
     ok = total["completed"] == len(rows) == total["replay_eq"] and not (
-        total["acked_lost"] or total["twice"] or total["torn"]
+        total["acked_lost"] or total["applied_twice"] or total["torn"]
     )
     print("bar: (f) 0 lost, 0 twice, 0 torn, every replay equal:", "met" if ok else "MISSED")
     _report.write(
