@@ -374,10 +374,11 @@ class Shard:
         if self._pace is not None:
             self._pace.load(self._pace.state())
 
-    def unresumed(self) -> list[int]:
-        """The workers seated here that are not a resumed job's: after a restart from a
-        log, the dead process's workers, which depart (:meth:`depart`)."""
-        return [int(w) for w in np.flatnonzero(self.live & ~self._resumed & (self.incarnation > 0))]
+    def unresumed(self, keep: Any = ()) -> list[int]:
+        """The workers seated here that are not a resumed job's nor in ``keep``: after a
+        restart from a log, the dead process's workers, which depart (:meth:`depart`)."""
+        seated = np.flatnonzero(self.live & ~self._resumed & (self.incarnation > 0))
+        return [int(w) for w in seated if w not in keep]
 
     @pushlog.journaled
     def admit(self, worker: int, incarnation: int) -> None:

@@ -169,7 +169,7 @@ class Failures:
             "shard",
             f"shard {event['shard']} failed ({event['cause']}); restarted{at}, "
             f"{'an unknown number of' if lost is None else lost} updates of its slice lost, "
-            "the workers restarted",
+            "its workers rejoined",
         )
 
     def left(self, w: int, cause: str, *, time: float) -> None:

@@ -4,10 +4,12 @@ A :class:`Client` is one incarnation of its worker id and belongs to one thread 
 one process; every blocking call takes a ``timeout`` in seconds (None waits
 forever). A shard that closed its connection makes every later call raise
 :class:`ServerClosed`, a shard whose process died :class:`~stalewise.runtime.errors.ShardError`
-naming it. How: ``docs/design-notes.md`` ("Local runtime")."""
+naming it, unless :attr:`Client.rejoin` brings the restarted shard's new pipe (then what
+it was not answered is sent again). How: ``docs/design-notes.md`` ("Local runtime")."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from multiprocessing import connection
@@ -17,6 +19,7 @@ import numpy as np
 
 from stalewise import tree
 from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline
+from stalewise.protocol.replica import Outstanding
 from stalewise.protocol.sender import Sender
 from stalewise.runtime.base import PullsIntoTrees
 from stalewise.runtime.errors import BudgetSpent, ServerClosed, ShardError
@@ -49,23 +52,6 @@ def recv_reply(
         return wire.decode_reply(body, trusted=trusted)
     except wire.WireError as e:
         raise ServerClosed(f"malformed message while waiting for {what}: {e}") from None
-
-
-class ControlPipe:
-    """The parent's end of a shard's control pipe: control tuples go out as binary records
-    (:func:`wire.encode_control`), replies are decoded; the rest is the connection's."""
-
-    def __init__(self, conn: connection.Connection):
-        self._conn = conn
-
-    def send(self, msg: tuple) -> None:
-        self._conn.send_bytes(wire.encode_control(msg))
-
-    def recv(self) -> tuple:
-        return wire.decode_reply(self._conn.recv_bytes(), trusted=True)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
 
 
 class Client(PullsIntoTrees):
@@ -134,6 +120,9 @@ class Client(PullsIntoTrees):
         self._granted = False  # may_begin said yes since the last push
         self._round = joined_at  # under BSP: this worker's clock as it knows it
         self.watch: Any = None  # a loop the user owns: its protocol.loop.Watch
+        #: ``rejoin(k)``: restarted shard k's new pipe for this incarnation (None: none comes)
+        self.rejoin: Any = None
+        self._outstanding = Outstanding(len(conns))  # keyed by the reply awaited
 
     @property
     def pushed(self) -> int:
@@ -275,14 +264,14 @@ class Client(PullsIntoTrees):
             for k in shards:  # a shard whose copies lack the acked push serves the pull
                 version = self._read(k, timeout, out)
                 if version is None:
-                    self._send(k, wire.pull())
+                    self._send(k, wire.pull(), "pulled")
                     self._pulls_due[k] = True
                 else:
                     self._sender.pulled(k, version)
             self.own_requests += sum(self._pulls_due)
         elif not any(self._pulls_due):
             for k in shards:  # sent before reading the last push's acks: saves a round trip
-                self._send(k, wire.pull())
+                self._send(k, wire.pull(), "pulled")
             self._pulls_due = [True] * len(self._conns)
         if any(self._pulls_due):
             self.wait(timeout=timeout)
@@ -342,18 +331,15 @@ class Client(PullsIntoTrees):
         what = f"{' or '.join(kinds)} from shard {k}"
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self._exits is not None:  # a worker's client
-                while True:
-                    self._check_shards()
-                    left = None if deadline is None else deadline - time.monotonic()
-                    try:  # one poll of the pipe, then the read
-                        msg = self._recv(
-                            k, SLICE if left is None else max(0.0, min(SLICE, left)), what
-                        )
-                        break
-                    except TimeoutError:
-                        if left is not None and left <= SLICE:
-                            raise TimeoutError(f"no answer to {what} within {timeout} s") from None
+            if self._exits is not None:  # a worker's client: one poll of the pipe, then the read
+                self._check_shards()
+                left = None if deadline is None else deadline - time.monotonic()
+                try:
+                    msg = self._recv(k, SLICE if left is None else max(0.0, min(SLICE, left)), what)
+                except TimeoutError:
+                    if left is not None and left <= SLICE:
+                        raise TimeoutError(f"no answer to {what} within {timeout} s") from None
+                    continue
             else:
                 msg = self._recv(k, timeout, what)
             if msg[0] in kinds:
@@ -366,28 +352,50 @@ class Client(PullsIntoTrees):
         try:
             msg = recv_reply(self._conns[k], timeout, what, trusted=self.worker is None)
         except ServerClosed as e:  # the message names the shard
-            self._gone(str(e))
+            self._gone(k, str(e))  # returns once shard k's new pipe is in
+            return self._recv(k, timeout, what)
         if msg[0] == "error":  # the shard refused to serve this client
             self._closed(f"shard {k}: {msg[1]}")
+        self._outstanding.answered(k, msg[0])
         return msg
 
     def _drain(self, k: int) -> None:
         """Reads what shard ``k`` has sent (into the inbox) without waiting: its pipe's end,
         or a refusal, raises now."""
-        while wire.readable([self._conns[k]], 0):
-            self._inbox[k].append(self._recv(k, 0, f"messages from shard {k}"))
+        with contextlib.suppress(TimeoutError):  # a new pipe, with nothing yet
+            while wire.readable([self._conns[k]], 0):
+                self._inbox[k].append(self._recv(k, 0, f"messages from shard {k}"))
 
-    def _send(self, k: int, body: bytes) -> None:
+    def _send(self, k: int, body: bytes, reply: str = "") -> None:
+        """Sends ``body`` to shard ``k``; ``reply``: the kind of its answer, awaited."""
         self._check_open()
         try:
             self._conns[k].send_bytes(body)
         except OSError as e:
-            self._gone(f"shard {k} closed the connection ({type(e).__name__})")
+            self._gone(k, f"shard {k} closed the connection ({type(e).__name__})")
+            return self._send(k, body, reply)  # on the new pipe
+        if reply:
+            self._outstanding.sent(k, reply, body)
 
-    def _gone(self, why: str) -> NoReturn:
-        """A pipe to a shard ended: ShardError if its process died (the server's word may
-        come a moment after the pipe ends), else ServerClosed (``why``)."""
+    def _reconnect(self, k: int) -> bool:
+        """Takes restarted shard ``k``'s new pipe (:attr:`rejoin`) and sends it again what
+        the old one did not answer; False when none comes."""
+        if self.rejoin is None or self._stop_word[0] or (conn := self.rejoin(k)) is None:
+            return False
+        self._conns[k].close()
+        self._conns[k] = conn
+        with contextlib.suppress(OSError):  # died again: the next read or send says so
+            for body in self._outstanding.resend(k):
+                conn.send_bytes(body)
+        return True
+
+    def _gone(self, k: int, why: str) -> None:
+        """A pipe to shard ``k`` ended: returns once its new pipe is in (:meth:`_reconnect`),
+        else ShardError if it died (the server's word may come a moment after the pipe
+        ends), else ServerClosed (``why``)."""
         if self._exits is not None and self._closed_by is None:
+            if self._reconnect(k):
+                return
             end = time.monotonic() + EXIT_WAIT
             while not self._stop_word[0] and time.monotonic() < end:
                 self._check_shards()
@@ -401,9 +409,12 @@ class Client(PullsIntoTrees):
         raise ServerClosed(why)
 
     def _check_shards(self) -> None:
-        """Raises :class:`ShardError` naming every shard the server has seen die."""
+        """Raises :class:`ShardError` naming every shard the server has seen die, unless
+        each is back (:meth:`_reconnect`)."""
         exits = self._exits
         if exits is None or all(c != c for c in exits.tolist()):  # NaN: running
+            return
+        if all(self._reconnect(k) for k, c in enumerate(exits.tolist()) if c == c):
             return
         raise ShardError(
             "; ".join(
@@ -447,7 +458,7 @@ class Client(PullsIntoTrees):
         self._done[0] += 1  # this worker id's pushes, the job's budget count: committed
         self._sender.committed()  # the new residual is the one a successor takes
         for k in range(len(self._conns)):
-            self._send(k, wire.push(seq))
+            self._send(k, wire.push(seq), "ack")
         self._acks_due = [True] * len(self._conns)
 
     def _encode(self) -> None:

@@ -36,7 +36,7 @@ from stalewise.runtime.errors import ShardError
 from stalewise.runtime.local import layout as layout_lib
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.attach import Door
-from stalewise.runtime.local.client import Client, ControlPipe, ServerClosed, recv_reply
+from stalewise.runtime.local.client import Client, ServerClosed, recv_reply
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import (
     describe_exit,
@@ -176,7 +176,7 @@ class LocalServer:
         with thread_budget(1), stalewise_main(self._needs_main):
             p.start()
         theirs.close()
-        return p, ControlPipe(mine)  # control messages are binary records (runtime.local.wire)
+        return p, mine  # control messages are binary records (runtime.local.wire)
 
     def _wait_ready(self, k: int) -> None:
         try:
@@ -242,20 +242,9 @@ class LocalServer:
         self._incarnations[worker] += 1
         self._clients[worker] += 1
         inc = self._incarnations[worker]
-        ends = []
         with self._naming_dead_shards():
-            for k, control in enumerate(self._controls):
-                mine, theirs = self._ctx.Pipe()
-                control.send_bytes(wire.join(worker, inc))
-                reduction.send_handle(control, theirs.fileno(), self._procs[k].pid)
-                theirs.close()  # shard k holds its own copy now
-                ends.append(mine)
-            clocks = []
-            for k in range(len(self._controls)):
-                reply = self.observer._take(k, "joined", self.start_timeout)
-                assert reply[1:3] == (worker, inc), reply
-                clocks.append(reply[3])
-        self._worker_ends[worker] = ends
+            joins = [self._join(k, worker, inc) for k in range(len(self._controls))]
+        self._worker_ends[worker] = ends = [end for end, _ in joins]
         return Client(
             worker,
             self._block.handle,
@@ -263,8 +252,25 @@ class LocalServer:
             self.config,
             ends,
             incarnation=inc,
-            joined_at=max(clocks),
+            joined_at=max(clock for _, clock in joins),
         )
+
+    def _join(self, k: int, worker: int, inc: int) -> tuple[Any, int]:
+        """Joins ``worker``'s ``inc`` to shard ``k`` on a new pipe: the worker's end, its clock."""
+        mine, theirs = self._ctx.Pipe()
+        self._controls[k].send_bytes(wire.join(worker, inc))
+        reduction.send_handle(self._controls[k], theirs.fileno(), self._procs[k].pid)
+        theirs.close()  # shard k holds its own copy now
+        reply = self.observer._take(k, "joined", self.start_timeout)
+        assert reply[1:3] == (worker, inc), reply
+        return mine, reply[3]
+
+    @_locked
+    def rejoin(self, k: int, worker: int) -> Any:
+        """A new pipe between restarted shard ``k`` and ``worker``'s incarnation, kept there
+        (:meth:`restart_shard`): the worker's end, for the caller to pass on and close."""
+        with self._naming_dead_shards():
+            return self._join(k, worker, self._incarnations[worker])[0]
 
     def free_worker(self, want: int | None, *, taken: set[int]) -> int:
         """The worker id a joining process gets: ``want`` if not ``taken``, else the lowest
@@ -550,14 +556,17 @@ class LocalServer:
         return self._snapshots.version(k)
 
     @_locked
-    def restart_shard(self, k: int, base: dict | None = None, timeout: float = 60.0) -> dict:
+    def restart_shard(
+        self, k: int, base: dict | None = None, timeout: float = 60.0, keep: tuple = ()
+    ) -> dict:
         """Starts a new process for shard ``k``, whose process has died, and restores its state.
 
         With push logs (a cut named a folder) its state is exactly as when it died (the last
-        such cut's, its log chain replayed), and it goes on with the chain. Else its slice is
-        the last published snapshot, its optimizer state and counters ``base``'s (shard
-        ``k``'s :meth:`state_dict`) or fresh, its version the live shards'. Every worker must
-        then rejoin as a new incarnation (its committed push is delivered where lacking).
+        such cut's, its log chain replayed), and it goes on with the chain; workers ``keep``
+        keep their seats (then :meth:`rejoin`). Else its slice is the last published
+        snapshot, its optimizer state and counters ``base``'s (shard ``k``'s
+        :meth:`state_dict`) or fresh, its version the live shards'. Every other worker must
+        rejoin as a new incarnation (its committed push is delivered where lacking).
 
         Returns:
             ``{"shard", "version", "lost", "source"}``: the version it resumes at, the
@@ -600,7 +609,7 @@ class LocalServer:
             self._procs[k] = proc
             self.control[self.layout.shard_exits][k] = np.nan
         self._wait_ready(k)
-        self._controls[k].send_bytes(wire.load(state, logged))
+        self._controls[k].send_bytes(wire.load(state, logged, keep))
         reply = self.observer._take(k, "loaded", timeout)
         if reply[2] is not None:
             raise ShardError(f"shard {k} refused its recovered state: {reply[2]}")

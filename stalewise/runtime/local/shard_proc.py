@@ -174,15 +174,12 @@ class ShardProcess:
 
     def disconnect(self, p: WorkerPipe, reason: str) -> None:
         """Cuts off a worker that broke the protocol: a warning, an error reply, then depart."""
+        w, inc = p.worker, p.incarnation
         log.warning(
-            "shard %d: worker %d (incarnation %d) %s; disconnecting it",
-            self.k,
-            p.worker,
-            p.incarnation,
-            reason,
+            "shard %d: worker %d (incarnation %d) %s; disconnecting it", self.k, w, inc, reason
         )
         with contextlib.suppress(OSError):
-            p.write(wire.error(f"disconnected worker {p.worker} ({p.incarnation}): {reason}"))
+            p.write(wire.error(f"disconnected worker {w} ({inc}): {reason}"))
         self.depart(p)
 
     def reply(self, p: WorkerPipe, body: bytes) -> None:
@@ -411,9 +408,9 @@ class ShardProcess:
                 return True
             if msg[2] is None:
                 shard.resume()  # the saved workers' next incarnations take their seats
-            else:  # its log goes on; the dead process's workers depart (a resumed seat stays)
+            else:  # its log goes on; the dead process's workers depart, but those kept
                 self.begin_log(*msg[2])
-                for w in shard.unresumed():
+                for w in shard.unresumed(keep=msg[3]):
                     got = committed_push(self.layout, self.records, self.pushes, w, self.k)
                     self.write(shard.depart, w, int(shard.incarnation[w]), got)
                 self.answer()  # the log's entries reach the OS
@@ -429,12 +426,14 @@ class ShardProcess:
         self.control.send_bytes(wire.joined(w, inc, int(self.shard.clocks[w])))
 
     def admit(self, fd: int, w: int, inc: int) -> None:
-        """Incarnation ``inc`` of worker ``w`` joins on the pipe end ``fd`` (now the shard's)."""
+        """Incarnation ``inc`` of worker ``w`` joins on the pipe end ``fd`` (now the shard's);
+        a restarted shard's seat of ``inc`` (from its log) is taken as it is."""
         p = WorkerPipe(fd, w, inc)
         old = self.current.get(w)
         if old is not None:
             self.depart(old)  # the old incarnation's committed push first, then it leaves
-        self.write(self.shard.join, w, inc)
+        if inc > self.shard.incarnation[w]:
+            self.write(self.shard.join, w, inc)
         self.pipes[p], self.current[w] = None, p
 
 
@@ -469,11 +468,7 @@ def shard_main(
             lease_ends = None
             gone = proc.write(shard.expire_unstarted)
             if gone:
-                log.error(
-                    "shard %d: worker(s) %s did not start within %g s (join_timeout); "
-                    "the gates no longer wait for them",
-                    k,
-                    ", ".join(map(str, gone)),
-                    join_timeout,
-                )
+                names = ", ".join(map(str, gone))
+                log.error("shard %d: worker(s) %s did not start within %g s (join_timeout); the "
+                          "gates no longer wait for them", k, names, join_timeout)  # fmt: skip
         proc.settle()

@@ -7,8 +7,8 @@ budget, the stop condition, a failure its policy does not survive, or Ctrl-C. A
 worker fails when its process dies, user code raises in it, its heartbeats stop
 (:class:`~stalewise.protocol.liveness.Silence`) or its result pipe carries bytes
 that are no message (:func:`stalewise.runtime.local.wire.decode_result`); a shard fails
-when its process dies (every worker is stopped, the shard restarted, from its push log
-if there is one, the workers rejoin). A failure before the job has started fails it
+when its process dies (it is restarted; the running workers carry on if it comes back
+from its push log, else restart). A failure before the job has started fails it
 whatever the policy. What a user sees: ``docs/reliability.md``. No process the parent
 started outlives it (:func:`~stalewise.runtime.local.procs.die_with_parent`)."""
 
@@ -25,7 +25,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from multiprocessing import connection
+from multiprocessing import connection, reduction
 from typing import Any
 
 import numpy as np
@@ -105,6 +105,28 @@ class _Heartbeat:
             time.sleep(left if self.every is None else min(left, self.every))
 
 
+class _Rejoin:
+    """A worker's :attr:`Client.rejoin`: a restarted shard's new pipe, as the parent sends
+    it on the result pipe (beating while it waits, ``timeout`` s at most; then None)."""
+
+    def __init__(self, conn: connection.Connection, beat: _Heartbeat, timeout: float):
+        self.conn, self.beat, self.timeout, self.ends = conn, beat, timeout, {}
+
+    def __call__(self, k: int) -> connection.Connection | None:
+        deadline = time.monotonic() + self.timeout
+        while k not in self.ends and (left := deadline - time.monotonic()) > 0:
+            self.beat()
+            try:
+                if self.conn.poll(min(left, self.beat.every or 1.0)):
+                    j = wire.decode_rejoin(self.conn.recv_bytes(wire.MAX_RESULT))
+                    self.ends[j] = connection.Connection(reduction.recv_handle(self.conn))
+            except (OSError, EOFError, wire.WireError) as e:  # the parent is gone or gave up
+                log.warning("worker: no new pipe to shard %d: %s", k, e)
+                break
+        self.timeout = self.timeout if k in self.ends else 0  # once in vain: no more waits
+        return self.ends.pop(k, None)
+
+
 def _worker_main(
     client: Client,
     strategy: Strategy,
@@ -119,6 +141,7 @@ def _worker_main(
     slowdown, delay = options.slowdowns[w], options.extra_delays[w]
     diverged = getattr(loop, "Diverged", None)  # raised by the worker loop, where it exists
     beat = _Heartbeat(results, w, options.worker_timeout)
+    client.rejoin = _Rejoin(results, beat, options.shard_start_timeout + options.ack_timeout)
     positions = None  # its data position at each push (checkpoint.Positions)
     try:
         ctrl = client._layout.control(client._attach())
@@ -351,14 +374,13 @@ class _Host:
     def handle(self, w: int, msg: tuple) -> None:
         """One message of worker ``w`` (decoded)."""
         wk = self.workers[w]
-        if msg[0] == "ready":  # a restarted incarnation: it joins the run at once
-            with contextlib.suppress(OSError):  # died meanwhile: its pipe's end says so
-                wk.conn.send_bytes(wire.go())
         if msg[0] == "beat":
             wk.beat = max(wk.beat, msg[2])
             if wk.silence is not None:
                 wk.silence.beat(msg[2])
-        elif msg[0] == "ready":
+        elif msg[0] == "ready":  # a restarted incarnation: it joins the run at once
+            with contextlib.suppress(OSError):  # died meanwhile: its pipe's end says so
+                wk.conn.send_bytes(wire.go())
             self.running(wk)
             for event in wk.pending:
                 event["recovered"] = max(event.get("recovered", 0.0), self.now())
@@ -406,7 +428,8 @@ class _Host:
             self.workers[w].state = "dropped"
 
     def check_shards(self) -> bool:
-        """Restarts the shards whose process died, and every worker with them (or raises)."""
+        """Restarts the shards whose process died (or raises); the running workers carry on
+        if the shards come back from their push logs (:meth:`rejoin`), else restart."""
         dead = self.server.dead_shards()
         if not dead:
             return False
@@ -414,29 +437,48 @@ class _Host:
         for k in dead:
             self.run.failures.shard(k, self.server.shard_exit(k), time=self.now())
             events.append(self.run.failures.events[-1])
-        again = [w for w, wk in enumerate(self.workers) if wk.state in (*_LIVE, "down")]
-        for w in again:  # their pipes to the dead shard are gone: new incarnations
-            if self.workers[w].state != "down":
-                self.workers[w].proc.kill()
-            self.reap(w)
-        bases = None if self.server.logged else self.checkpoint_states()  # logged: unused
+        logged = self.server.logged
+        carry = [w for w, wk in enumerate(self.workers) if logged and wk.state == "running"]
+        again = self.kill([w for w, wk in enumerate(self.workers)
+                           if wk.state in (*_LIVE, "down") and w not in carry])  # fmt: skip
+        bases = None if logged else self.checkpoint_states()  # logged: unused
         for k, event in zip(dead, events, strict=True):
-            info = self.server.restart_shard(k, bases[k] if bases else None, self.o.ack_timeout)
+            base = bases[k] if bases else None
+            info = self.server.restart_shard(k, base, self.o.ack_timeout, keep=tuple(carry))
             self.run.failures.shard_restarted(event, version=info["version"], lost=info["lost"])
             event["serving"] = self.now()  # the shard is back (its workers follow)
-            log.warning(
-                "shard %d restarted at version %d from its %s (%s updates of its slice lost); "
-                "workers %s restart as new incarnations",
-                k,
-                info["version"],
-                info["source"],
-                "unknown" if info["lost"] is None else info["lost"],
-                ", ".join(map(str, again)) or "(none)",
-            )
+            if info["source"] != "push log":  # no seats kept: new incarnations
+                again, carry = again + self.kill(carry), []
+            for w in carry:
+                self.rejoin(w, k)
+            event["recovered"] = self.now()  # or a restarted worker's ready, later
+            log.warning("shard %d restarted at version %d from its %s (%s updates of its slice "
+                        "lost); workers %s carry on, %s restart as new incarnations", k,
+                        info["version"], info["source"], "unknown" if info["lost"] is None
+                        else info["lost"], carry, again)  # fmt: skip
         for w in again:
             self.workers[w].pending.extend(events)
             self.spawn(w)
         return True
+
+    def kill(self, ws: list[int]) -> list[int]:
+        """Stops workers ``ws``'s processes (their pipes to a dead shard are gone); returns ``ws``."""
+        for w in ws:
+            if self.workers[w].state != "down":
+                self.workers[w].proc.kill()
+            self.reap(w)
+        return ws
+
+    def rejoin(self, w: int, k: int) -> None:
+        """Hands running worker ``w`` a new pipe to restarted shard ``k`` (its seat there)."""
+        end = self.server.rejoin(k, w)
+        try:
+            self.workers[w].conn.send_bytes(wire.rejoin(k))
+            reduction.send_handle(self.workers[w].conn, end.fileno(), self.workers[w].proc.pid)
+        except OSError:  # it died meanwhile: poll() finds its pipe closed, shard k its end
+            pass
+        finally:
+            end.close()
 
     def checkpoint_states(self) -> list[dict] | None:
         """The shard states of this run's last checkpoint (written or resumed), if any."""
@@ -497,10 +539,8 @@ class _Host:
                 if msgs is None:
                     self.reap(w)
                     msgs = [("error", w, self._silent_death(w))]
-                if not msgs:  # a part of a message: the rest comes later
-                    continue
-                msg = next((m for m in msgs if m[0] != "beat"), msgs[0])
-                if msg[0] == "beat":
+                msg = next((m for m in msgs if m[0] != "beat"), None)
+                if msg is None:  # beats, or a part of a message: the rest comes later
                     continue
                 if msg[0] == "ready":
                     self.workers[w].state = "ready"

@@ -11,7 +11,7 @@ or, only on the control pipe from the parent that started a shard, a pickle::
     shard  -> parent   ready(k), joined(clock), pulled, loaded, pickled: stats, state, stopped, cut
     worker -> parent   worker_ready, beat(time), done, diverged(text),   at most MAX_RESULT bytes
                        failed(traceback, summary)
-    parent -> worker   go
+    parent -> worker   go, rejoin(k) and a restarted shard's new pipe (its fd)
 
 Nothing a worker writes is unpickled: :func:`decode_from_worker` and
 :func:`decode_result` know their fixed records and nothing else, and any other
@@ -294,6 +294,18 @@ def go() -> bytes:
     return _KIND.pack(_GO)
 
 
+def rejoin(k: int) -> bytes:
+    """Shard ``k`` was restarted: its new pipe's file descriptor follows."""
+    return _INT.pack(_GO, k)
+
+
+def decode_rejoin(body: bytes) -> int:
+    """The shard a :func:`rejoin` names."""
+    if len(body) != _INT.size or body[0] != _GO:
+        raise WireError(f"not a rejoin: {body[:16]!r}")
+    return _INT.unpack(body)[1]
+
+
 def decode_result(body: bytes, worker: int) -> tuple:
     """A message from worker ``worker``'s result pipe: ``("ready", w)``, ``("beat", w,
     time)``, ``("done", w)``, ``("diverged", w, text)`` or ``("error", w, traceback,
@@ -356,10 +368,11 @@ def state() -> bytes:
     return _KIND.pack(_STATE)
 
 
-def load(state_dict: dict, log: tuple | None = None) -> bytes:
+def load(state_dict: dict, log: tuple | None = None, keep: tuple = ()) -> bytes:
     """A checkpoint's state for the shard (pickled: the control pipe only); ``log``: a
-    restart's, ``(path, at, fsync)`` of the push log it goes on with (ShardProcess.begin_log)."""
-    return _KIND.pack(_LOAD) + _pickle((state_dict, log))
+    restart's, ``(path, at, fsync)`` of the push log it goes on with (ShardProcess.begin_log),
+    ``keep``: the workers that keep their seats (they rejoin)."""
+    return _KIND.pack(_LOAD) + _pickle((state_dict, log, tuple(keep)))
 
 
 def stop() -> bytes:
@@ -379,30 +392,10 @@ def thaw() -> bytes:
     return _KIND.pack(_THAW)
 
 
-def encode_control(msg: tuple) -> bytes:
-    """A control message written as its tuple, e.g. ``("join", 0, 1)`` or ``("stats",)``.
-
-    Example:
-        >>> decode_control(encode_control(("join", 3, 2)))
-        ('join', 3, 2)
-    """
-    kind = msg[0] if isinstance(msg, tuple) and msg else None
-    if kind == "join" and len(msg) == 3:
-        return join(msg[1], msg[2])
-    if kind == "load" and len(msg) in (2, 3):
-        return load(*msg[1:])
-    if kind == "cut" and len(msg) == 5:
-        return cut(*msg[1:])
-    simple = {"pull": pull, "stats": stats, "state": state, "stop": stop, "thaw": thaw}
-    if kind in simple and len(msg) == 1:
-        return simple[kind]()
-    raise WireError(f"not a control message: {msg!r:.80}")
-
-
 def decode_control(body: bytes) -> tuple:
     """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
-    ``("stats",)``, ``("state",)``, ``("load", state, log)``, ``("cut", n, targets, log, fsync)``
-    (unpickled), ``("thaw",)`` or ``("stop",)``."""
+    ``("stats",)``, ``("state",)``, ``("load", state, log, keep)``, ``("cut", n, targets,
+    log, fsync)`` (unpickled), ``("thaw",)`` or ``("stop",)``."""
     kind = _kind_of(body)
     if kind == _JOIN and len(body) == _TWO.size:
         return ("join", *_TWO.unpack(body)[1:])
