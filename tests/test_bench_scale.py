@@ -8,7 +8,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))  # scale.py imports its siblings
 scale = pytest.importorskip("scale")
-QUIET = str(ROOT / "benchmarks" / "results" / "scale-sim.json")
+QUIET = str(ROOT / "benchmarks" / "results" / "scale-sim-bus.json")  # with copy_bus
 
 
 def test_the_recorded_quiet_run_is_predicted_within_15_percent_without_a_second_bus_charge():
