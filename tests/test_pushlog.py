@@ -148,14 +148,15 @@ def test_a_torn_last_entry_is_dropped_and_the_rest_replays(caplog):
 
 def entry(fields, payload=b""):
     header = json.dumps(fields).encode()
-    return struct.pack("<4sII", b"SWJ1", len(header), zlib.crc32(header)) + header + payload
+    return struct.pack("<4sII", b"SWJ2", len(header), zlib.crc32(header)) + header + payload
 
 
 @pytest.mark.parametrize(
     "data, problem",
     [
-        (b"SWJ2" + bytes(20), "not a journal entry (magic b'SWJ2')"),
-        (struct.pack("<4sII", b"SWJ1", 1 << 20, 0) + bytes(9), "header of 1048576 bytes"),
+        (b"SWJ3" + bytes(20), "not a journal entry (magic b'SWJ3')"),
+        (b"SWJ1" + bytes(20), "not a journal entry of an earlier stalewise, whose joins"),
+        (struct.pack("<4sII", b"SWJ2", 1 << 20, 0) + bytes(9), "header of 1048576 bytes"),
         (entry({"op": "leave", "worker": 0})[:-2] + b"1}", "header checksum mismatch"),
         (entry({"op": "fork"}), "'op': expected one of push, pull"),
         (entry({"op": "join", "worker": 0}), "'incarnation': missing"),

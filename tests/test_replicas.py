@@ -433,7 +433,7 @@ def test_rules_of_the_two_copies():
     assert primary.held(backup.receive(first)) == ["joined"]
     overlap = second._replace(first=0, entries=first.entries + second.entries)
     assert backup.receive(overlap) == (1, 3) and backup.shard.stats.bytes_out == 0
-    garbled = second._replace(first=3, entries=(b"SWJ1" + bytes(8),))
+    garbled = second._replace(first=3, entries=(b"SWJ2" + bytes(8),))
     with pytest.raises(pushlog.LogError, match=r"shard 0, view 1, entry 3: .* not JSON"):
         backup.receive(garbled)
     assert backup.entries == 3

@@ -27,7 +27,7 @@ from stalewise.protocol.messages import PushHeader
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"SWJ1"
+MAGIC = b"SWJ2"  # SWJ1: before an expected worker's first join kept its seat
 _PREFIX = struct.Struct("<4sII")
 MAX_HEADER = 4096  # bytes of an entry's JSON header
 
@@ -166,7 +166,8 @@ def read(
             return _torn(at, last, payloads)
         magic, size, crc = _PREFIX.unpack(prefix)
         if magic != MAGIC:
-            raise LogError(f"{at}: not a journal entry (magic {magic!r})")
+            old = " of an earlier stalewise, whose joins replay otherwise" * (magic == b"SWJ1")
+            raise LogError(f"{at}: not a journal entry{old} (magic {magic!r})")
         if size > MAX_HEADER:
             raise LogError(f"{at}: header of {size} bytes, more than {MAX_HEADER}")
         raw = stream.read(size)
