@@ -390,15 +390,16 @@ class Client(PullsIntoTrees):
         return True
 
     def _gone(self, k: int, why: str) -> None:
-        """A pipe to shard ``k`` ended: returns once its new pipe is in (:meth:`_reconnect`),
-        else ShardError if it died (the server's word may come a moment after the pipe
+        """A pipe to shard ``k`` ended: returns once its new pipe is in (:meth:`_reconnect`,
+        tried once the shard is seen dead or a new pipe comes), else ShardError if it died (the server's word may come a moment after the pipe
         ends), else ServerClosed (``why``)."""
         if self._exits is not None and self._closed_by is None:
-            if self._reconnect(k):
-                return
             end = time.monotonic() + EXIT_WAIT
             while not self._stop_word[0] and time.monotonic() < end:
-                self._check_shards()
+                if self._exits[k] == self._exits[k] or getattr(self.rejoin, "sent", False):
+                    if self._reconnect(k):  # it died (an exit code, not NaN), or is back
+                        return
+                    break
                 time.sleep(0.005)
             self._check_shards()
         self._closed(why)

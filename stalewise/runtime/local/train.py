@@ -107,14 +107,17 @@ class _Heartbeat:
 
 class _Rejoin:
     """A worker's :attr:`Client.rejoin`: a restarted shard's new pipe, as the parent sends
-    it on the result pipe (beating while it waits, ``timeout`` s at most; then None)."""
+    it on the result pipe (beating while it waits, ``timeout`` s at most once the shard's
+    new process has started; then None)."""
 
-    def __init__(self, conn: connection.Connection, beat: _Heartbeat, timeout: float):
-        self.conn, self.beat, self.timeout, self.ends = conn, beat, timeout, {}
+    def __init__(self, conn: connection.Connection, beat: _Heartbeat, timeout: float, client):
+        self.conn, self.beat, self.timeout, self.client, self.ends = conn, beat, timeout, client, {}
 
     def __call__(self, k: int) -> connection.Connection | None:
         deadline = time.monotonic() + self.timeout
         while k not in self.ends and (left := deadline - time.monotonic()) > 0:
+            if (code := self.client._exits[k]) == code:  # an exit code: the parent replays still
+                deadline = time.monotonic() + self.timeout
             self.beat()
             try:
                 if self.conn.poll(min(left, self.beat.every or 1.0)):
@@ -125,6 +128,11 @@ class _Rejoin:
                 break
         self.timeout = self.timeout if k in self.ends else 0  # once in vain: no more waits
         return self.ends.pop(k, None)
+
+    @property
+    def sent(self) -> bool:
+        """Whether the parent has sent a new pipe not taken yet."""
+        return bool(self.ends) or self.conn.poll(0)
 
 
 def _worker_main(
@@ -141,7 +149,8 @@ def _worker_main(
     slowdown, delay = options.slowdowns[w], options.extra_delays[w]
     diverged = getattr(loop, "Diverged", None)  # raised by the worker loop, where it exists
     beat = _Heartbeat(results, w, options.worker_timeout)
-    client.rejoin = _Rejoin(results, beat, options.shard_start_timeout + options.ack_timeout)
+    wait = options.shard_start_timeout + options.ack_timeout
+    client.rejoin = _Rejoin(results, beat, wait, client)
     positions = None  # its data position at each push (checkpoint.Positions)
     try:
         ctrl = client._layout.control(client._attach())
