@@ -558,23 +558,35 @@ if __name__ == "__main__":
 
 
 def launcher_kills(n: int, out, check: bool, steps: int = 4000, every: int = 50) -> int:
-    """Case (g): ``n`` launcher kills, half under ASP and half under BSP, each run of the
-    one-hot job ended by a run to its budget."""
-    rows, rng = [], random.Random(int(time.time()))
+    """Case (g): ``n`` launcher kills (:func:`_kills_case`)."""
     cols = ["consistency", "completed", "kills", "acked_lost", "twice", "skipped", "replayed",
             "rank_skips", "first_push_s", "fresh_s", "time_s"]  # fmt: skip
+    return _kills_case("g", "one-hot job, 2 ranks", _one_hot_kills, cols, "firsts", n, steps,
+                       every, out, check)  # fmt: skip
+
+
+def _kills_case(case, what, run, cols, times, n, steps, every, out, check) -> int:
+    """Case ``case``: ``n`` kills, half under ASP and half under BSP, in runs of the one-hot
+    job (``run(folder, consistency, kills, steps, every, rng)``, each ended by a run to its
+    end); its rows' totals (the columns from ``kills`` up to the first time, and the
+    times each row lists under ``times``), printed and written by :func:`_kills_bar`."""
+    seed = int(time.time())
+    print("seed", seed, flush=True)
+    rows, rng = [], random.Random(seed)
     for k, consistency in enumerate(("asp", "bsp")):
         kills = n // 2 + (k < n % 2)
-        with tempfile.TemporaryDirectory(prefix="faults-launcher-") as folder:
-            rows.append(_one_hot_kills(Path(folder), consistency, kills, steps, every, rng))
+        with tempfile.TemporaryDirectory(prefix=f"faults-{case}-") as folder:
+            rows.append(run(Path(folder), consistency, kills, steps, every, rng))
         print(format_table(rows[-1:], cols), flush=True)
-    keys = ("kills", "acked_lost", "twice", "skipped", "replayed", "rank_skips")
-    total: dict = {key: sum(r[key] for r in rows) for key in keys}
-    firsts = [t for r in rows for t in r.pop("firsts")]
+    stat = cols[cols.index("fresh_s") - 1]  # the row's time column: first_push_s or ready_s
+    total: dict = {key: sum(r[key] for r in rows) for key in cols[2 : cols.index(stat)]}
+    xs = [t for r in rows for t in r.pop(times)]
     total |= {"runs": len(rows), "completed": sum(r["completed"] == "yes" for r in rows),
-              "first_push_s_mean": sum(firsts) / len(firsts) if firsts else math.nan,
-              "first_push_s_max": max(firsts, default=math.nan), "load": os.getloadavg()}  # fmt: skip
-    return _kills_bar("g", "one-hot job, 2 ranks", total, rows, n, steps, every, out, check)
+              f"{stat}_mean": float(np.mean(xs)) if xs else math.nan,
+              f"{stat}_median": float(np.median(xs)) if xs else math.nan,
+              f"{stat}_max": max(xs, default=math.nan),
+              "fresh_s": [r["fresh_s"] for r in rows], "seed": seed, "load": os.getloadavg()}  # fmt: skip
+    return _kills_bar(case, what, total, rows, n, steps, every, out, check)
 
 
 def _kills_bar(case, what, total, rows, n, steps, every, out, check) -> int:
@@ -726,27 +738,11 @@ if __name__ == "__main__":
 
 
 def parent_kills(n: int, out, check: bool, steps: int = 4000, every: int = 50) -> int:
-    """Case (h): ``n`` kills of the ``Job.train`` parent, half under ASP and half under BSP,
-    each run of the one-hot job ended by a run to its budget."""
-    seed = int(time.time())
-    print("seed", seed, flush=True)
-    rows, rng = [], random.Random(seed)
+    """Case (h): ``n`` kills of the ``Job.train`` parent (:func:`_kills_case`)."""
     cols = ["consistency", "completed", "kills", "acked_lost", "twice", "skipped", "replayed",
             "ready_s", "fresh_s", "time_s"]  # fmt: skip
-    for k, consistency in enumerate(("asp", "bsp")):
-        kills = n // 2 + (k < n % 2)
-        with tempfile.TemporaryDirectory(prefix="faults-parent-") as folder:
-            rows.append(_train_kills(Path(folder), consistency, kills, steps, every, rng))
-        print(format_table(rows[-1:], cols), flush=True)
-    keys = ("kills", "acked_lost", "twice", "skipped", "replayed")
-    total: dict = {key: sum(r[key] for r in rows) for key in keys}
-    readies = [t for r in rows for t in r.pop("readies")]
-    total |= {"runs": len(rows), "completed": sum(r["completed"] == "yes" for r in rows),
-              "ready_s_median": float(np.median(readies)) if readies else math.nan,
-              "ready_s_max": max(readies, default=math.nan),
-              "fresh_s": [r["fresh_s"] for r in rows], "seed": seed, "load": os.getloadavg()}  # fmt: skip
-    what = "one-hot Job.train, 2 workers"
-    return _kills_bar("h", what, total, rows, n, steps, every, out, check)
+    return _kills_case("h", "one-hot Job.train, 2 workers", _train_kills, cols, "readies", n,
+                       steps, every, out, check)  # fmt: skip
 
 
 def _train_kills(folder: Path, consistency: str, kills: int, steps: int, every: int,
@@ -864,26 +860,11 @@ if __name__ == "__main__":
 
 
 def serve_kills(n: int, out, check: bool, steps: int = 6000, every: int = 50) -> int:
-    """Case (i): ``n`` kills of the process serving ``job.serve``, half under ASP and half
-    under BSP, each run of the one-hot job ended by a run to its end."""
-    seed = int(time.time())
-    print("seed", seed, flush=True)
-    rows, rng = [], random.Random(seed)
+    """Case (i): ``n`` kills of the process serving ``job.serve`` (:func:`_kills_case`)."""
     cols = ["consistency", "completed", "kills", "acked_lost", "twice", "skipped", "replayed",
             "first_push_s", "fresh_s", "time_s"]  # fmt: skip
-    for k, consistency in enumerate(("asp", "bsp")):
-        kills = n // 2 + (k < n % 2)
-        with tempfile.TemporaryDirectory(prefix="faults-serve-") as folder:
-            rows.append(_serve_kills(Path(folder), consistency, kills, steps, every, rng))
-        print(format_table(rows[-1:], cols), flush=True)
-    total: dict = {key: sum(r[key] for r in rows) for key in cols[2:7]}
-    firsts = [t for r in rows for t in r.pop("firsts")]
-    total |= {"runs": len(rows), "completed": sum(r["completed"] == "yes" for r in rows),
-              "first_push_s_mean": sum(firsts) / len(firsts) if firsts else math.nan,
-              "first_push_s_max": max(firsts, default=math.nan),
-              "fresh_s": [r["fresh_s"] for r in rows], "seed": seed, "load": os.getloadavg()}  # fmt: skip
-    what = "one-hot job.serve, 2 attached workers, 2 shards"
-    return _kills_bar("i", what, total, rows, n, steps, every, out, check)
+    return _kills_case("i", "one-hot job.serve, 2 attached workers, 2 shards", _serve_kills,
+                       cols, "firsts", n, steps, every, out, check)  # fmt: skip
 
 
 def _serve_kills(folder: Path, consistency: str, kills: int, steps: int, every: int,
