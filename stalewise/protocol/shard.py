@@ -380,6 +380,12 @@ class Shard:
         seated = np.flatnonzero(self.live & ~self._resumed & (self.incarnation > 0))
         return [int(w) for w in seated if w not in keep]
 
+    def seated(self, worker: int, incarnation: int) -> bool:
+        """Whether a connection of ``incarnation`` takes ``worker``'s seat here as it is,
+        without :meth:`join`: one not newer than the shard's (a restarted shard's kept seat,
+        :meth:`unresumed`)."""
+        return bool(incarnation <= self.incarnation[worker])
+
     @pushlog.journaled
     def admit(self, worker: int, incarnation: int) -> None:
         """:meth:`join`, and from now on the runtime hears only this incarnation of

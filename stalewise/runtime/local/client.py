@@ -391,8 +391,8 @@ class Client(PullsIntoTrees):
 
     def _gone(self, k: int, why: str) -> None:
         """A pipe to shard ``k`` ended: returns once its new pipe is in (:meth:`_reconnect`,
-        tried once the shard is seen dead or a new pipe comes), else ShardError if it died (the server's word may come a moment after the pipe
-        ends), else ServerClosed (``why``)."""
+        tried once the shard is seen dead or a new pipe comes), else ShardError if it died
+        (the server's word may come a moment after the pipe ends), else ServerClosed."""
         if self._exits is not None and self._closed_by is None:
             end = time.monotonic() + EXIT_WAIT
             while not self._stop_word[0] and time.monotonic() < end:

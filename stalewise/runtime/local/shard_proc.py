@@ -426,13 +426,13 @@ class ShardProcess:
         self.control.send_bytes(wire.joined(w, inc, int(self.shard.clocks[w])))
 
     def admit(self, fd: int, w: int, inc: int) -> None:
-        """Incarnation ``inc`` of worker ``w`` joins on the pipe end ``fd`` (now the shard's);
-        a restarted shard's seat of ``inc`` (from its log) is taken as it is."""
+        """Incarnation ``inc`` of worker ``w`` joins on the pipe end ``fd`` (now the shard's),
+        or takes its seat as it is (:meth:`Shard.seated`)."""
         p = WorkerPipe(fd, w, inc)
         old = self.current.get(w)
         if old is not None:
             self.depart(old)  # the old incarnation's committed push first, then it leaves
-        if inc > self.shard.incarnation[w]:
+        if not self.shard.seated(w, inc):
             self.write(self.shard.join, w, inc)
         self.pipes[p], self.current[w] = None, p
 
