@@ -204,3 +204,31 @@ def test_a_restart_from_a_broken_log_takes_the_published_snapshot_and_says_so(
     assert (info["source"], info["version"]) == ("published snapshot", 5), info
     assert [s["version"] for s in final] == [5, 5]
     assert "shard 1: no push log (it broke" in caplog.text
+
+
+def test_a_worker_whose_seat_left_before_the_kill_is_refused_not_left_waiting(tmp_path, no_leaks):
+    """Shard 1 cut worker 0 off (a malformed message) and died before the worker read its
+    error: the restarted shard has the seat departed, so the worker's new pipe is refused
+    at once, in one line, instead of its pull waiting on a seat that is gone."""
+    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+    served = sw.staleness.constant(dc_lambda=0.1)  # DC-ASGD: every pull is served
+    job = sw.Job(params, optimizer=sw.optim.sgd(0.1), shards=2, staleness=served)
+    with LocalServer(job.config, workers=1) as server:
+        client = server.client(0)
+        server.checkpoint_parts(timeout=30, log_dir=str(tmp_path))
+        pushes(client, 2)
+        client._conns[1].send_bytes(b"\xff" * 8)  # malformed: shard 1 disconnects worker 0
+        client._conns[1].recv_bytes()  # its error reply, which the worker never saw
+        wait_for(lambda: not server.state_dicts(timeout=30)[1]["live"][0], "worker 0 left")
+        kill(server, 1)
+
+        def rejoin(k):
+            assert server.restart_shard(k, timeout=30, keep=(0,))["source"] == "push log"
+            return server.rejoin(k, 0)
+
+        client.rejoin = rejoin
+        began = time.monotonic()
+        with pytest.raises(sw.ServerClosed, match=r"worker 0 .*left the job"):
+            client.pull(timeout=20)
+        assert time.monotonic() - began < 10
+        client.close()

@@ -383,7 +383,12 @@ class Shard:
     def seated(self, worker: int, incarnation: int) -> bool:
         """Whether a connection of ``incarnation`` takes ``worker``'s seat here as it is,
         without :meth:`join`: one not newer than the shard's (a restarted shard's kept seat,
-        :meth:`unresumed`)."""
+        :meth:`unresumed`).
+
+        Raises:
+            ValueError: that incarnation's seat has left (it departed before a restart)."""
+        if incarnation == self.incarnation[worker] and not self.live[worker]:
+            raise ValueError(f"worker {worker} (incarnation {incarnation}) has left the job")
         return bool(incarnation <= self.incarnation[worker])
 
     @pushlog.journaled

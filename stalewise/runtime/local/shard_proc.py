@@ -432,8 +432,14 @@ class ShardProcess:
         old = self.current.get(w)
         if old is not None:
             self.depart(old)  # the old incarnation's committed push first, then it leaves
-        if not self.shard.seated(w, inc):
-            self.write(self.shard.join, w, inc)
+        try:
+            if not self.shard.seated(w, inc):
+                self.write(self.shard.join, w, inc)
+        except ValueError as e:  # its seat left: refused, in one line
+            with contextlib.suppress(OSError):
+                p.write(wire.error(f"disconnected worker {w} ({inc}): {e}"))
+            p.close()
+            return
         self.pipes[p], self.current[w] = None, p
 
 
