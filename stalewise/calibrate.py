@@ -970,13 +970,12 @@ def calibrate(
     contention: bool = True,
     runtime: str = "local",
 ) -> Calibration:
-    """Measures compute, apply, pull and push times on this machine; see the module docstring.
+    """Measures compute, apply, pull and push times on this machine (the module docstring);
+    ValueError names a bad argument.
 
     Args:
-        job: the :class:`~stalewise.Job` (``job.calibrate`` passes itself).
-        loss_and_grad: the user's ``f(params, batch) -> (loss, grads)`` (picklable).
-        data: ``data(worker, workers)`` or one sequence of batches per worker (picklable).
-        workers: the processes that compute at once (the run's workers).
+        job, loss_and_grad, data, workers: as :meth:`stalewise.Job.train` takes them
+            (``job.calibrate`` passes its job); ``workers`` compute at once.
         repeats: timed steps per worker, and timed pushes per size.
         sizes: the parameter counts transport and apply are timed at (default: the
             job's, at least :data:`MIN_SIZE`, and 4x it); two or more.
@@ -989,9 +988,6 @@ def calibrate(
             compute to CPU times; False: no contention, wall-clock times.
         runtime: where pulls, pushes, shard and worker loop are timed (``"local"`` or
             ``"ray"``: ``stalewise.runtime.names("calibrates")``); compute is timed locally.
-
-    Raises:
-        ValueError: a bad argument, naming it.
     """
     config = job.config
     if not _int_in(workers, 1, sys.maxsize):

@@ -1,9 +1,8 @@
 """Codecs: how an update is encoded on the wire (``sw.codecs``).
 
-A codec turns a float vector into raw bytes (a 12-byte header, then the body; never a
-pickle) and back, each class stating its error bound; a bad payload raises
-:class:`PayloadError`, NaN and infinity travel as values (the shard refuses them). A Job's
-codec compresses leaves of at least :data:`SMALL_LEAF` elements. More: docs/codecs.md.
+A codec turns a float vector into raw bytes (never a pickle: docs/codecs.md) and back, each
+class stating its error bound; a bad payload raises :class:`PayloadError`. A Job's codec
+compresses leaves of at least :data:`SMALL_LEAF` elements.
 
 Example:
     >>> import numpy as np

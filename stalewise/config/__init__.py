@@ -182,16 +182,10 @@ def parse(
     codec: str | None = None,
     pull_codec: str | None = None,
 ) -> RunConfig:
-    """Checks a config already read into a dict and builds the task and the job.
-
-    Args:
-        raw: the config's tables.
-        base: the config file's folder, where a task factory's module is looked for first.
-        runtime, codec, pull_codec: override ``run.runtime``, ``server.codec`` and
-            ``server.pull_codec`` (``"full"``: off).
-
-    Raises:
-        ConfigError: naming the bad key."""
+    """Checks a config's tables (``raw``) and builds the task and the job; ConfigError names
+    a bad key. ``base``: the config file's folder, where a task factory's module is looked for
+    first; ``runtime``, ``codec``, ``pull_codec`` override ``run.runtime``, ``server.codec``
+    and ``server.pull_codec`` (``"full"``: off)."""
     if not isinstance(raw, Mapping):
         raise ConfigError("config", f"expected tables, got {raw!r}")
     schema.check_depth(raw)

@@ -281,15 +281,11 @@ def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resum
 
 
 class RankStates:
-    """A launched rank's side: ``ctx.state`` from the launcher's folder at ``sw.init``, and
-    into it at every ``should_stop()`` and at ``close()``, with the count of its pushes it
-    is after (the last two kept: a resume picks the one of the pushes the shards hold).
-    Once the job's pushes pass a multiple of ``every``, ``should_stop()`` writes it with
-    its pushes acknowledged and waits until the launcher has read the shards (the cut) or
-    :data:`RANK_STATE_WAIT` passed (data only: :func:`stalewise.checkpoint.store.flat_state`).
-    A rank resumed from a state before pushes the shards hold skips that many pushes: not
-    sent, each leaves ``client.wait()`` a ``"duplicate"`` result (seq -1, the versions last
-    seen), as a checkpoint taken meanwhile records (its count of pushes and the skip)."""
+    """A launched rank's side: ``ctx.state`` (data only: ``store.flat_state``) from the
+    launcher's folder at ``sw.init``, into it at every ``should_stop()`` (a due checkpoint's
+    cut waits there, :data:`RANK_STATE_WAIT` at most) and ``close()``; the pushes the shards
+    hold past the state resumed are skipped, each a ``"duplicate"`` result (seq -1).
+    docs/design-notes.md ("A killed launcher resumes from the push logs")."""
 
     def __init__(self, folder: Path, every: int | None, rank: int):
         self.folder, self.every = folder, every

@@ -65,8 +65,7 @@ class Outbox:
             sender.encode(flat, [buf[lo:hi] for lo, hi in self.spans])
             sent = buf
         seq, bases, verdict = sender.judge(flat)
-        # committed here: send() keeps its residual before any shard gets it
-        sender.committed()
+        sender.committed()  # here: send() keeps its residual before any shard gets it
         return sent, seq, bases, tuple(verdict), sender.residual
 
     def send(
