@@ -1167,8 +1167,7 @@ def _describe(optimizer: Any) -> str:
 def with_table(
     sim: SimConfig | None, calibration: Calibration, bound: str | None = None
 ) -> SimConfig:
-    """``sim`` with the calibrated timing models in place of its own; ``bound`` as for
-    :meth:`Calibration.sim_config`."""
+    """``sim`` with the calibrated timing models (:meth:`Calibration.sim_config`) as its own."""
     cal = calibration.sim_config(bound)
     if sim is None:
         return cal

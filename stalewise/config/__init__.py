@@ -77,10 +77,9 @@ class RunConfig:
         factory.check_batches(self.task, workers, self.seed, key)
 
     def sweep_strategy(self, value: str, key: str = "--values") -> strategies_lib.Strategy:
-        """The strategy of one ``stalewise sim --over strategy`` value, ``NAME`` or ``NAME:H``.
-
-        It takes the [strategy] table's options that ``NAME`` accepts; ``H`` sets
-        ``local_steps``. Errors name ``key``."""
+        """The strategy of one ``stalewise sim --over strategy`` value, ``NAME`` or ``NAME:H``:
+        the [strategy] table's options that ``NAME`` accepts, ``H`` its ``local_steps``; errors
+        name ``key``."""
         try:
             name, period = parse_strategy_value(value)
         except ValueError as e:

@@ -227,8 +227,7 @@ class InProcess:
 class Served:
     """``job.serve(..., checkpoint_dir=...)``: the server, restored (``resume``) and saved
     by :class:`Saves`, every ``every`` pushes of the job by a thread of this process, and
-    once more when it closes (before the shards stop). Anything else is the server's
-    (attributes pass through)."""
+    once more when it closes (before the shards stop). Other attributes are the server's."""
 
     def __init__(self, job: Any, server: Any, directory: str, every: int | None, resume: bool):
         self._server = server

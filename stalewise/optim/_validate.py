@@ -26,8 +26,7 @@ def check_number(
     lo_open: bool = False,
     hi_open: bool = True,
 ) -> float:
-    """Returns ``value`` as a float if it lies in ``[lo, hi)`` (``lo_open``, ``hi_open``: open
-    ends), else raises ``ValueError``."""
+    """``value`` as a float if in ``[lo, hi)`` (``lo_open``, ``hi_open``: open), else ValueError."""
     try:
         if isinstance(value, bool | str | bytes):  # float() takes them: True, "0.1"
             raise TypeError

@@ -2,8 +2,7 @@
 
 A sender can die between its calls to the shards: each shard keeps what repairs the others
 (:class:`Ledger`, :func:`departure`), and a :class:`Cut` brings every shard to the same pushes
-before its state is copied (backups, checkpoints). Why: docs/design-notes.md ("The commit
-rule on Ray")."""
+before its state is copied (backups, checkpoints). Why: docs/design-notes.md."""
 
 from __future__ import annotations
 
@@ -94,8 +93,7 @@ class Cut:
 
     def waits(self, shard: Any, w: int, inc: int, seq: int) -> bool:
         """Whether push ``seq`` of ``w``'s admitted incarnation ``inc`` waits at ``shard``: the
-        cut holds it, or an earlier push of it has not arrived (channels need not keep
-        the order of calls)."""
+        cut holds it, or an earlier push of it has not arrived (calls may arrive reordered)."""
         return bool(shard.admitted[w] == inc) and (
             self.holds(w, inc, seq) or (seq > shard.next_seq[w] and shard.incarnation[w] == inc)
         )

@@ -51,9 +51,8 @@ def may_read(consistency: Consistency, committed: int, min_clocks: Iterable[int]
 
 
 class Publication:
-    """When a shard publishes a new snapshot of its slice: at once for an exact pull, else
-    at most every ``every`` seconds, and more rarely if publishing would take more than
-    ``share`` of the shard's time."""
+    """When a shard publishes a new snapshot of its slice: at once for an exact pull, else at
+    most every ``every`` seconds, less often if publishing would take over ``share`` of its time."""
 
     def __init__(self, every: float, share: float = 0.25):
         self.every, self.share = every, share

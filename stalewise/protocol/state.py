@@ -128,8 +128,7 @@ def _timing(shard: Shard) -> bool:
 
 
 def _counted(state: Mapping[str, Any], workers: int) -> np.ndarray:
-    """The live workers the gates count: ``counted`` if the state has it (checked to be
-    live ones), else every live worker."""
+    """The live workers the gates count: the state's ``counted`` (checked), else every one."""
     live = state["live"]
     if "counted" not in state:
         return live
@@ -151,8 +150,7 @@ def _worker_arrays(shard: Shard) -> dict[str, np.ndarray]:
 
 
 def _checked(shard: Shard, state: Any) -> tuple[Any, dict, np.ndarray | None, dict]:
-    """Checks a state dict against this shard without changing it; returns what
-    :meth:`load_state_dict` installs."""
+    """Checks a state dict against this shard, changing nothing; returns what :func:`load` sets."""
     if not isinstance(state, Mapping):
         raise ValueError(
             f"Shard.load_state_dict: expected a dict from state_dict(), got {type(state).__name__}"

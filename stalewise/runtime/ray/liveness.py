@@ -57,8 +57,7 @@ class Liveness:
         self.watched.pop(w, None)
 
     def check(self, now: float | None = None) -> list[tuple[int, str]]:
-        """Reads the answers, asks again where due; returns ``(worker, cause)`` for each
-        worker to fail."""
+        """Reads the answers, asks again where due; returns each ``(worker, cause)`` to fail."""
         ray = import_ray()
         now = time.monotonic() if now is None else now
         pending = [x.ref for x in self.watched.values() if x.ref is not None]

@@ -478,8 +478,7 @@ class Simulation:
         return True
 
     def sends(self, name: tuple) -> bool:
-        """Whether process ``name`` sends now (fault injection: not once killed; a kill
-        marks it ``dying``)."""
+        """Whether process ``name`` sends now (fault injection: not once killed or ``dying``)."""
         if self.received is None:
             return True
         if self.dying == name:
@@ -1007,8 +1006,7 @@ class Simulation:
         return True
 
     def idle(self) -> bool:
-        """No work in flight, and no join or restart that could bring more (none left, or
-        no budget)."""
+        """No work in flight, and no join or restart that could bring more (or no budget)."""
         return not self.queued and not (self.returns and self.may_begin())
 
     def may_begin(self, wk: _SimWorker | None = None) -> bool:
