@@ -214,9 +214,8 @@ class Job:
         return served(self, start, runtime, *saves)
 
     def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):
-        """Measures on this machine what the simulator needs for this job: a
-        :class:`stalewise.calibrate.Calibration`; ``options``: those of
-        :func:`stalewise.calibrate.calibrate`."""
+        """Measures on this machine what the simulator needs for this job: a ``Calibration``
+        of :func:`stalewise.calibrate.calibrate`, which takes the ``options``."""
         from stalewise import calibrate as calibrate_lib
 
         return calibrate_lib.calibrate(self, loss_and_grad, data, workers=workers, **options)

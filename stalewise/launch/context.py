@@ -127,9 +127,8 @@ def run_script(script: str | Path, argv: list[str]) -> None:
 
 
 def rendezvous(ctx: Context) -> None:
-    """Waits until every launched worker has reached :func:`stalewise.init`, so that they
-    start together; one that never gets there holds the others up for
-    :data:`RENDEZVOUS_TIMEOUT` seconds at most."""
+    """Waits until every launched worker has reached :func:`stalewise.init`, so they start
+    together; one that never does holds the others up :data:`RENDEZVOUS_TIMEOUT` s at most."""
     if ctx._barrier is None:
         return
     try:

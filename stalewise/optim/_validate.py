@@ -1,7 +1,5 @@
-"""Argument and array checks shared by the optimizers.
-
-Every failure is a ``ValueError`` that names the argument and the bad value,
-raised before any state or parameter is touched."""
+"""Argument and array checks shared by the optimizers: each failure is a ``ValueError`` naming
+the argument and the bad value, raised before any state or parameter is touched."""
 
 from __future__ import annotations
 

@@ -386,11 +386,9 @@ class WorkerTiming:
     def finish(
         self, worker: int, start: float, local_steps: int = 1, stretch: float = 1.0
     ) -> float:
-        """The virtual time at which a step of ``worker`` started at ``start`` ends.
-
-        ``local_steps`` sampled step times (one draws what a plain step draws);
-        ``stretch`` (the contention factor) stretches the compute, not the delays;
-        :attr:`busy` is then the step's compute seconds."""
+        """The virtual time at which a step of ``worker`` started at ``start`` ends: ``local_steps``
+        sampled step times (one draws as a plain step), the compute (not the delays) stretched
+        by ``stretch`` (the contention factor); :attr:`busy` is then its compute seconds."""
         p = self.paces[worker]
         if p.rng is None:  # Fixed
             base = self.compute.time * local_steps
