@@ -974,8 +974,9 @@ def calibrate(
     ValueError names a bad argument.
 
     Args:
-        job, loss_and_grad, data, workers: as :meth:`stalewise.Job.train` takes them
-            (``job.calibrate`` passes its job); ``workers`` compute at once.
+        job: the :class:`~stalewise.Job` (``job.calibrate`` passes itself).
+        loss_and_grad, data, workers: as :meth:`stalewise.Job.train` takes them (picklable);
+            the ``workers`` compute at once.
         repeats: timed steps per worker, and timed pushes per size.
         sizes: the parameter counts transport and apply are timed at (default: the
             job's, at least :data:`MIN_SIZE`, and 4x it); two or more.

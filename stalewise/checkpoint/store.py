@@ -405,7 +405,7 @@ def load(directory: str | os.PathLike, check: Any = None) -> Checkpoint:
 
 
 def _read(path: Path) -> Checkpoint:
-    """One checkpoint folder, each file read by :func:`_read_file`, every checksum verified."""
+    """One checkpoint folder via :func:`_read_file`: checksums, sizes, dtypes, shapes checked."""
     raw = _read_file(path, MANIFEST, MAX_MANIFEST_BYTES, "MAX_MANIFEST_BYTES")
     if hashlib.sha256(raw).hexdigest() != _read_text(path, "manifest.sha256"):
         raise CheckpointError(f"{path / MANIFEST}: checksum mismatch (truncated or corrupt)")

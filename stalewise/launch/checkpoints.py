@@ -263,9 +263,8 @@ class Served:
 
 def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resume: Any) -> Any:
     """``job.serve``'s server (``start()`` starts it) with checkpoints in ``directory``
-    (:class:`Served`), or as it is without one. Bad settings are refused before the
-    server starts; the server is closed if its checkpoints cannot start (a refused
-    resume: :class:`LaunchError`, one line)."""
+    (:class:`Served`), or as it is without one. Bad settings are refused before it starts; it
+    is closed if its checkpoints cannot start (a refused resume: :class:`LaunchError`)."""
     if directory is not None and not runtime_lib.describe(runtime).saves_served:
         able = runtime_lib.able("saves_served")
         raise ValueError(f"job.serve: checkpoint_dir is for runtime={able!r}, not {runtime!r}")

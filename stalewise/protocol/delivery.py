@@ -87,7 +87,7 @@ class Cut:
         self.targets = dict(targets)
 
     def holds(self, w: int, inc: int, seq: int) -> bool:
-        """Whether push ``seq`` of ``w``'s incarnation ``inc`` must wait (not below target)."""
+        """Whether push ``seq`` of ``w``'s incarnation ``inc`` waits (frozen, not below target)."""
         target = self.targets.get(w)
         return self.frozen and not (target is not None and target[0] == inc and seq < target[1])
 

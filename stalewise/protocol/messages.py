@@ -40,7 +40,7 @@ class Ack(NamedTuple):
 
 
 class PushResult(NamedTuple):
-    """What happened to one push, over all shards; ``split``: refused (``overflow``) by some."""
+    """One push's outcome on all shards; ``split``: some applied it, some refused (overflow)."""
 
     seq: int
     status: str  # "applied", "refused", "duplicate" or "split"

@@ -167,7 +167,7 @@ class Door:
 
 
 class RayServer:
-    """A job's shards on Ray for loops you own; a context manager. ``name`` default: a new one."""
+    """A job's shards on Ray for loops you own; a context manager. ``name``: the job's (or new)."""
 
     runtime = "ray"
 
