@@ -1,8 +1,7 @@
 """The ``stalewise`` command: ``demo``, ``train CONFIG.toml``, ``sim CONFIG.toml``, ``calibrate
 CONFIG.toml``, ``replay CONFIG.toml RUN_DIR``, ``run SCRIPT``. Every flag and config value is
-checked before anything starts: a user error prints ``stalewise: <key or flag>: <what was
-expected, got what>`` on stderr, status 2; a run that diverged prints why (and what to change),
-status 1."""
+checked before anything starts: a user error prints ``stalewise: <key or flag>: <what was expected,
+got what>`` on stderr, status 2; a run that diverged prints why (and what to change), status 1."""
 
 from __future__ import annotations
 
