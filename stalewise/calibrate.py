@@ -58,16 +58,12 @@ Steps = tuple[tuple[float, ...], ...]  # each worker's step times, seconds
 #: How far apart (either way) a worker's median step must be from the others' for its own
 #: ``speeds`` entry: identical workers sharing 2 cores differed by up to 1.5x.
 SPEED_FACTOR = 2.0
-#: The tail's mean below this fraction of the shift makes the compute model ``"fixed"``.
-FIXED_BELOW = 0.01
-#: Timed repeats of one measurement, the default.
-REPEATS = 30
+FIXED_BELOW = 0.01  #: A tail's mean below this fraction of the shift: compute ``"fixed"``.
+REPEATS = 30  #: Timed repeats of one measurement, the default.
 #: The fewest and the most timed repeats (``repeats``, ``stalewise calibrate --repeats``).
 MIN_REPEATS, MAX_REPEATS = 3, 10_000
-#: The most seconds the compute processes may take in all (``timeout``): one day.
-MAX_TIMEOUT = 86_400.0
-#: The smallest parameter count of the two transport and apply sizes.
-MIN_SIZE = 4096
+MAX_TIMEOUT = 86_400.0  #: The most seconds the compute processes may take (``timeout``): a day.
+MIN_SIZE = 4096  #: The smallest parameter count of the two transport and apply sizes.
 #: The shard process's CPU time per push gives the apply's copies when a copy of the larger
 #: size takes this long (seconds); below, its fixed costs' noise swamps the bytes' slope.
 SHARD_COPY = 1e-3

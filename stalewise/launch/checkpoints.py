@@ -31,10 +31,8 @@ EVERY_ENV = "STALEWISE_CHECKPOINT_EVERY"
 #: Seconds the launcher waits for the ranks' ``ctx.state`` once a checkpoint is due; a
 #: rank that has not called ``ctx.should_stop()`` since is saved with its previous state.
 RANK_STATE_WAIT = 10.0
-#: Seconds between a paused rank's looks at the cut, and the launcher's while one is due.
-CUT_POLL = 0.002
-#: Seconds between a served job's looks at its pushes (``job.serve(checkpoint_every=)``).
-SERVED_POLL = 0.25
+CUT_POLL = 0.002  #: Seconds between a paused rank's looks at the cut, and the launcher's when due.
+SERVED_POLL = 0.25  #: Seconds between a served job's looks at its pushes (``checkpoint_every``).
 
 
 def check(directory: Any, every: Any, error: type[Exception]) -> None:

@@ -19,8 +19,7 @@ from stalewise.protocol.loop import Watch
 
 log = logging.getLogger(__name__)
 
-#: Seconds a launched worker waits at :func:`stalewise.init` for the others to get there.
-RENDEZVOUS_TIMEOUT = 300.0
+RENDEZVOUS_TIMEOUT = 300.0  #: Seconds a launched worker waits at ``sw.init`` for the others.
 
 
 class LaunchError(RuntimeError):

@@ -22,8 +22,7 @@ from typing import Any
 from stalewise.consistency import Consistency
 
 IN_FLIGHT = 1  #: Pushes a worker may have committed and not seen acknowledged by every shard.
-#: Seconds: the longest a busy shard defers publishing a new version (every runtime's).
-PUBLISH_EVERY = 0.02
+PUBLISH_EVERY = 0.02  #: Seconds: the most a busy shard defers publishing a version (all runtimes).
 
 
 def answer_at_acks(push: Any) -> bool:

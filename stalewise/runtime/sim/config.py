@@ -32,8 +32,7 @@ __all__ = ["MAX_RECORDS", "TOML_KEYS", "SimConfig", "SimConfigError", "TooLongEr
 #: The most records (one every ``eval_interval`` virtual seconds) a simulated run may make:
 #: a few kB each, about 14 virtual hours at 0.5 s; past it, :class:`TooLongError`.
 MAX_RECORDS = 100_000
-#: The largest ``model_bytes``: a petabyte.
-MAX_MODEL_BYTES = 10**15
+MAX_MODEL_BYTES = 10**15  #: The largest ``model_bytes``: a petabyte.
 
 
 class TooLongError(ValueError):

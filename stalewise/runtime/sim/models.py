@@ -60,10 +60,8 @@ _bad = SimConfigError
 #: The longest virtual time a model may give or name, in seconds (about 116 days): a step,
 #: a latency, a request, a restart, a scripted event.
 MAX_SECONDS = 1e7
-#: The slowest link or shard, in bytes per second (math.inf: free).
-MIN_BYTES_PER_S = 1.0
-#: The widest speed-up or slow-down factor of a worker (speeds, stragglers, slowdowns).
-MAX_FACTOR = 1e6
+MIN_BYTES_PER_S = 1.0  #: The slowest link or shard, in bytes per second (math.inf: free).
+MAX_FACTOR = 1e6  #: The widest speed-up or slow-down of a worker (speeds, stragglers, slowdowns).
 
 
 def _number(
