@@ -2,7 +2,7 @@
 
 A sender can die between its calls to the shards: each shard keeps what repairs the others
 (:class:`Ledger`, :func:`departure`), and a :class:`Cut` brings every shard to the same pushes
-before its state is copied (backups, checkpoints). Why: docs/design-notes.md."""
+before its state is copied (backups, checkpoints); design notes, "The commit rule on Ray"."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 :class:`Liveness` asks each watched worker actor for its progress count (on its ``"beat"``
 concurrency group); a worker is hung when its count stands still longer than its rhythm
 allows (:class:`stalewise.protocol.liveness.Silence`) or a question goes unanswered for
-``worker_timeout``; one still setting up fails after ``start_timeout``.
-"""
+``worker_timeout``; one still setting up fails after ``start_timeout``."""
 
 from __future__ import annotations
 
