@@ -191,10 +191,8 @@ class Job:
         has started, so the shards notice if it dies; ``server.client(w)`` again restarts it as
         a new incarnation. A worker not started within ``timeouts.join`` seconds stops holding
         back the gates. ``workers=(min, max)``: an elastic job; ``name=``: others join with
-        ``sw.attach(name)``. ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local): saved
-        before any push, every ``every`` pushes and at close; a resume restores the last one
-        and the pushes of the shards' logs after it before any worker joins, and a client of
-        worker ``w`` (also from ``sw.attach``) then tells in ``client.pushed`` how many of its
+        ``sw.attach(name)``. ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local): see
+        docs/reliability.md; after a resume, ``client.pushed`` is how many of the worker's
         pushes the shards hold: go on with its data after them.
 
         Example:
@@ -216,9 +214,8 @@ class Job:
         return served(self, start, runtime, *saves)
 
     def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):
-        """Measures on this machine what the simulator needs for this job: a
-        :class:`stalewise.calibrate.Calibration`; ``options``: those of
-        :func:`stalewise.calibrate.calibrate`."""
+        """Measures on this machine what the simulator needs for this job: a ``Calibration``
+        of :func:`stalewise.calibrate.calibrate`, which takes the ``options``."""
         from stalewise import calibrate as calibrate_lib
 
         return calibrate_lib.calibrate(self, loss_and_grad, data, workers=workers, **options)

@@ -58,16 +58,12 @@ Steps = tuple[tuple[float, ...], ...]  # each worker's step times, seconds
 #: How far apart (either way) a worker's median step must be from the others' for its own
 #: ``speeds`` entry: identical workers sharing 2 cores differed by up to 1.5x.
 SPEED_FACTOR = 2.0
-#: The tail's mean below this fraction of the shift makes the compute model ``"fixed"``.
-FIXED_BELOW = 0.01
-#: Timed repeats of one measurement, the default.
-REPEATS = 30
+FIXED_BELOW = 0.01  #: A tail's mean below this fraction of the shift: compute ``"fixed"``.
+REPEATS = 30  #: Timed repeats of one measurement, the default.
 #: The fewest and the most timed repeats (``repeats``, ``stalewise calibrate --repeats``).
 MIN_REPEATS, MAX_REPEATS = 3, 10_000
-#: The most seconds the compute processes may take in all (``timeout``): one day.
-MAX_TIMEOUT = 86_400.0
-#: The smallest parameter count of the two transport and apply sizes.
-MIN_SIZE = 4096
+MAX_TIMEOUT = 86_400.0  #: The most seconds the compute processes may take (``timeout``): a day.
+MIN_SIZE = 4096  #: The smallest parameter count of the two transport and apply sizes.
 #: The shard process's CPU time per push gives the apply's copies when a copy of the larger
 #: size takes this long (seconds); below, its fixed costs' noise swamps the bytes' slope.
 SHARD_COPY = 1e-3
@@ -970,13 +966,13 @@ def calibrate(
     contention: bool = True,
     runtime: str = "local",
 ) -> Calibration:
-    """Measures compute, apply, pull and push times on this machine; see the module docstring.
+    """Measures compute, apply, pull and push times on this machine (the module docstring);
+    ValueError names a bad argument.
 
     Args:
         job: the :class:`~stalewise.Job` (``job.calibrate`` passes itself).
-        loss_and_grad: the user's ``f(params, batch) -> (loss, grads)`` (picklable).
-        data: ``data(worker, workers)`` or one sequence of batches per worker (picklable).
-        workers: the processes that compute at once (the run's workers).
+        loss_and_grad, data, workers: as :meth:`stalewise.Job.train` takes them (picklable);
+            the ``workers`` compute at once.
         repeats: timed steps per worker, and timed pushes per size.
         sizes: the parameter counts transport and apply are timed at (default: the
             job's, at least :data:`MIN_SIZE`, and 4x it); two or more.
@@ -989,9 +985,6 @@ def calibrate(
             compute to CPU times; False: no contention, wall-clock times.
         runtime: where pulls, pushes, shard and worker loop are timed (``"local"`` or
             ``"ray"``: ``stalewise.runtime.names("calibrates")``); compute is timed locally.
-
-    Raises:
-        ValueError: a bad argument, naming it.
     """
     config = job.config
     if not _int_in(workers, 1, sys.maxsize):
@@ -1171,8 +1164,7 @@ def _describe(optimizer: Any) -> str:
 def with_table(
     sim: SimConfig | None, calibration: Calibration, bound: str | None = None
 ) -> SimConfig:
-    """``sim`` with the calibrated timing models in place of its own; ``bound`` as for
-    :meth:`Calibration.sim_config`."""
+    """``sim`` with the calibrated timing models (:meth:`Calibration.sim_config`) as its own."""
     cal = calibration.sim_config(bound)
     if sim is None:
         return cal

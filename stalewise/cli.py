@@ -1,10 +1,7 @@
-"""The ``stalewise`` command: ``demo``, ``train CONFIG.toml``, ``sim CONFIG.toml``,
-``calibrate CONFIG.toml``, ``replay CONFIG.toml RUN_DIR``, ``run SCRIPT``.
-
-Every flag and config value is checked before anything starts; a user error
-prints one line, ``stalewise: <key or flag>: <what was expected, got what>``,
-on stderr and exits with status 2. A run that diverged prints one line (why,
-and what to change) and exits with status 1."""
+"""The ``stalewise`` command: ``demo``, ``train CONFIG.toml``, ``sim CONFIG.toml``, ``calibrate
+CONFIG.toml``, ``replay CONFIG.toml RUN_DIR``, ``run SCRIPT``. Every flag and config value is
+checked before anything starts: a user error prints ``stalewise: <key or flag>: <what was expected,
+got what>`` on stderr, status 2; a run that diverged prints why (and what to change), status 1."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Codecs: how an update is encoded on the wire (``sw.codecs``).
 
-A codec turns a float vector into raw bytes (a 12-byte header, then the body; never a
-pickle) and back, each class stating its error bound; a bad payload raises
-:class:`PayloadError`, NaN and infinity travel as values (the shard refuses them). A Job's
-codec compresses leaves of at least :data:`SMALL_LEAF` elements. More: docs/codecs.md.
+A codec turns a float vector into raw bytes (never a pickle: docs/codecs.md) and back, each
+class stating its error bound; a bad payload raises :class:`PayloadError`. A Job's codec
+compresses leaves of at least :data:`SMALL_LEAF` elements.
 
 Example:
     >>> import numpy as np
@@ -264,11 +263,10 @@ class Int8(_Blocks):
 
 @dataclass(frozen=True, repr=False)
 class Int4(_Blocks):
-    """Blockwise 4-bit: per ``block`` values, levels ``q`` in ``[-7, 7]`` two a byte and a
-    float32 scale (absmax / 7), decoded ``q * scale``; level -8 is refused as corrupt.
-    Bound: ``|d - x| <= absmax(block) / 14 * (1 + 1e-4)``, plus ``2**-146`` where absmax <
-    ``2**-119``; zero and values on the grid round-trip exactly (docs/codecs.md). A
-    non-finite block decodes to NaN."""
+    """Blockwise 4-bit: per ``block`` values, levels ``q`` in ``[-7, 7]`` two a byte and a float32
+    scale (absmax / 7), decoded ``q * scale``; level -8 is refused as corrupt. Bound:
+    ``|d - x| <= absmax(block) / 14 * (1 + 1e-4)``, plus ``2**-146`` where absmax < ``2**-119``;
+    zero and values on the grid round-trip exactly (docs/codecs.md). A non-finite block: NaN."""
 
     name: ClassVar[str] = "int4"
     id: ClassVar[int] = 6

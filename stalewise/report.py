@@ -2,8 +2,7 @@
 
 A metrics file is JSON Lines, one flushed record per evaluation of a run: ``run``, ``time``
 (wall or virtual seconds), ``updates``, ``loss`` and any other key (non-finite floats as
-``NaN``/``Infinity``). Plots use Matplotlib's Agg canvas: no window, no global state.
-"""
+``NaN``/``Infinity``). Plots use Matplotlib's Agg canvas: no window, no global state."""
 
 from __future__ import annotations
 

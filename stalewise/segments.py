@@ -46,8 +46,7 @@ class Segments(NamedTuple):
         return len(self.names)
 
     def slice(self, start: int, stop: int) -> Segments:
-        """The part of the table inside ``[start, stop)``, re-based to offset 0 (a cut segment
-        keeps its name)."""
+        """The table's part in ``[start, stop)``, re-based to 0 (a cut segment keeps its name)."""
         if not 0 <= start <= stop <= self.total:
             raise ValueError(f"slice [{start}, {stop}) outside [0, {self.total})")
         ends = self.offsets + self.sizes

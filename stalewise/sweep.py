@@ -72,13 +72,12 @@ def sweep(
             pairs, each with its recommended server optimizer, else the job's).
         steps, target, metric, mode: each run's push budget and its target.
         workers: the worker count when sweeping over consistency models or strategies.
-        sim: the simulator of every run (default ``sw.Simulation()``).
-        eval_interval: virtual seconds between evaluations (default: five mean step times).
+        sim, eval_interval: every run's simulator (default ``sw.Simulation()``) and virtual
+            seconds between evaluations (default: five mean step times).
         delay: extra virtual seconds per step, every worker.
         out: a folder for ``sweep.png`` and ``metrics.jsonl``.
 
-    Returns one row per value with the keys of :data:`COLUMNS` (``time_to_target`` None when
-    never reached)."""
+    Returns a row per value, keys :data:`COLUMNS` (``time_to_target`` None: never reached)."""
     if over not in ("workers", "consistency", "strategy"):
         raise ValueError(f"over must be 'workers', 'consistency' or 'strategy', got {over!r}")
     goal = targets.Target(metric, target, mode)

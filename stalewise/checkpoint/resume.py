@@ -261,10 +261,9 @@ class Saver:
         final: bool = False,
         ranks: Sequence[dict[str, Any]] | None = None,
     ) -> Path | None:
-        """Writes the shards' ``states`` and the workers' error-feedback ``residuals``
-        (None: the job keeps none); ``step`` holds at least ``pushes`` and ``time``.
-        ``final``: the run's last checkpoint. Returns its folder, or None if it could
-        not be written (see the class)."""
+        """Writes the shards' ``states`` and the workers' error-feedback ``residuals`` (None:
+        none kept); ``step`` holds at least ``pushes`` and ``time``; ``final``: the run's last.
+        Returns its folder, or None if it could not be written (see the class)."""
         from safetensors import SafetensorError
 
         # the next one is due a period after this attempt (written or not), after the pushes

@@ -199,8 +199,7 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _prune_logs(root: Path) -> None:
-    """Removes the push logs no kept checkpoint begins at or is followed by (its chain's
-    later files)."""
+    """Removes the push logs that no kept checkpoint begins at or is followed by."""
     first: dict[str, int] = {}  # chain -> the first file a checkpoint needs
     for path in _complete(root):
         with contextlib.suppress(CheckpointError, ValueError, TypeError, AttributeError):
@@ -370,10 +369,7 @@ def _inode(path: Path) -> int | None:
 def load(directory: str | os.PathLike, check: Any = None) -> Checkpoint:
     """The newest usable checkpoint of ``directory`` (or the checkpoint folder itself),
     whole, as ``resume`` reads it; a refused one (or one ``check(ckpt)`` refuses with a
-    :class:`CheckpointError`) is logged and the next newest is used.
-
-    Raises:
-        CheckpointError: none is usable."""
+    :class:`CheckpointError`) is logged and the next newest is used; CheckpointError if none."""
     root = Path(directory)
     if _NAME.match(root.name) and os.path.lexists(root / MANIFEST):
         ckpt = _read(root)  # one checkpoint, named: no fallback
@@ -409,8 +405,7 @@ def load(directory: str | os.PathLike, check: Any = None) -> Checkpoint:
 
 
 def _read(path: Path) -> Checkpoint:
-    """One checkpoint folder, every file read through :func:`folder.read_file`, every checksum,
-    size, dtype and shape verified."""
+    """One checkpoint folder via :func:`_read_file`: checksums, sizes, dtypes, shapes checked."""
     raw = _read_file(path, MANIFEST, MAX_MANIFEST_BYTES, "MAX_MANIFEST_BYTES")
     if hashlib.sha256(raw).hexdigest() != _read_text(path, "manifest.sha256"):
         raise CheckpointError(f"{path / MANIFEST}: checksum mismatch (truncated or corrupt)")

@@ -39,13 +39,9 @@ MAX_DEPTH = 32  #: The deepest nesting of arrays and tables a config may have.
 
 
 class ConfigError(ValueError):
-    """A bad config key or value, or a bad command-line flag.
-
-    Attributes:
-        key: what is wrong, as the user spells it: ``run.workers``, ``--values``,
-            or the config file for an unreadable file.
-        problem: what was expected and what was given.
-        path: the config file the key is in (None for flags and file errors)."""
+    """A bad config key or value, or a bad command-line flag: ``key`` as the user spells it
+    (``run.workers``, ``--values``; the file, when unreadable), ``problem`` what was expected
+    and what was given, ``path`` the config file (None for flags and file errors)."""
 
     def __init__(self, key: str, problem: str, path: str | os.PathLike[str] | None = None):
         self.key, self.problem, self.path = key, problem, path

@@ -31,10 +31,8 @@ EVERY_ENV = "STALEWISE_CHECKPOINT_EVERY"
 #: Seconds the launcher waits for the ranks' ``ctx.state`` once a checkpoint is due; a
 #: rank that has not called ``ctx.should_stop()`` since is saved with its previous state.
 RANK_STATE_WAIT = 10.0
-#: Seconds between a paused rank's looks at the cut, and the launcher's while one is due.
-CUT_POLL = 0.002
-#: Seconds between a served job's looks at its pushes (``job.serve(checkpoint_every=)``).
-SERVED_POLL = 0.25
+CUT_POLL = 0.002  #: Seconds between a paused rank's looks at the cut, and the launcher's when due.
+SERVED_POLL = 0.25  #: Seconds between a served job's looks at its pushes (``checkpoint_every``).
 
 
 def check(directory: Any, every: Any, error: type[Exception]) -> None:
@@ -227,8 +225,7 @@ class InProcess:
 class Served:
     """``job.serve(..., checkpoint_dir=...)``: the server, restored (``resume``) and saved
     by :class:`Saves`, every ``every`` pushes of the job by a thread of this process, and
-    once more when it closes (before the shards stop). Anything else is the server's
-    (attributes pass through)."""
+    once more when it closes (before the shards stop). Other attributes are the server's."""
 
     def __init__(self, job: Any, server: Any, directory: str, every: int | None, resume: bool):
         self._server = server
@@ -264,9 +261,8 @@ class Served:
 
 def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resume: Any) -> Any:
     """``job.serve``'s server (``start()`` starts it) with checkpoints in ``directory``
-    (:class:`Served`), or as it is without one. Bad settings are refused before the
-    server starts; the server is closed if its checkpoints cannot start (a refused
-    resume: :class:`LaunchError`, one line)."""
+    (:class:`Served`), or as it is without one. Bad settings are refused before it starts; it
+    is closed if its checkpoints cannot start (a refused resume: :class:`LaunchError`)."""
     if directory is not None and not runtime_lib.describe(runtime).saves_served:
         able = runtime_lib.able("saves_served")
         raise ValueError(f"job.serve: checkpoint_dir is for runtime={able!r}, not {runtime!r}")
@@ -281,15 +277,11 @@ def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resum
 
 
 class RankStates:
-    """A launched rank's side: ``ctx.state`` from the launcher's folder at ``sw.init``, and
-    into it at every ``should_stop()`` and at ``close()``, with the count of its pushes it
-    is after (the last two kept: a resume picks the one of the pushes the shards hold).
-    Once the job's pushes pass a multiple of ``every``, ``should_stop()`` writes it with
-    its pushes acknowledged and waits until the launcher has read the shards (the cut) or
-    :data:`RANK_STATE_WAIT` passed (data only: :func:`stalewise.checkpoint.store.flat_state`).
-    A rank resumed from a state before pushes the shards hold skips that many pushes: not
-    sent, each leaves ``client.wait()`` a ``"duplicate"`` result (seq -1, the versions last
-    seen), as a checkpoint taken meanwhile records (its count of pushes and the skip)."""
+    """A launched rank's side: ``ctx.state`` (data only: ``store.flat_state``) from the
+    launcher's folder at ``sw.init``, into it at every ``should_stop()`` (a due checkpoint's
+    cut waits there, :data:`RANK_STATE_WAIT` at most) and ``close()``; the pushes the shards
+    hold past the state resumed are skipped, each a ``"duplicate"`` result (seq -1).
+    docs/design-notes.md ("A killed launcher resumes from the push logs")."""
 
     def __init__(self, folder: Path, every: int | None, rank: int):
         self.folder, self.every = folder, every

@@ -19,8 +19,7 @@ from stalewise.protocol.loop import Watch
 
 log = logging.getLogger(__name__)
 
-#: Seconds a launched worker waits at :func:`stalewise.init` for the others to get there.
-RENDEZVOUS_TIMEOUT = 300.0
+RENDEZVOUS_TIMEOUT = 300.0  #: Seconds a launched worker waits at ``sw.init`` for the others.
 
 
 class LaunchError(RuntimeError):
@@ -127,9 +126,8 @@ def run_script(script: str | Path, argv: list[str]) -> None:
 
 
 def rendezvous(ctx: Context) -> None:
-    """Waits until every launched worker has reached :func:`stalewise.init`, so that they
-    start together; one that never gets there holds the others up for
-    :data:`RENDEZVOUS_TIMEOUT` seconds at most."""
+    """Waits until every launched worker has reached :func:`stalewise.init`, so they start
+    together; one that never does holds the others up :data:`RENDEZVOUS_TIMEOUT` s at most."""
     if ctx._barrier is None:
         return
     try:

@@ -170,13 +170,10 @@ def _adam(g, m, v, p, lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps, l2, wd, into
 @_jit
 def adam(g, m, v, p, offsets, sizes, decay, lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps,
          l2, wd, into_params, check, undo_p, undo_m, undo_v):  # fmt: skip
-    """Adam with coupled L2 (``l2``, torch Adam) and decoupled decay (``wd``, AdamW).
-
-    ``m = b1*m + w1*g'`` and ``v = b2*v + w2*g'^2`` with ``g' = g + l2*p``;
-    ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd*p)``. ``inv_c1 = 1/(1-b1^t)`` and
-    ``inv_sqrt_c2 = 1/sqrt(1-b2^t)`` are the bias corrections. With leaves (``offsets`` not empty),
-    ``decay[s]`` False drops both ``l2`` and ``wd`` on leaf ``s``; empty ``offsets`` decay the whole
-    vector. ``check`` and ``undo_*``: as in :func:`sgd`."""
+    """Adam with coupled L2 (``l2``, torch Adam) and decoupled decay (``wd``, AdamW), as
+    :func:`stalewise.optim.adam` and ``adamw`` state it; ``inv_c1 = 1/(1-b1^t)`` and
+    ``inv_sqrt_c2 = 1/sqrt(1-b2^t)`` are the bias corrections. ``offsets``, ``decay``, ``check``
+    and ``undo_*``: as in :func:`sgd` (``decay[s]`` False drops both ``l2`` and ``wd``)."""
     zero = p.dtype.type(0)
     copy = undo_p.size != 0
     step = CHECK_BLOCK if check.size or copy else max(g.size, 1)
@@ -219,11 +216,8 @@ def _lamb_direction(g, m, v, p, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps, wd):
 @_jit
 def lamb(g, m, v, p, offsets, sizes, decay, adapt, ratios, lr, b1, w1, b2, w2, inv_c1,
          inv_sqrt_c2, eps, wd, min_ratio, max_ratio, into_params):  # fmt: skip
-    """LAMB, leaf by leaf: ``p -= lr * r * u`` with ``u = m_hat/(sqrt(v_hat)+eps) + wd*p``.
-
-    ``r = clip(||p|| / ||u||, min_ratio, max_ratio)`` where ``adapt[s]``, and 1
-    where not or where either norm is zero. ``decay[s]`` False drops ``wd*p``.
-    The ratio used for each leaf is written to ``ratios[s]``."""
+    """LAMB, leaf by leaf, as :func:`stalewise.optim.lamb` states it (``adapt[s]`` False: ratio
+    1; ``decay[s]`` False: no ``wd*p``); each leaf's ratio is written to ``ratios[s]``."""
     zero = p.dtype.type(0)
     lanes = np.empty(LANES)
     for s in range(offsets.size):
@@ -248,11 +242,9 @@ def lamb(g, m, v, p, offsets, sizes, decay, adapt, ratios, lr, b1, w1, b2, w2, i
 @_jit
 def lars(g, buf, p, offsets, sizes, decay, adapt, ratios, lr, momentum, wd,
          trust_coefficient, eps, into_params):  # fmt: skip
-    """LARS, leaf by leaf: ``buf = momentum*buf + r*u; p -= lr*buf`` with ``u = g + wd*p``.
-
-    ``r = trust_coefficient * ||p|| / (||u|| + eps)`` where ``adapt[s]``, and 1 where not or where
-    either norm is zero. ``decay[s]`` False drops ``wd*p``. ``u`` is cheap, so pass 1 only reads (it
-    sums ``u^2`` from a block-sized buffer) and pass 2 computes ``u`` again."""
+    """LARS, leaf by leaf, as :func:`stalewise.optim.lars` states it (``adapt``, ``decay`` as in
+    :func:`lamb`). ``u`` is cheap, so pass 1 only reads (it sums ``u^2`` from a block-sized
+    buffer) and pass 2 computes ``u`` again."""
     zero = p.dtype.type(0)
     step = p.dtype.type(-lr)
     lanes = np.empty(LANES)

@@ -1,7 +1,5 @@
-"""Argument and array checks shared by the optimizers.
-
-Every failure is a ``ValueError`` that names the argument and the bad value,
-raised before any state or parameter is touched."""
+"""Argument and array checks shared by the optimizers: each failure is a ``ValueError`` naming
+the argument and the bad value, raised before any state or parameter is touched."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ def check_number(
     lo_open: bool = False,
     hi_open: bool = True,
 ) -> float:
-    """Returns ``value`` as a float if it lies in ``[lo, hi)`` (``lo_open``, ``hi_open``: open
-    ends), else raises ``ValueError``."""
+    """``value`` as a float if in ``[lo, hi)`` (``lo_open``, ``hi_open``: open), else ValueError."""
     try:
         if isinstance(value, bool | str | bytes):  # float() takes them: True, "0.1"
             raise TypeError

@@ -37,8 +37,7 @@ class _Adam(Moments):
         return (params, state.mu, state.nu)
 
     def bound(self, state, scale: float, g: float, maxima: tuple) -> tuple[float, ...]:
-        """Bounds of :meth:`maxima` after the next step of an update of norm ``g``, and of
-        the step's intermediate values."""
+        """Bounds of :meth:`maxima` and the step's intermediates after an update of norm ``g``."""
         lr, p, m, v, q, d = self.adam_bounds(state, scale, g, maxima, self.l2)
         u = q + self.decay * p
         return p + lr * u, m, v, max(u, d * d)

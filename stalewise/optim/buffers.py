@@ -1,10 +1,6 @@
-"""Buffers on the server: non-trainable state that follows what the workers report.
-
-A model's buffers (BatchNorm running statistics...) travel in the flat vector; in a push a buffer's
-slot carries its *value* after the worker's step. :func:`with_buffers` wraps the job's optimizer
-(``sw.Job`` does it when its params have buffers): the optimizer sees zeros in those slots and each
-buffer moves toward the reported value ``v`` as ``b <- b + rate * scale * (v - b)`` (``scale`` the
-push's staleness weight). Why: docs/design-notes.md ("Buffers report values")."""
+"""Buffers on the server: non-trainable state (BatchNorm running statistics...) whose slot in
+a push carries its *value*; :func:`with_buffers` (``sw.Job`` wraps its optimizer so) moves each
+toward it as ``b <- b + rate * scale * (v - b)``. docs/models.md; why: docs/design-notes.md."""
 
 from __future__ import annotations
 

@@ -60,9 +60,7 @@ class _DelayedNesterov(Moments):
 
 
 def delayed_nesterov(lr: LearningRate = 0.7, momentum: float = 0.9, every: int = 1) -> Optimizer:
-    """Delayed Nesterov momentum (Liu et al. 2024), a server optimizer for asynchronous DiLoCo.
-
-    ``every`` is ``N``, the arrivals per momentum update (the workers); see the module docstring."""
+    """Delayed Nesterov (the module docstring); ``every``: ``N``, the workers."""
     check_learning_rate("delayed_nesterov", lr)
     momentum = check_number("delayed_nesterov", "momentum", momentum, 0.0, 1.0)
     every = check_int("delayed_nesterov", "every", every, 1)

@@ -13,7 +13,6 @@ from stalewise.optim.base import LearningRate, Moments, Optimizer, state_type
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
 
-# the moments, then the leaf table (exclusions and last trust ratios)
 LarsState = state_type("LarsState", __name__, ("momentum",), LeafTable)
 
 

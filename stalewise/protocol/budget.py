@@ -57,8 +57,7 @@ def overshoot_bound(workers: int, *, exact: bool = False) -> int:
 
 
 def round_of(own: int, shards: int) -> int:
-    """Under BSP, the round a worker's next push goes to: its own clock ``own``, or the
-    shards' round under way ``shards`` if later."""
+    """Under BSP, the round a worker's next push goes to: the later of its and the shards'."""
     return max(own, shards)
 
 

@@ -92,15 +92,10 @@ def judge(
     *,
     whole: bool,
 ) -> Verdict:
-    """Judges a whole push once, for every shard.
-
-    Args:
-        flat: the whole update, as the flat vector.
-        segments: the full leaf table (for messages).
-        bases: per shard, the version the update was computed from.
-        known: per shard, the newest version the sender knows of (>= its base).
-        staleness: the job's :class:`~stalewise.staleness.Staleness` rule.
-        whole: check the values (NaN/Inf, overflow; needed when there are several shards)."""
+    """Judges a whole push once, for every shard: ``bases`` and ``known`` are per shard the
+    version the update was computed from and the newest one the sender knows (>= its base);
+    ``segments`` names leaves in messages; ``whole``: check the values (NaN/Inf, overflow;
+    needed when there are several shards)."""
     if whole:
         verdict = check_values(flat)
         if not verdict.ok:

@@ -1,10 +1,6 @@
-"""Compressed pushes: a whole flat update -> one payload per shard, and back.
-
-A *piece* is the part of one leaf inside one shard's range, encoded with the codec its whole
-leaf's size calls for; a shard's payload is its pieces' payloads back to back (a piece that is
-zero everywhere is not sent: a *segment payload*, :data:`SEGMENTS`). :class:`Compressor` encodes
-(the worker side, with error feedback, ``docs/codecs.md``), :class:`Decoder` decodes and checks
-(the shard side). Byte counts are exact.
+"""Compressed pushes: a whole flat update -> one payload per shard (its *pieces*, docs/codecs.md
+"Wire format"; all-zero pieces left out: :data:`SEGMENTS`), and back. :class:`Compressor` encodes
+(the worker side, with error feedback), :class:`Decoder` decodes and checks (the shard side).
 
 Example:
     >>> import numpy as np
@@ -197,13 +193,8 @@ class Decoder:
 
 
 class Compressor:
-    """Encodes whole flat updates into one payload per shard (the worker side).
-
-    Args:
-        policy: the job's codec (``ServerConfig.codec``).
-        segments: the job's segment table (``spec.segments``).
-        ranges: each shard's ``[start, stop)`` (``ServerConfig.ranges``).
-        exact: leaves sent as ``none()`` whatever the policy (see :func:`plan`)."""
+    """Encodes whole flat updates into one payload per shard (the worker side): ``ranges``
+    are the shards' ``[start, stop)``; ``exact`` leaves go as ``none()`` (:func:`plan`)."""
 
     def __init__(
         self,

@@ -44,9 +44,8 @@ class ServerConfig:
     def build_shard(
         self, k: int, params: np.ndarray, workers: int, expected: int | None = None
     ) -> Shard:
-        """Builds shard ``k`` over ``params`` (its slice, holding the values), with room for
-        ``workers`` worker ids, the first ``expected`` (default: all) expected from the
-        start; with a codec it decodes the payloads itself."""
+        """Builds shard ``k`` over its slice ``params`` for ``workers`` worker ids, the first
+        ``expected`` (default: all) expected from the start; with a codec it decodes payloads."""
         ranges = self.ranges
         lo, hi = ranges[k]
         decoder = None

@@ -2,8 +2,7 @@
 
 A sender can die between its calls to the shards: each shard keeps what repairs the others
 (:class:`Ledger`, :func:`departure`), and a :class:`Cut` brings every shard to the same pushes
-before its state is copied (backups, checkpoints). Why: docs/design-notes.md ("The commit
-rule on Ray")."""
+before its state is copied (backups, checkpoints); design notes, "The commit rule on Ray"."""
 
 from __future__ import annotations
 
@@ -88,15 +87,13 @@ class Cut:
         self.targets = dict(targets)
 
     def holds(self, w: int, inc: int, seq: int) -> bool:
-        """Whether push ``seq`` of ``w``'s incarnation ``inc`` must wait (frozen, and not
-        below its worker's target)."""
+        """Whether push ``seq`` of ``w``'s incarnation ``inc`` waits (frozen, not below target)."""
         target = self.targets.get(w)
         return self.frozen and not (target is not None and target[0] == inc and seq < target[1])
 
     def waits(self, shard: Any, w: int, inc: int, seq: int) -> bool:
         """Whether push ``seq`` of ``w``'s admitted incarnation ``inc`` waits at ``shard``: the
-        cut holds it, or an earlier push of it has not arrived (channels need not keep
-        the order of calls)."""
+        cut holds it, or an earlier push of it has not arrived (calls may arrive reordered)."""
         return bool(shard.admitted[w] == inc) and (
             self.holds(w, inc, seq) or (seq > shard.next_seq[w] and shard.incarnation[w] == inc)
         )

@@ -30,12 +30,8 @@ WINDOW = 100  # intervals kept: the worker's recent rhythm
 
 
 class Silence:
-    """One worker's heartbeats, and whether its silence now means it hung.
-
-    Args:
-        upper: ``worker_timeout``: a longer silence is a hang whatever the history
-            (None: only phi judges).
-        threshold, floor: as ``THRESHOLD`` and ``FLOOR``."""
+    """One worker's heartbeats, and whether its silence now means it hung. ``upper``
+    (``worker_timeout``): a longer silence is a hang whatever the history (None: phi only)."""
 
     def __init__(self, upper: float | None, *, threshold: float = THRESHOLD, floor: float = FLOOR):
         self.upper, self.threshold, self.floor = upper, threshold, floor

@@ -210,10 +210,8 @@ def report(
     diverge_after: int | None = None,
 ) -> None:
     """Counts push outcomes, warns about refusals as they are learned (the first of each kind, the
-    10th, 100th, ..., else at most one every ``WARN_EVERY`` seconds), and detects divergence.
-
-    Raises:
-        Diverged: ``diverge_after`` pushes in a row were refused for a numerical fault."""
+    10th, 100th, ..., else at most one every ``WARN_EVERY`` seconds); raises :class:`Diverged`
+    after ``diverge_after`` numerical refusals in a row."""
     for r in results or ():
         stats.outcomes[r.status] += 1
         if r.status == APPLIED:

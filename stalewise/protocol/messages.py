@@ -40,8 +40,7 @@ class Ack(NamedTuple):
 
 
 class PushResult(NamedTuple):
-    """What happened to one push, over all shards; ``split``: applied by some shards and
-    refused (``overflow``) by others."""
+    """One push's outcome on all shards; ``split``: some applied it, some refused (overflow)."""
 
     seq: int
     status: str  # "applied", "refused", "duplicate" or "split"
@@ -52,8 +51,7 @@ class PushResult(NamedTuple):
 
     @classmethod
     def of(cls, acks: Sequence[Ack]) -> PushResult:
-        """Folds one push's per-shard acks; a refusal anywhere makes the push refused
-        (``split`` if some shard applied it)."""
+        """Folds one push's per-shard acks: refused if any refused (``split``: some applied)."""
         refused = [(k, a) for k, a in enumerate(acks) if not a.ok]
         taus = [a.staleness for a in acks if a.staleness is not None]
         if refused:

@@ -22,8 +22,7 @@ from typing import Any
 from stalewise.consistency import Consistency
 
 IN_FLIGHT = 1  #: Pushes a worker may have committed and not seen acknowledged by every shard.
-#: Seconds: the longest a busy shard defers publishing a new version (every runtime's).
-PUBLISH_EVERY = 0.02
+PUBLISH_EVERY = 0.02  #: Seconds: the most a busy shard defers publishing a version (all runtimes).
 
 
 def answer_at_acks(push: Any) -> bool:
@@ -38,12 +37,8 @@ def exact_pulls(config: Any) -> bool:
 
 def reads_snapshots(config: Any, *, incarnation: int, joined_at: int) -> bool:
     """Whether a worker's pulls read the shards' newest snapshots (subject to
-    :func:`may_read`) rather than ask each shard.
-
-    Args:
-        config: the job's :class:`~stalewise.protocol.ServerConfig`.
-        incarnation: the worker's incarnation (1: its first).
-        joined_at: the worker's clock at the shards when it joined."""
+    :func:`may_read`) rather than ask each shard; ``incarnation`` 1 is its first, ``joined_at``
+    its clock when it joined."""
     if config.staleness.dc_lambda:  # the shard keeps what each worker pulled
         return False
     return not config.consistency.gated or (incarnation <= 1 and joined_at == 0)
@@ -56,9 +51,8 @@ def may_read(consistency: Consistency, committed: int, min_clocks: Iterable[int]
 
 
 class Publication:
-    """When a shard publishes a new snapshot of its slice: at once for an exact pull, else
-    at most every ``every`` seconds, and more rarely if publishing would take more than
-    ``share`` of the shard's time."""
+    """When a shard publishes a new snapshot of its slice: at once for an exact pull, else at
+    most every ``every`` seconds, less often if publishing would take over ``share`` of its time."""
 
     def __init__(self, every: float, share: float = 0.25):
         self.every, self.share = every, share

@@ -1,13 +1,8 @@
 """Delta pulls: a worker downloads what changed since its last pull, encoded with a codec.
 
-With a pull codec (``ServerConfig.pull_codec``) a shard keeps, per worker incarnation, a
-*reference*: the copy of its slice that worker holds. A pull sends ``C(params - reference)`` per
-piece, or an exact sparse block of the changed values when smaller; a pull without the reference
-the shard holds is *full* (the slice, exact). Why: ``docs/design-notes.md`` ("Delta pulls").
-
-Wire format: :data:`HEADER`, then a full pull's ``none()`` payload, or per piece a codec
-payload or a :data:`SPARSE` block (increasing indices, then the values).
-:meth:`Replica.apply` checks all of it before it changes anything.
+Per worker incarnation a shard keeps a *reference*, the copy of its slice that worker holds,
+and sends ``C(params - reference)`` per piece (or a :data:`SPARSE` block), else the full slice.
+How: docs/codecs.md ("Delta pulls"); why: docs/design-notes.md ("Delta pulls").
 
 Example:
     >>> import numpy as np
@@ -88,11 +83,8 @@ class _Reference:
 
 
 class PullServer:
-    """The shard side of delta pulls, beside one :class:`~stalewise.protocol.shard.Shard`.
-
-    Args:
-        pieces: the shard's pieces (:func:`~stalewise.protocol.compress.plan`).
-        start: where the shard's range starts in the flat vector."""
+    """The shard side of delta pulls, beside one :class:`~stalewise.protocol.shard.Shard`
+    with ``pieces`` (:func:`~stalewise.protocol.compress.plan`) from ``start``."""
 
     def __init__(self, shard: Any, pieces: Sequence[Piece], start: int = 0):
         self.shard = shard
@@ -190,11 +182,8 @@ class PullServer:
 
 
 class Replica:
-    """The worker side of delta pulls: its copy ``params`` and one reference per shard.
-
-    Args:
-        pieces: each shard's pieces (:func:`~stalewise.protocol.compress.plan`).
-        ranges: each shard's ``[start, stop)``."""
+    """The worker side of delta pulls: its copy ``params`` and one reference per shard, of
+    ``pieces`` (:func:`~stalewise.protocol.compress.plan`) and ``[start, stop)`` ``ranges``."""
 
     def __init__(
         self,

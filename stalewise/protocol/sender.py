@@ -52,15 +52,9 @@ class Outgoing(NamedTuple):
 
 
 class Sender:
-    """A worker incarnation's sending side.
-
-    Args:
-        segments: the job's leaf table, for verdict messages.
-        staleness: the job's :class:`~stalewise.staleness.Staleness` rule.
-        compressor: the job's codec on the worker side (None: updates travel as they are).
-        residual: the error-feedback residual to start from (copied; None: zeros).
-        buffers: two residual buffers to use as they are instead (e.g. in shared
-            memory); ``current`` is the one holding the residual to start from."""
+    """A worker incarnation's sending side. ``compressor``: None sends updates as they are;
+    ``residual``: the error feedback to start from (copied; None: zeros); ``buffers``: two
+    residual buffers to use as they are instead (e.g. shared memory), ``current`` holding it."""
 
     def __init__(
         self,

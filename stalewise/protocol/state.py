@@ -93,11 +93,9 @@ def save(shard: Shard) -> dict[str, Any]:
 
 def load(shard: Shard, state: Mapping[str, Any]) -> None:
     """Restores a :meth:`state_dict` in place, after checking all of it; the shard must be
-    built as the one that made ``state`` (same optimizer, length, dtype and workers).
-
-    Raises:
-        ValueError: a key is missing, unknown or of the wrong type, dtype, shape or
-            structure (named); the shard is left unchanged."""
+    built as the one that made ``state`` (same optimizer, length, dtype and workers). A key
+    missing, unknown or of the wrong type, dtype, shape or structure is a ValueError naming it,
+    the shard unchanged."""
     opt_state, pulled, round_sum, stats = _checked(shard, state)
     # Everything is checked: from here on nothing can fail half-way.
     np.copyto(shard.params, state["params"])
@@ -128,8 +126,7 @@ def _timing(shard: Shard) -> bool:
 
 
 def _counted(state: Mapping[str, Any], workers: int) -> np.ndarray:
-    """The live workers the gates count: ``counted`` if the state has it (checked to be
-    live ones), else every live worker."""
+    """The live workers the gates count: the state's ``counted`` (checked), else every one."""
     live = state["live"]
     if "counted" not in state:
         return live
@@ -151,8 +148,7 @@ def _worker_arrays(shard: Shard) -> dict[str, np.ndarray]:
 
 
 def _checked(shard: Shard, state: Any) -> tuple[Any, dict, np.ndarray | None, dict]:
-    """Checks a state dict against this shard without changing it; returns what
-    :meth:`load_state_dict` installs."""
+    """Checks a state dict against this shard, changing nothing; returns what :func:`load` sets."""
     if not isinstance(state, Mapping):
         raise ValueError(
             f"Shard.load_state_dict: expected a dict from state_dict(), got {type(state).__name__}"

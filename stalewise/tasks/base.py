@@ -1,8 +1,7 @@
 """The task interface and the data plumbing shared by the built-in tasks.
 
 A task is a picklable model, data and loss (no sleeping or logging: the runtime's business);
-``batches(w, W, seed)`` draw from disjoint shards, each epoch reshuffled by ``(seed, w, epoch)``.
-"""
+``batches(w, W, seed)`` draw from disjoint shards, each epoch reshuffled by ``(seed, w, epoch)``."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 ``b = A x* + noise`` for a seeded Gaussian ``A``; batches are ``(A_rows, b_rows)`` of
 disjoint row shards, or with ``exact=True`` ``None`` for the full-data gradient (through a
-Gram matrix when ``d <= min(n, 2048)``). The data are generated from the seed on first use.
-"""
+Gram matrix when ``d <= min(n, 2048)``). The data are generated from the seed on first use."""
 
 from __future__ import annotations
 

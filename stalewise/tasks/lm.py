@@ -1,11 +1,6 @@
-"""A small byte-level GPT on the Python standard library's own source (PyTorch).
-
-The corpus is the source of :data:`CORPUS_MODULES` in this Python's stdlib (nothing is
-downloaded; :attr:`LanguageModel.corpus_sha256` names it); its last ``val_fraction`` is held
-out and :meth:`LanguageModel.evaluate` scores fixed windows of it (deterministic). One token
-per byte; parameters are a nested dict of CPU float32 tensors; a uniform model's loss is
-ln 256 = 5.545 nats per byte. The corpus, the model and its sizes: docs/lm.md.
-"""
+"""A small byte-level GPT on the Python standard library's own source (PyTorch): one token
+per byte, parameters a nested dict of CPU float32 tensors. The corpus (:data:`CORPUS_MODULES`,
+nothing downloaded), its held-out split, the model and its sizes: docs/lm.md."""
 
 from __future__ import annotations
 
@@ -107,7 +102,7 @@ def load_corpus(corpus_bytes: int = 1 << 21, val_fraction: float = 0.05) -> Corp
 
 
 class LanguageModel:
-    """A byte-level GPT on standard-library source (see the module's docstring).
+    """A byte-level GPT on standard-library source (docs/lm.md).
 
     Batches are int64 tensors ``(batch_size, context + 1)`` of bytes: the model reads ``[:, :-1]``
     and predicts ``[:, 1:]``; the loss is the mean cross-entropy per byte, in nats. ``size`` is one

@@ -37,8 +37,7 @@ class Lease:
 
 
 class RayClient(PullsIntoTrees):
-    """One incarnation of a worker id of a job served on Ray, made by :func:`attach`; for
-    one thread."""
+    """One incarnation of a worker id of a job served on Ray (:func:`attach`); one thread's."""
 
     #: the job's budget of pushes this client refuses to pass at commit (None: none)
     budget = budget.Budget()
@@ -148,8 +147,7 @@ class RayClient(PullsIntoTrees):
         return self._pull_buf
 
     def push(self, update: Any, loss: float = math.nan) -> None:
-        """Commits ``update`` and sends it; returns at once. Raises BudgetSpent past
-        :attr:`budget`."""
+        """Commits ``update`` and sends it; returns at once. BudgetSpent past :attr:`budget`."""
         self._check_open()
         loss = self._loss if math.isnan(loss) else loss
         self.wait()  # one push in flight: the next waits for the last one's acks

@@ -64,9 +64,8 @@ def place(n: int, share: float, timeout: float, what: str, *, apart: bool = Fals
 def consistent_states(
     shards: list, runs: list, timeout: float, limit: float
 ) -> tuple[list, int, dict] | None:
-    """A consistent cut (:class:`~stalewise.protocol.delivery.Cut`): ``(states, pushes
-    handled on shard 0, targets)``; None if one of ``runs`` ends meanwhile, or after
-    ``limit`` seconds."""
+    """A consistent cut (:class:`~stalewise.protocol.delivery.Cut`): ``(states, pushes handled on
+    shard 0, targets)``; None if one of ``runs`` ends meanwhile, or after ``limit`` seconds."""
     ray = import_ray()
     try:
         targets = delivery.targets(ray.get([s.freeze.remote() for s in shards], timeout=timeout))

@@ -3,8 +3,7 @@
 :class:`Liveness` asks each watched worker actor for its progress count (on its ``"beat"``
 concurrency group); a worker is hung when its count stands still longer than its rhythm
 allows (:class:`stalewise.protocol.liveness.Silence`) or a question goes unanswered for
-``worker_timeout``; one still setting up fails after ``start_timeout``.
-"""
+``worker_timeout``; one still setting up fails after ``start_timeout``."""
 
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ class Liveness:
         self.watched.pop(w, None)
 
     def check(self, now: float | None = None) -> list[tuple[int, str]]:
-        """Reads the answers, asks again where due; returns ``(worker, cause)`` for each
-        worker to fail."""
+        """Reads the answers, asks again where due; returns each ``(worker, cause)`` to fail."""
         ray = import_ray()
         now = time.monotonic() if now is None else now
         pending = [x.ref for x in self.watched.values() if x.ref is not None]

@@ -1,8 +1,7 @@
 """A worker's sending side on Ray, shared by the worker actor and the attached client.
 
 :class:`Outbox` wraps one worker id's :class:`~stalewise.protocol.sender.Sender` with what
-Ray adds: the push buffers, the residual keeper actor, one ``ray.put`` per push, the acks.
-"""
+Ray adds: the push buffers, the residual keeper actor, one ``ray.put`` per push, the acks."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ class Outbox:
             sender.encode(flat, [buf[lo:hi] for lo, hi in self.spans])
             sent = buf
         seq, bases, verdict = sender.judge(flat)
-        # committed here: send() keeps its residual before any shard gets it
-        sender.committed()
+        sender.committed()  # here: send() keeps its residual before any shard gets it
         return sent, seq, bases, tuple(verdict), sender.residual
 
     def send(

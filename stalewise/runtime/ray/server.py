@@ -167,8 +167,7 @@ class Door:
 
 
 class RayServer:
-    """A job's shards on Ray for loops you own; a context manager. ``name``: the job's
-    name (default: a new one)."""
+    """A job's shards on Ray for loops you own; a context manager. ``name``: the job's (or new)."""
 
     runtime = "ray"
 

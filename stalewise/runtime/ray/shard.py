@@ -131,8 +131,7 @@ class ShardActor:
         return gone
 
     async def cut(self, w: int, inc: int) -> int | None:
-        """Cuts ``w``'s incarnation ``inc`` off; returns how many of its pushes this shard
-        handled (None: unknown here)."""
+        """Cuts ``w``'s incarnation ``inc`` off; returns its pushes handled here (None: unknown)."""
         self.shard.retire(w, inc)
         self._notify()
         return self.shard.handled(w, inc)
@@ -232,8 +231,7 @@ class ShardActor:
         return ("ok", version, ref, self.handled, int(shard.clocks[w]))
 
     async def follow(self, w: int, inc: int, seen: int, have: int = 0) -> tuple:
-        """ASP: :meth:`pull`'s answer (without the clock) once a version above ``seen`` is
-        published."""
+        """ASP: :meth:`pull`'s answer (no clock) once a version above ``seen`` is published."""
         await self.opened.wait()
         while True:
             if (end := self._ended(w, inc)) is not None:
@@ -266,8 +264,7 @@ class ShardActor:
         acked: int,
         update: Any,
     ) -> tuple | None:
-        """One push of the whole flat ``update``; ``(Ack, pushes handled)``, or None for a
-        cut-off incarnation."""
+        """One push of the whole flat ``update``: ``(Ack, pushes handled)``, None if cut off."""
         shard = self.shard
         while self.cutting.waits(shard, w, inc, seq):
             await self._changed()

@@ -2,8 +2,7 @@
 
 The driver places the actors, releases the workers together and watches: it backs up the
 shards, applies the failure policy to shards and to workers that fail or stand still, and
-kills every actor it started at the end.
-"""
+kills every actor it started at the end."""
 
 from __future__ import annotations
 

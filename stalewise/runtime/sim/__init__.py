@@ -2,8 +2,7 @@
 
 The local runtime's protocol objects with only time simulated (:mod:`.engine`, as
 :class:`~stalewise.runtime.sim.config.SimConfig` says); gradients are real, and a run
-depends only on the config and the seed. Checkpoints also hold the simulator's own state
-(docs/design-notes.md, "Checkpoints")."""
+depends only on the config and the seed; its checkpoints hold its state (design notes)."""
 
 from __future__ import annotations
 

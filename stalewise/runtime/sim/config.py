@@ -1,13 +1,5 @@
-"""The simulator's configuration: :class:`SimConfig` and its TOML ``[sim]`` table.
-
-A :class:`SimConfig` gathers the models of :mod:`stalewise.runtime.sim.models` into one
-frozen, hashable value; :meth:`SimConfig.from_dict` reads a TOML ``[sim]`` table.
-
-Example:
-    >>> cfg = SimConfig(compute=Fixed(0.5), failures=[Failure(worker=1, time=3.0)])
-    >>> cfg.compute.mean, cfg.failures
-    (0.5, (Failure(worker=1, time=3.0),))
-"""
+"""The simulator's configuration: :class:`SimConfig`, the models of
+:mod:`stalewise.runtime.sim.models` in one frozen, hashable value, and its TOML ``[sim]`` table."""
 
 from __future__ import annotations
 
@@ -40,8 +32,7 @@ __all__ = ["MAX_RECORDS", "TOML_KEYS", "SimConfig", "SimConfigError", "TooLongEr
 #: The most records (one every ``eval_interval`` virtual seconds) a simulated run may make:
 #: a few kB each, about 14 virtual hours at 0.5 s; past it, :class:`TooLongError`.
 MAX_RECORDS = 100_000
-#: The largest ``model_bytes``: a petabyte.
-MAX_MODEL_BYTES = 10**15
+MAX_MODEL_BYTES = 10**15  #: The largest ``model_bytes``: a petabyte.
 
 
 class TooLongError(ValueError):
@@ -68,16 +59,10 @@ class SimConfig:
         compute: step-time model, :class:`Fixed` or :class:`ShiftedExponential`
             (default: ``shift=8 ms`` + Exp with mean 2 ms).
         speeds: optional per-worker speed (step time is divided by it), one per worker.
-        stragglers: optional persistent stragglers (the last ``count`` workers).
-        slowdowns: transient slowdowns.
-        failures: workers that fail at given virtual times (handled by the job's
-            failure policy unless a later :class:`Join` says when they come back).
-        joins: workers that (re)join at given virtual times.
+        stragglers, slowdowns, failures, joins, network, service, contention: the models of
+            :mod:`~stalewise.runtime.sim.models` (a failure is the job's failure policy's
+            unless a later :class:`Join` says when it comes back; no contention by default).
         restart_delay: virtual seconds a restarted worker takes to come back (default 1).
-        network: latency and link bandwidths.
-        service: per-shard service time of a request.
-        contention: the slowdown with more processes runnable (:class:`Contention`;
-            None, the default: none).
         loop: seconds every push takes besides its compute, delays and transfers (the
             worker loop's own time; default 0).
         own_read: the chance that a lone worker's snapshot read right after its push

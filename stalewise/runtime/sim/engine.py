@@ -40,8 +40,7 @@ _ACK, _LEAVE, _FORWARD, _BACKED, _CATCHUP = range(8, 13)  # the last 3: between 
 _FAIL, _JOIN, _EVAL, _RESTART = range(13, 17)
 _RECEIVER = {_ACK: "worker", _PULL_RESP: "worker", _FORWARD: "backup", _CATCHUP: "backup"}
 _RECEIVER |= dict.fromkeys((_PULL_REQ, _PUSH_IN, _LEAVE, _BACKED), "primary")  # fault injection
-# request kinds at a shard
-_PULL, _PUSH = 0, 1
+_PULL, _PUSH = 0, 1  # request kinds at a shard
 # what a worker's pull at shard k does once the shard has handled its push (_SimWorker.behind)
 _ASK, _READ = 1, 2
 # SimConfig.own_read's race: the n-th push draws frac(n * _GOLDEN + worker * _PLASTIC)
@@ -479,8 +478,7 @@ class Simulation:
         return True
 
     def sends(self, name: tuple) -> bool:
-        """Whether process ``name`` sends now (fault injection: not once killed; a kill
-        marks it ``dying``)."""
+        """Whether process ``name`` sends now (fault injection: not once killed or ``dying``)."""
         if self.received is None:
             return True
         if self.dying == name:
@@ -1008,8 +1006,7 @@ class Simulation:
         return True
 
     def idle(self) -> bool:
-        """No work in flight, and no join or restart that could bring more (none left, or
-        no budget)."""
+        """No work in flight, and no join or restart that could bring more (or no budget)."""
         return not self.queued and not (self.returns and self.may_begin())
 
     def may_begin(self, wk: _SimWorker | None = None) -> bool:

@@ -1,15 +1,8 @@
 """Timing, network and fault models of the simulator, and their per-run state.
 
 Per run, :class:`WorkerTiming` answers "when does this step end", :class:`Links` "when
-is this message in" and :class:`Service` "how long does this request take". One local
-step takes, in virtual seconds::
-
-    (compute.sample() + delays[w]) * stragglers[w] * persistent[w] / speeds[w]
-
-stretched by any :class:`Slowdown` active meanwhile. A message of ``B`` bytes leaves its sender's
-egress link (FIFO, ``B / bandwidth``), travels ``latency`` seconds and enters its receiver's ingress
-link (cut-through); control messages cost ``latency`` only; with :class:`Copies` the bytes also cost
-copies on the cores and the memory bus of the process that makes them.
+is this message in" and :class:`Service` "how long does this request take". What each
+charges: docs/calibrate.md ("What the simulator models").
 
 Example:
     >>> ShiftedExponential(shift=0.0, rate=1.0).mean, Service(time=0.5, rate=2.0).seconds(1.0)
@@ -67,10 +60,8 @@ _bad = SimConfigError
 #: The longest virtual time a model may give or name, in seconds (about 116 days): a step,
 #: a latency, a request, a restart, a scripted event.
 MAX_SECONDS = 1e7
-#: The slowest link or shard, in bytes per second (math.inf: free).
-MIN_BYTES_PER_S = 1.0
-#: The widest speed-up or slow-down factor of a worker (speeds, stragglers, slowdowns).
-MAX_FACTOR = 1e6
+MIN_BYTES_PER_S = 1.0  #: The slowest link or shard, in bytes per second (math.inf: free).
+MAX_FACTOR = 1e6  #: The widest speed-up or slow-down of a worker (speeds, stragglers, slowdowns).
 
 
 def _number(
@@ -335,14 +326,9 @@ def _along(table: tuple[float, ...], n: float) -> float:
 
 
 class WorkerTiming:
-    """Step durations of one run: O(1) per step.
-
-    Args:
-        sim: the run's :class:`SimConfig`.
-        workers: number of workers.
-        factors: extra per-worker slowdown factors (``train(stragglers=...)``).
-        delays: extra seconds added to every step, one per worker.
-        seed: run seed; worker ``w`` draws from ``default_rng([seed, w, _STREAM])``.
+    """Step durations of one run: O(1) per step. ``factors``: extra per-worker slowdowns
+    (``train(stragglers=...)``); ``delays``: extra seconds of every step, one per worker;
+    worker ``w`` draws from ``default_rng([seed, w, _STREAM])``.
 
     Example:
         >>> from stalewise.runtime.sim.config import SimConfig
@@ -398,11 +384,9 @@ class WorkerTiming:
     def finish(
         self, worker: int, start: float, local_steps: int = 1, stretch: float = 1.0
     ) -> float:
-        """The virtual time at which a step of ``worker`` started at ``start`` ends.
-
-        ``local_steps`` sampled step times (one draws what a plain step draws);
-        ``stretch`` (the contention factor) stretches the compute, not the delays;
-        :attr:`busy` is then the step's compute seconds."""
+        """The virtual time at which a step of ``worker`` started at ``start`` ends: ``local_steps``
+        sampled step times (one draws as a plain step), the compute (not the delays) stretched
+        by ``stretch`` (the contention factor); :attr:`busy` is then its compute seconds."""
         p = self.paces[worker]
         if p.rng is None:  # Fixed
             base = self.compute.time * local_steps
