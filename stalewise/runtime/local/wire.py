@@ -12,6 +12,7 @@ or, only on the control pipe from the parent that started a shard, a pickle::
     worker -> parent   worker_ready, beat(time), done, diverged(text),   at most MAX_RESULT bytes
                        failed(traceback, summary)
     parent -> worker   go, rejoin(k) and a restarted shard's new pipe (its fd)
+    primary <-> backup forward, catch_up (data only: JSON and raw arrays), held
 
 Nothing a worker writes is unpickled: :func:`decode_from_worker` and
 :func:`decode_result` know their fixed records and nothing else, and any other
@@ -31,13 +32,17 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import select
 import struct
 from typing import Any
 
+import numpy as np
+
 from stalewise.protocol.messages import Ack
+from stalewise.protocol.replica import CatchUp, Forward, Held
 
 MAX_WORKER_MESSAGE = 64  # bytes: the longest body a shard accepts from a worker
 MAX_REPLY = 1 << 16  # bytes: the longest body a worker accepts from a shard
@@ -48,11 +53,15 @@ _PUSH, _PULL, _LEAVE = 0x01, 0x02, 0x03
 # shard -> worker (PULLED also to the parent)
 _ACK, _PULLED, _ERROR = 0x11, 0x12, 0x13
 # parent -> shard (PULL too: the observer's)
-_JOIN, _STATS, _STATE, _LOAD, _STOP, _CUT, _THAW = 0x21, 0x22, 0x23, 0x24, 0x25, 0x26, 0x27
+_JOIN, _STATS, _STATE, _LOAD, _STOP, _CUT, _THAW, _BACKUP = range(0x21, 0x29)
 # shard -> parent
 _READY, _JOINED, _STATS_REPLY, _STATE_REPLY, _LOADED, _STOPPED, _CUT_REPLY = range(0x31, 0x38)
 # worker -> parent (the result pipe), and parent -> worker
 _W_READY, _BEAT, _DONE, _DIVERGED, _FAILED, _GO = 0x41, 0x42, 0x43, 0x44, 0x45, 0x46
+# primary <-> backup; kind, view, entries (first), the log's bytes before them, len(its path)
+_FORWARD, _CATCH_UP, _HELD = 0x51, 0x52, 0x53
+_LINK_HEAD = struct.Struct("<BqqqH")
+_LEN = struct.Struct("<Q")
 
 _KIND = struct.Struct("<B")
 _INT = struct.Struct("<Bq")  # kind, one int64
@@ -387,6 +396,11 @@ def cut(n: int, targets: dict | None, log: str = "", fsync: bool = False) -> byt
     return _KIND.pack(_CUT) + _pickle((n, targets, log, fsync))
 
 
+def backup() -> bytes:
+    """The shard's link to a new backup (its fd follows): it catches it up and forwards to it."""
+    return _KIND.pack(_BACKUP)
+
+
 def thaw() -> bytes:
     """The parent gave the cut up: the shard thaws (no reply)."""
     return _KIND.pack(_THAW)
@@ -404,9 +418,88 @@ def decode_control(body: bytes) -> tuple:
     if kind == _CUT:
         return ("cut", *pickle.loads(body[_KIND.size :]))
     simple = {_PULL: "pull", _STATS: "stats", _STATE: "state", _STOP: "stop", _THAW: "thaw"}
+    simple[_BACKUP] = "backup"
     if kind in simple and len(body) == _KIND.size:
         return (simple[kind],)
     raise WireError(f"a control message of unknown kind or size: 0x{kind:02x}, {len(body)} bytes")
+
+
+# -- primary <-> backup (replicated shards) -----------------------------------------------
+
+
+def forward(f: Forward, path: str, at: int) -> bytes:
+    """:class:`Forward` ``f``, whose first entry begins at byte ``at`` of push log ``path``."""
+    parts = [_LINK_HEAD.pack(_FORWARD, f.view, f.first, at, len(p := path.encode())), p]
+    for e in f.entries:
+        parts += [_LEN.pack(len(e)), e]
+    return b"".join(parts)
+
+
+def catch_up(c: CatchUp, path: str, at: int) -> bytes:
+    """:class:`CatchUp` ``c``, its state at byte ``at`` of push log ``path``."""
+    head = _LINK_HEAD.pack(_CATCH_UP, c.view, c.entries, at, len(p := path.encode()))
+    return head + p + encode_state(c.state)
+
+
+def held(h: Held) -> bytes:
+    return _TWO.pack(_HELD, h.view, h.entries)
+
+
+def decode_link(body: bytes) -> tuple:
+    """``("held", Held)``, ``("forward", Forward, path, at)`` or ``("catch_up", CatchUp,
+    path, at)``; anything else (a torn or unknown message) is a WireError."""
+    kind = _kind_of(body)
+    if kind == _HELD and len(body) == _TWO.size:
+        return ("held", Held(*_TWO.unpack(body)[1:]))
+    if kind not in (_FORWARD, _CATCH_UP) or len(body) < _LINK_HEAD.size:
+        raise _wrong_size(kind, body)
+    _, view, first, at, n = _LINK_HEAD.unpack_from(body)
+    i = _LINK_HEAD.size + n
+    path = body[_LINK_HEAD.size : i].decode("utf-8", "replace")
+    if kind == _CATCH_UP:
+        return ("catch_up", CatchUp(view, first, decode_state(body[i:])), path, at)
+    entries = []
+    while i < len(body):
+        if i + _LEN.size > len(body) or i + _LEN.size + _LEN.unpack_from(body, i)[0] > len(body):
+            raise _wrong_size(kind, body)
+        entries.append(body[i + _LEN.size : (i := i + _LEN.size + _LEN.unpack_from(body, i)[0])])
+    return ("forward", Forward(view, first, tuple(entries)), path, at)
+
+
+def encode_state(state: dict) -> bytes:
+    """A shard's ``state_dict()`` as data: a JSON header (values, arrays' dtypes and shapes),
+    then each array's bytes."""
+    from stalewise.checkpoint.store import flat_state
+
+    arrays, values = flat_state(state, "state")
+    shapes = [[k, a.dtype.name, a.shape] for k, a in arrays.items()]
+    head = json.dumps({"values": values, "arrays": shapes}).encode()
+    return b"".join([_LEN.pack(len(head)), head, *(a.tobytes() for a in arrays.values())])
+
+
+def decode_state(body: bytes) -> dict:
+    """:func:`encode_state`'s state (nested dicts rebuilt from their ``/`` paths)."""
+    from stalewise.checkpoint.store import _DTYPES
+
+    try:
+        (n,) = _LEN.unpack_from(body)
+        head, at, flat = json.loads(body[_LEN.size : _LEN.size + n]), _LEN.size + n, {}
+        flat.update(head["values"])
+        for key, dtype, shape in head["arrays"]:
+            if dtype not in _DTYPES:
+                raise ValueError(f"dtype {dtype!r}")
+            a = np.frombuffer(body, dtype, math.prod(shape), at).reshape(shape)
+            flat[key], at = a.copy(), at + a.nbytes
+    except (ValueError, TypeError, KeyError, struct.error) as e:
+        raise WireError(f"a state that does not decode: {e}") from None
+    state: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split("/")
+        node = state
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return state
 
 
 def _kind_of(body: bytes) -> int:
