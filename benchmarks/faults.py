@@ -30,7 +30,8 @@ undisturbed, then once per fault, with the same budget of pushes:
                     worker back in the run).
   (f2) replica-kills ``--replica-kills N``: (f) with ``replicas=2``, each kill a random
                     primary or backup (about half each); ``pause_*_s``: from the kill to
-                    the record (every 0.05 s) at which the job has made WORKERS more pushes.
+                    the record (every 0.05 s) at which the job has made more than WORKERS more
+                    pushes (one in flight per worker: so some push was acknowledged).
   (g) launcher-kills ``--launcher-kills N`` runs only this case: the one-hot job of
                     ``tests/test_one_cut.py`` (``stalewise run``, 2 ranks, rank r's i-th
                     push adds 1 to item (r, i), a checkpoint every 50 pushes), its
@@ -187,7 +188,7 @@ class Faults:
 
     def __call__(self, rec: dict) -> None:
         now = rec["time"]
-        for w in [w for w in self.waiting if rec["pushes"] >= w[2] + WORKERS]:
+        for w in [w for w in self.waiting if rec["pushes"] > w[2] + WORKERS]:  # an ack came
             self.pauses[w[0]].append(now - w[1])
             self.waiting.remove(w)
         if self.stopped is not None and now >= self.at[-1] + self.stop_for:
