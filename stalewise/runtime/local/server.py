@@ -36,7 +36,6 @@ from stalewise.runtime.errors import ShardError
 from stalewise.runtime.local import layout as layout_lib
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.attach import Door
-from stalewise.runtime.local.backup import backup_main
 from stalewise.runtime.local.client import Client, ServerClosed, recv_reply
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import (
@@ -46,7 +45,7 @@ from stalewise.runtime.local.procs import (
     stalewise_main,
     thread_budget,
 )
-from stalewise.runtime.local.shard_proc import shard_main
+from stalewise.runtime.local.shard_proc import backup_main, shard_main
 from stalewise.runtime.local.shm import SharedBlock
 
 log = logging.getLogger(__name__)
@@ -240,12 +239,6 @@ class LocalServer:
         primary = self._procs[k]
         if not self._closing.is_set():
             self._link_backup(k, primary, *self._start_backup(k))
-
-    def _drop_backup(self, k: int) -> Any:
-        """Shard ``k``'s backup, unlinked: ``(process, control)`` or None (none linked)."""
-        with self._procs_lock:
-            b, self._backups[k] = self._backups[k], None
-        return b
 
     def _wait_ready(self, k: int) -> None:
         try:
@@ -646,10 +639,10 @@ class LocalServer:
     ) -> dict:
         """Starts a new process for shard ``k``, whose process has died, and restores its state.
 
-        With a live backup its state is the backup's (exactly what was acknowledged; its log
-        chain goes on, cut there); else with push logs (a cut named a folder) it is exactly
-        as when it died (the last such cut's, its log chain replayed), and it goes on with
-        the chain. Either way workers ``keep`` keep their seats (then :meth:`rejoin`). Else its slice is the last published
+        With a live backup its state is the backup's (its log chain goes on, cut there); else
+        with push logs (a cut named a folder) it is exactly as when it died (the last such
+        cut's, its log chain replayed), and it goes on with the chain. Either way workers
+        ``keep`` keep their seats (then :meth:`rejoin`). Else its slice is the last published
         snapshot, its optimizer state and counters ``base``'s (shard ``k``'s
         :meth:`state_dict`) or fresh, its version the live shards'. Every other worker must
         rejoin as a new incarnation (its committed push is delivered where lacking).
@@ -677,7 +670,8 @@ class LocalServer:
                 self._controls[j].recv_bytes()
         self.observer = self._observer()
         replayed, source, why = None, "push log", "no checkpoint folder"
-        backup = self._drop_backup(k)
+        with self._procs_lock:
+            backup, self._backups[k] = self._backups[k], None
         if backup is not None:
             try:
                 replayed, source = self._backed_up(k, backup[1], timeout), "backup"

@@ -26,7 +26,8 @@ from multiprocessing import connection, reduction
 import numpy as np
 
 from stalewise.checkpoint.store import create_file
-from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline, replica
+from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline
+from stalewise.protocol.replica import Backup, Held, Primary
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Snapshots
@@ -136,7 +137,7 @@ class ShardProcess:
         # replicas=2: replies wait until the backup on `link` holds their entries (sync)
         self.primary, self.link, self.backup_timeout = None, None, backup_timeout
         if config.replicas == 2:
-            self.primary = replica.Primary(self.shard)
+            self.primary = Primary(self.shard)
             self.record, self.shard.journal = self.shard.journal, self.journal
 
     # -- snapshots -----------------------------------------------------------------
@@ -546,3 +547,41 @@ def shard_main(
                 log.error("shard %d: worker(s) %s did not start within %g s (join_timeout); the "
                           "gates no longer wait for them", k, names, join_timeout)  # fmt: skip
         proc.settle()
+
+
+def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> None:
+    """Body of shard ``k``'s backup process (replicas=2): a private copy of the shard that
+    applies what its primary forwards on ``link`` (:class:`Backup`; an entry it refuses is a
+    bug: it raises) and answers what it holds, until the parent says stop on ``control``
+    (it asks for the ``state`` once the primary died)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
+    child_logging(f"backup {k}")
+    lo, hi = config.ranges[k]
+    shard = config.build_shard(k, np.array(config.init[lo:hi]), layout.workers, layout.expected)
+    backup, held = None, ("", 0)  # the push log and its bytes that the state is after
+    bound = 8 * shard.params.nbytes * (layout.workers + 2) + (1 << 24)  # a turn's entries
+    control.send_bytes(wire.ready(k))
+    while True:
+        for c in wire.readable([control, link][: 1 + (link is not None)], None):
+            try:
+                body = c.recv_bytes(None if c is control else bound)
+            except (EOFError, OSError):
+                if c is control:
+                    return
+                link = link.close()  # the primary died: the parent asks for the state
+                continue
+            if c is control:
+                if wire.decode_control(body)[0] != "state":  # stop
+                    return control.send_bytes(wire.stopped({"digest": digest(shard)}))
+                control.send_bytes(wire.state_reply(shard.state_dict() | {"held": held}))
+                continue
+            msg = wire.decode_link(body)
+            if msg[0] == "catch_up":
+                backup, held = Backup(shard, msg[1]), msg[2:]
+                reply = Held(backup.view, backup.entries)
+            elif (reply := backup.receive(msg[1])) is not None:
+                (fwd, path, at), n = msg[1:], backup.entries - msg[1].first
+                held = (path, at + sum(map(len, fwd.entries[:n])))
+            with contextlib.suppress(OSError):  # else the primary died: EOF follows
+                if reply is not None:
+                    link.send_bytes(wire.held(reply))

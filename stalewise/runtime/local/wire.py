@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import pickle
@@ -467,39 +468,27 @@ def decode_link(body: bytes) -> tuple:
 
 
 def encode_state(state: dict) -> bytes:
-    """A shard's ``state_dict()`` as data: a JSON header (values, arrays' dtypes and shapes),
-    then each array's bytes."""
+    """A shard's ``state_dict()`` as data: its JSON values, then its arrays (``np.save``)."""
     from stalewise.checkpoint.store import flat_state
 
     arrays, values = flat_state(state, "state")
-    shapes = [[k, a.dtype.name, a.shape] for k, a in arrays.items()]
-    head = json.dumps({"values": values, "arrays": shapes}).encode()
-    return b"".join([_LEN.pack(len(head)), head, *(a.tobytes() for a in arrays.values())])
+    f = io.BytesIO(frame(json.dumps({"values": values, "arrays": list(arrays)}).encode()))
+    f.seek(0, io.SEEK_END)
+    for a in arrays.values():
+        np.save(f, a, allow_pickle=False)
+    return f.getvalue()
 
 
 def decode_state(body: bytes) -> dict:
-    """:func:`encode_state`'s state (nested dicts rebuilt from their ``/`` paths)."""
-    from stalewise.checkpoint.store import _DTYPES
+    """:func:`encode_state`'s state (no pickle: an object array is refused)."""
+    from stalewise.checkpoint.store import _nested
 
+    f = io.BytesIO(body)
     try:
-        (n,) = _LEN.unpack_from(body)
-        head, at, flat = json.loads(body[_LEN.size : _LEN.size + n]), _LEN.size + n, {}
-        flat.update(head["values"])
-        for key, dtype, shape in head["arrays"]:
-            if dtype not in _DTYPES:
-                raise ValueError(f"dtype {dtype!r}")
-            a = np.frombuffer(body, dtype, math.prod(shape), at).reshape(shape)
-            flat[key], at = a.copy(), at + a.nbytes
-    except (ValueError, TypeError, KeyError, struct.error) as e:
+        head = json.loads(f.read(_FRAME.unpack(f.read(_FRAME.size))[0]))
+        return _nested(head["values"] | {k: np.load(f, allow_pickle=False) for k in head["arrays"]})
+    except (ValueError, TypeError, KeyError, struct.error, EOFError) as e:
         raise WireError(f"a state that does not decode: {e}") from None
-    state: dict = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split("/")
-        node = state
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return state
 
 
 def _kind_of(body: bytes) -> int:
