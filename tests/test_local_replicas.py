@@ -46,11 +46,11 @@ class Kills:
             self.next = rec["time"] + self.rng.uniform(0.4, 0.8)
 
 
-def train(folder=None, on_record=None, consistency=None, steps=300, workers=4):
+def train(folder=None, on_record=None, consistency=None, steps=300, workers=4, resume=False):
     params = {"x": np.zeros(8, np.float32), "b": np.ones(300, np.float32)}
     job = sw.Job(params, optimizer=sw.optim.adam(0.05), shards=2, replicas=2,
                  consistency=consistency)  # fmt: skip
-    every = None if folder is None else sw.Checkpoints(folder, every=100, keep=100)
+    every = None if folder is None else sw.Checkpoints(folder, every=100, keep=100, resume=resume)
     result = job.train(
         paced_loss_and_grad_b,
         data=mp_helpers.counting_data,
@@ -98,6 +98,13 @@ def test_a_replicated_job_ends_with_each_backup_equal_to_its_primary(consistency
         _, result = train(consistency=consistency, steps=200, workers=3)
     assert result.pushes >= 200
     assert backups_equal(caplog), caplog.text
+
+
+def test_a_resumed_replicated_job_starts_its_backups_at_the_checkpoint(tmp_path, caplog, no_leaks):
+    train(tmp_path, steps=150, workers=2)
+    with caplog.at_level(logging.INFO, logger=SERVER):
+        _, result = train(tmp_path, steps=300, workers=2, resume=True)
+    assert 300 <= result.pushes < 310 and backups_equal(caplog), caplog.text
 
 
 def test_a_killed_primary_is_replaced_from_its_backup_losing_nothing(tmp_path, caplog, no_leaks):

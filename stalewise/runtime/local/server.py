@@ -225,7 +225,7 @@ class LocalServer:
                 self._backups[k] = (p, control)
                 self._spawning.discard(p)
         except (ShardError, ServerClosed, TimeoutError, OSError) as e:
-            log.warning("shard %d: no backup: %s", k, e)
+            (log.debug if self._closing.is_set() else log.warning)("shard %d: no backup: %s", k, e)
             p.kill()
             p.join()
             control.close()

@@ -282,6 +282,14 @@ class ShardProcess:
             self.link.close()
         self.link = None
 
+    def catch_up(self) -> None:
+        """Starts the backup on the link from the state now (a new view)."""
+        start = self.primary.attach()
+        try:
+            self.link.send_bytes(wire.catch_up(start, self.log_path * bool(self.log), self.log_at))
+        except OSError as e:
+            self.lose_backup(e)
+
     def expire_partial(self) -> None:
         """Cuts off workers whose message stayed incomplete for PARTIAL_TIMEOUT seconds."""
         now = time.monotonic()
@@ -454,14 +462,11 @@ class ShardProcess:
                 self.end_cut(None, f"shard {self.k}: not frozen for cut {msg[1]} (gave it up)")
         elif kind == "thaw":
             self.end_cut()
-        elif kind == "backup":  # a new backup's link: catch it up (the state now)
+        elif kind == "backup":  # a new backup's link: catch it up
             link = connection.Connection(reduction.recv_handle(c))
             self.lose_backup("")
-            self.link, start = link, self.primary.attach()
-            try:
-                link.send_bytes(wire.catch_up(start, self.log_path * bool(self.log), self.log_at))
-            except OSError as e:
-                self.lose_backup(e)
+            self.link = link
+            self.catch_up()
         elif kind == "load":  # a checkpoint, before any worker joins (resume), or a restart's
             if self.pipes:
                 c.send_bytes(wire.loaded(None, "workers have joined; load before they do"))
@@ -480,6 +485,8 @@ class ShardProcess:
                     got = committed_push(self.layout, self.records, self.pushes, w, self.k)
                     self.write(shard.depart, w, int(shard.incarnation[w]), got)
                 self.answer()  # the log's entries reach the OS
+            if self.link is not None:
+                self.catch_up()  # the backup starts again from the state loaded
             self.publish_now()
             c.send_bytes(wire.loaded(shard.version, None))
         else:  # stop
