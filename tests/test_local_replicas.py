@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from test_one_cut import ONES, pushes
 from test_replay import paced_loss_and_grad_b
+from test_shard_log_restart import wait_for
 
 import stalewise as sw
 from stalewise.checkpoint import replay, store
@@ -70,26 +71,29 @@ def backups_equal(caplog):
     return all(f"shard {k}: its backup's state equals its primary's" in text for k in (0, 1))
 
 
-def test_an_ack_leaves_only_once_the_backup_holds_the_push(no_leaks):
-    """Shard 1's backup is stopped: shard 1 applies the push but its ack waits (the test a
-    shard that acks before its backup holds the push fails; random kills rarely hit that)."""
+def test_an_ack_waits_for_the_backup_and_a_hung_backup_is_killed_and_replaced(caplog, no_leaks):
+    """Shard 1's backup is stopped: shard 1 applies the push but its ack waits (a shard that
+    acks before its backup holds the push fails here; random kills rarely hit that), until
+    the bound (backup_timeout): then the backup is killed, a new one follows."""
     params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
     job = sw.Job(params, optimizer=sw.optim.sgd(1.0), shards=2, replicas=2)
-    with LocalServer(job.config, workers=1) as server:
+    with caplog.at_level(logging.INFO), LocalServer(job.config, 1, backup_timeout=2) as server:
         client = server.client(0)
         pushes(client, 2)
         server.stats()  # shard 1 answered the parent: its backup holds every entry
         backup = server._backups[1][0]
         os.kill(backup.pid, signal.SIGSTOP)
-        try:
-            client.push(ONES, timeout=10)
-            with pytest.raises(TimeoutError, match="ack"):
-                client.wait(timeout=1.0)
-        finally:
-            os.kill(backup.pid, signal.SIGCONT)
+        client.push(ONES, timeout=10)
+        with pytest.raises(TimeoutError, match="ack"):
+            client.wait(timeout=1.0)
         assert client.wait(timeout=10).status == "applied"
+        backup.join(10)
+        assert backup.exitcode == -signal.SIGKILL
+        wait_for(lambda: (server._backups[1] or [backup])[0] is not backup, "a new backup")
+        pushes(client, 2)
         client.close()
-        assert [s["version"] for s in server.state_dicts(timeout=30)] == [3, 3]
+        assert [s["version"] for s in server.state_dicts(timeout=30)] == [5, 5]
+    assert backups_equal(caplog), caplog.text
 
 
 @pytest.mark.parametrize("consistency", [None, sw.BSP()], ids=["asp", "bsp"])

@@ -220,7 +220,7 @@ class LocalServer:
             with self._lock, self._procs_lock:
                 if self._closing.is_set() or self._procs[k] is not primary or reply[0] != "ready":
                     raise ShardError(f"shard {k}'s backup was not needed or did not start")
-                self._controls[k].send_bytes(wire.backup())
+                self._controls[k].send_bytes(wire.backup(p.pid))
                 reduction.send_handle(self._controls[k], link.fileno(), primary.pid)
                 self._backups[k] = (p, control)
                 self._spawning.discard(p)

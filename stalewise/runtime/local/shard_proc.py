@@ -20,6 +20,8 @@ import hashlib
 import logging
 import os
 import signal
+import socket
+import struct
 import time
 from multiprocessing import connection, reduction
 
@@ -274,9 +276,13 @@ class ShardProcess:
             self.snapshots.changed(self.k, self.shard.version)
 
     def lose_backup(self, why: Exception | str) -> None:
-        """The backup died (or hung): this shard serves alone until the parent links a new one."""
+        """The backup died (or hung: it is killed, so that its state is never taken for this
+        shard's): this shard serves alone until the parent links a new one."""
         if self.primary.backed:
             log.warning("shard %d: its backup is gone (%s); serving alone", self.k, why or "EOF")
+        if isinstance(why, TimeoutError | BlockingIOError):
+            with contextlib.suppress(OSError):
+                os.kill(self.backup_pid, signal.SIGKILL)
         self.primary.detach()
         if self.link is not None:
             self.link.close()
@@ -462,10 +468,14 @@ class ShardProcess:
                 self.end_cut(None, f"shard {self.k}: not frozen for cut {msg[1]} (gave it up)")
         elif kind == "thaw":
             self.end_cut()
-        elif kind == "backup":  # a new backup's link: catch it up
+        elif kind == "backup":  # a new backup's link (its pid): catch it up
             link = connection.Connection(reduction.recv_handle(c))
             self.lose_backup("")
-            self.link = link
+            t = self.backup_timeout  # each write to it too
+            with socket.socket(fileno=os.dup(link.fileno())) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(t),
+                                int(t % 1 * 1e6)))  # fmt: skip
+            self.link, self.backup_pid = link, msg[1]
             self.catch_up()
         elif kind == "load":  # a checkpoint, before any worker joins (resume), or a restart's
             if self.pipes:

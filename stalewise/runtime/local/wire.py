@@ -397,9 +397,10 @@ def cut(n: int, targets: dict | None, log: str = "", fsync: bool = False) -> byt
     return _KIND.pack(_CUT) + _pickle((n, targets, log, fsync))
 
 
-def backup() -> bytes:
-    """The shard's link to a new backup (its fd follows): it catches it up and forwards to it."""
-    return _KIND.pack(_BACKUP)
+def backup(pid: int) -> bytes:
+    """The shard's link to a new backup, process ``pid`` (the fd follows): it catches it up
+    and forwards to it."""
+    return _INT.pack(_BACKUP, pid)
 
 
 def thaw() -> bytes:
@@ -410,16 +411,17 @@ def thaw() -> bytes:
 def decode_control(body: bytes) -> tuple:
     """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
     ``("stats",)``, ``("state",)``, ``("load", state, log, keep)``, ``("cut", n, targets,
-    log, fsync)`` (unpickled), ``("thaw",)`` or ``("stop",)``."""
+    log, fsync)`` (unpickled), ``("thaw",)``, ``("backup", pid)`` or ``("stop",)``."""
     kind = _kind_of(body)
     if kind == _JOIN and len(body) == _TWO.size:
         return ("join", *_TWO.unpack(body)[1:])
+    if kind == _BACKUP and len(body) == _INT.size:
+        return ("backup", _INT.unpack(body)[1])
     if kind == _LOAD:
         return ("load", *pickle.loads(body[_KIND.size :]))
     if kind == _CUT:
         return ("cut", *pickle.loads(body[_KIND.size :]))
     simple = {_PULL: "pull", _STATS: "stats", _STATE: "state", _STOP: "stop", _THAW: "thaw"}
-    simple[_BACKUP] = "backup"
     if kind in simple and len(body) == _KIND.size:
         return (simple[kind],)
     raise WireError(f"a control message of unknown kind or size: 0x{kind:02x}, {len(body)} bytes")
