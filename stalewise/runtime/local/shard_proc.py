@@ -29,7 +29,7 @@ import numpy as np
 
 from stalewise.checkpoint.store import create_file
 from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline
-from stalewise.protocol.replica import Backup, Held, Primary
+from stalewise.protocol.replica import Backup, CatchUp, Held, Primary
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Snapshots
@@ -264,12 +264,12 @@ class ShardProcess:
             if fwd is not None and primary.backed:
                 at = self.log_at - sum(map(len, fwd.entries))
                 try:
-                    self.link.send_bytes(wire.forward(fwd, self.log_path * bool(self.log), at))
+                    self.link.send_bytes(wire.link(fwd, self.log_path * bool(self.log), at))
                     until = time.monotonic() + self.backup_timeout
                     while primary.acked < primary.entries:
                         if not self.link.poll(max(0.0, until - time.monotonic())):
                             raise TimeoutError(f"no answer in {self.backup_timeout:g} s")
-                        primary.held(wire.decode_link(self.link.recv_bytes(64))[1])
+                        primary.held(wire.decode_link(self.link.recv_bytes(64))[0])
                 except (OSError, EOFError, TimeoutError, wire.WireError) as e:
                     self.lose_backup(e)
         if primary is not None:
@@ -292,7 +292,7 @@ class ShardProcess:
         """Starts the backup on the link from the state now (a new view)."""
         start = self.primary.attach()
         try:
-            self.link.send_bytes(wire.catch_up(start, self.log_path * bool(self.log), self.log_at))
+            self.link.send_bytes(wire.link(start, self.log_path * bool(self.log), self.log_at))
         except OSError as e:
             self.lose_backup(e)
 
@@ -592,13 +592,12 @@ def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> 
                     return control.send_bytes(wire.stopped({"digest": digest(shard)}))
                 control.send_bytes(wire.state_reply(shard.state_dict() | {"held": held}))
                 continue
-            msg = wire.decode_link(body)
-            if msg[0] == "catch_up":
-                backup, held = Backup(shard, msg[1]), msg[2:]
+            msg, path, at = wire.decode_link(body)
+            if isinstance(msg, CatchUp):
+                backup, held = Backup(shard, msg), (path, at)
                 reply = Held(backup.view, backup.entries)
-            elif (reply := backup.receive(msg[1])) is not None:
-                (fwd, path, at), n = msg[1:], backup.entries - msg[1].first
-                held = (path, at + sum(map(len, fwd.entries[:n])))
+            elif (reply := backup.receive(msg)) is not None:
+                held = (path, at + sum(map(len, msg.entries[: backup.entries - msg.first])))
             with contextlib.suppress(OSError):  # else the primary died: EOF follows
                 if reply is not None:
-                    link.send_bytes(wire.held(reply))
+                    link.send_bytes(wire.link(reply))

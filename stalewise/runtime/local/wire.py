@@ -12,7 +12,7 @@ or, only on the control pipe from the parent that started a shard, a pickle::
     worker -> parent   worker_ready, beat(time), done, diverged(text),   at most MAX_RESULT bytes
                        failed(traceback, summary)
     parent -> worker   go, rejoin(k) and a restarted shard's new pipe (its fd)
-    primary <-> backup forward, catch_up (data only: JSON and raw arrays), held
+    primary <-> backup forward, catch up (data only: JSON and np.save arrays), held
 
 Nothing a worker writes is unpickled: :func:`decode_from_worker` and
 :func:`decode_result` know their fixed records and nothing else, and any other
@@ -430,43 +430,32 @@ def decode_control(body: bytes) -> tuple:
 # -- primary <-> backup (replicated shards) -----------------------------------------------
 
 
-def forward(f: Forward, path: str, at: int) -> bytes:
-    """:class:`Forward` ``f``, whose first entry begins at byte ``at`` of push log ``path``."""
-    parts = [_LINK_HEAD.pack(_FORWARD, f.view, f.first, at, len(p := path.encode())), p]
-    for e in f.entries:
-        parts += [_LEN.pack(len(e)), e]
-    return b"".join(parts)
-
-
-def catch_up(c: CatchUp, path: str, at: int) -> bytes:
-    """:class:`CatchUp` ``c``, its state at byte ``at`` of push log ``path``."""
-    head = _LINK_HEAD.pack(_CATCH_UP, c.view, c.entries, at, len(p := path.encode()))
-    return head + p + encode_state(c.state)
-
-
-def held(h: Held) -> bytes:
-    return _TWO.pack(_HELD, h.view, h.entries)
+def link(msg: Forward | CatchUp | Held, path: str = "", at: int = 0) -> bytes:
+    """A message between a primary and its backup: a :class:`Forward` whose first entry (a
+    :class:`CatchUp` whose state) is at byte ``at`` of push log ``path``, or a :class:`Held`."""
+    kind = {Forward: _FORWARD, CatchUp: _CATCH_UP, Held: _HELD}[type(msg)]
+    blobs = () if kind == _HELD else msg.entries if kind == _FORWARD else [encode_state(msg.state)]
+    head = _LINK_HEAD.pack(kind, msg.view, msg[1], at, len(p := path.encode()))
+    return b"".join([head, p, *(x for b in blobs for x in (_LEN.pack(len(b)), b))])
 
 
 def decode_link(body: bytes) -> tuple:
-    """``("held", Held)``, ``("forward", Forward, path, at)`` or ``("catch_up", CatchUp,
-    path, at)``; anything else (a torn or unknown message) is a WireError."""
-    kind = _kind_of(body)
-    if kind == _HELD and len(body) == _TWO.size:
-        return ("held", Held(*_TWO.unpack(body)[1:]))
-    if kind not in (_FORWARD, _CATCH_UP) or len(body) < _LINK_HEAD.size:
-        raise _wrong_size(kind, body)
-    _, view, first, at, n = _LINK_HEAD.unpack_from(body)
-    i = _LINK_HEAD.size + n
+    """``(message, path, at)`` of :func:`link`; a torn or unknown one is a WireError."""
+    if len(body) < _LINK_HEAD.size or body[0] not in (_FORWARD, _CATCH_UP, _HELD):
+        raise WireError(f"not a message between a shard's copies ({len(body)} bytes)")
+    kind, view, n, at, size = _LINK_HEAD.unpack_from(body)
+    i, blobs = _LINK_HEAD.size + size, []
     path = body[_LINK_HEAD.size : i].decode("utf-8", "replace")
-    if kind == _CATCH_UP:
-        return ("catch_up", CatchUp(view, first, decode_state(body[i:])), path, at)
-    entries = []
     while i < len(body):
-        if i + _LEN.size > len(body) or i + _LEN.size + _LEN.unpack_from(body, i)[0] > len(body):
-            raise _wrong_size(kind, body)
-        entries.append(body[i + _LEN.size : (i := i + _LEN.size + _LEN.unpack_from(body, i)[0])])
-    return ("forward", Forward(view, first, tuple(entries)), path, at)
+        (m,) = _LEN.unpack_from(body, i) if i + _LEN.size <= len(body) else (len(body),)
+        blobs.append(body[i + _LEN.size : (i := i + _LEN.size + m)])
+    if i != len(body):
+        raise _wrong_size(kind, body)
+    if kind == _HELD:
+        return Held(view, n), path, at
+    if kind == _CATCH_UP:
+        return CatchUp(view, n, decode_state(b"".join(blobs))), path, at
+    return Forward(view, n, tuple(blobs)), path, at
 
 
 def encode_state(state: dict) -> bytes:
