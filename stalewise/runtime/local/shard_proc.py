@@ -324,7 +324,7 @@ class ShardProcess:
                 self.answers.append((self.current[w], wire.pulled(version)))
         if self.answers and self.primary is not None:
             self.answer()  # the backup holds the pulls first
-        for p, body in self.answers:  # (alone: at once, as the log's flush waits for acks)
+        for p, body in self.answers:  # unreplicated: at once (their entries reach the log later)
             self.reply(p, body)
         self.answers = []
 
