@@ -28,6 +28,10 @@ undisturbed, then once per fault, with the same budget of pushes:
                     kill to the shard serving again) and ``recover_s`` (to every
                     running worker handed its pipe to it, or the last restarted
                     worker back in the run).
+  (f2) replica-kills ``--replica-kills N``: (f) with ``replicas=2``, each kill a random
+                    primary or backup (about half each); ``pause_*_s``: from the kill to
+                    the record (every 0.05 s) at which the job has made more than WORKERS more
+                    pushes (one in flight per worker: so some push was acknowledged).
   (g) launcher-kills ``--launcher-kills N`` runs only this case: the one-hot job of
                     ``tests/test_one_cut.py`` (``stalewise run``, 2 ranks, rank r's i-th
                     push adds 1 to item (r, i), a checkpoint every 50 pushes), its
@@ -172,7 +176,9 @@ class Faults:
         self.stopped: int | None = None  # pid of the stopped worker
         self.next = every if case == "worker-kills" else 0.4 * expected
         # shard-kills: the next kill once the run has made this many pushes
-        self.after = self.rng.randint(20, 120) if case == "shard-kills" else 0
+        self.after = self.rng.randint(20, 120) if case.endswith("-kills") else 0
+        self.pauses: dict = {"shard": [], "backup": []}  # replica-kills: seconds, by kind
+        self.waiting: list = []  # (kind, time, pushes) of kills whose pause is not over
 
     def _children(self, kind: str) -> list:
         return sorted(
@@ -182,6 +188,9 @@ class Faults:
 
     def __call__(self, rec: dict) -> None:
         now = rec["time"]
+        for w in [w for w in self.waiting if rec["pushes"] > w[2] + WORKERS]:  # an ack came
+            self.pauses[w[0]].append(now - w[1])
+            self.waiting.remove(w)
         if self.stopped is not None and now >= self.at[-1] + self.stop_for:
             with contextlib.suppress(ProcessLookupError):  # unless the runtime killed it
                 os.kill(self.stopped, signal.SIGCONT)
@@ -195,8 +204,10 @@ class Faults:
         elif self.case == "shard-kill":
             os.kill(self._children("shard")[1].pid, signal.SIGKILL)
             self.next = None
-        elif self.case == "shard-kills":  # this record comes after the last recovery
-            os.kill(self.rng.choice(self._children("shard")).pid, signal.SIGKILL)
+        elif self.case.endswith("-kills"):  # this record comes after the last recovery
+            kind = self.rng.choice(("shard", "backup")) if self.case[0] == "r" else "shard"
+            os.kill(self.rng.choice(self._children(kind)).pid, signal.SIGKILL)
+            self.waiting.append((kind, now, rec["pushes"]))
             self.kills -= 1
             self.after = rec["pushes"] + self.rng.randint(20, 120)  # the workers are back
             self.next = now if self.kills else None
@@ -240,6 +251,7 @@ def run(
         optimizer=sw.optim.sgd(0.05, momentum=0.9),
         consistency=consistency,
         shards=SHARDS,
+        replicas=2 if case == "replica-kills" else 1,
     )
     checkpoints, failures = None, sw.Failures(max_restarts=None)
     if case == "shard-kill":
@@ -248,7 +260,7 @@ def run(
         failures = sw.Failures(max_restarts=None, worker_timeout=timeout)
     if case == "ckpt-full":
         checkpoints = sw.Checkpoints(kwargs["ckpt_dir"], every=250, keep=10**6)
-    if case == "shard-kills":
+    if case.endswith("-kills"):
         checkpoints = sw.Checkpoints(tempfile.mkdtemp(prefix="faults-"), every=500, keep=10**6)
     loss = BadPushes(task) if case == "bad-pushes" else Plain(task)
     row: dict = {"case": case, "consistency": str(consistency)}
@@ -262,7 +274,9 @@ def run(
                 workers=WORKERS,
                 steps=steps,
                 evaluate=task.evaluate,
-                metrics=sw.Metrics(every=0.25, on_record=faults),
+                metrics=sw.Metrics(
+                    every=0.05 if case == "replica-kills" else 0.25, on_record=faults
+                ),
                 emulation=sw.Emulation(delays=dict.fromkeys(range(WORKERS), DELAY)),
                 failures=failures,
                 checkpoints=checkpoints,
@@ -283,8 +297,10 @@ def run(
     killed = sum("worker" in e for e in r.failures) + WORKERS * sum(
         "shard" in e for e in r.failures
     )
-    if case == "shard-kills":
+    if case.endswith("-kills"):
         row |= _logged(job, r, checkpoints.dir, len(faults.at), killed)
+        for kind, xs in faults.pauses.items():
+            row[f"pause_{kind}_s"] = xs
         shutil.rmtree(checkpoints.dir, ignore_errors=True)
     return row | {
         # the run's own end reason: under BSP its budget is whole rounds, so a run whose
@@ -415,6 +431,7 @@ def main() -> int:
     )
     ap.add_argument("--check", action="store_true", help="exit 1 if the bar is missed")
     ap.add_argument("--shard-kills", type=int, metavar="N", help="only case (f), N kills")
+    ap.add_argument("--replica-kills", type=int, metavar="N", help="only case (f2), N kills")
     ap.add_argument("--launcher-kills", type=int, metavar="N", help="only case (g), N kills")
     ap.add_argument("--parent-kills", type=int, metavar="N", help="only case (h), N kills")
     ap.add_argument("--serve-kills", type=int, metavar="N", help="only case (i), N kills")
@@ -430,8 +447,10 @@ def main() -> int:
         return serve_kills(args.serve_kills, out, args.check)
     task = tasks.get("digits")
     steps = 1500 if args.quick else 4000
-    if args.shard_kills:
-        return shard_kills(task, args.shard_kills, steps, args.quick, out, args.check)
+    if args.shard_kills or args.replica_kills:
+        case = "shard-kills" if args.shard_kills else "replica-kills"
+        n = args.shard_kills or args.replica_kills
+        return shard_kills(task, n, steps, args.quick, out, args.check, case)
     rows = []
     ckpt_bytes = checkpoint_size(task)
     for consistency in (sw.ASP(), sw.BSP()):
@@ -486,16 +505,16 @@ def main() -> int:
     return 0 if (ok and full_ok) or not args.check else 1
 
 
-def shard_kills(task, n: int, steps: int, quick: bool, out, check: bool) -> int:
-    """Case (f): ``n`` shard kills over runs of KILLS_PER_RUN, ASP and BSP in turn (the
-    figures are written after each run)."""
+def shard_kills(task, n: int, steps: int, quick: bool, out, check: bool, case="shard-kills"):
+    """Case (f) (or ``case``): ``n`` shard kills over runs of KILLS_PER_RUN, ASP and BSP in
+    turn (the figures are written after each run)."""
     rows: list[dict] = []
     cols = ["consistency", "completed", "kills", "acked_lost", "applied_twice", "torn", "replay_eq",
             "shard_s", "recover_s", "time_s"]  # fmt: skip
     while (left := n - sum(r.get("kills", 0) for r in rows)) > 0 and len(rows) < 4 * n:
         consistency = (sw.ASP(), sw.BSP())[len(rows) % 2]
         kills = min(left, KILLS_PER_RUN)
-        rows.append(run(task, consistency, "shard-kills", steps, 0.0, quick, len(rows), kills))
+        rows.append(run(task, consistency, case, steps, 0.0, quick, len(rows), kills))
         print(format_table(rows[-1:], cols), flush=True)
         ok = _shard_kills_total(rows, steps, quick, out)
     return 0 if ok or not check else 1
@@ -517,6 +536,9 @@ def _shard_kills_total(rows: list[dict], steps: int, quick: bool, out) -> bool:
         "recover_s_max": max(recover, default=math.nan),
         "load": os.getloadavg(),
     }
+    for kind in ("shard", "backup"):
+        xs = [x for r in rows for x in r.get(f"pause_{kind}_s", [])]
+        total |= {f"pause_{kind}_s_mean": mean(xs), f"pause_{kind}_n": len(xs)}
     print(f"digits MLP, {WORKERS} workers, {SHARDS} shards, {steps} pushes per run:", total)
     ok = total["completed"] == len(rows) == total["replay_eq"] and not (
         total["acked_lost"] or total["applied_twice"] or total["torn"]

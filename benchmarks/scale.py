@@ -235,9 +235,9 @@ def own_worker(client, w: int, n: int, seconds: float, start, out) -> None:
     client.close()
 
 
-def own_rate(n: int, shards: int, seconds: float, optimizer: str = "sgd") -> dict:
+def own_rate(n: int, shards: int, seconds: float, optimizer: str = "sgd", replicas=1) -> dict:
     opt = OPTIMIZERS[optimizer]()
-    job = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=opt, shards=shards)
+    job = sw.Job({"w": np.zeros(n, np.float32)}, optimizer=opt, shards=shards, replicas=replicas)
     ctx = mp.get_context("spawn")
     start, out = ctx.Queue(), ctx.Queue()
     with job.serve(workers=WORKERS) as server:
@@ -347,6 +347,7 @@ def main() -> int:
     ap.add_argument("--train", action="store_true", help="also Job.train: gradients, DiLoCo H=20")
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="the shards'")
     ap.add_argument("--no-sim", action="store_true", help="no simulator column")
+    ap.add_argument("--replicas", action="store_true", help="also the own loop at replicas=2")
     ap.add_argument(
         "--resim", nargs="+", metavar="JSON", help="only re-simulate these runs' tables"
     )
@@ -367,6 +368,10 @@ def main() -> int:
             if s == args.shards[0]:  # the rates: one shard count per size
                 row |= own_rate(n, s, args.seconds * (1 if n <= 2e6 else 3), args.optimizer)
                 row["of_bound"] = row["updates/s"] / row["bound/s"]
+                if args.replicas:  # a backup per shard (its peak: mem_shard_r2, the larger)
+                    r2 = own_rate(n, s, args.seconds * (1 if n <= 2e6 else 3), args.optimizer, 2)
+                    row |= {"r2/s": r2["updates/s"], "r2/r1": r2["updates/s"] / row["updates/s"],
+                            "mem_shard_r2": r2["mem_shard_4w"]}  # fmt: skip
                 if not args.no_sim:
                     row["sim/s"], tables[n] = sim_rate(n, s, args.repeats, args.optimizer)
                     row["sim/real"] = row["sim/s"] / row["updates/s"]
@@ -402,6 +407,11 @@ def main() -> int:
             )
             for r in rows
             if "sim/real" in r
+        ]
+        + [
+            _report.bar(f"{r['params']:,} params: replicas=2 / 1", r["r2/r1"], ">=", 0.7)
+            for r in rows
+            if "r2/r1" in r
         ],
     )
     return 0

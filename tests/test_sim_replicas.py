@@ -125,8 +125,8 @@ def test_replicas_option():
         make_job("asp", "grad").__class__({"w": np.zeros(2, np.float32)}, replicas=3,
                                           optimizer=sw.optim.sgd(0.1))  # fmt: skip
     job = make_job("asp", "grad")
-    with pytest.raises(ValueError, match="replicas=2: runtime 'local' does not host replicated"):
-        job.train(loss_and_grad, data=data, workers=2, steps=2, runtime="local")
+    with pytest.raises(ValueError, match="replicas=2: runtime 'ray' does not host replicated"):
+        job.train(loss_and_grad, data=data, workers=2, steps=2, runtime="ray")
     result = job.train(loss_and_grad, data=data, workers=2, steps=8, runtime="sim")
     assert result.pushes == 8 and result.stats["applied"] == 8
 
@@ -140,8 +140,8 @@ def test_replicas_in_a_config():
     head = '[task]\nname = "least-squares"\n[optimizer]\nname = "sgd"\nlr = 0.1\n'
     raw = tomllib.loads(head + "[server]\nshards = 2\nreplicas = 2\n")
     assert config.parse(raw, runtime="sim").job.config.replicas == 2
-    with pytest.raises(config.ConfigError, match=r"server\.replicas.*runtime 'local' does not"):
-        config.parse(raw)
+    with pytest.raises(config.ConfigError, match=r"server\.replicas.*runtime 'ray' does not"):
+        config.parse(raw, runtime="ray")
     raw["server"]["replicas"] = 3
     with pytest.raises(config.ConfigError, match=r"server\.replicas.*must be 1 or 2, got 3"):
         config.parse(raw, runtime="sim")

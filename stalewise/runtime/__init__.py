@@ -99,6 +99,7 @@ register(
     watches_ranks=True,
     calibrates=True,
     logs_pushes=True,
+    replicas=True,
     no_delta_pulls="the local runtime's pulls read a shared-memory snapshot (a memcpy, no "
     "network), so a delta pull would only add work",
 )

@@ -45,7 +45,7 @@ from stalewise.runtime.local.procs import (
     stalewise_main,
     thread_budget,
 )
-from stalewise.runtime.local.shard_proc import shard_main
+from stalewise.runtime.local.shard_proc import backup_main, shard_main
 from stalewise.runtime.local.shm import SharedBlock
 
 log = logging.getLogger(__name__)
@@ -65,13 +65,18 @@ _PER_PUSH_STATS = (
 SHARD_EXIT_WAIT = 5.0
 
 
-def _shard_entry(
-    config: ServerConfig, k: int, handle: str, layout: Layout, control: Any, join_timeout: float
-) -> None:
+def _shard_entry(config: ServerConfig, k: int, handle: str, *args: Any) -> None:
     """A shard process: dies with its parent (unlinking a named block first), then serves."""
     named = not handle.startswith("/proc/")
     die_with_parent(cleanup=(lambda: os.unlink(handle)) if named else None)
-    shard_main(config, k, handle, layout, control, join_timeout)
+    shard_main(config, k, handle, *args)
+
+
+def _backup_entry(*args: Any) -> None:
+    """A shard's backup process: dies with its parent, then follows its primary (a cleanup
+    that does nothing: started from a thread that ends, it must not take the thread's death)."""
+    die_with_parent(cleanup=lambda: None)
+    backup_main(*args)
 
 
 def _locked(method: Any) -> Any:
@@ -103,6 +108,7 @@ class LocalServer:
         start_timeout: float = 120.0,
         join_timeout: float = 300.0,
         name: str | None = None,
+        backup_timeout: float = 60.0,
     ):
         expected, workers = worker_range(workers)
         if name is not None:
@@ -126,7 +132,10 @@ class LocalServer:
         self._clients = [0] * workers  # clients made for each worker id by this server
         self._worker_ends: list[list] = [[] for _ in range(workers)]  # until release(w)
         self._snapshots: Snapshots | None = None  # the parent's view, for published_version
-        self.join_timeout = join_timeout
+        self.join_timeout, self.backup_timeout = join_timeout, backup_timeout
+        # replicas=2: each shard's backup (process, control) while linked, else None
+        self._backups: list = [None] * config.shards
+        self._spawning: set = set()  # backup processes not linked yet (close stops them)
         # the observer's pipes and the worker table serve one caller at a time: the door's
         # thread (attach by name) makes clients and keeps its leases under this lock too
         self._lock = threading.RLock()
@@ -151,8 +160,11 @@ class LocalServer:
                 p, control = self._start_shard(k)
                 self._procs.append(p)
                 self._controls.append(control)
+            backups = [self._start_backup(k) for k in range(config.shards * self.replicated)]
             for k in range(config.shards):
                 self._wait_ready(k)
+            for k, started in enumerate(backups):
+                self._link_backup(k, self._procs[k], *started)
             self.observer = self._observer()
             self._watcher.start()
             # the worker processes a loop you own starts while the server runs inherit a
@@ -169,7 +181,8 @@ class LocalServer:
     def _start_shard(self, k: int) -> tuple[Any, Any]:
         self._tags.setdefault(k, uuid.uuid4().hex[:8])  # its push logs' chain
         mine, theirs = self._ctx.Pipe()
-        args = (self.config, k, self._block.handle, self.layout, theirs, self.join_timeout)
+        args = (self.config, k, self._block.handle, self.layout, theirs, self.join_timeout,
+                self.backup_timeout)  # fmt: skip
         p = self._ctx.Process(
             target=_shard_entry, args=args, name=f"stalewise-shard-{k}", daemon=True
         )
@@ -177,6 +190,55 @@ class LocalServer:
             p.start()
         theirs.close()
         return p, mine  # control messages are binary records (runtime.local.wire)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether each shard has a backup process (replicas=2)."""
+        return self.config.replicas == 2
+
+    def _start_backup(self, k: int) -> tuple:
+        """Starts a backup process for shard ``k``: ``(process, its control, the link's end
+        for the primary)``."""
+        link, theirs = self._ctx.Pipe()
+        control, their_control = self._ctx.Pipe()
+        args = (self.config, k, self.layout, theirs, their_control)
+        p = self._ctx.Process(target=_backup_entry, args=args, name=f"stalewise-backup-{k}",
+                              daemon=True)  # fmt: skip
+        with self._procs_lock:
+            self._spawning.add(p)
+        with thread_budget(1), stalewise_main(self._needs_main):
+            p.start()
+        theirs.close()
+        their_control.close()
+        return p, control, link
+
+    def _link_backup(self, k: int, primary: Any, p: Any, control: Any, link: Any) -> None:
+        """Once backup ``p`` is ready, hands its link to shard ``k``'s process ``primary``
+        (which catches it up); stops it instead if that process is gone meanwhile."""
+        try:
+            reply = recv_reply(control, self.start_timeout, f"start of shard {k}'s backup")
+            with self._lock, self._procs_lock:
+                if self._closing.is_set() or self._procs[k] is not primary or reply[0] != "ready":
+                    raise ShardError(f"shard {k}'s backup was not needed or did not start")
+                self._controls[k].send_bytes(wire.backup(p.pid))
+                reduction.send_handle(self._controls[k], link.fileno(), primary.pid)
+                self._backups[k] = (p, control)
+                self._spawning.discard(p)
+        except (ShardError, ServerClosed, TimeoutError, OSError) as e:
+            (log.debug if self._closing.is_set() else log.warning)("shard %d: no backup: %s", k, e)
+            p.kill()
+            p.join()
+            control.close()
+            with self._procs_lock:
+                self._spawning.discard(p)
+        finally:
+            link.close()  # the primary holds its own copy: its EOF is the backup's death
+
+    def _renew_backup(self, k: int) -> None:
+        """Starts and links a new backup for shard ``k`` (a thread's body)."""
+        primary = self._procs[k]
+        if not self._closing.is_set():
+            self._link_backup(k, primary, *self._start_backup(k))
 
     def _wait_ready(self, k: int) -> None:
         try:
@@ -198,7 +260,11 @@ class LocalServer:
                 running = {
                     p.sentinel: (k, p) for k, p in enumerate(self._procs) if math.isnan(exits[k])
                 }
-            for sentinel in connection.wait(list(running), timeout=0.1):
+                backups = {b[0].sentinel: (k, b) for k, b in enumerate(self._backups) if b}
+            for sentinel in connection.wait([*running, *backups], timeout=0.1):
+                if sentinel in backups:
+                    self._backup_ended(*backups[sentinel])
+                    continue
                 k, p = running[sentinel]
                 p.join(1)  # its exit code, once reaped (here or by another thread)
                 code = p.exitcode
@@ -207,6 +273,18 @@ class LocalServer:
                         continue  # closing (exits are expected), or restarted meanwhile
                     exits[k] = math.inf if code is None else code
                 log.debug("shard %d's process ended (%s)", k, describe_exit(code))
+
+    def _backup_ended(self, k: int, b: tuple) -> None:
+        """Backup ``b`` of shard ``k`` ended: a new one is started (its primary serves alone)."""
+        with self._procs_lock:
+            if self._closing.is_set() or self._backups[k] is not b:
+                return  # closing, or dropped by a restart of its primary
+            self._backups[k] = None
+        b[0].join(1)
+        b[1].close()
+        log.warning("shard %d's backup ended (%s); starting a new one", k,
+                    describe_exit(b[0].exitcode))  # fmt: skip
+        threading.Thread(target=self._renew_backup, args=(k,), daemon=True).start()
 
     def _observer(self) -> Client:
         handle = self._block.handle
@@ -561,9 +639,10 @@ class LocalServer:
     ) -> dict:
         """Starts a new process for shard ``k``, whose process has died, and restores its state.
 
-        With push logs (a cut named a folder) its state is exactly as when it died (the last
-        such cut's, its log chain replayed), and it goes on with the chain; workers ``keep``
-        keep their seats (then :meth:`rejoin`). Else its slice is the last published
+        With a live backup its state is the backup's (its log chain goes on, cut there); else
+        with push logs (a cut named a folder) it is exactly as when it died (the last such
+        cut's, its log chain replayed), and it goes on with the chain. Either way workers
+        ``keep`` keep their seats (then :meth:`rejoin`). Else its slice is the last published
         snapshot, its optimizer state and counters ``base``'s (shard ``k``'s
         :meth:`state_dict`) or fresh, its version the live shards'. Every other worker must
         rejoin as a new incarnation (its committed push is delivered where lacking).
@@ -590,14 +669,24 @@ class LocalServer:
             while self._controls[j].poll(0.05):
                 self._controls[j].recv_bytes()
         self.observer = self._observer()
-        replayed, why = None, "no checkpoint folder"
-        if self._based is not None:
+        replayed, source, why = None, "push log", "no checkpoint folder"
+        with self._procs_lock:
+            backup, self._backups[k] = self._backups[k], None
+        if backup is not None:
+            try:
+                replayed, source = self._backed_up(k, backup[1], timeout), "backup"
+            except (ServerClosed, TimeoutError, OSError, CheckpointError) as e:
+                log.warning("shard %d: its backup's state is not used: %s", k, e)
+            backup[1].close()
+            backup[0].kill()
+            backup[0].join()
+        if replayed is None and self._based is not None:
             try:
                 replayed, why = self._replayed(k), "it broke: behind what the shard published"
             except CheckpointError as e:
                 why = str(e)
         if replayed is not None and replayed[0]["version"] >= snapshots.version(k):
-            (state, logged), lost, source = replayed, 0, "push log"
+            (state, logged), lost = replayed, 0
         else:
             log.warning("shard %d: no push log (%s): restarting it from its last published "
                         "snapshot; its later updates are lost", k, why)  # fmt: skip
@@ -613,12 +702,33 @@ class LocalServer:
         reply = self.observer._take(k, "loaded", timeout)
         if reply[2] is not None:
             raise ShardError(f"shard {k} refused its recovered state: {reply[2]}")
+        if self.replicated:
+            threading.Thread(target=self._renew_backup, args=(k,), daemon=True).start()
         return {"shard": k, "version": int(reply[1]), "lost": lost, "source": source}
 
     @property
     def logged(self) -> bool:
         """Whether the shards write push logs, from which a dead one is rebuilt."""
         return self._based is not None
+
+    def _backed_up(self, k: int, control: Any, timeout: float) -> tuple[dict, tuple]:
+        """Shard ``k``'s state as its backup (``control``) holds it, and the log it goes on
+        with: its chain's newest, cut where the backup's state is (ShardProcess.begin_log).
+
+        Raises:
+            CheckpointError: the backup's log is not its chain's newest (use the replay)."""
+        control.send_bytes(wire.state())
+        state = recv_reply(control, timeout, f"shard {k}'s backup's state", trusted=True)[1]
+        path, at = state.pop("held")
+        if self._based is None:
+            return state, ("", None, False)  # no log: the state alone
+        folder, fsync = self._based[2], self._based[3]
+        newest = os.path.join(folder, f"log-shard-{k}-{self._tags[k]}-{self._log_n:06d}")
+        if path != newest or not os.path.isfile(path) or os.path.getsize(path) < at:
+            raise CheckpointError(f"it holds {path or 'no log'}, at byte {at}, not {newest}")
+        log.info("shard %d: its backup holds version %d (%s cut at byte %d)", k,
+                 state["version"], path, at)  # fmt: skip
+        return state, (path, at, fsync)
 
     def _replayed(self, k: int) -> tuple[dict, tuple]:
         """Shard ``k``'s state when it died (the last logged cut's and its log chain), and
@@ -698,12 +808,29 @@ class LocalServer:
                     final.append(observer._take(k, "stopped", timeout)[1])
             except (OSError, ServerClosed, TimeoutError):
                 final.append({"shard": k, "dead": self.shard_exit(k)})
-        for p in self._procs:
+        for k, b in enumerate(self._backups):
+            if b is None:
+                continue
+            with contextlib.suppress(OSError, ServerClosed, TimeoutError, IndexError):
+                b[1].send_bytes(wire.stop())
+                mine = recv_reply(b[1], timeout, "a backup's stop", trusted=True)[1]["digest"]
+                same = mine == final[k].get("digest")
+                (log.info if same else log.error)("shard %d: its backup's state %s its "
+                    "primary's", k, "equals" if same else "differs from")  # fmt: skip
+                final[k]["backup"] = "equal" if same else "differs"
+        with self._procs_lock:
+            for p in self._spawning:  # not linked: not needed
+                p.kill()
+            others = [b[0] for b in self._backups if b] + list(self._spawning)
+        for p in self._procs + others:
             p.join(timeout)
             if p.is_alive():
                 log.warning("shard process %s did not stop; killing it", p.pid)
                 p.kill()
                 p.join()
+        for b in self._backups:
+            if b:
+                b[1].close()
         self._procs = []
         self.final_params = np.array(self.layout.params(self._block))  # copy out before unmapping
         self._block.unlink()

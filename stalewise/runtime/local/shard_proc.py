@@ -16,16 +16,20 @@ control pipe from the parent is read blocking. Why: ``docs/design-notes.md``
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import signal
+import socket
+import struct
 import time
-from multiprocessing import reduction
+from multiprocessing import connection, reduction
 
 import numpy as np
 
 from stalewise.checkpoint.store import create_file
 from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline
+from stalewise.protocol.replica import Backup, CatchUp, Held, Primary
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Snapshots
@@ -99,7 +103,10 @@ class WorkerPipe:
 class ShardProcess:
     """A shard and its pipes: the state of :func:`shard_main`'s loop."""
 
-    def __init__(self, config: ServerConfig, k: int, block: SharedBlock, layout: Layout, control):
+    def __init__(
+        self, config: ServerConfig, k: int, block: SharedBlock, layout: Layout, control,
+        backup_timeout: float = 60.0,
+    ):  # fmt: skip
         lo, hi = config.ranges[k]
         self.k, self.layout, self.control = k, layout, control
         params = layout.params(block)[lo:hi]
@@ -128,6 +135,12 @@ class ShardProcess:
         self.publishes = 0  # snapshots published
         self.log, self.log_path, self.log_fsync = None, "", False  # the push log (begin_log)
         self.served = 0  # pulls served into a worker's pull buffer
+        self.log_at, self.unsynced = 0, False  # the log's bytes; entries not yet synced
+        # replicas=2: replies wait until the backup on `link` holds their entries (sync)
+        self.primary, self.link, self.backup_timeout = None, None, backup_timeout
+        if config.replicas == 2:
+            self.primary = Primary(self.shard)
+            self.record, self.shard.journal = self.shard.journal, self.journal
 
     # -- snapshots -----------------------------------------------------------------
 
@@ -157,7 +170,8 @@ class ShardProcess:
         try:
             return call(*args, **kwargs)
         finally:
-            self.snapshots.changed(self.k, self.shard.version)
+            if self.primary is None:  # else at sync: no worker reads what the backup lacks
+                self.snapshots.changed(self.k, self.shard.version)
 
     # -- workers -------------------------------------------------------------------
 
@@ -226,19 +240,61 @@ class ShardProcess:
         self.answers.append((p, wire.ack(ack)))  # sent at the end of this turn (settle)
 
     def answer(self) -> None:
-        """Sends this turn's acks, in order, to the pipes still connected (after the push
-        log's entries reach the OS)."""
-        if self.log is not None:
-            try:
-                self.log.flush()
-                if self.log_fsync:
-                    os.fdatasync(self.log.fileno())
-            except OSError as e:
-                self.end_log(e)
+        """Sends this turn's acks, in order, to the pipes still connected (after :meth:`sync`)."""
+        self.sync()
         answers, self.answers = self.answers, []
         for p, body in answers:
             if p in self.pipes:
                 self.reply(p, body)
+
+    def sync(self) -> None:
+        """The entries made so far reach the push log (the OS; with fsync the disk), then the
+        backup, which must hold them before anything leaves that a worker acts on."""
+        primary = self.primary
+        if self.unsynced:
+            self.unsynced = False
+            if self.log is not None:
+                try:
+                    self.log.flush()
+                    if self.log_fsync:
+                        os.fdatasync(self.log.fileno())
+                except OSError as e:
+                    self.end_log(e)
+            fwd = primary.forward() if primary is not None else None
+            if fwd is not None and primary.backed:
+                at = self.log_at - sum(map(len, fwd.entries))
+                try:
+                    self.link.send_bytes(wire.link(fwd, self.log_path * bool(self.log), at))
+                    until = time.monotonic() + self.backup_timeout
+                    while primary.acked < primary.entries:
+                        if not self.link.poll(max(0.0, until - time.monotonic())):
+                            raise TimeoutError(f"no answer in {self.backup_timeout:g} s")
+                        primary.held(wire.decode_link(self.link.recv_bytes(64))[0])
+                except (OSError, EOFError, TimeoutError, wire.WireError) as e:
+                    self.lose_backup(e)
+        if primary is not None:
+            self.snapshots.changed(self.k, self.shard.version)
+
+    def lose_backup(self, why: Exception | str) -> None:
+        """The backup died (or hung: it is killed, so that its state is never taken for this
+        shard's): this shard serves alone until the parent links a new one."""
+        if self.primary.backed:
+            log.warning("shard %d: its backup is gone (%s); serving alone", self.k, why or "EOF")
+        if isinstance(why, TimeoutError | BlockingIOError):
+            with contextlib.suppress(OSError):
+                os.kill(self.backup_pid, signal.SIGKILL)
+        self.primary.detach()
+        if self.link is not None:
+            self.link.close()
+        self.link = None
+
+    def catch_up(self) -> None:
+        """Starts the backup on the link from the state now (a new view)."""
+        start = self.primary.attach()
+        try:
+            self.link.send_bytes(wire.link(start, self.log_path * bool(self.log), self.log_at))
+        except OSError as e:
+            self.lose_backup(e)
 
     def expire_partial(self) -> None:
         """Cuts off workers whose message stayed incomplete for PARTIAL_TIMEOUT seconds."""
@@ -265,7 +321,12 @@ class ShardProcess:
                 self.waiting.discard(w)
                 version = self.shard.pull(w, self.pulls[w], now=time.monotonic())
                 self.served += 1
-                self.reply(self.current[w], wire.pulled(version))
+                self.answers.append((self.current[w], wire.pulled(version)))
+        if self.answers and self.primary is not None:
+            self.answer()  # the backup holds the pulls first
+        for p, body in self.answers:  # unreplicated: at once (their entries reach the log later)
+            self.reply(p, body)
+        self.answers = []
 
     # -- the loop ------------------------------------------------------------------
 
@@ -311,6 +372,7 @@ class ShardProcess:
     def settle(self) -> None:
         """After a turn: the acks, the publish (:meth:`publish_due`; a gated shard whose
         slowest clock moved publishes first), then the served pulls."""
+        self.sync()  # the backup holds what is published
         busy = self.busy()
         due = self.publish_due(busy)
         gate = self.shard.consistency.gated
@@ -332,6 +394,7 @@ class ShardProcess:
         """Ends the push log and begins ``path``, at the shard's state now (a checkpoint's);
         ``at``: goes on with that log of this user's, cut to ``at`` bytes (a restart's);
         ``fsync``: each turn's entries reach the disk before its acks."""
+        self.sync()  # a forward never spans two logs
         self.end_log()
         try:
             self.log = open(create_file(path, at), "wb", buffering=1 << 16)  # noqa: SIM115
@@ -339,17 +402,24 @@ class ShardProcess:
             log.warning("shard %d: no push log: %s: %s", self.k, path, e.strerror or e)
             return
         self.log_path, self.log_fsync, self.shard.journal = path, fsync, self.journal
+        self.log_at = at or 0
 
     def journal(self, entry: list) -> None:
-        try:
-            self.log.writelines(entry)
-        except OSError as e:
-            self.end_log(e)
+        self.unsynced = True
+        if self.log is not None:
+            try:
+                self.log.writelines(entry)
+                self.log_at += sum(memoryview(b).nbytes for b in entry)
+            except OSError as e:
+                self.end_log(e)
+        if self.primary is not None:
+            self.record(entry)
 
     def end_log(self, error: OSError | None = None) -> None:
         """Closes the push log, flushed and fsynced; one that fails to (``error``) is
         removed, so a replay stops before it instead of skipping what it lacks."""
-        f, self.log, self.shard.journal = self.log, None, None
+        f, self.log = self.log, None
+        self.shard.journal = None if self.primary is None else self.journal
         try:
             if f is not None and error is None:
                 f.flush()
@@ -377,6 +447,7 @@ class ShardProcess:
             log.error("shard %d: the parent sent %s; ignored", self.k, e)
             return True
         kind = msg[0]
+        self.sync()  # the backup holds what a reply says
         if kind == "join":
             self.join(msg[1], msg[2])
         elif kind == "pull":  # the observer: exact, never gated
@@ -397,6 +468,15 @@ class ShardProcess:
                 self.end_cut(None, f"shard {self.k}: not frozen for cut {msg[1]} (gave it up)")
         elif kind == "thaw":
             self.end_cut()
+        elif kind == "backup":  # a new backup's link (its pid): catch it up
+            link = connection.Connection(reduction.recv_handle(c))
+            self.lose_backup("")
+            t = self.backup_timeout  # each write to it too
+            with socket.socket(fileno=os.dup(link.fileno())) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(t),
+                                int(t % 1 * 1e6)))  # fmt: skip
+            self.link, self.backup_pid = link, msg[1]
+            self.catch_up()
         elif kind == "load":  # a checkpoint, before any worker joins (resume), or a restart's
             if self.pipes:
                 c.send_bytes(wire.loaded(None, "workers have joined; load before they do"))
@@ -408,16 +488,22 @@ class ShardProcess:
                 return True
             if msg[2] is None:
                 shard.resume()  # the saved workers' next incarnations take their seats
-            else:  # its log goes on; the dead process's workers depart, but those kept
-                self.begin_log(*msg[2])
+            else:  # its log goes on (if any); the dead process's workers depart, but those kept
+                if msg[2][0]:
+                    self.begin_log(*msg[2])
                 for w in shard.unresumed(keep=msg[3]):
                     got = committed_push(self.layout, self.records, self.pushes, w, self.k)
                     self.write(shard.depart, w, int(shard.incarnation[w]), got)
                 self.answer()  # the log's entries reach the OS
+            if self.link is not None:
+                self.catch_up()  # the backup starts again from the state loaded
             self.publish_now()
             c.send_bytes(wire.loaded(shard.version, None))
         else:  # stop
-            c.send_bytes(wire.stopped(shard.stats.as_dict() | {"version": shard.version}))
+            stats = shard.stats.as_dict() | {"version": shard.version}
+            if self.primary is not None and self.primary.backed:
+                stats["digest"] = digest(shard)
+            c.send_bytes(wire.stopped(stats))
             return False
         return True
 
@@ -443,6 +529,11 @@ class ShardProcess:
         self.pipes[p], self.current[w] = None, p
 
 
+def digest(shard: Shard) -> str:
+    """A hash of ``shard``'s whole state (params, optimizer state, counters)."""
+    return hashlib.sha256(wire.encode_state(shard.state_dict())).hexdigest()
+
+
 def shard_main(
     config: ServerConfig,
     k: int,
@@ -450,12 +541,13 @@ def shard_main(
     layout: Layout,
     control,
     join_timeout: float,
+    backup_timeout: float = 60.0,
 ) -> None:
     """Body of a shard process: serve pulls and pushes until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     child_logging(f"shard {k}")
     block = SharedBlock.attach(block_name)
-    proc = ShardProcess(config, k, block, layout, control)
+    proc = ShardProcess(config, k, block, layout, control, backup_timeout)
     shard = proc.shard
     shard.warm_up()
     if shard.decoder is not None:
@@ -478,3 +570,40 @@ def shard_main(
                 log.error("shard %d: worker(s) %s did not start within %g s (join_timeout); the "
                           "gates no longer wait for them", k, names, join_timeout)  # fmt: skip
         proc.settle()
+
+
+def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> None:
+    """Body of shard ``k``'s backup process (replicas=2): a private copy of the shard that
+    applies what its primary forwards on ``link`` (:class:`Backup`; an entry it refuses is a
+    bug: it raises) and answers what it holds, until the parent says stop on ``control``
+    (it asks for the ``state`` once the primary died)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
+    child_logging(f"backup {k}")
+    lo, hi = config.ranges[k]
+    shard = config.build_shard(k, np.array(config.init[lo:hi]), layout.workers, layout.expected)
+    backup, held = None, ("", 0)  # the push log and its bytes that the state is after
+    bound = 8 * shard.params.nbytes * (layout.workers + 2) + (1 << 24)  # a turn's entries
+    control.send_bytes(wire.ready(k))
+    while True:
+        for c in wire.readable([control, link][: 1 + (link is not None)], None):
+            try:
+                body = c.recv_bytes(None if c is control else bound)
+            except (EOFError, OSError):
+                if c is control:
+                    return
+                link = link.close()  # the primary died: the parent asks for the state
+                continue
+            if c is control:
+                if wire.decode_control(body)[0] != "state":  # stop
+                    return control.send_bytes(wire.stopped({"digest": digest(shard)}))
+                control.send_bytes(wire.state_reply(shard.state_dict() | {"held": held}))
+                continue
+            msg, path, at = wire.decode_link(body)
+            if isinstance(msg, CatchUp):
+                backup, held = Backup(shard, msg), (path, at)
+                reply = Held(backup.view, backup.entries)
+            elif (reply := backup.receive(msg)) is not None:
+                held = (path, at + sum(map(len, msg.entries[: backup.entries - msg.first])))
+            with contextlib.suppress(OSError):  # else the primary died: EOF follows
+                if reply is not None:
+                    link.send_bytes(wire.link(reply))

@@ -438,7 +438,7 @@ class _Host:
 
     def check_shards(self) -> bool:
         """Restarts the shards whose process died (or raises); the running workers carry on
-        if the shards come back from their push logs (:meth:`rejoin`), else restart."""
+        if the shards come back from their backups or push logs (:meth:`rejoin`), else restart."""
         dead = self.server.dead_shards()
         if not dead:
             return False
@@ -447,7 +447,8 @@ class _Host:
             self.run.failures.shard(k, self.server.shard_exit(k), time=self.now())
             events.append(self.run.failures.events[-1])
         logged = self.server.logged
-        carry = [w for w, wk in enumerate(self.workers) if logged and wk.state == "running"]
+        seats = logged or self.server.replicated  # kept, unless a restart falls back
+        carry = [w for w, wk in enumerate(self.workers) if seats and wk.state == "running"]
         again = self.kill([w for w, wk in enumerate(self.workers)
                            if wk.state in (*_LIVE, "down") and w not in carry])  # fmt: skip
         bases = None if logged else self.checkpoint_states()  # logged: unused
@@ -456,7 +457,7 @@ class _Host:
             info = self.server.restart_shard(k, base, self.o.ack_timeout, keep=tuple(carry))
             self.run.failures.shard_restarted(event, version=info["version"], lost=info["lost"])
             event["serving"] = self.now()  # the shard is back (its workers follow)
-            if info["source"] != "push log":  # no seats kept: new incarnations
+            if info["source"] not in ("push log", "backup"):  # no seats kept: new incarnations
                 again, carry = again + self.kill(carry), []
             for w in carry:
                 self.rejoin(w, k)
@@ -518,7 +519,7 @@ class _Host:
         o, self.run = self.o, run
         self.server = server = LocalServer(
             self.config, o.workers, start_timeout=o.shard_start_timeout,
-            join_timeout=o.join_timeout,
+            join_timeout=o.join_timeout, backup_timeout=o.ack_timeout,
         )  # fmt: skip
         if run.resume is not None:
             server.load_state_dicts(run.resume.states)

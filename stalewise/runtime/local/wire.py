@@ -12,6 +12,7 @@ or, only on the control pipe from the parent that started a shard, a pickle::
     worker -> parent   worker_ready, beat(time), done, diverged(text),   at most MAX_RESULT bytes
                        failed(traceback, summary)
     parent -> worker   go, rejoin(k) and a restarted shard's new pipe (its fd)
+    primary <-> backup forward, catch up (data only: JSON and np.save arrays), held
 
 Nothing a worker writes is unpickled: :func:`decode_from_worker` and
 :func:`decode_result` know their fixed records and nothing else, and any other
@@ -31,13 +32,18 @@ Example:
 
 from __future__ import annotations
 
+import io
+import json
 import math
 import pickle
 import select
 import struct
 from typing import Any
 
+import numpy as np
+
 from stalewise.protocol.messages import Ack
+from stalewise.protocol.replica import CatchUp, Forward, Held
 
 MAX_WORKER_MESSAGE = 64  # bytes: the longest body a shard accepts from a worker
 MAX_REPLY = 1 << 16  # bytes: the longest body a worker accepts from a shard
@@ -48,11 +54,15 @@ _PUSH, _PULL, _LEAVE = 0x01, 0x02, 0x03
 # shard -> worker (PULLED also to the parent)
 _ACK, _PULLED, _ERROR = 0x11, 0x12, 0x13
 # parent -> shard (PULL too: the observer's)
-_JOIN, _STATS, _STATE, _LOAD, _STOP, _CUT, _THAW = 0x21, 0x22, 0x23, 0x24, 0x25, 0x26, 0x27
+_JOIN, _STATS, _STATE, _LOAD, _STOP, _CUT, _THAW, _BACKUP = range(0x21, 0x29)
 # shard -> parent
 _READY, _JOINED, _STATS_REPLY, _STATE_REPLY, _LOADED, _STOPPED, _CUT_REPLY = range(0x31, 0x38)
 # worker -> parent (the result pipe), and parent -> worker
 _W_READY, _BEAT, _DONE, _DIVERGED, _FAILED, _GO = 0x41, 0x42, 0x43, 0x44, 0x45, 0x46
+# primary <-> backup; kind, view, entries (first), the log's bytes before them, len(its path)
+_FORWARD, _CATCH_UP, _HELD = 0x51, 0x52, 0x53
+_LINK_HEAD = struct.Struct("<BqqqH")
+_LEN = struct.Struct("<Q")
 
 _KIND = struct.Struct("<B")
 _INT = struct.Struct("<Bq")  # kind, one int64
@@ -387,6 +397,12 @@ def cut(n: int, targets: dict | None, log: str = "", fsync: bool = False) -> byt
     return _KIND.pack(_CUT) + _pickle((n, targets, log, fsync))
 
 
+def backup(pid: int) -> bytes:
+    """The shard's link to a new backup, process ``pid`` (the fd follows): it catches it up
+    and forwards to it."""
+    return _INT.pack(_BACKUP, pid)
+
+
 def thaw() -> bytes:
     """The parent gave the cut up: the shard thaws (no reply)."""
     return _KIND.pack(_THAW)
@@ -395,10 +411,12 @@ def thaw() -> bytes:
 def decode_control(body: bytes) -> tuple:
     """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
     ``("stats",)``, ``("state",)``, ``("load", state, log, keep)``, ``("cut", n, targets,
-    log, fsync)`` (unpickled), ``("thaw",)`` or ``("stop",)``."""
+    log, fsync)`` (unpickled), ``("thaw",)``, ``("backup", pid)`` or ``("stop",)``."""
     kind = _kind_of(body)
     if kind == _JOIN and len(body) == _TWO.size:
         return ("join", *_TWO.unpack(body)[1:])
+    if kind == _BACKUP and len(body) == _INT.size:
+        return ("backup", _INT.unpack(body)[1])
     if kind == _LOAD:
         return ("load", *pickle.loads(body[_KIND.size :]))
     if kind == _CUT:
@@ -407,6 +425,61 @@ def decode_control(body: bytes) -> tuple:
     if kind in simple and len(body) == _KIND.size:
         return (simple[kind],)
     raise WireError(f"a control message of unknown kind or size: 0x{kind:02x}, {len(body)} bytes")
+
+
+# -- primary <-> backup (replicated shards) -----------------------------------------------
+
+
+def link(msg: Forward | CatchUp | Held, path: str = "", at: int = 0) -> bytes:
+    """A message between a primary and its backup: a :class:`Forward` whose first entry (a
+    :class:`CatchUp` whose state) is at byte ``at`` of push log ``path``, or a :class:`Held`."""
+    kind = {Forward: _FORWARD, CatchUp: _CATCH_UP, Held: _HELD}[type(msg)]
+    blobs = () if kind == _HELD else msg.entries if kind == _FORWARD else [encode_state(msg.state)]
+    head = _LINK_HEAD.pack(kind, msg.view, msg[1], at, len(p := path.encode()))
+    return b"".join([head, p, *(x for b in blobs for x in (_LEN.pack(len(b)), b))])
+
+
+def decode_link(body: bytes) -> tuple:
+    """``(message, path, at)`` of :func:`link`; a torn or unknown one is a WireError."""
+    if len(body) < _LINK_HEAD.size or body[0] not in (_FORWARD, _CATCH_UP, _HELD):
+        raise WireError(f"not a message between a shard's copies ({len(body)} bytes)")
+    kind, view, n, at, size = _LINK_HEAD.unpack_from(body)
+    i, blobs = _LINK_HEAD.size + size, []
+    path = body[_LINK_HEAD.size : i].decode("utf-8", "replace")
+    while i < len(body):
+        (m,) = _LEN.unpack_from(body, i) if i + _LEN.size <= len(body) else (len(body),)
+        blobs.append(body[i + _LEN.size : (i := i + _LEN.size + m)])
+    if i != len(body):
+        raise _wrong_size(kind, body)
+    if kind == _HELD:
+        return Held(view, n), path, at
+    if kind == _CATCH_UP:
+        return CatchUp(view, n, decode_state(b"".join(blobs))), path, at
+    return Forward(view, n, tuple(blobs)), path, at
+
+
+def encode_state(state: dict) -> bytes:
+    """A shard's ``state_dict()`` as data: its JSON values, then its arrays (``np.save``)."""
+    from stalewise.checkpoint.store import flat_state
+
+    arrays, values = flat_state(state, "state")
+    f = io.BytesIO(frame(json.dumps({"values": values, "arrays": list(arrays)}).encode()))
+    f.seek(0, io.SEEK_END)
+    for a in arrays.values():
+        np.save(f, a, allow_pickle=False)
+    return f.getvalue()
+
+
+def decode_state(body: bytes) -> dict:
+    """:func:`encode_state`'s state (no pickle: an object array is refused)."""
+    from stalewise.checkpoint.store import _nested
+
+    f = io.BytesIO(body)
+    try:
+        head = json.loads(f.read(_FRAME.unpack(f.read(_FRAME.size))[0]))
+        return _nested(head["values"] | {k: np.load(f, allow_pickle=False) for k in head["arrays"]})
+    except (ValueError, TypeError, KeyError, struct.error, EOFError) as e:
+        raise WireError(f"a state that does not decode: {e}") from None
 
 
 def _kind_of(body: bytes) -> int:

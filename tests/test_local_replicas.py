@@ -1,0 +1,158 @@
+"""replicas=2 on the local runtime, for real: each shard has a backup process that holds
+every entry before a reply leaves. A SIGKILLed primary is replaced from its backup (no
+worker restarted, nothing acknowledged lost or applied twice, the logs replay to the final
+parameters bit for bit); a SIGKILLed backup is replaced and caught up; at close each
+backup's state equals its primary's, bit for bit. Job.train stops every process it started,
+even when a test fails (the ``no_leaks`` fixture checks)."""
+
+import logging
+import multiprocessing as mp
+import os
+import random
+import signal
+
+import mp_helpers
+import numpy as np
+import pytest
+from test_one_cut import ONES, pushes
+from test_replay import paced_loss_and_grad_b
+from test_shard_log_restart import wait_for
+
+import stalewise as sw
+from stalewise.checkpoint import replay, store
+from stalewise.runtime.local.server import LocalServer
+
+SERVER = "stalewise.runtime.local.server"
+
+
+class Kills:
+    """An ``on_record`` that SIGKILLs the process ``prefix + "0"``, then ``prefix + "1"``, ... at
+    random moments, ``n`` times."""
+
+    def __init__(self, n, prefix, seed=0):
+        self.rng, self.left, self.prefix, self.pids = random.Random(seed), n, prefix, []
+        self.next = self.rng.uniform(0.3, 0.8)
+        self.workers = set()  # the pids of every worker process seen at a record
+
+    def __call__(self, rec):
+        procs = mp.active_children()
+        self.workers |= {p.pid for p in procs if p.name.startswith("stalewise-worker-")}
+        if self.left and rec["time"] >= self.next:
+            name = f"{self.prefix}{len(self.pids) % 2}"  # shard 0, then 1: each is backed
+            victims = [p for p in procs if p.name == name and p.is_alive()]
+            if victims:
+                os.kill(victims[0].pid, signal.SIGKILL)
+                self.pids.append(1)
+                self.left -= 1
+            self.next = rec["time"] + self.rng.uniform(0.4, 0.8)
+
+
+def train(folder=None, on_record=None, consistency=None, steps=300, workers=4, resume=False):
+    params = {"x": np.zeros(8, np.float32), "b": np.ones(300, np.float32)}
+    job = sw.Job(params, optimizer=sw.optim.adam(0.05), shards=2, replicas=2,
+                 consistency=consistency)  # fmt: skip
+    every = None if folder is None else sw.Checkpoints(folder, every=100, keep=100, resume=resume)
+    result = job.train(
+        paced_loss_and_grad_b,
+        data=mp_helpers.counting_data,
+        workers=workers,
+        steps=steps,
+        checkpoints=every,
+        metrics=sw.Metrics(every=0.05, on_record=on_record),
+        timeouts=sw.Timeouts(total=60),
+    )
+    return job, result
+
+
+def backups_equal(caplog):
+    """Each shard's backup's state equals its primary's at close (LocalServer.close)."""
+    text = caplog.text
+    assert "differs from its primary's" not in text
+    return all(f"shard {k}: its backup's state equals its primary's" in text for k in (0, 1))
+
+
+def test_an_ack_waits_for_the_backup_and_a_hung_backup_is_killed_and_replaced(caplog, no_leaks):
+    """Shard 1's backup is stopped: shard 1 applies the push but its ack waits (a shard that
+    acks before its backup holds the push fails here; random kills rarely hit that), until
+    the bound (backup_timeout): then the backup is killed, a new one follows."""
+    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+    job = sw.Job(params, optimizer=sw.optim.sgd(1.0), shards=2, replicas=2)
+    with caplog.at_level(logging.INFO), LocalServer(job.config, 1, backup_timeout=2) as server:
+        client = server.client(0)
+        pushes(client, 2)
+        server.stats()  # shard 1 answered the parent: its backup holds every entry
+        backup = server._backups[1][0]
+        os.kill(backup.pid, signal.SIGSTOP)
+        client.push(ONES, timeout=10)
+        with pytest.raises(TimeoutError, match="ack"):
+            client.wait(timeout=1.0)
+        assert client.wait(timeout=10).status == "applied"
+        backup.join(10)
+        assert backup.exitcode == -signal.SIGKILL
+        wait_for(lambda: (server._backups[1] or [backup])[0] is not backup, "a new backup")
+        pushes(client, 2)
+        client.close()
+        assert [s["version"] for s in server.state_dicts(timeout=30)] == [5, 5]
+    assert backups_equal(caplog), caplog.text
+
+
+@pytest.mark.parametrize("consistency", [None, sw.BSP()], ids=["asp", "bsp"])
+def test_a_replicated_job_ends_with_each_backup_equal_to_its_primary(consistency, caplog, no_leaks):
+    with caplog.at_level(logging.INFO, logger=SERVER):
+        _, result = train(consistency=consistency, steps=200, workers=3)
+    assert result.pushes >= 200
+    assert backups_equal(caplog), caplog.text
+
+
+def test_a_resumed_replicated_job_starts_its_backups_at_the_checkpoint(tmp_path, caplog, no_leaks):
+    train(tmp_path, steps=100, workers=2)
+    with caplog.at_level(logging.INFO, logger=SERVER):
+        _, result = train(tmp_path, steps=200, workers=2, resume=True)
+    assert 200 <= result.pushes < 210 and backups_equal(caplog), caplog.text
+
+
+def test_a_killed_primary_is_replaced_from_its_backup_losing_nothing(tmp_path, caplog, no_leaks):
+    kills = Kills(2, "stalewise-shard-")
+    with caplog.at_level(logging.INFO):
+        job, result = train(tmp_path, kills, steps=500)  # the new backups link before its end
+    assert len(kills.pids) == 2
+    restarted = [e for e in result.failures if "shard" in e]
+    assert len(restarted) == 2 and all(e["lost"] == 0 for e in restarted), restarted
+    assert caplog.text.count("from its backup (0 updates of its slice lost)") == 2, caplog.text
+    assert len(kills.workers) == 4, kills.workers  # the same worker processes throughout
+    final = store.load(tmp_path)
+    assert final.flat().tobytes() == result.flat.tobytes()
+    assert all(np.asarray(s["incarnation"]).tolist() == [1] * 4 for s in final.states)
+    # every push the workers counted handled once by each shard, none twice
+    applied = [int(s["stats.applied"]) for s in final.states]
+    versions = [int(s["version"]) for s in final.states]
+    assert applied == versions == [result.pushes] * 2, (applied, versions, result.pushes)
+    first = min(p.name for p in store._complete(tmp_path))
+    flat, _, logs = replay.replay(tmp_path, job.config, first)
+    assert flat.tobytes() == result.flat.tobytes(), (first, logs)
+    assert backups_equal(caplog)  # the new backups followed the new primaries
+
+
+def test_without_a_checkpoint_folder_a_killed_primary_restarts_no_worker(caplog, no_leaks):
+    kills = Kills(1, "stalewise-shard-", seed=1)
+    with caplog.at_level(logging.INFO):
+        _, result = train(None, kills, steps=400)
+    assert len(kills.pids) == 1 and len(kills.workers) == 4, kills.workers
+    assert "from its backup (0 updates of its slice lost)" in caplog.text
+    assert result.pushes >= 400 and backups_equal(caplog), caplog.text
+
+
+def test_a_killed_backup_is_replaced_and_caught_up(caplog, no_leaks):
+    kills = Kills(2, "stalewise-backup-", seed=2)
+    with caplog.at_level(logging.INFO):
+        _, result = train(None, kills, steps=500)  # time for the second new one to link
+    assert len(kills.pids) == 2 and len(kills.workers) == 4
+    assert not [e for e in result.failures if "shard" in e]
+    assert caplog.text.count("backup ended (killed by SIGKILL); starting a new one") == 2
+    assert result.pushes >= 500 and backups_equal(caplog), caplog.text
+
+
+def test_replicas_on_ray_are_refused_in_one_line():
+    job = sw.Job({"x": np.zeros(2, np.float32)}, optimizer=sw.optim.sgd(0.1), replicas=2)
+    with pytest.raises(ValueError, match=r"^replicas=2: runtime 'ray' does not host [^\n]*$"):
+        job.train(mp_helpers.quadratic_loss_and_grad, data=None, workers=1, steps=1, runtime="ray")
