@@ -115,6 +115,7 @@ register(
     calibrates=True,
     elastic_train=True,
     delta_pulls=True,
+    replicas=True,
     needs="ray",
 )
 

@@ -7,6 +7,7 @@ Ray adds: the push buffers, the residual keeper actor, one ``ray.put`` per push,
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,9 @@ from stalewise.runtime.ray import import_ray
 from stalewise.runtime.ray.shard import payload_spans
 
 log = logging.getLogger(__name__)
+
+RESEND_EVERY = 0.05  # seconds between two tries of a push at a restarting shard (replicas=2)
+RESEND_FOR = 120.0  # seconds a push is resent for when its caller sets no timeout
 
 
 class Outbox:
@@ -86,9 +90,8 @@ class Outbox:
         if residual is not None:  # kept before any shard can have handled the push
             self._keep(inc, seq, acked, residual)
         ref = ray.put(sent)  # the one copy; every shard reads its slice of it in place
-        return [
-            s.push.remote(self.w, inc, seq, bases, verdict, loss, acked, ref) for s in self.shards
-        ]
+        self.last = (inc, seq, bases, verdict, loss, acked, ref)  # to resend (replicas=2)
+        return [s.push.remote(self.w, *self.last) for s in self.shards]
 
     def _keep(self, inc: int, seq: int, acked: int, residual: np.ndarray) -> None:
         ray = import_ray()
@@ -114,8 +117,35 @@ class Outbox:
         except ray.exceptions.RayTaskError:
             raise
         except ray.exceptions.RayError:  # a shard died with it
-            log.warning("worker %d: push %d lost with a shard that failed", self.w, seq)
-            return None, None
+            if self.config.replicas == 1:
+                log.warning("worker %d: push %d lost with a shard that failed", self.w, seq)
+                return None, None
+            replies = self._resend(refs, seq, RESEND_FOR if timeout is None else timeout)
         if any(r is None for r in replies):  # this incarnation was cut off meanwhile
             return None, None
         return self.sender.result([ack for ack, _ in replies]), int(replies[0][1])
+
+    def _resend(self, refs: list, seq: int, timeout: float) -> list:
+        """replicas=2: push ``seq`` again to each shard whose actor died under it (restarted
+        from its backup, it answers a push it holds as a duplicate) until all answer."""
+        ray = import_ray()
+        refs, deadline = list(refs), time.monotonic() + timeout
+        replies: dict[int, Any] = {}
+        while len(replies) < len(refs):
+            for k, ref in enumerate(refs):
+                try:
+                    if k not in replies:
+                        replies[k] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0))
+                except ray.exceptions.GetTimeoutError:
+                    raise TimeoutError(f"worker {self.w}: no acks within {timeout} s") from None
+                except ray.exceptions.RayTaskError:
+                    raise
+                except ray.exceptions.RayError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"worker {self.w}: shard {k} did not come back"
+                        ) from None
+                    log.info("worker %d: resending push %d to shard %d", self.w, seq, k)
+                    time.sleep(RESEND_EVERY)
+                    refs[k] = self.shards[k].push.remote(self.w, *self.last)
+        return [replies[k] for k in range(len(refs))]

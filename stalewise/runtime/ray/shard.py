@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import os
@@ -13,9 +14,12 @@ from typing import Any
 import numpy as np
 
 from stalewise.protocol import PushHeader, ServerConfig, Verdict, delivery, pipeline, pulls
+from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary
 from stalewise.runtime.logs import child_logging
 
 log = logging.getLogger(__name__)
+
+BACKUP_WAIT = 30.0  # seconds a backup may take to hold a forward before it is replaced
 
 
 def payload_spans(config: ServerConfig) -> list[tuple[int, int]] | None:
@@ -25,6 +29,22 @@ def payload_spans(config: ServerConfig) -> list[tuple[int, int]] | None:
         return None
     ends = np.cumsum([compressor.nbytes(k, config.init.dtype) for k in range(config.shards)])
     return [(int(e - n), int(e)) for e, n in zip(ends, np.diff(ends, prepend=0), strict=True)]
+
+
+def digest(value: Any, h: Any = None) -> str:
+    """A sha256 of a state (nested dicts, lists, arrays, numbers) by its values."""
+    h = h or hashlib.sha256()
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            h.update(repr(key).encode())
+            digest(value[key], h)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            digest(v, h)
+    else:
+        is_array = isinstance(value, np.ndarray)
+        h.update(value.dtype.str.encode() + value.tobytes() if is_array else repr(value).encode())
+    return h.hexdigest()
 
 
 class ShardActor:
@@ -71,6 +91,10 @@ class ShardActor:
         self.opened = asyncio.Event()
         self.changed = asyncio.Event()
         self.stopped = False
+        # replicas=2: the backup actor, the Primary its replies wait on, one forward at a time
+        self.backup: Any = None
+        self.primary: Primary | None = None
+        self.forwarding = asyncio.Lock()
 
     async def ready(self) -> dict:
         """``{"node", "pid", "version"}``: the driver's start check."""
@@ -91,11 +115,18 @@ class ShardActor:
         gone: list[int],
         init: np.ndarray | None = None,
         resume: bool = False,
+        backup: Any = None,
+        seats: np.ndarray | None = None,
     ) -> int:
-        """Opens the shard on ``state`` (None: the initial slice ``init``), makes ``gone``
-        leave and admits ``joins`` (worker -> incarnation); returns the version."""
+        """Opens the shard on ``state`` (None: the initial slice ``init``; ``seats``: a backup's
+        admitted and retired incarnations), makes ``gone`` leave and admits ``joins`` (worker
+        -> incarnation), then catches up its backup actor (``backup``: a new one); returns
+        the version."""
         if state is not None:
             self.shard.load_state_dict(state)
+            if seats is not None:
+                np.copyto(self.shard.admitted, seats[0])
+                np.copyto(self.shard.retired, seats[1])
             if resume:
                 self.shard.resume()
         elif init is not None:  # a fresh shard over the initial values
@@ -113,14 +144,59 @@ class ShardActor:
         self.last.forget()
         self.snap, self.pub.version = None, -1
         self.cutting.thaw()
+        await self.attach(backup or self.backup)
         self.opened.set()
         self._notify()
         return self.shard.version
+
+    async def attach(self, backup: Any) -> None:
+        """Starts ``backup`` (None: none) from this shard's state now, in a new view."""
+        if backup is None:
+            return
+        async with self.forwarding:  # no forward of the new view goes before the catch-up
+            self.backup = backup
+            self.primary = Primary(self.shard, view=self.primary.view if self.primary else 0)
+            try:
+                start = self.primary.attach()
+                seats = np.stack([self.shard.admitted, self.shard.retired])
+                await asyncio.wait_for(backup.start.remote(start, self.handled, seats), BACKUP_WAIT)
+            except Exception as e:  # Ray's errors, a timeout
+                self._lose_backup(e)
+        self._notify()
+
+    async def _held(self) -> None:
+        """Returns once the backup holds every entry made (at once with none attached)."""
+        while (p := self.primary) is not None and p.backed and p.acked < p.entries:
+            async with self.forwarding:
+                if p is not self.primary or not p.backed or (fwd := p.forward()) is None:
+                    continue
+                try:
+                    call = self.backup.receive.remote(fwd, self.handled)
+                    held = await asyncio.wait_for(call, BACKUP_WAIT)
+                    if held is None or held.entries < fwd.first + len(fwd.entries):
+                        raise RuntimeError(
+                            f"it holds {held} after {fwd.first} + {len(fwd.entries)}"
+                        )
+                    p.held(held)
+                except Exception as e:  # Ray's errors, a timeout, a refusal
+                    self._lose_backup(e)
+            self._notify()
+
+    def _lose_backup(self, why: Exception) -> None:
+        """The backup failed: this shard serves alone; the driver attaches it again once
+        Ray has restarted it."""
+        import ray
+
+        log.warning("shard %d: its backup failed (%s); serving alone", self.k, why)
+        self.primary.detach()
+        if not isinstance(why, ray.exceptions.RayActorError):  # alive: Ray restarts it
+            ray.kill(self.backup, no_restart=False)
 
     async def join(self, w: int, inc: int) -> int:
         """Admits incarnation ``inc`` of worker ``w``; returns the clock it joins at."""
         self.shard.admit(w, inc)
         self.last.forget(w)
+        await self._held()
         self._notify()
         return int(self.shard.clocks[w])
 
@@ -162,10 +238,15 @@ class ShardActor:
                 self._count(w, ack, math.nan)
         self.shard.depart(w, inc)
         self.last.forget(w)
+        await self._held()
         if not self.exact:
             self._publish_soon()
         self._notify()
         return self.shard.handled(w, inc)
+
+    async def digest(self) -> str:
+        """:func:`digest` of the shard's state."""
+        return digest(self.shard.state_dict())
 
     async def stop(self) -> None:
         """The job is ending: every pull, waiting or new, is answered "stop"."""
@@ -223,6 +304,7 @@ class ShardActor:
             await self._changed()
         if end is not None:
             return end
+        await self._held()  # no worker holds a version its backup lacks
         if self.pulls is not None:
             return ("ok", *self._delta(w, have), self.handled, int(shard.clocks[w]))
         version, ref = self._publish(exact=self.exact or self.pub.version < fresh)
@@ -238,6 +320,7 @@ class ShardActor:
         while True:
             if (end := self._ended(w, inc)) is not None:
                 return end
+            await self._held()
             if self.shard.admitted[w] == inc:
                 if self.pub.version < 0:
                     self._publish(exact=True)
@@ -268,6 +351,7 @@ class ShardActor:
     ) -> tuple | None:
         """One push of the whole flat ``update``; ``(Ack, pushes handled)``, or None for a
         cut-off incarnation."""
+        await self.opened.wait()  # a restarted actor: until it has its state
         shard = self.shard
         while self.cutting.waits(shard, w, inc, seq):
             await self._changed()
@@ -280,6 +364,7 @@ class ShardActor:
         )
         self.busy["push"] += time.perf_counter() - t
         self._count(w, ack, loss)
+        await self._held()
         if self.several:  # kept until every shard has it, for one that may lack it (depart)
             self.last.keep(w, inc, seq, acked=acked, entry=(tuple(bases), tuple(verdict), update))
         if not self.exact:
@@ -328,7 +413,10 @@ class ShardActor:
         import ray
 
         start, version = time.monotonic(), self.shard.version
-        if self.pub.due(version, start, exact=exact):
+        p = self.primary  # nothing the backup lacks is published
+        if self.pub.due(version, start, exact=exact) and (
+            p is None or not p.backed or p.acked >= p.entries
+        ):
             self.snap = None if self.pulls is not None else ray.put(self.shard.params)
             self.pub.published(version, start=start, end=time.monotonic())
             self.busy["publish"] += self.pub.at - start
@@ -357,3 +445,56 @@ class ShardActor:
 
     async def _changed(self) -> None:
         await self.changed.wait()
+
+
+class BackupActor:
+    """Shard ``k``'s backup (replicas=2): a shard of its own that replays its primary's
+    entries (:class:`~stalewise.protocol.replica.Backup`); empty until :meth:`start`."""
+
+    def __init__(self, config: ServerConfig, k: int, workers: int, expected: int | None):
+        child_logging(f"shard {k} backup")
+        self.config, self.k, self.workers, self.expected = config, k, workers, expected
+        self.copy: Backup | None = None
+        self.handled = 0  # the primary's count of pushes, as of the entries held
+
+    async def ready(self) -> dict:
+        """``{"node", "pid"}``."""
+        import ray
+
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    async def watch(self) -> None:
+        """Never returns: its ObjectRef fails when this actor dies."""
+        await asyncio.get_running_loop().create_future()
+
+    async def start(self, start: CatchUp, handled: int, seats: np.ndarray) -> None:
+        """Starts from the primary's state (``seats``: its admitted and retired incarnations)."""
+        lo, hi = self.config.ranges[self.k]
+        zeros = np.zeros(hi - lo, self.config.init.dtype)
+        self.copy = Backup(
+            self.config.build_shard(self.k, zeros, self.workers, self.expected), start
+        )
+        self.handled = handled
+        np.copyto(self.copy.shard.admitted, seats[0])
+        np.copyto(self.copy.shard.retired, seats[1])
+
+    async def receive(self, forward: Forward, handled: int) -> Held | None:
+        """:meth:`Backup.receive` (None: not started, or of another view)."""
+        held = None if self.copy is None else self.copy.receive(forward)
+        if held is not None:
+            self.handled = handled
+        return held
+
+    async def digest(self) -> str | None:
+        return None if self.copy is None else digest(self.copy.shard.state_dict())
+
+    async def state(self) -> tuple[dict, int, int, np.ndarray] | None:
+        """``(Shard.state_dict(), pushes handled, entries, seats)`` (None: not started)."""
+        if (b := self.copy) is None:
+            return None
+        return (
+            b.shard.state_dict(),
+            self.handled,
+            b.entries,
+            np.stack([b.shard.admitted, b.shard.retired]),
+        )
