@@ -306,12 +306,15 @@ class ShardActor:
             return end
         await self._held()  # no worker holds a version its backup lacks
         if self.pulls is not None:
-            return ("ok", *self._delta(w, have), self.handled, int(shard.clocks[w]))
-        version, ref = self._publish(exact=self.exact or self.pub.version < fresh)
-        if shard.staleness.dc_lambda or shard.hybrid:
-            shard.pull(w, now=time.monotonic())  # DC-ASGD keeps the pull; hybrid times it
-        self._served(shard.params.nbytes)
-        return ("ok", version, ref, self.handled, int(shard.clocks[w]))
+            reply = ("ok", *self._delta(w, have), self.handled, int(shard.clocks[w]))
+        else:
+            version, ref = self._publish(exact=self.exact or self.pub.version < fresh)
+            if shard.staleness.dc_lambda or shard.hybrid:
+                shard.pull(w, now=time.monotonic())  # DC-ASGD keeps the pull; hybrid times it
+            self._served(shard.params.nbytes)
+            reply = ("ok", version, ref, self.handled, int(shard.clocks[w]))
+        await self._held()  # the pull's own entry
+        return reply
 
     async def follow(self, w: int, inc: int, seen: int, have: int = 0) -> tuple:
         """ASP: :meth:`pull`'s answer (without the clock) once a version above ``seen`` is
