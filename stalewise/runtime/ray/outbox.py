@@ -21,7 +21,6 @@ from stalewise.runtime.ray.shard import payload_spans
 log = logging.getLogger(__name__)
 
 RESEND_EVERY = 0.05  # seconds between two tries of a push at a restarting shard (replicas=2)
-RESEND_FOR = 120.0  # seconds a push is resent for when its caller sets no timeout
 
 
 class Outbox:
@@ -108,44 +107,25 @@ class Outbox:
         self, refs: list, seq: int, timeout: float | None
     ) -> tuple[PushResult | None, int | None]:
         """``(result, shard 0's pushes handled)`` of push ``seq``; ``(None, None)`` if it was
-        lost with a shard or cut off; TimeoutError after ``timeout`` seconds."""
+        lost with a shard or cut off; TimeoutError after ``timeout`` seconds. With
+        replicas=2 it is resent to a shard whose actor died under it until the restarted
+        one (from its backup) answers, as a duplicate if it holds it."""
         ray = import_ray()
-        try:
-            replies = ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"worker {self.w}: no acks within {timeout} s") from None
-        except ray.exceptions.RayTaskError:
-            raise
-        except ray.exceptions.RayError:  # a shard died with it
-            if self.config.replicas == 1:
-                log.warning("worker %d: push %d lost with a shard that failed", self.w, seq)
-                return None, None
-            replies = self._resend(refs, seq, RESEND_FOR if timeout is None else timeout)
+        refs, replies, start = list(refs), [], time.monotonic()
+        while len(replies) < len(refs):
+            left = None if timeout is None else max(start + timeout - time.monotonic(), 0)
+            try:
+                replies.append(ray.get(refs[len(replies)], timeout=left))
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"worker {self.w}: no acks within {timeout} s") from None
+            except ray.exceptions.RayTaskError:
+                raise
+            except ray.exceptions.RayError:  # a shard died with it
+                if self.config.replicas == 1 or left == 0:
+                    log.warning("worker %d: push %d lost with a shard that failed", self.w, seq)
+                    return None, None
+                time.sleep(RESEND_EVERY)
+                refs[len(replies)] = self.shards[len(replies)].push.remote(self.w, *self.last)
         if any(r is None for r in replies):  # this incarnation was cut off meanwhile
             return None, None
         return self.sender.result([ack for ack, _ in replies]), int(replies[0][1])
-
-    def _resend(self, refs: list, seq: int, timeout: float) -> list:
-        """replicas=2: push ``seq`` again to each shard whose actor died under it (restarted
-        from its backup, it answers a push it holds as a duplicate) until all answer."""
-        ray = import_ray()
-        refs, deadline = list(refs), time.monotonic() + timeout
-        replies: dict[int, Any] = {}
-        while len(replies) < len(refs):
-            for k, ref in enumerate(refs):
-                try:
-                    if k not in replies:
-                        replies[k] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0))
-                except ray.exceptions.GetTimeoutError:
-                    raise TimeoutError(f"worker {self.w}: no acks within {timeout} s") from None
-                except ray.exceptions.RayTaskError:
-                    raise
-                except ray.exceptions.RayError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"worker {self.w}: shard {k} did not come back"
-                        ) from None
-                    log.info("worker %d: resending push %d to shard %d", self.w, seq, k)
-                    time.sleep(RESEND_EVERY)
-                    refs[k] = self.shards[k].push.remote(self.w, *self.last)
-        return [replies[k] for k in range(len(refs))]

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import math
 import os
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -31,20 +33,18 @@ def payload_spans(config: ServerConfig) -> list[tuple[int, int]] | None:
     return [(int(e - n), int(e)) for e, n in zip(ends, np.diff(ends, prepend=0), strict=True)]
 
 
-def digest(value: Any, h: Any = None) -> str:
-    """A sha256 of a state (nested dicts, lists, arrays, numbers) by its values."""
-    h = h or hashlib.sha256()
-    if isinstance(value, dict):
-        for key in sorted(value, key=str):
-            h.update(repr(key).encode())
-            digest(value[key], h)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            digest(v, h)
-    else:
-        is_array = isinstance(value, np.ndarray)
-        h.update(value.dtype.str.encode() + value.tobytes() if is_array else repr(value).encode())
+def digest(state: dict) -> str:
+    """A sha256 of a ``Shard.state_dict()``: its arrays' bytes, the rest as JSON."""
+    h = hashlib.sha256()
+    for key, v in sorted(state.items()):
+        is_array = isinstance(v, np.ndarray)
+        h.update(key.encode() + (v.tobytes() if is_array else json.dumps(v).encode()))
     return h.hexdigest()
+
+
+def seats_of(shard: Any) -> np.ndarray:
+    """A shard's admitted and retired incarnations (runtime state, not in its state_dict)."""
+    return np.stack([shard.admitted, shard.retired])
 
 
 class ShardActor:
@@ -158,8 +158,8 @@ class ShardActor:
             self.primary = Primary(self.shard, view=self.primary.view if self.primary else 0)
             try:
                 start = self.primary.attach()
-                seats = np.stack([self.shard.admitted, self.shard.retired])
-                await asyncio.wait_for(backup.start.remote(start, self.handled, seats), BACKUP_WAIT)
+                call = backup.start.remote(start, self.handled, seats_of(self.shard))
+                await asyncio.wait_for(call, BACKUP_WAIT)
             except Exception as e:  # Ray's errors, a timeout
                 self._lose_backup(e)
         self._notify()
@@ -460,15 +460,11 @@ class BackupActor:
         self.copy: Backup | None = None
         self.handled = 0  # the primary's count of pushes, as of the entries held
 
-    async def ready(self) -> dict:
-        """``{"node", "pid"}``."""
-        import ray
+    ready, watch = ShardActor.ready, ShardActor.watch  # version: the state's (-1: none)
 
-        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
-
-    async def watch(self) -> None:
-        """Never returns: its ObjectRef fails when this actor dies."""
-        await asyncio.get_running_loop().create_future()
+    @property
+    def shard(self) -> Any:
+        return SimpleNamespace(version=-1) if self.copy is None else self.copy.shard
 
     async def start(self, start: CatchUp, handled: int, seats: np.ndarray) -> None:
         """Starts from the primary's state (``seats``: its admitted and retired incarnations)."""
@@ -489,15 +485,10 @@ class BackupActor:
         return held
 
     async def digest(self) -> str | None:
-        return None if self.copy is None else digest(self.copy.shard.state_dict())
+        return None if self.copy is None else digest(self.shard.state_dict())
 
     async def state(self) -> tuple[dict, int, int, np.ndarray] | None:
         """``(Shard.state_dict(), pushes handled, entries, seats)`` (None: not started)."""
         if (b := self.copy) is None:
             return None
-        return (
-            b.shard.state_dict(),
-            self.handled,
-            b.entries,
-            np.stack([b.shard.admitted, b.shard.retired]),
-        )
+        return b.shard.state_dict(), self.handled, b.entries, seats_of(b.shard)
