@@ -66,8 +66,8 @@ undisturbed, then once per fault, with the same budget of pushes:
   (j) ray-replica-kills ``--ray-replica-kills N`` runs only this case: least-squares
                     (n=256, d=16) on Ray (a local instance of one node, so each backup
                     shares its primary's node), 4 workers, 2 shards, ``replicas=2``,
-                    ASP, SGD; N SIGKILLs of a random primary or backup shard actor (in
-                    turn, seeded), each once 100 more pushes were counted since the
+                    ASP, SGD, no limit on restarts; N SIGKILLs of a random primary or
+                    backup shard actor (in turn, seeded), each once 100 more pushes since the
                     last. Columns: ``acked_lost`` and ``twice`` (per shard, pushes the
                     workers saw applied that it lacks, or that it applied beyond them),
                     ``rolled_back`` (shard restarts not served from a backup),
@@ -1023,6 +1023,7 @@ def ray_replica_kills(n: int, out, check: bool, every: int = 100, seed: int = 0)
     try:
         r = job.train(task.loss_and_grad, data=task.batches, workers=WORKERS, steps=steps,
                       runtime="ray", metrics=sw.Metrics(every=0.05, name=name, on_record=kill),
+                      failures=sw.Failures(max_restarts=None),
                       timeouts=sw.Timeouts(total=600.0))  # fmt: skip
     finally:
         ray.shutdown()

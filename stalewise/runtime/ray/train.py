@@ -138,21 +138,14 @@ class _Host:
 
         ray = self.ray
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        for k in range(self.S):
+        actor, opts = ray.remote(BackupActor), {"num_cpus": 0, "max_restarts": -1}
+        for k in range(self.S):  # a hard affinity: a soft one is dropped on a node without free CPU
             others = [n for n in nodes if n != self.nodes[k]] or [self.nodes[k]]
-            # hard: a soft affinity is dropped when the node has no free CPU
             place = NodeAffinitySchedulingStrategy(others[k % len(others)], soft=False)
-            self.backups.append(
-                ray.remote(BackupActor)
-                .options(
-                    name=f"{self.prefix}:backup-{k}",
-                    num_cpus=0,
-                    max_restarts=-1,  # a backup's restart costs nothing (no failure counted)
-                    max_task_retries=0,
-                    scheduling_strategy=place,
-                )
-                .remote(config, k, self.W, expected)
+            named = actor.options(
+                name=f"{self.prefix}:backup-{k}", scheduling_strategy=place, **opts
             )
+            self.backups.append(named.remote(config, k, self.W, expected))
         self._get([b.ready.remote() for b in self.backups], self.o.shard_start_timeout, "start")
 
     def _free_cpus(self) -> float:
@@ -605,9 +598,7 @@ class _Host:
             log.warning("ray: shard %d has no backup to come back from (%s)", k, e)
             return False
         log.warning(
-            "ray: shard %d came back from its backup at version %d (entry %d); the workers "
-            "carry on",
-            *(k, version, entries),
+            "ray: shard %d is back from its backup (version %d, entry %d)", k, version, entries
         )
         self.run.failures.shard_restarted(event, version=version, lost=0)
         event["source"] = "backup"
