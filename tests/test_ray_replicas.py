@@ -13,9 +13,10 @@ from stalewise import tasks
 TIMEOUT = 90.0  # wall seconds before a run is declared hung
 
 
-def run(name, steps, on_record=None):
+def run(name, steps, on_record=None, consistency=None):
     task = tasks.get("least-squares", n=256, d=16)
-    job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.05), shards=2, replicas=2)
+    job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.05), shards=2, replicas=2,
+                 consistency=consistency or sw.ASP())  # fmt: skip
     result = job.train(
         task.loss_and_grad,
         data=task.batches,
@@ -67,10 +68,10 @@ def test_backups_follow_their_primaries_bit_for_bit(ray_cluster, caplog):
     assert task.evaluate(result.params)["loss"] < 1e-2 * task.evaluate(task.init_params(0))["loss"]
 
 
-@pytest.mark.parametrize("k", [0, 1])
-def test_a_killed_primary_comes_back_from_its_backup(ray_cluster, caplog, k):
+@pytest.mark.parametrize("k, consistency", [(0, sw.ASP()), (1, sw.BSP())], ids=["asp", "bsp"])
+def test_a_killed_primary_comes_back_from_its_backup(ray_cluster, caplog, k, consistency):
     kill = Kill(f"rep-kill-{k}", f"shard-{k}", pushes=80)
-    _, result = run(kill.run, 400, kill)
+    _, result = run(kill.run, 400, kill, consistency)
     assert kill.nodes, "the kill did not happen"
     for j in range(2):  # two nodes: a backup is not on its primary's
         assert kill.nodes[f"backup-{j}"] != kill.nodes[f"shard-{j}"], kill.nodes
