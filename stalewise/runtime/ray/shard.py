@@ -203,6 +203,7 @@ class ShardActor:
     async def expire_unstarted(self) -> list[int]:
         """Drops the expected workers that never joined; returns their ids."""
         gone = self.shard.expire_unstarted()
+        await self._held()
         self._notify()
         return gone
 
@@ -210,6 +211,7 @@ class ShardActor:
         """Cuts ``w``'s incarnation ``inc`` off; returns how many of its pushes this shard
         handled (None: unknown here)."""
         self.shard.retire(w, inc)
+        await self._held()
         self._notify()
         return self.shard.handled(w, inc)
 
@@ -287,6 +289,7 @@ class ShardActor:
 
     async def observe(self) -> tuple[int, Any]:
         """The current slice for an observer (evaluation): ``(version, ObjectRef)``."""
+        await self._held()
         if self.pulls is not None:  # delta pulls publish no snapshot: a copy for the observer
             import ray
 
@@ -437,6 +440,10 @@ class ShardActor:
             self.timer = asyncio.get_running_loop().call_later(wait, self._deferred)
 
     def _deferred(self) -> None:
+        self.timer = asyncio.ensure_future(self._publish_held())
+
+    async def _publish_held(self) -> None:
+        await self._held()
         self.timer = None
         if self.pub.version != self.shard.version:
             self._publish(exact=True)
