@@ -30,12 +30,12 @@ def run(name, steps, on_record=None, consistency=None):
 
 
 class Kill:
-    """An ``on_record`` callback that ``ray.kill``s the run's actor named ``role`` (``shard-K``
-    or ``backup-K``) once the records reach ``pushes``; Ray restarts it. Notes each shard's
-    and backup's node first."""
+    """An ``on_record`` callback that ``ray.kill``s the run's actors named in ``role``
+    (``shard-K`` or ``backup-K``, space-separated) once the records reach ``pushes``; Ray
+    restarts them. Notes each shard's and backup's node first."""
 
     def __init__(self, run, role, pushes):
-        self.run, self.role, self.pushes = run, role, pushes
+        self.run, self.roles, self.pushes = run, role.split(), pushes
         self.nodes: dict[str, str] = {}
 
     def __call__(self, record):
@@ -47,8 +47,9 @@ class Kill:
             if re.search(r":(shard|backup)-\d$", n):
                 got = ray.get(ray.get_actor(n).ready.remote(), timeout=30)
                 self.nodes[n.split(":")[-1]] = got["node"]
-        (victim,) = [n for n in names if n.endswith(f":{self.role}")]
-        ray.kill(ray.get_actor(victim), no_restart=False)
+        for role in self.roles:
+            (victim,) = [n for n in names if n.endswith(f":{role}")]
+            ray.kill(ray.get_actor(victim), no_restart=False)
 
 
 def exact(result, caplog):
@@ -88,3 +89,14 @@ def test_a_killed_backup_is_replaced_and_caught_up(ray_cluster, caplog):
     assert kill.nodes, "the kill did not happen"
     assert result.failures == [] and result.stats["ray"]["backups_replaced"] == [0, 1]
     exact(result, caplog)
+
+
+def test_a_primary_and_its_backup_killed_together_roll_back(ray_cluster, caplog):
+    """Both copies of shard 1 gone: the driver's rollback, as without replicas; the new
+    backups catch up from the restored primaries."""
+    kill = Kill("rep-both", "shard-1 backup-1", pushes=60)
+    _, result = run(kill.run, 200, kill)
+    assert kill.nodes, "the kill did not happen"
+    assert [(e["shard"], e.get("source")) for e in result.failures] == [(1, None)]
+    assert [r for r in caplog.records if "rolled back" in r.getMessage()]
+    assert result.pushes >= 200 and result.stats["ray"]["backups"] == ["equal", "equal"]
