@@ -42,11 +42,6 @@ def digest(state: dict) -> str:
     return h.hexdigest()
 
 
-def seats_of(shard: Any) -> np.ndarray:
-    """A shard's admitted and retired incarnations (runtime state, not in its state_dict)."""
-    return np.stack([shard.admitted, shard.retired])
-
-
 class ShardActor:
     """Shard ``k`` of a job with ``workers`` workers; closed (pulls wait) until :meth:`load`."""
 
@@ -118,10 +113,9 @@ class ShardActor:
         backup: Any = None,
         seats: np.ndarray | None = None,
     ) -> int:
-        """Opens the shard on ``state`` (None: the initial slice ``init``; ``seats``: a backup's
-        admitted and retired incarnations), makes ``gone`` leave and admits ``joins`` (worker
-        -> incarnation), then catches up its backup actor (``backup``: a new one); returns
-        the version."""
+        """Opens the shard on ``state`` (None: the initial slice ``init``) and ``seats`` (a
+        backup's), makes ``gone`` leave, admits ``joins`` (worker -> incarnation) and catches
+        up its ``backup`` actor; returns the version."""
         if state is not None:
             self.shard.load_state_dict(state)
             if seats is not None:
@@ -158,7 +152,8 @@ class ShardActor:
             self.primary = Primary(self.shard, view=self.primary.view if self.primary else 0)
             try:
                 start = self.primary.attach()
-                call = backup.start.remote(start, self.handled, seats_of(self.shard))
+                seats = np.stack([self.shard.admitted, self.shard.retired])  # not in state_dict
+                call = backup.start.remote(start, self.handled, seats)
                 await asyncio.wait_for(call, BACKUP_WAIT)
             except Exception as e:  # Ray's errors, a timeout
                 self._lose_backup(e)
@@ -183,8 +178,7 @@ class ShardActor:
             self._notify()
 
     def _lose_backup(self, why: Exception) -> None:
-        """The backup failed: this shard serves alone; the driver attaches it again once
-        Ray has restarted it."""
+        """The backup failed: serve alone until the driver attaches it again (Ray restarts it)."""
         import ray
 
         log.warning("shard %d: its backup failed (%s); serving alone", self.k, why)
@@ -498,4 +492,5 @@ class BackupActor:
         """``(Shard.state_dict(), pushes handled, entries, seats)`` (None: not started)."""
         if (b := self.copy) is None:
             return None
-        return b.shard.state_dict(), self.handled, b.entries, seats_of(b.shard)
+        seats = np.stack([b.shard.admitted, b.shard.retired])
+        return b.shard.state_dict(), self.handled, b.entries, seats
