@@ -67,6 +67,17 @@ undisturbed, then once per fault, with the same budget of pushes:
                     resume and new workers, ASP and BSP in turn, then run to its end.
                     Columns as (g); ``first_push_s`` from the relaunch of the serving
                     process to the first push acknowledged.
+  (j) ray-replica-kills ``--ray-replica-kills N`` runs only this case: least-squares
+                    (n=256, d=16) on Ray (a local instance of one node, so each backup
+                    shares its primary's node), 4 workers, 2 shards, ``replicas=2``,
+                    ASP, SGD, no limit on restarts; N SIGKILLs of a random primary or
+                    backup shard actor (in turn, seeded), each once 100 more pushes since the
+                    last. Columns: ``acked_lost`` and ``twice`` (per shard, pushes the
+                    workers saw applied that it lacks, or that it applied beyond them),
+                    ``rolled_back`` (shard restarts not served from a backup),
+                    ``backups`` (each backup's final state equal to its primary's),
+                    ``primary_s`` and ``backup_s`` (the mean pause after a kill of each
+                    kind: until more than 4 pushes follow it).
 
 Columns: ``completed`` (the run returned, with its budget spent: ``steps`` pushes
 under ASP, ``ceil(steps / workers)`` whole rounds under BSP, so a BSP run in which a
@@ -84,14 +95,15 @@ so and is left out of the bar. Its ``events`` column counts the checkpoints
 that could not be written, and ``kept`` names the newest one that was (it
 must load).
 
-Bar: (f) 0 lost, 0 twice, 0 torn, every replay equal. (g), (h), (i) 0 lost, 0 twice, 0 skipped. (a), (b) and (c) complete with nothing applied twice and a final accuracy
+Bar: (f) 0 lost, 0 twice, 0 torn, every replay equal. (g), (h), (i) 0 lost, 0 twice, 0 skipped.
+(j) 0 lost, 0 twice, no rollback, every backup equal to its primary. (a), (b) and (c) complete with nothing applied twice and a final accuracy
 within 1 point of the undisturbed run; (e) completes, returns its result within
 1 point of the undisturbed run, and its kept checkpoint loads. (d) is reported
 as it happens. ``--check``
 also writes the table to ``runs/bench-faults.json`` (or ``--json PATH``).
 
     .venv/bin/python benchmarks/faults.py [--quick] [--check] [--json PATH] [--shard-kills N]
-        [--launcher-kills N] [--parent-kills N] [--serve-kills N]
+        [--launcher-kills N] [--parent-kills N] [--serve-kills N] [--ray-replica-kills N]
 """
 
 from __future__ import annotations
@@ -435,6 +447,7 @@ def main() -> int:
     ap.add_argument("--launcher-kills", type=int, metavar="N", help="only case (g), N kills")
     ap.add_argument("--parent-kills", type=int, metavar="N", help="only case (h), N kills")
     ap.add_argument("--serve-kills", type=int, metavar="N", help="only case (i), N kills")
+    ap.add_argument("--ray-replica-kills", type=int, metavar="N", help="only case (j)")
     _report.add_json_arg(ap)
     args = ap.parse_args()
     out = _report.json_path(ap, args, "faults")
@@ -445,6 +458,8 @@ def main() -> int:
         return parent_kills(args.parent_kills, out, args.check)
     if args.serve_kills:
         return serve_kills(args.serve_kills, out, args.check)
+    if args.ray_replica_kills:
+        return ray_replica_kills(args.ray_replica_kills, out, args.check)
     task = tasks.get("digits")
     steps = 1500 if args.quick else 4000
     if args.shard_kills or args.replica_kills:
@@ -985,6 +1000,81 @@ def _last_acked(acks: list[Path]) -> list[int]:
     """Each worker's pushes it last saw acknowledged (or started from), by its ack file."""
     lines = [path.read_text().splitlines() if path.exists() else [] for path in acks]
     return [int(ls[-1].split()[-2]) if ls else 0 for ls in lines]
+
+
+class _RayKiller:
+    """Case (j)'s ``on_record``: SIGKILLs a primary or a backup (in turn, ``seed``) of the run
+    ``name`` once ``every`` pushes follow the last kill; notes each kill's pause."""
+
+    def __init__(self, name: str, kills: int, every: int, seed: int):
+        self.name, self.left, self.every, self.rng = name, kills, every, random.Random(seed)
+        self.at, self.kind, self.since = 0, "", 0.0  # the last kill: pushes, kind, time
+        self.pauses: dict[str, list[float]] = {"shard": [], "backup": []}
+
+    def __call__(self, record: dict) -> None:
+        import ray
+
+        pushes, now = record["pushes"], time.monotonic()
+        if self.kind and pushes > self.at + WORKERS:  # the job goes on after the kill
+            self.pauses[self.kind].append(now - self.since)
+            self.kind = ""
+        if self.kind or not self.left or pushes < self.at + self.every:
+            return
+        kind = ("shard", "backup")[self.left % 2]
+        role, prefix = f":{kind}-{self.rng.randrange(SHARDS)}", f"stalewise:{self.name}:"
+        names = ray.util.list_named_actors()
+        (victim,) = [a for a in names if a.startswith(prefix) and a.endswith(role)]
+        try:
+            pid = ray.get(ray.get_actor(victim).ready.remote(), timeout=5)["pid"]
+        except (ray.exceptions.RayError, ValueError):
+            return  # restarting still: the next record tries again
+        os.kill(pid, signal.SIGKILL)
+        self.left, self.at, self.kind, self.since = self.left - 1, pushes, kind, now
+
+
+def ray_replica_kills(n: int, out, check: bool, every: int = 100, seed: int = 0) -> int:
+    """Case (j): one replicas=2 run on Ray with ``n`` kills of primaries and backups."""
+    import ray
+
+    task = tasks.get("least-squares", n=256, d=16)
+    job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.05), shards=SHARDS, replicas=2)
+    name, steps = f"rep-kills-{seed}", (n + 2) * every
+    kill = _RayKiller(name, n, every, seed)
+    ray.init("local", num_cpus=WORKERS + SHARDS, include_dashboard=False, logging_level="error")
+    t = time.monotonic()
+    try:
+        r = job.train(task.loss_and_grad, data=task.batches, workers=WORKERS, steps=steps,
+                      runtime="ray", metrics=sw.Metrics(every=0.05, name=name, on_record=kill),
+                      failures=sw.Failures(max_restarts=None),
+                      timeouts=sw.Timeouts(total=600.0))  # fmt: skip
+    finally:
+        ray.shutdown()
+    info = r.stats["ray"]
+    mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+    row = {
+        "kills": n - kill.left,
+        "pushes": r.pushes,
+        "acked_lost": sum(max(info["acked"] - a, 0) for a in info["applied"]),
+        "twice": sum(max(a - info["acked"], 0) for a in info["applied"]),
+        "rolled_back": sum(e.get("source") != "backup" for e in r.failures if "shard" in e),
+        "backups": info["backups"],
+        "replaced": info["backups_replaced"],
+        "primary_s": mean(kill.pauses["shard"]),
+        "backup_s": mean(kill.pauses["backup"]),
+        "primary_s_max": max(kill.pauses["shard"], default=math.nan),
+        "backup_s_max": max(kill.pauses["backup"], default=math.nan),
+        "time_s": time.monotonic() - t,
+        "seed": seed,
+        "load": os.getloadavg(),
+    }
+    print(f"least-squares on Ray, {WORKERS} workers, {SHARDS} shards, replicas=2, {steps} pushes")
+    print(format_table([row], list(row)))
+    ok = row["kills"] == n and not (row["acked_lost"] or row["twice"] or row["rolled_back"])
+    ok = ok and row["backups"] == ["equal"] * SHARDS
+    print("bar: (j) 0 lost, 0 twice, no rollback, backups equal:", "met" if ok else "MISSED")
+    bars = [{"name": "(j) 0 lost, 0 twice, no rollback, backups equal", "met": ok}]
+    _report.write(out, {"steps": steps, "row": row}, bars=bars)
+    return 0 if ok or not check else 1
 
 
 if __name__ == "__main__":

@@ -116,6 +116,7 @@ register(
     calibrates=True,
     elastic_train=True,
     delta_pulls=True,
+    replicas=True,
     needs="ray",
 )
 

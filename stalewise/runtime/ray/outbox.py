@@ -6,6 +6,7 @@ Ray adds: the push buffers, the residual keeper actor, one ``ray.put`` per push,
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,8 @@ from stalewise.runtime.ray import import_ray
 from stalewise.runtime.ray.shard import payload_spans
 
 log = logging.getLogger(__name__)
+
+RESEND_EVERY = 0.05  # seconds between two tries of a push at a restarting shard (replicas=2)
 
 
 class Outbox:
@@ -84,9 +87,8 @@ class Outbox:
         if residual is not None:  # kept before any shard can have handled the push
             self._keep(inc, seq, acked, residual)
         ref = ray.put(sent)  # the one copy; every shard reads its slice of it in place
-        return [
-            s.push.remote(self.w, inc, seq, bases, verdict, loss, acked, ref) for s in self.shards
-        ]
+        self.last = (inc, seq, bases, verdict, loss, acked, ref)  # to resend (replicas=2)
+        return [s.push.remote(self.w, *self.last) for s in self.shards]
 
     def _keep(self, inc: int, seq: int, acked: int, residual: np.ndarray) -> None:
         ray = import_ray()
@@ -103,17 +105,25 @@ class Outbox:
         self, refs: list, seq: int, timeout: float | None
     ) -> tuple[PushResult | None, int | None]:
         """``(result, shard 0's pushes handled)`` of push ``seq``; ``(None, None)`` if it was
-        lost with a shard or cut off; TimeoutError after ``timeout`` seconds."""
+        lost with a shard or cut off; TimeoutError after ``timeout`` seconds. With
+        replicas=2 it is resent to a shard whose actor died under it until the restarted
+        one (from its backup) answers, as a duplicate if it holds it."""
         ray = import_ray()
-        try:
-            replies = ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"worker {self.w}: no acks within {timeout} s") from None
-        except ray.exceptions.RayTaskError:
-            raise
-        except ray.exceptions.RayError:  # a shard died with it
-            log.warning("worker %d: push %d lost with a shard that failed", self.w, seq)
-            return None, None
+        refs, replies, start = list(refs), [], time.monotonic()
+        while len(replies) < len(refs):
+            left = None if timeout is None else max(start + timeout - time.monotonic(), 0)
+            try:
+                replies.append(ray.get(refs[len(replies)], timeout=left))
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"worker {self.w}: no acks within {timeout} s") from None
+            except ray.exceptions.RayTaskError:
+                raise
+            except ray.exceptions.RayError:  # a shard died with it
+                if self.config.replicas == 1 or left == 0:
+                    log.warning("worker %d: push %d lost with a shard that failed", self.w, seq)
+                    return None, None
+                time.sleep(RESEND_EVERY)
+                refs[len(replies)] = self.shards[len(replies)].push.remote(self.w, *self.last)
         if any(r is None for r in replies):  # this incarnation was cut off meanwhile
             return None, None
         return self.sender.result([ack for ack, _ in replies]), int(replies[0][1])

@@ -185,6 +185,9 @@ class RayServer:
                 "pull_codec: a job served on Ray sends full pulls; delta pulls are for "
                 "Job.train (runtime='ray' or 'sim')"
             )
+        if config.replicas != 1:
+            raise ValueError("replicas=2: a job served on Ray has one copy of each shard; "
+                             "replicated shards are for Job.train")  # fmt: skip
         self.expected, self.workers = worker_range(workers)
         self.name = check_name(name) if name is not None else f"job-{uuid.uuid4().hex[:8]}"
         self.config, self.timeout = config, start_timeout

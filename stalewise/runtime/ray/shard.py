@@ -4,18 +4,24 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import math
 import os
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from stalewise.protocol import PushHeader, ServerConfig, Verdict, delivery, pipeline, pulls
+from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary
 from stalewise.runtime.logs import child_logging
 
 log = logging.getLogger(__name__)
+
+BACKUP_WAIT = 30.0  # seconds a backup may take to hold a forward before it is replaced
 
 
 def payload_spans(config: ServerConfig) -> list[tuple[int, int]] | None:
@@ -25,6 +31,15 @@ def payload_spans(config: ServerConfig) -> list[tuple[int, int]] | None:
         return None
     ends = np.cumsum([compressor.nbytes(k, config.init.dtype) for k in range(config.shards)])
     return [(int(e - n), int(e)) for e, n in zip(ends, np.diff(ends, prepend=0), strict=True)]
+
+
+def digest(state: dict) -> str:
+    """A sha256 of a ``Shard.state_dict()``: its arrays' bytes, the rest as JSON."""
+    h = hashlib.sha256()
+    for key, v in sorted(state.items()):
+        is_array = isinstance(v, np.ndarray)
+        h.update(key.encode() + (v.tobytes() if is_array else json.dumps(v).encode()))
+    return h.hexdigest()
 
 
 class ShardActor:
@@ -71,6 +86,10 @@ class ShardActor:
         self.opened = asyncio.Event()
         self.changed = asyncio.Event()
         self.stopped = False
+        # replicas=2: the backup actor, the Primary its replies wait on, one forward at a time
+        self.backup: Any = None
+        self.primary: Primary | None = None
+        self.forwarding = asyncio.Lock()
 
     async def ready(self) -> dict:
         """``{"node", "pid", "version"}``: the driver's start check."""
@@ -91,11 +110,17 @@ class ShardActor:
         gone: list[int],
         init: np.ndarray | None = None,
         resume: bool = False,
+        backup: Any = None,
+        seats: np.ndarray | None = None,
     ) -> int:
-        """Opens the shard on ``state`` (None: the initial slice ``init``), makes ``gone``
-        leave and admits ``joins`` (worker -> incarnation); returns the version."""
+        """Opens the shard on ``state`` (None: the initial slice ``init``) and ``seats`` (a
+        backup's), makes ``gone`` leave, admits ``joins`` (worker -> incarnation) and catches
+        up its ``backup`` actor; returns the version."""
         if state is not None:
             self.shard.load_state_dict(state)
+            if seats is not None:
+                np.copyto(self.shard.admitted, seats[0])
+                np.copyto(self.shard.retired, seats[1])
             if resume:
                 self.shard.resume()
         elif init is not None:  # a fresh shard over the initial values
@@ -113,26 +138,73 @@ class ShardActor:
         self.last.forget()
         self.snap, self.pub.version = None, -1
         self.cutting.thaw()
+        await self.attach(backup or self.backup)
         self.opened.set()
         self._notify()
         return self.shard.version
+
+    async def attach(self, backup: Any) -> None:
+        """Starts ``backup`` (None: none) from this shard's state now, in a new view."""
+        if backup is None:
+            return
+        async with self.forwarding:  # no forward of the new view goes before the catch-up
+            self.backup = backup
+            self.primary = Primary(self.shard, view=self.primary.view if self.primary else 0)
+            try:
+                start = self.primary.attach()
+                seats = np.stack([self.shard.admitted, self.shard.retired])  # not in state_dict
+                call = backup.start.remote(start, self.handled, seats)
+                await asyncio.wait_for(call, BACKUP_WAIT)
+            except Exception as e:  # Ray's errors, a timeout
+                self._lose_backup(e)
+        self._notify()
+
+    async def _held(self) -> None:
+        """Returns once the backup holds every entry made (at once with none attached)."""
+        while (p := self.primary) is not None and p.backed and p.acked < p.entries:
+            async with self.forwarding:
+                if p is not self.primary or not p.backed or (fwd := p.forward()) is None:
+                    continue
+                try:
+                    call = self.backup.receive.remote(fwd, self.handled)
+                    held = await asyncio.wait_for(call, BACKUP_WAIT)
+                    if held is None or held.entries < fwd.first + len(fwd.entries):
+                        raise RuntimeError(
+                            f"it holds {held} after {fwd.first} + {len(fwd.entries)}"
+                        )
+                    p.held(held)
+                except Exception as e:  # Ray's errors, a timeout, a refusal
+                    self._lose_backup(e)
+            self._notify()
+
+    def _lose_backup(self, why: Exception) -> None:
+        """The backup failed: serve alone until the driver attaches it again (Ray restarts it)."""
+        import ray
+
+        log.warning("shard %d: its backup failed (%s); serving alone", self.k, why)
+        self.primary.detach()
+        if not isinstance(why, ray.exceptions.RayActorError):  # alive: Ray restarts it
+            ray.kill(self.backup, no_restart=False)
 
     async def join(self, w: int, inc: int) -> int:
         """Admits incarnation ``inc`` of worker ``w``; returns the clock it joins at."""
         self.shard.admit(w, inc)
         self.last.forget(w)
+        await self._held()
         self._notify()
         return int(self.shard.clocks[w])
 
     async def expire_unstarted(self) -> list[int]:
         """Drops the expected workers that never joined; returns their ids."""
         gone = self.shard.expire_unstarted()
+        await self._held()
         self._notify()
         return gone
 
     async def cut(self, w: int, inc: int) -> int | None:
         """Cuts ``w``'s incarnation ``inc`` off; returns its pushes handled here (None: unknown)."""
         self.shard.retire(w, inc)
+        await self._held()
         self._notify()
         return self.shard.handled(w, inc)
 
@@ -161,10 +233,15 @@ class ShardActor:
                 self._count(w, ack, math.nan)
         self.shard.depart(w, inc)
         self.last.forget(w)
+        await self._held()
         if not self.exact:
             self._publish_soon()
         self._notify()
         return self.shard.handled(w, inc)
+
+    async def digest(self) -> str:
+        """:func:`digest` of the shard's state."""
+        return digest(self.shard.state_dict())
 
     async def stop(self) -> None:
         """The job is ending: every pull, waiting or new, is answered "stop"."""
@@ -205,6 +282,7 @@ class ShardActor:
 
     async def observe(self) -> tuple[int, Any]:
         """The current slice for an observer (evaluation): ``(version, ObjectRef)``."""
+        await self._held()
         if self.pulls is not None:  # delta pulls publish no snapshot: a copy for the observer
             import ray
 
@@ -222,13 +300,17 @@ class ShardActor:
             await self._changed()
         if end is not None:
             return end
+        await self._held()  # no worker holds a version its backup lacks
         if self.pulls is not None:
-            return ("ok", *self._delta(w, have), self.handled, int(shard.clocks[w]))
-        version, ref = self._publish(exact=self.exact or self.pub.version < fresh)
-        if shard.staleness.dc_lambda or shard.hybrid:
-            shard.pull(w, now=time.monotonic())  # DC-ASGD keeps the pull; hybrid times it
-        self._served(shard.params.nbytes)
-        return ("ok", version, ref, self.handled, int(shard.clocks[w]))
+            reply = ("ok", *self._delta(w, have), self.handled, int(shard.clocks[w]))
+        else:
+            version, ref = self._publish(exact=self.exact or self.pub.version < fresh)
+            if shard.staleness.dc_lambda or shard.hybrid:
+                shard.pull(w, now=time.monotonic())  # DC-ASGD keeps the pull; hybrid times it
+            self._served(shard.params.nbytes)
+            reply = ("ok", version, ref, self.handled, int(shard.clocks[w]))
+        await self._held()  # the pull's own entry
+        return reply
 
     async def follow(self, w: int, inc: int, seen: int, have: int = 0) -> tuple:
         """ASP: :meth:`pull`'s answer (no clock) once a version above ``seen`` is published."""
@@ -236,6 +318,7 @@ class ShardActor:
         while True:
             if (end := self._ended(w, inc)) is not None:
                 return end
+            await self._held()
             if self.shard.admitted[w] == inc:
                 if self.pub.version < 0:
                     self._publish(exact=True)
@@ -265,6 +348,7 @@ class ShardActor:
         update: Any,
     ) -> tuple | None:
         """One push of the whole flat ``update``: ``(Ack, pushes handled)``, None if cut off."""
+        await self.opened.wait()  # a restarted actor: until it has its state
         shard = self.shard
         while self.cutting.waits(shard, w, inc, seq):
             await self._changed()
@@ -277,6 +361,7 @@ class ShardActor:
         )
         self.busy["push"] += time.perf_counter() - t
         self._count(w, ack, loss)
+        await self._held()
         if self.several:  # kept until every shard has it, for one that may lack it (depart)
             self.last.keep(w, inc, seq, acked=acked, entry=(tuple(bases), tuple(verdict), update))
         if not self.exact:
@@ -325,7 +410,10 @@ class ShardActor:
         import ray
 
         start, version = time.monotonic(), self.shard.version
-        if self.pub.due(version, start, exact=exact):
+        p = self.primary  # nothing the backup lacks is published
+        if self.pub.due(version, start, exact=exact) and (
+            p is None or not p.backed or p.acked >= p.entries
+        ):
             self.snap = None if self.pulls is not None else ray.put(self.shard.params)
             self.pub.published(version, start=start, end=time.monotonic())
             self.busy["publish"] += self.pub.at - start
@@ -343,6 +431,10 @@ class ShardActor:
             self.timer = asyncio.get_running_loop().call_later(wait, self._deferred)
 
     def _deferred(self) -> None:
+        self.timer = asyncio.ensure_future(self._publish_held())
+
+    async def _publish_held(self) -> None:
+        await self._held()
         self.timer = None
         if self.pub.version != self.shard.version:
             self._publish(exact=True)
@@ -354,3 +446,48 @@ class ShardActor:
 
     async def _changed(self) -> None:
         await self.changed.wait()
+
+
+class BackupActor:
+    """Shard ``k``'s backup (replicas=2): a shard of its own that replays its primary's
+    entries (:class:`~stalewise.protocol.replica.Backup`); empty until :meth:`start`."""
+
+    def __init__(self, config: ServerConfig, k: int, workers: int, expected: int | None):
+        child_logging(f"shard {k} backup")
+        self.config, self.k, self.workers, self.expected = config, k, workers, expected
+        self.copy: Backup | None = None
+        self.handled = 0  # the primary's count of pushes, as of the entries held
+
+    ready, watch = ShardActor.ready, ShardActor.watch  # version: the state's (-1: none)
+
+    @property
+    def shard(self) -> Any:
+        return SimpleNamespace(version=-1) if self.copy is None else self.copy.shard
+
+    async def start(self, start: CatchUp, handled: int, seats: np.ndarray) -> None:
+        """Starts from the primary's state (``seats``: its admitted and retired incarnations)."""
+        lo, hi = self.config.ranges[self.k]
+        zeros = np.zeros(hi - lo, self.config.init.dtype)
+        self.copy = Backup(
+            self.config.build_shard(self.k, zeros, self.workers, self.expected), start
+        )
+        self.handled = handled
+        np.copyto(self.copy.shard.admitted, seats[0])
+        np.copyto(self.copy.shard.retired, seats[1])
+
+    async def receive(self, forward: Forward, handled: int) -> Held | None:
+        """:meth:`Backup.receive` (None: not started, or of another view)."""
+        held = None if self.copy is None else self.copy.receive(forward)
+        if held is not None:
+            self.handled = handled
+        return held
+
+    async def digest(self) -> str | None:
+        return None if self.copy is None else digest(self.shard.state_dict())
+
+    async def state(self) -> tuple[dict, int, int, np.ndarray] | None:
+        """``(Shard.state_dict(), pushes handled, entries, seats)`` (None: not started)."""
+        if (b := self.copy) is None:
+            return None
+        seats = np.stack([b.shard.admitted, b.shard.retired])
+        return b.shard.state_dict(), self.handled, b.entries, seats

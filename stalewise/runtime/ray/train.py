@@ -26,7 +26,7 @@ from stalewise.runtime import driver
 from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
 from stalewise.runtime.options import RunOptions
 from stalewise.runtime.ray import cluster, import_ray, liveness
-from stalewise.runtime.ray.shard import ShardActor
+from stalewise.runtime.ray.shard import BackupActor, ShardActor
 from stalewise.runtime.ray.worker import WorkerActor
 from stalewise.runtime.result import TrainResult, merge_stats
 from stalewise.strategies import Strategy
@@ -70,6 +70,9 @@ class _Host:
         self.watches: dict[Any, int] = {}  # a shard's watch() ObjectRef -> shard
         self.live: set[int] = set()  # workers whose loop has not ended
         self.shards: list[Any] = []
+        self.backups: list[Any] = []  # replicas=2: each shard's backup actor
+        self.bwatches: dict[Any, int] = {}  # a backup's watch() ObjectRef -> shard
+        self.replaced = [0] * self.S  # backups caught up anew, per shard
         self.nodes: list[str] = []  # the node id of each shard (as started)
         self.pgs: list = []  # the placement groups: shards, workers
         self.backup: tuple[list, int] | None = None  # (shard states, pushes handled)
@@ -125,6 +128,24 @@ class _Host:
         ]
         info = self._get([s.ready.remote() for s in self.shards], o.shard_start_timeout, "start")
         self.nodes = [i["node"] for i in info]
+        if self.config.replicas == 2:
+            self._start_backups(config, expected)
+
+    def _start_backups(self, config: ServerConfig, expected: int | None) -> None:
+        """A backup actor per shard, on another node than its primary if the cluster has one."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ray = self.ray
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        actor, opts = ray.remote(BackupActor), {"num_cpus": 0, "max_restarts": -1}
+        for k in range(self.S):  # a hard affinity: a soft one is dropped on a node without free CPU
+            others = [n for n in nodes if n != self.nodes[k]] or [self.nodes[k]]
+            place = NodeAffinitySchedulingStrategy(others[k % len(others)], soft=False)
+            named = actor.options(
+                name=f"{self.prefix}:backup-{k}", scheduling_strategy=place, **opts
+            )
+            self.backups.append(named.remote(config, k, self.W, expected))
+        self._get([b.ready.remote() for b in self.backups], self.o.shard_start_timeout, "start")
 
     def _free_cpus(self) -> float:
         return float(self.ray.available_resources().get("CPU", 0.0))
@@ -150,9 +171,10 @@ class _Host:
             assert run.feedback is not None
             for w, f in enumerate(run.feedback):
                 self.fb[w].keep(self.incs[w], 0, f.residual, acked=0)
+        init = [self.config.init[lo:hi] for lo, hi in self.config.ranges]
         refs = [
-            s.load.remote(states[k], base, joins, [], init=self.config.init[lo:hi], resume=True)
-            for k, (s, (lo, hi)) in enumerate(zip(self.shards, self.config.ranges, strict=True))
+            s.load.remote(states[k], base, joins, [], init[k], True, self._backup(k))
+            for k, s in enumerate(self.shards)
         ]
         self._get(refs, self.o.shard_start_timeout, "load")
         self._take_backup()
@@ -247,6 +269,10 @@ class _Host:
                 self.share,
             )
         self.watches = {s.watch.remote(): k for k, s in enumerate(self.shards)}
+        self.bwatches = {b.watch.remote(): k for k, b in enumerate(self.backups)}
+
+    def _backup(self, k: int) -> Any:
+        return self.backups[k] if self.backups else None
 
     def advance(self, until: float, due: Any) -> str:
         """A backup when due, then up to one tick's wait for what ends."""
@@ -255,12 +281,14 @@ class _Host:
             now = self.now()
             if self._retrying(self._take_backup):
                 self.last_backup = now
-        refs = [*self.runs, *self.watches]
+        refs = [*self.runs, *self.watches, *self.bwatches]
         wait = driver.wait_for(until, self.now(), TICK)
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
-        for ref in sorted(done, key=lambda r: r not in self.watches):  # shards first
-            if ref in self.watches:
+        for ref in sorted(done, key=lambda r: (r not in self.watches, r not in self.bwatches)):
+            if ref in self.watches:  # shards first, then backups
                 self._shard_ended(ref)
+            elif ref in self.bwatches:
+                self._backup_ended(ref)
             elif ref in self.runs:
                 self._worker_ended(ref)
         for w, cause in self.liveness.check():
@@ -376,6 +404,10 @@ class _Host:
             # the mean bytes of one pull of every shard (a delta pull's payload, or the slice)
             "pull_bytes": sum(s["pulled"][0] / max(s["pulled"][1], 1) for s in per_shard),
             "pulls": [s["pulled"][1] for s in per_shard],
+            "applied": [s["applied"] for s in per_shard],  # per shard
+            "acked": sum(e["outcomes"].get("applied", 0) for e in self.ended),  # by the workers
+            "backups": self._compare_backups(),
+            "backups_replaced": list(self.replaced),
             "workers": {
                 "started": len(self.started),
                 "peak": self.peak,
@@ -385,9 +417,17 @@ class _Host:
         }
         return self._flat()
 
+    def _compare_backups(self) -> list[str]:
+        """replicas=2: whether each backup's state equals its primary's ("equal"/"differs")."""
+        if not self.backups:
+            return []
+        mine = self._retrying(lambda: self._each("digest"))
+        theirs = self.ray.get([b.digest.remote() for b in self.backups], timeout=self.o.ack_timeout)
+        return ["equal" if a == b else "differs" for a, b in zip(mine, theirs, strict=True)]
+
     def close(self) -> None:
         ray = self.ray
-        for a in (*self.actors, *self.shards, *self.keepers):
+        for a in (*self.actors, *self.shards, *self.backups, *self.keepers):
             if a is not None:
                 ray.kill(a, no_restart=True)
         from ray.util.placement_group import remove_placement_group
@@ -534,8 +574,51 @@ class _Host:
     def _shard_ended(self, ref: Any) -> None:
         """Shard ``watches[ref]`` died: the failure policy, then every shard rolls back."""
         event = self._revive(ref)
-        if event is not None:
+        if event is not None and not self._fail_over(event):
             self._restore([event])
+
+    def _fail_over(self, event: dict) -> bool:
+        """replicas=2: shard ``event["shard"]``'s restarted actor takes its backup's state, the
+        workers keeping their incarnations (False: no backup holds one; roll back)."""
+        ray, k = self.ray, event["shard"]
+        if not self.backups:
+            return False
+        try:
+            got = ray.get(self.backups[k].state.remote(), timeout=self.o.ack_timeout)
+            if got is None:
+                raise RuntimeError("its backup was not caught up")
+            state, handled, entries, seats = got
+            backup = self.backups[k]
+            load = self.shards[k].load.remote(state, handled, {}, [], backup=backup, seats=seats)
+            version = self._get([load], self.o.shard_start_timeout, "restore")[0]
+            if self.stopping:  # a restarted shard has forgotten the stop
+                self._get([self.shards[k].stop.remote()], self.o.ack_timeout, "stop")
+        except (ray.exceptions.RayError, RuntimeError, _ShardDown) as e:
+            log.warning("ray: shard %d has no backup to come back from (%s)", k, e)
+            return False
+        log.warning(
+            "ray: shard %d is back from its backup (version %d, entry %d)", k, version, entries
+        )
+        self.run.failures.shard_restarted(event, version=version, lost=0)
+        event["source"] = "backup"
+        return True
+
+    def _backup_ended(self, ref: Any) -> None:
+        """Shard ``k``'s backup died: once Ray restarted it, its primary (serving alone
+        meanwhile) catches it up."""
+        k = self.bwatches.pop(ref)
+        log.warning("ray: shard %d's backup died; a new one catches up from its primary", k)
+        try:
+            self._ready(self.backups[k], f"shard {k}'s backup")
+        except ShardError as e:  # e.g. its node left: the primary serves alone
+            log.warning("ray: %s; shard %d serves alone", e, k)
+            return
+        attach = lambda: self._get(  # noqa: E731
+            [self.shards[k].attach.remote(self.backups[k])], self.o.ack_timeout, "attach"
+        )
+        self._retrying(attach)
+        self.replaced[k] += 1
+        self.bwatches[self.backups[k].watch.remote()] = k
 
     def _revive(self, ref: Any) -> dict | None:
         """The failure policy for the shard whose watch ``ref`` ended; once Ray restarted
@@ -550,22 +633,26 @@ class _Host:
         now = self.now()
         self.run.failures.shard(k, cause, time=now)  # ShardError unless it is to be restarted
         event = self.run.failures.events[-1]
-        deadline = time.monotonic() + self.o.shard_start_timeout
-        while True:  # Ray restarts the actor; calls fail while it is restarting
+        self._ready(self.shards[k], f"shard {k}")
+        self.watches[self.shards[k].watch.remote()] = k
+        return event
+
+    def _ready(self, actor: Any, who: str) -> None:
+        """Waits until Ray has restarted ``actor`` (ShardError after shard_start_timeout)."""
+        ray, limit = self.ray, self.o.shard_start_timeout
+        deadline = time.monotonic() + limit
+        while True:  # calls fail while it is restarting
             try:
-                ray.get(self.shards[k].ready.remote(), timeout=self.o.shard_start_timeout)
-                break
+                ray.get(actor.ready.remote(), timeout=limit)
+                return
             except ray.exceptions.ActorUnavailableError:
                 if time.monotonic() > deadline:
                     raise ShardError(
-                        f"shard {k} did not come back within {self.o.shard_start_timeout} s "
-                        "(shard_start_timeout)"
+                        f"{who} did not come back within {limit} s (shard_start_timeout)"
                     ) from None
                 time.sleep(TICK)
             except ray.exceptions.RayError as e:
-                raise ShardError(f"shard {k} did not come back ({type(e).__name__}: {e})") from None
-        self.watches[self.shards[k].watch.remote()] = k
-        return event
+                raise ShardError(f"{who} did not come back ({type(e).__name__}: {e})") from None
 
     def _await_down(self, down: _ShardDown) -> list[dict]:
         """After a failed shard call: revives every shard whose watch ended (ShardError if
@@ -589,7 +676,10 @@ class _Host:
             try:
                 return call()
             except _ShardDown as down:
-                self._restore(self._await_down(down))
+                events = self._await_down(down)
+                rest = [e for e in events if not self._fail_over(e)]
+                if rest or not events:
+                    self._restore(rest)
 
     def _restore(self, events: list[dict]) -> int:
         """Rolls every shard back to the newest backup after ``events``; returns the version."""
@@ -604,7 +694,8 @@ class _Host:
                 self.fb[w].clear()  # it keeps its own residual, unknown here until it pushes
             gone = [w for w in range(self.W) if w not in joins]
             refs = [
-                s.load.remote(states[k], handled, joins, gone) for k, s in enumerate(self.shards)
+                s.load.remote(states[k], handled, joins, gone, backup=self._backup(k))
+                for k, s in enumerate(self.shards)
             ]
             try:
                 versions = self._get(refs, self.o.shard_start_timeout, "restore")
