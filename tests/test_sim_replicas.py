@@ -119,19 +119,29 @@ def test_kill_each_process_sampled(consistency, kind):
     assert runs > 10 and retried > 0
 
 
-def test_replicas_option():
+@pytest.fixture
+def plain(monkeypatch):
+    """A runtime registered without replicated shards (every built-in one hosts them)."""
+    from stalewise import runtime
+
+    monkeypatch.setattr(runtime, "_RUNTIMES", dict(runtime._RUNTIMES))
+    runtime.register("plain", "stalewise.runtime.sim:run")
+    return "plain"
+
+
+def test_replicas_option(plain):
     """One check for the value; runtimes that do not host it refuse it in one line."""
     with pytest.raises(ValueError, match="replicas must be 1 or 2, got 3"):
         make_job("asp", "grad").__class__({"w": np.zeros(2, np.float32)}, replicas=3,
                                           optimizer=sw.optim.sgd(0.1))  # fmt: skip
     job = make_job("asp", "grad")
-    with pytest.raises(ValueError, match="replicas=2: runtime 'ray' does not host replicated"):
-        job.train(loss_and_grad, data=data, workers=2, steps=2, runtime="ray")
+    with pytest.raises(ValueError, match="replicas=2: runtime 'plain' does not host replicated"):
+        job.train(loss_and_grad, data=data, workers=2, steps=2, runtime="plain")
     result = job.train(loss_and_grad, data=data, workers=2, steps=8, runtime="sim")
     assert result.pushes == 8 and result.stats["applied"] == 8
 
 
-def test_replicas_in_a_config():
+def test_replicas_in_a_config(plain):
     """``[server] replicas``: checked by Job, refused by a runtime without replicas."""
     import tomllib
 
@@ -140,8 +150,8 @@ def test_replicas_in_a_config():
     head = '[task]\nname = "least-squares"\n[optimizer]\nname = "sgd"\nlr = 0.1\n'
     raw = tomllib.loads(head + "[server]\nshards = 2\nreplicas = 2\n")
     assert config.parse(raw, runtime="sim").job.config.replicas == 2
-    with pytest.raises(config.ConfigError, match=r"server\.replicas.*runtime 'ray' does not"):
-        config.parse(raw, runtime="ray")
+    with pytest.raises(config.ConfigError, match=r"server\.replicas.*runtime 'plain' does not"):
+        config.parse(raw, runtime="plain")
     raw["server"]["replicas"] = 3
     with pytest.raises(config.ConfigError, match=r"server\.replicas.*must be 1 or 2, got 3"):
         config.parse(raw, runtime="sim")
