@@ -171,7 +171,7 @@ class LocalServer:
             # share of the cores each (torch's default, one thread per core each, ran
             # gradient pushes 5.8x slower with 2 workers on 2 cores); variables you set win
             self._threads = contextlib.ExitStack()
-            self._threads.enter_context(thread_budget((os.cpu_count() or 1) // workers))
+            self._threads.enter_context(thread_budget((os.cpu_count() or 1) // workers, hold=False))
             if name is not None:
                 self._door = Door(self, name)
         except BaseException:
