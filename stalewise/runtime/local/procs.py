@@ -30,17 +30,15 @@ def thread_budget(threads: int, hold: bool = True) -> Iterator[None]:
         print(f"stalewise: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
         raise SystemExit(NO_MAIN_GUARD)
     with _environ:
-        saved = {k: os.environ.get(k) for k in THREAD_VARS}
-        for k in THREAD_VARS:
-            os.environ.setdefault(k, str(max(1, threads)))
+        unset = [k for k in THREAD_VARS if k not in os.environ]
+        os.environ.update(dict.fromkeys(unset, str(max(1, threads))))
     try:
         with _environ if hold else contextlib.nullcontext():
             yield
     finally:
         with _environ:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
+            for k in unset:
+                os.environ.pop(k, None)
 
 
 _environ = threading.RLock()  # thread_budget's changes to os.environ (a spawn copies it)

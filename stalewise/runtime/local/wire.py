@@ -32,15 +32,12 @@ Example:
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import pickle
 import select
 import struct
 from typing import Any
-
-import numpy as np
 
 from stalewise.protocol.messages import Ack
 from stalewise.protocol.replica import CatchUp, Forward, Held
@@ -59,10 +56,10 @@ _JOIN, _STATS, _STATE, _LOAD, _STOP, _CUT, _THAW, _BACKUP = range(0x21, 0x29)
 _READY, _JOINED, _STATS_REPLY, _STATE_REPLY, _LOADED, _STOPPED, _CUT_REPLY = range(0x31, 0x38)
 # worker -> parent (the result pipe), and parent -> worker
 _W_READY, _BEAT, _DONE, _DIVERGED, _FAILED, _GO = 0x41, 0x42, 0x43, 0x44, 0x45, 0x46
-# primary <-> backup; kind, view, entries (first), the log's bytes before them, len(its path)
+# primary <-> backup; kind, view, entries (first), the log's bytes before them; then frames
 _FORWARD, _CATCH_UP, _HELD = 0x51, 0x52, 0x53
-_LINK_HEAD = struct.Struct("<BqqqH")
-_LEN = struct.Struct("<Q")
+_LINK_HEAD = struct.Struct("<Bqqq")
+GIB = 1 << 30
 
 _KIND = struct.Struct("<B")
 _INT = struct.Struct("<Bq")  # kind, one int64
@@ -73,7 +70,7 @@ _ACK_HEAD = struct.Struct("<BqqBqqH")
 _OK, _DUPLICATE, _HAS_TAU, _HAS_REASON, _HAS_KIND = 1, 2, 4, 8, 16
 _LOADED_HEAD = struct.Struct("<BqB")  # kind, version, has error; then the error's text
 _FRAME = struct.Struct("!i")  # multiprocessing's length header
-_BEAT_REC = struct.Struct("<Bqd")  # kind, worker, the worker's time.monotonic()
+_BEAT_REC = struct.Struct("<Bqd")  # kind, worker (a backup's pid), time.monotonic() (timeout)
 _FAILED_HEAD = struct.Struct("<BqI")  # kind, worker, bytes of the traceback; then it, the summary
 
 MAX_TRACEBACK = 1 << 15  # bytes of UTF-8 kept of a worker's traceback (its end, the newest frames)
@@ -397,10 +394,10 @@ def cut(n: int, targets: dict | None, log: str = "", fsync: bool = False) -> byt
     return _KIND.pack(_CUT) + _pickle((n, targets, log, fsync))
 
 
-def backup(pid: int) -> bytes:
-    """The shard's link to a new backup, process ``pid`` (the fd follows): it catches it up
-    and forwards to it."""
-    return _INT.pack(_BACKUP, pid)
+def backup(pid: int, timeout: float) -> bytes:
+    """A new backup, process ``pid``, whose link follows (its fd); ``timeout``: the bound on
+    each wait for it."""
+    return _BEAT_REC.pack(_BACKUP, pid, timeout)
 
 
 def thaw() -> bytes:
@@ -411,12 +408,12 @@ def thaw() -> bytes:
 def decode_control(body: bytes) -> tuple:
     """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
     ``("stats",)``, ``("state",)``, ``("load", state, log, keep)``, ``("cut", n, targets,
-    log, fsync)`` (unpickled), ``("thaw",)``, ``("backup", pid)`` or ``("stop",)``."""
+    log, fsync)`` (unpickled), ``("thaw",)``, ``("backup", pid, timeout)`` or ``("stop",)``."""
     kind = _kind_of(body)
     if kind == _JOIN and len(body) == _TWO.size:
         return ("join", *_TWO.unpack(body)[1:])
-    if kind == _BACKUP and len(body) == _INT.size:
-        return ("backup", _INT.unpack(body)[1])
+    if kind == _BACKUP and len(body) == _BEAT_REC.size:
+        return ("backup", *_BEAT_REC.unpack(body)[1:])
     if kind == _LOAD:
         return ("load", *pickle.loads(body[_KIND.size :]))
     if kind == _CUT:
@@ -427,58 +424,54 @@ def decode_control(body: bytes) -> tuple:
     raise WireError(f"a control message of unknown kind or size: 0x{kind:02x}, {len(body)} bytes")
 
 
-# -- primary <-> backup (replicated shards) -----------------------------------------------
-
-
 def link(msg: Forward | CatchUp | Held, path: str = "", at: int = 0) -> bytes:
     """A message between a primary and its backup: a :class:`Forward` whose first entry (a
     :class:`CatchUp` whose state) is at byte ``at`` of push log ``path``, or a :class:`Held`."""
     kind = {Forward: _FORWARD, CatchUp: _CATCH_UP, Held: _HELD}[type(msg)]
-    blobs = () if kind == _HELD else msg.entries if kind == _FORWARD else [encode_state(msg.state)]
-    head = _LINK_HEAD.pack(kind, msg.view, msg[1], at, len(p := path.encode()))
-    return b"".join([head, p, *(x for b in blobs for x in (_LEN.pack(len(b)), b))])
+    state = encode_state(msg.state) if kind == _CATCH_UP else b""  # in frames under 2 GiB
+    blobs = (
+        msg.entries if kind == _FORWARD else [state[i : i + GIB] for i in range(0, len(state), GIB)]
+    )
+    head = _LINK_HEAD.pack(kind, msg.view, msg[1], at)
+    return b"".join([head, *map(frame, [path.encode(), *blobs])])
 
 
 def decode_link(body: bytes) -> tuple:
     """``(message, path, at)`` of :func:`link`; a torn or unknown one is a WireError."""
     if len(body) < _LINK_HEAD.size or body[0] not in (_FORWARD, _CATCH_UP, _HELD):
         raise WireError(f"not a message between a shard's copies ({len(body)} bytes)")
-    kind, view, n, at, size = _LINK_HEAD.unpack_from(body)
-    i, blobs = _LINK_HEAD.size + size, []
-    path = body[_LINK_HEAD.size : i].decode("utf-8", "replace")
-    while i < len(body):
-        (m,) = _LEN.unpack_from(body, i) if i + _LEN.size <= len(body) else (len(body),)
-        blobs.append(body[i + _LEN.size : (i := i + _LEN.size + m)])
-    if i != len(body):
+    kind, view, n, at = _LINK_HEAD.unpack_from(body)
+    frames = FrameReader(len(body))
+    path, *blobs = frames.feed(body[_LINK_HEAD.size :]) or [b""]
+    if frames.pending or frames.error:
         raise _wrong_size(kind, body)
-    if kind == _HELD:
-        return Held(view, n), path, at
+    msg = Forward(view, n, tuple(blobs)) if kind == _FORWARD else Held(view, n)
     if kind == _CATCH_UP:
-        return CatchUp(view, n, decode_state(b"".join(blobs))), path, at
-    return Forward(view, n, tuple(blobs)), path, at
+        msg = CatchUp(view, n, decode_state(b"".join(blobs)))
+    return msg, path.decode("utf-8", "replace"), at
 
 
 def encode_state(state: dict) -> bytes:
-    """A shard's ``state_dict()`` as data: its JSON values, then its arrays (``np.save``)."""
-    from stalewise.checkpoint.store import flat_state
+    """A shard's ``state_dict()`` as data: safetensors of its arrays, its values as JSON."""
+    from safetensors.numpy import save
+
+    from stalewise.checkpoint.store import _contiguous, flat_state
 
     arrays, values = flat_state(state, "state")
-    f = io.BytesIO(frame(json.dumps({"values": values, "arrays": list(arrays)}).encode()))
-    f.seek(0, io.SEEK_END)
-    for a in arrays.values():
-        np.save(f, a, allow_pickle=False)
-    return f.getvalue()
+    return save({k: _contiguous(a) for k, a in arrays.items()}, {"values": json.dumps(values)})
 
 
 def decode_state(body: bytes) -> dict:
-    """:func:`encode_state`'s state (no pickle: an object array is refused)."""
+    """:func:`encode_state`'s state (a WireError if it does not decode)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
     from stalewise.checkpoint.store import _nested
 
-    f = io.BytesIO(body)
     try:
-        head = json.loads(f.read(_FRAME.unpack(f.read(_FRAME.size))[0]))
-        return _nested(head["values"] | {k: np.load(f, allow_pickle=False) for k in head["arrays"]})
-    except (ValueError, TypeError, KeyError, struct.error, EOFError) as e:
+        head = json.loads(body[8 : 8 + int.from_bytes(body[:8], "little")])["__metadata__"]
+        return _nested({k: a.copy() for k, a in load(body).items()} | json.loads(head["values"]))
+    except (ValueError, TypeError, KeyError, SafetensorError) as e:
         raise WireError(f"a state that does not decode: {e}") from None
 
 
