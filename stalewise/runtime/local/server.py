@@ -1,16 +1,12 @@
-"""The local runtime's server: shards as OS processes on one machine.
+"""The local runtime's server: shards (and their backups) as OS processes on one machine.
 
-Bytes move through one shared-memory block (:mod:`stalewise.runtime.local.layout`);
-small control messages (:mod:`stalewise.runtime.local.wire`) go through pipes, one pair
-per incarnation of a worker, handed to the shard processes by file-descriptor
-passing so a shard knows who sent a message from its pipe. :class:`LocalServer`
-starts and stops the shard processes (:mod:`stalewise.runtime.local.shard_proc`),
-restarts one that died, holds the workers' error-feedback residuals for
-checkpoints, and watches the shards: one that exits early is written into the
-shared control words, and every client's next call raises
-:class:`~stalewise.runtime.errors.ShardError` naming it. The worker's side is
-:class:`stalewise.runtime.local.client.Client`. How pulls, pushes and commits move
-is in ``docs/design-notes.md`` ("Local runtime")."""
+:class:`LocalServer` starts and stops the shard processes (:mod:`~.shard_proc`), restarts
+one that died, holds the workers' error-feedback residuals for checkpoints, and watches the
+shards: one that exits early is written into the shared control words, and every client's
+next call raises :class:`~stalewise.runtime.errors.ShardError` naming it. Bytes move through
+shared memory (:mod:`~.layout`), control messages through one pipe pair per incarnation of
+a worker (:mod:`~.wire`); the worker's side is :class:`~.client.Client`. How:
+``docs/design-notes.md`` ("Local runtime")."""
 
 from __future__ import annotations
 
@@ -197,8 +193,7 @@ class LocalServer:
         return p
 
     def _link_backup(self, k: int, primary: Any, started: tuple | None = None) -> None:
-        """Once backup ``started`` (else a new one) is ready, hands its link to shard ``k``'s
-        process ``primary`` (which catches it up); stops it if that process is gone meanwhile."""
+        """Hands backup ``started`` (else a new one), once ready, to shard ``k``'s ``primary``."""
         if self._closing.is_set():
             return
         p, control, link = started or self._start_backup(k)
@@ -617,13 +612,10 @@ class LocalServer:
     def restart_shard(
         self, k: int, base: dict | None = None, timeout: float = 60.0, keep: tuple = ()
     ) -> dict:
-        """Starts a new process for shard ``k``, whose process has died, and restores its state.
-
-        With a live backup its state is the backup's (its log chain goes on, cut there); else
-        with push logs (a cut named a folder) it is exactly as when it died (the last such
-        cut's, its log chain replayed), and it goes on with the chain. Either way workers
-        ``keep`` keep their seats (then :meth:`rejoin`). Else its slice is the last published
-        snapshot, its optimizer state and counters ``base``'s (shard ``k``'s
+        """Starts a new process for shard ``k``, whose process has died, and restores its state:
+        its live backup's, else with push logs exactly as when it died (its log chain goes
+        on; workers ``keep`` keep their seats, then :meth:`rejoin`), else its slice the last
+        published snapshot, its optimizer state and counters ``base``'s (shard ``k``'s
         :meth:`state_dict`) or fresh, its version the live shards'. Every other worker must
         rejoin as a new incarnation (its committed push is delivered where lacking).
 
@@ -683,9 +675,7 @@ class LocalServer:
         if reply[2] is not None:
             raise ShardError(f"shard {k} refused its recovered state: {reply[2]}")
         if self.replicated:
-            threading.Thread(
-                target=self._link_backup, args=(k, self._procs[k]), daemon=True
-            ).start()
+            threading.Thread(target=self._link_backup, args=(k, proc), daemon=True).start()
         return {"shard": k, "version": int(reply[1]), "lost": lost, "source": source}
 
     @property

@@ -1,17 +1,8 @@
-"""The body of a local shard process: one :class:`~stalewise.protocol.Shard` behind pipes.
-
-The shard reads pushes from the workers' push buffers in shared memory once their
-record is committed (:mod:`stalewise.runtime.local.layout`), publishes snapshots for
-pulls, and answers the parent's control messages
-(:class:`~stalewise.runtime.local.server.LocalServer`). One turn of its loop
-(:meth:`ShardProcess.turn`, then :meth:`ShardProcess.settle`) handles every message
-that has arrived, acks the turn's pushes, publishes (see
-:meth:`ShardProcess.publish_due`) and serves the pulls asked for. A worker's pipe is
-read without blocking (:class:`WorkerPipe`): a malformed, oversized or (after
-``PARTIAL_TIMEOUT`` seconds) incomplete message, or a worker that stops reading its
-replies, gets that worker disconnected with a warning, as if it had died. The
-control pipe from the parent is read blocking. Why: ``docs/design-notes.md``
-("Local runtime")."""
+"""The body of a local shard process: one :class:`~stalewise.protocol.Shard` behind pipes
+(and of its backup's, :func:`backup_main`). One turn of its loop (:meth:`ShardProcess.turn`,
+then :meth:`ShardProcess.settle`) handles every message that has arrived, acks the turn's
+pushes, publishes and serves the pulls asked for. A worker's bad message disconnects it
+(:class:`WorkerPipe`). Why: ``docs/design-notes.md`` ("Local runtime")."""
 
 from __future__ import annotations
 
@@ -134,8 +125,7 @@ class ShardProcess:
         self.log, self.log_path, self.log_fsync = None, "", False  # the push log (begin_log)
         self.served = 0  # pulls served into a worker's pull buffer
         self.log_at, self.unsynced = 0, False  # the log's bytes; entries not yet synced
-        # replicas=2: replies wait until the backup on `link` holds their entries (sync)
-        self.primary, self.link, self.backup_timeout = None, None, 0.0  # (on_control "backup")
+        self.primary, self.link, self.backup_timeout = None, None, 0.0  # replicas=2 (sync)
         if config.replicas == 2:
             self.primary = Primary(self.shard)
             self.record, self.shard.journal = self.shard.journal, self.journal
@@ -258,8 +248,7 @@ class ShardProcess:
                         os.fdatasync(self.log.fileno())
                 except OSError as e:
                     self.end_log(e)
-            fwd = primary.forward() if primary is not None else None
-            if fwd is not None and primary.backed:
+            if primary is not None and (fwd := primary.forward()) and primary.backed:
                 at = self.log_at - sum(map(len, fwd.entries))
                 try:
                     self.link.send_bytes(wire.link(fwd, self.log_path * bool(self.log), at))
@@ -274,8 +263,7 @@ class ShardProcess:
             self.snapshots.changed(self.k, self.shard.version)
 
     def lose_backup(self, why: Exception | str) -> None:
-        """The backup died (or hung: it is killed, so that its state is never taken for this
-        shard's): this shard serves alone until the parent links a new one."""
+        """The backup died, or hung (then it is killed: its state is never taken): serve alone."""
         if self.primary.backed:
             log.warning("shard %d: its backup is gone (%s); serving alone", self.k, why or "EOF")
         if isinstance(why, TimeoutError | BlockingIOError):

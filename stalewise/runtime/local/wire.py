@@ -7,12 +7,13 @@ or, only on the control pipe from the parent that started a shard, a pickle::
 
     worker -> shard    push(seq), pull, leave                  fixed, <= MAX_WORKER_MESSAGE bytes
     shard  -> worker   ack, pulled(version), error(text)       at most MAX_REPLY bytes
-    parent -> shard    join(worker, incarnation), pull, stats, state, stop, thaw, pickled: load, cut
+    parent -> shard    join(worker, incarnation), pull, stats, state, stop, thaw, pickled: load,
+                       cut, backup(pid, timeout) and a new backup's link (its fd)
     shard  -> parent   ready(k), joined(clock), pulled, loaded, pickled: stats, state, stopped, cut
     worker -> parent   worker_ready, beat(time), done, diverged(text),   at most MAX_RESULT bytes
                        failed(traceback, summary)
     parent -> worker   go, rejoin(k) and a restarted shard's new pipe (its fd)
-    primary <-> backup forward, catch up (data only: JSON and np.save arrays), held
+    primary <-> backup forward, catch up (data only: safetensors and JSON), held
 
 Nothing a worker writes is unpickled: :func:`decode_from_worker` and
 :func:`decode_result` know their fixed records and nothing else, and any other
@@ -70,7 +71,7 @@ _ACK_HEAD = struct.Struct("<BqqBqqH")
 _OK, _DUPLICATE, _HAS_TAU, _HAS_REASON, _HAS_KIND = 1, 2, 4, 8, 16
 _LOADED_HEAD = struct.Struct("<BqB")  # kind, version, has error; then the error's text
 _FRAME = struct.Struct("!i")  # multiprocessing's length header
-_BEAT_REC = struct.Struct("<Bqd")  # kind, worker (a backup's pid), time.monotonic() (timeout)
+_BEAT_REC = struct.Struct("<Bqd")  # kind, worker, the worker's time.monotonic()
 _FAILED_HEAD = struct.Struct("<BqI")  # kind, worker, bytes of the traceback; then it, the summary
 
 MAX_TRACEBACK = 1 << 15  # bytes of UTF-8 kept of a worker's traceback (its end, the newest frames)
@@ -395,9 +396,8 @@ def cut(n: int, targets: dict | None, log: str = "", fsync: bool = False) -> byt
 
 
 def backup(pid: int, timeout: float) -> bytes:
-    """A new backup, process ``pid``, whose link follows (its fd); ``timeout``: the bound on
-    each wait for it."""
-    return _BEAT_REC.pack(_BACKUP, pid, timeout)
+    """A new backup, process ``pid`` (its link's fd follows); ``timeout``: each wait for it."""
+    return _KIND.pack(_BACKUP) + _pickle((pid, timeout))
 
 
 def thaw() -> bytes:
@@ -408,16 +408,13 @@ def thaw() -> bytes:
 def decode_control(body: bytes) -> tuple:
     """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
     ``("stats",)``, ``("state",)``, ``("load", state, log, keep)``, ``("cut", n, targets,
-    log, fsync)`` (unpickled), ``("thaw",)``, ``("backup", pid, timeout)`` or ``("stop",)``."""
+    log, fsync)``, ``("backup", pid, timeout)`` (unpickled), ``("thaw",)`` or ``("stop",)``."""
     kind = _kind_of(body)
     if kind == _JOIN and len(body) == _TWO.size:
         return ("join", *_TWO.unpack(body)[1:])
-    if kind == _BACKUP and len(body) == _BEAT_REC.size:
-        return ("backup", *_BEAT_REC.unpack(body)[1:])
-    if kind == _LOAD:
-        return ("load", *pickle.loads(body[_KIND.size :]))
-    if kind == _CUT:
-        return ("cut", *pickle.loads(body[_KIND.size :]))
+    pickled = {_LOAD: "load", _CUT: "cut", _BACKUP: "backup"}
+    if kind in pickled:
+        return (pickled[kind], *pickle.loads(body[_KIND.size :]))
     simple = {_PULL: "pull", _STATS: "stats", _STATE: "state", _STOP: "stop", _THAW: "thaw"}
     if kind in simple and len(body) == _KIND.size:
         return (simple[kind],)
