@@ -40,6 +40,7 @@ import select
 import struct
 from typing import Any
 
+from stalewise.checkpoint.store import _contiguous, _nested, flat_state
 from stalewise.protocol.messages import Ack
 from stalewise.protocol.replica import CatchUp, Forward, Held
 
@@ -452,8 +453,6 @@ def encode_state(state: dict) -> bytes:
     """A shard's ``state_dict()`` as data: safetensors of its arrays, its values as JSON."""
     from safetensors.numpy import save
 
-    from stalewise.checkpoint.store import _contiguous, flat_state
-
     arrays, values = flat_state(state, "state")
     return save({k: _contiguous(a) for k, a in arrays.items()}, {"values": json.dumps(values)})
 
@@ -462,8 +461,6 @@ def decode_state(body: bytes) -> dict:
     """:func:`encode_state`'s state (a WireError if it does not decode)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load
-
-    from stalewise.checkpoint.store import _nested
 
     try:
         head = json.loads(body[8 : 8 + int.from_bytes(body[:8], "little")])["__metadata__"]
