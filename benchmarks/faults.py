@@ -29,9 +29,10 @@ undisturbed, then once per fault, with the same budget of pushes:
                     running worker handed its pipe to it, or the last restarted
                     worker back in the run).
   (f2) replica-kills ``--replica-kills N``: (f) with ``replicas=2``, each kill a random
-                    primary or backup (about half each); ``pause_*_s``: from the kill to
-                    the record (every 0.05 s) at which the job has made more than WORKERS more
-                    pushes (one in flight per worker: so some push was acknowledged).
+                    primary (its pause: ``shard_s``, ``recover_s``) or backup (about half
+                    each); ``pause_backup_s``: from a backup's kill to the record (every
+                    0.05 s) at which the job has made more than WORKERS more pushes (one in
+                    flight per worker: so some push was acknowledged).
   (g) launcher-kills ``--launcher-kills N`` runs only this case: the one-hot job of
                     ``tests/test_one_cut.py`` (``stalewise run``, 2 ranks, rank r's i-th
                     push adds 1 to item (r, i), a checkpoint every 50 pushes), its
@@ -189,8 +190,8 @@ class Faults:
         self.next = every if case == "worker-kills" else 0.4 * expected
         # shard-kills: the next kill once the run has made this many pushes
         self.after = self.rng.randint(20, 120) if case.endswith("-kills") else 0
-        self.pauses: dict = {"shard": [], "backup": []}  # replica-kills: seconds, by kind
-        self.waiting: list = []  # (kind, time, pushes) of kills whose pause is not over
+        self.pauses: list = []  # replica-kills: seconds after each backup's kill
+        self.waiting: list = []  # (time, pushes) of backup kills whose pause is not over
 
     def _children(self, kind: str) -> list:
         return sorted(
@@ -200,8 +201,8 @@ class Faults:
 
     def __call__(self, rec: dict) -> None:
         now = rec["time"]
-        for w in [w for w in self.waiting if rec["pushes"] > w[2] + WORKERS]:  # an ack came
-            self.pauses[w[0]].append(now - w[1])
+        for w in [w for w in self.waiting if rec["pushes"] > w[1] + WORKERS]:  # an ack came
+            self.pauses.append(now - w[0])
             self.waiting.remove(w)
         if self.stopped is not None and now >= self.at[-1] + self.stop_for:
             with contextlib.suppress(ProcessLookupError):  # unless the runtime killed it
@@ -219,7 +220,8 @@ class Faults:
         elif self.case.endswith("-kills"):  # this record comes after the last recovery
             kind = self.rng.choice(("shard", "backup")) if self.case[0] == "r" else "shard"
             os.kill(self.rng.choice(self._children(kind)).pid, signal.SIGKILL)
-            self.waiting.append((kind, now, rec["pushes"]))
+            if kind == "backup":  # a primary's pause: shard_s, recover_s
+                self.waiting.append((now, rec["pushes"]))
             self.kills -= 1
             self.after = rec["pushes"] + self.rng.randint(20, 120)  # the workers are back
             self.next = now if self.kills else None
@@ -311,8 +313,7 @@ def run(
     )
     if case.endswith("-kills"):
         row |= _logged(job, r, checkpoints.dir, len(faults.at), killed)
-        for kind, xs in faults.pauses.items():
-            row[f"pause_{kind}_s"] = xs
+        row["pause_backup_s"] = faults.pauses
         shutil.rmtree(checkpoints.dir, ignore_errors=True)
     return row | {
         # the run's own end reason: under BSP its budget is whole rounds, so a run whose
@@ -551,9 +552,8 @@ def _shard_kills_total(rows: list[dict], steps: int, quick: bool, out) -> bool:
         "recover_s_max": max(recover, default=math.nan),
         "load": os.getloadavg(),
     }
-    for kind in ("shard", "backup"):
-        xs = [x for r in rows for x in r.get(f"pause_{kind}_s", [])]
-        total |= {f"pause_{kind}_s_mean": mean(xs), f"pause_{kind}_n": len(xs)}
+    xs = [x for r in rows for x in r.get("pause_backup_s", [])]
+    total |= {"pause_backup_s_mean": mean(xs), "pause_backup_n": len(xs)}
     print(f"digits MLP, {WORKERS} workers, {SHARDS} shards, {steps} pushes per run:", total)
     ok = total["completed"] == len(rows) == total["replay_eq"] and not (
         total["acked_lost"] or total["applied_twice"] or total["torn"]

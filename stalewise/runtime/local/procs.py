@@ -20,23 +20,28 @@ from stalewise.runtime.base import THREAD_VARS
 
 
 @contextlib.contextmanager
-def thread_budget(threads: int) -> Iterator[None]:
+def thread_budget(threads: int, hold: bool = True) -> Iterator[None]:
     """Caps the math-library threads of processes spawned inside the block (variables the
-    user set are respected; the environment is restored afterwards)."""
+    user set are respected; the environment is restored afterwards). ``hold``: no other
+    thread changes the environment meanwhile (its spawns see this block's)."""
     # every process the local runtime starts is started in this block: a spawned process
     # still importing the user's main module is a script without the __main__ guard
     if getattr(mp.current_process(), "_inheriting", False):
         print(f"stalewise: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
         raise SystemExit(NO_MAIN_GUARD)
-    saved = {k: os.environ.get(k) for k in THREAD_VARS}
-    for k in THREAD_VARS:
-        os.environ.setdefault(k, str(max(1, threads)))
+    with _environ:
+        unset = [k for k in THREAD_VARS if k not in os.environ]
+        os.environ.update(dict.fromkeys(unset, str(max(1, threads))))
     try:
-        yield
+        with _environ if hold else contextlib.nullcontext():
+            yield
     finally:
-        for k, v in saved.items():
-            if v is None:
+        with _environ:
+            for k in unset:
                 os.environ.pop(k, None)
+
+
+_environ = threading.RLock()  # thread_budget's changes to os.environ (a spawn copies it)
 
 
 def cap_threads_here(workers: int) -> None:

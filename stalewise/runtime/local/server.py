@@ -1,16 +1,12 @@
-"""The local runtime's server: shards as OS processes on one machine.
+"""The local runtime's server: shards (and their backups) as OS processes on one machine.
 
-Bytes move through one shared-memory block (:mod:`stalewise.runtime.local.layout`);
-small control messages (:mod:`stalewise.runtime.local.wire`) go through pipes, one pair
-per incarnation of a worker, handed to the shard processes by file-descriptor
-passing so a shard knows who sent a message from its pipe. :class:`LocalServer`
-starts and stops the shard processes (:mod:`stalewise.runtime.local.shard_proc`),
-restarts one that died, holds the workers' error-feedback residuals for
-checkpoints, and watches the shards: one that exits early is written into the
-shared control words, and every client's next call raises
-:class:`~stalewise.runtime.errors.ShardError` naming it. The worker's side is
-:class:`stalewise.runtime.local.client.Client`. How pulls, pushes and commits move
-is in ``docs/design-notes.md`` ("Local runtime")."""
+:class:`LocalServer` starts and stops the shard processes (:mod:`~.shard_proc`), restarts
+one that died, holds the workers' error-feedback residuals for checkpoints, and watches the
+shards: one that exits early is written into the shared control words, and every client's
+next call raises :class:`~stalewise.runtime.errors.ShardError` naming it. Bytes move through
+shared memory (:mod:`~.layout`), control messages through one pipe pair per incarnation of
+a worker (:mod:`~.wire`); the worker's side is :class:`~.client.Client`. How:
+``docs/design-notes.md`` ("Local runtime")."""
 
 from __future__ import annotations
 
@@ -72,13 +68,6 @@ def _shard_entry(config: ServerConfig, k: int, handle: str, *args: Any) -> None:
     shard_main(config, k, handle, *args)
 
 
-def _backup_entry(*args: Any) -> None:
-    """A shard's backup process: dies with its parent, then follows its primary (a cleanup
-    that does nothing: started from a thread that ends, it must not take the thread's death)."""
-    die_with_parent(cleanup=lambda: None)
-    backup_main(*args)
-
-
 def _locked(method: Any) -> Any:
     """Runs ``method`` holding the server's lock (the observer's pipes, the worker table)."""
 
@@ -133,8 +122,8 @@ class LocalServer:
         self._worker_ends: list[list] = [[] for _ in range(workers)]  # until release(w)
         self._snapshots: Snapshots | None = None  # the parent's view, for published_version
         self.join_timeout, self.backup_timeout = join_timeout, backup_timeout
-        # replicas=2: each shard's backup (process, control) while linked, else None
-        self._backups: list = [None] * config.shards
+        self.replicated = config.replicas == 2  # each shard has a backup process
+        self._backups: list = [None] * config.shards  # (process, control) while linked
         self._spawning: set = set()  # backup processes not linked yet (close stops them)
         # the observer's pipes and the worker table serve one caller at a time: the door's
         # thread (attach by name) makes clients and keeps its leases under this lock too
@@ -164,14 +153,14 @@ class LocalServer:
             for k in range(config.shards):
                 self._wait_ready(k)
             for k, started in enumerate(backups):
-                self._link_backup(k, self._procs[k], *started)
+                self._link_backup(k, self._procs[k], started)
             self.observer = self._observer()
             self._watcher.start()
             # the worker processes a loop you own starts while the server runs inherit a
             # share of the cores each (torch's default, one thread per core each, ran
             # gradient pushes 5.8x slower with 2 workers on 2 cores); variables you set win
             self._threads = contextlib.ExitStack()
-            self._threads.enter_context(thread_budget((os.cpu_count() or 1) // workers))
+            self._threads.enter_context(thread_budget((os.cpu_count() or 1) // workers, hold=False))
             if name is not None:
                 self._door = Door(self, name)
         except BaseException:
@@ -180,65 +169,51 @@ class LocalServer:
 
     def _start_shard(self, k: int) -> tuple[Any, Any]:
         self._tags.setdefault(k, uuid.uuid4().hex[:8])  # its push logs' chain
-        mine, theirs = self._ctx.Pipe()
-        args = (self.config, k, self._block.handle, self.layout, theirs, self.join_timeout,
-                self.backup_timeout)  # fmt: skip
-        p = self._ctx.Process(
-            target=_shard_entry, args=args, name=f"stalewise-shard-{k}", daemon=True
-        )
-        with thread_budget(1), stalewise_main(self._needs_main):
-            p.start()
-        theirs.close()
-        return p, mine  # control messages are binary records (runtime.local.wire)
-
-    @property
-    def replicated(self) -> bool:
-        """Whether each shard has a backup process (replicas=2)."""
-        return self.config.replicas == 2
+        mine, theirs = self._ctx.Pipe()  # control messages are binary records (runtime.local.wire)
+        args = (self.config, k, self._block.handle, self.layout, theirs, self.join_timeout)
+        return self._spawn(_shard_entry, f"stalewise-shard-{k}", *args), mine
 
     def _start_backup(self, k: int) -> tuple:
-        """Starts a backup process for shard ``k``: ``(process, its control, the link's end
-        for the primary)``."""
-        link, theirs = self._ctx.Pipe()
-        control, their_control = self._ctx.Pipe()
-        args = (self.config, k, self.layout, theirs, their_control)
-        p = self._ctx.Process(target=_backup_entry, args=args, name=f"stalewise-backup-{k}",
-                              daemon=True)  # fmt: skip
+        """Starts shard ``k``'s backup: ``(process, its control, the primary's end of its link)``."""
+        (link, theirs), (control, their_control) = self._ctx.Pipe(), self._ctx.Pipe()
+        p = self._spawn(backup_main, f"stalewise-backup-{k}", self.config, k, self.layout,
+                        theirs, their_control)  # fmt: skip
         with self._procs_lock:
             self._spawning.add(p)
-        with thread_budget(1), stalewise_main(self._needs_main):
-            p.start()
-        theirs.close()
-        their_control.close()
         return p, control, link
 
-    def _link_backup(self, k: int, primary: Any, p: Any, control: Any, link: Any) -> None:
-        """Once backup ``p`` is ready, hands its link to shard ``k``'s process ``primary``
-        (which catches it up); stops it instead if that process is gone meanwhile."""
+    def _spawn(self, target: Any, name: str, *args: Any) -> Any:
+        """Starts process ``name`` running ``target(*args)``; closes the pipe ends in ``args``."""
+        p = self._ctx.Process(target=target, args=args, name=name, daemon=True)
+        with thread_budget(1), stalewise_main(self._needs_main):
+            p.start()
+        for end in args:
+            if isinstance(end, connection.Connection):
+                end.close()
+        return p
+
+    def _link_backup(self, k: int, primary: Any, started: tuple | None = None) -> None:
+        """Hands backup ``started`` (else a new one), once ready, to shard ``k``'s ``primary``."""
+        if self._closing.is_set():
+            return
+        p, control, link = started or self._start_backup(k)
         try:
             reply = recv_reply(control, self.start_timeout, f"start of shard {k}'s backup")
             with self._lock, self._procs_lock:
                 if self._closing.is_set() or self._procs[k] is not primary or reply[0] != "ready":
                     raise ShardError(f"shard {k}'s backup was not needed or did not start")
-                self._controls[k].send_bytes(wire.backup(p.pid))
+                self._controls[k].send_bytes(wire.backup(p.pid, self.backup_timeout))
                 reduction.send_handle(self._controls[k], link.fileno(), primary.pid)
                 self._backups[k] = (p, control)
-                self._spawning.discard(p)
         except (ShardError, ServerClosed, TimeoutError, OSError) as e:
             (log.debug if self._closing.is_set() else log.warning)("shard %d: no backup: %s", k, e)
             p.kill()
             p.join()
             control.close()
-            with self._procs_lock:
-                self._spawning.discard(p)
         finally:
             link.close()  # the primary holds its own copy: its EOF is the backup's death
-
-    def _renew_backup(self, k: int) -> None:
-        """Starts and links a new backup for shard ``k`` (a thread's body)."""
-        primary = self._procs[k]
-        if not self._closing.is_set():
-            self._link_backup(k, primary, *self._start_backup(k))
+            with self._procs_lock:
+                self._spawning.discard(p)
 
     def _wait_ready(self, k: int) -> None:
         try:
@@ -284,7 +259,7 @@ class LocalServer:
         b[1].close()
         log.warning("shard %d's backup ended (%s); starting a new one", k,
                     describe_exit(b[0].exitcode))  # fmt: skip
-        threading.Thread(target=self._renew_backup, args=(k,), daemon=True).start()
+        threading.Thread(target=self._link_backup, args=(k, self._procs[k]), daemon=True).start()
 
     def _observer(self) -> Client:
         handle = self._block.handle
@@ -637,13 +612,10 @@ class LocalServer:
     def restart_shard(
         self, k: int, base: dict | None = None, timeout: float = 60.0, keep: tuple = ()
     ) -> dict:
-        """Starts a new process for shard ``k``, whose process has died, and restores its state.
-
-        With a live backup its state is the backup's (its log chain goes on, cut there); else
-        with push logs (a cut named a folder) it is exactly as when it died (the last such
-        cut's, its log chain replayed), and it goes on with the chain. Either way workers
-        ``keep`` keep their seats (then :meth:`rejoin`). Else its slice is the last published
-        snapshot, its optimizer state and counters ``base``'s (shard ``k``'s
+        """Starts a new process for shard ``k``, whose process has died, and restores its state:
+        its live backup's, else with push logs exactly as when it died (its log chain goes
+        on; workers ``keep`` keep their seats, then :meth:`rejoin`), else its slice the last
+        published snapshot, its optimizer state and counters ``base``'s (shard ``k``'s
         :meth:`state_dict`) or fresh, its version the live shards'. Every other worker must
         rejoin as a new incarnation (its committed push is delivered where lacking).
 
@@ -703,7 +675,7 @@ class LocalServer:
         if reply[2] is not None:
             raise ShardError(f"shard {k} refused its recovered state: {reply[2]}")
         if self.replicated:
-            threading.Thread(target=self._renew_backup, args=(k,), daemon=True).start()
+            threading.Thread(target=self._link_backup, args=(k, proc), daemon=True).start()
         return {"shard": k, "version": int(reply[1]), "lost": lost, "source": source}
 
     @property
@@ -713,22 +685,17 @@ class LocalServer:
 
     def _backed_up(self, k: int, control: Any, timeout: float) -> tuple[dict, tuple]:
         """Shard ``k``'s state as its backup (``control``) holds it, and the log it goes on
-        with: its chain's newest, cut where the backup's state is (ShardProcess.begin_log).
-
-        Raises:
-            CheckpointError: the backup's log is not its chain's newest (use the replay)."""
+        with (its chain's newest, cut there); a CheckpointError if the backup's is not that."""
         control.send_bytes(wire.state())
         state = recv_reply(control, timeout, f"shard {k}'s backup's state", trusted=True)[1]
         path, at = state.pop("held")
         if self._based is None:
             return state, ("", None, False)  # no log: the state alone
-        folder, fsync = self._based[2], self._based[3]
-        newest = os.path.join(folder, f"log-shard-{k}-{self._tags[k]}-{self._log_n:06d}")
+        newest = os.path.join(self._based[2], f"log-shard-{k}-{self._tags[k]}-{self._log_n:06d}")
         if path != newest or not os.path.isfile(path) or os.path.getsize(path) < at:
             raise CheckpointError(f"it holds {path or 'no log'}, at byte {at}, not {newest}")
-        log.info("shard %d: its backup holds version %d (%s cut at byte %d)", k,
-                 state["version"], path, at)  # fmt: skip
-        return state, (path, at, fsync)
+        log.info("shard %d: its backup's state: %s at byte %d", k, path, at)
+        return state, (path, at, self._based[3])
 
     def _replayed(self, k: int) -> tuple[dict, tuple]:
         """Shard ``k``'s state when it died (the last logged cut's and its log chain), and
@@ -808,16 +775,14 @@ class LocalServer:
                     final.append(observer._take(k, "stopped", timeout)[1])
             except (OSError, ServerClosed, TimeoutError):
                 final.append({"shard": k, "dead": self.shard_exit(k)})
-        for k, b in enumerate(self._backups):
-            if b is None:
-                continue
-            with contextlib.suppress(OSError, ServerClosed, TimeoutError, IndexError):
-                b[1].send_bytes(wire.stop())
-                mine = recv_reply(b[1], timeout, "a backup's stop", trusted=True)[1]["digest"]
+        for k, (_, c) in [(k, b) for k, b in enumerate(self._backups) if b]:
+            with contextlib.suppress(OSError, ServerClosed, TimeoutError, IndexError), c:
+                c.send_bytes(wire.stop())
+                mine = recv_reply(c, timeout, "a backup's stop", trusted=True)[1]["digest"]
                 same = mine == final[k].get("digest")
-                (log.info if same else log.error)("shard %d: its backup's state %s its "
-                    "primary's", k, "equals" if same else "differs from")  # fmt: skip
                 final[k]["backup"] = "equal" if same else "differs"
+                log.log(logging.INFO if same else logging.ERROR, "shard %d: its backup's state %s "
+                        "its primary's", k, "equals" if same else "differs from")  # fmt: skip
         with self._procs_lock:
             for p in self._spawning:  # not linked: not needed
                 p.kill()
@@ -828,9 +793,6 @@ class LocalServer:
                 log.warning("shard process %s did not stop; killing it", p.pid)
                 p.kill()
                 p.join()
-        for b in self._backups:
-            if b:
-                b[1].close()
         self._procs = []
         self.final_params = np.array(self.layout.params(self._block))  # copy out before unmapping
         self._block.unlink()

@@ -1,17 +1,8 @@
-"""The body of a local shard process: one :class:`~stalewise.protocol.Shard` behind pipes.
-
-The shard reads pushes from the workers' push buffers in shared memory once their
-record is committed (:mod:`stalewise.runtime.local.layout`), publishes snapshots for
-pulls, and answers the parent's control messages
-(:class:`~stalewise.runtime.local.server.LocalServer`). One turn of its loop
-(:meth:`ShardProcess.turn`, then :meth:`ShardProcess.settle`) handles every message
-that has arrived, acks the turn's pushes, publishes (see
-:meth:`ShardProcess.publish_due`) and serves the pulls asked for. A worker's pipe is
-read without blocking (:class:`WorkerPipe`): a malformed, oversized or (after
-``PARTIAL_TIMEOUT`` seconds) incomplete message, or a worker that stops reading its
-replies, gets that worker disconnected with a warning, as if it had died. The
-control pipe from the parent is read blocking. Why: ``docs/design-notes.md``
-("Local runtime")."""
+"""The body of a local shard process: one :class:`~stalewise.protocol.Shard` behind pipes
+(and of its backup's, :func:`backup_main`). One turn of its loop (:meth:`ShardProcess.turn`,
+then :meth:`ShardProcess.settle`) handles every message that has arrived, acks the turn's
+pushes, publishes and serves the pulls asked for. A worker's bad message disconnects it
+(:class:`WorkerPipe`). Why: ``docs/design-notes.md`` ("Local runtime")."""
 
 from __future__ import annotations
 
@@ -33,6 +24,7 @@ from stalewise.protocol.replica import Backup, CatchUp, Held, Primary
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Snapshots
+from stalewise.runtime.local.procs import die_with_parent
 from stalewise.runtime.local.shm import SharedBlock
 from stalewise.runtime.logs import child_logging
 
@@ -103,10 +95,7 @@ class WorkerPipe:
 class ShardProcess:
     """A shard and its pipes: the state of :func:`shard_main`'s loop."""
 
-    def __init__(
-        self, config: ServerConfig, k: int, block: SharedBlock, layout: Layout, control,
-        backup_timeout: float = 60.0,
-    ):  # fmt: skip
+    def __init__(self, config: ServerConfig, k: int, block: SharedBlock, layout: Layout, control):
         lo, hi = config.ranges[k]
         self.k, self.layout, self.control = k, layout, control
         params = layout.params(block)[lo:hi]
@@ -136,8 +125,7 @@ class ShardProcess:
         self.log, self.log_path, self.log_fsync = None, "", False  # the push log (begin_log)
         self.served = 0  # pulls served into a worker's pull buffer
         self.log_at, self.unsynced = 0, False  # the log's bytes; entries not yet synced
-        # replicas=2: replies wait until the backup on `link` holds their entries (sync)
-        self.primary, self.link, self.backup_timeout = None, None, backup_timeout
+        self.primary, self.link, self.backup_timeout = None, None, 0.0  # replicas=2 (sync)
         if config.replicas == 2:
             self.primary = Primary(self.shard)
             self.record, self.shard.journal = self.shard.journal, self.journal
@@ -260,8 +248,7 @@ class ShardProcess:
                         os.fdatasync(self.log.fileno())
                 except OSError as e:
                     self.end_log(e)
-            fwd = primary.forward() if primary is not None else None
-            if fwd is not None and primary.backed:
+            if primary is not None and (fwd := primary.forward()) and primary.backed:
                 at = self.log_at - sum(map(len, fwd.entries))
                 try:
                     self.link.send_bytes(wire.link(fwd, self.log_path * bool(self.log), at))
@@ -276,8 +263,7 @@ class ShardProcess:
             self.snapshots.changed(self.k, self.shard.version)
 
     def lose_backup(self, why: Exception | str) -> None:
-        """The backup died (or hung: it is killed, so that its state is never taken for this
-        shard's): this shard serves alone until the parent links a new one."""
+        """The backup died, or hung (then it is killed: its state is never taken): serve alone."""
         if self.primary.backed:
             log.warning("shard %d: its backup is gone (%s); serving alone", self.k, why or "EOF")
         if isinstance(why, TimeoutError | BlockingIOError):
@@ -285,8 +271,7 @@ class ShardProcess:
                 os.kill(self.backup_pid, signal.SIGKILL)
         self.primary.detach()
         if self.link is not None:
-            self.link.close()
-        self.link = None
+            self.link = self.link.close()  # None
 
     def catch_up(self) -> None:
         """Starts the backup on the link from the state now (a new view)."""
@@ -468,14 +453,13 @@ class ShardProcess:
                 self.end_cut(None, f"shard {self.k}: not frozen for cut {msg[1]} (gave it up)")
         elif kind == "thaw":
             self.end_cut()
-        elif kind == "backup":  # a new backup's link (its pid): catch it up
-            link = connection.Connection(reduction.recv_handle(c))
+        elif kind == "backup":  # a new backup's link: catch it up; its writes are bounded too
             self.lose_backup("")
-            t = self.backup_timeout  # each write to it too
-            with socket.socket(fileno=os.dup(link.fileno())) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(t),
-                                int(t % 1 * 1e6)))  # fmt: skip
-            self.link, self.backup_pid = link, msg[1]
+            self.link = connection.Connection(reduction.recv_handle(c))
+            self.backup_pid, self.backup_timeout = msg[1:]
+            with socket.socket(fileno=os.dup(self.link.fileno())) as s:
+                tv = struct.pack("ll", *divmod(int(self.backup_timeout * 1e6), 10**6))
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self.catch_up()
         elif kind == "load":  # a checkpoint, before any worker joins (resume), or a restart's
             if self.pipes:
@@ -501,9 +485,7 @@ class ShardProcess:
             c.send_bytes(wire.loaded(shard.version, None))
         else:  # stop
             stats = shard.stats.as_dict() | {"version": shard.version}
-            if self.primary is not None and self.primary.backed:
-                stats["digest"] = digest(shard)
-            c.send_bytes(wire.stopped(stats))
+            c.send_bytes(wire.stopped(stats | ({"digest": digest(shard)} if self.link else {})))
             return False
         return True
 
@@ -541,13 +523,12 @@ def shard_main(
     layout: Layout,
     control,
     join_timeout: float,
-    backup_timeout: float = 60.0,
 ) -> None:
     """Body of a shard process: serve pulls and pushes until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     child_logging(f"shard {k}")
     block = SharedBlock.attach(block_name)
-    proc = ShardProcess(config, k, block, layout, control, backup_timeout)
+    proc = ShardProcess(config, k, block, layout, control)
     shard = proc.shard
     shard.warm_up()
     if shard.decoder is not None:
@@ -574,9 +555,8 @@ def shard_main(
 
 def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> None:
     """Body of shard ``k``'s backup process (replicas=2): a private copy of the shard that
-    applies what its primary forwards on ``link`` (:class:`Backup`; an entry it refuses is a
-    bug: it raises) and answers what it holds, until the parent says stop on ``control``
-    (it asks for the ``state`` once the primary died)."""
+    follows its primary on ``link`` (:class:`Backup`) until the parent says stop."""
+    die_with_parent(cleanup=lambda: None)  # (not with the thread that started it: no prctl)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     child_logging(f"backup {k}")
     lo, hi = config.ranges[k]
@@ -585,7 +565,7 @@ def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> 
     bound = 8 * shard.params.nbytes * (layout.workers + 2) + (1 << 24)  # a turn's entries
     control.send_bytes(wire.ready(k))
     while True:
-        for c in wire.readable([control, link][: 1 + (link is not None)], None):
+        for c in wire.readable([c for c in (control, link) if c], None):
             try:
                 body = c.recv_bytes(None if c is control else bound)
             except (EOFError, OSError):

@@ -7,12 +7,13 @@ or, only on the control pipe from the parent that started a shard, a pickle::
 
     worker -> shard    push(seq), pull, leave                  fixed, <= MAX_WORKER_MESSAGE bytes
     shard  -> worker   ack, pulled(version), error(text)       at most MAX_REPLY bytes
-    parent -> shard    join(worker, incarnation), pull, stats, state, stop, thaw, pickled: load, cut
+    parent -> shard    join(worker, incarnation), pull, stats, state, stop, thaw, pickled: load,
+                       cut, backup(pid, timeout) and a new backup's link (its fd)
     shard  -> parent   ready(k), joined(clock), pulled, loaded, pickled: stats, state, stopped, cut
     worker -> parent   worker_ready, beat(time), done, diverged(text),   at most MAX_RESULT bytes
                        failed(traceback, summary)
     parent -> worker   go, rejoin(k) and a restarted shard's new pipe (its fd)
-    primary <-> backup forward, catch up (data only: JSON and np.save arrays), held
+    primary <-> backup forward, catch up (data only: safetensors and JSON), held
 
 Nothing a worker writes is unpickled: :func:`decode_from_worker` and
 :func:`decode_result` know their fixed records and nothing else, and any other
@@ -32,7 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import pickle
@@ -40,8 +40,7 @@ import select
 import struct
 from typing import Any
 
-import numpy as np
-
+from stalewise.checkpoint.store import _contiguous, _nested, flat_state
 from stalewise.protocol.messages import Ack
 from stalewise.protocol.replica import CatchUp, Forward, Held
 
@@ -59,10 +58,10 @@ _JOIN, _STATS, _STATE, _LOAD, _STOP, _CUT, _THAW, _BACKUP = range(0x21, 0x29)
 _READY, _JOINED, _STATS_REPLY, _STATE_REPLY, _LOADED, _STOPPED, _CUT_REPLY = range(0x31, 0x38)
 # worker -> parent (the result pipe), and parent -> worker
 _W_READY, _BEAT, _DONE, _DIVERGED, _FAILED, _GO = 0x41, 0x42, 0x43, 0x44, 0x45, 0x46
-# primary <-> backup; kind, view, entries (first), the log's bytes before them, len(its path)
+# primary <-> backup; kind, view, entries (first), the log's bytes before them; then frames
 _FORWARD, _CATCH_UP, _HELD = 0x51, 0x52, 0x53
-_LINK_HEAD = struct.Struct("<BqqqH")
-_LEN = struct.Struct("<Q")
+_LINK_HEAD = struct.Struct("<Bqqq")
+GIB = 1 << 30
 
 _KIND = struct.Struct("<B")
 _INT = struct.Struct("<Bq")  # kind, one int64
@@ -397,10 +396,9 @@ def cut(n: int, targets: dict | None, log: str = "", fsync: bool = False) -> byt
     return _KIND.pack(_CUT) + _pickle((n, targets, log, fsync))
 
 
-def backup(pid: int) -> bytes:
-    """The shard's link to a new backup, process ``pid`` (the fd follows): it catches it up
-    and forwards to it."""
-    return _INT.pack(_BACKUP, pid)
+def backup(pid: int, timeout: float) -> bytes:
+    """A new backup, process ``pid`` (its link's fd follows); ``timeout``: each wait for it."""
+    return _KIND.pack(_BACKUP) + _pickle((pid, timeout))
 
 
 def thaw() -> bytes:
@@ -411,74 +409,63 @@ def thaw() -> bytes:
 def decode_control(body: bytes) -> tuple:
     """A message from the parent: ``("join", worker, incarnation)``, ``("pull",)``,
     ``("stats",)``, ``("state",)``, ``("load", state, log, keep)``, ``("cut", n, targets,
-    log, fsync)`` (unpickled), ``("thaw",)``, ``("backup", pid)`` or ``("stop",)``."""
+    log, fsync)``, ``("backup", pid, timeout)`` (unpickled), ``("thaw",)`` or ``("stop",)``."""
     kind = _kind_of(body)
     if kind == _JOIN and len(body) == _TWO.size:
         return ("join", *_TWO.unpack(body)[1:])
-    if kind == _BACKUP and len(body) == _INT.size:
-        return ("backup", _INT.unpack(body)[1])
-    if kind == _LOAD:
-        return ("load", *pickle.loads(body[_KIND.size :]))
-    if kind == _CUT:
-        return ("cut", *pickle.loads(body[_KIND.size :]))
+    pickled = {_LOAD: "load", _CUT: "cut", _BACKUP: "backup"}
+    if kind in pickled:
+        return (pickled[kind], *pickle.loads(body[_KIND.size :]))
     simple = {_PULL: "pull", _STATS: "stats", _STATE: "state", _STOP: "stop", _THAW: "thaw"}
     if kind in simple and len(body) == _KIND.size:
         return (simple[kind],)
     raise WireError(f"a control message of unknown kind or size: 0x{kind:02x}, {len(body)} bytes")
 
 
-# -- primary <-> backup (replicated shards) -----------------------------------------------
-
-
 def link(msg: Forward | CatchUp | Held, path: str = "", at: int = 0) -> bytes:
     """A message between a primary and its backup: a :class:`Forward` whose first entry (a
     :class:`CatchUp` whose state) is at byte ``at`` of push log ``path``, or a :class:`Held`."""
     kind = {Forward: _FORWARD, CatchUp: _CATCH_UP, Held: _HELD}[type(msg)]
-    blobs = () if kind == _HELD else msg.entries if kind == _FORWARD else [encode_state(msg.state)]
-    head = _LINK_HEAD.pack(kind, msg.view, msg[1], at, len(p := path.encode()))
-    return b"".join([head, p, *(x for b in blobs for x in (_LEN.pack(len(b)), b))])
+    state = encode_state(msg.state) if kind == _CATCH_UP else b""  # in frames under 2 GiB
+    blobs = (
+        msg.entries if kind == _FORWARD else [state[i : i + GIB] for i in range(0, len(state), GIB)]
+    )
+    head = _LINK_HEAD.pack(kind, msg.view, msg[1], at)
+    return b"".join([head, *map(frame, [path.encode(), *blobs])])
 
 
 def decode_link(body: bytes) -> tuple:
     """``(message, path, at)`` of :func:`link`; a torn or unknown one is a WireError."""
     if len(body) < _LINK_HEAD.size or body[0] not in (_FORWARD, _CATCH_UP, _HELD):
         raise WireError(f"not a message between a shard's copies ({len(body)} bytes)")
-    kind, view, n, at, size = _LINK_HEAD.unpack_from(body)
-    i, blobs = _LINK_HEAD.size + size, []
-    path = body[_LINK_HEAD.size : i].decode("utf-8", "replace")
-    while i < len(body):
-        (m,) = _LEN.unpack_from(body, i) if i + _LEN.size <= len(body) else (len(body),)
-        blobs.append(body[i + _LEN.size : (i := i + _LEN.size + m)])
-    if i != len(body):
+    kind, view, n, at = _LINK_HEAD.unpack_from(body)
+    frames = FrameReader(len(body))
+    path, *blobs = frames.feed(body[_LINK_HEAD.size :]) or [b""]
+    if frames.pending or frames.error:
         raise _wrong_size(kind, body)
-    if kind == _HELD:
-        return Held(view, n), path, at
+    msg = Forward(view, n, tuple(blobs)) if kind == _FORWARD else Held(view, n)
     if kind == _CATCH_UP:
-        return CatchUp(view, n, decode_state(b"".join(blobs))), path, at
-    return Forward(view, n, tuple(blobs)), path, at
+        msg = CatchUp(view, n, decode_state(b"".join(blobs)))
+    return msg, path.decode("utf-8", "replace"), at
 
 
 def encode_state(state: dict) -> bytes:
-    """A shard's ``state_dict()`` as data: its JSON values, then its arrays (``np.save``)."""
-    from stalewise.checkpoint.store import flat_state
+    """A shard's ``state_dict()`` as data: safetensors of its arrays, its values as JSON."""
+    from safetensors.numpy import save
 
     arrays, values = flat_state(state, "state")
-    f = io.BytesIO(frame(json.dumps({"values": values, "arrays": list(arrays)}).encode()))
-    f.seek(0, io.SEEK_END)
-    for a in arrays.values():
-        np.save(f, a, allow_pickle=False)
-    return f.getvalue()
+    return save({k: _contiguous(a) for k, a in arrays.items()}, {"values": json.dumps(values)})
 
 
 def decode_state(body: bytes) -> dict:
-    """:func:`encode_state`'s state (no pickle: an object array is refused)."""
-    from stalewise.checkpoint.store import _nested
+    """:func:`encode_state`'s state (a WireError if it does not decode)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
 
-    f = io.BytesIO(body)
     try:
-        head = json.loads(f.read(_FRAME.unpack(f.read(_FRAME.size))[0]))
-        return _nested(head["values"] | {k: np.load(f, allow_pickle=False) for k in head["arrays"]})
-    except (ValueError, TypeError, KeyError, struct.error, EOFError) as e:
+        head = json.loads(body[8 : 8 + int.from_bytes(body[:8], "little")])["__metadata__"]
+        return _nested({k: a.copy() for k, a in load(body).items()} | json.loads(head["values"]))
+    except (ValueError, TypeError, KeyError, SafetensorError) as e:
         raise WireError(f"a state that does not decode: {e}") from None
 
 
