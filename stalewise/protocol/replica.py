@@ -1,16 +1,7 @@
 """A shard kept on two processes, as pure objects (no I/O): the rules every runtime follows.
 
-The :class:`Primary` serves: it makes each call on its shard, whose journal
-(:mod:`~stalewise.protocol.pushlog`) numbers the entries in the order it decides, and
-:meth:`~Primary.forward`\\ s them to the :class:`Backup`, which replays them in that order.
-A reply (an ack, a pull's params, a join) leaves only once the backup holds every entry
-up to it (:meth:`~Primary.reply`), so what a worker was told survives either copy. When
-the primary dies, the backup is :meth:`~Backup.promote`\\ d (it holds every entry it
-acknowledged, all applied) and each worker resends what it was not answered
-(:class:`Outstanding`); ``(worker, incarnation, seq)`` makes a resent push count once.
-When either dies the other serves alone until a new backup starts from
-:meth:`~Primary.attach` (the state at entry n, then the entries after n). Messages between
-the copies carry the view (one per promotion or attach); one of an older view is ignored.
+A :class:`Primary` serves and forwards its journal's entries to a :class:`Backup`, which
+replays them in that order and is :meth:`~Backup.promote`\\ d when the primary dies.
 Rules and costs: ``docs/design-notes.md`` ("Replicated shards").
 
 Example:

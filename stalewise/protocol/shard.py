@@ -1,12 +1,7 @@
 """The parameter-server shard as a state machine (no I/O, no threads).
 
-A :class:`Shard` holds one contiguous slice of the flat parameters, the server
-optimizer's state for it and a version (the count of updates applied). Every
-runtime hosts the same object and only decides how messages reach it; exactly
-one thread calls its methods, one message at a time. Every push is validated
-before it touches state; incarnations, the commit rule, overflow refusals,
-expected and late-joining workers and resumed seats are described in
-``docs/design-notes.md``.
+A :class:`Shard`: a slice of the flat parameters, its optimizer state and version; every
+runtime hosts it, one message at a time. Its rules: ``docs/design-notes.md`` ("Protocol").
 
 Example:
     >>> import numpy as np
