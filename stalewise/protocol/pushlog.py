@@ -105,8 +105,11 @@ def encode(op: str, arguments: dict[str, Any]) -> list[bytes]:
             a["header"], payload, a["verdict"] = committed
     if "out" in a:
         a["out"] = a["out"] is not None
-    if "header" in a:
-        a["header"] = _header(a["header"])
+    if "header" in a:  # a push header as JSON (None: malformed, which replays as malformed)
+        h = a["header"]
+        ok = isinstance(h, tuple) and len(h) == 4
+        ok = ok and all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in h)
+        a["header"] = [int(x) for x in h] if ok else None
     if a.get("verdict") is not None:
         a["verdict"] = [int(a["verdict"][0]), int(a["verdict"][1])]
     if a.get("now") is not None:
@@ -121,13 +124,6 @@ def encode(op: str, arguments: dict[str, Any]) -> list[bytes]:
         a.update(n=len(data), sum=_sum(data))
     header = json.dumps({"op": op, **a}, separators=(",", ":"), default=repr).encode()
     return [_PREFIX.pack(MAGIC, len(header), zlib.crc32(header)), header, data]
-
-
-def _header(h: Any) -> list[int] | None:
-    """A push header as JSON (None: malformed, which replays as malformed)."""
-    ok = isinstance(h, tuple) and len(h) == 4
-    ok = ok and all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in h)
-    return [int(x) for x in h] if ok else None
 
 
 def _sum(data: Any) -> int:

@@ -128,12 +128,6 @@ class CommBudget:
             return state
         return replace(state, cost=state.cost.add(steps, seconds))
 
-    def _probe(self) -> int:
-        """The third round's H: 4x local_steps, or a quarter of it if that exceeds max_steps."""
-        if 4 * self.local_steps <= self.max_steps:
-            return 4 * self.local_steps
-        return max(self.min_steps, self.local_steps // 4)
-
     def target(self, cost: RoundCost, last: int) -> int:
         """The rule's ``H`` from the fit of the rounds: see :func:`comm_budget`."""
         fit = cost.fit()
@@ -151,8 +145,9 @@ class CommBudget:
         k, seen = state.rounds, state.cost.rounds
         if seen == 0:  # nothing measured yet
             target = h = self.local_steps
-        elif seen == 1:  # one round: measure a second, of a different H
-            target = h = self._probe()
+        elif seen == 1:  # one round: measure a second, of H 4x, or a quarter if above max_steps
+            h = 4 * self.local_steps
+            target = h = h if h <= self.max_steps else max(self.min_steps, self.local_steps // 4)
         else:
             target = h = self.target(state.cost, state.steps)
             if k % 4 == 2:  # one round in 4 runs half the period, so that c and s stay apart
