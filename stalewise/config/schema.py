@@ -98,7 +98,6 @@ def get(
     default: Any,
     low: float | None = None,
     high: float | None = None,
-    open_low: bool = False,
 ) -> Any:
     """``table[key]`` (the last part of ``name``) checked: its type, finite, in range."""
     value = table.get(name.split(".")[-1], default)
@@ -108,8 +107,8 @@ def get(
         raise ConfigError(name, f"expected {what}, got {value!r}")
     if kind is float and not math.isfinite(value):
         raise ConfigError(name, f"expected a finite number, got {value!r}")
-    if low is not None and (value <= low if open_low else value < low):
-        raise ConfigError(name, f"must be {'>' if open_low else '>='} {low}, got {value!r}")
+    if low is not None and value < low:
+        raise ConfigError(name, f"must be >= {low}, got {value!r}")
     if high is not None and value > high:
         raise ConfigError(name, f"must be <= {high}, got {value!r}")
     return kind(value)
