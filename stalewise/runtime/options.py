@@ -295,7 +295,6 @@ class RunOptions:
             lo, hi = workers
         else:
             lo = hi = workers
-        object.__setattr__(self, "workers", workers)
         object.__setattr__(self, "room", hi)
         object.__setattr__(self, "expected", lo)
 

@@ -637,8 +637,8 @@ class Simulation:
         wk.upd_buf, wk.next_buf = wk.next_buf, None
         sender = wk.sender
         if self.compressor is not None:  # the payloads are free: the last push is acked
+            dtype = self.params.dtype
             if wk.payloads is None:  # kept from push to push, one per shard
-                dtype = self.params.dtype
                 wk.payloads = [bytearray(self.compressor.nbytes(k, dtype)) for k in range(self.S)]
             try:
                 sender.encode(wk.upd_buf, wk.payloads)
@@ -646,7 +646,6 @@ class Simulation:
                 self.crash(wk, e)
                 return
             # a segment push (fragments, zero leaves) sends its pieces only
-            dtype = self.params.dtype
             wk.push_bytes = [sender.sent_nbytes(k, dtype, self.scale) for k in range(self.S)]
         else:
             wk.push_bytes = self.wire_bytes
