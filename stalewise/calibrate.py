@@ -194,9 +194,7 @@ class Fit:
         """The least-squares line through ``points`` (bytes, seconds), slope and intercept >= 0."""
         x = np.array([p[0] for p in points], dtype=float)
         y = np.array([p[1] for p in points], dtype=float)
-        slope = float(np.polyfit(x, y, 1)[0]) if len(set(x.tolist())) > 1 else 0.0
-        if slope < 0:
-            slope = 0.0
+        slope = max(float(np.polyfit(x, y, 1)[0]), 0.0) if len(set(x.tolist())) > 1 else 0.0
         intercept = float(y.mean() - slope * x.mean())
         if intercept < 0:
             intercept, slope = 0.0, float((x * y).sum() / (x * x).sum())
