@@ -69,17 +69,15 @@ def _number(
     name: str,
     value: Any,
     low: float = 0.0,
-    strict: bool = False,
     inf_ok: bool = False,
     high: float = math.inf,
     why: str = "",
 ) -> float:
     ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
     v = float(value) if ok else math.nan
-    bad = math.isnan(v) or (math.isinf(v) and not inf_ok) or v < low or (strict and v == low)
-    if bad:
-        kind, rel = ("number" if inf_ok else "finite number"), (">" if strict else ">=")
-        raise _bad(owner, name, value, f"must be a {kind} {rel} {low:g}")
+    if math.isnan(v) or (math.isinf(v) and not inf_ok) or v < low:
+        kind = "number" if inf_ok else "finite number"
+        raise _bad(owner, name, value, f"must be a {kind} >= {low:g}")
     if v > high and not (inf_ok and math.isinf(v)):
         raise _bad(owner, name, value, f"must be <= {high:g}{why}")
     return v
