@@ -69,8 +69,6 @@ def _real(value: object) -> float:
 
 
 def _make(kind: str, param: float, max_staleness: float | None, dc_lambda: float) -> Staleness:
-    if kind not in _KINDS:
-        raise ValueError(f"unknown staleness rule {kind!r}; known: {', '.join(_KINDS)}")
     max_s = math.inf if max_staleness is None else _real(max_staleness)
     if max_s < 0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness!r}")
