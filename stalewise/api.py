@@ -148,8 +148,7 @@ class Job:
             metrics, checkpoints, failures, timeouts, emulation: the option groups of
                 :mod:`stalewise.options`; None: their defaults.
 
-        Returns a :class:`TrainResult`: the final params, metrics records and shard stats.
-        """
+        Returns a :class:`TrainResult`: the final params, metrics records and shard stats."""
         groups = (metrics, checkpoints, failures, timeouts, emulation)
         for value, kind in zip(groups, options_lib.TRAIN_GROUPS, strict=True):
             options_lib.check_group(value, kind)

@@ -390,8 +390,7 @@ class Calibration:
         always give, say, a lower staleness). A value of None on any table gives None.
 
         Example: ``cal.interval(lambda sim: job.train(f, data=d, workers=4, steps=2000,
-        runtime=sw.Simulation(sim)).stats["version"])``.
-        """
+        runtime=sw.Simulation(sim)).stats["version"])``."""
         point, low, high = (predict(self.sim_config(b)) for b in BOUNDS)
         if isinstance(point, dict):
             return {k: _interval(point[k], low.get(k), high.get(k)) for k in point}
@@ -982,8 +981,7 @@ def calibrate(
         contention: measure the contention model (:func:`measure_contention`) and fit the
             compute to CPU times; False: no contention, wall-clock times.
         runtime: where pulls, pushes, shard and worker loop are timed (``"local"`` or
-            ``"ray"``: ``stalewise.runtime.names("calibrates")``); compute is timed locally.
-    """
+            ``"ray"``: ``stalewise.runtime.names("calibrates")``); compute is timed locally."""
     config = job.config
     if not _int_in(workers, 1, sys.maxsize):
         raise ValueError(f"workers = {workers!r}: must be an integer >= 1")

@@ -44,8 +44,7 @@ class Consistency(NamedTuple):
         """Whether a worker at ``clock`` may start a step while the slowest is at ``min_clock``.
 
         Always False for the hybrid model, whose gate depends on the shard's
-        mode: ask :meth:`stalewise.protocol.Shard.may_start`.
-        """
+        mode: ask :meth:`stalewise.protocol.Shard.may_start`."""
         return self.kind != "hybrid" and clock - min_clock <= self.bound
 
     def __str__(self) -> str:
@@ -68,8 +67,7 @@ def SSP(bound: float = 4) -> Consistency:
     """Stale-synchronous parallel: no worker runs more than ``bound`` clocks ahead of the slowest.
 
     Args:
-        bound: the staleness bound ``s`` (an integer >= 0, or ``math.inf``).
-    """
+        bound: the staleness bound ``s`` (an integer >= 0, or ``math.inf``)."""
     real = isinstance(bound, numbers.Real) and not isinstance(bound, bool)
     if not (real and bound >= 0 and (bound == math.inf or float(bound).is_integer())):
         raise ValueError(f"SSP bound must be an integer >= 0 or inf, got {bound!r}")
@@ -86,8 +84,7 @@ def Hybrid(tolerance: float = 2.0) -> Consistency:
     staleness rule (e.g. ``sw.staleness.inverse()``) for the asynchronous phases.
 
     Args:
-        tolerance: a number > 1.
-    """
+        tolerance: a number > 1."""
     real = isinstance(tolerance, numbers.Real) and not isinstance(tolerance, bool)
     if not (real and 1.0 < tolerance < math.inf):
         raise ValueError(f"Hybrid tolerance must be a finite number > 1, got {tolerance!r}")
@@ -97,8 +94,7 @@ def Hybrid(tolerance: float = 2.0) -> Consistency:
 def from_name(name: str, bound: float | None = None) -> Consistency:
     """Builds a model from its name ("asp", "bsp", "ssp", "hybrid") as configs and the CLI spell it.
 
-    ``bound`` is SSP's staleness bound, or the hybrid model's tolerance.
-    """
+    ``bound`` is SSP's staleness bound, or the hybrid model's tolerance."""
     key = name.lower()
     if key == "asp":
         return ASP()

@@ -4,8 +4,7 @@ Trains the digits MLP with local worker processes, the last ``slowdown`` times s
 first under BSP, then under ASP (each push's LAMB step divided by its staleness), and
 reports the wall time each needs to reach 95% held-out accuracy. The learning rate is
 one shared value, not tuned per model (the summary says so);
-``benchmarks/time_to_accuracy.py`` compares each at its best.
-"""
+``benchmarks/time_to_accuracy.py`` compares each at its best."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def check_args(
     """Checks the demo's arguments before anything starts.
 
     Raises:
-        ConfigError: whose ``key`` is the bad argument's name (``workers``).
-    """
+        ConfigError: whose ``key`` is the bad argument's name (``workers``)."""
     for name, value in (("workers", workers), ("steps", steps)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(name, f"expected an integer, got {value!r}")

@@ -74,8 +74,7 @@ class LocalSGD(_Averager):
 
     ``optimizer.step()`` is hooked while the ``with`` block runs; ``model`` must match the
     Job's params; ``timeout`` bounds each pull and push; ``remainder`` (``"drop"`` or
-    ``"push"``) is what leaving the block does with the steps since the last sync.
-    """
+    ``"push"``) is what leaving the block does with the steps since the last sync."""
 
     def __init__(
         self,
@@ -133,8 +132,7 @@ class LocalSGD(_Averager):
 class LocalSGDOptax(_Averager):
     """Local SGD / DiLoCo for a functional loop (JAX + optax, NumPy): ``params = sync.after_step(params)``.
 
-    ``timeout`` and ``remainder`` as for :class:`LocalSGD`; :meth:`finish` pushes at once.
-    """
+    ``timeout`` and ``remainder`` as for :class:`LocalSGD`; :meth:`finish` pushes at once."""
 
     def __init__(
         self,

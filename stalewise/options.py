@@ -12,8 +12,7 @@
     job.train(..., runtime=sw.Simulation(sim_config, seed=1))  # the simulator, configured
 
 Every value is checked when its group is made, by :class:`~stalewise.runtime.options.RunOptions`'
-check (an ``OptionError`` naming ``Group.field``); every default is ``DEFAULTS``'s.
-"""
+check (an ``OptionError`` naming ``Group.field``); every default is ``DEFAULTS``'s."""
 
 from __future__ import annotations
 
@@ -102,8 +101,7 @@ class Failures(_Group):
             None: never.
         diverge_after: a worker whose last this many pushes were all refused as NaN/Inf
             or overflow has diverged and stops; once every worker has, the job raises
-            :class:`DivergedError`. None: never.
-    """
+            :class:`DivergedError`. None: never."""
 
     policy: str = DEFAULTS["on_worker_failure"]
     max_restarts: int | None = DEFAULTS["max_restarts"]

@@ -87,8 +87,7 @@ def resume_point(
 
     Refuses a checkpoint of another job, and one without the step key ``resumes_from``
     (the runtime's :class:`~stalewise.runtime.Runtime` says which: the simulator resumes
-    only from its own checkpoints, which carry its virtual clock).
-    """
+    only from its own checkpoints, which carry its virtual clock)."""
     if not options.resume:
         return None
     where = options.checkpoint_dir

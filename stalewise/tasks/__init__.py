@@ -9,8 +9,7 @@ by name with :func:`get` (a backend is imported only for its task).
 | `digits-torch`  | PyTorch | same numbers as `digits`       | loss, accuracy       |
 | `digits-jax`    | JAX     | same numbers as `digits`       | loss, accuracy       |
 | `least-squares` | NumPy   | synthetic linear regression    | loss, distance       |
-| `lm`            | PyTorch | byte GPT on stdlib source      | loss, perplexity     |
-"""
+| `lm`            | PyTorch | byte GPT on stdlib source      | loss, perplexity     |"""
 
 from __future__ import annotations
 
