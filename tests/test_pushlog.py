@@ -19,7 +19,7 @@ from stalewise.protocol import PushHeader, Shard, Verdict, commit, compress, pus
 
 CONSISTENCY = CONSISTENCY | {"hybrid": lambda: Hybrid(tolerance=1.5)}
 KINDS = ["push"] * 10 + ["dup", "gap", "bad", "refused", "old", "leave", "join", "admit"]
-KINDS += ["retire", "expire", "resume", "depart", "deliver", "pull", "pull", "observe"]
+KINDS += ["retire", "expire", "resume", "depart", "deliver", "pull", "pull", "observe", "served"]
 OPS = hs.tuples(hs.sampled_from(KINDS), *[hs.integers(0, 3)] * 2, hs.integers(0, 2**16))
 
 
@@ -77,6 +77,8 @@ class Scenario:
             return getattr(s, kind)(w, inc - (back == 3), committed)
         if kind in ("expire", "resume"):
             return getattr(s, {"expire": "expire_unstarted"}.get(kind, kind))()
+        if kind == "served":  # a delta pull's payload
+            return s.served(seed)
         out = np.empty_like(s.params) if back else None
         return s.pull(None if kind == "observe" else w, out, now=self.now)
 

@@ -1,22 +1,24 @@
 """Replicated shards on Ray (``replicas=2``): a backup actor per shard on the shared
 two-node cluster (``ray_cluster`` in conftest.py); primaries and backups killed for real
-with ``ray.kill`` (Ray restarts them). Every run has a ``timeout``."""
+with ``ray.kill`` or SIGKILL (Ray restarts them). Every run has a ``timeout``."""
 
+import os
 import re
+import signal
 
 import pytest
 import ray
 
 import stalewise as sw
-from stalewise import tasks
+from stalewise import codecs, tasks
 
 TIMEOUT = 90.0  # wall seconds before a run is declared hung
 
 
-def run(name, steps, on_record=None, consistency=None):
+def run(name, steps, on_record=None, consistency=None, pull_codec=None):
     task = tasks.get("least-squares", n=256, d=16)
     job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.05), shards=2, replicas=2,
-                 consistency=consistency or sw.ASP())  # fmt: skip
+                 consistency=consistency or sw.ASP(), pull_codec=pull_codec)  # fmt: skip
     result = job.train(
         task.loss_and_grad,
         data=task.batches,
@@ -30,13 +32,15 @@ def run(name, steps, on_record=None, consistency=None):
 
 
 class Kill:
-    """An ``on_record`` callback that ``ray.kill``s the run's actors named in ``role``
-    (``shard-K`` or ``backup-K``, space-separated) once the records reach ``pushes``; Ray
-    restarts them. Notes each shard's and backup's node first."""
+    """An ``on_record`` callback that ``ray.kill``s (or, ``sigkill``, SIGKILLs the process
+    of) the run's actors named in ``role`` (``shard-K`` or ``backup-K``, space-separated)
+    once the records reach ``pushes``; Ray restarts them. Notes each shard's and backup's
+    node first."""
 
-    def __init__(self, run, role, pushes):
-        self.run, self.roles, self.pushes = run, role.split(), pushes
+    def __init__(self, run, role, pushes, sigkill=False):
+        self.run, self.roles, self.pushes, self.sigkill = run, role.split(), pushes, sigkill
         self.nodes: dict[str, str] = {}
+        self.pids: dict[str, int] = {}
 
     def __call__(self, record):
         if self.nodes or record["pushes"] < self.pushes:
@@ -47,16 +51,21 @@ class Kill:
             if re.search(r":(shard|backup)-\d$", n):
                 got = ray.get(ray.get_actor(n).ready.remote(), timeout=30)
                 self.nodes[n.split(":")[-1]] = got["node"]
+                self.pids[n.split(":")[-1]] = got["pid"]
         for role in self.roles:
             (victim,) = [n for n in names if n.endswith(f":{role}")]
-            ray.kill(ray.get_actor(victim), no_restart=False)
+            if self.sigkill:  # both nodes run on this machine
+                os.kill(self.pids[role], signal.SIGKILL)
+            else:
+                ray.kill(ray.get_actor(victim), no_restart=False)
 
 
 def exact(result, caplog):
     """No rollback, no worker restarted, every shard applied each acknowledged push once,
-    and each backup ends equal to its primary."""
+    and each backup ends equal to its primary (with delta pulls: bytes out included)."""
     info = result.stats["ray"]
     assert not [r for r in caplog.records if "rolled back" in r.getMessage()]
+    assert not [r for r in caplog.records if "disagree" in r.getMessage()]  # duplicates
     assert all(e.get("shard") is not None for e in result.failures), result.failures
     assert info["applied"] == [result.pushes] * 2 == [info["acked"]] * 2, info
     assert info["backups"] == ["equal", "equal"]
@@ -69,10 +78,19 @@ def test_backups_follow_their_primaries_bit_for_bit(ray_cluster, caplog):
     assert task.evaluate(result.params)["loss"] < 1e-2 * task.evaluate(task.init_params(0))["loss"]
 
 
-@pytest.mark.parametrize("k, consistency", [(0, sw.ASP()), (1, sw.BSP())], ids=["asp", "bsp"])
-def test_a_killed_primary_comes_back_from_its_backup(ray_cluster, caplog, k, consistency):
-    kill = Kill(f"rep-kill-{k}", f"shard-{k}", pushes=80)
-    _, result = run(kill.run, 400, kill, consistency)
+@pytest.mark.parametrize(
+    "k, consistency, codec",
+    [(0, sw.ASP(), None), (1, sw.BSP(), None), (1, sw.ASP(), codecs.int8())],
+    ids=["asp", "bsp", "asp-int8-pulls-sigkill"],
+)
+def test_a_killed_primary_comes_back_from_its_backup(ray_cluster, caplog, k, consistency, codec):
+    name = f"rep-kill-{k}" + ("-int8" if codec else "")
+    kill = Kill(name, f"shard-{k}", pushes=80, sigkill=codec is not None)
+    with pytest.warns(
+        sw.FailureWarning,
+        match=f"shard {k} .* 0 updates .* lost \\(from its backup\\), .* carried on",
+    ):
+        _, result = run(kill.run, 400, kill, consistency, codec)
     assert kill.nodes, "the kill did not happen"
     for j in range(2):  # two nodes: a backup is not on its primary's
         assert kill.nodes[f"backup-{j}"] != kill.nodes[f"shard-{j}"], kill.nodes

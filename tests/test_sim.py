@@ -595,6 +595,8 @@ def test_merge_stats_takes_per_push_counters_from_shard_0_and_names_torn_shards(
     with caplog.at_level(logging.WARNING, logger="stalewise.runtime.result"):
         merged = merge_stats([s, s | {"rejected": {"not_finite": 2, "too_stale": 0}}], settled=True)
         assert not caplog.messages  # a zero count is no disagreement
+        resent = merge_stats([s, s | {"duplicates": 3}], settled=True)  # a resend to shard 1
+        assert not caplog.messages and resent["duplicates"] == 4
         assert merged["rejected"] == {"not_finite": 2} and merged["applied"] == 5
         assert merged["bytes_in"] == 20 and merged["bytes_out"] == 40
         torn = [s, s, s | {"applied": 6, "rejected": {"not_finite": 1}}]

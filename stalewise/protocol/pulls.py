@@ -123,7 +123,7 @@ class PullServer:
             pulled = self._delta_pull(ref, version)
         if pulled is None:
             pulled = self._full_pull(worker, incarnation, version)
-        self.shard.stats.bytes_out += len(pulled.payload)
+        self.shard.served(len(pulled.payload))  # journaled: a replay counts it too
         return pulled
 
     def _full_pull(self, worker: int, incarnation: int, version: int) -> Pull:

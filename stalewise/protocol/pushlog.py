@@ -59,6 +59,7 @@ _COMMITTED = {"committed": lambda x: isinstance(x, bool), "header": _ints(4), "v
 FIELDS: dict[str, dict[str, Callable[[Any], bool]]] = {
     "push": {"header": _ints(4), "verdict": _ints(2), "now": _time},
     "pull": {"worker": _opt_int, "out": lambda x: isinstance(x, bool), "now": _time},
+    "served": {"nbytes": lambda x: _int(x) and x >= 0},
     "leave": {"worker": _int},
     "join": {"worker": _int, "incarnation": _int},
     "admit": {"worker": _int, "incarnation": _int},

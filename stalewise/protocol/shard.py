@@ -251,6 +251,11 @@ class Shard:
             np.copyto(backup, self.params)
         return self.version
 
+    @pushlog.journaled
+    def served(self, nbytes: int) -> None:
+        """Counts ``nbytes`` sent outside :meth:`pull` (a delta pull's payload) as bytes out."""
+        self.stats.bytes_out += nbytes
+
     # -- pushes ----------------------------------------------------------------------
 
     @pushlog.journaled

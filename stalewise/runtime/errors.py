@@ -159,17 +159,24 @@ class Failures:
         log.warning("shard %d failed (%s); restarting it", k, cause)
 
     def shard_restarted(
-        self, event: dict[str, Any], *, version: int | None = None, lost: int | None = None
+        self,
+        event: dict[str, Any],
+        *,
+        version: int | None = None,
+        lost: int | None = None,
+        source: str | None = None,
     ) -> None:
-        """The shard of ``event`` (:meth:`shard`'s) is back at ``version``, ``lost`` updates
-        of its slice lost (None: unknown); the first shard restart of a run is warned."""
-        event.update(lost=lost, version=version)
+        """The shard of ``event`` (:meth:`shard`'s) is back at ``version`` from ``source``
+        (None: a rollback of every shard), ``lost`` updates of its slice lost (None: unknown);
+        the first shard restart of a run is warned."""
+        event.update(lost=lost, version=version, **({"source": source} if source else {}))
         at = "" if version is None else f" at version {version}"
         self.warn_once(
             "shard",
             f"shard {event['shard']} failed ({event['cause']}); restarted{at}, "
-            f"{'an unknown number of' if lost is None else lost} updates of its slice lost, "
-            "its workers rejoined",
+            f"{'an unknown number of' if lost is None else lost} updates of its slice lost"
+            + (f" (from its {source})" if source else "")
+            + f", its workers {'carried on' if source in ('backup', 'push log') else 'rejoined'}",
         )
 
     def left(self, w: int, cause: str, *, time: float) -> None:

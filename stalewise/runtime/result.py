@@ -159,23 +159,24 @@ class TrainResult:
 
 
 def merge_stats(per_shard: Sequence[Mapping[str, Any]], *, settled: bool = False) -> dict[str, Any]:
-    """Merges the shards' counters: shard 0's per-push counters, bytes summed; ``settled``
-    (no push in flight): shards whose counters differ from shard 0's are warned about."""
+    """Merges the shards' counters: shard 0's per-push counters, bytes and duplicates (a
+    resend may reach one shard) summed; ``settled`` (no push in flight): shards whose
+    per-push counters differ from shard 0's are warned about."""
     if not per_shard:
         return {}
     first = per_shard[0]
 
     def per_push(s: Mapping[str, Any]) -> tuple:
         # a Counter compares a missing kind equal to a zero count
-        return s["applied"], Counter(s.get("rejected", {})), s.get("duplicates", 0)
+        return s["applied"], Counter(s.get("rejected", {}))
 
     if settled:
         mine = per_push(first)
         torn = [k for k, s in enumerate(per_shard) if k and per_push(s) != mine]
         if torn:
             counts = "; ".join(
-                f"shard {k}: applied {a}, rejected {dict(r)}, duplicates {d}"
-                for k, (a, r, d) in ((k, per_push(per_shard[k])) for k in (0, *torn))
+                f"shard {k}: applied {a}, rejected {dict(r)}"
+                for k, (a, r) in ((k, per_push(per_shard[k])) for k in (0, *torn))
             )
             log.warning(
                 "shard(s) %s disagree with shard 0 on the per-push counters, which the "
@@ -187,7 +188,7 @@ def merge_stats(per_shard: Sequence[Mapping[str, Any]], *, settled: bool = False
         "applied": first["applied"],
         "version": first.get("version", first.get("rounds", 0)),
         "rejected": dict(first.get("rejected", {})),
-        "duplicates": first.get("duplicates", 0),
+        "duplicates": sum(s.get("duplicates", 0) for s in per_shard),
         "staleness_mean": first["staleness_mean"],
         "staleness_max": first["staleness_max"],
         "staleness_counts": dict(first.get("staleness_counts", {})),  # tau -> applied pushes

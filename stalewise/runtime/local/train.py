@@ -455,7 +455,9 @@ class _Host:
         for k, event in zip(dead, events, strict=True):
             base = bases[k] if bases else None
             info = self.server.restart_shard(k, base, self.o.ack_timeout, keep=tuple(carry))
-            self.run.failures.shard_restarted(event, version=info["version"], lost=info["lost"])
+            self.run.failures.shard_restarted(
+                event, version=info["version"], lost=info["lost"], source=info["source"]
+            )
             event["serving"] = self.now()  # the shard is back (its workers follow)
             if info["source"] not in ("push log", "backup"):  # no seats kept: new incarnations
                 again, carry = again + self.kill(carry), []

@@ -324,7 +324,9 @@ class ShardActor:
                     self._publish(exact=True)
                 if self.pub.version > seen:
                     if self.pulls is not None:
-                        return ("ok", *self._delta(w, have), self.handled)
+                        reply = ("ok", *self._delta(w, have), self.handled)
+                        await self._held()  # the pull's own entries
+                        return reply
                     self._served(self.shard.params.nbytes)
                     return ("ok", self.pub.version, self.snap, self.handled)
             await self._changed()

@@ -599,8 +599,7 @@ class _Host:
         log.warning(
             "ray: shard %d is back from its backup (version %d, entry %d)", k, version, entries
         )
-        self.run.failures.shard_restarted(event, version=version, lost=0)
-        event["source"] = "backup"
+        self.run.failures.shard_restarted(event, version=version, lost=0, source="backup")
         return True
 
     def _backup_ended(self, ref: Any) -> None:
