@@ -156,3 +156,22 @@ def test_replicas_on_ray_are_refused_in_one_line():
     job = sw.Job({"x": np.zeros(2, np.float32)}, optimizer=sw.optim.sgd(0.1), replicas=2)
     with pytest.raises(ValueError, match=r"^replicas=2: runtime 'ray' does not host [^\n]*$"):
         job.train(mp_helpers.quadratic_loss_and_grad, data=None, workers=1, steps=1, runtime="ray")
+
+
+def test_a_backup_killed_before_it_links_is_replaced_again(caplog, no_leaks):
+    """Shard 0's backup is killed, then its replacement while it starts: a third one links."""
+    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+    job = sw.Job(params, optimizer=sw.optim.sgd(1.0), replicas=2)
+    with caplog.at_level(logging.INFO), LocalServer(job.config, 1) as server:
+        first = server._backups[0][0]
+        os.kill(first.pid, signal.SIGKILL)
+        wait_for(lambda: server._spawning, "a replacement starting")
+        second = next(iter(server._spawning))
+        os.kill(second.pid, signal.SIGKILL)
+        wait_for(lambda: server._backups[0] and server._backups[0][0] not in (first, second),
+                 "a third backup linked", 60)  # fmt: skip
+        assert "shard 0: no backup: " in caplog.text
+        client = server.client(0)
+        pushes(client, 2)
+        client.close()
+    assert "shard 0: its backup's state equals its primary's" in caplog.text, caplog.text

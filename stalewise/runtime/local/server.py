@@ -59,6 +59,7 @@ _PER_PUSH_STATS = (
 
 #: Seconds a server call whose pipe to a shard ended waits for that shard's exit to show.
 SHARD_EXIT_WAIT = 5.0
+LINK_TRIES = 5  # backups started for a shard in a row before it serves alone
 
 
 def _shard_entry(config: ServerConfig, k: int, handle: str, *args: Any) -> None:
@@ -193,27 +194,40 @@ class LocalServer:
         return p
 
     def _link_backup(self, k: int, primary: Any, started: tuple | None = None) -> None:
-        """Hands backup ``started`` (else a new one), once ready, to shard ``k``'s ``primary``."""
-        if self._closing.is_set():
-            return
-        p, control, link = started or self._start_backup(k)
-        try:
-            reply = recv_reply(control, self.start_timeout, f"start of shard {k}'s backup")
-            with self._lock, self._procs_lock:
-                if self._closing.is_set() or self._procs[k] is not primary or reply[0] != "ready":
-                    raise ShardError(f"shard {k}'s backup was not needed or did not start")
-                self._controls[k].send_bytes(wire.backup(p.pid, self.backup_timeout))
-                reduction.send_handle(self._controls[k], link.fileno(), primary.pid)
-                self._backups[k] = (p, control)
-        except (ShardError, ServerClosed, TimeoutError, OSError) as e:
-            (log.debug if self._closing.is_set() else log.warning)("shard %d: no backup: %s", k, e)
-            p.kill()
-            p.join()
-            control.close()
-        finally:
-            link.close()  # the primary holds its own copy: its EOF is the backup's death
+        """Hands backup ``started`` (else a new one), once ready, to shard ``k``'s ``primary``;
+        one that fails to start is replaced (``LINK_TRIES``) while that primary needs one."""
+        for attempt in range(LINK_TRIES):
+            time.sleep(0.5 * attempt)
             with self._procs_lock:
-                self._spawning.discard(p)
+                if self._closing.is_set() or self._procs[k] is not primary or self._backups[k]:
+                    return
+            if not primary.is_alive():
+                return
+            p, control, link = started or self._start_backup(k)
+            started = None
+            try:
+                reply = recv_reply(control, self.start_timeout, f"start of shard {k}'s backup")
+                with self._lock, self._procs_lock:
+                    if self._closing.is_set() or self._procs[k] is not primary or self._backups[k]:
+                        raise ShardError(f"shard {k}'s backup was not needed")
+                    if reply[0] != "ready":
+                        raise ShardError(f"shard {k}'s backup did not start: {reply!r}")
+                    self._controls[k].send_bytes(wire.backup(p.pid, self.backup_timeout))
+                    reduction.send_handle(self._controls[k], link.fileno(), primary.pid)
+                    self._backups[k] = (p, control)
+                    return
+            except (ShardError, ServerClosed, TimeoutError, OSError) as e:
+                quiet = self._closing.is_set() or not primary.is_alive()
+                (log.debug if quiet else log.warning)("shard %d: no backup: %s", k, e)
+                p.kill()
+                p.join()
+                control.close()
+            finally:
+                link.close()  # the primary holds its own copy: its EOF is the backup's death
+                with self._procs_lock:
+                    self._spawning.discard(p)
+        if not self._closing.is_set():
+            log.error("shard %d: no backup in %d tries; it serves alone", k, LINK_TRIES)
 
     def _wait_ready(self, k: int) -> None:
         try:
