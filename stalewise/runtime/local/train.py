@@ -456,7 +456,7 @@ class _Host:
             base = bases[k] if bases else None
             info = self.server.restart_shard(k, base, self.o.ack_timeout, keep=tuple(carry))
             self.run.failures.shard_restarted(event, version=info["version"], lost=info["lost"])
-            event["serving"] = self.now()  # the shard is back (its workers follow)
+            event["serving"], event["source"] = self.now(), info["source"]  # back (workers follow)
             if info["source"] not in ("push log", "backup"):  # no seats kept: new incarnations
                 again, carry = again + self.kill(carry), []
             for w in carry:
@@ -519,7 +519,7 @@ class _Host:
         o, self.run = self.o, run
         self.server = server = LocalServer(
             self.config, o.workers, start_timeout=o.shard_start_timeout,
-            join_timeout=o.join_timeout, backup_timeout=o.ack_timeout,
+            join_timeout=o.join_timeout, backup_timeout=min(o.ack_timeout / 4, 5.0),
         )  # fmt: skip
         if run.resume is not None:
             server.load_state_dicts(run.resume.states)
