@@ -196,19 +196,19 @@ class LocalServer:
     def _link_backup(self, k: int, primary: Any, started: tuple | None = None) -> None:
         """Hands backup ``started`` (else a new one), once ready, to shard ``k``'s ``primary``;
         one that fails to start is replaced (``LINK_TRIES``) while that primary needs one."""
+        needed = lambda: not (self._closing.is_set() or self._procs[k] is not primary  # noqa: E731
+                              or self._backups[k])  # fmt: skip
         for attempt in range(LINK_TRIES):
             time.sleep(0.5 * attempt)
             with self._procs_lock:
-                if self._closing.is_set() or self._procs[k] is not primary or self._backups[k]:
+                if not needed() or not primary.is_alive():
                     return
-            if not primary.is_alive():
-                return
             p, control, link = started or self._start_backup(k)
             started = None
             try:
                 reply = recv_reply(control, self.start_timeout, f"start of shard {k}'s backup")
                 with self._lock, self._procs_lock:
-                    if self._closing.is_set() or self._procs[k] is not primary or self._backups[k]:
+                    if not needed():
                         raise ShardError(f"shard {k}'s backup was not needed")
                     if reply[0] != "ready":
                         raise ShardError(f"shard {k}'s backup did not start: {reply!r}")

@@ -563,6 +563,9 @@ def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> 
     child_logging(f"backup {k}")
     lo, hi = config.ranges[k]
     shard = config.build_shard(k, np.array(config.init[lo:hi]), layout.workers, layout.expected)
+    shard.warm_up()  # the JIT now, not within the primary's first wait (backup_timeout)
+    if shard.decoder is not None:
+        shard.decoder.warm_up()
     backup, held = None, ("", 0)  # the push log and its bytes that the state is after
     bound = 8 * shard.params.nbytes * (layout.workers + 2) + (1 << 24)  # a turn's entries
     control.send_bytes(wire.ready(k))
