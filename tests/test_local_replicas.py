@@ -87,8 +87,8 @@ def test_an_ack_waits_for_the_backup_and_a_hung_backup_is_killed_and_replaced(ca
         with pytest.raises(TimeoutError, match="ack"):
             client.wait(timeout=1.0)
         assert client.wait(timeout=10).status == "applied"
-        backup.join(10)
-        assert backup.exitcode == -signal.SIGKILL
+        # (the watcher reaps it: a join here may find no exit code)
+        wait_for(lambda: "shard 1's backup ended (killed by SIGKILL)" in caplog.text, "the kill")
         wait_for(lambda: (server._backups[1] or [backup])[0] is not backup, "a new backup")
         pushes(client, 2)
         client.close()
@@ -114,7 +114,7 @@ def test_a_resumed_replicated_job_starts_its_backups_at_the_checkpoint(tmp_path,
 def test_a_killed_primary_is_replaced_from_its_backup_losing_nothing(tmp_path, caplog, no_leaks):
     kills = Kills(2, "stalewise-shard-")
     with caplog.at_level(logging.INFO):
-        job, result = train(tmp_path, kills, steps=500)  # the new backups link before its end
+        job, result = train(tmp_path, kills, steps=1500)  # the new backups link before its end
     assert len(kills.pids) == 2
     restarted = [e for e in result.failures if "shard" in e]
     assert len(restarted) == 2 and all(e["lost"] == 0 for e in restarted), restarted
