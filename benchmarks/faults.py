@@ -314,6 +314,10 @@ def run(
     if case.endswith("-kills"):
         row |= _logged(job, r, checkpoints.dir, len(faults.at), killed)
         row["pause_backup_s"] = faults.pauses
+        if case == "replica-kills":  # each restart's source: a replay fallback shows here
+            row["sources"] = dict(
+                collections.Counter(e["source"] for e in r.failures if "source" in e)
+            )
         shutil.rmtree(checkpoints.dir, ignore_errors=True)
     return row | {
         # the run's own end reason: under BSP its budget is whole rounds, so a run whose
@@ -526,7 +530,7 @@ def shard_kills(task, n: int, steps: int, quick: bool, out, check: bool, case="s
     turn (the figures are written after each run)."""
     rows: list[dict] = []
     cols = ["consistency", "completed", "kills", "acked_lost", "applied_twice", "torn", "replay_eq",
-            "shard_s", "recover_s", "time_s"]  # fmt: skip
+            "shard_s", "recover_s", "time_s"] + ["sources"] * (case == "replica-kills")  # fmt: skip
     while (left := n - sum(r.get("kills", 0) for r in rows)) > 0 and len(rows) < 4 * n:
         consistency = (sw.ASP(), sw.BSP())[len(rows) % 2]
         kills = min(left, KILLS_PER_RUN)
@@ -554,6 +558,10 @@ def _shard_kills_total(rows: list[dict], steps: int, quick: bool, out) -> bool:
     }
     xs = [x for r in rows for x in r.get("pause_backup_s", [])]
     total |= {"pause_backup_s_mean": mean(xs), "pause_backup_n": len(xs)}
+    if any("sources" in r for r in rows):  # replica-kills: restarts by source
+        total["sources"] = dict(
+            sum((collections.Counter(r.get("sources")) for r in rows), collections.Counter())
+        )
     print(f"digits MLP, {WORKERS} workers, {SHARDS} shards, {steps} pushes per run:", total)
     ok = total["completed"] == len(rows) == total["replay_eq"] and not (
         total["acked_lost"] or total["applied_twice"] or total["torn"]

@@ -59,6 +59,7 @@ _PER_PUSH_STATS = (
 
 #: Seconds a server call whose pipe to a shard ended waits for that shard's exit to show.
 SHARD_EXIT_WAIT = 5.0
+LINK_TRIES = 5  # backups started for a shard in a row before it serves alone
 
 
 def _shard_entry(config: ServerConfig, k: int, handle: str, *args: Any) -> None:
@@ -97,7 +98,7 @@ class LocalServer:
         start_timeout: float = 120.0,
         join_timeout: float = 300.0,
         name: str | None = None,
-        backup_timeout: float = 60.0,
+        backup_timeout: float = 5.0,
     ):
         expected, workers = worker_range(workers)
         if name is not None:
@@ -193,27 +194,40 @@ class LocalServer:
         return p
 
     def _link_backup(self, k: int, primary: Any, started: tuple | None = None) -> None:
-        """Hands backup ``started`` (else a new one), once ready, to shard ``k``'s ``primary``."""
-        if self._closing.is_set():
-            return
-        p, control, link = started or self._start_backup(k)
-        try:
-            reply = recv_reply(control, self.start_timeout, f"start of shard {k}'s backup")
-            with self._lock, self._procs_lock:
-                if self._closing.is_set() or self._procs[k] is not primary or reply[0] != "ready":
-                    raise ShardError(f"shard {k}'s backup was not needed or did not start")
-                self._controls[k].send_bytes(wire.backup(p.pid, self.backup_timeout))
-                reduction.send_handle(self._controls[k], link.fileno(), primary.pid)
-                self._backups[k] = (p, control)
-        except (ShardError, ServerClosed, TimeoutError, OSError) as e:
-            (log.debug if self._closing.is_set() else log.warning)("shard %d: no backup: %s", k, e)
-            p.kill()
-            p.join()
-            control.close()
-        finally:
-            link.close()  # the primary holds its own copy: its EOF is the backup's death
+        """Hands backup ``started`` (else a new one), once ready, to shard ``k``'s ``primary``;
+        one that fails to start is replaced (``LINK_TRIES``) while that primary needs one."""
+        needed = lambda: not (self._closing.is_set() or self._procs[k] is not primary  # noqa: E731
+                              or self._backups[k])  # fmt: skip
+        for attempt in range(LINK_TRIES):
+            time.sleep(0.5 * attempt)
             with self._procs_lock:
-                self._spawning.discard(p)
+                if not needed() or not primary.is_alive():
+                    return
+            p, control, link = started or self._start_backup(k)
+            started = None
+            try:
+                reply = recv_reply(control, self.start_timeout, f"start of shard {k}'s backup")
+                with self._lock, self._procs_lock:
+                    if not needed():
+                        raise ShardError(f"shard {k}'s backup was not needed")
+                    if reply[0] != "ready":
+                        raise ShardError(f"shard {k}'s backup did not start: {reply!r}")
+                    self._controls[k].send_bytes(wire.backup(p.pid, self.backup_timeout))
+                    reduction.send_handle(self._controls[k], link.fileno(), primary.pid)
+                    self._backups[k] = (p, control)
+                    return
+            except (ShardError, ServerClosed, TimeoutError, OSError) as e:
+                quiet = self._closing.is_set() or not primary.is_alive()
+                (log.debug if quiet else log.warning)("shard %d: no backup: %s", k, e)
+                p.kill()
+                p.join()
+                control.close()
+            finally:
+                link.close()  # the primary holds its own copy: its EOF is the backup's death
+                with self._procs_lock:
+                    self._spawning.discard(p)
+        if not self._closing.is_set():
+            log.error("shard %d: no backup in %d tries; it serves alone", k, LINK_TRIES)
 
     def _wait_ready(self, k: int) -> None:
         try:
@@ -646,7 +660,8 @@ class LocalServer:
             backup, self._backups[k] = self._backups[k], None
         if backup is not None:
             try:
-                replayed, source = self._backed_up(k, backup[1], timeout), "backup"
+                replayed = self._backed_up(k, backup[1], timeout, snapshots.version(k))
+                source = "backup"
             except (ServerClosed, TimeoutError, OSError, CheckpointError) as e:
                 log.warning("shard %d: its backup's state is not used: %s", k, e)
             backup[1].close()
@@ -683,19 +698,26 @@ class LocalServer:
         """Whether the shards write push logs, from which a dead one is rebuilt."""
         return self._based is not None
 
-    def _backed_up(self, k: int, control: Any, timeout: float) -> tuple[dict, tuple]:
+    def _backed_up(self, k: int, control: Any, timeout: float, published: int) -> tuple:
         """Shard ``k``'s state as its backup (``control``) holds it, and the log it goes on
-        with (its chain's newest, cut there); a CheckpointError if the backup's is not that."""
+        with: the chain's newest, cut where the backup holds it (none: a new chain begins);
+        a CheckpointError if the backup's state is behind version ``published``."""
         control.send_bytes(wire.state())
         state = recv_reply(control, timeout, f"shard {k}'s backup's state", trusted=True)[1]
         path, at = state.pop("held")
+        if state["version"] < published:
+            raise CheckpointError(f"it is at version {state['version']}, behind {published}")
         if self._based is None:
             return state, ("", None, False)  # no log: the state alone
         newest = os.path.join(self._based[2], f"log-shard-{k}-{self._tags[k]}-{self._log_n:06d}")
-        if path != newest or not os.path.isfile(path) or os.path.getsize(path) < at:
-            raise CheckpointError(f"it holds {path or 'no log'}, at byte {at}, not {newest}")
-        log.info("shard %d: its backup's state: %s at byte %d", k, path, at)
-        return state, (path, at, self._based[3])
+        at = at if path == newest else 0  # none forwarded since it began (a switch syncs first)
+        if not os.path.isfile(newest) or os.path.getsize(newest) < at:
+            log.warning("shard %d: its backup holds %s at byte %d, not %s: a new log chain "
+                        "begins at the next checkpoint", k, path or "no log", at, newest)  # fmt: skip
+            self._tags[k] = uuid.uuid4().hex[:8]
+            return state, ("", None, False)
+        log.info("shard %d: its backup's state: %s at byte %d", k, newest, at)
+        return state, (newest, at, self._based[3])
 
     def _replayed(self, k: int) -> tuple[dict, tuple]:
         """Shard ``k``'s state when it died (the last logged cut's and its log chain), and

@@ -263,11 +263,12 @@ class ShardProcess:
             self.snapshots.changed(self.k, self.shard.version)
 
     def lose_backup(self, why: Exception | str) -> None:
-        """The backup died, or hung (then it is killed: its state is never taken): serve alone."""
+        """The backup died, hung or failed: it is killed (its state is never taken), the
+        parent starts a new one; this shard serves alone meanwhile."""
         if self.primary.backed:
             log.warning("shard %d: its backup is gone (%s); serving alone", self.k, why or "EOF")
-        if isinstance(why, TimeoutError | BlockingIOError):
-            with contextlib.suppress(OSError):
+        if self.link is not None and not isinstance(why, str | EOFError | ConnectionError):
+            with contextlib.suppress(OSError):  # (else it is dead, maybe reaped: its pid reused)
                 os.kill(self.backup_pid, signal.SIGKILL)
         self.primary.detach()
         if self.link is not None:
@@ -491,6 +492,7 @@ class ShardProcess:
 
     def join(self, w: int, inc: int) -> None:
         self.admit(reduction.recv_handle(self.control), w, inc)
+        self.sync()  # the backup holds the join before the reply
         self.control.send_bytes(wire.joined(w, inc, int(self.shard.clocks[w])))
 
     def admit(self, fd: int, w: int, inc: int) -> None:
@@ -561,6 +563,9 @@ def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> 
     child_logging(f"backup {k}")
     lo, hi = config.ranges[k]
     shard = config.build_shard(k, np.array(config.init[lo:hi]), layout.workers, layout.expected)
+    shard.warm_up()  # the JIT now, not within the primary's first wait (backup_timeout)
+    if shard.decoder is not None:
+        shard.decoder.warm_up()
     backup, held = None, ("", 0)  # the push log and its bytes that the state is after
     bound = 8 * shard.params.nbytes * (layout.workers + 2) + (1 << 24)  # a turn's entries
     control.send_bytes(wire.ready(k))
@@ -568,9 +573,9 @@ def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> 
         for c in wire.readable([c for c in (control, link) if c], None):
             try:
                 body = c.recv_bytes(None if c is control else bound)
-            except (EOFError, OSError):
-                if c is control:
-                    return
+            except (EOFError, OSError) as e:
+                if c is control or not isinstance(e, EOFError | ConnectionResetError):
+                    return  # stopped, or a bad message: the parent starts a new backup
                 link = link.close()  # the primary died: the parent asks for the state
                 continue
             if c is control:

@@ -521,7 +521,7 @@ class _Host:
         o, self.run = self.o, run
         self.server = server = LocalServer(
             self.config, o.workers, start_timeout=o.shard_start_timeout,
-            join_timeout=o.join_timeout, backup_timeout=o.ack_timeout,
+            join_timeout=o.join_timeout, backup_timeout=min(o.ack_timeout / 4, 5.0),
         )  # fmt: skip
         if run.resume is not None:
             server.load_state_dicts(run.resume.states)
