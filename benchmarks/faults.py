@@ -30,7 +30,9 @@ undisturbed, then once per fault, with the same budget of pushes:
                     worker back in the run).
   (f2) replica-kills ``--replica-kills N``: (f) with ``replicas=2``, each kill a random
                     primary (its pause: ``shard_s``, ``recover_s``) or backup (about half
-                    each); ``pause_backup_s``: from a backup's kill to the record (every
+                    each), once every shard has a backup linked again (single failures);
+                    ``sources``: where each restarted primary's state came from;
+                    ``pause_backup_s``: from a backup's kill to the record (every
                     0.05 s) at which the job has made more than WORKERS more pushes (one in
                     flight per worker: so some push was acknowledged).
   (g) launcher-kills ``--launcher-kills N`` runs only this case: the one-hot job of
@@ -191,6 +193,7 @@ class Faults:
         # shard-kills: the next kill once the run has made this many pushes
         self.after = self.rng.randint(20, 120) if case.endswith("-kills") else 0
         self.pauses: list = []  # replica-kills: seconds after each backup's kill
+        self.linked: set[int] = set()  # replica-kills: backups linked to their primary
         self.waiting: list = []  # (time, pushes) of backup kills whose pause is not over
 
     def _children(self, kind: str) -> list:
@@ -217,6 +220,9 @@ class Faults:
         elif self.case == "shard-kill":
             os.kill(self._children("shard")[1].pid, signal.SIGKILL)
             self.next = None
+        elif self.case[0] == "r" and not self._backed():  # one failure at a time: wait
+            self.after = rec["pushes"] + self.rng.randint(20, 120)  # for the new backup
+            return
         elif self.case.endswith("-kills"):  # this record comes after the last recovery
             kind = self.rng.choice(("shard", "backup")) if self.case[0] == "r" else "shard"
             os.kill(self.rng.choice(self._children(kind)).pid, signal.SIGKILL)
@@ -233,6 +239,15 @@ class Faults:
             self.next = None
             return
         self.at.append(now)
+
+    def _backed(self) -> bool:
+        """Whether every shard has a backup linked to its primary (the server's log line)."""
+        backups = self._children("backup")
+        return len(backups) == SHARDS and all(p.pid in self.linked for p in backups)
+
+    def emit(self, record: logging.LogRecord) -> None:  # a logging handler's: a link
+        if record.msg == "shard %d: backup %d linked":
+            self.linked.add(record.args[1])
 
     def timings(self, failures: list[dict]) -> tuple[float, float]:
         """Mean seconds from each fault to its detection, and to the recovery."""
@@ -279,6 +294,11 @@ def run(
     loss = BadPushes(task) if case == "bad-pushes" else Plain(task)
     row: dict = {"case": case, "consistency": str(consistency)}
     t = time.perf_counter()
+    links = logging.getLogger("stalewise.runtime.local.server")
+    handler = logging.Handler(logging.INFO)
+    handler.emit = faults.emit
+    links.addHandler(handler)
+    links.setLevel(min(links.getEffectiveLevel(), logging.INFO))
     try:
         with warnings.catch_warnings():  # the failures are in r.failures, and in the table
             warnings.simplefilter("ignore", sw.FailureWarning)
@@ -302,6 +322,8 @@ def run(
             "completed": f"no: {type(e).__name__}: {first[:60]}",
             "time_s": time.perf_counter() - t,
         }
+    finally:
+        links.removeHandler(handler)
     s = r.stats
     refused = sum(s["rejected"].values())
     handled = s["applied"] + refused

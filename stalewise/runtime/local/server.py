@@ -215,6 +215,7 @@ class LocalServer:
                     self._controls[k].send_bytes(wire.backup(p.pid, self.backup_timeout))
                     reduction.send_handle(self._controls[k], link.fileno(), primary.pid)
                     self._backups[k] = (p, control)
+                    log.info("shard %d: backup %d linked", k, p.pid)
                     return
             except (ShardError, ServerClosed, TimeoutError, OSError) as e:
                 quiet = self._closing.is_set() or not primary.is_alive()
