@@ -6,14 +6,13 @@ backup's state equals its primary's, bit for bit. Job.train stops every process 
 even when a test fails (the ``no_leaks`` fixture checks)."""
 
 import logging
-import multiprocessing as mp
 import os
-import random
 import signal
 
 import mp_helpers
 import numpy as np
 import pytest
+import test_shard_log_restart
 from test_one_cut import ONES, pushes
 from test_replay import paced_loss_and_grad_b
 from test_shard_log_restart import kill, wait_for
@@ -25,26 +24,19 @@ from stalewise.runtime.local.server import LocalServer
 SERVER = "stalewise.runtime.local.server"
 
 
-class Kills:
-    """An ``on_record`` that SIGKILLs the process ``prefix + "0"``, then ``prefix + "1"``, ... at
-    random moments, ``n`` times."""
+class Kills(test_shard_log_restart.Kills):
+    """SIGKILLs the process ``prefix + "0"``, then ``prefix + "1"``, ... (each shard backed
+    again before its next turn)."""
+
+    first, gap = (0.3, 0.8), (0.4, 0.8)
 
     def __init__(self, n, prefix, seed=0):
-        self.rng, self.left, self.prefix, self.pids = random.Random(seed), n, prefix, []
-        self.next = self.rng.uniform(0.3, 0.8)
-        self.workers = set()  # the pids of every worker process seen at a record
+        super().__init__(n, seed)
+        self.prefix = prefix
 
-    def __call__(self, rec):
-        procs = mp.active_children()
-        self.workers |= {p.pid for p in procs if p.name.startswith("stalewise-worker-")}
-        if self.left and rec["time"] >= self.next:
-            name = f"{self.prefix}{len(self.pids) % 2}"  # shard 0, then 1: each is backed
-            victims = [p for p in procs if p.name == name and p.is_alive()]
-            if victims:
-                os.kill(victims[0].pid, signal.SIGKILL)
-                self.pids.append(1)
-                self.left -= 1
-            self.next = rec["time"] + self.rng.uniform(0.4, 0.8)
+    def victim(self, procs):
+        name = f"{self.prefix}{len(self.pids) % 2}"
+        return next((p for p in procs if p.name == name and p.is_alive()), None)
 
 
 def train(folder=None, on_record=None, consistency=None, steps=300, workers=4, resume=False):

@@ -24,24 +24,31 @@ from stalewise.runtime.local.server import LocalServer
 
 
 class Kills:
-    """An ``on_record`` that SIGKILLs a random shard at random moments, ``n`` times."""
+    """An ``on_record`` that SIGKILLs a :meth:`victim` at random moments, ``n`` times (the
+    first after ``first`` seconds, then every ``gap``: uniform ranges)."""
+
+    first, gap = (0.3, 1.0), (0.2, 1.0)
 
     def __init__(self, n, seed):
         self.rng, self.left, self.pids = random.Random(seed), n, []
-        self.next = self.rng.uniform(0.3, 1.0)
+        self.next = self.rng.uniform(*self.first)
         self.workers = set()  # the pids of every worker process seen at a record
+
+    def victim(self, procs):
+        """A random shard process (None: none now)."""
+        shards = [p for p in procs if p.name.startswith("stalewise-shard-")]
+        return self.rng.choice(shards) if shards else None
 
     def __call__(self, rec):
         procs = mp.active_children()
         self.workers |= {p.pid for p in procs if p.name.startswith("stalewise-worker-")}
         if self.left and rec["time"] >= self.next:
-            shards = [p for p in mp.active_children() if p.name.startswith("stalewise-shard-")]
-            if shards:
-                victim = self.rng.choice(shards)
+            victim = self.victim(procs)
+            if victim is not None:
                 os.kill(victim.pid, signal.SIGKILL)
                 self.pids.append(victim.pid)
                 self.left -= 1
-            self.next = rec["time"] + self.rng.uniform(0.2, 1.0)
+            self.next = rec["time"] + self.rng.uniform(*self.gap)
 
 
 def train(job, folder, on_record=None, **kw):
