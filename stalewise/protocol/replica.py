@@ -27,8 +27,12 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import deque
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from stalewise.protocol import pushlog
 
@@ -165,3 +169,14 @@ class Outstanding:
     def resend(self, k: int) -> list[Any]:
         """What to send the new primary of shard ``k``, in the order first sent."""
         return list(self._sent[k].values())
+
+
+def digest(state: dict[str, Any]) -> str:
+    """A sha256 of a ``Shard.state_dict()`` (its arrays' bytes, the rest as JSON): a backup's
+    state equals its primary's when their digests do."""
+    h = hashlib.sha256()
+    for key, v in sorted(state.items()):
+        h.update(
+            key.encode() + (v.tobytes() if isinstance(v, np.ndarray) else json.dumps(v).encode())
+        )
+    return h.hexdigest()

@@ -7,7 +7,6 @@ pushes, publishes and serves the pulls asked for. A worker's bad message disconn
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -20,7 +19,7 @@ import numpy as np
 
 from stalewise.checkpoint.store import create_file
 from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline
-from stalewise.protocol.replica import Backup, CatchUp, Held, Primary
+from stalewise.protocol.replica import Backup, CatchUp, Held, Primary, digest
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Snapshots
@@ -486,7 +485,9 @@ class ShardProcess:
             c.send_bytes(wire.loaded(shard.version, None))
         else:  # stop
             stats = shard.stats.as_dict() | {"version": shard.version}
-            c.send_bytes(wire.stopped(stats | ({"digest": digest(shard)} if self.link else {})))
+            c.send_bytes(
+                wire.stopped(stats | ({"digest": digest(shard.state_dict())} if self.link else {}))
+            )
             return False
         return True
 
@@ -511,11 +512,6 @@ class ShardProcess:
             p.close()
             return
         self.pipes[p], self.current[w] = None, p
-
-
-def digest(shard: Shard) -> str:
-    """A hash of ``shard``'s whole state (params, optimizer state, counters)."""
-    return hashlib.sha256(wire.encode_state(shard.state_dict())).hexdigest()
 
 
 def shard_main(
@@ -580,7 +576,7 @@ def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> 
                 continue
             if c is control:
                 if wire.decode_control(body)[0] != "state":  # stop
-                    return control.send_bytes(wire.stopped({"digest": digest(shard)}))
+                    return control.send_bytes(wire.stopped({"digest": digest(shard.state_dict())}))
                 control.send_bytes(wire.state_reply(shard.state_dict() | {"held": held}))
                 continue
             msg, path, at = wire.decode_link(body)

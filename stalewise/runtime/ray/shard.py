@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import math
 import os
@@ -16,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from stalewise.protocol import PushHeader, ServerConfig, Verdict, delivery, pipeline, pulls
-from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary
+from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary, digest
 from stalewise.runtime.logs import child_logging
 
 log = logging.getLogger(__name__)
@@ -31,15 +29,6 @@ def payload_spans(config: ServerConfig) -> list[tuple[int, int]] | None:
         return None
     ends = np.cumsum([compressor.nbytes(k, config.init.dtype) for k in range(config.shards)])
     return [(int(e - n), int(e)) for e, n in zip(ends, np.diff(ends, prepend=0), strict=True)]
-
-
-def digest(state: dict) -> str:
-    """A sha256 of a ``Shard.state_dict()``: its arrays' bytes, the rest as JSON."""
-    h = hashlib.sha256()
-    for key, v in sorted(state.items()):
-        is_array = isinstance(v, np.ndarray)
-        h.update(key.encode() + (v.tobytes() if is_array else json.dumps(v).encode()))
-    return h.hexdigest()
 
 
 class ShardActor:
@@ -240,7 +229,7 @@ class ShardActor:
         return self.shard.handled(w, inc)
 
     async def digest(self) -> str:
-        """:func:`digest` of the shard's state."""
+        """:func:`~stalewise.protocol.replica.digest` of the shard's state."""
         return digest(self.shard.state_dict())
 
     async def stop(self) -> None:
