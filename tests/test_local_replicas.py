@@ -7,6 +7,7 @@ even when a test fails (the ``no_leaks`` fixture checks)."""
 
 import logging
 import os
+import re
 import signal
 
 import mp_helpers
@@ -26,20 +27,32 @@ SERVER = "stalewise.runtime.local.server"
 
 class Kills(test_shard_log_restart.Kills):
     """SIGKILLs the process ``prefix + "0"``, then ``prefix + "1"``, ... (each shard backed
-    again before its next turn)."""
+    again before its next turn). Marks a record ``relinked_score`` 1 once every kill is made,
+    every shard has a backup linked again and ``pushes`` pushes are counted: the job's
+    ``stop_at`` (RELINKED), so the run cannot end before the last new backup links."""
 
     first, gap = (0.3, 0.8), (0.4, 0.8)
 
-    def __init__(self, n, prefix, seed=0):
+    def __init__(self, n, prefix, caplog, seed=0, pushes=400):
         super().__init__(n, seed)
-        self.prefix = prefix
+        self.prefix, self.caplog, self.pushes = prefix, caplog, pushes
 
     def victim(self, procs):
         name = f"{self.prefix}{len(self.pids) % 2}"
         return next((p for p in procs if p.name == name and p.is_alive()), None)
 
+    def __call__(self, rec):
+        super().__call__(rec)
+        links = len(re.findall(r"shard \d: backup \d+ linked", self.caplog.text))  # 2 + 1 a kill
+        done = not self.left and links >= 2 + len(self.pids) and rec["pushes"] >= self.pushes
+        rec["relinked_score"] = float(done)
 
-def train(folder=None, on_record=None, consistency=None, steps=300, workers=4, resume=False):
+
+RELINKED = {"relinked_score": 1}
+
+
+def train(folder=None, on_record=None, consistency=None, steps=300, workers=4, resume=False,
+          stop_at=None):
     params = {"x": np.zeros(8, np.float32), "b": np.ones(300, np.float32)}
     job = sw.Job(params, optimizer=sw.optim.adam(0.05), shards=2, replicas=2,
                  consistency=consistency)  # fmt: skip
@@ -49,6 +62,7 @@ def train(folder=None, on_record=None, consistency=None, steps=300, workers=4, r
         data=mp_helpers.counting_data,
         workers=workers,
         steps=steps,
+        stop_at=stop_at,
         checkpoints=every,
         metrics=sw.Metrics(every=0.05, on_record=on_record),
         timeouts=sw.Timeouts(total=60),
@@ -104,9 +118,9 @@ def test_a_resumed_replicated_job_starts_its_backups_at_the_checkpoint(tmp_path,
 
 
 def test_a_killed_primary_is_replaced_from_its_backup_losing_nothing(tmp_path, caplog, no_leaks):
-    kills = Kills(2, "stalewise-shard-")
+    kills = Kills(2, "stalewise-shard-", caplog)
     with caplog.at_level(logging.INFO):
-        job, result = train(tmp_path, kills, steps=1500)  # the new backups link before its end
+        job, result = train(tmp_path, kills, steps=20_000, stop_at=RELINKED)
     assert len(kills.pids) == 2
     restarted = [e for e in result.failures if "shard" in e]
     assert len(restarted) == 2 and all(e["lost"] == 0 for e in restarted), restarted
@@ -126,22 +140,24 @@ def test_a_killed_primary_is_replaced_from_its_backup_losing_nothing(tmp_path, c
 
 
 def test_without_a_checkpoint_folder_a_killed_primary_restarts_no_worker(caplog, no_leaks):
-    kills = Kills(1, "stalewise-shard-", seed=1)
+    kills = Kills(1, "stalewise-shard-", caplog, seed=1)
     with caplog.at_level(logging.INFO):
-        _, result = train(None, kills, steps=400)
+        _, result = train(None, kills, steps=20_000, stop_at=RELINKED)
     assert len(kills.pids) == 1 and len(kills.workers) == 4, kills.workers
     assert "from its backup (0 updates of its slice lost)" in caplog.text
-    assert result.pushes >= 400 and backups_equal(caplog), caplog.text
+    assert result.ended == "stop_at" and result.pushes >= 400, result
+    assert backups_equal(caplog), caplog.text
 
 
 def test_a_killed_backup_is_replaced_and_caught_up(caplog, no_leaks):
-    kills = Kills(2, "stalewise-backup-", seed=2)
+    kills = Kills(2, "stalewise-backup-", caplog, seed=2)
     with caplog.at_level(logging.INFO):
-        _, result = train(None, kills, steps=2000)  # time for the second new one to link
+        _, result = train(None, kills, steps=20_000, stop_at=RELINKED)
     assert len(kills.pids) == 2 and len(kills.workers) == 4
     assert not [e for e in result.failures if "shard" in e]
     assert caplog.text.count("backup ended (killed by SIGKILL); starting a new one") == 2
-    assert result.pushes >= 2000 and backups_equal(caplog), caplog.text
+    assert result.ended == "stop_at" and result.pushes >= 400, result
+    assert backups_equal(caplog), caplog.text
 
 
 def test_a_backup_killed_before_it_links_is_replaced_again(caplog, no_leaks):
