@@ -51,8 +51,9 @@ class Kills(test_shard_log_restart.Kills):
 RELINKED = {"relinked_score": 1}
 
 
-def train(folder=None, on_record=None, consistency=None, steps=300, workers=4, resume=False,
-          stop_at=None):
+def train(
+    folder=None, on_record=None, consistency=None, steps=300, workers=4, resume=False, stop_at=None
+):
     params = {"x": np.zeros(8, np.float32), "b": np.ones(300, np.float32)}
     job = sw.Job(params, optimizer=sw.optim.adam(0.05), shards=2, replicas=2,
                  consistency=consistency)  # fmt: skip
