@@ -45,6 +45,7 @@ def save(shard: Shard) -> dict[str, Any]:
     numpy arrays, and JSON-able values for counters (safetensors plus JSON)."""
     structure, opt_arrays = _flatten_state(shard.opt_state)
     pulled = sorted(shard._pulled)
+    timing = shard._pace is not None and not np.isnan(shard._pace._since).all()
     pulled_params = np.empty((len(pulled), shard.params.size), dtype=shard.params.dtype)
     for row, w in zip(pulled_params, pulled, strict=True):
         np.copyto(row, shard._pulled[w])
@@ -75,7 +76,7 @@ def save(shard: Shard) -> dict[str, Any]:
             shard._pace.state() if shard._pace is not None else np.full(shard.workers, np.nan)
         ),
         # hybrid, only while a served pull awaits its push (replaying a journal times it)
-        **({"pace.since": shard._pace._since.copy()} if _timing(shard) else {}),
+        **({"pace.since": shard._pace._since.copy()} if timing else {}),
         "pulled.workers": np.array(pulled, dtype=np.int64),
         "pulled.params": pulled_params,
         "opt_structure": structure,
@@ -118,11 +119,6 @@ def load(shard: Shard, state: Mapping[str, Any]) -> None:
         shard._pace.load(state["pace"], state.get("pace.since"))
     shard._pulled = pulled
     vars(shard.stats).update(stats)  # the same object: a runtime may hold it
-
-
-def _timing(shard: Shard) -> bool:
-    """Whether a hybrid shard has timed a pull whose push has not come yet."""
-    return shard._pace is not None and not np.isnan(shard._pace._since).all()
 
 
 def _counted(state: Mapping[str, Any], workers: int) -> np.ndarray:

@@ -65,10 +65,6 @@ class Runtime:
 _RUNTIMES: dict[str, Runtime] = {}
 
 
-def _is_path(value: Any) -> bool:
-    return isinstance(value, str) and value.count(":") == 1 and all(value.split(":"))
-
-
 def register(name: str, run: Target, **facts: Any) -> Runtime:
     """Registers (or replaces) the runtime ``name``: ``run`` and the other fields of
     :class:`Runtime` as keywords (``server=``, ``attach=``, ``max_workers=``, ...)."""
@@ -77,7 +73,8 @@ def register(name: str, run: Target, **facts: Any) -> Runtime:
     runtime = Runtime(name, run, **facts)
     for what in _CALLABLES:
         value = getattr(runtime, what)
-        if (value is not None or what == "run") and not (callable(value) or _is_path(value)):
+        path = isinstance(value, str) and value.count(":") == 1 and all(value.split(":"))
+        if (value is not None or what == "run") and not (callable(value) or path):
             what = "runner" if what == "run" else what
             raise ValueError(
                 f"runtime {name!r}: {what} must be a callable or a 'module:name' string, "
