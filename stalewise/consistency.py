@@ -1,11 +1,6 @@
 """Consistency models: when may a worker start its next step, and how pushes merge.
 
-A worker's *clock* is its completed pushes; a worker at clock ``c`` may start when:
-``ASP()`` always (pushes applied on arrival); ``SSP(bound=s)`` if ``c - min(live
-clocks) <= s``; ``BSP()`` as ``SSP(0)``, and a round's pushes are applied once, as
-their mean; ``Hybrid(tolerance=2)`` BSP while the workers keep pace, ASP while one is a
-straggler (each shard decides at round boundaries, :mod:`stalewise.protocol.hybrid`, so
-:meth:`Consistency.may_start` answers False: "ask the shard").
+A worker's *clock* is its completed pushes; a gate compares it with the slowest live one.
 
 Example:
     >>> from stalewise import SSP
@@ -77,11 +72,10 @@ def SSP(bound: float = 4) -> Consistency:
 def Hybrid(tolerance: float = 2.0) -> Consistency:
     """BSP while the workers keep pace, ASP while a straggler would hold them back.
 
-    Each shard measures every worker's time from pull to push; when a worker
-    takes more than ``tolerance`` times the median, the shard switches to
-    asynchronous updates at the end of the round, and back to synchronous
-    rounds once no worker exceeds ``tolerance / 1.25`` times the median. Use a
-    staleness rule (e.g. ``sw.staleness.inverse()``) for the asynchronous phases.
+    Each shard measures every worker's time from pull to push; when a worker takes more than
+    ``tolerance`` times the median, the shard switches to asynchronous updates at the end of the
+    round, and back to synchronous rounds once no worker exceeds ``tolerance / 1.25`` times the
+    median. Use a staleness rule (e.g. ``sw.staleness.inverse()``) for the asynchronous phases.
 
     Args:
         tolerance: a number > 1."""

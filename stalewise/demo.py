@@ -2,9 +2,8 @@
 
 Trains the digits MLP with local worker processes, the last ``slowdown`` times slower,
 first under BSP, then under ASP (each push's LAMB step divided by its staleness), and
-reports the wall time each needs to reach 95% held-out accuracy. The learning rate is
-one shared value, not tuned per model (the summary says so);
-``benchmarks/time_to_accuracy.py`` compares each at its best."""
+reports the wall time each needs to reach 95% held-out accuracy (one learning rate for
+both, untuned: ``benchmarks/time_to_accuracy.py`` compares each at its best)."""
 
 from __future__ import annotations
 

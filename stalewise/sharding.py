@@ -1,9 +1,7 @@
 """Size-balanced sharding of the flat parameter vector across server shards.
 
-Cuts fall on leaf boundaries so that per-leaf rules (LAMB's trust ratio) see
-whole leaves, except when a leaf is larger than a shard's share: such a leaf is
-cut where the balance needs it, and each piece's trust ratio is computed on that
-piece.
+Cuts fall on leaf boundaries, except in a leaf larger than a shard's share (per-leaf
+rules such as LAMB's trust ratio then see each piece alone).
 
 Example:
     >>> from stalewise.segments import Segments

@@ -1,13 +1,10 @@
 """How much a stale push counts.
 
-The staleness ``tau`` of a push is the shard's version when it is applied minus the
-version the worker pulled. A :class:`Staleness` rule turns ``tau`` into a weight that
-scales the server optimizer's step, may refuse pushes older than ``max_staleness``
-(judged once per push, at commit, so every shard agrees: :mod:`stalewise.protocol.commit`)
-and may switch on DC-ASGD delay compensation (Zheng et al. 2017): ``g + dc_lambda * g *
-g * (w_now - w_pulled)``. Rules: ``constant`` (1, plain ASGD), ``inverse`` (``1 / max(1,
-tau)``, Zhang et al. 2016), ``exponential`` (``base ** tau``) and ``polynomial`` (``(1 +
-tau) ** -power``).
+The staleness ``tau`` of a push is the shard's version when it is applied minus the version the
+worker pulled. A :class:`Staleness` rule turns ``tau`` into a weight that scales the server
+optimizer's step, may refuse pushes older than ``max_staleness`` (judged once per push, at commit,
+so every shard agrees: :mod:`stalewise.protocol.commit`) and may switch on DC-ASGD delay
+compensation (Zheng et al. 2017): ``g + dc_lambda * g * g * (w_now - w_pulled)``.
 
 Example:
     >>> from stalewise import staleness

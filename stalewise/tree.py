@@ -1,9 +1,8 @@
 """Pytrees of NumPy, PyTorch, JAX or TensorFlow arrays <-> one flat vector.
 
 The server and the optimizers work on one flat NumPy vector: :func:`flatten` makes it and a
-:class:`FlatSpec`, :func:`unflatten` builds the tree back, :func:`unflatten_into` writes into
-an existing tree in place. Containers, models, leaves, dtypes, buffers, tied leaves:
-docs/models.md."""
+:class:`FlatSpec`, :func:`unflatten` builds the tree back, :func:`unflatten_into` writes into an
+existing tree in place. Containers, models, leaves, dtypes, buffers, tied leaves: docs/models.md."""
 
 from __future__ import annotations
 
@@ -220,8 +219,6 @@ def _split(x: Any, path: tuple) -> _Split:
 
 
 class _Builder:
-    """What :func:`_build` collects: the stored leaves, the tied ones, the refused ones."""
-
     def __init__(self) -> None:
         self.found: list[_Leaf] = []
         self.seen: dict[Any, int] = {}  # identity of a mutable leaf -> its index in found
@@ -341,8 +338,6 @@ def _make_spec(found: list[_Leaf], treedef: TreeDef, dtype: Any) -> FlatSpec:
 
 
 class _Matcher:
-    """What :func:`_match` collects: the values found for each stored leaf."""
-
     def __init__(self, spec: FlatSpec) -> None:
         self.spec = spec
         self.leaves: list[list[_Leaf]] = [[] for _ in spec.leaves]

@@ -553,10 +553,9 @@ def untrusted(st: os.stat_result, kind: int = stat.S_IFDIR) -> str | None:
 
 
 def create_file(path: str | os.PathLike, at: int | None = None) -> int:
-    """A descriptor of the new file ``path`` (mode 0644) for writing, in a folder of this
-    user's that no one else can write; the file itself no symlink (``O_EXCL``). ``at``:
-    the existing file instead, a regular file of this user's, cut to ``at`` bytes and
-    written from there.
+    """A descriptor of the new file ``path`` (mode 0644) for writing, in a folder of this user's
+    that no one else can write; the file itself no symlink (``O_EXCL``). ``at``: the existing file
+    instead, a regular file of this user's, cut to ``at`` bytes and written from there.
 
     Raises:
         OSError: the folder or the file is not to be trusted (:func:`untrusted`), or the

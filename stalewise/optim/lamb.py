@@ -1,8 +1,5 @@
-"""LAMB: Adam directions scaled leaf by leaf by a trust ratio (You et al., 2020).
-
-Where well-known ones differ: the decoupled weight decay is part of the applied step, the
-trust ratio is clipped (at most 10 by default) and is 1 when either norm is zero (so
-zero-initialised biases train), and leaves can be excluded from decay and adaptation."""
+"""LAMB: Adam directions scaled leaf by leaf by a trust ratio (You et al., 2020); unlike
+some, a ratio of 1 when either norm is zero (zero-initialised biases train)."""
 
 from __future__ import annotations
 
@@ -70,13 +67,12 @@ def lamb(
 ) -> Optimizer:
     """The LAMB optimizer, leaf by leaf over the segments given to ``init``.
 
-    For each leaf, with ``t = count + 1``: ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*g^2``,
-    ``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * p``,
-    ``r = clip(||p|| / ||u||, min_trust_ratio, max_trust_ratio)`` (1 when either norm is zero or the
-    leaf is excluded from adaptation), and ``p -= lr * scale * r * u``; the last ratios are kept in
-    ``state.trust_ratio``. A leaf split across shards gets the ratio of its local part.
-    ``max_trust_ratio=math.inf``: no clip, as optax. The exclusions are regexes (``re.search``) on
-    leaf names.
+    For each leaf, with ``t = count + 1``: ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*g^2``, ``u =
+    m_hat / (sqrt(v_hat) + eps) + weight_decay * p``, ``r = clip(||p|| / ||u||, min_trust_ratio,
+    max_trust_ratio)`` (1 when either norm is zero or the leaf is excluded from adaptation), and ``p
+    -= lr * scale * r * u``; the last ratios are kept in ``state.trust_ratio``. A leaf split across
+    shards gets the ratio of its local part. ``max_trust_ratio=math.inf``: no clip, as optax. The
+    exclusions are regexes (``re.search``) on leaf names.
 
     Example:
         >>> import numpy as np

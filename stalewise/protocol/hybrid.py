@@ -1,9 +1,6 @@
-"""The hybrid consistency model's rule: synchronous while workers keep pace, else asynchronous.
-
-Under :func:`stalewise.consistency.Hybrid` a shard starts synchronous and, at a round's
-end, turns asynchronous when a worker's *pace* (the smoothed time from a served pull to
-its next push) is over ``tolerance`` times the live median, and back below
-``tolerance / 1.25``. Why: ``docs/design-notes.md`` ("Protocol")."""
+"""The rule of :func:`stalewise.consistency.Hybrid`: a shard starts synchronous and decides
+at each round's end, by each worker's *pace* (the smoothed time from a served pull to its
+next push) against the live median. Why: ``docs/design-notes.md`` ("Protocol")."""
 
 from __future__ import annotations
 

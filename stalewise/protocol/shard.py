@@ -626,7 +626,6 @@ class Shard:
         self.synchronous = synchronous
 
     def _close_round(self) -> None:
-        """Applies a round's merged pushes (if any) and starts the next round."""
         if self._round_count:
             assert self._round_sum is not None
             self._round_sum *= 1.0 / self._round_count

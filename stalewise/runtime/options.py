@@ -209,13 +209,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
 @dataclass(frozen=True)
 class RunOptions:
     """The run-time options of one training run (see :meth:`stalewise.Job.train`); a bad
-    one raises :class:`OptionError` naming it.
-
-    Timeouts are in wall seconds, at most :data:`MAX_TIMEOUT`; None waits forever.
-    ``eval_interval`` is at least :data:`MIN_EVAL_INTERVAL`, ``worker_timeout``
-    at least :data:`MIN_WORKER_TIMEOUT`, ``checkpoint_seconds`` at least
-    :data:`MIN_CHECKPOINT_SECONDS` (straggler factors and delays: see
-    :func:`stalewise.runtime.base.check_run`)."""
+    one raises :class:`OptionError` naming it. Timeouts are in wall seconds."""
 
     loss_and_grad: Callable[[Any, Any], tuple[float, Any]]
     data: Any  # data(worker, workers) -> batches, or one sequence of batches per worker
@@ -285,9 +279,7 @@ class RunOptions:
             )
 
     def _elastic_workers(self) -> None:
-        """``room`` and ``expected`` from ``workers``: N of N, ``(min, max)``, or ``"auto"``
-        (``(1, MAX_WORKERS)``). The budget's whole BSP rounds count ``expected`` pushes each
-        (:func:`budget.may_begin_round <stalewise.protocol.budget.may_begin_round>`)."""
+        """``room`` and ``expected`` from ``workers`` (see :func:`_workers`)."""
         workers = _workers(self.workers)
         if workers == "auto":
             lo, hi = 1, MAX_WORKERS

@@ -111,7 +111,6 @@ class WorkerActor:
             yield batch
 
     def _sleep(self, seconds: float) -> None:
-        """Sleeps, beating every ``POLL`` seconds."""
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
             self.beats += 1
@@ -316,7 +315,6 @@ class WorkerActor:
         return failed_at
 
     def _get(self, refs: list, timeout: float | None = None) -> list:
-        """``ray.get(refs, timeout)``, beating while it waits."""
         import ray
 
         deadline = None if timeout is None else time.monotonic() + timeout
