@@ -42,7 +42,6 @@ class _Averager:
 
     @property
     def pushes(self) -> int:
-        """Pushes made."""
         return len(self.results)
 
     def _pull_flat(self) -> np.ndarray:

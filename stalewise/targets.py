@@ -108,7 +108,6 @@ class Target:
 
     @property
     def op(self) -> str:
-        """``"<="`` for a "min" target, ``">="`` for a "max" one."""
         return "<=" if self.mode == "min" else ">="
 
     def reached(self, value: Any) -> bool:

@@ -129,7 +129,6 @@ class FlatSpec:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the flat vector."""
         return self.size * self.dtype.itemsize
 
     def __repr__(self) -> str:

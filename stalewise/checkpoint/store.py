@@ -96,8 +96,14 @@ def save(
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
     root = Path(directory)
-    root.mkdir(0o755, parents=True, exist_ok=True)  # 0755 (and files 0644) whatever the umask:
-    _clean_tmp(root)  # loading refuses what others can write
+    # 0755 (and files 0644) whatever the umask: loading refuses what others can write
+    root.mkdir(0o755, parents=True, exist_ok=True)
+    for p in root.glob(f"{_TMP}*"):  # left by an interrupted save (one writer per directory)
+        log.info("checkpoint: removing %s, left by an interrupted save", p)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     version = int(shard_states[0]["version"])
     final = root / f"ckpt-{int(step_info['pushes']):09d}"
     tmp = root / f"{_TMP}{final.name}-{uuid.uuid4().hex[:8]}"
@@ -121,7 +127,8 @@ def save(
             save_file(arrays, str(tmp / name))
             os.chmod(tmp / name, 0o644)
             _fsync(tmp / name)
-            manifest["sha256"][name] = _sha256(tmp / name)
+            with open(tmp / name, "rb") as f:
+                manifest["sha256"][name] = hashlib.file_digest(f, "sha256").hexdigest()
             layout = {key: [a.dtype.name, list(a.shape)] for key, a in sorted(arrays.items())}
             manifest["files"][name] = {"bytes": (tmp / name).stat().st_size, "arrays": layout}
 
@@ -300,24 +307,6 @@ def _fsync(path: Path) -> None:
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
         _fsync(path)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _clean_tmp(root: Path) -> None:
-    """Removes what an interrupted save left behind (one writer per directory)."""
-    for p in root.glob(f"{_TMP}*"):
-        log.info("checkpoint: removing %s, left by an interrupted save", p)
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
 
 
 def _complete(root: Path) -> list[Path]:

@@ -196,21 +196,17 @@ def stop_at(spec: Any) -> tuple[targets.Target, ...] | None:
     try:
         found = targets.parse(spec, where="run.stop_at") or None
     except (TypeError, ValueError) as e:
-        error = _keyed(str(e), "run.stop_at")
+        key, sep, problem = str(e).partition(": ")  # "key: problem", else the table's key
+        if sep and re.fullmatch(r"[\w.\[\]-]+", key) and key.startswith("run.stop_at"):
+            error = ConfigError(key, problem)
+        else:
+            error = ConfigError("run.stop_at", str(e))
         if "should go down or up" in error.problem:
             error.problem += (
                 f' (write {error.key.rpartition(".")[2]} = [value, "min"] or [value, "max"])'
             )
         raise error from None
     return found
-
-
-def _keyed(message: str, default_key: str) -> ConfigError:
-    """A ConfigError from a ``"key: problem"`` message (``default_key`` if it has no key)."""
-    key, sep, problem = message.partition(": ")
-    if sep and re.fullmatch(r"[\w.\[\]-]+", key) and key.startswith(default_key):
-        return ConfigError(key, problem)
-    return ConfigError(default_key, message)
 
 
 def parse_strategy_value(value: str) -> tuple[str, int | None]:

@@ -217,7 +217,6 @@ class Compressor:
         self.sent: list[list[int] | None] = [None] * len(self.ranges)
 
     def decoder(self, k: int) -> Decoder:
-        """The decoder of shard ``k``'s payloads."""
         return self.decoders[k]
 
     def warm_up(self) -> None:

@@ -132,7 +132,6 @@ def describe(name: Any) -> Runtime:
 
 
 def get(name: str) -> Callable[..., Any]:
-    """The ``run`` function of the runtime called ``name``."""
     return describe(name).load("run")
 
 

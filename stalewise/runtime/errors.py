@@ -104,7 +104,6 @@ class Failures:
 
     @property
     def restarts(self) -> int:
-        """Restarts so far, of workers and shards."""
         return sum(self._restarts.values())
 
     def _event(self, kind: str, i: Any, cause: str, time: float, action: str) -> None:

@@ -153,7 +153,6 @@ class StreamingDiLoCo(LocalSGDStrategy):
 
     @property
     def count(self) -> int:
-        """The number of fragments."""
         return self.fragments if isinstance(self.fragments, int) else len(self.fragments)
 
     def init(self, params: Any) -> StreamingState:

@@ -31,7 +31,6 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 
 
 def names() -> list[str]:
-    """The names :func:`get` accepts, sorted."""
     return sorted(_REGISTRY)
 
 

@@ -192,7 +192,6 @@ class LanguageModel:
 
     @property
     def corpus_sha256(self) -> str:
-        """SHA-256 of the corpus's bytes (train and held-out)."""
         return self.corpus.sha256
 
     @property
@@ -202,7 +201,6 @@ class LanguageModel:
 
     @property
     def tokens_per_batch(self) -> int:
-        """Predicted bytes per minibatch: ``batch_size * context``."""
         return self.batch_size * self.context
 
     def train_window_starts(self) -> np.ndarray:
@@ -217,7 +215,6 @@ class LanguageModel:
         return n_train_bytes + np.linspace(0, last, count).round().astype(np.int64)
 
     def num_params(self) -> int:
-        """Number of scalar parameters."""
         return sum(t.numel() for t in base.dict_leaves(self.init_params(0)))
 
     def init_params(self, seed: int = 0) -> dict:

@@ -114,13 +114,12 @@ class Layout:
         arrays = self._records_start() + _round_up(self.workers * self.record_items * 8)
         return arrays + region * _round_up(self.size * np.dtype(self.dtype).itemsize)
 
-    def _push_region(self) -> int:
-        if not self.payloads:
-            return _round_up(self.size * np.dtype(self.dtype).itemsize)
-        return sum(_round_up(n) for n in self.payloads)
-
     def _push_offset(self, worker: int) -> int:
-        return self._offset(4 + self.workers) + worker * self._push_region()
+        if self.payloads:
+            region = sum(_round_up(n) for n in self.payloads)
+        else:
+            region = _round_up(self.size * np.dtype(self.dtype).itemsize)
+        return self._offset(4 + self.workers) + worker * region
 
     def _residual_offset(self, worker: int, j: int) -> int:
         tags = _round_up(self.workers * 2 * 8)

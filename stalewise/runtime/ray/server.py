@@ -261,7 +261,6 @@ class RayServer:
         return tree.unflatten(flat, self.config.spec, copy=copy)
 
     def stats(self, timeout: float | None = 60.0) -> list[dict]:
-        """Every shard's counters."""
         return self.ray.get([s.stats.remote() for s in self.shards], timeout=timeout)
 
     def close(self, timeout: float = 10.0) -> None:

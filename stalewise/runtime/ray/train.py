@@ -285,8 +285,10 @@ class _Host:
         wait = driver.wait_for(until, self.now(), TICK)
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
         for ref in sorted(done, key=lambda r: (r not in self.watches, r not in self.bwatches)):
-            if ref in self.watches:  # shards first, then backups
-                self._shard_ended(ref)
+            if ref in self.watches:  # shards first: the failure policy, then all roll back
+                event = self._revive(ref)
+                if event is not None and not self._fail_over(event):
+                    self._restore([event])
             elif ref in self.bwatches:
                 self._backup_ended(ref)
             elif ref in self.runs:
@@ -570,12 +572,6 @@ class _Host:
             except (ray.exceptions.RayError, TimeoutError) as e:
                 log.warning("ray: worker %d's residual keeper did not answer: %s", w, e)
         return residual
-
-    def _shard_ended(self, ref: Any) -> None:
-        """Shard ``watches[ref]`` died: the failure policy, then every shard rolls back."""
-        event = self._revive(ref)
-        if event is not None and not self._fail_over(event):
-            self._restore([event])
 
     def _fail_over(self, event: dict) -> bool:
         """replicas=2: shard ``event["shard"]``'s restarted actor takes its backup's state, the
