@@ -54,8 +54,18 @@ class Staleness(NamedTuple):
 
     def compensate(self, grads: np.ndarray, w_now: np.ndarray, w_pulled: np.ndarray) -> None:
         """Applies DC-ASGD compensation to ``grads`` in place (no-op when dc_lambda is 0)."""
-        if self.dc_lambda:
-            _dc_kernel(grads, w_now, w_pulled, self.dc_lambda)
+        if not self.dc_lambda:
+            return
+        block = 1 << 16  # g += lam * g * g * (w_now - w_pulled) by blocks: no parameter-sized copy
+        tmp = np.empty(min(block, grads.size), dtype=grads.dtype)
+        for start in range(0, grads.size, block):
+            stop = min(start + block, grads.size)
+            t = tmp[: stop - start]
+            np.subtract(w_now[start:stop], w_pulled[start:stop], out=t)
+            t *= grads[start:stop]
+            t *= grads[start:stop]
+            t *= self.dc_lambda
+            grads[start:stop] += t
 
 
 def _real(value: object) -> float:
@@ -114,17 +124,3 @@ def from_name(name: str, **kwargs: float) -> Staleness:
     if name not in makers:
         raise ValueError(f"unknown staleness rule {name!r}; known: {', '.join(_KINDS)}")
     return makers[name](**kwargs)
-
-
-def _dc_kernel(g: np.ndarray, w_now: np.ndarray, w_pulled: np.ndarray, lam: float) -> None:
-    # g += lam * g * g * (w_now - w_pulled), in blocks so no parameter-sized temporary is made.
-    block = 1 << 16
-    tmp = np.empty(min(block, g.size), dtype=g.dtype)
-    for start in range(0, g.size, block):
-        stop = min(start + block, g.size)
-        t = tmp[: stop - start]
-        np.subtract(w_now[start:stop], w_pulled[start:stop], out=t)
-        t *= g[start:stop]
-        t *= g[start:stop]
-        t *= lam
-        g[start:stop] += t

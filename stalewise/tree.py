@@ -547,18 +547,6 @@ def _check_flat(flat: Any, spec: FlatSpec) -> np.ndarray:
     return flat
 
 
-def _out_buffer(out: np.ndarray | None, spec: FlatSpec) -> np.ndarray:
-    if out is None:
-        return np.empty(spec.size, spec.dtype)
-    if not isinstance(out, np.ndarray) or out.shape != (spec.size,):
-        raise ValueError(f"out has shape {np.shape(out)}, expected ({spec.size},)")
-    if out.dtype != spec.dtype:
-        raise TypeError(f"out has dtype {out.dtype}, expected {spec.dtype}")
-    if not (out.flags.c_contiguous and out.flags.writeable):
-        raise ValueError("out must be a writable C-contiguous array")
-    return out
-
-
 def _new_spec(tree: Any, dtype: Any, keep_integers: bool) -> tuple[FlatSpec, list[list[_Leaf]]]:
     b = _Builder()
     treedef = _build(tree, (), b)
@@ -594,7 +582,15 @@ def flatten(
         if dtype is not None and np.dtype(dtype) != spec.dtype:
             raise ValueError(f"dtype {np.dtype(dtype)} differs from the spec's {spec.dtype}")
         found = _collect(tree, spec)
-    flat = _out_buffer(out, spec)
+    if out is None:
+        out = np.empty(spec.size, spec.dtype)
+    elif not isinstance(out, np.ndarray) or out.shape != (spec.size,):
+        raise ValueError(f"out has shape {np.shape(out)}, expected ({spec.size},)")
+    elif out.dtype != spec.dtype:
+        raise TypeError(f"out has dtype {out.dtype}, expected {spec.dtype}")
+    elif not (out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("out must be a writable C-contiguous array")
+    flat = out
     for values, leaf in zip(found, spec.leaves, strict=True):
         segment = _segment(flat, leaf)
         first, *more = values

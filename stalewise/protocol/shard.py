@@ -605,22 +605,17 @@ class Shard:
         if not self._clocks.live and not self._round_count:
             return
         self._close_round()
-        if self._pace is not None:
-            self._switch(
-                self._pace,
-                self._pace.decide(self.synchronous, self.counted, self.consistency.tolerance),
-            )
-
-    def _switch(self, pace: hybrid.Pace, synchronous: bool) -> None:
-        """Hybrid: runs the next round synchronously or not (a round's pushes are merged)."""
-        if synchronous != self.synchronous:
+        if self._pace is None:
+            return
+        synchronous = self._pace.decide(self.synchronous, self.counted, self.consistency.tolerance)
+        if synchronous != self.synchronous:  # hybrid: the next round's mode changes
             log.info(
                 "shard %d: %s (worker paces %s s)",
                 self.shard_id,
                 "workers keep pace: synchronous rounds"
                 if synchronous
                 else "a straggler: asynchronous updates",
-                np.round(pace.pace, 4).tolist(),
+                np.round(self._pace.pace, 4).tolist(),
             )
             self.stats.mode_switches += 1
         self.synchronous = synchronous

@@ -278,18 +278,6 @@ class RunOptions:
                 "elastic on every runtime with a server)",
             )
 
-    def _elastic_workers(self) -> None:
-        """``room`` and ``expected`` from ``workers`` (see :func:`_workers`)."""
-        workers = _workers(self.workers)
-        if workers == "auto":
-            lo, hi = 1, MAX_WORKERS
-        elif isinstance(workers, tuple):
-            lo, hi = workers
-        else:
-            lo = hi = workers
-        object.__setattr__(self, "room", hi)
-        object.__setattr__(self, "expected", lo)
-
     def for_workers(self) -> RunOptions:
         """These options without what only the parent uses (evaluation, record callback),
         which need not be picklable."""
@@ -302,7 +290,15 @@ class RunOptions:
                 f"must be a function f(params, batch) -> (loss, grads), "
                 f"got {type(self.loss_and_grad).__name__}",
             )
-        self._elastic_workers()
+        workers = _workers(self.workers)  # room for the worker ids, and those expected
+        if workers == "auto":
+            lo, hi = 1, MAX_WORKERS
+        elif isinstance(workers, tuple):
+            lo, hi = workers
+        else:
+            lo = hi = workers
+        object.__setattr__(self, "room", hi)
+        object.__setattr__(self, "expected", lo)
         factors, extra = check_run(self.room, self.steps, self.data, self.stragglers, self.delays)
         object.__setattr__(self, "slowdowns", tuple(factors))
         object.__setattr__(self, "extra_delays", tuple(extra))

@@ -141,13 +141,10 @@ class LeastSquares:
     def loss_and_grad(self, params: dict[str, np.ndarray], batch: Any) -> tuple:
         """Returns the loss and gradient on ``batch`` (``None`` = all the data)."""
         x = params["x"]
-        if batch is None:
-            return self._full_loss_and_grad(x)
-        a, b = batch
-        r = a @ x - b
-        return float(0.5 * np.mean(np.square(r, dtype=np.float64))), {"x": (a.T @ r) / len(b)}
-
-    def _full_loss_and_grad(self, x: np.ndarray) -> tuple:
+        if batch is not None:
+            a, b = batch
+            r = a @ x - b
+            return float(0.5 * np.mean(np.square(r, dtype=np.float64))), {"x": (a.T @ r) / len(b)}
         if self.d > min(self.n, _MAX_GRAM_DIM):
             a, b, _ = self._data()
             r = a @ x.astype(np.float32) - b
