@@ -27,10 +27,6 @@ log = logging.getLogger(__name__)
 __all__ = ["EASGD", "AveragingState", "LocalSGDStrategy", "diloco", "easgd", "local_sgd"]
 
 
-def _segment(flat: np.ndarray, leaf: tree.LeafSpec) -> np.ndarray:
-    return flat[leaf.offset : leaf.offset + leaf.size].reshape(leaf.shape)
-
-
 @dataclass(frozen=True)
 class _StalewiseInner:
     """A :mod:`stalewise.optim` optimizer, in place on the flat vector with the job's segments."""
@@ -61,7 +57,7 @@ class _OptaxInner:
         import jax.numpy as jnp
 
         # jnp.array copies: the flat vector is mutated in place later
-        return {leaf.name: jnp.array(_segment(flat, leaf)) for leaf in spec.leaves}
+        return {leaf.name: jnp.array(tree._segment(flat, leaf)) for leaf in spec.leaves}
 
     def init(self, local: np.ndarray, spec: tree.FlatSpec) -> Any:
         names = [leaf.name for leaf in spec.leaves]
@@ -72,7 +68,7 @@ class _OptaxInner:
     def step(self, state: Any, local: np.ndarray, grads: np.ndarray, spec: tree.FlatSpec) -> Any:
         updates, state = self.tx.update(self._leaves(grads, spec), state, self._leaves(local, spec))
         for leaf in spec.leaves:
-            _segment(local, leaf)[...] += np.asarray(updates[leaf.name])
+            tree._segment(local, leaf)[...] += np.asarray(updates[leaf.name])
         return state
 
 
@@ -95,7 +91,7 @@ class _TorchInner:
     def init(self, local: np.ndarray, spec: tree.FlatSpec) -> _TorchState:
         import torch
 
-        params = [torch.from_numpy(_segment(local, leaf)) for leaf in spec.leaves]
+        params = [torch.from_numpy(tree._segment(local, leaf)) for leaf in spec.leaves]
         opt = self.factory(params)
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(
@@ -110,7 +106,7 @@ class _TorchInner:
         import torch
 
         for p, leaf in zip(state.params, spec.leaves, strict=True):
-            p.grad = torch.from_numpy(_segment(grads, leaf))
+            p.grad = torch.from_numpy(tree._segment(grads, leaf))
         state.opt.step()
         return state
 
