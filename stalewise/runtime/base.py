@@ -39,7 +39,7 @@ def _counting(batches: Iterator[Any], drawn: Any, worker: int) -> Iterator[Any]:
 
 class PullsIntoTrees:
     """The part of a worker's client that every runtime shares: a pull fills the flat
-    ``_pull_buf`` and comes back in the job's structure and backend."""
+    ``_pull_buf`` and comes back in the job's structure and backend; the budget rule's grant."""
 
     _pull_buf: np.ndarray
     _spec: tree.FlatSpec
@@ -83,6 +83,18 @@ class PullsIntoTrees:
             tree.unflatten_into(into, self._pull_buf, self._spec)
             return into
         return tree.unflatten(self._pull_buf, self._spec, copy=copy)
+
+    def may_begin(self, steps: int) -> bool:
+        """The budget rule (:mod:`stalewise.protocol.budget`): whether this worker may begin
+        another step of a job of ``steps`` pushes; a yes grants the next push past
+        :attr:`budget`'s check at commit."""
+        self._granted = self._may_begin(steps)  # type: ignore[attr-defined]
+        return self._granted
+
+    def take_results(self) -> list:
+        """The results of the pushes acknowledged since the last call."""
+        out, self._results = self._results, []  # type: ignore[has-type]
+        return out
 
 
 #: The largest straggler factor (``train(stragglers=...)``): a worker this many times slower.

@@ -9,16 +9,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from stalewise import runtime as runtime_lib
+from stalewise import targets
 from stalewise.protocol.loop import DIVERGE_AFTER
 from stalewise.runtime.base import check_run
 from stalewise.runtime.errors import FAILURE_POLICIES
+from stalewise.targets import _is_number as _real  # an int or float, not a bool
 
 #: The shortest ``eval_interval``, in seconds (virtual in the simulator): a run records once per
 #: interval, so a simulated run records (and evaluates) a thousand times a virtual second at most.
@@ -28,11 +29,6 @@ MIN_WORKER_TIMEOUT = 0.1
 MIN_CHECKPOINT_SECONDS = 1e-3  #: The shortest ``checkpoint_seconds`` (virtual in the simulator).
 #: The longest timeout, in seconds (about 3 years; longer ones overflow the OS's waits).
 MAX_TIMEOUT = 1e8
-
-
-def _real(value: object) -> bool:
-    """True for an int or float (numpy's too), not a bool; NaN is refused by the comparisons."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _count(value: object) -> bool:
@@ -173,12 +169,6 @@ def _workers(value: Any) -> Any:
     )
 
 
-def _stop_at(value: Any) -> Any:
-    from stalewise import targets
-
-    return targets.parse(value)
-
-
 _TIMEOUTS = ("timeout", "start_timeout", "shard_start_timeout", "join_timeout", "ack_timeout",
              "stop_timeout")  # fmt: skip
 
@@ -202,7 +192,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "worker_timeout": _worker_timeout,
     "transport": _transport,
     "diverge_after": _integer("diverge_after", 1, none=True),
-    "stop_at": _stop_at,
+    "stop_at": targets.parse,
 }
 
 

@@ -137,13 +137,6 @@ class Client(PullsIntoTrees):
         self._attach()
         return int(self._control[self._layout.pushes_done].sum())
 
-    def may_begin(self, steps: int) -> bool:
-        """The budget rule (:mod:`stalewise.protocol.budget`): whether this worker may begin
-        another step of a job of ``steps`` pushes (up to ``workers - 1`` pushes may pass
-        it); a yes grants the next push past :attr:`budget`'s check at commit."""
-        self._granted = self._may_begin(steps)
-        return self._granted
-
     def _may_begin(self, steps: int) -> bool:
         if self._consistency.averages_rounds:
             self._attach()
@@ -522,11 +515,6 @@ class Client(PullsIntoTrees):
         """Publishes this worker's latest training loss (the control block's slot)."""
         self._attach()
         self._control[self._layout.losses][self.worker] = loss
-
-    def take_results(self) -> list[PushResult]:
-        """The results of the pushes acknowledged since the last call."""
-        out, self._results = self._results, []
-        return out
 
     def close(self) -> None:
         """Leaves the job (gates stop waiting for this worker) and closes the pipes."""

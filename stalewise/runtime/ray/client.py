@@ -81,12 +81,6 @@ class RayClient(PullsIntoTrees):
         self._count()
         return self._handled
 
-    def may_begin(self, steps: int) -> bool:
-        """Whether this worker may begin another step of a job of ``steps`` pushes (the
-        budget rule); a yes lets the next push past :attr:`budget`'s check."""
-        self._granted = self._may_begin(steps)
-        return self._granted
-
     def _may_begin(self, steps: int, *, ask: bool = True) -> bool:
         """``ask``: under BSP, asks shard 0 its round (else as last heard)."""
         if self._rounds:
@@ -187,11 +181,6 @@ class RayClient(PullsIntoTrees):
         if self.watch is not None:
             self.watch.result(result)
         return result
-
-    def take_results(self) -> list[PushResult]:
-        """The results of the pushes acknowledged since the last call."""
-        out, self._results = self._results, []
-        return out
 
     @property
     def residual(self) -> np.ndarray | None:
