@@ -23,41 +23,11 @@ from stalewise.runtime.result import TrainResult
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ASP",
-    "BSP",
-    "SSP",
-    "AttachError",
-    "BudgetSpent",
-    "CheckpointError",
-    "Checkpoints",
-    "Context",
-    "DivergedError",
-    "Emulation",
-    "FailureWarning",
-    "Failures",
-    "Hybrid",
-    "Job",
-    "LocalSGD",
-    "LocalSGDOptax",
-    "Metrics",
-    "RunOptions",
-    "ServerClosed",
-    "ShardError",
-    "Simulation",
-    "Timeouts",
-    "TrainResult",
-    "WorkerError",
-    "attach",
-    "codecs",
-    "consistency",
-    "init",
-    "load_params",
-    "optim",
-    "staleness",
-    "strategies",
-    "tree",
-]
+__all__ = ["ASP", "BSP", "SSP", "AttachError", "BudgetSpent", "CheckpointError", "Checkpoints"]
+__all__ += ["Context", "DivergedError", "Emulation", "FailureWarning", "Failures", "Hybrid", "Job"]
+__all__ += ["LocalSGD", "LocalSGDOptax", "Metrics", "RunOptions", "ServerClosed", "ShardError"]
+__all__ += ["Simulation", "Timeouts", "TrainResult", "WorkerError", "attach", "codecs"]
+__all__ += ["consistency", "init", "load_params", "optim", "staleness", "strategies", "tree"]
 
 
 def __getattr__(name: str) -> object:

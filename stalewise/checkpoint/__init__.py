@@ -5,16 +5,5 @@ back to the previous one. The folder layout: ``docs/design-notes.md`` ("Checkpoi
 from stalewise.checkpoint.resume import Saver, config_info, drawn_of, feedback_of, resume_point
 from stalewise.checkpoint.store import Checkpoint, CheckpointError, exists, load, load_params, save
 
-__all__ = [
-    "Checkpoint",
-    "CheckpointError",
-    "Saver",
-    "config_info",
-    "drawn_of",
-    "exists",
-    "feedback_of",
-    "load",
-    "load_params",
-    "resume_point",
-    "save",
-]
+__all__ = ["Checkpoint", "CheckpointError", "Saver", "config_info", "drawn_of", "exists"]
+__all__ += ["feedback_of", "load", "load_params", "resume_point", "save"]

@@ -13,6 +13,7 @@ from stalewise import targets
 from stalewise.options import Failures
 from stalewise.runtime.base import MAX_SLOWDOWN
 from stalewise.runtime.options import DEFAULTS, OptionError, RunOptions
+from stalewise.runtime.options import _count as is_int  # an int, not a bool
 
 TABLES = {
     "task": {"name", "factory", "args", "seed"},
@@ -81,10 +82,6 @@ def check_depth(raw: Mapping[str, Any]) -> None:
 
 def describe(kinds: Sequence[str]) -> str:
     return " or ".join(dict.fromkeys(kinds))
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_number(value: Any) -> bool:

@@ -53,12 +53,7 @@ class PullsIntoTrees:
         raise NotImplementedError
 
     def pull(
-        self,
-        *,
-        copy: bool = True,
-        into: Any = None,
-        timeout: float | None = None,
-        own: bool = True,
+        self, *, copy: bool = True, into: Any = None, timeout: float | None = None, own: bool = True
     ) -> Any:
         """Blocks until the consistency model lets this worker start, then returns the params.
 
