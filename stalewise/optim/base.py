@@ -288,9 +288,7 @@ class _Chain(Rule):
     def init(self, params: np.ndarray, segments: Segments | None = None) -> State:
         return tuple(part.init(params, segments) for part in self.parts)
 
-    def run(
-        self, grads: np.ndarray, state: State, params: np.ndarray, scale: float, into_params: bool
-    ) -> None:
+    def run(self, grads, state, params, scale, into_params) -> None:
         if len(state) != len(self.parts):
             raise ValueError(f"chain of {len(self.parts)} got a state of {len(state)} parts")
         *firsts, last = zip(self.parts, state, strict=True)
@@ -326,9 +324,7 @@ class _ClipByGlobalNorm(Rule):
         check_params(params, segments)
         return EmptyState()
 
-    def run(
-        self, grads: np.ndarray, state: State, params: np.ndarray, scale: float, into_params: bool
-    ) -> None:
+    def run(self, grads, state, params, scale, into_params) -> None:
         check_vectors(grads, params, write_grads=True, write_params=into_params)
         check_scale(scale)
         norm = math.sqrt(_kernels.sumsq(grads))

@@ -41,9 +41,7 @@ class _Sgd(Moments):
     def written(self, state, params: np.ndarray) -> tuple[np.ndarray, ...]:
         return (params, state.momentum)
 
-    def bound(
-        self, state, scale: float, g: float, maxima: tuple[float, float]
-    ) -> tuple[float, float]:
+    def bound(self, state, scale: float, g: float, maxima: tuple) -> tuple[float, ...]:
         """Bounds of :meth:`maxima` after the next step of an update of norm ``g``."""
         lr = learning_rate(self.lr, check_count(self.where, state.count)) * float(scale)
         p, b = maxima
@@ -52,16 +50,7 @@ class _Sgd(Moments):
         u = (d + self.momentum * b if self.nesterov else b) if self.momentum else d
         return p + lr * u, b
 
-    def run(
-        self,
-        grads: np.ndarray,
-        state: tuple,
-        params: np.ndarray,
-        scale: float,
-        into_params: bool,
-        check: np.ndarray | None = None,
-        undo: tuple[np.ndarray, ...] | None = None,
-    ) -> None:
+    def run(self, grads, state, params, scale, into_params, check=None, undo=None) -> None:
         count, lr, table = self.begin(grads, state, params, scale, into_params)
         dt = params.dtype.type
         _kernels.sgd(grads, state.momentum, params, *table, lr, dt(self.momentum),
