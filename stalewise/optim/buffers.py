@@ -45,14 +45,7 @@ class _WithBuffers(Rule):
             np.empty(total, params.dtype),
         )
 
-    def run(
-        self,
-        grads: np.ndarray,
-        state: BufferState,
-        params: np.ndarray,
-        scale: float,
-        into_params: bool,
-    ) -> None:
+    def run(self, grads, state, params, scale, into_params) -> None:
         check_vectors(grads, params, write_grads=True, write_params=into_params)
         if state.reports.dtype != params.dtype or state.reports.size != int(state.sizes.sum()):
             raise ValueError("with_buffers: the state does not fit these params")
