@@ -293,8 +293,11 @@ class _Host:
                 self._backup_ended(ref)
             elif ref in self.runs:
                 self._worker_ended(ref)
-        for w, cause in self.liveness.check():
-            self._worker_hung(w, cause)
+        for w, cause in self.liveness.check():  # stood still, or not set up in time
+            self.liveness.forget(w)
+            for ref in [r for r, v in self.runs.items() if v == w]:
+                del self.runs[ref]
+            self._worker_failed(w, cause)
         if self.owed and not self.live:  # the end: a backup holds every push
             self._retrying(self._take_backup)
         if self.coming:
@@ -504,13 +507,6 @@ class _Host:
         self.live.discard(w)
         self.left.append(w)
         self.run.failures.left(w, "its node left the cluster", time=self.now())
-
-    def _worker_hung(self, w: int, cause: str) -> None:
-        """Worker ``w`` stood still or did not set up in time: the failure policy."""
-        self.liveness.forget(w)
-        for ref in [r for r, v in self.runs.items() if v == w]:
-            del self.runs[ref]
-        self._worker_failed(w, cause)
 
     def _worker_failed(self, w: int, cause: str, detail: str = "") -> None:
         """The commit rule for worker ``w``, then the failure policy (restart, drop, raise)."""
