@@ -310,8 +310,11 @@ class Shard:
         self.stats.staleness[tau] += 1
         if self._pace is not None:
             self._pace.pushed(worker, now)
-        if self.synchronous:
-            self._merge_into_round(payload)
+        if self.synchronous:  # into the round's running sum
+            if self._round_sum is None:
+                self._round_sum = np.zeros_like(self.params)
+            self._round_sum += payload
+            self._round_count += 1
         self._maybe_close_round()
         return Ack(worker, seq, True, None, self.version, tau)
 
@@ -589,12 +592,6 @@ class Shard:
         name = next((k.removeprefix("opt.") for k, a in keys.items() if a is arrays[i]), "?")
         return f"the optimizer state {name!r}"
 
-    def _merge_into_round(self, payload: np.ndarray) -> None:
-        if self._round_sum is None:
-            self._round_sum = np.zeros_like(self.params)
-        self._round_sum += payload
-        self._round_count += 1
-
     def _maybe_close_round(self) -> None:
         """Applies the round's mean once no live worker owes a push to it (or the last one
         left); under the hybrid model also decides the next round's mode."""
@@ -604,23 +601,6 @@ class Shard:
             return
         if not self._clocks.live and not self._round_count:
             return
-        self._close_round()
-        if self._pace is None:
-            return
-        synchronous = self._pace.decide(self.synchronous, self.counted, self.consistency.tolerance)
-        if synchronous != self.synchronous:  # hybrid: the next round's mode changes
-            log.info(
-                "shard %d: %s (worker paces %s s)",
-                self.shard_id,
-                "workers keep pace: synchronous rounds"
-                if synchronous
-                else "a straggler: asynchronous updates",
-                np.round(self._pace.pace, 4).tolist(),
-            )
-            self.stats.mode_switches += 1
-        self.synchronous = synchronous
-
-    def _close_round(self) -> None:
         if self._round_count:
             assert self._round_sum is not None
             self._round_sum *= 1.0 / self._round_count
@@ -639,6 +619,20 @@ class Shard:
         self._round_done[:] = False
         self._round_count = 0
         self._round_waiting = self._clocks.live
+        if self._pace is None:
+            return
+        synchronous = self._pace.decide(self.synchronous, self.counted, self.consistency.tolerance)
+        if synchronous != self.synchronous:  # hybrid: the next round's mode changes
+            log.info(
+                "shard %d: %s (worker paces %s s)",
+                self.shard_id,
+                "workers keep pace: synchronous rounds"
+                if synchronous
+                else "a straggler: asynchronous updates",
+                np.round(self._pace.pace, 4).tolist(),
+            )
+            self.stats.mode_switches += 1
+        self.synchronous = synchronous
 
     def _advance(self, worker: int, seq: int) -> None:
         self.next_seq[worker] = seq + 1
