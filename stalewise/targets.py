@@ -72,6 +72,10 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def finite(value: Any) -> bool:
     """A finite real number (a bool is not one)."""
     return _is_number(value) and math.isfinite(value)

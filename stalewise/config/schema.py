@@ -13,7 +13,7 @@ from stalewise import targets
 from stalewise.options import Failures
 from stalewise.runtime.base import MAX_SLOWDOWN
 from stalewise.runtime.options import DEFAULTS, OptionError, RunOptions
-from stalewise.runtime.options import _count as is_int  # an int, not a bool
+from stalewise.targets import _is_int as is_int  # an int, not a bool
 
 TABLES = {
     "task": {"name", "factory", "args", "seed"},

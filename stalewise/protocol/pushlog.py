@@ -24,6 +24,7 @@ import numpy as np
 
 from stalewise.protocol.commit import Verdict
 from stalewise.protocol.messages import PushHeader
+from stalewise.targets import _is_int as _int
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,6 @@ class Entry(NamedTuple):
     op: str
     fields: dict[str, Any]
     payload: Any = None  # an array, bytes or None
-
-
-def _int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _ints(n: int) -> Callable[[Any], bool]:

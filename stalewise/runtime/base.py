@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
+from stalewise.targets import _is_int
 
 #: The environment variables that cap a process's math-library threads (read when the
 #: library loads); every runtime's launcher sets them for its workers unless the user did.
@@ -102,7 +103,7 @@ def check_run(
 ) -> tuple[list[float], list[float]]:
     """Checks the arguments every runtime's ``train`` shares; returns the slowdown factor
     (``{3: 4.0}``: worker 3 four times slower, or a list) and the extra delay per worker."""
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:  # workers: checked
+    if not _is_int(steps) or steps < 1:  # workers: checked
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if not callable(data) and len(data) != workers:
         raise ValueError(f"data has {len(data)} per-worker shards for {workers} workers")
@@ -137,7 +138,7 @@ def worker_range(workers: Any) -> tuple[int, int]:
         lo, hi = workers
     else:
         lo = hi = workers
-    ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi))
+    ok = all(map(_is_int, (lo, hi)))
     if not (ok and 0 <= lo <= hi and hi >= 1):
         raise ValueError(
             f"workers must be an int >= 1 or (min, max) with 0 <= min <= max, max >= 1; "

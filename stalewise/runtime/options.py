@@ -19,6 +19,7 @@ from stalewise import targets
 from stalewise.protocol.loop import DIVERGE_AFTER
 from stalewise.runtime.base import check_run
 from stalewise.runtime.errors import FAILURE_POLICIES
+from stalewise.targets import _is_int as _count  # an int, not a bool
 from stalewise.targets import _is_number as _real  # an int or float, not a bool
 
 #: The shortest ``eval_interval``, in seconds (virtual in the simulator): a run records once per
@@ -29,10 +30,6 @@ MIN_WORKER_TIMEOUT = 0.1
 MIN_CHECKPOINT_SECONDS = 1e-3  #: The shortest ``checkpoint_seconds`` (virtual in the simulator).
 #: The longest timeout, in seconds (about 3 years; longer ones overflow the OS's waits).
 MAX_TIMEOUT = 1e8
-
-
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class OptionError(ValueError):
