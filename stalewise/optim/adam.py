@@ -70,17 +70,9 @@ def _make(
     b2 = check_number(where, "b2", b2, 0.0, 1.0)
     eps = check_number(where, "eps", eps, 0.0, lo_open=True)
     wd = check_number(where, "weight_decay", wd, 0.0)
-    return _Adam(
-        lr,
-        b1,
-        b2,
-        eps,
-        l2=0.0 if where == "adamw" else wd,
-        decay=wd if where == "adamw" else 0.0,
-        exclude_from_weight_decay=compile_patterns(
-            where, "exclude_from_weight_decay", exclude_from_weight_decay
-        ),
-    ).optimizer()
+    no_decay = compile_patterns(where, "exclude_from_weight_decay", exclude_from_weight_decay)
+    l2, decay = (0.0, wd) if where == "adamw" else (wd, 0.0)
+    return _Adam(lr, b1, b2, eps, l2, decay, no_decay).optimizer()
 
 
 def adam(

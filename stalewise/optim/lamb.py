@@ -91,18 +91,10 @@ def lamb(
     b2 = check_number(where, "b2", b2, 0.0, 1.0)
     eps = check_number(where, "eps", eps, 0.0, lo_open=True)
     weight_decay = check_number(where, "weight_decay", weight_decay, 0.0)
-    min_trust_ratio = check_number(where, "min_trust_ratio", min_trust_ratio, 0.0)
-    max_trust_ratio = check_number(
-        where, "max_trust_ratio", max_trust_ratio, min_trust_ratio, hi_open=False
-    )
+    min_ratio = check_number(where, "min_trust_ratio", min_trust_ratio, 0.0)
+    max_ratio = check_number(where, "max_trust_ratio", max_trust_ratio, min_ratio, hi_open=False)
+    no_decay = compile_patterns(where, "exclude_from_weight_decay", exclude_from_weight_decay)
+    no_adapt = compile_patterns(where, "exclude_from_adaptation", exclude_from_adaptation)
     return _Lamb(
-        lr,
-        b1,
-        b2,
-        eps,
-        weight_decay,
-        min_trust_ratio,
-        max_trust_ratio,
-        compile_patterns(where, "exclude_from_weight_decay", exclude_from_weight_decay),
-        compile_patterns(where, "exclude_from_adaptation", exclude_from_adaptation),
+        lr, b1, b2, eps, weight_decay, min_ratio, max_ratio, no_decay, no_adapt
     ).optimizer()

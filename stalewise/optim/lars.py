@@ -67,16 +67,8 @@ def lars(
     check_learning_rate(where, lr)
     momentum = check_number(where, "momentum", momentum, 0.0, 1.0)
     weight_decay = check_number(where, "weight_decay", weight_decay, 0.0)
-    trust_coefficient = check_number(
-        where, "trust_coefficient", trust_coefficient, 0.0, lo_open=True
-    )
+    coefficient = check_number(where, "trust_coefficient", trust_coefficient, 0.0, lo_open=True)
     eps = check_number(where, "eps", eps, 0.0)
-    return _Lars(
-        lr,
-        momentum,
-        weight_decay,
-        trust_coefficient,
-        eps,
-        compile_patterns(where, "exclude_from_weight_decay", exclude_from_weight_decay),
-        compile_patterns(where, "exclude_from_adaptation", exclude_from_adaptation),
-    ).optimizer()
+    no_decay = compile_patterns(where, "exclude_from_weight_decay", exclude_from_weight_decay)
+    no_adapt = compile_patterns(where, "exclude_from_adaptation", exclude_from_adaptation)
+    return _Lars(lr, momentum, weight_decay, coefficient, eps, no_decay, no_adapt).optimizer()
