@@ -81,7 +81,9 @@ class TensorFlowBackend(Backend):
             order = tuple(name for name, _ in pairs + rest)
             pairs += [(name, v) for name, v in rest if name in buffers]
         elif isinstance(x, tf.Module):
-            found = x._flatten(predicate=_is_trainable, with_path=True)
+            found = x._flatten(
+                predicate=lambda v: isinstance(v, tf.Variable) and v.trainable, with_path=True
+            )
             pairs = [(".".join(str(p) for p in path), v) for path, v in found]
             order = ()
         else:
@@ -95,10 +97,6 @@ class TensorFlowBackend(Backend):
 
 def _is_keras(x: Any) -> bool:
     return any(k.__module__.partition(".")[0] in ("keras", "tf_keras") for k in type(x).__mro__)
-
-
-def _is_trainable(v: Any) -> bool:
-    return isinstance(v, _tf().Variable) and v.trainable
 
 
 def _variable_name(v: Any) -> str:
