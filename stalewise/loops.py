@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
+from stalewise.optim._validate import check_integer
 from stalewise.protocol import PushResult
-from stalewise.strategies.averaging import _check_steps
 
 __all__ = ["LocalSGD", "LocalSGDOptax"]
 
@@ -26,7 +26,7 @@ class _Averager:
 
     def __init__(self, client: Any, local_steps: int, timeout: float | None, remainder: str):
         self.client = client
-        self.local_steps = _check_steps(type(self).__name__, "local_steps", local_steps)  # H
+        self.local_steps = check_integer(f"{type(self).__name__}: local_steps", local_steps)  # H
         self.timeout = timeout
         if remainder not in REMAINDERS:
             raise ValueError(

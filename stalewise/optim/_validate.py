@@ -47,6 +47,13 @@ def check_int(where: str, name: str, value: object, lo: int) -> int:
     return int(x)
 
 
+def check_integer(name: str, value: object, low: int = 1) -> int:
+    """``value`` as an int if it is an integer (not a bool) >= ``low``, else ValueError."""
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
 def check_learning_rate(where: str, lr: object) -> None:
     """A learning rate is a non-negative finite number or a callable schedule."""
     if not callable(lr):

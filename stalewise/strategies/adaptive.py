@@ -16,13 +16,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stalewise import optim
-from stalewise.optim._validate import check_number
+from stalewise.optim._validate import check_integer, check_number
 from stalewise.pacing import RoundCost
 from stalewise.strategies.averaging import (
     AveragingState,
     LocalSGDStrategy,
     _check_outer,
-    _check_steps,
     _describe_inner,
     _run_local,
     _timed_round,
@@ -51,8 +50,8 @@ class AdaComm:
     min_steps: int = 1
 
     def __post_init__(self) -> None:
-        start = _check_steps("adacomm", "local_steps", self.local_steps)
-        min_steps = _check_steps("adacomm", "min_steps", self.min_steps)
+        start = check_integer("adacomm: local_steps", self.local_steps)
+        min_steps = check_integer("adacomm: min_steps", self.min_steps)
         if min_steps > start:
             raise ValueError(f"adacomm: min_steps={min_steps} exceeds local_steps={start}")
         object.__setattr__(self, "local_steps", start)
@@ -108,7 +107,9 @@ class CommBudget:
         if not 0 < fraction < 1:
             raise ValueError(f"comm_budget: fraction must be in (0, 1), got {fraction!r}")
         for name in ("local_steps", "min_steps", "max_steps"):
-            object.__setattr__(self, name, _check_steps("comm_budget", name, getattr(self, name)))
+            object.__setattr__(
+                self, name, check_integer(f"comm_budget: {name}", getattr(self, name))
+            )
         lo, start, hi = self.min_steps, self.local_steps, self.max_steps
         if not lo <= start <= hi:
             raise ValueError(
@@ -169,7 +170,7 @@ class Fixed:
     local_steps: int
 
     def __post_init__(self) -> None:
-        value = _check_steps("fixed", "local_steps", self.local_steps)
+        value = check_integer("fixed: local_steps", self.local_steps)
         object.__setattr__(self, "local_steps", value)
 
     def init(self) -> None:
@@ -275,7 +276,7 @@ class Adaptive(Strategy):
             _, first = _run_local(inner, state, observed, batches, 1, None)
             first_time = state.step_time
             h, state.schedule = self.schedule.next(state.schedule, state.loss)
-            h = _check_steps(f"adaptive: schedule {self.schedule!r}", "H", h)
+            h = check_integer(f"adaptive: schedule {self.schedule!r}: H", h)
             state.local_steps = h
             if h == 1:
                 return 1, first

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import optim, tree
-from stalewise.optim._validate import check_number
+from stalewise.optim._validate import check_integer, check_number
 from stalewise.pacing import RoundCost
 from stalewise.strategies.base import LossAndGrad, Step, Strategy
 
@@ -221,12 +221,6 @@ def _paced_steps(cost: RoundCost, cap: int, period: float, last: int) -> int:
     return max(1, min(hi, math.floor((period - c) / s)))
 
 
-def _check_steps(where: str, name: str, value: Any) -> int:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{where}: {name} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
 def _check_positive(where: str, name: str, value: Any, hi: float = math.inf) -> float:
     try:
         x = float(value)
@@ -258,7 +252,7 @@ class LocalSGDStrategy(Strategy):
         name: str = "local_sgd",
     ):
         where = self.name = name
-        self.local_steps = _check_steps(where, "local_steps", local_steps)
+        self.local_steps = check_integer(f"{where}: local_steps", local_steps)
         self.inner = inner
         self._inner = _inner_adapter(inner, where)
         self.reset_inner = bool(reset_inner)
@@ -276,7 +270,7 @@ class LocalSGDStrategy(Strategy):
         if every is not None and not asynchronous:
             raise ValueError(f"{where}: every= is delayed Nesterov's N; it needs asynchronous=True")
         self.asynchronous = bool(asynchronous)
-        self.every = None if every is None else _check_steps(where, "every", every)
+        self.every = None if every is None else check_integer(f"{where}: every", every)
 
     @property
     def timed(self) -> bool:  # type: ignore[override]
@@ -425,7 +419,7 @@ class EASGD(Strategy):
 
     def __init__(self, alpha: float, local_steps: int, inner: Any, *, reset_inner: bool = False):
         self.alpha = _check_positive("easgd", "alpha", alpha, hi=1.0)
-        self.local_steps = _check_steps("easgd", "local_steps", local_steps)
+        self.local_steps = check_integer("easgd: local_steps", local_steps)
         self.inner = inner
         self._inner = _inner_adapter(inner, "easgd")
         self.reset_inner = bool(reset_inner)

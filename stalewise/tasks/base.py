@@ -12,6 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from stalewise.optim._validate import check_integer as check_int  # noqa: F401 (the tasks')
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["SeededTask", "Task", "available_memory", "check_memory", "shard_batches"]
@@ -104,13 +106,6 @@ def fields_repr(obj: Any, *names: str) -> str:
     """``Type(name=value, ...)`` of ``obj``'s attributes ``names`` (strings quoted)."""
     shown = (f"{n}={v!r}" if isinstance(v := getattr(obj, n), str) else f"{n}={v}" for n in names)
     return f"{type(obj).__name__}({', '.join(shown)})"
-
-
-def check_int(name: str, value: Any, low: int = 1) -> int:
-    """Returns ``value`` if it is an integer >= ``low``, else raises ValueError naming ``name``."""
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
 
 
 def check_number(
