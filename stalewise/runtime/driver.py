@@ -105,24 +105,19 @@ class Host(Protocol):
         """Stops everything it started; called once, whatever happened."""
 
 
-def failures_for(options: Any) -> Failures:
-    """The failure policy of a run of ``options``; its fatal errors say how to resume."""
-    hint = ""
-    if options.checkpoint_dir is not None:
-        hint = (
-            f"\nCheckpoints are in {options.checkpoint_dir}: resume with Job.train(..., "
-            "checkpoints=sw.Checkpoints(DIR, resume=True)) or `stalewise train CONFIG --resume "
-            "RUN_DIR`."
-        )
-    return Failures(options.on_worker_failure, options.max_restarts, hint=hint)
-
-
 class Run:
     """One run driven over a host: what the host may read, and :meth:`train`."""
 
     def __init__(self, host: Host, config: Any, strategy: Any, options: Any):
         self.host, self.config, self.strategy, self.options = host, config, strategy, options
-        self.failures = failures_for(options)
+        hint = ""  # the failure policy's fatal errors say how to resume
+        if options.checkpoint_dir is not None:
+            hint = (
+                f"\nCheckpoints are in {options.checkpoint_dir}: resume with Job.train(..., "
+                "checkpoints=sw.Checkpoints(DIR, resume=True)) or `stalewise train CONFIG --resume "
+                "RUN_DIR`."
+            )
+        self.failures = Failures(options.on_worker_failure, options.max_restarts, hint=hint)
         # a host outside the registry (a test's, a user's own driver) has no such rule
         known = host.runtime in runtime_lib.names()
         own = runtime_lib.describe(host.runtime).resumes_from if known else None
