@@ -169,21 +169,6 @@ def _init_alarm(script: str) -> Any:
     return on_alarm
 
 
-def _check_python(path: Path) -> None:
-    """Refuses a script that is not Python (``stalewise run /bin/true``) before anything starts."""
-    try:
-        source = path.read_bytes()
-    except OSError as e:
-        raise LaunchError(f"{path}: cannot read it ({e.strerror})") from None
-    try:
-        compile(source, str(path), "exec", dont_inherit=True)
-    except SyntaxError as e:
-        where = f" at line {e.lineno}" if e.lineno else ""
-        raise LaunchError(f"{path} is not valid Python: {e.msg}{where}") from None
-    except ValueError as e:  # null bytes (a binary), an undecodable file
-        raise LaunchError(f"{path} is not valid Python: {e}") from None
-
-
 def _seconds(value: Any, least: float) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
@@ -250,7 +235,17 @@ def launch(
     path = Path(script)
     if not path.is_file():
         raise LaunchError(f"{script}: no such script")
-    _check_python(path)
+    try:  # a script that is not Python (``stalewise run /bin/true``): refused before anything
+        source = path.read_bytes()
+    except OSError as e:
+        raise LaunchError(f"{path}: cannot read it ({e.strerror})") from None
+    try:
+        compile(source, str(path), "exec", dont_inherit=True)
+    except SyntaxError as e:
+        where = f" at line {e.lineno}" if e.lineno else ""
+        raise LaunchError(f"{path} is not valid Python: {e.msg}{where}") from None
+    except ValueError as e:  # null bytes (a binary), an undecodable file
+        raise LaunchError(f"{path} is not valid Python: {e}") from None
     missing = described.missing()
     if missing is not None:
         raise LaunchError(missing)

@@ -35,7 +35,7 @@ SHIPPED = ("STALEWISE_", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", *THREAD_
 NOT_SHIPPED = (
     "PWD", "OLDPWD", "HOME", "USER", "LOGNAME", "SHELL", "SHLVL", "HOSTNAME", "_", "TERM",
     "DISPLAY", "TMPDIR", "MAIL", "CUDA_VISIBLE_DEVICES", "NVIDIA_", "ROCR_", "HIP_", "SSH_",
-    "XDG_", "RAY_", "PYTEST_",
+    "XDG_", "RAY_", "PYTEST_"
 )  # fmt: skip
 #: ... and every name that may be a credential's.
 SECRET = re.compile(
@@ -251,7 +251,10 @@ def serve_workers(job: Any, launch: Any) -> int:
                         refused += got["refused"]
                         why = got["failed"]
                     except ray.exceptions.RayError as e:
-                        why = f"rank {refs[ref]} failed ({_cause(e)})"
+                        cause = getattr(e, "cause", None) or e  # in one line:
+                        text = str(cause).strip().splitlines()
+                        one = f"{type(cause).__name__}: {text[-1] if text else ''}".rstrip(": ")
+                        why = f"rank {refs[ref]} failed ({one})"
                     if why is not None:
                         failed.append(why)
                         lost += 1
@@ -267,10 +270,3 @@ def serve_workers(job: Any, launch: Any) -> int:
         print(f"stalewise run: {line}", file=sys.stderr)
     end_lines(workers, lost, pushes, steps, refused, where=f" on {len(nodes)} Ray node(s)")
     return 1 if failed else 0
-
-
-def _cause(e: Exception) -> str:
-    """A rank's failure in one line."""
-    cause = getattr(e, "cause", None) or e
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[-1] if text else ''}".rstrip(": ")
