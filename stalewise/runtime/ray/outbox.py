@@ -84,22 +84,18 @@ class Outbox:
         """Keeps the residual, then sends the push to every shard; returns the acks'
         ObjectRefs (``sent`` may be reused at once)."""
         ray = import_ray()
-        if residual is not None:  # kept before any shard can have handled the push
-            self._keep(inc, seq, acked, residual)
+        if residual is not None and self.keeper is not None:  # kept before any shard has it
+            try:
+                kept = self.keeper.keep.remote(inc, seq + 1, residual, acked=acked)
+                ray.get(kept, timeout=self.ack_timeout)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                log.warning(
+                    "worker %d: its residual keeper failed (%s); going on without", self.w, e
+                )
+                self.keeper = None
         ref = ray.put(sent)  # the one copy; every shard reads its slice of it in place
         self.last = (inc, seq, bases, verdict, loss, acked, ref)  # to resend (replicas=2)
         return [s.push.remote(self.w, *self.last) for s in self.shards]
-
-    def _keep(self, inc: int, seq: int, acked: int, residual: np.ndarray) -> None:
-        ray = import_ray()
-        if self.keeper is None:
-            return
-        try:
-            kept = self.keeper.keep.remote(inc, seq + 1, residual, acked=acked)
-            ray.get(kept, timeout=self.ack_timeout)
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            log.warning("worker %d: its residual keeper failed (%s); going on without", self.w, e)
-            self.keeper = None
 
     def collect(
         self, refs: list, seq: int, timeout: float | None

@@ -458,8 +458,11 @@ class _Host:
                 log.debug("ray: worker %d did not say how many batches it drew", w)
             self._worker_failed(w, f"raised {type(cause).__name__}: {cause}", str(e))
         except ray.exceptions.RayError as e:
-            if self._node_left(w, e):
-                self._worker_left(w)
+            if self._node_left(w, e):  # a departure, not a failure
+                self._depart(w)
+                self.live.discard(w)
+                self.left.append(w)
+                self.run.failures.left(w, "its node left the cluster", time=self.now())
             else:
                 self._worker_failed(w, f"its actor died ({type(e).__name__})")
         else:
@@ -500,13 +503,6 @@ class _Host:
             if time.monotonic() > deadline:
                 return False
             time.sleep(TICK * 4)
-
-    def _worker_left(self, w: int) -> None:
-        """Worker ``w``'s node left an elastic run: a departure, not a failure."""
-        self._depart(w)
-        self.live.discard(w)
-        self.left.append(w)
-        self.run.failures.left(w, "its node left the cluster", time=self.now())
 
     def _worker_failed(self, w: int, cause: str, detail: str = "") -> None:
         """The commit rule for worker ``w``, then the failure policy (restart, drop, raise)."""
