@@ -410,9 +410,8 @@ class ShardProcess:
             self.record(self.by_region(entry))
 
     def by_region(self, entry: list) -> list:
-        """``entry`` as forwarded: tagged with the worker whose push region holds its payload
-        (then left out: the backup copies it from there before it holds the entry, and the
-        worker rewrites it only after its ack), or -1 (whole)."""
+        """``entry`` for the backup, tagged with the worker whose push region is its payload
+        (left out: the worker rewrites it only once acknowledged), or -1 (whole)."""
         f = json.loads(entry[1]) if len(entry[-1]) and not self.shard.staleness.dc_lambda else {}
         w = (f.get("header") or [-1])[0]  # [worker, seq, base, incarnation]
         region = self.pushes[w] if 0 <= w < len(self.pushes) else None
@@ -573,16 +572,14 @@ def shard_main(
 
 def backup_main(config: ServerConfig, k: int, block_name: str, layout: Layout, link, control):
     """Body of shard ``k``'s backup process (replicas=2): a private copy of the shard that
-    follows its primary on ``link`` (:class:`Backup`) until the parent says stop. It holds
-    each forward's entries (their payloads copied from the push regions), says so, then
-    applies them while the link is quiet."""
+    follows its primary on ``link`` (:class:`Backup`) until the parent says stop: it holds a
+    forward (its payloads copied from the push regions), says so, then applies it."""
     die_with_parent(cleanup=lambda: None)  # (not with the thread that started it: no prctl)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     child_logging(f"backup {k}")
-    with contextlib.suppress(OSError, AttributeError):  # glibc: keep freed payloads' pages
-        libc = ctypes.CDLL(None)  # (else every copy of one faults its pages in anew)
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+    with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed heap (M_TRIM_,
+        libc = ctypes.CDLL(None)  # M_MMAP_THRESHOLD), else each payload's pages fault anew
+        libc.mallopt(-1, 1 << 30), libc.mallopt(-3, 1 << 30)
     lo, hi = config.ranges[k]
     regions = push_regions(layout, SharedBlock.attach(block_name), lo, hi, k)
     shard = config.build_shard(k, np.array(config.init[lo:hi]), layout.workers, layout.expected)
