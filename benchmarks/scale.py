@@ -382,6 +382,7 @@ def main() -> int:
                     row["r2/s"] = float(np.median([b for _, b in pairs]))
                     row["r2/r1"] = float(np.median([b / a for a, b in pairs]))
                     row["r2/r1 each"] = [round(b / a, 3) for a, b in pairs]
+                    row["r1, r2 each"] = pairs  # updates/s
                 if not args.no_sim:
                     row["sim/s"], tables[n] = sim_rate(n, s, args.repeats, args.optimizer)
                     row["sim/real"] = row["sim/s"] / row["updates/s"]
