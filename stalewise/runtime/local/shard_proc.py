@@ -593,8 +593,8 @@ def backup_main(config: ServerConfig, k: int, block_name: str, layout: Layout, l
         ready = wire.readable(
             [c for c in (control, link) if c], 0 if backup and backup.pending else None
         )
-        if not ready:
-            backup.apply()
+        if backup and (not ready or len(backup.pending) > layout.workers):
+            backup.apply()  # the link is quiet, or a turn's entries wait (memory bounded)
         for c in ready:
             try:
                 body = c.recv_bytes(None if c is control else bound)
