@@ -103,6 +103,25 @@ def test_an_ack_waits_for_the_backup_and_a_hung_backup_is_killed_and_replaced(ca
     assert backups_equal(caplog), caplog.text
 
 
+@pytest.mark.parametrize("kind", ["codec", "scratched"])
+def test_a_backup_copies_a_payload_from_its_push_region_or_gets_it_whole(kind, caplog, no_leaks):
+    """A forward leaves out a payload that is its worker's push region (int8's bytes), and
+    carries one the step scratched (delayed Nesterov) whole: each backup ends equal."""
+    params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+    opt = sw.optim.delayed_nesterov(0.5, every=2) if kind == "scratched" else sw.optim.sgd(0.1)
+    codec = sw.codecs.int8() if kind == "codec" else None
+    job = sw.Job(params, optimizer=opt, shards=2, replicas=2, codec=codec)
+    with caplog.at_level(logging.INFO), LocalServer(job.config, 2) as server:
+        clients = [server.client(w) for w in range(2)]
+        for _ in range(3):
+            for c in clients:
+                pushes(c, 1)
+        for c in clients:
+            c.close()
+        assert [s["version"] for s in server.state_dicts(timeout=30)] == [6, 6]
+    assert backups_equal(caplog), caplog.text
+
+
 @pytest.mark.parametrize("consistency", [None, sw.BSP()], ids=["asp", "bsp"])
 def test_a_replicated_job_ends_with_each_backup_equal_to_its_primary(consistency, caplog, no_leaks):
     with caplog.at_level(logging.INFO, logger=SERVER):

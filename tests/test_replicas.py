@@ -440,3 +440,17 @@ def test_rules_of_the_two_copies():
     primary.reply("pulled")
     assert primary.detach() == ["pulled"]
     assert_same_state(backup.promote().shard.state_dict(), primary.shard.state_dict())
+
+
+def test_a_backup_holds_before_it_applies_and_applies_before_it_serves():
+    """Held counts entries held (not applied yet); a promotion applies them first."""
+    primary = Primary(make_shard(0, "asp", "grad"))
+    backup = Backup(make_shard(0, "asp", "grad"), primary.attach())
+    primary.join(0, 1)
+    ack = primary.shard.push(PushHeader(0, 0, 0, 1), np.ones(SIZE, np.float32))
+    assert primary.reply(ack) == []
+    assert primary.held(backup.hold(primary.forward())) == [ack]
+    assert len(backup.pending) == 2 and backup.shard.version == 0 and backup.entries == 2
+    survivor = backup.promote()
+    assert not backup.pending and survivor.entries == 2
+    assert_same_state(survivor.shard.state_dict(), primary.shard.state_dict())

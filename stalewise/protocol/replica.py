@@ -46,7 +46,7 @@ class Forward(NamedTuple):
 
 
 class Held(NamedTuple):
-    """The backup of ``view`` holds (has applied) the first ``entries`` entries."""
+    """The backup of ``view`` holds (has in memory) the first ``entries`` entries."""
 
     view: int
     entries: int
@@ -122,33 +122,54 @@ class Primary:
 
 class Backup:
     """A copy of a shard that replays its primary's entries in order (``shard``: built as
-    the primary's was; ``start``: from :meth:`Primary.attach`)."""
+    the primary's was; ``start``: from :meth:`Primary.attach`). It holds an entry once it
+    has it in memory (:meth:`hold`), and applies it after (:meth:`apply`)."""
 
     def __init__(self, shard: Any, start: CatchUp):
         shard.load_state_dict(start.state)
         self.shard, self.entries, self.view = shard, start.entries, start.view
+        self.pending: deque[bytes] = deque()  # held, not applied yet
 
     def receive(self, forward: Forward | None) -> Held | None:
-        """Applies the entries it does not hold yet; returns what it holds (None: ignored,
-        a forward of another view).
+        """:meth:`hold`, then :meth:`apply`."""
+        held = self.hold(forward)
+        self.apply()
+        return held
+
+    def hold(self, forward: Forward | None) -> Held | None:
+        """Keeps the entries it does not hold yet; returns what it holds (None: ignored, a
+        forward of another view).
 
         Raises:
-            pushlog.LogError: a gap (entries were lost), or an entry the shard refuses."""
+            pushlog.LogError: a gap (entries were lost)."""
         if forward is None or forward.view != self.view:
             return None
-        for data in forward.entries[max(self.entries - forward.first, 0) :]:
+        if forward.first > self.entries:
             at = f"shard {self.shard.shard_id}, view {self.view}, entry {self.entries}"
-            if forward.first > self.entries:
-                raise pushlog.LogError(f"{at}: entry {forward.first} arrived first (a gap)")
-            try:
-                pushlog.replay(self.shard, pushlog.decode(data))
-            except pushlog.LogError as e:
-                raise pushlog.LogError(f"{at}: {e}") from None
-            self.entries += 1
+            raise pushlog.LogError(f"{at}: entry {forward.first} arrived first (a gap)")
+        new = forward.entries[self.entries - forward.first :]
+        self.pending.extend(new)
+        self.entries += len(new)
         return Held(self.view, self.entries)
+
+    def apply(self) -> None:
+        """Applies the entries held, in order (before the state is read or served).
+
+        Raises:
+            pushlog.LogError: an entry the shard refuses (it and those after are dropped)."""
+        while self.pending:
+            try:
+                pushlog.replay(self.shard, pushlog.decode(self.pending[0]))
+            except pushlog.LogError as e:
+                self.entries -= len(self.pending)
+                self.pending.clear()
+                at = f"shard {self.shard.shard_id}, view {self.view}, entry {self.entries}"
+                raise pushlog.LogError(f"{at}: {e}") from None
+            self.pending.popleft()
 
     def promote(self) -> Primary:
         """The primary died: this copy serves (alone), in a new view."""
+        self.apply()
         return Primary(self.shard, entries=self.entries, view=self.view + 1)
 
 

@@ -177,8 +177,8 @@ class LocalServer:
     def _start_backup(self, k: int) -> tuple:
         """Starts shard ``k``'s backup: ``(process, its control, the primary's end of its link)``."""
         (link, theirs), (control, their_control) = self._ctx.Pipe(), self._ctx.Pipe()
-        p = self._spawn(backup_main, f"stalewise-backup-{k}", self.config, k, self.layout,
-                        theirs, their_control)  # fmt: skip
+        p = self._spawn(backup_main, f"stalewise-backup-{k}", self.config, k,
+                        self._block.handle, self.layout, theirs, their_control)  # fmt: skip
         with self._procs_lock:
             self._spawning.add(p)
         return p, control, link

@@ -7,6 +7,8 @@ pushes, publishes and serves the pulls asked for. A worker's bad message disconn
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import json
 import logging
 import os
 import signal
@@ -18,8 +20,8 @@ from multiprocessing import connection, reduction
 import numpy as np
 
 from stalewise.checkpoint.store import create_file
-from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline
-from stalewise.protocol.replica import Backup, CatchUp, Held, Primary, digest
+from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline, pushlog
+from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary, digest
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.layout import Layout, Snapshots
@@ -33,6 +35,15 @@ log = logging.getLogger(__name__)
 PARTIAL_TIMEOUT = 1.0  # seconds a worker's message may stay incomplete before it is cut off
 CUT_LIMIT = 60.0  # seconds a shard stays frozen for a cut (the parent gave up: it thaws)
 READ_CHUNK = 4096  # bytes read from one worker's pipe per turn of the loop
+_REGION = struct.Struct("<i")  # a forwarded entry's tag: the worker whose push region it lacks
+
+
+def push_regions(layout: Layout, block: SharedBlock, lo: int, hi: int, k: int) -> list:
+    """What shard ``k`` (``lo:hi``) reads of each worker's push: its slice of the update, or
+    with a codec its payload's bytes (which the shard decodes: ServerConfig.build_shard)."""
+    if layout.payloads:
+        return [layout.payload(block, w, k) for w in range(layout.workers)]
+    return [layout.push_buffer(block, w)[lo:hi] for w in range(layout.workers)]
 
 
 def committed_push(
@@ -100,12 +111,7 @@ class ShardProcess:
         params = layout.params(block)[lo:hi]
         self.shard: Shard = config.build_shard(k, params, layout.workers, layout.expected)
         self.pulls = [layout.pull_buffer(block, w)[lo:hi] for w in range(layout.workers)]
-        # what shard k reads of each worker's push: its slice of the update, or with a
-        # codec its payload's bytes, which the shard decodes (ServerConfig.build_shard)
-        if layout.payloads:
-            self.pushes = [layout.payload(block, w, k) for w in range(layout.workers)]
-        else:
-            self.pushes = [layout.push_buffer(block, w)[lo:hi] for w in range(layout.workers)]
+        self.pushes = push_regions(layout, block, lo, hi, k)
         self.records = layout.records(block)
         self.observer = layout.observer(block)[lo:hi]
         self.snapshots = Snapshots(layout, block, config.ranges)
@@ -125,6 +131,7 @@ class ShardProcess:
         self.served = 0  # pulls served into a worker's pull buffer
         self.log_at, self.unsynced = 0, False  # the log's bytes; entries not yet synced
         self.primary, self.link, self.backup_timeout = None, None, 0.0  # replicas=2 (sync)
+        self.unsent = 0  # the bytes of the entries not forwarded yet
         if config.replicas == 2:
             self.primary = Primary(self.shard)
             self.record, self.shard.journal = self.shard.journal, self.journal
@@ -247,8 +254,8 @@ class ShardProcess:
                         os.fdatasync(self.log.fileno())
                 except OSError as e:
                     self.end_log(e)
-            if primary is not None and (fwd := primary.forward()) and primary.backed:
-                at = self.log_at - sum(map(len, fwd.entries))
+            fwd, at, self.unsent = primary and primary.forward(), self.log_at - self.unsent, 0
+            if fwd and primary.backed:
                 try:
                     self.link.send_bytes(wire.link(fwd, self.log_path * bool(self.log), at))
                     until = time.monotonic() + self.backup_timeout
@@ -391,14 +398,26 @@ class ShardProcess:
 
     def journal(self, entry: list) -> None:
         self.unsynced = True
+        size = sum(memoryview(b).nbytes for b in entry)
         if self.log is not None:
             try:
                 self.log.writelines(entry)
-                self.log_at += sum(memoryview(b).nbytes for b in entry)
+                self.log_at += size
             except OSError as e:
                 self.end_log(e)
         if self.primary is not None:
-            self.record(entry)
+            self.unsent += size
+            self.record(self.by_region(entry))
+
+    def by_region(self, entry: list) -> list:
+        """``entry`` for the backup, tagged with the worker whose push region is its payload
+        (left out: the worker rewrites it only once acknowledged), or -1 (whole)."""
+        f = json.loads(entry[1]) if len(entry[-1]) and not self.shard.staleness.dc_lambda else {}
+        w = (f.get("header") or [-1])[0]  # [worker, seq, base, incarnation]
+        region = self.pushes[w] if 0 <= w < len(self.pushes) else None
+        if region is not None and (f["n"], f["sum"]) == (region.nbytes, pushlog._sum(region)):
+            return [_REGION.pack(w), *entry[:-1]]  # (a step may scratch its payload: then whole)
+        return [_REGION.pack(-1), *entry]
 
     def end_log(self, error: OSError | None = None) -> None:
         """Closes the push log, flushed and fsynced; one that fails to (``error``) is
@@ -551,13 +570,18 @@ def shard_main(
         proc.settle()
 
 
-def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> None:
+def backup_main(config: ServerConfig, k: int, block_name: str, layout: Layout, link, control):
     """Body of shard ``k``'s backup process (replicas=2): a private copy of the shard that
-    follows its primary on ``link`` (:class:`Backup`) until the parent says stop."""
+    follows its primary on ``link`` (:class:`Backup`) until the parent says stop: it holds a
+    forward (its payloads copied from the push regions), says so, then applies it."""
     die_with_parent(cleanup=lambda: None)  # (not with the thread that started it: no prctl)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     child_logging(f"backup {k}")
+    with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed heap (M_TRIM_,
+        libc = ctypes.CDLL(None)  # M_MMAP_THRESHOLD), else each payload's pages fault anew
+        libc.mallopt(-1, 1 << 30), libc.mallopt(-3, 1 << 30)
     lo, hi = config.ranges[k]
+    regions = push_regions(layout, SharedBlock.attach(block_name), lo, hi, k)
     shard = config.build_shard(k, np.array(config.init[lo:hi]), layout.workers, layout.expected)
     shard.warm_up()  # the JIT now, not within the primary's first wait (backup_timeout)
     if shard.decoder is not None:
@@ -566,7 +590,12 @@ def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> 
     bound = 8 * shard.params.nbytes * (layout.workers + 2) + (1 << 24)  # a turn's entries
     control.send_bytes(wire.ready(k))
     while True:
-        for c in wire.readable([c for c in (control, link) if c], None):
+        ready = wire.readable(
+            [c for c in (control, link) if c], 0 if backup and backup.pending else None
+        )
+        if backup and (not ready or len(backup.pending) > layout.workers):
+            backup.apply()  # the link is quiet, or a turn's entries wait (memory bounded)
+        for c in ready:
             try:
                 body = c.recv_bytes(None if c is control else bound)
             except (EOFError, OSError) as e:
@@ -575,6 +604,7 @@ def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> 
                 link = link.close()  # the primary died: the parent asks for the state
                 continue
             if c is control:
+                _ = backup and backup.apply()
                 if wire.decode_control(body)[0] != "state":  # stop
                     return control.send_bytes(wire.stopped({"digest": digest(shard.state_dict())}))
                 control.send_bytes(wire.state_reply(shard.state_dict() | {"held": held}))
@@ -583,8 +613,20 @@ def backup_main(config: ServerConfig, k: int, layout: Layout, link, control) -> 
             if isinstance(msg, CatchUp):
                 backup, held = Backup(shard, msg), (path, at)
                 reply = Held(backup.view, backup.entries)
-            elif (reply := backup.receive(msg)) is not None:
+            elif (reply := backup.hold(msg := with_payloads(msg, regions))) is not None:
                 held = (path, at + sum(map(len, msg.entries[: backup.entries - msg.first])))
             with contextlib.suppress(OSError):  # else the primary died: EOF follows
                 if reply is not None:
                     link.send_bytes(wire.link(reply))
+
+
+def with_payloads(fwd: Forward, regions: list) -> Forward:
+    """``fwd``'s entries whole again (:meth:`ShardProcess.by_region`): each payload left out
+    copied from its worker's push region."""
+    entries = []
+    for e in fwd.entries:
+        w, rest = _REGION.unpack_from(e)[0], memoryview(e)[_REGION.size :]
+        if not -1 <= w < len(regions):
+            raise wire.WireError(f"an entry tagged with worker {w}, of {len(regions)}")
+        entries.append(b"".join((rest, memoryview(regions[w]).cast("B")) if w >= 0 else (rest,)))
+    return fwd._replace(entries=tuple(entries))

@@ -58,9 +58,8 @@ _JOIN, _STATS, _STATE, _LOAD, _STOP, _CUT, _THAW, _BACKUP = range(0x21, 0x29)
 _READY, _JOINED, _STATS_REPLY, _STATE_REPLY, _LOADED, _STOPPED, _CUT_REPLY = range(0x31, 0x38)
 # worker -> parent (the result pipe), and parent -> worker
 _W_READY, _BEAT, _DONE, _DIVERGED, _FAILED, _GO = 0x41, 0x42, 0x43, 0x44, 0x45, 0x46
-# primary <-> backup; kind, view, entries (first), the log's bytes before them; then frames
+# primary <-> backup; _THREE: kind, view, entries (first), the log's bytes before; then frames
 _FORWARD, _CATCH_UP, _HELD = 0x51, 0x52, 0x53
-_LINK_HEAD = struct.Struct("<Bqqq")
 GIB = 1 << 30
 
 _KIND = struct.Struct("<B")
@@ -430,17 +429,17 @@ def link(msg: Forward | CatchUp | Held, path: str = "", at: int = 0) -> bytes:
     blobs = (
         msg.entries if kind == _FORWARD else [state[i : i + GIB] for i in range(0, len(state), GIB)]
     )
-    head = _LINK_HEAD.pack(kind, msg.view, msg[1], at)
+    head = _THREE.pack(kind, msg.view, msg[1], at)
     return b"".join([head, *map(frame, [path.encode(), *blobs])])
 
 
 def decode_link(body: bytes) -> tuple:
     """``(message, path, at)`` of :func:`link`; a torn or unknown one is a WireError."""
-    if len(body) < _LINK_HEAD.size or body[0] not in (_FORWARD, _CATCH_UP, _HELD):
+    if len(body) < _THREE.size or body[0] not in (_FORWARD, _CATCH_UP, _HELD):
         raise WireError(f"not a message between a shard's copies ({len(body)} bytes)")
-    kind, view, n, at = _LINK_HEAD.unpack_from(body)
+    kind, view, n, at = _THREE.unpack_from(body)
     frames = FrameReader(len(body))
-    path, *blobs = frames.feed(body[_LINK_HEAD.size :]) or [b""]
+    path, *blobs = frames.feed(body[_THREE.size :]) or [b""]
     if frames.pending or frames.error:
         raise _wrong_size(kind, body)
     msg = Forward(view, n, tuple(blobs)) if kind == _FORWARD else Held(view, n)
