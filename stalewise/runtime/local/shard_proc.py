@@ -415,7 +415,7 @@ class ShardProcess:
         f = json.loads(entry[1]) if len(entry[-1]) and not self.shard.staleness.dc_lambda else {}
         w = (f.get("header") or [-1])[0]  # [worker, seq, base, incarnation]
         region = self.pushes[w] if 0 <= w < len(self.pushes) else None
-        if region is not None and (f["n"], f["sum"]) == (region.nbytes, pushlog._sum(region)):
+        if region is not None and (f["n"], f["sum"]) == (region.nbytes, pushlog.checksum(region)):
             return [_REGION.pack(w), *entry[:-1]]  # (a step may scratch its payload: then whole)
         return [_REGION.pack(-1), *entry]
 
@@ -604,7 +604,8 @@ def backup_main(config: ServerConfig, k: int, block_name: str, layout: Layout, l
                 link = link.close()  # the primary died: the parent asks for the state
                 continue
             if c is control:
-                _ = backup and backup.apply()
+                if backup:
+                    backup.apply()
                 if wire.decode_control(body)[0] != "state":  # stop
                     return control.send_bytes(wire.stopped({"digest": digest(shard.state_dict())}))
                 control.send_bytes(wire.state_reply(shard.state_dict() | {"held": held}))
