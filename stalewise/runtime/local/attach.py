@@ -319,24 +319,23 @@ class Door:
             self._reap()
             keep, carried = dict(self.leases), []
             try:
-                info = self.server.restart_shard(k, keep=tuple(keep))
-                for w, lease in (
-                    sorted(keep.items()) if info["source"] in ("backup", "push log") else ()
-                ):
-                    try:  # pid: unused on Unix sockets
-                        self.server.rejoin(k, w, lease, pid=0)
-                        carried.append(w)
-                    except OSError as e:  # it has gone meanwhile
-                        log.warning(
-                            "job %r: worker %d: no new pipe to shard %d: %s", self.name, w, k, e
-                        )
+                source = self.server.restart_shard(k, keep=tuple(keep))["source"]
             except Exception as e:  # its workers' calls name the shard, as without replicas
                 log.error("job %r: shard %d could not be restarted: %s", self.name, k, e)
-                info = {"source": "nothing"}
+                source = None
+            for w, lease in sorted(keep.items()) if source in ("backup", "push log") else ():
+                try:  # pid: unused on Unix sockets
+                    self.server.rejoin(k, w, lease, pid=0)
+                    carried.append(w)
+                except Exception as e:  # it has gone, or the shard died again
+                    log.warning(
+                        "job %r: worker %d: no new pipe to shard %d: %s", self.name, w, k, e
+                    )
             for w in keep.keys() - set(carried):
                 self.leases.pop(w).close()
-            log.warning("job %r: shard %d restarted from its %s; attached workers %s carry on",
-                        self.name, k, info["source"], carried)  # fmt: skip
+            if source is not None:
+                log.warning("job %r: shard %d restarted from its %s; attached workers %s carry "
+                            "on", self.name, k, source, carried)  # fmt: skip
 
     def close(self) -> None:
         self.closed.set()
