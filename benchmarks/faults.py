@@ -70,6 +70,7 @@ undisturbed, then once per fault, with the same budget of pushes:
                     resume and new workers, ASP and BSP in turn, then run to its end.
                     Columns as (g); ``first_push_s`` from the relaunch of the serving
                     process to the first push acknowledged.
+  ``--replicas 2`` runs (g), (h) or (i) with a backup process per shard.
   (j) ray-replica-kills ``--ray-replica-kills N`` runs only this case: least-squares
                     (n=256, d=16) on Ray (a local instance of one node, so each backup
                     shares its primary's node), 4 workers, 2 shards, ``replicas=2``,
@@ -107,6 +108,7 @@ also writes the table to ``runs/bench-faults.json`` (or ``--json PATH``).
 
     .venv/bin/python benchmarks/faults.py [--quick] [--check] [--json PATH] [--shard-kills N]
         [--launcher-kills N] [--parent-kills N] [--serve-kills N] [--ray-replica-kills N]
+        [--replicas 2]
 """
 
 from __future__ import annotations
@@ -475,16 +477,17 @@ def main() -> int:
     ap.add_argument("--parent-kills", type=int, metavar="N", help="only case (h), N kills")
     ap.add_argument("--serve-kills", type=int, metavar="N", help="only case (i), N kills")
     ap.add_argument("--ray-replica-kills", type=int, metavar="N", help="only case (j)")
+    ap.add_argument("--replicas", type=int, choices=(1, 2), default=1, help="(g), (h), (i)")
     _report.add_json_arg(ap)
     args = ap.parse_args()
     out = _report.json_path(ap, args, "faults")
     logging.basicConfig(level=logging.ERROR)  # the runtime's warnings would flood the table
     if args.launcher_kills:
-        return launcher_kills(args.launcher_kills, out, args.check)
+        return launcher_kills(args.launcher_kills, out, args.check, args.replicas)
     if args.parent_kills:
-        return parent_kills(args.parent_kills, out, args.check)
+        return parent_kills(args.parent_kills, out, args.check, args.replicas)
     if args.serve_kills:
-        return serve_kills(args.serve_kills, out, args.check)
+        return serve_kills(args.serve_kills, out, args.check, args.replicas)
     if args.ray_replica_kills:
         return ray_replica_kills(args.ray_replica_kills, out, args.check)
     task = tasks.get("digits")
@@ -603,10 +606,10 @@ import numpy as np
 import stalewise as sw
 
 if __name__ == "__main__":
-    steps, workers, bsp = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "bsp"
+    steps, workers, bsp, replicas = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "bsp", int(sys.argv[4])
     job = sw.Job({"items": np.zeros((workers, steps), np.float32)},
                  optimizer=sw.optim.sgd(float(workers) if bsp else 1.0),
-                 consistency=sw.BSP() if bsp else sw.ASP())
+                 consistency=sw.BSP() if bsp else sw.ASP(), replicas=replicas)
     ctx = sw.init(job)
     acked = os.open(f"acked-{ctx.rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.write(acked, b"start %d %f\\n" % (ctx.client.pushed, time.time()))
@@ -624,18 +627,18 @@ if __name__ == "__main__":
 """
 
 
-def launcher_kills(n: int, out, check: bool, steps: int = 4000, every: int = 50) -> int:
+def launcher_kills(n: int, out, check: bool, replicas=1, steps: int = 4000, every: int = 50) -> int:
     """Case (g): ``n`` launcher kills (:func:`_kills_case`)."""
     cols = ["consistency", "completed", "kills", "acked_lost", "twice", "skipped", "replayed",
             "rank_skips", "first_push_s", "fresh_s", "time_s"]  # fmt: skip
     return _kills_case("g", "one-hot job, 2 ranks", _one_hot_kills, cols, "firsts", n, steps,
-                       every, out, check)  # fmt: skip
+                       every, out, check, replicas)  # fmt: skip
 
 
-def _kills_case(case, what, run, cols, times, n, steps, every, out, check) -> int:
+def _kills_case(case, what, run, cols, times, n, steps, every, out, check, replicas) -> int:
     """Case ``case``: ``n`` kills, half under ASP and half under BSP, in runs of the one-hot
-    job (``run(folder, consistency, kills, steps, every, rng)``, each ended by a run to its
-    end); its rows' totals (the columns from ``kills`` up to the first time, and the
+    job (``run(folder, consistency, kills, steps, every, rng, replicas=)``, each ended by a
+    run to its end); its rows' totals (the columns from ``kills`` up to the first time, and the
     times each row lists under ``times``), printed and written by :func:`_kills_bar`."""
     seed = int(time.time())
     print("seed", seed, flush=True)
@@ -643,7 +646,7 @@ def _kills_case(case, what, run, cols, times, n, steps, every, out, check) -> in
     for k, consistency in enumerate(("asp", "bsp")):
         kills = n // 2 + (k < n % 2)
         with tempfile.TemporaryDirectory(prefix=f"faults-{case}-") as folder:
-            rows.append(run(Path(folder), consistency, kills, steps, every, rng))
+            rows.append(run(Path(folder), consistency, kills, steps, every, rng, replicas=replicas))
         print(format_table(rows[-1:], cols), flush=True)
     stat = cols[cols.index("fresh_s") - 1]  # the row's time column: first_push_s or ready_s
     total: dict = {key: sum(r[key] for r in rows) for key in cols[2 : cols.index(stat)]}
@@ -652,8 +655,10 @@ def _kills_case(case, what, run, cols, times, n, steps, every, out, check) -> in
               f"{stat}_mean": float(np.mean(xs)) if xs else math.nan,
               f"{stat}_median": float(np.median(xs)) if xs else math.nan,
               f"{stat}_max": max(xs, default=math.nan),
-              "fresh_s": [r["fresh_s"] for r in rows], "seed": seed, "load": os.getloadavg()}  # fmt: skip
-    return _kills_bar(case, what, total, rows, n, steps, every, out, check)
+              "fresh_s": [r["fresh_s"] for r in rows], "seed": seed, "load": os.getloadavg(),
+              "replicas": replicas}  # fmt: skip
+    return _kills_bar(case, f"{what}, replicas={replicas}", total, rows, n, steps, every, out,
+                      check)  # fmt: skip
 
 
 def _kills_bar(case, what, total, rows, n, steps, every, out, check) -> int:
@@ -669,7 +674,7 @@ def _kills_bar(case, what, total, rows, n, steps, every, out, check) -> int:
 
 
 def _one_hot_kills(folder: Path, consistency: str, kills: int, steps: int, every: int,
-                   rng: random.Random) -> dict:  # fmt: skip
+                   rng: random.Random, replicas: int = 1) -> dict:  # fmt: skip
     """One job: ``kills`` launcher kills and resumes, then a run to its end."""
     workers, started, errs, killed = 2, time.monotonic(), [], 0
     (folder / "job.py").write_text(ONE_HOT)
@@ -679,7 +684,7 @@ def _one_hot_kills(folder: Path, consistency: str, kills: int, steps: int, every
         args = [sys.executable, "-m", "stalewise", "run", "--workers", str(workers), "--steps",
                 str(steps), "--checkpoint-dir", "ckpt", "--checkpoint-every", str(every),
                 *(["--resume"] if attempt else []), "job.py", str(steps), str(workers),
-                consistency]  # fmt: skip
+                consistency, str(replicas)]  # fmt: skip
         begun = time.time()
         proc = subprocess.Popen(args, cwd=folder, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
@@ -793,8 +798,8 @@ from onehot import First, OneHot, data
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("stalewise.runtime.driver").setLevel(logging.INFO)  # its resume line
-    attempt, bsp, steps, row, every = int(sys.argv[1]), sys.argv[2] == "bsp", *map(int, sys.argv[3:])
-    job = sw.Job({"items": np.zeros((2, row), np.float32)}, shards=2,
+    attempt, bsp, steps, row, every, replicas = int(sys.argv[1]), sys.argv[2] == "bsp", *map(int, sys.argv[3:])
+    job = sw.Job({"items": np.zeros((2, row), np.float32)}, shards=2, replicas=replicas,
                  optimizer=sw.optim.sgd(2.0 if bsp else 1.0),  # BSP applies a round's mean
                  consistency=sw.BSP() if bsp else sw.ASP())
     job.train(OneHot(attempt, row), data=data, workers=2, steps=steps,
@@ -804,16 +809,16 @@ if __name__ == "__main__":
 """
 
 
-def parent_kills(n: int, out, check: bool, steps: int = 4000, every: int = 50) -> int:
+def parent_kills(n: int, out, check: bool, replicas=1, steps: int = 4000, every: int = 50) -> int:
     """Case (h): ``n`` kills of the ``Job.train`` parent (:func:`_kills_case`)."""
     cols = ["consistency", "completed", "kills", "acked_lost", "twice", "skipped", "replayed",
             "ready_s", "fresh_s", "time_s"]  # fmt: skip
     return _kills_case("h", "one-hot Job.train, 2 workers", _train_kills, cols, "readies", n,
-                       steps, every, out, check)  # fmt: skip
+                       steps, every, out, check, replicas)  # fmt: skip
 
 
 def _train_kills(folder: Path, consistency: str, kills: int, steps: int, every: int,
-                 rng: random.Random) -> dict:  # fmt: skip
+                 rng: random.Random, replicas: int = 1) -> dict:  # fmt: skip
     """One job: ``kills`` parent kills and resumes, then a run to its end."""
     width, started, errs, killed, lost = 3 * (steps + 2), time.monotonic(), [], 0, 0
     (folder / "onehot.py").write_text(ONE_HOT_TRAIN)
@@ -821,7 +826,7 @@ def _train_kills(folder: Path, consistency: str, kills: int, steps: int, every: 
     acked, readies, row = [0, 0], [], {"consistency": consistency, "completed": "no"}
     for attempt in range(kills + 1):
         args = [sys.executable, "job.py", str(attempt), consistency, str(steps), str(width),
-                str(every)]  # fmt: skip
+                str(every), str(replicas)]  # fmt: skip
         goal = [b + rng.randint(30, 120) for b in _begun(folder, attempt - 1)]
         begun, ready = time.monotonic(), None
         with open(folder / f"stderr-{attempt}", "w") as err:
@@ -894,8 +899,8 @@ import numpy as np
 import stalewise as sw
 
 if __name__ == "__main__":
-    name, steps, bsp, every, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "bsp", *map(int, sys.argv[4:])
-    job = sw.Job({"items": np.zeros((2, steps), np.float32)}, shards=2,
+    name, steps, bsp, every, resume, replicas = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "bsp", *map(int, sys.argv[4:])
+    job = sw.Job({"items": np.zeros((2, steps), np.float32)}, shards=2, replicas=replicas,
                  optimizer=sw.optim.sgd(2.0 if bsp else 1.0),  # BSP applies a round's mean
                  consistency=sw.BSP() if bsp else sw.ASP())
     saves = sw.Checkpoints("ckpt", every=every, resume=bool(resume))
@@ -926,16 +931,16 @@ if __name__ == "__main__":
 """
 
 
-def serve_kills(n: int, out, check: bool, steps: int = 6000, every: int = 50) -> int:
+def serve_kills(n: int, out, check: bool, replicas=1, steps: int = 6000, every: int = 50) -> int:
     """Case (i): ``n`` kills of the process serving ``job.serve`` (:func:`_kills_case`)."""
     cols = ["consistency", "completed", "kills", "acked_lost", "twice", "skipped", "replayed",
             "first_push_s", "fresh_s", "time_s"]  # fmt: skip
     return _kills_case("i", "one-hot job.serve, 2 attached workers, 2 shards", _serve_kills,
-                       cols, "firsts", n, steps, every, out, check)  # fmt: skip
+                       cols, "firsts", n, steps, every, out, check, replicas)  # fmt: skip
 
 
 def _serve_kills(folder: Path, consistency: str, kills: int, steps: int, every: int,
-                 rng: random.Random, timeout: float = 120.0) -> dict:  # fmt: skip
+                 rng: random.Random, timeout: float = 120.0, replicas: int = 1) -> dict:  # fmt: skip
     """One job: ``kills`` kills of its serving process, each relaunched with resume (and
     its 2 workers), then a run to its end; each process started is killed at the end."""
     (folder / "serve.py").write_text(SERVE_ONE_HOT)
@@ -953,7 +958,7 @@ def _serve_kills(folder: Path, consistency: str, kills: int, steps: int, every: 
         deadline = time.monotonic() + timeout
         try:
             server = _started(folder, procs, attempt, "serve.py", named, steps, consistency,
-                              every, int(attempt > 0), stdin=subprocess.PIPE)  # fmt: skip
+                              every, int(attempt > 0), replicas, stdin=subprocess.PIPE)  # fmt: skip
             while not (folder / f"served-{named}").exists() and server.poll() is None:
                 if time.monotonic() > deadline:
                     break

@@ -39,6 +39,8 @@ MAX_HANDSHAKES = 16
 #: The longest wait, in seconds, before the door tries to accept again after a failure.
 ACCEPT_BACKOFF = 1.0
 KEY_BYTES = 32  # the length of a door's key
+#: Seconds an attached client waits for a restarted shard's new pipe once its process runs.
+REJOIN_TIMEOUT = 60.0
 
 
 def door_dir() -> Path:
@@ -308,6 +310,33 @@ class Door:
             log.info("job %r: process %d attached as worker %d", self.name, pid, w)
         return ok
 
+    def heal(self, k: int) -> None:
+        """Restarts dead shard ``k`` (replicas=2: from its backup) and sends each attached
+        worker its new pipe over its socket; one that cannot carry on loses its socket."""
+        with self.lock:
+            if self.closed.is_set() or k not in self.server.dead_shards():
+                return
+            self._reap()
+            keep, carried = dict(self.leases), []
+            try:
+                source = self.server.restart_shard(k, keep=tuple(keep))["source"]
+            except Exception as e:  # its workers' calls name the shard, as without replicas
+                log.error("job %r: shard %d could not be restarted: %s", self.name, k, e)
+                source = None
+            for w, lease in sorted(keep.items()) if source in ("backup", "push log") else ():
+                try:  # pid: unused on Unix sockets
+                    self.server.rejoin(k, w, lease, pid=0)
+                    carried.append(w)
+                except Exception as e:  # it has gone, or the shard died again
+                    log.warning(
+                        "job %r: worker %d: no new pipe to shard %d: %s", self.name, w, k, e
+                    )
+            for w in keep.keys() - set(carried):
+                self.leases.pop(w).close()
+            if source is not None:
+                log.warning("job %r: shard %d restarted from its %s; attached workers %s carry "
+                            "on", self.name, k, source, carried)  # fmt: skip
+
     def close(self) -> None:
         self.closed.set()
         with contextlib.suppress(OSError):
@@ -392,6 +421,7 @@ def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0
     ``worker``: the id to take (None: the lowest free one); ``timeout``: seconds for the
     handshake. Closing the client gives the id back; AttachError if no job of that name is
     served or the server refused."""
+    from stalewise.runtime.local.client import Rejoin
     from stalewise.runtime.local.procs import cap_threads_here
 
     sock, keyfile = _paths(check_name(name))
@@ -437,4 +467,6 @@ def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0
         raise AttachError(f"job {name!r}: the server went away while attaching ({e})") from None
     cap_threads_here(plan.workers)
     client._lease = conn  # closed with the client, or by the OS with this process
+    if plan.config.replicas == 2:  # a dead primary comes back from its backup (Door.heal)
+        client.rejoin = Rejoin(conn, REJOIN_TIMEOUT, client)
     return client

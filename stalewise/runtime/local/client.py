@@ -10,9 +10,10 @@ it was not answered is sent again). How: ``docs/design-notes.md`` ("Local runtim
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
-from multiprocessing import connection
+from multiprocessing import connection, reduction
 from typing import Any, NoReturn
 
 import numpy as np
@@ -36,6 +37,8 @@ SLICE = 0.05  # seconds between two looks at the shards' exits while a client wa
 SPIN, SPIN_MAX = 5e-5, 1e-3
 LIVE_COPIES = 2  # copies of a shard's live params a read-your-writes pull tries before asking
 
+log = logging.getLogger(__name__)
+
 
 def recv_reply(
     conn: connection.Connection, timeout: float | None, what: str, *, trusted: bool = False
@@ -52,6 +55,36 @@ def recv_reply(
         return wire.decode_reply(body, trusted=trusted)
     except wire.WireError as e:
         raise ServerClosed(f"malformed message while waiting for {what}: {e}") from None
+
+
+class Rejoin:
+    """A :attr:`Client.rejoin`: restarted shard k's new pipe, as the server sends it on
+    ``conn`` (``Job.train``'s result pipe, an attached process's socket), ``timeout`` s at
+    most once the shard's new process has started (then None); ``beat`` while it waits."""
+
+    def __init__(self, conn: connection.Connection, timeout: float, client: Client, beat=None):
+        self.conn, self.beat, self.timeout, self.client, self.ends = conn, beat, timeout, client, {}
+
+    def __call__(self, k: int) -> connection.Connection | None:
+        deadline = time.monotonic() + self.timeout
+        while k not in self.ends and (left := deadline - time.monotonic()) > 0:
+            if (code := self.client._exits[k]) == code:  # an exit code: the server restarts it
+                deadline = time.monotonic() + self.timeout
+            every = 1.0 if self.beat is None else (self.beat() or self.beat.every or 1.0)
+            try:
+                if self.conn.poll(min(left, every)):
+                    j = wire.decode_rejoin(self.conn.recv_bytes(wire.MAX_RESULT))
+                    self.ends[j] = connection.Connection(reduction.recv_handle(self.conn))
+            except (OSError, EOFError, wire.WireError) as e:  # the server is gone or gave up
+                log.warning("worker: no new pipe to shard %d: %s", k, e)
+                break
+        self.timeout = self.timeout if k in self.ends else 0  # once in vain: no more waits
+        return self.ends.pop(k, None)
+
+    @property
+    def sent(self) -> bool:
+        """Whether the server has sent a new pipe not taken yet."""
+        return bool(self.ends) or self.conn.poll(0)
 
 
 class Client(PullsIntoTrees):

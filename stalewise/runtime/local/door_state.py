@@ -47,6 +47,7 @@ def encode(config: ServerConfig, client: Client, workers: int) -> bytes:
         "layout": dataclasses.asdict(client._layout),
         "spec": spec_to_json(spec, live=True),
         "shards": config.shards,
+        "replicas": config.replicas,
         "consistency": list(config.consistency),
         "staleness": list(config.staleness),
         "codec": _codec(config.codec),
@@ -88,6 +89,7 @@ def decode(body: bytes) -> tuple[str | None, Plan | None]:
             consistency=_consistency(_get(state, "consistency", list)),
             staleness=_staleness(_get(state, "staleness", list)),
             shards=_count(_get(state, "shards", int), 1),
+            replicas=_count(_get(state, "replicas", int), 1),
             codec=codecs.parse(_get(state, "codec", dict)),
         )
         layout = _layout(_get(state, "layout", dict))

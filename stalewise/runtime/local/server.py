@@ -62,10 +62,11 @@ SHARD_EXIT_WAIT = 5.0
 LINK_TRIES = 5  # backups started for a shard in a row before it serves alone
 
 
-def _shard_entry(config: ServerConfig, k: int, handle: str, *args: Any) -> None:
-    """A shard process: dies with its parent (unlinking a named block first), then serves."""
-    named = not handle.startswith("/proc/")
-    die_with_parent(cleanup=(lambda: os.unlink(handle)) if named else None)
+def _shard_entry(config: ServerConfig, k: int, handle: str, main: bool, *args: Any) -> None:
+    """A shard process: dies with its parent (unlinking a named block first), then serves;
+    ``main``: started by the main thread (else not killed when the thread that started it ends)."""
+    cleanup = (lambda: os.unlink(handle)) if not handle.startswith("/proc/") else None
+    die_with_parent(cleanup=cleanup or (None if main else lambda: None))
     shard_main(config, k, handle, *args)
 
 
@@ -171,7 +172,8 @@ class LocalServer:
     def _start_shard(self, k: int) -> tuple[Any, Any]:
         self._tags.setdefault(k, uuid.uuid4().hex[:8])  # its push logs' chain
         mine, theirs = self._ctx.Pipe()  # control messages are binary records (runtime.local.wire)
-        args = (self.config, k, self._block.handle, self.layout, theirs, self.join_timeout)
+        main = threading.current_thread() is threading.main_thread()
+        args = (self.config, k, self._block.handle, main, self.layout, theirs, self.join_timeout)
         return self._spawn(_shard_entry, f"stalewise-shard-{k}", *args), mine
 
     def _start_backup(self, k: int) -> tuple:
@@ -263,6 +265,8 @@ class LocalServer:
                         continue  # closing (exits are expected), or restarted meanwhile
                     exits[k] = math.inf if code is None else code
                 log.debug("shard %d's process ended (%s)", k, describe_exit(code))
+                if self._door is not None and self.replicated:  # its attached workers carry on
+                    threading.Thread(target=self._door.heal, args=(k,), daemon=True).start()
 
     def _backup_ended(self, k: int, b: tuple) -> None:
         """Backup ``b`` of shard ``k`` ended: a new one is started (its primary serves alone)."""
@@ -334,11 +338,17 @@ class LocalServer:
         return mine, reply[3]
 
     @_locked
-    def rejoin(self, k: int, worker: int) -> Any:
+    def rejoin(self, k: int, worker: int, to: Any = None, pid: int = 0) -> Any:
         """A new pipe between restarted shard ``k`` and ``worker``'s incarnation, kept there
-        (:meth:`restart_shard`): the worker's end, for the caller to pass on and close."""
+        (:meth:`restart_shard`): the worker's end, for the caller to pass on and close, or
+        sent now over ``to``, a pipe or socket of process ``pid`` (:class:`~.client.Rejoin`)."""
         with self._naming_dead_shards():
-            return self._join(k, worker, self._incarnations[worker])[0]
+            end = self._join(k, worker, self._incarnations[worker])[0]
+        if to is None:
+            return end
+        with end:
+            to.send_bytes(wire.rejoin(k))
+            reduction.send_handle(to, end.fileno(), pid)
 
     def free_worker(self, want: int | None, *, taken: set[int]) -> int:
         """The worker id a joining process gets: ``want`` if not ``taken``, else the lowest

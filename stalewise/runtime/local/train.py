@@ -25,7 +25,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from multiprocessing import connection, reduction
+from multiprocessing import connection
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ from stalewise.runtime import driver
 from stalewise.runtime.base import batch_iterator
 from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
 from stalewise.runtime.local import wire
-from stalewise.runtime.local.client import Client
+from stalewise.runtime.local.client import Client, Rejoin
 from stalewise.runtime.local.procs import (
     describe_exit,
     die_with_parent,
@@ -105,36 +105,6 @@ class _Heartbeat:
             time.sleep(left if self.every is None else min(left, self.every))
 
 
-class _Rejoin:
-    """A worker's :attr:`Client.rejoin`: a restarted shard's new pipe, as the parent sends
-    it on the result pipe (beating while it waits, ``timeout`` s at most once the shard's
-    new process has started; then None)."""
-
-    def __init__(self, conn: connection.Connection, beat: _Heartbeat, timeout: float, client):
-        self.conn, self.beat, self.timeout, self.client, self.ends = conn, beat, timeout, client, {}
-
-    def __call__(self, k: int) -> connection.Connection | None:
-        deadline = time.monotonic() + self.timeout
-        while k not in self.ends and (left := deadline - time.monotonic()) > 0:
-            if (code := self.client._exits[k]) == code:  # an exit code: the parent replays still
-                deadline = time.monotonic() + self.timeout
-            self.beat()
-            try:
-                if self.conn.poll(min(left, self.beat.every or 1.0)):
-                    j = wire.decode_rejoin(self.conn.recv_bytes(wire.MAX_RESULT))
-                    self.ends[j] = connection.Connection(reduction.recv_handle(self.conn))
-            except (OSError, EOFError, wire.WireError) as e:  # the parent is gone or gave up
-                log.warning("worker: no new pipe to shard %d: %s", k, e)
-                break
-        self.timeout = self.timeout if k in self.ends else 0  # once in vain: no more waits
-        return self.ends.pop(k, None)
-
-    @property
-    def sent(self) -> bool:
-        """Whether the parent has sent a new pipe not taken yet."""
-        return bool(self.ends) or self.conn.poll(0)
-
-
 def _worker_main(
     client: Client,
     strategy: Strategy,
@@ -150,7 +120,7 @@ def _worker_main(
     diverged = getattr(loop, "Diverged", None)  # raised by the worker loop, where it exists
     beat = _Heartbeat(results, w, options.worker_timeout)
     wait = options.shard_start_timeout + options.ack_timeout
-    client.rejoin = _Rejoin(results, beat, wait, client)
+    client.rejoin = Rejoin(results, wait, client, beat)
     positions = None  # its data position at each push (checkpoint.Positions)
     try:
         ctrl = client._layout.control(client._attach())
@@ -483,14 +453,8 @@ class _Host:
 
     def rejoin(self, w: int, k: int) -> None:
         """Hands running worker ``w`` a new pipe to restarted shard ``k`` (its seat there)."""
-        end = self.server.rejoin(k, w)
-        try:
-            self.workers[w].conn.send_bytes(wire.rejoin(k))
-            reduction.send_handle(self.workers[w].conn, end.fileno(), self.workers[w].proc.pid)
-        except OSError:  # it died meanwhile: poll() finds its pipe closed, shard k its end
-            pass
-        finally:
-            end.close()
+        with contextlib.suppress(OSError):  # it died meanwhile: poll() finds its pipe closed
+            self.server.rejoin(k, w, self.workers[w].conn, self.workers[w].proc.pid)
 
     def checkpoint_states(self) -> list[dict] | None:
         """The shard states of this run's last checkpoint (written or resumed), if any."""
