@@ -454,3 +454,18 @@ def test_a_backup_holds_before_it_applies_and_applies_before_it_serves():
     survivor = backup.promote()
     assert not backup.pending and survivor.entries == 2
     assert_same_state(survivor.shard.state_dict(), primary.shard.state_dict())
+
+
+def test_a_garbled_entry_is_refused_before_it_is_held():
+    """A payload whose checksum fails (a push region rewritten before the backup copied it)
+    raises in ``hold``: no Held counts it, nothing is pending."""
+    primary = Primary(make_shard(0, "asp", "grad"))
+    backup = Backup(make_shard(0, "asp", "grad"), primary.attach())
+    primary.join(0, 1)
+    primary.shard.push(PushHeader(0, 0, 0, 1), np.ones(SIZE, np.float32))
+    fwd = primary.forward()
+    garbled = bytearray(fwd.entries[-1])
+    garbled[-1] ^= 1
+    with pytest.raises(pushlog.LogError, match="checksum does not match"):
+        backup.hold(fwd._replace(entries=(*fwd.entries[:-1], bytes(garbled))))
+    assert backup.entries == 0 and not backup.pending

@@ -119,12 +119,12 @@ def encode(op: str, arguments: dict[str, Any]) -> list[bytes]:
         a.update(dtype=payload.dtype.str, shape=list(payload.shape))
         data = payload.tobytes()
     if "dtype" in a:  # else none, or one of no such type: replayed as None
-        a.update(n=len(data), sum=checksum(data))
+        a.update(n=len(data), sum=_sum(data))
     header = json.dumps({"op": op, **a}, separators=(",", ":"), default=repr).encode()
     return [_PREFIX.pack(MAGIC, len(header), zlib.crc32(header)), header, data]
 
 
-def checksum(data: Any) -> int:
+def _sum(data: Any) -> int:
     """The payload's 64-bit words summed mod 2**64 (a CRC of a 4 MB payload costs 1 ms)."""
     mv = memoryview(data).cast("B")
     whole = len(mv) // 8 * 8
@@ -182,7 +182,7 @@ def read(
                 buf = bytearray(n)
                 if stream.readinto(buf) < n:
                     return _torn(at, last, payloads)
-                if checksum(buf) != fields.pop("sum"):
+                if _sum(buf) != fields.pop("sum"):
                     raise LogError(f"{at}: 'sum': the payload's checksum does not match (garbled)")
                 payload = _array(buf, fields.pop("dtype"), fields.pop("shape", None), at)
         offset += _PREFIX.size + size + (n or 0)

@@ -128,7 +128,7 @@ class Backup:
     def __init__(self, shard: Any, start: CatchUp):
         shard.load_state_dict(start.state)
         self.shard, self.entries, self.view = shard, start.entries, start.view
-        self.pending: deque[bytes] = deque()  # held, not applied yet
+        self.pending: deque[list] = deque()  # held (decoded), not applied yet
 
     def receive(self, forward: Forward | None) -> Held | None:
         """:meth:`hold`, then :meth:`apply`."""
@@ -137,17 +137,20 @@ class Backup:
         return held
 
     def hold(self, forward: Forward | None) -> Held | None:
-        """Keeps the entries it does not hold yet; returns what it holds (None: ignored, a
-        forward of another view).
+        """Keeps the entries it does not hold yet, checked (decoded, their checksums); returns
+        what it holds (None: ignored, a forward of another view).
 
         Raises:
-            pushlog.LogError: a gap (entries were lost)."""
+            pushlog.LogError: a gap (entries were lost), or a garbled entry (none is held)."""
         if forward is None or forward.view != self.view:
             return None
+        at = f"shard {self.shard.shard_id}, view {self.view}, entry {self.entries}"
         if forward.first > self.entries:
-            at = f"shard {self.shard.shard_id}, view {self.view}, entry {self.entries}"
             raise pushlog.LogError(f"{at}: entry {forward.first} arrived first (a gap)")
-        new = forward.entries[self.entries - forward.first :]
+        try:
+            new = [pushlog.decode(d) for d in forward.entries[self.entries - forward.first :]]
+        except pushlog.LogError as e:
+            raise pushlog.LogError(f"{at}: {e}") from None
         self.pending.extend(new)
         self.entries += len(new)
         return Held(self.view, self.entries)
@@ -159,7 +162,7 @@ class Backup:
             pushlog.LogError: an entry the shard refuses (it and those after are dropped)."""
         while self.pending:
             try:
-                pushlog.replay(self.shard, pushlog.decode(self.pending[0]))
+                pushlog.replay(self.shard, self.pending[0])
             except pushlog.LogError as e:
                 self.entries -= len(self.pending)
                 self.pending.clear()

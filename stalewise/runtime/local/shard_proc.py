@@ -20,7 +20,7 @@ from multiprocessing import connection, reduction
 import numpy as np
 
 from stalewise.checkpoint.store import create_file
-from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline, pushlog
+from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline
 from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary, digest
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
@@ -410,13 +410,14 @@ class ShardProcess:
             self.record(self.by_region(entry))
 
     def by_region(self, entry: list) -> list:
-        """``entry`` for the backup, tagged with the worker whose push region is its payload
-        (left out: the worker rewrites it only once acknowledged), or -1 (whole)."""
-        f = json.loads(entry[1]) if len(entry[-1]) and not self.shard.staleness.dc_lambda else {}
+        """``entry`` for the backup, tagged with the worker whose push region still holds its
+        payload byte for byte after the step (then left out: the worker rewrites it only once
+        acknowledged), or -1 (whole)."""
+        f = json.loads(entry[1]) if len(entry[-1]) and self.primary.backed else {}
         w = (f.get("header") or [-1])[0]  # [worker, seq, base, incarnation]
-        region = self.pushes[w] if 0 <= w < len(self.pushes) else None
-        if region is not None and (f["n"], f["sum"]) == (region.nbytes, pushlog.checksum(region)):
-            return [_REGION.pack(w), *entry[:-1]]  # (a step may scratch its payload: then whole)
+        payload = np.frombuffer(entry[-1], np.uint8)
+        if 0 <= w < len(self.pushes) and np.array_equal(payload, self.pushes[w].view(np.uint8)):
+            return [_REGION.pack(w), *entry[:-1]]
         return [_REGION.pack(-1), *entry]
 
     def end_log(self, error: OSError | None = None) -> None:
@@ -570,7 +571,9 @@ def shard_main(
         proc.settle()
 
 
-def backup_main(config: ServerConfig, k: int, block_name: str, layout: Layout, link, control):
+def backup_main(
+    config: ServerConfig, k: int, block_name: str, layout: Layout, link, control
+) -> None:
     """Body of shard ``k``'s backup process (replicas=2): a private copy of the shard that
     follows its primary on ``link`` (:class:`Backup`) until the parent says stop: it holds a
     forward (its payloads copied from the push regions), says so, then applies it."""
@@ -593,8 +596,8 @@ def backup_main(config: ServerConfig, k: int, block_name: str, layout: Layout, l
         ready = wire.readable(
             [c for c in (control, link) if c], 0 if backup and backup.pending else None
         )
-        if backup and (not ready or len(backup.pending) > layout.workers):
-            backup.apply()  # the link is quiet, or a turn's entries wait (memory bounded)
+        if backup and (not ready or len(backup.pending) > 2):
+            backup.apply()  # the link is quiet, or entries wait (their memory bounded)
         for c in ready:
             try:
                 body = c.recv_bytes(None if c is control else bound)
