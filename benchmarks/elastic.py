@@ -12,7 +12,7 @@ and runs its step once before it says it is ready, and only a ready spare is
 told to join (a killed one is replaced by a new process, which gets ready
 while the others train). A worker's live time runs from the order to join to
 the order to leave (or its kill): its ``sw.attach`` and its first pull are
-charged to it; the start-up of its process is not (until last session's run,
+charged to it; the start-up of its process is not (in earlier versions
 each new process read scikit-learn's digits after its order to join, 2.5-5 s
 of its live time and CPU taken from the others: the 0.83x it measured).
 
