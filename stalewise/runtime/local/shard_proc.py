@@ -132,8 +132,8 @@ class ShardProcess:
         self.log_at, self.unsynced = 0, False  # the log's bytes; entries not yet synced
         self.primary, self.link, self.backup_timeout = None, None, 0.0  # replicas=2 (sync)
         self.unsent = 0  # the bytes of the entries not forwarded yet
-        self.equal = np.empty(1 << 18, bool)  # scratch of same()
         if config.replicas == 2:
+            self.equal = np.empty(1 << 18, bool)  # scratch of same()
             self.primary = Primary(self.shard)
             self.record, self.shard.journal = self.shard.journal, self.journal
 
