@@ -216,6 +216,18 @@ def _agreed(entry: pushlog.Entry, push_ok: bool, seating_ok: bool) -> tuple[Any,
     return (entry._replace(op="deliver") if pushes and push_ok else None), True
 
 
+def continued(newest: str, path: str, at: int) -> int | None:
+    """The bytes of log ``newest`` (its chain's) a shard's state held at byte ``at`` of log
+    ``path`` (a backup's) goes on from: none forwarded since ``newest`` began if ``path`` is
+    another (a switch waits for the backup); None, with a warning, if ``newest`` lacks them."""
+    at = at if path == newest else 0
+    if os.path.isfile(newest) and os.path.getsize(newest) >= at:
+        return at
+    log.warning("a state held at byte %d of %s does not go on in %s: a new log chain begins at "
+                "the next checkpoint", at, path or "no log", newest)  # fmt: skip
+    return None
+
+
 def _read(f: Any, nbytes: int, where: str, last: bool, payloads: bool = True) -> Any:
     """:func:`pushlog.read` of a log of a shard of ``nbytes`` bytes of params."""
     limit = 2 * nbytes + (1 << 20)  # a payload as sent, a codec's or not

@@ -115,6 +115,7 @@ register(
     delta_pulls=True,
     replicas=True,
     needs="ray",
+    logs_pushes=True,
 )
 
 

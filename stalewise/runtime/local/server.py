@@ -721,10 +721,9 @@ class LocalServer:
         if self._based is None:
             return state, ("", None, False)  # no log: the state alone
         newest = os.path.join(self._based[2], f"log-shard-{k}-{self._tags[k]}-{self._log_n:06d}")
-        at = at if path == newest else 0  # none forwarded since it began (a switch syncs first)
-        if not os.path.isfile(newest) or os.path.getsize(newest) < at:
-            log.warning("shard %d: its backup holds %s at byte %d, not %s: a new log chain "
-                        "begins at the next checkpoint", k, path or "no log", at, newest)  # fmt: skip
+        from stalewise.checkpoint.replay import continued
+
+        if (at := continued(newest, path, at)) is None:  # its backup's state is not in it
             self._tags[k] = uuid.uuid4().hex[:8]
             return state, ("", None, False)
         log.info("shard %d: its backup's state: %s at byte %d", k, newest, at)

@@ -62,14 +62,17 @@ def place(n: int, share: float, timeout: float, what: str, *, apart: bool = Fals
 
 
 def consistent_states(
-    shards: list, runs: list, timeout: float, limit: float
+    shards: list, runs: list, timeout: float, limit: float, logs: Any = None
 ) -> tuple[list, int, dict] | None:
     """A consistent cut (:class:`~stalewise.protocol.delivery.Cut`): ``(states, pushes handled on
-    shard 0, targets)``; None if one of ``runs`` ends meanwhile, or after ``limit`` seconds."""
+    shard 0, targets)``; None if one of ``runs`` ends meanwhile, or after ``limit`` seconds.
+    ``logs()``, once the shards froze: each shard's ``(path, fsync)`` of the push log it
+    begins at the cut (ShardActor.snapshot)."""
     ray = import_ray()
     try:
         targets = delivery.targets(ray.get([s.freeze.remote() for s in shards], timeout=timeout))
-        refs = [s.snapshot.remote(targets) for s in shards]
+        paths = logs() if logs is not None else [None] * len(shards)
+        refs = [s.snapshot.remote(targets, p) for s, p in zip(shards, paths, strict=True)]
         deadline = time.monotonic() + limit
         while len(ray.wait(refs, num_returns=len(refs), timeout=POLL)[0]) < len(refs):
             if (runs and ray.wait(runs, timeout=0)[0]) or time.monotonic() > deadline:

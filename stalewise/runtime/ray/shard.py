@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from stalewise.checkpoint.store import create_file
 from stalewise.protocol import PushHeader, ServerConfig, Verdict, delivery, pipeline, pulls
 from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary, digest
 from stalewise.runtime.logs import child_logging
@@ -79,6 +81,9 @@ class ShardActor:
         self.backup: Any = None
         self.primary: Primary | None = None
         self.forwarding = asyncio.Lock()
+        self.record: Any = None  # the Primary's journal, when one is attached
+        # the push log (begin_log): its descriptor, path, bytes, fsync; bytes not forwarded
+        self.log, self.log_path, self.log_at, self.log_fsync, self.unsent = None, "", 0, False, 0
 
     async def ready(self) -> dict:
         """``{"node", "pid", "version"}``: the driver's start check."""
@@ -101,10 +106,13 @@ class ShardActor:
         resume: bool = False,
         backup: Any = None,
         seats: np.ndarray | None = None,
+        log_at: tuple | None = None,
     ) -> int:
         """Opens the shard on ``state`` (None: the initial slice ``init``) and ``seats`` (a
-        backup's), makes ``gone`` leave, admits ``joins`` (worker -> incarnation) and catches
-        up its ``backup`` actor; returns the version."""
+        backup's), goes on with the push log ``log_at`` (``(path, at, fsync)``; None: ends
+        it), makes ``gone`` leave, admits ``joins`` (worker -> incarnation) and catches up its
+        ``backup`` actor; returns the version."""
+        self.end_log()
         if state is not None:
             self.shard.load_state_dict(state)
             if seats is not None:
@@ -117,6 +125,9 @@ class ShardActor:
                 self.k, np.array(init), self.workers, self.expected
             )
         self.pulls = self._pull_server()  # references are not kept: the next pulls are full
+        self.record = self.shard.journal = None  # (attach records anew)
+        if log_at is not None:
+            self.begin_log(*log_at)
         self.handled = int(handled)
         for w in gone:
             if self.shard.live[w]:
@@ -139,10 +150,11 @@ class ShardActor:
         async with self.forwarding:  # no forward of the new view goes before the catch-up
             self.backup = backup
             self.primary = Primary(self.shard, view=self.primary.view if self.primary else 0)
+            self.record, self.shard.journal, self.unsent = self.shard.journal, self._journal, 0
             try:
                 start = self.primary.attach()
                 seats = np.stack([self.shard.admitted, self.shard.retired])  # not in state_dict
-                call = backup.start.remote(start, self.handled, seats)
+                call = backup.start.remote(start, self.handled, seats, self._logged(0))
                 await asyncio.wait_for(call, BACKUP_WAIT)
             except Exception as e:  # Ray's errors, a timeout
                 self._lose_backup(e)
@@ -155,7 +167,8 @@ class ShardActor:
                 if p is not self.primary or not p.backed or (fwd := p.forward()) is None:
                     continue
                 try:
-                    call = self.backup.receive.remote(fwd, self.handled)
+                    at, self.unsent = self._logged(self.unsent), 0
+                    call = self.backup.receive.remote(fwd, self.handled, at)
                     held = await asyncio.wait_for(call, BACKUP_WAIT)
                     if held is None or held.entries < fwd.first + len(fwd.entries):
                         raise RuntimeError(
@@ -165,6 +178,53 @@ class ShardActor:
                 except Exception as e:  # Ray's errors, a timeout, a refusal
                     self._lose_backup(e)
             self._notify()
+
+    def _logged(self, unsent: int) -> tuple[str, int]:
+        """``(path, bytes)`` of the push log before the last ``unsent`` bytes (``""``: none)."""
+        return (self.log_path, self.log_at - unsent) if self.log is not None else ("", 0)
+
+    def begin_log(self, path: str, at: int | None = None, fsync: bool = False) -> None:
+        """Ends the push log and begins ``path`` at the shard's state now; ``at``: goes on
+        with that log, cut to ``at`` bytes (a failover's); ``fsync``: each entry reaches the
+        disk before the call that made it answers."""
+        self.end_log()
+        try:
+            self.log = create_file(path, at)
+        except OSError as e:
+            log.warning("shard %d: no push log: %s: %s", self.k, path, e.strerror or e)
+            return
+        self.log_path, self.log_at, self.log_fsync, self.unsent = path, at or 0, fsync, 0
+        self.shard.journal = self._journal
+
+    def _journal(self, entry: list) -> None:
+        """A journal entry: to the push log (one write: it reaches the OS before any reply
+        that follows it), and to the Primary."""
+        size = sum(memoryview(b).nbytes for b in entry)
+        if self.log is not None:
+            try:
+                if os.writev(self.log, entry) != size:
+                    raise OSError(f"{size} bytes written in part (is the disk full?)")
+                if self.log_fsync:
+                    os.fdatasync(self.log)
+                self.log_at += size
+            except OSError as e:
+                self.end_log(e)
+        if self.record is not None:
+            self.unsent += size
+            self.record(entry)
+
+    def end_log(self, error: OSError | None = None) -> None:
+        """Closes the push log; one that fails (``error``) is removed, so a replay stops
+        before it instead of skipping what it lacks."""
+        fd, self.log = self.log, None
+        self.shard.journal = None if self.record is None else self._journal
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if fd is not None and error is not None:
+            log.warning("shard %d: push log %s removed: %s", self.k, self.log_path, error)
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
 
     def _lose_backup(self, why: Exception) -> None:
         """The backup failed: serve alone until the driver attaches it again (Ray restarts it)."""
@@ -255,14 +315,26 @@ class ShardActor:
         """Holds every push from now on; returns each worker's (incarnation, pushes handled)."""
         return self.cutting.freeze(self.shard)
 
-    async def snapshot(self, targets: dict[int, tuple[int, int]]) -> tuple[dict, int]:
+    async def snapshot(
+        self, targets: dict[int, tuple[int, int]], log_to: tuple | None = None
+    ) -> tuple[dict, int]:
         """Once frozen: ``(Shard.state_dict(), pushes handled)`` after every push below
-        ``targets`` (worker -> (incarnation, seq)), the same pushes on every shard."""
+        ``targets`` (worker -> (incarnation, seq)), the same pushes on every shard;
+        ``log_to``: ``(path, fsync)`` of the push log begun at that state."""
         self.cutting.aim(targets)
         self._notify()
-        while not self.cutting.reached(self.shard):
-            await self._changed()
+        while not self.cutting.reached(self.shard) or (log_to and not self._all_held()):
+            if log_to:  # a forward never spans two logs
+                await self._held()
+            if not self.cutting.reached(self.shard):
+                await self._changed()
+        if log_to:  # (thawed, given up, too: a chain has no gap)
+            self.begin_log(log_to[0], None, log_to[1])
         return self.shard.state_dict(), self.handled
+
+    def _all_held(self) -> bool:
+        p = self.primary
+        return p is None or not p.backed or p.acked >= p.entries
 
     async def thaw(self) -> None:
         """Lets the held pushes through."""
@@ -401,10 +473,7 @@ class ShardActor:
         import ray
 
         start, version = time.monotonic(), self.shard.version
-        p = self.primary  # nothing the backup lacks is published
-        if self.pub.due(version, start, exact=exact) and (
-            p is None or not p.backed or p.acked >= p.entries
-        ):
+        if self.pub.due(version, start, exact=exact) and self._all_held():  # none it lacks
             self.snap = None if self.pulls is not None else ray.put(self.shard.params)
             self.pub.published(version, start=start, end=time.monotonic())
             self.busy["publish"] += self.pub.at - start
@@ -448,6 +517,7 @@ class BackupActor:
         self.config, self.k, self.workers, self.expected = config, k, workers, expected
         self.copy: Backup | None = None
         self.handled = 0  # the primary's count of pushes, as of the entries held
+        self.held: tuple[str, int] = ("", 0)  # the push log and its bytes the state is after
 
     ready, watch = ShardActor.ready, ShardActor.watch  # version: the state's (-1: none)
 
@@ -455,30 +525,37 @@ class BackupActor:
     def shard(self) -> Any:
         return SimpleNamespace(version=-1) if self.copy is None else self.copy.shard
 
-    async def start(self, start: CatchUp, handled: int, seats: np.ndarray) -> None:
-        """Starts from the primary's state (``seats``: its admitted and retired incarnations)."""
+    async def start(
+        self, start: CatchUp, handled: int, seats: np.ndarray, held: tuple[str, int]
+    ) -> None:
+        """Starts from the primary's state (``seats``: its admitted and retired incarnations;
+        ``held``: its push log's path and bytes then)."""
         lo, hi = self.config.ranges[self.k]
         zeros = np.zeros(hi - lo, self.config.init.dtype)
         self.copy = Backup(
             self.config.build_shard(self.k, zeros, self.workers, self.expected), start
         )
-        self.handled = handled
+        self.handled, self.held = handled, tuple(held)
         np.copyto(self.copy.shard.admitted, seats[0])
         np.copyto(self.copy.shard.retired, seats[1])
 
-    async def receive(self, forward: Forward, handled: int) -> Held | None:
-        """:meth:`Backup.receive` (None: not started, or of another view)."""
+    async def receive(self, forward: Forward, handled: int, at: tuple[str, int]) -> Held | None:
+        """:meth:`Backup.receive` (None: not started, or of another view); ``at``: the push
+        log's path and bytes before ``forward``'s entries."""
         held = None if self.copy is None else self.copy.receive(forward)
         if held is not None:
             self.handled = handled
+            new = forward.entries[: held.entries - forward.first]
+            self.held = (at[0], at[1] + sum(map(len, new)))
         return held
 
     async def digest(self) -> str | None:
         return None if self.copy is None else digest(self.shard.state_dict())
 
-    async def state(self) -> tuple[dict, int, int, np.ndarray] | None:
-        """``(Shard.state_dict(), pushes handled, entries, seats)`` (None: not started)."""
+    async def state(self) -> tuple[dict, int, int, np.ndarray, tuple] | None:
+        """``(Shard.state_dict(), pushes handled, entries, seats, (log path, its bytes))``
+        (None: not started)."""
         if (b := self.copy) is None:
             return None
         seats = np.stack([b.shard.admitted, b.shard.retired])
-        return b.shard.state_dict(), self.handled, b.entries, seats
+        return b.shard.state_dict(), self.handled, b.entries, seats, self.held

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import re
 import time
 import uuid
@@ -77,6 +78,10 @@ class _Host:
         self.pgs: list = []  # the placement groups: shards, workers
         self.backup: tuple[list, int] | None = None  # (shard states, pushes handled)
         self.targets: dict[int, tuple[int, int]] = {}  # the backup's pushes of each worker
+        # with a checkpoint folder, each shard's push log chain ("log-shard-K-TAG-N"), begun
+        # anew at each checkpoint: its TAG, the last N, the last logs' names
+        self.tags = [uuid.uuid4().hex[:8] for _ in range(self.S)]
+        self.log_n, self.logs = 0, [""] * self.S  # ("": none)
         # error feedback: each worker's residuals as the driver knows them, and its keeper
         comp = config.compressor()
         self.ef = comp is not None and comp.error_feedback
@@ -575,9 +580,11 @@ class _Host:
             got = ray.get(self.backups[k].state.remote(), timeout=self.o.ack_timeout)
             if got is None:
                 raise RuntimeError("its backup was not caught up")
-            state, handled, entries, seats = got
-            backup = self.backups[k]
-            load = self.shards[k].load.remote(state, handled, {}, [], backup=backup, seats=seats)
+            state, handled, entries, seats, held = got
+            backup, log_at = self.backups[k], self._log_at(k, *held)
+            load = self.shards[k].load.remote(
+                state, handled, {}, [], backup=backup, seats=seats, log_at=log_at
+            )
             version = self._get([load], self.o.shard_start_timeout, "restore")[0]
             if self.stopping:  # a restarted shard has forgotten the stop
                 self._get([self.shards[k].stop.remote()], self.o.ack_timeout, "stop")
@@ -589,6 +596,29 @@ class _Host:
         )
         self.run.failures.shard_restarted(event, version=version, lost=0, source="backup")
         return True
+
+    def _log_at(self, k: int, path: str, at: int) -> tuple | None:
+        """``(path, at, fsync)`` of the push log shard ``k`` goes on with from its backup's
+        state (held at byte ``at`` of log ``path``): its chain's newest, cut there (None: no
+        log, or a new chain begins at the next checkpoint)."""
+        from stalewise.checkpoint.replay import continued
+
+        if not self.logs[k]:
+            return None
+        newest = os.path.join(self.o.checkpoint_dir, self.logs[k])
+        if (at := continued(newest, path, at)) is None:
+            self.tags[k], self.logs[k] = uuid.uuid4().hex[:8], ""
+            return None
+        return newest, at, self.o.checkpoint_fsync
+
+    def _next_logs(self) -> list[tuple[str, bool]]:
+        """Each shard's next push log ``(path, fsync)``: its chain's next (N taken)."""
+        self.log_n += 1
+        self.logs = [f"log-shard-{k}-{t}-{self.log_n:06d}" for k, t in enumerate(self.tags)]
+        folder = self.o.checkpoint_dir
+        with contextlib.suppress(OSError):  # else each shard says why it writes none
+            os.makedirs(folder, 0o755, exist_ok=True)
+        return [(os.path.join(folder, n), self.o.checkpoint_fsync) for n in self.logs]
 
     def _backup_ended(self, ref: Any) -> None:
         """Shard ``k``'s backup died: once Ray restarted it, its primary (serving alone
@@ -684,6 +714,8 @@ class _Host:
                 s.load.remote(states[k], handled, joins, gone, backup=self._backup(k))
                 for k, s in enumerate(self.shards)
             ]
+            self.tags = [uuid.uuid4().hex[:8] for _ in range(self.S)]  # the logs end: new chains
+            self.logs = [""] * self.S
             try:
                 versions = self._get(refs, self.o.shard_start_timeout, "restore")
                 if self.stopping:  # a restarted shard has forgotten the stop
@@ -750,12 +782,13 @@ class _Host:
         slices = self._get([r[1] for r in replies], self.o.ack_timeout, "pull")
         return np.concatenate(slices) if len(slices) > 1 else np.array(slices[0])
 
-    def _take_backup(self) -> bool:
-        """A consistent copy of the shards into ``self.backup`` (False: none this time)."""
+    def _take_backup(self, logs: bool = False) -> bool:
+        """A consistent copy of the shards into ``self.backup`` (False: none this time);
+        ``logs``: the shards begin push logs at it (with a checkpoint folder)."""
+        logs = logs and self.o.checkpoint_dir is not None
         with self._shard_calls("state", f"the shards did not freeze within {self.o.ack_timeout} s"):
-            got = cluster.consistent_states(
-                self.shards, list(self.runs), self.o.ack_timeout, SNAPSHOT_LIMIT
-            )
+            got = cluster.consistent_states(self.shards, list(self.runs), self.o.ack_timeout,
+                                            SNAPSHOT_LIMIT, self._next_logs if logs else None)  # fmt: skip
         if got is not None:
             self.backup, self.targets = got[:2], got[2]
             self.owed.clear()
@@ -763,7 +796,7 @@ class _Host:
 
     def _snapshot(self, now: float) -> driver.Snapshot | None:
         """A backup and the workers' residuals at it (None: none this time)."""
-        if not self._take_backup():
+        if not self._take_backup(logs=True):
             return None
         assert self.backup is not None
         residuals = self._residuals() if self.ef else None
@@ -771,6 +804,8 @@ class _Host:
             return None
         drawn = [self.liveness.drawn.get(w, 0) for w in range(self.W)]
         step = {"pushes": self.backup[1], "time": now, "drawn": drawn}
+        if self.o.checkpoint_dir is not None:  # begun at this cut
+            step["logs"] = list(self.logs)
         return driver.Snapshot(self.backup[0], step, residuals)
 
     def _residuals(self) -> list[np.ndarray] | None:
