@@ -81,7 +81,11 @@ undisturbed, then once per fault, with the same budget of pushes:
                     ``rolled_back`` (shard restarts not served from a backup),
                     ``backups`` (each backup's final state equal to its primary's),
                     ``primary_s`` and ``backup_s`` (the mean pause after a kill of each
-                    kind: until more than 4 pushes follow it).
+                    kind: until more than 4 pushes follow it), ``replay_eq`` (a
+                    checkpoint folder, checkpoints every 500 pushes: the checkpoint
+                    before any push (``from_pushes``) and the shards' push logs replay to
+                    the final params bit for bit; ``logs``: the log files replayed;
+                    ``log_twice``: pushes a shard's log has it apply twice, as (f)).
 
 Columns: ``completed`` (the run returned, with its budget spent: ``steps`` pushes
 under ASP, ``ceil(steps / workers)`` whole rounds under BSP, so a BSP run in which a
@@ -100,7 +104,7 @@ that could not be written, and ``kept`` names the newest one that was (it
 must load).
 
 Bar: (f) 0 lost, 0 twice, 0 torn, every replay equal. (g), (h), (i) 0 lost, 0 twice, 0 skipped.
-(j) 0 lost, 0 twice, no rollback, every backup equal to its primary. (a), (b) and (c) complete with nothing applied twice and a final accuracy
+(j) 0 lost, 0 twice, no rollback, every backup equal to its primary, replay equal. (a), (b) and (c) complete with nothing applied twice and a final accuracy
 within 1 point of the undisturbed run; (e) completes, returns its result within
 1 point of the undisturbed run, and its kept checkpoint loads. (d) is reported
 as it happens. ``--check``
@@ -1071,19 +1075,28 @@ def ray_replica_kills(n: int, out, check: bool, every: int = 100, seed: int = 0)
     """Case (j): one replicas=2 run on Ray with ``n`` kills of primaries and backups."""
     import ray
 
+    from stalewise.checkpoint import replay, store
+
     task = tasks.get("least-squares", n=256, d=16)
     job = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.05), shards=SHARDS, replicas=2)
     name, steps = f"rep-kills-{seed}", (n + 2) * every
     kill = _RayKiller(name, n, every, seed)
+    folder = Path(tempfile.mkdtemp(prefix="faults-ray-"))
     ray.init("local", num_cpus=WORKERS + SHARDS, include_dashboard=False, logging_level="error")
     t = time.monotonic()
     try:
         r = job.train(task.loss_and_grad, data=task.batches, workers=WORKERS, steps=steps,
                       runtime="ray", metrics=sw.Metrics(every=0.05, name=name, on_record=kill),
                       failures=sw.Failures(max_restarts=None),
+                      checkpoints=sw.Checkpoints(folder, every=500, keep=10**6),
                       timeouts=sw.Timeouts(total=600.0))  # fmt: skip
+        elapsed = time.monotonic() - t
+        first = min(p.name for p in store._complete(folder))  # before any push
+        flat, ckpt, read = replay.replay(folder, job.config, first)
+        log_twice = sum(_twice(job, ckpt, k, folder) for k in range(SHARDS))
     finally:
         ray.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
     info = r.stats["ray"]
     mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
     row = {
@@ -1098,16 +1111,21 @@ def ray_replica_kills(n: int, out, check: bool, every: int = 100, seed: int = 0)
         "backup_s": mean(kill.pauses["backup"]),
         "primary_s_max": max(kill.pauses["shard"], default=math.nan),
         "backup_s_max": max(kill.pauses["backup"], default=math.nan),
-        "time_s": time.monotonic() - t,
+        "logs": len(read),  # log files replayed, from the checkpoint before any push
+        "from_pushes": ckpt.step["pushes"],
+        "log_twice": log_twice,
+        "replay_eq": flat.tobytes() == r.flat.tobytes(),
+        "time_s": elapsed,
         "seed": seed,
         "load": os.getloadavg(),
     }
     print(f"least-squares on Ray, {WORKERS} workers, {SHARDS} shards, replicas=2, {steps} pushes")
     print(format_table([row], list(row)))
     ok = row["kills"] == n and not (row["acked_lost"] or row["twice"] or row["rolled_back"])
-    ok = ok and row["backups"] == ["equal"] * SHARDS
-    print("bar: (j) 0 lost, 0 twice, no rollback, backups equal:", "met" if ok else "MISSED")
-    bars = [{"name": "(j) 0 lost, 0 twice, no rollback, backups equal", "met": ok}]
+    ok = ok and row["backups"] == ["equal"] * SHARDS and row["replay_eq"] and not log_twice
+    what = "(j) 0 lost, 0 twice, no rollback, backups equal, replay equal"
+    print(f"bar: {what}:", "met" if ok else "MISSED")
+    bars = [{"name": what, "met": ok}]
     _report.write(out, {"steps": steps, "row": row}, bars=bars)
     return 0 if ok or not check else 1
 
