@@ -55,7 +55,7 @@ class Checkpoints(_Group):
     newest ``keep`` are kept. ``resume``: start from the newest usable one (``steps`` stays the
     job's total budget); with none yet the run starts afresh (warned), another job's is refused
     (:class:`stalewise.CheckpointError`). ``sw.load_params(dir, like=params)`` reads the params; a
-    checkpoint that cannot be written only warns. ``fsync`` (local runtime): the shards' push logs
+    checkpoint that cannot be written only warns. ``fsync`` (local, Ray): the shards' push logs
     reach the disk before each ack, not only the OS (docs/design-notes.md, "Push log").
 
     Example:

@@ -223,7 +223,7 @@ class RunOptions:
     checkpoint_every: int | None = None  # a checkpoint every this many pushes of the job
     checkpoint_seconds: float | None = None  # ... and/or every this many seconds (virtual in sim)
     checkpoint_keep: int = 2  # checkpoints kept (the newest)
-    checkpoint_fsync: bool = False  # push logs fsynced before each turn's acks (local runtime)
+    checkpoint_fsync: bool = False  # push logs fsynced before the acks (local runtime, Ray)
     resume: bool = False  # start from the newest usable checkpoint in checkpoint_dir
     on_worker_failure: str = "restart"  # "restart" | "drop" | "fail" (errors.Failures)
     max_restarts: int | None = 3  # restarts per worker id (and per shard); None: no limit

@@ -347,13 +347,7 @@ class _Host:
             if self.stopping or self.ended:  # the run is ending: it is not needed
                 ray.kill(self.actors[w], no_restart=True)
                 continue
-            self._retrying(
-                lambda w=w: self._get(
-                    [s.join.remote(w, self.incs[w]) for s in self.shards],
-                    self.o.ack_timeout,
-                    "join",
-                )
-            )
+            self._retrying(lambda w=w: self._join(w))
             self.runs[self.actors[w].run.remote()] = w
             self.liveness.watch(w, self.actors[w], ready=True)
             self.live.add(w)
@@ -522,9 +516,11 @@ class _Host:
             return
         self.incs[w] += 1
         with contextlib.suppress(_ShardDown):  # else the restore to come admits it
-            joins = [s.join.remote(w, self.incs[w]) for s in self.shards]
-            self._get(joins, self.o.ack_timeout, "join")
+            self._join(w)
         self._respawn(w)
+
+    def _join(self, w: int) -> None:
+        self._get([s.join.remote(w, self.incs[w]) for s in self.shards], self.o.ack_timeout, "join")
 
     def _respawn(self, w: int) -> None:
         """A new actor for worker ``w``'s admitted incarnation, in place of its old one."""
