@@ -1,8 +1,7 @@
 """The budget rule: what counts toward a job's ``steps``, and when a worker may begin a step.
 
 What counts: the pushes committed (:mod:`stalewise.protocol.commit`) by every worker id over
-its incarnations, whatever the shards answer. How each runtime reads the counts, and the
-overshoot it allows, is in ``docs/design-notes.md`` ("One budget rule").
+its incarnations, whatever the shards answer; ``docs/design-notes.md`` ("One budget rule").
 
 Example:
     >>> [may_begin_round(r, workers=4, steps=10) for r in range(4)]  # 3 rounds: 12 pushes
@@ -69,8 +68,7 @@ def held(pushed: int, committed: int, handled: int) -> int:
 
 def handled(inc: int, committed: int, seats: Iterable[tuple[int, int]]) -> int:
     """Of incarnation ``inc``'s ``committed`` pushes, how many every shard has handled, from
-    each shard's seat ``(incarnation, next_seq)``: the same incarnation has handled
-    ``next_seq``, a later one's join delivered them all, an earlier one has seen none."""
+    each shard's seat ``(incarnation, next_seq)``."""
     return min(seq if i == inc else committed if i > inc else 0 for i, seq in seats)
 
 
@@ -95,9 +93,7 @@ def off_cut(
 
 def after_rollback(live: Iterable[int], ended: Iterable[int]) -> list[int]:
     """The worker ids that carry on, as new incarnations, when the shards roll back to a
-    copy: the ``live`` ones, and those whose loop ``ended`` on the budget after the copy
-    (a loop that ended as an incarnation older than the one the shards admit ended unseen
-    by a rollback): each new loop asks :func:`may_begin` again."""
+    copy: the ``live`` ones, and those whose loop ``ended`` on the budget after the copy."""
     return sorted({*live, *ended})
 
 

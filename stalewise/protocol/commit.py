@@ -93,9 +93,8 @@ def judge(
     whole: bool,
 ) -> Verdict:
     """Judges a whole push once, for every shard: ``bases`` and ``known`` are per shard the
-    version the update was computed from and the newest one the sender knows (>= its base);
-    ``segments`` names leaves in messages; ``whole``: check the values (NaN/Inf, overflow;
-    needed when there are several shards)."""
+    version the update was computed from and the newest one the sender knows; ``whole``:
+    check the values (NaN/Inf, overflow)."""
     if whole:
         verdict = check_values(flat)
         if not verdict.ok:

@@ -136,10 +136,8 @@ class Decoder:
         return sum(p.codec.nbytes(p.stop - p.start, dtype) for p in self.pieces)
 
     def decode(self, payload: Any, out: np.ndarray | None = None) -> np.ndarray:
-        """The shard's slice of the update, written into ``out`` (its length) when given.
-
-        Raises:
-            PayloadError: corrupt, truncated or foreign, naming the shard and the leaf."""
+        """The shard's slice of the update, written into ``out`` (its length) when given;
+        PayloadError (corrupt, truncated or foreign) names the shard and the leaf."""
         try:
             mv = codecs.as_bytes(payload)
         except PayloadError as e:
@@ -242,10 +240,8 @@ class Compressor:
         return segment_nbytes([p.codec.nbytes(m, dtype) for p, m in zip(pieces, n, strict=True)])
 
     def decode(self, payloads: Sequence[Any], out: np.ndarray) -> np.ndarray:
-        """Every shard's payload decoded into its slice of ``out``, as the shards will decode it.
-
-        Raises:
-            PayloadError: a payload is corrupt, naming the shard and the leaf."""
+        """Every shard's payload decoded into its slice of ``out``, as the shards will decode it;
+        PayloadError names the shard and the leaf."""
         for k, (lo, hi) in enumerate(self.ranges):
             self.decoders[k].decode(payloads[k], out[lo:hi])
         return out
@@ -255,11 +251,8 @@ class Compressor:
         return Feedback(np.zeros(self.size, dtype)) if self.error_feedback else None
 
     def adopt(self, residual: Any, dtype: Any = np.float32, worker: Any = None) -> Feedback | None:
-        """A worker's error-feedback state from a saved residual, or None when no codec keeps
-        feedback (leaves whose codec keeps none are zeroed).
-
-        Raises:
-            ValueError: ``residual`` is not a vector of this job's size and ``dtype``."""
+        """A worker's error-feedback state from a saved residual (None: no codec keeps feedback;
+        ValueError: not a vector of this job's size and ``dtype``)."""
         who = "" if worker is None else f"worker {worker}'s "
         if not isinstance(residual, np.ndarray) or residual.shape != (self.size,):
             shape = getattr(residual, "shape", type(residual).__name__)

@@ -40,10 +40,9 @@ class Ledger:
 
 
 def departure(counts: Sequence[int | None]) -> tuple[int | None, dict[int, tuple[int, int]]]:
-    """Where a gone incarnation's pushes are repaired from: ``counts[k]`` is how many of
-    them shard ``k`` handled (None: the incarnation is unknown there). Returns the shard
-    that handled the most (None: no shard handled any) and, for each shard that knows
-    the incarnation and handled fewer, the ``(start, stop)`` of the pushes it lacks."""
+    """Where a gone incarnation's pushes are repaired from, given ``counts[k]`` handled by shard
+    ``k`` (None: unknown there): the shard that handled the most (None: none) and, for each
+    that knows the incarnation and handled fewer, the ``(start, stop)`` it lacks."""
     top = committed(counts)
     if not top:
         return None, {}

@@ -101,7 +101,6 @@ def late_start(since: float, now: float, limit: float) -> str | None:
 
 def silent_rank(silence: float | None, others: int, limit: float, *, rounds: bool = False) -> bool:
     """Whether a launched rank is hung: it has pushed, then nothing for ``limit`` seconds
-    (0: never) while the others pushed. ``silence``: seconds since its last push (None:
-    none yet); ``others``: the other ranks' pushes since; ``rounds``: BSP, where a rank
-    is left to ``--timeout`` (the others wait on the round it owes)."""
+    (0: never; ``silence``, None: no push yet) while the others pushed (``others``); never
+    under BSP (``rounds``)."""
     return bool(limit) and not rounds and silence is not None and silence >= limit and others > 0

@@ -215,9 +215,7 @@ class Replica:
 
     def apply(self, k: int, payload: Any) -> int:
         """Applies shard ``k``'s pull payload to the copy; returns the version it carries.
-
-        Raises:
-            PayloadError: a bad payload, naming the shard and the leaf; the copy is unchanged."""
+        PayloadError: a bad payload, naming the shard and the leaf; the copy is unchanged."""
         where = f"pull from shard {k}"
         try:
             mv = codecs.as_bytes(payload)

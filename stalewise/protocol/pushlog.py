@@ -143,13 +143,9 @@ def read(
     last: bool = True,
     payloads: bool = True,
 ) -> Iterator[Entry]:
-    """The entries of a journal, each checked as read: every length bounded (a payload by
-    ``max_payload`` bytes), every field typed. A torn last entry (a crash mid-write) is
-    logged and dropped, or with ``last`` False (more journals follow) refused. Without
-    ``payloads``, each is skipped (None), unread and unchecked.
-
-    Raises:
-        LogError: one line naming ``where``, the entry, its byte offset and the bad field."""
+    """The entries of a journal, each checked as read (a payload at most ``max_payload`` bytes).
+    A torn last entry is logged and dropped, or with ``last`` False refused. Without
+    ``payloads``, each is skipped (None). LogError names ``where``, entry, offset and field."""
     offset = 0
     for i in itertools.count():
         at = f"{where}: entry {i} at byte {offset}"
@@ -248,10 +244,7 @@ def _array(buf: bytearray, dtype: str, shape: list[int] | None, at: str) -> np.n
 
 def replay(shard: Any, entries: Any, where: str = "journal") -> list[Any]:
     """Makes each entry's call on ``shard`` (loaded with the state its journal began at);
-    returns the calls' results (the acks of pushes) in order.
-
-    Raises:
-        LogError: an entry the shard refuses (the journal is not of this shard or state)."""
+    returns the calls' results in order. LogError: an entry the shard refuses."""
     scratch = None
     results = []
     for i, (op, f, payload) in enumerate(entries):

@@ -227,10 +227,8 @@ class Shard:
     def pull(
         self, worker: int | None = None, out: np.ndarray | None = None, *, now: float | None = None
     ) -> int:
-        """Copies the parameters into ``out`` (if given) and returns their version.
-
-        ``worker`` None is an observer (never gated, not tracked); gating is the caller's
-        job (:meth:`may_start`). ``now`` is the runtime's clock in seconds."""
+        """Copies the parameters into ``out`` (if given) and returns their version; ``worker``
+        None is an observer (not tracked). Gating is :meth:`may_start`'s; ``now``: seconds."""
         if worker is not None:
             self._check_worker(worker)
             self._start(worker)
@@ -268,11 +266,8 @@ class Shard:
         now: float | None = None,
     ) -> Ack:
         """Validates and handles one push; never raises for bad input, returns an Ack.
-
-        ``verdict``, the sender's judgement under the commit rule
-        (:mod:`stalewise.protocol.commit`), decides ``not_finite``, ``overflow`` and
-        ``too_stale`` when given; without it the shard judges staleness itself. ``now``
-        is the runtime's clock in seconds."""
+        ``verdict`` (:mod:`stalewise.protocol.commit`), when given, decides ``not_finite``,
+        ``overflow`` and ``too_stale``. ``now``: the runtime's clock in seconds."""
         try:
             worker, seq, base = self._check_header(header)
         except Rejected as e:
@@ -336,10 +331,8 @@ class Shard:
 
     @pushlog.journaled
     def join(self, worker: int, incarnation: int) -> None:
-        """Starts a new incarnation of ``worker``: its sequence numbers start at 0.
-
-        Raises:
-            ValueError: ``incarnation`` is not newer than the worker's current one."""
+        """Starts a new incarnation of ``worker``, its sequence numbers from 0 (ValueError:
+        ``incarnation`` is not newer than the worker's current one)."""
         self._check_worker(worker)
         if not (
             isinstance(incarnation, int | np.integer) and incarnation > self.incarnation[worker]
@@ -371,8 +364,7 @@ class Shard:
     @pushlog.journaled
     def resume(self) -> None:
         """Marks the loaded state as a stopped job's: each counted worker's next incarnation
-        takes its saved seat (clock and BSP round) without departing it first; the pull
-        times the hybrid pace waits on were another process's clock's."""
+        takes its saved seat (clock and BSP round) without departing it first."""
         np.copyto(self._resumed, self.live)
         if self._pace is not None:
             self._pace.load(self._pace.state())
@@ -385,11 +377,7 @@ class Shard:
 
     def seated(self, worker: int, incarnation: int) -> bool:
         """Whether a connection of ``incarnation`` takes ``worker``'s seat here as it is,
-        without :meth:`join`: one not newer than the shard's (a restarted shard's kept seat,
-        :meth:`unresumed`).
-
-        Raises:
-            ValueError: that incarnation's seat has left (it departed before a restart)."""
+        without :meth:`join` (a restarted shard's kept seat); ValueError: that seat has left."""
         if incarnation == self.incarnation[worker] and not self.live[worker]:
             raise ValueError(f"worker {worker} (incarnation {incarnation}) has left the job")
         return bool(incarnation <= self.incarnation[worker])
@@ -440,11 +428,9 @@ class Shard:
         incarnation: int,
         committed: tuple[PushHeader, Any, commit.Verdict] | None = None,
     ) -> Ack | None:
-        """The connection of ``worker``'s ``incarnation`` is gone (it left or died).
-
-        A push its sender ``committed`` that this shard has not handled is delivered
-        first; then the worker leaves (unless a newer incarnation joined). Returns the
-        delivered push's ack, if any."""
+        """The connection of ``worker``'s ``incarnation`` is gone: a push its sender
+        ``committed`` that this shard has not handled is delivered first (its ack returned),
+        then the worker leaves (unless a newer incarnation joined)."""
         self._check_worker(worker)
         if incarnation != self.incarnation[worker]:
             return None
@@ -492,8 +478,7 @@ class Shard:
 
     def prepare(self, undo: bool = False) -> None:
         """Copies the params and optimizer state a step may have to be undone from or, for a
-        rule that bounds its step (unless ``undo``), measures what bounds it (:meth:`_bounded`);
-        off the next push's path when a runtime calls it while the shard is idle."""
+        rule that bounds its step (unless ``undo``), measures what bounds it (:meth:`_bounded`)."""
         if self._bounds is not None and not undo:
             if self._maxima is None or self._maxima[0] is not self.opt_state:
                 self._maxima = (self.opt_state, self._bounds.maxima(self.opt_state, self.params))
@@ -507,9 +492,8 @@ class Shard:
 
     def _step(self, update: np.ndarray, scale: float, judge: bool | None = None) -> None:
         """One optimizer step, or none: a step that makes a value non-finite is undone,
-        bit for bit, and raises Rejected("overflow"); a step its rule bounds below overflow
-        (:meth:`_bounded`) is taken with no undo copy. ``judge`` not None: the update's
-        values are unchecked (fused checks only) and are judged in the step's pass."""
+        bit for bit, and raises Rejected("overflow"). ``judge`` not None: the update's
+        values are judged in the step's pass."""
         if self._bounded(update, scale, judge):
             self.optimizer.apply(update, self.opt_state, self.params, scale=scale)
             self._undo_fresh = False
@@ -550,9 +534,8 @@ class Shard:
         self.stats.rounds += 1
 
     def _bounded(self, update: np.ndarray, scale: float, judge: bool | None) -> bool:
-        """Whether the step provably stays finite (no undo copy needed): the rule bounds
-        what it writes from the update's norm and its bounds after the step before
-        (``maxima`` measures them again when unknown); with ``judge``, the norm too."""
+        """Whether the step provably stays finite (no undo copy needed), from the update's
+        norm and the rule's bounds (``maxima`` measures them again when unknown)."""
         rule = self._bounds
         if rule is None:
             return False
@@ -704,10 +687,8 @@ class Shard:
         return int(worker), int(seq), int(base)
 
     def _decode(self, payload: Any) -> tuple[Any, int]:
-        """A push's values and size as received (decoded into a kept buffer with a decoder).
-
-        Raises:
-            Rejected: ``bad_payload``, a compressed payload that does not decode."""
+        """A push's values and size as received (decoded into a kept buffer with a decoder);
+        Rejected("bad_payload"): a compressed payload that does not decode."""
         if self.decoder is None:
             return payload, getattr(payload, "nbytes", 0)
         if self._decoded is None:

@@ -93,10 +93,8 @@ def save(shard: Shard) -> dict[str, Any]:
 
 
 def load(shard: Shard, state: Mapping[str, Any]) -> None:
-    """Restores a :meth:`state_dict` in place, after checking all of it; the shard must be
-    built as the one that made ``state`` (same optimizer, length, dtype and workers). A key
-    missing, unknown or of the wrong type, dtype, shape or structure is a ValueError naming it,
-    the shard unchanged."""
+    """Restores a :meth:`state_dict` in place, after checking all of it (a ValueError names a
+    bad key, the shard unchanged); the shard must be built as the one that made ``state``."""
     opt_state, pulled, round_sum, stats = _checked(shard, state)
     # Everything is checked: from here on nothing can fail half-way.
     np.copyto(shard.params, state["params"])
