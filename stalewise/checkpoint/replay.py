@@ -2,9 +2,7 @@
 parameters the run's shards reached (:mod:`stalewise.protocol.pushlog`).
 
 A checkpoint names, per shard, the log its shard began at that state (``step.logs``,
-``log-shard-K-TAG-N``); the log's chain goes on in ``...-N+1``, ``...-N+2`` (each begun at
-a later checkpoint) until a file is missing. Every file is read as checkpoints are: a
-regular file of this user's, no symlink followed, every length bounded."""
+``log-shard-K-TAG-N``); the chain goes on in ``...-N+1``, ... until a file is missing."""
 
 from __future__ import annotations
 

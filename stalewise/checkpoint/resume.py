@@ -83,11 +83,8 @@ def check_compatible(ckpt: Checkpoint, config: Any, workers: int | None = None) 
 def resume_point(
     config: Any, options: Any, *, runtime: str, resumes_from: str | None = None
 ) -> Checkpoint | None:
-    """The checkpoint a run with ``options.resume`` continues from (None: start afresh).
-
-    Refuses a checkpoint of another job, and one without the step key ``resumes_from``
-    (the runtime's :class:`~stalewise.runtime.Runtime` says which: the simulator resumes
-    only from its own checkpoints, which carry its virtual clock)."""
+    """The checkpoint a run with ``options.resume`` continues from (None: start afresh); refuses
+    one of another job, or without the runtime's step key ``resumes_from``."""
     if not options.resume:
         return None
     where = options.checkpoint_dir
@@ -125,11 +122,9 @@ def _states_fit(ckpt: Checkpoint, config: Any, workers: int) -> None:
 
 
 def feedback_of(ckpt: Checkpoint | None, config: Any, workers: int) -> list[Any] | None:
-    """Each worker's error-feedback state (a ``compress.Feedback``) for a run of ``config``
-    resumed from ``ckpt``, worker ``w``'s at index ``w``; None when this job's codec keeps
-    no feedback. No saved residuals give zeros, and so do leaves without feedback here
-    (:meth:`~stalewise.protocol.compress.Compressor.adopt`); call it after
-    :func:`check_compatible`, which refuses residuals of another shape or worker count."""
+    """Each worker's error-feedback state for a run of ``config`` resumed from ``ckpt`` (None:
+    this job's codec keeps none; no saved residuals give zeros); call it after
+    :func:`check_compatible`."""
     comp = config.compressor()
     saved = None if ckpt is None else ckpt.residuals
     if comp is None or not comp.error_feedback:
@@ -151,11 +146,9 @@ def feedback_of(ckpt: Checkpoint | None, config: Any, workers: int) -> list[Any]
 
 
 def drawn_of(ckpt: Checkpoint | None, workers: int) -> list[int]:
-    """How many batches each worker id had drawn at ``ckpt``: a resumed worker's new
-    stream skips them (:func:`~stalewise.runtime.base.batch_iterator`). Zeros without
-    a checkpoint or with an older one, which did not count them; advanced by its logs
-    (``replay.logged``): the position after each worker's last push held (:class:`Positions`).
-    Call it after :func:`check_compatible`, which refuses counts of another worker count."""
+    """How many batches each worker id had drawn at ``ckpt`` (zeros without one), advanced by
+    its logs to the position after each worker's last push held (:class:`Positions`): a
+    resumed worker's stream skips them. Call it after :func:`check_compatible`."""
     drawn = None if ckpt is None else ckpt.step.get("drawn")
     drawn = [0] * workers if drawn is None else list(drawn)
     if ckpt is None or "replayed" not in ckpt.step:
@@ -211,11 +204,8 @@ def _position(folder: Path, worker: int, incarnation: int, seq: int) -> int | No
 
 
 class Saver:
-    """A run's checkpoints into ``options.checkpoint_dir``: when :meth:`due` says so
-    (every ``checkpoint_every`` pushes of the job and/or ``checkpoint_seconds`` seconds,
-    virtual in the simulator), and at the end of the run. A write that fails warns
-    (:class:`~stalewise.FailureWarning`), is recorded in ``failures`` and returns None; the
-    run goes on (:attr:`failed`: whether the last attempt failed)."""
+    """A run's checkpoints into ``options.checkpoint_dir``, when :meth:`due` says so and at the
+    end. A write that fails warns, is recorded in ``failures`` and returns None (:attr:`failed`)."""
 
     def __init__(
         self,
@@ -260,9 +250,8 @@ class Saver:
         final: bool = False,
         ranks: Sequence[dict[str, Any]] | None = None,
     ) -> Path | None:
-        """Writes the shards' ``states`` and the workers' error-feedback ``residuals`` (None:
-        none kept); ``step`` holds at least ``pushes`` and ``time``; ``final``: the run's last.
-        Returns its folder, or None if it could not be written (see the class)."""
+        """Writes the shards' ``states`` and the workers' ``residuals`` (None: none kept); ``step``
+        holds at least ``pushes`` and ``time``. Returns its folder, or None (see the class)."""
         from safetensors import SafetensorError
 
         # the next one is due a period after this attempt (written or not), after the pushes

@@ -1,14 +1,11 @@
 """A parameter tree's spec as JSON, plain data only: the one codec of checkpoints'
 manifests and of the attach door (:mod:`stalewise.runtime.local.door_state`).
 
-A node of the tree is {"kind", "keys", "children"} with kind from :data:`KINDS`, plus
-"leaf" (an alias: the stored leaf it names), "ordered" (an OrderedDict) or "type" (a
-namedtuple's, dataclass's or registered container's class, "module.QualName", never
-imported). A key is [kind, value]: "str", "int", "attr" (a field), "hidden" (a field left
-out of leaf names), or "repr" (any other key, as its repr, which comes back as a string).
-``live`` (the door, read by a process of the same job): keys and static values are tagged
-data (:func:`_data`), "type" is [module, qualname], looked up among the modules already
-imported (:class:`NotImported`); a registered container cannot travel (:class:`NotData`)."""
+A node is {"kind", "keys", "children"} with kind from :data:`KINDS`, plus "leaf" (an alias),
+"ordered" (an OrderedDict) or "type" ("module.QualName", never imported). A key is [kind,
+value]: "str", "int", "attr" (a field), "hidden" (a field left out of leaf names) or "repr".
+``live`` (the door): keys and static values are tagged data (:func:`_data`), "type" is
+[module, qualname], looked up among the modules already imported."""
 
 from __future__ import annotations
 

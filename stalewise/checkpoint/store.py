@@ -86,11 +86,9 @@ def save(
     residuals: Sequence[np.ndarray] | None = None,
     ranks: Sequence[dict[str, Any]] | None = None,
 ) -> Path:
-    """Writes one checkpoint atomically; returns its folder. Keeps the newest ``keep``.
-
-    Its folder is ``ckpt-<step_info["pushes"]>``; a checkpoint at the same pushes replaces it.
-    ``residuals``: each worker's error-feedback residual (worker ``w``'s at index ``w``; None: none);
-    ``ranks``: each rank's state (see :func:`flat_state`)."""
+    """Writes one checkpoint atomically into ``ckpt-<step_info["pushes"]>`` (replacing one of the
+    same pushes) and returns it; keeps the newest ``keep``. ``residuals``: each worker's
+    error-feedback residual (None: none); ``ranks``: each rank's state (:func:`flat_state`)."""
     if not shard_states:
         raise ValueError("save: no shard states")
     if not isinstance(keep, int) or keep < 1:
@@ -220,11 +218,8 @@ def _prune_logs(root: Path) -> None:
 
 
 def flat_state(state: Any, what: str = "ctx.state") -> tuple[dict[str, np.ndarray], dict]:
-    """A rank's state as data: ``(arrays, values)`` by path (nested dict keys joined by
-    ``/``): numpy arrays, and JSON values (a numpy scalar counts as its number); no pickle.
-
-    Raises:
-        ValueError: one line naming the path of a value that is not data."""
+    """A rank's state as data: ``(arrays, values)`` by path (nested dict keys joined by ``/``),
+    numpy arrays and JSON values; ValueError names the path of a value that is not data."""
     arrays: dict[str, np.ndarray] = {}
     values: dict[str, Any] = {}
 
@@ -337,8 +332,7 @@ def exists(directory: str | os.PathLike) -> bool:
 
 
 def _read_steady(path: Path) -> Checkpoint:
-    """:func:`_read`, once more if the folder was replaced meanwhile (a save of the same
-    pushes renames the old one away, then the new one in: a read across that mixed them)."""
+    """:func:`_read`, once more if the folder was replaced meanwhile (a save of the same pushes)."""
     inode = _inode(path)
     try:
         return _read(path)
@@ -451,12 +445,9 @@ def _read(path: Path) -> Checkpoint:
 def open_file(
     folder: Path, name: str, *, folder_may_be_a_link: bool = False
 ) -> tuple[int, os.stat_result]:
-    """A descriptor of ``folder/name`` and its stat: a regular file, opened without
-    following a symlink or blocking, in a ``folder`` that is no symlink either (unless
-    ``folder_may_be_a_link``).
-
-    Raises:
-        CheckpointError: one line naming the file and what is wrong with it."""
+    """A descriptor of ``folder/name`` and its stat: a regular file, opened without following a
+    symlink or blocking, in a ``folder`` that is no symlink either (unless
+    ``folder_may_be_a_link``); CheckpointError names the file and what is wrong with it."""
     file = folder / name
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NOFOLLOW
     folder_flags = flags | os.O_DIRECTORY
@@ -529,8 +520,7 @@ _KINDS = {
 
 def untrusted(st: os.stat_result, kind: int = stat.S_IFDIR) -> str | None:
     """Why a folder (or a file of ``kind``) with this stat is not to be trusted, or None: it
-    must be of ``kind``, belong to this user and be writable by no one else (the rule for
-    every folder and file stalewise reads back; docs/reliability.md's threat model)."""
+    must be of ``kind``, belong to this user and be writable by no one else."""
     got, me = stat.S_IFMT(st.st_mode), os.getuid()
     if got != kind:
         return f"{_KINDS.get(got, 'a special file')}, not {_KINDS[kind]}"
@@ -542,13 +532,9 @@ def untrusted(st: os.stat_result, kind: int = stat.S_IFDIR) -> str | None:
 
 
 def create_file(path: str | os.PathLike, at: int | None = None) -> int:
-    """A descriptor of the new file ``path`` (mode 0644) for writing, in a folder of this user's
-    that no one else can write; the file itself no symlink (``O_EXCL``). ``at``: the existing file
-    instead, a regular file of this user's, cut to ``at`` bytes and written from there.
-
-    Raises:
-        OSError: the folder or the file is not to be trusted (:func:`untrusted`), or the
-            file exists (missing, with ``at``)."""
+    """A descriptor of the new file ``path`` (mode 0644, ``O_EXCL``) for writing, in a folder that
+    passes :func:`untrusted`; ``at``: the existing file instead, cut to ``at`` bytes. OSError: the
+    folder or file is not to be trusted, or the file exists (missing, with ``at``)."""
     folder, name = os.path.split(os.fspath(path))
     top = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -759,10 +745,7 @@ def load_params(path: str | os.PathLike, *, like: Any = None, backend: str | Non
       name -> tensor; a constant of the tree as ``None``).
 
     Leaves come back in the backend they were saved from; ``backend="numpy"`` gives NumPy arrays.
-
-    Raises:
-        CheckpointError: no usable checkpoint, or ``like`` differs from it (naming the
-            first leaf that differs)."""
+    CheckpointError: no usable checkpoint, or ``like`` differs (naming the first leaf)."""
     if backend is not None:
         from stalewise.backends import get_backend
 

@@ -1,9 +1,5 @@
 """Run a training script you own once per worker: ``stalewise run`` and :func:`init`.
 
-``stalewise run --workers N script.py args...`` runs the script until :func:`init`, which
-serves the job, runs the script again in ``N`` worker processes (or Ray actors) and ends
-the launcher (``SystemExit``: 0, or 1 if a worker failed); in a worker :func:`init` returns
-its :class:`Context`, and without the launcher it serves the job here with one worker.
 Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (and the
 ``STALEWISE_`` ones). Example: ``examples/torch_launch.py``; more: the README and docs/."""
 

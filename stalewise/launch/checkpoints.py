@@ -36,9 +36,8 @@ SERVED_POLL = 0.25  #: Seconds between a served job's looks at its pushes (``che
 
 
 def check(directory: Any, every: Any, error: type[Exception]) -> None:
-    """Refuses checkpoint settings that do not fit together, in one line (``error``), and
-    makes ``directory`` (with its parents) unless it is there: a folder of this user's
-    that no one else can write (:func:`stalewise.checkpoint.store.untrusted`)."""
+    """Refuses checkpoint settings that do not fit together (``error``), and makes
+    ``directory`` unless it is there (:func:`stalewise.checkpoint.store.untrusted`)."""
     from stalewise.checkpoint.store import untrusted
 
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
@@ -58,11 +57,9 @@ def check(directory: Any, every: Any, error: type[Exception]) -> None:
 
 
 class Saves:
-    """The saving side, which holds the server: restores the job (``resume``: the last
-    checkpoint and its push logs) before any worker joins, and saves it before any push,
-    every ``every`` pushes of the job and at the end, with each rank's ``ctx.state`` (from
-    ``folder``, when the ranks are launched), through :class:`stalewise.checkpoint.Saver`
-    (the format, atomic writes and failure handling of ``Job.train``'s checkpoints)."""
+    """The saving side, which holds the server: restores the job (``resume``) before any
+    worker joins, and saves it before any push, every ``every`` pushes and at the end, with
+    each rank's ``ctx.state``, through :class:`stalewise.checkpoint.Saver`."""
 
     def __init__(self, job: Any, server: Any, directory: str, every: int | None,
                  resume: bool, *, folder: Path | None = None):  # fmt: skip
@@ -223,9 +220,8 @@ class InProcess:
 
 
 class Served:
-    """``job.serve(..., checkpoint_dir=...)``: the server, restored (``resume``) and saved
-    by :class:`Saves`, every ``every`` pushes of the job by a thread of this process, and
-    once more when it closes (before the shards stop). Other attributes are the server's."""
+    """``job.serve(..., checkpoint_dir=...)``: the server, restored and saved by :class:`Saves`
+    from a thread of this process and once more when it closes."""
 
     def __init__(self, job: Any, server: Any, directory: str, every: int | None, resume: bool):
         self._server = server
@@ -260,9 +256,8 @@ class Served:
 
 
 def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resume: Any) -> Any:
-    """``job.serve``'s server (``start()`` starts it) with checkpoints in ``directory``
-    (:class:`Served`), or as it is without one. Bad settings are refused before it starts; it
-    is closed if its checkpoints cannot start (a refused resume: :class:`LaunchError`)."""
+    """``job.serve``'s server with checkpoints in ``directory`` (:class:`Served`), or as it is
+    without one; closed if its checkpoints cannot start (:class:`LaunchError`)."""
     if directory is not None and not runtime_lib.describe(runtime).saves_served:
         able = runtime_lib.able("saves_served")
         raise ValueError(f"job.serve: checkpoint_dir is for runtime={able!r}, not {runtime!r}")
@@ -277,11 +272,9 @@ def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resum
 
 
 class RankStates:
-    """A launched rank's side: ``ctx.state`` (data only: ``store.flat_state``) from the
-    launcher's folder at ``sw.init``, into it at every ``should_stop()`` (a due checkpoint's
-    cut waits there, :data:`RANK_STATE_WAIT` at most) and ``close()``; the pushes the shards
-    hold past the state resumed are skipped, each a ``"duplicate"`` result (seq -1).
-    docs/design-notes.md ("A killed launcher resumes from the push logs")."""
+    """A launched rank's side: ``ctx.state`` from the launcher's folder at ``sw.init``, into
+    it at every ``should_stop()`` and ``close()``; the pushes the shards hold past the state
+    resumed are skipped, each a ``"duplicate"`` result (seq -1)."""
 
     def __init__(self, folder: Path, every: int | None, rank: int):
         self.folder, self.every = folder, every
@@ -360,9 +353,8 @@ def _cut(folder: Path) -> int:
 def write_rank_state(folder: Path, rank: int, state: Any, pushes: int, pushed: int | None = None,
                      skip: int = 0, *, only: bool = False) -> None:  # fmt: skip
     """Rank ``rank``'s state into its file of ``pushed`` (the count of its pushes it accounts
-    for; ``skip``: the shards hold that many more; the other file keeps the previous), atomically:
-    arrays as tensors, the JSON values, the job's ``pushes``, ``pushed`` and ``skip`` in
-    the header's metadata (no pickle). ``only``: the other file is removed."""
+    for; ``skip``: the shards hold that many more), atomically, as data; the other file keeps
+    the previous (``only``: it is removed)."""
     from safetensors.numpy import save_file
 
     from stalewise.checkpoint import store as checkpoint
@@ -455,8 +447,7 @@ def rank_epoch(folder: Path | None, rank: int, every: int) -> int:
 @contextlib.contextmanager
 def rank_files(directory: str | None, every: int | None, resume: bool = False):
     """The folder the ranks exchange their ``ctx.state`` through (``DIRECTORY/.ranks``,
-    emptied first but for the ranks' states when ``resume``), named in the ranks'
-    environment; None without a ``directory``."""
+    emptied first but for the ranks' states when ``resume``); None without a ``directory``."""
     if directory is None:
         yield None
         return
