@@ -36,10 +36,8 @@ class Consistency(NamedTuple):
         return self.kind == "bsp"
 
     def may_start(self, clock: int, min_clock: int) -> bool:
-        """Whether a worker at ``clock`` may start a step while the slowest is at ``min_clock``.
-
-        Always False for the hybrid model, whose gate depends on the shard's
-        mode: ask :meth:`stalewise.protocol.Shard.may_start`."""
+        """Whether a worker at ``clock`` may start a step while the slowest is at ``min_clock``
+        (hybrid: always False; ask :meth:`stalewise.protocol.Shard.may_start`)."""
         return self.kind != "hybrid" and clock - min_clock <= self.bound
 
     def __str__(self) -> str:
@@ -59,10 +57,8 @@ def BSP() -> Consistency:
 
 
 def SSP(bound: float = 4) -> Consistency:
-    """Stale-synchronous parallel: no worker runs more than ``bound`` clocks ahead of the slowest.
-
-    Args:
-        bound: the staleness bound ``s`` (an integer >= 0, or ``math.inf``)."""
+    """Stale-synchronous parallel: no worker runs more than ``bound`` (an integer >= 0, or
+    ``math.inf``) clocks ahead of the slowest."""
     real = isinstance(bound, numbers.Real) and not isinstance(bound, bool)
     if not (real and bound >= 0 and (bound == math.inf or float(bound).is_integer())):
         raise ValueError(f"SSP bound must be an integer >= 0 or inf, got {bound!r}")
@@ -72,13 +68,8 @@ def SSP(bound: float = 4) -> Consistency:
 def Hybrid(tolerance: float = 2.0) -> Consistency:
     """BSP while the workers keep pace, ASP while a straggler would hold them back.
 
-    Each shard measures every worker's time from pull to push; when a worker takes more than
-    ``tolerance`` times the median, the shard switches to asynchronous updates at the end of the
-    round, and back to synchronous rounds once no worker exceeds ``tolerance / 1.25`` times the
-    median. Use a staleness rule (e.g. ``sw.staleness.inverse()``) for the asynchronous phases.
-
-    Args:
-        tolerance: a number > 1."""
+    A shard switches to ASP at a round's end when a worker's time from pull to push exceeds
+    ``tolerance`` (> 1) times the median, back once none exceeds ``tolerance / 1.25`` times it."""
     real = isinstance(tolerance, numbers.Real) and not isinstance(tolerance, bool)
     if not (real and 1.0 < tolerance < math.inf):
         raise ValueError(f"Hybrid tolerance must be a finite number > 1, got {tolerance!r}")

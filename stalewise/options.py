@@ -1,18 +1,8 @@
-"""The option groups of ``Job.train``: what a first run does not need, in small frozen objects.
+"""The option groups of ``Job.train``: what a first run does not need, in small frozen objects,
+e.g. ``job.train(f, data=d, workers=4, steps=2000, failures=sw.Failures("drop"))``.
 
-``Job.train`` takes as keywords what a first run needs (``data``, ``workers``, ``steps``,
-``runtime``, ``evaluate``, ``stop_at``) and one object per group of the rest::
-
-    job.train(loss_and_grad, data=data, workers=4, steps=2000,
-              checkpoints=sw.Checkpoints("ckpt", every=500, resume=True),
-              failures=sw.Failures("drop", max_restarts=1),
-              timeouts=sw.Timeouts(total=600),
-              emulation=sw.Emulation(stragglers={3: 4.0}),
-              metrics=sw.Metrics(every=1.0, loggers=[...]))
-    job.train(..., runtime=sw.Simulation(sim_config, seed=1))  # the simulator, configured
-
-Every value is checked when its group is made, by :class:`~stalewise.runtime.options.RunOptions`'
-check (an ``OptionError`` naming ``Group.field``); every default is ``DEFAULTS``'s."""
+Every value is checked when its group is made (an ``OptionError`` naming ``Group.field``);
+every default is ``DEFAULTS``'s."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def sweep(
         delay: extra virtual seconds per step, every worker.
         out: a folder for ``sweep.png`` and ``metrics.jsonl``.
 
-    Returns a row per value, keys :data:`COLUMNS` (``time_to_target`` None: never reached)."""
+    Returns a row per value, keys :data:`COLUMNS`."""
     if over not in ("workers", "consistency", "strategy"):
         raise ValueError(f"over must be 'workers', 'consistency' or 'strategy', got {over!r}")
     goal = targets.Target(metric, target, mode)

@@ -1,10 +1,7 @@
 """Job configuration files (TOML) for ``stalewise train`` and ``stalewise sim``.
 
-:func:`load` reads a file, :func:`parse` checks a dict of its tables and builds the
-task and the job into a :class:`RunConfig`. Every key and value is checked before
-anything runs; a bad one is a :class:`ConfigError` naming it. A ``[task]`` factory
-runs your module's code: load only configs you would run as scripts. The format
-(tables, keys, the task contract, limits) is documented in ``docs/config.md``."""
+:func:`load` reads a file, :func:`parse` checks a dict of its tables (a bad one is a
+:class:`ConfigError` naming it) into a :class:`RunConfig`. The format: ``docs/config.md``."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Fused numba kernels behind the in-place optimizer updates, one per rule.
 
-Each makes one pass over memory (SGD, Adam) or two per leaf (LAMB, LARS: the trust ratio needs the
-leaf's norms first). Conventions: ``g``, ``p`` and the state are 1-D, C-contiguous, of one float
-dtype, in which the element-wise maths runs (the caller casts the coefficients and computes
-``w1 = 1 - b1``, ``w2 = 1 - b2`` in float64); norms accumulate in float64. ``lr`` arrives multiplied
+``g``, ``p`` and the state are 1-D, C-contiguous, of one float dtype (the caller casts the
+coefficients and computes ``w1 = 1 - b1``, ``w2 = 1 - b2`` in float64); ``lr`` arrives multiplied
 by ``scale``. ``into_params`` True adds the update to ``p`` (``apply``), False writes it into ``g``
-(``update``), both rounded alike so the two agree bit for bit; ``g`` may be scratch. ``fastmath``
-stays off so results reproduce (except the finiteness flags of a checked step, :func:`_flag`);
-``nogil`` lets a server apply while other threads serve pulls."""
+(``update``), rounded alike; ``g`` may be scratch."""
 
 from __future__ import annotations
 

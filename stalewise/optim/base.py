@@ -13,8 +13,7 @@ NamedTuple of functions, in the spirit of optax:
 - ``update_inplace(grads, state, params, *, scale=1.0) -> None``: ``grads`` becomes the
   updates and ``state`` is advanced; ``params`` is untouched.
 
-``scale`` multiplies the step size of this one update (a staleness weight), never what
-enters the moments. A state must not be used by two updates at the same time."""
+``scale`` multiplies the step size of this one update (a staleness weight)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,8 @@ for the ``t``-th pseudo-gradient ``g_t``, ``m = b = 0`` at first, ``s`` the ``sc
         b = 0
         p = p - lr * s * momentum * m       #   and makes its Nesterov look-ahead step
 
-``N`` arrivals add up to one outer Nesterov step of synchronous DiLoCo on their mean;
 ``N = 1`` is ``torch.optim.SGD(nesterov=True)``. A schedule is evaluated at the arrivals
-already applied. The state (:class:`DelayedNesterovState`) is NumPy arrays."""
+already applied."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""``sw.attach(name)``: a client for a loop you own, of a job served under a name.
-
-A job served with a name (``job.serve(workers=..., name="gpt")``, locally or on Ray)
-is found through the ``attach`` of a runtime of the registry: a local door of that
-name first, else Ray when this process is connected to Ray or ``RAY_ADDRESS`` names
-a cluster. Attaching to a local job never imports Ray."""
+"""``sw.attach(name)``: a client for a loop you own, of a job served under a name: a local
+door of that name first, else Ray when connected to Ray or ``RAY_ADDRESS`` names a cluster."""
 
 from __future__ import annotations
 
@@ -44,12 +40,8 @@ def attach(
         timeout: seconds to wait for the job's door (None: no limit).
         runtime: ``"local"`` or ``"ray"``; None: the one that serves ``name``.
 
-    Returns:
-        A client whose ``worker`` and ``incarnation`` say who it is; closing it (or the
-        end of this process) gives its worker id back.
-
-    Raises:
-        AttachError: no job of that name is served, or its door refused (why)."""
+    Returns a client whose ``worker`` and ``incarnation`` say who it is; closing it gives its
+    worker id back. AttachError: no job of that name is served, or its door refused (why)."""
     check_name(name)
     able = runtime_lib.names("attach")
     if runtime is not None and runtime not in able:

@@ -19,11 +19,8 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NU
 
 
 def batch_iterator(data: Any, worker: int, workers: int, drawn: Any = None) -> Iterator[Any]:
-    """A worker's batches: ``data(worker, workers)`` if callable, else ``data[worker]`` cycled.
-
-    ``drawn``: the count of batches each worker id has drawn; the stream skips
-    ``drawn[worker]`` batches and counts each one it yields, so a new incarnation goes
-    on after every batch its worker id drew (including one it died on)."""
+    """A worker's batches: ``data(worker, workers)`` if callable, else ``data[worker]`` cycled;
+    skips ``drawn[worker]`` batches and counts each one it yields in it."""
     batches = iter(data(worker, workers)) if callable(data) else itertools.cycle(data[worker])
     if drawn is None:
         return batches
@@ -81,9 +78,8 @@ class PullsIntoTrees:
         return tree.unflatten(self._pull_buf, self._spec, copy=copy)
 
     def may_begin(self, steps: int) -> bool:
-        """The budget rule (:mod:`stalewise.protocol.budget`): whether this worker may begin
-        another step of a job of ``steps`` pushes; a yes grants the next push past
-        :attr:`budget`'s check at commit."""
+        """Whether this worker may begin another step of a job of ``steps`` pushes
+        (:mod:`stalewise.protocol.budget`)."""
         self._granted = self._may_begin(steps)  # type: ignore[attr-defined]
         return self._granted
 

@@ -1,11 +1,8 @@
 """What a job's door tells an attaching process, as JSON data: nothing is unpickled.
 
-:func:`encode` writes the worker id, incarnation, shared block and layout and what the job's
-:class:`~stalewise.protocol.ServerConfig` says a worker needs as one JSON document; :func:`decode`
-checks every field and builds the :class:`~stalewise.runtime.local.client.Client`. A tree's
-structure travels in checkpoints' codec (``live``: classes looked up among the modules already
-imported, never imported; see :mod:`stalewise.checkpoint.spec`); a structure it cannot carry is
-refused at the door, naming what it met."""
+:func:`encode` writes what a worker needs as one JSON document; :func:`decode` checks every field
+and builds the :class:`~stalewise.runtime.local.client.Client`. A tree's structure travels in
+checkpoints' codec (:mod:`stalewise.checkpoint.spec`, ``live``)."""
 
 from __future__ import annotations
 

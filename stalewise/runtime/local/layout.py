@@ -6,17 +6,9 @@ One block holds everything a job moves between processes::
       | w0 pull | w1 pull | ... | w0 push | w1 push | ...
       | residual tags | w0 residual 0 | w0 residual 1 | w1 residual 0 | ... ]
 
-A worker's push region holds its update as a flat vector or, with a codec, one payload per shard,
-each on its own cache line (:meth:`Layout.payload`). A push record is ``[commit, incarnation, seq,
-verdict code, verdict detail, base version per shard...]`` (int64s), ``commit = seq + 1`` stored
-last (the commit rule, :mod:`stalewise.protocol.commit`). Each shard publishes its slice into a
-seqlocked double buffer (:class:`Snapshots`) with its slowest live clock, and holds a seqlock of its
-own around any write of its live params. Each worker id has two residual buffers, tagged with the
-commit word of the push they follow (:class:`Residuals`). The reasoning: ``docs/design-notes.md``.
-
-Threading contract: one writer per shard slice (the shard process), any number of
-readers. Relies on aligned 8-byte loads and stores being atomic and on CPython's
-calls ordering memory (true on x86-64 and ARM).
+A push record is ``[commit, incarnation, seq, verdict code, verdict detail, base version per
+shard...]`` (int64s), ``commit = seq + 1`` stored last (:mod:`stalewise.protocol.commit`). One
+writer per shard slice, any number of readers; the reasoning: ``docs/design-notes.md``.
 """
 
 from __future__ import annotations
