@@ -1,8 +1,6 @@
 """Runtimes host the protocol's shards and worker loop; each is described once, by name.
 
-Built in: ``"local"``, ``"sim"`` and ``"ray"`` (``pip install stalewise[ray]``);
-:func:`register` adds a :class:`Runtime`, and everything that lists or checks runtimes reads
-this registry when it runs."""
+Built in: ``"local"``, ``"sim"`` and ``"ray"``; :func:`register` adds a :class:`Runtime`."""
 
 from __future__ import annotations
 

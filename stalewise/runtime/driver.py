@@ -1,9 +1,8 @@
 """The run skeleton every runtime shares: :func:`drive` runs a job over a :class:`Host`.
 
-A runtime's :class:`Host` starts shards and workers, moves their bytes and applies the
-failure policy; the driver owns what every runtime does alike: the resume point, the
-records, checkpoints, ``stop_at``, ``timeout``, the end reason and the :class:`TrainResult`.
-The host's clock is wall seconds since :meth:`Host.go`, or virtual in the simulator."""
+A runtime's :class:`Host` starts shards and workers, moves their bytes and applies the failure
+policy; the driver owns the resume point, records, checkpoints, ``stop_at``, ``timeout``, the
+end reason and the :class:`TrainResult`."""
 
 from __future__ import annotations
 

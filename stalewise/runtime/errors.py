@@ -86,9 +86,8 @@ FAILURE_POLICIES = ("restart", "drop", "fail")
 class Failures:
     """A job's failure policy, and the log of what it did (``TrainResult.failures``).
 
-    ``policy``: ``"restart"`` (up to ``max_restarts`` per worker id or shard; None: no
-    limit), ``"drop"`` (a dead shard is still restarted) or ``"fail"``. Every event is kept
-    in :attr:`events`, the first of each kind warned; ``hint`` ends a stopping error."""
+    ``policy``: as :class:`stalewise.Failures`. Every event is kept in :attr:`events`, the
+    first of each kind warned; ``hint`` ends a stopping error."""
 
     def __init__(self, policy: str = "restart", max_restarts: int | None = 3, *, hint: str = ""):
         self.policy, self.max_restarts, self.hint = policy, max_restarts, hint

@@ -1,8 +1,6 @@
 """``sw.RunOptions``: how to run a job; every run option's default and check, stated once.
 
-``Job.train``, ``Job.serve``, the config file (``[run]``) and the sweep read :data:`DEFAULTS`
-and check through :class:`RunOptions` (:meth:`RunOptions.check`: one option alone); every
-runtime takes ``(config, strategy, options)``."""
+Every runtime takes ``(config, strategy, options)``."""
 
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ MAX_TIMEOUT = 1e8
 
 class OptionError(ValueError):
     """A bad run option: ``option`` names it (a field of :class:`RunOptions`), ``problem``
-    says what was expected; the message is ``"{option} {problem}"``. The config file
-    reports it under its TOML key (``run.worker_timeout: must be ...``)."""
+    says what was expected."""
 
     def __init__(self, option: str, problem: str):
         self.option, self.problem = option, problem

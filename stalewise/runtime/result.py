@@ -159,9 +159,8 @@ class TrainResult:
 
 
 def merge_stats(per_shard: Sequence[Mapping[str, Any]], *, settled: bool = False) -> dict[str, Any]:
-    """Merges the shards' counters: shard 0's per-push counters, bytes and duplicates (a
-    resend may reach one shard) summed; ``settled`` (no push in flight): shards whose
-    per-push counters differ from shard 0's are warned about."""
+    """Merges the shards' counters: shard 0's per-push counters, bytes and duplicates summed;
+    ``settled``: shards whose per-push counters differ from shard 0's are warned about."""
     if not per_shard:
         return {}
     first = per_shard[0]

@@ -1,9 +1,7 @@
 """Attach a process you started to a job served on this machine, by the job's name.
 
-``job.serve(name="gpt")`` opens a door: a Unix socket ``stalewise-<uid>/gpt.sock`` with a
-key file, in this user's 0700 folder (:func:`door_dir`). ``sw.attach("gpt")`` gets a worker
-id and its pipes to every shard over the socket, authenticated both ways, described as JSON
-(nothing unpickled, every read bounded). Threat model: ``docs/reliability.md``."""
+``job.serve(name="gpt")`` opens a door: a Unix socket ``stalewise-<uid>/gpt.sock`` with a key
+file, in this user's 0700 folder (:func:`door_dir`). Threat model: ``docs/reliability.md``."""
 
 from __future__ import annotations
 
@@ -416,11 +414,8 @@ def _closed(conn: connection.Connection) -> bool:
 
 
 def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0) -> Client:
-    """A client for a worker of the job served under ``name`` on this machine.
-
-    ``worker``: the id to take (None: the lowest free one); ``timeout``: seconds for the
-    handshake. Closing the client gives the id back; AttachError if no job of that name is
-    served or the server refused."""
+    """A client for a worker of the job served under ``name`` on this machine, as
+    :func:`stalewise.attach` (``timeout``: seconds for the handshake)."""
     from stalewise.runtime.local.client import Rejoin
     from stalewise.runtime.local.procs import cap_threads_here
 

@@ -21,9 +21,8 @@ from stalewise.runtime.base import THREAD_VARS
 
 @contextlib.contextmanager
 def thread_budget(threads: int, hold: bool = True) -> Iterator[None]:
-    """Caps the math-library threads of processes spawned inside the block (variables the
-    user set are respected; the environment is restored afterwards). ``hold``: no other
-    thread changes the environment meanwhile (its spawns see this block's)."""
+    """Caps the math-library threads of processes spawned inside the block (not variables the
+    user set). ``hold``: no other thread changes the environment meanwhile."""
     # every process the local runtime starts is started in this block: a spawned process
     # still importing the user's main module is a script without the __main__ guard
     if getattr(mp.current_process(), "_inheriting", False):
@@ -82,9 +81,8 @@ except Exception:
 
 
 def _install() -> None:
-    """Wraps ``multiprocessing.spawn.get_preparation_data`` and ``get_command_line`` once
-    (popen_spawn_posix calls them through the module, at each start): unchanged unless the
-    calling thread is inside :func:`stalewise_main`."""
+    """Wraps ``multiprocessing.spawn.get_preparation_data`` and ``get_command_line`` once:
+    unchanged unless the calling thread is inside :func:`stalewise_main`."""
     with _install_lock:
         current, line = mp_spawn.get_preparation_data, mp_spawn.get_command_line
         if getattr(current, "_stalewise", False):
@@ -157,13 +155,9 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with_parent(cleanup: Callable[[], None] | None = None) -> None:
-    """Makes this spawned process exit as soon as the process that started it dies; call
-    it first thing in the child.
-
-    On Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (it fires when the parent *thread*
-    exits, so start processes from a thread that outlives them), checked against the
-    parent's pid; everywhere a daemon thread that waits on the parent's sentinel and
-    runs ``cleanup``. With ``cleanup`` the kernel signal is not used (no time to clean up)."""
+    """Makes this spawned process exit as soon as the process that started it dies (call it
+    first thing in the child): ``PR_SET_PDEATHSIG`` on Linux unless ``cleanup``, and a
+    thread that waits on the parent's sentinel and runs ``cleanup``."""
     parent = mp.parent_process()
     ppid = parent.pid if parent is not None else os.getppid()
     if cleanup is None and sys.platform.startswith("linux"):

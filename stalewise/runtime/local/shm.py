@@ -1,9 +1,7 @@
 """Shared-memory blocks that cannot leak.
 
-On Linux a block is an anonymous memory file (``memfd_create``), attached through the
-creator's descriptor (the block's :attr:`~SharedBlock.handle`) while it lives; elsewhere
-a named file in ``/dev/shm``, unlinked by its creator or its shard processes. Why:
-``docs/design-notes.md`` ("Local runtime").
+On Linux an anonymous memory file (``memfd_create``), elsewhere a named file in ``/dev/shm``;
+why: ``docs/design-notes.md`` ("Local runtime").
 
 Example:
     >>> block = SharedBlock.create(1024)
@@ -110,11 +108,8 @@ class SharedBlock:
 
     @classmethod
     def create(cls, nbytes: int) -> SharedBlock:
-        """Creates a zero-filled block of ``nbytes`` bytes with a fresh unique name.
-
-        Raises:
-            OSError: one line saying why the block could not be made (``ulimit -f``, a full
-                ``/dev/shm``, memory), with the OS error's ``errno``."""
+        """Creates a zero-filled block of ``nbytes`` bytes with a fresh unique name (OSError:
+        one line saying why not, with the OS error's ``errno``)."""
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         size = max(nbytes, 1)
         memfd = _memfd_available()

@@ -15,11 +15,7 @@ or, only on the control pipe from the parent that started a shard, a pickle::
     parent -> worker   go, rejoin(k) and a restarted shard's new pipe (its fd)
     primary <-> backup forward, catch up (data only: safetensors and JSON), held
 
-Nothing a worker writes is unpickled: :func:`decode_from_worker` and
-:func:`decode_result` know their fixed records and nothing else, and any other
-frame is a :class:`WireError` (the shard disconnects that worker; the parent counts
-it as that worker's failure). :class:`FrameReader` splits a byte stream into frames
-without blocking.
+Nothing a worker writes is unpickled: any frame but the fixed records is a :class:`WireError`.
 
 Example:
     >>> decode_from_worker(push(7))
@@ -93,8 +89,7 @@ def frame(body: bytes) -> bytes:
 class FrameReader:
     """Splits a byte stream into frame bodies as the bytes arrive; never blocks.
 
-    A length header that is negative or above ``max_size`` stops the stream
-    (:attr:`error` says why); :attr:`pending` counts the bytes of a frame not yet complete.
+    A length header that is negative or above ``max_size`` stops the stream (:attr:`error`).
 
     Example:
         >>> r = FrameReader(16)
@@ -389,9 +384,8 @@ def stop() -> bytes:
 
 def cut(n: int, targets: dict | None, log: str = "", fsync: bool = False) -> bytes:
     """Consistent cut number ``n`` (:class:`~stalewise.protocol.delivery.Cut`): None freezes
-    the shard, which replies its progress; then ``targets``, and it replies its state once
-    there and begins the push ``log`` file at it (``fsync``: each turn's entries before its
-    acks); :func:`thaw` ends a cut given up. Replies: :func:`cut_reply`, echoing ``n``."""
+    the shard (it replies its progress); then ``targets`` (it replies its state there and
+    begins the push ``log`` at it). Replies: :func:`cut_reply`, echoing ``n``."""
     return _KIND.pack(_CUT) + _pickle((n, targets, log, fsync))
 
 

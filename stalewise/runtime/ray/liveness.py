@@ -1,9 +1,5 @@
-"""Heartbeats on Ray: the driver's view of whether each worker actor makes progress.
-
-:class:`Liveness` asks each watched worker actor for its progress count (on its ``"beat"``
-concurrency group); a worker is hung when its count stands still longer than its rhythm
-allows (:class:`stalewise.protocol.liveness.Silence`) or a question goes unanswered for
-``worker_timeout``; one still setting up fails after ``start_timeout``."""
+"""Heartbeats on Ray: the driver's view of whether each worker actor makes progress
+(:class:`stalewise.protocol.liveness.Silence` over its progress counts)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""A worker's sending side on Ray, shared by the worker actor and the attached client.
-
-:class:`Outbox` wraps one worker id's :class:`~stalewise.protocol.sender.Sender` with what
-Ray adds: the push buffers, the residual keeper actor, one ``ray.put`` per push, the acks."""
+"""A worker's sending side on Ray (:class:`Outbox`), shared by the worker actor and the
+attached client: a :class:`~stalewise.protocol.sender.Sender` with Ray's buffers and acks."""
 
 from __future__ import annotations
 
@@ -102,8 +100,7 @@ class Outbox:
     ) -> tuple[PushResult | None, int | None]:
         """``(result, shard 0's pushes handled)`` of push ``seq``; ``(None, None)`` if it was
         lost with a shard or cut off; TimeoutError after ``timeout`` seconds. With
-        replicas=2 it is resent to a shard whose actor died under it until the restarted
-        one (from its backup) answers, as a duplicate if it holds it."""
+        replicas=2 it is resent to a restarted shard until it answers."""
         ray = import_ray()
         refs, replies, start = list(refs), [], time.monotonic()
         while len(replies) < len(refs):

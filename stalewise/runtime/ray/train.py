@@ -1,8 +1,5 @@
-"""``Job.train`` on Ray: shard and worker actors, driven by this process.
-
-The driver places the actors, releases the workers together and watches: it backs up the
-shards, applies the failure policy to shards and to workers that fail or stand still, and
-kills every actor it started at the end."""
+"""``Job.train`` on Ray: shard and worker actors, driven by this process, which kills every
+actor it started at the end."""
 
 from __future__ import annotations
 
