@@ -33,19 +33,15 @@ class Job:
         params: the initial parameters: a pytree of NumPy / PyTorch / JAX / TensorFlow
             float arrays, or a model; see docs/models.md.
         optimizer: the server optimizer, e.g. ``sw.optim.lamb(1e-3)``. Default: the
-            strategy's recommended one (``strategy.server_optimizer()``, e.g. DiLoCo's
-            outer Nesterov SGD); required with ``gradients()``, which recommends none.
+            strategy's ``server_optimizer()``; required with ``gradients()``.
         consistency: ``sw.ASP()`` (default), ``sw.SSP(bound)`` or ``sw.BSP()``.
         staleness: how much a stale push counts (default ``sw.staleness.constant()``).
         strategy: what workers push (default ``sw.strategies.gradients()``).
         shards: number of parameter-server shards the parameters are split across.
         codec: how pushes travel, e.g. ``sw.codecs.int8()`` (default ``sw.codecs.none()``).
-        pull_codec: delta pulls (simulator and Ray): a worker downloads only what changed
-            since its last pull, in this codec (:mod:`stalewise.protocol.pulls`).
-        replicas: copies of each shard, 1 or 2 (a backup: :mod:`stalewise.protocol.replica`;
-            runtime "sim" only so far).
-        buffers: regexes naming the leaves that are buffers, for params that do not mark
-            them, e.g. flax linen variables (``[r"^batch_stats\\."]``).
+        pull_codec: delta pulls (simulator and Ray) in this codec (:mod:`.protocol.pulls`).
+        replicas: copies of each shard, 1 or 2 (:mod:`stalewise.protocol.replica`).
+        buffers: regexes naming the leaves that are buffers (``[r"^batch_stats\\."]``).
 
     Example:
         >>> import numpy as np, stalewise as sw
@@ -128,23 +124,19 @@ class Job:
         """Trains with ``workers`` workers until they have pushed ``steps`` updates in all.
 
         Args:
-            loss_and_grad: ``f(params, batch) -> (loss, grads)``; ``params`` arrive in the
-                structure and backend of the job's params, ``grads`` must match them.
-                Must be picklable (a module-level function) for process runtimes.
+            loss_and_grad: ``f(params, batch) -> (loss, grads)`` (picklable), ``params`` and
+                ``grads`` in the structure and backend of the job's params.
             data: ``data(worker, workers) -> iterable of batches`` (picklable), or one
                 sequence of batches per worker (cycled).
             workers: number of worker processes; on runtime "ray" also ``(min, max)`` or
                 ``"auto"``, an elastic run (docs/ray.md).
             steps: total pushes across all workers (up to ``workers - 1`` in flight may
                 overshoot it; under BSP, ``ceil(steps / workers)`` whole rounds).
-            runtime: a name in :func:`stalewise.runtime.names`: "local" (processes on this
-                machine), "sim" (the deterministic simulator; ``sw.Simulation(...)``
-                configures it), "ray", or one added with :func:`stalewise.runtime.register`.
+            runtime: a name in :func:`stalewise.runtime.names`: "local", "sim" (or
+                ``sw.Simulation(...)``), "ray", or one :func:`stalewise.runtime.register` added.
             evaluate: ``f(params) -> {"loss": ..., "accuracy": ...}`` on held-out data,
-                called in the parent with each metrics record (``sw.Metrics(every=)``).
-            stop_at: stop early once every target is reached, e.g. ``{"accuracy": 0.97}``
-                or ``{"loss": 1e-3}`` (the direction follows the metric's name; pass a
-                :class:`stalewise.targets.Target` to set it).
+                called in the parent with each metrics record.
+            stop_at: stop early once every target is reached, e.g. ``{"accuracy": 0.97}``.
             metrics, checkpoints, failures, timeouts, emulation: the option groups of
                 :mod:`stalewise.options`; None: their defaults.
 
@@ -185,14 +177,10 @@ class Job:
     ):
         """Starts the shards for a loop you own; use as a context manager.
 
-        ``runtime``: ``"local"`` (shard processes) or ``"ray"`` (named Ray actors). Hand
-        ``server.client(w)`` to worker ``w``'s process, then call ``server.release(w)`` once it
-        has started, so the shards notice if it dies; ``server.client(w)`` again restarts it as
-        a new incarnation. A worker not started within ``timeouts.join`` seconds stops holding
-        back the gates. ``workers=(min, max)``: an elastic job; ``name=``: others join with
-        ``sw.attach(name)``. ``checkpoints=sw.Checkpoints(dir, every=, resume=)`` (local): see
-        docs/reliability.md; after a resume, ``client.pushed`` is how many of the worker's
-        pushes the shards hold: go on with its data after them.
+        ``runtime``: ``"local"`` or ``"ray"``. Hand ``server.client(w)`` to worker ``w``'s
+        process, then call ``server.release(w)`` once it has started; ``server.client(w)``
+        again restarts it as a new incarnation. ``workers=(min, max)``: an elastic job;
+        ``name=``: others join with ``sw.attach(name)``; ``checkpoints``: docs/reliability.md.
 
         Example:
             >>> with job.serve(workers=2) as server:        # doctest: +SKIP

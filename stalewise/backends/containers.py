@@ -1,9 +1,7 @@
 """Containers from each ecosystem's own pytree registry, one level at a time.
 
-:mod:`stalewise.tree` handles the built-in containers itself; any other is split by the
-registry of a framework already imported (JAX's, PyTorch's or TensorFlow's nest). A
-:class:`Level` is one container split into keyed children with a picklable ``template``
-that :func:`rebuild` turns back into one; an nnx Variable that is not a ``Param`` is a buffer."""
+A container :mod:`stalewise.tree` does not know is split by the registry of a framework already
+imported into a :class:`Level`, whose picklable ``template`` :func:`rebuild` turns back."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The TensorFlow backend: ``tf.Tensor`` / ``tf.Variable`` / Keras variable leaves and models.
 
-A Keras model shares its trainable and (as buffers) floating non-trainable variables by
-path (``"dense/kernel"``), a ``tf.Module`` its trainable ones. Keras layer names come from
-a global counter: name the layers when several processes build the model. docs/models.md."""
+A Keras model shares its trainable and (as buffers) floating non-trainable variables by path
+(``"dense/kernel"``), a ``tf.Module`` its trainable ones; docs/models.md."""
 
 from __future__ import annotations
 

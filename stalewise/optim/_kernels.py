@@ -103,12 +103,9 @@ def sgd(g, buf, p, offsets, sizes, decay, lr, momentum, nesterov, wd, into_param
         undo_p, undo_buf):  # fmt: skip
     """SGD as torch.optim.SGD: ``g += wd*p; buf = momentum*buf + g; p -= lr*(g or buf)``.
 
-    ``buf`` is ignored when ``momentum`` is zero (it may then be empty). With leaves (``offsets``
-    not empty), ``decay[s]`` False drops ``wd*p`` on leaf ``s``; empty ``offsets`` decay the whole
-    vector. A checked step (see :func:`_checks`) goes block by block: a non-empty ``check`` takes
-    the finiteness checks of ``g`` and of what the step writes while the block is in cache, and
-    non-empty ``undo_p`` (``undo_buf``) get the block's values of ``p`` (``buf``) before it changes
-    them, all of them whatever the leaves."""
+    ``buf`` may be empty when ``momentum`` is zero. ``decay[s]`` False drops ``wd*p`` on leaf ``s``
+    (empty ``offsets``: the whole vector decays). A non-empty ``check`` takes :func:`_checks` block
+    by block, and non-empty ``undo_p`` (``undo_buf``) the values before the step."""
     zero = p.dtype.type(0)
     use_buf = momentum != 0
     copy = undo_p.size != 0
@@ -189,10 +186,9 @@ def adam(g, m, v, p, offsets, sizes, decay, lr, b1, w1, b2, w2, inv_c1, inv_sqrt
 
 @_jit
 def _checks(check, g, p, a, b):
-    """The fused checks of one block after its in-place step (``g`` untouched by it): ``check[0]``
-    sums the squares of ``g``, ``check[1]`` zero times each value written (``p``, and the state
-    blocks ``a`` and ``b``, either may be empty): each sum is finite exactly when its values are
-    (and, for ``g``, when its squared norm does not overflow the dtype)."""
+    """The fused checks of one block after its in-place step: ``check[0]`` sums the squares of
+    ``g``, ``check[1]`` zero times each value written (``p``, ``a``, ``b``; either state block
+    may be empty), each finite exactly when its values are."""
     check[0] += _flag(g, True)
     check[1] += _flag(p, False) + _flag(a, False) + _flag(b, False)
 
@@ -239,8 +235,7 @@ def lamb(g, m, v, p, offsets, sizes, decay, adapt, ratios, lr, b1, w1, b2, w2, i
 def lars(g, buf, p, offsets, sizes, decay, adapt, ratios, lr, momentum, wd,
          trust_coefficient, eps, into_params):  # fmt: skip
     """LARS, leaf by leaf, as :func:`stalewise.optim.lars` states it (``adapt``, ``decay`` as in
-    :func:`lamb`). ``u`` is cheap, so pass 1 only reads (it sums ``u^2`` from a block-sized
-    buffer) and pass 2 computes ``u`` again."""
+    :func:`lamb`); pass 2 computes ``u`` again."""
     zero = p.dtype.type(0)
     step = p.dtype.type(-lr)
     lanes = np.empty(LANES)

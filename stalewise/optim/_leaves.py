@@ -1,8 +1,5 @@
-"""The per-leaf table kept in the state of LAMB and LARS, and of SGD and Adam(W) with exclusions.
-
-``update`` and ``apply`` do not receive the segments, so these optimizers keep offsets,
-sizes and the exclusions (by ``re.search`` on leaf names, decided here only) in their
-state; the table is checked before every update, as the kernels do no bounds checks."""
+"""The per-leaf table kept in the state of LAMB and LARS, and of SGD and Adam(W) with exclusions,
+checked before every update (the kernels do no bounds checks)."""
 
 from __future__ import annotations
 

@@ -184,9 +184,8 @@ class Rule(abc.ABC):
     ) -> tuple[float, float]:
         """:meth:`apply` with a server's checks fused into the step (``fused_checks`` rules).
 
-        ``undo``: copies of :meth:`written`'s vectors, given their values before the step;
-        ``grads`` is left untouched. Returns the sum of squares of ``grads`` and a sum that is
-        finite exactly when params and state stayed finite; the step is taken either way."""
+        ``undo``: copies of :meth:`written`'s vectors get their values before the step. Returns
+        the sum of squares of ``grads`` and a sum finite exactly when params and state stayed so."""
         if undo is not None:
             written = self.written(state, params)
             if len(undo) != len(written) or any(

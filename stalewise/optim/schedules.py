@@ -1,7 +1,6 @@
 """Learning-rate schedules: callables from a step count to a learning rate.
 
-A schedule is evaluated at the count of updates already applied, so the first update
-uses ``schedule(0)`` (optax's convention). Schedules are frozen dataclasses: they pickle."""
+The first update uses ``schedule(0)`` (optax's convention); schedules pickle."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Handwritten digits: a small MLP classifier on scikit-learn's bundled digits.
 
-The 1797 8x8 images of ``sklearn.datasets.load_digits``, split stratified by class and
-standardised; ``64 -> hidden -> 10``, softmax cross-entropy, float32 ``{"layer1": {"w", "b"},
-"layer2": {"w", "b"}}``. NumPy with manual backprop; ``digits_torch`` and ``digits_jax``
-start from the same numbers."""
+``64 -> hidden -> 10`` on ``sklearn.datasets.load_digits``, standardised, softmax cross-entropy;
+NumPy with manual backprop (``digits_torch`` and ``digits_jax`` start from the same numbers)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Synthetic linear least squares with a known solution.
 
-``b = A x* + noise`` for a seeded Gaussian ``A``; batches are ``(A_rows, b_rows)`` of
-disjoint row shards, or with ``exact=True`` ``None`` for the full-data gradient (through a
-Gram matrix when ``d <= min(n, 2048)``). The data are generated from the seed on first use."""
+``b = A x* + noise`` for a seeded Gaussian ``A``; batches are ``(A_rows, b_rows)`` of disjoint
+row shards, or with ``exact=True`` ``None`` for the full-data gradient."""
 
 from __future__ import annotations
 
