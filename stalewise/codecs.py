@@ -1,8 +1,7 @@
 """Codecs: how an update is encoded on the wire (``sw.codecs``).
 
 A codec turns a float vector into raw bytes (never a pickle: docs/codecs.md) and back, each
-class stating its error bound; a bad payload raises :class:`PayloadError`. A Job's codec
-compresses leaves of at least :data:`SMALL_LEAF` elements.
+class stating its error bound; a bad payload raises :class:`PayloadError`.
 
 Example:
     >>> import numpy as np

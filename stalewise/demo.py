@@ -1,9 +1,7 @@
 """``stalewise demo``: synchronous vs asynchronous training with a straggler.
 
-Trains the digits MLP with local worker processes, the last ``slowdown`` times slower,
-first under BSP, then under ASP (each push's LAMB step divided by its staleness), and
-reports the wall time each needs to reach 95% held-out accuracy (one learning rate for
-both, untuned: ``benchmarks/time_to_accuracy.py`` compares each at its best)."""
+Trains the digits MLP with local worker processes, the last ``slowdown`` times slower, under
+BSP then ASP, and reports the wall time each needs to reach 95% held-out accuracy."""
 
 from __future__ import annotations
 
@@ -33,10 +31,7 @@ def runs() -> list[tuple[str, Any, Any]]:
 def check_args(
     workers: int = 4, slowdown: float = 4.0, delay: float = 0.008, steps: int = 1200
 ) -> None:
-    """Checks the demo's arguments before anything starts.
-
-    Raises:
-        ConfigError: whose ``key`` is the bad argument's name (``workers``)."""
+    """Checks the demo's arguments before anything starts (ConfigError names the argument)."""
     for name, value in (("workers", workers), ("steps", steps)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(name, f"expected an integer, got {value!r}")

@@ -1,8 +1,7 @@
 """Loggers: metrics records sent where people look at them, such as TensorBoard.
 
 A logger (``sw.Metrics(loggers=[...])``) is a function ``f(record)`` or an object with
-``log(record)`` and optionally ``finish(result)`` and ``close()``, called in the parent
-process; one that raises is warned about and left out. See docs/loggers.md.
+``log(record)`` and optionally ``finish(result)`` and ``close()``; see docs/loggers.md.
 
 Example:
     >>> seen = []

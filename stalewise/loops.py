@@ -1,9 +1,7 @@
 """Local SGD / DiLoCo for a training loop you own: the worker side, as a wrapper.
 
-These wrappers push ``pulled - current`` every ``local_steps`` optimizer steps and pull;
-the Job's ``optimizer=`` (or ``strategy=``) picks the method. Each push's result is kept in
-``results``; nothing is pushed after an exception. PyTorch: ``examples/torch_local_sgd.py``;
-functional: :class:`LocalSGDOptax` (used in ``tests/test_loops.py``)."""
+These wrappers push ``pulled - current`` every ``local_steps`` optimizer steps and pull; each
+push's result is kept in ``results``. PyTorch: ``examples/torch_local_sgd.py``."""
 
 from __future__ import annotations
 

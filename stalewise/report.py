@@ -1,8 +1,5 @@
-"""Metrics files, time-to-target, plots and text tables.
-
-A metrics file is JSON Lines, one flushed record per evaluation of a run: ``run``, ``time``
-(wall or virtual seconds), ``updates``, ``loss`` and any other key (non-finite floats as
-``NaN``/``Infinity``). Plots use Matplotlib's Agg canvas: no window, no global state."""
+"""Metrics files (JSON Lines, one flushed record per evaluation of a run), time-to-target,
+plots (Matplotlib's Agg canvas: no window) and text tables."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The staleness ``tau`` of a push is the shard's version when it is applied minus the version the
 worker pulled. A :class:`Staleness` rule turns ``tau`` into a weight that scales the server
-optimizer's step, may refuse pushes older than ``max_staleness`` (judged once per push, at commit,
-so every shard agrees: :mod:`stalewise.protocol.commit`) and may switch on DC-ASGD delay
+optimizer's step, may refuse pushes older than ``max_staleness`` and may switch on DC-ASGD delay
 compensation (Zheng et al. 2017): ``g + dc_lambda * g * g * (w_now - w_pulled)``.
 
 Example:

@@ -1,7 +1,5 @@
-"""Targets: "this metric reaches that value", with the right direction.
-
-A :class:`Target` is reached when a loss drops to its value (``mode="min"``) or an
-accuracy climbs to it (``mode="max"``); without a mode, the metric's name must tell which."""
+"""Targets: "this metric reaches that value", with the right direction (``mode`` "min" or
+"max"; without one, the metric's name must tell which)."""
 
 from __future__ import annotations
 
@@ -44,10 +42,8 @@ def _word_mode(word: str) -> Mode | None:
 
 
 def infer_mode(metric: str) -> Mode:
-    """The direction of a metric, from its name: "min" for a loss, "max" for an accuracy.
-
-    Each word of the name is looked up in :data:`MIN_WORDS` and :data:`MAX_WORDS` (a leading
-    ``neg`` flips it); ValueError if none tells or they disagree (``"time_to_accuracy"``)."""
+    """The direction of a metric from the words of its name (:data:`MIN_WORDS`,
+    :data:`MAX_WORDS`, ``neg`` flips); ValueError if none tells or they disagree."""
     words = re.findall(r"[a-z0-9]+", re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", metric).lower())
     negated = bool(words) and words[0] in _NEGATED
     found = {w: m for w in (words[1:] if negated else words) if (m := _word_mode(w)) is not None}
@@ -154,10 +150,8 @@ def _entry(key: Any, spec: Any, where: str) -> Target:
 
 
 def parse(stop_at: Any, *, where: str = "stop_at") -> tuple[Target, ...]:
-    """Normalises a ``stop_at`` setting to a tuple of Targets.
-
-    Accepted: None, a :class:`Target` or a list of them, or a mapping of metric name to
-    the value (or ``(value, mode)``, or ``{"value": v, "mode": m}``)."""
+    """Normalises a ``stop_at`` setting (None, Targets, or a mapping of metric name to the value,
+    ``(value, mode)`` or ``{"value": v, "mode": m}``) to a tuple of Targets."""
     if stop_at is None:
         return ()
     if isinstance(stop_at, Target):
@@ -188,9 +182,7 @@ def all_reached(targets: Iterable[Target], record: Mapping[str, Any]) -> bool:
 def time_to_target(
     records: Iterable[Mapping[str, Any]], target: Target, run: str | None = None, *, x: str = "time"
 ) -> Any:
-    """The first ``x`` at which a run's records reach ``target``, or None.
-
-    ``run`` may be omitted when the records hold one run."""
+    """The first ``x`` at which a run's records reach ``target`` (None: never)."""
     if not isinstance(target, Target):
         raise TypeError(f"target must be a Target, got {target!r}")
     runs = by_run(records)

@@ -1,8 +1,5 @@
-"""Pytrees of NumPy, PyTorch, JAX or TensorFlow arrays <-> one flat vector.
-
-The server and the optimizers work on one flat NumPy vector: :func:`flatten` makes it and a
-:class:`FlatSpec`, :func:`unflatten` builds the tree back, :func:`unflatten_into` writes into an
-existing tree in place. Containers, models, leaves, dtypes, buffers, tied leaves: docs/models.md."""
+"""Pytrees of NumPy, PyTorch, JAX or TensorFlow arrays <-> one flat vector (:func:`flatten`,
+:func:`unflatten`, :func:`unflatten_into`); containers, models, leaves, dtypes: docs/models.md."""
 
 from __future__ import annotations
 
@@ -572,10 +569,8 @@ def flatten(
 ) -> tuple[np.ndarray, FlatSpec]:
     """``(flat, spec)``: the leaves of ``tree`` (any backend's pytree, or a model) in one vector.
 
-    ``spec``: one ``tree`` must match (gradients against the parameters'), returned as is;
-    ``out``: a vector to fill; ``dtype``: force float32 or float64; ``keep_integers``: keep
-    integer leaves as constants instead of refusing them. A mismatch raises TypeError or
-    ValueError naming the key path."""
+    ``spec``: one ``tree`` must match, returned as is; ``out``: a vector to fill; ``dtype``:
+    force float32 or float64; ``keep_integers``: keep integer leaves as constants."""
     if spec is None:
         spec, found = _new_spec(tree, dtype, keep_integers)
     else:
@@ -629,11 +624,8 @@ def _rebuild(node: TreeDef, leaves: Iterator[Any], stored: list) -> Any:
 
 
 def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
-    """Builds a tree with the structure, backends and dtypes of ``spec`` from ``flat``.
-
-    Models come back as a dict of name -> tensor (an nnx Module as its ``nnx.State``), a
-    tied leaf as one object under each name. ``copy=False``: NumPy and CPU torch leaves of
-    the flat dtype share ``flat``'s memory."""
+    """Builds a tree with the structure, backends and dtypes of ``spec`` from ``flat`` (models
+    as a dict of name -> tensor); ``copy=False``: leaves may share ``flat``'s memory."""
     flat = _check_flat(flat, spec)
     leaves = [
         get_backend(leaf.backend).from_numpy(_segment(flat, leaf), leaf.dtype, copy=copy)
@@ -644,10 +636,8 @@ def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
 
 
 def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
-    """Copies ``flat`` into the leaves of ``target`` in place.
-
-    ``target`` must match ``spec`` and its leaves be mutable (NumPy, torch, TF/Keras variables, nnx
-    Variables); constants are left alone, and nothing is written unless every leaf can be."""
+    """Copies ``flat`` into the mutable leaves of ``target`` (matching ``spec``) in place;
+    nothing is written unless every leaf can be."""
     flat = _check_flat(flat, spec)
     found = _collect(target, spec)
     for values in found:
@@ -690,9 +680,7 @@ def views_into(target: Any, spec: FlatSpec) -> list[tuple[int, np.ndarray]] | No
 
 
 def mark_buffers(spec: FlatSpec, patterns: str | Iterable[str]) -> FlatSpec:
-    """The spec with the leaves whose names match a regex (``re.search``) marked as buffers.
-
-    For trees that do not mark them, e.g. flax linen variables (``r"^batch_stats\\."``).
+    """The spec with the leaves whose names match a regex (``re.search``) marked as buffers;
     ValueError if a pattern is not a valid regex or matches no leaf."""
     pats = [patterns] if isinstance(patterns, str) else list(patterns)
     compiled = []

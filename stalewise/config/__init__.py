@@ -117,10 +117,8 @@ class RunConfig:
     def run(
         self, runtime: str | None = None, *, address: str | None = None, **kwargs: Any
     ) -> TrainResult:
-        """Trains the job on the task: ``job.train`` with the config's run settings.
-
-        ``runtime`` and ``address`` override ``run.runtime`` and ``run.address``;
-        ``kwargs`` are more keyword arguments of ``Job.train`` (a group replaces the config's)."""
+        """``job.train`` with the config's run settings; ``runtime`` and ``address`` override
+        ``run.runtime`` and ``run.address``, ``kwargs`` are more of ``Job.train``'s."""
         train = self.train_kwargs(runtime) | kwargs
         described = runtime_lib.describe(train["runtime"])
         if described.simulated:  # the task's seed also seeds the simulator

@@ -87,9 +87,8 @@ def call(
     extra: Mapping[str, Any] | None = None,
     user_code: bool = False,
 ) -> Any:
-    """Calls ``fn(**kwargs, **extra)`` after checking ``kwargs`` against its signature;
-    every error (and a ``TypeError``, ``ValueError`` or ``OSError`` of the call) is a
-    ConfigError naming ``where.key``. ``extra`` arguments are passed unchecked."""
+    """Calls ``fn(**kwargs, **extra)`` after checking ``kwargs`` against its signature; every
+    error (and a ``TypeError``, ``ValueError`` or ``OSError`` of the call) names ``where.key``."""
     keys = dict(keys or {})
     extra = dict(extra or {})
 

@@ -40,9 +40,8 @@ MAX_DEPTH = 32  #: The deepest nesting of arrays and tables a config may have.
 
 
 class ConfigError(ValueError):
-    """A bad config key or value, or a bad command-line flag: ``key`` as the user spells it
-    (``run.workers``, ``--values``; the file, when unreadable), ``problem`` what was expected
-    and what was given, ``path`` the config file (None for flags and file errors)."""
+    """A bad config key or value, or a bad command-line flag: ``key`` as the user spells it,
+    ``problem`` what was expected and given, ``path`` the config file (None: none)."""
 
     def __init__(self, key: str, problem: str, path: str | os.PathLike[str] | None = None):
         self.key, self.problem, self.path = key, problem, path

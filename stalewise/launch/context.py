@@ -1,8 +1,5 @@
-"""A rank's side of a launched job: its :class:`Context`, and the process's launch state.
-
-:func:`stalewise.init` returns the context a rank was given before its script ran
-(:func:`become`: by the local runtime's rank process, :mod:`stalewise.launch.ranks`, or
-Ray's :class:`~stalewise.launch.ray.ScriptWorker`)."""
+"""A rank's side of a launched job: its :class:`Context` (:func:`stalewise.init` returns the
+one :func:`become` gave it), and the process's launch state."""
 
 from __future__ import annotations
 
