@@ -260,8 +260,7 @@ class Calibration:
 
     @property
     def compute_times(self) -> Steps:
-        """The step times the compute model is fitted to: the CPU times with :attr:`contention`
-        (with :attr:`wall_spread`: the wall-clock times at their mean), else the wall-clock."""
+        """The step times the compute model is fitted to: CPU with :attr:`contention`, else wall."""
         if self.contention is None or not self.cpu_times:
             return self.step_times
         if not self.wall_spread:
@@ -385,9 +384,8 @@ class Calibration:
 
     def interval(self, predict: Callable[[SimConfig], Any]) -> Any:
         """``predict`` (``SimConfig -> number``, or a dict of numbers) on the measured table and on
-        the low and high ones (:meth:`sim_config`), as an :class:`Interval` (or a dict of them): the
-        point is the measured table's, the interval spans all three (a faster machine does not
-        always give, say, a lower staleness). A value of None on any table gives None.
+        the low and high ones (:meth:`sim_config`), as an :class:`Interval` (or a dict of them)
+        spanning all three; None if a value is None on any table.
 
         Example: ``cal.interval(lambda sim: job.train(f, data=d, workers=4, steps=2000,
         runtime=sw.Simulation(sim)).stats["version"])``."""
@@ -589,8 +587,7 @@ def measure_compute(
 ) -> tuple[Steps, Steps, int, Contention | None]:
     """Each worker's step times, wall-clock and CPU, timed in ``workers`` processes at once;
     their thread cap; and with ``contention`` > 0, the :class:`Contention` for 1 to that
-    many runnable processes (else None). ``delays``: each worker's emulated seconds slept
-    after each step. ``evaluate``: called every ``eval_interval`` seconds meanwhile."""
+    many runnable processes (else None). ``delays``, ``evaluate``: as :func:`calibrate`'s."""
     from stalewise.runtime.local.procs import thread_budget
 
     ctx = multiprocessing.get_context("spawn")
@@ -679,8 +676,7 @@ def _synthetic_job(job: Any, size: int, shards: int) -> Any:
 
 
 def apply_times(config: ServerConfig, size: int, repeats: int) -> list[float]:
-    """Seconds one shard takes to handle a push of ``size`` floats (and to make the undo
-    copy the local shard makes after it), ``repeats`` times."""
+    """Seconds one shard takes to handle a push of ``size`` floats (undo copy included)."""
     push = _pusher(config, size)
     times = []
     for i in range(repeats + 2):
@@ -720,8 +716,7 @@ def _pusher(config: ServerConfig, size: int) -> Callable[[], None]:
 
 
 def copy_times(nbytes: int, repeats: int) -> list[float]:
-    """CPU seconds of one copy of ``nbytes`` (``np.copyto``, warm; the mean of those in
-    1 MB), ``repeats`` times: the clock of the stages' CPU times."""
+    """CPU seconds of one warm ``np.copyto`` of ``nbytes`` (the mean of those in 1 MB)."""
     src, dst, n = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8), max(1, 2**20 // nbytes)
     times = []
     for i in range(repeats + 2):
@@ -854,8 +849,7 @@ def transport_times(
 
 
 def _on_cpu(pids: Sequence[int]) -> float | None:
-    """The seconds processes ``pids`` (all their threads) have run on a CPU (Linux's
-    schedstat, in ns); None when one cannot be read."""
+    """The CPU seconds of processes ``pids`` (Linux's schedstat; None: unreadable)."""
     total = 0
     try:
         for pid in pids:
@@ -938,8 +932,7 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
 
 
 def served_pull(config: ServerConfig) -> bool:
-    """Whether the pull :func:`transport_times` times is served behind the push (else a
-    snapshot read), by :mod:`stalewise.protocol.pipeline`."""
+    """Whether the pull :func:`transport_times` times is served behind the push."""
     shards = min(config.shards, config.spec.size)
     snapshot = pipeline.reads_snapshots(config, incarnation=1, joined_at=0)
     return not (snapshot and pipeline.may_read(config.consistency, 1, [0] * shards))

@@ -657,9 +657,8 @@ def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
 
 
 def views_into(target: Any, spec: FlatSpec) -> list[tuple[int, np.ndarray]] | None:
-    """``(offset, flat view)`` of each leaf of ``target`` for a copy straight into it, or
-    None unless each is one writeable C-contiguous NumPy array or CPU torch tensor of the
-    flat dtype (then :func:`unflatten_into`)."""
+    """``(offset, flat view)`` of each leaf of ``target`` for a copy straight into it, or None
+    unless each is a writeable C-contiguous NumPy array or CPU torch tensor of the flat dtype."""
     views = []
     for values, leaf in zip(_collect(target, spec), spec.leaves, strict=True):
         f = values[0]

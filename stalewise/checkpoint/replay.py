@@ -90,9 +90,8 @@ SEATING = ("join", "admit", "retire", "leave", "depart", "expire_unstarted")
 
 
 def _marks(entries: Any) -> Any:
-    """Per entry, what every shard must agree on: ``(push, seating)``, the ``(worker,
-    incarnation, seq)`` of a push it hands its shard and ``(op, worker, incarnation, n)``
-    of the ``n``-th such change of seats (None: none)."""
+    """Per entry, what every shard must agree on: ``(push, seating)``, a push's ``(worker,
+    incarnation, seq)`` and the ``n``-th change of seats' ``(op, worker, incarnation, n)``."""
     count: Counter = Counter()
     for entry in entries:
         f, h = entry.fields, entry.fields.get("header")
@@ -137,8 +136,7 @@ def _replayed(k: int, ckpt: Checkpoint, config: Any, agreed: Any, read: Any = No
 
 
 def chain_entries(folder: Path, name: str, nbytes: int) -> Any:
-    """The entries of log ``name`` and the rest of its chain, in order, their payloads
-    skipped (:func:`replay_chain` reads and checks them)."""
+    """The entries of log ``name`` and the rest of its chain, in order, payloads skipped."""
     for _, f, where, last in _chain(folder, name):
         with f:
             try:
@@ -216,8 +214,7 @@ def _agreed(entry: pushlog.Entry, push_ok: bool, seating_ok: bool) -> tuple[Any,
 
 def continued(newest: str, path: str, at: int) -> int | None:
     """The bytes of log ``newest`` (its chain's) a shard's state held at byte ``at`` of log
-    ``path`` (a backup's) goes on from: none forwarded since ``newest`` began if ``path`` is
-    another (a switch waits for the backup); None, with a warning, if ``newest`` lacks them."""
+    ``path`` (a backup's) goes on from; None, with a warning, if ``newest`` lacks them."""
     at = at if path == newest else 0
     if os.path.isfile(newest) and os.path.getsize(newest) >= at:
         return at

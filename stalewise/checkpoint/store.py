@@ -350,9 +350,8 @@ def _inode(path: Path) -> int | None:
 
 
 def load(directory: str | os.PathLike, check: Any = None) -> Checkpoint:
-    """The newest usable checkpoint of ``directory`` (or the checkpoint folder itself),
-    whole, as ``resume`` reads it; a refused one (or one ``check(ckpt)`` refuses with a
-    :class:`CheckpointError`) is logged and the next newest is used; CheckpointError if none."""
+    """The newest usable checkpoint of ``directory`` (or the folder itself), whole; a refused
+    one (also by ``check(ckpt)``) is logged and the next newest used; CheckpointError if none."""
     root = Path(directory)
     if _NAME.match(root.name) and os.path.lexists(root / MANIFEST):
         ckpt = _read(root)  # one checkpoint, named: no fallback
@@ -713,8 +712,7 @@ _DTYPES += ("float16", "float32", "float64")
 
 
 def _plain_problem(value: Any, depth: int) -> str | None:
-    """What is wrong with a JSON value of a shard's state (None: nothing): its numbers
-    must be counts (ints in [0, 2**62)), its nesting shallow."""
+    """What is wrong with a JSON value of a shard's state (None: nothing)."""
     if value is None or isinstance(value, bool | str):
         return None
     if isinstance(value, int | float):  # a shard's state counts: no floats there

@@ -106,9 +106,8 @@ class Saves:
         return idle if self.every is None else CUT_POLL if self.due else 5 * CUT_POLL
 
     def tick(self, running: list[int]) -> None:
-        """A look: a checkpoint once due (:meth:`Saver.due <stalewise.checkpoint.Saver.due>`)
-        and the ``running`` ranks that call ``ctx.should_stop()`` have saved their state for
-        it and wait (the cut), or :data:`RANK_STATE_WAIT` passed."""
+        """A look: a checkpoint once due and the ``running`` ranks have saved their state for it
+        and wait (the cut), or :data:`RANK_STATE_WAIT` passed."""
         if self.every is None:
             return
         if self.due is None:
@@ -127,9 +126,8 @@ class Saves:
             self.save()
 
     def save(self, *, final: bool = False) -> None:
-        """Writes a checkpoint (``final``: the run's last) of the server and the ranks'
-        states, read while the ranks wait (then they go on), and warns of a rank whose
-        state is not of the shards' cut (:func:`stalewise.protocol.budget.off_cut`)."""
+        """Writes a checkpoint (``final``: the run's last) of the server and the ranks' states,
+        and warns of a rank whose state is not of the shards' cut (:func:`.budget.off_cut`)."""
         self.due = None
         try:
             states, step, residuals = self.server.checkpoint_parts(log_dir=self.directory)
@@ -175,10 +173,9 @@ def _counts(ckpt: Any, key: str, workers: int) -> list[int] | None:
 
 def _choose(folder: Path, rank: int, held: int, saved: dict, count: int, before: int
             ) -> tuple[dict, int]:  # fmt: skip
-    """Rank ``rank``'s state to resume from when the shards hold ``held`` of its pushes,
-    and the count of them it accounts for (it skips the rest): its saved state of the
-    most up to ``held``, else the checkpoint's (``saved``, of ``count`` when the shards
-    held ``before``); warned unless saved that far behind (a skip still to go)."""
+    """Rank ``rank``'s state to resume from when the shards hold ``held`` of its pushes, and
+    the count of them it accounts for: its saved state of the most up to ``held``, else the
+    checkpoint's (``saved``, of ``count`` when the shards held ``before``)."""
     gens, errors = _headers(folder, rank)
     below = sorted((g for g in gens if 0 <= g[0] <= held), reverse=True)
     for *_, slot in below:
@@ -199,9 +196,8 @@ def _choose(folder: Path, rank: int, held: int, saved: dict, count: int, before:
 
 
 class InProcess:
-    """A context's side of the checkpoints when ``sw.init`` serves the job in its own
-    process (one worker, no launcher): ``ctx.state`` (and skip: :class:`RankStates`) from
-    the checkpoint, saved from ``should_stop()`` when one is due and at ``close()``."""
+    """A context's side of the checkpoints when ``sw.init`` serves the job in its own process:
+    ``ctx.state`` from the checkpoint, saved from ``should_stop()`` and at ``close()``."""
 
     def __init__(self, saves: Saves, ctx: Any):
         self.saves, self.skip = saves, saves.skips[0]
@@ -388,9 +384,8 @@ def _metadata(f: Any) -> dict:
 
 def read_rank_state(folder: Path, rank: int, slot: int | None = None
                     ) -> tuple[dict, int | None, int] | None:  # fmt: skip
-    """Rank ``rank``'s saved state (of file ``slot``; None: of the most pushes), the count
-    of its pushes it accounts for (None: unknown) and how many more the shards hold (see
-    :class:`RankStates`); None if there is none. Only the file read is loaded."""
+    """Rank ``rank``'s saved state (of file ``slot``; None: of the most pushes), the count of
+    its pushes it accounts for (None: unknown) and how many more the shards hold; or None."""
     from safetensors.numpy import load
 
     from stalewise.checkpoint import store as checkpoint

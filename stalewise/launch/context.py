@@ -73,9 +73,8 @@ class Context:
         return self.steps is not None and not self.client.may_begin(self.steps)
 
     def loop(self, into: Any = None) -> Iterator[int]:
-        """``for step in ctx.loop(into=model)``: steps 0, 1, ... until :meth:`should_stop`,
-        each first pulling the job's parameters into ``into`` (if given), as does the end
-        of the loop (not a ``break``): ``into`` then holds the job's final parameters."""
+        """``for step in ctx.loop(into=model)``: steps 0, 1, ... until :meth:`should_stop`, each
+        (and the loop's end) first pulling the job's parameters into ``into`` (if given)."""
         step = 0
         while not self.should_stop():
             if into is not None:

@@ -66,9 +66,8 @@ def end_lines(
     refused: int,
     where: str = "",
 ) -> None:
-    """The launcher's last lines: the pushes refused past the budget (once, if any), then
-    how the ranks ended and the job's pushes, with those the shards refused by reason
-    (``pushes``: :func:`pushes_of` the server; ``where``: e.g. `` on 2 Ray node(s)``)."""
+    """The launcher's last lines: the pushes refused past the budget, how the ranks ended and
+    the job's pushes (``pushes``: :func:`pushes_of` the server; ``where``: `` on 2 Ray node(s)``)."""
     if refused and steps is not None:
         say(f"the budget of {steps} pushes is spent; {refused} pushes past it were refused")
     ended = f"{workers} workers done" if not failed else (

@@ -33,8 +33,7 @@ POLL = 0.25  # seconds between the launcher's looks at the ranks' push counters
 
 
 def serve_workers(job: Any, launch: Any) -> int:
-    """The launcher's side: serves ``job``, runs the workers, waits; returns the exit
-    status. However it ends, the ranks are stopped before the shards."""
+    """The launcher's side: serves ``job``, runs the workers, waits; returns the exit status."""
     ctx = mp.get_context("spawn")
     directory, every = launch.checkpoint_dir, launch.checkpoint_every
     with job.serve(workers=room(launch), name=launch.name) as server, \

@@ -75,10 +75,9 @@ def handled(inc: int, committed: int, seats: Iterable[tuple[int, int]]) -> int:
 def off_cut(
     states: Sequence[Mapping[str, Any]], worker: int, held: int, state: int | None
 ) -> str | None:
-    """Why a checkpoint is not one cut for ``worker`` (None: it is). One cut: every shard's
-    saved state (``states``) holds the same pushes of the worker's incarnation, and its
-    saved ``ctx.state``, after ``state`` of its pushes (None: it has none), is after the
-    ``held`` ones (:func:`held`), so a resume applies each of its pushes once."""
+    """Why a checkpoint is not one cut for ``worker`` (None: it is): every shard's ``states``
+    hold the same pushes of its incarnation, and its ``ctx.state``, after ``state`` of its
+    pushes (None: none), is after the ``held`` ones (:func:`held`)."""
     seats = {(int(s["incarnation"][worker]), int(s["next_seq"][worker])) for s in states}
     if len(seats) > 1:
         return f"worker {worker}: the shards hold different pushes of it, {sorted(seats)}"
@@ -106,9 +105,8 @@ def checkpoint_due(pushes: int, last: int, every: int) -> bool:
 def refuses(
     steps: int | None, granted: bool, may_begin: Callable[[int], bool], *, rounds: bool
 ) -> bool:
-    """At a push's commit: whether a client with the budget ``steps`` (None: none) must
-    refuse it. ``granted``: its ``may_begin`` said yes since its last push; ``rounds``:
-    BSP, where the rule is asked even for a granted push."""
+    """At a push's commit: whether a client with the budget ``steps`` (None: none) must refuse
+    it (``granted``: ``may_begin`` said yes since its last push; ``rounds``: BSP)."""
     if steps is None or (granted and not rounds):
         return False
     return not may_begin(steps)

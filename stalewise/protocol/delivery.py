@@ -58,9 +58,8 @@ def committed(counts: Sequence[int | None]) -> int | None:
 
 
 def targets(progress: Sequence[Sequence[tuple[int, int]]]) -> dict[int, tuple[int, int]]:
-    """A consistent cut's target: ``progress[k][w]`` is shard ``k``'s ``(incarnation,
-    pushes handled)`` of worker ``w``; each worker's target is its newest incarnation
-    and the furthest any shard got with it."""
+    """A consistent cut's target from ``progress[k][w]``, shard ``k``'s ``(incarnation, pushes
+    handled)`` of worker ``w``: its newest incarnation and the furthest any shard got with it."""
     out = {}
     for w in range(len(progress[0])):
         inc = max(p[w][0] for p in progress)

@@ -127,10 +127,8 @@ def worker_loop(
     diverge_after: int | None = DIVERGE_AFTER,
     overlap: bool = False,
 ) -> Generator[Any, Any, LoopStats]:
-    """A worker's whole life (the requests it makes: see the module docstring).
-
-    ``diverge_after``: raise :class:`Diverged` after this many numerical refusals in a
-    row (None: never). ``overlap``: the runtime answers :class:`Ahead` and ``Push.overlap``."""
+    """A worker's whole life (the module docstring). ``diverge_after``: raise :class:`Diverged`
+    after this many numerical refusals in a row; ``overlap``: the runtime answers :class:`Ahead`."""
     if diverge_after is not None and (
         isinstance(diverge_after, bool) or not isinstance(diverge_after, int) or diverge_after < 1
     ):
@@ -178,10 +176,8 @@ def worker_loop(
 
 
 class Watch:
-    """A loop the user owns (``sw.init``'s context), watched as :func:`worker_loop` watches
-    its own: its client hands each push's result to :func:`report` (warnings, and
-    :class:`Diverged` after ``diverge_after`` numerical refusals in a row), and a push
-    before the worker's first pull is named once."""
+    """A loop the user owns (``sw.init``'s context), watched as :func:`worker_loop` watches its
+    own: its client hands each push's result to :func:`report`."""
 
     def __init__(self, worker: int, diverge_after: int | None = DIVERGE_AFTER):
         self.worker, self.diverge_after = worker, diverge_after
@@ -209,9 +205,8 @@ def report(
     *,
     diverge_after: int | None = None,
 ) -> None:
-    """Counts push outcomes, warns about refusals as they are learned (the first of each kind, the
-    10th, 100th, ..., else at most one every ``WARN_EVERY`` seconds); raises :class:`Diverged`
-    after ``diverge_after`` numerical refusals in a row."""
+    """Counts push outcomes, warns about refusals (the first of each kind, the 10th, 100th, ...,
+    else one every ``WARN_EVERY`` s at most); :class:`Diverged` after ``diverge_after``."""
     for r in results or ():
         stats.outcomes[r.status] += 1
         if r.status == APPLIED:

@@ -36,9 +36,8 @@ def exact_pulls(config: Any) -> bool:
 
 
 def reads_snapshots(config: Any, *, incarnation: int, joined_at: int) -> bool:
-    """Whether a worker's pulls read the shards' newest snapshots (subject to
-    :func:`may_read`) rather than ask each shard; ``incarnation`` 1 is its first, ``joined_at``
-    its clock when it joined."""
+    """Whether a worker's pulls read the shards' newest snapshots (subject to :func:`may_read`)
+    rather than ask each shard; ``joined_at``: its clock when it joined."""
     if config.staleness.dc_lambda:  # the shard keeps what each worker pulled
         return False
     return not config.consistency.gated or (incarnation <= 1 and joined_at == 0)

@@ -52,9 +52,8 @@ class Outgoing(NamedTuple):
 
 
 class Sender:
-    """A worker incarnation's sending side. ``compressor``: None sends updates as they are;
-    ``residual``: the error feedback to start from (copied; None: zeros); ``buffers``: two
-    residual buffers to use as they are instead (e.g. shared memory), ``current`` holding it."""
+    """A worker incarnation's sending side. ``residual``: the error feedback to start from
+    (copied; None: zeros); ``buffers``: two residual buffers to use instead, ``current`` holding it."""
 
     def __init__(
         self,

@@ -189,9 +189,8 @@ class Shard:
         return self._pace is not None
 
     def min_clock(self) -> int:
-        """Clock of the slowest counted worker (of the slowest live one while none is
-        counted; 0 when none is live); under BSP not below the round under way when the
-        last counted worker left."""
+        """Clock of the slowest counted worker (of the slowest live one while none is counted;
+        0 when none is live); under BSP not below the round under way."""
         if self._clocks.live:
             return self._clocks.min()
         live = self.clocks[self.live]

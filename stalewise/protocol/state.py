@@ -279,9 +279,8 @@ def _count(container: Any, key: Any, name: str | None = None) -> int:
 
 
 def _flatten_state(state: Any) -> tuple[str, dict[str, np.ndarray]]:
-    """The structure signature of an optimizer state and its arrays by key (not copied):
-    ``chain(clip, adam)`` gives ``"(EmptyState(), AdamState(count, mu, nu))"`` and the
-    keys ``opt.1.count``, ``opt.1.mu`` and ``opt.1.nu``."""
+    """The structure signature of an optimizer state (``"(EmptyState(), AdamState(count, mu,
+    nu))"``) and its arrays by key (``opt.1.count``, ...; not copied)."""
     arrays: dict[str, np.ndarray] = {}
 
     def walk(node: Any, path: str) -> str | None:  # None: an array

@@ -178,8 +178,7 @@ class Layout:
 
 class Residuals:
     """The workers' error-feedback residuals in a shared block: one writer per worker id calls
-    :meth:`writing` and :meth:`written` around each encode; :meth:`read` finds the residual of the
-    last committed push; between incarnations the parent calls :meth:`hand_over` or :meth:`put`."""
+    :meth:`writing` and :meth:`written` around each encode; :meth:`read` finds the current one."""
 
     def __init__(self, layout: Layout, block: SharedBlock):
         self.tags = layout.residual_tags(block)

@@ -481,8 +481,7 @@ def _pickle(value: Any) -> bytes:
 
 
 def readable(ends, timeout: float | None) -> list:
-    """The ``ends`` (objects with ``fileno()``) readable, or at end of file, within
-    ``timeout`` seconds (None: waits): ``connection.wait`` without its selector (40 us)."""
+    """``connection.wait`` without its selector: the ``ends`` readable within ``timeout``."""
     poller, by_fd = select.poll(), {}
     for end in ends:
         by_fd[end.fileno()] = end

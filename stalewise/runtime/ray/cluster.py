@@ -66,8 +66,7 @@ def consistent_states(
 ) -> tuple[list, int, dict] | None:
     """A consistent cut (:class:`~stalewise.protocol.delivery.Cut`): ``(states, pushes handled on
     shard 0, targets)``; None if one of ``runs`` ends meanwhile, or after ``limit`` seconds.
-    ``logs()``, once the shards froze: each shard's ``(path, fsync)`` of the push log it
-    begins at the cut (ShardActor.snapshot)."""
+    ``logs()``: each shard's ``(path, fsync)`` of the push log it begins at the cut."""
     ray = import_ray()
     try:
         targets = delivery.targets(ray.get([s.freeze.remote() for s in shards], timeout=timeout))

@@ -108,10 +108,9 @@ class ShardActor:
         seats: np.ndarray | None = None,
         log_at: tuple | None = None,
     ) -> int:
-        """Opens the shard on ``state`` (None: the initial slice ``init``) and ``seats`` (a
-        backup's), goes on with the push log ``log_at`` (``(path, at, fsync)``; None: ends
-        it), makes ``gone`` leave, admits ``joins`` (worker -> incarnation) and catches up its
-        ``backup`` actor; returns the version."""
+        """Opens the shard on ``state`` (None: ``init``) and ``seats``, goes on with the push
+        log ``log_at`` (``(path, at, fsync)``), makes ``gone`` leave, admits ``joins`` and
+        catches up its ``backup``; returns the version."""
         self.end_log()
         if state is not None:
             self.shard.load_state_dict(state)
@@ -184,9 +183,8 @@ class ShardActor:
         return (self.log_path, self.log_at - unsent) if self.log is not None else ("", 0)
 
     def begin_log(self, path: str, at: int | None = None, fsync: bool = False) -> None:
-        """Ends the push log and begins ``path`` at the shard's state now; ``at``: goes on
-        with that log, cut to ``at`` bytes (a failover's); ``fsync``: each entry reaches the
-        disk before the call that made it answers."""
+        """Ends the push log and begins ``path`` at the shard's state now (``at``: goes on with
+        that log, cut to ``at`` bytes); ``fsync``: each entry reaches the disk before replies."""
         self.end_log()
         try:
             self.log = create_file(path, at)
@@ -319,8 +317,7 @@ class ShardActor:
         self, targets: dict[int, tuple[int, int]], log_to: tuple | None = None
     ) -> tuple[dict, int]:
         """Once frozen: ``(Shard.state_dict(), pushes handled)`` after every push below
-        ``targets`` (worker -> (incarnation, seq)), the same pushes on every shard;
-        ``log_to``: ``(path, fsync)`` of the push log begun at that state."""
+        ``targets``; ``log_to``: ``(path, fsync)`` of the push log begun at that state."""
         self.cutting.aim(targets)
         self._notify()
         while not self.cutting.reached(self.shard) or (log_to and not self._all_held()):
@@ -351,10 +348,9 @@ class ShardActor:
         return self._publish(exact=True)
 
     async def pull(self, w: int, inc: int, pushed: int, have: int = 0, fresh: int = 0) -> tuple:
-        """Worker ``w``'s pull once ``Shard.may_serve`` lets it (``pushed``: pushes it sent;
-        ``have``: its delta-pull reference; ``fresh``: a version the snapshot must have):
-        ``("ok", version, snapshot ref or delta payload, pushes handled, w's clock)``,
-        ``("stop",)``, ``("moved", newer inc)`` or ``("gone",)``."""
+        """Worker ``w``'s pull once ``Shard.may_serve`` lets it: ``("ok", version, snapshot ref
+        or delta payload, pushes handled, w's clock)``, ``("stop",)``, ``("moved", newer inc)``
+        or ``("gone",)``; ``fresh``: a version the snapshot must have."""
         await self.opened.wait()
         shard = self.shard
         while (end := self._ended(w, inc)) is None and not shard.may_serve(w, inc, pushed):

@@ -592,8 +592,7 @@ class _Host:
 
     def _log_at(self, k: int, path: str, at: int) -> tuple | None:
         """``(path, at, fsync)`` of the push log shard ``k`` goes on with from its backup's
-        state (held at byte ``at`` of log ``path``): its chain's newest, cut there (None: no
-        log, or a new chain begins at the next checkpoint)."""
+        state (held at byte ``at`` of log ``path``): its chain's newest, cut there (or None)."""
         from stalewise.checkpoint.replay import continued
 
         if not self.logs[k]:
