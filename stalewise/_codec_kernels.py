@@ -135,10 +135,9 @@ def int8_decode(q, scales, block, out):  # type: ignore[no-untyped-def]
 
 @_jit
 def int4_encode(x, block, packed, scales):  # type: ignore[no-untyped-def]
-    """Blockwise absmax 4-bit: ``scales[b] = absmax / 7``, ``q = rint(x / scale)`` in
-    ``[-7, 7]``, stored as the nibble ``q + 8`` (1..15; 8 is zero), value ``2i`` in the
-    low nibble of byte ``i`` and value ``2i + 1`` in its high nibble (an odd ``n``
-    leaves the last high nibble 0). Non-finite and all-zero blocks as :func:`int8_encode`."""
+    """Blockwise absmax 4-bit: ``scales[b] = absmax / 7``, ``q = rint(x / scale)`` in ``[-7, 7]``,
+    stored as the nibble ``q + 8``, value ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in its
+    high nibble. Non-finite and all-zero blocks as :func:`int8_encode`."""
     n = x.size
     for b in range(scales.size):
         lo, hi = b * block, min((b + 1) * block, n)

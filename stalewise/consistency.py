@@ -77,9 +77,8 @@ def Hybrid(tolerance: float = 2.0) -> Consistency:
 
 
 def from_name(name: str, bound: float | None = None) -> Consistency:
-    """Builds a model from its name ("asp", "bsp", "ssp", "hybrid") as configs and the CLI spell it.
-
-    ``bound`` is SSP's staleness bound, or the hybrid model's tolerance."""
+    """Builds a model from its name ("asp", "bsp", "ssp", "hybrid"); ``bound``: SSP's bound, or
+    the hybrid model's tolerance."""
     key = name.lower()
     if key == "asp":
         return ASP()

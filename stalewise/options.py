@@ -105,10 +105,9 @@ class Failures(_Group):
 
 @dataclass(frozen=True)
 class Timeouts(_Group):
-    """Wall seconds things may take: ``total``, the whole run (TimeoutError; None: no limit);
-    a worker's ``start`` (spawn, data, warm-up step), a shard's ``shard_start``, a late
-    worker's ``join`` (one that never joins then stops holding back SSP/BSP gates), the last
-    ``ack`` of a worker's pushes and a process's ``stop`` (exit)."""
+    """Wall seconds things may take: ``total``, the whole run (TimeoutError; None: no limit); a
+    worker's ``start``, a shard's ``shard_start``, a late worker's ``join`` (then it stops holding
+    back the gates), the last ``ack`` of a worker's pushes and a process's ``stop``."""
 
     total: float | None = DEFAULTS["timeout"]
     start: float = DEFAULTS["start_timeout"]
@@ -126,9 +125,8 @@ class Timeouts(_Group):
 @dataclass(frozen=True)
 class Emulation(_Group):
     """A slower cluster, emulated: ``stragglers``, a slowdown factor per worker (``{3: 4.0}``
-    or one per worker), ``delays``, extra seconds per step for some workers (virtual in the
-    simulator), and ``transport``, seconds each push spends in transit before the shards see
-    it (local runtime). Checked against the run's workers by ``Job.train``."""
+    or one per worker), ``delays``, extra seconds per step for some workers, and ``transport``,
+    seconds each push spends in transit before the shards see it (local runtime)."""
 
     stragglers: Mapping[int, float] | Sequence[float] | None = DEFAULTS["stragglers"]
     delays: Mapping[int, float] | None = DEFAULTS["delays"]
@@ -170,9 +168,8 @@ class Metrics(_Group):
 
 @dataclass(frozen=True)
 class Simulation(_Group):
-    """The simulator, configured, as ``runtime=`` (``runtime="sim"`` is ``Simulation()``).
-    ``config``: a :class:`~stalewise.runtime.sim.config.SimConfig` (None: the default);
-    ``seed``: the simulator's own (compute times, scripted randomness), not the task's."""
+    """The simulator, configured, as ``runtime=``: ``config``, a ``SimConfig`` (None: the
+    default); ``seed``, the simulator's own, not the task's."""
 
     config: Any = DEFAULTS["sim"]
     seed: int = DEFAULTS["sim_seed"]

@@ -51,9 +51,7 @@ class RoundCost:
         )
 
     def fit(self) -> tuple[float, float] | None:
-        """``(c, s)``: seconds of a round that do not grow with H, seconds of a local step.
-
-        None before the first round."""
+        """``(c, s)``: seconds of a round that do not grow with H, of a local step (or None)."""
         if self.w <= 0:
             return None
         mh, mt = self.h / self.w, self.t / self.w

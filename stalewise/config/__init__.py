@@ -74,9 +74,8 @@ class RunConfig:
         factory.check_batches(self.task, workers, self.seed, key)
 
     def sweep_strategy(self, value: str, key: str = "--values") -> strategies_lib.Strategy:
-        """The strategy of one ``stalewise sim --over strategy`` value, ``NAME`` or ``NAME:H``:
-        the [strategy] table's options that ``NAME`` accepts, ``H`` its ``local_steps``; errors
-        name ``key``."""
+        """The strategy of one ``stalewise sim --over strategy`` value, ``NAME`` or ``NAME:H``
+        (``H``: its ``local_steps``), with the [strategy] table's options it accepts."""
         try:
             name, period = parse_strategy_value(value)
         except ValueError as e:
@@ -176,10 +175,9 @@ def parse(
     codec: str | None = None,
     pull_codec: str | None = None,
 ) -> RunConfig:
-    """Checks a config's tables (``raw``) and builds the task and the job; ConfigError names
-    a bad key. ``base``: the config file's folder, where a task factory's module is looked for
-    first; ``runtime``, ``codec``, ``pull_codec`` override ``run.runtime``, ``server.codec``
-    and ``server.pull_codec`` (``"full"``: off)."""
+    """Checks a config's tables (``raw``) and builds the task and the job; ConfigError names a bad
+    key. ``base``: the config file's folder; ``runtime``, ``codec``, ``pull_codec`` override
+    ``run.runtime``, ``server.codec`` and ``server.pull_codec`` (``"full"``: off)."""
     if not isinstance(raw, Mapping):
         raise ConfigError("config", f"expected tables, got {raw!r}")
     schema.check_depth(raw)

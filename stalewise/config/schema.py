@@ -65,8 +65,7 @@ def max_workers(runtime: str) -> int:
 
 
 def check_depth(raw: Mapping[str, Any]) -> None:
-    """Refuses values nested more than MAX_DEPTH levels (no config needs a tenth of that):
-    checking, printing or copying them would recurse past Python's limit."""
+    """Refuses values nested more than MAX_DEPTH levels (they would recurse past the limit)."""
     todo: list[tuple[str, Any, int]] = [(str(k), v, 1) for k, v in raw.items()]
     while todo:
         key, value, depth = todo.pop()

@@ -24,8 +24,7 @@ _flags_jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc"}, error_mode
 
 @_jit
 def _sumsq(x, lanes):
-    """Sum of squares of ``x`` in float64, as ``LANES`` partial sums (``lanes``: float64 scratch)
-    added at the end: the loop vectorizes without reassociation, in one order on every machine."""
+    """Sum of squares of ``x`` in float64, as ``LANES`` partial sums (``lanes``: scratch)."""
     n = x.size - x.size % LANES
     rows = x[:n].reshape((n // LANES, LANES))
     lanes[:] = 0.0
@@ -128,8 +127,7 @@ def sgd(g, buf, p, offsets, sizes, decay, lr, momentum, nesterov, wd, into_param
 
 @_jit
 def _copy(src, dst, b, e):
-    """``dst[b:e] = src[b:e]`` as a plain loop from 0, which vectorizes (a slice
-    assignment checks for overlap and may go through a temporary)."""
+    """``dst[b:e] = src[b:e]`` as a plain loop, which vectorizes (a slice may use a temporary)."""
     d, s = dst[b:e], src[b:e]
     for i in range(d.size):
         d[i] = s[i]
@@ -163,10 +161,9 @@ def _adam(g, m, v, p, lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps, l2, wd, into
 @_jit
 def adam(g, m, v, p, offsets, sizes, decay, lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps,
          l2, wd, into_params, check, undo_p, undo_m, undo_v):  # fmt: skip
-    """Adam with coupled L2 (``l2``, torch Adam) and decoupled decay (``wd``, AdamW), as
-    :func:`stalewise.optim.adam` and ``adamw`` state it; ``inv_c1 = 1/(1-b1^t)`` and
-    ``inv_sqrt_c2 = 1/sqrt(1-b2^t)`` are the bias corrections. ``offsets``, ``decay``, ``check``
-    and ``undo_*``: as in :func:`sgd` (``decay[s]`` False drops both ``l2`` and ``wd``)."""
+    """Adam with coupled L2 (``l2``) and decoupled decay (``wd``), as :func:`stalewise.optim.adam`
+    and ``adamw`` state it; ``inv_c1``, ``inv_sqrt_c2``: the bias corrections. ``offsets``,
+    ``decay``, ``check`` and ``undo_*``: as in :func:`sgd`."""
     zero = p.dtype.type(0)
     copy = undo_p.size != 0
     step = CHECK_BLOCK if check.size or copy else max(g.size, 1)

@@ -146,8 +146,7 @@ def server(name: str) -> Callable[..., Any]:
 
 
 def able(what: str) -> str:
-    """The runtimes that have ``what`` (a field of :class:`Runtime`), for a message:
-    ``"ray"``, ``"local or ray"``."""
+    """The runtimes that have ``what`` (a field of :class:`Runtime`), as ``"local or ray"``."""
     return " or ".join(names(what)) or "none"
 
 
@@ -160,8 +159,7 @@ def replica_refusal(replicas: int, name: str) -> str | None:
 
 
 def pull_refusal(pull_codec: Any, name: str) -> str | None:
-    """Why runtime ``name`` refuses delta pulls (a ``pull_codec``), in one line; None when
-    it takes them or there is no ``pull_codec``."""
+    """Why runtime ``name`` refuses delta pulls (a ``pull_codec``), in one line (None: it does not)."""
     runtime = describe(name)
     if pull_codec is None or runtime.delta_pulls:
         return None

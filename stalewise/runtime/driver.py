@@ -32,8 +32,7 @@ END = "end"  # the run is over: every worker's loop ended or no worker is left
 
 
 def wait_for(until: float, now: float, tick: float) -> float:
-    """Seconds a real-time host may wait at ``now``: one ``tick`` at most, none past the
-    record time ``until``."""
+    """Seconds a real-time host may wait at ``now``: one ``tick`` at most, none past ``until``."""
     return min(tick, max(0.0, until - now))
 
 
@@ -54,17 +53,15 @@ class Host(Protocol):
     checkpoint_info: dict
 
     def start(self, run: Run) -> None:
-        """Starts the shards (from ``run.resume``'s states, if any) and every worker (skipping
-        ``run.drawn`` batches, with ``run.feedback``'s residual); returns when all are
-        ready, not yet released."""
+        """Starts the shards (from ``run.resume``'s states) and every worker (from ``run.drawn``
+        and ``run.feedback``); returns when all are ready, not yet released."""
 
     def go(self) -> None:
         """Releases the workers together; the host's clock starts (or goes on, resumed)."""
 
     def advance(self, until: float, due: Callable[[], bool] | None) -> str:
-        """Runs the job on towards time ``until``; returns ``TICK``, ``RECORD`` (at once if
-        ``until`` is not after its clock), ``CHECKPOINT`` (an event-driven host, once
-        ``due()`` says so) or ``END``."""
+        """Runs the job on towards time ``until``; returns ``TICK``, ``RECORD``, ``CHECKPOINT``
+        (an event-driven host, once ``due()`` says so) or ``END``."""
 
     def now(self) -> float:
         """The host's clock: seconds since :meth:`go` (virtual in the simulator); before

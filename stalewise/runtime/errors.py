@@ -164,9 +164,8 @@ class Failures:
         lost: int | None = None,
         source: str | None = None,
     ) -> None:
-        """The shard of ``event`` (:meth:`shard`'s) is back at ``version`` from ``source``
-        (None: a rollback of every shard), ``lost`` updates of its slice lost (None: unknown);
-        the first shard restart of a run is warned."""
+        """The shard of ``event`` (:meth:`shard`'s) is back at ``version`` from ``source`` (None:
+        a rollback of every shard), ``lost`` updates of its slice lost (None: unknown)."""
         event.update(lost=lost, version=version, **({"source": source} if source else {}))
         at = "" if version is None else f" at version {version}"
         self.warn_once(

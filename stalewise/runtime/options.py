@@ -147,9 +147,8 @@ MAX_WORKERS = 16  #: The worker ids ``workers="auto"`` makes room for.
 
 
 def _workers(value: Any) -> Any:
-    """``workers``: an int >= 1, ``(min, max)`` with ``1 <= min <= max`` (an elastic run:
-    room for ``max`` worker ids, ``min`` of them expected), or ``"auto"`` (elastic, ``(1,
-    MAX_WORKERS)``, following the cluster's free CPUs). Returns it, a list as a tuple."""
+    """``workers``: an int >= 1, ``(min, max)`` with ``1 <= min <= max`` (elastic), or ``"auto"``
+    (elastic, following the cluster's free CPUs). Returns it, a list as a tuple."""
     if value == "auto" and isinstance(value, str):
         return value
     if isinstance(value, tuple | list):
@@ -242,8 +241,7 @@ class RunOptions:
 
     @property
     def elastic(self) -> bool:
-        """Whether the worker count may change during the run (``workers=(min, max)`` with
-        ``min < max``, or ``"auto"``)."""
+        """Whether the worker count may change during the run."""
         return self.expected < self.room
 
     def check_runtime(self, runtime: str) -> None:
@@ -263,8 +261,7 @@ class RunOptions:
             )
 
     def for_workers(self) -> RunOptions:
-        """These options without what only the parent uses (evaluation, record callback),
-        which need not be picklable."""
+        """These options without what only the parent uses (evaluation, record callback)."""
         return dataclasses.replace(self, evaluate=None, on_record=None)
 
     def __post_init__(self) -> None:

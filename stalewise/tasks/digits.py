@@ -67,8 +67,7 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
 
 
 def init_mlp(hidden: int = 64, activation: str = "tanh", seed: int = 0) -> dict:
-    """NumPy float32 parameters of the digits MLP: Glorot-uniform weights for ``"tanh"``,
-    He-normal for ``"relu"``, zero biases."""
+    """NumPy float32 parameters of the digits MLP (Glorot for ``"tanh"``, He for ``"relu"``)."""
     _check_activation(activation)
     rng = np.random.default_rng(seed)
     params = {}

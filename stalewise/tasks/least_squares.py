@@ -22,10 +22,8 @@ _MAX_GRAM_DIM = 2048
 
 
 class LeastSquares:
-    """Linear regression ``min_x 0.5 * mean((A x - b) ** 2)`` with known ``x*``.
-
-    ``noise`` is the standard deviation added to ``b``, ``condition`` the condition number
-    of ``A^T A`` (column ``j`` scaled by ``condition ** (-j / (2 (d - 1)))``)."""
+    """Linear regression ``min_x 0.5 * mean((A x - b) ** 2)`` with known ``x*``; ``noise``: the
+    standard deviation added to ``b``, ``condition``: the condition number of ``A^T A``."""
 
     name = "least-squares"
 
