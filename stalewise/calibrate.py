@@ -1,10 +1,7 @@
 """Calibration: measure on this machine what the simulator needs, and write its ``[sim]`` table.
 
-:func:`calibrate` (``Job.calibrate``, ``stalewise calibrate CONFIG``) times a step's
-compute, the shard's apply, pulls and pushes, the contention for the cores, a strategy's
-own work and the worker loop's, each ``repeats`` times (:class:`Spread`). The result is a
-:class:`Calibration` (:meth:`Calibration.toml`: the ``[sim]`` table;
-:meth:`Calibration.interval`: a prediction as ``point [low, high]``). See docs/calibrate.md.
+:func:`calibrate` (``Job.calibrate``, ``stalewise calibrate CONFIG``) times compute, apply,
+pulls, pushes, contention and the worker loop into a :class:`Calibration`; docs/calibrate.md.
 
 Example:
     >>> from stalewise.calibrate import table_toml
@@ -151,10 +148,9 @@ def busy_warnings(
     cores: int | None = None,
     limit: float = SPREAD_LIMIT,
 ) -> list[str]:
-    """Why the machine was too busy for a stable figure, one sentence each (empty: no reason seen):
-    the 1-minute load average at the start (``load``) or at the end (``load_end``; the calibration's
-    own processes count in it) above ``cores`` (default ``os.cpu_count()``), or a worker's step
-    times whose interquartile range exceeds ``limit`` times their median.
+    """Why the machine was too busy for a stable figure, one sentence each: the 1-minute load
+    average (``load``, ``load_end``) above ``cores``, or a worker's step times whose interquartile
+    range exceeds ``limit`` times their median.
 
     Example:
         >>> busy_warnings([[0.010, 0.011, 0.010, 0.012]], load=(0.5, 0.5, 0.5), cores=2)

@@ -41,12 +41,9 @@ class _Group:
 @dataclass(frozen=True)
 class Checkpoints(_Group):
     """Checkpoints of the job (:mod:`stalewise.checkpoint`) in folder ``dir``: one at the end of the
-    run, and every ``every`` updates and/or ``seconds`` seconds (virtual in the simulator); the
-    newest ``keep`` are kept. ``resume``: start from the newest usable one (``steps`` stays the
-    job's total budget); with none yet the run starts afresh (warned), another job's is refused
-    (:class:`stalewise.CheckpointError`). ``sw.load_params(dir, like=params)`` reads the params; a
-    checkpoint that cannot be written only warns. ``fsync`` (local, Ray): the shards' push logs
-    reach the disk before each ack, not only the OS (docs/design-notes.md, "Push log").
+    run, and every ``every`` updates and/or ``seconds`` seconds; the newest ``keep`` are kept.
+    ``resume``: start from the newest usable one (none yet: afresh, warned). ``fsync`` (local,
+    Ray): the shards' push logs reach the disk before each ack (docs/design-notes.md, "Push log").
 
     Example:
         >>> Checkpoints("ckpt", every=0)

@@ -1,10 +1,7 @@
 """A worker's rounds timed by its runtime's clock: what one round and one local step cost.
 
-Strategies that pace themselves (``comm_budget``, dynamic local updates) get the runtime's clock
-(:data:`stalewise.protocol.loop.CLOCK`: wall time, or the simulator's virtual time) at every pull,
-so a round is the time from one pull's arrival to the next, gate waits included. :class:`RoundCost`
-fits a round's length ``T`` against its local steps ``H`` as ``T = c + s * H`` by exponentially
-weighted least squares (older rounds weigh ``memory`` times less).
+A round is the time from one pull's arrival to the next (:data:`stalewise.protocol.loop.CLOCK`);
+:class:`RoundCost` fits ``T = c + s * H`` (older rounds weigh ``memory`` times less).
 
 Example:
     >>> cost = RoundCost()

@@ -1,8 +1,6 @@
 """Optimizers on flat parameter vectors, applied in place by parameter-server shards.
 
-Each optimizer is an :class:`Optimizer`: ``init(params, segments)``, a pure
-``update`` and an in-place, allocation-free ``apply`` (see :mod:`.base`).
-Learning rates are floats or schedules (:mod:`.schedules`).
+Each is an :class:`Optimizer` (:mod:`.base`); learning rates are floats or :mod:`.schedules`.
 
 Example:
     >>> import numpy as np

@@ -1,7 +1,5 @@
-"""When is a silent worker hung? Each worker is judged by its own rhythm: :class:`Silence`,
-phi accrual over its heartbeats (Hayashibara et al., 2004), in both process runtimes. A
-rank of a script you own (``stalewise run``) is judged by a fixed bound instead
-(:func:`silent_rank`). Why: ``docs/design-notes.md``.
+"""When is a silent worker hung? :class:`Silence`: phi accrual over its heartbeats (Hayashibara
+et al., 2004); a launched rank: a fixed bound (:func:`silent_rank`). Why: ``docs/design-notes.md``.
 
 Example:
     >>> s = Silence(upper=60.0)

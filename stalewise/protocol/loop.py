@@ -96,9 +96,8 @@ class Ahead(NamedTuple):
 
 
 def emulated(request: Push | Ahead, slowdown: float, delay: float) -> float:
-    """Seconds a real-time runtime waits after ``request``'s real compute so that its steps
-    take as long as on a worker ``slowdown`` times slower with ``delay`` more seconds per
-    local step (``sw.Emulation``): a straggler is slow at everything. Never negative.
+    """Seconds (>= 0) a real-time runtime waits after ``request``'s real compute to emulate a
+    worker ``slowdown`` times slower with ``delay`` more seconds per local step.
 
     Example:
         >>> emulated(Ahead(local_steps=2, compute=1.0), slowdown=3.0, delay=0.5)

@@ -1,8 +1,7 @@
 """A worker's pull and its own push in flight: the pipelining rule every runtime follows.
 
-A worker has at most :data:`IN_FLIGHT` push in flight; its next pull reads the shards'
-newest snapshots when it may (:func:`reads_snapshots`, :func:`may_read`), else it is a
-request behind the push. Why: ``docs/design-notes.md`` ("Local runtime").
+A worker has at most :data:`IN_FLIGHT` push in flight; its next pull reads the shards' snapshots
+when it may, else it is a request behind the push. Why: ``docs/design-notes.md``.
 
 Example:
     >>> import stalewise as sw
