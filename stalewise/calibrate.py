@@ -52,8 +52,7 @@ log = logging.getLogger(__name__)
 
 Steps = tuple[tuple[float, ...], ...]  # each worker's step times, seconds
 
-#: How far apart (either way) a worker's median step must be from the others' for its own
-#: ``speeds`` entry: identical workers sharing 2 cores differed by up to 1.5x.
+#: How far apart (either way) a worker's median step must be from the others' for a ``speeds`` entry.
 SPEED_FACTOR = 2.0
 FIXED_BELOW = 0.01  #: A tail's mean below this fraction of the shift: compute ``"fixed"``.
 REPEATS = 30  #: Timed repeats of one measurement, the default.
@@ -61,13 +60,11 @@ REPEATS = 30  #: Timed repeats of one measurement, the default.
 MIN_REPEATS, MAX_REPEATS = 3, 10_000
 MAX_TIMEOUT = 86_400.0  #: The most seconds the compute processes may take (``timeout``): a day.
 MIN_SIZE = 4096  #: The smallest parameter count of the two transport and apply sizes.
-#: The shard process's CPU time per push gives the apply's copies when a copy of the larger
-#: size takes this long (seconds); below, its fixed costs' noise swamps the bytes' slope.
+#: A copy of the larger size this long (s) or more: the shard's CPU per push gives the apply's copies.
 SHARD_COPY = 1e-3
 #: Busy seconds of each step of the worker-loop measurement, and its steps.
 LOOP_COMPUTE, LOOP_STEPS = 0.002, 300
-#: A worker's step times whose interquartile range exceeds this fraction of their median
-#: make :func:`calibrate` warn that the machine was too busy for a stable figure.
+#: Step times whose interquartile range exceeds this fraction of their median are warned about.
 SPREAD_LIMIT = 0.5
 #: Seconds the contention measurement times steps at each count of runnable processes
 #: (the apply: half as long); and the most processes it counts to.
@@ -206,8 +203,7 @@ class Calibration:
 
     Attributes (None: not measured):
         workers, threads: the processes that computed at once, and each one's thread cap.
-        step_times, cpu_times: each worker's timed steps, wall-clock and CPU seconds; with
-            :attr:`contention` the table fits :attr:`compute_times`.
+        step_times, cpu_times: each worker's timed steps, wall-clock and CPU seconds.
         apply, pull, push, send: bytes -> seconds of the shard's apply per push, a pull, a
             push's round trip and the part of it the worker waits for.
         message: ``send + pull`` (less ``2 * apply`` for a pull served by the shard), fitted.
@@ -221,10 +217,8 @@ class Calibration:
         spreads: each timed figure's :class:`Spread` over its repeats, by name.
         contention: wall over CPU time of a step and an apply with 1, 2, ... processes runnable.
         runtime: the runtime transport, shard and worker loop were timed on.
-        copy: one copy's seconds by bytes; with it the table charges bytes as copies on the
-            cores (``copy_*``).
-        cpu: CPU seconds by bytes of the pull and the send (``"pull"``, ``"send"``), and a
-            local shard process's per push, its publish included (``"shard"``: the apply's copies).
+        copy: one copy's seconds by bytes (the table then charges bytes as copies).
+        cpu: CPU seconds by bytes of the ``"pull"``, the ``"send"`` and a local ``"shard"``'s push.
     """
 
     workers: int
@@ -952,25 +946,20 @@ def calibrate(
     contention: bool = True,
     runtime: str = "local",
 ) -> Calibration:
-    """Measures compute, apply, pull and push times on this machine (the module docstring);
-    ValueError names a bad argument.
+    """Measures compute, apply, pull and push times on this machine; ValueError names a bad
+    argument.
 
     Args:
-        job: the :class:`~stalewise.Job` (``job.calibrate`` passes itself).
-        loss_and_grad, data, workers: as :meth:`stalewise.Job.train` takes them (picklable);
-            the ``workers`` compute at once.
+        loss_and_grad, data, workers: as :meth:`stalewise.Job.train` takes them; the
+            ``workers`` compute at once.
         repeats: timed steps per worker, and timed pushes per size.
-        sizes: the parameter counts transport and apply are timed at (default: the
-            job's, at least :data:`MIN_SIZE`, and 4x it); two or more.
-        delays: the run's emulated compute seconds per step (``sw.Emulation(delays=)``: a
-            number, or ``{worker: seconds}``), slept after each step as a worker sleeps them.
-        evaluate, eval_interval: the run's ``evaluate(params)``, called every
-            ``eval_interval`` seconds while the compute is timed, as the local runtime does.
+        sizes: the parameter counts transport and apply are timed at (two or more; default:
+            the job's, at least :data:`MIN_SIZE`, and 4x it).
+        delays, evaluate, eval_interval: the run's (``sw.Emulation(delays=)``, ``Job.train``'s).
         timeout: seconds the compute processes may take in all.
-        contention: measure the contention model (:func:`measure_contention`) and fit the
-            compute to CPU times; False: no contention, wall-clock times.
+        contention: measure the contention model and fit the compute to CPU times.
         runtime: where pulls, pushes, shard and worker loop are timed (``"local"`` or
-            ``"ray"``: ``stalewise.runtime.names("calibrates")``); compute is timed locally."""
+            ``"ray"``); compute is timed locally."""
     config = job.config
     if not _int_in(workers, 1, sys.maxsize):
         raise ValueError(f"workers = {workers!r}: must be an integer >= 1")

@@ -68,12 +68,11 @@ def sweep(
     Args:
         job: a :class:`stalewise.Job`; only what ``over`` names is replaced per value.
         over: "workers" (worker counts), "consistency" (Consistency objects or names:
-            "asp", "bsp", "ssp:4") or "strategy" (strategies or ``(label, strategy)``
-            pairs, each with its recommended server optimizer, else the job's).
+            "asp", "bsp", "ssp:4") or "strategy" (strategies or ``(label, strategy)`` pairs).
         steps, target, metric, mode: each run's push budget and its target.
         workers: the worker count when sweeping over consistency models or strategies.
-        sim, eval_interval: every run's simulator (default ``sw.Simulation()``) and virtual
-            seconds between evaluations (default: five mean step times).
+        sim, eval_interval: every run's simulator and virtual seconds between evaluations
+            (default: five mean step times).
         delay: extra virtual seconds per step, every worker.
         out: a folder for ``sweep.png`` and ``metrics.jsonl``.
 

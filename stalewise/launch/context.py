@@ -33,8 +33,7 @@ class Context:
     steps: int | None = None  #: the job's budget of pushes in all (None: no budget)
     launched: bool = True  #: started by ``stalewise run`` (else: one worker, served here)
     #: this rank's own state (data position, RNG, ...), saved as data (JSON values, numpy
-    #: arrays) with a checkpoint folder: launched, at every should_stop() (keep it small);
-    #: unlaunched, when a checkpoint is due and at close(). Restored on resume
+    #: arrays) with a checkpoint folder (keep it small); restored on resume
     state: dict = dataclasses.field(default_factory=dict)
     _ckpt: Any = dataclasses.field(default=None, repr=False)  # its side of the checkpoints
     _server: Any = dataclasses.field(default=None, repr=False)

@@ -63,10 +63,8 @@ def shipped_env(
     }
 
 
-#: The launcher's reaper: while its stdin (a pipe only the launcher holds) is open, it
-#: notes the launcher's descendants every 0.5 s; once it closes (the launcher ended, even
-#: by SIGKILL) it stops those, the processes with the launcher's mark in their environment
-#: (orphans) and their descendants, then kills them (Ray's agents lived a minute more).
+#: The launcher's reaper (docs/design-notes.md): once its stdin closes, it stops and then kills
+#: the launcher's descendants and the processes with the launcher's mark in their environment.
 REAPER = r"""
 import glob, os, select, signal, sys
 root, me, mark = int(sys.argv[1]), os.getpid(), b"\0%s\0" % os.fsencode(sys.argv[2])

@@ -152,8 +152,7 @@ class Shard:
         # a resumed job's live workers whose next incarnation has not taken its seat yet
         self._resumed = np.zeros(workers, dtype=bool)
         self._clocks = _ClockTracker(expected)  # counted workers per clock, slowest clock
-        # BSP: the round under way when the last counted worker left, where a joiner starts
-        # then (a restart slower to start than the others were to finish starts at their end)
+        # BSP: the round under way when the last counted worker left, where a joiner starts then
         self._floor = 0
         self.stats = ShardStats()
         # DC-ASGD: the params each worker pulled (only kept when compensation is on).

@@ -20,8 +20,7 @@ from stalewise.runtime.errors import FAILURE_POLICIES
 from stalewise.targets import _is_int as _count  # an int, not a bool
 from stalewise.targets import _is_number as _real  # an int or float, not a bool
 
-#: The shortest ``eval_interval``, in seconds (virtual in the simulator): a run records once per
-#: interval, so a simulated run records (and evaluates) a thousand times a virtual second at most.
+#: The shortest ``eval_interval``, in seconds (virtual in the simulator).
 MIN_EVAL_INTERVAL = 1e-3
 #: The shortest ``worker_timeout``: a worker beats every ``min(1, worker_timeout / 4)`` s.
 MIN_WORKER_TIMEOUT = 0.1
@@ -165,9 +164,8 @@ def _workers(value: Any) -> Any:
 _TIMEOUTS = ("timeout", "start_timeout", "shard_start_timeout", "join_timeout", "ack_timeout",
              "stop_timeout")  # fmt: skip
 
-#: One check per option that can be checked alone: ``f(value) -> value`` (normalized),
-#: raising :class:`OptionError`. ``RunOptions`` runs them all; :meth:`RunOptions.check`
-#: runs one (the config file and ``Job.serve`` check single options with it).
+#: One check per option that can be checked alone: ``f(value) -> value`` (normalized), raising
+#: :class:`OptionError`.
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "workers": _workers,
     "eval_interval": _eval_interval,

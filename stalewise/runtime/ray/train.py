@@ -114,8 +114,7 @@ class _Host:
             self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
             self.pgs.append(cluster.place(self.W, self.share, wait, "workers"))
         restarts = 0 if o.on_worker_failure == "fail" else o.max_restarts
-        # without the initial params (load() sends them): small enough for the creation
-        # task, which Ray replays when it restarts the actor
+        # without the initial params (load() sends them): Ray replays the creation task
         config = dataclasses.replace(self.config, init=self.config.init[:0])
         actor = ray.remote(ShardActor)
         self.shards = [
