@@ -143,8 +143,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _init_alarm(script: str) -> Any:
-    """The launcher's SIGALRM while it runs the script up to ``sw.init``: a line at
-    :data:`INIT_NOTE` seconds, :class:`_NoInit` at :data:`INIT_TIMEOUT`."""
+    """The launcher's SIGALRM up to ``sw.init``: a note, then :class:`_NoInit` at the timeout."""
     noted = []
 
     def on_alarm(signum: int, frame: Any) -> None:

@@ -36,8 +36,7 @@ SERVED_POLL = 0.25  #: Seconds between a served job's looks at its pushes (``che
 
 
 def check(directory: Any, every: Any, error: type[Exception]) -> None:
-    """Refuses checkpoint settings that do not fit together (``error``), and makes
-    ``directory`` unless it is there (:func:`stalewise.checkpoint.store.untrusted`)."""
+    """Refuses checkpoint settings that do not fit together; makes ``directory`` if missing."""
     from stalewise.checkpoint.store import untrusted
 
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
@@ -216,8 +215,7 @@ class InProcess:
 
 
 class Served:
-    """``job.serve(..., checkpoint_dir=...)``: the server, restored and saved by :class:`Saves`
-    from a thread of this process and once more when it closes."""
+    """``job.serve(..., checkpoint_dir=...)``: the server, restored and saved by :class:`Saves`."""
 
     def __init__(self, job: Any, server: Any, directory: str, every: int | None, resume: bool):
         self._server = server
@@ -441,8 +439,7 @@ def rank_epoch(folder: Path | None, rank: int, every: int) -> int:
 
 @contextlib.contextmanager
 def rank_files(directory: str | None, every: int | None, resume: bool = False):
-    """The folder the ranks exchange their ``ctx.state`` through (``DIRECTORY/.ranks``,
-    emptied first but for the ranks' states when ``resume``); None without a ``directory``."""
+    """The folder the ranks exchange their ``ctx.state`` through (None without a ``directory``)."""
     if directory is None:
         yield None
         return

@@ -46,8 +46,7 @@ class Context:
             self.client.watch = Watch(self.rank)
 
     def log(self, *, loss: float) -> None:
-        """Reports this rank's latest training loss: the launcher's progress line shows
-        the ranks' mean (on Ray, once the rank has pushed since)."""
+        """Reports this rank's latest training loss (the progress line shows the ranks' mean)."""
         if hasattr(self.client, "log_loss"):
             self.client.log_loss(float(loss))
 
@@ -84,8 +83,7 @@ class Context:
             self.client.pull(into=into)
 
     def close(self) -> None:
-        """Waits for this worker's last push and leaves the job (and, unlaunched, stops
-        the shards served in this process). Calling it again does nothing."""
+        """Waits for this worker's last push and leaves the job (again: does nothing)."""
         if self.client is None:
             return
         if self._ckpt is not None:  # this rank's last state (unlaunched: the last checkpoint)

@@ -16,8 +16,7 @@ PROGRESS_EVERY = 10.0  #: Seconds between them otherwise (a log file, a pipe).
 
 
 def progress_every() -> float:
-    """Seconds between progress lines: ``STALEWISE_PROGRESS`` if set (0: none), else
-    :data:`PROGRESS_TTY` when stderr is a terminal, else :data:`PROGRESS_EVERY`."""
+    """Seconds between progress lines: ``STALEWISE_PROGRESS`` if set (0: none), else by tty."""
     text = os.environ.get("STALEWISE_PROGRESS", "").strip()
     if text:
         try:
@@ -82,8 +81,7 @@ def pushes_of(server: Any) -> tuple[int, dict]:
 
 
 def _counts(server: Any) -> tuple[int | None, dict, list[float]]:
-    """The pushes shard 0 applied, refused by reason, and each rank's last loss (on Ray, as
-    its push carried it; a dead shard: None, {}, [])."""
+    """The pushes shard 0 applied, refused by reason, and each rank's last loss."""
     try:
         shard = server.stats(timeout=10)[0]
         losses = shard["losses"] if "losses" in shard else server.losses()

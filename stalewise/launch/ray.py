@@ -188,8 +188,7 @@ class ScriptWorker:
 
 
 def serve_workers(job: Any, launch: Any) -> int:
-    """Serves ``job`` on Ray and runs ``launch.workers`` ranks of ``launch.script``;
-    returns the exit status (1 if a rank failed, named on stderr)."""
+    """Serves ``job`` on Ray, runs ``launch.workers`` ranks of ``launch.script``; exit status."""
     script, argv, workers = launch.script, launch.argv, launch.workers
     steps, timeout = launch.steps, launch.timeout
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # Ray folds lines that differ in numbers

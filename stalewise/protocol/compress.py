@@ -77,8 +77,7 @@ def plan(
     ranges: Sequence[tuple[int, int]],
     exact: Collection[str] = (),
 ) -> list[list[Piece]]:
-    """The pieces of each shard's range, each with the codec its whole leaf's size gets;
-    ``exact`` leaves (a model's buffers) always travel as ``none()``."""
+    """The pieces of each shard's range, each with its leaf's codec (``exact`` ones: ``none()``)."""
     if not isinstance(policy, codecs.Policy):
         raise TypeError(f"codec must be a codec (e.g. sw.codecs.topk(0.01)), got {policy!r}")
     ends = segments.offsets + segments.sizes
@@ -230,8 +229,7 @@ class Compressor:
     def sent_nbytes(
         self, k: int, dtype: Any = np.float32, scale: float = 1.0, sent: Any = "last"
     ) -> int:
-        """The length of shard ``k``'s payload of the push encoded last (``sent``: its
-        pieces sent, :attr:`sent`, by default), scaled as :meth:`nbytes` is."""
+        """The length of shard ``k``'s payload of the last push, scaled as :meth:`nbytes` is."""
         sent = self.sent[k] if isinstance(sent, str) else sent
         if sent is None:
             return self.nbytes(k, dtype, scale)
@@ -240,8 +238,7 @@ class Compressor:
         return segment_nbytes([p.codec.nbytes(m, dtype) for p, m in zip(pieces, n, strict=True)])
 
     def decode(self, payloads: Sequence[Any], out: np.ndarray) -> np.ndarray:
-        """Every shard's payload decoded into its slice of ``out``, as the shards will decode it;
-        PayloadError names the shard and the leaf."""
+        """Every shard's payload decoded into its slice of ``out`` (PayloadError names it)."""
         for k, (lo, hi) in enumerate(self.ranges):
             self.decoders[k].decode(payloads[k], out[lo:hi])
         return out

@@ -53,8 +53,7 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 
 
 class Pull(NamedTuple):
-    """What a shard sends a worker for one pull; ``parts``: per piece ``(codec, n, count)``
-    (codec None: a sparse block of ``count`` values)."""
+    """One pull's message; ``parts``: per piece ``(codec, n, count)`` (codec None: sparse)."""
 
     version: int
     payload: bytearray
@@ -113,8 +112,7 @@ class PullServer:
         self._refs.pop(worker, None)
 
     def pull(self, worker: int, have: int = 0, *, now: float | None = None) -> Pull:
-        """Serves one pull of ``worker``, which holds reference number ``have`` (0: none): a
-        delta against it, or the full slice. Gating is the caller's job."""
+        """Serves one pull of ``worker`` holding reference ``have``: a delta, or the full slice."""
         version = self.shard.pull(worker, now=now)
         incarnation = int(self.shard.incarnation[worker])
         ref = self._refs.get(worker)

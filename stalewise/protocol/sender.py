@@ -53,7 +53,7 @@ class Outgoing(NamedTuple):
 
 class Sender:
     """A worker incarnation's sending side. ``residual``: the error feedback to start from
-    (copied; None: zeros); ``buffers``: two residual buffers to use instead, ``current`` holding it."""
+    (copied; None: zeros); ``buffers``: two residual buffers to use, ``current`` holding it."""
 
     def __init__(
         self,
@@ -107,8 +107,7 @@ class Sender:
         return None if self._buffers is None else self._buffers[self.current]
 
     def encode(self, flat: np.ndarray, payloads: Sequence[Any]) -> None:
-        """Encodes the update ``flat`` into ``payloads`` (each writable, of exactly
-        ``compressor.nbytes(k)`` bytes), the new residual into the other buffer."""
+        """Encodes ``flat`` into ``payloads``, the new residual into the other buffer."""
         comp = self.compressor
         if comp is None:
             raise ValueError("this job has no codec: its updates are not encoded")
@@ -156,8 +155,7 @@ class Sender:
         self.seq += 1
 
     def successor(self) -> Sender:
-        """The sending side of this worker's next incarnation, with this sender's residual
-        buffers (call it once this incarnation sends nothing more)."""
+        """The sending side of this worker's next incarnation, with this one's residual buffers."""
         return Sender(
             self.segments,
             self.staleness,
@@ -179,8 +177,7 @@ class Sender:
 
 
 class History:
-    """A worker id's error-feedback residuals after its recent pushes, over incarnations,
-    for a runtime whose sender is gone with its worker (Ray's keeper and driver)."""
+    """A worker id's error-feedback residuals after its recent pushes, over incarnations (Ray)."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[int, int], np.ndarray] = {}  # (incarnation, pushes) -> residual

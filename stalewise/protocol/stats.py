@@ -39,8 +39,7 @@ class ShardStats:
 
 
 class _ClockTracker:
-    """How many live workers are at each clock, and the slowest live clock: clocks only
-    grow, so :meth:`min` is O(1), amortised O(1) per push."""
+    """How many live workers are at each clock, and the slowest live clock (amortised O(1))."""
 
     def __init__(self, workers: int):
         self.live = workers  # number of live workers

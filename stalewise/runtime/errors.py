@@ -38,8 +38,7 @@ class ShardError(RuntimeError):
 
 
 class ServerClosed(ConnectionError):
-    """A client's job has ended or a shard cut this client off (a dead shard's process is
-    a :class:`ShardError` instead)."""
+    """A client's job has ended or a shard cut this client off."""
 
 
 class BudgetSpent(ServerClosed):
@@ -127,8 +126,7 @@ class Failures:
         raise error(head + (f"\n{detail.rstrip()}" if detail else "") + self.hint)
 
     def worker(self, w: int, cause: str, *, time: float, detail: str = "") -> str:
-        """Worker ``w`` failed (``cause``: how; ``detail``: its traceback, if any); returns
-        ``"restart"`` or ``"drop"``, or raises :class:`WorkerError`."""
+        """Worker ``w`` failed (``cause``, ``detail``): ``"restart"``, ``"drop"`` or WorkerError."""
         self._stop_or_count("worker", w, cause, time, detail)
         if self.policy == "drop":
             self._event("worker", w, cause, time, "dropped")

@@ -38,8 +38,7 @@ PLAIN_EVERY = 10.0  # seconds between progress lines when output is not a termin
 
 
 class Recorder:
-    """A run's metrics records (:mod:`stalewise.report`): builds them, shows progress (a tqdm
-    bar, or a line every ``PLAIN_EVERY`` s off a terminal), says when ``stop_at`` is reached."""
+    """A run's metrics records: builds them, shows progress, says when ``stop_at`` is reached."""
 
     def __init__(
         self,
@@ -129,8 +128,7 @@ ENDINGS = ("budget", "stop_at", "no_workers")
 
 @dataclass
 class TrainResult:
-    """What :meth:`stalewise.Job.train` returns: ``ended`` is how the run ended in one word
-    of :data:`ENDINGS`, ``stop_reason`` the same in words, with what went wrong."""
+    """What :meth:`stalewise.Job.train` returns; ``ended``: one of :data:`ENDINGS`."""
 
     params: Any  # final parameters, in the structure and backend the job was made with
     flat: np.ndarray  # the same, as the flat vector

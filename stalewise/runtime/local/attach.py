@@ -42,8 +42,7 @@ REJOIN_TIMEOUT = 60.0
 
 
 def door_dir() -> Path:
-    """The folder of this user's doors, made (mode 0700) if missing; AttachError if it is
-    not a real directory of this user's with mode 0700."""
+    """The folder of this user's doors, made (mode 0700) if missing; else AttachError."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     path = Path(base) / f"stalewise-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
@@ -64,8 +63,7 @@ def door_path(name: str) -> Path:
 
 
 def serves(name: str) -> str | None:
-    """None if a job called ``name`` may be served on this machine (its door's socket is
-    there), else where it looked (``sw.attach``)."""
+    """None if a job called ``name`` may be served on this machine, else where it looked."""
     path = door_path(name)
     return None if os.path.lexists(path) else f"on this machine ({path} is missing)"
 
@@ -117,8 +115,7 @@ class Door:
 
     @staticmethod
     def check(name: str) -> tuple[Path, Path]:
-        """The door's socket and key paths, once the name, the folder and any file left there
-        are checked (a server calls it before starting its shards)."""
+        """The door's socket and key paths, once the name, the folder and any file are checked."""
         sock, keyfile = _paths(check_name(name))
         if _own(sock, stat.S_IFSOCK) and _in_use(sock):
             raise ValueError(f"a job named {name!r} is already served ({sock})")
@@ -348,8 +345,7 @@ class Door:
 
 
 class _Deadline:
-    """Shuts ``conn``'s socket down after ``seconds`` (or at :meth:`expire`) unless
-    cancelled first; cancel it before closing ``conn``."""
+    """Shuts ``conn``'s socket down after ``seconds`` unless cancelled (before closing ``conn``)."""
 
     def __init__(self, conn: connection.Connection, seconds: float | None):
         self._fd = conn.fileno()
@@ -382,8 +378,7 @@ class _Deadline:
 
 
 class _Counted:
-    """A failure that may repeat fast: logged the first time, then counted, and the
-    count logged once the failures stop (:meth:`done`)."""
+    """A failure that may repeat fast: logged the first time, then counted (:meth:`done`)."""
 
     def __init__(self, what: str):
         self.what, self.count, self.lock = what, 0, threading.Lock()
@@ -414,8 +409,7 @@ def _closed(conn: connection.Connection) -> bool:
 
 
 def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0) -> Client:
-    """A client for a worker of the job served under ``name`` on this machine, as
-    :func:`stalewise.attach` (``timeout``: seconds for the handshake)."""
+    """A client for a worker of the job served under ``name`` here, as :func:`stalewise.attach`."""
     from stalewise.runtime.local.client import Rejoin
     from stalewise.runtime.local.procs import cap_threads_here
 

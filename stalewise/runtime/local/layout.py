@@ -37,8 +37,7 @@ def _round_up(n: int) -> int:
 
 
 def copy_range(out: np.ndarray | list, src: np.ndarray, lo: int, hi: int) -> None:
-    """``out[lo:hi] = src[lo:hi]``; ``out`` a flat vector or ``(offset, flat view)`` pieces
-    of one (a tree's leaves, :func:`stalewise.tree.views_into`)."""
+    """``out[lo:hi] = src[lo:hi]``; ``out`` a flat vector or ``(offset, flat view)`` pieces."""
     if isinstance(out, np.ndarray):
         np.copyto(out[lo:hi], src[lo:hi])
         return
@@ -319,8 +318,7 @@ class Snapshots:
         return int(row[_VER + int(row[_CUR])])
 
     def read(self, k: int, out: np.ndarray | list) -> int:
-        """Copies shard ``k``'s latest snapshot into ``out[lo:hi]`` (:func:`copy_range`);
-        returns its version."""
+        """Copies shard ``k``'s latest snapshot into ``out[lo:hi]``; returns its version."""
         row = self.table[k]
         lo, hi = self.ranges[k]
         while True:

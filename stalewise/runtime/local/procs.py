@@ -44,8 +44,7 @@ _environ = threading.RLock()  # thread_budget's changes to os.environ (a spawn c
 
 
 def cap_threads_here(workers: int) -> None:
-    """Caps torch's threads in this process to a share of the cores, unless its
-    environment sets ``OMP_NUM_THREADS`` (or friends)."""
+    """Caps torch's threads here to a share of the cores, unless one of ``THREAD_VARS`` is set."""
     if any(k in os.environ for k in THREAD_VARS):
         return
     torch = sys.modules.get("torch")
@@ -110,8 +109,7 @@ def _install() -> None:
 
 @contextlib.contextmanager
 def stalewise_main(needs_main: bool = False) -> Iterator[None]:
-    """Processes this thread spawns inside the block do not import the parent's
-    ``__main__``; with ``needs_main`` (see :func:`refers_to_main`) nothing changes."""
+    """Processes this thread spawns inside the block do not import the parent's ``__main__``."""
     _install()
     before = getattr(_own_main, "on", False), getattr(_own_main, "inside", False)
     _own_main.on, _own_main.inside = not needs_main, True

@@ -108,8 +108,7 @@ class SharedBlock:
 
     @classmethod
     def create(cls, nbytes: int) -> SharedBlock:
-        """Creates a zero-filled block of ``nbytes`` bytes with a fresh unique name (OSError:
-        one line saying why not, with the OS error's ``errno``)."""
+        """Creates a zero-filled block of ``nbytes`` bytes (OSError: one line saying why not)."""
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         size = max(nbytes, 1)
         memfd = _memfd_available()

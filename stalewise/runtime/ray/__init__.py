@@ -23,8 +23,7 @@ def connect(address: str | None = None, **init_kwargs: Any) -> bool:
 
 
 def cluster_address(address: str | None = None) -> str:
-    """Where :func:`connect` goes: ``address``, else ``RAY_ADDRESS``, else ``"local"``;
-    ``"auto"`` is Ray's record of the last cluster, only if the file is yours."""
+    """Where :func:`connect` goes: ``address``, else ``RAY_ADDRESS``, else ``"local"``."""
     address = address or os.environ.get("RAY_ADDRESS") or "local"
     if address != "auto":
         return address
@@ -60,8 +59,7 @@ def import_ray() -> Any:
 
 
 def serves(name: str) -> str | None:
-    """None if a job may be served on Ray (connected, or ``RAY_ADDRESS`` names a
-    cluster); else why not. Imports no Ray."""
+    """None if a job may be served on Ray (connected, or ``RAY_ADDRESS``), else why not."""
     ray = sys.modules.get("ray")
     if ray is not None and getattr(ray, "is_initialized", lambda: False)():
         return None

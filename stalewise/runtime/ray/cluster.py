@@ -44,8 +44,7 @@ def node_cpus() -> list[float]:
 
 
 def place(n: int, share: float, timeout: float, what: str, *, apart: bool = False) -> Any:
-    """A placed placement group of ``n`` bundles of ``share`` CPU, spread (``apart``: each
-    on its own node when the cluster has ``n`` such nodes)."""
+    """A placed placement group of ``n`` bundles of ``share`` CPU, spread (``apart``: by node)."""
     from ray.util.placement_group import placement_group
 
     ray = import_ray()
@@ -85,8 +84,7 @@ def consistent_states(
 
 
 def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0) -> list:
-    """The commit rule for worker ``w``'s gone incarnation ``inc``: the ObjectRefs of each
-    shard's count of its pushes (None: unknown there)."""
+    """The commit rule for ``w``'s gone incarnation ``inc``: each shard's count of its pushes."""
     ray = import_ray()
     source, lacking = delivery.departure(
         ray.get([s.cut.remote(w, inc) for s in shards], timeout=timeout)

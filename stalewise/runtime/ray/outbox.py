@@ -55,8 +55,7 @@ class Outbox:
             self.flat_buf = np.empty(self.spec.size, self.spec.dtype)
 
     def prepare(self, update: Any, buf: np.ndarray) -> tuple:
-        """Flattens (encodes) ``update`` into ``buf``, judges and commits it; returns
-        ``(buf, seq, bases, verdict, residual)`` for :meth:`send`."""
+        """Flattens (encodes) ``update`` into ``buf``, judges and commits it, for :meth:`send`."""
         sender = self.sender
         if self.compressor is None:
             sent = flat = tree.flatten(update, spec=self.spec, out=buf)[0]
@@ -79,8 +78,7 @@ class Outbox:
         acked: int,
         residual: np.ndarray | None,
     ) -> list:
-        """Keeps the residual, then sends the push to every shard; returns the acks'
-        ObjectRefs (``sent`` may be reused at once)."""
+        """Keeps the residual, sends the push to every shard; returns the acks' ObjectRefs."""
         ray = import_ray()
         if residual is not None and self.keeper is not None:  # kept before any shard has it
             try:

@@ -195,8 +195,7 @@ class ShardActor:
         self.shard.journal = self._journal
 
     def _journal(self, entry: list) -> None:
-        """A journal entry: to the push log (one write: it reaches the OS before any reply
-        that follows it), and to the Primary."""
+        """A journal entry: to the push log (one write, before any reply), and to the Primary."""
         size = sum(memoryview(b).nbytes for b in entry)
         if self.log is not None:
             try:
@@ -212,8 +211,7 @@ class ShardActor:
             self.record(entry)
 
     def end_log(self, error: OSError | None = None) -> None:
-        """Closes the push log; one that fails (``error``) is removed, so a replay stops
-        before it instead of skipping what it lacks."""
+        """Closes the push log; one that fails (``error``) is removed (a replay stops before it)."""
         fd, self.log = self.log, None
         self.shard.journal = None if self.record is None else self._journal
         if fd is not None:
@@ -261,8 +259,7 @@ class ShardActor:
         await self.depart(w, inc, None)
 
     async def committed(self, w: int, inc: int, start: int, stop: int) -> list | None:
-        """``[(seq, bases, verdict, update), ...]`` of pushes ``start .. stop - 1`` of
-        ``w``'s incarnation ``inc`` (None: no longer all kept here)."""
+        """``[(seq, bases, verdict, update), ...]`` of ``w``'s ``start .. stop - 1`` (or None)."""
         got = self.last.between(w, inc, start, stop)
         if got is not None:
             return [(seq, *entry) for seq, entry in zip(range(start, stop), got, strict=True)]
@@ -524,8 +521,7 @@ class BackupActor:
     async def start(
         self, start: CatchUp, handled: int, seats: np.ndarray, held: tuple[str, int]
     ) -> None:
-        """Starts from the primary's state (``seats``: its admitted and retired incarnations;
-        ``held``: its push log's path and bytes then)."""
+        """Starts from the primary's state (``seats``; ``held``: its push log's path and bytes)."""
         lo, hi = self.config.ranges[self.k]
         zeros = np.zeros(hi - lo, self.config.init.dtype)
         self.copy = Backup(
@@ -549,8 +545,7 @@ class BackupActor:
         return None if self.copy is None else digest(self.shard.state_dict())
 
     async def state(self) -> tuple[dict, int, int, np.ndarray, tuple] | None:
-        """``(Shard.state_dict(), pushes handled, entries, seats, (log path, its bytes))``
-        (None: not started)."""
+        """``(Shard.state_dict(), pushes handled, entries, seats, (log path, bytes))`` or None."""
         if (b := self.copy) is None:
             return None
         seats = np.stack([b.shard.admitted, b.shard.retired])

@@ -526,8 +526,7 @@ class _Host:
         self.live.add(w)
 
     def _depart(self, w: int) -> None:
-        """The commit rule for worker ``w``'s gone incarnation; with error feedback, keeps
-        its residual after the pushes every shard now has."""
+        """The commit rule for worker ``w``'s gone incarnation (keeping its residual, if any)."""
         timeout = self.o.ack_timeout
         counts: list = []
         with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
@@ -612,8 +611,7 @@ class _Host:
         return [(os.path.join(folder, n), self.o.checkpoint_fsync) for n in self.logs]
 
     def _backup_ended(self, ref: Any) -> None:
-        """Shard ``k``'s backup died: once Ray restarted it, its primary (serving alone
-        meanwhile) catches it up."""
+        """Shard ``k``'s backup died: once Ray restarted it, its primary catches it up."""
         k = self.bwatches.pop(ref)
         log.warning("ray: shard %d's backup died; a new one catches up from its primary", k)
         try:
@@ -663,8 +661,7 @@ class _Host:
                 raise ShardError(f"{who} did not come back ({type(e).__name__}: {e})") from None
 
     def _await_down(self, down: _ShardDown) -> list[dict]:
-        """After a failed shard call: revives every shard whose watch ended (ShardError if
-        none does within ``shard_start_timeout``); returns their failure events."""
+        """After a failed shard call: revives each shard whose watch ended; their failure events."""
         ray = self.ray
         if not self.watches:
             raise ShardError(f"{down} while the run was starting or ending") from None
@@ -729,8 +726,7 @@ class _Host:
 
     @contextlib.contextmanager
     def _shard_calls(self, what: str, late: str) -> Iterator[None]:
-        """Ray's errors from shard calls as ``TimeoutError(late)``, the shard's own
-        exception, or :class:`_ShardDown` (also when a watch ended meanwhile)."""
+        """Ray's errors from shard calls as ``TimeoutError(late)``, or :class:`_ShardDown`."""
         ray = self.ray
         try:
             yield
@@ -774,8 +770,7 @@ class _Host:
         return np.concatenate(slices) if len(slices) > 1 else np.array(slices[0])
 
     def _take_backup(self, logs: bool = False) -> bool:
-        """A consistent copy of the shards into ``self.backup`` (False: none this time);
-        ``logs``: the shards begin push logs at it (with a checkpoint folder)."""
+        """A consistent copy of the shards into ``self.backup`` (False: none this time)."""
         logs = logs and self.o.checkpoint_dir is not None
         with self._shard_calls("state", f"the shards did not freeze within {self.o.ack_timeout} s"):
             got = cluster.consistent_states(self.shards, list(self.runs), self.o.ack_timeout,
