@@ -35,8 +35,7 @@ def _name(logger: Any) -> str:
 
 
 class Loggers:
-    """The loggers of one run (a logger, a list or None), after the run's own ``on_record``
-    (unguarded): use :attr:`on_record`, then :meth:`finish` and :meth:`close`."""
+    """The loggers of one run, after its own ``on_record``: :attr:`on_record`, :meth:`finish`."""
 
     def __init__(self, loggers: Any = None, on_record: Callable[[dict], None] | None = None):
         if loggers is None:

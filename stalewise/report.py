@@ -115,8 +115,7 @@ def plot_runs(
     targets: Mapping[str, float] | None = None,
     xlabel: str | None = None,
 ) -> Path:
-    """Plots metrics against ``x`` into the PNG ``path`` (returned): a subplot per key that
-    some record has (ValueError if none), a line per run, ``targets`` dashed (:func:`draw`)."""
+    """Plots metrics against ``x`` into the PNG ``path`` (returned), a subplot per key."""
     runs = by_run(records)
     present = [k for k in keys if any(finite(r.get(k)) for rs in runs.values() for r in rs)]
     if not present:

@@ -22,8 +22,7 @@ from stalewise.segments import Segments
 
 
 def plan(segments: Segments, shards: int) -> list[tuple[int, int]]:
-    """``shards`` (>= 1) contiguous half-open ranges ``(start, stop)`` of about equal size
-    covering ``[0, segments.total)`` in order (some empty when elements are fewer)."""
+    """``shards`` (>= 1) contiguous ranges ``(start, stop)`` of about equal size, in order."""
     if not isinstance(shards, int) or shards < 1:
         raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
     total = segments.total

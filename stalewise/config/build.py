@@ -23,8 +23,7 @@ from stalewise.runtime.sim.models import SimConfigError
 
 
 def _kinds(annotation: Any) -> list[tuple[str, Callable[[Any], bool]]] | None:
-    """What a TOML value may be for a parameter annotation: (description, check) pairs;
-    None: not checked; []: nothing TOML can spell fits."""
+    """What a TOML value may be for an annotation: (description, check) pairs; None: unchecked."""
     if annotation is inspect.Parameter.empty or annotation is Any or isinstance(annotation, str):
         return None
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)

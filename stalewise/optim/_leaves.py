@@ -55,8 +55,7 @@ def build(
 
 
 def unmatched(optimizer: Any, segments: Segments) -> list[tuple[str, str]]:
-    """The exclusion patterns of ``optimizer`` (and of the rules it chains), as
-    ``(field, pattern)``, that match no leaf of ``segments``."""
+    """The ``(field, pattern)`` exclusions of ``optimizer`` that match no leaf of ``segments``."""
     rule = getattr(optimizer.init, "__self__", None)
     out = [hit for part in getattr(rule, "parts", ()) for hit in unmatched(part, segments)]
     for field in ("exclude_from_weight_decay", "exclude_from_adaptation"):
@@ -98,8 +97,7 @@ _WHOLE = DecayTable(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np
 
 
 def decay_of(where: str, state: NamedTuple, size: int, masked: bool) -> DecayTable:
-    """The table an SGD or Adam kernel reads: the state's own when the optimizer has
-    exclusions, else an empty one (the kernels then decay the whole vector)."""
+    """The table an SGD or Adam kernel reads: the state's own with exclusions, else an empty one."""
     if not masked:
         return _WHOLE
     if "decay" not in getattr(state, "_fields", ()):

@@ -38,8 +38,7 @@ def may_begin(committed: int, in_progress: int, steps: int) -> bool:
 
 
 def may_begin_round(round: int, workers: int, steps: int) -> bool:
-    """Under BSP: whether a worker may begin its step of round ``round`` (0-based) of a
-    job of ``workers`` workers: ``round * workers < steps`` (whole rounds only)."""
+    """Under BSP: whether a worker may begin round ``round``: ``round * workers < steps``."""
     return round * max(workers, 1) < steps
 
 

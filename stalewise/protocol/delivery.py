@@ -25,8 +25,7 @@ class Ledger:
         window[seq] = (inc, entry)
 
     def between(self, w: int, inc: int, start: int, stop: int) -> list | None:
-        """The entries of pushes ``start .. stop - 1`` of ``w``'s incarnation ``inc``, in
-        order (None if any of them is no longer kept)."""
+        """The entries of pushes ``start .. stop - 1`` of ``w``'s ``inc``, in order (or None)."""
         window = self._kept.get(w, {})
         got = [window[n][1] for n in range(start, stop) if window.get(n, (None,))[0] == inc]
         return got if len(got) == stop - start else None
@@ -97,8 +96,7 @@ class Cut:
         )
 
     def reached(self, shard: Any) -> bool:
-        """Whether ``shard`` has handled every push below the targets (an incarnation
-        gone, or replaced, will send nothing more)."""
+        """Whether ``shard`` has handled every push below the targets."""
         return all(
             shard.incarnation[w] != inc or not shard.live[w] or shard.next_seq[w] >= seq
             for w, (inc, seq) in self.targets.items()

@@ -44,8 +44,7 @@ class Silence:
             self.last = now
 
     def start(self, now: float) -> None:
-        """The worker (a new incarnation) starts now: its silence counts from here, and its
-        predecessor's rhythm, if any, is kept."""
+        """The worker (a new incarnation) starts now; its predecessor's rhythm, if any, is kept."""
         self.last = now
 
     def mean(self) -> float | None:
@@ -55,8 +54,7 @@ class Silence:
         return sum(self.intervals) / len(self.intervals)
 
     def phi(self, now: float) -> float:
-        """How unlikely the silence since the last beat is: ``-log10 P(interval >= it)``
-        (0 while the rhythm is not yet known)."""
+        """``-log10 P(interval >= silence)`` since the last beat (0 while the rhythm is unknown)."""
         m = self.mean()
         if m is None or self.last is None:
             return 0.0

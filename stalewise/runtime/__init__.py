@@ -16,8 +16,7 @@ _CALLABLES = ("run", "server", "attach", "serves", "launch", "connect")
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
-    """One runtime: its functions (each a callable or its ``"module:name"``) and what it
-    can do. Only ``name`` and ``run`` are required; the rest says "cannot"."""
+    """One runtime: its functions (callables or ``"module:name"``) and what it can do."""
 
     name: str
     run: Target  # run(config, strategy, options) -> TrainResult
@@ -64,8 +63,7 @@ _RUNTIMES: dict[str, Runtime] = {}
 
 
 def register(name: str, run: Target, **facts: Any) -> Runtime:
-    """Registers (or replaces) the runtime ``name``: ``run`` and the other fields of
-    :class:`Runtime` as keywords (``server=``, ``attach=``, ``max_workers=``, ...)."""
+    """Registers (or replaces) the runtime ``name``: the fields of :class:`Runtime` as keywords."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"a runtime needs a non-empty name, got {name!r}")
     runtime = Runtime(name, run, **facts)

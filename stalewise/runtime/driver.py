@@ -64,8 +64,7 @@ class Host(Protocol):
         (an event-driven host, once ``due()`` says so) or ``END``."""
 
     def now(self) -> float:
-        """The host's clock: seconds since :meth:`go` (virtual in the simulator); before
-        :meth:`go`, the time the run starts at (0, or a resumed simulation's time)."""
+        """The host's clock: seconds since :meth:`go` (before it, the time the run starts at)."""
 
     def pushes(self) -> int:
         """Pushes counted toward ``steps`` and ``checkpoint_every`` (at the last :meth:`advance`)."""

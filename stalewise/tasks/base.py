@@ -111,8 +111,7 @@ def fields_repr(obj: Any, *names: str) -> str:
 def check_number(
     name: str, value: Any, low: float, high: float = np.inf, *, open_: str = ""
 ) -> float:
-    """``value`` as a float if it is a finite number in ``[low, high]`` (``open_``: "low", "high"
-    or "both" ends open), else ValueError naming ``name``."""
+    """``value`` as a float if finite in ``[low, high]`` (``open_`` ends open), else ValueError."""
     lo_open, hi_open = open_ in ("low", "both"), open_ in ("high", "both")
     ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
     x = float(value) if ok else np.nan

@@ -34,8 +34,7 @@ class DigitsData(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
-    """The digits split by class (``test_fraction`` of each held out), read-only, cached
-    per process; ``seed`` sets the split and the training order."""
+    """The digits split by class (``test_fraction`` held out), read-only, cached, by ``seed``."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     from sklearn.datasets import load_digits
