@@ -710,20 +710,18 @@ class LocalServer:
         return self._based is not None
 
     def _promote(self, k: int, backup: tuple, timeout: float, published: int, keep: tuple) -> dict:
-        """Backup ``backup`` (process, control) of dead shard ``k`` serves in its place, its
-        state as it holds it, its log the chain's newest cut where it holds it (none: a new
-        chain begins); a CheckpointError if its state is behind version ``published``."""
+        """Dead shard ``k``'s ``backup`` (process, control) serves in its place, its log the
+        chain's newest cut where it holds it (none: a new chain begins); a CheckpointError if
+        it is behind version ``published``."""
         p, control = backup
         control.send_bytes(wire.stats())
         held = recv_reply(control, timeout, f"shard {k}'s backup's state", trusted=True)[1]
-        (path, at), version = held["held"], held["version"]
-        if version < published:
-            raise CheckpointError(f"it is at version {version}, behind {published}")
-        logged: tuple = ("", None, False)  # no log: the state alone
+        if held["version"] < published:
+            raise CheckpointError(f"it is at version {held['version']}, behind {published}")
+        (path, at), logged = held["held"], ("", None, False)  # no log: the state alone
         if self._based is not None:
-            newest = os.path.join(
-                self._based[2], f"log-shard-{k}-{self._tags[k]}-{self._log_n:06d}"
-            )
+            name = f"log-shard-{k}-{self._tags[k]}-{self._log_n:06d}"
+            newest = os.path.join(self._based[2], name)
             at = at if path == newest else 0  # none forwarded since it began (a switch syncs first)
             if not os.path.isfile(newest) or os.path.getsize(newest) < at:
                 log.warning("shard %d: its backup holds %s at byte %d, not %s: a new log chain "

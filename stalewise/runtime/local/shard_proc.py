@@ -562,14 +562,19 @@ def shard_main(
     """Body of a shard process: serve pulls and pushes until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     child_logging(f"shard {k}")
-    block = SharedBlock.attach(block_name)
-    proc = ShardProcess(config, k, block, layout, control)
-    proc.shard.warm_up()
-    if proc.shard.decoder is not None:
-        proc.shard.decoder.warm_up()  # the codec's kernels load now, not at the first push
+    proc = ShardProcess(config, k, SharedBlock.attach(block_name), layout, control)
+    warm_up(proc.shard)
     proc.publish_now()
     control.send_bytes(wire.ready(k))
     serve(proc, join_timeout)
+
+
+def warm_up(shard: Shard) -> None:
+    """The optimizer's JIT and the codec's kernels load now, not at the first push (nor,
+    on a backup, within its primary's first wait: backup_timeout)."""
+    shard.warm_up()
+    if shard.decoder is not None:
+        shard.decoder.warm_up()
 
 
 def serve(proc: ShardProcess, join_timeout: float) -> None:
@@ -608,9 +613,7 @@ def backup_main(
     lo, hi = config.ranges[k]
     block = SharedBlock.attach(block_name)
     shard = config.build_shard(k, np.array(config.init[lo:hi]), layout.workers, layout.expected)
-    shard.warm_up()  # the JIT now, not within the primary's first wait (backup_timeout)
-    if shard.decoder is not None:
-        shard.decoder.warm_up()
+    warm_up(shard)
     control.send_bytes(wire.ready(k))
     try:
         promoted = follow(shard, push_regions(layout, block, lo, hi, k), link, control)
@@ -619,9 +622,8 @@ def backup_main(
         return  # the parent starts a new backup
     if promoted is not None:  # its state, and the load's log and seats
         proc = ShardProcess(config, k, block, layout, control)
-        version, error = proc.load(*promoted)
-        control.send_bytes(wire.loaded(version, error))
-        if error is None:
+        control.send_bytes(wire.loaded(*(reply := proc.load(*promoted))))
+        if reply[1] is None:
             serve(proc, join_timeout)
 
 
