@@ -644,7 +644,7 @@ def follow(shard: Shard, regions: list, link, control) -> tuple | None:
                 body = c.recv_bytes(None if c is control else bound)
             except (EOFError, OSError) as e:
                 if c is control or not isinstance(e, EOFError | ConnectionResetError):
-                    return None  # stopped, or a message too long: the parent starts a new one
+                    return  # stopped, or a message too long: the parent starts a new one
                 link = link.close()  # the primary died: the parent promotes this copy
                 continue
             if c is control:
@@ -652,16 +652,12 @@ def follow(shard: Shard, regions: list, link, control) -> tuple | None:
                 if backup:
                     backup.apply()
                 if msg[0] == "stats":  # how far it is, before its promotion (-1: no state)
-                    version = shard.version if backup else -1
-                    control.send_bytes(wire.stats_reply({"version": version, "held": held}))
-                elif msg[0] == "load" and backup:  # promoted: the primary's rule from here on
-                    if link:
-                        link.close()
+                    at = {"version": shard.version if backup else -1, "held": held}
+                    control.send_bytes(wire.stats_reply(at))
+                    continue
+                if msg[0] == "load" and backup:  # promoted: the primary's rule from here on
                     return backup.promote().shard.state_dict(), *msg[2:]
-                else:  # stop
-                    control.send_bytes(wire.stopped({"digest": digest(shard.state_dict())}))
-                    return None
-                continue
+                return control.send_bytes(wire.stopped({"digest": digest(shard.state_dict())}))
             msg, path, at = wire.decode_link(body)
             if isinstance(msg, CatchUp):
                 backup, held = Backup(shard, msg), (path, at)
