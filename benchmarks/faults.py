@@ -201,6 +201,7 @@ class Faults:
         self.pauses: list = []  # replica-kills: seconds after each backup's kill
         self.linked: set[int] = set()  # replica-kills: backups linked to their primary
         self.waiting: list = []  # (time, pushes) of backup kills whose pause is not over
+        self.backup_at: set = set()  # times of backup kills (no failure event: not timed)
 
     def _children(self, kind: str) -> list:
         return sorted(
@@ -234,6 +235,7 @@ class Faults:
             os.kill(self.rng.choice(self._children(kind)).pid, signal.SIGKILL)
             if kind == "backup":  # a primary's pause: shard_s, recover_s
                 self.waiting.append((now, rec["pushes"]))
+                self.backup_at.add(now)
             self.kills -= 1
             self.after = rec["pushes"] + self.rng.randint(20, 120)  # the workers are back
             self.next = now if self.kills else None
@@ -258,7 +260,7 @@ class Faults:
     def timings(self, failures: list[dict]) -> tuple[float, float]:
         """Mean seconds from each fault to its detection, and to the recovery."""
         detect, recover = [], []
-        for t in self.at:
+        for t in [t for t in self.at if t not in self.backup_at]:  # else: the next primary's
             later = [e for e in failures if e["time"] >= t and e["action"] != "diverged"]
             if later:
                 detect.append(later[0]["time"] - t)

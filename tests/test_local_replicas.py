@@ -20,6 +20,9 @@ from test_shard_log_restart import kill, wait_for
 
 import stalewise as sw
 from stalewise.checkpoint import replay, store
+from stalewise.protocol.replica import Forward
+from stalewise.runtime.local import wire
+from stalewise.runtime.local.client import recv_reply
 from stalewise.runtime.local.server import LocalServer
 
 SERVER = "stalewise.runtime.local.server"
@@ -227,3 +230,27 @@ def test_a_backup_without_the_newest_log_is_taken_and_a_new_chain_begins(
         info = server.restart_shard(0, timeout=30)
         assert (info["source"], info["version"], info["lost"]) == ("backup", 5, 0), info
         assert "a new log chain begins" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (b"\x99 not a message", "not a message between a shard's copies (15 bytes)"),
+        (wire.link(Forward(1, 0, (b"entry",))), "a Forward before its catch-up"),
+    ],
+    ids=["garbled", "forward-first"],
+)
+def test_a_bad_message_on_a_backups_link_stops_it_in_one_line(body, says, capfd, no_leaks):
+    """A backup sent what no primary sends logs one line naming its shard and stops (the
+    parent replaces a linked one: test_a_killed_backup_is_replaced_and_caught_up)."""
+    job = sw.Job({"a": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(1.0), replicas=2)
+    with LocalServer(job.config, 1) as server:
+        p, control, link = server._start_backup(0)
+        with control, link:
+            assert recv_reply(control, 60, "the backup's start") == ("ready", 0)
+            link.send_bytes(body)
+            p.join(30)
+        assert p.exitcode == 0
+    err = capfd.readouterr().err
+    assert f"stalewise backup 0: ERROR: backup 0: a bad message from its primary ({says})" in err
+    assert "Traceback" not in err, err

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from stalewise.checkpoint.replay import continued
 from stalewise.checkpoint.store import CheckpointError
 from stalewise.protocol import ServerConfig, budget, delivery
 from stalewise.runtime.base import worker_range
@@ -179,8 +180,8 @@ class LocalServer:
     def _start_backup(self, k: int) -> tuple:
         """Starts shard ``k``'s backup: ``(process, its control, the primary's end of its link)``."""
         (link, theirs), (control, their_control) = self._ctx.Pipe(), self._ctx.Pipe()
-        p = self._spawn(backup_main, f"stalewise-backup-{k}", self.config, k,
-                        self._block.handle, self.layout, theirs, their_control)  # fmt: skip
+        p = self._spawn(backup_main, f"stalewise-backup-{k}", self.config, k, self._block.handle,
+                        self.layout, theirs, their_control, self.join_timeout)  # fmt: skip
         with self._procs_lock:
             self._spawning.add(p)
         return p, control, link
@@ -637,12 +638,13 @@ class LocalServer:
     def restart_shard(
         self, k: int, base: dict | None = None, timeout: float = 60.0, keep: tuple = ()
     ) -> dict:
-        """Starts a new process for shard ``k``, whose process has died, and restores its state:
-        its live backup's, else with push logs exactly as when it died (its log chain goes
-        on; workers ``keep`` keep their seats, then :meth:`rejoin`), else its slice the last
-        published snapshot, its optimizer state and counters ``base``'s (shard ``k``'s
-        :meth:`state_dict`) or fresh, its version the live shards'. Every other worker must
-        rejoin as a new incarnation (its committed push is delivered where lacking).
+        """Brings back shard ``k``, whose process has died: its live backup serves in its place
+        (:meth:`_promote`), else a new process restores its state: with push logs exactly as
+        when it died (its log chain goes on; workers ``keep`` keep their seats, then
+        :meth:`rejoin`), else its slice the last published snapshot, its optimizer state and
+        counters ``base``'s (shard ``k``'s :meth:`state_dict`) or fresh, its version the live
+        shards'. Every other worker must rejoin as a new incarnation (its committed push is
+        delivered where lacking).
 
         Returns:
             ``{"shard", "version", "lost", "source"}``: the version it resumes at, the
@@ -666,19 +668,18 @@ class LocalServer:
             while self._controls[j].poll(0.05):
                 self._controls[j].recv_bytes()
         self.observer = self._observer()
-        replayed, source, why = None, "push log", "no checkpoint folder"
         with self._procs_lock:
             backup, self._backups[k] = self._backups[k], None
         if backup is not None:
             try:
-                replayed = self._backed_up(k, backup[1], timeout, snapshots.version(k))
-                source = "backup"
-            except (ServerClosed, TimeoutError, OSError, CheckpointError) as e:
+                return self._promote(k, backup, timeout, snapshots.version(k), keep)
+            except (ServerClosed, TimeoutError, OSError, CheckpointError, ShardError) as e:
                 log.warning("shard %d: its backup's state is not used: %s", k, e)
             backup[1].close()
             backup[0].kill()
             backup[0].join()
-        if replayed is None and self._based is not None:
+        replayed, source, why = None, "push log", "no checkpoint folder"
+        if self._based is not None:
             try:
                 replayed, why = self._replayed(k), "it broke: behind what the shard published"
             except CheckpointError as e:
@@ -709,25 +710,35 @@ class LocalServer:
         """Whether the shards write push logs, from which a dead one is rebuilt."""
         return self._based is not None
 
-    def _backed_up(self, k: int, control: Any, timeout: float, published: int) -> tuple:
-        """Shard ``k``'s state as its backup (``control``) holds it, and the log it goes on
-        with: the chain's newest, cut where the backup holds it (none: a new chain begins);
-        a CheckpointError if the backup's state is behind version ``published``."""
-        control.send_bytes(wire.state())
-        state = recv_reply(control, timeout, f"shard {k}'s backup's state", trusted=True)[1]
-        path, at = state.pop("held")
-        if state["version"] < published:
-            raise CheckpointError(f"it is at version {state['version']}, behind {published}")
-        if self._based is None:
-            return state, ("", None, False)  # no log: the state alone
-        newest = os.path.join(self._based[2], f"log-shard-{k}-{self._tags[k]}-{self._log_n:06d}")
-        from stalewise.checkpoint.replay import continued
-
-        if (at := continued(newest, path, at)) is None:  # its backup's state is not in it
-            self._tags[k] = uuid.uuid4().hex[:8]
-            return state, ("", None, False)
-        log.info("shard %d: its backup's state: %s at byte %d", k, newest, at)
-        return state, (newest, at, self._based[3])
+    def _promote(self, k: int, backup: tuple, timeout: float, published: int, keep: tuple) -> dict:
+        """Dead shard ``k``'s ``backup`` (process, control) serves in its place, its log the
+        chain's newest cut where it holds it (none: a new chain begins); a CheckpointError if
+        it is behind version ``published``."""
+        p, control = backup
+        control.send_bytes(wire.stats())
+        held = recv_reply(control, timeout, f"shard {k}'s backup's state", trusted=True)[1]
+        if held["version"] < published:
+            raise CheckpointError(f"it is at version {held['version']}, behind {published}")
+        (path, at), logged = held["held"], ("", None, False)  # no log: the state alone
+        if self._based is not None:
+            name = f"log-shard-{k}-{self._tags[k]}-{self._log_n:06d}"
+            newest = os.path.join(self._based[2], name)
+            if (at := continued(newest, path, at)) is None:  # its backup's state is not in it
+                self._tags[k] = uuid.uuid4().hex[:8]
+            else:
+                log.info("shard %d: its backup's state: %s at byte %d", k, newest, at)
+                logged = (newest, at, self._based[3])
+        control.send_bytes(wire.load(None, logged, keep))
+        reply = recv_reply(control, timeout, f"shard {k}'s backup's promotion")
+        if reply[0] != "loaded" or reply[2] is not None:
+            raise ShardError(f"shard {k}'s backup refused to serve: {reply!r}")
+        p.name = f"stalewise-shard-{k}"
+        with self._procs_lock:  # the watcher now watches it as the primary
+            self._procs[k], self._controls[k] = p, control
+            self.control[self.layout.shard_exits][k] = np.nan
+        self.observer = self._observer()
+        threading.Thread(target=self._link_backup, args=(k, p), daemon=True).start()
+        return {"shard": k, "version": int(reply[1]), "lost": 0, "source": "backup"}
 
     def _replayed(self, k: int) -> tuple[dict, tuple]:
         """Shard ``k``'s state when it died (the last logged cut's and its log chain), and

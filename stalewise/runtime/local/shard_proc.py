@@ -20,7 +20,7 @@ from multiprocessing import connection, reduction
 import numpy as np
 
 from stalewise.checkpoint.store import create_file
-from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline
+from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline, pushlog
 from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary, digest
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
@@ -494,27 +494,7 @@ class ShardProcess:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self.catch_up()
         elif kind == "load":  # a checkpoint, before any worker joins (resume), or a restart's
-            if self.pipes:
-                c.send_bytes(wire.loaded(None, "workers have joined; load before they do"))
-                return True
-            try:
-                self.write(shard.load_state_dict, msg[1])
-            except ValueError as e:  # refused before anything was written
-                c.send_bytes(wire.loaded(None, str(e)))
-                return True
-            if msg[2] is None:
-                shard.resume()  # the saved workers' next incarnations take their seats
-            else:  # its log goes on (if any); the dead process's workers depart, but those kept
-                if msg[2][0]:
-                    self.begin_log(*msg[2])
-                for w in shard.unresumed(keep=msg[3]):
-                    got = committed_push(self.layout, self.records, self.pushes, w, self.k)
-                    self.write(shard.depart, w, int(shard.incarnation[w]), got)
-                self.answer()  # the log's entries reach the OS
-            if self.link is not None:
-                self.catch_up()  # the backup starts again from the state loaded
-            self.publish_now()
-            c.send_bytes(wire.loaded(shard.version, None))
+            c.send_bytes(wire.loaded(*self.load(*msg[1:])))
         else:  # stop
             stats = shard.stats.as_dict() | {"version": shard.version}
             c.send_bytes(
@@ -522,6 +502,31 @@ class ShardProcess:
             )
             return False
         return True
+
+    def load(self, state: dict, logged: tuple | None, keep: tuple) -> tuple:
+        """Loads ``state``: a checkpoint's (``logged`` None), or a restart's, whose push log
+        goes on (``logged``: ``(path, at, fsync)``; the dead process's workers depart, but
+        those ``keep``); returns the reply's ``(version, error)``."""
+        shard = self.shard
+        if self.pipes:
+            return None, "workers have joined; load before they do"
+        try:
+            self.write(shard.load_state_dict, state)
+        except ValueError as e:  # refused before anything was written
+            return None, str(e)
+        if logged is None:
+            shard.resume()  # the saved workers' next incarnations take their seats
+        else:
+            if logged[0]:
+                self.begin_log(*logged)
+            for w in shard.unresumed(keep=keep):
+                got = committed_push(self.layout, self.records, self.pushes, w, self.k)
+                self.write(shard.depart, w, int(shard.incarnation[w]), got)
+            self.answer()  # the log's entries reach the OS
+        if self.link is not None:
+            self.catch_up()  # the backup starts again from the state loaded
+        self.publish_now()
+        return shard.version, None
 
     def join(self, w: int, inc: int) -> None:
         self.admit(reduction.recv_handle(self.control), w, inc)
@@ -557,16 +562,25 @@ def shard_main(
     """Body of a shard process: serve pulls and pushes until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     child_logging(f"shard {k}")
-    block = SharedBlock.attach(block_name)
-    proc = ShardProcess(config, k, block, layout, control)
-    shard = proc.shard
+    proc = ShardProcess(config, k, SharedBlock.attach(block_name), layout, control)
+    warm_up(proc.shard)
+    proc.publish_now()
+    control.send_bytes(wire.ready(k))
+    serve(proc, join_timeout)
+
+
+def warm_up(shard: Shard) -> None:
+    """The optimizer's JIT and the codec's kernels load now, not at the first push (nor,
+    on a backup, within its primary's first wait: backup_timeout)."""
     shard.warm_up()
     if shard.decoder is not None:
-        shard.decoder.warm_up()  # the codec's kernels load now, not at the first push
-    proc.publish_now()
-    lease_ends: float | None = time.monotonic() + join_timeout
+        shard.decoder.warm_up()
 
-    control.send_bytes(wire.ready(k))
+
+def serve(proc: ShardProcess, join_timeout: float) -> None:
+    """The loop of shard ``proc``: one turn, then settle, until told to stop."""
+    k, shard = proc.k, proc.shard
+    lease_ends: float | None = time.monotonic() + join_timeout
     while True:
         deadlines = [d for d in (lease_ends, proc.next_deadline()) if d is not None]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
@@ -584,26 +598,41 @@ def shard_main(
 
 
 def backup_main(
-    config: ServerConfig, k: int, block_name: str, layout: Layout, link, control
+    config: ServerConfig, k: int, block_name: str, layout: Layout, link, control, join_timeout
 ) -> None:
     """Body of shard ``k``'s backup process (replicas=2): a private copy of the shard that
-    follows its primary on ``link`` (:class:`Backup`) until the parent says stop: it holds a
-    forward (its payloads copied from the push regions), says so, then applies it."""
-    die_with_parent(cleanup=lambda: None)  # (not with the thread that started it: no prctl)
+    follows its primary on ``link`` (:class:`Backup`) until the parent says stop, or promotes
+    it when the primary died: then it serves in the primary's place (:func:`serve`)."""
+    named = not block_name.startswith("/proc/")  # unlinked if the parent dies (_shard_entry)
+    die_with_parent(cleanup=lambda: named and os.unlink(block_name))  # (no prctl: threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     child_logging(f"backup {k}")
     with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed heap (M_TRIM_,
         libc = ctypes.CDLL(None)  # M_MMAP_THRESHOLD), else each payload's pages fault anew
         libc.mallopt(-1, 1 << 30), libc.mallopt(-3, 1 << 30)
     lo, hi = config.ranges[k]
-    regions = push_regions(layout, SharedBlock.attach(block_name), lo, hi, k)
+    block = SharedBlock.attach(block_name)
     shard = config.build_shard(k, np.array(config.init[lo:hi]), layout.workers, layout.expected)
-    shard.warm_up()  # the JIT now, not within the primary's first wait (backup_timeout)
-    if shard.decoder is not None:
-        shard.decoder.warm_up()
-    backup, held = None, ("", 0)  # the push log and its bytes that the state is after
-    bound = 8 * shard.params.nbytes * (layout.workers + 2) + (1 << 24)  # a turn's entries
+    warm_up(shard)
     control.send_bytes(wire.ready(k))
+    try:
+        promoted = follow(shard, push_regions(layout, block, lo, hi, k), link, control)
+    except (wire.WireError, pushlog.LogError, ValueError) as e:
+        log.error("backup %d: a bad message from its primary (%s); it stops", k, e)
+        return  # the parent starts a new backup
+    if promoted is not None:  # its state, and the load's log and seats
+        proc = ShardProcess(config, k, block, layout, control)
+        control.send_bytes(wire.loaded(*(reply := proc.load(*promoted))))
+        if reply[1] is None:
+            serve(proc, join_timeout)
+
+
+def follow(shard: Shard, regions: list, link, control) -> tuple | None:
+    """The backup's loop: it holds a forward (its payloads copied from the push ``regions``),
+    says so, then applies it. Returns None once stopped, or once promoted its state and the
+    parent's ``(log, keep)`` (a primary's death ends ``link``: the parent then asks)."""
+    backup, held = None, ("", 0)  # the push log and its bytes that the state is after
+    bound = 8 * shard.params.nbytes * (len(regions) + 2) + (1 << 24)  # a turn's entries
     while True:
         ready = wire.readable(
             [c for c in (control, link) if c], 0 if backup and backup.pending else None
@@ -615,20 +644,26 @@ def backup_main(
                 body = c.recv_bytes(None if c is control else bound)
             except (EOFError, OSError) as e:
                 if c is control or not isinstance(e, EOFError | ConnectionResetError):
-                    return  # stopped, or a bad message: the parent starts a new backup
-                link = link.close()  # the primary died: the parent asks for the state
+                    return  # stopped, or a message too long: the parent starts a new one
+                link = link.close()  # the primary died: the parent promotes this copy
                 continue
             if c is control:
+                msg = wire.decode_control(body)
                 if backup:
                     backup.apply()
-                if wire.decode_control(body)[0] != "state":  # stop
-                    return control.send_bytes(wire.stopped({"digest": digest(shard.state_dict())}))
-                control.send_bytes(wire.state_reply(shard.state_dict() | {"held": held}))
-                continue
+                if msg[0] == "stats":  # how far it is, before its promotion (-1: no state)
+                    at = {"version": shard.version if backup else -1, "held": held}
+                    control.send_bytes(wire.stats_reply(at))
+                    continue
+                if msg[0] == "load" and backup:  # promoted: the primary's rule from here on
+                    return backup.promote().shard.state_dict(), *msg[2:]
+                return control.send_bytes(wire.stopped({"digest": digest(shard.state_dict())}))
             msg, path, at = wire.decode_link(body)
             if isinstance(msg, CatchUp):
                 backup, held = Backup(shard, msg), (path, at)
                 reply = Held(backup.view, backup.entries)
+            elif backup is None:
+                raise wire.WireError(f"a {type(msg).__name__} before its catch-up")
             elif (reply := backup.hold(msg := with_payloads(msg, regions))) is not None:
                 held = (path, at + sum(map(len, msg.entries[: backup.entries - msg.first])))
             with contextlib.suppress(OSError):  # else the primary died: EOF follows
