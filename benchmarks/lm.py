@@ -727,7 +727,7 @@ def gpt124(shape: tuple, vocab: int, rounds: int, inner: str, lr: float, outer) 
         workers=WORKERS,
         steps=WORKERS * rounds,
         metrics=sw.Metrics(every=60.0, name="gpt124", on_record=records.append),
-        timeouts=sw.Timeouts(total=7200),
+        timeouts=sw.Timeouts(total=7200, start=1800, shard_start=1200),  # a loaded machine
     )
     wall = time.monotonic() - t0
     done.set()

@@ -157,8 +157,6 @@ class AveragingState:
 
 def _new_state(params: Any, adapter: Any) -> AveragingState:
     local, spec = tree.flatten(params)  # a new vector, not a view of the pull buffer
-    if not local.flags.writeable:
-        local = local.copy()
     if hasattr(adapter, "warm"):
         adapter.warm(local, spec)
     return AveragingState(
@@ -170,8 +168,7 @@ def _new_state(params: Any, adapter: Any) -> AveragingState:
 
 
 def _minus_local(state: AveragingState, params: Any) -> np.ndarray:
-    """``pulled - local``, a new array (the push's own); the pulled values are read again
-    from ``params``, which every runtime leaves unchanged during a step, into the scratch."""
+    """``pulled - local`` (the push's own array), ``params`` read again into the scratch."""
     return tree.flatten(params, spec=state.spec, out=state.grads)[0] - state.local
 
 
