@@ -93,7 +93,7 @@ context 64, batch 4, no straggler, no emulated time) for ``--rounds`` outer roun
 and records each process's peak memory (issue 44; ``docs/design-notes.md``, "Memory
 per process"):
 
-    nice -n 19 .venv/bin/python benchmarks/lm.py --gpt124 --vocab 256 --rounds 2 --json PATH
+    nice -n 19 .venv/bin/python benchmarks/lm.py --gpt124 --rounds 2 --json PATH
 """
 
 from __future__ import annotations
