@@ -93,7 +93,7 @@ context 64, batch 4, no straggler, no emulated time) for ``--rounds`` outer roun
 and records each process's peak memory (issue 44; ``docs/design-notes.md``, "Memory
 per process"):
 
-    nice -n 19 .venv/bin/python benchmarks/lm.py --gpt124 --vocab 256 --rounds 2 --json PATH
+    nice -n 19 .venv/bin/python benchmarks/lm.py --gpt124 --rounds 2 --json PATH
 """
 
 from __future__ import annotations
@@ -727,7 +727,7 @@ def gpt124(shape: tuple, vocab: int, rounds: int, inner: str, lr: float, outer) 
         workers=WORKERS,
         steps=WORKERS * rounds,
         metrics=sw.Metrics(every=60.0, name="gpt124", on_record=records.append),
-        timeouts=sw.Timeouts(total=7200),
+        timeouts=sw.Timeouts(total=7200, start=1800, shard_start=1200),  # a loaded machine
     )
     wall = time.monotonic() - t0
     done.set()

@@ -12,6 +12,7 @@ import math
 import pickle
 import re
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -288,6 +289,28 @@ def test_lamb_inner_works_per_leaf_with_the_jobs_segments():
     assert_allclose(state.local, flat)
     pulled = sw.tree.flatten(params, spec=spec)[0]
     assert_allclose(sw.tree.flatten(step.update, spec=spec)[0], pulled - flat)
+
+
+def test_a_worker_holds_two_flat_vectors_and_no_earlier_gradient():
+    """Memory (docs/design-notes.md, "Memory per process"): local and the gradient's scratch,
+    the inner state; a step's gradient is released before the next one is made."""
+    refs: list = []
+    held: list = []
+
+    def lg(p, _):
+        held.append(any(r() is not None for r in refs))
+        g = {"x": 2 * p["x"]}
+        refs.append(weakref.ref(g["x"]))
+        return 0.0, g
+
+    params = {"x": np.ones(1000)}
+    strat = diloco(local_steps=3, inner=sw.optim.sgd(0.1))
+    state = strat.init(params)
+    step = strat.step(state, params, lg, iter([None] * 3))
+    arrays = [v for v in vars(state).values() if isinstance(v, np.ndarray)]
+    assert sum(a.nbytes for a in arrays) == 2 * 8000
+    assert held == [False, False, False]
+    assert_allclose(step.update["x"], 1 - state.local, rtol=0, atol=0)
 
 
 def test_the_update_does_not_alias_worker_buffers():

@@ -146,7 +146,6 @@ class AveragingState:
 
     spec: tree.FlatSpec  # layout of the flat vectors (the job's)
     local: np.ndarray  # the worker's local parameters, flat
-    pulled: np.ndarray  # the last pulled global parameters (EASGD: the centre), flat
     grads: np.ndarray  # gradient buffer (scratch of the inner optimizer)
     inner: Any  # the inner optimizer's state (stalewise state, optax state or torch optimizer)
     pushes: int = 0  # strategy steps done
@@ -158,17 +157,19 @@ class AveragingState:
 
 def _new_state(params: Any, adapter: Any) -> AveragingState:
     local, spec = tree.flatten(params)  # a new vector, not a view of the pull buffer
-    if not local.flags.writeable:
-        local = local.copy()
     if hasattr(adapter, "warm"):
         adapter.warm(local, spec)
     return AveragingState(
         spec=spec,
         local=local,
-        pulled=np.empty_like(local),
         grads=np.empty_like(local),
         inner=adapter.init(local, spec),
     )
+
+
+def _minus_local(state: AveragingState, params: Any) -> np.ndarray:
+    """``pulled - local`` (the push's own array), ``params`` read again into the scratch."""
+    return tree.flatten(params, spec=state.spec, out=state.grads)[0] - state.local
 
 
 def _run_local(
@@ -186,6 +187,7 @@ def _run_local(
     while True:
         loss, g = loss_and_grad(tree.unflatten(local, spec), next(batches))
         tree.flatten(g, spec=spec, out=grads)
+        del g  # not held while the next step's gradient is made
         reported = tree.take_buffers(grads, spec)  # buffers report values, not gradients
         state.inner = adapter.step(state.inner, local, grads, spec)
         tree.put_buffers(local, reported, spec)
@@ -302,13 +304,12 @@ class LocalSGDStrategy(Strategy):
         self, state: AveragingState, params: Any, run: Callable[[], tuple[int, float]]
     ) -> Step:
         """One round from the pulled ``params``; ``run()`` steps, giving ``(taken, mean loss)``."""
-        tree.flatten(params, spec=state.spec, out=state.pulled)
-        np.copyto(state.local, state.pulled)  # every round starts from the global parameters
+        tree.flatten(params, spec=state.spec, out=state.local)  # the round starts from the pull
         if self.reset_inner and state.pushes:
             state.inner = self._inner.init(state.local, state.spec)
         n, loss = run()
         state.taken = n
-        delta = state.pulled - state.local  # the pseudo-gradient (a new array: the push's own)
+        delta = _minus_local(state, params)
         tree.copy_buffers(delta, state.local, state.spec)  # a buffer's slot: its value
         state.pushes += 1
         return Step(tree.unflatten(delta, state.spec), n, loss, state)
@@ -430,17 +431,16 @@ class EASGD(Strategy):
     def step(
         self, state: AveragingState, params: Any, loss_and_grad: LossAndGrad, batches: Iterator
     ) -> Step:
-        centre = tree.flatten(params, spec=state.spec, out=state.pulled)[0]
         if self.reset_inner and state.pushes:
             state.inner = self._inner.init(state.local, state.spec)
         n, loss = _run_local(self._inner, state, loss_and_grad, batches, self.local_steps, None)
-        delta = centre - state.local  # a new array: the push's own
+        delta = _minus_local(state, params)  # c - x, c the pulled centre
         delta *= self.alpha  # push alpha * (c - x): server sgd(1.0) makes c += alpha * (x - c)
         if np.isfinite(state.local).all():
             state.local += delta  # x -= alpha * (x - c)
         else:
             log.warning("easgd: local parameters are not finite; restarting from the centre")
-            np.copyto(state.local, centre)
+            tree.flatten(params, spec=state.spec, out=state.local)
         tree.copy_buffers(delta, state.local, state.spec)  # a buffer's slot: its value
         state.pushes += 1
         return Step(tree.unflatten(delta, state.spec), n, loss, state)

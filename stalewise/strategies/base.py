@@ -48,7 +48,7 @@ class Strategy:
         runtime's clock (:mod:`stalewise.pacing`). The default does nothing."""
 
     def step(self, state: Any, params: Any, loss_and_grad: LossAndGrad, batches: Iterator) -> Step:
-        """Computes one update from ``params`` (the tree just pulled)."""
+        """Computes one update from ``params`` (the tree just pulled, unchanged until it returns)."""
         raise NotImplementedError
 
     def check_consistency(self, consistency: Any, *, recommended: bool) -> None:

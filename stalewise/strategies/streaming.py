@@ -183,13 +183,13 @@ class StreamingDiLoCo(LocalSGDStrategy):
     def step(
         self, state: StreamingState, params: Any, loss_and_grad: LossAndGrad, batches: Iterator
     ) -> Step:
-        tree.flatten(params, spec=state.spec, out=state.pulled)
+        pulled = tree.flatten(params, spec=state.spec, out=state.grads)[0]  # scratch till a step
         since = state.pushed[-1][0] if state.pushed else state.t  # the last push's inner step
         if not state.pushes:  # the first round: the pull is everything
-            np.copyto(state.local, state.pulled)
-            np.copyto(state.ref, state.pulled)
+            np.copyto(state.local, pulled)
+            np.copyto(state.ref, pulled)
         elif state.last is not None:  # the global fragment of the last push, merged later
-            values = [state.pulled[a:b].copy() for a, b in state.runs[state.last]]
+            values = [pulled[a:b].copy() for a, b in state.runs[state.last]]
             state.pending.append((since + self.delay, state.last, values))
         end, frag = self.schedule(since)
         losses, state.early = state.early, []
