@@ -236,9 +236,10 @@ class Job:
         """Delivers the next message; False once none is left."""
         if self.crashed is not None:
             self.recover(self.crashed)
-        for name in TARGETS_KILLED:
-            if name not in self.dead:
-                self.point((name, "event", self.events))
+        if self.at is not None or (self.kill is not None and self.kill[1] == "event"):
+            for name in TARGETS_KILLED:
+                if name not in self.dead:
+                    self.point((name, "event", self.events))
         if not self.queue:
             for name in TARGETS_KILLED:
                 if name not in self.dead:  # after its last message
