@@ -1,7 +1,10 @@
 """Module-level functions for tests that start worker processes (spawned children import them)."""
 
+import multiprocessing as mp
 import os
 import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
@@ -166,3 +169,17 @@ def report_torch_threads(queue):
     import torch
 
     queue.put((os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()))
+
+
+def _warn_as(filters):
+    warnings.filters[:] = filters
+
+
+def in_two(fn, *args):
+    """``fn(*args, 0)`` here and ``fn(*args, 1)`` at once in a spawned process (a CPU-bound
+    sweep split over two cores), the child under this process's warning filters (pytest's
+    "error" included); returns both results."""
+    spawn = mp.get_context("spawn")
+    with ProcessPoolExecutor(1, spawn, initializer=_warn_as, initargs=(warnings.filters,)) as pool:
+        other = pool.submit(fn, *args, 1)
+        return fn(*args, 0), other.result()

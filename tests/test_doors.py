@@ -309,9 +309,10 @@ def test_a_bsp_rank_that_stops_is_left_to_the_timeout_not_killed_as_hung(tmp_pat
     it, so --rank-timeout does not judge it. A pause ends and the run completes; a hang is
     caught by --timeout, which names the rank."""
     (tmp_path / "bsp.py").write_text(BSP_SCRIPT)
+    timeout = 40 if how == "pause" else 15  # a hang waits it out: silent 5x --rank-timeout
     done = subprocess.run(
         [sys.executable, "-m", "stalewise", "run", "--workers", "2", "--steps", "20",
-         "--rank-timeout", "2", "--timeout", "40", str(tmp_path / "bsp.py"), how],
+         "--rank-timeout", "2", "--timeout", str(timeout), str(tmp_path / "bsp.py"), how],
         cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert "hung" not in done.stderr and "Traceback" not in done.stderr, done.stderr
@@ -319,7 +320,7 @@ def test_a_bsp_rank_that_stops_is_left_to_the_timeout_not_killed_as_hung(tmp_pat
         assert done.returncode == 0, done.stderr
     else:
         assert done.returncode == 1, done.stderr
-        timed_out = "timed out after 40 s (--timeout): still running: rank 0 ("
+        timed_out = f"timed out after {timeout} s (--timeout): still running: rank 0 ("
         assert timed_out in done.stderr and "; rank 1 (3 pushes, the last" in done.stderr
 
 

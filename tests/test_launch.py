@@ -440,21 +440,21 @@ def test_ctrl_c_stops_ranks_sleeping_in_user_code_with_a_line_each(tmp_path):
 
 def test_hung_ranks_end_the_run_at_timeout_naming_them(tmp_path):
     """Rank 1 sleeps forever in user code before its first push, rank 2 after three; rank 0
-    reaches the budget and ends. --timeout 20 ends the run with exit 1 naming ranks 1 and 2."""
+    reaches the budget and ends. --timeout 10 ends the run with exit 1 naming ranks 1 and 2."""
     script = _script(tmp_path, TOY)
     start = time.monotonic()
     with _Launcher(
-        tmp_path, "--workers", "3", "--steps", "40", "--timeout", "20", str(script), "hang"
+        tmp_path, "--workers", "3", "--steps", "40", "--timeout", "10", str(script), "hang"
     ) as launcher:
-        launcher.proc.wait(20 + STOP_GRACE + 60)
+        launcher.proc.wait(10 + STOP_GRACE + 60)
         err = launcher.stderr()
     took = time.monotonic() - start
     assert launcher.proc.returncode == 1, err
-    assert "stalewise run: timed out after 20 s (--timeout): still running: rank 1 (" in err
+    assert "stalewise run: timed out after 10 s (--timeout): still running: rank 1 (" in err
     assert "rank 1 (no push yet); rank 2 (3 pushes, the last " in err, err
     assert "rank 0 (" not in err, err  # it had ended, at the budget
     assert "Traceback" not in err, err
-    assert 20 <= took < 20 + STOP_GRACE + 60, took
+    assert 10 <= took < 10 + STOP_GRACE + 60, took
 
 
 def test_a_rank_that_stops_pushing_is_killed_and_one_slow_to_push_first_is_not(tmp_path):

@@ -16,6 +16,7 @@ import itertools
 import time
 from collections import Counter, defaultdict
 
+import mp_helpers
 import numpy as np
 import pytest
 
@@ -235,9 +236,10 @@ class Job:
         """Delivers the next message; False once none is left."""
         if self.crashed is not None:
             self.recover(self.crashed)
-        for name in TARGETS_KILLED:
-            if name not in self.dead:
-                self.point((name, "event", self.events))
+        if self.at is not None or (self.kill is not None and self.kill[1] == "event"):
+            for name in TARGETS_KILLED:
+                if name not in self.dead:
+                    self.point((name, "event", self.events))
         if not self.queue:
             for name in TARGETS_KILLED:
                 if name not in self.dead:  # after its last message
@@ -359,17 +361,30 @@ def kill_points(clean, every_event):
 
 
 def fault_cases(consistency, kind, pushes=PUSHES, every_event=False):
-    """Runs the job once clean and once per kill point; returns the number of runs. A run
-    is the clean one up to its kill, so it starts from a copy of the clean run there."""
-    t = time.process_time()
+    """Runs the job once clean and once per kill point, every other one in a second process;
+    returns the number of runs, those with a resent push answered as a duplicate, the clean
+    run."""
+    t = time.perf_counter()
+    mine, other = mp_helpers.in_two(kill_runs, consistency, kind, pushes, every_event)
+    clean, runs, retried = mine[0], 1 + mine[1] + other[1], mine[2] + other[2]
+    took = time.perf_counter() - t
+    print(f"{consistency} {kind}, {pushes} pushes per worker: {clean.events} events, {runs} runs")
+    print(f"  {retried} with a resent push answered as a duplicate; {took:.1f} s")
+    return runs, retried, clean
+
+
+def kill_runs(consistency, kind, pushes, every_event, part):
+    """The clean run, checked, and a run per kill point of the ``part``-th half (0 or 1);
+    returns the clean run (part 0), the kill runs and those with a duplicate. A run is the
+    clean one up to its kill, so it starts from a copy of the clean run there."""
     clean = Job(consistency, kind, pushes=pushes).run()
     replayed = [Replayed(clean, k) for k in range(2)]
     check(clean, (consistency, kind, "no kill"), replayed)
     assert clean.done == [pushes] * WORKERS
     due = defaultdict(list)
-    for kill in kill_points(clean, every_event):
+    for kill in itertools.islice(kill_points(clean, every_event), part, None, 2):
         due[clean.at[kill]].append(kill)
-    runs, retried, job = 1, 0, Job(consistency, kind, pushes=pushes)
+    runs, retried, job = 0, 0, Job(consistency, kind, pushes=pushes)
     job.at = None
     shared = {}  # what a copy of the job shares with it: the shards' settings
     for c in job.procs.values():
@@ -385,10 +400,7 @@ def fault_cases(consistency, kind, pushes=PUSHES, every_event=False):
         if not job.step():
             break
     assert not due
-    cpu = time.process_time() - t
-    print(f"{consistency} {kind}, {pushes} pushes per worker: {clean.events} events, {runs} runs")
-    print(f"  {retried} with a resent push answered as a duplicate; {cpu:.1f} s CPU")
-    return runs, retried, clean
+    return clean if part == 0 else None, runs, retried
 
 
 @pytest.mark.slow  # about 20 s of CPU each

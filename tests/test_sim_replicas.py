@@ -11,6 +11,7 @@ import math
 import time
 from collections import Counter
 
+import mp_helpers
 import numpy as np
 import pytest
 
@@ -65,29 +66,39 @@ def check(job, sim, case):
     """Every acknowledged push applied once in each copy; each copy equals its log's replay."""
     assert sim.told, case
     for k in range(2):
-        copies = {"primary": sim.shards[k], "backup": sim.backups[k].shard}
         assert sim.logs["p", k] == sim.logs["b", k], f"{case}: shard {k}'s copies' logs differ"
-        for role, shard in copies.items():
-            lo, hi = job.config.ranges[k]
-            fresh = job.config.build_shard(k, job.config.init[lo:hi].copy(), WORKERS)
-            entries = pushlog.decode(b"".join(sim.logs["p", k]))
-            applied = Counter(
-                (k, h[0], h[3], ack.seq)
-                for entry, ack in zip(entries, pushlog.replay(fresh, entries), strict=True)
-                if (h := entry.fields.get("header")) and ack and ack.ok and not ack.duplicate
-            )
-            assert max(applied.values()) == 1, f"{case}: shard {k}'s {role} applied a push twice"
-            lost = {a for a in sim.told if a[0] == k} - set(applied)
-            assert not lost, f"{case}: shard {k}'s {role} lacks acknowledged {sorted(lost)[:3]}"
-            for key, x in fresh.state_dict().items():
-                y = shard.state_dict()[key]
+        lo, hi = job.config.ranges[k]  # one log: one replay for both copies
+        fresh = job.config.build_shard(k, job.config.init[lo:hi].copy(), WORKERS)
+        entries = pushlog.decode(b"".join(sim.logs["p", k]))
+        applied = Counter(
+            (k, h[0], h[3], ack.seq)
+            for entry, ack in zip(entries, pushlog.replay(fresh, entries), strict=True)
+            if (h := entry.fields.get("header")) and ack and ack.ok and not ack.duplicate
+        )
+        assert max(applied.values()) == 1, f"{case}: shard {k}'s log applies a push twice"
+        lost = {a for a in sim.told if a[0] == k} - set(applied)
+        assert not lost, f"{case}: shard {k}'s log lacks acknowledged {sorted(lost)[:3]}"
+        replayed = fresh.state_dict()
+        for role, shard in {"primary": sim.shards[k], "backup": sim.backups[k].shard}.items():
+            state = shard.state_dict()
+            for key, x in replayed.items():
+                y = state[key]
                 same = x.tobytes() == y.tobytes() if isinstance(x, np.ndarray) else x == y
                 assert same, f"{case}: shard {k}'s {role} differs from its log's replay in {key}"
 
 
 def sweep(consistency, kind, every=1):
-    """Kills each process at each ``every``-th of its message boundaries; returns the runs
-    and those where a resent push was answered as a duplicate (held by the backup)."""
+    """Kills each process at each ``every``-th of its message boundaries (all of them: half
+    in a second process); returns the runs and those where a resent push was answered as a
+    duplicate (held by the backup)."""
+    if every > 1:
+        return kill_runs(consistency, kind, every, 0)
+    halves = mp_helpers.in_two(kill_runs, consistency, kind, 2)
+    return tuple(map(sum, zip(*halves, strict=True)))
+
+
+def kill_runs(consistency, kind, every, part):
+    """The clean run, checked, and a run per ``every``-th kill point from the ``part``-th."""
     job = make_job(consistency, kind)
     clean = run(job, ("none", 0, "in", 0))
     check(job, clean, (consistency, kind, "no kill"))
@@ -95,12 +106,12 @@ def sweep(consistency, kind, every=1):
     kills = [(*name, m) for name, n in sorted(clean.received.items()) for m in range(n)]
     assert {k[0] for k in kills} == {"worker", "primary", "backup"}
     retried = 0
-    for kill in kills[::every]:
+    for kill in kills[part::every]:
         sim = run(job, kill)
         check(job, sim, (consistency, kind, *kill))
         retried += any(s.stats.duplicates for s in sim.shards)
-    print(f"{consistency} {kind}: {len(kills[::every])} runs, {retried} with a duplicate")
-    return len(kills[::every]), retried
+    print(f"{consistency} {kind}: {len(kills[part::every])} runs, {retried} with a duplicate")
+    return len(kills[part::every]), retried
 
 
 CASES = [(c, k) for c in ("asp", "bsp", "ssp") for k in ("grad", "diloco")]
