@@ -20,7 +20,7 @@ from test_shard_log_restart import kill, wait_for
 
 import stalewise as sw
 from stalewise.checkpoint import replay, store
-from stalewise.protocol.replica import Forward
+from stalewise.protocol.replica import Forward, Held, Primary
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.client import recv_reply
 from stalewise.runtime.local.server import LocalServer
@@ -237,8 +237,10 @@ def test_a_backup_without_the_newest_log_is_taken_and_a_new_chain_begins(
     [
         (b"\x99 not a message", "not a message between a shard's copies (15 bytes)"),
         (wire.link(Forward(1, 0, (b"entry",))), "a Forward before its catch-up"),
+        ([wire.link(Held(1, 0))], "a Held on a backup's link"),
+        ([wire.link(Forward(1, 0, (b"ab",)))], "a forwarded entry of 2 bytes"),
     ],
-    ids=["garbled", "forward-first"],
+    ids=["garbled", "forward-first", "held-after-catch-up", "short-entry"],
 )
 def test_a_bad_message_on_a_backups_link_stops_it_in_one_line(body, says, capfd, no_leaks):
     """A backup sent what no primary sends logs one line naming its shard and stops (the
@@ -248,9 +250,68 @@ def test_a_bad_message_on_a_backups_link_stops_it_in_one_line(body, says, capfd,
         p, control, link = server._start_backup(0)
         with control, link:
             assert recv_reply(control, 60, "the backup's start") == ("ready", 0)
+            if isinstance(body, list):  # after a catch-up, from a primary of the same job
+                shard = job.config.build_shard(0, np.zeros(4, np.float32), 1)
+                link.send_bytes(wire.link(Primary(shard).attach()))
+                assert wire.decode_link(link.recv_bytes())[0] == Held(1, 0)
+                body = body[0]
             link.send_bytes(body)
             p.join(30)
         assert p.exitcode == 0
     err = capfd.readouterr().err
     assert f"stalewise backup 0: ERROR: backup 0: a bad message from its primary ({says})" in err
     assert "Traceback" not in err, err
+
+
+def test_a_backup_asked_how_far_it_is_first_holds_the_dead_primarys_last_forward(monkeypatch):
+    """The parent cuts the log where the backup says it holds it, then promotes it: a
+    forward still on the link when it asks (the backup busy applying) is held and counted
+    before the answer, so the state promoted is the log's up to the cut."""
+    import multiprocessing as mp
+    import threading
+    import time
+
+    from stalewise.protocol import PushHeader
+    from stalewise.protocol.replica import Backup
+    from stalewise.runtime.local import shard_proc
+
+    job = sw.Job({"a": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(1.0), replicas=2)
+    primary = Primary(job.config.build_shard(0, np.zeros(4, np.float32), 1))
+    (link, theirs), (control, their_control) = mp.Pipe(), mp.Pipe()
+    slow, apply = threading.Event(), Backup.apply
+
+    def slowly(self):  # the apply of a large turn on a loaded machine
+        if slow.is_set() and self.pending:
+            slow.clear()
+            time.sleep(0.5)
+        apply(self)
+
+    monkeypatch.setattr(Backup, "apply", slowly)
+    out = []
+    args = (job.config.build_shard(0, np.zeros(4, np.float32), 1), [np.zeros(4, np.float32)])
+    follower = threading.Thread(
+        target=lambda: out.append(shard_proc.follow(*args, theirs, their_control))
+    )
+    follower.start()
+    link.send_bytes(wire.link(primary.attach(), "log", 0))
+    assert wire.decode_link(link.recv_bytes())[0] == Held(1, 0)
+    primary.join(0, 1)
+    at = 0
+    slow.set()
+    for seq in range(2):
+        primary.shard.push(PushHeader(0, seq, seq, 1), np.ones(4, np.float32))
+        fwd = primary.forward()
+        tagged = fwd._replace(entries=tuple(shard_proc._REGION.pack(-1) + e for e in fwd.entries))
+        link.send_bytes(wire.link(tagged, "log", at))
+        at += sum(map(len, fwd.entries))
+        if seq == 0:
+            assert wire.decode_link(link.recv_bytes())[0] == Held(1, 2)
+            time.sleep(0.1)  # the backup is now applying the first forward
+    link.close()  # the primary dies before it hears of the second
+    control.send_bytes(wire.stats())
+    told = recv_reply(control, 30, "the backup's stats", trusted=True)[1]
+    assert told == {"version": 2, "held": ("log", at)}, told
+    control.send_bytes(wire.load(None, ("log", at, False), ()))
+    follower.join(30)
+    assert out[0][0]["version"] == 2 and out[0][1] == ("log", at, False)
+    np.testing.assert_array_equal(out[0][0]["params"], primary.shard.params)

@@ -607,9 +607,7 @@ def backup_main(
     die_with_parent(cleanup=lambda: named and os.unlink(block_name))  # (no prctl: threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     child_logging(f"backup {k}")
-    with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed heap (M_TRIM_,
-        libc = ctypes.CDLL(None)  # M_MMAP_THRESHOLD), else each payload's pages fault anew
-        libc.mallopt(-1, 1 << 30), libc.mallopt(-3, 1 << 30)
+    _keep_heap(True)  # else each payload's pages fault anew
     lo, hi = config.ranges[k]
     block = SharedBlock.attach(block_name)
     shard = config.build_shard(k, np.array(config.init[lo:hi]), layout.workers, layout.expected)
@@ -622,9 +620,23 @@ def backup_main(
         return  # the parent starts a new backup
     if promoted is not None:  # its state, and the load's log and seats
         proc = ShardProcess(config, k, block, layout, control)
-        control.send_bytes(wire.loaded(*(reply := proc.load(*promoted))))
+        reply = proc.load(*promoted)
+        del shard, promoted  # the backup's private copy: the shard serves the live params
+        _keep_heap(False)
+        control.send_bytes(wire.loaded(*reply))
         if reply[1] is None:
             serve(proc, join_timeout)
+
+
+def _keep_heap(keep: bool) -> None:
+    """A backup's glibc keeps the heap it frees (M_TRIM_THRESHOLD, M_MMAP_THRESHOLD); once
+    promoted, it gives it back (the defaults, then malloc_trim)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        size = 1 << 30 if keep else 128 << 10
+        libc.mallopt(-1, size), libc.mallopt(-3, size)
+        if not keep:
+            libc.malloc_trim(0)
 
 
 def follow(shard: Shard, regions: list, link, control) -> tuple | None:
@@ -633,13 +645,29 @@ def follow(shard: Shard, regions: list, link, control) -> tuple | None:
     parent's ``(log, keep)`` (a primary's death ends ``link``: the parent then asks)."""
     backup, held = None, ("", 0)  # the push log and its bytes that the state is after
     bound = 8 * shard.params.nbytes * (len(regions) + 2) + (1 << 24)  # a turn's entries
+
+    def take(body: bytes) -> None:  # a message on the link
+        nonlocal backup, held
+        msg, path, at = wire.decode_link(body)
+        if isinstance(msg, CatchUp):
+            backup, held = Backup(shard, msg), (path, at)
+            reply = Held(backup.view, backup.entries)
+        elif backup is None or not isinstance(msg, Forward):
+            where = "on a backup's link" if backup else "before its catch-up"
+            raise wire.WireError(f"a {type(msg).__name__} {where}")
+        elif (reply := backup.hold(msg := with_payloads(msg, regions))) is not None:
+            held = (path, at + sum(map(len, msg.entries[: backup.entries - msg.first])))
+        with contextlib.suppress(OSError):  # else the primary died: EOF follows
+            if reply is not None:
+                link.send_bytes(wire.link(reply))
+
     while True:
         ready = wire.readable(
             [c for c in (control, link) if c], 0 if backup and backup.pending else None
         )
         if backup and (not ready or len(backup.pending) > 2):
             backup.apply()  # the link is quiet, or entries wait (their memory bounded)
-        for c in ready:
+        for c in (c for c in ready if c is control or c is link):  # (a drained link: closed)
             try:
                 body = c.recv_bytes(None if c is control else bound)
             except (EOFError, OSError) as e:
@@ -647,28 +675,26 @@ def follow(shard: Shard, regions: list, link, control) -> tuple | None:
                     return  # stopped, or a message too long: the parent starts a new one
                 link = link.close()  # the primary died: the parent promotes this copy
                 continue
-            if c is control:
-                msg = wire.decode_control(body)
+            if c is not control:
+                take(body)
+                continue
+            msg = wire.decode_control(body)
+            if msg[0] == "stats":  # how far it is, before its promotion (-1: no state):
+                while link is not None:  # the dead primary's last forwards first, so the
+                    try:  # log cut where it held them is the state it promotes
+                        take(link.recv_bytes(bound))
+                    except (EOFError, OSError):  # (an entry not held is in no state)
+                        link = link.close()
                 if backup:
                     backup.apply()
-                if msg[0] == "stats":  # how far it is, before its promotion (-1: no state)
-                    at = {"version": shard.version if backup else -1, "held": held}
-                    control.send_bytes(wire.stats_reply(at))
-                    continue
-                if msg[0] == "load" and backup:  # promoted: the primary's rule from here on
-                    return backup.promote().shard.state_dict(), *msg[2:]
-                return control.send_bytes(wire.stopped({"digest": digest(shard.state_dict())}))
-            msg, path, at = wire.decode_link(body)
-            if isinstance(msg, CatchUp):
-                backup, held = Backup(shard, msg), (path, at)
-                reply = Held(backup.view, backup.entries)
-            elif backup is None:
-                raise wire.WireError(f"a {type(msg).__name__} before its catch-up")
-            elif (reply := backup.hold(msg := with_payloads(msg, regions))) is not None:
-                held = (path, at + sum(map(len, msg.entries[: backup.entries - msg.first])))
-            with contextlib.suppress(OSError):  # else the primary died: EOF follows
-                if reply is not None:
-                    link.send_bytes(wire.link(reply))
+                at = {"version": shard.version if backup else -1, "held": held}
+                control.send_bytes(wire.stats_reply(at))
+                continue
+            if backup:
+                backup.apply()
+            if msg[0] == "load" and backup:  # promoted: the primary's rule from here on
+                return backup.promote().shard.state_dict(), *msg[2:]
+            return control.send_bytes(wire.stopped({"digest": digest(shard.state_dict())}))
 
 
 def with_payloads(fwd: Forward, regions: list) -> Forward:
@@ -676,6 +702,8 @@ def with_payloads(fwd: Forward, regions: list) -> Forward:
     copied from its worker's push region."""
     entries = []
     for e in fwd.entries:
+        if len(e) < _REGION.size:
+            raise wire.WireError(f"a forwarded entry of {len(e)} bytes")
         w, rest = _REGION.unpack_from(e)[0], memoryview(e)[_REGION.size :]
         if not -1 <= w < len(regions):
             raise wire.WireError(f"an entry tagged with worker {w}, of {len(regions)}")
