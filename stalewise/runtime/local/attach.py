@@ -161,23 +161,18 @@ class Door:
         )
         self.thread.start()
 
-    def attached(self) -> set[int]:
-        """The worker ids held by attached processes that are still connected."""
+    def attached(self, pending: bool = False) -> set[int]:
+        """The worker ids held by attached processes still connected (and being handed to one)."""
         with self.lock:
             self.reap()
-            return set(self.leases)
+            return set(self.leases) | (self.pending if pending else set())
 
-    def taken(self) -> set[int]:
-        """The worker ids held by attached processes or being handed to one."""
-        with self.lock:
-            self.reap()
-            return set(self.leases) | self.pending
-
-    def reap(self) -> None:
-        gone = [w for w, c in self.leases.items() if closed(c)]
-        for w in gone:
+    def reap(self) -> dict[int, connection.Connection]:
+        """Drops the leases of processes gone; returns the others' (``self.leases``)."""
+        for w in [w for w, c in self.leases.items() if closed(c)]:
             self.leases.pop(w).close()
             log.info("job %r: worker %d detached", self.name, w)
+        return self.leases
 
     def _serve(self) -> None:
         wait = 0.0  # before the next accept, after failures (out of file descriptors)
@@ -266,9 +261,8 @@ class Door:
             if self.closed.is_set():
                 raise AttachError("the job is closing")
             self.reap()
-            client = self.server.attach_client(want, taken=set(self.leases) | self.pending)
-            w, inc = client.worker, client.incarnation
-            ends = self.server.take_ends(w)  # this thread's to send, then close
+            client, ends = self.server.attach_client(want, taken=set(self.leases) | self.pending)
+            w, inc = client.worker, client.incarnation  # ends: this thread's to send, then close
             self.pending.add(w)
         ok = False
         try:

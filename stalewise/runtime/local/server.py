@@ -33,13 +33,7 @@ from stalewise.runtime.errors import ShardError
 from stalewise.runtime.local import layout as layout_lib
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.attach import Door, closed
-from stalewise.runtime.local.client import (
-    REJOIN_TIMEOUT,
-    Client,
-    Rejoin,
-    ServerClosed,
-    recv_reply,
-)
+from stalewise.runtime.local.client import REJOIN_TIMEOUT, Client, Rejoin, ServerClosed, recv_reply
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import (
     describe_exit,
@@ -130,10 +124,8 @@ class LocalServer:
         self._incarnations = [0] * workers  # the newest incarnation of each worker id
         self._clients = [0] * workers  # clients made for each worker id by this server
         self._worker_ends: list[list] = [[] for _ in range(workers)]  # until release(w)
-        # heals: a dead primary comes back by itself (job.serve's; Job.train restarts its own),
-        # and each client(w) has a rejoin pipe, this end kept for its incarnation (see heal)
-        self.heals = heals and config.replicas == 2
-        self._rejoins: dict[int, Any] = {}
+        self.heals = heals and config.replicas == 2  # job.serve's: dead primaries come back
+        self._rejoins: dict[int, Any] = {}  # this end of each client(w)'s rejoin pipe (heal)
         self._snapshots: Snapshots | None = None  # the parent's view, for published_version
         self.join_timeout, self.backup_timeout = join_timeout, backup_timeout
         self.replicated = config.replicas == 2  # each shard has a backup process
@@ -310,7 +302,9 @@ class LocalServer:
         its old process has exited: both would write the same push buffer."""
         with self._lock:
             if worker is None:
-                worker = self.free_worker(None, taken=self._door.taken() if self._door else set())
+                worker = self.free_worker(
+                    None, taken=self._door.attached(True) if self._door else set()
+                )
             self._attached.discard(worker)  # yours now: its liveness is yours to watch
             return self._client(worker, self.heals)
 
@@ -378,20 +372,16 @@ class LocalServer:
             "workers=(min, max) for room to join)"
         )
 
-    def attach_client(self, want: int | None, *, taken: set[int]) -> Client:
-        """A client for a process attaching by name: :meth:`free_worker`, then :meth:`client`."""
+    def attach_client(self, want: int | None, *, taken: set[int]) -> tuple[Client, list]:
+        """A client for a process attaching by name (:meth:`free_worker`, then :meth:`client`;
+        its socket is its rejoin channel) and this process's ends of its pipes, now the
+        caller's to pass on and close (as :meth:`release` would)."""
         with self._lock:
             w = self.free_worker(want, taken=taken)
-            client = self._client(w)  # its socket to the door is its rejoin channel
+            client = self._client(w)
             self._attached.add(w)
-            return client
-
-    def take_ends(self, worker: int) -> list:
-        """This process's ends of ``worker``'s pipes, now the caller's to pass on and close
-        (as :meth:`release` would)."""
-        with self._lock:
-            ends, self._worker_ends[worker] = self._worker_ends[worker], []
-            return ends
+            ends, self._worker_ends[w] = self._worker_ends[w], []
+            return client, ends
 
     def incarnation(self, worker: int) -> int:
         """The newest incarnation of ``worker`` (0: none yet)."""
@@ -409,8 +399,7 @@ class LocalServer:
         self._cut(worker, ending=False)
 
     def _cut(self, worker: int, ending: bool = True) -> None:
-        """Closes this process's ends of ``worker``'s pipes; ``ending``: its incarnation
-        ends, and with it its rejoin pipe."""
+        """Closes this process's ends of ``worker``'s pipes (``ending``: its rejoin pipe too)."""
         ends, self._worker_ends[worker] = self._worker_ends[worker], []
         if ending and worker in self._rejoins:
             ends.append(self._rejoins.pop(worker))
@@ -424,11 +413,9 @@ class LocalServer:
         with self._lock:
             if self._closing.is_set() or k not in self.dead_shards():
                 return
-            leases = self._door.leases if self._door is not None else {}
+            leases = {} if self._door is None else self._door.reap()
             for w in [w for w, c in self._rejoins.items() if closed(c)]:  # its process ended
                 self._rejoins.pop(w).close()
-            if self._door is not None:
-                self._door.reap()
             keep, carried = {**leases, **self._rejoins}, []
             try:
                 source = self.restart_shard(k, keep=tuple(keep))["source"]
