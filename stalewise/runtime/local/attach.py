@@ -37,8 +37,6 @@ MAX_HANDSHAKES = 16
 #: The longest wait, in seconds, before the door tries to accept again after a failure.
 ACCEPT_BACKOFF = 1.0
 KEY_BYTES = 32  # the length of a door's key
-#: Seconds an attached client waits for a restarted shard's new pipe once its process runs.
-REJOIN_TIMEOUT = 60.0
 
 
 def door_dir() -> Path:
@@ -163,23 +161,18 @@ class Door:
         )
         self.thread.start()
 
-    def attached(self) -> set[int]:
-        """The worker ids held by attached processes that are still connected."""
+    def attached(self, pending: bool = False) -> set[int]:
+        """The worker ids held by attached processes still connected (and being handed to one)."""
         with self.lock:
-            self._reap()
-            return set(self.leases)
+            self.reap()
+            return set(self.leases) | (self.pending if pending else set())
 
-    def taken(self) -> set[int]:
-        """The worker ids held by attached processes or being handed to one."""
-        with self.lock:
-            self._reap()
-            return set(self.leases) | self.pending
-
-    def _reap(self) -> None:
-        gone = [w for w, c in self.leases.items() if _closed(c)]
-        for w in gone:
+    def reap(self) -> dict[int, connection.Connection]:
+        """Drops the leases of processes gone; returns the others' (``self.leases``)."""
+        for w in [w for w, c in self.leases.items() if closed(c)]:
             self.leases.pop(w).close()
             log.info("job %r: worker %d detached", self.name, w)
+        return self.leases
 
     def _serve(self) -> None:
         wait = 0.0  # before the next accept, after failures (out of file descriptors)
@@ -267,10 +260,9 @@ class Door:
         with self.lock:  # only to choose the id and make its pipes: no waiting on the attacher
             if self.closed.is_set():
                 raise AttachError("the job is closing")
-            self._reap()
-            client = self.server.attach_client(want, taken=set(self.leases) | self.pending)
-            w, inc = client.worker, client.incarnation
-            ends = self.server.take_ends(w)  # this thread's to send, then close
+            self.reap()
+            client, ends = self.server.attach_client(want, taken=set(self.leases) | self.pending)
+            w, inc = client.worker, client.incarnation  # ends: this thread's to send, then close
             self.pending.add(w)
         ok = False
         try:
@@ -304,33 +296,6 @@ class Door:
                 conn.send_bytes(b"leased")
             log.info("job %r: process %d attached as worker %d", self.name, pid, w)
         return ok
-
-    def heal(self, k: int) -> None:
-        """Restarts dead shard ``k`` (replicas=2: from its backup) and sends each attached
-        worker its new pipe over its socket; one that cannot carry on loses its socket."""
-        with self.lock:
-            if self.closed.is_set() or k not in self.server.dead_shards():
-                return
-            self._reap()
-            keep, carried = dict(self.leases), []
-            try:
-                source = self.server.restart_shard(k, keep=tuple(keep))["source"]
-            except Exception as e:  # its workers' calls name the shard, as without replicas
-                log.error("job %r: shard %d could not be restarted: %s", self.name, k, e)
-                source = None
-            for w, lease in sorted(keep.items()) if source in ("backup", "push log") else ():
-                try:  # pid: unused on Unix sockets
-                    self.server.rejoin(k, w, lease, pid=0)
-                    carried.append(w)
-                except Exception as e:  # it has gone, or the shard died again
-                    log.warning(
-                        "job %r: worker %d: no new pipe to shard %d: %s", self.name, w, k, e
-                    )
-            for w in keep.keys() - set(carried):
-                self.leases.pop(w).close()
-            if source is not None:
-                log.warning("job %r: shard %d restarted from its %s; attached workers %s carry "
-                            "on", self.name, k, source, carried)  # fmt: skip
 
     def close(self) -> None:
         self.closed.set()
@@ -397,12 +362,12 @@ class _Counted:
             log.warning("job %r: %s %d times in a row", name, self.what, count)
 
 
-def _closed(conn: connection.Connection) -> bool:
-    """Whether the other end of an attached process's socket has closed."""
+def closed(conn: connection.Connection) -> bool:
+    """Whether the other end of a worker's socket (attached, or its rejoin pipe) has closed."""
     try:
         if not conn.poll(0):
             return False
-        conn.recv_bytes(16)  # an attached client sends nothing more: data means nothing
+        conn.recv_bytes(16)  # a client sends nothing more on it: data means nothing
         return False
     except (EOFError, OSError):
         return True
@@ -410,7 +375,7 @@ def _closed(conn: connection.Connection) -> bool:
 
 def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0) -> Client:
     """A client for a worker of the job served under ``name`` here, as :func:`stalewise.attach`."""
-    from stalewise.runtime.local.client import Rejoin
+    from stalewise.runtime.local.client import REJOIN_TIMEOUT, Rejoin
     from stalewise.runtime.local.procs import cap_threads_here
 
     sock, keyfile = _paths(check_name(name))
@@ -456,6 +421,6 @@ def attach(name: str, *, worker: int | None = None, timeout: float | None = 30.0
         raise AttachError(f"job {name!r}: the server went away while attaching ({e})") from None
     cap_threads_here(plan.workers)
     client._lease = conn  # closed with the client, or by the OS with this process
-    if plan.config.replicas == 2:  # a dead primary comes back from its backup (Door.heal)
+    if plan.config.replicas == 2:  # a dead primary comes back from its backup (LocalServer.heal)
         client.rejoin = Rejoin(conn, REJOIN_TIMEOUT, client)
     return client

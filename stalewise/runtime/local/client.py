@@ -35,6 +35,7 @@ SLICE = 0.05  # seconds between two looks at the shards' exits while a client wa
 # seconds between two looks at a busy shard's snapshot or live params: the first pause,
 # doubled up to the longest (a step of a large slice takes milliseconds)
 SPIN, SPIN_MAX = 5e-5, 1e-3
+REJOIN_TIMEOUT = 60.0  # seconds a client waits for a restarted shard's new pipe (Rejoin)
 LIVE_COPIES = 2  # copies of a shard's live params a read-your-writes pull tries before asking
 
 log = logging.getLogger(__name__)

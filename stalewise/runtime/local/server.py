@@ -32,8 +32,8 @@ from stalewise.runtime.base import worker_range
 from stalewise.runtime.errors import ShardError
 from stalewise.runtime.local import layout as layout_lib
 from stalewise.runtime.local import wire
-from stalewise.runtime.local.attach import Door
-from stalewise.runtime.local.client import Client, ServerClosed, recv_reply
+from stalewise.runtime.local.attach import Door, closed
+from stalewise.runtime.local.client import REJOIN_TIMEOUT, Client, Rejoin, ServerClosed, recv_reply
 from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import (
     describe_exit,
@@ -101,6 +101,7 @@ class LocalServer:
         join_timeout: float = 300.0,
         name: str | None = None,
         backup_timeout: float = 5.0,
+        heals: bool = False,
     ):
         expected, workers = worker_range(workers)
         if name is not None:
@@ -123,6 +124,8 @@ class LocalServer:
         self._incarnations = [0] * workers  # the newest incarnation of each worker id
         self._clients = [0] * workers  # clients made for each worker id by this server
         self._worker_ends: list[list] = [[] for _ in range(workers)]  # until release(w)
+        self.heals = heals and config.replicas == 2  # job.serve's: dead primaries come back
+        self._rejoins: dict[int, Any] = {}  # this end of each client(w)'s rejoin pipe (heal)
         self._snapshots: Snapshots | None = None  # the parent's view, for published_version
         self.join_timeout, self.backup_timeout = join_timeout, backup_timeout
         self.replicated = config.replicas == 2  # each shard has a backup process
@@ -266,8 +269,8 @@ class LocalServer:
                         continue  # closing (exits are expected), or restarted meanwhile
                     exits[k] = math.inf if code is None else code
                 log.debug("shard %d's process ended (%s)", k, describe_exit(code))
-                if self._door is not None and self.replicated:  # its attached workers carry on
-                    threading.Thread(target=self._door.heal, args=(k,), daemon=True).start()
+                if self.heals:
+                    threading.Thread(target=self.heal, args=(k,), daemon=True).start()
 
     def _backup_ended(self, k: int, b: tuple) -> None:
         """Backup ``b`` of shard ``k`` ended: a new one is started (its primary serves alone)."""
@@ -299,11 +302,13 @@ class LocalServer:
         its old process has exited: both would write the same push buffer."""
         with self._lock:
             if worker is None:
-                worker = self.free_worker(None, taken=self._door.taken() if self._door else set())
+                worker = self.free_worker(
+                    None, taken=self._door.attached(True) if self._door else set()
+                )
             self._attached.discard(worker)  # yours now: its liveness is yours to watch
-            return self._client(worker)
+            return self._client(worker, self.heals)
 
-    def _client(self, worker: int) -> Client:
+    def _client(self, worker: int, rejoins: bool = False) -> Client:
         if type(worker) is not int or not 0 <= worker < self.workers:
             raise ValueError(
                 f"unknown worker {worker!r}: this server has workers 0..{self.workers - 1}"
@@ -318,15 +323,13 @@ class LocalServer:
         with self._naming_dead_shards():
             joins = [self._join(k, worker, inc) for k in range(len(self._controls))]
         self._worker_ends[worker] = ends = [end for end, _ in joins]
-        return Client(
-            worker,
-            self._block.handle,
-            self.layout,
-            self.config,
-            ends,
-            incarnation=inc,
-            joined_at=max(clock for _, clock in joins),
-        )
+        client = Client(worker, self._block.handle, self.layout, self.config, ends,
+                        incarnation=inc, joined_at=max(clock for _, clock in joins))  # fmt: skip
+        if rejoins:  # its end travels with the client, as its shard pipes do
+            theirs, self._rejoins[worker] = self._ctx.Pipe()
+            self._worker_ends[worker] = [*ends, theirs]
+            client.rejoin = Rejoin(theirs, REJOIN_TIMEOUT, client)
+        return client
 
     def _join(self, k: int, worker: int, inc: int) -> tuple[Any, int]:
         """Joins ``worker``'s ``inc`` to shard ``k`` on a new pipe: the worker's end, its clock."""
@@ -369,20 +372,16 @@ class LocalServer:
             "workers=(min, max) for room to join)"
         )
 
-    def attach_client(self, want: int | None, *, taken: set[int]) -> Client:
-        """A client for a process attaching by name: :meth:`free_worker`, then :meth:`client`."""
+    def attach_client(self, want: int | None, *, taken: set[int]) -> tuple[Client, list]:
+        """A client for a process attaching by name (:meth:`free_worker`, then :meth:`client`;
+        its socket is its rejoin channel) and this process's ends of its pipes, now the
+        caller's to pass on and close (as :meth:`release` would)."""
         with self._lock:
             w = self.free_worker(want, taken=taken)
             client = self._client(w)
             self._attached.add(w)
-            return client
-
-    def take_ends(self, worker: int) -> list:
-        """This process's ends of ``worker``'s pipes, now the caller's to pass on and close
-        (as :meth:`release` would)."""
-        with self._lock:
-            ends, self._worker_ends[worker] = self._worker_ends[worker], []
-            return ends
+            ends, self._worker_ends[w] = self._worker_ends[w], []
+            return client, ends
 
     def incarnation(self, worker: int) -> int:
         """The newest incarnation of ``worker`` (0: none yet)."""
@@ -397,12 +396,43 @@ class LocalServer:
         process, so that the shards see them close if it dies)."""
         for c in self._worker_ends[worker]:
             c.handed_on = True  # the client here says so if used (Client._attach)
-        self._cut(worker)
+        self._cut(worker, ending=False)
 
-    def _cut(self, worker: int) -> None:
-        for c in self._worker_ends[worker]:
+    def _cut(self, worker: int, ending: bool = True) -> None:
+        """Closes this process's ends of ``worker``'s pipes (``ending``: its rejoin pipe too)."""
+        ends, self._worker_ends[worker] = self._worker_ends[worker], []
+        if ending and worker in self._rejoins:
+            ends.append(self._rejoins.pop(worker))
+        for c in ends:
             c.close()
-        self._worker_ends[worker] = []
+
+    def heal(self, k: int) -> None:
+        """Restarts dead shard ``k`` (from its backup, else its push logs) and sends each live
+        worker its new pipe: an attached process's over its socket, a :meth:`client`'s over
+        its rejoin pipe (:class:`~.client.Rejoin`); one that cannot carry on loses that channel."""
+        with self._lock:
+            if self._closing.is_set() or k not in self.dead_shards():
+                return
+            leases = {} if self._door is None else self._door.reap()
+            for w in [w for w, c in self._rejoins.items() if closed(c)]:  # its process ended
+                self._rejoins.pop(w).close()
+            keep, carried = {**leases, **self._rejoins}, []
+            try:
+                source = self.restart_shard(k, keep=tuple(keep))["source"]
+            except Exception as e:  # its workers' calls name the shard, as without replicas
+                log.error("shard %d could not be restarted: %s", k, e)
+                source = None
+            for w, to in sorted(keep.items()) if source in ("backup", "push log") else ():
+                try:  # pid: unused on Unix sockets
+                    self.rejoin(k, w, to, pid=0)
+                    carried.append(w)
+                except Exception as e:  # it has gone, or the shard died again
+                    log.warning("worker %d: no new pipe to shard %d: %s", w, k, e)
+            for w in keep.keys() - set(carried):
+                (leases if w in leases else self._rejoins).pop(w).close()
+            if source is not None:
+                log.warning("shard %d restarted from its %s; workers %s carry on", k, source,
+                            carried)  # fmt: skip
 
     @property
     def job_pushes(self) -> int:
@@ -797,6 +827,8 @@ class LocalServer:
             return []
         if self._door is not None:
             self._door.close()  # no process attaches from here on
+        for w in list(self._rejoins):
+            self._rejoins.pop(w).close()
         if hasattr(self, "_threads"):
             self._threads.close()  # the environment as it was
         self._closing.set()  # the shards' exits from here on are expected
