@@ -209,6 +209,9 @@ class ShardActor:
         if self.record is not None:
             self.unsent += size
             self.record(entry)
+            if not self.primary.backed:  # alone: for no one (a new backup takes the state)
+                self.primary.forward()
+                self.unsent = 0
 
     def end_log(self, error: OSError | None = None) -> None:
         """Closes the push log; one that fails (``error``) is removed (a replay stops before it)."""
