@@ -194,8 +194,6 @@ class Job:
             options_lib.check_group(timeouts, options_lib.Timeouts) or options_lib.Timeouts()
         ).join
         named = {} if name is None else {"name": name}
-        if runtime == "local":  # a dead primary comes back by itself (LocalServer.heal)
-            named["heals"] = True
         from stalewise.launch.checkpoints import served
 
         start = functools.partial(factory, self.config, workers, join_timeout=join, **named)

@@ -87,7 +87,10 @@ def test_an_ack_waits_for_the_backup_and_a_hung_backup_is_killed_and_replaced(ca
     the bound (backup_timeout): then the backup is killed, a new one follows."""
     params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
     job = sw.Job(params, optimizer=sw.optim.sgd(1.0), shards=2, replicas=2)
-    with caplog.at_level(logging.INFO), LocalServer(job.config, 1, backup_timeout=2) as server:
+    with (
+        caplog.at_level(logging.INFO),
+        LocalServer(job.config, 1, backup_timeout=2, heals=False) as server,
+    ):
         client = server.client(0)
         pushes(client, 2)
         server.stats()  # shard 1 answered the parent: its backup holds every entry
@@ -114,7 +117,7 @@ def test_a_backup_copies_a_payload_from_its_push_region_or_gets_it_whole(kind, c
     opt = sw.optim.delayed_nesterov(0.5, every=2) if kind == "scratched" else sw.optim.sgd(0.1)
     codec = sw.codecs.int8() if kind == "codec" else None
     job = sw.Job(params, optimizer=opt, shards=2, replicas=2, codec=codec)
-    with caplog.at_level(logging.INFO), LocalServer(job.config, 2) as server:
+    with caplog.at_level(logging.INFO), LocalServer(job.config, 2, heals=False) as server:
         clients = [server.client(w) for w in range(2)]
         for _ in range(3):
             for c in clients:
@@ -187,7 +190,7 @@ def test_a_backup_killed_before_it_links_is_replaced_again(caplog, no_leaks):
     """Shard 0's backup is killed, then its replacement while it starts: a third one links."""
     params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
     job = sw.Job(params, optimizer=sw.optim.sgd(1.0), replicas=2)
-    with caplog.at_level(logging.INFO), LocalServer(job.config, 1) as server:
+    with caplog.at_level(logging.INFO), LocalServer(job.config, 1, heals=False) as server:
         first = server._backups[0][0]
         os.kill(first.pid, signal.SIGKILL)
         wait_for(lambda: server._spawning, "a replacement starting")
@@ -210,7 +213,7 @@ def test_a_backup_without_the_newest_log_is_taken_and_a_new_chain_begins(
     not refused for a replay that lacks the updates since."""
     params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
     job = sw.Job(params, optimizer=sw.optim.sgd(1.0), replicas=2)
-    with caplog.at_level(logging.INFO), LocalServer(job.config, 1) as server:
+    with caplog.at_level(logging.INFO), LocalServer(job.config, 1, heals=False) as server:
         client = server.client(0)
         _, step, _ = server.checkpoint_parts(timeout=30, log_dir=str(tmp_path))
         pushes(client, 3)

@@ -101,7 +101,7 @@ class LocalServer:
         join_timeout: float = 300.0,
         name: str | None = None,
         backup_timeout: float = 5.0,
-        heals: bool = False,
+        heals: bool = True,
     ):
         expected, workers = worker_range(workers)
         if name is not None:
@@ -124,7 +124,7 @@ class LocalServer:
         self._incarnations = [0] * workers  # the newest incarnation of each worker id
         self._clients = [0] * workers  # clients made for each worker id by this server
         self._worker_ends: list[list] = [[] for _ in range(workers)]  # until release(w)
-        self.heals = heals and config.replicas == 2  # job.serve's: dead primaries come back
+        self.heals = heals and config.replicas == 2  # dead primaries come back by themselves
         self._rejoins: dict[int, Any] = {}  # this end of each client(w)'s rejoin pipe (heal)
         self._snapshots: Snapshots | None = None  # the parent's view, for published_version
         self.join_timeout, self.backup_timeout = join_timeout, backup_timeout

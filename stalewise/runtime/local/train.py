@@ -482,10 +482,10 @@ class _Host:
     def start(self, run: driver.Run) -> None:
         """Starts the shards (at the resumed checkpoint) and every worker, until all are
         ready (a failure here fails the job)."""
-        o, self.run = self.o, run
+        o, self.run = self.o, run  # (heals=False: it restarts shards its own way)
         self.server = server = LocalServer(
             self.config, o.workers, start_timeout=o.shard_start_timeout,
-            join_timeout=o.join_timeout, backup_timeout=min(o.ack_timeout / 4, 5.0),
+            join_timeout=o.join_timeout, backup_timeout=min(o.ack_timeout / 4, 5.0), heals=False,
         )  # fmt: skip
         if run.resume is not None:
             server.load_state_dicts(run.resume.states)
