@@ -173,10 +173,13 @@ class Shard:
         self.journal: Any = None  # where the state's changes go (pushlog.journaled)
 
     def warm_up(self) -> None:
-        """Runs the optimizer once on a scratch copy so JIT compilation happens before training."""
-        scratch = self.params.copy()
-        state = self.optimizer.init(scratch, self.segments)
-        self.optimizer.apply(np.zeros_like(scratch), state, scratch, scale=1.0)
+        """Runs the optimizer once on a copy of the first few params, so the JIT compiles
+        (per dtype, not size) before training, with no parameter-sized memory."""
+        n = min(self.params.size, 64)
+        scratch = self.params[:n].copy()
+        state = self.optimizer.init(scratch, self.segments.slice(0, n))
+        big = np.finfo(scratch.dtype).max ** 0.25  # a gradient a clip rescales, squared finite
+        self.optimizer.apply(np.full_like(scratch, big), state, scratch, scale=1.0)
         if self._bounds is not None:
             _kernels.sumsq(scratch)  # the bound's kernel (see _bounded)
 
