@@ -95,7 +95,7 @@ class Job:
             raise ValueError(f"shards={shards} is more than the {spec.size} parameters")
         self.config = ServerConfig(
             spec=spec,
-            init=flat.copy(),
+            init=flat,  # new memory: tree.flatten copies every leaf into it
             optimizer=optimizer,
             consistency=consistency,
             staleness=staleness or staleness_lib.constant(),
