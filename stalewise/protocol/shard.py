@@ -173,11 +173,9 @@ class Shard:
         self.journal: Any = None  # where the state's changes go (pushlog.journaled)
 
     def warm_up(self) -> None:
-        """Runs the optimizer once on a copy of the first few params, so the JIT compiles
-        (per dtype, not size) before training, with no parameter-sized memory."""
-        n = min(self.params.size, 64)
-        scratch = self.params[:n].copy()
-        state = self.optimizer.init(scratch, self.segments.slice(0, n))
+        """Runs the optimizer once on a copy of the first 64 params: the JIT compiles now."""
+        scratch = self.params[:64].copy()  # the kernels are compiled per dtype, not size
+        state = self.optimizer.init(scratch, self.segments.slice(0, scratch.size))
         big = np.finfo(scratch.dtype).max ** 0.25  # a gradient a clip rescales, squared finite
         self.optimizer.apply(np.full_like(scratch, big), state, scratch, scale=1.0)
         if self._bounds is not None:

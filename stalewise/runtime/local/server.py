@@ -837,8 +837,7 @@ class LocalServer:
         if hasattr(self, "control"):
             self.control[0] = 1  # the stop flag: a client whose pipe ends sees the server closed
         final: list[dict] = []
-        # a fresh observer: the current one gives up for good once a shard has died; its
-        # pulls' arrays go with it, before final_params is copied out (the parent's peak)
+        # a fresh observer (the old one gives up once a shard died; its pulled arrays go now)
         observer = self.observer = self._observer() if hasattr(self, "observer") else None
         for k, c in enumerate(self._controls):
             if not self._procs[k].is_alive():
