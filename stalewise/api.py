@@ -95,7 +95,7 @@ class Job:
             raise ValueError(f"shards={shards} is more than the {spec.size} parameters")
         self.config = ServerConfig(
             spec=spec,
-            init=flat.copy(),
+            init=flat,  # new memory: tree.flatten copies every leaf into it
             optimizer=optimizer,
             consistency=consistency,
             staleness=staleness or staleness_lib.constant(),
@@ -240,12 +240,8 @@ def _batchnorm_statistics(params: Any) -> list[str]:
         if not (isinstance(key, str) and key.endswith("num_batches_tracked")):
             continue
         backend = backend_of(value)
-        if (
-            backend
-            and backend.name == "torch"
-            and backend.is_leaf(value)
-            and not value.is_floating_point()
-        ):
+        tensor = backend is not None and backend.name == "torch" and backend.is_leaf(value)
+        if tensor and not value.is_floating_point():
             prefix = key.removesuffix("num_batches_tracked")
             names += [prefix + s for s in ("running_mean", "running_var") if prefix + s in params]
     return names

@@ -173,10 +173,11 @@ class Shard:
         self.journal: Any = None  # where the state's changes go (pushlog.journaled)
 
     def warm_up(self) -> None:
-        """Runs the optimizer once on a scratch copy so JIT compilation happens before training."""
-        scratch = self.params.copy()
-        state = self.optimizer.init(scratch, self.segments)
-        self.optimizer.apply(np.zeros_like(scratch), state, scratch, scale=1.0)
+        """Runs the optimizer once on a copy of the first 64 params: the JIT compiles now."""
+        scratch = self.params[:64].copy()  # the kernels are compiled per dtype, not size
+        state = self.optimizer.init(scratch, self.segments.slice(0, scratch.size))
+        big = np.finfo(scratch.dtype).max ** 0.25  # a gradient a clip rescales, squared finite
+        self.optimizer.apply(np.full_like(scratch, big), state, scratch, scale=1.0)
         if self._bounds is not None:
             _kernels.sumsq(scratch)  # the bound's kernel (see _bounded)
 

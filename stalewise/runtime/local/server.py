@@ -837,8 +837,8 @@ class LocalServer:
         if hasattr(self, "control"):
             self.control[0] = 1  # the stop flag: a client whose pipe ends sees the server closed
         final: list[dict] = []
-        # a fresh observer: the current one gives up for good once a shard has died
-        observer = self._observer() if hasattr(self, "observer") else None
+        # a fresh observer (the old one gives up once a shard died; its pulled arrays go now)
+        observer = self.observer = self._observer() if hasattr(self, "observer") else None
         for k, c in enumerate(self._controls):
             if not self._procs[k].is_alive():
                 log.error("shard %d had died (%s) before the server closed", k, self.shard_exit(k))
