@@ -262,10 +262,13 @@ class Shard:
         *,
         verdict: commit.Verdict | None = None,
         now: float | None = None,
+        sumsq: float | None = None,
     ) -> Ack:
         """Validates and handles one push; never raises for bad input, returns an Ack.
         ``verdict`` (:mod:`stalewise.protocol.commit`), when given, decides ``not_finite``,
-        ``overflow`` and ``too_stale``. ``now``: the runtime's clock in seconds."""
+        ``overflow`` and ``too_stale``. ``now``: the runtime's clock in seconds. ``sumsq``:
+        the payload's sum of squares as its sender measured it writing it (None: measured here;
+        not journaled)."""
         try:
             worker, seq, base = self._check_header(header)
         except Rejected as e:
@@ -293,7 +296,8 @@ class Shard:
                 scale = self.staleness.weight(tau)
                 if self.hybrid:  # the square-root scaling rule: see protocol/hybrid.py
                     scale /= math.sqrt(max(self._clocks.live, 1))
-                self._step(payload, scale, judge if in_step else None)  # or Rejected
+                sumsq = None if compensate or self.decoder is not None else sumsq
+                self._step(payload, scale, judge if in_step else None, sumsq)  # or Rejected
         except Rejected as e:
             self._advance(worker, seq)
             return self._reject(worker, seq, e, tau)
@@ -488,11 +492,11 @@ class Shard:
 
     # -- internals -------------------------------------------------------------------
 
-    def _step(self, update: np.ndarray, scale: float, judge: bool | None = None) -> None:
+    def _step(self, update, scale: float, judge: bool | None = None, sumsq=None) -> None:
         """One optimizer step, or none: a step that makes a value non-finite is undone,
         bit for bit, and raises Rejected("overflow"). ``judge`` not None: the update's
         values are judged in the step's pass."""
-        if self._bounded(update, scale, judge):
+        if self._bounded(update, scale, judge, sumsq):
             self.optimizer.apply(update, self.opt_state, self.params, scale=scale)
             self._undo_fresh = False
             self.version += 1
@@ -531,14 +535,14 @@ class Shard:
         self.version += 1
         self.stats.rounds += 1
 
-    def _bounded(self, update: np.ndarray, scale: float, judge: bool | None) -> bool:
+    def _bounded(self, update, scale: float, judge: bool | None, sumsq=None) -> bool:
         """Whether the step provably stays finite (no undo copy needed), from the update's
-        norm and the rule's bounds (``maxima`` measures them again when unknown)."""
+        norm (``sumsq``: its square, if measured) and the rule's bounds (``maxima``)."""
         rule = self._bounds
         if rule is None:
             return False
         self.prepare()  # the bounds, unless known
-        g = math.sqrt(_kernels.sumsq(update))  # in float64: >= its largest magnitude
+        g = math.sqrt(_kernels.sumsq(update) if sumsq is None else sumsq)  # >= any magnitude
         limit = float(np.finfo(self.params.dtype).max) / 4  # room for the roundings
         maxima = rule.bound(self.opt_state, scale, g, self._maxima[1])
         if (judge and not g * g < limit) or not all(m < limit for m in maxima):

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from stalewise import tree
+from stalewise._lazy import Lazy
 from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline
 from stalewise.protocol.replica import Outstanding
 from stalewise.protocol.sender import Sender
@@ -30,6 +31,8 @@ from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit
 from stalewise.runtime.local.shm import SharedBlock
 
+_kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first push
+_VIEWS = ("numpy", "torch")  # backends whose CPU leaves to_numpy views (a push measures them)
 EXIT_WAIT = 1.0  # seconds a client whose pipe to a shard ended waits for the server's word
 SLICE = 0.05  # seconds between two looks at the shards' exits while a client waits
 # seconds between two looks at a busy shard's snapshot or live params: the first pause,
@@ -157,6 +160,7 @@ class Client(PullsIntoTrees):
         #: ``rejoin(k)``: restarted shard k's new pipe for this incarnation (None: none comes)
         self.rejoin: Any = None
         self._outstanding = Outstanding(len(conns))  # keyed by the reply awaited
+        self._sums: list[float] | None = None  # each shard's sum of squares of the push
 
     @property
     def pushed(self) -> int:
@@ -464,11 +468,36 @@ class Client(PullsIntoTrees):
             raise ValueError("an observer client cannot push")
         self._attach()
         self.wait(timeout=timeout)  # a timeout propagates: the shards may still read the buffer
-        tree.flatten(update, spec=self._spec, out=self._push_buf)
+        if self._compressor is None:
+            self._sums = self._flatten_measured(update)
+        else:
+            tree.flatten(update, spec=self._spec, out=self._push_buf)
         self.push_flat_sent()
+
+    def _flatten_measured(self, update: Any) -> list[float]:
+        """Flattens ``update`` into the push buffer; returns each shard's sum of squares of
+        its slice, measured as written (all -1, not measured, when a leaf is not a contiguous
+        array of the buffer's dtype: the shards measure)."""
+        out, spec = self._push_buf, self._spec
+        srcs = [v[0].backend.to_numpy(v[0].x) if len(v) == 1 and v[0].backend.name in _VIEWS
+                and str(getattr(v[0].x, "device", "cpu")) == "cpu" else None
+                for v in tree._collect(update, spec)]  # fmt: skip
+        if not all(isinstance(x, np.ndarray) and x.dtype == out.dtype and x.flags.c_contiguous
+                   for x in srcs):  # fmt: skip
+            tree.flatten(update, spec=spec, out=out)
+            return [-1.0] * len(self._ranges)
+        sums = [0.0] * len(self._ranges)
+        for src, leaf in zip(srcs, spec.leaves, strict=True):
+            a, b = leaf.offset, leaf.offset + leaf.size
+            for k, (lo, hi) in enumerate(self._ranges):
+                i, j = max(lo, a), min(hi, b)
+                if i < j:
+                    sums[k] += _kernels.copy_sumsq(src.reshape(-1)[i - a : j - a], out[i:j])
+        return sums
 
     def push_flat_sent(self) -> None:
         """Commits the update already written into :attr:`push_buffer` and tells every shard."""
+        sums, self._sums = self._sums, None  # measured by push(), or not (-1)
         self._check_open()  # a shard has cut this worker off: commit nothing more
         granted, self._granted = self._granted, False
         rounds = self._consistency.averages_rounds
@@ -482,7 +511,7 @@ class Client(PullsIntoTrees):
             self._encode()
         if rounds:
             self._round = self._round_now() + 1
-        seq = self._commit()
+        seq = self._commit(sums)
         self._done[0] += 1  # this worker id's pushes, the job's budget count: committed
         self._sender.committed()  # the new residual is the one a successor takes
         for k in range(len(self._conns)):
@@ -508,9 +537,9 @@ class Client(PullsIntoTrees):
         self._attach()
         return self._sender.residual
 
-    def _commit(self) -> int:
-        """Judges the update in the push buffer and writes its record, commit word last;
-        returns the push's sequence number."""
+    def _commit(self, sums: list[float] | None) -> int:
+        """Judges the update in the push buffer and writes its record (``sums``: each shard's
+        sum of squares of its slice, None: not measured), commit word last; returns the seq."""
         sender = self._sender
         if self._snapshots is not None:  # what the shards published may be newer
             for k in range(len(self._conns)):
@@ -519,6 +548,7 @@ class Client(PullsIntoTrees):
         rec = self._record
         rec[L.R_COMMIT] = 0  # the old record is void while the new one is written
         rec[L.R_INC : L.R_BASES + len(bases)] = (self.incarnation, seq, *verdict, *bases)
+        rec[L.R_BASES + len(bases) :] = np.array(sums or [-1.0] * len(bases)).view(np.int64)
         rec[L.R_COMMIT] = seq + 1  # committed: from here on, all shards or none
         return seq
 

@@ -7,7 +7,8 @@ One block holds everything a job moves between processes::
       | residual tags | w0 residual 0 | w0 residual 1 | w1 residual 0 | ... ]
 
 A push record is ``[commit, incarnation, seq, verdict code, verdict detail, base version per
-shard...]`` (int64s), ``commit = seq + 1`` stored last (:mod:`stalewise.protocol.commit`). One
+shard..., sum of squares per shard...]`` (int64s; a sum's float64 bits, negative: not measured),
+``commit = seq + 1`` stored last (:mod:`stalewise.protocol.commit`). One
 writer per shard slice, any number of readers; the reasoning: ``docs/design-notes.md``.
 """
 
@@ -28,8 +29,16 @@ _ALIGN = 64  # bytes; every region starts on a cache line
 # shard table columns: cur, seq[2], ver[2], min clock, live seq, live version, announced
 _CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED = 0, 1, 3, 5, 6, 7, 8
 _TABLE_COLUMNS = 9
-# push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases...
+# push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases...,
+# then each shard's sum of squares of its slice (see sumsq)
 R_COMMIT, R_INC, R_SEQ, R_CODE, R_DETAIL, R_BASES = range(6)
+UNMEASURED = int(np.float64(-1.0).view(np.int64))  # a sum of squares the sender did not measure
+
+
+def sumsq(record: np.ndarray, shards: int, k: int) -> float | None:
+    """Shard ``k``'s sum of squares of its slice of the push ``record`` holds (None: not measured)."""
+    x = float(record[R_BASES + shards + k : R_BASES + shards + k + 1].view(np.float64)[0])
+    return None if x < 0 else x
 
 
 def _round_up(n: int) -> int:
@@ -95,7 +104,7 @@ class Layout:
 
     @property
     def record_items(self) -> int:
-        return R_BASES + self.shards
+        return R_BASES + 2 * self.shards
 
     def _records_start(self) -> int:
         return _round_up(self.control_items * 8) + _round_up(self.shards * _TABLE_COLUMNS * 8)

@@ -231,7 +231,14 @@ class ShardProcess:
             self.disconnect(p, f"sent push {seq}, which has no committed record")
             return
         header, payload, verdict = got
-        ack = self.write(self.shard.push, header, payload, verdict=verdict, now=time.monotonic())
+        sq = (
+            None
+            if self.layout.payloads
+            else L.sumsq(self.records[p.worker], len(self.pushes), self.k)
+        )
+        ack = self.write(
+            self.shard.push, header, payload, verdict=verdict, now=time.monotonic(), sumsq=sq
+        )
         self.answers.append((p, wire.ack(ack)))  # sent at the end of this turn (settle)
 
     def answer(self) -> None:
