@@ -11,12 +11,13 @@ from stalewise.runtime.local import layout as L
 from stalewise.segments import Segments
 
 F32_MAX = float(np.finfo(np.float32).max)
-BAD = {"nan": np.nan, "inf": np.inf, "huge": 1e20, "max": F32_MAX}
+# (with lr 1e20, "over" is a finite gradient whose step overflows the params)
+BAD = {"nan": np.nan, "inf": np.inf, "huge": 1e20, "max": F32_MAX, "over": -1e19}
 
 
-def update(a=0.5, at=3):
+def update(a=0.5):
     g = {"a": np.full(3000, 0.25, np.float32), "b": np.full(5000, -0.5, np.float32)}
-    g["b"][at] = a
+    g["a"][3] = g["b"][4000] = a  # in each shard's slice
     return g
 
 
@@ -31,7 +32,7 @@ def unmeasured(client, g):
 def test_bad_gradients_measured_by_the_client_are_refused_as_before(no_leaks, shards):
     job = sw.Job(
         {"a": np.zeros(3000, np.float32), "b": np.zeros(5000, np.float32)},
-        optimizer=sw.optim.sgd(0.1),
+        optimizer=sw.optim.sgd(1e20),
         shards=shards,
     )
     with job.serve(workers=1) as server:
@@ -55,6 +56,7 @@ def test_bad_gradients_measured_by_the_client_are_refused_as_before(no_leaks, sh
                 results.append(client.wait(timeout=10))
             measured, shard_measured = results
             assert measured.status == "refused", (name, measured)
+            assert measured.kind == ("not_finite" if name in ("nan", "inf") else "overflow")
             assert measured[1:4] == shard_measured[1:4], name  # status, reason, kind
             assert measured.versions == shard_measured.versions == versions
             after = server.pull()

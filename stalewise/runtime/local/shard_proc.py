@@ -234,7 +234,7 @@ class ShardProcess:
         sq = (
             None
             if self.layout.payloads
-            else L.sumsq(self.records[p.worker], len(self.pushes), self.k)
+            else L.sumsq(self.records[p.worker], self.layout.shards, self.k)
         )
         ack = self.write(
             self.shard.push, header, payload, verdict=verdict, now=time.monotonic(), sumsq=sq
