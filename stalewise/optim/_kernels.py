@@ -46,19 +46,6 @@ def sumsq(x):
     return _sumsq(x, np.empty(LANES))
 
 
-@_jit
-def copy_sumsq(src, dst):
-    """``dst[:] = src`` a block at a time; returns the sum of squares of what it wrote, as
-    :func:`sumsq` (each block read again while it is in the cache)."""
-    lanes = np.empty(LANES)
-    total = 0.0
-    for b in range(0, src.size, CHECK_BLOCK):
-        e = min(b + CHECK_BLOCK, src.size)
-        _copy(src, dst, b, e)
-        total += _sumsq(dst[b:e], lanes)
-    return total
-
-
 @_flags_jit
 def _flag(x, square):
     """The sum of ``x*x`` (``square``) or of ``x*0``, in the dtype of ``x``: NaN or Inf

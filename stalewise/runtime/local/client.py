@@ -19,7 +19,6 @@ from typing import Any, NoReturn
 import numpy as np
 
 from stalewise import tree
-from stalewise._lazy import Lazy
 from stalewise.protocol import Ack, PushResult, ServerConfig, budget, pipeline
 from stalewise.protocol.replica import Outstanding
 from stalewise.protocol.sender import Sender
@@ -31,7 +30,7 @@ from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit
 from stalewise.runtime.local.shm import SharedBlock
 
-_kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first push
+CHUNK = 1 << 18  # elements of a push copied, then measured while in the cache
 _VIEWS = ("numpy", "torch")  # backends whose CPU leaves to_numpy views (a push measures them)
 EXIT_WAIT = 1.0  # seconds a client whose pipe to a shard ended waits for the server's word
 SLICE = 0.05  # seconds between two looks at the shards' exits while a client waits
@@ -492,7 +491,7 @@ class Client(PullsIntoTrees):
             for k, (lo, hi) in enumerate(self._ranges):
                 i, j = max(lo, a), min(hi, b)
                 if i < j:
-                    sums[k] += _kernels.copy_sumsq(src.reshape(-1)[i - a : j - a], out[i:j])
+                    sums[k] += _copy_sumsq(src.reshape(-1)[i - a : j - a], out[i:j])
         return sums
 
     def push_flat_sent(self) -> None:
@@ -600,6 +599,17 @@ class Client(PullsIntoTrees):
         self._residuals = None
         if self._block is not None:
             self._block.close()
+
+
+def _copy_sumsq(src: np.ndarray, dst: np.ndarray) -> float:
+    """``dst[:] = src`` a chunk at a time; the sum of squares of what it wrote, each chunk read
+    again from the cache (its dtype's sum: Inf once it overflows, never below a square)."""
+    total = 0.0
+    for i in range(0, src.size, CHUNK):
+        d = dst[i : i + CHUNK]
+        np.copyto(d, src[i : i + CHUNK])
+        total += float(np.dot(d, d))
+    return total
 
 
 def _ended(code: float) -> str:
