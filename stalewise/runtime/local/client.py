@@ -605,10 +605,11 @@ def _copy_sumsq(src: np.ndarray, dst: np.ndarray) -> float:
     """``dst[:] = src`` a chunk at a time; the sum of squares of what it wrote, each chunk read
     again from the cache (its dtype's sum: Inf once it overflows, never below a square)."""
     total = 0.0
-    for i in range(0, src.size, CHUNK):
-        d = dst[i : i + CHUNK]
-        np.copyto(d, src[i : i + CHUNK])
-        total += float(np.dot(d, d))
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is an answer, not a fault
+        for i in range(0, src.size, CHUNK):
+            d = dst[i : i + CHUNK]
+            np.copyto(d, src[i : i + CHUNK])
+            total += float(np.dot(d, d))
     return total
 
 
