@@ -7,7 +7,6 @@ import pytest
 
 import stalewise as sw
 from stalewise.protocol import PushHeader, Shard
-from stalewise.runtime.local import layout as L
 from stalewise.segments import Segments
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -42,12 +41,12 @@ def test_bad_gradients_measured_by_the_client_are_refused_as_before(no_leaks, sh
         assert client.wait(timeout=10).applied
         flat = np.concatenate([update()["a"], update()["b"]]).astype(np.float64)
         rec = client._record.copy()
-        sums = [L.sumsq(rec, shards, k) for k in range(shards)]
+        sums = [server.layout.sumsq(rec, k) for k in range(shards)]
         want = [float(flat[lo:hi] @ flat[lo:hi]) for lo, hi in server.config.ranges]
         assert sums == pytest.approx(want)
         unmeasured(client, update())
         assert client.wait(timeout=10).applied
-        assert [L.sumsq(client._record, shards, k) for k in range(shards)] == [None] * shards
+        assert [server.layout.sumsq(client._record, k) for k in range(shards)] == [None] * shards
         before, versions = server.pull(), client.last_result.versions
         for name, bad in BAD.items():
             results = []

@@ -32,13 +32,6 @@ _TABLE_COLUMNS = 9
 # push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases...,
 # then each shard's sum of squares of its slice (see sumsq)
 R_COMMIT, R_INC, R_SEQ, R_CODE, R_DETAIL, R_BASES = range(6)
-UNMEASURED = int(np.float64(-1.0).view(np.int64))  # a sum of squares the sender did not measure
-
-
-def sumsq(record: np.ndarray, shards: int, k: int) -> float | None:
-    """Shard ``k``'s sum of squares of its slice of the push ``record`` holds (None: not measured)."""
-    x = float(record[R_BASES + shards + k : R_BASES + shards + k + 1].view(np.float64)[0])
-    return None if x < 0 else x
 
 
 def _round_up(n: int) -> int:
@@ -101,6 +94,11 @@ class Layout:
     def shard_exits(self) -> slice:
         """How each shard's process ended: NaN while it runs, else its exit code."""
         return slice(1 + 3 * self.workers, 1 + 3 * self.workers + self.shards)
+
+    def sumsq(self, record: np.ndarray, k: int) -> float | None:
+        """Shard ``k``'s sum of squares of its slice that push ``record`` holds (None: not measured)."""
+        x = record[R_BASES + self.shards + k :][:1].view(np.float64)[0]
+        return None if self.payloads or x < 0 else float(x)
 
     @property
     def record_items(self) -> int:

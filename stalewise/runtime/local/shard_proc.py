@@ -231,14 +231,9 @@ class ShardProcess:
             self.disconnect(p, f"sent push {seq}, which has no committed record")
             return
         header, payload, verdict = got
-        sq = (
-            None
-            if self.layout.payloads
-            else L.sumsq(self.records[p.worker], self.layout.shards, self.k)
-        )
-        ack = self.write(
-            self.shard.push, header, payload, verdict=verdict, now=time.monotonic(), sumsq=sq
-        )
+        sq = self.layout.sumsq(self.records[p.worker], self.k)  # None: the shard measures
+        now = time.monotonic()
+        ack = self.write(self.shard.push, header, payload, verdict=verdict, now=now, sumsq=sq)
         self.answers.append((p, wire.ack(ack)))  # sent at the end of this turn (settle)
 
     def answer(self) -> None:
