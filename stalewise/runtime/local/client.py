@@ -473,30 +473,31 @@ class Client(PullsIntoTrees):
             tree.flatten(update, spec=self._spec, out=self._push_buf)
         self.push_flat_sent()
 
-    def _flatten_measured(self, update: Any) -> list[float]:
-        """Flattens ``update`` into the push buffer; returns each shard's sum of squares of
-        its slice, measured as written (all -1, not measured, when a leaf is not a contiguous
-        array of the buffer's dtype: the shards measure)."""
-        out, spec = self._push_buf, self._spec
-        srcs = [v[0].backend.to_numpy(v[0].x) if len(v) == 1 and v[0].backend.name in _VIEWS
-                and str(getattr(v[0].x, "device", "cpu")) == "cpu" else None
-                for v in tree._collect(update, spec)]  # fmt: skip
+    def _flatten_measured(self, update: Any) -> list[float] | None:
+        """Flattens ``update`` into the push buffer; returns each shard's sum of squares of its
+        slice, each chunk measured just after its copy, in the cache (None: not measured, a
+        leaf being no CPU array of the buffer's dtype). An overflow sums to Inf."""
+        out, spec, sums = self._push_buf, self._spec, [0.0] * len(self._ranges)
+        found = [v[0].backend.to_numpy(v[0].x) if len(v) == 1 and v[0].backend.name in _VIEWS
+                 and str(getattr(v[0].x, "device", "cpu")) == "cpu" else None
+                 for v in tree._collect(update, spec)]  # fmt: skip
         if not all(isinstance(x, np.ndarray) and x.dtype == out.dtype and x.flags.c_contiguous
-                   for x in srcs):  # fmt: skip
+                   for x in found):  # fmt: skip
             tree.flatten(update, spec=spec, out=out)
-            return [-1.0] * len(self._ranges)
-        sums = [0.0] * len(self._ranges)
-        for src, leaf in zip(srcs, spec.leaves, strict=True):
-            a, b = leaf.offset, leaf.offset + leaf.size
-            for k, (lo, hi) in enumerate(self._ranges):
-                i, j = max(lo, a), min(hi, b)
-                if i < j:
-                    sums[k] += _copy_sumsq(src.reshape(-1)[i - a : j - a], out[i:j])
+            return None
+        with np.errstate(over="ignore", invalid="ignore"):
+            for src, leaf in zip(found, spec.leaves, strict=True):
+                a, b = leaf.offset, leaf.offset + leaf.size
+                for k, (lo, hi) in enumerate(self._ranges):
+                    for i in range(max(lo, a), min(hi, b), CHUNK):
+                        d = out[i : min(i + CHUNK, hi, b)]
+                        np.copyto(d, src.reshape(-1)[i - a : i - a + d.size])
+                        sums[k] += float(np.dot(d, d))
         return sums
 
     def push_flat_sent(self) -> None:
         """Commits the update already written into :attr:`push_buffer` and tells every shard."""
-        sums, self._sums = self._sums, None  # measured by push(), or not (-1)
+        sums, self._sums = self._sums, None  # measured by push(), or not
         self._check_open()  # a shard has cut this worker off: commit nothing more
         granted, self._granted = self._granted, False
         rounds = self._consistency.averages_rounds
@@ -599,18 +600,6 @@ class Client(PullsIntoTrees):
         self._residuals = None
         if self._block is not None:
             self._block.close()
-
-
-def _copy_sumsq(src: np.ndarray, dst: np.ndarray) -> float:
-    """``dst[:] = src`` a chunk at a time; the sum of squares of what it wrote, each chunk read
-    again from the cache (its dtype's sum: Inf once it overflows, never below a square)."""
-    total = 0.0
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is an answer, not a fault
-        for i in range(0, src.size, CHUNK):
-            d = dst[i : i + CHUNK]
-            np.copyto(d, src[i : i + CHUNK])
-            total += float(np.dot(d, d))
-    return total
 
 
 def _ended(code: float) -> str:
