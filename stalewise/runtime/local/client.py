@@ -30,7 +30,7 @@ from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit
 from stalewise.runtime.local.shm import SharedBlock
 
-CHUNK = 1 << 18  # elements of a push copied, then measured while in the cache
+CHUNK = 1 << 16  # elements of a push copied, then measured while in the (L2) cache
 _VIEWS = ("numpy", "torch")  # backends whose CPU leaves to_numpy views (a push measures them)
 EXIT_WAIT = 1.0  # seconds a client whose pipe to a shard ended waits for the server's word
 SLICE = 0.05  # seconds between two looks at the shards' exits while a client waits
