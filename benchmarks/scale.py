@@ -142,8 +142,9 @@ def floor(n: int, repeats: int) -> dict:
     """Each stage's data movement alone, in copies: the same NumPy copies and SGD step in
     one process, in the order and over as many buffers as :func:`stages` (a pull from a
     snapshot, into fresh memory then into a tree, a push's copy in measuring its norm a
-    chunk at a time as the local client does, the shard's step, the publish), with no pipe, process or Python of the runtime: what is left of
-    a stage at its floor is the runtime's own cost. At 1M the buffers (36 MB) exceed the
+    chunk at a time as the local client does, the shard's step, the publish), with no pipe,
+    process or Python of the runtime: what is left of a stage at its floor is the runtime's
+    own cost. At 1M the buffers (36 MB) exceed the
     L3 cache a warm copy stays in."""
     b = {k: np.full(n, 1e-3, np.float32) for k in ("p", "s0", "s1", "new", "into", "g", "push")}
     opt = sw.optim.sgd(1e-3)

@@ -255,9 +255,8 @@ class Shard:
     ) -> Ack:
         """Validates and handles one push; never raises for bad input, returns an Ack.
         ``verdict`` (:mod:`stalewise.protocol.commit`), when given, decides ``not_finite``,
-        ``overflow`` and ``too_stale``. ``now``: the runtime's clock in seconds. ``sumsq``:
-        the payload's sum of squares as its sender measured it writing it (None: measured here;
-        not journaled)."""
+        ``overflow`` and ``too_stale``. ``now``: the runtime's clock in seconds; ``sumsq``: the
+        payload's sum of squares as its sender measured it (None: the shard measures it)."""
         try:
             worker, seq, base = self._check_header(header)
         except Rejected as e:
@@ -507,18 +506,12 @@ class Shard:
             written_ok = math.isfinite(written)
             if judge is not None and not math.isfinite(sq):  # exact, on the untouched payload
                 err = self._values_refusal(update, judge_overflow=judge)
-        bad = None
-        if err is None and not written_ok:
-            nan = (
-                i for i, a in enumerate(arrays) if commit.check_values(a).code == commit.NOT_FINITE
-            )
-            bad = next(nan, None)
+        codes = (commit.check_values(a).code for a in (() if err or written_ok else arrays))
+        bad = next((i for i, c in enumerate(codes) if c == commit.NOT_FINITE), None)
         if bad is not None:
             what = self._describe_non_finite(arrays, bad)
-            err = Rejected(
-                "overflow",
-                f"the step would make {what} non-finite on shard {self.shard_id}; not taken",
-            )
+            msg = f"the step would make {what} non-finite on shard {self.shard_id}; not taken"
+            err = Rejected("overflow", msg)
         if err is not None:
             for a, copy in zip(arrays, undo, strict=True):
                 np.copyto(a, copy)
@@ -530,8 +523,7 @@ class Shard:
     def _bounded(self, update, scale: float, judge: bool | None, sumsq=None) -> bool:
         """Whether the step provably stays finite (no undo copy needed), from the update's
         norm (``sumsq``: its square, if measured) and the rule's bounds (``maxima``)."""
-        rule = self._bounds
-        if rule is None:
+        if (rule := self._bounds) is None:
             return False
         self.prepare()  # the bounds, unless known
         g = math.sqrt(_kernels.sumsq(update) if sumsq is None else sumsq)  # >= any magnitude
@@ -584,12 +576,8 @@ class Shard:
             try:
                 self._step(self._round_sum, 1.0)
             except Rejected as e:  # its pushes were acknowledged when merged: say so here
-                log.warning(
-                    "shard %d: a BSP round of %d pushes is dropped: %s",
-                    self.shard_id,
-                    self._round_count,
-                    e,
-                )
+                k, n = self.shard_id, self._round_count
+                log.warning("shard %d: a BSP round of %d pushes is dropped: %s", k, n, e)
                 self.stats.applied -= self._round_count
                 self.stats.rejected[e.kind] += self._round_count
             self._round_sum.fill(0)
@@ -600,14 +588,10 @@ class Shard:
             return
         synchronous = self._pace.decide(self.synchronous, self.counted, self.consistency.tolerance)
         if synchronous != self.synchronous:  # hybrid: the next round's mode changes
-            log.info(
-                "shard %d: %s (worker paces %s s)",
-                self.shard_id,
-                "workers keep pace: synchronous rounds"
-                if synchronous
-                else "a straggler: asynchronous updates",
-                np.round(self._pace.pace, 4).tolist(),
-            )
+            why = ("workers keep pace: synchronous rounds" if synchronous
+                   else "a straggler: asynchronous updates")  # fmt: skip
+            paces = np.round(self._pace.pace, 4).tolist()
+            log.info("shard %d: %s (worker paces %s s)", self.shard_id, why, paces)
             self.stats.mode_switches += 1
         self.synchronous = synchronous
 
@@ -625,15 +609,8 @@ class Shard:
         # the sender's worker loop reports refusals to the user; here only for debugging
         log.debug("shard %d rejected a push from worker %s: %s", self.shard_id, worker, err)
         self._maybe_close_round()
-        return Ack(
-            -1 if worker is None else worker,
-            -1 if seq is None else seq,
-            False,
-            str(err),
-            self.version,
-            tau,
-            kind=err.kind,
-        )
+        w, s = -1 if worker is None else worker, -1 if seq is None else seq
+        return Ack(w, s, False, str(err), self.version, tau, kind=err.kind)
 
     def _check_worker(self, worker: int) -> None:
         if not (isinstance(worker, int | np.integer) and 0 <= worker < self.workers):
