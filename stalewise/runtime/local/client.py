@@ -533,7 +533,7 @@ class Client(PullsIntoTrees):
         self._attach()
         return self._sender.residual
 
-    def _commit(self, sums: list[float] | None) -> int:
+    def _commit(self, sums: list[float] | None = None) -> int:
         """Judges the update in the push buffer and writes its record (``sums``: each shard's
         sum of squares of its slice, None: not measured), commit word last; returns the seq."""
         sender = self._sender
