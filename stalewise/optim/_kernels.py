@@ -62,14 +62,6 @@ def _flag(x, square):
 
 
 @_jit
-def scale(x, factor):
-    """``x *= factor`` with ``factor`` rounded to the dtype of ``x``."""
-    f = x.dtype.type(factor)
-    for i in range(x.size):
-        x[i] = x[i] * f
-
-
-@_jit
 def _step(u, p, factor, into_params):
     f = p.dtype.type(factor)
     if into_params:

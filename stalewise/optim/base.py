@@ -327,7 +327,7 @@ class _ClipByGlobalNorm(Rule):
         check_scale(scale)
         norm = math.sqrt(_kernels.sumsq(grads))
         if norm > self.max_norm:
-            _kernels.scale(grads, self.max_norm / norm)
+            np.multiply(grads, grads.dtype.type(self.max_norm / norm), out=grads)
         if into_params:
             np.add(params, grads, out=params)
 

@@ -96,6 +96,7 @@ def encode(op: str, arguments: dict[str, Any]) -> list[bytes]:
     """The buffers of one entry for a call of ``op`` with ``arguments`` (by parameter name)."""
     a = {k: int(v) if isinstance(v, np.integer) else v for k, v in arguments.items()}
     a.pop("self")
+    a.pop("sumsq", None)  # a push's sender-measured norm: a replay measures it again
     payload, committed = a.pop("payload", None), a.pop("committed", 0)
     if committed != 0:  # depart, deliver
         a["committed"] = committed is not None

@@ -57,17 +57,6 @@ def _state_arrays(state: Any) -> list[np.ndarray]:
     return []
 
 
-def _all_finite(a: np.ndarray) -> bool:
-    """Whether every value of ``a`` is finite; one dot product for a large float vector."""
-    if a.dtype.kind != "f":
-        return True
-    if a.ndim == 1 and a.size > 256:
-        with np.errstate(over="ignore", invalid="ignore"):
-            if np.isfinite(np.dot(a, a)):  # NaN/Inf propagate; an overflow is checked exactly
-                return True
-    return bool(np.isfinite(a).all())
-
-
 def _ids(header: Any) -> tuple[int | None, int | None]:
     """The worker and seq of a header that failed its checks, where they are integers."""
     try:
@@ -263,10 +252,12 @@ class Shard:
         *,
         verdict: commit.Verdict | None = None,
         now: float | None = None,
+        sumsq: float | None = None,
     ) -> Ack:
         """Validates and handles one push; never raises for bad input, returns an Ack.
         ``verdict`` (:mod:`stalewise.protocol.commit`), when given, decides ``not_finite``,
-        ``overflow`` and ``too_stale``. ``now``: the runtime's clock in seconds."""
+        ``overflow`` and ``too_stale``. ``now``: the runtime's clock in seconds; ``sumsq``: the
+        payload's sum of squares as its sender measured it (None: the shard measures it)."""
         try:
             worker, seq, base = self._check_header(header)
         except Rejected as e:
@@ -294,7 +285,8 @@ class Shard:
                 scale = self.staleness.weight(tau)
                 if self.hybrid:  # the square-root scaling rule: see protocol/hybrid.py
                     scale /= math.sqrt(max(self._clocks.live, 1))
-                self._step(payload, scale, judge if in_step else None)  # or Rejected
+                sumsq = None if compensate or self.decoder is not None else sumsq
+                self._step(payload, scale, judge if in_step else None, sumsq)  # or Rejected
         except Rejected as e:
             self._advance(worker, seq)
             return self._reject(worker, seq, e, tau)
@@ -489,11 +481,11 @@ class Shard:
 
     # -- internals -------------------------------------------------------------------
 
-    def _step(self, update: np.ndarray, scale: float, judge: bool | None = None) -> None:
+    def _step(self, update, scale: float, judge: bool | None = None, sumsq=None) -> None:
         """One optimizer step, or none: a step that makes a value non-finite is undone,
         bit for bit, and raises Rejected("overflow"). ``judge`` not None: the update's
         values are judged in the step's pass."""
-        if self._bounded(update, scale, judge):
+        if self._bounded(update, scale, judge, sumsq):
             self.optimizer.apply(update, self.opt_state, self.params, scale=scale)
             self._undo_fresh = False
             self.version += 1
@@ -515,15 +507,12 @@ class Shard:
             written_ok = math.isfinite(written)
             if judge is not None and not math.isfinite(sq):  # exact, on the untouched payload
                 err = self._values_refusal(update, judge_overflow=judge)
-        bad = None
-        if err is None and not written_ok:
-            bad = next((i for i, a in enumerate(arrays) if not _all_finite(a)), None)
+        codes = (commit.check_values(a).code for a in (() if err or written_ok else arrays))
+        bad = next((i for i, c in enumerate(codes) if c == commit.NOT_FINITE), None)
         if bad is not None:
             what = self._describe_non_finite(arrays, bad)
-            err = Rejected(
-                "overflow",
-                f"the step would make {what} non-finite on shard {self.shard_id}; not taken",
-            )
+            msg = f"the step would make {what} non-finite on shard {self.shard_id}; not taken"
+            err = Rejected("overflow", msg)
         if err is not None:
             for a, copy in zip(arrays, undo, strict=True):
                 np.copyto(a, copy)
@@ -532,14 +521,13 @@ class Shard:
         self.version += 1
         self.stats.rounds += 1
 
-    def _bounded(self, update: np.ndarray, scale: float, judge: bool | None) -> bool:
+    def _bounded(self, update, scale: float, judge: bool | None, sumsq=None) -> bool:
         """Whether the step provably stays finite (no undo copy needed), from the update's
-        norm and the rule's bounds (``maxima`` measures them again when unknown)."""
-        rule = self._bounds
-        if rule is None:
+        norm (``sumsq``: its square, if measured) and the rule's bounds (``maxima``)."""
+        if (rule := self._bounds) is None:
             return False
         self.prepare()  # the bounds, unless known
-        g = math.sqrt(_kernels.sumsq(update))  # in float64: >= its largest magnitude
+        g = math.sqrt(_kernels.sumsq(update) if sumsq is None else sumsq)  # >= any magnitude
         limit = float(np.finfo(self.params.dtype).max) / 4  # room for the roundings
         maxima = rule.bound(self.opt_state, scale, g, self._maxima[1])
         if (judge and not g * g < limit) or not all(m < limit for m in maxima):
@@ -589,12 +577,8 @@ class Shard:
             try:
                 self._step(self._round_sum, 1.0)
             except Rejected as e:  # its pushes were acknowledged when merged: say so here
-                log.warning(
-                    "shard %d: a BSP round of %d pushes is dropped: %s",
-                    self.shard_id,
-                    self._round_count,
-                    e,
-                )
+                k, n = self.shard_id, self._round_count
+                log.warning("shard %d: a BSP round of %d pushes is dropped: %s", k, n, e)
                 self.stats.applied -= self._round_count
                 self.stats.rejected[e.kind] += self._round_count
             self._round_sum.fill(0)
@@ -605,14 +589,10 @@ class Shard:
             return
         synchronous = self._pace.decide(self.synchronous, self.counted, self.consistency.tolerance)
         if synchronous != self.synchronous:  # hybrid: the next round's mode changes
-            log.info(
-                "shard %d: %s (worker paces %s s)",
-                self.shard_id,
-                "workers keep pace: synchronous rounds"
-                if synchronous
-                else "a straggler: asynchronous updates",
-                np.round(self._pace.pace, 4).tolist(),
-            )
+            why = ("workers keep pace: synchronous rounds" if synchronous
+                   else "a straggler: asynchronous updates")  # fmt: skip
+            paces = np.round(self._pace.pace, 4).tolist()
+            log.info("shard %d: %s (worker paces %s s)", self.shard_id, why, paces)
             self.stats.mode_switches += 1
         self.synchronous = synchronous
 
@@ -630,15 +610,8 @@ class Shard:
         # the sender's worker loop reports refusals to the user; here only for debugging
         log.debug("shard %d rejected a push from worker %s: %s", self.shard_id, worker, err)
         self._maybe_close_round()
-        return Ack(
-            -1 if worker is None else worker,
-            -1 if seq is None else seq,
-            False,
-            str(err),
-            self.version,
-            tau,
-            kind=err.kind,
-        )
+        w, s = -1 if worker is None else worker, -1 if seq is None else seq
+        return Ack(w, s, False, str(err), self.version, tau, kind=err.kind)
 
     def _check_worker(self, worker: int) -> None:
         if not (isinstance(worker, int | np.integer) and 0 <= worker < self.workers):

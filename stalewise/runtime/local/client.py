@@ -30,6 +30,7 @@ from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit
 from stalewise.runtime.local.shm import SharedBlock
 
+CHUNK = 1 << 16  # elements of a push copied, then measured while in the (L2) cache
 EXIT_WAIT = 1.0  # seconds a client whose pipe to a shard ended waits for the server's word
 SLICE = 0.05  # seconds between two looks at the shards' exits while a client waits
 # seconds between two looks at a busy shard's snapshot or live params: the first pause,
@@ -157,6 +158,7 @@ class Client(PullsIntoTrees):
         #: ``rejoin(k)``: restarted shard k's new pipe for this incarnation (None: none comes)
         self.rejoin: Any = None
         self._outstanding = Outstanding(len(conns))  # keyed by the reply awaited
+        self._sums: list[float] | None = None  # each shard's sum of squares of the push
 
     @property
     def pushed(self) -> int:
@@ -464,11 +466,34 @@ class Client(PullsIntoTrees):
             raise ValueError("an observer client cannot push")
         self._attach()
         self.wait(timeout=timeout)  # a timeout propagates: the shards may still read the buffer
-        tree.flatten(update, spec=self._spec, out=self._push_buf)
+        self._sums = self._flatten_measured(update)
         self.push_flat_sent()
+
+    def _flatten_measured(self, update: Any) -> list[float] | None:
+        """Flattens ``update`` into the push buffer; returns each shard's sum of squares of its
+        slice, each chunk measured just after its copy, in the cache (None: not measured, with
+        a codec or a leaf that is no CPU array of the buffer's dtype). An overflow sums to Inf."""
+        out, spec, sums = self._push_buf, self._spec, [0.0] * len(self._ranges)
+        found = [v[0].backend.to_numpy(v[0].x) for v in tree._collect(update, spec)
+                 if len(v) == 1 and v[0].backend.name in ("numpy", "torch")  # views, on a CPU
+                 and str(getattr(v[0].x, "device", "cpu")) == "cpu"]  # fmt: skip
+        ok = [x.flags.c_contiguous and x.dtype == out.dtype for x in found]
+        if self._compressor is not None or len(ok) < len(spec.leaves) or not all(ok):
+            tree.flatten(update, spec=spec, out=out)
+            return None
+        with np.errstate(over="ignore", invalid="ignore"):
+            for src, leaf in zip((x.reshape(-1) for x in found), spec.leaves, strict=True):
+                a, b = leaf.offset, leaf.offset + leaf.size
+                for k, (lo, hi) in enumerate(self._ranges):
+                    for i in range(max(lo, a), min(hi, b), CHUNK):
+                        d = out[i : min(i + CHUNK, hi, b)]
+                        np.copyto(d, src[i - a : i - a + d.size])
+                        sums[k] += float(np.dot(d, d))
+        return sums
 
     def push_flat_sent(self) -> None:
         """Commits the update already written into :attr:`push_buffer` and tells every shard."""
+        sums, self._sums = self._sums, None  # measured by push(), or not
         self._check_open()  # a shard has cut this worker off: commit nothing more
         granted, self._granted = self._granted, False
         rounds = self._consistency.averages_rounds
@@ -482,7 +507,7 @@ class Client(PullsIntoTrees):
             self._encode()
         if rounds:
             self._round = self._round_now() + 1
-        seq = self._commit()
+        seq = self._commit(sums)
         self._done[0] += 1  # this worker id's pushes, the job's budget count: committed
         self._sender.committed()  # the new residual is the one a successor takes
         for k in range(len(self._conns)):
@@ -508,9 +533,9 @@ class Client(PullsIntoTrees):
         self._attach()
         return self._sender.residual
 
-    def _commit(self) -> int:
-        """Judges the update in the push buffer and writes its record, commit word last;
-        returns the push's sequence number."""
+    def _commit(self, sums: list[float] | None = None) -> int:
+        """Judges the update in the push buffer and writes its record (``sums``: each shard's
+        sum of squares of its slice, None: not measured), commit word last; returns the seq."""
         sender = self._sender
         if self._snapshots is not None:  # what the shards published may be newer
             for k in range(len(self._conns)):
@@ -519,6 +544,7 @@ class Client(PullsIntoTrees):
         rec = self._record
         rec[L.R_COMMIT] = 0  # the old record is void while the new one is written
         rec[L.R_INC : L.R_BASES + len(bases)] = (self.incarnation, seq, *verdict, *bases)
+        rec[L.R_BASES + len(bases) :] = np.array(sums or [-1.0] * len(bases)).view(np.int64)
         rec[L.R_COMMIT] = seq + 1  # committed: from here on, all shards or none
         return seq
 

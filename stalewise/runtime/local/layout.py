@@ -6,10 +6,10 @@ One block holds everything a job moves between processes::
       | w0 pull | w1 pull | ... | w0 push | w1 push | ...
       | residual tags | w0 residual 0 | w0 residual 1 | w1 residual 0 | ... ]
 
-A push record is ``[commit, incarnation, seq, verdict code, verdict detail, base version per
-shard...]`` (int64s), ``commit = seq + 1`` stored last (:mod:`stalewise.protocol.commit`). One
-writer per shard slice, any number of readers; the reasoning: ``docs/design-notes.md``.
-"""
+A push record is ``[commit, incarnation, seq, verdict code and detail, bases..., sums...]``
+(int64s: per shard its base version, then its slice's sum of squares as float64 bits, negative
+if not measured), ``commit = seq + 1`` stored last (:mod:`stalewise.protocol.commit`). One
+writer per shard slice, any number of readers; the reasoning: ``docs/design-notes.md``."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ _ALIGN = 64  # bytes; every region starts on a cache line
 # shard table columns: cur, seq[2], ver[2], min clock, live seq, live version, announced
 _CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED = 0, 1, 3, 5, 6, 7, 8
 _TABLE_COLUMNS = 9
-# push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases...
+# push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases, sums
 R_COMMIT, R_INC, R_SEQ, R_CODE, R_DETAIL, R_BASES = range(6)
 
 
@@ -93,9 +93,14 @@ class Layout:
         """How each shard's process ended: NaN while it runs, else its exit code."""
         return slice(1 + 3 * self.workers, 1 + 3 * self.workers + self.shards)
 
+    def sumsq(self, record: np.ndarray, k: int) -> float | None:
+        """Shard ``k``'s sum of squares of its slice in push ``record`` (None: not measured)."""
+        x = record[R_BASES + self.shards + k :][:1].view(np.float64)[0]
+        return None if self.payloads or x < 0 else float(x)
+
     @property
     def record_items(self) -> int:
-        return R_BASES + self.shards
+        return R_BASES + 2 * self.shards
 
     def _records_start(self) -> int:
         return _round_up(self.control_items * 8) + _round_up(self.shards * _TABLE_COLUMNS * 8)

@@ -231,7 +231,9 @@ class ShardProcess:
             self.disconnect(p, f"sent push {seq}, which has no committed record")
             return
         header, payload, verdict = got
-        ack = self.write(self.shard.push, header, payload, verdict=verdict, now=time.monotonic())
+        sq = self.layout.sumsq(self.records[p.worker], self.k)  # None: the shard measures
+        now = time.monotonic()
+        ack = self.write(self.shard.push, header, payload, verdict=verdict, now=now, sumsq=sq)
         self.answers.append((p, wire.ack(ack)))  # sent at the end of this turn (settle)
 
     def answer(self) -> None:
