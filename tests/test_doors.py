@@ -2,15 +2,18 @@
 trusted as the attach door's folder is, bad input gets one line and no traceback, values
 are checked where an API takes them, and the liveness rule says one thing."""
 
+import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
+import child_procs
 import numpy as np
 import pytest
 from test_checkpoint_safety import _rewrite, _sim_train, _two_ckpts
@@ -303,18 +306,38 @@ BSP_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["pause", "hang"])
-def test_a_bsp_rank_that_stops_is_left_to_the_timeout_not_killed_as_hung(tmp_path, how):
+BSP_TIMEOUT = {"pause": 40, "hang": 15}  # a hang waits it out: silent 5x --rank-timeout
+
+
+@pytest.fixture(scope="module")
+def bsp_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """BSP_SCRIPT launched for each of BSP_TIMEOUT's ways, the two at once (they mostly
+    sleep), each in a folder and a session of its own: killed whole when this ends or
+    after 240 s."""
+    procs = {}
+    with contextlib.ExitStack() as stack:
+        for how, timeout in BSP_TIMEOUT.items():
+            folder = tmp_path_factory.mktemp(f"bsp-{how}")
+            (folder / "bsp.py").write_text(BSP_SCRIPT)
+            flags = ["--workers", "2", "--steps", "20", "--rank-timeout", "2", "--timeout"]
+            argv = [sys.executable, "-m", "stalewise", "run", *flags, str(timeout), "bsp.py", how]
+            pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            procs[how] = stack.enter_context(child_procs.session(argv, folder, **pipes))
+        deadline = time.monotonic() + 240
+        outs = {how: p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+                for how, p in procs.items()}  # fmt: skip
+    return {
+        how: subprocess.CompletedProcess(p.args, p.returncode, *outs[how])
+        for how, p in procs.items()
+    }
+
+
+@pytest.mark.parametrize("how", list(BSP_TIMEOUT))
+def test_a_bsp_rank_that_stops_is_left_to_the_timeout_not_killed_as_hung(bsp_runs, how):
     """Under BSP the other rank waits on the silent one: the job does not go on without
     it, so --rank-timeout does not judge it. A pause ends and the run completes; a hang is
     caught by --timeout, which names the rank."""
-    (tmp_path / "bsp.py").write_text(BSP_SCRIPT)
-    timeout = 40 if how == "pause" else 15  # a hang waits it out: silent 5x --rank-timeout
-    done = subprocess.run(
-        [sys.executable, "-m", "stalewise", "run", "--workers", "2", "--steps", "20",
-         "--rank-timeout", "2", "--timeout", str(timeout), str(tmp_path / "bsp.py"), how],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    done, timeout = bsp_runs[how], BSP_TIMEOUT[how]
     assert "hung" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     if how == "pause":
         assert done.returncode == 0, done.stderr

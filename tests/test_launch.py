@@ -438,18 +438,48 @@ def test_ctrl_c_stops_ranks_sleeping_in_user_code_with_a_line_each(tmp_path):
         assert not child_procs.left(job, 5.0)
 
 
-def test_hung_ranks_end_the_run_at_timeout_naming_them(tmp_path):
+# The two launches of TOY that mostly sleep (until --timeout; towards a budget of 10 ms
+# steps): each mode's flags and how long the test waits for the launcher to end
+SLEEPY = {
+    "hang": (["--workers", "3", "--steps", "40", "--timeout", "10"], 10 + STOP_GRACE + 60),
+    "liveness": (
+        ["--workers", "3", "--steps", "800", "--timeout", "120", "--rank-timeout", "3"],
+        180,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def sleepy(tmp_path_factory) -> dict[str, tuple[int, str, float]]:
+    """SLEEPY's launches, the two at once, each in a folder of its own: per mode the
+    launcher's exit code, its stderr and the seconds from its start to its end."""
+    started, ended, launchers = {}, {}, {}
+    with contextlib.ExitStack() as stack:
+        for mode, (flags, _) in SLEEPY.items():
+            script = _script(tmp_path_factory.mktemp(mode), TOY)
+            started[mode] = time.monotonic()
+            launchers[mode] = stack.enter_context(
+                _Launcher(script.parent, *flags, str(script), mode)
+            )
+        waiting = set(SLEEPY)
+        while waiting:  # each one's end, as it comes (None: still running after its wait)
+            for mode in list(waiting):
+                now = time.monotonic()
+                if launchers[mode].proc.poll() is not None or now > started[mode] + SLEEPY[mode][1]:
+                    ended[mode] = now
+                    waiting.remove(mode)
+            time.sleep(0.05)
+        return {
+            mode: (launcher.proc.returncode, launcher.stderr(), ended[mode] - started[mode])
+            for mode, launcher in launchers.items()
+        }
+
+
+def test_hung_ranks_end_the_run_at_timeout_naming_them(sleepy):
     """Rank 1 sleeps forever in user code before its first push, rank 2 after three; rank 0
     reaches the budget and ends. --timeout 10 ends the run with exit 1 naming ranks 1 and 2."""
-    script = _script(tmp_path, TOY)
-    start = time.monotonic()
-    with _Launcher(
-        tmp_path, "--workers", "3", "--steps", "40", "--timeout", "10", str(script), "hang"
-    ) as launcher:
-        launcher.proc.wait(10 + STOP_GRACE + 60)
-        err = launcher.stderr()
-    took = time.monotonic() - start
-    assert launcher.proc.returncode == 1, err
+    code, err, took = sleepy["hang"]
+    assert code == 1, err
     assert "stalewise run: timed out after 10 s (--timeout): still running: rank 1 (" in err
     assert "rank 1 (no push yet); rank 2 (3 pushes, the last " in err, err
     assert "rank 0 (" not in err, err  # it had ended, at the budget
@@ -457,22 +487,14 @@ def test_hung_ranks_end_the_run_at_timeout_naming_them(tmp_path):
     assert 10 <= took < 10 + STOP_GRACE + 60, took
 
 
-def test_a_rank_that_stops_pushing_is_killed_and_one_slow_to_push_first_is_not(tmp_path):
+def test_a_rank_that_stops_pushing_is_killed_and_one_slow_to_push_first_is_not(sleepy):
     """The liveness rule: rank 1 pushes 3 times and sleeps; rank 2 pushes first 6 s after
     the start (its liveness clock starts at its first push); rank 0 pushes on (a push every
     10 ms or more, towards a budget of 800: 8 s at the least). With --rank-timeout 3, rank 1
     is named and killed after 3 s of silence, rank 2 is not taken for hung, and the others
     carry on to the budget."""
-    script = _script(tmp_path, TOY)
-    start = time.monotonic()
-    with _Launcher(
-        tmp_path, "--workers", "3", "--steps", "800", "--timeout", "120", "--rank-timeout", "3",
-        str(script), "liveness",
-    ) as launcher:  # fmt: skip
-        launcher.proc.wait(180)
-        err = launcher.stderr()
-    took = time.monotonic() - start
-    assert launcher.proc.returncode == 1, err
+    code, err, took = sleepy["liveness"]
+    assert code == 1, err
     assert "stalewise run: rank 1 hung: no push for 3." in err, err
     assert "(--rank-timeout 3); killed it" in err, err
     hung = [line for line in err.splitlines() if "hung" in line]

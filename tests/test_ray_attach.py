@@ -518,16 +518,31 @@ def test_no_entry_point_joins_the_cluster_another_user_recorded(ray_address, tmp
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["RAY_TMPDIR"] = str(base)
 
-        def run(*cmd: str) -> subprocess.CompletedProcess:
-            done = subprocess.run(
-                [sys.executable, *cmd], cwd=tmp_path, env=env, capture_output=True,
-                text=True, timeout=300,
-            )  # fmt: skip
-            assert done.returncode == 0, done.stderr[-3000:]
-            assert ray_address not in done.stdout + done.stderr, done.stderr[-3000:]
-            return done
-
-        where = json.loads(run("-c", ENTRY_POINTS).stdout.strip().splitlines()[-1])
+        (tmp_path / "ls.toml").write_text(TOML)
+        (tmp_path / "train.py").write_text(SCRIPT.replace("PROBE_NAMES", "()"))
+        commands = {
+            "entry points": ["-c", ENTRY_POINTS],
+            "train": ["-m", "stalewise", "train", "ls.toml", "--out", "out", "-q"],
+            "run": ["-m", "stalewise", "run", "--runtime", "ray", "--workers", "1", "train.py",
+                    str(tmp_path / "r"), "20"],
+        }  # fmt: skip
+        with contextlib.ExitStack() as stack:  # the three at once, each in its own session
+            pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            procs = {
+                what: stack.enter_context(
+                    child_procs.session([sys.executable, *cmd], tmp_path, env=env, **pipes)
+                )
+                for what, cmd in commands.items()
+            }
+            deadline = time.monotonic() + 300
+            done = {
+                what: p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+                for what, p in procs.items()
+            }
+        for what, (out, err) in done.items():
+            assert procs[what].returncode == 0, (what, err[-3000:])
+            assert ray_address not in out + err, (what, err[-3000:])
+        where = json.loads(done["entry points"][0].strip().splitlines()[-1])
         assert set(where) == {"Job.train", "job.serve", "calibrate", "sw.attach"}, where
         assert ray_address not in where.values()
         assert where["sw.attach"] == (
@@ -535,12 +550,7 @@ def test_no_entry_point_joins_the_cluster_another_user_recorded(ray_address, tmp
             "is not a file of yours (its owner is uid 65534, you are uid 0): give HOST:PORT "
             "of your cluster)"
         )
-        (tmp_path / "ls.toml").write_text(TOML)
-        run("-m", "stalewise", "train", "ls.toml", "--out", "out", "-q")
-        (tmp_path / "train.py").write_text(SCRIPT.replace("PROBE_NAMES", "()"))
-        done = run("-m", "stalewise", "run", "--runtime", "ray", "--workers", "1", "train.py",
-                   str(tmp_path / "r"), "20")  # fmt: skip
-        assert "(a new local instance;" in done.stderr
+        assert "(a new local instance;" in done["run"][1]
         assert len(drivers()) == before
     finally:
         shutil.rmtree(base, ignore_errors=True)
