@@ -556,6 +556,70 @@ def create_file(path: str | os.PathLike, at: int | None = None) -> int:
     return fd
 
 
+class LogWriter:
+    """A shard's push log (``who``: whose, in warnings): entries written in order and synced
+    before anything that depends on them leaves; one that fails is removed, so a replay stops
+    before it instead of skipping what it lacks."""
+
+    def __init__(self, who: str):
+        self.who, self.file, self.path, self.at, self.fsync = who, None, "", 0, False
+
+    def begin(self, path: str, at: int | None = None, fsync: bool = False) -> bool:
+        """Ends the log and begins ``path`` (``at``: goes on with that log, cut to ``at`` bytes);
+        ``fsync``: :meth:`sync` reaches the disk. False: no log (warned)."""
+        self.end()
+        try:
+            self.file = open(create_file(path, at), "wb", buffering=1 << 16)  # noqa: SIM115
+        except OSError as e:
+            log.warning("%s: no push log: %s: %s", self.who, path, e.strerror or e)
+            return False
+        self.path, self.at, self.fsync = path, at or 0, fsync
+        return True
+
+    def write(self, entry: list) -> int:
+        """Appends ``entry``'s buffers (buffered until :meth:`sync`); returns their bytes."""
+        size = sum(memoryview(b).nbytes for b in entry)
+        if self.file is not None:
+            try:
+                self.file.writelines(entry)
+                self.at += size
+            except OSError as e:
+                self.end(e)
+        return size
+
+    def sync(self) -> None:
+        """The entries written reach the OS (with ``fsync``, the disk)."""
+        try:
+            if self.file is not None:
+                self.file.flush()
+                if self.fsync:
+                    os.fdatasync(self.file.fileno())
+        except OSError as e:
+            self.end(e)
+
+    def where(self, unsent: int = 0) -> tuple[str, int]:
+        """``(path, bytes)`` of the log before its last ``unsent`` bytes (``("", 0)``: none)."""
+        return (self.path, self.at - unsent) if self.file is not None else ("", 0)
+
+    def end(self, error: OSError | None = None) -> None:
+        """Closes the log, flushed and fsynced; one that fails to (``error``) is removed."""
+        f, self.file = self.file, None
+        if f is None:
+            return
+        try:
+            if error is None:
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            error = e
+        with contextlib.suppress(OSError):
+            f.close()
+        if error is not None:
+            log.warning("%s: push log %s removed: %s", self.who, self.path, error)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
 def _open_problem(e: OSError, path: Path) -> str:
     """What an ``os.open`` (O_NOFOLLOW) of a checkpoint's folder or file failing says."""
     if e.errno in (errno.ELOOP, errno.ENOTDIR) and path.is_symlink():

@@ -11,10 +11,12 @@ from typing import Any
 
 
 class Ledger:
-    """A shard's record of each worker's pushes not yet acknowledged by every shard."""
+    """A shard's record of each worker's pushes not yet acknowledged by every shard; a backup
+    keeps the same by :meth:`replay` of its primary's :attr:`changes` (or :meth:`kept`)."""
 
     def __init__(self) -> None:
         self._kept: dict[int, dict[int, tuple[int, Any]]] = {}  # w -> {seq: (inc, entry)}
+        self.changes: list[tuple] | None = None  # since last taken (None: not recorded)
 
     def keep(self, w: int, inc: int, seq: int, *, acked: int, entry: Any) -> None:
         """Keeps push ``seq`` of ``w``'s incarnation ``inc``; forgets that incarnation's
@@ -23,6 +25,8 @@ class Ledger:
         for old in [n for n, (i, _) in window.items() if n < acked or i != inc]:
             del window[old]
         window[seq] = (inc, entry)
+        if self.changes is not None:
+            self.changes.append((w, inc, seq, acked, entry))
 
     def between(self, w: int, inc: int, start: int, stop: int) -> list | None:
         """The entries of pushes ``start .. stop - 1`` of ``w``'s ``inc``, in order (or None)."""
@@ -36,6 +40,20 @@ class Ledger:
             self._kept.clear()
         else:
             self._kept.pop(w, None)
+        if self.changes is not None:
+            self.changes.append((w,))
+
+    def kept(self) -> list[tuple]:
+        """The changes that make an empty ledger this one."""
+        return [(w, i, n, 0, e) for w, window in self._kept.items() for n, (i, e) in window.items()]
+
+    def replay(self, changes: Sequence[tuple]) -> None:
+        """Makes ``changes`` (another ledger's :attr:`changes`, or :meth:`kept`), in order."""
+        for c in changes:
+            if len(c) == 1:
+                self.forget(c[0])
+            else:
+                self.keep(*c[:3], acked=c[3], entry=c[4])
 
 
 def departure(counts: Sequence[int | None]) -> tuple[int | None, dict[int, tuple[int, int]]]:

@@ -107,9 +107,10 @@ class Primary:
         self.backed = False
         return self._free()
 
-    def attach(self) -> CatchUp:
-        """Starts a new backup (a new view): the state now; the entries after it follow."""
-        self.view += 1
+    def attach(self, after: int = -1) -> CatchUp:
+        """Starts a new backup in a view newer than ``after`` too (the view the backup followed,
+        which a dead primary may have used): the state now; the entries after it follow."""
+        self.view = max(self.view, after) + 1
         self.backed, self.acked = True, self.entries
         return CatchUp(self.view, self.entries, self.shard.state_dict())
 
@@ -174,6 +175,31 @@ class Backup:
         """The primary died: this copy serves (alone), in a new view."""
         self.apply()
         return Primary(self.shard, entries=self.entries, view=self.view + 1)
+
+
+class Exposed(NamedTuple):
+    """What a primary had let out (acks, snapshots) when last seen: in ``view``, ``backed``
+    (its backup held all of it), at ``version`` after ``handled`` pushes."""
+
+    view: int
+    backed: bool
+    version: int
+    handled: int
+
+
+def stale(seen: Exposed | None, view: int, version: int, handled: int) -> str | None:
+    """Why a backup of ``view``, at ``version`` after ``handled`` pushes, may lack what its dead
+    primary was last ``seen`` to let out (None: it holds all of it, or nothing was seen). A
+    backup of a newer view was caught up since, from a state at least as new."""
+    if seen is None or view > seen.view:
+        return None
+    if view < seen.view or not seen.backed:
+        alone = "" if seen.backed else ", alone"
+        return f"it follows view {view}; its primary served view {seen.view}{alone}"
+    if version < seen.version or handled < seen.handled:
+        return (f"it is at version {version} after {handled} pushes; its primary let out "
+                f"version {seen.version} after {seen.handled}")  # fmt: skip
+    return None
 
 
 class Outstanding:

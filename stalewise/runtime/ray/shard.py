@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -14,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.checkpoint.store import create_file
+from stalewise.checkpoint.store import LogWriter
 from stalewise.protocol import PushHeader, ServerConfig, Verdict, delivery, pipeline, pulls
-from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary, digest
+from stalewise.protocol.replica import Backup, CatchUp, Exposed, Forward, Held, Primary, digest
 from stalewise.runtime.logs import child_logging
 
 log = logging.getLogger(__name__)
@@ -82,8 +81,8 @@ class ShardActor:
         self.primary: Primary | None = None
         self.forwarding = asyncio.Lock()
         self.record: Any = None  # the Primary's journal, when one is attached
-        # the push log (begin_log): its descriptor, path, bytes, fsync; bytes not forwarded
-        self.log, self.log_path, self.log_at, self.log_fsync, self.unsent = None, "", 0, False, 0
+        self.exposed: Exposed | None = None  # what acks and snapshots let out, as of _held()
+        self.log, self.unsent = LogWriter(f"shard {k}"), 0  # the push log; bytes not forwarded
 
     async def ready(self) -> dict:
         """``{"node", "pid", "version"}``: the driver's start check."""
@@ -107,10 +106,12 @@ class ShardActor:
         backup: Any = None,
         seats: np.ndarray | None = None,
         log_at: tuple | None = None,
+        ledger: list | None = None,
     ) -> int:
         """Opens the shard on ``state`` (None: ``init``) and ``seats``, goes on with the push
-        log ``log_at`` (``(path, at, fsync)``), makes ``gone`` leave, admits ``joins`` and
-        catches up its ``backup``; returns the version."""
+        log ``log_at`` (``(path, at, fsync)``), makes ``gone`` leave, admits ``joins``, keeps
+        ``ledger`` (:meth:`Ledger.kept <stalewise.protocol.delivery.Ledger.kept>` of the state's)
+        and catches up its ``backup``; returns the version."""
         self.end_log()
         if state is not None:
             self.shard.load_state_dict(state)
@@ -134,7 +135,8 @@ class ShardActor:
             self.shard.retire(w)
         for w, inc in joins.items():
             self.shard.admit(int(w), int(inc))
-        self.last.forget()
+        self.last = delivery.Ledger()
+        self.last.replay(ledger or ())
         self.snap, self.pub.version = None, -1
         self.cutting.thaw()
         await self.attach(backup or self.backup)
@@ -150,10 +152,13 @@ class ShardActor:
             self.backup = backup
             self.primary = Primary(self.shard, view=self.primary.view if self.primary else 0)
             self.record, self.shard.journal, self.unsent = self.shard.journal, self._journal, 0
-            try:
-                start = self.primary.attach()
+            try:  # a view newer than the one it followed (a dead primary's, maybe)
+                start = self.primary.attach(
+                    await asyncio.wait_for(backup.view.remote(), BACKUP_WAIT)
+                )
                 seats = np.stack([self.shard.admitted, self.shard.retired])  # not in state_dict
-                call = backup.start.remote(start, self.handled, seats, self._logged(0))
+                kept, self.last.changes = self.last.kept(), []
+                call = backup.start.remote(start, self.handled, seats, self.log.where(), kept)
                 await asyncio.wait_for(call, BACKUP_WAIT)
             except Exception as e:  # Ray's errors, a timeout
                 self._lose_backup(e)
@@ -166,8 +171,9 @@ class ShardActor:
                 if p is not self.primary or not p.backed or (fwd := p.forward()) is None:
                     continue
                 try:
-                    at, self.unsent = self._logged(self.unsent), 0
-                    call = self.backup.receive.remote(fwd, self.handled, at)
+                    at, self.unsent = self.log.where(self.unsent), 0
+                    changes, self.last.changes = self.last.changes, []
+                    call = self.backup.receive.remote(fwd, self.handled, at, changes)
                     held = await asyncio.wait_for(call, BACKUP_WAIT)
                     if held is None or held.entries < fwd.first + len(fwd.entries):
                         raise RuntimeError(
@@ -177,35 +183,20 @@ class ShardActor:
                 except Exception as e:  # Ray's errors, a timeout, a refusal
                     self._lose_backup(e)
             self._notify()
-
-    def _logged(self, unsent: int) -> tuple[str, int]:
-        """``(path, bytes)`` of the push log before the last ``unsent`` bytes (``""``: none)."""
-        return (self.log_path, self.log_at - unsent) if self.log is not None else ("", 0)
+        if (p := self.primary) is not None:
+            self.exposed = Exposed(p.view, p.backed, self.shard.version, self.handled)
 
     def begin_log(self, path: str, at: int | None = None, fsync: bool = False) -> None:
         """Ends the push log and begins ``path`` at the shard's state now (``at``: goes on with
         that log, cut to ``at`` bytes); ``fsync``: each entry reaches the disk before replies."""
         self.end_log()
-        try:
-            self.log = create_file(path, at)
-        except OSError as e:
-            log.warning("shard %d: no push log: %s: %s", self.k, path, e.strerror or e)
-            return
-        self.log_path, self.log_at, self.log_fsync, self.unsent = path, at or 0, fsync, 0
-        self.shard.journal = self._journal
+        if self.log.begin(path, at, fsync):
+            self.shard.journal, self.unsent = self._journal, 0
 
     def _journal(self, entry: list) -> None:
-        """A journal entry: to the push log (one write, before any reply), and to the Primary."""
-        size = sum(memoryview(b).nbytes for b in entry)
-        if self.log is not None:
-            try:
-                if os.writev(self.log, entry) != size:
-                    raise OSError(f"{size} bytes written in part (is the disk full?)")
-                if self.log_fsync:
-                    os.fdatasync(self.log)
-                self.log_at += size
-            except OSError as e:
-                self.end_log(e)
+        """A journal entry: to the push log (synced before any reply), and to the Primary."""
+        size = self.log.write(entry)
+        self.log.sync()
         if self.record is not None:
             self.unsent += size
             self.record(entry)
@@ -213,17 +204,9 @@ class ShardActor:
                 self.primary.forward()
                 self.unsent = 0
 
-    def end_log(self, error: OSError | None = None) -> None:
-        """Closes the push log; one that fails (``error``) is removed (a replay stops before it)."""
-        fd, self.log = self.log, None
+    def end_log(self) -> None:
+        self.log.end()
         self.shard.journal = None if self.record is None else self._journal
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        if fd is not None and error is not None:
-            log.warning("shard %d: push log %s removed: %s", self.k, self.log_path, error)
-            with contextlib.suppress(OSError):
-                os.unlink(self.log_path)
 
     def _lose_backup(self, why: Exception) -> None:
         """The backup failed: serve alone until the driver attaches it again (Ray restarts it)."""
@@ -231,6 +214,7 @@ class ShardActor:
 
         log.warning("shard %d: its backup failed (%s); serving alone", self.k, why)
         self.primary.detach()
+        self.last.changes = None
         if not isinstance(why, ray.exceptions.RayActorError):  # alive: Ray restarts it
             ray.kill(self.backup, no_restart=False)
 
@@ -303,6 +287,7 @@ class ShardActor:
             "losses": self.losses.tolist(),
             "busy": dict(self.busy),
             "pulled": list(self.pulled),
+            "exposed": self.exposed,
         }
 
     async def count(self) -> tuple[int, bool, int]:
@@ -420,9 +405,9 @@ class ShardActor:
         )
         self.busy["push"] += time.perf_counter() - t
         self._count(w, ack, loss)
-        await self._held()
         if self.several:  # kept until every shard has it, for one that may lack it (depart)
             self.last.keep(w, inc, seq, acked=acked, entry=(tuple(bases), tuple(verdict), update))
+        await self._held()  # (its backup holds the entry kept, too)
         if not self.exact:
             self._publish_soon()
         self._notify()
@@ -512,6 +497,7 @@ class BackupActor:
         child_logging(f"shard {k} backup")
         self.config, self.k, self.workers, self.expected = config, k, workers, expected
         self.copy: Backup | None = None
+        self.last = delivery.Ledger()  # its primary's, as of the entries held
         self.handled = 0  # the primary's count of pushes, as of the entries held
         self.held: tuple[str, int] = ("", 0)  # the push log and its bytes the state is after
 
@@ -521,25 +507,35 @@ class BackupActor:
     def shard(self) -> Any:
         return SimpleNamespace(version=-1) if self.copy is None else self.copy.shard
 
+    async def view(self) -> int:
+        """The view it follows (-1: none)."""
+        return -1 if self.copy is None else self.copy.view
+
     async def start(
-        self, start: CatchUp, handled: int, seats: np.ndarray, held: tuple[str, int]
+        self, start: CatchUp, handled: int, seats: np.ndarray, held: tuple[str, int], kept: list
     ) -> None:
-        """Starts from the primary's state (``seats``; ``held``: its push log's path and bytes)."""
+        """Starts from the primary's state (``seats``; ``held``: its push log's path and bytes;
+        ``kept``: its ledger's)."""
         lo, hi = self.config.ranges[self.k]
         zeros = np.zeros(hi - lo, self.config.init.dtype)
         self.copy = Backup(
             self.config.build_shard(self.k, zeros, self.workers, self.expected), start
         )
         self.handled, self.held = handled, tuple(held)
+        self.last = delivery.Ledger()
+        self.last.replay(kept)
         np.copyto(self.copy.shard.admitted, seats[0])
         np.copyto(self.copy.shard.retired, seats[1])
 
-    async def receive(self, forward: Forward, handled: int, at: tuple[str, int]) -> Held | None:
+    async def receive(
+        self, forward: Forward, handled: int, at: tuple[str, int], changes: list
+    ) -> Held | None:
         """:meth:`Backup.receive` (None: not started, or of another view); ``at``: the push
-        log's path and bytes before ``forward``'s entries."""
+        log's path and bytes before ``forward``'s entries; ``changes``: its ledger's since."""
         held = None if self.copy is None else self.copy.receive(forward)
         if held is not None:
             self.handled = handled
+            self.last.replay(changes)
             new = forward.entries[: held.entries - forward.first]
             self.held = (at[0], at[1] + sum(map(len, new)))
         return held
@@ -547,9 +543,11 @@ class BackupActor:
     async def digest(self) -> str | None:
         return None if self.copy is None else digest(self.shard.state_dict())
 
-    async def state(self) -> tuple[dict, int, int, np.ndarray, tuple] | None:
-        """``(Shard.state_dict(), pushes handled, entries, seats, (log path, bytes))`` or None."""
+    async def state(self) -> dict | None:
+        """``state`` (``Shard.state_dict()``), ``handled``, ``entries``, ``seats``, ``held`` (the
+        log's path and bytes), ``kept`` (the ledger's) and ``view``, or None."""
         if (b := self.copy) is None:
             return None
         seats = np.stack([b.shard.admitted, b.shard.retired])
-        return b.shard.state_dict(), self.handled, b.entries, seats, self.held
+        return {"state": b.shard.state_dict(), "handled": self.handled, "entries": b.entries,
+                "seats": seats, "held": self.held, "kept": self.last.kept(), "view": b.view}  # fmt: skip

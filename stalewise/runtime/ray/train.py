@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import ServerConfig, budget, delivery
+from stalewise.protocol import ServerConfig, budget, delivery, replica
 from stalewise.protocol.pipeline import PUBLISH_EVERY
 from stalewise.protocol.sender import History
 from stalewise.runtime import driver
@@ -562,8 +562,9 @@ class _Host:
         return residual
 
     def _fail_over(self, event: dict) -> bool:
-        """replicas=2: shard ``event["shard"]``'s restarted actor takes its backup's state, the
-        workers keeping their incarnations (False: no backup holds one; roll back)."""
+        """replicas=2: shard ``event["shard"]``'s restarted actor takes its backup's state and
+        ledger, the workers keeping their incarnations (False: no backup holds all it let out,
+        as last seen; roll back)."""
         ray, k = self.ray, event["shard"]
         if not self.backups:
             return False
@@ -571,20 +572,21 @@ class _Host:
             got = ray.get(self.backups[k].state.remote(), timeout=self.o.ack_timeout)
             if got is None:
                 raise RuntimeError("its backup was not caught up")
-            state, handled, entries, seats, held = got
-            backup, log_at = self.backups[k], self._log_at(k, *held)
-            load = self.shards[k].load.remote(
-                state, handled, {}, [], backup=backup, seats=seats, log_at=log_at
-            )
+            seen = self.tick[k].get("exposed") if self.tick else None
+            seen = seen and replica.Exposed(*seen)
+            if why := replica.stale(seen, got["view"], got["state"]["version"], got["handled"]):
+                raise RuntimeError(f"its backup is stale: {why}")
+            load = self.shards[k].load.remote(got["state"], got["handled"], {}, [],
+                backup=self.backups[k], seats=got["seats"], log_at=self._log_at(k, *got["held"]),
+                ledger=got["kept"])  # fmt: skip
             version = self._get([load], self.o.shard_start_timeout, "restore")[0]
             if self.stopping:  # a restarted shard has forgotten the stop
                 self._get([self.shards[k].stop.remote()], self.o.ack_timeout, "stop")
         except (ray.exceptions.RayError, RuntimeError, _ShardDown) as e:
             log.warning("ray: shard %d has no backup to come back from (%s)", k, e)
             return False
-        log.warning(
-            "ray: shard %d is back from its backup (version %d, entry %d)", k, version, entries
-        )
+        at = (version, got["entries"])
+        log.warning("ray: shard %d is back from its backup (version %d, entry %d)", k, *at)
         self.run.failures.shard_restarted(event, version=version, lost=0, source="backup")
         return True
 
