@@ -557,38 +557,34 @@ def create_file(path: str | os.PathLike, at: int | None = None) -> int:
 
 
 class LogWriter:
-    """A shard's push log (``who``: whose, in warnings): entries written in order and synced
-    before anything that depends on them leaves; one that fails is removed, so a replay stops
-    before it instead of skipping what it lacks."""
+    """A shard's push log (``who``: in warnings), synced before what depends on its entries
+    leaves; one that fails is removed, so a replay stops before it instead of skipping."""
 
     def __init__(self, who: str):
         self.who, self.file, self.path, self.at, self.fsync = who, None, "", 0, False
 
     def begin(self, path: str, at: int | None = None, fsync: bool = False) -> bool:
-        """Ends the log and begins ``path`` (``at``: goes on with that log, cut to ``at`` bytes);
-        ``fsync``: :meth:`sync` reaches the disk. False: no log (warned)."""
+        """Ends the log, begins ``path`` (``at``: goes on with it, cut there); False: none (warned)."""
         self.end()
         try:
             self.file = open(create_file(path, at), "wb", buffering=1 << 16)  # noqa: SIM115
         except OSError as e:
             log.warning("%s: no push log: %s: %s", self.who, path, e.strerror or e)
-            return False
         self.path, self.at, self.fsync = path, at or 0, fsync
-        return True
+        return self.file is not None
 
     def write(self, entry: list) -> int:
-        """Appends ``entry``'s buffers (buffered until :meth:`sync`); returns their bytes."""
+        """Appends ``entry``'s buffers (to the OS at :meth:`sync`); returns their bytes."""
         size = sum(memoryview(b).nbytes for b in entry)
-        if self.file is not None:
-            try:
+        try:
+            if self.file is not None:
                 self.file.writelines(entry)
                 self.at += size
-            except OSError as e:
-                self.end(e)
+        except OSError as e:
+            self.end(e)
         return size
 
     def sync(self) -> None:
-        """The entries written reach the OS (with ``fsync``, the disk)."""
         try:
             if self.file is not None:
                 self.file.flush()
@@ -602,10 +598,10 @@ class LogWriter:
         return (self.path, self.at - unsent) if self.file is not None else ("", 0)
 
     def end(self, error: OSError | None = None) -> None:
-        """Closes the log, flushed and fsynced; one that fails to (``error``) is removed."""
-        f, self.file = self.file, None
-        if f is None:
+        """Closes the log, flushed and fsynced (removed after ``error``)."""
+        if (f := self.file) is None:
             return
+        self.file = None
         try:
             if error is None:
                 f.flush()

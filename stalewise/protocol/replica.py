@@ -2,28 +2,7 @@
 
 A :class:`Primary` serves and forwards its journal's entries to a :class:`Backup`, which
 replays them in that order and is :meth:`~Backup.promote`\\ d when the primary dies.
-Rules and costs: ``docs/design-notes.md`` ("Replicated shards").
-
-Example:
-    >>> import numpy as np
-    >>> from stalewise import optim, segments
-    >>> from stalewise.protocol import PushHeader, Shard
-    >>> def make():
-    ...     return Shard(np.zeros(2, np.float32), segments.Segments.single(2), optim.sgd(1.0), workers=1)
-    >>> primary = Primary(make())
-    >>> backup = Backup(make(), primary.attach())
-    >>> primary.join(0, 1)
-    >>> ack = primary.shard.push(PushHeader(0, 0, 0, 1), np.ones(2, np.float32))
-    >>> primary.reply(ack)  # the backup holds nothing yet: the ack waits
-    []
-    >>> primary.held(backup.receive(primary.forward())) == [ack]
-    True
-    >>> survivor = backup.promote()  # the primary died: the backup serves alone
-    >>> survivor.shard.push(PushHeader(0, 0, 0, 1), np.ones(2, np.float32)).duplicate
-    True
-    >>> survivor.shard.params.tolist()
-    [-1.0, -1.0]
-"""
+Rules, costs and an example: ``docs/design-notes.md`` ("Replicated shards")."""
 
 from __future__ import annotations
 
@@ -177,28 +156,19 @@ class Backup:
         return Primary(self.shard, entries=self.entries, view=self.view + 1)
 
 
-class Exposed(NamedTuple):
-    """What a primary had let out (acks, snapshots) when last seen: in ``view``, ``backed``
-    (its backup held all of it), at ``version`` after ``handled`` pushes."""
-
-    view: int
-    backed: bool
-    version: int
-    handled: int
-
-
-def stale(seen: Exposed | None, view: int, version: int, handled: int) -> str | None:
+def stale(seen: tuple | None, view: int, version: int, handled: int) -> str | None:
     """Why a backup of ``view``, at ``version`` after ``handled`` pushes, may lack what its dead
-    primary was last ``seen`` to let out (None: it holds all of it, or nothing was seen). A
-    backup of a newer view was caught up since, from a state at least as new."""
-    if seen is None or view > seen.view:
+    primary let out (acks, snapshots) as last ``seen``: ``(view, backed: its backup held all,
+    version, handled)`` (None: it holds all, or nothing was seen). A backup of a newer view
+    was caught up since, from a state at least as new."""
+    if seen is None or view > seen[0]:
         return None
-    if view < seen.view or not seen.backed:
-        alone = "" if seen.backed else ", alone"
-        return f"it follows view {view}; its primary served view {seen.view}{alone}"
-    if version < seen.version or handled < seen.handled:
+    alone = "" if seen[1] else ", alone"
+    if view < seen[0] or alone:
+        return f"it follows view {view}; its primary served view {seen[0]}{alone}"
+    if version < seen[2] or handled < seen[3]:
         return (f"it is at version {version} after {handled} pushes; its primary let out "
-                f"version {seen.version} after {seen.handled}")  # fmt: skip
+                f"version {seen[2]} after {seen[3]}")  # fmt: skip
     return None
 
 

@@ -127,9 +127,8 @@ class ShardProcess:
         self.cut_log: tuple = ("", False)  # and the push log begun then: (path, fsync)
         self.cut_n, self.cut_until = 0, 0.0  # its number, and when it is given up
         self.publishes = 0  # snapshots published
-        self.log = LogWriter(f"shard {k}")  # the push log (begin_log)
+        self.log, self.unsynced = LogWriter(f"shard {k}"), False  # the push log; entries unsynced
         self.served = 0  # pulls served into a worker's pull buffer
-        self.unsynced = False  # entries not yet synced
         self.primary, self.link, self.backup_timeout = None, None, 0.0  # replicas=2 (sync)
         self.unsent = 0  # the bytes of the entries not forwarded yet
         if config.replicas == 2:
@@ -378,9 +377,8 @@ class ShardProcess:
     # -- the push log --------------------------------------------------------------
 
     def begin_log(self, path: str, at: int | None = None, fsync: bool = False) -> None:
-        """Ends the push log and begins ``path``, at the shard's state now (a checkpoint's);
-        ``at``: goes on with that log of this user's, cut to ``at`` bytes (a restart's);
-        ``fsync``: each turn's entries reach the disk before its acks."""
+        """Ends the push log and begins ``path`` at the state now (``at``: goes on with it, cut
+        there: a restart's); ``fsync``: each turn's entries reach the disk before its acks."""
         self.sync()  # a forward never spans two logs
         self.end_log()
         if self.log.begin(path, at, fsync):

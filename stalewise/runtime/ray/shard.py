@@ -15,7 +15,7 @@ import numpy as np
 
 from stalewise.checkpoint.store import LogWriter
 from stalewise.protocol import PushHeader, ServerConfig, Verdict, delivery, pipeline, pulls
-from stalewise.protocol.replica import Backup, CatchUp, Exposed, Forward, Held, Primary, digest
+from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary, digest
 from stalewise.runtime.logs import child_logging
 
 log = logging.getLogger(__name__)
@@ -47,11 +47,9 @@ class ShardActor:
         self.config, self.k, self.workers = config, k, workers
         self.expected = expected  # of the worker ids, those counted from the start (None: all)
         self.lo, self.hi = config.ranges[k]
-        self.size = config.spec.size
-        self.dtype = config.init.dtype
-        self.shard = config.build_shard(
-            k, np.zeros(self.hi - self.lo, self.dtype), workers, expected
-        )
+        self.size, self.dtype = config.spec.size, config.init.dtype
+        zeros = np.zeros(self.hi - self.lo, self.dtype)
+        self.shard = config.build_shard(k, zeros, workers, expected)
         self.shard.warm_up()
         self.several = len(config.ranges) > 1  # a torn push is possible: keep recent pushes
         self.exact = pipeline.exact_pulls(config)
@@ -73,15 +71,14 @@ class ShardActor:
         self.busy = {"push": 0.0, "publish": 0.0, "pull": 0.0}
         self.timer: Any = None  # a deferred publish (ASP), when one is due
         self.cutting = delivery.Cut()  # a consistent cut under way: pushes wait
-        self.opened = asyncio.Event()
-        self.changed = asyncio.Event()
+        self.opened, self.changed = asyncio.Event(), asyncio.Event()
         self.stopped = False
         # replicas=2: the backup actor, the Primary its replies wait on, one forward at a time
         self.backup: Any = None
         self.primary: Primary | None = None
         self.forwarding = asyncio.Lock()
         self.record: Any = None  # the Primary's journal, when one is attached
-        self.exposed: Exposed | None = None  # what acks and snapshots let out, as of _held()
+        self.exposed: tuple | None = None  # what was let out, as of _held() (replica.stale)
         self.log, self.unsent = LogWriter(f"shard {k}"), 0  # the push log; bytes not forwarded
 
     async def ready(self) -> dict:
@@ -106,13 +103,12 @@ class ShardActor:
         backup: Any = None,
         seats: np.ndarray | None = None,
         log_at: tuple | None = None,
-        ledger: list | None = None,
+        ledger: dict | None = None,
     ) -> int:
-        """Opens the shard on ``state`` (None: ``init``) and ``seats``, goes on with the push
-        log ``log_at`` (``(path, at, fsync)``), makes ``gone`` leave, admits ``joins``, keeps
-        ``ledger`` (:meth:`Ledger.kept <stalewise.protocol.delivery.Ledger.kept>` of the state's)
-        and catches up its ``backup``; returns the version."""
-        self.end_log()
+        """Opens the shard on ``state`` (None: ``init``), ``seats`` and ``ledger`` (``Ledger.kept``),
+        goes on with the push log ``log_at`` (``(path, at, fsync)``), makes ``gone`` leave,
+        admits ``joins`` and catches up its ``backup``; returns the version."""
+        self.log.end()
         if state is not None:
             self.shard.load_state_dict(state)
             if seats is not None:
@@ -121,9 +117,7 @@ class ShardActor:
             if resume:
                 self.shard.resume()
         elif init is not None:  # a fresh shard over the initial values
-            self.shard = self.config.build_shard(
-                self.k, np.array(init), self.workers, self.expected
-            )
+            self.shard = self.config.build_shard(self.k, init.copy(), self.workers, self.expected)
         self.pulls = self._pull_server()  # references are not kept: the next pulls are full
         self.record = self.shard.journal = None  # (attach records anew)
         if log_at is not None:
@@ -135,8 +129,7 @@ class ShardActor:
             self.shard.retire(w)
         for w, inc in joins.items():
             self.shard.admit(int(w), int(inc))
-        self.last = delivery.Ledger()
-        self.last.replay(ledger or ())
+        self.last = delivery.Ledger(ledger)
         self.snap, self.pub.version = None, -1
         self.cutting.thaw()
         await self.attach(backup or self.backup)
@@ -152,12 +145,11 @@ class ShardActor:
             self.backup = backup
             self.primary = Primary(self.shard, view=self.primary.view if self.primary else 0)
             self.record, self.shard.journal, self.unsent = self.shard.journal, self._journal, 0
-            try:  # a view newer than the one it followed (a dead primary's, maybe)
-                start = self.primary.attach(
-                    await asyncio.wait_for(backup.view.remote(), BACKUP_WAIT)
-                )
+            try:  # in a view newer than the backup's (a dead primary's, maybe)
+                followed = await asyncio.wait_for(backup.view.remote(), BACKUP_WAIT)
+                start = self.primary.attach(followed)
                 seats = np.stack([self.shard.admitted, self.shard.retired])  # not in state_dict
-                kept, self.last.changes = self.last.kept(), []
+                kept, self.last.changes = self.last.kept, []
                 call = backup.start.remote(start, self.handled, seats, self.log.where(), kept)
                 await asyncio.wait_for(call, BACKUP_WAIT)
             except Exception as e:  # Ray's errors, a timeout
@@ -184,14 +176,14 @@ class ShardActor:
                     self._lose_backup(e)
             self._notify()
         if (p := self.primary) is not None:
-            self.exposed = Exposed(p.view, p.backed, self.shard.version, self.handled)
+            self.exposed = (p.view, p.backed, self.shard.version, self.handled)
 
     def begin_log(self, path: str, at: int | None = None, fsync: bool = False) -> None:
-        """Ends the push log and begins ``path`` at the shard's state now (``at``: goes on with
-        that log, cut to ``at`` bytes); ``fsync``: each entry reaches the disk before replies."""
-        self.end_log()
+        """:meth:`LogWriter.begin <stalewise.checkpoint.store.LogWriter.begin>` at the state now."""
         if self.log.begin(path, at, fsync):
             self.shard.journal, self.unsent = self._journal, 0
+        elif self.record is None:
+            self.shard.journal = None
 
     def _journal(self, entry: list) -> None:
         """A journal entry: to the push log (synced before any reply), and to the Primary."""
@@ -203,10 +195,6 @@ class ShardActor:
             if not self.primary.backed:  # alone: for no one (a new backup takes the state)
                 self.primary.forward()
                 self.unsent = 0
-
-    def end_log(self) -> None:
-        self.log.end()
-        self.shard.journal = None if self.record is None else self._journal
 
     def _lose_backup(self, why: Exception) -> None:
         """The backup failed: serve alone until the driver attaches it again (Ray restarts it)."""
@@ -469,10 +457,8 @@ class ShardActor:
         if wait <= 0:
             self._publish(exact=True)
         else:
-            self.timer = asyncio.get_running_loop().call_later(wait, self._deferred)
-
-    def _deferred(self) -> None:
-        self.timer = asyncio.ensure_future(self._publish_held())
+            later = lambda: setattr(self, "timer", asyncio.ensure_future(self._publish_held()))  # noqa: E731
+            self.timer = asyncio.get_running_loop().call_later(wait, later)
 
     async def _publish_held(self) -> None:
         await self._held()
@@ -512,18 +498,15 @@ class BackupActor:
         return -1 if self.copy is None else self.copy.view
 
     async def start(
-        self, start: CatchUp, handled: int, seats: np.ndarray, held: tuple[str, int], kept: list
+        self, start: CatchUp, handled: int, seats: np.ndarray, held: tuple[str, int], kept: dict
     ) -> None:
-        """Starts from the primary's state (``seats``; ``held``: its push log's path and bytes;
-        ``kept``: its ledger's)."""
+        """Starts from the primary's state, ``seats``, log position ``held`` and ledger ``kept``."""
         lo, hi = self.config.ranges[self.k]
         zeros = np.zeros(hi - lo, self.config.init.dtype)
-        self.copy = Backup(
-            self.config.build_shard(self.k, zeros, self.workers, self.expected), start
-        )
+        shard = self.config.build_shard(self.k, zeros, self.workers, self.expected)
+        self.copy = Backup(shard, start)
         self.handled, self.held = handled, tuple(held)
-        self.last = delivery.Ledger()
-        self.last.replay(kept)
+        self.last = delivery.Ledger(kept)
         np.copyto(self.copy.shard.admitted, seats[0])
         np.copyto(self.copy.shard.retired, seats[1])
 
@@ -544,10 +527,9 @@ class BackupActor:
         return None if self.copy is None else digest(self.shard.state_dict())
 
     async def state(self) -> dict | None:
-        """``state`` (``Shard.state_dict()``), ``handled``, ``entries``, ``seats``, ``held`` (the
-        log's path and bytes), ``kept`` (the ledger's) and ``view``, or None."""
+        """What a restarted primary loads (``_Host._fail_over``), or None: not started."""
         if (b := self.copy) is None:
             return None
         seats = np.stack([b.shard.admitted, b.shard.retired])
         return {"state": b.shard.state_dict(), "handled": self.handled, "entries": b.entries,
-                "seats": seats, "held": self.held, "kept": self.last.kept(), "view": b.view}  # fmt: skip
+                "seats": seats, "held": self.held, "kept": self.last.kept, "view": b.view}  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
+from stalewise.checkpoint.replay import continued
 from stalewise.protocol import ServerConfig, budget, delivery, replica
 from stalewise.protocol.pipeline import PUBLISH_EVERY
 from stalewise.protocol.sender import History
@@ -129,24 +130,19 @@ class _Host:
         ]
         info = self._get([s.ready.remote() for s in self.shards], o.shard_start_timeout, "start")
         self.nodes = [i["node"] for i in info]
-        if self.config.replicas == 2:
-            self._start_backups(config, expected)
+        if self.config.replicas == 2:  # a backup per shard, on another node if there is one
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as Node
 
-    def _start_backups(self, config: ServerConfig, expected: int | None) -> None:
-        """A backup actor per shard, on another node than its primary if the cluster has one."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        ray = self.ray
-        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        actor, opts = ray.remote(BackupActor), {"num_cpus": 0, "max_restarts": -1}
-        for k in range(self.S):  # a hard affinity: a soft one is dropped on a node without free CPU
-            others = [n for n in nodes if n != self.nodes[k]] or [self.nodes[k]]
-            place = NodeAffinitySchedulingStrategy(others[k % len(others)], soft=False)
-            named = actor.options(
-                name=f"{self.prefix}:backup-{k}", scheduling_strategy=place, **opts
-            )
-            self.backups.append(named.remote(config, k, self.W, expected))
-        self._get([b.ready.remote() for b in self.backups], self.o.shard_start_timeout, "start")
+            nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+            actor, opts = ray.remote(BackupActor), {"num_cpus": 0, "max_restarts": -1}
+            for k in range(self.S):  # a hard affinity: Ray drops a soft one on a busy node
+                others = [n for n in nodes if n != self.nodes[k]] or [self.nodes[k]]
+                place = Node(others[k % len(others)], soft=False)
+                named = actor.options(
+                    name=f"{self.prefix}:backup-{k}", scheduling_strategy=place, **opts
+                )
+                self.backups.append(named.remote(config, k, self.W, expected))
+            self._get([b.ready.remote() for b in self.backups], wait, "start")
 
     def _free_cpus(self) -> float:
         return float(self.ray.available_resources().get("CPU", 0.0))
@@ -419,9 +415,7 @@ class _Host:
 
     def _compare_backups(self) -> list[str]:
         """replicas=2: whether each backup's state equals its primary's ("equal"/"differs")."""
-        if not self.backups:
-            return []
-        mine = self._retrying(lambda: self._each("digest"))
+        mine = self._retrying(lambda: self._each("digest")) if self.backups else []
         theirs = self.ray.get([b.digest.remote() for b in self.backups], timeout=self.o.ack_timeout)
         return ["equal" if a == b else "differs" for a, b in zip(mine, theirs, strict=True)]
 
@@ -562,9 +556,8 @@ class _Host:
         return residual
 
     def _fail_over(self, event: dict) -> bool:
-        """replicas=2: shard ``event["shard"]``'s restarted actor takes its backup's state and
-        ledger, the workers keeping their incarnations (False: no backup holds all it let out,
-        as last seen; roll back)."""
+        """replicas=2: shard ``event["shard"]``'s restarted actor takes its backup's state, the
+        workers keeping their incarnations (False: no backup holds all it let out; roll back)."""
         ray, k = self.ray, event["shard"]
         if not self.backups:
             return False
@@ -573,7 +566,6 @@ class _Host:
             if got is None:
                 raise RuntimeError("its backup was not caught up")
             seen = self.tick[k].get("exposed") if self.tick else None
-            seen = seen and replica.Exposed(*seen)
             if why := replica.stale(seen, got["view"], got["state"]["version"], got["handled"]):
                 raise RuntimeError(f"its backup is stale: {why}")
             load = self.shards[k].load.remote(got["state"], got["handled"], {}, [],
@@ -593,8 +585,6 @@ class _Host:
     def _log_at(self, k: int, path: str, at: int) -> tuple | None:
         """``(path, at, fsync)`` of the push log shard ``k`` goes on with from its backup's
         state (held at byte ``at`` of log ``path``): its chain's newest, cut there (or None)."""
-        from stalewise.checkpoint.replay import continued
-
         if not self.logs[k]:
             return None
         newest = os.path.join(self.o.checkpoint_dir, self.logs[k])
@@ -743,12 +733,9 @@ class _Host:
             raise _ShardDown(f"a shard's actor died during {what}")
 
     def _who(self, e: Exception) -> str:
-        actor = getattr(e, "actor_id", None)
-        for k, s in enumerate(self.shards):
-            ident = getattr(s, "_actor_id", None)  # Ray's handle; absent: not named
-            if actor is not None and ident is not None and actor == ident.hex():
-                return f"shard {k}"
-        return "a shard"
+        ids = [getattr(s, "_actor_id", None) for s in self.shards]  # Ray's handle (or absent)
+        k = [k for k, i in enumerate(ids) if i is not None and getattr(e, "actor_id", 0) == i.hex()]
+        return f"shard {k[0]}" if k else "a shard"
 
     def _get(self, refs: list, timeout: float | None, what: str) -> list:
         with self._shard_calls(what, f"the shards did not answer {what} within {timeout} s"):
