@@ -518,7 +518,7 @@ class BackupActor:
         held = None if self.copy is None else self.copy.receive(forward)
         if held is not None:
             self.handled = handled
-            self.last.replay(changes)
+            self.last.replay(changes or ())  # (None: a forward racing a load)
             new = forward.entries[: held.entries - forward.first]
             self.held = (at[0], at[1] + sum(map(len, new)))
         return held
