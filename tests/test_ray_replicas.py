@@ -239,6 +239,8 @@ def test_a_new_view_is_newer_than_the_one_the_backup_followed():
         ((1, True, 5, 4), (1, 5, 3), "after 3 pushes"),
         ((2, True, 5, 4), (1, 9, 9), "follows view 1; its primary served view 2$"),
         ((1, False, 5, 4), (1, 5, 4), "served view 1, alone"),  # what it let out alone
+        ((1, True, 5, 4), (1, 4), "at version 4; its primary let out version 5$"),  # local
+        ((1, True, 5, 4), (1, 5), None),  # pushes not counted
     ],
 )
 def test_a_backup_is_stale_if_it_may_lack_what_its_primary_let_out(seen, backup, why):

@@ -156,19 +156,18 @@ class Backup:
         return Primary(self.shard, entries=self.entries, view=self.view + 1)
 
 
-def stale(seen: tuple | None, view: int, version: int, handled: int) -> str | None:
-    """Why a backup of ``view``, at ``version`` after ``handled`` pushes, may lack what its dead
-    primary let out (acks, snapshots) as last ``seen``: ``(view, backed: its backup held all,
-    version, handled)`` (None: it holds all, or nothing was seen). A backup of a newer view
-    was caught up since, from a state at least as new."""
+def stale(seen: tuple | None, view: int, version: int, handled: int | None = None) -> str | None:
+    """Why a backup of ``view``, at ``version`` after ``handled`` pushes (None: not counted),
+    may lack what its dead primary let out (acks, snapshots) as last ``seen``: ``(view, backed:
+    its backup held all, version, handled)`` (None: it holds all, or nothing was seen)."""
     if seen is None or view > seen[0]:
         return None
     alone = "" if seen[1] else ", alone"
     if view < seen[0] or alone:
         return f"it follows view {view}; its primary served view {seen[0]}{alone}"
-    if version < seen[2] or handled < seen[3]:
-        return (f"it is at version {version} after {handled} pushes; its primary let out "
-                f"version {seen[2]} after {seen[3]}")  # fmt: skip
+    n, m = ("", "") if handled is None else (f" after {handled} pushes", f" after {seen[3]}")
+    if version < seen[2] or (handled is not None and handled < seen[3]):
+        return f"it is at version {version}{n}; its primary let out version {seen[2]}{m}"
     return None
 
 
