@@ -153,8 +153,11 @@ def push(config, shard, seq, update):
 
 def restart(host, shard):
     """The primary's process dies; Ray restarts it (empty); the driver sees its stats first."""
+    watch = shard.watch.remote()
     host.tick = [ray.get(shard.stats.remote(), timeout=60)]
     ray.kill(shard, no_restart=False)
+    with pytest.raises(ray.exceptions.RayActorError):  # as the driver: once its watch ended
+        ray.get(watch, timeout=60)
     host._ready(shard, "shard 0")
 
 
@@ -199,6 +202,48 @@ def test_a_failover_refuses_a_backup_that_lacks_what_was_let_out(ray_cluster, ca
         assert ray.get(shard.ready.remote(), timeout=60)["version"] == 0  # nothing loaded
     finally:
         for a in (shard, old, new):
+            ray.kill(a, no_restart=True)
+
+
+def gone(pid):
+    """Whether process ``pid`` (on this machine) has exited."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_primary_serves_alone_only_once_the_backup_it_gave_up_on_is_gone(ray_cluster):
+    """A backup that refuses a forward (here: told it holds one entry fewer, so the next one
+    leaves a gap) is given up on; the push's ack leaves only once that backup's process is
+    gone, so a failover right after cannot take its copy, which lacks the push yet passes
+    the driver's last look. Six rounds, a new backup attached for each: the ack outran the
+    kill in about half the rounds when it did not wait."""
+    from stalewise.runtime.ray.shard import BackupActor
+
+    config, shard, backup, _ = one_shard()
+    update, backups = ray.put(np.ones(config.spec.size, np.float32)), [backup]
+    try:
+        for r in range(6):
+            if r:
+                backups.append(ray.remote(BackupActor).remote(config, 0, 1, None))
+                ray.get(shard.attach.remote(backups[-1]), timeout=60)
+            push(config, shard, 2 * r, update)
+            got = ray.get(backups[-1].state.remote(), timeout=60)
+            start = replica.CatchUp(got["view"], got["entries"] - 1, got["state"])
+            rest = [got[n] for n in ("handled", "seats", "held", "kept")]
+            ray.get(backups[-1].start.remote(start, *rest), timeout=60)
+            seen = ray.get(shard.stats.remote(), timeout=60)["exposed"]
+            assert replica.stale(seen, got["view"], got["state"]["version"], got["handled"]) is None
+            pid = ray.get(backups[-1].ready.remote(), timeout=60)["pid"]
+            push(config, shard, 2 * r + 1, update)  # acknowledged alone
+            assert gone(pid), f"round {r}: backup process {pid} outlived the ack sent alone"
+        with pytest.raises(ray.exceptions.ActorDiedError):
+            ray.get(backups[-1].state.remote(), timeout=60)
+        assert ray.get(shard.stats.remote(), timeout=60)["exposed"][1] is False
+    finally:
+        for a in (shard, *backups):
             ray.kill(a, no_restart=True)
 
 

@@ -82,7 +82,7 @@ class Primary:
         return self._free()
 
     def detach(self) -> list[Any]:
-        """The backup died: serve alone; returns the replies that waited for it."""
+        """The backup is gone (dead, not only given up on): serve alone; returns the replies."""
         self.backed = False
         return self._free()
 

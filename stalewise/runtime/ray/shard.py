@@ -76,7 +76,7 @@ class ShardActor:
         # replicas=2: the backup actor, the Primary its replies wait on, one forward at a time
         self.backup: Any = None
         self.primary: Primary | None = None
-        self.forwarding = asyncio.Lock()
+        self.forwarding, self.holder = asyncio.Lock(), 0  # (holder: the backup's pid attached)
         self.record: Any = None  # the Primary's journal, when one is attached
         self.exposed: tuple | None = None  # what was let out, as of _held() (replica.stale)
         self.log, self.unsent = LogWriter(f"shard {k}"), 0  # the push log; bytes not forwarded
@@ -146,6 +146,7 @@ class ShardActor:
             self.primary = Primary(self.shard, view=self.primary.view if self.primary else 0)
             self.record, self.shard.journal, self.unsent = self.shard.journal, self._journal, 0
             try:  # in a view newer than the backup's (a dead primary's, maybe)
+                self.holder = (await asyncio.wait_for(backup.ready.remote(), BACKUP_WAIT))["pid"]
                 followed = await asyncio.wait_for(backup.view.remote(), BACKUP_WAIT)
                 start = self.primary.attach(followed)
                 seats = np.stack([self.shard.admitted, self.shard.retired])  # not in state_dict
@@ -153,7 +154,7 @@ class ShardActor:
                 call = backup.start.remote(start, self.handled, seats, self.log.where(), kept)
                 await asyncio.wait_for(call, BACKUP_WAIT)
             except Exception as e:  # Ray's errors, a timeout
-                self._lose_backup(e)
+                await self._lose_backup(e)
         self._notify()
 
     async def _held(self) -> None:
@@ -173,7 +174,7 @@ class ShardActor:
                         )
                     p.held(held)
                 except Exception as e:  # Ray's errors, a timeout, a refusal
-                    self._lose_backup(e)
+                    await self._lose_backup(e)
             self._notify()
         if (p := self.primary) is not None:
             self.exposed = (p.view, p.backed, self.shard.version, self.handled)
@@ -196,15 +197,30 @@ class ShardActor:
                 self.primary.forward()
                 self.unsent = 0
 
-    def _lose_backup(self, why: Exception) -> None:
-        """The backup failed: serve alone until the driver attaches it again (Ray restarts it)."""
+    async def _lose_backup(self, why: Exception) -> None:
+        """The backup failed: kills it; serves alone once it is gone (in BACKUP_WAIT, else exits)."""
         import ray
 
-        log.warning("shard %d: its backup failed (%s); serving alone", self.k, why)
-        self.primary.detach()
-        self.last.changes = None
+        log.warning("shard %d: its backup failed (%s); serving alone once it is gone", self.k, why)
         if not isinstance(why, ray.exceptions.RayActorError):  # alive: Ray restarts it
             ray.kill(self.backup, no_restart=False)
+        deadline = time.monotonic() + BACKUP_WAIT
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                got = await asyncio.wait_for(self.backup.ready.remote(), min(left, 1.0))
+                if got["pid"] != self.holder and got["version"] < 0:
+                    break  # a new incarnation, empty
+                ray.kill(self.backup, no_restart=False)  # the one attached, or one with a copy
+            except ray.exceptions.ActorDiedError:
+                break
+            except Exception:  # Ray's errors, a timeout: restarting, or slow
+                pass
+            await asyncio.sleep(0.05)
+        else:
+            log.error("shard %d: its backup was given up on and is not gone; exiting", self.k)
+            os._exit(1)
+        self.primary.detach()
+        self.last.changes = None
 
     async def join(self, w: int, inc: int) -> int:
         """Admits incarnation ``inc`` of worker ``w``; returns the clock it joins at."""
