@@ -122,7 +122,7 @@ RULES: dict[str, dict[str, list[str]]] = {
             'if action == "drop":',
             "self.incs[w] += 1",
         ],
-        "_Host._inherit": ["if residual is None:"],
+        "_Host._depart": ["if residual is None:"],
         "_Host._residual": ["if residual is None and pushes and self.keepers[w] is not None:"],
         "_Host._restore": [
             "owed, self.owed = set() if self.stopping else self.owed, set()",

@@ -174,3 +174,13 @@ def test_the_elastic_options_read_as_room_and_expected_workers():
     with pytest.raises(ValueError, match="data has 2 per-worker shards for 4 workers"):
         sw.RunOptions(loss_and_grad=mp_helpers.quadratic_loss_and_grad, data=[[1], [2]],
                       workers=(1, 4), steps=10)  # fmt: skip
+
+
+def test_each_actor_gets_the_largest_cpu_share_the_nodes_hold():
+    from stalewise.runtime.ray.cluster import cpu_share
+
+    assert cpu_share([8.0, 8.0], 10) == 1.0  # a CPU each
+    assert cpu_share([2.0, 1.0], 5) == 0.5  # 4 + 2 halves hold 5
+    assert cpu_share([2.0], 6) == 0.333  # to 1/1000, rounded down: 6 thirds fit
+    with pytest.raises(RuntimeError, match="cannot be shared by 3 actors"):
+        cpu_share([0.0], 3)

@@ -556,6 +556,66 @@ def create_file(path: str | os.PathLike, at: int | None = None) -> int:
     return fd
 
 
+class LogWriter:
+    """A shard's push log (``who``: in warnings), synced before what depends on its entries
+    leaves; one that fails is removed, so a replay stops before it instead of skipping."""
+
+    def __init__(self, who: str):
+        self.who, self.file, self.path, self.at, self.fsync = who, None, "", 0, False
+
+    def begin(self, path: str, at: int | None = None, fsync: bool = False) -> bool:
+        """Ends the log, begins ``path`` (``at``: goes on with it, cut there); False: none (warned)."""
+        self.end()
+        try:
+            self.file = open(create_file(path, at), "wb", buffering=1 << 16)  # noqa: SIM115
+        except OSError as e:
+            log.warning("%s: no push log: %s: %s", self.who, path, e.strerror or e)
+        self.path, self.at, self.fsync = path, at or 0, fsync
+        return self.file is not None
+
+    def write(self, entry: list) -> int:
+        """Appends ``entry``'s buffers (to the OS at :meth:`sync`); returns their bytes."""
+        size = sum(memoryview(b).nbytes for b in entry)
+        try:
+            if self.file is not None:
+                self.file.writelines(entry)
+                self.at += size
+        except OSError as e:
+            self.end(e)
+        return size
+
+    def sync(self) -> None:
+        try:
+            if self.file is not None:
+                self.file.flush()
+                if self.fsync:
+                    os.fdatasync(self.file.fileno())
+        except OSError as e:
+            self.end(e)
+
+    def where(self, unsent: int = 0) -> tuple[str, int]:
+        """``(path, bytes)`` of the log before its last ``unsent`` bytes (``("", 0)``: none)."""
+        return (self.path, self.at - unsent) if self.file is not None else ("", 0)
+
+    def end(self, error: OSError | None = None) -> None:
+        """Closes the log, flushed and fsynced (removed after ``error``)."""
+        if (f := self.file) is None:
+            return
+        self.file = None
+        try:
+            if error is None:
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            error = e
+        with contextlib.suppress(OSError):
+            f.close()
+        if error is not None:
+            log.warning("%s: push log %s removed: %s", self.who, self.path, error)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
 def _open_problem(e: OSError, path: Path) -> str:
     """What an ``os.open`` (O_NOFOLLOW) of a checkpoint's folder or file failing says."""
     if e.errno in (errno.ELOOP, errno.ENOTDIR) and path.is_symlink():

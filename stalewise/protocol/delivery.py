@@ -11,31 +11,42 @@ from typing import Any
 
 
 class Ledger:
-    """A shard's record of each worker's pushes not yet acknowledged by every shard."""
+    """A shard's record of each worker's pushes not yet acknowledged by every shard; a backup
+    starts from a copy of its primary's (``kept``), then replays its :attr:`changes`."""
 
-    def __init__(self) -> None:
-        self._kept: dict[int, dict[int, tuple[int, Any]]] = {}  # w -> {seq: (inc, entry)}
+    def __init__(self, kept: dict | None = None) -> None:
+        self.kept = {w: dict(v) for w, v in (kept or {}).items()}  # w -> {seq: (inc, entry)}
+        self.changes: list[tuple] | None = None  # since last taken (None: not recorded)
 
     def keep(self, w: int, inc: int, seq: int, *, acked: int, entry: Any) -> None:
         """Keeps push ``seq`` of ``w``'s incarnation ``inc``; forgets that incarnation's
         pushes below ``acked`` (every shard has them) and every other incarnation's."""
-        window = self._kept.setdefault(w, {})
+        window = self.kept.setdefault(w, {})
         for old in [n for n, (i, _) in window.items() if n < acked or i != inc]:
             del window[old]
         window[seq] = (inc, entry)
+        if self.changes is not None:
+            self.changes.append((w, inc, seq, acked, entry))
 
     def between(self, w: int, inc: int, start: int, stop: int) -> list | None:
         """The entries of pushes ``start .. stop - 1`` of ``w``'s ``inc``, in order (or None)."""
-        window = self._kept.get(w, {})
+        window = self.kept.get(w, {})
         got = [window[n][1] for n in range(start, stop) if window.get(n, (None,))[0] == inc]
         return got if len(got) == stop - start else None
 
     def forget(self, w: int | None = None) -> None:
         """Forgets worker ``w``'s pushes (None: every worker's)."""
         if w is None:
-            self._kept.clear()
+            self.kept.clear()
         else:
-            self._kept.pop(w, None)
+            self.kept.pop(w, None)
+        if self.changes is not None:
+            self.changes.append((w,))
+
+    def replay(self, changes: Sequence[tuple]) -> None:
+        """Makes ``changes`` (another ledger's :attr:`changes`), in order."""
+        for c in changes:
+            _ = self.forget(c[0]) if len(c) == 1 else self.keep(*c[:3], acked=c[3], entry=c[4])
 
 
 def departure(counts: Sequence[int | None]) -> tuple[int | None, dict[int, tuple[int, int]]]:

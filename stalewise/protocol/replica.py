@@ -2,28 +2,7 @@
 
 A :class:`Primary` serves and forwards its journal's entries to a :class:`Backup`, which
 replays them in that order and is :meth:`~Backup.promote`\\ d when the primary dies.
-Rules and costs: ``docs/design-notes.md`` ("Replicated shards").
-
-Example:
-    >>> import numpy as np
-    >>> from stalewise import optim, segments
-    >>> from stalewise.protocol import PushHeader, Shard
-    >>> def make():
-    ...     return Shard(np.zeros(2, np.float32), segments.Segments.single(2), optim.sgd(1.0), workers=1)
-    >>> primary = Primary(make())
-    >>> backup = Backup(make(), primary.attach())
-    >>> primary.join(0, 1)
-    >>> ack = primary.shard.push(PushHeader(0, 0, 0, 1), np.ones(2, np.float32))
-    >>> primary.reply(ack)  # the backup holds nothing yet: the ack waits
-    []
-    >>> primary.held(backup.receive(primary.forward())) == [ack]
-    True
-    >>> survivor = backup.promote()  # the primary died: the backup serves alone
-    >>> survivor.shard.push(PushHeader(0, 0, 0, 1), np.ones(2, np.float32)).duplicate
-    True
-    >>> survivor.shard.params.tolist()
-    [-1.0, -1.0]
-"""
+Rules, costs and an example: ``docs/design-notes.md`` ("Replicated shards")."""
 
 from __future__ import annotations
 
@@ -103,13 +82,14 @@ class Primary:
         return self._free()
 
     def detach(self) -> list[Any]:
-        """The backup died: serve alone; returns the replies that waited for it."""
+        """The backup is gone (dead, not only given up on): serve alone; returns the replies."""
         self.backed = False
         return self._free()
 
-    def attach(self) -> CatchUp:
-        """Starts a new backup (a new view): the state now; the entries after it follow."""
-        self.view += 1
+    def attach(self, after: int = -1) -> CatchUp:
+        """Starts a new backup in a view newer than ``after`` too (the view the backup followed,
+        which a dead primary may have used): the state now; the entries after it follow."""
+        self.view = max(self.view, after) + 1
         self.backed, self.acked = True, self.entries
         return CatchUp(self.view, self.entries, self.shard.state_dict())
 
@@ -174,6 +154,21 @@ class Backup:
         """The primary died: this copy serves (alone), in a new view."""
         self.apply()
         return Primary(self.shard, entries=self.entries, view=self.view + 1)
+
+
+def stale(seen: tuple | None, view: int, version: int, handled: int | None = None) -> str | None:
+    """Why a backup of ``view``, at ``version`` after ``handled`` pushes (None: not counted),
+    may lack what its dead primary let out (acks, snapshots) as last ``seen``: ``(view, backed:
+    its backup held all, version, handled)`` (None: it holds all, or nothing was seen)."""
+    if seen is None or view > seen[0]:
+        return None
+    alone = "" if seen[1] else ", alone"
+    if view < seen[0] or alone:
+        return f"it follows view {view}; its primary served view {seen[0]}{alone}"
+    n, m = ("", "") if handled is None else (f" after {handled} pushes", f" after {seen[3]}")
+    if version < seen[2] or (handled is not None and handled < seen[3]):
+        return f"it is at version {version}{n}; its primary let out version {seen[2]}{m}"
+    return None
 
 
 class Outstanding:

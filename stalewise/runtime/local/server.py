@@ -744,11 +744,13 @@ class LocalServer:
         """Dead shard ``k``'s ``backup`` (process, control) serves in its place, its log the
         chain's newest cut where it holds it (none: a new chain begins); a CheckpointError if
         it is behind version ``published``."""
+        from stalewise.protocol.replica import stale
+
         p, control = backup
         control.send_bytes(wire.stats())
         held = recv_reply(control, timeout, f"shard {k}'s backup's state", trusted=True)[1]
-        if held["version"] < published:
-            raise CheckpointError(f"it is at version {held['version']}, behind {published}")
+        if why := stale((0, True, published, 0), 0, held["version"]):  # one view, no counts
+            raise CheckpointError(why)
         (path, at), logged = held["held"], ("", None, False)  # no log: the state alone
         if self._based is not None:
             name = f"log-shard-{k}-{self._tags[k]}-{self._log_n:06d}"

@@ -19,7 +19,7 @@ from multiprocessing import connection, reduction
 
 import numpy as np
 
-from stalewise.checkpoint.store import create_file
+from stalewise.checkpoint.store import LogWriter
 from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery, pipeline, pushlog
 from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary, digest
 from stalewise.runtime.local import layout as L
@@ -127,9 +127,8 @@ class ShardProcess:
         self.cut_log: tuple = ("", False)  # and the push log begun then: (path, fsync)
         self.cut_n, self.cut_until = 0, 0.0  # its number, and when it is given up
         self.publishes = 0  # snapshots published
-        self.log, self.log_path, self.log_fsync = None, "", False  # the push log (begin_log)
+        self.log, self.unsynced = LogWriter(f"shard {k}"), False  # the push log; entries unsynced
         self.served = 0  # pulls served into a worker's pull buffer
-        self.log_at, self.unsynced = 0, False  # the log's bytes; entries not yet synced
         self.primary, self.link, self.backup_timeout = None, None, 0.0  # replicas=2 (sync)
         self.unsent = 0  # the bytes of the entries not forwarded yet
         if config.replicas == 2:
@@ -250,17 +249,11 @@ class ShardProcess:
         primary = self.primary
         if self.unsynced:
             self.unsynced = False
-            if self.log is not None:
-                try:
-                    self.log.flush()
-                    if self.log_fsync:
-                        os.fdatasync(self.log.fileno())
-                except OSError as e:
-                    self.end_log(e)
-            fwd, at, self.unsent = primary and primary.forward(), self.log_at - self.unsent, 0
+            self.log.sync()
+            fwd, at, self.unsent = primary and primary.forward(), self.log.where(self.unsent), 0
             if fwd and primary.backed:
                 try:
-                    self.link.send_bytes(wire.link(fwd, self.log_path * bool(self.log), at))
+                    self.link.send_bytes(wire.link(fwd, *at))
                     until = time.monotonic() + self.backup_timeout
                     while primary.acked < primary.entries:
                         if not self.link.poll(max(0.0, until - time.monotonic())):
@@ -287,7 +280,7 @@ class ShardProcess:
         """Starts the backup on the link from the state now (a new view)."""
         start = self.primary.attach()
         try:
-            self.link.send_bytes(wire.link(start, self.log_path * bool(self.log), self.log_at))
+            self.link.send_bytes(wire.link(start, *self.log.where()))
         except OSError as e:
             self.lose_backup(e)
 
@@ -386,28 +379,16 @@ class ShardProcess:
     # -- the push log --------------------------------------------------------------
 
     def begin_log(self, path: str, at: int | None = None, fsync: bool = False) -> None:
-        """Ends the push log and begins ``path``, at the shard's state now (a checkpoint's);
-        ``at``: goes on with that log of this user's, cut to ``at`` bytes (a restart's);
-        ``fsync``: each turn's entries reach the disk before its acks."""
+        """Ends the push log and begins ``path`` at the state now (``at``: goes on with it, cut
+        there: a restart's); ``fsync``: each turn's entries reach the disk before its acks."""
         self.sync()  # a forward never spans two logs
         self.end_log()
-        try:
-            self.log = open(create_file(path, at), "wb", buffering=1 << 16)  # noqa: SIM115
-        except OSError as e:
-            log.warning("shard %d: no push log: %s: %s", self.k, path, e.strerror or e)
-            return
-        self.log_path, self.log_fsync, self.shard.journal = path, fsync, self.journal
-        self.log_at = at or 0
+        if self.log.begin(path, at, fsync):
+            self.shard.journal = self.journal
 
     def journal(self, entry: list) -> None:
         self.unsynced = True
-        size = sum(memoryview(b).nbytes for b in entry)
-        if self.log is not None:
-            try:
-                self.log.writelines(entry)
-                self.log_at += size
-            except OSError as e:
-                self.end_log(e)
+        size = self.log.write(entry)
         if self.primary is not None:
             self.unsent += size
             self.record(self.by_region(entry))
@@ -434,24 +415,10 @@ class ShardProcess:
                 return False
         return True
 
-    def end_log(self, error: OSError | None = None) -> None:
-        """Closes the push log, flushed and fsynced; one that fails to (``error``) is
-        removed, so a replay stops before it instead of skipping what it lacks."""
-        f, self.log = self.log, None
+    def end_log(self) -> None:
+        """Closes the push log, flushed and fsynced."""
+        self.log.end()
         self.shard.journal = None if self.primary is None else self.journal
-        try:
-            if f is not None and error is None:
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            error = e
-        if f is not None:
-            with contextlib.suppress(OSError):
-                f.close()
-        if error is not None:
-            log.warning("shard %d: push log %s removed: %s", self.k, self.log_path, error)
-            with contextlib.suppress(OSError):
-                os.unlink(self.log_path)
 
     # -- the parent ----------------------------------------------------------------
 

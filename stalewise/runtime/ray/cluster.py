@@ -18,12 +18,7 @@ POLL = 0.05  # seconds between two looks while the shards reach a consistent cut
 
 def cpu_share(cpus: list[float], actors: int) -> float:
     """CPUs per actor: 1 if every actor can have one, else the largest share of which the
-    nodes (``cpus``: each node's CPUs) hold ``actors`` whole.
-
-    Example:
-        >>> cpu_share([8.0, 8.0], 10), cpu_share([2.0, 1.0], 5), cpu_share([2.0], 6)
-        (1.0, 0.5, 0.333)
-    """
+    nodes (``cpus``: each node's CPUs) hold ``actors`` whole (to 1/1000)."""
 
     def fits(share: float) -> bool:
         return sum(math.floor(c / share + 1e-9) for c in cpus) >= actors

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -14,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from stalewise.checkpoint.store import create_file
+from stalewise.checkpoint.store import LogWriter
 from stalewise.protocol import PushHeader, ServerConfig, Verdict, delivery, pipeline, pulls
 from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary, digest
 from stalewise.runtime.logs import child_logging
@@ -48,11 +47,9 @@ class ShardActor:
         self.config, self.k, self.workers = config, k, workers
         self.expected = expected  # of the worker ids, those counted from the start (None: all)
         self.lo, self.hi = config.ranges[k]
-        self.size = config.spec.size
-        self.dtype = config.init.dtype
-        self.shard = config.build_shard(
-            k, np.zeros(self.hi - self.lo, self.dtype), workers, expected
-        )
+        self.size, self.dtype = config.spec.size, config.init.dtype
+        zeros = np.zeros(self.hi - self.lo, self.dtype)
+        self.shard = config.build_shard(k, zeros, workers, expected)
         self.shard.warm_up()
         self.several = len(config.ranges) > 1  # a torn push is possible: keep recent pushes
         self.exact = pipeline.exact_pulls(config)
@@ -74,16 +71,15 @@ class ShardActor:
         self.busy = {"push": 0.0, "publish": 0.0, "pull": 0.0}
         self.timer: Any = None  # a deferred publish (ASP), when one is due
         self.cutting = delivery.Cut()  # a consistent cut under way: pushes wait
-        self.opened = asyncio.Event()
-        self.changed = asyncio.Event()
+        self.opened, self.changed = asyncio.Event(), asyncio.Event()
         self.stopped = False
         # replicas=2: the backup actor, the Primary its replies wait on, one forward at a time
         self.backup: Any = None
         self.primary: Primary | None = None
-        self.forwarding = asyncio.Lock()
+        self.forwarding, self.holder = asyncio.Lock(), 0  # (holder: the backup's pid attached)
         self.record: Any = None  # the Primary's journal, when one is attached
-        # the push log (begin_log): its descriptor, path, bytes, fsync; bytes not forwarded
-        self.log, self.log_path, self.log_at, self.log_fsync, self.unsent = None, "", 0, False, 0
+        self.exposed: tuple | None = None  # what was let out, as of _held() (replica.stale)
+        self.log, self.unsent = LogWriter(f"shard {k}"), 0  # the push log; bytes not forwarded
 
     async def ready(self) -> dict:
         """``{"node", "pid", "version"}``: the driver's start check."""
@@ -107,11 +103,12 @@ class ShardActor:
         backup: Any = None,
         seats: np.ndarray | None = None,
         log_at: tuple | None = None,
+        ledger: dict | None = None,
     ) -> int:
-        """Opens the shard on ``state`` (None: ``init``) and ``seats``, goes on with the push
-        log ``log_at`` (``(path, at, fsync)``), makes ``gone`` leave, admits ``joins`` and
-        catches up its ``backup``; returns the version."""
-        self.end_log()
+        """Opens the shard on ``state`` (None: ``init``), ``seats`` and ``ledger`` (``Ledger.kept``),
+        goes on with the push log ``log_at`` (``(path, at, fsync)``), makes ``gone`` leave,
+        admits ``joins`` and catches up its ``backup``; returns the version."""
+        self.log.end()
         if state is not None:
             self.shard.load_state_dict(state)
             if seats is not None:
@@ -120,9 +117,7 @@ class ShardActor:
             if resume:
                 self.shard.resume()
         elif init is not None:  # a fresh shard over the initial values
-            self.shard = self.config.build_shard(
-                self.k, np.array(init), self.workers, self.expected
-            )
+            self.shard = self.config.build_shard(self.k, init.copy(), self.workers, self.expected)
         self.pulls = self._pull_server()  # references are not kept: the next pulls are full
         self.record = self.shard.journal = None  # (attach records anew)
         if log_at is not None:
@@ -134,7 +129,7 @@ class ShardActor:
             self.shard.retire(w)
         for w, inc in joins.items():
             self.shard.admit(int(w), int(inc))
-        self.last.forget()
+        self.last = delivery.Ledger(ledger)
         self.snap, self.pub.version = None, -1
         self.cutting.thaw()
         await self.attach(backup or self.backup)
@@ -150,13 +145,16 @@ class ShardActor:
             self.backup = backup
             self.primary = Primary(self.shard, view=self.primary.view if self.primary else 0)
             self.record, self.shard.journal, self.unsent = self.shard.journal, self._journal, 0
-            try:
-                start = self.primary.attach()
+            try:  # in a view newer than the backup's (a dead primary's, maybe)
+                self.holder = (await asyncio.wait_for(backup.ready.remote(), BACKUP_WAIT))["pid"]
+                followed = await asyncio.wait_for(backup.view.remote(), BACKUP_WAIT)
+                start = self.primary.attach(followed)
                 seats = np.stack([self.shard.admitted, self.shard.retired])  # not in state_dict
-                call = backup.start.remote(start, self.handled, seats, self._logged(0))
+                kept, self.last.changes = self.last.kept, []
+                call = backup.start.remote(start, self.handled, seats, self.log.where(), kept)
                 await asyncio.wait_for(call, BACKUP_WAIT)
             except Exception as e:  # Ray's errors, a timeout
-                self._lose_backup(e)
+                await self._lose_backup(e)
         self._notify()
 
     async def _held(self) -> None:
@@ -166,8 +164,9 @@ class ShardActor:
                 if p is not self.primary or not p.backed or (fwd := p.forward()) is None:
                     continue
                 try:
-                    at, self.unsent = self._logged(self.unsent), 0
-                    call = self.backup.receive.remote(fwd, self.handled, at)
+                    at, self.unsent = self.log.where(self.unsent), 0
+                    changes, self.last.changes = self.last.changes, []
+                    call = self.backup.receive.remote(fwd, self.handled, at, changes)
                     held = await asyncio.wait_for(call, BACKUP_WAIT)
                     if held is None or held.entries < fwd.first + len(fwd.entries):
                         raise RuntimeError(
@@ -175,37 +174,22 @@ class ShardActor:
                         )
                     p.held(held)
                 except Exception as e:  # Ray's errors, a timeout, a refusal
-                    self._lose_backup(e)
+                    await self._lose_backup(e)
             self._notify()
-
-    def _logged(self, unsent: int) -> tuple[str, int]:
-        """``(path, bytes)`` of the push log before the last ``unsent`` bytes (``""``: none)."""
-        return (self.log_path, self.log_at - unsent) if self.log is not None else ("", 0)
+        if (p := self.primary) is not None:
+            self.exposed = (p.view, p.backed, self.shard.version, self.handled)
 
     def begin_log(self, path: str, at: int | None = None, fsync: bool = False) -> None:
-        """Ends the push log and begins ``path`` at the shard's state now (``at``: goes on with
-        that log, cut to ``at`` bytes); ``fsync``: each entry reaches the disk before replies."""
-        self.end_log()
-        try:
-            self.log = create_file(path, at)
-        except OSError as e:
-            log.warning("shard %d: no push log: %s: %s", self.k, path, e.strerror or e)
-            return
-        self.log_path, self.log_at, self.log_fsync, self.unsent = path, at or 0, fsync, 0
-        self.shard.journal = self._journal
+        """:meth:`LogWriter.begin <stalewise.checkpoint.store.LogWriter.begin>` at the state now."""
+        if self.log.begin(path, at, fsync):
+            self.shard.journal, self.unsent = self._journal, 0
+        elif self.record is None:
+            self.shard.journal = None
 
     def _journal(self, entry: list) -> None:
-        """A journal entry: to the push log (one write, before any reply), and to the Primary."""
-        size = sum(memoryview(b).nbytes for b in entry)
-        if self.log is not None:
-            try:
-                if os.writev(self.log, entry) != size:
-                    raise OSError(f"{size} bytes written in part (is the disk full?)")
-                if self.log_fsync:
-                    os.fdatasync(self.log)
-                self.log_at += size
-            except OSError as e:
-                self.end_log(e)
+        """A journal entry: to the push log (synced before any reply), and to the Primary."""
+        size = self.log.write(entry)
+        self.log.sync()
         if self.record is not None:
             self.unsent += size
             self.record(entry)
@@ -213,26 +197,30 @@ class ShardActor:
                 self.primary.forward()
                 self.unsent = 0
 
-    def end_log(self, error: OSError | None = None) -> None:
-        """Closes the push log; one that fails (``error``) is removed (a replay stops before it)."""
-        fd, self.log = self.log, None
-        self.shard.journal = None if self.record is None else self._journal
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        if fd is not None and error is not None:
-            log.warning("shard %d: push log %s removed: %s", self.k, self.log_path, error)
-            with contextlib.suppress(OSError):
-                os.unlink(self.log_path)
-
-    def _lose_backup(self, why: Exception) -> None:
-        """The backup failed: serve alone until the driver attaches it again (Ray restarts it)."""
+    async def _lose_backup(self, why: Exception) -> None:
+        """The backup failed: kills it; serves alone once it is gone (in BACKUP_WAIT, else exits)."""
         import ray
 
-        log.warning("shard %d: its backup failed (%s); serving alone", self.k, why)
-        self.primary.detach()
+        log.warning("shard %d: its backup failed (%s); serving alone once it is gone", self.k, why)
         if not isinstance(why, ray.exceptions.RayActorError):  # alive: Ray restarts it
             ray.kill(self.backup, no_restart=False)
+        deadline = time.monotonic() + BACKUP_WAIT
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                got = await asyncio.wait_for(self.backup.ready.remote(), min(left, 1.0))
+                if got["pid"] != self.holder and got["version"] < 0:
+                    break  # a new incarnation, empty
+                ray.kill(self.backup, no_restart=False)  # the one attached, or one with a copy
+            except ray.exceptions.ActorDiedError:
+                break
+            except Exception:  # Ray's errors, a timeout: restarting, or slow
+                pass
+            await asyncio.sleep(0.05)
+        else:
+            log.error("shard %d: its backup was given up on and is not gone; exiting", self.k)
+            os._exit(1)
+        self.primary.detach()
+        self.last.changes = None
 
     async def join(self, w: int, inc: int) -> int:
         """Admits incarnation ``inc`` of worker ``w``; returns the clock it joins at."""
@@ -303,6 +291,7 @@ class ShardActor:
             "losses": self.losses.tolist(),
             "busy": dict(self.busy),
             "pulled": list(self.pulled),
+            "exposed": self.exposed,
         }
 
     async def count(self) -> tuple[int, bool, int]:
@@ -420,9 +409,9 @@ class ShardActor:
         )
         self.busy["push"] += time.perf_counter() - t
         self._count(w, ack, loss)
-        await self._held()
         if self.several:  # kept until every shard has it, for one that may lack it (depart)
             self.last.keep(w, inc, seq, acked=acked, entry=(tuple(bases), tuple(verdict), update))
+        await self._held()  # (its backup holds the entry kept, too)
         if not self.exact:
             self._publish_soon()
         self._notify()
@@ -484,10 +473,8 @@ class ShardActor:
         if wait <= 0:
             self._publish(exact=True)
         else:
-            self.timer = asyncio.get_running_loop().call_later(wait, self._deferred)
-
-    def _deferred(self) -> None:
-        self.timer = asyncio.ensure_future(self._publish_held())
+            later = lambda: setattr(self, "timer", asyncio.ensure_future(self._publish_held()))  # noqa: E731
+            self.timer = asyncio.get_running_loop().call_later(wait, later)
 
     async def _publish_held(self) -> None:
         await self._held()
@@ -512,6 +499,7 @@ class BackupActor:
         child_logging(f"shard {k} backup")
         self.config, self.k, self.workers, self.expected = config, k, workers, expected
         self.copy: Backup | None = None
+        self.last = delivery.Ledger()  # its primary's, as of the entries held
         self.handled = 0  # the primary's count of pushes, as of the entries held
         self.held: tuple[str, int] = ("", 0)  # the push log and its bytes the state is after
 
@@ -521,25 +509,32 @@ class BackupActor:
     def shard(self) -> Any:
         return SimpleNamespace(version=-1) if self.copy is None else self.copy.shard
 
+    async def view(self) -> int:
+        """The view it follows (-1: none)."""
+        return -1 if self.copy is None else self.copy.view
+
     async def start(
-        self, start: CatchUp, handled: int, seats: np.ndarray, held: tuple[str, int]
+        self, start: CatchUp, handled: int, seats: np.ndarray, held: tuple[str, int], kept: dict
     ) -> None:
-        """Starts from the primary's state (``seats``; ``held``: its push log's path and bytes)."""
+        """Starts from the primary's state, ``seats``, log position ``held`` and ledger ``kept``."""
         lo, hi = self.config.ranges[self.k]
         zeros = np.zeros(hi - lo, self.config.init.dtype)
-        self.copy = Backup(
-            self.config.build_shard(self.k, zeros, self.workers, self.expected), start
-        )
+        shard = self.config.build_shard(self.k, zeros, self.workers, self.expected)
+        self.copy = Backup(shard, start)
         self.handled, self.held = handled, tuple(held)
+        self.last = delivery.Ledger(kept)
         np.copyto(self.copy.shard.admitted, seats[0])
         np.copyto(self.copy.shard.retired, seats[1])
 
-    async def receive(self, forward: Forward, handled: int, at: tuple[str, int]) -> Held | None:
+    async def receive(
+        self, forward: Forward, handled: int, at: tuple[str, int], changes: list
+    ) -> Held | None:
         """:meth:`Backup.receive` (None: not started, or of another view); ``at``: the push
-        log's path and bytes before ``forward``'s entries."""
+        log's path and bytes before ``forward``'s entries; ``changes``: its ledger's since."""
         held = None if self.copy is None else self.copy.receive(forward)
         if held is not None:
             self.handled = handled
+            self.last.replay(changes or ())  # (None: a forward racing a load)
             new = forward.entries[: held.entries - forward.first]
             self.held = (at[0], at[1] + sum(map(len, new)))
         return held
@@ -547,9 +542,10 @@ class BackupActor:
     async def digest(self) -> str | None:
         return None if self.copy is None else digest(self.shard.state_dict())
 
-    async def state(self) -> tuple[dict, int, int, np.ndarray, tuple] | None:
-        """``(Shard.state_dict(), pushes handled, entries, seats, (log path, bytes))`` or None."""
+    async def state(self) -> dict | None:
+        """What a restarted primary loads (``_Host._fail_over``), or None: not started."""
         if (b := self.copy) is None:
             return None
         seats = np.stack([b.shard.admitted, b.shard.retired])
-        return b.shard.state_dict(), self.handled, b.entries, seats, self.held
+        return {"state": b.shard.state_dict(), "handled": self.handled, "entries": b.entries,
+                "seats": seats, "held": self.held, "kept": self.last.kept, "view": b.view}  # fmt: skip

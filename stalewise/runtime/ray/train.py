@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from stalewise import tree
-from stalewise.protocol import ServerConfig, budget, delivery
+from stalewise.checkpoint.replay import continued
+from stalewise.protocol import ServerConfig, budget, delivery, replica
 from stalewise.protocol.pipeline import PUBLISH_EVERY
 from stalewise.protocol.sender import History
 from stalewise.runtime import driver
@@ -129,31 +130,26 @@ class _Host:
         ]
         info = self._get([s.ready.remote() for s in self.shards], o.shard_start_timeout, "start")
         self.nodes = [i["node"] for i in info]
-        if self.config.replicas == 2:
-            self._start_backups(config, expected)
+        if self.config.replicas == 2:  # a backup per shard, on another node if there is one
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as Node
 
-    def _start_backups(self, config: ServerConfig, expected: int | None) -> None:
-        """A backup actor per shard, on another node than its primary if the cluster has one."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+            nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+            actor, opts = ray.remote(BackupActor), {"num_cpus": 0, "max_restarts": -1}
+            for k in range(self.S):  # a hard affinity: Ray drops a soft one on a busy node
+                others = [n for n in nodes if n != self.nodes[k]] or [self.nodes[k]]
+                place = Node(others[k % len(others)], soft=False)
+                named = actor.options(
+                    name=f"{self.prefix}:backup-{k}", scheduling_strategy=place, **opts
+                )
+                self.backups.append(named.remote(config, k, self.W, expected))
+            self._get([b.ready.remote() for b in self.backups], wait, "start")
 
-        ray = self.ray
-        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        actor, opts = ray.remote(BackupActor), {"num_cpus": 0, "max_restarts": -1}
-        for k in range(self.S):  # a hard affinity: a soft one is dropped on a node without free CPU
-            others = [n for n in nodes if n != self.nodes[k]] or [self.nodes[k]]
-            place = NodeAffinitySchedulingStrategy(others[k % len(others)], soft=False)
-            named = actor.options(
-                name=f"{self.prefix}:backup-{k}", scheduling_strategy=place, **opts
-            )
-            self.backups.append(named.remote(config, k, self.W, expected))
-        self._get([b.ready.remote() for b in self.backups], self.o.shard_start_timeout, "start")
-
-    def _free_cpus(self) -> float:
-        return float(self.ray.available_resources().get("CPU", 0.0))
+    def _room(self) -> int:  # workers the free CPUs hold
+        return math.floor(float(self.ray.available_resources().get("CPU", 0.0)) / self.share + 1e-9)
 
     def _fitting(self) -> int:
         """An elastic run's first workers: as many as the free CPUs hold (``expected .. room``)."""
-        fit = math.floor(self._free_cpus() / self.share + 1e-9)
+        fit = self._room()
         return max(self.expected, min(self.W, fit))
 
     def _open_shards(self, run: driver.Run) -> None:
@@ -314,8 +310,7 @@ class _Host:
         if self.stopping or self.ended or self.coming:
             return
         free = [w for w in range(self.W) if w not in self.live and w not in self.retired]
-        room = math.floor(self._free_cpus() / self.share + 1e-9)
-        for w in free[:room]:
+        for w in free[: self._room()]:
             self.incs[w] += 1
             self.coming[self._spawn(w).prepare.remote()] = (w, time.monotonic())
 
@@ -391,6 +386,8 @@ class _Host:
 
     def finish(self, stats: dict) -> np.ndarray:
         per_shard = self.final
+        mine = self._retrying(lambda: self._each("digest")) if self.backups else []  # replicas=2
+        theirs = self.ray.get([b.digest.remote() for b in self.backups], timeout=self.o.ack_timeout)
         steps = max(sum(e["steps"] for e in self.ended), 1)
         stats["ray"] = {  # seconds per worker step, over the loops that ended normally
             key: sum(e["times"][key] for e in self.ended) / steps
@@ -406,7 +403,7 @@ class _Host:
             "pulls": [s["pulled"][1] for s in per_shard],
             "applied": [s["applied"] for s in per_shard],  # per shard
             "acked": sum(e["outcomes"].get("applied", 0) for e in self.ended),  # by the workers
-            "backups": self._compare_backups(),
+            "backups": [("differs", "equal")[a == b] for a, b in zip(mine, theirs, strict=True)],
             "backups_replaced": list(self.replaced),
             "workers": {
                 "started": len(self.started),
@@ -416,14 +413,6 @@ class _Host:
             },
         }
         return self._flat()
-
-    def _compare_backups(self) -> list[str]:
-        """replicas=2: whether each backup's state equals its primary's ("equal"/"differs")."""
-        if not self.backups:
-            return []
-        mine = self._retrying(lambda: self._each("digest"))
-        theirs = self.ray.get([b.digest.remote() for b in self.backups], timeout=self.o.ack_timeout)
-        return ["equal" if a == b else "differs" for a, b in zip(mine, theirs, strict=True)]
 
     def close(self) -> None:
         ray = self.ray
@@ -533,18 +522,12 @@ class _Host:
             counts = self._get(
                 cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart"
             )
-        if self.ef:
-            self._inherit(w, delivery.committed(counts))
-
-    def _inherit(self, w: int, pushes: int | None) -> None:
-        """Keeps worker ``w``'s residual after its gone incarnation's ``pushes`` for its next."""
-        residual = self._residual(w, self.incs[w], pushes)
+        if not self.ef:
+            return
+        residual = self._residual(w, self.incs[w], pushes := delivery.committed(counts))
         if residual is None:
-            log.warning(
-                "ray: worker %d's error-feedback residual is lost; its next incarnation "
-                "starts with none",
-                w,
-            )
+            log.warning("ray: worker %d's error-feedback residual is lost; its next incarnation "
+                        "starts with none", w)  # fmt: skip
             self.fb[w].clear()
         else:
             self.fb[w].keep(self.incs[w], pushes, residual, acked=pushes)
@@ -563,7 +546,7 @@ class _Host:
 
     def _fail_over(self, event: dict) -> bool:
         """replicas=2: shard ``event["shard"]``'s restarted actor takes its backup's state, the
-        workers keeping their incarnations (False: no backup holds one; roll back)."""
+        workers keeping their incarnations (False: no backup holds all it let out; roll back)."""
         ray, k = self.ray, event["shard"]
         if not self.backups:
             return False
@@ -571,35 +554,29 @@ class _Host:
             got = ray.get(self.backups[k].state.remote(), timeout=self.o.ack_timeout)
             if got is None:
                 raise RuntimeError("its backup was not caught up")
-            state, handled, entries, seats, held = got
-            backup, log_at = self.backups[k], self._log_at(k, *held)
-            load = self.shards[k].load.remote(
-                state, handled, {}, [], backup=backup, seats=seats, log_at=log_at
-            )
+            seen = self.tick[k].get("exposed") if self.tick else None
+            if why := replica.stale(seen, got["view"], got["state"]["version"], got["handled"]):
+                raise RuntimeError(f"its backup is stale: {why}")
+            log_at = None  # its push log: its chain's newest, cut where the backup's state is
+            if self.logs[k]:
+                newest = os.path.join(self.o.checkpoint_dir, self.logs[k])
+                if (at := continued(newest, *got["held"])) is None:
+                    self.tags[k], self.logs[k] = uuid.uuid4().hex[:8], ""  # a new chain
+                else:
+                    log_at = (newest, at, self.o.checkpoint_fsync)
+            load = self.shards[k].load.remote(got["state"], got["handled"], {}, [],
+                backup=self.backups[k], seats=got["seats"], log_at=log_at,
+                ledger=got["kept"])  # fmt: skip
             version = self._get([load], self.o.shard_start_timeout, "restore")[0]
             if self.stopping:  # a restarted shard has forgotten the stop
                 self._get([self.shards[k].stop.remote()], self.o.ack_timeout, "stop")
         except (ray.exceptions.RayError, RuntimeError, _ShardDown) as e:
             log.warning("ray: shard %d has no backup to come back from (%s)", k, e)
             return False
-        log.warning(
-            "ray: shard %d is back from its backup (version %d, entry %d)", k, version, entries
-        )
+        at = (version, got["entries"])
+        log.warning("ray: shard %d is back from its backup (version %d, entry %d)", k, *at)
         self.run.failures.shard_restarted(event, version=version, lost=0, source="backup")
         return True
-
-    def _log_at(self, k: int, path: str, at: int) -> tuple | None:
-        """``(path, at, fsync)`` of the push log shard ``k`` goes on with from its backup's
-        state (held at byte ``at`` of log ``path``): its chain's newest, cut there (or None)."""
-        from stalewise.checkpoint.replay import continued
-
-        if not self.logs[k]:
-            return None
-        newest = os.path.join(self.o.checkpoint_dir, self.logs[k])
-        if (at := continued(newest, path, at)) is None:
-            self.tags[k], self.logs[k] = uuid.uuid4().hex[:8], ""
-            return None
-        return newest, at, self.o.checkpoint_fsync
 
     def _next_logs(self) -> list[tuple[str, bool]]:
         """Each shard's next push log ``(path, fsync)``: its chain's next (N taken)."""
@@ -619,10 +596,8 @@ class _Host:
         except ShardError as e:  # e.g. its node left: the primary serves alone
             log.warning("ray: %s; shard %d serves alone", e, k)
             return
-        attach = lambda: self._get(  # noqa: E731
-            [self.shards[k].attach.remote(self.backups[k])], self.o.ack_timeout, "attach"
-        )
-        self._retrying(attach)
+        call = lambda: [self.shards[k].attach.remote(self.backups[k])]  # noqa: E731
+        self._retrying(lambda: self._get(call(), self.o.ack_timeout, "attach"))
         self.replaced[k] += 1
         self.bwatches[self.backups[k].watch.remote()] = k
 
@@ -741,12 +716,9 @@ class _Host:
             raise _ShardDown(f"a shard's actor died during {what}")
 
     def _who(self, e: Exception) -> str:
-        actor = getattr(e, "actor_id", None)
-        for k, s in enumerate(self.shards):
-            ident = getattr(s, "_actor_id", None)  # Ray's handle; absent: not named
-            if actor is not None and ident is not None and actor == ident.hex():
-                return f"shard {k}"
-        return "a shard"
+        ids = [getattr(s, "_actor_id", None) for s in self.shards]  # Ray's handle (or absent)
+        k = [k for k, i in enumerate(ids) if i is not None and getattr(e, "actor_id", 0) == i.hex()]
+        return f"shard {k[0]}" if k else "a shard"
 
     def _get(self, refs: list, timeout: float | None, what: str) -> list:
         with self._shard_calls(what, f"the shards did not answer {what} within {timeout} s"):
