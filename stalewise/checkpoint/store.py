@@ -558,10 +558,12 @@ def create_file(path: str | os.PathLike, at: int | None = None) -> int:
 
 class LogWriter:
     """A shard's push log (``who``: in warnings), synced before what depends on its entries
-    leaves; one that fails is removed, so a replay stops before it instead of skipping."""
+    leaves; one that fails is removed, so a replay stops before it instead of skipping.
+    Closing fsyncs it with ``fsync`` set, or always with ``fsync_end``."""
 
-    def __init__(self, who: str):
+    def __init__(self, who: str, fsync_end: bool = False):
         self.who, self.file, self.path, self.at, self.fsync = who, None, "", 0, False
+        self.fsync_end = fsync_end
 
     def begin(self, path: str, at: int | None = None, fsync: bool = False) -> bool:
         """Ends the log, begins ``path`` (``at``: goes on with it, cut there); False: none (warned)."""
@@ -574,7 +576,8 @@ class LogWriter:
         return self.file is not None
 
     def write(self, entry: list) -> int:
-        """Appends ``entry``'s buffers (to the OS at :meth:`sync`); returns their bytes."""
+        """Appends ``entry``'s buffers (to the OS at :meth:`sync`); returns their bytes (the
+        log is ended on an error: :meth:`sync` says so)."""
         size = sum(memoryview(b).nbytes for b in entry)
         try:
             if self.file is not None:
@@ -584,7 +587,8 @@ class LogWriter:
             self.end(e)
         return size
 
-    def sync(self) -> None:
+    def sync(self) -> bool:
+        """Whether the log is still open, its entries flushed (with ``fsync``: on the disk)."""
         try:
             if self.file is not None:
                 self.file.flush()
@@ -592,20 +596,22 @@ class LogWriter:
                     os.fdatasync(self.file.fileno())
         except OSError as e:
             self.end(e)
+        return self.file is not None
 
     def where(self, unsent: int = 0) -> tuple[str, int]:
         """``(path, bytes)`` of the log before its last ``unsent`` bytes (``("", 0)``: none)."""
         return (self.path, self.at - unsent) if self.file is not None else ("", 0)
 
     def end(self, error: OSError | None = None) -> None:
-        """Closes the log, flushed and fsynced (removed after ``error``)."""
+        """Closes the log, flushed (removed after ``error``)."""
         if (f := self.file) is None:
             return
         self.file = None
         try:
             if error is None:
                 f.flush()
-                os.fsync(f.fileno())
+                if self.fsync or self.fsync_end:
+                    os.fsync(f.fileno())
         except OSError as e:
             error = e
         with contextlib.suppress(OSError):

@@ -188,7 +188,8 @@ class ShardActor:
     def _journal(self, entry: list) -> None:
         """A journal entry: to the push log (synced before any reply), and to the Primary."""
         size = self.log.write(entry)
-        self.log.sync()
+        if not self.log.sync() and self.record is None:  # the log failed: no entry for anyone
+            self.shard.journal = None
         if self.record is not None:
             self.unsent += size
             self.record(entry)
