@@ -208,9 +208,13 @@ class ShardActor:
             ray.kill(self.backup, no_restart=False)
 
     async def join(self, w: int, inc: int) -> int:
-        """Admits incarnation ``inc`` of worker ``w``; returns the clock it joins at."""
-        self.shard.admit(w, inc)
-        self.last.forget(w)
+        """Admits incarnation ``inc`` of worker ``w`` (once: a join made again after a failover
+        is not); returns the clock it joins at. Like :meth:`cut`, :meth:`committed` and
+        :meth:`depart`, it waits for the state (a restarted actor's load)."""
+        await self.opened.wait()
+        if self.shard.incarnation[w] < inc:
+            self.shard.admit(w, inc)
+            self.last.forget(w)
         await self._held()
         self._notify()
         return int(self.shard.clocks[w])
@@ -224,6 +228,7 @@ class ShardActor:
 
     async def cut(self, w: int, inc: int) -> int | None:
         """Cuts ``w``'s incarnation ``inc`` off; returns its pushes handled here (None: unknown)."""
+        await self.opened.wait()
         self.shard.retire(w, inc)
         await self._held()
         self._notify()
@@ -231,11 +236,13 @@ class ShardActor:
 
     async def leave(self, w: int, inc: int) -> None:
         """``w``'s incarnation ``inc`` leaves (its loop ended with its acks)."""
+        await self.opened.wait()
         self.shard.retire(w, inc)
         await self.depart(w, inc, None)
 
     async def committed(self, w: int, inc: int, start: int, stop: int) -> list | None:
         """``[(seq, bases, verdict, update), ...]`` of ``w``'s ``start .. stop - 1`` (or None)."""
+        await self.opened.wait()
         got = self.last.between(w, inc, start, stop)
         if got is not None:
             return [(seq, *entry) for seq, entry in zip(range(start, stop), got, strict=True)]
@@ -246,6 +253,7 @@ class ShardActor:
     async def depart(self, w: int, inc: int, committed: list | None) -> int | None:
         """``w``'s incarnation ``inc`` is gone: delivers ``committed`` (from :meth:`committed`)
         and makes it leave; returns :meth:`cut`'s count after."""
+        await self.opened.wait()
         for seq, bases, verdict, update in committed or ():  # in order, each if it is the next
             header = PushHeader(w, seq, int(bases[self.k]), inc)
             ack = self.shard.deliver(w, inc, (header, self._payload(update), Verdict(*verdict)))

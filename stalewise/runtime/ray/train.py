@@ -67,6 +67,9 @@ class _Host:
         self.actors: list[Any] = [None] * self.W
         self.runs: dict[Any, int] = {}  # a worker's run() ObjectRef -> worker
         self.watches: dict[Any, int] = {}  # a shard's watch() ObjectRef -> shard
+        # replicas=2: a worker failure's (w, "depart"/"join"/"respawn", inc) that met a dead
+        # shard, made once it failed over (_settle)
+        self.unsettled: list[tuple[int, str, int]] = []
         self.live: set[int] = set()  # workers whose loop has not ended
         self.shards: list[Any] = []
         self.backups: list[Any] = []  # replicas=2: each shard's backup actor
@@ -295,6 +298,8 @@ class _Host:
             for ref in [r for r, v in self.runs.items() if v == w]:
                 del self.runs[ref]
             self._worker_failed(w, cause)
+        if self.unsettled:
+            self._retrying(self._settle)
         if self.owed and not self.live:  # the end: a backup holds every push
             self._retrying(self._take_backup)
         if self.coming:
@@ -339,7 +344,7 @@ class _Host:
             if self.stopping or self.ended:  # the run is ending: it is not needed
                 ray.kill(self.actors[w], no_restart=True)
                 continue
-            self._retrying(lambda w=w: self._join(w))
+            self._retrying(lambda w=w: self._settled(w, "join", self.incs[w], later=False))
             self.runs[self.actors[w].run.remote()] = w
             self.liveness.watch(w, self.actors[w], ready=True)
             self.live.add(w)
@@ -505,12 +510,46 @@ class _Host:
                 self.retired.add(w)
             return
         self.incs[w] += 1
-        with contextlib.suppress(_ShardDown):  # else the restore to come admits it
-            self._join(w)
-        self._respawn(w)
+        with contextlib.suppress(_ShardDown):  # replicas=1: the restore to come admits it
+            self._settled(w, "join", self.incs[w])
+        if self._settled(w, "respawn", self.incs[w]) is not None:
+            self._respawn(w)
 
-    def _join(self, w: int) -> None:
-        self._get([s.join.remote(w, self.incs[w]) for s in self.shards], self.o.ack_timeout, "join")
+    def _settled(self, w: int, op: str, inc: int, later: bool = True) -> list | None:
+        """``op`` for worker ``w``'s incarnation ``inc`` on every shard ("join", "depart": the
+        commit rule; "respawn": none): their answers. A shard down (_ShardDown) with
+        replicas=2 and ``later``: None, ``op`` made once it failed over (:meth:`_settle`),
+        as is every ``op`` of ``w``'s after one pending (in order)."""
+        if later and self.backups and any(u[0] == w for u in self.unsettled):
+            self.unsettled.append((w, op, inc))
+            return None
+        if op == "respawn":
+            return []
+        t = self.o.ack_timeout
+        try:
+            with self._shard_calls(op, f"the shards did not answer {op} within {t} s"):
+                if op == "join":
+                    refs = [s.join.remote(w, inc) for s in self.shards]
+                else:
+                    refs = cluster.depart(self.shards, w, inc, t, lambda r: self._wait(r, t))
+                self._wait(refs, t)
+                return self.ray.get(refs)
+        except _ShardDown:
+            if not (later and self.backups):
+                raise
+            log.warning("ray: worker %d's %s waits for a shard's failover", w, op)
+            self.unsettled.append((w, op, inc))
+            return None
+
+    def _settle(self) -> None:
+        """What worker failures left ``unsettled``, in order (_ShardDown: the rest after)."""
+        while self.unsettled:
+            w, op, inc = self.unsettled[0]
+            if op == "respawn":
+                self._respawn(w)
+            else:
+                self._settled(w, op, inc, later=False)
+            self.unsettled.pop(0)
 
     def _respawn(self, w: int) -> None:
         """A new actor for worker ``w``'s admitted incarnation, in place of its old one."""
@@ -521,14 +560,11 @@ class _Host:
 
     def _depart(self, w: int) -> None:
         """The commit rule for worker ``w``'s gone incarnation (keeping its residual, if any)."""
-        timeout = self.o.ack_timeout
-        counts: list = []
-        with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
-            counts = self._get(
-                cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart"
-            )
+        counts: list | None = None
+        with contextlib.suppress(_ShardDown):  # replicas=1: the restore to come rolls back
+            counts = self._settled(w, "depart", self.incs[w])
         if self.ef:
-            self._inherit(w, delivery.committed(counts))
+            self._inherit(w, delivery.committed(counts or []))
 
     def _inherit(self, w: int, pushes: int | None) -> None:
         """Keeps worker ``w``'s residual after its gone incarnation's ``pushes`` for its next."""
@@ -683,6 +719,8 @@ class _Host:
         assert self.backup is not None
         states, handled = self.backup
         owed, self.owed = set() if self.stopping else self.owed, set()
+        owed |= {w for w, op, _ in self.unsettled if op == "respawn"}  # it joins anew
+        self.unsettled = []
         while True:
             joins = {}
             for w in budget.after_rollback(self.live, owed):
@@ -739,7 +777,19 @@ class _Host:
 
     def _get(self, refs: list, timeout: float | None, what: str) -> list:
         with self._shard_calls(what, f"the shards did not answer {what} within {timeout} s"):
-            return self.ray.get(refs, timeout=timeout)
+            self._wait(refs, timeout)
+            return self.ray.get(refs)
+
+    def _wait(self, refs: list, timeout: float | None) -> None:
+        """Returns once ``refs`` are done; _ShardDown once a shard's actor ended (a call that
+        reached its restarted actor waits for its state), GetTimeoutError after ``timeout``."""
+        ray, n = self.ray, len(refs)
+        deadline = time.monotonic() + (math.inf if timeout is None else timeout)
+        while n and len(ray.wait(refs, num_returns=n, timeout=TICK, fetch_local=False)[0]) < n:
+            if self.watches and ray.wait(list(self.watches), timeout=0)[0]:
+                raise _ShardDown("a shard's actor died under a call")
+            if time.monotonic() > deadline:
+                raise ray.exceptions.GetTimeoutError()
 
     def _each(self, method: str, what: str | None = None) -> list:
         """Every shard's answer to ``method`` (within ``ack_timeout``)."""
