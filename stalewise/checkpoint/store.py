@@ -576,8 +576,7 @@ class LogWriter:
         return self.file is not None
 
     def write(self, entry: list) -> int:
-        """Appends ``entry``'s buffers (to the OS at :meth:`sync`); returns their bytes (the
-        log is ended on an error: :meth:`sync` says so)."""
+        """Appends ``entry``'s buffers (to the OS at :meth:`sync`); returns their bytes."""
         size = sum(memoryview(b).nbytes for b in entry)
         try:
             if self.file is not None:

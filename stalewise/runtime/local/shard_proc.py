@@ -127,8 +127,7 @@ class ShardProcess:
         self.cut_log: tuple = ("", False)  # and the push log begun then: (path, fsync)
         self.cut_n, self.cut_until = 0, 0.0  # its number, and when it is given up
         self.publishes = 0  # snapshots published
-        self.log = LogWriter(f"shard {k}", fsync_end=True)  # the push log, fsynced when it ends
-        self.unsynced = False  # entries not synced yet
+        self.log, self.unsynced = LogWriter(f"shard {k}", fsync_end=True), False  # the push log
         self.served = 0  # pulls served into a worker's pull buffer
         self.primary, self.link, self.backup_timeout = None, None, 0.0  # replicas=2 (sync)
         self.unsent = 0  # the bytes of the entries not forwarded yet

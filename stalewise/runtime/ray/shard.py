@@ -208,9 +208,8 @@ class ShardActor:
             ray.kill(self.backup, no_restart=False)
 
     async def join(self, w: int, inc: int) -> int:
-        """Admits incarnation ``inc`` of worker ``w`` (once: a join made again after a failover
-        is not); returns the clock it joins at. Like :meth:`cut`, :meth:`committed` and
-        :meth:`depart`, it waits for the state (a restarted actor's load)."""
+        """Admits incarnation ``inc`` of worker ``w`` (once), after a restarted actor's load as
+        :meth:`cut`, :meth:`committed` and :meth:`depart`; returns the clock it joins at."""
         await self.opened.wait()
         if self.shard.incarnation[w] < inc:
             self.shard.admit(w, inc)

@@ -67,9 +67,8 @@ class _Host:
         self.actors: list[Any] = [None] * self.W
         self.runs: dict[Any, int] = {}  # a worker's run() ObjectRef -> worker
         self.watches: dict[Any, int] = {}  # a shard's watch() ObjectRef -> shard
-        # replicas=2: a worker failure's (w, "depart"/"join"/"respawn", inc) that met a dead
-        # shard, made once it failed over (_settle)
-        self.unsettled: list[tuple[int, str, int]] = []
+        # a failed worker -> its gone incarnation (None: departed) while a shard was down
+        self.unsettled: dict[int, int | None] = {}
         self.live: set[int] = set()  # workers whose loop has not ended
         self.shards: list[Any] = []
         self.backups: list[Any] = []  # replicas=2: each shard's backup actor
@@ -112,7 +111,8 @@ class _Host:
             self.share = min(1.0, cluster.cpu_share(cluster.node_cpus(), self.expected + self.S))
             self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
             expected = 0  # every worker joins (load() admits those the run starts with)
-            self.started = list(range(self._fitting()))
+            fit = math.floor(self._free_cpus() / self.share + 1e-9)  # as many as the CPUs hold
+            self.started = list(range(max(self.expected, min(self.W, fit))))
         else:  # shards first, one bundle each, spread over the nodes; then the workers
             self.share = cluster.cpu_share(cluster.node_cpus(), self.W + self.S)
             self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
@@ -149,11 +149,6 @@ class _Host:
 
     def _free_cpus(self) -> float:
         return float(self.ray.available_resources().get("CPU", 0.0))
-
-    def _fitting(self) -> int:
-        """An elastic run's first workers: as many as the free CPUs hold (``expected .. room``)."""
-        fit = math.floor(self._free_cpus() / self.share + 1e-9)
-        return max(self.expected, min(self.W, fit))
 
     def _open_shards(self, run: driver.Run) -> None:
         states: list = [None] * self.S
@@ -344,7 +339,7 @@ class _Host:
             if self.stopping or self.ended:  # the run is ending: it is not needed
                 ray.kill(self.actors[w], no_restart=True)
                 continue
-            self._retrying(lambda w=w: self._settled(w, "join", self.incs[w], later=False))
+            self._retrying(lambda w=w: self._join(w))
             self.runs[self.actors[w].run.remote()] = w
             self.liveness.watch(w, self.actors[w], ready=True)
             self.live.add(w)
@@ -510,46 +505,24 @@ class _Host:
                 self.retired.add(w)
             return
         self.incs[w] += 1
-        with contextlib.suppress(_ShardDown):  # replicas=1: the restore to come admits it
-            self._settled(w, "join", self.incs[w])
-        if self._settled(w, "respawn", self.incs[w]) is not None:
-            self._respawn(w)
+        self.unsettled.setdefault(w, None)
+        with contextlib.suppress(_ShardDown):  # after the failover (or a restore admits it)
+            self._settle()
 
-    def _settled(self, w: int, op: str, inc: int, later: bool = True) -> list | None:
-        """``op`` for worker ``w``'s incarnation ``inc`` on every shard ("join", "depart": the
-        commit rule; "respawn": none): their answers. A shard down (_ShardDown) with
-        replicas=2 and ``later``: None, ``op`` made once it failed over (:meth:`_settle`),
-        as is every ``op`` of ``w``'s after one pending (in order)."""
-        if later and self.backups and any(u[0] == w for u in self.unsettled):
-            self.unsettled.append((w, op, inc))
-            return None
-        if op == "respawn":
-            return []
-        t = self.o.ack_timeout
-        try:
-            with self._shard_calls(op, f"the shards did not answer {op} within {t} s"):
-                if op == "join":
-                    refs = [s.join.remote(w, inc) for s in self.shards]
-                else:
-                    refs = cluster.depart(self.shards, w, inc, t, lambda r: self._wait(r, t))
-                self._wait(refs, t)
-                return self.ray.get(refs)
-        except _ShardDown:
-            if not (later and self.backups):
-                raise
-            log.warning("ray: worker %d's %s waits for a shard's failover", w, op)
-            self.unsettled.append((w, op, inc))
-            return None
+    def _join(self, w: int) -> None:
+        self._get([s.join.remote(w, self.incs[w]) for s in self.shards], self.o.ack_timeout, "join")
 
     def _settle(self) -> None:
-        """What worker failures left ``unsettled``, in order (_ShardDown: the rest after)."""
-        while self.unsettled:
-            w, op, inc = self.unsettled[0]
-            if op == "respawn":
+        """Failed workers': the commit rule for the gone incarnation, then (still live) the next
+        joins (a join made twice is made once) and starts; _ShardDown: the rest later."""
+        for w, gone in list(self.unsettled.items()):
+            if gone is not None:
+                self._commit(w, gone)
+                self.unsettled[w] = None
+            if w in self.live:
+                self._join(w)
                 self._respawn(w)
-            else:
-                self._settled(w, op, inc, later=False)
-            self.unsettled.pop(0)
+            del self.unsettled[w]
 
     def _respawn(self, w: int) -> None:
         """A new actor for worker ``w``'s admitted incarnation, in place of its old one."""
@@ -560,11 +533,21 @@ class _Host:
 
     def _depart(self, w: int) -> None:
         """The commit rule for worker ``w``'s gone incarnation (keeping its residual, if any)."""
-        counts: list | None = None
-        with contextlib.suppress(_ShardDown):  # replicas=1: the restore to come rolls back
-            counts = self._settled(w, "depart", self.incs[w])
+        counts: list = []
+        try:
+            counts = self._commit(w, self.incs[w])
+        except _ShardDown:  # after its failover (or a restore rolls back)
+            log.warning("ray: worker %d's commit rule waits for a shard to come back", w)
+            self.unsettled[w] = self.incs[w]
         if self.ef:
-            self._inherit(w, delivery.committed(counts or []))
+            self._inherit(w, delivery.committed(counts))
+
+    def _commit(self, w: int, inc: int) -> list:
+        """The commit rule for ``w``'s gone incarnation ``inc``: each shard's count after."""
+        t = self.o.ack_timeout
+        with self._shard_calls("depart", f"the shards did not cut {w} within {t} s"):
+            refs = cluster.depart(self.shards, w, inc, t, lambda r: self._get(r, t, "cut", False))
+        return self._get(refs, t, "depart")
 
     def _inherit(self, w: int, pushes: int | None) -> None:
         """Keeps worker ``w``'s residual after its gone incarnation's ``pushes`` for its next."""
@@ -719,8 +702,8 @@ class _Host:
         assert self.backup is not None
         states, handled = self.backup
         owed, self.owed = set() if self.stopping else self.owed, set()
-        owed |= {w for w, op, _ in self.unsettled if op == "respawn"}  # it joins anew
-        self.unsettled = []
+        owed |= {w for w in self.unsettled if w in self.live}  # it joins anew
+        self.unsettled = {}
         while True:
             joins = {}
             for w in budget.after_rollback(self.live, owed):
@@ -775,21 +758,18 @@ class _Host:
         k = [k for k, i in enumerate(ids) if i is not None and getattr(e, "actor_id", 0) == i.hex()]
         return f"shard {k[0]}" if k else "a shard"
 
-    def _get(self, refs: list, timeout: float | None, what: str) -> list:
-        with self._shard_calls(what, f"the shards did not answer {what} within {timeout} s"):
-            self._wait(refs, timeout)
-            return self.ray.get(refs)
-
-    def _wait(self, refs: list, timeout: float | None) -> None:
-        """Returns once ``refs`` are done; _ShardDown once a shard's actor ended (a call that
-        reached its restarted actor waits for its state), GetTimeoutError after ``timeout``."""
+    def _get(self, refs: list, timeout: float | None, what: str, fetch: bool = True) -> list:
+        """The answers to shard calls ``refs`` (``fetch``: else None); _ShardDown as soon as a
+        shard's actor ended (a call that reached its restarted actor waits for its state)."""
         ray, n = self.ray, len(refs)
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
-        while n and len(ray.wait(refs, num_returns=n, timeout=TICK, fetch_local=False)[0]) < n:
-            if self.watches and ray.wait(list(self.watches), timeout=0)[0]:
-                raise _ShardDown("a shard's actor died under a call")
-            if time.monotonic() > deadline:
-                raise ray.exceptions.GetTimeoutError()
+        with self._shard_calls(what, f"the shards did not answer {what} within {timeout} s"):
+            while n and len(ray.wait(refs, num_returns=n, timeout=TICK, fetch_local=False)[0]) < n:
+                if self.watches and ray.wait(list(self.watches), timeout=0)[0]:
+                    raise _ShardDown(f"a shard's actor died during {what}")
+                if time.monotonic() > deadline:
+                    raise ray.exceptions.GetTimeoutError()
+            return ray.get(refs) if fetch else None
 
     def _each(self, method: str, what: str | None = None) -> list:
         """Every shard's answer to ``method`` (within ``ack_timeout``)."""
