@@ -71,10 +71,8 @@ class WorkerPipe:
         return self.fd
 
     def read(self) -> list[bytes] | None:
-        """The bodies of the messages now complete ([] if none); None at end of file.
-
-        Raises:
-            OSError: the pipe broke (the worker is gone)."""
+        """The bodies of the messages now complete ([] if none); None at end of file (OSError:
+        the pipe broke, the worker is gone)."""
         try:
             data = os.read(self.fd, READ_CHUNK)
         except BlockingIOError:
@@ -89,11 +87,8 @@ class WorkerPipe:
         return bodies
 
     def write(self, body: bytes) -> None:
-        """Sends one message without blocking.
-
-        Raises:
-            BlockingIOError: the pipe is full: the worker does not read its replies.
-            OSError: the pipe broke (the worker is gone)."""
+        """Sends one message without blocking (BlockingIOError: the pipe is full, the worker
+        does not read its replies; OSError: the pipe broke, the worker is gone)."""
         data = wire.frame(body)
         if os.write(self.fd, data) != len(data):
             raise BlockingIOError("the pipe is full")

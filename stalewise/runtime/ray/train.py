@@ -387,6 +387,9 @@ class _Host:
 
     def finish(self, stats: dict) -> np.ndarray:
         per_shard = self.final
+        mine = self._retrying(lambda: self._each("digest")) if self.backups else []
+        theirs = self.ray.get([b.digest.remote() for b in self.backups], timeout=self.o.ack_timeout)
+        pairs = zip(mine, theirs, strict=True)  # replicas=2: each backup and its primary
         steps = max(sum(e["steps"] for e in self.ended), 1)
         stats["ray"] = {  # seconds per worker step, over the loops that ended normally
             key: sum(e["times"][key] for e in self.ended) / steps
@@ -402,7 +405,7 @@ class _Host:
             "pulls": [s["pulled"][1] for s in per_shard],
             "applied": [s["applied"] for s in per_shard],  # per shard
             "acked": sum(e["outcomes"].get("applied", 0) for e in self.ended),  # by the workers
-            "backups": self._compare_backups(),
+            "backups": ["equal" if a == b else "differs" for a, b in pairs],
             "backups_replaced": list(self.replaced),
             "workers": {
                 "started": len(self.started),
@@ -412,12 +415,6 @@ class _Host:
             },
         }
         return self._flat()
-
-    def _compare_backups(self) -> list[str]:
-        """replicas=2: whether each backup's state equals its primary's ("equal"/"differs")."""
-        mine = self._retrying(lambda: self._each("digest")) if self.backups else []
-        theirs = self.ray.get([b.digest.remote() for b in self.backups], timeout=self.o.ack_timeout)
-        return ["equal" if a == b else "differs" for a, b in zip(mine, theirs, strict=True)]
 
     def close(self) -> None:
         ray = self.ray
@@ -497,8 +494,7 @@ class _Host:
         """The commit rule for worker ``w``, then the failure policy (restart, drop, raise)."""
         self.ray.kill(self.actors[w], no_restart=True)  # it may live on after raising
         self._depart(w)
-        now = self.now()
-        action = self.run.failures.worker(w, cause, time=now, detail=detail)
+        action = self.run.failures.worker(w, cause, time=self.now(), detail=detail)
         if action == "drop" or self.stopping:
             self.live.discard(w)
             if action == "drop":
@@ -532,25 +528,16 @@ class _Host:
         self.live.add(w)
 
     def _depart(self, w: int) -> None:
-        """The commit rule for worker ``w``'s gone incarnation (keeping its residual, if any)."""
+        """The commit rule for worker ``w``'s gone incarnation; its residual kept for its next."""
         counts: list = []
         try:
             counts = self._commit(w, self.incs[w])
         except _ShardDown:  # after its failover (or a restore rolls back)
             log.warning("ray: worker %d's commit rule waits for a shard to come back", w)
             self.unsettled[w] = self.incs[w]
-        if self.ef:
-            self._inherit(w, delivery.committed(counts))
-
-    def _commit(self, w: int, inc: int) -> list:
-        """The commit rule for ``w``'s gone incarnation ``inc``: each shard's count after."""
-        t = self.o.ack_timeout
-        with self._shard_calls("depart", f"the shards did not cut {w} within {t} s"):
-            refs = cluster.depart(self.shards, w, inc, t, lambda r: self._get(r, t, "cut", False))
-        return self._get(refs, t, "depart")
-
-    def _inherit(self, w: int, pushes: int | None) -> None:
-        """Keeps worker ``w``'s residual after its gone incarnation's ``pushes`` for its next."""
+        if not self.ef:
+            return
+        pushes = delivery.committed(counts)
         residual = self._residual(w, self.incs[w], pushes)
         if residual is None:
             log.warning(
@@ -561,6 +548,13 @@ class _Host:
             self.fb[w].clear()
         else:
             self.fb[w].keep(self.incs[w], pushes, residual, acked=pushes)
+
+    def _commit(self, w: int, inc: int) -> list:
+        """The commit rule for ``w``'s gone incarnation ``inc``: each shard's count after."""
+        t = self.o.ack_timeout
+        with self._shard_calls("depart", f"the shards did not cut {w} within {t} s"):
+            refs = cluster.depart(self.shards, w, inc, t, lambda r: self._get(r, t, "cut", False))
+        return self._get(refs, t, "depart")
 
     def _residual(self, w: int, inc: int, pushes: int | None) -> np.ndarray | None:
         """Worker ``w``'s residual after ``pushes`` of incarnation ``inc`` (None: unknown)."""
@@ -759,8 +753,7 @@ class _Host:
         return f"shard {k[0]}" if k else "a shard"
 
     def _get(self, refs: list, timeout: float | None, what: str, fetch: bool = True) -> list:
-        """The answers to shard calls ``refs`` (``fetch``: else None); _ShardDown as soon as a
-        shard's actor ended (a call that reached its restarted actor waits for its state)."""
+        """Shard calls ``refs``' answers (``fetch``: else None); _ShardDown once a shard's actor ended."""
         ray, n = self.ray, len(refs)
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
         with self._shard_calls(what, f"the shards did not answer {what} within {timeout} s"):
