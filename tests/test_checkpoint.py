@@ -338,17 +338,17 @@ def test_the_simulator_resumes_only_its_own_checkpoints(tmp_path):
 def test_a_push_log_is_fsynced_at_its_end_only_if_asked(
     tmp_path, monkeypatch, fsync, fsync_end, synced
 ):
-    """``fsync``: each sync and the end; ``fsync_end`` (the local runtime's): the end only."""
+    """``fsync``: each sync and the end; ``end(fsync=True)`` (the local runtime's): the end."""
     from stalewise.checkpoint.store import LogWriter
 
-    log = LogWriter("shard 0", fsync_end=bool(fsync_end))
+    log = LogWriter("shard 0")
     assert log.begin(str(tmp_path / "log"), fsync=bool(fsync))
     calls: list = []
     monkeypatch.setattr(os, "fsync", calls.append)
     monkeypatch.setattr(os, "fdatasync", calls.append)
     log.write([b"an ", b"entry"])
     assert log.sync()
-    log.end()
+    log.end(fsync=bool(fsync_end))
     assert len(calls) == synced and (tmp_path / "log").read_bytes() == b"an entry"
 
 
@@ -380,7 +380,7 @@ def test_a_shard_whose_push_log_failed_journals_no_more(tmp_path, caplog, runtim
         shard = ShardProcess.__new__(ShardProcess)
         shard.primary, shard.unsynced, shard.unsent = None, False, 0
         shard.shard = config.build_shard(0, config.init.copy(), 1, None)
-        shard.log = checkpoint.store.LogWriter("shard 0", fsync_end=True)
+        shard.log = checkpoint.store.LogWriter("shard 0")
     path = tmp_path / "log-shard-0"
     shard.begin_log(str(path))
     assert shard.shard.journal is not None

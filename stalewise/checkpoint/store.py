@@ -558,12 +558,10 @@ def create_file(path: str | os.PathLike, at: int | None = None) -> int:
 
 class LogWriter:
     """A shard's push log (``who``: in warnings), synced before what depends on its entries
-    leaves; one that fails is removed, so a replay stops before it instead of skipping.
-    Closing fsyncs it with ``fsync`` set, or always with ``fsync_end``."""
+    leaves; one that fails is removed, so a replay stops before it instead of skipping."""
 
-    def __init__(self, who: str, fsync_end: bool = False):
+    def __init__(self, who: str):
         self.who, self.file, self.path, self.at, self.fsync = who, None, "", 0, False
-        self.fsync_end = fsync_end
 
     def begin(self, path: str, at: int | None = None, fsync: bool = False) -> bool:
         """Ends the log, begins ``path`` (``at``: goes on with it, cut there); False: none (warned)."""
@@ -601,15 +599,15 @@ class LogWriter:
         """``(path, bytes)`` of the log before its last ``unsent`` bytes (``("", 0)``: none)."""
         return (self.path, self.at - unsent) if self.file is not None else ("", 0)
 
-    def end(self, error: OSError | None = None) -> None:
-        """Closes the log, flushed (removed after ``error``)."""
+    def end(self, error: OSError | None = None, fsync: bool = False) -> None:
+        """Closes the log, flushed, fsynced with ``fsync`` or its own set (removed after ``error``)."""
         if (f := self.file) is None:
             return
         self.file = None
         try:
             if error is None:
                 f.flush()
-                if self.fsync or self.fsync_end:
+                if self.fsync or fsync:
                     os.fsync(f.fileno())
         except OSError as e:
             error = e

@@ -122,7 +122,7 @@ class ShardProcess:
         self.cut_log: tuple = ("", False)  # and the push log begun then: (path, fsync)
         self.cut_n, self.cut_until = 0, 0.0  # its number, and when it is given up
         self.publishes = 0  # snapshots published
-        self.log, self.unsynced = LogWriter(f"shard {k}", fsync_end=True), False  # the push log
+        self.log, self.unsynced = LogWriter(f"shard {k}"), False  # the push log; entries unsynced
         self.served = 0  # pulls served into a worker's pull buffer
         self.primary, self.link, self.backup_timeout = None, None, 0.0  # replicas=2 (sync)
         self.unsent = 0  # the bytes of the entries not forwarded yet
@@ -410,8 +410,8 @@ class ShardProcess:
         return True
 
     def end_log(self) -> None:
-        """Closes the push log, flushed and fsynced."""
-        self.log.end()
+        """Closes the push log, flushed and fsynced (bounding what a machine crash loses)."""
+        self.log.end(fsync=True)
         self.shard.journal = None if self.primary is None else self.journal
 
     # -- the parent ----------------------------------------------------------------

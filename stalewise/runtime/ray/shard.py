@@ -235,8 +235,7 @@ class ShardActor:
 
     async def leave(self, w: int, inc: int) -> None:
         """``w``'s incarnation ``inc`` leaves (its loop ended with its acks)."""
-        await self.opened.wait()
-        self.shard.retire(w, inc)
+        await self.cut(w, inc)  # (after a restarted actor's load)
         await self.depart(w, inc, None)
 
     async def committed(self, w: int, inc: int, start: int, stop: int) -> list | None:
