@@ -329,3 +329,64 @@ def test_the_simulator_resumes_only_its_own_checkpoints(tmp_path):
                        r"'local'\); it resumes only its own"):  # fmt: skip
         job.train(task.loss_and_grad, data=task.batches, workers=2, steps=4, runtime="sim",
                   checkpoints=sw.Checkpoints(tmp_path, resume=True))  # fmt: skip
+
+
+# -- the push-log writer (checkpoint.store.LogWriter), both runtimes' --
+
+
+@pytest.mark.parametrize(("fsync", "fsync_end", "synced"), [(0, 0, 0), (1, 0, 2), (0, 1, 1)])
+def test_a_push_log_is_fsynced_at_its_end_only_if_asked(
+    tmp_path, monkeypatch, fsync, fsync_end, synced
+):
+    """``fsync``: each sync and the end; ``end(fsync=True)`` (the local runtime's): the end."""
+    from stalewise.checkpoint.store import LogWriter
+
+    log = LogWriter("shard 0")
+    assert log.begin(str(tmp_path / "log"), fsync=bool(fsync))
+    calls: list = []
+    monkeypatch.setattr(os, "fsync", calls.append)
+    monkeypatch.setattr(os, "fdatasync", calls.append)
+    log.write([b"an ", b"entry"])
+    assert log.sync()
+    log.end(fsync=bool(fsync_end))
+    assert len(calls) == synced and (tmp_path / "log").read_bytes() == b"an entry"
+
+
+class _Full:
+    """A push log's file on a full disk."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def writelines(self, _):
+        raise OSError(28, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+def test_a_shard_whose_push_log_failed_journals_no_more(tmp_path, caplog, runtime):
+    """The log is removed (a replay stops before it) and, with no backup, the shard stops
+    encoding journal entries nobody takes."""
+    from stalewise.runtime.local.shard_proc import ShardProcess
+    from stalewise.runtime.ray.shard import ShardActor
+
+    task = tasks.get("least-squares", n=64, d=4)
+    config = sw.Job(task.init_params(0), optimizer=sw.optim.sgd(0.05), shards=1).config
+    if runtime == "ray":
+        shard = ShardActor(config, 0, 1, 0.02)
+    else:
+        shard = ShardProcess.__new__(ShardProcess)
+        shard.primary, shard.unsynced, shard.unsent = None, False, 0
+        shard.shard = config.build_shard(0, config.init.copy(), 1, None)
+        shard.log = checkpoint.store.LogWriter("shard 0")
+    path = tmp_path / "log-shard-0"
+    shard.begin_log(str(path))
+    assert shard.shard.journal is not None
+    shard.log.file = _Full(shard.log.file)
+    shard.shard.admit(0, 1)  # a journaled call
+    if runtime == "local":
+        shard.sync()  # the turn's end
+    assert shard.shard.journal is None and not path.exists()
+    assert "push log" in caplog.text and "No space left" in caplog.text

@@ -5,6 +5,7 @@ with ``ray.kill`` or SIGKILL (Ray restarts them). Every run has a ``timeout``.""
 import os
 import re
 import signal
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -244,6 +245,43 @@ def test_a_primary_serves_alone_only_once_the_backup_it_gave_up_on_is_gone(ray_c
         assert ray.get(shard.stats.remote(), timeout=60)["exposed"][1] is False
     finally:
         for a in (shard, *backups):
+            ray.kill(a, no_restart=True)
+
+
+def test_a_worker_failure_met_while_a_primary_restarts_is_settled_after_its_failover(ray_cluster):
+    """Worker 0's incarnation 1 fails while shard 0's primary is dead: a call reaching the
+    restarted actor waits for its state (never acts on a blank shard); the driver, seeing the
+    shard down at once, makes the commit rule, incarnation 2's join and its start once it
+    failed over, so incarnation 2 is admitted there."""
+    from stalewise.runtime.ray.train import _ShardDown
+
+    config, shard, backup, host = one_shard()
+    update = ray.put(np.ones(config.spec.size, np.float32))
+    host.incs, host.ef, host.unsettled, host.live, started = [1], False, {}, {0}, []
+    host._respawn = started.append
+    try:
+        for seq in range(2):
+            push(config, shard, seq, update)
+        host.watches = {shard.watch.remote(): 0}
+        restart(host, shard)
+        early = shard.cut.remote(0, 1)
+        assert not ray.wait([early], timeout=1.0)[0]  # it waits for the state
+        t = time.monotonic()
+        host._depart(0)  # as _worker_failed does, then the failure policy: a restart
+        host.incs[0] = 2
+        with pytest.raises(_ShardDown):
+            host._settle()
+        assert time.monotonic() - t < host.o.ack_timeout / 4
+        assert host.unsettled == {0: 1} and started == []
+        host.watches = {shard.watch.remote(): 0}  # the driver watches the restarted actor
+        assert host._fail_over({"shard": 0})
+        assert ray.get(early, timeout=60) == 2  # on the state loaded
+        host._settle()
+        assert host.unsettled == {} and started == [0]
+        ack, _ = ray.get(shard.push.remote(0, 2, 0, (0, 0), (0, 0), 1.0, 0, update), timeout=60)
+        assert ack.ok
+    finally:
+        for a in (shard, backup):
             ray.kill(a, no_restart=True)
 
 

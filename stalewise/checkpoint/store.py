@@ -584,7 +584,8 @@ class LogWriter:
             self.end(e)
         return size
 
-    def sync(self) -> None:
+    def sync(self) -> bool:
+        """Whether the log is still open, its entries flushed (with ``fsync``: on the disk)."""
         try:
             if self.file is not None:
                 self.file.flush()
@@ -592,20 +593,22 @@ class LogWriter:
                     os.fdatasync(self.file.fileno())
         except OSError as e:
             self.end(e)
+        return self.file is not None
 
     def where(self, unsent: int = 0) -> tuple[str, int]:
         """``(path, bytes)`` of the log before its last ``unsent`` bytes (``("", 0)``: none)."""
         return (self.path, self.at - unsent) if self.file is not None else ("", 0)
 
-    def end(self, error: OSError | None = None) -> None:
-        """Closes the log, flushed and fsynced (removed after ``error``)."""
+    def end(self, error: OSError | None = None, fsync: bool = False) -> None:
+        """Closes the log, flushed, fsynced with ``fsync`` or its own set (removed after ``error``)."""
         if (f := self.file) is None:
             return
         self.file = None
         try:
             if error is None:
                 f.flush()
-                os.fsync(f.fileno())
+                if self.fsync or fsync:
+                    os.fsync(f.fileno())
         except OSError as e:
             error = e
         with contextlib.suppress(OSError):

@@ -71,10 +71,8 @@ class WorkerPipe:
         return self.fd
 
     def read(self) -> list[bytes] | None:
-        """The bodies of the messages now complete ([] if none); None at end of file.
-
-        Raises:
-            OSError: the pipe broke (the worker is gone)."""
+        """The bodies of the messages now complete ([] if none); None at end of file (OSError:
+        the pipe broke, the worker is gone)."""
         try:
             data = os.read(self.fd, READ_CHUNK)
         except BlockingIOError:
@@ -89,11 +87,8 @@ class WorkerPipe:
         return bodies
 
     def write(self, body: bytes) -> None:
-        """Sends one message without blocking.
-
-        Raises:
-            BlockingIOError: the pipe is full: the worker does not read its replies.
-            OSError: the pipe broke (the worker is gone)."""
+        """Sends one message without blocking (BlockingIOError: the pipe is full, the worker
+        does not read its replies; OSError: the pipe broke, the worker is gone)."""
         data = wire.frame(body)
         if os.write(self.fd, data) != len(data):
             raise BlockingIOError("the pipe is full")
@@ -249,7 +244,8 @@ class ShardProcess:
         primary = self.primary
         if self.unsynced:
             self.unsynced = False
-            self.log.sync()
+            if not self.log.sync() and primary is None:  # the log failed: no entry for anyone
+                self.shard.journal = None
             fwd, at, self.unsent = primary and primary.forward(), self.log.where(self.unsent), 0
             if fwd and primary.backed:
                 try:
@@ -416,8 +412,8 @@ class ShardProcess:
         return True
 
     def end_log(self) -> None:
-        """Closes the push log, flushed and fsynced."""
-        self.log.end()
+        """Closes the push log, flushed and fsynced (bounding what a machine crash loses)."""
+        self.log.end(fsync=True)
         self.shard.journal = None if self.primary is None else self.journal
 
     # -- the parent ----------------------------------------------------------------

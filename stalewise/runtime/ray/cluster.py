@@ -78,12 +78,15 @@ def consistent_states(
     return [state for state, _ in replies], replies[0][1], targets
 
 
-def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0) -> list:
-    """The commit rule for ``w``'s gone incarnation ``inc``: each shard's count of its pushes."""
+def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0, wait: Any = None) -> list:
+    """The commit rule for ``w``'s gone incarnation ``inc``: each shard's count of its pushes
+    (``wait(refs)``: returns once they are done, or raises; default: up to ``timeout``)."""
     ray = import_ray()
-    source, lacking = delivery.departure(
-        ray.get([s.cut.remote(w, inc) for s in shards], timeout=timeout)
-    )
+    cuts = [s.cut.remote(w, inc) for s in shards]
+    if wait is not None:
+        wait(cuts)
+    wait = wait or (lambda r: ray.wait(r, num_returns=len(r), timeout=timeout, fetch_local=False))
+    source, lacking = delivery.departure(ray.get(cuts, timeout=timeout))
     missing: list = [None] * len(shards)
     for k, (start, stop) in lacking.items():  # read before the source departs (and forgets)
         missing[k] = shards[source].committed.remote(w, inc, start, stop)
@@ -95,5 +98,5 @@ def depart(shards: list, w: int, inc: int, timeout: float | None = 60.0) -> list
     # Ray does not order an async actor's calls: read them before the source departs
     reading = [m for m in missing if m is not None]
     if reading:
-        ray.wait(reading, num_returns=len(reading), timeout=timeout, fetch_local=False)
+        wait(reading)
     return [s.depart.remote(w, inc, missing[k]) for k, s in enumerate(shards)]

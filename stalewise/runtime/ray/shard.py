@@ -189,7 +189,8 @@ class ShardActor:
     def _journal(self, entry: list) -> None:
         """A journal entry: to the push log (synced before any reply), and to the Primary."""
         size = self.log.write(entry)
-        self.log.sync()
+        if not self.log.sync() and self.record is None:  # the log failed: no entry for anyone
+            self.shard.journal = None
         if self.record is not None:
             self.unsent += size
             self.record(entry)
@@ -223,9 +224,12 @@ class ShardActor:
         self.last.changes = None
 
     async def join(self, w: int, inc: int) -> int:
-        """Admits incarnation ``inc`` of worker ``w``; returns the clock it joins at."""
-        self.shard.admit(w, inc)
-        self.last.forget(w)
+        """Admits incarnation ``inc`` of worker ``w`` (once), after a restarted actor's load as
+        :meth:`cut`, :meth:`committed` and :meth:`depart`; returns the clock it joins at."""
+        await self.opened.wait()
+        if self.shard.incarnation[w] < inc:
+            self.shard.admit(w, inc)
+            self.last.forget(w)
         await self._held()
         self._notify()
         return int(self.shard.clocks[w])
@@ -239,6 +243,7 @@ class ShardActor:
 
     async def cut(self, w: int, inc: int) -> int | None:
         """Cuts ``w``'s incarnation ``inc`` off; returns its pushes handled here (None: unknown)."""
+        await self.opened.wait()
         self.shard.retire(w, inc)
         await self._held()
         self._notify()
@@ -246,11 +251,12 @@ class ShardActor:
 
     async def leave(self, w: int, inc: int) -> None:
         """``w``'s incarnation ``inc`` leaves (its loop ended with its acks)."""
-        self.shard.retire(w, inc)
+        await self.cut(w, inc)  # (after a restarted actor's load)
         await self.depart(w, inc, None)
 
     async def committed(self, w: int, inc: int, start: int, stop: int) -> list | None:
         """``[(seq, bases, verdict, update), ...]`` of ``w``'s ``start .. stop - 1`` (or None)."""
+        await self.opened.wait()
         got = self.last.between(w, inc, start, stop)
         if got is not None:
             return [(seq, *entry) for seq, entry in zip(range(start, stop), got, strict=True)]
@@ -261,6 +267,7 @@ class ShardActor:
     async def depart(self, w: int, inc: int, committed: list | None) -> int | None:
         """``w``'s incarnation ``inc`` is gone: delivers ``committed`` (from :meth:`committed`)
         and makes it leave; returns :meth:`cut`'s count after."""
+        await self.opened.wait()
         for seq, bases, verdict, update in committed or ():  # in order, each if it is the next
             header = PushHeader(w, seq, int(bases[self.k]), inc)
             ack = self.shard.deliver(w, inc, (header, self._payload(update), Verdict(*verdict)))

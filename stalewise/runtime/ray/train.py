@@ -67,6 +67,8 @@ class _Host:
         self.actors: list[Any] = [None] * self.W
         self.runs: dict[Any, int] = {}  # a worker's run() ObjectRef -> worker
         self.watches: dict[Any, int] = {}  # a shard's watch() ObjectRef -> shard
+        # a failed worker -> its gone incarnation (None: departed) while a shard was down
+        self.unsettled: dict[int, int | None] = {}
         self.live: set[int] = set()  # workers whose loop has not ended
         self.shards: list[Any] = []
         self.backups: list[Any] = []  # replicas=2: each shard's backup actor
@@ -109,7 +111,8 @@ class _Host:
             self.share = min(1.0, cluster.cpu_share(cluster.node_cpus(), self.expected + self.S))
             self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
             expected = 0  # every worker joins (load() admits those the run starts with)
-            self.started = list(range(self._fitting()))
+            fit = math.floor(self._free_cpus() / self.share + 1e-9)  # as many as the CPUs hold
+            self.started = list(range(max(self.expected, min(self.W, fit))))
         else:  # shards first, one bundle each, spread over the nodes; then the workers
             self.share = cluster.cpu_share(cluster.node_cpus(), self.W + self.S)
             self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
@@ -146,11 +149,6 @@ class _Host:
 
     def _room(self) -> int:  # workers the free CPUs hold
         return math.floor(float(self.ray.available_resources().get("CPU", 0.0)) / self.share + 1e-9)
-
-    def _fitting(self) -> int:
-        """An elastic run's first workers: as many as the free CPUs hold (``expected .. room``)."""
-        fit = self._room()
-        return max(self.expected, min(self.W, fit))
 
     def _open_shards(self, run: driver.Run) -> None:
         states: list = [None] * self.S
@@ -295,6 +293,8 @@ class _Host:
             for ref in [r for r, v in self.runs.items() if v == w]:
                 del self.runs[ref]
             self._worker_failed(w, cause)
+        if self.unsettled:
+            self._retrying(self._settle)
         if self.owed and not self.live:  # the end: a backup holds every push
             self._retrying(self._take_backup)
         if self.coming:
@@ -386,8 +386,9 @@ class _Host:
 
     def finish(self, stats: dict) -> np.ndarray:
         per_shard = self.final
-        mine = self._retrying(lambda: self._each("digest")) if self.backups else []  # replicas=2
+        mine = self._retrying(lambda: self._each("digest")) if self.backups else []
         theirs = self.ray.get([b.digest.remote() for b in self.backups], timeout=self.o.ack_timeout)
+        pairs = zip(mine, theirs, strict=True)  # replicas=2: each backup and its primary
         steps = max(sum(e["steps"] for e in self.ended), 1)
         stats["ray"] = {  # seconds per worker step, over the loops that ended normally
             key: sum(e["times"][key] for e in self.ended) / steps
@@ -403,7 +404,7 @@ class _Host:
             "pulls": [s["pulled"][1] for s in per_shard],
             "applied": [s["applied"] for s in per_shard],  # per shard
             "acked": sum(e["outcomes"].get("applied", 0) for e in self.ended),  # by the workers
-            "backups": [("differs", "equal")[a == b] for a, b in zip(mine, theirs, strict=True)],
+            "backups": ["equal" if a == b else "differs" for a, b in pairs],
             "backups_replaced": list(self.replaced),
             "workers": {
                 "started": len(self.started),
@@ -492,20 +493,31 @@ class _Host:
         """The commit rule for worker ``w``, then the failure policy (restart, drop, raise)."""
         self.ray.kill(self.actors[w], no_restart=True)  # it may live on after raising
         self._depart(w)
-        now = self.now()
-        action = self.run.failures.worker(w, cause, time=now, detail=detail)
+        action = self.run.failures.worker(w, cause, time=self.now(), detail=detail)
         if action == "drop" or self.stopping:
             self.live.discard(w)
             if action == "drop":
                 self.retired.add(w)
             return
         self.incs[w] += 1
-        with contextlib.suppress(_ShardDown):  # else the restore to come admits it
-            self._join(w)
-        self._respawn(w)
+        self.unsettled.setdefault(w, None)
+        with contextlib.suppress(_ShardDown):  # after the failover (or a restore admits it)
+            self._settle()
 
     def _join(self, w: int) -> None:
         self._get([s.join.remote(w, self.incs[w]) for s in self.shards], self.o.ack_timeout, "join")
+
+    def _settle(self) -> None:
+        """Failed workers': the commit rule for the gone incarnation, then (still live) the next
+        joins (a join made twice is made once) and starts; _ShardDown: the rest later."""
+        for w, gone in list(self.unsettled.items()):
+            if gone is not None:
+                self._commit(w, gone)
+                self.unsettled[w] = None
+            if w in self.live:
+                self._join(w)
+                self._respawn(w)
+            del self.unsettled[w]
 
     def _respawn(self, w: int) -> None:
         """A new actor for worker ``w``'s admitted incarnation, in place of its old one."""
@@ -515,22 +527,30 @@ class _Host:
         self.live.add(w)
 
     def _depart(self, w: int) -> None:
-        """The commit rule for worker ``w``'s gone incarnation (keeping its residual, if any)."""
-        timeout = self.o.ack_timeout
+        """The commit rule for worker ``w``'s gone incarnation; its residual kept for its next."""
         counts: list = []
-        with contextlib.suppress(_ShardDown):  # a shard is down too: its restore rolls back
-            counts = self._get(
-                cluster.depart(self.shards, w, self.incs[w], timeout), timeout, "depart"
-            )
+        try:
+            counts = self._commit(w, self.incs[w])
+        except _ShardDown:  # after its failover (or a restore rolls back)
+            log.warning("ray: worker %d's commit rule waits for a shard to come back", w)
+            self.unsettled[w] = self.incs[w]
         if not self.ef:
             return
-        residual = self._residual(w, self.incs[w], pushes := delivery.committed(counts))
+        pushes = delivery.committed(counts)
+        residual = self._residual(w, self.incs[w], pushes)
         if residual is None:
             log.warning("ray: worker %d's error-feedback residual is lost; its next incarnation "
                         "starts with none", w)  # fmt: skip
             self.fb[w].clear()
         else:
             self.fb[w].keep(self.incs[w], pushes, residual, acked=pushes)
+
+    def _commit(self, w: int, inc: int) -> list:
+        """The commit rule for ``w``'s gone incarnation ``inc``: each shard's count after."""
+        t = self.o.ack_timeout
+        with self._shard_calls("depart", f"the shards did not cut {w} within {t} s"):
+            refs = cluster.depart(self.shards, w, inc, t, lambda r: self._get(r, t, "cut", False))
+        return self._get(refs, t, "depart")
 
     def _residual(self, w: int, inc: int, pushes: int | None) -> np.ndarray | None:
         """Worker ``w``'s residual after ``pushes`` of incarnation ``inc`` (None: unknown)."""
@@ -666,6 +686,8 @@ class _Host:
         assert self.backup is not None
         states, handled = self.backup
         owed, self.owed = set() if self.stopping else self.owed, set()
+        owed |= {w for w in self.unsettled if w in self.live}  # it joins anew
+        self.unsettled = {}
         while True:
             joins = {}
             for w in budget.after_rollback(self.live, owed):
@@ -720,9 +742,17 @@ class _Host:
         k = [k for k, i in enumerate(ids) if i is not None and getattr(e, "actor_id", 0) == i.hex()]
         return f"shard {k[0]}" if k else "a shard"
 
-    def _get(self, refs: list, timeout: float | None, what: str) -> list:
+    def _get(self, refs: list, timeout: float | None, what: str, fetch: bool = True) -> list:
+        """Shard calls ``refs``' answers (``fetch``: else None); _ShardDown once a shard's actor ended."""
+        ray, n = self.ray, len(refs)
+        deadline = time.monotonic() + (math.inf if timeout is None else timeout)
         with self._shard_calls(what, f"the shards did not answer {what} within {timeout} s"):
-            return self.ray.get(refs, timeout=timeout)
+            while n and len(ray.wait(refs, num_returns=n, timeout=TICK, fetch_local=False)[0]) < n:
+                if self.watches and ray.wait(list(self.watches), timeout=0)[0]:
+                    raise _ShardDown(f"a shard's actor died during {what}")
+                if time.monotonic() > deadline:
+                    raise ray.exceptions.GetTimeoutError()
+            return ray.get(refs) if fetch else None
 
     def _each(self, method: str, what: str | None = None) -> list:
         """Every shard's answer to ``method`` (within ``ack_timeout``)."""
