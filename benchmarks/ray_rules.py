@@ -52,7 +52,7 @@ RULES: dict[str, dict[str, list[str]]] = {
         ],
     },
     "outbox.py": {
-        "Outbox.send": ["if residual is not None:"],
+        "Outbox.send": ["if residual is not None and self.keeper is not None:"],
         "Outbox.collect": ["if any(r is None for r in replies):"],
     },
     "server.py": {
@@ -94,11 +94,14 @@ RULES: dict[str, dict[str, list[str]]] = {
             "if self.timer is not None or wait is None:",
             "if wait <= 0:",
         ],
-        "ShardActor._deferred": ["if self.pub.version != self.shard.version:"],
+        "ShardActor._publish_held": ["if self.pub.version != self.shard.version:"],
     },
     "train.py": {
-        "_Host._start_shards": ['restarts = 0 if o.on_worker_failure == "fail"', "expected = 0"],
-        "_Host._fitting": ["return max(self.expected, min(self.W, fit))"],
+        "_Host._start_shards": [
+            'restarts = 0 if o.on_worker_failure == "fail"',
+            "expected = 0",
+            "max(self.expected, min(self.W, fit))",
+        ],
         "_Host._open_shards": [
             'self.incs[w] = max(int(np.asarray(s["incarnation"])[w]) for s in states)',
             "joins = {w: self.incs[w] + 1 for w in self.started}",
