@@ -100,7 +100,7 @@ RULES: dict[str, dict[str, list[str]]] = {
         "_Host._start_shards": [
             'restarts = 0 if o.on_worker_failure == "fail"',
             "expected = 0",
-            "max(self.expected, min(self.W, fit))",
+            "max(self.expected, min(self.W, self._room()))",
         ],
         "_Host._open_shards": [
             'self.incs[w] = max(int(np.asarray(s["incarnation"])[w]) for s in states)',

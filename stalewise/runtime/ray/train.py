@@ -111,8 +111,7 @@ class _Host:
             self.share = min(1.0, cluster.cpu_share(cluster.node_cpus(), self.expected + self.S))
             self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
             expected = 0  # every worker joins (load() admits those the run starts with)
-            fit = math.floor(self._free_cpus() / self.share + 1e-9)  # as many as the CPUs hold
-            self.started = list(range(max(self.expected, min(self.W, fit))))
+            self.started = list(range(max(self.expected, min(self.W, self._room()))))
         else:  # shards first, one bundle each, spread over the nodes; then the workers
             self.share = cluster.cpu_share(cluster.node_cpus(), self.W + self.S)
             self.pgs = [cluster.place(self.S, self.share, wait, "shards", apart=True)]
