@@ -217,10 +217,10 @@ def gone(pid):
 
 def test_a_primary_serves_alone_only_once_the_backup_it_gave_up_on_is_gone(ray_cluster):
     """A backup that refuses a forward (here: told it holds one entry fewer, so the next one
-    leaves a gap) is given up on; the push's ack leaves only once that backup's process is
-    gone, so a failover right after cannot take its copy, which lacks the push yet passes
-    the driver's last look. Six rounds, a new backup attached for each: the ack outran the
-    kill in about half the rounds when it did not wait."""
+    leaves a gap) is given up on; the push's ack leaves only once Ray says that backup died
+    or a new, empty incarnation of it answers, so a failover right after cannot take its
+    copy, which lacks the push yet passes the driver's last look. Six rounds, a new backup
+    attached for each."""
     from stalewise.runtime.ray.shard import BackupActor
 
     config, shard, backup, _ = one_shard()
@@ -239,7 +239,15 @@ def test_a_primary_serves_alone_only_once_the_backup_it_gave_up_on_is_gone(ray_c
             assert replica.stale(seen, got["view"], got["state"]["version"], got["handled"]) is None
             pid = ray.get(backups[-1].ready.remote(), timeout=60)["pid"]
             push(config, shard, 2 * r + 1, update)  # acknowledged alone
-            assert gone(pid), f"round {r}: backup process {pid} outlived the ack sent alone"
+            try:  # what a failover would take now: a new, empty incarnation, or nothing
+                left = ray.get(backups[-1].state.remote(), timeout=60)
+            except ray.exceptions.ActorDiedError:
+                left = None
+            assert left is None, f"round {r}: the backup given up on holds a copy after the ack"
+            ends = time.monotonic() + 10  # its process, told dead, may still be exiting
+            while not gone(pid) and time.monotonic() < ends:
+                time.sleep(0.05)
+            assert gone(pid), f"round {r}: backup process {pid} outlived its death by 10 s"
         with pytest.raises(ray.exceptions.ActorDiedError):
             ray.get(backups[-1].state.remote(), timeout=60)
         assert ray.get(shard.stats.remote(), timeout=60)["exposed"][1] is False
