@@ -90,9 +90,8 @@ class Rejoin:
 
 
 class Client(PullsIntoTrees):
-    """A worker's handle on the shards: ``pull()`` params, ``push()`` updates.
-
-    Made by :meth:`LocalServer.client`; picklable until first used."""
+    """A worker's handle on the shards: ``pull()`` params, ``push()`` updates; made by
+    :meth:`LocalServer.client`, picklable until first used."""
 
     #: the job's budget of pushes this client refuses to pass at commit (None: none; see
     #: :meth:`may_begin`), checked when set
@@ -168,8 +167,7 @@ class Client(PullsIntoTrees):
 
     @property
     def job_pushes(self) -> int:
-        """Pushes committed by all the job's workers so far (each id over its incarnations):
-        what a budget of ``steps`` counts."""
+        """Pushes committed by the job's workers (each id, all incarnations): ``steps`` counts."""
         self._attach()
         return int(self._control[self._layout.pushes_done].sum())
 
@@ -181,8 +179,7 @@ class Client(PullsIntoTrees):
         return budget.may_begin(self.job_pushes, 0, steps)
 
     def _round_now(self) -> int:
-        """Under BSP: the round of this worker's next push (its clock, or the shards'
-        round under way, as published, if later)."""
+        """Under BSP: the round of this worker's next push (its clock, or the shards', if later)."""
         snaps = self._snapshots
         shards = 0 if snaps is None else max(snaps.min_clock(k) for k in range(len(self._ranges)))
         return budget.round_of(self._round, shards)
@@ -389,8 +386,7 @@ class Client(PullsIntoTrees):
         return msg
 
     def _drain(self, k: int) -> None:
-        """Reads what shard ``k`` has sent (into the inbox) without waiting: its pipe's end,
-        or a refusal, raises now."""
+        """Reads what shard ``k`` sent (to the inbox), not waiting; a pipe end or refusal raises."""
         with contextlib.suppress(TimeoutError):  # a new pipe, with nothing yet
             while wire.readable([self._conns[k]], 0):
                 self._inbox[k].append(self._recv(k, 0, f"messages from shard {k}"))
@@ -439,8 +435,7 @@ class Client(PullsIntoTrees):
         raise ServerClosed(why)
 
     def _check_shards(self) -> None:
-        """Raises :class:`ShardError` naming every shard the server has seen die, unless
-        each is back (:meth:`_reconnect`)."""
+        """Raises :class:`ShardError` naming each shard seen dead, not back (:meth:`_reconnect`)."""
         exits = self._exits
         if exits is None or all(c != c for c in exits.tolist()):  # NaN: running
             return
@@ -471,8 +466,7 @@ class Client(PullsIntoTrees):
 
     def _flatten_measured(self, update: Any) -> list[float] | None:
         """Flattens ``update`` into the push buffer; returns each shard's sum of squares of its
-        slice, each chunk measured just after its copy, in the cache (None: not measured, with
-        a codec or a leaf that is no CPU array of the buffer's dtype). An overflow sums to Inf."""
+        slice, per chunk while cached (None: a codec, or a leaf no CPU array of its dtype)."""
         out, spec, sums = self._push_buf, self._spec, [0.0] * len(self._ranges)
         found = [v[0].backend.to_numpy(v[0].x) for v in tree._collect(update, spec)
                  if len(v) == 1 and v[0].backend.name in ("numpy", "torch")  # views, on a CPU
@@ -515,8 +509,7 @@ class Client(PullsIntoTrees):
         self._acks_due = [True] * len(self._conns)
 
     def _encode(self) -> None:
-        """Encodes the push buffer into the payloads; a new residual goes into the other
-        shared buffer, tagged with this push's commit word."""
+        """Encodes the push buffer into the payloads, the residual into the other shared buffer."""
         res, sender = self._residuals, self._sender
         if res is None:
             sender.encode(self._push_buf, self._payloads)
@@ -528,8 +521,7 @@ class Client(PullsIntoTrees):
 
     @property
     def residual(self) -> np.ndarray | None:
-        """This worker's error-feedback residual after its last committed push (a view
-        into shared memory; None when the codec keeps no feedback)."""
+        """This worker's error-feedback residual after its last push (shared memory; or None)."""
         self._attach()
         return self._sender.residual
 
@@ -556,8 +548,7 @@ class Client(PullsIntoTrees):
         return self._push_buf
 
     def wait(self, timeout: float | None = None) -> PushResult | None:
-        """Waits for the acks of the last push; returns its
-        :class:`~stalewise.protocol.PushResult` (None before the first push)."""
+        """Waits for the last push's acks; returns its :class:`PushResult` (None: no push yet)."""
         if not any(self._acks_due):
             return self.last_result
         for k, due in enumerate(self._acks_due):
