@@ -311,8 +311,7 @@ def _complete(root: Path) -> list[Path]:
 
 
 def candidates(root: Path) -> list[Path]:
-    """The checkpoint folders of ``root`` in the order loading tries them: the one
-    ``latest`` names first (if it is one of them), then the others, newest first."""
+    """``root``'s checkpoint folders in loading's order: ``latest``'s (if any), then the newest."""
     found = _complete(root)
     with contextlib.suppress(CheckpointError):
         named = root / _read_text(root, LATEST, folder_may_be_a_link=True)
@@ -444,9 +443,8 @@ def _read(path: Path) -> Checkpoint:
 def open_file(
     folder: Path, name: str, *, folder_may_be_a_link: bool = False
 ) -> tuple[int, os.stat_result]:
-    """A descriptor of ``folder/name`` and its stat: a regular file, opened without following a
-    symlink or blocking, in a ``folder`` that is no symlink either (unless
-    ``folder_may_be_a_link``); CheckpointError names the file and what is wrong with it."""
+    """A descriptor and stat of regular file ``folder/name``, opened not following a symlink nor
+    blocking, in a ``folder`` no symlink (unless ``folder_may_be_a_link``); CheckpointError: why."""
     file = folder / name
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NOFOLLOW
     folder_flags = flags | os.O_DIRECTORY
@@ -518,8 +516,7 @@ _KINDS = {
 
 
 def untrusted(st: os.stat_result, kind: int = stat.S_IFDIR) -> str | None:
-    """Why a folder (or a file of ``kind``) with this stat is not to be trusted, or None: it
-    must be of ``kind``, belong to this user and be writable by no one else."""
+    """Why a ``kind`` with this stat is untrusted (None: a ``kind`` of this user, others can't write)."""
     got, me = stat.S_IFMT(st.st_mode), os.getuid()
     if got != kind:
         return f"{_KINDS.get(got, 'a special file')}, not {_KINDS[kind]}"
@@ -531,9 +528,8 @@ def untrusted(st: os.stat_result, kind: int = stat.S_IFDIR) -> str | None:
 
 
 def create_file(path: str | os.PathLike, at: int | None = None) -> int:
-    """A descriptor of the new file ``path`` (mode 0644, ``O_EXCL``) for writing, in a folder that
-    passes :func:`untrusted`; ``at``: the existing file instead, cut to ``at`` bytes. OSError: the
-    folder or file is not to be trusted, or the file exists (missing, with ``at``)."""
+    """A descriptor of new file ``path`` (0644, ``O_EXCL``) to write, in a folder :func:`untrusted`
+    passes (``at``: the file, cut there). OSError: untrusted, or exists (missing, with ``at``)."""
     folder, name = os.path.split(os.fspath(path))
     top = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -557,8 +553,7 @@ def create_file(path: str | os.PathLike, at: int | None = None) -> int:
 
 
 class LogWriter:
-    """A shard's push log (``who``: in warnings), synced before what depends on its entries
-    leaves; one that fails is removed, so a replay stops before it instead of skipping."""
+    """A shard's push log (``who``: in warnings; rules: docs/design-notes.md, "On Ray")."""
 
     def __init__(self, who: str):
         self.who, self.file, self.path, self.at, self.fsync = who, None, "", 0, False
