@@ -516,7 +516,7 @@ _KINDS = {
 
 
 def untrusted(st: os.stat_result, kind: int = stat.S_IFDIR) -> str | None:
-    """Why a ``kind`` with this stat is untrusted (None: a ``kind`` of this user, others can't write)."""
+    """Why ``st`` is untrusted (None: a ``kind``, this user's, writable by no one else)."""
     got, me = stat.S_IFMT(st.st_mode), os.getuid()
     if got != kind:
         return f"{_KINDS.get(got, 'a special file')}, not {_KINDS[kind]}"

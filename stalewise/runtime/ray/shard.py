@@ -265,8 +265,7 @@ class ShardActor:
         return None
 
     async def depart(self, w: int, inc: int, committed: list | None) -> int | None:
-        """``w``'s incarnation ``inc`` is gone: delivers ``committed`` (from :meth:`committed`)
-        and makes it leave; returns :meth:`cut`'s count after."""
+        """Incarnation ``inc`` of ``w`` left: delivers ``committed``, departs; :meth:`cut`'s count."""
         await self.opened.wait()
         for seq, bases, verdict, update in committed or ():  # in order, each if it is the next
             header = PushHeader(w, seq, int(bases[self.k]), inc)
@@ -499,8 +498,7 @@ class ShardActor:
 
 
 class BackupActor:
-    """Shard ``k``'s backup (replicas=2): a shard of its own that replays its primary's
-    entries (:class:`~stalewise.protocol.replica.Backup`); empty until :meth:`start`."""
+    """Shard ``k``'s backup (replicas=2): a :class:`Backup` of its primary, once started."""
 
     def __init__(self, config: ServerConfig, k: int, workers: int, expected: int | None):
         child_logging(f"shard {k} backup")
