@@ -1,8 +1,7 @@
 """A shard kept on two processes, as pure objects (no I/O): the rules every runtime follows.
 
-A :class:`Primary` serves and forwards its journal's entries to a :class:`Backup`, which
-replays them in that order and is :meth:`~Backup.promote`\\ d when the primary dies.
-Rules, costs and an example: ``docs/design-notes.md`` ("Replicated shards")."""
+A :class:`Primary` serves and forwards its journal's entries to a :class:`Backup`, promoted when
+it dies. Rules, costs and an example: ``docs/design-notes.md`` ("Replicated shards")."""
 
 from __future__ import annotations
 
@@ -40,9 +39,8 @@ class CatchUp(NamedTuple):
 
 
 class Primary:
-    """The serving copy of a shard: numbers its entries, holds replies until the backup does.
-
-    ``entries``: how many entries the shard's state is after; ``view``: its view."""
+    """The serving copy of a shard (its state after ``entries`` entries, in ``view``): numbers its
+    entries, holds replies until the backup does."""
 
     def __init__(self, shard: Any, *, entries: int = 0, view: int = 0):
         self.shard, self.entries, self.view = shard, entries, view
@@ -62,14 +60,12 @@ class Primary:
             self.shard.join(worker, incarnation)
 
     def reply(self, message: Any) -> list[Any]:
-        """Queues ``message`` until the backup holds every entry so far; returns the
-        replies free to go (alone: at once)."""
+        """Queues ``message`` until the backup holds every entry so far; returns those now free."""
         self._waiting.append((self.entries, message))
         return self._free()
 
     def forward(self) -> Forward | None:
-        """The entries made since the last call (None: none), for the backup if
-        :attr:`backed` (and for a log on disk)."""
+        """The entries made since the last call (None: none): for the backup, if any, and a log."""
         if not self._unsent:
             return None
         entries, self._unsent = tuple(self._unsent), []
@@ -101,9 +97,8 @@ class Primary:
 
 
 class Backup:
-    """A copy of a shard that replays its primary's entries in order (``shard``: built as
-    the primary's was; ``start``: from :meth:`Primary.attach`). It holds an entry once it
-    has it in memory (:meth:`hold`), and applies it after (:meth:`apply`)."""
+    """A copy of a shard replaying its primary's entries in order (``shard``: built as the primary's
+    was; ``start``: :meth:`Primary.attach`'s); it holds each (:meth:`hold`), then applies it."""
 
     def __init__(self, shard: Any, start: CatchUp):
         shard.load_state_dict(start.state)
@@ -117,11 +112,8 @@ class Backup:
         return held
 
     def hold(self, forward: Forward | None) -> Held | None:
-        """Keeps the entries it does not hold yet, checked (decoded, their checksums); returns
-        what it holds (None: ignored, a forward of another view).
-
-        Raises:
-            pushlog.LogError: a gap (entries were lost), or a garbled entry (none is held)."""
+        """Keeps the entries not held yet, decoded and checked; returns what it holds (None: a
+        forward of another view, ignored). pushlog.LogError: a gap, a garbled entry (none held)."""
         if forward is None or forward.view != self.view:
             return None
         at = f"shard {self.shard.shard_id}, view {self.view}, entry {self.entries}"
@@ -136,10 +128,8 @@ class Backup:
         return Held(self.view, self.entries)
 
     def apply(self) -> None:
-        """Applies the entries held, in order (before the state is read or served).
-
-        Raises:
-            pushlog.LogError: an entry the shard refuses (it and those after are dropped)."""
+        """Applies the held entries in order (before the state is read or served); pushlog.LogError:
+        an entry the shard refuses (it and those after are dropped)."""
         while self.pending:
             try:
                 pushlog.replay(self.shard, self.pending[0])
@@ -172,8 +162,7 @@ def stale(seen: tuple | None, view: int, version: int, handled: int | None = Non
 
 
 class Outstanding:
-    """A worker's requests each shard's primary has not answered, to resend to a promoted
-    one (a push it was not told was applied, a pull, a join)."""
+    """A worker's requests (push, pull, join) a shard's primary left unanswered, to resend."""
 
     def __init__(self, shards: int):
         self._sent: list[dict[Any, Any]] = [{} for _ in range(shards)]
@@ -191,8 +180,7 @@ class Outstanding:
 
 
 def digest(state: dict[str, Any]) -> str:
-    """A sha256 of a ``Shard.state_dict()`` (its arrays' bytes, the rest as JSON): a backup's
-    state equals its primary's when their digests do."""
+    """A sha256 of a ``Shard.state_dict()``: a backup's state equals its primary's when these do."""
     h = hashlib.sha256()
     for key, v in sorted(state.items()):
         h.update(
