@@ -62,8 +62,7 @@ def departure(counts: Sequence[int | None]) -> tuple[int | None, dict[int, tuple
 
 
 def committed(counts: Sequence[int | None]) -> int | None:
-    """How many of a gone incarnation's pushes every shard that knows it has once it has
-    departed (``counts`` as :func:`departure` takes them; None: no shard knows it)."""
+    """How many of a gone incarnation's pushes each shard knowing it has once departed (or None)."""
     return max((n for n in counts if n is not None), default=None)
 
 
@@ -78,8 +77,7 @@ def targets(progress: Sequence[Sequence[tuple[int, int]]]) -> dict[int, tuple[in
 
 
 class Cut:
-    """One shard's side of a consistent cut: frozen, it holds every push but those below
-    its worker's target; :meth:`reached` says when the state is the cut's."""
+    """One shard's side of a consistent cut: frozen, it holds each push not below its target."""
 
     def __init__(self) -> None:
         self.frozen = False
@@ -100,8 +98,7 @@ class Cut:
         return self.frozen and not (target is not None and target[0] == inc and seq < target[1])
 
     def waits(self, shard: Any, w: int, inc: int, seq: int) -> bool:
-        """Whether push ``seq`` of ``w``'s admitted incarnation ``inc`` waits at ``shard``: the
-        cut holds it, or an earlier push of it has not arrived (calls may arrive reordered)."""
+        """Whether push ``seq`` of ``w``'s admitted ``inc`` waits: held, or an earlier is not in."""
         return bool(shard.admitted[w] == inc) and (
             self.holds(w, inc, seq) or (seq > shard.next_seq[w] and shard.incarnation[w] == inc)
         )
