@@ -355,11 +355,8 @@ class LocalServer:
             reduction.send_handle(to, end.fileno(), pid)
 
     def free_worker(self, want: int | None, *, taken: set[int]) -> int:
-        """The worker id a joining process gets: ``want`` if not ``taken``, else the lowest
-        free one.
-
-        Raises:
-            ValueError: ``want`` is out of range or taken, or every id is (the job is full)."""
+        """The worker id a joining process gets: ``want`` if not ``taken``, else the lowest free
+        one; ValueError: ``want`` is out of range or taken, or every id is (the job is full)."""
         if want is not None:
             if type(want) is int and want in taken:
                 raise ValueError(f"worker {want} is held by an attached process")
@@ -441,11 +438,8 @@ class LocalServer:
 
     @_locked
     def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = 60.0) -> Any:
-        """The current parameters (as an observer: never gated, not counted as a worker).
-
-        Raises:
-            ShardError: a shard's process has died (named).
-        """
+        """The current parameters (as an observer: never gated, not counted as a worker);
+        ShardError: a shard's process has died (named)."""
         self.check()
         with self._naming_dead_shards():
             return self.observer.pull(copy=copy, into=into, timeout=timeout)
@@ -533,10 +527,8 @@ class LocalServer:
 
     def load_residuals(self, residuals: list[np.ndarray]) -> None:
         """Sets each worker's error-feedback residual for its first incarnation (before
-        :meth:`client`); ignored when the codec keeps no feedback.
-
-        Raises:
-            ValueError: the wrong number of residuals, or one of the wrong shape (named)."""
+        :meth:`client`; ignored when the codec keeps no feedback); ValueError: the wrong number
+        of residuals, or one of the wrong shape (named)."""
         if self._residuals is None:
             return
         if len(residuals) != self.workers:
@@ -597,11 +589,8 @@ class LocalServer:
 
     @_locked
     def load_state_dicts(self, states: list[dict], timeout: float | None = 60.0) -> list[int]:
-        """Loads one :meth:`Shard.state_dict` into each shard before any worker joins;
-        returns the versions.
-
-        Raises:
-            ValueError: a shard refused its state (naming the shard and the key)."""
+        """Loads one :meth:`Shard.state_dict` into each shard before any worker joins; returns
+        the versions. ValueError: a shard refused its state (naming the shard and the key)."""
         if len(states) != len(self._controls):
             raise ValueError(f"{len(states)} shard states for {len(self._controls)} shards")
         for c, state in zip(self._controls, states, strict=True):
