@@ -265,7 +265,7 @@ class ShardActor:
         return None
 
     async def depart(self, w: int, inc: int, committed: list | None) -> int | None:
-        """Incarnation ``inc`` of ``w`` left: delivers ``committed``, departs; :meth:`cut`'s count."""
+        """Incarnation ``inc`` of ``w`` is gone: delivers ``committed``, departs; :meth:`cut`."""
         await self.opened.wait()
         for seq, bases, verdict, update in committed or ():  # in order, each if it is the next
             header = PushHeader(w, seq, int(bases[self.k]), inc)
