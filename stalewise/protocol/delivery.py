@@ -46,7 +46,10 @@ class Ledger:
     def replay(self, changes: Sequence[tuple]) -> None:
         """Makes ``changes`` (another ledger's :attr:`changes`), in order."""
         for c in changes:
-            _ = self.forget(c[0]) if len(c) == 1 else self.keep(*c[:3], acked=c[3], entry=c[4])
+            if len(c) == 1:
+                self.forget(c[0])
+            else:
+                self.keep(*c[:3], acked=c[3], entry=c[4])
 
 
 def departure(counts: Sequence[int | None]) -> tuple[int | None, dict[int, tuple[int, int]]]:

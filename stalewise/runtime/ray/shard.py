@@ -479,8 +479,10 @@ class ShardActor:
         if wait <= 0:
             self._publish(exact=True)
         else:
-            later = lambda: setattr(self, "timer", asyncio.ensure_future(self._publish_held()))  # noqa: E731
-            self.timer = asyncio.get_running_loop().call_later(wait, later)
+            self.timer = asyncio.get_running_loop().call_later(wait, self._deferred)
+
+    def _deferred(self) -> None:
+        self.timer = asyncio.ensure_future(self._publish_held())
 
     async def _publish_held(self) -> None:
         await self._held()
