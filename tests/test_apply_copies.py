@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import stalewise as sw
-from stalewise.protocol import PushHeader, Shard
+from stalewise.protocol import PushHeader, Shard, commit
 from stalewise.segments import Segments
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -82,3 +82,13 @@ def test_a_shard_given_the_sum_of_squares_steps_and_refuses_as_one_that_measures
         b = measuring.push(PushHeader(0, 0, 0, 1), g.copy())
         assert a == b
         assert told.params.tobytes() == measuring.params.tobytes()
+
+
+def test_one_finiteness_check_serves_payloads_and_optimizer_state():
+    m = np.ones((3, 5), np.float32)  # 2-D: its dot product would be a matrix product
+    assert commit.check_values(m).ok and commit.check_values(np.arange(6)).ok  # integers
+    m[1, 2] = np.inf
+    assert commit.check_values(m) == commit.Verdict(commit.NOT_FINITE, 7)
+    m[1, 2] = 1e30  # finite: an overflowing sum of squares is not a non-finite value
+    assert commit.first_non_finite(m) is None
+    assert commit.check_values(m) == commit.Verdict(commit.OVERFLOW, 7)

@@ -65,7 +65,8 @@ def first_non_finite(flat: np.ndarray) -> int | None:
 
 def check_values(flat: np.ndarray) -> Verdict:
     """``not_finite`` (first NaN/Inf), ``overflow`` (squared norm overflows; detail: the
-    largest element) or OK; one dot product when OK.
+    largest element) or OK; one dot product when OK. Any shape (details index it
+    flattened); an integer array is OK.
 
     Example:
         >>> check_values(np.array([1, 2], np.float32)).ok
@@ -73,6 +74,9 @@ def check_values(flat: np.ndarray) -> Verdict:
         >>> check_values(np.array([0, 2e19], np.float32))
         Verdict(code=3, detail=1)
     """
+    if flat.dtype.kind != "f":
+        return Verdict()
+    flat = flat.reshape(-1)  # a 2-D array's dot product would be a matrix product
     # NaN and Inf propagate into the dot product, so a finite one proves every element finite
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is an answer, not a fault
         if math.isfinite(np.dot(flat, flat)):

@@ -57,17 +57,6 @@ def _state_arrays(state: Any) -> list[np.ndarray]:
     return []
 
 
-def _all_finite(a: np.ndarray) -> bool:
-    """Whether every value of ``a`` is finite; one dot product for a large float vector."""
-    if a.dtype.kind != "f":
-        return True
-    if a.ndim == 1 and a.size > 256:
-        with np.errstate(over="ignore", invalid="ignore"):
-            if np.isfinite(np.dot(a, a)):  # NaN/Inf propagate; an overflow is checked exactly
-                return True
-    return bool(np.isfinite(a).all())
-
-
 def _ids(header: Any) -> tuple[int | None, int | None]:
     """The worker and seq of a header that failed its checks, where they are integers."""
     try:
@@ -520,7 +509,9 @@ class Shard:
                 err = self._values_refusal(update, judge_overflow=judge)
         bad = None
         if err is None and not written_ok:
-            bad = next((i for i, a in enumerate(arrays) if not _all_finite(a)), None)
+            bad = next(
+                (i for i, a in enumerate(arrays) if commit.first_non_finite(a) is not None), None
+            )
         if bad is not None:
             what = self._describe_non_finite(arrays, bad)
             msg = f"the step would make {what} non-finite on shard {self.shard_id}; not taken"
