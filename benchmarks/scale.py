@@ -29,7 +29,8 @@ figure is a ratio that a shared machine's load moves less than a time.
   counted in every process that touched it) as a multiple of the parameters' bytes.
 
     .venv/bin/python benchmarks/scale.py [--sizes 1000000 10000000] [--shards 1 2 4]
-        [--seconds 4] [--train] [--no-sim] [--optimizer sgd|adam] [--json benchmarks/results/scale.json]
+        [--seconds 4] [--train] [--no-sim] [--stages-only] [--optimizer sgd|adam]
+        [--json benchmarks/results/scale.json]
 """
 
 import argparse
@@ -47,7 +48,6 @@ from stragglers import emulated_step, no_data  # the same emulated job as the st
 
 import stalewise as sw
 from stalewise.protocol import PushHeader, Shard
-from stalewise.runtime.local.client import CHUNK
 from stalewise.runtime.sim import SimConfig
 from stalewise.segments import Segments
 
@@ -128,32 +128,23 @@ def shard_work(n: int, optimizer, repeats: int) -> tuple[float, float]:
     return med["push"] / med["copy"], med["prepare"] / med["copy"]
 
 
-def copy_measured(dst: np.ndarray, src: np.ndarray) -> float:
-    """The local client's push copy: a chunk at a time, each chunk's ``np.dot`` in the cache."""
-    total = 0.0
-    for i in range(0, src.size, CHUNK):
-        d = dst[i : i + CHUNK]
-        np.copyto(d, src[i : i + CHUNK])
-        total += float(np.dot(d, d))
-    return total
-
-
 def floor(n: int, repeats: int) -> dict:
     """Each stage's data movement alone, in copies: the same NumPy copies and SGD step in
     one process, in the order and over as many buffers as :func:`stages` (a pull from a
-    snapshot, into fresh memory then into a tree, a push's copy in measuring its norm a
-    chunk at a time as the local client does, the shard's step, the publish), with no pipe,
+    snapshot, into fresh memory then into a tree, a push's copy measuring its norm as the
+    local client does (``tree.flatten(sumsq=)``), the shard's step, the publish), with no pipe,
     process or Python of the runtime: what is left of a stage at its floor is the runtime's
     own cost. At 1M the buffers (36 MB) exceed the
     L3 cache a warm copy stays in."""
     b = {k: np.full(n, 1e-3, np.float32) for k in ("p", "s0", "s1", "new", "into", "g", "push")}
+    spec = sw.tree.flatten({"w": b["g"]})[1]
     opt = sw.optim.sgd(1e-3)
     state = opt.init(b["p"], Segments.single(n))
     t = {"pull()": [], "pull(into=buffers)": [], "push": [], "apply": [], "copy": []}
 
-    def timed(name, f, *args):
+    def timed(name, f, *args, **kw):
         t0 = time.perf_counter()
-        f(*args)
+        f(*args, **kw)
         t[name].append(time.perf_counter() - t0)
 
     for i in range(repeats + 3):
@@ -163,7 +154,7 @@ def floor(n: int, repeats: int) -> dict:
         t["copy"].append(copy_time(n, 1))
         timed("pull(into=buffers)", np.copyto, b["into"], snap)
         t["copy"].append(copy_time(n, 1))
-        timed("push", copy_measured, b["push"], b["g"])
+        timed("push", sw.tree.flatten, {"w": b["g"]}, spec=spec, out=b["push"], sumsq=[(0, n)])
         timed("apply", opt.apply, b["push"], state, b["p"])
         np.copyto(other, b["p"])  # the publish
     copy = float(np.median(t.pop("copy")[9:]))
@@ -357,6 +348,7 @@ def main() -> int:
     ap.add_argument("--train", action="store_true", help="also Job.train: gradients, DiLoCo H=20")
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="the shards'")
     ap.add_argument("--no-sim", action="store_true", help="no simulator column")
+    ap.add_argument("--stages-only", action="store_true", help="no own loop, sim or train")
     ap.add_argument("--replicas", type=int, nargs="?", const=1, default=0, metavar="PAIRS",
                     help="also the own loop at replicas=2, PAIRS times after one at 1 (the ratio: "
                          "their median)")  # fmt: skip
@@ -377,7 +369,7 @@ def main() -> int:
     for n in args.sizes:
         for s in args.shards:
             row = stages(n, s, args.repeats, args.optimizer)
-            if s == args.shards[0]:  # the rates: one shard count per size
+            if s == args.shards[0] and not args.stages_only:  # the rates: one shard count
                 seconds = args.seconds * (1 if n <= 2e6 else 3)
                 row |= own_rate(n, s, seconds, args.optimizer)
                 row["of_bound"] = row["updates/s"] / row["bound/s"]

@@ -27,8 +27,13 @@ def unmeasured(client, g):
     client.push_flat_sent()
 
 
+@pytest.mark.parametrize("whole", [False, True])  # chunk by chunk, or measured then copied
 @pytest.mark.parametrize("shards", [1, 2])
-def test_bad_gradients_measured_by_the_client_are_refused_as_before(no_leaks, shards):
+def test_bad_gradients_measured_by_the_client_are_refused_as_before(
+    no_leaks, monkeypatch, shards, whole
+):
+    monkeypatch.setattr(sw.tree, "WHOLE", 0 if whole else sw.tree.WHOLE)
+    monkeypatch.setattr(sw.tree, "BLOCK", 1000)  # blocks across the leaves' and shards' ends
     job = sw.Job(
         {"a": np.zeros(3000, np.float32), "b": np.zeros(5000, np.float32)},
         optimizer=sw.optim.sgd(1e20),

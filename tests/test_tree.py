@@ -809,3 +809,39 @@ def test_import_loads_no_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_flatten_sumsq_is_each_ranges_sum_of_squares_across_leaves(monkeypatch, whole):
+    import stalewise.tree as tree_mod
+
+    monkeypatch.setattr(tree_mod, "CHUNK", 7)  # chunks and blocks that end inside a range
+    monkeypatch.setattr(tree_mod, "BLOCK", 11)
+    monkeypatch.setattr(tree_mod, "WHOLE", 0 if whole else 1 << 40)
+    rng = np.random.default_rng(0)
+    shared = torch.tensor(rng.standard_normal(20), dtype=torch.float32)
+    params = {
+        "a": rng.standard_normal((5, 9)).astype(np.float32),  # a view of a numpy array
+        "b": torch.tensor(rng.standard_normal(40), dtype=torch.float32),  # a CPU tensor's view
+        "c": rng.standard_normal((9, 6)).astype(np.float32).T,  # not C-contiguous: copied first
+        "d": rng.standard_normal(30).astype(np.float16),  # cast: measured once written
+        "e": jnp.asarray(rng.standard_normal(25), dtype=jnp.float32),  # another backend
+        "t": shared,
+        "u": shared,  # tied: its uses summed, then measured
+    }
+    spec = flatten(params)[1]
+    ranges = [(0, 44), (44, 45), (45, 101), (101, spec.size)]  # across leaf boundaries
+    out = np.zeros(spec.size, np.float32)
+    flat, spec2, sums = flatten(params, spec=spec, out=out, sumsq=ranges)
+    assert flat is out and spec2 is spec
+    np.testing.assert_array_equal(flat, flatten(params, spec=spec)[0])
+    f64 = flat.astype(np.float64)
+    want = [float(f64[lo:hi] @ f64[lo:hi]) for lo, hi in ranges]
+    assert sums == pytest.approx(want, rel=1e-6)
+    assert flatten(params, spec=spec, out=out, sumsq=[])[2] == []
+    params["b"][3] = np.nan  # element 45 + 3: the third range only
+    sums = flatten(params, spec=spec, out=out, sumsq=ranges)[2]
+    assert [np.isnan(s) for s in sums] == [False, False, True, False]
+    params["b"][3] = 1e30  # finite, but its square overflows float32
+    sums = flatten(params, spec=spec, out=out, sumsq=ranges)[2]
+    assert [np.isinf(s) for s in sums] == [False, False, True, False]

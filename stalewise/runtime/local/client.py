@@ -30,7 +30,6 @@ from stalewise.runtime.local.layout import Layout, Residuals, Snapshots
 from stalewise.runtime.local.procs import describe_exit
 from stalewise.runtime.local.shm import SharedBlock
 
-CHUNK = 1 << 16  # elements of a push copied, then measured while in the (L2) cache
 EXIT_WAIT = 1.0  # seconds a client whose pipe to a shard ended waits for the server's word
 SLICE = 0.05  # seconds between two looks at the shards' exits while a client waits
 # seconds between two looks at a busy shard's snapshot or live params: the first pause,
@@ -461,29 +460,12 @@ class Client(PullsIntoTrees):
             raise ValueError("an observer client cannot push")
         self._attach()
         self.wait(timeout=timeout)  # a timeout propagates: the shards may still read the buffer
-        self._sums = self._flatten_measured(update)
-        self.push_flat_sent()
-
-    def _flatten_measured(self, update: Any) -> list[float] | None:
-        """Flattens ``update`` into the push buffer; returns each shard's sum of squares of its
-        slice, per chunk while cached (None: a codec, or a leaf no CPU array of its dtype)."""
-        out, spec, sums = self._push_buf, self._spec, [0.0] * len(self._ranges)
-        found = [v[0].backend.to_numpy(v[0].x) for v in tree._collect(update, spec)
-                 if len(v) == 1 and v[0].backend.name in ("numpy", "torch")  # views, on a CPU
-                 and str(getattr(v[0].x, "device", "cpu")) == "cpu"]  # fmt: skip
-        ok = [x.flags.c_contiguous and x.dtype == out.dtype for x in found]
-        if self._compressor is not None or len(ok) < len(spec.leaves) or not all(ok):
+        spec, out = self._spec, self._push_buf
+        if self._compressor is None:  # each shard's sum of squares of its slice, as copied
+            self._sums = tree.flatten(update, spec=spec, out=out, sumsq=self._ranges)[2]
+        else:
             tree.flatten(update, spec=spec, out=out)
-            return None
-        with np.errstate(over="ignore", invalid="ignore"):
-            for src, leaf in zip((x.reshape(-1) for x in found), spec.leaves, strict=True):
-                a, b = leaf.offset, leaf.offset + leaf.size
-                for k, (lo, hi) in enumerate(self._ranges):
-                    for i in range(max(lo, a), min(hi, b), CHUNK):
-                        d = out[i : min(i + CHUNK, hi, b)]
-                        np.copyto(d, src[i - a : i - a + d.size])
-                        sums[k] += float(np.dot(d, d))
-        return sums
+        self.push_flat_sent()
 
     def push_flat_sent(self) -> None:
         """Commits the update already written into :attr:`push_buffer` and tells every shard."""
