@@ -31,8 +31,8 @@ from stalewise.segments import Segments
 logger = logging.getLogger(__name__)
 
 CHUNK = 1 << 16  # elements of a measured copy copied, then measured while in the (L2) cache
-BLOCK = 1 << 20  # elements measured by one dot product (float32 sums of 1M: 1e-6 relative)
-WHOLE = 192 << 20  # bytes from which a copy is whole (libc's non-temporal stores), not chunked
+BLOCK = 1 << 20  # elements measured by one dot product (float32 sums of 1M: 2e-6 relative)
+WHOLE = 192 << 20  # bytes from which a leaf is copied whole (libc's non-temporal stores)
 
 __all__ = ["AttrKey", "FlatSpec", "HiddenKey", "LeafSpec", "TreeDef"]
 __all__ += ["copy_buffers", "flatten", "mark_buffers", "path_str", "put_buffers"]
@@ -483,20 +483,15 @@ def _collect(tree: Any, spec: FlatSpec) -> list[list[_Leaf]]:
                     seen.add(key)
                     unique.append(f)
         for f in unique:
-            _check_leaf(f, leaf)
+            shape, dtype = f.backend.shape(f.x), f.backend.dtype(f.x)
+            if shape != leaf.shape:
+                raise ValueError(f"{path_str(f.path)}: expected shape {leaf.shape}, got {shape}")
+            if dtype not in FLOAT_DTYPES:
+                raise _nonfloat_error(f.path, dtype)
+            if dtype != leaf.dtype:
+                raise TypeError(f"{path_str(f.path)}: expected dtype {leaf.dtype}, got {dtype}")
         out.append(unique)
     return out
-
-
-def _check_leaf(f: _Leaf, leaf: LeafSpec) -> None:
-    shape = f.backend.shape(f.x)
-    if shape != leaf.shape:
-        raise ValueError(f"{path_str(f.path)}: expected shape {leaf.shape}, got {shape}")
-    dtype = f.backend.dtype(f.x)
-    if dtype not in FLOAT_DTYPES:
-        raise _nonfloat_error(f.path, dtype)
-    if dtype != leaf.dtype:
-        raise TypeError(f"{path_str(f.path)}: expected dtype {leaf.dtype}, got {dtype}")
 
 
 # -- a tree made by unflatten remembers its spec ------------------------------------------
@@ -521,15 +516,6 @@ def _forget(key: int, ref: weakref.ref) -> None:
         del _MADE[key]
 
 
-def _made_from(found: list[_Leaf], dtype: Any) -> FlatSpec | None:
-    """The spec a tree was made from by :func:`unflatten`, if its first leaf says so."""
-    entry = _MADE.get(id(found[0].x)) if found else None
-    if entry is None or entry[0]() is not found[0].x:
-        return None
-    spec = entry[1]
-    return spec if dtype is None or np.dtype(dtype) == spec.dtype else None
-
-
 # -- the public functions ------------------------------------------------------------------
 
 
@@ -551,8 +537,9 @@ def _check_flat(flat: Any, spec: FlatSpec) -> np.ndarray:
 def _new_spec(tree: Any, dtype: Any, keep_integers: bool) -> tuple[FlatSpec, list[list[_Leaf]]]:
     b = _Builder()
     treedef = _build(tree, (), b)
-    made = _made_from(b.found, dtype)
-    if made is not None:
+    entry = _MADE.get(id(b.found[0].x)) if b.found else None  # a tree unflatten made
+    made = None if entry is None or entry[0]() is not b.found[0].x else entry[1]
+    if made is not None and (dtype is None or np.dtype(dtype) == made.dtype):
         try:
             return made, _collect(tree, made)
         except (TypeError, ValueError):  # changed since: a spec of its own
@@ -616,23 +603,24 @@ def _flat_view(f: _Leaf, dtype: np.dtype) -> np.ndarray | None:
 
 def _copy_measured(src, flat: np.ndarray, leaf: LeafSpec, ranges: list, sums: list) -> None:
     """Copies ``src`` (None: written already) into ``leaf``'s place in ``flat``, adding each
-    range's sum of squares to ``sums``: a slice copied a chunk at a time, each chunk measured
-    while cached, or, from :data:`WHOLE` bytes, measured on the source then copied whole."""
+    range's sum of squares to ``sums``: a chunk at a time, each measured while cached; a leaf
+    of :data:`WHOLE` bytes or more measured on the source, then copied whole."""
     a, b = leaf.offset, leaf.offset + leaf.size
+    whole = src is not None and leaf.size * flat.itemsize >= WHOLE
+    chunked = src is not None and not whole
     with np.errstate(over="ignore", invalid="ignore"):
         for k, (lo, hi) in enumerate(ranges):
             lo, hi = max(lo, a), min(hi, b)
             dst = flat[lo:hi]
             x = dst if src is None else src[lo - a : max(lo, hi) - a]
-            chunked = src is not None and dst.nbytes < WHOLE
             step = CHUNK if chunked else BLOCK
             for i in range(0, dst.size, step):
                 if chunked:
                     np.copyto(dst[i : i + step], x[i : i + step])
                 c = (dst if chunked else x)[i : i + step]
                 sums[k] += float(np.dot(c, c))
-            if src is not None and not chunked:
-                np.copyto(dst, x)
+    if whole:
+        np.copyto(flat[a:b], src)
 
 
 def _rebuild(node: TreeDef, leaves: Iterator[Any], stored: list) -> Any:

@@ -165,31 +165,23 @@ class Layout:
         offset = self._push_offset(worker) + sum(_round_up(n) for n in self.payloads[:k])
         return block.array(np.uint8, offset, self.payloads[k])
 
-    def residual_tags(self, block: SharedBlock) -> np.ndarray:
-        """With error feedback: each worker's two residual tags (see the module docstring)."""
-        if not self.feedback:
-            raise ValueError("this job's codec keeps no error feedback: no residuals")
-        return block.array(np.int64, self._push_offset(self.workers), 2 * self.workers).reshape(
-            self.workers, 2
-        )
-
-    def residual(self, block: SharedBlock, worker: int, j: int) -> np.ndarray:
-        """With error feedback: ``worker``'s residual buffer ``j`` (0 or 1)."""
-        if not self.feedback:
-            raise ValueError("this job's codec keeps no error feedback: no residuals")
-        return block.array(self.dtype, self._residual_offset(worker, j), self.size)
-
 
 class Residuals:
     """The workers' error-feedback residuals in a shared block: one writer per worker id calls
     :meth:`writing` and :meth:`written` around each encode; :meth:`read` finds the current one."""
 
     def __init__(self, layout: Layout, block: SharedBlock):
-        self.tags = layout.residual_tags(block)
+        if not layout.feedback:
+            raise ValueError("this job's codec keeps no error feedback: no residuals")
+        n, at = layout.workers, layout._push_offset(layout.workers)
+        self.tags = block.array(np.int64, at, 2 * n).reshape(n, 2)  # each worker's two tags
         self.records = layout.records(block)
         self.buffers = [
-            (layout.residual(block, w, 0), layout.residual(block, w, 1))
-            for w in range(layout.workers)
+            tuple(
+                block.array(layout.dtype, layout._residual_offset(w, j), layout.size)
+                for j in (0, 1)
+            )
+            for w in range(n)
         ]
 
     # -- the worker's side
