@@ -579,6 +579,8 @@ def flatten(
         raise TypeError(f"out has dtype {out.dtype}, expected {spec.dtype}")
     elif not (out.flags.c_contiguous and out.flags.writeable):
         raise ValueError("out must be a writable C-contiguous array")
+    if sumsq is not None and not all(0 <= lo <= hi <= spec.size for lo, hi in sumsq):
+        raise ValueError(f"sumsq: (lo, hi) ranges within 0..{spec.size} expected, got {sumsq}")
     flat, sums = out, None if sumsq is None else [0.0] * len(sumsq)
     for values, leaf in zip(found, spec.leaves, strict=True):
         segment = _segment(flat, leaf)

@@ -839,6 +839,10 @@ def test_flatten_sumsq_is_each_ranges_sum_of_squares_across_leaves(monkeypatch, 
     want = [float(f64[lo:hi] @ f64[lo:hi]) for lo, hi in ranges]
     assert sums == pytest.approx(want, rel=1e-6)
     assert flatten(params, spec=spec, out=out, sumsq=[])[2] == []
+    before = out.copy()
+    with pytest.raises(ValueError, match=rf"sumsq: \(lo, hi\) ranges within 0..{spec.size}"):
+        flatten(params, spec=spec, out=out, sumsq=[(0, 44), (44, spec.size + 1)])
+    np.testing.assert_array_equal(out, before)  # nothing written
     params["b"][3] = np.nan  # element 45 + 3: the third range only
     sums = flatten(params, spec=spec, out=out, sumsq=ranges)[2]
     assert [np.isnan(s) for s in sums] == [False, False, True, False]
