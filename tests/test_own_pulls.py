@@ -25,7 +25,6 @@ import pytest
 import stalewise as sw
 from stalewise.protocol import pipeline
 from stalewise.runtime.local import client as client_lib
-from stalewise.runtime.local import layout as layout_lib
 from stalewise.runtime.local.client import Client
 from stalewise.runtime.local.layout import Layout
 from stalewise.runtime.local.shard_proc import ShardProcess
@@ -38,7 +37,7 @@ TIMEOUT = 20.0  # seconds: only a regression waits this long (a missing publish)
 class ShardThread:
     """Shard 0 of a one-shard job, its loop on a thread, and a client per worker."""
 
-    def __init__(self, workers: int, *, busy: bool, consistency=None, loop=True):
+    def __init__(self, workers: int, *, busy: bool, consistency=None):
         job = sw.Job(
             {"w": np.zeros(N, np.float32)},
             optimizer=sw.optim.sgd(1.0),
@@ -63,8 +62,7 @@ class ShardThread:
         self._stop = threading.Event()
         self._error: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
-        if loop:  # else the test turns the loop itself
-            self._thread.start()
+        self._thread.start()
 
     def _run(self) -> None:
         try:
@@ -78,8 +76,7 @@ class ShardThread:
         for c in self.clients:
             c.close()
         self._stop.set()
-        if self._thread.ident is not None:
-            self._thread.join(10)
+        self._thread.join(10)
         for p in list(self.proc.pipes):
             p.close()
         self._control.close()
@@ -194,32 +191,6 @@ def test_an_idle_shard_acks_then_publishes_and_the_pull_never_asks(shards):
         np.testing.assert_array_equal(params["w"], np.full(N, -float(step), np.float32))
     assert client.own_requests == 0 and s.proc.served == 0
     assert s.proc.publishes >= published + 2  # each idle turn published (the last may lag)
-
-
-def test_an_idle_shards_publish_gives_way_to_a_push_that_arrives(shards, monkeypatch):
-    """A shard idle after its acks publishes a piece at a time and stops as soon as a
-    worker's message waits (the push is not held up behind the copy); the snapshot it
-    abandoned is never current (a pull reads the last whole one), and the next idle
-    turn publishes in full."""
-    monkeypatch.setattr(layout_lib, "PUBLISH_CHUNK", N // 10)
-    s = shards(2, loop=False)
-    client, proc = s.clients[0], s.proc
-    client.pull(timeout=TIMEOUT)
-    published = proc.publishes
-    client.push({"w": np.ones(N, np.float32)})
-    assert proc.turn(TIMEOUT)  # the push is applied
-    looks = iter([False, False, False, False, True])  # idle at the acks, then a message
-    proc.busy = lambda: next(looks)
-    proc.settle()
-    assert client.wait(timeout=TIMEOUT).versions == (1,)  # acked before the publish began
-    assert proc.publishes == published and proc.published == 0
-    assert proc.snapshots.version(0) == 0
-    np.testing.assert_array_equal(s.clients[1].pull(own=False)["w"], np.zeros(N, np.float32))
-    proc.busy = lambda: False
-    proc.settle()  # idle: published whole
-    assert proc.publishes == published + 1 and proc.snapshots.version(0) == 1
-    params = s.clients[1].pull(own=False)["w"]
-    np.testing.assert_array_equal(params, np.full(N, -1.0, np.float32))
 
 
 def test_own_false_reads_the_snapshot_and_may_miss_the_push(shards, monkeypatch):

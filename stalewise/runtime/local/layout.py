@@ -28,7 +28,6 @@ _ALIGN = 64  # bytes; every region starts on a cache line
 # shard table columns: cur, seq[2], ver[2], min clock, live seq, live version, announced
 _CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED = 0, 1, 3, 5, 6, 7, 8
 _TABLE_COLUMNS = 9
-PUBLISH_CHUNK = 1 << 19  # elements a publish that may be abandoned copies between two looks
 # push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases, sums
 R_COMMIT, R_INC, R_SEQ, R_CODE, R_DETAIL, R_BASES = range(6)
 
@@ -300,24 +299,17 @@ class Snapshots:
         """The version shard ``k`` last said it publishes after its acks (see announce)."""
         return int(self.table[k, _ANNOUNCED])
 
-    def publish(self, k: int, params: np.ndarray, version: int, min_clock: int, stop=None) -> bool:
-        """Shard ``k`` (the only writer of its row) publishes its slice at ``version``; False:
-        ``stop()``, asked between pieces, abandoned it (the current snapshot stays current)."""
+    def publish(self, k: int, params: np.ndarray, version: int, min_clock: int) -> None:
+        """Shard ``k`` (the only writer of its row) publishes its slice at ``version``."""
         row = self.table[k]
         lo, hi = self.ranges[k]
         j = 1 - int(row[_CUR])
         row[_SEQ + j] += 1  # odd: being written
-        step = PUBLISH_CHUNK if stop else max(hi - lo, 1)
-        for i in range(0, hi - lo, step):
-            if stop and stop():
-                row[_SEQ + j] += 1  # even, not current: a reader that began on it retries
-                return False
-            np.copyto(self.buffers[j][lo + i : min(lo + i + step, hi)], params[i : i + step])
+        np.copyto(self.buffers[j][lo:hi], params)
         row[_VER + j] = version
         row[_SEQ + j] += 1  # even: consistent
         row[_CUR] = j
         row[_MIN_CLOCK] = min_clock
-        return True
 
     def publish_clock(self, k: int, min_clock: int) -> None:
         self.table[k, _MIN_CLOCK] = min_clock

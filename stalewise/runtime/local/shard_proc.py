@@ -133,11 +133,11 @@ class ShardProcess:
 
     # -- snapshots -----------------------------------------------------------------
 
-    def publish_now(self, stop=None) -> None:  # stop(): gives up (Snapshots.publish)
+    def publish_now(self) -> None:
         shard = self.shard
-        if self.snapshots.publish(self.k, shard.params, shard.version, shard.min_clock(), stop):
-            self.published, self.published_at = shard.version, time.monotonic()
-            self.publishes += 1
+        self.snapshots.publish(self.k, shard.params, shard.version, shard.min_clock())
+        self.published, self.published_at = shard.version, time.monotonic()
+        self.publishes += 1
 
     def publish_due(self, busy: bool) -> bool:
         """Whether to copy the params out for pulls now: when idle, every PUBLISH_EVERY s
@@ -364,8 +364,8 @@ class ShardProcess:
         elif due and busy:
             self.snapshots.announce(self.k, self.shard.version)
         self.answer()
-        if due:  # an idle shard's publish gives way to the next message (a push waits less)
-            self.publish_now(None if busy else self.busy)
+        if due:
+            self.publish_now()
         self.serve_waiting_pulls()
         if not busy:
             self.shard.prepare()  # the next step's undo copy (or bounds), while no push waits
