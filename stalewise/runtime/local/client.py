@@ -232,8 +232,7 @@ class Client(PullsIntoTrees):
         return self._block
 
     def pull(self, *, copy: bool = True, into: Any = None, timeout=None, own: bool = True) -> Any:
-        # one copy: into new memory, or into `into`'s leaves (a pull that raises may have
-        # written some of them)
+        # one copy, into new memory or `into`'s leaves (a pull that raises may have written some)
         views = None if into is None else tree.views_into(into, self._spec)
         if (not copy and into is None) or (into is not None and views is None):
             return super().pull(copy=copy, into=into, timeout=timeout, own=own)
@@ -319,9 +318,10 @@ class Client(PullsIntoTrees):
     def _read(self, k: int, timeout: float | None, out: Any) -> int | None:
         """Copies shard ``k``'s params holding this worker's acked push into ``out`` and
         returns their version; None after :data:`LIVE_COPIES` torn copies (ask the shard)."""
-        snaps, acked = self._snapshots, self._acked(k)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        copies, pause = 0, SPIN
+        ack, snaps = self._acks[k], self._snapshots
+        # the version shard k named in its ack of this worker's last push (0: none, or not read)
+        acked = ack.version if ack is not None and not self._acks_due[k] else 0
+        copies, pause, deadline = 0, SPIN, None if timeout is None else time.monotonic() + timeout
         while snaps.version(k) < acked:
             if snaps.announced(k) < acked and snaps.steady(k):  # no publish of it under way
                 if copies == LIVE_COPIES:
@@ -338,12 +338,6 @@ class Client(PullsIntoTrees):
             time.sleep(pause)
             pause = min(2 * pause, SPIN_MAX)
         return snaps.read(k, out)
-
-    def _acked(self, k: int) -> int:
-        """The version shard ``k`` named in its ack of this worker's last push, once read
-        (0: none, or not read yet): a pull that holds that push holds this version."""
-        ack = self._acks[k]
-        return ack.version if ack is not None and not self._acks_due[k] else 0
 
     def _take(self, k: int, kind: str | tuple[str, ...], timeout: float | None) -> Any:
         """The next reply of ``kind`` (or one of those kinds) from shard ``k``, keeping others;

@@ -230,9 +230,10 @@ class ShardProcess:
         ack = self.write(self.shard.push, header, payload, verdict=verdict, now=now, sumsq=sq)
         self.answers.append((p, wire.ack(ack)))  # sent at the end of this turn (settle)
 
-    def answer(self) -> None:
+    def answer(self, sync: bool = True) -> None:
         """Sends this turn's acks, in order, to the pipes still connected (after :meth:`sync`)."""
-        self.sync()
+        if sync:
+            self.sync()
         answers, self.answers = self.answers, []
         for p, body in answers:
             if p in self.pipes:
@@ -306,11 +307,8 @@ class ShardProcess:
                 version = self.shard.pull(w, self.pulls[w], now=time.monotonic())
                 self.served += 1
                 self.answers.append((self.current[w], wire.pulled(version)))
-        if self.answers and self.primary is not None:
-            self.answer()  # the backup holds the pulls first
-        for p, body in self.answers:  # unreplicated: at once (their entries reach the log later)
-            self.reply(p, body)
-        self.answers = []
+        # the backup holds the pulls first; unreplicated, at once (the entries reach the log later)
+        self.answer(sync=bool(self.answers) and self.primary is not None)
 
     # -- the loop ------------------------------------------------------------------
 
