@@ -10,7 +10,6 @@ import pickle
 import signal
 import sys
 import threading
-import time
 import types
 from collections.abc import Callable, Iterator
 from multiprocessing import connection, forkserver
@@ -162,31 +161,22 @@ def kill_me_with_parent() -> None:
 
 
 def die_with_parent(cleanup: Callable[[], None] | None = None) -> None:
-    """Makes this child process exit as soon as the process that started it dies (call it
-    first thing in the child): :func:`kill_me_with_parent` unless ``cleanup`` (a forked shard's
-    OS parent is the forkserver, which dies with that process), and a thread that waits on the
-    parent's sentinel and runs ``cleanup``."""
-    parent = mp.parent_process()
-    sentinel, ppid = parent.sentinel if parent is not None else None, os.getppid()
+    """Makes this child of multiprocessing exit as soon as the process that started it dies
+    (call it first thing): :func:`kill_me_with_parent` unless ``cleanup`` (a forked shard's OS
+    parent is the forkserver, which dies with it), and a thread that waits on the parent's
+    sentinel (a pipe it holds) and runs ``cleanup``."""
     if cleanup is None:
         kill_me_with_parent()
-    if sentinel is not None and connection.wait([sentinel], 0):  # it died before we could ask
-        _parent_gone(cleanup)
+    sentinel = mp.parent_process().sentinel  # type: ignore[union-attr]
+    if connection.wait([sentinel], 0):  # the parent died before we could ask
+        _parent_gone(sentinel, cleanup)
     threading.Thread(
-        target=_watch_parent, args=(sentinel, ppid, cleanup), name="stalewise-parent", daemon=True
+        target=_parent_gone, args=(sentinel, cleanup), name="stalewise-parent", daemon=True
     ).start()
 
 
-def _watch_parent(sentinel: int | None, ppid: int, cleanup: Callable[[], None] | None) -> None:
-    if sentinel is not None:
-        connection.wait([sentinel])
-    else:  # not started by multiprocessing: poll the parent's pid
-        while os.getppid() == ppid:
-            time.sleep(0.5)
-    _parent_gone(cleanup)
-
-
-def _parent_gone(cleanup: Callable[[], None] | None) -> None:
+def _parent_gone(sentinel: int, cleanup: Callable[[], None] | None) -> None:
+    connection.wait([sentinel])
     if cleanup is not None:
         with contextlib.suppress(Exception):
             cleanup()

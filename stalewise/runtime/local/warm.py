@@ -3,6 +3,9 @@ the process that started it, and loads the shard's modules and each optimizer an
 on tiny arrays, so that the shards it forks start warm (docs/design-notes.md, "Local runtime")."""
 
 import contextlib
+import os
+import sys
+import time
 
 import numpy as np
 
@@ -13,6 +16,16 @@ from stalewise.runtime.local import procs, server  # noqa: F401
 from stalewise.segments import Segments
 
 procs.kill_me_with_parent()
+_server, _hook = os.getpid(), sys.excepthook  # a child fails to start: it prints the error...
+
+
+def _quiet(*error: object) -> None:  # ...unless its parent died meanwhile (procs._QUIET_ENTRY)
+    time.sleep(0.2)  # the parent's death kills the forkserver, which makes init the child's parent
+    if os.getppid() == _server:
+        _hook(*error)  # type: ignore[arg-type]
+
+
+sys.excepthook = _quiet
 with contextlib.suppress(Exception):  # a kernel not loaded here loads in the shard, as before
     rules = (optim.sgd(0.1, momentum=0.9), optim.adam(0.1), optim.lamb(0.1), optim.lars(0.1))
     for dtype in (np.float32, np.float64):
