@@ -28,6 +28,7 @@ from stalewise.runtime.local.server import LocalServer
 
 if __name__ == "__main__":
     job = sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1), replicas=2)
+    LocalServer(job.config, 1).close()  # the first server of a process spawns its shards
     with LocalServer(job.config, 1) as server:
         pids = [p.pid for p in server._procs] + [b[0].pid for b in server._backups]
         env = open(f"/proc/{pids[0]}/environ", "rb").read().split(b"\\0")
@@ -89,6 +90,7 @@ def test_the_forkserver_ends_with_a_training_process_that_exits(tmp_path):
 
 def test_a_server_made_in_another_thread_first_spawns_its_shards(no_leaks, monkeypatch):
     monkeypatch.setattr(procs, "_warm", None)
+    monkeypatch.setattr(procs, "_servers", 1)
     job = sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1))
     made = []
     t = threading.Thread(target=lambda: made.append(LocalServer(job.config, 1)))

@@ -186,6 +186,7 @@ def _parent_gone(sentinel: int, cleanup: Callable[[], None] | None) -> None:
 # -- where shard processes start (why: docs/design-notes.md, "Local runtime") --
 
 _warm: Any = None  # the forkserver's Popen class, once started (None again in a forked child)
+_servers = 0  # the servers that asked for a context here
 os.register_at_fork(after_in_child=lambda: globals().update(_warm=None))
 
 
@@ -208,10 +209,11 @@ class _Forked(mp.process.BaseProcess):
 
 def shard_context() -> Any:
     """Forks from this process's own forkserver (``runtime.local.warm`` preloaded, math libraries
-    capped at one thread) on Linux once the main thread started it; else spawns."""
-    global _warm
-    main = threading.current_thread() is threading.main_thread()
-    if _warm is None and main and sys.platform.startswith("linux"):
+    capped at one thread) on Linux once the main thread started it, for its second server on;
+    else spawns (one server's shards do not pay for the forkserver's start)."""
+    global _warm, _servers
+    main, _servers = threading.current_thread() is threading.main_thread(), _servers + 1
+    if _warm is None and main and _servers > 1 and sys.platform.startswith("linux"):
         from multiprocessing import popen_forkserver
 
         server = forkserver.ForkServer()  # multiprocessing's own stays the user's
