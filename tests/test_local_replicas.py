@@ -186,16 +186,24 @@ def test_a_killed_backup_is_replaced_and_caught_up(caplog, no_leaks):
     assert backups_equal(caplog), caplog.text
 
 
-def test_a_backup_killed_before_it_links_is_replaced_again(caplog, no_leaks):
+def test_a_backup_killed_before_it_links_is_replaced_again(caplog, no_leaks, monkeypatch):
     """Shard 0's backup is killed, then its replacement while it starts: a third one links."""
     params = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
     job = sw.Job(params, optimizer=sw.optim.sgd(1.0), replicas=2)
+    killed = []
+
+    def kill_the_second(control, timeout, what, **kw):  # before the parent reads its "ready"
+        if what == "start of shard 0's backup" and not killed:
+            killed.append(next(iter(server._spawning)))
+            os.kill(killed[0].pid, signal.SIGKILL)
+        return recv_reply(control, timeout, what, **kw)
+
     with caplog.at_level(logging.INFO), LocalServer(job.config, 1, heals=False) as server:
         first = server._backups[0][0]
+        monkeypatch.setattr("stalewise.runtime.local.server.recv_reply", kill_the_second)
         os.kill(first.pid, signal.SIGKILL)
-        wait_for(lambda: server._spawning, "a replacement starting")
-        second = next(iter(server._spawning))
-        os.kill(second.pid, signal.SIGKILL)
+        wait_for(lambda: killed, "a replacement starting")
+        second = killed[0]
         wait_for(lambda: server._backups[0] and server._backups[0][0] not in (first, second),
                  "a third backup linked", 60)  # fmt: skip
         assert "shard 0: no backup: " in caplog.text

@@ -10,11 +10,11 @@ import pickle
 import signal
 import sys
 import threading
-import time
 import types
 from collections.abc import Callable, Iterator
-from multiprocessing import connection
+from multiprocessing import connection, forkserver
 from multiprocessing import spawn as mp_spawn
+from typing import Any
 
 from stalewise.runtime.base import THREAD_VARS
 
@@ -152,38 +152,88 @@ def refers_to_main(obj: object) -> bool:
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def die_with_parent(cleanup: Callable[[], None] | None = None) -> None:
-    """Makes this spawned process exit as soon as the process that started it dies (call it
-    first thing in the child): ``PR_SET_PDEATHSIG`` on Linux unless ``cleanup``, and a
-    thread that waits on the parent's sentinel and runs ``cleanup``."""
-    parent = mp.parent_process()
-    ppid = parent.pid if parent is not None else os.getppid()
-    if cleanup is None and sys.platform.startswith("linux"):
+def kill_me_with_parent() -> None:
+    """The kernel SIGKILLs this process when the thread that started it ends (Linux)."""
+    if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != ppid:  # the parent died before we could ask
-        _parent_gone(cleanup)
-    sentinel = parent.sentinel if parent is not None else None
+
+
+def die_with_parent(cleanup: Callable[[], None] | None = None) -> None:
+    """Makes this child of multiprocessing exit as soon as the process that started it dies
+    (call it first thing): :func:`kill_me_with_parent` unless ``cleanup`` (a forked shard's OS
+    parent is the forkserver, which dies with it), and a thread that waits on the parent's
+    sentinel (a pipe it holds) and runs ``cleanup``."""
+    if cleanup is None:
+        kill_me_with_parent()
+    sentinel = mp.parent_process().sentinel  # type: ignore[union-attr]
+    if connection.wait([sentinel], 0):  # the parent died before we could ask
+        _parent_gone(sentinel, cleanup)
     threading.Thread(
-        target=_watch_parent, args=(sentinel, ppid, cleanup), name="stalewise-parent", daemon=True
+        target=_parent_gone, args=(sentinel, cleanup), name="stalewise-parent", daemon=True
     ).start()
 
 
-def _watch_parent(sentinel: int | None, ppid: int, cleanup: Callable[[], None] | None) -> None:
-    if sentinel is not None:
-        connection.wait([sentinel])
-    else:  # not started by multiprocessing: poll the parent's pid
-        while os.getppid() == ppid:
-            time.sleep(0.5)
-    _parent_gone(cleanup)
-
-
-def _parent_gone(cleanup: Callable[[], None] | None) -> None:
+def _parent_gone(sentinel: int, cleanup: Callable[[], None] | None) -> None:
+    connection.wait([sentinel])
     if cleanup is not None:
         with contextlib.suppress(Exception):
             cleanup()
     os._exit(70)  # no atexit handlers, no flushing of state the parent owned
+
+
+# -- where shard processes start (why: docs/design-notes.md, "Local runtime") --
+
+_warm: Any = None  # the forkserver's Popen class, once started (None again in a forked child)
+_servers = 0  # the servers that asked for a context here
+os.register_at_fork(after_in_child=lambda: globals().update(_warm=None))
+
+
+class _Forked(mp.process.BaseProcess):
+    """A process forked from the forkserver of :func:`shard_context`, writing to the stdout and
+    stderr its parent has when it starts (not to those the forkserver was started with)."""
+
+    _start_method = "forkserver"
+    _stdio: dict[int, int] = {}  # noqa: RUF012 (the parent's fds 1, 2: their place among those sent)
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _warm(process_obj)
+
+    def _bootstrap(self, parent_sentinel: Any = None) -> int:
+        for fd, at in self._stdio.items():
+            os.dup2(forkserver.get_inherited_fds()[at], fd)
+        return super()._bootstrap(parent_sentinel)  # type: ignore[misc]
+
+
+def shard_context() -> Any:
+    """Forks from this process's own forkserver (``runtime.local.warm`` preloaded, math libraries
+    capped at one thread) on Linux once the main thread started it, for its second server on;
+    else spawns (one server's shards do not pay for the forkserver's start)."""
+    global _warm, _servers
+    main, _servers = threading.current_thread() is threading.main_thread(), _servers + 1
+    if _warm is None and main and _servers > 1 and sys.platform.startswith("linux"):
+        from multiprocessing import popen_forkserver
+
+        server = forkserver.ForkServer()  # multiprocessing's own stays the user's
+        server.set_forkserver_preload(["stalewise.runtime.local.warm"])
+        server.read_signed = forkserver.read_signed  # type: ignore[attr-defined]
+        # multiprocessing's own launch, its module-level forkserver replaced by this one
+        code, names = popen_forkserver.Popen._launch.__code__, vars(popen_forkserver)
+        launch = types.FunctionType(code, {**names, "forkserver": server})
+
+        def stdio_launch(popen: Any, process_obj: _Forked) -> None:
+            fds = [fd for fd in (1, 2) if os.path.exists(f"/proc/self/fd/{fd}")]
+            process_obj._stdio = {fd: popen.duplicate_for_child(fd) for fd in fds}
+            launch(popen, process_obj)
+
+        with thread_budget(1):
+            server.ensure_running()
+        _warm = type("Popen", (popen_forkserver.Popen,), {"_launch": stdio_launch})
+    if _warm is None:
+        return mp.get_context("spawn")
+    return type("Context", (mp.context.BaseContext,), {"_name": "forkserver", "Process": _Forked})()
 
 
 def describe_exit(exitcode: int | None) -> str:

@@ -14,7 +14,6 @@ import contextlib
 import functools
 import logging
 import math
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -39,6 +38,7 @@ from stalewise.runtime.local.procs import (
     describe_exit,
     die_with_parent,
     refers_to_main,
+    shard_context,
     stalewise_main,
     thread_budget,
 )
@@ -111,7 +111,7 @@ class LocalServer:
         self.expected = expected  # the first ids, which gates wait for from the start
         self.start_timeout = start_timeout
         self.layout = Layout.of(config, workers, expected)  # push regions sized by the codec
-        self._ctx = mp.get_context("spawn")
+        self._ctx = shard_context()  # the shards fork from a warm forkserver (Linux)
         # the shards start without the user's __main__ unless the config needs it
         self._needs_main = refers_to_main(config)
         self._block = SharedBlock.create(self.layout.nbytes)

@@ -25,7 +25,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from multiprocessing import connection
+from multiprocessing import connection, get_context
 from typing import Any
 
 import numpy as np
@@ -271,9 +271,9 @@ class _Host:
 
     def spawn(self, w: int) -> None:
         """Starts a process for a new incarnation of worker ``w``."""
-        mine, theirs = self.server._ctx.Pipe()
+        mine, theirs = connection.Pipe()
         args = (self.server.client(w), self.strategy, self.worker_options, theirs)
-        p = self.server._ctx.Process(
+        p = get_context("spawn").Process(  # spawned: it gets thread_budget's and your variables
             target=_worker_main, args=args, name=f"stalewise-worker-{w}", daemon=True
         )
         with thread_budget((os.cpu_count() or 1) // self.o.workers):
