@@ -67,8 +67,9 @@ LOOP_COMPUTE, LOOP_STEPS = 0.002, 300
 #: Step times whose interquartile range exceeds this fraction of their median are warned about.
 SPREAD_LIMIT = 0.5
 #: Seconds the contention measurement times steps at each count of runnable processes
-#: (the apply: half as long); and the most processes it counts to.
+#: (the apply and the sleeps: half as long); and the most processes it counts to.
 CONTENTION_SECONDS, MOST_PROCESSES = 0.2, 16
+WAKE_SLEEP = 0.002  #: Seconds of each sleep whose late end the contention measurement times.
 #: The bounds :meth:`Calibration.sim_config` takes: measured (None), 25th or 75th percentile.
 BOUNDS = (None, "low", "high")
 #: What a Ray calibration times elsewhere, said in its summary and logged.
@@ -310,6 +311,8 @@ class Calibration:
         if self.contention is not None:
             t["contention_step"] = list(self.contention.step)
             t["contention_apply"] = list(self.contention.apply)
+            if self.contention.wake:
+                t["contention_wake"] = list(self.contention.wake)
         if self.own_read is not None:
             t["own_read"] = round(self.own_read, 3)
         if copies:
@@ -449,8 +452,8 @@ class Calibration:
             c = self.contention
             lines.append(
                 f"contention: with 1, 2, ... {len(c.step)} processes runnable, a step takes "
-                f"{list(c.step)}x and an apply {list(c.apply)}x its CPU time; the "
-                "table's compute is the steps' CPU time"
+                f"{list(c.step)}x and an apply {list(c.apply)}x its CPU time, a sleep ends "
+                f"{list(c.wake)} s late; the table's compute is the steps' CPU time"
             )
         if self.spreads or self.step_times:
             lines.append("spread over the repeats: median [25th, 75th percentile] (min, max)")
@@ -557,7 +560,13 @@ def _compute_main(
                 _, grads = loss_and_grad(tree.unflatten(flat, spec, copy=False), next(batches))
                 tree.flatten(grads, spec=spec, out=out)
                 n += 1
-            conn.send(("mean", (time.perf_counter() - t) / n, (time.process_time() - c) / n))
+            wall, cpu, late = time.perf_counter() - t, time.process_time() - c, []
+            end = time.perf_counter() + msg[1] / 2
+            while len(late) < 3 or time.perf_counter() < end:  # a sleep's wait for a core
+                s = time.perf_counter()
+                time.sleep(WAKE_SLEEP)
+                late.append(max(time.perf_counter() - s - WAKE_SLEEP, 0.0))
+            conn.send(("mean", wall / n, cpu / n, statistics.median(late)))
     except BaseException as e:  # reported in the parent, one line
         conn.send(("error", f"worker {w}: {type(e).__name__}: {e}"))
 
@@ -731,13 +740,14 @@ _SPIN = (
 def measure_contention(
     config: ServerConfig, most: int, stepper: Any, deadline: float = math.inf, beside: float = 0
 ) -> Contention:
-    """Wall over CPU time of a step (timed at the other end of ``stepper``) and of an apply
-    with 1 to ``most`` processes runnable, plus ``beside`` (the evaluation's share of a core)."""
+    """Wall over CPU time of a step (timed at the other end of ``stepper``) and of an apply,
+    and how late a sleep there ends, with 1 to ``most`` processes runnable, plus ``beside``
+    (the evaluation's share of a core)."""
     shards = min(config.shards, config.spec.size)
     push = _pusher(config, -(-config.spec.size // shards))
     push()
     push()  # the first ones warm the caches
-    steps, applies, spinners = [], [], []
+    steps, applies, wakes, spinners = [], [], [], []
     try:
         for k in range(1, most + 1):
             if k > 1:
@@ -745,6 +755,7 @@ def measure_contention(
             stepper.send(("time", CONTENTION_SECONDS))
             msg = _recv(stepper, deadline)
             steps.append(msg[1] / msg[2] if msg[2] > 0 else 1.0)
+            wakes.append(msg[3])
             n, t, c = 0, time.perf_counter(), time.thread_time()
             end = t + CONTENTION_SECONDS / 2
             while n < 3 or time.perf_counter() < end:
@@ -756,14 +767,14 @@ def measure_contention(
         for p in spinners:
             p.kill()
             p.wait()
-    log.debug("calibrate: contention, wall over CPU time, step %s, apply %s; evaluation "
-              "beside: %.3g of a core", steps, applies, beside)  # fmt: skip
-    return Contention(step=_factors(steps, beside), apply=_factors(applies, beside))
+    log.debug("calibrate: contention, wall over CPU time, step %s, apply %s; a sleep late %s s; "
+              "evaluation beside: %.3g of a core", steps, applies, wakes, beside)  # fmt: skip
+    return Contention(*(_factors(x, beside) for x in (steps, applies, wakes)))
 
 
 def _factors(ratios: Sequence[float], beside: float = 0.0) -> tuple[float, ...]:
-    """Each ratio at least the one before; at ``n``, the factor for ``n + beside``."""
-    at = Contention(tuple(itertools.accumulate(ratios, max)), (1.0,)).step_at
+    """Each ratio (or lateness) at least the one before; at ``n``, the one for ``n + beside``."""
+    at = Contention((1.0,), (1.0,), tuple(itertools.accumulate(ratios, max))).wake_at
     return tuple(_sig(at(n + beside)) for n in range(1, len(ratios) + 1))
 
 

@@ -245,23 +245,33 @@ class Service:
 class Contention:
     """How much slower a worker's compute (``step``) and a shard's apply (``apply``) run with ``n``
     processes runnable: ``step[n - 1]`` is the factor with ``n``, linear between entries and beyond
-    the last on its slope (:func:`stalewise.calibrate.measure_contention` measures it).
+    the last on its slope; ``wake[n - 1]``: the seconds a sleep ends late, waiting for a core
+    (:func:`stalewise.calibrate.measure_contention` measures them).
 
     Example:
-        >>> c = Contention(step=(1.0, 1.0, 1.5, 2.0), apply=(1.0, 1.5))
-        >>> c.step_at(1), c.step_at(3), c.step_at(3.5), c.step_at(6), c.apply_at(4)
-        (1.0, 1.5, 1.75, 3.0, 2.5)
+        >>> c = Contention(step=(1.0, 1.0, 1.5, 2.0), apply=(1.0, 1.5), wake=(0.0, 1e-3))
+        >>> c.step_at(1), c.step_at(3), c.step_at(3.5), c.step_at(6), c.apply_at(4), c.wake_at(3)
+        (1.0, 1.5, 1.75, 3.0, 2.5, 0.002)
     """
 
     step: tuple[float, ...]
     apply: tuple[float, ...]
+    wake: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("step", "apply"):
-            v = getattr(self, name)
-            if isinstance(v, str | bytes) or not isinstance(v, Sequence | np.ndarray) or not len(v):
-                raise _bad("Contention", name, v, "must be a non-empty list of factors")
-            v = tuple(_factor("Contention", f"{name}[{i}]", x) for i, x in enumerate(v))
+        for name in ("step", "apply", "wake"):
+            v, wake = getattr(self, name), name == "wake"
+            if (
+                isinstance(v, str | bytes)
+                or not isinstance(v, Sequence | np.ndarray)
+                or not (len(v) or wake)
+            ):
+                need = (
+                    "must be a list of seconds" if wake else "must be a non-empty list of factors"
+                )
+                raise _bad("Contention", name, v, need)
+            check = _seconds if wake else _factor
+            v = tuple(check("Contention", f"{name}[{i}]", x) for i, x in enumerate(v))
             object.__setattr__(self, name, v)  # a tuple of floats: hashable
 
     def step_at(self, n: float) -> float:
@@ -271,6 +281,10 @@ class Contention:
     def apply_at(self, n: float) -> float:
         """The apply's factor with ``n`` processes runnable."""
         return _along(self.apply, n)
+
+    def wake_at(self, n: float) -> float:
+        """The seconds a sleep ends late with ``n`` processes runnable (0 unmeasured)."""
+        return _along(self.wake, n) if self.wake else 0.0
 
 
 @dataclass(frozen=True)
@@ -380,11 +394,12 @@ class WorkerTiming:
                 p.rng.bit_generator.state = state
 
     def finish(
-        self, worker: int, start: float, local_steps: int = 1, stretch: float = 1.0
+        self, worker: int, start: float, local_steps: int = 1, stretch: float = 1.0, wake=0.0
     ) -> float:
         """The virtual time at which a step of ``worker`` started at ``start`` ends: ``local_steps``
         sampled step times (one draws as a plain step), the compute (not the delays) stretched
-        by ``stretch`` (the contention factor); :attr:`busy` is then its compute seconds."""
+        by ``stretch`` (the contention factor), and ``wake`` seconds more if it sleeps (an
+        emulated delay or straggler): :attr:`busy` is then its compute seconds."""
         p = self.paces[worker]
         if p.rng is None:  # Fixed
             base = self.compute.time * local_steps
@@ -395,6 +410,8 @@ class WorkerTiming:
         if stretch != 1.0:
             base *= stretch
         work = (base + p.delay * local_steps) * p.scale
+        if p.delay or p.scale != p.cpu:  # the one sleep a push: it ends late by ``wake``
+            work += wake
         self.busy = base * p.cpu
         if self.loop:  # the worker loop's own time: once a push, at no worker's pace
             work += self.loop * stretch
