@@ -216,7 +216,7 @@ class Calibration:
         inner: a strategy's seconds per local step besides the gradient.
         own_read: the share of pushes the next pull already held.
         spreads: each timed figure's :class:`Spread` over its repeats, by name.
-        contention: wall over CPU time of a step and an apply with 1, 2, ... processes runnable.
+        contention: the factors and a sleep's lateness with 1, 2, ... processes runnable.
         runtime: the runtime transport, shard and worker loop were timed on.
         copy: one copy's seconds by bytes (the table then charges bytes as copies).
         cpu: CPU seconds by bytes of the ``"pull"``, the ``"send"`` and a local ``"shard"``'s push.
@@ -378,10 +378,7 @@ class Calibration:
     def interval(self, predict: Callable[[SimConfig], Any]) -> Any:
         """``predict`` (``SimConfig -> number``, or a dict of numbers) on the measured table and on
         the low and high ones (:meth:`sim_config`), as an :class:`Interval` (or a dict of them)
-        spanning all three; None if a value is None on any table.
-
-        Example: ``cal.interval(lambda sim: job.train(f, data=d, workers=4, steps=2000,
-        runtime=sw.Simulation(sim)).stats["version"])``."""
+        spanning all three; None if a value is None on any table (docs/calibrate.md)."""
         point, low, high = (predict(self.sim_config(b)) for b in BOUNDS)
         if isinstance(point, dict):
             return {k: _interval(point[k], low.get(k), high.get(k)) for k in point}
@@ -548,8 +545,8 @@ def _compute_main(
             params = tree.unflatten(flat, spec, copy=False)  # as the worker loop gets its pull
             _, grads = loss_and_grad(params, batch)
             tree.flatten(grads, spec=spec, out=out)
-            if delay > 0:
-                _sleep(delay)
+            if delay > 0:  # as the local worker sleeps an emulated delay
+                time.sleep(delay)
             cpus.append(time.process_time() - c)
             walls.append(time.perf_counter() - t - delay)
         conn.send(("times", (walls, cpus)))
@@ -740,9 +737,8 @@ _SPIN = (
 def measure_contention(
     config: ServerConfig, most: int, stepper: Any, deadline: float = math.inf, beside: float = 0
 ) -> Contention:
-    """Wall over CPU time of a step (timed at the other end of ``stepper``) and of an apply,
-    and how late a sleep there ends, with 1 to ``most`` processes runnable, plus ``beside``
-    (the evaluation's share of a core)."""
+    """Wall over CPU time of a step (at the other end of ``stepper``) and of an apply, and a
+    sleep's lateness there, with 1 to ``most`` runnable plus ``beside`` (the evaluation's)."""
     shards = min(config.shards, config.spec.size)
     push = _pusher(config, -(-config.spec.size // shards))
     push()
@@ -875,10 +871,6 @@ class _BusyStep:
         return 0.0, self.grads
 
 
-def _zero_grads(config: ServerConfig) -> Any:
-    return tree.unflatten(np.zeros_like(config.init), config.spec)
-
-
 def _no_data(worker: int, workers: int) -> Any:
     while True:
         yield None
@@ -897,7 +889,7 @@ def strategy_steps(job: Any, pushes: int = 3) -> tuple[float, float]:
     """The mean local steps of a push of ``job``'s strategy (1 for gradients), and the
     seconds of its own work a local step, timed over ``pushes`` pushes here."""
     strategy, config = job.strategy, job.config
-    params, zeros = tree.unflatten(config.init, config.spec), _zero_grads(config)
+    params, zeros = (tree.unflatten(x, config.spec) for x in (config.init, 0 * config.init))
     state, batches = strategy.init(params), itertools.repeat(None)
 
     def push() -> int:
@@ -915,7 +907,8 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
     h, inner = strategy_steps(job)
     if h == 1:  # gradient pushes: the synthetic job, no strategy work
         job, inner = _synthetic_job(job, size, min(job.config.shards, size)), 0.0
-    result = job.train(_BusyStep(_zero_grads(job.config)), data=_no_data, workers=1,
+    busy = _BusyStep(tree.unflatten(0 * job.config.init, job.config.spec))
+    result = job.train(busy, data=_no_data, workers=1,
                        steps=max(30, int(LOOP_STEPS / h)), runtime=runtime,
                        metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]
@@ -1051,6 +1044,8 @@ def calibrate(
     def fit(name: str) -> Fit:
         return Fit.of([(b, statistics.median(xs)) for b, xs in series[name]])
 
+    owner = getattr(getattr(config.optimizer, "init", None), "__qualname__", "").split(".")[0]
+
     cal = Calibration(
         workers=workers,
         threads=threads,
@@ -1060,7 +1055,7 @@ def calibrate(
         push=fit("push"),
         message=Fit.of(msg_pts),
         model_bytes=int(config.spec.size * itemsize),
-        optimizer=_describe(config.optimizer),
+        optimizer=owner.lstrip("_").lower() or type(config.optimizer).__name__,  # sgd, adam..
         load=tuple(round(x, 2) for x in load),
         send=fit("send"),
         served=served,
@@ -1131,19 +1126,6 @@ def _delays(delays: Any, workers: int) -> list[float]:
             )
         out[w] = float(d)
     return out
-
-
-def _sleep(seconds: float) -> None:
-    """Sleeps as the local worker sleeps an emulated delay (in slices of at most 1 s)."""
-    end = time.monotonic() + seconds
-    while (left := end - time.monotonic()) > 0:
-        time.sleep(min(left, 1.0))
-
-
-def _describe(optimizer: Any) -> str:
-    """The optimizer's kind for the summary (``sgd``, ``adam``, ``chain``...)."""
-    owner = getattr(getattr(optimizer, "init", None), "__qualname__", "").split(".")[0]
-    return owner.lstrip("_").lower() or type(optimizer).__name__
 
 
 def with_table(
