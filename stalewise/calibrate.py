@@ -67,8 +67,9 @@ LOOP_COMPUTE, LOOP_STEPS = 0.002, 300
 #: Step times whose interquartile range exceeds this fraction of their median are warned about.
 SPREAD_LIMIT = 0.5
 #: Seconds the contention measurement times steps at each count of runnable processes
-#: (the apply: half as long); and the most processes it counts to.
+#: (the apply and the sleeps: half as long); and the most processes it counts to.
 CONTENTION_SECONDS, MOST_PROCESSES = 0.2, 16
+WAKE_SLEEP = 0.002  #: Seconds of each sleep whose late end the contention measurement times.
 #: The bounds :meth:`Calibration.sim_config` takes: measured (None), 25th or 75th percentile.
 BOUNDS = (None, "low", "high")
 #: What a Ray calibration times elsewhere, said in its summary and logged.
@@ -215,7 +216,7 @@ class Calibration:
         inner: a strategy's seconds per local step besides the gradient.
         own_read: the share of pushes the next pull already held.
         spreads: each timed figure's :class:`Spread` over its repeats, by name.
-        contention: wall over CPU time of a step and an apply with 1, 2, ... processes runnable.
+        contention: the factors and a sleep's lateness with 1, 2, ... processes runnable.
         runtime: the runtime transport, shard and worker loop were timed on.
         copy: one copy's seconds by bytes (the table then charges bytes as copies).
         cpu: CPU seconds by bytes of the ``"pull"``, the ``"send"`` and a local ``"shard"``'s push.
@@ -310,6 +311,8 @@ class Calibration:
         if self.contention is not None:
             t["contention_step"] = list(self.contention.step)
             t["contention_apply"] = list(self.contention.apply)
+            if self.contention.wake:
+                t["contention_wake"] = list(self.contention.wake)
         if self.own_read is not None:
             t["own_read"] = round(self.own_read, 3)
         if copies:
@@ -375,10 +378,7 @@ class Calibration:
     def interval(self, predict: Callable[[SimConfig], Any]) -> Any:
         """``predict`` (``SimConfig -> number``, or a dict of numbers) on the measured table and on
         the low and high ones (:meth:`sim_config`), as an :class:`Interval` (or a dict of them)
-        spanning all three; None if a value is None on any table.
-
-        Example: ``cal.interval(lambda sim: job.train(f, data=d, workers=4, steps=2000,
-        runtime=sw.Simulation(sim)).stats["version"])``."""
+        spanning all three; None if a value is None on any table (docs/calibrate.md)."""
         point, low, high = (predict(self.sim_config(b)) for b in BOUNDS)
         if isinstance(point, dict):
             return {k: _interval(point[k], low.get(k), high.get(k)) for k in point}
@@ -449,8 +449,8 @@ class Calibration:
             c = self.contention
             lines.append(
                 f"contention: with 1, 2, ... {len(c.step)} processes runnable, a step takes "
-                f"{list(c.step)}x and an apply {list(c.apply)}x its CPU time; the "
-                "table's compute is the steps' CPU time"
+                f"{list(c.step)}x and an apply {list(c.apply)}x its CPU time, a sleep ends "
+                f"{list(c.wake)} s late; the table's compute is the steps' CPU time"
             )
         if self.spreads or self.step_times:
             lines.append("spread over the repeats: median [25th, 75th percentile] (min, max)")
@@ -545,8 +545,8 @@ def _compute_main(
             params = tree.unflatten(flat, spec, copy=False)  # as the worker loop gets its pull
             _, grads = loss_and_grad(params, batch)
             tree.flatten(grads, spec=spec, out=out)
-            if delay > 0:
-                _sleep(delay)
+            if delay > 0:  # as the local worker sleeps an emulated delay
+                time.sleep(delay)
             cpus.append(time.process_time() - c)
             walls.append(time.perf_counter() - t - delay)
         conn.send(("times", (walls, cpus)))
@@ -557,7 +557,13 @@ def _compute_main(
                 _, grads = loss_and_grad(tree.unflatten(flat, spec, copy=False), next(batches))
                 tree.flatten(grads, spec=spec, out=out)
                 n += 1
-            conn.send(("mean", (time.perf_counter() - t) / n, (time.process_time() - c) / n))
+            wall, cpu, late = time.perf_counter() - t, time.process_time() - c, []
+            end = time.perf_counter() + msg[1] / 2
+            while len(late) < 3 or time.perf_counter() < end:  # a sleep's wait for a core
+                s = time.perf_counter()
+                time.sleep(WAKE_SLEEP)
+                late.append(max(time.perf_counter() - s - WAKE_SLEEP, 0.0))
+            conn.send(("mean", wall / n, cpu / n, statistics.median(late)))
     except BaseException as e:  # reported in the parent, one line
         conn.send(("error", f"worker {w}: {type(e).__name__}: {e}"))
 
@@ -731,13 +737,13 @@ _SPIN = (
 def measure_contention(
     config: ServerConfig, most: int, stepper: Any, deadline: float = math.inf, beside: float = 0
 ) -> Contention:
-    """Wall over CPU time of a step (timed at the other end of ``stepper``) and of an apply
-    with 1 to ``most`` processes runnable, plus ``beside`` (the evaluation's share of a core)."""
+    """Wall over CPU time of a step (at the other end of ``stepper``) and of an apply, and a
+    sleep's lateness there, with 1 to ``most`` runnable plus ``beside`` (the evaluation's)."""
     shards = min(config.shards, config.spec.size)
     push = _pusher(config, -(-config.spec.size // shards))
     push()
     push()  # the first ones warm the caches
-    steps, applies, spinners = [], [], []
+    steps, applies, wakes, spinners = [], [], [], []
     try:
         for k in range(1, most + 1):
             if k > 1:
@@ -745,6 +751,7 @@ def measure_contention(
             stepper.send(("time", CONTENTION_SECONDS))
             msg = _recv(stepper, deadline)
             steps.append(msg[1] / msg[2] if msg[2] > 0 else 1.0)
+            wakes.append(msg[3])
             n, t, c = 0, time.perf_counter(), time.thread_time()
             end = t + CONTENTION_SECONDS / 2
             while n < 3 or time.perf_counter() < end:
@@ -756,14 +763,14 @@ def measure_contention(
         for p in spinners:
             p.kill()
             p.wait()
-    log.debug("calibrate: contention, wall over CPU time, step %s, apply %s; evaluation "
-              "beside: %.3g of a core", steps, applies, beside)  # fmt: skip
-    return Contention(step=_factors(steps, beside), apply=_factors(applies, beside))
+    log.debug("calibrate: contention, wall over CPU time, step %s, apply %s; a sleep late %s s; "
+              "evaluation beside: %.3g of a core", steps, applies, wakes, beside)  # fmt: skip
+    return Contention(*(_factors(x, beside) for x in (steps, applies, wakes)))
 
 
 def _factors(ratios: Sequence[float], beside: float = 0.0) -> tuple[float, ...]:
-    """Each ratio at least the one before; at ``n``, the factor for ``n + beside``."""
-    at = Contention(tuple(itertools.accumulate(ratios, max)), (1.0,)).step_at
+    """Each ratio (or lateness) at least the one before; at ``n``, the one for ``n + beside``."""
+    at = Contention((1.0,), (1.0,), tuple(itertools.accumulate(ratios, max))).wake_at
     return tuple(_sig(at(n + beside)) for n in range(1, len(ratios) + 1))
 
 
@@ -864,10 +871,6 @@ class _BusyStep:
         return 0.0, self.grads
 
 
-def _zero_grads(config: ServerConfig) -> Any:
-    return tree.unflatten(np.zeros_like(config.init), config.spec)
-
-
 def _no_data(worker: int, workers: int) -> Any:
     while True:
         yield None
@@ -886,7 +889,7 @@ def strategy_steps(job: Any, pushes: int = 3) -> tuple[float, float]:
     """The mean local steps of a push of ``job``'s strategy (1 for gradients), and the
     seconds of its own work a local step, timed over ``pushes`` pushes here."""
     strategy, config = job.strategy, job.config
-    params, zeros = tree.unflatten(config.init, config.spec), _zero_grads(config)
+    params, zeros = (tree.unflatten(x, config.spec) for x in (config.init, 0 * config.init))
     state, batches = strategy.init(params), itertools.repeat(None)
 
     def push() -> int:
@@ -904,7 +907,8 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
     h, inner = strategy_steps(job)
     if h == 1:  # gradient pushes: the synthetic job, no strategy work
         job, inner = _synthetic_job(job, size, min(job.config.shards, size)), 0.0
-    result = job.train(_BusyStep(_zero_grads(job.config)), data=_no_data, workers=1,
+    busy = _BusyStep(tree.unflatten(0 * job.config.init, job.config.spec))
+    result = job.train(busy, data=_no_data, workers=1,
                        steps=max(30, int(LOOP_STEPS / h)), runtime=runtime,
                        metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]
@@ -1040,6 +1044,8 @@ def calibrate(
     def fit(name: str) -> Fit:
         return Fit.of([(b, statistics.median(xs)) for b, xs in series[name]])
 
+    owner = getattr(getattr(config.optimizer, "init", None), "__qualname__", "").split(".")[0]
+
     cal = Calibration(
         workers=workers,
         threads=threads,
@@ -1049,7 +1055,7 @@ def calibrate(
         push=fit("push"),
         message=Fit.of(msg_pts),
         model_bytes=int(config.spec.size * itemsize),
-        optimizer=_describe(config.optimizer),
+        optimizer=owner.lstrip("_").lower() or type(config.optimizer).__name__,  # sgd, adam..
         load=tuple(round(x, 2) for x in load),
         send=fit("send"),
         served=served,
@@ -1120,19 +1126,6 @@ def _delays(delays: Any, workers: int) -> list[float]:
             )
         out[w] = float(d)
     return out
-
-
-def _sleep(seconds: float) -> None:
-    """Sleeps as the local worker sleeps an emulated delay (in slices of at most 1 s)."""
-    end = time.monotonic() + seconds
-    while (left := end - time.monotonic()) > 0:
-        time.sleep(min(left, 1.0))
-
-
-def _describe(optimizer: Any) -> str:
-    """The optimizer's kind for the summary (``sgd``, ``adam``, ``chain``...)."""
-    owner = getattr(getattr(optimizer, "init", None), "__qualname__", "").split(".")[0]
-    return owner.lstrip("_").lower() or type(optimizer).__name__
 
 
 def with_table(

@@ -13,7 +13,14 @@ import stalewise as sw
 from stalewise import calibrate, tasks
 from stalewise.runtime import sim as sim_rt
 from stalewise.runtime.sim.config import SimConfig
-from stalewise.runtime.sim.models import Contention, Fixed, Network, Service, SimConfigError
+from stalewise.runtime.sim.models import (
+    Contention,
+    Fixed,
+    Network,
+    Service,
+    SimConfigError,
+    WorkerTiming,
+)
 
 FREE = {
     "network": Network(latency=0.0, bandwidth=math.inf),
@@ -115,3 +122,49 @@ def test_the_table_is_the_steps_cpu_time_and_carries_the_factors():
 
 def test_factors_are_monotone():
     assert calibrate._factors([2.0, 1.8, 3.0, 2.9, 5.0]) == (2.0, 2.0, 3.0, 3.0, 5.0)
+
+
+def test_a_step_that_sleeps_ends_late_by_the_wake_and_one_that_does_not_on_time():
+    """A sleep (an emulated delay, a straggler's) ends ``contention_wake`` late: once a push,
+    whatever its local steps; a step that only computes is not late."""
+    timing = WorkerTiming(SimConfig(compute=Fixed(0.01)), 3, factors=[1, 2, 1],
+                          delays=[0, 0, 0.005])  # fmt: skip
+    assert timing.finish(0, 1.0, wake=0.002) == 1.01
+    assert timing.finish(1, 0.0, wake=0.002) == pytest.approx(0.022)
+    assert timing.finish(2, 0.0, local_steps=3, wake=0.002) == pytest.approx(0.047)
+    c = Contention(step=(1.0,), apply=(1.0,), wake=(1e-4, 1e-3, 3e-3))
+    assert c.wake_at(1) == 1e-4 and c.wake_at(2.5) == 2e-3 and c.wake_at(5) == pytest.approx(7e-3)
+    assert Contention(step=(1.0,), apply=(1.0,)).wake_at(8) == 0.0  # unmeasured
+    with pytest.raises(SimConfigError, match=r"Contention.wake\[1\] = -1"):
+        Contention(step=[1], apply=[1], wake=[0, -1])
+    got = SimConfig.from_dict({"contention_step": [1], "contention_apply": [1],
+                               "contention_wake": [0, 1e-3]})  # fmt: skip
+    assert got.contention.wake == (0.0, 1e-3)
+    # in a run: 4 workers of 10 ms with 5 ms delays, 1 ms late with 2 or more runnable (flat)
+    delayed = dict(compute=Fixed(0.01), **FREE)
+    plain = Contention(step=(1.0,), apply=(1.0,))
+    late = Contention(step=(1.0,), apply=(1.0,), wake=(0.0, 1e-3, 1e-3))
+    a = _delayed(SimConfig(contention=plain, **delayed))
+    b = _delayed(SimConfig(contention=late, **delayed))
+    assert b.pushes == a.pushes and 1.02 < b.time / a.time <= 1.0 + 0.001 / 0.015 + 1e-9
+    assert _delayed(SimConfig(contention=late, **delayed)).records == b.records  # deterministic
+
+
+def _delayed(sim):
+    task = tasks.get("least-squares", n=64, d=4, exact=True)
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.05))
+    return sim_rt.train(job.config, task.loss_and_grad, data=task.batches, workers=4, steps=200,
+                        strategy=job.strategy, sim=sim, evaluate=None,
+                        delays=dict.fromkeys(range(4), 0.005))  # fmt: skip
+
+
+def test_the_wake_goes_into_the_table_with_the_evaluations_share():
+    steps = tuple((0.012,) * 10 for _ in range(2))
+    flat = calibrate.Fit.of([(4096, 1e-5), (16384, 1e-5)])
+    c = Contention(step=(1.0, 2.0), apply=(1.0, 2.0), wake=(1e-4, 2e-3))
+    cal = calibrate.Calibration(2, 1, steps, flat, flat, flat, flat, 4096, contention=c,
+                                cpu_times=steps)  # fmt: skip
+    t = cal.table()
+    assert t["contention_wake"] == [1e-4, 2e-3]
+    assert SimConfig.from_dict(tomllib.loads(calibrate.table_toml(t))["sim"]).contention == c
+    assert calibrate._factors([1e-4, 5e-5, 2e-3], beside=0.5) == (1e-4, 1.05e-3, 2.95e-3)

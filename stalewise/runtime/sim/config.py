@@ -67,9 +67,8 @@ class SimConfig:
             worker loop's own time; default 0).
         own_read: the chance that a lone worker's snapshot read right after its push
             already holds it (None, the default: never).
-        copies: what copying the parameters' bytes costs the processes on the cores and
-            the memory bus (:class:`Copies`; None, the default: only the links and the
-            shard's ``service`` charge bytes).
+        copies: what copying the parameters' bytes costs on the cores (:class:`Copies`;
+            None, the default: only the links and the shard's ``service`` charge bytes).
         model_bytes: pretend the parameter vector has this many bytes on the wire and at
             the shards; only the timing changes. (``docs/calibrate.md`` says how
             ``stalewise calibrate`` measures each.)
@@ -156,10 +155,7 @@ class SimConfig:
         """Builds a config from a flat table, as a TOML ``[sim]`` table spells it.
 
         Its keys (:data:`TOML_KEYS`) are SimConfig's fields, with the models' fields spelled
-        flat (:data:`_FLAT`): ``compute`` ("fixed" | "exponential") with ``step_time`` or
-        ``shift`` and ``rate``, :class:`Network`'s fields, ``service_time`` and
-        ``service_rate``, ``contention_step`` and ``contention_apply``, and :class:`Copies`'s
-        fields prefixed ``copy_`` (``copy_rate``, ``copy_bus``, ``copy_cores``, ...).
+        flat (:data:`_FLAT`: ``step_time``, ``contention_wake``, ``copy_rate``, ...).
 
         Raises:
             SimConfigError: naming the bad field and value, with its key as ``path``.

@@ -611,8 +611,9 @@ class Simulation:
         if self.contention is None:
             end = self.timing.finish(wk.id, self.now, local_steps)
         else:
-            stretch = self.contention.step_at(self.runnable() + 1)
-            end = self.timing.finish(wk.id, self.now, local_steps, stretch)
+            n = self.runnable() + 1
+            c = self.contention
+            end = self.timing.finish(wk.id, self.now, local_steps, c.step_at(n), c.wake_at(n))
             heapq.heappush(self.computing, self.now + self.timing.busy)
         self.at(end, _COMPUTED, wk.id, inc=wk.inc)
 

@@ -241,27 +241,34 @@ class Service:
         return self.time + nbytes / self.rate
 
 
+_FACTORS = "must be a non-empty list of factors"
+_CONTENTION = (("step", _factor, _FACTORS), ("apply", _factor, _FACTORS),
+               ("wake", _seconds, "must be a list of seconds"))  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Contention:
-    """How much slower a worker's compute (``step``) and a shard's apply (``apply``) run with ``n``
-    processes runnable: ``step[n - 1]`` is the factor with ``n``, linear between entries and beyond
-    the last on its slope (:func:`stalewise.calibrate.measure_contention` measures it).
+    """How much slower a worker's compute (``step``) and a shard's apply (``apply``) run, and how
+    late a sleep ends (``wake``, seconds), with ``n`` processes runnable: ``step[n - 1]`` is the
+    one with ``n``, linear between entries and beyond the last on its slope (calibrate measures).
 
     Example:
-        >>> c = Contention(step=(1.0, 1.0, 1.5, 2.0), apply=(1.0, 1.5))
-        >>> c.step_at(1), c.step_at(3), c.step_at(3.5), c.step_at(6), c.apply_at(4)
-        (1.0, 1.5, 1.75, 3.0, 2.5)
+        >>> c = Contention(step=(1.0, 1.0, 1.5, 2.0), apply=(1.0, 1.5), wake=(0.0, 1e-3))
+        >>> c.step_at(1), c.step_at(3), c.step_at(3.5), c.step_at(6), c.apply_at(4), c.wake_at(3)
+        (1.0, 1.5, 1.75, 3.0, 2.5, 0.002)
     """
 
     step: tuple[float, ...]
     apply: tuple[float, ...]
+    wake: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("step", "apply"):
+        for name, check, need in _CONTENTION:
             v = getattr(self, name)
-            if isinstance(v, str | bytes) or not isinstance(v, Sequence | np.ndarray) or not len(v):
-                raise _bad("Contention", name, v, "must be a non-empty list of factors")
-            v = tuple(_factor("Contention", f"{name}[{i}]", x) for i, x in enumerate(v))
+            listed = isinstance(v, Sequence | np.ndarray) and not isinstance(v, str | bytes)
+            if not listed or not (len(v) or check is _seconds):
+                raise _bad("Contention", name, v, need)
+            v = tuple(check("Contention", f"{name}[{i}]", x) for i, x in enumerate(v))
             object.__setattr__(self, name, v)  # a tuple of floats: hashable
 
     def step_at(self, n: float) -> float:
@@ -272,16 +279,17 @@ class Contention:
         """The apply's factor with ``n`` processes runnable."""
         return _along(self.apply, n)
 
+    def wake_at(self, n: float) -> float:
+        """The seconds a sleep ends late with ``n`` processes runnable (0 unmeasured)."""
+        return _along(self.wake, n) if self.wake else 0.0
+
 
 @dataclass(frozen=True)
 class Copies:
-    """The CPU cost of copying the parameters' bytes, charged to the process that copies
-    (not to a link): one core copies ``rate`` bytes a second (reading and writing them
-    once), the copies on ``cores`` cores at once ``bus`` bytes a second in all (more wait for
-    a core: the contention model's). A worker's pull makes ``pull`` copies of each slice it
-    reads, its push ``push`` copies of each slice it sends; a shard's apply makes ``apply``
-    copies of its slice (an SGD step: 1.5). ``pull_time`` and ``push_time`` are the CPU
-    seconds a worker's whole pull and push take besides their copies.
+    """The CPU cost of copying the parameters' bytes, charged to the process that copies:
+    ``rate`` bytes/s a core, ``bus`` in all on ``cores`` cores at once; ``pull``, ``push``,
+    ``apply``: copies of each slice, ``pull_time``, ``push_time``: CPU seconds besides
+    (docs/calibrate.md, "Copies on the cores").
 
     Example:
         >>> Copies(rate=1e9, bus=1.5e9, cores=2).seconds(2.0, 1.5e6, copying=3)  # 0.75 GB/s
@@ -380,11 +388,11 @@ class WorkerTiming:
                 p.rng.bit_generator.state = state
 
     def finish(
-        self, worker: int, start: float, local_steps: int = 1, stretch: float = 1.0
+        self, worker: int, start: float, local_steps: int = 1, stretch: float = 1.0, wake=0.0
     ) -> float:
-        """The virtual time at which a step of ``worker`` started at ``start`` ends: ``local_steps``
-        sampled step times (one draws as a plain step), the compute (not the delays) stretched
-        by ``stretch`` (the contention factor); :attr:`busy` is then its compute seconds."""
+        """When a step of ``worker`` started at ``start`` ends: ``local_steps`` sampled step
+        times, the compute (not the delays) stretched by ``stretch`` (the contention factor),
+        ``wake`` more if it sleeps (a delay, a straggler); :attr:`busy`: its compute seconds."""
         p = self.paces[worker]
         if p.rng is None:  # Fixed
             base = self.compute.time * local_steps
@@ -395,6 +403,8 @@ class WorkerTiming:
         if stretch != 1.0:
             base *= stretch
         work = (base + p.delay * local_steps) * p.scale
+        if p.delay or p.scale != p.cpu:  # the one sleep a push: it ends late by ``wake``
+            work += wake
         self.busy = base * p.cpu
         if self.loop:  # the worker loop's own time: once a push, at no worker's pace
             work += self.loop * stretch
