@@ -232,7 +232,6 @@ class _Blocks(Codec):
         return n if self.code is np.int8 else -(-n // 2)
 
     def _split(self, body: memoryview, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The block scales and the codes in ``body``."""
         blocks = -(-n // self.block)
         return np.frombuffer(body, np.float32, blocks), np.frombuffer(
             body, self.code, self._codes(n), 4 * blocks
@@ -301,7 +300,6 @@ class TopK(Codec):
             raise ValueError(f"topk: fraction must be a number in (0, 1], got {f!r}")
 
     def k(self, n: int) -> int:
-        """How many values a vector of ``n`` keeps."""
         return min(n, max(1, round(self.fraction * n)))
 
     def _body_nbytes(self, n: int, dtype: np.dtype) -> int:

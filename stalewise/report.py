@@ -32,7 +32,6 @@ _LABELS = {
 
 
 def _to_json(value: Any) -> Any:
-    """``json.dumps`` fallback for NumPy (and other array-library) values."""
     if hasattr(value, "tolist"):
         return value.tolist()
     if hasattr(value, "item"):

@@ -118,7 +118,6 @@ def _not_one_run(folder: Path, names: list[str], torn: set, common: set) -> str 
 
 
 def _seats(state: dict) -> list[tuple]:
-    """Each worker's ``(incarnation, next_seq, live)`` in a shard's state."""
     keys = ("incarnation", "next_seq", "live")
     return list(zip(*(np.asarray(state[key]).tolist() for key in keys), strict=True))
 

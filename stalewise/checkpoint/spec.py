@@ -242,7 +242,6 @@ def _data(x: Any) -> Any:
 
 
 def _value(x: Any) -> Any:
-    """What :func:`_data` wrote, back."""
     if x is None or type(x) in (bool, int, float, str):
         return x
     tag = next(iter(x), None) if isinstance(x, dict) else None

@@ -305,7 +305,6 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _complete(root: Path) -> list[Path]:
-    """The checkpoint folders of ``root``, newest (highest number) first."""
     found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)), reverse=True)
 

@@ -373,7 +373,6 @@ _MAX_HEADER = 100 << 20  # a safetensors header's bytes, as safetensors itself b
 
 
 def _metadata(f: Any) -> dict:
-    """The metadata of the safetensors file open as ``f`` (read from its header)."""
     n = int.from_bytes(f.read(8), "little")
     if n > _MAX_HEADER:
         raise ValueError(f"a header of {n} bytes, more than {_MAX_HEADER}")

@@ -133,7 +133,6 @@ class Ranks:
         return [r for r in self.ranks if not r.ended]
 
     def _release(self, word: bytes) -> None:
-        """Lets every rank waiting at the rendezvous go with ``word`` (``go`` or ``alone``)."""
         for r in self.ranks:
             if not r.released and not r.ended:
                 r.released = True

@@ -128,8 +128,6 @@ class _Barrier:
 
 
 class ScriptWorker:
-    """One rank of a launched script, as a Ray actor."""
-
     def __init__(self, rank: int):
         self.rank = rank
 

@@ -207,7 +207,6 @@ class Rule(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no fused checks")
 
     def optimizer(self) -> Optimizer:
-        """The :class:`Optimizer` of this rule."""
         update = functools.partial(pure_update, self.update_inplace)
         return Optimizer(self.init, update, self.apply, self.update_inplace)
 

@@ -12,8 +12,6 @@ from stalewise.optim._validate import check_int, check_number
 
 @dataclass(frozen=True)
 class Constant:
-    """The same value at every step."""
-
     value: float
 
     def __call__(self, count: int) -> float:
@@ -40,8 +38,6 @@ class WarmupCosine:
 
 @dataclass(frozen=True)
 class StepDecay:
-    """``lr * gamma ** (count // every)``."""
-
     lr: float
     every: int
     gamma: float

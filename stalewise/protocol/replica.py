@@ -106,7 +106,6 @@ class Backup:
         self.pending: deque[list] = deque()  # held (decoded), not applied yet
 
     def receive(self, forward: Forward | None) -> Held | None:
-        """:meth:`hold`, then :meth:`apply`."""
         held = self.hold(forward)
         self.apply()
         return held

@@ -258,7 +258,6 @@ def _bad(key: str, problem: str) -> ValueError:
 
 
 def _array(state: Mapping[str, Any], key: str, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
-    """``state[key]``, which must be a numpy array of ``dtype`` and ``shape``."""
     value = state[key]
     if not (isinstance(value, np.ndarray) and value.dtype == dtype and value.shape == shape):
         got = (
@@ -271,7 +270,6 @@ def _array(state: Mapping[str, Any], key: str, dtype: Any, shape: tuple[int, ...
 
 
 def _count(container: Any, key: Any, name: str | None = None) -> int:
-    """``container[key]``, which must be an integer >= 0 (``name`` is the key to blame)."""
     value = container[key]
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
         raise _bad(name or key, f"expected an integer >= 0, got {value!r}")

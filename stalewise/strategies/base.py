@@ -93,8 +93,6 @@ def config_key(x: Any) -> Any:
 
 
 class Gradients(Strategy):
-    """Push the gradient of one minibatch per step (asynchronous SGD)."""
-
     name = "gradients"
 
     def warm_up(self, params: Any = None) -> None:

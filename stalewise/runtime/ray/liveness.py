@@ -27,8 +27,6 @@ class _Watch:
 
 
 class Liveness:
-    """Watches worker actors' progress for the driver."""
-
     def __init__(self, worker_timeout: float | None, start_timeout: float):
         self.timeout, self.start_timeout = worker_timeout, start_timeout
         self.every = 1.0 if worker_timeout is None else min(1.0, worker_timeout / 4)

@@ -281,7 +281,6 @@ class ShardActor:
         return self.shard.handled(w, inc)
 
     async def digest(self) -> str:
-        """:func:`~stalewise.protocol.replica.digest` of the shard's state."""
         return digest(self.shard.state_dict())
 
     async def stop(self) -> None:
@@ -305,7 +304,6 @@ class ShardActor:
         return self.handled, self.stopped, self.shard.min_clock()
 
     async def freeze(self) -> list[tuple[int, int]]:
-        """Holds every push from now on; returns each worker's (incarnation, pushes handled)."""
         return self.cutting.freeze(self.shard)
 
     async def snapshot(
@@ -329,7 +327,6 @@ class ShardActor:
         return p is None or not p.backed or p.acked >= p.entries
 
     async def thaw(self) -> None:
-        """Lets the held pushes through."""
         self.cutting.thaw()
         self._notify()
 

@@ -754,7 +754,6 @@ class _Host:
             return ray.get(refs) if fetch else None
 
     def _each(self, method: str, what: str | None = None) -> list:
-        """Every shard's answer to ``method`` (within ``ack_timeout``)."""
         refs = [getattr(s, method).remote() for s in self.shards]
         return self._get(refs, self.o.ack_timeout, what or method)
 

@@ -293,7 +293,6 @@ class WorkerActor:
         return True
 
     def _become(self, inc: int) -> None:
-        """Carries on as incarnation ``inc`` (the shards were restored)."""
         log.warning(
             "worker %d: continuing as incarnation %d (the shards were restored)", self.w, inc
         )
@@ -304,7 +303,6 @@ class WorkerActor:
         self.moved_to = max(self.moved_to, inc)
 
     def _retry(self, failed_at: float | None, error: Exception) -> float:
-        """Waits before a retry; RuntimeError after ``shard_start_timeout``."""
         failed_at = failed_at or time.monotonic()
         if time.monotonic() - failed_at > self.o.shard_start_timeout:
             raise RuntimeError(
@@ -365,7 +363,6 @@ class WorkerActor:
         return thread
 
     def _wait(self) -> None:
-        """Waits on ``cond`` (held) for ``POLL`` seconds at most, beating."""
         self._check()
         self.cond.wait(POLL)
         self.beats += 1
