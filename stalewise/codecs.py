@@ -195,8 +195,7 @@ class _Half(Codec):
 
 @dataclass(frozen=True, repr=False)
 class FP16(_Half):
-    """IEEE half precision, rounded to nearest even, finite values clamped to +-65504.
-    Bound: ``|d - x| <= max(2**-11 |x|, 2**-25)`` for ``|x| <= 65504``."""
+    """IEEE fp16 clamped to +-65504; within it ``|d - x| <= max(2**-11 |x|, 2**-25)``."""
 
     name: ClassVar[str] = "fp16"
     id: ClassVar[int] = 1
@@ -204,8 +203,7 @@ class FP16(_Half):
 
 @dataclass(frozen=True, repr=False)
 class BF16(_Half):
-    """bfloat16, rounded to nearest even, finite values clamped to +-3.3895e38.
-    Bound: ``|d - x| <= max(2**-8 |x|, 2**-134)``."""
+    """bfloat16, clamped to +-3.3895e38. Bound: ``|d - x| <= max(2**-8 |x|, 2**-134)``."""
 
     name: ClassVar[str] = "bf16"
     id: ClassVar[int] = 2

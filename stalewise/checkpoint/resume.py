@@ -1,5 +1,4 @@
-"""A run's checkpoints: what a run resumes from (checked against its job), and the
-:class:`Saver` that writes them during the run, in every runtime."""
+"""A run's checkpoints in every runtime: what it resumes from, and the :class:`Saver`."""
 
 from __future__ import annotations
 

@@ -225,8 +225,7 @@ def _treedef_to_json(node: tree_lib.TreeDef, live: bool = False) -> dict[str, An
 
 
 def _data(x: Any) -> Any:
-    """``x`` as JSON, tagged where JSON alone would lose its type (the door's keys and
-    static values); :func:`_value` reads it back."""
+    """``x`` as JSON, tagged where JSON would lose its type; :func:`_value` reads it back."""
     if x is None or type(x) in (bool, int, float, str):
         return x
     if isinstance(x, tree_lib.HiddenKey | tree_lib.AttrKey):
@@ -266,8 +265,7 @@ def _pair(v: Any) -> tuple[str, Any]:
 
 
 def _class(kind: str, cls: Any) -> type:
-    """The namedtuple or dataclass ``cls`` ([module, qualname]) names, among the modules
-    this process has imported (it imports nothing by name)."""
+    """The namedtuple or dataclass ``cls`` ([module, qualname]) names, among modules imported."""
     if not (kind in ("namedtuple", "dataclass") and isinstance(cls, list) and len(cls) == 2):
         raise NotData(f"a {kind} of class {short(cls)}")
     module, qualname = cls

@@ -105,8 +105,7 @@ class Saves:
         return idle if self.every is None else CUT_POLL if self.due else 5 * CUT_POLL
 
     def tick(self, running: list[int]) -> None:
-        """A look: a checkpoint once due and the ``running`` ranks have saved their state for it
-        and wait (the cut), or :data:`RANK_STATE_WAIT` passed."""
+        """A checkpoint once due and the ``running`` ranks wait at the cut (or after the wait)."""
         if self.every is None:
             return
         if self.due is None:

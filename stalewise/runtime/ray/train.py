@@ -1,5 +1,4 @@
-"""``Job.train`` on Ray: shard and worker actors, driven by this process, which kills every
-actor it started at the end."""
+"""``Job.train`` on Ray: shard and worker actors driven by this process, which kills them all."""
 
 from __future__ import annotations
 
