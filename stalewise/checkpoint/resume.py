@@ -25,8 +25,7 @@ def config_info(config: Any, **extra: Any) -> dict[str, Any]:
     from stalewise.strategies import config_key
 
     return {
-        # by configuration: the Optimizer's own repr holds function addresses, which
-        # differ from process to process (a resume in a new process was refused)
+        # by configuration: an Optimizer's repr holds function addresses, new in each process
         "optimizer": repr(config_key(config.optimizer)),
         "consistency": repr(config.consistency),
         "staleness": repr(config.staleness),

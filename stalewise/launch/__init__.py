@@ -31,8 +31,7 @@ log = logging.getLogger(__name__)
 __all__ = ["BudgetSpent", "Context", "LaunchError", "Terminated", "init", "launch"]
 
 MAX_WORKERS = 256  #: The most worker processes ``stalewise run`` starts on one machine.
-#: Seconds the launcher runs the script before it says that ``sw.init`` is not called yet,
-#: and before it stops the script (which would otherwise train alone in the launcher).
+#: Seconds the launcher runs the script before it notes, then stops, a missing ``sw.init``.
 INIT_NOTE, INIT_TIMEOUT = 10.0, 120.0
 
 

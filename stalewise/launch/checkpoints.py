@@ -28,8 +28,7 @@ CUT = "cut"  # the file of the epoch of the launcher's last read of the shards
 TICKS = "ticks"  # a rank's file once its loop calls ctx.should_stop() (``ticks-<rank>``)
 RANKS_ENV = "STALEWISE_CHECKPOINT_RANKS"  # a rank's folder for its ctx.state (launched)
 EVERY_ENV = "STALEWISE_CHECKPOINT_EVERY"
-#: Seconds the launcher waits for the ranks' ``ctx.state`` once a checkpoint is due; a
-#: rank that has not called ``ctx.should_stop()`` since is saved with its previous state.
+#: Seconds a due checkpoint waits for the ranks' ``ctx.state`` (a late one's previous is saved).
 RANK_STATE_WAIT = 10.0
 CUT_POLL = 0.002  #: Seconds between a paused rank's looks at the cut, and the launcher's when due.
 SERVED_POLL = 0.25  #: Seconds between a served job's looks at its pushes (``checkpoint_every``).

@@ -63,8 +63,7 @@ def shipped_env(
     }
 
 
-#: The launcher's reaper (docs/design-notes.md): once its stdin closes, it stops and then kills
-#: the launcher's descendants and the processes with the launcher's mark in their environment.
+#: The launcher's reaper (docs/design-notes.md): kills what it started once its stdin closes.
 REAPER = r"""
 import glob, os, select, signal, sys
 root, me, mark = int(sys.argv[1]), os.getpid(), b"\0%s\0" % os.fsencode(sys.argv[2])

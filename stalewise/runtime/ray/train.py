@@ -77,8 +77,7 @@ class _Host:
         self.pgs: list = []  # the placement groups: shards, workers
         self.backup: tuple[list, int] | None = None  # (shard states, pushes handled)
         self.targets: dict[int, tuple[int, int]] = {}  # the backup's pushes of each worker
-        # with a checkpoint folder, each shard's push log chain ("log-shard-K-TAG-N"), begun
-        # anew at each checkpoint: its TAG, the last N, the last logs' names
+        # each shard's push log chain "log-shard-K-TAG-N", anew at each checkpoint: TAG, N, names
         self.tags = [uuid.uuid4().hex[:8] for _ in range(self.S)]
         self.log_n, self.logs = 0, [""] * self.S  # ("": none)
         # error feedback: each worker's residuals as the driver knows them, and its keeper
