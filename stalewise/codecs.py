@@ -98,8 +98,7 @@ class Codec(Policy):
         raise NotImplementedError
 
     def decode(self, payload: Any, out: np.ndarray | None = None) -> np.ndarray:
-        """The values of a payload, written into ``out`` (a float vector) when given;
-        PayloadError if the payload is not one this codec made (header, length)."""
+        """A payload's values (into ``out`` if given); PayloadError if not one this codec made."""
         mv = as_bytes(payload)
         n = _peek_n(mv, 0)  # a whole header: its dtype code is mv[2]
         if out is None:

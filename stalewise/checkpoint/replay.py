@@ -123,8 +123,7 @@ def _seats(state: dict) -> list[tuple]:
 
 
 def _replayed(k: int, ckpt: Checkpoint, config: Any, agreed: Any, read: Any = None) -> dict:
-    """Shard ``k``'s state replayed from ``ckpt`` (through what every shard logged:
-    ``agreed``, see :func:`replay_chain`), the files read appended to ``read``."""
+    """Shard ``k``'s state replayed from ``ckpt`` through ``agreed``; files read into ``read``."""
     state = ckpt.states[k]
     shard = config.build_shard(k, np.array(state["params"]), int(state["workers"]))
     shard.load_state_dict(state)

@@ -53,8 +53,7 @@ def need(ok: Any, where: str, field: str, value: Any, want: str) -> None:
 
 
 def spec_to_json(spec: tree_lib.FlatSpec, *, live: bool = False) -> dict[str, Any]:
-    """A FlatSpec as plain JSON data (no pickles, no import paths to follow); ``live``:
-    for the attach door (see the module docstring; raises NotData)."""
+    """A FlatSpec as plain JSON data (no pickles); ``live``: for the door (raises NotData)."""
     key = _data if live else _key_to_json
     return {
         "dtype": spec.dtype.name,

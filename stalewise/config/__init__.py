@@ -107,8 +107,7 @@ class RunConfig:
 
     @contextlib.contextmanager
     def importable(self) -> Iterator[None]:
-        """Within the block, the task factory's module can be imported by name, here and in
-        processes started here (``sys.path`` and ``PYTHONPATH`` are restored after)."""
+        """Within the block, the task factory's module imports by name, here and in children."""
         with factory.on_path(self.paths, env=True):
             yield
 

@@ -1,5 +1,4 @@
-"""A rank's side of a launched job: its :class:`Context` (:func:`stalewise.init` returns the
-one :func:`become` gave it), and the process's launch state."""
+"""A rank's side of a launched job: its :class:`Context` (from :func:`become`), launch state."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``stalewise run --runtime ray``: one :class:`ScriptWorker` actor per rank attaches as worker
-``rank`` and runs the script as ``__main__`` (docs/ray.md)."""
+"""``stalewise run --runtime ray``: a :class:`ScriptWorker` actor per rank (docs/ray.md)."""
 
 from __future__ import annotations
 

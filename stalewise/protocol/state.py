@@ -41,8 +41,7 @@ _OPTIONAL = ("counted", "resumed", "round.floor", "pace.since")  # see save()
 
 
 def save(shard: Shard) -> dict[str, Any]:
-    """Everything needed to continue exactly where this shard is, as a flat dict of copies:
-    numpy arrays, and JSON-able values for counters (safetensors plus JSON)."""
+    """All a shard needs to continue exactly, as a flat dict of copies (arrays, JSON values)."""
     structure, opt_arrays = _flatten_state(shard.opt_state)
     pulled = sorted(shard._pulled)
     timing = shard._pace is not None and not np.isnan(shard._pace._since).all()

@@ -1,5 +1,4 @@
-"""The base of every strategy: :class:`Strategy`, what a step returns (:class:`Step`),
-how strategies compare (:func:`config_key`) and the default one, :func:`gradients`."""
+"""Strategies' base: :class:`Strategy`, :class:`Step`, :func:`config_key`, :func:`gradients`."""
 
 from __future__ import annotations
 

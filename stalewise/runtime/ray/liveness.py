@@ -1,5 +1,4 @@
-"""Heartbeats on Ray: the driver's view of whether each worker actor makes progress
-(:class:`stalewise.protocol.liveness.Silence` over its progress counts)."""
+"""Heartbeats on Ray: whether each worker actor makes progress (``liveness.Silence``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""A worker's sending side on Ray (:class:`Outbox`), shared by the worker actor and the
-attached client: a :class:`~stalewise.protocol.sender.Sender` with Ray's buffers and acks."""
+"""A worker's sending side on Ray (worker actor, attached client): a ``Sender`` with Ray's acks."""
 
 from __future__ import annotations
 

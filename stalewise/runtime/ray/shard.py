@@ -1,5 +1,4 @@
-"""A parameter-server shard as an asyncio Ray actor around one protocol
-:class:`~stalewise.protocol.Shard`: it moves pushes and pulls and decides no rule."""
+"""A shard as an asyncio Ray actor around a protocol ``Shard``: it moves, and decides no rule."""
 
 from __future__ import annotations
 

@@ -619,8 +619,7 @@ class _Host:
         self.bwatches[self.backups[k].watch.remote()] = k
 
     def _revive(self, ref: Any) -> dict | None:
-        """The failure policy for the shard whose watch ``ref`` ended; once Ray restarted
-        it, watches it again. Returns the failure's event (None: the job is ending)."""
+        """Failure policy for the shard whose watch ``ref`` ended; its event (None: the end)."""
         ray = self.ray
         k = self.watches.pop(ref)
         try:

@@ -1,5 +1,4 @@
-"""A worker as a Ray actor: the protocol's worker loop, its pulls from every shard (or a
-receiver thread's :meth:`ShardActor.follow`, ASP), a sender thread for its pushes."""
+"""A worker as a Ray actor: the protocol's loop, pulls (ASP: a follow thread), a sender thread."""
 
 from __future__ import annotations
 
