@@ -120,9 +120,8 @@ def _states_fit(ckpt: Checkpoint, config: Any, workers: int) -> None:
 
 
 def feedback_of(ckpt: Checkpoint | None, config: Any, workers: int) -> list[Any] | None:
-    """Each worker's error-feedback state for a run of ``config`` resumed from ``ckpt`` (None:
-    this job's codec keeps none; no saved residuals give zeros); call it after
-    :func:`check_compatible`."""
+    """Each worker's error-feedback state for ``config`` resumed from ``ckpt`` (None: no feedback;
+    no saved residuals: zeros); call it after :func:`check_compatible`."""
     comp = config.compressor()
     saved = None if ckpt is None else ckpt.residuals
     if comp is None or not comp.error_feedback:

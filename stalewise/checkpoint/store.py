@@ -1,6 +1,5 @@
-"""The store: one checkpoint folder written and read in the data-only format, every field
-of its manifest checked, and every file read by :func:`_read_file`: a regular file, no
-symlink followed, never more than the bytes it may hold."""
+"""Checkpoint folders written and read as data, each manifest field checked, each file read by
+:func:`_read_file`: a regular file, no symlink followed, never more than it may hold."""
 
 from __future__ import annotations
 

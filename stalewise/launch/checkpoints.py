@@ -344,9 +344,8 @@ def _cut(folder: Path) -> int:
 
 def write_rank_state(folder: Path, rank: int, state: Any, pushes: int, pushed: int | None = None,
                      skip: int = 0, *, only: bool = False) -> None:  # fmt: skip
-    """Rank ``rank``'s state into its file of ``pushed`` (the count of its pushes it accounts
-    for; ``skip``: the shards hold that many more), atomically, as data; the other file keeps
-    the previous (``only``: it is removed)."""
+    """Rank ``rank``'s state, atomically as data, into its file of ``pushed`` (the pushes it counts
+    for; ``skip``: the shards hold more); the other keeps the previous (``only``: removed)."""
     from safetensors.numpy import save_file
 
     from stalewise.checkpoint import store as checkpoint

@@ -1,6 +1,4 @@
-"""Learning-rate schedules: callables from a step count to a learning rate.
-
-The first update uses ``schedule(0)`` (optax's convention); schedules pickle."""
+"""Picklable learning-rate schedules, count -> lr; the first update uses ``schedule(0)`` (optax)."""
 
 from __future__ import annotations
 

@@ -95,9 +95,8 @@ class Outbox:
     def collect(
         self, refs: list, seq: int, timeout: float | None
     ) -> tuple[PushResult | None, int | None]:
-        """``(result, shard 0's pushes handled)`` of push ``seq``; ``(None, None)`` if it was
-        lost with a shard or cut off; TimeoutError after ``timeout`` seconds. With
-        replicas=2 it is resent to a restarted shard until it answers."""
+        """``(result, shard 0's pushes handled)`` of push ``seq`` (``(None, None)``: lost or cut
+        off; TimeoutError after ``timeout``); replicas=2: resent to a restarted shard."""
         ray = import_ray()
         refs, replies, start = list(refs), [], time.monotonic()
         while len(replies) < len(refs):
