@@ -100,9 +100,8 @@ def resume_point(
 
 
 def _states_fit(ckpt: Checkpoint, config: Any, workers: int) -> None:
-    """Refuses (CheckpointError, so loading falls back) shard states that
-    ``Shard.load_state_dict`` refuses, and ranks' states of another count than workers';
-    a checkpoint of another job is :func:`check_compatible`'s to refuse (no fallback)."""
+    """Refuses (CheckpointError: loading falls back) shard states ``Shard.load_state_dict``
+    refuses and ranks' states not one per worker; another job's is :func:`check_compatible`'s."""
     try:
         check_compatible(ckpt, config, workers)
     except CheckpointError:

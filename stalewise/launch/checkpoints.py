@@ -264,9 +264,8 @@ def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resum
 
 
 class RankStates:
-    """A launched rank's side: ``ctx.state`` from the launcher's folder at ``sw.init``, into
-    it at every ``should_stop()`` and ``close()``; the pushes the shards hold past the state
-    resumed are skipped, each a ``"duplicate"`` result (seq -1)."""
+    """A launched rank's side: ``ctx.state`` read at ``sw.init``, written at ``should_stop()`` and
+    ``close()``; pushes the shards hold past it are skipped (a ``"duplicate"`` result, seq -1)."""
 
     def __init__(self, folder: Path, every: int | None, rank: int):
         self.folder, self.every = folder, every
