@@ -1,8 +1,6 @@
-"""``stalewise replay``: a checkpoint and the push logs written after it, replayed into the
-parameters the run's shards reached (:mod:`stalewise.protocol.pushlog`).
-
-A checkpoint names, per shard, the log its shard began at that state (``step.logs``,
-``log-shard-K-TAG-N``); the chain goes on in ``...-N+1``, ... until a file is missing."""
+"""``stalewise replay``: a checkpoint and the push logs after it, replayed into the parameters
+the run's shards reached. A checkpoint names, per shard, the log begun at that state
+(``step.logs``, ``log-shard-K-TAG-N``); the chain goes on in ``...-N+1``... until one is missing."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Checkpoints of a loop you own (``stalewise run --checkpoint-dir``, ``sw.init(job,
-checkpoint_dir=...)``, ``job.serve(..., checkpoint_dir=...)``): one :class:`Saves` where the
-shards are served, ticked by the launcher (:class:`RankStates`), the one unlaunched worker
-(:class:`InProcess`) or a thread of the serving process (:class:`Served`)."""
+"""Checkpoints of a loop you own (``stalewise run``, ``sw.init``, ``job.serve``): one :class:`Saves`
+where the shards are served, ticked by the launcher (:class:`RankStates`), the one unlaunched
+worker (:class:`InProcess`) or a thread of the serving process (:class:`Served`)."""
 
 from __future__ import annotations
 
