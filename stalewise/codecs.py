@@ -98,8 +98,7 @@ class Codec(Policy):
         raise NotImplementedError
 
     def decode(self, payload: Any, out: np.ndarray | None = None) -> np.ndarray:
-        """The values of a payload, written into ``out`` (a float vector) when given;
-        PayloadError if the payload is not one this codec made (header, length)."""
+        """A payload's values (into ``out`` if given); PayloadError if not one this codec made."""
         mv = as_bytes(payload)
         n = _peek_n(mv, 0)  # a whole header: its dtype code is mv[2]
         if out is None:
@@ -195,8 +194,7 @@ class _Half(Codec):
 
 @dataclass(frozen=True, repr=False)
 class FP16(_Half):
-    """IEEE half precision, rounded to nearest even, finite values clamped to +-65504.
-    Bound: ``|d - x| <= max(2**-11 |x|, 2**-25)`` for ``|x| <= 65504``."""
+    """IEEE fp16 clamped to +-65504; within it ``|d - x| <= max(2**-11 |x|, 2**-25)``."""
 
     name: ClassVar[str] = "fp16"
     id: ClassVar[int] = 1
@@ -204,8 +202,7 @@ class FP16(_Half):
 
 @dataclass(frozen=True, repr=False)
 class BF16(_Half):
-    """bfloat16, rounded to nearest even, finite values clamped to +-3.3895e38.
-    Bound: ``|d - x| <= max(2**-8 |x|, 2**-134)``."""
+    """bfloat16, clamped to +-3.3895e38. Bound: ``|d - x| <= max(2**-8 |x|, 2**-134)``."""
 
     name: ClassVar[str] = "bf16"
     id: ClassVar[int] = 2
@@ -232,7 +229,6 @@ class _Blocks(Codec):
         return n if self.code is np.int8 else -(-n // 2)
 
     def _split(self, body: memoryview, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The block scales and the codes in ``body``."""
         blocks = -(-n // self.block)
         return np.frombuffer(body, np.float32, blocks), np.frombuffer(
             body, self.code, self._codes(n), 4 * blocks
@@ -301,7 +297,6 @@ class TopK(Codec):
             raise ValueError(f"topk: fraction must be a number in (0, 1], got {f!r}")
 
     def k(self, n: int) -> int:
-        """How many values a vector of ``n`` keeps."""
         return min(n, max(1, round(self.fraction * n)))
 
     def _body_nbytes(self, n: int, dtype: np.dtype) -> int:

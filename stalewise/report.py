@@ -1,5 +1,4 @@
-"""Metrics files (JSON Lines, one flushed record per evaluation of a run), time-to-target,
-plots (Matplotlib's Agg canvas: no window) and text tables."""
+"""Metrics files (JSON Lines), time-to-target, plots (Matplotlib's Agg canvas), text tables."""
 
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ _LABELS = {
 
 
 def _to_json(value: Any) -> Any:
-    """``json.dumps`` fallback for NumPy (and other array-library) values."""
     if hasattr(value, "tolist"):
         return value.tolist()
     if hasattr(value, "item"):
@@ -41,8 +39,7 @@ def _to_json(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends metric records to the JSON Lines file ``path``, one flushed line per
-    :meth:`write` under a lock (threads may share a writer, processes may not)."""
+    """Appends flushed records to the JSON Lines ``path``; threads, not processes, may share it."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)

@@ -1,6 +1,5 @@
-"""Checkpoints of a job's shards on disk: atomic, checksummed, with fallback; loading runs no
-code from a checkpoint and refuses a bad one with a one-line :class:`CheckpointError`, falling
-back to the previous one. The folder layout: ``docs/design-notes.md`` ("Checkpoints")."""
+"""Checkpoints of a job's shards on disk: atomic, checksummed; loading runs no code from one and
+refuses a bad one (:class:`CheckpointError`), falling back. Layout: docs/design-notes.md."""
 
 from stalewise.checkpoint.resume import Saver, config_info, drawn_of, feedback_of, resume_point
 from stalewise.checkpoint.store import Checkpoint, CheckpointError, exists, load, load_params, save

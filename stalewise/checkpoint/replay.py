@@ -1,8 +1,6 @@
-"""``stalewise replay``: a checkpoint and the push logs written after it, replayed into the
-parameters the run's shards reached (:mod:`stalewise.protocol.pushlog`).
-
-A checkpoint names, per shard, the log its shard began at that state (``step.logs``,
-``log-shard-K-TAG-N``); the chain goes on in ``...-N+1``, ... until a file is missing."""
+"""``stalewise replay``: a checkpoint and the push logs after it, replayed into the parameters
+the run's shards reached. A checkpoint names, per shard, the log begun at that state
+(``step.logs``, ``log-shard-K-TAG-N``); the chain goes on in ``...-N+1``... until one is missing."""
 
 from __future__ import annotations
 
@@ -118,14 +116,12 @@ def _not_one_run(folder: Path, names: list[str], torn: set, common: set) -> str 
 
 
 def _seats(state: dict) -> list[tuple]:
-    """Each worker's ``(incarnation, next_seq, live)`` in a shard's state."""
     keys = ("incarnation", "next_seq", "live")
     return list(zip(*(np.asarray(state[key]).tolist() for key in keys), strict=True))
 
 
 def _replayed(k: int, ckpt: Checkpoint, config: Any, agreed: Any, read: Any = None) -> dict:
-    """Shard ``k``'s state replayed from ``ckpt`` (through what every shard logged:
-    ``agreed``, see :func:`replay_chain`), the files read appended to ``read``."""
+    """Shard ``k``'s state replayed from ``ckpt`` through ``agreed``; files read into ``read``."""
     state = ckpt.states[k]
     shard = config.build_shard(k, np.array(state["params"]), int(state["workers"]))
     shard.load_state_dict(state)

@@ -1,5 +1,4 @@
-"""A run's checkpoints: what a run resumes from (checked against its job), and the
-:class:`Saver` that writes them during the run, in every runtime."""
+"""A run's checkpoints in every runtime: what it resumes from, and the :class:`Saver`."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ def config_info(config: Any, **extra: Any) -> dict[str, Any]:
     from stalewise.strategies import config_key
 
     return {
-        # by configuration: the Optimizer's own repr holds function addresses, which
-        # differ from process to process (a resume in a new process was refused)
+        # by configuration: an Optimizer's repr holds function addresses, new in each process
         "optimizer": repr(config_key(config.optimizer)),
         "consistency": repr(config.consistency),
         "staleness": repr(config.staleness),
@@ -102,9 +100,8 @@ def resume_point(
 
 
 def _states_fit(ckpt: Checkpoint, config: Any, workers: int) -> None:
-    """Refuses (CheckpointError, so loading falls back) shard states that
-    ``Shard.load_state_dict`` refuses, and ranks' states of another count than workers';
-    a checkpoint of another job is :func:`check_compatible`'s to refuse (no fallback)."""
+    """Refuses (CheckpointError: loading falls back) shard states ``Shard.load_state_dict``
+    refuses and ranks' states not one per worker; another job's is :func:`check_compatible`'s."""
     try:
         check_compatible(ckpt, config, workers)
     except CheckpointError:
@@ -122,9 +119,8 @@ def _states_fit(ckpt: Checkpoint, config: Any, workers: int) -> None:
 
 
 def feedback_of(ckpt: Checkpoint | None, config: Any, workers: int) -> list[Any] | None:
-    """Each worker's error-feedback state for a run of ``config`` resumed from ``ckpt`` (None:
-    this job's codec keeps none; no saved residuals give zeros); call it after
-    :func:`check_compatible`."""
+    """Each worker's error-feedback state for ``config`` resumed from ``ckpt`` (None: no feedback;
+    no saved residuals: zeros); call it after :func:`check_compatible`."""
     comp = config.compressor()
     saved = None if ckpt is None else ckpt.residuals
     if comp is None or not comp.error_feedback:

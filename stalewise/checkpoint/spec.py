@@ -53,8 +53,7 @@ def need(ok: Any, where: str, field: str, value: Any, want: str) -> None:
 
 
 def spec_to_json(spec: tree_lib.FlatSpec, *, live: bool = False) -> dict[str, Any]:
-    """A FlatSpec as plain JSON data (no pickles, no import paths to follow); ``live``:
-    for the attach door (see the module docstring; raises NotData)."""
+    """A FlatSpec as plain JSON data (no pickles); ``live``: for the door (raises NotData)."""
     key = _data if live else _key_to_json
     return {
         "dtype": spec.dtype.name,
@@ -225,8 +224,7 @@ def _treedef_to_json(node: tree_lib.TreeDef, live: bool = False) -> dict[str, An
 
 
 def _data(x: Any) -> Any:
-    """``x`` as JSON, tagged where JSON alone would lose its type (the door's keys and
-    static values); :func:`_value` reads it back."""
+    """``x`` as JSON, tagged where JSON would lose its type; :func:`_value` reads it back."""
     if x is None or type(x) in (bool, int, float, str):
         return x
     if isinstance(x, tree_lib.HiddenKey | tree_lib.AttrKey):
@@ -242,7 +240,6 @@ def _data(x: Any) -> Any:
 
 
 def _value(x: Any) -> Any:
-    """What :func:`_data` wrote, back."""
     if x is None or type(x) in (bool, int, float, str):
         return x
     tag = next(iter(x), None) if isinstance(x, dict) else None
@@ -267,8 +264,7 @@ def _pair(v: Any) -> tuple[str, Any]:
 
 
 def _class(kind: str, cls: Any) -> type:
-    """The namedtuple or dataclass ``cls`` ([module, qualname]) names, among the modules
-    this process has imported (it imports nothing by name)."""
+    """The namedtuple or dataclass ``cls`` ([module, qualname]) names, among modules imported."""
     if not (kind in ("namedtuple", "dataclass") and isinstance(cls, list) and len(cls) == 2):
         raise NotData(f"a {kind} of class {short(cls)}")
     module, qualname = cls

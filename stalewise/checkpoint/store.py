@@ -1,6 +1,5 @@
-"""The store: one checkpoint folder written and read in the data-only format, every field
-of its manifest checked, and every file read by :func:`_read_file`: a regular file, no
-symlink followed, never more than the bytes it may hold."""
+"""Checkpoint folders written and read as data, each manifest field checked, each file read by
+:func:`_read_file`: a regular file, no symlink followed, never more than it may hold."""
 
 from __future__ import annotations
 
@@ -305,7 +304,6 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _complete(root: Path) -> list[Path]:
-    """The checkpoint folders of ``root``, newest (highest number) first."""
     found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)), reverse=True)
 

@@ -66,8 +66,7 @@ class RunConfig:
         return kwargs
 
     def check_workers(self, workers: int, runtime: str, key: str) -> None:
-        """Checks that a run on ``runtime`` may have ``workers`` workers (the runtime's limit,
-        the [sim] table, the task's batches); errors name ``key``."""
+        """Checks ``workers`` against the runtime, [sim] and the task's batches; names ``key``."""
         schema.check_workers(workers, runtime, key)
         if runtime_lib.describe(runtime).simulated and self.sim is not None:
             build.check_sim_workers(self.sim, workers, key)
@@ -108,8 +107,7 @@ class RunConfig:
 
     @contextlib.contextmanager
     def importable(self) -> Iterator[None]:
-        """Within the block, the task factory's module can be imported by name, here and in
-        processes started here (``sys.path`` and ``PYTHONPATH`` are restored after)."""
+        """Within the block, the task factory's module imports by name, here and in children."""
         with factory.on_path(self.paths, env=True):
             yield
 

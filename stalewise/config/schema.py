@@ -60,7 +60,6 @@ def one_of(name: Any, known: Iterable[str], key: str, what: str) -> str:
 
 
 def max_workers(runtime: str) -> int:
-    """The most workers a run on ``runtime`` may have."""
     return runtime_lib.describe(runtime).max_workers
 
 

@@ -31,8 +31,7 @@ log = logging.getLogger(__name__)
 __all__ = ["BudgetSpent", "Context", "LaunchError", "Terminated", "init", "launch"]
 
 MAX_WORKERS = 256  #: The most worker processes ``stalewise run`` starts on one machine.
-#: Seconds the launcher runs the script before it says that ``sw.init`` is not called yet,
-#: and before it stops the script (which would otherwise train alone in the launcher).
+#: Seconds the launcher runs the script before it notes, then stops, a missing ``sw.init``.
 INIT_NOTE, INIT_TIMEOUT = 10.0, 120.0
 
 
@@ -65,9 +64,8 @@ _LAUNCH: _Launch | None = None  # set in the launcher's process while it runs th
 
 
 def init(job: Any, *, steps: int | None = None, checkpoints: Any = None) -> Context:
-    """This process's part of a launched job: the worker's :class:`Context` (the launcher
-    serves ``job`` and does not return). ``steps`` and ``checkpoints`` are the job's budget
-    and ``sw.Checkpoints`` (the command line's flags win)."""
+    """This process's worker :class:`Context` in a launched job (the launcher serves ``job``, never
+    returning); ``steps``: the budget, ``checkpoints``: ``sw.Checkpoints`` (flags win)."""
     if not (isinstance(getattr(job, "config", None), ServerConfig) and hasattr(job, "serve")):
         raise TypeError(f"sw.init(job): job must be a sw.Job, got {type(job).__name__}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):

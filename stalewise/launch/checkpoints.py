@@ -1,7 +1,6 @@
-"""Checkpoints of a loop you own (``stalewise run --checkpoint-dir``, ``sw.init(job,
-checkpoint_dir=...)``, ``job.serve(..., checkpoint_dir=...)``): one :class:`Saves` where the
-shards are served, ticked by the launcher (:class:`RankStates`), the one unlaunched worker
-(:class:`InProcess`) or a thread of the serving process (:class:`Served`)."""
+"""Checkpoints of a loop you own (``stalewise run``, ``sw.init``, ``job.serve``): one :class:`Saves`
+where the shards are served, ticked by the launcher (:class:`RankStates`), the one unlaunched
+worker (:class:`InProcess`) or a thread of the serving process (:class:`Served`)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ CUT = "cut"  # the file of the epoch of the launcher's last read of the shards
 TICKS = "ticks"  # a rank's file once its loop calls ctx.should_stop() (``ticks-<rank>``)
 RANKS_ENV = "STALEWISE_CHECKPOINT_RANKS"  # a rank's folder for its ctx.state (launched)
 EVERY_ENV = "STALEWISE_CHECKPOINT_EVERY"
-#: Seconds the launcher waits for the ranks' ``ctx.state`` once a checkpoint is due; a
-#: rank that has not called ``ctx.should_stop()`` since is saved with its previous state.
+#: Seconds a due checkpoint waits for the ranks' ``ctx.state`` (a late one's previous is saved).
 RANK_STATE_WAIT = 10.0
 CUT_POLL = 0.002  #: Seconds between a paused rank's looks at the cut, and the launcher's when due.
 SERVED_POLL = 0.25  #: Seconds between a served job's looks at its pushes (``checkpoint_every``).
@@ -105,8 +103,7 @@ class Saves:
         return idle if self.every is None else CUT_POLL if self.due else 5 * CUT_POLL
 
     def tick(self, running: list[int]) -> None:
-        """A look: a checkpoint once due and the ``running`` ranks have saved their state for it
-        and wait (the cut), or :data:`RANK_STATE_WAIT` passed."""
+        """A checkpoint once due and the ``running`` ranks wait at the cut (or after the wait)."""
         if self.every is None:
             return
         if self.due is None:
@@ -266,9 +263,8 @@ def served(job: Any, start: Any, runtime: str, directory: Any, every: Any, resum
 
 
 class RankStates:
-    """A launched rank's side: ``ctx.state`` from the launcher's folder at ``sw.init``, into
-    it at every ``should_stop()`` and ``close()``; the pushes the shards hold past the state
-    resumed are skipped, each a ``"duplicate"`` result (seq -1)."""
+    """A launched rank's side: ``ctx.state`` read at ``sw.init``, written at ``should_stop()`` and
+    ``close()``; pushes the shards hold past it are skipped (a ``"duplicate"`` result, seq -1)."""
 
     def __init__(self, folder: Path, every: int | None, rank: int):
         self.folder, self.every = folder, every
@@ -346,9 +342,8 @@ def _cut(folder: Path) -> int:
 
 def write_rank_state(folder: Path, rank: int, state: Any, pushes: int, pushed: int | None = None,
                      skip: int = 0, *, only: bool = False) -> None:  # fmt: skip
-    """Rank ``rank``'s state into its file of ``pushed`` (the count of its pushes it accounts
-    for; ``skip``: the shards hold that many more), atomically, as data; the other file keeps
-    the previous (``only``: it is removed)."""
+    """Rank ``rank``'s state, atomically as data, into its file of ``pushed`` (the pushes it counts
+    for; ``skip``: the shards hold more); the other keeps the previous (``only``: removed)."""
     from safetensors.numpy import save_file
 
     from stalewise.checkpoint import store as checkpoint
@@ -373,7 +368,6 @@ _MAX_HEADER = 100 << 20  # a safetensors header's bytes, as safetensors itself b
 
 
 def _metadata(f: Any) -> dict:
-    """The metadata of the safetensors file open as ``f`` (read from its header)."""
     n = int.from_bytes(f.read(8), "little")
     if n > _MAX_HEADER:
         raise ValueError(f"a header of {n} bytes, more than {_MAX_HEADER}")

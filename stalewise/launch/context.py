@@ -1,5 +1,4 @@
-"""A rank's side of a launched job: its :class:`Context` (:func:`stalewise.init` returns the
-one :func:`become` gave it), and the process's launch state."""
+"""A rank's side of a launched job: its :class:`Context` (from :func:`become`), launch state."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ class Context:
     client: Any  #: this worker's :class:`~stalewise.runtime.local.client.Client`
     steps: int | None = None  #: the job's budget of pushes in all (None: no budget)
     launched: bool = True  #: started by ``stalewise run`` (else: one worker, served here)
-    #: this rank's own state (data position, RNG, ...), saved as data (JSON values, numpy
-    #: arrays) with a checkpoint folder (keep it small); restored on resume
+    #: this rank's small state (data position, RNG...), JSON values and arrays: checkpointed
     state: dict = dataclasses.field(default_factory=dict)
     _ckpt: Any = dataclasses.field(default=None, repr=False)  # its side of the checkpoints
     _server: Any = dataclasses.field(default=None, repr=False)

@@ -23,11 +23,9 @@ from stalewise.runtime.errors import BudgetSpent, ServerClosed
 
 log = logging.getLogger(__name__)
 
-#: Seconds the launcher gives its ranks to end by themselves (a rank polling ``ctx.should_stop()``
-#: ends within a step) once it stops the job (Ctrl-C, SIGTERM, ``--timeout``); then it kills them.
+#: Seconds ranks get to end once the job stops (Ctrl-C, SIGTERM, ``--timeout``); then a kill.
 STOP_GRACE = 5.0
-#: ``--rank-timeout``'s default: seconds without a push, once a rank has pushed, while the
-#: other ranks push, before the launcher takes that rank for hung.
+#: ``--rank-timeout``'s default: seconds a rank that pushed may go without while others push.
 RANK_TIMEOUT = 300.0
 POLL = 0.25  # seconds between the launcher's looks at the ranks' push counters
 
@@ -115,8 +113,7 @@ class Ranks:
         client = self.server.client(rank)
         args = (launch.script, launch.argv, client, rank, launch.workers, launch.steps, theirs,
                 self.logs)  # fmt: skip
-        # started from this thread, which waits for them: a rank's parent-death signal
-        # (procs.die_with_parent) fires when the thread that started it ends
+        # from this thread, which outlives them: the parent-death signal fires when it ends
         p = ctx.Process(target=worker_main, args=args, name=f"stalewise-run-{rank}")
         with stalewise_main(self.needs_main):
             p.start()
@@ -133,7 +130,6 @@ class Ranks:
         return [r for r in self.ranks if not r.ended]
 
     def _release(self, word: bytes) -> None:
-        """Lets every rank waiting at the rendezvous go with ``word`` (``go`` or ``alone``)."""
         for r in self.ranks:
             if not r.released and not r.ended:
                 r.released = True

@@ -1,5 +1,4 @@
-"""``stalewise run --runtime ray``: one :class:`ScriptWorker` actor per rank attaches as worker
-``rank`` and runs the script as ``__main__`` (docs/ray.md)."""
+"""``stalewise run --runtime ray``: a :class:`ScriptWorker` actor per rank (docs/ray.md)."""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ def shipped_env(
     }
 
 
-#: The launcher's reaper (docs/design-notes.md): once its stdin closes, it stops and then kills
-#: the launcher's descendants and the processes with the launcher's mark in their environment.
+#: The launcher's reaper (docs/design-notes.md): kills what it started once its stdin closes.
 REAPER = r"""
 import glob, os, select, signal, sys
 root, me, mark = int(sys.argv[1]), os.getpid(), b"\0%s\0" % os.fsencode(sys.argv[2])
@@ -128,8 +126,6 @@ class _Barrier:
 
 
 class ScriptWorker:
-    """One rank of a launched script, as a Ray actor."""
-
     def __init__(self, rank: int):
         self.rank = rank
 

@@ -1,6 +1,4 @@
-"""Optimizers on flat parameter vectors, applied in place by parameter-server shards.
-
-Each is an :class:`Optimizer` (:mod:`.base`); learning rates are floats or :mod:`.schedules`.
+"""Optimizers (:mod:`.base`) on flat parameter vectors; learning rates: floats or :mod:`.schedules`.
 
 Example:
     >>> import numpy as np

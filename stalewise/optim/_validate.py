@@ -55,7 +55,6 @@ def check_integer(name: str, value: object, low: int = 1) -> int:
 
 
 def check_learning_rate(where: str, lr: object) -> None:
-    """A learning rate is a non-negative finite number or a callable schedule."""
     if not callable(lr):
         check_number(where, "lr", lr, 0.0)
 
@@ -124,7 +123,6 @@ def check_buffers(where: str, params: np.ndarray, **buffers: np.ndarray) -> None
 
 
 def check_scale(scale: object) -> float:
-    """The per-update step multiplier is a finite number >= 0."""
     return check_number("update", "scale", scale, 0.0)
 
 

@@ -85,11 +85,10 @@ def adam(
 ) -> Optimizer:
     """Adam with L2 regularisation coupled to the gradient, as ``torch.optim.Adam``.
 
-    ``g' = g + weight_decay * p``; ``m = b1*m + (1-b1)*g'``;
-    ``v = b2*v + (1-b2)*g'^2``; ``p -= lr * scale * m_hat / (sqrt(v_hat) + eps)``
-    with the bias corrections ``m_hat = m / (1 - b1^t)``, ``v_hat = v / (1 - b2^t)``
-    at step ``t = count + 1``. ``exclude_from_weight_decay``: regexes (``re.search``) on
-    leaf names that get no L2 term, as a torch parameter group with ``weight_decay=0``.
+    ``g' = g + weight_decay * p``; ``m = b1*m + (1-b1)*g'``; ``v = b2*v + (1-b2)*g'^2``;
+    ``p -= lr * scale * m_hat / (sqrt(v_hat) + eps)`` with ``m_hat = m / (1 - b1^t)``,
+    ``v_hat = v / (1 - b2^t)`` at step ``t = count + 1``. ``exclude_from_weight_decay``: regexes
+    (``re.search``) on leaf names that get no L2 term (a torch group with ``weight_decay=0``).
 
     Example:
         >>> opt = adam(0.1)

@@ -207,14 +207,12 @@ class Rule(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no fused checks")
 
     def optimizer(self) -> Optimizer:
-        """The :class:`Optimizer` of this rule."""
         update = functools.partial(pure_update, self.update_inplace)
         return Optimizer(self.init, update, self.apply, self.update_inplace)
 
 
 def state_type(name: str, module: str, moments: tuple[str, ...], table: Any = None) -> type:
-    """A state class: ``count`` (0-d int64), the parameter-sized ``moments``, then the
-    fields of ``table`` (a leaf table of :mod:`stalewise.optim._leaves`)."""
+    """A state class: ``count`` (0-d int64), the ``moments``, then ``table``'s (``_leaves``)."""
     fields = ("count", *moments, *(table._fields if table else ()))
     cls = collections.namedtuple(name, fields, module=module)
     cls._moments = moments
@@ -222,8 +220,7 @@ def state_type(name: str, module: str, moments: tuple[str, ...], table: Any = No
 
 
 class Moments(Rule):
-    """A rule whose state is :func:`state_type`'s. Subclasses set ``where`` (the name in
-    messages), ``State`` and, with per-leaf exclusions, ``Masked``."""
+    """A rule of a :func:`state_type` state; subclasses set ``where``, ``State``, ``Masked``."""
 
     where: ClassVar[str]
     State: ClassVar[type]

@@ -76,8 +76,7 @@ class _WithBuffers(Rule):
 
 
 def with_buffers(optimizer: Optimizer, names: Iterable[str], rate: float = 1.0) -> Optimizer:
-    """``optimizer`` for the trainable leaves; the leaves called ``names`` are buffers, a report
-    moving one by ``rate`` in ``(0, 1]``."""
+    """``optimizer``, but the leaves ``names`` are buffers moved by ``rate`` in ``(0, 1]``."""
     rate = check_number("with_buffers", "rate", rate, 0.0, 1.0, lo_open=True, hi_open=False)
     rule = getattr(optimizer.apply, "__self__", None)
     if isinstance(rule, _WithBuffers):

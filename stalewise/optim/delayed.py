@@ -10,8 +10,7 @@ for the ``t``-th pseudo-gradient ``g_t``, ``m = b = 0`` at first, ``s`` the ``sc
         b = 0
         p = p - lr * s * momentum * m       #   and makes its Nesterov look-ahead step
 
-``N = 1`` is ``torch.optim.SGD(nesterov=True)``. A schedule is evaluated at the arrivals
-already applied."""
+``N = 1`` is ``torch.optim.SGD(nesterov=True)``; a schedule sees the arrivals already applied."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Learning-rate schedules: callables from a step count to a learning rate.
-
-The first update uses ``schedule(0)`` (optax's convention); schedules pickle."""
+"""Picklable learning-rate schedules, count -> lr; the first update uses ``schedule(0)`` (optax)."""
 
 from __future__ import annotations
 
@@ -12,8 +10,6 @@ from stalewise.optim._validate import check_int, check_number
 
 @dataclass(frozen=True)
 class Constant:
-    """The same value at every step."""
-
     value: float
 
     def __call__(self, count: int) -> float:
@@ -40,8 +36,6 @@ class WarmupCosine:
 
 @dataclass(frozen=True)
 class StepDecay:
-    """``lr * gamma ** (count // every)``."""
-
     lr: float
     every: int
     gamma: float

@@ -69,10 +69,9 @@ def sgd(
 ) -> Optimizer:
     """SGD with optional (Nesterov) momentum and L2 weight decay, as ``torch.optim.SGD``.
 
-    ``g' = g + weight_decay * p``; with momentum ``buf = momentum * buf + g'``
-    and the step direction is ``buf`` (or ``g' + momentum * buf`` with
-    Nesterov); ``p -= lr * scale * direction``. ``exclude_from_weight_decay``: regexes
-    (``re.search``) on leaf names that get no L2 term.
+    ``g' = g + weight_decay * p``; with momentum ``buf = momentum * buf + g'`` and the direction
+    is ``buf`` (Nesterov: ``g' + momentum * buf``); ``p -= lr * scale * direction``.
+    ``exclude_from_weight_decay``: regexes (``re.search``) on leaf names that get no L2 term.
 
     Example:
         >>> opt = sgd(0.1, momentum=0.9)

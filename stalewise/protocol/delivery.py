@@ -1,8 +1,6 @@
-"""The commit rule across shards that a sender reaches one call at a time (Ray).
-
-A sender can die between its calls to the shards: each shard keeps what repairs the others
-(:class:`Ledger`, :func:`departure`), and a :class:`Cut` brings every shard to the same pushes
-before its state is copied (backups, checkpoints); design notes, "The commit rule on Ray"."""
+"""The commit rule across shards a sender reaches one call at a time (Ray; design notes, "The
+commit rule on Ray"): each shard keeps what repairs the others if the sender dies between calls
+(:class:`Ledger`, :func:`departure`); a :class:`Cut` brings all to the same pushes for a copy."""
 
 from __future__ import annotations
 

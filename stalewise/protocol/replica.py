@@ -39,8 +39,7 @@ class CatchUp(NamedTuple):
 
 
 class Primary:
-    """The serving copy of a shard (its state after ``entries`` entries, in ``view``): numbers its
-    entries, holds replies until the backup does."""
+    """The serving copy of a shard: numbers its entries, holds replies until the backup does."""
 
     def __init__(self, shard: Any, *, entries: int = 0, view: int = 0):
         self.shard, self.entries, self.view = shard, entries, view
@@ -106,7 +105,6 @@ class Backup:
         self.pending: deque[list] = deque()  # held (decoded), not applied yet
 
     def receive(self, forward: Forward | None) -> Held | None:
-        """:meth:`hold`, then :meth:`apply`."""
         held = self.hold(forward)
         self.apply()
         return held

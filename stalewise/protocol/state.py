@@ -41,8 +41,7 @@ _OPTIONAL = ("counted", "resumed", "round.floor", "pace.since")  # see save()
 
 
 def save(shard: Shard) -> dict[str, Any]:
-    """Everything needed to continue exactly where this shard is, as a flat dict of copies:
-    numpy arrays, and JSON-able values for counters (safetensors plus JSON)."""
+    """All a shard needs to continue exactly, as a flat dict of copies (arrays, JSON values)."""
     structure, opt_arrays = _flatten_state(shard.opt_state)
     pulled = sorted(shard._pulled)
     timing = shard._pace is not None and not np.isnan(shard._pace._since).all()
@@ -258,7 +257,6 @@ def _bad(key: str, problem: str) -> ValueError:
 
 
 def _array(state: Mapping[str, Any], key: str, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
-    """``state[key]``, which must be a numpy array of ``dtype`` and ``shape``."""
     value = state[key]
     if not (isinstance(value, np.ndarray) and value.dtype == dtype and value.shape == shape):
         got = (
@@ -271,7 +269,6 @@ def _array(state: Mapping[str, Any], key: str, dtype: Any, shape: tuple[int, ...
 
 
 def _count(container: Any, key: Any, name: str | None = None) -> int:
-    """``container[key]``, which must be an integer >= 0 (``name`` is the key to blame)."""
     value = container[key]
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
         raise _bad(name or key, f"expected an integer >= 0, got {value!r}")

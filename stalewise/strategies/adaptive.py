@@ -44,8 +44,6 @@ class AdaCommState:
 
 @dataclass(frozen=True)
 class AdaComm:
-    """The AdaComm schedule; see :func:`adacomm`."""
-
     local_steps: int = 32  # H_0
     min_steps: int = 1
 
@@ -92,8 +90,6 @@ class CommBudgetState:
 
 @dataclass(frozen=True)
 class CommBudget:
-    """The communication-budget schedule; see :func:`comm_budget`."""
-
     fraction: float = 0.1
     local_steps: int = 4  # the first rounds' H
     min_steps: int = 1
@@ -165,8 +161,6 @@ class CommBudget:
 
 @dataclass(frozen=True)
 class Fixed:
-    """``H = local_steps`` at every push; see :func:`fixed`."""
-
     local_steps: int
 
     def __post_init__(self) -> None:

@@ -1,5 +1,4 @@
-"""The base of every strategy: :class:`Strategy`, what a step returns (:class:`Step`),
-how strategies compare (:func:`config_key`) and the default one, :func:`gradients`."""
+"""Strategies' base: :class:`Strategy`, :class:`Step`, :func:`config_key`, :func:`gradients`."""
 
 from __future__ import annotations
 
@@ -24,12 +23,10 @@ class Step(NamedTuple):
 
 
 class Strategy:
-    """A worker strategy: override :meth:`init` and :meth:`step`. Picklable, configuration
-    only; per-worker mutable data belongs in the state."""
+    """Override :meth:`init` and :meth:`step`; picklable config only (mutable data: the state)."""
 
     name = "strategy"
-    #: True for a strategy that paces itself by the runtime's clock: the worker loop then
-    #: asks the runtime for it and calls :meth:`started` before every step.
+    #: Paced by the runtime's clock: the worker loop calls :meth:`started` before every step.
     timed = False
 
     def init(self, params: Any) -> Any:
@@ -37,15 +34,13 @@ class Strategy:
         return None
 
     def warm_up(self, params: Any = None) -> None:
-        """Loads what this strategy's steps run compiled (the optimizer kernels, and a
-        worker state built on ``params`` and thrown away) before the runtime's clock starts."""
+        """Loads the compiled code its steps run (kernels; an ``init(params)``) before the clock."""
         importlib.import_module("stalewise.optim._kernels")
         if params is not None:
             self.init(params)
 
     def started(self, state: Any, now: float) -> None:
-        """A round of a ``timed`` strategy starts: its pull arrived at ``now`` seconds of the
-        runtime's clock (:mod:`stalewise.pacing`). The default does nothing."""
+        """A ``timed`` strategy's round starts: its pull arrived at runtime clock ``now``."""
 
     def step(self, state: Any, params: Any, loss_and_grad: LossAndGrad, batches: Iterator) -> Step:
         """Computes one update from ``params`` (the tree just pulled, unchanged until it returns)."""
@@ -56,8 +51,7 @@ class Strategy:
         (``recommended``: with its own :meth:`server_optimizer`); the default accepts all."""
 
     def server_optimizer(self, workers: int | None = None) -> Any:
-        """The server optimizer this strategy recommends (None: the user's choice); one that
-        depends on ``workers`` may raise ``TypeError`` without it."""
+        """The recommended server optimizer (None: none); TypeError if it needs ``workers``."""
         return None
 
     def __repr__(self) -> str:
@@ -93,8 +87,6 @@ def config_key(x: Any) -> Any:
 
 
 class Gradients(Strategy):
-    """Push the gradient of one minibatch per step (asynchronous SGD)."""
-
     name = "gradients"
 
     def warm_up(self, params: Any = None) -> None:

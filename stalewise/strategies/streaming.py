@@ -225,7 +225,6 @@ class StreamingDiLoCo(LocalSGDStrategy):
             losses.append((n, loss))
 
     def _merge_due(self, state: StreamingState) -> None:
-        """Merges the pending global fragments due at inner step ``state.t``."""
         keep = []
         for at, frag, values in state.pending:
             if at > state.t:

@@ -1,5 +1,4 @@
-"""The Ray runtime: the job's shards and workers as Ray actors, on one machine or a cluster,
-on the Ray instance this process is connected to, else :func:`cluster_address`'s (docs/ray.md)."""
+"""The Ray runtime: shards, workers as actors on the Ray connected or :func:`cluster_address`."""
 
 from __future__ import annotations
 

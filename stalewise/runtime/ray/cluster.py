@@ -1,5 +1,4 @@
-"""The Ray runtime's cluster-wide steps: CPU shares, placement, consistent state copies,
-and the commit rule for a worker that died (the driver decides when)."""
+"""The Ray runtime's cluster-wide steps: CPU shares, placement, consistent cuts, departures."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Heartbeats on Ray: the driver's view of whether each worker actor makes progress
-(:class:`stalewise.protocol.liveness.Silence` over its progress counts)."""
+"""Heartbeats on Ray: whether each worker actor makes progress (``liveness.Silence``)."""
 
 from __future__ import annotations
 
@@ -27,8 +26,6 @@ class _Watch:
 
 
 class Liveness:
-    """Watches worker actors' progress for the driver."""
-
     def __init__(self, worker_timeout: float | None, start_timeout: float):
         self.timeout, self.start_timeout = worker_timeout, start_timeout
         self.every = 1.0 if worker_timeout is None else min(1.0, worker_timeout / 4)

@@ -1,5 +1,4 @@
-"""A worker's sending side on Ray (:class:`Outbox`), shared by the worker actor and the
-attached client: a :class:`~stalewise.protocol.sender.Sender` with Ray's buffers and acks."""
+"""A worker's sending side on Ray (worker actor, attached client): a ``Sender`` with Ray's acks."""
 
 from __future__ import annotations
 
@@ -96,9 +95,8 @@ class Outbox:
     def collect(
         self, refs: list, seq: int, timeout: float | None
     ) -> tuple[PushResult | None, int | None]:
-        """``(result, shard 0's pushes handled)`` of push ``seq``; ``(None, None)`` if it was
-        lost with a shard or cut off; TimeoutError after ``timeout`` seconds. With
-        replicas=2 it is resent to a restarted shard until it answers."""
+        """``(result, shard 0's pushes handled)`` of push ``seq`` (``(None, None)``: lost or cut
+        off; TimeoutError after ``timeout``); replicas=2: resent to a restarted shard."""
         ray = import_ray()
         refs, replies, start = list(refs), [], time.monotonic()
         while len(replies) < len(refs):

@@ -161,7 +161,6 @@ class Door:
         return self.arrival.wait(timeout) and not self.aborted
 
     def abort(self) -> None:
-        """Lets every waiting rendezvous fail."""
         self.aborted = True
         self.arrival.set()
 

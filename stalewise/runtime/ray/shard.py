@@ -1,5 +1,4 @@
-"""A parameter-server shard as an asyncio Ray actor around one protocol
-:class:`~stalewise.protocol.Shard`: it moves pushes and pulls and decides no rule."""
+"""A shard as an asyncio Ray actor around a protocol ``Shard``: it moves, and decides no rule."""
 
 from __future__ import annotations
 
@@ -281,7 +280,6 @@ class ShardActor:
         return self.shard.handled(w, inc)
 
     async def digest(self) -> str:
-        """:func:`~stalewise.protocol.replica.digest` of the shard's state."""
         return digest(self.shard.state_dict())
 
     async def stop(self) -> None:
@@ -305,7 +303,6 @@ class ShardActor:
         return self.handled, self.stopped, self.shard.min_clock()
 
     async def freeze(self) -> list[tuple[int, int]]:
-        """Holds every push from now on; returns each worker's (incarnation, pushes handled)."""
         return self.cutting.freeze(self.shard)
 
     async def snapshot(
@@ -329,7 +326,6 @@ class ShardActor:
         return p is None or not p.backed or p.acked >= p.entries
 
     async def thaw(self) -> None:
-        """Lets the held pushes through."""
         self.cutting.thaw()
         self._notify()
 

@@ -1,5 +1,4 @@
-"""``Job.train`` on Ray: shard and worker actors, driven by this process, which kills every
-actor it started at the end."""
+"""``Job.train`` on Ray: shard and worker actors driven by this process, which kills them all."""
 
 from __future__ import annotations
 
@@ -78,8 +77,7 @@ class _Host:
         self.pgs: list = []  # the placement groups: shards, workers
         self.backup: tuple[list, int] | None = None  # (shard states, pushes handled)
         self.targets: dict[int, tuple[int, int]] = {}  # the backup's pushes of each worker
-        # with a checkpoint folder, each shard's push log chain ("log-shard-K-TAG-N"), begun
-        # anew at each checkpoint: its TAG, the last N, the last logs' names
+        # each shard's push log chain "log-shard-K-TAG-N", anew at each checkpoint: TAG, N, names
         self.tags = [uuid.uuid4().hex[:8] for _ in range(self.S)]
         self.log_n, self.logs = 0, [""] * self.S  # ("": none)
         # error feedback: each worker's residuals as the driver knows them, and its keeper
@@ -621,8 +619,7 @@ class _Host:
         self.bwatches[self.backups[k].watch.remote()] = k
 
     def _revive(self, ref: Any) -> dict | None:
-        """The failure policy for the shard whose watch ``ref`` ended; once Ray restarted
-        it, watches it again. Returns the failure's event (None: the job is ending)."""
+        """Failure policy for the shard whose watch ``ref`` ended; its event (None: the end)."""
         ray = self.ray
         k = self.watches.pop(ref)
         try:
@@ -754,7 +751,6 @@ class _Host:
             return ray.get(refs) if fetch else None
 
     def _each(self, method: str, what: str | None = None) -> list:
-        """Every shard's answer to ``method`` (within ``ack_timeout``)."""
         refs = [getattr(s, method).remote() for s in self.shards]
         return self._get(refs, self.o.ack_timeout, what or method)
 

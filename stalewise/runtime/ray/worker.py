@@ -1,5 +1,4 @@
-"""A worker as a Ray actor: the protocol's worker loop, its pulls from every shard (or a
-receiver thread's :meth:`ShardActor.follow`, ASP), a sender thread for its pushes."""
+"""A worker as a Ray actor: the protocol's loop, pulls (ASP: a follow thread), a sender thread."""
 
 from __future__ import annotations
 
@@ -293,7 +292,6 @@ class WorkerActor:
         return True
 
     def _become(self, inc: int) -> None:
-        """Carries on as incarnation ``inc`` (the shards were restored)."""
         log.warning(
             "worker %d: continuing as incarnation %d (the shards were restored)", self.w, inc
         )
@@ -304,7 +302,6 @@ class WorkerActor:
         self.moved_to = max(self.moved_to, inc)
 
     def _retry(self, failed_at: float | None, error: Exception) -> float:
-        """Waits before a retry; RuntimeError after ``shard_start_timeout``."""
         failed_at = failed_at or time.monotonic()
         if time.monotonic() - failed_at > self.o.shard_start_timeout:
             raise RuntimeError(
@@ -365,7 +362,6 @@ class WorkerActor:
         return thread
 
     def _wait(self) -> None:
-        """Waits on ``cond`` (held) for ``POLL`` seconds at most, beating."""
         self._check()
         self.cond.wait(POLL)
         self.beats += 1
