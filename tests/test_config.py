@@ -51,6 +51,7 @@ def test_every_sim_key_is_read_from_the_one_definition():
         "restart_delay": 0.5,
         "contention_step": [1.0, 1.5],
         "contention_apply": [1.0, 1.2],
+        "contention_wake": [0.0, 1e-3],
         "loop": 3e-4,
         "own_read": 0.4,
         "copy_rate": 4e10,
@@ -66,6 +67,7 @@ def test_every_sim_key_is_read_from_the_one_definition():
     cfg = SimConfig.from_dict(table)
     assert (cfg.compute.shift, cfg.network.shard_bandwidth, cfg.service.rate) == (0.01, 3e9, 5e9)
     assert (cfg.contention.apply, cfg.restart_delay, cfg.joins[0].time) == ((1.0, 1.2), 0.5, 4.0)
+    assert cfg.contention.wake == (0.0, 1e-3)
     assert (cfg.loop, cfg.own_read) == (3e-4, 0.4)
     copies = cfg.copies
     assert (copies.rate, copies.bus, copies.pull, copies.push, copies.apply) == (
