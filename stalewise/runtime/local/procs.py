@@ -207,6 +207,10 @@ class _Forked(mp.process.BaseProcess):
         return super()._bootstrap(parent_sentinel)  # type: ignore[misc]
 
 
+class _ForkedContext(mp.context.BaseContext):
+    _name, Process = "forkserver", _Forked
+
+
 def shard_context() -> Any:
     """Forks from this process's own forkserver (``runtime.local.warm`` preloaded, math libraries
     capped at one thread) on Linux once the main thread started it, for its second server on;
@@ -233,7 +237,7 @@ def shard_context() -> Any:
         _warm = type("Popen", (popen_forkserver.Popen,), {"_launch": stdio_launch})
     if _warm is None:
         return mp.get_context("spawn")
-    return type("Context", (mp.context.BaseContext,), {"_name": "forkserver", "Process": _Forked})()
+    return _ForkedContext()
 
 
 def describe_exit(exitcode: int | None) -> str:
