@@ -40,13 +40,14 @@ class Progress:
         self.last = time.monotonic()
         self.pushes = server.job_pushes
 
-    def tick(self, now: float, pushes: int, live: int) -> None:
+    def tick(self, now: float, live: int) -> None:
         """Prints a line if the interval has passed since the last one (or the start)."""
         if not self.every or now - self.last < self.every:
             return
+        applied, rejected, losses = _counts(self.server)
+        pushes = self.server.job_pushes  # counted after the shard's: a push commits, then applies
         rate = (pushes - self.pushes) / max(now - self.last, 1e-9)
         self.last, self.pushes = now, pushes
-        applied, rejected, losses = _counts(self.server)
         judged = (
             "" if applied is None else f" ({applied} applied, {sum(rejected.values())} refused)"
         )

@@ -160,7 +160,7 @@ class Ranks:
         """Reads the ranks' push counters; kills a rank that the liveness rule finds hung."""
         counts = self.server.control[self.server.layout.pushes_done]
         job = self.pushes = int(counts.sum())
-        self.progress.tick(now, job, len(self.running()))
+        self.progress.tick(now, len(self.running()))
         for r in self.ranks:
             n = int(counts[r.rank])
             if n != r.pushes:

@@ -252,7 +252,7 @@ def serve_workers(job: Any, launch: Any) -> int:
                         failed.append(why)
                         lost += 1
                         ray.get(server.door.abort.remote())  # the others start without it
-                progress.tick(time.monotonic(), server.job_pushes, len(pending))
+                progress.tick(time.monotonic(), len(pending))
             pushes = pushes_of(server)
     finally:
         for a in actors:
