@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import re
@@ -17,6 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from stalewise._lazy import Lazy
 from stalewise.backends import (
     FLOAT_DTYPES,
     Backend,
@@ -29,10 +31,10 @@ from stalewise.backends.base import dtype_name
 from stalewise.segments import Segments
 
 logger = logging.getLogger(__name__)
+_kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first measured copy
 
-CHUNK = 1 << 16  # elements of a measured copy copied, then measured while in the (L2) cache
 BLOCK = 1 << 20  # elements measured by one dot product (float32 sums of 1M: 2e-6 relative)
-WHOLE = 192 << 20  # bytes from which a leaf is copied whole (libc's non-temporal stores)
+STREAM = 16 << 20  # bytes of a flat vector from which a measured copy streams past the cache
 
 __all__ = ["AttrKey", "FlatSpec", "HiddenKey", "LeafSpec", "TreeDef"]
 __all__ += ["copy_buffers", "flatten", "mark_buffers", "path_str", "put_buffers"]
@@ -564,7 +566,7 @@ def flatten(
     ``spec``: one ``tree`` must match, returned as is; ``out``: a vector to fill; ``dtype``:
     force float32 or float64; ``keep_integers``: keep integer leaves as constants; ``sumsq``:
     ``(lo, hi)`` ranges of ``flat``, then ``(flat, spec, sums)`` with each one's sum of
-    squares (NaN or Inf when a value is, or the sum overflows)."""
+    squares (NaN or Inf when a value is, or the sum overflows the flat dtype)."""
     if spec is None:
         spec, found = _new_spec(tree, dtype, keep_integers)
     else:
@@ -585,14 +587,18 @@ def flatten(
     for values, leaf in zip(found, spec.leaves, strict=True):
         segment = _segment(flat, leaf)
         first, *more = values
-        src = None if sums is None or more else _flat_view(first, flat.dtype)
+        stream = sums is not None and not more and flat.nbytes >= STREAM
+        src = _flat_view(first, flat.dtype) if stream else None
         if src is None:
             first.backend.copy_into(first.x, segment)
         for f in more:  # a tied leaf given under several names: one gradient per use
             np.add(segment, f.backend.to_numpy(f.x), out=segment, casting="unsafe")
         if sums is not None:
             _copy_measured(src, flat, leaf, sumsq, sums)
-    return (flat, spec) if sums is None else (flat, spec, sums)
+    if sums is None:
+        return flat, spec
+    top = float(np.finfo(flat.dtype).max)  # a sum past the flat dtype's range overflows
+    return flat, spec, [math.inf if s > top else s for s in sums]
 
 
 def _flat_view(f: _Leaf, dtype: np.dtype) -> np.ndarray | None:
@@ -604,25 +610,21 @@ def _flat_view(f: _Leaf, dtype: np.dtype) -> np.ndarray | None:
 
 
 def _copy_measured(src, flat: np.ndarray, leaf: LeafSpec, ranges: list, sums: list) -> None:
-    """Copies ``src`` (None: written already) into ``leaf``'s place in ``flat``, adding each
-    range's sum of squares to ``sums``: a chunk at a time, each measured while cached; a leaf
-    of :data:`WHOLE` bytes or more measured on the source, then copied whole."""
+    """Copies ``src`` (None: written already, then read again) into ``leaf``'s place in
+    ``flat`` with streaming stores, adding each range's sum of squares to ``sums``
+    (docs/design-notes.md, "measures the norm")."""
     a, b = leaf.offset, leaf.offset + leaf.size
-    whole = src is not None and leaf.size * flat.itemsize >= WHOLE
-    chunked = src is not None and not whole
-    with np.errstate(over="ignore", invalid="ignore"):
-        for k, (lo, hi) in enumerate(ranges):
-            lo, hi = max(lo, a), min(hi, b)
-            dst = flat[lo:hi]
-            x = dst if src is None else src[lo - a : max(lo, hi) - a]
-            step = CHUNK if chunked else BLOCK
-            for i in range(0, dst.size, step):
-                if chunked:
-                    np.copyto(dst[i : i + step], x[i : i + step])
-                c = (dst if chunked else x)[i : i + step]
-                sums[k] += float(np.dot(c, c))
-    if whole:
-        np.copyto(flat[a:b], src)
+    cuts = sorted({a, b, *(x for r in ranges for x in r if a < x < b)})
+    for lo, hi in itertools.pairwise(cuts):  # pieces in or out of each range
+        into = [k for k, (rlo, rhi) in enumerate(ranges) if rlo <= lo and hi <= rhi]
+        if src is not None:
+            s = _kernels.copy_sumsq(flat[lo:hi], src[lo - a : hi - a])
+        elif into:
+            with np.errstate(over="ignore", invalid="ignore"):
+                blocks = (flat[i : min(i + BLOCK, hi)] for i in range(lo, hi, BLOCK))
+                s = sum(float(np.dot(c, c)) for c in blocks)
+        for k in into:
+            sums[k] += s
 
 
 def _rebuild(node: TreeDef, leaves: Iterator[Any], stored: list) -> Any:

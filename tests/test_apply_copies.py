@@ -27,12 +27,12 @@ def unmeasured(client, g):
     client.push_flat_sent()
 
 
-@pytest.mark.parametrize("whole", [False, True])  # chunk by chunk, or measured then copied
+@pytest.mark.parametrize("stream", [False, True])  # the copy's stores cached or streamed
 @pytest.mark.parametrize("shards", [1, 2])
 def test_bad_gradients_measured_by_the_client_are_refused_as_before(
-    no_leaks, monkeypatch, shards, whole
+    no_leaks, monkeypatch, shards, stream
 ):
-    monkeypatch.setattr(sw.tree, "WHOLE", 0 if whole else sw.tree.WHOLE)
+    monkeypatch.setattr(sw.tree, "STREAM", 0 if stream else 1 << 40)
     monkeypatch.setattr(sw.tree, "BLOCK", 1000)  # blocks across the leaves' and shards' ends
     job = sw.Job(
         {"a": np.zeros(3000, np.float32), "b": np.zeros(5000, np.float32)},

@@ -811,13 +811,12 @@ def test_import_loads_no_framework() -> None:
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("whole", [False, True])
-def test_flatten_sumsq_is_each_ranges_sum_of_squares_across_leaves(monkeypatch, whole):
+@pytest.mark.parametrize("stream", [False, True])
+def test_flatten_sumsq_is_each_ranges_sum_of_squares_across_leaves(monkeypatch, stream):
     import stalewise.tree as tree_mod
 
-    monkeypatch.setattr(tree_mod, "CHUNK", 7)  # chunks and blocks that end inside a range
-    monkeypatch.setattr(tree_mod, "BLOCK", 11)
-    monkeypatch.setattr(tree_mod, "WHOLE", 0 if whole else 1 << 40)
+    monkeypatch.setattr(tree_mod, "BLOCK", 11)  # blocks that end inside a range
+    monkeypatch.setattr(tree_mod, "STREAM", 0 if stream else 1 << 40)
     rng = np.random.default_rng(0)
     shared = torch.tensor(rng.standard_normal(20), dtype=torch.float32)
     params = {

@@ -11,11 +11,15 @@ import math
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 BLOCK = 1024  # elements per block of pass 1: four float32 blocks fit in L1
 LANES = 64  # partial sums per norm (fewer do not vectorize)
 CHECK_BLOCK = 8192  # elements per block of a checked step (32 KB of float32): checked in L1/L2
 
+FLOATS = (types.float32, types.float64)
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
 # the finiteness flags only: reassociation lets their sums vectorize, and without the
 # no-NaN/no-Inf flags x*0 stays NaN for a NaN or an Inf
@@ -59,6 +63,65 @@ def _flag(x, square):
         for i in range(x.size):
             acc += x[i] * zero
     return acc
+
+
+@intrinsic
+def _stream(typingctx, dst, src, n):
+    """``src[:n]`` copied into ``dst`` by vectors of 8 with non-temporal stores, then an
+    ``sfence`` (``n``: a multiple of 16; ``dst`` 32-byte aligned); its sum of squares."""
+    if {dst.layout, src.layout} != {"C"} or not dst.dtype == src.dtype in FLOATS:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v8, f8, i64 = (
+            ir.VectorType(context.get_value_type(dst.dtype), 8),
+            ir.DoubleType(),
+            ir.IntType(64),
+        )
+        dp, sp = (
+            builder.bitcast(context.make_array(t)(context, builder, a).data, v8.as_pointer())
+            for t, a in zip(sig.args, args[:2], strict=False)
+        )
+        nontemporal = builder.module.add_metadata([ir.IntType(32)(1)])
+        accs = [cgutils.alloca_once_value(builder, ir.VectorType(f8, 8)(None)) for _ in (0, 1)]
+        with cgutils.for_range(builder, builder.udiv(args[2], i64(16))) as loop:
+            for j, acc in enumerate(accs):  # two chains of 8: the adds' latencies overlap
+                k = builder.add(builder.mul(loop.index, i64(2)), i64(j))
+                v = builder.load(builder.gep(sp, [k]), align=4)
+                builder.store(v, builder.gep(dp, [k]), align=32).set_metadata(
+                    "nontemporal", nontemporal
+                )
+                w = v if dst.dtype == types.float64 else builder.fpext(v, ir.VectorType(f8, 8))
+                sq = builder.fmul(w, w, flags=("contract",))  # a float32's square is exact
+                builder.store(builder.fadd(builder.load(acc), sq, flags=("contract",)), acc)
+        lanes = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+        total = builder.extract_element(lanes, ir.IntType(32)(0))
+        for i in range(1, 8):
+            total = builder.fadd(total, builder.extract_element(lanes, ir.IntType(32)(i)))
+        fence = ir.FunctionType(ir.VoidType(), [])
+        builder.call(
+            cgutils.get_or_insert_function(builder.module, fence, "llvm.x86.sse.sfence"), []
+        )
+        return total
+
+    return types.float64(dst, src, types.intp), codegen
+
+
+@_jit
+def copy_sumsq(dst, src):
+    """Copies ``src`` into ``dst`` (1-D, C-contiguous, one float dtype, one size) in one pass
+    and returns its sum of squares in float64; the stores stream (non-temporal: ``dst`` is
+    not read in, and is left out of the cache)."""
+    n, addr, size = src.size, dst.ctypes.data, dst.itemsize
+    head = n if addr % size else min(n, (32 - addr % 32) % 32 // size)
+    m = (n - head) // 16 * 16
+    total = _stream(dst[head : head + m], src[head : head + m], m) if m else 0.0
+    for lo, hi in ((0, head), (head + m, n)):  # the unaligned head, the tail
+        for i in range(lo, hi):
+            x = src[i]
+            dst[i] = x
+            total += np.float64(x) * x
+    return total
 
 
 @_jit

@@ -1,0 +1,73 @@
+"""The measured copy behind ``tree.flatten(sumsq=)``: ``_kernels.copy_sumsq`` copies a vector
+and returns its sum of squares in float64, whatever the lengths and alignments."""
+
+import numpy as np
+import pytest
+from numba.core.errors import TypingError
+
+from stalewise import tree
+from stalewise.optim import _kernels
+
+
+def ref(x: np.ndarray) -> float:
+    x = x.astype(np.float64)
+    return float(x @ x)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_copies_and_measures_any_length_at_any_offsets(dtype):
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 1000):
+        for d_off in range(9):  # the destination's head: 0 to 8 elements before 32 bytes
+            for s_off in (0, 1, 3):  # a source off the destination's alignment
+                src = rng.standard_normal(n + s_off).astype(dtype)[s_off:]
+                buf = np.full(n + 20, 7.0, dtype)
+                dst = buf[d_off : d_off + n]
+                got = _kernels.copy_sumsq(dst, src)
+                assert dst.tobytes() == src.tobytes(), (n, d_off, s_off)
+                assert (buf[:d_off] == 7).all() and (buf[d_off + n :] == 7).all()
+                assert got == pytest.approx(ref(src), rel=1e-12, abs=0), (n, d_off, s_off)
+
+
+def test_non_finite_values_and_squares_past_float32():
+    for at in (0, 5, 40, 99):  # in the head, the vectors, the tail
+        for bad, check in ((np.nan, np.isnan), (np.inf, np.isposinf), (-np.inf, np.isposinf)):
+            src = np.ones(100, np.float32)
+            src[at] = bad
+            dst = np.zeros(104, np.float32)[1:101]
+            assert check(_kernels.copy_sumsq(dst, src)), (at, bad)
+            assert dst.tobytes() == src.tobytes()
+    src = np.full(100, 1e30, np.float32)  # each square overflows float32, not float64
+    src[7] = -3e38
+    got = _kernels.copy_sumsq(np.empty(100, np.float32), src)
+    assert np.isfinite(got) and got == pytest.approx(ref(src), rel=1e-12)
+
+
+def test_a_read_only_source_is_copied_and_mismatches_are_refused():
+    src = np.arange(50, dtype=np.float32)
+    src.flags.writeable = False
+    dst = np.zeros(50, np.float32)
+    assert _kernels.copy_sumsq(dst, src) == ref(src)
+    assert (dst == src).all()
+    with pytest.raises(TypingError):
+        _kernels.copy_sumsq(dst, src.astype(np.float64))
+    with pytest.raises(TypingError):
+        _kernels.copy_sumsq(dst[::2], src[:25])  # not contiguous
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_flatten_copies_every_element_when_ranges_overlap_or_leave_gaps(monkeypatch, stream):
+    monkeypatch.setattr(tree, "STREAM", 0 if stream else 1 << 40)
+    rng = np.random.default_rng(1)
+    params = {k: rng.standard_normal(n).astype(np.float32) for k, n in (("a", 37), ("b", 50))}
+    spec = tree.flatten(params)[1]
+    ranges = [(3, 40), (20, 60), (60, 60)]  # overlapping, an empty one, 0-3 and 60-87 in none
+    out = np.zeros(spec.size, np.float32)
+    flat, _, sums = tree.flatten(params, spec=spec, out=out, sumsq=ranges)
+    want = np.concatenate([params["a"], params["b"]])
+    assert flat.tobytes() == want.tobytes()
+    rel = 1e-12 if stream else 1e-6  # float64 sums, or float32 dot products
+    assert sums == pytest.approx([ref(want[lo:hi]) for lo, hi in ranges], rel=rel)
+    params["b"][0] = 3e38  # finite; the range's sum passes float32's largest value: Inf
+    sums = tree.flatten(params, spec=spec, out=out, sumsq=ranges)[2]
+    assert [np.isinf(s) for s in sums] == [True, True, False]
