@@ -584,47 +584,33 @@ def flatten(
     if sumsq is not None and not all(0 <= lo <= hi <= spec.size for lo, hi in sumsq):
         raise ValueError(f"sumsq: (lo, hi) ranges within 0..{spec.size} expected, got {sumsq}")
     flat, sums = out, None if sumsq is None else [0.0] * len(sumsq)
+    stream = sums is not None and flat.nbytes >= STREAM  # CPU leaves: copied as measured
     for values, leaf in zip(found, spec.leaves, strict=True):
-        segment = _segment(flat, leaf)
-        first, *more = values
-        stream = sums is not None and not more and flat.nbytes >= STREAM
-        src = _flat_view(first, flat.dtype) if stream else None
+        segment, (first, *more), src = _segment(flat, leaf), values, None
+        on_cpu = str(getattr(first.x, "device", "cpu")) == "cpu"
+        if stream and not more and on_cpu and first.backend.name in ("numpy", "torch"):
+            x = first.backend.to_numpy(first.x)
+            src = x.reshape(-1) if x.dtype == flat.dtype and x.flags.c_contiguous else None
         if src is None:
             first.backend.copy_into(first.x, segment)
         for f in more:  # a tied leaf given under several names: one gradient per use
             np.add(segment, f.backend.to_numpy(f.x), out=segment, casting="unsafe")
-        if sums is not None:
-            _copy_measured(src, flat, leaf, sumsq, sums)
+        a, b = leaf.offset, leaf.offset + leaf.size
+        cuts = sorted({a, b, *(c for r in sumsq or () for c in r if a < c < b)})
+        for lo, hi in itertools.pairwise(cuts if sums is not None else ()):  # in or out of ranges
+            into = [k for k, (rlo, rhi) in enumerate(sumsq) if rlo <= lo and hi <= rhi]
+            if src is not None:  # one pass, its stores streaming (docs/design-notes.md)
+                s = _kernels.copy_sumsq(flat[lo:hi], src[lo - a : hi - a])
+            elif into:  # written: read again
+                blocks = np.split(flat[lo:hi], range(BLOCK, hi - lo, BLOCK))
+                with np.errstate(over="ignore", invalid="ignore"):
+                    s = sum(float(np.dot(c, c)) for c in blocks)
+            for k in into:
+                sums[k] += s
     if sums is None:
         return flat, spec
     top = float(np.finfo(flat.dtype).max)  # a sum past the flat dtype's range overflows
     return flat, spec, [math.inf if s > top else s for s in sums]
-
-
-def _flat_view(f: _Leaf, dtype: np.dtype) -> np.ndarray | None:
-    """Leaf ``f`` as a 1-D NumPy view of ``dtype`` (a NumPy array or a CPU torch tensor)."""
-    if f.backend.name not in ("numpy", "torch") or str(getattr(f.x, "device", "cpu")) != "cpu":
-        return None
-    x = f.backend.to_numpy(f.x)
-    return x.reshape(-1) if x.dtype == dtype and x.flags.c_contiguous else None
-
-
-def _copy_measured(src, flat: np.ndarray, leaf: LeafSpec, ranges: list, sums: list) -> None:
-    """Copies ``src`` (None: written already, then read again) into ``leaf``'s place in
-    ``flat`` with streaming stores, adding each range's sum of squares to ``sums``
-    (docs/design-notes.md, "measures the norm")."""
-    a, b = leaf.offset, leaf.offset + leaf.size
-    cuts = sorted({a, b, *(x for r in ranges for x in r if a < x < b)})
-    for lo, hi in itertools.pairwise(cuts):  # pieces in or out of each range
-        into = [k for k, (rlo, rhi) in enumerate(ranges) if rlo <= lo and hi <= rhi]
-        if src is not None:
-            s = _kernels.copy_sumsq(flat[lo:hi], src[lo - a : hi - a])
-        elif into:
-            with np.errstate(over="ignore", invalid="ignore"):
-                blocks = (flat[i : min(i + BLOCK, hi)] for i in range(lo, hi, BLOCK))
-                s = sum(float(np.dot(c, c)) for c in blocks)
-        for k in into:
-            sums[k] += s
 
 
 def _rebuild(node: TreeDef, leaves: Iterator[Any], stored: list) -> Any:

@@ -7,7 +7,9 @@ by ``scale``. ``into_params`` True adds the update to ``p`` (``apply``), False w
 
 from __future__ import annotations
 
+import functools
 import math
+import platform
 
 import numba
 import numpy as np
@@ -19,7 +21,8 @@ BLOCK = 1024  # elements per block of pass 1: four float32 blocks fit in L1
 LANES = 64  # partial sums per norm (fewer do not vectorize)
 CHECK_BLOCK = 8192  # elements per block of a checked step (32 KB of float32): checked in L1/L2
 
-FLOATS = (types.float32, types.float64)
+FLOATS, _F64S = (types.float32, types.float64), ir.VectorType(ir.DoubleType(), 8)
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
 # the finiteness flags only: reassociation lets their sums vectorize, and without the
 # no-NaN/no-Inf flags x*0 stays NaN for a NaN or an Inf
@@ -67,42 +70,35 @@ def _flag(x, square):
 
 @intrinsic
 def _stream(typingctx, dst, src, n):
-    """``src[:n]`` copied into ``dst`` by vectors of 8 with non-temporal stores, then an
-    ``sfence`` (``n``: a multiple of 16; ``dst`` 32-byte aligned); its sum of squares."""
+    """``src[:n]`` copied into ``dst`` by vectors of 8 with non-temporal stores, then a fence
+    (``n``: a multiple of 16; ``dst`` 32-byte aligned); returns its sum of squares."""
     if {dst.layout, src.layout} != {"C"} or not dst.dtype == src.dtype in FLOATS:
         return None
 
-    def codegen(context, builder, sig, args):
-        v8, f8, i64 = (
-            ir.VectorType(context.get_value_type(dst.dtype), 8),
-            ir.DoubleType(),
-            ir.IntType(64),
-        )
+    def codegen(context, b, sig, args):
+        vec, f64s, i64 = ir.VectorType(context.get_value_type(dst.dtype), 8), _F64S, ir.IntType(64)
         dp, sp = (
-            builder.bitcast(context.make_array(t)(context, builder, a).data, v8.as_pointer())
+            b.bitcast(context.make_array(t)(context, b, a).data, vec.as_pointer())
             for t, a in zip(sig.args, args[:2], strict=False)
         )
-        nontemporal = builder.module.add_metadata([ir.IntType(32)(1)])
-        accs = [cgutils.alloca_once_value(builder, ir.VectorType(f8, 8)(None)) for _ in (0, 1)]
-        with cgutils.for_range(builder, builder.udiv(args[2], i64(16))) as loop:
-            for j, acc in enumerate(accs):  # two chains of 8: the adds' latencies overlap
-                k = builder.add(builder.mul(loop.index, i64(2)), i64(j))
-                v = builder.load(builder.gep(sp, [k]), align=4)
-                builder.store(v, builder.gep(dp, [k]), align=32).set_metadata(
-                    "nontemporal", nontemporal
+        nontemporal = b.module.add_metadata([ir.IntType(32)(1)])
+        accs = [cgutils.alloca_once_value(b, f64s(None)) for _ in (0, 1)]  # two chains of adds
+        with cgutils.for_range(b, b.udiv(args[2], i64(16))) as loop:
+            for j, acc in enumerate(accs):
+                k = b.add(b.mul(loop.index, i64(2)), i64(j))
+                v = b.load(b.gep(sp, [k]), align=4)
+                b.store(v, b.gep(dp, [k]), align=32).set_metadata("nontemporal", nontemporal)
+                w = v if dst.dtype == types.float64 else b.fpext(v, f64s)  # its square: exact
+                b.store(
+                    b.fadd(b.load(acc), b.fmul(w, w, flags=["contract"]), flags=["contract"]), acc
                 )
-                w = v if dst.dtype == types.float64 else builder.fpext(v, ir.VectorType(f8, 8))
-                sq = builder.fmul(w, w, flags=("contract",))  # a float32's square is exact
-                builder.store(builder.fadd(builder.load(acc), sq, flags=("contract",)), acc)
-        lanes = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-        total = builder.extract_element(lanes, ir.IntType(32)(0))
-        for i in range(1, 8):
-            total = builder.fadd(total, builder.extract_element(lanes, ir.IntType(32)(i)))
-        fence = ir.FunctionType(ir.VoidType(), [])
-        builder.call(
-            cgutils.get_or_insert_function(builder.module, fence, "llvm.x86.sse.sfence"), []
-        )
-        return total
+        lanes = b.fadd(b.load(accs[0]), b.load(accs[1]))
+        if X86:  # the non-temporal stores drain before any later store (a commit word)
+            fence = ir.FunctionType(ir.VoidType(), [])
+            b.call(cgutils.get_or_insert_function(b.module, fence, "llvm.x86.sse.sfence"), [])
+        else:
+            b.fence("seq_cst")
+        return functools.reduce(b.fadd, (b.extract_element(lanes, i64(i)) for i in range(8)))
 
     return types.float64(dst, src, types.intp), codegen
 
