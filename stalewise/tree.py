@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import itertools
 import logging
 import math
+import platform
 import re
 import sys
 import weakref
@@ -18,7 +20,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stalewise._lazy import Lazy
 from stalewise.backends import (
     FLOAT_DTYPES,
     Backend,
@@ -31,10 +32,10 @@ from stalewise.backends.base import dtype_name
 from stalewise.segments import Segments
 
 logger = logging.getLogger(__name__)
-_kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first measured copy
 
 BLOCK = 1 << 20  # elements measured by one dot product (float32 sums of 1M: 2e-6 relative)
 STREAM = 16 << 20  # bytes of a flat vector from which a measured copy streams past the cache
+_STREAMED = ("float32", "float64")
 
 __all__ = ["AttrKey", "FlatSpec", "HiddenKey", "LeafSpec", "TreeDef"]
 __all__ += ["copy_buffers", "flatten", "mark_buffers", "path_str", "put_buffers"]
@@ -239,8 +240,17 @@ def _build(
 ) -> TreeDef:
     """The treedef of ``x``; stored leaves go to ``b`` (``lenient``: in a registered container)."""
     backend, x, model = _view(x)
+    if backend is not None and (dtype := backend.dtype(x)) not in FLOAT_DTYPES:
+        if not lenient:
+            b.nonfloat.append((path, dtype))
+        return TreeDef("const", static=(("value", x),))
     if backend is not None:
-        return _build_leaf(_Leaf(path, x, backend, buffer, label, holder), b, lenient)
+        if (key := backend.identity(x)) is not None and key in b.seen:
+            return TreeDef("alias", static=(("leaf", b.seen[key]),))
+        if key is not None:
+            b.seen[key] = len(b.found)
+        b.found.append(_Leaf(path, x, backend, buffer, label, holder))
+        return _LEAF
     if containers.is_static(x):
         return TreeDef("const", static=(("value", x),))
     if model is not None:
@@ -262,7 +272,12 @@ def _build(
         raise
     if node.kind == "none":
         return _NONE
-    labels = _labels(node.children) if node.kind in ("list", "tuple") else None
+    # a list of TensorFlow variables: their own names, if every one has a distinct one
+    labels = None
+    if node.kind in ("list", "tuple"):
+        labels = [None if (bk := backend_of(v)) is None else bk.label(v) for v in node.children]
+    if labels and (None in labels or len(set(labels)) < len(labels)):
+        labels = None
     level = node.level
     children = tuple(
         _build(
@@ -279,61 +294,11 @@ def _build(
     return TreeDef(node.kind, node.keys, children, node.cls, node.static)
 
 
-def _build_leaf(leaf: _Leaf, b: _Builder, lenient: bool) -> TreeDef:
-    dtype = leaf.backend.dtype(leaf.x)
-    if dtype not in FLOAT_DTYPES:
-        if not lenient:
-            b.nonfloat.append((leaf.path, dtype))
-        return TreeDef("const", static=(("value", leaf.x),))
-    key = leaf.backend.identity(leaf.x)
-    if key is not None and key in b.seen:
-        return TreeDef("alias", static=(("leaf", b.seen[key]),))
-    if key is not None:
-        b.seen[key] = len(b.found)
-    b.found.append(leaf)
-    return _LEAF
-
-
-def _labels(values: tuple) -> list[str] | None:
-    """The leaves' own names (a list of TensorFlow variables), if every one has a distinct one."""
-    labels = []
-    for v in values:
-        backend = None if v is None else backend_of(v)
-        label = backend.label(v) if backend is not None else None
-        if label is None:
-            return None
-        labels.append(label)
-    return labels if len(set(labels)) == len(labels) else None
-
-
 def _nonfloat_error(path: tuple, dtype: str) -> TypeError:
     return TypeError(
         f"{path_str(path)}: leaf has dtype {dtype}; only floating leaves "
         f"({', '.join(FLOAT_DTYPES)}) are trainable, integer, bool and complex ones are not"
     )
-
-
-def _name(path: tuple) -> str:
-    return ".".join(str(e) for e in path if not isinstance(e, HiddenKey)) or "params"
-
-
-def _make_spec(found: list[_Leaf], treedef: TreeDef, dtype: Any) -> FlatSpec:
-    if dtype is not None and np.dtype(dtype) not in (np.float32, np.float64):
-        raise ValueError(f"flat dtype must be float32 or float64, got {np.dtype(dtype)}")
-    leaves, offset = [], 0
-    for f in found:
-        shape = f.backend.shape(f.x)
-        size = math.prod(shape)
-        name = f.label or _name(f.path)
-        leaf_dtype = f.backend.dtype(f.x)
-        leaves.append(
-            LeafSpec(f.path, name, shape, leaf_dtype, f.backend.name, offset, size, f.buffer)
-        )
-        offset += size
-    wide = any(leaf.dtype == "float64" for leaf in leaves)
-    flat_dtype = np.dtype(dtype if dtype is not None else np.float64 if wide else np.float32)
-    logger.debug("flat spec: %d leaves, %d elements, %s", len(leaves), offset, flat_dtype)
-    return FlatSpec(tuple(leaves), treedef, flat_dtype, offset)
 
 
 # -- matching a tree against a spec ------------------------------------------------------
@@ -476,14 +441,9 @@ def _collect(tree: Any, spec: FlatSpec) -> list[list[_Leaf]]:
             raise ValueError(
                 f"{path_str(leaf.path)}: missing (a tied leaf: give it under any name)"
             )
-        unique = found
-        if len(found) > 1:  # a tied leaf under several names: each array once
-            seen, unique = set(), []
-            for f in found:
-                key = f.backend.identity(f.x)
-                if key is None or key not in seen:
-                    seen.add(key)
-                    unique.append(f)
+        keys = [f.backend.identity(f.x) for f in found] if len(found) > 1 else [None]
+        # a tied leaf under several names: each array once
+        unique = [f for i, f in enumerate(found) if keys[i] is None or keys[i] not in keys[:i]]
         for f in unique:
             shape, dtype = f.backend.shape(f.x), f.backend.dtype(f.x)
             if shape != leaf.shape:
@@ -499,17 +459,6 @@ def _collect(tree: Any, spec: FlatSpec) -> list[list[_Leaf]]:
 # -- a tree made by unflatten remembers its spec ------------------------------------------
 
 _MADE: dict[int, tuple[weakref.ref, FlatSpec]] = {}  # id of a tree's first leaf -> its spec
-
-
-def _remember(leaves: list, spec: FlatSpec) -> None:
-    if not leaves:
-        return
-    first, key = leaves[0], id(leaves[0])
-    try:
-        ref = weakref.ref(first, functools.partial(_forget, key))
-    except TypeError:  # a leaf type without weak references
-        return
-    _MADE[key] = (ref, spec)
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
@@ -549,7 +498,20 @@ def _new_spec(tree: Any, dtype: Any, keep_integers: bool) -> tuple[FlatSpec, lis
     for path, leaf_dtype in b.nonfloat:
         if not keep_integers or leaf_dtype.startswith("complex"):
             raise _nonfloat_error(path, leaf_dtype)
-    return _make_spec(b.found, treedef, dtype), [[f] for f in b.found]
+    if dtype is not None and np.dtype(dtype) not in (np.float32, np.float64):
+        raise ValueError(f"flat dtype must be float32 or float64, got {np.dtype(dtype)}")
+    leaves, offset = [], 0
+    for f in b.found:
+        shape = f.backend.shape(f.x)
+        name = f.label or ".".join(str(e) for e in f.path if not isinstance(e, HiddenKey))
+        leaf = LeafSpec(f.path, name or "params", shape, f.backend.dtype(f.x), f.backend.name,
+                        offset, math.prod(shape), f.buffer)  # fmt: skip
+        leaves.append(leaf)
+        offset += leaf.size
+    wide = any(leaf.dtype == "float64" for leaf in leaves)
+    flat_dtype = np.dtype(dtype if dtype is not None else np.float64 if wide else np.float32)
+    logger.debug("flat spec: %d leaves, %d elements, %s", len(leaves), offset, flat_dtype)
+    return FlatSpec(tuple(leaves), treedef, flat_dtype, offset), [[f] for f in b.found]
 
 
 def flatten(
@@ -584,7 +546,7 @@ def flatten(
     if sumsq is not None and not all(0 <= lo <= hi <= spec.size for lo, hi in sumsq):
         raise ValueError(f"sumsq: (lo, hi) ranges within 0..{spec.size} expected, got {sumsq}")
     flat, sums = out, None if sumsq is None else [0.0] * len(sumsq)
-    stream = sums is not None and flat.nbytes >= STREAM  # CPU leaves: copied as measured
+    stream = bool(sums) and flat.nbytes >= STREAM  # CPU leaves: copied as measured
     for values, leaf in zip(found, spec.leaves, strict=True):
         segment, (first, *more), src = _segment(flat, leaf), values, None
         on_cpu = str(getattr(first.x, "device", "cpu")) == "cpu"
@@ -600,7 +562,7 @@ def flatten(
         for lo, hi in itertools.pairwise(cuts if sums is not None else ()):  # in or out of ranges
             into = [k for k, (rlo, rhi) in enumerate(sumsq) if rlo <= lo and hi <= rhi]
             if src is not None:  # one pass, its stores streaming (docs/design-notes.md)
-                s = _kernels.copy_sumsq(flat[lo:hi], src[lo - a : hi - a])
+                s = _copy_sumsq(flat[lo:hi], src[lo - a : hi - a])
             elif into:  # written: read again
                 blocks = np.split(flat[lo:hi], range(BLOCK, hi - lo, BLOCK))
                 with np.errstate(over="ignore", invalid="ignore"):
@@ -611,6 +573,69 @@ def flatten(
         return flat, spec
     top = float(np.finfo(flat.dtype).max)  # a sum past the flat dtype's range overflows
     return flat, spec, [math.inf if s > top else s for s in sums]
+
+
+def _copy_sumsq(dst: np.ndarray, src: np.ndarray) -> float:
+    """Copies ``src`` into ``dst`` (1-D, C-contiguous, one float dtype and size) with
+    non-temporal stores and returns its sum of squares in float64, in one pass."""
+    contiguous = dst.flags.c_contiguous and src.flags.c_contiguous
+    if dst.dtype != src.dtype or dst.dtype.name not in _STREAMED or dst.shape != src.shape:
+        raise ValueError(f"cannot copy {src.dtype} {src.shape} into {dst.dtype} {dst.shape}")
+    if not contiguous:
+        raise ValueError("cannot copy between arrays that are not C-contiguous")
+    n, size, (d, s) = src.size, src.itemsize, (x.ctypes.data for x in (dst, src))
+    head = n if d % size else min(n, -d % 32 // size)  # elements before dst's 32-byte line
+    m = (n - head) // 16 * 16
+    total = _streamer(dst.dtype.name)[1](d + head * size, s + head * size, m) if m else 0.0
+    for lo, hi in ((0, head), (head + m, n)):  # the unaligned head, the tail
+        dst[lo:hi] = src[lo:hi]
+        total += sum(x * x for x in src[lo:hi].tolist())
+    return total
+
+
+@functools.cache
+def _streamer(dtype: str) -> tuple[Any, Any]:
+    """(engine, f): ``f(dst, src, n)`` copies ``n`` (a multiple of 16) elements to ``dst``
+    (32-byte aligned) by vectors of 8 with non-temporal stores, then a fence, and returns
+    their sum of squares; machine code from llvmlite, which numba brings (not numba itself)."""
+    import llvmlite.binding as llvm
+    from llvmlite import ir
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    i64, f64s = ir.IntType(64), ir.VectorType(ir.DoubleType(), 8)
+    vec = ir.VectorType(ir.FloatType() if dtype == "float32" else ir.DoubleType(), 8)
+    module = ir.Module()
+    f = ir.Function(module, ir.FunctionType(ir.DoubleType(), [vec.as_pointer()] * 2 + [i64]), "f")
+    entry, loop, done = (f.append_basic_block(x) for x in ("entry", "loop", "done"))
+    ir.IRBuilder(entry).branch(loop)
+    b = ir.IRBuilder(loop)
+    i, accs, sums = b.phi(i64), [b.phi(f64s), b.phi(f64s)], []  # two chains of adds
+    nontemporal = module.add_metadata([ir.IntType(32)(1)])
+    for j, acc in enumerate(accs):
+        k = b.add(b.mul(i, i64(2)), i64(j))
+        v = b.load(b.gep(f.args[1], [k]), align=4)
+        b.store(v, b.gep(f.args[0], [k]), align=32).set_metadata("nontemporal", nontemporal)
+        w = v if dtype == "float64" else b.fpext(v, f64s)  # a float32's square is exact
+        sums.append(b.fadd(acc, b.fmul(w, w, flags=["contract"]), flags=["contract"]))
+        acc.add_incoming(f64s(None), entry)
+        acc.add_incoming(sums[-1], loop)
+    i.add_incoming(i64(0), entry)
+    i.add_incoming(after := b.add(i, i64(1)), loop)
+    b.cbranch(b.icmp_unsigned("<", after, b.udiv(f.args[2], i64(16))), loop, done)
+    b.position_at_end(done)
+    if platform.machine().lower() in ("x86_64", "amd64"):  # the stores drain before later ones
+        b.call(ir.Function(module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence"), [])
+    else:
+        b.fence("seq_cst")
+    lanes = b.fadd(*sums)
+    b.ret(functools.reduce(b.fadd, (b.extract_element(lanes, i64(x)) for x in range(8))))
+    cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+    machine = llvm.Target.from_default_triple().create_target_machine(cpu, features, opt=3)
+    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(str(module)), machine)
+    engine.finalize_object()
+    kind = ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    return engine, kind(engine.get_function_address("f"))
 
 
 def _rebuild(node: TreeDef, leaves: Iterator[Any], stored: list) -> Any:
@@ -649,7 +674,10 @@ def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
         get_backend(leaf.backend).from_numpy(_segment(flat, leaf), leaf.dtype, copy=copy)
         for leaf in spec.leaves
     ]
-    _remember(leaves, spec)
+    if leaves:  # remembered, unless a leaf type without weak references
+        with contextlib.suppress(TypeError):
+            key = id(leaves[0])
+            _MADE[key] = (weakref.ref(leaves[0], functools.partial(_forget, key)), spec)
     return _rebuild(spec.treedef, iter(leaves), leaves)
 
 

@@ -7,22 +7,15 @@ by ``scale``. ``into_params`` True adds the update to ``p`` (``apply``), False w
 
 from __future__ import annotations
 
-import functools
 import math
-import platform
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic
 
 BLOCK = 1024  # elements per block of pass 1: four float32 blocks fit in L1
 LANES = 64  # partial sums per norm (fewer do not vectorize)
 CHECK_BLOCK = 8192  # elements per block of a checked step (32 KB of float32): checked in L1/L2
 
-FLOATS, _F64S = (types.float32, types.float64), ir.VectorType(ir.DoubleType(), 8)
-X86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
 # the finiteness flags only: reassociation lets their sums vectorize, and without the
 # no-NaN/no-Inf flags x*0 stays NaN for a NaN or an Inf
@@ -66,58 +59,6 @@ def _flag(x, square):
         for i in range(x.size):
             acc += x[i] * zero
     return acc
-
-
-@intrinsic
-def _stream(typingctx, dst, src, n):
-    """``src[:n]`` copied into ``dst`` by vectors of 8 with non-temporal stores, then a fence
-    (``n``: a multiple of 16; ``dst`` 32-byte aligned); returns its sum of squares."""
-    if {dst.layout, src.layout} != {"C"} or not dst.dtype == src.dtype in FLOATS:
-        return None
-
-    def codegen(context, b, sig, args):
-        vec, f64s, i64 = ir.VectorType(context.get_value_type(dst.dtype), 8), _F64S, ir.IntType(64)
-        dp, sp = (
-            b.bitcast(context.make_array(t)(context, b, a).data, vec.as_pointer())
-            for t, a in zip(sig.args, args[:2], strict=False)
-        )
-        nontemporal = b.module.add_metadata([ir.IntType(32)(1)])
-        accs = [cgutils.alloca_once_value(b, f64s(None)) for _ in (0, 1)]  # two chains of adds
-        with cgutils.for_range(b, b.udiv(args[2], i64(16))) as loop:
-            for j, acc in enumerate(accs):
-                k = b.add(b.mul(loop.index, i64(2)), i64(j))
-                v = b.load(b.gep(sp, [k]), align=4)
-                b.store(v, b.gep(dp, [k]), align=32).set_metadata("nontemporal", nontemporal)
-                w = v if dst.dtype == types.float64 else b.fpext(v, f64s)  # its square: exact
-                b.store(
-                    b.fadd(b.load(acc), b.fmul(w, w, flags=["contract"]), flags=["contract"]), acc
-                )
-        lanes = b.fadd(b.load(accs[0]), b.load(accs[1]))
-        if X86:  # the non-temporal stores drain before any later store (a commit word)
-            fence = ir.FunctionType(ir.VoidType(), [])
-            b.call(cgutils.get_or_insert_function(b.module, fence, "llvm.x86.sse.sfence"), [])
-        else:
-            b.fence("seq_cst")
-        return functools.reduce(b.fadd, (b.extract_element(lanes, i64(i)) for i in range(8)))
-
-    return types.float64(dst, src, types.intp), codegen
-
-
-@_jit
-def copy_sumsq(dst, src):
-    """Copies ``src`` into ``dst`` (1-D, C-contiguous, one float dtype, one size) in one pass
-    and returns its sum of squares in float64; the stores stream (non-temporal: ``dst`` is
-    not read in, and is left out of the cache)."""
-    n, addr, size = src.size, dst.ctypes.data, dst.itemsize
-    head = n if addr % size else min(n, (32 - addr % 32) % 32 // size)
-    m = (n - head) // 16 * 16
-    total = _stream(dst[head : head + m], src[head : head + m], m) if m else 0.0
-    for lo, hi in ((0, head), (head + m, n)):  # the unaligned head, the tail
-        for i in range(lo, hi):
-            x = src[i]
-            dst[i] = x
-            total += np.float64(x) * x
-    return total
 
 
 @_jit
