@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 BLOCK = 1 << 20  # elements measured by one dot product (float32 sums of 1M: 2e-6 relative)
 STREAM = 16 << 20  # bytes of a flat vector from which a measured copy streams past the cache
-_STREAMED = ("float32", "float64")
 
 __all__ = ["AttrKey", "FlatSpec", "HiddenKey", "LeafSpec", "TreeDef"]
 __all__ += ["copy_buffers", "flatten", "mark_buffers", "path_str", "put_buffers"]
@@ -48,16 +47,13 @@ class AttrKey(str):
     __slots__ = ()
 
     def __repr__(self) -> str:
-        return f"AttrKey({str(self)!r})"
+        return f"{type(self).__name__}({str(self)!r})"
 
 
 class HiddenKey(AttrKey):
     """An attribute left out of leaf names (the ``value`` of a flax nnx Variable)."""
 
     __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"HiddenKey({str(self)!r})"
 
 
 def path_str(path: tuple, root: str = "params") -> str:
@@ -245,10 +241,9 @@ def _build(
             b.nonfloat.append((path, dtype))
         return TreeDef("const", static=(("value", x),))
     if backend is not None:
-        if (key := backend.identity(x)) is not None and key in b.seen:
+        key, index = backend.identity(x), len(b.found)
+        if key is not None and b.seen.setdefault(key, index) != index:
             return TreeDef("alias", static=(("leaf", b.seen[key]),))
-        if key is not None:
-            b.seen[key] = len(b.found)
         b.found.append(_Leaf(path, x, backend, buffer, label, holder))
         return _LEAF
     if containers.is_static(x):
@@ -462,8 +457,7 @@ _MADE: dict[int, tuple[weakref.ref, FlatSpec]] = {}  # id of a tree's first leaf
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
-    entry = _MADE.get(key)
-    if entry is not None and entry[0] is ref:
+    if _MADE.get(key, (None,))[0] is ref:
         del _MADE[key]
 
 
@@ -569,20 +563,16 @@ def flatten(
                     s = sum(float(np.dot(c, c)) for c in blocks)
             for k in into:
                 sums[k] += s
-    if sums is None:
-        return flat, spec
-    top = float(np.finfo(flat.dtype).max)  # a sum past the flat dtype's range overflows
-    return flat, spec, [math.inf if s > top else s for s in sums]
+    if sums is not None:  # a sum past the flat dtype's range overflows
+        sums = [math.inf if s > float(np.finfo(flat.dtype).max) else s for s in sums]
+    return (flat, spec) if sums is None else (flat, spec, sums)
 
 
 def _copy_sumsq(dst: np.ndarray, src: np.ndarray) -> float:
-    """Copies ``src`` into ``dst`` (1-D, C-contiguous, one float dtype and size) with
-    non-temporal stores and returns its sum of squares in float64, in one pass."""
-    contiguous = dst.flags.c_contiguous and src.flags.c_contiguous
-    if dst.dtype != src.dtype or dst.dtype.name not in _STREAMED or dst.shape != src.shape:
-        raise ValueError(f"cannot copy {src.dtype} {src.shape} into {dst.dtype} {dst.shape}")
-    if not contiguous:
-        raise ValueError("cannot copy between arrays that are not C-contiguous")
+    """``dst[:] = src`` with non-temporal stores, in one pass that returns its sum of squares."""
+    ok = dst.dtype == src.dtype and dst.dtype.name in ("float32", "float64")
+    if not (ok and dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous):
+        raise ValueError(f"cannot copy {src.dtype} {src.shape} into {dst.dtype} {dst.shape} here")
     n, size, (d, s) = src.size, src.itemsize, (x.ctypes.data for x in (dst, src))
     head = n if d % size else min(n, -d % 32 // size)  # elements before dst's 32-byte line
     m = (n - head) // 16 * 16
@@ -596,8 +586,7 @@ def _copy_sumsq(dst: np.ndarray, src: np.ndarray) -> float:
 @functools.cache
 def _streamer(dtype: str) -> tuple[Any, Any]:
     """(engine, f): ``f(dst, src, n)`` copies ``n`` (a multiple of 16) elements to ``dst``
-    (32-byte aligned) by vectors of 8 with non-temporal stores, then a fence, and returns
-    their sum of squares; machine code from llvmlite, which numba brings (not numba itself)."""
+    (32-byte aligned) with non-temporal stores and a fence; returns their sum of squares."""
     import llvmlite.binding as llvm
     from llvmlite import ir
 
@@ -674,10 +663,9 @@ def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
         get_backend(leaf.backend).from_numpy(_segment(flat, leaf), leaf.dtype, copy=copy)
         for leaf in spec.leaves
     ]
-    if leaves:  # remembered, unless a leaf type without weak references
-        with contextlib.suppress(TypeError):
-            key = id(leaves[0])
-            _MADE[key] = (weakref.ref(leaves[0], functools.partial(_forget, key)), spec)
+    with contextlib.suppress(IndexError, TypeError):  # no leaf, or none with weak references
+        key = id(leaves[0])
+        _MADE[key] = (weakref.ref(leaves[0], functools.partial(_forget, key)), spec)
     return _rebuild(spec.treedef, iter(leaves), leaves)
 
 
@@ -686,13 +674,12 @@ def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
     nothing is written unless every leaf can be."""
     flat = _check_flat(flat, spec)
     found = _collect(target, spec)
-    for values in found:
-        for f in values:
-            if f.holder is None and not f.backend.is_writable(f.x):
-                raise TypeError(
-                    f"{path_str(f.path)}: {type(f.x).__qualname__} cannot be written in place; "
-                    "use unflatten() to build new arrays"
-                )
+    for f in itertools.chain.from_iterable(found):
+        if f.holder is None and not f.backend.is_writable(f.x):
+            raise TypeError(
+                f"{path_str(f.path)}: {type(f.x).__qualname__} cannot be written in place; "
+                "use unflatten() to build new arrays"
+            )
     for values, leaf in zip(found, spec.leaves, strict=True):
         segment = _segment(flat, leaf)
         for f in values:
@@ -741,11 +728,9 @@ def mark_buffers(spec: FlatSpec, patterns: str | Iterable[str]) -> FlatSpec:
         if not any(p.search(n) for n in names):
             shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
             raise ValueError(f"buffers: {p.pattern!r} matches no leaf (leaves: {shown})")
+    marked = [leaf.buffer or any(p.search(leaf.name) for p in compiled) for leaf in spec.leaves]
     leaves = tuple(
-        dataclasses.replace(leaf, buffer=True)
-        if any(p.search(leaf.name) for p in compiled)
-        else leaf
-        for leaf in spec.leaves
+        dataclasses.replace(x, buffer=m) for x, m in zip(spec.leaves, marked, strict=True)
     )
     return dataclasses.replace(spec, leaves=leaves)
 

@@ -2,6 +2,9 @@
 with non-temporal stores and returns its sum of squares in float64, whatever the lengths and
 alignments."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -53,7 +56,7 @@ def test_a_read_only_source_is_copied_and_mismatches_are_refused():
         tree._copy_sumsq(dst, src.astype(np.float64))
     with pytest.raises(ValueError, match="cannot copy float16"):
         tree._copy_sumsq(dst.astype(np.float16), src.astype(np.float16))
-    with pytest.raises(ValueError, match="not C-contiguous"):
+    with pytest.raises(ValueError, match=r"cannot copy float32 \(25,\) into float32 \(25,\)"):
         tree._copy_sumsq(dst[::2], src[:25])
     assert dst.tobytes() == before.tobytes()
 
@@ -74,3 +77,12 @@ def test_flatten_copies_every_element_when_ranges_overlap_or_leave_gaps(monkeypa
     params["b"][0] = 3e38  # finite; the range's sum passes float32's largest value: Inf
     sums = tree.flatten(params, spec=spec, out=out, sumsq=ranges)[2]
     assert [np.isinf(s) for s in sums] == [True, True, False]
+
+
+def test_the_streaming_copy_loads_no_numba():
+    code = (
+        "import sys, numpy as np, stalewise.tree as t; t.STREAM = 0; "
+        "print(t.flatten({'a': np.ones(40, np.float32)}, sumsq=[(0, 40)])[2], 'numba' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[40.0] False"
