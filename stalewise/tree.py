@@ -268,10 +268,9 @@ def _build(
     if node.kind == "none":
         return _NONE
     # a list of TensorFlow variables: their own names, if every one has a distinct one
-    labels = None
-    if node.kind in ("list", "tuple"):
-        labels = [None if (bk := backend_of(v)) is None else bk.label(v) for v in node.children]
-    if labels and (None in labels or len(set(labels)) < len(labels)):
+    kids = node.children if node.kind in ("list", "tuple") else ()
+    labels = [None if (bk := backend_of(v)) is None else bk.label(v) for v in kids]
+    if None in labels or len(set(labels)) < len(labels):
         labels = None
     level = node.level
     children = tuple(
@@ -498,10 +497,9 @@ def _new_spec(tree: Any, dtype: Any, keep_integers: bool) -> tuple[FlatSpec, lis
     for f in b.found:
         shape = f.backend.shape(f.x)
         name = f.label or ".".join(str(e) for e in f.path if not isinstance(e, HiddenKey))
-        leaf = LeafSpec(f.path, name or "params", shape, f.backend.dtype(f.x), f.backend.name,
-                        offset, math.prod(shape), f.buffer)  # fmt: skip
-        leaves.append(leaf)
-        offset += leaf.size
+        leaves.append(LeafSpec(f.path, name or "params", shape, f.backend.dtype(f.x),
+                               f.backend.name, offset, math.prod(shape), f.buffer))  # fmt: skip
+        offset += leaves[-1].size
     wide = any(leaf.dtype == "float64" for leaf in leaves)
     flat_dtype = np.dtype(dtype if dtype is not None else np.float64 if wide else np.float32)
     logger.debug("flat spec: %d leaves, %d elements, %s", len(leaves), offset, flat_dtype)
@@ -543,17 +541,19 @@ def flatten(
     stream = bool(sums) and flat.nbytes >= STREAM  # CPU leaves: copied as measured
     for values, leaf in zip(found, spec.leaves, strict=True):
         segment, (first, *more), src = _segment(flat, leaf), values, None
-        on_cpu = str(getattr(first.x, "device", "cpu")) == "cpu"
-        if stream and not more and on_cpu and first.backend.name in ("numpy", "torch"):
+        cpu = stream and not more and str(getattr(first.x, "device", "cpu")) == "cpu"
+        if cpu and first.backend.name in ("numpy", "torch"):
             x = first.backend.to_numpy(first.x)
             src = x.reshape(-1) if x.dtype == flat.dtype and x.flags.c_contiguous else None
         if src is None:
             first.backend.copy_into(first.x, segment)
         for f in more:  # a tied leaf given under several names: one gradient per use
             np.add(segment, f.backend.to_numpy(f.x), out=segment, casting="unsafe")
+        if sums is None:
+            continue
         a, b = leaf.offset, leaf.offset + leaf.size
-        cuts = sorted({a, b, *(c for r in sumsq or () for c in r if a < c < b)})
-        for lo, hi in itertools.pairwise(cuts if sums is not None else ()):  # in or out of ranges
+        cuts = sorted({a, b, *(c for r in sumsq for c in r if a < c < b)})
+        for lo, hi in itertools.pairwise(cuts):  # pieces in or out of each range
             into = [k for k, (rlo, rhi) in enumerate(sumsq) if rlo <= lo and hi <= rhi]
             if src is not None:  # one pass, its stores streaming (docs/design-notes.md)
                 s = _copy_sumsq(flat[lo:hi], src[lo - a : hi - a])
