@@ -387,6 +387,27 @@ class WorkerTiming:
             for p, state in zip(self.paces, states, strict=True):
                 p.rng.bit_generator.state = state
 
+    def draw(self, worker: int, local_steps: int = 1) -> float:
+        """The sum of ``local_steps`` sampled compute times of ``worker`` (not stretched)."""
+        p = self.paces[worker]
+        if p.rng is None:  # Fixed
+            return self.compute.time * local_steps
+        rng, sample, base = p.rng, self.compute.sample, 0.0
+        for _ in range(local_steps):
+            base += sample(rng)  # the samples of the local steps, in order
+        return base
+
+    def cpu_work(self, worker: int, base: float) -> float:
+        """The CPU seconds of a step of ``base`` sampled compute: its compute and the loop's."""
+        return base * self.paces[worker].cpu + self.loop
+
+    def rest(self, worker: int, base: float, local_steps: int, stretch: float, wake: float):
+        """The seconds a step of ``base`` sampled compute, stretched ``stretch``, sleeps after
+        its CPU time: its delays, a straggler's sleep, ``wake`` late if it sleeps."""
+        p = self.paces[worker]
+        late = wake if p.delay or p.scale != p.cpu else 0.0
+        return base * stretch * (p.scale - p.cpu) + p.delay * local_steps * p.scale + late
+
     def finish(
         self, worker: int, start: float, local_steps: int = 1, stretch: float = 1.0, wake=0.0
     ) -> float:
@@ -394,12 +415,7 @@ class WorkerTiming:
         times, the compute (not the delays) stretched by ``stretch`` (the contention factor),
         ``wake`` more if it sleeps (a delay, a straggler); :attr:`busy`: its compute seconds."""
         p = self.paces[worker]
-        if p.rng is None:  # Fixed
-            base = self.compute.time * local_steps
-        else:
-            rng, sample, base = p.rng, self.compute.sample, 0.0
-            for _ in range(local_steps):
-                base += sample(rng)  # the samples of the local steps, in order
+        base = self.draw(worker, local_steps)
         if stretch != 1.0:
             base *= stretch
         work = (base + p.delay * local_steps) * p.scale
