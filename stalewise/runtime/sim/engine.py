@@ -138,12 +138,9 @@ class Simulation:
         self.own_read = sim.own_read
         self.contention, self.copies = sim.contention, sim.copies
         self.computing: list[float] = []  # contention: when each copy and pull under way ends
-        # contention: the computes' CPU times share the cores (docs/calibrate.md); a compute
-        # ends its CPU time once the work clock ``cpu[0]`` (CPU seconds each compute has had,
-        # at time ``cpu[1]``, at ``cpu[2]`` wall seconds a CPU second) reaches its entry's
-        self.cpu: list[float] = [0.0, 0.0, 1.0]
-        self.cpu_heap: list[tuple] = []
-        self.cpu_plan = 0
+        # contention: the computes share the cores; the work clock (CPU seconds each has had
+        # by time cpu[1], at cpu[2] s a CPU second), their ends on it (heap), the plan's number
+        self.cpu, self.cpu_heap, self.cpu_plan = [0.0, 0.0, 1.0], [], 0
         self.copying: list[float] = []  # copies: when each copy under way ends (heap)
         self.serving = 0  # shards serving a request
         self.gated = self.shards[0].consistency.gated
@@ -260,8 +257,7 @@ class Simulation:
         return len(h) + len(self.cpu_heap) + self.serving
 
     def replan(self, entry: tuple | None = None) -> None:
-        """The computes' CPU times from now on at the factor for the processes runnable now
-        (with ``entry``, a compute's, added): one ``_CPU`` event, at the first to end."""
+        """The computes (and ``entry``) at the factor for the runnable now: one ``_CPU`` event."""
         cpu, heap = self.cpu, self.cpu_heap
         cpu[0] += (self.now - cpu[1]) / cpu[2] if heap else 0.0
         cpu[1] = self.now
@@ -271,19 +267,6 @@ class Simulation:
         if heap:
             cpu[2] = self.contention.step_at(self.runnable())
             self.at(self.now + max(heap[0][0] - cpu[0], 0.0) * cpu[2], _CPU, x=self.cpu_plan)
-
-    def cpu_done(self) -> None:
-        """The computes whose CPU time is over sleep what is left of their steps (a delay,
-        a straggler's sleep, ``contention_wake`` late) and then push."""
-        self.replan()
-        heap, c = self.cpu_heap, self.contention
-        while heap and heap[0][0] <= self.cpu[0] * (1 + 1e-12):
-            _, _, wk, inc, base, work, steps = heapq.heappop(heap)
-            if inc == wk.inc and wk.phase == _COMPUTING:
-                stretch = (self.now - wk.t_mark) / work if work > 0 else 1.0
-                rest = self.timing.rest(wk.id, base, steps, stretch, c.wake_at(self.runnable() + 1))
-                self.at(self.now + rest, _COMPUTED, wk.id, inc=wk.inc)
-        self.replan()
 
     def served(self, k: int) -> None:
         kind, wk, inc = self.busy[k]
@@ -644,17 +627,18 @@ class Simulation:
         wk.pull_buf = None
         wk.loss_next = loss
         wk.phase, wk.t_mark = _COMPUTING, self.now
-        if self.contention is None or self.timing.paces[wk.id].slowdowns:
+        c, timing = self.contention, self.timing
+        if c is None or timing.paces[wk.id].slowdowns:  # (a slowdown: the factor at its start)
             n = self.runnable() + 1
-            c = self.contention
-            end = self.timing.finish(wk.id, self.now, local_steps, *(
-                () if c is None else (c.step_at(n), c.wake_at(n))))  # fmt: skip
+            stretch = () if c is None else (c.step_at(n), c.wake_at(n))
+            self.at(
+                timing.finish(wk.id, self.now, local_steps, *stretch), _COMPUTED, wk.id, inc=wk.inc
+            )
             if c is not None:
-                heapq.heappush(self.computing, self.now + self.timing.busy)
-            self.at(end, _COMPUTED, wk.id, inc=wk.inc)
+                heapq.heappush(self.computing, self.now + timing.busy)
         else:  # its CPU time shares the cores with the others' until it is done
-            base = self.timing.draw(wk.id, local_steps)
-            work = self.timing.cpu_work(wk.id, base)
+            base = timing.draw(wk.id, local_steps)
+            work = base * timing.paces[wk.id].cpu + timing.loop
             self.replan((work, wk, wk.inc, base, work, local_steps))
 
     def sent(self, wk: _SimWorker, k: int) -> Any:
@@ -939,9 +923,17 @@ class Simulation:
                 continue  # its process died before it
             if kind == _SERVED:
                 self.served(k)
-            elif kind == _CPU:  # the engine's own bookkeeping, not a message: not counted
-                if x == self.cpu_plan:  # else replanned since
-                    self.cpu_done()
+            elif kind == _CPU:  # bookkeeping, not counted: ends the CPU times that are over
+                if x == self.cpu_plan:  # (else replanned since); they sleep what is left
+                    self.replan()
+                    while (h := self.cpu_heap) and h[0][0] <= self.cpu[0] * (1 + 1e-12):
+                        _, _, wk, inc, base, work, steps = heapq.heappop(h)
+                        if inc == wk.inc and wk.phase == _COMPUTING:
+                            wake = self.contention.wake_at(self.runnable() + 1)
+                            g = (t - wk.t_mark) / work if work > 0 else 1.0
+                            rest = self.timing.rest(wk.id, base, steps, g, wake)
+                            self.at(t + rest, _COMPUTED, wk.id, inc=wk.inc)
+                    self.replan()
                 continue
             elif kind == _EVAL:
                 self.eval_at = None

@@ -392,18 +392,10 @@ class WorkerTiming:
         p = self.paces[worker]
         if p.rng is None:  # Fixed
             return self.compute.time * local_steps
-        rng, sample, base = p.rng, self.compute.sample, 0.0
-        for _ in range(local_steps):
-            base += sample(rng)  # the samples of the local steps, in order
-        return base
-
-    def cpu_work(self, worker: int, base: float) -> float:
-        """The CPU seconds of a step of ``base`` sampled compute: its compute and the loop's."""
-        return base * self.paces[worker].cpu + self.loop
+        return sum(self.compute.sample(p.rng) for _ in range(local_steps))  # in order
 
     def rest(self, worker: int, base: float, local_steps: int, stretch: float, wake: float):
-        """The seconds a step of ``base`` sampled compute, stretched ``stretch``, sleeps after
-        its CPU time: its delays, a straggler's sleep, ``wake`` late if it sleeps."""
+        """Seconds a step of ``base`` compute, stretched, sleeps after it (``wake`` late)."""
         p = self.paces[worker]
         late = wake if p.delay or p.scale != p.cpu else 0.0
         return base * stretch * (p.scale - p.cpu) + p.delay * local_steps * p.scale + late
