@@ -129,9 +129,9 @@ def test_a_step_that_sleeps_ends_late_by_the_wake_and_one_that_does_not_on_time(
     whatever its local steps; a step that only computes is not late."""
     timing = WorkerTiming(SimConfig(compute=Fixed(0.01)), 3, factors=[1, 2, 1],
                           delays=[0, 0, 0.005])  # fmt: skip
-    assert timing.finish(0, 1.0, wake=0.002) == 1.01
-    assert timing.finish(1, 0.0, wake=0.002) == pytest.approx(0.022)
-    assert timing.finish(2, 0.0, local_steps=3, wake=0.002) == pytest.approx(0.047)
+    assert timing.rest(0, 0.01, 1, 1.0, wake=0.002) == 0.0  # computes only: on time
+    assert timing.rest(1, 0.01, 1, 1.0, wake=0.002) == pytest.approx(0.012)
+    assert timing.rest(2, 0.03, 3, 1.0, wake=0.002) == pytest.approx(0.017)  # once a push
     c = Contention(step=(1.0,), apply=(1.0,), wake=(1e-4, 1e-3, 3e-3))
     assert c.wake_at(1) == 1e-4 and c.wake_at(2.5) == 2e-3 and c.wake_at(5) == pytest.approx(7e-3)
     assert Contention(step=(1.0,), apply=(1.0,)).wake_at(8) == 0.0  # unmeasured

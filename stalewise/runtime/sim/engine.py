@@ -627,18 +627,13 @@ class Simulation:
         wk.pull_buf = None
         wk.loss_next = loss
         wk.phase, wk.t_mark = _COMPUTING, self.now
-        c, timing = self.contention, self.timing
-        if c is None or timing.paces[wk.id].slowdowns:  # (a slowdown: the factor at its start)
-            n = self.runnable() + 1
-            stretch = () if c is None else (c.step_at(n), c.wake_at(n))
-            self.at(
-                timing.finish(wk.id, self.now, local_steps, *stretch), _COMPUTED, wk.id, inc=wk.inc
-            )
-            if c is not None:
-                heapq.heappush(self.computing, self.now + timing.busy)
-        else:  # its CPU time shares the cores with the others' until it is done
+        timing, p = self.timing, self.timing.paces[wk.id]
+        if self.contention is None:
+            self.at(timing.finish(wk.id, self.now, local_steps), _COMPUTED, wk.id, inc=wk.inc)
+        else:  # its CPU time shares the cores (a slowdown: its factor at the start scales it)
             base = timing.draw(wk.id, local_steps)
-            work = base * timing.paces[wk.id].cpu + timing.loop
+            f = math.prod(s.factor for s in p.slowdowns if s.start <= self.now < s.end)
+            work = timing.cpu_work(wk.id, base) * f
             self.replan((work, wk, wk.inc, base, work, local_steps))
 
     def sent(self, wk: _SimWorker, k: int) -> Any:
@@ -932,7 +927,8 @@ class Simulation:
                             wake = self.contention.wake_at(self.runnable() + 1)
                             g = (t - wk.t_mark) / work if work > 0 else 1.0
                             rest = self.timing.rest(wk.id, base, steps, g, wake)
-                            self.at(t + rest, _COMPUTED, wk.id, inc=wk.inc)
+                            end = self.timing.finish(wk.id, t, work=rest)
+                            self.at(end, _COMPUTED, wk.id, inc=wk.inc)
                     self.replan()
                 continue
             elif kind == _EVAL:
