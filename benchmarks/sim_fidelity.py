@@ -72,6 +72,7 @@ seconds, on any machine, at any load.
     .venv/bin/python benchmarks/sim_fidelity.py --random 10 [--seed 1 | --seeds 5] [--check]
     .venv/bin/python benchmarks/sim_fidelity.py --runtime ray --only "digits 2w ASP"
     .venv/bin/python benchmarks/sim_fidelity.py --replay benchmarks/results/sim_fidelity-random1.json
+    .venv/bin/python benchmarks/sim_fidelity.py --random 10 --seed 7 --only "[3] "  # one of them
 """
 
 from __future__ import annotations
@@ -495,7 +496,8 @@ def random_main(args: argparse.Namespace, out) -> int:
         print(f"\nseed {seed}{' (from the clock)' * (args.seed is None)}; load average at "
               f"start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} "
               "cores", flush=True)  # fmt: skip
-        bars.append(one_seed(args.random, seed, runs[-1], lambda: _report.write(out, head)))
+        save = lambda: _report.write(out, head)  # noqa: E731
+        bars.append(one_seed(args.random, seed, runs[-1], save, args.only))
         runs[-1]["load_end"] = os.getloadavg()
         _report.write(out, head, bars=bars)
     met = sum(b["met"] for b in bars)
@@ -504,11 +506,14 @@ def random_main(args: argparse.Namespace, out) -> int:
     return 1 if args.check and met < len(bars) else 0
 
 
-def one_seed(n: int, seed: int, run: dict, save) -> dict:
-    """Draws ``n`` settings from ``seed``, runs each into ``run["rows"]`` (``save()`` after
-    each); prints the table; returns the bar: ``ceil(RANDOM_SHARE * n)`` meet all three."""
+def one_seed(n: int, seed: int, run: dict, save, only: str | None = None) -> dict:
+    """Draws ``n`` settings from ``seed``, runs each (``only``: those whose ``[i] name``
+    holds it) into ``run["rows"]`` (``save()`` after each); prints the table; returns the
+    bar: ``ceil(RANDOM_SHARE * n)`` meet all three."""
     rows = run["rows"]
     for i, d in enumerate(draw(n, seed)):
+        if only is not None and only not in f"[{i}] {d.name}":
+            continue
         try:
             rows.append(run_drawn(i, d))
         except Exception as e:  # one setting's failure is reported, the others still run
@@ -535,7 +540,7 @@ def one_seed(n: int, seed: int, run: dict, save) -> dict:
     return bar
 
 
-def replay(path: str) -> int:
+def replay(path: str, only: str | None = None) -> int:
     """Re-simulates every row of a JSON this benchmark wrote on the table stored with it,
     against the local figures stored with it: no calibration, no local run, so a change
     of the simulator is judged at once on measurements taken on a quiet machine."""
@@ -543,6 +548,7 @@ def replay(path: str) -> int:
 
     data = json.loads(Path(path).read_text())["figures"]
     rows = data.get("rows") or [r for run in data.get("runs", ()) for r in run["rows"]]
+    rows = [r for r in rows if only is None or only in f"[{r.get('#')}] {r['setting']}"]
     ok = 0
     for r in rows:
         if "drawn" in r:
@@ -574,7 +580,8 @@ def main() -> int:
     ap.add_argument(
         "--quick", action="store_true", help="2/3 of the steps, fewer calibration repeats"
     )
-    ap.add_argument("--only", help="run the settings whose name contains this text")
+    ap.add_argument("--only", help="run (or --replay) the settings whose name contains this "
+                    "text; a drawn one's name begins with its index: --only '[3] '")  # fmt: skip
     ap.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
     ap.add_argument(
         "--random",
@@ -597,7 +604,7 @@ def main() -> int:
     _report.add_json_arg(ap)
     args = ap.parse_args()
     if args.replay is not None:
-        return replay(args.replay)
+        return replay(args.replay, args.only)
     if args.random is not None and args.random < 1:
         ap.error(f"--random: expected an integer >= 1, got {args.random}")
     if args.random is not None and args.runtime != "local":

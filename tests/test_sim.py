@@ -109,7 +109,7 @@ def test_the_worker_loop_is_charged_once_a_push_at_no_stragglers_pace():
     assert timing.finish(0, 0.0) == pytest.approx(0.012)
     assert timing.finish(1, 0.0) == pytest.approx(0.032)
     assert timing.finish(0, 1.0, local_steps=4) == pytest.approx(1.042)
-    assert timing.busy == pytest.approx(0.042)  # the loop is CPU time too
+    assert timing.cpu_work(0, timing.draw(0, 4)) == pytest.approx(0.042)  # the loop is CPU too
     assert WorkerTiming(SimConfig(compute=Fixed(0.01)), 1).finish(0, 0.0) == 0.01
     with pytest.raises(SimConfigError, match="loop"):
         SimConfig(loop=-1.0)

@@ -1,6 +1,6 @@
-"""The simulator's contention model: a step's compute and a shard's apply stretched by the
-factor for the processes runnable when they start (SimConfig.contention), and the table
-stalewise calibrate makes of its measurement."""
+"""The simulator's contention model: the steps' CPU times share the cores at the factor for
+the processes runnable, a shard's apply stretched by the factor when it starts
+(SimConfig.contention), and the table stalewise calibrate makes of its measurement."""
 
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ FREE = {
 }
 
 
-def _run(sim, workers=4, steps=400, consistency=None, seed=0):
+def _run(sim, workers=4, steps=400, consistency=None, seed=0, **options):
     task = tasks.get("least-squares", n=64, d=4, exact=True)
     job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.05),
                  consistency=consistency or sw.ASP())  # fmt: skip
     return sim_rt.train(job.config, task.loss_and_grad, data=task.batches, workers=workers,
                         steps=steps, strategy=job.strategy, sim=sim, sim_seed=seed,
-                        evaluate=None)  # fmt: skip
+                        evaluate=None, **options)  # fmt: skip
 
 
 def test_contention_factors_interpolate_extrapolate_and_name_bad_values():
@@ -129,9 +129,9 @@ def test_a_step_that_sleeps_ends_late_by_the_wake_and_one_that_does_not_on_time(
     whatever its local steps; a step that only computes is not late."""
     timing = WorkerTiming(SimConfig(compute=Fixed(0.01)), 3, factors=[1, 2, 1],
                           delays=[0, 0, 0.005])  # fmt: skip
-    assert timing.finish(0, 1.0, wake=0.002) == 1.01
-    assert timing.finish(1, 0.0, wake=0.002) == pytest.approx(0.022)
-    assert timing.finish(2, 0.0, local_steps=3, wake=0.002) == pytest.approx(0.047)
+    assert timing.rest(0, 0.01, 1, 1.0, wake=0.002) == 0.0  # computes only: on time
+    assert timing.rest(1, 0.01, 1, 1.0, wake=0.002) == pytest.approx(0.012)
+    assert timing.rest(2, 0.03, 3, 1.0, wake=0.002) == pytest.approx(0.017)  # once a push
     c = Contention(step=(1.0,), apply=(1.0,), wake=(1e-4, 1e-3, 3e-3))
     assert c.wake_at(1) == 1e-4 and c.wake_at(2.5) == 2e-3 and c.wake_at(5) == pytest.approx(7e-3)
     assert Contention(step=(1.0,), apply=(1.0,)).wake_at(8) == 0.0  # unmeasured
@@ -168,3 +168,30 @@ def test_the_wake_goes_into_the_table_with_the_evaluations_share():
     assert t["contention_wake"] == [1e-4, 2e-3]
     assert SimConfig.from_dict(tomllib.loads(calibrate.table_toml(t))["sim"]).contention == c
     assert calibrate._factors([1e-4, 5e-5, 2e-3], beside=0.5) == (1e-4, 1.05e-3, 2.95e-3)
+
+
+def test_steps_that_start_together_share_the_cores_from_the_start():
+    """4 workers of 10 ms start at once with 4 runnable (factor 4): none is done before
+    40 ms, and all 4 are then (the first to start is not faster for being first); later
+    steps are stretched alike."""
+    table = Contention(step=(1.0, 2.0, 3.0, 4.0), apply=(1.0,))
+    got = _run(SimConfig(compute=Fixed(0.01), contention=table, **FREE), steps=4,
+               eval_interval=0.005)  # fmt: skip
+    at = {round(r["time"], 3): r["updates"] for r in got.records}
+    assert at[0.035] == 0 and got.pushes == 4 and got.time == pytest.approx(0.04)
+    again = _run(SimConfig(compute=Fixed(0.01), contention=table, **FREE), steps=400)
+    assert again.time == pytest.approx(4.0)  # 100 rounds of 4 steps sharing the cores
+
+
+def test_a_compute_speeds_up_when_the_others_are_done_and_sleeps_after():
+    """Worker 1 is a 3x straggler (its sleep: twice its compute, after it): both compute
+    10 ms at factor 2 (20 ms), worker 0 pushes; worker 1 then sleeps 2 x 10 ms x 2 = 40 ms.
+    Worker 0's next step runs alone (factor 1) while worker 1 sleeps: 10 ms."""
+    timing = WorkerTiming(SimConfig(compute=Fixed(0.01)), 2, factors=[1, 3])
+    assert timing.rest(0, 0.01, 1, 2.0, 0.001) == 0.0  # no sleep: not late
+    assert timing.rest(1, 0.01, 1, 2.0, 0.001) == pytest.approx(0.041)  # a sleep: late
+    table = Contention(step=(1.0, 2.0), apply=(1.0,))
+    got = _run(SimConfig(compute=Fixed(0.01), contention=table, **FREE), workers=2, steps=3,
+               eval_interval=0.005, stragglers=[1, 3])  # fmt: skip
+    at = {round(r["time"], 3): r["updates"] for r in got.records}
+    assert at[0.015] == 0 and at[0.025] == 1 and at[0.035] == 2 and got.time == pytest.approx(0.06)

@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 
 # event kinds
 _PULL_REQ, _SERVED, _PULL_HEAD, _PULL_RESP, _COMPUTED, _PUSH_HEAD, _PUSH_IN, _RACE = range(8)
-_ACK, _LEAVE, _FORWARD, _BACKED, _CATCHUP = range(8, 13)  # the last 3: between a shard's copies
-_FAIL, _JOIN, _EVAL, _RESTART = range(13, 17)
+_ACK, _LEAVE, _CPU = range(8, 11)  # _CPU: the next end of a compute's CPU time (contention)
+_FORWARD, _BACKED, _CATCHUP = range(11, 14)  # between a shard's copies
+_FAIL, _JOIN, _EVAL, _RESTART = range(14, 18)
 _RECEIVER = {_ACK: "worker", _PULL_RESP: "worker", _FORWARD: "backup", _CATCHUP: "backup"}
 _RECEIVER |= dict.fromkeys((_PULL_REQ, _PUSH_IN, _LEAVE, _BACKED), "primary")  # fault injection
 _PULL, _PUSH = 0, 1  # request kinds at a shard
@@ -136,7 +137,10 @@ class Simulation:
         self.lat, self.service = sim.network.latency, sim.service
         self.own_read = sim.own_read
         self.contention, self.copies = sim.contention, sim.copies
-        self.computing: list[float] = []  # contention: when each compute under way ends (heap)
+        self.computing: list[float] = []  # contention: when each copy and pull under way ends
+        # contention: the computes share the cores; the work clock (CPU seconds each has had
+        # by time cpu[1], at cpu[2] s a CPU second), their ends on it (heap), the plan's number
+        self.cpu, self.cpu_heap, self.cpu_plan = [0.0, 0.0, 1.0], [], 0
         self.copying: list[float] = []  # copies: when each copy under way ends (heap)
         self.serving = 0  # shards serving a request
         self.gated = self.shards[0].consistency.gated
@@ -222,6 +226,7 @@ class Simulation:
             seconds += self.copy(self.now, self.copies.apply, self.slice_bytes[k])
         if self.contention is not None:
             seconds *= self.contention.apply_at(self.runnable())
+            self.replan()
         self.at(self.now + seconds, _SERVED, k=k)
 
     def copy(self, start: float, copies: float, nbytes: float) -> float:
@@ -249,7 +254,19 @@ class Simulation:
         h = self.computing
         while h and h[0] <= self.now:
             heapq.heappop(h)
-        return len(h) + self.serving
+        return len(h) + len(self.cpu_heap) + self.serving
+
+    def replan(self, entry: tuple | None = None) -> None:
+        """The computes (and ``entry``) at the factor for the runnable now: one ``_CPU`` event."""
+        cpu, heap = self.cpu, self.cpu_heap
+        cpu[0] += (self.now - cpu[1]) / cpu[2] if heap else 0.0
+        cpu[1] = self.now
+        if entry is not None:
+            heapq.heappush(heap, (cpu[0] + entry[0], next(self.counter), *entry[1:]))
+        self.cpu_plan += 1
+        if heap:
+            cpu[2] = self.contention.step_at(self.runnable())
+            self.at(self.now + max(heap[0][0] - cpu[0], 0.0) * cpu[2], _CPU, x=self.cpu_plan)
 
     def served(self, k: int) -> None:
         kind, wk, inc = self.busy[k]
@@ -279,6 +296,8 @@ class Simulation:
                 return
         self.busy[k] = None
         self.serving -= 1
+        if self.contention is not None:
+            self.replan()
 
     def read(self, wk: _SimWorker, k: int) -> None:
         """Shard ``k``'s slice as it is now goes to worker ``wk`` (served, or read from the
@@ -608,14 +627,14 @@ class Simulation:
         wk.pull_buf = None
         wk.loss_next = loss
         wk.phase, wk.t_mark = _COMPUTING, self.now
+        timing, p = self.timing, self.timing.paces[wk.id]
         if self.contention is None:
-            end = self.timing.finish(wk.id, self.now, local_steps)
-        else:
-            n = self.runnable() + 1
-            c = self.contention
-            end = self.timing.finish(wk.id, self.now, local_steps, c.step_at(n), c.wake_at(n))
-            heapq.heappush(self.computing, self.now + self.timing.busy)
-        self.at(end, _COMPUTED, wk.id, inc=wk.inc)
+            self.at(timing.finish(wk.id, self.now, local_steps), _COMPUTED, wk.id, inc=wk.inc)
+        else:  # its CPU time shares the cores (a slowdown: its factor at the start scales it)
+            base = timing.draw(wk.id, local_steps)
+            f = math.prod(s.factor for s in p.slowdowns if s.start <= self.now < s.end)
+            work = timing.cpu_work(wk.id, base) * f
+            self.replan((work, wk, wk.inc, base, work, local_steps))
 
     def sent(self, wk: _SimWorker, k: int) -> Any:
         """What shard ``k`` receives of worker ``wk``'s push: its slice, or its payload."""
@@ -899,6 +918,19 @@ class Simulation:
                 continue  # its process died before it
             if kind == _SERVED:
                 self.served(k)
+            elif kind == _CPU:  # bookkeeping, not counted: ends the CPU times that are over
+                if x == self.cpu_plan:  # (else replanned since); they sleep what is left
+                    self.replan()
+                    while (h := self.cpu_heap) and h[0][0] <= self.cpu[0] * (1 + 1e-12):
+                        _, _, wk, inc, base, work, steps = heapq.heappop(h)
+                        if inc == wk.inc and wk.phase == _COMPUTING:
+                            wake = self.contention.wake_at(self.runnable() + 1)
+                            g = (t - wk.t_mark) / work if work > 0 else 1.0
+                            rest = self.timing.rest(wk.id, base, steps, g, wake)
+                            end = self.timing.finish(wk.id, t, work=rest)
+                            self.at(end, _COMPUTED, wk.id, inc=wk.inc)
+                    self.replan()
+                continue
             elif kind == _EVAL:
                 self.eval_at = None
                 if self.idle():

@@ -374,7 +374,6 @@ class WorkerTiming:
             self.paces[s.worker].slowdowns.append(s)
         for p in self.paces:  # an end may be inf, a start may not
             p.points = sorted({t for s in p.slowdowns for t in (s.start, s.end)} - {math.inf})
-        self.busy = 0.0  # the compute seconds of the last step (finish)
 
     def rng_states(self) -> list[dict] | None:
         """Each worker's random stream state, for a checkpoint (None: fixed step times)."""
@@ -387,28 +386,30 @@ class WorkerTiming:
             for p, state in zip(self.paces, states, strict=True):
                 p.rng.bit_generator.state = state
 
-    def finish(
-        self, worker: int, start: float, local_steps: int = 1, stretch: float = 1.0, wake=0.0
-    ) -> float:
-        """When a step of ``worker`` started at ``start`` ends: ``local_steps`` sampled step
-        times, the compute (not the delays) stretched by ``stretch`` (the contention factor),
-        ``wake`` more if it sleeps (a delay, a straggler); :attr:`busy`: its compute seconds."""
+    def draw(self, worker: int, local_steps: int = 1) -> float:
+        """The sum of ``local_steps`` sampled compute times of ``worker`` (not stretched)."""
         p = self.paces[worker]
         if p.rng is None:  # Fixed
-            base = self.compute.time * local_steps
-        else:
-            rng, sample, base = p.rng, self.compute.sample, 0.0
-            for _ in range(local_steps):
-                base += sample(rng)  # the samples of the local steps, in order
-        if stretch != 1.0:
-            base *= stretch
-        work = (base + p.delay * local_steps) * p.scale
-        if p.delay or p.scale != p.cpu:  # the one sleep a push: it ends late by ``wake``
-            work += wake
-        self.busy = base * p.cpu
-        if self.loop:  # the worker loop's own time: once a push, at no worker's pace
-            work += self.loop * stretch
-            self.busy += self.loop * stretch
+            return self.compute.time * local_steps
+        return sum(self.compute.sample(p.rng) for _ in range(local_steps))  # in order
+
+    def cpu_work(self, worker: int, base: float) -> float:
+        """The CPU seconds of a step of ``base`` sampled compute: the loop's time is too."""
+        return base * self.paces[worker].cpu + self.loop
+
+    def rest(self, worker: int, base: float, local_steps: int, stretch: float, wake: float):
+        """Seconds a step of ``base`` compute, stretched, sleeps after it (the one sleep a
+        push: a delay, a straggler's; ``wake`` late)."""
+        p = self.paces[worker]
+        late = wake if p.delay or p.scale != p.cpu else 0.0
+        return base * stretch * (p.scale - p.cpu) + p.delay * local_steps * p.scale + late
+
+    def finish(self, worker: int, start: float, local_steps: int = 1, work=None) -> float:
+        """When a step of ``worker`` started at ``start`` ends, through its slowdowns:
+        ``local_steps`` sampled step times, its delays and the loop's time (or ``work`` s)."""
+        p = self.paces[worker]
+        if work is None:  # the worker loop's own time: once a push, at no worker's pace
+            work = (self.draw(worker, local_steps) + p.delay * local_steps) * p.scale + self.loop
         if not p.slowdowns:
             return start + work
         points, t = p.points, start
