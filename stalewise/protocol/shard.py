@@ -162,8 +162,7 @@ class Shard:
         self.journal: Any = None  # where the state's changes go (pushlog.journaled)
 
     def warm_up(self) -> None:
-        """Runs the optimizer once on a copy of the first 64 params (the JIT compiles now)
-        and warms the decoder's kernels."""
+        """Runs the optimizer on a copy of 64 params and warms the decoder: kernels compile now."""
         if self.decoder is not None:
             self.decoder.warm_up()
         scratch = self.params[:64].copy()  # the kernels are compiled per dtype, not size

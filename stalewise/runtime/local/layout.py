@@ -32,7 +32,6 @@ _PAGE, _AT, _AT_PUSH = 4096, 16, 16 + 2048
 # shard table columns: cur, seq[2], ver[2], min clock, live seq, live version, announced,
 # then per worker when it began to copy the live params (monotonic ns; 0: it is not)
 _CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED, _READING = 0, 1, 3, 5, 6, 7, 8, 9
-_TABLE_COLUMNS = 9
 # push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases, sums
 R_COMMIT, R_INC, R_SEQ, R_CODE, R_DETAIL, R_BASES = range(6)
 
@@ -113,7 +112,7 @@ class Layout:
         return R_BASES + 2 * self.shards
 
     def _records_start(self) -> int:
-        columns = _TABLE_COLUMNS + self.workers
+        columns = _READING + self.workers
         return _round_up(self.control_items * 8) + _round_up(self.shards * columns * 8)
 
     def _offset(self, region: int) -> int:
@@ -141,7 +140,7 @@ class Layout:
 
     def table(self, block: SharedBlock) -> np.ndarray:
         offset = _round_up(self.control_items * 8)
-        n = self.shards * (_TABLE_COLUMNS + self.workers)
+        n = self.shards * (_READING + self.workers)
         return block.array(np.int64, offset, n).reshape(self.shards, -1)
 
     def records(self, block: SharedBlock) -> np.ndarray:

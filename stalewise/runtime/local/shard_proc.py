@@ -134,7 +134,14 @@ class ShardProcess:
 
     # -- snapshots -----------------------------------------------------------------
 
+    def after_readers(self) -> None:
+        """Waits out the workers' copies of the live params (:func:`pipeline.step_wait`)."""
+        readers = self.snapshots.readers
+        while (wait := pipeline.step_wait(readers(self.k), time.monotonic(), self.copy_time)) > 0:
+            time.sleep(min(wait, 1e-4))
+
     def publish_now(self) -> None:
+        self.after_readers()
         shard, start = self.shard, time.monotonic()
         self.snapshots.publish(self.k, shard.params, shard.version, shard.min_clock())
         self.published, self.published_at = shard.version, time.monotonic()
@@ -148,11 +155,8 @@ class ShardProcess:
         if self.shard.version == self.published:
             self.snapshots.table[self.k, L._MIN_CLOCK] = clock
             return False
-        return (
-            not busy
-            or clock != self.snapshots.min_clock(self.k)
-            or time.monotonic() - self.published_at > pipeline.PUBLISH_EVERY
-        )
+        late = time.monotonic() - self.published_at > pipeline.PUBLISH_EVERY
+        return not busy or clock != self.snapshots.min_clock(self.k) or late
 
     def write(self, call, *args, **kwargs):
         """``call(*args, **kwargs)``, a call that may write the shard's params, inside the live
@@ -228,9 +232,7 @@ class ShardProcess:
             return
         header, payload, verdict = got
         sq = self.layout.sumsq(self.records[p.worker], self.k)  # None: the shard measures
-        readers = self.snapshots.readers
-        while (wait := pipeline.step_wait(readers(self.k), time.monotonic(), self.copy_time)) > 0:
-            time.sleep(min(wait, 1e-4))  # a worker copies the live params: its copy first
+        self.after_readers()
         now = time.monotonic()
         ack = self.write(self.shard.push, header, payload, verdict=verdict, now=now, sumsq=sq)
         self.answers.append((p, wire.ack(ack)))  # sent at the end of this turn (settle)
