@@ -22,13 +22,12 @@ from stalewise.consistency import Consistency
 
 IN_FLIGHT = 1  #: Pushes a worker may have committed and not seen acknowledged by every shard.
 PUBLISH_EVERY = 0.02  #: Seconds: the most a busy shard defers publishing a version (all runtimes).
-READ_WAIT = 2.0  #: Copies of its slice: the longest a shard waits for a worker copying it.
+READ_WAIT = 10.0  #: Copies of its slice: the longest a shard defers a step for a worker copying it.
 
 
 def step_wait(readers: Iterable[float], now: float, copy: float) -> float:
-    """Seconds a shard defers its next step or publish for the workers copying its live params
-    since ``readers`` (a step would tear their copies, a publish share the memory bus with
-    them), each at most :data:`READ_WAIT` ``copy``."""
+    """Seconds a shard defers its next step for the workers copying its live params since
+    ``readers`` (a step would tear their copies), each at most :data:`READ_WAIT` ``copy``."""
     return max((t + READ_WAIT * copy - now for t in readers), default=0.0)
 
 

@@ -134,14 +134,7 @@ class ShardProcess:
 
     # -- snapshots -----------------------------------------------------------------
 
-    def after_readers(self) -> None:
-        """Waits out the workers' copies of the live params (:func:`pipeline.step_wait`)."""
-        readers = self.snapshots.readers
-        while (wait := pipeline.step_wait(readers(self.k), time.monotonic(), self.copy_time)) > 0:
-            time.sleep(min(wait, 1e-4))
-
     def publish_now(self) -> None:
-        self.after_readers()
         shard, start = self.shard, time.monotonic()
         self.snapshots.publish(self.k, shard.params, shard.version, shard.min_clock())
         self.published, self.published_at = shard.version, time.monotonic()
@@ -232,7 +225,9 @@ class ShardProcess:
             return
         header, payload, verdict = got
         sq = self.layout.sumsq(self.records[p.worker], self.k)  # None: the shard measures
-        self.after_readers()
+        readers = self.snapshots.readers
+        while (wait := pipeline.step_wait(readers(self.k), time.monotonic(), self.copy_time)) > 0:
+            time.sleep(min(wait, 1e-4))  # a worker copies the live params: its copy first
         now = time.monotonic()
         ack = self.write(self.shard.push, header, payload, verdict=verdict, now=now, sumsq=sq)
         self.answers.append((p, wire.ack(ack)))  # sent at the end of this turn (settle)
