@@ -17,6 +17,7 @@ pulls), not on time: the only clock is the timeout a regression would run into.
 
 import os
 import threading
+import time
 from multiprocessing import Pipe
 
 import numpy as np
@@ -25,6 +26,7 @@ import pytest
 import stalewise as sw
 from stalewise.protocol import pipeline
 from stalewise.runtime.local import client as client_lib
+from stalewise.runtime.local import layout as L
 from stalewise.runtime.local.client import Client
 from stalewise.runtime.local.layout import Layout
 from stalewise.runtime.local.shard_proc import ShardProcess
@@ -315,3 +317,39 @@ def test_a_pull_reuses_the_memory_of_an_earlier_pull_once_nothing_refers_to_it(s
     np.testing.assert_array_equal(kept, np.zeros(N, np.float32))
     np.testing.assert_array_equal(tensor.numpy(), np.zeros(N, np.float32))
     assert len({id(a) for a in client._spares}) == 2  # two held, no more made than that
+
+
+def test_a_step_waits_while_a_worker_copies_the_live_params(shards, monkeypatch):
+    """A worker copying the live params marks it in the table; the shard's next step waits
+    for that copy (it would tear it), here until the mark goes (no bound in sight)."""
+    monkeypatch.setattr(pipeline, "READ_WAIT", 1e9)
+    s = shards(2)
+    client, row = s.clients[0], s.proc.snapshots.table[0]
+    client.push({"w": np.ones(N, np.float32)})  # the first step compiles the optimizer
+    client.pull(timeout=TIMEOUT)
+    assert not row[L._READING :].any()  # the pull's own marks are gone
+    row[L._READING + 1] = time.monotonic_ns()  # worker 1 began to copy
+    client.push({"w": np.ones(N, np.float32)})
+    with pytest.raises(TimeoutError):
+        client.wait(timeout=0.5)
+    assert s.proc.shard.version == 1  # the step waits
+    row[L._READING + 1] = 0  # the copy is over
+    assert client.wait(timeout=TIMEOUT).versions == (2,)
+
+
+def test_a_mark_left_by_a_worker_that_died_copying_holds_a_step_back_no_longer_than_the_bound(
+    shards,
+):
+    s = shards(2)
+    client, row = s.clients[0], s.proc.snapshots.table[0]
+    client.push({"w": np.ones(N, np.float32)})  # the first step compiles the optimizer
+    client.pull(timeout=TIMEOUT)
+    s.proc.copy_time = 0.01
+    row[L._READING + 1] = time.monotonic_ns() - 10**9  # a second ago, past READ_WAIT copies
+    client.push({"w": np.ones(N, np.float32)})
+    assert client.wait(timeout=0.5).versions == (2,)  # no wait for the dead worker's copy
+    assert (
+        0
+        < pipeline.step_wait([time.monotonic()], time.monotonic(), 0.01)
+        <= 0.01 * pipeline.READ_WAIT
+    )

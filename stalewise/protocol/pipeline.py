@@ -22,6 +22,13 @@ from stalewise.consistency import Consistency
 
 IN_FLIGHT = 1  #: Pushes a worker may have committed and not seen acknowledged by every shard.
 PUBLISH_EVERY = 0.02  #: Seconds: the most a busy shard defers publishing a version (all runtimes).
+READ_WAIT = 10.0  #: Copies of its slice: the longest a shard defers a step for a worker copying it.
+
+
+def step_wait(readers: Iterable[float], now: float, copy: float) -> float:
+    """Seconds a shard defers its next step for the workers copying its live params since
+    ``readers`` (a step would tear their copies), each at most :data:`READ_WAIT` ``copy``."""
+    return max((t + READ_WAIT * copy - now for t in readers), default=0.0)
 
 
 def answer_at_acks(push: Any) -> bool:

@@ -162,7 +162,9 @@ class Shard:
         self.journal: Any = None  # where the state's changes go (pushlog.journaled)
 
     def warm_up(self) -> None:
-        """Runs the optimizer once on a copy of the first 64 params: the JIT compiles now."""
+        """Runs the optimizer on a copy of 64 params and warms the decoder: kernels compile now."""
+        if self.decoder is not None:
+            self.decoder.warm_up()
         scratch = self.params[:64].copy()  # the kernels are compiled per dtype, not size
         state = self.optimizer.init(scratch, self.segments.slice(0, scratch.size))
         big = np.finfo(scratch.dtype).max ** 0.25  # a gradient a clip rescales, squared finite

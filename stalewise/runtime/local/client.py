@@ -327,7 +327,7 @@ class Client(PullsIntoTrees):
                 if copies == LIVE_COPIES:
                     return None
                 copies += 1
-                version = snaps.read_live(k, out)
+                version = snaps.read_live(k, out, self.worker)
                 if version is not None and version >= acked:
                     return version
                 continue

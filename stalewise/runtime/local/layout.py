@@ -25,15 +25,24 @@ if TYPE_CHECKING:
     from stalewise.protocol import ServerConfig
 
 _ALIGN = 64  # bytes; every region starts on a cache line
-# shard table columns: cur, seq[2], ver[2], min clock, live seq, live version, announced
-_CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED = 0, 1, 3, 5, 6, 7, 8
-_TABLE_COLUMNS = 9
+# where in its 4 KiB page a region of params starts: at a large numpy array's (glibc's mmap
+# header), so a pull's copy out and a push's in do not 4K-alias (3x slower at 100M); push
+# regions half a page away from the params, which the step reads them against
+_PAGE, _AT, _AT_PUSH = 4096, 16, 16 + 2048
+# shard table columns: cur, seq[2], ver[2], min clock, live seq, live version, announced,
+# then per worker when it began to copy the live params (monotonic ns; 0: it is not)
+_CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED, _READING = 0, 1, 3, 5, 6, 7, 8, 9
 # push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases, sums
 R_COMMIT, R_INC, R_SEQ, R_CODE, R_DETAIL, R_BASES = range(6)
 
 
-def _round_up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+def _round_up(n: int, to: int = _ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def _in_page(offset: int, at: int) -> int:
+    """The first offset from ``offset`` on that is ``at`` bytes into a page."""
+    return offset + (at - offset) % _PAGE
 
 
 def copy_range(out: np.ndarray | list, src: np.ndarray, lo: int, hi: int) -> None:
@@ -103,24 +112,22 @@ class Layout:
         return R_BASES + 2 * self.shards
 
     def _records_start(self) -> int:
-        return _round_up(self.control_items * 8) + _round_up(self.shards * _TABLE_COLUMNS * 8)
+        columns = _READING + self.workers
+        return _round_up(self.control_items * 8) + _round_up(self.shards * columns * 8)
 
     def _offset(self, region: int) -> int:
         """Where region ``region`` starts: params, observer, 2 snapshots, then each pull."""
         arrays = self._records_start() + _round_up(self.workers * self.record_items * 8)
-        return arrays + region * _round_up(self.size * np.dtype(self.dtype).itemsize)
+        raw = _round_up(self.size * np.dtype(self.dtype).itemsize, _PAGE)
+        return _in_page(arrays, _AT) + region * raw
 
     def _push_offset(self, worker: int) -> int:
-        if self.payloads:
-            region = sum(_round_up(n) for n in self.payloads)
-        else:
-            region = _round_up(self.size * np.dtype(self.dtype).itemsize)
-        return self._offset(4 + self.workers) + worker * region
+        raw = sum(map(_round_up, self.payloads)) or self.size * np.dtype(self.dtype).itemsize
+        return _in_page(self._offset(4 + self.workers), _AT_PUSH) + worker * _round_up(raw, _PAGE)
 
     def _residual_offset(self, worker: int, j: int) -> int:
-        tags = _round_up(self.workers * 2 * 8)
-        raw = _round_up(self.size * np.dtype(self.dtype).itemsize)
-        return self._push_offset(self.workers) + tags + (2 * worker + j) * raw
+        first = _in_page(self._push_offset(self.workers) + self.workers * 2 * 8, _AT)  # tags first
+        return first + (2 * worker + j) * (self._offset(1) - self._offset(0))
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +140,8 @@ class Layout:
 
     def table(self, block: SharedBlock) -> np.ndarray:
         offset = _round_up(self.control_items * 8)
-        return block.array(np.int64, offset, self.shards * _TABLE_COLUMNS).reshape(self.shards, -1)
+        n = self.shards * (_READING + self.workers)
+        return block.array(np.int64, offset, n).reshape(self.shards, -1)
 
     def records(self, block: SharedBlock) -> np.ndarray:
         """The push records, one row per worker id (see the module docstring)."""
@@ -173,15 +181,11 @@ class Residuals:
     def __init__(self, layout: Layout, block: SharedBlock):
         if not layout.feedback:
             raise ValueError("this job's codec keeps no error feedback: no residuals")
-        n, at = layout.workers, layout._push_offset(layout.workers)
-        self.tags = block.array(np.int64, at, 2 * n).reshape(n, 2)  # each worker's two tags
+        n, at, dtype = layout.workers, layout._residual_offset, layout.dtype
+        self.tags = block.array(np.int64, layout._push_offset(n), 2 * n).reshape(n, 2)  # 2 each
         self.records = layout.records(block)
         self.buffers = [
-            tuple(
-                block.array(layout.dtype, layout._residual_offset(w, j), layout.size)
-                for j in (0, 1)
-            )
-            for w in range(n)
+            tuple(block.array(dtype, at(w, j), layout.size) for j in (0, 1)) for w in range(n)
         ]
 
     # -- the worker's side
@@ -204,19 +208,14 @@ class Residuals:
         if t0 < 0 or t1 < 0:
             return (0, t0) if t1 < 0 else (1, t1)
         hi = 0 if t0 > t1 else 1
-        rec = self.records[w]
-        # the incarnation first: a new incarnation rewrites it before its commit word
-        same = int(rec[R_INC]) == incarnation
-        word = int(rec[R_COMMIT])
+        rec = self.records[w]  # the incarnation first: a new one rewrites it before its commit
+        same, word = int(rec[R_INC]) == incarnation, int(rec[R_COMMIT])
         committed = same and word > 0 and int(rec[R_SEQ]) == word - 1 and word >= max(t0, t1)
         return (hi, max(t0, t1)) if committed else (1 - hi, min(t0, t1))
 
     def read(self, w: int, incarnation: int, out: np.ndarray, timeout: float = 10.0) -> int:
         """Copies worker ``w``'s residual after its last committed push of ``incarnation`` into
-        ``out`` (never torn); returns its tag.
-
-        Raises:
-            TimeoutError: no consistent copy within ``timeout`` seconds."""
+        ``out`` (never torn); returns its tag (TimeoutError: none within ``timeout`` s)."""
         deadline = time.monotonic() + timeout
         while True:
             found = self.current(w, incarnation)
@@ -258,8 +257,7 @@ class Snapshots:
 
     def changing(self, k: int) -> None:
         """Shard ``k`` may write its live params from now on (odd: readers retry)."""
-        row = self.table[k]
-        row[_LIVE_SEQ] = int(row[_LIVE_SEQ]) | 1
+        self.table[k, _LIVE_SEQ] |= 1
 
     def changed(self, k: int, version: int) -> None:
         """Shard ``k``'s live params are consistent again, at ``version`` (even)."""
@@ -271,17 +269,22 @@ class Snapshots:
         """Whether shard ``k`` is not changing its live params right now."""
         return not int(self.table[k, _LIVE_SEQ]) & 1
 
-    def read_live(self, k: int, out: np.ndarray | list) -> int | None:
-        """Copies shard ``k``'s live params into ``out[lo:hi]``; returns their version, or
-        None if the shard was changing them (the copy may be torn: do not use it)."""
-        row = self.table[k]
-        lo, hi = self.ranges[k]
+    def read_live(self, k: int, out: np.ndarray | list, worker: int) -> int | None:
+        """Worker ``worker`` copies shard ``k``'s live params into ``out[lo:hi]`` (marked in
+        the table meanwhile: see :meth:`readers`); returns their version, or None if the
+        shard was changing them (the copy may be torn: do not use it)."""
+        row, (lo, hi) = self.table[k], self.ranges[k]
+        row[_READING + worker] = time.monotonic_ns()
         seq = int(row[_LIVE_SEQ])
-        if seq & 1:
-            return None
-        copy_range(out, self.params, lo, hi)
+        if not seq & 1:
+            copy_range(out, self.params, lo, hi)
         version = int(row[_LIVE_VER])
-        return version if int(row[_LIVE_SEQ]) == seq else None
+        row[_READING + worker] = 0
+        return version if not seq & 1 and int(row[_LIVE_SEQ]) == seq else None
+
+    def readers(self, k: int) -> list[float]:
+        """When (``time.monotonic()``) each worker now copying shard ``k``'s live params began."""
+        return [t / 1e9 for t in self.table[k, _READING:].tolist() if t]
 
     def announce(self, k: int, version: int) -> None:
         """Shard ``k``, busy, publishes ``version`` right after the acks it is sending."""
@@ -293,8 +296,7 @@ class Snapshots:
 
     def publish(self, k: int, params: np.ndarray, version: int, min_clock: int) -> None:
         """Shard ``k`` (the only writer of its row) publishes its slice at ``version``."""
-        row = self.table[k]
-        lo, hi = self.ranges[k]
+        row, (lo, hi) = self.table[k], self.ranges[k]
         j = 1 - int(row[_CUR])
         row[_SEQ + j] += 1  # odd: being written
         np.copyto(self.buffers[j][lo:hi], params)
@@ -302,9 +304,6 @@ class Snapshots:
         row[_SEQ + j] += 1  # even: consistent
         row[_CUR] = j
         row[_MIN_CLOCK] = min_clock
-
-    def publish_clock(self, k: int, min_clock: int) -> None:
-        self.table[k, _MIN_CLOCK] = min_clock
 
     def min_clock(self, k: int) -> int:
         return int(self.table[k, _MIN_CLOCK])
@@ -316,8 +315,7 @@ class Snapshots:
 
     def read(self, k: int, out: np.ndarray | list) -> int:
         """Copies shard ``k``'s latest snapshot into ``out[lo:hi]``; returns its version."""
-        row = self.table[k]
-        lo, hi = self.ranges[k]
+        row, (lo, hi) = self.table[k], self.ranges[k]
         while True:
             i = int(row[_CUR])
             seq = int(row[_SEQ + i])

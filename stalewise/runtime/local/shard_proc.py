@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -121,7 +122,7 @@ class ShardProcess:
         self.cut_aimed = False  # its targets are in: the state is sent once they are reached
         self.cut_log: tuple = ("", False)  # and the push log begun then: (path, fsync)
         self.cut_n, self.cut_until = 0, 0.0  # its number, and when it is given up
-        self.publishes = 0  # snapshots published
+        self.publishes, self.copy_time = 0, 0.0  # snapshots published; a copy's seconds
         self.log, self.unsynced = LogWriter(f"shard {k}"), False  # the push log; entries unsynced
         self.served = 0  # pulls served into a worker's pull buffer
         self.primary, self.link, self.backup_timeout = None, None, 0.0  # replicas=2 (sync)
@@ -134,23 +135,21 @@ class ShardProcess:
     # -- snapshots -----------------------------------------------------------------
 
     def publish_now(self) -> None:
-        shard = self.shard
+        shard, start = self.shard, time.monotonic()
         self.snapshots.publish(self.k, shard.params, shard.version, shard.min_clock())
         self.published, self.published_at = shard.version, time.monotonic()
         self.publishes += 1
+        self.copy_time = min(self.copy_time or math.inf, self.published_at - start)  # warm
 
     def publish_due(self, busy: bool) -> bool:
         """Whether to copy the params out for pulls now: when idle, every PUBLISH_EVERY s
         under load, and at once when the slowest clock moved (never ahead of the params)."""
         clock = self.shard.min_clock()
         if self.shard.version == self.published:
-            self.snapshots.publish_clock(self.k, clock)
+            self.snapshots.table[self.k, L._MIN_CLOCK] = clock
             return False
-        return (
-            not busy
-            or clock != self.snapshots.min_clock(self.k)
-            or time.monotonic() - self.published_at > pipeline.PUBLISH_EVERY
-        )
+        late = time.monotonic() - self.published_at > pipeline.PUBLISH_EVERY
+        return not busy or clock != self.snapshots.min_clock(self.k) or late
 
     def write(self, call, *args, **kwargs):
         """``call(*args, **kwargs)``, a call that may write the shard's params, inside the live
@@ -226,6 +225,9 @@ class ShardProcess:
             return
         header, payload, verdict = got
         sq = self.layout.sumsq(self.records[p.worker], self.k)  # None: the shard measures
+        readers = self.snapshots.readers
+        while (wait := pipeline.step_wait(readers(self.k), time.monotonic(), self.copy_time)) > 0:
+            time.sleep(min(wait, 1e-4))  # a worker copies the live params: its copy first
         now = time.monotonic()
         ack = self.write(self.shard.push, header, payload, verdict=verdict, now=now, sumsq=sq)
         self.answers.append((p, wire.ack(ack)))  # sent at the end of this turn (settle)
@@ -281,24 +283,17 @@ class ShardProcess:
         except OSError as e:
             self.lose_backup(e)
 
-    def expire_partial(self) -> None:
-        """Cuts off workers whose message stayed incomplete for PARTIAL_TIMEOUT seconds."""
-        now = time.monotonic()
+    def expire_partial(self) -> float | None:
+        """Cuts off workers whose message stayed incomplete for PARTIAL_TIMEOUT seconds;
+        returns when the next one would be, or a frozen cut is given up (None: neither)."""
+        now, ends = time.monotonic(), [self.cut_until] if self.cutting.frozen else []
         for p in list(self.pipes):
-            if p.partial_since is not None and now - p.partial_since >= PARTIAL_TIMEOUT:
-                self.disconnect(
-                    p,
-                    f"sent an incomplete message ({p.reader.pending} bytes) and nothing "
-                    f"more for {PARTIAL_TIMEOUT:g} s",
-                )
-
-    def next_deadline(self) -> float | None:
-        starts = [
-            p.partial_since + PARTIAL_TIMEOUT for p in self.pipes if p.partial_since is not None
-        ]
-        if self.cutting.frozen:
-            starts.append(self.cut_until)
-        return min(starts, default=None)
+            if p.partial_since is not None and now - p.partial_since < PARTIAL_TIMEOUT:
+                ends.append(p.partial_since + PARTIAL_TIMEOUT)
+            elif p.partial_since is not None:
+                why = f"({p.reader.pending} bytes) and nothing more for {PARTIAL_TIMEOUT:g} s"
+                self.disconnect(p, f"sent an incomplete message {why}")
+        return min(ends, default=None)
 
     def serve_waiting_pulls(self) -> None:
         for w in sorted(self.waiting):
@@ -526,18 +521,10 @@ def shard_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown
     child_logging(f"shard {k}")
     proc = ShardProcess(config, k, SharedBlock.attach(block_name), layout, control)
-    warm_up(proc.shard)
+    proc.shard.warm_up()  # the JIT and the codec's kernels now, not at the first push
     proc.publish_now()
     control.send_bytes(wire.ready(k))
     serve(proc, join_timeout)
-
-
-def warm_up(shard: Shard) -> None:
-    """The optimizer's JIT and the codec's kernels load now, not at the first push (nor,
-    on a backup, within its primary's first wait: backup_timeout)."""
-    shard.warm_up()
-    if shard.decoder is not None:
-        shard.decoder.warm_up()
 
 
 def serve(proc: ShardProcess, join_timeout: float) -> None:
@@ -545,7 +532,7 @@ def serve(proc: ShardProcess, join_timeout: float) -> None:
     k, shard = proc.k, proc.shard
     lease_ends: float | None = time.monotonic() + join_timeout
     while True:
-        deadlines = [d for d in (lease_ends, proc.next_deadline()) if d is not None]
+        deadlines = [d for d in (lease_ends, proc.expire_partial()) if d is not None]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         if not proc.turn(timeout):
             proc.end_log()
@@ -574,7 +561,7 @@ def backup_main(
     lo, hi = config.ranges[k]
     block = SharedBlock.attach(block_name)
     shard = config.build_shard(k, np.array(config.init[lo:hi]), layout.workers, layout.expected)
-    warm_up(shard)
+    shard.warm_up()  # (not within its primary's first wait: backup_timeout)
     control.send_bytes(wire.ready(k))
     try:
         promoted = follow(shard, push_regions(layout, block, lo, hi, k), link, control)
