@@ -801,10 +801,9 @@ def transport_times(
     cpu: list | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """Seconds of a pull, of a push until its acknowledgement, and of its send alone,
-    ``repeats`` times each, through a server of ``runtime`` of ``size`` floats. ``shard``
-    (a list) gets shard 0's actor's own seconds per push on Ray; ``cpu`` (a list) each
-    repeat's ``(pull, send, shard)`` CPU seconds: this thread's, and a local shard
-    process's on average (its apply, publish and pipes; None on Ray)."""
+    ``repeats`` times each, through a ``runtime`` server of ``size`` floats. Lists ``shard``
+    and ``cpu`` get shard 0's actor's seconds per push on Ray, and each repeat's ``(pull, send,
+    shard)`` CPU seconds (this thread's; a local shard's on average, None on Ray)."""
     shards = min(job.config.shards, size)
     job = _synthetic_job(job, size, shards)
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
@@ -950,8 +949,7 @@ def calibrate(
     contention: bool = True,
     runtime: str = "local",
 ) -> Calibration:
-    """Measures compute, apply, pull and push times on this machine; ValueError names a bad
-    argument.
+    """Measures compute, apply, pull and push times here; ValueError names a bad argument.
 
     Args:
         loss_and_grad, data, workers: as :meth:`stalewise.Job.train` takes them; the

@@ -82,12 +82,10 @@ class Failures(_Group):
             (the others spend the budget), or ``"fail"`` the job (:class:`WorkerError`).
             A dead shard is restarted unless ``"fail"``.
         max_restarts: restarts allowed per worker id (and per shard); None: no limit.
-        worker_timeout: seconds without a heartbeat after which a worker counts as hung
-            and is killed (local runtime); one call of ``loss_and_grad`` must be shorter.
-            None: never.
-        diverge_after: a worker whose last this many pushes were all refused as NaN/Inf
-            or overflow has diverged and stops; once every worker has, the job raises
-            :class:`DivergedError`. None: never."""
+        worker_timeout: seconds without a heartbeat after which a worker is hung and killed
+            (local runtime; None: never); one call of ``loss_and_grad`` must be shorter.
+        diverge_after: a worker whose last this many pushes were all refused (NaN/Inf,
+            overflow) stops; once all have, the job raises :class:`DivergedError`. None: never."""
 
     policy: str = DEFAULTS["on_worker_failure"]
     max_restarts: int | None = DEFAULTS["max_restarts"]

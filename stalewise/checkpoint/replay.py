@@ -24,9 +24,8 @@ def replay(directory: str | os.PathLike, config: Any, start: str | None = None) 
     """The flat parameters the checkpoint ``start`` (default: the newest) of ``directory``
     and the push logs after it give, with that checkpoint and the logs read.
 
-    Raises:
-        CheckpointError: one line: no usable checkpoint, one of another job or without
-            logs, or a log that is garbled, not ours, or does not fit its shard."""
+    CheckpointError (one line): no usable checkpoint, one of another job or without logs,
+    or a log that is garbled, not ours, or does not fit its shard."""
     root = Path(directory)
     ckpt = load(root / start if start else root)
     check_compatible(ckpt, config)
@@ -156,13 +155,9 @@ def replay_chain(
     shard: Any, folder: Path, name: str, agreed: tuple[set, list] | None = None
 ) -> tuple[list[str], int]:
     """Replays into ``shard`` (loaded with the state log ``name`` began at) that log and the
-    rest of its chain; returns the files read and the bytes of whole entries in the last
-    (a torn last entry is dropped). ``agreed``: the marks every shard logged and this
-    chain's entries' (:func:`_marks`); what is not agreed is left out (:func:`_agreed`),
-    and after it a push's base version is at most the shard's.
-
-    Raises:
-        CheckpointError: a log that is garbled, not ours, or does not fit its shard."""
+    rest of its chain, leaving out what is not ``agreed`` (:func:`_agreed`); returns the files
+    read and the bytes of whole entries in the last (a torn last entry is dropped).
+    CheckpointError: a log that is garbled, not ours, or does not fit its shard."""
     read, end, left_out = [], 0, False
 
     def entries(f: Any, where: str, last: bool, marks: Any) -> Any:

@@ -1,5 +1,4 @@
-"""A parameter tree's spec as JSON, plain data only: the one codec of checkpoints'
-manifests and of the attach door (:mod:`stalewise.runtime.local.door_state`).
+"""A parameter tree's spec as JSON, plain data only: for checkpoints and the attach door.
 
 A node is {"kind", "keys", "children"} with kind from :data:`KINDS`, plus "leaf" (an alias),
 "ordered" (an OrderedDict) or "type" ("module.QualName", never imported). A key is [kind,
@@ -77,10 +76,7 @@ def spec_to_json(spec: tree_lib.FlatSpec, *, live: bool = False) -> dict[str, An
 
 def spec_from_json(data: Any, where: str = "spec", *, live: bool = False) -> tree_lib.FlatSpec:
     """The FlatSpec of :func:`spec_to_json`'s data (``live`` as written), every field
-    checked. Imports and unpickles nothing.
-
-    Raises:
-        NotData: one line naming the bad field (a CheckpointError when loading)."""
+    checked; imports and unpickles nothing. NotData (CheckpointError on load): a bad field."""
 
     def bad(what: str) -> NotData:
         return NotData(f"{where}: {what}")

@@ -1,17 +1,15 @@
 """The optimizer interface, composition with :func:`chain`, and gradient clipping.
 
-An :class:`Optimizer` works on one flat parameter vector (float32 or float64) and the
-:class:`~stalewise.segments.Segments` table that says which slice is which leaf. It is a
-NamedTuple of functions, in the spirit of optax:
+An :class:`Optimizer` is a NamedTuple of functions (as in optax) on one flat float32 or
+float64 parameter vector and its :class:`~stalewise.segments.Segments` table:
 
 - ``init(params, segments) -> state``: a NamedTuple of numpy arrays; the step counter ``count``
   is a 0-d int64 array, so a server can mutate the state in place and checkpoint it as it is.
-- ``update(grads, state, params, *, scale=1.0) -> (updates, new_state)``: pure; no input is
-  modified; ``params + updates`` is the new parameter vector.
-- ``apply(grads, state, params, *, scale=1.0) -> None``: ``params`` and ``state`` updated
-  in place, ``grads`` may be overwritten (scratch); allocates no parameter-sized memory.
-- ``update_inplace(grads, state, params, *, scale=1.0) -> None``: ``grads`` becomes the
-  updates and ``state`` is advanced; ``params`` is untouched.
+- ``update(grads, state, params, *, scale=1.0) -> (updates, new_state)``: pure;
+  ``params + updates`` is the new parameter vector.
+- ``apply(...) -> None``: ``params`` and ``state`` updated in place, ``grads`` scratch;
+  allocates no parameter-sized memory.
+- ``update_inplace(...) -> None``: ``grads`` becomes the updates, ``state`` advances.
 
 ``scale`` multiplies the step size of this one update (a staleness weight)."""
 

@@ -1,19 +1,18 @@
 """The one worker loop every runtime drives: begin, pull, strategy step, push.
 
-The loop is a generator without I/O that asks its runtime, so blocking runtimes
-and the simulator run the same loop:
+The loop is a generator without I/O that asks its runtime, so blocking runtimes and the
+simulator run the same loop:
 
 * :data:`BEGIN`: answer True to start a step, False to end the loop;
 * :data:`PULL`: answer with the pulled parameters (the user's tree);
-* :data:`CLOCK` (only for a strategy whose ``timed`` is true, after each PULL):
-  answer with the runtime's clock in seconds (virtual in the simulator);
+* :data:`CLOCK` (only for a strategy whose ``timed`` is true, after each PULL): answer with the
+  runtime's clock in seconds (virtual in the simulator);
 * a :class:`Push`: push ``update``, emulate the compute time, and answer with the
-  :class:`~stalewise.protocol.messages.PushResult` of every push completed since the
-  last answer; a push with ``settle=True`` is answered once acknowledged, and the
-  next PULL must include it (read-your-writes; see :mod:`stalewise.protocol.pipeline`);
-* an :class:`Ahead` (only with ``overlap=True`` and a strategy that ``overlaps``):
-  emulate the compute of the inner steps taken while the push was in flight and
-  answer with the results completed meanwhile.
+  :class:`~stalewise.protocol.messages.PushResult` of every push completed since the last
+  answer; a push with ``settle=True`` is answered once acknowledged, and the next PULL must
+  include it (read-your-writes; see :mod:`stalewise.protocol.pipeline`);
+* an :class:`Ahead` (only with ``overlap=True`` and a strategy that ``overlaps``): emulate the
+  inner steps taken while the push was in flight; answer with the results completed meanwhile.
 
 Example:
     >>> import numpy as np

@@ -65,8 +65,7 @@ class PullsIntoTrees:
             timeout: seconds to wait for the shards (None: forever).
             own: wait for this worker's last push to be acknowledged (default).
 
-        Returns:
-            The parameters in the structure and backend the job was made with."""
+        Returns the parameters in the structure and backend the job was made with."""
         self.pull_flat(timeout=timeout, own=own)
         return self.last_pull(copy=copy, into=into)
 

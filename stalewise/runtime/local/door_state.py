@@ -70,9 +70,7 @@ def _codec(policy: codecs.Policy) -> dict:
 def decode(body: bytes) -> tuple[str | None, Plan | None]:
     """What a door sent: ``(its refusal, None)`` or ``(None, the plan of the client)``.
 
-    Raises:
-        NotData: the document is not one a door writes (says what is wrong).
-    """
+    NotData (saying what is wrong): a document no door writes."""
     try:
         doc = json.loads(body)
         if isinstance(doc, dict) and list(doc) == ["error"]:

@@ -1,12 +1,8 @@
 """The local runtime's server: shards (and their backups) as OS processes on one machine.
 
-:class:`LocalServer` starts and stops the shard processes (:mod:`~.shard_proc`), restarts
-one that died, holds the workers' error-feedback residuals for checkpoints, and watches the
-shards: one that exits early is written into the shared control words, and every client's
-next call raises :class:`~stalewise.runtime.errors.ShardError` naming it. Bytes move through
-shared memory (:mod:`~.layout`), control messages through one pipe pair per incarnation of
-a worker (:mod:`~.wire`); the worker's side is :class:`~.client.Client`. How:
-``docs/design-notes.md`` ("Local runtime")."""
+:class:`LocalServer` starts, watches and restarts the shard processes and holds the workers'
+error-feedback residuals for checkpoints; after a shard exits early, every client's next call
+raises :class:`~stalewise.runtime.errors.ShardError`. How: ``docs/design-notes.md``."""
 
 from __future__ import annotations
 
@@ -162,9 +158,8 @@ class LocalServer:
                 self._link_backup(k, self._procs[k], started)
             self.observer = self._observer()
             self._watcher.start()
-            # the worker processes a loop you own starts while the server runs inherit a
-            # share of the cores each (torch's default, one thread per core each, ran
-            # gradient pushes 5.8x slower with 2 workers on 2 cores); variables you set win
+            # processes your own loop starts meanwhile inherit a share of the cores each
+            # (torch's one thread per core each ran 5.8x slower); variables you set win
             self._threads = contextlib.ExitStack()
             self._threads.enter_context(thread_budget((os.cpu_count() or 1) // workers, hold=False))
             if name is not None:
@@ -657,17 +652,12 @@ class LocalServer:
     def restart_shard(
         self, k: int, base: dict | None = None, timeout: float = 60.0, keep: tuple = ()
     ) -> dict:
-        """Brings back shard ``k``, whose process has died: its live backup serves in its place
-        (:meth:`_promote`), else a new process restores its state: with push logs exactly as
-        when it died (its log chain goes on; workers ``keep`` keep their seats, then
-        :meth:`rejoin`), else its slice the last published snapshot, its optimizer state and
-        counters ``base``'s (shard ``k``'s :meth:`state_dict`) or fresh, its version the live
-        shards'. Every other worker must rejoin as a new incarnation (its committed push is
-        delivered where lacking).
+        """Brings back shard ``k``, whose process has died: its live backup, else a new process
+        restored from its push logs (workers ``keep`` keep their seats), else from the last
+        snapshot and ``base`` (its :meth:`state_dict`) or fresh. Other workers must rejoin.
 
-        Returns:
-            ``{"shard", "version", "lost", "source"}``: the version it resumes at, the
-            updates its slice lacks (None when unknown) and where the params came from."""
+        Returns ``{"shard", "version", "lost", "source"}``: the version it resumes at, the
+        updates its slice lacks (None when unknown) and where the params came from."""
         p = self._procs[k]
         p.join(1)
         if p.is_alive():

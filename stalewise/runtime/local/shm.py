@@ -1,7 +1,6 @@
 """Shared-memory blocks that cannot leak.
 
-On Linux an anonymous memory file (``memfd_create``), elsewhere a named file in ``/dev/shm``;
-why: ``docs/design-notes.md`` ("Local runtime").
+On Linux a ``memfd_create`` file, elsewhere a file in ``/dev/shm``; why: ``docs/design-notes.md``.
 
 Example:
     >>> block = SharedBlock.create(1024)

@@ -1,16 +1,8 @@
 """``Job.train`` on the local runtime: one OS process per worker, driven by the parent.
 
-The parent starts the shards (:class:`~stalewise.runtime.local.LocalServer`) and
-one spawned process per worker, releases them together, then evaluates every
-``eval_interval`` seconds as an observer, writes records and stops the job at the
-budget, the stop condition, a failure its policy does not survive, or Ctrl-C. A
-worker fails when its process dies, user code raises in it, its heartbeats stop
-(:class:`~stalewise.protocol.liveness.Silence`) or its result pipe carries bytes
-that are no message (:func:`stalewise.runtime.local.wire.decode_result`); a shard fails
-when its process dies (it is restarted; the running workers carry on if it comes back
-from its push log, else restart). A failure before the job has started fails it
-whatever the policy. What a user sees: ``docs/reliability.md``. No process the parent
-started outlives it (:func:`~stalewise.runtime.local.procs.die_with_parent`)."""
+The parent starts the shards and the workers, evaluates every ``eval_interval`` seconds and
+stops the job at the budget, the stop condition, a failure its policy does not survive
+(``docs/reliability.md``), or Ctrl-C. No process the parent started outlives it."""
 
 from __future__ import annotations
 
@@ -315,10 +307,7 @@ class _Host:
 
     def receive(self, w: int) -> list[tuple] | None:
         """The messages on worker ``w``'s result pipe now, decoded (nothing is unpickled); []
-        while a message is incomplete, None at the pipe's end.
-
-        Raises:
-            WireError: bytes that are no message."""
+        while a message is incomplete, None at the pipe's end. WireError: bytes no message."""
         wk = self.workers[w]
         try:
             data = os.read(wk.conn.fileno(), READ_CHUNK)

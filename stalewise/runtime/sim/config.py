@@ -63,15 +63,13 @@ class SimConfig:
             :mod:`~stalewise.runtime.sim.models` (a failure is the job's failure policy's
             unless a later :class:`Join` says when it comes back; no contention by default).
         restart_delay: virtual seconds a restarted worker takes to come back (default 1).
-        loop: seconds every push takes besides its compute, delays and transfers (the
-            worker loop's own time; default 0).
+        loop: the worker loop's own seconds per push besides compute, delays and transfers (0).
         own_read: the chance that a lone worker's snapshot read right after its push
             already holds it (None, the default: never).
         copies: what copying the parameters' bytes costs on the cores (:class:`Copies`;
             None, the default: only the links and the shard's ``service`` charge bytes).
-        model_bytes: pretend the parameter vector has this many bytes on the wire and at
-            the shards; only the timing changes. (``docs/calibrate.md`` says how
-            ``stalewise calibrate`` measures each.)
+        model_bytes: the parameter bytes to time on the wire and at the shards; only the
+            timing changes. (``docs/calibrate.md``: how ``stalewise calibrate`` measures each.)
 
     Example:
         >>> cfg = SimConfig(stragglers=Stragglers(count=1, slowdown=4.0),
@@ -156,9 +154,7 @@ class SimConfig:
 
         Its keys (:data:`TOML_KEYS`) are SimConfig's fields, with the models' fields spelled
         flat (:data:`_FLAT`: ``step_time``, ``contention_wake``, ``copy_rate``, ...).
-
-        Raises:
-            SimConfigError: naming the bad field and value, with its key as ``path``.
+        SimConfigError names the bad field and value, with its key as ``path``.
 
         Example:
             >>> cfg = SimConfig.from_dict({"compute": "fixed", "step_time": 0.5,
