@@ -386,3 +386,19 @@ def test_the_live_codec_carries_a_tree_to_another_process_of_the_job_whole():
         NotData, match=r"a dataclass of class os\.system, which this process has not imported"
     ):
         spec_from_json(sent, live=True)
+
+
+def test_a_door_whose_stalewise_lays_the_block_out_otherwise_is_refused_in_one_line():
+    """An attaching process of another stalewise version would read the wrong bytes."""
+    from stalewise.runtime.local import door_state
+
+    job = sw.Job({"x": np.zeros(4, np.float32)}, optimizer=sw.optim.sgd(0.1))
+    with job.serve(workers=1) as server:
+        client = server.client(0)
+        doc = json.loads(door_state.encode(server.config, client, 1))
+        assert door_state.decode(json.dumps(doc).encode())[0] is None  # the same stalewise
+        doc["client"]["where"][0] += 4096  # as a version with another page offset would
+        refusal, plan = door_state.decode(json.dumps(doc).encode())
+        client.close()
+    assert plan is None and "\n" not in refusal
+    assert refusal.startswith("its shared memory is laid out as another stalewise does")

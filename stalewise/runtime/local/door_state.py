@@ -42,6 +42,7 @@ def encode(config: ServerConfig, client: Client, workers: int) -> bytes:
         "block": client._block_name,
         "workers": workers,
         "layout": dataclasses.asdict(client._layout),
+        "where": client._layout.where,
         "spec": spec_to_json(spec, live=True),
         "shards": config.shards,
         "replicas": config.replicas,
@@ -90,6 +91,12 @@ def decode(body: bytes) -> tuple[str | None, Plan | None]:
         layout = _layout(_get(state, "layout", dict))
         if layout.shards != config.shards or layout.size != spec.size:
             raise NotData(f"a layout of {layout.shards} shards, {layout.size} values")
+        if _get(state, "where", list) != layout.where:
+            return (
+                "its shared memory is laid out as another stalewise does: attach with the "
+                f"server's version (regions at {state['where']}, here {layout.where})",
+                None,
+            )
         return None, Plan(_count(_get(state, "worker", int)), _get(state, "block", str), layout,
                           config, _count(_get(state, "incarnation", int), 1),
                           _count(_get(state, "joined_at", int)),

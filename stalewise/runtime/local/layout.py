@@ -130,6 +130,12 @@ class Layout:
         return first + (2 * worker + j) * (self._offset(1) - self._offset(0))
 
     @property
+    def where(self) -> list[int]:
+        """Where the params and the first push region start, and the block's size: a process
+        running another stalewise may lay the same job out otherwise."""
+        return [self._offset(0), self._push_offset(0), self.nbytes]
+
+    @property
     def nbytes(self) -> int:
         if not self.feedback:
             return self._push_offset(self.workers)
