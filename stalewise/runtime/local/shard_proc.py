@@ -312,8 +312,8 @@ class ShardProcess:
         return bool(self.pipes) and bool(wire.readable(self.pipes, 0))
 
     def turn(self, timeout: float | None) -> bool:
-        """Handles what arrives within ``timeout`` seconds (None: waits for something)
-        and cuts off incomplete messages that timed out; False when the shard must stop."""
+        """Handles what arrives within ``timeout`` seconds (None: waits for something); False
+        when the shard must stop (:func:`serve` cuts off incomplete messages before each)."""
         readable = [p for p in self.pipes if not self.held(p)]
         for c in wire.readable([self.control, *readable], timeout):
             if c is self.control:
@@ -322,7 +322,6 @@ class ShardProcess:
                     return False
             elif c in self.pipes and not self.held(c):  # else: departed, or a cut began
                 self.receive(c)
-        self.expire_partial()
         if self.cut_aimed and self.cutting.reached(self.shard):
             self.end_cut(self.shard.state_dict())
         elif self.cutting.frozen and time.monotonic() >= self.cut_until:
