@@ -47,10 +47,7 @@ def _in_page(offset: int, at: int) -> int:
 
 def copy_range(out: np.ndarray | list, src: np.ndarray, lo: int, hi: int) -> None:
     """``out[lo:hi] = src[lo:hi]``; ``out`` a flat vector or ``(offset, flat view)`` pieces."""
-    if isinstance(out, np.ndarray):
-        np.copyto(out[lo:hi], src[lo:hi])
-        return
-    for at, view in out:
+    for at, view in [(0, out)] if isinstance(out, np.ndarray) else out:
         a, b = max(lo, at), min(hi, at + view.size)
         if a < b:
             np.copyto(view[a - at : b - at], src[a:b])
