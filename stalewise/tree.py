@@ -34,7 +34,7 @@ from stalewise.segments import Segments
 logger = logging.getLogger(__name__)
 
 BLOCK = 1 << 20  # elements measured by one dot product (float32 sums of 1M: 2e-6 relative)
-STREAM = 1 << 20  # bytes of a flat vector from which a measured copy streams past the cache
+STREAM = 2 << 20  # bytes of a flat vector from which a measured copy streams past the cache
 
 __all__ = ["AttrKey", "FlatSpec", "HiddenKey", "LeafSpec", "TreeDef"]
 __all__ += ["copy_buffers", "flatten", "mark_buffers", "path_str", "put_buffers"]
