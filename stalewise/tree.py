@@ -583,6 +583,12 @@ def _copy_sumsq(dst: np.ndarray, src: np.ndarray) -> float:
     return total
 
 
+def warm_copy(flat: np.ndarray) -> None:
+    """Compiles the streaming measured copy now if a push of ``flat`` (a push buffer) streams."""
+    if flat.nbytes >= STREAM and flat.dtype.name in ("float32", "float64"):
+        _streamer(flat.dtype.name)
+
+
 @functools.cache
 def _streamer(dtype: str) -> tuple[Any, Any]:
     """(engine, f): ``f(dst, src, n)`` copies ``n`` (a multiple of 16) elements to ``dst``

@@ -86,3 +86,14 @@ def test_the_streaming_copy_loads_no_numba():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[40.0] False"
+
+
+def test_a_worker_client_compiles_the_streaming_copy_as_it_attaches(monkeypatch):
+    import stalewise as sw
+
+    monkeypatch.setattr(tree, "STREAM", 0)
+    tree._streamer.cache_clear()
+    job = sw.Job({"w": np.zeros(64, np.float32)}, optimizer=sw.optim.sgd(0.1))
+    with job.serve(workers=1) as server:
+        server.client(0).peek()  # attached, nothing pushed
+        assert tree._streamer.cache_info().currsize == 1

@@ -206,6 +206,7 @@ class Client(PullsIntoTrees):
             self._pull_buf = self._layout.pull_buffer(self._block, self.worker)
             if self._compressor is None:
                 self._push_buf = self._layout.push_buffer(self._block, self.worker)
+                tree.warm_copy(self._push_buf)  # its compile now, not at the first push
             else:  # the update, in this process, encoded into the shared payloads at push
                 self._push_buf = np.empty(self._layout.size, self._layout.dtype)
                 shards = range(len(self._ranges))
