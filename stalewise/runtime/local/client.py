@@ -455,10 +455,12 @@ class Client(PullsIntoTrees):
             raise ValueError("an observer client cannot push")
         self._attach()
         self.wait(timeout=timeout)  # a timeout propagates: the shards may still read the buffer
-        ranges = self._ranges if self._compressor is None else []  # each slice's sum of squares
-        self._sums = (
-            tree.flatten(update, spec=self._spec, out=self._push_buf, sumsq=ranges)[2] or None
-        )
+        if self._compressor is None:  # each slice's sum of squares, measured as it is copied
+            self._sums = tree.flatten(
+                update, spec=self._spec, out=self._push_buf, sumsq=self._ranges
+            )[2]
+        else:
+            tree.flatten(update, spec=self._spec, out=self._push_buf)
         self.push_flat_sent()
 
     def push_flat_sent(self) -> None:

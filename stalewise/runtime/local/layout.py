@@ -311,6 +311,9 @@ class Snapshots:
     def min_clock(self, k: int) -> int:
         return int(self.table[k, _MIN_CLOCK])
 
+    def set_min_clock(self, k: int, clock: int) -> None:
+        self.table[k, _MIN_CLOCK] = clock
+
     def version(self, k: int) -> int:
         """The version of shard ``k``'s current snapshot (it may move on at once)."""
         row = self.table[k]

@@ -146,7 +146,7 @@ class ShardProcess:
         under load, and at once when the slowest clock moved (never ahead of the params)."""
         clock = self.shard.min_clock()
         if self.shard.version == self.published:
-            self.snapshots.table[self.k, L._MIN_CLOCK] = clock
+            self.snapshots.set_min_clock(self.k, clock)
             return False
         late = time.monotonic() - self.published_at > pipeline.PUBLISH_EVERY
         return not busy or clock != self.snapshots.min_clock(self.k) or late
