@@ -225,7 +225,7 @@ class Simulation:
         if self.copies is not None and req[0] == _PUSH:  # the apply's copies, on the bus
             seconds += self.copy(self.now, self.copies.apply, self.slice_bytes[k])
         if self.contention is not None:
-            seconds *= self.contention.apply_at(self.runnable())
+            seconds *= self.stretch(self.runnable())
             self.replan()
         self.at(self.now + seconds, _SERVED, k=k)
 
@@ -244,10 +244,19 @@ class Simulation:
         start = max(self.now, wk.cpu_free)
         seconds = cpu + self.copy(start, copies, nbytes)
         if self.contention is not None:
-            seconds *= self.contention.apply_at(self.runnable() + 1)
+            seconds *= self.stretch(self.runnable() + 1)
             heapq.heappush(self.computing, start + seconds)
         wk.cpu_free = start + seconds
         return wk.cpu_free
+
+    def stretch(self, n: int) -> float:
+        """The contention factor of a copy or a service with ``n`` processes runnable; with a
+        bus on ``copy_cores`` cores, what copies on those cores cost each other is the bus's:
+        the factor is only the wait for a core beyond them."""
+        f, c = self.contention.apply_at(n), self.copies
+        if c is not None and c.bus < math.inf and c.cores < math.inf:
+            f /= self.contention.apply_at(min(n, c.cores))
+        return f
 
     def runnable(self) -> int:
         """The processes runnable now (contention): workers computing, shards serving."""
