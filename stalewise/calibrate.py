@@ -733,33 +733,28 @@ def copy_times(nbytes: int, repeats: int) -> list[float]:
 
 
 def bus_copies(nbytes: int, cores: int, rounds: int = 5) -> float:
-    """The copies of ``nbytes`` the memory bus moves at once with ``cores`` threads copying
-    (each its own buffers; ``np.copyto`` lets go of the GIL), in copies of one thread alone:
-    1 when they take turns, ``cores`` when they do not share it (the median of ``rounds``)."""
-    if cores < 2:
-        return 1.0
+    """Copies of ``nbytes`` the memory bus moves at once with ``cores`` threads copying (1:
+    they take turns, ``cores``: unshared), in copies of one alone; the median of ``rounds``."""
     bufs = [(np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)) for _ in range(cores)]
-    took = [0.0] * cores
+    took, ratios = [0.0] * cores, []
 
-    def copy(i: int, n: int, start: threading.Barrier) -> None:
-        start.wait()
+    def copy(i: int, n: int) -> None:  # np.copyto lets go of the GIL
         t = time.perf_counter()
         for _ in range(n):
             np.copyto(bufs[i][1], bufs[i][0])
         took[i] = (time.perf_counter() - t) / n
 
-    copy(0, 2, threading.Barrier(1))  # the pages faulted in, a copy's time
-    n, ratios = max(2, int(0.02 / max(took[0], 1e-9))), []  # each round 20 ms or more a thread
-    for _ in range(rounds):
-        copy(0, n, threading.Barrier(1))
-        alone, start = took[0], threading.Barrier(cores)
-        threads = [threading.Thread(target=copy, args=(i, n, start)) for i in range(cores)]
+    copy(0, 2)  # the pages faulted in; then 20 ms or more of copies a thread
+    n = max(2, int(0.02 / max(took[0], 1e-9)))
+    for _ in range(rounds if cores > 1 else 0):
+        copy(0, n)
+        alone, threads = took[0], [threading.Thread(target=copy, args=(i, n)) for i in range(cores)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         ratios.append(cores * alone / max(took))
-    return min(max(statistics.median(ratios), 1.0), float(cores))
+    return min(max(statistics.median(ratios or [1.0]), 1.0), float(cores))
 
 
 # -- contention ------------------------------------------------------------------------
@@ -841,7 +836,8 @@ def transport_times(
     """Seconds of a pull, of a push until its acknowledgement, and of its send alone,
     ``repeats`` times each, through a ``runtime`` server of ``size`` floats. Lists ``shard``
     and ``cpu`` get shard 0's actor's seconds per push on Ray, and each repeat's ``(pull, send,
-    shard)`` CPU seconds (this thread's; a local shard's on average, None on Ray)."""
+    shard)`` CPU seconds, each timed alone (this thread's; a local shard's on average, None on
+    Ray)."""
     shards = min(job.config.shards, size)
     job = _synthetic_job(job, size, shards)
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
@@ -873,33 +869,29 @@ def transport_times(
                 sends.append(t1 - t0)
                 if shard is not None:
                     shard.append(spent - before)
-            if cpu is not None:  # the CPU each stage costs alone: the bus is shared in the sim
+            if cpu is not None:  # each stage's CPU alone, the shards settled: the bus is the sim's
                 _settle(procs)
                 was, c0 = _on_cpu(procs), time.thread_time()
                 client.push(update)
                 c1 = time.thread_time()
                 client.wait(60.0)
                 _settle(procs)  # the shard's apply and publish, with no copy beside them
-                on_cpu, c2 = _on_cpu(procs), time.thread_time()
+                now, c2 = _on_cpu(procs), time.thread_time()
                 client.pull_flat(own=False, timeout=60.0)
                 if i >= 2:
-                    ok = on_cpu is not None and was is not None
-                    shard_s = (on_cpu - was) / shards if ok else None
-                    cpu.append((time.thread_time() - c2, c1 - c0, shard_s))
-                if shard is not None:
-                    spent = busy()
+                    on = None if None in (now, was) else (now - was) / shards
+                    cpu.append((time.thread_time() - c2, c1 - c0, on))
+                spent = busy() if shard is not None else spent
         client.close()
     return pulls, pushes, sends
 
 
 def _settle(pids: Sequence[int], quiet: float = SETTLE) -> None:
     """Returns once processes ``pids`` have not run for ``quiet`` seconds (at most 200 x)."""
-    now, end = _on_cpu(pids), time.monotonic() + 200 * quiet
-    while time.monotonic() < end:
+    last, end = None, time.monotonic() + 200 * quiet
+    while (now := _on_cpu(pids)) != last and time.monotonic() < end:
+        last = now
         time.sleep(quiet)
-        last, now = now, _on_cpu(pids)
-        if now == last:
-            return
 
 
 def _on_cpu(pids: Sequence[int]) -> float | None:

@@ -250,13 +250,11 @@ class Simulation:
         return wk.cpu_free
 
     def stretch(self, n: int) -> float:
-        """The contention factor of a copy or a service with ``n`` processes runnable; with a
-        bus on ``copy_cores`` cores, what copies on those cores cost each other is the bus's:
-        the factor is only the wait for a core beyond them."""
-        f, c = self.contention.apply_at(n), self.copies
-        if c is not None and c.bus < math.inf and c.cores < math.inf:
-            f /= self.contention.apply_at(min(n, c.cores))
-        return f
+        """The contention factor of a copy or a service with ``n`` runnable: with a bus on
+        ``copy_cores`` cores (what copies there cost each other), only the wait beyond them."""
+        c, at = self.copies, self.contention.apply_at
+        shared = c is not None and c.bus < math.inf and c.cores < math.inf
+        return at(n) / at(min(n, c.cores)) if shared else at(n)
 
     def runnable(self) -> int:
         """The processes runnable now (contention): workers computing, shards serving."""
@@ -433,12 +431,6 @@ class Simulation:
             heapq.heappush(self.waiting[k], entry)
         else:
             self.enqueue(k, (_PULL, wk, inc))
-
-    def pull_bytes_mean(self) -> float:
-        """The mean bytes of one pull of every shard (model_bytes scaled)."""
-        if not self.pulled[1]:
-            return float(sum(self.slice_bytes))
-        return self.pulled[0] / self.pulled[1] * self.S
 
     def release(self, k: int) -> None:
         """Lets through the gated pulls shard ``k``'s gate now allows (smallest clock first)."""
