@@ -39,15 +39,7 @@ from stalewise.runtime.base import MAX_DELAY
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import MAX_SECONDS, MIN_BYTES_PER_S, Contention
 
-__all__ = [
-    "Calibration",
-    "Fit",
-    "Interval",
-    "Spread",
-    "busy_warnings",
-    "calibrate",
-    "table_toml",
-]
+__all__ = ["Calibration", "Fit", "Interval", "Spread", "busy_warnings", "calibrate", "table_toml"]
 
 log = logging.getLogger(__name__)
 
@@ -669,14 +661,9 @@ def _observe(
 def _synthetic_job(job: Any, size: int, shards: int) -> Any:
     """A job like ``job`` over one leaf of ``size`` floats."""
     config = job.config
-    return type(job)(
-        {"w": np.zeros(size, np.float32)},
-        optimizer=config.optimizer,
-        consistency=config.consistency,
-        staleness=config.staleness,
-        shards=shards,
-        codec=config.codec,
-    )
+    return type(job)({"w": np.zeros(size, np.float32)}, optimizer=config.optimizer, shards=shards,
+                     consistency=config.consistency, staleness=config.staleness,
+                     codec=config.codec)  # fmt: skip
 
 
 def apply_times(config: ServerConfig, size: int, repeats: int) -> list[float]:
@@ -825,14 +812,9 @@ def _recv(conn: Any, deadline: float, proc: Any = None) -> Any:
 # -- pulls and pushes -----------------------------------------------------------------
 
 
-def transport_times(
-    job: Any,
-    size: int,
-    repeats: int,
-    runtime: str = "local",
-    shard: list | None = None,
-    cpu: list | None = None,
-) -> tuple[list[float], list[float], list[float]]:
+def transport_times(job: Any, size: int, repeats: int, runtime: str = "local",
+                    shard: list | None = None, cpu: list | None = None,
+                    ) -> tuple[list[float], list[float], list[float]]:  # fmt: skip
     """Seconds of a pull, of a push until its acknowledgement, and of its send alone,
     ``repeats`` times each, through a ``runtime`` server of ``size`` floats. Lists ``shard``
     and ``cpu`` get shard 0's actor's seconds per push on Ray, and each repeat's ``(pull, send,
@@ -961,11 +943,8 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
                        steps=max(30, int(LOOP_STEPS / h)), runtime=runtime,
                        metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]
-    per_push = [
-        (b["time"] - a["time"]) / (b["pushes"] - a["pushes"]) - h * (LOOP_COMPUTE + inner)
-        for a, b in itertools.pairwise(recs)
-        if b["pushes"] > a["pushes"]
-    ]
+    per_push = [(b["time"] - a["time"]) / (b["pushes"] - a["pushes"]) - h * (LOOP_COMPUTE + inner)
+                for a, b in itertools.pairwise(recs) if b["pushes"] > a["pushes"]]  # fmt: skip
     if not per_push:
         raise RuntimeError(f"calibrate: the worker-loop run made too few records ({result!r})")
     counts = {int(t): int(n) for t, n in result.stats.get("staleness_counts", {}).items()}
@@ -1096,6 +1075,8 @@ def calibrate(
 
     owner = getattr(getattr(config.optimizer, "init", None), "__qualname__", "").split(".")[0]
 
+    cpu = {k: fit(f"{k} CPU") for k in ("pull", "send", "shard")
+           if len(series.get(f"{k} CPU", ())) == len(sizes)}  # fmt: skip
     cal = Calibration(
         workers=workers,
         threads=threads,
@@ -1120,11 +1101,7 @@ def calibrate(
         runtime=runtime,
         copy=fit("copy"),
         bus=bus,
-        cpu={
-            k: fit(f"{k} CPU")
-            for k in ("pull", "send", "shard")
-            if len(series.get(f"{k} CPU", ())) == len(sizes)
-        },  # the shard's: at every size
+        cpu=cpu,  # the shard's only when measured at every size
     )
     for w in cal.warnings():
         log.warning("calibrate: the machine was too busy for a stable figure: %s", w)

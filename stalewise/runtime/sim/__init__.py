@@ -129,6 +129,8 @@ class _Host:
         state = self.state
         wall = time.perf_counter() - self.wall0
         n, (got, count) = max(state.totals["steps"], 1), state.pulled
+        shards = [dict(version=s.version, applied=s.stats.applied, rejected=dict(s.stats.rejected),
+                       duplicates=s.stats.duplicates) for s in state.shards]  # fmt: skip
         stats["sim"] = {
             "events": state.events,
             "wall_time": wall,
@@ -141,15 +143,7 @@ class _Host:
             "pushed_bytes": state.pushed_bytes,  # every push sent, as sent (model_bytes scaled)
             # one pull of every shard: the mean (model_bytes scaled)
             "pull_bytes": got / count * state.S if count else float(sum(state.slice_bytes)),
-            "shards": [
-                {
-                    "version": shard.version,
-                    "applied": shard.stats.applied,
-                    "rejected": dict(shard.stats.rejected),
-                    "duplicates": shard.stats.duplicates,
-                }
-                for shard in state.shards
-            ],
+            "shards": shards,
         }
         flat = state.params.copy()  # each shard's primary (replicas: maybe a promoted backup)
         for (lo, hi), shard in zip(state.ranges, state.shards, strict=True):

@@ -555,13 +555,8 @@ class Simulation:
         except Exception as e:
             self.crash(wk, e)
             return
-        wk.loop = gen = loop.worker_loop(
-            self.strategy,
-            self.loss_and_grad,
-            wk.batches,
-            worker=w,
-            diverge_after=self.diverge_after,
-        )
+        wk.loop = gen = loop.worker_loop(self.strategy, self.loss_and_grad, wk.batches, worker=w,
+                                         diverge_after=self.diverge_after)  # fmt: skip
         next(gen)  # runs to the first BEGIN
         self.start_step(wk)
 
@@ -728,13 +723,7 @@ class Simulation:
             self.policy(wk, cause)
             return
         # the script says when it is back: away until that join, whatever the policy
-        event = {
-            "worker": wk.id,
-            "time": self.now,
-            "cause": cause,
-            "action": "left",
-            "rejoin": back,
-        }
+        event = dict(worker=wk.id, time=self.now, cause=cause, action="left", rejoin=back)
         self.failures.events.append(event)
         wk.awaiting = event
 
@@ -1020,13 +1009,8 @@ class Simulation:
         self.now = self.end
         return driver.END
 
-    def run(
-        self,
-        record: Callable[[], bool],
-        eval_interval: float,
-        deadline: float,
-        starts: list[tuple[float, int]] | None = None,
-    ) -> bool:
+    def run(self, record: Callable[[], bool], eval_interval: float, deadline: float,
+            starts: list[tuple[float, int]] | None = None) -> bool:  # fmt: skip
         """Runs the whole simulation without a driver; returns whether ``record`` said stop."""
         self.begin(eval_interval, starts)
         hook = self.checkpointer
