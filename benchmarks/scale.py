@@ -20,11 +20,11 @@ figure is a ratio that a shared machine's load moves less than a time.
   with DiLoCo H=20 (``--train``).
 * **sim**: beside each own-loop rate, the simulator's prediction of it (``sim/s``,
   ``sim/real``), calibrated in the same run (``job.calibrate`` at n/4 and n floats: the
-  stages' CPU costs, the contention; then the setting simulated with ``model_bytes`` of n
-  floats). ``--no-sim`` leaves it out; ``--resim JSON [--drop KEY]`` only simulates again
+  stages' CPU costs, each timed alone, the memory bus, the contention; then the setting
+  simulated with ``model_bytes`` of n floats). ``--no-sim`` leaves it out; ``--resim JSON [--drop KEY]`` only simulates again
   on a recorded run's tables (``sim_tables``). The bar's run (10M and 100M, quiet machine):
   ``benchmarks/scale.py --sizes 10000000 100000000 --shards 1 --json
-  benchmarks/results/scale-sim.json`` (its bars: ``|sim/real - 1| <= 0.15``).
+  benchmarks/results/scale-sim-alone.json`` (its bars: ``|sim/real - 1| <= 0.15``).
 * **memory**: each process's peak resident memory (``VmHWM``, the shared block
   counted in every process that touched it) as a multiple of the parameters' bytes.
 

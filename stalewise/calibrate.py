@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -38,15 +39,7 @@ from stalewise.runtime.base import MAX_DELAY
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import MAX_SECONDS, MIN_BYTES_PER_S, Contention
 
-__all__ = [
-    "Calibration",
-    "Fit",
-    "Interval",
-    "Spread",
-    "busy_warnings",
-    "calibrate",
-    "table_toml",
-]
+__all__ = ["Calibration", "Fit", "Interval", "Spread", "busy_warnings", "calibrate", "table_toml"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +62,8 @@ SPREAD_LIMIT = 0.5
 #: Seconds the contention measurement times steps at each count of runnable processes
 #: (the apply and the sleeps: half as long); and the most processes it counts to.
 CONTENTION_SECONDS, MOST_PROCESSES = 0.2, 16
+#: Seconds a process must not run to count as idle: a stage's CPU is timed with none beside it.
+SETTLE = 0.005
 WAKE_SLEEP = 0.002  #: Seconds of each sleep whose late end the contention measurement times.
 #: The bounds :meth:`Calibration.sim_config` takes: measured (None), 25th or 75th percentile.
 BOUNDS = (None, "low", "high")
@@ -219,6 +214,7 @@ class Calibration:
         contention: the factors and a sleep's lateness with 1, 2, ... processes runnable.
         runtime: the runtime transport, shard and worker loop were timed on.
         copy: one copy's seconds by bytes (the table then charges bytes as copies).
+        bus: the copies at once the memory bus moves with every core copying, and the cores.
         cpu: CPU seconds by bytes of the ``"pull"``, the ``"send"`` and a local ``"shard"``'s push.
     """
 
@@ -246,6 +242,7 @@ class Calibration:
     runtime: str = "local"
     copy: Fit | None = None
     cpu: dict[str, Fit] | None = None
+    bus: tuple[float, int] | None = None
 
     # -- the compute model -------------------------------------------------------------
 
@@ -306,7 +303,8 @@ class Calibration:
         fixed = 0.0 if cpu is None else cpu["pull"].intercept + cpu["send"].intercept
         t["latency"] = _sig(min(max(0.0, self.message.intercept - fixed) / 2, MAX_SECONDS))
         t["bandwidth"] = math.inf if copies else _rate(self.message.slope)
-        t["service_time"] = _sig(min(self.apply.intercept, MAX_SECONDS))
+        apply = (self.shard_apply if copies else None) or self.apply  # a local shard's CPU
+        t["service_time"] = _sig(min(apply.intercept, MAX_SECONDS))
         t["service_rate"] = math.inf if copies else _rate(self.apply.slope)
         if self.contention is not None:
             t["contention_step"] = list(self.contention.step)
@@ -317,11 +315,12 @@ class Calibration:
             t["own_read"] = round(self.own_read, 3)
         if copies:
             per = self.copy.slope
-            t["copy_rate"] = _rate(per)  # no copy_bus: the bus is shared in the stages' figures
+            t["copy_rate"] = _rate(per)
+            if self.bus is not None:  # the stages' CPU was timed alone: they share the bus here
+                t["copy_bus"], t["copy_cores"] = _sig(t["copy_rate"] * self.bus[0]), self.bus[1]
             pull, push = (
                 (self.pull, self.send or self.push) if cpu is None else (cpu["pull"], cpu["send"])
             )
-            apply = self.shard_apply or self.apply
             for key, fit in (("pull", pull), ("push", push), ("apply", apply)):
                 t[f"copy_{key}"] = _sig(min(fit.slope / per, 1e6))
             if cpu is not None:
@@ -443,7 +442,8 @@ class Calibration:
                 f"copies: one process copies {_rate(self.copy.slope):.3g} B/s; a pull costs "
                 f"{t.get('copy_pull')} copies of its bytes, a send {t.get('copy_push')}, an apply "
                 f"{t.get('copy_apply')}{' with its publish' * (self.shard_apply is not None)}, "
-                "charged to the cores"
+                "each timed alone, charged to the cores"
+                + (f" and a bus of {t['copy_bus']:.3g} B/s" if "copy_bus" in t else "")
             )
         if self.contention is not None:
             c = self.contention
@@ -661,14 +661,9 @@ def _observe(
 def _synthetic_job(job: Any, size: int, shards: int) -> Any:
     """A job like ``job`` over one leaf of ``size`` floats."""
     config = job.config
-    return type(job)(
-        {"w": np.zeros(size, np.float32)},
-        optimizer=config.optimizer,
-        consistency=config.consistency,
-        staleness=config.staleness,
-        shards=shards,
-        codec=config.codec,
-    )
+    return type(job)({"w": np.zeros(size, np.float32)}, optimizer=config.optimizer, shards=shards,
+                     consistency=config.consistency, staleness=config.staleness,
+                     codec=config.codec)  # fmt: skip
 
 
 def apply_times(config: ServerConfig, size: int, repeats: int) -> list[float]:
@@ -722,6 +717,31 @@ def copy_times(nbytes: int, repeats: int) -> list[float]:
         if i >= 2:  # the first two fault the pages in and warm the caches
             times.append((time.thread_time() - t) / n)
     return times
+
+
+def bus_copies(nbytes: int, cores: int, rounds: int = 5) -> float:
+    """Copies of ``nbytes`` the memory bus moves at once with ``cores`` threads copying (1:
+    they take turns, ``cores``: unshared), in copies of one alone; the median of ``rounds``."""
+    bufs = [(np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)) for _ in range(cores)]
+    took, ratios = [0.0] * cores, []
+
+    def copy(i: int, n: int) -> None:  # np.copyto lets go of the GIL
+        t = time.perf_counter()
+        for _ in range(n):
+            np.copyto(bufs[i][1], bufs[i][0])
+        took[i] = (time.perf_counter() - t) / n
+
+    copy(0, 2)  # the pages faulted in; then 20 ms or more of copies a thread
+    n = max(2, int(0.02 / max(took[0], 1e-9)))
+    for _ in range(rounds if cores > 1 else 0):
+        copy(0, n)
+        alone, threads = took[0], [threading.Thread(target=copy, args=(i, n)) for i in range(cores)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ratios.append(cores * alone / max(took))
+    return min(max(statistics.median(ratios or [1.0]), 1.0), float(cores))
 
 
 # -- contention ------------------------------------------------------------------------
@@ -792,18 +812,14 @@ def _recv(conn: Any, deadline: float, proc: Any = None) -> Any:
 # -- pulls and pushes -----------------------------------------------------------------
 
 
-def transport_times(
-    job: Any,
-    size: int,
-    repeats: int,
-    runtime: str = "local",
-    shard: list | None = None,
-    cpu: list | None = None,
-) -> tuple[list[float], list[float], list[float]]:
+def transport_times(job: Any, size: int, repeats: int, runtime: str = "local",
+                    shard: list | None = None, cpu: list | None = None,
+                    ) -> tuple[list[float], list[float], list[float]]:  # fmt: skip
     """Seconds of a pull, of a push until its acknowledgement, and of its send alone,
     ``repeats`` times each, through a ``runtime`` server of ``size`` floats. Lists ``shard``
     and ``cpu`` get shard 0's actor's seconds per push on Ray, and each repeat's ``(pull, send,
-    shard)`` CPU seconds (this thread's; a local shard's on average, None on Ray)."""
+    shard)`` CPU seconds, each timed alone (this thread's; a local shard's on average, None on
+    Ray)."""
     shards = min(job.config.shards, size)
     job = _synthetic_job(job, size, shards)
     update = {"w": np.random.default_rng(0).normal(scale=1e-3, size=size).astype(np.float32)}
@@ -818,30 +834,46 @@ def transport_times(
         spent = busy() if shard is not None else 0.0
         started = {p.pid for p in multiprocessing.active_children()} - others  # the shards
         procs = [] if _on_cluster(runtime) else sorted(started)
-        on_cpu = _on_cpu(procs)
         for i in range(repeats + 2):
             # as the local worker loop: the pull follows the push at once, the ack is read later
-            c0, t0 = time.thread_time(), time.perf_counter()
+            t0 = time.perf_counter()
             client.push(update)
-            c1, t1 = time.thread_time(), time.perf_counter()
+            t1 = time.perf_counter()
             client.pull_flat(own=False, timeout=60.0)  # a server that hangs: TimeoutError
-            c2, t2 = time.thread_time(), time.perf_counter()
+            t2 = time.perf_counter()
             client.wait(60.0)
             t3 = time.perf_counter()
             if shard is not None:
                 spent, before = busy(), spent
-            was, on_cpu = on_cpu, _on_cpu(procs)  # from this push to the next: its publish too
             if i >= 2:
                 pulls.append(t2 - t1)
                 pushes.append((t1 - t0) + (t3 - t2))
                 sends.append(t1 - t0)
-                if cpu is not None:
-                    ok = on_cpu is not None and was is not None
-                    cpu.append((c2 - c1, c1 - c0, (on_cpu - was) / shards if ok else None))
                 if shard is not None:
                     shard.append(spent - before)
+            if cpu is not None:  # each stage's CPU alone, the shards settled: the bus is the sim's
+                _settle(procs)
+                was, c0 = _on_cpu(procs), time.thread_time()
+                client.push(update)
+                c1 = time.thread_time()
+                client.wait(60.0)
+                _settle(procs)  # the shard's apply and publish, with no copy beside them
+                now, c2 = _on_cpu(procs), time.thread_time()
+                client.pull_flat(own=False, timeout=60.0)
+                if i >= 2:
+                    on = None if None in (now, was) else (now - was) / shards
+                    cpu.append((time.thread_time() - c2, c1 - c0, on))
+                spent = busy() if shard is not None else spent
         client.close()
     return pulls, pushes, sends
+
+
+def _settle(pids: Sequence[int], quiet: float = SETTLE) -> None:
+    """Returns once processes ``pids`` have not run for ``quiet`` seconds (at most 200 x)."""
+    last, end = None, time.monotonic() + 200 * quiet
+    while (now := _on_cpu(pids)) != last and time.monotonic() < end:
+        last = now
+        time.sleep(quiet)
 
 
 def _on_cpu(pids: Sequence[int]) -> float | None:
@@ -911,11 +943,8 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
                        steps=max(30, int(LOOP_STEPS / h)), runtime=runtime,
                        metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]
-    per_push = [
-        (b["time"] - a["time"]) / (b["pushes"] - a["pushes"]) - h * (LOOP_COMPUTE + inner)
-        for a, b in itertools.pairwise(recs)
-        if b["pushes"] > a["pushes"]
-    ]
+    per_push = [(b["time"] - a["time"]) / (b["pushes"] - a["pushes"]) - h * (LOOP_COMPUTE + inner)
+                for a, b in itertools.pairwise(recs) if b["pushes"] > a["pushes"]]  # fmt: skip
     if not per_push:
         raise RuntimeError(f"calibrate: the worker-loop run made too few records ({result!r})")
     counts = {int(t): int(n) for t, n in result.stats.get("staleness_counts", {}).items()}
@@ -1032,6 +1061,8 @@ def calibrate(
             for name, b, xs in timed:
                 series.setdefault(name, []).append((b, xs))
                 spreads.append((_key(name, b), Spread.of(xs)))
+        cores = os.cpu_count() or 1
+        bus = (bus_copies(max(sizes) * itemsize, cores), cores)
         fixed = statistics.median(series["send"][0][1]) + statistics.median(series["pull"][0][1])
         looped = loop_times(job, sizes[0], runtime)
     loop_s = max(0.0, statistics.median(looped.per_push) - fixed)
@@ -1044,6 +1075,8 @@ def calibrate(
 
     owner = getattr(getattr(config.optimizer, "init", None), "__qualname__", "").split(".")[0]
 
+    cpu = {k: fit(f"{k} CPU") for k in ("pull", "send", "shard")
+           if len(series.get(f"{k} CPU", ())) == len(sizes)}  # fmt: skip
     cal = Calibration(
         workers=workers,
         threads=threads,
@@ -1067,11 +1100,8 @@ def calibrate(
         cpu_times=cpu_times,
         runtime=runtime,
         copy=fit("copy"),
-        cpu={
-            k: fit(f"{k} CPU")
-            for k in ("pull", "send", "shard")
-            if len(series.get(f"{k} CPU", ())) == len(sizes)
-        },  # the shard's: at every size
+        bus=bus,
+        cpu=cpu,  # the shard's only when measured at every size
     )
     for w in cal.warnings():
         log.warning("calibrate: the machine was too busy for a stable figure: %s", w)

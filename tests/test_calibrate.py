@@ -71,17 +71,22 @@ def check_sane(sim: SimConfig, cal: calibrate.Calibration) -> None:
         assert close(net.latency, min(cal.message.intercept / 2, MAX_SECONDS))
         assert close(net.bandwidth, rate(cal.message.slope))
         assert close(service.rate, rate(cal.apply.slope))
+        assert close(service.time, min(cal.apply.intercept, MAX_SECONDS))
     else:  # the bytes are copies on the cores; the pull's and send's fixed CPU time too
         pull, send = cal.cpu["pull"], cal.cpu["send"]
         fixed = pull.intercept + send.intercept
         assert close(net.latency, max(0.0, cal.message.intercept - fixed) / 2)
         assert net.bandwidth == service.rate == math.inf
-        assert close(copied.rate, rate(cal.copy.slope)) and copied.bus == math.inf
+        assert close(copied.rate, rate(cal.copy.slope))
+        # the stages were timed alone: their copies share the bus measured with every core
+        copies_at_once, cores = cal.bus
+        assert 1 <= copies_at_once <= cores == copied.cores == (os.cpu_count() or 1)
+        assert close(copied.bus, copied.rate * copies_at_once)
         apply = cal.shard_apply or cal.apply  # a local shard process's, its publish in it
         for got, fit in ((copied.pull, pull), (copied.push, send), (copied.apply, apply)):
             assert close(got, fit.slope / cal.copy.slope)
         assert close(copied.pull_time, pull.intercept) and close(copied.push_time, send.intercept)
-    assert close(service.time, min(cal.apply.intercept, MAX_SECONDS))
+        assert close(service.time, min(apply.intercept, MAX_SECONDS))
     assert close(sim.loop, loop)
     assert sim.stragglers is None and not sim.failures and sim.model_bytes is None
 

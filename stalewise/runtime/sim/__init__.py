@@ -128,7 +128,9 @@ class _Host:
     def finish(self, stats: dict) -> np.ndarray:
         state = self.state
         wall = time.perf_counter() - self.wall0
-        n = max(state.totals["steps"], 1)
+        n, (got, count) = max(state.totals["steps"], 1), state.pulled
+        shards = [dict(version=s.version, applied=s.stats.applied, rejected=dict(s.stats.rejected),
+                       duplicates=s.stats.duplicates) for s in state.shards]  # fmt: skip
         stats["sim"] = {
             "events": state.events,
             "wall_time": wall,
@@ -139,16 +141,9 @@ class _Host:
             "comm_time_mean": (state.totals["pull"] + state.totals["push"]) / n,
             "push_bytes": sum(state.wire_bytes),  # one dense push, every shard (scaled)
             "pushed_bytes": state.pushed_bytes,  # every push sent, as sent (model_bytes scaled)
-            "pull_bytes": state.pull_bytes_mean(),  # one pull, every shard: the mean (scaled)
-            "shards": [
-                {
-                    "version": shard.version,
-                    "applied": shard.stats.applied,
-                    "rejected": dict(shard.stats.rejected),
-                    "duplicates": shard.stats.duplicates,
-                }
-                for shard in state.shards
-            ],
+            # one pull of every shard: the mean (model_bytes scaled)
+            "pull_bytes": got / count * state.S if count else float(sum(state.slice_bytes)),
+            "shards": shards,
         }
         flat = state.params.copy()  # each shard's primary (replicas: maybe a promoted backup)
         for (lo, hi), shard in zip(state.ranges, state.shards, strict=True):

@@ -225,7 +225,7 @@ class Simulation:
         if self.copies is not None and req[0] == _PUSH:  # the apply's copies, on the bus
             seconds += self.copy(self.now, self.copies.apply, self.slice_bytes[k])
         if self.contention is not None:
-            seconds *= self.contention.apply_at(self.runnable())
+            seconds *= self.stretch(self.runnable())
             self.replan()
         self.at(self.now + seconds, _SERVED, k=k)
 
@@ -244,10 +244,17 @@ class Simulation:
         start = max(self.now, wk.cpu_free)
         seconds = cpu + self.copy(start, copies, nbytes)
         if self.contention is not None:
-            seconds *= self.contention.apply_at(self.runnable() + 1)
+            seconds *= self.stretch(self.runnable() + 1)
             heapq.heappush(self.computing, start + seconds)
         wk.cpu_free = start + seconds
         return wk.cpu_free
+
+    def stretch(self, n: int) -> float:
+        """The contention factor of a copy or a service with ``n`` runnable: with a bus on
+        ``copy_cores`` cores (what copies there cost each other), only the wait beyond them."""
+        c, at = self.copies, self.contention.apply_at
+        shared = c is not None and c.bus < math.inf and c.cores < math.inf
+        return at(n) / at(min(n, c.cores)) if shared else at(n)
 
     def runnable(self) -> int:
         """The processes runnable now (contention): workers computing, shards serving."""
@@ -425,12 +432,6 @@ class Simulation:
         else:
             self.enqueue(k, (_PULL, wk, inc))
 
-    def pull_bytes_mean(self) -> float:
-        """The mean bytes of one pull of every shard (model_bytes scaled)."""
-        if not self.pulled[1]:
-            return float(sum(self.slice_bytes))
-        return self.pulled[0] / self.pulled[1] * self.S
-
     def release(self, k: int) -> None:
         """Lets through the gated pulls shard ``k``'s gate now allows (smallest clock first)."""
         h = self.waiting[k]
@@ -554,13 +555,8 @@ class Simulation:
         except Exception as e:
             self.crash(wk, e)
             return
-        wk.loop = gen = loop.worker_loop(
-            self.strategy,
-            self.loss_and_grad,
-            wk.batches,
-            worker=w,
-            diverge_after=self.diverge_after,
-        )
+        wk.loop = gen = loop.worker_loop(self.strategy, self.loss_and_grad, wk.batches, worker=w,
+                                         diverge_after=self.diverge_after)  # fmt: skip
         next(gen)  # runs to the first BEGIN
         self.start_step(wk)
 
@@ -727,13 +723,7 @@ class Simulation:
             self.policy(wk, cause)
             return
         # the script says when it is back: away until that join, whatever the policy
-        event = {
-            "worker": wk.id,
-            "time": self.now,
-            "cause": cause,
-            "action": "left",
-            "rejoin": back,
-        }
+        event = dict(worker=wk.id, time=self.now, cause=cause, action="left", rejoin=back)
         self.failures.events.append(event)
         wk.awaiting = event
 
@@ -1019,13 +1009,8 @@ class Simulation:
         self.now = self.end
         return driver.END
 
-    def run(
-        self,
-        record: Callable[[], bool],
-        eval_interval: float,
-        deadline: float,
-        starts: list[tuple[float, int]] | None = None,
-    ) -> bool:
+    def run(self, record: Callable[[], bool], eval_interval: float, deadline: float,
+            starts: list[tuple[float, int]] | None = None) -> bool:  # fmt: skip
         """Runs the whole simulation without a driver; returns whether ``record`` said stop."""
         self.begin(eval_interval, starts)
         hook = self.checkpointer

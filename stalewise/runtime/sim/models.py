@@ -64,15 +64,8 @@ MIN_BYTES_PER_S = 1.0  #: The slowest link or shard, in bytes per second (math.i
 MAX_FACTOR = 1e6  #: The widest speed-up or slow-down of a worker (speeds, stragglers, slowdowns).
 
 
-def _number(
-    owner: str,
-    name: str,
-    value: Any,
-    low: float = 0.0,
-    inf_ok: bool = False,
-    high: float = math.inf,
-    why: str = "",
-) -> float:
+def _number(owner: str, name: str, value: Any, low: float = 0.0, inf_ok: bool = False,
+            high: float = math.inf, why: str = "") -> float:  # fmt: skip
     ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
     v = float(value) if ok else math.nan
     if math.isnan(v) or (math.isinf(v) and not inf_ok) or v < low:
@@ -344,15 +337,8 @@ class WorkerTiming:
         (1.25, 1.0, 4.0)
     """
 
-    def __init__(
-        self,
-        sim: SimConfig,
-        workers: int,
-        *,
-        factors: Sequence[float] | None = None,
-        delays: Sequence[float] | None = None,
-        seed: int = 0,
-    ):
+    def __init__(self, sim: SimConfig, workers: int, *, factors: Sequence[float] | None = None,
+                 delays: Sequence[float] | None = None, seed: int = 0):  # fmt: skip
         sim.check_workers(workers)
         self.compute, self.loop = sim.compute, sim.loop
         scale = np.ones(workers)
