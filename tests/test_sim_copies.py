@@ -189,3 +189,12 @@ def test_the_recorded_quiet_scale_run_is_predicted_within_15_percent_with_the_bu
     assert [r["params"] for r in now] == [10_000_000, 100_000_000]
     assert all(abs(r["sim/real"] - 1) <= 0.15 for r in now), now
     assert all(r["sim/real"] > 1.15 for r in scale.resimulate(recorded, ("copy_bus",)))
+
+
+def test_with_a_bus_a_stage_s_fixed_cpu_still_pays_the_whole_contention_factor():
+    """Only copies share the bus: a pull's and a push's CPU besides them (1 ms each, the bytes
+    next to nothing) is stretched by the whole factor, so the two contentions differ."""
+    step = (1.0, 1.0, 1.0)
+    smt, clean = Contention(step, (1.0, 1.5, 2.25)), Contention(step, (1.0, 1.0, 1.5))
+    bus = Copies(rate=1e9, bus=1.5e9, cores=2, pull_time=1e-3, push_time=1e-3)
+    assert _rate(3, 4000, bus, smt) < 0.95 * _rate(3, 4000, bus, clean)

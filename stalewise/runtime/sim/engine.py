@@ -221,11 +221,11 @@ class Simulation:
         if self.busy[k] is None:
             self.serving += 1
         self.busy[k] = req
-        seconds = self.service.seconds(self.slice_bytes[k])
+        seconds, copy = self.service.seconds(self.slice_bytes[k]), 0.0
         if self.copies is not None and req[0] == _PUSH:  # the apply's copies, on the bus
-            seconds += self.copy(self.now, self.copies.apply, self.slice_bytes[k])
+            copy = self.copy(self.now, self.copies.apply, self.slice_bytes[k])
+        seconds = self.stretched(seconds, copy, self.runnable())
         if self.contention is not None:
-            seconds *= self.stretch(self.runnable())
             self.replan()
         self.at(self.now + seconds, _SERVED, k=k)
 
@@ -242,19 +242,21 @@ class Simulation:
     def worker_copy(self, wk: _SimWorker, copies: float, nbytes: float, cpu: float) -> float:
         """When worker ``wk``'s copies of ``nbytes`` and ``cpu`` seconds besides end."""
         start = max(self.now, wk.cpu_free)
-        seconds = cpu + self.copy(start, copies, nbytes)
+        seconds = self.stretched(cpu, self.copy(start, copies, nbytes), self.runnable() + 1)
         if self.contention is not None:
-            seconds *= self.stretch(self.runnable() + 1)
             heapq.heappush(self.computing, start + seconds)
         wk.cpu_free = start + seconds
         return wk.cpu_free
 
-    def stretch(self, n: int) -> float:
-        """The contention factor of a copy or a service with ``n`` runnable: with a bus on
-        ``copy_cores`` cores (what copies there cost each other), only the wait beyond them."""
+    def stretched(self, cpu: float, copy: float, n: int) -> float:
+        """Seconds of ``cpu`` CPU seconds and ``copy`` seconds of copies with ``n`` runnable: at
+        the contention factor, but a copy sharing a bus on ``copy_cores`` cores (what copies
+        there cost each other) only at its wait for a core beyond them."""
+        if self.contention is None:
+            return cpu + copy
         c, at = self.copies, self.contention.apply_at
         shared = c is not None and c.bus < math.inf and c.cores < math.inf
-        return at(n) / at(min(n, c.cores)) if shared else at(n)
+        return cpu * at(n) + copy * (at(n) / at(min(n, c.cores)) if shared else at(n))
 
     def runnable(self) -> int:
         """The processes runnable now (contention): workers computing, shards serving."""
