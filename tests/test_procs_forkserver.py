@@ -102,3 +102,29 @@ def test_a_server_made_in_another_thread_first_spawns_its_shards(no_leaks, monke
         client.push({"x": np.ones(4, np.float32)})
         client.close()
     assert forkserver._forkserver._preload_modules == ["__main__"]  # the user's, untouched
+
+
+def _join_at(go: threading.Barrier, p) -> None:
+    go.wait()
+    p.join(10)
+
+
+def test_threads_joining_a_killed_forked_process_at_once_all_see_how_it_died():
+    """Its exit code comes once through the forkserver's pipe: threads that join it at once
+    take turns (else the second reads the pipe's end, exit code 255: "shard 1 has died (exit
+    code 255)" for a SIGKILL, the server's watcher and a call checking the shards at once)."""
+    procs.shard_context()
+    ctx = procs.shard_context()  # the second server's: forked from this process's forkserver
+    assert procs._warm is not None
+    for _ in range(20):  # without the turns, about half the kills read 255
+        p = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+        p.start()
+        go = threading.Barrier(3)
+        joins = [threading.Thread(target=_join_at, args=(go, p)) for _ in range(2)]
+        for t in joins:
+            t.start()
+        go.wait()
+        os.kill(p.pid, signal.SIGKILL)
+        for t in joins:
+            t.join(20)
+        assert p.exitcode == -signal.SIGKILL
