@@ -233,12 +233,12 @@ def shard_context() -> Any:
             process_obj._stdio = {fd: popen.duplicate_for_child(fd) for fd in fds}
             launch(popen, process_obj)
 
-        with thread_budget(1):
-            server.ensure_running()
         def poll(popen: Any, flag: int = os.WNOHANG) -> int | None:
             with popen.reaping:  # the exit code is read once: a second thread would read 255
                 return popen_forkserver.Popen.poll(popen, flag)
 
+        with thread_budget(1):
+            server.ensure_running()
         _warm = type("Popen", (popen_forkserver.Popen,), {"_launch": stdio_launch, "poll": poll})
     if _warm is None:
         return mp.get_context("spawn")
