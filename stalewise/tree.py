@@ -585,7 +585,7 @@ def _copy_sumsq(dst: np.ndarray, src: np.ndarray) -> float:
 
 def warm_copy(flat: np.ndarray) -> None:
     """Compiles the streaming measured copy now if a push of ``flat`` (a push buffer) streams."""
-    if flat.nbytes >= STREAM and flat.dtype.name in ("float32", "float64"):
+    if flat.nbytes >= STREAM:
         _streamer(flat.dtype.name)
 
 

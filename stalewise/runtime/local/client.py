@@ -455,12 +455,11 @@ class Client(PullsIntoTrees):
             raise ValueError("an observer client cannot push")
         self._attach()
         self.wait(timeout=timeout)  # a timeout propagates: the shards may still read the buffer
-        if self._compressor is None:  # each slice's sum of squares, measured as it is copied
-            self._sums = tree.flatten(
-                update, spec=self._spec, out=self._push_buf, sumsq=self._ranges
-            )[2]
+        spec, out = self._spec, self._push_buf
+        if self._compressor is None:  # each shard's sum of squares of its slice, as copied
+            self._sums = tree.flatten(update, spec=spec, out=out, sumsq=self._ranges)[2]
         else:
-            tree.flatten(update, spec=self._spec, out=self._push_buf)
+            tree.flatten(update, spec=spec, out=out)
         self.push_flat_sent()
 
     def push_flat_sent(self) -> None:
