@@ -111,12 +111,7 @@ def tensorboard_writer() -> type:
 
 class TensorBoardLogger:
     """Writes each record's finite numbers as TensorBoard scalars at step ``pushes`` (and
-    ``pushes_per_s``) into ``logdir``, and the staleness histogram at the end (tensorboardX).
-
-    Example:
-        >>> logger = TensorBoardLogger(tmp / "tb")  # doctest: +SKIP
-        >>> job.train(..., metrics=sw.Metrics(loggers=[logger]))  # doctest: +SKIP
-    """
+    ``pushes_per_s``) into ``logdir``, and the staleness histogram at the end (tensorboardX)."""
 
     def __init__(self, logdir: str | os.PathLike[str], *, flush_secs: float = 5.0):
         self._writer_class = tensorboard_writer()

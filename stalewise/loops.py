@@ -1,7 +1,5 @@
-"""Local SGD / DiLoCo for a training loop you own: the worker side, as a wrapper.
-
-These wrappers push ``pulled - current`` every ``local_steps`` optimizer steps and pull; each
-push's result is kept in ``results``. PyTorch: ``examples/torch_local_sgd.py``."""
+"""Local SGD / DiLoCo for a training loop you own: the worker side, as a wrapper (each push's
+result kept in ``results``; ``examples/torch_local_sgd.py``)."""
 
 from __future__ import annotations
 

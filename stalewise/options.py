@@ -1,8 +1,5 @@
-"""The option groups of ``Job.train``: what a first run does not need, in small frozen objects,
-e.g. ``job.train(f, data=d, workers=4, steps=2000, failures=sw.Failures("drop"))``.
-
-Every value is checked when its group is made (an ``OptionError`` naming ``Group.field``);
-every default is ``DEFAULTS``'s."""
+"""The option groups of ``Job.train`` (e.g. ``failures=sw.Failures("drop")``): small frozen objects,
+checked when made (an ``OptionError`` naming ``Group.field``); every default is ``DEFAULTS``'s."""
 
 from __future__ import annotations
 

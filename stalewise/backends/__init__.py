@@ -1,7 +1,5 @@
-"""Array backends: how a leaf of NumPy, PyTorch, JAX or TensorFlow is read and written.
-
-A :class:`Backend` (stateless) reads one framework's leaves into NumPy buffers and writes
-them back; :func:`backend_of` finds it without importing any framework."""
+"""Array backends: how a leaf of NumPy, PyTorch, JAX or TensorFlow is read and written; a leaf's
+:class:`Backend` is found by :func:`backend_of` without importing any framework."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Containers from each ecosystem's own pytree registry, one level at a time.
-
-A container :mod:`stalewise.tree` does not know is split by the registry of a framework already
-imported into a :class:`Level`, whose picklable ``template`` :func:`rebuild` turns back."""
+"""Containers :mod:`stalewise.tree` does not know, split one level at a time by the pytree registry
+of a framework already imported into a :class:`Level` (:func:`rebuild` turns it back)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The TensorFlow backend: ``tf.Tensor`` / ``tf.Variable`` / Keras variable leaves and models.
-
-A Keras model shares its trainable and (as buffers) floating non-trainable variables by path
-(``"dense/kernel"``), a ``tf.Module`` its trainable ones; docs/models.md."""
+"""The TensorFlow backend: ``tf.Tensor`` / ``tf.Variable`` / Keras variable leaves and models
+(what a model shares: docs/models.md)."""
 
 from __future__ import annotations
 

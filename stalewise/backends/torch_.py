@@ -1,7 +1,5 @@
-"""The PyTorch backend: ``torch.Tensor`` leaves (incl. ``nn.Parameter``) and ``nn.Module`` models.
-
-A module shares its parameters that require grad and its floating buffers (as buffers);
-two tensors viewing the same storage, offset, shape and strides are one (tied) leaf."""
+"""The PyTorch backend: ``torch.Tensor`` leaves (incl. ``nn.Parameter``) and ``nn.Module`` models
+(what a module shares, tied leaves: docs/models.md)."""
 
 from __future__ import annotations
 

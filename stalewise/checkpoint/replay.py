@@ -1,6 +1,5 @@
-"""``stalewise replay``: a checkpoint and the push logs after it, replayed into the parameters
-the run's shards reached. A checkpoint names, per shard, the log begun at that state
-(``step.logs``, ``log-shard-K-TAG-N``); the chain goes on in ``...-N+1``... until one is missing."""
+"""``stalewise replay``: a checkpoint and the push logs after it (docs/design-notes.md, "Push log"),
+replayed into the parameters the run's shards reached."""
 
 from __future__ import annotations
 

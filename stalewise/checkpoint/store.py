@@ -787,18 +787,11 @@ def load_params(path: str | os.PathLike, *, like: Any = None, backend: str | Non
     """The parameters of a checkpoint (``sw.load_params``).
 
     ``path`` is a checkpoint directory (its newest usable checkpoint is read) or one ``ckpt-*``
-    folder. Loading runs no code from the checkpoint, so your own classes come back only from
-    ``like``:
-
-    - ``like=`` a tree of the job's structure (its params, a model, a ``TrainResult.params``):
-      the result is what ``TrainResult.params`` gives for a job of ``like``; its leaves must
-      match the checkpoint's in order, names, shapes and dtypes.
-    - without ``like``: plain data (dicts, lists, tuples, ``None``; a namedtuple, dataclass or
-      registered container as a dict of its fields; a model as a dict of name -> tensor; a
-      constant of the tree as ``None``).
-
-    Leaves come back in the backend they were saved from; ``backend="numpy"`` gives NumPy arrays.
-    CheckpointError: no usable checkpoint, or ``like`` differs (naming the first leaf)."""
+    folder. With ``like=`` (the job's params, a model, a ``TrainResult.params``), the result is
+    what ``TrainResult.params`` gives for a job of ``like``; without it, plain data (loading runs
+    no code from the checkpoint; docs/reliability.md). Leaves come back in the backend they were
+    saved from; ``backend="numpy"`` gives NumPy arrays. CheckpointError: no usable checkpoint, or
+    ``like`` differs (naming the first leaf)."""
     if backend is not None:
         from stalewise.backends import get_backend
 

@@ -1,7 +1,5 @@
-"""Job configuration files (TOML) for ``stalewise train`` and ``stalewise sim``.
-
-:func:`load` reads a file, :func:`parse` checks a dict of its tables (a bad one is a
-:class:`ConfigError` naming it) into a :class:`RunConfig`. The format: ``docs/config.md``."""
+"""Job configuration files (TOML) for ``stalewise train`` and ``stalewise sim`` (:func:`load`,
+:func:`parse`); the format: ``docs/config.md``."""
 
 from __future__ import annotations
 

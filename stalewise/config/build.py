@@ -1,6 +1,5 @@
-"""Building stalewise objects from config tables: optimizers, schedules, strategies,
-consistency, staleness, codecs, the [sim] table and the job, each checked against the
-constructor it calls, an error naming the key."""
+"""Building stalewise objects from config tables, each checked against the constructor it calls
+(an error naming the key)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The protocol layer: the rules every runtime follows, with no I/O of its own.
-
-A runtime (local processes, the simulator, Ray) only moves messages and bytes;
-what a push means, when it is applied (:mod:`~stalewise.protocol.commit`), who
-may send it (incarnations, :class:`Shard`) and what a worker does between two
-pulls (:mod:`~stalewise.protocol.loop`) are decided here."""
+"""The protocol layer: the rules every runtime follows, with no I/O of its own."""
 
 from stalewise.protocol.commit import Verdict, judge
 from stalewise.protocol.config import ServerConfig

@@ -1,9 +1,5 @@
-"""The commit rule: a push is applied by every shard or by none.
-
-The sender judges the whole push once, before any shard sees it, into a :class:`Verdict`
-written into the push's record; once the record is complete the push is *committed* and
-every shard follows the verdict. A step that would overflow a shard's own state is
-refused by that shard alone (``PushResult.split``). Why: ``docs/design-notes.md``."""
+"""The commit rule: a push is applied by every shard or by none. The sender judges the whole push
+once into a :class:`Verdict` every shard follows; how and why: ``docs/design-notes.md``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""A shard's journal: every call that changed its state, in order, as bytes (no pickle).
-
-A :class:`~stalewise.protocol.Shard` whose ``journal`` is a callable (say a binary file's
-``writelines``) hands it each call of a :func:`journaled` method that returns, as the buffers of
-one entry; :func:`replay` on the state the journal began at gives the same shard, bit for bit.
-What it holds, the format and its cost: ``docs/design-notes.md`` ("Push log")."""
+"""A shard's journal: every call that changed its state, in order, as bytes (no pickle);
+:func:`replay` on the state it began at gives the same shard, bit for bit (see the design notes)."""
 
 from __future__ import annotations
 

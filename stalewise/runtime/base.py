@@ -1,6 +1,5 @@
-"""What every runtime's run shares: its arguments checked (:func:`check_run`,
-:func:`worker_range`), a worker's batches (:func:`batch_iterator`), and the client's
-pull into the job's trees (:class:`PullsIntoTrees`)."""
+"""What every runtime's run shares: its argument checks, a worker's batches, and the client's pull
+into the job's trees."""
 
 from __future__ import annotations
 
@@ -63,7 +62,6 @@ class PullsIntoTrees:
             into: an existing tree or model (e.g. a ``torch.nn.Module``) to copy the values
                 into, in place; it is returned.
             timeout: seconds to wait for the shards (None: forever).
-            own: wait for this worker's last push to be acknowledged (default).
 
         Returns the parameters in the structure and backend the job was made with."""
         self.pull_flat(timeout=timeout, own=own)

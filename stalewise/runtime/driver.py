@@ -1,8 +1,4 @@
-"""The run skeleton every runtime shares: :func:`drive` runs a job over a :class:`Host`.
-
-A runtime's :class:`Host` starts shards and workers, moves their bytes and applies the failure
-policy; the driver owns the resume point, records, checkpoints, ``stop_at``, ``timeout``, the
-end reason and the :class:`TrainResult`."""
+"""The run skeleton every runtime shares: :func:`drive` runs a job over a :class:`Host`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """What goes wrong in a run, in every runtime: the errors a run or a client raises, and the
-failure policy with its log (:class:`Failures`), which warns users through
-:mod:`stalewise.protocol.notices`."""
+failure policy with its log (:class:`Failures`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""``sw.RunOptions``: how to run a job; every run option's default and check, stated once.
-
-Every runtime takes ``(config, strategy, options)``."""
+"""``sw.RunOptions``: how to run a job; every run option's default and check, stated once."""
 
 from __future__ import annotations
 

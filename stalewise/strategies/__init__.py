@@ -1,9 +1,5 @@
-"""What a worker computes and pushes between two pulls.
-
-A strategy turns the pulled parameters and the worker's data into one update, which the server's
-optimizer treats as a (pseudo-)gradient: ``gradients()`` (the default), model averaging
-(:mod:`~stalewise.strategies.averaging`), streaming DiLoCo (:mod:`~stalewise.strategies.streaming`)
-and adaptive periods (:mod:`~stalewise.strategies.adaptive`)."""
+"""What a worker computes and pushes between two pulls: one update, which the server's optimizer
+treats as a (pseudo-)gradient."""
 
 from stalewise.strategies.adaptive import (
     AdaComm,

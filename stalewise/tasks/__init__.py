@@ -1,15 +1,8 @@
-"""Built-in tasks for the demo, the tests and the benchmarks.
-
-A task (:class:`~stalewise.tasks.base.Task`) owns a model, its data and its loss; build one
-by name with :func:`get` (a backend is imported only for its task).
-
-| name            | backend | model                          | evaluate keys        |
-| --------------- | ------- | ------------------------------ | -------------------- |
-| `digits`        | NumPy   | MLP 64-hidden-10 on 8x8 digits | loss, accuracy       |
-| `digits-torch`  | PyTorch | same numbers as `digits`       | loss, accuracy       |
-| `digits-jax`    | JAX     | same numbers as `digits`       | loss, accuracy       |
-| `least-squares` | NumPy   | synthetic linear regression    | loss, distance       |
-| `lm`            | PyTorch | byte GPT on stdlib source      | loss, perplexity     |"""
+"""Built-in tasks for the demo, the tests and the benchmarks, each a model, its data and its loss
+(:class:`~stalewise.tasks.base.Task`), built by name with :func:`get` (importing only its backend):
+``digits`` (NumPy MLP on 8x8 digits; evaluates loss, accuracy), ``digits-torch`` and ``digits-jax``
+(the same numbers), ``least-squares`` (NumPy synthetic linear regression; loss, distance) and
+``lm`` (PyTorch byte GPT on stdlib source; loss, perplexity)."""
 
 from __future__ import annotations
 

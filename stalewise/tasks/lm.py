@@ -171,9 +171,7 @@ class LanguageModel:
 
     def memory_bytes(self) -> int:
         """The bytes one process allocates for the model (float32): the parameters and their
-        gradients, and the activations a training batch keeps for the backward pass (about
-        16 ``dim``-wide values and the attention weights of each layer, per token, and the
-        logits), or the held-out windows' one layer at a time, whichever is larger."""
+        gradients, and the larger of a training batch's activations and the held-out windows'."""
         d, layers, ctx, vocab = self.dim, self.layers, self.context, self.vocab
         params = vocab * d + ctx * d + layers * (12 * d * d + 13 * d) + 2 * d
         token = 16 * d + 2 * self.heads * ctx

@@ -1,8 +1,5 @@
 """What a job's door tells an attaching process, as JSON data: nothing is unpickled.
-
-:func:`encode` writes what a worker needs as one JSON document; :func:`decode` checks every field
-and builds the :class:`~stalewise.runtime.local.client.Client`. A tree's structure travels in
-checkpoints' codec (:mod:`stalewise.checkpoint.spec`, ``live``)."""
+A tree's structure travels in checkpoints' codec (:mod:`stalewise.checkpoint.spec`, ``live``)."""
 
 from __future__ import annotations
 

@@ -161,10 +161,9 @@ def kill_me_with_parent() -> None:
 
 
 def die_with_parent(cleanup: Callable[[], None] | None = None) -> None:
-    """Makes this child of multiprocessing exit as soon as the process that started it dies
-    (call it first thing): :func:`kill_me_with_parent` unless ``cleanup`` (a forked shard's OS
-    parent is the forkserver, which dies with it), and a thread that waits on the parent's
-    sentinel (a pipe it holds) and runs ``cleanup``."""
+    """Makes this child of multiprocessing exit as soon as the process that started it dies (call it
+    first thing): :func:`kill_me_with_parent` unless ``cleanup`` (a forked shard, whose OS parent
+    is the forkserver), and a thread that waits on the parent's sentinel and runs ``cleanup``."""
     if cleanup is None:
         kill_me_with_parent()
     sentinel = mp.parent_process().sentinel  # type: ignore[union-attr]

@@ -1,8 +1,5 @@
-"""The local runtime's server: shards (and their backups) as OS processes on one machine.
-
-:class:`LocalServer` starts, watches and restarts the shard processes and holds the workers'
-error-feedback residuals for checkpoints; after a shard exits early, every client's next call
-raises :class:`~stalewise.runtime.errors.ShardError`. How: ``docs/design-notes.md``."""
+"""The local runtime's server: shards (and their backups) as OS processes on one machine;
+after a shard exits early, every client's next call raises a ShardError (see the design notes)."""
 
 from __future__ import annotations
 
@@ -79,14 +76,7 @@ def _locked(method: Any) -> Any:
 
 
 class LocalServer:
-    """The shards of a job, running as local processes; a context manager.
-
-    Example:
-        >>> with LocalServer(config, workers=2) as server:   # doctest: +SKIP
-        ...     client = server.client(0)
-        ...     params = client.pull()
-        ...     client.push(grads)
-    """
+    """The shards of a job, running as local processes; a context manager (``job.serve``'s)."""
 
     def __init__(
         self,
@@ -132,7 +122,7 @@ class LocalServer:
         self._lock = threading.RLock()
         self._door = None  # attach by name (see .attach), when served with a name
         self._attached: set[int] = set()  # worker ids ever given to an attached process
-        # the thread that writes each shard's exit into shared memory (see the module docstring)
+        # the thread that writes each shard's exit into shared memory
         self._closing = threading.Event()
         self._procs_lock = threading.Lock()  # self._procs[k] is replaced by restart_shard
         self._watcher = threading.Thread(
@@ -158,8 +148,7 @@ class LocalServer:
                 self._link_backup(k, self._procs[k], started)
             self.observer = self._observer()
             self._watcher.start()
-            # processes your own loop starts meanwhile inherit a share of the cores each
-            # (torch's one thread per core each ran 5.8x slower); variables you set win
+            # processes your own loop starts meanwhile get a share of the cores each
             self._threads = contextlib.ExitStack()
             self._threads.enter_context(thread_budget((os.cpu_count() or 1) // workers, hold=False))
             if name is not None:
@@ -292,9 +281,8 @@ class LocalServer:
     def client(self, worker: int | None = None) -> Client:
         """A client for a new incarnation of ``worker`` (None: the lowest id without a client).
 
-        A later call for an id restarts it: the old incarnation is finished (a push it
-        committed is delivered everywhere) and its pipes cut. Restart a worker only once
-        its old process has exited: both would write the same push buffer."""
+        A later call for an id restarts it (the old incarnation's pipes are cut) once its old
+        process has exited: both would write the same push buffer."""
         with self._lock:
             if worker is None:
                 worker = self.free_worker(
@@ -573,9 +561,7 @@ class LocalServer:
         except TimeoutError:
             raise
         except (OSError, ServerClosed):
-            # A shard's pipes close as its process exits, a moment before the OS reports the
-            # exit; on a loaded machine that moment passed 0.5 s (a run under "fail" then
-            # stopped with ServerClosed, not the ShardError naming the shard).
+            # the pipes close a moment (over 0.5 s when loaded) before the OS reports the exit
             deadline = time.monotonic() + SHARD_EXIT_WAIT
             while not self.dead_shards() and time.monotonic() < deadline:
                 connection.wait(self.shard_sentinels(), 0.05)
@@ -655,7 +641,6 @@ class LocalServer:
         """Brings back shard ``k``, whose process has died: its live backup, else a new process
         restored from its push logs (workers ``keep`` keep their seats), else from the last
         snapshot and ``base`` (its :meth:`state_dict`) or fresh. Other workers must rejoin.
-
         Returns ``{"shard", "version", "lost", "source"}``: the version it resumes at, the
         updates its slice lacks (None when unknown) and where the params came from."""
         p = self._procs[k]
@@ -664,15 +649,12 @@ class LocalServer:
             raise ValueError(f"shard {k} is alive; restart_shard replaces a shard that died")
         self._controls[k].close()
         snapshots = Snapshots(self.layout, self._block, self.config.ranges)
-        # The dead shard may have been writing its other snapshot buffer: mark that one
-        # consistent again (readers only read the current one), or the next publish into
-        # it would leave its sequence counter odd and readers spinning.
+        # the dead shard may have been writing its other snapshot buffer: make its sequence even
         row = snapshots.table[k]
         for i in (0, 1):
             row[layout_lib._SEQ + i] += row[layout_lib._SEQ + i] & 1
         survivors = [j for j in range(len(self._procs)) if j != k and self._procs[j].is_alive()]
-        # The observer may have given up when the shard died, with replies of the others
-        # left unread (a stats call cut short): drop those and start a new observer.
+        # drop the replies an observer that gave up left unread, and start a new observer
         for j in survivors:
             while self._controls[j].poll(0.05):
                 self._controls[j].recv_bytes()

@@ -1,8 +1,5 @@
-"""``Job.train`` on the local runtime: one OS process per worker, driven by the parent.
-
-The parent starts the shards and the workers, evaluates every ``eval_interval`` seconds and
-stops the job at the budget, the stop condition, a failure its policy does not survive
-(``docs/reliability.md``), or Ctrl-C. No process the parent started outlives it."""
+"""``Job.train`` on the local runtime: one OS process per worker, driven by the parent;
+no process the parent started outlives it."""
 
 from __future__ import annotations
 
