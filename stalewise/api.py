@@ -201,8 +201,7 @@ class Job:
         return served(self, start, runtime, *saves)
 
     def calibrate(self, loss_and_grad: Callable, data: Any, *, workers: int, **options: Any):
-        """Measures on this machine what the simulator needs for this job: a ``Calibration``
-        of :func:`stalewise.calibrate.calibrate`, which takes the ``options``."""
+        """What the simulator needs for this job, measured here (:mod:`stalewise.calibrate`)."""
         from stalewise import calibrate as calibrate_lib
 
         return calibrate_lib.calibrate(self, loss_and_grad, data, workers=workers, **options)

@@ -94,8 +94,7 @@ def train_one(
     on_record: Any = None,
     progress: bool = False,
 ) -> tuple[dict, list[dict]]:
-    """One of the demo's runs (see :func:`runs`) at LAMB learning rate ``lr``: its table row
-    and its records. The arguments are those of :func:`run` (checked there)."""
+    """One of the demo's runs at LAMB learning rate ``lr``: its table row and its records."""
     task = tasks.get("digits")
     job = Job(
         task.init_params(0),

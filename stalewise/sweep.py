@@ -1,5 +1,4 @@
-"""Parameter sweeps in the simulator: one job over worker counts, consistency models or strategies,
-each run's virtual time to a target measured and plotted."""
+"""Parameter sweeps in the simulator: one job's virtual time to a target per value, and plots."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Targets: "this metric reaches that value", with the right direction (``mode`` "min" or
-"max"; without one, the metric's name must tell which)."""
+"""Targets: "this metric reaches that value", going down or up (``mode``, else by the name)."""
 
 from __future__ import annotations
 

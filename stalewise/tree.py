@@ -676,8 +676,7 @@ def unflatten(flat: np.ndarray, spec: FlatSpec, *, copy: bool = False) -> Any:
 
 
 def unflatten_into(target: Any, flat: np.ndarray, spec: FlatSpec) -> None:
-    """Copies ``flat`` into the mutable leaves of ``target`` (matching ``spec``) in place;
-    nothing is written unless every leaf can be."""
+    """Copies ``flat`` into the mutable leaves of ``target`` in place, all or nothing."""
     flat = _check_flat(flat, spec)
     found = _collect(target, spec)
     for f in itertools.chain.from_iterable(found):

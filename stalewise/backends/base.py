@@ -1,5 +1,4 @@
-"""What every array backend is: :class:`Backend`, :class:`ModelState` and the dtype names
-(re-exported by :mod:`stalewise.backends`)."""
+"""What every array backend is: :class:`Backend`, :class:`ModelState` and the dtype names."""
 
 from __future__ import annotations
 

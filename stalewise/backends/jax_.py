@@ -1,5 +1,4 @@
-"""The JAX backend: ``jax.Array`` leaves, immutable, so never written in place and always
-copied; ``float64`` leaves need ``jax_enable_x64``."""
+"""The JAX backend: ``jax.Array`` leaves, immutable, so always copied; float64 needs x64 enabled."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The TensorFlow backend: ``tf.Tensor`` / ``tf.Variable`` / Keras variable leaves and models
-(what a model shares: docs/models.md)."""
+"""The TensorFlow backend: ``tf.Tensor`` / ``tf.Variable`` / Keras leaves and models."""
 
 from __future__ import annotations
 

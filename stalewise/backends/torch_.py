@@ -1,5 +1,4 @@
-"""The PyTorch backend: ``torch.Tensor`` leaves (incl. ``nn.Parameter``) and ``nn.Module`` models
-(what a module shares, tied leaves: docs/models.md)."""
+"""The PyTorch backend: ``torch.Tensor`` leaves and ``nn.Module`` models (docs/models.md)."""
 
 from __future__ import annotations
 

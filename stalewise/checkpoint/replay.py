@@ -1,5 +1,4 @@
-"""``stalewise replay``: a checkpoint and the push logs after it (docs/design-notes.md, "Push log"),
-replayed into the parameters the run's shards reached."""
+"""``stalewise replay``: a checkpoint and the push logs after it, replayed into parameters."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Job configuration files (TOML) for ``stalewise train`` and ``stalewise sim`` (:func:`load`,
-:func:`parse`); the format: ``docs/config.md``."""
+"""Job configuration files (TOML) for ``stalewise train`` and ``sim``; format: docs/config.md."""
 
 from __future__ import annotations
 

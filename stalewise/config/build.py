@@ -1,5 +1,4 @@
-"""Building stalewise objects from config tables, each checked against the constructor it calls
-(an error naming the key)."""
+"""Building stalewise objects from config tables, each checked against the constructor it calls."""
 
 from __future__ import annotations
 

@@ -66,8 +66,7 @@ def held(pushed: int, committed: int, handled: int) -> int:
 
 
 def handled(inc: int, committed: int, seats: Iterable[tuple[int, int]]) -> int:
-    """Of incarnation ``inc``'s ``committed`` pushes, how many every shard has handled, from
-    each shard's seat ``(incarnation, next_seq)``."""
+    """How many of incarnation ``inc``'s ``committed`` pushes every shard handled."""
     return min(seq if i == inc else committed if i > inc else 0 for i, seq in seats)
 
 

@@ -66,8 +66,7 @@ class Silence:
         return math.inf if tail <= 0.0 else max(0.0, -math.log10(tail))
 
     def hung(self, now: float) -> str | None:
-        """Why the worker is taken for hung at ``now`` (None: it is not), in the words a
-        failure event and the user's warning carry."""
+        """Why the worker is taken for hung at ``now`` (None: it is not)."""
         if self.last is None:
             return None
         silence = now - self.last
@@ -90,8 +89,7 @@ class Silence:
 
 
 def late_start(since: float, now: float, limit: float) -> str | None:
-    """Why a worker setting up since ``since`` fails at ``now`` (None: it may go on): it is
-    not set up within ``limit`` seconds (``start_timeout``)."""
+    """Why a worker setting up since ``since`` fails at ``now`` (None: within ``limit`` s)."""
     return f"did not start within start_timeout={limit:g} s" if now - since > limit else None
 
 

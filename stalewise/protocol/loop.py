@@ -174,8 +174,7 @@ def worker_loop(
 
 
 class Watch:
-    """A loop the user owns (``sw.init``'s context), watched as :func:`worker_loop` watches its
-    own: its client hands each push's result to :func:`report`."""
+    """A loop the user owns (``sw.init``'s), watched as :func:`worker_loop` watches its own."""
 
     def __init__(self, worker: int, diverge_after: int | None = DIVERGE_AFTER):
         self.worker, self.diverge_after = worker, diverge_after

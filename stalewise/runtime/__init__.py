@@ -116,8 +116,7 @@ register(
 
 
 def names(able: str | None = None) -> tuple[str, ...]:
-    """The names of the known runtimes; with ``able`` (a field of :class:`Runtime`), of
-    those that have it (``"server"``, ``"attach"``, ``"elastic_train"``, ...)."""
+    """The known runtimes' names; with ``able`` (a :class:`Runtime` field), those that have it."""
     return tuple(n for n, r in _RUNTIMES.items() if able is None or getattr(r, able))
 
 

@@ -53,8 +53,7 @@ def attach(
 
 
 def _serving(name: str, able: tuple[str, ...]) -> str:
-    """The first runtime of ``able`` that may serve ``name``; else an AttachError that says
-    where it looked (or the first refusal one of them raised)."""
+    """The first runtime of ``able`` that may serve ``name``, else an AttachError."""
     why_not, refused = [], None
     for runtime in map(runtime_lib.describe, able):
         if runtime.serves is None:  # attached to only when named

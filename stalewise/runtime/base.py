@@ -1,5 +1,4 @@
-"""What every runtime's run shares: its argument checks, a worker's batches, and the client's pull
-into the job's trees."""
+"""What every runtime's run shares: argument checks, a worker's batches, pulls into trees."""
 
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ class PullsIntoTrees:
         return tree.unflatten(self._pull_buf, self._spec, copy=copy)
 
     def may_begin(self, steps: int) -> bool:
-        """Whether this worker may begin another step of a job of ``steps`` pushes
-        (:mod:`stalewise.protocol.budget`)."""
+        """Whether this worker may begin another step of a job of ``steps`` pushes (the budget)."""
         self._granted = self._may_begin(steps)  # type: ignore[attr-defined]
         return self._granted
 

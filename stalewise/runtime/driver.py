@@ -75,8 +75,7 @@ class Host(Protocol):
         """The parameters as an observer pulls them (a tree)."""
 
     def stop(self) -> bool:
-        """``stop_at`` is reached: tells the workers to stop. True if the run ends at once
-        (pushes in flight stay there: the end's stats are not settled)."""
+        """``stop_at`` is reached: tells the workers to stop; True if the run ends at once."""
 
     def snapshot(self, now: float, *, failure: bool = False) -> Snapshot | None:
         """The run's state for a checkpoint at ``now`` (``failure``: a WorkerError stops the
@@ -89,8 +88,7 @@ class Host(Protocol):
         """The workers that diverged (their loop raised ``loop.Diverged``)."""
 
     def finish(self, stats: dict) -> np.ndarray:
-        """The run is over: adds the runtime's own entries to ``stats``; returns the final
-        flat parameters (it may stop what it started)."""
+        """The run is over: adds the runtime's entries to ``stats``; returns the final params."""
 
     def close(self) -> None:
         """Stops everything it started; called once, whatever happened."""

@@ -1,5 +1,4 @@
-"""What goes wrong in a run, in every runtime: the errors a run or a client raises, and the
-failure policy with its log (:class:`Failures`)."""
+"""What goes wrong in a run, in every runtime: the errors, and the failure policy with its log."""
 
 from __future__ import annotations
 

@@ -28,8 +28,7 @@ MAX_TIMEOUT = 1e8
 
 
 class OptionError(ValueError):
-    """A bad run option: ``option`` names it (a field of :class:`RunOptions`), ``problem``
-    says what was expected."""
+    """A bad run option: ``option`` names it (a :class:`RunOptions` field), ``problem`` says why."""
 
     def __init__(self, option: str, problem: str):
         self.option, self.problem = option, problem
@@ -229,8 +228,7 @@ class RunOptions:
 
     @staticmethod
     def check(name: str, value: Any) -> Any:
-        """Checks one option alone, as ``RunOptions`` would: returns its value (normalized,
-        e.g. ``stop_at`` parsed) or raises :class:`OptionError` naming it."""
+        """Checks one option alone as ``RunOptions`` does: its value (normalized) or OptionError."""
         if name not in _CHECKS:
             raise KeyError(f"{name!r} is not a run option checked alone (known: {sorted(_CHECKS)})")
         return _CHECKS[name](value)

@@ -1,5 +1,4 @@
-"""What a worker computes and pushes between two pulls: one update, which the server's optimizer
-treats as a (pseudo-)gradient."""
+"""What a worker computes and pushes between two pulls: a (pseudo-)gradient for the server."""
 
 from stalewise.strategies.adaptive import (
     AdaComm,

@@ -1,5 +1,4 @@
-"""The digits MLP (:class:`stalewise.tasks.digits.Digits`) on PyTorch: CPU float32
-``torch.Tensor`` leaves, batches ``(x float32, y int64)``, autograd."""
+"""The digits MLP on PyTorch: CPU float32 tensors, batches ``(x float32, y int64)``, autograd."""
 
 from __future__ import annotations
 

@@ -232,8 +232,7 @@ class LocalServer:
             raise ShardError(f"shard {k} failed to start: {reply!r}")
 
     def _watch_shards(self) -> None:
-        """The watcher thread's body: writes the exit of each shard process that ends
-        before the server closes into its control word (NaN while it runs)."""
+        """The watcher thread: writes each shard process's early exit into its control word."""
         exits = self.control[self.layout.shard_exits]
         while not self._closing.is_set():
             with self._procs_lock:
@@ -421,8 +420,7 @@ class LocalServer:
 
     @_locked
     def pull(self, *, copy: bool = True, into: Any = None, timeout: float | None = 60.0) -> Any:
-        """The current parameters (as an observer: never gated, not counted as a worker);
-        ShardError: a shard's process has died (named)."""
+        """The current parameters, as an observer; ShardError: a shard's process died."""
         self.check()
         with self._naming_dead_shards():
             return self.observer.pull(copy=copy, into=into, timeout=timeout)

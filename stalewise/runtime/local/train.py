@@ -1,5 +1,4 @@
-"""``Job.train`` on the local runtime: one OS process per worker, driven by the parent;
-no process the parent started outlives it."""
+"""``Job.train`` on the local runtime: one OS process per worker, none outliving the parent."""
 
 from __future__ import annotations
 
@@ -318,8 +317,7 @@ class _Host:
         return [wire.decode_result(body, w) for body in bodies]
 
     def read(self, w: int) -> None:
-        """Handles the messages worker ``w`` has sent (its pipe closing is its death, bytes
-        that are no message its failure)."""
+        """Handles worker ``w``'s messages (its pipe's end is its death, garbage its failure)."""
         wk = self.workers[w]
         while wk.state in _LIVE and wk.conn.poll():
             try:
