@@ -20,10 +20,8 @@ log = logging.getLogger(__name__)
 
 def replay(directory: str | os.PathLike, config: Any, start: str | None = None) -> tuple:
     """The flat parameters the checkpoint ``start`` (default: the newest) of ``directory``
-    and the push logs after it give, with that checkpoint and the logs read.
-
-    CheckpointError (one line): no usable checkpoint, one of another job or without logs,
-    or a log that is garbled, not ours, or does not fit its shard."""
+    and the push logs after it give, with that checkpoint and the logs read. CheckpointError
+    (one line): no usable checkpoint, one of another job or without logs, or a bad log."""
     root = Path(directory)
     ckpt = load(root / start if start else root)
     check_compatible(ckpt, config)
@@ -35,11 +33,10 @@ def replay(directory: str | os.PathLike, config: Any, start: str | None = None) 
 
 
 def logged(ckpt: Checkpoint, config: Any) -> Checkpoint:
-    """``ckpt`` advanced by its shards' push logs through what every shard logged (rules:
-    ``docs/design-notes.md``, "Push log"). Its ``step`` counts the pushes replayed in
-    ``pushes``, ``pushed`` and ``replayed`` and lists the ``torn`` ones; a worker the logs
-    add pushes of has a zero error-feedback residual. ``ckpt`` itself when it names no logs,
-    or (with a warning) when they are not one run's cut short or cannot be read whole."""
+    """``ckpt`` advanced by its shards' push logs through what every shard logged (design
+    notes, "Push log"); its ``step`` counts the pushes replayed and lists the ``torn`` ones;
+    ``ckpt`` itself when it names no logs, or (warned) when they are not one run's cut short or
+    cannot be read whole."""
     names = ckpt.step.get("logs")
     if not names:
         return ckpt

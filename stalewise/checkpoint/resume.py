@@ -250,8 +250,7 @@ class Saver:
         holds at least ``pushes`` and ``time``. Returns its folder, or None (see the class)."""
         from safetensors import SafetensorError
 
-        # the next one is due a period after this attempt (written or not), after the pushes
-        # that made it due (those in flight are not in it: budget.held)
+        # the next is due a period after this attempt (written or not) and its pushes
         self.pushes, self.time = max(int(step["pushes"]), self.asked), float(step["time"])
         directory = Path(self.options.checkpoint_dir)
         try:

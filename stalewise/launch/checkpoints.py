@@ -74,8 +74,7 @@ class Saves:
             ckpt = start = checkpoint.resume_point(job.config, o, runtime="local")
             if ckpt is not None:  # and the pushes of its logs
                 server.resume(ckpt := replay.logged(start, job.config))
-            # one per worker (resume_point checked), the pushes each rank's state accounts
-            # for, and those the shards hold past them, which its rank skips (RankStates)
+            # per worker: its state, the pushes it accounts for, those held past it (skipped)
             self.ranks: list[dict] = getattr(ckpt, "ranks", None) or [{} for _ in range(workers)]
             held = [0] * workers if ckpt is None else ckpt.step.get("pushed") or [None] * workers
             before = _counts(start, "pushed", workers) or held  # the checkpoint's own

@@ -27,8 +27,7 @@ from stalewise.runtime.ray.client import attach
 
 log = logging.getLogger(__name__)
 
-#: What a rank on Ray gets from the launcher's environment unless ``--env`` names more
-#: (names, and prefixes ending "_"); the thread counts default to 1.
+#: What a rank on Ray gets of the launcher's environment (prefixes end "_"), and ``--env``'s.
 SHIPPED = ("STALEWISE_", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", *THREAD_VARS)
 #: What ``--env-all`` leaves out unless named: the launcher's machine, devices and session.
 NOT_SHIPPED = (

@@ -11,8 +11,7 @@ import numpy as np
 from stalewise import tree
 from stalewise.targets import _is_int
 
-#: The environment variables that cap a process's math-library threads (read when the
-#: library loads); every runtime's launcher sets them for its workers unless the user did.
+#: What caps a process's math-library threads; each launcher sets them unless the user did.
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 

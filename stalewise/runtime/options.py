@@ -161,8 +161,7 @@ def _workers(value: Any) -> Any:
 _TIMEOUTS = ("timeout", "start_timeout", "shard_start_timeout", "join_timeout", "ack_timeout",
              "stop_timeout")  # fmt: skip
 
-#: One check per option that can be checked alone: ``f(value) -> value`` (normalized), raising
-#: :class:`OptionError`.
+#: The check of each option checkable alone: ``f(value) -> value`` (normalized), or OptionError.
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "workers": _workers,
     "eval_interval": _eval_interval,

@@ -136,8 +136,7 @@ class Door:
         with os.fdopen(fd, "wb") as f:
             f.write(key)
         self.key = key
-        # no authkey: each connection authenticates on its own thread, under a deadline;
-        # bind() fails if anything has that name (a symlink too)
+        # no authkey: each connection authenticates on its own thread, under a deadline
         try:
             self.listener = connection.Listener(str(self.sock), family="AF_UNIX")
             os.chmod(self.sock, 0o600)  # in our 0700 folder: nothing but ours can be there
@@ -152,8 +151,7 @@ class Door:
         self.cut = _Counted(f"cut a silent attach (over {MAX_HANDSHAKES} at once)")
         self.leases: dict[int, connection.Connection] = {}  # worker id -> its open socket
         self.pending: set[int] = set()  # worker ids whose pipes are being handed over
-        # the server's own lock (two locks would be taken in both orders); never held
-        # while waiting for an attaching process
+        # the server's own (two locks would be taken in both orders); never held while waiting
         self.lock = server._lock
         self.closed = threading.Event()
         self.thread = threading.Thread(

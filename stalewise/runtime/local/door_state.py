@@ -66,8 +66,7 @@ def _codec(policy: codecs.Policy) -> dict:
 
 
 def decode(body: bytes) -> tuple[str | None, Plan | None]:
-    """What a door sent: ``(its refusal, None)`` or ``(None, the plan of the client)``.
-
+    """What a door sent: ``(its refusal, None)`` or ``(None, the plan of the client)``;
     NotData (saying what is wrong): a document no door writes."""
     try:
         doc = json.loads(body)

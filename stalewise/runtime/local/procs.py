@@ -23,8 +23,7 @@ from stalewise.runtime.base import THREAD_VARS
 def thread_budget(threads: int, hold: bool = True) -> Iterator[None]:
     """Caps the math-library threads of processes spawned inside the block (not variables the
     user set). ``hold``: no other thread changes the environment meanwhile."""
-    # every process the local runtime starts is started in this block: a spawned process
-    # still importing the user's main module is a script without the __main__ guard
+    # every process the local runtime starts starts here: one still importing __main__ has no guard
     if getattr(mp.current_process(), "_inheriting", False):
         print(f"stalewise: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
         raise SystemExit(NO_MAIN_GUARD)
