@@ -243,8 +243,6 @@ def sign_decode(packed, n, scale, out):  # type: ignore[no-untyped-def]
         out[i] = neg if (I32(packed[i >> 3]) >> I32(7 - (i & 7))) & I32(1) else scale
 
 
-# -- top-k selection ------------------------------------------------------------------
-
 _SAMPLE = 16384  # size of the sample a top-k threshold is estimated from
 _EXACT_BELOW = 4 * _SAMPLE  # vectors shorter than this are selected exactly
 

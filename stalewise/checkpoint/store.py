@@ -71,9 +71,6 @@ class Checkpoint:
         return np.concatenate([s["params"] for s in self.states])
 
 
-# -- saving ----------------------------------------------------------------------------
-
-
 def save(
     directory: str | os.PathLike,
     shard_states: Sequence[dict[str, Any]],
@@ -317,9 +314,6 @@ def candidates(root: Path) -> list[Path]:
             found.remove(named)
             found.insert(0, named)
     return found
-
-
-# -- loading ---------------------------------------------------------------------------
 
 
 def exists(directory: str | os.PathLike) -> bool:

@@ -129,9 +129,6 @@ def _sum(data: Any) -> int:
     return (total + int.from_bytes(mv[whole:], "little")) % 2**64
 
 
-# -- reading ---------------------------------------------------------------------------
-
-
 def read(
     stream: BinaryIO,
     *,
@@ -234,9 +231,6 @@ def _array(buf: bytearray, dtype: str, shape: list[int] | None, at: str) -> np.n
     if a is None or any(s < 0 for s in shape) or math.prod(shape) != a.size:
         raise LogError(f"{at}: 'shape': {shape} does not hold {len(buf)} bytes of {dtype}")
     return a.reshape(shape)
-
-
-# -- replaying -------------------------------------------------------------------------
 
 
 def replay(shard: Any, entries: Any, where: str = "journal") -> list[Any]:

@@ -26,9 +26,6 @@ _CONSISTENCY = ("asp", "ssp", "bsp", "hybrid")
 _STALENESS = ("constant", "inverse", "exponential", "polynomial")
 
 
-# -- the server's side --------------------------------------------------------------------
-
-
 def encode(config: ServerConfig, client: Client, workers: int) -> bytes:
     """The JSON document that lets an attaching process build ``client`` (raises NotData)."""
     spec = config.spec
@@ -60,9 +57,6 @@ def _codec(policy: codecs.Policy) -> dict:
                 "small": _codec(policy.small), "large": _codec(policy.large)}  # fmt: skip
     fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
     return {"name": policy.name, **fields}
-
-
-# -- the attaching process's side ----------------------------------------------------------
 
 
 def decode(body: bytes) -> tuple[str | None, Plan | None]:

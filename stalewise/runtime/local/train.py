@@ -255,8 +255,6 @@ class _Host:
     def now(self) -> float:
         return 0.0 if self.t0 is None else time.perf_counter() - self.t0
 
-    # -- processes -------------------------------------------------------------------
-
     def spawn(self, w: int) -> None:
         """Starts a process for a new incarnation of worker ``w``."""
         mine, theirs = connection.Pipe()
@@ -288,8 +286,6 @@ class _Host:
         return (
             f"worker process died without a word ({describe_exit(self.workers[w].proc.exitcode)})"
         )
-
-    # -- failures --------------------------------------------------------------------
 
     def poll(self, timeout: float) -> None:
         """Handles what the workers said, then any shard or worker that failed meanwhile."""
@@ -460,8 +456,6 @@ class _Host:
             if not self.check_shards():
                 raise
             return call()
-
-    # -- the driver's host -----------------------------------------------------------
 
     def start(self, run: driver.Run) -> None:
         """Starts the shards (at the resumed checkpoint) and every worker, until all are

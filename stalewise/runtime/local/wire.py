@@ -78,9 +78,6 @@ class WireError(ValueError):
     """Bytes that are not a message this reader accepts (the text says why)."""
 
 
-# -- frames ------------------------------------------------------------------------------
-
-
 def frame(body: bytes) -> bytes:
     """``body`` with the length header :meth:`Connection.recv_bytes` reads."""
     return _FRAME.pack(len(body)) + body
@@ -131,9 +128,6 @@ class FrameReader:
         return out
 
 
-# -- worker -> shard -----------------------------------------------------------------------
-
-
 def push(seq: int) -> bytes:
     """A worker's push number ``seq`` is committed (its record is in shared memory)."""
     return _INT.pack(_PUSH, seq)
@@ -159,9 +153,6 @@ def decode_from_worker(body: bytes) -> tuple:
     if kind in (_PUSH, _PULL, _LEAVE):
         raise _wrong_size(kind, body)
     raise WireError(f"a message of unknown kind 0x{kind:02x} ({len(body)} bytes)")
-
-
-# -- shard -> worker or parent -------------------------------------------------------------
 
 
 def ack(a: Ack) -> bytes:
@@ -261,9 +252,6 @@ def decode_reply(body: bytes, *, trusted: bool = False) -> tuple:
     raise WireError(f"a reply of unknown kind 0x{kind:02x} ({len(body)} bytes)")
 
 
-# -- worker -> parent (the result pipe of the local runtime) and back ---------------------
-
-
 def worker_ready(worker: int) -> bytes:
     """The worker has set up (its data, one warm-up step) and waits for :func:`go`."""
     return _INT.pack(_W_READY, worker)
@@ -353,9 +341,6 @@ def decode_result(body: bytes, worker: int) -> tuple:
     if n > len(rest):
         raise _wrong_size(kind, body)
     return ("error", w, rest[:n].decode("utf-8", "replace"), rest[n:].decode("utf-8", "replace"))
-
-
-# -- parent -> shard (the control pipe) ----------------------------------------------------
 
 
 def join(worker: int, incarnation: int) -> bytes:
