@@ -119,7 +119,6 @@ class Target:
         return f"{self.metric} {self.op} {self.value:g}"
 
 
-#: What ``stop_at`` accepts: see :func:`parse`.
 StopAt: TypeAlias = Target | Sequence[Target] | Mapping[str, Any] | None
 
 

@@ -214,9 +214,6 @@ def _split(x: Any, path: tuple) -> _Split:
     )
 
 
-# -- building a spec -------------------------------------------------------------------
-
-
 class _Builder:
     def __init__(self) -> None:
         self.found: list[_Leaf] = []
@@ -293,9 +290,6 @@ def _nonfloat_error(path: tuple, dtype: str) -> TypeError:
         f"{path_str(path)}: leaf has dtype {dtype}; only floating leaves "
         f"({', '.join(FLOAT_DTYPES)}) are trainable, integer, bool and complex ones are not"
     )
-
-
-# -- matching a tree against a spec ------------------------------------------------------
 
 
 class _Matcher:
@@ -711,9 +705,6 @@ def views_into(target: Any, spec: FlatSpec) -> list[tuple[int, np.ndarray]] | No
             return None
         views.append((leaf.offset, x.reshape(-1)))
     return views
-
-
-# -- buffers ------------------------------------------------------------------------------
 
 
 def mark_buffers(spec: FlatSpec, patterns: str | Iterable[str]) -> FlatSpec:

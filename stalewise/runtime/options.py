@@ -219,7 +219,6 @@ class RunOptions:
     max_restarts: int | None = 3  # restarts per worker id (and per shard); None: no limit
     worker_timeout: float | None = 60.0  # seconds without a heartbeat before a worker is hung
     diverge_after: int | None = DIVERGE_AFTER  # see protocol.loop.worker_loop; None: never
-    # derived in __post_init__
     slowdowns: tuple[float, ...] = field(init=False)  # per worker, >= 1
     extra_delays: tuple[float, ...] = field(init=False)  # per worker, seconds
     room: int = field(init=False)  # the worker ids, 0 .. room - 1 (an elastic run's max)

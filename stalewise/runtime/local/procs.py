@@ -51,8 +51,7 @@ def cap_threads_here(workers: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
 
 
-#: The exit code of a spawned process that re-imported the user's main module and found it
-#: starting processes again: the module lacks ``if __name__ == "__main__":``.
+#: The exit code of a spawned process whose main module lacks ``if __name__ == "__main__":``.
 NO_MAIN_GUARD = 72
 MAIN_GUARD_HINT = (
     "spawned processes re-import your main module, which started training again: put the "

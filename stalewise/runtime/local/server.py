@@ -117,8 +117,7 @@ class LocalServer:
         self.replicated = config.replicas == 2  # each shard has a backup process
         self._backups: list = [None] * config.shards  # (process, control) while linked
         self._spawning: set = set()  # backup processes not linked yet (close stops them)
-        # the observer's pipes and the worker table serve one caller at a time: the door's
-        # thread (attach by name) makes clients and keeps its leases under this lock too
+        # the observer's pipes and the worker table: one caller at a time (the door's thread too)
         self._lock = threading.RLock()
         self._door = None  # attach by name (see .attach), when served with a name
         self._attached: set[int] = set()  # worker ids ever given to an attached process
@@ -526,8 +525,7 @@ class LocalServer:
 
     def dead_shards(self) -> list[int]:
         """The shards whose process has exited (asks the OS; no message is sent)."""
-        # A killed process's pipes (and sentinel) close a moment before the OS can report
-        # its exit: reap a process whose sentinel is ready, so it counts as dead at once.
+        # reaped once its sentinel is ready: the OS reports its exit a moment later otherwise
         ended = connection.wait(self.shard_sentinels(), 0)
         for p in self._procs:
             if p.sentinel in ended:

@@ -123,8 +123,7 @@ def _worker_main(
                 positions = None
                 log.warning("worker %d: no data positions in %s: %s", w, options.checkpoint_dir, e)
         first = next(batches)
-        # Set-up, not training: load the data and run one step whose result is thrown
-        # away, so a JIT compile of the user's function (JAX, numba) happens before the clock.
+        # set-up: one step thrown away, so a JIT compile (JAX, numba) happens before the clock
         params = client.peek()
         options.loss_and_grad(params, first)
         strategy.warm_up(params)  # an inner optimizer's kernels, likewise
@@ -153,8 +152,7 @@ def _worker_main(
                 land()  # the budget counts it
                 return not client.stopping and client.may_begin(options.steps)
             if request is loop.PULL:
-                # the pipelining rule (stalewise.protocol.pipeline): the pull does not wait
-                # for the last push's acks (a settling push was answered at them, below)
+                # the pipelining rule: the pull does not wait for the last push's acks
                 land()
                 if settle:  # read-your-writes, as for a settled push
                     beat.wait(lambda t: client.wait(timeout=t))
