@@ -68,8 +68,7 @@ class LocalSGD(_Averager):
     """Local SGD / DiLoCo for a PyTorch loop: push and pull every ``local_steps`` optimizer steps.
 
     ``optimizer.step()`` is hooked while the ``with`` block runs; ``model`` must match the
-    Job's params; ``timeout`` bounds each pull and push; ``remainder`` (``"drop"`` or
-    ``"push"``) is what leaving the block does with the steps since the last sync."""
+    Job's params; ``timeout`` bounds each pull and push; ``remainder``: :data:`REMAINDERS`."""
 
     def __init__(
         self,

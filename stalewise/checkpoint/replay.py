@@ -150,9 +150,8 @@ def replay_chain(
     shard: Any, folder: Path, name: str, agreed: tuple[set, list] | None = None
 ) -> tuple[list[str], int]:
     """Replays into ``shard`` (loaded with the state log ``name`` began at) that log and the
-    rest of its chain, leaving out what is not ``agreed`` (:func:`_agreed`); returns the files
-    read and the bytes of whole entries in the last (a torn last entry is dropped).
-    CheckpointError: a log that is garbled, not ours, or does not fit its shard."""
+    rest of its chain, leaving out what is not ``agreed``; returns the files read and the bytes
+    of whole entries in the last. CheckpointError: a log garbled, not ours, or not its shard's."""
     read, end, left_out = [], 0, False
 
     def entries(f: Any, where: str, last: bool, marks: Any) -> Any:

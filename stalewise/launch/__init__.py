@@ -185,11 +185,10 @@ def launch(
     resume: bool = False,
     name: str | None = None,
 ) -> int:
-    """Runs ``script`` with ``argv`` as ``stalewise run`` does; returns the exit status.
+    """Runs ``script`` with ``argv`` as ``stalewise run`` does (its flags); returns the exit status.
 
-    The arguments are the flags of ``stalewise run --help``. From the main thread, SIGTERM
-    is handled as Ctrl-C and raises :class:`Terminated`; :class:`LaunchError` for a bad
-    argument or a script that ends without calling :func:`init`."""
+    From the main thread, SIGTERM is handled as Ctrl-C and raises :class:`Terminated`;
+    :class:`LaunchError` for a bad argument or a script that ends without calling :func:`init`."""
     global _LAUNCH
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
         raise LaunchError(f"--workers must be an integer in 1..{MAX_WORKERS}, got {workers!r}")

@@ -1,5 +1,4 @@
-"""LAMB: Adam directions scaled leaf by leaf by a trust ratio (You et al., 2020); unlike
-some, a ratio of 1 when either norm is zero (zero-initialised biases train)."""
+"""LAMB: Adam directions scaled leaf by leaf by a trust ratio (You et al., 2020)."""
 
 from __future__ import annotations
 

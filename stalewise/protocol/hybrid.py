@@ -1,6 +1,5 @@
-"""The rule of :func:`stalewise.consistency.Hybrid`: a shard starts synchronous and decides
-at each round's end, by each worker's *pace* (the smoothed time from a served pull to its
-next push) against the live median. Why: ``docs/design-notes.md`` ("Protocol")."""
+"""The rule of :func:`stalewise.consistency.Hybrid`, a worker's *pace* being the smoothed time from
+a served pull to its next push. Why: ``docs/design-notes.md`` ("Protocol")."""
 
 from __future__ import annotations
 

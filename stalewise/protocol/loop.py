@@ -1,7 +1,6 @@
 """The one worker loop every runtime drives: begin, pull, strategy step, push.
 
-The loop is a generator without I/O that asks its runtime, so blocking runtimes and the
-simulator run the same loop:
+The loop, a generator without I/O, asks its runtime:
 
 * :data:`BEGIN`: answer True to start a step, False to end the loop;
 * :data:`PULL`: answer with the pulled parameters (the user's tree);

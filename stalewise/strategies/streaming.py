@@ -86,8 +86,7 @@ class LazyLeaves:
 def lazy_leaves(opt: optim.Optimizer) -> optim.Optimizer:
     """``opt`` with a state per leaf, stepping only the leaves an update touches.
 
-    A leaf whose update is all zero keeps its params and state as they were. ``opt``
-    must keep a parameter-sized state (``sgd`` with momentum, ``delayed_nesterov``...)."""
+    ``opt`` must keep a parameter-sized state (``sgd`` with momentum, ``delayed_nesterov``...)."""
     if not isinstance(opt, optim.Optimizer):
         raise TypeError(f"lazy_leaves: opt must be a stalewise optimizer, got {opt!r}")
     return LazyLeaves(opt).optimizer()

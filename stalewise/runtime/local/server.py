@@ -605,8 +605,7 @@ class LocalServer:
         self, timeout: float | None = 60.0, log_dir: str | None = None, fsync: bool = False
     ) -> tuple[list, dict, Any]:
         """What a checkpoint of this server holds: ``(states, step, residuals)``; pushes in
-        flight count as not made (:func:`~stalewise.protocol.budget.held`); ``log_dir``,
-        ``fsync``: see :meth:`state_dicts`."""
+        flight count as not made (:func:`~stalewise.protocol.budget.held`)."""
         states = self.state_dicts(timeout, log_dir, fsync)
         records, counts = self.layout.records(self._block), self.control[self.layout.pushes_done]
         pushed = []
