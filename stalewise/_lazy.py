@@ -1,5 +1,4 @@
-"""Modules imported when first used: the numba kernels cost about 0.3 s of ``import
-stalewise``, which every worker pays and most never need (:class:`Lazy`).
+"""Modules imported when first used (:class:`Lazy`): the numba kernels cost every worker 0.3 s.
 
 Example:
     >>> json = Lazy("json")

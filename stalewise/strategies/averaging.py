@@ -1,9 +1,8 @@
 """Model-averaging strategies: local SGD (FedAvg), DiLoCo, asynchronous DiLoCo and EASGD.
 
-A worker runs ``local_steps`` (``H``) steps of an *inner* optimizer and pushes the
-pseudo-gradient; ``sw.Job`` without ``optimizer=`` uses ``server_optimizer()``. ``inner``:
-a :mod:`stalewise.optim` optimizer, an optax ``GradientTransformation`` (not picklable: not
-for the local runtime) or a torch optimizer factory taking one tensor per leaf, e.g.
+A worker runs ``local_steps`` (``H``) steps of an *inner* optimizer and pushes the pseudo-gradient.
+``inner``: a :mod:`stalewise.optim` optimizer, an optax ``GradientTransformation`` (not picklable:
+not for the local runtime) or a torch optimizer factory taking one tensor per leaf, e.g.
 ``functools.partial(torch.optim.AdamW, lr=1e-3)``. Why: docs/design-notes.md, "Model averaging"."""
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Imported by the local runtime's forkserver only (:func:`procs.shard_context`): it dies with
-the process that started it, and loads the shard's modules and each optimizer and codec kernel
-on tiny arrays, so that the shards it forks start warm (docs/design-notes.md, "Local runtime")."""
+"""Imported by the local runtime's forkserver only (:func:`procs.shard_context`): it dies with its
+starter and runs each kernel on tiny arrays, so the shards it forks start warm (design notes)."""
 
 import contextlib
 import os
