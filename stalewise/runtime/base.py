@@ -63,7 +63,8 @@ class PullsIntoTrees:
             into: an existing tree or model (e.g. a ``torch.nn.Module``) to copy the values
                 into, in place; it is returned.
             timeout: seconds to wait for the shards (None: forever).
-            own: wait for this worker's last push to be acknowledged (default).
+            own: hold this worker's last push (default); its acks may be read later, by
+                :meth:`wait` or the next push (``last_result``).
 
         Returns the parameters in the structure and backend the job was made with."""
         self.pull_flat(timeout=timeout, own=own)
