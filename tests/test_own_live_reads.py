@@ -45,7 +45,7 @@ def test_a_pull_racing_other_workers_steps_is_never_torn_nor_older_than_its_push
             while pulls < MIN_PULLS or any(p.is_alive() for p in procs):
                 client.push(ones, timeout=60)
                 x = client.pull(copy=False, into=mine if into else None, timeout=60)["x"]
-                acked = client.last_result.versions
+                acked = client.wait(timeout=60).versions  # acks read after the pull
                 for k, (lo, hi) in enumerate(ranges):
                     value = float(x[lo])
                     torn = np.flatnonzero(x[lo:hi] != value)

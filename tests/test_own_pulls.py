@@ -119,7 +119,7 @@ def test_a_pull_after_a_push_on_a_busy_shard_reads_the_live_params_without_a_pub
         params = client.pull(timeout=TIMEOUT)  # read-your-writes
         assert client.pull_has_own
         np.testing.assert_array_equal(params["w"], np.full(N, -float(step), np.float32))
-        assert client.last_result.versions == (step,)
+        assert client.wait(timeout=TIMEOUT).versions == (step,)  # its acks, read after
     assert s.proc.publishes == published  # the shard stayed busy: no publish helped
     assert s.proc.served == client.own_requests == 0  # no pull asked of the shard
     assert s.layout.params(s.block)[0] == -3.0

@@ -11,15 +11,42 @@ import math
 
 import numba
 import numpy as np
+from numba.extending import intrinsic
 
 BLOCK = 1024  # elements per block of pass 1: four float32 blocks fit in L1
 LANES = 64  # partial sums per norm (fewer do not vectorize)
 CHECK_BLOCK = 8192  # elements per block of a checked step (32 KB of float32): checked in L1/L2
+PIECE = 1 << 16  # elements per piece of a step that reports its progress (``done``)
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
 # the finiteness flags only: reassociation lets their sums vectorize, and without the
 # no-NaN/no-Inf flags x*0 stays NaN for a NaN or an Inf
 _flags_jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc"}, error_model="numpy")
+
+
+@intrinsic
+def _fence(typingctx):
+    """A full memory fence: every store before it is seen before any store after it."""
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return numba.types.none(), codegen
+
+
+@_jit
+def _blocks(size, check, copy, done):
+    """The block size of a step: whole, or in blocks to check, copy or report (``done``)."""
+    return CHECK_BLOCK if check.size or copy else PIECE if done.size else max(size, 1)
+
+
+@_jit
+def _report(done, e):
+    """``done[0] = e`` once the step's writes before it are visible (``done`` empty: none)."""
+    if done.size:
+        _fence()
+        done[0] = e
 
 
 @_jit
@@ -91,16 +118,17 @@ def _sgd(g, buf, p, lr, momentum, nesterov, wd, into_params):
 
 @_jit
 def sgd(g, buf, p, offsets, sizes, decay, lr, momentum, nesterov, wd, into_params, check,
-        undo_p, undo_buf):  # fmt: skip
+        undo_p, undo_buf, done):  # fmt: skip
     """SGD as torch.optim.SGD: ``g += wd*p; buf = momentum*buf + g; p -= lr*(g or buf)``.
 
     ``buf`` may be empty when ``momentum`` is zero. ``decay[s]`` False drops ``wd*p`` on leaf ``s``
     (empty ``offsets``: the whole vector decays). A non-empty ``check`` takes :func:`_checks` block
-    by block, and non-empty ``undo_p`` (``undo_buf``) the values before the step."""
+    by block, non-empty ``undo_p`` (``undo_buf``) the values before the step, and a non-empty
+    ``done`` each block's end once it is written."""
     zero = p.dtype.type(0)
     use_buf = momentum != 0
     copy = undo_p.size != 0
-    step = CHECK_BLOCK if check.size or copy else max(g.size, 1)
+    step = _blocks(g.size, check, copy, done)
     for b in range(0, g.size, step):
         e = min(b + step, g.size)
         if copy:
@@ -115,6 +143,7 @@ def sgd(g, buf, p, offsets, sizes, decay, lr, momentum, nesterov, wd, into_param
         if check.size:
             bb = buf[b:e] if use_buf else buf
             _checks(check, g[b:e], p[b:e], bb, bb[:0])
+        _report(done, e)
 
 
 @_jit
@@ -152,13 +181,13 @@ def _adam(g, m, v, p, lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps, l2, wd, into
 
 @_jit
 def adam(g, m, v, p, offsets, sizes, decay, lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps,
-         l2, wd, into_params, check, undo_p, undo_m, undo_v):  # fmt: skip
+         l2, wd, into_params, check, undo_p, undo_m, undo_v, done):  # fmt: skip
     """Adam with coupled L2 (``l2``) and decoupled decay (``wd``), as :func:`stalewise.optim.adam`
     and ``adamw`` state it; ``inv_c1``, ``inv_sqrt_c2``: the bias corrections. ``offsets``,
-    ``decay``, ``check`` and ``undo_*``: as in :func:`sgd`."""
+    ``decay``, ``check``, ``undo_*`` and ``done``: as in :func:`sgd`."""
     zero = p.dtype.type(0)
     copy = undo_p.size != 0
-    step = CHECK_BLOCK if check.size or copy else max(g.size, 1)
+    step = _blocks(g.size, check, copy, done)
     for b in range(0, g.size, step):
         e = min(b + step, g.size)
         if copy:
@@ -171,6 +200,7 @@ def adam(g, m, v, p, offsets, sizes, decay, lr, b1, w1, b2, w2, inv_c1, inv_sqrt
                   eps, l2 if on else zero, wd if on else zero, into_params)  # fmt: skip
         if check.size:
             _checks(check, g[b:e], p[b:e], m[b:e], v[b:e])
+        _report(done, e)
 
 
 @_jit

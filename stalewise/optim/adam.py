@@ -11,7 +11,7 @@ import numpy as np
 from stalewise._lazy import Lazy
 from stalewise.optim._leaves import DecayTable
 from stalewise.optim._validate import check_learning_rate, check_number, compile_patterns
-from stalewise.optim.base import LearningRate, Moments, Optimizer, state_type
+from stalewise.optim.base import NO_DONE, LearningRate, Moments, Optimizer, state_type
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
@@ -42,7 +42,7 @@ class _Adam(Moments):
         u = q + self.decay * p
         return p + lr * u, m, v, max(u, d * d)
 
-    def run(self, grads, state, params, scale, into_params, check=None, undo=None) -> None:
+    def run(self, grads, state, params, scale, into_params, check=None, undo=None, done=None):
         count, lr, table = self.begin(grads, state, params, scale, into_params)
         t = count + 1
         dt = params.dtype.type
@@ -52,7 +52,7 @@ class _Adam(Moments):
                       dt(1.0 / math.sqrt(1.0 - self.b2**t)), dt(self.eps),
                       dt(self.l2), dt(self.decay), into_params,
                       params[:0] if check is None else check,
-                      *(undo or (params[:0],) * 3))  # fmt: skip
+                      *(undo or (params[:0],) * 3), NO_DONE if done is None else done)  # fmt: skip
         state.count[...] = t
 
 

@@ -123,6 +123,9 @@ def pure_update(
     return updates, new_state
 
 
+NO_DONE = np.empty(0, np.int64)  # a step that reports no progress (see Rule.apply_checked)
+
+
 class Rule(abc.ABC):
     """An update rule written once, in place; :meth:`optimizer` derives the four functions.
     Subclasses are frozen dataclasses of hyperparameters implementing :meth:`init`, :meth:`run`.
@@ -169,7 +172,7 @@ class Rule(abc.ABC):
         """``params`` and ``state`` advance in place; ``grads`` may be overwritten."""
         self.run(grads, state, params, scale, True)
 
-    fused_checks = False  # run() takes check= and undo=, the fused work of apply_checked
+    fused_checks = False  # run() takes check=, undo= and done=, the fused work of apply_checked
 
     def apply_checked(
         self,
@@ -179,11 +182,13 @@ class Rule(abc.ABC):
         *,
         scale: float = 1.0,
         undo: tuple[np.ndarray, ...] | None = None,
+        done: np.ndarray | None = None,
     ) -> tuple[float, float]:
         """:meth:`apply` with a server's checks fused into the step (``fused_checks`` rules).
 
-        ``undo``: copies of :meth:`written`'s vectors get their values before the step. Returns
-        the sum of squares of ``grads`` and a sum finite exactly when params and state stayed so."""
+        ``undo``: copies of :meth:`written`'s vectors get their values before the step; ``done``
+        (one int64), the end of the params written so far, piece by piece. Returns the sum of
+        squares of ``grads`` and a sum finite exactly when params and state stayed so."""
         if undo is not None:
             written = self.written(state, params)
             if len(undo) != len(written) or any(
@@ -197,7 +202,7 @@ class Rule(abc.ABC):
                     f"shaped like {[f'{w.dtype}{w.shape}' for w in written]}"
                 )
         check = np.zeros(2, params.dtype)
-        self.run(grads, state, params, scale, True, check=check, undo=undo)  # type: ignore[call-arg]
+        self.run(grads, state, params, scale, True, check=check, undo=undo, done=done)  # type: ignore[call-arg]
         return float(check[0]), float(check[1])
 
     def written(self, state: State, params: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -15,7 +15,14 @@ from stalewise.optim._validate import (
     check_number,
     compile_patterns,
 )
-from stalewise.optim.base import LearningRate, Moments, Optimizer, learning_rate, state_type
+from stalewise.optim.base import (
+    NO_DONE,
+    LearningRate,
+    Moments,
+    Optimizer,
+    learning_rate,
+    state_type,
+)
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
@@ -50,13 +57,13 @@ class _Sgd(Moments):
         u = (d + self.momentum * b if self.nesterov else b) if self.momentum else d
         return p + lr * u, b
 
-    def run(self, grads, state, params, scale, into_params, check=None, undo=None) -> None:
+    def run(self, grads, state, params, scale, into_params, check=None, undo=None, done=None):
         count, lr, table = self.begin(grads, state, params, scale, into_params)
         dt = params.dtype.type
         _kernels.sgd(grads, state.momentum, params, *table, lr, dt(self.momentum),
                      self.nesterov, dt(self.weight_decay), into_params,
                      params[:0] if check is None else check,
-                     *(undo or (params[:0],) * 2))  # fmt: skip
+                     *(undo or (params[:0],) * 2), NO_DONE if done is None else done)  # fmt: skip
         state.count[...] = count + 1
 
 

@@ -160,6 +160,7 @@ class Shard:
         # a rule that bounds its step: the state they are of, its bounds (see _bounded)
         self._maxima: tuple[Any, tuple[float, ...]] | None = None
         self.journal: Any = None  # where the state's changes go (pushlog.journaled)
+        self.done: np.ndarray | None = None  # where a step reports its progress (Rule.run)
 
     def warm_up(self) -> None:
         """Runs the optimizer on a copy of 64 params and warms the decoder: kernels compile now."""
@@ -488,7 +489,10 @@ class Shard:
         bit for bit, and raises Rejected("overflow"). ``judge`` not None: the update's
         values are judged in the step's pass."""
         if self._bounded(update, scale, judge, sumsq):
-            self.optimizer.apply(update, self.opt_state, self.params, scale=scale)
+            if self._fused is not None:
+                self._fused.run(update, self.opt_state, self.params, scale, True, done=self.done)
+            else:
+                self.optimizer.apply(update, self.opt_state, self.params, scale=scale)
             self._undo_fresh = False
             self.version += 1
             self.stats.rounds += 1
@@ -504,7 +508,7 @@ class Shard:
             copies = None if self._undo_fresh else self._copy_unwritten(arrays, undo)
             self._undo_fresh = False
             sq, written = self._fused.apply_checked(
-                update, self.opt_state, self.params, scale=scale, undo=copies
+                update, self.opt_state, self.params, scale=scale, undo=copies, done=self.done
             )
             written_ok = math.isfinite(written)
             if judge is not None and not math.isfinite(sq):  # exact, on the untouched payload

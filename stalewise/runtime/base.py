@@ -52,8 +52,9 @@ class PullsIntoTrees:
     ) -> Any:
         """Blocks until the consistency model lets this worker start, then returns the params.
 
-        The parameters include this worker's last push if the shards applied it (read-your-writes);
-        ``own=False`` does not wait for it, and ``pull_has_own`` then says whether they do.
+        The parameters include this worker's last push if the shards applied it (read-your-writes;
+        its result may be read later, by :meth:`wait` or the next push); ``own=False`` does not
+        wait for it, and ``pull_has_own`` then says whether they do.
 
         Args:
             copy: False returns leaves that view the pull buffer (valid until the next pull).

@@ -148,6 +148,7 @@ class Client(PullsIntoTrees):
         #: pulls from a shard whose snapshot lacked this worker's acknowledged push and whose
         #: live params kept changing while read, so served by the shard (read-your-writes)
         self.own_requests = 0
+        self.trailed = 0  #: read-your-writes pulls copied behind their push's step (_trail)
         self._lease: connection.Connection | None = None  # an attached process's socket
         self.budget_refused = 0  # pushes refused past the budget
         self._granted = False  # may_begin said yes since the last push
@@ -268,17 +269,23 @@ class Client(PullsIntoTrees):
         out = self._last = self._pull_buf if out is None else out
         if self.watch is not None:
             self.watch.pulled = True
-        shards = range(len(self._ranges))
+        shards, copied = range(len(self._ranges)), {}
         snaps = self._snapshots  # None for the observer: its pulls are served
         if snaps is not None:  # a shard that died, or closed this client's pipe, says so now
             self._check_open()
             for k in shards:
                 self._drain(k)
-            if own:  # read-your-writes: the last push's acks first, then a snapshot holding it
-                self.wait(timeout=timeout)
+            if own:  # read-your-writes: behind the last push's step, else after its acks
+                copied = self._trail(out, timeout)
+                if not copied:
+                    self.wait(timeout=timeout)
         # served pulls go after the push on the same pipe, so they hold it too
-        self.pull_has_own = not any(self._acks_due) or snaps is None or not self._direct
-        if (
+        self.pull_has_own = bool(copied) or not any(self._acks_due) or not self._direct
+        if copied:
+            self.trailed += 1
+            for k, version in copied.items():
+                self._sender.pulled(k, version)
+        elif (
             snaps is not None
             and self._direct
             and not any(self._pulls_due)
@@ -307,6 +314,56 @@ class Client(PullsIntoTrees):
                     if out is not self._pull_buf:  # served into the pull buffer
                         L.copy_range(out, self._pull_buf, *self._ranges[k])
         return out
+
+    def _trail(self, out: Any, timeout: float | None) -> dict[int, int]:
+        """Copies each shard's live params into ``out`` behind the step of this worker's last
+        push, as the shard writes them (``Snapshots.trail``), not waiting for its acks; returns
+        each shard's version so copied: all of them, or none (then read after the acks)."""
+        snaps, conns, exits = self._snapshots, self._conns, self._exits
+        if not (
+            self._direct
+            and LIVE_COPIES  # the trail is one of them
+            and all(self._acks_due)
+            and not any(self._pulls_due)
+            and pipeline.may_read(
+                self._consistency, self._sender.seq, (snaps.min_clock(k) for k in range(len(conns)))
+            )
+        ):
+            return {}
+        tag = L.step_tag(self.worker, int(self._record[L.R_SEQ]))
+        trails = {k: snaps.trail(k, out, self.worker, tag) for k in range(len(conns))}
+        copied, pause = {}, SPIN
+        end = None if timeout is None else time.monotonic() + timeout
+        try:
+            while trails:
+                # something to read (its ack, or the pipe's end): the shard is past the step
+                past = {id(c) for c in wire.readable([conns[k] for k in trails], 0)}
+                if exits is not None and any(c == c for c in exits.tolist()):  # an exit code
+                    return {}
+                for k in list(trails):
+                    try:
+                        running = next(trails[k])
+                    except StopIteration as stop:
+                        del trails[k]
+                        if stop.value is None:
+                            return {}
+                        copied[k] = stop.value
+                        continue
+                    if (
+                        id(conns[k]) in past
+                        or any(m[0] == "ack" for m in self._inbox[k])
+                        or (end is not None and time.monotonic() > end)
+                    ):
+                        return {}
+                    if running:
+                        pause = SPIN
+                if trails:
+                    time.sleep(pause)
+                    pause = min(2 * pause, SPIN_MAX)
+            return copied
+        finally:
+            for trail in trails.values():
+                trail.close()  # its mark in the table goes
 
     def peek(self) -> Any:
         """The params as the shards last published them, past every gate (a warm-up's: a

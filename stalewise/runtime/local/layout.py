@@ -29,9 +29,21 @@ _ALIGN = 64  # bytes; every region starts on a cache line
 # header), so a pull's copy out and a push's in do not 4K-alias (3x slower at 100M); push
 # regions half a page away from the params, which the step reads them against
 _PAGE, _AT, _AT_PUSH = 4096, 16, 16 + 2048
-# shard table columns: cur, seq[2], ver[2], min clock, live seq, live version, announced,
-# then per worker when it began to copy the live params (monotonic ns; 0: it is not)
-_CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED, _READING = 0, 1, 3, 5, 6, 7, 8, 9
+# shard table columns: cur, seq[2], ver[2], min clock, live seq, live version, announced, the
+# push the live params' writer applies (step_tag; 0: none) and how far it got (elements; -1:
+# refused), then per worker when it began to copy the live params (monotonic ns; 0: it is not)
+_CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED, _STEP, _DONE = (
+    0,
+    1,
+    3,
+    5,
+    6,
+    7,
+    8,
+    9,
+    10,
+)
+_READING = 11
 # push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases, sums
 R_COMMIT, R_INC, R_SEQ, R_CODE, R_DETAIL, R_BASES = range(6)
 
@@ -43,6 +55,11 @@ def _round_up(n: int, to: int = _ALIGN) -> int:
 def _in_page(offset: int, at: int) -> int:
     """The first offset from ``offset`` on that is ``at`` bytes into a page."""
     return offset + (at - offset) % _PAGE
+
+
+def step_tag(worker: int, seq: int) -> int:
+    """The table's name for worker ``worker``'s push ``seq`` while a shard applies it."""
+    return (worker << 40) + seq + 1
 
 
 def copy_range(out: np.ndarray | list, src: np.ndarray, lo: int, hi: int) -> None:
@@ -258,9 +275,22 @@ class Snapshots:
         self.params = layout.params(block)
         self.ranges = ranges
 
-    def changing(self, k: int) -> None:
-        """Shard ``k`` may write its live params from now on (odd: readers retry)."""
-        self.table[k, _LIVE_SEQ] |= 1
+    def changing(self, k: int, step: int = 0) -> None:
+        """Shard ``k`` may write its live params from now on (odd: readers retry), applying
+        push ``step`` (:func:`step_tag`; 0: none) and reporting its progress (:meth:`done`)."""
+        row = self.table[k]
+        row[_DONE] = 0
+        row[_STEP] = step
+        row[_LIVE_SEQ] |= 1
+
+    def done(self, k: int) -> np.ndarray:
+        """The word where shard ``k``'s step writes how many of its params it has written."""
+        return self.table[k, _DONE : _DONE + 1]
+
+    def stepped(self, k: int, applied: bool) -> None:
+        """Shard ``k`` applied the push it named in :meth:`changing`, or refused it."""
+        lo, hi = self.ranges[k]
+        self.table[k, _DONE] = hi - lo if applied else -1
 
     def changed(self, k: int, version: int) -> None:
         """Shard ``k``'s live params are consistent again, at ``version`` (even)."""
@@ -284,6 +314,44 @@ class Snapshots:
         version = int(row[_LIVE_VER])
         row[_READING + worker] = 0
         return version if not seq & 1 and int(row[_LIVE_SEQ]) == seq else None
+
+    def trail(self, k: int, out: np.ndarray | list, worker: int, step: int):
+        """Worker ``worker`` copies shard ``k``'s live params into ``out[lo:hi]`` behind the
+        step of push ``step`` (:func:`step_tag`), each piece once the shard reports it written.
+        A generator: yields (True while that step runs) until it returns the params' version
+        after it, or None if the shard refused that push or moved on (do not use the copy)."""
+        row, (lo, hi) = self.table[k], self.ranges[k]
+        at, marked = lo, False
+        try:
+            while True:
+                seq = int(row[_LIVE_SEQ])
+                if int(row[_STEP]) != step:  # not begun, or over and followed by another
+                    if at > lo:
+                        return None
+                    yield False
+                    continue
+                done = int(row[_DONE])
+                if not seq & 1:  # over (or, for an instant, not begun)
+                    if done == hi - lo:
+                        break
+                    if done < 0 or at > lo:
+                        return None
+                    yield False
+                    continue
+                if not marked:  # the shard's next step waits for this copy (see readers)
+                    row[_READING + worker] = time.monotonic_ns()
+                    marked = True
+                if lo + done > at:
+                    copy_range(out, self.params, at, lo + done)
+                    at = lo + done
+                else:
+                    yield True
+            copy_range(out, self.params, at, hi)
+            version = int(row[_LIVE_VER])
+            return version if int(row[_LIVE_SEQ]) == seq and int(row[_STEP]) == step else None
+        finally:
+            if marked:
+                row[_READING + worker] = 0
 
     def readers(self, k: int) -> list[float]:
         """When (``time.monotonic()``) each worker now copying shard ``k``'s live params began."""

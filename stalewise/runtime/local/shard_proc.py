@@ -25,7 +25,7 @@ from stalewise.protocol import PushHeader, ServerConfig, Shard, commit, delivery
 from stalewise.protocol.replica import Backup, CatchUp, Forward, Held, Primary, digest
 from stalewise.runtime.local import layout as L
 from stalewise.runtime.local import wire
-from stalewise.runtime.local.layout import Layout, Snapshots
+from stalewise.runtime.local.layout import Layout, Snapshots, step_tag
 from stalewise.runtime.local.procs import die_with_parent
 from stalewise.runtime.local.shm import SharedBlock
 from stalewise.runtime.logs import child_logging
@@ -131,6 +131,8 @@ class ShardProcess:
             self.equal = np.empty(1 << 18, bool)  # scratch of same()
             self.primary = Primary(self.shard)
             self.record, self.shard.journal = self.shard.journal, self.journal
+        else:  # the step reports its progress to a pull that trails it
+            self.shard.done = self.snapshots.done(k)
 
     # -- snapshots -----------------------------------------------------------------
 
@@ -151,15 +153,20 @@ class ShardProcess:
         late = time.monotonic() - self.published_at > pipeline.PUBLISH_EVERY
         return not busy or clock != self.snapshots.min_clock(self.k) or late
 
-    def write(self, call, *args, **kwargs):
+    def write(self, call, *args, step: int = 0, **kwargs):
         """``call(*args, **kwargs)``, a call that may write the shard's params, inside the live
-        params' seqlock (released at the version reached, even if it raises)."""
-        self.snapshots.changing(self.k)
+        params' seqlock (released at the version reached, even if it raises); ``step``: the
+        push it applies, which its sender's pull may copy behind (``Snapshots.trail``)."""
+        snaps, version = self.snapshots, self.shard.version
+        step = step if self.primary is None else 0  # else read from sync on (the backup's)
+        snaps.changing(self.k, step)
         try:
             return call(*args, **kwargs)
         finally:
+            if step:
+                snaps.stepped(self.k, self.shard.version == version + 1)
             if self.primary is None:  # else at sync: no worker reads what the backup lacks
-                self.snapshots.changed(self.k, self.shard.version)
+                snaps.changed(self.k, self.shard.version)
 
     # -- workers -------------------------------------------------------------------
 
@@ -228,8 +235,10 @@ class ShardProcess:
         readers = self.snapshots.readers
         while (wait := pipeline.step_wait(readers(self.k), time.monotonic(), self.copy_time)) > 0:
             time.sleep(min(wait, 1e-4))  # a worker copies the live params: its copy first
-        now = time.monotonic()
-        ack = self.write(self.shard.push, header, payload, verdict=verdict, now=now, sumsq=sq)
+        now, tag = time.monotonic(), step_tag(p.worker, seq)
+        ack = self.write(
+            self.shard.push, header, payload, verdict=verdict, now=now, sumsq=sq, step=tag
+        )
         self.answers.append((p, wire.ack(ack)))  # sent at the end of this turn (settle)
 
     def answer(self, sync: bool = True) -> None:
