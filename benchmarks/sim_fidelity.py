@@ -45,8 +45,11 @@ runs K such seeds, each once, into one JSON (``runs``: each seed's rows):
   BSP/Hybrid), each 1 in 2;
 * emulated compute 0-20 ms a step, every worker.
 
-Held-out evaluations every 50 ms (up to 250 ms for the widest MLPs, whose
-evaluation takes tens of ms), in the calibration as in the runs.
+Records every 50 ms, with a held-out evaluation about every 50 ms (up to 250 ms for the
+widest MLPs, whose evaluation takes tens of ms; so in the calibration), and besides at the
+first record whose parameters moved after a still one (:class:`Evaluations`): a DiLoCo
+round's outer update, after which the loss drops at once, is placed within 50 ms in both
+runtimes alike, not within a whole evaluation interval.
 
 Each is calibrated (15 repeats), run locally ``RUNS`` times for about ``RANDOM_SECONDS`` of
 wall time each (its push budget is the calibrated simulation's pushes/s times that,
@@ -371,19 +374,49 @@ def drawn_job(d: Drawn, task) -> sw.Job:
     return sw.Job(params, optimizer=sw.optim.sgd(0.003, momentum=0.9), **kw)
 
 
+#: Seconds between the records of a random setting, whatever its evaluation interval.
+RECORD_EVERY = 0.05
+
+
+class Evaluations:
+    """``evaluate`` for records every :data:`RECORD_EVERY` s of a model evaluated about every
+    ``interval`` s: a record whose parameters are those last evaluated repeats their figures;
+    one whose parameters moved since the record before is evaluated at once unless that one's
+    moved too (a change that follows a still record, as an outer update does, is placed
+    within one record), in which case it waits for ``interval`` since the last evaluation
+    (until then, no loss in the record); still parameters not yet evaluated are evaluated."""
+
+    def __init__(self, evaluate, interval: float):
+        self.evaluate, self.every = evaluate, max(1, round(interval / RECORD_EVERY))
+        self.last: np.ndarray | None = None  # the parameters of the record before, flat
+        self.figures: dict = {}
+        self.since, self.moved, self.current = 0, False, False  # current: figures of `last`
+
+    def __call__(self, params) -> dict:
+        flat = sw.tree.flatten(params)[0]
+        moved = self.last is None or not np.array_equal(flat, self.last)
+        self.since += 1
+        if moved and self.moved and self.since < self.every:
+            self.current = False
+        elif moved or not self.current:
+            self.figures, self.since, self.current = self.evaluate(params), 0, True
+        self.last, self.moved = flat, moved
+        return self.figures if self.current else {}
+
+
 def drawn_run(d: Drawn, steps: int) -> dict:
     """``job.train``'s run options for setting ``d`` (besides the loss and the runtime)."""
     task = drawn_task(d)
     return dict(
         data=task.batches,
-        evaluate=task.evaluate,
+        evaluate=Evaluations(task.evaluate, d.eval_interval),
         workers=d.workers,
         steps=steps,
         emulation=sw.Emulation(
             stragglers=dict(d.stragglers) or None,
             delays=dict.fromkeys(range(d.workers), d.delay) if d.delay else None,
         ),
-        metrics=sw.Metrics(every=d.eval_interval),
+        metrics=sw.Metrics(every=RECORD_EVERY),
     )
 
 
