@@ -378,6 +378,18 @@ def drawn_job(d: Drawn, task) -> sw.Job:
 RECORD_EVERY = 0.05
 
 
+def one_thread(evaluate):
+    """``evaluate`` on one math-library thread: on two, the parent's evaluation takes both
+    cores at once (and spins), which slowed a real run by up to half and no table holds."""
+    from threadpoolctl import threadpool_limits
+
+    def evaluate_on_one(params):
+        with threadpool_limits(1):
+            return evaluate(params)
+
+    return evaluate_on_one
+
+
 class Evaluations:
     """``evaluate`` for records every :data:`RECORD_EVERY` s of a model evaluated about every
     ``interval`` s: a record whose parameters are those last evaluated repeats their figures;
@@ -409,7 +421,7 @@ def drawn_run(d: Drawn, steps: int) -> dict:
     task = drawn_task(d)
     return dict(
         data=task.batches,
-        evaluate=Evaluations(task.evaluate, d.eval_interval),
+        evaluate=Evaluations(one_thread(task.evaluate), d.eval_interval),
         workers=d.workers,
         steps=steps,
         emulation=sw.Emulation(
@@ -435,7 +447,8 @@ def run_drawn(i: int, d: Drawn, repeats: int = RANDOM_REPEATS) -> dict:
     t0 = time.perf_counter()
     cal = job.calibrate(
         task.loss_and_grad, task.batches, workers=d.workers, repeats=repeats,
-        delays=d.delay, evaluate=task.evaluate, eval_interval=d.eval_interval, contention=True,
+        delays=d.delay, evaluate=one_thread(task.evaluate), eval_interval=d.eval_interval,
+        contention=True,
     )  # fmt: skip
     t_cal = time.perf_counter() - t0
     # the push budget: about RANDOM_SECONDS of the run at the calibrated simulation's pace
