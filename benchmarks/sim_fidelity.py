@@ -49,7 +49,8 @@ Records every 50 ms, with a held-out evaluation about every 50 ms (up to 250 ms 
 widest MLPs, whose evaluation takes tens of ms; so in the calibration), and besides at the
 first record whose parameters moved after a still one (:class:`Evaluations`): a DiLoCo
 round's outer update, after which the loss drops at once, is placed within 50 ms in both
-runtimes alike, not within a whole evaluation interval.
+runtimes alike, not within a whole evaluation interval. The evaluation runs on one
+math-library thread (:func:`one_thread`): on two it takes both cores at once.
 
 Each is calibrated (15 repeats), run locally ``RUNS`` times for about ``RANDOM_SECONDS`` of
 wall time each (its push budget is the calibrated simulation's pushes/s times that,
@@ -69,7 +70,8 @@ their simulations: the rows' "local" figures are then the runs on Ray.
 ``--replay JSON`` re-simulates the rows of a JSON this wrote on the tables stored in it
 (equal to the calibrated ones within the table's rounding) and compares them with the
 local figures stored in it: a change to the simulator is judged on quiet measurements in
-seconds, on any machine, at any load.
+seconds, on any machine, at any load. (A JSON from before records every 50 ms holds real
+times to target on the coarser grid: replayed, its time to target compares unlike figures.)
 
     .venv/bin/python benchmarks/sim_fidelity.py [--quick] [--check] [--json PATH]
     .venv/bin/python benchmarks/sim_fidelity.py --random 10 [--seed 1 | --seeds 5] [--check]
