@@ -45,8 +45,12 @@ runs K such seeds, each once, into one JSON (``runs``: each seed's rows):
   BSP/Hybrid), each 1 in 2;
 * emulated compute 0-20 ms a step, every worker.
 
-Held-out evaluations every 50 ms (up to 250 ms for the widest MLPs, whose
-evaluation takes tens of ms), in the calibration as in the runs.
+Records every 50 ms, with a held-out evaluation about every 50 ms (up to 250 ms for the
+widest MLPs, whose evaluation takes tens of ms; so in the calibration), and besides at the
+first record whose parameters moved after a still one (:class:`Evaluations`): a DiLoCo
+round's outer update, after which the loss drops at once, is placed within 50 ms in both
+runtimes alike, not within a whole evaluation interval. The evaluation runs on one
+math-library thread (:func:`one_thread`): on two it takes both cores at once.
 
 Each is calibrated (15 repeats), run locally ``RUNS`` times for about ``RANDOM_SECONDS`` of
 wall time each (its push budget is the calibrated simulation's pushes/s times that,
@@ -66,7 +70,8 @@ their simulations: the rows' "local" figures are then the runs on Ray.
 ``--replay JSON`` re-simulates the rows of a JSON this wrote on the tables stored in it
 (equal to the calibrated ones within the table's rounding) and compares them with the
 local figures stored in it: a change to the simulator is judged on quiet measurements in
-seconds, on any machine, at any load.
+seconds, on any machine, at any load. (A JSON from before records every 50 ms holds real
+times to target on the coarser grid: replayed, its time to target compares unlike figures.)
 
     .venv/bin/python benchmarks/sim_fidelity.py [--quick] [--check] [--json PATH]
     .venv/bin/python benchmarks/sim_fidelity.py --random 10 [--seed 1 | --seeds 5] [--check]
@@ -371,19 +376,61 @@ def drawn_job(d: Drawn, task) -> sw.Job:
     return sw.Job(params, optimizer=sw.optim.sgd(0.003, momentum=0.9), **kw)
 
 
+#: Seconds between the records of a random setting, whatever its evaluation interval.
+RECORD_EVERY = 0.05
+
+
+def one_thread(evaluate):
+    """``evaluate`` on one math-library thread: on two, the parent's evaluation takes both
+    cores at once (and spins), which slowed a real run by up to half and no table holds."""
+    from threadpoolctl import threadpool_limits
+
+    def evaluate_on_one(params):
+        with threadpool_limits(1):
+            return evaluate(params)
+
+    return evaluate_on_one
+
+
+class Evaluations:
+    """``evaluate`` for records every :data:`RECORD_EVERY` s of a model evaluated about every
+    ``interval`` s: a record whose parameters are those last evaluated repeats their figures;
+    one whose parameters moved since the record before is evaluated at once unless that one's
+    moved too (a change that follows a still record, as an outer update does, is placed
+    within one record), in which case it waits for ``interval`` since the last evaluation
+    (until then, no loss in the record); still parameters not yet evaluated are evaluated."""
+
+    def __init__(self, evaluate, interval: float):
+        self.evaluate, self.every = evaluate, max(1, round(interval / RECORD_EVERY))
+        self.last: np.ndarray | None = None  # the parameters of the record before, flat
+        self.figures: dict = {}
+        self.since, self.moved, self.current = 0, False, False  # current: figures of `last`
+
+    def __call__(self, params) -> dict:
+        flat = sw.tree.flatten(params)[0]
+        moved = self.last is None or not np.array_equal(flat, self.last)
+        self.since += 1
+        if moved and self.moved and self.since < self.every:
+            self.current = False
+        elif moved or not self.current:
+            self.figures, self.since, self.current = self.evaluate(params), 0, True
+        self.last, self.moved = flat, moved
+        return self.figures if self.current else {}
+
+
 def drawn_run(d: Drawn, steps: int) -> dict:
     """``job.train``'s run options for setting ``d`` (besides the loss and the runtime)."""
     task = drawn_task(d)
     return dict(
         data=task.batches,
-        evaluate=task.evaluate,
+        evaluate=Evaluations(one_thread(task.evaluate), d.eval_interval),
         workers=d.workers,
         steps=steps,
         emulation=sw.Emulation(
             stragglers=dict(d.stragglers) or None,
             delays=dict.fromkeys(range(d.workers), d.delay) if d.delay else None,
         ),
-        metrics=sw.Metrics(every=d.eval_interval),
+        metrics=sw.Metrics(every=RECORD_EVERY),
     )
 
 
@@ -402,7 +449,8 @@ def run_drawn(i: int, d: Drawn, repeats: int = RANDOM_REPEATS) -> dict:
     t0 = time.perf_counter()
     cal = job.calibrate(
         task.loss_and_grad, task.batches, workers=d.workers, repeats=repeats,
-        delays=d.delay, evaluate=task.evaluate, eval_interval=d.eval_interval, contention=True,
+        delays=d.delay, evaluate=one_thread(task.evaluate), eval_interval=d.eval_interval,
+        contention=True,
     )  # fmt: skip
     t_cal = time.perf_counter() - t0
     # the push budget: about RANDOM_SECONDS of the run at the calibrated simulation's pace

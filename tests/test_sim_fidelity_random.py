@@ -7,6 +7,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import stalewise as sw
@@ -171,3 +172,36 @@ def test_seeds_and_a_seed_do_not_go_together(monkeypatch, capsys):
     assert "--seeds 2: expected an integer >= 1, with --random, without --seed" in (
         capsys.readouterr().err
     )
+
+
+def test_evaluations_place_an_outer_update_within_one_record():
+    """Records every RECORD_EVERY s of a model evaluated every 4 records: still parameters
+    repeat the last figures, a change after a still record is evaluated at once, other
+    changes wait for the interval (no loss in between); time_to then finds a jump
+    within one record of where it happened."""
+    calls = []
+
+    def evaluate(p):
+        calls.append(float(p["w"][0]))
+        return {"loss": 10.0 - float(p["w"][0])}
+
+    ev = fid.Evaluations(evaluate, 4 * fid.RECORD_EVERY)
+    values = [0, 0, 0, 1, 2, 3, 4, 5, 6, 6, 7]
+    got = [ev({"w": np.full(3, v, np.float32)}) for v in values]
+    assert calls == [0, 1, 5, 6, 7]  # the first; after a still record; the interval; still
+    assert [g.get("loss") for g in got] == [10, 10, 10, 9, None, None, None, 5, None, 4, 3]
+    records = [{"time": i * fid.RECORD_EVERY, **g} for i, g in enumerate(got)]
+    assert fid.time_to(records, "loss", 9.5, "min") == pytest.approx(2.5 * fid.RECORD_EVERY)
+
+
+def test_the_evaluation_runs_on_one_math_thread_and_the_cap_is_lifted_after():
+    from threadpoolctl import threadpool_info
+
+    def threads():
+        return [i["num_threads"] for i in threadpool_info()]
+
+    before = threads()
+    seen = []
+    got = fid.one_thread(lambda p: seen.append(threads()) or {"loss": float(p)})(2.0)
+    assert got == {"loss": 2.0} and seen[0] and all(n == 1 for n in seen[0])
+    assert threads() == before
