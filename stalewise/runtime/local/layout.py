@@ -331,9 +331,7 @@ class Snapshots:
                     yield False
                     continue
                 done = int(row[_DONE])
-                if not seq & 1:  # over (or, for an instant, not begun)
-                    if done == hi - lo:
-                        break
+                if not seq & 1 and done != hi - lo:  # refused, or for an instant not begun
                     if done < 0 or at > lo:
                         return None
                     yield False
@@ -341,6 +339,8 @@ class Snapshots:
                 if not marked:  # the shard's next step waits for this copy (see readers)
                     row[_READING + worker] = time.monotonic_ns()
                     marked = True
+                if not seq & 1:  # over
+                    break
                 if lo + done > at:
                     copy_range(out, self.params, at, lo + done)
                     at = lo + done
