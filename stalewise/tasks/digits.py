@@ -39,7 +39,16 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
     """The digits split by class (``test_fraction`` held out), read-only, cached, by ``seed``."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    x, y = _load_digits()
+    spec = importlib.util.find_spec("sklearn")  # its bundled file: an import of sklearn.datasets
+    path = spec and Path(spec.submodule_search_locations[0], "datasets/data/digits.csv.gz")
+    if path and path.is_file():  # costs each worker process some 2 s
+        data = np.loadtxt(path, delimiter=",")
+        x, y = data[:, :-1], data[:, -1]
+    else:  # another layout, or none: the public call
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+    x, y = x.astype(np.float64), y.astype(np.int64)
     rng = np.random.default_rng(seed)
     train, test = [], []
     for c in range(NUM_CLASSES):
@@ -62,20 +71,6 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
         a.setflags(write=False)
     logger.debug("digits split seed=%d: %d train, %d test", seed, len(train_idx), len(test_idx))
     return DigitsData(*arrays)
-
-
-def _load_digits() -> tuple[np.ndarray, np.ndarray]:
-    """``sklearn.datasets.load_digits()``'s data and target, read from its bundled file:
-    that import costs each worker process some 2 s."""
-    spec = importlib.util.find_spec("sklearn")
-    path = spec and Path(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
-    if path and path.is_file():
-        data = np.loadtxt(path, delimiter=",")
-        return data[:, :-1], data[:, -1].astype(np.int64)
-    from sklearn.datasets import load_digits  # another layout, or none: the public call
-
-    raw = load_digits()
-    return raw.data.astype(np.float64), raw.target.astype(np.int64)
 
 
 def init_mlp(hidden: int = 64, activation: str = "tanh", seed: int = 0) -> dict:
