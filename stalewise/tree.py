@@ -478,10 +478,8 @@ def _new_spec(tree: Any, dtype: Any, keep_integers: bool) -> tuple[FlatSpec, lis
     entry = _MADE.get(id(b.found[0].x)) if b.found else None  # a tree unflatten made
     made = None if entry is None or entry[0]() is not b.found[0].x else entry[1]
     if made is not None and (dtype is None or np.dtype(dtype) == made.dtype):
-        try:
+        with contextlib.suppress(TypeError, ValueError):  # changed since: a spec of its own
             return made, _collect(tree, made)
-        except (TypeError, ValueError):  # changed since: a spec of its own
-            pass
     for path, leaf_dtype in b.nonfloat:
         if not keep_integers or leaf_dtype.startswith("complex"):
             raise _nonfloat_error(path, leaf_dtype)

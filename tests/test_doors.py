@@ -306,7 +306,7 @@ BSP_SCRIPT = textwrap.dedent(
 )
 
 
-BSP_TIMEOUT = {"pause": 40, "hang": 15}  # a hang waits it out: silent 5x --rank-timeout
+BSP_TIMEOUT = {"pause": 40, "hang": 10}  # a hang waits it out: silent 2-4x --rank-timeout
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +319,7 @@ def bsp_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         for how, timeout in BSP_TIMEOUT.items():
             folder = tmp_path_factory.mktemp(f"bsp-{how}")
             (folder / "bsp.py").write_text(BSP_SCRIPT)
-            flags = ["--workers", "2", "--steps", "20", "--rank-timeout", "2", "--timeout"]
+            flags = ["--workers", "2", "--steps", "10", "--rank-timeout", "2", "--timeout"]
             argv = [sys.executable, "-m", "stalewise", "run", *flags, str(timeout), "bsp.py", how]
             pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             procs[how] = stack.enter_context(child_procs.session(argv, folder, **pipes))

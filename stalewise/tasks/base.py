@@ -5,6 +5,7 @@ A task is a picklable model, data and loss (no sleeping or logging: the runtime'
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -29,27 +30,22 @@ class Task(Protocol):
 
     def init_params(self, seed: int = 0) -> Any:
         """Returns freshly initialised parameters, deterministic by ``seed``."""
-        ...
 
     def loss_and_grad(self, params: Any, batch: Any) -> tuple[float, Any]:
         """Returns the minibatch loss and its gradient with respect to ``params``."""
-        ...
 
     def batches(self, worker: int, workers: int, seed: int = 0) -> Iterator[Any]:
         """Returns an endless iterator over minibatches of ``worker``'s shard."""
-        ...
 
     def evaluate(self, params: Any) -> dict[str, float]:
         """Returns held-out metrics: at least ``"loss"``."""
-        ...
 
 
 class SeededTask:
     """A task whose ``batches(worker, workers)`` passes a fixed ``seed``: see :func:`with_seed`."""
 
     def __init__(self, task: Any, seed: int = 0) -> None:
-        self.task = task
-        self.seed = seed
+        self.task, self.seed = task, seed
 
     def __repr__(self) -> str:
         return f"with_seed({self.task!r}, {self.seed!r})"
@@ -127,13 +123,10 @@ def check_number(
 
 def available_memory() -> int | None:
     """Bytes this process may allocate (``MemAvailable``, else physical memory), or None."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo", "rb") as f:
+        for line in f:
+            if line.startswith(b"MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
     try:
         pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, OSError, ValueError):
