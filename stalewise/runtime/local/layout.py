@@ -32,18 +32,8 @@ _PAGE, _AT, _AT_PUSH = 4096, 16, 16 + 2048
 # shard table columns: cur, seq[2], ver[2], min clock, live seq, live version, announced, the
 # push the live params' writer applies (step_tag; 0: none) and how far it got (elements; -1:
 # refused), then per worker when it began to copy the live params (monotonic ns; 0: it is not)
-_CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED, _STEP, _DONE = (
-    0,
-    1,
-    3,
-    5,
-    6,
-    7,
-    8,
-    9,
-    10,
-)
-_READING = 11
+_CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED = 0, 1, 3, 5, 6, 7, 8
+_STEP, _DONE, _READING = 9, 10, 11
 # push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases, sums
 R_COMMIT, R_INC, R_SEQ, R_CODE, R_DETAIL, R_BASES = range(6)
 
