@@ -359,7 +359,7 @@ class Client(PullsIntoTrees):
                         pause = SPIN
                 if trails:
                     time.sleep(pause)
-                    pause = min(2 * pause, 4 * SPIN)  # a step reports a piece in tens of us
+                    pause = min(2 * pause, SPIN_MAX)
             return copied
         finally:
             for trail in trails.values():
