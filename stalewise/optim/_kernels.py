@@ -17,6 +17,7 @@ BLOCK = 1024  # elements per block of pass 1: four float32 blocks fit in L1
 LANES = 64  # partial sums per norm (fewer do not vectorize)
 CHECK_BLOCK = 8192  # elements per block of a checked step (32 KB of float32): checked in L1/L2
 PIECE = 1 << 16  # elements per piece of a step that reports its progress (``done``)
+NO_DONE = np.empty(0, np.int64)  # the ``done`` of a step that reports none
 
 _jit = numba.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
 # the finiteness flags only: reassociation lets their sums vectorize, and without the

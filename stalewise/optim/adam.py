@@ -11,7 +11,7 @@ import numpy as np
 from stalewise._lazy import Lazy
 from stalewise.optim._leaves import DecayTable
 from stalewise.optim._validate import check_learning_rate, check_number, compile_patterns
-from stalewise.optim.base import NO_DONE, LearningRate, Moments, Optimizer, state_type
+from stalewise.optim.base import LearningRate, Moments, Optimizer, state_type
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
@@ -52,7 +52,8 @@ class _Adam(Moments):
                       dt(1.0 / math.sqrt(1.0 - self.b2**t)), dt(self.eps),
                       dt(self.l2), dt(self.decay), into_params,
                       params[:0] if check is None else check,
-                      *(undo or (params[:0],) * 3), NO_DONE if done is None else done)  # fmt: skip
+                      *(undo or (params[:0],) * 3),
+                      _kernels.NO_DONE if done is None else done)  # fmt: skip
         state.count[...] = t
 
 

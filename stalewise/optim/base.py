@@ -123,9 +123,6 @@ def pure_update(
     return updates, new_state
 
 
-NO_DONE = np.empty(0, np.int64)  # a step that reports no progress (see Rule.apply_checked)
-
-
 class Rule(abc.ABC):
     """An update rule written once, in place; :meth:`optimizer` derives the four functions.
     Subclasses are frozen dataclasses of hyperparameters implementing :meth:`init`, :meth:`run`.

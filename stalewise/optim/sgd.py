@@ -15,14 +15,7 @@ from stalewise.optim._validate import (
     check_number,
     compile_patterns,
 )
-from stalewise.optim.base import (
-    NO_DONE,
-    LearningRate,
-    Moments,
-    Optimizer,
-    learning_rate,
-    state_type,
-)
+from stalewise.optim.base import LearningRate, Moments, Optimizer, learning_rate, state_type
 
 _kernels = Lazy("stalewise.optim._kernels")  # numba: imported at the first step
 
@@ -63,7 +56,8 @@ class _Sgd(Moments):
         _kernels.sgd(grads, state.momentum, params, *table, lr, dt(self.momentum),
                      self.nesterov, dt(self.weight_decay), into_params,
                      params[:0] if check is None else check,
-                     *(undo or (params[:0],) * 2), NO_DONE if done is None else done)  # fmt: skip
+                     *(undo or (params[:0],) * 2),
+                     _kernels.NO_DONE if done is None else done)  # fmt: skip
         state.count[...] = count + 1
 
 

@@ -285,14 +285,7 @@ class Client(PullsIntoTrees):
             self.trailed += 1
             for k, version in copied.items():
                 self._sender.pulled(k, version)
-        elif (
-            snaps is not None
-            and self._direct
-            and not any(self._pulls_due)
-            and pipeline.may_read(
-                self._consistency, self._sender.seq, (snaps.min_clock(k) for k in shards)
-            )
-        ):
+        elif self._reads_direct():
             for k in shards:  # a shard whose copies lack the acked push serves the pull
                 version = self._read(k, timeout, out)
                 if version is None:
@@ -315,20 +308,24 @@ class Client(PullsIntoTrees):
                         L.copy_range(out, self._pull_buf, *self._ranges[k])
         return out
 
+    def _reads_direct(self) -> bool:
+        """Whether this pull may copy the shards' memory itself (else the shards serve it)."""
+        snaps, shards = self._snapshots, range(len(self._ranges))
+        return (
+            snaps is not None
+            and self._direct
+            and not any(self._pulls_due)
+            and pipeline.may_read(
+                self._consistency, self._sender.seq, (snaps.min_clock(k) for k in shards)
+            )
+        )
+
     def _trail(self, out: Any, timeout: float | None) -> dict[int, int]:
         """Copies each shard's live params into ``out`` behind the step of this worker's last
         push, as the shard writes them (``Snapshots.trail``), not waiting for its acks; returns
         each shard's version so copied: all of them, or none (then read after the acks)."""
         snaps, conns, exits = self._snapshots, self._conns, self._exits
-        if not (
-            self._direct
-            and LIVE_COPIES  # the trail is one of them
-            and all(self._acks_due)
-            and not any(self._pulls_due)
-            and pipeline.may_read(
-                self._consistency, self._sender.seq, (snaps.min_clock(k) for k in range(len(conns)))
-            )
-        ):
+        if not (LIVE_COPIES and all(self._acks_due) and self._reads_direct()):  # a live copy
             return {}
         tag = L.step_tag(self.worker, int(self._record[L.R_SEQ]))
         trails = {k: snaps.trail(k, out, self.worker, tag) for k in range(len(conns))}
@@ -337,7 +334,7 @@ class Client(PullsIntoTrees):
         try:
             while trails:
                 # something to read (its ack, or the pipe's end): the shard is past the step
-                past = {id(c) for c in wire.readable([conns[k] for k in trails], 0)}
+                past = set(wire.readable([conns[k] for k in trails], 0))
                 if exits is not None and any(c == c for c in exits.tolist()):  # an exit code
                     return {}
                 for k in list(trails):
@@ -350,7 +347,7 @@ class Client(PullsIntoTrees):
                         copied[k] = stop.value
                         continue
                     if (
-                        id(conns[k]) in past
+                        conns[k] in past
                         or any(m[0] == "ack" for m in self._inbox[k])
                         or (end is not None and time.monotonic() > end)
                     ):
