@@ -49,8 +49,7 @@ Records every 50 ms, with a held-out evaluation about every 50 ms (up to 250 ms 
 widest MLPs, whose evaluation takes tens of ms; so in the calibration), and besides at the
 first record whose parameters moved after a still one (:class:`Evaluations`): a DiLoCo
 round's outer update, after which the loss drops at once, is placed within 50 ms in both
-runtimes alike, not within a whole evaluation interval. The evaluation runs on one
-math-library thread (:func:`one_thread`): on two it takes both cores at once.
+runtimes alike, not within a whole evaluation interval.
 
 Each is calibrated (15 repeats), run locally ``RUNS`` times for about ``RANDOM_SECONDS`` of
 wall time each (its push budget is the calibrated simulation's pushes/s times that,
@@ -380,18 +379,6 @@ def drawn_job(d: Drawn, task) -> sw.Job:
 RECORD_EVERY = 0.05
 
 
-def one_thread(evaluate):
-    """``evaluate`` on one math-library thread: on two, the parent's evaluation takes both
-    cores at once (and spins), which slowed a real run by up to half and no table holds."""
-    from threadpoolctl import threadpool_limits
-
-    def evaluate_on_one(params):
-        with threadpool_limits(1):
-            return evaluate(params)
-
-    return evaluate_on_one
-
-
 class Evaluations:
     """``evaluate`` for records every :data:`RECORD_EVERY` s of a model evaluated about every
     ``interval`` s: a record whose parameters are those last evaluated repeats their figures;
@@ -423,7 +410,7 @@ def drawn_run(d: Drawn, steps: int) -> dict:
     task = drawn_task(d)
     return dict(
         data=task.batches,
-        evaluate=Evaluations(one_thread(task.evaluate), d.eval_interval),
+        evaluate=Evaluations(task.evaluate, d.eval_interval),
         workers=d.workers,
         steps=steps,
         emulation=sw.Emulation(
@@ -449,7 +436,7 @@ def run_drawn(i: int, d: Drawn, repeats: int = RANDOM_REPEATS) -> dict:
     t0 = time.perf_counter()
     cal = job.calibrate(
         task.loss_and_grad, task.batches, workers=d.workers, repeats=repeats,
-        delays=d.delay, evaluate=one_thread(task.evaluate), eval_interval=d.eval_interval,
+        delays=d.delay, evaluate=task.evaluate, eval_interval=d.eval_interval,
         contention=True,
     )  # fmt: skip
     t_cal = time.perf_counter() - t0

@@ -584,7 +584,7 @@ def measure_compute(
     """Each worker's step times, wall-clock and CPU, timed in ``workers`` processes at once;
     their thread cap; and with ``contention`` > 0, the :class:`Contention` for 1 to that
     many runnable processes (else None). ``delays``, ``evaluate``: as :func:`calibrate`'s."""
-    from stalewise.runtime.local.procs import thread_budget
+    from stalewise.runtime.local.procs import Capped, thread_budget
 
     ctx = multiprocessing.get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // workers)
@@ -607,6 +607,7 @@ def measure_compute(
     try:
         deadline = time.monotonic() + timeout
         params = None if evaluate is None else tree.unflatten(config.init, config.spec)
+        evaluate = None if evaluate is None else Capped(evaluate, threads)  # as the runtime's
         beside = 0.0
         for kind in ("ready", "times"):
             if kind == "times":

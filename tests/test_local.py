@@ -132,6 +132,42 @@ def test_processes_started_while_serving_get_a_share_of_the_cores(no_leaks, monk
     assert os.environ["OMP_NUM_THREADS"] == "3"
 
 
+@pytest.mark.parametrize("user_set", [False, True])
+def test_the_parents_evaluation_runs_on_a_workers_share_of_the_threads(
+    no_leaks, monkeypatch, user_set
+):
+    """Beside the workers, the parent runs ``evaluate`` on cores // workers math-library
+    threads (on all of them it took both cores at once and halved a run); a thread variable
+    the user set leaves it as it is, and the parent's libraries are as they were after."""
+    from threadpoolctl import threadpool_info
+
+    from stalewise.runtime.base import THREAD_VARS
+
+    for var in THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    if user_set:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+
+    def threads() -> int:
+        return max(lib["num_threads"] for lib in threadpool_info())
+
+    before, seen = threads(), []
+
+    def evaluate(params):
+        seen.append(threads())
+        return {"x0": float(params["x"][0])}
+
+    quadratic_job().train(
+        mp_helpers.quadratic_loss_and_grad, data=mp_helpers.quadratic_data, workers=2,
+        steps=80, evaluate=evaluate, emulation=sw.Emulation(delays={0: 0.002, 1: 0.002}),
+        metrics=sw.Metrics(every=0.02),
+    )  # fmt: skip
+    assert len(seen) >= 3, seen
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert set(seen) == ({before} if user_set else {min(before, share)}), (before, seen)
+    assert threads() == before
+
+
 def test_read_your_writes_after_every_ack(no_leaks):
     job = sw.Job({"x": np.zeros(1000, np.float32)}, optimizer=sw.optim.sgd(1.0), shards=2)
     with job.serve(workers=1) as server:

@@ -51,6 +51,28 @@ def cap_threads_here(workers: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
 
 
+class Capped:
+    """``evaluate`` on at most ``threads`` math-library threads (OpenMP, BLAS: numpy's and
+    torch's) unless one of ``THREAD_VARS`` is set: beside the workers, uncapped, it takes
+    every core."""
+
+    def __init__(self, evaluate: Callable, threads: int):
+        self.evaluate, self.threads, self.libs = evaluate, max(1, threads), None
+        self.free = any(k in os.environ for k in THREAD_VARS)
+
+    def __call__(self, params: Any) -> Any:
+        if self.free:
+            return self.evaluate(params)
+        from threadpoolctl import ThreadpoolController, threadpool_limits
+
+        first = self.libs is None  # then the libraries it loads are found for the calls after
+        with threadpool_limits(self.threads) if first else self.libs.limit(limits=self.threads):
+            out = self.evaluate(params)
+        if first:
+            self.libs = ThreadpoolController()
+        return out
+
+
 #: The exit code of a spawned process whose main module lacks ``if __name__ == "__main__":``.
 NO_MAIN_GUARD = 72
 MAIN_GUARD_HINT = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -28,11 +29,7 @@ from stalewise.runtime.base import batch_iterator
 from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.client import Client, Rejoin
-from stalewise.runtime.local.procs import (
-    describe_exit,
-    die_with_parent,
-    thread_budget,
-)
+from stalewise.runtime.local.procs import Capped, describe_exit, die_with_parent, thread_budget
 from stalewise.runtime.local.server import LocalServer
 from stalewise.runtime.logs import child_logging
 from stalewise.runtime.options import RunOptions
@@ -580,4 +577,6 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
         raise ValueError(why)
     for name, obj in (("loss_and_grad", o.loss_and_grad), ("data", o.data), ("strategy", strategy)):
         _check_picklable(name, obj)
+    if o.evaluate is not None:  # it runs beside the workers, with a worker's share of cores
+        o = dataclasses.replace(o, evaluate=Capped(o.evaluate, (os.cpu_count() or 1) // o.workers))
     return driver.drive(_Host(config, strategy, o), config, strategy, o)
