@@ -902,11 +902,6 @@ class _BusyStep:
         return 0.0, self.grads
 
 
-def _no_data(worker: int, workers: int) -> Any:
-    while True:
-        yield None
-
-
 class LoopTimes(NamedTuple):
     """What :func:`loop_times` measures."""
 
@@ -939,7 +934,7 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
     if h == 1:  # gradient pushes: the synthetic job, no strategy work
         job, inner = _synthetic_job(job, size, min(job.config.shards, size)), 0.0
     busy = _BusyStep(tree.unflatten(0 * job.config.init, job.config.spec))
-    result = job.train(busy, data=_no_data, workers=1,
+    result = job.train(busy, data=[[None]], workers=1,
                        steps=max(30, int(LOOP_STEPS / h)), runtime=runtime,
                        metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]
@@ -1141,9 +1136,8 @@ def _number_in(value: Any, low: float, high: float) -> bool:
 
 def _delays(delays: Any, workers: int) -> list[float]:
     """``delays`` (None, a number, or {worker: seconds}) as one number per worker, checked."""
-    if delays is None:
-        return [0.0] * workers
     items = delays.items() if isinstance(delays, dict) else ((w, delays) for w in range(workers))
+    items = () if delays is None else items
     out = [0.0] * workers
     for w, d in items:
         if not isinstance(w, int) or not 0 <= w < workers:
