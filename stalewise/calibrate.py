@@ -64,7 +64,7 @@ SPREAD_LIMIT = 0.5
 CONTENTION_SECONDS, MOST_PROCESSES = 0.2, 16
 #: Seconds a process must not run to count as idle: a stage's CPU is timed with none beside it.
 SETTLE = 0.005
-WAKE_SLEEP = 0.002  #: Seconds of each sleep whose late end the contention measurement times.
+WAKE_SLEEP = 0.002  #: Seconds of the contention measurement's sleep after a step (no delay given).
 #: The bounds :meth:`Calibration.sim_config` takes: measured (None), 25th or 75th percentile.
 BOUNDS = (None, "low", "high")
 #: What a Ray calibration times elsewhere, said in its summary and logged.
@@ -532,9 +532,11 @@ def _compute_main(
         flat = np.array(init, copy=True)  # the worker's pull buffer
         batches = batch_iterator(data, w, workers)
         out = np.empty(spec.size, init.dtype)
+        step = lambda batch: tree.flatten(  # noqa: E731 (as the worker loop: on its pull buffer)
+            loss_and_grad(tree.unflatten(flat, spec, copy=False), batch)[1], spec=spec, out=out
+        )
         for _ in range(warmup):  # a JIT compile, the data's first load: not a step
-            _, grads = loss_and_grad(tree.unflatten(flat, spec, copy=False), next(batches))
-            tree.flatten(grads, spec=spec, out=out)
+            step(next(batches))
         conn.send(("ready", w))
         if conn.recv() != "go":  # every worker is warmed up: the timed steps run together
             return
@@ -542,9 +544,7 @@ def _compute_main(
         for _ in range(repeats):
             batch = next(batches)  # drawing a batch is part of a worker's step too
             t, c = time.perf_counter(), time.process_time()
-            params = tree.unflatten(flat, spec, copy=False)  # as the worker loop gets its pull
-            _, grads = loss_and_grad(params, batch)
-            tree.flatten(grads, spec=spec, out=out)
+            step(batch)
             if delay > 0:  # as the local worker sleeps an emulated delay
                 time.sleep(delay)
             cpus.append(time.process_time() - c)
@@ -554,15 +554,15 @@ def _compute_main(
             n, t, c = 0, time.perf_counter(), time.process_time()
             end = t + msg[1]
             while n < 3 or time.perf_counter() < end:
-                _, grads = loss_and_grad(tree.unflatten(flat, spec, copy=False), next(batches))
-                tree.flatten(grads, spec=spec, out=out)
+                step(next(batches))
                 n += 1
             wall, cpu, late = time.perf_counter() - t, time.process_time() - c, []
-            end = time.perf_counter() + msg[1] / 2
-            while len(late) < 3 or time.perf_counter() < end:  # a sleep's wait for a core
+            end, nap = time.perf_counter() + msg[1] / 2, delay or WAKE_SLEEP
+            while len(late) < 3 or time.perf_counter() < end:  # a step, then a sleep: its end
+                step(next(batches))
                 s = time.perf_counter()
-                time.sleep(WAKE_SLEEP)
-                late.append(max(time.perf_counter() - s - WAKE_SLEEP, 0.0))
+                time.sleep(nap)
+                late.append(max(time.perf_counter() - s - nap, 0.0))
             conn.send(("mean", wall / n, cpu / n, statistics.median(late)))
     except BaseException as e:  # reported in the parent, one line
         conn.send(("error", f"worker {w}: {type(e).__name__}: {e}"))
@@ -903,11 +903,6 @@ class _BusyStep:
         return 0.0, self.grads
 
 
-def _no_data(worker: int, workers: int) -> Any:
-    while True:
-        yield None
-
-
 class LoopTimes(NamedTuple):
     """What :func:`loop_times` measures."""
 
@@ -940,7 +935,7 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
     if h == 1:  # gradient pushes: the synthetic job, no strategy work
         job, inner = _synthetic_job(job, size, min(job.config.shards, size)), 0.0
     busy = _BusyStep(tree.unflatten(0 * job.config.init, job.config.spec))
-    result = job.train(busy, data=_no_data, workers=1,
+    result = job.train(busy, data=[[None]], workers=1,
                        steps=max(30, int(LOOP_STEPS / h)), runtime=runtime,
                        metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
     recs = [r for r in result.records if r["pushes"] > 0]
@@ -1142,9 +1137,8 @@ def _number_in(value: Any, low: float, high: float) -> bool:
 
 def _delays(delays: Any, workers: int) -> list[float]:
     """``delays`` (None, a number, or {worker: seconds}) as one number per worker, checked."""
-    if delays is None:
-        return [0.0] * workers
     items = delays.items() if isinstance(delays, dict) else ((w, delays) for w in range(workers))
+    items = () if delays is None else items
     out = [0.0] * workers
     for w, d in items:
         if not isinstance(w, int) or not 0 <= w < workers:

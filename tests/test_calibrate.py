@@ -172,7 +172,7 @@ def test_a_steps_wait_is_wall_time_not_cpu_time():
     nearly nothing on the CPU clock (the wait for a core after a sleep is not compute)."""
     job = sw.Job({"w": np.zeros(64, np.float32)}, optimizer=sw.optim.sgd(0.1))
     walls, cpus, threads, con = calibrate.measure_compute(
-        job.config, _waits, calibrate._no_data, workers=2, repeats=4, delays=[0.01, 0.01]
+        job.config, _waits, [[None], [None]], workers=2, repeats=4, delays=[0.01, 0.01]
     )
     assert con is None and threads >= 1 and len(walls) == len(cpus) == 2
     assert all(len(w) == len(c) == 4 for w, c in zip(walls, cpus, strict=True))

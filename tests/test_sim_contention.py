@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import tomllib
 
+import numpy as np
 import pytest
 
 import stalewise as sw
@@ -156,6 +157,51 @@ def _delayed(sim):
     return sim_rt.train(job.config, task.loss_and_grad, data=task.batches, workers=4, steps=200,
                         strategy=job.strategy, sim=sim, evaluate=None,
                         delays=dict.fromkeys(range(4), 0.005))  # fmt: skip
+
+
+class _Clock:
+    """A fake ``time`` for calibrate: a step takes 2 ms; a sleep ends ``late`` s late."""
+
+    def __init__(self, late: float):
+        self.t, self.late, self.events = 0.0, late, []
+
+    def perf_counter(self) -> float:
+        return self.t
+
+    process_time = perf_counter
+
+    def sleep(self, s: float) -> None:
+        self.events.append(s)
+        self.t += s + self.late
+
+    def step(self, params, batch):
+        self.events.append("step")
+        self.t += 0.002
+        return 0.0, params
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.005])
+def test_the_contention_measurement_times_the_sleep_after_a_step(monkeypatch, delay):
+    """As a worker lives it: each timed sleep (the emulated delay, else ``WAKE_SLEEP``) comes
+    right after a step, which leaves the process no credit for having been idle."""
+    import multiprocessing
+
+    from stalewise import tree
+    from stalewise.runtime.local import procs
+
+    clock = _Clock(late=0.001)
+    monkeypatch.setattr(calibrate, "time", clock)
+    monkeypatch.setattr(procs, "die_with_parent", lambda: None)
+    flat, spec = tree.flatten({"w": np.zeros(4, np.float32)})
+    mine, theirs = multiprocessing.Pipe()
+    for msg in ("go", ("time", 0.0), ("stop",)):
+        mine.send(msg)
+    calibrate._compute_main(clock.step, [[None]], spec, flat, 0, 1, 1, 0, delay, theirs, True)
+    got = [mine.recv() for _ in range(3)]
+    nap = delay or calibrate.WAKE_SLEEP
+    assert got[0] == ("ready", 0) and got[1][0] == "times"
+    assert got[2] == ("mean", pytest.approx(0.002), pytest.approx(0.002), pytest.approx(0.001))
+    assert clock.events[-9:] == ["step"] * 3 + ["step", nap] * 3
 
 
 def test_the_wake_goes_into_the_table_with_the_evaluations_share():
