@@ -132,7 +132,7 @@ def floor(n: int, repeats: int) -> dict:
     """Each stage's data movement alone, in copies: the same NumPy copies and SGD step in
     one process, in the order and over as many buffers as :func:`stages` (a pull from a
     snapshot, into fresh memory then into a tree, a push's copy measuring its norm as the
-    local client does (``tree.flatten(sumsq=)``), the shard's step, the publish), with no pipe,
+    local client does (``tree.flatten_measured``), the shard's step, the publish), with no pipe,
     process or Python of the runtime: what is left of a stage at its floor is the runtime's
     own cost. At 1M the buffers (36 MB) exceed the
     L3 cache a warm copy stays in."""
@@ -154,7 +154,7 @@ def floor(n: int, repeats: int) -> dict:
         t["copy"].append(copy_time(n, 1))
         timed("pull(into=buffers)", np.copyto, b["into"], snap)
         t["copy"].append(copy_time(n, 1))
-        timed("push", sw.tree.flatten, {"w": b["g"]}, spec=spec, out=b["push"], sumsq=[(0, n)])
+        timed("push", sw.tree.flatten_measured, {"w": b["g"]}, [(0, n)], spec=spec, out=b["push"])
         timed("apply", opt.apply, b["push"], state, b["p"])
         np.copyto(other, b["p"])  # the publish
     copy = float(np.median(t.pop("copy")[9:]))

@@ -37,8 +37,8 @@ BLOCK = 1 << 20  # elements measured by one dot product (float32 sums of 1M: 2e-
 STREAM = 2 << 20  # bytes of a flat vector from which a measured copy streams past the cache
 
 __all__ = ["AttrKey", "FlatSpec", "HiddenKey", "LeafSpec", "TreeDef"]
-__all__ += ["copy_buffers", "flatten", "mark_buffers", "path_str", "put_buffers"]
-__all__ += ["take_buffers", "unflatten", "unflatten_into", "views_into"]
+__all__ += ["copy_buffers", "flatten", "flatten_measured", "mark_buffers", "path_str"]
+__all__ += ["put_buffers", "take_buffers", "unflatten", "unflatten_into", "views_into"]
 
 
 class AttrKey(str):
@@ -505,14 +505,23 @@ def flatten(
     out: np.ndarray | None = None,
     dtype: Any = None,
     keep_integers: bool = False,
-    sumsq: list[tuple[int, int]] | None = None,
-) -> tuple[np.ndarray, FlatSpec] | tuple[np.ndarray, FlatSpec, list[float]]:
+) -> tuple[np.ndarray, FlatSpec]:
     """``(flat, spec)``: the leaves of ``tree`` (any backend's pytree, or a model) in one vector.
 
     ``spec``: one ``tree`` must match, returned as is; ``out``: a vector to fill; ``dtype``:
-    force float32 or float64; ``keep_integers``: keep integer leaves as constants; ``sumsq``:
-    ``(lo, hi)`` ranges of ``flat``, then ``(flat, spec, sums)`` with each one's sum of
-    squares (NaN or Inf when a value is, or the sum overflows the flat dtype)."""
+    force float32 or float64; ``keep_integers``: keep integer leaves as constants."""
+    return _flatten(tree, spec, out, dtype, keep_integers, None)[:2]
+
+
+def flatten_measured(
+    tree: Any, sumsq: list[tuple[int, int]], *, spec: FlatSpec | None = None, out: Any = None
+) -> tuple[np.ndarray, FlatSpec, list[float]]:
+    """:func:`flatten`'s ``(flat, spec)`` and each ``(lo, hi)`` range of ``flat``'s sum of
+    squares, taken as it copies (NaN or Inf when a value is, or the sum overflows the dtype)."""
+    return _flatten(tree, spec, out, None, False, sumsq)
+
+
+def _flatten(tree: Any, spec: Any, out: Any, dtype: Any, keep_integers: bool, sumsq: Any) -> Any:
     if spec is None:
         spec, found = _new_spec(tree, dtype, keep_integers)
     else:
@@ -557,7 +566,7 @@ def flatten(
                 sums[k] += s
     if sums is not None:  # a sum past the flat dtype's range overflows
         sums = [math.inf if s > float(np.finfo(flat.dtype).max) else s for s in sums]
-    return (flat, spec) if sums is None else (flat, spec, sums)
+    return flat, spec, sums
 
 
 def _copy_sumsq(dst: np.ndarray, src: np.ndarray) -> float:

@@ -26,6 +26,7 @@ from stalewise.tree import (
     FlatSpec,
     copy_buffers,
     flatten,
+    flatten_measured,
     mark_buffers,
     path_str,
     put_buffers,
@@ -831,20 +832,20 @@ def test_flatten_sumsq_is_each_ranges_sum_of_squares_across_leaves(monkeypatch, 
     spec = flatten(params)[1]
     ranges = [(0, 44), (44, 45), (45, 101), (101, spec.size)]  # across leaf boundaries
     out = np.zeros(spec.size, np.float32)
-    flat, spec2, sums = flatten(params, spec=spec, out=out, sumsq=ranges)
+    flat, spec2, sums = flatten_measured(params, ranges, spec=spec, out=out)
     assert flat is out and spec2 is spec
     np.testing.assert_array_equal(flat, flatten(params, spec=spec)[0])
     f64 = flat.astype(np.float64)
     want = [float(f64[lo:hi] @ f64[lo:hi]) for lo, hi in ranges]
     assert sums == pytest.approx(want, rel=1e-6)
-    assert flatten(params, spec=spec, out=out, sumsq=[])[2] == []
+    assert flatten_measured(params, [], spec=spec, out=out)[2] == []
     before = out.copy()
     with pytest.raises(ValueError, match=rf"sumsq: \(lo, hi\) ranges within 0..{spec.size}"):
-        flatten(params, spec=spec, out=out, sumsq=[(0, 44), (44, spec.size + 1)])
+        flatten_measured(params, [(0, 44), (44, spec.size + 1)], spec=spec, out=out)
     np.testing.assert_array_equal(out, before)  # nothing written
     params["b"][3] = np.nan  # element 45 + 3: the third range only
-    sums = flatten(params, spec=spec, out=out, sumsq=ranges)[2]
+    sums = flatten_measured(params, ranges, spec=spec, out=out)[2]
     assert [np.isnan(s) for s in sums] == [False, False, True, False]
     params["b"][3] = 1e30  # finite, but its square overflows float32
-    sums = flatten(params, spec=spec, out=out, sumsq=ranges)[2]
+    sums = flatten_measured(params, ranges, spec=spec, out=out)[2]
     assert [np.isinf(s) for s in sums] == [False, False, True, False]

@@ -1,4 +1,4 @@
-"""The measured copy behind ``tree.flatten(sumsq=)``: ``tree._copy_sumsq`` copies a vector
+"""The measured copy behind ``tree.flatten_measured``: ``tree._copy_sumsq`` copies a vector
 with non-temporal stores and returns its sum of squares in float64, whatever the lengths and
 alignments."""
 
@@ -69,20 +69,20 @@ def test_flatten_copies_every_element_when_ranges_overlap_or_leave_gaps(monkeypa
     spec = tree.flatten(params)[1]
     ranges = [(3, 40), (20, 60), (60, 60)]  # overlapping, an empty one, 0-3 and 60-87 in none
     out = np.zeros(spec.size, np.float32)
-    flat, _, sums = tree.flatten(params, spec=spec, out=out, sumsq=ranges)
+    flat, _, sums = tree.flatten_measured(params, ranges, spec=spec, out=out)
     want = np.concatenate([params["a"], params["b"]])
     assert flat.tobytes() == want.tobytes()
     rel = 1e-12 if stream else 1e-6  # float64 sums, or float32 dot products
     assert sums == pytest.approx([ref(want[lo:hi]) for lo, hi in ranges], rel=rel)
     params["b"][0] = 3e38  # finite; the range's sum passes float32's largest value: Inf
-    sums = tree.flatten(params, spec=spec, out=out, sumsq=ranges)[2]
+    sums = tree.flatten_measured(params, ranges, spec=spec, out=out)[2]
     assert [np.isinf(s) for s in sums] == [True, True, False]
 
 
 def test_the_streaming_copy_loads_no_numba():
     code = (
         "import sys, numpy as np, stalewise.tree as t; t.STREAM = 0; "
-        "print(t.flatten({'a': np.ones(40, np.float32)}, sumsq=[(0, 40)])[2], 'numba' in sys.modules)"
+        "print(t.flatten_measured({'a': np.ones(40, np.float32)}, [(0, 40)])[2], 'numba' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[40.0] False"

@@ -511,7 +511,7 @@ class Client(PullsIntoTrees):
         self.wait(timeout=timeout)  # a timeout propagates: the shards may still read the buffer
         spec, out = self._spec, self._push_buf
         if self._compressor is None:  # each shard's sum of squares of its slice, as copied
-            self._sums = tree.flatten(update, spec=spec, out=out, sumsq=self._ranges)[2]
+            self._sums = tree.flatten_measured(update, self._ranges, spec=spec, out=out)[2]
         else:
             tree.flatten(update, spec=spec, out=out)
         self.push_flat_sent()
