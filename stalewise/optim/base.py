@@ -5,10 +5,8 @@ float64 parameter vector and its :class:`~stalewise.segments.Segments` table:
 
 - ``init(params, segments) -> state``: a NamedTuple of numpy arrays; the step counter ``count``
   is a 0-d int64 array, so a server can mutate the state in place and checkpoint it as it is.
-- ``update(grads, state, params, *, scale=1.0) -> (updates, new_state)``: pure;
-  ``params + updates`` is the new parameter vector.
-- ``apply(...) -> None``: ``params`` and ``state`` updated in place, ``grads`` scratch;
-  allocates no parameter-sized memory.
+- ``update(grads, state, params, *, scale=1.0) -> (updates, new_state)``: pure.
+- ``apply(...) -> None``: ``params``, ``state`` in place, ``grads`` scratch; no allocation.
 - ``update_inplace(...) -> None``: ``grads`` becomes the updates, ``state`` advances.
 
 ``scale`` multiplies the step size of this one update (a staleness weight)."""

@@ -68,22 +68,11 @@ def _ids(header: Any) -> tuple[int | None, int | None]:
 
 
 class Shard:
-    """One parameter-server shard.
-
-    Args:
-        params: this shard's slice of the flat parameters (float32 or float64, 1-D),
-            updated in place (a runtime may pass a shared-memory view).
-        segments: the leaf table of ``params``.
-        optimizer: the :class:`stalewise.optim.Optimizer` applied to each merged push.
-        workers: number of worker ids, ``0 .. workers-1``.
-        consistency: ASP, SSP or BSP (default ASP).
-        staleness: how much a stale push counts (default: constant).
-        shard_id: used in log and error messages.
-        job_segments: the whole job's leaf table (verdicts name leaves by it).
-        decoder: with a codec, the :class:`~stalewise.protocol.compress.Decoder` of
-            this shard's payloads; one that does not decode is refused as ``bad_payload``.
-
-    ``clocks``, ``live`` and ``counted`` are read-only outside the shard."""
+    """One parameter-server shard: ``params``, its slice of the flat parameters (1-D float32 or
+    float64, updated in place, maybe a shared-memory view) with leaf table ``segments``, for
+    worker ids ``0 .. workers-1``; ``optimizer`` applies each merged push. ``decoder``: with a
+    codec, the :class:`~stalewise.protocol.compress.Decoder` of its payloads (one that does not
+    decode is refused as ``bad_payload``). ``clocks``, ``live``, ``counted``: read-only."""
 
     def __init__(
         self,

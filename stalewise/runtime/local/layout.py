@@ -6,10 +6,7 @@ One block holds everything a job moves between processes::
       | w0 pull | w1 pull | ... | w0 push | w1 push | ...
       | residual tags | w0 residual 0 | w0 residual 1 | w1 residual 0 | ... ]
 
-A push record is ``[commit, incarnation, seq, verdict code and detail, bases..., sums...]``
-(int64s: per shard its base version, then its slice's sum of squares as float64 bits, negative
-if not measured), ``commit = seq + 1`` stored last (:mod:`stalewise.protocol.commit`). One
-writer per shard slice, any number of readers; the reasoning: ``docs/design-notes.md``."""
+One writer per shard slice, any number of readers; the reasoning: ``docs/design-notes.md``."""
 
 from __future__ import annotations
 
@@ -34,7 +31,9 @@ _PAGE, _AT, _AT_PUSH = 4096, 16, 16 + 2048
 # refused), then per worker when it began to copy the live params (monotonic ns; 0: it is not)
 _CUR, _SEQ, _VER, _MIN_CLOCK, _LIVE_SEQ, _LIVE_VER, _ANNOUNCED = 0, 1, 3, 5, 6, 7, 8
 _STEP, _DONE, _READING = 9, 10, 11
-# push record columns: commit word (seq + 1; 0: none), incarnation, seq, verdict, bases, sums
+# push record columns (int64): commit word (seq + 1, stored last; 0: none), incarnation, seq,
+# verdict code and detail, per shard its base version, then its slice's sum of squares (float64
+# bits, negative if not measured)
 R_COMMIT, R_INC, R_SEQ, R_CODE, R_DETAIL, R_BASES = range(6)
 
 

@@ -1,9 +1,7 @@
 """Control messages as fixed binary records: what goes over the pipes, byte for byte.
 
-Every message is one *frame* as :meth:`multiprocessing.connection.Connection.send_bytes`
-writes it (a 4-byte big-endian signed length, then the body); a body is one byte
-naming its kind and that kind's fixed little-endian fields, a few with a UTF-8 tail
-or, only on the control pipe from the parent that started a shard, a pickle::
+A message is one ``send_bytes`` frame (big-endian int32 length, body): a kind byte and that
+kind's little-endian fields, a few with a UTF-8 tail or, on the parent's control pipe, a pickle::
 
     worker -> shard    push(seq), pull, leave                  fixed, <= MAX_WORKER_MESSAGE bytes
     shard  -> worker   ack, pulled(version), error(text)       at most MAX_REPLY bytes

@@ -230,8 +230,7 @@ class Simulation:
         self.at(self.now + seconds, _SERVED, k=k)
 
     def copy(self, start: float, copies: float, nbytes: float) -> float:
-        """Seconds of ``copies`` copies of ``nbytes`` from ``start``, sharing the memory bus
-        with the copies under way then (``SimConfig.copies``)."""
+        """Seconds of ``copies`` copies of ``nbytes`` from ``start``, sharing the memory bus."""
         h = self.copying
         while h and h[0] <= start:
             heapq.heappop(h)
@@ -309,8 +308,7 @@ class Simulation:
             self.replan()
 
     def read(self, wk: _SimWorker, k: int) -> None:
-        """Shard ``k``'s slice as it is now goes to worker ``wk`` (served, or read from the
-        newest snapshot: :mod:`stalewise.protocol.pipeline`)."""
+        """Shard ``k``'s slice as it is now goes to worker ``wk`` (served, or a snapshot read)."""
         lo, hi = self.ranges[k]
         if self.pull_servers is None:
             wk.sender.pulled(k, self.shards[k].pull(wk.id, wk.pull_buf[lo:hi], now=self.now))
@@ -590,8 +588,7 @@ class Simulation:
                 self.at(start + lat, _PULL_REQ, wk.id, k, wk.inc, float(snapshot))
 
     def request(self, wk: _SimWorker, k: int, kind: int) -> bool:
-        """Whether worker ``wk``'s request ``kind`` to shard ``k`` leaves (fault injection);
-        with replicas it is outstanding until answered."""
+        """Whether worker ``wk``'s request ``kind`` to shard ``k`` leaves (fault injection)."""
         if wk.out is not None:
             wk.out.sent(k, kind, kind)
         return self.sends(("worker", wk.id))
@@ -730,10 +727,8 @@ class Simulation:
         wk.awaiting = event
 
     def crash(self, wk: _SimWorker, error: Exception) -> None:
-        """The user's code raised ``error`` in worker ``wk`` (call it in the ``except`` block).
-
-        Raises:
-            WorkerError: before worker id ``wk`` has done a step, or as the policy decides."""
+        """The user's code raised ``error`` in worker ``wk`` (call it in the ``except`` block);
+        WorkerError before worker id ``wk`` has done a step, or as the policy decides."""
         detail = traceback.format_exc()
         if not wk.stepped:
             raise worker_failed(wk.id, detail, f"{type(error).__name__}: {error}") from None
@@ -863,8 +858,7 @@ class Simulation:
     # -- the loop ------------------------------------------------------------------
 
     def begin(self, eval_interval: float, starts: list[tuple[float, int]] | None = None) -> None:
-        """Schedules the scripted failures and joins and starts the workers' loops (``starts``:
-        a resumed run's, from :meth:`restore`)."""
+        """Schedules the scripted failures and joins and starts the loops (``starts``: resumed)."""
         t0, self.eval_interval, self.evals, self.eval_at = self.now, eval_interval, 0, None
         if starts is None:
             absent = self.sim.absent_at_start()
@@ -888,11 +882,8 @@ class Simulation:
 
     def advance(self, until: float, deadline: float, due: Callable[[], bool] | None = None) -> str:
         """Runs events up to the record time ``until``; returns ``RECORD`` there, ``CHECKPOINT``
-        once ``due()`` says so, or ``END`` when the run is over.
-
-        Raises:
-            TooLongError: more than ``MAX_RECORDS`` evaluation times in this run.
-            TimeoutError: past the wall-clock ``deadline`` (``time.perf_counter``)."""
+        once ``due()`` says so, or ``END`` when the run is over. TooLongError: more than
+        ``MAX_RECORDS`` evaluation times; TimeoutError: past the wall-clock ``deadline``."""
         if until <= self.now:
             return driver.RECORD
         if self.eval_at != until:
@@ -1029,8 +1020,7 @@ class Simulation:
         return not self.queued and not (self.returns and self.may_begin())
 
     def may_begin(self, wk: _SimWorker | None = None) -> bool:
-        """The budget rule (:mod:`stalewise.protocol.budget`) with exact counts; under BSP in
-        whole rounds of the shards' round."""
+        """The budget rule with exact counts; under BSP in whole rounds of the shards' round."""
         if wk is not None and self.config.consistency.averages_rounds:
             shards = max(s.min_clock() for s in self.shards)
             r = budget.round_of(wk.joined_at + wk.sender.seq, shards)
