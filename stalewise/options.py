@@ -71,8 +71,7 @@ class Checkpoints(_Group):
 
 @dataclass(frozen=True)
 class Failures(_Group):
-    """What happens to a worker whose process dies, hangs or whose code raises (see
-    ``docs/reliability.md``; ``TrainResult.failures`` lists what happened).
+    """What happens to a worker that dies, hangs or raises (``docs/reliability.md``).
 
     Args:
         policy: ``"restart"`` it as a new incarnation at the current params, ``"drop"`` it

@@ -1,9 +1,7 @@
 """How much a stale push counts.
 
-The staleness ``tau`` of a push is the shard's version when it is applied minus the version the
-worker pulled. A :class:`Staleness` rule turns ``tau`` into a weight that scales the server
-optimizer's step, may refuse pushes older than ``max_staleness`` and may switch on DC-ASGD delay
-compensation (Zheng et al. 2017): ``g + dc_lambda * g * g * (w_now - w_pulled)``.
+A push's staleness ``tau``: the shard's version when it is applied minus the version pulled.
+DC-ASGD (Zheng et al. 2017) compensates ``g + dc_lambda * g * g * (w_now - w_pulled)``.
 
 Example:
     >>> from stalewise import staleness

@@ -33,10 +33,9 @@ def replay(directory: str | os.PathLike, config: Any, start: str | None = None) 
 
 
 def logged(ckpt: Checkpoint, config: Any) -> Checkpoint:
-    """``ckpt`` advanced by its shards' push logs through what every shard logged (design
-    notes, "Push log"); its ``step`` counts the pushes replayed and lists the ``torn`` ones;
-    ``ckpt`` itself when it names no logs, or (warned) when they are not one run's cut short or
-    cannot be read whole."""
+    """``ckpt`` advanced by its shards' push logs through what every shard logged; its ``step``
+    counts the pushes replayed and lists the ``torn`` ones; ``ckpt`` itself when it names no
+    logs, or (warned) when they are not one run's cut short or cannot be read whole."""
     names = ckpt.step.get("logs")
     if not names:
         return ckpt

@@ -393,10 +393,9 @@ def diloco(
 ) -> LocalSGDStrategy:
     """DiLoCo (Douillard et al. 2023) and asynchronous DiLoCo (Liu et al. 2024).
 
-    :func:`local_sgd` with an inner ``adamw(1e-3)`` by default; the recommended server
-    optimizer is Nesterov ``sgd(outer_lr, outer_momentum)`` for BSP, or with
-    ``asynchronous=True`` ``delayed_nesterov(every=N workers)`` for ASP/SSP (``sw.Job``
-    refuses the other pairings)."""
+    :func:`local_sgd` with an inner ``adamw(1e-3)`` by default; the recommended server optimizer is
+    Nesterov ``sgd(outer_lr, outer_momentum)`` for BSP, or with ``asynchronous=True``
+    ``delayed_nesterov(every=N workers)`` for ASP/SSP (``sw.Job`` refuses the other pairings)."""
     return LocalSGDStrategy(
         local_steps,
         optim.adamw(1e-3) if inner is None else inner,

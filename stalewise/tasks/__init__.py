@@ -1,5 +1,4 @@
-"""Built-in tasks for the demo, the tests and the benchmarks, each a model, its data and its loss
-(:class:`~stalewise.tasks.base.Task`), built by name with :func:`get` (importing only its backend):
+"""Built-in tasks (:class:`~stalewise.tasks.base.Task`), built by name with :func:`get`:
 ``digits`` (NumPy MLP on 8x8 digits; evaluates loss, accuracy), ``digits-torch`` and ``digits-jax``
 (the same numbers), ``least-squares`` (NumPy synthetic linear regression; loss, distance) and
 ``lm`` (PyTorch byte GPT on stdlib source; loss, perplexity)."""

@@ -277,10 +277,8 @@ class LocalServer:
         self.close()
 
     def client(self, worker: int | None = None) -> Client:
-        """A client for a new incarnation of ``worker`` (None: the lowest id without a client).
-
-        A later call for an id restarts it (the old incarnation's pipes are cut) once its old
-        process has exited: both would write the same push buffer."""
+        """A client for a new incarnation of ``worker`` (None: the lowest id without a client);
+        a later call for an id restarts it once its old process has exited (its pipes are cut)."""
         with self._lock:
             if worker is None:
                 worker = self.free_worker(
@@ -441,9 +439,8 @@ class LocalServer:
     ) -> list[dict]:
         """Each shard's whole state (:meth:`Shard.state_dict`), every one as of the same
         pushes of every worker (a consistent cut: :class:`~stalewise.protocol.delivery.Cut`);
-        with ``log_dir``, each shard begins a push log there at that state (named in the
-        checkpoint's ``step``; ``fsync``: each turn's entries are fsynced before its acks).
-        A cut that fails thaws every shard (its late replies are dropped)."""
+        with ``log_dir``, each shard begins a push log there at that state (``fsync``: as
+        :meth:`ShardProcess.begin_log`). A cut that fails thaws every shard."""
         self._cuts += 1
         n, cut, names = len(self._controls), self._cuts, None
         try:

@@ -349,8 +349,7 @@ class ShardProcess:
             self.control.send_bytes(wire.cut_reply(self.cut_n, *reply))
 
     def held(self, p: WorkerPipe) -> bool:
-        """Whether pipe ``p`` is not read now: under a cut, unless its next push is below its
-        target (a worker has one push in flight at most, so nothing past it is read)."""
+        """Whether pipe ``p`` is not read now: under a cut, unless its next push is below target."""
         cut = self.cutting
         return cut.frozen and cut.holds(p.worker, p.incarnation, int(self.shard.next_seq[p.worker]))
 
@@ -392,8 +391,7 @@ class ShardProcess:
 
     def by_region(self, entry: list) -> list:
         """``entry`` for the backup, tagged with the worker whose push region still holds its
-        payload byte for byte after the step (then left out: the worker rewrites it only once
-        acknowledged), or -1 (whole)."""
+        payload after the step (then left out: it is rewritten only once acknowledged), or -1."""
         f = json.loads(entry[1]) if len(entry[-1]) and self.primary.backed else {}
         w = (f.get("header") or [-1])[0]  # [worker, seq, base, incarnation]
         if 0 <= w < len(self.pushes) and self.same(entry[-1], self.pushes[w].view(np.uint8)):
@@ -401,8 +399,7 @@ class ShardProcess:
         return [_REGION.pack(-1), *entry]
 
     def same(self, data: bytes, region: np.ndarray) -> bool:
-        """Whether ``data`` is ``region``'s bytes, compared a block at a time (no temporary
-        the size of the payload: its page faults cost more than the compare)."""
+        """Whether ``data`` is ``region``'s bytes, compared a block at a time (no big temporary)."""
         data, eq = np.frombuffer(data, np.uint8), self.equal
         if data.size != region.size:
             return False
@@ -656,8 +653,7 @@ def follow(shard: Shard, regions: list, link, control) -> tuple | None:
 
 
 def with_payloads(fwd: Forward, regions: list) -> Forward:
-    """``fwd``'s entries whole again (:meth:`ShardProcess.by_region`): each payload left out
-    copied from its worker's push region."""
+    """``fwd``'s entries whole again: each payload left out copied from its worker's push region."""
     entries = []
     for e in fwd.entries:
         if len(e) < _REGION.size:

@@ -33,8 +33,7 @@ _STREAM = 0x51A1E  # separates the simulator's random streams from the tasks' da
 
 
 class SimConfigError(ValueError):
-    """A bad simulator setting, named by ``owner`` (its model), ``key``, ``value``,
-    ``need`` (what it must be), ``where`` (its table) and ``path`` (the key there)."""
+    """A bad simulator setting: ``key`` of model ``owner`` is ``value``, must be ``need``."""
 
     def __init__(self, owner: str, key: str, value: Any, need: str, where: str = "", path=None):
         self.owner, self.key, self.value, self.need, self.where = owner, key, value, need, where
