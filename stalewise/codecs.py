@@ -4,7 +4,6 @@ A codec turns a float vector into raw bytes (never a pickle: docs/codecs.md) and
 class stating its error bound; a bad payload raises :class:`PayloadError`.
 
 Example:
-    >>> import numpy as np
     >>> x = np.array([0.5, -2.0, 0.25, 3.0], np.float32)
     >>> c = topk(0.5)
     >>> payload = c.encode(x)

@@ -3,7 +3,6 @@
 A worker's *clock* is its completed pushes; a gate compares it with the slowest live one.
 
 Example:
-    >>> from stalewise import SSP
     >>> gate = SSP(bound=2)
     >>> gate.may_start(clock=5, min_clock=3), gate.may_start(clock=6, min_clock=3)
     (True, False)

@@ -4,7 +4,6 @@ Cuts fall on leaf boundaries, except in a leaf larger than a shard's share (per-
 rules such as LAMB's trust ratio then see each piece alone).
 
 Example:
-    >>> from stalewise.segments import Segments
     >>> seg = Segments.from_sizes(["a", "b", "c", "d"], [10, 10, 10, 10])
     >>> plan(seg, 2)
     [(0, 20), (20, 40)]

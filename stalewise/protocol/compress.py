@@ -3,9 +3,6 @@
 (the worker side, with error feedback), :class:`Decoder` decodes and checks (the shard side).
 
 Example:
-    >>> import numpy as np
-    >>> from stalewise import codecs
-    >>> from stalewise.segments import Segments
     >>> seg = Segments.from_sizes(["b", "w"], [4, 1000])
     >>> comp = Compressor(codecs.topk(0.01), seg, [(0, 504), (504, 1004)])
     >>> [p.codec for p in comp.pieces[0]]   # the 4-value leaf travels uncompressed

@@ -5,7 +5,6 @@ and sends ``C(params - reference)`` per piece (or a :data:`SPARSE` block), else 
 How: docs/codecs.md ("Delta pulls"); why: docs/design-notes.md ("Delta pulls").
 
 Example:
-    >>> import numpy as np
     >>> from stalewise import codecs, optim
     >>> from stalewise.protocol.shard import Shard
     >>> from stalewise.segments import Segments

@@ -6,10 +6,7 @@ the push its own way, ``committed`` (or ``abandoned``), and ``result`` on the ac
 residual of the last committed push stays current; a next incarnation starts from it.
 
 Example:
-    >>> import numpy as np
     >>> from stalewise import codecs, staleness
-    >>> from stalewise.protocol.compress import Compressor
-    >>> from stalewise.segments import Segments
     >>> seg = Segments.from_sizes(["w"], [1000])
     >>> comp = Compressor(codecs.topk(0.01), seg, [(0, 500), (500, 1000)])
     >>> s = Sender(seg, staleness.constant(max_staleness=2), shards=2, compressor=comp)

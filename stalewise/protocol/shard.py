@@ -4,7 +4,6 @@ A :class:`Shard`: a slice of the flat parameters, its optimizer state and versio
 runtime hosts it, one message at a time. Its rules: ``docs/design-notes.md`` ("Protocol").
 
 Example:
-    >>> import numpy as np
     >>> from stalewise import optim, segments
     >>> params = np.zeros(4, np.float32)
     >>> shard = Shard(params, segments.Segments.single(4), optim.sgd(0.5), workers=2)
