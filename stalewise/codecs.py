@@ -280,9 +280,8 @@ class Int4(_Blocks):
 
 @dataclass(frozen=True, repr=False)
 class TopK(Codec):
-    """The ``k = max(1, round(fraction * n))`` values of largest magnitude, as indices and
-    float32 values. Bound: each decoded value is ``x_i`` (kept) or 0, no dropped ``|x_i|``
-    exceeds a kept one; NaNs are always kept."""
+    """The ``k = max(1, round(fraction * n))`` values of largest magnitude, NaNs always kept, as
+    indices and float32 values. Bound: ``x_i`` or 0 each, no dropped ``|x_i|`` above a kept one."""
 
     name: ClassVar[str] = "topk"
     id: ClassVar[int] = 4

@@ -76,8 +76,7 @@ def Hybrid(tolerance: float = 2.0) -> Consistency:
 
 
 def from_name(name: str, bound: float | None = None) -> Consistency:
-    """Builds a model from its name ("asp", "bsp", "ssp", "hybrid"); ``bound``: SSP's bound, or
-    the hybrid model's tolerance."""
+    """A model from its name ("asp", "bsp", "ssp", "hybrid"); ``bound``: SSP's, or the tolerance."""
     key = name.lower()
     if key == "asp":
         return ASP()

@@ -780,12 +780,11 @@ def _plain_problem(value: Any, depth: int) -> str | None:
 def load_params(path: str | os.PathLike, *, like: Any = None, backend: str | None = None) -> Any:
     """The parameters of a checkpoint (``sw.load_params``).
 
-    ``path`` is a checkpoint directory (its newest usable checkpoint is read) or one ``ckpt-*``
-    folder. With ``like=`` (the job's params, a model, a ``TrainResult.params``), the result is
-    what ``TrainResult.params`` gives for a job of ``like``; without it, plain data (loading runs
-    no code from the checkpoint; docs/reliability.md). Leaves come back in the backend they were
-    saved from; ``backend="numpy"`` gives NumPy arrays. CheckpointError: no usable checkpoint, or
-    ``like`` differs (naming the first leaf)."""
+    ``path``: a checkpoint directory (its newest usable checkpoint) or one ``ckpt-*`` folder.
+    With ``like=`` (the job's params, a model, a ``TrainResult.params``), what
+    ``TrainResult.params`` gives for a job of ``like``; without it, plain data (no checkpoint code
+    runs). Leaves come back in the backend they were saved from (``backend="numpy"``: NumPy).
+    CheckpointError: no usable checkpoint, or ``like`` differs (naming the first leaf)."""
     if backend is not None:
         from stalewise.backends import get_backend
 

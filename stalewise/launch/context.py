@@ -117,8 +117,7 @@ def run_script(script: str | Path, argv: list[str]) -> None:
 
 
 def rendezvous(ctx: Context) -> None:
-    """Waits until every launched worker has reached :func:`stalewise.init`, so they start
-    together; one that never does holds the others up :data:`RENDEZVOUS_TIMEOUT` s at most."""
+    """Waits (:data:`RENDEZVOUS_TIMEOUT` s at most) until every launched worker reached ``init``."""
     if ctx._barrier is None:
         return
     try:

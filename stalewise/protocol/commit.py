@@ -93,8 +93,7 @@ def judge(
     whole: bool,
 ) -> Verdict:
     """Judges a whole push once, for every shard: ``bases`` and ``known`` are per shard the
-    version the update was computed from and the newest one the sender knows; ``whole``:
-    check the values (NaN/Inf, overflow)."""
+    version the update was computed from and the sender's newest; ``whole``: check values too."""
     if whole:
         verdict = check_values(flat)
         if not verdict.ok:

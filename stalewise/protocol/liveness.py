@@ -94,7 +94,6 @@ def late_start(since: float, now: float, limit: float) -> str | None:
 
 
 def silent_rank(silence: float | None, others: int, limit: float, *, rounds: bool = False) -> bool:
-    """Whether a launched rank is hung: it has pushed, then nothing for ``limit`` seconds
-    (0: never; ``silence``, None: no push yet) while the others pushed (``others``); never
-    under BSP (``rounds``)."""
+    """Whether a launched rank is hung: it pushed, then nothing for ``limit`` s (0: never;
+    ``silence`` None: no push yet) while the ``others`` pushed; never under BSP (``rounds``)."""
     return bool(limit) and not rounds and silence is not None and silence >= limit and others > 0

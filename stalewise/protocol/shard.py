@@ -397,8 +397,7 @@ class Shard:
         return 0 if self.retired[worker] >= incarnation else None
 
     def handled(self, worker: int, incarnation: int) -> int | None:
-        """How many pushes of ``worker``'s ``incarnation`` this shard has handled (None: it
-        knows another incarnation)."""
+        """The pushes of ``worker``'s ``incarnation`` handled here (None: it knows another one)."""
         if self.incarnation[worker] != incarnation:
             return None
         return int(self.next_seq[worker])
@@ -473,9 +472,8 @@ class Shard:
     # -- internals -------------------------------------------------------------------
 
     def _step(self, update, scale: float, judge: bool | None = None, sumsq=None) -> None:
-        """One optimizer step, or none: a step that makes a value non-finite is undone,
-        bit for bit, and raises Rejected("overflow"). ``judge`` not None: the update's
-        values are judged in the step's pass."""
+        """One optimizer step, or none: a step that makes a value non-finite is undone, bit for
+        bit, and raises Rejected("overflow"). ``judge``: judge the update's values in the pass."""
         if self._bounded(update, scale, judge, sumsq):
             if self._fused is not None:
                 self._fused.run(update, self.opt_state, self.params, scale, True, done=self.done)

@@ -371,9 +371,8 @@ def local_sgd(
     """Local SGD: ``local_steps`` local steps with ``inner``, then push ``pulled - local``.
 
     Recommended server optimizer ``sgd(1.0)`` (under BSP: FedAvg). ``local_steps`` is ``H``
-    (the cap when ``dynamic``), not the job's push budget; ``reset_inner`` makes a fresh inner
-    state at every pull; ``dynamic=True, period=seconds`` picks ``H`` so that a round lasts
-    about ``period`` by the runtime's clock."""
+    (the cap when ``dynamic``), not the job's push budget; ``reset_inner``: a fresh inner state
+    at every pull; ``dynamic=True, period=seconds`` picks ``H`` for rounds of about ``period``."""
     return LocalSGDStrategy(
         local_steps, inner, reset_inner=reset_inner, dynamic=dynamic, period=period
     )

@@ -84,9 +84,8 @@ class LazyLeaves:
 
 
 def lazy_leaves(opt: optim.Optimizer) -> optim.Optimizer:
-    """``opt`` with a state per leaf, stepping only the leaves an update touches.
-
-    ``opt`` must keep a parameter-sized state (``sgd`` with momentum, ``delayed_nesterov``...)."""
+    """``opt`` with a state per leaf, stepping only the leaves an update touches; ``opt`` must
+    keep a parameter-sized state (``sgd`` with momentum, ``delayed_nesterov``...)."""
     if not isinstance(opt, optim.Optimizer):
         raise TypeError(f"lazy_leaves: opt must be a stalewise optimizer, got {opt!r}")
     return LazyLeaves(opt).optimizer()

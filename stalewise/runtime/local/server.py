@@ -695,8 +695,7 @@ class LocalServer:
 
     def _promote(self, k: int, backup: tuple, timeout: float, published: int, keep: tuple) -> dict:
         """Dead shard ``k``'s ``backup`` (process, control) serves in its place, its log the
-        chain's newest cut where it holds it (none: a new chain begins); a CheckpointError if
-        it is behind version ``published``."""
+        chain's newest cut it holds (none: a new chain); CheckpointError if behind ``published``."""
         from stalewise.protocol.replica import stale
 
         p, control = backup

@@ -1,10 +1,8 @@
 """The simulator's discrete-event engine: one run's shards and workers on a virtual clock.
 
-:class:`Simulation`: events in a heap of ``(virtual time, insertion counter, event)``
-(deterministic, O(log n) each); each worker runs :func:`stalewise.protocol.loop.worker_loop`,
-each shard a FIFO queue. With ``replicas=2`` each shard is a primary with a backup on its own
-process; ``kill`` kills one before its m-th message in or after its m-th out. What is
-modelled: ``docs/calibrate.md``."""
+:class:`Simulation`: events in a heap of ``(virtual time, insertion counter, event)``; each
+worker runs :func:`stalewise.protocol.loop.worker_loop`, each shard a FIFO queue (with
+``replicas=2``, a primary and a backup). What is modelled: ``docs/calibrate.md``."""
 
 from __future__ import annotations
 
@@ -343,8 +341,7 @@ class Simulation:
 
     def notice(self, k: int, request: tuple) -> Any:
         """The launcher's ``("join" | "leave" | "depart", worker, incarnation[, committed])``
-        at shard ``k``; returns the call's result (replicas: resent to a promoted primary
-        until its backup holds it)."""
+        at shard ``k``; returns its result (replicas: resent to a promoted primary until held)."""
         op, w, inc, *committed = request
         shard = self.shards[k]
         if op == "join":

@@ -184,8 +184,7 @@ class Failure(_Scripted):
 
 @dataclass(frozen=True)
 class Join(_Scripted):
-    """``worker`` (re)joins at virtual ``time`` as a new incarnation; a worker whose first
-    event is a join is absent from the start."""
+    """``worker`` (re)joins at virtual ``time`` as a new incarnation (absent until a first join)."""
 
 
 # -- network and server models ---------------------------------------------------------
