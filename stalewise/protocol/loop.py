@@ -4,14 +4,12 @@ The loop, a generator without I/O, asks its runtime:
 
 * :data:`BEGIN`: answer True to start a step, False to end the loop;
 * :data:`PULL`: answer with the pulled parameters (the user's tree);
-* :data:`CLOCK` (only for a strategy whose ``timed`` is true, after each PULL): answer with the
-  runtime's clock in seconds (virtual in the simulator);
+* :data:`CLOCK` (after each PULL, for a ``timed`` strategy): answer with the runtime's clock (s);
 * a :class:`Push`: push ``update``, emulate the compute time, and answer with the
   :class:`~stalewise.protocol.messages.PushResult` of every push completed since the last
-  answer; a push with ``settle=True`` is answered once acknowledged, and the next PULL must
-  include it (read-your-writes; see :mod:`stalewise.protocol.pipeline`);
-* an :class:`Ahead` (only with ``overlap=True`` and a strategy that ``overlaps``): emulate the
-  inner steps taken while the push was in flight; answer with the results completed meanwhile.
+  answer, when its ``settle`` and ``overlap`` say (:mod:`stalewise.protocol.pipeline`);
+* an :class:`Ahead` (with ``overlap=True`` and a strategy that ``overlaps``): emulate its
+  steps; answer with the results completed meanwhile.
 
 Example:
     >>> import numpy as np

@@ -22,9 +22,8 @@ if TYPE_CHECKING:
     from stalewise.protocol import ServerConfig
 
 _ALIGN = 64  # bytes; every region starts on a cache line
-# where in its 4 KiB page a region of params starts: at a large numpy array's (glibc's mmap
-# header), so a pull's copy out and a push's in do not 4K-alias (3x slower at 100M); push
-# regions half a page away from the params, which the step reads them against
+# where in its 4 KiB page a region of params starts (a large numpy array's), and a push region
+# (half a page away): no 4K aliasing (design notes, "Where a region starts in its page")
 _PAGE, _AT, _AT_PUSH = 4096, 16, 16 + 2048
 # shard table columns: cur, seq[2], ver[2], min clock, live seq, live version, announced, the
 # push the live params' writer applies (step_tag; 0: none) and how far it got (elements; -1:

@@ -1,8 +1,6 @@
-"""The body of a local shard process: one :class:`~stalewise.protocol.Shard` behind pipes
-(and of its backup's, :func:`backup_main`). One turn of its loop (:meth:`ShardProcess.turn`,
-then :meth:`ShardProcess.settle`) handles every message that has arrived, acks the turn's
-pushes, publishes and serves the pulls asked for. A worker's bad message disconnects it
-(:class:`WorkerPipe`). Why: ``docs/design-notes.md`` ("Local runtime")."""
+"""The body of a local shard process: one :class:`~stalewise.protocol.Shard` behind pipes, in
+turns (:meth:`ShardProcess.turn`), and of its backup's (:func:`backup_main`). A worker's bad
+message disconnects it (:class:`WorkerPipe`). Why: ``docs/design-notes.md`` ("Local runtime")."""
 
 from __future__ import annotations
 

@@ -355,9 +355,8 @@ def state() -> bytes:
 
 
 def load(state_dict: dict, log: tuple | None = None, keep: tuple = ()) -> bytes:
-    """A checkpoint's state for the shard (pickled: the control pipe only); ``log``: a
-    restart's, ``(path, at, fsync)`` of the push log it goes on with (ShardProcess.begin_log),
-    ``keep``: the workers that keep their seats (they rejoin)."""
+    """A checkpoint's state for the shard (pickled: the control pipe only); ``log``: a restart's
+    ``(path, at, fsync)`` of the push log it goes on with, ``keep``: the workers keeping seats."""
     return _KIND.pack(_LOAD) + _pickle((state_dict, log, tuple(keep)))
 
 

@@ -1,8 +1,7 @@
 """The simulator runtime: thousands of workers on one machine, on a virtual clock.
 
-The local runtime's protocol objects with only time simulated (:mod:`.engine`, as
-:class:`~stalewise.runtime.sim.config.SimConfig` says); gradients are real, and a run
-depends only on the config and the seed; its checkpoints hold its state (design notes)."""
+The local runtime's protocol objects on :mod:`.engine`'s clock; a run depends only on the
+config and the seed, and its checkpoints hold its state (design notes)."""
 
 from __future__ import annotations
 
