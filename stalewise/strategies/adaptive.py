@@ -1,8 +1,7 @@
 """Adaptive local SGD / DiLoCo: a communication period ``H`` that tunes itself.
 
-:func:`adaptive` is ``local_sgd`` (or ``diloco``) whose ``H`` a *schedule* picks anew at
-every push, after the round's first local step, from the worker's smoothed training loss
-and its rounds' lengths: :func:`comm_budget` (the default), :func:`adacomm` or :func:`fixed`.
+:func:`adaptive`'s *schedule* picks ``H`` anew at every push, after the round's first local step,
+from the smoothed loss and the rounds' lengths: :func:`comm_budget`, :func:`adacomm`, :func:`fixed`.
 
 A custom schedule is picklable, with ``init() -> state``, ``next(state, loss) -> (H, state)``
 (``loss`` NaN until a finite one) and optionally ``observe(state, steps, seconds) -> state``

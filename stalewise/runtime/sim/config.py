@@ -56,15 +56,13 @@ class SimConfig:
     """How the simulator times a run (docs/calibrate.md); gradients are real.
 
     Attributes:
-        compute: step-time model, :class:`Fixed` or :class:`ShiftedExponential`
-            (default: ``shift=8 ms`` + Exp with mean 2 ms).
+        compute: :class:`Fixed` or :class:`ShiftedExponential` (default: 8 ms + Exp, mean 2 ms).
         speeds: optional per-worker speed (step time is divided by it), one per worker.
         stragglers, slowdowns, failures, joins, network, service, contention: the models of
             :mod:`~stalewise.runtime.sim.models` (no contention by default).
         restart_delay: virtual seconds a restarted worker takes to come back (default 1).
         loop: the worker loop's own seconds per push besides compute, delays and transfers (0).
-        own_read: the chance that a lone worker's snapshot read right after its push
-            already holds it (None, the default: never).
+        own_read: the chance a lone worker's snapshot read right after its push holds it (None: 0).
         copies: what copying the parameters' bytes costs on the cores (:class:`Copies`;
             None, the default: only the links and the shard's ``service`` charge bytes).
         model_bytes: the parameter bytes to time on the wire and at the shards (timing only).
