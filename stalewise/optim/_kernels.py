@@ -254,8 +254,7 @@ def lamb(g, m, v, p, offsets, sizes, decay, adapt, ratios, lr, b1, w1, b2, w2, i
 @_jit
 def lars(g, buf, p, offsets, sizes, decay, adapt, ratios, lr, momentum, wd,
          trust_coefficient, eps, into_params):  # fmt: skip
-    """LARS, leaf by leaf, as :func:`stalewise.optim.lars` states it (``adapt``, ``decay`` as in
-    :func:`lamb`); pass 2 computes ``u`` again."""
+    """LARS, leaf by leaf, as :func:`stalewise.optim.lars` states it (flags as in :func:`lamb`)."""
     zero = p.dtype.type(0)
     step = p.dtype.type(-lr)
     lanes = np.empty(LANES)

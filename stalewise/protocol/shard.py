@@ -409,9 +409,8 @@ class Shard:
         incarnation: int,
         committed: tuple[PushHeader, Any, commit.Verdict] | None = None,
     ) -> Ack | None:
-        """The connection of ``worker``'s ``incarnation`` is gone: a push its sender
-        ``committed`` that this shard has not handled is delivered first (its ack returned),
-        then the worker leaves (unless a newer incarnation joined)."""
+        """The connection of ``worker``'s ``incarnation`` is gone: its ``committed`` push not yet
+        handled is delivered first (returning its ack), then it leaves unless a newer one joined."""
         self._check_worker(worker)
         if incarnation != self.incarnation[worker]:
             return None

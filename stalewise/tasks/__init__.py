@@ -27,8 +27,7 @@ def names() -> list[str]:
 
 
 def get(name: str, **kwargs: Any) -> Task:
-    """A new built-in task ``name`` (one of :func:`names`, else ValueError listing them)
-    built with ``kwargs``, e.g. ``hidden=32`` for digits."""
+    """A new built-in task ``name`` (:func:`names`; else ValueError) built with ``kwargs``."""
     return task_class(name)(**kwargs)
 
 

@@ -350,8 +350,7 @@ class LocalServer:
 
     def attach_client(self, want: int | None, *, taken: set[int]) -> tuple[Client, list]:
         """A client for a process attaching by name (:meth:`free_worker`, then :meth:`client`;
-        its socket is its rejoin channel) and this process's ends of its pipes, now the
-        caller's to pass on and close (as :meth:`release` would)."""
+        its socket is its rejoin channel) and this process's pipe ends, the caller's to close."""
         with self._lock:
             w = self.free_worker(want, taken=taken)
             client = self._client(w)
@@ -437,10 +436,9 @@ class LocalServer:
     def state_dicts(
         self, timeout: float | None = 60.0, log_dir: str | None = None, fsync: bool = False
     ) -> list[dict]:
-        """Each shard's whole state (:meth:`Shard.state_dict`), every one as of the same
-        pushes of every worker (a consistent cut: :class:`~stalewise.protocol.delivery.Cut`);
-        with ``log_dir``, each shard begins a push log there at that state (``fsync``: as
-        :meth:`ShardProcess.begin_log`). A cut that fails thaws every shard."""
+        """Each shard's whole state (:meth:`Shard.state_dict`), all as of the same pushes (a
+        consistent cut: :class:`~stalewise.protocol.delivery.Cut`); with ``log_dir``, each shard
+        begins a push log there at that state (``fsync``: fsynced); a cut that fails thaws all."""
         self._cuts += 1
         n, cut, names = len(self._controls), self._cuts, None
         try:
@@ -504,8 +502,7 @@ class LocalServer:
 
     def load_residuals(self, residuals: list[np.ndarray]) -> None:
         """Sets each worker's error-feedback residual for its first incarnation (before
-        :meth:`client`; ignored when the codec keeps no feedback); ValueError: the wrong number
-        of residuals, or one of the wrong shape (named)."""
+        :meth:`client`; ignored when the codec keeps none); ValueError: a wrong count or shape."""
         if self._residuals is None:
             return
         if len(residuals) != self.workers:

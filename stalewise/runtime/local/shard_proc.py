@@ -464,9 +464,8 @@ class ShardProcess:
         return True
 
     def load(self, state: dict, logged: tuple | None, keep: tuple) -> tuple:
-        """Loads ``state``: a checkpoint's (``logged`` None), or a restart's, whose push log
-        goes on (``logged``: ``(path, at, fsync)``; the dead process's workers depart, but
-        those ``keep``); returns the reply's ``(version, error)``."""
+        """Loads ``state``: a checkpoint's, or a restart's, whose push log goes on (``logged``:
+        ``(path, at, fsync)``; the dead workers depart, but ``keep``); returns (version, error)."""
         shard = self.shard
         if self.pipes:
             return None, "workers have joined; load before they do"
