@@ -48,8 +48,7 @@ WARN_EVERY = 10.0  # wall seconds: after the first, a worker's refusals are summ
 
 
 class Diverged(RuntimeError):
-    """A worker's last ``pushes`` pushes were all refused for NaN/Inf or overflow; the
-    runtime stops the worker, and the job once every worker has diverged."""
+    """A worker's last ``pushes`` pushes were all refused for NaN/Inf or overflow."""
 
     def __init__(self, worker: int, pushes: int, reason: str | None):
         super().__init__(

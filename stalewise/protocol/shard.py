@@ -313,8 +313,7 @@ class Shard:
 
     @pushlog.journaled
     def join(self, worker: int, incarnation: int) -> None:
-        """Starts a new incarnation of ``worker``, its sequence numbers from 0 (ValueError:
-        ``incarnation`` is not newer than the worker's current one)."""
+        """Starts ``worker``'s ``incarnation`` at seq 0 (ValueError: not newer than its current)."""
         self._check_worker(worker)
         if not (
             isinstance(incarnation, int | np.integer) and incarnation > self.incarnation[worker]
@@ -366,8 +365,7 @@ class Shard:
 
     @pushlog.journaled
     def admit(self, worker: int, incarnation: int) -> None:
-        """:meth:`join`, and from now on the runtime hears only this incarnation of
-        ``worker`` (:meth:`dropped`); the one it heard before is cut off."""
+        """:meth:`join`; then only this incarnation of ``worker`` is heard (:meth:`dropped`)."""
         self.join(worker, incarnation)
         self.retire(worker)
         self.admitted[worker] = incarnation

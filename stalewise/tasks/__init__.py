@@ -1,7 +1,6 @@
-"""Built-in tasks (:class:`~stalewise.tasks.base.Task`), built by name with :func:`get`:
-``digits`` (NumPy MLP on 8x8 digits; evaluates loss, accuracy), ``digits-torch`` and ``digits-jax``
-(the same numbers), ``least-squares`` (NumPy synthetic linear regression; loss, distance) and
-``lm`` (PyTorch byte GPT on stdlib source; loss, perplexity)."""
+"""Built-in tasks, by name (:func:`get`): ``digits`` (NumPy MLP on 8x8 digits; evaluates loss,
+accuracy), ``digits-torch`` and ``digits-jax`` (the same numbers), ``least-squares`` (NumPy
+linear regression; loss, distance) and ``lm`` (PyTorch byte GPT; loss, perplexity)."""
 
 from __future__ import annotations
 

@@ -60,8 +60,7 @@ def _codec(policy: codecs.Policy) -> dict:
 
 
 def decode(body: bytes) -> tuple[str | None, Plan | None]:
-    """What a door sent: ``(its refusal, None)`` or ``(None, the plan of the client)``;
-    NotData (saying what is wrong): a document no door writes."""
+    """What a door sent: ``(its refusal, None)`` or ``(None, the client's plan)``; else NotData."""
     try:
         doc = json.loads(body)
         if isinstance(doc, dict) and list(doc) == ["error"]:

@@ -133,8 +133,7 @@ class Layout:
 
     @property
     def where(self) -> list[int]:
-        """Where the params and the first push region start, and the block's size: a process
-        running another stalewise may lay the same job out otherwise."""
+        """Where the params and the first push region start, and the block's size."""
         return [self._offset(0), self._push_offset(0), self.nbytes]
 
     @property
