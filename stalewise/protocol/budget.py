@@ -49,8 +49,7 @@ def settle_first(committed: int, in_progress: int, steps: int) -> bool:
 
 
 def overshoot_bound(workers: int, *, exact: bool = False) -> int:
-    """The most pushes a run commits beyond ``steps``: 0 when every worker's steps in
-    progress are seen (``exact``, the simulator), else ``workers - 1``."""
+    """Most pushes committed past ``steps``: 0 if ``exact`` (simulator), else ``workers - 1``."""
     return 0 if exact else max(workers - 1, 0)
 
 

@@ -102,8 +102,7 @@ def warm_up(pieces: Sequence[Piece]) -> None:
 
 
 class Decoder:
-    """Decodes one shard's payloads (its ``pieces``, from :func:`plan`) into its slice, which
-    starts at ``start`` in the flat vector; ``shard`` is its number, for error messages."""
+    """Decodes shard ``shard``'s payloads (``pieces``: :func:`plan`) into its slice at ``start``."""
 
     def __init__(self, pieces: Sequence[Piece], start: int, shard: int = 0):
         self.pieces = list(pieces)

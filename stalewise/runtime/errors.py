@@ -40,8 +40,7 @@ class ServerClosed(ConnectionError):
 
 
 class BudgetSpent(ServerClosed):
-    """A push refused at its commit because the job's budget of ``steps`` pushes is spent
-    (nothing was sent); a :class:`ServerClosed`, so a loop that ends on that ends on this."""
+    """A push refused at its commit: the job's budget of ``steps`` pushes is spent (none sent)."""
 
     def __init__(self, steps: int):
         super().__init__(

@@ -290,9 +290,8 @@ class Snapshots:
         return not int(self.table[k, _LIVE_SEQ]) & 1
 
     def read_live(self, k: int, out: np.ndarray | list, worker: int) -> int | None:
-        """Worker ``worker`` copies shard ``k``'s live params into ``out[lo:hi]`` (marked in
-        the table meanwhile: see :meth:`readers`); returns their version, or None if the
-        shard was changing them (the copy may be torn: do not use it)."""
+        """Worker ``worker`` copies shard ``k``'s live params into ``out[lo:hi]`` (marked: see
+        :meth:`readers`); their version, or None if the shard changed them (a torn copy)."""
         row, (lo, hi) = self.table[k], self.ranges[k]
         row[_READING + worker] = time.monotonic_ns()
         seq = int(row[_LIVE_SEQ])

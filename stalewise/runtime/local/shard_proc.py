@@ -38,8 +38,7 @@ _REGION = struct.Struct("<i")  # a forwarded entry's tag: the worker whose push 
 
 
 def push_regions(layout: Layout, block: SharedBlock, lo: int, hi: int, k: int) -> list:
-    """What shard ``k`` (``lo:hi``) reads of each worker's push: its slice of the update, or
-    with a codec its payload's bytes (which the shard decodes: ServerConfig.build_shard)."""
+    """What shard ``k`` (``lo:hi``) reads of each worker's push: its slice, or its payload."""
     if layout.payloads:
         return [layout.payload(block, w, k) for w in range(layout.workers)]
     return [layout.push_buffer(block, w)[lo:hi] for w in range(layout.workers)]
@@ -580,8 +579,7 @@ def backup_main(
 
 
 def _keep_heap(keep: bool) -> None:
-    """A backup's glibc keeps the heap it frees (M_TRIM_THRESHOLD, M_MMAP_THRESHOLD); once
-    promoted, it gives it back (the defaults, then malloc_trim)."""
+    """A backup's glibc keeps the heap it frees; once promoted, gives it back (``malloc_trim``)."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None)
         size = 1 << 30 if keep else 128 << 10
