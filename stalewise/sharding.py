@@ -1,7 +1,6 @@
 """Size-balanced sharding of the flat parameter vector across server shards.
 
-Cuts fall on leaf boundaries, except in a leaf larger than a shard's share (per-leaf
-rules such as LAMB's trust ratio then see each piece alone).
+Cuts fall on leaf boundaries, except in a leaf larger than a shard's share.
 
 Example:
     >>> seg = Segments.from_sizes(["a", "b", "c", "d"], [10, 10, 10, 10])

@@ -92,8 +92,7 @@ MAX_DELAY = 3600.0  #: The longest extra delay per step (``train(delays=...)``),
 def check_run(
     workers: Any, steps: Any, data: Any, stragglers: Any, delays: Mapping[int, float] | None
 ) -> tuple[list[float], list[float]]:
-    """Checks the arguments every runtime's ``train`` shares; returns the slowdown factor
-    (``{3: 4.0}``: worker 3 four times slower, or a list) and the extra delay per worker."""
+    """Checks the arguments all runtimes' ``train`` share; returns the slowdowns and delays."""
     if not _is_int(steps) or steps < 1:  # workers: checked
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if not callable(data) and len(data) != workers:
