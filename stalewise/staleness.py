@@ -1,7 +1,7 @@
 """How much a stale push counts.
 
 A push's staleness ``tau``: the shard's version when it is applied minus the version pulled.
-DC-ASGD (Zheng et al. 2017) compensates ``g + dc_lambda * g * g * (w_now - w_pulled)``.
+DC-ASGD (Zheng et al. 2017) compensates ``g``: ``g + dc_lambda * g * g * (w_now - w_pulled)``.
 
 Example:
     >>> from stalewise import staleness
