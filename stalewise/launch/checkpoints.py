@@ -54,9 +54,8 @@ def check(directory: Any, every: Any, error: type[Exception]) -> None:
 
 
 class Saves:
-    """The saving side, which holds the server: restores the job (``resume``) before any
-    worker joins, and saves it before any push, every ``every`` pushes and at the end, with
-    each rank's ``ctx.state``, through :class:`stalewise.checkpoint.Saver`."""
+    """The side holding the server: restores the job (``resume``) before any worker joins; saves
+    it with each rank's ``ctx.state`` before any push, every ``every`` pushes and at the end."""
 
     def __init__(self, job: Any, server: Any, directory: str, every: int | None,
                  resume: bool, *, folder: Path | None = None):  # fmt: skip

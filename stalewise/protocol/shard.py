@@ -246,9 +246,8 @@ class Shard:
         sumsq: float | None = None,
     ) -> Ack:
         """Validates and handles one push; never raises for bad input, returns an Ack.
-        ``verdict`` (:mod:`stalewise.protocol.commit`), when given, decides ``not_finite``,
-        ``overflow`` and ``too_stale``. ``now``: the runtime's clock in seconds; ``sumsq``: the
-        payload's sum of squares as its sender measured it (None: the shard measures it)."""
+        ``verdict``, when given, decides ``not_finite``, ``overflow`` and ``too_stale``; ``now``:
+        the runtime's clock (s); ``sumsq``: the sender's sum of squares (None: the shard's own)."""
         try:
             worker, seq, base = self._check_header(header)
         except Rejected as e:

@@ -630,8 +630,7 @@ class LocalServer:
         """Brings back shard ``k``, whose process has died: its live backup, else a new process
         restored from its push logs (workers ``keep`` keep their seats), else from the last
         snapshot and ``base`` (its :meth:`state_dict`) or fresh. Other workers must rejoin.
-        Returns ``{"shard", "version", "lost", "source"}``: the version it resumes at, the
-        updates its slice lacks (None when unknown) and where the params came from."""
+        Returns ``{"shard", "version", "lost", "source"}`` (``lost``: None when unknown)."""
         p = self._procs[k]
         p.join(1)
         if p.is_alive():
