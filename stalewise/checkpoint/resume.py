@@ -142,9 +142,8 @@ def feedback_of(ckpt: Checkpoint | None, config: Any, workers: int) -> list[Any]
 
 
 def drawn_of(ckpt: Checkpoint | None, workers: int) -> list[int]:
-    """How many batches each worker id had drawn at ``ckpt`` (zeros without one), advanced by
-    its logs to the position after each worker's last push held (:class:`Positions`): a
-    resumed worker's stream skips them. Call it after :func:`check_compatible`."""
+    """The batches each worker id had drawn at ``ckpt`` (zeros without one), advanced by its logs
+    to after its last push held (:class:`Positions`); call it after :func:`check_compatible`."""
     drawn = None if ckpt is None else ckpt.step.get("drawn")
     drawn = [0] * workers if drawn is None else list(drawn)
     if ckpt is None or "replayed" not in ckpt.step:

@@ -191,10 +191,9 @@ def comm_budget(
     max_steps: int = 64,
     memory: float = 0.9,
 ) -> CommBudget:
-    """The smallest ``H`` with communication at most ``fraction`` of a round: with the
-    rounds fitted to ``T = c + s * H`` by the runtime's clock, ``H = ceil(c * (1 -
-    fraction) / (fraction * s))`` within ``[min_steps, max_steps]``. ``local_steps`` is the
-    first two rounds' ``H``, ``memory`` the per-round decay of older rounds in the fit."""
+    """The smallest ``H`` with communication at most ``fraction`` of a round: ``H = ceil(c * (1 -
+    fraction) / (fraction * s))`` in ``[min_steps, max_steps]``, rounds fitted to ``T = c + s * H``
+    (older rounds weigh ``memory`` times less); ``local_steps``: the first two rounds' ``H``."""
     return CommBudget(fraction, local_steps, min_steps, max_steps, memory)
 
 
