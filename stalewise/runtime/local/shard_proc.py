@@ -589,9 +589,8 @@ def _keep_heap(keep: bool) -> None:
 
 
 def follow(shard: Shard, regions: list, link, control) -> tuple | None:
-    """The backup's loop: it holds a forward (its payloads copied from the push ``regions``),
-    says so, then applies it. Returns None once stopped, or once promoted its state and the
-    parent's ``(log, keep)`` (a primary's death ends ``link``: the parent then asks)."""
+    """The backup's loop: it holds a forward (payloads copied from the push ``regions``), says
+    so, then applies it; returns None once stopped, once promoted its state and ``(log, keep)``."""
     backup, held = None, ("", 0)  # the push log and its bytes that the state is after
     bound = 8 * shard.params.nbytes * (len(regions) + 2) + (1 << 24)  # a turn's entries
 
