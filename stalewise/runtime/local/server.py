@@ -438,7 +438,8 @@ class LocalServer:
     ) -> list[dict]:
         """Each shard's whole state (:meth:`Shard.state_dict`), all as of the same pushes (a
         consistent cut: :class:`~stalewise.protocol.delivery.Cut`); with ``log_dir``, each shard
-        begins a push log there at that state (``fsync``: fsynced); a cut that fails thaws all."""
+        begins a push log there at that state (``fsync``: each turn's entries are fsynced before
+        its acks); a cut that fails thaws every shard."""
         self._cuts += 1
         n, cut, names = len(self._controls), self._cuts, None
         try:

@@ -69,7 +69,7 @@ class WorkerPipe:
         return self.fd
 
     def read(self) -> list[bytes] | None:
-        """The bodies of the messages now complete ([] if none); None at EOF (OSError: broken)."""
+        """The bodies of the messages now complete ([] if none); None at end of file; OSError: the pipe broke."""
         try:
             data = os.read(self.fd, READ_CHUNK)
         except BlockingIOError:
