@@ -184,7 +184,8 @@ def _adam(g, m, v, p, lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps, l2, wd, into
 def adam(g, m, v, p, offsets, sizes, decay, lr, b1, w1, b2, w2, inv_c1, inv_sqrt_c2, eps,
          l2, wd, into_params, check, undo_p, undo_m, undo_v, done):  # fmt: skip
     """Adam with coupled L2 (``l2``) and decoupled decay (``wd``), as :func:`stalewise.optim.adam`
-    and ``adamw`` state it (``inv_c1``, ``inv_sqrt_c2``: bias corrections); the rest as in :func:`sgd`."""
+    and ``adamw`` state it (``inv_c1``, ``inv_sqrt_c2``: bias corrections); the rest as in
+    :func:`sgd`."""
     zero = p.dtype.type(0)
     copy = undo_p.size != 0
     step = _blocks(g.size, check, copy, done)

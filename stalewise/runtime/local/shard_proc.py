@@ -69,7 +69,8 @@ class WorkerPipe:
         return self.fd
 
     def read(self) -> list[bytes] | None:
-        """The bodies of the messages now complete ([] if none); None at end of file; OSError: the pipe broke."""
+        """The bodies of the messages now complete ([] if none); None at end of file; OSError:
+        the pipe broke."""
         try:
             data = os.read(self.fd, READ_CHUNK)
         except BlockingIOError:
