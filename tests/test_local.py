@@ -168,6 +168,25 @@ def test_the_parents_evaluation_runs_on_a_workers_share_of_the_threads(
     assert threads() == before
 
 
+def test_a_capped_evaluation_is_capped_at_every_call_and_lifted_after(monkeypatch):
+    """The first call caps the libraries loaded then; the later ones, those it loaded too."""
+    from threadpoolctl import threadpool_info
+
+    from stalewise.runtime.local.procs import Capped
+
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+
+    def threads():
+        return [lib["num_threads"] for lib in threadpool_info()]
+
+    before, seen = threads(), []
+    capped = Capped(lambda p: seen.append(threads()) or {"loss": float(p)}, 1)
+    assert [capped(2.0), capped(3.0)] == [{"loss": 2.0}, {"loss": 3.0}]
+    assert len(seen) == 2 and all(n == 1 for call in seen for n in call), seen
+    assert threads() == before
+
+
 def test_read_your_writes_after_every_ack(no_leaks):
     job = sw.Job({"x": np.zeros(1000, np.float32)}, optimizer=sw.optim.sgd(1.0), shards=2)
     with job.serve(workers=1) as server:

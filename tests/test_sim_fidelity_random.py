@@ -192,16 +192,3 @@ def test_evaluations_place_an_outer_update_within_one_record():
     assert [g.get("loss") for g in got] == [10, 10, 10, 9, None, None, None, 5, None, 4, 3]
     records = [{"time": i * fid.RECORD_EVERY, **g} for i, g in enumerate(got)]
     assert fid.time_to(records, "loss", 9.5, "min") == pytest.approx(2.5 * fid.RECORD_EVERY)
-
-
-def test_the_evaluation_runs_on_one_math_thread_and_the_cap_is_lifted_after():
-    from threadpoolctl import threadpool_info
-
-    def threads():
-        return [i["num_threads"] for i in threadpool_info()]
-
-    before = threads()
-    seen = []
-    got = fid.one_thread(lambda p: seen.append(threads()) or {"loss": float(p)})(2.0)
-    assert got == {"loss": 2.0} and seen[0] and all(n == 1 for n in seen[0])
-    assert threads() == before
