@@ -532,9 +532,11 @@ def _compute_main(
         flat = np.array(init, copy=True)  # the worker's pull buffer
         batches = batch_iterator(data, w, workers)
         out = np.empty(spec.size, init.dtype)
-        step = lambda batch: tree.flatten(  # noqa: E731 (as the worker loop: on its pull buffer)
-            loss_and_grad(tree.unflatten(flat, spec, copy=False), batch)[1], spec=spec, out=out
-        )
+
+        def step(batch: Any) -> None:  # as the worker loop: on its pull buffer
+            grads = loss_and_grad(tree.unflatten(flat, spec, copy=False), batch)[1]
+            tree.flatten(grads, spec=spec, out=out)
+
         for _ in range(warmup):  # a JIT compile, the data's first load: not a step
             step(next(batches))
         conn.send(("ready", w))
@@ -584,10 +586,10 @@ def measure_compute(
     """Each worker's step times, wall-clock and CPU, timed in ``workers`` processes at once;
     their thread cap; and with ``contention`` > 0, the :class:`Contention` for 1 to that
     many runnable processes (else None). ``delays``, ``evaluate``: as :func:`calibrate`'s."""
-    from stalewise.runtime.local.procs import Capped, thread_budget
+    from stalewise.runtime.local.procs import Capped, thread_budget, thread_share
 
     ctx = multiprocessing.get_context("spawn")
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = thread_share(workers)
     procs, conns = [], []
     with thread_budget(threads):
         for w in range(workers):
@@ -1137,8 +1139,9 @@ def _number_in(value: Any, low: float, high: float) -> bool:
 
 def _delays(delays: Any, workers: int) -> list[float]:
     """``delays`` (None, a number, or {worker: seconds}) as one number per worker, checked."""
+    if delays is None:
+        return [0.0] * workers
     items = delays.items() if isinstance(delays, dict) else ((w, delays) for w in range(workers))
-    items = () if delays is None else items
     out = [0.0] * workers
     for w, d in items:
         if not isinstance(w, int) or not 0 <= w < workers:

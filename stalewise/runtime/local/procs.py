@@ -42,13 +42,18 @@ def thread_budget(threads: int, hold: bool = True) -> Iterator[None]:
 _environ = threading.RLock()  # thread_budget's changes to os.environ (a spawn copies it)
 
 
+def thread_share(workers: int) -> int:
+    """Math-library threads for each of ``workers`` processes: a share of the cores, at least 1."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
 def cap_threads_here(workers: int) -> None:
     """Caps torch's threads here to a share of the cores, unless one of ``THREAD_VARS`` is set."""
     if any(k in os.environ for k in THREAD_VARS):
         return
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
+        torch.set_num_threads(thread_share(workers))
 
 
 class Capped:
@@ -57,7 +62,7 @@ class Capped:
     every core."""
 
     def __init__(self, evaluate: Callable, threads: int):
-        self.evaluate, self.threads, self.libs = evaluate, max(1, threads), None
+        self.evaluate, self.threads, self.libs = evaluate, threads, None
         self.free = any(k in os.environ for k in THREAD_VARS)
 
     def __call__(self, params: Any) -> Any:

@@ -34,6 +34,7 @@ from stalewise.runtime.local.procs import (
     shard_context,
     stalewise_main,
     thread_budget,
+    thread_share,
 )
 from stalewise.runtime.local.shard_proc import backup_main, shard_main
 from stalewise.runtime.local.shm import SharedBlock
@@ -149,7 +150,7 @@ class LocalServer:
             self._watcher.start()
             # processes your own loop starts meanwhile get a share of the cores each
             self._threads = contextlib.ExitStack()
-            self._threads.enter_context(thread_budget((os.cpu_count() or 1) // workers, hold=False))
+            self._threads.enter_context(thread_budget(thread_share(workers), hold=False))
             if name is not None:
                 self._door = Door(self, name)
         except BaseException:

@@ -29,7 +29,13 @@ from stalewise.runtime.base import batch_iterator
 from stalewise.runtime.errors import ShardError, WorkerError, worker_failed
 from stalewise.runtime.local import wire
 from stalewise.runtime.local.client import Client, Rejoin
-from stalewise.runtime.local.procs import Capped, describe_exit, die_with_parent, thread_budget
+from stalewise.runtime.local.procs import (
+    Capped,
+    describe_exit,
+    die_with_parent,
+    thread_budget,
+    thread_share,
+)
 from stalewise.runtime.local.server import LocalServer
 from stalewise.runtime.logs import child_logging
 from stalewise.runtime.options import RunOptions
@@ -257,7 +263,7 @@ class _Host:
         p = get_context("spawn").Process(  # spawned: it gets thread_budget's and your variables
             target=_worker_main, args=args, name=f"stalewise-worker-{w}", daemon=True
         )
-        with thread_budget((os.cpu_count() or 1) // self.o.workers):
+        with thread_budget(thread_share(self.o.workers)):
             p.start()
         self.server.release(w)  # if the worker dies, its shards now see its pipes close
         theirs.close()
@@ -578,5 +584,5 @@ def run(config: ServerConfig, strategy: Strategy, options: RunOptions) -> TrainR
     for name, obj in (("loss_and_grad", o.loss_and_grad), ("data", o.data), ("strategy", strategy)):
         _check_picklable(name, obj)
     if o.evaluate is not None:  # it runs beside the workers, with a worker's share of cores
-        o = dataclasses.replace(o, evaluate=Capped(o.evaluate, (os.cpu_count() or 1) // o.workers))
+        o = dataclasses.replace(o, evaluate=Capped(o.evaluate, thread_share(o.workers)))
     return driver.drive(_Host(config, strategy, o), config, strategy, o)
