@@ -132,6 +132,17 @@ def test_processes_started_while_serving_get_a_share_of_the_cores(no_leaks, monk
     assert os.environ["OMP_NUM_THREADS"] == "3"
 
 
+def _math_threads(monkeypatch=None) -> list[int]:
+    """Each loaded math library's threads here; with ``monkeypatch``, no thread variable set."""
+    from threadpoolctl import threadpool_info
+
+    from stalewise.runtime.base import THREAD_VARS
+
+    for var in THREAD_VARS if monkeypatch is not None else ():
+        monkeypatch.delenv(var, raising=False)
+    return [lib["num_threads"] for lib in threadpool_info()]
+
+
 @pytest.mark.parametrize("user_set", [False, True])
 def test_the_parents_evaluation_runs_on_a_workers_share_of_the_threads(
     no_leaks, monkeypatch, user_set
@@ -139,22 +150,12 @@ def test_the_parents_evaluation_runs_on_a_workers_share_of_the_threads(
     """Beside the workers, the parent runs ``evaluate`` on cores // workers math-library
     threads (on all of them it took both cores at once and halved a run); a thread variable
     the user set leaves it as it is, and the parent's libraries are as they were after."""
-    from threadpoolctl import threadpool_info
-
-    from stalewise.runtime.base import THREAD_VARS
-
-    for var in THREAD_VARS:
-        monkeypatch.delenv(var, raising=False)
+    before, seen = max(_math_threads(monkeypatch)), []
     if user_set:
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
 
-    def threads() -> int:
-        return max(lib["num_threads"] for lib in threadpool_info())
-
-    before, seen = threads(), []
-
     def evaluate(params):
-        seen.append(threads())
+        seen.append(max(_math_threads()))
         return {"x0": float(params["x"][0])}
 
     quadratic_job().train(
@@ -165,26 +166,18 @@ def test_the_parents_evaluation_runs_on_a_workers_share_of_the_threads(
     assert len(seen) >= 3, seen
     share = max(1, (os.cpu_count() or 1) // 2)
     assert set(seen) == ({before} if user_set else {min(before, share)}), (before, seen)
-    assert threads() == before
+    assert max(_math_threads()) == before
 
 
 def test_a_capped_evaluation_is_capped_at_every_call_and_lifted_after(monkeypatch):
     """The first call caps the libraries loaded then; the later ones, those it loaded too."""
-    from threadpoolctl import threadpool_info
-
     from stalewise.runtime.local.procs import Capped
 
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        monkeypatch.delenv(var, raising=False)
-
-    def threads():
-        return [lib["num_threads"] for lib in threadpool_info()]
-
-    before, seen = threads(), []
-    capped = Capped(lambda p: seen.append(threads()) or {"loss": float(p)}, 1)
+    before, seen = _math_threads(monkeypatch), []
+    capped = Capped(lambda p: seen.append(_math_threads()) or {"loss": float(p)}, 1)
     assert [capped(2.0), capped(3.0)] == [{"loss": 2.0}, {"loss": 3.0}]
     assert len(seen) == 2 and all(n == 1 for call in seen for n in call), seen
-    assert threads() == before
+    assert _math_threads() == before
 
 
 def test_read_your_writes_after_every_ack(no_leaks):
