@@ -872,24 +872,37 @@ def transport_times(job: Any, size: int, repeats: int, runtime: str = "local",
 
 
 def _settle(pids: Sequence[int], quiet: float = SETTLE) -> None:
-    """Returns once processes ``pids`` have not run for ``quiet`` seconds (at most 200 x)."""
+    """Returns once processes ``pids`` have neither run nor waited for a core for ``quiet``
+    seconds (at most 200 x)."""
     last, end = None, time.monotonic() + 200 * quiet
-    while (now := _on_cpu(pids)) != last and time.monotonic() < end:
+    while ((now := _on_cpu(pids)) != last or _runnable(pids)) and time.monotonic() < end:
         last = now
         time.sleep(quiet)
 
 
+def _threads(pids: Sequence[int], name: str) -> Iterator[bytes]:
+    """Each thread's ``/proc`` file ``name`` of processes ``pids`` (its first 512 bytes)."""
+    for pid in pids:
+        for t in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{t}/{name}", "rb") as f:
+                yield f.read(512)
+
+
 def _on_cpu(pids: Sequence[int]) -> float | None:
     """The CPU seconds of processes ``pids`` (Linux's schedstat; None: unreadable)."""
-    total = 0
     try:
-        for pid in pids:
-            for t in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{t}/schedstat") as f:
-                    total += int(f.read(64).split()[0])
+        total = sum(int(x.split()[0]) for x in _threads(pids, "schedstat"))
     except (OSError, ValueError, IndexError):
         return None
     return total / 1e9 if pids else None
+
+
+def _runnable(pids: Sequence[int]) -> bool:
+    """Whether a thread of processes ``pids`` runs or waits for a core (state R)."""
+    try:
+        return any(x.rpartition(b")")[2].split()[0] == b"R" for x in _threads(pids, "stat"))
+    except (OSError, IndexError):
+        return False
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 import time
@@ -142,21 +143,29 @@ def test_the_bus_is_measured_in_copies_at_once_within_the_cores():
     assert 1.0 <= calibrate.bus_copies(1 << 20, 2, rounds=1) <= 2.0
 
 
-def test_settle_waits_until_a_process_stops_running():
-    """A child that spins 0.2 CPU seconds then sleeps: settled, its CPU time holds still."""
+@pytest.mark.parametrize("crowded", [False, True], ids=["alone", "crowded"])
+def test_settle_waits_until_a_process_stops_running(crowded):
+    """A child that spins 0.05 CPU seconds then sleeps: settled, its CPU time holds still.
+    Crowded, it shares one core with 3 busy processes: it waits for the core (runnable)
+    longer than the settle's quiet time, and that is not a stop."""
     spin = ("import time\nc = time.process_time()\nprint(flush=True)\n"
-            "while time.process_time() - c < 0.2: pass\ntime.sleep(60)")  # fmt: skip
+            "while time.process_time() - c < 0.05: pass\ntime.sleep(60)")  # fmt: skip
+    busy = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass"
+    procs = [subprocess.Popen([sys.executable, "-S", "-c", busy]) for _ in range(3 * crowded)]
     p = subprocess.Popen([sys.executable, "-S", "-c", spin], stdout=subprocess.PIPE)
     try:
+        for q in (*procs, p):
+            os.sched_setaffinity(q.pid, {min(os.sched_getaffinity(0))})
         p.stdout.readline()
         calibrate._settle([p.pid])
         ran = calibrate._on_cpu([p.pid])
-        assert ran >= 0.2
+        assert ran >= 0.05
         time.sleep(2 * calibrate.SETTLE)
         assert calibrate._on_cpu([p.pid]) == ran
     finally:
-        p.kill()
-        p.wait(10)
+        for q in (*procs, p):
+            q.kill()
+            q.wait(10)
         p.stdout.close()
 
 
