@@ -81,6 +81,7 @@ class _SimWorker:
     loss_next: float = math.nan  # the computed step's loss
     t_mark: float = 0.0  # when its pull or compute began
     cpu_free: float = 0.0  # when its copies under way end (SimConfig.copies)
+    busy_end: float = 0.0  # contention: when its copies and its pull's latencies end
     push_mark: float = 0.0  # when the push in flight was committed
     ended: tuple[float, int] | None = None  # (time, order) when its loop ended
     awaiting: dict | None = None  # its failure event, until it is back
@@ -135,7 +136,8 @@ class Simulation:
         self.lat, self.service = sim.network.latency, sim.service
         self.own_read = sim.own_read
         self.contention, self.copies = sim.contention, sim.copies
-        self.computing: list[float] = []  # contention: when each copy and pull under way ends
+        # contention: the workers copying or pulling (each once), their ends (heap of (end, id))
+        self.busy_n, self.busy_ends = 0, []
         # contention: the computes share the cores; the work clock (CPU seconds each has had
         # by time cpu[1], at cpu[2] s a CPU second), their ends on it (heap), the plan's number
         self.cpu, self.cpu_heap, self.cpu_plan = [0.0, 0.0, 1.0], [], 0
@@ -239,9 +241,9 @@ class Simulation:
     def worker_copy(self, wk: _SimWorker, copies: float, nbytes: float, cpu: float) -> float:
         """When worker ``wk``'s copies of ``nbytes`` and ``cpu`` seconds besides end."""
         start = max(self.now, wk.cpu_free)
-        seconds = self.stretched(cpu, self.copy(start, copies, nbytes), self.runnable() + 1)
+        seconds = self.stretched(cpu, self.copy(start, copies, nbytes), self.runnable(wk))
         if self.contention is not None:
-            heapq.heappush(self.computing, start + seconds)
+            self.busy_until(wk, start + seconds)
         wk.cpu_free = start + seconds
         return wk.cpu_free
 
@@ -255,12 +257,23 @@ class Simulation:
         shared = c is not None and c.bus < math.inf and c.cores < math.inf
         return cpu * at(n) + copy * (at(n) / at(min(n, c.cores)) if shared else at(n))
 
-    def runnable(self) -> int:
-        """The processes runnable now (contention): workers computing, shards serving."""
-        h = self.computing
-        while h and h[0] <= self.now:
-            heapq.heappop(h)
-        return len(h) + len(self.cpu_heap) + self.serving
+    def busy_until(self, wk: _SimWorker, end: float) -> None:
+        """Worker ``wk`` runs until ``end`` (its copies, its pull): it starts now or goes on."""
+        self.runnable()  # its last run's end is counted first
+        if end > wk.busy_end:
+            self.busy_n += wk.busy_end <= self.now
+            wk.busy_end = end
+            heapq.heappush(self.busy_ends, (end, wk.id))
+
+    def runnable(self, wk: _SimWorker | None = None) -> int:
+        """The processes runnable now (contention): workers computing, copying or pulling (one
+        process each), shards serving; and worker ``wk``, if given and not counted yet."""
+        h = self.busy_ends
+        while h and h[0][0] <= self.now:
+            end, w = heapq.heappop(h)
+            self.busy_n -= self.workers[w].busy_end == end  # its last end: its run is over
+        mine = wk is not None and wk.busy_end <= self.now
+        return self.busy_n + len(self.cpu_heap) + self.serving + mine
 
     def replan(self, entry: tuple | None = None) -> None:
         """The computes (and ``entry``) at the factor for the runnable now: one ``_CPU`` event."""
@@ -577,8 +590,8 @@ class Simulation:
         )
         lat = self.lat
         if self.contention is not None:  # the pull's two latencies, stretched: it runs too
-            lat += 2 * lat * (self.contention.step_at(self.runnable() + 1) - 1)
-            heapq.heappush(self.computing, self.now + lat + self.lat)
+            lat += 2 * lat * (self.contention.step_at(self.runnable(wk)) - 1)
+            self.busy_until(wk, self.now + lat + self.lat)
         start = max(self.now, wk.cpu_free)  # after the copies of its push
         for k in range(self.S):
             if self.request(wk, k, _PULL_REQ):
