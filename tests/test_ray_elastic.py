@@ -66,11 +66,12 @@ def cluster(head):
             head.remove_node(node)
 
 
-def _until(check, what, timeout=WAIT):
+def _until(check, what, timeout=WAIT, seen=None):
     end = time.monotonic() + timeout
     while not check():
         if time.monotonic() > end:
-            raise TimeoutError(f"{what} did not happen within {timeout} s")
+            raise TimeoutError(f"{what} did not happen within {timeout} s"
+                               + ("" if seen is None else f"; seen: {seen()}"))  # fmt: skip
         time.sleep(0.1)
 
 
@@ -100,25 +101,29 @@ def test_auto_workers_follow_a_node_that_joins_and_leaves(cluster, consistency, 
                 runtime="ray",
                 evaluate=task.evaluate,
                 metrics=sw.Metrics(every=0.2, on_record=records.append),
-                timeouts=sw.Timeouts(total=TIMEOUT),
+                # the set-up too: a worker or a shard stuck at its start fails within WAIT
+                timeouts=sw.Timeouts(total=TIMEOUT, start=WAIT, shard_start=WAIT),
             )
         except BaseException as e:  # reported by the test
             out["error"] = e
 
     trainer = threading.Thread(target=train, daemon=True)
     trainer.start()
+    until = functools.partial(  # a failure says how far the run got
+        _until, seen=lambda: out.get("error") or (records[-1] if records else "no record yet")
+    )
     try:
-        _until(lambda: records and records[-1]["pushes"] >= 20, "the first pushes")
+        until(lambda: records and records[-1]["pushes"] >= 20, "the first pushes")
         seen["before"] = records[-1]["workers"]
         node = cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
         cluster.wait_for_nodes(timeout=WAIT)
-        _until(lambda: records[-1]["workers"] >= 3, "the run's growth to 3 workers")
+        until(lambda: records[-1]["workers"] >= 3, "the run's growth to 3 workers")
         seen["grown"] = records[-1]["workers"]
         seen["pushes_grown"] = grown = records[-1]["pushes"]
         # the three train together (a joiner joins the shards once it has set up)
-        _until(lambda: records[-1]["pushes"] >= grown + 30, "pushes with 3 workers")
+        until(lambda: records[-1]["pushes"] >= grown + 30, "pushes with 3 workers")
         cluster.remove_node(node)
-        _until(lambda: records[-1]["workers"] <= 1, "the departure of the node's workers")
+        until(lambda: records[-1]["workers"] <= 1, "the departure of the node's workers")
         seen["after"] = records[-1]["workers"]
     finally:
         trainer.join(timeout=TIMEOUT)
