@@ -260,7 +260,7 @@ class Simulation:
     def busy_until(self, wk: _SimWorker, end: float) -> None:
         """Worker ``wk`` runs until ``end`` (its copies, its pull): it starts now or goes on."""
         self.runnable()  # its last run's end is counted first
-        if end > wk.busy_end:
+        if end > max(wk.busy_end, self.now):
             self.busy_n += wk.busy_end <= self.now
             wk.busy_end = end
             heapq.heappush(self.busy_ends, (end, wk.id))
