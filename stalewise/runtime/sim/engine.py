@@ -685,9 +685,9 @@ class Simulation:
         sender.committed()
         wk.acks = [None] * self.S
         wk.acking, wk.push_mark = self.S, self.now
-        for k in range(self.S):  # with copies: each slice leaves once the worker has copied it
-            c = self.copies
-            at = None if c is None else self.worker_copy(wk, c.push, wk.push_bytes[k],
+        for k in range(self.S):  # with copies: each slice leaves once the worker has encoded it
+            c = self.copies  # (copies of the slice's parameters, whatever the codec sends)
+            at = None if c is None else self.worker_copy(wk, c.push, self.slice_bytes[k],
                                                          c.push_time / self.S)  # fmt: skip
             if self.request(wk, k, _PUSH_HEAD):
                 self.transfer(wk.id, self.P + k, wk.push_bytes[k], _PUSH_HEAD, wk, k, at)
@@ -972,7 +972,7 @@ class Simulation:
                 self.at(self.links.receive(self.P + k, wk.push_bytes[k], t, x), _PUSH_IN, w, k, i)
             elif kind == _PULL_RESP and self.copies is not None and not x:  # the worker copies it
                 c = self.copies
-                done = self.worker_copy(wk, c.pull, wk.pull_bytes[k], c.pull_time / self.S)
+                done = self.worker_copy(wk, c.pull, self.slice_bytes[k], c.pull_time / self.S)
                 self.at(done, _PULL_RESP, w, k, i, 1.0)
             elif kind == _PULL_RESP:
                 if wk.out is not None:
