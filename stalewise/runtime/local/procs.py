@@ -12,7 +12,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
-from multiprocessing import connection, forkserver
+from multiprocessing import connection, forkserver, util
 from multiprocessing import spawn as mp_spawn
 from typing import Any
 
@@ -194,16 +194,24 @@ def die_with_parent(cleanup: Callable[[], None] | None = None) -> None:
     sentinel = mp.parent_process().sentinel  # type: ignore[union-attr]
     if connection.wait([sentinel], 0):  # the parent died before we could ask
         _parent_gone(sentinel, cleanup)
+    if cleanup is not None:  # an exit of its own that finds the parent gone (its pipe ended)
+        util.Finalize(None, _orphaned, args=(sentinel, cleanup), exitpriority=0)
     threading.Thread(
         target=_parent_gone, args=(sentinel, cleanup), name="stalewise-parent", daemon=True
     ).start()
 
 
+def _orphaned(sentinel: int, cleanup: Callable[[], None]) -> None:
+    """Runs ``cleanup`` if the parent is gone."""
+    if connection.wait([sentinel], 0):
+        with contextlib.suppress(Exception):
+            cleanup()
+
+
 def _parent_gone(sentinel: int, cleanup: Callable[[], None] | None) -> None:
     connection.wait([sentinel])
     if cleanup is not None:
-        with contextlib.suppress(Exception):
-            cleanup()
+        _orphaned(sentinel, cleanup)
     os._exit(70)  # no atexit handlers, no flushing of state the parent owned
 
 
