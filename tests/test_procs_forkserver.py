@@ -1,6 +1,7 @@
 """Shards fork from the local runtime's own forkserver (procs.shard_context): capped like spawned
 shards, gone with the training process however it ends, the user's forkserver left alone."""
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -128,3 +129,52 @@ def test_threads_joining_a_killed_forked_process_at_once_all_see_how_it_died():
         for t in joins:
             t.join(20)
         assert p.exitcode == -signal.SIGKILL
+
+
+ORPHAN = """
+import multiprocessing as mp, sys, time
+from stalewise.runtime.local import procs
+
+def child(path, conn):
+    procs._parent_gone = lambda sentinel, cleanup: None  # its watcher thread loses the race
+    procs.die_with_parent(cleanup=lambda: open(path, "w").close())
+    conn.send(mp.current_process().pid)
+    try:
+        conn.recv()  # the parent's end of the pipe: EOF once it dies, then this exits
+    except EOFError:
+        pass
+
+if __name__ == "__main__":
+    a, b = mp.get_context("spawn").Pipe()
+    mp.get_context("spawn").Process(target=child, args=(sys.argv[1], b)).start()
+    b.close()
+    print(a.recv(), flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_child_that_exits_when_its_parent_dies_still_cleans_up(tmp_path):
+    """A shard sees its parent's pipe end and may exit before its watcher thread runs (the
+    thread does nothing here): its exit runs the clean-up (a named block's unlink) all the
+    same. On the code before, nothing did."""
+    marker, script = tmp_path / "cleaned", tmp_path / "orphan.py"
+    script.write_text(ORPHAN)
+    parent = subprocess.Popen([sys.executable, str(script), str(marker)],
+                              stdout=subprocess.PIPE, cwd=REPO)  # fmt: skip
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        assert not marker.exists()
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert marker.exists()
+    finally:
+        parent.kill()
+        parent.wait(10)
+        parent.stdout.close()
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
