@@ -23,6 +23,9 @@ __all__ = ["Digits", "DigitsData", "init_mlp", "load_digits_split"]
 NUM_FEATURES = 64
 NUM_CLASSES = 10
 _ACTIVATIONS = ("tanh", "relu")
+#: A log-probability below this (a probability under 1e-20) is 0 in the gradient: left
+#: subnormal, it made the backward's matrix products 5-15x slower.
+_FLUSH = -46.0
 
 
 class DigitsData(NamedTuple):
@@ -189,6 +192,7 @@ class Digits:
         rows = np.arange(len(y))
         loss = -logp[rows, y].mean()
         dlogits = np.exp(logp)
+        dlogits[logp < _FLUSH] = 0.0
         dlogits[rows, y] -= 1.0
         dlogits /= len(y)
         w2 = params["layer2"]["w"]
