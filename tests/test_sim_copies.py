@@ -17,6 +17,7 @@ import pytest
 
 import stalewise as sw
 from stalewise import calibrate, tasks
+from stalewise.protocol import pipeline
 from stalewise.runtime import sim as sim_rt
 from stalewise.runtime.sim.config import SimConfig
 from stalewise.runtime.sim.models import Contention, Copies, Fixed, Network, Service
@@ -230,3 +231,28 @@ def test_with_a_bus_a_stage_s_fixed_cpu_still_pays_the_whole_contention_factor()
     smt, clean = Contention(step, (1.0, 1.5, 2.25)), Contention(step, (1.0, 1.0, 1.5))
     bus = Copies(rate=1e9, bus=1.5e9, cores=2, pull_time=1e-3, push_time=1e-3)
     assert _rate(3, 4000, bus, smt) < 0.95 * _rate(3, 4000, bus, clean)
+
+
+def _staleness(workers: int, shards: int, copies=None, service=0.0, latency=0.0) -> float:
+    """Mean staleness of an ASP job of 1 ms steps (links of ``latency`` s and free bandwidth,
+    ``service`` s an apply)."""
+    task = tasks.get("least-squares", n=64, d=4, exact=True)
+    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.05), consistency=sw.ASP(),
+                 shards=shards)  # fmt: skip
+    sim = SimConfig(compute=Fixed(0.001), model_bytes=10**6, copies=copies,
+                    network=Network(latency=latency, bandwidth=math.inf),
+                    service=Service(time=service, rate=math.inf))  # fmt: skip
+    r = sim_rt.train(job.config, task.loss_and_grad, data=task.batches, workers=workers,
+                     steps=200, strategy=job.strategy, sim=sim, evaluate=None)  # fmt: skip
+    return r.stats["staleness_mean"]
+
+
+def test_a_busy_shard_publishes_its_snapshot_at_most_every_publish_every(monkeypatch):
+    """The local shard's rule (``pipeline.publish_due``): with requests waiting it copies its
+    params out for snapshot reads only every PUBLISH_EVERY s or when its slowest clock moves,
+    so the reads are staler than with a publish after every turn (by less than the pushes
+    it applies in PUBLISH_EVERY / 2: the slowest clock moves too)."""
+    busy = _staleness(8, 1, service=4e-4)  # 8 workers of 1 ms steps: always a push waiting
+    monkeypatch.setattr(pipeline, "PUBLISH_EVERY", 0.0)
+    every_turn = _staleness(8, 1, service=4e-4)
+    assert 1.0 < busy - every_turn < 0.5 * 0.02 / 4e-4

@@ -256,7 +256,8 @@ def test_runs_with_failures_and_restarts_are_deterministic():
     assert [e["action"] for e in a.failures] == ["restarted", "left", "restarted", "restarted"]
     assert a.flat.tobytes() == b.flat.tobytes()
     assert a.failures == b.failures and a.time == b.time and a.records == b.records
-    assert a.flat.tobytes() != other.flat.tobytes()  # the seed does matter
+    # the seed does matter (its compute times); the final params may not: both reach the optimum
+    assert a.time != other.time and a.records != other.records
     shards = a.stats["sim"]["shards"]
     assert shards[0] == shards[1] and shards[0]["applied"] == a.pushes == 300
 

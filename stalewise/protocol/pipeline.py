@@ -55,6 +55,15 @@ def may_read(consistency: Consistency, committed: int, min_clocks: Iterable[int]
     return all(consistency.may_start(committed, int(c)) for c in min_clocks)
 
 
+def publish_due(
+    version: int, published: int, *, busy: bool, clock_moved: bool, since: float
+) -> bool:
+    """Whether a shard at ``version`` (``published`` last, ``since`` seconds ago) copies its params
+    out for pulls after a turn: when idle, every :data:`PUBLISH_EVERY` s while busy (more
+    requests waiting), and at once when its slowest clock moved (never ahead of the params)."""
+    return version != published and (not busy or clock_moved or since > PUBLISH_EVERY)
+
+
 class Publication:
     """When a shard publishes a new snapshot of its slice: at once for an exact pull, else at
     most every ``every`` seconds, less often if publishing would take over ``share`` of its time."""

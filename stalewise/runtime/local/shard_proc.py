@@ -141,14 +141,16 @@ class ShardProcess:
         self.copy_time = min(self.copy_time or math.inf, self.published_at - start)  # warm
 
     def publish_due(self, busy: bool) -> bool:
-        """Whether to copy the params out for pulls now: when idle, every PUBLISH_EVERY s
-        under load, and at once when the slowest clock moved (never ahead of the params)."""
+        """Whether to copy the params out for pulls now (``pipeline.publish_due``)."""
         clock = self.shard.min_clock()
         if self.shard.version == self.published:
             self.snapshots.set_min_clock(self.k, clock)
             return False
-        late = time.monotonic() - self.published_at > pipeline.PUBLISH_EVERY
-        return not busy or clock != self.snapshots.min_clock(self.k) or late
+        return pipeline.publish_due(
+            self.shard.version, self.published, busy=busy,
+            clock_moved=clock != self.snapshots.min_clock(self.k),
+            since=time.monotonic() - self.published_at,
+        )  # fmt: skip
 
     def write(self, call, *args, step: int = 0, **kwargs):
         """``call(*args, **kwargs)``, a call that may write the shard's params, inside the live

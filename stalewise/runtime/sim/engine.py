@@ -152,6 +152,8 @@ class Simulation:
         self.busy: list[tuple | None] = [None] * S  # request in service at each shard
         self.queue: list[deque] = [deque() for _ in range(S)]
         self.waiting: list[list] = [[] for _ in range(S)]  # gated pulls: (clock, ctr, wk, inc)
+        # what each shard last published for snapshot reads: params, version, when, slowest clock
+        self.snaps = [[s.params.copy(), s.version, 0.0, s.min_clock()] for s in self.shards]
         dtype = self.params.dtype
         sends = (config.spec.segments, config.staleness, S, self.compressor)  # each id's Sender
         self.workers = [
@@ -292,6 +294,7 @@ class Simulation:
         if inc == wk.inc:
             if kind == _PULL:
                 self.read(wk, k)
+                self.publish(k)
             else:
                 out = wk.outgoing
                 header = PushHeader(wk.id, out.seq, out.bases[k], inc)
@@ -302,11 +305,12 @@ class Simulation:
                     log.debug("sim: shard %d rejected worker %d's push: %s", k, wk.id, ack.reason)
                 self.reply(k, (_ACK, wk, inc))
                 self.release(k)
+                self.publish(k)
                 how, wk.behind[k] = wk.behind[k], 0
                 if how == _ASK:  # its pull came behind the push: its turn now
                     self.ask(wk, k, inc)
                 elif how == _READ:  # a snapshot read that waited for it (race): it holds it
-                    self.read(wk, k)
+                    self.read(wk, k, snapshot=True)
         q = self.queue[k]
         while q:
             req = q.popleft()
@@ -318,11 +322,34 @@ class Simulation:
         if self.contention is not None:
             self.replan()
 
-    def read(self, wk: _SimWorker, k: int) -> None:
-        """Shard ``k``'s slice as it is now goes to worker ``wk`` (served, or a snapshot read)."""
+    def publish(self, k: int, *, force: bool = False) -> None:
+        """Shard ``k`` after a turn copies its params out for snapshot reads when the protocol
+        says so (``pipeline.publish_due``: a busy shard defers it), or ``force``."""
+        shard, snap = self.shards[k], self.snaps[k]
+        clock = shard.min_clock()
+        if force or pipeline.publish_due(
+            shard.version,
+            snap[1],
+            busy=bool(self.queue[k]),
+            clock_moved=clock != snap[3],
+            since=self.now - snap[2],
+        ):
+            np.copyto(snap[0], shard.params)
+            snap[1], snap[2] = shard.version, self.now
+        if snap[1] == shard.version:
+            snap[3] = clock
+
+    def read(self, wk: _SimWorker, k: int, snapshot: bool = False) -> None:
+        """Shard ``k``'s slice goes to worker ``wk``: as it is now (served), or as it was last
+        published (``snapshot``: a snapshot read)."""
         lo, hi = self.ranges[k]
         if self.pull_servers is None:
-            wk.sender.pulled(k, self.shards[k].pull(wk.id, wk.pull_buf[lo:hi], now=self.now))
+            out, snap = wk.pull_buf[lo:hi], self.snaps[k]
+            version = self.shards[k].pull(wk.id, out, now=self.now)
+            if snapshot and snap[1] != version:
+                np.copyto(out, snap[0])
+                version = snap[1]
+            wk.sender.pulled(k, version)
             nbytes = self.slice_bytes[k]
         else:  # a delta pull: the worker's copy decodes the payload, the step gets its slice
             if wk.replica is None:  # a new incarnation starts with no copy
@@ -426,7 +453,7 @@ class Simulation:
         p = self.own_read
         idle = self.wire_bytes[k] / self.links.bw[wk.id] + self.service.seconds(self.slice_bytes[k])
         if p <= 0.0 or idle <= 0.0:
-            self.read(wk, k)
+            self.read(wk, k, snapshot=True)
             return
         wk.behind[k] = _READ
         if p < 1.0:  # else it always waits for the push
@@ -476,6 +503,7 @@ class Simulation:
         self.queue[k].clear()
         primary = self.primary[k] = backup.promote()
         self.shards[k] = primary.shard
+        self.publish(k, force=True)
         if self.logs is not None:
             self.logs["p", k] = self.logs.pop(("b", k))
         for request in self.notices.resend(k):
@@ -844,6 +872,8 @@ class Simulation:
             for wk, f in zip(self.workers, feedback, strict=True):
                 np.copyto(wk.sender.residual, f.residual)  # each id goes on with its residual
         self.now = self.end = float(saved["now"])
+        for k in range(self.S):
+            self.publish(k, force=True)
         self.pushes = self.started = int(saved["pushes"])
         self.consumed = [int(n) for n in saved["consumed"]]  # each stream skips as many
         self.last_loss[:] = [math.nan if x is None else x for x in saved["last_loss"]]
@@ -957,7 +987,7 @@ class Simulation:
                 if x and unhandled and self.own_read is not None:
                     self.race(wk, k)
                 elif x:  # the newest snapshot (pipeline.may_read): no queue at the shard
-                    self.read(wk, k)
+                    self.read(wk, k, snapshot=True)
                 elif unhandled:
                     wk.behind[k] = _ASK  # behind its push, which shard k has not handled
                 else:
@@ -965,7 +995,7 @@ class Simulation:
             elif kind == _RACE:
                 if wk.behind[k] == _READ:  # its push was not handled in time: the read misses it
                     wk.behind[k] = 0
-                    self.read(wk, k)
+                    self.read(wk, k, snapshot=True)
             elif kind == _PULL_HEAD:
                 self.at(self.links.receive(w, wk.pull_bytes[k], t, x), _PULL_RESP, w, k, i)
             elif kind == _PUSH_HEAD:
