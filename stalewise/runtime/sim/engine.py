@@ -713,10 +713,10 @@ class Simulation:
         sender.committed()
         wk.acks = [None] * self.S
         wk.acking, wk.push_mark = self.S, self.now
-        for k in range(self.S):  # with copies: each slice leaves once the worker has encoded it
-            c = self.copies  # (copies of the slice's parameters, whatever the codec sends)
-            at = None if c is None else self.worker_copy(wk, c.push, self.slice_bytes[k],
-                                                         c.push_time / self.S)  # fmt: skip
+        c, at = self.copies, None  # with copies: the slices leave once the worker encoded all
+        for k in range(self.S if c is not None else 0):  # (the parameters', whatever is sent)
+            at = self.worker_copy(wk, c.push, self.slice_bytes[k], c.push_time / self.S)
+        for k in range(self.S):
             if self.request(wk, k, _PUSH_HEAD):
                 self.transfer(wk.id, self.P + k, wk.push_bytes[k], _PUSH_HEAD, wk, k, at)
         if wk.settle:
