@@ -344,9 +344,12 @@ class Simulation:
         published (``snapshot``: a snapshot read)."""
         lo, hi = self.ranges[k]
         if self.pull_servers is None:
-            out, snap = wk.pull_buf[lo:hi], self.snaps[k]
+            out, snap, ack = wk.pull_buf[lo:hi], self.snaps[k], wk.acks[k]
             version = self.shards[k].pull(wk.id, out, now=self.now)
-            if snapshot and snap[1] != version:
+            # a read after a settled push holds it (the local client reads the version its ack
+            # named: the published one, else the live params)
+            held = 0 if ack is None or not wk.settle else ack.version
+            if snapshot and held <= snap[1] != version:
                 np.copyto(out, snap[0])
                 version = snap[1]
             wk.sender.pulled(k, version)
