@@ -57,6 +57,7 @@ MIN_SIZE = 4096  #: The smallest parameter count of the two transport and apply 
 SHARD_COPY = 1e-3
 #: Busy seconds of each step of the worker-loop measurement, and its steps.
 LOOP_COMPUTE, LOOP_STEPS = 0.002, 300
+LOOP_WINDOW = 10  #: The fewest pushes a window of the worker-loop measurement holds.
 #: Step times whose interquartile range exceeds this fraction of their median are warned about.
 SPREAD_LIMIT = 0.5
 #: Seconds the contention measurement times steps at each count of runnable processes
@@ -921,7 +922,9 @@ class _BusyStep:
 class LoopTimes(NamedTuple):
     """What :func:`loop_times` measures."""
 
-    per_push: list[float]  # seconds a push besides its computes and its strategy's work
+    per_push: list[
+        float
+    ]  # seconds a push besides its computes and strategy work: the run's, windows'
     own_read: float | None  # the share of pushes the next read held (None: not measured)
     steps: float  # local steps a push (strategy_steps)
     inner: float  # seconds of the strategy's own work a local step (0: gradient pushes)
@@ -951,17 +954,33 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
         job, inner = _synthetic_job(job, size, min(job.config.shards, size)), 0.0
     busy = _BusyStep(tree.unflatten(0 * job.config.init, job.config.spec))
     result = job.train(busy, data=[[None]], workers=1,
-                       steps=max(30, int(LOOP_STEPS / h)), runtime=runtime,
+                       steps=max(6 * LOOP_WINDOW, int(LOOP_STEPS / h)), runtime=runtime,
                        metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
-    recs = [r for r in result.records if r["pushes"] > 0]
-    per_push = [(b["time"] - a["time"]) / (b["pushes"] - a["pushes"]) - h * (LOOP_COMPUTE + inner)
-                for a, b in itertools.pairwise(recs) if b["pushes"] > a["pushes"]]  # fmt: skip
-    if not per_push:
+    whole, windows = push_times(result.records)
+    per_push = [t - h * (LOOP_COMPUTE + inner) for t in (whole, *windows)]
+    if not windows:
         raise RuntimeError(f"calibrate: the worker-loop run made too few records ({result!r})")
     counts = {int(t): int(n) for t, n in result.stats.get("staleness_counts", {}).items()}
     later = sum(counts.values()) - 1  # the first push has nothing in flight before it
     own = None if served_pull(job.config) or later < 1 else (counts.get(0, 0) - 1) / later
     return LoopTimes(per_push, own, h, inner)
+
+
+def push_times(records: Sequence[dict], pushes: int = LOOP_WINDOW) -> tuple[float, list[float]]:
+    """Seconds a push over the whole run, and over windows of consecutive records holding
+    ``pushes`` pushes or more (their spread). A record's push count is whole: over single
+    record intervals of 2 or 3 pushes (DiLoCo's of 8 local steps) the median jumped by a
+    third of a push between runs."""
+    recs = [r for r in records if r["pushes"] > 0]
+    if len(recs) < 2 or recs[-1]["pushes"] == recs[0]["pushes"]:
+        return math.nan, []
+    out, a = [], recs[0]
+    for b in recs[1:]:
+        if b["pushes"] - a["pushes"] >= pushes:
+            out.append((b["time"] - a["time"]) / (b["pushes"] - a["pushes"]))
+            a = b
+    first, last = recs[0], recs[-1]
+    return (last["time"] - first["time"]) / (last["pushes"] - first["pushes"]), out
 
 
 def served_pull(config: ServerConfig) -> bool:
@@ -1076,8 +1095,8 @@ def calibrate(
         bus = (bus_copies(max(sizes) * itemsize, cores), cores)
         fixed = statistics.median(series["send"][0][1]) + statistics.median(series["pull"][0][1])
         looped = loop_times(job, sizes[0], runtime)
-    loop_s = max(0.0, statistics.median(looped.per_push) - fixed)
-    spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in looped.per_push])))
+    loop_s = max(0.0, looped.per_push[0] - fixed)
+    spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in looped.per_push[1:]])))
     load_end = os.getloadavg()
     log.info("calibrate: measured in %.1f s", time.perf_counter() - t0)
 
