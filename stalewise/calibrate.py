@@ -922,9 +922,7 @@ class _BusyStep:
 class LoopTimes(NamedTuple):
     """What :func:`loop_times` measures."""
 
-    per_push: list[
-        float
-    ]  # seconds a push besides its computes and strategy work: the run's, windows'
+    per_push: list[float]  # s a push besides computes and strategy work: the run's, windows'
     own_read: float | None  # the share of pushes the next read held (None: not measured)
     steps: float  # local steps a push (strategy_steps)
     inner: float  # seconds of the strategy's own work a local step (0: gradient pushes)

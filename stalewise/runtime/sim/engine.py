@@ -327,13 +327,9 @@ class Simulation:
         says so (``pipeline.publish_due``: a busy shard defers it), or ``force``."""
         shard, snap = self.shards[k], self.snaps[k]
         clock = shard.min_clock()
-        if force or pipeline.publish_due(
-            shard.version,
-            snap[1],
-            busy=bool(self.queue[k]),
-            clock_moved=clock != snap[3],
-            since=self.now - snap[2],
-        ):
+        due = pipeline.publish_due(shard.version, snap[1], busy=bool(self.queue[k]),
+                                   clock_moved=clock != snap[3], since=self.now - snap[2])  # fmt: skip
+        if force or due:
             np.copyto(snap[0], shard.params)
             snap[1], snap[2] = shard.version, self.now
         if snap[1] == shard.version:
@@ -349,7 +345,7 @@ class Simulation:
             # a read after a settled push holds it (the local client reads the version its ack
             # named: the published one, else the live params)
             held = 0 if ack is None or not wk.settle else ack.version
-            if snapshot and held <= snap[1] != version:
+            if snapshot and snap[1] != version and snap[1] >= held:
                 np.copyto(out, snap[0])
                 version = snap[1]
             wk.sender.pulled(k, version)
