@@ -394,8 +394,8 @@ class Evaluations:
         self.since, self.moved, self.current = 0, False, False  # current: figures of `last`
 
     def __call__(self, params) -> dict:
-        flat = sw.tree.flatten(params)[0]
-        moved = self.last is None or not np.array_equal(flat, self.last)
+        flat = sw.tree.flatten(params)[0]  # the first call has no record before it: still
+        moved = self.last is not None and not np.array_equal(flat, self.last)
         self.since += 1
         if moved and self.moved and self.since < self.every:
             self.current = False

@@ -192,3 +192,16 @@ def test_evaluations_place_an_outer_update_within_one_record():
     assert [g.get("loss") for g in got] == [10, 10, 10, 9, None, None, None, 5, None, 4, 3]
     records = [{"time": i * fid.RECORD_EVERY, **g} for i, g in enumerate(got)]
     assert fid.time_to(records, "loss", 9.5, "min") == pytest.approx(2.5 * fid.RECORD_EVERY)
+
+
+@pytest.mark.parametrize("warm_up", [False, True])
+def test_the_first_change_of_a_run_is_evaluated_at_once_after_a_warm_up_or_none(warm_up):
+    """The local run's driver evaluates once before its clock starts (a warm-up), the
+    simulator does not: the first record whose parameters moved is evaluated at once in
+    both (without the warm-up it waited for the interval: 0.2 s for the widest MLPs)."""
+    calls = []
+    ev = fid.Evaluations(lambda p: calls.append(float(p["w"][0])) or {"loss": 1.0}, 0.2)
+    if warm_up:
+        ev({"w": np.zeros(3, np.float32)})
+    got = [ev({"w": np.full(3, v, np.float32)}) for v in (0, 1, 2)]
+    assert calls == [0, 1] and [g.get("loss") for g in got] == [1.0, 1.0, None]
