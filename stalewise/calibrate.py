@@ -922,7 +922,8 @@ class _BusyStep:
 class LoopTimes(NamedTuple):
     """What :func:`loop_times` measures."""
 
-    per_push: list[float]  # s a push besides computes and strategy work: the run's, windows'
+    per_push: float  # seconds a push besides its computes and strategy work, the whole run's
+    windows: list[float]  # the same over windows of LOOP_WINDOW pushes or more (its spread)
     own_read: float | None  # the share of pushes the next read held (None: not measured)
     steps: float  # local steps a push (strategy_steps)
     inner: float  # seconds of the strategy's own work a local step (0: gradient pushes)
@@ -955,13 +956,13 @@ def loop_times(job: Any, size: int, runtime: str = "local") -> LoopTimes:
                        steps=max(6 * LOOP_WINDOW, int(LOOP_STEPS / h)), runtime=runtime,
                        metrics=Metrics(every=0.05), timeouts=Timeouts(total=120))  # fmt: skip
     whole, windows = push_times(result.records)
-    per_push = [t - h * (LOOP_COMPUTE + inner) for t in (whole, *windows)]
     if not windows:
         raise RuntimeError(f"calibrate: the worker-loop run made too few records ({result!r})")
+    extra = h * (LOOP_COMPUTE + inner)
     counts = {int(t): int(n) for t, n in result.stats.get("staleness_counts", {}).items()}
     later = sum(counts.values()) - 1  # the first push has nothing in flight before it
     own = None if served_pull(job.config) or later < 1 else (counts.get(0, 0) - 1) / later
-    return LoopTimes(per_push, own, h, inner)
+    return LoopTimes(whole - extra, [t - extra for t in windows], own, h, inner)
 
 
 def push_times(records: Sequence[dict], pushes: int = LOOP_WINDOW) -> tuple[float, list[float]]:
@@ -1093,8 +1094,8 @@ def calibrate(
         bus = (bus_copies(max(sizes) * itemsize, cores), cores)
         fixed = statistics.median(series["send"][0][1]) + statistics.median(series["pull"][0][1])
         looped = loop_times(job, sizes[0], runtime)
-    loop_s = max(0.0, looped.per_push[0] - fixed)
-    spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in looped.per_push[1:]])))
+    loop_s = max(0.0, looped.per_push - fixed)
+    spreads.append(("worker loop", Spread.of([max(0.0, x - fixed) for x in looped.windows])))
     load_end = os.getloadavg()
     log.info("calibrate: measured in %.1f s", time.perf_counter() - t0)
 

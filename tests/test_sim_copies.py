@@ -29,16 +29,22 @@ FREE = {
 ONE_CORE = Contention(step=(1.0, 2.0, 3.0), apply=(1.0, 2.0, 3.0))
 
 
-def _rate(workers: int, model_bytes: int, copies=None, contention=None, shards=1,
-          codec=None, d=4) -> float:  # fmt: skip
-    """Updates a virtual second of an ASP job of 1 ms steps whose bytes are ``model_bytes``."""
+def _run(workers: int, model_bytes: int, copies=None, contention=None, shards=1, codec=None,
+         d=4, links=FREE):  # fmt: skip
+    """An ASP job of 1 ms steps whose bytes are ``model_bytes``, simulated (``links``: the
+    network and the shards' service)."""
     task = tasks.get("least-squares", n=64, d=d, exact=True)
     job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.05), consistency=sw.ASP(),
                  shards=shards, codec=codec)  # fmt: skip
     sim = SimConfig(compute=Fixed(0.001), model_bytes=model_bytes, copies=copies,
-                    contention=contention, **FREE)  # fmt: skip
-    r = sim_rt.train(job.config, task.loss_and_grad, data=task.batches, workers=workers,
-                     steps=200, strategy=job.strategy, sim=sim, evaluate=None)  # fmt: skip
+                    contention=contention, **links)  # fmt: skip
+    return sim_rt.train(job.config, task.loss_and_grad, data=task.batches, workers=workers,
+                        steps=200, strategy=job.strategy, sim=sim, evaluate=None)  # fmt: skip
+
+
+def _rate(*args, **kwargs) -> float:
+    """Updates a virtual second of :func:`_run`'s job."""
+    r = _run(*args, **kwargs)
     return r.pushes / r.time
 
 
@@ -234,17 +240,11 @@ def test_with_a_bus_a_stage_s_fixed_cpu_still_pays_the_whole_contention_factor()
 
 
 def _staleness(workers: int, shards: int, copies=None, service=0.0, latency=0.0) -> float:
-    """Mean staleness of an ASP job of 1 ms steps (links of ``latency`` s and free bandwidth,
-    ``service`` s an apply)."""
-    task = tasks.get("least-squares", n=64, d=4, exact=True)
-    job = sw.Job(task.init_params(), optimizer=sw.optim.sgd(0.05), consistency=sw.ASP(),
-                 shards=shards)  # fmt: skip
-    sim = SimConfig(compute=Fixed(0.001), model_bytes=10**6, copies=copies,
-                    network=Network(latency=latency, bandwidth=math.inf),
-                    service=Service(time=service, rate=math.inf))  # fmt: skip
-    r = sim_rt.train(job.config, task.loss_and_grad, data=task.batches, workers=workers,
-                     steps=200, strategy=job.strategy, sim=sim, evaluate=None)  # fmt: skip
-    return r.stats["staleness_mean"]
+    """Mean staleness of :func:`_run`'s job of 1 MB (links of ``latency`` s and free
+    bandwidth, ``service`` s an apply)."""
+    links = {"network": Network(latency=latency, bandwidth=math.inf),
+             "service": Service(time=service, rate=math.inf)}  # fmt: skip
+    return _run(workers, 10**6, copies, shards=shards, links=links).stats["staleness_mean"]
 
 
 def test_a_pushs_slices_leave_once_the_worker_has_copied_them_all():
